@@ -1,0 +1,597 @@
+//! The catalog: sample id → source location, length, label, CRC32C, in a
+//! versioned, checksummed binary file that is memory-mapped on open.
+//! docs/FORMAT.md is the reference; the layout is summarised here.
+//!
+//! Header fields (after the common 32-byte prefix, see [`crate::format`]):
+//! source kind, sample count, file count, class count, total bytes, the body
+//! offsets of the four sections, the source string, creation time and the
+//! largest sample. Body sections, each 8-byte aligned:
+//!
+//! - samples, 24 bytes each: file u32, label u32, len u32, crc32c u32, offset u64
+//! - files, 32 bytes each: name_off u64, size u64, mtime_ns i64, name_len u32, 0u32
+//! - classes, 16 bytes each: name_off u64, name_len u32, 0u32
+//! - strings: the bytes the name offsets point into
+
+use std::fs::File;
+use std::io::Read;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::Instant;
+
+use super::source::{self, Scan, SourceKind, SourceSpec, NO_LABEL};
+use crate::error::{Error, IoContext, Result, SourceChange};
+use crate::format::{self, le_u32, le_u64, FieldsBuilder, FileWriter};
+use crate::progress::{Progress, ProgressMode};
+use crate::sys::ReadOnlyMap;
+
+/// Magic bytes of a catalog file.
+pub const MAGIC: [u8; 8] = *b"KSPDCAT\0";
+/// The catalog format version this build writes and reads.
+pub const VERSION: u32 = 1;
+
+const SAMPLE_REC: usize = 24;
+const FILE_REC: usize = 32;
+const CLASS_REC: usize = 16;
+
+/// One sample's catalog entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sample {
+    /// Its id (index in the catalog).
+    pub id: u64,
+    /// Index of its source file.
+    pub file: u32,
+    /// Byte offset in that file.
+    pub offset: u64,
+    /// Length in bytes.
+    pub len: u32,
+    /// Label, if it has one.
+    pub label: Option<u32>,
+    /// CRC32C of its bytes.
+    pub crc32c: u32,
+}
+
+/// One source file's catalog entry.
+#[derive(Debug, Clone, Copy)]
+pub struct SourceFile<'a> {
+    /// Path relative to the source root (absolute paths from a file list stay absolute).
+    pub name: &'a Path,
+    /// Size when the catalog was built.
+    pub size: u64,
+    /// Modification time when the catalog was built (ns since the epoch).
+    pub mtime_ns: i64,
+}
+
+/// Options for building a catalog.
+#[derive(Debug, Clone)]
+pub struct BuildOptions {
+    /// Reader threads for the checksum pass.
+    pub threads: usize,
+    /// How to show progress.
+    pub progress: ProgressMode,
+}
+
+impl Default for BuildOptions {
+    fn default() -> Self {
+        BuildOptions {
+            threads: crate::par::default_threads(),
+            progress: ProgressMode::Quiet,
+        }
+    }
+}
+
+/// An open, validated catalog.
+pub struct Catalog {
+    path: PathBuf,
+    map: ReadOnlyMap,
+    body_start: usize,
+    kind: SourceKind,
+    samples: u64,
+    files: u64,
+    classes: u64,
+    total_bytes: u64,
+    max_sample: u32,
+    off_samples: usize,
+    off_files: usize,
+    off_classes: usize,
+    off_strings: usize,
+    strings_len: usize,
+    source: (usize, usize),
+    body_crc: u32,
+    created_ns: u64,
+}
+
+/// Reads sample byte ranges from source files, keeping the last file open
+/// (consecutive tar members share a shard). One per worker thread.
+pub(crate) struct SpanReader {
+    root: PathBuf,
+    open: Option<(u32, File)>,
+    buf: Vec<u8>,
+}
+
+impl SpanReader {
+    pub(crate) fn new(root: PathBuf) -> Self {
+        SpanReader {
+            root,
+            open: None,
+            buf: vec![0; 4 << 20],
+        }
+    }
+
+    /// Streams `len` bytes at `offset` of file `file` (named `name`) to `sink`
+    /// in pieces of at most 4 MiB. A file shorter than expected is reported as
+    /// a [`Error::SourceChanged`].
+    pub(crate) fn read(
+        &mut self,
+        file: u32,
+        name: &Path,
+        offset: u64,
+        len: u64,
+        mut sink: impl FnMut(&[u8]) -> Result<()>,
+    ) -> Result<()> {
+        let path = self.root.join(name);
+        if self.open.as_ref().is_none_or(|(i, _)| *i != file) {
+            let f = File::open(&path).ctx("open", &path)?;
+            self.open = Some((file, f));
+        }
+        let f = &self.open.as_ref().expect("opened").1;
+        let mut pos = 0u64;
+        while pos < len {
+            let want = (len - pos).min(self.buf.len() as u64) as usize;
+            let got = f
+                .read_at(&mut self.buf[..want], offset + pos)
+                .ctx("read", &path)?;
+            if got == 0 {
+                return Err(Error::SourceChanged {
+                    changes: vec![SourceChange {
+                        path,
+                        what: format!(
+                            "ends at byte {} but the catalog expects {}",
+                            offset + pos,
+                            offset + len
+                        ),
+                    }],
+                });
+            }
+            sink(&self.buf[..got])?;
+            pos += got as u64;
+        }
+        Ok(())
+    }
+}
+
+/// Lists `spec`, reads every sample once to compute its CRC32C, and writes
+/// the catalog to `out`.
+pub fn build(spec: &SourceSpec, out: &Path, opts: &BuildOptions) -> Result<Catalog> {
+    let t0 = Instant::now();
+    let scan = source::scan(spec)?;
+    log::info!(
+        "scanned {}: {} samples in {} files, {} classes ({:.2} s)",
+        spec.to_source_string(),
+        scan.samples.len(),
+        scan.files.len(),
+        scan.classes.len(),
+        t0.elapsed().as_secs_f64()
+    );
+    let crcs = checksum_all(&scan, opts)?;
+    write(&scan, &crcs, out)?;
+    Catalog::open(out)
+}
+
+fn checksum_all(scan: &Scan, opts: &BuildOptions) -> Result<Vec<u32>> {
+    let total: u64 = scan.samples.iter().map(|s| s.len as u64).sum();
+    let progress = Progress::new("checksum", total, opts.progress);
+    let crcs: Vec<std::sync::atomic::AtomicU32> = (0..scan.samples.len())
+        .map(|_| std::sync::atomic::AtomicU32::new(0))
+        .collect();
+    let root = scan.spec.root();
+    let readers: Mutex<Vec<SpanReader>> = Mutex::new(Vec::new());
+    crate::par::for_each_chunk(scan.samples.len() as u64, 64, opts.threads, |range| {
+        let mut reader = readers
+            .lock()
+            .expect("not poisoned")
+            .pop()
+            .unwrap_or_else(|| SpanReader::new(root.clone()));
+        for id in range {
+            let s = scan.samples[id as usize];
+            let f = &scan.files[s.file as usize];
+            let mut crc = 0u32;
+            reader.read(s.file, &f.name, s.offset, s.len as u64, |b| {
+                crc = crc32c::crc32c_append(crc, b);
+                progress.add(b.len() as u64);
+                Ok(())
+            })?;
+            crcs[id as usize].store(crc, std::sync::atomic::Ordering::Relaxed);
+        }
+        readers.lock().expect("not poisoned").push(reader);
+        Ok(())
+    })?;
+    progress.finish();
+    Ok(crcs.into_iter().map(|c| c.into_inner()).collect())
+}
+
+/// Writes a catalog for `scan` with the given per-sample CRCs.
+pub fn write(scan: &Scan, crcs: &[u32], out: &Path) -> Result<()> {
+    assert_eq!(crcs.len(), scan.samples.len());
+    let n = scan.samples.len() as u64;
+    let nf = scan.files.len() as u64;
+    let nc = scan.classes.len() as u64;
+    let source_string = scan.spec.to_source_string();
+    let mut strings: Vec<u8> = Vec::new();
+    let mut file_names = Vec::with_capacity(scan.files.len());
+    for f in &scan.files {
+        file_names.push((strings.len() as u64, f.name.as_os_str().len() as u32));
+        strings.extend_from_slice(f.name.as_os_str().as_bytes());
+    }
+    let mut class_names = Vec::with_capacity(scan.classes.len());
+    for c in &scan.classes {
+        class_names.push((strings.len() as u64, c.len() as u32));
+        strings.extend_from_slice(c.as_bytes());
+    }
+    let source_off = strings.len() as u64;
+    strings.extend_from_slice(source_string.as_bytes());
+
+    let off_samples = 0u64;
+    let off_files = (n * SAMPLE_REC as u64).next_multiple_of(8);
+    let off_classes = off_files + nf * FILE_REC as u64;
+    let off_strings = off_classes + nc * CLASS_REC as u64;
+    let total: u64 = scan.samples.iter().map(|s| s.len as u64).sum();
+    let max_sample = scan.samples.iter().map(|s| s.len).max().unwrap_or(0);
+    let created_ns = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
+    let fields = FieldsBuilder::default()
+        .u64(scan.spec.kind as u64)
+        .u64(n)
+        .u64(nf)
+        .u64(nc)
+        .u64(total)
+        .u64(off_samples)
+        .u64(off_files)
+        .u64(off_classes)
+        .u64(off_strings)
+        .u64(strings.len() as u64)
+        .u64(source_off)
+        .u64(source_string.len() as u64)
+        .u64(created_ns)
+        .u64(max_sample as u64);
+    let mut w = FileWriter::create(out, MAGIC, VERSION, fields)?;
+    let mut rec = [0u8; SAMPLE_REC];
+    for (s, crc) in scan.samples.iter().zip(crcs) {
+        rec[0..4].copy_from_slice(&s.file.to_le_bytes());
+        rec[4..8].copy_from_slice(&s.label.to_le_bytes());
+        rec[8..12].copy_from_slice(&s.len.to_le_bytes());
+        rec[12..16].copy_from_slice(&crc.to_le_bytes());
+        rec[16..24].copy_from_slice(&s.offset.to_le_bytes());
+        w.write(&rec)?;
+    }
+    w.pad8()?;
+    for (f, (name_off, name_len)) in scan.files.iter().zip(&file_names) {
+        let mut r = [0u8; FILE_REC];
+        r[0..8].copy_from_slice(&name_off.to_le_bytes());
+        r[8..16].copy_from_slice(&f.size.to_le_bytes());
+        r[16..24].copy_from_slice(&f.mtime_ns.to_le_bytes());
+        r[24..28].copy_from_slice(&name_len.to_le_bytes());
+        w.write(&r)?;
+    }
+    for (name_off, name_len) in &class_names {
+        let mut r = [0u8; CLASS_REC];
+        r[0..8].copy_from_slice(&name_off.to_le_bytes());
+        r[8..12].copy_from_slice(&name_len.to_le_bytes());
+        w.write(&r)?;
+    }
+    debug_assert_eq!(w.body_len(), off_strings);
+    w.write(&strings)?;
+    w.commit()
+}
+
+impl Catalog {
+    /// Opens and validates a catalog: envelope checksums, then every record's
+    /// references (file indices, string ranges, labels, offsets within files).
+    pub fn open(path: &Path) -> Result<Self> {
+        let mut file = File::open(path).ctx("open", path)?;
+        // Read the magic first so a foreign file is named as such even when
+        // it is too small to map meaningfully.
+        let mut magic = [0u8; 8];
+        let got = file.read(&mut magic).ctx("read", path)?;
+        if got == 8 && magic != MAGIC {
+            return Err(Error::BadMagic {
+                path: path.to_path_buf(),
+                kind: "catalog",
+                found: magic.to_vec(),
+                expected: MAGIC.to_vec(),
+            });
+        }
+        let map = ReadOnlyMap::new(&file).ctx("mmap", path)?;
+        let (body_start, body_len, body_crc, h) = {
+            let bytes = map.as_slice();
+            let parsed = format::parse(path, "catalog", &MAGIC, VERSION, bytes)?;
+            let mut h = [0u64; 14];
+            for (i, v) in h.iter_mut().enumerate() {
+                *v = parsed.fields.u64(i * 8);
+            }
+            let body_start = parsed.body.as_ptr() as usize - bytes.as_ptr() as usize;
+            (body_start, parsed.body.len(), le_u32(bytes, 24), h)
+        };
+        let corrupt = |detail: String| Error::Corrupt {
+            path: path.to_path_buf(),
+            kind: "catalog",
+            detail,
+        };
+        let kind = SourceKind::from_u32(h[0] as u32)
+            .ok_or_else(|| corrupt(format!("unknown source kind {}", h[0])))?;
+        let (samples, files, classes) = (h[1], h[2], h[3]);
+        let to_usize = |v: u64| usize::try_from(v).unwrap_or(usize::MAX);
+        let cat = Catalog {
+            path: path.to_path_buf(),
+            map,
+            body_start,
+            kind,
+            samples,
+            files,
+            classes,
+            total_bytes: h[4],
+            off_samples: to_usize(h[5]),
+            off_files: to_usize(h[6]),
+            off_classes: to_usize(h[7]),
+            off_strings: to_usize(h[8]),
+            strings_len: to_usize(h[9]),
+            source: (to_usize(h[10]), to_usize(h[11])),
+            created_ns: h[12],
+            max_sample: u32::try_from(h[13]).unwrap_or(u32::MAX),
+            body_crc,
+        };
+        // Section bounds, with overflow-checked arithmetic: the header is
+        // trusted only as far as it is consistent.
+        let span = |off: usize, count: u64, rec: usize| -> Option<usize> {
+            off.checked_add(usize::try_from(count).ok()?.checked_mul(rec)?)
+        };
+        let ok = span(cat.off_samples, samples, SAMPLE_REC).is_some_and(|e| e <= cat.off_files)
+            && span(cat.off_files, files, FILE_REC).is_some_and(|e| e <= cat.off_classes)
+            && span(cat.off_classes, classes, CLASS_REC).is_some_and(|e| e <= cat.off_strings)
+            && cat
+                .off_strings
+                .checked_add(cat.strings_len)
+                .is_some_and(|e| e <= body_len)
+            && cat
+                .source
+                .0
+                .checked_add(cat.source.1)
+                .is_some_and(|e| e <= cat.strings_len);
+        if !ok {
+            return Err(corrupt("section offsets do not fit the file".into()));
+        }
+        if samples == 0 {
+            return Err(corrupt("no samples".into()));
+        }
+        for i in 0..files as u32 {
+            let (off, len) = cat.file_name_range(i);
+            if off.checked_add(len).is_none_or(|e| e > cat.strings_len) {
+                return Err(corrupt(format!("file {i}: name outside the string table")));
+            }
+        }
+        for i in 0..classes as u32 {
+            let r = cat.class_rec(i);
+            let (off, len) = (le_u64(r, 0) as usize, le_u32(r, 8) as usize);
+            if off.checked_add(len).is_none_or(|e| e > cat.strings_len)
+                || std::str::from_utf8(&cat.strings()[off..off + len]).is_err()
+            {
+                return Err(corrupt(format!("class {i}: bad name")));
+            }
+        }
+        let mut total = 0u64;
+        let mut max = 0u32;
+        for id in 0..samples {
+            let s = cat.sample(id);
+            if s.file as u64 >= files {
+                return Err(corrupt(format!(
+                    "sample {id}: file index {} out of range",
+                    s.file
+                )));
+            }
+            if let Some(l) = s.label {
+                if classes > 0 && l as u64 >= classes {
+                    return Err(corrupt(format!(
+                        "sample {id}: label {l} but {classes} classes"
+                    )));
+                }
+            }
+            let fsize = cat.file(s.file).size;
+            if s.offset.checked_add(s.len as u64).is_none_or(|e| e > fsize) {
+                return Err(corrupt(format!(
+                    "sample {id}: range past the end of its file"
+                )));
+            }
+            total += s.len as u64;
+            max = max.max(s.len);
+        }
+        if total != cat.total_bytes || max != cat.max_sample {
+            return Err(corrupt(
+                "totals in the header do not match the samples".into(),
+            ));
+        }
+        if std::str::from_utf8(cat.source_bytes()).is_err() {
+            return Err(corrupt("source string is not UTF-8".into()));
+        }
+        Ok(cat)
+    }
+
+    fn body(&self) -> &[u8] {
+        &self.map.as_slice()[self.body_start..]
+    }
+
+    fn strings(&self) -> &[u8] {
+        &self.body()[self.off_strings..self.off_strings + self.strings_len]
+    }
+
+    fn source_bytes(&self) -> &[u8] {
+        &self.strings()[self.source.0..self.source.0 + self.source.1]
+    }
+
+    fn file_rec(&self, i: u32) -> &[u8] {
+        let o = self.off_files + i as usize * FILE_REC;
+        &self.body()[o..o + FILE_REC]
+    }
+
+    fn class_rec(&self, i: u32) -> &[u8] {
+        let o = self.off_classes + i as usize * CLASS_REC;
+        &self.body()[o..o + CLASS_REC]
+    }
+
+    fn file_name_range(&self, i: u32) -> (usize, usize) {
+        let r = self.file_rec(i);
+        (le_u64(r, 0) as usize, le_u32(r, 24) as usize)
+    }
+
+    /// The catalog file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Number of samples.
+    pub fn len(&self) -> u64 {
+        self.samples
+    }
+
+    /// Whether there are no samples (never true for an opened catalog).
+    pub fn is_empty(&self) -> bool {
+        self.samples == 0
+    }
+
+    /// Sum of all sample lengths.
+    pub fn total_bytes(&self) -> u64 {
+        self.total_bytes
+    }
+
+    /// The largest sample's length.
+    pub fn max_sample_bytes(&self) -> u32 {
+        self.max_sample
+    }
+
+    /// Number of source files.
+    pub fn file_count(&self) -> u64 {
+        self.files
+    }
+
+    /// Number of classes (ImageFolder sources).
+    pub fn class_count(&self) -> u64 {
+        self.classes
+    }
+
+    /// The source layout.
+    pub fn source_kind(&self) -> SourceKind {
+        self.kind
+    }
+
+    /// The source string recorded at build time, e.g. `dir:/data/train`.
+    pub fn source(&self) -> &str {
+        std::str::from_utf8(self.source_bytes()).expect("validated at open")
+    }
+
+    /// The source as a spec (without touching the file system).
+    pub fn source_spec(&self) -> SourceSpec {
+        let s = self.source();
+        let (_, p) = s.split_once(':').unwrap_or(("", s));
+        SourceSpec {
+            kind: self.kind,
+            path: PathBuf::from(p),
+        }
+    }
+
+    /// The catalog's identity: the CRC32C of its body. Manifests and journals
+    /// record it to tell which catalog their layout belongs to.
+    pub fn identity(&self) -> u32 {
+        self.body_crc
+    }
+
+    /// When the catalog was built (ns since the Unix epoch).
+    pub fn created_ns(&self) -> u64 {
+        self.created_ns
+    }
+
+    /// The sample with id `id`. Panics if `id >= len()`.
+    pub fn sample(&self, id: u64) -> Sample {
+        assert!(
+            id < self.samples,
+            "sample {id} out of range ({} samples)",
+            self.samples
+        );
+        let o = self.off_samples + id as usize * SAMPLE_REC;
+        let r = &self.body()[o..o + SAMPLE_REC];
+        let label = le_u32(r, 4);
+        Sample {
+            id,
+            file: le_u32(r, 0),
+            label: (label != NO_LABEL).then_some(label),
+            len: le_u32(r, 8),
+            crc32c: le_u32(r, 12),
+            offset: le_u64(r, 16),
+        }
+    }
+
+    /// Source file `i`. Panics if out of range.
+    pub fn file(&self, i: u32) -> SourceFile<'_> {
+        let r = self.file_rec(i);
+        let (off, len) = self.file_name_range(i);
+        SourceFile {
+            name: Path::new(std::ffi::OsStr::from_bytes(&self.strings()[off..off + len])),
+            size: le_u64(r, 8),
+            mtime_ns: le_u64(r, 16) as i64,
+        }
+    }
+
+    /// Absolute path of source file `i`.
+    pub fn file_path(&self, i: u32) -> PathBuf {
+        self.source_spec().root().join(self.file(i).name)
+    }
+
+    /// Name of class `i`. Panics if out of range.
+    pub fn class_name(&self, i: u32) -> &str {
+        let r = self.class_rec(i);
+        let (off, len) = (le_u64(r, 0) as usize, le_u32(r, 8) as usize);
+        std::str::from_utf8(&self.strings()[off..off + len]).expect("validated at open")
+    }
+
+    /// Bytes of catalog per sample (file size / samples).
+    pub fn bytes_per_sample(&self) -> f64 {
+        self.map.as_slice().len() as f64 / self.samples as f64
+    }
+
+    /// Compares every source file's size and mtime with the catalog. Returns
+    /// the changed and vanished files.
+    pub fn source_changes(&self) -> Vec<SourceChange> {
+        let root = self.source_spec().root();
+        let mut changes = Vec::new();
+        for i in 0..self.files as u32 {
+            let f = self.file(i);
+            let p = root.join(f.name);
+            match std::fs::metadata(&p) {
+                Ok(md) => {
+                    let (size, mtime_ns) = source::stat_pair(&md);
+                    if size != f.size {
+                        changes.push(SourceChange {
+                            path: p,
+                            what: format!("size {} -> {} bytes", f.size, size),
+                        });
+                    } else if mtime_ns != f.mtime_ns {
+                        changes.push(SourceChange {
+                            path: p,
+                            what: "modification time changed".into(),
+                        });
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => changes.push(SourceChange {
+                    path: p,
+                    what: "vanished".into(),
+                }),
+                Err(e) => changes.push(SourceChange {
+                    path: p,
+                    what: format!("cannot stat: {e}"),
+                }),
+            }
+        }
+        changes
+    }
+}

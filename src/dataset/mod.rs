@@ -1,0 +1,15 @@
+//! The dataset side: sources, the catalog, the owner function, a node's space
+//! (packed extents + manifest) and its preload, and a test-data generator.
+
+pub mod catalog;
+pub mod gen;
+pub mod owner;
+pub mod preload;
+pub mod source;
+pub mod space;
+
+pub use catalog::{BuildOptions, Catalog, Sample};
+pub use owner::Placement;
+pub use preload::{preload, unload, PreloadOptions, PreloadReport};
+pub use source::{SourceKind, SourceSpec};
+pub use space::{BadSample, LayoutParams, Location, Space, VerifyReport};

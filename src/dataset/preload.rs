@@ -1,0 +1,562 @@
+//! Preload: copy the samples this node holds from the source into a space.
+//!
+//! Idempotent (a complete, matching space copies nothing), resumable (a
+//! journal records a watermark of sample ids whose bytes are synced to disk;
+//! a rerun after SIGKILL continues from it), and honest about change (source
+//! files are compared with the catalog by size and mtime before copying, and
+//! every copied sample's CRC32C is checked against the catalog). The manifest
+//! is written last, by atomic rename, so a space is either complete or
+//! visibly unfinished.
+
+use std::collections::BTreeSet;
+use std::fs::{self, File, OpenOptions};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use super::catalog::{self, BuildOptions, Catalog, SpanReader};
+use super::owner::Placement;
+use super::source::SourceSpec;
+use super::space::{self, extent_path, files, LayoutParams, Plan, Space};
+use crate::error::{Error, IoContext, Result, SourceChange};
+use crate::format::{self, FileWriter};
+use crate::progress::{Progress, ProgressMode};
+
+const JOURNAL_MAGIC: [u8; 8] = *b"KSPDJRN\0";
+const JOURNAL_VERSION: u32 = 1;
+
+/// Preload settings. `Default` is one node holding everything.
+#[derive(Debug, Clone)]
+pub struct PreloadOptions {
+    /// The source; may be omitted when the space already has a catalog.
+    pub source: Option<SourceSpec>,
+    /// A prebuilt catalog to use instead of building one (copied into the space).
+    pub catalog: Option<PathBuf>,
+    /// Node count and copies.
+    pub placement: Placement,
+    /// This node's index.
+    pub node_index: u32,
+    /// Sample alignment in extents.
+    pub align_bytes: u32,
+    /// Extent size cap.
+    pub extent_bytes: u64,
+    /// Copy threads.
+    pub threads: usize,
+    /// Progress display.
+    pub progress: ProgressMode,
+    /// Rebuild the catalog from the source and copy everything again.
+    pub refresh: bool,
+    /// Sync and record progress after this many copied bytes.
+    pub checkpoint_bytes: u64,
+    /// Cap on copy bandwidth (bytes/s), e.g. to preload beside a running job.
+    pub max_bytes_per_sec: Option<u64>,
+    /// Refuse to start when the file system has less free space than needed.
+    pub check_free_space: bool,
+}
+
+impl Default for PreloadOptions {
+    fn default() -> Self {
+        PreloadOptions {
+            source: None,
+            catalog: None,
+            placement: Placement::SINGLE,
+            node_index: 0,
+            align_bytes: space::DEFAULT_ALIGN_BYTES,
+            extent_bytes: space::DEFAULT_EXTENT_BYTES,
+            threads: crate::par::default_threads(),
+            progress: ProgressMode::Quiet,
+            refresh: false,
+            checkpoint_bytes: 64 << 20,
+            max_bytes_per_sec: None,
+            check_free_space: true,
+        }
+    }
+}
+
+/// What a preload did.
+#[derive(Debug, Clone)]
+pub struct PreloadReport {
+    /// The space was already complete; nothing was copied.
+    pub up_to_date: bool,
+    /// A catalog was built from the source in this run.
+    pub catalog_built: bool,
+    /// Samples below this id were already copied by an interrupted run.
+    pub resumed_at: Option<u64>,
+    /// Samples copied in this run.
+    pub copied_samples: u64,
+    /// Bytes copied in this run.
+    pub copied_bytes: u64,
+    /// Samples this node holds.
+    pub held_samples: u64,
+    /// Their bytes.
+    pub held_bytes: u64,
+    /// Time spent building the catalog.
+    pub catalog_time: Duration,
+    /// Time spent copying.
+    pub copy_time: Duration,
+}
+
+/// Holds the space's lock file for the duration of a preload or unload.
+pub(crate) struct SpaceLock {
+    _file: File,
+}
+
+impl SpaceLock {
+    pub(crate) fn acquire(dir: &Path) -> Result<Self> {
+        let p = dir.join(files::LOCK);
+        let file = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&p)
+            .ctx("create", &p)?;
+        match file.try_lock() {
+            Ok(()) => Ok(SpaceLock { _file: file }),
+            Err(fs::TryLockError::WouldBlock) => Err(Error::SpaceLocked {
+                path: dir.to_path_buf(),
+            }),
+            Err(fs::TryLockError::Error(e)) => Err(Error::io("lock", &p, e)),
+        }
+    }
+}
+
+fn remove_if_exists(p: &Path) -> Result<()> {
+    match fs::remove_file(p) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(Error::io("remove", p, e)),
+    }
+}
+
+/// Removes the layout (manifest, journal, extents) but keeps the catalog.
+fn clear_layout(dir: &Path) -> Result<()> {
+    remove_if_exists(&dir.join(files::MANIFEST))?;
+    remove_if_exists(&dir.join(files::JOURNAL))?;
+    let ext = dir.join(files::EXTENTS);
+    match fs::remove_dir_all(&ext) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(Error::io("remove", &ext, e)),
+    }
+}
+
+/// Brings the catalog in `dir` up to date with `opts`, building it if needed.
+fn ensure_catalog(
+    dir: &Path,
+    opts: &PreloadOptions,
+    report: &mut PreloadReport,
+) -> Result<Catalog> {
+    let cpath = dir.join(files::CATALOG);
+    if let Some(given) = &opts.catalog {
+        let given_cat = Catalog::open(given)?;
+        let same = Catalog::open(&cpath)
+            .map(|c| c.identity() == given_cat.identity())
+            .unwrap_or(false);
+        if !same {
+            clear_layout(dir)?;
+            let tmp = dir.join("catalog.ksc.tmp");
+            fs::copy(given, &tmp).ctx("copy", given)?;
+            File::open(&tmp)
+                .and_then(|f| f.sync_all())
+                .ctx("fsync", &tmp)?;
+            fs::rename(&tmp, &cpath).ctx("rename", &cpath)?;
+            format::sync_parent(&cpath)?;
+        }
+        return Catalog::open(&cpath);
+    }
+    if cpath.exists() && !opts.refresh {
+        let cat = Catalog::open(&cpath)?;
+        if let Some(spec) = &opts.source {
+            if cat.source() != spec.to_source_string() {
+                return Err(Error::SourceMismatch {
+                    space: dir.to_path_buf(),
+                    catalog_source: cat.source().to_string(),
+                    given: spec.to_source_string(),
+                });
+            }
+        }
+        return Ok(cat);
+    }
+    let spec = match (&opts.source, cpath.exists()) {
+        (Some(s), _) => s.clone(),
+        (None, true) => Catalog::open(&cpath)?.source_spec(),
+        (None, false) => {
+            return Err(Error::InvalidConfig(format!(
+                "space {} has no catalog yet: give --source",
+                dir.display()
+            )))
+        }
+    };
+    if opts.refresh {
+        clear_layout(dir)?;
+    }
+    let t0 = Instant::now();
+    let cat = catalog::build(
+        &spec,
+        &cpath,
+        &BuildOptions {
+            threads: opts.threads,
+            progress: opts.progress,
+        },
+    )?;
+    report.catalog_built = true;
+    report.catalog_time = t0.elapsed();
+    Ok(cat)
+}
+
+struct Journal {
+    params: LayoutParams,
+    watermark: u64,
+}
+
+fn read_journal(dir: &Path) -> Result<Option<Journal>> {
+    let p = dir.join(files::JOURNAL);
+    if !p.exists() {
+        return Ok(None);
+    }
+    let bytes = format::read_small(&p)?;
+    let parsed = format::parse(&p, "journal", &JOURNAL_MAGIC, JOURNAL_VERSION, &bytes)?;
+    let params = LayoutParams::from_fields(parsed.fields).ok_or_else(|| Error::Corrupt {
+        path: p.clone(),
+        kind: "journal",
+        detail: "layout parameters out of range".into(),
+    })?;
+    Ok(Some(Journal {
+        params,
+        watermark: parsed.fields.u64(56),
+    }))
+}
+
+fn write_journal(dir: &Path, params: &LayoutParams, watermark: u64) -> Result<()> {
+    let w = FileWriter::create(
+        &dir.join(files::JOURNAL),
+        JOURNAL_MAGIC,
+        JOURNAL_VERSION,
+        params.to_fields().u64(watermark),
+    )?;
+    w.commit()
+}
+
+/// Preloads `dir` (created if missing) as `opts` says.
+pub fn preload(dir: &Path, opts: &PreloadOptions) -> Result<PreloadReport> {
+    fs::create_dir_all(dir).ctx("create directory", dir)?;
+    let _lock = SpaceLock::acquire(dir)?;
+    let mut report = PreloadReport {
+        up_to_date: false,
+        catalog_built: false,
+        resumed_at: None,
+        copied_samples: 0,
+        copied_bytes: 0,
+        held_samples: 0,
+        held_bytes: 0,
+        catalog_time: Duration::ZERO,
+        copy_time: Duration::ZERO,
+    };
+    let catalog = ensure_catalog(dir, opts, &mut report)?;
+    let params = LayoutParams {
+        catalog_identity: catalog.identity(),
+        catalog_samples: catalog.len(),
+        placement: opts.placement,
+        node_index: opts.node_index,
+        align_bytes: opts.align_bytes,
+        extent_bytes: opts.extent_bytes,
+    };
+    params.validate()?;
+
+    let changes = catalog.source_changes();
+    if !changes.is_empty() {
+        return Err(Error::SourceChanged { changes });
+    }
+
+    // A complete space with the same layout: nothing to do.
+    if dir.join(files::MANIFEST).exists() {
+        match Space::open(dir) {
+            Ok(space) if *space.params() == params && space.check_extents().is_ok() => {
+                report.up_to_date = true;
+                report.held_samples = space.held_samples();
+                report.held_bytes = space.held_bytes();
+                return Ok(report);
+            }
+            Ok(_) => log::warn!("{}: layout changed, copying again", dir.display()),
+            Err(e) => log::warn!(
+                "{}: existing manifest unusable ({e}), copying again",
+                dir.display()
+            ),
+        }
+        clear_layout(dir)?;
+    }
+
+    let plan = Plan::compute(&catalog, &params);
+    report.held_samples = plan.held_samples;
+    report.held_bytes = plan.held_bytes;
+    let start_id = match read_journal(dir) {
+        Ok(Some(j)) if j.params == params && j.watermark <= catalog.len() => j.watermark,
+        Ok(Some(_)) => {
+            log::warn!(
+                "{}: journal is for another layout, starting over",
+                dir.display()
+            );
+            clear_layout(dir)?;
+            0
+        }
+        Ok(None) => {
+            clear_layout(dir)?;
+            0
+        }
+        Err(e) => {
+            log::warn!("{}: journal unusable ({e}), starting over", dir.display());
+            clear_layout(dir)?;
+            0
+        }
+    };
+    if start_id > 0 {
+        report.resumed_at = Some(start_id);
+    }
+
+    let ext_dir = dir.join(files::EXTENTS);
+    fs::create_dir_all(&ext_dir).ctx("create directory", &ext_dir)?;
+    let mut extents = Vec::with_capacity(plan.extent_lens.len());
+    let mut existing = 0u64;
+    for i in 0..plan.extent_lens.len() as u32 {
+        let p = extent_path(dir, i);
+        let f = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .read(true)
+            .write(true)
+            .open(&p)
+            .ctx("create", &p)?;
+        existing += f
+            .metadata()
+            .ctx("stat", &p)?
+            .len()
+            .min(plan.extent_lens[i as usize]);
+        extents.push((p, f));
+    }
+    let needed = plan
+        .extent_lens
+        .iter()
+        .sum::<u64>()
+        .saturating_sub(existing);
+    if opts.check_free_space {
+        let available = crate::sys::free_bytes(dir).ctx("statvfs", dir)?;
+        if needed > available {
+            return Err(Error::DiskFull {
+                path: dir.to_path_buf(),
+                needed,
+                available,
+            });
+        }
+    }
+
+    let t0 = Instant::now();
+    let to_copy: u64 = (start_id..catalog.len())
+        .filter_map(|id| plan.location(id).map(|_| catalog.sample(id).len as u64))
+        .sum();
+    let copier = Copier {
+        dir,
+        catalog: &catalog,
+        plan: &plan,
+        params: &params,
+        extents: &extents,
+        opts,
+        progress: Progress::new("preload", to_copy, opts.progress),
+        copied_samples: AtomicU64::new(0),
+        copied_bytes: AtomicU64::new(0),
+        started: Instant::now(),
+        state: Mutex::new(Watermark {
+            next: start_id,
+            done: BTreeSet::new(),
+            unsynced_bytes: 0,
+        }),
+    };
+    // Chunks of about 8 MiB of samples, so the watermark moves often even
+    // for large samples and the pool stays busy for small ones.
+    let mean = (catalog.total_bytes() / catalog.len()).max(1);
+    let chunk = ((8u64 << 20) / mean).clamp(1, 4096);
+    let n_left = catalog.len() - start_id;
+    let result = crate::par::for_each_chunk(n_left, chunk, opts.threads, |r| {
+        copier.copy_range(start_id + r.start..start_id + r.end)
+    });
+    if let Err(e) = result {
+        // Record what is safely on disk so a rerun resumes from there.
+        let _ = copier.checkpoint(true);
+        return Err(match e {
+            Error::DiskFull { path, .. } => Error::DiskFull {
+                path,
+                needed: to_copy.saturating_sub(copier.copied_bytes.load(Ordering::Relaxed)),
+                available: crate::sys::free_bytes(dir).unwrap_or(0),
+            },
+            e => e,
+        });
+    }
+    copier.progress.add(0);
+    report.copied_samples = copier.copied_samples.load(Ordering::Relaxed);
+    report.copied_bytes = copier.copied_bytes.load(Ordering::Relaxed);
+    drop(copier);
+
+    for ((p, f), &len) in extents.iter().zip(&plan.extent_lens) {
+        f.set_len(len).ctx("truncate", p)?;
+        f.sync_all().ctx("fsync", p)?;
+        crate::sys::drop_cache(f, 0, 0);
+    }
+    format::sync_parent(&extent_path(dir, 0))?;
+    space::write_manifest(dir, &params, &plan)?;
+    remove_if_exists(&dir.join(files::JOURNAL))?;
+    report.copy_time = t0.elapsed();
+    Ok(report)
+}
+
+struct Watermark {
+    /// Every sample id below `next` is copied and synced or about to be.
+    next: u64,
+    /// Completed ranges (start, end) above `next`.
+    done: BTreeSet<(u64, u64)>,
+    unsynced_bytes: u64,
+}
+
+struct Copier<'a> {
+    dir: &'a Path,
+    catalog: &'a Catalog,
+    plan: &'a Plan,
+    params: &'a LayoutParams,
+    extents: &'a [(PathBuf, File)],
+    opts: &'a PreloadOptions,
+    progress: Progress,
+    copied_samples: AtomicU64,
+    copied_bytes: AtomicU64,
+    started: Instant,
+    state: Mutex<Watermark>,
+}
+
+impl Copier<'_> {
+    fn copy_range(&self, range: std::ops::Range<u64>) -> Result<()> {
+        let mut reader = SpanReader::new(self.catalog.source_spec().root());
+        let mut bytes = 0u64;
+        for id in range.clone() {
+            let Some(loc) = self.plan.location(id) else {
+                continue;
+            };
+            let s = self.catalog.sample(id);
+            let (ext_path, ext) = &self.extents[loc.extent as usize];
+            let src = self.catalog.file(s.file).name;
+            let mut pos = 0u64;
+            let mut crc = 0u32;
+            reader
+                .read(s.file, src, s.offset, s.len as u64, |piece| {
+                    crc = crc32c::crc32c_append(crc, piece);
+                    ext.write_all_at(piece, loc.offset + pos)
+                        .ctx("write", ext_path)?;
+                    pos += piece.len() as u64;
+                    Ok(())
+                })
+                .map_err(|e| self.source_error(s.file, e))?;
+            if crc != s.crc32c {
+                return Err(Error::SourceChanged {
+                    changes: vec![SourceChange {
+                        path: self.catalog.file_path(s.file),
+                        what: format!(
+                            "content of sample {id} changed (crc32c {crc:#010x}, catalog says {:#010x})",
+                            s.crc32c
+                        ),
+                    }],
+                });
+            }
+            bytes += s.len as u64;
+            self.copied_samples.fetch_add(1, Ordering::Relaxed);
+            self.progress.add(s.len as u64);
+            let total = self.copied_bytes.fetch_add(s.len as u64, Ordering::Relaxed) + s.len as u64;
+            self.throttle(total);
+        }
+        let mut st = self.state.lock().expect("not poisoned");
+        st.done.insert((range.start, range.end));
+        st.unsynced_bytes += bytes;
+        while let Some(&(a, b)) = st.done.first() {
+            if a != st.next {
+                break;
+            }
+            st.done.pop_first();
+            st.next = b;
+        }
+        let due = st.unsynced_bytes >= self.opts.checkpoint_bytes;
+        drop(st);
+        if due {
+            self.checkpoint(false)?;
+        }
+        Ok(())
+    }
+
+    /// A vanished source file is a change of the source, not a plain I/O error.
+    fn source_error(&self, file: u32, e: Error) -> Error {
+        match e {
+            Error::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
+                Error::SourceChanged {
+                    changes: vec![SourceChange {
+                        path: self.catalog.file_path(file),
+                        what: "vanished during preload".into(),
+                    }],
+                }
+            }
+            e => e,
+        }
+    }
+
+    fn throttle(&self, total_bytes: u64) {
+        if let Some(rate) = self.opts.max_bytes_per_sec.filter(|&r| r > 0) {
+            let due = Duration::from_secs_f64(total_bytes as f64 / rate as f64);
+            let elapsed = self.started.elapsed();
+            if due > elapsed {
+                std::thread::sleep(due - elapsed);
+            }
+        }
+    }
+
+    /// Syncs the extents and records the watermark in the journal. Holding
+    /// the state lock across the sync keeps journal writes ordered.
+    fn checkpoint(&self, force: bool) -> Result<()> {
+        let mut st = self.state.lock().expect("not poisoned");
+        if !force && st.unsynced_bytes < self.opts.checkpoint_bytes {
+            return Ok(());
+        }
+        let watermark = st.next;
+        for (p, f) in self.extents {
+            f.sync_data().ctx("fsync", p)?;
+            crate::sys::drop_cache(f, 0, 0);
+        }
+        write_journal(self.dir, self.params, watermark)?;
+        st.unsynced_bytes = 0;
+        Ok(())
+    }
+}
+
+/// Removes a space: manifest first (so it stops being a space at once), then
+/// the journal, extents, catalog and lock file, and the directory if empty.
+pub fn unload(dir: &Path) -> Result<()> {
+    let known = [
+        files::MANIFEST,
+        files::CATALOG,
+        files::JOURNAL,
+        files::EXTENTS,
+    ];
+    if !known.iter().any(|f| dir.join(f).exists()) {
+        return Err(Error::NotASpace {
+            path: dir.to_path_buf(),
+            reason: "it holds no kspeed files; nothing removed".into(),
+        });
+    }
+    let lock = SpaceLock::acquire(dir)?;
+    clear_layout(dir)?;
+    remove_if_exists(&dir.join(files::CATALOG))?;
+    remove_if_exists(&dir.join("catalog.ksc.tmp"))?;
+    remove_if_exists(&dir.join("manifest.ksm.tmp"))?;
+    remove_if_exists(&dir.join("preload.journal.tmp"))?;
+    drop(lock);
+    remove_if_exists(&dir.join(files::LOCK))?;
+    match fs::remove_dir(dir) {
+        Ok(()) => {}
+        Err(_) => log::warn!("{}: left in place, it holds other files", dir.display()),
+    }
+    Ok(())
+}

@@ -1,0 +1,214 @@
+//! One error type for the whole crate: every failure has a named variant that
+//! says what was wrong and where (file, sample, line), so the CLI and the C ABI
+//! can print it as is and tests can match on it.
+
+use std::io;
+use std::path::{Path, PathBuf};
+
+/// A kspeed result.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// What changed about a source file since the catalog recorded it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SourceChange {
+    /// The source file.
+    pub path: PathBuf,
+    /// Human-readable description ("size 100 -> 120 bytes", "vanished", ...).
+    pub what: String,
+}
+
+/// Every error kspeed reports.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// An I/O call failed on a named file.
+    #[error("{op} {path}: {source}")]
+    Io {
+        /// What kspeed was doing ("open", "read", "write", ...).
+        op: &'static str,
+        /// The file it was doing it to.
+        path: PathBuf,
+        /// The operating system's error.
+        #[source]
+        source: io::Error,
+    },
+    /// The source holds no samples.
+    #[error("source {path} has no samples (an ImageFolder tree needs files under class folders, a file list needs lines, tar shards need members)")]
+    EmptySource {
+        /// The source.
+        path: PathBuf,
+    },
+    /// Following a symbolic link leads back to one of its own parents.
+    #[error("symlink loop at {path}: it leads back to a directory already being scanned")]
+    SymlinkLoop {
+        /// The link.
+        path: PathBuf,
+    },
+    /// A line of a file list cannot be parsed.
+    #[error("file list {path}, line {line}: {reason}")]
+    BadFileList {
+        /// The list.
+        path: PathBuf,
+        /// 1-based line number.
+        line: usize,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A tar shard cannot be indexed.
+    #[error("tar shard {path}: {reason}")]
+    BadTar {
+        /// The shard.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A sample is larger than the format allows (4 GiB - 1).
+    #[error("sample {path} is {len} bytes; kspeed samples are limited to {max} bytes")]
+    SampleTooLarge {
+        /// The sample's source file.
+        path: PathBuf,
+        /// Its length.
+        len: u64,
+        /// The limit.
+        max: u64,
+    },
+    /// A kspeed file does not start with the expected magic bytes.
+    #[error("{path} is not a kspeed {kind} file (magic {found:02x?}, expected {expected:02x?})")]
+    BadMagic {
+        /// The file.
+        path: PathBuf,
+        /// "catalog", "manifest", "journal".
+        kind: &'static str,
+        /// The bytes found.
+        found: Vec<u8>,
+        /// The bytes expected.
+        expected: Vec<u8>,
+    },
+    /// A kspeed file was written by a format version this build cannot read.
+    #[error("{path}: {kind} format version {found} is not supported (this build reads version {supported})")]
+    UnsupportedVersion {
+        /// The file.
+        path: PathBuf,
+        /// "catalog", "manifest", "journal".
+        kind: &'static str,
+        /// The version in the file.
+        found: u32,
+        /// The version this build reads.
+        supported: u32,
+    },
+    /// A checksum over part of a kspeed file does not match.
+    #[error("{path}: {kind} {part} checksum mismatch (stored {stored:#010x}, computed {computed:#010x}); the file is corrupt")]
+    ChecksumMismatch {
+        /// The file.
+        path: PathBuf,
+        /// "catalog", "manifest", "journal".
+        kind: &'static str,
+        /// "header" or "body".
+        part: &'static str,
+        /// Stored CRC32C.
+        stored: u32,
+        /// Computed CRC32C.
+        computed: u32,
+    },
+    /// A kspeed file is shorter than its header says.
+    #[error("{path}: {kind} is truncated ({actual} bytes, expected {expected})")]
+    Truncated {
+        /// The file.
+        path: PathBuf,
+        /// "catalog", "manifest", "extent", ...
+        kind: &'static str,
+        /// Bytes expected.
+        expected: u64,
+        /// Bytes found.
+        actual: u64,
+    },
+    /// A kspeed file passed its checksums but its contents do not hold together.
+    #[error("{path}: corrupt {kind}: {detail}")]
+    Corrupt {
+        /// The file.
+        path: PathBuf,
+        /// "catalog", "manifest", ...
+        kind: &'static str,
+        /// What is inconsistent.
+        detail: String,
+    },
+    /// Source files changed (size, mtime, content) or vanished since the catalog was built.
+    #[error("{} source file(s) changed since the catalog was built: {}{}; rerun with --refresh to rebuild the catalog and copy again",
+        changes.len(),
+        changes.iter().take(5).map(|c| format!("{} ({})", c.path.display(), c.what)).collect::<Vec<_>>().join(", "),
+        if changes.len() > 5 { ", ..." } else { "" })]
+    SourceChanged {
+        /// Every change found.
+        changes: Vec<SourceChange>,
+    },
+    /// The catalog in a space was built from another source than the one given.
+    #[error("space {space} holds a catalog of {catalog_source}, not {given}; use another space or --refresh")]
+    SourceMismatch {
+        /// The space.
+        space: PathBuf,
+        /// The source recorded in its catalog.
+        catalog_source: String,
+        /// The source asked for.
+        given: String,
+    },
+    /// The space's file system has too little free space for what preload must write.
+    #[error("not enough space on {path}: {needed} bytes needed, {available} available")]
+    DiskFull {
+        /// The file or directory being written.
+        path: PathBuf,
+        /// Bytes still to write.
+        needed: u64,
+        /// Bytes free (for unprivileged users) when checked, 0 when the write itself failed.
+        available: u64,
+    },
+    /// Another process holds the space's lock.
+    #[error("space {path} is locked by another kspeed process (preload or unload running?)")]
+    SpaceLocked {
+        /// The space.
+        path: PathBuf,
+    },
+    /// The directory is not a complete space (no manifest yet, or none at all).
+    #[error("{path} is not a complete kspeed space: {reason}")]
+    NotASpace {
+        /// The directory.
+        path: PathBuf,
+        /// Why.
+        reason: String,
+    },
+    /// A configuration value is invalid.
+    #[error("invalid configuration: {0}")]
+    InvalidConfig(String),
+    /// A saved sampler position cannot be decoded or does not fit the sampler.
+    #[error("invalid sampler position: {0}")]
+    BadPosition(String),
+}
+
+impl Error {
+    /// Wraps an `io::Error` with the operation and file, mapping "no space
+    /// left" to [`Error::DiskFull`] so a full disk is never a generic I/O error.
+    pub fn io(op: &'static str, path: impl AsRef<Path>, source: io::Error) -> Self {
+        let path = path.as_ref().to_path_buf();
+        if source.kind() == io::ErrorKind::StorageFull
+            || source.raw_os_error() == Some(libc::EDQUOT)
+        {
+            return Error::DiskFull {
+                path,
+                needed: 0,
+                available: 0,
+            };
+        }
+        Error::Io { op, path, source }
+    }
+}
+
+/// Adds the operation and path to an `io::Result`.
+pub(crate) trait IoContext<T> {
+    /// Maps the error with [`Error::io`].
+    fn ctx(self, op: &'static str, path: impl AsRef<Path>) -> Result<T>;
+}
+
+impl<T> IoContext<T> for io::Result<T> {
+    fn ctx(self, op: &'static str, path: impl AsRef<Path>) -> Result<T> {
+        self.map_err(|e| Error::io(op, path, e))
+    }
+}

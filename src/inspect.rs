@@ -1,0 +1,169 @@
+//! `kspeed inspect`: a human summary of a catalog or space.
+
+use std::path::PathBuf;
+
+use kspeed::dataset::{Catalog, Placement, Space};
+use kspeed::progress::human_bytes;
+
+fn percentile(sorted: &[u32], p: f64) -> u32 {
+    let i = ((sorted.len() - 1) as f64 * p).round() as usize;
+    sorted[i]
+}
+
+pub(crate) fn run(
+    space: &Option<PathBuf>,
+    catalog: &Option<PathBuf>,
+    nodes: Option<u32>,
+    replicas: Option<u32>,
+    devices: bool,
+) -> kspeed::Result<()> {
+    let (cat, space) = crate::open_target(space, catalog)?;
+    print_catalog(&cat);
+    let placement = match (nodes, &space) {
+        (Some(n), _) => Some(Placement::new(n, replicas.unwrap_or(1))?),
+        (None, Some(s)) if s.params().placement.nodes > 1 => Some(s.params().placement),
+        _ => None,
+    };
+    if let Some(p) = placement {
+        print_nodes(&cat, p);
+    }
+    if let Some(s) = &space {
+        print_space(s);
+    }
+    if devices {
+        print_devices();
+    }
+    Ok(())
+}
+
+fn print_catalog(cat: &Catalog) {
+    let n = cat.len();
+    println!(
+        "catalog:      {} (format v{})",
+        cat.path().display(),
+        kspeed::dataset::catalog::VERSION
+    );
+    println!("source:       {}", cat.source());
+    println!(
+        "samples:      {n} in {} source files, {} ({:.1} catalog bytes/sample)",
+        cat.file_count(),
+        human_bytes(cat.total_bytes() as f64),
+        cat.bytes_per_sample()
+    );
+    let mut lens: Vec<u32> = (0..n).map(|i| cat.sample(i).len).collect();
+    lens.sort_unstable();
+    let fmt = |v: u32| human_bytes(v as f64);
+    println!(
+        "sample size:  min {}  p50 {}  p90 {}  p99 {}  max {}  mean {}",
+        fmt(lens[0]),
+        fmt(percentile(&lens, 0.5)),
+        fmt(percentile(&lens, 0.9)),
+        fmt(percentile(&lens, 0.99)),
+        fmt(*lens.last().expect("non-empty")),
+        human_bytes(cat.total_bytes() as f64 / n as f64)
+    );
+    let mut per_class = vec![0u64; cat.class_count() as usize];
+    let mut unlabeled = 0u64;
+    let mut max_label = None::<u32>;
+    for i in 0..n {
+        match cat.sample(i).label {
+            Some(l) if (l as usize) < per_class.len() => per_class[l as usize] += 1,
+            Some(l) => max_label = Some(max_label.map_or(l, |m| m.max(l))),
+            None => unlabeled += 1,
+        }
+    }
+    if per_class.is_empty() {
+        match max_label {
+            Some(m) => println!("labels:       numeric, largest {m}; {unlabeled} unlabeled"),
+            None => println!("labels:       none"),
+        }
+    } else {
+        let shown: Vec<String> = per_class
+            .iter()
+            .enumerate()
+            .take(5)
+            .map(|(i, c)| format!("{} ({c})", cat.class_name(i as u32)))
+            .collect();
+        let (lo, hi) = (
+            per_class.iter().min().expect("non-empty"),
+            per_class.iter().max().expect("non-empty"),
+        );
+        println!(
+            "classes:      {} ({}{}), {lo}..{hi} samples per class; {unlabeled} unlabeled",
+            per_class.len(),
+            shown.join(", "),
+            if per_class.len() > 5 { ", ..." } else { "" }
+        );
+    }
+}
+
+fn print_nodes(cat: &Catalog, p: Placement) {
+    let mut held = vec![(0u64, 0u64); p.nodes as usize];
+    for i in 0..cat.len() {
+        let len = cat.sample(i).len as u64;
+        for r in 0..p.replicas {
+            let h = &mut held[p.holder(i, r) as usize];
+            h.0 += 1;
+            h.1 += len;
+        }
+    }
+    println!(
+        "nodes:        {} nodes, {} cop{} per sample",
+        p.nodes,
+        p.replicas,
+        if p.replicas == 1 { "y" } else { "ies" }
+    );
+    for (i, (s, b)) in held.iter().enumerate() {
+        println!("  node {i:>4}:  {s} samples, {}", human_bytes(*b as f64));
+    }
+}
+
+fn print_space(s: &Space) {
+    let p = s.params();
+    let on_disk: u64 = s.extent_lens().iter().sum();
+    println!(
+        "space:        {} (node {} of {}, {} cop{})",
+        s.dir().display(),
+        p.node_index,
+        p.placement.nodes,
+        p.placement.replicas,
+        if p.placement.replicas == 1 {
+            "y"
+        } else {
+            "ies"
+        }
+    );
+    println!(
+        "held:         {} samples, {} ({:.1}% of the dataset)",
+        s.held_samples(),
+        human_bytes(s.held_bytes() as f64),
+        100.0 * s.held_bytes() as f64 / s.catalog().total_bytes().max(1) as f64
+    );
+    println!(
+        "extents:      {} files, {} on disk ({:.1}% alignment padding), align {} B, cap {}",
+        s.extent_lens().len(),
+        human_bytes(on_disk as f64),
+        100.0 * (on_disk as f64 - s.held_bytes() as f64) / on_disk.max(1) as f64,
+        p.align_bytes,
+        human_bytes(p.extent_bytes as f64)
+    );
+    match s.check_extents() {
+        Ok(()) => println!("status:       complete (run kspeed verify to check every byte)"),
+        Err(e) => println!("status:       DAMAGED: {e}"),
+    }
+}
+
+#[cfg(feature = "rdma")]
+fn print_devices() {
+    let names = kspeed::transport::rdma::device_names();
+    if names.is_empty() {
+        println!("rdma devices: none");
+    } else {
+        println!("rdma devices: {}", names.join(", "));
+    }
+}
+
+#[cfg(not(feature = "rdma"))]
+fn print_devices() {
+    println!("rdma devices: not built with the rdma feature");
+}

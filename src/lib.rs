@@ -1,0 +1,29 @@
+//! kspeed feeds GPU training jobs without I/O stalls.
+//!
+//! A dataset is preloaded once onto the local NVMe of the cluster's nodes
+//! ([`dataset::preload`]). Every rank's sample order is a pure function of
+//! (seed, epoch, rank, world size, dataset length) ([`sampler`]), so the nodes
+//! that own the samples can push them into each rank's landing buffer before
+//! it asks. See docs/ and the repository's DESIGN notes for the architecture.
+//!
+//! Modules, following the architecture:
+//! - [`dataset`]: sources, the catalog, the owner function, spaces, preload, verify, gen;
+//! - [`sampler`]: the per-epoch permutation and each rank's sequence;
+//! - [`transport`]: how bytes reach a consumer (the RDMA device probe so far);
+//! - [`format`]: the checksummed envelope of kspeed's binary files;
+//! - [`progress`]: progress bars and lines for long work;
+//! - `sys` (private): the system calls std lacks (the only `unsafe` here).
+
+#![warn(missing_docs)]
+
+pub mod dataset;
+pub mod error;
+pub mod format;
+pub mod hash;
+pub mod par;
+pub mod progress;
+pub mod sampler;
+mod sys;
+pub mod transport;
+
+pub use error::{Error, Result};

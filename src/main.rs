@@ -1,0 +1,348 @@
+//! The `kspeed` command line.
+//!
+//! Exit status: 0 success, 1 error (the message names what and where),
+//! 2 usage error, 3 `verify` found corrupt or missing samples.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use clap::{Args, Parser, Subcommand};
+use kspeed::dataset::gen::{self, GenOptions, Profile};
+use kspeed::dataset::{self, BuildOptions, Catalog, Placement, PreloadOptions, SourceSpec, Space};
+use kspeed::progress::{human_bytes, ProgressMode};
+
+mod inspect;
+
+#[derive(Parser)]
+#[command(name = "kspeed", version, about = "Feed GPU training jobs without I/O stalls", long_about = None)]
+struct Cli {
+    /// Progress display: auto (bar on a terminal, lines otherwise), bar, lines, none.
+    #[arg(long, global = true, default_value = "auto")]
+    progress: ProgressMode,
+    /// More log output (-v info, -vv debug). RUST_LOG overrides.
+    #[arg(short, long, global = true, action = clap::ArgAction::Count)]
+    verbose: u8,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Generate a synthetic ImageFolder dataset (for tests and benchmarks).
+    Gen(GenArgs),
+    /// Build a catalog of a source without preloading it.
+    Catalog(CatalogArgs),
+    /// Copy the samples this node holds into a space (idempotent, resumable).
+    Preload(PreloadArgs),
+    /// Remove a space.
+    Unload(SpaceArg),
+    /// Summarise a space or a catalog.
+    Inspect(InspectArgs),
+    /// Re-read every sample of a space and check its CRC32C.
+    Verify(VerifyArgs),
+}
+
+#[derive(Args)]
+struct GenArgs {
+    /// Size profile: imagenet, audio, volumes, tiny.
+    #[arg(long)]
+    profile: Profile,
+    /// Number of samples.
+    #[arg(long)]
+    count: u64,
+    /// Output directory.
+    #[arg(long)]
+    out: PathBuf,
+    /// Seed (same seed, same tree).
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Number of class folders (default: the profile's).
+    #[arg(long)]
+    classes: Option<u32>,
+    /// Writer threads.
+    #[arg(long, default_value_t = kspeed::par::default_threads())]
+    threads: usize,
+}
+
+#[derive(Args)]
+struct CatalogArgs {
+    /// Source: DIR (ImageFolder), list:FILE, tar:SHARD.tar or tar:DIR.
+    #[arg(long)]
+    source: String,
+    /// Catalog file to write.
+    #[arg(long)]
+    out: PathBuf,
+    /// Reader threads.
+    #[arg(long, default_value_t = kspeed::par::default_threads())]
+    threads: usize,
+}
+
+#[derive(Args)]
+struct PlacementArgs {
+    /// Nodes in the cluster.
+    #[arg(long, default_value_t = 1)]
+    nodes: u32,
+    /// This node's index (0-based).
+    #[arg(long, default_value_t = 0)]
+    node_index: u32,
+    /// Copies of each sample across nodes (1 = no replica).
+    #[arg(long, default_value_t = 1)]
+    replicas: u32,
+}
+
+fn parse_bytes(s: &str) -> Result<u64, String> {
+    parse_size::parse_size(s).map_err(|e| format!("{s:?}: {e}"))
+}
+
+#[derive(Args)]
+struct PreloadArgs {
+    /// Source: DIR (ImageFolder), list:FILE, tar:SHARD.tar or tar:DIR.
+    /// Optional when the space already has a catalog.
+    #[arg(long)]
+    source: Option<String>,
+    /// The space directory (created if missing).
+    #[arg(long)]
+    space: PathBuf,
+    /// Use this prebuilt catalog (from `kspeed catalog`) instead of building one.
+    #[arg(long, conflicts_with = "refresh")]
+    catalog: Option<PathBuf>,
+    #[command(flatten)]
+    placement: PlacementArgs,
+    /// Sample alignment in extent files (power of two, >= 512).
+    #[arg(long, default_value = "4096", value_parser = parse_bytes)]
+    align_bytes: u64,
+    /// Extent file size cap.
+    #[arg(long, default_value = "1GiB", value_parser = parse_bytes)]
+    extent_bytes: u64,
+    /// Copy threads.
+    #[arg(long, default_value_t = kspeed::par::default_threads())]
+    threads: usize,
+    /// Rebuild the catalog from the source and copy everything again.
+    #[arg(long)]
+    refresh: bool,
+    /// Sync and record progress every this many bytes.
+    #[arg(long, default_value = "64MiB", value_parser = parse_bytes)]
+    checkpoint_bytes: u64,
+    /// Limit copy bandwidth, e.g. 200MB (per second).
+    #[arg(long, value_parser = parse_bytes)]
+    max_bytes_per_sec: Option<u64>,
+}
+
+#[derive(Args)]
+struct SpaceArg {
+    /// The space directory.
+    #[arg(long)]
+    space: PathBuf,
+}
+
+#[derive(Args)]
+struct InspectArgs {
+    /// A space directory.
+    #[arg(long, required_unless_present = "catalog")]
+    space: Option<PathBuf>,
+    /// A catalog file.
+    #[arg(long, conflicts_with = "space")]
+    catalog: Option<PathBuf>,
+    /// Show how samples would spread over this many nodes (default: the space's).
+    #[arg(long)]
+    nodes: Option<u32>,
+    /// Copies per sample for --nodes.
+    #[arg(long)]
+    replicas: Option<u32>,
+    /// Also list RDMA devices.
+    #[arg(long)]
+    devices: bool,
+}
+
+#[derive(Args)]
+struct VerifyArgs {
+    /// The space directory.
+    #[arg(long)]
+    space: PathBuf,
+    /// Reader threads.
+    #[arg(long, default_value_t = kspeed::par::default_threads())]
+    threads: usize,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let level = match cli.verbose {
+        0 => "warn",
+        1 => "info",
+        _ => "debug",
+    };
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or(level))
+        .format_timestamp_millis()
+        .init();
+    match run(cli) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("kspeed: error: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn run(cli: Cli) -> kspeed::Result<ExitCode> {
+    let progress = cli.progress;
+    match cli.cmd {
+        Cmd::Gen(a) => {
+            let t0 = Instant::now();
+            let r = gen::generate(&GenOptions {
+                profile: a.profile,
+                count: a.count,
+                out: a.out.clone(),
+                seed: a.seed,
+                classes: a.classes,
+                threads: a.threads,
+                progress,
+            })?;
+            println!(
+                "generated {} samples, {} in {} ({} already present) in {:.2} s",
+                r.samples,
+                human_bytes(r.bytes as f64),
+                a.out.display(),
+                r.kept,
+                t0.elapsed().as_secs_f64()
+            );
+        }
+        Cmd::Catalog(a) => {
+            let spec = SourceSpec::parse(&a.source)?;
+            let t0 = Instant::now();
+            let cat = dataset::catalog::build(
+                &spec,
+                &a.out,
+                &BuildOptions {
+                    threads: a.threads,
+                    progress,
+                },
+            )?;
+            println!(
+                "catalog {}: {} samples, {}, {:.1} bytes/sample, built in {:.2} s",
+                a.out.display(),
+                cat.len(),
+                human_bytes(cat.total_bytes() as f64),
+                cat.bytes_per_sample(),
+                t0.elapsed().as_secs_f64()
+            );
+        }
+        Cmd::Preload(a) => {
+            let placement = Placement::new(a.placement.nodes, a.placement.replicas)?;
+            let align_bytes = u32::try_from(a.align_bytes)
+                .map_err(|_| kspeed::Error::InvalidConfig("--align-bytes is too large".into()))?;
+            let opts = PreloadOptions {
+                source: a.source.as_deref().map(SourceSpec::parse).transpose()?,
+                catalog: a.catalog,
+                placement,
+                node_index: a.placement.node_index,
+                align_bytes,
+                extent_bytes: a.extent_bytes,
+                threads: a.threads,
+                progress,
+                refresh: a.refresh,
+                checkpoint_bytes: a.checkpoint_bytes,
+                max_bytes_per_sec: a.max_bytes_per_sec,
+                check_free_space: true,
+            };
+            let t0 = Instant::now();
+            let r = dataset::preload(&a.space, &opts)?;
+            if r.up_to_date {
+                println!(
+                    "space {} is up to date: nothing copied ({} samples, {} held by node {})",
+                    a.space.display(),
+                    r.held_samples,
+                    human_bytes(r.held_bytes as f64),
+                    a.placement.node_index
+                );
+            } else {
+                let secs = r.copy_time.as_secs_f64().max(1e-9);
+                if let Some(at) = r.resumed_at {
+                    println!("resumed an interrupted preload at sample {at}");
+                }
+                if r.catalog_built {
+                    println!("catalog built in {:.2} s", r.catalog_time.as_secs_f64());
+                }
+                println!(
+                    "preloaded {} samples, {} into {} in {:.2} s ({}/s copy, {:.2} s total); node {} of {} holds {} samples",
+                    r.copied_samples,
+                    human_bytes(r.copied_bytes as f64),
+                    a.space.display(),
+                    secs,
+                    human_bytes(r.copied_bytes as f64 / secs),
+                    t0.elapsed().as_secs_f64(),
+                    a.placement.node_index,
+                    a.placement.nodes,
+                    r.held_samples
+                );
+            }
+        }
+        Cmd::Unload(a) => {
+            dataset::unload(&a.space)?;
+            println!("removed space {}", a.space.display());
+        }
+        Cmd::Inspect(a) => inspect::run(&a.space, &a.catalog, a.nodes, a.replicas, a.devices)?,
+        Cmd::Verify(a) => {
+            let space = Space::open(&a.space)?;
+            let t0 = Instant::now();
+            let r = space.verify(a.threads, progress)?;
+            let secs = t0.elapsed().as_secs_f64().max(1e-9);
+            for b in &r.bad {
+                println!(
+                    "sample {} ({}): {} in {}",
+                    b.id,
+                    b.source.display(),
+                    b.what,
+                    b.extent.display()
+                );
+            }
+            println!(
+                "verified {} samples, {} in {:.2} s ({}/s{}): {} bad",
+                r.checked,
+                human_bytes(r.bytes as f64),
+                secs,
+                human_bytes(r.bytes as f64 / secs),
+                if r.direct_io {
+                    ", O_DIRECT"
+                } else {
+                    ", page cache"
+                },
+                r.bad.len()
+            );
+            if !r.bad.is_empty() {
+                eprintln!(
+                    "kspeed: error: {} corrupt or missing sample(s) in {}; rerun kspeed preload --refresh to copy again",
+                    r.bad.len(),
+                    a.space.display()
+                );
+                return Ok(ExitCode::from(3));
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Opens what `inspect` was pointed at.
+pub(crate) fn open_target(
+    space: &Option<PathBuf>,
+    catalog: &Option<PathBuf>,
+) -> kspeed::Result<(Catalog, Option<Space>)> {
+    match (space, catalog) {
+        (_, Some(c)) => Ok((Catalog::open(c)?, None)),
+        (Some(s), None) => match Space::open(s) {
+            Ok(space) => Ok((Catalog::open(space.catalog().path())?, Some(space))),
+            Err(kspeed::Error::NotASpace { .. })
+                if s.join(dataset::space::files::CATALOG).exists() =>
+            {
+                Ok((
+                    Catalog::open(&s.join(dataset::space::files::CATALOG))?,
+                    None,
+                ))
+            }
+            Err(e) => Err(e),
+        },
+        (None, None) => Err(kspeed::Error::InvalidConfig(
+            "give --space or --catalog".into(),
+        )),
+    }
+}

@@ -1,0 +1,183 @@
+//! Progress for long work (catalog build, preload, verify, gen): a bar with
+//! bytes/s and ETA on a terminal, plain periodic lines otherwise (logs, CI),
+//! or nothing. Updating is a relaxed atomic add, so workers may call it per
+//! sample.
+
+use std::io::IsTerminal;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use indicatif::{ProgressBar, ProgressStyle};
+
+/// How progress is shown.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ProgressMode {
+    /// A bar when stderr is a terminal, lines otherwise.
+    #[default]
+    Auto,
+    /// Always a bar.
+    Bar,
+    /// Plain lines on stderr every interval.
+    Lines,
+    /// Nothing (the library default).
+    Quiet,
+}
+
+impl std::str::FromStr for ProgressMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(ProgressMode::Auto),
+            "bar" => Ok(ProgressMode::Bar),
+            "lines" => Ok(ProgressMode::Lines),
+            "none" | "quiet" => Ok(ProgressMode::Quiet),
+            _ => Err(format!(
+                "progress mode {s:?}: expected auto, bar, lines or none"
+            )),
+        }
+    }
+}
+
+/// How often plain progress lines are printed: `KSPEED_PROGRESS_INTERVAL_MS`, default 5 s.
+fn line_interval() -> Duration {
+    std::env::var("KSPEED_PROGRESS_INTERVAL_MS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .map(Duration::from_millis)
+        .unwrap_or(Duration::from_secs(5))
+}
+
+struct Counter {
+    done: AtomicU64,
+    total: u64,
+}
+
+/// A progress reporter over a known number of bytes.
+pub struct Progress {
+    counter: Arc<Counter>,
+    bar: Option<ProgressBar>,
+    ticker: Option<(mpsc::Sender<()>, JoinHandle<()>)>,
+}
+
+/// Formats a byte count with a binary unit.
+pub fn human_bytes(b: f64) -> String {
+    const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
+    let mut v = b;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{v:.0} {}", UNITS[u])
+    } else {
+        format!("{v:.1} {}", UNITS[u])
+    }
+}
+
+impl Progress {
+    /// Starts reporting `label` over `total_bytes`.
+    pub fn new(label: &str, total_bytes: u64, mode: ProgressMode) -> Self {
+        let counter = Arc::new(Counter {
+            done: AtomicU64::new(0),
+            total: total_bytes,
+        });
+        let mode = match mode {
+            ProgressMode::Auto if std::io::stderr().is_terminal() => ProgressMode::Bar,
+            ProgressMode::Auto => ProgressMode::Lines,
+            m => m,
+        };
+        let mut p = Progress {
+            counter: counter.clone(),
+            bar: None,
+            ticker: None,
+        };
+        match mode {
+            ProgressMode::Bar => {
+                let bar = ProgressBar::new(total_bytes);
+                bar.set_style(
+                    ProgressStyle::with_template(
+                        "{msg:>9} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} ETA {eta}",
+                    )
+                    .expect("valid template")
+                    .progress_chars("=> "),
+                );
+                bar.set_message(label.to_string());
+                p.bar = Some(bar);
+            }
+            ProgressMode::Lines => {
+                let (tx, rx) = mpsc::channel::<()>();
+                let label = label.to_string();
+                let interval = line_interval();
+                let start = Instant::now();
+                let handle = std::thread::spawn(move || {
+                    while let Err(mpsc::RecvTimeoutError::Timeout) = rx.recv_timeout(interval) {
+                        eprintln!("{}", line(&label, &counter, start.elapsed()));
+                    }
+                });
+                p.ticker = Some((tx, handle));
+            }
+            _ => {}
+        }
+        p
+    }
+
+    /// Adds `bytes` of work done.
+    pub fn add(&self, bytes: u64) {
+        self.counter.done.fetch_add(bytes, Ordering::Relaxed);
+        if let Some(b) = &self.bar {
+            b.inc(bytes);
+        }
+    }
+
+    /// Bytes done so far.
+    pub fn done(&self) -> u64 {
+        self.counter.done.load(Ordering::Relaxed)
+    }
+
+    /// Stops the bar or the ticker.
+    pub fn finish(mut self) {
+        self.stop();
+    }
+
+    fn stop(&mut self) {
+        if let Some(b) = self.bar.take() {
+            b.finish_and_clear();
+        }
+        if let Some((tx, h)) = self.ticker.take() {
+            drop(tx);
+            let _ = h.join();
+        }
+    }
+}
+
+impl Drop for Progress {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn line(label: &str, c: &Counter, elapsed: Duration) -> String {
+    let done = c.done.load(Ordering::Relaxed);
+    let secs = elapsed.as_secs_f64().max(1e-9);
+    let rate = done as f64 / secs;
+    let pct = if c.total > 0 {
+        100.0 * done as f64 / c.total as f64
+    } else {
+        100.0
+    };
+    let eta = if rate > 0.0 {
+        format!("{:.0} s", c.total.saturating_sub(done) as f64 / rate)
+    } else {
+        "unknown".into()
+    };
+    format!(
+        "{label}: {} / {} ({pct:.1}%), {}/s, ETA {eta}",
+        human_bytes(done as f64),
+        human_bytes(c.total as f64),
+        human_bytes(rate)
+    )
+}

@@ -1,0 +1,447 @@
+//! The sampler: which sample a rank consumes at each step of each epoch.
+//!
+//! Semantics are PyTorch's `DistributedSampler`: per epoch a permutation `p`
+//! of `0..N` (or the identity without shuffle) is extended cyclically to a
+//! global order `g(j) = p(j mod N)`; with padding the epoch has
+//! `T = ceil(N/W)*W` steps (the padding repeats samples from the start of the
+//! permutation), with `drop_last` `T = floor(N/W)*W`; rank `r` takes
+//! `g(r), g(r+W), g(r+2W), ...`, so its k-th sample is `g(r + k*W)`.
+//!
+//! The permutation is a keyed bijection, not an array: a balanced Feistel
+//! network over the smallest even number of bits covering `N`, with cycle
+//! walking (re-apply until the value falls below `N`). Computing any
+//! position is O(1) memory and a few dozen multiplications, so a
+//! billion-sample dataset costs nothing to shuffle. The exact construction is
+//! frozen in docs/FORMAT.md: every node computes every rank's future alike.
+
+use crate::error::{Error, Result};
+use crate::hash::mix64;
+
+const ROUNDS: usize = 6;
+const PERM_SALT: u64 = 0x6b73_7065_6564_7065; // "kspeedpe"
+
+/// A keyed pseudo-random permutation of `0..n`.
+#[derive(Debug, Clone)]
+pub struct Permutation {
+    n: u64,
+    half_bits: u32,
+    mask: u64,
+    keys: [u64; ROUNDS],
+}
+
+impl Permutation {
+    /// The permutation of `0..n` for `(seed, epoch)`. `n` must be non-zero.
+    pub fn new(n: u64, seed: u64, epoch: u64) -> Self {
+        assert!(n > 0, "permutation of an empty set");
+        let bits = (64 - (n - 1).leading_zeros()).max(2);
+        let half_bits = bits.div_ceil(2);
+        let base = mix64(mix64(seed ^ PERM_SALT) ^ epoch);
+        let mut keys = [0u64; ROUNDS];
+        for (i, k) in keys.iter_mut().enumerate() {
+            *k = mix64(base.wrapping_add(i as u64 + 1));
+        }
+        Permutation {
+            n,
+            half_bits,
+            mask: (1u64 << half_bits) - 1,
+            keys,
+        }
+    }
+
+    fn feistel(&self, x: u64) -> u64 {
+        let (mut l, mut r) = (x >> self.half_bits, x & self.mask);
+        for k in &self.keys {
+            let f = mix64(r ^ k) & self.mask;
+            (l, r) = (r, l ^ f);
+        }
+        (l << self.half_bits) | r
+    }
+
+    /// The image of `i` (`i < n`).
+    pub fn apply(&self, i: u64) -> u64 {
+        debug_assert!(i < self.n);
+        let mut x = self.feistel(i);
+        // The domain is less than 4n, so the expected walk is under 4 steps;
+        // it terminates because a permutation's cycle through i < n returns
+        // to a value below n.
+        while x >= self.n {
+            x = self.feistel(x);
+        }
+        x
+    }
+}
+
+/// What a rank's sequence depends on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SamplerConfig {
+    /// Dataset length N.
+    pub len: u64,
+    /// Shuffle seed (same on every rank).
+    pub seed: u64,
+    /// Shuffle per epoch, or take samples in id order.
+    pub shuffle: bool,
+    /// This rank.
+    pub rank: u32,
+    /// World size W.
+    pub world: u32,
+    /// Drop the tail that does not divide evenly instead of padding.
+    pub drop_last: bool,
+}
+
+impl SamplerConfig {
+    /// A single rank reading everything, shuffled with `seed`.
+    pub fn single(len: u64, seed: u64) -> Self {
+        SamplerConfig {
+            len,
+            seed,
+            shuffle: true,
+            rank: 0,
+            world: 1,
+            drop_last: false,
+        }
+    }
+
+    fn fingerprint(&self) -> u64 {
+        let flags = (self.shuffle as u64) | ((self.drop_last as u64) << 1);
+        let mut h = mix64(self.len ^ 0x6b73_7065_6564_6670);
+        for v in [self.seed, flags, self.rank as u64, self.world as u64] {
+            h = mix64(h ^ v);
+        }
+        h
+    }
+}
+
+/// A saved place in a rank's sequence: the next step to consume.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Position {
+    /// Epoch.
+    pub epoch: u64,
+    /// Steps of this epoch already consumed by this rank.
+    pub index: u64,
+}
+
+const POS_MAGIC: &[u8; 8] = b"KSPDPOS1";
+/// Bytes of a serialized [`Position`].
+pub const POSITION_BYTES: usize = 36;
+
+/// A rank's view of the epoch sequence.
+#[derive(Debug, Clone)]
+pub struct Sampler {
+    cfg: SamplerConfig,
+    per_rank: u64,
+}
+
+impl Sampler {
+    /// Checks the configuration.
+    pub fn new(cfg: SamplerConfig) -> Result<Self> {
+        if cfg.len == 0 {
+            return Err(Error::InvalidConfig("the dataset has no samples".into()));
+        }
+        if cfg.world == 0 || cfg.rank >= cfg.world {
+            return Err(Error::InvalidConfig(format!(
+                "rank {} is not below world size {}",
+                cfg.rank, cfg.world
+            )));
+        }
+        let w = cfg.world as u64;
+        let per_rank = if cfg.drop_last {
+            cfg.len / w
+        } else {
+            cfg.len.div_ceil(w)
+        };
+        Ok(Sampler { cfg, per_rank })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &SamplerConfig {
+        &self.cfg
+    }
+
+    /// Steps per epoch for this rank (the same on every rank).
+    pub fn per_rank(&self) -> u64 {
+        self.per_rank
+    }
+
+    /// The order of `epoch`, to look up many positions of it.
+    pub fn epoch(&self, epoch: u64) -> EpochOrder {
+        EpochOrder {
+            perm: self
+                .cfg
+                .shuffle
+                .then(|| Permutation::new(self.cfg.len, self.cfg.seed, epoch)),
+            cfg: self.cfg,
+            per_rank: self.per_rank,
+        }
+    }
+
+    /// The sample id of step `k` of `epoch` for this rank (`k < per_rank()`).
+    pub fn sample(&self, epoch: u64, k: u64) -> u64 {
+        self.epoch(epoch).sample(k)
+    }
+
+    /// Serializes a position with this sampler's fingerprint, so it cannot be
+    /// resumed by a sampler over other data, seed, rank or world.
+    pub fn save(&self, pos: Position) -> [u8; POSITION_BYTES] {
+        let mut b = [0u8; POSITION_BYTES];
+        b[0..8].copy_from_slice(POS_MAGIC);
+        b[8..16].copy_from_slice(&pos.epoch.to_le_bytes());
+        b[16..24].copy_from_slice(&pos.index.to_le_bytes());
+        b[24..32].copy_from_slice(&self.cfg.fingerprint().to_le_bytes());
+        let crc = crc32c::crc32c(&b[..32]);
+        b[32..36].copy_from_slice(&crc.to_le_bytes());
+        b
+    }
+
+    /// Decodes a position saved by [`Sampler::save`] with the same configuration.
+    pub fn restore(&self, bytes: &[u8]) -> Result<Position> {
+        if bytes.len() != POSITION_BYTES {
+            return Err(Error::BadPosition(format!(
+                "{} bytes, expected {POSITION_BYTES}",
+                bytes.len()
+            )));
+        }
+        if &bytes[0..8] != POS_MAGIC {
+            return Err(Error::BadPosition(
+                "wrong magic (not a kspeed position)".into(),
+            ));
+        }
+        let crc = u32::from_le_bytes(bytes[32..36].try_into().expect("4 bytes"));
+        if crc != crc32c::crc32c(&bytes[..32]) {
+            return Err(Error::BadPosition("checksum mismatch (corrupt)".into()));
+        }
+        let fp = u64::from_le_bytes(bytes[24..32].try_into().expect("8 bytes"));
+        if fp != self.cfg.fingerprint() {
+            return Err(Error::BadPosition(
+                "saved by a sampler with another dataset length, seed, shuffle, rank, world or drop_last".into(),
+            ));
+        }
+        let pos = Position {
+            epoch: u64::from_le_bytes(bytes[8..16].try_into().expect("8 bytes")),
+            index: u64::from_le_bytes(bytes[16..24].try_into().expect("8 bytes")),
+        };
+        if pos.index > self.per_rank {
+            return Err(Error::BadPosition(format!(
+                "index {} is past the epoch's {} steps",
+                pos.index, self.per_rank
+            )));
+        }
+        Ok(pos)
+    }
+
+    /// Iterates this rank's sample ids from `pos` to the end of its epoch.
+    pub fn iter_from(&self, pos: Position) -> impl Iterator<Item = u64> + '_ {
+        let order = self.epoch(pos.epoch);
+        (pos.index..self.per_rank).map(move |k| order.sample(k))
+    }
+}
+
+/// One epoch's order, with the permutation keys computed once.
+#[derive(Debug, Clone)]
+pub struct EpochOrder {
+    perm: Option<Permutation>,
+    cfg: SamplerConfig,
+    per_rank: u64,
+}
+
+impl EpochOrder {
+    /// Sample id of this rank's step `k`.
+    pub fn sample(&self, k: u64) -> u64 {
+        debug_assert!(k < self.per_rank, "step {k} past the epoch");
+        let j = (self.cfg.rank as u64 + k * self.cfg.world as u64) % self.cfg.len;
+        match &self.perm {
+            Some(p) => p.apply(j),
+            None => j,
+        }
+    }
+
+    /// Sample id of global step `j` (all ranks interleaved).
+    pub fn global(&self, j: u64) -> u64 {
+        let j = j % self.cfg.len;
+        match &self.perm {
+            Some(p) => p.apply(j),
+            None => j,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn seq(s: &Sampler, epoch: u64) -> Vec<u64> {
+        s.iter_from(Position { epoch, index: 0 }).collect()
+    }
+
+    #[test]
+    fn permutation_is_a_bijection() {
+        for n in [1u64, 2, 3, 4, 5, 7, 8, 9, 100, 1000, 4097, 65_536, 65_537] {
+            let p = Permutation::new(n, 42, 3);
+            let mut seen = vec![false; n as usize];
+            for i in 0..n {
+                let v = p.apply(i);
+                assert!(v < n);
+                assert!(!seen[v as usize], "n={n}: {v} twice");
+                seen[v as usize] = true;
+            }
+        }
+    }
+
+    #[test]
+    fn shuffles_well_enough() {
+        // Displacement of a shuffled order should look uniform: the mean of
+        // |p(i) - i| for a random permutation of n is about n/3.
+        let n = 100_000u64;
+        let p = Permutation::new(n, 7, 0);
+        let mean: f64 = (0..n)
+            .map(|i| (p.apply(i) as f64 - i as f64).abs())
+            .sum::<f64>()
+            / n as f64;
+        assert!(
+            (mean / n as f64 - 1.0 / 3.0).abs() < 0.01,
+            "mean displacement {mean}"
+        );
+        // Fixed points: about 1 expected.
+        let fixed = (0..n).filter(|&i| p.apply(i) == i).count();
+        assert!(fixed < 10, "{fixed} fixed points");
+    }
+
+    #[test]
+    fn frozen_sequence() {
+        // The order is part of the protocol; a change here reshuffles every job.
+        let s = Sampler::new(SamplerConfig::single(10, 1)).unwrap();
+        assert_eq!(seq(&s, 0), frozen());
+    }
+
+    fn frozen() -> Vec<u64> {
+        vec![0; 10]
+    }
+
+    #[test]
+    fn pytorch_semantics_without_shuffle() {
+        // DistributedSampler(shuffle=False), N=10, W=3: padded order
+        // 0..10 + [0, 1]; rank 1 takes 1, 4, 7, 0.
+        let cfg = SamplerConfig {
+            len: 10,
+            seed: 0,
+            shuffle: false,
+            rank: 1,
+            world: 3,
+            drop_last: false,
+        };
+        assert_eq!(seq(&Sampler::new(cfg).unwrap(), 5), vec![1, 4, 7, 0]);
+        let s = Sampler::new(SamplerConfig { rank: 2, ..cfg }).unwrap();
+        assert_eq!(seq(&s, 0), vec![2, 5, 8, 1]);
+        let s = Sampler::new(SamplerConfig {
+            drop_last: true,
+            ..cfg
+        })
+        .unwrap();
+        assert_eq!(seq(&s, 0), vec![1, 4, 7]);
+    }
+
+    #[test]
+    fn positions_round_trip_and_resume() {
+        let cfg = SamplerConfig {
+            len: 1000,
+            seed: 9,
+            shuffle: true,
+            rank: 1,
+            world: 4,
+            drop_last: false,
+        };
+        let s = Sampler::new(cfg).unwrap();
+        let pos = Position {
+            epoch: 3,
+            index: 117,
+        };
+        let bytes = s.save(pos);
+        assert_eq!(s.restore(&bytes).unwrap(), pos);
+        let full = seq(&s, 3);
+        let resumed: Vec<u64> = s.iter_from(s.restore(&bytes).unwrap()).collect();
+        assert_eq!(&full[117..], &resumed[..]);
+
+        let other = Sampler::new(SamplerConfig { seed: 10, ..cfg }).unwrap();
+        assert!(matches!(other.restore(&bytes), Err(Error::BadPosition(_))));
+        let mut bad = bytes;
+        bad[10] ^= 1;
+        assert!(matches!(s.restore(&bad), Err(Error::BadPosition(_))));
+        assert!(matches!(
+            s.restore(&bytes[..20]),
+            Err(Error::BadPosition(_))
+        ));
+    }
+
+    #[test]
+    fn bad_configs() {
+        assert!(Sampler::new(SamplerConfig::single(0, 1)).is_err());
+        let cfg = SamplerConfig {
+            rank: 2,
+            world: 2,
+            ..SamplerConfig::single(5, 1)
+        };
+        assert!(Sampler::new(cfg).is_err());
+        let cfg = SamplerConfig {
+            rank: 0,
+            world: 0,
+            ..SamplerConfig::single(5, 1)
+        };
+        assert!(Sampler::new(cfg).is_err());
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(200))]
+
+        #[test]
+        fn ranks_cover_the_epoch(
+            n in 1u64..3000,
+            world in 1u32..9,
+            seed in any::<u64>(),
+            epoch in 0u64..1000,
+            shuffle in any::<bool>(),
+            drop_last in any::<bool>(),
+        ) {
+            let mut counts = vec![0u32; n as usize];
+            let mut total = 0u64;
+            let mut first: Option<Sampler> = None;
+            for rank in 0..world {
+                let s = Sampler::new(SamplerConfig { len: n, seed, shuffle, rank, world, drop_last }).unwrap();
+                if let Some(f) = &first {
+                    prop_assert_eq!(s.per_rank(), f.per_rank());
+                }
+                for id in seq(&s, epoch) {
+                    counts[id as usize] += 1;
+                    total += 1;
+                }
+                first.get_or_insert(s);
+            }
+            let w = world as u64;
+            if drop_last {
+                prop_assert_eq!(total, n / w * w);
+                prop_assert!(counts.iter().all(|&c| c <= 1));
+            } else {
+                prop_assert_eq!(total, n.div_ceil(w) * w);
+                prop_assert!(counts.iter().all(|&c| c >= 1));
+                // Padding repeats the start of the epoch's global order.
+                let order = first.unwrap().epoch(epoch);
+                let pad = total - n;
+                let mut extra = vec![0u32; n as usize];
+                for j in 0..pad {
+                    extra[order.global(j) as usize] += 1;
+                }
+                for i in 0..n as usize {
+                    prop_assert_eq!(counts[i], 1 + extra[i]);
+                }
+            }
+        }
+
+        #[test]
+        fn deterministic_and_epochs_differ(n in 50u64..5000, seed in any::<u64>(), epoch in 0u64..1_000_000) {
+            let s = Sampler::new(SamplerConfig::single(n, seed)).unwrap();
+            let a = seq(&s, epoch);
+            prop_assert_eq!(&a, &seq(&Sampler::new(SamplerConfig::single(n, seed)).unwrap(), epoch));
+            prop_assert_ne!(&a, &seq(&s, epoch + 1));
+            prop_assert_ne!(&a, &seq(&Sampler::new(SamplerConfig::single(n, seed ^ 1)).unwrap(), epoch));
+        }
+    }
+}

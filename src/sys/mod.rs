@@ -1,0 +1,126 @@
+//! Thin wrappers over the operating system calls that std does not offer.
+//! This is one of the few modules allowed `unsafe`: it owns raw memory
+//! (aligned buffers, read-only maps) and calls libc directly.
+
+use std::alloc::{self, Layout};
+use std::fs::File;
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::Path;
+use std::ptr::NonNull;
+
+/// Opens a file read-only with `O_DIRECT` so reads bypass the page cache; on
+/// file systems that refuse `O_DIRECT` (tmpfs, some overlays) it falls back to
+/// a buffered open and says so through the returned flag.
+pub fn open_direct(path: &Path) -> io::Result<(File, bool)> {
+    match std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(path)
+    {
+        Ok(f) => Ok((f, true)),
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+            Ok((std::fs::OpenOptions::new().read(true).open(path)?, false))
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// Bytes available to an unprivileged writer on the file system holding `path`.
+pub fn free_bytes(path: &Path) -> io::Result<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+    // SAFETY: `c` is a NUL-terminated path that outlives the call and `st`
+    // points to writable memory of the right size for statvfs to fill.
+    let rc = unsafe { libc::statvfs(c.as_ptr(), st.as_mut_ptr()) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: statvfs returned 0, so it initialised the whole struct.
+    let st = unsafe { st.assume_init() };
+    Ok(st.f_bavail as u64 * st.f_frsize as u64)
+}
+
+/// Tells the kernel we will not read `len` bytes at `offset` again soon, so
+/// a preload does not push the trainer's own page cache out. Advisory only.
+pub fn drop_cache(file: &File, offset: u64, len: u64) {
+    // SAFETY: posix_fadvise only reads its integer arguments; an invalid fd or
+    // range yields an error code, which is ignored because the call is advice.
+    unsafe {
+        libc::posix_fadvise(
+            file.as_raw_fd(),
+            offset as libc::off_t,
+            len as libc::off_t,
+            libc::POSIX_FADV_DONTNEED,
+        );
+    }
+}
+
+/// A heap buffer aligned for `O_DIRECT` (address, and the caller keeps
+/// lengths and offsets to multiples of the same alignment).
+pub struct AlignedBuf {
+    ptr: NonNull<u8>,
+    layout: Layout,
+}
+
+// SAFETY: AlignedBuf owns its allocation exclusively (like a Box<[u8]>), so
+// moving it to another thread or sharing `&AlignedBuf` is as safe as for Vec.
+unsafe impl Send for AlignedBuf {}
+// SAFETY: see Send; shared access only hands out `&[u8]`.
+unsafe impl Sync for AlignedBuf {}
+
+impl AlignedBuf {
+    /// Allocates `len` zeroed bytes aligned to `align` (a power of two).
+    pub fn new(len: usize, align: usize) -> Self {
+        let layout = Layout::from_size_align(len.max(align), align)
+            .expect("alignment is a power of two and the size fits isize");
+        // SAFETY: the layout has a non-zero size (at least `align` bytes).
+        let raw = unsafe { alloc::alloc_zeroed(layout) };
+        let ptr = NonNull::new(raw).unwrap_or_else(|| alloc::handle_alloc_error(layout));
+        AlignedBuf { ptr, layout }
+    }
+
+    /// The bytes, writable.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as in as_slice, and &mut self guarantees exclusive access.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.layout.size()) }
+    }
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        // SAFETY: ptr was returned by alloc_zeroed with exactly this layout.
+        unsafe { alloc::dealloc(self.ptr.as_ptr(), self.layout) }
+    }
+}
+
+/// A read-only memory map of a whole file.
+pub struct ReadOnlyMap {
+    map: Option<memmap2::Mmap>,
+}
+
+impl ReadOnlyMap {
+    /// Maps `file` read-only. An empty file maps to an empty slice.
+    ///
+    /// kspeed's own files (catalog, manifest) are written once to a temporary
+    /// name and renamed into place, never modified in place, which is what
+    /// makes mapping them sound in practice; a third party truncating the
+    /// file under us could still raise SIGBUS, as with any mapped file.
+    pub fn new(file: &File) -> io::Result<Self> {
+        if file.metadata()?.len() == 0 {
+            return Ok(ReadOnlyMap { map: None });
+        }
+        // SAFETY: the map is read-only and kspeed never writes these files in
+        // place (see above); the Mmap owns the mapping and unmaps on drop.
+        let map = unsafe { memmap2::MmapOptions::new().map(file)? };
+        Ok(ReadOnlyMap { map: Some(map) })
+    }
+
+    /// The mapped bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        self.map.as_deref().unwrap_or(&[])
+    }
+}
