@@ -372,10 +372,12 @@ pub fn preload(dir: &Path, opts: &PreloadOptions) -> Result<PreloadReport> {
             unsynced_bytes: 0,
         }),
     };
-    // Chunks of about 8 MiB of samples, so the watermark moves often even
-    // for large samples and the pool stays busy for small ones.
+    // Chunks of about 8 MiB of samples (less with a small checkpoint
+    // interval), so the watermark moves between checkpoints even for large
+    // samples and the pool stays busy for small ones.
     let mean = (catalog.total_bytes() / catalog.len()).max(1);
-    let chunk = ((8u64 << 20) / mean).clamp(1, 4096);
+    let target = (8u64 << 20).min(opts.checkpoint_bytes / 2).max(1);
+    let chunk = (target / mean).clamp(1, 4096);
     let n_left = catalog.len() - start_id;
     let result = crate::par::for_each_chunk(n_left, chunk, opts.threads, |r| {
         copier.copy_range(start_id + r.start..start_id + r.end)
@@ -392,7 +394,6 @@ pub fn preload(dir: &Path, opts: &PreloadOptions) -> Result<PreloadReport> {
             e => e,
         });
     }
-    copier.progress.add(0);
     report.copied_samples = copier.copied_samples.load(Ordering::Relaxed);
     report.copied_bytes = copier.copied_bytes.load(Ordering::Relaxed);
     drop(copier);

@@ -26,6 +26,7 @@ use crate::error::{Error, IoContext, Result};
 pub const PREFIX_LEN: usize = 32;
 
 /// A validated view of a kspeed file: its kind-specific header fields and body.
+#[derive(Debug)]
 pub struct Parsed<'a> {
     /// The format version (already checked to be supported).
     pub version: u32,
@@ -144,7 +145,7 @@ pub fn le_u64(b: &[u8], off: usize) -> u64 {
 }
 
 /// Kind-specific header fields, read by offset from the end of the prefix.
-#[derive(Clone, Copy)]
+#[derive(Debug, Clone, Copy)]
 pub struct Fields<'a> {
     bytes: &'a [u8],
 }

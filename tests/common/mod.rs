@@ -1,0 +1,116 @@
+//! Helpers shared by the integration tests: run the real `kspeed` binary and
+//! make small datasets on disk.
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+pub fn kspeed_bin() -> &'static str {
+    env!("CARGO_BIN_EXE_kspeed")
+}
+
+/// Runs `kspeed ARGS` with plain progress lines and returns its output.
+pub fn kspeed(args: &[&str]) -> Output {
+    Command::new(kspeed_bin())
+        .args(args)
+        .arg("--progress=none")
+        .output()
+        .expect("run kspeed")
+}
+
+pub fn text(o: &Output) -> String {
+    format!(
+        "status {:?}\n--- stdout\n{}--- stderr\n{}",
+        o.status.code(),
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// Asserts success and returns stdout.
+pub fn ok(args: &[&str]) -> String {
+    let o = kspeed(args);
+    assert!(o.status.success(), "kspeed {args:?} failed:\n{}", text(&o));
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// Asserts exit status `code` and returns stdout + stderr.
+pub fn fails(args: &[&str], code: i32) -> String {
+    let o = kspeed(args);
+    assert_eq!(
+        o.status.code(),
+        Some(code),
+        "kspeed {args:?}:\n{}",
+        text(&o)
+    );
+    text(&o)
+}
+
+pub fn s(p: &Path) -> &str {
+    p.to_str().expect("utf-8 path")
+}
+
+/// Writes `bytes` to `dir/rel`, creating parents.
+pub fn put(dir: &Path, rel: &str, bytes: &[u8]) -> PathBuf {
+    let p = dir.join(rel);
+    std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+    std::fs::write(&p, bytes).unwrap();
+    p
+}
+
+/// Deterministic bytes of length `len` for sample `i`.
+pub fn bytes_for(i: u64, len: usize) -> Vec<u8> {
+    let mut x = i.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+/// An ImageFolder tree with awkward sizes: 0, 1, 4095, 4096, 4097 bytes and
+/// some larger ones, three classes and one unlabeled file at the root.
+pub fn odd_tree(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let sizes = [
+        0usize, 1, 4095, 4096, 4097, 10_000, 65_536, 300_000, 7, 12_345, 8191, 2,
+    ];
+    let mut files = Vec::new();
+    for (i, len) in sizes.iter().enumerate() {
+        let class = ["cat", "dog", "eel"][i % 3];
+        let rel = format!("{class}/img_{i:03}.bin");
+        let b = bytes_for(i as u64, *len);
+        put(dir, &rel, &b);
+        files.push((rel, b));
+    }
+    let b = bytes_for(99, 5000);
+    put(dir, "loose.bin", &b);
+    files.push(("loose.bin".into(), b));
+    files
+}
+
+/// Generates a dataset with `kspeed gen`.
+pub fn gen(profile: &str, count: u64, out: &Path) {
+    ok(&[
+        "gen",
+        "--profile",
+        profile,
+        "--count",
+        &count.to_string(),
+        "--out",
+        s(out),
+        "--seed",
+        "7",
+    ]);
+}
+
+pub fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+        .unwrap_or(false)
+}
