@@ -1,7 +1,7 @@
 //! kspeed feeds GPU training jobs without I/O stalls.
 //!
 //! A dataset is preloaded once onto the local NVMe of the cluster's nodes
-//! ([`dataset::preload`]). Every rank's sample order is a pure function of
+//! ([`dataset::preload()`]). Every rank's sample order is a pure function of
 //! (seed, epoch, rank, world size, dataset length) ([`sampler`]), so the nodes
 //! that own the samples can push them into each rank's landing buffer before
 //! it asks. See docs/ and the repository's DESIGN notes for the architecture.
@@ -10,7 +10,7 @@
 //! - [`dataset`]: sources, the catalog, the owner function, spaces, preload, verify, gen;
 //! - [`sampler`]: the per-epoch permutation and each rank's sequence;
 //! - [`transport`]: how bytes reach a consumer (the RDMA device probe so far);
-//! - [`format`]: the checksummed envelope of kspeed's binary files;
+//! - [`mod@format`]: the checksummed envelope of kspeed's binary files;
 //! - [`progress`]: progress bars and lines for long work;
 //! - `sys` (private): the system calls std lacks (the only `unsafe` here).
 

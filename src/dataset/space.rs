@@ -356,7 +356,7 @@ impl Space {
             if let Some(loc) = space.location(id) {
                 let len = space.catalog.sample(id).len as u64;
                 let ok = (loc.extent as usize) < space.extent_lens.len()
-                    && loc.offset % params.align_bytes as u64 == 0
+                    && loc.offset.is_multiple_of(params.align_bytes as u64)
                     && loc.offset + len <= space.extent_lens[loc.extent as usize];
                 if !ok {
                     return Err(corrupt(format!("sample {id}: location outside its extent")));

@@ -62,7 +62,7 @@ pub fn parse<'a>(
         return Err(bad_magic(path, kind, magic, bytes));
     }
     let header_len = le_u32(bytes, 12) as usize;
-    if header_len < PREFIX_LEN || header_len % 8 != 0 {
+    if header_len < PREFIX_LEN || !header_len.is_multiple_of(8) {
         return Err(Error::Corrupt {
             path: path.to_path_buf(),
             kind,

@@ -7,8 +7,9 @@
 //! permutation), with `drop_last` `T = floor(N/W)*W`; rank `r` takes
 //! `g(r), g(r+W), g(r+2W), ...`, so its k-th sample is `g(r + k*W)`.
 //!
-//! The permutation is a keyed bijection, not an array: a balanced Feistel
-//! network over the smallest even number of bits covering `N`, with cycle
+//! The permutation is a keyed bijection, not an array: a Feistel network
+//! over the smallest number of bits covering `N` (halves differing by at
+//! most one bit when the count is odd), with cycle
 //! walking (re-apply until the value falls below `N`). Computing any
 //! position is O(1) memory and a few dozen multiplications, so a
 //! billion-sample dataset costs nothing to shuffle. The exact construction is
@@ -24,9 +25,14 @@ const PERM_SALT: u64 = 0x6b73_7065_6564_7065; // "kspeedpe"
 #[derive(Debug, Clone)]
 pub struct Permutation {
     n: u64,
-    half_bits: u32,
-    mask: u64,
+    /// Bits of the left and right halves (they differ by at most one).
+    hi_bits: u32,
+    lo_bits: u32,
     keys: [u64; ROUNDS],
+}
+
+const fn low_mask(bits: u32) -> u64 {
+    (1u64 << bits) - 1
 }
 
 impl Permutation {
@@ -34,7 +40,6 @@ impl Permutation {
     pub fn new(n: u64, seed: u64, epoch: u64) -> Self {
         assert!(n > 0, "permutation of an empty set");
         let bits = (64 - (n - 1).leading_zeros()).max(2);
-        let half_bits = bits.div_ceil(2);
         let base = mix64(mix64(seed ^ PERM_SALT) ^ epoch);
         let mut keys = [0u64; ROUNDS];
         for (i, k) in keys.iter_mut().enumerate() {
@@ -42,26 +47,32 @@ impl Permutation {
         }
         Permutation {
             n,
-            half_bits,
-            mask: (1u64 << half_bits) - 1,
+            hi_bits: bits / 2,
+            lo_bits: bits - bits / 2,
             keys,
         }
     }
 
+    /// One pass of the (possibly unbalanced) Feistel network over
+    /// `hi_bits + lo_bits` bits: each round maps (L, R) to (R, L ^ F(R)),
+    /// the halves swapping widths, which is invertible whatever F is. An
+    /// even number of rounds brings the widths back.
     fn feistel(&self, x: u64) -> u64 {
-        let (mut l, mut r) = (x >> self.half_bits, x & self.mask);
+        let (mut l_bits, mut r_bits) = (self.hi_bits, self.lo_bits);
+        let (mut l, mut r) = (x >> r_bits, x & low_mask(r_bits));
         for k in &self.keys {
-            let f = mix64(r ^ k) & self.mask;
+            let f = mix64(r ^ k) & low_mask(l_bits);
             (l, r) = (r, l ^ f);
+            (l_bits, r_bits) = (r_bits, l_bits);
         }
-        (l << self.half_bits) | r
+        (l << r_bits) | r
     }
 
     /// The image of `i` (`i < n`).
     pub fn apply(&self, i: u64) -> u64 {
         debug_assert!(i < self.n);
         let mut x = self.feistel(i);
-        // The domain is less than 4n, so the expected walk is under 4 steps;
+        // The domain is less than 2n, so the expected walk is under 2 steps;
         // it terminates because a permutation's cycle through i < n returns
         // to a value below n.
         while x >= self.n {
@@ -311,6 +322,9 @@ mod tests {
         // The order is part of the protocol; a change here reshuffles every job.
         let s = Sampler::new(SamplerConfig::single(10, 1)).unwrap();
         assert_eq!(seq(&s, 0), vec![4, 7, 6, 3, 2, 1, 5, 0, 8, 9]);
+        // An odd bit count (100 < 2^7): the unbalanced network.
+        let s = Sampler::new(SamplerConfig::single(100, 1)).unwrap();
+        assert_eq!(seq(&s, 3)[..10], [21, 55, 38, 56, 62, 63, 78, 32, 9, 89]);
     }
 
     #[test]

@@ -41,7 +41,10 @@ pub fn free_bytes(path: &Path) -> io::Result<u64> {
     }
     // SAFETY: statvfs returned 0, so it initialised the whole struct.
     let st = unsafe { st.assume_init() };
-    Ok(st.f_bavail as u64 * st.f_frsize as u64)
+    // The field types differ between libc targets (u32 on some 32-bit ones).
+    #[allow(clippy::unnecessary_cast)]
+    let bytes = st.f_bavail as u64 * st.f_frsize as u64;
+    Ok(bytes)
 }
 
 /// Tells the kernel we will not read `len` bytes at `offset` again soon, so

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The main job on the embedded default, on a fresh machine: build kspeed,
+# generate a small ImageFolder dataset, preload it into a space, verify it
+# and summarise it. Usage: scripts/demo.sh [WORKDIR] (default /tmp/kspeed-demo)
+# Environment: COUNT (samples, default 2000), PROFILE (default imagenet).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+cargo build --release --quiet
+K=target/release/kspeed
+W=${1:-/tmp/kspeed-demo}
+COUNT=${COUNT:-2000}
+PROFILE=${PROFILE:-imagenet}
+mkdir -p "$W"
+echo "== gen: $COUNT $PROFILE samples into $W/src"
+$K gen --profile "$PROFILE" --count "$COUNT" --out "$W/src" --seed 1
+echo "== preload into $W/space (cold page cache where permitted)"
+sync; (echo 3 > /proc/sys/vm/drop_caches) 2>/dev/null || echo "(cannot drop caches: not root)"
+$K preload --source "$W/src" --space "$W/space"
+echo "== preload again (idempotent)"
+$K preload --source "$W/src" --space "$W/space"
+echo "== verify"
+$K verify --space "$W/space"
+echo "== inspect"
+$K inspect --space "$W/space"

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The whole test suite, on a fresh machine: system packages, formatting,
+# lints (with and without the rdma feature), rustdoc, every test with and
+# without the rdma feature, and the RDMA tests inside the soft-RoCE VM.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+export CARGO_TERM_COLOR=never
+step() { echo; echo "== $*"; }
+
+step "cargo fmt --check"
+cargo fmt --all -- --check
+step "cargo clippy (default features, then --no-default-features)"
+cargo clippy --all-targets -- -D warnings
+cargo clippy --all-targets --no-default-features -- -D warnings
+step "rustdoc"
+RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --quiet
+
+runner=(cargo test)
+if cargo nextest --version >/dev/null 2>&1; then runner=(cargo nextest run --no-fail-fast); fi
+step "tests without the rdma feature"
+"${runner[@]}" --no-default-features
+step "tests (default features)"
+"${runner[@]}"
+
+VM=${RDMA_VM:-../shared/rdma-vm/run-in-vm.sh}
+step "RDMA tests in the soft-RoCE VM ($VM)"
+if [ -x "$VM" ]; then
+  bin=$(cargo test --test rdma --no-run --message-format=json 2>/dev/null \
+        | python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "rdma" and m.get("executable"):
+        print(m["executable"])')
+  "$VM" -- "$bin"
+else
+  echo "skipped: $VM not found (it lives in the shared folder beside the checkout)"
+fi
