@@ -86,6 +86,19 @@ impl AlignedBuf {
         AlignedBuf { ptr, layout }
     }
 
+    /// The length in bytes (never zero: at least the alignment).
+    #[allow(clippy::len_without_is_empty)]
+    pub fn len(&self) -> usize {
+        self.layout.size()
+    }
+
+    /// The bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: ptr is valid for layout.size() initialised (zeroed) bytes and
+        // the borrow of self keeps it alive and unaliased by &mut.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.layout.size()) }
+    }
+
     /// The bytes, writable.
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: as in as_slice, and &mut self guarantees exclusive access.
