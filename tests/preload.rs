@@ -798,3 +798,23 @@ fn full_disk_is_a_named_error() {
     }
     assert!(matches!(Space::open(&sp), Err(Error::NotASpace { .. })));
 }
+
+#[test]
+fn progress_lines_when_not_a_terminal() {
+    let t = tempfile::tempdir().unwrap();
+    let src = t.path().join("src");
+    gen("imagenet", 20, &src);
+    let o = Command::new(kspeed_bin())
+        .args(["preload", "--source", s(&src), "--space", s(&t.path().join("sp"))])
+        .args(["--max-bytes-per-sec", "4MB", "--progress", "auto"])
+        .env("KSPEED_PROGRESS_INTERVAL_MS", "100")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let err = String::from_utf8_lossy(&o.stderr);
+    let line = err
+        .lines()
+        .find(|l| l.starts_with("preload: "))
+        .unwrap_or_else(|| panic!("no progress line in {err}"));
+    assert!(line.contains("/s, ETA ") && line.contains('%'), "{line}");
+}
