@@ -178,6 +178,97 @@ pub enum Error {
     /// A configuration value is invalid.
     #[error("invalid configuration: {0}")]
     InvalidConfig(String),
+    /// The landing ring cannot be locked in memory.
+    #[error("cannot mlock the {needed}-byte landing ring (errno {errno}): RLIMIT_MEMLOCK is {}; raise it (ulimit -l, or LimitMEMLOCK= in systemd, or memlock in /etc/security/limits.conf) or use a smaller ring",
+        if *limit == u64::MAX { "unlimited".to_string() } else { format!("{limit} bytes") })]
+    Memlock {
+        /// Bytes that needed locking.
+        needed: u64,
+        /// The current soft limit (u64::MAX = unlimited).
+        limit: u64,
+        /// The errno of mlock.
+        errno: i32,
+    },
+    /// The landing ring cannot be bound to a NUMA node.
+    #[error("cannot bind the landing ring to NUMA node {node}: {reason}")]
+    Numa {
+        /// The node asked for.
+        node: u32,
+        /// Why.
+        reason: String,
+    },
+    /// CUDA registration was required but is not possible.
+    #[error("CUDA registration of the landing ring failed: {0}")]
+    Cuda(String),
+    /// A sample cannot fit in the landing ring.
+    #[error("sample {sample} ({len} bytes, {slot} with alignment) does not fit in the {ring_bytes}-byte landing ring (or its 1 GiB registration segments); raise ring_bytes")]
+    SampleLargerThanRing {
+        /// The sample.
+        sample: u64,
+        /// Its length.
+        len: u64,
+        /// Its slot size in the ring.
+        slot: u64,
+        /// The ring size.
+        ring_bytes: u64,
+    },
+    /// Reading a sample failed.
+    #[error(
+        "reading sample {sample} from {path} at offset {offset} failed: {errno_name} ({source})"
+    )]
+    ReadFailed {
+        /// The sample.
+        sample: u64,
+        /// The file.
+        path: PathBuf,
+        /// Byte offset of the read.
+        offset: u64,
+        /// Symbolic errno (EIO, ENOENT, ...).
+        errno_name: &'static str,
+        /// The OS error.
+        #[source]
+        source: io::Error,
+    },
+    /// A sample's file ended before the sample did (truncated after preload?).
+    #[error("sample {sample}: {path} is truncated: read {got} of {expected} bytes at offset {offset} (after {attempts} attempts)")]
+    ShortRead {
+        /// The sample.
+        sample: u64,
+        /// The file.
+        path: PathBuf,
+        /// Byte offset of the read.
+        offset: u64,
+        /// Bytes expected.
+        expected: u64,
+        /// Bytes read in the last attempt.
+        got: u64,
+        /// Attempts made.
+        attempts: u32,
+    },
+    /// A sample's bytes do not match the catalog's CRC32C.
+    #[error("sample {sample} from {path}: crc32c {computed:#010x} does not match the catalog's {expected:#010x}")]
+    SampleCorrupt {
+        /// The sample.
+        sample: u64,
+        /// The file it was read from.
+        path: PathBuf,
+        /// CRC32C in the catalog.
+        expected: u32,
+        /// CRC32C of the bytes read.
+        computed: u32,
+    },
+    /// The loader stopped after an earlier error.
+    #[error("the loader stopped after an earlier error: {0}")]
+    LoaderFailed(String),
+    /// io_uring could not be set up.
+    #[error("io_uring setup failed ({what}): {source}")]
+    Uring {
+        /// What was being set up.
+        what: &'static str,
+        /// The OS error.
+        #[source]
+        source: io::Error,
+    },
     /// A saved sampler position cannot be decoded or does not fit the sampler.
     #[error("invalid sampler position: {0}")]
     BadPosition(String),
@@ -198,6 +289,33 @@ impl Error {
             };
         }
         Error::Io { op, path, source }
+    }
+}
+
+/// The symbolic name of an errno value, for messages.
+pub fn errno_name(errno: i32) -> &'static str {
+    match errno {
+        libc::EIO => "EIO",
+        libc::ENOENT => "ENOENT",
+        libc::EACCES => "EACCES",
+        libc::EPERM => "EPERM",
+        libc::EINVAL => "EINVAL",
+        libc::EBADF => "EBADF",
+        libc::EFAULT => "EFAULT",
+        libc::ENOMEM => "ENOMEM",
+        libc::EAGAIN => "EAGAIN",
+        libc::EINTR => "EINTR",
+        libc::ENOSPC => "ENOSPC",
+        libc::EOVERFLOW => "EOVERFLOW",
+        libc::ENXIO => "ENXIO",
+        libc::ENODEV => "ENODEV",
+        libc::ESTALE => "ESTALE",
+        libc::ETIMEDOUT => "ETIMEDOUT",
+        libc::ECANCELED => "ECANCELED",
+        libc::EOPNOTSUPP => "EOPNOTSUPP",
+        libc::EMFILE => "EMFILE",
+        libc::ENFILE => "ENFILE",
+        _ => "errno",
     }
 }
 

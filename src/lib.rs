@@ -9,7 +9,10 @@
 //! Modules, following the architecture:
 //! - [`dataset`]: sources, the catalog, the owner function, spaces, preload, verify, gen;
 //! - [`sampler`]: the per-epoch permutation and each rank's sequence;
-//! - [`transport`]: how bytes reach a consumer (the RDMA device probe so far);
+//! - [`ring`]: io_uring reads into caller-owned slots, and a fault-injecting wrapper;
+//! - [`landing`]: the landing ring's memory (huge pages, mlock, NUMA, CUDA);
+//! - [`loader`]: pollers, the schedule, the memory tier and the consumer API;
+//! - [`transport`]: how bytes reach a remote consumer (the RDMA device probe so far);
 //! - [`mod@format`]: the checksummed envelope of kspeed's binary files;
 //! - [`progress`]: progress bars and lines for long work;
 //! - `sys` (private): the system calls std lacks (the only `unsafe` here).
@@ -20,8 +23,11 @@ pub mod dataset;
 pub mod error;
 pub mod format;
 pub mod hash;
+pub mod landing;
+pub mod loader;
 pub mod par;
 pub mod progress;
+pub mod ring;
 pub mod sampler;
 mod sys;
 pub mod transport;

@@ -13,6 +13,7 @@ use kspeed::dataset::{self, BuildOptions, Catalog, Placement, PreloadOptions, So
 use kspeed::progress::{human_bytes, ProgressMode};
 
 mod inspect;
+mod read;
 
 #[derive(Parser)]
 #[command(name = "kspeed", version, about = "Feed GPU training jobs without I/O stalls", long_about = None)]
@@ -41,6 +42,8 @@ enum Cmd {
     Inspect(InspectArgs),
     /// Re-read every sample of a space and check its CRC32C.
     Verify(VerifyArgs),
+    /// Drain epochs through the loader (io_uring pollers, landing ring) and report throughput.
+    Read(read::ReadArgs),
 }
 
 #[derive(Args)]
@@ -91,7 +94,7 @@ struct PlacementArgs {
     replicas: u32,
 }
 
-fn parse_bytes(s: &str) -> Result<u64, String> {
+pub(crate) fn parse_bytes(s: &str) -> Result<u64, String> {
     parse_size::parse_size(s).map_err(|e| format!("{s:?}: {e}"))
 }
 
@@ -281,6 +284,7 @@ fn run(cli: Cli) -> kspeed::Result<ExitCode> {
             dataset::unload(&a.space)?;
             println!("removed space {}", a.space.display());
         }
+        Cmd::Read(a) => read::run(a, progress)?,
         Cmd::Inspect(a) => inspect::run(&a.space, &a.catalog, a.nodes, a.replicas, a.devices)?,
         Cmd::Verify(a) => {
             let space = Space::open(&a.space)?;

@@ -805,7 +805,13 @@ fn progress_lines_when_not_a_terminal() {
     let src = t.path().join("src");
     gen("imagenet", 20, &src);
     let o = Command::new(kspeed_bin())
-        .args(["preload", "--source", s(&src), "--space", s(&t.path().join("sp"))])
+        .args([
+            "preload",
+            "--source",
+            s(&src),
+            "--space",
+            s(&t.path().join("sp")),
+        ])
         .args(["--max-bytes-per-sec", "4MB", "--progress", "auto"])
         .env("KSPEED_PROGRESS_INTERVAL_MS", "100")
         .output()

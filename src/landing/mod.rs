@@ -1,0 +1,384 @@
+//! The landing ring: one contiguous region of GPU-adjacent host memory into
+//! which samples are read (or, remotely, written) in sampler order.
+//!
+//! - huge pages (2 MiB, `MAP_HUGETLB`) when the system has them reserved;
+//!   otherwise normal pages with transparent huge pages requested, and the
+//!   fallback is reported;
+//! - `mlock`ed, so the kernel never pages it out under the NIC or the GPU;
+//!   failing that, a named error gives `RLIMIT_MEMLOCK` and the bytes needed;
+//! - bound to a NUMA node (`mbind`), chosen by config or derived from a GPU's
+//!   PCI address (`/sys/bus/pci/devices/ADDR/numa_node`);
+//! - registered with CUDA as pinned host memory when a CUDA runtime or driver
+//!   library can be loaded at run time ([`cuda`]); never a build dependency.
+//!
+//! This module owns the raw memory and is one of the few allowed `unsafe`.
+
+pub mod cuda;
+
+use std::path::Path;
+use std::ptr::NonNull;
+
+use crate::error::{Error, Result};
+
+/// How to treat CUDA registration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CudaMode {
+    /// Register when a CUDA library loads and a device is present; otherwise go on.
+    #[default]
+    Auto,
+    /// Never try.
+    Off,
+    /// Fail when registration is not possible.
+    Require,
+}
+
+/// Landing ring settings.
+#[derive(Debug, Clone)]
+pub struct LandingOptions {
+    /// Size in bytes (rounded up to whole pages).
+    pub ring_bytes: u64,
+    /// Try 2 MiB huge pages first.
+    pub huge_pages: bool,
+    /// Lock the memory (recommended; required for RDMA and CUDA pinning).
+    pub mlock: bool,
+    /// Bind to this NUMA node.
+    pub numa_node: Option<u32>,
+    /// Or: bind to the NUMA node of this PCI device (a GPU), e.g. `0000:3b:00.0`.
+    pub gpu_pci: Option<String>,
+    /// CUDA registration.
+    pub cuda: CudaMode,
+}
+
+impl Default for LandingOptions {
+    fn default() -> Self {
+        LandingOptions {
+            ring_bytes: 256 << 20,
+            huge_pages: true,
+            mlock: true,
+            numa_node: None,
+            gpu_pci: None,
+            cuda: CudaMode::Auto,
+        }
+    }
+}
+
+/// What the landing ring ended up with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LandingInfo {
+    /// Bytes mapped.
+    pub bytes: u64,
+    /// Backed by explicit 2 MiB huge pages.
+    pub huge_pages: bool,
+    /// Locked in memory.
+    pub locked: bool,
+    /// NUMA node it is bound to.
+    pub numa_node: Option<u32>,
+    /// "registered with CUDA (libcudart.so.12)", "CUDA not present: ...".
+    pub cuda: String,
+}
+
+const HUGE_PAGE: u64 = 2 << 20;
+
+/// The ring's memory.
+pub struct LandingRing {
+    ptr: NonNull<u8>,
+    len: usize,
+    info: LandingInfo,
+    cuda: Option<cuda::Registration>,
+}
+
+// SAFETY: the ring is plain memory owned by this value; which bytes may be
+// read or written concurrently is governed by the loader's protocol (see
+// `slice` and `as_mut_ptr`), not by thread identity.
+unsafe impl Send for LandingRing {}
+// SAFETY: as above; &LandingRing hands out only raw pointers and, through the
+// unsafe `slice`, shared views of bytes the caller guarantees are not written.
+unsafe impl Sync for LandingRing {}
+
+/// RLIMIT_MEMLOCK's soft limit, in bytes (u64::MAX for unlimited).
+pub fn memlock_limit() -> u64 {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes into the valid struct we pass.
+    let rc = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut r) };
+    if rc != 0 || r.rlim_cur == libc::RLIM_INFINITY {
+        u64::MAX
+    } else {
+        r.rlim_cur
+    }
+}
+
+/// The NUMA node of a PCI device, from sysfs; `None` when the platform has
+/// no NUMA information (the file says -1) or the device is unknown.
+pub fn pci_numa_node(sysfs: &Path, pci: &str) -> Result<Option<u32>> {
+    let p = sysfs.join("bus/pci/devices").join(pci).join("numa_node");
+    let text = std::fs::read_to_string(&p).map_err(|e| Error::io("read", &p, e))?;
+    let v: i64 = text.trim().parse().map_err(|_| {
+        Error::InvalidConfig(format!(
+            "{}: {:?} is not a node number",
+            p.display(),
+            text.trim()
+        ))
+    })?;
+    Ok(u32::try_from(v).ok())
+}
+
+impl LandingRing {
+    /// Maps, locks, binds and registers the ring as `opts` says.
+    pub fn new(opts: &LandingOptions) -> Result<Self> {
+        if opts.ring_bytes == 0 {
+            return Err(Error::InvalidConfig("ring_bytes must be positive".into()));
+        }
+        let numa_node = match (&opts.gpu_pci, opts.numa_node) {
+            (_, Some(n)) => Some(n),
+            (Some(pci), None) => {
+                let n = pci_numa_node(Path::new("/sys"), pci)?;
+                if n.is_none() {
+                    log::info!(
+                        "GPU {pci}: no NUMA node reported (single-node machine); not binding"
+                    );
+                }
+                n
+            }
+            (None, None) => None,
+        };
+        let (ptr, len, huge) = map(opts.ring_bytes, opts.huge_pages)?;
+        let mut ring = LandingRing {
+            ptr,
+            len,
+            info: LandingInfo {
+                bytes: len as u64,
+                huge_pages: huge,
+                locked: false,
+                numa_node: None,
+                cuda: String::new(),
+            },
+            cuda: None,
+        };
+        if let Some(node) = numa_node {
+            ring.bind(node)?;
+            ring.info.numa_node = Some(node);
+        }
+        if opts.mlock {
+            // SAFETY: ptr/len describe our own live mapping.
+            let rc = unsafe { libc::mlock(ptr.as_ptr().cast(), len) };
+            if rc != 0 {
+                let err = std::io::Error::last_os_error();
+                return Err(Error::Memlock {
+                    needed: len as u64,
+                    limit: memlock_limit(),
+                    errno: err.raw_os_error().unwrap_or(0),
+                });
+            }
+            ring.info.locked = true;
+        }
+        // Touch every page so the first sample does not pay the faults (and
+        // the NUMA binding takes effect now).
+        let page = if huge { HUGE_PAGE as usize } else { 4096 };
+        for off in (0..len).step_by(page) {
+            // SAFETY: off < len, inside our writable mapping.
+            unsafe { ptr.as_ptr().add(off).write_volatile(0) };
+        }
+        match opts.cuda {
+            CudaMode::Off => ring.info.cuda = "CUDA registration off".into(),
+            mode => match cuda::Registration::register(ptr.as_ptr(), len) {
+                Ok(reg) => {
+                    ring.info.cuda = format!("registered with CUDA ({})", reg.library());
+                    ring.cuda = Some(reg);
+                }
+                Err(why) if mode == CudaMode::Require => {
+                    return Err(Error::Cuda(why));
+                }
+                Err(why) => ring.info.cuda = format!("CUDA not used: {why}"),
+            },
+        }
+        if !huge && opts.huge_pages {
+            log::info!("landing ring: no 2 MiB huge pages reserved (vm.nr_hugepages); using normal pages with THP advice");
+        }
+        Ok(ring)
+    }
+
+    fn bind(&self, node: u32) -> Result<()> {
+        const MPOL_BIND: libc::c_long = 2;
+        const MPOL_MF_MOVE: libc::c_ulong = 2;
+        if node >= 1024 {
+            return Err(Error::InvalidConfig(format!(
+                "NUMA node {node} is out of range"
+            )));
+        }
+        let mut mask = [0u64; 16];
+        mask[(node / 64) as usize] |= 1 << (node % 64);
+        // SAFETY: mbind reads `mask` (1024 bits, maxnode 1025) and applies a
+        // policy to our own mapping; no memory is written by the call.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_mbind,
+                self.ptr.as_ptr(),
+                self.len,
+                MPOL_BIND,
+                mask.as_ptr(),
+                1025 as libc::c_ulong,
+                MPOL_MF_MOVE,
+            )
+        };
+        if rc != 0 {
+            return Err(Error::Numa {
+                node,
+                reason: std::io::Error::last_os_error().to_string(),
+            });
+        }
+        Ok(())
+    }
+
+    /// What was set up.
+    pub fn info(&self) -> &LandingInfo {
+        &self.info
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the ring is empty (never).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Base pointer for I/O into the ring (io_uring, memcpy from the tier).
+    pub fn as_mut_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    /// A shared view of `len` bytes at `off`.
+    ///
+    /// # Safety
+    /// `off + len <= self.len()`, and nothing may write those bytes while the
+    /// returned slice lives (the loader guarantees this for delivered,
+    /// unreleased samples: pollers write only outside the consumer's window).
+    pub unsafe fn slice(&self, off: usize, len: usize) -> &[u8] {
+        debug_assert!(off + len <= self.len);
+        // SAFETY: in bounds per the contract; no concurrent writer per the contract.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(off), len) }
+    }
+}
+
+fn map(bytes: u64, huge: bool) -> Result<(NonNull<u8>, usize, bool)> {
+    let prot = libc::PROT_READ | libc::PROT_WRITE;
+    let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS;
+    if huge {
+        let len = bytes.next_multiple_of(HUGE_PAGE) as usize;
+        // SAFETY: an anonymous mapping request; the kernel picks the address.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                prot,
+                flags | libc::MAP_HUGETLB,
+                -1,
+                0,
+            )
+        };
+        if p != libc::MAP_FAILED {
+            return Ok((
+                NonNull::new(p.cast()).expect("mmap returned non-null"),
+                len,
+                true,
+            ));
+        }
+    }
+    let len = bytes.next_multiple_of(4096) as usize;
+    // SAFETY: as above, without huge pages.
+    let p = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, flags, -1, 0) };
+    if p == libc::MAP_FAILED {
+        return Err(Error::io(
+            "mmap landing ring",
+            "<anonymous>",
+            std::io::Error::last_os_error(),
+        ));
+    }
+    if huge {
+        // SAFETY: advice on our own mapping; failure is harmless.
+        unsafe { libc::madvise(p, len, libc::MADV_HUGEPAGE) };
+    }
+    Ok((
+        NonNull::new(p.cast()).expect("mmap returned non-null"),
+        len,
+        false,
+    ))
+}
+
+impl Drop for LandingRing {
+    fn drop(&mut self) {
+        // Reverse order of setup: CUDA registration, lock, mapping.
+        self.cuda.take();
+        // SAFETY: ptr/len are our live mapping, unmapped exactly once here;
+        // munmap also drops the lock, munlock first keeps the order explicit.
+        unsafe {
+            if self.info.locked {
+                libc::munlock(self.ptr.as_ptr().cast(), self.len);
+            }
+            libc::munmap(self.ptr.as_ptr().cast(), self.len);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn maps_and_writes() {
+        let r = LandingRing::new(&LandingOptions {
+            ring_bytes: 3 << 20,
+            cuda: CudaMode::Off,
+            ..Default::default()
+        })
+        .unwrap();
+        assert!(r.len() >= 3 << 20);
+        // SAFETY: in bounds, and nothing else touches this fresh ring.
+        unsafe {
+            r.as_mut_ptr().add(12345).write(7);
+            assert_eq!(r.slice(12345, 1), &[7]);
+        }
+        assert!(r.info().locked);
+    }
+
+    #[test]
+    fn numa_node_from_fake_sysfs() {
+        let d = tempfile::tempdir().unwrap();
+        let dev = d.path().join("bus/pci/devices/0000:3b:00.0");
+        std::fs::create_dir_all(&dev).unwrap();
+        std::fs::write(dev.join("numa_node"), "1\n").unwrap();
+        assert_eq!(pci_numa_node(d.path(), "0000:3b:00.0").unwrap(), Some(1));
+        std::fs::write(dev.join("numa_node"), "-1\n").unwrap();
+        assert_eq!(pci_numa_node(d.path(), "0000:3b:00.0").unwrap(), None);
+        assert!(pci_numa_node(d.path(), "0000:00:00.0").is_err());
+    }
+
+    #[test]
+    fn cuda_not_present_is_reported_not_fatal() {
+        let r = LandingRing::new(&LandingOptions {
+            ring_bytes: 1 << 20,
+            ..Default::default()
+        })
+        .unwrap();
+        // On machines with a GPU this says "registered"; here it explains why not.
+        assert!(!r.info().cuda.is_empty());
+        if cuda::probe().is_err() {
+            assert!(
+                r.info().cuda.starts_with("CUDA not used"),
+                "{}",
+                r.info().cuda
+            );
+            let e = LandingRing::new(&LandingOptions {
+                ring_bytes: 1 << 20,
+                cuda: CudaMode::Require,
+                ..Default::default()
+            });
+            assert!(matches!(e, Err(Error::Cuda(_))));
+        }
+    }
+}

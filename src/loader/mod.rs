@@ -1,0 +1,990 @@
+//! The consumer API: a [`Loader`] hands out batches of samples in sampler
+//! order as zero-copy views into the landing ring, while pollers read ahead.
+//!
+//! ```no_run
+//! use kspeed::loader::LoaderBuilder;
+//! # fn main() -> kspeed::Result<()> {
+//! let mut loader = LoaderBuilder::space("/nvme/kspeed/train").batch_size(256).seed(42).build()?;
+//! for epoch in 0..3 {
+//!     loader.set_epoch(epoch)?;
+//!     while let Some(batch) = loader.next_batch()? {
+//!         for s in batch.iter() {
+//!             let _ = (s.id, s.label, s.bytes); // decode, augment...
+//!         }
+//!     } // dropping the batch returns its ring space
+//! }
+//! println!("{:?}", loader.stats());
+//! # Ok(()) }
+//! ```
+//!
+//! How it works: the schedule ([`schedule`]) gives every sample of the rank's
+//! sequence a slot in the ring, computed alike by the consumer and by each
+//! poller. Poller `p` reads samples `g` with `g mod P == p` once their slot is
+//! free (behind the consumer's released mark) and publishes `g` in a ready
+//! table; the consumer waits on that table (spin, then park). Nothing per
+//! sample crosses threads but that one atomic store.
+
+pub mod schedule;
+pub mod tier;
+
+mod poller;
+
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::{JoinHandle, Thread};
+use std::time::{Duration, Instant};
+
+use hdrhistogram::Histogram;
+
+use crate::dataset::{Catalog, SourceSpec, Space};
+use crate::error::{Error, Result};
+use crate::landing::{LandingInfo, LandingOptions, LandingRing};
+use crate::ring::{FaultConfig, Faulty, IoBackend, Uring, UringOptions};
+use crate::sampler::{Position, Sampler, SamplerConfig, POSITION_BYTES};
+use schedule::{Cursor, Geometry, Placed};
+use tier::Tier;
+
+pub(crate) const CODE_OK: u64 = 0;
+pub(crate) const CODE_ERROR: u64 = 1;
+
+/// Where samples are read from.
+pub(crate) enum Input {
+    /// A preloaded space: packed, aligned extents (O_DIRECT).
+    Space {
+        space: Space,
+        /// Open extent files (registered with every poller's ring).
+        extents: Vec<std::fs::File>,
+    },
+    /// Source files directly, through the page cache.
+    Source { catalog: Catalog, root: PathBuf },
+}
+
+impl Input {
+    pub(crate) fn catalog(&self) -> &Catalog {
+        match self {
+            Input::Space { space, .. } => space.catalog(),
+            Input::Source { catalog, .. } => catalog,
+        }
+    }
+}
+
+/// Per-poller counters.
+pub(crate) struct PollerStats {
+    pub(crate) disk_reads: AtomicU64,
+    pub(crate) tier_hits: AtomicU64,
+    pub(crate) retries: AtomicU64,
+    pub(crate) latency: Mutex<Histogram<u64>>,
+}
+
+#[derive(Debug, Clone)]
+pub(crate) struct PollerConfig {
+    pub(crate) pollers: usize,
+    pub(crate) queue_depth: u32,
+    pub(crate) lookahead: u64,
+    pub(crate) spin: Duration,
+    pub(crate) sqpoll_idle_ms: Option<u32>,
+    pub(crate) pin: bool,
+    pub(crate) verify_crc32c: bool,
+    pub(crate) faults: Option<FaultConfig>,
+}
+
+/// State shared by the consumer and the pollers of one run (from a start
+/// position until a restart or the end).
+pub(crate) struct Shared {
+    pub(crate) input: Input,
+    pub(crate) ring: LandingRing,
+    pub(crate) geo: Geometry,
+    pub(crate) sampler: Sampler,
+    pub(crate) start: Position,
+    pub(crate) cfg: PollerConfig,
+    pub(crate) fixed_buffers: bool,
+    /// Indexed by g mod table length: ((g + 1) << 8) | code once g is ready.
+    ready: Box<[AtomicU64]>,
+    pub(crate) released_v: AtomicU64,
+    pub(crate) released_g: AtomicU64,
+    pub(crate) stop: AtomicBool,
+    consumer: Mutex<Option<Thread>>,
+    waiting_for: AtomicU64,
+    pub(crate) errors: Mutex<Vec<(u64, Error)>>,
+    pub(crate) stats: Vec<PollerStats>,
+    pub(crate) tier: Option<Tier>,
+}
+
+impl Shared {
+    pub(crate) fn publish(&self, g: u64, code: u64) {
+        let idx = (g % self.ready.len() as u64) as usize;
+        self.ready[idx].store(((g + 1) << 8) | code, Ordering::SeqCst);
+        if self.waiting_for.load(Ordering::SeqCst) == g + 1 {
+            if let Some(t) = self.consumer.lock().expect("not poisoned").as_ref() {
+                t.unpark();
+            }
+        }
+    }
+
+    fn state(&self, g: u64) -> Option<u64> {
+        let v = self.ready[(g % self.ready.len() as u64) as usize].load(Ordering::Acquire);
+        (v >> 8 == g + 1).then_some(v & 0xff)
+    }
+}
+
+/// Builds a [`Loader`].
+#[derive(Debug, Clone)]
+pub struct LoaderBuilder {
+    space: Option<PathBuf>,
+    source: Option<String>,
+    catalog: Option<PathBuf>,
+    batch_size: usize,
+    seed: u64,
+    shuffle: bool,
+    rank: u32,
+    world: u32,
+    drop_last: bool,
+    landing: LandingOptions,
+    pollers: usize,
+    queue_depth: u32,
+    lookahead: u64,
+    spin: Duration,
+    sqpoll_idle_ms: Option<u32>,
+    pin: bool,
+    verify_crc32c: bool,
+    tier_bytes: u64,
+    faults: Option<FaultConfig>,
+    start: Option<Position>,
+}
+
+/// Default poller count: a quarter of the cores (at least 1, at most 8),
+/// leaving the rest to the trainer's own preprocessing.
+pub fn default_pollers() -> usize {
+    let cores = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
+    (cores / 4).clamp(1, 8)
+}
+
+impl LoaderBuilder {
+    fn new() -> Self {
+        LoaderBuilder {
+            space: None,
+            source: None,
+            catalog: None,
+            batch_size: 64,
+            seed: 0,
+            shuffle: true,
+            rank: 0,
+            world: 1,
+            drop_last: false,
+            landing: LandingOptions::default(),
+            pollers: default_pollers(),
+            queue_depth: 32,
+            lookahead: u64::MAX,
+            spin: Duration::from_micros(50),
+            sqpoll_idle_ms: None,
+            pin: true,
+            verify_crc32c: false,
+            tier_bytes: 0,
+            faults: None,
+            start: None,
+        }
+    }
+
+    /// Reads a preloaded space (the fast path).
+    pub fn space(dir: impl AsRef<Path>) -> Self {
+        LoaderBuilder {
+            space: Some(dir.as_ref().to_path_buf()),
+            ..Self::new()
+        }
+    }
+
+    /// Reads a source directly (no preload), with a catalog built by
+    /// `kspeed catalog` ([`LoaderBuilder::catalog`]) or built now into a
+    /// temporary file.
+    pub fn source(spec: &str) -> Self {
+        LoaderBuilder {
+            source: Some(spec.to_string()),
+            ..Self::new()
+        }
+    }
+
+    /// The catalog to use with [`LoaderBuilder::source`].
+    pub fn catalog(mut self, path: impl AsRef<Path>) -> Self {
+        self.catalog = Some(path.as_ref().to_path_buf());
+        self
+    }
+
+    /// Samples per batch (default 64).
+    pub fn batch_size(mut self, n: usize) -> Self {
+        self.batch_size = n;
+        self
+    }
+
+    /// Shuffle seed, the same on every rank (default 0).
+    pub fn seed(mut self, seed: u64) -> Self {
+        self.seed = seed;
+        self
+    }
+
+    /// Shuffle every epoch (default true).
+    pub fn shuffle(mut self, on: bool) -> Self {
+        self.shuffle = on;
+        self
+    }
+
+    /// This rank and the world size (default 0 of 1).
+    pub fn rank(mut self, rank: u32, world: u32) -> Self {
+        self.rank = rank;
+        self.world = world;
+        self
+    }
+
+    /// Drop the tail instead of padding (DistributedSampler semantics).
+    pub fn drop_last(mut self, on: bool) -> Self {
+        self.drop_last = on;
+        self
+    }
+
+    /// Landing ring size (default 256 MiB).
+    pub fn ring_bytes(mut self, bytes: u64) -> Self {
+        self.landing.ring_bytes = bytes;
+        self
+    }
+
+    /// All landing ring options (huge pages, mlock, NUMA, CUDA).
+    pub fn landing(mut self, opts: LandingOptions) -> Self {
+        self.landing = opts;
+        self
+    }
+
+    /// Poller threads (default [`default_pollers`]).
+    pub fn pollers(mut self, n: usize) -> Self {
+        self.pollers = n;
+        self
+    }
+
+    /// Reads in flight per poller (default 32).
+    pub fn queue_depth(mut self, n: u32) -> Self {
+        self.queue_depth = n;
+        self
+    }
+
+    /// At most this many samples read ahead of the consumer (default: as
+    /// many as the ring holds).
+    pub fn lookahead(mut self, samples: u64) -> Self {
+        self.lookahead = samples.max(1);
+        self
+    }
+
+    /// How long pollers and the consumer busy-poll before parking (default 50 µs).
+    pub fn spin(mut self, d: Duration) -> Self {
+        self.spin = d;
+        self
+    }
+
+    /// Use an SQPOLL kernel thread per poller, idling after `idle_ms`.
+    pub fn sqpoll(mut self, idle_ms: Option<u32>) -> Self {
+        self.sqpoll_idle_ms = idle_ms;
+        self
+    }
+
+    /// Pin pollers to cores (default true).
+    pub fn pin(mut self, on: bool) -> Self {
+        self.pin = on;
+        self
+    }
+
+    /// Check every sample's CRC32C as it is read (costs one pass over the bytes).
+    pub fn verify_crc32c(mut self, on: bool) -> Self {
+        self.verify_crc32c = on;
+        self
+    }
+
+    /// Memory tier budget in bytes (default 0: no tier).
+    pub fn tier_bytes(mut self, bytes: u64) -> Self {
+        self.tier_bytes = bytes;
+        self
+    }
+
+    /// Inject seeded I/O faults (for tests of the error paths).
+    pub fn fault_injection(mut self, cfg: FaultConfig) -> Self {
+        self.faults = Some(cfg);
+        self
+    }
+
+    /// Start at a saved position instead of (epoch 0, step 0).
+    pub fn start_at(mut self, pos: Position) -> Self {
+        self.start = Some(pos);
+        self
+    }
+
+    /// Opens the input, maps the ring, starts the pollers.
+    pub fn build(self) -> Result<Loader> {
+        if self.batch_size == 0 {
+            return Err(Error::InvalidConfig("batch_size must be at least 1".into()));
+        }
+        if self.pollers == 0 || self.queue_depth == 0 {
+            return Err(Error::InvalidConfig(
+                "pollers and queue_depth must be at least 1".into(),
+            ));
+        }
+        let (input, align) = match (&self.space, &self.source) {
+            (Some(dir), _) => {
+                let space = Space::open(dir)?;
+                space.check_extents()?;
+                let p = space.params();
+                if space.held_samples() != space.catalog().len() {
+                    return Err(Error::InvalidConfig(format!(
+                        "space {} holds {} of {} samples (node {} of {}); reading a partial space needs the cluster transport",
+                        dir.display(),
+                        space.held_samples(),
+                        space.catalog().len(),
+                        p.node_index,
+                        p.placement.nodes
+                    )));
+                }
+                let align = p.align_bytes as u64;
+                let mut extents = Vec::with_capacity(space.extent_lens().len());
+                for i in 0..space.extent_lens().len() as u32 {
+                    let path = space.extent_path(i);
+                    let (f, direct) =
+                        crate::sys::open_direct(&path).map_err(|e| Error::io("open", &path, e))?;
+                    if !direct {
+                        log::info!(
+                            "{}: O_DIRECT not supported here, reading through the page cache",
+                            path.display()
+                        );
+                    }
+                    extents.push(f);
+                }
+                (Input::Space { space, extents }, align)
+            }
+            (None, Some(src)) => {
+                let spec = SourceSpec::parse(src)?;
+                let catalog = match &self.catalog {
+                    Some(c) => Catalog::open(c)?,
+                    None => {
+                        let tmp = std::env::temp_dir().join(format!(
+                            "kspeed-{}-{:016x}.ksc",
+                            std::process::id(),
+                            crate::hash::mix64(spec.to_source_string().len() as u64)
+                        ));
+                        let c = crate::dataset::catalog::build(&spec, &tmp, &Default::default())?;
+                        let _ = std::fs::remove_file(&tmp);
+                        c
+                    }
+                };
+                let root = catalog.source_spec().root();
+                (Input::Source { catalog, root }, 4096)
+            }
+            (None, None) => return Err(Error::InvalidConfig("give a space or a source".into())),
+        };
+        let catalog = input.catalog();
+        let sampler = Sampler::new(SamplerConfig {
+            len: catalog.len(),
+            seed: self.seed,
+            shuffle: self.shuffle,
+            rank: self.rank,
+            world: self.world,
+            drop_last: self.drop_last,
+        })?;
+        if sampler.per_rank() == 0 {
+            return Err(Error::InvalidConfig(format!(
+                "with drop_last, {} samples give rank {} of {} nothing to read",
+                catalog.len(),
+                self.rank,
+                self.world
+            )));
+        }
+        let mut landing = self.landing.clone();
+        landing.ring_bytes = landing.ring_bytes.next_multiple_of(align.max(4096));
+        let geo = Geometry {
+            ring_bytes: landing.ring_bytes,
+            align,
+        };
+        // A sample that cannot fit is an error now, not a hang later.
+        let max_slot = geo.slot(catalog.max_sample_bytes() as u64);
+        if max_slot > geo.segment() {
+            let id = (0..catalog.len())
+                .find(|&i| geo.slot(catalog.sample(i).len as u64) > geo.segment())
+                .expect("the largest sample exists");
+            return Err(Error::SampleLargerThanRing {
+                sample: id,
+                len: catalog.sample(id).len as u64,
+                slot: max_slot,
+                ring_bytes: geo.ring_bytes,
+            });
+        }
+        let ring = LandingRing::new(&landing)?;
+        let tier = Tier::new(catalog, self.tier_bytes, landing.mlock, |_| true)?;
+        if let Some(t) = &tier {
+            log::info!(
+                "memory tier: {} samples, {} bytes",
+                t.members(),
+                t.member_bytes()
+            );
+        }
+        let cfg = PollerConfig {
+            pollers: self.pollers,
+            queue_depth: self.queue_depth,
+            lookahead: self.lookahead,
+            spin: self.spin,
+            sqpoll_idle_ms: self.sqpoll_idle_ms,
+            pin: self.pin,
+            verify_crc32c: self.verify_crc32c,
+            faults: self.faults,
+        };
+        let start = match self.start {
+            Some(p) if p.index > sampler.per_rank() => {
+                return Err(Error::BadPosition(format!(
+                    "step {} is past the epoch's {} steps",
+                    p.index,
+                    sampler.per_rank()
+                )))
+            }
+            Some(p) => p,
+            None => Position { epoch: 0, index: 0 },
+        };
+        let mut backends = Vec::with_capacity(cfg.pollers);
+        let mut fixed_buffers = true;
+        for _ in 0..cfg.pollers {
+            let uring = Uring::new(UringOptions {
+                entries: cfg.queue_depth * 2,
+                sqpoll_idle_ms: cfg.sqpoll_idle_ms,
+            })?;
+            if let Input::Space { extents, .. } = &input {
+                let fds: Vec<i32> = extents.iter().map(|f| f.as_raw_fd()).collect();
+                uring.register_files(&fds)?;
+            }
+            if fixed_buffers {
+                let seg = geo.segment() as usize;
+                let regions: Vec<(*mut u8, usize)> = (0..ring.len())
+                    .step_by(seg)
+                    // SAFETY: off < ring.len(), inside the mapping.
+                    .map(|off| {
+                        (
+                            unsafe { ring.as_mut_ptr().add(off) },
+                            seg.min(ring.len() - off),
+                        )
+                    })
+                    .collect();
+                // SAFETY: the ring outlives every backend: backends are
+                // dropped by the Loader before its Shared (and so the ring).
+                if let Err(e) = unsafe { uring.register_buffers(&regions) } {
+                    log::info!("registered buffers unavailable ({e}); using plain reads");
+                    fixed_buffers = false;
+                }
+            }
+            let b: Box<dyn IoBackend> = match cfg.faults {
+                Some(f) => Box::new(Faulty::new(uring, f, cfg.queue_depth as usize)),
+                None => Box::new(uring),
+            };
+            backends.push(b);
+        }
+        let batch_size = self.batch_size;
+        let mut loader = Loader {
+            run: None,
+            spare: Some(Spare {
+                input,
+                ring,
+                tier,
+                backends,
+            }),
+            geo,
+            sampler,
+            cfg,
+            fixed_buffers,
+            batch_size,
+            epoch: start.epoch,
+            cursor: None,
+            entries: Vec::with_capacity(batch_size),
+            failed: None,
+            counters: Counters::default(),
+            started: Instant::now(),
+        };
+        loader.launch(start);
+        Ok(loader)
+    }
+}
+
+/// Resources kept across restarts (set_epoch to another epoch, resume).
+struct Spare {
+    input: Input,
+    ring: LandingRing,
+    tier: Option<Tier>,
+    backends: Vec<Box<dyn IoBackend>>,
+}
+
+struct Run {
+    shared: Arc<Shared>,
+    threads: Vec<JoinHandle<Box<dyn IoBackend>>>,
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+struct Counters {
+    samples: u64,
+    bytes: u64,
+    stall: Duration,
+}
+
+/// One sample of a batch.
+#[derive(Debug, Clone, Copy)]
+pub struct BatchSample<'a> {
+    /// Sample id (catalog index).
+    pub id: u64,
+    /// Label, if the source has one.
+    pub label: Option<u32>,
+    /// The bytes, in the landing ring.
+    pub bytes: &'a [u8],
+    /// Its place in the rank's sequence.
+    pub position: Position,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    id: u64,
+    label: Option<u32>,
+    phys: u64,
+    len: u64,
+    pos: Position,
+}
+
+/// A batch: consecutive samples of the rank's sequence, zero-copy in the
+/// landing ring. Dropping it returns its ring space; only one batch is out
+/// at a time (it borrows the loader), so batches are released in order.
+pub struct Batch<'a> {
+    loader: &'a mut Loader,
+    release: (u64, u64),
+}
+
+impl Batch<'_> {
+    /// Samples in the batch.
+    pub fn len(&self) -> usize {
+        self.loader.entries.len()
+    }
+
+    /// Whether the batch is empty (never: an epoch's end is `None`).
+    pub fn is_empty(&self) -> bool {
+        self.loader.entries.is_empty()
+    }
+
+    /// Sample `i`.
+    pub fn get(&self, i: usize) -> BatchSample<'_> {
+        let e = self.loader.entries[i];
+        let ring = &self.loader.run.as_ref().expect("running").shared.ring;
+        BatchSample {
+            id: e.id,
+            label: e.label,
+            // SAFETY: the sample is ready (published by its poller) and its
+            // slot lies behind the released mark's window, so no poller
+            // writes it until this batch is dropped.
+            bytes: unsafe { ring.slice(e.phys as usize, e.len as usize) },
+            position: e.pos,
+        }
+    }
+
+    /// The samples in order.
+    pub fn iter(&self) -> impl Iterator<Item = BatchSample<'_>> + '_ {
+        (0..self.len()).map(|i| self.get(i))
+    }
+
+    /// The batch's bytes as one contiguous span of the ring, plus a second
+    /// span when the batch wraps around the ring's end. Spans include the
+    /// alignment padding between samples.
+    pub fn spans(&self) -> (&[u8], Option<&[u8]>) {
+        let ring = &self.loader.run.as_ref().expect("running").shared.ring;
+        let first = self.loader.entries[0];
+        let last = *self.loader.entries.last().expect("non-empty");
+        let end = last.phys + last.len;
+        // SAFETY: as in `get`: every byte of these spans belongs to ready
+        // samples of this batch or to padding between them, which no poller writes.
+        unsafe {
+            if end >= first.phys {
+                (
+                    ring.slice(first.phys as usize, (end - first.phys) as usize),
+                    None,
+                )
+            } else {
+                let wrap = self.loader.geo.ring_bytes as usize;
+                (
+                    ring.slice(first.phys as usize, wrap - first.phys as usize),
+                    Some(ring.slice(0, end as usize)),
+                )
+            }
+        }
+    }
+
+    /// The epoch this batch belongs to.
+    pub fn epoch(&self) -> u64 {
+        self.loader.entries[0].pos.epoch
+    }
+}
+
+impl Drop for Batch<'_> {
+    fn drop(&mut self) {
+        self.loader.release(self.release.0, self.release.1);
+    }
+}
+
+/// Latency percentiles in microseconds.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Latency {
+    /// Reads measured.
+    pub count: u64,
+    /// Median.
+    pub p50_us: u64,
+    /// 90th percentile.
+    pub p90_us: u64,
+    /// 99th percentile.
+    pub p99_us: u64,
+    /// 99.9th percentile.
+    pub p999_us: u64,
+    /// Largest.
+    pub max_us: u64,
+}
+
+/// Loader statistics since it was built.
+#[derive(Debug, Clone, Copy)]
+pub struct Stats {
+    /// Samples delivered.
+    pub samples: u64,
+    /// Bytes delivered.
+    pub bytes: u64,
+    /// Time since the loader was built.
+    pub elapsed: Duration,
+    /// Time the caller waited inside `next_batch`.
+    pub stall: Duration,
+    /// Samples read from disk (or source files).
+    pub disk_reads: u64,
+    /// Samples served from the memory tier.
+    pub tier_hits: u64,
+    /// Reads retried (short or interrupted).
+    pub retries: u64,
+    /// Per-sample read latency (submission to completion) of disk reads.
+    pub read_latency: Latency,
+}
+
+impl Stats {
+    /// Samples per second.
+    pub fn samples_per_sec(&self) -> f64 {
+        self.samples as f64 / self.elapsed.as_secs_f64().max(1e-9)
+    }
+
+    /// Bytes per second.
+    pub fn bytes_per_sec(&self) -> f64 {
+        self.bytes as f64 / self.elapsed.as_secs_f64().max(1e-9)
+    }
+
+    /// Fraction of the time spent waiting for data.
+    pub fn stall_fraction(&self) -> f64 {
+        self.stall.as_secs_f64() / self.elapsed.as_secs_f64().max(1e-9)
+    }
+}
+
+/// Reads a rank's samples in sampler order. See the module docs.
+pub struct Loader {
+    run: Option<Run>,
+    spare: Option<Spare>,
+    geo: Geometry,
+    sampler: Sampler,
+    cfg: PollerConfig,
+    fixed_buffers: bool,
+    batch_size: usize,
+    /// The epoch the caller is in.
+    epoch: u64,
+    cursor: Option<Cursor>,
+    entries: Vec<Entry>,
+    failed: Option<String>,
+    counters: Counters,
+    started: Instant,
+}
+
+impl Loader {
+    fn launch(&mut self, start: Position) {
+        let spare = self.spare.take().expect("resources available");
+        let n = spare.backends.len();
+        let table = self.geo.table_len() as usize;
+        let shared = Arc::new(Shared {
+            input: spare.input,
+            ring: spare.ring,
+            geo: self.geo,
+            sampler: self.sampler.clone(),
+            start,
+            cfg: self.cfg.clone(),
+            fixed_buffers: self.fixed_buffers,
+            ready: (0..table).map(|_| AtomicU64::new(0)).collect(),
+            released_v: AtomicU64::new(0),
+            released_g: AtomicU64::new(0),
+            stop: AtomicBool::new(false),
+            consumer: Mutex::new(Some(std::thread::current())),
+            waiting_for: AtomicU64::new(0),
+            errors: Mutex::new(Vec::new()),
+            stats: (0..n)
+                .map(|_| PollerStats {
+                    disk_reads: AtomicU64::new(0),
+                    tier_hits: AtomicU64::new(0),
+                    retries: AtomicU64::new(0),
+                    latency: Mutex::new(
+                        Histogram::new_with_bounds(1, 60_000_000, 2).expect("valid bounds"),
+                    ),
+                })
+                .collect(),
+            tier: spare.tier,
+        });
+        let cores = if self.cfg.pin {
+            core_affinity::get_core_ids().unwrap_or_default()
+        } else {
+            Vec::new()
+        };
+        let mut threads = Vec::with_capacity(n);
+        for (i, backend) in spare.backends.into_iter().enumerate() {
+            let sh = shared.clone();
+            let core = (!cores.is_empty())
+                .then(|| cores[(cores.len() - 1 - i % cores.len()) % cores.len()]);
+            let t = std::thread::Builder::new()
+                .name(format!("kspeed-poller-{i}"))
+                .spawn(move || {
+                    if let Some(c) = core {
+                        core_affinity::set_for_current(c);
+                    }
+                    poller::Poller::new(sh, i, n, backend).run()
+                })
+                .expect("spawn poller thread");
+            threads.push(t);
+        }
+        self.cursor = Some(Cursor::new(self.sampler.clone(), self.geo, start));
+        self.epoch = start.epoch;
+        self.run = Some(Run { shared, threads });
+    }
+
+    /// Stops the pollers (after their in-flight reads land) and takes the
+    /// resources back.
+    fn halt(&mut self) {
+        let Some(run) = self.run.take() else { return };
+        run.shared.stop.store(true, Ordering::Release);
+        for t in &run.threads {
+            t.thread().unpark();
+        }
+        let mut backends = Vec::with_capacity(run.threads.len());
+        for t in run.threads {
+            match t.join() {
+                Ok(b) => backends.push(b),
+                Err(_) => self.failed = Some("a poller thread panicked".into()),
+            }
+        }
+        match Arc::try_unwrap(run.shared) {
+            Ok(shared) => {
+                self.spare = Some(Spare {
+                    input: shared.input,
+                    ring: shared.ring,
+                    tier: shared.tier,
+                    backends,
+                });
+            }
+            Err(_) => unreachable!("every poller thread has exited"),
+        }
+    }
+
+    fn shared(&self) -> &Shared {
+        &self.run.as_ref().expect("running").shared
+    }
+
+    /// The next batch of the current epoch, or `None` at its end (call
+    /// [`Loader::set_epoch`] to go on). Blocks only while data is not there yet.
+    pub fn next_batch(&mut self) -> Result<Option<Batch<'_>>> {
+        if let Some(msg) = &self.failed {
+            return Err(Error::LoaderFailed(msg.clone()));
+        }
+        self.entries.clear();
+        let mut release = (0, 0);
+        while self.entries.len() < self.batch_size {
+            let cursor = self.cursor.as_mut().expect("running");
+            if cursor.position().epoch != self.epoch {
+                break;
+            }
+            let p = cursor.next(self.run.as_ref().expect("running").shared.input.catalog());
+            if let Err(e) = self.wait_ready(&p) {
+                self.failed = Some(e.to_string());
+                self.entries.clear();
+                return Err(e);
+            }
+            let label = self.shared().input.catalog().sample(p.id).label;
+            self.entries.push(Entry {
+                id: p.id,
+                label,
+                phys: p.phys(&self.geo),
+                len: p.len,
+                pos: p.pos,
+            });
+            self.counters.samples += 1;
+            self.counters.bytes += p.len;
+            release = (p.v_end, p.g + 1);
+        }
+        if self.entries.is_empty() {
+            return Ok(None);
+        }
+        Ok(Some(Batch {
+            loader: self,
+            release,
+        }))
+    }
+
+    fn wait_ready(&mut self, p: &Placed) -> Result<()> {
+        let spin = self.cfg.spin;
+        let sh = &self.run.as_ref().expect("running").shared;
+        let mut state = sh.state(p.g);
+        if state.is_none() {
+            let t0 = Instant::now();
+            while state.is_none() && t0.elapsed() < spin {
+                std::hint::spin_loop();
+                state = sh.state(p.g);
+            }
+            // The loader may have moved to another thread since it was built.
+            *sh.consumer.lock().expect("not poisoned") = Some(std::thread::current());
+            while state.is_none() {
+                sh.waiting_for.store(p.g + 1, Ordering::SeqCst);
+                state = sh.state(p.g);
+                if state.is_none() {
+                    std::thread::park_timeout(Duration::from_millis(10));
+                    state = sh.state(p.g);
+                }
+            }
+            sh.waiting_for.store(0, Ordering::SeqCst);
+            self.counters.stall += t0.elapsed();
+        }
+        if state == Some(CODE_OK) {
+            return Ok(());
+        }
+        let mut errors = sh.errors.lock().expect("not poisoned");
+        match errors.iter().position(|(g, _)| *g == p.g) {
+            Some(i) => Err(errors.swap_remove(i).1),
+            None => Err(Error::LoaderFailed(format!(
+                "sample {} failed without a recorded error",
+                p.id
+            ))),
+        }
+    }
+
+    fn release(&mut self, v_end: u64, g_end: u64) {
+        let sh = self.shared();
+        sh.released_v.store(v_end, Ordering::Release);
+        sh.released_g.store(g_end, Ordering::Release);
+        for t in &self.run.as_ref().expect("running").threads {
+            t.thread().unpark();
+        }
+    }
+
+    /// Moves to `epoch` (PyTorch's `sampler.set_epoch`). Going to the next
+    /// epoch after finishing one keeps what the pollers already read ahead;
+    /// any other epoch restarts the pipeline there.
+    pub fn set_epoch(&mut self, epoch: u64) -> Result<()> {
+        if let Some(msg) = &self.failed {
+            return Err(Error::LoaderFailed(msg.clone()));
+        }
+        let pos = self.position();
+        if pos.epoch == epoch && (pos.index == 0 || epoch == self.epoch) {
+            self.epoch = epoch;
+            return Ok(());
+        }
+        self.restart(Position { epoch, index: 0 });
+        Ok(())
+    }
+
+    fn restart(&mut self, pos: Position) {
+        self.halt();
+        self.launch(pos);
+    }
+
+    /// The position of the next sample `next_batch` will deliver.
+    pub fn position(&self) -> Position {
+        self.cursor.as_ref().expect("running").position()
+    }
+
+    /// The current position, serialized (36 bytes) for a checkpoint.
+    pub fn save_position(&self) -> [u8; POSITION_BYTES] {
+        self.sampler.save(self.position())
+    }
+
+    /// Continues from a position saved by [`Loader::save_position`] with the
+    /// same dataset, seed, shuffle, rank, world and drop_last.
+    pub fn restore_position(&mut self, bytes: &[u8]) -> Result<()> {
+        if let Some(msg) = &self.failed {
+            return Err(Error::LoaderFailed(msg.clone()));
+        }
+        let pos = self.sampler.restore(bytes)?;
+        self.restart(pos);
+        Ok(())
+    }
+
+    /// Samples per epoch for this rank.
+    pub fn epoch_len(&self) -> u64 {
+        self.sampler.per_rank()
+    }
+
+    /// The catalog being read.
+    pub fn catalog(&self) -> &Catalog {
+        self.shared().input.catalog()
+    }
+
+    /// What the landing ring got (huge pages, lock, NUMA node, CUDA).
+    pub fn landing_info(&self) -> &LandingInfo {
+        self.shared().ring.info()
+    }
+
+    /// Statistics so far.
+    pub fn stats(&self) -> Stats {
+        let sh = self.shared();
+        let mut hist: Histogram<u64> =
+            Histogram::new_with_bounds(1, 60_000_000, 2).expect("valid bounds");
+        let (mut disk, mut hits, mut retries) = (0, 0, 0);
+        for s in &sh.stats {
+            disk += s.disk_reads.load(Ordering::Relaxed);
+            hits += s.tier_hits.load(Ordering::Relaxed);
+            retries += s.retries.load(Ordering::Relaxed);
+            let _ = hist.add(&*s.latency.lock().expect("not poisoned"));
+        }
+        let lat = if hist.is_empty() {
+            Latency::default()
+        } else {
+            Latency {
+                count: hist.len(),
+                p50_us: hist.value_at_quantile(0.5),
+                p90_us: hist.value_at_quantile(0.9),
+                p99_us: hist.value_at_quantile(0.99),
+                p999_us: hist.value_at_quantile(0.999),
+                max_us: hist.max(),
+            }
+        };
+        Stats {
+            samples: self.counters.samples,
+            bytes: self.counters.bytes,
+            elapsed: self.started.elapsed(),
+            stall: self.counters.stall,
+            disk_reads: disk,
+            tier_hits: hits,
+            retries,
+            read_latency: lat,
+        }
+    }
+
+    /// The memory tier's size: (samples, bytes), if there is one.
+    pub fn tier(&self) -> Option<(u64, u64)> {
+        self.shared()
+            .tier
+            .as_ref()
+            .map(|t| (t.members(), t.member_bytes()))
+    }
+}
+
+impl Drop for Loader {
+    fn drop(&mut self) {
+        // Pollers first (their in-flight reads target the ring), then the
+        // backends (io_uring instances), then the ring and the input.
+        self.halt();
+        if let Some(spare) = self.spare.take() {
+            drop(spare.backends);
+            drop(spare.tier);
+            drop(spare.ring);
+            drop(spare.input);
+        }
+    }
+}

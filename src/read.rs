@@ -1,0 +1,216 @@
+//! `kspeed read`: drain epochs through the Loader and report throughput.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use kspeed::landing::{CudaMode, LandingOptions};
+use kspeed::loader::LoaderBuilder;
+use kspeed::progress::{human_bytes, Progress, ProgressMode};
+
+#[derive(Args)]
+pub(crate) struct ReadArgs {
+    /// A preloaded space (the fast path).
+    #[arg(long, required_unless_present = "source")]
+    space: Option<PathBuf>,
+    /// Or a source read directly: DIR, list:FILE, tar:DIR.
+    #[arg(long, conflicts_with = "space")]
+    source: Option<String>,
+    /// Catalog for --source (otherwise one is built first).
+    #[arg(long, requires = "source")]
+    catalog: Option<PathBuf>,
+    /// Epochs to read.
+    #[arg(long, default_value_t = 1)]
+    epochs: u64,
+    /// First epoch.
+    #[arg(long, default_value_t = 0)]
+    start_epoch: u64,
+    /// Samples per batch.
+    #[arg(long, default_value_t = 64)]
+    batch_size: usize,
+    /// This rank.
+    #[arg(long, default_value_t = 0)]
+    rank: u32,
+    /// World size.
+    #[arg(long, default_value_t = 1)]
+    world: u32,
+    /// Shuffle seed.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Read in id order.
+    #[arg(long)]
+    no_shuffle: bool,
+    /// Drop the tail instead of padding.
+    #[arg(long)]
+    drop_last: bool,
+    /// Landing ring size.
+    #[arg(long, default_value = "256MiB", value_parser = crate::parse_bytes)]
+    ring_bytes: u64,
+    /// Poller threads (default: a quarter of the cores, at least 1).
+    #[arg(long)]
+    pollers: Option<usize>,
+    /// Reads in flight per poller.
+    #[arg(long, default_value_t = 32)]
+    queue_depth: u32,
+    /// Most samples read ahead of the consumer (default: what the ring holds).
+    #[arg(long)]
+    lookahead: Option<u64>,
+    /// Use SQPOLL kernel threads (idle timeout in ms).
+    #[arg(long)]
+    sqpoll_ms: Option<u32>,
+    /// Memory tier budget (e.g. 8GiB); samples in it are served from RAM.
+    #[arg(long, default_value = "0", value_parser = crate::parse_bytes)]
+    tier_bytes: u64,
+    /// Check every sample's CRC32C while reading.
+    #[arg(long)]
+    verify: bool,
+    /// Bind the ring to this NUMA node.
+    #[arg(long)]
+    numa_node: Option<u32>,
+    /// Bind the ring to the NUMA node of this GPU (PCI address, e.g. 0000:3b:00.0).
+    #[arg(long)]
+    gpu_pci: Option<String>,
+    /// Do not mlock the ring.
+    #[arg(long)]
+    no_mlock: bool,
+    /// Busy-poll time before parking, in microseconds.
+    #[arg(long, default_value_t = 50)]
+    spin_us: u64,
+    /// Simulated compute per batch, in microseconds (to see stalls).
+    #[arg(long, default_value_t = 0)]
+    compute_us: u64,
+}
+
+fn cpu_seconds() -> f64 {
+    let mut ru = std::mem::MaybeUninit::<libc::rusage>::uninit();
+    // SAFETY: getrusage fills the struct we pass; RUSAGE_SELF covers all threads.
+    let ru = unsafe {
+        libc::getrusage(libc::RUSAGE_SELF, ru.as_mut_ptr());
+        ru.assume_init()
+    };
+    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+    tv(ru.ru_utime) + tv(ru.ru_stime)
+}
+
+pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
+    let mut b = match (&a.space, &a.source) {
+        (Some(s), _) => LoaderBuilder::space(s),
+        (None, Some(src)) => {
+            let b = LoaderBuilder::source(src);
+            match &a.catalog {
+                Some(c) => b.catalog(c),
+                None => b,
+            }
+        }
+        (None, None) => unreachable!("clap requires one"),
+    };
+    b = b
+        .batch_size(a.batch_size)
+        .rank(a.rank, a.world)
+        .seed(a.seed)
+        .shuffle(!a.no_shuffle)
+        .drop_last(a.drop_last)
+        .landing(LandingOptions {
+            ring_bytes: a.ring_bytes,
+            huge_pages: true,
+            mlock: !a.no_mlock,
+            numa_node: a.numa_node,
+            gpu_pci: a.gpu_pci.clone(),
+            cuda: CudaMode::Auto,
+        })
+        .queue_depth(a.queue_depth)
+        .sqpoll(a.sqpoll_ms)
+        .tier_bytes(a.tier_bytes)
+        .verify_crc32c(a.verify)
+        .spin(Duration::from_micros(a.spin_us))
+        .start_at(kspeed::sampler::Position {
+            epoch: a.start_epoch,
+            index: 0,
+        });
+    if let Some(p) = a.pollers {
+        b = b.pollers(p);
+    }
+    if let Some(l) = a.lookahead {
+        b = b.lookahead(l);
+    }
+    let cpu0 = cpu_seconds();
+    let mut loader = b.build()?;
+    let info = loader.landing_info().clone();
+    eprintln!(
+        "landing ring: {} ({}huge pages, {}locked{}); {}",
+        human_bytes(info.bytes as f64),
+        if info.huge_pages { "" } else { "no " },
+        if info.locked { "" } else { "not " },
+        info.numa_node
+            .map(|n| format!(", NUMA node {n}"))
+            .unwrap_or_default(),
+        info.cuda
+    );
+    if let Some((n, bytes)) = loader.tier() {
+        eprintln!("memory tier: {n} samples, {}", human_bytes(bytes as f64));
+    }
+    let per_epoch: u64 = {
+        let cat = loader.catalog();
+        (cat.total_bytes() as f64 * loader.epoch_len() as f64 / cat.len() as f64) as u64
+    };
+    let t0 = Instant::now();
+    let mut epoch_lines = Vec::new();
+    for e in a.start_epoch..a.start_epoch + a.epochs {
+        loader.set_epoch(e)?;
+        let bar = Progress::new(&format!("epoch {e}"), per_epoch, progress);
+        let (te, s0, b0) = (Instant::now(), loader.stats().samples, loader.stats().bytes);
+        while let Some(batch) = loader.next_batch()? {
+            let bytes: usize = batch.iter().map(|s| s.bytes.len()).sum();
+            bar.add(bytes as u64);
+            if a.compute_us > 0 {
+                let until = Instant::now() + Duration::from_micros(a.compute_us);
+                while Instant::now() < until {
+                    std::hint::spin_loop();
+                }
+            }
+        }
+        bar.finish();
+        let st = loader.stats();
+        let secs = te.elapsed().as_secs_f64();
+        epoch_lines.push(format!(
+            "epoch {e}: {} samples, {} in {:.2} s ({:.0} samples/s, {}/s)",
+            st.samples - s0,
+            human_bytes((st.bytes - b0) as f64),
+            secs,
+            (st.samples - s0) as f64 / secs,
+            human_bytes((st.bytes - b0) as f64 / secs)
+        ));
+    }
+    let wall = t0.elapsed().as_secs_f64();
+    let st = loader.stats();
+    drop(loader);
+    let cpu = cpu_seconds() - cpu0;
+    for l in epoch_lines {
+        println!("{l}");
+    }
+    println!(
+        "read {} samples, {} in {:.2} s: {:.0} samples/s, {:.3} GB/s",
+        st.samples,
+        human_bytes(st.bytes as f64),
+        wall,
+        st.samples as f64 / wall,
+        st.bytes as f64 / wall / 1e9
+    );
+    println!(
+        "read latency: p50 {} us, p99 {} us, max {} us ({} disk reads, {} tier hits, {} retries)",
+        st.read_latency.p50_us,
+        st.read_latency.p99_us,
+        st.read_latency.max_us,
+        st.disk_reads,
+        st.tier_hits,
+        st.retries
+    );
+    println!(
+        "stall: {:.1}% ({:.2} s waiting in next_batch); CPU: {:.2} s ({:.2} s per GB)",
+        100.0 * st.stall.as_secs_f64() / wall,
+        st.stall.as_secs_f64(),
+        cpu,
+        cpu / (st.bytes as f64 / 1e9).max(1e-9)
+    );
+    Ok(())
+}
