@@ -182,8 +182,7 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
         ));
     }
     let wall = t0.elapsed().as_secs_f64();
-    let st = loader.stats();
-    drop(loader);
+    let st = loader.finish();
     let cpu = cpu_seconds() - cpu0;
     for l in epoch_lines {
         println!("{l}");

@@ -268,8 +268,9 @@ impl LoaderBuilder {
         self
     }
 
-    /// At most this many samples read ahead of the consumer (default: as
-    /// many as the ring holds).
+    /// At most this many samples read ahead of the consumer's released
+    /// mark (default: as many as the ring holds). Never less than one batch,
+    /// which must be complete before it is handed out.
     pub fn lookahead(mut self, samples: u64) -> Self {
         self.lookahead = samples.max(1);
         self
@@ -426,7 +427,7 @@ impl LoaderBuilder {
         let cfg = PollerConfig {
             pollers: self.pollers,
             queue_depth: self.queue_depth,
-            lookahead: self.lookahead,
+            lookahead: self.lookahead.max(self.batch_size as u64),
             spin: self.spin,
             sqpoll_idle_ms: self.sqpoll_idle_ms,
             pin: self.pin,
@@ -496,6 +497,7 @@ impl LoaderBuilder {
             batch_size,
             epoch: start.epoch,
             cursor: None,
+            peeked: None,
             entries: Vec::with_capacity(batch_size),
             failed: None,
             counters: Counters::default(),
@@ -517,6 +519,26 @@ struct Spare {
 struct Run {
     shared: Arc<Shared>,
     threads: Vec<JoinHandle<Box<dyn IoBackend>>>,
+    /// Backends of pollers already joined (by `finish`).
+    joined: Vec<Box<dyn IoBackend>>,
+}
+
+impl Run {
+    /// Stops the pollers and waits for them (and their in-flight reads).
+    fn stop(&mut self) -> Option<String> {
+        self.shared.stop.store(true, Ordering::Release);
+        for t in &self.threads {
+            t.thread().unpark();
+        }
+        let mut failed = None;
+        for t in self.threads.drain(..) {
+            match t.join() {
+                Ok(b) => self.joined.push(b),
+                Err(_) => failed = Some("a poller thread panicked".to_string()),
+            }
+        }
+        failed
+    }
 }
 
 #[derive(Debug, Default, Clone, Copy)]
@@ -692,6 +714,9 @@ pub struct Loader {
     /// The epoch the caller is in.
     epoch: u64,
     cursor: Option<Cursor>,
+    /// A sample taken from the cursor but left for the next batch because
+    /// the ring could not hold it together with the batch so far.
+    peeked: Option<Placed>,
     entries: Vec<Entry>,
     failed: Option<String>,
     counters: Counters,
@@ -752,24 +777,23 @@ impl Loader {
             threads.push(t);
         }
         self.cursor = Some(Cursor::new(self.sampler.clone(), self.geo, start));
+        self.peeked = None;
         self.epoch = start.epoch;
-        self.run = Some(Run { shared, threads });
+        self.run = Some(Run {
+            shared,
+            threads,
+            joined: Vec::new(),
+        });
     }
 
     /// Stops the pollers (after their in-flight reads land) and takes the
     /// resources back.
     fn halt(&mut self) {
-        let Some(run) = self.run.take() else { return };
-        run.shared.stop.store(true, Ordering::Release);
-        for t in &run.threads {
-            t.thread().unpark();
-        }
-        let mut backends = Vec::with_capacity(run.threads.len());
-        for t in run.threads {
-            match t.join() {
-                Ok(b) => backends.push(b),
-                Err(_) => self.failed = Some("a poller thread panicked".into()),
-            }
+        let Some(mut run) = self.run.take() else {
+            return;
+        };
+        if let Some(msg) = run.stop() {
+            self.failed = Some(msg);
         }
         match Arc::try_unwrap(run.shared) {
             Ok(shared) => {
@@ -777,11 +801,20 @@ impl Loader {
                     input: shared.input,
                     ring: shared.ring,
                     tier: shared.tier,
-                    backends,
+                    backends: run.joined,
                 });
             }
             Err(_) => unreachable!("every poller thread has exited"),
         }
+    }
+
+    /// Stops the pollers and returns the final statistics (complete
+    /// latency histograms: pollers publish theirs every 100 ms while running).
+    pub fn finish(mut self) -> Stats {
+        if let Some(run) = self.run.as_mut() {
+            run.stop();
+        }
+        self.stats()
     }
 
     fn shared(&self) -> &Shared {
@@ -796,12 +829,25 @@ impl Loader {
         }
         self.entries.clear();
         let mut release = (0, 0);
+        let mut first_v = None;
         while self.entries.len() < self.batch_size {
-            let cursor = self.cursor.as_mut().expect("running");
-            if cursor.position().epoch != self.epoch {
+            let p = match self.peeked.take() {
+                Some(p) => p,
+                None => {
+                    let cursor = self.cursor.as_mut().expect("running");
+                    if cursor.position().epoch != self.epoch {
+                        break;
+                    }
+                    cursor.next(self.run.as_ref().expect("running").shared.input.catalog())
+                }
+            };
+            // A batch is held whole while it is out, so it must fit in the
+            // ring: cut it short rather than wait for space it holds itself.
+            let v0 = *first_v.get_or_insert(p.v);
+            if p.v_end - v0 > self.geo.ring_bytes {
+                self.peeked = Some(p);
                 break;
             }
-            let p = cursor.next(self.run.as_ref().expect("running").shared.input.catalog());
             if let Err(e) = self.wait_ready(&p) {
                 self.failed = Some(e.to_string());
                 self.entries.clear();
@@ -896,7 +942,10 @@ impl Loader {
 
     /// The position of the next sample `next_batch` will deliver.
     pub fn position(&self) -> Position {
-        self.cursor.as_ref().expect("running").position()
+        match &self.peeked {
+            Some(p) => p.pos,
+            None => self.cursor.as_ref().expect("running").position(),
+        }
     }
 
     /// The current position, serialized (36 bytes) for a checkpoint.
