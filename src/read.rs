@@ -52,6 +52,9 @@ pub(crate) struct ReadArgs {
     /// Reads in flight per poller.
     #[arg(long, default_value_t = 32)]
     queue_depth: u32,
+    /// Largest single read; bigger samples are read in parts.
+    #[arg(long, default_value = "4MiB", value_parser = crate::parse_bytes)]
+    max_read_bytes: u64,
     /// Most samples read ahead of the consumer (default: what the ring holds).
     #[arg(long)]
     lookahead: Option<u64>,
@@ -74,8 +77,12 @@ pub(crate) struct ReadArgs {
     #[arg(long)]
     no_mlock: bool,
     /// Busy-poll time before parking, in microseconds.
-    #[arg(long, default_value_t = 50)]
+    #[arg(long, default_value_t = 20)]
     spin_us: u64,
+    /// Before reading, let the pollers fill the ring, then measure the CPU
+    /// they use over this many ms while nobody consumes (idle cost).
+    #[arg(long, default_value_t = 0)]
+    idle_ms: u64,
     /// Simulated compute per batch, in microseconds (to see stalls).
     #[arg(long, default_value_t = 0)]
     compute_us: u64,
@@ -119,6 +126,7 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
             cuda: CudaMode::Auto,
         })
         .queue_depth(a.queue_depth)
+        .max_read_bytes(a.max_read_bytes)
         .sqpoll(a.sqpoll_ms)
         .tier_bytes(a.tier_bytes)
         .verify_crc32c(a.verify)
@@ -133,8 +141,10 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
     if let Some(l) = a.lookahead {
         b = b.lookahead(l);
     }
-    let cpu0 = cpu_seconds();
+    let setup0 = cpu_seconds();
     let mut loader = b.build()?;
+    let cpu0 = cpu_seconds();
+    let setup_cpu = cpu0 - setup0;
     let info = loader.landing_info().clone();
     eprintln!(
         "landing ring: {} ({}huge pages, {}locked{}); {}",
@@ -153,6 +163,19 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
         let cat = loader.catalog();
         (cat.total_bytes() as f64 * loader.epoch_len() as f64 / cat.len() as f64) as u64
     };
+    if a.idle_ms > 0 {
+        // Fill: the pollers read ahead until the ring is full.
+        std::thread::sleep(Duration::from_millis(a.idle_ms / 2 + 500));
+        let (c0, w0) = (cpu_seconds(), Instant::now());
+        std::thread::sleep(Duration::from_millis(a.idle_ms));
+        let used = cpu_seconds() - c0;
+        println!(
+            "idle: {:.2}% of one core over {:.1} s with the ring full and nobody consuming",
+            100.0 * used / w0.elapsed().as_secs_f64(),
+            w0.elapsed().as_secs_f64()
+        );
+    }
+    let cpu0 = if a.idle_ms > 0 { cpu_seconds() } else { cpu0 };
     let t0 = Instant::now();
     let mut epoch_lines = Vec::new();
     for e in a.start_epoch..a.start_epoch + a.epochs {
@@ -205,11 +228,12 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
         st.retries
     );
     println!(
-        "stall: {:.1}% ({:.2} s waiting in next_batch); CPU: {:.2} s ({:.2} s per GB)",
+        "stall: {:.1}% ({:.2} s waiting in next_batch); CPU: {:.2} s ({:.2} s per GB) reading, plus {:.2} s to set up the ring",
         100.0 * st.stall.as_secs_f64() / wall,
         st.stall.as_secs_f64(),
         cpu,
-        cpu / (st.bytes as f64 / 1e9).max(1e-9)
+        cpu / (st.bytes as f64 / 1e9).max(1e-9),
+        setup_cpu
     );
     Ok(())
 }

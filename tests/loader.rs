@@ -569,3 +569,31 @@ fn memlock_limit_is_a_named_error() {
         "{e}"
     );
 }
+
+#[test]
+fn large_samples_are_read_in_parts() {
+    let t = tempfile::tempdir().unwrap();
+    let sp = odd_space(t.path());
+    let space = Space::open(&sp).unwrap();
+    let cat = space.catalog();
+    let sampler = Sampler::new(SamplerConfig::single(cat.len(), 6)).unwrap();
+    // 4 KiB parts and 3 reads in flight: the 300,000-byte sample takes 74
+    // parts issued a few at a time; with short reads and delays injected.
+    let mut loader = LoaderBuilder::space(&sp)
+        .seed(6)
+        .batch_size(5)
+        .queue_depth(3)
+        .max_read_bytes(4096)
+        .landing(small_ring(1 << 20))
+        .fault_injection(FaultConfig {
+            seed: 2,
+            eio_ppm: 0,
+            short_ppm: 50_000,
+            delay_ppm: 200_000,
+        })
+        .build()
+        .unwrap();
+    check_epochs(&mut loader, cat, &sampler, 0..2, 5);
+    let st = loader.finish();
+    assert!(st.retries > 0);
+}

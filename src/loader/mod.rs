@@ -82,6 +82,7 @@ pub(crate) struct PollerStats {
 pub(crate) struct PollerConfig {
     pub(crate) pollers: usize,
     pub(crate) queue_depth: u32,
+    pub(crate) max_read_bytes: u64,
     pub(crate) lookahead: u64,
     pub(crate) spin: Duration,
     pub(crate) sqpoll_idle_ms: Option<u32>,
@@ -144,6 +145,7 @@ pub struct LoaderBuilder {
     landing: LandingOptions,
     pollers: usize,
     queue_depth: u32,
+    max_read_bytes: u64,
     lookahead: u64,
     spin: Duration,
     sqpoll_idle_ms: Option<u32>,
@@ -178,8 +180,9 @@ impl LoaderBuilder {
             landing: LandingOptions::default(),
             pollers: default_pollers(),
             queue_depth: 32,
+            max_read_bytes: 4 << 20,
             lookahead: u64::MAX,
-            spin: Duration::from_micros(50),
+            spin: Duration::from_micros(20),
             sqpoll_idle_ms: None,
             pin: true,
             verify_crc32c: false,
@@ -268,6 +271,13 @@ impl LoaderBuilder {
         self
     }
 
+    /// Largest single read (default 4 MiB): bigger samples are read in
+    /// parts, so large samples keep the queue busy too.
+    pub fn max_read_bytes(mut self, bytes: u64) -> Self {
+        self.max_read_bytes = bytes.max(4096);
+        self
+    }
+
     /// At most this many samples read ahead of the consumer's released
     /// mark (default: as many as the ring holds). Never less than one batch,
     /// which must be complete before it is handed out.
@@ -276,7 +286,7 @@ impl LoaderBuilder {
         self
     }
 
-    /// How long pollers and the consumer busy-poll before parking (default 50 µs).
+    /// How long pollers and the consumer busy-poll before parking (default 20 µs).
     pub fn spin(mut self, d: Duration) -> Self {
         self.spin = d;
         self
@@ -427,6 +437,7 @@ impl LoaderBuilder {
         let cfg = PollerConfig {
             pollers: self.pollers,
             queue_depth: self.queue_depth,
+            max_read_bytes: self.max_read_bytes,
             lookahead: self.lookahead.max(self.batch_size as u64),
             spin: self.spin,
             sqpoll_idle_ms: self.sqpoll_idle_ms,
@@ -575,7 +586,6 @@ struct Entry {
 /// at a time (it borrows the loader), so batches are released in order.
 pub struct Batch<'a> {
     loader: &'a mut Loader,
-    release: (u64, u64),
 }
 
 impl Batch<'_> {
@@ -643,7 +653,7 @@ impl Batch<'_> {
 
 impl Drop for Batch<'_> {
     fn drop(&mut self) {
-        self.loader.release(self.release.0, self.release.1);
+        self.loader.release();
     }
 }
 
@@ -828,19 +838,20 @@ impl Loader {
             return Err(Error::LoaderFailed(msg.clone()));
         }
         self.entries.clear();
-        let mut release = (0, 0);
         let mut first_v = None;
         while self.entries.len() < self.batch_size {
             let p = match self.peeked.take() {
                 Some(p) => p,
-                None => {
-                    let cursor = self.cursor.as_mut().expect("running");
-                    if cursor.position().epoch != self.epoch {
-                        break;
-                    }
-                    cursor.next(self.run.as_ref().expect("running").shared.input.catalog())
-                }
+                None => self
+                    .cursor
+                    .as_mut()
+                    .expect("running")
+                    .next(self.run.as_ref().expect("running").shared.input.catalog()),
             };
+            if p.pos.epoch != self.epoch {
+                self.peeked = Some(p);
+                break;
+            }
             // A batch is held whole while it is out, so it must fit in the
             // ring: cut it short rather than wait for space it holds itself.
             let v0 = *first_v.get_or_insert(p.v);
@@ -863,15 +874,11 @@ impl Loader {
             });
             self.counters.samples += 1;
             self.counters.bytes += p.len;
-            release = (p.v_end, p.g + 1);
         }
         if self.entries.is_empty() {
             return Ok(None);
         }
-        Ok(Some(Batch {
-            loader: self,
-            release,
-        }))
+        Ok(Some(Batch { loader: self }))
     }
 
     fn wait_ready(&mut self, p: &Placed) -> Result<()> {
@@ -910,10 +917,26 @@ impl Loader {
         }
     }
 
-    fn release(&mut self, v_end: u64, g_end: u64) {
+    /// Returns the batch's ring space. The released mark is the *next*
+    /// sample's slot start, not the batch's end: padding skipped before that
+    /// slot (at the ring's end or a segment boundary) is free too, and
+    /// counting it as held could leave a large next sample waiting forever.
+    fn release(&mut self) {
+        let next = match self.peeked {
+            Some(p) => p,
+            None => {
+                let p = self
+                    .cursor
+                    .as_mut()
+                    .expect("running")
+                    .next(self.run.as_ref().expect("running").shared.input.catalog());
+                self.peeked = Some(p);
+                p
+            }
+        };
         let sh = self.shared();
-        sh.released_v.store(v_end, Ordering::Release);
-        sh.released_g.store(g_end, Ordering::Release);
+        sh.released_v.store(next.v, Ordering::Release);
+        sh.released_g.store(next.g, Ordering::Release);
         for t in &self.run.as_ref().expect("running").threads {
             t.thread().unpark();
         }

@@ -5,6 +5,12 @@
 //! them. No allocation, lock or copy per sample (the memory tier's copy is
 //! the tier's point); locks only on the error path and to publish latency
 //! histograms every 100 ms.
+//!
+//! A sample is read by one or more *parts* of at most `max_read_bytes`, so
+//! a 100 MiB volume keeps the queue as busy as a hundred small samples. Each
+//! in-flight part occupies an op slot (its index is the io_uring user_data);
+//! each sample being read occupies a group record until its last part lands.
+//! Both pools are sized once from the queue depth.
 
 use std::os::fd::{IntoRawFd, RawFd};
 use std::path::PathBuf;
@@ -19,23 +25,34 @@ use super::{Input, Shared, CODE_ERROR, CODE_OK};
 use crate::error::{errno_name, Error};
 use crate::ring::{Completion, IoBackend, ReadOp, Target};
 
-/// Attempts for a read that came back short or was interrupted.
+/// Attempts for a part that came back short or was interrupted.
 const MAX_ATTEMPTS: u32 = 4;
 
-#[derive(Clone, Copy)]
-struct InFlight {
+/// One sample being read.
+struct Group {
     placed: Placed,
-    /// Bytes asked for.
-    want: u32,
-    /// File offset.
-    offset: u64,
     target: Target,
     /// Extent index or source file index, for messages.
     file: u32,
-    /// Descriptor to close when done (source mode).
+    /// File offset of the sample's first byte.
+    offset: u64,
+    /// Bytes to read in all (the aligned slot from extents, the exact length
+    /// from source files).
+    want: u64,
+    parts: u32,
+    issued: u32,
+    done: u32,
     owned_fd: Option<RawFd>,
-    attempts: u32,
+    error: Option<Error>,
     submitted: Instant,
+}
+
+/// One read in flight.
+#[derive(Clone, Copy)]
+struct Op {
+    group: u32,
+    part: u32,
+    attempts: u32,
 }
 
 pub(crate) struct Poller {
@@ -45,12 +62,17 @@ pub(crate) struct Poller {
     backend: Box<dyn IoBackend>,
     cursor: Cursor,
     pending: Option<Placed>,
-    slots: Vec<Option<InFlight>>,
-    free: Vec<u32>,
+    ops: Vec<Option<Op>>,
+    free_ops: Vec<u32>,
+    groups: Vec<Option<Group>>,
+    free_groups: Vec<u32>,
+    /// A group whose parts are not all issued yet (issued before new samples).
+    partial: Option<u32>,
     completions: Vec<Completion>,
     hist: Histogram<u64>,
     last_publish: Instant,
     in_flight: usize,
+    part_bytes: u64,
     path_buf: PathBuf,
 }
 
@@ -63,18 +85,23 @@ impl Poller {
     ) -> Self {
         let qd = shared.cfg.queue_depth as usize;
         let cursor = Cursor::new(shared.sampler.clone(), shared.geo, shared.start);
+        let align = shared.geo.align;
         Poller {
             index: index as u64,
             count: count as u64,
             backend,
             cursor,
             pending: None,
-            slots: vec![None; qd],
-            free: (0..qd as u32).rev().collect(),
+            ops: (0..qd).map(|_| None).collect(),
+            free_ops: (0..qd as u32).rev().collect(),
+            groups: (0..qd).map(|_| None).collect(),
+            free_groups: (0..qd as u32).rev().collect(),
+            partial: None,
             completions: vec![Completion::default(); qd],
             hist: Histogram::new_with_bounds(1, 60_000_000, 2).expect("valid bounds"),
             last_publish: Instant::now(),
             in_flight: 0,
+            part_bytes: shared.cfg.max_read_bytes.next_multiple_of(align).max(align),
             path_buf: PathBuf::with_capacity(4096),
             shared,
         }
@@ -146,21 +173,33 @@ impl Poller {
     }
 
     /// Queues reads while slots, flow control and the queue allow. Returns
-    /// how many samples were started (read or served from memory).
+    /// how many samples or parts were started.
     fn fill(&mut self) -> usize {
         let mut started = 0;
-        while !self.free.is_empty() {
+        loop {
+            if let Some(gi) = self.partial {
+                match self.issue_parts(gi) {
+                    (n, true) => {
+                        started += n;
+                        self.partial = None;
+                    }
+                    (n, false) => return started + n,
+                }
+            }
+            if self.free_ops.is_empty() || self.free_groups.is_empty() {
+                return started;
+            }
             let p = match self.pending.take() {
                 Some(p) => p,
                 None => self.next_own(),
             };
             if !self.allowed(&p) {
                 self.pending = Some(p);
-                break;
+                return started;
             }
             let dst = self.dst(&p);
             if p.len == 0 {
-                self.finish_ok(&p);
+                self.shared.publish(p.g, CODE_OK);
                 started += 1;
                 continue;
             }
@@ -171,24 +210,19 @@ impl Poller {
                     self.shared.stats[self.index as usize]
                         .tier_hits
                         .fetch_add(1, Ordering::Relaxed);
-                    self.finish_ok(&p);
+                    self.shared.publish(p.g, CODE_OK);
                     started += 1;
                     continue;
                 }
             }
-            match self.start_read(p, dst) {
-                Ok(true) => started += 1,
-                Ok(false) => {
-                    self.pending = Some(p);
-                    break;
-                }
+            match self.open_group(p) {
+                Ok(gi) => self.partial = Some(gi),
                 Err(e) => {
                     self.fail(&p, e);
                     started += 1;
                 }
             }
         }
-        started
     }
 
     fn dst(&self, p: &Placed) -> *mut u8 {
@@ -201,20 +235,19 @@ impl Poller {
         }
     }
 
-    /// Starts the read of `p`; Ok(false) when the submission queue is full.
-    fn start_read(&mut self, p: Placed, dst: *mut u8) -> Result<bool, Error> {
+    /// Takes a group record for `p` (the caller checked one is free).
+    fn open_group(&mut self, p: Placed) -> Result<u32, Error> {
         let sh = &self.shared;
         let cat = sh.input.catalog();
         let (target, offset, want, file, owned_fd) = match &sh.input {
             Input::Space { space, .. } => {
                 let loc = space
                     .location(p.id)
-                    .expect("loader checked the space holds every sample");
-                let want = sh.geo.slot(p.len).min(u32::MAX as u64) as u32;
+                    .expect("the loader checked the space holds every sample");
                 (
                     Target::Fixed(loc.extent),
                     loc.offset,
-                    want,
+                    sh.geo.slot(p.len),
                     loc.extent,
                     None,
                 )
@@ -232,135 +265,191 @@ impl Poller {
                     source: e,
                 })?;
                 let fd = f.into_raw_fd();
-                (Target::Fd(fd), s.offset, s.len, s.file, Some(fd))
+                (Target::Fd(fd), s.offset, s.len as u64, s.file, Some(fd))
             }
         };
-        let slot = *self.free.last().expect("caller checked a free slot");
-        let op = self.read_op(slot, target, dst, want, offset, &p);
-        // SAFETY: dst..dst+want lies in this sample's ring slot, which no one
-        // else touches until we publish it ready.
-        if !unsafe { self.backend.push(&op) } {
-            if let Some(fd) = owned_fd {
-                // SAFETY: fd came from into_raw_fd above and is closed once.
-                unsafe { libc::close(fd) };
-            }
-            return Ok(false);
-        }
-        self.free.pop();
-        self.slots[slot as usize] = Some(InFlight {
+        let gi = self.free_groups.pop().expect("caller checked a free group");
+        self.groups[gi as usize] = Some(Group {
             placed: p,
-            want,
-            offset,
             target,
             file,
+            offset,
+            want,
+            parts: want.div_ceil(self.part_bytes) as u32,
+            issued: 0,
+            done: 0,
             owned_fd,
-            attempts: 1,
+            error: None,
             submitted: Instant::now(),
         });
-        self.in_flight += 1;
-        Ok(true)
+        Ok(gi)
     }
 
-    fn read_op(
-        &self,
-        slot: u32,
-        target: Target,
-        dst: *mut u8,
-        want: u32,
-        offset: u64,
-        p: &Placed,
-    ) -> ReadOp {
+    /// Issues the group's remaining parts while op slots and the queue allow.
+    /// Returns (parts issued, whether all are issued now).
+    fn issue_parts(&mut self, gi: u32) -> (usize, bool) {
+        let mut n = 0;
+        loop {
+            let g = self.groups[gi as usize].as_ref().expect("open group");
+            if g.issued == g.parts {
+                return (n, true);
+            }
+            let Some(&slot) = self.free_ops.last() else {
+                return (n, false);
+            };
+            let part = g.issued;
+            let op = self.read_op(slot, gi, part);
+            // SAFETY: the part's destination lies in this sample's ring slot,
+            // which no one else touches until we publish it ready.
+            if !unsafe { self.backend.push(&op) } {
+                return (n, false);
+            }
+            self.free_ops.pop();
+            self.ops[slot as usize] = Some(Op {
+                group: gi,
+                part,
+                attempts: 1,
+            });
+            self.groups[gi as usize]
+                .as_mut()
+                .expect("open group")
+                .issued += 1;
+            self.in_flight += 1;
+            n += 1;
+        }
+    }
+
+    fn part_range(&self, g: &Group, part: u32) -> (u64, u64) {
+        let start = part as u64 * self.part_bytes;
+        (start, (g.want - start).min(self.part_bytes))
+    }
+
+    fn read_op(&self, slot: u32, gi: u32, part: u32) -> ReadOp {
+        let g = self.groups[gi as usize].as_ref().expect("open group");
+        let (start, len) = self.part_range(g, part);
         let seg = self.shared.geo.segment();
         ReadOp {
             user_data: slot as u64,
-            target,
-            buf: dst,
-            len: want,
-            offset,
+            target: g.target,
+            // SAFETY: start + len <= want <= the sample's slot in the ring.
+            buf: unsafe { self.dst(&g.placed).add(start as usize) },
+            len: len as u32,
+            offset: g.offset + start,
             buf_index: self
                 .shared
                 .fixed_buffers
-                .then(|| (p.phys(&self.shared.geo) / seg) as u16),
+                .then(|| (g.placed.phys(&self.shared.geo) / seg) as u16),
         }
     }
 
     fn complete(&mut self, c: Completion) {
         let slot = c.user_data as u32;
-        let Some(mut f) = self.slots[slot as usize] else {
+        let Some(mut op) = self.ops[slot as usize] else {
             log::error!("poller {}: completion for idle slot {slot}", self.index);
             return;
         };
-        let retry = match c.result {
+        let g = self.groups[op.group as usize].as_ref().expect("open group");
+        let (_, part_len) = self.part_range(g, op.part);
+        // Extents are padded to the alignment and source reads ask for the
+        // exact sample, so every part must come back whole.
+        let expected = part_len;
+        let outcome = match c.result {
             r if r < 0 => {
                 let errno = -r;
-                if (errno == libc::EAGAIN || errno == libc::EINTR) && f.attempts < MAX_ATTEMPTS {
-                    true
+                if (errno == libc::EAGAIN || errno == libc::EINTR) && op.attempts < MAX_ATTEMPTS {
+                    Err(None)
                 } else {
-                    let e = Error::ReadFailed {
-                        sample: f.placed.id,
-                        path: self.file_path(&f),
-                        offset: f.offset,
+                    Err(Some(Error::ReadFailed {
+                        sample: g.placed.id,
+                        path: self.file_path(g),
+                        offset: g.offset + op.part as u64 * self.part_bytes,
                         errno_name: errno_name(errno),
                         source: std::io::Error::from_raw_os_error(errno),
-                    };
-                    self.release_slot(slot, &f);
-                    self.fail(&f.placed, e);
-                    return;
+                    }))
                 }
             }
-            r if (r as u64) < expected_bytes(&f) => {
-                if f.attempts < MAX_ATTEMPTS {
-                    self.stat_retry();
-                    true
+            r if (r as u64) < expected => {
+                if op.attempts < MAX_ATTEMPTS {
+                    Err(None)
                 } else {
-                    let e = Error::ShortRead {
-                        sample: f.placed.id,
-                        path: self.file_path(&f),
-                        offset: f.offset,
-                        expected: expected_bytes(&f),
+                    Err(Some(Error::ShortRead {
+                        sample: g.placed.id,
+                        path: self.file_path(g),
+                        offset: g.offset + op.part as u64 * self.part_bytes,
+                        expected,
                         got: r as u64,
-                        attempts: f.attempts,
-                    };
-                    self.release_slot(slot, &f);
-                    self.fail(&f.placed, e);
-                    return;
+                        attempts: op.attempts,
+                    }))
                 }
             }
-            _ => false,
+            _ => Ok(()),
         };
-        if retry {
-            f.attempts += 1;
-            let dst = self.dst(&f.placed);
-            let op = self.read_op(slot, f.target, dst, f.want, f.offset, &f.placed);
+        if let Err(None) = outcome {
+            // Retry the same part into the same memory.
+            self.shared.stats[self.index as usize]
+                .retries
+                .fetch_add(1, Ordering::Relaxed);
+            op.attempts += 1;
+            let rop = self.read_op(slot, op.group, op.part);
             // SAFETY: the same slot memory as the first attempt, still ours.
-            if unsafe { self.backend.push(&op) } {
-                self.slots[slot as usize] = Some(f);
+            if unsafe { self.backend.push(&rop) } {
+                self.ops[slot as usize] = Some(op);
                 return;
             }
+            let g = self.groups[op.group as usize].as_ref().expect("open group");
             let e = Error::ReadFailed {
-                sample: f.placed.id,
-                path: self.file_path(&f),
-                offset: f.offset,
+                sample: g.placed.id,
+                path: self.file_path(g),
+                offset: g.offset,
                 errno_name: "EBUSY",
                 source: std::io::Error::from_raw_os_error(libc::EBUSY),
             };
-            self.release_slot(slot, &f);
-            self.fail(&f.placed, e);
+            self.part_done(slot, op.group, Some(e));
             return;
         }
-        let micros = f.submitted.elapsed().as_micros() as u64;
+        self.part_done(slot, op.group, outcome.err().flatten());
+    }
+
+    /// Frees the op slot; finishes the sample when its last part is in.
+    fn part_done(&mut self, slot: u32, gi: u32, error: Option<Error>) {
+        self.ops[slot as usize] = None;
+        self.free_ops.push(slot);
+        self.in_flight -= 1;
+        let g = self.groups[gi as usize].as_mut().expect("open group");
+        g.done += 1;
+        if let Some(e) = error {
+            // Issue no more parts; report the first error once all are back.
+            g.parts = g.issued;
+            g.error.get_or_insert(e);
+        }
+        if g.done < g.parts {
+            return;
+        }
+        let g = self.groups[gi as usize].take().expect("open group");
+        self.free_groups.push(gi);
+        if self.partial == Some(gi) {
+            self.partial = None;
+        }
+        if let Some(fd) = g.owned_fd {
+            // SAFETY: the descriptor was opened for this sample and is closed once.
+            unsafe { libc::close(fd) };
+        }
+        if let Some(e) = g.error {
+            self.fail(&g.placed, e);
+            return;
+        }
+        let micros = g.submitted.elapsed().as_micros() as u64;
         let _ = self.hist.record(micros.max(1));
-        self.release_slot(slot, &f);
-        let p = f.placed;
+        let p = g.placed;
         let dst = self.dst(&p);
         if self.shared.cfg.verify_crc32c {
             let want = self.shared.input.catalog().sample(p.id).crc32c;
-            // SAFETY: the read completed into this slot, which is still ours.
+            // SAFETY: every part completed into this slot, which is still ours.
             let got = crc32c::crc32c(unsafe { std::slice::from_raw_parts(dst, p.len as usize) });
             if got != want {
                 let e = Error::SampleCorrupt {
                     sample: p.id,
-                    path: self.file_path(&f),
+                    path: self.file_path(&g),
                     expected: want,
                     computed: got,
                 };
@@ -375,34 +464,14 @@ impl Poller {
         self.shared.stats[self.index as usize]
             .disk_reads
             .fetch_add(1, Ordering::Relaxed);
-        self.finish_ok(&p);
-    }
-
-    fn stat_retry(&self) {
-        self.shared.stats[self.index as usize]
-            .retries
-            .fetch_add(1, Ordering::Relaxed);
-    }
-
-    fn release_slot(&mut self, slot: u32, f: &InFlight) {
-        if let Some(fd) = f.owned_fd {
-            // SAFETY: the descriptor was opened for this read and is closed once.
-            unsafe { libc::close(fd) };
-        }
-        self.slots[slot as usize] = None;
-        self.free.push(slot);
-        self.in_flight -= 1;
-    }
-
-    fn file_path(&self, f: &InFlight) -> PathBuf {
-        match &self.shared.input {
-            Input::Space { space, .. } => space.extent_path(f.file),
-            Input::Source { catalog, root } => root.join(catalog.file(f.file).name),
-        }
-    }
-
-    fn finish_ok(&self, p: &Placed) {
         self.shared.publish(p.g, CODE_OK);
+    }
+
+    fn file_path(&self, g: &Group) -> PathBuf {
+        match &self.shared.input {
+            Input::Space { space, .. } => space.extent_path(g.file),
+            Input::Source { catalog, root } => root.join(catalog.file(g.file).name),
+        }
     }
 
     fn fail(&self, p: &Placed, e: Error) {
@@ -414,21 +483,22 @@ impl Poller {
         self.shared.publish(p.g, CODE_ERROR);
     }
 
+    /// The ring itself failed: every sample in flight fails with it.
     fn fail_all(&mut self, e: std::io::Error) {
-        for slot in 0..self.slots.len() {
-            if let Some(f) = self.slots[slot] {
+        for gi in 0..self.groups.len() {
+            if let Some(g) = self.groups[gi].take() {
+                if let Some(fd) = g.owned_fd {
+                    // SAFETY: opened for this sample, closed once.
+                    unsafe { libc::close(fd) };
+                }
                 let err = Error::ReadFailed {
-                    sample: f.placed.id,
-                    path: self.file_path(&f),
-                    offset: f.offset,
+                    sample: g.placed.id,
+                    path: self.file_path(&g),
+                    offset: g.offset,
                     errno_name: errno_name(e.raw_os_error().unwrap_or(0)),
                     source: std::io::Error::new(e.kind(), e.to_string()),
                 };
-                if let Some(fd) = f.owned_fd {
-                    // SAFETY: opened for this read, closed once.
-                    unsafe { libc::close(fd) };
-                }
-                self.fail(&f.placed, err);
+                self.fail(&g.placed, err);
             }
         }
     }
@@ -445,14 +515,5 @@ impl Poller {
         drop(h);
         self.hist.reset();
         self.last_publish = Instant::now();
-    }
-}
-
-/// Bytes a read must return: the whole slot from extents (they are padded
-/// to the alignment), exactly the sample from a source file.
-fn expected_bytes(f: &InFlight) -> u64 {
-    match f.target {
-        Target::Fixed(_) => f.want as u64,
-        Target::Fd(_) => f.placed.len,
     }
 }

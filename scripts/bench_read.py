@@ -1,0 +1,189 @@
+#!/usr/bin/env python3
+"""kspeed read (the local data path) against the references, on a cold page
+cache (dropped before every run; root needed), medians of --runs runs.
+
+Per profile (imagenet 20,000 samples, tiny 200,000, volumes 30 by default):
+  kspeed      : kspeed read --space, one epoch, default pollers and queue depth
+  fio         : fio randread over the same extent files, io_uring, direct=1,
+                block size near the mean sample size, the same total queue depth
+  naive loop  : one thread, open + pread every source file in sampler order
+  naive pool  : 8 threads doing the same
+Then, on imagenet: 1 vs 2 pollers; the memory tier holding all / half of the
+set (epochs 2+) against a warm page cache pread pool; idle CPU with the ring
+full; peak RSS with a 256 MiB ring at two dataset sizes.
+
+  scripts/bench_read.py [--runs 3] [--work /var/tmp/kspeed-bench] [--profiles imagenet:20000,tiny:200000,volumes:30]
+"""
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+K = os.path.join(ROOT, "target", "release", "kspeed")
+NAIVE = os.path.join(ROOT, "target", "release", "examples", "naive_read")
+
+
+def sh(cmd, **kw):
+    return subprocess.run(cmd, check=True, capture_output=True, text=True, **kw).stdout
+
+
+def drop_caches():
+    subprocess.run("sync", check=True)
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+
+
+def kspeed_read(space, *extra, cold=True):
+    if cold:
+        drop_caches()
+    out = sh([K, "read", "--space", space, "--progress=none", *extra])
+    m = re.search(r"read (\d+) samples, .* in ([\d.]+) s: (\d+) samples/s, ([\d.]+) GB/s", out)
+    cpu = float(re.search(r"CPU: ([\d.]+) s", out).group(1))  # while reading, setup excluded
+    lat = re.search(r"p50 (\d+) us, p99 (\d+) us", out)
+    hits = re.search(r"(\d+) disk reads, (\d+) tier hits", out)
+    epochs = [float(x) for x in re.findall(r"epoch \d+: .* \((\d+) samples/s", out)]
+    gb = int(m.group(1)) and float(m.group(4)) * float(m.group(2))
+    return {
+        "sps": float(m.group(3)), "gbs": float(m.group(4)), "cpu_per_gb": cpu / max(gb, 1e-9),
+        "p50": int(lat.group(1)), "p99": int(lat.group(2)), "epoch_sps": epochs,
+        "disk": int(hits.group(1)), "hits": int(hits.group(2)), "out": out,
+    }
+
+
+def fio_randread(files, bs, qd, total):
+    drop_caches()
+    out = sh(["fio", "--name=ref", "--filename=" + ":".join(files), "--rw=randread", f"--bs={bs}",
+              "--direct=1", "--ioengine=io_uring", f"--iodepth={qd}", "--readonly",
+              f"--io_size={total}", "--output-format=json"])
+    j = json.loads(out[out.index("{"):])["jobs"][0]
+    secs = j["read"]["runtime"] / 1000
+    cpu = (j["usr_cpu"] + j["sys_cpu"]) / 100 * secs
+    gb = j["read"]["io_bytes"] / 1e9
+    return {"gbs": j["read"]["bw_bytes"] / 1e9, "iops": j["read"]["iops"], "cpu_per_gb": cpu / gb}
+
+
+def naive(catalog, mode, cold=True):
+    if cold:
+        drop_caches()
+    args = [NAIVE, catalog] + (["loop"] if mode == "loop" else ["pool", "8"])
+    out = sh(args)
+    m = re.search(r"([\d.]+) samples/s, ([\d.]+) GB/s, CPU ([\d.]+) s \(([\d.]+) s per GB", out)
+    return {"sps": float(m.group(1)), "gbs": float(m.group(2)), "cpu_per_gb": float(m.group(4))}
+
+
+def med(rs, key):
+    return statistics.median(r[key] for r in rs)
+
+
+def prepare(work, profile, count):
+    src = os.path.join(work, f"src-{profile}-{count}")
+    space = os.path.join(work, f"sp-{profile}-{count}")
+    sh([K, "gen", "--profile", profile, "--count", str(count), "--out", src, "--seed", "1", "--progress=none"])
+    sh([K, "preload", "--source", src, "--space", space, "--progress=none"])
+    return src, space
+
+
+def peak_rss_mib(space, *extra):
+    drop_caches()
+    r = subprocess.run(["/usr/bin/time", "-v", K, "read", "--space", space, "--progress=none", *extra],
+                       check=True, capture_output=True, text=True)
+    return int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", r.stderr).group(1)) / 1024
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--work", default="/var/tmp/kspeed-bench")
+    ap.add_argument("--profiles", default="imagenet:20000,tiny:200000,volumes:30")
+    ap.add_argument("--qd", type=int, default=32)
+    a = ap.parse_args()
+    subprocess.run(["cargo", "build", "--release", "--quiet", "--example", "naive_read"], cwd=ROOT, check=True)
+    subprocess.run(["cargo", "build", "--release", "--quiet"], cwd=ROOT, check=True)
+    os.makedirs(a.work, exist_ok=True)
+    report = []
+
+    def say(line=""):
+        print(line, flush=True)
+        report.append(line)
+
+    spaces = {}
+    for spec in a.profiles.split(","):
+        profile, count = spec.split(":")
+        src, space = prepare(a.work, profile, int(count))
+        spaces[profile] = (src, space)
+        catalog = os.path.join(space, "catalog.ksc")
+        info = sh([K, "inspect", "--space", space])
+        total = sum(os.path.getsize(os.path.join(space, "extents", f)) for f in os.listdir(os.path.join(space, "extents")))
+        mean = float(re.search(r"mean ([\d.]+) (\w+)", info).group(1))
+        unit = re.search(r"mean ([\d.]+) (\w+)", info).group(2)
+        mean_b = mean * {"B": 1, "KiB": 1024, "MiB": 1 << 20, "GiB": 1 << 30}[unit]
+        bs = max(4096, min(int(mean_b) // 4096 * 4096, 16 << 20))
+        files = sorted(os.path.join(space, "extents", f) for f in os.listdir(os.path.join(space, "extents")))
+        ks, fs, nl, npool = [], [], [], []
+        for r in range(a.runs):
+            ring = ["--ring-bytes", "1GiB"] if profile == "volumes" else []
+            ks.append(kspeed_read(space, "--queue-depth", str(a.qd), *ring))
+            fs.append(fio_randread(files, bs, a.qd, total))
+            nl.append(naive(catalog, "loop"))
+            npool.append(naive(catalog, "pool"))
+            print(f"  {profile} run {r + 1}: kspeed {ks[-1]['gbs']:.3f} GB/s, fio {fs[-1]['gbs']:.3f}, "
+                  f"loop {nl[-1]['gbs']:.3f}, pool {npool[-1]['gbs']:.3f}", file=sys.stderr, flush=True)
+        n = int(count)
+        say(f"### {profile}: {n} samples, mean {mean} {unit}, fio bs {bs}, queue depth {a.qd}, median of {a.runs}")
+        say("")
+        say("| reader | GB/s | samples/s (IOPS) | CPU s/GB | vs kspeed |")
+        say("|---|---:|---:|---:|---:|")
+        kg = med(ks, "gbs")
+        say(f"| kspeed read | {kg:.3f} | {med(ks, 'sps'):.0f} | {med(ks, 'cpu_per_gb'):.3f} | 1.00 |")
+        fg = med(fs, "gbs")
+        say(f"| fio randread | {fg:.3f} | {med(fs, 'iops'):.0f} | {med(fs, 'cpu_per_gb'):.3f} | {fg / kg:.2f} |")
+        for name, rs in (("naive loop (1 thread)", nl), ("naive pread pool (8 threads)", npool)):
+            g = med(rs, "gbs")
+            say(f"| {name} | {g:.3f} | {med(rs, 'sps'):.0f} | {med(rs, 'cpu_per_gb'):.3f} | {g / kg:.2f} |")
+        say("")
+        say(f"kspeed / fio: {kg / fg:.2f}x bandwidth, CPU per GB {med(ks, 'cpu_per_gb') / max(med(fs, 'cpu_per_gb'), 1e-9):.2f}x fio's; "
+            f"read latency p50 {med(ks, 'p50'):.0f} us, p99 {med(ks, 'p99'):.0f} us")
+        say("")
+
+    if "imagenet" in spaces:
+        src, space = spaces["imagenet"]
+        catalog = os.path.join(space, "catalog.ksc")
+        say("### imagenet: scaling, memory tier, idle cost, memory")
+        say("")
+        one = [kspeed_read(space, "--pollers", "1")["gbs"] for _ in range(a.runs)]
+        two = [kspeed_read(space, "--pollers", "2")["gbs"] for _ in range(a.runs)]
+        say(f"- pollers: 1 -> {statistics.median(one):.3f} GB/s, 2 -> {statistics.median(two):.3f} GB/s (cold)")
+        total = int(re.search(r"imagenet:(\d+)", a.profiles).group(1))
+        full = [kspeed_read(space, "--epochs", "3", "--tier-bytes", "8GiB") for _ in range(a.runs)]
+        half = [kspeed_read(space, "--epochs", "3", "--tier-bytes", "1300MB") for _ in range(a.runs)]
+        warm = []
+        for _ in range(a.runs):
+            naive(catalog, "pool")
+            warm.append(naive(catalog, "pool", cold=False))
+        e2 = lambda rs: statistics.median(statistics.mean(r["epoch_sps"][1:]) for r in rs)
+        hit = lambda rs: statistics.median(r["hits"] / max(r["hits"] + r["disk"] - total, 1) for r in rs)
+        say(f"- tier holding the whole set: epochs 2-3 at {e2(full):.0f} samples/s (epoch 1, cold: {statistics.median(r['epoch_sps'][0] for r in full):.0f})")
+        say(f"- tier holding half (1.3 GB): epochs 2-3 at {e2(half):.0f} samples/s, tier hit rate {hit(half):.2f}")
+        say(f"- warm page cache, pread pool of 8 threads over the source files: {med(warm, 'sps'):.0f} samples/s "
+            f"-> tier (whole) is {e2(full) / med(warm, 'sps'):.2f}x")
+        idle = re.search(r"idle: ([\d.]+)%", kspeed_read(space, "--idle-ms", "3000")["out"]).group(1)
+        say(f"- idle cost: {idle}% of one core with the ring full and nobody consuming (3 s)")
+        small_src, small_space = prepare(a.work, "imagenet", 5000)
+        r1 = peak_rss_mib(small_space, "--ring-bytes", "256MiB")
+        r2 = peak_rss_mib(space, "--ring-bytes", "256MiB")
+        say(f"- peak RSS, 256 MiB ring, no tier: {r1:.0f} MiB reading 5,000 samples (0.6 GB), {r2:.0f} MiB reading 20,000 (2.5 GB)")
+        say("")
+
+    out = os.path.join(a.work, "bench_read.md")
+    with open(out, "w") as f:
+        f.write("\n".join(report) + "\n")
+    print(f"\nwritten to {out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
