@@ -5,7 +5,11 @@ cache (dropped before every run; root needed), medians of --runs runs.
 Per profile (imagenet 20,000 samples, tiny 200,000, volumes 30 by default):
   kspeed      : kspeed read --space, one epoch, default pollers and queue depth
   fio         : fio randread over the same extent files, io_uring, direct=1,
-                block size near the mean sample size, the same total queue depth
+                block size near the mean sample size, the same queue depth,
+                offsets aligned to the block size (the device's best case)
+  fio 4k-align: the same with offsets aligned to 4 KiB, as samples are
+  fio replay  : fio replaying kspeed's exact reads of the epoch (an iolog from
+                examples/fio_iolog.rs), the same queue depth
   naive loop  : one thread, open + pread every source file in sampler order
   naive pool  : 8 threads doing the same
 Then, on imagenet: 1 vs 2 pollers; the memory tier holding all / half of the
@@ -26,6 +30,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 K = os.path.join(ROOT, "target", "release", "kspeed")
 NAIVE = os.path.join(ROOT, "target", "release", "examples", "naive_read")
+IOLOG = os.path.join(ROOT, "target", "release", "examples", "fio_iolog")
 
 
 def sh(cmd, **kw):
@@ -55,16 +60,24 @@ def kspeed_read(space, *extra, cold=True):
     }
 
 
-def fio_randread(files, bs, qd, total):
+def fio_run(args):
     drop_caches()
-    out = sh(["fio", "--name=ref", "--filename=" + ":".join(files), "--rw=randread", f"--bs={bs}",
-              "--direct=1", "--ioengine=io_uring", f"--iodepth={qd}", "--readonly",
-              f"--io_size={total}", "--output-format=json"])
+    out = sh(["fio", "--name=ref", "--direct=1", "--ioengine=io_uring", "--readonly", "--output-format=json", *args])
     j = json.loads(out[out.index("{"):])["jobs"][0]
     secs = j["read"]["runtime"] / 1000
     cpu = (j["usr_cpu"] + j["sys_cpu"]) / 100 * secs
     gb = j["read"]["io_bytes"] / 1e9
     return {"gbs": j["read"]["bw_bytes"] / 1e9, "iops": j["read"]["iops"], "cpu_per_gb": cpu / gb}
+
+
+def fio_randread(files, bs, qd, total, align=None):
+    extra = [f"--blockalign={align}"] if align else []
+    return fio_run(["--filename=" + ":".join(files), "--rw=randread", f"--bs={bs}", f"--iodepth={qd}",
+                    f"--io_size={total}", *extra])
+
+
+def fio_replay(iolog, qd):
+    return fio_run([f"--read_iolog={iolog}", f"--iodepth={qd}"])
 
 
 def naive(catalog, mode, cold=True):
@@ -102,7 +115,7 @@ def main():
     ap.add_argument("--profiles", default="imagenet:20000,tiny:200000,volumes:30")
     ap.add_argument("--qd", type=int, default=32)
     a = ap.parse_args()
-    subprocess.run(["cargo", "build", "--release", "--quiet", "--example", "naive_read"], cwd=ROOT, check=True)
+    subprocess.run(["cargo", "build", "--release", "--quiet", "--example", "naive_read", "--example", "fio_iolog"], cwd=ROOT, check=True)
     subprocess.run(["cargo", "build", "--release", "--quiet"], cwd=ROOT, check=True)
     os.makedirs(a.work, exist_ok=True)
     report = []
@@ -124,30 +137,41 @@ def main():
         mean_b = mean * {"B": 1, "KiB": 1024, "MiB": 1 << 20, "GiB": 1 << 30}[unit]
         bs = max(4096, min(int(mean_b) // 4096 * 4096, 16 << 20))
         files = sorted(os.path.join(space, "extents", f) for f in os.listdir(os.path.join(space, "extents")))
-        ks, fs, nl, npool = [], [], [], []
+        iolog = os.path.join(a.work, f"{profile}.iolog")
+        with open(iolog, "w") as f:
+            subprocess.run([IOLOG, space], check=True, stdout=f)
+        ks, fs, fa, fr, nl, npool = [], [], [], [], [], []
         for r in range(a.runs):
             ring = ["--ring-bytes", "1GiB"] if profile == "volumes" else []
             ks.append(kspeed_read(space, "--queue-depth", str(a.qd), *ring))
             fs.append(fio_randread(files, bs, a.qd, total))
+            fa.append(fio_randread(files, bs, a.qd, total, align=4096))
+            fr.append(fio_replay(iolog, a.qd))
             nl.append(naive(catalog, "loop"))
             npool.append(naive(catalog, "pool"))
             print(f"  {profile} run {r + 1}: kspeed {ks[-1]['gbs']:.3f} GB/s, fio {fs[-1]['gbs']:.3f}, "
+                  f"fio-4k {fa[-1]['gbs']:.3f}, replay {fr[-1]['gbs']:.3f}, "
                   f"loop {nl[-1]['gbs']:.3f}, pool {npool[-1]['gbs']:.3f}", file=sys.stderr, flush=True)
         n = int(count)
         say(f"### {profile}: {n} samples, mean {mean} {unit}, fio bs {bs}, queue depth {a.qd}, median of {a.runs}")
         say("")
-        say("| reader | GB/s | samples/s (IOPS) | CPU s/GB | vs kspeed |")
+        say("| reader | GB/s | samples/s (IOPS) | CPU s/GB | reader / kspeed |")
         say("|---|---:|---:|---:|---:|")
         kg = med(ks, "gbs")
         say(f"| kspeed read | {kg:.3f} | {med(ks, 'sps'):.0f} | {med(ks, 'cpu_per_gb'):.3f} | 1.00 |")
-        fg = med(fs, "gbs")
-        say(f"| fio randread | {fg:.3f} | {med(fs, 'iops'):.0f} | {med(fs, 'cpu_per_gb'):.3f} | {fg / kg:.2f} |")
+        for name, rs in (("fio randread, bs-aligned offsets", fs), ("fio randread, 4 KiB-aligned offsets", fa),
+                         ("fio replaying kspeed's reads", fr)):
+            g = med(rs, "gbs")
+            say(f"| {name} | {g:.3f} | {med(rs, 'iops'):.0f} | {med(rs, 'cpu_per_gb'):.3f} | {g / kg:.2f} |")
         for name, rs in (("naive loop (1 thread)", nl), ("naive pread pool (8 threads)", npool)):
             g = med(rs, "gbs")
             say(f"| {name} | {g:.3f} | {med(rs, 'sps'):.0f} | {med(rs, 'cpu_per_gb'):.3f} | {g / kg:.2f} |")
         say("")
-        say(f"kspeed / fio: {kg / fg:.2f}x bandwidth, CPU per GB {med(ks, 'cpu_per_gb') / max(med(fs, 'cpu_per_gb'), 1e-9):.2f}x fio's; "
-            f"read latency p50 {med(ks, 'p50'):.0f} us, p99 {med(ks, 'p99'):.0f} us")
+        kc = med(ks, "cpu_per_gb")
+        for name, rs in (("bs-aligned", fs), ("4k-aligned", fa), ("replay", fr)):
+            say(f"- kspeed / fio {name}: {kg / med(rs, 'gbs'):.2f}x bandwidth, {med(ks, 'sps') / med(rs, 'iops'):.2f}x "
+                f"samples per IOPS, CPU per GB {kc / max(med(rs, 'cpu_per_gb'), 1e-9):.2f}x")
+        say(f"- kspeed read latency p50 {med(ks, 'p50'):.0f} us, p99 {med(ks, 'p99'):.0f} us")
         say("")
 
     if "imagenet" in spaces:

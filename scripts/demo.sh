@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The main job on the embedded default, on a fresh machine: build kspeed,
-# generate a small ImageFolder dataset, preload it into a space, verify it
-# and summarise it. Usage: scripts/demo.sh [WORKDIR] (default /tmp/kspeed-demo)
+# generate a small ImageFolder dataset, preload it into a space, verify it,
+# then read epochs through the loader (io_uring pollers into the landing
+# ring) and report throughput. Usage: scripts/demo.sh [WORKDIR]
+# (default /tmp/kspeed-demo)
 # Environment: COUNT (samples, default 2000), PROFILE (default imagenet).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,3 +25,6 @@ echo "== verify"
 $K verify --space "$W/space"
 echo "== inspect"
 $K inspect --space "$W/space"
+echo "== read 3 epochs (cold page cache for the first where permitted)"
+sync; (echo 3 > /proc/sys/vm/drop_caches) 2>/dev/null || true
+$K read --space "$W/space" --epochs 3 --batch-size 64 --ring-bytes 128MiB

@@ -73,12 +73,25 @@ pub(crate) struct ReadArgs {
     /// Bind the ring to the NUMA node of this GPU (PCI address, e.g. 0000:3b:00.0).
     #[arg(long)]
     gpu_pci: Option<String>,
+    /// Plain reads instead of reads into io_uring registered buffers.
+    #[arg(long)]
+    no_registered_buffers: bool,
+    /// Plain descriptors instead of io_uring registered files.
+    #[arg(long)]
+    no_registered_files: bool,
+    /// Normal pages only (no huge pages, no THP advice).
+    #[arg(long)]
+    no_huge_pages: bool,
+    /// Do not pin pollers to cores.
+    #[arg(long)]
+    no_pin: bool,
     /// Do not mlock the ring.
     #[arg(long)]
     no_mlock: bool,
-    /// Busy-poll time before parking, in microseconds.
-    #[arg(long, default_value_t = 20)]
-    spin_us: u64,
+    /// Busy-poll time before parking, in microseconds (default: 0 on up to
+    /// 4 cores, 20 above).
+    #[arg(long)]
+    spin_us: Option<u64>,
     /// Before reading, let the pollers fill the ring, then measure the CPU
     /// they use over this many ms while nobody consumes (idle cost).
     #[arg(long, default_value_t = 0)]
@@ -119,7 +132,7 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
         .drop_last(a.drop_last)
         .landing(LandingOptions {
             ring_bytes: a.ring_bytes,
-            huge_pages: true,
+            huge_pages: !a.no_huge_pages,
             mlock: !a.no_mlock,
             numa_node: a.numa_node,
             gpu_pci: a.gpu_pci.clone(),
@@ -130,7 +143,13 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
         .sqpoll(a.sqpoll_ms)
         .tier_bytes(a.tier_bytes)
         .verify_crc32c(a.verify)
-        .spin(Duration::from_micros(a.spin_us))
+        .registered_buffers(!a.no_registered_buffers)
+        .registered_files(!a.no_registered_files)
+        .pin(!a.no_pin)
+        .spin(
+            a.spin_us
+                .map_or_else(kspeed::loader::default_spin, Duration::from_micros),
+        )
         .start_at(kspeed::sampler::Position {
             epoch: a.start_epoch,
             index: 0,

@@ -597,3 +597,29 @@ fn large_samples_are_read_in_parts() {
     let st = loader.finish();
     assert!(st.retries > 0);
 }
+
+#[test]
+fn sqpoll_and_numa_binding() {
+    let t = tempfile::tempdir().unwrap();
+    let sp = odd_space(t.path());
+    let space = Space::open(&sp).unwrap();
+    let cat = space.catalog();
+    let sampler = Sampler::new(SamplerConfig::single(cat.len(), 12)).unwrap();
+    let numa = Path::new("/sys/devices/system/node/node0")
+        .exists()
+        .then_some(0);
+    if numa.is_none() {
+        eprintln!("no NUMA node 0 in sysfs: testing SQPOLL without binding");
+    }
+    let mut loader = LoaderBuilder::space(&sp)
+        .seed(12)
+        .sqpoll(Some(50))
+        .landing(LandingOptions {
+            numa_node: numa,
+            ..small_ring(1 << 20)
+        })
+        .build()
+        .unwrap();
+    assert_eq!(loader.landing_info().numa_node, numa);
+    check_epochs(&mut loader, cat, &sampler, 0..2, 64);
+}

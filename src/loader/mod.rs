@@ -101,6 +101,7 @@ pub(crate) struct Shared {
     pub(crate) start: Position,
     pub(crate) cfg: PollerConfig,
     pub(crate) fixed_buffers: bool,
+    pub(crate) fixed_files: bool,
     /// Indexed by g mod table length: ((g + 1) << 8) | code once g is ready.
     ready: Box<[AtomicU64]>,
     pub(crate) released_v: AtomicU64,
@@ -150,6 +151,8 @@ pub struct LoaderBuilder {
     spin: Duration,
     sqpoll_idle_ms: Option<u32>,
     pin: bool,
+    registered_buffers: bool,
+    registered_files: bool,
     verify_crc32c: bool,
     tier_bytes: u64,
     faults: Option<FaultConfig>,
@@ -163,6 +166,21 @@ pub fn default_pollers() -> usize {
         .map(|n| n.get())
         .unwrap_or(1);
     (cores / 4).clamp(1, 8)
+}
+
+/// Default busy-poll time: none on machines with 4 cores or fewer, where a
+/// spinning consumer or poller takes the core the other one needs (measured
+/// on 2 cores: tiny samples, 59K/s at 20 µs against 68K/s at 0, and 40 %
+/// less CPU per GB); 20 µs with more cores, to cut wake-up latency.
+pub fn default_spin() -> Duration {
+    let cores = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
+    if cores <= 4 {
+        Duration::ZERO
+    } else {
+        Duration::from_micros(20)
+    }
 }
 
 impl LoaderBuilder {
@@ -182,9 +200,11 @@ impl LoaderBuilder {
             queue_depth: 32,
             max_read_bytes: 4 << 20,
             lookahead: u64::MAX,
-            spin: Duration::from_micros(20),
+            spin: default_spin(),
             sqpoll_idle_ms: None,
             pin: true,
+            registered_buffers: true,
+            registered_files: true,
             verify_crc32c: false,
             tier_bytes: 0,
             faults: None,
@@ -286,7 +306,8 @@ impl LoaderBuilder {
         self
     }
 
-    /// How long pollers and the consumer busy-poll before parking (default 20 µs).
+    /// How long pollers and the consumer busy-poll before parking (default
+    /// [`default_spin`]).
     pub fn spin(mut self, d: Duration) -> Self {
         self.spin = d;
         self
@@ -301,6 +322,18 @@ impl LoaderBuilder {
     /// Pin pollers to cores (default true).
     pub fn pin(mut self, on: bool) -> Self {
         self.pin = on;
+        self
+    }
+
+    /// Register the ring with io_uring as fixed buffers (default true).
+    pub fn registered_buffers(mut self, on: bool) -> Self {
+        self.registered_buffers = on;
+        self
+    }
+
+    /// Register the extent files with io_uring (default true).
+    pub fn registered_files(mut self, on: bool) -> Self {
+        self.registered_files = on;
         self
     }
 
@@ -457,13 +490,13 @@ impl LoaderBuilder {
             None => Position { epoch: 0, index: 0 },
         };
         let mut backends = Vec::with_capacity(cfg.pollers);
-        let mut fixed_buffers = true;
+        let mut fixed_buffers = self.registered_buffers;
         for _ in 0..cfg.pollers {
             let uring = Uring::new(UringOptions {
                 entries: cfg.queue_depth * 2,
                 sqpoll_idle_ms: cfg.sqpoll_idle_ms,
             })?;
-            if let Input::Space { extents, .. } = &input {
+            if let (Input::Space { extents, .. }, true) = (&input, self.registered_files) {
                 let fds: Vec<i32> = extents.iter().map(|f| f.as_raw_fd()).collect();
                 uring.register_files(&fds)?;
             }
@@ -505,6 +538,7 @@ impl LoaderBuilder {
             sampler,
             cfg,
             fixed_buffers,
+            fixed_files: self.registered_files,
             batch_size,
             epoch: start.epoch,
             cursor: None,
@@ -720,6 +754,7 @@ pub struct Loader {
     sampler: Sampler,
     cfg: PollerConfig,
     fixed_buffers: bool,
+    fixed_files: bool,
     batch_size: usize,
     /// The epoch the caller is in.
     epoch: u64,
@@ -746,6 +781,7 @@ impl Loader {
             start,
             cfg: self.cfg.clone(),
             fixed_buffers: self.fixed_buffers,
+            fixed_files: self.fixed_files,
             ready: (0..table).map(|_| AtomicU64::new(0)).collect(),
             released_v: AtomicU64::new(0),
             released_g: AtomicU64::new(0),

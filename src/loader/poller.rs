@@ -12,7 +12,7 @@
 //! each sample being read occupies a group record until its last part lands.
 //! Both pools are sized once from the queue depth.
 
-use std::os::fd::{IntoRawFd, RawFd};
+use std::os::fd::{AsRawFd, IntoRawFd, RawFd};
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -111,17 +111,19 @@ impl Poller {
     /// write into the ring) and hands the backend back for reuse.
     pub(crate) fn run(mut self) -> Box<dyn IoBackend> {
         let spin = self.shared.cfg.spin;
-        let mut idle_since: Option<Instant> = None;
+        let mut last_progress = Instant::now();
         loop {
             let stopping = self.shared.stop.load(Ordering::Acquire);
             if stopping && self.in_flight == 0 {
                 break;
             }
             let queued = if stopping { 0 } else { self.fill() };
-            let waiting = queued == 0
-                && self.in_flight > 0
-                && idle_since.is_some_and(|t| t.elapsed() >= spin);
-            if let Err(e) = self.backend.submit(waiting, Duration::from_millis(10)) {
+            // fill() stops only when nothing more can be queued until a read
+            // completes or the consumer releases space, so with reads in
+            // flight, submitting and waiting in one io_uring_enter loses
+            // nothing (after busy-polling for `spin`, if configured).
+            let wait = self.in_flight > 0 && last_progress.elapsed() >= spin;
+            if let Err(e) = self.backend.submit(wait, Duration::from_millis(10)) {
                 // Submission itself failed: fail every sample in flight
                 // (they would never complete) and stop.
                 log::error!("poller {}: io_uring submit failed: {e}", self.index);
@@ -133,17 +135,18 @@ impl Poller {
                 let c = self.completions[i];
                 self.complete(c);
             }
-            if n > 0 && self.last_publish.elapsed() >= Duration::from_millis(100) {
-                self.publish_stats();
+            if n > 0 {
+                last_progress = Instant::now();
+                if self.last_publish.elapsed() >= Duration::from_millis(100) {
+                    self.publish_stats();
+                }
             }
-            if queued > 0 || n > 0 {
-                idle_since = None;
+            if queued > 0 || n > 0 || self.in_flight > 0 {
                 continue;
             }
-            let since = *idle_since.get_or_insert_with(Instant::now);
-            if self.in_flight == 0 && since.elapsed() >= spin && !stopping {
-                // Nothing to read until the consumer releases ring space:
-                // sleep; release() unparks us.
+            if !stopping && last_progress.elapsed() >= spin {
+                // Nothing in flight and nothing allowed: the ring is full.
+                // Sleep; the consumer's release unparks us.
                 self.publish_stats();
                 std::thread::park_timeout(Duration::from_millis(50));
             } else {
@@ -240,17 +243,16 @@ impl Poller {
         let sh = &self.shared;
         let cat = sh.input.catalog();
         let (target, offset, want, file, owned_fd) = match &sh.input {
-            Input::Space { space, .. } => {
+            Input::Space { space, extents } => {
                 let loc = space
                     .location(p.id)
                     .expect("the loader checked the space holds every sample");
-                (
-                    Target::Fixed(loc.extent),
-                    loc.offset,
-                    sh.geo.slot(p.len),
-                    loc.extent,
-                    None,
-                )
+                let target = if sh.fixed_files {
+                    Target::Fixed(loc.extent)
+                } else {
+                    Target::Fd(extents[loc.extent as usize].as_raw_fd())
+                };
+                (target, loc.offset, sh.geo.slot(p.len), loc.extent, None)
             }
             Input::Source { root, .. } => {
                 let s = cat.sample(p.id);
