@@ -182,6 +182,17 @@ def main():
         one = [kspeed_read(space, "--pollers", "1")["gbs"] for _ in range(a.runs)]
         two = [kspeed_read(space, "--pollers", "2")["gbs"] for _ in range(a.runs)]
         say(f"- pollers: 1 -> {statistics.median(one):.3f} GB/s, 2 -> {statistics.median(two):.3f} GB/s (cold)")
+        # Ring size: on this VM, reads into a large, cycling DMA target are
+        # slower than into a small, reused one (fio reuses queue-depth buffers).
+        iolog = os.path.join(a.work, "imagenet.iolog")
+        small, big, rep = [], [], []
+        for _ in range(a.runs):
+            small.append(kspeed_read(space, "--ring-bytes", "16MiB")["gbs"])
+            big.append(kspeed_read(space, "--ring-bytes", "256MiB")["gbs"])
+            rep.append(fio_replay(iolog, a.qd)["gbs"])
+        say(f"- ring size: 16 MiB -> {statistics.median(small):.3f} GB/s, 256 MiB -> {statistics.median(big):.3f} GB/s; "
+            f"fio replaying the same reads {statistics.median(rep):.3f} GB/s "
+            f"(ratios {statistics.median(small) / statistics.median(rep):.2f}x, {statistics.median(big) / statistics.median(rep):.2f}x)")
         total = int(re.search(r"imagenet:(\d+)", a.profiles).group(1))
         full = [kspeed_read(space, "--epochs", "3", "--tier-bytes", "8GiB") for _ in range(a.runs)]
         half = [kspeed_read(space, "--epochs", "3", "--tier-bytes", "1300MB") for _ in range(a.runs)]
