@@ -11,18 +11,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use kspeed::dataset::Catalog;
+use kspeed::progress::process_cpu_seconds;
 use kspeed::sampler::{Sampler, SamplerConfig};
-
-fn cpu_seconds() -> f64 {
-    let mut ru = std::mem::MaybeUninit::<libc::rusage>::uninit();
-    // SAFETY: getrusage fills the struct we pass.
-    let ru = unsafe {
-        libc::getrusage(libc::RUSAGE_SELF, ru.as_mut_ptr());
-        ru.assume_init()
-    };
-    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
-    tv(ru.ru_utime) + tv(ru.ru_stime)
-}
 
 fn read_one(cat: &Catalog, id: u64, buf: &mut Vec<u8>) -> u64 {
     let s = cat.sample(id);
@@ -50,7 +40,7 @@ fn main() {
     let sampler = Sampler::new(SamplerConfig::single(cat.len(), seed)).expect("sampler");
     let order = sampler.epoch(0);
     let n = sampler.per_rank();
-    let cpu0 = cpu_seconds();
+    let cpu0 = process_cpu_seconds();
     let t0 = Instant::now();
     let next = AtomicU64::new(0);
     let bytes = AtomicU64::new(0);
@@ -76,7 +66,7 @@ fn main() {
         threads,
         n as f64 / secs,
         b / secs / 1e9,
-        cpu_seconds() - cpu0,
-        (cpu_seconds() - cpu0) / (b / 1e9)
+        process_cpu_seconds() - cpu0,
+        (process_cpu_seconds() - cpu0) / (b / 1e9)
     );
 }

@@ -62,6 +62,9 @@ pub struct Progress {
     ticker: Option<(mpsc::Sender<()>, JoinHandle<()>)>,
 }
 
+/// CPU seconds (user + system) this process has used, for reports.
+pub use crate::sys::process_cpu_seconds;
+
 /// Formats a byte count with a binary unit.
 pub fn human_bytes(b: f64) -> String {
     const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];

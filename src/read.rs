@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use clap::Args;
 use kspeed::landing::{CudaMode, LandingOptions};
 use kspeed::loader::LoaderBuilder;
-use kspeed::progress::{human_bytes, Progress, ProgressMode};
+use kspeed::progress::{human_bytes, process_cpu_seconds, Progress, ProgressMode};
 
 #[derive(Args)]
 pub(crate) struct ReadArgs {
@@ -101,17 +101,6 @@ pub(crate) struct ReadArgs {
     compute_us: u64,
 }
 
-fn cpu_seconds() -> f64 {
-    let mut ru = std::mem::MaybeUninit::<libc::rusage>::uninit();
-    // SAFETY: getrusage fills the struct we pass; RUSAGE_SELF covers all threads.
-    let ru = unsafe {
-        libc::getrusage(libc::RUSAGE_SELF, ru.as_mut_ptr());
-        ru.assume_init()
-    };
-    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
-    tv(ru.ru_utime) + tv(ru.ru_stime)
-}
-
 pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
     let mut b = match (&a.space, &a.source) {
         (Some(s), _) => LoaderBuilder::space(s),
@@ -160,9 +149,9 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
     if let Some(l) = a.lookahead {
         b = b.lookahead(l);
     }
-    let setup0 = cpu_seconds();
+    let setup0 = process_cpu_seconds();
     let mut loader = b.build()?;
-    let cpu0 = cpu_seconds();
+    let cpu0 = process_cpu_seconds();
     let setup_cpu = cpu0 - setup0;
     let info = loader.landing_info().clone();
     eprintln!(
@@ -185,16 +174,20 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
     if a.idle_ms > 0 {
         // Fill: the pollers read ahead until the ring is full.
         std::thread::sleep(Duration::from_millis(a.idle_ms / 2 + 500));
-        let (c0, w0) = (cpu_seconds(), Instant::now());
+        let (c0, w0) = (process_cpu_seconds(), Instant::now());
         std::thread::sleep(Duration::from_millis(a.idle_ms));
-        let used = cpu_seconds() - c0;
+        let used = process_cpu_seconds() - c0;
         println!(
             "idle: {:.2}% of one core over {:.1} s with the ring full and nobody consuming",
             100.0 * used / w0.elapsed().as_secs_f64(),
             w0.elapsed().as_secs_f64()
         );
     }
-    let cpu0 = if a.idle_ms > 0 { cpu_seconds() } else { cpu0 };
+    let cpu0 = if a.idle_ms > 0 {
+        process_cpu_seconds()
+    } else {
+        cpu0
+    };
     let t0 = Instant::now();
     let mut epoch_lines = Vec::new();
     for e in a.start_epoch..a.start_epoch + a.epochs {
@@ -225,7 +218,7 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
     }
     let wall = t0.elapsed().as_secs_f64();
     let st = loader.finish();
-    let cpu = cpu_seconds() - cpu0;
+    let cpu = process_cpu_seconds() - cpu0;
     for l in epoch_lines {
         println!("{l}");
     }

@@ -165,6 +165,33 @@ pub struct Scan {
     pub classes: Vec<String>,
 }
 
+impl Scan {
+    /// Adds a file that is one sample (directory trees and file lists).
+    fn push_whole_file(
+        &mut self,
+        abs: &Path,
+        name: PathBuf,
+        size: u64,
+        mtime_ns: i64,
+        label: u32,
+    ) -> Result<()> {
+        let len = check_len(abs, size)?;
+        let file = self.files.len() as u32;
+        self.files.push(ScannedFile {
+            name,
+            size,
+            mtime_ns,
+        });
+        self.samples.push(ScannedSample {
+            file,
+            offset: 0,
+            len,
+            label,
+        });
+        Ok(())
+    }
+}
+
 /// Size and mtime of a file's metadata, the pair preload compares to notice change.
 pub fn stat_pair(md: &fs::Metadata) -> (u64, i64) {
     (md.len(), md.mtime() * 1_000_000_000 + md.mtime_nsec())
@@ -242,19 +269,8 @@ fn scan_dir(scan: &mut Scan) -> Result<()> {
         } else {
             NO_LABEL
         };
-        let len = check_len(&root.join(&name), size)?;
-        let file = scan.files.len() as u32;
-        scan.files.push(ScannedFile {
-            name,
-            size,
-            mtime_ns,
-        });
-        scan.samples.push(ScannedSample {
-            file,
-            offset: 0,
-            len,
-            label,
-        });
+        let abs = root.join(&name);
+        scan.push_whole_file(&abs, name, size, mtime_ns, label)?;
     }
     scan.classes = classes;
     Ok(())
@@ -346,19 +362,7 @@ fn scan_list(scan: &mut Scan) -> Result<()> {
             return Err(bad(format!("{} is not a regular file", abs.display())));
         }
         let (size, mtime_ns) = stat_pair(&md);
-        let len = check_len(&abs, size)?;
-        let file = scan.files.len() as u32;
-        scan.files.push(ScannedFile {
-            name,
-            size,
-            mtime_ns,
-        });
-        scan.samples.push(ScannedSample {
-            file,
-            offset: 0,
-            len,
-            label,
-        });
+        scan.push_whole_file(&abs, name, size, mtime_ns, label)?;
     }
     Ok(())
 }

@@ -62,6 +62,20 @@ pub fn drop_cache(file: &File, offset: u64, len: u64) {
     }
 }
 
+/// CPU seconds (user + system) used by this process so far, all threads.
+pub fn process_cpu_seconds() -> f64 {
+    let mut ru = std::mem::MaybeUninit::<libc::rusage>::uninit();
+    // SAFETY: getrusage fills the struct we pass; RUSAGE_SELF covers every thread.
+    let rc = unsafe { libc::getrusage(libc::RUSAGE_SELF, ru.as_mut_ptr()) };
+    if rc != 0 {
+        return 0.0;
+    }
+    // SAFETY: getrusage returned 0, so it initialised the struct.
+    let ru = unsafe { ru.assume_init() };
+    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+    tv(ru.ru_utime) + tv(ru.ru_stime)
+}
+
 /// A heap buffer aligned for `O_DIRECT` (address, and the caller keeps
 /// lengths and offsets to multiples of the same alignment).
 pub struct AlignedBuf {
