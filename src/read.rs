@@ -155,9 +155,13 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
     let setup_cpu = cpu0 - setup0;
     let info = loader.landing_info().clone();
     eprintln!(
-        "landing ring: {} ({}huge pages, {}locked{}); {}",
+        "landing ring: {} ({}, {}locked{}); {}",
         human_bytes(info.bytes as f64),
-        if info.huge_pages { "" } else { "no " },
+        if info.huge_pages {
+            "2 MiB huge pages"
+        } else {
+            "normal pages, transparent huge pages requested"
+        },
         if info.locked { "" } else { "not " },
         info.numa_node
             .map(|n| format!(", NUMA node {n}"))
