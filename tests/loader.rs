@@ -407,8 +407,12 @@ fn memory_tier_serves_what_it_holds() {
     let total = cat.total_bytes();
     let sampler = Sampler::new(SamplerConfig::single(cat.len(), 8)).unwrap();
 
-    // Everything fits: after epoch 0 fills the tier, later epochs read no disk.
+    // Everything fits: after epoch 0 fills the tier, later epochs read no
+    // disk, but for epoch-1 samples prefetched while their epoch-0 read was
+    // still in flight (at most pollers x queue depth = 8).
     let mut loader = LoaderBuilder::space(&sp)
+        .pollers(1)
+        .queue_depth(8)
         .seed(8)
         .tier_bytes(total * 2)
         .landing(small_ring(1 << 20))
@@ -420,7 +424,7 @@ fn memory_tier_serves_what_it_holds() {
     check_epochs(&mut loader, cat, &sampler, 1..3, 64);
     let st = loader.stats();
     assert!(
-        st.disk_reads - after_first < 40,
+        st.disk_reads - after_first <= 8,
         "epochs 1-2 read {} samples from disk",
         st.disk_reads - after_first
     );
