@@ -223,6 +223,11 @@ pub struct Faulty<B> {
     cfg: FaultConfig,
     state: u64,
     held: Vec<(Completion, u32)>,
+    /// Per slot: whether its last completion was an injected short read.
+    /// Injected short reads are transient (never twice in a row for a
+    /// slot), so a retry always recovers and tests do not depend on timing;
+    /// a persistent short read is a real truncation, tested on real files.
+    short_last: Vec<bool>,
 }
 
 impl<B: IoBackend> Faulty<B> {
@@ -233,6 +238,7 @@ impl<B: IoBackend> Faulty<B> {
             cfg,
             state: crate::hash::mix64(cfg.seed ^ 0xfa17),
             held: Vec::with_capacity(max_inflight),
+            short_last: vec![false; max_inflight],
         }
     }
 
@@ -270,10 +276,17 @@ impl<B: IoBackend> IoBackend for Faulty<B> {
         let mut w = n;
         for r in n..n + got {
             let mut c = out[r];
+            let slot = c.user_data as usize;
+            let was_short = self.short_last.get(slot).copied().unwrap_or(true);
+            let mut short = false;
             if c.result > 0 && self.roll(self.cfg.eio_ppm) {
                 c.result = -libc::EIO;
-            } else if c.result > 1 && self.roll(self.cfg.short_ppm) {
+            } else if c.result > 1 && !was_short && self.roll(self.cfg.short_ppm) {
                 c.result /= 2;
+                short = true;
+            }
+            if let Some(s) = self.short_last.get_mut(slot) {
+                *s = short;
             }
             if self.held.len() < self.held.capacity() && self.roll(self.cfg.delay_ppm) {
                 let delay = (self.state % 4) as u32 + 1;
