@@ -627,3 +627,62 @@ fn sqpoll_and_numa_binding() {
     assert_eq!(loader.landing_info().numa_node, numa);
     check_epochs(&mut loader, cat, &sampler, 0..2, 64);
 }
+
+#[test]
+fn verify_crc32c_catches_a_corrupt_extent_and_spans_hold_the_batch() {
+    let t = tempfile::tempdir().unwrap();
+    let sp = odd_space(t.path());
+    let space = Space::open(&sp).unwrap();
+    // Every sample's bytes lie inside the batch's spans, in order.
+    let mut loader = LoaderBuilder::space(&sp)
+        .batch_size(9)
+        .landing(small_ring(1 << 20))
+        .build()
+        .unwrap();
+    while let Some(b) = loader.next_batch().unwrap() {
+        let (a, w) = b.spans();
+        let within = |x: &[u8]| {
+            let (p, e) = (x.as_ptr() as usize, x.as_ptr() as usize + x.len());
+            let inside = |s: &[u8]| p >= s.as_ptr() as usize && e <= s.as_ptr() as usize + s.len();
+            inside(a) || w.is_some_and(inside)
+        };
+        assert!(b.iter().all(|s| within(s.bytes)));
+    }
+    drop(loader);
+    // Flip one byte of a sample on disk: with CRC checking on, reading it
+    // is a named error naming the sample and the extent.
+    let victim = (0..space.catalog().len())
+        .find(|&i| space.catalog().sample(i).len > 100)
+        .unwrap();
+    let loc = space.location(victim).unwrap();
+    let ext = space.extent_path(loc.extent);
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&ext)
+        .unwrap();
+    let mut b = [0u8; 1];
+    std::os::unix::fs::FileExt::read_exact_at(&f, &mut b, loc.offset + 50).unwrap();
+    b[0] ^= 0x10;
+    std::os::unix::fs::FileExt::write_all_at(&f, &b, loc.offset + 50).unwrap();
+    f.sync_all().unwrap();
+    let mut loader = LoaderBuilder::space(&sp)
+        .verify_crc32c(true)
+        .landing(small_ring(1 << 20))
+        .build()
+        .unwrap();
+    let err = loop {
+        match loader.next_batch().map(|b| b.is_some()) {
+            Ok(true) => {}
+            Ok(false) => panic!("read the epoch without noticing the corrupt sample"),
+            Err(e) => break e,
+        }
+    };
+    match err {
+        Error::SampleCorrupt { sample, path, .. } => {
+            assert_eq!(sample, victim);
+            assert_eq!(path, ext);
+        }
+        e => panic!("expected SampleCorrupt, got {e}"),
+    }
+}
