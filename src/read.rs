@@ -244,7 +244,7 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
         st.retries
     );
     println!(
-        "stall: {:.1}% ({:.2} s waiting in next_batch); CPU: {:.2} s ({:.2} s per GB) reading, plus {:.2} s to set up the ring",
+        "stall: {:.1}% ({:.2} s waiting in next_batch); CPU: {:.2} s ({:.2} s per GB) reading, plus {:.2} s to open (catalog, ring, pollers)",
         100.0 * st.stall.as_secs_f64() / wall,
         st.stall.as_secs_f64(),
         cpu,

@@ -123,7 +123,7 @@ impl Poller {
             // flight, submitting and waiting in one io_uring_enter loses
             // nothing (after busy-polling for `spin`, if configured).
             let wait = self.in_flight > 0 && last_progress.elapsed() >= spin;
-            if let Err(e) = self.backend.submit(wait, Duration::from_millis(10)) {
+            if let Err(e) = self.backend.submit(wait) {
                 // Submission itself failed: fail every sample in flight
                 // (they would never complete) and stop.
                 log::error!("poller {}: io_uring submit failed: {e}", self.index);

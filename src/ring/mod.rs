@@ -8,7 +8,6 @@
 
 use std::io;
 use std::os::fd::RawFd;
-use std::time::Duration;
 
 use io_uring::{opcode, types, IoUring};
 
@@ -58,8 +57,9 @@ pub trait IoBackend: Send {
     /// until the read's completion has been drained.
     unsafe fn push(&mut self, op: &ReadOp) -> bool;
     /// Submits what is queued; with `wait`, blocks until at least one
-    /// completion is ready or `timeout` passes.
-    fn submit(&mut self, wait: bool, timeout: Duration) -> io::Result<()>;
+    /// completion is ready (callers wait only with reads in flight, so one
+    /// always comes; no timer is armed, which on VMs costs an exit per wait).
+    fn submit(&mut self, wait: bool) -> io::Result<()>;
     /// Moves ready completions into `out`; returns how many.
     fn drain(&mut self, out: &mut [Completion]) -> usize;
 }
@@ -76,7 +76,6 @@ pub struct UringOptions {
 /// An io_uring instance.
 pub struct Uring {
     ring: IoUring,
-    sqpoll: bool,
 }
 
 impl Uring {
@@ -96,10 +95,7 @@ impl Uring {
                 },
                 source: e,
             })?;
-        Ok(Uring {
-            ring,
-            sqpoll: opts.sqpoll_idle_ms.is_some(),
-        })
+        Ok(Uring { ring })
     }
 
     /// Registers memory regions as fixed buffers (index = position).
@@ -161,27 +157,16 @@ impl IoBackend for Uring {
         }
     }
 
-    fn submit(&mut self, wait: bool, timeout: Duration) -> io::Result<()> {
+    fn submit(&mut self, wait: bool) -> io::Result<()> {
         let r = if wait {
-            let ts = types::Timespec::from(timeout);
-            let args = types::SubmitArgs::new().timespec(&ts);
-            self.ring.submitter().submit_with_args(1, &args)
-        } else if self.sqpoll {
-            // The kernel thread picks entries up; this only wakes it if idle.
-            self.ring.submit()
+            self.ring.submit_and_wait(1)
         } else {
+            // With SQPOLL this only wakes the kernel thread if it idles.
             self.ring.submit()
         };
         match r {
             Ok(_) => Ok(()),
-            Err(e)
-                if matches!(
-                    e.raw_os_error(),
-                    Some(libc::ETIME) | Some(libc::EINTR) | Some(libc::EBUSY)
-                ) =>
-            {
-                Ok(())
-            }
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EINTR) | Some(libc::EBUSY)) => Ok(()),
             Err(e) => Err(e),
         }
     }
@@ -254,9 +239,9 @@ impl<B: IoBackend> IoBackend for Faulty<B> {
         unsafe { self.inner.push(op) }
     }
 
-    fn submit(&mut self, wait: bool, timeout: Duration) -> io::Result<()> {
+    fn submit(&mut self, wait: bool) -> io::Result<()> {
         // Held completions count as ready: do not block on the kernel then.
-        self.inner.submit(wait && self.held.is_empty(), timeout)
+        self.inner.submit(wait && self.held.is_empty())
     }
 
     fn drain(&mut self, out: &mut [Completion]) -> usize {
@@ -329,7 +314,7 @@ mod tests {
         };
         // SAFETY: buf outlives the completion drained below.
         assert!(unsafe { ring.push(&op) });
-        ring.submit(true, Duration::from_secs(5)).unwrap();
+        ring.submit(true).unwrap();
         let mut out = [Completion::default(); 4];
         let mut n = 0;
         while n == 0 {
