@@ -21,7 +21,7 @@
 //! sequence a slot in the ring, computed alike by the consumer and by each
 //! poller. Poller `p` reads samples `g` with `g mod P == p` once their slot is
 //! free (behind the consumer's released mark) and publishes `g` in a ready
-//! table; the consumer waits on that table (spin, then park). Nothing per
+//! table; the consumer waits on that table (spin, then futex). Nothing per
 //! sample crosses threads but that one atomic store.
 
 pub mod schedule;
@@ -31,9 +31,9 @@ mod poller;
 
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::thread::{JoinHandle, Thread};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
@@ -107,7 +107,10 @@ pub(crate) struct Shared {
     pub(crate) released_v: AtomicU64,
     pub(crate) released_g: AtomicU64,
     pub(crate) stop: AtomicBool,
-    consumer: Mutex<Option<Thread>>,
+    /// Bumped by a poller that publishes the sample the consumer sleeps on;
+    /// the consumer futex-waits on it (no lock, no thread handle, so the
+    /// loader may move between threads).
+    wake_seq: AtomicU32,
     waiting_for: AtomicU64,
     pub(crate) errors: Mutex<Vec<(u64, Error)>>,
     pub(crate) stats: Vec<PollerStats>,
@@ -119,9 +122,8 @@ impl Shared {
         let idx = (g % self.ready.len() as u64) as usize;
         self.ready[idx].store(((g + 1) << 8) | code, Ordering::SeqCst);
         if self.waiting_for.load(Ordering::SeqCst) == g + 1 {
-            if let Some(t) = self.consumer.lock().expect("not poisoned").as_ref() {
-                t.unpark();
-            }
+            self.wake_seq.fetch_add(1, Ordering::SeqCst);
+            crate::sys::futex_wake(&self.wake_seq);
         }
     }
 
@@ -786,7 +788,7 @@ impl Loader {
             released_v: AtomicU64::new(0),
             released_g: AtomicU64::new(0),
             stop: AtomicBool::new(false),
-            consumer: Mutex::new(Some(std::thread::current())),
+            wake_seq: AtomicU32::new(0),
             waiting_for: AtomicU64::new(0),
             errors: Mutex::new(Vec::new()),
             stats: (0..n)
@@ -927,13 +929,12 @@ impl Loader {
                 std::hint::spin_loop();
                 state = sh.state(p.g);
             }
-            // The loader may have moved to another thread since it was built.
-            *sh.consumer.lock().expect("not poisoned") = Some(std::thread::current());
             while state.is_none() {
+                let seq = sh.wake_seq.load(Ordering::SeqCst);
                 sh.waiting_for.store(p.g + 1, Ordering::SeqCst);
                 state = sh.state(p.g);
                 if state.is_none() {
-                    std::thread::park_timeout(Duration::from_millis(10));
+                    crate::sys::futex_wait(&sh.wake_seq, seq, Duration::from_millis(10));
                     state = sh.state(p.g);
                 }
             }

@@ -62,6 +62,44 @@ pub fn drop_cache(file: &File, offset: u64, len: u64) {
     }
 }
 
+/// Sleeps while `word` holds `expected`, for at most `timeout` (a futex
+/// wait; returns at once if the value already differs).
+pub fn futex_wait(
+    word: &std::sync::atomic::AtomicU32,
+    expected: u32,
+    timeout: std::time::Duration,
+) {
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs() as libc::time_t,
+        tv_nsec: timeout.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: the futex word is a live, aligned u32 owned by the caller for
+    // the duration of the call; the timespec outlives it; FUTEX_WAIT only
+    // reads both. Spurious returns and EAGAIN are fine: callers re-check.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT | libc::FUTEX_PRIVATE_FLAG,
+            expected,
+            &ts as *const libc::timespec,
+        );
+    }
+}
+
+/// Wakes one thread sleeping in [`futex_wait`] on `word`.
+pub fn futex_wake(word: &std::sync::atomic::AtomicU32) {
+    // SAFETY: FUTEX_WAKE only uses the address as a key; the word is live.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAKE | libc::FUTEX_PRIVATE_FLAG,
+            1,
+        );
+    }
+}
+
 /// CPU seconds (user + system) used by this process so far, all threads.
 pub fn process_cpu_seconds() -> f64 {
     let mut ru = std::mem::MaybeUninit::<libc::rusage>::uninit();
