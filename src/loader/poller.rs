@@ -361,13 +361,7 @@ impl Poller {
                 if (errno == libc::EAGAIN || errno == libc::EINTR) && op.attempts < MAX_ATTEMPTS {
                     Err(None)
                 } else {
-                    Err(Some(Error::ReadFailed {
-                        sample: g.placed.id,
-                        path: self.file_path(g),
-                        offset: g.offset + op.part as u64 * self.part_bytes,
-                        errno_name: errno_name(errno),
-                        source: std::io::Error::from_raw_os_error(errno),
-                    }))
+                    Err(Some(self.read_failed(g, op.part, errno)))
                 }
             }
             r if (r as u64) < expected => {
@@ -399,13 +393,7 @@ impl Poller {
                 return;
             }
             let g = self.groups[op.group as usize].as_ref().expect("open group");
-            let e = Error::ReadFailed {
-                sample: g.placed.id,
-                path: self.file_path(g),
-                offset: g.offset,
-                errno_name: "EBUSY",
-                source: std::io::Error::from_raw_os_error(libc::EBUSY),
-            };
+            let e = self.read_failed(g, op.part, libc::EBUSY);
             self.part_done(slot, op.group, Some(e));
             return;
         }
@@ -469,6 +457,17 @@ impl Poller {
         self.shared.publish(p.g, CODE_OK);
     }
 
+    /// The named error for part `part` of `g` failing with `errno`.
+    fn read_failed(&self, g: &Group, part: u32, errno: i32) -> Error {
+        Error::ReadFailed {
+            sample: g.placed.id,
+            path: self.file_path(g),
+            offset: g.offset + part as u64 * self.part_bytes,
+            errno_name: errno_name(errno),
+            source: std::io::Error::from_raw_os_error(errno),
+        }
+    }
+
     fn file_path(&self, g: &Group) -> PathBuf {
         match &self.shared.input {
             Input::Space { space, .. } => space.extent_path(g.file),
@@ -493,13 +492,7 @@ impl Poller {
                     // SAFETY: opened for this sample, closed once.
                     unsafe { libc::close(fd) };
                 }
-                let err = Error::ReadFailed {
-                    sample: g.placed.id,
-                    path: self.file_path(&g),
-                    offset: g.offset,
-                    errno_name: errno_name(e.raw_os_error().unwrap_or(0)),
-                    source: std::io::Error::new(e.kind(), e.to_string()),
-                };
+                let err = self.read_failed(&g, 0, e.raw_os_error().unwrap_or(libc::EIO));
                 self.fail(&g.placed, err);
             }
         }
