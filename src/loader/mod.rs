@@ -409,10 +409,12 @@ impl LoaderBuilder {
                 let catalog = match &self.catalog {
                     Some(c) => Catalog::open(c)?,
                     None => {
+                        // Unique per process and build; removed once mapped.
+                        static BUILDS: AtomicU64 = AtomicU64::new(0);
                         let tmp = std::env::temp_dir().join(format!(
-                            "kspeed-{}-{:016x}.ksc",
+                            "kspeed-{}-{}.ksc",
                             std::process::id(),
-                            crate::hash::mix64(spec.to_source_string().len() as u64)
+                            BUILDS.fetch_add(1, Ordering::Relaxed)
                         ));
                         let c = crate::dataset::catalog::build(&spec, &tmp, &Default::default())?;
                         let _ = std::fs::remove_file(&tmp);
@@ -461,7 +463,7 @@ impl LoaderBuilder {
             });
         }
         let ring = LandingRing::new(&landing)?;
-        let tier = Tier::new(catalog, self.tier_bytes, landing.mlock, |_| true)?;
+        let tier = Tier::new(catalog, self.tier_bytes, landing.mlock)?;
         if let Some(t) = &tier {
             log::info!(
                 "memory tier: {} samples, {} bytes",

@@ -30,23 +30,15 @@ pub struct Tier {
 }
 
 impl Tier {
-    /// Chooses members of `catalog` (among the ids `eligible` accepts) for a
-    /// budget of `budget_bytes`, and maps (and locks, if `mlock`) the memory.
-    pub fn new(
-        catalog: &Catalog,
-        budget_bytes: u64,
-        mlock: bool,
-        eligible: impl Fn(u64) -> bool,
-    ) -> Result<Option<Tier>> {
+    /// Chooses members of `catalog` for a budget of `budget_bytes`, and maps
+    /// (and locks, if `mlock`) the memory.
+    pub fn new(catalog: &Catalog, budget_bytes: u64, mlock: bool) -> Result<Option<Tier>> {
         if budget_bytes == 0 {
             return Ok(None);
         }
         let mut offsets = vec![NOT_MEMBER; catalog.len() as usize];
         let (mut used, mut members, mut member_bytes) = (0u64, 0u64, 0u64);
         for id in 0..catalog.len() {
-            if !eligible(id) {
-                continue;
-            }
             let len = catalog.sample(id).len as u64;
             let slot = len.next_multiple_of(64);
             if used + slot > budget_bytes {
