@@ -269,6 +269,47 @@ pub enum Error {
         #[source]
         source: io::Error,
     },
+    /// A cluster file or launcher environment cannot be used.
+    #[error("cluster description {origin}: {reason}")]
+    BadCluster {
+        /// The file (with line) or the environment variable.
+        origin: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A node refused the connection at HELLO (token, version, dataset).
+    #[error("node {node} ({addr}) refused the connection: {code}: {message}")]
+    Refused {
+        /// Node index.
+        node: u32,
+        /// Its address.
+        addr: String,
+        /// The protocol's error code name.
+        code: &'static str,
+        /// The node's message.
+        message: String,
+    },
+    /// A peer broke the protocol; the connection was dropped.
+    #[error("node {node} ({addr}) broke the protocol: {what}")]
+    ProtocolViolation {
+        /// Node index.
+        node: u32,
+        /// Its address.
+        addr: String,
+        /// What it did.
+        what: String,
+    },
+    /// No node and no source could deliver a sample.
+    #[error("sample {sample} is unavailable: {tried}")]
+    SampleUnavailable {
+        /// The sample.
+        sample: u64,
+        /// Every place tried and why it failed.
+        tried: String,
+    },
+    /// The node service could not start (bind, space).
+    #[error("node service: {0}")]
+    Serve(String),
     /// A saved sampler position cannot be decoded or does not fit the sampler.
     #[error("invalid sampler position: {0}")]
     BadPosition(String),

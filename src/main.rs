@@ -44,6 +44,33 @@ enum Cmd {
     Verify(VerifyArgs),
     /// Drain epochs through the loader (io_uring pollers, landing ring) and report throughput.
     Read(read::ReadArgs),
+    /// Serve this node's space to remote consumers (the cluster's node service).
+    Serve(ServeArgs),
+}
+
+#[derive(Args)]
+struct ServeArgs {
+    /// The preloaded space of this node.
+    #[arg(long)]
+    space: PathBuf,
+    /// Address to listen on, host:port.
+    #[arg(long, default_value = "0.0.0.0:7400")]
+    listen: String,
+    /// File holding the job token consumers must present (whitespace at the end is ignored).
+    #[arg(long)]
+    token_file: PathBuf,
+    /// Poller threads (default: a quarter of the cores, at least 1).
+    #[arg(long)]
+    pollers: Option<usize>,
+    /// Staging memory per poller.
+    #[arg(long, default_value = "64MiB", value_parser = parse_bytes)]
+    staging_bytes: u64,
+    /// Largest DATA frame (bigger samples go in several).
+    #[arg(long, default_value = "1MiB", value_parser = parse_bytes)]
+    chunk_bytes: u64,
+    /// Grants one consumer may have outstanding.
+    #[arg(long, default_value_t = 8192)]
+    max_grants: u32,
 }
 
 #[derive(Args)]
@@ -285,6 +312,22 @@ fn run(cli: Cli) -> kspeed::Result<ExitCode> {
             println!("removed space {}", a.space.display());
         }
         Cmd::Read(a) => read::run(a, progress)?,
+        Cmd::Serve(a) => {
+            let token = read_token(&a.token_file)?;
+            let mut cfg = kspeed::transport::ServeConfig::new(&a.space, &a.listen, &token);
+            if let Some(p) = a.pollers {
+                cfg.pollers = p;
+            }
+            cfg.staging_bytes = a.staging_bytes;
+            cfg.chunk_bytes = a.chunk_bytes.min(u32::MAX as u64) as u32;
+            cfg.max_grants = a.max_grants;
+            kspeed::transport::serve::serve_until_signal(cfg, |svc| {
+                // Scripts wait for this line (and read the port from it).
+                println!("serving {} on {}", a.space.display(), svc.local_addr());
+                use std::io::Write;
+                let _ = std::io::stdout().flush();
+            })?;
+        }
         Cmd::Inspect(a) => inspect::run(&a.space, &a.catalog, a.nodes, a.replicas, a.devices)?,
         Cmd::Verify(a) => {
             let space = Space::open(&a.space)?;
@@ -324,6 +367,22 @@ fn run(cli: Cli) -> kspeed::Result<ExitCode> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Reads a job token file (trailing whitespace dropped; empty is an error).
+pub(crate) fn read_token(path: &std::path::Path) -> kspeed::Result<Vec<u8>> {
+    let raw = std::fs::read(path).map_err(|e| kspeed::Error::io("read token file", path, e))?;
+    let end = raw
+        .iter()
+        .rposition(|b| !b.is_ascii_whitespace())
+        .map_or(0, |i| i + 1);
+    if end == 0 {
+        return Err(kspeed::Error::InvalidConfig(format!(
+            "token file {} is empty",
+            path.display()
+        )));
+    }
+    Ok(raw[..end].to_vec())
 }
 
 /// Opens what `inspect` was pointed at.

@@ -99,6 +99,20 @@ pub(crate) struct ReadArgs {
     /// Simulated compute per batch, in microseconds (to see stalls).
     #[arg(long, default_value_t = 0)]
     compute_us: u64,
+    /// Cluster mode: a file listing the node services (`<index> <host:port>` per line).
+    #[arg(long, conflicts_with = "cluster_env")]
+    cluster: Option<PathBuf>,
+    /// Cluster mode from the launcher's environment (RANK, WORLD_SIZE,
+    /// LOCAL_WORLD_SIZE, KSPEED_NODES); also sets --rank and --world.
+    #[arg(long)]
+    cluster_env: bool,
+    /// Job token file for the node services.
+    #[arg(long)]
+    token_file: Option<PathBuf>,
+    /// How long a node may stay silent with grants outstanding before its
+    /// samples fail over, in ms.
+    #[arg(long, default_value_t = 10_000)]
+    node_timeout_ms: u64,
 }
 
 pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
@@ -145,6 +159,29 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
         });
     if let Some(p) = a.pollers {
         b = b.pollers(p);
+    }
+    let cluster = match (&a.cluster, a.cluster_env) {
+        (Some(f), _) => Some(kspeed::transport::Cluster::from_file(f)?),
+        (None, true) => {
+            let (c, env) = kspeed::transport::Cluster::from_env()?;
+            b = b.rank(env.rank, env.world);
+            Some(c)
+        }
+        (None, false) => None,
+    };
+    if let Some(c) = cluster {
+        let token = match &a.token_file {
+            Some(f) => crate::read_token(f)?,
+            None => {
+                return Err(kspeed::Error::InvalidConfig(
+                    "cluster mode needs --token-file".into(),
+                ))
+            }
+        };
+        b = b
+            .cluster(c)
+            .token(&token)
+            .node_timeout(Duration::from_millis(a.node_timeout_ms));
     }
     if let Some(l) = a.lookahead {
         b = b.lookahead(l);
@@ -243,6 +280,12 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
         st.tier_hits,
         st.retries
     );
+    if a.cluster.is_some() || a.cluster_env {
+        println!(
+            "cluster: {} samples pushed by other nodes, {} failed over, {} read from the source",
+            st.remote_samples, st.failovers, st.source_reads
+        );
+    }
     println!(
         "stall: {:.1}% ({:.2} s waiting in next_batch); CPU: {:.2} s ({:.2} s per GB) reading, plus {:.2} s to open (catalog, ring, pollers)",
         100.0 * st.stall.as_secs_f64() / wall,

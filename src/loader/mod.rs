@@ -27,6 +27,7 @@
 pub mod schedule;
 pub mod tier;
 
+mod net;
 mod poller;
 
 use std::os::fd::AsRawFd;
@@ -115,9 +116,23 @@ pub(crate) struct Shared {
     pub(crate) errors: Mutex<Vec<(u64, Error)>>,
     pub(crate) stats: Vec<PollerStats>,
     pub(crate) tier: Option<Tier>,
+    /// Cluster mode: the network thread's side of things.
+    pub(crate) net: Option<net::NetShared>,
 }
 
 impl Shared {
+    /// Whether the local pollers read sample `id` (else the network thread
+    /// gets it from its owner).
+    pub(crate) fn is_local(&self, id: u64) -> bool {
+        if self.net.is_none() {
+            return true;
+        }
+        match &self.input {
+            Input::Space { space, .. } => space.location(id).is_some(),
+            Input::Source { .. } => false,
+        }
+    }
+
     pub(crate) fn publish(&self, g: u64, code: u64) {
         let idx = (g % self.ready.len() as u64) as usize;
         self.ready[idx].store(((g + 1) << 8) | code, Ordering::SeqCst);
@@ -159,6 +174,10 @@ pub struct LoaderBuilder {
     tier_bytes: u64,
     faults: Option<FaultConfig>,
     start: Option<Position>,
+    cluster: Option<crate::transport::Cluster>,
+    token: Vec<u8>,
+    node_timeout: Duration,
+    local_node: Option<Option<u32>>,
 }
 
 /// Default poller count: a quarter of the cores (at least 1, at most 8),
@@ -211,6 +230,10 @@ impl LoaderBuilder {
             tier_bytes: 0,
             faults: None,
             start: None,
+            cluster: None,
+            token: Vec::new(),
+            node_timeout: Duration::from_secs(10),
+            local_node: None,
         }
     }
 
@@ -357,6 +380,38 @@ impl LoaderBuilder {
         self
     }
 
+    /// Cluster mode: samples the local space holds are read locally, the
+    /// others are pushed by their owners' node services (`kspeed serve`)
+    /// listed in `cluster`. With [`LoaderBuilder::space`] the space may be
+    /// this node's partition; with [`LoaderBuilder::source`] nothing is
+    /// local and the source is the last resort when no holder can serve a
+    /// sample.
+    pub fn cluster(mut self, cluster: crate::transport::Cluster) -> Self {
+        self.cluster = Some(cluster);
+        self
+    }
+
+    /// The job token the node services expect (cluster mode).
+    pub fn token(mut self, token: &[u8]) -> Self {
+        self.token = token.to_vec();
+        self
+    }
+
+    /// How long a node may stay silent with grants outstanding before its
+    /// grants fail over (default 10 s).
+    pub fn node_timeout(mut self, d: Duration) -> Self {
+        self.node_timeout = d;
+        self
+    }
+
+    /// The cluster node this process runs on (default: the local space's
+    /// node index; none with a source). Its samples are never requested over
+    /// the network.
+    pub fn local_node(mut self, node: Option<u32>) -> Self {
+        self.local_node = Some(node);
+        self
+    }
+
     /// Start at a saved position instead of (epoch 0, step 0).
     pub fn start_at(mut self, pos: Position) -> Self {
         self.start = Some(pos);
@@ -378,7 +433,7 @@ impl LoaderBuilder {
                 let space = Space::open(dir)?;
                 space.check_extents()?;
                 let p = space.params();
-                if space.held_samples() != space.catalog().len() {
+                if self.cluster.is_none() && space.held_samples() != space.catalog().len() {
                     return Err(Error::InvalidConfig(format!(
                         "space {} holds {} of {} samples (node {} of {}); reading a partial space needs the cluster transport",
                         dir.display(),
@@ -493,6 +548,37 @@ impl LoaderBuilder {
             Some(p) => p,
             None => Position { epoch: 0, index: 0 },
         };
+        let net = match self.cluster.clone() {
+            None => None,
+            Some(cluster) => {
+                let (placement, space_node) = match &input {
+                    Input::Space { space, .. } => (
+                        Some(space.params().placement),
+                        Some(space.params().node_index),
+                    ),
+                    Input::Source { .. } => (None, None),
+                };
+                let cat = input.catalog();
+                Some(net::NetSetup {
+                    cluster,
+                    token: self.token.clone(),
+                    node_timeout: self.node_timeout,
+                    connect_timeout: self.node_timeout.min(Duration::from_secs(5)),
+                    hello: crate::transport::proto::Hello {
+                        catalog_identity: cat.identity(),
+                        rank: self.rank,
+                        world: self.world,
+                        catalog_samples: cat.len(),
+                        seed: self.seed,
+                        ring_addr: 0,
+                        ring_len: ring.len() as u64,
+                        rkey: 0,
+                    },
+                    placement,
+                    local_node: self.local_node.unwrap_or(space_node),
+                })
+            }
+        };
         let mut backends = Vec::with_capacity(cfg.pollers);
         let mut fixed_buffers = self.registered_buffers;
         for _ in 0..cfg.pollers {
@@ -551,8 +637,9 @@ impl LoaderBuilder {
             failed: None,
             counters: Counters::default(),
             started: Instant::now(),
+            net: net.map(Arc::new),
         };
-        loader.launch(start);
+        loader.launch(start)?;
         Ok(loader)
     }
 }
@@ -568,6 +655,7 @@ struct Spare {
 struct Run {
     shared: Arc<Shared>,
     threads: Vec<JoinHandle<Box<dyn IoBackend>>>,
+    net_thread: Option<JoinHandle<()>>,
     /// Backends of pollers already joined (by `finish`).
     joined: Vec<Box<dyn IoBackend>>,
 }
@@ -579,7 +667,15 @@ impl Run {
         for t in &self.threads {
             t.thread().unpark();
         }
+        if let Some(net) = &self.shared.net {
+            net.wake.notify();
+        }
         let mut failed = None;
+        if let Some(t) = self.net_thread.take() {
+            if t.join().is_err() {
+                failed = Some("the network thread panicked".to_string());
+            }
+        }
         for t in self.threads.drain(..) {
             match t.join() {
                 Ok(b) => self.joined.push(b),
@@ -731,6 +827,12 @@ pub struct Stats {
     pub retries: u64,
     /// Per-sample read latency (submission to completion) of disk reads.
     pub read_latency: Latency,
+    /// Samples pushed by other nodes (cluster mode).
+    pub remote_samples: u64,
+    /// Grants moved to another holder or the source after a node failed.
+    pub failovers: u64,
+    /// Samples read from the source because no holder could serve them.
+    pub source_reads: u64,
 }
 
 impl Stats {
@@ -770,10 +872,22 @@ pub struct Loader {
     failed: Option<String>,
     counters: Counters,
     started: Instant,
+    /// Cluster mode settings (connections are made at every launch).
+    net: Option<Arc<net::NetSetup>>,
 }
 
 impl Loader {
-    fn launch(&mut self, start: Position) {
+    fn launch(&mut self, start: Position) -> Result<()> {
+        // Connect first: a refusal leaves the loader as it was.
+        let conns = match &mut self.net {
+            Some(setup) => {
+                let mut s = (**setup).clone();
+                let conns = net::connect_all(&mut s)?;
+                *setup = Arc::new(s);
+                Some(conns)
+            }
+            None => None,
+        };
         let spare = self.spare.take().expect("resources available");
         let n = spare.backends.len();
         let table = self.geo.table_len() as usize;
@@ -804,7 +918,23 @@ impl Loader {
                 })
                 .collect(),
             tier: spare.tier,
+            net: match conns {
+                Some(_) => Some(net::NetShared::new()?),
+                None => None,
+            },
         });
+        let net_thread = match (conns, &self.net) {
+            (Some(conns), Some(setup)) => {
+                let t = net::NetThread::new(shared.clone(), setup.clone(), conns)?;
+                Some(
+                    std::thread::Builder::new()
+                        .name("kspeed-net".into())
+                        .spawn(move || t.run())
+                        .expect("spawn network thread"),
+                )
+            }
+            _ => None,
+        };
         let cores = if self.cfg.pin {
             core_affinity::get_core_ids().unwrap_or_default()
         } else {
@@ -832,8 +962,10 @@ impl Loader {
         self.run = Some(Run {
             shared,
             threads,
+            net_thread,
             joined: Vec::new(),
         });
+        Ok(())
     }
 
     /// Stops the pollers (after their in-flight reads land) and takes the
@@ -979,6 +1111,9 @@ impl Loader {
         for t in &self.run.as_ref().expect("running").threads {
             t.thread().unpark();
         }
+        if let Some(net) = &self.shared().net {
+            net.released();
+        }
     }
 
     /// Moves to `epoch` (PyTorch's `sampler.set_epoch`). Going to the next
@@ -993,13 +1128,16 @@ impl Loader {
             self.epoch = epoch;
             return Ok(());
         }
-        self.restart(Position { epoch, index: 0 });
-        Ok(())
+        self.restart(Position { epoch, index: 0 })
     }
 
-    fn restart(&mut self, pos: Position) {
+    fn restart(&mut self, pos: Position) -> Result<()> {
         self.halt();
-        self.launch(pos);
+        if let Err(e) = self.launch(pos) {
+            self.failed = Some(e.to_string());
+            return Err(e);
+        }
+        Ok(())
     }
 
     /// The position of the next sample `next_batch` will deliver.
@@ -1022,8 +1160,7 @@ impl Loader {
             return Err(Error::LoaderFailed(msg.clone()));
         }
         let pos = self.sampler.restore(bytes)?;
-        self.restart(pos);
-        Ok(())
+        self.restart(pos)
     }
 
     /// Samples per epoch for this rank.
@@ -1043,7 +1180,23 @@ impl Loader {
 
     /// Statistics so far.
     pub fn stats(&self) -> Stats {
-        let sh = self.shared();
+        let Some(run) = self.run.as_ref() else {
+            // Not running (a restart failed): what the consumer counted.
+            return Stats {
+                samples: self.counters.samples,
+                bytes: self.counters.bytes,
+                elapsed: self.started.elapsed(),
+                stall: self.counters.stall,
+                disk_reads: 0,
+                tier_hits: 0,
+                retries: 0,
+                read_latency: Latency::default(),
+                remote_samples: 0,
+                failovers: 0,
+                source_reads: 0,
+            };
+        };
+        let sh = &run.shared;
         let mut hist: Histogram<u64> =
             Histogram::new_with_bounds(1, 60_000_000, 2).expect("valid bounds");
         let (mut disk, mut hits, mut retries) = (0, 0, 0);
@@ -1053,6 +1206,9 @@ impl Loader {
             retries += s.retries.load(Ordering::Relaxed);
             let _ = hist.add(&*s.latency.lock().expect("not poisoned"));
         }
+        let net_count = |f: fn(&net::NetShared) -> &AtomicU64| {
+            sh.net.as_ref().map_or(0, |n| f(n).load(Ordering::Relaxed))
+        };
         let lat = if hist.is_empty() {
             Latency::default()
         } else {
@@ -1074,6 +1230,9 @@ impl Loader {
             tier_hits: hits,
             retries,
             read_latency: lat,
+            remote_samples: net_count(|n| &n.remote_samples),
+            failovers: net_count(|n| &n.failovers),
+            source_reads: net_count(|n| &n.source_reads),
         }
     }
 

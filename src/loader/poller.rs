@@ -160,7 +160,7 @@ impl Poller {
     fn next_own(&mut self) -> Placed {
         loop {
             let p = self.cursor.next(self.shared.input.catalog());
-            if p.g % self.count == self.index {
+            if p.g % self.count == self.index && self.shared.is_local(p.id) {
                 return p;
             }
         }
@@ -246,7 +246,7 @@ impl Poller {
             Input::Space { space, extents } => {
                 let loc = space
                     .location(p.id)
-                    .expect("the loader checked the space holds every sample");
+                    .expect("pollers read only samples the space holds");
                 let target = if sh.fixed_files {
                     Target::Fixed(loc.extent)
                 } else {

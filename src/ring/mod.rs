@@ -129,6 +129,92 @@ impl Uring {
     }
 }
 
+impl Uring {
+    /// Queues a `send` of `len` bytes at `buf` on socket `fd` (`more`: the
+    /// caller sends the rest of a frame right after, so the kernel may
+    /// coalesce). Returns false when the submission queue is full.
+    ///
+    /// # Safety
+    /// `buf..buf+len` must stay valid until the completion is drained.
+    pub unsafe fn push_send(
+        &mut self,
+        user_data: u64,
+        fd: RawFd,
+        buf: *const u8,
+        len: u32,
+        more: bool,
+    ) -> bool {
+        let flags = libc::MSG_NOSIGNAL | if more { libc::MSG_MORE } else { 0 };
+        let e = opcode::Send::new(types::Fd(fd), buf, len)
+            .flags(flags)
+            .build()
+            .user_data(user_data);
+        // SAFETY: the caller keeps the buffer valid until completion.
+        unsafe { self.ring.submission().push(&e).is_ok() }
+    }
+
+    /// Queues a `sendmsg` of `msg` on socket `fd` (a frame header and its
+    /// payload from two places in one call, no copy).
+    ///
+    /// # Safety
+    /// `msg`, its iovecs and the memory they describe must stay valid and
+    /// unchanged until the completion is drained.
+    pub unsafe fn push_sendmsg(&mut self, user_data: u64, fd: RawFd, msg: *const libc::msghdr) -> bool {
+        let e = opcode::SendMsg::new(types::Fd(fd), msg)
+            .flags(libc::MSG_NOSIGNAL as u32)
+            .build()
+            .user_data(user_data);
+        // SAFETY: per this function's contract.
+        unsafe { self.ring.submission().push(&e).is_ok() }
+    }
+
+    /// Queues a `recv` of exactly `len` bytes into `buf` (MSG_WAITALL: the
+    /// completion is short only at end of stream or on error).
+    ///
+    /// # Safety
+    /// `buf..buf+len` must stay valid and unused by anyone else until the
+    /// completion is drained.
+    pub unsafe fn push_recv(&mut self, user_data: u64, fd: RawFd, buf: *mut u8, len: u32) -> bool {
+        let e = opcode::Recv::new(types::Fd(fd), buf, len)
+            .flags(libc::MSG_WAITALL)
+            .build()
+            .user_data(user_data);
+        // SAFETY: the caller keeps the buffer valid until completion.
+        unsafe { self.ring.submission().push(&e).is_ok() }
+    }
+
+    /// Queues a read of 8 bytes from an eventfd (a wake-up).
+    ///
+    /// # Safety
+    /// `buf` must stay valid until the completion is drained.
+    pub unsafe fn push_eventfd_read(&mut self, user_data: u64, fd: RawFd, buf: *mut u64) -> bool {
+        let e = opcode::Read::new(types::Fd(fd), buf.cast(), 8)
+            .build()
+            .user_data(user_data);
+        // SAFETY: the caller keeps the buffer valid until completion.
+        unsafe { self.ring.submission().push(&e).is_ok() }
+    }
+
+    /// Submits what is queued and waits until a completion is ready or
+    /// `timeout` passes (whichever is first).
+    pub fn submit_wait_timeout(&mut self, timeout: std::time::Duration) -> io::Result<()> {
+        let ts = types::Timespec::from(timeout);
+        let args = types::SubmitArgs::new().timespec(&ts);
+        match self.ring.submitter().submit_with_args(1, &args) {
+            Ok(_) => Ok(()),
+            Err(e)
+                if matches!(
+                    e.raw_os_error(),
+                    Some(libc::EINTR) | Some(libc::EBUSY) | Some(libc::ETIME)
+                ) =>
+            {
+                Ok(())
+            }
+            Err(e) => Err(e),
+        }
+    }
+}
+
 impl IoBackend for Uring {
     unsafe fn push(&mut self, op: &ReadOp) -> bool {
         let entry = match (op.target, op.buf_index) {

@@ -114,6 +114,82 @@ pub fn process_cpu_seconds() -> f64 {
     tv(ru.ru_utime) + tv(ru.ru_stime)
 }
 
+/// An eventfd: a counter one thread bumps to wake another that waits on it
+/// (here: through a read queued in its io_uring).
+pub struct EventFd {
+    fd: std::os::fd::OwnedFd,
+}
+
+impl EventFd {
+    /// Creates a non-blocking eventfd.
+    pub fn new() -> io::Result<Self> {
+        // SAFETY: eventfd takes no pointers; a negative result is an error.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: fd is a fresh descriptor that nothing else owns.
+        Ok(EventFd {
+            fd: unsafe { std::os::fd::FromRawFd::from_raw_fd(fd) },
+        })
+    }
+
+    /// The descriptor.
+    pub fn raw(&self) -> std::os::fd::RawFd {
+        std::os::fd::AsRawFd::as_raw_fd(&self.fd)
+    }
+
+    /// Wakes the waiter.
+    pub fn notify(&self) {
+        let one: u64 = 1;
+        // SAFETY: writes 8 bytes from a live u64 to our descriptor. A full
+        // counter (EAGAIN) means a wake-up is already pending: fine.
+        unsafe { libc::write(self.raw(), (&one as *const u64).cast(), 8) };
+    }
+}
+
+/// Waits until `fd` is readable or `timeout_ms` passes; true if readable.
+pub fn poll_readable(fd: std::os::fd::RawFd, timeout_ms: i32) -> bool {
+    let mut p = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one live pollfd for the duration of the call.
+    let n = unsafe { libc::poll(&mut p, 1, timeout_ms) };
+    n > 0
+}
+
+/// SIGINT and SIGTERM blocked in this thread (and every thread it starts
+/// afterwards), to be taken synchronously with [`TermSignals::wait`].
+pub struct TermSignals {
+    set: libc::sigset_t,
+}
+
+impl TermSignals {
+    /// Blocks SIGINT and SIGTERM; call before starting other threads.
+    pub fn block() -> Self {
+        // SAFETY: sigset_t is plain data that sigemptyset initialises; the
+        // calls only read and write the set we own and this thread's mask.
+        unsafe {
+            let mut set: libc::sigset_t = std::mem::zeroed();
+            libc::sigemptyset(&mut set);
+            libc::sigaddset(&mut set, libc::SIGINT);
+            libc::sigaddset(&mut set, libc::SIGTERM);
+            libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+            TermSignals { set }
+        }
+    }
+
+    /// Waits for one of the signals; returns its number.
+    pub fn wait(&self) -> i32 {
+        let mut sig = 0;
+        // SAFETY: sigwait reads our initialised set and writes one int.
+        unsafe { libc::sigwait(&self.set, &mut sig) };
+        sig
+    }
+}
+
 /// A heap buffer aligned for `O_DIRECT` (address, and the caller keeps
 /// lengths and offsets to multiples of the same alignment).
 pub struct AlignedBuf {

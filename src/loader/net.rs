@@ -1,0 +1,913 @@
+//! The consumer's network thread (cluster mode, TCP transport).
+//!
+//! It walks the same schedule as the pollers and takes the samples the local
+//! space does not hold. For each, once flow control allows (its slot is
+//! behind the released mark plus the ring size), it grants the sample's
+//! first live holder the ring range `[phys, phys + len)`, batching grants per
+//! node into GRANT frames. One io_uring carries every socket: per connection
+//! one receive is always posted, either a 24-byte header or, once a DATA
+//! header has been checked against its outstanding grant (id, node, offset,
+//! length), the payload straight into the ring at the granted offset. A frame
+//! that matches no grant drops the connection with a named error before a
+//! byte of its payload is read, so a peer writes only where it was granted.
+//!
+//! Failover: a connection that closes, fails, breaks the protocol or stays
+//! silent for `node_timeout` with grants outstanding is shut; once its last
+//! receive has returned (so nothing more lands from it), each of its
+//! outstanding grants goes to the sample's next live replica, else is read
+//! from the source, else fails with [`Error::SampleUnavailable`] naming every
+//! place tried. A grant answered with ERROR fails over the same way.
+//!
+//! Pools are fixed at start: the grant table (one entry per sample the ring
+//! can hold), per-connection header/message buffers and grant frame buffers.
+
+use std::collections::VecDeque;
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::FileExt;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::schedule::{Cursor, Placed};
+use super::{Shared, CODE_ERROR, CODE_OK};
+use crate::dataset::Placement;
+use crate::error::{errno_name, Error, Result};
+use crate::ring::{Completion, IoBackend, Uring, UringOptions};
+use crate::sys::EventFd;
+use crate::transport::proto::{self, Code, GrantEntry, Header, Hello, Kind, Welcome};
+use crate::transport::Cluster;
+
+/// Cluster settings of a loader.
+#[derive(Debug, Clone)]
+pub(crate) struct NetSetup {
+    pub(crate) cluster: Cluster,
+    pub(crate) token: Vec<u8>,
+    pub(crate) node_timeout: Duration,
+    pub(crate) connect_timeout: Duration,
+    pub(crate) hello: Hello,
+    /// From the local space, or else from the first node's WELCOME.
+    pub(crate) placement: Option<Placement>,
+    /// The node this process runs on (its samples are read locally).
+    pub(crate) local_node: Option<u32>,
+}
+
+/// What the consumer thread and the network thread share.
+pub(crate) struct NetShared {
+    pub(crate) wake: EventFd,
+    /// Set by the network thread while flow control holds it back; the
+    /// consumer's release clears it and wakes the thread.
+    pub(crate) sleeping: AtomicBool,
+    pub(crate) remote_samples: AtomicU64,
+    pub(crate) failovers: AtomicU64,
+    pub(crate) source_reads: AtomicU64,
+}
+
+impl NetShared {
+    pub(crate) fn new() -> Result<Self> {
+        Ok(NetShared {
+            wake: EventFd::new().map_err(|e| Error::Serve(format!("eventfd: {e}")))?,
+            sleeping: AtomicBool::new(false),
+            remote_samples: AtomicU64::new(0),
+            failovers: AtomicU64::new(0),
+            source_reads: AtomicU64::new(0),
+        })
+    }
+
+    /// Called after the consumer moved the released mark.
+    pub(crate) fn released(&self) {
+        if self.sleeping.swap(false, Ordering::SeqCst) {
+            self.wake.notify();
+        }
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum State {
+    Live,
+    /// Shut down; waiting for its in-flight receive and send to return.
+    Closing,
+    Dead,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Rx {
+    Header,
+    Payload { idx: usize, len: u32 },
+    Message(Header),
+}
+
+/// One connection to a node.
+pub(crate) struct Conn {
+    node: u32,
+    addr: String,
+    sock: Option<TcpStream>,
+    state: State,
+    /// Why it is dead (for messages).
+    reason: String,
+    /// The last ERROR a grant got from it.
+    last_error: String,
+    hdr: Box<[u8; proto::HEADER_BYTES]>,
+    msg: Box<[u8]>,
+    rx: Rx,
+    rx_inflight: bool,
+    /// GRANT frame being filled (header space first) and the one in flight.
+    fill: Vec<u8>,
+    fill_entries: u32,
+    flight: Vec<u8>,
+    flight_sent: usize,
+    tx_inflight: bool,
+    outstanding: u64,
+    max_grants: u64,
+    max_data: u32,
+    last_rx: Instant,
+}
+
+impl Conn {
+    fn dead(node: u32, addr: String, reason: String) -> Conn {
+        Conn {
+            node,
+            addr,
+            sock: None,
+            state: State::Dead,
+            reason,
+            last_error: String::new(),
+            hdr: Box::new([0; proto::HEADER_BYTES]),
+            msg: Box::new([]),
+            rx: Rx::Header,
+            rx_inflight: false,
+            fill: Vec::new(),
+            fill_entries: 0,
+            flight: Vec::new(),
+            flight_sent: 0,
+            tx_inflight: false,
+            outstanding: 0,
+            max_grants: 0,
+            max_data: 0,
+            last_rx: Instant::now(),
+        }
+    }
+}
+
+/// Connects to every node but the local one. A node that cannot be reached
+/// is dead from the start (its samples fail over); a node that refuses the
+/// HELLO (token, version, dataset) is an error: the job is misconfigured.
+pub(crate) fn connect_all(setup: &mut NetSetup) -> Result<Vec<Conn>> {
+    let mut out = Vec::with_capacity(setup.cluster.nodes.len());
+    for n in &setup.cluster.nodes {
+        if Some(n.index) == setup.local_node {
+            out.push(Conn::dead(n.index, n.addr.clone(), "local node".into()));
+            continue;
+        }
+        match connect(setup, n.index, &n.addr) {
+            Ok((c, w)) => {
+                let theirs = Placement::new(w.nodes, w.replicas).map_err(|e| Error::BadCluster {
+                    origin: format!("node {} ({})", n.index, n.addr),
+                    reason: e.to_string(),
+                })?;
+                let ours = *setup.placement.get_or_insert(theirs);
+                if theirs != ours || ours.nodes as usize != setup.cluster.nodes.len() {
+                    return Err(Error::BadCluster {
+                        origin: format!("node {} ({})", n.index, n.addr),
+                        reason: format!(
+                            "its space is placed over {} nodes × {} copies; this loader expects {} × {} and the cluster lists {} nodes",
+                            theirs.nodes,
+                            theirs.replicas,
+                            ours.nodes,
+                            ours.replicas,
+                            setup.cluster.nodes.len()
+                        ),
+                    });
+                }
+                out.push(c)
+            }
+            Err(ConnectError::Refused(e)) => return Err(e),
+            Err(ConnectError::Unreachable(why)) => {
+                log::warn!("node {} ({}) is unreachable: {why}", n.index, n.addr);
+                out.push(Conn::dead(n.index, n.addr.clone(), why));
+            }
+        }
+    }
+    Ok(out)
+}
+
+enum ConnectError {
+    Refused(Error),
+    Unreachable(String),
+}
+
+fn connect(setup: &NetSetup, node: u32, addr: &str) -> Result<(Conn, Welcome), ConnectError> {
+    let unreachable = |what: &str, e: &dyn std::fmt::Display| {
+        ConnectError::Unreachable(format!("{what}: {e}"))
+    };
+    let sa = crate::transport::Node {
+        index: node,
+        addr: addr.to_string(),
+    }
+    .resolve()
+    .map_err(|e| unreachable("resolve", &e))?;
+    let mut sock = TcpStream::connect_timeout(&sa, setup.connect_timeout)
+        .map_err(|e| unreachable("connect", &e))?;
+    let _ = sock.set_nodelay(true);
+    let _ = sock.set_read_timeout(Some(setup.node_timeout));
+    let mut hello = Vec::new();
+    setup.hello.encode(&setup.token, &mut hello);
+    sock.write_all(&hello)
+        .map_err(|e| unreachable("send HELLO", &e))?;
+    let mut hb = [0u8; proto::HEADER_BYTES];
+    sock.read_exact(&mut hb)
+        .map_err(|e| unreachable("no answer to HELLO", &e))?;
+    let violation = |what: String| {
+        ConnectError::Refused(Error::ProtocolViolation {
+            node,
+            addr: addr.to_string(),
+            what,
+        })
+    };
+    let h = Header::decode(&hb, 0).map_err(|e| violation(e.to_string()))?;
+    let mut body = vec![0u8; h.body_len as usize];
+    sock.read_exact(&mut body)
+        .map_err(|e| unreachable("truncated answer to HELLO", &e))?;
+    match h.kind {
+        Kind::Welcome => {}
+        Kind::Error => {
+            return Err(ConnectError::Refused(Error::Refused {
+                node,
+                addr: addr.to_string(),
+                code: Code::from_u32(h.b).name(),
+                message: String::from_utf8_lossy(&body).into_owned(),
+            }))
+        }
+        k => return Err(violation(format!("answered HELLO with {k:?}"))),
+    }
+    let w = Welcome::decode(&h, &body).map_err(|e| violation(e.to_string()))?;
+    if h.a != proto::VERSION {
+        return Err(violation(format!("WELCOME with version {}", h.a)));
+    }
+    if w.node_index != node {
+        return Err(ConnectError::Refused(Error::BadCluster {
+            origin: format!("node {node} ({addr})"),
+            reason: format!("the service there is node {}", w.node_index),
+        }));
+    }
+    let _ = sock.set_read_timeout(None);
+    let entries = proto::MAX_GRANT_ENTRIES.min(w.max_grants.max(1) as usize);
+    let frame = proto::HEADER_BYTES + entries * proto::GRANT_ENTRY_BYTES;
+    let mut fill = Vec::with_capacity(frame);
+    fill.resize(proto::HEADER_BYTES, 0);
+    Ok((Conn {
+        node,
+        addr: addr.to_string(),
+        sock: Some(sock),
+        state: State::Live,
+        reason: String::new(),
+        last_error: String::new(),
+        hdr: Box::new([0; proto::HEADER_BYTES]),
+        msg: vec![0u8; proto::MAX_MESSAGE_BYTES].into_boxed_slice(),
+        rx: Rx::Header,
+        rx_inflight: false,
+        fill,
+        fill_entries: 0,
+        flight: Vec::with_capacity(frame),
+        flight_sent: 0,
+        tx_inflight: false,
+        outstanding: 0,
+        max_grants: w.max_grants.max(1),
+        max_data: w.max_data_bytes.min(proto::MAX_DATA_BYTES),
+        last_rx: Instant::now(),
+    }, w))
+}
+
+const NONE: u32 = u32::MAX;
+
+/// One outstanding remote sample.
+#[derive(Clone, Copy)]
+struct GSlot {
+    live: bool,
+    g: u64,
+    id: u64,
+    len: u32,
+    phys: u64,
+    node: u32,
+    received: u32,
+    /// Replica indices tried (bit r).
+    tried: u64,
+}
+
+const UD_RECV: u64 = 1 << 56;
+const UD_SEND: u64 = 2 << 56;
+const UD_WAKE: u64 = 3 << 56;
+const UD_KIND: u64 = 0xff << 56;
+
+pub(crate) struct NetThread {
+    sh: Arc<Shared>,
+    setup: Arc<NetSetup>,
+    placement: Placement,
+    ring: Uring,
+    conns: Vec<Conn>,
+    cursor: Cursor,
+    pending: Option<Placed>,
+    table: Box<[GSlot]>,
+    mask: usize,
+    /// Grants to place again (table indices), oldest first.
+    regrant: VecDeque<usize>,
+    wake_buf: Box<u64>,
+    wake_inflight: bool,
+    completions: Vec<Completion>,
+}
+
+impl NetThread {
+    pub(crate) fn new(sh: Arc<Shared>, setup: Arc<NetSetup>, conns: Vec<Conn>) -> Result<Self> {
+        let ring = Uring::new(UringOptions {
+            entries: (conns.len() as u32 * 2 + 8).next_power_of_two(),
+            sqpoll_idle_ms: None,
+        })?;
+        let size = (sh.geo.table_len() as usize).next_power_of_two();
+        let cursor = Cursor::new(sh.sampler.clone(), sh.geo, sh.start);
+        let placement = setup.placement.ok_or_else(|| Error::BadCluster {
+            origin: "cluster".into(),
+            reason: "no node could be reached and there is no local space to learn the placement from".into(),
+        })?;
+        Ok(NetThread {
+            placement,
+            ring,
+            conns,
+            cursor,
+            pending: None,
+            table: vec![
+                GSlot {
+                    live: false,
+                    g: 0,
+                    id: 0,
+                    len: 0,
+                    phys: 0,
+                    node: NONE,
+                    received: 0,
+                    tried: 0,
+                };
+                size
+            ]
+            .into_boxed_slice(),
+            mask: size - 1,
+            regrant: VecDeque::with_capacity(size),
+            wake_buf: Box::new(0),
+            wake_inflight: false,
+            completions: vec![Completion::default(); 256],
+            sh,
+            setup,
+        })
+    }
+
+    fn net(&self) -> &NetShared {
+        self.sh.net.as_ref().expect("cluster mode")
+    }
+
+    pub(crate) fn run(mut self) {
+        let mut stopping = false;
+        loop {
+            if !stopping && self.sh.stop.load(Ordering::Acquire) {
+                stopping = true;
+                for i in 0..self.conns.len() {
+                    if self.conns[i].state == State::Live {
+                        self.kill(i, "loader stopped".into(), false);
+                    }
+                }
+            }
+            if stopping && !self.busy() {
+                break;
+            }
+            if !stopping {
+                self.fill();
+                self.flush_grants();
+                self.post_recvs();
+                self.check_timeouts();
+            }
+            if !self.wake_inflight {
+                let fd = self.net().wake.raw();
+                let buf: *mut u64 = &mut *self.wake_buf;
+                // SAFETY: the boxed u64 lives as long as this thread's state,
+                // and run() waits for this read before returning (busy()).
+                if unsafe { self.ring.push_eventfd_read(UD_WAKE, fd, buf) } {
+                    self.wake_inflight = true;
+                }
+            }
+            let wait = if stopping {
+                Duration::from_millis(5)
+            } else {
+                Duration::from_millis(50)
+            };
+            if let Err(e) = self.ring.submit_wait_timeout(wait) {
+                log::error!("network thread: io_uring: {e}");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            let n = self.ring.drain(&mut self.completions);
+            for i in 0..n {
+                let c = self.completions[i];
+                self.complete(c);
+            }
+            if stopping && self.wake_inflight {
+                // Complete our own eventfd read so the thread can exit.
+                self.net().wake.notify();
+            }
+        }
+    }
+
+    fn busy(&self) -> bool {
+        self.wake_inflight || self.conns.iter().any(|c| c.rx_inflight || c.tx_inflight)
+    }
+
+    fn allowed(&self, p: &Placed) -> bool {
+        let sh = &self.sh;
+        p.v_end <= sh.released_v.load(Ordering::Acquire) + sh.geo.ring_bytes
+            && p.g
+                < sh.released_g
+                    .load(Ordering::Acquire)
+                    .saturating_add(sh.cfg.lookahead)
+    }
+
+    fn next_remote(&mut self) -> Placed {
+        loop {
+            let p = self.cursor.next(self.sh.input.catalog());
+            if !self.sh.is_local(p.id) {
+                return p;
+            }
+        }
+    }
+
+    /// Grants what flow control allows: re-grants first, then new samples.
+    fn fill(&mut self) {
+        while let Some(&idx) = self.regrant.front() {
+            if !self.place(idx) {
+                return;
+            }
+            self.regrant.pop_front();
+        }
+        loop {
+            let p = match self.pending.take() {
+                Some(p) => p,
+                None => self.next_remote(),
+            };
+            if !self.allowed(&p) {
+                self.pending = Some(p);
+                let net = self.net();
+                net.sleeping.store(true, Ordering::SeqCst);
+                // Re-check after announcing: a release in between would
+                // otherwise find `sleeping` unset and not wake us.
+                if self.allowed(&p) {
+                    net.sleeping.store(false, Ordering::SeqCst);
+                    continue;
+                }
+                return;
+            }
+            if p.len == 0 {
+                self.sh.publish(p.g, CODE_OK);
+                continue;
+            }
+            let idx = p.g as usize & self.mask;
+            debug_assert!(!self.table[idx].live, "grant table entry reused while live");
+            self.table[idx] = GSlot {
+                live: true,
+                g: p.g,
+                id: p.id,
+                len: p.len as u32,
+                phys: p.phys(&self.sh.geo),
+                node: NONE,
+                received: 0,
+                tried: 0,
+            };
+            if !self.place(idx) {
+                // The chosen node has no credit or frame space now.
+                self.table[idx].live = false;
+                self.pending = Some(p);
+                return;
+            }
+        }
+    }
+
+    /// Gives table entry `idx` to its next untried live holder, or reads it
+    /// from the source, or fails it. False: the holder has no room now.
+    fn place(&mut self, idx: usize) -> bool {
+        let s = self.table[idx];
+        let placement = self.placement;
+        for r in 0..placement.replicas {
+            if s.tried & (1 << r) != 0 {
+                continue;
+            }
+            let node = placement.holder(s.id, r) as usize;
+            let Some(c) = self.conns.get_mut(node) else {
+                continue;
+            };
+            if c.state != State::Live {
+                continue;
+            }
+            if c.outstanding >= c.max_grants || c.fill.len() == c.fill.capacity() {
+                return false;
+            }
+            let mut e = [0u8; proto::GRANT_ENTRY_BYTES];
+            GrantEntry {
+                grant: s.g as u32,
+                len: s.len,
+                sample: s.id,
+                offset: s.phys,
+            }
+            .encode_into(&mut e);
+            c.fill.extend_from_slice(&e);
+            c.fill_entries += 1;
+            if c.outstanding == 0 {
+                c.last_rx = Instant::now();
+            }
+            c.outstanding += 1;
+            let t = &mut self.table[idx];
+            t.node = node as u32;
+            t.tried |= 1 << r;
+            t.received = 0;
+            return true;
+        }
+        self.from_source(idx);
+        true
+    }
+
+    /// Last resort: read the sample from the source files.
+    fn from_source(&mut self, idx: usize) {
+        let s = self.table[idx];
+        let placement = self.placement;
+        let mut tried = String::new();
+        for r in 0..placement.replicas {
+            let node = placement.holder(s.id, r) as usize;
+            if let Some(c) = self.conns.get(node) {
+                let why = if s.tried & (1 << r) != 0 && !c.last_error.is_empty() && c.state == State::Live {
+                    c.last_error.as_str()
+                } else if c.reason.is_empty() {
+                    "no answer"
+                } else {
+                    c.reason.as_str()
+                };
+                tried.push_str(&format!("node {node} ({}): {why}; ", c.addr));
+            }
+        }
+        let cat = self.sh.input.catalog();
+        let sample = cat.sample(s.id);
+        let path = cat.file_path(sample.file);
+        let dst = self.ring_ptr(s.phys);
+        // SAFETY: the sample's slot [phys, phys+len) is ours (outstanding,
+        // not published) and no connection writes it any more: every holder
+        // was tried and its receive has returned.
+        let buf = unsafe { std::slice::from_raw_parts_mut(dst, s.len as usize) };
+        let res = std::fs::File::open(&path)
+            .and_then(|f| f.read_exact_at(buf, sample.offset))
+            .map_err(|e| {
+                format!(
+                    "source {}: {} ({e})",
+                    path.display(),
+                    errno_name(e.raw_os_error().unwrap_or(0))
+                )
+            })
+            .and_then(|()| {
+                let got = crc32c::crc32c(buf);
+                if got == sample.crc32c {
+                    Ok(())
+                } else {
+                    Err(format!(
+                        "source {}: CRC32C {got:08x}, the catalog says {:08x} (changed since the catalog was built)",
+                        path.display(),
+                        sample.crc32c
+                    ))
+                }
+            });
+        self.table[idx].live = false;
+        match res {
+            Ok(()) => {
+                self.net().source_reads.fetch_add(1, Ordering::Relaxed);
+                log::info!("sample {} read from the source ({tried})", s.id);
+                self.sh.publish(s.g, CODE_OK);
+            }
+            Err(why) => {
+                tried.push_str(&why);
+                let e = Error::SampleUnavailable {
+                    sample: s.id,
+                    tried,
+                };
+                self.sh.errors.lock().expect("not poisoned").push((s.g, e));
+                self.sh.publish(s.g, CODE_ERROR);
+            }
+        }
+    }
+
+    fn ring_ptr(&self, phys: u64) -> *mut u8 {
+        // SAFETY: phys < ring length (schedule construction).
+        unsafe { self.sh.ring.as_mut_ptr().add(phys as usize) }
+    }
+
+    fn flush_grants(&mut self) {
+        for c in &mut self.conns {
+            if c.state != State::Live || c.tx_inflight || c.fill_entries == 0 {
+                continue;
+            }
+            let h = Header::grant(c.fill_entries).encode();
+            c.fill[..proto::HEADER_BYTES].copy_from_slice(&h);
+            std::mem::swap(&mut c.fill, &mut c.flight);
+            c.fill.clear();
+            c.fill.resize(proto::HEADER_BYTES, 0);
+            c.fill_entries = 0;
+            c.flight_sent = 0;
+            Self::post_send(&mut self.ring, c);
+        }
+    }
+
+    fn post_send(ring: &mut Uring, c: &mut Conn) {
+        let fd = c.sock.as_ref().expect("live").as_raw_fd();
+        let rest = &c.flight[c.flight_sent..];
+        // SAFETY: `flight` is not touched until this send completes.
+        if unsafe {
+            ring.push_send(
+                UD_SEND | c.node as u64,
+                fd,
+                rest.as_ptr(),
+                rest.len() as u32,
+                false,
+            )
+        } {
+            c.tx_inflight = true;
+        }
+    }
+
+    fn post_recvs(&mut self) {
+        for i in 0..self.conns.len() {
+            let c = &self.conns[i];
+            if c.state != State::Live || c.rx_inflight {
+                continue;
+            }
+            let (buf, len) = match c.rx {
+                Rx::Header => (c.hdr.as_ptr() as *mut u8, proto::HEADER_BYTES as u32),
+                Rx::Payload { idx, len } => {
+                    let s = &self.table[idx];
+                    (self.ring_ptr(s.phys + s.received as u64), len)
+                }
+                Rx::Message(h) => (c.msg.as_ptr() as *mut u8, h.body_len),
+            };
+            let fd = c.sock.as_ref().expect("live").as_raw_fd();
+            // SAFETY: header/message buffers are boxed in the connection; a
+            // payload goes to the granted, unpublished part of a sample's
+            // slot, checked against the grant before this receive is posted.
+            if unsafe { self.ring.push_recv(UD_RECV | i as u64, fd, buf, len) } {
+                self.conns[i].rx_inflight = true;
+            }
+        }
+    }
+
+    fn check_timeouts(&mut self) {
+        let t = self.setup.node_timeout;
+        for i in 0..self.conns.len() {
+            let c = &self.conns[i];
+            if c.state == State::Live && c.outstanding > 0 && c.last_rx.elapsed() > t {
+                let why = format!(
+                    "no data for {} ms with {} grants outstanding",
+                    t.as_millis(),
+                    c.outstanding
+                );
+                log::warn!("node {} ({}): {why}", c.node, c.addr);
+                self.kill(i, why, true);
+            }
+        }
+    }
+
+    /// Shuts a connection; its grants fail over once its receive is back.
+    fn kill(&mut self, i: usize, reason: String, failover: bool) {
+        let c = &mut self.conns[i];
+        if c.state != State::Live {
+            return;
+        }
+        c.reason = reason;
+        c.state = State::Closing;
+        if let Some(s) = &c.sock {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+        let _ = failover;
+        self.maybe_dead(i);
+    }
+
+    fn maybe_dead(&mut self, i: usize) {
+        let c = &mut self.conns[i];
+        if c.state != State::Closing || c.rx_inflight || c.tx_inflight {
+            return;
+        }
+        c.state = State::Dead;
+        c.sock = None;
+        c.outstanding = 0;
+        let node = c.node;
+        if self.sh.stop.load(Ordering::Acquire) {
+            return;
+        }
+        let mut moved = 0;
+        for idx in 0..self.table.len() {
+            let s = &mut self.table[idx];
+            if s.live && s.node == node {
+                s.node = NONE;
+                s.received = 0;
+                self.regrant.push_back(idx);
+                moved += 1;
+            }
+        }
+        // Keep sequence order: the consumer waits on the oldest first.
+        let table = &self.table;
+        self.regrant.make_contiguous().sort_by_key(|&i| table[i].g);
+        if moved > 0 {
+            self.net().failovers.fetch_add(moved, Ordering::Relaxed);
+            log::warn!(
+                "node {node} ({}) is gone ({}): {moved} grants fail over",
+                self.conns[i].addr,
+                self.conns[i].reason
+            );
+        }
+    }
+
+    fn complete(&mut self, comp: Completion) {
+        let i = (comp.user_data & 0xffff_ffff) as usize;
+        match comp.user_data & UD_KIND {
+            UD_WAKE => self.wake_inflight = false,
+            UD_SEND => {
+                let c = &mut self.conns[i];
+                c.tx_inflight = false;
+                if c.state == State::Live {
+                    if comp.result <= 0 {
+                        let why = format!("send failed: {}", errno_name(-comp.result));
+                        self.kill(i, why, true);
+                    } else {
+                        c.flight_sent += comp.result as usize;
+                        if c.flight_sent < c.flight.len() {
+                            Self::post_send(&mut self.ring, c);
+                        }
+                    }
+                }
+                self.maybe_dead(i);
+            }
+            UD_RECV => {
+                self.conns[i].rx_inflight = false;
+                if self.conns[i].state == State::Live {
+                    self.on_recv(i, comp.result);
+                }
+                self.maybe_dead(i);
+            }
+            _ => log::error!("network thread: unknown completion {:#x}", comp.user_data),
+        }
+    }
+
+    fn violation(&mut self, i: usize, what: String) {
+        let c = &self.conns[i];
+        let e = Error::ProtocolViolation {
+            node: c.node,
+            addr: c.addr.clone(),
+            what,
+        };
+        log::error!("{e}; dropping the connection");
+        self.kill(i, e.to_string(), true);
+    }
+
+    fn on_recv(&mut self, i: usize, res: i32) {
+        let c = &mut self.conns[i];
+        let want = match c.rx {
+            Rx::Header => proto::HEADER_BYTES as u32,
+            Rx::Payload { len, .. } => len,
+            Rx::Message(h) => h.body_len,
+        };
+        if res < 0 {
+            let why = format!(
+                "receive failed: {} ({})",
+                errno_name(-res),
+                std::io::Error::from_raw_os_error(-res)
+            );
+            self.kill(i, why, true);
+            return;
+        }
+        if (res as u32) < want {
+            let why = if res == 0 && c.rx == Rx::Header {
+                "closed the connection".to_string()
+            } else {
+                format!("connection ended in the middle of a frame ({res} of {want} bytes)")
+            };
+            self.kill(i, why, true);
+            return;
+        }
+        c.last_rx = Instant::now();
+        match c.rx {
+            Rx::Header => {
+                let h = match Header::decode(&c.hdr, c.max_data) {
+                    Ok(h) => h,
+                    Err(e) => return self.violation(i, e.to_string()),
+                };
+                match h.kind {
+                    Kind::Data => self.on_data_header(i, h),
+                    Kind::Error if h.body_len > 0 => self.conns[i].rx = Rx::Message(h),
+                    Kind::Error => self.on_error(i, h, ""),
+                    k => self.violation(i, format!("unexpected {k:?} frame")),
+                }
+            }
+            Rx::Payload { idx, len } => {
+                c.rx = Rx::Header;
+                let s = &mut self.table[idx];
+                s.received += len;
+                if s.received == s.len {
+                    self.sample_done(i, idx);
+                }
+            }
+            Rx::Message(h) => {
+                c.rx = Rx::Header;
+                let msg = String::from_utf8_lossy(&c.msg[..h.body_len as usize]).into_owned();
+                self.on_error(i, h, &msg);
+            }
+        }
+    }
+
+    /// Checks a DATA header against the outstanding grant before any of its
+    /// payload is read.
+    fn on_data_header(&mut self, i: usize, h: Header) {
+        let idx = h.a as usize & self.mask;
+        let s = self.table[idx];
+        let node = self.conns[i].node;
+        if !s.live || s.g as u32 != h.a || s.node != node {
+            return self.violation(i, format!("DATA for grant {} that is not outstanding with this node", h.a));
+        }
+        let expect = s.phys + s.received as u64;
+        if h.c != expect {
+            return self.violation(
+                i,
+                format!(
+                    "DATA for grant {} at ring offset {}, expected {} (grant covers {}+{})",
+                    h.a, h.c, expect, s.phys, s.len
+                ),
+            );
+        }
+        if h.body_len > s.len - s.received {
+            return self.violation(
+                i,
+                format!(
+                    "DATA for grant {} of {} bytes overruns the grant ({} of {} bytes left)",
+                    h.a,
+                    h.body_len,
+                    s.len - s.received,
+                    s.len
+                ),
+            );
+        }
+        self.conns[i].rx = Rx::Payload {
+            idx,
+            len: h.body_len,
+        };
+    }
+
+    fn on_error(&mut self, i: usize, h: Header, msg: &str) {
+        let code = Code::from_u32(h.b);
+        if h.a == proto::CONNECTION {
+            let why = format!("{}: {msg}", code.name());
+            return self.kill(i, why, true);
+        }
+        let idx = h.a as usize & self.mask;
+        let s = self.table[idx];
+        if !s.live || s.g as u32 != h.a || s.node != self.conns[i].node {
+            return self.violation(i, format!("ERROR for grant {} that is not outstanding with this node", h.a));
+        }
+        let c = &mut self.conns[i];
+        c.last_error = format!("{}: {msg}", code.name());
+        c.outstanding -= 1;
+        log::warn!(
+            "node {} ({}) cannot serve sample {}: {}",
+            c.node,
+            c.addr,
+            s.id,
+            c.last_error
+        );
+        self.net().failovers.fetch_add(1, Ordering::Relaxed);
+        let t = &mut self.table[idx];
+        t.node = NONE;
+        t.received = 0;
+        self.regrant.push_back(idx);
+    }
+
+    fn sample_done(&mut self, i: usize, idx: usize) {
+        let s = self.table[idx];
+        self.conns[i].outstanding -= 1;
+        self.table[idx].live = false;
+        if self.sh.cfg.verify_crc32c {
+            let want = self.sh.input.catalog().sample(s.id).crc32c;
+            // SAFETY: every byte of the slot was received and it is unpublished.
+            let got = crc32c::crc32c(unsafe {
+                std::slice::from_raw_parts(self.ring_ptr(s.phys), s.len as usize)
+            });
+            if got != want {
+                let e = Error::SampleCorrupt {
+                    sample: s.id,
+                    path: format!("node {} ({})", self.conns[i].node, self.conns[i].addr).into(),
+                    expected: want,
+                    computed: got,
+                };
+                self.sh.errors.lock().expect("not poisoned").push((s.g, e));
+                self.sh.publish(s.g, CODE_ERROR);
+                return;
+            }
+        }
+        self.net().remote_samples.fetch_add(1, Ordering::Relaxed);
+        self.sh.publish(s.g, CODE_OK);
+    }
+}
+

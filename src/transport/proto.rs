@@ -1,0 +1,623 @@
+//! The push protocol's frames (docs/PROTOCOL.md is the normative text).
+//!
+//! Every frame is a fixed 24-byte header followed by `body_len` bytes. All
+//! integers are little-endian. The header alone says how many bytes follow,
+//! so a receiver reads the header, checks it, and only then decides where the
+//! body goes: a DATA body goes straight into the landing ring at the offset
+//! the header names (after checking it against the grant), every other body
+//! into a small fixed buffer.
+//!
+//! Decoding never panics and never allocates; it is fuzzed
+//! (`fuzz/fuzz_targets/frames.rs`).
+
+/// Protocol version spoken by this build. A peer with another version is
+/// refused at HELLO with [`Code::BadVersion`].
+pub const VERSION: u32 = 1;
+
+/// First two bytes of every frame ("KS" little-endian).
+pub const MAGIC: u16 = 0x534b;
+
+/// Header size in bytes.
+pub const HEADER_BYTES: usize = 24;
+
+/// Size of one GRANT entry.
+pub const GRANT_ENTRY_BYTES: usize = 24;
+
+/// Fixed part of a HELLO body (the token follows).
+pub const HELLO_FIXED_BYTES: usize = 56;
+
+/// Size of a WELCOME body.
+pub const WELCOME_BYTES: usize = 16;
+
+/// Longest job token.
+pub const MAX_TOKEN_BYTES: usize = 1024;
+
+/// Longest ERROR message.
+pub const MAX_MESSAGE_BYTES: usize = 4096;
+
+/// Most entries in one GRANT frame.
+pub const MAX_GRANT_ENTRIES: usize = 4096;
+
+/// Largest DATA body this build accepts (an owner sends large samples in
+/// several frames).
+pub const MAX_DATA_BYTES: u32 = 64 << 20;
+
+/// Grant id meaning "the whole connection" in an ERROR frame.
+pub const CONNECTION: u32 = u32::MAX;
+
+/// Frame types.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Kind {
+    /// Consumer → owner, first frame: version, token, who it is, its ring.
+    Hello = 1,
+    /// Owner → consumer, answer to HELLO: node index, limits.
+    Welcome = 2,
+    /// Consumer → owner: samples to push and where.
+    Grant = 3,
+    /// Owner → consumer: bytes of a granted sample at a ring offset.
+    Data = 4,
+    /// Either way: a grant (or the connection) that cannot be served.
+    Error = 5,
+}
+
+impl Kind {
+    fn from_u8(v: u8) -> Option<Kind> {
+        Some(match v {
+            1 => Kind::Hello,
+            2 => Kind::Welcome,
+            3 => Kind::Grant,
+            4 => Kind::Data,
+            5 => Kind::Error,
+            _ => return None,
+        })
+    }
+}
+
+/// Error codes carried by ERROR frames.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u32)]
+pub enum Code {
+    /// The job token does not match the node's.
+    BadToken = 1,
+    /// The protocol version is not spoken here.
+    BadVersion = 2,
+    /// The consumer's catalog is not the node's (identity or length differ).
+    WrongDataset = 3,
+    /// The node does not hold the sample.
+    NotHeld = 4,
+    /// Reading the sample failed on the node.
+    ReadFailed = 5,
+    /// A frame broke the protocol (the message says how).
+    Violation = 6,
+    /// More grants outstanding than the WELCOME allowed.
+    TooManyGrants = 7,
+    /// The node is shutting down.
+    ShuttingDown = 8,
+    /// A code this build does not know.
+    Unknown = 0,
+}
+
+impl Code {
+    /// Decodes a code; unknown values map to [`Code::Unknown`].
+    pub fn from_u32(v: u32) -> Code {
+        match v {
+            1 => Code::BadToken,
+            2 => Code::BadVersion,
+            3 => Code::WrongDataset,
+            4 => Code::NotHeld,
+            5 => Code::ReadFailed,
+            6 => Code::Violation,
+            7 => Code::TooManyGrants,
+            8 => Code::ShuttingDown,
+            _ => Code::Unknown,
+        }
+    }
+
+    /// Short name for messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            Code::BadToken => "bad token",
+            Code::BadVersion => "bad version",
+            Code::WrongDataset => "wrong dataset",
+            Code::NotHeld => "sample not held",
+            Code::ReadFailed => "read failed",
+            Code::Violation => "protocol violation",
+            Code::TooManyGrants => "too many grants",
+            Code::ShuttingDown => "shutting down",
+            Code::Unknown => "unknown error",
+        }
+    }
+}
+
+/// Why a frame was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FrameError {
+    /// The first two bytes are not [`MAGIC`].
+    BadMagic(u16),
+    /// The type byte names no frame.
+    UnknownKind(u8),
+    /// The flags byte is not zero.
+    BadFlags(u8),
+    /// The body is longer than the type allows.
+    TooLong {
+        /// Frame type.
+        kind: Kind,
+        /// Body length announced.
+        body_len: u32,
+        /// Most allowed.
+        max: u32,
+    },
+    /// The body has the wrong size for its type.
+    BadLength {
+        /// Frame type.
+        kind: Kind,
+        /// Body length announced.
+        body_len: u32,
+    },
+    /// A frame of this type is not expected here.
+    Unexpected(Kind),
+}
+
+impl std::fmt::Display for FrameError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            FrameError::BadMagic(m) => write!(f, "bad frame magic {m:#06x}"),
+            FrameError::UnknownKind(k) => write!(f, "unknown frame type {k}"),
+            FrameError::BadFlags(x) => write!(f, "non-zero frame flags {x:#04x}"),
+            FrameError::TooLong {
+                kind,
+                body_len,
+                max,
+            } => write!(f, "{kind:?} frame body of {body_len} bytes exceeds {max}"),
+            FrameError::BadLength { kind, body_len } => {
+                write!(f, "{kind:?} frame body of {body_len} bytes has the wrong size")
+            }
+            FrameError::Unexpected(k) => write!(f, "unexpected {k:?} frame"),
+        }
+    }
+}
+
+/// A decoded header. `a`, `b` and `c` mean different things per type (see
+/// the constructors and docs/PROTOCOL.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Header {
+    /// Frame type.
+    pub kind: Kind,
+    /// Bytes after the header.
+    pub body_len: u32,
+    /// HELLO/WELCOME: version; GRANT: entries; DATA/ERROR: grant id.
+    pub a: u32,
+    /// WELCOME: node index; ERROR: code; otherwise 0.
+    pub b: u32,
+    /// WELCOME: most grants outstanding; DATA: ring offset; otherwise 0.
+    pub c: u64,
+}
+
+impl Header {
+    /// Encodes into 24 bytes.
+    pub fn encode(&self) -> [u8; HEADER_BYTES] {
+        let mut out = [0u8; HEADER_BYTES];
+        out[0..2].copy_from_slice(&MAGIC.to_le_bytes());
+        out[2] = self.kind as u8;
+        out[3] = 0;
+        out[4..8].copy_from_slice(&self.body_len.to_le_bytes());
+        out[8..12].copy_from_slice(&self.a.to_le_bytes());
+        out[12..16].copy_from_slice(&self.b.to_le_bytes());
+        out[16..24].copy_from_slice(&self.c.to_le_bytes());
+        out
+    }
+
+    /// Decodes and checks a header: magic, type, flags, and the body length
+    /// each type allows (DATA up to `max_data`).
+    pub fn decode(b: &[u8; HEADER_BYTES], max_data: u32) -> Result<Header, FrameError> {
+        let magic = u16::from_le_bytes([b[0], b[1]]);
+        if magic != MAGIC {
+            return Err(FrameError::BadMagic(magic));
+        }
+        let kind = Kind::from_u8(b[2]).ok_or(FrameError::UnknownKind(b[2]))?;
+        if b[3] != 0 {
+            return Err(FrameError::BadFlags(b[3]));
+        }
+        let h = Header {
+            kind,
+            body_len: u32_at(b, 4),
+            a: u32_at(b, 8),
+            b: u32_at(b, 12),
+            c: u64_at(b, 16),
+        };
+        let max = match kind {
+            Kind::Hello => (HELLO_FIXED_BYTES + MAX_TOKEN_BYTES) as u32,
+            Kind::Welcome => WELCOME_BYTES as u32,
+            Kind::Grant => (MAX_GRANT_ENTRIES * GRANT_ENTRY_BYTES) as u32,
+            Kind::Data => max_data,
+            Kind::Error => MAX_MESSAGE_BYTES as u32,
+        };
+        if h.body_len > max {
+            return Err(FrameError::TooLong {
+                kind,
+                body_len: h.body_len,
+                max,
+            });
+        }
+        let exact = match kind {
+            Kind::Welcome => h.body_len == WELCOME_BYTES as u32,
+            Kind::Grant => {
+                h.body_len as u64 == h.a as u64 * GRANT_ENTRY_BYTES as u64 && h.a > 0
+            }
+            Kind::Hello => h.body_len as usize >= HELLO_FIXED_BYTES,
+            Kind::Data => h.body_len > 0,
+            Kind::Error => true,
+        };
+        if !exact {
+            return Err(FrameError::BadLength {
+                kind,
+                body_len: h.body_len,
+            });
+        }
+        Ok(h)
+    }
+
+    /// A DATA header: `len` bytes for grant `grant` at ring offset `offset`.
+    pub fn data(grant: u32, offset: u64, len: u32) -> Header {
+        Header {
+            kind: Kind::Data,
+            body_len: len,
+            a: grant,
+            b: 0,
+            c: offset,
+        }
+    }
+
+    /// A GRANT header for `entries` entries.
+    pub fn grant(entries: u32) -> Header {
+        Header {
+            kind: Kind::Grant,
+            body_len: entries * GRANT_ENTRY_BYTES as u32,
+            a: entries,
+            b: 0,
+            c: 0,
+        }
+    }
+
+    /// An ERROR header for a message of `len` bytes.
+    pub fn error(grant: u32, code: Code, len: u32) -> Header {
+        Header {
+            kind: Kind::Error,
+            body_len: len,
+            a: grant,
+            b: code as u32,
+            c: 0,
+        }
+    }
+}
+
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+}
+
+fn u64_at(b: &[u8], at: usize) -> u64 {
+    let mut x = [0u8; 8];
+    x.copy_from_slice(&b[at..at + 8]);
+    u64::from_le_bytes(x)
+}
+
+/// What a consumer says about itself in HELLO.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Hello {
+    /// The catalog's identity ([`crate::dataset::Catalog::identity`]).
+    pub catalog_identity: u32,
+    /// The consumer's rank and world size (for the owner's logs).
+    pub rank: u32,
+    /// World size.
+    pub world: u32,
+    /// Samples in the catalog.
+    pub catalog_samples: u64,
+    /// Shuffle seed.
+    pub seed: u64,
+    /// Landing ring address (RDMA: the registered address; TCP: 0).
+    pub ring_addr: u64,
+    /// Landing ring length: every granted range lies below it.
+    pub ring_len: u64,
+    /// Remote key of the ring (RDMA; TCP: 0).
+    pub rkey: u32,
+}
+
+impl Hello {
+    /// Encodes the frame (header and body) with `token` into `out`.
+    pub fn encode(&self, token: &[u8], out: &mut Vec<u8>) {
+        let body = HELLO_FIXED_BYTES + token.len();
+        out.extend_from_slice(
+            &Header {
+                kind: Kind::Hello,
+                body_len: body as u32,
+                a: VERSION,
+                b: 0,
+                c: 0,
+            }
+            .encode(),
+        );
+        out.extend_from_slice(&self.catalog_identity.to_le_bytes());
+        out.extend_from_slice(&self.rank.to_le_bytes());
+        out.extend_from_slice(&self.world.to_le_bytes());
+        out.extend_from_slice(&0u32.to_le_bytes());
+        out.extend_from_slice(&self.catalog_samples.to_le_bytes());
+        out.extend_from_slice(&self.seed.to_le_bytes());
+        out.extend_from_slice(&self.ring_addr.to_le_bytes());
+        out.extend_from_slice(&self.ring_len.to_le_bytes());
+        out.extend_from_slice(&self.rkey.to_le_bytes());
+        out.extend_from_slice(&(token.len() as u32).to_le_bytes());
+        out.extend_from_slice(token);
+    }
+
+    /// Decodes a HELLO body; returns the fields and the token.
+    pub fn decode(body: &[u8]) -> Result<(Hello, &[u8]), FrameError> {
+        let bad = FrameError::BadLength {
+            kind: Kind::Hello,
+            body_len: body.len() as u32,
+        };
+        if body.len() < HELLO_FIXED_BYTES {
+            return Err(bad);
+        }
+        let token_len = u32_at(body, 52) as usize;
+        if token_len > MAX_TOKEN_BYTES || HELLO_FIXED_BYTES + token_len != body.len() {
+            return Err(bad);
+        }
+        Ok((
+            Hello {
+                catalog_identity: u32_at(body, 0),
+                rank: u32_at(body, 4),
+                world: u32_at(body, 8),
+                catalog_samples: u64_at(body, 16),
+                seed: u64_at(body, 24),
+                ring_addr: u64_at(body, 32),
+                ring_len: u64_at(body, 40),
+                rkey: u32_at(body, 48),
+            },
+            &body[HELLO_FIXED_BYTES..],
+        ))
+    }
+}
+
+/// What an owner answers in WELCOME.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Welcome {
+    /// The owner's node index.
+    pub node_index: u32,
+    /// Nodes in its placement.
+    pub nodes: u32,
+    /// Copies per sample in its placement.
+    pub replicas: u32,
+    /// Largest DATA body it sends.
+    pub max_data_bytes: u32,
+    /// Most grants a consumer may have outstanding with it.
+    pub max_grants: u64,
+}
+
+impl Welcome {
+    /// Encodes the whole frame.
+    pub fn encode(&self) -> [u8; HEADER_BYTES + WELCOME_BYTES] {
+        let mut out = [0u8; HEADER_BYTES + WELCOME_BYTES];
+        out[..HEADER_BYTES].copy_from_slice(
+            &Header {
+                kind: Kind::Welcome,
+                body_len: WELCOME_BYTES as u32,
+                a: VERSION,
+                b: self.node_index,
+                c: self.max_grants,
+            }
+            .encode(),
+        );
+        out[24..28].copy_from_slice(&self.nodes.to_le_bytes());
+        out[28..32].copy_from_slice(&self.replicas.to_le_bytes());
+        out[32..36].copy_from_slice(&self.max_data_bytes.to_le_bytes());
+        out
+    }
+
+    /// Decodes from a checked WELCOME header and its body.
+    pub fn decode(h: &Header, body: &[u8]) -> Result<Welcome, FrameError> {
+        if h.kind != Kind::Welcome {
+            return Err(FrameError::Unexpected(h.kind));
+        }
+        if body.len() != WELCOME_BYTES {
+            return Err(FrameError::BadLength {
+                kind: Kind::Welcome,
+                body_len: body.len() as u32,
+            });
+        }
+        Ok(Welcome {
+            node_index: h.b,
+            nodes: u32_at(body, 0),
+            replicas: u32_at(body, 4),
+            max_data_bytes: u32_at(body, 8),
+            max_grants: h.c,
+        })
+    }
+}
+
+/// One GRANT entry: push sample `sample` (`len` bytes) to ring offset `offset`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GrantEntry {
+    /// Grant id (echoed in DATA and ERROR frames).
+    pub grant: u32,
+    /// Sample length.
+    pub len: u32,
+    /// Sample id.
+    pub sample: u64,
+    /// Ring offset of the sample's first byte.
+    pub offset: u64,
+}
+
+impl GrantEntry {
+    /// Appends the 24-byte encoding.
+    pub fn encode_into(&self, out: &mut [u8]) {
+        out[0..4].copy_from_slice(&self.grant.to_le_bytes());
+        out[4..8].copy_from_slice(&self.len.to_le_bytes());
+        out[8..16].copy_from_slice(&self.sample.to_le_bytes());
+        out[16..24].copy_from_slice(&self.offset.to_le_bytes());
+    }
+
+    /// Decodes entry `i` of a GRANT body (whose length the header checked).
+    pub fn decode(body: &[u8], i: usize) -> GrantEntry {
+        let e = &body[i * GRANT_ENTRY_BYTES..(i + 1) * GRANT_ENTRY_BYTES];
+        GrantEntry {
+            grant: u32_at(e, 0),
+            len: u32_at(e, 4),
+            sample: u64_at(e, 8),
+            offset: u64_at(e, 16),
+        }
+    }
+}
+
+/// Decodes a stream of frames as a peer would, never trusting the input:
+/// the fuzz target's entry point. Returns how many frames were accepted
+/// before the first refusal or the end of input.
+pub fn decode_stream(mut bytes: &[u8]) -> (usize, Option<FrameError>) {
+    let mut n = 0;
+    while bytes.len() >= HEADER_BYTES {
+        let mut hb = [0u8; HEADER_BYTES];
+        hb.copy_from_slice(&bytes[..HEADER_BYTES]);
+        let h = match Header::decode(&hb, MAX_DATA_BYTES) {
+            Ok(h) => h,
+            Err(e) => return (n, Some(e)),
+        };
+        let rest = &bytes[HEADER_BYTES..];
+        if rest.len() < h.body_len as usize {
+            return (n, None);
+        }
+        let body = &rest[..h.body_len as usize];
+        let checked = match h.kind {
+            Kind::Hello => Hello::decode(body).map(|_| ()),
+            Kind::Welcome => Welcome::decode(&h, body).map(|_| ()),
+            Kind::Grant => {
+                let mut ok = Ok(());
+                for i in 0..h.a as usize {
+                    let e = GrantEntry::decode(body, i);
+                    if e.offset.checked_add(e.len as u64).is_none() {
+                        ok = Err(FrameError::BadLength {
+                            kind: Kind::Grant,
+                            body_len: h.body_len,
+                        });
+                    }
+                }
+                ok
+            }
+            Kind::Error => {
+                let _ = String::from_utf8_lossy(body);
+                Ok(())
+            }
+            Kind::Data => Ok(()),
+        };
+        if let Err(e) = checked {
+            return (n, Some(e));
+        }
+        n += 1;
+        bytes = &rest[h.body_len as usize..];
+    }
+    (n, None)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn header_round_trips_and_rejects_garbage() {
+        let h = Header::data(7, 4096, 1000);
+        let b = h.encode();
+        assert_eq!(Header::decode(&b, MAX_DATA_BYTES), Ok(h));
+        let mut bad = b;
+        bad[0] = 0;
+        assert!(matches!(
+            Header::decode(&bad, MAX_DATA_BYTES),
+            Err(FrameError::BadMagic(_))
+        ));
+        let mut bad = b;
+        bad[2] = 99;
+        assert_eq!(
+            Header::decode(&bad, MAX_DATA_BYTES),
+            Err(FrameError::UnknownKind(99))
+        );
+        let big = Header::data(7, 0, 2000).encode();
+        assert!(matches!(
+            Header::decode(&big, 1000),
+            Err(FrameError::TooLong { .. })
+        ));
+        // A GRANT whose length disagrees with its entry count.
+        let mut g = Header::grant(2).encode();
+        g[8] = 3;
+        assert!(matches!(
+            Header::decode(&g, MAX_DATA_BYTES),
+            Err(FrameError::BadLength { .. })
+        ));
+    }
+
+    #[test]
+    fn hello_and_welcome_round_trip() {
+        let hello = Hello {
+            catalog_identity: 0xdead_beef,
+            rank: 3,
+            world: 8,
+            catalog_samples: 1_000_000,
+            seed: 42,
+            ring_addr: 0x7f00_0000_0000,
+            ring_len: 256 << 20,
+            rkey: 0x1234,
+        };
+        let mut out = Vec::new();
+        hello.encode(b"secret", &mut out);
+        let mut hb = [0u8; HEADER_BYTES];
+        hb.copy_from_slice(&out[..HEADER_BYTES]);
+        let h = Header::decode(&hb, MAX_DATA_BYTES).unwrap();
+        assert_eq!((h.kind, h.a), (Kind::Hello, VERSION));
+        let (back, token) = Hello::decode(&out[HEADER_BYTES..]).unwrap();
+        assert_eq!((back, token), (hello, &b"secret"[..]));
+        // A token length pointing past the body is refused.
+        let mut body = out[HEADER_BYTES..].to_vec();
+        body[52] = 200;
+        assert!(Hello::decode(&body).is_err());
+
+        let w = Welcome {
+            node_index: 2,
+            nodes: 3,
+            replicas: 2,
+            max_data_bytes: 1 << 20,
+            max_grants: 4096,
+        };
+        let wb = w.encode();
+        let mut hb = [0u8; HEADER_BYTES];
+        hb.copy_from_slice(&wb[..HEADER_BYTES]);
+        let h = Header::decode(&hb, MAX_DATA_BYTES).unwrap();
+        assert_eq!(Welcome::decode(&h, &wb[HEADER_BYTES..]), Ok(w));
+    }
+
+    #[test]
+    fn decode_stream_survives_random_bytes() {
+        let mut state = 1u64;
+        for _ in 0..2000 {
+            let len = (crate::hash::mix64(state) % 300) as usize;
+            let bytes: Vec<u8> = (0..len)
+                .map(|i| {
+                    state = crate::hash::mix64(state ^ i as u64);
+                    state as u8
+                })
+                .collect();
+            let _ = decode_stream(&bytes);
+        }
+        // And a valid stream is accepted whole.
+        let mut s = Vec::new();
+        let mut g = vec![0u8; GRANT_ENTRY_BYTES];
+        GrantEntry {
+            grant: 1,
+            len: 10,
+            sample: 5,
+            offset: 0,
+        }
+        .encode_into(&mut g);
+        s.extend_from_slice(&Header::grant(1).encode());
+        s.extend_from_slice(&g);
+        s.extend_from_slice(&Header::data(1, 0, 3).encode());
+        s.extend_from_slice(b"abc");
+        assert_eq!(decode_stream(&s), (2, None));
+    }
+}

@@ -1,0 +1,949 @@
+//! The node service: the owner side of the push protocol over TCP.
+//!
+//! An acceptor thread takes connections and runs each HELLO on a short-lived
+//! thread (so a peer that stalls in its handshake holds up no one), then
+//! hands the connection to a poller. Each poller owns one io_uring that
+//! carries everything: the socket receives (GRANT frames), the O_DIRECT
+//! reads of granted samples from the extents into its registered staging
+//! slab, and the DATA sends (`sendmsg` of header + staging slot, no copy).
+//! Per connection, frames go out strictly in the order the grants came in;
+//! one send is in flight at a time per socket (io_uring does not order two
+//! sends on one stream socket).
+//!
+//! Pools are sized at start: staging slots (`staging_bytes / chunk_bytes`),
+//! connections per poller, grants per connection (announced in WELCOME; a
+//! consumer that exceeds it is dropped). Running out of staging slots is
+//! back-pressure: reads wait, grants stay queued.
+
+use std::collections::VecDeque;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crossbeam_channel::{Receiver, Sender};
+
+use super::proto::{self, Code, GrantEntry, Header, Hello, Kind, Welcome};
+use crate::dataset::Space;
+use crate::error::{errno_name, Error, Result};
+use crate::ring::{Completion, IoBackend, ReadOp, Target, Uring, UringOptions};
+use crate::sys::AlignedBuf;
+
+/// Node service settings.
+#[derive(Debug, Clone)]
+pub struct ServeConfig {
+    /// The preloaded space this node serves.
+    pub space: PathBuf,
+    /// Address to listen on (`host:port`; port 0 picks one).
+    pub listen: String,
+    /// Job token every consumer must present.
+    pub token: Vec<u8>,
+    /// Poller threads.
+    pub pollers: usize,
+    /// Staging memory per poller.
+    pub staging_bytes: u64,
+    /// Largest DATA frame (and staging slot).
+    pub chunk_bytes: u32,
+    /// Grants one consumer may have outstanding.
+    pub max_grants: u32,
+    /// Consumers one poller serves at once.
+    pub max_conns_per_poller: usize,
+    /// Time a peer has to complete its HELLO.
+    pub handshake_timeout: Duration,
+}
+
+impl ServeConfig {
+    /// Defaults for a space and listen address.
+    pub fn new(space: impl Into<PathBuf>, listen: &str, token: &[u8]) -> Self {
+        ServeConfig {
+            space: space.into(),
+            listen: listen.to_string(),
+            token: token.to_vec(),
+            pollers: crate::loader::default_pollers(),
+            staging_bytes: 64 << 20,
+            chunk_bytes: 1 << 20,
+            max_grants: 8192,
+            max_conns_per_poller: 256,
+            handshake_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// Counters of a running service.
+#[derive(Debug, Default)]
+pub struct ServeStats {
+    /// Connections accepted past HELLO.
+    pub connections: AtomicU64,
+    /// Connections refused at HELLO.
+    pub refused: AtomicU64,
+    /// Connections dropped for breaking the protocol.
+    pub violations: AtomicU64,
+    /// Samples pushed whole.
+    pub samples: AtomicU64,
+    /// Payload bytes pushed.
+    pub bytes: AtomicU64,
+    /// Grants answered with an ERROR frame.
+    pub errors: AtomicU64,
+}
+
+struct Common {
+    space: Space,
+    extents: Vec<std::fs::File>,
+    cfg: ServeConfig,
+    stop: AtomicBool,
+    stats: ServeStats,
+}
+
+/// A running node service. Dropping it stops it.
+pub struct NodeService {
+    addr: SocketAddr,
+    common: Arc<Common>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl NodeService {
+    /// Opens the space, binds, and starts the acceptor and the pollers.
+    pub fn start(cfg: ServeConfig) -> Result<NodeService> {
+        if cfg.pollers == 0 || cfg.max_grants == 0 || cfg.max_conns_per_poller == 0 {
+            return Err(Error::InvalidConfig(
+                "pollers, max_grants and connections per poller must be at least 1".into(),
+            ));
+        }
+        let space = Space::open(&cfg.space)?;
+        space.check_extents()?;
+        let align = space.params().align_bytes;
+        let chunk = cfg
+            .chunk_bytes
+            .clamp(align, proto::MAX_DATA_BYTES)
+            .next_multiple_of(align);
+        let mut cfg = cfg;
+        cfg.chunk_bytes = chunk;
+        cfg.staging_bytes = cfg.staging_bytes.max(chunk as u64).min(1 << 30);
+        let mut extents = Vec::new();
+        for i in 0..space.extent_lens().len() as u32 {
+            let path = space.extent_path(i);
+            let (f, _) = crate::sys::open_direct(&path).map_err(|e| Error::io("open", &path, e))?;
+            extents.push(f);
+        }
+        let listener = TcpListener::bind(&cfg.listen)
+            .map_err(|e| Error::Serve(format!("cannot listen on {}: {e}", cfg.listen)))?;
+        let addr = listener
+            .local_addr()
+            .map_err(|e| Error::Serve(format!("local address: {e}")))?;
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| Error::Serve(format!("listener: {e}")))?;
+        let common = Arc::new(Common {
+            space,
+            extents,
+            cfg,
+            stop: AtomicBool::new(false),
+            stats: ServeStats::default(),
+        });
+        let mut threads = Vec::new();
+        let mut senders = Vec::new();
+        for i in 0..common.cfg.pollers {
+            let (tx, rx) = crossbeam_channel::bounded::<Accepted>(64);
+            senders.push(tx);
+            let c = common.clone();
+            // Build the ring here so setup errors reach the caller.
+            let ring = Uring::new(UringOptions {
+                entries: 1024,
+                sqpoll_idle_ms: None,
+            })?;
+            let fds: Vec<i32> = c.extents.iter().map(|f| f.as_raw_fd()).collect();
+            if !fds.is_empty() {
+                ring.register_files(&fds)?;
+            }
+            threads.push(
+                std::thread::Builder::new()
+                    .name(format!("kspeed-serve-{i}"))
+                    .spawn(move || ServePoller::new(c, ring, rx).run())
+                    .map_err(|e| Error::Serve(format!("spawn poller: {e}")))?,
+            );
+        }
+        let c = common.clone();
+        threads.push(
+            std::thread::Builder::new()
+                .name("kspeed-accept".into())
+                .spawn(move || accept_loop(c, listener, senders))
+                .map_err(|e| Error::Serve(format!("spawn acceptor: {e}")))?,
+        );
+        log::info!(
+            "serving {} ({} of {} samples, node {} of {}) on {addr}",
+            common.cfg.space.display(),
+            common.space.held_samples(),
+            common.space.catalog().len(),
+            common.space.params().node_index,
+            common.space.params().placement.nodes
+        );
+        Ok(NodeService {
+            addr,
+            common,
+            threads,
+        })
+    }
+
+    /// The address it listens on.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> &ServeStats {
+        &self.common.stats
+    }
+
+    /// Stops accepting, closes every connection, and waits for the threads.
+    pub fn stop(mut self) {
+        self.shutdown();
+    }
+
+    fn shutdown(&mut self) {
+        self.common.stop.store(true, Ordering::Release);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for NodeService {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// Runs `start` with SIGINT and SIGTERM blocked (so every service thread
+/// inherits the mask), then waits for one of them and stops the service:
+/// what `kspeed serve` does. `on_start` sees the running service (to print
+/// its address).
+pub fn serve_until_signal(cfg: ServeConfig, on_start: impl FnOnce(&NodeService)) -> Result<()> {
+    let signals = crate::sys::TermSignals::block();
+    let svc = NodeService::start(cfg)?;
+    on_start(&svc);
+    let sig = signals.wait();
+    log::info!("signal {sig}: stopping");
+    svc.stop();
+    Ok(())
+}
+
+struct Accepted {
+    sock: TcpStream,
+    peer: SocketAddr,
+    hello: Hello,
+}
+
+fn accept_loop(c: Arc<Common>, listener: TcpListener, senders: Vec<Sender<Accepted>>) {
+    let next = Arc::new(AtomicUsize::new(0));
+    let senders = Arc::new(senders);
+    while !c.stop.load(Ordering::Acquire) {
+        if !crate::sys::poll_readable(listener.as_raw_fd(), 100) {
+            continue;
+        }
+        let (sock, peer) = match listener.accept() {
+            Ok(x) => x,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(e) => {
+                log::warn!("accept: {e}");
+                std::thread::sleep(Duration::from_millis(10));
+                continue;
+            }
+        };
+        let (c, senders, next) = (c.clone(), senders.clone(), next.clone());
+        let _ = std::thread::Builder::new()
+            .name("kspeed-hello".into())
+            .spawn(move || match handshake(&c, sock, peer) {
+                Ok(acc) => {
+                    let i = next.fetch_add(1, Ordering::Relaxed) % senders.len();
+                    c.stats.connections.fetch_add(1, Ordering::Relaxed);
+                    let _ = senders[i].send(acc);
+                }
+                Err(msg) => {
+                    c.stats.refused.fetch_add(1, Ordering::Relaxed);
+                    log::warn!("refused {peer}: {msg}");
+                }
+            });
+    }
+}
+
+/// Sends an ERROR frame, best effort (the peer may be gone or not reading).
+fn send_error(sock: &mut TcpStream, grant: u32, code: Code, msg: &str) {
+    let m = &msg.as_bytes()[..msg.len().min(proto::MAX_MESSAGE_BYTES)];
+    let mut f = Header::error(grant, code, m.len() as u32).encode().to_vec();
+    f.extend_from_slice(m);
+    let _ = sock.set_write_timeout(Some(Duration::from_millis(200)));
+    let _ = sock.write_all(&f);
+}
+
+fn handshake(c: &Common, mut sock: TcpStream, peer: SocketAddr) -> Result<Accepted, String> {
+    let _ = sock.set_read_timeout(Some(c.cfg.handshake_timeout));
+    let _ = sock.set_nodelay(true);
+    let mut hb = [0u8; proto::HEADER_BYTES];
+    sock.read_exact(&mut hb)
+        .map_err(|e| format!("no HELLO: {e}"))?;
+    let h = match Header::decode(&hb, 0) {
+        Ok(h) if h.kind == Kind::Hello => h,
+        Ok(h) => {
+            let m = format!("expected HELLO, got {:?}", h.kind);
+            send_error(&mut sock, proto::CONNECTION, Code::Violation, &m);
+            return Err(m);
+        }
+        Err(e) => {
+            let m = format!("bad HELLO header: {e}");
+            send_error(&mut sock, proto::CONNECTION, Code::Violation, &m);
+            return Err(m);
+        }
+    };
+    if h.a != proto::VERSION {
+        let m = format!(
+            "protocol version {} is not spoken here (this node speaks {})",
+            h.a,
+            proto::VERSION
+        );
+        send_error(&mut sock, proto::CONNECTION, Code::BadVersion, &m);
+        return Err(m);
+    }
+    let mut body = vec![0u8; h.body_len as usize];
+    sock.read_exact(&mut body)
+        .map_err(|e| format!("truncated HELLO: {e}"))?;
+    let (hello, token) = match Hello::decode(&body) {
+        Ok(x) => x,
+        Err(e) => {
+            let m = format!("bad HELLO body: {e}");
+            send_error(&mut sock, proto::CONNECTION, Code::Violation, &m);
+            return Err(m);
+        }
+    };
+    if !constant_time_eq(token, &c.cfg.token) {
+        let m = "job token does not match this node's".to_string();
+        send_error(&mut sock, proto::CONNECTION, Code::BadToken, &m);
+        return Err(m);
+    }
+    let cat = c.space.catalog();
+    if hello.catalog_identity != cat.identity() || hello.catalog_samples != cat.len() {
+        let m = format!(
+            "consumer's catalog (identity {:08x}, {} samples) is not this node's ({:08x}, {} samples)",
+            hello.catalog_identity,
+            hello.catalog_samples,
+            cat.identity(),
+            cat.len()
+        );
+        send_error(&mut sock, proto::CONNECTION, Code::WrongDataset, &m);
+        return Err(m);
+    }
+    let p = c.space.params();
+    let w = Welcome {
+        node_index: p.node_index,
+        nodes: p.placement.nodes,
+        replicas: p.placement.replicas,
+        max_data_bytes: c.cfg.chunk_bytes,
+        max_grants: c.cfg.max_grants as u64,
+    };
+    sock.write_all(&w.encode())
+        .map_err(|e| format!("sending WELCOME: {e}"))?;
+    let _ = sock.set_read_timeout(None);
+    log::info!(
+        "consumer {peer} (rank {} of {}) connected",
+        hello.rank,
+        hello.world
+    );
+    Ok(Accepted { sock, peer, hello })
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+// user_data: kind in the top byte, connection index, slot index.
+const UD_RECV: u64 = 1 << 56;
+const UD_SEND: u64 = 2 << 56;
+const UD_READ: u64 = 3 << 56;
+const UD_KIND: u64 = 0xff << 56;
+
+fn ud(kind: u64, conn: u32, slot: u32) -> u64 {
+    kind | ((conn as u64) << 32) | slot as u64
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Rx {
+    Header,
+    Body(Header),
+}
+
+/// A granted sample being pushed: the next chunk's offset within it.
+#[derive(Clone, Copy)]
+struct Work {
+    e: GrantEntry,
+    next: u64,
+}
+
+struct SConn {
+    sock: TcpStream,
+    peer: SocketAddr,
+    hello: Hello,
+    hdr: Box<[u8; proto::HEADER_BYTES]>,
+    body: Box<[u8]>,
+    rx: Rx,
+    rx_inflight: bool,
+    grants: VecDeque<Work>,
+    /// Staging slots in send order.
+    sendq: VecDeque<u32>,
+    tx_inflight: bool,
+    ops: u32,
+    closing: bool,
+    /// The last grant answered with ERROR: its later chunks are dropped.
+    failed_grant: Option<u32>,
+}
+
+struct Slot {
+    conn: u32,
+    grant: u32,
+    hdr: [u8; proto::HEADER_BYTES],
+    payload: u32,
+    /// The chunk that completes its sample.
+    last: bool,
+    ready: bool,
+    error: bool,
+    sent: usize,
+    iov: [libc::iovec; 2],
+    msg: libc::msghdr,
+}
+
+struct ServePoller {
+    c: Arc<Common>,
+    ring: Uring,
+    incoming: Receiver<Accepted>,
+    staging: AlignedBuf,
+    fixed_staging: bool,
+    chunk: u64,
+    slots: Box<[Slot]>,
+    free_slots: Vec<u32>,
+    conns: Vec<Option<SConn>>,
+    completions: Vec<Completion>,
+    /// Round-robin start for reads, so one busy consumer cannot starve others.
+    rr: usize,
+}
+
+impl ServePoller {
+    fn new(c: Arc<Common>, ring: Uring, incoming: Receiver<Accepted>) -> Self {
+        let chunk = c.cfg.chunk_bytes as u64;
+        let n = (c.cfg.staging_bytes / chunk).max(1) as usize;
+        let staging = AlignedBuf::new(n * chunk as usize, 4096);
+        // SAFETY: the staging slab lives in this struct, dropped after the
+        // ring is done with it (run() drains every op before returning).
+        let fixed_staging = unsafe {
+            ring.register_buffers(&[(staging.as_slice().as_ptr() as *mut u8, staging.len())])
+        }
+        .is_ok();
+        let slots = (0..n)
+            .map(|_| Slot {
+                conn: 0,
+                grant: 0,
+                hdr: [0; proto::HEADER_BYTES],
+                payload: 0,
+                last: false,
+                ready: false,
+                error: false,
+                sent: 0,
+                iov: [libc::iovec {
+                    iov_base: std::ptr::null_mut(),
+                    iov_len: 0,
+                }; 2],
+                // SAFETY: msghdr is plain data; all-zero is a valid empty header.
+                msg: unsafe { std::mem::zeroed() },
+            })
+            .collect();
+        let conns = (0..c.cfg.max_conns_per_poller).map(|_| None).collect();
+        ServePoller {
+            ring,
+            incoming,
+            staging,
+            fixed_staging,
+            chunk,
+            slots,
+            free_slots: (0..n as u32).rev().collect(),
+            conns,
+            completions: vec![Completion::default(); 1024],
+            rr: 0,
+            c,
+        }
+    }
+
+    fn staging_ptr(&self, slot: u32) -> *mut u8 {
+        // SAFETY: slot < n, so the offset is inside the slab.
+        unsafe {
+            (self.staging.as_slice().as_ptr() as *mut u8).add(slot as usize * self.chunk as usize)
+        }
+    }
+
+    fn run(mut self) {
+        loop {
+            let stopping = self.c.stop.load(Ordering::Acquire);
+            if stopping {
+                for ci in 0..self.conns.len() {
+                    if self.conns[ci].as_ref().is_some_and(|c| !c.closing) {
+                        self.close(ci as u32, None);
+                    }
+                }
+                if self.conns.iter().all(Option::is_none) {
+                    break;
+                }
+            } else {
+                while let Ok(acc) = self.incoming.try_recv() {
+                    self.adopt(acc);
+                }
+            }
+            self.post_recvs();
+            self.issue_reads();
+            self.issue_sends();
+            if let Err(e) = self.ring.submit_wait_timeout(Duration::from_millis(50)) {
+                log::error!("node service poller: io_uring: {e}");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let n = self.ring.drain(&mut self.completions);
+            for i in 0..n {
+                let c = self.completions[i];
+                self.complete(c);
+            }
+        }
+    }
+
+    fn adopt(&mut self, acc: Accepted) {
+        let Some(ci) = self.conns.iter().position(Option::is_none) else {
+            let mut sock = acc.sock;
+            send_error(
+                &mut sock,
+                proto::CONNECTION,
+                Code::ShuttingDown,
+                "this node serves as many consumers as it was configured for",
+            );
+            return;
+        };
+        let max = self.c.cfg.max_grants as usize;
+        self.conns[ci] = Some(SConn {
+            sock: acc.sock,
+            peer: acc.peer,
+            hello: acc.hello,
+            hdr: Box::new([0; proto::HEADER_BYTES]),
+            body: vec![0u8; proto::MAX_GRANT_ENTRIES * proto::GRANT_ENTRY_BYTES]
+                .into_boxed_slice(),
+            rx: Rx::Header,
+            rx_inflight: false,
+            grants: VecDeque::with_capacity(max),
+            sendq: VecDeque::with_capacity(self.slots.len()),
+            tx_inflight: false,
+            ops: 0,
+            closing: false,
+            failed_grant: None,
+        });
+    }
+
+    fn post_recvs(&mut self) {
+        for ci in 0..self.conns.len() {
+            let Some(c) = self.conns[ci].as_mut() else {
+                continue;
+            };
+            if c.closing || c.rx_inflight {
+                continue;
+            }
+            let (buf, len) = match c.rx {
+                Rx::Header => (c.hdr.as_mut_ptr(), proto::HEADER_BYTES as u32),
+                Rx::Body(h) => (c.body.as_mut_ptr(), h.body_len),
+            };
+            let fd = c.sock.as_raw_fd();
+            // SAFETY: hdr/body are boxed in the connection, which is kept
+            // until its last op completes (ops counter).
+            if unsafe { self.ring.push_recv(ud(UD_RECV, ci as u32, 0), fd, buf, len) } {
+                c.rx_inflight = true;
+                c.ops += 1;
+            }
+        }
+    }
+
+    fn issue_reads(&mut self) {
+        let n = self.conns.len();
+        let mut idle_rounds = 0;
+        while !self.free_slots.is_empty() && idle_rounds < n {
+            let ci = self.rr % n;
+            self.rr = self.rr.wrapping_add(1);
+            let progressed = self.issue_one(ci as u32);
+            idle_rounds = if progressed { 0 } else { idle_rounds + 1 };
+        }
+    }
+
+    /// Starts the next chunk of connection `ci`'s oldest grant.
+    fn issue_one(&mut self, ci: u32) -> bool {
+        let Some(c) = self.conns[ci as usize].as_mut() else {
+            return false;
+        };
+        if c.closing || c.sendq.len() >= self.slots.len() / 2 + 1 {
+            return false;
+        }
+        let Some(w) = c.grants.front().copied() else {
+            return false;
+        };
+        let Some(&slot) = self.free_slots.last() else {
+            return false;
+        };
+        let e = w.e;
+        let space = &self.c.space;
+        let loc = space.location(e.sample);
+        let s = &mut self.slots[slot as usize];
+        s.conn = ci;
+        s.grant = e.grant;
+        s.sent = 0;
+        s.ready = false;
+        s.error = false;
+        let Some(loc) = loc else {
+            // Not held here: an ERROR frame for this grant.
+            c.grants.pop_front();
+            self.free_slots.pop();
+            let msg = format!(
+                "node {} does not hold sample {}",
+                space.params().node_index,
+                e.sample
+            );
+            self.fill_error(slot, e.grant, Code::NotHeld, &msg);
+            let c = self.conns[ci as usize].as_mut().expect("live");
+            c.sendq.push_back(slot);
+            return true;
+        };
+        let align = space.params().align_bytes as u64;
+        let slot_len = (e.len as u64).next_multiple_of(align);
+        let off = w.next;
+        let payload = self.chunk.min(e.len as u64 - off) as u32;
+        let read_len = self.chunk.min(slot_len - off) as u32;
+        let op = ReadOp {
+            user_data: ud(UD_READ, ci, slot),
+            target: Target::Fixed(loc.extent),
+            buf: self.staging_ptr(slot),
+            len: read_len,
+            offset: loc.offset + off,
+            buf_index: self.fixed_staging.then_some(0),
+        };
+        // SAFETY: the staging slot is ours (taken from the free list below)
+        // until its send completes.
+        if !unsafe { self.ring.push(&op) } {
+            return false;
+        }
+        self.free_slots.pop();
+        let s = &mut self.slots[slot as usize];
+        s.hdr = Header::data(e.grant, e.offset + off, payload).encode();
+        s.payload = payload;
+        s.last = off + payload as u64 >= e.len as u64;
+        let c = self.conns[ci as usize].as_mut().expect("live");
+        c.ops += 1;
+        c.sendq.push_back(slot);
+        let front = c.grants.front_mut().expect("non-empty");
+        front.next += payload as u64;
+        if front.next >= e.len as u64 {
+            c.grants.pop_front();
+        }
+        true
+    }
+
+    fn fill_error(&mut self, slot: u32, grant: u32, code: Code, msg: &str) {
+        let m = &msg.as_bytes()[..msg.len().min(proto::MAX_MESSAGE_BYTES)];
+        let dst = self.staging_ptr(slot);
+        let n = m.len().min(self.chunk as usize);
+        // SAFETY: the slot is ours and at least `chunk` bytes; n <= chunk.
+        unsafe { std::ptr::copy_nonoverlapping(m.as_ptr(), dst, n) };
+        let s = &mut self.slots[slot as usize];
+        s.hdr = Header::error(grant, code, n as u32).encode();
+        s.payload = n as u32;
+        s.grant = grant;
+        s.error = true;
+        s.ready = true;
+        s.sent = 0;
+        self.c.stats.errors.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn issue_sends(&mut self) {
+        for ci in 0..self.conns.len() {
+            loop {
+                let Some(c) = self.conns[ci].as_mut() else {
+                    break;
+                };
+                if c.closing || c.tx_inflight {
+                    break;
+                }
+                let Some(&slot) = c.sendq.front() else {
+                    break;
+                };
+                let s = &self.slots[slot as usize];
+                if !s.ready {
+                    break;
+                }
+                if !s.error && c.failed_grant == Some(s.grant) {
+                    // A later chunk of a grant already answered with ERROR.
+                    c.sendq.pop_front();
+                    self.free_slots.push(slot);
+                    continue;
+                }
+                let fd = c.sock.as_raw_fd();
+                let ptr = self.staging_ptr(slot);
+                let s = &mut self.slots[slot as usize];
+                set_iov(s, ptr);
+                // SAFETY: the slot (header, iovecs, msghdr, staging bytes)
+                // is not touched until this send completes.
+                if !unsafe {
+                    self.ring
+                        .push_sendmsg(ud(UD_SEND, ci as u32, slot), fd, &s.msg)
+                } {
+                    return;
+                }
+                let c = self.conns[ci].as_mut().expect("live");
+                c.tx_inflight = true;
+                c.ops += 1;
+                break;
+            }
+        }
+    }
+
+    fn complete(&mut self, comp: Completion) {
+        let kind = comp.user_data & UD_KIND;
+        let ci = ((comp.user_data >> 32) & 0xff_ffff) as u32;
+        let slot = comp.user_data as u32;
+        let Some(c) = self.conns[ci as usize].as_mut() else {
+            log::error!("node service: completion for a closed connection");
+            return;
+        };
+        c.ops -= 1;
+        match kind {
+            UD_RECV => {
+                c.rx_inflight = false;
+                self.on_recv(ci, comp.result);
+            }
+            UD_READ => self.on_read(ci, slot, comp.result),
+            UD_SEND => {
+                c.tx_inflight = false;
+                self.on_send(ci, slot, comp.result);
+            }
+            _ => log::error!("node service: unknown completion {:#x}", comp.user_data),
+        }
+        self.maybe_reap(ci);
+    }
+
+    fn on_recv(&mut self, ci: u32, res: i32) {
+        let c = self.conns[ci as usize].as_mut().expect("live");
+        if c.closing {
+            return;
+        }
+        let want = match c.rx {
+            Rx::Header => proto::HEADER_BYTES as i32,
+            Rx::Body(h) => h.body_len as i32,
+        };
+        if res <= 0 || res < want {
+            let why = if res == 0 || (res > 0 && res < want) {
+                "consumer closed the connection".to_string()
+            } else {
+                format!("receive failed: {}", errno_name(-res))
+            };
+            log::info!("{}: {why}", c.peer);
+            self.close(ci, None);
+            return;
+        }
+        match c.rx {
+            Rx::Header => match Header::decode(&c.hdr, 0) {
+                Ok(h) if h.kind == Kind::Grant => c.rx = Rx::Body(h),
+                Ok(h) if h.kind == Kind::Error && h.body_len == 0 => {}
+                Ok(h) => {
+                    let m = format!("unexpected {:?} frame from a consumer", h.kind);
+                    self.close(ci, Some((Code::Violation, m)));
+                }
+                Err(e) => self.close(ci, Some((Code::Violation, e.to_string()))),
+            },
+            Rx::Body(h) => {
+                c.rx = Rx::Header;
+                let n = h.a as usize;
+                if c.grants.len() + n > self.c.cfg.max_grants as usize {
+                    let m = format!(
+                        "{} grants outstanding, more than the {} allowed",
+                        c.grants.len() + n,
+                        self.c.cfg.max_grants
+                    );
+                    self.close(ci, Some((Code::TooManyGrants, m)));
+                    return;
+                }
+                let cat = self.c.space.catalog();
+                for i in 0..n {
+                    let e = GrantEntry::decode(&c.body, i);
+                    let bad = if e.sample >= cat.len() {
+                        Some(format!(
+                            "grant {} names sample {}, past the catalog's {}",
+                            e.grant,
+                            e.sample,
+                            cat.len()
+                        ))
+                    } else if cat.sample(e.sample).len != e.len {
+                        Some(format!(
+                            "grant {} says sample {} has {} bytes; the catalog says {}",
+                            e.grant,
+                            e.sample,
+                            e.len,
+                            cat.sample(e.sample).len
+                        ))
+                    } else if e.offset.saturating_add(e.len as u64) > c.hello.ring_len {
+                        Some(format!(
+                            "grant {} range {}+{} is outside the {}-byte ring",
+                            e.grant, e.offset, e.len, c.hello.ring_len
+                        ))
+                    } else {
+                        None
+                    };
+                    if let Some(m) = bad {
+                        self.close(ci, Some((Code::Violation, m)));
+                        return;
+                    }
+                    if e.len > 0 {
+                        c.grants.push_back(Work { e, next: 0 });
+                    }
+                }
+            }
+        }
+    }
+
+    fn on_read(&mut self, ci: u32, slot: u32, res: i32) {
+        let closing = self.conns[ci as usize].as_ref().expect("live").closing;
+        if closing {
+            self.drop_slot(ci, slot);
+            return;
+        }
+        let s = &self.slots[slot as usize];
+        if res < 0 || (res as u32) < s.payload {
+            let h = Header::decode(&s.hdr, u32::MAX).expect("we encoded it");
+            let grant = s.grant;
+            let msg = if res < 0 {
+                format!(
+                    "node {}: reading ring offset {} of grant {grant}: {} ({})",
+                    self.c.space.params().node_index,
+                    h.c,
+                    errno_name(-res),
+                    std::io::Error::from_raw_os_error(-res)
+                )
+            } else {
+                format!(
+                    "node {}: short read of grant {grant}: {res} of {} bytes (extent truncated?)",
+                    self.c.space.params().node_index,
+                    s.payload
+                )
+            };
+            log::warn!("{msg}");
+            self.fill_error(slot, grant, Code::ReadFailed, &msg);
+            return;
+        }
+        self.slots[slot as usize].ready = true;
+    }
+
+    fn on_send(&mut self, ci: u32, slot: u32, res: i32) {
+        let c = self.conns[ci as usize].as_mut().expect("live");
+        if c.closing {
+            self.drop_slot(ci, slot);
+            return;
+        }
+        if res <= 0 {
+            log::info!("{}: send failed: {}", c.peer, errno_name(-res));
+            self.close(ci, None);
+            return;
+        }
+        let s = &mut self.slots[slot as usize];
+        s.sent += res as usize;
+        let total = proto::HEADER_BYTES + s.payload as usize;
+        if s.sent < total {
+            // Partial send: the rest goes next tick, still first in line.
+            return;
+        }
+        if s.error {
+            c.failed_grant = Some(s.grant);
+        } else {
+            self.c.stats.bytes.fetch_add(s.payload as u64, Ordering::Relaxed);
+            if s.last {
+                self.c.stats.samples.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        c.sendq.pop_front();
+        self.free_slots.push(slot);
+    }
+
+    /// Frees a slot of a closing connection (its read or send completed).
+    fn drop_slot(&mut self, ci: u32, slot: u32) {
+        let c = self.conns[ci as usize].as_mut().expect("live");
+        if let Some(i) = c.sendq.iter().position(|&s| s == slot) {
+            c.sendq.remove(i);
+        }
+        self.free_slots.push(slot);
+    }
+
+    /// Closes a connection: optionally tells the peer why, shuts the socket
+    /// (so in-flight receives and sends end), frees what is not in flight.
+    fn close(&mut self, ci: u32, why: Option<(Code, String)>) {
+        let c = self.conns[ci as usize].as_mut().expect("live");
+        if c.closing {
+            return;
+        }
+        if let Some((code, msg)) = why {
+            log::warn!("dropping consumer {}: {}: {msg}", c.peer, code.name());
+            self.c.stats.violations.fetch_add(1, Ordering::Relaxed);
+            send_error(&mut c.sock, proto::CONNECTION, code, &msg);
+        }
+        c.closing = true;
+        let _ = c.sock.shutdown(std::net::Shutdown::Both);
+        c.grants.clear();
+        // Slots whose read is done and not being sent are free now; the
+        // others come back through their completions.
+        let in_flight_send = if c.tx_inflight {
+            c.sendq.front().copied()
+        } else {
+            None
+        };
+        let mut keep = VecDeque::new();
+        std::mem::swap(&mut keep, &mut c.sendq);
+        for slot in keep.drain(..) {
+            let s = &self.slots[slot as usize];
+            if Some(slot) == in_flight_send || !s.ready {
+                c.sendq.push_back(slot);
+            } else {
+                self.free_slots.push(slot);
+            }
+        }
+        self.maybe_reap(ci);
+    }
+
+    fn maybe_reap(&mut self, ci: u32) {
+        if self.conns[ci as usize]
+            .as_ref()
+            .is_some_and(|c| c.closing && c.ops == 0)
+        {
+            let c = self.conns[ci as usize].take().expect("live");
+            for slot in c.sendq {
+                self.free_slots.push(slot);
+            }
+        }
+    }
+}
+
+fn set_iov(s: &mut Slot, payload: *mut u8) {
+    let total = proto::HEADER_BYTES + s.payload as usize;
+    let sent = s.sent.min(total);
+    let hdr_left = proto::HEADER_BYTES.saturating_sub(sent);
+    let pay_done = sent.saturating_sub(proto::HEADER_BYTES);
+    s.iov[0] = libc::iovec {
+        // SAFETY (pointer arithmetic): sent <= 24 when hdr_left > 0.
+        iov_base: s.hdr[proto::HEADER_BYTES - hdr_left..].as_mut_ptr().cast(),
+        iov_len: hdr_left,
+    };
+    s.iov[1] = libc::iovec {
+        iov_base: payload.wrapping_add(pay_done).cast(),
+        iov_len: s.payload as usize - pay_done,
+    };
+    let first = if hdr_left == 0 { 1 } else { 0 };
+    s.msg.msg_iov = s.iov[first..].as_mut_ptr();
+    s.msg.msg_iovlen = (2 - first) as _;
+}
