@@ -121,6 +121,17 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
+    /// Whether the local pollers read any sample at all.
+    pub(crate) fn has_local(&self) -> bool {
+        if self.net.is_none() {
+            return true;
+        }
+        match &self.input {
+            Input::Space { space, .. } => space.held_samples() > 0,
+            Input::Source { .. } => false,
+        }
+    }
+
     /// Whether the local pollers read sample `id` (else the network thread
     /// gets it from its owner).
     pub(crate) fn is_local(&self, id: u64) -> bool {

@@ -162,10 +162,11 @@ pub(crate) fn connect_all(setup: &mut NetSetup) -> Result<Vec<Conn>> {
         }
         match connect(setup, n.index, &n.addr) {
             Ok((c, w)) => {
-                let theirs = Placement::new(w.nodes, w.replicas).map_err(|e| Error::BadCluster {
-                    origin: format!("node {} ({})", n.index, n.addr),
-                    reason: e.to_string(),
-                })?;
+                let theirs =
+                    Placement::new(w.nodes, w.replicas).map_err(|e| Error::BadCluster {
+                        origin: format!("node {} ({})", n.index, n.addr),
+                        reason: e.to_string(),
+                    })?;
                 let ours = *setup.placement.get_or_insert(theirs);
                 if theirs != ours || ours.nodes as usize != setup.cluster.nodes.len() {
                     return Err(Error::BadCluster {
@@ -198,9 +199,8 @@ enum ConnectError {
 }
 
 fn connect(setup: &NetSetup, node: u32, addr: &str) -> Result<(Conn, Welcome), ConnectError> {
-    let unreachable = |what: &str, e: &dyn std::fmt::Display| {
-        ConnectError::Unreachable(format!("{what}: {e}"))
-    };
+    let unreachable =
+        |what: &str, e: &dyn std::fmt::Display| ConnectError::Unreachable(format!("{what}: {e}"));
     let sa = crate::transport::Node {
         index: node,
         addr: addr.to_string(),
@@ -256,27 +256,30 @@ fn connect(setup: &NetSetup, node: u32, addr: &str) -> Result<(Conn, Welcome), C
     let frame = proto::HEADER_BYTES + entries * proto::GRANT_ENTRY_BYTES;
     let mut fill = Vec::with_capacity(frame);
     fill.resize(proto::HEADER_BYTES, 0);
-    Ok((Conn {
-        node,
-        addr: addr.to_string(),
-        sock: Some(sock),
-        state: State::Live,
-        reason: String::new(),
-        last_error: String::new(),
-        hdr: Box::new([0; proto::HEADER_BYTES]),
-        msg: vec![0u8; proto::MAX_MESSAGE_BYTES].into_boxed_slice(),
-        rx: Rx::Header,
-        rx_inflight: false,
-        fill,
-        fill_entries: 0,
-        flight: Vec::with_capacity(frame),
-        flight_sent: 0,
-        tx_inflight: false,
-        outstanding: 0,
-        max_grants: w.max_grants.max(1),
-        max_data: w.max_data_bytes.min(proto::MAX_DATA_BYTES),
-        last_rx: Instant::now(),
-    }, w))
+    Ok((
+        Conn {
+            node,
+            addr: addr.to_string(),
+            sock: Some(sock),
+            state: State::Live,
+            reason: String::new(),
+            last_error: String::new(),
+            hdr: Box::new([0; proto::HEADER_BYTES]),
+            msg: vec![0u8; proto::MAX_MESSAGE_BYTES].into_boxed_slice(),
+            rx: Rx::Header,
+            rx_inflight: false,
+            fill,
+            fill_entries: 0,
+            flight: Vec::with_capacity(frame),
+            flight_sent: 0,
+            tx_inflight: false,
+            outstanding: 0,
+            max_grants: w.max_grants.max(1),
+            max_data: w.max_data_bytes.min(proto::MAX_DATA_BYTES),
+            last_rx: Instant::now(),
+        },
+        w,
+    ))
 }
 
 const NONE: u32 = u32::MAX;
@@ -327,7 +330,9 @@ impl NetThread {
         let cursor = Cursor::new(sh.sampler.clone(), sh.geo, sh.start);
         let placement = setup.placement.ok_or_else(|| Error::BadCluster {
             origin: "cluster".into(),
-            reason: "no node could be reached and there is no local space to learn the placement from".into(),
+            reason:
+                "no node could be reached and there is no local space to learn the placement from"
+                    .into(),
         })?;
         Ok(NetThread {
             placement,
@@ -370,7 +375,7 @@ impl NetThread {
                 stopping = true;
                 for i in 0..self.conns.len() {
                     if self.conns[i].state == State::Live {
-                        self.kill(i, "loader stopped".into(), false);
+                        self.kill(i, "loader stopped".into());
                     }
                 }
             }
@@ -524,19 +529,22 @@ impl NetThread {
             t.received = 0;
             return true;
         }
-        self.from_source(idx);
+        self.read_from_source(idx);
         true
     }
 
     /// Last resort: read the sample from the source files.
-    fn from_source(&mut self, idx: usize) {
+    fn read_from_source(&mut self, idx: usize) {
         let s = self.table[idx];
         let placement = self.placement;
         let mut tried = String::new();
         for r in 0..placement.replicas {
             let node = placement.holder(s.id, r) as usize;
             if let Some(c) = self.conns.get(node) {
-                let why = if s.tried & (1 << r) != 0 && !c.last_error.is_empty() && c.state == State::Live {
+                let why = if s.tried & (1 << r) != 0
+                    && !c.last_error.is_empty()
+                    && c.state == State::Live
+                {
                     c.last_error.as_str()
                 } else if c.reason.is_empty() {
                     "no answer"
@@ -667,13 +675,13 @@ impl NetThread {
                     c.outstanding
                 );
                 log::warn!("node {} ({}): {why}", c.node, c.addr);
-                self.kill(i, why, true);
+                self.kill(i, why);
             }
         }
     }
 
     /// Shuts a connection; its grants fail over once its receive is back.
-    fn kill(&mut self, i: usize, reason: String, failover: bool) {
+    fn kill(&mut self, i: usize, reason: String) {
         let c = &mut self.conns[i];
         if c.state != State::Live {
             return;
@@ -683,7 +691,6 @@ impl NetThread {
         if let Some(s) = &c.sock {
             let _ = s.shutdown(std::net::Shutdown::Both);
         }
-        let _ = failover;
         self.maybe_dead(i);
     }
 
@@ -712,14 +719,12 @@ impl NetThread {
         // Keep sequence order: the consumer waits on the oldest first.
         let table = &self.table;
         self.regrant.make_contiguous().sort_by_key(|&i| table[i].g);
-        if moved > 0 {
-            self.net().failovers.fetch_add(moved, Ordering::Relaxed);
-            log::warn!(
-                "node {node} ({}) is gone ({}): {moved} grants fail over",
-                self.conns[i].addr,
-                self.conns[i].reason
-            );
-        }
+        self.net().failovers.fetch_add(moved, Ordering::Relaxed);
+        log::warn!(
+            "node {node} ({}) is gone ({}): {moved} outstanding grants fail over; its later samples go to replicas",
+            self.conns[i].addr,
+            self.conns[i].reason
+        );
     }
 
     fn complete(&mut self, comp: Completion) {
@@ -732,7 +737,7 @@ impl NetThread {
                 if c.state == State::Live {
                     if comp.result <= 0 {
                         let why = format!("send failed: {}", errno_name(-comp.result));
-                        self.kill(i, why, true);
+                        self.kill(i, why);
                     } else {
                         c.flight_sent += comp.result as usize;
                         if c.flight_sent < c.flight.len() {
@@ -761,7 +766,7 @@ impl NetThread {
             what,
         };
         log::error!("{e}; dropping the connection");
-        self.kill(i, e.to_string(), true);
+        self.kill(i, e.to_string());
     }
 
     fn on_recv(&mut self, i: usize, res: i32) {
@@ -777,7 +782,7 @@ impl NetThread {
                 errno_name(-res),
                 std::io::Error::from_raw_os_error(-res)
             );
-            self.kill(i, why, true);
+            self.kill(i, why);
             return;
         }
         if (res as u32) < want {
@@ -786,7 +791,7 @@ impl NetThread {
             } else {
                 format!("connection ended in the middle of a frame ({res} of {want} bytes)")
             };
-            self.kill(i, why, true);
+            self.kill(i, why);
             return;
         }
         c.last_rx = Instant::now();
@@ -826,7 +831,13 @@ impl NetThread {
         let s = self.table[idx];
         let node = self.conns[i].node;
         if !s.live || s.g as u32 != h.a || s.node != node {
-            return self.violation(i, format!("DATA for grant {} that is not outstanding with this node", h.a));
+            return self.violation(
+                i,
+                format!(
+                    "DATA for grant {} that is not outstanding with this node",
+                    h.a
+                ),
+            );
         }
         let expect = s.phys + s.received as u64;
         if h.c != expect {
@@ -860,12 +871,18 @@ impl NetThread {
         let code = Code::from_u32(h.b);
         if h.a == proto::CONNECTION {
             let why = format!("{}: {msg}", code.name());
-            return self.kill(i, why, true);
+            return self.kill(i, why);
         }
         let idx = h.a as usize & self.mask;
         let s = self.table[idx];
         if !s.live || s.g as u32 != h.a || s.node != self.conns[i].node {
-            return self.violation(i, format!("ERROR for grant {} that is not outstanding with this node", h.a));
+            return self.violation(
+                i,
+                format!(
+                    "ERROR for grant {} that is not outstanding with this node",
+                    h.a
+                ),
+            );
         }
         let c = &mut self.conns[i];
         c.last_error = format!("{}: {msg}", code.name());
@@ -910,4 +927,3 @@ impl NetThread {
         self.sh.publish(s.g, CODE_OK);
     }
 }
-

@@ -110,6 +110,14 @@ impl Poller {
     /// Runs until the loader stops, then waits for in-flight reads (they
     /// write into the ring) and hands the backend back for reuse.
     pub(crate) fn run(mut self) -> Box<dyn IoBackend> {
+        if !self.shared.has_local() {
+            // Cluster mode with nothing local: every sample comes over the
+            // network, and the schedule has nothing for this poller.
+            while !self.shared.stop.load(Ordering::Acquire) {
+                std::thread::park_timeout(Duration::from_millis(100));
+            }
+            return self.backend;
+        }
         let spin = self.shared.cfg.spin;
         let mut last_progress = Instant::now();
         loop {

@@ -159,7 +159,12 @@ impl Uring {
     /// # Safety
     /// `msg`, its iovecs and the memory they describe must stay valid and
     /// unchanged until the completion is drained.
-    pub unsafe fn push_sendmsg(&mut self, user_data: u64, fd: RawFd, msg: *const libc::msghdr) -> bool {
+    pub unsafe fn push_sendmsg(
+        &mut self,
+        user_data: u64,
+        fd: RawFd,
+        msg: *const libc::msghdr,
+    ) -> bool {
         let e = opcode::SendMsg::new(types::Fd(fd), msg)
             .flags(libc::MSG_NOSIGNAL as u32)
             .build()

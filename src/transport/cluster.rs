@@ -217,9 +217,13 @@ mod tests {
         let c = Cluster::parse("# x\n1 127.0.0.2:7400\n0 127.0.0.1:7400 # first\n", "f").unwrap();
         assert_eq!(c.nodes[0].addr, "127.0.0.1:7400");
         assert_eq!(c.nodes[1].index, 1);
-        let e = Cluster::parse("0 a:1\n0 b:2\n", "f").unwrap_err().to_string();
+        let e = Cluster::parse("0 a:1\n0 b:2\n", "f")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("f:2") && e.contains("twice"), "{e}");
-        let e = Cluster::parse("0 a:1\n2 b:2\n", "f").unwrap_err().to_string();
+        let e = Cluster::parse("0 a:1\n2 b:2\n", "f")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("node 1 is missing"), "{e}");
         let e = Cluster::parse("x a:1\n", "f").unwrap_err().to_string();
         assert!(e.contains("not a number"), "{e}");

@@ -8,7 +8,7 @@
 //! whose header names the grant and the ring offset, checked against the
 //! outstanding grant before a single payload byte lands; over RDMA it will
 //! be a WRITE_WITH_IMM (immediate = grant id) into a region registered for
-//! remote write. [`Link`] is the owner-side seam both implement.
+//! remote write.
 
 pub mod cluster;
 pub mod proto;

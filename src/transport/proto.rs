@@ -171,7 +171,10 @@ impl std::fmt::Display for FrameError {
                 max,
             } => write!(f, "{kind:?} frame body of {body_len} bytes exceeds {max}"),
             FrameError::BadLength { kind, body_len } => {
-                write!(f, "{kind:?} frame body of {body_len} bytes has the wrong size")
+                write!(
+                    f,
+                    "{kind:?} frame body of {body_len} bytes has the wrong size"
+                )
             }
             FrameError::Unexpected(k) => write!(f, "unexpected {k:?} frame"),
         }
@@ -242,9 +245,7 @@ impl Header {
         }
         let exact = match kind {
             Kind::Welcome => h.body_len == WELCOME_BYTES as u32,
-            Kind::Grant => {
-                h.body_len as u64 == h.a as u64 * GRANT_ENTRY_BYTES as u64 && h.a > 0
-            }
+            Kind::Grant => h.body_len as u64 == h.a as u64 * GRANT_ENTRY_BYTES as u64 && h.a > 0,
             Kind::Hello => h.body_len as usize >= HELLO_FIXED_BYTES,
             Kind::Data => h.body_len > 0,
             Kind::Error => true,

@@ -532,8 +532,7 @@ impl ServePoller {
             peer: acc.peer,
             hello: acc.hello,
             hdr: Box::new([0; proto::HEADER_BYTES]),
-            body: vec![0u8; proto::MAX_GRANT_ENTRIES * proto::GRANT_ENTRY_BYTES]
-                .into_boxed_slice(),
+            body: vec![0u8; proto::MAX_GRANT_ENTRIES * proto::GRANT_ENTRY_BYTES].into_boxed_slice(),
             rx: Rx::Header,
             rx_inflight: false,
             grants: VecDeque::with_capacity(max),
@@ -583,7 +582,7 @@ impl ServePoller {
         let Some(c) = self.conns[ci as usize].as_mut() else {
             return false;
         };
-        if c.closing || c.sendq.len() >= self.slots.len() / 2 + 1 {
+        if c.closing || c.sendq.len() > self.slots.len() / 2 {
             return false;
         }
         let Some(w) = c.grants.front().copied() else {
@@ -667,10 +666,7 @@ impl ServePoller {
 
     fn issue_sends(&mut self) {
         for ci in 0..self.conns.len() {
-            loop {
-                let Some(c) = self.conns[ci].as_mut() else {
-                    break;
-                };
+            while let Some(c) = self.conns[ci].as_mut() {
                 if c.closing || c.tx_inflight {
                     break;
                 }
@@ -863,7 +859,10 @@ impl ServePoller {
         if s.error {
             c.failed_grant = Some(s.grant);
         } else {
-            self.c.stats.bytes.fetch_add(s.payload as u64, Ordering::Relaxed);
+            self.c
+                .stats
+                .bytes
+                .fetch_add(s.payload as u64, Ordering::Relaxed);
             if s.last {
                 self.c.stats.samples.fetch_add(1, Ordering::Relaxed);
             }

@@ -1,0 +1,675 @@
+//! The cluster data path with real processes and real sockets: `kspeed
+//! serve` nodes on 127.0.0.x, consumers through the Loader API. Every sample
+//! byte-identical and in sampler order on every rank; owners killed or
+//! stalled mid-epoch fail over to replicas or the source, or fail with a
+//! named error; hostile peers on either side are refused and never write
+//! outside a granted range.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+use kspeed::dataset::{Catalog, Space};
+use kspeed::landing::{CudaMode, LandingOptions};
+use kspeed::loader::{Loader, LoaderBuilder};
+use kspeed::sampler::{Sampler, SamplerConfig};
+use kspeed::transport::proto::{self, Code, GrantEntry, Header, Hello, Kind, Welcome};
+use kspeed::transport::Cluster;
+use kspeed::Error;
+
+const TOKEN: &str = "job-42-token";
+
+/// A `kspeed serve` process; killed on drop.
+struct Serve {
+    child: Child,
+    addr: String,
+}
+
+impl Serve {
+    fn start(space: &Path, ip: &str, token_file: &Path, extra: &[&str]) -> Serve {
+        let mut child = Command::new(kspeed_bin())
+            .args(["serve", "--space", s(space), "--listen"])
+            .arg(format!("{ip}:0"))
+            .args(["--token-file", s(token_file), "--pollers", "1"])
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start kspeed serve");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let addr = line
+            .trim()
+            .rsplit(' ')
+            .next()
+            .unwrap_or_default()
+            .to_string();
+        assert!(addr.contains(':'), "serve printed {line:?}");
+        Serve { child, addr }
+    }
+
+    fn signal(&self, sig: &str) {
+        Command::new("kill")
+            .args([sig, &self.child.id().to_string()])
+            .status()
+            .unwrap();
+    }
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn ring(bytes: u64) -> LandingOptions {
+    LandingOptions {
+        ring_bytes: bytes,
+        huge_pages: false,
+        mlock: false,
+        numa_node: None,
+        gpu_pci: None,
+        cuda: CudaMode::Off,
+    }
+}
+
+/// A generated dataset preloaded onto `nodes` spaces with `replicas` copies.
+struct Setup {
+    _tmp: tempfile::TempDir,
+    src: PathBuf,
+    spaces: Vec<PathBuf>,
+    token: PathBuf,
+    catalog: PathBuf,
+}
+
+fn setup(profile: &str, count: u64, nodes: u32, replicas: u32) -> Setup {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("src");
+    gen(profile, count, &src);
+    let catalog = tmp.path().join("cat.ksc");
+    ok(&["catalog", "--source", s(&src), "--out", s(&catalog)]);
+    let mut spaces = Vec::new();
+    for i in 0..nodes {
+        let sp = tmp.path().join(format!("node{i}"));
+        ok(&[
+            "preload",
+            "--source",
+            s(&src),
+            "--catalog",
+            s(&catalog),
+            "--space",
+            s(&sp),
+            "--nodes",
+            &nodes.to_string(),
+            "--node-index",
+            &i.to_string(),
+            "--replicas",
+            &replicas.to_string(),
+        ]);
+        spaces.push(sp);
+    }
+    let token = tmp.path().join("token");
+    std::fs::write(&token, format!("{TOKEN}\n")).unwrap();
+    Setup {
+        _tmp: tmp,
+        src,
+        spaces,
+        token,
+        catalog,
+    }
+}
+
+fn cluster_of(addrs: &[&str]) -> Cluster {
+    let text: String = addrs
+        .iter()
+        .enumerate()
+        .map(|(i, a)| format!("{i} {a}\n"))
+        .collect();
+    Cluster::parse(&text, "test").unwrap()
+}
+
+/// Reads `epochs`, checking every sample's id (against an independent
+/// sampler), bytes (CRC32C against the catalog) and that the padding between
+/// samples in each batch's span is untouched (zero: nobody wrote outside a
+/// granted range).
+fn check(loader: &mut Loader, cat: &Catalog, rank: u32, world: u32, epochs: u64) -> u64 {
+    // Padding is checked on the ring's first lap only: later laps reuse
+    // memory where earlier samples' bytes legitimately remain.
+    let ring_bytes = loader.landing_info().bytes as usize;
+    let mut lap_bytes = 0usize;
+    let sampler = Sampler::new(SamplerConfig {
+        len: cat.len(),
+        seed: 3,
+        shuffle: true,
+        rank,
+        world,
+        drop_last: false,
+    })
+    .unwrap();
+    let mut n = 0;
+    for e in 0..epochs {
+        loader.set_epoch(e).unwrap();
+        let mut k = 0;
+        while let Some(b) = loader.next_batch().unwrap() {
+            let (span, wrap) = b.spans();
+            let base = span.as_ptr() as usize;
+            lap_bytes += span.len() + wrap.map_or(0, |w| w.len());
+            let first_lap = wrap.is_none() && lap_bytes <= ring_bytes;
+            let mut prev_end: Option<usize> = None;
+            for smp in b.iter() {
+                assert_eq!(
+                    smp.id,
+                    sampler.sample(e, k),
+                    "rank {rank} epoch {e} step {k}"
+                );
+                let c = cat.sample(smp.id);
+                assert_eq!(smp.bytes.len(), c.len as usize);
+                assert_eq!(
+                    crc32c::crc32c(smp.bytes),
+                    c.crc32c,
+                    "sample {} bytes",
+                    smp.id
+                );
+                let start = smp.bytes.as_ptr() as usize;
+                if let Some(end) = prev_end {
+                    // Padding between two samples of the first span.
+                    if first_lap && start >= end {
+                        let pad = &span[end - base..start - base];
+                        assert!(
+                            pad.iter().all(|&x| x == 0),
+                            "bytes written outside a grant before sample {}",
+                            smp.id
+                        );
+                    }
+                }
+                prev_end = Some(start + smp.bytes.len());
+                k += 1;
+                n += 1;
+            }
+        }
+        assert_eq!(k, sampler.per_rank(), "rank {rank} epoch {e}");
+    }
+    n
+}
+
+fn builder_space(space: &Path, cluster: Cluster) -> LoaderBuilder {
+    LoaderBuilder::space(space)
+        .cluster(cluster)
+        .token(TOKEN.as_bytes())
+        .seed(3)
+        .batch_size(16)
+        .pollers(1)
+        .pin(false)
+        .landing(ring(8 << 20))
+}
+
+#[test]
+fn consumer_dropped_mid_epoch_stops_cleanly() {
+    let st = setup("tiny", 300, 2, 1);
+    let serves: Vec<Serve> = (0..2)
+        .map(|i| Serve::start(&st.spaces[i], &format!("127.0.0.{}", i + 1), &st.token, &[]))
+        .collect();
+    let addrs: Vec<&str> = serves.iter().map(|s| s.addr.as_str()).collect();
+    for _ in 0..3 {
+        let mut l = builder_space(&st.spaces[0], cluster_of(&addrs))
+            .landing(ring(1 << 20))
+            .build()
+            .unwrap();
+        let b = l.next_batch().unwrap().unwrap();
+        assert_eq!(b.len(), 16);
+        drop(b);
+        let t0 = Instant::now();
+        drop(l);
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "drop took {:?}",
+            t0.elapsed()
+        );
+    }
+}
+
+#[test]
+fn three_nodes_two_ranks_byte_exact_in_order() {
+    let st = setup("imagenet", 300, 3, 2);
+    // Small DATA frames, so most samples arrive in several.
+    let serves: Vec<Serve> = (0..3)
+        .map(|i| {
+            Serve::start(
+                &st.spaces[i],
+                &format!("127.0.0.{}", i + 1),
+                &st.token,
+                &["--chunk-bytes", "64KiB", "--staging-bytes", "1MiB"],
+            )
+        })
+        .collect();
+    let addrs: Vec<&str> = serves.iter().map(|s| s.addr.as_str()).collect();
+    let cluster = cluster_of(&addrs);
+    let cat = Catalog::open(&st.catalog).unwrap();
+    std::thread::scope(|sc| {
+        for rank in 0..2u32 {
+            let (cluster, st, cat) = (cluster.clone(), &st, &cat);
+            sc.spawn(move || {
+                // Rank r runs on node r: what node r holds is read locally.
+                let mut l = builder_space(&st.spaces[rank as usize], cluster)
+                    .rank(rank, 2)
+                    .verify_crc32c(true)
+                    .build()
+                    .unwrap();
+                let n = check(&mut l, cat, rank, 2, 3);
+                let stats = l.finish();
+                assert_eq!(n, 450);
+                assert!(
+                    stats.remote_samples > 0 && stats.disk_reads > 0,
+                    "{stats:?}"
+                );
+                assert_eq!(stats.failovers, 0);
+            });
+        }
+    });
+}
+
+/// Reads with node 1 SIGSTOPped after the first batch and then handled by
+/// `then` (SIGKILL, or nothing: a stall), from node 0's space.
+fn owner_trouble(
+    replicas: u32,
+    kill: bool,
+    hide_source: bool,
+    timeout: Duration,
+) -> (Setup, Result<kspeed::loader::Stats, Error>, Duration) {
+    let st = setup("imagenet", 240, 3, replicas);
+    let serves: Vec<Serve> = (0..3)
+        .map(|i| Serve::start(&st.spaces[i], &format!("127.0.0.{}", i + 1), &st.token, &[]))
+        .collect();
+    let addrs: Vec<&str> = serves.iter().map(|s| s.addr.as_str()).collect();
+    let cat = Catalog::open(&st.catalog).unwrap();
+    if hide_source {
+        std::fs::rename(&st.src, st.src.with_extension("gone")).unwrap();
+    }
+    let mut l = builder_space(&st.spaces[0], cluster_of(&addrs))
+        .node_timeout(timeout)
+        .landing(ring(2 << 20))
+        .build()
+        .unwrap();
+    let sampler = Sampler::new(SamplerConfig {
+        len: cat.len(),
+        seed: 3,
+        shuffle: true,
+        rank: 0,
+        world: 1,
+        drop_last: false,
+    })
+    .unwrap();
+    let t0 = Instant::now();
+    let mut k = 0;
+    let mut troubled = false;
+    let res = (|| -> Result<(), Error> {
+        for e in 0..2 {
+            l.set_epoch(e)?;
+            while let Some(b) = l.next_batch()? {
+                for smp in b.iter() {
+                    assert_eq!(smp.id, sampler.sample(e, k % 240));
+                    assert_eq!(crc32c::crc32c(smp.bytes), cat.sample(smp.id).crc32c);
+                    k += 1;
+                }
+                drop(b);
+                if !troubled {
+                    troubled = true;
+                    serves[1].signal("-STOP");
+                    if kill {
+                        let pid = serves[1].child.id();
+                        std::thread::spawn(move || {
+                            std::thread::sleep(Duration::from_millis(300));
+                            let _ = Command::new("kill")
+                                .args(["-KILL", &pid.to_string()])
+                                .status();
+                        });
+                    }
+                }
+            }
+        }
+        Ok(())
+    })();
+    let took = t0.elapsed();
+    serves[1].signal("-CONT");
+    let out = res.map(|()| {
+        assert_eq!(k, 480, "every sample of both epochs");
+        l.stats()
+    });
+    (st, out, took)
+}
+
+#[test]
+fn owner_killed_mid_epoch_with_a_replica() {
+    let (_st, r, _) = owner_trouble(2, true, false, Duration::from_secs(30));
+    let stats = r.unwrap();
+    assert!(stats.failovers > 0, "{stats:?}");
+    assert_eq!(stats.source_reads, 0);
+}
+
+#[test]
+fn owner_killed_without_replica_reads_the_source() {
+    let (_st, r, _) = owner_trouble(1, true, false, Duration::from_secs(30));
+    let stats = r.unwrap();
+    assert!(stats.failovers > 0 && stats.source_reads > 0, "{stats:?}");
+}
+
+#[test]
+fn owner_killed_without_replica_or_source_is_a_named_error() {
+    let (_st, r, took) = owner_trouble(1, true, true, Duration::from_secs(30));
+    match r {
+        Err(Error::SampleUnavailable { tried, .. }) => {
+            assert!(tried.contains("node 1"), "{tried}");
+            assert!(tried.contains("source"), "{tried}");
+        }
+        other => panic!("expected SampleUnavailable, got {other:?}"),
+    }
+    assert!(took < Duration::from_secs(20), "took {took:?}");
+}
+
+#[test]
+fn stalled_owner_times_out_and_fails_over() {
+    let (_st, r, took) = owner_trouble(2, false, false, Duration::from_millis(800));
+    let stats = r.unwrap();
+    assert!(stats.failovers > 0, "{stats:?}");
+    assert!(took < Duration::from_secs(20), "took {took:?}");
+}
+
+// --- hostile consumers against a real node -------------------------------
+
+fn hello_frame(cat: &Catalog, version: u32, token: &[u8], ring_len: u64) -> Vec<u8> {
+    let mut out = Vec::new();
+    Hello {
+        catalog_identity: cat.identity(),
+        rank: 0,
+        world: 1,
+        catalog_samples: cat.len(),
+        seed: 0,
+        ring_addr: 0,
+        ring_len,
+        rkey: 0,
+    }
+    .encode(token, &mut out);
+    out[8..12].copy_from_slice(&version.to_le_bytes());
+    out
+}
+
+/// Reads frames until an ERROR arrives; returns its code and message.
+fn read_error(sock: &mut TcpStream) -> (Code, String) {
+    sock.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    loop {
+        let mut hb = [0u8; proto::HEADER_BYTES];
+        sock.read_exact(&mut hb)
+            .expect("an ERROR frame before the close");
+        let h = Header::decode(&hb, proto::MAX_DATA_BYTES).unwrap();
+        let mut body = vec![0u8; h.body_len as usize];
+        sock.read_exact(&mut body).unwrap();
+        if h.kind == Kind::Error {
+            return (
+                Code::from_u32(h.b),
+                String::from_utf8_lossy(&body).into_owned(),
+            );
+        }
+    }
+}
+
+#[test]
+fn hostile_consumers_are_refused_and_others_unaffected() {
+    let st = setup("tiny", 300, 1, 1);
+    let node = Serve::start(
+        &st.spaces[0],
+        "127.0.0.1",
+        &st.token,
+        &["--max-grants", "64"],
+    );
+    let cat = Catalog::open(&st.catalog).unwrap();
+    let connect = || TcpStream::connect(&node.addr).unwrap();
+
+    // Wrong token, through the Loader: a named error at build.
+    let e = LoaderBuilder::source(s(&st.src))
+        .catalog(&st.catalog)
+        .cluster(cluster_of(&[&node.addr]))
+        .token(b"wrong")
+        .landing(ring(1 << 20))
+        .build()
+        .err()
+        .expect("refused");
+    assert!(
+        matches!(&e, Error::Refused { code, .. } if *code == "bad token"),
+        "{e}"
+    );
+
+    // Wrong protocol version.
+    let mut c = connect();
+    c.write_all(&hello_frame(&cat, 99, TOKEN.as_bytes(), 1 << 20))
+        .unwrap();
+    let (code, msg) = read_error(&mut c);
+    assert_eq!(code, Code::BadVersion, "{msg}");
+
+    // Garbage instead of a HELLO.
+    let mut c = connect();
+    c.write_all(&[0xffu8; 64]).unwrap();
+    assert_eq!(read_error(&mut c).0, Code::Violation);
+
+    let welcome = |c: &mut TcpStream| {
+        let mut w = [0u8; proto::HEADER_BYTES + proto::WELCOME_BYTES];
+        c.read_exact(&mut w).unwrap();
+        let mut hb = [0u8; proto::HEADER_BYTES];
+        hb.copy_from_slice(&w[..proto::HEADER_BYTES]);
+        let h = Header::decode(&hb, 0).unwrap();
+        Welcome::decode(&h, &w[proto::HEADER_BYTES..]).unwrap()
+    };
+    let grant = |c: &mut TcpStream, entries: &[GrantEntry]| {
+        let mut f = Header::grant(entries.len() as u32).encode().to_vec();
+        for e in entries {
+            let mut b = [0u8; proto::GRANT_ENTRY_BYTES];
+            e.encode_into(&mut b);
+            f.extend_from_slice(&b);
+        }
+        c.write_all(&f).unwrap();
+    };
+    let s0 = cat.sample(0);
+
+    // A grant outside the ring it declared.
+    let mut c = connect();
+    c.write_all(&hello_frame(
+        &cat,
+        proto::VERSION,
+        TOKEN.as_bytes(),
+        1 << 20,
+    ))
+    .unwrap();
+    assert_eq!(welcome(&mut c).max_grants, 64);
+    grant(
+        &mut c,
+        &[GrantEntry {
+            grant: 1,
+            len: s0.len,
+            sample: 0,
+            offset: (1 << 20) - 1,
+        }],
+    );
+    let (code, msg) = read_error(&mut c);
+    assert_eq!(code, Code::Violation);
+    assert!(msg.contains("outside"), "{msg}");
+
+    // A grant with the wrong length, one for a sample past the catalog,
+    // and more grants than the WELCOME allowed.
+    for entries in [
+        vec![GrantEntry {
+            grant: 1,
+            len: s0.len + 1,
+            sample: 0,
+            offset: 0,
+        }],
+        vec![GrantEntry {
+            grant: 1,
+            len: 1,
+            sample: 1 << 40,
+            offset: 0,
+        }],
+        (0..65)
+            .map(|i| GrantEntry {
+                grant: i,
+                len: s0.len,
+                sample: 0,
+                offset: 0,
+            })
+            .collect(),
+    ] {
+        let mut c = connect();
+        c.write_all(&hello_frame(
+            &cat,
+            proto::VERSION,
+            TOKEN.as_bytes(),
+            1 << 20,
+        ))
+        .unwrap();
+        welcome(&mut c);
+        grant(&mut c, &entries);
+        let (code, _) = read_error(&mut c);
+        assert!(
+            matches!(code, Code::Violation | Code::TooManyGrants),
+            "{code:?}"
+        );
+    }
+
+    // A peer that stalls in its HELLO does not block others; a well-behaved
+    // consumer reads everything meanwhile.
+    let mut stalled = connect();
+    stalled
+        .write_all(&hello_frame(&cat, proto::VERSION, TOKEN.as_bytes(), 1 << 20)[..10])
+        .unwrap();
+    let mut l = LoaderBuilder::source(s(&st.src))
+        .catalog(&st.catalog)
+        .cluster(cluster_of(&[&node.addr]))
+        .token(TOKEN.as_bytes())
+        .seed(3)
+        .batch_size(16)
+        .pollers(1)
+        .pin(false)
+        .landing(ring(1 << 20))
+        .build()
+        .unwrap();
+    assert_eq!(check(&mut l, &cat, 0, 1, 2), 600);
+    assert_eq!(l.stats().source_reads, 0);
+    drop(stalled);
+}
+
+// --- hostile nodes against a real consumer --------------------------------
+
+#[derive(Clone, Copy, Debug)]
+enum Misdeed {
+    UnknownGrant,
+    OffsetPastGrant,
+    Overrun,
+    TruncatedFrame,
+    StallMidFrame,
+    BadMagic,
+}
+
+/// A fake node 1 (of 2, 2 copies) that answers HELLO properly and then
+/// misbehaves on the first grant it gets.
+fn fake_node(misdeed: Misdeed) -> (String, std::thread::JoinHandle<()>) {
+    let l = TcpListener::bind("127.0.0.2:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let h = std::thread::spawn(move || {
+        let (mut c, _) = l.accept().unwrap();
+        let mut hb = [0u8; proto::HEADER_BYTES];
+        c.read_exact(&mut hb).unwrap();
+        let h = Header::decode(&hb, 0).unwrap();
+        let mut body = vec![0u8; h.body_len as usize];
+        c.read_exact(&mut body).unwrap();
+        let w = Welcome {
+            node_index: 1,
+            nodes: 2,
+            replicas: 2,
+            max_data_bytes: 1 << 20,
+            max_grants: 4096,
+        };
+        c.write_all(&w.encode()).unwrap();
+        // First GRANT frame.
+        c.read_exact(&mut hb).unwrap();
+        let h = Header::decode(&hb, 0).unwrap();
+        let mut body = vec![0u8; h.body_len as usize];
+        c.read_exact(&mut body).unwrap();
+        let e = GrantEntry::decode(&body, 0);
+        let junk = |n: usize| vec![0xaau8; n];
+        let frame = |grant: u32, off: u64, len: u32| {
+            let mut f = Header::data(grant, off, len).encode().to_vec();
+            f.extend_from_slice(&junk(len as usize));
+            f
+        };
+        let _ = match misdeed {
+            Misdeed::UnknownGrant => c.write_all(&frame(e.grant.wrapping_add(7777), e.offset, 8)),
+            Misdeed::OffsetPastGrant => c.write_all(&frame(e.grant, e.offset + e.len as u64, 8)),
+            Misdeed::Overrun => c.write_all(&frame(e.grant, e.offset, e.len + 64)),
+            Misdeed::TruncatedFrame => {
+                let f = frame(e.grant, e.offset, e.len);
+                c.write_all(&f[..proto::HEADER_BYTES + e.len as usize / 2])
+            }
+            Misdeed::StallMidFrame => {
+                let f = frame(e.grant, e.offset, e.len);
+                let _ = c.write_all(&f[..proto::HEADER_BYTES + e.len as usize / 2]);
+                std::thread::sleep(Duration::from_secs(4));
+                Ok(())
+            }
+            Misdeed::BadMagic => c.write_all(&[0x55u8; 24]),
+        };
+        // Hold the socket a little, then go.
+        std::thread::sleep(Duration::from_millis(200));
+    });
+    (addr, h)
+}
+
+#[test]
+fn hostile_nodes_are_dropped_and_nothing_lands_outside_grants() {
+    let st = setup("tiny", 400, 2, 2);
+    let node0 = Serve::start(&st.spaces[0], "127.0.0.1", &st.token, &[]);
+    let cat = Catalog::open(&st.catalog).unwrap();
+    for m in [
+        Misdeed::UnknownGrant,
+        Misdeed::OffsetPastGrant,
+        Misdeed::Overrun,
+        Misdeed::TruncatedFrame,
+        Misdeed::StallMidFrame,
+        Misdeed::BadMagic,
+    ] {
+        let (addr, fake) = fake_node(m);
+        let t0 = Instant::now();
+        // No local space: everything comes over the network, so the ring's
+        // padding is written by nobody and must stay zero.
+        let mut l = LoaderBuilder::source(s(&st.src))
+            .catalog(&st.catalog)
+            .cluster(cluster_of(&[&node0.addr, &addr]))
+            .token(TOKEN.as_bytes())
+            .node_timeout(Duration::from_millis(700))
+            .seed(3)
+            .batch_size(16)
+            .pollers(1)
+            .pin(false)
+            .landing(ring(1 << 20))
+            .build()
+            .unwrap();
+        assert_eq!(check(&mut l, &cat, 0, 1, 2), 800, "{m:?}");
+        let stats = l.finish();
+        assert!(stats.failovers > 0, "{m:?}: {stats:?}");
+        assert_eq!(stats.source_reads, 0, "{m:?}: node 0 holds every sample");
+        assert!(
+            t0.elapsed() < Duration::from_secs(15),
+            "{m:?} took {:?}",
+            t0.elapsed()
+        );
+        fake.join().unwrap();
+    }
+    // The real node's space is intact for later users.
+    assert_eq!(Space::open(&st.spaces[0]).unwrap().held_samples(), 400);
+}
