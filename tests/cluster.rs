@@ -673,3 +673,162 @@ fn hostile_nodes_are_dropped_and_nothing_lands_outside_grants() {
     // The real node's space is intact for later users.
     assert_eq!(Space::open(&st.spaces[0]).unwrap().held_samples(), 400);
 }
+
+// --- across network namespaces -------------------------------------------
+
+/// Network namespaces joined to this one by veth pairs; removed on drop.
+struct Netns {
+    names: Vec<String>,
+}
+
+impl Netns {
+    /// Namespace i gets 10.77.<i>.2, reachable from here through 10.77.<i>.1.
+    fn create(n: usize) -> Option<Netns> {
+        let tag = std::process::id() % 100_000;
+        let mut ns = Netns { names: Vec::new() };
+        for i in 0..n {
+            let name = format!("ksp{tag}n{i}");
+            let host = format!("ksh{tag}{i}");
+            let peer = format!("ksp{tag}{i}");
+            let cmds: Vec<Vec<String>> = vec![
+                vec!["netns".into(), "add".into(), name.clone()],
+                vec!["link", "add", &host, "type", "veth", "peer", "name", &peer]
+                    .into_iter()
+                    .map(String::from)
+                    .collect(),
+                vec![
+                    "link".into(),
+                    "set".into(),
+                    peer.clone(),
+                    "netns".into(),
+                    name.clone(),
+                ],
+                vec![
+                    "addr".into(),
+                    "add".into(),
+                    format!("10.77.{i}.1/24"),
+                    "dev".into(),
+                    host.clone(),
+                ],
+                vec!["link".into(), "set".into(), host.clone(), "up".into()],
+                vec![
+                    "-n".into(),
+                    name.clone(),
+                    "addr".into(),
+                    "add".into(),
+                    format!("10.77.{i}.2/24"),
+                    "dev".into(),
+                    peer.clone(),
+                ],
+                vec![
+                    "-n".into(),
+                    name.clone(),
+                    "link".into(),
+                    "set".into(),
+                    peer.clone(),
+                    "up".into(),
+                ],
+                vec![
+                    "-n".into(),
+                    name.clone(),
+                    "link".into(),
+                    "set".into(),
+                    "lo".into(),
+                    "up".into(),
+                ],
+            ];
+            for (k, c) in cmds.iter().enumerate() {
+                let ok = Command::new("ip")
+                    .args(c)
+                    .status()
+                    .map(|s| s.success())
+                    .unwrap_or(false);
+                if k == 0 && ok {
+                    ns.names.push(name.clone());
+                }
+                if !ok {
+                    eprintln!("skipping: `ip {}` failed", c.join(" "));
+                    return None;
+                }
+            }
+        }
+        Some(ns)
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        for n in &self.names {
+            // Deleting the namespace deletes its veth end and so the pair.
+            let _ = Command::new("ip").args(["netns", "del", n]).status();
+        }
+    }
+}
+
+#[test]
+fn three_nodes_in_network_namespaces() {
+    if !is_root() || Command::new("ip").arg("-V").output().is_err() {
+        eprintln!("skipping: needs root and iproute2 to create network namespaces");
+        return;
+    }
+    let st = setup("imagenet", 200, 3, 2);
+    let Some(ns) = Netns::create(3) else {
+        return;
+    };
+    let serves: Vec<Serve> = (0..3)
+        .map(|i| {
+            let mut child = Command::new("ip")
+                .args([
+                    "netns",
+                    "exec",
+                    &ns.names[i],
+                    kspeed_bin(),
+                    "serve",
+                    "--space",
+                ])
+                .arg(&st.spaces[i])
+                .args(["--listen", &format!("10.77.{i}.2:0"), "--token-file"])
+                .arg(&st.token)
+                .args(["--pollers", "1"])
+                .stdout(Stdio::piped())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap();
+            let mut line = String::new();
+            BufReader::new(child.stdout.take().unwrap())
+                .read_line(&mut line)
+                .unwrap();
+            let addr = line.trim().rsplit(' ').next().unwrap().to_string();
+            assert!(addr.starts_with(&format!("10.77.{i}.2:")), "{line}");
+            Serve { child, addr }
+        })
+        .collect();
+    let addrs: Vec<&str> = serves.iter().map(|s| s.addr.as_str()).collect();
+    let cat = Catalog::open(&st.catalog).unwrap();
+    std::thread::scope(|sc| {
+        for rank in 0..2u32 {
+            let (cluster, st, cat) = (cluster_of(&addrs), &st, &cat);
+            sc.spawn(move || {
+                // Consumers outside the namespaces, with no local samples:
+                // everything crosses a veth pair.
+                let mut l = LoaderBuilder::source(s(&st.src))
+                    .catalog(&st.catalog)
+                    .cluster(cluster)
+                    .token(TOKEN.as_bytes())
+                    .seed(3)
+                    .batch_size(16)
+                    .pollers(1)
+                    .pin(false)
+                    .rank(rank, 2)
+                    .landing(ring(4 << 20))
+                    .build()
+                    .unwrap();
+                assert_eq!(check(&mut l, cat, rank, 2, 2), 200);
+                let stats = l.finish();
+                // (Read-ahead into the next epoch counts too.)
+                assert!(stats.remote_samples >= 200 && stats.disk_reads == 0, "{stats:?}");
+            });
+        }
+    });
+    drop(serves);
+}
