@@ -356,6 +356,12 @@ pub fn errno_name(errno: i32) -> &'static str {
         libc::EOPNOTSUPP => "EOPNOTSUPP",
         libc::EMFILE => "EMFILE",
         libc::ENFILE => "ENFILE",
+        libc::ECONNRESET => "ECONNRESET",
+        libc::EPIPE => "EPIPE",
+        libc::EMSGSIZE => "EMSGSIZE",
+        libc::ENOTCONN => "ENOTCONN",
+        libc::ECONNREFUSED => "ECONNREFUSED",
+        libc::ENOBUFS => "ENOBUFS",
         _ => "errno",
     }
 }

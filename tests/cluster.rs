@@ -826,7 +826,10 @@ fn three_nodes_in_network_namespaces() {
                 assert_eq!(check(&mut l, cat, rank, 2, 2), 200);
                 let stats = l.finish();
                 // (Read-ahead into the next epoch counts too.)
-                assert!(stats.remote_samples >= 200 && stats.disk_reads == 0, "{stats:?}");
+                assert!(
+                    stats.remote_samples >= 200 && stats.disk_reads == 0,
+                    "{stats:?}"
+                );
             });
         }
     });

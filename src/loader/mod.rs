@@ -118,6 +118,31 @@ pub(crate) struct Shared {
     pub(crate) tier: Option<Tier>,
     /// Cluster mode: the network thread's side of things.
     pub(crate) net: Option<net::NetShared>,
+    /// Set when a poller or the network thread died of a panic, so the
+    /// consumer fails instead of waiting for samples that will never come.
+    crashed: Mutex<Option<String>>,
+}
+
+/// Lives on a worker thread's stack: if the thread unwinds, it records the
+/// crash and wakes the consumer.
+struct CrashGuard<'a> {
+    shared: &'a Shared,
+    name: &'static str,
+}
+
+impl Drop for CrashGuard<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            *self
+                .shared
+                .crashed
+                .lock()
+                .unwrap_or_else(|e| e.into_inner()) =
+                Some(format!("the {} thread panicked", self.name));
+            self.shared.wake_seq.fetch_add(1, Ordering::SeqCst);
+            crate::sys::futex_wake(&self.shared.wake_seq);
+        }
+    }
 }
 
 impl Shared {
@@ -933,6 +958,7 @@ impl Loader {
                 Some(_) => Some(net::NetShared::new()?),
                 None => None,
             },
+            crashed: Mutex::new(None),
         });
         let net_thread = match (conns, &self.net) {
             (Some(conns), Some(setup)) => {
@@ -940,7 +966,14 @@ impl Loader {
                 Some(
                     std::thread::Builder::new()
                         .name("kspeed-net".into())
-                        .spawn(move || t.run())
+                        .spawn(move || {
+                            let sh = t.shared();
+                            let _guard = CrashGuard {
+                                shared: &sh,
+                                name: "network",
+                            };
+                            t.run()
+                        })
                         .expect("spawn network thread"),
                 )
             }
@@ -962,6 +995,10 @@ impl Loader {
                     if let Some(c) = core {
                         core_affinity::set_for_current(c);
                     }
+                    let _guard = CrashGuard {
+                        shared: &sh.clone(),
+                        name: "poller",
+                    };
                     poller::Poller::new(sh, i, n, backend).run()
                 })
                 .expect("spawn poller thread");
@@ -1081,6 +1118,13 @@ impl Loader {
                 if state.is_none() {
                     crate::sys::futex_wait(&sh.wake_seq, seq, Duration::from_millis(10));
                     state = sh.state(p.g);
+                    if state.is_none() {
+                        let crashed = sh.crashed.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                        if let Some(msg) = crashed {
+                            sh.waiting_for.store(0, Ordering::SeqCst);
+                            return Err(Error::LoaderFailed(msg));
+                        }
+                    }
                 }
             }
             sh.waiting_for.store(0, Ordering::SeqCst);

@@ -396,6 +396,7 @@ struct SConn {
     /// Staging slots in send order.
     sendq: VecDeque<u32>,
     tx_inflight: bool,
+    tx: Box<TxBatch>,
     ops: u32,
     closing: bool,
     /// The last grant answered with ERROR: its later chunks are dropped.
@@ -412,8 +413,17 @@ struct Slot {
     ready: bool,
     error: bool,
     sent: usize,
-    iov: [libc::iovec; 2],
+}
+
+/// Most frames one `sendmsg` carries (each a header and a payload iovec).
+const SEND_BATCH: usize = 16;
+
+/// A connection's in-flight `sendmsg`: iovecs over the first `slots` frames
+/// of its send queue. Boxed so the kernel's pointers stay valid.
+struct TxBatch {
+    iov: [libc::iovec; 2 * SEND_BATCH],
     msg: libc::msghdr,
+    slots: usize,
 }
 
 struct ServePoller {
@@ -452,12 +462,6 @@ impl ServePoller {
                 ready: false,
                 error: false,
                 sent: 0,
-                iov: [libc::iovec {
-                    iov_base: std::ptr::null_mut(),
-                    iov_len: 0,
-                }; 2],
-                // SAFETY: msghdr is plain data; all-zero is a valid empty header.
-                msg: unsafe { std::mem::zeroed() },
             })
             .collect();
         let conns = (0..c.cfg.max_conns_per_poller).map(|_| None).collect();
@@ -538,6 +542,15 @@ impl ServePoller {
             grants: VecDeque::with_capacity(max),
             sendq: VecDeque::with_capacity(self.slots.len()),
             tx_inflight: false,
+            tx: Box::new(TxBatch {
+                iov: [libc::iovec {
+                    iov_base: std::ptr::null_mut(),
+                    iov_len: 0,
+                }; 2 * SEND_BATCH],
+                // SAFETY: msghdr is plain data; all-zero is a valid empty header.
+                msg: unsafe { std::mem::zeroed() },
+                slots: 0,
+            }),
             ops: 0,
             closing: false,
             failed_grant: None,
@@ -664,42 +677,72 @@ impl ServePoller {
         self.c.stats.errors.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Per connection, one `sendmsg` of the ready frames at the front of
+    /// its queue (up to [`SEND_BATCH`]; an ERROR frame ends a batch, since
+    /// it decides whether the frames after it are sent at all).
     fn issue_sends(&mut self) {
         for ci in 0..self.conns.len() {
-            while let Some(c) = self.conns[ci].as_mut() {
-                if c.closing || c.tx_inflight {
-                    break;
-                }
-                let Some(&slot) = c.sendq.front() else {
-                    break;
-                };
+            let Some(c) = self.conns[ci].as_mut() else {
+                continue;
+            };
+            if c.closing || c.tx_inflight {
+                continue;
+            }
+            // Later chunks of a grant already answered with ERROR go nowhere.
+            while let Some(&slot) = c.sendq.front() {
                 let s = &self.slots[slot as usize];
-                if !s.ready {
-                    break;
-                }
-                if !s.error && c.failed_grant == Some(s.grant) {
-                    // A later chunk of a grant already answered with ERROR.
+                if s.ready && !s.error && c.failed_grant == Some(s.grant) {
                     c.sendq.pop_front();
                     self.free_slots.push(slot);
-                    continue;
+                } else {
+                    break;
                 }
-                let fd = c.sock.as_raw_fd();
-                let ptr = self.staging_ptr(slot);
-                let s = &mut self.slots[slot as usize];
-                set_iov(s, ptr);
-                // SAFETY: the slot (header, iovecs, msghdr, staging bytes)
-                // is not touched until this send completes.
-                if !unsafe {
-                    self.ring
-                        .push_sendmsg(ud(UD_SEND, ci as u32, slot), fd, &s.msg)
-                } {
-                    return;
-                }
-                let c = self.conns[ci].as_mut().expect("live");
-                c.tx_inflight = true;
-                c.ops += 1;
-                break;
             }
+            let base = self.staging.as_slice().as_ptr() as *mut u8;
+            let (mut k, mut n) = (0usize, 0usize);
+            for &slot in c.sendq.iter() {
+                let s = &mut self.slots[slot as usize];
+                if !s.ready || k == SEND_BATCH {
+                    break;
+                }
+                let hdr_left = proto::HEADER_BYTES.saturating_sub(s.sent);
+                let pay_done = s.sent.saturating_sub(proto::HEADER_BYTES);
+                if hdr_left > 0 {
+                    c.tx.iov[n] = libc::iovec {
+                        iov_base: s.hdr[proto::HEADER_BYTES - hdr_left..].as_mut_ptr().cast(),
+                        iov_len: hdr_left,
+                    };
+                    n += 1;
+                }
+                c.tx.iov[n] = libc::iovec {
+                    iov_base: base
+                        .wrapping_add(slot as usize * self.chunk as usize + pay_done)
+                        .cast(),
+                    iov_len: s.payload as usize - pay_done,
+                };
+                n += 1;
+                k += 1;
+                if s.error {
+                    break;
+                }
+            }
+            if k == 0 {
+                continue;
+            }
+            c.tx.msg.msg_iov = c.tx.iov.as_mut_ptr();
+            c.tx.msg.msg_iovlen = n as _;
+            c.tx.slots = k;
+            let fd = c.sock.as_raw_fd();
+            // SAFETY: the batch's headers, staging bytes, iovecs and msghdr
+            // stay untouched until this send completes (tx_inflight).
+            if !unsafe {
+                self.ring
+                    .push_sendmsg(ud(UD_SEND, ci as u32, 0), fd, &c.tx.msg)
+            } {
+                return;
+            }
+            c.tx_inflight = true;
+            c.ops += 1;
         }
     }
 
@@ -720,7 +763,7 @@ impl ServePoller {
             UD_READ => self.on_read(ci, slot, comp.result),
             UD_SEND => {
                 c.tx_inflight = false;
-                self.on_send(ci, slot, comp.result);
+                self.on_send(ci, comp.result);
             }
             _ => log::error!("node service: unknown completion {:#x}", comp.user_data),
         }
@@ -759,6 +802,11 @@ impl ServePoller {
             Rx::Body(h) => {
                 c.rx = Rx::Header;
                 let n = h.a as usize;
+                log::debug!(
+                    "{}: GRANT with {n} entries ({} queued)",
+                    c.peer,
+                    c.grants.len()
+                );
                 if c.grants.len() + n > self.c.cfg.max_grants as usize {
                     let m = format!(
                         "{} grants outstanding, more than the {} allowed",
@@ -838,37 +886,49 @@ impl ServePoller {
         self.slots[slot as usize].ready = true;
     }
 
-    fn on_send(&mut self, ci: u32, slot: u32, res: i32) {
+    fn on_send(&mut self, ci: u32, res: i32) {
         let c = self.conns[ci as usize].as_mut().expect("live");
+        let batch = std::mem::take(&mut c.tx.slots);
         if c.closing {
-            self.drop_slot(ci, slot);
+            for _ in 0..batch {
+                if let Some(slot) = c.sendq.pop_front() {
+                    self.free_slots.push(slot);
+                }
+            }
             return;
         }
         if res <= 0 {
-            log::info!("{}: send failed: {}", c.peer, errno_name(-res));
+            log::debug!("{}: send failed: {}", c.peer, errno_name(-res));
             self.close(ci, None);
             return;
         }
-        let s = &mut self.slots[slot as usize];
-        s.sent += res as usize;
-        let total = proto::HEADER_BYTES + s.payload as usize;
-        if s.sent < total {
-            // Partial send: the rest goes next tick, still first in line.
-            return;
-        }
-        if s.error {
-            c.failed_grant = Some(s.grant);
-        } else {
-            self.c
-                .stats
-                .bytes
-                .fetch_add(s.payload as u64, Ordering::Relaxed);
-            if s.last {
-                self.c.stats.samples.fetch_add(1, Ordering::Relaxed);
+        // Retire the frames the kernel took whole; a partly sent one stays
+        // first in line with its progress.
+        let mut left = res as usize;
+        for _ in 0..batch {
+            let slot = *c.sendq.front().expect("batch frames are queued");
+            let s = &mut self.slots[slot as usize];
+            let total = proto::HEADER_BYTES + s.payload as usize;
+            let take = left.min(total - s.sent);
+            s.sent += take;
+            left -= take;
+            if s.sent < total {
+                break;
             }
+            if s.error {
+                c.failed_grant = Some(s.grant);
+            } else {
+                self.c
+                    .stats
+                    .bytes
+                    .fetch_add(s.payload as u64, Ordering::Relaxed);
+                if s.last {
+                    self.c.stats.samples.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            c.sendq.pop_front();
+            self.free_slots.push(slot);
         }
-        c.sendq.pop_front();
-        self.free_slots.push(slot);
     }
 
     /// Frees a slot of a closing connection (its read or send completed).
@@ -897,16 +957,12 @@ impl ServePoller {
         c.grants.clear();
         // Slots whose read is done and not being sent are free now; the
         // others come back through their completions.
-        let in_flight_send = if c.tx_inflight {
-            c.sendq.front().copied()
-        } else {
-            None
-        };
+        let in_flight = if c.tx_inflight { c.tx.slots } else { 0 };
         let mut keep = VecDeque::new();
         std::mem::swap(&mut keep, &mut c.sendq);
-        for slot in keep.drain(..) {
+        for (i, slot) in keep.drain(..).enumerate() {
             let s = &self.slots[slot as usize];
-            if Some(slot) == in_flight_send || !s.ready {
+            if i < in_flight || !s.ready {
                 c.sendq.push_back(slot);
             } else {
                 self.free_slots.push(slot);
@@ -926,23 +982,4 @@ impl ServePoller {
             }
         }
     }
-}
-
-fn set_iov(s: &mut Slot, payload: *mut u8) {
-    let total = proto::HEADER_BYTES + s.payload as usize;
-    let sent = s.sent.min(total);
-    let hdr_left = proto::HEADER_BYTES.saturating_sub(sent);
-    let pay_done = sent.saturating_sub(proto::HEADER_BYTES);
-    s.iov[0] = libc::iovec {
-        // SAFETY (pointer arithmetic): sent <= 24 when hdr_left > 0.
-        iov_base: s.hdr[proto::HEADER_BYTES - hdr_left..].as_mut_ptr().cast(),
-        iov_len: hdr_left,
-    };
-    s.iov[1] = libc::iovec {
-        iov_base: payload.wrapping_add(pay_done).cast(),
-        iov_len: s.payload as usize - pay_done,
-    };
-    let first = if hdr_left == 0 { 1 } else { 0 };
-    s.msg.msg_iov = s.iov[first..].as_mut_ptr();
-    s.msg.msg_iovlen = (2 - first) as _;
 }

@@ -1,0 +1,81 @@
+//! The reference for the network benchmark: the fastest plain TCP copy
+//! between two processes, to compare kspeed's push protocol with.
+//!
+//! ```text
+//! cargo run --release --example socket_copy -- recv 127.0.0.1:7500 BYTES &
+//! cargo run --release --example socket_copy -- send 127.0.0.1:7500 BYTES
+//! ```
+//!
+//! The sender writes BYTES from a 1 MiB buffer with `write_all`; the
+//! receiver reads them into a 256 MiB buffer it walks like a ring (as a
+//! landing ring is), 1 MiB per `read`. Each side prints its wall time, GB/s
+//! and CPU seconds (user + system) on one line.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::time::Instant;
+
+fn cpu_seconds() -> f64 {
+    kspeed::progress::process_cpu_seconds()
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if args.len() != 4 {
+        eprintln!("usage: socket_copy send|recv ADDR BYTES");
+        std::process::exit(2);
+    }
+    let bytes: u64 = args[3].parse().expect("BYTES is a number");
+    let chunk = 1usize << 20;
+    match args[1].as_str() {
+        "recv" => {
+            let l = TcpListener::bind(&args[2]).expect("bind");
+            println!("listening");
+            std::io::stdout().flush().unwrap();
+            let (mut s, _) = l.accept().expect("accept");
+            let ring = 256usize << 20;
+            let mut buf = vec![0u8; ring];
+            let (t0, c0) = (Instant::now(), cpu_seconds());
+            let (mut got, mut at) = (0u64, 0usize);
+            while got < bytes {
+                let want = chunk.min(ring - at).min((bytes - got) as usize);
+                let n = s.read(&mut buf[at..at + want]).expect("read");
+                if n == 0 {
+                    break;
+                }
+                got += n as u64;
+                at = (at + n) % ring;
+            }
+            report("recv", got, t0, c0);
+        }
+        "send" => {
+            let mut s = TcpStream::connect(&args[2]).expect("connect");
+            let buf = vec![0x5au8; chunk];
+            let (t0, c0) = (Instant::now(), cpu_seconds());
+            let mut sent = 0u64;
+            while sent < bytes {
+                let n = chunk.min((bytes - sent) as usize);
+                s.write_all(&buf[..n]).expect("write");
+                sent += n as u64;
+            }
+            s.shutdown(std::net::Shutdown::Write).ok();
+            // Wait for the receiver to finish reading.
+            let _ = s.read(&mut [0u8; 1]);
+            report("send", sent, t0, c0);
+        }
+        _ => {
+            eprintln!("usage: socket_copy send|recv ADDR BYTES");
+            std::process::exit(2);
+        }
+    }
+}
+
+fn report(side: &str, bytes: u64, t0: Instant, c0: f64) {
+    let secs = t0.elapsed().as_secs_f64();
+    let cpu = cpu_seconds() - c0;
+    println!(
+        "{side}: {bytes} bytes in {secs:.3} s: {:.3} GB/s, CPU {cpu:.3} s ({:.3} s per GB)",
+        bytes as f64 / secs / 1e9,
+        cpu / (bytes as f64 / 1e9)
+    );
+}
