@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The whole test suite, on a fresh machine: system packages, formatting,
 # lints (with and without the rdma feature), rustdoc, every test with and
-# without the rdma feature, and the RDMA tests inside the soft-RoCE VM.
+# without the rdma feature (the cluster tests start `kspeed serve` processes
+# on 127.0.0.x and, as root, in network namespaces), the frame-decoding fuzz
+# target for a bounded time, and the RDMA tests inside the soft-RoCE VM.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -22,6 +24,9 @@ step "tests without the rdma feature"
 "${runner[@]}" --no-default-features
 step "tests (default features)"
 "${runner[@]}"
+
+step "fuzz the frame decoder (${KSPEED_FUZZ_SECS:-45} s)"
+KSPEED_FUZZ_OPTIONAL=1 scripts/fuzz.sh "${KSPEED_FUZZ_SECS:-45}" 2>&1 | tail -n 3
 
 VM=${RDMA_VM:-../shared/rdma-vm/run-in-vm.sh}
 step "RDMA tests in the soft-RoCE VM ($VM)"

@@ -1,0 +1,193 @@
+#!/usr/bin/env python3
+"""The cluster data path over TCP against a raw socket copy, same endpoints,
+same run, medians of --runs runs.
+
+Warm page cache: the owners' spaces are copied to /dev/shm (memory-backed,
+so storage is out of the picture and what is measured is the protocol and
+the network path). Per profile (imagenet 20,000 samples and volumes 30 by
+default, taken from --work as bench_read.py leaves them):
+
+  1 -> 1  : one `kspeed serve` (1 poller) on 127.0.0.1 pushing every sample
+            to one consumer (`kspeed read --source ... --cluster`, nothing
+            local), 2 epochs; bytes/s from the consumer, CPU s/GB for each
+            side (the service's from /proc).
+  raw     : examples/socket_copy.rs moving the same bytes between the same
+            addresses (write_all of 1 MiB / read into a 256 MiB ring).
+  3 -> 2  : three services on 127.0.0.1-3 (a 3-node space, 1 copy) and two
+            consumers (ranks 0 and 1 of 2) at once: aggregate bytes/s, against
+            two raw socket copies at once.
+
+  scripts/bench_net.py [--runs 3] [--work /var/tmp/kspeed-bench] [--profiles imagenet:20000,volumes:30]
+"""
+
+import argparse
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+K = os.path.join(ROOT, "target", "release", "kspeed")
+COPY = os.path.join(ROOT, "target", "release", "examples", "socket_copy")
+SHM = "/dev/shm/kspeed-bench-net"
+
+
+def sh(cmd, **kw):
+    return subprocess.run(cmd, check=True, capture_output=True, text=True, **kw).stdout
+
+
+def proc_cpu(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def start_serve(space, addr, token, port=0):
+    p = subprocess.Popen([K, "serve", "--space", space, "--listen", f"{addr}:{port}", "--token-file", token,
+                          "--pollers", "1"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    line = p.stdout.readline()
+    return p, line.strip().rsplit(" ", 1)[1]
+
+
+def parse_read(out):
+    m = re.search(r"read (\d+) samples, .* in ([\d.]+) s: (\d+) samples/s, ([\d.]+) GB/s", out)
+    cpu = float(re.search(r"CPU: ([\d.]+) s", out).group(1))
+    secs, gbs = float(m.group(2)), float(m.group(4))
+    return {"secs": secs, "gbs": gbs, "bytes": gbs * secs * 1e9, "cpu": cpu}
+
+
+def consumer_cmd(src, catalog, cluster, token, rank=0, world=1, epochs=2):
+    return [K, "read", "--progress=none", "--source", src, "--catalog", catalog, "--cluster", cluster,
+            "--token-file", token, "--epochs", str(epochs), "--pollers", "1", "--rank", str(rank),
+            "--world", str(world)]
+
+
+def kspeed_1to1(space, src, token, work):
+    serve, addr = start_serve(space, "127.0.0.1", token)
+    cluster = os.path.join(work, "cluster-1")
+    with open(cluster, "w") as f:
+        f.write(f"0 {addr}\n")
+    c0 = proc_cpu(serve.pid)
+    r = parse_read(sh(consumer_cmd(src, os.path.join(space, "catalog.ksc"), cluster, token)))
+    r["serve_cpu"] = proc_cpu(serve.pid) - c0
+    serve.terminate()
+    serve.wait()
+    gb = r["bytes"] / 1e9
+    return {"gbs": r["gbs"], "bytes": r["bytes"], "cons_cpu_gb": r["cpu"] / gb, "serve_cpu_gb": r["serve_cpu"] / gb}
+
+
+def raw_copy(nbytes, pairs=1):
+    """`pairs` socket copies at once; aggregate GB/s and CPU s/GB per side."""
+    recvs, port0 = [], 7600
+    for i in range(pairs):
+        p = subprocess.Popen([COPY, "recv", f"127.0.0.1:{port0 + i}", str(int(nbytes))], stdout=subprocess.PIPE,
+                             text=True)
+        assert p.stdout.readline().strip() == "listening"
+        recvs.append(p)
+    t0 = time.time()
+    sends = [subprocess.Popen([COPY, "send", f"127.0.0.1:{port0 + i}", str(int(nbytes))], stdout=subprocess.PIPE,
+                              text=True) for i in range(pairs)]
+    outs = [s.communicate()[0] for s in sends] + [r.communicate()[0] for r in recvs]
+    wall = time.time() - t0
+    cpu = lambda side: sum(float(re.search(r"CPU ([\d.]+) s", o).group(1)) for o in outs if o.startswith(side))
+    gb = nbytes * pairs / 1e9
+    return {"gbs": gb / wall, "send_cpu_gb": cpu("send") / gb, "recv_cpu_gb": cpu("recv") / gb}
+
+
+def kspeed_3to2(spaces, src, token, work):
+    serves = [start_serve(sp, f"127.0.0.{i + 1}", token) for i, sp in enumerate(spaces)]
+    cluster = os.path.join(work, "cluster-3")
+    with open(cluster, "w") as f:
+        for i, (_, a) in enumerate(serves):
+            f.write(f"{i} {a}\n")
+    cat = os.path.join(spaces[0], "catalog.ksc")
+    t0 = time.time()
+    procs = [subprocess.Popen(consumer_cmd(src, cat, cluster, token, rank=r, world=2), stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True) for r in range(2)]
+    outs = [p.communicate()[0] for p in procs]
+    wall = time.time() - t0
+    for p, _ in serves:
+        p.terminate()
+        p.wait()
+    rs = [parse_read(o) for o in outs]
+    total = sum(r["bytes"] for r in rs)
+    return {"gbs": total / 1e9 / max(r["secs"] for r in rs), "wall_gbs": total / 1e9 / wall, "bytes": total}
+
+
+def prepare(work, profile, count):
+    """Spaces on /dev/shm: one holding everything, and a 3-node split."""
+    src = os.path.join(work, f"src-{profile}-{count}")
+    if not os.path.isdir(src):
+        sh([K, "gen", "--profile", profile, "--count", str(count), "--out", src])
+    base = os.path.join(SHM, f"{profile}-{count}")
+    os.makedirs(base, exist_ok=True)
+    cat = os.path.join(base, "cat.ksc")
+    if not os.path.exists(cat):
+        sh([K, "catalog", "--source", src, "--out", cat])
+    one = os.path.join(base, "one")
+    sh([K, "preload", "--progress=none", "--source", src, "--catalog", cat, "--space", one])
+    three = []
+    for i in range(3):
+        sp = os.path.join(base, f"n{i}")
+        sh([K, "preload", "--progress=none", "--source", src, "--catalog", cat, "--space", sp, "--nodes", "3",
+            "--node-index", str(i)])
+        three.append(sp)
+    return src, one, three
+
+
+def med(rows, key):
+    return statistics.median(r[key] for r in rows)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--work", default="/var/tmp/kspeed-bench")
+    ap.add_argument("--profiles", default="imagenet:20000,volumes:30")
+    ap.add_argument("--keep", action="store_true", help="keep the /dev/shm copies")
+    a = ap.parse_args()
+    sh(["cargo", "build", "--release", "--quiet", "--bin", "kspeed", "--example", "socket_copy"], cwd=ROOT)
+    os.makedirs(a.work, exist_ok=True)
+    token = os.path.join(a.work, "bench-token")
+    with open(token, "w") as f:
+        f.write("bench\n")
+    print(f"# network benchmark, {os.cpu_count()} cores, median of {a.runs}\n")
+    try:
+        for spec in a.profiles.split(","):
+            profile, count = spec.split(":")
+            src, one, three = prepare(a.work, profile, int(count))
+            ks, raw, ks3, raw2 = [], [], [], []
+            for _ in range(a.runs):
+                k = kspeed_1to1(one, src, token, a.work)
+                ks.append(k)
+                raw.append(raw_copy(k["bytes"]))
+                k3 = kspeed_3to2(three, src, token, a.work)
+                ks3.append(k3)
+                raw2.append(raw_copy(k3["bytes"] / 2, pairs=2))
+            ratio = statistics.median(k["gbs"] / r["gbs"] for k, r in zip(ks, raw))
+            ratio3 = statistics.median(k["gbs"] / r["gbs"] for k, r in zip(ks3, raw2))
+            print(f"## {profile}: {count} samples, 2 epochs\n")
+            print("| run | GB/s | vs raw | CPU s/GB sender | CPU s/GB receiver |")
+            print("|---|---|---|---|---|")
+            print(f"| kspeed 1 owner -> 1 consumer | {med(ks, 'gbs'):.3f} | {ratio:.2f}x | "
+                  f"{med(ks, 'serve_cpu_gb'):.2f} | {med(ks, 'cons_cpu_gb'):.2f} |")
+            print(f"| raw socket copy, 1 stream | {med(raw, 'gbs'):.3f} | 1.00x | "
+                  f"{med(raw, 'send_cpu_gb'):.2f} | {med(raw, 'recv_cpu_gb'):.2f} |")
+            print(f"| kspeed 3 owners -> 2 consumers (aggregate) | {med(ks3, 'gbs'):.3f} | {ratio3:.2f}x | | |")
+            print(f"| raw socket copy, 2 streams (aggregate) | {med(raw2, 'gbs'):.3f} | 1.00x | "
+                  f"{med(raw2, 'send_cpu_gb'):.2f} | {med(raw2, 'recv_cpu_gb'):.2f} |")
+            print("\nper run (kspeed 1->1 / raw GB/s):",
+                  ", ".join(f"{k['gbs']:.3f}/{r['gbs']:.3f}" for k, r in zip(ks, raw)))
+            print("per run (kspeed 3->2 / raw x2 GB/s):",
+                  ", ".join(f"{k['gbs']:.3f}/{r['gbs']:.3f}" for k, r in zip(ks3, raw2)), "\n")
+            sys.stdout.flush()
+    finally:
+        if not a.keep:
+            shutil.rmtree(SHM, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
