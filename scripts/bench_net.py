@@ -7,7 +7,8 @@ so storage is out of the picture and what is measured is the protocol and
 the network path). Per profile (imagenet 20,000 samples and volumes 30 by
 default, taken from --work as bench_read.py leaves them):
 
-  1 -> 1  : one `kspeed serve` (1 poller) on 127.0.0.1 pushing every sample
+  1 -> 1  : one `kspeed serve --page-cache` (1 poller; --staging: reads into
+            staging as on NVMe) on 127.0.0.1 pushing every sample
             to one consumer (`kspeed read --source ... --cluster`, nothing
             local), 2 epochs; bytes/s from the consumer, CPU s/GB for each
             side (the service's from /proc).
@@ -17,7 +18,7 @@ default, taken from --work as bench_read.py leaves them):
             consumers (ranks 0 and 1 of 2) at once: aggregate bytes/s, against
             two raw socket copies at once.
 
-  scripts/bench_net.py [--runs 3] [--work /var/tmp/kspeed-bench] [--profiles imagenet:20000,volumes:30]
+  scripts/bench_net.py [--runs 3] [--work /var/tmp/kspeed-bench] [--profiles imagenet:20000,volumes:30] [--staging]
 """
 
 import argparse
@@ -45,9 +46,13 @@ def proc_cpu(pid):
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+PAGE_CACHE = []
+
+
 def start_serve(space, addr, token, port=0):
     p = subprocess.Popen([K, "serve", "--space", space, "--listen", f"{addr}:{port}", "--token-file", token,
-                          "--pollers", "1"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                          "--pollers", "1", *PAGE_CACHE], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                         text=True)
     line = p.stdout.readline()
     return p, line.strip().rsplit(" ", 1)[1]
 
@@ -148,13 +153,18 @@ def main():
     ap.add_argument("--work", default="/var/tmp/kspeed-bench")
     ap.add_argument("--profiles", default="imagenet:20000,volumes:30")
     ap.add_argument("--keep", action="store_true", help="keep the /dev/shm copies")
+    ap.add_argument("--staging", action="store_true",
+                    help="services read into staging (O_DIRECT path) instead of sending from the page cache")
     a = ap.parse_args()
+    if not a.staging:
+        PAGE_CACHE.append("--page-cache")
     sh(["cargo", "build", "--release", "--quiet", "--bin", "kspeed", "--example", "socket_copy"], cwd=ROOT)
     os.makedirs(a.work, exist_ok=True)
     token = os.path.join(a.work, "bench-token")
     with open(token, "w") as f:
         f.write("bench\n")
-    print(f"# network benchmark, {os.cpu_count()} cores, median of {a.runs}\n")
+    mode = "reads into staging" if a.staging else "--page-cache"
+    print(f"# network benchmark, {os.cpu_count()} cores, median of {a.runs}, services with {mode}\n")
     try:
         for spec in a.profiles.split(","):
             profile, count = spec.split(":")

@@ -71,6 +71,10 @@ struct ServeArgs {
     /// Grants one consumer may have outstanding.
     #[arg(long, default_value_t = 8192)]
     max_grants: u32,
+    /// Send straight from the page cache (a mapping of the extents) instead
+    /// of O_DIRECT reads into staging: for spaces on tmpfs or kept warm.
+    #[arg(long)]
+    page_cache: bool,
 }
 
 #[derive(Args)]
@@ -321,6 +325,7 @@ fn run(cli: Cli) -> kspeed::Result<ExitCode> {
             cfg.staging_bytes = a.staging_bytes;
             cfg.chunk_bytes = a.chunk_bytes.min(u32::MAX as u64) as u32;
             cfg.max_grants = a.max_grants;
+            cfg.page_cache = a.page_cache;
             kspeed::transport::serve::serve_until_signal(cfg, |svc| {
                 // Scripts wait for this line (and read the port from it).
                 println!("serving {} on {}", a.space.display(), svc.local_addr());

@@ -246,7 +246,12 @@ fn three_nodes_two_ranks_byte_exact_in_order() {
                 &st.spaces[i],
                 &format!("127.0.0.{}", i + 1),
                 &st.token,
-                &["--chunk-bytes", "64KiB", "--staging-bytes", "1MiB"],
+                // Node 2 sends straight from the page cache.
+                if i == 2 {
+                    &["--chunk-bytes", "64KiB", "--page-cache"][..]
+                } else {
+                    &["--chunk-bytes", "64KiB", "--staging-bytes", "1MiB"][..]
+                },
             )
         })
         .collect();
