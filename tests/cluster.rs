@@ -840,3 +840,36 @@ fn three_nodes_in_network_namespaces() {
     });
     drop(serves);
 }
+
+#[test]
+fn read_error_on_a_node_fails_over_to_the_replica() {
+    let st = setup("tiny", 400, 2, 2);
+    let n0 = Serve::start(&st.spaces[0], "127.0.0.1", &st.token, &[]);
+    let n1 = Serve::start(&st.spaces[1], "127.0.0.2", &st.token, &[]);
+    // Node 1's extent loses its second half after the service started:
+    // its reads come back short and it answers those grants with ERROR.
+    let ext = st.spaces[1].join("extents").join("00000000.kse");
+    let len = std::fs::metadata(&ext).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&ext)
+        .unwrap()
+        .set_len(len / 2)
+        .unwrap();
+    let cat = Catalog::open(&st.catalog).unwrap();
+    let mut l = LoaderBuilder::source(s(&st.src))
+        .catalog(&st.catalog)
+        .cluster(cluster_of(&[&n0.addr, &n1.addr]))
+        .token(TOKEN.as_bytes())
+        .seed(3)
+        .batch_size(16)
+        .pollers(1)
+        .pin(false)
+        .landing(ring(1 << 20))
+        .build()
+        .unwrap();
+    assert_eq!(check(&mut l, &cat, 0, 1, 2), 800);
+    let stats = l.finish();
+    assert!(stats.failovers > 0, "{stats:?}");
+    assert_eq!(stats.source_reads, 0, "node 0 has every sample: {stats:?}");
+}

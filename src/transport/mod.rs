@@ -8,13 +8,82 @@
 //! whose header names the grant and the ring offset, checked against the
 //! outstanding grant before a single payload byte lands; over RDMA it will
 //! be a WRITE_WITH_IMM (immediate = grant id) into a region registered for
-//! remote write.
+//! remote write. [`Link`] is that owner-side seam: [`tcp::TcpLink`]
+//! implements it over the poller's io_uring; the verbs backend implements it
+//! over an RC queue pair.
 
 pub mod cluster;
 pub mod proto;
 #[cfg(feature = "rdma")]
 pub mod rdma;
 pub mod serve;
+pub mod tcp;
+
+use std::io;
+
+/// A finished piece of work posted to a [`Link`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Done {
+    /// The id given when it was posted (the poster's slot index).
+    pub wr_id: u64,
+    /// Whether it reached the peer's transport (false: the connection broke).
+    pub ok: bool,
+}
+
+/// The owner side of one connection to a consumer: one-sided writes of
+/// local memory into ranges of the consumer's landing ring it granted, each
+/// carrying the grant id to the consumer's completion, plus ERROR control
+/// messages. Shaped after an RC queue pair:
+///
+/// - work is *posted* with a caller-chosen `wr_id` (the index of a slot the
+///   caller owns: nothing is allocated per request) and executes in post
+///   order;
+/// - a post is refused when the send queue is full (back-pressure, never a
+///   heap fallback);
+/// - [`Link::flush`] hands what was posted to the transport in one go (one
+///   doorbell, or one `sendmsg` for many frames);
+/// - completions are polled in batches with [`Link::poll`].
+pub trait Link {
+    /// What submissions go through: the poller's io_uring for TCP; the
+    /// verbs backend rings its queue pair's doorbell itself.
+    type Driver;
+
+    /// Posts a write of `len` bytes at `src` to ring offset `remote_offset`
+    /// of the peer, completing grant `grant` (in part or whole). Returns
+    /// false when the send queue is full.
+    ///
+    /// # Safety
+    /// `src..src+len` must stay valid and unchanged until the [`Done`] for
+    /// `wr_id` has been polled.
+    unsafe fn post_write(
+        &mut self,
+        wr_id: u64,
+        src: *const u8,
+        len: u32,
+        remote_offset: u64,
+        grant: u32,
+    ) -> bool;
+
+    /// Posts an ERROR for `grant` (`proto::CONNECTION`: the whole
+    /// connection) with a UTF-8 message of `len` bytes at `msg`.
+    ///
+    /// # Safety
+    /// As for [`Link::post_write`], for the message bytes.
+    unsafe fn post_error(
+        &mut self,
+        wr_id: u64,
+        grant: u32,
+        code: proto::Code,
+        msg: *const u8,
+        len: u32,
+    ) -> bool;
+
+    /// Hands posted work to the transport.
+    fn flush(&mut self, driver: &mut Self::Driver) -> io::Result<()>;
+
+    /// Moves finished work into `out`; returns how many.
+    fn poll(&mut self, out: &mut [Done]) -> usize;
+}
 
 pub use cluster::{Cluster, LaunchEnv, Node};
 pub use serve::{NodeService, ServeConfig, ServeStats};

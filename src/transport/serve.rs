@@ -28,6 +28,8 @@ use std::time::Duration;
 use crossbeam_channel::{Receiver, Sender};
 
 use super::proto::{self, Code, GrantEntry, Header, Hello, Kind, Welcome};
+use super::tcp::TcpLink;
+use super::{Done, Link};
 use crate::dataset::Space;
 use crate::error::{errno_name, Error, Result};
 use crate::ring::{Completion, IoBackend, ReadOp, Target, Uring, UringOptions};
@@ -143,7 +145,9 @@ impl NodeService {
             for i in 0..space.extent_lens().len() as u32 {
                 let path = space.extent_path(i);
                 let f = std::fs::File::open(&path).map_err(|e| Error::io("open", &path, e))?;
-                maps.push(crate::sys::ReadOnlyMap::new(&f).map_err(|e| Error::io("mmap", &path, e))?);
+                maps.push(
+                    crate::sys::ReadOnlyMap::new(&f).map_err(|e| Error::io("mmap", &path, e))?,
+                );
             }
         }
         let listener = TcpListener::bind(&cfg.listen)
@@ -413,8 +417,8 @@ struct SConn {
     grants: VecDeque<Work>,
     /// Staging slots in send order.
     sendq: VecDeque<u32>,
-    tx_inflight: bool,
-    tx: Box<TxBatch>,
+    /// The send side: frames posted in order, one `sendmsg` in flight.
+    link: TcpLink,
     ops: u32,
     closing: bool,
     /// The last grant answered with ERROR: its later chunks are dropped.
@@ -424,7 +428,10 @@ struct SConn {
 struct Slot {
     conn: u32,
     grant: u32,
-    hdr: [u8; proto::HEADER_BYTES],
+    /// Ring offset of the payload's first byte (DATA).
+    offset: u64,
+    /// ERROR frames: the code.
+    code: Code,
     payload: u32,
     /// The chunk that completes its sample.
     last: bool,
@@ -433,18 +440,6 @@ struct Slot {
     src: *const u8,
     ready: bool,
     error: bool,
-    sent: usize,
-}
-
-/// Most frames one `sendmsg` carries (each a header and a payload iovec).
-const SEND_BATCH: usize = 16;
-
-/// A connection's in-flight `sendmsg`: iovecs over the first `slots` frames
-/// of its send queue. Boxed so the kernel's pointers stay valid.
-struct TxBatch {
-    iov: [libc::iovec; 2 * SEND_BATCH],
-    msg: libc::msghdr,
-    slots: usize,
 }
 
 struct ServePoller {
@@ -477,13 +472,13 @@ impl ServePoller {
             .map(|_| Slot {
                 conn: 0,
                 grant: 0,
-                hdr: [0; proto::HEADER_BYTES],
+                offset: 0,
+                code: Code::Unknown,
                 payload: 0,
                 last: false,
                 src: std::ptr::null(),
                 ready: false,
                 error: false,
-                sent: 0,
             })
             .collect();
         let conns = (0..c.cfg.max_conns_per_poller).map(|_| None).collect();
@@ -553,6 +548,7 @@ impl ServePoller {
             return;
         };
         let max = self.c.cfg.max_grants as usize;
+        let fd = acc.sock.as_raw_fd();
         self.conns[ci] = Some(SConn {
             sock: acc.sock,
             peer: acc.peer,
@@ -563,16 +559,7 @@ impl ServePoller {
             rx_inflight: false,
             grants: VecDeque::with_capacity(max),
             sendq: VecDeque::with_capacity(self.slots.len()),
-            tx_inflight: false,
-            tx: Box::new(TxBatch {
-                iov: [libc::iovec {
-                    iov_base: std::ptr::null_mut(),
-                    iov_len: 0,
-                }; 2 * SEND_BATCH],
-                // SAFETY: msghdr is plain data; all-zero is a valid empty header.
-                msg: unsafe { std::mem::zeroed() },
-                slots: 0,
-            }),
+            link: TcpLink::new(fd, self.slots.len(), ud(UD_SEND, ci as u32, 0)),
             ops: 0,
             closing: false,
             failed_grant: None,
@@ -632,7 +619,6 @@ impl ServePoller {
         let s = &mut self.slots[slot as usize];
         s.conn = ci;
         s.grant = e.grant;
-        s.sent = 0;
         s.ready = false;
         s.error = false;
         s.src = std::ptr::null();
@@ -670,12 +656,16 @@ impl ServePoller {
                 let c = self.conns[ci as usize].as_mut().expect("live");
                 c.grants.pop_front();
                 self.fill_error(slot, e.grant, Code::ReadFailed, &msg);
-                self.conns[ci as usize].as_mut().expect("live").sendq.push_back(slot);
+                self.conns[ci as usize]
+                    .as_mut()
+                    .expect("live")
+                    .sendq
+                    .push_back(slot);
                 return true;
             }
             self.free_slots.pop();
             let s = &mut self.slots[slot as usize];
-            s.hdr = Header::data(e.grant, e.offset + off, payload).encode();
+            s.offset = e.offset + off;
             s.payload = payload;
             s.last = off + payload as u64 >= e.len as u64;
             s.src = bytes[at..].as_ptr();
@@ -704,7 +694,7 @@ impl ServePoller {
         }
         self.free_slots.pop();
         let s = &mut self.slots[slot as usize];
-        s.hdr = Header::data(e.grant, e.offset + off, payload).encode();
+        s.offset = e.offset + off;
         s.payload = payload;
         s.last = off + payload as u64 >= e.len as u64;
         let c = self.conns[ci as usize].as_mut().expect("live");
@@ -725,84 +715,95 @@ impl ServePoller {
         // SAFETY: the slot is ours and at least `chunk` bytes; n <= chunk.
         unsafe { std::ptr::copy_nonoverlapping(m.as_ptr(), dst, n) };
         let s = &mut self.slots[slot as usize];
-        s.hdr = Header::error(grant, code, n as u32).encode();
+        s.code = code;
         s.payload = n as u32;
         s.grant = grant;
         s.error = true;
         s.ready = true;
-        s.sent = 0;
+        s.src = std::ptr::null();
         self.c.stats.errors.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Per connection, one `sendmsg` of the ready frames at the front of
-    /// its queue (up to [`SEND_BATCH`]; an ERROR frame ends a batch, since
-    /// it decides whether the frames after it are sent at all).
+    /// Per connection: posts the ready frames at the front of its queue, in
+    /// order, to its link, then flushes the link (one `sendmsg` for many).
     fn issue_sends(&mut self) {
+        let base = self.staging.as_slice().as_ptr();
         for ci in 0..self.conns.len() {
             let Some(c) = self.conns[ci].as_mut() else {
                 continue;
             };
-            if c.closing || c.tx_inflight {
+            if c.closing {
                 continue;
             }
-            // Later chunks of a grant already answered with ERROR go nowhere.
             while let Some(&slot) = c.sendq.front() {
                 let s = &self.slots[slot as usize];
-                if s.ready && !s.error && c.failed_grant == Some(s.grant) {
+                if !s.ready {
+                    break;
+                }
+                if !s.error && c.failed_grant == Some(s.grant) {
+                    // A later chunk of a grant already answered with ERROR.
                     c.sendq.pop_front();
                     self.free_slots.push(slot);
-                } else {
-                    break;
-                }
-            }
-            let base = self.staging.as_slice().as_ptr() as *mut u8;
-            let (mut k, mut n) = (0usize, 0usize);
-            for &slot in c.sendq.iter() {
-                let s = &mut self.slots[slot as usize];
-                if !s.ready || k == SEND_BATCH {
-                    break;
-                }
-                let hdr_left = proto::HEADER_BYTES.saturating_sub(s.sent);
-                let pay_done = s.sent.saturating_sub(proto::HEADER_BYTES);
-                if hdr_left > 0 {
-                    c.tx.iov[n] = libc::iovec {
-                        iov_base: s.hdr[proto::HEADER_BYTES - hdr_left..].as_mut_ptr().cast(),
-                        iov_len: hdr_left,
-                    };
-                    n += 1;
+                    continue;
                 }
                 let src = if s.src.is_null() {
                     base.wrapping_add(slot as usize * self.chunk as usize)
                 } else {
-                    s.src as *mut u8
+                    s.src
                 };
-                c.tx.iov[n] = libc::iovec {
-                    iov_base: src.wrapping_add(pay_done).cast(),
-                    iov_len: s.payload as usize - pay_done,
+                // SAFETY: the slot's bytes (staging or mapped extent) stay
+                // untouched until the link reports this wr_id done.
+                let posted = unsafe {
+                    if s.error {
+                        c.link
+                            .post_error(slot as u64, s.grant, s.code, src, s.payload)
+                    } else {
+                        c.link
+                            .post_write(slot as u64, src, s.payload, s.offset, s.grant)
+                    }
                 };
-                n += 1;
-                k += 1;
-                if s.error {
+                if !posted {
                     break;
                 }
+                if s.error {
+                    c.failed_grant = Some(s.grant);
+                }
+                c.sendq.pop_front();
             }
-            if k == 0 {
-                continue;
+            let was_busy = c.link.busy();
+            if c.link.flush(&mut self.ring).is_err() {
+                return; // submission queue full: next tick
             }
-            c.tx.msg.msg_iov = c.tx.iov.as_mut_ptr();
-            c.tx.msg.msg_iovlen = n as _;
-            c.tx.slots = k;
-            let fd = c.sock.as_raw_fd();
-            // SAFETY: the batch's headers, staging bytes, iovecs and msghdr
-            // stay untouched until this send completes (tx_inflight).
-            if !unsafe {
-                self.ring
-                    .push_sendmsg(ud(UD_SEND, ci as u32, 0), fd, &c.tx.msg)
-            } {
+            if !was_busy && c.link.busy() {
+                c.ops += 1;
+            }
+        }
+    }
+
+    /// Frees the slots whose frames the link finished.
+    fn reap_link(&mut self, ci: u32) {
+        let mut done = [Done::default(); 32];
+        loop {
+            let Some(c) = self.conns[ci as usize].as_mut() else {
+                return;
+            };
+            let n = c.link.poll(&mut done);
+            if n == 0 {
                 return;
             }
-            c.tx_inflight = true;
-            c.ops += 1;
+            for d in &done[..n] {
+                let s = &self.slots[d.wr_id as usize];
+                if d.ok && !s.error {
+                    self.c
+                        .stats
+                        .bytes
+                        .fetch_add(s.payload as u64, Ordering::Relaxed);
+                    if s.last {
+                        self.c.stats.samples.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+                self.free_slots.push(d.wr_id as u32);
+            }
         }
     }
 
@@ -822,8 +823,12 @@ impl ServePoller {
             }
             UD_READ => self.on_read(ci, slot, comp.result),
             UD_SEND => {
-                c.tx_inflight = false;
-                self.on_send(ci, comp.result);
+                c.link.on_send(comp.result);
+                if comp.result <= 0 && !c.closing {
+                    log::debug!("{}: send failed: {}", c.peer, errno_name(-comp.result));
+                    self.close(ci, None);
+                }
+                self.reap_link(ci);
             }
             _ => log::error!("node service: unknown completion {:#x}", comp.user_data),
         }
@@ -922,13 +927,11 @@ impl ServePoller {
         }
         let s = &self.slots[slot as usize];
         if res < 0 || (res as u32) < s.payload {
-            let h = Header::decode(&s.hdr, u32::MAX).expect("we encoded it");
-            let grant = s.grant;
+            let (ring_offset, grant) = (s.offset, s.grant);
             let msg = if res < 0 {
                 format!(
-                    "node {}: reading ring offset {} of grant {grant}: {} ({})",
+                    "node {}: reading ring offset {ring_offset} of grant {grant}: {} ({})",
                     self.c.space.params().node_index,
-                    h.c,
                     errno_name(-res),
                     std::io::Error::from_raw_os_error(-res)
                 )
@@ -944,51 +947,6 @@ impl ServePoller {
             return;
         }
         self.slots[slot as usize].ready = true;
-    }
-
-    fn on_send(&mut self, ci: u32, res: i32) {
-        let c = self.conns[ci as usize].as_mut().expect("live");
-        let batch = std::mem::take(&mut c.tx.slots);
-        if c.closing {
-            for _ in 0..batch {
-                if let Some(slot) = c.sendq.pop_front() {
-                    self.free_slots.push(slot);
-                }
-            }
-            return;
-        }
-        if res <= 0 {
-            log::debug!("{}: send failed: {}", c.peer, errno_name(-res));
-            self.close(ci, None);
-            return;
-        }
-        // Retire the frames the kernel took whole; a partly sent one stays
-        // first in line with its progress.
-        let mut left = res as usize;
-        for _ in 0..batch {
-            let slot = *c.sendq.front().expect("batch frames are queued");
-            let s = &mut self.slots[slot as usize];
-            let total = proto::HEADER_BYTES + s.payload as usize;
-            let take = left.min(total - s.sent);
-            s.sent += take;
-            left -= take;
-            if s.sent < total {
-                break;
-            }
-            if s.error {
-                c.failed_grant = Some(s.grant);
-            } else {
-                self.c
-                    .stats
-                    .bytes
-                    .fetch_add(s.payload as u64, Ordering::Relaxed);
-                if s.last {
-                    self.c.stats.samples.fetch_add(1, Ordering::Relaxed);
-                }
-            }
-            c.sendq.pop_front();
-            self.free_slots.push(slot);
-        }
     }
 
     /// Frees a slot of a closing connection (its read or send completed).
@@ -1010,28 +968,35 @@ impl ServePoller {
         if let Some((code, msg)) = why {
             log::warn!("dropping consumer {}: {}: {msg}", c.peer, code.name());
             self.c.stats.violations.fetch_add(1, Ordering::Relaxed);
-            send_error(&mut c.sock, proto::CONNECTION, code, &msg);
+            // Only between frames: a send in flight would interleave.
+            if !c.link.busy() {
+                send_error(&mut c.sock, proto::CONNECTION, code, &msg);
+            }
         }
         c.closing = true;
         let _ = c.sock.shutdown(std::net::Shutdown::Both);
         c.grants.clear();
-        // Slots whose read is done and not being sent are free now; the
-        // others come back through their completions.
-        let in_flight = if c.tx_inflight { c.tx.slots } else { 0 };
+        // Frames posted but not in flight fail now (their slots come back
+        // through reap_link), those in flight when their send returns; of
+        // the frames not posted, those whose read is done are free now and
+        // the others come back through their read completions.
+        c.link.close();
         let mut keep = VecDeque::new();
         std::mem::swap(&mut keep, &mut c.sendq);
-        for (i, slot) in keep.drain(..).enumerate() {
+        for slot in keep.drain(..) {
             let s = &self.slots[slot as usize];
-            if i < in_flight || !s.ready {
+            if !s.ready {
                 c.sendq.push_back(slot);
             } else {
                 self.free_slots.push(slot);
             }
         }
+        self.reap_link(ci);
         self.maybe_reap(ci);
     }
 
     fn maybe_reap(&mut self, ci: u32) {
+        self.reap_link(ci);
         if self.conns[ci as usize]
             .as_ref()
             .is_some_and(|c| c.closing && c.ops == 0)
