@@ -873,3 +873,37 @@ fn read_error_on_a_node_fails_over_to_the_replica() {
     assert!(stats.failovers > 0, "{stats:?}");
     assert_eq!(stats.source_reads, 0, "node 0 has every sample: {stats:?}");
 }
+
+#[test]
+fn node_service_embedded_in_process() {
+    use kspeed::transport::{NodeService, ServeConfig};
+    use std::sync::atomic::Ordering;
+    let st = setup("tiny", 300, 1, 1);
+    let mut cfg = ServeConfig::new(&st.spaces[0], "127.0.0.1:0", TOKEN.as_bytes());
+    cfg.pollers = 2;
+    let svc = NodeService::start(cfg).unwrap();
+    let addr = svc.local_addr().to_string();
+    let cat = Catalog::open(&st.catalog).unwrap();
+    let mut l = LoaderBuilder::source(s(&st.src))
+        .catalog(&st.catalog)
+        .cluster(cluster_of(&[&addr]))
+        .token(TOKEN.as_bytes())
+        .seed(3)
+        .batch_size(16)
+        .pollers(1)
+        .pin(false)
+        .landing(ring(1 << 20))
+        .build()
+        .unwrap();
+    assert_eq!(check(&mut l, &cat, 0, 1, 2), 600);
+    drop(l);
+    let st_ = svc.stats();
+    assert_eq!(st_.connections.load(Ordering::Relaxed), 1);
+    assert!(st_.samples.load(Ordering::Relaxed) >= 600);
+    assert_eq!(st_.violations.load(Ordering::Relaxed), 0);
+    let t0 = Instant::now();
+    svc.stop();
+    assert!(t0.elapsed() < Duration::from_secs(2));
+    // Stopped means closed: nobody listens any more.
+    assert!(TcpStream::connect(&addr).is_err());
+}
