@@ -907,3 +907,64 @@ fn node_service_embedded_in_process() {
     // Stopped means closed: nobody listens any more.
     assert!(TcpStream::connect(&addr).is_err());
 }
+
+#[test]
+fn read_command_in_cluster_mode_from_a_file_and_from_the_environment() {
+    let st = setup("tiny", 300, 2, 1);
+    let n0 = Serve::start(&st.spaces[0], "127.0.0.1", &st.token, &[]);
+    let n1 = Serve::start(&st.spaces[1], "127.0.0.2", &st.token, &[]);
+    let file = st.spaces[0].parent().unwrap().join("cluster.txt");
+    std::fs::write(
+        &file,
+        format!("# two nodes\n0 {}\n1 {}\n", n0.addr, n1.addr),
+    )
+    .unwrap();
+    let out = ok(&[
+        "read",
+        "--space",
+        s(&st.spaces[0]),
+        "--cluster",
+        s(&file),
+        "--token-file",
+        s(&st.token),
+        "--epochs",
+        "2",
+        "--verify",
+        "--ring-bytes",
+        "1MiB",
+    ]);
+    assert!(out.contains("read 600 samples"), "{out}");
+    let pushed: u64 = out
+        .split("cluster: ")
+        .nth(1)
+        .and_then(|t| t.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{out}"));
+    assert!(pushed > 0, "{out}");
+    // torchrun's variables plus KSPEED_NODES: rank 1 of 2 on node 1.
+    let o = Command::new(kspeed_bin())
+        .args([
+            "read",
+            "--progress=none",
+            "--space",
+            s(&st.spaces[1]),
+            "--cluster-env",
+        ])
+        .args(["--token-file", s(&st.token), "--ring-bytes", "1MiB"])
+        .env("RANK", "1")
+        .env("WORLD_SIZE", "2")
+        .env("LOCAL_RANK", "0")
+        .env("LOCAL_WORLD_SIZE", "1")
+        .env("KSPEED_NODES", format!("{},{}", n0.addr, n1.addr))
+        .output()
+        .unwrap();
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    assert!(t.contains("read 150 samples"), "{t}");
+    // Without a token file, a clear usage error.
+    let e = fails(
+        &["read", "--space", s(&st.spaces[0]), "--cluster", s(&file)],
+        1,
+    );
+    assert!(e.contains("--token-file"), "{e}");
+}
