@@ -670,6 +670,7 @@ impl LoaderBuilder {
             cursor: None,
             peeked: None,
             entries: Vec::with_capacity(batch_size),
+            held: false,
             failed: None,
             counters: Counters::default(),
             started: Instant::now(),
@@ -771,17 +772,7 @@ impl Batch<'_> {
 
     /// Sample `i`.
     pub fn get(&self, i: usize) -> BatchSample<'_> {
-        let e = self.loader.entries[i];
-        let ring = &self.loader.run.as_ref().expect("running").shared.ring;
-        BatchSample {
-            id: e.id,
-            label: e.label,
-            // SAFETY: the sample is ready (published by its poller) and its
-            // slot lies behind the released mark's window, so no poller
-            // writes it until this batch is dropped.
-            bytes: unsafe { ring.slice(e.phys as usize, e.len as usize) },
-            position: e.pos,
-        }
+        self.loader.held_sample(i)
     }
 
     /// The samples in order.
@@ -793,26 +784,7 @@ impl Batch<'_> {
     /// span when the batch wraps around the ring's end. Spans include the
     /// alignment padding between samples.
     pub fn spans(&self) -> (&[u8], Option<&[u8]>) {
-        let ring = &self.loader.run.as_ref().expect("running").shared.ring;
-        let first = self.loader.entries[0];
-        let last = *self.loader.entries.last().expect("non-empty");
-        let end = last.phys + last.len;
-        // SAFETY: as in `get`: every byte of these spans belongs to ready
-        // samples of this batch or to padding between them, which no poller writes.
-        unsafe {
-            if end >= first.phys {
-                (
-                    ring.slice(first.phys as usize, (end - first.phys) as usize),
-                    None,
-                )
-            } else {
-                let wrap = self.loader.geo.ring_bytes as usize;
-                (
-                    ring.slice(first.phys as usize, wrap - first.phys as usize),
-                    Some(ring.slice(0, end as usize)),
-                )
-            }
-        }
+        self.loader.held_spans()
     }
 
     /// The epoch this batch belongs to.
@@ -823,7 +795,7 @@ impl Batch<'_> {
 
 impl Drop for Batch<'_> {
     fn drop(&mut self) {
-        self.loader.release();
+        self.loader.release_batch();
     }
 }
 
@@ -905,6 +877,8 @@ pub struct Loader {
     /// the ring could not hold it together with the batch so far.
     peeked: Option<Placed>,
     entries: Vec<Entry>,
+    /// Whether `entries` is a batch handed out and not yet released.
+    held: bool,
     failed: Option<String>,
     counters: Counters,
     started: Instant,
@@ -1054,6 +1028,19 @@ impl Loader {
     /// The next batch of the current epoch, or `None` at its end (call
     /// [`Loader::set_epoch`] to go on). Blocks only while data is not there yet.
     pub fn next_batch(&mut self) -> Result<Option<Batch<'_>>> {
+        if self.acquire_batch()? == 0 {
+            return Ok(None);
+        }
+        Ok(Some(Batch { loader: self }))
+    }
+
+    /// The next batch without a borrow, for bindings that cannot hold one
+    /// across calls (the C ABI): the loader keeps the batch, reachable with
+    /// [`Loader::held_sample`] and [`Loader::held_spans`], until
+    /// [`Loader::release_batch`]. Returns its length (0 at the epoch's end).
+    /// A batch still held is released first.
+    pub fn acquire_batch(&mut self) -> Result<usize> {
+        self.release_batch();
         if let Some(msg) = &self.failed {
             return Err(Error::LoaderFailed(msg.clone()));
         }
@@ -1095,10 +1082,66 @@ impl Loader {
             self.counters.samples += 1;
             self.counters.bytes += p.len;
         }
-        if self.entries.is_empty() {
-            return Ok(None);
+        self.held = !self.entries.is_empty();
+        Ok(self.entries.len())
+    }
+
+    /// Samples in the held batch (0 when none is held).
+    pub fn held_len(&self) -> usize {
+        if self.held {
+            self.entries.len()
+        } else {
+            0
         }
-        Ok(Some(Batch { loader: self }))
+    }
+
+    /// Sample `i` of the held batch.
+    ///
+    /// # Panics
+    /// When no batch is held or `i` is out of range.
+    pub fn held_sample(&self, i: usize) -> BatchSample<'_> {
+        assert!(self.held, "no batch is held");
+        let e = self.entries[i];
+        let ring = &self.run.as_ref().expect("running").shared.ring;
+        BatchSample {
+            id: e.id,
+            label: e.label,
+            // SAFETY: the sample is ready (published by its poller) and its
+            // slot lies behind the released mark's window, so no poller
+            // writes it until the batch is released.
+            bytes: unsafe { ring.slice(e.phys as usize, e.len as usize) },
+            position: e.pos,
+        }
+    }
+
+    /// The held batch as one contiguous span of the ring (two if it wraps),
+    /// alignment padding included.
+    ///
+    /// # Panics
+    /// When no batch is held.
+    pub fn held_spans(&self) -> (&[u8], Option<&[u8]>) {
+        assert!(self.held, "no batch is held");
+        let ring = &self.run.as_ref().expect("running").shared.ring;
+        let first = self.entries[0];
+        let last = *self.entries.last().expect("non-empty");
+        let end = last.phys + last.len;
+        // SAFETY: as in `held_sample`: every byte of these spans belongs to
+        // ready samples of this batch or to padding between them, which no
+        // poller writes.
+        unsafe {
+            if end >= first.phys {
+                (
+                    ring.slice(first.phys as usize, (end - first.phys) as usize),
+                    None,
+                )
+            } else {
+                let wrap = self.geo.ring_bytes as usize;
+                (
+                    ring.slice(first.phys as usize, wrap - first.phys as usize),
+                    Some(ring.slice(0, end as usize)),
+                )
+            }
+        }
     }
 
     fn wait_ready(&mut self, p: &Placed) -> Result<()> {
@@ -1143,6 +1186,13 @@ impl Loader {
         }
     }
 
+    /// Returns the held batch's ring space (nothing when none is held).
+    pub fn release_batch(&mut self) {
+        if std::mem::take(&mut self.held) {
+            self.release();
+        }
+    }
+
     /// Returns the batch's ring space. The released mark is the *next*
     /// sample's slot start, not the batch's end: padding skipped before that
     /// slot (at the ring's end or a segment boundary) is free too, and
@@ -1175,6 +1225,7 @@ impl Loader {
     /// epoch after finishing one keeps what the pollers already read ahead;
     /// any other epoch restarts the pipeline there.
     pub fn set_epoch(&mut self, epoch: u64) -> Result<()> {
+        self.release_batch();
         if let Some(msg) = &self.failed {
             return Err(Error::LoaderFailed(msg.clone()));
         }
@@ -1211,6 +1262,7 @@ impl Loader {
     /// Continues from a position saved by [`Loader::save_position`] with the
     /// same dataset, seed, shuffle, rank, world and drop_last.
     pub fn restore_position(&mut self, bytes: &[u8]) -> Result<()> {
+        self.release_batch();
         if let Some(msg) = &self.failed {
             return Err(Error::LoaderFailed(msg.clone()));
         }
