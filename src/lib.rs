@@ -15,10 +15,12 @@
 //! - [`transport`]: how bytes reach a remote consumer (the RDMA device probe so far);
 //! - [`mod@format`]: the checksummed envelope of kspeed's binary files;
 //! - [`progress`]: progress bars and lines for long work;
-//! - `sys` (private): the system calls std lacks (the only `unsafe` here).
+//! - [`capi`]: the C ABI (`libkspeed.so`, `include/kspeed.h`);
+//! - `sys` (private): the system calls std lacks.
 
 #![warn(missing_docs)]
 
+pub mod capi;
 pub mod dataset;
 pub mod error;
 pub mod format;
