@@ -3,7 +3,9 @@
 # lints (with and without the rdma feature), rustdoc, every test with and
 # without the rdma feature (the cluster tests start `kspeed serve` processes
 # on 127.0.0.x and, as root, in network namespaces), the frame-decoding fuzz
-# target for a bounded time, and the RDMA tests inside the soft-RoCE VM.
+# target for a bounded time, the C ABI from C (plain, ASan, valgrind) and the
+# C++ example against an installed package, and the RDMA tests inside the
+# soft-RoCE VM.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -17,6 +19,8 @@ cargo clippy --all-targets -- -D warnings
 cargo clippy --all-targets --no-default-features -- -D warnings
 step "rustdoc"
 RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --quiet
+step "include/kspeed.h matches src/capi (pinned cbindgen)"
+scripts/gen_header.sh --check
 
 runner=(cargo test)
 if cargo nextest --version >/dev/null 2>&1; then runner=(cargo nextest run --no-fail-fast); fi

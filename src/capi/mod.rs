@@ -747,6 +747,67 @@ pub unsafe extern "C" fn ksp_loader_stats(l: *const ksp_loader, out: *mut ksp_st
     })
 }
 
+/// What the catalog says about one sample.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ksp_catalog_sample {
+    /// Length in bytes.
+    pub len: u64,
+    /// CRC32C of its bytes.
+    pub crc32c: u32,
+    /// Label, or -1 when the source has none.
+    pub label: i64,
+}
+
+/// Samples in the loader's catalog (the whole dataset), in `*out`.
+///
+/// # Safety
+/// `l` is a live loader; `out` writable.
+#[no_mangle]
+pub unsafe extern "C" fn ksp_loader_catalog_len(l: *const ksp_loader, out: *mut u64) -> ksp_status {
+    guard(|| {
+        null(l, "loader")?;
+        null(out, "out")?;
+        // SAFETY: live loader; out writable (contract).
+        unsafe { *out = (*l).loader.catalog().len() };
+        Ok(())
+    })
+}
+
+/// The catalog's record of sample `id` (length, CRC32C, label), in `*out`;
+/// `KSP_ERR_INVALID_ARG` when `id` is past the catalog.
+///
+/// # Safety
+/// `l` is a live loader; `out` writable.
+#[no_mangle]
+pub unsafe extern "C" fn ksp_loader_catalog_sample(
+    l: *const ksp_loader,
+    id: u64,
+    out: *mut ksp_catalog_sample,
+) -> ksp_status {
+    guard(|| {
+        null(l, "loader")?;
+        null(out, "out")?;
+        // SAFETY: live loader (contract).
+        let cat = unsafe { &*l }.loader.catalog();
+        if id >= cat.len() {
+            return Err(Fail::Invalid(format!(
+                "sample {id} is past the catalog's {} samples",
+                cat.len()
+            )));
+        }
+        let s = cat.sample(id);
+        let v = ksp_catalog_sample {
+            len: s.len as u64,
+            crc32c: s.crc32c,
+            label: s.label.map_or(-1, |x| x as i64),
+        };
+        // SAFETY: out writable (contract).
+        unsafe { *out = v };
+        Ok(())
+    })
+}
+
 // --- spaces -----------------------------------------------------------------
 
 /// Preloads the samples node `node_index` of `nodes` holds (with `replicas`

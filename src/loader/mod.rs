@@ -677,6 +677,20 @@ impl LoaderBuilder {
             net: net.map(Arc::new),
         };
         loader.launch(start)?;
+        log::info!(
+            "loader: {} samples per epoch for rank {} of {}, batch {}, ring {} bytes, {} pollers{}",
+            loader.sampler.per_rank(),
+            self.rank,
+            self.world,
+            batch_size,
+            loader.geo.ring_bytes,
+            loader.cfg.pollers,
+            if loader.net.is_some() {
+                ", cluster mode"
+            } else {
+                ""
+            }
+        );
         Ok(loader)
     }
 }
