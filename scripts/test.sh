@@ -29,6 +29,9 @@ step "tests without the rdma feature"
 step "tests (default features)"
 "${runner[@]}"
 
+step "C++ example against an installed package (CMake, pkg-config, static)"
+scripts/test_cpp.sh
+
 step "fuzz the frame decoder (${KSPEED_FUZZ_SECS:-45} s)"
 KSPEED_FUZZ_OPTIONAL=1 scripts/fuzz.sh "${KSPEED_FUZZ_SECS:-45}" 2>&1 | tail -n 3
 

@@ -1,0 +1,228 @@
+// kspeed.hpp: a small header-only C++17 RAII wrapper over the kspeed C ABI
+// (kspeed.h). Errors are exceptions: every failed call throws kspeed::Error,
+// which carries the ksp_status and kspeed's message. Handles are movable, not
+// copyable; destructors never throw.
+//
+//   kspeed::Config cfg;
+//   cfg.set("space", "/nvme/train").set("batch_size", 256).set("seed", 42);
+//   kspeed::Loader loader(cfg);
+//   for (uint64_t epoch = 0; epoch < 3; ++epoch) {
+//       loader.set_epoch(epoch);
+//       while (auto batch = loader.next_batch()) {
+//           for (const ksp_sample& s : *batch) { /* s.data, s.len, s.id, s.label */ }
+//       }   // the batch's ring space is returned when it goes out of scope
+//   }
+//
+// Thread safety: as for the C handles, one thread at a time per object.
+#ifndef KSPEED_HPP
+#define KSPEED_HPP
+
+#include <kspeed.h>
+
+#include <cstdint>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace kspeed {
+
+/// The calling thread's last kspeed error message.
+inline std::string last_error() {
+    std::string msg(256, '\0');
+    size_t n = 0;
+    if (ksp_last_error(msg.data(), msg.size(), &n) == KSP_ERR_BUFFER_TOO_SMALL) {
+        msg.assign(n + 1, '\0');
+        ksp_last_error(msg.data(), msg.size(), &n);
+    }
+    msg.resize(n);
+    return msg;
+}
+
+/// A failed kspeed call: the status and kspeed's message.
+class Error : public std::runtime_error {
+public:
+    Error(ksp_status status, const std::string& message)
+        : std::runtime_error(message), status_(status) {}
+    ksp_status status() const noexcept { return status_; }
+
+private:
+    ksp_status status_;
+};
+
+/// Throws kspeed::Error unless `s` is KSP_OK.
+inline void check(ksp_status s) {
+    if (s != KSP_OK) throw Error(s, last_error());
+}
+
+/// The library's version string.
+inline std::string version() { return ksp_version(); }
+
+/// Loader settings (keys as for ksp_config_set).
+class Config {
+public:
+    Config() { check(ksp_config_new(&p_)); }
+    ~Config() { ksp_config_free(p_); }
+    Config(Config&& o) noexcept : p_(std::exchange(o.p_, nullptr)) {}
+    Config& operator=(Config&& o) noexcept {
+        std::swap(p_, o.p_);
+        return *this;
+    }
+    Config(const Config&) = delete;
+    Config& operator=(const Config&) = delete;
+
+    Config& set(const std::string& key, const std::string& value) {
+        check(ksp_config_set(p_, key.c_str(), value.c_str()));
+        return *this;
+    }
+    Config& set(const std::string& key, const char* value) { return set(key, std::string(value)); }
+    Config& set(const std::string& key, bool value) { return set(key, value ? "true" : "false"); }
+    template <typename T, typename = std::enable_if_t<std::is_integral_v<T>>>
+    Config& set(const std::string& key, T value) {
+        return set(key, std::to_string(value));
+    }
+
+    const ksp_config* get() const noexcept { return p_; }
+
+private:
+    ksp_config* p_ = nullptr;
+};
+
+class Loader;
+
+/// A batch of samples, zero-copy in the loader's ring. Releasing (its
+/// destructor, or release()) returns the space; the loader hands out one
+/// batch at a time, so a new next_batch() releases the previous one and
+/// invalidates its pointers.
+class Batch {
+public:
+    Batch(Batch&& o) noexcept : l_(std::exchange(o.l_, nullptr)), b_(o.b_) {}
+    Batch& operator=(Batch&& o) noexcept {
+        release();
+        l_ = std::exchange(o.l_, nullptr);
+        b_ = o.b_;
+        return *this;
+    }
+    Batch(const Batch&) = delete;
+    Batch& operator=(const Batch&) = delete;
+    ~Batch() { release(); }
+
+    size_t size() const noexcept { return b_.count; }
+    const ksp_sample& operator[](size_t i) const noexcept { return b_.samples[i]; }
+    const ksp_sample* begin() const noexcept { return b_.samples; }
+    const ksp_sample* end() const noexcept { return b_.samples + b_.count; }
+    uint64_t epoch() const noexcept { return b_.epoch; }
+    /// The batch's bytes: one contiguous span, plus a second when it wraps.
+    std::pair<const uint8_t*, size_t> span() const noexcept { return {b_.span, b_.span_len}; }
+    std::pair<const uint8_t*, size_t> wrap() const noexcept { return {b_.wrap, b_.wrap_len}; }
+
+    /// Returns the batch's space now (the destructor does it otherwise).
+    void release() noexcept {
+        if (l_) ksp_loader_release_batch(l_);
+        l_ = nullptr;
+    }
+
+private:
+    friend class Loader;
+    Batch(ksp_loader* l, const ksp_batch& b) : l_(l), b_(b) {}
+    ksp_loader* l_;
+    ksp_batch b_;
+};
+
+/// Reads a rank's samples in sampler order (see the Rust Loader).
+class Loader {
+public:
+    explicit Loader(const Config& cfg) { check(ksp_loader_new(cfg.get(), &p_)); }
+    ~Loader() { ksp_loader_free(p_); }
+    Loader(Loader&& o) noexcept : p_(std::exchange(o.p_, nullptr)) {}
+    Loader& operator=(Loader&& o) noexcept {
+        std::swap(p_, o.p_);
+        return *this;
+    }
+    Loader(const Loader&) = delete;
+    Loader& operator=(const Loader&) = delete;
+
+    /// The next batch, or std::nullopt at the end of the epoch.
+    std::optional<Batch> next_batch() {
+        ksp_batch b;
+        check(ksp_loader_next_batch(p_, &b));
+        if (b.count == 0) return std::nullopt;
+        return Batch(p_, b);
+    }
+    void set_epoch(uint64_t epoch) { check(ksp_loader_set_epoch(p_, epoch)); }
+    uint64_t epoch_len() const {
+        uint64_t n = 0;
+        check(ksp_loader_epoch_len(p_, &n));
+        return n;
+    }
+    /// The position to resume from (KSP_POSITION_BYTES bytes).
+    std::vector<uint8_t> save_position() const {
+        std::vector<uint8_t> pos(KSP_POSITION_BYTES);
+        size_t n = 0;
+        check(ksp_loader_save_position(p_, pos.data(), pos.size(), &n));
+        pos.resize(n);
+        return pos;
+    }
+    void restore_position(const std::vector<uint8_t>& pos) {
+        check(ksp_loader_restore_position(p_, pos.data(), pos.size()));
+    }
+    ksp_stats stats() const {
+        ksp_stats s{};
+        check(ksp_loader_stats(p_, &s));
+        return s;
+    }
+    uint64_t catalog_len() const {
+        uint64_t n = 0;
+        check(ksp_loader_catalog_len(p_, &n));
+        return n;
+    }
+    ksp_catalog_sample catalog_sample(uint64_t id) const {
+        ksp_catalog_sample c{};
+        check(ksp_loader_catalog_sample(p_, id, &c));
+        return c;
+    }
+
+private:
+    ksp_loader* p_ = nullptr;
+};
+
+/// Preloads node `node_index` of `nodes` (with `replicas` copies) from
+/// `source` into `space`; an empty `catalog` builds one.
+inline void preload(const std::string& source, const std::string& space,
+                    const std::string& catalog = "", uint32_t nodes = 1,
+                    uint32_t node_index = 0, uint32_t replicas = 1) {
+    check(ksp_preload(source.empty() ? nullptr : source.c_str(), space.c_str(),
+                      catalog.empty() ? nullptr : catalog.c_str(), nodes, node_index, replicas));
+}
+
+/// Re-reads a space: {samples checked, bad samples}.
+inline std::pair<uint64_t, uint64_t> verify(const std::string& space) {
+    uint64_t checked = 0, bad = 0;
+    check(ksp_verify(space.c_str(), &checked, &bad));
+    return {checked, bad};
+}
+
+/// A node service serving a space to remote loaders; stopped by the destructor.
+class NodeService {
+public:
+    NodeService(const std::string& space, const std::string& listen, const std::string& token) {
+        check(ksp_node_service_start(space.c_str(), listen.c_str(), token.c_str(), &p_));
+    }
+    ~NodeService() { ksp_node_service_stop(p_); }
+    NodeService(NodeService&& o) noexcept : p_(std::exchange(o.p_, nullptr)) {}
+    NodeService(const NodeService&) = delete;
+    NodeService& operator=(const NodeService&) = delete;
+    uint16_t port() const {
+        uint16_t p = 0;
+        check(ksp_node_service_port(p_, &p));
+        return p;
+    }
+
+private:
+    ksp_node_service* p_ = nullptr;
+};
+
+}  // namespace kspeed
+
+#endif  // KSPEED_HPP
