@@ -153,6 +153,8 @@ ksp_status ksp_last_error(char *buf, size_t buf_len, size_t *out_len);
 // shuffle on, rank 0 of 1, 256 MiB ring...). Free it with
 // [`ksp_config_free`].
 //
+// Status: `KSP_OK`; `KSP_ERR_NULL_ARG` (`out`). The caller owns `*out`.
+//
 // # Safety
 // `out` must be writable.
 ksp_status ksp_config_new(ksp_config **out);
@@ -195,6 +197,11 @@ ksp_status ksp_config_set(ksp_config *cfg, const char *key, const char *value);
 // pollers (and connects to the cluster's nodes in cluster mode). Free it
 // with [`ksp_loader_free`].
 //
+// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_INVALID_ARG` (settings,
+// a sample larger than the ring); `KSP_ERR_IO` / `KSP_ERR_DATA` (the space
+// or source); `KSP_ERR_RESOURCE` (memlock limit, io_uring); `KSP_ERR_NETWORK`
+// (a node refused). The caller owns `*out`.
+//
 // # Safety
 // `cfg` is a live configuration; `out` writable.
 ksp_status ksp_loader_new(const ksp_config *cfg, ksp_loader **out);
@@ -219,17 +226,24 @@ ksp_status ksp_loader_next_batch(ksp_loader *l, ksp_batch *out);
 // Returns the held batch's ring space; its pointers are invalid afterwards.
 // Without a held batch it does nothing.
 //
+// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`.
+//
 // # Safety
 // `l` is a live loader.
 ksp_status ksp_loader_release_batch(ksp_loader *l);
 
 // Moves to `epoch` (like PyTorch's `sampler.set_epoch`); releases a held batch.
 //
+// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_STATE` (the loader failed
+// earlier); `KSP_ERR_NETWORK` (cluster mode: reconnecting failed).
+//
 // # Safety
 // `l` is a live loader.
 ksp_status ksp_loader_set_epoch(ksp_loader *l, uint64_t epoch);
 
 // Samples per epoch for this rank, in `*out`.
+//
+// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`.
 //
 // # Safety
 // `l` is a live loader; `out` writable.
@@ -238,6 +252,8 @@ ksp_status ksp_loader_epoch_len(const ksp_loader *l, uint64_t *out);
 // Writes the current position (`KSP_POSITION_BYTES` bytes) to `buf` and
 // its length to `*out_len`. `KSP_ERR_BUFFER_TOO_SMALL` (with `*out_len`
 // set) when `buf_len` is less.
+//
+// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_BUFFER_TOO_SMALL`.
 //
 // # Safety
 // `l` is a live loader; `buf` writable for `buf_len` bytes; `out_len` writable.
@@ -250,11 +266,16 @@ ksp_status ksp_loader_save_position(const ksp_loader *l,
 // the same dataset, seed, shuffle, rank, world and drop_last
 // (`KSP_ERR_INVALID_ARG` otherwise). Releases a held batch.
 //
+// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_INVALID_ARG` (not a
+// position of this loader's job); `KSP_ERR_STATE`.
+//
 // # Safety
 // `l` is a live loader; `buf` readable for `len` bytes.
 ksp_status ksp_loader_restore_position(ksp_loader *l, const uint8_t *buf, size_t len);
 
 // Statistics so far, in `*out`.
+//
+// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`.
 //
 // # Safety
 // `l` is a live loader; `out` writable.
@@ -262,12 +283,16 @@ ksp_status ksp_loader_stats(const ksp_loader *l, ksp_stats *out);
 
 // Samples in the loader's catalog (the whole dataset), in `*out`.
 //
+// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`.
+//
 // # Safety
 // `l` is a live loader; `out` writable.
 ksp_status ksp_loader_catalog_len(const ksp_loader *l, uint64_t *out);
 
 // The catalog's record of sample `id` (length, CRC32C, label), in `*out`;
 // `KSP_ERR_INVALID_ARG` when `id` is past the catalog.
+//
+// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_INVALID_ARG`.
 //
 // # Safety
 // `l` is a live loader; `out` writable.
@@ -277,6 +302,10 @@ ksp_status ksp_loader_catalog_sample(const ksp_loader *l, uint64_t id, ksp_catal
 // copies) from `source` into the space `space` (idempotent, resumable).
 // `catalog` may be NULL (built from the source) or a prebuilt catalog;
 // `source` may be NULL when the space already has a catalog.
+//
+// Status: `KSP_OK`; `KSP_ERR_NULL_ARG` (`space`); `KSP_ERR_INVALID_ARG`
+// (placement); `KSP_ERR_IO` (source, disk full, space locked by another
+// preload); `KSP_ERR_DATA` (source changed, corrupt catalog).
 //
 // # Safety
 // String arguments are NULL or NUL-terminated.
@@ -291,6 +320,9 @@ ksp_status ksp_preload(const char *source,
 // samples checked and the bad ones to `*checked` and `*bad` (either may be
 // NULL); bad samples are not an error status (`KSP_OK` with `*bad > 0`).
 //
+// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_IO` / `KSP_ERR_DATA` (the
+// space cannot be opened).
+//
 // # Safety
 // `space` NUL-terminated; `checked`, `bad` NULL or writable.
 ksp_status ksp_verify(const char *space, uint64_t *checked, uint64_t *bad);
@@ -298,6 +330,10 @@ ksp_status ksp_verify(const char *space, uint64_t *checked, uint64_t *bad);
 // Starts a node service serving `space` on `listen` (`host:port`, port 0
 // picks one) for consumers presenting `token`. Stop and free it with
 // [`ksp_node_service_stop`].
+//
+// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_IO` / `KSP_ERR_DATA` (the
+// space); `KSP_ERR_OTHER` (cannot listen). The caller owns `*out`; the
+// service's threads run until [`ksp_node_service_stop`].
 //
 // # Safety
 // Strings NUL-terminated; `out` writable.
@@ -307,6 +343,8 @@ ksp_status ksp_node_service_start(const char *space,
                                   ksp_node_service **out);
 
 // The TCP port the service listens on, in `*out`.
+//
+// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`.
 //
 // # Safety
 // `s` is a live service; `out` writable.
@@ -322,6 +360,8 @@ void ksp_node_service_stop(ksp_node_service *s);
 // above to `cb` with `userdata`. Replaces any earlier callback; NULL `cb`
 // stops delivery. Fails with `KSP_ERR_STATE` if the process already has
 // another Rust logger installed.
+//
+// Status: `KSP_OK`; `KSP_ERR_INVALID_ARG` (level); `KSP_ERR_STATE`.
 //
 // # Safety
 // `cb` must be callable from any thread until replaced; `userdata` is

@@ -269,6 +269,8 @@ pub struct ksp_config {
 /// shuffle on, rank 0 of 1, 256 MiB ring...). Free it with
 /// [`ksp_config_free`].
 ///
+/// Status: `KSP_OK`; `KSP_ERR_NULL_ARG` (`out`). The caller owns `*out`.
+///
 /// # Safety
 /// `out` must be writable.
 #[no_mangle]
@@ -480,6 +482,11 @@ pub struct ksp_loader {
 /// pollers (and connects to the cluster's nodes in cluster mode). Free it
 /// with [`ksp_loader_free`].
 ///
+/// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_INVALID_ARG` (settings,
+/// a sample larger than the ring); `KSP_ERR_IO` / `KSP_ERR_DATA` (the space
+/// or source); `KSP_ERR_RESOURCE` (memlock limit, io_uring); `KSP_ERR_NETWORK`
+/// (a node refused). The caller owns `*out`.
+///
 /// # Safety
 /// `cfg` is a live configuration; `out` writable.
 #[no_mangle]
@@ -619,6 +626,8 @@ pub unsafe extern "C" fn ksp_loader_next_batch(
 /// Returns the held batch's ring space; its pointers are invalid afterwards.
 /// Without a held batch it does nothing.
 ///
+/// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`.
+///
 /// # Safety
 /// `l` is a live loader.
 #[no_mangle]
@@ -634,6 +643,9 @@ pub unsafe extern "C" fn ksp_loader_release_batch(l: *mut ksp_loader) -> ksp_sta
 }
 
 /// Moves to `epoch` (like PyTorch's `sampler.set_epoch`); releases a held batch.
+///
+/// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_STATE` (the loader failed
+/// earlier); `KSP_ERR_NETWORK` (cluster mode: reconnecting failed).
 ///
 /// # Safety
 /// `l` is a live loader.
@@ -651,6 +663,8 @@ pub unsafe extern "C" fn ksp_loader_set_epoch(l: *mut ksp_loader, epoch: u64) ->
 
 /// Samples per epoch for this rank, in `*out`.
 ///
+/// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`.
+///
 /// # Safety
 /// `l` is a live loader; `out` writable.
 #[no_mangle]
@@ -667,6 +681,8 @@ pub unsafe extern "C" fn ksp_loader_epoch_len(l: *const ksp_loader, out: *mut u6
 /// Writes the current position (`KSP_POSITION_BYTES` bytes) to `buf` and
 /// its length to `*out_len`. `KSP_ERR_BUFFER_TOO_SMALL` (with `*out_len`
 /// set) when `buf_len` is less.
+///
+/// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_BUFFER_TOO_SMALL`.
 ///
 /// # Safety
 /// `l` is a live loader; `buf` writable for `buf_len` bytes; `out_len` writable.
@@ -698,6 +714,9 @@ pub unsafe extern "C" fn ksp_loader_save_position(
 /// the same dataset, seed, shuffle, rank, world and drop_last
 /// (`KSP_ERR_INVALID_ARG` otherwise). Releases a held batch.
 ///
+/// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_INVALID_ARG` (not a
+/// position of this loader's job); `KSP_ERR_STATE`.
+///
 /// # Safety
 /// `l` is a live loader; `buf` readable for `len` bytes.
 #[no_mangle]
@@ -718,6 +737,8 @@ pub unsafe extern "C" fn ksp_loader_restore_position(
 }
 
 /// Statistics so far, in `*out`.
+///
+/// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`.
 ///
 /// # Safety
 /// `l` is a live loader; `out` writable.
@@ -761,6 +782,8 @@ pub struct ksp_catalog_sample {
 
 /// Samples in the loader's catalog (the whole dataset), in `*out`.
 ///
+/// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`.
+///
 /// # Safety
 /// `l` is a live loader; `out` writable.
 #[no_mangle]
@@ -776,6 +799,8 @@ pub unsafe extern "C" fn ksp_loader_catalog_len(l: *const ksp_loader, out: *mut 
 
 /// The catalog's record of sample `id` (length, CRC32C, label), in `*out`;
 /// `KSP_ERR_INVALID_ARG` when `id` is past the catalog.
+///
+/// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_INVALID_ARG`.
 ///
 /// # Safety
 /// `l` is a live loader; `out` writable.
@@ -814,6 +839,10 @@ pub unsafe extern "C" fn ksp_loader_catalog_sample(
 /// copies) from `source` into the space `space` (idempotent, resumable).
 /// `catalog` may be NULL (built from the source) or a prebuilt catalog;
 /// `source` may be NULL when the space already has a catalog.
+///
+/// Status: `KSP_OK`; `KSP_ERR_NULL_ARG` (`space`); `KSP_ERR_INVALID_ARG`
+/// (placement); `KSP_ERR_IO` (source, disk full, space locked by another
+/// preload); `KSP_ERR_DATA` (source changed, corrupt catalog).
 ///
 /// # Safety
 /// String arguments are NULL or NUL-terminated.
@@ -858,6 +887,9 @@ pub unsafe extern "C" fn ksp_preload(
 /// samples checked and the bad ones to `*checked` and `*bad` (either may be
 /// NULL); bad samples are not an error status (`KSP_OK` with `*bad > 0`).
 ///
+/// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_IO` / `KSP_ERR_DATA` (the
+/// space cannot be opened).
+///
 /// # Safety
 /// `space` NUL-terminated; `checked`, `bad` NULL or writable.
 #[no_mangle]
@@ -895,6 +927,10 @@ pub struct ksp_node_service {
 /// picks one) for consumers presenting `token`. Stop and free it with
 /// [`ksp_node_service_stop`].
 ///
+/// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_IO` / `KSP_ERR_DATA` (the
+/// space); `KSP_ERR_OTHER` (cannot listen). The caller owns `*out`; the
+/// service's threads run until [`ksp_node_service_stop`].
+///
 /// # Safety
 /// Strings NUL-terminated; `out` writable.
 #[no_mangle]
@@ -922,6 +958,8 @@ pub unsafe extern "C" fn ksp_node_service_start(
 }
 
 /// The TCP port the service listens on, in `*out`.
+///
+/// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`.
 ///
 /// # Safety
 /// `s` is a live service; `out` writable.
@@ -1014,6 +1052,8 @@ static LOGGER: CallbackLogger = CallbackLogger;
 /// above to `cb` with `userdata`. Replaces any earlier callback; NULL `cb`
 /// stops delivery. Fails with `KSP_ERR_STATE` if the process already has
 /// another Rust logger installed.
+///
+/// Status: `KSP_OK`; `KSP_ERR_INVALID_ARG` (level); `KSP_ERR_STATE`.
 ///
 /// # Safety
 /// `cb` must be callable from any thread until replaced; `userdata` is
