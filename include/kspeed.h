@@ -249,6 +249,15 @@ ksp_status ksp_loader_set_epoch(ksp_loader *l, uint64_t epoch);
 // `l` is a live loader; `out` writable.
 ksp_status ksp_loader_epoch_len(const ksp_loader *l, uint64_t *out);
 
+// The position of the next sample `ksp_loader_next_batch` delivers: its
+// epoch and its step within the epoch.
+//
+// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`.
+//
+// # Safety
+// `l` is a live loader; `epoch` and `index` writable.
+ksp_status ksp_loader_position(const ksp_loader *l, uint64_t *epoch, uint64_t *index);
+
 // Writes the current position (`KSP_POSITION_BYTES` bytes) to `buf` and
 // its length to `*out_len`. `KSP_ERR_BUFFER_TOO_SMALL` (with `*out_len`
 // set) when `buf_len` is less.

@@ -3,8 +3,9 @@
 # lints (with and without the rdma feature), rustdoc, every test with and
 # without the rdma feature (the cluster tests start `kspeed serve` processes
 # on 127.0.0.x and, as root, in network namespaces), the frame-decoding fuzz
-# target for a bounded time, the C ABI from C (plain, ASan, valgrind) and the
-# C++ example against an installed package, and the RDMA tests inside the
+# target for a bounded time, the C ABI from C (plain, ASan, valgrind), the
+# C++ example against an installed package, the DALI plugin's tests (downloads
+# the DALI wheel once into target/dali-venv), and the RDMA tests inside the
 # soft-RoCE VM.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,6 +32,14 @@ step "tests (default features)"
 
 step "C++ example against an installed package (CMake, pkg-config, static)"
 scripts/test_cpp.sh
+
+step "DALI plugin (fn.kspeed.reader) against the DALI wheel, CPU only"
+if [ "${KSPEED_SKIP_DALI:-0}" = 1 ]; then
+  echo "skipped: KSPEED_SKIP_DALI=1"
+else
+  ffi/dali/build_and_test.sh 2>&1 | tail -n 15
+  test "${PIPESTATUS[0]}" = 0
+fi
 
 step "fuzz the frame decoder (${KSPEED_FUZZ_SECS:-45} s)"
 KSPEED_FUZZ_OPTIONAL=1 scripts/fuzz.sh "${KSPEED_FUZZ_SECS:-45}" 2>&1 | tail -n 3

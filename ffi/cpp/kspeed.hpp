@@ -156,6 +156,12 @@ public:
         check(ksp_loader_epoch_len(p_, &n));
         return n;
     }
+    /// {epoch, step} of the next sample next_batch() delivers.
+    std::pair<uint64_t, uint64_t> position() const {
+        uint64_t e = 0, i = 0;
+        check(ksp_loader_position(p_, &e, &i));
+        return {e, i};
+    }
     /// The position to resume from (KSP_POSITION_BYTES bytes).
     std::vector<uint8_t> save_position() const {
         std::vector<uint8_t> pos(KSP_POSITION_BYTES);

@@ -678,6 +678,33 @@ pub unsafe extern "C" fn ksp_loader_epoch_len(l: *const ksp_loader, out: *mut u6
     })
 }
 
+/// The position of the next sample `ksp_loader_next_batch` delivers: its
+/// epoch and its step within the epoch.
+///
+/// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`.
+///
+/// # Safety
+/// `l` is a live loader; `epoch` and `index` writable.
+#[no_mangle]
+pub unsafe extern "C" fn ksp_loader_position(
+    l: *const ksp_loader,
+    epoch: *mut u64,
+    index: *mut u64,
+) -> ksp_status {
+    guard(|| {
+        null(l, "loader")?;
+        null(epoch, "epoch")?;
+        null(index, "index")?;
+        // SAFETY: live loader; outputs writable (contract).
+        unsafe {
+            let p = (*l).loader.position();
+            *epoch = p.epoch;
+            *index = p.index;
+        }
+        Ok(())
+    })
+}
+
 /// Writes the current position (`KSP_POSITION_BYTES` bytes) to `buf` and
 /// its length to `*out_len`. `KSP_ERR_BUFFER_TOO_SMALL` (with `*out_len`
 /// set) when `buf_len` is less.

@@ -178,6 +178,10 @@ int main(int argc, char **argv) {
     ksp_batch b;
     CHECK(ksp_loader_next_batch(l, &b) == KSP_OK && b.count > 0, "%s", last_error());
     CHECK(ksp_loader_release_batch(l) == KSP_OK, "%s", last_error());
+    uint64_t pe = 9, pi = 0;
+    CHECK(ksp_loader_position(l, &pe, &pi) == KSP_OK && pe == 2 && pi == b.count, "position %llu/%llu",
+          (unsigned long long)pe, (unsigned long long)pi);
+    CHECK(ksp_loader_position(l, NULL, &pi) == KSP_ERR_NULL_ARG, "null epoch");
     uint8_t pos[KSP_POSITION_BYTES];
     uint8_t tiny[4];
     CHECK(ksp_loader_save_position(l, tiny, sizeof tiny, &n) == KSP_ERR_BUFFER_TOO_SMALL &&

@@ -1,0 +1,258 @@
+// fn.kspeed.reader: a DALI CPU reader operator over libkspeed's C ABI.
+//
+// Each iteration takes max_batch_size samples from a kspeed loader (whose
+// pollers read ahead into its landing ring), copies them into DALI's output
+// buffers (uint8 bytes, int32 label), and returns the ring space. Epochs
+// follow DALI's reader conventions: with pad_last_batch the last batch of an
+// epoch is filled by repeating its last sample and the next epoch starts
+// fresh; without it the batch is filled from the next epoch, which then goes
+// on from there. The shard is kspeed's rank (DistributedSampler semantics:
+// every shard has ceil(N / num_shards) samples, the short ones padded).
+#include <kspeed.hpp>
+
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "dali/pipeline/operator/checkpointing/op_checkpoint.h"
+#include "dali/pipeline/operator/operator.h"
+
+#ifndef KSPEED_DALI_BUILT_AGAINST
+#define KSPEED_DALI_BUILT_AGAINST "unknown"
+#endif
+
+// The DALI version this plugin was compiled against; the Python loader
+// (kspeed_dali.load) compares it with the running DALI before loading.
+extern "C" __attribute__((visibility("default"))) const char* kspeed_dali_built_against() {
+    return KSPEED_DALI_BUILT_AGAINST;
+}
+
+namespace kspeed_dali {
+
+using dali::CPUBackend;
+using dali::OpSpec;
+using dali::OutputDesc;
+using dali::TensorListShape;
+using dali::Workspace;
+
+class KspeedReader : public dali::Operator<CPUBackend> {
+public:
+    explicit KspeedReader(const OpSpec& spec)
+        : dali::Operator<CPUBackend>(spec),
+          shard_id_(spec.GetArgument<int>("shard_id")),
+          num_shards_(spec.GetArgument<int>("num_shards")),
+          pad_last_batch_(spec.GetArgument<bool>("pad_last_batch")) {
+        DALI_ENFORCE(num_shards_ >= 1, "kspeed.reader: num_shards must be at least 1");
+        DALI_ENFORCE(shard_id_ >= 0 && shard_id_ < num_shards_,
+                     dali::make_string("kspeed.reader: shard_id ", shard_id_,
+                                       " is not below num_shards ", num_shards_));
+        const std::string space = spec.GetArgument<std::string>("space");
+        const std::string cluster = spec.GetArgument<std::string>("cluster_file");
+        const std::string token = spec.GetArgument<std::string>("token");
+        DALI_ENFORCE(!space.empty(), "kspeed.reader: `space` is required");
+        try {
+            kspeed::Config cfg;
+            cfg.set("space", space)
+                .set("batch_size", max_batch_size_)
+                .set("rank", shard_id_)
+                .set("world", num_shards_)
+                .set("shuffle", spec.GetArgument<bool>("random_shuffle"))
+                // DALI gives every operator a random seed unless one is passed;
+                // shards must agree, so without an explicit seed use 0.
+                .set("seed", spec.HasArgument("seed")
+                                 ? static_cast<uint64_t>(spec.GetArgument<int64_t>("seed"))
+                                 : uint64_t{0})
+                .set("ring_bytes", spec.GetArgument<std::string>("ring_bytes"))
+                .set("tier_bytes", spec.GetArgument<std::string>("tier_bytes"))
+                .set("mlock", spec.GetArgument<bool>("mlock"));
+            const int pollers = spec.GetArgument<int>("pollers");
+            if (pollers > 0) cfg.set("pollers", pollers);
+            const int lookahead = spec.GetArgument<int>("prefetch_samples");
+            if (lookahead > 0) cfg.set("lookahead", lookahead);
+            if (!cluster.empty()) cfg.set("cluster_file", cluster).set("token", token);
+            loader_ = std::make_unique<kspeed::Loader>(cfg);
+            epoch_len_ = loader_->epoch_len();
+            catalog_len_ = loader_->catalog_len();
+            loader_->set_epoch(0);
+        } catch (const kspeed::Error& e) {
+            DALI_FAIL(dali::make_string("kspeed.reader: ", e.what()));
+        }
+    }
+
+    bool HasContiguousOutputs() const override { return true; }
+
+    dali::ReaderMeta GetReaderMeta() const override {
+        dali::ReaderMeta m;
+        m.epoch_size = static_cast<dali::Index>(catalog_len_);
+        m.epoch_size_padded = static_cast<dali::Index>(epoch_len_) * num_shards_;
+        m.number_of_shards = num_shards_;
+        m.shard_id = shard_id_;
+        m.pad_last_batch = pad_last_batch_;
+        m.stick_to_shard = 1;
+        return m;
+    }
+
+    // A checkpoint is the loader position from which the held kspeed batch
+    // was taken plus how many of its samples DALI has consumed: restoring
+    // takes the same batch again (the order is deterministic) and skips them.
+    void SaveState(dali::OpCheckpoint& cpt, dali::AccessOrder) override {
+        std::vector<uint8_t> state = held_ ? held_start_ : loader_->save_position();
+        const uint64_t skip = held_ ? held_pos_ : 0;
+        for (int i = 0; i < 8; ++i) state.push_back(static_cast<uint8_t>(skip >> (8 * i)));
+        cpt.MutableCheckpointState() = std::move(state);
+    }
+
+    void RestoreState(const dali::OpCheckpoint& cpt) override {
+        const auto& state = cpt.CheckpointState<std::vector<uint8_t>>();
+        DALI_ENFORCE(state.size() == KSP_POSITION_BYTES + 8, "kspeed.reader: malformed checkpoint");
+        uint64_t skip = 0;
+        for (int i = 0; i < 8; ++i) skip |= uint64_t{state[KSP_POSITION_BYTES + i]} << (8 * i);
+        try {
+            held_.reset();
+            held_start_.assign(state.begin(), state.begin() + KSP_POSITION_BYTES);
+            loader_->restore_position(held_start_);
+            epoch_ = loader_->position().first;
+            if (skip > 0) {
+                held_ = loader_->next_batch();
+                DALI_ENFORCE(held_ && skip <= held_->size(), "kspeed.reader: checkpoint does not fit the data");
+                held_pos_ = skip;
+            }
+        } catch (const kspeed::Error& e) {
+            DALI_FAIL(dali::make_string("kspeed.reader: restoring the checkpoint: ", e.what()));
+        }
+    }
+
+    std::string SerializeCheckpoint(const dali::OpCheckpoint& cpt) const override {
+        const auto& pos = cpt.CheckpointState<std::vector<uint8_t>>();
+        return std::string(pos.begin(), pos.end());
+    }
+
+    void DeserializeCheckpoint(dali::OpCheckpoint& cpt, const std::string& data) const override {
+        cpt.MutableCheckpointState() = std::vector<uint8_t>(data.begin(), data.end());
+    }
+
+protected:
+    // Gathers the next max_batch_size samples into a reused staging buffer
+    // (DALI owns the output buffers and allocates them after Setup, while a
+    // batch that spans an epoch boundary needs two kspeed batches, of which
+    // only one can be held), and describes the outputs.
+    bool SetupImpl(std::vector<OutputDesc>& out, const Workspace&) override {
+        const int n = max_batch_size_;
+        stage_.clear();
+        off_.clear();
+        len_.clear();
+        labels_.clear();
+        try {
+            while (static_cast<int>(len_.size()) < n) {
+                if (!held_ || held_pos_ == held_->size()) {
+                    held_.reset();  // returns its ring space
+                    held_start_ = loader_->save_position();
+                    held_ = loader_->next_batch();
+                    held_pos_ = 0;
+                }
+                if (!held_) {
+                    // End of this epoch.
+                    loader_->set_epoch(++epoch_);
+                    if (pad_last_batch_ && !len_.empty()) {
+                        while (static_cast<int>(len_.size()) < n) {
+                            off_.push_back(off_.back());
+                            len_.push_back(len_.back());
+                            labels_.push_back(labels_.back());
+                        }
+                        break;
+                    }
+                    continue;
+                }
+                // Take what fits; the rest of the kspeed batch stays held
+                // for the next iteration (after an epoch boundary without
+                // padding, DALI and kspeed batches are out of step).
+                while (held_pos_ < held_->size() && static_cast<int>(len_.size()) < n) {
+                    const ksp_sample& s = (*held_)[held_pos_++];
+                    off_.push_back(stage_.size());
+                    len_.push_back(s.len);
+                    labels_.push_back(static_cast<int32_t>(s.label));
+                    stage_.insert(stage_.end(), s.data, s.data + s.len);
+                }
+            }
+        } catch (const kspeed::Error& e) {
+            DALI_FAIL(dali::make_string("kspeed.reader: ", e.what()));
+        }
+        out.resize(2);
+        TensorListShape<> data_shape(n, 1), label_shape(n, 1);
+        for (int i = 0; i < n; ++i) {
+            data_shape.set_tensor_shape(i, {static_cast<int64_t>(len_[i])});
+            label_shape.set_tensor_shape(i, {1});
+        }
+        out[0] = {data_shape, DALI_UINT8};
+        out[1] = {label_shape, DALI_INT32};
+        return true;
+    }
+
+    void RunImpl(Workspace& ws) override {
+        auto& data = ws.Output<CPUBackend>(0);
+        auto& labels = ws.Output<CPUBackend>(1);
+        for (size_t i = 0; i < len_.size(); ++i) {
+            if (len_[i] > 0)
+                std::memcpy(data.mutable_tensor<uint8_t>(i), stage_.data() + off_[i], len_[i]);
+            labels.mutable_tensor<int32_t>(i)[0] = labels_[i];
+        }
+    }
+
+private:
+    int shard_id_;
+    int num_shards_;
+    bool pad_last_batch_;
+    uint64_t epoch_len_ = 0;
+    uint64_t catalog_len_ = 0;
+    uint64_t epoch_ = 0;
+    std::unique_ptr<kspeed::Loader> loader_;
+    // The kspeed batch being consumed, how far, and the position it came from.
+    std::optional<kspeed::Batch> held_;
+    size_t held_pos_ = 0;
+    std::vector<uint8_t> held_start_;
+    // Reused across iterations: no allocation per sample once warm.
+    std::vector<uint8_t> stage_;
+    std::vector<size_t> off_, len_;
+    std::vector<int32_t> labels_;
+};
+
+}  // namespace kspeed_dali
+
+namespace dali {
+
+DALI_REGISTER_OPERATOR(kspeed__Reader, ::kspeed_dali::KspeedReader, CPU);
+
+DALI_SCHEMA(kspeed__Reader)
+    .DocStr(R"(Reads samples from a kspeed space (preloaded with `kspeed preload`) through
+libkspeed: io_uring pollers read ahead, in the shard's sampler order, into a landing ring;
+in cluster mode the samples other nodes hold are pushed by their node services.
+
+Outputs the sample bytes (uint8, 1-D) and the label (int32, shape [1]; -1 when unlabeled).
+Pass the same `seed` to every shard (without one, 0 is used, not a random seed).)")
+    .NumInput(0)
+    .NumOutput(2)
+    .MakeStateful()
+    .AddRandomSeedArg()
+    .AddArg("space", "The kspeed space directory (this node's, in cluster mode).",
+            DALI_STRING)
+    .AddOptionalArg("shard_id", "Index of the shard to read (kspeed's rank).", 0)
+    .AddOptionalArg("num_shards", "Number of shards the dataset is split into (kspeed's world size).",
+                    1)
+    .AddOptionalArg("random_shuffle", "Shuffle every epoch (kspeed's seeded sampler).", false)
+    .AddOptionalArg("pad_last_batch",
+                    "Fill the last batch of an epoch by repeating its last sample; otherwise it is "
+                    "filled from the next epoch.",
+                    false)
+    .AddOptionalArg("prefetch_samples",
+                    "Most samples read ahead of the consumer (0: as many as the ring holds).", 0)
+    .AddOptionalArg("ring_bytes", "Landing ring size, e.g. \"256MiB\".", std::string("256MiB"))
+    .AddOptionalArg("tier_bytes", "Memory tier budget, e.g. \"8GiB\" (0: none).", std::string("0"))
+    .AddOptionalArg("pollers", "kspeed poller threads (0: kspeed's default).", 0)
+    .AddOptionalArg("mlock", "Lock the landing ring in memory.", true)
+    .AddOptionalArg("cluster_file",
+                    "Cluster mode: the node list (`<index> <host:port>` per line).", std::string(""))
+    .AddOptionalArg("token", "Cluster mode: the job token.", std::string(""));
+
+}  // namespace dali

@@ -1,0 +1,237 @@
+"""fn.kspeed.reader on the CPU (device_id=None): sharded epochs, reader
+metadata, real JPEGs through fn.decoders.image, checkpoints, errors.
+
+Environment: KSPEED_BIN (the kspeed binary), KSPEED_DALI_PLUGIN (the built
+plugin). Run by ffi/dali/build_and_test.sh.
+"""
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import unittest
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import kspeed_dali  # noqa: E402
+
+kspeed_dali.load()
+
+from nvidia.dali import fn, pipeline_def  # noqa: E402
+
+K = os.environ.get("KSPEED_BIN", "kspeed")
+
+
+def sh(*args):
+    return subprocess.run(args, check=True, capture_output=True, text=True).stdout
+
+
+def digest(b):
+    return hashlib.sha1(bytes(b)).hexdigest()
+
+
+class Dataset:
+    """A generated ImageFolder tree, preloaded; maps content digest -> class."""
+
+    def __init__(self, tmp, profile="imagenet", count=300, src=None):
+        self.src = src or os.path.join(tmp, "src")
+        if src is None:
+            sh(K, "gen", "--profile", profile, "--count", str(count), "--out", self.src, "--seed", "1")
+        self.space = os.path.join(tmp, "space")
+        sh(K, "--progress", "none", "preload", "--source", self.src, "--space", self.space)
+        self.by_digest = {}
+        for cls in sorted(os.listdir(self.src)):
+            d = os.path.join(self.src, cls)
+            for f in os.listdir(d):
+                with open(os.path.join(d, f), "rb") as fh:
+                    self.by_digest[digest(fh.read())] = cls
+
+
+def reader_pipeline(space, batch, shard=0, shards=1, pad=True, **kw):
+    @pipeline_def(batch_size=batch, num_threads=2, device_id=None, **kw)
+    def p():
+        data, label = fn.kspeed.reader(space=space, shard_id=shard, num_shards=shards, random_shuffle=True,
+                                       seed=7, pad_last_batch=pad, name="Reader", mlock=False,
+                                       ring_bytes="32MiB")
+        return data, label
+    pipe = p()
+    pipe.build()
+    return pipe
+
+
+class ReaderTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.mkdtemp(prefix="kspeed-dali-")
+        cls.ds = Dataset(cls.tmp)
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.tmp, ignore_errors=True)
+
+    def read(self, pipe, iterations):
+        out = []
+        for _ in range(iterations):
+            data, label = pipe.run()
+            for i in range(len(data)):
+                out.append((digest(data.at(i)), int(label.at(i)[0])))
+        return out
+
+    def test_two_shards_cover_every_epoch_with_right_bytes_and_labels(self):
+        batch, n = 16, 300
+        per_shard = n // 2
+        iters = -(-per_shard // batch)
+        seen = {}
+        class_of_label = {}
+        for shard in (0, 1):
+            pipe = reader_pipeline(self.ds.space, batch, shard, 2)
+            meta = pipe.reader_meta("Reader")
+            self.assertEqual(meta["epoch_size"], n)
+            self.assertEqual(meta["number_of_shards"], 2)
+            self.assertEqual(meta["shard_id"], shard)
+            self.assertEqual(pipe.epoch_size("Reader"), n)
+            for epoch in range(3):
+                got = self.read(pipe, iters)
+                self.assertEqual(len(got), iters * batch)
+                epoch_part = got[:per_shard]
+                # Padding repeats the epoch's last sample.
+                for d, l in got[per_shard:]:
+                    self.assertEqual((d, l), got[per_shard - 1])
+                for d, l in epoch_part:
+                    self.assertIn(d, self.ds.by_digest, "bytes of a sample match no source file")
+                    cls = self.ds.by_digest[d]
+                    self.assertEqual(class_of_label.setdefault(l, cls), cls, "label/class mismatch")
+                seen.setdefault(epoch, []).extend(d for d, _ in epoch_part)
+        for epoch, digests in seen.items():
+            self.assertEqual(len(digests), n)
+            self.assertEqual(set(digests), set(self.ds.by_digest), f"epoch {epoch}: shards miss samples")
+        self.assertEqual(len(class_of_label), len(set(self.ds.by_digest.values())))
+        # Shuffled: epochs differ in order.
+        self.assertNotEqual(seen[0], seen[1])
+
+    def test_without_padding_the_stream_runs_on_into_the_next_epoch(self):
+        batch, per_shard = 16, 150
+        pipe = reader_pipeline(self.ds.space, batch, 1, 2, pad=False)
+        got = [d for d, _ in self.read(pipe, 19)]  # 304 samples: two epochs and 4 more
+        # Each epoch is a fresh permutation split across shards (as with
+        # DistributedSampler), so a shard's samples differ between epochs;
+        # within an epoch none repeats, and the batch that crosses the
+        # boundary carries the next epoch's first samples, not padding.
+        for part in (got[:per_shard], got[per_shard:2 * per_shard]):
+            self.assertEqual(len(set(part)), per_shard)
+            self.assertTrue(set(part) <= set(self.ds.by_digest))
+        self.assertNotEqual(got[:per_shard], got[per_shard:2 * per_shard])
+        self.assertNotEqual(got[per_shard], got[per_shard - 1])
+
+    def test_checkpoint_resumes_where_it_stopped(self):
+        # With padding, and without it past an epoch boundary (where DALI's
+        # batches and kspeed's are out of step and a kspeed batch is held
+        # half consumed).
+        for pad, before in ((True, 7), (False, 21)):
+            batch = 16
+            pipe = reader_pipeline(self.ds.space, batch, pad=pad, enable_checkpointing=True)
+            self.read(pipe, before)
+            cpt = pipe.checkpoint()
+            want = self.read(pipe, 12)
+
+            @pipeline_def(batch_size=batch, num_threads=2, device_id=None, enable_checkpointing=True)
+            def again():
+                return tuple(fn.kspeed.reader(space=self.ds.space, random_shuffle=True, seed=7, name="Reader",
+                                              pad_last_batch=pad, mlock=False, ring_bytes="32MiB"))
+            p2 = again(checkpoint=cpt)
+            p2.build()
+            self.assertEqual(self.read(p2, 12), want, f"pad_last_batch={pad}")
+
+    def test_errors_are_clear(self):
+        cases = [
+            (dict(space=os.path.join(self.tmp, "no-such-space")), "no-such-space"),
+            (dict(space=self.ds.space, shard_id=2, num_shards=2), "shard_id 2"),
+        ]
+        corrupt = os.path.join(self.tmp, "corrupt")
+        shutil.copytree(self.ds.space, corrupt)
+        cat = os.path.join(corrupt, "catalog.ksc")
+        with open(cat, "r+b") as f:
+            f.truncate(os.path.getsize(cat) // 2)
+        cases.append((dict(space=corrupt), "catalog"))
+        for kwargs, needle in cases:
+            @pipeline_def(batch_size=4, num_threads=1, device_id=None)
+            def p():
+                return tuple(fn.kspeed.reader(mlock=False, ring_bytes="8MiB", **kwargs))
+            with self.assertRaises(RuntimeError) as cm:
+                pipe = p()
+                pipe.build()
+                pipe.run()
+            msg = str(cm.exception)
+            self.assertIn("kspeed", msg)
+            self.assertIn(needle, msg)
+
+    def test_version_mismatch_is_refused(self):
+        import nvidia.dali as dali
+        real = dali.__version__
+        dali.__version__ = "0.0.1"
+        try:
+            with self.assertRaises(RuntimeError) as cm:
+                kspeed_dali.load()
+            self.assertIn("built against DALI", str(cm.exception))
+        finally:
+            dali.__version__ = real
+
+
+class JpegTest(unittest.TestCase):
+    def test_decoded_images_equal_the_files_decoded_directly(self):
+        from PIL import Image
+        tmp = tempfile.mkdtemp(prefix="kspeed-dali-jpeg-")
+        try:
+            src = os.path.join(tmp, "src")
+            rng = np.random.default_rng(5)
+            for c in ("cat", "dog", "eel"):
+                os.makedirs(os.path.join(src, c))
+                for i in range(12):
+                    h, w = int(rng.integers(16, 120)), int(rng.integers(16, 120))
+                    # Smooth gradients plus noise: a real JPEG, not a flat one.
+                    y, x = np.mgrid[0:h, 0:w]
+                    img = np.stack([(x * 255 // w), (y * 255 // h), ((x + y) * 127 // (w + h))], -1)
+                    img = np.clip(img + rng.integers(0, 40, img.shape), 0, 255).astype(np.uint8)
+                    Image.fromarray(img).save(os.path.join(src, c, f"{i}.jpg"), quality=85)
+            ds = Dataset(tmp, src=src)
+
+            @pipeline_def(batch_size=6, num_threads=2, device_id=None)
+            def ks():
+                raw, label = fn.kspeed.reader(space=ds.space, random_shuffle=True, seed=1, name="Reader",
+                                              mlock=False, ring_bytes="8MiB")
+                return raw, fn.decoders.image(raw, device="cpu"), label
+
+            @pipeline_def(batch_size=6, num_threads=2, device_id=None)
+            def files():
+                raw, label = fn.readers.file(file_root=src, name="Reader")
+                return raw, fn.decoders.image(raw, device="cpu")
+
+            reference = {}
+            p = files()
+            p.build()
+            for _ in range(6):
+                raw, img = p.run()
+                for i in range(len(raw)):
+                    reference[digest(raw.at(i))] = np.array(img.at(i))
+            self.assertEqual(len(reference), 36)
+            p = ks()
+            p.build()
+            checked = 0
+            for _ in range(6):
+                raw, img, label = p.run()
+                for i in range(len(raw)):
+                    want = reference[digest(raw.at(i))]
+                    got = np.array(img.at(i))
+                    self.assertEqual(got.shape, want.shape)
+                    self.assertTrue(np.array_equal(got, want), "decoded image differs")
+                    checked += 1
+            self.assertEqual(checked, 36)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    unittest.main()
