@@ -134,18 +134,37 @@ public:
     }
 
 protected:
-    // Gathers the next max_batch_size samples into a reused staging buffer
-    // (DALI owns the output buffers and allocates them after Setup, while a
-    // batch that spans an epoch boundary needs two kspeed batches, of which
-    // only one can be held), and describes the outputs.
+    // Gathers the next max_batch_size samples and describes the outputs.
+    // Usually that is one whole kspeed batch, held until the next iteration;
+    // otherwise (an epoch's short last batch, and every batch after an epoch
+    // boundary without padding) the samples go through a reused staging
+    // buffer, since only one kspeed batch can be held at a time.
     bool SetupImpl(std::vector<OutputDesc>& out, const Workspace&) override {
         const int n = max_batch_size_;
         stage_.clear();
         off_.clear();
         len_.clear();
         labels_.clear();
+        direct_ = false;
         try {
-            while (static_cast<int>(len_.size()) < n) {
+            // The common case: a whole kspeed batch is the DALI batch. It is
+            // held until the next iteration and RunImpl copies straight from
+            // the ring into DALI's buffers (one copy).
+            if (!held_ || held_pos_ == held_->size()) {
+                held_.reset();
+                held_start_ = loader_->save_position();
+                held_ = loader_->next_batch();
+                held_pos_ = 0;
+                if (held_ && static_cast<int>(held_->size()) == n) {
+                    for (const ksp_sample& s : *held_) {
+                        len_.push_back(s.len);
+                        labels_.push_back(static_cast<int32_t>(s.label));
+                    }
+                    held_pos_ = held_->size();
+                    direct_ = true;
+                }
+            }
+            while (!direct_ && static_cast<int>(len_.size()) < n) {
                 if (!held_ || held_pos_ == held_->size()) {
                     held_.reset();  // returns its ring space
                     held_start_ = loader_->save_position();
@@ -194,8 +213,8 @@ protected:
         auto& data = ws.Output<CPUBackend>(0);
         auto& labels = ws.Output<CPUBackend>(1);
         for (size_t i = 0; i < len_.size(); ++i) {
-            if (len_[i] > 0)
-                std::memcpy(data.mutable_tensor<uint8_t>(i), stage_.data() + off_[i], len_[i]);
+            const uint8_t* src = direct_ ? (*held_)[i].data : stage_.data() + off_[i];
+            if (len_[i] > 0) std::memcpy(data.mutable_tensor<uint8_t>(i), src, len_[i]);
             labels.mutable_tensor<int32_t>(i)[0] = labels_[i];
         }
     }
@@ -212,6 +231,8 @@ private:
     std::optional<kspeed::Batch> held_;
     size_t held_pos_ = 0;
     std::vector<uint8_t> held_start_;
+    // This iteration's samples are the held batch itself (no staging copy).
+    bool direct_ = false;
     // Reused across iterations: no allocation per sample once warm.
     std::vector<uint8_t> stage_;
     std::vector<size_t> off_, len_;
