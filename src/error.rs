@@ -307,6 +307,24 @@ pub enum Error {
         /// Every place tried and why it failed.
         tried: String,
     },
+    /// A verbs call failed (device, port, memory registration, QP state).
+    #[error("RDMA {op}: {detail}")]
+    Rdma {
+        /// What was being done.
+        op: &'static str,
+        /// The details (device, sizes, the OS error).
+        detail: String,
+    },
+    /// A work request completed with an error status.
+    #[error("RDMA work request {wr_id} failed: {status} (vendor error {vendor_err:#x})")]
+    RdmaCompletion {
+        /// The work request id (the poster's slot).
+        wr_id: u64,
+        /// The completion status name (`IBV_WC_REM_ACCESS_ERR`...).
+        status: &'static str,
+        /// The vendor's error code.
+        vendor_err: u32,
+    },
     /// The node service could not start (bind, space).
     #[error("node service: {0}")]
     Serve(String),

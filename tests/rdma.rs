@@ -5,7 +5,8 @@
 //! cargo test --test rdma --no-run
 //! ../shared/rdma-vm/run-in-vm.sh -- target/debug/deps/rdma-<hash>
 //! ```
-//! (scripts/test.sh does exactly this.)
+//! (scripts/test.sh does exactly this, with `--test-threads 1`: the leak
+//! test counts the process's open descriptors.)
 
 #![cfg(feature = "rdma")]
 
@@ -30,4 +31,231 @@ fn device_probe_lists_the_device() {
     if let Ok(want) = std::env::var("RDMA_VM_DEVICE") {
         assert!(names.contains(&want), "{names:?} lacks {want}");
     }
+}
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kspeed::transport::rdma::{Access, Context, Cq, Mr, Pd, Qp, WorkCompletion};
+use kspeed::Error;
+
+fn open() -> Option<Arc<Context>> {
+    if !have_device() {
+        eprintln!("skipping: no RDMA device here; run in the soft-RoCE VM (scripts/test.sh does)");
+        return None;
+    }
+    let gid: u8 = std::env::var("RDMA_VM_GID_INDEX")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1);
+    let dev = std::env::var("RDMA_VM_DEVICE").ok();
+    Some(Context::open(dev.as_deref(), 1, gid).expect("open the RDMA device"))
+}
+
+/// Polls `cq` until `n` completions arrived or 5 s passed.
+fn wait(cq: &Cq, n: usize) -> Vec<WorkCompletion> {
+    let mut got = Vec::new();
+    let mut buf = [WorkCompletion::default(); 16];
+    let t0 = Instant::now();
+    while got.len() < n && t0.elapsed() < Duration::from_secs(5) {
+        let k = cq.poll(&mut buf).unwrap();
+        got.extend_from_slice(&buf[..k]);
+    }
+    got
+}
+
+/// Owner QP `a` and consumer QP `b` on one device, connected to each other.
+struct Pair {
+    pd: Arc<Pd>,
+    cq_a: Arc<Cq>,
+    cq_b: Arc<Cq>,
+    a: Qp,
+    b: Qp,
+}
+
+fn pair(ctx: &Arc<Context>) -> Pair {
+    let pd = Pd::new(ctx).unwrap();
+    let (cq_a, cq_b) = (Cq::new(ctx, 256).unwrap(), Cq::new(ctx, 256).unwrap());
+    let a = Qp::new(&pd, &cq_a, &cq_a, 128, 64).unwrap();
+    let b = Qp::new(&pd, &cq_b, &cq_b, 128, 64).unwrap();
+    a.connect(&b.endpoint()).unwrap();
+    b.connect(&a.endpoint()).unwrap();
+    Pair {
+        pd,
+        cq_a,
+        cq_b,
+        a,
+        b,
+    }
+}
+
+#[test]
+fn write_with_imm_lands_in_granted_ranges_and_carries_the_grant_id() {
+    let Some(ctx) = open() else { return };
+    let p = pair(&ctx);
+    let mut staging = vec![0u8; 1 << 20];
+    let mut ring = vec![0u8; 1 << 20];
+    for (i, b) in staging.iter_mut().enumerate() {
+        *b = (i * 7 % 251) as u8;
+    }
+    // SAFETY: both buffers outlive their regions (dropped at the end).
+    let smr =
+        unsafe { Mr::register(&p.pd, staging.as_mut_ptr(), staging.len(), Access::Local) }.unwrap();
+    let rmr =
+        unsafe { Mr::register(&p.pd, ring.as_mut_ptr(), ring.len(), Access::RemoteWrite) }.unwrap();
+    let mut rwrs = Vec::new();
+    p.b.post_recvs(0, 64, &mut rwrs).unwrap();
+    // 16 "samples" of 4000 bytes from staging, granted to every other 8 KiB
+    // slot of the ring; the immediate is the grant id.
+    let writes: Vec<(u64, *const u8, u32, u64, u32)> = (0..16u32)
+        .map(|g| {
+            let src = staging[g as usize * 4000..].as_ptr();
+            (g as u64, src, 4000, rmr.addr() + g as u64 * 16384, 1000 + g)
+        })
+        .collect();
+    let (mut sges, mut wrs) = (Vec::new(), Vec::new());
+    // SAFETY: sources lie in `smr`; staging outlives the completion below.
+    unsafe {
+        p.a.post_writes(&smr, rmr.rkey(), &writes, &mut sges, &mut wrs)
+    }
+    .unwrap();
+    let done = wait(&p.cq_a, 1);
+    assert_eq!(done.len(), 1, "one signalled completion for the chain");
+    assert_eq!(
+        done[0].status,
+        0,
+        "{}",
+        kspeed::transport::rdma::wc_status_name(done[0].status)
+    );
+    let landed = wait(&p.cq_b, 16);
+    assert_eq!(landed.len(), 16);
+    let mut imms: Vec<u32> = landed
+        .iter()
+        .map(|wc| {
+            wc.check().unwrap();
+            assert_eq!(wc.byte_len, 4000);
+            wc.imm.expect("WRITE_WITH_IMM carries the grant id")
+        })
+        .collect();
+    imms.sort();
+    assert_eq!(imms, (1000..1016).collect::<Vec<_>>());
+    for g in 0..16usize {
+        let at = g * 16384;
+        assert_eq!(
+            &ring[at..at + 4000],
+            &staging[g * 4000..g * 4000 + 4000],
+            "grant {g}"
+        );
+        assert!(
+            ring[at + 4000..at + 16384].iter().all(|&b| b == 0),
+            "bytes outside grant {g}"
+        );
+    }
+    drop((smr, rmr));
+}
+
+#[test]
+fn write_outside_the_registered_range_is_refused_by_the_nic() {
+    let Some(ctx) = open() else { return };
+    let p = pair(&ctx);
+    let mut staging = vec![0xabu8; 8192];
+    let mut buf = vec![0u8; 3 << 16];
+    // Only the middle 64 KiB is registered for remote write: the landing
+    // range. The rest of the buffer plays guard bytes.
+    let mid = buf[1 << 16..].as_mut_ptr();
+    // SAFETY: both buffers outlive their regions.
+    let smr =
+        unsafe { Mr::register(&p.pd, staging.as_mut_ptr(), staging.len(), Access::Local) }.unwrap();
+    let rmr = unsafe { Mr::register(&p.pd, mid, 1 << 16, Access::RemoteWrite) }.unwrap();
+    let mut rwrs = Vec::new();
+    p.b.post_recvs(0, 4, &mut rwrs).unwrap();
+    let outside = rmr.addr() + (1 << 16); // just past the region
+    let (mut sges, mut wrs) = (Vec::new(), Vec::new());
+    // SAFETY: the source lies in `smr`.
+    unsafe {
+        p.a.post_writes(
+            &smr,
+            rmr.rkey(),
+            &[(7, staging.as_ptr(), 4096, outside, 1)],
+            &mut sges,
+            &mut wrs,
+        )
+    }
+    .unwrap();
+    let done = wait(&p.cq_a, 1);
+    assert_eq!(done.len(), 1);
+    let e = kspeed::transport::rdma::completion_error(&done[0]);
+    assert!(
+        matches!(&e, Error::RdmaCompletion { wr_id: 7, status, .. } if *status == "IBV_WC_REM_ACCESS_ERR"),
+        "{e}"
+    );
+    assert!(buf.iter().all(|&b| b == 0), "nothing was written anywhere");
+    drop((smr, rmr));
+}
+
+fn open_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd")
+        .map(|d| d.count())
+        .unwrap_or(0)
+}
+
+fn rss_kib() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+#[test]
+fn hundred_connect_disconnect_cycles_do_not_leak() {
+    let Some(ctx) = open() else { return };
+    let mut staging = vec![1u8; 1 << 16];
+    let mut ring = vec![0u8; 1 << 16];
+    let cycle = |staging: &mut Vec<u8>, ring: &mut Vec<u8>| {
+        let p = pair(&ctx);
+        // SAFETY: the buffers outlive the regions (dropped in this closure).
+        let smr =
+            unsafe { Mr::register(&p.pd, staging.as_mut_ptr(), staging.len(), Access::Local) }
+                .unwrap();
+        let rmr =
+            unsafe { Mr::register(&p.pd, ring.as_mut_ptr(), ring.len(), Access::RemoteWrite) }
+                .unwrap();
+        let mut rwrs = Vec::new();
+        p.b.post_recvs(0, 1, &mut rwrs).unwrap();
+        let (mut sges, mut wrs) = (Vec::new(), Vec::new());
+        // SAFETY: the source lies in `smr`.
+        unsafe {
+            p.a.post_writes(
+                &smr,
+                rmr.rkey(),
+                &[(1, staging.as_ptr(), 1024, rmr.addr(), 9)],
+                &mut sges,
+                &mut wrs,
+            )
+        }
+        .unwrap();
+        assert_eq!(wait(&p.cq_a, 1).len(), 1);
+        assert_eq!(wait(&p.cq_b, 1).len(), 1);
+        // Drop order is the owner's business: MRs and QPs keep their PD and
+        // CQs alive, so teardown follows creation in reverse anyway.
+        drop(p);
+        drop((smr, rmr));
+    };
+    for _ in 0..5 {
+        cycle(&mut staging, &mut ring);
+    }
+    let (fds, rss) = (open_fds(), rss_kib());
+    for _ in 0..100 {
+        cycle(&mut staging, &mut ring);
+    }
+    let (fds2, rss2) = (open_fds(), rss_kib());
+    assert_eq!(fds2, fds, "file descriptors leaked over 100 cycles");
+    assert!(
+        rss2 < rss + 8 * 1024,
+        "RSS grew from {rss} to {rss2} KiB over 100 cycles"
+    );
 }

@@ -104,7 +104,9 @@ fn status_of(e: &Error) -> ksp_status {
         | Error::SampleLargerThanRing { .. } => KSP_ERR_INVALID_ARG,
         Error::Refused { .. }
         | Error::ProtocolViolation { .. }
-        | Error::SampleUnavailable { .. } => KSP_ERR_NETWORK,
+        | Error::SampleUnavailable { .. }
+        | Error::RdmaCompletion { .. } => KSP_ERR_NETWORK,
+        Error::Rdma { .. } => KSP_ERR_RESOURCE,
         Error::Memlock { .. } | Error::Numa { .. } | Error::Cuda(_) | Error::Uring { .. } => {
             KSP_ERR_RESOURCE
         }

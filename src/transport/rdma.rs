@@ -1,11 +1,22 @@
-//! RDMA verbs (rdma-sys). So far: the device probe that RDMA tests and
-//! `kspeed inspect --devices` use to tell whether verbs hardware (or a
-//! soft-RoCE device) is present. Queue pairs and memory regions come with the
-//! RDMA transport issue.
+//! RDMA verbs (rdma-sys): the device probe, and RAII owners of the verbs
+//! resources the RDMA transport is built from — device context, protection
+//! domain, completion queue, memory region, RC queue pair — with the
+//! one-sided WRITE_WITH_IMM the push protocol uses (immediate = grant id).
+//!
+//! Teardown mirrors rdma-core's cleanup order: each object holds an `Arc` of
+//! what it was created from, so a memory region or queue pair is destroyed
+//! before its protection domain and completion queues, and those before the
+//! device context, whatever order the owner drops them in.
+//!
+//! This module owns the verbs resources and is one of the few allowed `unsafe`.
 
 use std::ffi::CStr;
+use std::ptr;
+use std::sync::Arc;
 
-use rdma_sys::{ibv_free_device_list, ibv_get_device_list, ibv_get_device_name};
+use rdma_sys::*;
+
+use crate::error::{Error, Result};
 
 /// Names of the RDMA devices libibverbs can see (`rxe0`, `mlx5_0`, ...).
 /// Empty when there are none, or when the kernel has no RDMA support.
@@ -40,4 +51,597 @@ pub fn device_names() -> Vec<String> {
     // after the last use of its devices.
     unsafe { ibv_free_device_list(list) };
     names
+}
+
+fn os_err(op: &'static str, what: impl std::fmt::Display) -> Error {
+    let e = std::io::Error::last_os_error();
+    Error::Rdma {
+        op,
+        detail: format!("{what}: {e}"),
+    }
+}
+
+/// The name of a work completion status (`IBV_WC_REM_ACCESS_ERR`...).
+pub fn wc_status_name(status: u32) -> &'static str {
+    use ibv_wc_status::*;
+    match status {
+        IBV_WC_SUCCESS => "IBV_WC_SUCCESS",
+        IBV_WC_LOC_LEN_ERR => "IBV_WC_LOC_LEN_ERR",
+        IBV_WC_LOC_QP_OP_ERR => "IBV_WC_LOC_QP_OP_ERR",
+        IBV_WC_LOC_EEC_OP_ERR => "IBV_WC_LOC_EEC_OP_ERR",
+        IBV_WC_LOC_PROT_ERR => "IBV_WC_LOC_PROT_ERR",
+        IBV_WC_WR_FLUSH_ERR => "IBV_WC_WR_FLUSH_ERR",
+        IBV_WC_MW_BIND_ERR => "IBV_WC_MW_BIND_ERR",
+        IBV_WC_BAD_RESP_ERR => "IBV_WC_BAD_RESP_ERR",
+        IBV_WC_LOC_ACCESS_ERR => "IBV_WC_LOC_ACCESS_ERR",
+        IBV_WC_REM_INV_REQ_ERR => "IBV_WC_REM_INV_REQ_ERR",
+        IBV_WC_REM_ACCESS_ERR => "IBV_WC_REM_ACCESS_ERR",
+        IBV_WC_REM_OP_ERR => "IBV_WC_REM_OP_ERR",
+        IBV_WC_RETRY_EXC_ERR => "IBV_WC_RETRY_EXC_ERR",
+        IBV_WC_RNR_RETRY_EXC_ERR => "IBV_WC_RNR_RETRY_EXC_ERR",
+        IBV_WC_LOC_RDD_VIOL_ERR => "IBV_WC_LOC_RDD_VIOL_ERR",
+        IBV_WC_REM_INV_RD_REQ_ERR => "IBV_WC_REM_INV_RD_REQ_ERR",
+        IBV_WC_REM_ABORT_ERR => "IBV_WC_REM_ABORT_ERR",
+        IBV_WC_INV_EECN_ERR => "IBV_WC_INV_EECN_ERR",
+        IBV_WC_INV_EEC_STATE_ERR => "IBV_WC_INV_EEC_STATE_ERR",
+        IBV_WC_FATAL_ERR => "IBV_WC_FATAL_ERR",
+        IBV_WC_RESP_TIMEOUT_ERR => "IBV_WC_RESP_TIMEOUT_ERR",
+        IBV_WC_GENERAL_ERR => "IBV_WC_GENERAL_ERR",
+        _ => "IBV_WC_UNKNOWN",
+    }
+}
+
+/// An open device, with the port and GID used for RoCE addressing.
+pub struct Context {
+    ctx: *mut ibv_context,
+    port: u8,
+    gid_index: u8,
+    gid: [u8; 16],
+    mtu: u32,
+}
+
+// SAFETY: verbs contexts are thread-safe (libibverbs serialises internally).
+unsafe impl Send for Context {}
+// SAFETY: as above.
+unsafe impl Sync for Context {}
+
+impl Context {
+    /// Opens `device` (or the first one), using `port` and `gid_index` (for
+    /// RoCE v2 the index of the GID that maps the IP address to use).
+    pub fn open(device: Option<&str>, port: u8, gid_index: u8) -> Result<Arc<Context>> {
+        let mut n = 0;
+        // SAFETY: as in device_names.
+        let list = unsafe { ibv_get_device_list(&mut n) };
+        if list.is_null() || n == 0 {
+            if !list.is_null() {
+                // SAFETY: freed once.
+                unsafe { ibv_free_device_list(list) };
+            }
+            return Err(Error::Rdma {
+                op: "open device",
+                detail: "no RDMA device (is rdma_rxe or a NIC driver loaded?)".into(),
+            });
+        }
+        let mut chosen = ptr::null_mut();
+        for i in 0..n as usize {
+            // SAFETY: i < n.
+            let dev = unsafe { *list.add(i) };
+            // SAFETY: dev is live; the name is NUL-terminated.
+            let name = unsafe { CStr::from_ptr(ibv_get_device_name(dev)) }.to_string_lossy();
+            if device.is_none_or(|d| d == name) {
+                chosen = dev;
+                break;
+            }
+        }
+        let ctx = if chosen.is_null() {
+            ptr::null_mut()
+        } else {
+            // SAFETY: chosen is a live device of the list.
+            unsafe { ibv_open_device(chosen) }
+        };
+        // SAFETY: the context keeps its own reference to the device.
+        unsafe { ibv_free_device_list(list) };
+        if ctx.is_null() {
+            return Err(Error::Rdma {
+                op: "open device",
+                detail: format!(
+                    "{}: not found or cannot be opened (devices: {:?})",
+                    device.unwrap_or("first device"),
+                    device_names()
+                ),
+            });
+        }
+        let mut c = Context {
+            ctx,
+            port,
+            gid_index,
+            gid: [0; 16],
+            mtu: 0,
+        };
+        // SAFETY: ibv_port_attr is plain data; the call fills it.
+        let mut attr: ibv_port_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: live context, valid out-pointer.
+        if unsafe { ___ibv_query_port(ctx, port, &mut attr) } != 0 {
+            return Err(os_err("query port", format!("port {port}")));
+        }
+        if attr.state != ibv_port_state::IBV_PORT_ACTIVE {
+            return Err(Error::Rdma {
+                op: "query port",
+                detail: format!("port {port} is not active (state {})", attr.state),
+            });
+        }
+        c.mtu = attr.active_mtu;
+        // SAFETY: ibv_gid is plain data; the call fills it.
+        let mut gid: ibv_gid = unsafe { std::mem::zeroed() };
+        // SAFETY: live context, valid out-pointer.
+        if unsafe { ibv_query_gid(ctx, port, gid_index as i32, &mut gid) } != 0 {
+            return Err(os_err(
+                "query GID",
+                format!("port {port} index {gid_index}"),
+            ));
+        }
+        // SAFETY: reading the raw bytes of a filled union.
+        c.gid = unsafe { gid.raw };
+        Ok(Arc::new(c))
+    }
+
+    /// The GID (16 bytes) of the chosen port and index.
+    pub fn gid(&self) -> [u8; 16] {
+        self.gid
+    }
+}
+
+impl Drop for Context {
+    fn drop(&mut self) {
+        // SAFETY: last owner (Arc); every PD/CQ holding an Arc is gone.
+        unsafe { ibv_close_device(self.ctx) };
+    }
+}
+
+/// A protection domain.
+pub struct Pd {
+    pd: *mut ibv_pd,
+    ctx: Arc<Context>,
+}
+
+// SAFETY: verbs objects may be used from any thread.
+unsafe impl Send for Pd {}
+// SAFETY: as above.
+unsafe impl Sync for Pd {}
+
+impl Pd {
+    /// Allocates a protection domain.
+    pub fn new(ctx: &Arc<Context>) -> Result<Arc<Pd>> {
+        // SAFETY: live context.
+        let pd = unsafe { ibv_alloc_pd(ctx.ctx) };
+        if pd.is_null() {
+            return Err(os_err("alloc PD", "ibv_alloc_pd"));
+        }
+        Ok(Arc::new(Pd {
+            pd,
+            ctx: ctx.clone(),
+        }))
+    }
+}
+
+impl Drop for Pd {
+    fn drop(&mut self) {
+        // SAFETY: every MR and QP of this PD holds an Arc to it, so they are gone.
+        unsafe { ibv_dealloc_pd(self.pd) };
+    }
+}
+
+/// A completion queue.
+pub struct Cq {
+    cq: *mut ibv_cq,
+    _ctx: Arc<Context>,
+}
+
+// SAFETY: verbs objects may be used from any thread (callers serialise polls).
+unsafe impl Send for Cq {}
+// SAFETY: as above.
+unsafe impl Sync for Cq {}
+
+impl Cq {
+    /// Creates a completion queue of `entries`.
+    pub fn new(ctx: &Arc<Context>, entries: i32) -> Result<Arc<Cq>> {
+        // SAFETY: live context; no channel, no context pointer.
+        let cq = unsafe { ibv_create_cq(ctx.ctx, entries, ptr::null_mut(), ptr::null_mut(), 0) };
+        if cq.is_null() {
+            return Err(os_err("create CQ", format!("{entries} entries")));
+        }
+        Ok(Arc::new(Cq {
+            cq,
+            _ctx: ctx.clone(),
+        }))
+    }
+
+    /// Polls up to `out.len()` (at most 32 per call) completions; returns
+    /// how many.
+    pub fn poll(&self, out: &mut [WorkCompletion]) -> Result<usize> {
+        // SAFETY: ibv_wc is plain data.
+        let mut wc: [ibv_wc; 32] = unsafe { std::mem::zeroed() };
+        let want = out.len().min(wc.len()) as i32;
+        // SAFETY: live CQ; wc has `want` entries.
+        let n = unsafe { ibv_poll_cq(self.cq, want, wc.as_mut_ptr()) };
+        if n < 0 {
+            return Err(os_err("poll CQ", "ibv_poll_cq"));
+        }
+        for (o, w) in out.iter_mut().zip(&wc[..n as usize]) {
+            let with_imm = w.wc_flags & ibv_wc_flags::IBV_WC_WITH_IMM.0 != 0;
+            *o = WorkCompletion {
+                wr_id: w.wr_id,
+                status: w.status,
+                opcode: w.opcode,
+                byte_len: w.byte_len,
+                // SAFETY: with IBV_WC_WITH_IMM the union holds imm_data.
+                imm: with_imm
+                    .then(|| u32::from_be(unsafe { w.imm_data_invalidated_rkey_union.imm_data })),
+                vendor_err: w.vendor_err,
+            };
+        }
+        Ok(n as usize)
+    }
+}
+
+impl Drop for Cq {
+    fn drop(&mut self) {
+        // SAFETY: every QP using this CQ holds an Arc to it, so they are gone.
+        unsafe { ibv_destroy_cq(self.cq) };
+    }
+}
+
+/// Access a memory region is registered with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    /// Local only (staging: the NIC reads it for sends and writes).
+    Local,
+    /// Local write + remote write (a landing ring). Never remote read.
+    RemoteWrite,
+}
+
+/// A registered memory region.
+pub struct Mr {
+    mr: *mut ibv_mr,
+    _pd: Arc<Pd>,
+}
+
+// SAFETY: an MR is an immutable registration handle.
+unsafe impl Send for Mr {}
+// SAFETY: as above.
+unsafe impl Sync for Mr {}
+
+impl Mr {
+    /// Registers `len` bytes at `addr`.
+    ///
+    /// # Safety
+    /// The memory must stay mapped until the region is dropped, and with
+    /// `RemoteWrite` the peer may write it at any time while registered.
+    pub unsafe fn register(pd: &Arc<Pd>, addr: *mut u8, len: usize, access: Access) -> Result<Mr> {
+        let flags = match access {
+            Access::Local => ibv_access_flags::IBV_ACCESS_LOCAL_WRITE,
+            Access::RemoteWrite => {
+                ibv_access_flags::IBV_ACCESS_LOCAL_WRITE | ibv_access_flags::IBV_ACCESS_REMOTE_WRITE
+            }
+        };
+        // SAFETY: per this function's contract.
+        let mr = unsafe { __ibv_reg_mr(pd.pd, addr.cast(), len, flags.0, 1) };
+        if mr.is_null() {
+            return Err(os_err(
+                "register MR",
+                format!("{len} bytes (RLIMIT_MEMLOCK may be too low)"),
+            ));
+        }
+        Ok(Mr {
+            mr,
+            _pd: pd.clone(),
+        })
+    }
+
+    /// Local key.
+    pub fn lkey(&self) -> u32 {
+        // SAFETY: live MR.
+        unsafe { (*self.mr).lkey }
+    }
+
+    /// Remote key.
+    pub fn rkey(&self) -> u32 {
+        // SAFETY: live MR.
+        unsafe { (*self.mr).rkey }
+    }
+
+    /// Registered address.
+    pub fn addr(&self) -> u64 {
+        // SAFETY: live MR.
+        unsafe { (*self.mr).addr as u64 }
+    }
+}
+
+impl Drop for Mr {
+    fn drop(&mut self) {
+        // SAFETY: registered once, deregistered once.
+        unsafe { ibv_dereg_mr(self.mr) };
+    }
+}
+
+/// What the other end of an RC connection needs: queue pair number, first
+/// packet sequence number, GID.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Endpoint {
+    /// QP number.
+    pub qpn: u32,
+    /// Initial PSN.
+    pub psn: u32,
+    /// RoCE GID.
+    pub gid: [u8; 16],
+}
+
+/// An RC queue pair.
+pub struct Qp {
+    qp: *mut ibv_qp,
+    ctx: Arc<Context>,
+    _pd: Arc<Pd>,
+    _send_cq: Arc<Cq>,
+    _recv_cq: Arc<Cq>,
+    psn: u32,
+}
+
+// SAFETY: verbs QPs may be used from any thread (callers serialise posts).
+unsafe impl Send for Qp {}
+
+impl Qp {
+    /// Creates an RC QP (state RESET → INIT).
+    pub fn new(
+        pd: &Arc<Pd>,
+        send_cq: &Arc<Cq>,
+        recv_cq: &Arc<Cq>,
+        max_wr: u32,
+        max_inline: u32,
+    ) -> Result<Qp> {
+        // SAFETY: plain data.
+        let mut init: ibv_qp_init_attr = unsafe { std::mem::zeroed() };
+        init.send_cq = send_cq.cq;
+        init.recv_cq = recv_cq.cq;
+        init.qp_type = ibv_qp_type::IBV_QPT_RC;
+        init.sq_sig_all = 0;
+        init.cap.max_send_wr = max_wr;
+        init.cap.max_recv_wr = max_wr;
+        init.cap.max_send_sge = 1;
+        init.cap.max_recv_sge = 1;
+        init.cap.max_inline_data = max_inline;
+        // SAFETY: live PD, valid attributes.
+        let qp = unsafe { ibv_create_qp(pd.pd, &mut init) };
+        if qp.is_null() {
+            return Err(os_err("create QP", format!("{max_wr} work requests")));
+        }
+        let q = Qp {
+            qp,
+            ctx: pd.ctx.clone(),
+            _pd: pd.clone(),
+            _send_cq: send_cq.clone(),
+            _recv_cq: recv_cq.clone(),
+            // SAFETY: qp is live. Any 24-bit value is a valid PSN.
+            psn: (unsafe { (*qp).qp_num }).wrapping_mul(2_654_435_761) & 0xff_ffff,
+        };
+        // SAFETY: plain data.
+        let mut a: ibv_qp_attr = unsafe { std::mem::zeroed() };
+        a.qp_state = ibv_qp_state::IBV_QPS_INIT;
+        a.pkey_index = 0;
+        a.port_num = q.ctx.port;
+        a.qp_access_flags = ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0;
+        q.modify(
+            &mut a,
+            ibv_qp_attr_mask::IBV_QP_STATE
+                | ibv_qp_attr_mask::IBV_QP_PKEY_INDEX
+                | ibv_qp_attr_mask::IBV_QP_PORT
+                | ibv_qp_attr_mask::IBV_QP_ACCESS_FLAGS,
+            "INIT",
+        )?;
+        Ok(q)
+    }
+
+    fn modify(&self, a: &mut ibv_qp_attr, mask: ibv_qp_attr_mask, to: &str) -> Result<()> {
+        // SAFETY: live QP, valid attributes for the mask.
+        let rc = unsafe { ibv_modify_qp(self.qp, a, mask.0 as i32) };
+        if rc != 0 {
+            return Err(Error::Rdma {
+                op: "modify QP",
+                detail: format!("to {to}: {}", std::io::Error::from_raw_os_error(rc)),
+            });
+        }
+        Ok(())
+    }
+
+    /// This end, to send to the peer.
+    pub fn endpoint(&self) -> Endpoint {
+        Endpoint {
+            // SAFETY: live QP.
+            qpn: unsafe { (*self.qp).qp_num },
+            psn: self.psn,
+            gid: self.ctx.gid,
+        }
+    }
+
+    /// Connects to `remote`: INIT → RTR → RTS.
+    pub fn connect(&self, remote: &Endpoint) -> Result<()> {
+        // SAFETY: plain data.
+        let mut a: ibv_qp_attr = unsafe { std::mem::zeroed() };
+        a.qp_state = ibv_qp_state::IBV_QPS_RTR;
+        a.path_mtu = self.ctx.mtu;
+        a.dest_qp_num = remote.qpn;
+        a.rq_psn = remote.psn;
+        a.max_dest_rd_atomic = 1;
+        a.min_rnr_timer = 12;
+        a.ah_attr.is_global = 1;
+        a.ah_attr.port_num = self.ctx.port;
+        a.ah_attr.grh.dgid.raw = remote.gid;
+        a.ah_attr.grh.sgid_index = self.ctx.gid_index;
+        a.ah_attr.grh.hop_limit = 64;
+        self.modify(
+            &mut a,
+            ibv_qp_attr_mask::IBV_QP_STATE
+                | ibv_qp_attr_mask::IBV_QP_AV
+                | ibv_qp_attr_mask::IBV_QP_PATH_MTU
+                | ibv_qp_attr_mask::IBV_QP_DEST_QPN
+                | ibv_qp_attr_mask::IBV_QP_RQ_PSN
+                | ibv_qp_attr_mask::IBV_QP_MAX_DEST_RD_ATOMIC
+                | ibv_qp_attr_mask::IBV_QP_MIN_RNR_TIMER,
+            "RTR",
+        )?;
+        // SAFETY: plain data.
+        let mut a: ibv_qp_attr = unsafe { std::mem::zeroed() };
+        a.qp_state = ibv_qp_state::IBV_QPS_RTS;
+        a.timeout = 14;
+        a.retry_cnt = 7;
+        a.rnr_retry = 7;
+        a.sq_psn = self.psn;
+        a.max_rd_atomic = 1;
+        self.modify(
+            &mut a,
+            ibv_qp_attr_mask::IBV_QP_STATE
+                | ibv_qp_attr_mask::IBV_QP_TIMEOUT
+                | ibv_qp_attr_mask::IBV_QP_RETRY_CNT
+                | ibv_qp_attr_mask::IBV_QP_RNR_RETRY
+                | ibv_qp_attr_mask::IBV_QP_SQ_PSN
+                | ibv_qp_attr_mask::IBV_QP_MAX_QP_RD_ATOMIC,
+            "RTS",
+        )
+    }
+
+    /// Posts receives (for WRITE_WITH_IMM completions: no buffer needed),
+    /// one chain of `n` with ids `first_id..`.
+    pub fn post_recvs(&self, first_id: u64, n: usize, wrs: &mut Vec<ibv_recv_wr>) -> Result<()> {
+        wrs.clear();
+        for i in 0..n {
+            wrs.push(ibv_recv_wr {
+                wr_id: first_id + i as u64,
+                next: ptr::null_mut(),
+                sg_list: ptr::null_mut(),
+                num_sge: 0,
+            });
+        }
+        for i in 0..n.saturating_sub(1) {
+            let next: *mut ibv_recv_wr = &mut wrs[i + 1];
+            wrs[i].next = next;
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let mut bad = ptr::null_mut();
+        // SAFETY: live QP; a well-formed chain that outlives the call.
+        let rc = unsafe { ibv_post_recv(self.qp, wrs.as_mut_ptr(), &mut bad) };
+        if rc != 0 {
+            return Err(Error::Rdma {
+                op: "post receives",
+                detail: std::io::Error::from_raw_os_error(rc).to_string(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Posts a chain of RDMA WRITE_WITH_IMM work requests (one doorbell),
+    /// signalling only the last. Each is (wr_id, local address, length,
+    /// remote address, immediate).
+    ///
+    /// # Safety
+    /// Each local range must lie in `mr` and stay valid until the chain's
+    /// completion; the remote ranges are the peer's to police (its MR).
+    pub unsafe fn post_writes(
+        &self,
+        mr: &Mr,
+        rkey: u32,
+        writes: &[(u64, *const u8, u32, u64, u32)],
+        sges: &mut Vec<ibv_sge>,
+        wrs: &mut Vec<ibv_send_wr>,
+    ) -> Result<()> {
+        sges.clear();
+        wrs.clear();
+        for &(_, addr, len, _, _) in writes {
+            sges.push(ibv_sge {
+                addr: addr as u64,
+                length: len,
+                lkey: mr.lkey(),
+            });
+        }
+        for (i, &(id, _, _, remote, imm)) in writes.iter().enumerate() {
+            // SAFETY: plain data.
+            let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
+            wr.wr_id = id;
+            wr.sg_list = &mut sges[i];
+            wr.num_sge = 1;
+            wr.opcode = ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM;
+            wr.send_flags = if i + 1 == writes.len() {
+                ibv_send_flags::IBV_SEND_SIGNALED.0
+            } else {
+                0
+            };
+            wr.imm_data_invalidated_rkey_union.imm_data = imm.to_be();
+            wr.wr.rdma.remote_addr = remote;
+            wr.wr.rdma.rkey = rkey;
+            wrs.push(wr);
+        }
+        for i in 0..wrs.len().saturating_sub(1) {
+            let next: *mut ibv_send_wr = &mut wrs[i + 1];
+            wrs[i].next = next;
+        }
+        if wrs.is_empty() {
+            return Ok(());
+        }
+        let mut bad = ptr::null_mut();
+        // SAFETY: live QP; a well-formed chain whose SGEs outlive the call;
+        // the local memory per this function's contract.
+        let rc = unsafe { ibv_post_send(self.qp, wrs.as_mut_ptr(), &mut bad) };
+        if rc != 0 {
+            return Err(Error::Rdma {
+                op: "post writes",
+                detail: std::io::Error::from_raw_os_error(rc).to_string(),
+            });
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Qp {
+    fn drop(&mut self) {
+        // SAFETY: created once, destroyed once, before its PD and CQs (which
+        // this QP keeps alive through its Arcs).
+        unsafe { ibv_destroy_qp(self.qp) };
+    }
+}
+
+/// One work completion, copied out of the CQ.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WorkCompletion {
+    /// The work request id.
+    pub wr_id: u64,
+    /// Status (0 = success; [`wc_status_name`] names the others).
+    pub status: u32,
+    /// Opcode (`ibv_wc_opcode`).
+    pub opcode: u32,
+    /// Bytes (for receives, those written by the peer's WRITE_WITH_IMM).
+    pub byte_len: u32,
+    /// The immediate data, host order (the grant id), when present.
+    pub imm: Option<u32>,
+    /// Vendor error code.
+    pub vendor_err: u32,
+}
+
+impl WorkCompletion {
+    /// Ok, or the named error for a failed completion.
+    pub fn check(&self) -> Result<()> {
+        if self.status == ibv_wc_status::IBV_WC_SUCCESS {
+            Ok(())
+        } else {
+            Err(completion_error(self))
+        }
+    }
+}
+
+/// The named error for a failed work completion.
+pub fn completion_error(wc: &WorkCompletion) -> Error {
+    Error::RdmaCompletion {
+        wr_id: wc.wr_id,
+        status: wc_status_name(wc.status),
+        vendor_err: wc.vendor_err,
+    }
 }
