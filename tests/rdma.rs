@@ -259,3 +259,118 @@ fn hundred_connect_disconnect_cycles_do_not_leak() {
         "RSS grew from {rss} to {rss2} KiB over 100 cycles"
     );
 }
+
+#[test]
+fn rdma_link_pushes_writes_and_errors_in_order_through_the_link_trait() {
+    use kspeed::transport::proto::Code;
+    use kspeed::transport::rdma::RdmaLink;
+    use kspeed::transport::{Done, Link};
+    let Some(ctx) = open() else { return };
+    let Pair {
+        pd,
+        cq_a,
+        cq_b,
+        a,
+        b,
+    } = pair(&ctx);
+    let mut staging = vec![0u8; 1 << 16];
+    for (i, x) in staging.iter_mut().enumerate() {
+        *x = (i % 253) as u8;
+    }
+    let mut ring = vec![0u8; 1 << 16];
+    let mut inbox = vec![0u8; 64 * 256];
+    // SAFETY: the buffers outlive their regions (dropped at the end).
+    let smr =
+        unsafe { Mr::register(&pd, staging.as_mut_ptr(), staging.len(), Access::Local) }.unwrap();
+    let rmr =
+        unsafe { Mr::register(&pd, ring.as_mut_ptr(), ring.len(), Access::RemoteWrite) }.unwrap();
+    let imr = unsafe { Mr::register(&pd, inbox.as_mut_ptr(), inbox.len(), Access::Local) }.unwrap();
+    let (mut sges, mut rwrs) = (Vec::new(), Vec::new());
+    b.post_recvs_into(0, 64, Some((&imr, imr.addr(), 256)), &mut sges, &mut rwrs)
+        .unwrap();
+    let mut link = RdmaLink::new(a, cq_a.clone(), smr.lkey(), rmr.addr(), rmr.rkey(), 64);
+    let write = |link: &mut RdmaLink, id: u64| {
+        let src = staging[id as usize * 2000..].as_ptr();
+        // SAFETY: the source lies in the staging region, alive until polled.
+        assert!(unsafe { link.post_write(id, src, 2000, id * 4096, 100 + id as u32) });
+    };
+    for id in 0..10 {
+        write(&mut link, id);
+    }
+    let msg = b"node 3 does not hold sample 42";
+    // SAFETY: msg is readable for its length.
+    assert!(unsafe { link.post_error(10, 555, Code::NotHeld, msg.as_ptr(), msg.len() as u32) });
+    for id in 11..14 {
+        write(&mut link, id);
+    }
+    link.flush(&mut ()).unwrap();
+    for id in 14..16 {
+        write(&mut link, id);
+    }
+    link.flush(&mut ()).unwrap();
+    let mut done = Vec::new();
+    let mut buf = [Done::default(); 8];
+    let t0 = Instant::now();
+    while done.len() < 16 && t0.elapsed() < Duration::from_secs(5) {
+        let n = link.poll(&mut buf);
+        done.extend_from_slice(&buf[..n]);
+    }
+    assert_eq!(done.len(), 16, "{done:?}");
+    assert!(done.iter().all(|d| d.ok));
+    let mut ids: Vec<u64> = done.iter().map(|d| d.wr_id).collect();
+    ids.sort();
+    assert_eq!(ids, (0..16).collect::<Vec<_>>());
+    // The consumer side: 15 writes and the error, in post order.
+    let got = wait(&cq_b, 16);
+    assert_eq!(got.len(), 16);
+    let err_at = got
+        .iter()
+        .position(|c| c.imm == Some(555))
+        .expect("the ERROR arrived");
+    assert_eq!(
+        err_at, 10,
+        "the ERROR stays behind the writes posted before it"
+    );
+    let e = got[err_at];
+    e.check().unwrap();
+    let slot = &inbox[e.wr_id as usize * 256..e.wr_id as usize * 256 + e.byte_len as usize];
+    assert_eq!(
+        u32::from_le_bytes(slot[..4].try_into().unwrap()),
+        Code::NotHeld as u32
+    );
+    assert_eq!(&slot[4..], msg);
+    for id in (0..16u64).filter(|&i| i != 10) {
+        let at = id as usize * 4096;
+        assert_eq!(
+            &ring[at..at + 2000],
+            &staging[id as usize * 2000..id as usize * 2000 + 2000]
+        );
+    }
+    // A write outside the peer's registration fails the link, and with it
+    // everything outstanding, as a named error.
+    // SAFETY: the source lies in the staging region.
+    assert!(unsafe { link.post_write(20, staging.as_ptr(), 64, 1 << 16, 1) });
+    assert!(unsafe { link.post_write(21, staging.as_ptr(), 64, 0, 2) });
+    link.flush(&mut ()).unwrap();
+    let mut failed = Vec::new();
+    let t0 = Instant::now();
+    while failed.len() < 2 && t0.elapsed() < Duration::from_secs(5) {
+        let n = link.poll(&mut buf);
+        failed.extend_from_slice(&buf[..n]);
+    }
+    assert_eq!(failed.len(), 2);
+    assert!(failed.iter().all(|d| !d.ok));
+    assert!(
+        matches!(link.error(), Some(Error::RdmaCompletion { status, .. }) if *status == "IBV_WC_REM_ACCESS_ERR"),
+        "{:?}",
+        link.error().map(|e| e.to_string())
+    );
+    // SAFETY: the source lies in the staging region.
+    assert!(
+        !unsafe { link.post_write(22, staging.as_ptr(), 64, 0, 3) },
+        "a failed link takes nothing"
+    );
+    drop(link);
+    drop(b);
+    drop((smr, rmr, imr));
+}

@@ -9,8 +9,8 @@
 //! outstanding grant before a single payload byte lands; over RDMA it will
 //! be a WRITE_WITH_IMM (immediate = grant id) into a region registered for
 //! remote write. [`Link`] is that owner-side seam: [`tcp::TcpLink`]
-//! implements it over the poller's io_uring; the verbs backend implements it
-//! over an RC queue pair.
+//! implements it over the poller's io_uring, `rdma::RdmaLink` (with the
+//! `rdma` feature) over an RC queue pair.
 
 pub mod cluster;
 pub mod proto;

@@ -10,6 +10,7 @@
 //!
 //! This module owns the verbs resources and is one of the few allowed `unsafe`.
 
+use std::collections::VecDeque;
 use std::ffi::CStr;
 use std::ptr;
 use std::sync::Arc;
@@ -511,13 +512,41 @@ impl Qp {
     /// Posts receives (for WRITE_WITH_IMM completions: no buffer needed),
     /// one chain of `n` with ids `first_id..`.
     pub fn post_recvs(&self, first_id: u64, n: usize, wrs: &mut Vec<ibv_recv_wr>) -> Result<()> {
+        let mut sges = Vec::new();
+        self.post_recvs_into(first_id, n, None, &mut sges, wrs)
+    }
+
+    /// Posts `n` receives, each with a `slot`-byte buffer from `buf` (slot i
+    /// at `base + i * slot`) when given: what SENDs (ERROR messages) need.
+    pub fn post_recvs_into(
+        &self,
+        first_id: u64,
+        n: usize,
+        buf: Option<(&Mr, u64, u32)>,
+        sges: &mut Vec<ibv_sge>,
+        wrs: &mut Vec<ibv_recv_wr>,
+    ) -> Result<()> {
         wrs.clear();
+        sges.clear();
+        if let Some((mr, base, slot)) = buf {
+            for i in 0..n {
+                sges.push(ibv_sge {
+                    addr: base + i as u64 * slot as u64,
+                    length: slot,
+                    lkey: mr.lkey(),
+                });
+            }
+        }
         for i in 0..n {
+            let (sg, num) = match sges.get_mut(i) {
+                Some(s) => (s as *mut ibv_sge, 1),
+                None => (ptr::null_mut(), 0),
+            };
             wrs.push(ibv_recv_wr {
                 wr_id: first_id + i as u64,
                 next: ptr::null_mut(),
-                sg_list: ptr::null_mut(),
-                num_sge: 0,
+                sg_list: sg,
+                num_sge: num,
             });
         }
         for i in 0..n.saturating_sub(1) {
@@ -643,5 +672,259 @@ pub fn completion_error(wc: &WorkCompletion) -> Error {
         wr_id: wc.wr_id,
         status: wc_status_name(wc.status),
         vendor_err: wc.vendor_err,
+    }
+}
+
+/// Largest ERROR message an [`RdmaLink`] sends (inline, after a 4-byte code).
+pub const RDMA_ERROR_BYTES: usize = 128;
+
+#[derive(Clone, Copy)]
+struct RdmaWr {
+    wr_id: u64,
+    send: bool,
+    src: *const u8,
+    len: u32,
+    remote: u64,
+    imm: u32,
+    inline_at: usize,
+}
+
+/// The verbs backend of [`super::Link`]: a posted write is an RDMA
+/// WRITE_WITH_IMM from the poster's staging memory (registered local-only,
+/// `lkey`) into the peer's ring (`rkey`, registered remote-write) with the
+/// grant id as immediate; an ERROR is a SEND_WITH_IMM on the same QP, so it
+/// cannot overtake the grant's writes (RC ordering), carrying a 4-byte code
+/// and the message inline. `flush` posts everything queued as one chain (one
+/// doorbell) signalling only its last request; `poll` turns the chain's
+/// completion into a [`super::Done`] for each of its requests. A failed
+/// completion (the QP is then in error) fails everything outstanding.
+pub struct RdmaLink {
+    qp: Qp,
+    cq: Arc<Cq>,
+    lkey: u32,
+    rkey: u32,
+    remote_base: u64,
+    max_wr: usize,
+    queued: Vec<RdmaWr>,
+    /// Requests posted, oldest first, and the signalled id ending each chain.
+    posted: VecDeque<u64>,
+    chain_ends: VecDeque<u64>,
+    done: VecDeque<super::Done>,
+    inline_buf: Vec<u8>,
+    sges: Vec<ibv_sge>,
+    wrs: Vec<ibv_send_wr>,
+    broken: Option<Error>,
+}
+
+// SAFETY: the raw pointers are addresses the poster keeps valid until
+// completion (Link's contract); one thread uses a link at a time.
+unsafe impl Send for RdmaLink {}
+
+impl RdmaLink {
+    /// A link over the connected `qp` whose send completions go to `cq`,
+    /// writing from memory registered with `lkey` into the peer ring at
+    /// `remote_base` (`rkey`). At most `max_wr` requests outstanding (the
+    /// QP's send queue size).
+    pub fn new(qp: Qp, cq: Arc<Cq>, lkey: u32, remote_base: u64, rkey: u32, max_wr: usize) -> Self {
+        RdmaLink {
+            qp,
+            cq,
+            lkey,
+            rkey,
+            remote_base,
+            max_wr,
+            queued: Vec::with_capacity(max_wr),
+            posted: VecDeque::with_capacity(max_wr),
+            chain_ends: VecDeque::with_capacity(max_wr),
+            done: VecDeque::with_capacity(max_wr),
+            inline_buf: vec![0u8; max_wr * (4 + RDMA_ERROR_BYTES)],
+            sges: Vec::with_capacity(max_wr),
+            wrs: Vec::with_capacity(max_wr),
+            broken: None,
+        }
+    }
+
+    /// Why the link stopped (a failed completion), if it did.
+    pub fn error(&self) -> Option<&Error> {
+        self.broken.as_ref()
+    }
+
+    fn room(&self) -> bool {
+        self.broken.is_none() && self.queued.len() + self.posted.len() < self.max_wr
+    }
+
+    fn fail_all(&mut self) {
+        for id in self.posted.drain(..) {
+            self.done.push_back(super::Done {
+                wr_id: id,
+                ok: false,
+            });
+        }
+        self.chain_ends.clear();
+        for w in self.queued.drain(..) {
+            self.done.push_back(super::Done {
+                wr_id: w.wr_id,
+                ok: false,
+            });
+        }
+    }
+}
+
+impl super::Link for RdmaLink {
+    type Driver = ();
+
+    unsafe fn post_write(
+        &mut self,
+        wr_id: u64,
+        src: *const u8,
+        len: u32,
+        remote_offset: u64,
+        grant: u32,
+    ) -> bool {
+        if !self.room() {
+            return false;
+        }
+        self.queued.push(RdmaWr {
+            wr_id,
+            send: false,
+            src,
+            len,
+            remote: self.remote_base + remote_offset,
+            imm: grant,
+            inline_at: 0,
+        });
+        true
+    }
+
+    unsafe fn post_error(
+        &mut self,
+        wr_id: u64,
+        grant: u32,
+        code: super::proto::Code,
+        msg: *const u8,
+        len: u32,
+    ) -> bool {
+        if !self.room() {
+            return false;
+        }
+        // The code and the (truncated) message go inline, so neither needs
+        // registered memory; the slot in inline_buf is this request's.
+        let slot = self.queued.len() + self.posted.len();
+        let at = slot * (4 + RDMA_ERROR_BYTES);
+        let n = (len as usize).min(RDMA_ERROR_BYTES);
+        self.inline_buf[at..at + 4].copy_from_slice(&(code as u32).to_le_bytes());
+        // SAFETY: msg is readable for len bytes (Link's contract); n <= len.
+        let m = unsafe { std::slice::from_raw_parts(msg, n) };
+        self.inline_buf[at + 4..at + 4 + n].copy_from_slice(m);
+        self.queued.push(RdmaWr {
+            wr_id,
+            send: true,
+            src: ptr::null(),
+            len: 4 + n as u32,
+            remote: 0,
+            imm: grant,
+            inline_at: at,
+        });
+        true
+    }
+
+    fn flush(&mut self, _: &mut ()) -> std::io::Result<()> {
+        if self.queued.is_empty() || self.broken.is_some() {
+            return Ok(());
+        }
+        self.sges.clear();
+        self.wrs.clear();
+        for w in &self.queued {
+            let addr = if w.send {
+                self.inline_buf[w.inline_at..].as_ptr() as u64
+            } else {
+                w.src as u64
+            };
+            self.sges.push(ibv_sge {
+                addr,
+                length: w.len,
+                lkey: self.lkey,
+            });
+        }
+        let last = self.queued.len() - 1;
+        for (i, w) in self.queued.iter().enumerate() {
+            // SAFETY: plain data.
+            let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
+            wr.wr_id = w.wr_id;
+            wr.sg_list = &mut self.sges[i];
+            wr.num_sge = 1;
+            wr.imm_data_invalidated_rkey_union.imm_data = w.imm.to_be();
+            let mut flags = if i == last {
+                ibv_send_flags::IBV_SEND_SIGNALED.0
+            } else {
+                0
+            };
+            if w.send {
+                wr.opcode = ibv_wr_opcode::IBV_WR_SEND_WITH_IMM;
+                flags |= ibv_send_flags::IBV_SEND_INLINE.0;
+            } else {
+                wr.opcode = ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM;
+                wr.wr.rdma.remote_addr = w.remote;
+                wr.wr.rdma.rkey = self.rkey;
+            }
+            wr.send_flags = flags;
+            self.wrs.push(wr);
+        }
+        for i in 0..last {
+            let next: *mut ibv_send_wr = &mut self.wrs[i + 1];
+            self.wrs[i].next = next;
+        }
+        let mut bad = ptr::null_mut();
+        // SAFETY: live QP; the chain and its SGEs outlive the call; inline
+        // data is copied during it; the written memory is valid until
+        // completion per Link's contract.
+        let rc = unsafe { ibv_post_send(self.qp.qp, self.wrs.as_mut_ptr(), &mut bad) };
+        if rc != 0 {
+            return Err(std::io::Error::from_raw_os_error(rc));
+        }
+        for w in self.queued.drain(..) {
+            self.posted.push_back(w.wr_id);
+        }
+        self.chain_ends
+            .push_back(*self.posted.back().expect("a chain was posted"));
+        Ok(())
+    }
+
+    fn poll(&mut self, out: &mut [super::Done]) -> usize {
+        let mut wc = [WorkCompletion::default(); 16];
+        while let Ok(n) = self.cq.poll(&mut wc) {
+            if n == 0 {
+                break;
+            }
+            for c in &wc[..n] {
+                if self.broken.is_some() {
+                    continue; // flushed requests of a failed QP: already failed
+                }
+                if let Err(e) = c.check() {
+                    log::warn!("RDMA link failed: {e}");
+                    self.broken = Some(e);
+                    self.fail_all();
+                    continue;
+                }
+                // A chain's signalled completion finishes the whole chain.
+                if self.chain_ends.front() == Some(&c.wr_id) {
+                    self.chain_ends.pop_front();
+                    while let Some(id) = self.posted.pop_front() {
+                        self.done.push_back(super::Done {
+                            wr_id: id,
+                            ok: true,
+                        });
+                        if id == c.wr_id {
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        let n = out.len().min(self.done.len());
+        for slot in out.iter_mut().take(n) {
+            *slot = self.done.pop_front().expect("counted");
+        }
+        n
     }
 }
