@@ -200,6 +200,20 @@ fn check(loader: &mut Loader, cat: &Catalog, rank: u32, world: u32, epochs: u64)
     n
 }
 
+/// A consumer with nothing local: the catalog and (as the last resort) the
+/// source, everything else from the nodes at `addrs`.
+fn builder_remote(st: &Setup, addrs: &[&str], ring_bytes: u64) -> LoaderBuilder {
+    LoaderBuilder::source(s(&st.src))
+        .catalog(&st.catalog)
+        .cluster(cluster_of(addrs))
+        .token(TOKEN.as_bytes())
+        .seed(3)
+        .batch_size(16)
+        .pollers(1)
+        .pin(false)
+        .landing(ring(ring_bytes))
+}
+
 fn builder_space(space: &Path, cluster: Cluster) -> LoaderBuilder {
     LoaderBuilder::space(space)
         .cluster(cluster)
@@ -553,17 +567,7 @@ fn hostile_consumers_are_refused_and_others_unaffected() {
     stalled
         .write_all(&hello_frame(&cat, proto::VERSION, TOKEN.as_bytes(), 1 << 20)[..10])
         .unwrap();
-    let mut l = LoaderBuilder::source(s(&st.src))
-        .catalog(&st.catalog)
-        .cluster(cluster_of(&[&node.addr]))
-        .token(TOKEN.as_bytes())
-        .seed(3)
-        .batch_size(16)
-        .pollers(1)
-        .pin(false)
-        .landing(ring(1 << 20))
-        .build()
-        .unwrap();
+    let mut l = builder_remote(&st, &[&node.addr], 1 << 20).build().unwrap();
     assert_eq!(check(&mut l, &cat, 0, 1, 2), 600);
     assert_eq!(l.stats().source_reads, 0);
     drop(stalled);
@@ -652,16 +656,8 @@ fn hostile_nodes_are_dropped_and_nothing_lands_outside_grants() {
         let t0 = Instant::now();
         // No local space: everything comes over the network, so the ring's
         // padding is written by nobody and must stay zero.
-        let mut l = LoaderBuilder::source(s(&st.src))
-            .catalog(&st.catalog)
-            .cluster(cluster_of(&[&node0.addr, &addr]))
-            .token(TOKEN.as_bytes())
+        let mut l = builder_remote(&st, &[&node0.addr, &addr], 1 << 20)
             .node_timeout(Duration::from_millis(700))
-            .seed(3)
-            .batch_size(16)
-            .pollers(1)
-            .pin(false)
-            .landing(ring(1 << 20))
             .build()
             .unwrap();
         assert_eq!(check(&mut l, &cat, 0, 1, 2), 800, "{m:?}");
@@ -857,15 +853,7 @@ fn read_error_on_a_node_fails_over_to_the_replica() {
         .set_len(len / 2)
         .unwrap();
     let cat = Catalog::open(&st.catalog).unwrap();
-    let mut l = LoaderBuilder::source(s(&st.src))
-        .catalog(&st.catalog)
-        .cluster(cluster_of(&[&n0.addr, &n1.addr]))
-        .token(TOKEN.as_bytes())
-        .seed(3)
-        .batch_size(16)
-        .pollers(1)
-        .pin(false)
-        .landing(ring(1 << 20))
+    let mut l = builder_remote(&st, &[&n0.addr, &n1.addr], 1 << 20)
         .build()
         .unwrap();
     assert_eq!(check(&mut l, &cat, 0, 1, 2), 800);
@@ -884,17 +872,7 @@ fn node_service_embedded_in_process() {
     let svc = NodeService::start(cfg).unwrap();
     let addr = svc.local_addr().to_string();
     let cat = Catalog::open(&st.catalog).unwrap();
-    let mut l = LoaderBuilder::source(s(&st.src))
-        .catalog(&st.catalog)
-        .cluster(cluster_of(&[&addr]))
-        .token(TOKEN.as_bytes())
-        .seed(3)
-        .batch_size(16)
-        .pollers(1)
-        .pin(false)
-        .landing(ring(1 << 20))
-        .build()
-        .unwrap();
+    let mut l = builder_remote(&st, &[&addr], 1 << 20).build().unwrap();
     assert_eq!(check(&mut l, &cat, 0, 1, 2), 600);
     drop(l);
     let st_ = svc.stats();

@@ -245,26 +245,11 @@ pub unsafe extern "C" fn ksp_last_error(
 
 /// Loader settings, built with [`ksp_config_set`]. Opaque.
 pub struct ksp_config {
-    space: Option<PathBuf>,
-    source: Option<String>,
-    catalog: Option<PathBuf>,
-    batch_size: usize,
-    seed: u64,
-    shuffle: bool,
-    rank: u32,
-    world: u32,
-    drop_last: bool,
-    landing: LandingOptions,
-    pollers: Option<usize>,
-    queue_depth: u32,
-    lookahead: Option<u64>,
-    tier_bytes: u64,
-    verify_crc32c: bool,
-    pin: bool,
-    start_epoch: u64,
+    /// The Rust builder itself: its defaults are the C ABI's.
+    builder: LoaderBuilder,
+    /// Cluster mode (resolved when the loader is created).
     cluster_file: Option<PathBuf>,
     token: Option<Vec<u8>>,
-    node_timeout_ms: u64,
 }
 
 /// Creates a configuration with kspeed's defaults (batch 64, seed 0,
@@ -279,27 +264,14 @@ pub struct ksp_config {
 pub unsafe extern "C" fn ksp_config_new(out: *mut *mut ksp_config) -> ksp_status {
     guard(|| {
         null(out, "out")?;
+        let landing = LandingOptions {
+            cuda: CudaMode::Auto,
+            ..Default::default()
+        };
         let cfg = Box::new(ksp_config {
-            space: None,
-            source: None,
-            catalog: None,
-            batch_size: 64,
-            seed: 0,
-            shuffle: true,
-            rank: 0,
-            world: 1,
-            drop_last: false,
-            landing: LandingOptions::default(),
-            pollers: None,
-            queue_depth: 32,
-            lookahead: None,
-            tier_bytes: 0,
-            verify_crc32c: false,
-            pin: true,
-            start_epoch: 0,
+            builder: LoaderBuilder::empty().landing(landing),
             cluster_file: None,
             token: None,
-            node_timeout_ms: 10_000,
         });
         // SAFETY: out is writable (checked non-null; contract).
         unsafe { *out = Box::into_raw(cfg) };
@@ -376,32 +348,57 @@ pub unsafe extern "C" fn ksp_config_set(
         let (k, v) = unsafe { (str_arg(key, "key")?, str_arg(value, "value")?) };
         // SAFETY: cfg is live and used by this thread only (contract).
         let c = unsafe { &mut *cfg };
-        match k {
-            "space" => c.space = Some(v.into()),
-            "source" => c.source = Some(v.into()),
-            "catalog" => c.catalog = Some(v.into()),
-            "batch_size" => c.batch_size = parse_num(k, v)?,
-            "seed" => c.seed = parse_num(k, v)?,
-            "shuffle" => c.shuffle = parse_bool(k, v)?,
-            "rank" => c.rank = parse_num(k, v)?,
-            "world" => c.world = parse_num(k, v)?,
-            "drop_last" => c.drop_last = parse_bool(k, v)?,
-            "ring_bytes" => c.landing.ring_bytes = parse_bytes(k, v)?,
-            "tier_bytes" => c.tier_bytes = parse_bytes(k, v)?,
-            "pollers" => c.pollers = Some(parse_num(k, v)?),
-            "queue_depth" => c.queue_depth = parse_num(k, v)?,
-            "lookahead" => c.lookahead = Some(parse_num(k, v)?),
-            "verify_crc32c" => c.verify_crc32c = parse_bool(k, v)?,
-            "mlock" => c.landing.mlock = parse_bool(k, v)?,
-            "huge_pages" => c.landing.huge_pages = parse_bool(k, v)?,
-            "pin" => c.pin = parse_bool(k, v)?,
-            "numa_node" => c.landing.numa_node = Some(parse_num(k, v)?),
-            "start_epoch" => c.start_epoch = parse_num(k, v)?,
-            "cluster_file" => c.cluster_file = Some(v.into()),
-            "token" => c.token = Some(v.as_bytes().to_vec()),
-            "node_timeout_ms" => c.node_timeout_ms = parse_num(k, v)?,
+        // Work on a copy: a bad value leaves the configuration as it was.
+        let b = c.builder.clone();
+        let mut landing = b.landing_options().clone();
+        let b = match k {
+            "space" => b.set_space(v),
+            "source" => b.set_source(v),
+            "catalog" => b.catalog(v),
+            "batch_size" => b.batch_size(parse_num(k, v)?),
+            "seed" => b.seed(parse_num(k, v)?),
+            "shuffle" => b.shuffle(parse_bool(k, v)?),
+            "rank" | "world" => {
+                let (mut r, mut w) = b.rank_world();
+                if k == "rank" {
+                    r = parse_num(k, v)?;
+                } else {
+                    w = parse_num(k, v)?;
+                }
+                b.rank(r, w)
+            }
+            "drop_last" => b.drop_last(parse_bool(k, v)?),
+            "ring_bytes" => b.ring_bytes(parse_bytes(k, v)?),
+            "tier_bytes" => b.tier_bytes(parse_bytes(k, v)?),
+            "pollers" => b.pollers(parse_num(k, v)?),
+            "queue_depth" => b.queue_depth(parse_num(k, v)?),
+            "lookahead" => b.lookahead(parse_num(k, v)?),
+            "verify_crc32c" => b.verify_crc32c(parse_bool(k, v)?),
+            "pin" => b.pin(parse_bool(k, v)?),
+            "mlock" | "huge_pages" | "numa_node" => {
+                match k {
+                    "mlock" => landing.mlock = parse_bool(k, v)?,
+                    "huge_pages" => landing.huge_pages = parse_bool(k, v)?,
+                    _ => landing.numa_node = Some(parse_num(k, v)?),
+                }
+                b.landing(landing)
+            }
+            "start_epoch" => b.start_at(crate::sampler::Position {
+                epoch: parse_num(k, v)?,
+                index: 0,
+            }),
+            "node_timeout_ms" => b.node_timeout(Duration::from_millis(parse_num(k, v)?)),
+            "cluster_file" => {
+                c.cluster_file = Some(v.into());
+                b
+            }
+            "token" => {
+                c.token = Some(v.as_bytes().to_vec());
+                b
+            }
             _ => return Err(Fail::Invalid(format!("unknown config key {k:?}"))),
-        }
+        };
+        c.builder = b;
         Ok(())
     })
 }
@@ -501,53 +498,17 @@ pub unsafe extern "C" fn ksp_loader_new(
         null(out, "out")?;
         // SAFETY: live configuration (contract).
         let c = unsafe { &*cfg };
-        let mut b = match (&c.space, &c.source) {
-            (Some(s), _) => LoaderBuilder::space(s),
-            (None, Some(src)) => {
-                let b = LoaderBuilder::source(src);
-                match &c.catalog {
-                    Some(cat) => b.catalog(cat),
-                    None => b,
-                }
-            }
-            (None, None) => return Err(Fail::Invalid("config needs `space` or `source`".into())),
-        };
-        let mut landing = c.landing.clone();
-        landing.cuda = CudaMode::Auto;
-        b = b
-            .batch_size(c.batch_size)
-            .seed(c.seed)
-            .shuffle(c.shuffle)
-            .rank(c.rank, c.world)
-            .drop_last(c.drop_last)
-            .landing(landing)
-            .queue_depth(c.queue_depth)
-            .tier_bytes(c.tier_bytes)
-            .verify_crc32c(c.verify_crc32c)
-            .pin(c.pin)
-            .start_at(crate::sampler::Position {
-                epoch: c.start_epoch,
-                index: 0,
-            });
-        if let Some(p) = c.pollers {
-            b = b.pollers(p);
-        }
-        if let Some(l) = c.lookahead {
-            b = b.lookahead(l);
-        }
+        let mut b = c.builder.clone();
         if let Some(f) = &c.cluster_file {
             let token = c
                 .token
                 .as_ref()
                 .ok_or_else(|| Fail::Invalid("cluster_file is set but token is not".into()))?;
-            b = b
-                .cluster(Cluster::from_file(f)?)
-                .token(token)
-                .node_timeout(Duration::from_millis(c.node_timeout_ms));
+            b = b.cluster(Cluster::from_file(f)?).token(token);
         }
         let loader = b.build()?;
         let h = Box::new(ksp_loader {
-            samples: Vec::with_capacity(c.batch_size),
+            samples: Vec::with_capacity(loader.batch_size()),
             loader,
         });
         // SAFETY: out is writable (contract).

@@ -273,6 +273,37 @@ impl LoaderBuilder {
         }
     }
 
+    /// A builder with no input yet: give one with [`LoaderBuilder::set_space`]
+    /// or [`LoaderBuilder::set_source`] (for bindings that set options one
+    /// by one, like the C ABI).
+    pub fn empty() -> Self {
+        Self::new()
+    }
+
+    /// Reads this space (replacing any input set before).
+    pub fn set_space(mut self, dir: impl AsRef<Path>) -> Self {
+        self.space = Some(dir.as_ref().to_path_buf());
+        self.source = None;
+        self
+    }
+
+    /// Reads this source directly (replacing any input set before).
+    pub fn set_source(mut self, spec: &str) -> Self {
+        self.source = Some(spec.to_string());
+        self.space = None;
+        self
+    }
+
+    /// The rank and world size set so far.
+    pub fn rank_world(&self) -> (u32, u32) {
+        (self.rank, self.world)
+    }
+
+    /// The landing ring options set so far (to change one of them).
+    pub fn landing_options(&self) -> &LandingOptions {
+        &self.landing
+    }
+
     /// Reads a preloaded space (the fast path).
     pub fn space(dir: impl AsRef<Path>) -> Self {
         LoaderBuilder {
@@ -1282,6 +1313,11 @@ impl Loader {
         }
         let pos = self.sampler.restore(bytes)?;
         self.restart(pos)
+    }
+
+    /// Samples per batch (the last of an epoch may have fewer).
+    pub fn batch_size(&self) -> usize {
+        self.batch_size
     }
 
     /// Samples per epoch for this rank.

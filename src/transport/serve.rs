@@ -664,19 +664,7 @@ impl ServePoller {
                 return true;
             }
             self.free_slots.pop();
-            let s = &mut self.slots[slot as usize];
-            s.offset = e.offset + off;
-            s.payload = payload;
-            s.last = off + payload as u64 >= e.len as u64;
-            s.src = bytes[at..].as_ptr();
-            s.ready = true;
-            let c = self.conns[ci as usize].as_mut().expect("live");
-            c.sendq.push_back(slot);
-            let front = c.grants.front_mut().expect("non-empty");
-            front.next += payload as u64;
-            if front.next >= e.len as u64 {
-                c.grants.pop_front();
-            }
+            self.queue_chunk(ci, slot, &e, off, payload, Some(bytes[at..].as_ptr()));
             return true;
         }
         let op = ReadOp {
@@ -693,19 +681,37 @@ impl ServePoller {
             return false;
         }
         self.free_slots.pop();
+        self.conns[ci as usize].as_mut().expect("live").ops += 1;
+        self.queue_chunk(ci, slot, &e, off, payload, None);
+        true
+    }
+
+    /// Describes chunk `off..off+payload` of grant `e` in `slot` (sent from
+    /// `src` when the bytes are already there, else from the slot's staging
+    /// once its read completes), queues it for sending in order, and moves
+    /// the grant on.
+    fn queue_chunk(
+        &mut self,
+        ci: u32,
+        slot: u32,
+        e: &GrantEntry,
+        off: u64,
+        payload: u32,
+        src: Option<*const u8>,
+    ) {
         let s = &mut self.slots[slot as usize];
         s.offset = e.offset + off;
         s.payload = payload;
         s.last = off + payload as u64 >= e.len as u64;
+        s.src = src.unwrap_or(std::ptr::null());
+        s.ready = src.is_some();
         let c = self.conns[ci as usize].as_mut().expect("live");
-        c.ops += 1;
         c.sendq.push_back(slot);
         let front = c.grants.front_mut().expect("non-empty");
         front.next += payload as u64;
         if front.next >= e.len as u64 {
             c.grants.pop_front();
         }
-        true
     }
 
     fn fill_error(&mut self, slot: u32, grant: u32, code: Code, msg: &str) {
