@@ -497,16 +497,23 @@ fn hostile_consumers_are_refused_and_others_unaffected() {
     };
     let s0 = cat.sample(0);
 
+    // A consumer past its HELLO, with a 1 MiB ring.
+    let joined = || {
+        let mut c = connect();
+        c.write_all(&hello_frame(
+            &cat,
+            proto::VERSION,
+            TOKEN.as_bytes(),
+            1 << 20,
+        ))
+        .unwrap();
+        let w = welcome(&mut c);
+        (c, w)
+    };
+
     // A grant outside the ring it declared.
-    let mut c = connect();
-    c.write_all(&hello_frame(
-        &cat,
-        proto::VERSION,
-        TOKEN.as_bytes(),
-        1 << 20,
-    ))
-    .unwrap();
-    assert_eq!(welcome(&mut c).max_grants, 64);
+    let (mut c, w) = joined();
+    assert_eq!(w.max_grants, 64);
     grant(
         &mut c,
         &[GrantEntry {
@@ -544,15 +551,7 @@ fn hostile_consumers_are_refused_and_others_unaffected() {
             })
             .collect(),
     ] {
-        let mut c = connect();
-        c.write_all(&hello_frame(
-            &cat,
-            proto::VERSION,
-            TOKEN.as_bytes(),
-            1 << 20,
-        ))
-        .unwrap();
-        welcome(&mut c);
+        let (mut c, _) = joined();
         grant(&mut c, &entries);
         let (code, _) = read_error(&mut c);
         assert!(

@@ -221,6 +221,7 @@ fn hundred_connect_disconnect_cycles_do_not_leak() {
         let smr =
             unsafe { Mr::register(&p.pd, staging.as_mut_ptr(), staging.len(), Access::Local) }
                 .unwrap();
+        // SAFETY: as above.
         let rmr =
             unsafe { Mr::register(&p.pd, ring.as_mut_ptr(), ring.len(), Access::RemoteWrite) }
                 .unwrap();
@@ -284,6 +285,7 @@ fn rdma_link_pushes_writes_and_errors_in_order_through_the_link_trait() {
         unsafe { Mr::register(&pd, staging.as_mut_ptr(), staging.len(), Access::Local) }.unwrap();
     let rmr =
         unsafe { Mr::register(&pd, ring.as_mut_ptr(), ring.len(), Access::RemoteWrite) }.unwrap();
+    // SAFETY: as above.
     let imr = unsafe { Mr::register(&pd, inbox.as_mut_ptr(), inbox.len(), Access::Local) }.unwrap();
     let (mut sges, mut rwrs) = (Vec::new(), Vec::new());
     b.post_recvs_into(0, 64, Some((&imr, imr.addr(), 256)), &mut sges, &mut rwrs)

@@ -164,11 +164,16 @@ public:
     }
     /// The position to resume from (KSP_POSITION_BYTES bytes).
     std::vector<uint8_t> save_position() const {
-        std::vector<uint8_t> pos(KSP_POSITION_BYTES);
+        std::vector<uint8_t> pos;
+        save_position(pos);
+        return pos;
+    }
+    /// The same into `pos`, reusing its storage (no allocation once sized).
+    void save_position(std::vector<uint8_t>& pos) const {
+        pos.resize(KSP_POSITION_BYTES);
         size_t n = 0;
         check(ksp_loader_save_position(p_, pos.data(), pos.size(), &n));
         pos.resize(n);
-        return pos;
     }
     void restore_position(const std::vector<uint8_t>& pos) {
         check(ksp_loader_restore_position(p_, pos.data(), pos.size()));

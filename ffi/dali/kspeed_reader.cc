@@ -134,6 +134,18 @@ public:
     }
 
 protected:
+    // Whether the held kspeed batch has samples left, fetching the next one
+    // (and returning the used one's ring space) when it has none; false at
+    // the end of the epoch.
+    bool have_samples() {
+        if (held_ && held_pos_ < held_->size()) return true;
+        held_.reset();
+        loader_->save_position(held_start_);
+        held_ = loader_->next_batch();
+        held_pos_ = 0;
+        return held_.has_value();
+    }
+
     // Gathers the next max_batch_size samples and describes the outputs.
     // Usually that is one whole kspeed batch, held until the next iteration;
     // otherwise (an epoch's short last batch, and every batch after an epoch
@@ -147,31 +159,8 @@ protected:
         labels_.clear();
         direct_ = false;
         try {
-            // The common case: a whole kspeed batch is the DALI batch. It is
-            // held until the next iteration and RunImpl copies straight from
-            // the ring into DALI's buffers (one copy).
-            if (!held_ || held_pos_ == held_->size()) {
-                held_.reset();
-                held_start_ = loader_->save_position();
-                held_ = loader_->next_batch();
-                held_pos_ = 0;
-                if (held_ && static_cast<int>(held_->size()) == n) {
-                    for (const ksp_sample& s : *held_) {
-                        len_.push_back(s.len);
-                        labels_.push_back(static_cast<int32_t>(s.label));
-                    }
-                    held_pos_ = held_->size();
-                    direct_ = true;
-                }
-            }
-            while (!direct_ && static_cast<int>(len_.size()) < n) {
-                if (!held_ || held_pos_ == held_->size()) {
-                    held_.reset();  // returns its ring space
-                    held_start_ = loader_->save_position();
-                    held_ = loader_->next_batch();
-                    held_pos_ = 0;
-                }
-                if (!held_) {
+            while (static_cast<int>(len_.size()) < n) {
+                if (!have_samples()) {
                     // End of this epoch.
                     loader_->set_epoch(++epoch_);
                     if (pad_last_batch_ && !len_.empty()) {
@@ -183,6 +172,18 @@ protected:
                         break;
                     }
                     continue;
+                }
+                if (len_.empty() && held_pos_ == 0 && static_cast<int>(held_->size()) == n) {
+                    // The common case: the whole kspeed batch is the DALI
+                    // batch; it stays held until the next iteration and
+                    // RunImpl copies straight from the ring (one copy).
+                    for (const ksp_sample& s : *held_) {
+                        len_.push_back(s.len);
+                        labels_.push_back(static_cast<int32_t>(s.label));
+                    }
+                    held_pos_ = held_->size();
+                    direct_ = true;
+                    break;
                 }
                 // Take what fits; the rest of the kspeed batch stays held
                 // for the next iteration (after an epoch boundary without

@@ -125,12 +125,12 @@ pub(crate) struct Shared {
 
 /// Lives on a worker thread's stack: if the thread unwinds, it records the
 /// crash and wakes the consumer.
-struct CrashGuard<'a> {
-    shared: &'a Shared,
+struct CrashGuard {
+    shared: Arc<Shared>,
     name: &'static str,
 }
 
-impl Drop for CrashGuard<'_> {
+impl Drop for CrashGuard {
     fn drop(&mut self) {
         if std::thread::panicking() {
             *self
@@ -982,15 +982,15 @@ impl Loader {
         let net_thread = match (conns, &self.net) {
             (Some(conns), Some(setup)) => {
                 let t = net::NetThread::new(shared.clone(), setup.clone(), conns)?;
+                let guard = CrashGuard {
+                    shared: shared.clone(),
+                    name: "network",
+                };
                 Some(
                     std::thread::Builder::new()
                         .name("kspeed-net".into())
                         .spawn(move || {
-                            let sh = t.shared();
-                            let _guard = CrashGuard {
-                                shared: &sh,
-                                name: "network",
-                            };
+                            let _guard = guard;
                             t.run()
                         })
                         .expect("spawn network thread"),
@@ -1015,7 +1015,7 @@ impl Loader {
                         core_affinity::set_for_current(c);
                     }
                     let _guard = CrashGuard {
-                        shared: &sh.clone(),
+                        shared: sh.clone(),
                         name: "poller",
                     };
                     poller::Poller::new(sh, i, n, backend).run()

@@ -364,11 +364,6 @@ impl NetThread {
         })
     }
 
-    /// The shared state (for the thread's crash guard).
-    pub(crate) fn shared(&self) -> Arc<Shared> {
-        self.sh.clone()
-    }
-
     fn net(&self) -> &NetShared {
         self.sh.net.as_ref().expect("cluster mode")
     }

@@ -221,6 +221,8 @@ impl Uring {
 }
 
 impl IoBackend for Uring {
+    /// # Safety
+    /// As for [`IoBackend::push`].
     unsafe fn push(&mut self, op: &ReadOp) -> bool {
         let entry = match (op.target, op.buf_index) {
             (Target::Fixed(i), Some(b)) => {
@@ -325,6 +327,8 @@ impl<B: IoBackend> Faulty<B> {
 }
 
 impl<B: IoBackend> IoBackend for Faulty<B> {
+    /// # Safety
+    /// As for [`IoBackend::push`].
     unsafe fn push(&mut self, op: &ReadOp) -> bool {
         // SAFETY: forwarded with the same contract.
         unsafe { self.inner.push(op) }

@@ -503,11 +503,8 @@ pub fn decode_stream(mut bytes: &[u8]) -> (usize, Option<FrameError>) {
                 }
                 ok
             }
-            Kind::Error => {
-                let _ = String::from_utf8_lossy(body);
-                Ok(())
-            }
-            Kind::Data => Ok(()),
+            // Any bytes are a message (shown lossily) or a payload.
+            Kind::Error | Kind::Data => Ok(()),
         };
         if let Err(e) = checked {
             return (n, Some(e));

@@ -773,6 +773,8 @@ impl RdmaLink {
 impl super::Link for RdmaLink {
     type Driver = ();
 
+    /// # Safety
+    /// As for [`super::Link::post_write`].
     unsafe fn post_write(
         &mut self,
         wr_id: u64,
@@ -796,6 +798,8 @@ impl super::Link for RdmaLink {
         true
     }
 
+    /// # Safety
+    /// As for [`super::Link::post_error`].
     unsafe fn post_error(
         &mut self,
         wr_id: u64,

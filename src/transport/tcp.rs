@@ -146,6 +146,8 @@ impl TcpLink {
 impl Link for TcpLink {
     type Driver = Uring;
 
+    /// # Safety
+    /// As for [`super::Link::post_write`].
     unsafe fn post_write(
         &mut self,
         wr_id: u64,
@@ -163,6 +165,8 @@ impl Link for TcpLink {
         })
     }
 
+    /// # Safety
+    /// As for [`super::Link::post_error`].
     unsafe fn post_error(
         &mut self,
         wr_id: u64,
