@@ -75,6 +75,8 @@ struct ServeArgs {
     /// of O_DIRECT reads into staging: for spaces on tmpfs or kept warm.
     #[arg(long)]
     page_cache: bool,
+    #[command(flatten)]
+    rdma: read::RdmaArgs,
 }
 
 #[derive(Args)]
@@ -326,6 +328,7 @@ fn run(cli: Cli) -> kspeed::Result<ExitCode> {
             cfg.chunk_bytes = a.chunk_bytes.min(u32::MAX as u64) as u32;
             cfg.max_grants = a.max_grants;
             cfg.page_cache = a.page_cache;
+            cfg.rdma = a.rdma.options();
             kspeed::transport::serve::serve_until_signal(cfg, |svc| {
                 // Scripts wait for this line (and read the port from it).
                 println!("serving {} on {}", a.space.display(), svc.local_addr());

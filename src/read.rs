@@ -113,6 +113,37 @@ pub(crate) struct ReadArgs {
     /// samples fail over, in ms.
     #[arg(long, default_value_t = 10_000)]
     node_timeout_ms: u64,
+    #[command(flatten)]
+    rdma: RdmaArgs,
+}
+
+/// The RDMA transport's options, shared by `read` and `serve`.
+#[derive(clap::Args, Debug, Clone)]
+pub(crate) struct RdmaArgs {
+    /// Move sample bytes with RDMA WRITE (serve: offer it; read: use it,
+    /// every node must offer it) instead of TCP frames.
+    #[arg(long)]
+    pub(crate) rdma: bool,
+    /// RDMA device (default: the first one, as `ibv_devices` lists them).
+    #[arg(long, requires = "rdma")]
+    pub(crate) rdma_device: Option<String>,
+    /// RDMA port number.
+    #[arg(long, default_value_t = 1, requires = "rdma")]
+    pub(crate) rdma_port: u8,
+    /// GID index (default: the RoCE v2 GID of the address the TCP control
+    /// connection uses).
+    #[arg(long, requires = "rdma")]
+    pub(crate) rdma_gid_index: Option<u8>,
+}
+
+impl RdmaArgs {
+    pub(crate) fn options(&self) -> Option<kspeed::transport::RdmaOptions> {
+        self.rdma.then(|| kspeed::transport::RdmaOptions {
+            device: self.rdma_device.clone(),
+            port: self.rdma_port,
+            gid_index: self.rdma_gid_index,
+        })
+    }
 }
 
 pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
@@ -181,7 +212,12 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
         b = b
             .cluster(c)
             .token(&token)
-            .node_timeout(Duration::from_millis(a.node_timeout_ms));
+            .node_timeout(Duration::from_millis(a.node_timeout_ms))
+            .rdma(a.rdma.options());
+    } else if a.rdma.rdma {
+        return Err(kspeed::Error::InvalidConfig(
+            "--rdma is for cluster mode (--cluster or --cluster-env)".into(),
+        ));
     }
     if let Some(l) = a.lookahead {
         b = b.lookahead(l);
@@ -282,7 +318,8 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
     );
     if a.cluster.is_some() || a.cluster_env {
         println!(
-            "cluster: {} samples pushed by other nodes, {} failed over, {} read from the source",
+            "cluster ({}): {} samples pushed by other nodes, {} failed over, {} read from the source",
+            if a.rdma.rdma { "RDMA" } else { "TCP" },
             st.remote_samples, st.failovers, st.source_reads
         );
     }

@@ -213,6 +213,7 @@ pub struct LoaderBuilder {
     cluster: Option<crate::transport::Cluster>,
     token: Vec<u8>,
     node_timeout: Duration,
+    rdma: Option<crate::transport::RdmaOptions>,
     local_node: Option<Option<u32>>,
 }
 
@@ -269,6 +270,7 @@ impl LoaderBuilder {
             cluster: None,
             token: Vec::new(),
             node_timeout: Duration::from_secs(10),
+            rdma: None,
             local_node: None,
         }
     }
@@ -471,6 +473,16 @@ impl LoaderBuilder {
         self
     }
 
+    /// Cluster mode: receive remote samples as RDMA writes into the landing
+    /// ring (registered for remote write, exactly its range) through this
+    /// device, instead of DATA frames on TCP (`None`, the default). Every
+    /// node service must offer RDMA (`kspeed serve --rdma`); needs a build
+    /// with the `rdma` feature.
+    pub fn rdma(mut self, opts: Option<crate::transport::RdmaOptions>) -> Self {
+        self.rdma = opts;
+        self
+    }
+
     /// The cluster node this process runs on (default: the local space's
     /// node index; none with a source). Its samples are never requested over
     /// the network.
@@ -640,9 +652,11 @@ impl LoaderBuilder {
                         ring_addr: 0,
                         ring_len: ring.len() as u64,
                         rkey: 0,
+                        transport: crate::transport::proto::TRANSPORT_TCP,
                     },
                     placement,
                     local_node: self.local_node.unwrap_or(space_node),
+                    rdma: self.rdma.clone(),
                 })
             }
         };
@@ -937,7 +951,8 @@ impl Loader {
         let conns = match &mut self.net {
             Some(setup) => {
                 let mut s = (**setup).clone();
-                let conns = net::connect_all(&mut s)?;
+                let ring = &self.spare.as_ref().expect("resources available").ring;
+                let conns = net::connect_all(&mut s, (ring.as_mut_ptr(), ring.len()))?;
                 *setup = Arc::new(s);
                 Some(conns)
             }

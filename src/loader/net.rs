@@ -51,6 +51,93 @@ pub(crate) struct NetSetup {
     pub(crate) placement: Option<Placement>,
     /// The node this process runs on (its samples are read locally).
     pub(crate) local_node: Option<u32>,
+    /// Data over RDMA (WRITE_WITH_IMM into the registered ring) on this
+    /// device, instead of DATA frames on TCP.
+    pub(crate) rdma: Option<crate::transport::RdmaOptions>,
+}
+
+/// How many receives an RDMA connection keeps posted: every WRITE_WITH_IMM
+/// consumes one (too few only slows the owner down: it retries on RNR).
+#[cfg(feature = "rdma")]
+const RDMA_RECVS: usize = 1024;
+/// Receive buffer size: an ERROR message (code + up to 128 bytes).
+#[cfg(feature = "rdma")]
+const RDMA_RECV_BYTES: usize = 4 + crate::transport::rdma::RDMA_ERROR_BYTES;
+
+/// A loader's verbs resources for one launch: the device, a protection
+/// domain, the completion channel every connection's CQ wakes, and the
+/// landing ring registered for remote write (exactly the ring's range).
+#[cfg(feature = "rdma")]
+pub(crate) struct ConsumerRdma {
+    opts: crate::transport::RdmaOptions,
+    ring_mr: crate::transport::rdma::Mr,
+    channel: Arc<crate::transport::rdma::CompChannel>,
+    pd: Arc<crate::transport::rdma::Pd>,
+    ctx: Arc<crate::transport::rdma::Context>,
+}
+
+#[cfg(feature = "rdma")]
+impl ConsumerRdma {
+    fn open(opts: &crate::transport::RdmaOptions, ring: (*mut u8, usize)) -> Result<Self> {
+        use crate::transport::rdma::{Access, CompChannel, Context, Mr, Pd};
+        let ctx = Context::open(opts.device.as_deref(), opts.port, opts.gid_index)?;
+        let pd = Pd::new(&ctx)?;
+        let channel = CompChannel::new(&ctx)?;
+        // SAFETY: the ring outlives this registration (the network thread
+        // owns it and drops it before its Arc of the ring); peers write it
+        // only at granted ranges the consumer does not read until published.
+        let ring_mr = unsafe { Mr::register(&pd, ring.0, ring.1, Access::RemoteWrite) }?;
+        Ok(ConsumerRdma {
+            opts: opts.clone(),
+            ring_mr,
+            channel,
+            pd,
+            ctx,
+        })
+    }
+}
+
+/// One connection's RDMA end: its QP and CQ, and the receive buffers for
+/// ERROR messages (receives are posted in order and complete in order, so
+/// the buffers are used round-robin and re-posted in bulk).
+#[cfg(feature = "rdma")]
+struct RdmaConn {
+    qp: crate::transport::rdma::Qp,
+    cq: Arc<crate::transport::rdma::Cq>,
+    bufs_mr: crate::transport::rdma::Mr,
+    bufs: Box<[u8]>,
+    /// Receives completed and not re-posted yet, and the slot of the first.
+    consumed: usize,
+    next_slot: usize,
+    sges: Vec<rdma_sys::ibv_sge>,
+    wrs: Vec<rdma_sys::ibv_recv_wr>,
+}
+
+// SAFETY: `sges`/`wrs` are scratch space whose raw pointers are rebuilt on
+// every post and never outlive it; the verbs objects may be used from any
+// thread, and one thread at a time uses a connection.
+#[cfg(feature = "rdma")]
+unsafe impl Send for RdmaConn {}
+
+#[cfg(feature = "rdma")]
+impl RdmaConn {
+    /// Re-posts the receives consumed so far (one or two chains).
+    fn repost(&mut self) -> Result<()> {
+        while self.consumed > 0 {
+            let first = (self.next_slot + RDMA_RECVS - self.consumed) % RDMA_RECVS;
+            let n = self.consumed.min(RDMA_RECVS - first);
+            let base = self.bufs.as_ptr() as u64 + (first * RDMA_RECV_BYTES) as u64;
+            self.qp.post_recvs_into(
+                first as u64,
+                n,
+                Some((&self.bufs_mr, base, RDMA_RECV_BYTES as u32)),
+                &mut self.sges,
+                &mut self.wrs,
+            )?;
+            self.consumed -= n;
+        }
+        Ok(())
+    }
 }
 
 /// What the consumer thread and the network thread share.
@@ -122,9 +209,18 @@ pub(crate) struct Conn {
     max_grants: u64,
     max_data: u32,
     last_rx: Instant,
+    #[cfg(feature = "rdma")]
+    rdma: Option<RdmaConn>,
 }
 
 impl Conn {
+    fn is_rdma(&self) -> bool {
+        #[cfg(feature = "rdma")]
+        return self.rdma.is_some();
+        #[cfg(not(feature = "rdma"))]
+        false
+    }
+
     fn dead(node: u32, addr: String, reason: String) -> Conn {
         Conn {
             node,
@@ -146,21 +242,58 @@ impl Conn {
             max_grants: 0,
             max_data: 0,
             last_rx: Instant::now(),
+            #[cfg(feature = "rdma")]
+            rdma: None,
         }
     }
+}
+
+/// What [`connect_all`] made: a connection per node (dead ones included)
+/// and, over RDMA, the verbs resources they share.
+pub(crate) struct Connected {
+    pub(crate) conns: Vec<Conn>,
+    #[cfg(feature = "rdma")]
+    pub(crate) rdma: Option<Arc<ConsumerRdma>>,
 }
 
 /// Connects to every node but the local one. A node that cannot be reached
 /// is dead from the start (its samples fail over); a node that refuses the
 /// HELLO (token, version, dataset) is an error: the job is misconfigured.
-pub(crate) fn connect_all(setup: &mut NetSetup) -> Result<Vec<Conn>> {
+///
+/// Over RDMA the landing ring `ring` (address, length) is registered for
+/// remote write first, and every connection gets its queue pair.
+pub(crate) fn connect_all(setup: &mut NetSetup, ring: (*mut u8, usize)) -> Result<Connected> {
     let mut out = Vec::with_capacity(setup.cluster.nodes.len());
+    #[cfg(feature = "rdma")]
+    let rdma = match &setup.rdma {
+        Some(opts) => {
+            let r = Arc::new(ConsumerRdma::open(opts, ring)?);
+            setup.hello.ring_addr = r.ring_mr.addr();
+            setup.hello.rkey = r.ring_mr.rkey();
+            setup.hello.transport = proto::TRANSPORT_RDMA;
+            Some(r)
+        }
+        None => None,
+    };
+    #[cfg(not(feature = "rdma"))]
+    {
+        let _ = ring;
+        if setup.rdma.is_some() {
+            return Err(Error::InvalidConfig(
+                "this kspeed was built without the `rdma` feature: no RDMA transport".into(),
+            ));
+        }
+    }
     for n in &setup.cluster.nodes {
         if Some(n.index) == setup.local_node {
             out.push(Conn::dead(n.index, n.addr.clone(), "local node".into()));
             continue;
         }
-        match connect(setup, n.index, &n.addr) {
+        #[cfg(feature = "rdma")]
+        let res = connect(setup, n.index, &n.addr, rdma.as_deref());
+        #[cfg(not(feature = "rdma"))]
+        let res = connect(setup, n.index, &n.addr);
+        match res {
             Ok((c, w)) => {
                 let theirs =
                     Placement::new(w.nodes, w.replicas).map_err(|e| Error::BadCluster {
@@ -190,7 +323,11 @@ pub(crate) fn connect_all(setup: &mut NetSetup) -> Result<Vec<Conn>> {
             }
         }
     }
-    Ok(out)
+    Ok(Connected {
+        conns: out,
+        #[cfg(feature = "rdma")]
+        rdma,
+    })
 }
 
 enum ConnectError {
@@ -198,7 +335,12 @@ enum ConnectError {
     Unreachable(String),
 }
 
-fn connect(setup: &NetSetup, node: u32, addr: &str) -> Result<(Conn, Welcome), ConnectError> {
+fn connect(
+    setup: &NetSetup,
+    node: u32,
+    addr: &str,
+    #[cfg(feature = "rdma")] rdma: Option<&ConsumerRdma>,
+) -> Result<(Conn, Welcome), ConnectError> {
     let unreachable =
         |what: &str, e: &dyn std::fmt::Display| ConnectError::Unreachable(format!("{what}: {e}"));
     let sa = crate::transport::Node {
@@ -251,6 +393,22 @@ fn connect(setup: &NetSetup, node: u32, addr: &str) -> Result<(Conn, Welcome), C
             reason: format!("the service there is node {}", w.node_index),
         }));
     }
+    if w.transport != setup.hello.transport {
+        return Err(ConnectError::Refused(Error::BadCluster {
+            origin: format!("node {node} ({addr})"),
+            reason: if setup.hello.transport == proto::TRANSPORT_RDMA {
+                "it does not serve over RDMA (start `kspeed serve` with --rdma, or read over TCP)"
+                    .into()
+            } else {
+                format!("it answered with transport {}", w.transport)
+            },
+        }));
+    }
+    #[cfg(feature = "rdma")]
+    let rdma_conn = match rdma {
+        Some(r) => Some(rdma_connect(r, &mut sock, node, addr)?),
+        None => None,
+    };
     let _ = sock.set_read_timeout(None);
     let entries = proto::MAX_GRANT_ENTRIES.min(w.max_grants.max(1) as usize);
     let frame = proto::HEADER_BYTES + entries * proto::GRANT_ENTRY_BYTES;
@@ -277,9 +435,95 @@ fn connect(setup: &NetSetup, node: u32, addr: &str) -> Result<(Conn, Welcome), C
             max_grants: w.max_grants.max(1),
             max_data: w.max_data_bytes.min(proto::MAX_DATA_BYTES),
             last_rx: Instant::now(),
+            #[cfg(feature = "rdma")]
+            rdma: rdma_conn,
         },
         w,
     ))
+}
+
+/// After WELCOME over RDMA: creates this connection's QP (on the GID of the
+/// address the control connection leaves from, unless one is configured),
+/// swaps endpoints with the owner, connects, and posts the receives.
+#[cfg(feature = "rdma")]
+fn rdma_connect(
+    r: &ConsumerRdma,
+    sock: &mut TcpStream,
+    node: u32,
+    addr: &str,
+) -> Result<RdmaConn, ConnectError> {
+    use crate::transport::rdma::{Access, Cq, Endpoint, Mr, Qp};
+    let failed = |e: Error| ConnectError::Refused(e);
+    let violation = |what: String| {
+        ConnectError::Refused(Error::ProtocolViolation {
+            node,
+            addr: addr.to_string(),
+            what,
+        })
+    };
+    let cq = Cq::with_channel(&r.ctx, (RDMA_RECVS + 64) as i32, &r.channel).map_err(failed)?;
+    let mut qp = Qp::new(&r.pd, &cq, &cq, RDMA_RECVS as u32, 0).map_err(failed)?;
+    let (index, gid) = match r.opts.gid_index {
+        Some(i) => (i, r.ctx.gid_at(i).map_err(failed)?),
+        None => {
+            let ip = sock
+                .local_addr()
+                .map_err(|e| ConnectError::Unreachable(format!("local address: {e}")))?
+                .ip();
+            r.ctx.gid_for_ip(ip).map_err(failed)?
+        }
+    };
+    qp.use_gid(index, gid);
+    let ours = qp.endpoint();
+    sock.write_all(
+        &proto::RdmaEndpoint {
+            qpn: ours.qpn,
+            psn: ours.psn,
+            gid: ours.gid,
+        }
+        .encode(),
+    )
+    .map_err(|e| ConnectError::Unreachable(format!("send RDMA_ENDPOINT: {e}")))?;
+    let mut hb = [0u8; proto::HEADER_BYTES];
+    sock.read_exact(&mut hb)
+        .map_err(|e| ConnectError::Unreachable(format!("no RDMA_ENDPOINT: {e}")))?;
+    let h = Header::decode(&hb, 0).map_err(|e| violation(e.to_string()))?;
+    let mut body = vec![0u8; h.body_len as usize];
+    sock.read_exact(&mut body)
+        .map_err(|e| ConnectError::Unreachable(format!("truncated answer: {e}")))?;
+    if h.kind == Kind::Error {
+        return Err(ConnectError::Refused(Error::Refused {
+            node,
+            addr: addr.to_string(),
+            code: Code::from_u32(h.b).name(),
+            message: String::from_utf8_lossy(&body).into_owned(),
+        }));
+    }
+    let theirs = proto::RdmaEndpoint::decode(&h, &body).map_err(|e| violation(e.to_string()))?;
+    qp.connect(&Endpoint {
+        qpn: theirs.qpn,
+        psn: theirs.psn,
+        gid: theirs.gid,
+    })
+    .map_err(failed)?;
+    let mut bufs = vec![0u8; RDMA_RECVS * RDMA_RECV_BYTES].into_boxed_slice();
+    // SAFETY: the buffers live in the RdmaConn next to (and dropped after)
+    // the QP that receives into them.
+    let bufs_mr = unsafe { Mr::register(&r.pd, bufs.as_mut_ptr(), bufs.len(), Access::Local) }
+        .map_err(failed)?;
+    let mut c = RdmaConn {
+        qp,
+        cq,
+        bufs_mr,
+        bufs,
+        consumed: RDMA_RECVS,
+        next_slot: 0,
+        sges: Vec::with_capacity(RDMA_RECVS),
+        wrs: Vec::with_capacity(RDMA_RECVS),
+    };
+    c.repost().map_err(failed)?;
+    c.cq.arm().map_err(failed)?;
+    Ok(c)
 }
 
 const NONE: u32 = u32::MAX;
@@ -301,14 +545,20 @@ struct GSlot {
 const UD_RECV: u64 = 1 << 56;
 const UD_SEND: u64 = 2 << 56;
 const UD_WAKE: u64 = 3 << 56;
+const UD_CHAN: u64 = 4 << 56;
 const UD_KIND: u64 = 0xff << 56;
 
 pub(crate) struct NetThread {
-    sh: Arc<Shared>,
     setup: Arc<NetSetup>,
     placement: Placement,
     ring: Uring,
+    /// Before `rdma` and `sh`: the QPs go before the registrations and the
+    /// ring memory they write.
     conns: Vec<Conn>,
+    #[cfg(feature = "rdma")]
+    rdma: Option<Arc<ConsumerRdma>>,
+    /// A poll on the RDMA completion channel is in the ring.
+    chan_inflight: bool,
     cursor: Cursor,
     pending: Option<Placed>,
     table: Box<[GSlot]>,
@@ -318,10 +568,12 @@ pub(crate) struct NetThread {
     wake_buf: Box<u64>,
     wake_inflight: bool,
     completions: Vec<Completion>,
+    sh: Arc<Shared>,
 }
 
 impl NetThread {
-    pub(crate) fn new(sh: Arc<Shared>, setup: Arc<NetSetup>, conns: Vec<Conn>) -> Result<Self> {
+    pub(crate) fn new(sh: Arc<Shared>, setup: Arc<NetSetup>, connected: Connected) -> Result<Self> {
+        let conns = connected.conns;
         let ring = Uring::new(UringOptions {
             entries: (conns.len() as u32 * 2 + 8).next_power_of_two(),
             sqpoll_idle_ms: None,
@@ -338,6 +590,9 @@ impl NetThread {
             placement,
             ring,
             conns,
+            #[cfg(feature = "rdma")]
+            rdma: connected.rdma,
+            chan_inflight: false,
             cursor,
             pending: None,
             table: vec![
@@ -382,12 +637,17 @@ impl NetThread {
             if stopping && !self.busy() {
                 break;
             }
+            // RDMA writes complete on the connections' CQs, not the ring.
+            let progressed = self.poll_rdma();
             if !stopping {
                 self.fill();
                 self.flush_grants();
                 self.post_recvs();
                 self.check_timeouts();
             }
+            // About to sleep: arm the CQs, then look once more (a
+            // completion that came in before arming raises no event).
+            let progressed = progressed || (self.arm_rdma() && self.poll_rdma());
             if !self.wake_inflight {
                 let fd = self.net().wake.raw();
                 let buf: *mut u64 = &mut *self.wake_buf;
@@ -397,7 +657,9 @@ impl NetThread {
                     self.wake_inflight = true;
                 }
             }
-            let wait = if stopping {
+            let wait = if progressed && !stopping {
+                Duration::ZERO
+            } else if stopping {
                 Duration::from_millis(5)
             } else {
                 Duration::from_millis(50)
@@ -418,8 +680,157 @@ impl NetThread {
         }
     }
 
+    /// Whether ring operations that reference this thread's memory are in
+    /// flight (the completion channel's poll references none: the ring is
+    /// dropped before the channel).
     fn busy(&self) -> bool {
         self.wake_inflight || self.conns.iter().any(|c| c.rx_inflight || c.tx_inflight)
+    }
+
+    /// Polls every RDMA connection's CQ and acts on what completed; re-posts
+    /// the receives used. True when anything completed.
+    #[cfg(feature = "rdma")]
+    fn poll_rdma(&mut self) -> bool {
+        use crate::transport::rdma::{completion_error, WorkCompletion};
+        if self.rdma.is_none() {
+            return false;
+        }
+        let mut any = false;
+        let mut wc = [WorkCompletion::default(); 32];
+        for i in 0..self.conns.len() {
+            loop {
+                let Some(r) = self.conns[i].rdma.as_mut() else {
+                    break;
+                };
+                let n = match r.cq.poll(&mut wc) {
+                    Ok(n) => n,
+                    Err(e) => {
+                        self.kill(i, e.to_string());
+                        break;
+                    }
+                };
+                if n == 0 {
+                    break;
+                }
+                any = true;
+                r.consumed += n;
+                r.next_slot = (r.next_slot + n) % RDMA_RECVS;
+                for w in &wc[..n] {
+                    if self.conns[i].state != State::Live {
+                        break; // flushed receives of a connection being shut
+                    }
+                    if w.status != 0 {
+                        let e = completion_error(w);
+                        self.kill(i, format!("RDMA queue pair failed: {e}"));
+                        break;
+                    }
+                    self.conns[i].last_rx = Instant::now();
+                    self.on_rdma_completion(i, w);
+                }
+                if self.conns[i].state == State::Live {
+                    let r = self.conns[i].rdma.as_mut().expect("live");
+                    if r.consumed >= RDMA_RECVS / 8 {
+                        if let Err(e) = r.repost() {
+                            self.kill(i, format!("re-posting receives: {e}"));
+                        }
+                    }
+                }
+            }
+        }
+        any
+    }
+
+    #[cfg(not(feature = "rdma"))]
+    fn poll_rdma(&mut self) -> bool {
+        false
+    }
+
+    /// Before sleeping with RDMA grants outstanding: arms the CQs and puts a
+    /// poll of the completion channel in the ring, so the first completion
+    /// wakes the thread. True when anything was armed.
+    #[cfg(feature = "rdma")]
+    fn arm_rdma(&mut self) -> bool {
+        let Some(r) = self.rdma.clone() else {
+            return false;
+        };
+        let mut armed = false;
+        for i in 0..self.conns.len() {
+            let c = &self.conns[i];
+            let Some(rc) = c.rdma.as_ref() else { continue };
+            if c.state != State::Live || c.outstanding == 0 {
+                continue;
+            }
+            if let Err(e) = rc.cq.arm() {
+                self.kill(i, e.to_string());
+                continue;
+            }
+            armed = true;
+        }
+        if !armed {
+            return false;
+        }
+        if !self.chan_inflight && self.ring.push_poll_in(UD_CHAN, r.channel.fd()) {
+            self.chan_inflight = true;
+        }
+        true
+    }
+
+    #[cfg(not(feature = "rdma"))]
+    fn arm_rdma(&mut self) -> bool {
+        false
+    }
+
+    /// One receive completion of connection `i`: an RDMA write into a
+    /// granted range (immediate = grant id), or an ERROR sent on the QP.
+    #[cfg(feature = "rdma")]
+    fn on_rdma_completion(&mut self, i: usize, w: &crate::transport::rdma::WorkCompletion) {
+        use rdma_sys::ibv_wc_opcode::{IBV_WC_RECV, IBV_WC_RECV_RDMA_WITH_IMM};
+        let Some(grant) = w.imm else {
+            return self.violation(i, "an RDMA completion without immediate data".into());
+        };
+        match w.opcode {
+            IBV_WC_RECV_RDMA_WITH_IMM => {
+                let idx = grant as usize & self.mask;
+                let s = self.table[idx];
+                if !s.live || s.g as u32 != grant || s.node != self.conns[i].node {
+                    return self.violation(
+                        i,
+                        format!(
+                            "RDMA write for grant {grant} that is not outstanding with this node"
+                        ),
+                    );
+                }
+                if w.byte_len > s.len - s.received {
+                    return self.violation(
+                        i,
+                        format!(
+                            "RDMA write of {} bytes for grant {grant} overruns it ({} of {} bytes left)",
+                            w.byte_len,
+                            s.len - s.received,
+                            s.len
+                        ),
+                    );
+                }
+                self.table[idx].received += w.byte_len;
+                if self.table[idx].received == s.len {
+                    self.sample_done(i, idx);
+                }
+            }
+            IBV_WC_RECV => {
+                let r = self.conns[i].rdma.as_ref().expect("rdma");
+                let at = w.wr_id as usize * RDMA_RECV_BYTES;
+                let n = (w.byte_len as usize).min(RDMA_RECV_BYTES);
+                if n < 4 || at + n > r.bufs.len() {
+                    return self.violation(i, format!("an RDMA ERROR message of {n} bytes"));
+                }
+                let b = &r.bufs[at..at + n];
+                let code = u32::from_le_bytes(b[..4].try_into().expect("4 bytes"));
+                let msg = String::from_utf8_lossy(&b[4..]).into_owned();
+                let h = Header::error(grant, Code::from_u32(code), 0);
+                self.on_error(i, h, &msg);
+            }
+            op => self.violation(i, format!("unexpected RDMA completion opcode {op}")),
+        }
     }
 
     fn allowed(&self, p: &Placed) -> bool {
@@ -691,6 +1102,14 @@ impl NetThread {
         if let Some(s) = &c.sock {
             let _ = s.shutdown(std::net::Shutdown::Both);
         }
+        #[cfg(feature = "rdma")]
+        if let Some(r) = &c.rdma {
+            // From now on the QP accepts no write; it is destroyed (and so
+            // done with the ring) before its grants move elsewhere.
+            if let Err(e) = r.qp.set_error() {
+                log::warn!("node {}: {e}", c.node);
+            }
+        }
         self.maybe_dead(i);
     }
 
@@ -702,6 +1121,10 @@ impl NetThread {
         c.state = State::Dead;
         c.sock = None;
         c.outstanding = 0;
+        #[cfg(feature = "rdma")]
+        {
+            c.rdma = None; // destroys the QP, then its CQ
+        }
         let node = c.node;
         if self.sh.stop.load(Ordering::Acquire) {
             return;
@@ -731,6 +1154,13 @@ impl NetThread {
         let i = (comp.user_data & 0xffff_ffff) as usize;
         match comp.user_data & UD_KIND {
             UD_WAKE => self.wake_inflight = false,
+            UD_CHAN => {
+                self.chan_inflight = false;
+                #[cfg(feature = "rdma")]
+                if let Some(r) = &self.rdma {
+                    r.channel.drain();
+                }
+            }
             UD_SEND => {
                 let c = &mut self.conns[i];
                 c.tx_inflight = false;
@@ -801,6 +1231,19 @@ impl NetThread {
                     Ok(h) => h,
                     Err(e) => return self.violation(i, e.to_string()),
                 };
+                if self.conns[i].is_rdma()
+                    && (h.kind == Kind::Data || (h.kind == Kind::Error && h.a != proto::CONNECTION))
+                {
+                    // Over RDMA data and grant errors come on the QP, in
+                    // order with the writes; on TCP they could overtake them.
+                    return self.violation(
+                        i,
+                        format!(
+                            "{:?} frame on the control connection of an RDMA link",
+                            h.kind
+                        ),
+                    );
+                }
                 match h.kind {
                     Kind::Data => self.on_data_header(i, h),
                     Kind::Error if h.body_len > 0 => self.conns[i].rx = Rx::Message(h),

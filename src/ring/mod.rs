@@ -200,6 +200,16 @@ impl Uring {
         unsafe { self.ring.submission().push(&e).is_ok() }
     }
 
+    /// Queues a one-shot poll for readability of `fd` (a completion
+    /// channel's descriptor, to sleep until an armed CQ has work).
+    pub fn push_poll_in(&mut self, user_data: u64, fd: RawFd) -> bool {
+        let e = opcode::PollAdd::new(types::Fd(fd), libc::POLLIN as u32)
+            .build()
+            .user_data(user_data);
+        // SAFETY: a poll references no memory of ours.
+        unsafe { self.ring.submission().push(&e).is_ok() }
+    }
+
     /// Submits what is queued and waits until a completion is ready or
     /// `timeout` passes (whichever is first).
     pub fn submit_wait_timeout(&mut self, timeout: std::time::Duration) -> io::Result<()> {

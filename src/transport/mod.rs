@@ -85,5 +85,32 @@ pub trait Link {
     fn poll(&mut self, out: &mut [Done]) -> usize;
 }
 
+/// Which RDMA device, port and GID a node service or a loader uses for the
+/// RDMA transport.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RdmaOptions {
+    /// Device name (`mlx5_0`, `rxe0`); `None`: the first device.
+    pub device: Option<String>,
+    /// Port number (from 1).
+    pub port: u8,
+    /// GID index; `None`: the RoCE v2 GID carrying the IP address of the
+    /// TCP control connection (the address the node service listens on, or
+    /// the one the consumer reaches it from).
+    pub gid_index: Option<u8>,
+}
+
+impl Default for RdmaOptions {
+    fn default() -> Self {
+        RdmaOptions {
+            device: None,
+            port: 1,
+            gid_index: None,
+        }
+    }
+}
+
+/// Whether this build has the RDMA transport (the `rdma` feature).
+pub const RDMA_BUILT: bool = cfg!(feature = "rdma");
+
 pub use cluster::{Cluster, LaunchEnv, Node};
 pub use serve::{NodeService, ServeConfig, ServeStats};

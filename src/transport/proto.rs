@@ -28,6 +28,12 @@ pub const HELLO_FIXED_BYTES: usize = 56;
 
 /// Size of a WELCOME body.
 pub const WELCOME_BYTES: usize = 16;
+/// Body of an RDMA_ENDPOINT frame: the GID.
+pub const RDMA_ENDPOINT_BYTES: usize = 16;
+/// HELLO's and WELCOME's transport field: data as DATA frames on TCP.
+pub const TRANSPORT_TCP: u32 = 0;
+/// HELLO's and WELCOME's transport field: data as RDMA WRITE_WITH_IMM.
+pub const TRANSPORT_RDMA: u32 = 1;
 
 /// Longest job token.
 pub const MAX_TOKEN_BYTES: usize = 1024;
@@ -59,6 +65,9 @@ pub enum Kind {
     Data = 4,
     /// Either way: a grant (or the connection) that cannot be served.
     Error = 5,
+    /// Either way, once, right after WELCOME on an RDMA connection: the
+    /// sender's RC queue pair (number, first PSN, GID).
+    RdmaEndpoint = 6,
 }
 
 impl Kind {
@@ -69,6 +78,7 @@ impl Kind {
             3 => Kind::Grant,
             4 => Kind::Data,
             5 => Kind::Error,
+            6 => Kind::RdmaEndpoint,
             _ => return None,
         })
     }
@@ -94,6 +104,8 @@ pub enum Code {
     TooManyGrants = 7,
     /// The node is shutting down.
     ShuttingDown = 8,
+    /// Setting up or running the transport (RDMA) failed on the sender.
+    TransportFailed = 9,
     /// A code this build does not know.
     Unknown = 0,
 }
@@ -110,6 +122,7 @@ impl Code {
             6 => Code::Violation,
             7 => Code::TooManyGrants,
             8 => Code::ShuttingDown,
+            9 => Code::TransportFailed,
             _ => Code::Unknown,
         }
     }
@@ -125,6 +138,7 @@ impl Code {
             Code::Violation => "protocol violation",
             Code::TooManyGrants => "too many grants",
             Code::ShuttingDown => "shutting down",
+            Code::TransportFailed => "transport failed",
             Code::Unknown => "unknown error",
         }
     }
@@ -235,6 +249,7 @@ impl Header {
             Kind::Grant => (MAX_GRANT_ENTRIES * GRANT_ENTRY_BYTES) as u32,
             Kind::Data => max_data,
             Kind::Error => MAX_MESSAGE_BYTES as u32,
+            Kind::RdmaEndpoint => RDMA_ENDPOINT_BYTES as u32,
         };
         if h.body_len > max {
             return Err(FrameError::TooLong {
@@ -249,6 +264,7 @@ impl Header {
             Kind::Hello => h.body_len as usize >= HELLO_FIXED_BYTES,
             Kind::Data => h.body_len > 0,
             Kind::Error => true,
+            Kind::RdmaEndpoint => h.body_len == RDMA_ENDPOINT_BYTES as u32,
         };
         if !exact {
             return Err(FrameError::BadLength {
@@ -322,6 +338,8 @@ pub struct Hello {
     pub ring_len: u64,
     /// Remote key of the ring (RDMA; TCP: 0).
     pub rkey: u32,
+    /// The transport asked for: [`TRANSPORT_TCP`] or [`TRANSPORT_RDMA`].
+    pub transport: u32,
 }
 
 impl Hello {
@@ -341,7 +359,7 @@ impl Hello {
         out.extend_from_slice(&self.catalog_identity.to_le_bytes());
         out.extend_from_slice(&self.rank.to_le_bytes());
         out.extend_from_slice(&self.world.to_le_bytes());
-        out.extend_from_slice(&0u32.to_le_bytes());
+        out.extend_from_slice(&self.transport.to_le_bytes());
         out.extend_from_slice(&self.catalog_samples.to_le_bytes());
         out.extend_from_slice(&self.seed.to_le_bytes());
         out.extend_from_slice(&self.ring_addr.to_le_bytes());
@@ -374,6 +392,7 @@ impl Hello {
                 ring_addr: u64_at(body, 32),
                 ring_len: u64_at(body, 40),
                 rkey: u32_at(body, 48),
+                transport: u32_at(body, 12),
             },
             &body[HELLO_FIXED_BYTES..],
         ))
@@ -393,6 +412,9 @@ pub struct Welcome {
     pub max_data_bytes: u32,
     /// Most grants a consumer may have outstanding with it.
     pub max_grants: u64,
+    /// The transport it agreed to: the HELLO's, or [`TRANSPORT_TCP`] when
+    /// it cannot speak that one.
+    pub transport: u32,
 }
 
 impl Welcome {
@@ -412,6 +434,7 @@ impl Welcome {
         out[24..28].copy_from_slice(&self.nodes.to_le_bytes());
         out[28..32].copy_from_slice(&self.replicas.to_le_bytes());
         out[32..36].copy_from_slice(&self.max_data_bytes.to_le_bytes());
+        out[36..40].copy_from_slice(&self.transport.to_le_bytes());
         out
     }
 
@@ -432,6 +455,59 @@ impl Welcome {
             replicas: u32_at(body, 4),
             max_data_bytes: u32_at(body, 8),
             max_grants: h.c,
+            transport: u32_at(body, 12),
+        })
+    }
+}
+
+/// An RDMA_ENDPOINT frame's content: the sender's RC queue pair.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RdmaEndpoint {
+    /// Queue pair number (24 bits).
+    pub qpn: u32,
+    /// First packet sequence number (24 bits).
+    pub psn: u32,
+    /// The GID (RoCE: the IP address, IPv4-mapped).
+    pub gid: [u8; 16],
+}
+
+impl RdmaEndpoint {
+    /// Encodes the whole frame.
+    pub fn encode(&self) -> [u8; HEADER_BYTES + RDMA_ENDPOINT_BYTES] {
+        let mut out = [0u8; HEADER_BYTES + RDMA_ENDPOINT_BYTES];
+        out[..HEADER_BYTES].copy_from_slice(
+            &Header {
+                kind: Kind::RdmaEndpoint,
+                body_len: RDMA_ENDPOINT_BYTES as u32,
+                a: self.qpn,
+                b: self.psn,
+                c: 0,
+            }
+            .encode(),
+        );
+        out[HEADER_BYTES..].copy_from_slice(&self.gid);
+        out
+    }
+
+    /// Decodes from a checked header and its body.
+    pub fn decode(h: &Header, body: &[u8]) -> Result<RdmaEndpoint, FrameError> {
+        if h.kind != Kind::RdmaEndpoint {
+            return Err(FrameError::Unexpected(h.kind));
+        }
+        let gid: [u8; 16] = body.try_into().map_err(|_| FrameError::BadLength {
+            kind: Kind::RdmaEndpoint,
+            body_len: body.len() as u32,
+        })?;
+        if h.a > 0xff_ffff || h.b > 0xff_ffff {
+            return Err(FrameError::BadLength {
+                kind: Kind::RdmaEndpoint,
+                body_len: body.len() as u32,
+            });
+        }
+        Ok(RdmaEndpoint {
+            qpn: h.a,
+            psn: h.b,
+            gid,
         })
     }
 }
@@ -503,8 +579,8 @@ pub fn decode_stream(mut bytes: &[u8]) -> (usize, Option<FrameError>) {
                 }
                 ok
             }
-            // Any bytes are a message (shown lossily) or a payload.
-            Kind::Error | Kind::Data => Ok(()),
+            // Any bytes are a message (shown lossily), a payload or a GID.
+            Kind::Error | Kind::Data | Kind::RdmaEndpoint => Ok(()),
         };
         if let Err(e) = checked {
             return (n, Some(e));

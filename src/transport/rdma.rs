@@ -95,9 +95,11 @@ pub fn wc_status_name(status: u32) -> &'static str {
 /// An open device, with the port and GID used for RoCE addressing.
 pub struct Context {
     ctx: *mut ibv_context,
+    name: String,
     port: u8,
     gid_index: u8,
     gid: [u8; 16],
+    gid_table_len: i32,
     mtu: u32,
 }
 
@@ -107,9 +109,11 @@ unsafe impl Send for Context {}
 unsafe impl Sync for Context {}
 
 impl Context {
-    /// Opens `device` (or the first one), using `port` and `gid_index` (for
-    /// RoCE v2 the index of the GID that maps the IP address to use).
-    pub fn open(device: Option<&str>, port: u8, gid_index: u8) -> Result<Arc<Context>> {
+    /// Opens `device` (or the first one), using `port` and, by default,
+    /// `gid_index` (for RoCE v2 the index of the GID that maps the IP address
+    /// to use; without one, index 0 until a queue pair picks another with
+    /// [`Qp::use_gid`], usually the one [`Context::gid_for_ip`] finds).
+    pub fn open(device: Option<&str>, port: u8, gid_index: Option<u8>) -> Result<Arc<Context>> {
         let mut n = 0;
         // SAFETY: as in device_names.
         let list = unsafe { ibv_get_device_list(&mut n) };
@@ -124,6 +128,7 @@ impl Context {
             });
         }
         let mut chosen = ptr::null_mut();
+        let mut chosen_name = String::new();
         for i in 0..n as usize {
             // SAFETY: i < n.
             let dev = unsafe { *list.add(i) };
@@ -131,6 +136,7 @@ impl Context {
             let name = unsafe { CStr::from_ptr(ibv_get_device_name(dev)) }.to_string_lossy();
             if device.is_none_or(|d| d == name) {
                 chosen = dev;
+                chosen_name = name.into_owned();
                 break;
             }
         }
@@ -154,9 +160,11 @@ impl Context {
         }
         let mut c = Context {
             ctx,
+            name: chosen_name,
             port,
-            gid_index,
+            gid_index: gid_index.unwrap_or(0),
             gid: [0; 16],
+            gid_table_len: 0,
             mtu: 0,
         };
         // SAFETY: ibv_port_attr is plain data; the call fills it.
@@ -172,23 +180,70 @@ impl Context {
             });
         }
         c.mtu = attr.active_mtu;
-        // SAFETY: ibv_gid is plain data; the call fills it.
-        let mut gid: ibv_gid = unsafe { std::mem::zeroed() };
-        // SAFETY: live context, valid out-pointer.
-        if unsafe { ibv_query_gid(ctx, port, gid_index as i32, &mut gid) } != 0 {
-            return Err(os_err(
-                "query GID",
-                format!("port {port} index {gid_index}"),
-            ));
-        }
-        // SAFETY: reading the raw bytes of a filled union.
-        c.gid = unsafe { gid.raw };
+        c.gid_table_len = attr.gid_tbl_len;
+        c.gid = c.gid_at(c.gid_index)?;
         Ok(Arc::new(c))
     }
 
-    /// The GID (16 bytes) of the chosen port and index.
+    /// The device's name (`rxe0`, `mlx5_0`).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The GID (16 bytes) of the chosen port and default index.
     pub fn gid(&self) -> [u8; 16] {
         self.gid
+    }
+
+    /// The GID at `index` of the port's table.
+    pub fn gid_at(&self, index: u8) -> Result<[u8; 16]> {
+        // SAFETY: ibv_gid is plain data; the call fills it.
+        let mut gid: ibv_gid = unsafe { std::mem::zeroed() };
+        // SAFETY: live context, valid out-pointer.
+        if unsafe { ibv_query_gid(self.ctx, self.port, index as i32, &mut gid) } != 0 {
+            return Err(os_err(
+                "query GID",
+                format!("{} port {} index {index}", self.name, self.port),
+            ));
+        }
+        // SAFETY: reading the raw bytes of a filled union.
+        Ok(unsafe { gid.raw })
+    }
+
+    /// The index and value of the GID that carries `ip` (IPv4 as the
+    /// IPv4-mapped address), preferring a RoCE v2 entry (routable, what the
+    /// node service's address means) over a RoCE v1 one.
+    pub fn gid_for_ip(&self, ip: std::net::IpAddr) -> Result<(u8, [u8; 16])> {
+        let want = match ip {
+            std::net::IpAddr::V4(v4) => v4.to_ipv6_mapped().octets(),
+            std::net::IpAddr::V6(v6) => v6.octets(),
+        };
+        let mut found = None;
+        for i in 0..self.gid_table_len.clamp(0, 256) {
+            let Ok(g) = self.gid_at(i as u8) else {
+                continue;
+            };
+            if g != want {
+                continue;
+            }
+            let kind = std::fs::read_to_string(format!(
+                "/sys/class/infiniband/{}/ports/{}/gid_attrs/types/{i}",
+                self.name, self.port
+            ))
+            .unwrap_or_default();
+            if kind.trim().eq_ignore_ascii_case("RoCE v2") {
+                return Ok((i as u8, g));
+            }
+            found.get_or_insert((i as u8, g));
+        }
+        found.ok_or_else(|| Error::Rdma {
+            op: "choose GID",
+            detail: format!(
+                "no GID of {} port {} carries the address {ip} (is that address on the RDMA interface? \
+                 otherwise name a GID index)",
+                self.name, self.port
+            ),
+        })
     }
 }
 
@@ -232,9 +287,80 @@ impl Drop for Pd {
     }
 }
 
+/// A completion channel: one file descriptor that becomes readable when an
+/// armed completion queue attached to it gets a completion, so a thread can
+/// sleep in its io_uring instead of spinning on the CQs.
+pub struct CompChannel {
+    ch: *mut ibv_comp_channel,
+    _ctx: Arc<Context>,
+}
+
+// SAFETY: verbs objects may be used from any thread (callers serialise).
+unsafe impl Send for CompChannel {}
+// SAFETY: as above.
+unsafe impl Sync for CompChannel {}
+
+impl CompChannel {
+    /// Creates a channel whose descriptor is non-blocking.
+    pub fn new(ctx: &Arc<Context>) -> Result<Arc<CompChannel>> {
+        // SAFETY: live context.
+        let ch = unsafe { ibv_create_comp_channel(ctx.ctx) };
+        if ch.is_null() {
+            return Err(os_err("create completion channel", ctx.name.as_str()));
+        }
+        let c = CompChannel {
+            ch,
+            _ctx: ctx.clone(),
+        };
+        let fd = c.fd();
+        // SAFETY: fcntl on a descriptor the channel owns.
+        let ok = unsafe {
+            let fl = libc::fcntl(fd, libc::F_GETFL);
+            fl >= 0 && libc::fcntl(fd, libc::F_SETFL, fl | libc::O_NONBLOCK) == 0
+        };
+        if !ok {
+            return Err(os_err("completion channel", "O_NONBLOCK"));
+        }
+        Ok(Arc::new(c))
+    }
+
+    /// The descriptor to poll for readability.
+    pub fn fd(&self) -> i32 {
+        // SAFETY: live channel.
+        unsafe { (*self.ch).fd }
+    }
+
+    /// Takes and acknowledges every pending event; returns how many. The CQs
+    /// that had one must be re-armed ([`Cq::arm`]) before sleeping again.
+    pub fn drain(&self) -> usize {
+        let mut n = 0;
+        loop {
+            let mut cq = ptr::null_mut();
+            let mut user = ptr::null_mut();
+            // SAFETY: live channel, valid out-pointers; non-blocking fd.
+            if unsafe { ibv_get_cq_event(self.ch, &mut cq, &mut user) } != 0 {
+                return n;
+            }
+            // SAFETY: cq was returned by the event and is live (a CQ is
+            // destroyed only after its events are acknowledged, here).
+            unsafe { ibv_ack_cq_events(cq, 1) };
+            n += 1;
+        }
+    }
+}
+
+impl Drop for CompChannel {
+    fn drop(&mut self) {
+        // SAFETY: every CQ attached holds an Arc to this channel, so they
+        // are destroyed already.
+        unsafe { ibv_destroy_comp_channel(self.ch) };
+    }
+}
+
 /// A completion queue.
 pub struct Cq {
     cq: *mut ibv_cq,
+    _channel: Option<Arc<CompChannel>>,
     _ctx: Arc<Context>,
 }
 
@@ -253,8 +379,42 @@ impl Cq {
         }
         Ok(Arc::new(Cq {
             cq,
+            _channel: None,
             _ctx: ctx.clone(),
         }))
+    }
+
+    /// Creates a completion queue of `entries` whose completions, once
+    /// armed, wake `channel`.
+    pub fn with_channel(
+        ctx: &Arc<Context>,
+        entries: i32,
+        channel: &Arc<CompChannel>,
+    ) -> Result<Arc<Cq>> {
+        // SAFETY: live context and channel (kept alive by the Arc below).
+        let cq = unsafe { ibv_create_cq(ctx.ctx, entries, ptr::null_mut(), channel.ch, 0) };
+        if cq.is_null() {
+            return Err(os_err("create CQ", format!("{entries} entries")));
+        }
+        Ok(Arc::new(Cq {
+            cq,
+            _channel: Some(channel.clone()),
+            _ctx: ctx.clone(),
+        }))
+    }
+
+    /// Asks for one event on the channel at the next completion. Poll once
+    /// more after arming: a completion that came in before it raises none.
+    pub fn arm(&self) -> Result<()> {
+        // SAFETY: live CQ.
+        let rc = unsafe { ibv_req_notify_cq(self.cq, 0) };
+        if rc != 0 {
+            return Err(Error::Rdma {
+                op: "arm CQ",
+                detail: std::io::Error::from_raw_os_error(rc).to_string(),
+            });
+        }
+        Ok(())
     }
 
     /// Polls up to `out.len()` (at most 32 per call) completions; returns
@@ -295,8 +455,11 @@ impl Drop for Cq {
 /// Access a memory region is registered with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Access {
-    /// Local only (staging: the NIC reads it for sends and writes).
+    /// Local read and write (receive buffers, or staging the NIC only reads).
     Local,
+    /// Local read only: memory the NIC only sends from, which may be a
+    /// read-only mapping (page-cache mode's extents).
+    ReadOnly,
     /// Local write + remote write (a landing ring). Never remote read.
     RemoteWrite,
 }
@@ -321,6 +484,7 @@ impl Mr {
     pub unsafe fn register(pd: &Arc<Pd>, addr: *mut u8, len: usize, access: Access) -> Result<Mr> {
         let flags = match access {
             Access::Local => ibv_access_flags::IBV_ACCESS_LOCAL_WRITE,
+            Access::ReadOnly => ibv_access_flags(0),
             Access::RemoteWrite => {
                 ibv_access_flags::IBV_ACCESS_LOCAL_WRITE | ibv_access_flags::IBV_ACCESS_REMOTE_WRITE
             }
@@ -356,6 +520,37 @@ impl Mr {
         // SAFETY: live MR.
         unsafe { (*self.mr).addr as u64 }
     }
+
+    /// Registered length in bytes.
+    pub fn len_bytes(&self) -> u64 {
+        // SAFETY: live MR.
+        unsafe { (*self.mr).length as u64 }
+    }
+}
+
+/// The registered memory a link may send from: (address, length, lkey) per
+/// region, sorted by address, so a write finds its local key by address
+/// (one staging slab, plus the mapped extents in page-cache mode).
+#[derive(Clone, Default)]
+pub struct SendRegions(Arc<[(u64, u64, u32)]>);
+
+impl SendRegions {
+    /// The regions of `mrs`.
+    pub fn new(mrs: &[&Mr]) -> Self {
+        let mut v: Vec<(u64, u64, u32)> = mrs
+            .iter()
+            .map(|m| (m.addr(), m.len_bytes(), m.lkey()))
+            .collect();
+        v.sort_unstable();
+        SendRegions(v.into())
+    }
+
+    /// The local key of the region holding `addr..addr+len`.
+    pub fn lkey(&self, addr: u64, len: u32) -> Option<u32> {
+        let i = self.0.partition_point(|r| r.0 <= addr).checked_sub(1)?;
+        let (start, n, key) = self.0[i];
+        (addr + len as u64 <= start + n).then_some(key)
+    }
 }
 
 impl Drop for Mr {
@@ -385,6 +580,8 @@ pub struct Qp {
     _send_cq: Arc<Cq>,
     _recv_cq: Arc<Cq>,
     psn: u32,
+    sgid_index: u8,
+    sgid: [u8; 16],
 }
 
 // SAFETY: verbs QPs may be used from any thread (callers serialise posts).
@@ -423,6 +620,8 @@ impl Qp {
             _recv_cq: recv_cq.clone(),
             // SAFETY: qp is live. Any 24-bit value is a valid PSN.
             psn: (unsafe { (*qp).qp_num }).wrapping_mul(2_654_435_761) & 0xff_ffff,
+            sgid_index: pd.ctx.gid_index,
+            sgid: pd.ctx.gid,
         };
         // SAFETY: plain data.
         let mut a: ibv_qp_attr = unsafe { std::mem::zeroed() };
@@ -453,14 +652,31 @@ impl Qp {
         Ok(())
     }
 
+    /// Uses the GID at `index` (value `gid`) as this end's address instead
+    /// of the context's default; before [`Qp::endpoint`] and [`Qp::connect`].
+    pub fn use_gid(&mut self, index: u8, gid: [u8; 16]) {
+        self.sgid_index = index;
+        self.sgid = gid;
+    }
+
     /// This end, to send to the peer.
     pub fn endpoint(&self) -> Endpoint {
         Endpoint {
             // SAFETY: live QP.
             qpn: unsafe { (*self.qp).qp_num },
             psn: self.psn,
-            gid: self.ctx.gid,
+            gid: self.sgid,
         }
+    }
+
+    /// Moves the QP to the error state: nothing more is sent or accepted
+    /// from the peer, and every posted request completes with
+    /// `IBV_WC_WR_FLUSH_ERR`.
+    pub fn set_error(&self) -> Result<()> {
+        // SAFETY: plain data.
+        let mut a: ibv_qp_attr = unsafe { std::mem::zeroed() };
+        a.qp_state = ibv_qp_state::IBV_QPS_ERR;
+        self.modify(&mut a, ibv_qp_attr_mask::IBV_QP_STATE, "ERR")
     }
 
     /// Connects to `remote`: INIT → RTR → RTS.
@@ -476,7 +692,7 @@ impl Qp {
         a.ah_attr.is_global = 1;
         a.ah_attr.port_num = self.ctx.port;
         a.ah_attr.grh.dgid.raw = remote.gid;
-        a.ah_attr.grh.sgid_index = self.ctx.gid_index;
+        a.ah_attr.grh.sgid_index = self.sgid_index;
         a.ah_attr.grh.hop_limit = 64;
         self.modify(
             &mut a,
@@ -684,6 +900,7 @@ struct RdmaWr {
     send: bool,
     src: *const u8,
     len: u32,
+    lkey: u32,
     remote: u64,
     imm: u32,
     inline_at: usize,
@@ -701,7 +918,7 @@ struct RdmaWr {
 pub struct RdmaLink {
     qp: Qp,
     cq: Arc<Cq>,
-    lkey: u32,
+    regions: SendRegions,
     rkey: u32,
     remote_base: u64,
     max_wr: usize,
@@ -721,15 +938,22 @@ pub struct RdmaLink {
 unsafe impl Send for RdmaLink {}
 
 impl RdmaLink {
-    /// A link over the connected `qp` whose send completions go to `cq`,
-    /// writing from memory registered with `lkey` into the peer ring at
-    /// `remote_base` (`rkey`). At most `max_wr` requests outstanding (the
-    /// QP's send queue size).
-    pub fn new(qp: Qp, cq: Arc<Cq>, lkey: u32, remote_base: u64, rkey: u32, max_wr: usize) -> Self {
+    /// A link over the connected `qp` whose send completions go to `cq`
+    /// (its own), writing from `regions` into the peer ring at `remote_base`
+    /// (`rkey`). At most `max_wr` requests outstanding (the QP's send queue
+    /// size).
+    pub fn new(
+        qp: Qp,
+        cq: Arc<Cq>,
+        regions: SendRegions,
+        remote_base: u64,
+        rkey: u32,
+        max_wr: usize,
+    ) -> Self {
         RdmaLink {
             qp,
             cq,
-            lkey,
+            regions,
             rkey,
             remote_base,
             max_wr,
@@ -747,6 +971,35 @@ impl RdmaLink {
     /// Why the link stopped (a failed completion), if it did.
     pub fn error(&self) -> Option<&Error> {
         self.broken.as_ref()
+    }
+
+    /// Whether requests are posted and not yet completed.
+    pub fn busy(&self) -> bool {
+        !self.posted.is_empty()
+    }
+
+    /// Stops the link: the QP goes to the error state so the NIC touches
+    /// none of the posted memory any more once their (flushed) completions
+    /// are polled; what was queued and not posted fails now.
+    pub fn close(&mut self) {
+        if self.broken.is_none() {
+            if let Err(e) = self.qp.set_error() {
+                log::warn!("closing an RDMA link: {e}");
+            }
+            self.broken = Some(Error::Rdma {
+                op: "link",
+                detail: "closed".into(),
+            });
+        }
+        for w in self.queued.drain(..) {
+            self.done.push_back(super::Done {
+                wr_id: w.wr_id,
+                ok: false,
+            });
+        }
+        if self.posted.is_empty() {
+            self.chain_ends.clear();
+        }
     }
 
     fn room(&self) -> bool {
@@ -786,11 +1039,18 @@ impl super::Link for RdmaLink {
         if !self.room() {
             return false;
         }
+        let Some(lkey) = self.regions.lkey(src as u64, len) else {
+            // A caller bug, not a peer's doing: fail this request loudly.
+            log::error!("RDMA write from unregistered memory {src:?}+{len}");
+            self.done.push_back(super::Done { wr_id, ok: false });
+            return true;
+        };
         self.queued.push(RdmaWr {
             wr_id,
             send: false,
             src,
             len,
+            lkey,
             remote: self.remote_base + remote_offset,
             imm: grant,
             inline_at: 0,
@@ -812,8 +1072,9 @@ impl super::Link for RdmaLink {
             return false;
         }
         // The code and the (truncated) message go inline, so neither needs
-        // registered memory; the slot in inline_buf is this request's.
-        let slot = self.queued.len() + self.posted.len();
+        // registered memory; the slot in inline_buf is this request's until
+        // the flush copies it (inline data is copied at post time).
+        let slot = self.queued.len();
         let at = slot * (4 + RDMA_ERROR_BYTES);
         let n = (len as usize).min(RDMA_ERROR_BYTES);
         self.inline_buf[at..at + 4].copy_from_slice(&(code as u32).to_le_bytes());
@@ -825,6 +1086,7 @@ impl super::Link for RdmaLink {
             send: true,
             src: ptr::null(),
             len: 4 + n as u32,
+            lkey: 0,
             remote: 0,
             imm: grant,
             inline_at: at,
@@ -847,7 +1109,7 @@ impl super::Link for RdmaLink {
             self.sges.push(ibv_sge {
                 addr,
                 length: w.len,
-                lkey: self.lkey,
+                lkey: w.lkey,
             });
         }
         let last = self.queued.len() - 1;
@@ -901,12 +1163,13 @@ impl super::Link for RdmaLink {
                 break;
             }
             for c in &wc[..n] {
-                if self.broken.is_some() {
-                    continue; // flushed requests of a failed QP: already failed
-                }
                 if let Err(e) = c.check() {
-                    log::warn!("RDMA link failed: {e}");
-                    self.broken = Some(e);
+                    // The QP is in error: whatever is still posted was not
+                    // (or not wholly) sent and the NIC is done with it.
+                    if self.broken.is_none() {
+                        log::warn!("RDMA link failed: {e}");
+                        self.broken = Some(e);
+                    }
                     self.fail_all();
                     continue;
                 }

@@ -62,6 +62,10 @@ pub struct ServeConfig {
     /// copy per byte; on a cold NVMe space a page fault would stall the
     /// poller, so it is off by default.
     pub page_cache: bool,
+    /// Offer the RDMA transport on this device (consumers that ask for it
+    /// get their samples as RDMA writes; the others still get TCP). Needs a
+    /// build with the `rdma` feature.
+    pub rdma: Option<super::RdmaOptions>,
 }
 
 impl ServeConfig {
@@ -78,7 +82,14 @@ impl ServeConfig {
             max_conns_per_poller: 256,
             handshake_timeout: Duration::from_secs(5),
             page_cache: false,
+            rdma: None,
         }
+    }
+
+    /// Staging slots per poller (and so the most RDMA writes in flight per
+    /// connection).
+    fn slots(&self) -> usize {
+        (self.staging_bytes / self.chunk_bytes as u64).max(1) as usize
     }
 }
 
@@ -97,7 +108,25 @@ pub struct ServeStats {
     pub bytes: AtomicU64,
     /// Grants answered with an ERROR frame.
     pub errors: AtomicU64,
+    /// RDMA queue pairs alive now (one per RDMA consumer, destroyed once
+    /// its connection is closed and its last work request completed).
+    pub rdma_qps: AtomicU64,
 }
+
+/// The verbs resources of a node service: one device context and protection
+/// domain; the staging slabs and (page-cache mode) the mapped extents are
+/// registered in it, local access only.
+#[cfg(feature = "rdma")]
+struct OwnerRdma {
+    opts: super::RdmaOptions,
+    ctx: Arc<super::rdma::Context>,
+    pd: Arc<super::rdma::Pd>,
+    /// Page-cache mode: the mapped extents, registered read-only.
+    map_mrs: Vec<super::rdma::Mr>,
+}
+
+#[cfg(not(feature = "rdma"))]
+struct OwnerRdma;
 
 struct Common {
     space: Space,
@@ -107,6 +136,7 @@ struct Common {
     cfg: ServeConfig,
     stop: AtomicBool,
     stats: ServeStats,
+    rdma: Option<OwnerRdma>,
 }
 
 /// A running node service. Dropping it stops it.
@@ -150,6 +180,10 @@ impl NodeService {
                 );
             }
         }
+        let rdma = match &cfg.rdma {
+            None => None,
+            Some(opts) => Some(open_owner_rdma(opts, &maps)?),
+        };
         let listener = TcpListener::bind(&cfg.listen)
             .map_err(|e| Error::Serve(format!("cannot listen on {}: {e}", cfg.listen)))?;
         let addr = listener
@@ -165,6 +199,7 @@ impl NodeService {
             cfg,
             stop: AtomicBool::new(false),
             stats: ServeStats::default(),
+            rdma,
         });
         let mut threads = Vec::new();
         let mut senders = Vec::new();
@@ -181,10 +216,11 @@ impl NodeService {
             if !fds.is_empty() {
                 ring.register_files(&fds)?;
             }
+            let staging = Staging::new(&c)?;
             threads.push(
                 std::thread::Builder::new()
                     .name(format!("kspeed-serve-{i}"))
-                    .spawn(move || ServePoller::new(c, ring, rx).run())
+                    .spawn(move || ServePoller::new(c, ring, staging, rx).run())
                     .map_err(|e| Error::Serve(format!("spawn poller: {e}")))?,
             );
         }
@@ -253,10 +289,101 @@ pub fn serve_until_signal(cfg: ServeConfig, on_start: impl FnOnce(&NodeService))
     Ok(())
 }
 
+#[cfg(feature = "rdma")]
+fn open_owner_rdma(
+    opts: &super::RdmaOptions,
+    maps: &[crate::sys::ReadOnlyMap],
+) -> Result<OwnerRdma> {
+    use super::rdma::{Access, Context, Mr, Pd};
+    let ctx = Context::open(opts.device.as_deref(), opts.port, opts.gid_index)?;
+    let pd = Pd::new(&ctx)?;
+    let mut map_mrs = Vec::with_capacity(maps.len());
+    for m in maps {
+        let b = m.as_slice();
+        if b.is_empty() {
+            continue;
+        }
+        // SAFETY: the mapping lives in Common, which outlives every link
+        // (pollers hold an Arc of it); the NIC only reads it.
+        map_mrs
+            .push(unsafe { Mr::register(&pd, b.as_ptr() as *mut u8, b.len(), Access::ReadOnly) }?);
+    }
+    log::info!(
+        "RDMA transport on {} port {} (GID index {})",
+        ctx.name(),
+        opts.port,
+        opts.gid_index.map_or(
+            "per connection: the RoCE v2 GID of its address".to_string(),
+            |i| i.to_string()
+        )
+    );
+    Ok(OwnerRdma {
+        opts: opts.clone(),
+        ctx,
+        pd,
+        map_mrs,
+    })
+}
+
+#[cfg(not(feature = "rdma"))]
+fn open_owner_rdma(_: &super::RdmaOptions, _: &[crate::sys::ReadOnlyMap]) -> Result<OwnerRdma> {
+    Err(Error::InvalidConfig(
+        "this kspeed was built without the `rdma` feature: no RDMA transport".into(),
+    ))
+}
+
+/// A poller's staging slab, registered for RDMA when the service offers it.
+struct Staging {
+    buf: AlignedBuf,
+    #[cfg(feature = "rdma")]
+    regions: super::rdma::SendRegions,
+    #[cfg(feature = "rdma")]
+    _mr: Option<super::rdma::Mr>,
+}
+
+impl Staging {
+    fn new(c: &Common) -> Result<Staging> {
+        let n = c.cfg.slots();
+        let buf = AlignedBuf::new(n * c.cfg.chunk_bytes as usize, 4096);
+        #[cfg(feature = "rdma")]
+        {
+            let mut st = Staging {
+                buf,
+                regions: Default::default(),
+                _mr: None,
+            };
+            if let Some(r) = &c.rdma {
+                let p = st.buf.as_slice().as_ptr() as *mut u8;
+                // SAFETY: the slab lives in the poller, which drops every
+                // link (QP) before the slab; the NIC only reads it.
+                let mr = unsafe {
+                    super::rdma::Mr::register(&r.pd, p, st.buf.len(), super::rdma::Access::ReadOnly)
+                }?;
+                let mut all: Vec<&super::rdma::Mr> = r.map_mrs.iter().collect();
+                all.push(&mr);
+                st.regions = super::rdma::SendRegions::new(&all);
+                st._mr = Some(mr);
+            }
+            Ok(st)
+        }
+        #[cfg(not(feature = "rdma"))]
+        Ok(Staging { buf })
+    }
+}
+
+/// The owner's end of an RDMA connection, set up during the handshake.
+#[cfg(feature = "rdma")]
+struct RdmaAccepted {
+    qp: super::rdma::Qp,
+    cq: Arc<super::rdma::Cq>,
+}
+
 struct Accepted {
     sock: TcpStream,
     peer: SocketAddr,
     hello: Hello,
+    #[cfg(feature = "rdma")]
+    rdma: Option<RdmaAccepted>,
 }
 
 fn accept_loop(c: Arc<Common>, listener: TcpListener, senders: Vec<Sender<Accepted>>) {
@@ -358,22 +485,118 @@ fn handshake(c: &Common, mut sock: TcpStream, peer: SocketAddr) -> Result<Accept
         return Err(m);
     }
     let p = c.space.params();
+    let rdma = hello.transport == proto::TRANSPORT_RDMA && c.rdma.is_some();
+    if hello.transport == proto::TRANSPORT_RDMA && !rdma {
+        log::info!("consumer {peer} asks for RDMA; this node serves it over TCP (no --rdma)");
+    }
     let w = Welcome {
         node_index: p.node_index,
         nodes: p.placement.nodes,
         replicas: p.placement.replicas,
         max_data_bytes: c.cfg.chunk_bytes,
         max_grants: c.cfg.max_grants as u64,
+        transport: if rdma {
+            proto::TRANSPORT_RDMA
+        } else {
+            proto::TRANSPORT_TCP
+        },
     };
     sock.write_all(&w.encode())
         .map_err(|e| format!("sending WELCOME: {e}"))?;
+    #[cfg(feature = "rdma")]
+    let rdma = if rdma {
+        match rdma_handshake(c, &mut sock, &hello) {
+            Ok(r) => Some(r),
+            Err((code, m)) => {
+                send_error(&mut sock, proto::CONNECTION, code, &m);
+                return Err(m);
+            }
+        }
+    } else {
+        None
+    };
     let _ = sock.set_read_timeout(None);
     log::info!(
-        "consumer {peer} (rank {} of {}) connected",
+        "consumer {peer} (rank {} of {}) connected{}",
         hello.rank,
-        hello.world
+        hello.world,
+        if w.transport == proto::TRANSPORT_RDMA {
+            " over RDMA"
+        } else {
+            ""
+        }
     );
-    Ok(Accepted { sock, peer, hello })
+    Ok(Accepted {
+        sock,
+        peer,
+        hello,
+        #[cfg(feature = "rdma")]
+        rdma,
+    })
+}
+
+/// After WELCOME on an RDMA connection: reads the consumer's queue pair,
+/// creates and connects this end's (on the GID of the address the consumer
+/// reached, unless one is configured), and answers with it.
+#[cfg(feature = "rdma")]
+fn rdma_handshake(
+    c: &Common,
+    sock: &mut TcpStream,
+    hello: &Hello,
+) -> Result<RdmaAccepted, (Code, String)> {
+    use super::rdma::{Cq, Endpoint, Qp, RDMA_ERROR_BYTES};
+    let r = c.rdma.as_ref().expect("checked by the caller");
+    let violation = |m: String| (Code::Violation, m);
+    let failed = |e: Error| (Code::TransportFailed, format!("node RDMA setup: {e}"));
+    if hello.rkey == 0 && hello.ring_addr == 0 {
+        return Err(violation("RDMA HELLO without a registered ring".into()));
+    }
+    let mut hb = [0u8; proto::HEADER_BYTES];
+    sock.read_exact(&mut hb)
+        .map_err(|e| violation(format!("no RDMA_ENDPOINT: {e}")))?;
+    let h = Header::decode(&hb, 0).map_err(|e| violation(e.to_string()))?;
+    if h.kind != Kind::RdmaEndpoint {
+        return Err(violation(format!(
+            "expected RDMA_ENDPOINT, got {:?}",
+            h.kind
+        )));
+    }
+    let mut body = [0u8; proto::RDMA_ENDPOINT_BYTES];
+    sock.read_exact(&mut body)
+        .map_err(|e| violation(format!("truncated RDMA_ENDPOINT: {e}")))?;
+    let theirs = proto::RdmaEndpoint::decode(&h, &body).map_err(|e| violation(e.to_string()))?;
+    let max_wr = c.cfg.slots().clamp(16, 4096) as u32;
+    let cq = Cq::new(&r.ctx, max_wr as i32 + 16).map_err(failed)?;
+    let mut qp = Qp::new(&r.pd, &cq, &cq, max_wr, (4 + RDMA_ERROR_BYTES) as u32).map_err(failed)?;
+    let (index, gid) = match r.opts.gid_index {
+        Some(i) => (i, r.ctx.gid_at(i).map_err(failed)?),
+        None => {
+            let ip = sock
+                .local_addr()
+                .map_err(|e| failed(Error::Serve(format!("local address: {e}"))))?
+                .ip();
+            r.ctx.gid_for_ip(ip).map_err(failed)?
+        }
+    };
+    qp.use_gid(index, gid);
+    qp.connect(&Endpoint {
+        qpn: theirs.qpn,
+        psn: theirs.psn,
+        gid: theirs.gid,
+    })
+    .map_err(failed)?;
+    let ours = qp.endpoint();
+    sock.write_all(
+        &proto::RdmaEndpoint {
+            qpn: ours.qpn,
+            psn: ours.psn,
+            gid: ours.gid,
+        }
+        .encode(),
+    )
+    .map_err(|e| violation(format!("sending RDMA_ENDPOINT: {e}")))?;
+    c.stats.rdma_qps.fetch_add(1, Ordering::Relaxed);
+    Ok(RdmaAccepted { qp, cq })
 }
 
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
@@ -406,6 +629,87 @@ struct Work {
     next: u64,
 }
 
+/// A connection's send side: DATA frames on its socket, or RDMA writes on
+/// its queue pair.
+enum ConnLink {
+    Tcp(TcpLink),
+    #[cfg(feature = "rdma")]
+    Rdma(super::rdma::RdmaLink),
+}
+
+impl ConnLink {
+    /// # Safety
+    /// As for [`Link::post_write`].
+    unsafe fn post_write(&mut self, id: u64, src: *const u8, len: u32, off: u64, g: u32) -> bool {
+        // SAFETY: forwarded contract.
+        unsafe {
+            match self {
+                ConnLink::Tcp(l) => l.post_write(id, src, len, off, g),
+                #[cfg(feature = "rdma")]
+                ConnLink::Rdma(l) => l.post_write(id, src, len, off, g),
+            }
+        }
+    }
+
+    /// # Safety
+    /// As for [`Link::post_error`].
+    unsafe fn post_error(&mut self, id: u64, g: u32, code: Code, msg: *const u8, len: u32) -> bool {
+        // SAFETY: forwarded contract.
+        unsafe {
+            match self {
+                ConnLink::Tcp(l) => l.post_error(id, g, code, msg, len),
+                #[cfg(feature = "rdma")]
+                ConnLink::Rdma(l) => l.post_error(id, g, code, msg, len),
+            }
+        }
+    }
+
+    fn flush(&mut self, ring: &mut Uring) -> std::io::Result<()> {
+        match self {
+            ConnLink::Tcp(l) => l.flush(ring),
+            #[cfg(feature = "rdma")]
+            ConnLink::Rdma(l) => l.flush(&mut ()),
+        }
+    }
+
+    fn poll(&mut self, out: &mut [Done]) -> usize {
+        match self {
+            ConnLink::Tcp(l) => l.poll(out),
+            #[cfg(feature = "rdma")]
+            ConnLink::Rdma(l) => l.poll(out),
+        }
+    }
+
+    fn busy(&self) -> bool {
+        match self {
+            ConnLink::Tcp(l) => l.busy(),
+            #[cfg(feature = "rdma")]
+            ConnLink::Rdma(l) => l.busy(),
+        }
+    }
+
+    fn close(&mut self) {
+        match self {
+            ConnLink::Tcp(l) => l.close(),
+            #[cfg(feature = "rdma")]
+            ConnLink::Rdma(l) => l.close(),
+        }
+    }
+
+    fn is_rdma(&self) -> bool {
+        !matches!(self, ConnLink::Tcp(_))
+    }
+
+    /// Why an RDMA link broke (a failed completion), if it did.
+    fn failure(&self) -> Option<String> {
+        match self {
+            ConnLink::Tcp(_) => None,
+            #[cfg(feature = "rdma")]
+            ConnLink::Rdma(l) => l.error().map(|e| e.to_string()),
+        }
+    }
+}
+
 struct SConn {
     sock: TcpStream,
     peer: SocketAddr,
@@ -417,8 +721,9 @@ struct SConn {
     grants: VecDeque<Work>,
     /// Staging slots in send order.
     sendq: VecDeque<u32>,
-    /// The send side: frames posted in order, one `sendmsg` in flight.
-    link: TcpLink,
+    /// The send side: frames posted in order, one `sendmsg` in flight; or
+    /// RDMA writes in chains.
+    link: ConnLink,
     ops: u32,
     closing: bool,
     /// The last grant answered with ERROR: its later chunks are dropped.
@@ -446,26 +751,29 @@ struct ServePoller {
     c: Arc<Common>,
     ring: Uring,
     incoming: Receiver<Accepted>,
-    staging: AlignedBuf,
+    conns: Vec<Option<SConn>>,
+    /// After `conns`: links (queue pairs) go before the memory they send from.
+    staging: Staging,
     fixed_staging: bool,
     chunk: u64,
     slots: Box<[Slot]>,
     free_slots: Vec<u32>,
-    conns: Vec<Option<SConn>>,
     completions: Vec<Completion>,
     /// Round-robin start for reads, so one busy consumer cannot starve others.
     rr: usize,
 }
 
 impl ServePoller {
-    fn new(c: Arc<Common>, ring: Uring, incoming: Receiver<Accepted>) -> Self {
+    fn new(c: Arc<Common>, ring: Uring, staging: Staging, incoming: Receiver<Accepted>) -> Self {
         let chunk = c.cfg.chunk_bytes as u64;
-        let n = (c.cfg.staging_bytes / chunk).max(1) as usize;
-        let staging = AlignedBuf::new(n * chunk as usize, 4096);
+        let n = c.cfg.slots();
         // SAFETY: the staging slab lives in this struct, dropped after the
         // ring is done with it (run() drains every op before returning).
         let fixed_staging = unsafe {
-            ring.register_buffers(&[(staging.as_slice().as_ptr() as *mut u8, staging.len())])
+            ring.register_buffers(&[(
+                staging.buf.as_slice().as_ptr() as *mut u8,
+                staging.buf.len(),
+            )])
         }
         .is_ok();
         let slots = (0..n)
@@ -500,7 +808,8 @@ impl ServePoller {
     fn staging_ptr(&self, slot: u32) -> *mut u8 {
         // SAFETY: slot < n, so the offset is inside the slab.
         unsafe {
-            (self.staging.as_slice().as_ptr() as *mut u8).add(slot as usize * self.chunk as usize)
+            (self.staging.buf.as_slice().as_ptr() as *mut u8)
+                .add(slot as usize * self.chunk as usize)
         }
     }
 
@@ -524,7 +833,15 @@ impl ServePoller {
             self.post_recvs();
             self.issue_reads();
             self.issue_sends();
-            if let Err(e) = self.ring.submit_wait_timeout(Duration::from_millis(50)) {
+            // RDMA completions arrive on the links' CQs, not the ring: while
+            // writes are in flight, poll instead of sleeping.
+            let rdma_busy = self.reap_rdma();
+            let wait = if rdma_busy {
+                Duration::ZERO
+            } else {
+                Duration::from_millis(50)
+            };
+            if let Err(e) = self.ring.submit_wait_timeout(wait) {
                 log::error!("node service poller: io_uring: {e}");
                 std::thread::sleep(Duration::from_millis(10));
             }
@@ -538,6 +855,10 @@ impl ServePoller {
 
     fn adopt(&mut self, acc: Accepted) {
         let Some(ci) = self.conns.iter().position(Option::is_none) else {
+            #[cfg(feature = "rdma")]
+            if acc.rdma.is_some() {
+                self.c.stats.rdma_qps.fetch_sub(1, Ordering::Relaxed);
+            }
             let mut sock = acc.sock;
             send_error(
                 &mut sock,
@@ -549,6 +870,23 @@ impl ServePoller {
         };
         let max = self.c.cfg.max_grants as usize;
         let fd = acc.sock.as_raw_fd();
+        let link = ConnLink::Tcp(TcpLink::new(
+            fd,
+            self.slots.len(),
+            ud(UD_SEND, ci as u32, 0),
+        ));
+        #[cfg(feature = "rdma")]
+        let link = match acc.rdma {
+            Some(r) => ConnLink::Rdma(super::rdma::RdmaLink::new(
+                r.qp,
+                r.cq,
+                self.staging.regions.clone(),
+                acc.hello.ring_addr,
+                acc.hello.rkey,
+                self.c.cfg.slots().clamp(16, 4096),
+            )),
+            None => link,
+        };
         self.conns[ci] = Some(SConn {
             sock: acc.sock,
             peer: acc.peer,
@@ -559,7 +897,7 @@ impl ServePoller {
             rx_inflight: false,
             grants: VecDeque::with_capacity(max),
             sendq: VecDeque::with_capacity(self.slots.len()),
-            link: TcpLink::new(fd, self.slots.len(), ud(UD_SEND, ci as u32, 0)),
+            link,
             ops: 0,
             closing: false,
             failed_grant: None,
@@ -733,7 +1071,7 @@ impl ServePoller {
     /// Per connection: posts the ready frames at the front of its queue, in
     /// order, to its link, then flushes the link (one `sendmsg` for many).
     fn issue_sends(&mut self) {
-        let base = self.staging.as_slice().as_ptr();
+        let base = self.staging.buf.as_slice().as_ptr();
         for ci in 0..self.conns.len() {
             let Some(c) = self.conns[ci].as_mut() else {
                 continue;
@@ -777,10 +1115,16 @@ impl ServePoller {
                 c.sendq.pop_front();
             }
             let was_busy = c.link.busy();
-            if c.link.flush(&mut self.ring).is_err() {
+            if let Err(e) = c.link.flush(&mut self.ring) {
+                if c.link.is_rdma() {
+                    let m = format!("posting RDMA writes: {e}");
+                    self.close(ci as u32, Some((Code::TransportFailed, m)));
+                    continue;
+                }
                 return; // submission queue full: next tick
             }
-            if !was_busy && c.link.busy() {
+            // A TCP link's sendmsg in flight is an op of the ring.
+            if !c.link.is_rdma() && !was_busy && c.link.busy() {
                 c.ops += 1;
             }
         }
@@ -813,6 +1157,32 @@ impl ServePoller {
         }
     }
 
+    /// Polls every RDMA link's completions; closes a link whose QP failed.
+    /// True while any has writes in flight.
+    fn reap_rdma(&mut self) -> bool {
+        let mut busy = false;
+        for ci in 0..self.conns.len() {
+            let Some(c) = self.conns[ci].as_ref() else {
+                continue;
+            };
+            if !c.link.is_rdma() {
+                continue;
+            }
+            self.reap_link(ci as u32);
+            let c = self.conns[ci].as_ref().expect("live");
+            if !c.closing {
+                if let Some(why) = c.link.failure() {
+                    // Its QP is in error: nothing more can reach the consumer.
+                    log::warn!("{}: RDMA link failed: {why}", c.peer);
+                    self.close(ci as u32, Some((Code::TransportFailed, why)));
+                }
+            }
+            self.maybe_reap(ci as u32);
+            busy |= self.conns[ci].as_ref().is_some_and(|c| c.link.busy());
+        }
+        busy
+    }
+
     fn complete(&mut self, comp: Completion) {
         let kind = comp.user_data & UD_KIND;
         let ci = ((comp.user_data >> 32) & 0xff_ffff) as u32;
@@ -829,7 +1199,10 @@ impl ServePoller {
             }
             UD_READ => self.on_read(ci, slot, comp.result),
             UD_SEND => {
-                c.link.on_send(comp.result);
+                #[allow(irrefutable_let_patterns)] // without the rdma feature
+                if let ConnLink::Tcp(l) = &mut c.link {
+                    l.on_send(comp.result);
+                }
                 if comp.result <= 0 && !c.closing {
                     log::debug!("{}: send failed: {}", c.peer, errno_name(-comp.result));
                     self.close(ci, None);
@@ -974,8 +1347,9 @@ impl ServePoller {
         if let Some((code, msg)) = why {
             log::warn!("dropping consumer {}: {}: {msg}", c.peer, code.name());
             self.c.stats.violations.fetch_add(1, Ordering::Relaxed);
-            // Only between frames: a send in flight would interleave.
-            if !c.link.busy() {
+            // Only between frames: a send in flight would interleave (an
+            // RDMA connection's socket carries no frames from here).
+            if c.link.is_rdma() || !c.link.busy() {
                 send_error(&mut c.sock, proto::CONNECTION, code, &msg);
             }
         }
@@ -1005,11 +1379,16 @@ impl ServePoller {
         self.reap_link(ci);
         if self.conns[ci as usize]
             .as_ref()
-            .is_some_and(|c| c.closing && c.ops == 0)
+            .is_some_and(|c| c.closing && c.ops == 0 && !c.link.busy())
         {
             let c = self.conns[ci as usize].take().expect("live");
-            for slot in c.sendq {
+            for &slot in &c.sendq {
                 self.free_slots.push(slot);
+            }
+            if c.link.is_rdma() {
+                // Dropping the link destroys its QP, then its CQ.
+                drop(c);
+                self.c.stats.rdma_qps.fetch_sub(1, Ordering::Relaxed);
             }
         }
     }
