@@ -47,14 +47,16 @@ KSPEED_FUZZ_OPTIONAL=1 scripts/fuzz.sh "${KSPEED_FUZZ_SECS:-45}" 2>&1 | tail -n 
 VM=${RDMA_VM:-../shared/rdma-vm/run-in-vm.sh}
 step "RDMA tests in the soft-RoCE VM ($VM)"
 if [ -x "$VM" ]; then
-  bin=$(cargo test --test rdma --no-run --message-format=json 2>/dev/null \
-        | python3 -c 'import json,sys
+  exe() {  # the test binary of target $1 (built with the default features)
+    cargo test --test "$1" --no-run --message-format=json 2>/dev/null | python3 -c 'import json,sys
 for l in sys.stdin:
     m = json.loads(l)
-    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "rdma" and m.get("executable"):
-        print(m["executable"])')
-  # One test at a time: the leak test counts the process's descriptors.
-  "$VM" -- "$bin" --test-threads 1
+    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == sys.argv[1] and m.get("executable"):
+        print(m["executable"])' "$1"
+  }
+  cargo build --quiet --bin kspeed
+  # One VM start for all of them (about 4 s of boot).
+  "$VM" -- scripts/vm_rdma_tests.sh "$(exe rdma)" "$(exe cluster)"
 else
   echo "skipped: $VM not found (it lives in the shared folder beside the checkout)"
 fi

@@ -24,6 +24,27 @@ use kspeed::Error;
 
 const TOKEN: &str = "job-42-token";
 
+/// `KSPEED_TEST_RDMA=1` (set by scripts/test.sh inside the soft-RoCE VM,
+/// which also puts 10.77.0.2 and .3 on the RDMA interface): the nodes offer
+/// RDMA, the consumers use it, and node i listens on 10.77.0.(i+1).
+fn rdma_mode() -> bool {
+    std::env::var_os("KSPEED_TEST_RDMA").is_some()
+}
+
+/// The address node `i` listens on.
+fn node_ip(i: usize) -> String {
+    if rdma_mode() {
+        format!("10.77.0.{}", i + 1)
+    } else {
+        format!("127.0.0.{}", i + 1)
+    }
+}
+
+/// The consumer's transport option for this run.
+fn transport() -> Option<kspeed::transport::RdmaOptions> {
+    rdma_mode().then(Default::default)
+}
+
 /// A `kspeed serve` process; killed on drop.
 struct Serve {
     child: Child,
@@ -37,6 +58,7 @@ impl Serve {
             .arg(format!("{ip}:0"))
             .args(["--token-file", s(token_file), "--pollers", "1"])
             .args(extra)
+            .args(if rdma_mode() { &["--rdma"][..] } else { &[] })
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()
@@ -212,6 +234,7 @@ fn builder_remote(st: &Setup, addrs: &[&str], ring_bytes: u64) -> LoaderBuilder 
         .pollers(1)
         .pin(false)
         .landing(ring(ring_bytes))
+        .rdma(transport())
 }
 
 fn builder_space(space: &Path, cluster: Cluster) -> LoaderBuilder {
@@ -223,13 +246,14 @@ fn builder_space(space: &Path, cluster: Cluster) -> LoaderBuilder {
         .pollers(1)
         .pin(false)
         .landing(ring(8 << 20))
+        .rdma(transport())
 }
 
 #[test]
 fn consumer_dropped_mid_epoch_stops_cleanly() {
     let st = setup("tiny", 300, 2, 1);
     let serves: Vec<Serve> = (0..2)
-        .map(|i| Serve::start(&st.spaces[i], &format!("127.0.0.{}", i + 1), &st.token, &[]))
+        .map(|i| Serve::start(&st.spaces[i], &node_ip(i), &st.token, &[]))
         .collect();
     let addrs: Vec<&str> = serves.iter().map(|s| s.addr.as_str()).collect();
     for _ in 0..3 {
@@ -258,7 +282,7 @@ fn three_nodes_two_ranks_byte_exact_in_order() {
         .map(|i| {
             Serve::start(
                 &st.spaces[i],
-                &format!("127.0.0.{}", i + 1),
+                &node_ip(i),
                 &st.token,
                 // Node 2 sends straight from the page cache.
                 if i == 2 {
@@ -305,7 +329,7 @@ fn owner_trouble(
 ) -> (Setup, Result<kspeed::loader::Stats, Error>, Duration) {
     let st = setup("imagenet", 240, 3, replicas);
     let serves: Vec<Serve> = (0..3)
-        .map(|i| Serve::start(&st.spaces[i], &format!("127.0.0.{}", i + 1), &st.token, &[]))
+        .map(|i| Serve::start(&st.spaces[i], &node_ip(i), &st.token, &[]))
         .collect();
     let addrs: Vec<&str> = serves.iter().map(|s| s.addr.as_str()).collect();
     let cat = Catalog::open(&st.catalog).unwrap();
@@ -414,6 +438,7 @@ fn hello_frame(cat: &Catalog, version: u32, token: &[u8], ring_len: u64) -> Vec<
         ring_addr: 0,
         ring_len,
         rkey: 0,
+        transport: proto::TRANSPORT_TCP,
     }
     .encode(token, &mut out);
     out[8..12].copy_from_slice(&version.to_le_bytes());
@@ -602,6 +627,7 @@ fn fake_node(misdeed: Misdeed) -> (String, std::thread::JoinHandle<()>) {
             replicas: 2,
             max_data_bytes: 1 << 20,
             max_grants: 4096,
+            transport: proto::TRANSPORT_TCP,
         };
         c.write_all(&w.encode()).unwrap();
         // First GRANT frame.
@@ -839,8 +865,8 @@ fn three_nodes_in_network_namespaces() {
 #[test]
 fn read_error_on_a_node_fails_over_to_the_replica() {
     let st = setup("tiny", 400, 2, 2);
-    let n0 = Serve::start(&st.spaces[0], "127.0.0.1", &st.token, &[]);
-    let n1 = Serve::start(&st.spaces[1], "127.0.0.2", &st.token, &[]);
+    let n0 = Serve::start(&st.spaces[0], &node_ip(0), &st.token, &[]);
+    let n1 = Serve::start(&st.spaces[1], &node_ip(1), &st.token, &[]);
     // Node 1's extent loses its second half after the service started:
     // its reads come back short and it answers those grants with ERROR.
     let ext = st.spaces[1].join("extents").join("00000000.kse");
@@ -866,8 +892,13 @@ fn node_service_embedded_in_process() {
     use kspeed::transport::{NodeService, ServeConfig};
     use std::sync::atomic::Ordering;
     let st = setup("tiny", 300, 1, 1);
-    let mut cfg = ServeConfig::new(&st.spaces[0], "127.0.0.1:0", TOKEN.as_bytes());
+    let mut cfg = ServeConfig::new(
+        &st.spaces[0],
+        &format!("{}:0", node_ip(0)),
+        TOKEN.as_bytes(),
+    );
     cfg.pollers = 2;
+    cfg.rdma = transport();
     let svc = NodeService::start(cfg).unwrap();
     let addr = svc.local_addr().to_string();
     let cat = Catalog::open(&st.catalog).unwrap();
@@ -878,6 +909,12 @@ fn node_service_embedded_in_process() {
     assert_eq!(st_.connections.load(Ordering::Relaxed), 1);
     assert!(st_.samples.load(Ordering::Relaxed) >= 600);
     assert_eq!(st_.violations.load(Ordering::Relaxed), 0);
+    // The consumer is gone: so is its queue pair (RDMA).
+    let t0 = Instant::now();
+    while st_.rdma_qps.load(Ordering::Relaxed) > 0 && t0.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(st_.rdma_qps.load(Ordering::Relaxed), 0);
     let t0 = Instant::now();
     svc.stop();
     assert!(t0.elapsed() < Duration::from_secs(2));
@@ -888,8 +925,8 @@ fn node_service_embedded_in_process() {
 #[test]
 fn read_command_in_cluster_mode_from_a_file_and_from_the_environment() {
     let st = setup("tiny", 300, 2, 1);
-    let n0 = Serve::start(&st.spaces[0], "127.0.0.1", &st.token, &[]);
-    let n1 = Serve::start(&st.spaces[1], "127.0.0.2", &st.token, &[]);
+    let n0 = Serve::start(&st.spaces[0], &node_ip(0), &st.token, &[]);
+    let n1 = Serve::start(&st.spaces[1], &node_ip(1), &st.token, &[]);
     let file = st.spaces[0].parent().unwrap().join("cluster.txt");
     std::fs::write(
         &file,
@@ -909,12 +946,15 @@ fn read_command_in_cluster_mode_from_a_file_and_from_the_environment() {
         "--verify",
         "--ring-bytes",
         "1MiB",
+        if rdma_mode() { "--rdma" } else { "--verify" },
     ]);
     assert!(out.contains("read 600 samples"), "{out}");
+    let mode = if rdma_mode() { "RDMA" } else { "TCP" };
+    assert!(out.contains(&format!("cluster ({mode})")), "{out}");
     let pushed: u64 = out
-        .split("cluster: ")
-        .nth(1)
-        .and_then(|t| t.split(' ').next())
+        .split(" samples pushed")
+        .next()
+        .and_then(|t| t.rsplit(' ').next())
         .and_then(|n| n.parse().ok())
         .unwrap_or_else(|| panic!("{out}"));
     assert!(pushed > 0, "{out}");
@@ -928,6 +968,7 @@ fn read_command_in_cluster_mode_from_a_file_and_from_the_environment() {
             "--cluster-env",
         ])
         .args(["--token-file", s(&st.token), "--ring-bytes", "1MiB"])
+        .args(if rdma_mode() { &["--rdma"][..] } else { &[] })
         .env("RANK", "1")
         .env("WORLD_SIZE", "2")
         .env("LOCAL_RANK", "0")

@@ -49,7 +49,7 @@ fn open() -> Option<Arc<Context>> {
         .and_then(|v| v.parse().ok())
         .unwrap_or(1);
     let dev = std::env::var("RDMA_VM_DEVICE").ok();
-    Some(Context::open(dev.as_deref(), 1, gid).expect("open the RDMA device"))
+    Some(Context::open(dev.as_deref(), 1, Some(gid)).expect("open the RDMA device"))
 }
 
 /// Polls `cq` until `n` completions arrived or 5 s passed.
@@ -290,7 +290,8 @@ fn rdma_link_pushes_writes_and_errors_in_order_through_the_link_trait() {
     let (mut sges, mut rwrs) = (Vec::new(), Vec::new());
     b.post_recvs_into(0, 64, Some((&imr, imr.addr(), 256)), &mut sges, &mut rwrs)
         .unwrap();
-    let mut link = RdmaLink::new(a, cq_a.clone(), smr.lkey(), rmr.addr(), rmr.rkey(), 64);
+    let regions = kspeed::transport::rdma::SendRegions::new(&[&smr]);
+    let mut link = RdmaLink::new(a, cq_a.clone(), regions, rmr.addr(), rmr.rkey(), 64);
     let write = |link: &mut RdmaLink, id: u64| {
         let src = staging[id as usize * 2000..].as_ptr();
         // SAFETY: the source lies in the staging region, alive until polled.

@@ -637,6 +637,7 @@ mod tests {
             ring_addr: 0x7f00_0000_0000,
             ring_len: 256 << 20,
             rkey: 0x1234,
+            transport: TRANSPORT_RDMA,
         };
         let mut out = Vec::new();
         hello.encode(b"secret", &mut out);
@@ -657,12 +658,34 @@ mod tests {
             replicas: 2,
             max_data_bytes: 1 << 20,
             max_grants: 4096,
+            transport: TRANSPORT_RDMA,
         };
         let wb = w.encode();
         let mut hb = [0u8; HEADER_BYTES];
         hb.copy_from_slice(&wb[..HEADER_BYTES]);
         let h = Header::decode(&hb, MAX_DATA_BYTES).unwrap();
         assert_eq!(Welcome::decode(&h, &wb[HEADER_BYTES..]), Ok(w));
+
+        let ep = RdmaEndpoint {
+            qpn: 0x12_3456,
+            psn: 0xab_cdef,
+            gid: [7; 16],
+        };
+        let eb = ep.encode();
+        hb.copy_from_slice(&eb[..HEADER_BYTES]);
+        let h = Header::decode(&hb, MAX_DATA_BYTES).unwrap();
+        assert_eq!(RdmaEndpoint::decode(&h, &eb[HEADER_BYTES..]), Ok(ep));
+        // A 16-byte body is the only size; a 25-bit QP number is refused.
+        let mut bad = eb;
+        bad[4] = 15;
+        hb.copy_from_slice(&bad[..HEADER_BYTES]);
+        assert!(Header::decode(&hb, MAX_DATA_BYTES).is_err());
+        let mut bad = eb;
+        bad[10] = 0x01;
+        bad[11] = 0x01;
+        hb.copy_from_slice(&bad[..HEADER_BYTES]);
+        let h = Header::decode(&hb, MAX_DATA_BYTES).unwrap();
+        assert!(RdmaEndpoint::decode(&h, &bad[HEADER_BYTES..]).is_err());
     }
 
     #[test]

@@ -139,6 +139,16 @@ struct Common {
     rdma: Option<OwnerRdma>,
 }
 
+impl Common {
+    /// Whether RDMA links may send from the mapped extents (registered).
+    fn rdma_maps(&self) -> bool {
+        #[cfg(feature = "rdma")]
+        return self.rdma.as_ref().is_some_and(|r| !r.map_mrs.is_empty());
+        #[cfg(not(feature = "rdma"))]
+        false
+    }
+}
+
 /// A running node service. Dropping it stops it.
 pub struct NodeService {
     addr: SocketAddr,
@@ -305,8 +315,21 @@ fn open_owner_rdma(
         }
         // SAFETY: the mapping lives in Common, which outlives every link
         // (pollers hold an Arc of it); the NIC only reads it.
-        map_mrs
-            .push(unsafe { Mr::register(&pd, b.as_ptr() as *mut u8, b.len(), Access::ReadOnly) }?);
+        match unsafe { Mr::register(&pd, b.as_ptr() as *mut u8, b.len(), Access::ReadOnly) } {
+            Ok(mr) => map_mrs.push(mr),
+            Err(e) => {
+                // Some drivers (soft-RoCE among them) refuse to pin a
+                // read-only file mapping. RDMA consumers then get their
+                // samples through staging (O_DIRECT reads); TCP ones still
+                // from the page cache.
+                log::warn!(
+                    "page-cache mode: the mapped extents cannot be registered for RDMA ({e}); \
+                     RDMA consumers are served through staging"
+                );
+                map_mrs.clear();
+                break;
+            }
+        }
     }
     log::info!(
         "RDMA transport on {} port {} (GID index {})",
@@ -979,7 +1002,8 @@ impl ServePoller {
         let off = w.next;
         let payload = self.chunk.min(e.len as u64 - off) as u32;
         let read_len = self.chunk.min(slot_len - off) as u32;
-        if let Some(map) = self.c.maps.get(loc.extent as usize) {
+        let from_maps = !c.link.is_rdma() || self.c.rdma_maps();
+        if let Some(map) = self.c.maps.get(loc.extent as usize).filter(|_| from_maps) {
             // Page-cache mode: no read; the frame points into the mapping.
             let bytes = map.as_slice();
             let at = (loc.offset + off) as usize;

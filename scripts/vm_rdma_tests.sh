@@ -1,0 +1,20 @@
+#!/bin/bash
+# Runs inside the soft-RoCE VM (../shared/rdma-vm/run-in-vm.sh): the RDMA
+# test binary, then the cluster tests over RDMA. scripts/test.sh calls it:
+#   run-in-vm.sh -- scripts/vm_rdma_tests.sh RDMA_TEST_BIN CLUSTER_TEST_BIN
+set -euo pipefail
+rdma_bin=$1
+cluster_bin=$2
+# Nodes 2 and 3 get their own addresses on the RDMA interface (rxe adds a
+# RoCE v2 GID for each), so every node has its own GID as on a real cluster.
+for ip in 10.77.0.2 10.77.0.3; do
+  ip addr add "$ip/24" dev "${RDMA_VM_NETDEV:-dummy0}" 2>/dev/null || true
+done
+echo "== verbs layer and RDMA end-to-end tests"
+# One test at a time: the leak tests count the process's descriptors.
+"$rdma_bin" --test-threads 1
+echo "== the cluster tests over RDMA (KSPEED_TEST_RDMA=1)"
+# Not the ones whose peer is a hand-written TCP node or consumer, nor the
+# network-namespace one (TCP plumbing): tests/rdma.rs has RDMA's hostile peers.
+KSPEED_TEST_RDMA=1 "$cluster_bin" --test-threads 1 \
+  --skip hostile_ --skip network_namespaces
