@@ -377,3 +377,340 @@ fn rdma_link_pushes_writes_and_errors_in_order_through_the_link_trait() {
     drop(b);
     drop((smr, rmr, imr));
 }
+
+// --- end to end over RDMA: a real node service, a real loader -------------
+
+#[path = "common/mod.rs"]
+#[allow(dead_code)]
+mod common;
+
+use std::io::{Read, Write};
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+
+use kspeed::dataset::Catalog;
+use kspeed::landing::{CudaMode, LandingOptions};
+use kspeed::loader::LoaderBuilder;
+use kspeed::sampler::{Sampler, SamplerConfig};
+use kspeed::transport::proto::{self, GrantEntry, Header, Kind, Welcome};
+use kspeed::transport::{Cluster, NodeService, RdmaOptions, ServeConfig};
+
+const TOKEN: &[u8] = b"rdma-job";
+
+/// The VM's address on the RDMA interface, and a second one when
+/// scripts/vm_rdma_tests.sh added it.
+fn vm_ip(i: usize) -> String {
+    let base = std::env::var("RDMA_VM_IP").unwrap_or_else(|_| "10.77.0.1".into());
+    if i == 0 {
+        return base;
+    }
+    let other = "10.77.0.2".to_string();
+    if TcpListener::bind(format!("{other}:0")).is_ok() {
+        other
+    } else {
+        base
+    }
+}
+
+struct Data {
+    _tmp: tempfile::TempDir,
+    src: PathBuf,
+    catalog: PathBuf,
+    spaces: Vec<PathBuf>,
+}
+
+/// `count` tiny samples preloaded onto `nodes` spaces, each holding all.
+fn data(count: u64, nodes: u32) -> Data {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("src");
+    common::gen("tiny", count, &src);
+    let catalog = tmp.path().join("cat.ksc");
+    common::ok(&[
+        "catalog",
+        "--source",
+        common::s(&src),
+        "--out",
+        common::s(&catalog),
+    ]);
+    let mut spaces = Vec::new();
+    for i in 0..nodes {
+        let sp = tmp.path().join(format!("n{i}"));
+        common::ok(&[
+            "preload",
+            "--source",
+            common::s(&src),
+            "--catalog",
+            common::s(&catalog),
+            "--space",
+            common::s(&sp),
+            "--nodes",
+            &nodes.to_string(),
+            "--node-index",
+            &i.to_string(),
+            "--replicas",
+            &nodes.to_string(),
+        ]);
+        spaces.push(sp);
+    }
+    Data {
+        _tmp: tmp,
+        src,
+        catalog,
+        spaces,
+    }
+}
+
+fn rdma_node(space: &Path, ip: &str) -> NodeService {
+    let mut cfg = ServeConfig::new(space, &format!("{ip}:0"), TOKEN);
+    cfg.pollers = 1;
+    cfg.staging_bytes = 1 << 20;
+    cfg.chunk_bytes = 16 << 10;
+    cfg.rdma = Some(RdmaOptions::default());
+    NodeService::start(cfg).unwrap()
+}
+
+fn consumer(d: &Data, addrs: &[String]) -> LoaderBuilder {
+    let text: String = addrs
+        .iter()
+        .enumerate()
+        .map(|(i, a)| format!("{i} {a}\n"))
+        .collect();
+    LoaderBuilder::source(common::s(&d.src))
+        .catalog(&d.catalog)
+        .cluster(Cluster::parse(&text, "test").unwrap())
+        .token(TOKEN)
+        .seed(3)
+        .batch_size(16)
+        .pollers(1)
+        .pin(false)
+        .node_timeout(Duration::from_secs(5))
+        .landing(LandingOptions {
+            ring_bytes: 1 << 20,
+            huge_pages: false,
+            mlock: false,
+            numa_node: None,
+            gpu_pci: None,
+            cuda: CudaMode::Off,
+        })
+        .rdma(Some(RdmaOptions::default()))
+}
+
+/// Reads `epochs` and checks every sample's id and CRC32C; returns the count.
+fn read_exact(l: &mut kspeed::loader::Loader, cat: &Catalog, epochs: u64) -> u64 {
+    let sampler = Sampler::new(SamplerConfig {
+        len: cat.len(),
+        seed: 3,
+        shuffle: true,
+        rank: 0,
+        world: 1,
+        drop_last: false,
+    })
+    .unwrap();
+    let mut n = 0;
+    for e in 0..epochs {
+        l.set_epoch(e).unwrap();
+        let mut k = 0;
+        while let Some(b) = l.next_batch().unwrap() {
+            for smp in b.iter() {
+                assert_eq!(smp.id, sampler.sample(e, k), "epoch {e} step {k}");
+                assert_eq!(
+                    crc32c::crc32c(smp.bytes),
+                    cat.sample(smp.id).crc32c,
+                    "sample {}",
+                    smp.id
+                );
+                k += 1;
+                n += 1;
+            }
+        }
+    }
+    n
+}
+
+#[derive(Clone, Copy, Debug)]
+enum RdmaMisdeed {
+    /// A write into the granted range carrying another grant id.
+    ForeignGrantId,
+    /// A write past the end of the consumer's registered ring.
+    OutsideTheRing,
+}
+
+/// A node that speaks the handshake and sets up a real QP, then misbehaves
+/// on the first grant. Returns its address and, when joined, the status of
+/// its write's completion.
+fn hostile_rdma_node(
+    misdeed: RdmaMisdeed,
+    ip: &str,
+) -> (String, std::thread::JoinHandle<Option<u32>>) {
+    let l = TcpListener::bind(format!("{ip}:0")).unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let h = std::thread::spawn(move || {
+        let (mut c, _) = l.accept().unwrap();
+        let mut hb = [0u8; proto::HEADER_BYTES];
+        c.read_exact(&mut hb).unwrap();
+        let h = Header::decode(&hb, 0).unwrap();
+        let mut body = vec![0u8; h.body_len as usize];
+        c.read_exact(&mut body).unwrap();
+        let (hello, _) = proto::Hello::decode(&body).unwrap();
+        assert_eq!(hello.transport, proto::TRANSPORT_RDMA);
+        let w = Welcome {
+            node_index: 1,
+            nodes: 2,
+            replicas: 2,
+            max_data_bytes: 1 << 20,
+            max_grants: 4096,
+            transport: proto::TRANSPORT_RDMA,
+        };
+        c.write_all(&w.encode()).unwrap();
+        c.read_exact(&mut hb).unwrap();
+        let h = Header::decode(&hb, 0).unwrap();
+        let mut gid = [0u8; 16];
+        c.read_exact(&mut gid).unwrap();
+        let theirs = proto::RdmaEndpoint::decode(&h, &gid).unwrap();
+        let ctx = Context::open(None, 1, None).unwrap();
+        let pd = Pd::new(&ctx).unwrap();
+        let cq = Cq::new(&ctx, 64).unwrap();
+        let mut qp = Qp::new(&pd, &cq, &cq, 32, 0).unwrap();
+        let (i, g) = ctx.gid_for_ip(c.local_addr().unwrap().ip()).unwrap();
+        qp.use_gid(i, g);
+        qp.connect(&kspeed::transport::rdma::Endpoint {
+            qpn: theirs.qpn,
+            psn: theirs.psn,
+            gid: theirs.gid,
+        })
+        .unwrap();
+        let ours = qp.endpoint();
+        c.write_all(
+            &proto::RdmaEndpoint {
+                qpn: ours.qpn,
+                psn: ours.psn,
+                gid: ours.gid,
+            }
+            .encode(),
+        )
+        .unwrap();
+        let mut junk = vec![0xEEu8; 1 << 16];
+        // SAFETY: junk outlives the region (dropped after it, at the end).
+        let mr =
+            unsafe { Mr::register(&pd, junk.as_mut_ptr(), junk.len(), Access::Local) }.unwrap();
+        // The first GRANT frame.
+        if c.read_exact(&mut hb).is_err() {
+            return None;
+        }
+        let h = Header::decode(&hb, 0).unwrap();
+        assert_eq!(h.kind, Kind::Grant);
+        let mut body = vec![0u8; h.body_len as usize];
+        c.read_exact(&mut body).unwrap();
+        let e = GrantEntry::decode(&body, 0);
+        let len = e.len.clamp(1, 1 << 16);
+        let (remote, imm) = match misdeed {
+            RdmaMisdeed::ForeignGrantId => (hello.ring_addr + e.offset, e.grant.wrapping_add(7777)),
+            RdmaMisdeed::OutsideTheRing => (hello.ring_addr + hello.ring_len, e.grant),
+        };
+        let (mut sges, mut wrs) = (Vec::new(), Vec::new());
+        // SAFETY: the source lies in `mr`, alive until the completion below.
+        unsafe {
+            qp.post_writes(
+                &mr,
+                hello.rkey,
+                &[(1, junk.as_ptr(), len, remote, imm)],
+                &mut sges,
+                &mut wrs,
+            )
+        }
+        .unwrap();
+        let got = wait(&cq, 1);
+        // Keep the control connection until the consumer drops it.
+        let mut sink = [0u8; 4096];
+        while matches!(c.read(&mut sink), Ok(n) if n > 0) {}
+        got.first().map(|w| w.status)
+    });
+    (addr, h)
+}
+
+fn hostile_rdma_node_case(misdeed: RdmaMisdeed) -> (kspeed::loader::Stats, Option<u32>) {
+    let d = data(400, 2);
+    let node0 = rdma_node(&d.spaces[0], &vm_ip(0));
+    let (bad, h) = hostile_rdma_node(misdeed, &vm_ip(1));
+    let cat = Catalog::open(&d.catalog).unwrap();
+    let mut l = consumer(&d, &[node0.local_addr().to_string(), bad])
+        .build()
+        .unwrap();
+    assert_eq!(read_exact(&mut l, &cat, 2), 800, "{misdeed:?}");
+    let stats = l.finish();
+    (stats, h.join().unwrap())
+}
+
+#[test]
+fn rdma_foreign_grant_id_drops_the_node_and_fails_over() {
+    if open().is_none() {
+        return;
+    }
+    let (stats, status) = hostile_rdma_node_case(RdmaMisdeed::ForeignGrantId);
+    // The write itself is allowed by the NIC (it lands in a granted range);
+    // the consumer refuses its grant id, drops the node, and node 0 pushes
+    // every one of its grants again: every byte checked above is node 0's.
+    assert_eq!(status, Some(0), "the hostile write completed at the NIC");
+    assert!(stats.failovers > 0, "{stats:?}");
+    assert_eq!(stats.source_reads, 0, "{stats:?}");
+}
+
+#[test]
+fn rdma_write_outside_the_ring_is_refused_by_the_nic() {
+    if open().is_none() {
+        return;
+    }
+    let (stats, status) = hostile_rdma_node_case(RdmaMisdeed::OutsideTheRing);
+    // The ring is registered for exactly its range: the NIC refuses the
+    // write (the peer's QP and ours go to error), nothing lands, and the
+    // node's grants fail over to node 0.
+    assert_eq!(
+        status.map(kspeed::transport::rdma::wc_status_name),
+        Some("IBV_WC_REM_ACCESS_ERR")
+    );
+    assert!(stats.failovers > 0, "{stats:?}");
+}
+
+#[test]
+fn consumers_that_leave_mid_epoch_leave_no_queue_pair_behind() {
+    if open().is_none() {
+        return;
+    }
+    use std::sync::atomic::Ordering;
+    let d = data(300, 1);
+    let node = rdma_node(&d.spaces[0], &vm_ip(0));
+    let addr = node.local_addr().to_string();
+    let cat = Catalog::open(&d.catalog).unwrap();
+    let mut fds0 = 0;
+    for cycle in 0..20 {
+        let mut l = consumer(&d, std::slice::from_ref(&addr)).build().unwrap();
+        // A batch or two, then the rank goes away mid-epoch.
+        let b = l.next_batch().unwrap().expect("a batch");
+        assert_eq!(crc32c::crc32c(b.iter().next().unwrap().bytes), {
+            let id = b.iter().next().unwrap().id;
+            cat.sample(id).crc32c
+        });
+        drop(b);
+        drop(l);
+        let t0 = Instant::now();
+        while node.stats().rdma_qps.load(Ordering::Relaxed) > 0
+            && t0.elapsed() < Duration::from_secs(5)
+        {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(
+            node.stats().rdma_qps.load(Ordering::Relaxed),
+            0,
+            "cycle {cycle}: the node still holds the departed consumer's QP"
+        );
+        if cycle == 2 {
+            fds0 = open_fds();
+        }
+    }
+    assert!(
+        open_fds() <= fds0 + 2,
+        "descriptors grew: {fds0} -> {}",
+        open_fds()
+    );
+    assert_eq!(node.stats().connections.load(Ordering::Relaxed), 20);
+}
