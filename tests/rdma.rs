@@ -381,7 +381,6 @@ fn rdma_link_pushes_writes_and_errors_in_order_through_the_link_trait() {
 // --- end to end over RDMA: a real node service, a real loader -------------
 
 #[path = "common/mod.rs"]
-#[allow(dead_code)]
 mod common;
 
 use std::io::{Read, Write};

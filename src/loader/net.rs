@@ -698,10 +698,7 @@ impl NetThread {
         let mut any = false;
         let mut wc = [WorkCompletion::default(); 32];
         for i in 0..self.conns.len() {
-            loop {
-                let Some(r) = self.conns[i].rdma.as_mut() else {
-                    break;
-                };
+            while let Some(r) = self.conns[i].rdma.as_mut() {
                 let n = match r.cq.poll(&mut wc) {
                     Ok(n) => n,
                     Err(e) => {

@@ -891,6 +891,9 @@ pub fn completion_error(wc: &WorkCompletion) -> Error {
     }
 }
 
+/// An [`RdmaLink`] asks for a completion at least every this many requests.
+pub const SIGNAL_EVERY: usize = 8;
+
 /// Largest ERROR message an [`RdmaLink`] sends (inline, after a 4-byte code).
 pub const RDMA_ERROR_BYTES: usize = 128;
 
@@ -926,6 +929,8 @@ pub struct RdmaLink {
     /// Requests posted, oldest first, and the signalled id ending each chain.
     posted: VecDeque<u64>,
     chain_ends: VecDeque<u64>,
+    /// The signalled ids of the chain being built.
+    signal_ids: Vec<u64>,
     done: VecDeque<super::Done>,
     inline_buf: Vec<u8>,
     sges: Vec<ibv_sge>,
@@ -960,6 +965,7 @@ impl RdmaLink {
             queued: Vec::with_capacity(max_wr),
             posted: VecDeque::with_capacity(max_wr),
             chain_ends: VecDeque::with_capacity(max_wr),
+            signal_ids: Vec::with_capacity(max_wr),
             done: VecDeque::with_capacity(max_wr),
             inline_buf: vec![0u8; max_wr * (4 + RDMA_ERROR_BYTES)],
             sges: Vec::with_capacity(max_wr),
@@ -1100,6 +1106,7 @@ impl super::Link for RdmaLink {
         }
         self.sges.clear();
         self.wrs.clear();
+        self.signal_ids.clear();
         for w in &self.queued {
             let addr = if w.send {
                 self.inline_buf[w.inline_at..].as_ptr() as u64
@@ -1120,7 +1127,15 @@ impl super::Link for RdmaLink {
             wr.sg_list = &mut self.sges[i];
             wr.num_sge = 1;
             wr.imm_data_invalidated_rkey_union.imm_data = w.imm.to_be();
-            let mut flags = if i == last {
+            // Selective signalling: the last of the chain and every
+            // SIGNAL_EVERY-th, so staging slots come back while a long
+            // chain is still on the wire (one completion per chain would
+            // hold every slot until its last write).
+            let signal = i == last || (i + 1) % SIGNAL_EVERY == 0;
+            if signal {
+                self.signal_ids.push(w.wr_id);
+            }
+            let mut flags = if signal {
                 ibv_send_flags::IBV_SEND_SIGNALED.0
             } else {
                 0
@@ -1151,8 +1166,7 @@ impl super::Link for RdmaLink {
         for w in self.queued.drain(..) {
             self.posted.push_back(w.wr_id);
         }
-        self.chain_ends
-            .push_back(*self.posted.back().expect("a chain was posted"));
+        self.chain_ends.extend(self.signal_ids.drain(..));
         Ok(())
     }
 
@@ -1173,7 +1187,8 @@ impl super::Link for RdmaLink {
                     self.fail_all();
                     continue;
                 }
-                // A chain's signalled completion finishes the whole chain.
+                // A signalled completion finishes every request up to it
+                // (a QP completes its send queue in order).
                 if self.chain_ends.front() == Some(&c.wr_id) {
                     self.chain_ends.pop_front();
                     while let Some(id) = self.posted.pop_front() {

@@ -657,7 +657,7 @@ struct Work {
 enum ConnLink {
     Tcp(TcpLink),
     #[cfg(feature = "rdma")]
-    Rdma(super::rdma::RdmaLink),
+    Rdma(Box<super::rdma::RdmaLink>),
 }
 
 impl ConnLink {
@@ -900,14 +900,14 @@ impl ServePoller {
         ));
         #[cfg(feature = "rdma")]
         let link = match acc.rdma {
-            Some(r) => ConnLink::Rdma(super::rdma::RdmaLink::new(
+            Some(r) => ConnLink::Rdma(Box::new(super::rdma::RdmaLink::new(
                 r.qp,
                 r.cq,
                 self.staging.regions.clone(),
                 acc.hello.ring_addr,
                 acc.hello.rkey,
                 self.c.cfg.slots().clamp(16, 4096),
-            )),
+            ))),
             None => link,
         };
         self.conns[ci] = Some(SConn {
