@@ -657,14 +657,16 @@ impl NetThread {
                     self.wake_inflight = true;
                 }
             }
-            let wait = if progressed && !stopping {
-                Duration::ZERO
+            let res = if progressed && !stopping {
+                // RDMA work came in: look again at once, no system call
+                // unless something is queued.
+                self.ring.submit_pending()
             } else if stopping {
-                Duration::from_millis(5)
+                self.ring.submit_wait_timeout(Duration::from_millis(5))
             } else {
-                Duration::from_millis(50)
+                self.ring.submit_wait_timeout(Duration::from_millis(50))
             };
-            if let Err(e) = self.ring.submit_wait_timeout(wait) {
+            if let Err(e) = res {
                 log::error!("network thread: io_uring: {e}");
                 std::thread::sleep(Duration::from_millis(5));
             }

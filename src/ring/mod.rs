@@ -210,6 +210,20 @@ impl Uring {
         unsafe { self.ring.submission().push(&e).is_ok() }
     }
 
+    /// Submits what is queued without waiting, and makes no system call
+    /// when nothing is: for loops that busy-poll something else (RDMA
+    /// completion queues) and peek at this ring's completions in passing.
+    pub fn submit_pending(&mut self) -> io::Result<()> {
+        if self.ring.submission().is_empty() {
+            return Ok(());
+        }
+        match self.ring.submit() {
+            Ok(_) => Ok(()),
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EINTR) | Some(libc::EBUSY)) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
     /// Submits what is queued and waits until a completion is ready or
     /// `timeout` passes (whichever is first).
     pub fn submit_wait_timeout(&mut self, timeout: std::time::Duration) -> io::Result<()> {

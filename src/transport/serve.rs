@@ -858,13 +858,14 @@ impl ServePoller {
             self.issue_sends();
             // RDMA completions arrive on the links' CQs, not the ring: while
             // writes are in flight, poll instead of sleeping.
-            let rdma_busy = self.reap_rdma();
-            let wait = if rdma_busy {
-                Duration::ZERO
+            // (Polling without a system call: io_uring completions are
+            // read from the shared ring either way.)
+            let res = if self.reap_rdma() {
+                self.ring.submit_pending()
             } else {
-                Duration::from_millis(50)
+                self.ring.submit_wait_timeout(Duration::from_millis(50))
             };
-            if let Err(e) = self.ring.submit_wait_timeout(wait) {
+            if let Err(e) = res {
                 log::error!("node service poller: io_uring: {e}");
                 std::thread::sleep(Duration::from_millis(10));
             }
