@@ -979,6 +979,12 @@ impl RdmaLink {
         self.broken.as_ref()
     }
 
+    /// Asks for an event on the CQ's completion channel at its next
+    /// completion (the CQ must have been made with one).
+    pub fn arm(&self) -> Result<()> {
+        self.cq.arm()
+    }
+
     /// Whether requests are posted and not yet completed.
     pub fn busy(&self) -> bool {
         !self.posted.is_empty()

@@ -123,6 +123,9 @@ struct OwnerRdma {
     pd: Arc<super::rdma::Pd>,
     /// Page-cache mode: the mapped extents, registered read-only.
     map_mrs: Vec<super::rdma::Mr>,
+    /// Per poller: the completion channel its connections' CQs wake, so
+    /// a poller waiting for its writes sleeps instead of spinning.
+    channels: Vec<Arc<super::rdma::CompChannel>>,
 }
 
 #[cfg(not(feature = "rdma"))]
@@ -192,7 +195,7 @@ impl NodeService {
         }
         let rdma = match &cfg.rdma {
             None => None,
-            Some(opts) => Some(open_owner_rdma(opts, &maps)?),
+            Some(opts) => Some(open_owner_rdma(opts, &maps, cfg.pollers)?),
         };
         let listener = TcpListener::bind(&cfg.listen)
             .map_err(|e| Error::Serve(format!("cannot listen on {}: {e}", cfg.listen)))?;
@@ -230,7 +233,7 @@ impl NodeService {
             threads.push(
                 std::thread::Builder::new()
                     .name(format!("kspeed-serve-{i}"))
-                    .spawn(move || ServePoller::new(c, ring, staging, rx).run())
+                    .spawn(move || ServePoller::new(c, i, ring, staging, rx).run())
                     .map_err(|e| Error::Serve(format!("spawn poller: {e}")))?,
             );
         }
@@ -303,8 +306,9 @@ pub fn serve_until_signal(cfg: ServeConfig, on_start: impl FnOnce(&NodeService))
 fn open_owner_rdma(
     opts: &super::RdmaOptions,
     maps: &[crate::sys::ReadOnlyMap],
+    pollers: usize,
 ) -> Result<OwnerRdma> {
-    use super::rdma::{Access, Context, Mr, Pd};
+    use super::rdma::{Access, CompChannel, Context, Mr, Pd};
     let ctx = Context::open(opts.device.as_deref(), opts.port, opts.gid_index)?;
     let pd = Pd::new(&ctx)?;
     let mut map_mrs = Vec::with_capacity(maps.len());
@@ -340,11 +344,15 @@ fn open_owner_rdma(
             |i| i.to_string()
         )
     );
+    let channels = (0..pollers)
+        .map(|_| CompChannel::new(&ctx))
+        .collect::<Result<Vec<_>>>()?;
     Ok(OwnerRdma {
         opts: opts.clone(),
         ctx,
         pd,
         map_mrs,
+        channels,
     })
 }
 
@@ -425,12 +433,14 @@ fn accept_loop(c: Arc<Common>, listener: TcpListener, senders: Vec<Sender<Accept
                 continue;
             }
         };
-        let (c, senders, next) = (c.clone(), senders.clone(), next.clone());
+        let (c, senders) = (c.clone(), senders.clone());
+        // The poller is chosen first: an RDMA connection's CQ is made on
+        // that poller's completion channel.
+        let i = next.fetch_add(1, Ordering::Relaxed) % senders.len();
         let _ = std::thread::Builder::new()
             .name("kspeed-hello".into())
-            .spawn(move || match handshake(&c, sock, peer) {
+            .spawn(move || match handshake(&c, sock, peer, i) {
                 Ok(acc) => {
-                    let i = next.fetch_add(1, Ordering::Relaxed) % senders.len();
                     c.stats.connections.fetch_add(1, Ordering::Relaxed);
                     let _ = senders[i].send(acc);
                 }
@@ -451,7 +461,12 @@ fn send_error(sock: &mut TcpStream, grant: u32, code: Code, msg: &str) {
     let _ = sock.write_all(&f);
 }
 
-fn handshake(c: &Common, mut sock: TcpStream, peer: SocketAddr) -> Result<Accepted, String> {
+fn handshake(
+    c: &Common,
+    mut sock: TcpStream,
+    peer: SocketAddr,
+    poller: usize,
+) -> Result<Accepted, String> {
     let _ = sock.set_read_timeout(Some(c.cfg.handshake_timeout));
     let _ = sock.set_nodelay(true);
     let mut hb = [0u8; proto::HEADER_BYTES];
@@ -528,7 +543,7 @@ fn handshake(c: &Common, mut sock: TcpStream, peer: SocketAddr) -> Result<Accept
         .map_err(|e| format!("sending WELCOME: {e}"))?;
     #[cfg(feature = "rdma")]
     let rdma = if rdma {
-        match rdma_handshake(c, &mut sock, &hello) {
+        match rdma_handshake(c, &mut sock, &hello, poller) {
             Ok(r) => Some(r),
             Err((code, m)) => {
                 send_error(&mut sock, proto::CONNECTION, code, &m);
@@ -566,6 +581,7 @@ fn rdma_handshake(
     c: &Common,
     sock: &mut TcpStream,
     hello: &Hello,
+    poller: usize,
 ) -> Result<RdmaAccepted, (Code, String)> {
     use super::rdma::{Cq, Endpoint, Qp, RDMA_ERROR_BYTES};
     let r = c.rdma.as_ref().expect("checked by the caller");
@@ -589,7 +605,7 @@ fn rdma_handshake(
         .map_err(|e| violation(format!("truncated RDMA_ENDPOINT: {e}")))?;
     let theirs = proto::RdmaEndpoint::decode(&h, &body).map_err(|e| violation(e.to_string()))?;
     let max_wr = c.cfg.slots().clamp(16, 4096) as u32;
-    let cq = Cq::new(&r.ctx, max_wr as i32 + 16).map_err(failed)?;
+    let cq = Cq::with_channel(&r.ctx, max_wr as i32 + 16, &r.channels[poller]).map_err(failed)?;
     let mut qp = Qp::new(&r.pd, &cq, &cq, max_wr, (4 + RDMA_ERROR_BYTES) as u32).map_err(failed)?;
     let (index, gid) = match r.opts.gid_index {
         Some(i) => (i, r.ctx.gid_at(i).map_err(failed)?),
@@ -633,6 +649,7 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 const UD_RECV: u64 = 1 << 56;
 const UD_SEND: u64 = 2 << 56;
 const UD_READ: u64 = 3 << 56;
+const UD_CHAN: u64 = 4 << 56;
 const UD_KIND: u64 = 0xff << 56;
 
 fn ud(kind: u64, conn: u32, slot: u32) -> u64 {
@@ -723,6 +740,15 @@ impl ConnLink {
         !matches!(self, ConnLink::Tcp(_))
     }
 
+    /// RDMA: arms the CQ (see [`super::rdma::RdmaLink::arm`]).
+    fn arm(&self) -> std::result::Result<(), String> {
+        match self {
+            ConnLink::Tcp(_) => Ok(()),
+            #[cfg(feature = "rdma")]
+            ConnLink::Rdma(l) => l.arm().map_err(|e| e.to_string()),
+        }
+    }
+
     /// Why an RDMA link broke (a failed completion), if it did.
     fn failure(&self) -> Option<String> {
         match self {
@@ -784,10 +810,32 @@ struct ServePoller {
     completions: Vec<Completion>,
     /// Round-robin start for reads, so one busy consumer cannot starve others.
     rr: usize,
+    /// RDMA: this poller's completion channel fd, whether a poll of it is in
+    /// the ring, and since when the poller has spun without a completion.
+    channel_fd: Option<i32>,
+    chan_inflight: bool,
+    spin_since: Option<std::time::Instant>,
 }
 
+/// How long a poller spins on its RDMA completion queues without a
+/// completion before it arms them and sleeps on the completion channel.
+const RDMA_SPIN: Duration = Duration::from_micros(50);
+
 impl ServePoller {
-    fn new(c: Arc<Common>, ring: Uring, staging: Staging, incoming: Receiver<Accepted>) -> Self {
+    fn new(
+        c: Arc<Common>,
+        index: usize,
+        ring: Uring,
+        staging: Staging,
+        incoming: Receiver<Accepted>,
+    ) -> Self {
+        #[cfg(feature = "rdma")]
+        let channel_fd = c.rdma.as_ref().map(|r| r.channels[index].fd());
+        #[cfg(not(feature = "rdma"))]
+        let channel_fd = {
+            let _ = index;
+            None
+        };
         let chunk = c.cfg.chunk_bytes as u64;
         let n = c.cfg.slots();
         // SAFETY: the staging slab lives in this struct, dropped after the
@@ -824,6 +872,9 @@ impl ServePoller {
             conns,
             completions: vec![Completion::default(); 1024],
             rr: 0,
+            channel_fd,
+            chan_inflight: false,
+            spin_since: None,
             c,
         }
     }
@@ -860,7 +911,7 @@ impl ServePoller {
             // writes are in flight, poll instead of sleeping.
             // (Polling without a system call: io_uring completions are
             // read from the shared ring either way.)
-            let res = if self.reap_rdma() {
+            let res = if self.rdma_should_spin() {
                 self.ring.submit_pending()
             } else {
                 self.ring.submit_wait_timeout(Duration::from_millis(50))
@@ -1182,6 +1233,51 @@ impl ServePoller {
         }
     }
 
+    /// With RDMA writes in flight: true to poll again at once (a completion
+    /// came, or the poller has spun less than [`RDMA_SPIN`]); false to sleep
+    /// in the ring, after arming the busy links' CQs and queueing a poll of
+    /// the completion channel so the next completion wakes the poller.
+    fn rdma_should_spin(&mut self) -> bool {
+        let free = self.free_slots.len();
+        let busy = self.reap_rdma();
+        if !busy {
+            self.spin_since = None;
+            return false;
+        }
+        if self.free_slots.len() != free {
+            self.spin_since = None;
+            return true;
+        }
+        let since = *self.spin_since.get_or_insert_with(std::time::Instant::now);
+        if since.elapsed() < RDMA_SPIN {
+            return true;
+        }
+        let Some(fd) = self.channel_fd else {
+            return true;
+        };
+        for ci in 0..self.conns.len() {
+            let Some(c) = self.conns[ci].as_ref() else {
+                continue;
+            };
+            if c.link.is_rdma() && c.link.busy() {
+                if let Err(e) = c.link.arm() {
+                    log::warn!("{}: {e}", c.peer);
+                    return true;
+                }
+            }
+        }
+        // A completion that came in before arming raises no event.
+        if self.reap_rdma() && self.free_slots.len() != free {
+            self.spin_since = None;
+            return true;
+        }
+        if !self.chan_inflight && self.ring.push_poll_in(UD_CHAN, fd) {
+            self.chan_inflight = true;
+        }
+        self.spin_since = None;
+        false
+    }
+
     /// Polls every RDMA link's completions; closes a link whose QP failed.
     /// True while any has writes in flight.
     fn reap_rdma(&mut self) -> bool {
@@ -1210,6 +1306,17 @@ impl ServePoller {
 
     fn complete(&mut self, comp: Completion) {
         let kind = comp.user_data & UD_KIND;
+        if kind == UD_CHAN {
+            self.chan_inflight = false;
+            #[cfg(feature = "rdma")]
+            if let Some(r) = &self.c.rdma {
+                let fd = self.channel_fd;
+                if let Some(ch) = r.channels.iter().find(|ch| Some(ch.fd()) == fd) {
+                    ch.drain();
+                }
+            }
+            return;
+        }
         let ci = ((comp.user_data >> 32) & 0xff_ffff) as u32;
         let slot = comp.user_data as u32;
         let Some(c) = self.conns[ci as usize].as_mut() else {
