@@ -77,6 +77,10 @@ struct ServeArgs {
     page_cache: bool,
     #[command(flatten)]
     rdma: read::RdmaArgs,
+    /// With RDMA writes in flight, microseconds a poller keeps polling after
+    /// the last completion before it sleeps on its completion channel.
+    #[arg(long, requires = "rdma")]
+    rdma_spin_us: Option<u64>,
 }
 
 #[derive(Args)]
@@ -329,6 +333,9 @@ fn run(cli: Cli) -> kspeed::Result<ExitCode> {
             cfg.max_grants = a.max_grants;
             cfg.page_cache = a.page_cache;
             cfg.rdma = a.rdma.options();
+            if let Some(us) = a.rdma_spin_us {
+                cfg.rdma_spin = std::time::Duration::from_micros(us);
+            }
             kspeed::transport::serve::serve_until_signal(cfg, |svc| {
                 // Scripts wait for this line (and read the port from it).
                 println!("serving {} on {}", a.space.display(), svc.local_addr());

@@ -460,6 +460,10 @@ pub enum Access {
     /// Local read only: memory the NIC only sends from, which may be a
     /// read-only mapping (page-cache mode's extents).
     ReadOnly,
+    /// Local write + memory-window binding, and *no* remote access through
+    /// the region's own rkey: a landing ring whose remote writes are only
+    /// allowed through windows bound for one grant at a time ([`Mw`]).
+    WindowsOnly,
     /// Local write + remote write (a landing ring). Never remote read.
     RemoteWrite,
 }
@@ -485,6 +489,9 @@ impl Mr {
         let flags = match access {
             Access::Local => ibv_access_flags::IBV_ACCESS_LOCAL_WRITE,
             Access::ReadOnly => ibv_access_flags(0),
+            Access::WindowsOnly => {
+                ibv_access_flags::IBV_ACCESS_LOCAL_WRITE | ibv_access_flags::IBV_ACCESS_MW_BIND
+            }
             Access::RemoteWrite => {
                 ibv_access_flags::IBV_ACCESS_LOCAL_WRITE | ibv_access_flags::IBV_ACCESS_REMOTE_WRITE
             }
@@ -558,6 +565,75 @@ impl Drop for Mr {
         // SAFETY: registered once, deregistered once.
         unsafe { ibv_dereg_mr(self.mr) };
     }
+}
+
+/// A type 2 memory window: bound through a queue pair to a range of a
+/// [`Access::WindowsOnly`] region, it gives the peer of *that* QP remote
+/// write access to exactly that range under a fresh rkey, until it is
+/// invalidated. The consumer binds one per grant, so the NIC refuses a
+/// write anywhere but the granted range.
+pub struct Mw {
+    mw: *mut ibv_mw,
+    _pd: Arc<Pd>,
+}
+
+// SAFETY: a window handle may be used from any thread (callers serialise).
+unsafe impl Send for Mw {}
+
+impl Mw {
+    /// Allocates a type 2 window.
+    pub fn new(pd: &Arc<Pd>) -> Result<Mw> {
+        // SAFETY: live PD.
+        let mw = unsafe { ibv_alloc_mw(pd.pd, ibv_mw_type::IBV_MW_TYPE_2) };
+        match mw {
+            Some(p) if !p.is_null() => Ok(Mw {
+                mw: p,
+                _pd: pd.clone(),
+            }),
+            _ => Err(os_err("allocate memory window", "type 2")),
+        }
+    }
+
+    /// The rkey it holds now (its low 8 bits change at every bind).
+    pub fn rkey(&self) -> u32 {
+        // SAFETY: live window.
+        unsafe { (*self.mw).rkey }
+    }
+}
+
+impl Drop for Mw {
+    fn drop(&mut self) {
+        // SAFETY: allocated once, freed once, before its PD (Arc).
+        unsafe { ibv_dealloc_mw(self.mw) };
+    }
+}
+
+/// A memory-window operation posted on a QP's send queue.
+pub enum WindowOp<'a> {
+    /// Bind `mw` to `len` bytes at `addr` of `mr` for remote write, under
+    /// `rkey` (the window's current rkey with a new low byte).
+    Bind {
+        /// The window.
+        mw: &'a Mw,
+        /// The region it opens part of.
+        mr: &'a Mr,
+        /// First byte.
+        addr: u64,
+        /// Bytes.
+        len: u64,
+        /// The rkey the peer will use.
+        rkey: u32,
+    },
+    /// Invalidate the window bound under `rkey` (no remote access after).
+    Invalidate {
+        /// The rkey to revoke.
+        rkey: u32,
+    },
+}
+
+/// The next rkey for a window: same index, the next 8-bit tag.
+pub fn next_rkey(rkey: u32) -> u32 {
+    (rkey & !0xff) | (rkey.wrapping_add(1) & 0xff)
 }
 
 /// What the other end of an RC connection needs: queue pair number, first
@@ -778,6 +854,72 @@ impl Qp {
         if rc != 0 {
             return Err(Error::Rdma {
                 op: "post receives",
+                detail: std::io::Error::from_raw_os_error(rc).to_string(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Posts memory-window binds and invalidations as one chain (one
+    /// doorbell), in order; each is (wr_id, signalled, op). The send queue
+    /// executes them in order with anything posted before or after.
+    pub fn post_window_ops(
+        &self,
+        ops: &[(u64, bool, WindowOp<'_>)],
+        wrs: &mut Vec<ibv_send_wr>,
+    ) -> Result<()> {
+        wrs.clear();
+        for (id, signaled, op) in ops {
+            // SAFETY: plain data.
+            let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
+            wr.wr_id = *id;
+            wr.send_flags = if *signaled {
+                ibv_send_flags::IBV_SEND_SIGNALED.0
+            } else {
+                0
+            };
+            match op {
+                WindowOp::Bind {
+                    mw,
+                    mr,
+                    addr,
+                    len,
+                    rkey,
+                } => {
+                    wr.opcode = ibv_wr_opcode::IBV_WR_BIND_MW;
+                    wr.bind_mw_tso_union.bind_mw = bind_mw_t {
+                        mw: mw.mw,
+                        rkey: *rkey,
+                        bind_info: ibv_mw_bind_info {
+                            mr: mr.mr,
+                            addr: *addr,
+                            length: *len,
+                            mw_access_flags: ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0,
+                        },
+                    };
+                }
+                WindowOp::Invalidate { rkey } => {
+                    wr.opcode = ibv_wr_opcode::IBV_WR_LOCAL_INV;
+                    wr.imm_data_invalidated_rkey_union.invalidated_rkey = *rkey;
+                }
+            }
+            wrs.push(wr);
+        }
+        if wrs.is_empty() {
+            return Ok(());
+        }
+        for i in 0..wrs.len() - 1 {
+            let next: *mut ibv_send_wr = &mut wrs[i + 1];
+            wrs[i].next = next;
+        }
+        let mut bad = ptr::null_mut();
+        // SAFETY: live QP; a well-formed chain that outlives the call; the
+        // windows and region are live (borrowed for the call, and the
+        // caller keeps them alive while bound).
+        let rc = unsafe { ibv_post_send(self.qp, wrs.as_mut_ptr(), &mut bad) };
+        if rc != 0 {
+            return Err(Error::Rdma {
+                op: "post window operations",
                 detail: std::io::Error::from_raw_os_error(rc).to_string(),
             });
         }

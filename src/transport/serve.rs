@@ -66,6 +66,11 @@ pub struct ServeConfig {
     /// get their samples as RDMA writes; the others still get TCP). Needs a
     /// build with the `rdma` feature.
     pub rdma: Option<super::RdmaOptions>,
+    /// With RDMA writes in flight, how long a poller keeps polling its
+    /// completion queues after the last completion before it arms them and
+    /// sleeps on its completion channel (default: the loader's
+    /// [`crate::loader::default_spin`], none on small machines).
+    pub rdma_spin: Duration,
 }
 
 impl ServeConfig {
@@ -83,6 +88,7 @@ impl ServeConfig {
             handshake_timeout: Duration::from_secs(5),
             page_cache: false,
             rdma: None,
+            rdma_spin: crate::loader::default_spin(),
         }
     }
 
@@ -817,10 +823,6 @@ struct ServePoller {
     spin_since: Option<std::time::Instant>,
 }
 
-/// How long a poller spins on its RDMA completion queues without a
-/// completion before it arms them and sleeps on the completion channel.
-const RDMA_SPIN: Duration = Duration::from_micros(50);
-
 impl ServePoller {
     fn new(
         c: Arc<Common>,
@@ -1234,7 +1236,7 @@ impl ServePoller {
     }
 
     /// With RDMA writes in flight: true to poll again at once (a completion
-    /// came, or the poller has spun less than [`RDMA_SPIN`]); false to sleep
+    /// came, or the poller has spun less than `rdma_spin`); false to sleep
     /// in the ring, after arming the busy links' CQs and queueing a poll of
     /// the completion channel so the next completion wakes the poller.
     fn rdma_should_spin(&mut self) -> bool {
@@ -1249,7 +1251,7 @@ impl ServePoller {
             return true;
         }
         let since = *self.spin_since.get_or_insert_with(std::time::Instant::now);
-        if since.elapsed() < RDMA_SPIN {
+        if since.elapsed() < self.c.cfg.rdma_spin {
             return true;
         }
         let Some(fd) = self.channel_fd else {
