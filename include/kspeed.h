@@ -184,13 +184,17 @@ void ksp_config_free(ksp_config *cfg);
 // | `cluster_file` | cluster mode: the node list |
 // | `token` | cluster mode: the job token |
 // | `node_timeout_ms` | cluster mode: failover timeout |
+// | `rdma` | cluster mode: true to receive over RDMA (every node serves with `--rdma`) |
+// | `rdma_device`, `rdma_port`, `rdma_gid_index` | RDMA device name, port, GID index (`auto`: the RoCE v2 GID of the connection's address); each implies `rdma=true` |
 //
 // Returns `KSP_ERR_INVALID_ARG` for an unknown key or a bad value (the
 // message names both), `KSP_ERR_NULL_ARG` for NULL arguments.
 //
 // # Safety
 // `cfg` is a live configuration; `key` and `value` NUL-terminated strings.
-ksp_status ksp_config_set(ksp_config *cfg, const char *key, const char *value);
+ksp_status ksp_config_set(ksp_config *cfg,
+                          const char *key,
+                          const char *value);
 
 // Creates a loader from `cfg` (which stays owned by the caller and may be
 // freed right after). Opens the space, maps and locks the ring, starts the

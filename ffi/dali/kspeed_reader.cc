@@ -51,6 +51,7 @@ public:
         const std::string space = spec.GetArgument<std::string>("space");
         const std::string cluster = spec.GetArgument<std::string>("cluster_file");
         const std::string token = spec.GetArgument<std::string>("token");
+        const bool rdma = spec.GetArgument<bool>("rdma");
         DALI_ENFORCE(!space.empty(), "kspeed.reader: `space` is required");
         try {
             kspeed::Config cfg;
@@ -72,6 +73,7 @@ public:
             const int lookahead = spec.GetArgument<int>("prefetch_samples");
             if (lookahead > 0) cfg.set("lookahead", lookahead);
             if (!cluster.empty()) cfg.set("cluster_file", cluster).set("token", token);
+            if (rdma) cfg.set("rdma", "true");
             loader_ = std::make_unique<kspeed::Loader>(cfg);
             epoch_len_ = loader_->epoch_len();
             catalog_len_ = loader_->catalog_len();
@@ -275,6 +277,9 @@ Pass the same `seed` to every shard (without one, 0 is used, not a random seed).
     .AddOptionalArg("mlock", "Lock the landing ring in memory.", true)
     .AddOptionalArg("cluster_file",
                     "Cluster mode: the node list (`<index> <host:port>` per line).", std::string(""))
-    .AddOptionalArg("token", "Cluster mode: the job token.", std::string(""));
+    .AddOptionalArg("token", "Cluster mode: the job token.", std::string(""))
+    .AddOptionalArg("rdma",
+                    "Cluster mode: receive samples as RDMA writes (every node serves with --rdma).",
+                    false);
 
 }  // namespace dali

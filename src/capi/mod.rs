@@ -330,6 +330,8 @@ fn parse_bool(key: &str, v: &str) -> Result<bool, Fail> {
 /// | `cluster_file` | cluster mode: the node list |
 /// | `token` | cluster mode: the job token |
 /// | `node_timeout_ms` | cluster mode: failover timeout |
+/// | `rdma` | cluster mode: true to receive over RDMA (every node serves with `--rdma`) |
+/// | `rdma_device`, `rdma_port`, `rdma_gid_index` | RDMA device name, port, GID index (`auto`: the RoCE v2 GID of the connection's address); each implies `rdma=true` |
 ///
 /// Returns `KSP_ERR_INVALID_ARG` for an unknown key or a bad value (the
 /// message names both), `KSP_ERR_NULL_ARG` for NULL arguments.
@@ -395,6 +397,21 @@ pub unsafe extern "C" fn ksp_config_set(
             "token" => {
                 c.token = Some(v.as_bytes().to_vec());
                 b
+            }
+            "rdma" => {
+                let on = parse_bool(k, v)?;
+                let cur = b.rdma_options().cloned().unwrap_or_default();
+                b.rdma(on.then_some(cur))
+            }
+            "rdma_device" | "rdma_port" | "rdma_gid_index" => {
+                let mut o = b.rdma_options().cloned().unwrap_or_default();
+                match k {
+                    "rdma_device" => o.device = Some(v.to_string()),
+                    "rdma_port" => o.port = parse_num(k, v)?,
+                    _ if v.trim() == "auto" => o.gid_index = None,
+                    _ => o.gid_index = Some(parse_num(k, v)?),
+                }
+                b.rdma(Some(o))
             }
             _ => return Err(Fail::Invalid(format!("unknown config key {k:?}"))),
         };

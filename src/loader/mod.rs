@@ -483,6 +483,11 @@ impl LoaderBuilder {
         self
     }
 
+    /// The RDMA settings ([`LoaderBuilder::rdma`]), if RDMA is on.
+    pub fn rdma_options(&self) -> Option<&crate::transport::RdmaOptions> {
+        self.rdma.as_ref()
+    }
+
     /// The cluster node this process runs on (default: the local space's
     /// node index; none with a source). Its samples are never requested over
     /// the network.

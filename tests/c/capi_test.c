@@ -131,6 +131,10 @@ int main(int argc, char **argv) {
     CHECK(ksp_config_set(cfg, "batch_size", "lots") == KSP_ERR_INVALID_ARG, "bad number");
     CHECK(ksp_config_set(cfg, "shuffle", "maybe") == KSP_ERR_INVALID_ARG, "bad bool");
     CHECK(ksp_config_set(cfg, "ring_bytes", "12 parsecs") == KSP_ERR_INVALID_ARG, "bad size");
+    CHECK(ksp_config_set(cfg, "rdma_gid_index", "first") == KSP_ERR_INVALID_ARG, "bad GID index");
+    CHECK(ksp_config_set(cfg, "rdma_port", "1") == KSP_OK, "%s", last_error());
+    CHECK(ksp_config_set(cfg, "rdma_gid_index", "auto") == KSP_OK, "%s", last_error());
+    CHECK(ksp_config_set(cfg, "rdma", "false") == KSP_OK, "%s", last_error());
     CHECK(ksp_config_set(NULL, "seed", "1") == KSP_ERR_NULL_ARG, "null cfg");
     CHECK(ksp_config_set(cfg, NULL, "1") == KSP_ERR_NULL_ARG, "null key");
     CHECK(ksp_config_set(cfg, "seed", NULL) == KSP_ERR_NULL_ARG, "null value");
