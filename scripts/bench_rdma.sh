@@ -9,10 +9,12 @@
 # ratios within one run are. Medians of RUNS runs.
 #
 #   scripts/bench_rdma.sh [RUNS=3] [COUNT=1000] [PROFILE=imagenet]
+#   SPACE=/dev/shm/space scripts/bench_rdma.sh ...   # space in memory (tmpfs)
 #
 # On the host: generates and catalogs the dataset (release build), then boots
-# the VM once; inside, the space is preloaded onto the VM's /tmp (ext4, so
-# O_DIRECT works) and everything runs there.
+# the VM once; inside, the space is preloaded onto the VM's /tmp (an ext4
+# disk, so O_DIRECT works and the page cache is dropped before each kspeed
+# run) or onto $SPACE, and everything runs there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${1:-3}
@@ -30,15 +32,16 @@ fi
 echo "bench-token" > "$WORK/token"
 exec "$VM" --share "$WORK" -- bash -c '
 set -euo pipefail
-K='"$K"'; W='"$WORK"'; RUNS='"$RUNS"'
+K='"$K"'; W='"$WORK"'; RUNS='"$RUNS"'; SP='"${SPACE:-/tmp/space}"'
 IP=$RDMA_VM_IP; GIDX=$RDMA_VM_GID_INDEX
-"$K" preload --progress=none --source "$W/src" --catalog "$W/cat.ksc" --space /tmp/space >/dev/null
+"$K" preload --progress=none --source "$W/src" --catalog "$W/cat.ksc" --space "$SP" >/dev/null
+echo "space: $SP ($(stat -f -c %T "$SP"))"
 BYTES=$(python3 -c "import os,sys; print(sum(os.path.getsize(os.path.join(d,f)) for d,_,fs in os.walk(sys.argv[1]) for f in fs))" "$W/src")
 MEAN=$(( BYTES / '"$COUNT"' ))
 ITERS=$(( 2 * BYTES / MEAN ))   # two epochs worth of messages
 echo "dataset: '"$COUNT"' samples, $BYTES bytes, mean $MEAN bytes; each run moves 2 epochs"
 serve() {  # $1: extra flags; prints the address
-  "$K" serve --space /tmp/space --listen "$IP:0" --token-file "$W/token" --pollers 1 $1 > /tmp/serve.out 2>/tmp/serve.err &
+  "$K" serve --space "$SP" --listen "$IP:0" --token-file "$W/token" --pollers 1 $1 > /tmp/serve.out 2>/tmp/serve.err &
   SPID=$!
   for _ in $(seq 100); do grep -q serving /tmp/serve.out 2>/dev/null && break; sleep 0.1; done
   echo "0 $(awk "/serving/ {print \$NF}" /tmp/serve.out)" > /tmp/cluster

@@ -908,6 +908,12 @@ impl ServePoller {
             }
             self.post_recvs();
             self.issue_reads();
+            // Start the reads before posting sends: posting RDMA writes can
+            // take a while (soft-RoCE does the whole transfer inside the
+            // post), and the disk should be busy meanwhile.
+            if let Err(e) = self.ring.submit_pending() {
+                log::warn!("node service poller: io_uring: {e}");
+            }
             self.issue_sends();
             // RDMA completions arrive on the links' CQs, not the ring: while
             // writes are in flight, poll instead of sleeping.
