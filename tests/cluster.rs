@@ -989,3 +989,40 @@ fn read_command_in_cluster_mode_from_a_file_and_from_the_environment() {
     );
     assert!(e.contains("--token-file"), "{e}");
 }
+
+#[test]
+fn rdma_without_a_device_is_a_named_error() {
+    if std::path::Path::new("/dev/infiniband/uverbs0").exists() {
+        eprintln!("skipping: this machine has an RDMA device");
+        return;
+    }
+    let st = setup("tiny", 20, 1, 1);
+    let want = if kspeed::transport::RDMA_BUILT {
+        "no RDMA device"
+    } else {
+        "without the `rdma` feature"
+    };
+    // The node service refuses to start...
+    let e = fails(
+        &[
+            "serve",
+            "--space",
+            s(&st.spaces[0]),
+            "--listen",
+            "127.0.0.1:0",
+            "--token-file",
+            s(&st.token),
+            "--rdma",
+        ],
+        1,
+    );
+    assert!(e.contains(want), "{e}");
+    // ...and so does a consumer asking for RDMA, before connecting anywhere.
+    let n0 = Serve::start(&st.spaces[0], "127.0.0.1", &st.token, &[]);
+    let mut cl = builder_remote(&st, &[&n0.addr], 1 << 20);
+    cl = cl.rdma(Some(Default::default()));
+    match cl.build() {
+        Err(e) => assert!(e.to_string().contains(want), "{e}"),
+        Ok(_) => panic!("an RDMA loader started without a device"),
+    }
+}

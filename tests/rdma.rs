@@ -822,3 +822,22 @@ fn consumers_that_leave_mid_epoch_leave_no_queue_pair_behind() {
     );
     assert_eq!(node.stats().connections.load(Ordering::Relaxed), 20);
 }
+
+#[test]
+fn an_rdma_consumer_refuses_a_node_that_only_speaks_tcp() {
+    if open().is_none() {
+        return;
+    }
+    let d = data(50, 1);
+    let mut cfg = ServeConfig::new(&d.spaces[0], &format!("{}:0", vm_ip(0)), TOKEN);
+    cfg.pollers = 1;
+    let node = NodeService::start(cfg).unwrap();
+    match consumer(&d, &[node.local_addr().to_string()]).build() {
+        Err(kspeed::Error::BadCluster { origin, reason }) => {
+            assert!(origin.contains("node 0"), "{origin}");
+            assert!(reason.contains("--rdma"), "{reason}");
+        }
+        Err(e) => panic!("expected BadCluster, got {e}"),
+        Ok(_) => panic!("an RDMA consumer accepted a TCP-only node"),
+    }
+}

@@ -363,7 +363,11 @@ fn open_owner_rdma(
 }
 
 #[cfg(not(feature = "rdma"))]
-fn open_owner_rdma(_: &super::RdmaOptions, _: &[crate::sys::ReadOnlyMap]) -> Result<OwnerRdma> {
+fn open_owner_rdma(
+    _: &super::RdmaOptions,
+    _: &[crate::sys::ReadOnlyMap],
+    _: usize,
+) -> Result<OwnerRdma> {
     Err(Error::InvalidConfig(
         "this kspeed was built without the `rdma` feature: no RDMA transport".into(),
     ))
@@ -530,6 +534,8 @@ fn handshake(
     }
     let p = c.space.params();
     let rdma = hello.transport == proto::TRANSPORT_RDMA && c.rdma.is_some();
+    #[cfg(not(feature = "rdma"))]
+    let _ = poller; // only an RDMA connection's CQ needs it
     if hello.transport == proto::TRANSPORT_RDMA && !rdma {
         log::info!("consumer {peer} asks for RDMA; this node serves it over TCP (no --rdma)");
     }
