@@ -741,10 +741,16 @@ fn hostile_rdma_node_case(misdeed: RdmaMisdeed) -> (kspeed::loader::Stats, Optio
     let node0 = rdma_node(&d.spaces[0], &vm_ip(0));
     let (bad, h) = hostile_rdma_node(misdeed, &vm_ip(1));
     let cat = Catalog::open(&d.catalog).unwrap();
+    // A silence timeout far longer than the read: the hostile node must be
+    // caught by what it did, not by going quiet afterwards.
+    let t0 = Instant::now();
     let mut l = consumer(&d, &[node0.local_addr().to_string(), bad])
+        .node_timeout(Duration::from_secs(120))
         .build()
         .unwrap();
     assert_eq!(read_exact(&mut l, &cat, 2), 800, "{misdeed:?}");
+    let took = t0.elapsed();
+    assert!(took < Duration::from_secs(60), "{misdeed:?}: took {took:?}");
     let stats = l.finish();
     (stats, h.join().unwrap())
 }
