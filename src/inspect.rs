@@ -17,6 +17,10 @@ pub(crate) fn run(
     replicas: Option<u32>,
     devices: bool,
 ) -> kspeed::Result<()> {
+    if devices && space.is_none() && catalog.is_none() {
+        print_devices();
+        return Ok(());
+    }
     let (cat, space) = crate::open_target(space, catalog)?;
     print_catalog(&cat);
     let placement = match (nodes, &space) {
@@ -155,11 +159,34 @@ fn print_space(s: &Space) {
 
 #[cfg(feature = "rdma")]
 fn print_devices() {
+    use kspeed::transport::rdma::Context;
     let names = kspeed::transport::rdma::device_names();
     if names.is_empty() {
         println!("rdma devices: none");
-    } else {
-        println!("rdma devices: {}", names.join(", "));
+        return;
+    }
+    println!("rdma devices: {}", names.join(", "));
+    // Per device and port: what `kspeed serve/read --rdma` would use. The
+    // node service's --listen address must be one of a port's GIDs.
+    for name in &names {
+        let ctx = match Context::open(Some(name), 1, Some(0)) {
+            Ok(c) => c,
+            Err(e) => {
+                println!("  {name}: {e}");
+                continue;
+            }
+        };
+        for p in ctx.ports() {
+            println!(
+                "  {name} port {}: {}, MTU {} bytes",
+                p.port,
+                if p.active { "active" } else { "NOT active" },
+                p.mtu_bytes
+            );
+            for (i, addr, kind) in &p.gids {
+                println!("    GID index {i}: {addr} ({kind})");
+            }
+        }
     }
 }
 

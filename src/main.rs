@@ -179,7 +179,7 @@ struct SpaceArg {
 #[derive(Args)]
 struct InspectArgs {
     /// A space directory.
-    #[arg(long, required_unless_present = "catalog")]
+    #[arg(long, required_unless_present_any = ["catalog", "devices"])]
     space: Option<PathBuf>,
     /// A catalog file.
     #[arg(long, conflicts_with = "space")]
@@ -190,7 +190,8 @@ struct InspectArgs {
     /// Copies per sample for --nodes.
     #[arg(long)]
     replicas: Option<u32>,
-    /// Also list RDMA devices.
+    /// List the RDMA devices, their ports and GIDs (the addresses
+    /// `kspeed serve --rdma` can listen on); alone, or with a space/catalog.
     #[arg(long)]
     devices: bool,
 }

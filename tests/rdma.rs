@@ -847,3 +847,17 @@ fn an_rdma_consumer_refuses_a_node_that_only_speaks_tcp() {
         Ok(_) => panic!("an RDMA consumer accepted a TCP-only node"),
     }
 }
+
+#[test]
+fn inspect_devices_lists_ports_and_the_addresses_to_listen_on() {
+    if open().is_none() {
+        return;
+    }
+    let out = common::ok(&["inspect", "--devices"]);
+    let dev = std::env::var("RDMA_VM_DEVICE").unwrap_or_else(|_| "rxe0".into());
+    assert!(out.contains(&format!("{dev} port 1: active")), "{out}");
+    assert!(
+        out.contains(&format!("{} (RoCE v2)", vm_ip(0))),
+        "the VM's address is a RoCE v2 GID: {out}"
+    );
+}

@@ -92,6 +92,20 @@ pub fn wc_status_name(status: u32) -> &'static str {
     }
 }
 
+/// One port of a device, as [`Context::ports`] describes it.
+#[derive(Debug, Clone)]
+pub struct PortInfo {
+    /// Port number (from 1).
+    pub port: u8,
+    /// Whether the port is ACTIVE.
+    pub active: bool,
+    /// Active MTU in bytes.
+    pub mtu_bytes: u32,
+    /// The non-zero GIDs: (index, address as text, type from sysfs, e.g.
+    /// "RoCE v2"). An IPv4-mapped GID is shown as the IPv4 address.
+    pub gids: Vec<(u8, String, String)>,
+}
+
 /// An open device, with the port and GID used for RoCE addressing.
 pub struct Context {
     ctx: *mut ibv_context,
@@ -188,6 +202,59 @@ impl Context {
     /// The device's name (`rxe0`, `mlx5_0`).
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// Every port of the device with its state, MTU and GID table: what a
+    /// user needs to choose `--listen` and `--rdma-gid-index`.
+    pub fn ports(&self) -> Vec<PortInfo> {
+        // SAFETY: plain data; the call fills it.
+        let mut dev: ibv_device_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: live context, valid out-pointer.
+        if unsafe { ibv_query_device(self.ctx, &mut dev) } != 0 {
+            return Vec::new();
+        }
+        let mut out = Vec::new();
+        for port in 1..=dev.phys_port_cnt {
+            // SAFETY: plain data; the call fills it.
+            let mut attr: ibv_port_attr = unsafe { std::mem::zeroed() };
+            // SAFETY: live context, valid out-pointer.
+            if unsafe { ___ibv_query_port(self.ctx, port, &mut attr) } != 0 {
+                continue;
+            }
+            let mut gids = Vec::new();
+            for i in 0..attr.gid_tbl_len.clamp(0, 256) {
+                // SAFETY: plain data; the call fills it.
+                let mut g: ibv_gid = unsafe { std::mem::zeroed() };
+                // SAFETY: live context, valid out-pointer.
+                if unsafe { ibv_query_gid(self.ctx, port, i, &mut g) } != 0 {
+                    continue;
+                }
+                // SAFETY: reading the raw bytes of a filled union.
+                let raw = unsafe { g.raw };
+                if raw == [0; 16] {
+                    continue;
+                }
+                let v6 = std::net::Ipv6Addr::from(raw);
+                let text = match v6.to_ipv4_mapped() {
+                    Some(v4) => v4.to_string(),
+                    None => v6.to_string(),
+                };
+                let kind = std::fs::read_to_string(format!(
+                    "/sys/class/infiniband/{}/ports/{port}/gid_attrs/types/{i}",
+                    self.name
+                ))
+                .map(|t| t.trim().to_string())
+                .unwrap_or_else(|_| "?".into());
+                gids.push((i as u8, text, kind));
+            }
+            out.push(PortInfo {
+                port,
+                active: attr.state == ibv_port_state::IBV_PORT_ACTIVE,
+                mtu_bytes: 128u32 << attr.active_mtu.min(5),
+                gids,
+            });
+        }
+        out
     }
 
     /// The GID (16 bytes) of the chosen port and default index.
