@@ -861,3 +861,72 @@ fn inspect_devices_lists_ports_and_the_addresses_to_listen_on() {
         "the VM's address is a RoCE v2 GID: {out}"
     );
 }
+
+#[test]
+fn a_killed_consumer_process_leaves_no_queue_pair_on_the_node() {
+    if open().is_none() {
+        return;
+    }
+    use std::process::{Command, Stdio};
+    use std::sync::atomic::Ordering;
+    let d = data(2000, 1);
+    let node = rdma_node(&d.spaces[0], &vm_ip(0));
+    let cluster = d.spaces[0].parent().unwrap().join("cluster");
+    std::fs::write(&cluster, format!("0 {}\n", node.local_addr())).unwrap();
+    let token = d.spaces[0].parent().unwrap().join("token");
+    std::fs::write(&token, TOKEN).unwrap();
+    let mut child = Command::new(common::kspeed_bin())
+        .args(["read", "--progress=none", "--source", common::s(&d.src)])
+        .args([
+            "--catalog",
+            common::s(&d.catalog),
+            "--cluster",
+            common::s(&cluster),
+        ])
+        .args([
+            "--token-file",
+            common::s(&token),
+            "--epochs",
+            "1000",
+            "--rdma",
+        ])
+        .args(["--ring-bytes", "1MiB", "--no-mlock"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    // Wait until it is being served over RDMA, then kill it mid-epoch.
+    let t0 = Instant::now();
+    while node.stats().samples.load(Ordering::Relaxed) < 100 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "the consumer never got going"
+        );
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "the consumer exited early"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(node.stats().rdma_qps.load(Ordering::Relaxed), 1);
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let t0 = Instant::now();
+    while node.stats().rdma_qps.load(Ordering::Relaxed) > 0
+        && t0.elapsed() < Duration::from_secs(10)
+    {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(
+        node.stats().rdma_qps.load(Ordering::Relaxed),
+        0,
+        "the node still holds the killed consumer's QP after {:?}",
+        t0.elapsed()
+    );
+    // And it serves the next consumer as before.
+    let cat = Catalog::open(&d.catalog).unwrap();
+    let mut l = consumer(&d, &[node.local_addr().to_string()])
+        .build()
+        .unwrap();
+    assert_eq!(read_exact(&mut l, &cat, 1), 2000);
+}
