@@ -171,6 +171,15 @@ pub enum FrameError {
     },
     /// A frame of this type is not expected here.
     Unexpected(Kind),
+    /// A field holds a value its type does not allow.
+    BadValue {
+        /// Frame type.
+        kind: Kind,
+        /// Which field.
+        field: &'static str,
+        /// The value found.
+        value: u64,
+    },
 }
 
 impl std::fmt::Display for FrameError {
@@ -191,6 +200,9 @@ impl std::fmt::Display for FrameError {
                 )
             }
             FrameError::Unexpected(k) => write!(f, "unexpected {k:?} frame"),
+            FrameError::BadValue { kind, field, value } => {
+                write!(f, "{kind:?} frame: {field} {value:#x} is out of range")
+            }
         }
     }
 }
@@ -498,11 +510,14 @@ impl RdmaEndpoint {
             kind: Kind::RdmaEndpoint,
             body_len: body.len() as u32,
         })?;
-        if h.a > 0xff_ffff || h.b > 0xff_ffff {
-            return Err(FrameError::BadLength {
-                kind: Kind::RdmaEndpoint,
-                body_len: body.len() as u32,
-            });
+        for (field, v) in [("QP number", h.a), ("PSN", h.b)] {
+            if v > 0xff_ffff {
+                return Err(FrameError::BadValue {
+                    kind: Kind::RdmaEndpoint,
+                    field,
+                    value: v as u64,
+                });
+            }
         }
         Ok(RdmaEndpoint {
             qpn: h.a,
@@ -579,8 +594,9 @@ pub fn decode_stream(mut bytes: &[u8]) -> (usize, Option<FrameError>) {
                 }
                 ok
             }
-            // Any bytes are a message (shown lossily), a payload or a GID.
-            Kind::Error | Kind::Data | Kind::RdmaEndpoint => Ok(()),
+            Kind::RdmaEndpoint => RdmaEndpoint::decode(&h, body).map(|_| ()),
+            // Any bytes are a message (shown lossily) or a payload.
+            Kind::Error | Kind::Data => Ok(()),
         };
         if let Err(e) = checked {
             return (n, Some(e));
@@ -685,7 +701,8 @@ mod tests {
         bad[11] = 0x01;
         hb.copy_from_slice(&bad[..HEADER_BYTES]);
         let h = Header::decode(&hb, MAX_DATA_BYTES).unwrap();
-        assert!(RdmaEndpoint::decode(&h, &bad[HEADER_BYTES..]).is_err());
+        let e = RdmaEndpoint::decode(&h, &bad[HEADER_BYTES..]).unwrap_err();
+        assert!(e.to_string().contains("QP number"), "{e}");
     }
 
     #[test]
