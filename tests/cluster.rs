@@ -616,11 +616,7 @@ fn fake_node(misdeed: Misdeed) -> (String, std::thread::JoinHandle<()>) {
     let addr = l.local_addr().unwrap().to_string();
     let h = std::thread::spawn(move || {
         let (mut c, _) = l.accept().unwrap();
-        let mut hb = [0u8; proto::HEADER_BYTES];
-        c.read_exact(&mut hb).unwrap();
-        let h = Header::decode(&hb, 0).unwrap();
-        let mut body = vec![0u8; h.body_len as usize];
-        c.read_exact(&mut body).unwrap();
+        read_frame(&mut c).unwrap(); // HELLO
         let w = Welcome {
             node_index: 1,
             nodes: 2,
@@ -630,11 +626,7 @@ fn fake_node(misdeed: Misdeed) -> (String, std::thread::JoinHandle<()>) {
             transport: proto::TRANSPORT_TCP,
         };
         c.write_all(&w.encode()).unwrap();
-        // First GRANT frame.
-        c.read_exact(&mut hb).unwrap();
-        let h = Header::decode(&hb, 0).unwrap();
-        let mut body = vec![0u8; h.body_len as usize];
-        c.read_exact(&mut body).unwrap();
+        let (_, body) = read_frame(&mut c).unwrap(); // the first GRANT
         let e = GrantEntry::decode(&body, 0);
         let junk = |n: usize| vec![0xaau8; n];
         let frame = |grant: u32, off: u64, len: u32| {

@@ -500,7 +500,7 @@ use kspeed::dataset::Catalog;
 use kspeed::landing::{CudaMode, LandingOptions};
 use kspeed::loader::LoaderBuilder;
 use kspeed::sampler::{Sampler, SamplerConfig};
-use kspeed::transport::proto::{self, GrantEntry, Header, Kind, Welcome};
+use kspeed::transport::proto::{self, GrantEntry, Kind, Welcome};
 use kspeed::transport::{Cluster, NodeService, RdmaOptions, ServeConfig};
 
 const TOKEN: &[u8] = b"rdma-job";
@@ -654,11 +654,7 @@ fn hostile_rdma_node(
     let addr = l.local_addr().unwrap().to_string();
     let h = std::thread::spawn(move || {
         let (mut c, _) = l.accept().unwrap();
-        let mut hb = [0u8; proto::HEADER_BYTES];
-        c.read_exact(&mut hb).unwrap();
-        let h = Header::decode(&hb, 0).unwrap();
-        let mut body = vec![0u8; h.body_len as usize];
-        c.read_exact(&mut body).unwrap();
+        let (_, body) = common::read_frame(&mut c).unwrap();
         let (hello, _) = proto::Hello::decode(&body).unwrap();
         assert_eq!(hello.transport, proto::TRANSPORT_RDMA);
         let w = Welcome {
@@ -670,10 +666,7 @@ fn hostile_rdma_node(
             transport: proto::TRANSPORT_RDMA,
         };
         c.write_all(&w.encode()).unwrap();
-        c.read_exact(&mut hb).unwrap();
-        let h = Header::decode(&hb, 0).unwrap();
-        let mut gid = [0u8; 16];
-        c.read_exact(&mut gid).unwrap();
+        let (h, gid) = common::read_frame(&mut c).unwrap();
         let theirs = proto::RdmaEndpoint::decode(&h, &gid).unwrap();
         let ctx = Context::open(None, 1, None).unwrap();
         let pd = Pd::new(&ctx).unwrap();
@@ -681,34 +674,17 @@ fn hostile_rdma_node(
         let mut qp = Qp::new(&pd, &cq, &cq, 32, 0).unwrap();
         let (i, g) = ctx.gid_for_ip(c.local_addr().unwrap().ip()).unwrap();
         qp.use_gid(i, g);
-        qp.connect(&kspeed::transport::rdma::Endpoint {
-            qpn: theirs.qpn,
-            psn: theirs.psn,
-            gid: theirs.gid,
-        })
-        .unwrap();
-        let ours = qp.endpoint();
-        c.write_all(
-            &proto::RdmaEndpoint {
-                qpn: ours.qpn,
-                psn: ours.psn,
-                gid: ours.gid,
-            }
-            .encode(),
-        )
-        .unwrap();
+        qp.connect(&theirs).unwrap();
+        c.write_all(&qp.endpoint().encode()).unwrap();
         let mut junk = vec![0xEEu8; 1 << 16];
         // SAFETY: junk outlives the region (dropped after it, at the end).
         let mr =
             unsafe { Mr::register(&pd, junk.as_mut_ptr(), junk.len(), Access::Local) }.unwrap();
         // The first GRANT frame.
-        if c.read_exact(&mut hb).is_err() {
+        let Ok((h, body)) = common::read_frame(&mut c) else {
             return None;
-        }
-        let h = Header::decode(&hb, 0).unwrap();
+        };
         assert_eq!(h.kind, Kind::Grant);
-        let mut body = vec![0u8; h.body_len as usize];
-        c.read_exact(&mut body).unwrap();
         let e = GrantEntry::decode(&body, 0);
         let len = e.len.clamp(1, 1 << 16);
         let (remote, imm) = match misdeed {
@@ -785,6 +761,19 @@ fn rdma_write_outside_the_ring_is_refused_by_the_nic() {
     assert!(stats.failovers > 0, "{stats:?}");
 }
 
+/// The node's live RDMA queue pairs once they reach 0, or after `limit`.
+fn qps_after(node: &NodeService, limit: Duration) -> u64 {
+    use std::sync::atomic::Ordering;
+    let t0 = Instant::now();
+    loop {
+        let n = node.stats().rdma_qps.load(Ordering::Relaxed);
+        if n == 0 || t0.elapsed() >= limit {
+            return n;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 #[test]
 fn consumers_that_leave_mid_epoch_leave_no_queue_pair_behind() {
     if open().is_none() {
@@ -806,14 +795,8 @@ fn consumers_that_leave_mid_epoch_leave_no_queue_pair_behind() {
         });
         drop(b);
         drop(l);
-        let t0 = Instant::now();
-        while node.stats().rdma_qps.load(Ordering::Relaxed) > 0
-            && t0.elapsed() < Duration::from_secs(5)
-        {
-            std::thread::sleep(Duration::from_millis(5));
-        }
         assert_eq!(
-            node.stats().rdma_qps.load(Ordering::Relaxed),
+            qps_after(&node, Duration::from_secs(5)),
             0,
             "cycle {cycle}: the node still holds the departed consumer's QP"
         );
@@ -911,17 +894,10 @@ fn a_killed_consumer_process_leaves_no_queue_pair_on_the_node() {
     assert_eq!(node.stats().rdma_qps.load(Ordering::Relaxed), 1);
     child.kill().unwrap();
     child.wait().unwrap();
-    let t0 = Instant::now();
-    while node.stats().rdma_qps.load(Ordering::Relaxed) > 0
-        && t0.elapsed() < Duration::from_secs(10)
-    {
-        std::thread::sleep(Duration::from_millis(10));
-    }
     assert_eq!(
-        node.stats().rdma_qps.load(Ordering::Relaxed),
+        qps_after(&node, Duration::from_secs(10)),
         0,
-        "the node still holds the killed consumer's QP after {:?}",
-        t0.elapsed()
+        "the node still holds the killed consumer's QP after 10 s"
     );
     // And it serves the next consumer as before.
     let cat = Catalog::open(&d.catalog).unwrap();

@@ -452,7 +452,7 @@ fn rdma_connect(
     node: u32,
     addr: &str,
 ) -> Result<RdmaConn, ConnectError> {
-    use crate::transport::rdma::{Access, Cq, Endpoint, Mr, Qp};
+    use crate::transport::rdma::{Access, Cq, Mr, Qp};
     let failed = |e: Error| ConnectError::Refused(e);
     let violation = |what: String| {
         ConnectError::Refused(Error::ProtocolViolation {
@@ -463,27 +463,14 @@ fn rdma_connect(
     };
     let cq = Cq::with_channel(&r.ctx, (RDMA_RECVS + 64) as i32, &r.channel).map_err(failed)?;
     let mut qp = Qp::new(&r.pd, &cq, &cq, RDMA_RECVS as u32, 0).map_err(failed)?;
-    let (index, gid) = match r.opts.gid_index {
-        Some(i) => (i, r.ctx.gid_at(i).map_err(failed)?),
-        None => {
-            let ip = sock
-                .local_addr()
-                .map_err(|e| ConnectError::Unreachable(format!("local address: {e}")))?
-                .ip();
-            r.ctx.gid_for_ip(ip).map_err(failed)?
-        }
-    };
+    let ip = sock
+        .local_addr()
+        .map_err(|e| ConnectError::Unreachable(format!("local address: {e}")))?
+        .ip();
+    let (index, gid) = r.ctx.choose_gid(r.opts.gid_index, ip).map_err(failed)?;
     qp.use_gid(index, gid);
-    let ours = qp.endpoint();
-    sock.write_all(
-        &proto::RdmaEndpoint {
-            qpn: ours.qpn,
-            psn: ours.psn,
-            gid: ours.gid,
-        }
-        .encode(),
-    )
-    .map_err(|e| ConnectError::Unreachable(format!("send RDMA_ENDPOINT: {e}")))?;
+    sock.write_all(&qp.endpoint().encode())
+        .map_err(|e| ConnectError::Unreachable(format!("send RDMA_ENDPOINT: {e}")))?;
     let mut hb = [0u8; proto::HEADER_BYTES];
     sock.read_exact(&mut hb)
         .map_err(|e| ConnectError::Unreachable(format!("no RDMA_ENDPOINT: {e}")))?;
@@ -500,12 +487,7 @@ fn rdma_connect(
         }));
     }
     let theirs = proto::RdmaEndpoint::decode(&h, &body).map_err(|e| violation(e.to_string()))?;
-    qp.connect(&Endpoint {
-        qpn: theirs.qpn,
-        psn: theirs.psn,
-        gid: theirs.gid,
-    })
-    .map_err(failed)?;
+    qp.connect(&theirs).map_err(failed)?;
     let mut bufs = vec![0u8; RDMA_RECVS * RDMA_RECV_BYTES].into_boxed_slice();
     // SAFETY: the buffers live in the RdmaConn next to (and dropped after)
     // the QP that receives into them.

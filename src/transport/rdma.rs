@@ -277,6 +277,20 @@ impl Context {
         Ok(unsafe { gid.raw })
     }
 
+    /// The GID a queue pair uses: the one at `index` when configured, else
+    /// the one carrying `local_ip`, the address this end of the control
+    /// connection uses ([`Context::gid_for_ip`]).
+    pub fn choose_gid(
+        &self,
+        index: Option<u8>,
+        local_ip: std::net::IpAddr,
+    ) -> Result<(u8, [u8; 16])> {
+        match index {
+            Some(i) => Ok((i, self.gid_at(i)?)),
+            None => self.gid_for_ip(local_ip),
+        }
+    }
+
     /// The index and value of the GID that carries `ip` (IPv4 as the
     /// IPv4-mapped address), preferring a RoCE v2 entry (routable, what the
     /// node service's address means) over a RoCE v1 one.
@@ -439,16 +453,7 @@ unsafe impl Sync for Cq {}
 impl Cq {
     /// Creates a completion queue of `entries`.
     pub fn new(ctx: &Arc<Context>, entries: i32) -> Result<Arc<Cq>> {
-        // SAFETY: live context; no channel, no context pointer.
-        let cq = unsafe { ibv_create_cq(ctx.ctx, entries, ptr::null_mut(), ptr::null_mut(), 0) };
-        if cq.is_null() {
-            return Err(os_err("create CQ", format!("{entries} entries")));
-        }
-        Ok(Arc::new(Cq {
-            cq,
-            _channel: None,
-            _ctx: ctx.clone(),
-        }))
+        Self::create(ctx, entries, None)
     }
 
     /// Creates a completion queue of `entries` whose completions, once
@@ -458,14 +463,24 @@ impl Cq {
         entries: i32,
         channel: &Arc<CompChannel>,
     ) -> Result<Arc<Cq>> {
-        // SAFETY: live context and channel (kept alive by the Arc below).
-        let cq = unsafe { ibv_create_cq(ctx.ctx, entries, ptr::null_mut(), channel.ch, 0) };
+        Self::create(ctx, entries, Some(channel))
+    }
+
+    fn create(
+        ctx: &Arc<Context>,
+        entries: i32,
+        channel: Option<&Arc<CompChannel>>,
+    ) -> Result<Arc<Cq>> {
+        let ch = channel.map_or(ptr::null_mut(), |c| c.ch);
+        // SAFETY: live context; the channel, if any, is live and kept alive
+        // by the Arc stored below; no context pointer.
+        let cq = unsafe { ibv_create_cq(ctx.ctx, entries, ptr::null_mut(), ch, 0) };
         if cq.is_null() {
             return Err(os_err("create CQ", format!("{entries} entries")));
         }
         Ok(Arc::new(Cq {
             cq,
-            _channel: Some(channel.clone()),
+            _channel: channel.cloned(),
             _ctx: ctx.clone(),
         }))
     }
@@ -704,16 +719,9 @@ pub fn next_rkey(rkey: u32) -> u32 {
 }
 
 /// What the other end of an RC connection needs: queue pair number, first
-/// packet sequence number, GID.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Endpoint {
-    /// QP number.
-    pub qpn: u32,
-    /// Initial PSN.
-    pub psn: u32,
-    /// RoCE GID.
-    pub gid: [u8; 16],
-}
+/// packet sequence number, GID — the content of an RDMA_ENDPOINT frame, so
+/// an endpoint goes on the wire as it is.
+pub use super::proto::RdmaEndpoint as Endpoint;
 
 /// An RC queue pair.
 pub struct Qp {

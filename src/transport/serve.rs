@@ -595,7 +595,7 @@ fn rdma_handshake(
     hello: &Hello,
     poller: usize,
 ) -> Result<RdmaAccepted, (Code, String)> {
-    use super::rdma::{Cq, Endpoint, Qp, RDMA_ERROR_BYTES};
+    use super::rdma::{Cq, Qp, RDMA_ERROR_BYTES};
     let r = c.rdma.as_ref().expect("checked by the caller");
     let violation = |m: String| (Code::Violation, m);
     let failed = |e: Error| (Code::TransportFailed, format!("node RDMA setup: {e}"));
@@ -619,33 +619,15 @@ fn rdma_handshake(
     let max_wr = c.cfg.slots().clamp(16, 4096) as u32;
     let cq = Cq::with_channel(&r.ctx, max_wr as i32 + 16, &r.channels[poller]).map_err(failed)?;
     let mut qp = Qp::new(&r.pd, &cq, &cq, max_wr, (4 + RDMA_ERROR_BYTES) as u32).map_err(failed)?;
-    let (index, gid) = match r.opts.gid_index {
-        Some(i) => (i, r.ctx.gid_at(i).map_err(failed)?),
-        None => {
-            let ip = sock
-                .local_addr()
-                .map_err(|e| failed(Error::Serve(format!("local address: {e}"))))?
-                .ip();
-            r.ctx.gid_for_ip(ip).map_err(failed)?
-        }
-    };
+    let ip = sock
+        .local_addr()
+        .map_err(|e| failed(Error::Serve(format!("local address: {e}"))))?
+        .ip();
+    let (index, gid) = r.ctx.choose_gid(r.opts.gid_index, ip).map_err(failed)?;
     qp.use_gid(index, gid);
-    qp.connect(&Endpoint {
-        qpn: theirs.qpn,
-        psn: theirs.psn,
-        gid: theirs.gid,
-    })
-    .map_err(failed)?;
-    let ours = qp.endpoint();
-    sock.write_all(
-        &proto::RdmaEndpoint {
-            qpn: ours.qpn,
-            psn: ours.psn,
-            gid: ours.gid,
-        }
-        .encode(),
-    )
-    .map_err(|e| violation(format!("sending RDMA_ENDPOINT: {e}")))?;
+    qp.connect(&theirs).map_err(failed)?;
+    sock.write_all(&qp.endpoint().encode())
+        .map_err(|e| violation(format!("sending RDMA_ENDPOINT: {e}")))?;
     c.stats.rdma_qps.fetch_add(1, Ordering::Relaxed);
     Ok(RdmaAccepted { qp, cq })
 }
@@ -822,9 +804,10 @@ struct ServePoller {
     completions: Vec<Completion>,
     /// Round-robin start for reads, so one busy consumer cannot starve others.
     rr: usize,
-    /// RDMA: this poller's completion channel fd, whether a poll of it is in
+    /// RDMA: this poller's completion channel, whether a poll of it is in
     /// the ring, and since when the poller has spun without a completion.
-    channel_fd: Option<i32>,
+    #[cfg(feature = "rdma")]
+    channel: Option<Arc<super::rdma::CompChannel>>,
     chan_inflight: bool,
     spin_since: Option<std::time::Instant>,
 }
@@ -837,13 +820,8 @@ impl ServePoller {
         staging: Staging,
         incoming: Receiver<Accepted>,
     ) -> Self {
-        #[cfg(feature = "rdma")]
-        let channel_fd = c.rdma.as_ref().map(|r| r.channels[index].fd());
         #[cfg(not(feature = "rdma"))]
-        let channel_fd = {
-            let _ = index;
-            None
-        };
+        let _ = index; // picks the poller's RDMA completion channel
         let chunk = c.cfg.chunk_bytes as u64;
         let n = c.cfg.slots();
         // SAFETY: the staging slab lives in this struct, dropped after the
@@ -880,11 +858,21 @@ impl ServePoller {
             conns,
             completions: vec![Completion::default(); 1024],
             rr: 0,
-            channel_fd,
+            #[cfg(feature = "rdma")]
+            channel: c.rdma.as_ref().map(|r| r.channels[index].clone()),
             chan_inflight: false,
             spin_since: None,
             c,
         }
+    }
+
+    /// The descriptor of this poller's RDMA completion channel, when the
+    /// service offers RDMA.
+    fn channel_fd(&self) -> Option<i32> {
+        #[cfg(feature = "rdma")]
+        return self.channel.as_ref().map(|ch| ch.fd());
+        #[cfg(not(feature = "rdma"))]
+        None
     }
 
     fn staging_ptr(&self, slot: u32) -> *mut u8 {
@@ -1266,7 +1254,7 @@ impl ServePoller {
         if since.elapsed() < self.c.cfg.rdma_spin {
             return true;
         }
-        let Some(fd) = self.channel_fd else {
+        let Some(fd) = self.channel_fd() else {
             return true;
         };
         for ci in 0..self.conns.len() {
@@ -1323,11 +1311,8 @@ impl ServePoller {
         if kind == UD_CHAN {
             self.chan_inflight = false;
             #[cfg(feature = "rdma")]
-            if let Some(r) = &self.c.rdma {
-                let fd = self.channel_fd;
-                if let Some(ch) = r.channels.iter().find(|ch| Some(ch.fd()) == fd) {
-                    ch.drain();
-                }
+            if let Some(ch) = &self.channel {
+                ch.drain();
             }
             return;
         }

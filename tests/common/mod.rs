@@ -6,6 +6,21 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+/// Reads one protocol frame (header and body) from a peer: what the tests'
+/// hand-written nodes and consumers do.
+pub fn read_frame(
+    c: &mut impl std::io::Read,
+) -> std::io::Result<(kspeed::transport::proto::Header, Vec<u8>)> {
+    use kspeed::transport::proto::{Header, HEADER_BYTES};
+    let mut hb = [0u8; HEADER_BYTES];
+    c.read_exact(&mut hb)?;
+    let h = Header::decode(&hb, u32::MAX)
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string()))?;
+    let mut body = vec![0u8; h.body_len as usize];
+    c.read_exact(&mut body)?;
+    Ok((h, body))
+}
+
 pub fn kspeed_bin() -> &'static str {
     env!("CARGO_BIN_EXE_kspeed")
 }
