@@ -178,7 +178,7 @@ void ksp_config_free(ksp_config *cfg);
 // | `shuffle`, `drop_last`, `verify_crc32c`, `mlock`, `huge_pages`, `pin` | true/false |
 // | `rank`, `world` | this rank, world size |
 // | `ring_bytes`, `tier_bytes` | sizes, e.g. `256MiB` |
-// | `pollers`, `queue_depth`, `lookahead` | counts |
+// | `pollers`, `queue_depth`, `submit_batch`, `lookahead` | counts |
 // | `numa_node` | NUMA node of the ring |
 // | `start_epoch` | first epoch |
 // | `cluster_file` | cluster mode: the node list |

@@ -52,6 +52,9 @@ pub(crate) struct ReadArgs {
     /// Reads in flight per poller.
     #[arg(long, default_value_t = 32)]
     queue_depth: u32,
+    /// Most reads a poller queues before submitting them (one system call per batch).
+    #[arg(long, default_value_t = kspeed::loader::DEFAULT_SUBMIT_BATCH)]
+    submit_batch: u32,
     /// Largest single read; bigger samples are read in parts.
     #[arg(long, default_value = "4MiB", value_parser = crate::parse_bytes)]
     max_read_bytes: u64,
@@ -173,6 +176,7 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
             cuda: CudaMode::Auto,
         })
         .queue_depth(a.queue_depth)
+        .submit_batch(a.submit_batch)
         .max_read_bytes(a.max_read_bytes)
         .sqpoll(a.sqpoll_ms)
         .tier_bytes(a.tier_bytes)

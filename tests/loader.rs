@@ -93,22 +93,24 @@ fn ordered_and_byte_identical_across_configs() {
     let sp = odd_space(t.path());
     let space = Space::open(&sp).unwrap();
     let cat = space.catalog();
-    // (batch, ring bytes, lookahead, pollers, rank, world, drop_last, queue depth)
-    type Config = (usize, u64, u64, usize, u32, u32, bool, u32);
+    // (batch, ring bytes, lookahead, pollers, rank, world, drop_last, queue
+    // depth, submission batch)
+    type Config = (usize, u64, u64, usize, u32, u32, bool, u32, u32);
     let configs: &[Config] = &[
-        (1, 512 << 10, u64::MAX, 1, 0, 1, false, 1),
-        (7, 512 << 10, 3, 2, 0, 1, false, 4),
-        (64, 4 << 20, u64::MAX, 2, 1, 3, false, 32),
-        (5, 1 << 20, 1, 1, 2, 3, true, 8),
-        (16, 600 << 10, 50, 3, 0, 2, false, 2),
+        (1, 512 << 10, u64::MAX, 1, 0, 1, false, 1, 1),
+        (7, 512 << 10, 3, 2, 0, 1, false, 4, 1),
+        (64, 4 << 20, u64::MAX, 2, 1, 3, false, 32, 8),
+        (5, 1 << 20, 1, 1, 2, 3, true, 8, 3),
+        (16, 600 << 10, 50, 3, 0, 2, false, 2, 64),
     ];
-    for &(batch, ring, lookahead, pollers, rank, world, drop_last, qd) in configs {
+    for &(batch, ring, lookahead, pollers, rank, world, drop_last, qd, sb) in configs {
         let mut loader = LoaderBuilder::space(&sp)
             .batch_size(batch)
             .landing(small_ring(ring))
             .lookahead(lookahead)
             .pollers(pollers)
             .queue_depth(qd)
+            .submit_batch(sb)
             .rank(rank, world)
             .drop_last(drop_last)
             .seed(11)
@@ -132,6 +134,23 @@ fn ordered_and_byte_identical_across_configs() {
             st.read_latency.count > 0 && st.read_latency.p50_us > 0,
             "{st:?}"
         );
+    }
+}
+
+#[test]
+fn zero_counts_are_named_config_errors() {
+    let t = tempfile::tempdir().unwrap();
+    let sp = odd_space(t.path());
+    for (what, b) in [
+        ("pollers", LoaderBuilder::space(&sp).pollers(0)),
+        ("queue_depth", LoaderBuilder::space(&sp).queue_depth(0)),
+        ("submit_batch", LoaderBuilder::space(&sp).submit_batch(0)),
+    ] {
+        match b.landing(small_ring(1 << 20)).build() {
+            Err(Error::InvalidConfig(msg)) => assert!(msg.contains(what), "{what}: {msg}"),
+            Err(e) => panic!("{what} = 0: wrong error: {e}"),
+            Ok(_) => panic!("{what} = 0 built a loader"),
+        }
     }
 }
 

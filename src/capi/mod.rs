@@ -324,7 +324,7 @@ fn parse_bool(key: &str, v: &str) -> Result<bool, Fail> {
 /// | `shuffle`, `drop_last`, `verify_crc32c`, `mlock`, `huge_pages`, `pin` | true/false |
 /// | `rank`, `world` | this rank, world size |
 /// | `ring_bytes`, `tier_bytes` | sizes, e.g. `256MiB` |
-/// | `pollers`, `queue_depth`, `lookahead` | counts |
+/// | `pollers`, `queue_depth`, `submit_batch`, `lookahead` | counts |
 /// | `numa_node` | NUMA node of the ring |
 /// | `start_epoch` | first epoch |
 /// | `cluster_file` | cluster mode: the node list |
@@ -374,6 +374,7 @@ pub unsafe extern "C" fn ksp_config_set(
             "tier_bytes" => b.tier_bytes(parse_bytes(k, v)?),
             "pollers" => b.pollers(parse_num(k, v)?),
             "queue_depth" => b.queue_depth(parse_num(k, v)?),
+            "submit_batch" => b.submit_batch(parse_num(k, v)?),
             "lookahead" => b.lookahead(parse_num(k, v)?),
             "verify_crc32c" => b.verify_crc32c(parse_bool(k, v)?),
             "pin" => b.pin(parse_bool(k, v)?),

@@ -72,6 +72,14 @@ pub(crate) struct Poller {
     hist: Histogram<u64>,
     last_publish: Instant,
     in_flight: usize,
+    /// Samples finished by the last drain are marked ready but the consumer
+    /// is not woken yet: the tick first starts the reads that replace them.
+    unwoken: bool,
+    /// Reads pushed since the last submission; submitted every
+    /// `submit_batch`.
+    unsubmitted: u32,
+    /// A submission inside fill() failed; the run loop fails everything.
+    submit_error: Option<std::io::Error>,
     part_bytes: u64,
     path_buf: PathBuf,
 }
@@ -101,6 +109,9 @@ impl Poller {
             hist: Histogram::new_with_bounds(1, 60_000_000, 2).expect("valid bounds"),
             last_publish: Instant::now(),
             in_flight: 0,
+            unwoken: false,
+            unsubmitted: 0,
+            submit_error: None,
             part_bytes: shared.cfg.max_read_bytes.next_multiple_of(align).max(align),
             path_buf: PathBuf::with_capacity(4096),
             shared,
@@ -126,12 +137,27 @@ impl Poller {
                 break;
             }
             let queued = if stopping { 0 } else { self.fill() };
+            let mut result = self.submit_error.take().map_or(Ok(()), Err);
+            if self.unwoken {
+                // The last drain finished samples. Put the reads that
+                // replace them on the device before waking the consumer
+                // (a futex wake, often a cross-core interrupt): the device
+                // is idle for as long as the poller takes between a
+                // completion and the next submission, and with small
+                // samples that gap set the throughput (BENCHMARKS.md).
+                if queued > 0 && result.is_ok() && self.unsubmitted > 0 {
+                    result = self.backend.submit(false);
+                }
+                self.shared.wake_if_ready();
+                self.unwoken = false;
+            }
             // fill() stops only when nothing more can be queued until a read
             // completes or the consumer releases space, so with reads in
             // flight, submitting and waiting in one io_uring_enter loses
             // nothing (after busy-polling for `spin`, if configured).
             let wait = self.in_flight > 0 && last_progress.elapsed() >= spin;
-            if let Err(e) = self.backend.submit(wait) {
+            self.unsubmitted = 0;
+            if let Err(e) = result.and_then(|()| self.backend.submit(wait)) {
                 // Submission itself failed: fail every sample in flight
                 // (they would never complete) and stop.
                 log::error!("poller {}: io_uring submit failed: {e}", self.index);
@@ -161,6 +187,7 @@ impl Poller {
                 std::hint::spin_loop();
             }
         }
+        self.shared.wake_if_ready();
         self.publish_stats();
         self.backend
     }
@@ -326,6 +353,16 @@ impl Poller {
                 .issued += 1;
             self.in_flight += 1;
             n += 1;
+            self.unsubmitted += 1;
+            if self.unsubmitted >= self.shared.cfg.submit_batch && self.submit_error.is_none() {
+                // A full batch goes to the device now, not after the rest
+                // of the tick's reads are queued.
+                if let Err(e) = self.backend.submit(false) {
+                    self.submit_error = Some(e);
+                    return (n, false);
+                }
+                self.unsubmitted = 0;
+            }
         }
     }
 
@@ -462,7 +499,8 @@ impl Poller {
         self.shared.stats[self.index as usize]
             .disk_reads
             .fetch_add(1, Ordering::Relaxed);
-        self.shared.publish(p.g, CODE_OK);
+        self.shared.mark_ready(p.g, CODE_OK);
+        self.unwoken = true;
     }
 
     /// The named error for part `part` of `g` failing with `errno`.
@@ -483,13 +521,14 @@ impl Poller {
         }
     }
 
-    fn fail(&self, p: &Placed, e: Error) {
+    fn fail(&mut self, p: &Placed, e: Error) {
         self.shared
             .errors
             .lock()
             .expect("not poisoned")
             .push((p.g, e));
-        self.shared.publish(p.g, CODE_ERROR);
+        self.shared.mark_ready(p.g, CODE_ERROR);
+        self.unwoken = true;
     }
 
     /// The ring itself failed: every sample in flight fails with it.

@@ -48,7 +48,7 @@ static ksp_config *config(const char *space, const char *ring) {
     CHECK(ksp_config_new(&cfg) == KSP_OK, "%s", last_error());
     const char *kv[][2] = {
         {"space", space}, {"batch_size", "16"}, {"seed", "5"}, {"ring_bytes", ring},
-        {"pollers", "1"}, {"pin", "false"}, {"mlock", "false"}, {"huge_pages", "false"},
+        {"pollers", "1"}, {"submit_batch", "4"}, {"pin", "false"}, {"mlock", "false"}, {"huge_pages", "false"},
     };
     for (size_t i = 0; i < sizeof kv / sizeof kv[0]; i++)
         CHECK(ksp_config_set(cfg, kv[i][0], kv[i][1]) == KSP_OK, "%s=%s: %s", kv[i][0], kv[i][1],
