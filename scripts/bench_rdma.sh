@@ -10,6 +10,7 @@
 #
 #   scripts/bench_rdma.sh [RUNS=3] [COUNT=1000] [PROFILE=imagenet]
 #   SPACE=/dev/shm/space scripts/bench_rdma.sh ...   # space in memory (tmpfs)
+#   SERVE_FLAGS=--page-cache SPACE=/dev/shm/space ... # node sends from the mapped extents
 #
 # On the host: generates and catalogs the dataset (release build), then boots
 # the VM once; inside, the space is preloaded onto the VM's /tmp (an ext4
@@ -32,7 +33,7 @@ fi
 echo "bench-token" > "$WORK/token"
 exec "$VM" --share "$WORK" -- bash -c '
 set -euo pipefail
-K='"$K"'; W='"$WORK"'; RUNS='"$RUNS"'; SP='"${SPACE:-/tmp/space}"'
+K='"$K"'; W='"$WORK"'; RUNS='"$RUNS"'; SP='"${SPACE:-/tmp/space}"'; SF='"${SERVE_FLAGS:-}"'
 IP=$RDMA_VM_IP; GIDX=$RDMA_VM_GID_INDEX
 "$K" preload --progress=none --source "$W/src" --catalog "$W/cat.ksc" --space "$SP" >/dev/null
 echo "space: $SP ($(stat -f -c %T "$SP"))"
@@ -41,7 +42,7 @@ MEAN=$(( BYTES / '"$COUNT"' ))
 ITERS=$(( 2 * BYTES / MEAN ))   # two epochs worth of messages
 echo "dataset: '"$COUNT"' samples, $BYTES bytes, mean $MEAN bytes; each run moves 2 epochs"
 serve() {  # $1: extra flags; prints the address
-  "$K" serve --space "$SP" --listen "$IP:0" --token-file "$W/token" --pollers 1 $1 > /tmp/serve.out 2>/tmp/serve.err &
+  "$K" serve --space "$SP" --listen "$IP:0" --token-file "$W/token" --pollers 1 $SF $1 > /tmp/serve.out 2>/tmp/serve.err &
   SPID=$!
   for _ in $(seq 100); do grep -q serving /tmp/serve.out 2>/dev/null && break; sleep 0.1; done
   echo "0 $(awk "/serving/ {print \$NF}" /tmp/serve.out)" > /tmp/cluster
@@ -67,6 +68,7 @@ for r in $(seq "$RUNS"); do
   echo "run $r: kspeed-rdma ${k} MB/s  ib_write_bw ${ib} MiB/s  kspeed-tcp ${t} MB/s"
   echo "$k $ib $t" >> /tmp/runs
 done
+grep -h "page-cache mode" /tmp/serve.err || true
 python3 - <<PY
 import statistics as st
 rows = [list(map(float, l.split())) for l in open("/tmp/runs")]

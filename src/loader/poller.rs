@@ -137,20 +137,12 @@ impl Poller {
                 break;
             }
             let queued = if stopping { 0 } else { self.fill() };
-            let mut result = self.submit_error.take().map_or(Ok(()), Err);
             if self.unwoken {
-                // The last drain finished samples. Put the reads that
-                // replace them on the device before waking the consumer
-                // (a futex wake, often a cross-core interrupt): the device
-                // is idle for as long as the poller takes between a
-                // completion and the next submission, and with small
-                // samples that gap set the throughput (BENCHMARKS.md).
-                if queued > 0 && result.is_ok() && self.unsubmitted > 0 {
-                    result = self.backend.submit(false);
-                }
-                self.shared.wake_if_ready();
-                self.unwoken = false;
+                // The last drain finished samples: fill() queued the reads
+                // that replace them; get those onto the device, then wake.
+                self.flush();
             }
+            let result = self.submit_error.take().map_or(Ok(()), Err);
             // fill() stops only when nothing more can be queued until a read
             // completes or the consumer releases space, so with reads in
             // flight, submitting and waiting in one io_uring_enter loses
@@ -190,6 +182,25 @@ impl Poller {
         self.shared.wake_if_ready();
         self.publish_stats();
         self.backend
+    }
+
+    /// Submits the reads queued so far, then wakes the consumer if a sample
+    /// it sleeps on was marked ready. In this order because the device is
+    /// idle for as long as the poller takes between a burst of completions
+    /// and the next submission, and waking the consumer (a futex wake, often
+    /// a cross-core interrupt) is the slow part; with small samples that gap
+    /// set the throughput (BENCHMARKS.md, "Small samples").
+    fn flush(&mut self) {
+        if self.unsubmitted > 0 && self.submit_error.is_none() {
+            if let Err(e) = self.backend.submit(false) {
+                self.submit_error = Some(e);
+            }
+            self.unsubmitted = 0;
+        }
+        if self.unwoken {
+            self.shared.wake_if_ready();
+            self.unwoken = false;
+        }
     }
 
     fn next_own(&mut self) -> Placed {
@@ -240,6 +251,13 @@ impl Poller {
                 self.shared.publish(p.g, CODE_OK);
                 started += 1;
                 continue;
+            }
+            if (self.unwoken || self.unsubmitted > 0)
+                && self.shared.tier.as_ref().is_some_and(|t| t.is_member(p.id))
+            {
+                // A run of tier copies can take a while: start the queued
+                // reads and wake the consumer for finished ones first.
+                self.flush();
             }
             if let Some(tier) = &self.shared.tier {
                 // SAFETY: dst..dst+len is this sample's slot, inside the ring
