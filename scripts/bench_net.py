@@ -31,7 +31,8 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-K = os.path.join(ROOT, "target", "release", "kspeed")
+# KSPEED_BIN: another build to measure (A/B against an older commit).
+K = os.environ.get("KSPEED_BIN", os.path.join(ROOT, "target", "release", "kspeed"))
 COPY = os.path.join(ROOT, "target", "release", "examples", "socket_copy")
 SHM = "/dev/shm/kspeed-bench-net"
 

@@ -33,7 +33,7 @@ fi
 echo "bench-token" > "$WORK/token"
 exec "$VM" --share "$WORK" -- bash -c '
 set -euo pipefail
-K='"$K"'; W='"$WORK"'; RUNS='"$RUNS"'; SP='"${SPACE:-/tmp/space}"'; SF='"${SERVE_FLAGS:-}"'
+K='"$K"'; W='"$WORK"'; RUNS='"$RUNS"'; SP='"${SPACE:-/tmp/space}"'; SF="'"${SERVE_FLAGS:-}"'"
 IP=$RDMA_VM_IP; GIDX=$RDMA_VM_GID_INDEX
 "$K" preload --progress=none --source "$W/src" --catalog "$W/cat.ksc" --space "$SP" >/dev/null
 echo "space: $SP ($(stat -f -c %T "$SP"))"

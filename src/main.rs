@@ -65,8 +65,10 @@ struct ServeArgs {
     /// Staging memory per poller.
     #[arg(long, default_value = "64MiB", value_parser = parse_bytes)]
     staging_bytes: u64,
-    /// Largest DATA frame (bigger samples go in several).
-    #[arg(long, default_value = "1MiB", value_parser = parse_bytes)]
+    /// Largest DATA frame or RDMA write, and the size of a staging slot
+    /// (bigger samples go in several); staging-bytes / chunk-bytes reads
+    /// and sends are in flight per poller.
+    #[arg(long, default_value = "256KiB", value_parser = parse_bytes)]
     chunk_bytes: u64,
     /// Grants one consumer may have outstanding.
     #[arg(long, default_value_t = 8192)]

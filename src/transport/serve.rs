@@ -48,7 +48,13 @@ pub struct ServeConfig {
     pub pollers: usize,
     /// Staging memory per poller.
     pub staging_bytes: u64,
-    /// Largest DATA frame (and staging slot).
+    /// Largest DATA frame or RDMA write, and the size of a staging slot
+    /// (default 256 KiB). Staging holds `staging_bytes / chunk_bytes`
+    /// slots, which bounds the reads and sends in flight: with 1 MiB slots
+    /// an ImageNet-sized sample (~128 KB) left 7/8 of its slot empty and 64
+    /// MiB of staging kept only 64 samples moving, and on soft-RoCE the
+    /// node then waited on its reads (kspeed over RDMA 0.81x ib_write_bw
+    /// with 1 MiB, 0.85-0.90x with 128-256 KiB; BENCHMARKS.md).
     pub chunk_bytes: u32,
     /// Grants one consumer may have outstanding.
     pub max_grants: u32,
@@ -82,7 +88,7 @@ impl ServeConfig {
             token: token.to_vec(),
             pollers: crate::loader::default_pollers(),
             staging_bytes: 64 << 20,
-            chunk_bytes: 1 << 20,
+            chunk_bytes: 256 << 10,
             max_grants: 8192,
             max_conns_per_poller: 256,
             handshake_timeout: Duration::from_secs(5),
