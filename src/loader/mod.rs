@@ -548,10 +548,14 @@ impl LoaderBuilder {
         if self.batch_size == 0 {
             return Err(Error::InvalidConfig("batch_size must be at least 1".into()));
         }
-        if self.pollers == 0 || self.queue_depth == 0 || self.submit_batch == 0 {
-            return Err(Error::InvalidConfig(
-                "pollers, queue_depth and submit_batch must be at least 1".into(),
-            ));
+        for (what, n) in [
+            ("pollers", self.pollers as u64),
+            ("queue_depth", self.queue_depth as u64),
+            ("submit_batch", self.submit_batch as u64),
+        ] {
+            if n == 0 {
+                return Err(Error::InvalidConfig(format!("{what} must be at least 1, not 0")));
+            }
         }
         let (input, align) = match (&self.space, &self.source) {
             (Some(dir), _) => {
