@@ -46,7 +46,12 @@ fn open_first(names: &[&str]) -> Result<(Library, &'static str), String> {
 
 enum Kind {
     Runtime,
-    Driver { device: c_int },
+    /// The primary context retained for the registration (made current
+    /// around unregistering too: the driver needs one).
+    Driver {
+        device: c_int,
+        ctx: *mut c_void,
+    },
 }
 
 /// A live registration; unregisters on drop.
@@ -129,6 +134,14 @@ impl Registration {
         // SAFETY: symbol types match the driver API; the primary context is
         // retained for the registration's lifetime and released on drop.
         unsafe {
+            // probe() initialised the driver through a handle it has closed
+            // since; cuInit again (idempotent) rather than count on the
+            // library having stayed loaded.
+            let init: libloading::Symbol<CuInit> =
+                lib.get(b"cuInit\0").map_err(|e| e.to_string())?;
+            let release: libloading::Symbol<CuCtxRelease> = lib
+                .get(b"cuDevicePrimaryCtxRelease_v2\0")
+                .map_err(|e| e.to_string())?;
             let get: libloading::Symbol<CuDeviceGet> =
                 lib.get(b"cuDeviceGet\0").map_err(|e| e.to_string())?;
             let retain: libloading::Symbol<CuCtxRetain> = lib
@@ -145,7 +158,15 @@ impl Registration {
                 .map_err(|e| e.to_string())?;
             let mut dev = 0;
             let mut ctx = std::ptr::null_mut();
-            if get(&mut dev, 0) != 0 || retain(&mut ctx, dev) != 0 || push(ctx) != 0 {
+            let rc = init(0);
+            if rc != 0 {
+                return Err(format!("{name}: cuInit failed with error {rc}"));
+            }
+            if get(&mut dev, 0) != 0 || retain(&mut ctx, dev) != 0 {
+                return Err(format!("{name}: cannot retain device 0's primary context"));
+            }
+            if push(ctx) != 0 {
+                release(dev);
                 return Err(format!(
                     "{name}: cannot make device 0's primary context current"
                 ));
@@ -154,13 +175,14 @@ impl Registration {
             let mut popped = std::ptr::null_mut();
             pop(&mut popped);
             if rc != 0 {
+                release(dev);
                 return Err(format!("{name}: cuMemHostRegister failed with error {rc}"));
             }
             Ok(Registration {
                 lib,
                 name,
                 ptr: ptr.cast(),
-                kind: Kind::Driver { device: dev },
+                kind: Kind::Driver { device: dev, ctx },
             })
         }
     }
@@ -182,9 +204,19 @@ impl Drop for Registration {
                         f(self.ptr);
                     }
                 }
-                Kind::Driver { device } => {
-                    if let Ok(f) = self.lib.get::<CuUnregister>(b"cuMemHostUnregister\0") {
-                        f(self.ptr);
+                Kind::Driver { device, ctx } => {
+                    let push = self.lib.get::<CuCtxPush>(b"cuCtxPushCurrent_v2\0");
+                    let pop = self.lib.get::<CuCtxPop>(b"cuCtxPopCurrent_v2\0");
+                    if let (Ok(push), Ok(pop), Ok(unregister)) = (
+                        push,
+                        pop,
+                        self.lib.get::<CuUnregister>(b"cuMemHostUnregister\0"),
+                    ) {
+                        if push(ctx) == 0 {
+                            unregister(self.ptr);
+                            let mut popped = std::ptr::null_mut();
+                            pop(&mut popped);
+                        }
                     }
                     if let Ok(f) = self
                         .lib

@@ -554,7 +554,9 @@ impl LoaderBuilder {
             ("submit_batch", self.submit_batch as u64),
         ] {
             if n == 0 {
-                return Err(Error::InvalidConfig(format!("{what} must be at least 1, not 0")));
+                return Err(Error::InvalidConfig(format!(
+                    "{what} must be at least 1, not 0"
+                )));
             }
         }
         let (input, align) = match (&self.space, &self.source) {

@@ -1,0 +1,193 @@
+//! The landing ring's CUDA registration against stand-ins for the CUDA
+//! driver and runtime (tests/c/fake_cuda.c), since no machine here has a GPU.
+//! The stand-ins enforce the parts of CUDA's contract that the glue code can
+//! get wrong (cuInit first, a current context for (un)registering, matching
+//! unregistration) and log every call, so these tests show that `kspeed
+//! read` registers the ring, unregisters exactly it, releases the context it
+//! retained, and reads on (saying why) when registration fails. The real
+//! libraries are tried only on machines that have them (scripts/gpu_check.sh).
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use common::*;
+
+/// Builds the stand-in as `dir/name`; None (with a message) without gcc.
+fn build_fake(dir: &Path, define: &str, name: &str) -> Option<PathBuf> {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c/fake_cuda.c");
+    let out = dir.join(name);
+    match Command::new("gcc")
+        .args(["-shared", "-fPIC", "-O1", "-Wall", "-Werror", define, "-o"])
+        .arg(&out)
+        .arg(&src)
+        .output()
+    {
+        Ok(o) if o.status.success() => Some(out),
+        Ok(o) => panic!("gcc failed:\n{}", String::from_utf8_lossy(&o.stderr)),
+        Err(e) => {
+            eprintln!("skipping: gcc not available ({e})");
+            None
+        }
+    }
+}
+
+struct Run {
+    stderr: String,
+    log: String,
+}
+
+/// `kspeed read` of a small space with the stand-ins in `libdir` first on
+/// the library path.
+fn read_with(libdir: &Path, space: &Path, extra_env: &[(&str, &str)]) -> Run {
+    let log = libdir.join("calls.log");
+    let _ = std::fs::remove_file(&log);
+    let mut cmd = Command::new(kspeed_bin());
+    cmd.args([
+        "read",
+        "--space",
+        s(space),
+        "--progress=none",
+        "--ring-bytes",
+        "8MiB",
+        "--no-mlock",
+        "--epochs",
+        "2",
+    ])
+    .env("LD_LIBRARY_PATH", libdir)
+    .env("FAKE_CUDA_LOG", &log);
+    for (k, v) in extra_env {
+        cmd.env(k, v);
+    }
+    let o = cmd.output().expect("run kspeed");
+    assert!(o.status.success(), "kspeed read failed:\n{}", text(&o));
+    Run {
+        stderr: String::from_utf8_lossy(&o.stderr).into_owned(),
+        log: std::fs::read_to_string(&log).unwrap_or_default(),
+    }
+}
+
+fn space(dir: &Path) -> PathBuf {
+    gen("imagenet", 200, &dir.join("src"));
+    let sp = dir.join("space");
+    ok(&[
+        "preload",
+        "--source",
+        s(&dir.join("src")),
+        "--space",
+        s(&sp),
+    ]);
+    sp
+}
+
+/// What the stand-in found undone when the process let go of it last (it
+/// says so each time the library is unloaded; kspeed probes first, with a
+/// handle it closes).
+fn last_exit(log: &str) -> &str {
+    log.lines().rfind(|l| l.starts_with("exit ")).unwrap_or("")
+}
+
+/// The registered pointer and length from a "register PTR LEN FLAGS" line.
+fn registered(log: &str) -> Vec<(String, u64)> {
+    log.lines()
+        .filter_map(|l| l.strip_prefix("register "))
+        .map(|r| {
+            let f: Vec<&str> = r.split(' ').collect();
+            (f[0].to_string(), f[1].parse().unwrap())
+        })
+        .collect()
+}
+
+#[test]
+fn driver_registration_covers_the_ring_and_is_undone() {
+    let t = tempfile::tempdir().unwrap();
+    let libdir = t.path().join("lib");
+    std::fs::create_dir(&libdir).unwrap();
+    if build_fake(&libdir, "-DFAKE_DRIVER", "libcuda.so.1").is_none() {
+        return;
+    }
+    let sp = space(t.path());
+    let r = read_with(&libdir, &sp, &[]);
+    assert!(
+        r.stderr.contains("registered with CUDA (libcuda.so.1)"),
+        "{}\n{}",
+        r.stderr,
+        r.log
+    );
+    let regs = registered(&r.log);
+    assert_eq!(regs.len(), 1, "one registration, the ring:\n{}", r.log);
+    assert_eq!(regs[0].1, 8 << 20, "the ring's length:\n{}", r.log);
+    let unreg: Vec<&str> = r
+        .log
+        .lines()
+        .filter_map(|l| l.strip_prefix("unregister "))
+        .collect();
+    assert_eq!(
+        unreg,
+        [regs[0].0.as_str()],
+        "the same pointer, once:\n{}",
+        r.log
+    );
+    // Nothing left behind: every registration undone, every retained
+    // context released.
+    assert_eq!(
+        last_exit(&r.log),
+        "exit registered=0 retained=0 allocated=0",
+        "leaked:\n{}",
+        r.log
+    );
+}
+
+#[test]
+fn runtime_registration_is_preferred_and_undone() {
+    let t = tempfile::tempdir().unwrap();
+    let libdir = t.path().join("lib");
+    std::fs::create_dir(&libdir).unwrap();
+    if build_fake(&libdir, "-DFAKE_RUNTIME", "libcudart.so").is_none()
+        || build_fake(&libdir, "-DFAKE_DRIVER", "libcuda.so.1").is_none()
+    {
+        return;
+    }
+    let sp = space(t.path());
+    let r = read_with(&libdir, &sp, &[]);
+    assert!(
+        r.stderr.contains("registered with CUDA (libcudart.so)"),
+        "{}\n{}",
+        r.stderr,
+        r.log
+    );
+    assert_eq!(registered(&r.log).len(), 1, "{}", r.log);
+    assert!(r.log.contains("unregister "), "{}", r.log);
+    assert_eq!(
+        last_exit(&r.log),
+        "exit registered=0 retained=0 allocated=0",
+        "{}",
+        r.log
+    );
+}
+
+#[test]
+fn a_failed_registration_is_reported_and_reading_goes_on() {
+    let t = tempfile::tempdir().unwrap();
+    let libdir = t.path().join("lib");
+    std::fs::create_dir(&libdir).unwrap();
+    if build_fake(&libdir, "-DFAKE_DRIVER", "libcuda.so.1").is_none() {
+        return;
+    }
+    let sp = space(t.path());
+    let r = read_with(&libdir, &sp, &[("FAKE_CUDA_FAIL_REGISTER", "1")]);
+    assert!(
+        r.stderr
+            .contains("CUDA not used: libcuda.so.1: cuMemHostRegister failed with error 2"),
+        "{}\n{}",
+        r.stderr,
+        r.log
+    );
+    assert_eq!(
+        last_exit(&r.log),
+        "exit registered=0 retained=0 allocated=0",
+        "the context retained for the attempt must be released:\n{}",
+        r.log
+    );
+}
