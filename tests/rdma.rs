@@ -193,6 +193,35 @@ fn write_outside_the_registered_range_is_refused_by_the_nic() {
     drop((smr, rmr));
 }
 
+#[test]
+fn dmabuf_registration_failure_is_a_named_error() {
+    // GPU memory lands through a dma-buf registration. No dma-buf exporter
+    // exists in the VM (no GPU, no udmabuf, no DMA heaps), so this offers a
+    // memfd, which is not a dma-buf: a driver without dma-buf support
+    // (soft-RoCE) refuses with EOPNOTSUPP, one with it refuses the fd; both
+    // must come back as a named error naming the fd, never a crash.
+    let Some(ctx) = open() else { return };
+    let pd = Pd::new(&ctx).unwrap();
+    // SAFETY: plain memfd_create with a constant name.
+    let fd = unsafe { libc::memfd_create(c"kspeed-not-a-dmabuf".as_ptr(), 0) };
+    assert!(fd >= 0);
+    // SAFETY: fd is ours; 1 MiB.
+    assert_eq!(unsafe { libc::ftruncate(fd, 1 << 20) }, 0);
+    // SAFETY: the fd outlives the (failed) registration.
+    let r = unsafe { Mr::register_dmabuf(&pd, fd, 0, 1 << 20, 0x7000_0000, Access::RemoteWrite) };
+    match r {
+        Err(Error::Rdma { op, detail }) => {
+            assert_eq!(op, "register dma-buf MR");
+            assert!(detail.contains(&format!("dma-buf fd {fd}")), "{detail}");
+            eprintln!("as expected: {op}: {detail}");
+        }
+        Err(e) => panic!("wrong error: {e}"),
+        Ok(_) => panic!("a memfd was registered as a dma-buf"),
+    }
+    // SAFETY: closed once.
+    unsafe { libc::close(fd) };
+}
+
 fn open_fds() -> usize {
     std::fs::read_dir("/proc/self/fd")
         .map(|d| d.count())

@@ -12,6 +12,7 @@
 
 use std::collections::VecDeque;
 use std::ffi::CStr;
+use std::os::fd::RawFd;
 use std::ptr;
 use std::sync::Arc;
 
@@ -550,6 +551,21 @@ pub enum Access {
     RemoteWrite,
 }
 
+impl Access {
+    fn flags(self) -> ibv_access_flags {
+        match self {
+            Access::Local => ibv_access_flags::IBV_ACCESS_LOCAL_WRITE,
+            Access::ReadOnly => ibv_access_flags(0),
+            Access::WindowsOnly => {
+                ibv_access_flags::IBV_ACCESS_LOCAL_WRITE | ibv_access_flags::IBV_ACCESS_MW_BIND
+            }
+            Access::RemoteWrite => {
+                ibv_access_flags::IBV_ACCESS_LOCAL_WRITE | ibv_access_flags::IBV_ACCESS_REMOTE_WRITE
+            }
+        }
+    }
+}
+
 /// A registered memory region.
 pub struct Mr {
     mr: *mut ibv_mr,
@@ -568,16 +584,7 @@ impl Mr {
     /// The memory must stay mapped until the region is dropped, and with
     /// `RemoteWrite` the peer may write it at any time while registered.
     pub unsafe fn register(pd: &Arc<Pd>, addr: *mut u8, len: usize, access: Access) -> Result<Mr> {
-        let flags = match access {
-            Access::Local => ibv_access_flags::IBV_ACCESS_LOCAL_WRITE,
-            Access::ReadOnly => ibv_access_flags(0),
-            Access::WindowsOnly => {
-                ibv_access_flags::IBV_ACCESS_LOCAL_WRITE | ibv_access_flags::IBV_ACCESS_MW_BIND
-            }
-            Access::RemoteWrite => {
-                ibv_access_flags::IBV_ACCESS_LOCAL_WRITE | ibv_access_flags::IBV_ACCESS_REMOTE_WRITE
-            }
-        };
+        let flags = access.flags();
         // SAFETY: per this function's contract.
         let mr = unsafe { __ibv_reg_mr(pd.pd, addr.cast(), len, flags.0, 1) };
         if mr.is_null() {
@@ -585,6 +592,50 @@ impl Mr {
                 "register MR",
                 format!("{len} bytes (RLIMIT_MEMLOCK may be too low)"),
             ));
+        }
+        Ok(Mr {
+            mr,
+            _pd: pd.clone(),
+        })
+    }
+
+    /// Registers `len` bytes of the dma-buf `fd` from `offset`, addressed
+    /// by peers as `iova..iova + len`: memory the CPU may not be able to
+    /// touch, such as a GPU allocation exported as a dma-buf (GPUDirect
+    /// RDMA without a peer-memory kernel module). The NIC's driver must
+    /// support it; one that does not is a named error saying so.
+    ///
+    /// # Safety
+    /// The dma-buf must stay alive until the region is dropped, and with
+    /// `RemoteWrite` the peer may write it at any time while registered.
+    pub unsafe fn register_dmabuf(
+        pd: &Arc<Pd>,
+        fd: RawFd,
+        offset: u64,
+        len: usize,
+        iova: u64,
+        access: Access,
+    ) -> Result<Mr> {
+        let flags = access.flags();
+        // SAFETY: per this function's contract; the call only reads its
+        // arguments.
+        let mr = unsafe { ibv_reg_dmabuf_mr(pd.pd, offset, len, iova, fd, flags.0 as i32) };
+        if mr.is_null() {
+            let e = std::io::Error::last_os_error();
+            let detail = if e.raw_os_error() == Some(libc::EOPNOTSUPP) {
+                format!(
+                    "{len} bytes of dma-buf fd {fd}: device {} cannot register dma-buf memory \
+                     (its driver lacks it; GPUDirect RDMA through dma-buf needs a NIC whose \
+                     driver implements it): {e}",
+                    pd.ctx.name()
+                )
+            } else {
+                format!("{len} bytes of dma-buf fd {fd} at offset {offset}: {e}")
+            };
+            return Err(Error::Rdma {
+                op: "register dma-buf MR",
+                detail,
+            });
         }
         Ok(Mr {
             mr,
