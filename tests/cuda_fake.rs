@@ -191,3 +191,75 @@ fn a_failed_registration_is_reported_and_reading_goes_on() {
         r.log
     );
 }
+
+/// The body of `gpu_memory_alloc_copy_export_free`, run in a child process
+/// started with the driver stand-in on its library path (the dynamic loader
+/// reads LD_LIBRARY_PATH only at start).
+fn gpu_memory_body() {
+    use kspeed::landing::cuda::DeviceMemory;
+    let m = DeviceMemory::alloc(0, 3 << 20).expect("alloc on the stand-in");
+    assert_eq!(m.len(), 4 << 20, "rounded up to 2 MiB");
+    assert_eq!(m.addr() % (2 << 20), 0);
+    let data: Vec<u8> = (0..100_000u32).map(|i| (i * 7 + 3) as u8).collect();
+    m.copy_from_host(12_345, &data).unwrap();
+    let mut back = vec![0u8; data.len()];
+    m.copy_to_host(12_345, &mut back).unwrap();
+    assert_eq!(back, data, "bytes round-trip through GPU memory");
+    let e = m.copy_from_host((4 << 20) - 10, &data).unwrap_err();
+    assert!(e.contains("outside the 4194304-byte GPU allocation"), "{e}");
+    let fd = m.export_dmabuf().expect("dma-buf export");
+    let f = std::fs::File::from(fd);
+    assert_eq!(
+        f.metadata().unwrap().len(),
+        4 << 20,
+        "the export covers the allocation"
+    );
+    let e = DeviceMemory::alloc(5, 1 << 20)
+        .err()
+        .expect("device 5 does not exist");
+    assert!(e.contains("no CUDA device 5"), "{e}");
+    drop(m);
+}
+
+#[test]
+fn gpu_memory_alloc_copy_export_free() {
+    if std::env::var_os("KSPEED_FAKE_CUDA_CHILD").is_some() {
+        gpu_memory_body();
+        return;
+    }
+    // Without CUDA (this process has no stand-in), a named error.
+    if let Err(e) = kspeed::landing::cuda::DeviceMemory::alloc(0, 1 << 20) {
+        assert!(
+            e.contains("GPU memory needs the CUDA driver library"),
+            "{e}"
+        );
+    }
+    let t = tempfile::tempdir().unwrap();
+    if build_fake(t.path(), "-DFAKE_DRIVER", "libcuda.so.1").is_none() {
+        return;
+    }
+    let log = t.path().join("calls.log");
+    let o = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "gpu_memory_alloc_copy_export_free",
+            "--nocapture",
+        ])
+        .env("KSPEED_FAKE_CUDA_CHILD", "1")
+        .env("LD_LIBRARY_PATH", t.path())
+        .env("FAKE_CUDA_LOG", &log)
+        .output()
+        .unwrap();
+    let log = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(o.status.success(), "child failed:\n{}\n{log}", text(&o));
+    assert!(
+        log.contains("set attribute 6 = 1"),
+        "SYNC_MEMOPS set:\n{log}"
+    );
+    assert!(log.contains("export "), "{log}");
+    assert_eq!(
+        last_exit(&log),
+        "exit registered=0 retained=0 allocated=0",
+        "freed and released:\n{log}"
+    );
+}

@@ -14,11 +14,14 @@
  * Every call is appended to $FAKE_CUDA_LOG; at exit the library appends
  * "exit registered=N retained=N allocated=N" (what was never undone).
  * "Device memory" is host memory, so copies can be checked. */
+#define _GNU_SOURCE
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 static FILE *logf_;
 static int registered, allocated, retained;
@@ -103,18 +106,72 @@ CUresult cuCtxPopCurrent_v2(void **ctx) { NEED_INIT; if (!current) return 201; c
 CUresult cuCtxSetCurrent(void *ctx) { NEED_INIT; if (ctx && (ctx != &ctx_token || !retained)) return 201; current = ctx != NULL; return 0; }
 CUresult cuMemHostRegister_v2(void *p, size_t n, unsigned flags) { NEED_CTX; return do_register(p, n, flags); }
 CUresult cuMemHostUnregister(void *p) { NEED_CTX; return do_unregister(p); }
+/* "Device memory" is 2 MiB-aligned host memory; allocations are tracked so
+ * that frees, copies and exports outside one are refused (1 = INVALID_VALUE). */
+static struct { uintptr_t p; size_t n; int sync; } allocs[16];
+static int find_alloc(uintptr_t p, size_t n) {
+    for (int i = 0; i < 16; i++)
+        if (allocs[i].n && p >= allocs[i].p && p + n <= allocs[i].p + allocs[i].n) return i;
+    return -1;
+}
 CUresult cuMemAlloc_v2(unsigned long long *dptr, size_t n) {
     NEED_CTX;
-    void *m = malloc(n);
-    if (!m) return 2;
-    allocated++;
-    *dptr = (uintptr_t)m;
-    return 0;
+    say("alloc %zu", n);
+    for (int i = 0; i < 16; i++)
+        if (!allocs[i].n) {
+            void *m = aligned_alloc(2 << 20, (n + (2 << 20) - 1) / (2 << 20) * (2 << 20));
+            if (!m) return 2;
+            allocs[i].p = (uintptr_t)m;
+            allocs[i].n = n;
+            allocs[i].sync = 0;
+            allocated++;
+            *dptr = (uintptr_t)m;
+            return 0;
+        }
+    return 2;
 }
-CUresult cuMemFree_v2(unsigned long long dptr) { NEED_CTX; free((void *)(uintptr_t)dptr); allocated--; return 0; }
+CUresult cuMemFree_v2(unsigned long long dptr) {
+    NEED_CTX;
+    say("free %#llx", dptr);
+    for (int i = 0; i < 16; i++)
+        if (allocs[i].n && allocs[i].p == dptr) {
+            free((void *)(uintptr_t)dptr);
+            allocs[i].n = 0;
+            allocated--;
+            return 0;
+        }
+    return 1;
+}
 CUresult cuMemcpyHtoD_v2(unsigned long long dst, const void *src, size_t n) {
     NEED_CTX;
+    if (find_alloc(dst, n) < 0) return 1;
     memcpy((void *)(uintptr_t)dst, src, n);
+    return 0;
+}
+CUresult cuMemcpyDtoH_v2(void *dst, unsigned long long src, size_t n) {
+    NEED_CTX;
+    if (find_alloc(src, n) < 0) return 1;
+    memcpy(dst, (void *)(uintptr_t)src, n);
+    return 0;
+}
+CUresult cuPointerSetAttribute(const void *value, int attr, unsigned long long p) {
+    NEED_CTX;
+    int i = find_alloc(p, 1);
+    say("set attribute %d = %u on %#llx", attr, *(const unsigned *)value, p);
+    if (i < 0) return 1;
+    if (attr == 6) allocs[i].sync = *(const unsigned *)value;
+    return 0;
+}
+/* The export hands out a memfd standing in for the dma-buf; it requires
+ * page-aligned ranges inside one allocation, as the real call does. */
+CUresult cuMemGetHandleForAddressRange(void *handle, unsigned long long p, size_t n, int type,
+                                       unsigned long long flags) {
+    NEED_CTX;
+    say("export %#llx %zu type %d flags %llu", p, n, type, flags);
+    if (type != 1 || flags != 0 || (p & 4095) || (n & 4095) || find_alloc(p, n) < 0) return 1;
+    int fd = memfd_create("fake-dmabuf", 0);
+    if (fd < 0 || ftruncate(fd, (off_t)n)) return 2;
+    *(int *)handle = fd;
     return 0;
 }
 #endif
