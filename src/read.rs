@@ -64,6 +64,11 @@ pub(crate) struct ReadArgs {
     /// Use SQPOLL kernel threads (idle timeout in ms).
     #[arg(long)]
     sqpoll_ms: Option<u32>,
+    /// Put the landing ring in the memory of this GPU (CUDA device ordinal):
+    /// RDMA writes land there directly. Needs --rdma, a cluster and --source;
+    /// with --verify every sample is copied back to check its CRC32C.
+    #[arg(long)]
+    gpu_ring: Option<u32>,
     /// Memory tier budget (e.g. 8GiB); samples in it are served from RAM.
     #[arg(long, default_value = "0", value_parser = crate::parse_bytes)]
     tier_bytes: u64,
@@ -180,7 +185,9 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
         .max_read_bytes(a.max_read_bytes)
         .sqpoll(a.sqpoll_ms)
         .tier_bytes(a.tier_bytes)
-        .verify_crc32c(a.verify)
+        // A GPU ring cannot be read by the CPU: --verify copies back below.
+        .verify_crc32c(a.verify && a.gpu_ring.is_none())
+        .gpu_ring(a.gpu_ring)
         .registered_buffers(!a.no_registered_buffers)
         .registered_files(!a.no_registered_files)
         .pin(!a.no_pin)
@@ -271,11 +278,38 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
     };
     let t0 = Instant::now();
     let mut epoch_lines = Vec::new();
+    let mut host = Vec::new();
     for e in a.start_epoch..a.start_epoch + a.epochs {
         loader.set_epoch(e)?;
         let bar = Progress::new(&format!("epoch {e}"), per_epoch, progress);
         let (te, s0, b0) = (Instant::now(), loader.stats().samples, loader.stats().bytes);
-        while let Some(batch) = loader.next_batch()? {
+        if loader.landing_device().is_some() {
+            // GPU ring: the batch is device addresses; --verify copies each
+            // sample back and checks it against the catalog.
+            while loader.acquire_batch()? > 0 {
+                let mut bytes = 0;
+                for i in 0..loader.held_len() {
+                    let s = loader.held_device_sample(i);
+                    bytes += s.len;
+                    if a.verify {
+                        check_gpu_sample(&loader, &s, &mut host)?;
+                    }
+                }
+                bar.add(bytes as u64);
+                loader.release_batch();
+                if a.compute_us > 0 {
+                    let until = Instant::now() + Duration::from_micros(a.compute_us);
+                    while Instant::now() < until {
+                        std::hint::spin_loop();
+                    }
+                }
+            }
+        }
+        while let Some(batch) = (loader.landing_device().is_none())
+            .then(|| loader.next_batch())
+            .transpose()?
+            .flatten()
+        {
             let bytes: usize = batch.iter().map(|s| s.bytes.len()).sum();
             bar.add(bytes as u64);
             if a.compute_us > 0 {
@@ -335,5 +369,27 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
         cpu / (st.bytes as f64 / 1e9).max(1e-9),
         setup_cpu
     );
+    Ok(())
+}
+
+/// Copies sample `s` out of the GPU ring into `host` and checks its CRC32C
+/// against the catalog.
+fn check_gpu_sample(
+    loader: &kspeed::loader::Loader,
+    s: &kspeed::loader::DeviceSample,
+    host: &mut Vec<u8>,
+) -> kspeed::Result<()> {
+    let dev = loader.landing_device().expect("a GPU ring");
+    host.resize(s.len, 0);
+    dev.copy_to_host(s.offset as usize, host)
+        .map_err(|e| kspeed::Error::LoaderFailed(format!("sample {}: {e}", s.id)))?;
+    let want = loader.catalog().sample(s.id).crc32c;
+    let got = crc32c::crc32c(host);
+    if got != want {
+        return Err(kspeed::Error::LoaderFailed(format!(
+            "sample {} in the GPU ring: CRC32C {got:08x}, the catalog says {want:08x}",
+            s.id
+        )));
+    }
     Ok(())
 }

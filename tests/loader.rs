@@ -155,6 +155,25 @@ fn zero_counts_are_named_config_errors() {
 }
 
 #[test]
+fn a_gpu_ring_outside_rdma_cluster_mode_is_a_named_error() {
+    // The CPU cannot read GPU memory and the pollers cannot read into it,
+    // so only RDMA writes may fill a GPU ring; anything else is refused at
+    // build, before CUDA is even looked for.
+    let t = tempfile::tempdir().unwrap();
+    let sp = odd_space(t.path());
+    match LoaderBuilder::space(&sp).gpu_ring(Some(0)).build() {
+        Err(Error::InvalidConfig(msg)) => {
+            assert!(
+                msg.contains("GPU memory (device 0) needs cluster mode over RDMA"),
+                "{msg}"
+            )
+        }
+        Err(e) => panic!("wrong error: {e}"),
+        Ok(_) => panic!("a GPU ring without RDMA was built"),
+    }
+}
+
+#[test]
 fn sample_larger_than_the_ring_is_an_error_at_build() {
     let t = tempfile::tempdir().unwrap();
     let sp = odd_space(t.path());

@@ -85,6 +85,9 @@ pub struct LandingRing {
     len: usize,
     info: LandingInfo,
     cuda: Option<cuda::Registration>,
+    /// A ring in GPU memory: `ptr` is then the device address, which the CPU
+    /// must not dereference (see [`LandingRing::new_gpu`]).
+    device: Option<cuda::DeviceMemory>,
 }
 
 // SAFETY: the ring is plain memory owned by this value; which bytes may be
@@ -156,6 +159,7 @@ impl LandingRing {
                 cuda: String::new(),
             },
             cuda: None,
+            device: None,
         };
         if let Some(node) = numa_node {
             ring.bind(node)?;
@@ -232,6 +236,41 @@ impl LandingRing {
         Ok(())
     }
 
+    /// A ring in the memory of GPU `ordinal` (CUDA driver, loaded at run
+    /// time), for RDMA writes straight into the GPU (GPUDirect RDMA). The CPU
+    /// cannot read it: [`LandingRing::as_mut_ptr`] is the device address,
+    /// [`LandingRing::slice`] must not be called, and host code reaches the
+    /// bytes only through [`LandingRing::device`]'s copies.
+    pub fn new_gpu(ordinal: u32, ring_bytes: u64) -> Result<Self> {
+        if ring_bytes == 0 {
+            return Err(Error::InvalidConfig("ring_bytes must be positive".into()));
+        }
+        let mem = cuda::DeviceMemory::alloc(ordinal, ring_bytes as usize)
+            .map_err(|e| Error::InvalidConfig(format!("GPU ring on device {ordinal}: {e}")))?;
+        let ptr = NonNull::new(mem.addr() as *mut u8).ok_or_else(|| {
+            Error::InvalidConfig(format!("GPU ring on device {ordinal}: null device address"))
+        })?;
+        let len = mem.len();
+        Ok(LandingRing {
+            ptr,
+            len,
+            info: LandingInfo {
+                bytes: len as u64,
+                huge_pages: false,
+                locked: false,
+                numa_node: None,
+                cuda: format!("GPU memory on device {ordinal} (CUDA driver)"),
+            },
+            cuda: None,
+            device: Some(mem),
+        })
+    }
+
+    /// The GPU memory behind a ring made by [`LandingRing::new_gpu`].
+    pub fn device(&self) -> Option<&cuda::DeviceMemory> {
+        self.device.as_ref()
+    }
+
     /// What was set up.
     pub fn info(&self) -> &LandingInfo {
         &self.info
@@ -259,6 +298,7 @@ impl LandingRing {
     /// returned slice lives (the loader guarantees this for delivered,
     /// unreleased samples: pollers write only outside the consumer's window).
     pub unsafe fn slice(&self, off: usize, len: usize) -> &[u8] {
+        assert!(self.device.is_none(), "the landing ring is GPU memory");
         debug_assert!(off + len <= self.len);
         // SAFETY: in bounds per the contract; no concurrent writer per the contract.
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(off), len) }
@@ -312,6 +352,10 @@ fn map(bytes: u64, huge: bool) -> Result<(NonNull<u8>, usize, bool)> {
 
 impl Drop for LandingRing {
     fn drop(&mut self) {
+        if self.device.take().is_some() {
+            // GPU memory: freed by DeviceMemory; nothing was mapped here.
+            return;
+        }
         // Reverse order of setup: CUDA registration, lock, mapping.
         self.cuda.take();
         // SAFETY: ptr/len are our live mapping, unmapped exactly once here;

@@ -231,6 +231,7 @@ pub struct LoaderBuilder {
     registered_files: bool,
     verify_crc32c: bool,
     tier_bytes: u64,
+    gpu_ring: Option<u32>,
     faults: Option<FaultConfig>,
     start: Option<Position>,
     cluster: Option<crate::transport::Cluster>,
@@ -297,6 +298,7 @@ impl LoaderBuilder {
             registered_files: true,
             verify_crc32c: false,
             tier_bytes: 0,
+            gpu_ring: None,
             faults: None,
             start: None,
             cluster: None,
@@ -484,6 +486,20 @@ impl LoaderBuilder {
         self
     }
 
+    /// Put the landing ring in the memory of GPU `ordinal` (CUDA driver,
+    /// loaded at run time) instead of host memory: the owners' RDMA writes
+    /// land in the GPU (GPUDirect RDMA; the ring is registered as a dma-buf,
+    /// or, where the NIC's driver lacks that, through a peer-memory module
+    /// such as nvidia-peermem). Needs cluster mode over RDMA with a source
+    /// (nothing read locally: the pollers cannot read into GPU memory), no
+    /// memory tier and no `verify_crc32c` (the CPU cannot read the ring).
+    /// Batches are then read with [`Loader::acquire_batch`] and
+    /// [`Loader::held_device_sample`] / [`Loader::held_device_spans`].
+    pub fn gpu_ring(mut self, ordinal: Option<u32>) -> Self {
+        self.gpu_ring = ordinal;
+        self
+    }
+
     /// Inject seeded I/O faults (for tests of the error paths).
     pub fn fault_injection(mut self, cfg: FaultConfig) -> Self {
         self.faults = Some(cfg);
@@ -648,7 +664,28 @@ impl LoaderBuilder {
                 ring_bytes: geo.ring_bytes,
             });
         }
-        let ring = LandingRing::new(&landing)?;
+        let ring = match self.gpu_ring {
+            None => LandingRing::new(&landing)?,
+            Some(ordinal) => {
+                let why = if self.cluster.is_none() || self.rdma.is_none() {
+                    Some("cluster mode over RDMA (nothing else can write GPU memory)")
+                } else if self.space.is_some() {
+                    Some("a source instead of a space (local pollers cannot read into GPU memory)")
+                } else if self.tier_bytes > 0 {
+                    Some("no memory tier")
+                } else if self.verify_crc32c {
+                    Some("verify_crc32c off (the CPU cannot read the ring)")
+                } else {
+                    None
+                };
+                if let Some(why) = why {
+                    return Err(Error::InvalidConfig(format!(
+                        "a landing ring in GPU memory (device {ordinal}) needs {why}"
+                    )));
+                }
+                LandingRing::new_gpu(ordinal, landing.ring_bytes)?
+            }
+        };
         let tier = Tier::new(catalog, self.tier_bytes, landing.mlock)?;
         if let Some(t) = &tier {
             log::info!(
@@ -714,7 +751,7 @@ impl LoaderBuilder {
             }
         };
         let mut backends = Vec::with_capacity(cfg.pollers);
-        let mut fixed_buffers = self.registered_buffers;
+        let mut fixed_buffers = self.registered_buffers && ring.device().is_none();
         for _ in 0..cfg.pollers {
             let uring = Uring::new(UringOptions {
                 entries: cfg.queue_depth * 2,
@@ -851,6 +888,23 @@ pub struct BatchSample<'a> {
     pub label: Option<u32>,
     /// The bytes, in the landing ring.
     pub bytes: &'a [u8],
+    /// Its place in the rank's sequence.
+    pub position: Position,
+}
+
+/// One sample of a batch held in a GPU ring ([`Loader::held_device_sample`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceSample {
+    /// Sample id (catalog index).
+    pub id: u64,
+    /// Label, if the source has one.
+    pub label: Option<u32>,
+    /// Device address of its first byte.
+    pub addr: u64,
+    /// Its offset in the ring (for `DeviceMemory` copies).
+    pub offset: u64,
+    /// Its length in bytes.
+    pub len: usize,
     /// Its place in the rank's sequence.
     pub position: Position,
 }
@@ -1005,7 +1059,7 @@ impl Loader {
             Some(setup) => {
                 let mut s = (**setup).clone();
                 let ring = &self.spare.as_ref().expect("resources available").ring;
-                let conns = net::connect_all(&mut s, (ring.as_mut_ptr(), ring.len()))?;
+                let conns = net::connect_all(&mut s, ring)?;
                 *setup = Arc::new(s);
                 Some(conns)
             }
@@ -1141,6 +1195,13 @@ impl Loader {
     /// The next batch of the current epoch, or `None` at its end (call
     /// [`Loader::set_epoch`] to go on). Blocks only while data is not there yet.
     pub fn next_batch(&mut self) -> Result<Option<Batch<'_>>> {
+        if self.landing_device().is_some() {
+            return Err(Error::InvalidConfig(
+                "the landing ring is in GPU memory: read batches with acquire_batch and \
+                 held_device_sample / held_device_spans"
+                    .into(),
+            ));
+        }
         if self.acquire_batch()? == 0 {
             return Ok(None);
         }
@@ -1224,6 +1285,61 @@ impl Loader {
             // writes it until the batch is released.
             bytes: unsafe { ring.slice(e.phys as usize, e.len as usize) },
             position: e.pos,
+        }
+    }
+
+    /// The GPU memory holding the ring, when it is there
+    /// ([`LoaderBuilder::gpu_ring`]).
+    pub fn landing_device(&self) -> Option<&crate::landing::cuda::DeviceMemory> {
+        self.run
+            .as_ref()
+            .map(|r| &r.shared.ring)
+            .or(self.spare.as_ref().map(|s| &s.ring))
+            .and_then(|r| r.device())
+    }
+
+    /// Sample `i` of the held batch in a GPU ring: its device address.
+    ///
+    /// # Panics
+    /// When no batch is held, `i` is out of range, or the ring is host memory.
+    pub fn held_device_sample(&self, i: usize) -> DeviceSample {
+        assert!(self.held, "no batch is held");
+        let ring = &self.run.as_ref().expect("running").shared.ring;
+        let dev = ring.device().expect("the landing ring is host memory");
+        let e = self.entries[i];
+        DeviceSample {
+            id: e.id,
+            label: e.label,
+            addr: dev.addr() + e.phys,
+            offset: e.phys,
+            len: e.len as usize,
+            position: e.pos,
+        }
+    }
+
+    /// The held batch in a GPU ring as (device address, bytes) spans: one,
+    /// or two if it wraps, alignment padding included.
+    ///
+    /// # Panics
+    /// When no batch is held or the ring is host memory.
+    pub fn held_device_spans(&self) -> ((u64, usize), Option<(u64, usize)>) {
+        assert!(self.held, "no batch is held");
+        let ring = &self.run.as_ref().expect("running").shared.ring;
+        let base = ring
+            .device()
+            .expect("the landing ring is host memory")
+            .addr();
+        let first = self.entries[0];
+        let last = *self.entries.last().expect("non-empty");
+        let end = last.phys + last.len;
+        if end >= first.phys {
+            ((base + first.phys, (end - first.phys) as usize), None)
+        } else {
+            let wrap = self.geo.ring_bytes;
+            (
+                (base + first.phys, (wrap - first.phys) as usize),
+                Some((base, end as usize)),
+            )
         }
     }
 

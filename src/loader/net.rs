@@ -34,6 +34,7 @@ use super::schedule::{Cursor, Placed};
 use super::{Shared, CODE_ERROR, CODE_OK};
 use crate::dataset::Placement;
 use crate::error::{errno_name, Error, Result};
+use crate::landing::LandingRing;
 use crate::ring::{Completion, IoBackend, Uring, UringOptions};
 use crate::sys::EventFd;
 use crate::transport::proto::{self, Code, GrantEntry, Header, Hello, Kind, Welcome};
@@ -71,6 +72,8 @@ const RDMA_RECV_BYTES: usize = 4 + crate::transport::rdma::RDMA_ERROR_BYTES;
 pub(crate) struct ConsumerRdma {
     opts: crate::transport::RdmaOptions,
     ring_mr: crate::transport::rdma::Mr,
+    /// A GPU ring's dma-buf, kept open while it is registered.
+    _dmabuf: Option<std::os::fd::OwnedFd>,
     channel: Arc<crate::transport::rdma::CompChannel>,
     pd: Arc<crate::transport::rdma::Pd>,
     ctx: Arc<crate::transport::rdma::Context>,
@@ -78,18 +81,80 @@ pub(crate) struct ConsumerRdma {
 
 #[cfg(feature = "rdma")]
 impl ConsumerRdma {
-    fn open(opts: &crate::transport::RdmaOptions, ring: (*mut u8, usize)) -> Result<Self> {
+    fn open(opts: &crate::transport::RdmaOptions, ring: &LandingRing) -> Result<Self> {
         use crate::transport::rdma::{Access, CompChannel, Context, Mr, Pd};
         let ctx = Context::open(opts.device.as_deref(), opts.port, opts.gid_index)?;
         let pd = Pd::new(&ctx)?;
         let channel = CompChannel::new(&ctx)?;
-        // SAFETY: the ring outlives this registration (the network thread
-        // owns it and drops it before its Arc of the ring); peers write it
-        // only at granted ranges the consumer does not read until published.
-        let ring_mr = unsafe { Mr::register(&pd, ring.0, ring.1, Access::RemoteWrite) }?;
+        let mut dmabuf = None;
+        let ring_mr = match ring.device() {
+            // SAFETY: the ring outlives this registration (the network thread
+            // owns it and drops it before its Arc of the ring); peers write it
+            // only at granted ranges the consumer does not read until published.
+            None => {
+                unsafe { Mr::register(&pd, ring.as_mut_ptr(), ring.len(), Access::RemoteWrite) }?
+            }
+            Some(dev) => {
+                // GPU memory: as a dma-buf where the NIC's driver can
+                // register one, else by its device address, which a
+                // peer-memory module (nvidia-peermem) lets ibv_reg_mr pin.
+                let via_dmabuf = dev
+                    .export_dmabuf()
+                    .map_err(|e| e.to_string())
+                    .and_then(|fd| {
+                        use std::os::fd::AsRawFd;
+                        // SAFETY: the dma-buf stays open (kept below) and its
+                        // memory allocated for as long as the ring lives.
+                        let mr = unsafe {
+                            Mr::register_dmabuf(
+                                &pd,
+                                fd.as_raw_fd(),
+                                0,
+                                dev.len(),
+                                dev.addr(),
+                                Access::RemoteWrite,
+                            )
+                        }
+                        .map_err(|e| e.to_string())?;
+                        Ok((mr, fd))
+                    });
+                match via_dmabuf {
+                    Ok((mr, fd)) => {
+                        log::info!("GPU ring registered for RDMA as a dma-buf");
+                        dmabuf = Some(fd);
+                        mr
+                    }
+                    Err(first) => {
+                        // SAFETY: as above; the address is the GPU
+                        // allocation's, which a peer-memory client pins.
+                        match unsafe {
+                            Mr::register(&pd, ring.as_mut_ptr(), ring.len(), Access::RemoteWrite)
+                        } {
+                            Ok(mr) => {
+                                log::info!(
+                                    "GPU ring registered for RDMA by address (peer memory); \
+                                     as a dma-buf it was not: {first}"
+                                );
+                                mr
+                            }
+                            Err(second) => {
+                                return Err(Error::Rdma {
+                                    op: "register the GPU ring",
+                                    detail: format!(
+                                        "as a dma-buf: {first}; by address (needs a peer-memory \
+                                         module such as nvidia-peermem): {second}"
+                                    ),
+                                })
+                            }
+                        }
+                    }
+                }
+            }
+        };
         Ok(ConsumerRdma {
             opts: opts.clone(),
             ring_mr,
+            _dmabuf: dmabuf,
             channel,
             pd,
             ctx,
@@ -262,7 +327,7 @@ pub(crate) struct Connected {
 ///
 /// Over RDMA the landing ring `ring` (address, length) is registered for
 /// remote write first, and every connection gets its queue pair.
-pub(crate) fn connect_all(setup: &mut NetSetup, ring: (*mut u8, usize)) -> Result<Connected> {
+pub(crate) fn connect_all(setup: &mut NetSetup, ring: &LandingRing) -> Result<Connected> {
     let mut out = Vec::with_capacity(setup.cluster.nodes.len());
     #[cfg(feature = "rdma")]
     let rdma = match &setup.rdma {
@@ -550,6 +615,8 @@ pub(crate) struct NetThread {
     wake_buf: Box<u64>,
     wake_inflight: bool,
     completions: Vec<Completion>,
+    /// Host buffer for samples read from the source into a GPU ring.
+    bounce: Vec<u8>,
     sh: Arc<Shared>,
 }
 
@@ -575,6 +642,7 @@ impl NetThread {
             #[cfg(feature = "rdma")]
             rdma: connected.rdma,
             chan_inflight: false,
+            bounce: Vec::new(),
             cursor,
             pending: None,
             table: vec![
@@ -949,11 +1017,19 @@ impl NetThread {
         let cat = self.sh.input.catalog();
         let sample = cat.sample(s.id);
         let path = cat.file_path(sample.file);
-        let dst = self.ring_ptr(s.phys);
-        // SAFETY: the sample's slot [phys, phys+len) is ours (outstanding,
-        // not published) and no connection writes it any more: every holder
-        // was tried and its receive has returned.
-        let buf = unsafe { std::slice::from_raw_parts_mut(dst, s.len as usize) };
+        let device = self.sh.ring.device();
+        let buf: &mut [u8] = if device.is_some() {
+            // A GPU ring: read and check on the host, then copy it in. The
+            // buffer grows to the largest sample this fallback has read.
+            self.bounce.resize(s.len as usize, 0);
+            &mut self.bounce[..]
+        } else {
+            let dst = self.ring_ptr(s.phys);
+            // SAFETY: the sample's slot [phys, phys+len) is ours (outstanding,
+            // not published) and no connection writes it any more: every holder
+            // was tried and its receive has returned.
+            unsafe { std::slice::from_raw_parts_mut(dst, s.len as usize) }
+        };
         let res = std::fs::File::open(&path)
             .and_then(|f| f.read_exact_at(buf, sample.offset))
             .map_err(|e| {
@@ -974,6 +1050,12 @@ impl NetThread {
                         sample.crc32c
                     ))
                 }
+            })
+            .and_then(|()| match device {
+                Some(d) => d
+                    .copy_from_host(s.phys as usize, buf)
+                    .map_err(|e| format!("copying it into the GPU ring: {e}")),
+                None => Ok(()),
             });
         self.table[idx].live = false;
         match res {
