@@ -54,7 +54,9 @@ typedef struct ksp_loader ksp_loader;
 // A running node service. Opaque.
 typedef struct ksp_node_service ksp_node_service;
 
-// One sample of a batch. `data` points into the landing ring.
+// One sample of a batch. `data` points into the landing ring: host memory,
+// or, with the `gpu_ring` config key, a CUDA device pointer (a
+// `CUdeviceptr` value) the CPU must not dereference.
 typedef struct {
   // The sample's bytes (valid until the batch is released).
   const uint8_t *data;
@@ -69,7 +71,9 @@ typedef struct {
 // A batch: `count` samples in order, plus the contiguous span(s) of the
 // ring holding them (alignment padding included). Everything it points to
 // is owned by the loader and valid until [`ksp_loader_release_batch`], the
-// next [`ksp_loader_next_batch`], or [`ksp_loader_free`].
+// next [`ksp_loader_next_batch`], or [`ksp_loader_free`]. With `gpu_ring`,
+// `span`, `wrap` and every sample's `data` are CUDA device pointers (copy
+// or use them on the GPU; `samples` itself is host memory).
 typedef struct {
   // Samples in the batch; 0 at the end of the epoch.
   size_t count;
@@ -180,6 +184,7 @@ void ksp_config_free(ksp_config *cfg);
 // | `ring_bytes`, `tier_bytes` | sizes, e.g. `256MiB` |
 // | `pollers`, `queue_depth`, `submit_batch`, `lookahead` | counts |
 // | `numa_node` | NUMA node of the ring |
+// | `gpu_ring` | CUDA device ordinal: the ring lives in that GPU's memory and RDMA writes land there (cluster mode over RDMA with a `source`; batch pointers are then device pointers) |
 // | `start_epoch` | first epoch |
 // | `cluster_file` | cluster mode: the node list |
 // | `token` | cluster mode: the job token |

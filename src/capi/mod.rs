@@ -326,6 +326,7 @@ fn parse_bool(key: &str, v: &str) -> Result<bool, Fail> {
 /// | `ring_bytes`, `tier_bytes` | sizes, e.g. `256MiB` |
 /// | `pollers`, `queue_depth`, `submit_batch`, `lookahead` | counts |
 /// | `numa_node` | NUMA node of the ring |
+/// | `gpu_ring` | CUDA device ordinal: the ring lives in that GPU's memory and RDMA writes land there (cluster mode over RDMA with a `source`; batch pointers are then device pointers) |
 /// | `start_epoch` | first epoch |
 /// | `cluster_file` | cluster mode: the node list |
 /// | `token` | cluster mode: the job token |
@@ -372,6 +373,7 @@ pub unsafe extern "C" fn ksp_config_set(
             "drop_last" => b.drop_last(parse_bool(k, v)?),
             "ring_bytes" => b.ring_bytes(parse_bytes(k, v)?),
             "tier_bytes" => b.tier_bytes(parse_bytes(k, v)?),
+            "gpu_ring" => b.gpu_ring(Some(parse_num(k, v)?)),
             "pollers" => b.pollers(parse_num(k, v)?),
             "queue_depth" => b.queue_depth(parse_num(k, v)?),
             "submit_batch" => b.submit_batch(parse_num(k, v)?),
@@ -423,7 +425,9 @@ pub unsafe extern "C" fn ksp_config_set(
 
 // --- loader -----------------------------------------------------------------
 
-/// One sample of a batch. `data` points into the landing ring.
+/// One sample of a batch. `data` points into the landing ring: host memory,
+/// or, with the `gpu_ring` config key, a CUDA device pointer (a
+/// `CUdeviceptr` value) the CPU must not dereference.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct ksp_sample {
@@ -440,7 +444,9 @@ pub struct ksp_sample {
 /// A batch: `count` samples in order, plus the contiguous span(s) of the
 /// ring holding them (alignment padding included). Everything it points to
 /// is owned by the loader and valid until [`ksp_loader_release_batch`], the
-/// next [`ksp_loader_next_batch`], or [`ksp_loader_free`].
+/// next [`ksp_loader_next_batch`], or [`ksp_loader_free`]. With `gpu_ring`,
+/// `span`, `wrap` and every sample's `data` are CUDA device pointers (copy
+/// or use them on the GPU; `samples` itself is host memory).
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct ksp_batch {
@@ -577,7 +583,27 @@ pub unsafe extern "C" fn ksp_loader_next_batch(
             wrap_len: 0,
             epoch: h.loader.position().epoch,
         };
-        if n > 0 {
+        if n > 0 && h.loader.landing_device().is_some() {
+            // A GPU ring: device addresses, never dereferenced here.
+            for i in 0..n {
+                let s = h.loader.held_device_sample(i);
+                h.samples.push(ksp_sample {
+                    data: s.addr as *const u8,
+                    len: s.len,
+                    id: s.id,
+                    label: s.label.map_or(-1, |x| x as i64),
+                });
+            }
+            let ((span, span_len), wrap) = h.loader.held_device_spans();
+            batch.samples = h.samples.as_ptr();
+            batch.span = span as *const u8;
+            batch.span_len = span_len;
+            if let Some((w, wl)) = wrap {
+                batch.wrap = w as *const u8;
+                batch.wrap_len = wl;
+            }
+            batch.epoch = h.loader.held_device_sample(0).position.epoch;
+        } else if n > 0 {
             for i in 0..n {
                 let s = h.loader.held_sample(i);
                 h.samples.push(ksp_sample {

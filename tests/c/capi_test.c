@@ -157,6 +157,15 @@ int main(int argc, char **argv) {
     CHECK(ksp_loader_new(cfg, &l) == KSP_ERR_INVALID_ARG, "ring too small: %s", last_error());
     ksp_config_free(cfg);
 
+    /* A ring in GPU memory needs cluster mode over RDMA: refused, named. */
+    cfg = config(space, "4MiB");
+    CHECK(ksp_config_set(cfg, "gpu_ring", "0") == KSP_OK, "%s", last_error());
+    CHECK(ksp_config_set(cfg, "gpu_ring", "first") == KSP_ERR_INVALID_ARG, "bad ordinal");
+    CHECK(ksp_loader_new(cfg, &l) == KSP_ERR_INVALID_ARG && l == NULL, "gpu ring without rdma");
+    CHECK(strstr(last_error(), "GPU memory (device 0) needs cluster mode over RDMA") != NULL,
+          "names why: %s", last_error());
+    ksp_config_free(cfg);
+
     /* The real thing: two epochs, byte-exact. */
     cfg = config(space, "2MiB");
     int calls_before = log_calls;
