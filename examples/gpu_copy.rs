@@ -176,5 +176,36 @@ fn run(space: &str, epochs: u64, batch: usize) -> Result<(), String> {
         gb / pageable_s,
         pageable_s / pinned_s
     );
+    gpu_ring_memory()
+}
+
+/// The GPU-ring side (the RDMA issue's GPU check): kspeed's own device
+/// allocation, a round trip through it, and its dma-buf export, which is
+/// what a NIC registers for GPUDirect RDMA.
+fn gpu_ring_memory() -> Result<(), String> {
+    use kspeed::landing::cuda::DeviceMemory;
+    let m = DeviceMemory::alloc(0, 64 << 20)?;
+    let data: Vec<u8> = (0..(8u32 << 20)).map(|i| (i % 251) as u8).collect();
+    m.copy_from_host(4096, &data)?;
+    let mut back = vec![0u8; data.len()];
+    m.copy_to_host(4096, &mut back)?;
+    if back != data {
+        return Err("GPU ring memory: bytes differ after a round trip".into());
+    }
+    match m.export_dmabuf() {
+        Ok(fd) => {
+            let size = std::fs::File::from(fd).metadata().map(|md| md.len());
+            println!(
+                "GPU ring memory: {} bytes at {:#x}, round trip exact, dma-buf export ok ({size:?} bytes)",
+                m.len(),
+                m.addr()
+            );
+        }
+        Err(e) => println!(
+            "GPU ring memory: {} bytes at {:#x}, round trip exact; dma-buf export failed: {e}",
+            m.len(),
+            m.addr()
+        ),
+    }
     Ok(())
 }

@@ -4,7 +4,8 @@
 # dataset, preloads it, then runs examples/gpu_copy.rs, which copies every
 # batch from the CUDA-registered landing ring to GPU memory and the same
 # bytes from pageable memory, and prints GB/s for both. Prints what it
-# measured and exits 0 (the example says "skipped" where CUDA or a device is
+# measured (then the GPU-ring memory: allocation, round trip, dma-buf
+# export) and exits 0 (the example says "skipped" where CUDA or a device is
 # missing); a CUDA error exits non-zero.
 #
 #   scripts/gpu_check.sh [COUNT=5000] [WORKDIR=/tmp/kspeed-gpu]
