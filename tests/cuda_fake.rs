@@ -14,25 +14,6 @@ use std::process::Command;
 
 use common::*;
 
-/// Builds the stand-in as `dir/name`; None (with a message) without gcc.
-fn build_fake(dir: &Path, define: &str, name: &str) -> Option<PathBuf> {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c/fake_cuda.c");
-    let out = dir.join(name);
-    match Command::new("gcc")
-        .args(["-shared", "-fPIC", "-O1", "-Wall", "-Werror", define, "-o"])
-        .arg(&out)
-        .arg(&src)
-        .output()
-    {
-        Ok(o) if o.status.success() => Some(out),
-        Ok(o) => panic!("gcc failed:\n{}", String::from_utf8_lossy(&o.stderr)),
-        Err(e) => {
-            eprintln!("skipping: gcc not available ({e})");
-            None
-        }
-    }
-}
-
 struct Run {
     stderr: String,
     log: String,
@@ -88,6 +69,21 @@ fn last_exit(log: &str) -> &str {
     log.lines().rfind(|l| l.starts_with("exit ")).unwrap_or("")
 }
 
+/// What `last_exit` says when nothing was left registered, retained or
+/// allocated.
+const CLEAN: &str = "exit registered=0 retained=0 allocated=0";
+
+/// A library directory under `t` with the stand-ins built as `(define,
+/// name)`; None (with a message) without gcc.
+fn fakes(t: &Path, libs: &[(&str, &str)]) -> Option<PathBuf> {
+    let dir = t.join("lib");
+    std::fs::create_dir_all(&dir).unwrap();
+    for (define, name) in libs {
+        build_fake_cuda(&dir, define, name)?;
+    }
+    Some(dir)
+}
+
 /// The registered pointer and length from a "register PTR LEN FLAGS" line.
 fn registered(log: &str) -> Vec<(String, u64)> {
     log.lines()
@@ -102,11 +98,9 @@ fn registered(log: &str) -> Vec<(String, u64)> {
 #[test]
 fn driver_registration_covers_the_ring_and_is_undone() {
     let t = tempfile::tempdir().unwrap();
-    let libdir = t.path().join("lib");
-    std::fs::create_dir(&libdir).unwrap();
-    if build_fake(&libdir, "-DFAKE_DRIVER", "libcuda.so.1").is_none() {
+    let Some(libdir) = fakes(t.path(), &[("-DFAKE_DRIVER", "libcuda.so.1")]) else {
         return;
-    }
+    };
     let sp = space(t.path());
     let r = read_with(&libdir, &sp, &[]);
     assert!(
@@ -131,24 +125,19 @@ fn driver_registration_covers_the_ring_and_is_undone() {
     );
     // Nothing left behind: every registration undone, every retained
     // context released.
-    assert_eq!(
-        last_exit(&r.log),
-        "exit registered=0 retained=0 allocated=0",
-        "leaked:\n{}",
-        r.log
-    );
+    assert_eq!(last_exit(&r.log), CLEAN, "leaked:\n{}", r.log);
 }
 
 #[test]
 fn runtime_registration_is_preferred_and_undone() {
     let t = tempfile::tempdir().unwrap();
-    let libdir = t.path().join("lib");
-    std::fs::create_dir(&libdir).unwrap();
-    if build_fake(&libdir, "-DFAKE_RUNTIME", "libcudart.so").is_none()
-        || build_fake(&libdir, "-DFAKE_DRIVER", "libcuda.so.1").is_none()
-    {
+    let libs = [
+        ("-DFAKE_RUNTIME", "libcudart.so"),
+        ("-DFAKE_DRIVER", "libcuda.so.1"),
+    ];
+    let Some(libdir) = fakes(t.path(), &libs) else {
         return;
-    }
+    };
     let sp = space(t.path());
     let r = read_with(&libdir, &sp, &[]);
     assert!(
@@ -159,22 +148,15 @@ fn runtime_registration_is_preferred_and_undone() {
     );
     assert_eq!(registered(&r.log).len(), 1, "{}", r.log);
     assert!(r.log.contains("unregister "), "{}", r.log);
-    assert_eq!(
-        last_exit(&r.log),
-        "exit registered=0 retained=0 allocated=0",
-        "{}",
-        r.log
-    );
+    assert_eq!(last_exit(&r.log), CLEAN, "{}", r.log);
 }
 
 #[test]
 fn a_failed_registration_is_reported_and_reading_goes_on() {
     let t = tempfile::tempdir().unwrap();
-    let libdir = t.path().join("lib");
-    std::fs::create_dir(&libdir).unwrap();
-    if build_fake(&libdir, "-DFAKE_DRIVER", "libcuda.so.1").is_none() {
+    let Some(libdir) = fakes(t.path(), &[("-DFAKE_DRIVER", "libcuda.so.1")]) else {
         return;
-    }
+    };
     let sp = space(t.path());
     let r = read_with(&libdir, &sp, &[("FAKE_CUDA_FAIL_REGISTER", "1")]);
     assert!(
@@ -186,7 +168,7 @@ fn a_failed_registration_is_reported_and_reading_goes_on() {
     );
     assert_eq!(
         last_exit(&r.log),
-        "exit registered=0 retained=0 allocated=0",
+        CLEAN,
         "the context retained for the attempt must be released:\n{}",
         r.log
     );
@@ -235,7 +217,7 @@ fn gpu_memory_alloc_copy_export_free() {
         );
     }
     let t = tempfile::tempdir().unwrap();
-    if build_fake(t.path(), "-DFAKE_DRIVER", "libcuda.so.1").is_none() {
+    if build_fake_cuda(t.path(), "-DFAKE_DRIVER", "libcuda.so.1").is_none() {
         return;
     }
     let log = t.path().join("calls.log");
@@ -257,9 +239,5 @@ fn gpu_memory_alloc_copy_export_free() {
         "SYNC_MEMOPS set:\n{log}"
     );
     assert!(log.contains("export "), "{log}");
-    assert_eq!(
-        last_exit(&log),
-        "exit registered=0 retained=0 allocated=0",
-        "freed and released:\n{log}"
-    );
+    assert_eq!(last_exit(&log), CLEAN, "freed and released:\n{log}");
 }

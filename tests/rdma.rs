@@ -874,12 +874,32 @@ fn inspect_devices_lists_ports_and_the_addresses_to_listen_on() {
     );
 }
 
+/// `kspeed read --rdma` of `d`'s source through the nodes in `cluster`.
+fn cli_read(d: &Data, cluster: &Path, token: &Path) -> std::process::Command {
+    let mut c = std::process::Command::new(common::kspeed_bin());
+    c.args([
+        "read",
+        "--progress=none",
+        "--rdma",
+        "--source",
+        common::s(&d.src),
+    ])
+    .args([
+        "--catalog",
+        common::s(&d.catalog),
+        "--cluster",
+        common::s(cluster),
+    ])
+    .args(["--token-file", common::s(token)]);
+    c
+}
+
 #[test]
 fn a_killed_consumer_process_leaves_no_queue_pair_on_the_node() {
     if open().is_none() {
         return;
     }
-    use std::process::{Command, Stdio};
+    use std::process::Stdio;
     use std::sync::atomic::Ordering;
     let d = data(2000, 1);
     let node = rdma_node(&d.spaces[0], &vm_ip(0));
@@ -887,22 +907,8 @@ fn a_killed_consumer_process_leaves_no_queue_pair_on_the_node() {
     std::fs::write(&cluster, format!("0 {}\n", node.local_addr())).unwrap();
     let token = d.spaces[0].parent().unwrap().join("token");
     std::fs::write(&token, TOKEN).unwrap();
-    let mut child = Command::new(common::kspeed_bin())
-        .args(["read", "--progress=none", "--source", common::s(&d.src)])
-        .args([
-            "--catalog",
-            common::s(&d.catalog),
-            "--cluster",
-            common::s(&cluster),
-        ])
-        .args([
-            "--token-file",
-            common::s(&token),
-            "--epochs",
-            "1000",
-            "--rdma",
-        ])
-        .args(["--ring-bytes", "1MiB", "--no-mlock"])
+    let mut child = cli_read(&d, &cluster, &token)
+        .args(["--epochs", "1000", "--ring-bytes", "1MiB", "--no-mlock"])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -936,24 +942,6 @@ fn a_killed_consumer_process_leaves_no_queue_pair_on_the_node() {
     assert_eq!(read_exact(&mut l, &cat, 1), 2000);
 }
 
-/// Builds the CUDA driver stand-in (tests/c/fake_cuda.c) into `dir`.
-fn fake_cuda_driver(dir: &Path) -> bool {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c/fake_cuda.c");
-    match std::process::Command::new("gcc")
-        .args(["-shared", "-fPIC", "-O1", "-DFAKE_DRIVER", "-o"])
-        .arg(dir.join("libcuda.so.1"))
-        .arg(&src)
-        .output()
-    {
-        Ok(o) if o.status.success() => true,
-        Ok(o) => panic!("gcc failed:\n{}", String::from_utf8_lossy(&o.stderr)),
-        Err(e) => {
-            eprintln!("skipping: gcc not available ({e})");
-            false
-        }
-    }
-}
-
 #[test]
 fn a_gpu_ring_takes_rdma_writes_through_the_cuda_driver() {
     // No GPU anywhere here: the CUDA driver is the stand-in, whose "device
@@ -967,11 +955,10 @@ fn a_gpu_ring_takes_rdma_writes_through_the_cuda_driver() {
     if open().is_none() {
         return;
     }
-    use std::process::Command;
     let d = data(800, 1);
     let lib = d.spaces[0].parent().unwrap().join("fakecuda");
     std::fs::create_dir_all(&lib).unwrap();
-    if !fake_cuda_driver(&lib) {
+    if common::build_fake_cuda(&lib, "-DFAKE_DRIVER", "libcuda.so.1").is_none() {
         return;
     }
     let node = rdma_node(&d.spaces[0], &vm_ip(0));
@@ -981,16 +968,17 @@ fn a_gpu_ring_takes_rdma_writes_through_the_cuda_driver() {
     let token = dir.join("token");
     std::fs::write(&token, TOKEN).unwrap();
     let log = lib.join("calls.log");
-    let o = Command::new(common::kspeed_bin())
-        .args(["read", "--progress=none", "--source", common::s(&d.src)])
+    let o = cli_read(&d, &cluster, &token)
         .args([
-            "--catalog",
-            common::s(&d.catalog),
-            "--cluster",
-            common::s(&cluster),
+            "--epochs",
+            "2",
+            "--gpu-ring",
+            "0",
+            "--verify",
+            "--ring-bytes",
+            "2MiB",
+            "-v",
         ])
-        .args(["--token-file", common::s(&token), "--epochs", "2", "--rdma"])
-        .args(["--gpu-ring", "0", "--verify", "--ring-bytes", "2MiB", "-v"])
         .env("LD_LIBRARY_PATH", &lib)
         .env("FAKE_CUDA_LOG", &log)
         .output()
@@ -1030,5 +1018,58 @@ fn a_gpu_ring_takes_rdma_writes_through_the_cuda_driver() {
     assert!(
         pushed >= 1600 && line.ends_with("0 failed over, 0 read from the source"),
         "every sample came over RDMA:\n{out}"
+    );
+    // Samples no live node holds come from the source: read and checked on
+    // the host, then copied into the GPU ring. Node 1 of a one-copy,
+    // two-node space is down (nothing listens at its address).
+    let half = dir.join("half");
+    common::ok(&[
+        "preload",
+        "--source",
+        common::s(&d.src),
+        "--catalog",
+        common::s(&d.catalog),
+        "--space",
+        common::s(&half),
+        "--nodes",
+        "2",
+        "--node-index",
+        "0",
+        "--replicas",
+        "1",
+    ]);
+    let node0 = rdma_node(&half, &vm_ip(0));
+    let dead = TcpListener::bind(format!("{}:0", vm_ip(0))).unwrap();
+    let dead_addr = dead.local_addr().unwrap();
+    drop(dead);
+    std::fs::write(
+        &cluster,
+        format!("0 {}\n1 {dead_addr}\n", node0.local_addr()),
+    )
+    .unwrap();
+    let o = cli_read(&d, &cluster, &token)
+        .args([
+            "--epochs",
+            "1",
+            "--gpu-ring",
+            "0",
+            "--verify",
+            "--ring-bytes",
+            "2MiB",
+        ])
+        .env("LD_LIBRARY_PATH", &lib)
+        .env("FAKE_CUDA_LOG", &log)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", common::text(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("read 800 samples"), "{out}");
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("cluster (RDMA)"))
+        .unwrap_or_else(|| panic!("{out}"));
+    assert!(
+        !line.ends_with(" 0 read from the source") && !line.contains(": 0 samples pushed"),
+        "some samples over RDMA, some from the source: {line}"
     );
 }

@@ -129,3 +129,24 @@ pub fn is_root() -> bool {
         .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
         .unwrap_or(false)
 }
+
+/// Builds the CUDA stand-in (tests/c/fake_cuda.c) with `define`
+/// (`-DFAKE_DRIVER` or `-DFAKE_RUNTIME`) as `dir/name`; None (with a
+/// message) without gcc.
+pub fn build_fake_cuda(dir: &Path, define: &str, name: &str) -> Option<PathBuf> {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c/fake_cuda.c");
+    let out = dir.join(name);
+    match Command::new("gcc")
+        .args(["-shared", "-fPIC", "-O1", "-Wall", "-Werror", define, "-o"])
+        .arg(&out)
+        .arg(&src)
+        .output()
+    {
+        Ok(o) if o.status.success() => Some(out),
+        Ok(o) => panic!("gcc failed:\n{}", String::from_utf8_lossy(&o.stderr)),
+        Err(e) => {
+            eprintln!("skipping: gcc not available ({e})");
+            None
+        }
+    }
+}
