@@ -283,41 +283,32 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
         loader.set_epoch(e)?;
         let bar = Progress::new(&format!("epoch {e}"), per_epoch, progress);
         let (te, s0, b0) = (Instant::now(), loader.stats().samples, loader.stats().bytes);
-        if loader.landing_device().is_some() {
-            // GPU ring: the batch is device addresses; --verify copies each
-            // sample back and checks it against the catalog.
-            while loader.acquire_batch()? > 0 {
-                let mut bytes = 0;
-                for i in 0..loader.held_len() {
+        let gpu = loader.landing_device().is_some();
+        while loader.acquire_batch()? > 0 {
+            let mut bytes = 0;
+            for i in 0..loader.held_len() {
+                if gpu {
+                    // The batch is device addresses; --verify copies each
+                    // sample back and checks it against the catalog.
                     let s = loader.held_device_sample(i);
                     bytes += s.len;
                     if a.verify {
                         check_gpu_sample(&loader, &s, &mut host)?;
                     }
-                }
-                bar.add(bytes as u64);
-                loader.release_batch();
-                if a.compute_us > 0 {
-                    let until = Instant::now() + Duration::from_micros(a.compute_us);
-                    while Instant::now() < until {
-                        std::hint::spin_loop();
-                    }
+                } else {
+                    bytes += loader.held_sample(i).bytes.len();
                 }
             }
-        }
-        while let Some(batch) = (loader.landing_device().is_none())
-            .then(|| loader.next_batch())
-            .transpose()?
-            .flatten()
-        {
-            let bytes: usize = batch.iter().map(|s| s.bytes.len()).sum();
             bar.add(bytes as u64);
+            // The batch stays held while the simulated step computes, as a
+            // trainer holds it.
             if a.compute_us > 0 {
                 let until = Instant::now() + Duration::from_micros(a.compute_us);
                 while Instant::now() < until {
                     std::hint::spin_loop();
                 }
             }
+            loader.release_batch();
         }
         bar.finish();
         let st = loader.stats();

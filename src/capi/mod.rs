@@ -583,46 +583,43 @@ pub unsafe extern "C" fn ksp_loader_next_batch(
             wrap_len: 0,
             epoch: h.loader.position().epoch,
         };
-        if n > 0 && h.loader.landing_device().is_some() {
-            // A GPU ring: device addresses, never dereferenced here.
+        if n > 0 {
+            // With a GPU ring every pointer is a device address, never
+            // dereferenced here.
+            let gpu = h.loader.landing_device().is_some();
             for i in 0..n {
-                let s = h.loader.held_device_sample(i);
+                let (data, len, id, label, epoch) = if gpu {
+                    let s = h.loader.held_device_sample(i);
+                    (s.addr as *const u8, s.len, s.id, s.label, s.position.epoch)
+                } else {
+                    let s = h.loader.held_sample(i);
+                    let (p, l) = (s.bytes.as_ptr(), s.bytes.len());
+                    (p, l, s.id, s.label, s.position.epoch)
+                };
+                if i == 0 {
+                    batch.epoch = epoch;
+                }
                 h.samples.push(ksp_sample {
-                    data: s.addr as *const u8,
-                    len: s.len,
-                    id: s.id,
-                    label: s.label.map_or(-1, |x| x as i64),
+                    data,
+                    len,
+                    id,
+                    label: label.map_or(-1, |x| x as i64),
                 });
             }
-            let ((span, span_len), wrap) = h.loader.held_device_spans();
+            let ((span, span_len), wrap) = if gpu {
+                let ((a, l), w) = h.loader.held_device_spans();
+                ((a as *const u8, l), w.map(|(a, l)| (a as *const u8, l)))
+            } else {
+                let (sp, w) = h.loader.held_spans();
+                ((sp.as_ptr(), sp.len()), w.map(|w| (w.as_ptr(), w.len())))
+            };
             batch.samples = h.samples.as_ptr();
-            batch.span = span as *const u8;
+            batch.span = span;
             batch.span_len = span_len;
             if let Some((w, wl)) = wrap {
-                batch.wrap = w as *const u8;
+                batch.wrap = w;
                 batch.wrap_len = wl;
             }
-            batch.epoch = h.loader.held_device_sample(0).position.epoch;
-        } else if n > 0 {
-            for i in 0..n {
-                let s = h.loader.held_sample(i);
-                h.samples.push(ksp_sample {
-                    data: s.bytes.as_ptr(),
-                    len: s.bytes.len(),
-                    id: s.id,
-                    label: s.label.map_or(-1, |x| x as i64),
-                });
-            }
-            let first = h.loader.held_sample(0).position.epoch;
-            let (span, wrap) = h.loader.held_spans();
-            batch.samples = h.samples.as_ptr();
-            batch.span = span.as_ptr();
-            batch.span_len = span.len();
-            if let Some(w) = wrap {
-                batch.wrap = w.as_ptr();
-                batch.wrap_len = w.len();
-            }
-            batch.epoch = first;
         }
         // SAFETY: out is writable (contract).
         unsafe { *out = batch };

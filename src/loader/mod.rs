@@ -140,8 +140,7 @@ impl Drop for CrashGuard {
                 .lock()
                 .unwrap_or_else(|e| e.into_inner()) =
                 Some(format!("the {} thread panicked", self.name));
-            self.shared.wake_seq.fetch_add(1, Ordering::SeqCst);
-            crate::sys::futex_wake(&self.shared.wake_seq);
+            self.shared.wake();
         }
     }
 }
@@ -175,8 +174,7 @@ impl Shared {
     pub(crate) fn publish(&self, g: u64, code: u64) {
         self.mark_ready(g, code);
         if self.waiting_for.load(Ordering::SeqCst) == g + 1 {
-            self.wake_seq.fetch_add(1, Ordering::SeqCst);
-            crate::sys::futex_wake(&self.wake_seq);
+            self.wake();
         }
     }
 
@@ -195,9 +193,14 @@ impl Shared {
     pub(crate) fn wake_if_ready(&self) {
         let w = self.waiting_for.load(Ordering::SeqCst);
         if w != 0 && self.state(w - 1).is_some() {
-            self.wake_seq.fetch_add(1, Ordering::SeqCst);
-            crate::sys::futex_wake(&self.wake_seq);
+            self.wake();
         }
+    }
+
+    /// Bumps the wake counter and wakes the consumer sleeping on it.
+    fn wake(&self) {
+        self.wake_seq.fetch_add(1, Ordering::SeqCst);
+        crate::sys::futex_wake(&self.wake_seq);
     }
 
     fn state(&self, g: u64) -> Option<u64> {
@@ -1323,22 +1326,32 @@ impl Loader {
     /// # Panics
     /// When no batch is held or the ring is host memory.
     pub fn held_device_spans(&self) -> ((u64, usize), Option<(u64, usize)>) {
-        assert!(self.held, "no batch is held");
         let ring = &self.run.as_ref().expect("running").shared.ring;
         let base = ring
             .device()
             .expect("the landing ring is host memory")
             .addr();
+        let ((off, len), wrap) = self.held_span_ranges();
+        ((base + off, len), wrap.map(|(o, l)| (base + o, l)))
+    }
+
+    /// The held batch's span(s) as (ring offset, bytes): from its first
+    /// sample's start to its last sample's end, split at the ring's end.
+    ///
+    /// # Panics
+    /// When no batch is held.
+    fn held_span_ranges(&self) -> ((u64, usize), Option<(u64, usize)>) {
+        assert!(self.held, "no batch is held");
         let first = self.entries[0];
         let last = *self.entries.last().expect("non-empty");
         let end = last.phys + last.len;
         if end >= first.phys {
-            ((base + first.phys, (end - first.phys) as usize), None)
+            ((first.phys, (end - first.phys) as usize), None)
         } else {
             let wrap = self.geo.ring_bytes;
             (
-                (base + first.phys, (wrap - first.phys) as usize),
-                Some((base, end as usize)),
+                (first.phys, (wrap - first.phys) as usize),
+                Some((0, end as usize)),
             )
         }
     }
@@ -1349,27 +1362,16 @@ impl Loader {
     /// # Panics
     /// When no batch is held.
     pub fn held_spans(&self) -> (&[u8], Option<&[u8]>) {
-        assert!(self.held, "no batch is held");
         let ring = &self.run.as_ref().expect("running").shared.ring;
-        let first = self.entries[0];
-        let last = *self.entries.last().expect("non-empty");
-        let end = last.phys + last.len;
+        let ((off, len), wrap) = self.held_span_ranges();
         // SAFETY: as in `held_sample`: every byte of these spans belongs to
         // ready samples of this batch or to padding between them, which no
-        // poller writes.
+        // poller writes; the ranges lie inside the ring.
         unsafe {
-            if end >= first.phys {
-                (
-                    ring.slice(first.phys as usize, (end - first.phys) as usize),
-                    None,
-                )
-            } else {
-                let wrap = self.geo.ring_bytes as usize;
-                (
-                    ring.slice(first.phys as usize, wrap - first.phys as usize),
-                    Some(ring.slice(0, end as usize)),
-                )
-            }
+            (
+                ring.slice(off as usize, len),
+                wrap.map(|(o, l)| ring.slice(o as usize, l)),
+            )
         }
     }
 

@@ -86,70 +86,15 @@ impl ConsumerRdma {
         let ctx = Context::open(opts.device.as_deref(), opts.port, opts.gid_index)?;
         let pd = Pd::new(&ctx)?;
         let channel = CompChannel::new(&ctx)?;
-        let mut dmabuf = None;
-        let ring_mr = match ring.device() {
+        let (ring_mr, dmabuf) = match ring.device() {
             // SAFETY: the ring outlives this registration (the network thread
             // owns it and drops it before its Arc of the ring); peers write it
             // only at granted ranges the consumer does not read until published.
-            None => {
-                unsafe { Mr::register(&pd, ring.as_mut_ptr(), ring.len(), Access::RemoteWrite) }?
-            }
-            Some(dev) => {
-                // GPU memory: as a dma-buf where the NIC's driver can
-                // register one, else by its device address, which a
-                // peer-memory module (nvidia-peermem) lets ibv_reg_mr pin.
-                let via_dmabuf = dev
-                    .export_dmabuf()
-                    .map_err(|e| e.to_string())
-                    .and_then(|fd| {
-                        use std::os::fd::AsRawFd;
-                        // SAFETY: the dma-buf stays open (kept below) and its
-                        // memory allocated for as long as the ring lives.
-                        let mr = unsafe {
-                            Mr::register_dmabuf(
-                                &pd,
-                                fd.as_raw_fd(),
-                                0,
-                                dev.len(),
-                                dev.addr(),
-                                Access::RemoteWrite,
-                            )
-                        }
-                        .map_err(|e| e.to_string())?;
-                        Ok((mr, fd))
-                    });
-                match via_dmabuf {
-                    Ok((mr, fd)) => {
-                        log::info!("GPU ring registered for RDMA as a dma-buf");
-                        dmabuf = Some(fd);
-                        mr
-                    }
-                    Err(first) => {
-                        // SAFETY: as above; the address is the GPU
-                        // allocation's, which a peer-memory client pins.
-                        match unsafe {
-                            Mr::register(&pd, ring.as_mut_ptr(), ring.len(), Access::RemoteWrite)
-                        } {
-                            Ok(mr) => {
-                                log::info!(
-                                    "GPU ring registered for RDMA by address (peer memory); \
-                                     as a dma-buf it was not: {first}"
-                                );
-                                mr
-                            }
-                            Err(second) => {
-                                return Err(Error::Rdma {
-                                    op: "register the GPU ring",
-                                    detail: format!(
-                                        "as a dma-buf: {first}; by address (needs a peer-memory \
-                                         module such as nvidia-peermem): {second}"
-                                    ),
-                                })
-                            }
-                        }
-                    }
-                }
-            }
+            None => (
+                unsafe { Mr::register(&pd, ring.as_mut_ptr(), ring.len(), Access::RemoteWrite) }?,
+                None,
+            ),
+            Some(dev) => register_gpu_ring(&pd, dev)?,
         };
         Ok(ConsumerRdma {
             opts: opts.clone(),
@@ -159,6 +104,59 @@ impl ConsumerRdma {
             pd,
             ctx,
         })
+    }
+}
+
+/// Registers a GPU ring for remote write: as a dma-buf where the NIC's
+/// driver can register one (the fd is returned, to be kept open), else by
+/// its device address, which a peer-memory module (nvidia-peermem) lets
+/// ibv_reg_mr pin. Both failing is one error giving both reasons.
+#[cfg(feature = "rdma")]
+fn register_gpu_ring(
+    pd: &Arc<crate::transport::rdma::Pd>,
+    dev: &crate::landing::cuda::DeviceMemory,
+) -> Result<(crate::transport::rdma::Mr, Option<std::os::fd::OwnedFd>)> {
+    use crate::transport::rdma::{Access, Mr};
+    let as_dmabuf = dev.export_dmabuf().and_then(|fd| {
+        // SAFETY: the dma-buf stays open (returned to the caller, who keeps
+        // it) and the memory allocated for as long as the ring lives.
+        let mr = unsafe {
+            Mr::register_dmabuf(
+                pd,
+                fd.as_raw_fd(),
+                0,
+                dev.len(),
+                dev.addr(),
+                Access::RemoteWrite,
+            )
+        }
+        .map_err(|e| e.to_string())?;
+        Ok((mr, fd))
+    });
+    let first = match as_dmabuf {
+        Ok((mr, fd)) => {
+            log::info!("GPU ring registered for RDMA as a dma-buf");
+            return Ok((mr, Some(fd)));
+        }
+        Err(e) => e,
+    };
+    // SAFETY: the address and length are the GPU allocation's, alive for as
+    // long as the ring; a peer-memory client pins it, and peers write it only
+    // at granted ranges.
+    match unsafe { Mr::register(pd, dev.addr() as *mut u8, dev.len(), Access::RemoteWrite) } {
+        Ok(mr) => {
+            log::info!(
+                "GPU ring registered for RDMA by address (peer memory); as a dma-buf it was not: {first}"
+            );
+            Ok((mr, None))
+        }
+        Err(second) => Err(Error::Rdma {
+            op: "register the GPU ring",
+            detail: format!(
+                "as a dma-buf: {first}; by address (needs a peer-memory module such as \
+                 nvidia-peermem): {second}"
+            ),
+        }),
     }
 }
 

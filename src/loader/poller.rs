@@ -191,16 +191,28 @@ impl Poller {
     /// a cross-core interrupt) is the slow part; with small samples that gap
     /// set the throughput (BENCHMARKS.md, "Small samples").
     fn flush(&mut self) {
-        if self.unsubmitted > 0 && self.submit_error.is_none() {
-            if let Err(e) = self.backend.submit(false) {
-                self.submit_error = Some(e);
-            }
-            self.unsubmitted = 0;
-        }
+        self.submit_queued();
         if self.unwoken {
             self.shared.wake_if_ready();
             self.unwoken = false;
         }
+    }
+
+    /// Submits the reads pushed since the last submission, unless a
+    /// submission already failed (the run loop then fails everything).
+    /// Returns whether the reads went out.
+    fn submit_queued(&mut self) -> bool {
+        if self.submit_error.is_some() {
+            return false;
+        }
+        if self.unsubmitted > 0 {
+            if let Err(e) = self.backend.submit(false) {
+                self.submit_error = Some(e);
+                return false;
+            }
+            self.unsubmitted = 0;
+        }
+        true
     }
 
     fn next_own(&mut self) -> Placed {
@@ -372,14 +384,10 @@ impl Poller {
             self.in_flight += 1;
             n += 1;
             self.unsubmitted += 1;
-            if self.unsubmitted >= self.shared.cfg.submit_batch && self.submit_error.is_none() {
-                // A full batch goes to the device now, not after the rest
-                // of the tick's reads are queued.
-                if let Err(e) = self.backend.submit(false) {
-                    self.submit_error = Some(e);
-                    return (n, false);
-                }
-                self.unsubmitted = 0;
+            // A full batch goes to the device now, not after the rest of
+            // the tick's reads are queued.
+            if self.unsubmitted >= self.shared.cfg.submit_batch && !self.submit_queued() {
+                return (n, false);
             }
         }
     }
