@@ -81,7 +81,7 @@ fn c_round(space: &str) -> (f64, f64, u64) {
             if b.count == 0 {
                 break;
             }
-            ksp_loader_release_batch(l);
+            ksp_loader_release_batch(l, b.seq);
         }
         assert_eq!(ksp_loader_set_epoch(l, 1), ksp_status::KSP_OK);
         let mut st: ksp_stats = std::mem::zeroed();
@@ -95,7 +95,7 @@ fn c_round(space: &str) -> (f64, f64, u64) {
                 break;
             }
             std::hint::black_box((*b.samples).data);
-            ksp_loader_release_batch(l);
+            ksp_loader_release_batch(l, b.seq);
             n += 1;
         }
         let secs = t0.elapsed().as_secs_f64();

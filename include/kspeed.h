@@ -14,9 +14,9 @@
 #include <stddef.h>
 #include <stdbool.h>
 /* Version of the C ABI: bumped on any incompatible change to this header. */
-#define KSP_ABI_VERSION 1
+#define KSP_ABI_VERSION 2
 /* Bytes of a saved loader position. */
-#define KSP_POSITION_BYTES 36
+#define KSP_POSITION_BYTES 40
 
 
 // Status of every fallible call.
@@ -70,10 +70,20 @@ typedef struct {
 
 // A batch: `count` samples in order, plus the contiguous span(s) of the
 // ring holding them (alignment padding included). Everything it points to
-// is owned by the loader and valid until [`ksp_loader_release_batch`], the
-// next [`ksp_loader_next_batch`], or [`ksp_loader_free`]. With `gpu_ring`,
-// `span`, `wrap` and every sample's `data` are CUDA device pointers (copy
-// or use them on the GPU; `samples` itself is host memory).
+// is owned by the loader and valid until this batch is released: by
+// [`ksp_loader_release_batch`] with its `seq`, by the next
+// [`ksp_loader_next_batch`] (a loader holds one batch at a time), by
+// [`ksp_loader_set_epoch`] / [`ksp_loader_restore_position`], or by
+// [`ksp_loader_free`]. With `gpu_ring`, `span`, `wrap` and every sample's
+// `data` are CUDA device pointers (copy or use them on the GPU; `samples`
+// itself is host memory).
+//
+// Every batch but an epoch's last has exactly `batch_size` samples, and
+// every rank of a job gets the same number of batches per epoch
+// ([`ksp_loader_batches_per_epoch`]): a batch is never cut short by ring
+// space, because [`ksp_loader_new`] refuses a `ring_bytes` that cannot
+// hold the largest possible batch (`KSP_ERR_INVALID_ARG`, naming the size
+// needed).
 typedef struct {
   // Samples in the batch; 0 at the end of the epoch.
   size_t count;
@@ -89,9 +99,14 @@ typedef struct {
   size_t wrap_len;
   // The epoch this batch belongs to.
   uint64_t epoch;
+  // The batch's identity: 1 for the loader's first batch, then 2, 3...
+  // (0 when `count` is 0). Pass it to [`ksp_loader_release_batch`].
+  uint64_t seq;
 } ksp_batch;
 
-// Loader statistics.
+// Loader statistics, cumulative over the loader's life (restarts by
+// set_epoch or restore_position included). `samples` and `bytes` count
+// what was delivered; the read counters also count read-ahead.
 typedef struct {
   // Samples delivered.
   uint64_t samples;
@@ -115,6 +130,14 @@ typedef struct {
   uint64_t remote_samples;
   // Grants moved to another node or the source.
   uint64_t failovers;
+  // Samples read from the source because no node could serve them.
+  uint64_t source_reads;
+  // Samples read ahead and waiting in the ring (counted in the read
+  // counters above, not yet in `samples`).
+  uint64_t read_ahead;
+  // Samples read ahead and thrown away unconsumed (a jump to another
+  // epoch, a restored position, the end).
+  uint64_t read_ahead_discarded;
 } ksp_stats;
 
 // What the catalog says about one sample.
@@ -225,38 +248,59 @@ void ksp_loader_free(ksp_loader *l);
 // Waits for the next batch of the current epoch and describes it in
 // `*out`; `out->count == 0` at the epoch's end (call
 // [`ksp_loader_set_epoch`] to go on). A batch still held is released
-// first. Returns a loader error as its status (`KSP_ERR_IO` naming the
-// sample and file...); after one, the loader stays failed (`KSP_ERR_STATE`).
+// first (its pointers die). Returns a loader error as its status
+// (`KSP_ERR_IO` naming the sample and file...); after one, the loader
+// stays failed: every later call returns that first error's status again,
+// with a message that starts "the loader stopped after an earlier error".
 //
 // # Safety
 // `l` is a live loader; `out` writable.
 ksp_status ksp_loader_next_batch(ksp_loader *l, ksp_batch *out);
 
-// Returns the held batch's ring space; its pointers are invalid afterwards.
-// Without a held batch it does nothing.
+// Releases batch `seq` (its `ksp_batch.seq`): returns its ring space;
+// its pointers are invalid afterwards. A batch that was released already
+// (by an earlier call, the next [`ksp_loader_next_batch`],
+// [`ksp_loader_set_epoch`] or [`ksp_loader_restore_position`]) is left
+// alone and the call does nothing, so a late release never frees a newer
+// batch: a wrapper that releases its batch in a destructor is safe in
+// any order.
 //
-// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`.
+// Status: `KSP_OK` (released, or already released); `KSP_ERR_NULL_ARG`;
+// `KSP_ERR_INVALID_ARG` (`seq` was never handed out by this loader).
 //
 // # Safety
 // `l` is a live loader.
-ksp_status ksp_loader_release_batch(ksp_loader *l);
+ksp_status ksp_loader_release_batch(ksp_loader *l, uint64_t seq);
 
 // Moves to `epoch` (like PyTorch's `sampler.set_epoch`); releases a held batch.
 //
-// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_STATE` (the loader failed
-// earlier); `KSP_ERR_NETWORK` (cluster mode: reconnecting failed).
+// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_NETWORK` (cluster mode:
+// reconnecting failed); a loader that failed earlier returns its first
+// error's status. After a failure here the loader stays failed, but its
+// catalog, statistics and position can still be read.
 //
 // # Safety
 // `l` is a live loader.
 ksp_status ksp_loader_set_epoch(ksp_loader *l, uint64_t epoch);
 
-// Samples per epoch for this rank, in `*out`.
+// Samples per epoch for this rank, in `*out` (the same on every rank;
+// with `drop_last`, whole batches only).
 //
 // Status: `KSP_OK`; `KSP_ERR_NULL_ARG`.
 //
 // # Safety
 // `l` is a live loader; `out` writable.
 ksp_status ksp_loader_epoch_len(const ksp_loader *l, uint64_t *out);
+
+// Batches per epoch for this rank, in `*out`: the same on every rank of
+// the job (`ceil(epoch_len / batch_size)`; with `drop_last` every batch is
+// whole and the tail is dropped), so DDP ranks stay in lock-step.
+//
+// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`.
+//
+// # Safety
+// `l` is a live loader; `out` writable.
+ksp_status ksp_loader_batches_per_epoch(const ksp_loader *l, uint64_t *out);
 
 // The position of the next sample `ksp_loader_next_batch` delivers: its
 // epoch and its step within the epoch.
@@ -281,11 +325,13 @@ ksp_status ksp_loader_save_position(const ksp_loader *l,
                                     size_t *out_len);
 
 // Continues from a position saved by [`ksp_loader_save_position`] with
-// the same dataset, seed, shuffle, rank, world and drop_last
-// (`KSP_ERR_INVALID_ARG` otherwise). Releases a held batch.
+// the same dataset (the position records the catalog's identity), seed,
+// shuffle, rank, world and drop_last (`KSP_ERR_INVALID_ARG` otherwise,
+// naming what differs). Releases a held batch.
 //
 // Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_INVALID_ARG` (not a
-// position of this loader's job); `KSP_ERR_STATE`.
+// position of this loader's job or dataset); a loader that failed earlier
+// returns its first error's status.
 //
 // # Safety
 // `l` is a live loader; `buf` readable for `len` bytes.

@@ -4,6 +4,7 @@
 
 use std::io;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// A kspeed result.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -18,7 +19,10 @@ pub struct SourceChange {
 }
 
 /// Every error kspeed reports.
-#[derive(Debug, thiserror::Error)]
+///
+/// Errors are `Clone` (OS errors are shared behind an `Arc`), so a loader that
+/// failed can hand its first error to every later call.
+#[derive(Debug, Clone, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
     /// An I/O call failed on a named file.
@@ -30,7 +34,7 @@ pub enum Error {
         path: PathBuf,
         /// The operating system's error.
         #[source]
-        source: io::Error,
+        source: Arc<io::Error>,
     },
     /// The source holds no samples.
     #[error("source {path} has no samples (an ImageFolder tree needs files under class folders, a file list needs lines, tar shards need members)")]
@@ -227,7 +231,7 @@ pub enum Error {
         errno_name: &'static str,
         /// The OS error.
         #[source]
-        source: io::Error,
+        source: Arc<io::Error>,
     },
     /// A sample's file ended before the sample did (truncated after preload?).
     #[error("sample {sample}: {path} is truncated: read {got} of {expected} bytes at offset {offset} (after {attempts} attempts)")]
@@ -257,9 +261,44 @@ pub enum Error {
         /// CRC32C of the bytes read.
         computed: u32,
     },
-    /// The loader stopped after an earlier error.
+    /// The loader stopped after an earlier error, which it keeps: every
+    /// call after the first failure returns this, carrying that first error
+    /// (its kind, and through the C ABI its status).
     #[error("the loader stopped after an earlier error: {0}")]
-    LoaderFailed(String),
+    LoaderFailed(Box<Error>),
+    /// A kspeed thread (a poller, the network thread) panicked: a bug.
+    #[error("the {thread} thread panicked (a bug; please report it)")]
+    ThreadPanicked {
+        /// Which thread.
+        thread: &'static str,
+    },
+    /// The operating system refused to start a thread.
+    #[error("cannot start the {thread} thread: {source}")]
+    ThreadSpawn {
+        /// Which thread.
+        thread: &'static str,
+        /// The OS error.
+        #[source]
+        source: Arc<io::Error>,
+    },
+    /// A batch of `batch_size` samples may not fit in the landing ring, so
+    /// some batch would have to be cut short (and ranks would see different
+    /// batch counts): refused at build.
+    #[error("the {ring_bytes}-byte landing ring cannot hold a whole batch: {batch_size} samples may take up to {batch_bytes} bytes of ring (the catalog's {batch_size} largest samples, aligned to {align_bytes} bytes, plus padding at the ring's end); set ring_bytes to at least {needed_bytes} ({needed_human})")]
+    RingTooSmallForBatch {
+        /// Samples per batch.
+        batch_size: usize,
+        /// The most ring bytes one batch can take.
+        batch_bytes: u64,
+        /// Slot alignment.
+        align_bytes: u64,
+        /// The ring size asked for.
+        ring_bytes: u64,
+        /// The smallest ring that holds every batch.
+        needed_bytes: u64,
+        /// `needed_bytes` for people ("24.0 MiB").
+        needed_human: String,
+    },
     /// io_uring could not be set up.
     #[error("io_uring setup failed ({what}): {source}")]
     Uring {
@@ -267,7 +306,7 @@ pub enum Error {
         what: &'static str,
         /// The OS error.
         #[source]
-        source: io::Error,
+        source: Arc<io::Error>,
     },
     /// A cluster file or launcher environment cannot be used.
     #[error("cluster description {origin}: {reason}")]
@@ -334,6 +373,15 @@ pub enum Error {
 }
 
 impl Error {
+    /// The error itself, or for [`Error::LoaderFailed`] the first error the
+    /// loader failed with.
+    pub fn root(&self) -> &Error {
+        match self {
+            Error::LoaderFailed(e) => e.root(),
+            e => e,
+        }
+    }
+
     /// Wraps an `io::Error` with the operation and file, mapping "no space
     /// left" to [`Error::DiskFull`] so a full disk is never a generic I/O error.
     pub fn io(op: &'static str, path: impl AsRef<Path>, source: io::Error) -> Self {
@@ -347,7 +395,11 @@ impl Error {
                 available: 0,
             };
         }
-        Error::Io { op, path, source }
+        Error::Io {
+            op,
+            path,
+            source: Arc::new(source),
+        }
     }
 }
 

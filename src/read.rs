@@ -373,14 +373,16 @@ fn check_gpu_sample(
     let dev = loader.landing_device().expect("a GPU ring");
     host.resize(s.len, 0);
     dev.copy_to_host(s.offset as usize, host)
-        .map_err(|e| kspeed::Error::LoaderFailed(format!("sample {}: {e}", s.id)))?;
+        .map_err(|e| kspeed::Error::Cuda(format!("copying sample {} to the host: {e}", s.id)))?;
     let want = loader.catalog().sample(s.id).crc32c;
     let got = crc32c::crc32c(host);
     if got != want {
-        return Err(kspeed::Error::LoaderFailed(format!(
-            "sample {} in the GPU ring: CRC32C {got:08x}, the catalog says {want:08x}",
-            s.id
-        )));
+        return Err(kspeed::Error::SampleCorrupt {
+            sample: s.id,
+            path: "the GPU landing ring".into(),
+            expected: want,
+            computed: got,
+        });
     }
     Ok(())
 }

@@ -31,12 +31,15 @@ fn compile(out: &Path, extra: &[&str]) -> Option<PathBuf> {
     .max()
     .map(|(_, p)| p)
     .expect("libkspeed.so is built with the tests");
-    // Programs record the soname (libkspeed.so.1), which cargo does not
+    // Programs record the soname (libkspeed.so.ABI), which cargo does not
     // create; an install does (scripts/install.sh). Link through a
     // directory holding both names.
     let lib = out.parent().unwrap().join("lib");
     std::fs::create_dir_all(&lib).unwrap();
-    for name in ["libkspeed.so", "libkspeed.so.1"] {
+    for name in [
+        "libkspeed.so",
+        &format!("libkspeed.so.{}", kspeed::capi::KSP_ABI_VERSION),
+    ] {
         let _ = std::fs::remove_file(lib.join(name));
         std::os::unix::fs::symlink(&built, lib.join(name)).unwrap();
     }

@@ -54,11 +54,27 @@ fn check_epochs(
     batch: usize,
 ) -> u64 {
     let mut total = 0;
+    let steps = loader.epoch_len();
+    let want_steps = if sampler.config().drop_last {
+        sampler.per_rank() / batch as u64 * batch as u64
+    } else {
+        sampler.per_rank()
+    };
+    assert_eq!(steps, want_steps, "steps per epoch");
+    assert_eq!(loader.batches_per_epoch(), steps.div_ceil(batch as u64));
     for e in epochs {
         loader.set_epoch(e).unwrap();
         let mut k = 0u64;
+        let mut batches = 0u64;
         while let Some(b) = loader.next_batch().unwrap() {
-            assert!(b.len() <= batch && !b.is_empty());
+            // Lock-step: every batch is whole but an epoch's last.
+            let left = steps - k;
+            assert_eq!(
+                b.len() as u64,
+                left.min(batch as u64),
+                "epoch {e} batch {batches}"
+            );
+            batches += 1;
             assert_eq!(b.epoch(), e);
             let (span, wrap) = b.spans();
             let span_bytes = span.len() + wrap.map_or(0, |w| w.len());
@@ -81,7 +97,8 @@ fn check_epochs(
             }
             assert!(span_bytes >= sum, "the spans cover the samples");
         }
-        assert_eq!(k, sampler.per_rank(), "epoch {e} delivered {k} samples");
+        assert_eq!(k, steps, "epoch {e} delivered {k} samples");
+        assert_eq!(batches, loader.batches_per_epoch(), "epoch {e} batches");
         total += k;
     }
     total
@@ -103,8 +120,9 @@ fn ordered_and_byte_identical_across_configs() {
         (5, 1 << 20, 1, 1, 2, 3, true, 8, 3),
         (16, 600 << 10, 50, 3, 0, 2, false, 2, 64),
     ];
+    let mut refused = 0;
     for &(batch, ring, lookahead, pollers, rank, world, drop_last, qd, sb) in configs {
-        let mut loader = LoaderBuilder::space(&sp)
+        let builder = LoaderBuilder::space(&sp)
             .batch_size(batch)
             .landing(small_ring(ring))
             .lookahead(lookahead)
@@ -113,9 +131,21 @@ fn ordered_and_byte_identical_across_configs() {
             .submit_batch(sb)
             .rank(rank, world)
             .drop_last(drop_last)
-            .seed(11)
-            .build()
-            .unwrap_or_else(|e| panic!("build {batch} {ring}: {e}"));
+            .seed(11);
+        // A ring too small for a whole batch is refused, naming the size
+        // that is enough; that size must then work.
+        let mut loader = match builder.clone().build() {
+            Ok(l) => l,
+            Err(Error::RingTooSmallForBatch { needed_bytes, .. }) => {
+                assert!(needed_bytes > ring);
+                refused += 1;
+                builder
+                    .landing(small_ring(needed_bytes))
+                    .build()
+                    .unwrap_or_else(|e| panic!("build {batch} {needed_bytes}: {e}"))
+            }
+            Err(e) => panic!("build {batch} {ring}: {e}"),
+        };
         let sampler = Sampler::new(SamplerConfig {
             len: cat.len(),
             seed: 11,
@@ -126,15 +156,19 @@ fn ordered_and_byte_identical_across_configs() {
         })
         .unwrap();
         let n = check_epochs(&mut loader, cat, &sampler, 0..3, batch);
-        assert_eq!(n, 3 * sampler.per_rank());
+        assert_eq!(n, 3 * loader.epoch_len());
         let st = loader.finish();
         assert_eq!(st.samples, n);
-        assert!(st.disk_reads >= n.min(cat.len()), "{st:?}");
+        // Every delivered sample was read from disk, except empty ones
+        // (at most every empty sample of the catalog once per epoch).
+        let empty = (0..cat.len()).filter(|&i| cat.sample(i).len == 0).count() as u64;
+        assert!(st.disk_reads + 3 * empty >= n, "{st:?}");
         assert!(
             st.read_latency.count > 0 && st.read_latency.p50_us > 0,
             "{st:?}"
         );
     }
+    assert!(refused > 0, "some ring above is too small for its batch");
 }
 
 #[test]

@@ -13,6 +13,20 @@
 //       }   // the batch's ring space is returned when it goes out of scope
 //   }
 //
+// Batches and lifetimes: a loader holds one batch at a time. A Batch's
+// pointers (sample data, span, wrap) are valid until that batch is
+// released: by its destructor or release(), or implicitly by the loader's
+// next next_batch(), set_epoch() or restore_position(). A Batch releases
+// only its own batch (it carries the batch's identity, ksp_batch.seq), so
+// `while ((b = loader.next_batch()))` and holding an old Batch object past
+// the next next_batch() are both safe: the old one's release does nothing.
+// Do not read an old Batch's bytes after the next next_batch().
+//
+// Lock-step: every batch but an epoch's last has exactly batch_size samples
+// and every rank gets batches_per_epoch() batches; a ring that cannot hold
+// a whole batch is refused when the Loader is built (the error names the
+// ring_bytes needed).
+//
 // Thread safety: as for the C handles, one thread at a time per object.
 #ifndef KSPEED_HPP
 #define KSPEED_HPP
@@ -94,7 +108,8 @@ class Loader;
 /// A batch of samples, zero-copy in the loader's ring. Releasing (its
 /// destructor, or release()) returns the space; the loader hands out one
 /// batch at a time, so a new next_batch() releases the previous one and
-/// invalidates its pointers.
+/// invalidates its pointers. Releasing a batch the loader already released
+/// does nothing: a Batch never frees another batch.
 class Batch {
 public:
     Batch(Batch&& o) noexcept : l_(std::exchange(o.l_, nullptr)), b_(o.b_) {}
@@ -113,13 +128,16 @@ public:
     const ksp_sample* begin() const noexcept { return b_.samples; }
     const ksp_sample* end() const noexcept { return b_.samples + b_.count; }
     uint64_t epoch() const noexcept { return b_.epoch; }
+    /// The batch's identity (1, 2, ... in the loader's order).
+    uint64_t seq() const noexcept { return b_.seq; }
     /// The batch's bytes: one contiguous span, plus a second when it wraps.
     std::pair<const uint8_t*, size_t> span() const noexcept { return {b_.span, b_.span_len}; }
     std::pair<const uint8_t*, size_t> wrap() const noexcept { return {b_.wrap, b_.wrap_len}; }
 
     /// Returns the batch's space now (the destructor does it otherwise).
     void release() noexcept {
-        if (l_) ksp_loader_release_batch(l_);
+        // Releases this batch only; a no-op when the loader already did.
+        if (l_) ksp_loader_release_batch(l_, b_.seq);
         l_ = nullptr;
     }
 
@@ -154,6 +172,12 @@ public:
     uint64_t epoch_len() const {
         uint64_t n = 0;
         check(ksp_loader_epoch_len(p_, &n));
+        return n;
+    }
+    /// Batches per epoch, the same on every rank (DDP lock-step).
+    uint64_t batches_per_epoch() const {
+        uint64_t n = 0;
+        check(ksp_loader_batches_per_epoch(p_, &n));
         return n;
     }
     /// {epoch, step} of the next sample next_batch() delivers.

@@ -34,7 +34,11 @@ use crate::sampler::POSITION_BYTES;
 use crate::transport::{Cluster, NodeService, ServeConfig};
 
 /// Version of the C ABI: bumped on any incompatible change to kspeed.h.
-pub const KSP_ABI_VERSION: u32 = 1;
+///
+/// 2: `ksp_batch.seq` and `ksp_loader_release_batch(l, seq)` (a batch's
+/// identity), `KSP_POSITION_BYTES` 40 (positions carry the catalog's
+/// identity), `ksp_loader_batches_per_epoch`.
+pub const KSP_ABI_VERSION: u32 = 2;
 
 /// Bytes of a saved loader position.
 pub const KSP_POSITION_BYTES: usize = POSITION_BYTES;
@@ -101,7 +105,8 @@ fn status_of(e: &Error) -> ksp_status {
         Error::InvalidConfig(_)
         | Error::BadPosition(_)
         | Error::BadCluster { .. }
-        | Error::SampleLargerThanRing { .. } => KSP_ERR_INVALID_ARG,
+        | Error::SampleLargerThanRing { .. }
+        | Error::RingTooSmallForBatch { .. } => KSP_ERR_INVALID_ARG,
         Error::Refused { .. }
         | Error::ProtocolViolation { .. }
         | Error::SampleUnavailable { .. }
@@ -110,7 +115,10 @@ fn status_of(e: &Error) -> ksp_status {
         Error::Memlock { .. } | Error::Numa { .. } | Error::Cuda(_) | Error::Uring { .. } => {
             KSP_ERR_RESOURCE
         }
-        Error::LoaderFailed(_) => KSP_ERR_STATE,
+        Error::ThreadSpawn { .. } => KSP_ERR_RESOURCE,
+        Error::ThreadPanicked { .. } => KSP_ERR_PANIC,
+        // A loader that failed keeps failing with its first error's status.
+        Error::LoaderFailed(first) => status_of(first),
         _ => KSP_ERR_OTHER,
     }
 }
@@ -443,10 +451,20 @@ pub struct ksp_sample {
 
 /// A batch: `count` samples in order, plus the contiguous span(s) of the
 /// ring holding them (alignment padding included). Everything it points to
-/// is owned by the loader and valid until [`ksp_loader_release_batch`], the
-/// next [`ksp_loader_next_batch`], or [`ksp_loader_free`]. With `gpu_ring`,
-/// `span`, `wrap` and every sample's `data` are CUDA device pointers (copy
-/// or use them on the GPU; `samples` itself is host memory).
+/// is owned by the loader and valid until this batch is released: by
+/// [`ksp_loader_release_batch`] with its `seq`, by the next
+/// [`ksp_loader_next_batch`] (a loader holds one batch at a time), by
+/// [`ksp_loader_set_epoch`] / [`ksp_loader_restore_position`], or by
+/// [`ksp_loader_free`]. With `gpu_ring`, `span`, `wrap` and every sample's
+/// `data` are CUDA device pointers (copy or use them on the GPU; `samples`
+/// itself is host memory).
+///
+/// Every batch but an epoch's last has exactly `batch_size` samples, and
+/// every rank of a job gets the same number of batches per epoch
+/// ([`ksp_loader_batches_per_epoch`]): a batch is never cut short by ring
+/// space, because [`ksp_loader_new`] refuses a `ring_bytes` that cannot
+/// hold the largest possible batch (`KSP_ERR_INVALID_ARG`, naming the size
+/// needed).
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct ksp_batch {
@@ -464,9 +482,14 @@ pub struct ksp_batch {
     pub wrap_len: usize,
     /// The epoch this batch belongs to.
     pub epoch: u64,
+    /// The batch's identity: 1 for the loader's first batch, then 2, 3...
+    /// (0 when `count` is 0). Pass it to [`ksp_loader_release_batch`].
+    pub seq: u64,
 }
 
-/// Loader statistics.
+/// Loader statistics, cumulative over the loader's life (restarts by
+/// set_epoch or restore_position included). `samples` and `bytes` count
+/// what was delivered; the read counters also count read-ahead.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
 pub struct ksp_stats {
@@ -492,6 +515,14 @@ pub struct ksp_stats {
     pub remote_samples: u64,
     /// Grants moved to another node or the source.
     pub failovers: u64,
+    /// Samples read from the source because no node could serve them.
+    pub source_reads: u64,
+    /// Samples read ahead and waiting in the ring (counted in the read
+    /// counters above, not yet in `samples`).
+    pub read_ahead: u64,
+    /// Samples read ahead and thrown away unconsumed (a jump to another
+    /// epoch, a restored position, the end).
+    pub read_ahead_discarded: u64,
 }
 
 /// A loader. Opaque; one thread at a time.
@@ -557,8 +588,10 @@ pub unsafe extern "C" fn ksp_loader_free(l: *mut ksp_loader) {
 /// Waits for the next batch of the current epoch and describes it in
 /// `*out`; `out->count == 0` at the epoch's end (call
 /// [`ksp_loader_set_epoch`] to go on). A batch still held is released
-/// first. Returns a loader error as its status (`KSP_ERR_IO` naming the
-/// sample and file...); after one, the loader stays failed (`KSP_ERR_STATE`).
+/// first (its pointers die). Returns a loader error as its status
+/// (`KSP_ERR_IO` naming the sample and file...); after one, the loader
+/// stays failed: every later call returns that first error's status again,
+/// with a message that starts "the loader stopped after an earlier error".
 ///
 /// # Safety
 /// `l` is a live loader; `out` writable.
@@ -582,6 +615,7 @@ pub unsafe extern "C" fn ksp_loader_next_batch(
             wrap: std::ptr::null(),
             wrap_len: 0,
             epoch: h.loader.position().epoch,
+            seq: h.loader.held_seq().unwrap_or(0),
         };
         if n > 0 {
             // With a GPU ring every pointer is a device address, never
@@ -627,29 +661,38 @@ pub unsafe extern "C" fn ksp_loader_next_batch(
     })
 }
 
-/// Returns the held batch's ring space; its pointers are invalid afterwards.
-/// Without a held batch it does nothing.
+/// Releases batch `seq` (its `ksp_batch.seq`): returns its ring space;
+/// its pointers are invalid afterwards. A batch that was released already
+/// (by an earlier call, the next [`ksp_loader_next_batch`],
+/// [`ksp_loader_set_epoch`] or [`ksp_loader_restore_position`]) is left
+/// alone and the call does nothing, so a late release never frees a newer
+/// batch: a wrapper that releases its batch in a destructor is safe in
+/// any order.
 ///
-/// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`.
+/// Status: `KSP_OK` (released, or already released); `KSP_ERR_NULL_ARG`;
+/// `KSP_ERR_INVALID_ARG` (`seq` was never handed out by this loader).
 ///
 /// # Safety
 /// `l` is a live loader.
 #[no_mangle]
-pub unsafe extern "C" fn ksp_loader_release_batch(l: *mut ksp_loader) -> ksp_status {
+pub unsafe extern "C" fn ksp_loader_release_batch(l: *mut ksp_loader, seq: u64) -> ksp_status {
     guard(|| {
         null(l, "loader")?;
         // SAFETY: live loader (contract).
         let h = unsafe { &mut *l };
-        h.loader.release_batch();
-        h.samples.clear();
+        if h.loader.release_batch_seq(seq)? {
+            h.samples.clear();
+        }
         Ok(())
     })
 }
 
 /// Moves to `epoch` (like PyTorch's `sampler.set_epoch`); releases a held batch.
 ///
-/// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_STATE` (the loader failed
-/// earlier); `KSP_ERR_NETWORK` (cluster mode: reconnecting failed).
+/// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_NETWORK` (cluster mode:
+/// reconnecting failed); a loader that failed earlier returns its first
+/// error's status. After a failure here the loader stays failed, but its
+/// catalog, statistics and position can still be read.
 ///
 /// # Safety
 /// `l` is a live loader.
@@ -665,7 +708,8 @@ pub unsafe extern "C" fn ksp_loader_set_epoch(l: *mut ksp_loader, epoch: u64) ->
     })
 }
 
-/// Samples per epoch for this rank, in `*out`.
+/// Samples per epoch for this rank, in `*out` (the same on every rank;
+/// with `drop_last`, whole batches only).
 ///
 /// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`.
 ///
@@ -678,6 +722,28 @@ pub unsafe extern "C" fn ksp_loader_epoch_len(l: *const ksp_loader, out: *mut u6
         null(out, "out")?;
         // SAFETY: live loader; out writable (contract).
         unsafe { *out = (*l).loader.epoch_len() };
+        Ok(())
+    })
+}
+
+/// Batches per epoch for this rank, in `*out`: the same on every rank of
+/// the job (`ceil(epoch_len / batch_size)`; with `drop_last` every batch is
+/// whole and the tail is dropped), so DDP ranks stay in lock-step.
+///
+/// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`.
+///
+/// # Safety
+/// `l` is a live loader; `out` writable.
+#[no_mangle]
+pub unsafe extern "C" fn ksp_loader_batches_per_epoch(
+    l: *const ksp_loader,
+    out: *mut u64,
+) -> ksp_status {
+    guard(|| {
+        null(l, "loader")?;
+        null(out, "out")?;
+        // SAFETY: live loader; out writable (contract).
+        unsafe { *out = (*l).loader.batches_per_epoch() };
         Ok(())
     })
 }
@@ -742,11 +808,13 @@ pub unsafe extern "C" fn ksp_loader_save_position(
 }
 
 /// Continues from a position saved by [`ksp_loader_save_position`] with
-/// the same dataset, seed, shuffle, rank, world and drop_last
-/// (`KSP_ERR_INVALID_ARG` otherwise). Releases a held batch.
+/// the same dataset (the position records the catalog's identity), seed,
+/// shuffle, rank, world and drop_last (`KSP_ERR_INVALID_ARG` otherwise,
+/// naming what differs). Releases a held batch.
 ///
 /// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_INVALID_ARG` (not a
-/// position of this loader's job); `KSP_ERR_STATE`.
+/// position of this loader's job or dataset); a loader that failed earlier
+/// returns its first error's status.
 ///
 /// # Safety
 /// `l` is a live loader; `buf` readable for `len` bytes.
@@ -792,6 +860,9 @@ pub unsafe extern "C" fn ksp_loader_stats(l: *const ksp_loader, out: *mut ksp_st
             p99_us: s.read_latency.p99_us,
             remote_samples: s.remote_samples,
             failovers: s.failovers,
+            source_reads: s.source_reads,
+            read_ahead: s.read_ahead,
+            read_ahead_discarded: s.read_ahead_discarded,
         };
         // SAFETY: out writable (contract).
         unsafe { *out = st };

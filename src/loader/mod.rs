@@ -100,6 +100,8 @@ pub(crate) struct Shared {
     pub(crate) ring: LandingRing,
     pub(crate) geo: Geometry,
     pub(crate) sampler: Sampler,
+    /// Steps per epoch (see [`Loader::epoch_len`]).
+    pub(crate) steps: u64,
     pub(crate) start: Position,
     pub(crate) cfg: PollerConfig,
     pub(crate) fixed_buffers: bool,
@@ -121,7 +123,7 @@ pub(crate) struct Shared {
     pub(crate) net: Option<net::NetShared>,
     /// Set when a poller or the network thread died of a panic, so the
     /// consumer fails instead of waiting for samples that will never come.
-    crashed: Mutex<Option<String>>,
+    crashed: Mutex<Option<&'static str>>,
 }
 
 /// Lives on a worker thread's stack: if the thread unwinds, it records the
@@ -138,8 +140,7 @@ impl Drop for CrashGuard {
                 .shared
                 .crashed
                 .lock()
-                .unwrap_or_else(|e| e.into_inner()) =
-                Some(format!("the {} thread panicked", self.name));
+                .unwrap_or_else(|e| e.into_inner()) = Some(self.name);
             self.shared.wake();
         }
     }
@@ -167,6 +168,22 @@ impl Shared {
             Input::Space { space, .. } => space.location(id).is_some(),
             Input::Source { .. } => false,
         }
+    }
+
+    /// Flow control, the one predicate every writer of the ring (pollers,
+    /// the network thread) obeys: sample `p`'s slot may be written once it
+    /// lies within one ring length of the consumer's released mark, and
+    /// within the lookahead. Sound because the consumer holds only samples
+    /// at or past the released mark and a batch never spans more than the
+    /// ring (`check_batch_fits`), so no byte of a slot that passes this
+    /// belongs to a sample the consumer may still be reading.
+    pub(crate) fn writable(&self, p: &Placed) -> bool {
+        p.v_end <= self.released_v.load(Ordering::Acquire) + self.geo.ring_bytes
+            && p.g
+                < self
+                    .released_g
+                    .load(Ordering::Acquire)
+                    .saturating_add(self.cfg.lookahead)
     }
 
     /// Marks sample `g` done with `code` and wakes the consumer if it sleeps
@@ -201,6 +218,18 @@ impl Shared {
     fn wake(&self) {
         self.wake_seq.fetch_add(1, Ordering::SeqCst);
         crate::sys::futex_wake(&self.wake_seq);
+    }
+
+    /// Samples at or after `g` that are ready: read ahead of a consumer
+    /// whose next sample is `g`.
+    pub(crate) fn ready_from(&self, g: u64) -> u64 {
+        self.ready
+            .iter()
+            .filter(|w| {
+                let v = w.load(Ordering::Acquire);
+                v >> 8 > g && v & 0xff == CODE_OK
+            })
+            .count() as u64
     }
 
     fn state(&self, g: u64) -> Option<u64> {
@@ -640,12 +669,20 @@ impl LoaderBuilder {
             world: self.world,
             drop_last: self.drop_last,
         })?;
-        if sampler.per_rank() == 0 {
+        // Lock-step: every rank delivers the same steps per epoch, in whole
+        // batches with drop_last (the tail that cannot fill one is dropped).
+        let steps = if self.drop_last {
+            sampler.per_rank() / self.batch_size as u64 * self.batch_size as u64
+        } else {
+            sampler.per_rank()
+        };
+        if steps == 0 {
             return Err(Error::InvalidConfig(format!(
-                "with drop_last, {} samples give rank {} of {} nothing to read",
+                "with drop_last, {} samples give rank {} of {} no whole batch of {}",
                 catalog.len(),
                 self.rank,
-                self.world
+                self.world,
+                self.batch_size
             )));
         }
         let mut landing = self.landing.clone();
@@ -667,6 +704,7 @@ impl LoaderBuilder {
                 ring_bytes: geo.ring_bytes,
             });
         }
+        check_batch_fits(catalog, &sampler, geo, self.batch_size)?;
         let ring = match self.gpu_ring {
             None => LandingRing::new(&landing)?,
             Some(ordinal) => {
@@ -710,11 +748,10 @@ impl LoaderBuilder {
             faults: self.faults,
         };
         let start = match self.start {
-            Some(p) if p.index > sampler.per_rank() => {
+            Some(p) if p.index > steps => {
                 return Err(Error::BadPosition(format!(
-                    "step {} is past the epoch's {} steps",
-                    p.index,
-                    sampler.per_rank()
+                    "step {} is past the epoch's {steps} steps",
+                    p.index
                 )))
             }
             Some(p) => p,
@@ -804,20 +841,23 @@ impl LoaderBuilder {
             fixed_buffers,
             fixed_files: self.registered_files,
             batch_size,
+            steps,
             epoch: start.epoch,
             cursor: None,
             peeked: None,
             entries: Vec::with_capacity(batch_size),
             held: false,
+            batch_seq: 0,
             failed: None,
             counters: Counters::default(),
+            totals: Totals::new(),
             started: Instant::now(),
             net: net.map(Arc::new),
         };
         loader.launch(start)?;
         log::info!(
             "loader: {} samples per epoch for rank {} of {}, batch {}, ring {} bytes, {} pollers{}",
-            loader.sampler.per_rank(),
+            loader.steps,
             self.rank,
             self.world,
             batch_size,
@@ -831,6 +871,68 @@ impl LoaderBuilder {
         );
         Ok(loader)
     }
+}
+
+/// Refuses a ring that some batch might not fit in whole
+/// ([`Error::RingTooSmallForBatch`]): a batch is held whole while it is out,
+/// so a batch larger than the ring could only be delivered cut short, and
+/// where it is cut would depend on each rank's own sample sizes.
+///
+/// O(1) in the common case (from the catalog's largest sample); only when
+/// `batch` times that does not fit does it find the catalog's `batch`
+/// largest samples (one pass) before refusing.
+fn check_batch_fits(
+    catalog: &Catalog,
+    sampler: &Sampler,
+    geo: Geometry,
+    batch: usize,
+) -> Result<()> {
+    let max_slot = geo.slot(catalog.max_sample_bytes() as u64);
+    let quick = (batch as u64).saturating_mul(max_slot);
+    if geo.span_bound(quick, max_slot) <= geo.ring_bytes {
+        return Ok(());
+    }
+    // Within one epoch a rank's sequence repeats no sample unless the
+    // padding to equal ranks is a whole dataset or more (j and j + len fall
+    // on one rank only when len is a multiple of world, i.e. no padding),
+    // so a batch holds distinct samples and the largest ones bound it.
+    let cfg = sampler.config();
+    let distinct = cfg.drop_last || sampler.per_rank() * (cfg.world as u64) < 2 * cfg.len;
+    let slots = if distinct {
+        largest_slots(catalog, geo, batch)
+    } else {
+        quick
+    };
+    if geo.span_bound(slots, max_slot) <= geo.ring_bytes {
+        return Ok(());
+    }
+    let needed = schedule::ring_bytes_needed(geo.align, geo.align.max(4096), slots, max_slot);
+    Err(Error::RingTooSmallForBatch {
+        batch_size: batch,
+        batch_bytes: geo.span_bound(slots, max_slot),
+        align_bytes: geo.align,
+        ring_bytes: geo.ring_bytes,
+        needed_bytes: needed,
+        needed_human: crate::progress::human_bytes(needed as f64),
+    })
+}
+
+/// The sum of the `n` largest slots of the catalog (of all, if fewer).
+fn largest_slots(catalog: &Catalog, geo: Geometry, n: usize) -> u64 {
+    use std::cmp::Reverse;
+    use std::collections::BinaryHeap;
+    let n = n.min(catalog.len() as usize);
+    let mut heap: BinaryHeap<Reverse<u64>> = BinaryHeap::with_capacity(n + 1);
+    for id in 0..catalog.len() {
+        let slot = geo.slot(catalog.sample(id).len as u64);
+        if heap.len() < n {
+            heap.push(Reverse(slot));
+        } else if heap.peek().is_some_and(|Reverse(min)| slot > *min) {
+            heap.pop();
+            heap.push(Reverse(slot));
+        }
+    }
+    heap.into_iter().map(|Reverse(s)| s).sum()
 }
 
 /// Resources kept across restarts (set_epoch to another epoch, resume).
@@ -851,7 +953,7 @@ struct Run {
 
 impl Run {
     /// Stops the pollers and waits for them (and their in-flight reads).
-    fn stop(&mut self) -> Option<String> {
+    fn stop(&mut self) -> Option<Error> {
         self.shared.stop.store(true, Ordering::Release);
         for t in &self.threads {
             t.thread().unpark();
@@ -862,13 +964,13 @@ impl Run {
         let mut failed = None;
         if let Some(t) = self.net_thread.take() {
             if t.join().is_err() {
-                failed = Some("the network thread panicked".to_string());
+                failed = Some(Error::ThreadPanicked { thread: "network" });
             }
         }
         for t in self.threads.drain(..) {
             match t.join() {
                 Ok(b) => self.joined.push(b),
-                Err(_) => failed = Some("a poller thread panicked".to_string()),
+                Err(_) => failed = Some(Error::ThreadPanicked { thread: "poller" }),
             }
         }
         failed
@@ -880,6 +982,53 @@ struct Counters {
     samples: u64,
     bytes: u64,
     stall: Duration,
+}
+
+/// What the pollers and the network thread counted, summed over runs.
+#[derive(Clone)]
+struct Totals {
+    disk_reads: u64,
+    tier_hits: u64,
+    retries: u64,
+    remote_samples: u64,
+    failovers: u64,
+    source_reads: u64,
+    /// Samples read ahead that a restart or the end threw away.
+    discarded: u64,
+    latency: Histogram<u64>,
+}
+
+impl Totals {
+    fn new() -> Self {
+        Totals {
+            disk_reads: 0,
+            tier_hits: 0,
+            retries: 0,
+            remote_samples: 0,
+            failovers: 0,
+            source_reads: 0,
+            discarded: 0,
+            latency: Histogram::new_with_bounds(1, 60_000_000, 2).expect("valid bounds"),
+        }
+    }
+
+    /// Adds what one run counted (`next_g`: the consumer's next sample).
+    fn add_run(&mut self, sh: &Shared, next_g: u64) {
+        for s in &sh.stats {
+            self.disk_reads += s.disk_reads.load(Ordering::Relaxed);
+            self.tier_hits += s.tier_hits.load(Ordering::Relaxed);
+            self.retries += s.retries.load(Ordering::Relaxed);
+            let _ = self
+                .latency
+                .add(&*s.latency.lock().unwrap_or_else(|e| e.into_inner()));
+        }
+        if let Some(n) = &sh.net {
+            self.remote_samples += n.remote_samples.load(Ordering::Relaxed);
+            self.failovers += n.failovers.load(Ordering::Relaxed);
+            self.source_reads += n.source_reads.load(Ordering::Relaxed);
+        }
+        self.discarded += sh.ready_from(next_g);
+    }
 }
 
 /// One sample of a batch.
@@ -985,7 +1134,12 @@ pub struct Latency {
     pub max_us: u64,
 }
 
-/// Loader statistics since it was built.
+/// Loader statistics since it was built, cumulative over its life
+/// (restarts by `set_epoch` or `restore_position` included). `samples` and
+/// `bytes` count what was delivered; the read counters (`disk_reads`,
+/// `tier_hits`, `remote_samples`) also count samples read ahead, which are
+/// either still waiting (`read_ahead`) or were thrown away
+/// (`read_ahead_discarded`).
 #[derive(Debug, Clone, Copy)]
 pub struct Stats {
     /// Samples delivered.
@@ -1010,6 +1164,14 @@ pub struct Stats {
     pub failovers: u64,
     /// Samples read from the source because no holder could serve them.
     pub source_reads: u64,
+    /// Samples read ahead of the consumer and waiting in the ring now
+    /// (counted in `disk_reads`, `tier_hits` or `remote_samples`, not yet
+    /// in `samples`).
+    pub read_ahead: u64,
+    /// Samples read ahead and then thrown away unconsumed: by a
+    /// `set_epoch` to another epoch, a `restore_position`, or the end (for
+    /// example the next epoch's first samples when the job stops).
+    pub read_ahead_discarded: u64,
 }
 
 impl Stats {
@@ -1039,23 +1201,33 @@ pub struct Loader {
     fixed_buffers: bool,
     fixed_files: bool,
     batch_size: usize,
+    /// Steps per epoch for this rank (see [`Loader::epoch_len`]).
+    steps: u64,
     /// The epoch the caller is in.
     epoch: u64,
     cursor: Option<Cursor>,
-    /// A sample taken from the cursor but left for the next batch because
-    /// the ring could not hold it together with the batch so far.
+    /// A sample taken from the cursor but left for the next batch: the
+    /// first of the next epoch, or the one after a released batch.
     peeked: Option<Placed>,
     entries: Vec<Entry>,
     /// Whether `entries` is a batch handed out and not yet released.
     held: bool,
-    failed: Option<String>,
+    /// Sequence number of the last batch handed out (1, 2, ...; 0 before
+    /// the first): a batch's identity, so a binding releases only its own.
+    batch_seq: u64,
+    /// The first error: every later call returns it (wrapped).
+    failed: Option<Error>,
     counters: Counters,
+    /// Pollers' and network counters of earlier runs (before restarts).
+    totals: Totals,
     started: Instant,
     /// Cluster mode settings (connections are made at every launch).
     net: Option<Arc<net::NetSetup>>,
 }
 
 impl Loader {
+    /// Starts a run at `start`. On error the loader keeps its resources
+    /// (catalog, ring) and no thread of the run is left behind.
     fn launch(&mut self, start: Position) -> Result<()> {
         // Connect first: a refusal leaves the loader as it was.
         let conns = match &mut self.net {
@@ -1068,6 +1240,10 @@ impl Loader {
             }
             None => None,
         };
+        let net_shared = match conns {
+            Some(_) => Some(net::NetShared::new()?),
+            None => None,
+        };
         let spare = self.spare.take().expect("resources available");
         let n = spare.backends.len();
         let table = self.geo.table_len() as usize;
@@ -1076,6 +1252,7 @@ impl Loader {
             ring: spare.ring,
             geo: self.geo,
             sampler: self.sampler.clone(),
+            steps: self.steps,
             start,
             cfg: self.cfg.clone(),
             fixed_buffers: self.fixed_buffers,
@@ -1098,42 +1275,69 @@ impl Loader {
                 })
                 .collect(),
             tier: spare.tier,
-            net: match conns {
-                Some(_) => Some(net::NetShared::new()?),
-                None => None,
-            },
+            net: net_shared,
             crashed: Mutex::new(None),
         });
-        let net_thread = match (conns, &self.net) {
-            (Some(conns), Some(setup)) => {
-                let t = net::NetThread::new(shared.clone(), setup.clone(), conns)?;
-                let guard = CrashGuard {
-                    shared: shared.clone(),
-                    name: "network",
-                };
-                Some(
-                    std::thread::Builder::new()
-                        .name("kspeed-net".into())
-                        .spawn(move || {
-                            let _guard = guard;
-                            t.run()
-                        })
-                        .expect("spawn network thread"),
-                )
-            }
-            _ => None,
-        };
+        self.cursor = Some(Cursor::new(
+            self.sampler.clone(),
+            self.geo,
+            start,
+            self.steps,
+        ));
+        self.peeked = None;
+        self.epoch = start.epoch;
+        self.run = Some(Run {
+            shared,
+            threads: Vec::with_capacity(n),
+            net_thread: None,
+            joined: Vec::new(),
+        });
+        if let Err(e) = self.spawn(spare.backends, conns) {
+            // Stop what started and take the resources back.
+            self.halt();
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// Starts the network thread (cluster mode) and one poller per backend
+    /// for the run just set up.
+    fn spawn(
+        &mut self,
+        backends: Vec<Box<dyn IoBackend>>,
+        conns: Option<net::Connected>,
+    ) -> Result<()> {
+        let run = self.run.as_mut().expect("set up by launch");
+        let shared = &run.shared;
+        if let (Some(conns), Some(setup)) = (conns, &self.net) {
+            let t = net::NetThread::new(shared.clone(), setup.clone(), conns)?;
+            let guard = CrashGuard {
+                shared: shared.clone(),
+                name: "network",
+            };
+            let h = std::thread::Builder::new()
+                .name("kspeed-net".into())
+                .spawn(move || {
+                    let _guard = guard;
+                    t.run()
+                })
+                .map_err(|e| Error::ThreadSpawn {
+                    thread: "network",
+                    source: e.into(),
+                })?;
+            run.net_thread = Some(h);
+        }
         let cores = if self.cfg.pin {
             core_affinity::get_core_ids().unwrap_or_default()
         } else {
             Vec::new()
         };
-        let mut threads = Vec::with_capacity(n);
-        for (i, backend) in spare.backends.into_iter().enumerate() {
+        let n = backends.len();
+        for (i, backend) in backends.into_iter().enumerate() {
             let sh = shared.clone();
             let core = (!cores.is_empty())
                 .then(|| cores[(cores.len() - 1 - i % cores.len()) % cores.len()]);
-            let t = std::thread::Builder::new()
+            let h = std::thread::Builder::new()
                 .name(format!("kspeed-poller-{i}"))
                 .spawn(move || {
                     if let Some(c) = core {
@@ -1145,30 +1349,34 @@ impl Loader {
                     };
                     poller::Poller::new(sh, i, n, backend).run()
                 })
-                .expect("spawn poller thread");
-            threads.push(t);
+                .map_err(|e| Error::ThreadSpawn {
+                    thread: "poller",
+                    source: e.into(),
+                })?;
+            run.threads.push(h);
         }
-        self.cursor = Some(Cursor::new(self.sampler.clone(), self.geo, start));
-        self.peeked = None;
-        self.epoch = start.epoch;
-        self.run = Some(Run {
-            shared,
-            threads,
-            net_thread,
-            joined: Vec::new(),
-        });
         Ok(())
     }
 
-    /// Stops the pollers (after their in-flight reads land) and takes the
-    /// resources back.
+    /// The global sequence number of the next sample the consumer takes.
+    fn next_g(&self) -> u64 {
+        match (&self.peeked, &self.cursor) {
+            (Some(p), _) => p.g,
+            (None, Some(c)) => c.next_g(),
+            (None, None) => 0,
+        }
+    }
+
+    /// Stops the pollers (after their in-flight reads land), adds up their
+    /// counters and takes the resources back.
     fn halt(&mut self) {
         let Some(mut run) = self.run.take() else {
             return;
         };
-        if let Some(msg) = run.stop() {
-            self.failed = Some(msg);
+        if let Some(e) = run.stop() {
+            self.failed.get_or_insert(e);
         }
+        self.totals.add_run(&run.shared, self.next_g());
         match Arc::try_unwrap(run.shared) {
             Ok(shared) => {
                 self.spare = Some(Spare {
@@ -1178,16 +1386,14 @@ impl Loader {
                     backends: run.joined,
                 });
             }
-            Err(_) => unreachable!("every poller thread has exited"),
+            Err(_) => unreachable!("every thread of the run has exited"),
         }
     }
 
     /// Stops the pollers and returns the final statistics (complete
     /// latency histograms: pollers publish theirs every 100 ms while running).
     pub fn finish(mut self) -> Stats {
-        if let Some(run) = self.run.as_mut() {
-            run.stop();
-        }
+        self.halt();
         self.stats()
     }
 
@@ -1195,8 +1401,36 @@ impl Loader {
         &self.run.as_ref().expect("running").shared
     }
 
+    /// The input, ring and tier, running or not (a failed restart leaves
+    /// them with the loader).
+    fn parts(&self) -> (&Input, &LandingRing, Option<&Tier>) {
+        match (&self.run, &self.spare) {
+            (Some(r), _) => (&r.shared.input, &r.shared.ring, r.shared.tier.as_ref()),
+            (None, Some(s)) => (&s.input, &s.ring, s.tier.as_ref()),
+            (None, None) => unreachable!("a loader always holds its resources"),
+        }
+    }
+
+    /// The error for a loader that failed earlier, if it did.
+    fn check_failed(&self) -> Result<()> {
+        match &self.failed {
+            Some(e) => Err(Error::LoaderFailed(Box::new(e.clone()))),
+            None => Ok(()),
+        }
+    }
+
+    /// Records `e` as the loader's failure (the first one stays) and
+    /// returns it.
+    fn fail(&mut self, e: Error) -> Error {
+        self.failed.get_or_insert_with(|| e.clone());
+        e
+    }
+
     /// The next batch of the current epoch, or `None` at its end (call
-    /// [`Loader::set_epoch`] to go on). Blocks only while data is not there yet.
+    /// [`Loader::set_epoch`] to go on). Blocks only while data is not there
+    /// yet. Every batch but an epoch's last has exactly `batch_size`
+    /// samples, on every rank alike (lock-step): a batch is never cut by
+    /// ring space, since the build refuses a ring that cannot hold one.
     pub fn next_batch(&mut self) -> Result<Option<Batch<'_>>> {
         if self.landing_device().is_some() {
             return Err(Error::InvalidConfig(
@@ -1214,13 +1448,12 @@ impl Loader {
     /// The next batch without a borrow, for bindings that cannot hold one
     /// across calls (the C ABI): the loader keeps the batch, reachable with
     /// [`Loader::held_sample`] and [`Loader::held_spans`], until
-    /// [`Loader::release_batch`]. Returns its length (0 at the epoch's end).
-    /// A batch still held is released first.
+    /// [`Loader::release_batch`] (or [`Loader::release_batch_seq`] with its
+    /// [`Loader::held_seq`]). Returns its length (0 at the epoch's end).
+    /// A batch still held is released first: its views must be gone.
     pub fn acquire_batch(&mut self) -> Result<usize> {
         self.release_batch();
-        if let Some(msg) = &self.failed {
-            return Err(Error::LoaderFailed(msg.clone()));
-        }
+        self.check_failed()?;
         self.entries.clear();
         let mut first_v = None;
         while self.entries.len() < self.batch_size {
@@ -1237,16 +1470,25 @@ impl Loader {
                 break;
             }
             // A batch is held whole while it is out, so it must fit in the
-            // ring: cut it short rather than wait for space it holds itself.
+            // ring; the build's check_batch_fits guarantees it does.
             let v0 = *first_v.get_or_insert(p.v);
             if p.v_end - v0 > self.geo.ring_bytes {
                 self.peeked = Some(p);
-                break;
+                self.entries.clear();
+                let e = Error::RingTooSmallForBatch {
+                    batch_size: self.batch_size,
+                    batch_bytes: p.v_end - v0,
+                    align_bytes: self.geo.align,
+                    ring_bytes: self.geo.ring_bytes,
+                    needed_bytes: p.v_end - v0,
+                    needed_human: crate::progress::human_bytes((p.v_end - v0) as f64),
+                };
+                debug_assert!(false, "check_batch_fits let through: {e}");
+                return Err(self.fail(e));
             }
             if let Err(e) = self.wait_ready(&p) {
-                self.failed = Some(e.to_string());
                 self.entries.clear();
-                return Err(e);
+                return Err(self.fail(e));
             }
             let label = self.shared().input.catalog().sample(p.id).label;
             self.entries.push(Entry {
@@ -1260,7 +1502,16 @@ impl Loader {
             self.counters.bytes += p.len;
         }
         self.held = !self.entries.is_empty();
+        if self.held {
+            self.batch_seq += 1;
+        }
         Ok(self.entries.len())
+    }
+
+    /// The identity of the held batch (its sequence number: 1 for the
+    /// loader's first batch, then 2, 3...), or `None` when none is held.
+    pub fn held_seq(&self) -> Option<u64> {
+        self.held.then_some(self.batch_seq)
     }
 
     /// Samples in the held batch (0 when none is held).
@@ -1280,6 +1531,10 @@ impl Loader {
         assert!(self.held, "no batch is held");
         let e = self.entries[i];
         let ring = &self.run.as_ref().expect("running").shared.ring;
+        debug_assert!(
+            e.phys + e.len <= self.geo.ring_bytes,
+            "a held slot lies inside the ring"
+        );
         BatchSample {
             id: e.id,
             label: e.label,
@@ -1294,11 +1549,7 @@ impl Loader {
     /// The GPU memory holding the ring, when it is there
     /// ([`LoaderBuilder::gpu_ring`]).
     pub fn landing_device(&self) -> Option<&crate::landing::cuda::DeviceMemory> {
-        self.run
-            .as_ref()
-            .map(|r| &r.shared.ring)
-            .or(self.spare.as_ref().map(|s| &s.ring))
-            .and_then(|r| r.device())
+        self.parts().1.device()
     }
 
     /// Sample `i` of the held batch in a GPU ring: its device address.
@@ -1393,10 +1644,10 @@ impl Loader {
                     crate::sys::futex_wait(&sh.wake_seq, seq, Duration::from_millis(10));
                     state = sh.state(p.g);
                     if state.is_none() {
-                        let crashed = sh.crashed.lock().unwrap_or_else(|e| e.into_inner()).clone();
-                        if let Some(msg) = crashed {
+                        let crashed = *sh.crashed.lock().unwrap_or_else(|e| e.into_inner());
+                        if let Some(thread) = crashed {
                             sh.waiting_for.store(0, Ordering::SeqCst);
-                            return Err(Error::LoaderFailed(msg));
+                            return Err(Error::ThreadPanicked { thread });
                         }
                     }
                 }
@@ -1407,13 +1658,17 @@ impl Loader {
         if state == Some(CODE_OK) {
             return Ok(());
         }
-        let mut errors = sh.errors.lock().expect("not poisoned");
+        // A poisoned lock only means a thread panicked while recording an
+        // error; the list itself is still whole.
+        let mut errors = sh.errors.lock().unwrap_or_else(|e| e.into_inner());
         match errors.iter().position(|(g, _)| *g == p.g) {
             Some(i) => Err(errors.swap_remove(i).1),
-            None => Err(Error::LoaderFailed(format!(
-                "sample {} failed without a recorded error",
-                p.id
-            ))),
+            None => {
+                let crashed = *sh.crashed.lock().unwrap_or_else(|e| e.into_inner());
+                Err(Error::ThreadPanicked {
+                    thread: crashed.unwrap_or("poller"),
+                })
+            }
         }
     }
 
@@ -1424,11 +1679,33 @@ impl Loader {
         }
     }
 
+    /// Releases batch `seq` ([`Loader::held_seq`]) if it is the one held:
+    /// `Ok(true)`. A batch released already (explicitly, or by the next
+    /// batch, `set_epoch` or `restore_position`) is left alone: `Ok(false)`,
+    /// so a binding's late release never frees a newer batch. A `seq` never
+    /// handed out is an [`Error::InvalidConfig`].
+    pub fn release_batch_seq(&mut self, seq: u64) -> Result<bool> {
+        if seq == 0 || seq > self.batch_seq {
+            return Err(Error::InvalidConfig(format!(
+                "batch {seq} was never handed out (the last batch is {})",
+                self.batch_seq
+            )));
+        }
+        if self.held && seq == self.batch_seq {
+            self.release_batch();
+            return Ok(true);
+        }
+        Ok(false)
+    }
+
     /// Returns the batch's ring space. The released mark is the *next*
     /// sample's slot start, not the batch's end: padding skipped before that
     /// slot (at the ring's end or a segment boundary) is free too, and
     /// counting it as held could leave a large next sample waiting forever.
     fn release(&mut self) {
+        let Some(run) = self.run.as_ref() else {
+            return; // not running (a failed restart): nothing to tell
+        };
         let next = match self.peeked {
             Some(p) => p,
             None => {
@@ -1436,18 +1713,18 @@ impl Loader {
                     .cursor
                     .as_mut()
                     .expect("running")
-                    .next(self.run.as_ref().expect("running").shared.input.catalog());
+                    .next(run.shared.input.catalog());
                 self.peeked = Some(p);
                 p
             }
         };
-        let sh = self.shared();
+        let sh = &run.shared;
         sh.released_v.store(next.v, Ordering::Release);
         sh.released_g.store(next.g, Ordering::Release);
-        for t in &self.run.as_ref().expect("running").threads {
+        for t in &run.threads {
             t.thread().unpark();
         }
-        if let Some(net) = &self.shared().net {
+        if let Some(net) = &sh.net {
             net.released();
         }
     }
@@ -1457,9 +1734,7 @@ impl Loader {
     /// any other epoch restarts the pipeline there.
     pub fn set_epoch(&mut self, epoch: u64) -> Result<()> {
         self.release_batch();
-        if let Some(msg) = &self.failed {
-            return Err(Error::LoaderFailed(msg.clone()));
-        }
+        self.check_failed()?;
         let pos = self.position();
         if pos.epoch == epoch && (pos.index == 0 || epoch == self.epoch) {
             self.epoch = epoch;
@@ -1470,9 +1745,9 @@ impl Loader {
 
     fn restart(&mut self, pos: Position) -> Result<()> {
         self.halt();
+        self.check_failed()?;
         if let Err(e) = self.launch(pos) {
-            self.failed = Some(e.to_string());
-            return Err(e);
+            return Err(self.fail(e));
         }
         Ok(())
     }
@@ -1485,19 +1760,29 @@ impl Loader {
         }
     }
 
-    /// The current position, serialized (36 bytes) for a checkpoint.
+    /// The current position, serialized ([`POSITION_BYTES`] bytes) for a
+    /// checkpoint. It carries the sampler's settings and the catalog's
+    /// identity, so it resumes only the same job on the same dataset.
     pub fn save_position(&self) -> [u8; POSITION_BYTES] {
-        self.sampler.save(self.position())
+        self.sampler
+            .save(self.position(), self.parts().0.catalog().identity())
     }
 
     /// Continues from a position saved by [`Loader::save_position`] with the
-    /// same dataset, seed, shuffle, rank, world and drop_last.
+    /// same dataset (catalog), seed, shuffle, rank, world and drop_last;
+    /// anything else is an [`Error::BadPosition`] saying what differs.
     pub fn restore_position(&mut self, bytes: &[u8]) -> Result<()> {
         self.release_batch();
-        if let Some(msg) = &self.failed {
-            return Err(Error::LoaderFailed(msg.clone()));
+        self.check_failed()?;
+        let pos = self
+            .sampler
+            .restore(bytes, self.parts().0.catalog().identity())?;
+        if pos.index > self.steps {
+            return Err(Error::BadPosition(format!(
+                "step {} is past the epoch's {} steps",
+                pos.index, self.steps
+            )));
         }
-        let pos = self.sampler.restore(bytes)?;
         self.restart(pos)
     }
 
@@ -1506,52 +1791,42 @@ impl Loader {
         self.batch_size
     }
 
-    /// Samples per epoch for this rank.
+    /// Samples per epoch for this rank, the same on every rank: the
+    /// sampler's share (padded to equal ranks), or with drop_last that
+    /// rounded down to whole batches.
     pub fn epoch_len(&self) -> u64 {
-        self.sampler.per_rank()
+        self.steps
+    }
+
+    /// Batches per epoch, the same on every rank: `ceil(epoch_len /
+    /// batch_size)` (with drop_last every batch is whole).
+    pub fn batches_per_epoch(&self) -> u64 {
+        self.steps.div_ceil(self.batch_size as u64)
     }
 
     /// The catalog being read.
     pub fn catalog(&self) -> &Catalog {
-        self.shared().input.catalog()
+        self.parts().0.catalog()
     }
 
     /// What the landing ring got (huge pages, lock, NUMA node, CUDA).
     pub fn landing_info(&self) -> &LandingInfo {
-        self.shared().ring.info()
+        self.parts().1.info()
     }
 
-    /// Statistics so far.
+    /// Statistics over the loader's life so far (cumulative across
+    /// `set_epoch` and `restore_position` restarts).
     pub fn stats(&self) -> Stats {
-        let Some(run) = self.run.as_ref() else {
-            // Not running (a restart failed): what the consumer counted.
-            return Stats {
-                samples: self.counters.samples,
-                bytes: self.counters.bytes,
-                elapsed: self.started.elapsed(),
-                stall: self.counters.stall,
-                disk_reads: 0,
-                tier_hits: 0,
-                retries: 0,
-                read_latency: Latency::default(),
-                remote_samples: 0,
-                failovers: 0,
-                source_reads: 0,
-            };
-        };
-        let sh = &run.shared;
-        let mut hist: Histogram<u64> =
-            Histogram::new_with_bounds(1, 60_000_000, 2).expect("valid bounds");
-        let (mut disk, mut hits, mut retries) = (0, 0, 0);
-        for s in &sh.stats {
-            disk += s.disk_reads.load(Ordering::Relaxed);
-            hits += s.tier_hits.load(Ordering::Relaxed);
-            retries += s.retries.load(Ordering::Relaxed);
-            let _ = hist.add(&*s.latency.lock().expect("not poisoned"));
+        let mut t = self.totals.clone();
+        let mut ahead = 0;
+        if let Some(run) = &self.run {
+            // The live run: its read-ahead is not thrown away (yet).
+            let discarded = t.discarded;
+            t.add_run(&run.shared, self.next_g());
+            ahead = t.discarded - discarded;
+            t.discarded = discarded;
         }
-        let net_count = |f: fn(&net::NetShared) -> &AtomicU64| {
-            sh.net.as_ref().map_or(0, |n| f(n).load(Ordering::Relaxed))
-        };
+        let hist = &t.latency;
         let lat = if hist.is_empty() {
             Latency::default()
         } else {
@@ -1569,22 +1844,21 @@ impl Loader {
             bytes: self.counters.bytes,
             elapsed: self.started.elapsed(),
             stall: self.counters.stall,
-            disk_reads: disk,
-            tier_hits: hits,
-            retries,
+            disk_reads: t.disk_reads,
+            tier_hits: t.tier_hits,
+            retries: t.retries,
             read_latency: lat,
-            remote_samples: net_count(|n| &n.remote_samples),
-            failovers: net_count(|n| &n.failovers),
-            source_reads: net_count(|n| &n.source_reads),
+            remote_samples: t.remote_samples,
+            failovers: t.failovers,
+            source_reads: t.source_reads,
+            read_ahead: ahead,
+            read_ahead_discarded: t.discarded,
         }
     }
 
     /// The memory tier's size: (samples, bytes), if there is one.
     pub fn tier(&self) -> Option<(u64, u64)> {
-        self.shared()
-            .tier
-            .as_ref()
-            .map(|t| (t.members(), t.member_bytes()))
+        self.parts().2.map(|t| (t.members(), t.member_bytes()))
     }
 }
 

@@ -626,7 +626,7 @@ impl NetThread {
             sqpoll_idle_ms: None,
         })?;
         let size = (sh.geo.table_len() as usize).next_power_of_two();
-        let cursor = Cursor::new(sh.sampler.clone(), sh.geo, sh.start);
+        let cursor = Cursor::new(sh.sampler.clone(), sh.geo, sh.start, sh.steps);
         let placement = setup.placement.ok_or_else(|| Error::BadCluster {
             origin: "cluster".into(),
             reason:
@@ -880,24 +880,6 @@ impl NetThread {
         }
     }
 
-    fn allowed(&self, p: &Placed) -> bool {
-        let sh = &self.sh;
-        p.v_end <= sh.released_v.load(Ordering::Acquire) + sh.geo.ring_bytes
-            && p.g
-                < sh.released_g
-                    .load(Ordering::Acquire)
-                    .saturating_add(sh.cfg.lookahead)
-    }
-
-    fn next_remote(&mut self) -> Placed {
-        loop {
-            let p = self.cursor.next(self.sh.input.catalog());
-            if !self.sh.is_local(p.id) {
-                return p;
-            }
-        }
-    }
-
     /// Grants what flow control allows: re-grants first, then new samples.
     fn fill(&mut self) {
         while let Some(&idx) = self.regrant.front() {
@@ -909,19 +891,25 @@ impl NetThread {
         loop {
             let p = match self.pending.take() {
                 Some(p) => p,
-                None => self.next_remote(),
+                None => self.cursor.next(self.sh.input.catalog()),
             };
-            if !self.allowed(&p) {
+            // Flow control bounds the walk over local samples too: with
+            // every sample local (one node, replicas = nodes) the thread
+            // must sleep here, not walk the endless schedule.
+            if !self.sh.writable(&p) {
                 self.pending = Some(p);
                 let net = self.net();
                 net.sleeping.store(true, Ordering::SeqCst);
                 // Re-check after announcing: a release in between would
                 // otherwise find `sleeping` unset and not wake us.
-                if self.allowed(&p) {
+                if self.sh.writable(&p) {
                     net.sleeping.store(false, Ordering::SeqCst);
                     continue;
                 }
                 return;
+            }
+            if self.sh.is_local(p.id) {
+                continue; // the local pollers read it
             }
             if p.len == 0 {
                 self.sh.publish(p.g, CODE_OK);

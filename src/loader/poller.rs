@@ -92,7 +92,12 @@ impl Poller {
         backend: Box<dyn IoBackend>,
     ) -> Self {
         let qd = shared.cfg.queue_depth as usize;
-        let cursor = Cursor::new(shared.sampler.clone(), shared.geo, shared.start);
+        let cursor = Cursor::new(
+            shared.sampler.clone(),
+            shared.geo,
+            shared.start,
+            shared.steps,
+        );
         let align = shared.geo.align;
         Poller {
             index: index as u64,
@@ -215,24 +220,6 @@ impl Poller {
         true
     }
 
-    fn next_own(&mut self) -> Placed {
-        loop {
-            let p = self.cursor.next(self.shared.input.catalog());
-            if p.g % self.count == self.index && self.shared.is_local(p.id) {
-                return p;
-            }
-        }
-    }
-
-    fn allowed(&self, p: &Placed) -> bool {
-        let sh = &self.shared;
-        p.v_end <= sh.released_v.load(Ordering::Acquire) + sh.geo.ring_bytes
-            && p.g
-                < sh.released_g
-                    .load(Ordering::Acquire)
-                    .saturating_add(sh.cfg.lookahead)
-    }
-
     /// Queues reads while slots, flow control and the queue allow. Returns
     /// how many samples or parts were started.
     fn fill(&mut self) -> usize {
@@ -252,11 +239,18 @@ impl Poller {
             }
             let p = match self.pending.take() {
                 Some(p) => p,
-                None => self.next_own(),
+                None => self.cursor.next(self.shared.input.catalog()),
             };
-            if !self.allowed(&p) {
+            // The scan for this poller's next sample stops at flow control
+            // too, so a stretch of samples that are not its own (other
+            // pollers', or remote in cluster mode) is walked only as far as
+            // the ring allows, never ahead without bound.
+            if !self.shared.writable(&p) {
                 self.pending = Some(p);
                 return started;
+            }
+            if p.g % self.count != self.index || !self.shared.is_local(p.id) {
+                continue;
             }
             let dst = self.dst(&p);
             if p.len == 0 {
@@ -329,7 +323,7 @@ impl Poller {
                     path: self.path_buf.clone(),
                     offset: s.offset,
                     errno_name: errno_name(e.raw_os_error().unwrap_or(0)),
-                    source: e,
+                    source: e.into(),
                 })?;
                 let fd = f.into_raw_fd();
                 (Target::Fd(fd), s.offset, s.len as u64, s.file, Some(fd))
@@ -536,7 +530,7 @@ impl Poller {
             path: self.file_path(g),
             offset: g.offset + part as u64 * self.part_bytes,
             errno_name: errno_name(errno),
-            source: std::io::Error::from_raw_os_error(errno),
+            source: std::io::Error::from_raw_os_error(errno).into(),
         }
     }
 

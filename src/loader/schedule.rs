@@ -70,6 +70,9 @@ impl Placed {
 pub struct Cursor {
     sampler: Sampler,
     geo: Geometry,
+    /// Steps delivered per epoch: the sampler's `per_rank`, or with
+    /// drop_last that rounded down to whole batches (every rank alike).
+    steps: u64,
     order: EpochOrder,
     pos: Position,
     g: u64,
@@ -77,12 +80,15 @@ pub struct Cursor {
 }
 
 impl Cursor {
-    /// Starts at `start` (the next step to deliver).
-    pub fn new(sampler: Sampler, geo: Geometry, start: Position) -> Self {
+    /// Starts at `start` (the next step to deliver); an epoch is its first
+    /// `steps` steps (at most the sampler's `per_rank`).
+    pub fn new(sampler: Sampler, geo: Geometry, start: Position, steps: u64) -> Self {
+        debug_assert!(steps <= sampler.per_rank());
         let order = sampler.epoch(start.epoch);
         Cursor {
             sampler,
             geo,
+            steps,
             order,
             pos: start,
             g: 0,
@@ -92,7 +98,7 @@ impl Cursor {
 
     /// The position of the next sample [`Cursor::next`] returns.
     pub fn position(&self) -> Position {
-        if self.pos.index >= self.sampler.per_rank() {
+        if self.pos.index >= self.steps {
             Position {
                 epoch: self.pos.epoch + 1,
                 index: 0,
@@ -102,14 +108,24 @@ impl Cursor {
         }
     }
 
+    /// The global sequence number of the next sample [`Cursor::next`] returns.
+    pub fn next_g(&self) -> u64 {
+        self.g
+    }
+
     /// Whether the next sample starts a new epoch (the current one is used up).
     pub fn at_epoch_end(&self) -> bool {
-        self.pos.index >= self.sampler.per_rank()
+        self.pos.index >= self.steps
     }
 
     /// Schedules the next sample.
     pub fn next(&mut self, catalog: &Catalog) -> Placed {
-        if self.pos.index >= self.sampler.per_rank() {
+        self.next_with(|id| catalog.sample(id).len as u64)
+    }
+
+    /// Schedules the next sample, its length from `len_of(id)`.
+    pub fn next_with(&mut self, len_of: impl FnOnce(u64) -> u64) -> Placed {
+        if self.pos.index >= self.steps {
             self.pos = Position {
                 epoch: self.pos.epoch + 1,
                 index: 0,
@@ -117,7 +133,7 @@ impl Cursor {
             self.order = self.sampler.epoch(self.pos.epoch);
         }
         let id = self.order.sample(self.pos.index);
-        let len = catalog.sample(id).len as u64;
+        let len = len_of(id);
         let slot = self.geo.slot(len);
         let seg = self.geo.segment();
         let in_seg = (self.v % self.geo.ring_bytes) % seg;
@@ -139,5 +155,81 @@ impl Cursor {
         self.g += 1;
         self.pos.index += 1;
         placed
+    }
+}
+
+impl Geometry {
+    /// The most ring bytes a run of samples can span from its first slot's
+    /// start to its last slot's end, when their slots add up to at most
+    /// `slots_bytes` and the largest is `max_slot`: the slots plus the
+    /// padding [`Cursor::next`] leaves before a segment boundary or the
+    /// ring's end, which is less than one slot (so at most `max_slot -
+    /// align`) per boundary a ring-long span can cross.
+    pub fn span_bound(&self, slots_bytes: u64, max_slot: u64) -> u64 {
+        let boundaries = self.ring_bytes.div_ceil(self.segment());
+        slots_bytes + boundaries * max_slot.saturating_sub(self.align)
+    }
+}
+
+/// The smallest ring size (a multiple of `unit`, itself a multiple of
+/// `align`) in which a run of samples whose slots add up to `slots_bytes`,
+/// the largest `max_slot`, always fits ([`Geometry::span_bound`]).
+pub fn ring_bytes_needed(align: u64, unit: u64, slots_bytes: u64, max_slot: u64) -> u64 {
+    let mut ring = slots_bytes.max(max_slot).next_multiple_of(unit);
+    loop {
+        let geo = Geometry {
+            ring_bytes: ring,
+            align,
+        };
+        let need = geo.span_bound(slots_bytes, max_slot).next_multiple_of(unit);
+        if need <= ring {
+            return ring;
+        }
+        ring = need;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sampler::SamplerConfig;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Any `batch` consecutive samples of the schedule span no more than
+        /// the bound computed from the catalog's `batch` largest slots, in
+        /// any ring at least `ring_bytes_needed` of that.
+        #[test]
+        fn batch_spans_stay_within_the_bound(
+            lens in proptest::collection::vec(0u32..70_000, 1..200),
+            batch in 1usize..12,
+            seed in 0u64..1000,
+            extra in 0u64..8,
+        ) {
+            let align = 4096;
+            let mut slots: Vec<u64> = lens.iter().map(|&l| (l as u64).next_multiple_of(align).max(align)).collect();
+            slots.sort_unstable_by(|a, b| b.cmp(a));
+            let top: u64 = slots.iter().take(batch).sum();
+            let max_slot = slots[0];
+            let ring = ring_bytes_needed(align, 4096, top, max_slot) + extra * 4096;
+            let geo = Geometry { ring_bytes: ring, align };
+            prop_assert!(geo.span_bound(top, max_slot) <= ring);
+            let sampler = Sampler::new(SamplerConfig::single(lens.len() as u64, seed)).unwrap();
+            let steps = sampler.per_rank();
+            let mut c = Cursor::new(sampler, geo, Position { epoch: 0, index: 0 }, steps);
+            let placed: Vec<Placed> = (0..3 * steps).map(|_| c.next_with(|id| lens[id as usize] as u64)).collect();
+            // Batches never cross an epoch: any `batch` consecutive samples
+            // of one epoch.
+            for epoch in placed.chunks(steps as usize) {
+                for w in epoch.windows(batch.min(epoch.len())) {
+                    let span = w.last().unwrap().v_end - w[0].v;
+                    prop_assert!(span <= ring, "span {} > ring {}", span, ring);
+                }
+            }
+            for p in &placed {
+                // A slot never straddles the ring's end.
+                prop_assert!(p.phys(&geo) + (p.v_end - p.v) <= ring);
+            }
+        }
     }
 }

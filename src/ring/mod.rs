@@ -93,7 +93,7 @@ impl Uring {
                 } else {
                     "create ring"
                 },
-                source: e,
+                source: e.into(),
             })?;
         Ok(Uring { ring })
     }
@@ -113,7 +113,7 @@ impl Uring {
         // SAFETY: per this function's contract the regions outlive the ring.
         unsafe { self.ring.submitter().register_buffers(&iov) }.map_err(|e| Error::Uring {
             what: "register buffers",
-            source: e,
+            source: e.into(),
         })
     }
 
@@ -124,7 +124,7 @@ impl Uring {
             .register_files(fds)
             .map_err(|e| Error::Uring {
                 what: "register files",
-                source: e,
+                source: e.into(),
             })
     }
 }

@@ -131,9 +131,12 @@ pub struct Position {
     pub index: u64,
 }
 
-const POS_MAGIC: &[u8; 8] = b"KSPDPOS1";
+const POS_MAGIC: &[u8; 8] = b"KSPDPOS2";
+const POS_MAGIC_V1: &[u8; 8] = b"KSPDPOS1";
 /// Bytes of a serialized [`Position`].
-pub const POSITION_BYTES: usize = 36;
+pub const POSITION_BYTES: usize = 40;
+/// Bytes of a position saved by kspeed 0.1 (no catalog identity).
+const POSITION_V1_BYTES: usize = 36;
 
 /// A rank's view of the epoch sequence.
 #[derive(Debug, Clone)]
@@ -190,34 +193,46 @@ impl Sampler {
         self.epoch(epoch).sample(k)
     }
 
-    /// Serializes a position with this sampler's fingerprint, so it cannot be
-    /// resumed by a sampler over other data, seed, rank or world.
-    pub fn save(&self, pos: Position) -> [u8; POSITION_BYTES] {
+    /// Serializes a position with this sampler's fingerprint and the
+    /// catalog's identity, so it cannot be resumed by a sampler over other
+    /// data (even of the same length), seed, rank or world.
+    ///
+    /// Layout (little-endian): magic `KSPDPOS2`, epoch u64, index u64,
+    /// sampler fingerprint u64, catalog identity u32, CRC32C u32 of the
+    /// preceding 36 bytes.
+    pub fn save(&self, pos: Position, catalog_identity: u32) -> [u8; POSITION_BYTES] {
         let mut b = [0u8; POSITION_BYTES];
         b[0..8].copy_from_slice(POS_MAGIC);
         b[8..16].copy_from_slice(&pos.epoch.to_le_bytes());
         b[16..24].copy_from_slice(&pos.index.to_le_bytes());
         b[24..32].copy_from_slice(&self.cfg.fingerprint().to_le_bytes());
-        let crc = crc32c::crc32c(&b[..32]);
-        b[32..36].copy_from_slice(&crc.to_le_bytes());
+        b[32..36].copy_from_slice(&catalog_identity.to_le_bytes());
+        let crc = crc32c::crc32c(&b[..36]);
+        b[36..40].copy_from_slice(&crc.to_le_bytes());
         b
     }
 
-    /// Decodes a position saved by [`Sampler::save`] with the same configuration.
-    pub fn restore(&self, bytes: &[u8]) -> Result<Position> {
-        if bytes.len() != POSITION_BYTES {
-            return Err(Error::BadPosition(format!(
-                "{} bytes, expected {POSITION_BYTES}",
-                bytes.len()
-            )));
-        }
-        if &bytes[0..8] != POS_MAGIC {
-            return Err(Error::BadPosition(
-                "wrong magic (not a kspeed position)".into(),
-            ));
-        }
-        let crc = u32::from_le_bytes(bytes[32..36].try_into().expect("4 bytes"));
-        if crc != crc32c::crc32c(&bytes[..32]) {
+    /// Decodes a position saved by [`Sampler::save`] with the same
+    /// configuration and catalog. A 36-byte position of kspeed 0.1
+    /// (`KSPDPOS1`, no catalog identity) is still accepted, with a warning:
+    /// it cannot tell two datasets of the same length apart.
+    pub fn restore(&self, bytes: &[u8], catalog_identity: u32) -> Result<Position> {
+        let (body, crc_at) = match bytes.len() {
+            POSITION_BYTES if &bytes[0..8] == POS_MAGIC => (36, 36),
+            POSITION_V1_BYTES if &bytes[0..8] == POS_MAGIC_V1 => (32, 32),
+            POSITION_BYTES | POSITION_V1_BYTES => {
+                return Err(Error::BadPosition(
+                    "wrong magic (not a kspeed position)".into(),
+                ))
+            }
+            n => {
+                return Err(Error::BadPosition(format!(
+                    "{n} bytes, expected {POSITION_BYTES}"
+                )))
+            }
+        };
+        let crc = u32::from_le_bytes(bytes[crc_at..crc_at + 4].try_into().expect("4 bytes"));
+        if crc != crc32c::crc32c(&bytes[..body]) {
             return Err(Error::BadPosition("checksum mismatch (corrupt)".into()));
         }
         let fp = u64::from_le_bytes(bytes[24..32].try_into().expect("8 bytes"));
@@ -225,6 +240,19 @@ impl Sampler {
             return Err(Error::BadPosition(
                 "saved by a sampler with another dataset length, seed, shuffle, rank, world or drop_last".into(),
             ));
+        }
+        if body == 36 {
+            let saved = u32::from_le_bytes(bytes[32..36].try_into().expect("4 bytes"));
+            if saved != catalog_identity {
+                return Err(Error::BadPosition(format!(
+                    "saved on another dataset (catalog identity {saved:08x}, this loader reads {catalog_identity:08x})"
+                )));
+            }
+        } else {
+            log::warn!(
+                "resuming a position saved by kspeed 0.1, which does not record the dataset: \
+                 make sure it is the same catalog"
+            );
         }
         let pos = Position {
             epoch: u64::from_le_bytes(bytes[8..16].try_into().expect("8 bytes")),
@@ -365,21 +393,41 @@ mod tests {
             epoch: 3,
             index: 117,
         };
-        let bytes = s.save(pos);
-        assert_eq!(s.restore(&bytes).unwrap(), pos);
+        let bytes = s.save(pos, 0xfeed);
+        assert_eq!(s.restore(&bytes, 0xfeed).unwrap(), pos);
         let full = seq(&s, 3);
-        let resumed: Vec<u64> = s.iter_from(s.restore(&bytes).unwrap()).collect();
+        let resumed: Vec<u64> = s.iter_from(s.restore(&bytes, 0xfeed).unwrap()).collect();
         assert_eq!(&full[117..], &resumed[..]);
 
         let other = Sampler::new(SamplerConfig { seed: 10, ..cfg }).unwrap();
-        assert!(matches!(other.restore(&bytes), Err(Error::BadPosition(_))));
-        let mut bad = bytes;
-        bad[10] ^= 1;
-        assert!(matches!(s.restore(&bad), Err(Error::BadPosition(_))));
         assert!(matches!(
-            s.restore(&bytes[..20]),
+            other.restore(&bytes, 0xfeed),
             Err(Error::BadPosition(_))
         ));
+        // Same sampler, another dataset of the same length.
+        match s.restore(&bytes, 0xbeef) {
+            Err(Error::BadPosition(m)) => assert!(m.contains("another dataset"), "{m}"),
+            r => panic!("{r:?}"),
+        }
+        let mut bad = bytes;
+        bad[10] ^= 1;
+        assert!(matches!(
+            s.restore(&bad, 0xfeed),
+            Err(Error::BadPosition(_))
+        ));
+        assert!(matches!(
+            s.restore(&bytes[..20], 0xfeed),
+            Err(Error::BadPosition(_))
+        ));
+        // A version-1 position (36 bytes, no catalog identity) still resumes.
+        let mut v1 = [0u8; 36];
+        v1[0..8].copy_from_slice(b"KSPDPOS1");
+        v1[8..16].copy_from_slice(&3u64.to_le_bytes());
+        v1[16..24].copy_from_slice(&117u64.to_le_bytes());
+        v1[24..32].copy_from_slice(&cfg.fingerprint().to_le_bytes());
+        let crc = crc32c::crc32c(&v1[..32]);
+        v1[32..36].copy_from_slice(&crc.to_le_bytes());
+        assert_eq!(s.restore(&v1, 0xbeef).unwrap(), pos);
     }
 
     #[test]

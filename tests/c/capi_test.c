@@ -84,7 +84,10 @@ static uint64_t read_epoch(ksp_loader *l, uint64_t epoch, uint64_t *ids, uint64_
             if (ids && n < max_ids) ids[n] = s->id;
             n++;
         }
-        CHECK(ksp_loader_release_batch(l) == KSP_OK, "%s", last_error());
+        CHECK(b.seq > 0, "a batch has an identity");
+        CHECK(ksp_loader_release_batch(l, b.seq) == KSP_OK, "%s", last_error());
+        /* Releasing it again does nothing. */
+        CHECK(ksp_loader_release_batch(l, b.seq) == KSP_OK, "%s", last_error());
     }
     return n;
 }
@@ -190,7 +193,12 @@ int main(int argc, char **argv) {
     CHECK(ksp_loader_set_epoch(l, 2) == KSP_OK, "%s", last_error());
     ksp_batch b;
     CHECK(ksp_loader_next_batch(l, &b) == KSP_OK && b.count > 0, "%s", last_error());
-    CHECK(ksp_loader_release_batch(l) == KSP_OK, "%s", last_error());
+    CHECK(ksp_loader_release_batch(l, b.seq + 1) == KSP_ERR_INVALID_ARG,
+          "a batch never handed out: %s", last_error());
+    CHECK(ksp_loader_release_batch(l, b.seq) == KSP_OK, "%s", last_error());
+    uint64_t bpe = 0;
+    CHECK(ksp_loader_batches_per_epoch(l, &bpe) == KSP_OK && bpe == (per_epoch + 15) / 16,
+          "batches per epoch %llu", (unsigned long long)bpe);
     uint64_t pe = 9, pi = 0;
     CHECK(ksp_loader_position(l, &pe, &pi) == KSP_OK && pe == 2 && pi == b.count, "position %llu/%llu",
           (unsigned long long)pe, (unsigned long long)pi);
@@ -224,7 +232,7 @@ int main(int argc, char **argv) {
     CHECK(ksp_loader_restore_position(l, NULL, 0) == KSP_ERR_NULL_ARG, "null position");
     CHECK(ksp_loader_next_batch(l, NULL) == KSP_ERR_NULL_ARG, "null batch");
     CHECK(ksp_loader_next_batch(NULL, &b) == KSP_ERR_NULL_ARG, "null loader");
-    CHECK(ksp_loader_release_batch(NULL) == KSP_ERR_NULL_ARG, "null loader");
+    CHECK(ksp_loader_release_batch(NULL, 1) == KSP_ERR_NULL_ARG, "null loader");
     CHECK(ksp_loader_stats(l, NULL) == KSP_ERR_NULL_ARG, "null stats");
     CHECK(ksp_loader_epoch_len(NULL, &per_epoch) == KSP_ERR_NULL_ARG, "null loader");
     ksp_loader_free(l);
