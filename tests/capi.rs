@@ -20,6 +20,18 @@ fn root() -> PathBuf {
 
 /// Compiles the C test; None (with a message) when gcc is missing.
 fn compile(out: &Path, extra: &[&str]) -> Option<PathBuf> {
+    compile_with("gcc", "-std=c11", "tests/c/capi_test.c", out, extra)
+}
+
+/// Compiles `source` (relative to the crate) with `compiler` against
+/// include/ (and ffi/cpp) and the built library.
+fn compile_with(
+    compiler: &str,
+    std_flag: &str,
+    source: &str,
+    out: &Path,
+    extra: &[&str],
+) -> Option<PathBuf> {
     // Test builds refresh target/<profile>/deps/libkspeed.so but not always
     // the copy one level up: take the newer.
     let built = [
@@ -43,12 +55,14 @@ fn compile(out: &Path, extra: &[&str]) -> Option<PathBuf> {
         let _ = std::fs::remove_file(lib.join(name));
         std::os::unix::fs::symlink(&built, lib.join(name)).unwrap();
     }
-    let mut cmd = Command::new("gcc");
-    cmd.args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-g", "-O1"])
+    let mut cmd = Command::new(compiler);
+    cmd.args([std_flag, "-Wall", "-Wextra", "-Werror", "-g", "-O1"])
         .args(extra)
         .arg("-I")
         .arg(root().join("include"))
-        .arg(root().join("tests/c/capi_test.c"))
+        .arg("-I")
+        .arg(root().join("ffi/cpp"))
+        .arg(root().join(source))
         .arg("-o")
         .arg(out)
         .arg("-L")
@@ -57,9 +71,9 @@ fn compile(out: &Path, extra: &[&str]) -> Option<PathBuf> {
         .arg("-lkspeed");
     match cmd.output() {
         Ok(o) if o.status.success() => Some(out.to_path_buf()),
-        Ok(o) => panic!("gcc failed:\n{}", String::from_utf8_lossy(&o.stderr)),
+        Ok(o) => panic!("{compiler} failed:\n{}", String::from_utf8_lossy(&o.stderr)),
         Err(e) => {
-            eprintln!("skipping: gcc not available ({e})");
+            eprintln!("skipping: {compiler} not available ({e})");
             None
         }
     }
@@ -113,6 +127,30 @@ fn assert_passed(o: &std::process::Output, what: &str) {
         String::from_utf8_lossy(&o.stdout).contains("all checks passed"),
         "{text}"
     );
+}
+
+/// The C++ wrapper's batches release only their own batch:
+/// `while ((b = loader.next_batch()))` and holding an older Batch past the
+/// next next_batch(), with a ring just big enough for a batch and a CRC32C
+/// check of every sample (tests/c/batch_lifetime.cpp).
+#[test]
+fn cpp_batches_release_only_their_own() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("src");
+    gen("tiny", 600, &src);
+    let space = tmp.path().join("space");
+    ok(&["preload", "--source", s(&src), "--space", s(&space)]);
+    let Some(bin) = compile_with(
+        "g++",
+        "-std=c++17",
+        "tests/c/batch_lifetime.cpp",
+        &tmp.path().join("batch_lifetime"),
+        &[],
+    ) else {
+        return;
+    };
+    let o = Command::new(&bin).arg(&space).output().unwrap();
+    assert_passed(&o, "C++ batch lifetimes");
 }
 
 #[test]

@@ -1018,3 +1018,118 @@ fn rdma_without_a_device_is_a_named_error() {
         Ok(_) => panic!("an RDMA loader started without a device"),
     }
 }
+
+/// CPU seconds used so far by this process's threads named `name`.
+fn thread_cpu_secs(name: &str) -> f64 {
+    let tick = 100.0; // USER_HZ on Linux
+    let mut total = 0.0;
+    for t in std::fs::read_dir("/proc/self/task").unwrap().flatten() {
+        let comm = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
+        if comm.trim() != name {
+            continue;
+        }
+        let stat = std::fs::read_to_string(t.path().join("stat")).unwrap_or_default();
+        // Fields after the ")" that ends the command: state is field 3,
+        // utime 14 and stime 15.
+        let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        if f.len() > 13 {
+            total += (f[11].parse::<f64>().unwrap() + f[12].parse::<f64>().unwrap()) / tick;
+        }
+    }
+    total
+}
+
+/// Runs `f` on a thread and fails (instead of hanging the suite) if it has
+/// not finished by `deadline`.
+fn within<T: Send + 'static>(
+    what: &str,
+    deadline: Duration,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> T {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    match rx.recv_timeout(deadline) {
+        Ok(v) => v,
+        Err(_) => panic!("{what} did not finish within {deadline:?}"),
+    }
+}
+
+#[test]
+fn cluster_mode_with_every_sample_local_idles_and_ends() {
+    // Layouts where nothing is remote for the consumer on node 0: one node;
+    // two nodes that each hold every sample (replicas = nodes).
+    for (nodes, replicas) in [(1u32, 1u32), (2, 2)] {
+        let st = setup("tiny", 300, nodes, replicas);
+        let serves: Vec<Serve> = (0..nodes as usize)
+            .map(|i| Serve::start(&st.spaces[i], &node_ip(i), &st.token, &[]))
+            .collect();
+        let addrs: Vec<String> = serves.iter().map(|s| s.addr.clone()).collect();
+        let cat = Catalog::open(&st.catalog).unwrap();
+        let space = st.spaces[0].clone();
+        let (idle_cpu, n) = within(
+            "a cluster loader with nothing remote",
+            Duration::from_secs(120),
+            move || {
+                let a: Vec<&str> = addrs.iter().map(|s| s.as_str()).collect();
+                let mut l = builder_space(&space, cluster_of(&a)).build().unwrap();
+                let n = check(&mut l, &cat, 0, 1, 2);
+                // Everything is delivered; the network thread has nothing to
+                // do and must sleep, not walk the endless schedule.
+                let c0 = thread_cpu_secs("kspeed-net");
+                let t0 = Instant::now();
+                while t0.elapsed() < Duration::from_secs(1) {
+                    std::thread::park_timeout(Duration::from_millis(100));
+                }
+                let idle_cpu = thread_cpu_secs("kspeed-net") - c0;
+                drop(l); // joins the network thread: hangs if it never looks up
+                (idle_cpu, n)
+            },
+        );
+        assert_eq!(n, 600, "nodes {nodes} replicas {replicas}");
+        assert!(
+            idle_cpu < 0.25,
+            "nodes {nodes} replicas {replicas}: the idle network thread used {idle_cpu:.2} s of CPU in 1 s"
+        );
+        // The command line ends too (the README's one-node torchrun set-up).
+        let file = st.spaces[0].parent().unwrap().join("cluster.txt");
+        let list: String = serves
+            .iter()
+            .enumerate()
+            .map(|(i, s)| format!("{i} {}\n", s.addr))
+            .collect();
+        std::fs::write(&file, list).unwrap();
+        let mut child = Command::new(kspeed_bin())
+            .args(["read", "--progress=none", "--space", s(&st.spaces[0])])
+            .args(["--cluster", s(&file), "--token-file", s(&st.token)])
+            .args(["--epochs", "2", "--ring-bytes", "1MiB"])
+            .args(if rdma_mode() { &["--rdma"][..] } else { &[] })
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let t0 = Instant::now();
+        let status = loop {
+            if let Some(st) = child.try_wait().unwrap() {
+                break st;
+            }
+            if t0.elapsed() > Duration::from_secs(120) {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("kspeed read --cluster with every sample local never ended");
+            }
+            std::thread::park_timeout(Duration::from_millis(50));
+        };
+        let mut out = String::new();
+        child
+            .stdout
+            .take()
+            .unwrap()
+            .read_to_string(&mut out)
+            .unwrap();
+        assert!(status.success(), "{out}");
+        assert!(out.contains("read 600 samples"), "{out}");
+    }
+}

@@ -758,3 +758,94 @@ fn verify_crc32c_catches_a_corrupt_extent_and_spans_hold_the_batch() {
         e => panic!("expected SampleCorrupt, got {e}"),
     }
 }
+
+/// DDP lock-step: every rank of a job gets the same number of batches per
+/// epoch, each whole but the last, whatever its own sample sizes; a ring
+/// that could only deliver some batch cut short is refused at build.
+#[test]
+fn every_rank_gets_the_same_whole_batches() {
+    let t = tempfile::tempdir().unwrap();
+    let src = t.path().join("src");
+    gen("imagenet", 200, &src);
+    let sp = t.path().join("space");
+    ok(&["preload", "--source", s(&src), "--space", s(&sp)]);
+    let batch = 16usize;
+    // The case that used to give ranks 15 vs 13 batches: refused now,
+    // naming the ring size that is enough.
+    let needed = match LoaderBuilder::space(&sp)
+        .batch_size(batch)
+        .rank(0, 2)
+        .landing(small_ring(1 << 20))
+        .build()
+    {
+        Err(Error::RingTooSmallForBatch {
+            needed_bytes,
+            ring_bytes,
+            batch_size,
+            ..
+        }) => {
+            assert_eq!((ring_bytes, batch_size), (1 << 20, batch));
+            assert!(needed_bytes > 1 << 20);
+            needed_bytes
+        }
+        Err(e) => panic!("{e}"),
+        Ok(_) => panic!("a 1 MiB ring cannot hold 16 imagenet samples, and was accepted"),
+    };
+    let msg = LoaderBuilder::space(&sp)
+        .batch_size(batch)
+        .landing(small_ring(1 << 20))
+        .build()
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(msg.contains(&needed.to_string()), "{msg}");
+    for seed in 0..12u64 {
+        for world in [2u32, 3, 5] {
+            for drop_last in [false, true] {
+                // The smallest ring allowed, and a little more (other wraps).
+                let ring = needed + (seed % 3) * 4096;
+                let mut counts = Vec::new();
+                for rank in 0..world {
+                    let mut l = LoaderBuilder::space(&sp)
+                        .batch_size(batch)
+                        .seed(seed)
+                        .rank(rank, world)
+                        .drop_last(drop_last)
+                        .landing(small_ring(ring))
+                        .build()
+                        .unwrap();
+                    let steps = l.epoch_len();
+                    let mut sizes = Vec::new();
+                    while let Some(b) = l.next_batch().unwrap() {
+                        sizes.push(b.len());
+                    }
+                    let n = sizes.len();
+                    assert_eq!(n as u64, l.batches_per_epoch());
+                    assert!(
+                        sizes[..n - 1].iter().all(|&x| x == batch),
+                        "seed {seed} world {world} rank {rank}: {sizes:?}"
+                    );
+                    assert_eq!(sizes.iter().sum::<usize>() as u64, steps);
+                    if drop_last {
+                        assert_eq!(sizes[n - 1], batch, "drop_last: whole batches only");
+                    }
+                    counts.push(n);
+                }
+                let per_rank = if drop_last {
+                    200 / world as usize
+                } else {
+                    200usize.div_ceil(world as usize)
+                };
+                let want = if drop_last {
+                    per_rank / batch
+                } else {
+                    per_rank.div_ceil(batch)
+                };
+                assert!(
+                    counts.iter().all(|&c| c == want),
+                    "seed {seed} world {world} drop_last {drop_last}: batches per rank {counts:?}, want {want}"
+                );
+            }
+        }
+    }
+}
