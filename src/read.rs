@@ -345,6 +345,10 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
         st.tier_hits,
         st.retries
     );
+    println!(
+        "delivered {} samples; read ahead and not consumed: {} (the pollers run ahead into the next epoch)",
+        st.samples, st.read_ahead_discarded
+    );
     if a.cluster.is_some() || a.cluster_env {
         println!(
             "cluster ({}): {} samples pushed by other nodes, {} failed over, {} read from the source",

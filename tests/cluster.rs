@@ -55,7 +55,11 @@ impl Serve {
     fn start(space: &Path, ip: &str, token_file: &Path, extra: &[&str]) -> Serve {
         let mut child = Command::new(kspeed_bin())
             .args(["serve", "--space", s(space), "--listen"])
-            .arg(format!("{ip}:0"))
+            .arg(if ip.contains(':') {
+                ip.to_string()
+            } else {
+                format!("{ip}:0")
+            })
             .args(["--token-file", s(token_file), "--pollers", "1"])
             .args(extra)
             .args(if rdma_mode() { &["--rdma"][..] } else { &[] })
@@ -75,6 +79,16 @@ impl Serve {
             .to_string();
         assert!(addr.contains(':'), "serve printed {line:?}");
         Serve { child, addr }
+    }
+
+    /// A node on a port that is free now, so it can be restarted there.
+    fn start_on_free_port(space: &Path, ip: &str, token_file: &Path) -> Serve {
+        let port = TcpListener::bind(format!("{ip}:0"))
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        Serve::start(space, &format!("{ip}:{port}"), token_file, &[])
     }
 
     fn signal(&self, sig: &str) {
@@ -1131,5 +1145,94 @@ fn cluster_mode_with_every_sample_local_idles_and_ends() {
             .unwrap();
         assert!(status.success(), "{out}");
         assert!(out.contains("read 600 samples"), "{out}");
+    }
+}
+
+/// After a restart fails (the node now refuses the token), the loader
+/// answers every call: the failing calls with the first error (its kind,
+/// and its status through the C ABI), the rest (catalog, ring, tier,
+/// statistics, position) as before; nothing panics.
+#[test]
+fn a_failed_restart_keeps_its_first_error_and_answers_every_call() {
+    use kspeed::capi::*;
+    let st = setup("tiny", 300, 1, 1);
+    let node = Serve::start_on_free_port(&st.spaces[0], &node_ip(0), &st.token);
+    let addr = node.addr.clone();
+    let mut l = builder_remote(&st, &[&addr], 1 << 20).build().unwrap();
+    assert_eq!(l.next_batch().unwrap().unwrap().len(), 16);
+    // The same through the C ABI.
+    let cluster_file = st.spaces[0].parent().unwrap().join("cluster.txt");
+    std::fs::write(&cluster_file, format!("0 {addr}\n")).unwrap();
+    let cstr = |x: &str| std::ffi::CString::new(x).unwrap();
+    let mut c: *mut ksp_loader = std::ptr::null_mut();
+    // SAFETY: the C ABI used as documented: live handles, NUL-terminated
+    // strings, writable out-parameters.
+    unsafe {
+        let mut cfg = std::ptr::null_mut();
+        assert_eq!(ksp_config_new(&mut cfg), ksp_status::KSP_OK);
+        let mut pairs = vec![
+            ("source", s(&st.src).to_string()),
+            ("catalog", s(&st.catalog).to_string()),
+            ("cluster_file", s(&cluster_file).to_string()),
+            ("token", TOKEN.to_string()),
+            ("batch_size", "16".into()),
+            ("seed", "3".into()),
+            ("ring_bytes", "1MiB".into()),
+            ("pollers", "1".into()),
+            ("pin", "false".into()),
+        ];
+        if rdma_mode() {
+            pairs.push(("rdma", "true".into()));
+        }
+        for (k, v) in pairs {
+            assert_eq!(
+                ksp_config_set(cfg, cstr(k).as_ptr(), cstr(&v).as_ptr()),
+                ksp_status::KSP_OK,
+                "{k}"
+            );
+        }
+        assert_eq!(ksp_loader_new(cfg, &mut c), ksp_status::KSP_OK);
+        ksp_config_free(cfg);
+        let mut b: ksp_batch = std::mem::zeroed();
+        assert_eq!(ksp_loader_next_batch(c, &mut b), ksp_status::KSP_OK);
+        assert_eq!(b.count, 16);
+    }
+    // The node comes back on the same address with another job's token.
+    drop(node);
+    let other = st.spaces[0].parent().unwrap().join("other-token");
+    std::fs::write(&other, "another-job\n").unwrap();
+    let _node = Serve::start(&st.spaces[0], &addr, &other, &[]);
+    let e = l.set_epoch(4).unwrap_err();
+    assert!(matches!(e, Error::Refused { .. }), "{e}");
+    for _ in 0..2 {
+        let again = l.next_batch().err().expect("the loader failed");
+        assert!(matches!(again.root(), Error::Refused { .. }), "{again}");
+        assert!(again.to_string().contains("refused"), "{again}");
+        let e = l.set_epoch(5).unwrap_err();
+        assert!(matches!(e.root(), Error::Refused { .. }), "{e}");
+        let e = l.restore_position(&l.save_position()).unwrap_err();
+        assert!(matches!(e.root(), Error::Refused { .. }), "{e}");
+    }
+    assert_eq!(l.catalog().len(), 300);
+    assert_eq!(l.landing_info().bytes, 1 << 20);
+    assert!(l.tier().is_none());
+    assert_eq!(l.stats().samples, 16);
+    assert_eq!(l.batch_size(), 16);
+    let _ = l.position();
+    drop(l);
+    // SAFETY: as above.
+    unsafe {
+        let net = ksp_status::KSP_ERR_NETWORK;
+        assert_eq!(ksp_loader_set_epoch(c, 4), net);
+        let mut b: ksp_batch = std::mem::zeroed();
+        assert_eq!(ksp_loader_next_batch(c, &mut b), net, "the first error's status, not KSP_ERR_STATE");
+        assert_eq!(ksp_loader_set_epoch(c, 5), net);
+        let mut n = 0u64;
+        assert_eq!(ksp_loader_catalog_len(c, &mut n), ksp_status::KSP_OK);
+        assert_eq!(n, 300);
+        let mut stats: ksp_stats = std::mem::zeroed();
+        assert_eq!(ksp_loader_stats(c, &mut stats), ksp_status::KSP_OK);
+        assert_eq!(stats.samples, 16);
+        ksp_loader_free(c);
     }
 }

@@ -849,3 +849,85 @@ fn every_rank_gets_the_same_whole_batches() {
         }
     }
 }
+
+/// A saved position carries the catalog's identity: it does not resume on
+/// another dataset, even one with the same sample count.
+#[test]
+fn a_position_does_not_resume_on_another_dataset_of_the_same_length() {
+    let t = tempfile::tempdir().unwrap();
+    let mut spaces = Vec::new();
+    for seed in ["1", "2"] {
+        let src = t.path().join(format!("src{seed}"));
+        ok(&["gen", "--profile", "tiny", "--count", "120", "--seed", seed, "--out", s(&src)]);
+        let sp = t.path().join(format!("space{seed}"));
+        ok(&["preload", "--source", s(&src), "--space", s(&sp)]);
+        spaces.push(sp);
+    }
+    let build = |sp: &Path| {
+        LoaderBuilder::space(sp)
+            .batch_size(8)
+            .seed(3)
+            .landing(small_ring(1 << 20))
+            .build()
+            .unwrap()
+    };
+    let mut a = build(&spaces[0]);
+    a.next_batch().unwrap().unwrap();
+    let saved = a.save_position();
+    assert_eq!(saved.len(), kspeed::sampler::POSITION_BYTES);
+    let mut b = build(&spaces[1]);
+    assert_eq!(a.catalog().len(), b.catalog().len());
+    match b.restore_position(&saved) {
+        Err(Error::BadPosition(m)) => assert!(m.contains("another dataset"), "{m}"),
+        r => panic!("restored a position of another dataset: {r:?}"),
+    }
+    // Refusing it leaves b working where it was.
+    assert_eq!(b.position(), Position { epoch: 0, index: 0 });
+    assert_eq!(b.next_batch().unwrap().unwrap().len(), 8);
+    // The same dataset resumes.
+    let mut c = build(&spaces[0]);
+    c.restore_position(&saved).unwrap();
+    assert_eq!(c.position(), Position { epoch: 0, index: 8 });
+}
+
+/// Statistics add up over the loader's life: restarts do not reset them,
+/// and what was read ahead is counted apart from what was delivered.
+#[test]
+fn statistics_are_cumulative_and_count_read_ahead_apart() {
+    let t = tempfile::tempdir().unwrap();
+    let src = t.path().join("src");
+    gen("tiny", 300, &src);
+    let sp = t.path().join("space");
+    ok(&["preload", "--source", s(&src), "--space", s(&sp)]);
+    let mut l = LoaderBuilder::space(&sp)
+        .batch_size(10)
+        .landing(small_ring(1 << 20))
+        .build()
+        .unwrap();
+    while l.next_batch().unwrap().is_some() {}
+    let s0 = l.stats();
+    assert_eq!(s0.samples, 300);
+    // A jump to another epoch restarts the pollers: nothing goes down.
+    l.set_epoch(7).unwrap();
+    for _ in 0..5 {
+        l.next_batch().unwrap().unwrap();
+    }
+    let s1 = l.stats();
+    assert_eq!(s1.samples, 350);
+    assert!(s1.disk_reads >= s0.disk_reads + 50, "{s0:?}\n{s1:?}");
+    assert!(s1.read_latency.count >= s0.read_latency.count, "{s0:?}\n{s1:?}");
+    let st = l.finish();
+    // Every disk read was either delivered or read ahead and thrown away
+    // (tiny samples are never empty; no tier, no faults).
+    assert_eq!(st.samples, 350);
+    assert_eq!(st.read_ahead, 0, "nothing is waiting after finish");
+    assert_eq!(
+        st.disk_reads,
+        st.samples + st.read_ahead_discarded,
+        "{st:?}"
+    );
+    assert!(st.read_ahead_discarded > 0, "the pollers ran ahead: {st:?}");
+    // kspeed read reports the two apart.
+    let out = ok(&["read", "--space", s(&sp), "--ring-bytes", "1MiB"]);
+    assert!(out.contains("delivered 300 samples; read ahead and not consumed:"), "{out}");
+}
