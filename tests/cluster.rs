@@ -1225,7 +1225,11 @@ fn a_failed_restart_keeps_its_first_error_and_answers_every_call() {
         let net = ksp_status::KSP_ERR_NETWORK;
         assert_eq!(ksp_loader_set_epoch(c, 4), net);
         let mut b: ksp_batch = std::mem::zeroed();
-        assert_eq!(ksp_loader_next_batch(c, &mut b), net, "the first error's status, not KSP_ERR_STATE");
+        assert_eq!(
+            ksp_loader_next_batch(c, &mut b),
+            net,
+            "the first error's status, not KSP_ERR_STATE"
+        );
         assert_eq!(ksp_loader_set_epoch(c, 5), net);
         let mut n = 0u64;
         assert_eq!(ksp_loader_catalog_len(c, &mut n), ksp_status::KSP_OK);

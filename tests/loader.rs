@@ -858,7 +858,17 @@ fn a_position_does_not_resume_on_another_dataset_of_the_same_length() {
     let mut spaces = Vec::new();
     for seed in ["1", "2"] {
         let src = t.path().join(format!("src{seed}"));
-        ok(&["gen", "--profile", "tiny", "--count", "120", "--seed", seed, "--out", s(&src)]);
+        ok(&[
+            "gen",
+            "--profile",
+            "tiny",
+            "--count",
+            "120",
+            "--seed",
+            seed,
+            "--out",
+            s(&src),
+        ]);
         let sp = t.path().join(format!("space{seed}"));
         ok(&["preload", "--source", s(&src), "--space", s(&sp)]);
         spaces.push(sp);
@@ -915,7 +925,10 @@ fn statistics_are_cumulative_and_count_read_ahead_apart() {
     let s1 = l.stats();
     assert_eq!(s1.samples, 350);
     assert!(s1.disk_reads >= s0.disk_reads + 50, "{s0:?}\n{s1:?}");
-    assert!(s1.read_latency.count >= s0.read_latency.count, "{s0:?}\n{s1:?}");
+    assert!(
+        s1.read_latency.count >= s0.read_latency.count,
+        "{s0:?}\n{s1:?}"
+    );
     let st = l.finish();
     // Every disk read was either delivered or read ahead and thrown away
     // (tiny samples are never empty; no tier, no faults).
@@ -929,5 +942,113 @@ fn statistics_are_cumulative_and_count_read_ahead_apart() {
     assert!(st.read_ahead_discarded > 0, "the pollers ran ahead: {st:?}");
     // kspeed read reports the two apart.
     let out = ok(&["read", "--space", s(&sp), "--ring-bytes", "1MiB"]);
-    assert!(out.contains("delivered 300 samples; read ahead and not consumed:"), "{out}");
+    assert!(
+        out.contains("delivered 300 samples; read ahead and not consumed:"),
+        "{out}"
+    );
+}
+
+/// A trainer forks after building a loader (data-loader workers): the
+/// child does not get the ring or the io_uring mappings, it runs and exits,
+/// and the parent reads on exactly.
+#[test]
+fn fork_after_build_keeps_the_ring_out_of_the_child() {
+    let t = tempfile::tempdir().unwrap();
+    let src = t.path().join("src");
+    gen("tiny", 400, &src);
+    let sp = t.path().join("space");
+    ok(&["preload", "--source", s(&src), "--space", s(&sp)]);
+    let mut l = LoaderBuilder::space(&sp)
+        .batch_size(16)
+        .seed(5)
+        .landing(small_ring(1 << 20))
+        .tier_bytes(256 << 10)
+        .build()
+        .unwrap();
+    let space = Space::open(&sp).unwrap();
+    let cat = space.catalog();
+    // Mid-epoch, pollers busy: hold a batch across the fork.
+    let b = l.next_batch().unwrap().unwrap();
+    let ring_addr = b.spans().0.as_ptr() as usize;
+    drop(b);
+    let maps_of = |pid: i32| std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
+    let holds = |maps: &str, addr: usize| {
+        maps.lines().any(|line| {
+            let range = line.split_whitespace().next().unwrap_or("");
+            let (a, b) = range.split_once('-').unwrap_or(("0", "0"));
+            let a = usize::from_str_radix(a, 16).unwrap_or(0);
+            let b = usize::from_str_radix(b, 16).unwrap_or(0);
+            a <= addr && addr < b
+        })
+    };
+    let me = maps_of(std::process::id() as i32);
+    assert!(holds(&me, ring_addr), "the parent maps its ring");
+    assert!(me.contains("io_uring"), "the parent maps its io_urings");
+
+    // SAFETY: the child only calls async-signal-safe functions (pause,
+    // _exit) before it is killed or exits.
+    let child = unsafe { libc::fork() };
+    assert!(child >= 0, "fork failed");
+    if child == 0 {
+        loop {
+            // SAFETY: async-signal-safe; waits for the parent's SIGKILL.
+            unsafe { libc::pause() };
+        }
+    }
+    let maps = maps_of(child);
+    // SAFETY: a child of ours; reaped right after.
+    unsafe {
+        libc::kill(child, libc::SIGKILL);
+        libc::waitpid(child, std::ptr::null_mut(), 0);
+    }
+    assert!(
+        !holds(&maps, ring_addr),
+        "the child got a copy of the landing ring"
+    );
+    assert!(
+        !maps.contains("io_uring"),
+        "the child got the io_uring mappings:\n{maps}"
+    );
+
+    // A child that runs and exits on its own.
+    // SAFETY: as above (the child computes on its stack, then _exit).
+    let child = unsafe { libc::fork() };
+    assert!(child >= 0, "fork failed");
+    if child == 0 {
+        let mut x = 0u64;
+        for i in 0..1_000_000u64 {
+            x = std::hint::black_box(x.wrapping_mul(31).wrapping_add(i));
+        }
+        // SAFETY: async-signal-safe exit without running the parent's
+        // destructors in the child.
+        unsafe { libc::_exit(if x == 1 { 1 } else { 7 }) };
+    }
+    let mut status = 0;
+    // SAFETY: a child of ours.
+    unsafe { libc::waitpid(child, &mut status, 0) };
+    assert!(
+        libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 7,
+        "child status {status}"
+    );
+
+    // The parent goes on exactly: the rest of epoch 0, then two more.
+    let sampler = Sampler::new(SamplerConfig {
+        len: cat.len(),
+        seed: 5,
+        shuffle: true,
+        rank: 0,
+        world: 1,
+        drop_last: false,
+    })
+    .unwrap();
+    let mut k = 16u64;
+    while let Some(b) = l.next_batch().unwrap() {
+        for smp in b.iter() {
+            assert_eq!(smp.id, sampler.sample(0, k));
+            assert_eq!(crc32c::crc32c(smp.bytes), cat.sample(smp.id).crc32c);
+            k += 1;
+        }
+    }
+    assert_eq!(k, 400);
+    check_epochs(&mut l, cat, &sampler, 1..3, 16);
 }

@@ -322,6 +322,7 @@ fn map(bytes: u64, huge: bool) -> Result<(NonNull<u8>, usize, bool)> {
             )
         };
         if p != libc::MAP_FAILED {
+            dontfork(p, len);
             return Ok((
                 NonNull::new(p.cast()).expect("mmap returned non-null"),
                 len,
@@ -343,11 +344,26 @@ fn map(bytes: u64, huge: bool) -> Result<(NonNull<u8>, usize, bool)> {
         // SAFETY: advice on our own mapping; failure is harmless.
         unsafe { libc::madvise(p, len, libc::MADV_HUGEPAGE) };
     }
+    dontfork(p, len);
     Ok((
         NonNull::new(p.cast()).expect("mmap returned non-null"),
         len,
         false,
     ))
+}
+
+/// Keeps the mapping out of forked children: a trainer that forks
+/// data-loader workers after building a loader must not copy (or, locked,
+/// pin twice) the ring or the tier, which the child cannot use anyway.
+fn dontfork(p: *mut libc::c_void, len: usize) {
+    // SAFETY: advice on a mapping of ours; if refused, a fork copies it,
+    // which is only slower.
+    if unsafe { libc::madvise(p, len, libc::MADV_DONTFORK) } != 0 {
+        log::warn!(
+            "MADV_DONTFORK refused on the landing ring ({}); forked children will copy it",
+            std::io::Error::last_os_error()
+        );
+    }
 }
 
 impl Drop for LandingRing {

@@ -82,6 +82,9 @@ impl Uring {
     /// Creates a ring.
     pub fn new(opts: UringOptions) -> Result<Self> {
         let mut b = IoUring::builder();
+        // A forked child gets no copy of the rings' mappings (it cannot
+        // use this ring; its operations are the parent's).
+        b.dontfork();
         if let Some(idle) = opts.sqpoll_idle_ms {
             b.setup_sqpoll(idle);
         }

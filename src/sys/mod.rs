@@ -190,54 +190,108 @@ impl TermSignals {
     }
 }
 
-/// A heap buffer aligned for `O_DIRECT` (address, and the caller keeps
-/// lengths and offsets to multiples of the same alignment).
+/// A buffer aligned for `O_DIRECT` (address, and the caller keeps lengths
+/// and offsets to multiples of the same alignment): its own anonymous
+/// mapping, zero-filled, marked `MADV_DONTFORK` so a process that forks
+/// (a trainer's data-loader workers) does not copy it into the child, where
+/// nothing may use it anyway.
 pub struct AlignedBuf {
+    /// The aligned start.
     ptr: NonNull<u8>,
-    layout: Layout,
+    /// Usable bytes from `ptr`.
+    len: usize,
+    /// The whole mapping (for munmap): it starts at or before `ptr`.
+    map: NonNull<u8>,
+    map_len: usize,
 }
 
-// SAFETY: AlignedBuf owns its allocation exclusively (like a Box<[u8]>), so
+// SAFETY: AlignedBuf owns its mapping exclusively (like a Box<[u8]>), so
 // moving it to another thread or sharing `&AlignedBuf` is as safe as for Vec.
 unsafe impl Send for AlignedBuf {}
 // SAFETY: see Send; shared access only hands out `&[u8]`.
 unsafe impl Sync for AlignedBuf {}
 
+/// The page size the mappings here are aligned to.
+const PAGE_BYTES: usize = 4096;
+
 impl AlignedBuf {
-    /// Allocates `len` zeroed bytes aligned to `align` (a power of two).
+    /// Maps `len` zeroed bytes aligned to `align` (a power of two).
+    ///
+    /// # Panics
+    /// When `align` is not a power of two or the memory cannot be mapped
+    /// (like an allocation failure).
     pub fn new(len: usize, align: usize) -> Self {
-        let layout = Layout::from_size_align(len.max(align), align)
-            .expect("alignment is a power of two and the size fits isize");
-        // SAFETY: the layout has a non-zero size (at least `align` bytes).
-        let raw = unsafe { alloc::alloc_zeroed(layout) };
-        let ptr = NonNull::new(raw).unwrap_or_else(|| alloc::handle_alloc_error(layout));
-        AlignedBuf { ptr, layout }
+        assert!(
+            align.is_power_of_two(),
+            "alignment {align} is not a power of two"
+        );
+        let len = len.max(align);
+        // A mapping is page-aligned; a larger alignment needs the slack.
+        let slack = align.saturating_sub(PAGE_BYTES);
+        let map_len = (len + slack).next_multiple_of(PAGE_BYTES);
+        // SAFETY: an anonymous private mapping; the kernel picks the address.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                map_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            let layout = Layout::from_size_align(map_len, PAGE_BYTES).expect("a valid layout");
+            alloc::handle_alloc_error(layout);
+        }
+        // SAFETY: advice on our own mapping; if the kernel refuses, a fork
+        // copies the buffer, which is only slower.
+        unsafe { libc::madvise(p, map_len, libc::MADV_DONTFORK) };
+        let map = NonNull::new(p.cast::<u8>()).expect("mmap returned non-null");
+        let skip = (align - (p as usize) % align) % align;
+        // SAFETY: skip <= slack, so ptr..ptr+len lies inside the mapping.
+        let ptr = unsafe { NonNull::new_unchecked(map.as_ptr().add(skip)) };
+        AlignedBuf {
+            ptr,
+            len,
+            map,
+            map_len,
+        }
     }
 
     /// The length in bytes (never zero: at least the alignment).
     #[allow(clippy::len_without_is_empty)]
     pub fn len(&self) -> usize {
-        self.layout.size()
+        self.len
+    }
+
+    /// The start, for writes through a raw pointer (io_uring reads, a
+    /// frame built in place): derived from the owning pointer, not from a
+    /// shared slice, so writing through it is sound while no slice of the
+    /// buffer is alive.
+    pub fn as_mut_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
     }
 
     /// The bytes.
     pub fn as_slice(&self) -> &[u8] {
-        // SAFETY: ptr is valid for layout.size() initialised (zeroed) bytes and
+        // SAFETY: ptr is valid for len initialised (zero-filled) bytes and
         // the borrow of self keeps it alive and unaliased by &mut.
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.layout.size()) }
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
     }
 
     /// The bytes, writable.
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: as in as_slice, and &mut self guarantees exclusive access.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.layout.size()) }
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
     }
 }
 
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
-        // SAFETY: ptr was returned by alloc_zeroed with exactly this layout.
-        unsafe { alloc::dealloc(self.ptr.as_ptr(), self.layout) }
+        // SAFETY: the mapping was made by new() with exactly this length and
+        // nothing refers to it once self is dropped.
+        unsafe { libc::munmap(self.map.as_ptr().cast(), self.map_len) };
     }
 }
 

@@ -400,7 +400,7 @@ impl Staging {
                 _mr: None,
             };
             if let Some(r) = &c.rdma {
-                let p = st.buf.as_slice().as_ptr() as *mut u8;
+                let p = st.buf.as_mut_ptr();
                 // SAFETY: the slab lives in the poller, which drops every
                 // link (QP) before the slab; the NIC only reads it.
                 let mr = unsafe {
@@ -832,13 +832,9 @@ impl ServePoller {
         let n = c.cfg.slots();
         // SAFETY: the staging slab lives in this struct, dropped after the
         // ring is done with it (run() drains every op before returning).
-        let fixed_staging = unsafe {
-            ring.register_buffers(&[(
-                staging.buf.as_slice().as_ptr() as *mut u8,
-                staging.buf.len(),
-            )])
-        }
-        .is_ok();
+        let fixed_staging =
+            unsafe { ring.register_buffers(&[(staging.buf.as_mut_ptr(), staging.buf.len())]) }
+                .is_ok();
         let slots = (0..n)
             .map(|_| Slot {
                 conn: 0,
@@ -884,7 +880,9 @@ impl ServePoller {
     fn staging_ptr(&self, slot: u32) -> *mut u8 {
         // SAFETY: slot < n, so the offset is inside the slab.
         unsafe {
-            (self.staging.buf.as_slice().as_ptr() as *mut u8)
+            self.staging
+                .buf
+                .as_mut_ptr()
                 .add(slot as usize * self.chunk as usize)
         }
     }
