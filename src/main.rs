@@ -134,7 +134,7 @@ struct PlacementArgs {
 }
 
 pub(crate) fn parse_bytes(s: &str) -> Result<u64, String> {
-    parse_size::parse_size(s).map_err(|e| format!("{s:?}: {e}"))
+    kspeed::progress::parse_bytes(s)
 }
 
 #[derive(Args)]
@@ -210,6 +210,12 @@ struct VerifyArgs {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if !matches!(cli.cmd, Cmd::Serve(_)) {
+        // `kspeed inspect | head`: end quietly when the reader goes away.
+        // The node service keeps ignoring SIGPIPE (it must outlive a
+        // closed stdout).
+        kspeed::progress::default_sigpipe();
+    }
     let level = match cli.verbose {
         0 => "warn",
         1 => "info",

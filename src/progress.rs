@@ -63,7 +63,16 @@ pub struct Progress {
 }
 
 /// CPU seconds (user + system) this process has used, for reports.
-pub use crate::sys::process_cpu_seconds;
+pub use crate::sys::{default_sigpipe, process_cpu_seconds};
+
+/// Parses a size: a number with an optional unit (`4096`, `64KiB`,
+/// `256MiB`, `1GB`; binary and decimal units). The error says what is
+/// accepted.
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    parse_size::parse_size(s.trim()).map_err(|e| {
+        format!("{s:?} is not a size ({e}); use a number of bytes with an optional unit, e.g. 4096, 64KiB, 256MiB, 1GB")
+    })
+}
 
 /// Formats a byte count with a binary unit.
 pub fn human_bytes(b: f64) -> String {

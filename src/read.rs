@@ -26,7 +26,8 @@ pub(crate) struct ReadArgs {
     #[arg(long, default_value_t = 0)]
     start_epoch: u64,
     /// Samples per batch.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=kspeed::loader::MAX_BATCH_SIZE))]
     batch_size: usize,
     /// This rank.
     #[arg(long, default_value_t = 0)]
@@ -47,13 +48,15 @@ pub(crate) struct ReadArgs {
     #[arg(long, default_value = "256MiB", value_parser = crate::parse_bytes)]
     ring_bytes: u64,
     /// Poller threads (default: a quarter of the cores, at least 1).
-    #[arg(long)]
+    #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=kspeed::loader::MAX_POLLERS))]
     pollers: Option<usize>,
     /// Reads in flight per poller.
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = 32,
+          value_parser = clap::value_parser!(u32).range(1..=kspeed::loader::MAX_QUEUE_DEPTH as i64))]
     queue_depth: u32,
     /// Most reads a poller queues before submitting them (one system call per batch).
-    #[arg(long, default_value_t = kspeed::loader::DEFAULT_SUBMIT_BATCH)]
+    #[arg(long, default_value_t = kspeed::loader::DEFAULT_SUBMIT_BATCH,
+          value_parser = clap::value_parser!(u32).range(1..=kspeed::loader::MAX_QUEUE_DEPTH as i64))]
     submit_batch: u32,
     /// Largest single read; bigger samples are read in parts.
     #[arg(long, default_value = "4MiB", value_parser = crate::parse_bytes)]
@@ -161,7 +164,15 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
             let b = LoaderBuilder::source(src);
             match &a.catalog {
                 Some(c) => b.catalog(c),
-                None => b,
+                None => {
+                    // Not silent: on a large source this takes a while.
+                    eprintln!(
+                        "no --catalog: building a catalog of {src} first (reads every file to \
+                         checksum it); `kspeed catalog --source {src} --out FILE` once, then \
+                         --catalog FILE, skips this"
+                    );
+                    b
+                }
             }
         }
         (None, None) => unreachable!("clap requires one"),

@@ -1052,3 +1052,59 @@ fn fork_after_build_keeps_the_ring_out_of_the_child() {
     assert_eq!(k, 400);
     check_epochs(&mut l, cat, &sampler, 1..3, 16);
 }
+
+/// The command line: a closed stdout ends `inspect` quietly (no panic);
+/// bad numbers name the flag and the accepted range before anything
+/// touches the kernel; `read --source` without `--catalog` says it builds
+/// one.
+#[test]
+fn command_line_errors_name_the_flag_and_a_closed_pipe_is_quiet() {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    let t = tempfile::tempdir().unwrap();
+    let src = t.path().join("src");
+    gen("tiny", 50, &src);
+    let sp = t.path().join("space");
+    ok(&["preload", "--source", s(&src), "--space", s(&sp)]);
+    // stdout is a pipe nobody reads: the first write fails with EPIPE.
+    let mut fds = [0; 2];
+    // SAFETY: pipe writes two new descriptors into fds.
+    assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+    // SAFETY: both descriptors are ours and owned from here on.
+    let (read_end, write_end) =
+        unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    drop(read_end);
+    let o = Command::new(kspeed_bin())
+        .args(["inspect", "--space", s(&sp)])
+        .stdout(std::process::Stdio::from(write_end))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!err.contains("panicked"), "{err}");
+    assert_ne!(o.status.code(), Some(101), "{err}");
+    assert!(err.is_empty(), "quiet on a closed pipe: {err}");
+
+    let e = fails(&["read", "--space", s(&sp), "--queue-depth", "100000"], 2);
+    assert!(
+        e.contains("--queue-depth") && e.contains("1..=16384"),
+        "{e}"
+    );
+    let e = fails(&["read", "--space", s(&sp), "--ring-bytes", "12XB"], 2);
+    assert!(
+        e.contains("--ring-bytes") && e.contains("e.g. 4096, 64KiB"),
+        "{e}"
+    );
+    let e = fails(&["read", "--space", s(&sp), "--pollers", "0"], 2);
+    assert!(e.contains("--pollers") && e.contains("1..=1024"), "{e}");
+    // The same ranges through the library (and so the C ABI and bindings):
+    // named before io_uring sees them.
+    match LoaderBuilder::space(&sp).queue_depth(100_000).build() {
+        Err(Error::InvalidConfig(m)) => {
+            assert!(m.contains("queue_depth must be 1 to 16384"), "{m}")
+        }
+        r => panic!("{:?}", r.err()),
+    }
+    let o = kspeed(&["read", "--source", s(&src), "--ring-bytes", "1MiB"]);
+    let out = text(&o);
+    assert!(o.status.success(), "{out}");
+    assert!(out.contains("no --catalog: building a catalog of"), "{out}");
+}

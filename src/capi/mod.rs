@@ -307,7 +307,7 @@ fn parse_num<T: std::str::FromStr>(key: &str, v: &str) -> Result<T, Fail> {
 }
 
 fn parse_bytes(key: &str, v: &str) -> Result<u64, Fail> {
-    parse_size::parse_size(v.trim()).map_err(|e| Fail::Invalid(format!("config {key}: {v:?}: {e}")))
+    crate::progress::parse_bytes(v).map_err(|e| Fail::Invalid(format!("config {key}: {e}")))
 }
 
 fn parse_bool(key: &str, v: &str) -> Result<bool, Fail> {

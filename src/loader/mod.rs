@@ -238,6 +238,14 @@ impl Shared {
     }
 }
 
+/// Most poller threads per loader.
+pub const MAX_POLLERS: u64 = 1024;
+/// Largest `queue_depth`: io_uring rings hold at most 32768 entries and a
+/// poller's ring has two per read.
+pub const MAX_QUEUE_DEPTH: u64 = 16384;
+/// Largest `batch_size`.
+pub const MAX_BATCH_SIZE: u64 = 1 << 20;
+
 /// Builds a [`Loader`].
 #[derive(Debug, Clone)]
 pub struct LoaderBuilder {
@@ -593,19 +601,45 @@ impl LoaderBuilder {
 
     /// Opens the input, maps the ring, starts the pollers.
     pub fn build(self) -> Result<Loader> {
-        if self.batch_size == 0 {
-            return Err(Error::InvalidConfig("batch_size must be at least 1".into()));
-        }
-        for (what, n) in [
-            ("pollers", self.pollers as u64),
-            ("queue_depth", self.queue_depth as u64),
-            ("submit_batch", self.submit_batch as u64),
+        // Ranges are checked here, before anything touches the kernel, so
+        // the message names the setting instead of an errno from io_uring.
+        for (what, n, max, why) in [
+            ("pollers", self.pollers as u64, MAX_POLLERS, "threads"),
+            (
+                "queue_depth",
+                self.queue_depth as u64,
+                MAX_QUEUE_DEPTH,
+                "io_uring holds at most 32768 entries, two per read",
+            ),
+            (
+                "submit_batch",
+                self.submit_batch as u64,
+                MAX_QUEUE_DEPTH,
+                "reads queued before a submission",
+            ),
+            (
+                "batch_size",
+                self.batch_size as u64,
+                MAX_BATCH_SIZE,
+                "samples",
+            ),
         ] {
             if n == 0 {
                 return Err(Error::InvalidConfig(format!(
                     "{what} must be at least 1, not 0"
                 )));
             }
+            if n > max {
+                return Err(Error::InvalidConfig(format!(
+                    "{what} must be 1 to {max} ({why}), not {n}"
+                )));
+            }
+        }
+        if self.landing.ring_bytes < 4096 {
+            return Err(Error::InvalidConfig(format!(
+                "ring_bytes must be at least 4096, not {}",
+                self.landing.ring_bytes
+            )));
         }
         let (input, align) = match (&self.space, &self.source) {
             (Some(dir), _) => {
@@ -643,6 +677,9 @@ impl LoaderBuilder {
                 let catalog = match &self.catalog {
                     Some(c) => Catalog::open(c)?,
                     None => {
+                        log::info!(
+                            "no catalog given: building one of {src} (reads every file to checksum it)"
+                        );
                         // Unique per process and build; removed once mapped.
                         static BUILDS: AtomicU64 = AtomicU64::new(0);
                         let tmp = std::env::temp_dir().join(format!(

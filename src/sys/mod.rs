@@ -190,6 +190,16 @@ impl TermSignals {
     }
 }
 
+/// Lets a write to a closed stdout end the process quietly (the default
+/// SIGPIPE action), as `kspeed inspect | head` expects, instead of Rust's
+/// ignored SIGPIPE turning it into a panic. Sockets are unaffected: they
+/// send with MSG_NOSIGNAL.
+pub fn default_sigpipe() {
+    // SAFETY: resetting one signal's disposition to the default, before
+    // any other thread exists.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+}
+
 /// A buffer aligned for `O_DIRECT` (address, and the caller keeps lengths
 /// and offsets to multiples of the same alignment): its own anonymous
 /// mapping, zero-filled, marked `MADV_DONTFORK` so a process that forks
