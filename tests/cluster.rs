@@ -352,7 +352,7 @@ fn owner_trouble(
     }
     let mut l = builder_space(&st.spaces[0], cluster_of(&addrs))
         .node_timeout(timeout)
-        .landing(ring(2 << 20))
+        .landing(ring(8 << 20))
         .build()
         .unwrap();
     let sampler = Sampler::new(SamplerConfig {
@@ -852,7 +852,7 @@ fn three_nodes_in_network_namespaces() {
                     .pollers(1)
                     .pin(false)
                     .rank(rank, 2)
-                    .landing(ring(4 << 20))
+                    .landing(ring(8 << 20))
                     .build()
                     .unwrap();
                 assert_eq!(check(&mut l, cat, rank, 2, 2), 200);

@@ -31,7 +31,7 @@ fn read_with(libdir: &Path, space: &Path, extra_env: &[(&str, &str)]) -> Run {
         s(space),
         "--progress=none",
         "--ring-bytes",
-        "8MiB",
+        "16MiB",
         "--no-mlock",
         "--epochs",
         "2",
@@ -111,7 +111,7 @@ fn driver_registration_covers_the_ring_and_is_undone() {
     );
     let regs = registered(&r.log);
     assert_eq!(regs.len(), 1, "one registration, the ring:\n{}", r.log);
-    assert_eq!(regs[0].1, 8 << 20, "the ring's length:\n{}", r.log);
+    assert_eq!(regs[0].1, 16 << 20, "the ring's length:\n{}", r.log);
     let unreg: Vec<&str> = r
         .log
         .lines()
