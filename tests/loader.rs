@@ -341,6 +341,7 @@ fn injected_eio_is_a_named_error_after_correct_samples() {
             eio_ppm: 30_000,
             short_ppm: 0,
             delay_ppm: 0,
+            ..Default::default()
         })
         .build()
         .unwrap();
@@ -415,6 +416,7 @@ fn short_reads_are_retried_and_delays_keep_order() {
             eio_ppm: 0,
             short_ppm: 150_000,
             delay_ppm: 300_000,
+            ..Default::default()
         })
         .build()
         .unwrap();
@@ -666,6 +668,7 @@ fn large_samples_are_read_in_parts() {
             eio_ppm: 0,
             short_ppm: 50_000,
             delay_ppm: 200_000,
+            ..Default::default()
         })
         .build()
         .unwrap();
@@ -1107,4 +1110,96 @@ fn command_line_errors_name_the_flag_and_a_closed_pipe_is_quiet() {
     let out = text(&o);
     assert!(o.status.success(), "{out}");
     assert!(out.contains("no --catalog: building a catalog of"), "{out}");
+}
+
+/// Reads `epochs` epochs from `loader` and returns the first error, if any
+/// (every sample delivered before it is checked against the catalog).
+fn read_until_error(loader: &mut Loader, cat: &Catalog, epochs: u64) -> Option<Error> {
+    for e in 0..epochs {
+        if let Err(err) = loader.set_epoch(e) {
+            return Some(err);
+        }
+        loop {
+            match loader.next_batch() {
+                Ok(Some(b)) => {
+                    for smp in b.iter() {
+                        assert_eq!(crc32c::crc32c(smp.bytes), cat.sample(smp.id).crc32c);
+                    }
+                }
+                Ok(None) => break,
+                Err(err) => return Some(err),
+            }
+        }
+    }
+    None
+}
+
+/// The I/O error paths of the pollers, with the fault-injecting ring: a
+/// ring that stops accepting submissions mid-epoch, transient EAGAIN from
+/// io_uring_enter, and a panic with reads in flight. Each ends in a named
+/// error (or, for EAGAIN, in exact epochs), and no poller hands back a
+/// ring with reads in flight (the poller asserts it; in debug builds it
+/// also checks its pools every tick).
+#[test]
+fn submit_failures_eagain_and_panics_reap_their_reads() {
+    let t = tempfile::tempdir().unwrap();
+    let src = t.path().join("src");
+    gen("tiny", 600, &src);
+    let sp = t.path().join("space");
+    ok(&["preload", "--source", s(&src), "--space", s(&sp)]);
+    let space = Space::open(&sp).unwrap();
+    let cat = space.catalog();
+    let build = |f: FaultConfig| {
+        LoaderBuilder::space(&sp)
+            .batch_size(8)
+            .pollers(2)
+            .queue_depth(16)
+            .landing(small_ring(1 << 20))
+            .fault_injection(f)
+            .build()
+            .unwrap()
+    };
+    // A ring that fails for good at its 20th submission.
+    let mut l = build(FaultConfig {
+        seed: 1,
+        submit_fail_after: 20,
+        submit_errno: libc::ENOMEM,
+        ..Default::default()
+    });
+    let e = read_until_error(&mut l, cat, 3).expect("the failed ring is an error");
+    match e.root() {
+        Error::Uring { what, source } => {
+            assert_eq!(*what, "submit reads");
+            assert_eq!(source.raw_os_error(), Some(libc::ENOMEM), "{e}");
+        }
+        other => panic!("{other}"),
+    }
+    // Every later call says the same.
+    let again = l.next_batch().err().unwrap();
+    assert!(matches!(again.root(), Error::Uring { .. }), "{again}");
+    drop(l);
+
+    // Transient EAGAIN on a third of the submissions: retried, nothing lost.
+    let mut l = build(FaultConfig {
+        seed: 2,
+        eagain_ppm: 300_000,
+        ..Default::default()
+    });
+    assert!(read_until_error(&mut l, cat, 3).is_none());
+    assert_eq!(l.stats().samples, 1800);
+    drop(l);
+
+    // A poller panics with reads in flight: the unwinding drop cancels and
+    // reaps them before the ring goes; the consumer gets a named error.
+    let mut l = build(FaultConfig {
+        seed: 3,
+        panic_after_completions: 100,
+        ..Default::default()
+    });
+    let e = read_until_error(&mut l, cat, 3).expect("the panic is an error");
+    assert!(
+        matches!(e.root(), Error::ThreadPanicked { thread: "poller" }),
+        "{e}"
+    );
+    drop(l);
 }

@@ -108,6 +108,10 @@ pub(crate) struct Shared {
     pub(crate) fixed_files: bool,
     /// Indexed by g mod table length: ((g + 1) << 8) | code once g is ready.
     ready: Box<[AtomicU64]>,
+    /// Per poller: (slot end, g) of the sample it parked waiting for, or
+    /// (0, _) when it is not parked on flow control. A release wakes only
+    /// the pollers whose sample it made writable.
+    parked: Box<[(AtomicU64, AtomicU64)]>,
     pub(crate) released_v: AtomicU64,
     pub(crate) released_g: AtomicU64,
     pub(crate) stop: AtomicBool,
@@ -121,9 +125,10 @@ pub(crate) struct Shared {
     pub(crate) tier: Option<Tier>,
     /// Cluster mode: the network thread's side of things.
     pub(crate) net: Option<net::NetShared>,
-    /// Set when a poller or the network thread died of a panic, so the
-    /// consumer fails instead of waiting for samples that will never come.
-    crashed: Mutex<Option<&'static str>>,
+    /// Set when a poller or the network thread died (a panic, or a ring
+    /// that stopped working), so the consumer fails with this instead of
+    /// waiting for samples that will never come.
+    dead: Mutex<Option<Error>>,
 }
 
 /// Lives on a worker thread's stack: if the thread unwinds, it records the
@@ -136,12 +141,8 @@ struct CrashGuard {
 impl Drop for CrashGuard {
     fn drop(&mut self) {
         if std::thread::panicking() {
-            *self
-                .shared
-                .crashed
-                .lock()
-                .unwrap_or_else(|e| e.into_inner()) = Some(self.name);
-            self.shared.wake();
+            self.shared
+                .fail_run(Error::ThreadPanicked { thread: self.name });
         }
     }
 }
@@ -170,6 +171,21 @@ impl Shared {
         }
     }
 
+    /// Records that a thread of this run died with `e` (the first such
+    /// error stays) and wakes the consumer, which then fails with it.
+    pub(crate) fn fail_run(&self, e: Error) {
+        self.dead
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get_or_insert(e);
+        self.wake();
+    }
+
+    /// Why this run's threads died, if they did.
+    fn dead(&self) -> Option<Error> {
+        self.dead.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
     /// Flow control, the one predicate every writer of the ring (pollers,
     /// the network thread) obeys: sample `p`'s slot may be written once it
     /// lies within one ring length of the consumer's released mark, and
@@ -177,13 +193,34 @@ impl Shared {
     /// at or past the released mark and a batch never spans more than the
     /// ring (`check_batch_fits`), so no byte of a slot that passes this
     /// belongs to a sample the consumer may still be reading.
+    ///
+    /// The loads are SeqCst: a writer that finds its sample not writable
+    /// announces that it sleeps (a SeqCst store) and looks again, while the
+    /// consumer stores the mark (SeqCst) and then looks for sleepers, so one
+    /// of the two always sees the other (a store-buffer handshake).
     pub(crate) fn writable(&self, p: &Placed) -> bool {
-        p.v_end <= self.released_v.load(Ordering::Acquire) + self.geo.ring_bytes
-            && p.g
-                < self
-                    .released_g
-                    .load(Ordering::Acquire)
-                    .saturating_add(self.cfg.lookahead)
+        Self::fits(
+            p.v_end,
+            p.g,
+            self.released_v.load(Ordering::SeqCst),
+            self.released_g.load(Ordering::SeqCst),
+            self.geo.ring_bytes,
+            self.cfg.lookahead,
+        )
+    }
+
+    /// The predicate itself: a slot ending at `v_end` for sample `g` may be
+    /// written when the released mark is at (`released_v`, `released_g`).
+    fn fits(v_end: u64, g: u64, released_v: u64, released_g: u64, ring: u64, ahead: u64) -> bool {
+        v_end <= released_v + ring && g < released_g.saturating_add(ahead)
+    }
+
+    /// A poller blocked on flow control announces the sample it waits for
+    /// before it parks (then checks [`Shared::writable`] once more).
+    pub(crate) fn park_for(&self, poller: usize, p: Option<&Placed>) {
+        let (v, g) = p.map_or((0, 0), |p| (p.v_end, p.g));
+        self.parked[poller].1.store(g, Ordering::SeqCst);
+        self.parked[poller].0.store(v, Ordering::SeqCst);
     }
 
     /// Marks sample `g` done with `code` and wakes the consumer if it sleeps
@@ -232,8 +269,12 @@ impl Shared {
             .count() as u64
     }
 
+    /// Sample `g`'s code once it is ready. SeqCst: the consumer stores
+    /// `waiting_for` and then loads this, a poller stores this and then
+    /// loads `waiting_for` (a store-buffer handshake: with Acquire here a
+    /// wake-up could be lost). On x86 a SeqCst load is a plain load.
     fn state(&self, g: u64) -> Option<u64> {
-        let v = self.ready[(g % self.ready.len() as u64) as usize].load(Ordering::Acquire);
+        let v = self.ready[(g % self.ready.len() as u64) as usize].load(Ordering::SeqCst);
         (v >> 8 == g + 1).then_some(v & 0xff)
     }
 }
@@ -1297,6 +1338,9 @@ impl Loader {
             ready: (0..table).map(|_| AtomicU64::new(0)).collect(),
             released_v: AtomicU64::new(0),
             released_g: AtomicU64::new(0),
+            parked: (0..n)
+                .map(|_| (AtomicU64::new(0), AtomicU64::new(0)))
+                .collect(),
             stop: AtomicBool::new(false),
             wake_seq: AtomicU32::new(0),
             waiting_for: AtomicU64::new(0),
@@ -1313,7 +1357,7 @@ impl Loader {
                 .collect(),
             tier: spare.tier,
             net: net_shared,
-            crashed: Mutex::new(None),
+            dead: Mutex::new(None),
         });
         self.cursor = Some(Cursor::new(
             self.sampler.clone(),
@@ -1681,10 +1725,9 @@ impl Loader {
                     crate::sys::futex_wait(&sh.wake_seq, seq, Duration::from_millis(10));
                     state = sh.state(p.g);
                     if state.is_none() {
-                        let crashed = *sh.crashed.lock().unwrap_or_else(|e| e.into_inner());
-                        if let Some(thread) = crashed {
+                        if let Some(e) = sh.dead() {
                             sh.waiting_for.store(0, Ordering::SeqCst);
-                            return Err(Error::ThreadPanicked { thread });
+                            return Err(e);
                         }
                     }
                 }
@@ -1700,12 +1743,9 @@ impl Loader {
         let mut errors = sh.errors.lock().unwrap_or_else(|e| e.into_inner());
         match errors.iter().position(|(g, _)| *g == p.g) {
             Some(i) => Err(errors.swap_remove(i).1),
-            None => {
-                let crashed = *sh.crashed.lock().unwrap_or_else(|e| e.into_inner());
-                Err(Error::ThreadPanicked {
-                    thread: crashed.unwrap_or("poller"),
-                })
-            }
+            None => Err(sh
+                .dead()
+                .unwrap_or(Error::ThreadPanicked { thread: "poller" })),
         }
     }
 
@@ -1756,10 +1796,25 @@ impl Loader {
             }
         };
         let sh = &run.shared;
-        sh.released_v.store(next.v, Ordering::Release);
-        sh.released_g.store(next.g, Ordering::Release);
-        for t in &run.threads {
-            t.thread().unpark();
+        sh.released_v.store(next.v, Ordering::SeqCst);
+        sh.released_g.store(next.g, Ordering::SeqCst);
+        // Wake only the pollers parked on a sample this release made
+        // writable (SeqCst loads after the SeqCst stores above: see
+        // Shared::writable).
+        for (t, (v, g)) in run.threads.iter().zip(sh.parked.iter()) {
+            let v = v.load(Ordering::SeqCst);
+            if v != 0
+                && Shared::fits(
+                    v,
+                    g.load(Ordering::SeqCst),
+                    next.v,
+                    next.g,
+                    sh.geo.ring_bytes,
+                    sh.cfg.lookahead,
+                )
+            {
+                t.thread().unpark();
+            }
         }
         if let Some(net) = &sh.net {
             net.released();

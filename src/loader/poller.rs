@@ -23,7 +23,7 @@ use hdrhistogram::Histogram;
 use super::schedule::{Cursor, Placed};
 use super::{Input, Shared, CODE_ERROR, CODE_OK};
 use crate::error::{errno_name, Error};
-use crate::ring::{Completion, IoBackend, ReadOp, Target};
+use crate::ring::{transient_submit_error, Completion, IoBackend, ReadOp, Target};
 
 /// Attempts for a part that came back short or was interrupted.
 const MAX_ATTEMPTS: u32 = 4;
@@ -154,12 +154,20 @@ impl Poller {
             // nothing (after busy-polling for `spin`, if configured).
             let wait = self.in_flight > 0 && last_progress.elapsed() >= spin;
             self.unsubmitted = 0;
-            if let Err(e) = result.and_then(|()| self.backend.submit(wait)) {
-                // Submission itself failed: fail every sample in flight
-                // (they would never complete) and stop.
-                log::error!("poller {}: io_uring submit failed: {e}", self.index);
-                self.fail_all(e);
-                break;
+            match result.and_then(|()| self.backend.submit(wait)) {
+                Ok(()) => {}
+                // EAGAIN/EBUSY/EINTR: the reads stay queued; drain what
+                // completed and submit again next tick.
+                Err(e) if transient_submit_error(&e) => {}
+                Err(e) => {
+                    // The ring stopped working: fail every sample in
+                    // flight, cancel and reap their reads (they target the
+                    // ring, which may be freed or reused after we return)
+                    // and stop.
+                    log::error!("poller {}: io_uring submit failed: {e}", self.index);
+                    self.fail_all(e);
+                    break;
+                }
             }
             let n = self.backend.drain(&mut self.completions);
             for i in 0..n {
@@ -172,21 +180,65 @@ impl Poller {
                     self.publish_stats();
                 }
             }
+            #[cfg(debug_assertions)]
+            self.check_pools();
             if queued > 0 || n > 0 || self.in_flight > 0 {
                 continue;
             }
             if !stopping && last_progress.elapsed() >= spin {
                 // Nothing in flight and nothing allowed: the ring is full.
-                // Sleep; the consumer's release unparks us.
+                // Say what we wait for, look once more, then sleep; the
+                // release that makes it writable unparks us (the timeout
+                // only bounds a stop).
                 self.publish_stats();
-                std::thread::park_timeout(Duration::from_millis(50));
+                let i = self.index as usize;
+                self.shared.park_for(i, self.pending.as_ref());
+                if !self.pending.is_some_and(|p| self.shared.writable(&p)) {
+                    std::thread::park_timeout(Duration::from_millis(50));
+                }
+                self.shared.park_for(i, None);
             } else {
                 std::hint::spin_loop();
             }
         }
+        // Every exit hands the backend back with nothing in flight: it is
+        // reused by the next run or dropped, and the ring freed, after this.
+        assert_eq!(
+            self.backend.in_flight(),
+            0,
+            "poller {} returns with I/O in flight",
+            self.index
+        );
         self.shared.wake_if_ready();
         self.publish_stats();
         self.backend
+    }
+
+    /// The pools' invariants (debug builds, every tick): every op slot is
+    /// free or in flight, every in-flight op belongs to an open group, and
+    /// the backend has exactly our reads in flight.
+    #[cfg(debug_assertions)]
+    fn check_pools(&self) {
+        let busy = self.ops.iter().filter(|o| o.is_some()).count();
+        assert_eq!(busy, self.in_flight, "op slots in use vs reads in flight");
+        assert_eq!(busy + self.free_ops.len(), self.ops.len(), "op slots lost");
+        for op in self.ops.iter().flatten() {
+            assert!(
+                self.groups[op.group as usize].is_some(),
+                "an op of a closed group"
+            );
+        }
+        let open = self.groups.iter().filter(|g| g.is_some()).count();
+        assert_eq!(
+            open + self.free_groups.len(),
+            self.groups.len(),
+            "groups lost"
+        );
+        assert_eq!(
+            self.backend.in_flight(),
+            self.in_flight,
+            "backend in flight"
+        );
     }
 
     /// Submits the reads queued so far, then wakes the consumer if a sample
@@ -411,9 +463,11 @@ impl Poller {
 
     fn complete(&mut self, c: Completion) {
         let slot = c.user_data as u32;
-        let Some(mut op) = self.ops[slot as usize] else {
-            log::error!("poller {}: completion for idle slot {slot}", self.index);
-            return;
+        // A completion for a slot with no read in flight means the ring
+        // and this poller disagree about what the kernel is writing: stop
+        // (the crash guard names it) rather than guess.
+        let Some(mut op) = self.ops.get(slot as usize).copied().flatten() else {
+            panic!("poller {}: completion for idle slot {slot}", self.index);
         };
         let g = self.groups[op.group as usize].as_ref().expect("open group");
         let (_, part_len) = self.part_range(g, op.part);
@@ -545,24 +599,41 @@ impl Poller {
         self.shared
             .errors
             .lock()
-            .expect("not poisoned")
+            .unwrap_or_else(|e| e.into_inner())
             .push((p.g, e));
         self.shared.mark_ready(p.g, CODE_ERROR);
         self.unwoken = true;
     }
 
-    /// The ring itself failed: every sample in flight fails with it.
+    /// The ring failed for good: cancels and reaps every read in flight
+    /// (their completions are dropped), fails every open sample with the
+    /// named submission error, and records it so the consumer never waits
+    /// for this poller's later samples.
     fn fail_all(&mut self, e: std::io::Error) {
+        self.backend.cancel_all();
+        for op in &mut self.ops {
+            *op = None;
+        }
+        self.free_ops.clear();
+        self.free_ops.extend((0..self.ops.len() as u32).rev());
+        self.in_flight = 0;
+        self.partial = None;
+        let err = Error::Uring {
+            what: "submit reads",
+            source: std::sync::Arc::new(e),
+        };
         for gi in 0..self.groups.len() {
             if let Some(g) = self.groups[gi].take() {
                 if let Some(fd) = g.owned_fd {
-                    // SAFETY: opened for this sample, closed once.
+                    // SAFETY: opened for this sample, closed once (its reads
+                    // were reaped above).
                     unsafe { libc::close(fd) };
                 }
-                let err = self.read_failed(&g, 0, e.raw_os_error().unwrap_or(libc::EIO));
-                self.fail(&g.placed, err);
+                self.free_groups.push(gi as u32);
+                self.fail(&g.placed, err.clone());
             }
         }
+        self.shared.fail_run(err);
     }
 
     fn publish_stats(&mut self) {

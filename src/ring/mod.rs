@@ -62,7 +62,31 @@ pub trait IoBackend: Send {
     fn submit(&mut self, wait: bool) -> io::Result<()>;
     /// Moves ready completions into `out`; returns how many.
     fn drain(&mut self, out: &mut [Completion]) -> usize;
+    /// Operations pushed whose completion has not been drained yet.
+    fn in_flight(&self) -> usize;
+    /// Cancels every operation in flight and waits until each has
+    /// completed (cancelled, or finished anyway), dropping the completions:
+    /// afterwards no operation of this ring references any memory. Used on
+    /// error paths, before the memory the operations target is freed or
+    /// reused. Blocks as long as the kernel takes (a read already at the
+    /// device cannot be cancelled; it finishes).
+    fn cancel_all(&mut self);
 }
+
+/// Whether a submission error is transient: the kernel is short of memory
+/// for the moment (`EAGAIN`), the completion queue is full (`EBUSY`), or a
+/// signal came (`EINTR`). The caller reaps completions and submits again
+/// (the entries stay queued), as TigerBeetle's `flush_submissions` does.
+pub fn transient_submit_error(e: &io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EAGAIN) | Some(libc::EBUSY) | Some(libc::EINTR)
+    )
+}
+
+/// user_data of the cancel operation [`Uring::cancel_all`] queues (never a
+/// caller's slot: callers use small indices).
+const CANCEL_USER_DATA: u64 = u64::MAX;
 
 /// io_uring settings.
 #[derive(Debug, Clone, Copy)]
@@ -73,9 +97,13 @@ pub struct UringOptions {
     pub sqpoll_idle_ms: Option<u32>,
 }
 
-/// An io_uring instance.
+/// An io_uring instance. It counts the operations in flight (pushed, not
+/// yet drained) and, dropped with any, cancels them and waits for their
+/// completions first: the memory they target is freed right after a ring
+/// is dropped, on every path (a panic included).
 pub struct Uring {
     ring: IoUring,
+    in_flight: usize,
 }
 
 impl Uring {
@@ -98,7 +126,45 @@ impl Uring {
                 },
                 source: e.into(),
             })?;
-        Ok(Uring { ring })
+        Ok(Uring { ring, in_flight: 0 })
+    }
+
+    /// Pushes one entry; counts it when it went in.
+    ///
+    /// # Safety
+    /// Whatever memory the entry references must stay valid until its
+    /// completion is drained (or [`IoBackend::cancel_all`] returns).
+    unsafe fn push_entry(&mut self, e: &io_uring::squeue::Entry) -> bool {
+        // SAFETY: per this function's contract.
+        let ok = unsafe { self.ring.submission().push(e).is_ok() };
+        self.in_flight += ok as usize;
+        ok
+    }
+
+    /// Moves ready completions into `out` (all of them when `out` is
+    /// empty, dropped), counting them off; the cancel operation's own
+    /// completion is not one of the caller's. Returns how many were moved.
+    fn reap(&mut self, out: &mut [Completion], discard: bool) -> usize {
+        let mut n = 0;
+        let mut cq = self.ring.completion();
+        cq.sync();
+        for cqe in &mut cq {
+            if cqe.user_data() == CANCEL_USER_DATA {
+                continue;
+            }
+            self.in_flight = self.in_flight.saturating_sub(1);
+            if !discard {
+                out[n] = Completion {
+                    user_data: cqe.user_data(),
+                    result: cqe.result(),
+                };
+                n += 1;
+                if n == out.len() {
+                    break;
+                }
+            }
+        }
+        n
     }
 
     /// Registers memory regions as fixed buffers (index = position).
@@ -153,7 +219,7 @@ impl Uring {
             .build()
             .user_data(user_data);
         // SAFETY: the caller keeps the buffer valid until completion.
-        unsafe { self.ring.submission().push(&e).is_ok() }
+        unsafe { self.push_entry(&e) }
     }
 
     /// Queues a `sendmsg` of `msg` on socket `fd` (a frame header and its
@@ -173,7 +239,7 @@ impl Uring {
             .build()
             .user_data(user_data);
         // SAFETY: per this function's contract.
-        unsafe { self.ring.submission().push(&e).is_ok() }
+        unsafe { self.push_entry(&e) }
     }
 
     /// Queues a `recv` of exactly `len` bytes into `buf` (MSG_WAITALL: the
@@ -188,7 +254,7 @@ impl Uring {
             .build()
             .user_data(user_data);
         // SAFETY: the caller keeps the buffer valid until completion.
-        unsafe { self.ring.submission().push(&e).is_ok() }
+        unsafe { self.push_entry(&e) }
     }
 
     /// Queues a read of 8 bytes from an eventfd (a wake-up).
@@ -200,7 +266,7 @@ impl Uring {
             .build()
             .user_data(user_data);
         // SAFETY: the caller keeps the buffer valid until completion.
-        unsafe { self.ring.submission().push(&e).is_ok() }
+        unsafe { self.push_entry(&e) }
     }
 
     /// Queues a one-shot poll for readability of `fd` (a completion
@@ -210,7 +276,7 @@ impl Uring {
             .build()
             .user_data(user_data);
         // SAFETY: a poll references no memory of ours.
-        unsafe { self.ring.submission().push(&e).is_ok() }
+        unsafe { self.push_entry(&e) }
     }
 
     /// Submits what is queued without waiting, and makes no system call
@@ -269,12 +335,7 @@ impl IoBackend for Uring {
         };
         // SAFETY: the caller keeps the buffer valid until completion (this
         // method's contract); the entry refers to nothing else.
-        unsafe {
-            self.ring
-                .submission()
-                .push(&entry.user_data(op.user_data))
-                .is_ok()
-        }
+        unsafe { self.push_entry(&entry.user_data(op.user_data)) }
     }
 
     fn submit(&mut self, wait: bool) -> io::Result<()> {
@@ -286,26 +347,68 @@ impl IoBackend for Uring {
         };
         match r {
             Ok(_) => Ok(()),
-            Err(e) if matches!(e.raw_os_error(), Some(libc::EINTR) | Some(libc::EBUSY)) => Ok(()),
+            // Transient: the entries stay queued; the caller drains and
+            // submits again on its next tick.
+            Err(e) if transient_submit_error(&e) => Ok(()),
             Err(e) => Err(e),
         }
     }
 
     fn drain(&mut self, out: &mut [Completion]) -> usize {
-        let mut n = 0;
-        let mut cq = self.ring.completion();
-        cq.sync();
-        for cqe in &mut cq {
-            out[n] = Completion {
-                user_data: cqe.user_data(),
-                result: cqe.result(),
-            };
-            n += 1;
-            if n == out.len() {
-                break;
+        if out.is_empty() {
+            return 0;
+        }
+        self.reap(out, false)
+    }
+
+    fn in_flight(&self) -> usize {
+        self.in_flight
+    }
+
+    fn cancel_all(&mut self) {
+        if self.in_flight == 0 {
+            return;
+        }
+        let cancel = opcode::AsyncCancel2::new(types::CancelBuilder::any())
+            .build()
+            .user_data(CANCEL_USER_DATA);
+        let t0 = std::time::Instant::now();
+        let mut cancel_queued = false;
+        let mut warned_s = 0;
+        while self.in_flight > 0 {
+            if !cancel_queued {
+                // SAFETY: a cancel references no memory of ours. (Not
+                // counted: its completion is skipped by reap.)
+                cancel_queued = unsafe { self.ring.submission().push(&cancel).is_ok() };
+            }
+            let ts = types::Timespec::from(std::time::Duration::from_millis(100));
+            let args = types::SubmitArgs::new().timespec(&ts);
+            if let Err(e) = self.ring.submitter().submit_with_args(1, &args) {
+                if !transient_submit_error(&e) && e.raw_os_error() != Some(libc::ETIME) {
+                    // Entering the ring fails: the completions still come
+                    // (the kernel owns the operations); look for them.
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                }
+            }
+            self.reap(&mut [], true);
+            let waited_s = t0.elapsed().as_secs();
+            if waited_s >= warned_s + 5 {
+                warned_s = waited_s;
+                log::warn!(
+                    "io_uring teardown: {} operation(s) still in flight after {waited_s} s; \
+                     waiting for them before their memory is freed",
+                    self.in_flight
+                );
             }
         }
-        n
+    }
+}
+
+impl Drop for Uring {
+    /// Cancels and reaps what is in flight before the ring goes (and, right
+    /// after, the memory its operations target).
+    fn drop(&mut self) {
+        self.cancel_all();
     }
 }
 
@@ -320,6 +423,16 @@ pub struct FaultConfig {
     pub short_ppm: u32,
     /// Reads whose completion is held back for a few drains.
     pub delay_ppm: u32,
+    /// Submissions (io_uring_enter) that fail with a transient `EAGAIN`.
+    pub eagain_ppm: u32,
+    /// The submission with this number (1-based) and every later one fail
+    /// with `submit_errno` (0: never): a ring that stops working.
+    pub submit_fail_after: u32,
+    /// The errno of those failures (`EINVAL` when 0).
+    pub submit_errno: i32,
+    /// The drain that brings this many completions in all (0: never)
+    /// panics, as a bug in the poller would, with reads in flight.
+    pub panic_after_completions: u64,
 }
 
 /// Wraps a backend and injects faults into its completions.
@@ -333,6 +446,8 @@ pub struct Faulty<B> {
     /// slot), so a retry always recovers and tests do not depend on timing;
     /// a persistent short read is a real truncation, tested on real files.
     short_last: Vec<bool>,
+    submits: u32,
+    completions: u64,
 }
 
 impl<B: IoBackend> Faulty<B> {
@@ -344,6 +459,8 @@ impl<B: IoBackend> Faulty<B> {
             state: crate::hash::mix64(cfg.seed ^ 0xfa17),
             held: Vec::with_capacity(max_inflight),
             short_last: vec![false; max_inflight],
+            submits: 0,
+            completions: 0,
         }
     }
 
@@ -362,8 +479,31 @@ impl<B: IoBackend> IoBackend for Faulty<B> {
     }
 
     fn submit(&mut self, wait: bool) -> io::Result<()> {
+        self.submits = self.submits.saturating_add(1);
+        let fail_at = self.cfg.submit_fail_after;
+        if fail_at > 0 && self.submits >= fail_at {
+            let errno = match self.cfg.submit_errno {
+                0 => libc::EINVAL,
+                e => e,
+            };
+            return Err(io::Error::from_raw_os_error(errno));
+        }
+        if self.roll(self.cfg.eagain_ppm) {
+            // Nothing was submitted: the entries stay queued.
+            return Err(io::Error::from_raw_os_error(libc::EAGAIN));
+        }
         // Held completions count as ready: do not block on the kernel then.
         self.inner.submit(wait && self.held.is_empty())
+    }
+
+    fn in_flight(&self) -> usize {
+        self.inner.in_flight() + self.held.len()
+    }
+
+    fn cancel_all(&mut self) {
+        // Held completions are finished reads: nothing to wait for.
+        self.held.clear();
+        self.inner.cancel_all();
     }
 
     fn drain(&mut self, out: &mut [Completion]) -> usize {
@@ -403,6 +543,11 @@ impl<B: IoBackend> IoBackend for Faulty<B> {
             out[w] = c;
             w += 1;
         }
+        self.completions += w as u64;
+        let at = self.cfg.panic_after_completions;
+        if at > 0 && self.completions >= at {
+            panic!("injected panic after {} completions", self.completions);
+        }
         w
     }
 }
@@ -412,6 +557,119 @@ mod tests {
     use super::*;
     use std::io::Write;
     use std::os::fd::AsRawFd;
+
+    /// Cancelling reaps a read the kernel still holds (a pipe with no data
+    /// yet): afterwards nothing is in flight and data arriving later does
+    /// not land in the buffer (a canary). Drop runs the same.
+    #[test]
+    fn cancel_all_reaps_a_pending_read_before_its_memory_goes() {
+        let mut fds = [0; 2];
+        // SAFETY: pipe writes two new descriptors into fds.
+        assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+        let (r, w) = (fds[0], fds[1]);
+        let mut buf = vec![0xaau8; 64];
+        let mut ring = Uring::new(UringOptions {
+            entries: 8,
+            sqpoll_idle_ms: None,
+        })
+        .unwrap();
+        let op = ReadOp {
+            user_data: 3,
+            target: Target::Fd(r),
+            buf: buf.as_mut_ptr(),
+            len: 64,
+            offset: u64::MAX, // the pipe's own position
+            buf_index: None,
+        };
+        // SAFETY: buf outlives the read: cancel_all below reaps it.
+        assert!(unsafe { ring.push(&op) });
+        ring.submit(false).unwrap();
+        let mut out = [Completion::default(); 4];
+        assert_eq!(ring.drain(&mut out), 0, "no data yet");
+        assert_eq!(ring.in_flight(), 1);
+        ring.cancel_all();
+        assert_eq!(ring.in_flight(), 0);
+        // The ring lives on: a read that was not cancelled would take this.
+        // SAFETY: writes 64 bytes from a live buffer to our pipe.
+        assert_eq!(
+            unsafe { libc::write(w, [0x55u8; 64].as_ptr().cast(), 64) },
+            64
+        );
+        ring.submit(false).unwrap();
+        assert_eq!(ring.drain(&mut out), 0);
+        assert!(buf.iter().all(|&b| b == 0xaa), "the cancelled read wrote");
+        // And a ring dropped with a read pending returns only once it is
+        // reaped (the pipe is empty again after this read).
+        let mut sink = [0u8; 64];
+        // SAFETY: reads what we wrote back out of our pipe.
+        assert_eq!(unsafe { libc::read(r, sink.as_mut_ptr().cast(), 64) }, 64);
+        let mut buf2 = vec![0xaau8; 64];
+        let op2 = ReadOp {
+            buf: buf2.as_mut_ptr(),
+            ..op
+        };
+        // SAFETY: buf2 outlives the ring, whose drop reaps the read.
+        assert!(unsafe { ring.push(&op2) });
+        ring.submit(false).unwrap();
+        let t0 = std::time::Instant::now();
+        drop(ring);
+        assert!(t0.elapsed() < std::time::Duration::from_secs(5));
+        // SAFETY: as above.
+        assert_eq!(
+            unsafe { libc::write(w, [0x55u8; 64].as_ptr().cast(), 64) },
+            64
+        );
+        assert!(buf2.iter().all(|&b| b == 0xaa), "a read outlived its ring");
+        // SAFETY: our descriptors, closed once.
+        unsafe {
+            libc::close(r);
+            libc::close(w);
+        }
+    }
+
+    /// Injected submission failures: EAGAIN is transient (the entries stay
+    /// queued), a failed ring keeps failing; in-flight counts include held
+    /// completions and cancel_all clears them.
+    #[test]
+    fn faulty_submissions() {
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        f.write_all(&[7u8; 4096]).unwrap();
+        let file = f.reopen().unwrap();
+        let ring = Uring::new(UringOptions {
+            entries: 8,
+            sqpoll_idle_ms: None,
+        })
+        .unwrap();
+        let cfg = FaultConfig {
+            seed: 1,
+            submit_fail_after: 3,
+            ..Default::default()
+        };
+        let mut fr = Faulty::new(ring, cfg, 8);
+        let mut buf = vec![0u8; 4096];
+        let op = ReadOp {
+            user_data: 0,
+            target: Target::Fd(file.as_raw_fd()),
+            buf: buf.as_mut_ptr(),
+            len: 4096,
+            offset: 0,
+            buf_index: None,
+        };
+        // SAFETY: buf outlives the read (reaped below).
+        assert!(unsafe { fr.push(&op) });
+        assert_eq!(fr.in_flight(), 1);
+        fr.submit(true).unwrap();
+        fr.submit(false).unwrap();
+        let e = fr.submit(false).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::EINVAL));
+        assert!(!transient_submit_error(&e));
+        assert!(fr.submit(false).is_err(), "a failed ring stays failed");
+        assert!(transient_submit_error(&io::Error::from_raw_os_error(
+            libc::EAGAIN
+        )));
+        fr.cancel_all();
+        assert_eq!(fr.in_flight(), 0);
+    }
 
     #[test]
     fn reads_a_file_through_io_uring() {
