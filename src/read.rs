@@ -250,7 +250,7 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
     let setup_cpu = cpu0 - setup0;
     let info = loader.landing_info().clone();
     eprintln!(
-        "landing ring: {} ({}, {}locked{}); {}",
+        "landing ring: {} ({}, {}locked{}); {}; io_uring: {}",
         human_bytes(info.bytes as f64),
         if info.huge_pages {
             "2 MiB huge pages"
@@ -261,7 +261,8 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
         info.numa_node
             .map(|n| format!(", NUMA node {n}"))
             .unwrap_or_default(),
-        info.cuda
+        info.cuda,
+        info.io
     );
     if let Some((n, bytes)) = loader.tier() {
         eprintln!("memory tier: {n} samples, {}", human_bytes(bytes as f64));

@@ -913,6 +913,13 @@ fn node_service_embedded_in_process() {
     drop(l);
     let st_ = svc.stats();
     assert_eq!(st_.connections.load(Ordering::Relaxed), 1);
+    // The service counts a sample when its send completes, which can be
+    // after the consumer has it: wait for the count (with a deadline)
+    // instead of reading it once (that flaked under load).
+    let t0 = Instant::now();
+    while st_.samples.load(Ordering::Relaxed) < 600 && t0.elapsed() < Duration::from_secs(30) {
+        std::thread::park_timeout(Duration::from_millis(10));
+    }
     assert!(st_.samples.load(Ordering::Relaxed) >= 600);
     assert_eq!(st_.violations.load(Ordering::Relaxed), 0);
     // The consumer is gone: so is its queue pair (RDMA).

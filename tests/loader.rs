@@ -1203,3 +1203,61 @@ fn submit_failures_eagain_and_panics_reap_their_reads() {
     );
     drop(l);
 }
+
+/// The ring is registered with io_uring once for all pollers (the kernel
+/// shares one buffer table), so 3 pollers fit a memlock limit that holds
+/// the ring once; a limit below the ring is a WARN and shows in the
+/// output, not a silent fallback. Run as an unprivileged user (root is
+/// not charged for pinned memory).
+#[test]
+fn ring_registration_is_shared_and_its_loss_is_not_silent() {
+    if !is_root() || Command::new("prlimit").arg("--version").output().is_err() {
+        eprintln!("skipping: needs root, setpriv and prlimit");
+        return;
+    }
+    let t = tempfile::tempdir().unwrap();
+    let sp = odd_space(t.path());
+    for d in [t.path().to_path_buf(), sp.clone(), sp.join("extents")] {
+        std::fs::set_permissions(&d, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    }
+    let read_as_nobody = |memlock: &str| {
+        let o = Command::new("prlimit")
+            .arg(format!("--memlock={memlock}:{memlock}"))
+            .args([
+                "setpriv",
+                "--reuid=65534",
+                "--regid=65534",
+                "--clear-groups",
+            ])
+            .arg(kspeed_bin())
+            .args([
+                "read",
+                "--space",
+                s(&sp),
+                "--ring-bytes",
+                "4MiB",
+                "--no-mlock",
+            ])
+            .args(["--pollers", "3", "--progress=none", "--batch-size", "8"])
+            .output()
+            .unwrap();
+        let e = text(&o);
+        assert!(o.status.success(), "{e}");
+        e
+    };
+    // 4 MiB ring, 6 MiB limit: three separate registrations would need 12.
+    let e = read_as_nobody("6291456");
+    assert!(
+        e.contains("io_uring: registered once, shared by 3 pollers"),
+        "{e}"
+    );
+    assert!(!e.contains("WARN"), "{e}");
+    // 2 MiB limit: the ring cannot be registered; said, and still read.
+    let e = read_as_nobody("2097152");
+    assert!(
+        e.contains("WARN") && e.contains("cannot be registered with io_uring"),
+        "{e}"
+    );
+    assert!(e.contains("io_uring: not registered"), "{e}");
+    assert!(e.contains("samples/s"), "{e}");
+}

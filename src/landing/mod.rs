@@ -75,6 +75,16 @@ pub struct LandingInfo {
     pub numa_node: Option<u32>,
     /// "registered with CUDA (libcudart.so.12)", "CUDA not present: ...".
     pub cuda: String,
+    /// Registered with the pollers' io_urings as fixed buffers (reads
+    /// skip the per-read page pinning).
+    pub io_registered: bool,
+    /// How the pollers read into it: "registered once, shared by 4
+    /// pollers", "registered by each of 2 pollers", or why it is not
+    /// registered.
+    pub io: String,
+    /// Reads bypass the page cache (O_DIRECT); false when the file system
+    /// refused it, or when reading source files.
+    pub direct_io: bool,
 }
 
 const HUGE_PAGE: u64 = 2 << 20;
@@ -157,6 +167,9 @@ impl LandingRing {
                 locked: false,
                 numa_node: None,
                 cuda: String::new(),
+                io_registered: false,
+                io: String::new(),
+                direct_io: true,
             },
             cuda: None,
             device: None,
@@ -260,6 +273,9 @@ impl LandingRing {
                 locked: false,
                 numa_node: None,
                 cuda: format!("GPU memory on device {ordinal} (CUDA driver)"),
+                io_registered: false,
+                io: "GPU memory: written by the NIC only".into(),
+                direct_io: true,
             },
             cuda: None,
             device: Some(mem),
@@ -274,6 +290,13 @@ impl LandingRing {
     /// What was set up.
     pub fn info(&self) -> &LandingInfo {
         &self.info
+    }
+
+    /// Records how the loader reads into the ring (see [`LandingInfo`]).
+    pub(crate) fn set_io_info(&mut self, registered: bool, how: String, direct_io: bool) {
+        self.info.io_registered = registered;
+        self.info.io = how;
+        self.info.direct_io = direct_io;
     }
 
     /// Length in bytes.

@@ -682,6 +682,7 @@ impl LoaderBuilder {
                 self.landing.ring_bytes
             )));
         }
+        let mut direct_io = self.space.is_some();
         let (input, align) = match (&self.space, &self.source) {
             (Some(dir), _) => {
                 let space = Space::open(dir)?;
@@ -703,12 +704,15 @@ impl LoaderBuilder {
                     let path = space.extent_path(i);
                     let (f, direct) =
                         crate::sys::open_direct(&path).map_err(|e| Error::io("open", &path, e))?;
-                    if !direct {
-                        log::info!(
-                            "{}: O_DIRECT not supported here, reading through the page cache",
+                    if !direct && direct_io {
+                        // Not silent: every read then goes through (and
+                        // evicts from) the page cache.
+                        log::warn!(
+                            "{}: the file system refuses O_DIRECT; reading through the page cache",
                             path.display()
                         );
                     }
+                    direct_io &= direct;
                     extents.push(f);
                 }
                 (Input::Space { space, extents }, align)
@@ -868,8 +872,16 @@ impl LoaderBuilder {
                 })
             }
         };
-        let mut backends = Vec::with_capacity(cfg.pollers);
+        let mut backends: Vec<Uring> = Vec::with_capacity(cfg.pollers);
         let mut fixed_buffers = self.registered_buffers && ring.device().is_none();
+        let mut io_how = if ring.device().is_some() {
+            "GPU memory: written by the NIC only".to_string()
+        } else if !self.registered_buffers {
+            "not registered (registered_buffers off)".to_string()
+        } else {
+            String::new()
+        };
+        let mut shared_regs = 0;
         for _ in 0..cfg.pollers {
             let uring = Uring::new(UringOptions {
                 entries: cfg.queue_depth * 2,
@@ -880,30 +892,74 @@ impl LoaderBuilder {
                 uring.register_files(&fds)?;
             }
             if fixed_buffers {
-                let seg = geo.segment() as usize;
-                let regions: Vec<(*mut u8, usize)> = (0..ring.len())
-                    .step_by(seg)
-                    // SAFETY: off < ring.len(), inside the mapping.
-                    .map(|off| {
-                        (
-                            unsafe { ring.as_mut_ptr().add(off) },
-                            seg.min(ring.len() - off),
-                        )
-                    })
-                    .collect();
-                // SAFETY: the ring outlives every backend: backends are
-                // dropped by the Loader before its Shared (and so the ring).
-                if let Err(e) = unsafe { uring.register_buffers(&regions) } {
-                    log::info!("registered buffers unavailable ({e}); using plain reads");
-                    fixed_buffers = false;
+                // Once for all pollers where the kernel can share a ring's
+                // buffer table (6.12+): the ring is then pinned and charged
+                // to RLIMIT_MEMLOCK once, not once per poller.
+                let cloned = match backends.first() {
+                    Some(first) => match uring.register_buffers_from(first) {
+                        Ok(()) => true,
+                        Err(e) => {
+                            log::info!("{e}; registering the ring per poller");
+                            false
+                        }
+                    },
+                    None => false,
+                };
+                shared_regs += cloned as usize;
+                if !cloned {
+                    let seg = geo.segment() as usize;
+                    let regions: Vec<(*mut u8, usize)> = (0..ring.len())
+                        .step_by(seg)
+                        .map(|off| {
+                            (
+                                // SAFETY: off < ring.len(), inside the mapping.
+                                unsafe { ring.as_mut_ptr().add(off) },
+                                seg.min(ring.len() - off),
+                            )
+                        })
+                        .collect();
+                    // SAFETY: the ring outlives every backend: backends are
+                    // dropped by the Loader before its Shared (and so the ring).
+                    if let Err(e) = unsafe { uring.register_buffers(&regions) } {
+                        // Not silent: reads then pin pages one by one.
+                        log::warn!(
+                            "the landing ring cannot be registered with io_uring ({e}); reading \
+                             without fixed buffers. With {} pollers not sharing one registration \
+                             the ring is pinned {} times against RLIMIT_MEMLOCK: raise the limit \
+                             (ulimit -l) or use a kernel of 6.12 or later",
+                            cfg.pollers,
+                            cfg.pollers
+                        );
+                        io_how = format!("not registered: {e}");
+                        fixed_buffers = false;
+                    }
                 }
             }
-            let b: Box<dyn IoBackend> = match cfg.faults {
-                Some(f) => Box::new(Faulty::new(uring, f, cfg.queue_depth as usize)),
-                None => Box::new(uring),
-            };
-            backends.push(b);
+            backends.push(uring);
         }
+        if fixed_buffers {
+            io_how = if shared_regs + 1 == cfg.pollers && cfg.pollers > 1 {
+                format!("registered once, shared by {} pollers", cfg.pollers)
+            } else if cfg.pollers > 1 {
+                format!("registered by each of {} pollers", cfg.pollers)
+            } else {
+                "registered (1 poller)".to_string()
+            };
+        }
+        if !direct_io && matches!(input, Input::Space { .. }) {
+            io_how.push_str("; page cache (no O_DIRECT)");
+        }
+        let mut ring = ring;
+        ring.set_io_info(fixed_buffers, io_how, direct_io);
+        let backends: Vec<Box<dyn IoBackend>> = backends
+            .into_iter()
+            .map(|uring| -> Box<dyn IoBackend> {
+                match cfg.faults {
+                    Some(f) => Box::new(Faulty::new(uring, f, cfg.queue_depth as usize)),
+                    None => Box::new(uring),
+                }
+            })
+            .collect();
         let batch_size = self.batch_size;
         let mut loader = Loader {
             run: None,

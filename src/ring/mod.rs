@@ -186,6 +186,20 @@ impl Uring {
         })
     }
 
+    /// Shares `other`'s registered buffers with this ring (Linux 6.12+):
+    /// the memory is pinned and charged to RLIMIT_MEMLOCK once, not once
+    /// per ring.
+    pub fn register_buffers_from(&self, other: &Uring) -> Result<()> {
+        use std::os::fd::AsRawFd;
+        self.ring
+            .submitter()
+            .register_buffers_clone(other.ring.as_raw_fd())
+            .map_err(|e| Error::Uring {
+                what: "share registered buffers (register_buffers_clone)",
+                source: e.into(),
+            })
+    }
+
     /// Registers files (index = position).
     pub fn register_files(&self, fds: &[RawFd]) -> Result<()> {
         self.ring
