@@ -12,7 +12,7 @@ for ip in 10.77.0.2 10.77.0.3; do
 done
 echo "== verbs layer and RDMA end-to-end tests"
 # One test at a time: the leak tests count the process's descriptors.
-"$rdma_bin" --test-threads 1
+"$rdma_bin" --include-ignored --test-threads 1
 echo "== the cluster tests over RDMA (KSPEED_TEST_RDMA=1)"
 # Not the ones whose peer is a hand-written TCP node or consumer, nor the
 # network-namespace one (TCP plumbing): tests/rdma.rs has RDMA's hostile peers.

@@ -73,7 +73,7 @@ fn compile_with(
         Ok(o) if o.status.success() => Some(out.to_path_buf()),
         Ok(o) => panic!("{compiler} failed:\n{}", String::from_utf8_lossy(&o.stderr)),
         Err(e) => {
-            eprintln!("skipping: {compiler} not available ({e})");
+            skip(&format!("{compiler} not available ({e})"));
             None
         }
     }
@@ -191,7 +191,7 @@ fn c_test_under_address_sanitizer() {
 #[test]
 fn c_test_under_valgrind() {
     if Command::new("valgrind").arg("--version").output().is_err() {
-        eprintln!("skipping: valgrind not installed (apt-get install valgrind)");
+        skip("valgrind not installed (apt-get install valgrind)");
         return;
     }
     let d = data();

@@ -779,7 +779,7 @@ impl Netns {
                     ns.names.push(name.clone());
                 }
                 if !ok {
-                    eprintln!("skipping: `ip {}` failed", c.join(" "));
+                    skip(&format!("`ip {}` failed", c.join(" ")));
                     return None;
                 }
             }
@@ -800,7 +800,7 @@ impl Drop for Netns {
 #[test]
 fn three_nodes_in_network_namespaces() {
     if !is_root() || Command::new("ip").arg("-V").output().is_err() {
-        eprintln!("skipping: needs root and iproute2 to create network namespaces");
+        skip("needs root and iproute2 to create network namespaces");
         return;
     }
     let st = setup("imagenet", 200, 3, 2);

@@ -613,7 +613,7 @@ fn read_command_reports_throughput() {
 #[test]
 fn memlock_limit_is_a_named_error() {
     if !is_root() || Command::new("prlimit").arg("--version").output().is_err() {
-        eprintln!("skipping memlock_limit_is_a_named_error: needs root, setpriv and prlimit");
+        skip("memlock_limit_is_a_named_error needs root, setpriv and prlimit");
         return;
     }
     let t = tempfile::tempdir().unwrap();
@@ -1212,7 +1212,7 @@ fn submit_failures_eagain_and_panics_reap_their_reads() {
 #[test]
 fn ring_registration_is_shared_and_its_loss_is_not_silent() {
     if !is_root() || Command::new("prlimit").arg("--version").output().is_err() {
-        eprintln!("skipping: needs root, setpriv and prlimit");
+        skip("needs root, setpriv and prlimit");
         return;
     }
     let t = tempfile::tempdir().unwrap();
@@ -1223,10 +1223,12 @@ fn ring_registration_is_shared_and_its_loss_is_not_silent() {
     let read_as_nobody = |memlock: &str| {
         let o = Command::new("prlimit")
             .arg(format!("--memlock={memlock}:{memlock}"))
+            // A uid of its own: RLIMIT_MEMLOCK charges are per user, and
+            // another test runs as nobody at the same time.
             .args([
                 "setpriv",
-                "--reuid=65534",
-                "--regid=65534",
+                "--reuid=61234",
+                "--regid=61234",
                 "--clear-groups",
             ])
             .arg(kspeed_bin())

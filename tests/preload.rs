@@ -312,7 +312,7 @@ fn unreadable_file_is_named() {
     let o = if is_root() {
         // Root reads anything: run as nobody so the permission bites.
         if Command::new("setpriv").arg("--version").output().is_err() {
-            eprintln!("skipping unreadable_file_is_named: root without setpriv");
+            skip("unreadable_file_is_named: root without setpriv");
             return;
         }
         for d in [t.path(), &src, &src.join("c")] {
@@ -751,10 +751,10 @@ impl Tmpfs {
             .output()
             .ok()?;
         if !o.status.success() {
-            eprintln!(
-                "cannot mount tmpfs ({}), skipping",
+            skip(&format!(
+                "cannot mount tmpfs ({})",
                 String::from_utf8_lossy(&o.stderr).trim()
-            );
+            ));
             return None;
         }
         Some(Tmpfs(dir.to_path_buf()))
@@ -773,7 +773,7 @@ fn full_disk_is_a_named_error() {
     let src = t.path().join("src");
     gen("imagenet", 40, &src); // about 5 MB
     let Some(mnt) = Tmpfs::mount(&t.path().join("mnt"), "2m") else {
-        eprintln!("skipping full_disk_is_a_named_error: needs root to mount a tmpfs");
+        skip("full_disk_is_a_named_error needs root to mount a tmpfs");
         return;
     };
     let sp = mnt.0.join("space");

@@ -15,12 +15,10 @@ fn have_device() -> bool {
 }
 
 #[test]
+#[ignore = "needs an RDMA device: runs in the soft-RoCE VM (scripts/vm_rdma_tests.sh)"]
 fn device_probe_lists_the_device() {
     if !have_device() {
-        eprintln!(
-            "skipping device_probe_lists_the_device: no RDMA device here; \
-             run it in the soft-RoCE VM (../shared/rdma-vm/run-in-vm.sh, see scripts/test.sh)"
-        );
+        common::skip("no RDMA device here; run it in the soft-RoCE VM (scripts/vm_rdma_tests.sh)");
         return;
     }
     let names = kspeed::transport::rdma::device_names();
@@ -41,7 +39,7 @@ use kspeed::Error;
 
 fn open() -> Option<Arc<Context>> {
     if !have_device() {
-        eprintln!("skipping: no RDMA device here; run in the soft-RoCE VM (scripts/test.sh does)");
+        common::skip("no RDMA device here; run in the soft-RoCE VM (scripts/vm_rdma_tests.sh)");
         return None;
     }
     let gid: u8 = std::env::var("RDMA_VM_GID_INDEX")
@@ -90,6 +88,7 @@ fn pair(ctx: &Arc<Context>) -> Pair {
 }
 
 #[test]
+#[ignore = "needs an RDMA device: runs in the soft-RoCE VM (scripts/vm_rdma_tests.sh)"]
 fn write_with_imm_lands_in_granted_ranges_and_carries_the_grant_id() {
     let Some(ctx) = open() else { return };
     let p = pair(&ctx);
@@ -155,6 +154,7 @@ fn write_with_imm_lands_in_granted_ranges_and_carries_the_grant_id() {
 }
 
 #[test]
+#[ignore = "needs an RDMA device: runs in the soft-RoCE VM (scripts/vm_rdma_tests.sh)"]
 fn write_outside_the_registered_range_is_refused_by_the_nic() {
     let Some(ctx) = open() else { return };
     let p = pair(&ctx);
@@ -194,6 +194,7 @@ fn write_outside_the_registered_range_is_refused_by_the_nic() {
 }
 
 #[test]
+#[ignore = "needs an RDMA device: runs in the soft-RoCE VM (scripts/vm_rdma_tests.sh)"]
 fn dmabuf_registration_failure_is_a_named_error() {
     // GPU memory lands through a dma-buf registration. No dma-buf exporter
     // exists in the VM (no GPU, no udmabuf, no DMA heaps), so this offers a
@@ -240,6 +241,7 @@ fn rss_kib() -> u64 {
 }
 
 #[test]
+#[ignore = "needs an RDMA device: runs in the soft-RoCE VM (scripts/vm_rdma_tests.sh)"]
 fn hundred_connect_disconnect_cycles_do_not_leak() {
     let Some(ctx) = open() else { return };
     let mut staging = vec![1u8; 1 << 16];
@@ -291,6 +293,7 @@ fn hundred_connect_disconnect_cycles_do_not_leak() {
 }
 
 #[test]
+#[ignore = "needs an RDMA device: runs in the soft-RoCE VM (scripts/vm_rdma_tests.sh)"]
 fn rdma_link_pushes_writes_and_errors_in_order_through_the_link_trait() {
     use kspeed::transport::proto::Code;
     use kspeed::transport::rdma::RdmaLink;
@@ -483,6 +486,7 @@ fn window_write(
 }
 
 #[test]
+#[ignore = "needs an RDMA device: runs in the soft-RoCE VM (scripts/vm_rdma_tests.sh)"]
 fn memory_windows_open_nothing_once_invalidated_and_the_region_key_opens_nothing() {
     let Some(ctx) = open() else { return };
     use kspeed::transport::rdma::wc_status_name as name;
@@ -761,6 +765,7 @@ fn hostile_rdma_node_case(misdeed: RdmaMisdeed) -> (kspeed::loader::Stats, Optio
 }
 
 #[test]
+#[ignore = "needs an RDMA device: runs in the soft-RoCE VM (scripts/vm_rdma_tests.sh)"]
 fn rdma_foreign_grant_id_drops_the_node_and_fails_over() {
     if open().is_none() {
         return;
@@ -775,6 +780,7 @@ fn rdma_foreign_grant_id_drops_the_node_and_fails_over() {
 }
 
 #[test]
+#[ignore = "needs an RDMA device: runs in the soft-RoCE VM (scripts/vm_rdma_tests.sh)"]
 fn rdma_write_outside_the_ring_is_refused_by_the_nic() {
     if open().is_none() {
         return;
@@ -804,6 +810,7 @@ fn qps_after(node: &NodeService, limit: Duration) -> u64 {
 }
 
 #[test]
+#[ignore = "needs an RDMA device: runs in the soft-RoCE VM (scripts/vm_rdma_tests.sh)"]
 fn consumers_that_leave_mid_epoch_leave_no_queue_pair_behind() {
     if open().is_none() {
         return;
@@ -842,6 +849,7 @@ fn consumers_that_leave_mid_epoch_leave_no_queue_pair_behind() {
 }
 
 #[test]
+#[ignore = "needs an RDMA device: runs in the soft-RoCE VM (scripts/vm_rdma_tests.sh)"]
 fn an_rdma_consumer_refuses_a_node_that_only_speaks_tcp() {
     if open().is_none() {
         return;
@@ -861,6 +869,7 @@ fn an_rdma_consumer_refuses_a_node_that_only_speaks_tcp() {
 }
 
 #[test]
+#[ignore = "needs an RDMA device: runs in the soft-RoCE VM (scripts/vm_rdma_tests.sh)"]
 fn inspect_devices_lists_ports_and_the_addresses_to_listen_on() {
     if open().is_none() {
         return;
@@ -895,6 +904,7 @@ fn cli_read(d: &Data, cluster: &Path, token: &Path) -> std::process::Command {
 }
 
 #[test]
+#[ignore = "needs an RDMA device: runs in the soft-RoCE VM (scripts/vm_rdma_tests.sh)"]
 fn a_killed_consumer_process_leaves_no_queue_pair_on_the_node() {
     if open().is_none() {
         return;
@@ -943,6 +953,7 @@ fn a_killed_consumer_process_leaves_no_queue_pair_on_the_node() {
 }
 
 #[test]
+#[ignore = "needs an RDMA device: runs in the soft-RoCE VM (scripts/vm_rdma_tests.sh)"]
 fn a_gpu_ring_takes_rdma_writes_through_the_cuda_driver() {
     // No GPU anywhere here: the CUDA driver is the stand-in, whose "device
     // memory" is host memory the CPU cannot reach except through its copy

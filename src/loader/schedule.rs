@@ -227,8 +227,16 @@ mod tests {
                 }
             }
             for p in &placed {
-                // A slot never straddles the ring's end.
+                // A slot never straddles the ring's end, nor a segment.
                 prop_assert!(p.phys(&geo) + (p.v_end - p.v) <= ring);
+                let seg = geo.segment();
+                prop_assert!(p.phys(&geo) % seg + (p.v_end - p.v) <= seg);
+                prop_assert_eq!(p.v_end - p.v, geo.slot(p.len));
+            }
+            for w in placed.windows(2) {
+                // Virtual offsets and sequence numbers only go forward.
+                prop_assert!(w[1].v >= w[0].v_end);
+                prop_assert_eq!(w[1].g, w[0].g + 1);
             }
         }
     }
