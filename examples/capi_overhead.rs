@@ -52,10 +52,8 @@ fn c_round(space: &str) -> (f64, f64, u64) {
             std::ffi::CString::new(v).unwrap(),
         );
         // SAFETY: live config, NUL-terminated strings.
-        assert_eq!(
-            unsafe { ksp_config_set(c, k.as_ptr(), v.as_ptr()) },
-            ksp_status::KSP_OK
-        );
+        let st = unsafe { ksp_config_set(c, k.as_ptr(), v.as_ptr()) };
+        assert_eq!(st, ksp_status::KSP_OK);
     };
     let mut cfg = std::ptr::null_mut();
     // SAFETY: cfg is a valid out-pointer; the handles are used by this

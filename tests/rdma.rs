@@ -100,6 +100,7 @@ fn write_with_imm_lands_in_granted_ranges_and_carries_the_grant_id() {
     // SAFETY: both buffers outlive their regions (dropped at the end).
     let smr =
         unsafe { Mr::register(&p.pd, staging.as_mut_ptr(), staging.len(), Access::Local) }.unwrap();
+    // SAFETY: the buffer outlives its registration and the writes into it.
     let rmr =
         unsafe { Mr::register(&p.pd, ring.as_mut_ptr(), ring.len(), Access::RemoteWrite) }.unwrap();
     let mut rwrs = Vec::new();
@@ -166,6 +167,7 @@ fn write_outside_the_registered_range_is_refused_by_the_nic() {
     // SAFETY: both buffers outlive their regions.
     let smr =
         unsafe { Mr::register(&p.pd, staging.as_mut_ptr(), staging.len(), Access::Local) }.unwrap();
+    // SAFETY: the buffer outlives its registration and the writes into it.
     let rmr = unsafe { Mr::register(&p.pd, mid, 1 << 16, Access::RemoteWrite) }.unwrap();
     let mut rwrs = Vec::new();
     p.b.post_recvs(0, 4, &mut rwrs).unwrap();
@@ -315,6 +317,7 @@ fn rdma_link_pushes_writes_and_errors_in_order_through_the_link_trait() {
     // SAFETY: the buffers outlive their regions (dropped at the end).
     let smr =
         unsafe { Mr::register(&pd, staging.as_mut_ptr(), staging.len(), Access::Local) }.unwrap();
+    // SAFETY: the buffer outlives its registration and the writes into it.
     let rmr =
         unsafe { Mr::register(&pd, ring.as_mut_ptr(), ring.len(), Access::RemoteWrite) }.unwrap();
     // SAFETY: as above.
@@ -385,6 +388,7 @@ fn rdma_link_pushes_writes_and_errors_in_order_through_the_link_trait() {
     // everything outstanding, as a named error.
     // SAFETY: the source lies in the staging region.
     assert!(unsafe { link.post_write(20, staging.as_ptr(), 64, 1 << 16, 1) });
+    // SAFETY: the buffer outlives its registration and the writes into it.
     assert!(unsafe { link.post_write(21, staging.as_ptr(), 64, 0, 2) });
     link.flush(&mut ()).unwrap();
     let mut failed = Vec::new();
@@ -401,10 +405,8 @@ fn rdma_link_pushes_writes_and_errors_in_order_through_the_link_trait() {
         link.error().map(|e| e.to_string())
     );
     // SAFETY: the source lies in the staging region.
-    assert!(
-        !unsafe { link.post_write(22, staging.as_ptr(), 64, 0, 3) },
-        "a failed link takes nothing"
-    );
+    let taken = unsafe { link.post_write(22, staging.as_ptr(), 64, 0, 3) };
+    assert!(!taken, "a failed link takes nothing");
     drop(link);
     drop(b);
     drop((smr, rmr, imr));
@@ -429,6 +431,7 @@ fn window_write(
     // SAFETY: both buffers outlive their regions (dropped at the end).
     let smr =
         unsafe { Mr::register(&p.pd, staging.as_mut_ptr(), staging.len(), Access::Local) }.unwrap();
+    // SAFETY: the buffer outlives its registration and the writes into it.
     let rmr =
         unsafe { Mr::register(&p.pd, ring.as_mut_ptr(), ring.len(), Access::WindowsOnly) }.unwrap();
     let mw = Mw::new(&p.pd).unwrap();

@@ -605,10 +605,8 @@ mod tests {
         assert_eq!(ring.in_flight(), 0);
         // The ring lives on: a read that was not cancelled would take this.
         // SAFETY: writes 64 bytes from a live buffer to our pipe.
-        assert_eq!(
-            unsafe { libc::write(w, [0x55u8; 64].as_ptr().cast(), 64) },
-            64
-        );
+        let wrote = unsafe { libc::write(w, [0x55u8; 64].as_ptr().cast(), 64) };
+        assert_eq!(wrote, 64);
         ring.submit(false).unwrap();
         assert_eq!(ring.drain(&mut out), 0);
         assert!(buf.iter().all(|&b| b == 0xaa), "the cancelled read wrote");
@@ -629,10 +627,8 @@ mod tests {
         drop(ring);
         assert!(t0.elapsed() < std::time::Duration::from_secs(5));
         // SAFETY: as above.
-        assert_eq!(
-            unsafe { libc::write(w, [0x55u8; 64].as_ptr().cast(), 64) },
-            64
-        );
+        let wrote = unsafe { libc::write(w, [0x55u8; 64].as_ptr().cast(), 64) };
+        assert_eq!(wrote, 64);
         assert!(buf2.iter().all(|&b| b == 0xaa), "a read outlived its ring");
         // SAFETY: our descriptors, closed once.
         unsafe {

@@ -129,9 +129,8 @@ impl EventFd {
             return Err(io::Error::last_os_error());
         }
         // SAFETY: fd is a fresh descriptor that nothing else owns.
-        Ok(EventFd {
-            fd: unsafe { std::os::fd::FromRawFd::from_raw_fd(fd) },
-        })
+        let fd = unsafe { std::os::fd::FromRawFd::from_raw_fd(fd) };
+        Ok(EventFd { fd })
     }
 
     /// The descriptor.
