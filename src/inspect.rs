@@ -45,7 +45,7 @@ fn print_catalog(cat: &Catalog) {
     println!(
         "catalog:      {} (format v{})",
         cat.path().display(),
-        kspeed::dataset::catalog::VERSION
+        cat.version()
     );
     println!("source:       {}", cat.source());
     println!(

@@ -111,13 +111,59 @@ struct GenArgs {
 struct CatalogArgs {
     /// Source: DIR (ImageFolder), list:FILE, tar:SHARD.tar or tar:DIR.
     #[arg(long)]
-    source: String,
+    source: std::ffi::OsString,
     /// Catalog file to write.
     #[arg(long)]
     out: PathBuf,
     /// Reader threads.
     #[arg(long, default_value_t = kspeed::par::default_threads())]
     threads: usize,
+    #[command(flatten)]
+    scan: ScanArgs,
+}
+
+/// How a source scan treats what is not a plain sample.
+#[derive(Args)]
+struct ScanArgs {
+    /// Skip FIFOs, devices and sockets in the source (reported with a count)
+    /// instead of refusing them.
+    #[arg(long)]
+    skip_special: bool,
+    /// Follow symbolic links that lead outside the source tree (refused by default).
+    #[arg(long)]
+    follow_symlinks: bool,
+    /// Tar shards: skip a damaged member header to the next intact one,
+    /// reporting each skip, instead of failing.
+    #[arg(long)]
+    skip_bad_members: bool,
+}
+
+impl ScanArgs {
+    fn options(&self) -> dataset::ScanOptions {
+        dataset::ScanOptions {
+            skip_special: self.skip_special,
+            follow_symlinks: self.follow_symlinks,
+            skip_bad_members: self.skip_bad_members,
+        }
+    }
+}
+
+/// Prints what a scan noticed and did not turn into samples.
+fn print_notes(notes: &dataset::ScanNotes) {
+    for line in notes.lines() {
+        eprintln!("kspeed: warning: {line}");
+    }
+}
+
+fn parse_mode(s: &str) -> Result<u32, String> {
+    let digits = s.trim_start_matches("0o");
+    match u32::from_str_radix(digits, 8) {
+        Ok(m) if m <= 0o777 && m & 0o600 == 0o600 => Ok(m),
+        Ok(_) => Err(format!(
+            "{s:?}: a file mode needs owner read and write (0600) and nothing above 0777"
+        )),
+        Err(_) => Err(format!("{s:?} is not an octal mode such as 0600")),
+    }
 }
 
 #[derive(Args)]
@@ -142,7 +188,7 @@ struct PreloadArgs {
     /// Source: DIR (ImageFolder), list:FILE, tar:SHARD.tar or tar:DIR.
     /// Optional when the space already has a catalog.
     #[arg(long)]
-    source: Option<String>,
+    source: Option<std::ffi::OsString>,
     /// The space directory (created if missing).
     #[arg(long)]
     space: PathBuf,
@@ -169,6 +215,12 @@ struct PreloadArgs {
     /// Limit copy bandwidth, e.g. 200MB (per second).
     #[arg(long, value_parser = parse_bytes)]
     max_bytes_per_sec: Option<u64>,
+    /// Permissions (octal) of the files written into the space; directories
+    /// get x where r is set. Default 0600: a private cache.
+    #[arg(long, default_value = "0600", value_parser = parse_mode)]
+    file_mode: u32,
+    #[command(flatten)]
+    scan: ScanArgs,
 }
 
 #[derive(Args)]
@@ -251,16 +303,18 @@ fn run(cli: Cli) -> kspeed::Result<ExitCode> {
             );
         }
         Cmd::Catalog(a) => {
-            let spec = SourceSpec::parse(&a.source)?;
+            let spec = SourceSpec::parse_os(&a.source)?;
             let t0 = Instant::now();
-            let cat = dataset::catalog::build(
+            let (cat, notes) = dataset::catalog::build_with_notes(
                 &spec,
                 &a.out,
                 &BuildOptions {
                     threads: a.threads,
                     progress,
+                    scan: a.scan.options(),
                 },
             )?;
+            print_notes(&notes);
             println!(
                 "catalog {}: {} samples, {}, {:.1} bytes/sample, built in {:.2} s",
                 a.out.display(),
@@ -275,7 +329,7 @@ fn run(cli: Cli) -> kspeed::Result<ExitCode> {
             let align_bytes = u32::try_from(a.align_bytes)
                 .map_err(|_| kspeed::Error::InvalidConfig("--align-bytes is too large".into()))?;
             let opts = PreloadOptions {
-                source: a.source.as_deref().map(SourceSpec::parse).transpose()?,
+                source: a.source.as_deref().map(SourceSpec::parse_os).transpose()?,
                 catalog: a.catalog,
                 placement,
                 node_index: a.placement.node_index,
@@ -287,9 +341,12 @@ fn run(cli: Cli) -> kspeed::Result<ExitCode> {
                 checkpoint_bytes: a.checkpoint_bytes,
                 max_bytes_per_sec: a.max_bytes_per_sec,
                 check_free_space: true,
+                scan: a.scan.options(),
+                file_mode: a.file_mode,
             };
             let t0 = Instant::now();
             let r = dataset::preload(&a.space, &opts)?;
+            print_notes(&r.notes);
             if r.up_to_date {
                 println!(
                     "space {} is up to date: nothing copied ({} samples, {} held by node {})",

@@ -84,6 +84,8 @@ fn status_of(e: &Error) -> ksp_status {
         | Error::ReadFailed { .. }
         | Error::ShortRead { .. }
         | Error::SymlinkLoop { .. }
+        | Error::NotRegularFile { .. }
+        | Error::SymlinkOutsideSource { .. }
         | Error::EmptySource { .. }
         | Error::SpaceLocked { .. } => KSP_ERR_IO,
         Error::BadMagic { .. }

@@ -12,6 +12,8 @@
 //! - classes, 16 bytes each: name_off u64, name_len u32, 0u32
 //! - strings: the bytes the name offsets point into
 
+use std::borrow::Cow;
+use std::ffi::OsStr;
 use std::fs::File;
 use std::io::Read;
 use std::os::unix::ffi::OsStrExt;
@@ -20,7 +22,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::Instant;
 
-use super::source::{self, Scan, SourceKind, SourceSpec, NO_LABEL};
+use super::source::{self, Scan, ScanNotes, ScanOptions, SourceKind, SourceSpec, NO_LABEL};
 use crate::error::{Error, IoContext, Result, SourceChange};
 use crate::format::{self, le_u32, le_u64, FieldsBuilder, FileWriter};
 use crate::progress::{Progress, ProgressMode};
@@ -28,8 +30,12 @@ use crate::sys::ReadOnlyMap;
 
 /// Magic bytes of a catalog file.
 pub const MAGIC: [u8; 8] = *b"KSPDCAT\0";
-/// The catalog format version this build writes and reads.
-pub const VERSION: u32 = 1;
+/// The catalog format version this build writes. Version 2 allows file
+/// names, class names and the source path to be any bytes (paths that are not
+/// UTF-8); version 1 required UTF-8 class names and source. Both are read.
+pub const VERSION: u32 = 2;
+/// The oldest catalog version this build reads.
+pub const OLDEST_VERSION: u32 = 1;
 
 const SAMPLE_REC: usize = 24;
 const FILE_REC: usize = 32;
@@ -70,6 +76,8 @@ pub struct BuildOptions {
     pub threads: usize,
     /// How to show progress.
     pub progress: ProgressMode,
+    /// How the source scan treats special files, symlinks and damaged tar members.
+    pub scan: ScanOptions,
 }
 
 impl Default for BuildOptions {
@@ -77,6 +85,7 @@ impl Default for BuildOptions {
         BuildOptions {
             threads: crate::par::default_threads(),
             progress: ProgressMode::Quiet,
+            scan: ScanOptions::default(),
         }
     }
 }
@@ -100,6 +109,7 @@ pub struct Catalog {
     source: (usize, usize),
     body_crc: u32,
     created_ns: u64,
+    version: u32,
 }
 
 /// Reads sample byte ranges from source files, keeping the last file open
@@ -162,10 +172,25 @@ impl SpanReader {
 }
 
 /// Lists `spec`, reads every sample once to compute its CRC32C, and writes
-/// the catalog to `out`.
+/// the catalog to `out`. What the scan skipped or dropped is logged as
+/// warnings; [`build_with_notes`] returns it.
 pub fn build(spec: &SourceSpec, out: &Path, opts: &BuildOptions) -> Result<Catalog> {
+    let (cat, notes) = build_with_notes(spec, out, opts)?;
+    for line in notes.lines() {
+        log::warn!("{line}");
+    }
+    Ok(cat)
+}
+
+/// [`build`], returning what the scan noticed without failing (skipped
+/// entries, tar members that are not part of a sample) for the caller to report.
+pub fn build_with_notes(
+    spec: &SourceSpec,
+    out: &Path,
+    opts: &BuildOptions,
+) -> Result<(Catalog, ScanNotes)> {
     let t0 = Instant::now();
-    let scan = source::scan(spec)?;
+    let scan = source::scan(spec, &opts.scan)?;
     log::info!(
         "scanned {}: {} samples in {} files, {} classes ({:.2} s)",
         spec.to_source_string(),
@@ -176,7 +201,7 @@ pub fn build(spec: &SourceSpec, out: &Path, opts: &BuildOptions) -> Result<Catal
     );
     let crcs = checksum_all(&scan, opts)?;
     write(&scan, &crcs, out)?;
-    Catalog::open(out)
+    Ok((Catalog::open(out)?, scan.notes))
 }
 
 fn checksum_all(scan: &Scan, opts: &BuildOptions) -> Result<Vec<u32>> {
@@ -217,7 +242,7 @@ pub fn write(scan: &Scan, crcs: &[u32], out: &Path) -> Result<()> {
     let n = scan.samples.len() as u64;
     let nf = scan.files.len() as u64;
     let nc = scan.classes.len() as u64;
-    let source_string = scan.spec.to_source_string();
+    let source_string = scan.spec.to_source_bytes();
     let mut strings: Vec<u8> = Vec::new();
     let mut file_names = Vec::with_capacity(scan.files.len());
     for f in &scan.files {
@@ -227,10 +252,10 @@ pub fn write(scan: &Scan, crcs: &[u32], out: &Path) -> Result<()> {
     let mut class_names = Vec::with_capacity(scan.classes.len());
     for c in &scan.classes {
         class_names.push((strings.len() as u64, c.len() as u32));
-        strings.extend_from_slice(c.as_bytes());
+        strings.extend_from_slice(c.as_os_str().as_bytes());
     }
     let source_off = strings.len() as u64;
-    strings.extend_from_slice(source_string.as_bytes());
+    strings.extend_from_slice(&source_string);
 
     let off_samples = 0u64;
     let off_files = (n * SAMPLE_REC as u64).next_multiple_of(8);
@@ -257,6 +282,29 @@ pub fn write(scan: &Scan, crcs: &[u32], out: &Path) -> Result<()> {
         .u64(source_string.len() as u64)
         .u64(created_ns)
         .u64(max_sample as u64);
+    // What the file needs on disk, named if the disk is full.
+    let file_bytes = off_strings + strings.len() as u64 + 256;
+    write_body(out, fields, scan, crcs, &file_names, &class_names, &strings).map_err(|e| match e {
+        Error::DiskFull {
+            path, available, ..
+        } => Error::DiskFull {
+            path,
+            needed: file_bytes,
+            available,
+        },
+        e => e,
+    })
+}
+
+fn write_body(
+    out: &Path,
+    fields: FieldsBuilder,
+    scan: &Scan,
+    crcs: &[u32],
+    file_names: &[(u64, u32)],
+    class_names: &[(u64, u32)],
+    strings: &[u8],
+) -> Result<()> {
     let mut w = FileWriter::create(out, MAGIC, VERSION, fields)?;
     let mut rec = [0u8; SAMPLE_REC];
     for (s, crc) in scan.samples.iter().zip(crcs) {
@@ -268,7 +316,7 @@ pub fn write(scan: &Scan, crcs: &[u32], out: &Path) -> Result<()> {
         w.write(&rec)?;
     }
     w.pad8()?;
-    for (f, (name_off, name_len)) in scan.files.iter().zip(&file_names) {
+    for (f, (name_off, name_len)) in scan.files.iter().zip(file_names) {
         let mut r = [0u8; FILE_REC];
         r[0..8].copy_from_slice(&name_off.to_le_bytes());
         r[8..16].copy_from_slice(&f.size.to_le_bytes());
@@ -276,14 +324,13 @@ pub fn write(scan: &Scan, crcs: &[u32], out: &Path) -> Result<()> {
         r[24..28].copy_from_slice(&name_len.to_le_bytes());
         w.write(&r)?;
     }
-    for (name_off, name_len) in &class_names {
+    for (name_off, name_len) in class_names {
         let mut r = [0u8; CLASS_REC];
         r[0..8].copy_from_slice(&name_off.to_le_bytes());
         r[8..12].copy_from_slice(&name_len.to_le_bytes());
         w.write(&r)?;
     }
-    debug_assert_eq!(w.body_len(), off_strings);
-    w.write(&strings)?;
+    w.write(strings)?;
     w.commit()
 }
 
@@ -305,15 +352,22 @@ impl Catalog {
             });
         }
         let map = ReadOnlyMap::new(&file).ctx("mmap", path)?;
-        let (body_start, body_len, body_crc, h) = {
+        let (body_start, body_len, body_crc, h, version) = {
             let bytes = map.as_slice();
-            let parsed = format::parse(path, "catalog", &MAGIC, VERSION, bytes)?;
+            let parsed =
+                format::parse_versions(path, "catalog", &MAGIC, OLDEST_VERSION..=VERSION, bytes)?;
             let mut h = [0u64; 14];
             for (i, v) in h.iter_mut().enumerate() {
                 *v = parsed.fields.u64(i * 8);
             }
             let body_start = parsed.body.as_ptr() as usize - bytes.as_ptr() as usize;
-            (body_start, parsed.body.len(), le_u32(bytes, 24), h)
+            (
+                body_start,
+                parsed.body.len(),
+                le_u32(bytes, 24),
+                h,
+                parsed.version,
+            )
         };
         let corrupt = |detail: String| Error::Corrupt {
             path: path.to_path_buf(),
@@ -342,6 +396,7 @@ impl Catalog {
             created_ns: h[12],
             max_sample: u32::try_from(h[13]).unwrap_or(u32::MAX),
             body_crc,
+            version,
         };
         // Section bounds, with overflow-checked arithmetic: the header is
         // trusted only as far as it is consistent.
@@ -375,8 +430,9 @@ impl Catalog {
         for i in 0..classes as u32 {
             let r = cat.class_rec(i);
             let (off, len) = (le_u64(r, 0) as usize, le_u32(r, 8) as usize);
+            // Version 1 promised UTF-8 class names; version 2 stores bytes.
             if off.checked_add(len).is_none_or(|e| e > cat.strings_len)
-                || std::str::from_utf8(&cat.strings()[off..off + len]).is_err()
+                || (version == 1 && std::str::from_utf8(&cat.strings()[off..off + len]).is_err())
             {
                 return Err(corrupt(format!("class {i}: bad name")));
             }
@@ -412,8 +468,11 @@ impl Catalog {
                 "totals in the header do not match the samples".into(),
             ));
         }
-        if std::str::from_utf8(cat.source_bytes()).is_err() {
+        if version == 1 && std::str::from_utf8(cat.source_bytes()).is_err() {
             return Err(corrupt("source string is not UTF-8".into()));
+        }
+        if !cat.source_bytes().contains(&b':') {
+            return Err(corrupt("source string has no kind prefix".into()));
         }
         Ok(cat)
     }
@@ -485,18 +544,28 @@ impl Catalog {
         self.kind
     }
 
-    /// The source string recorded at build time, e.g. `dir:/data/train`.
-    pub fn source(&self) -> &str {
-        std::str::from_utf8(self.source_bytes()).expect("validated at open")
+    /// The source string recorded at build time, e.g. `dir:/data/train`
+    /// (bytes that are not UTF-8 shown as U+FFFD; [`Catalog::source_spec`]
+    /// has the exact path).
+    pub fn source(&self) -> Cow<'_, str> {
+        String::from_utf8_lossy(self.source_bytes())
+    }
+
+    /// The catalog format version of this file (1 or 2).
+    pub fn version(&self) -> u32 {
+        self.version
     }
 
     /// The source as a spec (without touching the file system).
     pub fn source_spec(&self) -> SourceSpec {
-        let s = self.source();
-        let (_, p) = s.split_once(':').unwrap_or(("", s));
+        let s = self.source_bytes();
+        let colon = s
+            .iter()
+            .position(|&b| b == b':')
+            .expect("validated at open");
         SourceSpec {
             kind: self.kind,
-            path: PathBuf::from(p),
+            path: PathBuf::from(OsStr::from_bytes(&s[colon + 1..])),
         }
     }
 
@@ -547,16 +616,94 @@ impl Catalog {
         self.source_spec().root().join(self.file(i).name)
     }
 
-    /// Name of class `i`. Panics if out of range.
-    pub fn class_name(&self, i: u32) -> &str {
+    /// Name of class `i` (the class folder's name; bytes that are not UTF-8
+    /// shown as U+FFFD). Panics if out of range.
+    pub fn class_name(&self, i: u32) -> Cow<'_, str> {
+        String::from_utf8_lossy(self.class_name_bytes(i))
+    }
+
+    /// Name of class `i` exactly as the folder is named. Panics if out of range.
+    pub fn class_name_bytes(&self, i: u32) -> &[u8] {
         let r = self.class_rec(i);
         let (off, len) = (le_u64(r, 0) as usize, le_u32(r, 8) as usize);
-        std::str::from_utf8(&self.strings()[off..off + len]).expect("validated at open")
+        &self.strings()[off..off + len]
     }
 
     /// Bytes of catalog per sample (file size / samples).
     pub fn bytes_per_sample(&self) -> f64 {
         self.map.as_slice().len() as f64 / self.samples as f64
+    }
+
+    /// What the source holds now that the catalog does not: files added to
+    /// the tree (or the list, or shards added to the directory) and new class
+    /// folders. A new class folder is reported with the labels it would
+    /// shift, since labels are the indices of the sorted class names.
+    pub fn source_additions(&self, opts: &ScanOptions) -> Result<Vec<SourceChange>> {
+        let spec = self.source_spec();
+        let root = spec.root();
+        let mut changes = Vec::new();
+        if spec.kind == SourceKind::Dir {
+            let now = source::current_classes(&spec)?;
+            let old: Vec<&[u8]> = (0..self.classes as u32)
+                .map(|i| self.class_name_bytes(i))
+                .collect();
+            for (new_label, c) in now.iter().enumerate() {
+                let b = c.as_os_str().as_bytes();
+                if old.contains(&b) {
+                    continue;
+                }
+                let shifted: Vec<String> = old
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, o)| **o > b)
+                    .map(|(i, o)| format!("{} {i} -> {}", String::from_utf8_lossy(o), i + 1))
+                    .collect();
+                let what = if shifted.is_empty() {
+                    format!("new class folder (label {new_label})")
+                } else {
+                    format!(
+                        "new class folder; it shifts the labels of {} later class(es): {}{}",
+                        shifted.len(),
+                        shifted
+                            .iter()
+                            .take(3)
+                            .cloned()
+                            .collect::<Vec<_>>()
+                            .join(", "),
+                        if shifted.len() > 3 { ", ..." } else { "" }
+                    )
+                };
+                changes.push(SourceChange {
+                    path: root.join(c),
+                    what,
+                });
+            }
+        }
+        let known: std::collections::HashSet<&Path> =
+            (0..self.files as u32).map(|i| self.file(i).name).collect();
+        let current = source::current_files(&spec, opts)?;
+        for name in &current {
+            if !known.contains(name.as_path()) {
+                changes.push(SourceChange {
+                    path: root.join(name),
+                    what: "added".into(),
+                });
+            }
+        }
+        if spec.kind == SourceKind::List {
+            let listed: std::collections::HashSet<&Path> =
+                current.iter().map(|p| p.as_path()).collect();
+            for i in 0..self.files as u32 {
+                let name = self.file(i).name;
+                if !listed.contains(name) {
+                    changes.push(SourceChange {
+                        path: root.join(name),
+                        what: format!("no longer listed in {}", spec.path.display()),
+                    });
+                }
+            }
+        }
+        Ok(changes)
     }
 
     /// Compares every source file's size and mtime with the catalog. Returns

@@ -5,11 +5,12 @@ pub mod catalog;
 pub mod gen;
 pub mod owner;
 pub mod preload;
+mod shard;
 pub mod source;
 pub mod space;
 
 pub use catalog::{BuildOptions, Catalog, Sample};
 pub use owner::Placement;
 pub use preload::{preload, unload, PreloadOptions, PreloadReport};
-pub use source::{SourceKind, SourceSpec};
+pub use source::{ScanNotes, ScanOptions, SourceKind, SourceSpec};
 pub use space::{BadSample, LayoutParams, Location, Space, VerifyReport};

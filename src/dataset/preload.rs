@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use super::catalog::{self, BuildOptions, Catalog, SpanReader};
 use super::owner::Placement;
-use super::source::SourceSpec;
+use super::source::{ScanNotes, ScanOptions, SourceSpec};
 use super::space::{self, extent_path, files, LayoutParams, Plan, Space};
 use crate::error::{Error, IoContext, Result, SourceChange};
 use crate::format::{self, FileWriter};
@@ -54,6 +54,13 @@ pub struct PreloadOptions {
     pub max_bytes_per_sec: Option<u64>,
     /// Refuse to start when the file system has less free space than needed.
     pub check_free_space: bool,
+    /// How the source scan treats special files, symlinks leaving the tree
+    /// and damaged tar members (strict by default).
+    pub scan: ScanOptions,
+    /// Permissions of the files preload writes (catalog, manifest, journal,
+    /// extents); directories it creates get these plus `x` where `r` is set.
+    /// Default 0o600: a private cache, whatever the source's permissions.
+    pub file_mode: u32,
 }
 
 impl Default for PreloadOptions {
@@ -71,8 +78,32 @@ impl Default for PreloadOptions {
             checkpoint_bytes: 64 << 20,
             max_bytes_per_sec: None,
             check_free_space: true,
+            scan: ScanOptions::default(),
+            file_mode: 0o600,
         }
     }
+}
+
+/// The directory mode matching a file mode: `x` wherever `r` is set.
+pub(crate) fn dir_mode(file_mode: u32) -> u32 {
+    let m = file_mode & 0o777;
+    m | ((m & 0o444) >> 2)
+}
+
+/// Creates `dir` (and parents) with `mode` for the directories it creates.
+fn create_private_dir(dir: &Path, mode: u32) -> Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    fs::DirBuilder::new()
+        .recursive(true)
+        .mode(mode)
+        .create(dir)
+        .ctx("create directory", dir)
+}
+
+/// Sets `path`'s permissions to `mode`.
+fn chmod(path: &Path, mode: u32) -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    fs::set_permissions(path, fs::Permissions::from_mode(mode)).ctx("chmod", path)
 }
 
 /// What a preload did.
@@ -96,30 +127,100 @@ pub struct PreloadReport {
     pub catalog_time: Duration,
     /// Time spent copying.
     pub copy_time: Duration,
+    /// What the catalog build noticed and did not turn into samples (empty
+    /// when no catalog was built in this run).
+    pub notes: ScanNotes,
 }
 
-/// Holds the space's lock file for the duration of a preload or unload.
-pub(crate) struct SpaceLock {
+/// Holds a space's lock file (`SPACE/.lock`, flock). Preload, repair and
+/// unload hold it exclusively; `kspeed serve` (and anything else that reads
+/// the extents for a long time) holds it shared, so a space is never removed
+/// or rewritten under a process that serves it. A refusal names the holders'
+/// pids (from `/proc/locks`).
+pub struct SpaceLock {
     _file: File,
 }
 
 impl SpaceLock {
+    /// Takes the lock exclusively (to change the space).
+    pub fn exclusive(dir: &Path) -> Result<Self> {
+        Self::take(dir, false)
+    }
+
+    /// Takes the lock shared (to read the space while it must not change).
+    pub fn shared(dir: &Path) -> Result<Self> {
+        Self::take(dir, true)
+    }
+
     pub(crate) fn acquire(dir: &Path) -> Result<Self> {
+        Self::exclusive(dir)
+    }
+
+    fn take(dir: &Path, shared: bool) -> Result<Self> {
         let p = dir.join(files::LOCK);
-        let file = OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&p)
-            .ctx("create", &p)?;
-        match file.try_lock() {
+        let file = {
+            use std::os::unix::fs::OpenOptionsExt;
+            OpenOptions::new()
+                .create(true)
+                .truncate(false)
+                .read(true)
+                .write(true)
+                .mode(0o600)
+                .open(&p)
+                .ctx("create", &p)?
+        };
+        let r = if shared {
+            file.try_lock_shared()
+        } else {
+            file.try_lock()
+        };
+        match r {
             Ok(()) => Ok(SpaceLock { _file: file }),
             Err(fs::TryLockError::WouldBlock) => Err(Error::SpaceLocked {
                 path: dir.to_path_buf(),
+                holders: lock_holders(&file),
             }),
             Err(fs::TryLockError::Error(e)) => Err(Error::io("lock", &p, e)),
         }
     }
+}
+
+/// The pids holding a flock on `file`, and whether each lock is shared,
+/// read from `/proc/locks` (empty when it cannot be read).
+fn lock_holders(file: &File) -> Vec<(u32, bool)> {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(md) = file.metadata() else {
+        return Vec::new();
+    };
+    let dev = md.dev();
+    let want = format!(
+        "{:02x}:{:02x}:{}",
+        libc::major(dev),
+        libc::minor(dev),
+        md.ino()
+    );
+    let Ok(text) = fs::read_to_string("/proc/locks") else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for line in text.lines() {
+        // "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF"; waiters carry "->".
+        let f: Vec<&str> = line.split_whitespace().collect();
+        if f.len() < 6 || f[1] != "FLOCK" || f.contains(&"->") {
+            continue;
+        }
+        if f[5] != want {
+            continue;
+        }
+        if let Ok(pid) = f[4].parse::<u32>() {
+            if pid != std::process::id() || out.is_empty() {
+                out.push((pid, f[3] == "READ"));
+            }
+        }
+    }
+    out.sort();
+    out.dedup();
+    out
 }
 
 fn remove_if_exists(p: &Path) -> Result<()> {
@@ -127,6 +228,19 @@ fn remove_if_exists(p: &Path) -> Result<()> {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
         Err(e) => Err(Error::io("remove", p, e)),
+    }
+}
+
+/// A full disk while writing the catalog: name the bytes the catalog needs
+/// (the `.tmp` file is already removed by the writer).
+fn catalog_write_error(e: Error, dir: &Path) -> Error {
+    match e {
+        Error::DiskFull { path, needed, .. } => Error::DiskFull {
+            path,
+            needed,
+            available: crate::sys::free_bytes(dir).unwrap_or(0),
+        },
+        e => e,
     }
 }
 
@@ -151,13 +265,35 @@ fn ensure_catalog(
     let cpath = dir.join(files::CATALOG);
     if let Some(given) = &opts.catalog {
         let given_cat = Catalog::open(given)?;
+        // A catalog indexes one source: preloading it "from" another would
+        // silently copy the catalog's source instead.
+        if let Some(spec) = &opts.source {
+            if given_cat.source_spec() != *spec {
+                return Err(Error::SourceMismatch {
+                    space: given.clone(),
+                    catalog_source: given_cat.source().into_owned(),
+                    given: spec.to_source_string(),
+                });
+            }
+        }
         let same = Catalog::open(&cpath)
             .map(|c| c.identity() == given_cat.identity())
             .unwrap_or(false);
         if !same {
             clear_layout(dir)?;
             let tmp = dir.join("catalog.ksc.tmp");
-            fs::copy(given, &tmp).ctx("copy", given)?;
+            if let Err(e) = fs::copy(given, &tmp).ctx("copy", given) {
+                let _ = fs::remove_file(&tmp);
+                return Err(match e {
+                    Error::DiskFull { path, .. } => Error::DiskFull {
+                        path,
+                        needed: fs::metadata(given).map(|m| m.len()).unwrap_or(0),
+                        available: crate::sys::free_bytes(dir).unwrap_or(0),
+                    },
+                    e => e,
+                });
+            }
+            chmod(&tmp, opts.file_mode)?;
             File::open(&tmp)
                 .and_then(|f| f.sync_all())
                 .ctx("fsync", &tmp)?;
@@ -169,10 +305,10 @@ fn ensure_catalog(
     if cpath.exists() && !opts.refresh {
         let cat = Catalog::open(&cpath)?;
         if let Some(spec) = &opts.source {
-            if cat.source() != spec.to_source_string() {
+            if cat.source_spec() != *spec {
                 return Err(Error::SourceMismatch {
                     space: dir.to_path_buf(),
-                    catalog_source: cat.source().to_string(),
+                    catalog_source: cat.source().into_owned(),
                     given: spec.to_source_string(),
                 });
             }
@@ -193,14 +329,18 @@ fn ensure_catalog(
         clear_layout(dir)?;
     }
     let t0 = Instant::now();
-    let cat = catalog::build(
+    let (cat, notes) = catalog::build_with_notes(
         &spec,
         &cpath,
         &BuildOptions {
             threads: opts.threads,
             progress: opts.progress,
+            scan: opts.scan,
         },
-    )?;
+    )
+    .map_err(|e| catalog_write_error(e, dir))?;
+    chmod(&cpath, opts.file_mode)?;
+    report.notes = notes;
     report.catalog_built = true;
     report.catalog_time = t0.elapsed();
     Ok(cat)
@@ -241,7 +381,7 @@ fn write_journal(dir: &Path, params: &LayoutParams, watermark: u64) -> Result<()
 
 /// Preloads `dir` (created if missing) as `opts` says.
 pub fn preload(dir: &Path, opts: &PreloadOptions) -> Result<PreloadReport> {
-    fs::create_dir_all(dir).ctx("create directory", dir)?;
+    create_private_dir(dir, dir_mode(opts.file_mode))?;
     let _lock = SpaceLock::acquire(dir)?;
     let mut report = PreloadReport {
         up_to_date: false,
@@ -253,6 +393,7 @@ pub fn preload(dir: &Path, opts: &PreloadOptions) -> Result<PreloadReport> {
         held_bytes: 0,
         catalog_time: Duration::ZERO,
         copy_time: Duration::ZERO,
+        notes: ScanNotes::default(),
     };
     let catalog = ensure_catalog(dir, opts, &mut report)?;
     let params = LayoutParams {
@@ -265,7 +406,12 @@ pub fn preload(dir: &Path, opts: &PreloadOptions) -> Result<PreloadReport> {
     };
     params.validate()?;
 
-    let changes = catalog.source_changes();
+    let mut changes = catalog.source_changes();
+    // Additions are changes too: without this check new files and class
+    // folders would be silently absent from an "up to date" space.
+    if !report.catalog_built {
+        changes.extend(catalog.source_additions(&opts.scan)?);
+    }
     if !changes.is_empty() {
         return Err(Error::SourceChanged { changes });
     }
@@ -316,18 +462,24 @@ pub fn preload(dir: &Path, opts: &PreloadOptions) -> Result<PreloadReport> {
     }
 
     let ext_dir = dir.join(files::EXTENTS);
-    fs::create_dir_all(&ext_dir).ctx("create directory", &ext_dir)?;
+    create_private_dir(&ext_dir, dir_mode(opts.file_mode))?;
     let mut extents = Vec::with_capacity(plan.extent_lens.len());
     let mut existing = 0u64;
     for i in 0..plan.extent_lens.len() as u32 {
         let p = extent_path(dir, i);
-        let f = OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .read(true)
-            .write(true)
-            .open(&p)
-            .ctx("create", &p)?;
+        let f = {
+            use std::os::unix::fs::OpenOptionsExt;
+            OpenOptions::new()
+                .create(true)
+                .truncate(false)
+                .read(true)
+                .write(true)
+                .mode(opts.file_mode)
+                .open(&p)
+                .ctx("create", &p)?
+        };
+        // An extent left by an earlier run keeps its old mode otherwise.
+        chmod(&p, opts.file_mode)?;
         existing += f
             .metadata()
             .ctx("stat", &p)?
@@ -405,6 +557,7 @@ pub fn preload(dir: &Path, opts: &PreloadOptions) -> Result<PreloadReport> {
     }
     format::sync_parent(&extent_path(dir, 0))?;
     space::write_manifest(dir, &params, &plan)?;
+    chmod(&dir.join(files::MANIFEST), opts.file_mode)?;
     remove_if_exists(&dir.join(files::JOURNAL))?;
     report.copy_time = t0.elapsed();
     Ok(report)

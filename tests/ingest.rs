@@ -1,0 +1,589 @@
+//! Ingesting real files without losing a sample silently: additions to the
+//! source, catalogs of another source, damaged and sparse tar shards, FIFOs
+//! and devices, paths that are not UTF-8, symlinks leaving the tree,
+//! permissions of the space, and the space lock. Real files throughout (GNU
+//! tar makes the shards), through the `kspeed` binary.
+
+mod common;
+
+use std::ffi::OsStr;
+use std::fs;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+use kspeed::dataset::{Catalog, Space};
+
+/// Runs `kspeed ARGS`, failing the test (instead of hanging it) if the
+/// command has not exited by the deadline.
+fn kspeed_deadline(args: &[&OsStr], deadline: Duration) -> Output {
+    let mut child = Command::new(kspeed_bin())
+        .args(args)
+        .arg("--progress=none")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    loop {
+        if child.try_wait().unwrap().is_some() {
+            return child.wait_with_output().unwrap();
+        }
+        if t0.elapsed() > deadline {
+            child.kill().unwrap();
+            let o = child.wait_with_output().unwrap();
+            panic!(
+                "kspeed {args:?} still running after {deadline:?}:\n{}",
+                text(&o)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn mkfifo(p: &Path) {
+    let st = Command::new("mkfifo").arg(p).status().unwrap();
+    assert!(st.success());
+}
+
+/// Makes `count` sample files `NNNNN.jpg` (+ `.cls`, + `extra` extensions)
+/// in `dir` and packs them with GNU tar into `shard`, in name order.
+fn gnu_shard(dir: &Path, shard: &Path, count: u64, extra: &[&str]) -> Vec<Vec<u8>> {
+    fs::create_dir_all(dir).unwrap();
+    let mut names = Vec::new();
+    let mut datas = Vec::new();
+    for i in 0..count {
+        let data = bytes_for(i, 700 + (i as usize * 331) % 5000);
+        fs::write(dir.join(format!("{i:05}.jpg")), &data).unwrap();
+        fs::write(dir.join(format!("{i:05}.cls")), format!("{}\n", i % 3)).unwrap();
+        names.push(format!("{i:05}.cls"));
+        names.push(format!("{i:05}.jpg"));
+        for e in extra {
+            fs::write(dir.join(format!("{i:05}.{e}")), format!("{e} of {i}")).unwrap();
+            names.push(format!("{i:05}.{e}"));
+        }
+        datas.push(data);
+    }
+    let st = Command::new("tar")
+        .arg("-cf")
+        .arg(shard)
+        .arg("-C")
+        .arg(dir)
+        .args(&names)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    datas
+}
+
+/// Byte offsets of every member header of a shard, in order.
+fn header_offsets(shard: &Path) -> Vec<(u64, String)> {
+    let mut a = tar::Archive::new(fs::File::open(shard).unwrap());
+    a.entries()
+        .unwrap()
+        .map(|e| {
+            let e = e.unwrap();
+            (
+                e.raw_header_position(),
+                e.path().unwrap().display().to_string(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn additions_to_the_source_are_reported_until_refresh() {
+    let t = tempfile::tempdir().unwrap();
+    let src = t.path().join("src");
+    odd_tree(&src);
+    let sp = t.path().join("space");
+    ok(&["preload", "--source", s(&src), "--space", s(&sp)]);
+    let up = ok(&["preload", "--source", s(&src), "--space", s(&sp)]);
+    assert!(up.contains("up to date"), "{up}");
+
+    // A new file in an existing class.
+    put(&src, "dog/new_1.bin", b"new sample");
+    let e = fails(&["preload", "--source", s(&src), "--space", s(&sp)], 1);
+    assert!(
+        e.contains("dog/new_1.bin (added)") && e.contains("--refresh"),
+        "{e}"
+    );
+    // Without --source (the catalog's source) too.
+    let e = fails(&["preload", "--space", s(&sp)], 1);
+    assert!(e.contains("new_1.bin (added)"), "{e}");
+
+    // A new class folder sorting first shifts every label: said so.
+    put(&src, "ant/a.bin", b"ant");
+    let e = fails(&["preload", "--source", s(&src), "--space", s(&sp)], 1);
+    assert!(
+        e.contains("ant (new class folder; it shifts the labels of 3 later class(es): cat 0 -> 1"),
+        "{e}"
+    );
+    // The old space is intact meanwhile.
+    ok(&["verify", "--space", s(&sp)]);
+
+    let out = ok(&[
+        "preload",
+        "--source",
+        s(&src),
+        "--space",
+        s(&sp),
+        "--refresh",
+    ]);
+    assert!(out.contains("preloaded 15 samples"), "{out}");
+    let space = Space::open(&sp).unwrap();
+    assert_eq!(space.catalog().class_count(), 4);
+    let up = ok(&["preload", "--source", s(&src), "--space", s(&sp)]);
+    assert!(up.contains("up to date"), "{up}");
+
+    // A shard added to a tar directory.
+    let shards = t.path().join("shards");
+    fs::create_dir_all(&shards).unwrap();
+    gnu_shard(&t.path().join("m0"), &shards.join("a-000.tar"), 4, &[]);
+    let tsp = t.path().join("tspace");
+    let tsrc = format!("tar:{}", shards.display());
+    ok(&["preload", "--source", &tsrc, "--space", s(&tsp)]);
+    gnu_shard(&t.path().join("m1"), &shards.join("a-001.tar"), 3, &[]);
+    let e = fails(&["preload", "--source", &tsrc, "--space", s(&tsp)], 1);
+    assert!(e.contains("a-001.tar (added)"), "{e}");
+
+    // A line appended to a file list.
+    let list = t.path().join("list.txt");
+    fs::write(&list, "src/cat/img_000.bin\t0\n").unwrap();
+    let lsp = t.path().join("lspace");
+    let lsrc = format!("list:{}", list.display());
+    ok(&["preload", "--source", &lsrc, "--space", s(&lsp)]);
+    fs::write(&list, "src/cat/img_000.bin\t0\nsrc/dog/img_001.bin\t1\n").unwrap();
+    let e = fails(&["preload", "--source", &lsrc, "--space", s(&lsp)], 1);
+    assert!(e.contains("img_001.bin (added)"), "{e}");
+}
+
+#[test]
+fn catalog_of_another_source_is_refused() {
+    let t = tempfile::tempdir().unwrap();
+    let a = t.path().join("a");
+    let b = t.path().join("b");
+    odd_tree(&a);
+    put(&b, "c/x.bin", b"b's sample");
+    let cat = t.path().join("a.ksc");
+    ok(&["catalog", "--source", s(&a), "--out", s(&cat)]);
+    let sp = t.path().join("space");
+    let e = fails(
+        &[
+            "preload",
+            "--source",
+            s(&b),
+            "--catalog",
+            s(&cat),
+            "--space",
+            s(&sp),
+        ],
+        1,
+    );
+    assert!(
+        e.contains(&format!("dir:{}", a.display()))
+            && e.contains(&format!("dir:{}", b.display()))
+            && e.contains("a.ksc"),
+        "{e}"
+    );
+    assert!(!sp.join("catalog.ksc").exists());
+    // The same source is accepted.
+    ok(&[
+        "preload",
+        "--source",
+        s(&a),
+        "--catalog",
+        s(&cat),
+        "--space",
+        s(&sp),
+    ]);
+}
+
+#[test]
+fn damaged_tar_header_is_named_with_shard_and_offset() {
+    let t = tempfile::tempdir().unwrap();
+    let shard = t.path().join("shard-000.tar");
+    let datas = gnu_shard(&t.path().join("m"), &shard, 20, &[]);
+    let heads = header_offsets(&shard);
+    // Zero the header of sample 5's data member (its .cls comes first).
+    let (at, name) = heads
+        .iter()
+        .find(|(_, n)| n == "00005.jpg")
+        .cloned()
+        .unwrap();
+    let mut bytes = fs::read(&shard).unwrap();
+    bytes[at as usize..at as usize + 512].fill(0);
+    fs::write(&shard, &bytes).unwrap();
+    let cat = t.path().join("c.ksc");
+    let src = format!("tar:{}", shard.display());
+    let e = fails(&["catalog", "--source", &src, "--out", s(&cat)], 1);
+    assert!(
+        e.contains("shard-000.tar")
+            && e.contains(&format!("damaged member header at byte {at}"))
+            && e.contains("--skip-bad-members"),
+        "{name}: {e}"
+    );
+    assert!(!cat.exists());
+
+    // A bit flip (bad checksum) in another header is named the same way.
+    let mut flipped = fs::read(&shard).unwrap();
+    let (at12, _) = heads
+        .iter()
+        .find(|(_, n)| n == "00012.cls")
+        .cloned()
+        .unwrap();
+    flipped[at12 as usize + 3] ^= 0x20;
+    let shard2 = t.path().join("shard-001.tar");
+    fs::write(&shard2, &flipped).unwrap();
+    let e = fails(
+        &[
+            "catalog",
+            "--source",
+            &format!("tar:{}", shard2.display()),
+            "--out",
+            s(&cat),
+        ],
+        1,
+    );
+    assert!(
+        e.contains(&format!("damaged member header at byte {at}")),
+        "{e}"
+    );
+
+    // --skip-bad-members: every other sample kept, each skip reported.
+    let o = kspeed(&[
+        "catalog",
+        "--source",
+        &src,
+        "--out",
+        s(&cat),
+        "--skip-bad-members",
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains(&format!("damaged member header at byte {at}")) && err.contains("skipped to"),
+        "{err}"
+    );
+    let c = Catalog::open(&cat).unwrap();
+    // Sample 5's data member is gone with its header; its .cls alone is no sample.
+    assert_eq!(c.len(), 19);
+    let f = fs::File::open(&shard).unwrap();
+    let mut want: Vec<&Vec<u8>> = datas.iter().collect();
+    want.remove(5);
+    for (id, w) in want.iter().enumerate() {
+        let smp = c.sample(id as u64);
+        let mut buf = vec![0u8; smp.len as usize];
+        std::os::unix::fs::FileExt::read_exact_at(&f, &mut buf, smp.offset).unwrap();
+        assert_eq!(&buf, *w, "sample {id}");
+    }
+}
+
+#[test]
+fn sparse_tar_members_are_refused_by_name() {
+    let t = tempfile::tempdir().unwrap();
+    let m = t.path().join("m");
+    fs::create_dir_all(&m).unwrap();
+    fs::write(m.join("00000.jpg"), b"dense").unwrap();
+    // 64 MiB with 4 KiB of data: GNU tar stores only the data plus a map.
+    let f = fs::File::create(m.join("00001.bin")).unwrap();
+    f.set_len(64 << 20).unwrap();
+    std::os::unix::fs::FileExt::write_all_at(&f, &[7u8; 4096], 32 << 20).unwrap();
+    drop(f);
+    for (fmt, shard) in [("gnu", "gnu.tar"), ("pax", "pax.tar")] {
+        let shard = t.path().join(shard);
+        let st = Command::new("tar")
+            .args(["--sparse", &format!("--format={fmt}"), "-cf"])
+            .arg(&shard)
+            .arg("-C")
+            .arg(&m)
+            .args(["00000.jpg", "00001.bin"])
+            .status()
+            .unwrap();
+        assert!(st.success());
+        let e = fails(
+            &[
+                "catalog",
+                "--source",
+                &format!("tar:{}", shard.display()),
+                "--out",
+                s(&t.path().join("c.ksc")),
+            ],
+            1,
+        );
+        assert!(
+            e.contains("00001.bin") && e.contains("sparse") && e.contains(s(&shard)),
+            "{fmt}: {e}"
+        );
+    }
+}
+
+#[test]
+fn members_that_are_not_samples_are_reported() {
+    let t = tempfile::tempdir().unwrap();
+    let shard = t.path().join("s.tar");
+    gnu_shard(&t.path().join("m"), &shard, 6, &["json", "txt"]);
+    let o = kspeed(&[
+        "preload",
+        "--source",
+        &format!("tar:{}", shard.display()),
+        "--space",
+        s(&t.path().join("sp")),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("12 tar member(s) are not part of any sample (.json: 6, .txt: 6)"),
+        "{err}"
+    );
+
+    // A directory of shards given without tar: is warned about.
+    let d = t.path().join("shards");
+    fs::create_dir_all(&d).unwrap();
+    fs::copy(&shard, d.join("s.tar")).unwrap();
+    let o = kspeed(&[
+        "catalog",
+        "--source",
+        s(&d),
+        "--out",
+        s(&t.path().join("c.ksc")),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("are .tar files") && err.contains("tar:"),
+        "{err}"
+    );
+}
+
+#[test]
+fn fifos_and_devices_are_never_read() {
+    let t = tempfile::tempdir().unwrap();
+    let limit = Duration::from_secs(60);
+    let out = t.path().join("c.ksc");
+    let cat_args = |src: &str| -> Vec<PathBuf> {
+        vec![
+            "catalog".into(),
+            "--source".into(),
+            src.into(),
+            "--out".into(),
+            out.clone(),
+        ]
+    };
+    let run = |args: Vec<PathBuf>| {
+        let a: Vec<&OsStr> = args.iter().map(|p| p.as_os_str()).collect();
+        kspeed_deadline(&a, limit)
+    };
+
+    // A FIFO inside an ImageFolder tree.
+    let src = t.path().join("src");
+    odd_tree(&src);
+    mkfifo(&src.join("cat/pipe.bin"));
+    let o = run(cat_args(s(&src)));
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(
+        text(&o).contains("pipe.bin is a FIFO, not a regular file"),
+        "{}",
+        text(&o)
+    );
+    // Skipped with a count by option.
+    let mut a = cat_args(s(&src));
+    a.push("--skip-special".into());
+    let o = run(a);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(
+        text(&o).contains("skipped") && text(&o).contains("pipe.bin"),
+        "{}",
+        text(&o)
+    );
+    assert_eq!(Catalog::open(&out).unwrap().len(), 13);
+    fs::remove_file(src.join("cat/pipe.bin")).unwrap();
+
+    // A character device reached through a symlink (with --follow-symlinks,
+    // since /dev is outside the tree).
+    std::os::unix::fs::symlink("/dev/zero", src.join("dog/zero.bin")).unwrap();
+    let mut a = cat_args(s(&src));
+    a.push("--follow-symlinks".into());
+    let o = run(a);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(
+        text(&o).contains("zero.bin is a character device"),
+        "{}",
+        text(&o)
+    );
+    fs::remove_file(src.join("dog/zero.bin")).unwrap();
+
+    // A FIFO named *.tar in a shard directory.
+    let shards = t.path().join("shards");
+    fs::create_dir_all(&shards).unwrap();
+    gnu_shard(&t.path().join("m"), &shards.join("a.tar"), 3, &[]);
+    mkfifo(&shards.join("b.tar"));
+    let o = run(cat_args(&format!("tar:{}", shards.display())));
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("b.tar is a FIFO"), "{}", text(&o));
+
+    // A FIFO as the file list, and as a bare tar path.
+    let list = t.path().join("list.txt");
+    mkfifo(&list);
+    let o = run(cat_args(&format!("list:{}", list.display())));
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("list.txt is a FIFO"), "{}", text(&o));
+    let o = run(cat_args(&format!("tar:{}", shards.join("b.tar").display())));
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("b.tar is a FIFO"), "{}", text(&o));
+}
+
+#[test]
+fn paths_that_are_not_utf8_are_kept_exactly() {
+    let t = tempfile::tempdir().unwrap();
+    // The source root, two class folders differing only in a non-UTF-8 byte,
+    // and a file name, all not UTF-8.
+    let root = t.path().join(OsStr::from_bytes(b"data\xff"));
+    let c1 = root.join(OsStr::from_bytes(b"cl\xfe"));
+    let c2 = root.join(OsStr::from_bytes(b"cl\xff"));
+    fs::create_dir_all(&c1).unwrap();
+    fs::create_dir_all(&c2).unwrap();
+    fs::write(c1.join(OsStr::from_bytes(b"a\xe9.bin")), b"first").unwrap();
+    fs::write(c2.join("b.bin"), b"second").unwrap();
+    let sp = t.path().join("space");
+    let args = |extra: &[&str]| -> Vec<std::ffi::OsString> {
+        let mut v: Vec<std::ffi::OsString> = vec![
+            "preload".into(),
+            "--source".into(),
+            root.clone().into_os_string(),
+            "--space".into(),
+            sp.clone().into_os_string(),
+        ];
+        v.extend(extra.iter().map(|e| e.into()));
+        v
+    };
+    let run = |v: Vec<std::ffi::OsString>| {
+        let a: Vec<&OsStr> = v.iter().map(|x| x.as_os_str()).collect();
+        kspeed_deadline(&a, Duration::from_secs(60))
+    };
+    let o = run(args(&[]));
+    assert!(o.status.success(), "{}", text(&o));
+    let space = Space::open(&sp).unwrap();
+    let cat = space.catalog();
+    assert_eq!(cat.class_count(), 2, "two classes, not merged");
+    assert_eq!(cat.class_name_bytes(0), b"cl\xfe");
+    assert_eq!(cat.class_name_bytes(1), b"cl\xff");
+    assert_eq!(cat.sample(0).label, Some(0));
+    assert_eq!(cat.sample(1).label, Some(1));
+    assert_eq!(cat.source_spec().path, root);
+    assert_eq!(
+        cat.file(cat.sample(0).file).name.as_os_str().as_bytes(),
+        b"cl\xfe/a\xe9.bin"
+    );
+    // Nothing "vanished": the second run is up to date.
+    let o = run(args(&[]));
+    assert!(
+        o.status.success() && String::from_utf8_lossy(&o.stdout).contains("up to date"),
+        "{}",
+        text(&o)
+    );
+    let o = run(args(&["--refresh"]));
+    assert!(o.status.success(), "{}", text(&o));
+    ok(&["verify", "--space", s(&sp)]);
+}
+
+#[test]
+fn symlinks_leaving_the_tree_are_refused_and_the_space_is_private() {
+    let t = tempfile::tempdir().unwrap();
+    let src = t.path().join("src");
+    odd_tree(&src);
+    let outside = t.path().join("secret.txt");
+    fs::write(&outside, b"not for everyone").unwrap();
+    std::os::unix::fs::symlink(&outside, src.join("cat/link.bin")).unwrap();
+    // A link that stays inside the tree is fine.
+    std::os::unix::fs::symlink(src.join("dog/img_001.bin"), src.join("eel/inside.bin")).unwrap();
+    let sp = t.path().join("space");
+    let e = fails(&["preload", "--source", s(&src), "--space", s(&sp)], 1);
+    assert!(
+        e.contains("cat/link.bin leads outside the source tree")
+            && e.contains("secret.txt")
+            && e.contains("--follow-symlinks"),
+        "{e}"
+    );
+    let out = ok(&[
+        "preload",
+        "--source",
+        s(&src),
+        "--space",
+        s(&sp),
+        "--follow-symlinks",
+    ]);
+    assert!(out.contains("preloaded 15 samples"), "{out}");
+
+    let mode = |p: &Path| fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&sp), 0o700);
+    assert_eq!(mode(&sp.join("extents")), 0o700);
+    for f in ["catalog.ksc", "manifest.ksm", "extents/00000000.kse"] {
+        assert_eq!(mode(&sp.join(f)), 0o600, "{f}");
+    }
+    // Wider on request.
+    let sp2 = t.path().join("space2");
+    ok(&[
+        "preload",
+        "--source",
+        s(&src),
+        "--space",
+        s(&sp2),
+        "--follow-symlinks",
+        "--file-mode",
+        "0640",
+    ]);
+    assert_eq!(mode(&sp2), 0o750);
+    for f in ["catalog.ksc", "manifest.ksm", "extents/00000000.kse"] {
+        assert_eq!(mode(&sp2.join(f)), 0o640, "{f}");
+    }
+    let e = fails(
+        &[
+            "preload",
+            "--source",
+            s(&src),
+            "--space",
+            s(&sp2),
+            "--file-mode",
+            "0044",
+        ],
+        2,
+    );
+    assert!(e.contains("owner read and write"), "{e}");
+}
+
+#[test]
+fn unload_and_refresh_refuse_while_the_space_is_held_shared() {
+    let t = tempfile::tempdir().unwrap();
+    let src = t.path().join("src");
+    odd_tree(&src);
+    let sp = t.path().join("space");
+    ok(&["preload", "--source", s(&src), "--space", s(&sp)]);
+    // What `kspeed serve` holds while it serves the space.
+    let lock = kspeed::dataset::preload::SpaceLock::shared(&sp).unwrap();
+    let pid = std::process::id();
+    for args in [
+        vec!["unload", "--space", s(&sp)],
+        vec![
+            "preload",
+            "--source",
+            s(&src),
+            "--space",
+            s(&sp),
+            "--refresh",
+        ],
+    ] {
+        let e = fails(&args, 1);
+        assert!(
+            e.contains("is locked") && e.contains(&format!("pid {pid} (shared")),
+            "{args:?}: {e}"
+        );
+    }
+    ok(&["verify", "--space", s(&sp)]);
+    drop(lock);
+    ok(&["unload", "--space", s(&sp)]);
+    assert!(!sp.exists());
+}
