@@ -262,6 +262,8 @@ struct VerifyArgs {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // A space keeps a descriptor per extent open while served or read.
+    kspeed::dataset::raise_open_files_limit();
     let level = match cli.verbose {
         0 => "warn",
         1 => "info",
@@ -431,6 +433,15 @@ fn run(cli: Cli) -> kspeed::Result<ExitCode> {
                 },
                 r.bad.len()
             );
+            let io_errors = r.io_errors();
+            if io_errors > 0 {
+                // Not damage: copying again would not help and could hide the cause.
+                eprintln!(
+                    "kspeed: error: {io_errors} sample(s) in {} could not be read because of I/O errors (see above: the errno says why); fix the cause (permissions, open-files limit, device) and verify again",
+                    a.space.display()
+                );
+                return Ok(ExitCode::from(1));
+            }
             if !r.bad.is_empty() {
                 eprintln!(
                     "kspeed: error: {} corrupt or missing sample(s) in {}; rerun kspeed preload --refresh to copy again",

@@ -584,6 +584,155 @@ fn unload_and_refresh_refuse_while_the_space_is_held_shared() {
     }
     ok(&["verify", "--space", s(&sp)]);
     drop(lock);
+
+    // A live `kspeed serve` holds it: unload is refused naming serve's pid.
+    let token = t.path().join("token");
+    fs::write(&token, "tok\n").unwrap();
+    let mut serve = Command::new(kspeed_bin())
+        .args(["serve", "--space", s(&sp), "--listen", "127.0.0.1:0"])
+        .args(["--token-file", s(&token), "--pollers", "1"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    // Blocks until serve has started (or exited: EOF, an empty line).
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(serve.stdout.take().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    assert!(line.starts_with("serving"), "serve printed {line:?}");
+    let e = fails(&["unload", "--space", s(&sp)], 1);
+    let spid = serve.id();
+    // A plain preload of an up-to-date space beside it just says so; a
+    // refresh, which would rewrite the extents under it, is refused.
+    let up = ok(&["preload", "--source", s(&src), "--space", s(&sp)]);
+    assert!(up.contains("up to date"), "{up}");
+    let e2 = fails(
+        &[
+            "preload",
+            "--source",
+            s(&src),
+            "--space",
+            s(&sp),
+            "--refresh",
+        ],
+        1,
+    );
+    assert!(e2.contains(&format!("pid {spid} (shared")), "{e2}");
+    serve.kill().unwrap();
+    serve.wait().unwrap();
+    assert!(e.contains(&format!("pid {spid} (shared")), "{e}");
     ok(&["unload", "--space", s(&sp)]);
     assert!(!sp.exists());
+}
+
+/// Runs `kspeed ARGS` under `prlimit --nofile=SOFT:HARD`.
+fn kspeed_nofile(soft: u64, hard: u64, args: &[&str]) -> Output {
+    Command::new("prlimit")
+        .arg(format!("--nofile={soft}:{hard}"))
+        .arg(kspeed_bin())
+        .args(args)
+        .arg("--progress=none")
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn many_extents_under_a_low_open_files_limit() {
+    if Command::new("prlimit").arg("--version").output().is_err() {
+        eprintln!("skipping many_extents_under_a_low_open_files_limit: no prlimit");
+        return;
+    }
+    let t = tempfile::tempdir().unwrap();
+    let src = t.path().join("src");
+    gen("imagenet", 80, &src);
+    let sp = t.path().join("space");
+    // 4 KiB extents: every sample gets extents of its own, 80+ in all.
+    let pre = [
+        "preload",
+        "--source",
+        s(&src),
+        "--space",
+        s(&sp),
+        "--extent-bytes",
+        "4KiB",
+        "--threads",
+        "2",
+    ];
+    // A hard limit of 32 descriptors: preload and verify keep one extent
+    // open per thread, not all of them.
+    let o = kspeed_nofile(32, 32, &pre);
+    assert!(o.status.success(), "{}", text(&o));
+    let extents = fs::read_dir(sp.join("extents")).unwrap().count();
+    assert!(extents > 64, "{extents} extents");
+    let o = kspeed_nofile(32, 32, &["verify", "--space", s(&sp), "--threads", "2"]);
+    assert!(o.status.success(), "{}", text(&o));
+    // Reading keeps every extent open (registered with io_uring): a soft
+    // limit of 32 under a hard one of 4096 is raised at start.
+    let o = kspeed_nofile(
+        32,
+        4096,
+        &[
+            "read",
+            "--space",
+            s(&sp),
+            "--epochs",
+            "1",
+            "--batch-size",
+            "8",
+        ],
+    );
+    assert!(o.status.success(), "{}", text(&o));
+}
+
+#[test]
+fn verify_reports_io_errors_as_such() {
+    let t = tempfile::tempdir().unwrap();
+    let src = t.path().join("src");
+    gen("imagenet", 30, &src);
+    let sp = t.path().join("space");
+    // Readable by others, so a second user can open catalog and manifest.
+    ok(&[
+        "preload",
+        "--source",
+        s(&src),
+        "--space",
+        s(&sp),
+        "--extent-bytes",
+        "64KiB",
+        "--file-mode",
+        "0644",
+    ]);
+    let ext = sp.join("extents/00000001.kse");
+    fs::set_permissions(&ext, fs::Permissions::from_mode(0o000)).unwrap();
+    let o = if is_root() {
+        fs::set_permissions(t.path(), fs::Permissions::from_mode(0o755)).unwrap();
+        Command::new("setpriv")
+            .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+            .arg(kspeed_bin())
+            .args(["verify", "--space", s(&sp), "--progress=none"])
+            .output()
+            .unwrap()
+    } else {
+        kspeed(&["verify", "--space", s(&sp)])
+    };
+    let out = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{out}");
+    assert!(
+        out.contains("I/O error (open extent: EACCES")
+            && out.contains("00000001.kse")
+            && out.contains("could not be read because of I/O errors")
+            && !out.contains("--refresh"),
+        "{out}"
+    );
+    // A missing extent is damage: exit 3 and the advice to copy again.
+    fs::set_permissions(&ext, fs::Permissions::from_mode(0o644)).unwrap();
+    fs::remove_file(&ext).unwrap();
+    let out = fails(&["verify", "--space", s(&sp)], 3);
+    assert!(
+        out.contains("missing") && out.contains("--refresh"),
+        "{out}"
+    );
 }

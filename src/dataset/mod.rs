@@ -13,4 +13,8 @@ pub use catalog::{BuildOptions, Catalog, Sample};
 pub use owner::Placement;
 pub use preload::{preload, unload, PreloadOptions, PreloadReport};
 pub use source::{ScanNotes, ScanOptions, SourceKind, SourceSpec};
-pub use space::{BadSample, LayoutParams, Location, Space, VerifyReport};
+pub use space::{BadKind, BadSample, LayoutParams, Location, Space, VerifyReport};
+
+/// Raises the open-files soft limit to the hard limit (see the function in
+/// `sys`); the CLI, preload and verify call it at start.
+pub use crate::sys::raise_open_files_limit;

@@ -158,16 +158,22 @@ impl SpaceLock {
 
     fn take(dir: &Path, shared: bool) -> Result<Self> {
         let p = dir.join(files::LOCK);
-        let file = {
-            use std::os::unix::fs::OpenOptionsExt;
-            OpenOptions::new()
-                .create(true)
-                .truncate(false)
-                .read(true)
-                .write(true)
-                .mode(0o600)
-                .open(&p)
-                .ctx("create", &p)?
+        // A reader only needs to read the lock file (flock works on a
+        // read-only descriptor), so serve runs on a space it cannot write.
+        let existing = if shared { File::open(&p).ok() } else { None };
+        let file = match existing {
+            Some(f) => f,
+            None => {
+                use std::os::unix::fs::OpenOptionsExt;
+                OpenOptions::new()
+                    .create(true)
+                    .truncate(false)
+                    .read(true)
+                    .write(true)
+                    .mode(0o600)
+                    .open(&p)
+                    .ctx("create", &p)?
+            }
         };
         let r = if shared {
             file.try_lock_shared()
@@ -379,11 +385,8 @@ fn write_journal(dir: &Path, params: &LayoutParams, watermark: u64) -> Result<()
     w.commit()
 }
 
-/// Preloads `dir` (created if missing) as `opts` says.
-pub fn preload(dir: &Path, opts: &PreloadOptions) -> Result<PreloadReport> {
-    create_private_dir(dir, dir_mode(opts.file_mode))?;
-    let _lock = SpaceLock::acquire(dir)?;
-    let mut report = PreloadReport {
+fn empty_report() -> PreloadReport {
+    PreloadReport {
         up_to_date: false,
         catalog_built: false,
         resumed_at: None,
@@ -394,16 +397,74 @@ pub fn preload(dir: &Path, opts: &PreloadOptions) -> Result<PreloadReport> {
         catalog_time: Duration::ZERO,
         copy_time: Duration::ZERO,
         notes: ScanNotes::default(),
-    };
-    let catalog = ensure_catalog(dir, opts, &mut report)?;
-    let params = LayoutParams {
+    }
+}
+
+fn layout_params(catalog: &Catalog, opts: &PreloadOptions) -> LayoutParams {
+    LayoutParams {
         catalog_identity: catalog.identity(),
         catalog_samples: catalog.len(),
         placement: opts.placement,
         node_index: opts.node_index,
         align_bytes: opts.align_bytes,
         extent_bytes: opts.extent_bytes,
+    }
+}
+
+/// Whether the space is complete and matches `opts` and the source, checked
+/// under a shared lock without changing anything (preload beside a serve).
+fn up_to_date_under_readers(dir: &Path, opts: &PreloadOptions) -> Result<Option<PreloadReport>> {
+    let _shared = SpaceLock::shared(dir)?;
+    let space = Space::open(dir)?;
+    let catalog = space.catalog();
+    if let Some(given) = &opts.catalog {
+        if Catalog::open(given)?.identity() != catalog.identity() {
+            return Ok(None);
+        }
+    }
+    if opts
+        .source
+        .as_ref()
+        .is_some_and(|s| *s != catalog.source_spec())
+    {
+        return Ok(None);
+    }
+    let mut changes = catalog.source_changes();
+    changes.extend(catalog.source_additions(&opts.scan)?);
+    if !changes.is_empty() {
+        return Err(Error::SourceChanged { changes });
+    }
+    if *space.params() != layout_params(catalog, opts) || space.check_extents().is_err() {
+        return Ok(None);
+    }
+    let mut r = empty_report();
+    r.up_to_date = true;
+    r.held_samples = space.held_samples();
+    r.held_bytes = space.held_bytes();
+    Ok(Some(r))
+}
+
+/// Preloads `dir` (created if missing) as `opts` says.
+pub fn preload(dir: &Path, opts: &PreloadOptions) -> Result<PreloadReport> {
+    crate::sys::raise_open_files_limit();
+    create_private_dir(dir, dir_mode(opts.file_mode))?;
+    let _lock = match SpaceLock::acquire(dir) {
+        Ok(l) => l,
+        // Readers only (a running serve): a space that is already up to date
+        // is reported as such; anything that would change it is refused.
+        Err(Error::SpaceLocked { holders, path })
+            if !opts.refresh && !holders.is_empty() && holders.iter().all(|h| h.1) =>
+        {
+            return match up_to_date_under_readers(dir, opts)? {
+                Some(r) => Ok(r),
+                None => Err(Error::SpaceLocked { path, holders }),
+            };
+        }
+        Err(e) => return Err(e),
     };
+    let mut report = empty_report();
+    let catalog = ensure_catalog(dir, opts, &mut report)?;
+    let params = layout_params(&catalog, opts);
     params.validate()?;
 
     let mut changes = catalog.source_changes();
@@ -463,6 +524,8 @@ pub fn preload(dir: &Path, opts: &PreloadOptions) -> Result<PreloadReport> {
 
     let ext_dir = dir.join(files::EXTENTS);
     create_private_dir(&ext_dir, dir_mode(opts.file_mode))?;
+    // Extents are created here but opened only while written (one per copy
+    // thread at a time), so a space of many extents fits the open-files limit.
     let mut extents = Vec::with_capacity(plan.extent_lens.len());
     let mut existing = 0u64;
     for i in 0..plan.extent_lens.len() as u32 {
@@ -485,7 +548,8 @@ pub fn preload(dir: &Path, opts: &PreloadOptions) -> Result<PreloadReport> {
             .ctx("stat", &p)?
             .len()
             .min(plan.extent_lens[i as usize]);
-        extents.push((p, f));
+        drop(f);
+        extents.push(p);
     }
     let needed = plan
         .extent_lens
@@ -513,6 +577,7 @@ pub fn preload(dir: &Path, opts: &PreloadOptions) -> Result<PreloadReport> {
         plan: &plan,
         params: &params,
         extents: &extents,
+        dirty: Mutex::new(BTreeSet::new()),
         opts,
         progress: Progress::new("preload", to_copy, opts.progress),
         copied_samples: AtomicU64::new(0),
@@ -550,10 +615,11 @@ pub fn preload(dir: &Path, opts: &PreloadOptions) -> Result<PreloadReport> {
     report.copied_bytes = copier.copied_bytes.load(Ordering::Relaxed);
     drop(copier);
 
-    for ((p, f), &len) in extents.iter().zip(&plan.extent_lens) {
+    for (p, &len) in extents.iter().zip(&plan.extent_lens) {
+        let f = OpenOptions::new().write(true).open(p).ctx("open", p)?;
         f.set_len(len).ctx("truncate", p)?;
         f.sync_all().ctx("fsync", p)?;
-        crate::sys::drop_cache(f, 0, 0);
+        crate::sys::drop_cache(&f, 0, 0);
     }
     format::sync_parent(&extent_path(dir, 0))?;
     space::write_manifest(dir, &params, &plan)?;
@@ -576,7 +642,9 @@ struct Copier<'a> {
     catalog: &'a Catalog,
     plan: &'a Plan,
     params: &'a LayoutParams,
-    extents: &'a [(PathBuf, File)],
+    extents: &'a [PathBuf],
+    /// Extents written by completed ranges since the last checkpoint.
+    dirty: Mutex<BTreeSet<u32>>,
     opts: &'a PreloadOptions,
     progress: Progress,
     copied_samples: AtomicU64,
@@ -589,12 +657,25 @@ impl Copier<'_> {
     fn copy_range(&self, range: std::ops::Range<u64>) -> Result<()> {
         let mut reader = SpanReader::new(self.catalog.source_spec().root());
         let mut bytes = 0u64;
+        let mut open: Option<(u32, File)> = None;
+        let mut touched: Vec<u32> = Vec::new();
         for id in range.clone() {
             let Some(loc) = self.plan.location(id) else {
                 continue;
             };
             let s = self.catalog.sample(id);
-            let (ext_path, ext) = &self.extents[loc.extent as usize];
+            let ext_path = &self.extents[loc.extent as usize];
+            if open.as_ref().is_none_or(|(e, _)| *e != loc.extent) {
+                let f = OpenOptions::new()
+                    .write(true)
+                    .open(ext_path)
+                    .ctx("open", ext_path)?;
+                open = Some((loc.extent, f));
+                if !touched.contains(&loc.extent) {
+                    touched.push(loc.extent);
+                }
+            }
+            let ext = &open.as_ref().expect("just opened").1;
             let src = self.catalog.file(s.file).name;
             let mut pos = 0u64;
             let mut crc = 0u32;
@@ -624,7 +705,9 @@ impl Copier<'_> {
             let total = self.copied_bytes.fetch_add(s.len as u64, Ordering::Relaxed) + s.len as u64;
             self.throttle(total);
         }
+        drop(open);
         let mut st = self.state.lock().expect("not poisoned");
+        self.dirty.lock().expect("not poisoned").extend(touched);
         st.done.insert((range.start, range.end));
         st.unsynced_bytes += bytes;
         while let Some(&(a, b)) = st.done.first() {
@@ -675,9 +758,14 @@ impl Copier<'_> {
             return Ok(());
         }
         let watermark = st.next;
-        for (p, f) in self.extents {
+        let dirty = std::mem::take(&mut *self.dirty.lock().expect("not poisoned"));
+        for i in dirty {
+            // fsync through a new descriptor syncs the file's dirty pages
+            // written through any descriptor.
+            let p = &self.extents[i as usize];
+            let f = OpenOptions::new().write(true).open(p).ctx("open", p)?;
             f.sync_data().ctx("fsync", p)?;
-            crate::sys::drop_cache(f, 0, 0);
+            crate::sys::drop_cache(&f, 0, 0);
         }
         write_journal(self.dir, self.params, watermark)?;
         st.unsynced_bytes = 0;
