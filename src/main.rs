@@ -258,6 +258,10 @@ struct VerifyArgs {
     /// Reader threads.
     #[arg(long, default_value_t = kspeed::par::default_threads())]
     threads: usize,
+    /// Copy the corrupt or missing samples found again from the source
+    /// (each checked against the catalog's CRC32C), then verify again.
+    #[arg(long)]
+    repair: bool,
 }
 
 fn main() -> ExitCode {
@@ -442,9 +446,57 @@ fn run(cli: Cli) -> kspeed::Result<ExitCode> {
                 );
                 return Ok(ExitCode::from(1));
             }
+            if !r.bad.is_empty() && a.repair {
+                drop(space);
+                let fixed = dataset::repair(&a.space, &r.bad)?;
+                println!(
+                    "repaired {} sample(s), {} copied from the source{}: ids {}",
+                    fixed.repaired.len(),
+                    human_bytes(fixed.bytes as f64),
+                    if fixed.recreated_extents.is_empty() {
+                        String::new()
+                    } else {
+                        format!(
+                            " ({} extent file(s) recreated)",
+                            fixed.recreated_extents.len()
+                        )
+                    },
+                    fixed
+                        .repaired
+                        .iter()
+                        .take(20)
+                        .map(|i| i.to_string())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                        + if fixed.repaired.len() > 20 {
+                            ", ..."
+                        } else {
+                            ""
+                        }
+                );
+                let again = Space::open(&a.space)?.verify(a.threads, progress)?;
+                println!(
+                    "verified {} samples again: {} bad",
+                    again.checked,
+                    again.bad.len()
+                );
+                if again.bad.is_empty() {
+                    return Ok(ExitCode::SUCCESS);
+                }
+                for b in &again.bad {
+                    println!(
+                        "sample {} ({}): {} in {}",
+                        b.id,
+                        b.source.display(),
+                        b.what,
+                        b.extent.display()
+                    );
+                }
+                return Ok(ExitCode::from(3));
+            }
             if !r.bad.is_empty() {
                 eprintln!(
-                    "kspeed: error: {} corrupt or missing sample(s) in {}; rerun kspeed preload --refresh to copy again",
+                    "kspeed: error: {} corrupt or missing sample(s) in {}; kspeed verify --repair copies exactly those again, kspeed preload --refresh copies everything",
                     r.bad.len(),
                     a.space.display()
                 );

@@ -736,3 +736,85 @@ fn verify_reports_io_errors_as_such() {
         "{out}"
     );
 }
+
+#[test]
+fn verify_repair_copies_exactly_the_bad_samples() {
+    let t = tempfile::tempdir().unwrap();
+    let src = t.path().join("src");
+    gen("imagenet", 40, &src);
+    let sp = t.path().join("space");
+    ok(&[
+        "preload",
+        "--source",
+        s(&src),
+        "--space",
+        s(&sp),
+        "--extent-bytes",
+        "256KiB",
+    ]);
+    let space = Space::open(&sp).unwrap();
+    let n_ext = space.extent_lens().len() as u32;
+    assert!(n_ext > 3, "{n_ext} extents");
+    // Flip a byte in sample 3, remove the last extent.
+    let loc = space.location(3).unwrap();
+    let p = space.extent_path(loc.extent);
+    let f = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&p)
+        .unwrap();
+    let mut b = [0u8; 1];
+    std::os::unix::fs::FileExt::read_exact_at(&f, &mut b, loc.offset + 10).unwrap();
+    b[0] ^= 1;
+    std::os::unix::fs::FileExt::write_all_at(&f, &b, loc.offset + 10).unwrap();
+    drop(f);
+    let last = n_ext - 1;
+    let in_last: Vec<u64> = (0..space.catalog().len())
+        .filter(|&id| space.location(id).unwrap().extent == last)
+        .collect();
+    fs::remove_file(space.extent_path(last)).unwrap();
+    // Other extents' mtimes must not change: nothing else is rewritten.
+    let untouched = space.extent_path(last - 1);
+    let before = fs::metadata(&untouched).unwrap().modified().unwrap();
+    let bad = 1 + in_last.len();
+    drop(space);
+
+    let out = fails(&["verify", "--space", s(&sp)], 3);
+    assert!(
+        out.contains(&format!("{bad} bad")) && out.contains("--repair"),
+        "{out}"
+    );
+    let out = ok(&["verify", "--space", s(&sp), "--repair"]);
+    assert!(
+        out.contains(&format!("repaired {bad} sample(s)"))
+            && out.contains("1 extent file(s) recreated")
+            && out.contains("ids 3, ")
+            && out.contains("verified 40 samples again: 0 bad"),
+        "{out}"
+    );
+    assert_eq!(
+        fs::metadata(&untouched).unwrap().modified().unwrap(),
+        before
+    );
+    ok(&["verify", "--space", s(&sp)]);
+
+    // A source that changed since the catalog cannot repair: named.
+    let space = Space::open(&sp).unwrap();
+    let loc = space.location(7).unwrap();
+    let p = space.extent_path(loc.extent);
+    let srcf = space.catalog().file_path(space.catalog().sample(7).file);
+    drop(space);
+    let f = fs::OpenOptions::new().write(true).open(&p).unwrap();
+    std::os::unix::fs::FileExt::write_all_at(&f, b"XX", loc.offset).unwrap();
+    drop(f);
+    let mut body = fs::read(&srcf).unwrap();
+    body[0] ^= 0xff;
+    let md = fs::metadata(&srcf).unwrap();
+    fs::write(&srcf, &body).unwrap();
+    filetime::set_file_mtime(&srcf, filetime::FileTime::from_last_modification_time(&md)).unwrap();
+    let out = fails(&["verify", "--space", s(&sp), "--repair"], 1);
+    assert!(
+        out.contains("content of sample 7 changed") && out.contains("cannot be repaired"),
+        "{out}"
+    );
+}

@@ -810,6 +810,31 @@ fn full_disk_is_a_named_error() {
         other => panic!("expected DiskFull, got {other:?}"),
     }
     assert!(matches!(Space::open(&sp), Err(Error::NotASpace { .. })));
+
+    // A disk too full for the catalog itself: the bytes it needs are named
+    // (not "0 bytes needed") and no catalog.ksc.tmp is left behind.
+    ok(&["unload", "--space", s(&sp)]);
+    let sp = mnt.0.join("space2");
+    fs::create_dir_all(&sp).unwrap();
+    {
+        use std::io::Write;
+        let mut fill = fs::File::create(mnt.0.join("filler")).unwrap();
+        let chunk = vec![0xa5u8; 64 << 10];
+        while fill.write_all(&chunk).is_ok() {}
+        let mut small = vec![0u8; 512];
+        while fill.write_all(&small).is_ok() {}
+        small.truncate(1);
+        while fill.write_all(&small).is_ok() {}
+    }
+    let e = fails(&["preload", "--source", s(&src), "--space", s(&sp)], 1);
+    assert!(
+        e.contains("not enough space on")
+            && e.contains("catalog.ksc")
+            && !e.contains(": 0 bytes needed"),
+        "{e}"
+    );
+    assert!(!sp.join("catalog.ksc.tmp").exists(), "{e}");
+    assert!(!sp.join("catalog.ksc").exists(), "{e}");
 }
 
 #[test]

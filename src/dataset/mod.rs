@@ -5,13 +5,15 @@ pub mod catalog;
 pub mod gen;
 pub mod owner;
 pub mod preload;
+pub mod repair;
 mod shard;
 pub mod source;
 pub mod space;
 
 pub use catalog::{BuildOptions, Catalog, Sample};
 pub use owner::Placement;
-pub use preload::{preload, unload, PreloadOptions, PreloadReport};
+pub use preload::{preload, unload, PreloadOptions, PreloadReport, SpaceLock};
+pub use repair::{repair, RepairReport};
 pub use source::{ScanNotes, ScanOptions, SourceKind, SourceSpec};
 pub use space::{BadKind, BadSample, LayoutParams, Location, Space, VerifyReport};
 
