@@ -13,7 +13,9 @@ use kspeed::dataset::{self, BuildOptions, Catalog, Placement, PreloadOptions, So
 use kspeed::progress::{human_bytes, ProgressMode};
 
 mod inspect;
+mod ls;
 mod read;
+mod verify_cmd;
 
 #[derive(Parser)]
 #[command(name = "kspeed", version, about = "Feed GPU training jobs without I/O stalls", long_about = None)]
@@ -42,6 +44,11 @@ enum Cmd {
     Inspect(InspectArgs),
     /// Re-read every sample of a space and check its CRC32C.
     Verify(VerifyArgs),
+    /// List the samples of a space or catalog: id, label, class, length,
+    /// CRC32C, holder nodes, source path (filters: --ids, --class, --path).
+    Ls(ls::LsArgs),
+    /// Write one sample's bytes from the space to stdout, checked against its CRC32C.
+    Cat(ls::CatArgs),
     /// Drain epochs through the loader (io_uring pollers, landing ring) and report throughput.
     Read(read::ReadArgs),
     /// Serve this node's space to remote consumers (the cluster's node service).
@@ -248,10 +255,13 @@ struct InspectArgs {
     /// `kspeed serve --rdma` can listen on); alone, or with a space/catalog.
     #[arg(long)]
     devices: bool,
+    /// Print the summary as one JSON object.
+    #[arg(long, conflicts_with = "devices")]
+    json: bool,
 }
 
 #[derive(Args)]
-struct VerifyArgs {
+pub(crate) struct VerifyArgs {
     /// The space directory.
     #[arg(long)]
     space: PathBuf,
@@ -262,6 +272,9 @@ struct VerifyArgs {
     /// (each checked against the catalog's CRC32C), then verify again.
     #[arg(long)]
     repair: bool,
+    /// Print the report as one JSON object (the exit status is the same).
+    #[arg(long)]
+    json: bool,
 }
 
 fn main() -> ExitCode {
@@ -409,100 +422,12 @@ fn run(cli: Cli) -> kspeed::Result<ExitCode> {
                 let _ = std::io::stdout().flush();
             })?;
         }
-        Cmd::Inspect(a) => inspect::run(&a.space, &a.catalog, a.nodes, a.replicas, a.devices)?,
-        Cmd::Verify(a) => {
-            let space = Space::open(&a.space)?;
-            let t0 = Instant::now();
-            let r = space.verify(a.threads, progress)?;
-            let secs = t0.elapsed().as_secs_f64().max(1e-9);
-            for b in &r.bad {
-                println!(
-                    "sample {} ({}): {} in {}",
-                    b.id,
-                    b.source.display(),
-                    b.what,
-                    b.extent.display()
-                );
-            }
-            println!(
-                "verified {} samples, {} in {:.2} s ({}/s{}): {} bad",
-                r.checked,
-                human_bytes(r.bytes as f64),
-                secs,
-                human_bytes(r.bytes as f64 / secs),
-                if r.direct_io {
-                    ", O_DIRECT"
-                } else {
-                    ", page cache"
-                },
-                r.bad.len()
-            );
-            let io_errors = r.io_errors();
-            if io_errors > 0 {
-                // Not damage: copying again would not help and could hide the cause.
-                eprintln!(
-                    "kspeed: error: {io_errors} sample(s) in {} could not be read because of I/O errors (see above: the errno says why); fix the cause (permissions, open-files limit, device) and verify again",
-                    a.space.display()
-                );
-                return Ok(ExitCode::from(1));
-            }
-            if !r.bad.is_empty() && a.repair {
-                drop(space);
-                let fixed = dataset::repair(&a.space, &r.bad)?;
-                println!(
-                    "repaired {} sample(s), {} copied from the source{}: ids {}",
-                    fixed.repaired.len(),
-                    human_bytes(fixed.bytes as f64),
-                    if fixed.recreated_extents.is_empty() {
-                        String::new()
-                    } else {
-                        format!(
-                            " ({} extent file(s) recreated)",
-                            fixed.recreated_extents.len()
-                        )
-                    },
-                    fixed
-                        .repaired
-                        .iter()
-                        .take(20)
-                        .map(|i| i.to_string())
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                        + if fixed.repaired.len() > 20 {
-                            ", ..."
-                        } else {
-                            ""
-                        }
-                );
-                let again = Space::open(&a.space)?.verify(a.threads, progress)?;
-                println!(
-                    "verified {} samples again: {} bad",
-                    again.checked,
-                    again.bad.len()
-                );
-                if again.bad.is_empty() {
-                    return Ok(ExitCode::SUCCESS);
-                }
-                for b in &again.bad {
-                    println!(
-                        "sample {} ({}): {} in {}",
-                        b.id,
-                        b.source.display(),
-                        b.what,
-                        b.extent.display()
-                    );
-                }
-                return Ok(ExitCode::from(3));
-            }
-            if !r.bad.is_empty() {
-                eprintln!(
-                    "kspeed: error: {} corrupt or missing sample(s) in {}; kspeed verify --repair copies exactly those again, kspeed preload --refresh copies everything",
-                    r.bad.len(),
-                    a.space.display()
-                );
-                return Ok(ExitCode::from(3));
-            }
+        Cmd::Ls(a) => ls::ls(a)?,
+        Cmd::Cat(a) => ls::cat(a)?,
+        Cmd::Inspect(a) => {
+            inspect::run(&a.space, &a.catalog, a.nodes, a.replicas, a.devices, a.json)?
         }
+        Cmd::Verify(a) => return verify_cmd::run(a, progress),
     }
     Ok(ExitCode::SUCCESS)
 }
