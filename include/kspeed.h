@@ -390,6 +390,33 @@ ksp_status ksp_set_log_callback(ksp_log_callback cb, void *userdata, int max_lev
 // `KSP_ERR_PANIC` with the message "kspeed panicked…".
 ksp_status ksp_test_panic(void);
 
+// Classes in the loader's catalog (class folders of an ImageFolder source;
+// 0 for file lists and tar shards, whose labels are plain numbers), in `*out`.
+// Labels run from 0 to the count - 1.
+//
+// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`.
+//
+// # Safety
+// `l` is a live loader; `out` writable.
+ksp_status ksp_loader_class_count(const ksp_loader *l, uint64_t *out);
+
+// The name of class `label` (its folder's name, byte for byte: not
+// necessarily UTF-8), NUL-terminated, into `buf`, and its length without the
+// NUL into `*out_len`. When `buf_len` is less than the length + 1, nothing
+// is written to `buf`, `*out_len` says the length and the call returns
+// `KSP_ERR_BUFFER_TOO_SMALL`, so a caller can size the buffer and call again.
+//
+// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_INVALID_ARG` (`label` is
+// not below [`ksp_loader_class_count`]); `KSP_ERR_BUFFER_TOO_SMALL`.
+//
+// # Safety
+// `l` is a live loader; `buf` writable for `buf_len` bytes; `out_len` writable.
+ksp_status ksp_loader_class_name(const ksp_loader *l,
+                                 uint64_t label,
+                                 char *buf,
+                                 size_t buf_len,
+                                 size_t *out_len);
+
 #ifdef __cplusplus
 }  // extern "C"
 #endif  // __cplusplus

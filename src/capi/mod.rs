@@ -29,9 +29,12 @@ use crate::dataset::{Placement, PreloadOptions, SourceSpec, Space};
 use crate::error::Error;
 use crate::landing::{CudaMode, LandingOptions};
 use crate::loader::{Loader, LoaderBuilder};
+
+mod classes;
 use crate::progress::ProgressMode;
 use crate::sampler::POSITION_BYTES;
 use crate::transport::{Cluster, NodeService, ServeConfig};
+pub use classes::{ksp_loader_class_count, ksp_loader_class_name};
 
 /// Version of the C ABI: bumped on any incompatible change to kspeed.h.
 pub const KSP_ABI_VERSION: u32 = 1;
