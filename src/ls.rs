@@ -98,6 +98,7 @@ pub(crate) fn ls(a: LsArgs) -> kspeed::Result<()> {
         })?),
     };
     let tar = cat.source_kind() == SourceKind::Tar;
+    let member_names = cat.members();
     let out = std::io::stdout();
     let mut out = std::io::BufWriter::new(out.lock());
     let w = |out: &mut std::io::BufWriter<std::io::StdoutLock<'_>>, line: String| {
@@ -155,6 +156,13 @@ pub(crate) fn ls(a: LsArgs) -> kspeed::Result<()> {
             });
             if tar {
                 v["offset"] = json!(smp.offset);
+            }
+            if !member_names.is_empty() {
+                v["members"] = cat
+                    .sample_members(id)
+                    .zip(&member_names)
+                    .map(|((off, len), ext)| json!({"ext": ext, "offset": off, "len": len}))
+                    .collect();
             }
             if placement.is_some() {
                 v["holders"] = json!(holders);

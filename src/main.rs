@@ -143,6 +143,11 @@ struct ScanArgs {
     /// reporting each skip, instead of failing.
     #[arg(long)]
     skip_bad_members: bool,
+    /// Tar shards: make each sample these members of its key, in this order
+    /// (e.g. jpg,json,txt); their offsets inside the sample are in the
+    /// catalog (kspeed ls --json shows them). Default: the first non-.cls member.
+    #[arg(long, value_delimiter = ',')]
+    members: Vec<String>,
 }
 
 impl ScanArgs {
@@ -151,6 +156,7 @@ impl ScanArgs {
             skip_special: self.skip_special,
             follow_symlinks: self.follow_symlinks,
             skip_bad_members: self.skip_bad_members,
+            members: self.members.clone(),
         }
     }
 }

@@ -923,3 +923,122 @@ fn ls_cat_and_json_reports() {
     assert_eq!(v["bad"][0]["id"], 4);
     assert_eq!(v["bad"][0]["kind"], "corrupt");
 }
+
+#[test]
+fn members_make_multi_member_samples() {
+    let t = tempfile::tempdir().unwrap();
+    let shard = t.path().join("s.tar");
+    let datas = gnu_shard(&t.path().join("m"), &shard, 6, &["json", "txt"]);
+    let src = format!("tar:{}", shard.display());
+    let cat_path = t.path().join("c.ksc");
+    // In the listed order, whatever the order in the shard.
+    let o = kspeed(&[
+        "catalog",
+        "--source",
+        &src,
+        "--out",
+        s(&cat_path),
+        "--members",
+        "txt,jpg,json",
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(!text(&o).contains("not part of any sample"), "{}", text(&o));
+    let cat = Catalog::open(&cat_path).unwrap();
+    assert_eq!(cat.len(), 6);
+    assert_eq!(cat.members(), ["txt", "jpg", "json"]);
+    let f = fs::File::open(&shard).unwrap();
+    for id in 0..6u64 {
+        let smp = cat.sample(id);
+        assert_eq!(smp.label, Some((id % 3) as u32));
+        let mut bytes = vec![0u8; smp.len as usize];
+        std::os::unix::fs::FileExt::read_exact_at(&f, &mut bytes, smp.offset).unwrap();
+        let parts: Vec<&[u8]> = cat
+            .sample_members(id)
+            .map(|(o, l)| &bytes[o as usize..(o + l) as usize])
+            .collect();
+        assert_eq!(parts[0], format!("txt of {id}").as_bytes());
+        assert_eq!(parts[1], &datas[id as usize][..]);
+        assert_eq!(parts[2], format!("json of {id}").as_bytes());
+    }
+
+    // Through a space: the same boundaries apply to the bytes `cat` gives.
+    let sp = t.path().join("space");
+    let o = kspeed(&[
+        "preload",
+        "--source",
+        &src,
+        "--space",
+        s(&sp),
+        "--members",
+        "jpg,json",
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(
+        text(&o).contains("6 tar member(s) are not part of any sample (.txt: 6)"),
+        "{}",
+        text(&o)
+    );
+    let space = Space::open(&sp).unwrap();
+    let rows = ok(&["ls", "--space", s(&sp), "--json", "--ids", "4"]);
+    let row: serde_json::Value = serde_json::from_str(rows.trim()).unwrap();
+    assert_eq!(row["members"][1]["ext"], "json");
+    let o = kspeed(&["cat", "--space", s(&sp), "--id", "4"]);
+    assert!(o.status.success(), "{}", text(&o));
+    let parts: Vec<(u32, u32)> = space.catalog().sample_members(4).collect();
+    assert_eq!(row["members"][1]["offset"], parts[1].0);
+    let (jo, jl) = parts[1];
+    assert_eq!(&o.stdout[jo as usize..(jo + jl) as usize], b"json of 4");
+    let (po, pl) = parts[0];
+    assert_eq!(&o.stdout[po as usize..(po + pl) as usize], &datas[4][..]);
+    ok(&["verify", "--space", s(&sp)]);
+    // The space's catalog was built with jpg,json: asking for others is refused.
+    let e = fails(
+        &[
+            "preload",
+            "--source",
+            &src,
+            "--space",
+            s(&sp),
+            "--members",
+            "jpg",
+        ],
+        1,
+    );
+    assert!(
+        e.contains("makes samples of members [jpg,json]") && e.contains("--refresh"),
+        "{e}"
+    );
+
+    // A key without a listed member is named; --members needs tar shards.
+    let e = fails(
+        &[
+            "catalog",
+            "--source",
+            &src,
+            "--out",
+            s(&cat_path),
+            "--members",
+            "jpg,xml",
+        ],
+        1,
+    );
+    assert!(
+        e.contains("key 00000 has no .xml member") && e.contains("s.tar"),
+        "{e}"
+    );
+    let d = t.path().join("tree");
+    put(&d, "c/a.bin", b"a");
+    let e = fails(
+        &[
+            "catalog",
+            "--source",
+            s(&d),
+            "--out",
+            s(&cat_path),
+            "--members",
+            "jpg",
+        ],
+        1,
+    );
+    assert!(e.contains("--members applies to tar shards"), "{e}");
+}

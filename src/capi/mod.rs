@@ -34,7 +34,10 @@ mod classes;
 use crate::progress::ProgressMode;
 use crate::sampler::POSITION_BYTES;
 use crate::transport::{Cluster, NodeService, ServeConfig};
-pub use classes::{ksp_loader_class_count, ksp_loader_class_name};
+pub use classes::{
+    ksp_loader_class_count, ksp_loader_class_name, ksp_loader_member_count, ksp_loader_member_name,
+    ksp_loader_sample_member,
+};
 
 /// Version of the C ABI: bumped on any incompatible change to kspeed.h.
 pub const KSP_ABI_VERSION: u32 = 1;

@@ -40,6 +40,7 @@ pub const OLDEST_VERSION: u32 = 1;
 const SAMPLE_REC: usize = 24;
 const FILE_REC: usize = 32;
 const CLASS_REC: usize = 16;
+const PART_REC: usize = 8;
 
 /// One sample's catalog entry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -110,6 +111,9 @@ pub struct Catalog {
     body_crc: u32,
     created_ns: u64,
     version: u32,
+    member_count: usize,
+    members: (usize, usize),
+    off_parts: usize,
 }
 
 /// Reads sample byte ranges from source files, keeping the last file open
@@ -256,6 +260,11 @@ pub fn write(scan: &Scan, crcs: &[u32], out: &Path) -> Result<()> {
     }
     let source_off = strings.len() as u64;
     strings.extend_from_slice(&source_string);
+    let members = scan.members.join(",");
+    let members_off = strings.len() as u64;
+    strings.extend_from_slice(members.as_bytes());
+    let m = scan.members.len() as u64;
+    assert_eq!(scan.parts.len() as u64, n * m);
 
     let off_samples = 0u64;
     let off_files = (n * SAMPLE_REC as u64).next_multiple_of(8);
@@ -281,9 +290,13 @@ pub fn write(scan: &Scan, crcs: &[u32], out: &Path) -> Result<()> {
         .u64(source_off)
         .u64(source_string.len() as u64)
         .u64(created_ns)
-        .u64(max_sample as u64);
+        .u64(max_sample as u64)
+        .u64(m)
+        .u64(members_off)
+        .u64(members.len() as u64)
+        .u64((off_strings + strings.len() as u64).next_multiple_of(8));
     // What the file needs on disk, named if the disk is full.
-    let file_bytes = off_strings + strings.len() as u64 + 256;
+    let file_bytes = off_strings + strings.len() as u64 + 8 * n * m + 256;
     write_body(out, fields, scan, crcs, &file_names, &class_names, &strings).map_err(|e| match e {
         Error::DiskFull {
             path, available, ..
@@ -331,6 +344,15 @@ fn write_body(
         w.write(&r)?;
     }
     w.write(strings)?;
+    if !scan.parts.is_empty() {
+        w.pad8()?;
+        let mut r = [0u8; PART_REC];
+        for (off, len) in &scan.parts {
+            r[0..4].copy_from_slice(&off.to_le_bytes());
+            r[4..8].copy_from_slice(&len.to_le_bytes());
+            w.write(&r)?;
+        }
+    }
     w.commit()
 }
 
@@ -356,7 +378,7 @@ impl Catalog {
             let bytes = map.as_slice();
             let parsed =
                 format::parse_versions(path, "catalog", &MAGIC, OLDEST_VERSION..=VERSION, bytes)?;
-            let mut h = [0u64; 14];
+            let mut h = [0u64; 18];
             for (i, v) in h.iter_mut().enumerate() {
                 *v = parsed.fields.u64(i * 8);
             }
@@ -397,6 +419,9 @@ impl Catalog {
             max_sample: u32::try_from(h[13]).unwrap_or(u32::MAX),
             body_crc,
             version,
+            member_count: to_usize(h[14]),
+            members: (to_usize(h[15]), to_usize(h[16])),
+            off_parts: to_usize(h[17]),
         };
         // Section bounds, with overflow-checked arithmetic: the header is
         // trusted only as far as it is consistent.
@@ -420,6 +445,21 @@ impl Catalog {
         }
         if samples == 0 {
             return Err(corrupt("no samples".into()));
+        }
+        if cat.member_count > 0 {
+            let ok = cat
+                .members
+                .0
+                .checked_add(cat.members.1)
+                .is_some_and(|e| e <= cat.strings_len)
+                && cat.off_parts >= cat.off_strings + cat.strings_len
+                && span(cat.off_parts, samples, cat.member_count * PART_REC)
+                    .is_some_and(|e| e <= body_len)
+                && std::str::from_utf8(cat.members_bytes())
+                    .is_ok_and(|m| m.split(',').count() == cat.member_count);
+            if !ok || kind != SourceKind::Tar {
+                return Err(corrupt("member table does not fit the file".into()));
+            }
         }
         for i in 0..files as u32 {
             let (off, len) = cat.file_name_range(i);
@@ -460,6 +500,13 @@ impl Catalog {
                     "sample {id}: range past the end of its file"
                 )));
             }
+            for (j, (off, len)) in cat.sample_members(id).enumerate() {
+                if off as u64 + len as u64 > s.len as u64 {
+                    return Err(corrupt(format!(
+                        "sample {id}: member {j} runs past the sample"
+                    )));
+                }
+            }
             total += s.len as u64;
             max = max.max(s.len);
         }
@@ -483,6 +530,36 @@ impl Catalog {
 
     fn strings(&self) -> &[u8] {
         &self.body()[self.off_strings..self.off_strings + self.strings_len]
+    }
+
+    fn members_bytes(&self) -> &[u8] {
+        &self.strings()[self.members.0..self.members.0 + self.members.1]
+    }
+
+    /// The tar member extensions each sample is made of, in order, when the
+    /// catalog was built with `--members` (empty otherwise: a sample is one
+    /// member, or one file).
+    pub fn members(&self) -> Vec<&str> {
+        if self.member_count == 0 {
+            return Vec::new();
+        }
+        std::str::from_utf8(self.members_bytes())
+            .expect("validated at open")
+            .split(',')
+            .collect()
+    }
+
+    /// Where each listed member (see [`Catalog::members`]) lies inside sample
+    /// `id`'s bytes: (offset, length), in the listed order. Empty when the
+    /// catalog has no member list. Panics if `id >= len()`.
+    pub fn sample_members(&self, id: u64) -> impl Iterator<Item = (u32, u32)> + '_ {
+        assert!(id < self.samples, "sample {id} out of range");
+        let m = self.member_count;
+        let start = self.off_parts + id as usize * m * PART_REC;
+        (0..m).map(move |j| {
+            let r = &self.body()[start + j * PART_REC..start + (j + 1) * PART_REC];
+            (le_u32(r, 0), le_u32(r, 4))
+        })
     }
 
     fn source_bytes(&self) -> &[u8] {

@@ -262,6 +262,20 @@ fn clear_layout(dir: &Path) -> Result<()> {
     }
 }
 
+/// Refuses a catalog built with other `--members` than asked for.
+fn check_members(cat: &Catalog, opts: &PreloadOptions) -> Result<()> {
+    let want = &opts.scan.members;
+    if !want.is_empty() && cat.members() != *want {
+        return Err(Error::InvalidConfig(format!(
+            "catalog {} makes samples of members [{}], not [{}]; use --refresh (or another space) to rebuild it",
+            cat.path().display(),
+            cat.members().join(","),
+            want.join(",")
+        )));
+    }
+    Ok(())
+}
+
 /// Brings the catalog in `dir` up to date with `opts`, building it if needed.
 fn ensure_catalog(
     dir: &Path,
@@ -271,6 +285,7 @@ fn ensure_catalog(
     let cpath = dir.join(files::CATALOG);
     if let Some(given) = &opts.catalog {
         let given_cat = Catalog::open(given)?;
+        check_members(&given_cat, opts)?;
         // A catalog indexes one source: preloading it "from" another would
         // silently copy the catalog's source instead.
         if let Some(spec) = &opts.source {
@@ -310,6 +325,7 @@ fn ensure_catalog(
     }
     if cpath.exists() && !opts.refresh {
         let cat = Catalog::open(&cpath)?;
+        check_members(&cat, opts)?;
         if let Some(spec) = &opts.source {
             if cat.source_spec() != *spec {
                 return Err(Error::SourceMismatch {
@@ -341,7 +357,7 @@ fn ensure_catalog(
         &BuildOptions {
             threads: opts.threads,
             progress: opts.progress,
-            scan: opts.scan,
+            scan: opts.scan.clone(),
         },
     )
     .map_err(|e| catalog_write_error(e, dir))?;
@@ -417,6 +433,7 @@ fn up_to_date_under_readers(dir: &Path, opts: &PreloadOptions) -> Result<Option<
     let _shared = SpaceLock::shared(dir)?;
     let space = Space::open(dir)?;
     let catalog = space.catalog();
+    check_members(catalog, opts)?;
     if let Some(given) = &opts.catalog {
         if Catalog::open(given)?.identity() != catalog.identity() {
             return Ok(None);

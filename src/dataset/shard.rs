@@ -28,22 +28,44 @@ use crate::error::{Error, IoContext, Result};
 
 const BLOCK: u64 = 512;
 
-/// The key being assembled: its data member (offset, len, name) and label.
+/// The key being assembled: its members other than `.cls` (extension,
+/// data offset, length, name), in shard order, and its label.
 struct Group {
     key: Vec<u8>,
-    data: Option<(u64, u64, Vec<u8>)>,
+    members: Vec<(Vec<u8>, u64, u64, Vec<u8>)>,
     label: u32,
 }
 
+/// Where a shard's samples go.
+struct Out<'a> {
+    shard: &'a Path,
+    file: u32,
+    members: &'a [String],
+    notes: &'a mut ScanNotes,
+    samples: &'a mut Vec<ScannedSample>,
+    parts: &'a mut Vec<(u32, u32)>,
+}
+
 /// Indexes `shard` (file index `file`, `shard_size` bytes) into `out`.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn index_shard(
     shard: &Path,
     file: u32,
     shard_size: u64,
     opts: &ScanOptions,
     notes: &mut ScanNotes,
-    out: &mut Vec<ScannedSample>,
+    samples: &mut Vec<ScannedSample>,
+    parts: &mut Vec<(u32, u32)>,
 ) -> Result<()> {
+    let mut out = Out {
+        shard,
+        file,
+        members: &opts.members,
+        notes,
+        samples,
+        parts,
+    };
+    let notes_warn = |out: &mut Out<'_>, w: String| out.notes.warnings.push(w);
     let bad = |reason: String| Error::BadTar {
         path: shard.to_path_buf(),
         reason,
@@ -89,10 +111,13 @@ pub(crate) fn index_shard(
                 tar::EntryType::Regular | tar::EntryType::Continuous => {}
                 tar::EntryType::Directory => continue,
                 other => {
-                    notes.warnings.push(format!(
-                        "{}: member {shown} (header at byte {header_at}) is not a regular file ({other:?}), not a sample",
-                        shard.display()
-                    ));
+                    notes_warn(
+                        &mut out,
+                        format!(
+                            "{}: member {shown} (header at byte {header_at}) is not a regular file ({other:?}), not a sample",
+                            shard.display()
+                        ),
+                    );
                     continue;
                 }
             }
@@ -104,10 +129,10 @@ pub(crate) fn index_shard(
             }
             let (key, ext) = split_member_key(&name);
             if group.as_ref().is_none_or(|g| g.key != key) {
-                flush(shard, file, group.take(), notes, out)?;
+                flush(&mut out, group.take())?;
                 group = Some(Group {
                     key: key.to_vec(),
-                    data: None,
+                    members: Vec::new(),
                     label: NO_LABEL,
                 });
             }
@@ -128,11 +153,8 @@ pub(crate) fn index_shard(
                         )))
                     }
                 };
-            } else if g.data.is_none() {
-                g.data = Some((offset, len, name.clone()));
             } else {
-                let ext = String::from_utf8_lossy(ext).into_owned();
-                *notes.dropped_members.entry(ext).or_insert(0) += 1;
+                g.members.push((ext.to_vec(), offset, len, name.clone()));
             }
         }
         // The tar reader stops at the first all-zero block, which is the end
@@ -153,8 +175,8 @@ pub(crate) fn index_shard(
             )));
         }
         let resume = next_intact_header(&f, next_header + BLOCK, shard_size).ctx("read", shard)?;
-        notes.skipped_bad_members += 1;
-        notes.warnings.push(match resume {
+        out.notes.skipped_bad_members += 1;
+        out.notes.warnings.push(match resume {
             Some(at) => format!(
                 "{}: damaged member header at byte {next_header} ({why}); skipped to the intact header at byte {at}",
                 shard.display()
@@ -169,34 +191,87 @@ pub(crate) fn index_shard(
             None => break,
         }
     }
-    flush(shard, file, group.take(), notes, out)
+    flush(&mut out, group.take())
 }
 
-fn flush(
-    shard: &Path,
-    file: u32,
-    g: Option<Group>,
-    notes: &mut ScanNotes,
-    out: &mut Vec<ScannedSample>,
-) -> Result<()> {
+fn flush(out: &mut Out<'_>, g: Option<Group>) -> Result<()> {
     let Some(g) = g else {
         return Ok(());
     };
-    match g.data {
-        Some((offset, len, name)) => {
-            let len = member_len(&shard.join(std::ffi::OsStr::from_bytes(&name)), len)?;
-            out.push(ScannedSample {
-                file,
-                offset,
-                len,
-                label: g.label,
-            });
-        }
-        None => notes.warnings.push(format!(
+    let shard = out.shard;
+    let key = || String::from_utf8_lossy(&g.key).into_owned();
+    if g.members.is_empty() {
+        out.notes.warnings.push(format!(
             "{}: key {} has only a .cls member, no sample",
             shard.display(),
-            String::from_utf8_lossy(&g.key)
-        )),
+            key()
+        ));
+        return Ok(());
+    }
+    let dropped = |notes: &mut ScanNotes, ext: &[u8]| {
+        let ext = String::from_utf8_lossy(ext).into_owned();
+        *notes.dropped_members.entry(ext).or_insert(0) += 1;
+    };
+    if out.members.is_empty() {
+        // One member per sample: the first; the rest are counted.
+        let (_, offset, len, name) = &g.members[0];
+        let len = member_len(&shard.join(std::ffi::OsStr::from_bytes(name)), *len)?;
+        out.samples.push(ScannedSample {
+            file: out.file,
+            offset: *offset,
+            len,
+            label: g.label,
+        });
+        for (ext, ..) in &g.members[1..] {
+            dropped(out.notes, ext);
+        }
+        return Ok(());
+    }
+    // The listed members, in the listed order; the sample spans them all.
+    let mut picked = Vec::with_capacity(out.members.len());
+    for want in out.members {
+        match g
+            .members
+            .iter()
+            .find(|(e, ..)| e.as_slice() == want.as_bytes())
+        {
+            Some(m) => picked.push(m),
+            None => {
+                return Err(Error::BadTar {
+                    path: shard.to_path_buf(),
+                    reason: format!(
+                        "key {} has no .{want} member (--members {}); it has {}",
+                        key(),
+                        out.members.join(","),
+                        g.members
+                            .iter()
+                            .map(|(e, ..)| format!(".{}", String::from_utf8_lossy(e)))
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
+                })
+            }
+        }
+    }
+    let start = picked.iter().map(|m| m.1).min().expect("non-empty");
+    let end = picked.iter().map(|m| m.1 + m.2).max().expect("non-empty");
+    let len = member_len(
+        &shard.join(std::ffi::OsStr::from_bytes(&picked[0].3)),
+        end - start,
+    )?;
+    for (ext, ..) in &g.members {
+        if !out.members.iter().any(|m| m.as_bytes() == ext.as_slice()) {
+            dropped(out.notes, ext);
+        }
+    }
+    out.samples.push(ScannedSample {
+        file: out.file,
+        offset: start,
+        len,
+        label: g.label,
+    });
+    for m in picked {
+        out.parts.push(((m.1 - start) as u32, m.2 as u32));
     }
     Ok(())
 }

@@ -147,7 +147,7 @@ impl SourceSpec {
 
 /// How a scan treats entries that are not plain samples. `Default` is the
 /// strict setting: anything that could lose or invent a sample is an error.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ScanOptions {
     /// Skip FIFOs, devices and sockets (counted in [`ScanNotes`]) instead of
     /// refusing them with [`Error::NotRegularFile`].
@@ -159,6 +159,15 @@ pub struct ScanOptions {
     /// (each skip reported in [`ScanNotes`]) instead of failing with
     /// [`Error::BadTar`].
     pub skip_bad_members: bool,
+    /// Tar shards: make each sample the listed members of its key (by
+    /// extension, e.g. `["jpg", "json", "txt"]`), in this order, instead of
+    /// its first non-`.cls` member. Every key must have every listed member.
+    /// The sample's bytes are the shard's contiguous range from the first to
+    /// the last of them (tar headers between them included); the catalog
+    /// records each member's offset and length inside that range
+    /// ([`crate::dataset::Catalog::sample_members`]). Empty: one member per
+    /// sample.
+    pub members: Vec<String>,
 }
 
 /// What a scan noticed without failing: every entry it did not turn into a
@@ -240,6 +249,11 @@ pub struct Scan {
     pub classes: Vec<OsString>,
     /// What was noticed and not turned into samples.
     pub notes: ScanNotes,
+    /// The member extensions each sample is made of (`ScanOptions::members`).
+    pub members: Vec<String>,
+    /// Per sample, per listed member: (offset inside the sample, length);
+    /// `samples.len() * members.len()` entries.
+    pub parts: Vec<(u32, u32)>,
 }
 
 impl Scan {
@@ -283,7 +297,27 @@ pub fn scan(spec: &SourceSpec, opts: &ScanOptions) -> Result<Scan> {
         samples: Vec::new(),
         classes: Vec::new(),
         notes: ScanNotes::default(),
+        members: Vec::new(),
+        parts: Vec::new(),
     };
+    if !opts.members.is_empty() {
+        if spec.kind != SourceKind::Tar {
+            return Err(Error::InvalidConfig(format!(
+                "--members applies to tar shards; {} is not a tar: source",
+                spec.to_source_string()
+            )));
+        }
+        let mut seen = HashSet::new();
+        for m in &opts.members {
+            if m.is_empty() || m == "cls" || m.contains(',') || !seen.insert(m.as_str()) {
+                return Err(Error::InvalidConfig(format!(
+                    "--members {:?}: each member is a distinct extension other than cls",
+                    opts.members.join(",")
+                )));
+            }
+        }
+        scan.members = opts.members.clone();
+    }
     match spec.kind {
         SourceKind::Dir => scan_dir(&mut scan, opts)?,
         SourceKind::List => scan_list(&mut scan)?,
@@ -308,6 +342,8 @@ pub fn current_files(spec: &SourceSpec, opts: &ScanOptions) -> Result<Vec<PathBu
         samples: Vec::new(),
         classes: Vec::new(),
         notes: ScanNotes::default(),
+        members: Vec::new(),
+        parts: Vec::new(),
     };
     match spec.kind {
         SourceKind::Dir => scan_dir(&mut scan, opts)?,
@@ -659,7 +695,15 @@ fn scan_tar(scan: &mut Scan, opts: &ScanOptions) -> Result<()> {
             size,
             mtime_ns,
         });
-        super::shard::index_shard(&shard, file, size, opts, &mut scan.notes, &mut scan.samples)?;
+        super::shard::index_shard(
+            &shard,
+            file,
+            size,
+            opts,
+            &mut scan.notes,
+            &mut scan.samples,
+            &mut scan.parts,
+        )?;
     }
     Ok(())
 }

@@ -1,10 +1,14 @@
-/* Class names through the C ABI (ksp_loader_class_count/_name), run by
+/* Class names and sample members through the C ABI, run by
  * tests/capi_classes.rs:
  *
  *   classes_test SPACE NAME0 NAME1 ...
+ *   classes_test SPACE --members EXT0 EXT1 ...
  *
- * SPACE is a preloaded ImageFolder space whose class folders, in label
- * order, are NAME0, NAME1, ... Exits non-zero if any check failed. */
+ * First form: SPACE is a preloaded ImageFolder space whose class folders, in
+ * label order, are NAME0, NAME1, ... Second form: SPACE holds tar shards
+ * preloaded with --members EXT0,EXT1,...; member EXTj of sample i holds the
+ * text "EXTj of i" for every EXTj but the first. Exits non-zero if any check
+ * failed. */
 #include <kspeed.h>
 
 #include <stdio.h>
@@ -49,6 +53,50 @@ int main(int argc, char **argv) {
     CHECK(ksp_loader_new(cfg, &l) == KSP_OK, "%s", last_error());
     ksp_config_free(cfg);
     if (!l) return 1;
+
+    if (argc >= 3 && strcmp(argv[2], "--members") == 0) {
+        uint64_t m = 99;
+        CHECK(ksp_loader_member_count(l, &m) == KSP_OK, "%s", last_error());
+        CHECK(m == (uint64_t)(argc - 3), "member count %llu", (unsigned long long)m);
+        for (uint64_t j = 0; j < m; j++) {
+            char buf[64];
+            size_t n = 0;
+            CHECK(ksp_loader_member_name(l, j, buf, sizeof buf, &n) == KSP_OK, "%s", last_error());
+            CHECK(strcmp(buf, argv[3 + j]) == 0, "member %llu: %s", (unsigned long long)j, buf);
+        }
+        uint32_t off = 0, len = 0;
+        CHECK(ksp_loader_sample_member(l, 0, m, &off, &len) == KSP_ERR_INVALID_ARG, "index past");
+        uint64_t seen = 0;
+        CHECK(ksp_loader_set_epoch(l, 0) == KSP_OK, "%s", last_error());
+        for (;;) {
+            ksp_batch b;
+            ksp_status st = ksp_loader_next_batch(l, &b);
+            CHECK(st == KSP_OK, "%s", last_error());
+            if (st != KSP_OK || b.count == 0) break; /* count 0: end of the epoch */
+            for (size_t i = 0; i < b.count; i++) {
+                const ksp_sample *s = &b.samples[i];
+                for (uint64_t j = 0; j < m; j++) {
+                    CHECK(ksp_loader_sample_member(l, s->id, j, &off, &len) == KSP_OK, "%s",
+                          last_error());
+                    CHECK((uint64_t)off + len <= s->len, "member inside the sample");
+                    if (j == 0) continue;
+                    char want[64];
+                    int w = snprintf(want, sizeof want, "%s of %llu", argv[3 + j],
+                                     (unsigned long long)s->id);
+                    CHECK(len == (uint32_t)w && memcmp(s->data + off, want, len) == 0,
+                          "sample %llu member %s: %.*s", (unsigned long long)s->id, argv[3 + j],
+                          (int)len, (const char *)s->data + off);
+                }
+                seen++;
+            }
+            CHECK(ksp_loader_release_batch(l) == KSP_OK, "%s", last_error());
+        }
+        CHECK(seen > 0, "no samples read");
+        ksp_loader_free(l);
+        if (failures) return 1;
+        printf("all checks passed\n");
+        return 0;
+    }
 
     uint64_t count = 99;
     CHECK(ksp_loader_class_count(l, &count) == KSP_OK, "%s", last_error());
