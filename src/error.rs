@@ -73,6 +73,16 @@ pub enum Error {
         /// "a FIFO", "a character device", ...
         what: &'static str,
     },
+    /// `--catalog` names a catalog built from another source than `--source`.
+    #[error("catalog {catalog} was built from {catalog_source}, not {given}; give --source {catalog_source}, or build a catalog of {given} with kspeed catalog")]
+    CatalogOfAnotherSource {
+        /// The catalog file.
+        catalog: PathBuf,
+        /// The source recorded in it.
+        catalog_source: String,
+        /// The source asked for.
+        given: String,
+    },
     /// A symbolic link in the source points outside the source tree.
     #[error("symlink {path} leads outside the source tree (to {target}); refused so a source cannot pull in files from elsewhere (--follow-symlinks allows it)")]
     SymlinkOutsideSource {

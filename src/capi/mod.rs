@@ -102,6 +102,7 @@ fn status_of(e: &Error) -> ksp_status {
         | Error::SampleCorrupt { .. }
         | Error::SourceChanged { .. }
         | Error::SourceMismatch { .. }
+        | Error::CatalogOfAnotherSource { .. }
         | Error::NotASpace { .. }
         | Error::BadFileList { .. }
         | Error::BadTar { .. }

@@ -290,8 +290,8 @@ fn ensure_catalog(
         // silently copy the catalog's source instead.
         if let Some(spec) = &opts.source {
             if given_cat.source_spec() != *spec {
-                return Err(Error::SourceMismatch {
-                    space: given.clone(),
+                return Err(Error::CatalogOfAnotherSource {
+                    catalog: given.clone(),
                     catalog_source: given_cat.source().into_owned(),
                     given: spec.to_source_string(),
                 });

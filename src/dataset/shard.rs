@@ -99,9 +99,20 @@ pub(crate) fn index_shard(
             let shown = String::from_utf8_lossy(&name).into_owned();
             let header_at = start + entry.raw_header_position();
             let et = entry.header().entry_type();
-            let sparse_pax = entry.pax_extensions().ok().flatten().is_some_and(|mut x| {
-                x.any(|e| e.is_ok_and(|e| e.key_bytes().starts_with(b"GNU.sparse")))
-            });
+            // PAX sparse members (GNU tar --sparse --format=pax) carry
+            // GNU.sparse.* records; the real name is GNU.sparse.name.
+            let mut sparse_pax = false;
+            let mut shown = shown;
+            if let Ok(Some(exts)) = entry.pax_extensions() {
+                for e in exts.flatten() {
+                    if e.key_bytes().starts_with(b"GNU.sparse") {
+                        sparse_pax = true;
+                        if e.key_bytes() == b"GNU.sparse.name" {
+                            shown = String::from_utf8_lossy(e.value_bytes()).into_owned();
+                        }
+                    }
+                }
+            }
             if et == tar::EntryType::GNUSparse || sparse_pax {
                 return Err(bad(format!(
                     "member {shown} (header at byte {header_at}) is a sparse file; its bytes in the shard are not the file's bytes. Sparse members are not supported: re-create the shard without --sparse"
