@@ -15,6 +15,7 @@ use kspeed::progress::{human_bytes, ProgressMode};
 mod inspect;
 mod ls;
 mod read;
+mod read_json;
 mod verify_cmd;
 
 #[derive(Parser)]

@@ -1042,3 +1042,32 @@ fn members_make_multi_member_samples() {
     );
     assert!(e.contains("--members applies to tar shards"), "{e}");
 }
+
+#[test]
+fn read_report_as_json() {
+    let t = tempfile::tempdir().unwrap();
+    let src = t.path().join("src");
+    gen("tiny", 50, &src);
+    let sp = t.path().join("space");
+    ok(&["preload", "--source", s(&src), "--space", s(&sp)]);
+    let out = ok(&[
+        "read",
+        "--space",
+        s(&sp),
+        "--epochs",
+        "2",
+        "--batch-size",
+        "8",
+        "--json",
+    ]);
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(v["epochs"], 2);
+    assert_eq!(v["samples"], 100);
+    let bytes: u64 = {
+        let space = Space::open(&sp).unwrap();
+        space.catalog().total_bytes() * 2
+    };
+    assert_eq!(v["bytes"], bytes);
+    assert!(v["read_latency_us"]["p50"].is_u64());
+    assert!(v.get("cluster").is_none());
+}
