@@ -126,6 +126,10 @@ struct CatalogArgs {
     /// Reader threads.
     #[arg(long, default_value_t = kspeed::par::default_threads())]
     threads: usize,
+    /// Permissions (octal) of the catalog file; default 0600 (chmod it, or
+    /// give 0644, to share it with other users).
+    #[arg(long, default_value = "0600", value_parser = parse_mode)]
+    file_mode: u32,
     #[command(flatten)]
     scan: ScanArgs,
 }
@@ -341,6 +345,11 @@ fn run(cli: Cli) -> kspeed::Result<ExitCode> {
                 },
             )?;
             print_notes(&notes);
+            {
+                use std::os::unix::fs::PermissionsExt;
+                std::fs::set_permissions(&a.out, std::fs::Permissions::from_mode(a.file_mode))
+                    .map_err(|e| kspeed::Error::io("chmod", &a.out, e))?;
+            }
             println!(
                 "catalog {}: {} samples, {}, {:.1} bytes/sample, built in {:.2} s",
                 a.out.display(),

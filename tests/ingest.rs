@@ -553,6 +553,28 @@ fn symlinks_leaving_the_tree_are_refused_and_the_space_is_private() {
         2,
     );
     assert!(e.contains("owner read and write"), "{e}");
+    // A catalog built on its own is private too, unless asked otherwise.
+    let c = t.path().join("c.ksc");
+    ok(&[
+        "catalog",
+        "--source",
+        s(&src),
+        "--out",
+        s(&c),
+        "--follow-symlinks",
+    ]);
+    assert_eq!(mode(&c), 0o600);
+    ok(&[
+        "catalog",
+        "--source",
+        s(&src),
+        "--out",
+        s(&c),
+        "--follow-symlinks",
+        "--file-mode",
+        "0644",
+    ]);
+    assert_eq!(mode(&c), 0o644);
 }
 
 #[test]

@@ -219,9 +219,7 @@ fn lock_holders(file: &File) -> Vec<(u32, bool)> {
             continue;
         }
         if let Ok(pid) = f[4].parse::<u32>() {
-            if pid != std::process::id() || out.is_empty() {
-                out.push((pid, f[3] == "READ"));
-            }
+            out.push((pid, f[3] == "READ"));
         }
     }
     out.sort();
