@@ -585,6 +585,16 @@ fn memlock_limit_is_a_named_error() {
     for d in [t.path().to_path_buf(), sp.clone(), sp.join("extents")] {
         std::fs::set_permissions(&d, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
     }
+    // A space's files are private (0600): let the unprivileged reader in.
+    for d in [sp.clone(), sp.join("extents")] {
+        for f in std::fs::read_dir(&d).unwrap() {
+            let p = f.unwrap().path();
+            if p.is_file() {
+                std::fs::set_permissions(&p, std::os::unix::fs::PermissionsExt::from_mode(0o644))
+                    .unwrap();
+            }
+        }
+    }
     let o = Command::new("prlimit")
         .args([
             "--memlock=65536:65536",
