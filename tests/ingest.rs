@@ -1093,3 +1093,46 @@ fn read_report_as_json() {
     assert!(v["read_latency_us"]["p50"].is_u64());
     assert!(v.get("cluster").is_none());
 }
+
+#[test]
+fn member_table_fields_are_validated() {
+    let t = tempfile::tempdir().unwrap();
+    let shard = t.path().join("s.tar");
+    gnu_shard(&t.path().join("m"), &shard, 4, &["json"]);
+    let cat = t.path().join("c.ksc");
+    ok(&[
+        "catalog",
+        "--source",
+        &format!("tar:{}", shard.display()),
+        "--out",
+        s(&cat),
+        "--members",
+        "jpg,json",
+    ]);
+    let good = fs::read(&cat).unwrap();
+    let header_len = u32::from_le_bytes(good[12..16].try_into().unwrap()) as usize;
+    // Header fields start at 32; the member fields are at 112..144.
+    let with_field = |off: usize, v: u64| {
+        let mut b = good.clone();
+        b[32 + off..32 + off + 8].copy_from_slice(&v.to_le_bytes());
+        b[28..32].fill(0);
+        let crc = crc32c::crc32c(&b[..header_len]);
+        b[28..32].copy_from_slice(&crc.to_le_bytes());
+        b
+    };
+    for (what, off, v) in [
+        ("member count overflows", 112, u64::MAX),
+        ("member count disagrees with the list", 112, 3),
+        ("list outside the strings", 120, u64::MAX / 2),
+        ("parts table outside the body", 136, 1 << 40),
+    ] {
+        let p = t.path().join("bad.ksc");
+        fs::write(&p, with_field(off, v)).unwrap();
+        match Catalog::open(&p) {
+            Err(kspeed::Error::Corrupt { .. }) => {}
+            Err(e) => panic!("{what}: {e}"),
+            Ok(_) => panic!("{what}: opened"),
+        }
+    }
+    assert_eq!(Catalog::open(&cat).unwrap().members(), ["jpg", "json"]);
+}

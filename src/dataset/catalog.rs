@@ -453,7 +453,10 @@ impl Catalog {
                 .checked_add(cat.members.1)
                 .is_some_and(|e| e <= cat.strings_len)
                 && cat.off_parts >= cat.off_strings + cat.strings_len
-                && span(cat.off_parts, samples, cat.member_count * PART_REC)
+                && cat
+                    .member_count
+                    .checked_mul(PART_REC)
+                    .and_then(|rec| span(cat.off_parts, samples, rec))
                     .is_some_and(|e| e <= body_len)
                 && std::str::from_utf8(cat.members_bytes())
                     .is_ok_and(|m| m.split(',').count() == cat.member_count);
