@@ -714,11 +714,13 @@ impl Catalog {
         self.map.as_slice().len() as f64 / self.samples as f64
     }
 
-    /// What the source holds now that the catalog does not: files added to
-    /// the tree (or the list, or shards added to the directory) and new class
-    /// folders. A new class folder is reported with the labels it would
-    /// shift, since labels are the indices of the sorted class names.
-    pub fn source_additions(&self, opts: &ScanOptions) -> Result<Vec<SourceChange>> {
+    /// Everything that differs between the source now and the catalog:
+    /// files changed (size, mtime), vanished, no longer listed, or no longer
+    /// regular; files added to the tree (or the list, or shards added to the
+    /// directory); new class folders, reported with the labels they would
+    /// shift (labels are the indices of the sorted class names). One scan of
+    /// the source's names, one `stat` per file.
+    pub fn source_status(&self, opts: &ScanOptions) -> Result<Vec<SourceChange>> {
         let spec = self.source_spec();
         let root = spec.root();
         let mut changes = Vec::new();
@@ -759,31 +761,55 @@ impl Catalog {
                 });
             }
         }
-        let known: std::collections::HashSet<&Path> =
-            (0..self.files as u32).map(|i| self.file(i).name).collect();
         let current = source::current_files(&spec, opts)?;
-        for name in &current {
-            if !known.contains(name.as_path()) {
-                changes.push(SourceChange {
-                    path: root.join(name),
-                    what: "added".into(),
-                });
-            }
-        }
-        if spec.kind == SourceKind::List {
-            let listed: std::collections::HashSet<&Path> =
-                current.iter().map(|p| p.as_path()).collect();
-            for i in 0..self.files as u32 {
-                let name = self.file(i).name;
-                if !listed.contains(name) {
-                    changes.push(SourceChange {
-                        path: root.join(name),
-                        what: format!("no longer listed in {}", spec.path.display()),
-                    });
+        let mut now: std::collections::HashMap<&Path, (u64, i64)> = current
+            .iter()
+            .map(|f| (f.name.as_path(), (f.size, f.mtime_ns)))
+            .collect();
+        for i in 0..self.files as u32 {
+            let f = self.file(i);
+            let p = root.join(f.name);
+            match now.remove(f.name) {
+                Some(stat) => {
+                    if let Some(what) = Self::stat_change(&f, stat) {
+                        changes.push(SourceChange { path: p, what });
+                    }
+                }
+                // Not among the source's files now: vanished, or still there
+                // but no longer part of the source.
+                None => {
+                    let what = match std::fs::metadata(&p) {
+                        Err(e) if e.kind() == std::io::ErrorKind::NotFound => "vanished".into(),
+                        Err(e) => format!("cannot stat: {e}"),
+                        Ok(_) if spec.kind == SourceKind::List => {
+                            format!("no longer listed in {}", spec.path.display())
+                        }
+                        Ok(_) => "no longer part of the source".into(),
+                    };
+                    changes.push(SourceChange { path: p, what });
                 }
             }
         }
+        let mut added: Vec<&Path> = now.into_keys().collect();
+        added.sort();
+        for name in added {
+            changes.push(SourceChange {
+                path: root.join(name),
+                what: "added".into(),
+            });
+        }
         Ok(changes)
+    }
+
+    /// How a file's (size, mtime) now differs from the catalog's, if at all.
+    fn stat_change(f: &SourceFile<'_>, (size, mtime_ns): (u64, i64)) -> Option<String> {
+        if size != f.size {
+            Some(format!("size {} -> {} bytes", f.size, size))
+        } else if mtime_ns != f.mtime_ns {
+            Some("modification time changed".into())
+        } else {
+            None
+        }
     }
 
     /// Compares every source file's size and mtime with the catalog. Returns

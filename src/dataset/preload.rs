@@ -444,8 +444,7 @@ fn up_to_date_under_readers(dir: &Path, opts: &PreloadOptions) -> Result<Option<
     {
         return Ok(None);
     }
-    let mut changes = catalog.source_changes();
-    changes.extend(catalog.source_additions(&opts.scan)?);
+    let changes = catalog.source_status(&opts.scan)?;
     if !changes.is_empty() {
         return Err(Error::SourceChanged { changes });
     }
@@ -482,12 +481,14 @@ pub fn preload(dir: &Path, opts: &PreloadOptions) -> Result<PreloadReport> {
     let params = layout_params(&catalog, opts);
     params.validate()?;
 
-    let mut changes = catalog.source_changes();
     // Additions are changes too: without this check new files and class
-    // folders would be silently absent from an "up to date" space.
-    if !report.catalog_built {
-        changes.extend(catalog.source_additions(&opts.scan)?);
-    }
+    // folders would be silently absent from an "up to date" space. A catalog
+    // built in this run only needs the cheap size/mtime check.
+    let changes = if report.catalog_built {
+        catalog.source_changes()
+    } else {
+        catalog.source_status(&opts.scan)?
+    };
     if !changes.is_empty() {
         return Err(Error::SourceChanged { changes });
     }

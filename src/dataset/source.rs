@@ -331,11 +331,11 @@ pub fn scan(spec: &SourceSpec, opts: &ScanOptions) -> Result<Scan> {
     Ok(scan)
 }
 
-/// The file names (relative to the source root) a source holds now, in
-/// scan order, without reading any file: the ImageFolder walk, the list's
-/// paths, or the shards. Preload compares them with the catalog's to notice
-/// additions.
-pub fn current_files(spec: &SourceSpec, opts: &ScanOptions) -> Result<Vec<PathBuf>> {
+/// The files (names relative to the source root, size, mtime) a source holds
+/// now, in scan order, without reading any file: the ImageFolder walk, the
+/// list's paths, or the shards. Preload compares them with the catalog's to
+/// notice changes and additions with one `stat` per file.
+pub fn current_files(spec: &SourceSpec, opts: &ScanOptions) -> Result<Vec<ScannedFile>> {
     let mut scan = Scan {
         spec: spec.clone(),
         files: Vec::new(),
@@ -350,13 +350,19 @@ pub fn current_files(spec: &SourceSpec, opts: &ScanOptions) -> Result<Vec<PathBu
         SourceKind::List => scan_list(&mut scan)?,
         SourceKind::Tar => {
             let root = spec.root();
-            return Ok(list_shards(spec, opts, &mut scan.notes)?
-                .into_iter()
-                .map(|p| p.strip_prefix(&root).unwrap_or(&p).to_path_buf())
-                .collect());
+            let mut v = Vec::new();
+            for p in list_shards(spec, opts, &mut scan.notes)? {
+                let (size, mtime_ns) = stat_pair(&fs::metadata(&p).ctx("stat", &p)?);
+                v.push(ScannedFile {
+                    name: p.strip_prefix(&root).unwrap_or(&p).to_path_buf(),
+                    size,
+                    mtime_ns,
+                });
+            }
+            return Ok(v);
         }
     }
-    Ok(scan.files.into_iter().map(|f| f.name).collect())
+    Ok(scan.files)
 }
 
 /// The class folders of an ImageFolder source now, in label order.
