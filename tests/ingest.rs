@@ -1136,3 +1136,37 @@ fn member_table_fields_are_validated() {
     }
     assert_eq!(Catalog::open(&cat).unwrap().members(), ["jpg", "json"]);
 }
+
+#[test]
+fn a_source_file_replaced_by_a_fifo_is_never_opened_for_reading() {
+    let t = tempfile::tempdir().unwrap();
+    let src = t.path().join("src");
+    odd_tree(&src);
+    let sp = t.path().join("space");
+    ok(&["preload", "--source", s(&src), "--space", s(&sp)]);
+    let space = Space::open(&sp).unwrap();
+    let loc = space.location(2).unwrap();
+    let p = space.extent_path(loc.extent);
+    let srcf = space.catalog().file_path(space.catalog().sample(2).file);
+    drop(space);
+    let f = fs::OpenOptions::new().write(true).open(&p).unwrap();
+    std::os::unix::fs::FileExt::write_all_at(&f, b"\x00\x01", loc.offset).unwrap();
+    drop(f);
+    // Repair reads the bad sample straight from its source file, which is a
+    // FIFO now: a named error, not a wait for a writer that never comes.
+    fs::remove_file(&srcf).unwrap();
+    mkfifo(&srcf);
+    let args = [
+        OsStr::new("verify"),
+        OsStr::new("--space"),
+        sp.as_os_str(),
+        OsStr::new("--repair"),
+    ];
+    let o = kspeed_deadline(&args, Duration::from_secs(60));
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(
+        text(&o).contains("is a FIFO, not a regular file"),
+        "{}",
+        text(&o)
+    );
+}

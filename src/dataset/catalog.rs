@@ -146,7 +146,23 @@ impl SpanReader {
     ) -> Result<()> {
         let path = self.root.join(name);
         if self.open.as_ref().is_none_or(|(i, _)| *i != file) {
-            let f = File::open(&path).ctx("open", &path)?;
+            // O_NONBLOCK: if the file was replaced by a FIFO since the scan,
+            // opening it must not wait for a writer; only regular files are read.
+            let f = {
+                use std::os::unix::fs::OpenOptionsExt;
+                std::fs::OpenOptions::new()
+                    .read(true)
+                    .custom_flags(libc::O_NONBLOCK)
+                    .open(&path)
+                    .ctx("open", &path)?
+            };
+            let md = f.metadata().ctx("stat", &path)?;
+            if !md.is_file() {
+                return Err(Error::NotRegularFile {
+                    path,
+                    what: source::special_kind(md.file_type()),
+                });
+            }
             self.open = Some((file, f));
         }
         let f = &self.open.as_ref().expect("opened").1;

@@ -389,7 +389,7 @@ fn is_hidden(name: &std::ffi::OsStr) -> bool {
 }
 
 /// What a non-regular, non-directory entry is, for messages.
-fn special_kind(ft: fs::FileType) -> &'static str {
+pub(crate) fn special_kind(ft: fs::FileType) -> &'static str {
     if ft.is_fifo() {
         "a FIFO"
     } else if ft.is_char_device() {
