@@ -134,3 +134,50 @@ fn sample_members_through_the_c_abi() {
         text(&o)
     );
 }
+
+#[test]
+fn a_loader_from_c_lifts_the_open_files_limit() {
+    if Command::new("prlimit").arg("--version").output().is_err() {
+        eprintln!("skipping: no prlimit");
+        return;
+    }
+    let t = tempfile::tempdir().unwrap();
+    let src = t.path().join("src");
+    ok(&[
+        "gen",
+        "--profile",
+        "imagenet",
+        "--count",
+        "80",
+        "--classes",
+        "2",
+        "--out",
+        s(&src),
+    ]);
+    let sp = t.path().join("space");
+    // 4 KiB extents: 80+ extent files, all opened by the loader.
+    ok(&[
+        "preload",
+        "--source",
+        s(&src),
+        "--space",
+        s(&sp),
+        "--extent-bytes",
+        "4KiB",
+    ]);
+    let Some(bin) = compile(t.path()) else {
+        return;
+    };
+    let o = Command::new("prlimit")
+        .arg("--nofile=32:4096")
+        .arg(&bin)
+        .arg(&sp)
+        .args(["class_000", "class_001"])
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success() && String::from_utf8_lossy(&o.stdout).contains("all checks passed"),
+        "{}",
+        text(&o)
+    );
+}

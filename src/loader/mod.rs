@@ -564,6 +564,9 @@ impl LoaderBuilder {
 
     /// Opens the input, maps the ring, starts the pollers.
     pub fn build(self) -> Result<Loader> {
+        // Every extent stays open (registered with io_uring): lift the
+        // open-files soft limit to the hard one first, as servers do.
+        crate::sys::raise_open_files_limit();
         if self.batch_size == 0 {
             return Err(Error::InvalidConfig("batch_size must be at least 1".into()));
         }

@@ -181,6 +181,7 @@ impl NodeService {
                 "pollers, max_grants and connections per poller must be at least 1".into(),
             ));
         }
+        crate::sys::raise_open_files_limit();
         let space_lock = crate::dataset::preload::SpaceLock::shared(&cfg.space)?;
         let space = Space::open(&cfg.space)?;
         space.check_extents()?;
