@@ -1,7 +1,8 @@
 //! The `kspeed` command line.
 //!
-//! Exit status: 0 success, 1 error (the message names what and where),
-//! 2 usage error, 3 `verify` found corrupt or missing samples.
+//! Exit status: 0 success, 1 error (the message names what and where; also
+//! `verify` when samples could not be read: I/O errors), 2 usage error,
+//! 3 `verify` found corrupt or missing samples.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
