@@ -436,6 +436,71 @@ ksp_status ksp_set_log_callback(ksp_log_callback cb, void *userdata, int max_lev
 // `KSP_ERR_PANIC` with the message "kspeed panicked…".
 ksp_status ksp_test_panic(void);
 
+// Classes in the loader's catalog (class folders of an ImageFolder source;
+// 0 for file lists and tar shards, whose labels are plain numbers), in `*out`.
+// Labels run from 0 to the count - 1.
+//
+// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`.
+//
+// # Safety
+// `l` is a live loader; `out` writable.
+ksp_status ksp_loader_class_count(const ksp_loader *l, uint64_t *out);
+
+// The name of class `label` (its folder's name, byte for byte: not
+// necessarily UTF-8), NUL-terminated, into `buf`, and its length without the
+// NUL into `*out_len`. When `buf_len` is less than the length + 1, nothing
+// is written to `buf`, `*out_len` says the length and the call returns
+// `KSP_ERR_BUFFER_TOO_SMALL`, so a caller can size the buffer and call again.
+//
+// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_INVALID_ARG` (`label` is
+// not below [`ksp_loader_class_count`]); `KSP_ERR_BUFFER_TOO_SMALL`.
+//
+// # Safety
+// `l` is a live loader; `buf` writable for `buf_len` bytes; `out_len` writable.
+ksp_status ksp_loader_class_name(const ksp_loader *l,
+                                 uint64_t label,
+                                 char *buf,
+                                 size_t buf_len,
+                                 size_t *out_len);
+
+// How many tar members make each sample (`kspeed catalog/preload --members
+// jpg,json,txt`), in `*out`; 0 when a sample is a single member or file.
+//
+// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`.
+//
+// # Safety
+// `l` is a live loader; `out` writable.
+ksp_status ksp_loader_member_count(const ksp_loader *l, uint64_t *out);
+
+// The extension of member `index` (e.g. `json`), NUL-terminated, into `buf`,
+// its length into `*out_len`; buffer rules as for [`ksp_loader_class_name`].
+//
+// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_INVALID_ARG` (`index` is
+// not below [`ksp_loader_member_count`]); `KSP_ERR_BUFFER_TOO_SMALL`.
+//
+// # Safety
+// `l` is a live loader; `buf` writable for `buf_len` bytes; `out_len` writable.
+ksp_status ksp_loader_member_name(const ksp_loader *l,
+                                  uint64_t index,
+                                  char *buf,
+                                  size_t buf_len,
+                                  size_t *out_len);
+
+// Where member `index` of sample `id` lies inside the sample's bytes (the
+// `data`/`len` a batch gives for it): offset into `*offset`, length into
+// `*len`.
+//
+// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_INVALID_ARG` (`id` past the
+// catalog, or `index` not below [`ksp_loader_member_count`]).
+//
+// # Safety
+// `l` is a live loader; `offset` and `len` writable.
+ksp_status ksp_loader_sample_member(const ksp_loader *l,
+                                    uint64_t id,
+                                    uint64_t index,
+                                    uint32_t *offset,
+                                    uint32_t *len);
+
 #ifdef __cplusplus
 }  // extern "C"
 #endif  // __cplusplus

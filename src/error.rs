@@ -18,6 +18,26 @@ pub struct SourceChange {
     pub what: String,
 }
 
+fn holders_text(holders: &[(u32, bool)]) -> String {
+    if holders.is_empty() {
+        return " (preload, unload or serve running?)".into();
+    }
+    let list: Vec<String> = holders
+        .iter()
+        .map(|(pid, shared)| {
+            format!(
+                "pid {pid} ({})",
+                if *shared {
+                    "shared: serve or a reader"
+                } else {
+                    "exclusive: preload or unload"
+                }
+            )
+        })
+        .collect();
+    format!(": held by {}", list.join(", "))
+}
+
 /// Every error kspeed reports.
 ///
 /// Errors are `Clone` (OS errors are shared behind an `Arc`), so a loader that
@@ -47,6 +67,33 @@ pub enum Error {
     SymlinkLoop {
         /// The link.
         path: PathBuf,
+    },
+    /// A source entry is not a regular file (FIFO, device, socket): reading it
+    /// could block forever or yield endless bytes, so it is never read.
+    #[error("{path} is {what}, not a regular file; only regular files are read (--skip-special skips such entries with a count)")]
+    NotRegularFile {
+        /// The entry.
+        path: PathBuf,
+        /// "a FIFO", "a character device", ...
+        what: &'static str,
+    },
+    /// `--catalog` names a catalog built from another source than `--source`.
+    #[error("catalog {catalog} was built from {catalog_source}, not {given}; give --source {catalog_source}, or build a catalog of {given} with kspeed catalog")]
+    CatalogOfAnotherSource {
+        /// The catalog file.
+        catalog: PathBuf,
+        /// The source recorded in it.
+        catalog_source: String,
+        /// The source asked for.
+        given: String,
+    },
+    /// A symbolic link in the source points outside the source tree.
+    #[error("symlink {path} leads outside the source tree (to {target}); refused so a source cannot pull in files from elsewhere (--follow-symlinks allows it)")]
+    SymlinkOutsideSource {
+        /// The link.
+        path: PathBuf,
+        /// Where it leads.
+        target: PathBuf,
     },
     /// A line of a file list cannot be parsed.
     #[error("file list {path}, line {line}: {reason}")]
@@ -166,10 +213,16 @@ pub enum Error {
         available: u64,
     },
     /// Another process holds the space's lock.
-    #[error("space {path} is locked by another kspeed process (preload or unload running?)")]
+    #[error(
+        "space {path} is locked by another kspeed process{}",
+        holders_text(holders)
+    )]
     SpaceLocked {
         /// The space.
         path: PathBuf,
+        /// Pids holding the lock (from /proc/locks; empty when unknown) and
+        /// whether each holds it shared (a running `kspeed serve`).
+        holders: Vec<(u32, bool)>,
     },
     /// The directory is not a complete space (no manifest yet, or none at all).
     #[error("{path} is not a complete kspeed space: {reason}")]

@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use kspeed::dataset::{Catalog, Placement, Space};
 use kspeed::progress::human_bytes;
+use serde_json::{json, Value};
 
 fn percentile(sorted: &[u32], p: f64) -> u32 {
     let i = ((sorted.len() - 1) as f64 * p).round() as usize;
@@ -16,18 +17,23 @@ pub(crate) fn run(
     nodes: Option<u32>,
     replicas: Option<u32>,
     devices: bool,
+    json: bool,
 ) -> kspeed::Result<()> {
     if devices && space.is_none() && catalog.is_none() {
         print_devices();
         return Ok(());
     }
     let (cat, space) = crate::open_target(space, catalog)?;
-    print_catalog(&cat);
     let placement = match (nodes, &space) {
         (Some(n), _) => Some(Placement::new(n, replicas.unwrap_or(1))?),
         (None, Some(s)) if s.params().placement.nodes > 1 => Some(s.params().placement),
         _ => None,
     };
+    if json {
+        println!("{}", json_summary(&cat, space.as_ref(), placement));
+        return Ok(());
+    }
+    print_catalog(&cat);
     if let Some(p) = placement {
         print_nodes(&cat, p);
     }
@@ -45,7 +51,7 @@ fn print_catalog(cat: &Catalog) {
     println!(
         "catalog:      {} (format v{})",
         cat.path().display(),
-        kspeed::dataset::catalog::VERSION
+        cat.version()
     );
     println!("source:       {}", cat.source());
     println!(
@@ -99,6 +105,87 @@ fn print_catalog(cat: &Catalog) {
             if per_class.len() > 5 { ", ..." } else { "" }
         );
     }
+}
+
+/// Everything the text summary shows, as one JSON object (exact numbers, no
+/// human units).
+fn json_summary(cat: &Catalog, space: Option<&Space>, placement: Option<Placement>) -> Value {
+    let n = cat.len();
+    let mut lens: Vec<u32> = (0..n).map(|i| cat.sample(i).len).collect();
+    lens.sort_unstable();
+    let mut per_class = vec![0u64; cat.class_count() as usize];
+    let mut unlabeled = 0u64;
+    for i in 0..n {
+        match cat.sample(i).label {
+            Some(l) if (l as usize) < per_class.len() => per_class[l as usize] += 1,
+            Some(_) => {}
+            None => unlabeled += 1,
+        }
+    }
+    let classes: Vec<Value> = per_class
+        .iter()
+        .enumerate()
+        .map(|(i, c)| json!({"label": i, "name": cat.class_name(i as u32), "samples": c}))
+        .collect();
+    let mut v = json!({
+        "catalog": {
+            "path": cat.path().to_string_lossy(),
+            "format_version": cat.version(),
+            "source": cat.source(),
+            "samples": n,
+            "files": cat.file_count(),
+            "total_bytes": cat.total_bytes(),
+            "catalog_bytes_per_sample": cat.bytes_per_sample(),
+            "sample_bytes": {
+                "min": lens[0],
+                "p50": percentile(&lens, 0.5),
+                "p90": percentile(&lens, 0.9),
+                "p99": percentile(&lens, 0.99),
+                "max": lens[lens.len() - 1],
+                "mean": cat.total_bytes() as f64 / n as f64,
+            },
+            "classes": classes,
+            "unlabeled": unlabeled,
+        }
+    });
+    if let Some(p) = placement {
+        let mut held = vec![(0u64, 0u64); p.nodes as usize];
+        for i in 0..n {
+            let len = cat.sample(i).len as u64;
+            for r in 0..p.replicas {
+                let h = &mut held[p.holder(i, r) as usize];
+                h.0 += 1;
+                h.1 += len;
+            }
+        }
+        v["nodes"] = json!({
+            "nodes": p.nodes,
+            "replicas": p.replicas,
+            "held": held.iter().enumerate().map(|(i, (s, b))| json!({"node": i, "samples": s, "bytes": b})).collect::<Vec<_>>(),
+        });
+    }
+    if let Some(s) = space {
+        let p = s.params();
+        let on_disk: u64 = s.extent_lens().iter().sum();
+        let status = match s.check_extents() {
+            Ok(()) => json!({"complete": true}),
+            Err(e) => json!({"complete": false, "damage": e.to_string()}),
+        };
+        v["space"] = json!({
+            "dir": s.dir().to_string_lossy(),
+            "node_index": p.node_index,
+            "nodes": p.placement.nodes,
+            "replicas": p.placement.replicas,
+            "held_samples": s.held_samples(),
+            "held_bytes": s.held_bytes(),
+            "extents": s.extent_lens().len(),
+            "extent_bytes_on_disk": on_disk,
+            "align_bytes": p.align_bytes,
+            "extent_cap_bytes": p.extent_bytes,
+            "status": status,
+        });
+    }
+    v
 }
 
 fn print_nodes(cat: &Catalog, p: Placement) {

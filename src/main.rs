@@ -1,7 +1,8 @@
 //! The `kspeed` command line.
 //!
-//! Exit status: 0 success, 1 error (the message names what and where),
-//! 2 usage error, 3 `verify` found corrupt or missing samples.
+//! Exit status: 0 success, 1 error (the message names what and where; also
+//! `verify` when samples could not be read: I/O errors), 2 usage error,
+//! 3 `verify` found corrupt or missing samples.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -13,7 +14,10 @@ use kspeed::dataset::{self, BuildOptions, Catalog, Placement, PreloadOptions, So
 use kspeed::progress::{human_bytes, ProgressMode};
 
 mod inspect;
+mod ls;
 mod read;
+mod read_json;
+mod verify_cmd;
 
 #[derive(Parser)]
 #[command(name = "kspeed", version, about = "Feed GPU training jobs without I/O stalls", long_about = None)]
@@ -42,6 +46,11 @@ enum Cmd {
     Inspect(InspectArgs),
     /// Re-read every sample of a space and check its CRC32C.
     Verify(VerifyArgs),
+    /// List the samples of a space or catalog: id, label, class, length,
+    /// CRC32C, holder nodes, source path (filters: --ids, --class, --path).
+    Ls(ls::LsArgs),
+    /// Write one sample's bytes from the space to stdout, checked against its CRC32C.
+    Cat(ls::CatArgs),
     /// Drain epochs through the loader (io_uring pollers, landing ring) and report throughput.
     Read(read::ReadArgs),
     /// Serve this node's space to remote consumers (the cluster's node service).
@@ -111,13 +120,69 @@ struct GenArgs {
 struct CatalogArgs {
     /// Source: DIR (ImageFolder), list:FILE, tar:SHARD.tar or tar:DIR.
     #[arg(long)]
-    source: String,
+    source: std::ffi::OsString,
     /// Catalog file to write.
     #[arg(long)]
     out: PathBuf,
     /// Reader threads.
     #[arg(long, default_value_t = kspeed::par::default_threads())]
     threads: usize,
+    /// Permissions (octal) of the catalog file; default 0600 (chmod it, or
+    /// give 0644, to share it with other users).
+    #[arg(long, default_value = "0600", value_parser = parse_mode)]
+    file_mode: u32,
+    #[command(flatten)]
+    scan: ScanArgs,
+}
+
+/// How a source scan treats what is not a plain sample.
+#[derive(Args)]
+struct ScanArgs {
+    /// Skip FIFOs, devices and sockets in the source (reported with a count)
+    /// instead of refusing them.
+    #[arg(long)]
+    skip_special: bool,
+    /// Follow symbolic links that lead outside the source tree (refused by default).
+    #[arg(long)]
+    follow_symlinks: bool,
+    /// Tar shards: skip a damaged member header to the next intact one,
+    /// reporting each skip, instead of failing.
+    #[arg(long)]
+    skip_bad_members: bool,
+    /// Tar shards: make each sample these members of its key, in this order
+    /// (e.g. jpg,json,txt); their offsets inside the sample are in the
+    /// catalog (kspeed ls --json shows them). Default: the first non-.cls member.
+    #[arg(long, value_delimiter = ',')]
+    members: Vec<String>,
+}
+
+impl ScanArgs {
+    fn options(&self) -> dataset::ScanOptions {
+        dataset::ScanOptions {
+            skip_special: self.skip_special,
+            follow_symlinks: self.follow_symlinks,
+            skip_bad_members: self.skip_bad_members,
+            members: self.members.clone(),
+        }
+    }
+}
+
+/// Prints what a scan noticed and did not turn into samples.
+fn print_notes(notes: &dataset::ScanNotes) {
+    for line in notes.lines() {
+        eprintln!("kspeed: warning: {line}");
+    }
+}
+
+fn parse_mode(s: &str) -> Result<u32, String> {
+    let digits = s.trim_start_matches("0o");
+    match u32::from_str_radix(digits, 8) {
+        Ok(m) if m <= 0o777 && m & 0o600 == 0o600 => Ok(m),
+        Ok(_) => Err(format!(
+            "{s:?}: a file mode needs owner read and write (0600) and nothing above 0777"
+        )),
+        Err(_) => Err(format!("{s:?} is not an octal mode such as 0600")),
+    }
 }
 
 #[derive(Args)]
@@ -142,7 +207,7 @@ struct PreloadArgs {
     /// Source: DIR (ImageFolder), list:FILE, tar:SHARD.tar or tar:DIR.
     /// Optional when the space already has a catalog.
     #[arg(long)]
-    source: Option<String>,
+    source: Option<std::ffi::OsString>,
     /// The space directory (created if missing).
     #[arg(long)]
     space: PathBuf,
@@ -169,6 +234,12 @@ struct PreloadArgs {
     /// Limit copy bandwidth, e.g. 200MB (per second).
     #[arg(long, value_parser = parse_bytes)]
     max_bytes_per_sec: Option<u64>,
+    /// Permissions (octal) of the files written into the space; directories
+    /// get x where r is set. Default 0600: a private cache.
+    #[arg(long, default_value = "0600", value_parser = parse_mode)]
+    file_mode: u32,
+    #[command(flatten)]
+    scan: ScanArgs,
 }
 
 #[derive(Args)]
@@ -196,16 +267,26 @@ struct InspectArgs {
     /// `kspeed serve --rdma` can listen on); alone, or with a space/catalog.
     #[arg(long)]
     devices: bool,
+    /// Print the summary as one JSON object.
+    #[arg(long, conflicts_with = "devices")]
+    json: bool,
 }
 
 #[derive(Args)]
-struct VerifyArgs {
+pub(crate) struct VerifyArgs {
     /// The space directory.
     #[arg(long)]
     space: PathBuf,
     /// Reader threads.
     #[arg(long, default_value_t = kspeed::par::default_threads())]
     threads: usize,
+    /// Copy the corrupt or missing samples found again from the source
+    /// (each checked against the catalog's CRC32C), then verify again.
+    #[arg(long)]
+    repair: bool,
+    /// Print the report as one JSON object (the exit status is the same).
+    #[arg(long)]
+    json: bool,
 }
 
 fn main() -> ExitCode {
@@ -216,6 +297,8 @@ fn main() -> ExitCode {
         // closed stdout).
         kspeed::progress::default_sigpipe();
     }
+    // A space keeps a descriptor per extent open while served or read.
+    kspeed::dataset::raise_open_files_limit();
     let level = match cli.verbose {
         0 => "warn",
         1 => "info",
@@ -257,16 +340,23 @@ fn run(cli: Cli) -> kspeed::Result<ExitCode> {
             );
         }
         Cmd::Catalog(a) => {
-            let spec = SourceSpec::parse(&a.source)?;
+            let spec = SourceSpec::parse_os(&a.source)?;
             let t0 = Instant::now();
-            let cat = dataset::catalog::build(
+            let (cat, notes) = dataset::catalog::build_with_notes(
                 &spec,
                 &a.out,
                 &BuildOptions {
                     threads: a.threads,
                     progress,
+                    scan: a.scan.options(),
                 },
             )?;
+            print_notes(&notes);
+            {
+                use std::os::unix::fs::PermissionsExt;
+                std::fs::set_permissions(&a.out, std::fs::Permissions::from_mode(a.file_mode))
+                    .map_err(|e| kspeed::Error::io("chmod", &a.out, e))?;
+            }
             println!(
                 "catalog {}: {} samples, {}, {:.1} bytes/sample, built in {:.2} s",
                 a.out.display(),
@@ -281,7 +371,7 @@ fn run(cli: Cli) -> kspeed::Result<ExitCode> {
             let align_bytes = u32::try_from(a.align_bytes)
                 .map_err(|_| kspeed::Error::InvalidConfig("--align-bytes is too large".into()))?;
             let opts = PreloadOptions {
-                source: a.source.as_deref().map(SourceSpec::parse).transpose()?,
+                source: a.source.as_deref().map(SourceSpec::parse_os).transpose()?,
                 catalog: a.catalog,
                 placement,
                 node_index: a.placement.node_index,
@@ -293,9 +383,12 @@ fn run(cli: Cli) -> kspeed::Result<ExitCode> {
                 checkpoint_bytes: a.checkpoint_bytes,
                 max_bytes_per_sec: a.max_bytes_per_sec,
                 check_free_space: true,
+                scan: a.scan.options(),
+                file_mode: a.file_mode,
             };
             let t0 = Instant::now();
             let r = dataset::preload(&a.space, &opts)?;
+            print_notes(&r.notes);
             if r.up_to_date {
                 println!(
                     "space {} is up to date: nothing copied ({} samples, {} held by node {})",
@@ -352,43 +445,12 @@ fn run(cli: Cli) -> kspeed::Result<ExitCode> {
                 let _ = std::io::stdout().flush();
             })?;
         }
-        Cmd::Inspect(a) => inspect::run(&a.space, &a.catalog, a.nodes, a.replicas, a.devices)?,
-        Cmd::Verify(a) => {
-            let space = Space::open(&a.space)?;
-            let t0 = Instant::now();
-            let r = space.verify(a.threads, progress)?;
-            let secs = t0.elapsed().as_secs_f64().max(1e-9);
-            for b in &r.bad {
-                println!(
-                    "sample {} ({}): {} in {}",
-                    b.id,
-                    b.source.display(),
-                    b.what,
-                    b.extent.display()
-                );
-            }
-            println!(
-                "verified {} samples, {} in {:.2} s ({}/s{}): {} bad",
-                r.checked,
-                human_bytes(r.bytes as f64),
-                secs,
-                human_bytes(r.bytes as f64 / secs),
-                if r.direct_io {
-                    ", O_DIRECT"
-                } else {
-                    ", page cache"
-                },
-                r.bad.len()
-            );
-            if !r.bad.is_empty() {
-                eprintln!(
-                    "kspeed: error: {} corrupt or missing sample(s) in {}; rerun kspeed preload --refresh to copy again",
-                    r.bad.len(),
-                    a.space.display()
-                );
-                return Ok(ExitCode::from(3));
-            }
+        Cmd::Ls(a) => ls::ls(a)?,
+        Cmd::Cat(a) => ls::cat(a)?,
+        Cmd::Inspect(a) => {
+            inspect::run(&a.space, &a.catalog, a.nodes, a.replicas, a.devices, a.json)?
         }
+        Cmd::Verify(a) => return verify_cmd::run(a, progress),
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -126,6 +126,9 @@ pub(crate) struct ReadArgs {
     node_timeout_ms: u64,
     #[command(flatten)]
     rdma: RdmaArgs,
+    /// Print the final report as one JSON object instead of text.
+    #[arg(long)]
+    json: bool,
 }
 
 /// The RDMA transport's options, shared by `read` and `serve`.
@@ -337,6 +340,24 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
     let wall = t0.elapsed().as_secs_f64();
     let st = loader.finish();
     let cpu = process_cpu_seconds() - cpu0;
+    if a.json {
+        let cluster = (a.cluster.is_some() || a.cluster_env).then_some(if a.rdma.rdma {
+            "rdma"
+        } else {
+            "tcp"
+        });
+        crate::read_json::print(
+            &st,
+            &crate::read_json::Run {
+                epochs: a.epochs,
+                wall_secs: wall,
+                cpu_secs: cpu,
+                setup_cpu_secs: setup_cpu,
+                cluster,
+            },
+        );
+        return Ok(());
+    }
     for l in epoch_lines {
         println!("{l}");
     }

@@ -621,6 +621,16 @@ fn memlock_limit_is_a_named_error() {
     for d in [t.path().to_path_buf(), sp.clone(), sp.join("extents")] {
         std::fs::set_permissions(&d, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
     }
+    // A space's files are private (0600): let the unprivileged reader in.
+    for d in [sp.clone(), sp.join("extents")] {
+        for f in std::fs::read_dir(&d).unwrap() {
+            let p = f.unwrap().path();
+            if p.is_file() {
+                std::fs::set_permissions(&p, std::os::unix::fs::PermissionsExt::from_mode(0o644))
+                    .unwrap();
+            }
+        }
+    }
     let o = Command::new("prlimit")
         .args([
             "--memlock=65536:65536",
@@ -1220,17 +1230,26 @@ fn ring_registration_is_shared_and_its_loss_is_not_silent() {
     for d in [t.path().to_path_buf(), sp.clone(), sp.join("extents")] {
         std::fs::set_permissions(&d, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
     }
-    let read_as_nobody = |memlock: &str| {
+    // A space's files are private (0600): let the unprivileged reader in.
+    for d in [sp.clone(), sp.join("extents")] {
+        for f in std::fs::read_dir(&d).unwrap() {
+            let p = f.unwrap().path();
+            if p.is_file() {
+                std::fs::set_permissions(&p, std::os::unix::fs::PermissionsExt::from_mode(0o644))
+                    .unwrap();
+            }
+        }
+    }
+    // A uid of its own per run: RLIMIT_MEMLOCK charges are per user,
+    // another test runs as nobody at the same time, and a process's
+    // io_uring charges are released after it exits, not before.
+    let read_as_nobody = |memlock: &str, uid: u32| {
         let o = Command::new("prlimit")
             .arg(format!("--memlock={memlock}:{memlock}"))
-            // A uid of its own: RLIMIT_MEMLOCK charges are per user, and
-            // another test runs as nobody at the same time.
-            .args([
-                "setpriv",
-                "--reuid=61234",
-                "--regid=61234",
-                "--clear-groups",
-            ])
+            .arg("setpriv")
+            .arg(format!("--reuid={uid}"))
+            .arg(format!("--regid={uid}"))
+            .arg("--clear-groups")
             .arg(kspeed_bin())
             .args([
                 "read",
@@ -1248,14 +1267,14 @@ fn ring_registration_is_shared_and_its_loss_is_not_silent() {
         e
     };
     // 4 MiB ring, 6 MiB limit: three separate registrations would need 12.
-    let e = read_as_nobody("6291456");
+    let e = read_as_nobody("6291456", 61234);
     assert!(
         e.contains("io_uring: registered once, shared by 3 pollers"),
         "{e}"
     );
     assert!(!e.contains("WARN"), "{e}");
     // 2 MiB limit: the ring cannot be registered; said, and still read.
-    let e = read_as_nobody("2097152");
+    let e = read_as_nobody("2097152", 61235);
     assert!(
         e.contains("WARN") && e.contains("cannot be registered with io_uring"),
         "{e}"

@@ -618,11 +618,24 @@ fn damaged_catalog_and_manifest_are_named_errors() {
     let mut b = good.clone();
     b[..8].copy_from_slice(b"NOTKSPD!");
     case("magic", b, "not a kspeed catalog file");
-    let mut b = good.clone();
-    b[8..12].copy_from_slice(&2u32.to_le_bytes());
-    let crc = header_crc(&b[..header_len]);
-    b[28..32].copy_from_slice(&crc.to_le_bytes());
-    case("version", b, "catalog format version 2 is not supported");
+    let with_version = |v: u32| {
+        let mut b = good.clone();
+        b[8..12].copy_from_slice(&v.to_le_bytes());
+        let crc = header_crc(&b[..header_len]);
+        b[28..32].copy_from_slice(&crc.to_le_bytes());
+        b
+    };
+    case(
+        "version",
+        with_version(3),
+        "catalog format version 3 is not supported",
+    );
+    // Version 1 (UTF-8 names; same layout) is still read.
+    assert_eq!(good[8], 2, "this build writes version 2");
+    fs::write(&cat, with_version(1)).unwrap();
+    let out = ok(&["inspect", "--space", s(&sp)]);
+    assert!(out.contains("(format v1)"), "{out}");
+    ok(&["verify", "--space", s(&sp)]);
     fs::write(&cat, &good).unwrap();
     ok(&["verify", "--space", s(&sp)]);
 
@@ -797,6 +810,31 @@ fn full_disk_is_a_named_error() {
         other => panic!("expected DiskFull, got {other:?}"),
     }
     assert!(matches!(Space::open(&sp), Err(Error::NotASpace { .. })));
+
+    // A disk too full for the catalog itself: the bytes it needs are named
+    // (not "0 bytes needed") and no catalog.ksc.tmp is left behind.
+    ok(&["unload", "--space", s(&sp)]);
+    let sp = mnt.0.join("space2");
+    fs::create_dir_all(&sp).unwrap();
+    {
+        use std::io::Write;
+        let mut fill = fs::File::create(mnt.0.join("filler")).unwrap();
+        let chunk = vec![0xa5u8; 64 << 10];
+        while fill.write_all(&chunk).is_ok() {}
+        let mut small = vec![0u8; 512];
+        while fill.write_all(&small).is_ok() {}
+        small.truncate(1);
+        while fill.write_all(&small).is_ok() {}
+    }
+    let e = fails(&["preload", "--source", s(&src), "--space", s(&sp)], 1);
+    assert!(
+        e.contains("not enough space on")
+            && e.contains("catalog.ksc")
+            && !e.contains(": 0 bytes needed"),
+        "{e}"
+    );
+    assert!(!sp.join("catalog.ksc.tmp").exists(), "{e}");
+    assert!(!sp.join("catalog.ksc").exists(), "{e}");
 }
 
 #[test]

@@ -29,9 +29,15 @@ use crate::dataset::{Placement, PreloadOptions, SourceSpec, Space};
 use crate::error::Error;
 use crate::landing::{CudaMode, LandingOptions};
 use crate::loader::{Loader, LoaderBuilder};
+
+mod classes;
 use crate::progress::ProgressMode;
 use crate::sampler::POSITION_BYTES;
 use crate::transport::{Cluster, NodeService, ServeConfig};
+pub use classes::{
+    ksp_loader_class_count, ksp_loader_class_name, ksp_loader_member_count, ksp_loader_member_name,
+    ksp_loader_sample_member,
+};
 
 /// Version of the C ABI: bumped on any incompatible change to kspeed.h.
 ///
@@ -88,6 +94,8 @@ fn status_of(e: &Error) -> ksp_status {
         | Error::ReadFailed { .. }
         | Error::ShortRead { .. }
         | Error::SymlinkLoop { .. }
+        | Error::NotRegularFile { .. }
+        | Error::SymlinkOutsideSource { .. }
         | Error::EmptySource { .. }
         | Error::SpaceLocked { .. } => KSP_ERR_IO,
         Error::BadMagic { .. }
@@ -98,6 +106,7 @@ fn status_of(e: &Error) -> ksp_status {
         | Error::SampleCorrupt { .. }
         | Error::SourceChanged { .. }
         | Error::SourceMismatch { .. }
+        | Error::CatalogOfAnotherSource { .. }
         | Error::NotASpace { .. }
         | Error::BadFileList { .. }
         | Error::BadTar { .. }

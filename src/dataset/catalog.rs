@@ -12,6 +12,8 @@
 //! - classes, 16 bytes each: name_off u64, name_len u32, 0u32
 //! - strings: the bytes the name offsets point into
 
+use std::borrow::Cow;
+use std::ffi::OsStr;
 use std::fs::File;
 use std::io::Read;
 use std::os::unix::ffi::OsStrExt;
@@ -20,7 +22,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::Instant;
 
-use super::source::{self, Scan, SourceKind, SourceSpec, NO_LABEL};
+use super::source::{self, Scan, ScanNotes, ScanOptions, SourceKind, SourceSpec, NO_LABEL};
 use crate::error::{Error, IoContext, Result, SourceChange};
 use crate::format::{self, le_u32, le_u64, FieldsBuilder, FileWriter};
 use crate::progress::{Progress, ProgressMode};
@@ -28,12 +30,17 @@ use crate::sys::ReadOnlyMap;
 
 /// Magic bytes of a catalog file.
 pub const MAGIC: [u8; 8] = *b"KSPDCAT\0";
-/// The catalog format version this build writes and reads.
-pub const VERSION: u32 = 1;
+/// The catalog format version this build writes. Version 2 allows file
+/// names, class names and the source path to be any bytes (paths that are not
+/// UTF-8); version 1 required UTF-8 class names and source. Both are read.
+pub const VERSION: u32 = 2;
+/// The oldest catalog version this build reads.
+pub const OLDEST_VERSION: u32 = 1;
 
 const SAMPLE_REC: usize = 24;
 const FILE_REC: usize = 32;
 const CLASS_REC: usize = 16;
+const PART_REC: usize = 8;
 
 /// One sample's catalog entry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -70,6 +77,8 @@ pub struct BuildOptions {
     pub threads: usize,
     /// How to show progress.
     pub progress: ProgressMode,
+    /// How the source scan treats special files, symlinks and damaged tar members.
+    pub scan: ScanOptions,
 }
 
 impl Default for BuildOptions {
@@ -77,6 +86,7 @@ impl Default for BuildOptions {
         BuildOptions {
             threads: crate::par::default_threads(),
             progress: ProgressMode::Quiet,
+            scan: ScanOptions::default(),
         }
     }
 }
@@ -100,6 +110,10 @@ pub struct Catalog {
     source: (usize, usize),
     body_crc: u32,
     created_ns: u64,
+    version: u32,
+    member_count: usize,
+    members: (usize, usize),
+    off_parts: usize,
 }
 
 /// Reads sample byte ranges from source files, keeping the last file open
@@ -132,7 +146,23 @@ impl SpanReader {
     ) -> Result<()> {
         let path = self.root.join(name);
         if self.open.as_ref().is_none_or(|(i, _)| *i != file) {
-            let f = File::open(&path).ctx("open", &path)?;
+            // O_NONBLOCK: if the file was replaced by a FIFO since the scan,
+            // opening it must not wait for a writer; only regular files are read.
+            let f = {
+                use std::os::unix::fs::OpenOptionsExt;
+                std::fs::OpenOptions::new()
+                    .read(true)
+                    .custom_flags(libc::O_NONBLOCK)
+                    .open(&path)
+                    .ctx("open", &path)?
+            };
+            let md = f.metadata().ctx("stat", &path)?;
+            if !md.is_file() {
+                return Err(Error::NotRegularFile {
+                    path,
+                    what: source::special_kind(md.file_type()),
+                });
+            }
             self.open = Some((file, f));
         }
         let f = &self.open.as_ref().expect("opened").1;
@@ -162,10 +192,25 @@ impl SpanReader {
 }
 
 /// Lists `spec`, reads every sample once to compute its CRC32C, and writes
-/// the catalog to `out`.
+/// the catalog to `out`. What the scan skipped or dropped is logged as
+/// warnings; [`build_with_notes`] returns it.
 pub fn build(spec: &SourceSpec, out: &Path, opts: &BuildOptions) -> Result<Catalog> {
+    let (cat, notes) = build_with_notes(spec, out, opts)?;
+    for line in notes.lines() {
+        log::warn!("{line}");
+    }
+    Ok(cat)
+}
+
+/// [`build`], returning what the scan noticed without failing (skipped
+/// entries, tar members that are not part of a sample) for the caller to report.
+pub fn build_with_notes(
+    spec: &SourceSpec,
+    out: &Path,
+    opts: &BuildOptions,
+) -> Result<(Catalog, ScanNotes)> {
     let t0 = Instant::now();
-    let scan = source::scan(spec)?;
+    let scan = source::scan(spec, &opts.scan)?;
     log::info!(
         "scanned {}: {} samples in {} files, {} classes ({:.2} s)",
         spec.to_source_string(),
@@ -176,7 +221,7 @@ pub fn build(spec: &SourceSpec, out: &Path, opts: &BuildOptions) -> Result<Catal
     );
     let crcs = checksum_all(&scan, opts)?;
     write(&scan, &crcs, out)?;
-    Catalog::open(out)
+    Ok((Catalog::open(out)?, scan.notes))
 }
 
 fn checksum_all(scan: &Scan, opts: &BuildOptions) -> Result<Vec<u32>> {
@@ -217,7 +262,7 @@ pub fn write(scan: &Scan, crcs: &[u32], out: &Path) -> Result<()> {
     let n = scan.samples.len() as u64;
     let nf = scan.files.len() as u64;
     let nc = scan.classes.len() as u64;
-    let source_string = scan.spec.to_source_string();
+    let source_string = scan.spec.to_source_bytes();
     let mut strings: Vec<u8> = Vec::new();
     let mut file_names = Vec::with_capacity(scan.files.len());
     for f in &scan.files {
@@ -227,10 +272,15 @@ pub fn write(scan: &Scan, crcs: &[u32], out: &Path) -> Result<()> {
     let mut class_names = Vec::with_capacity(scan.classes.len());
     for c in &scan.classes {
         class_names.push((strings.len() as u64, c.len() as u32));
-        strings.extend_from_slice(c.as_bytes());
+        strings.extend_from_slice(c.as_os_str().as_bytes());
     }
     let source_off = strings.len() as u64;
-    strings.extend_from_slice(source_string.as_bytes());
+    strings.extend_from_slice(&source_string);
+    let members = scan.members.join(",");
+    let members_off = strings.len() as u64;
+    strings.extend_from_slice(members.as_bytes());
+    let m = scan.members.len() as u64;
+    assert_eq!(scan.parts.len() as u64, n * m);
 
     let off_samples = 0u64;
     let off_files = (n * SAMPLE_REC as u64).next_multiple_of(8);
@@ -256,7 +306,34 @@ pub fn write(scan: &Scan, crcs: &[u32], out: &Path) -> Result<()> {
         .u64(source_off)
         .u64(source_string.len() as u64)
         .u64(created_ns)
-        .u64(max_sample as u64);
+        .u64(max_sample as u64)
+        .u64(m)
+        .u64(members_off)
+        .u64(members.len() as u64)
+        .u64((off_strings + strings.len() as u64).next_multiple_of(8));
+    // What the file needs on disk, named if the disk is full.
+    let file_bytes = off_strings + strings.len() as u64 + 8 * n * m + 256;
+    write_body(out, fields, scan, crcs, &file_names, &class_names, &strings).map_err(|e| match e {
+        Error::DiskFull {
+            path, available, ..
+        } => Error::DiskFull {
+            path,
+            needed: file_bytes,
+            available,
+        },
+        e => e,
+    })
+}
+
+fn write_body(
+    out: &Path,
+    fields: FieldsBuilder,
+    scan: &Scan,
+    crcs: &[u32],
+    file_names: &[(u64, u32)],
+    class_names: &[(u64, u32)],
+    strings: &[u8],
+) -> Result<()> {
     let mut w = FileWriter::create(out, MAGIC, VERSION, fields)?;
     let mut rec = [0u8; SAMPLE_REC];
     for (s, crc) in scan.samples.iter().zip(crcs) {
@@ -268,7 +345,7 @@ pub fn write(scan: &Scan, crcs: &[u32], out: &Path) -> Result<()> {
         w.write(&rec)?;
     }
     w.pad8()?;
-    for (f, (name_off, name_len)) in scan.files.iter().zip(&file_names) {
+    for (f, (name_off, name_len)) in scan.files.iter().zip(file_names) {
         let mut r = [0u8; FILE_REC];
         r[0..8].copy_from_slice(&name_off.to_le_bytes());
         r[8..16].copy_from_slice(&f.size.to_le_bytes());
@@ -276,14 +353,22 @@ pub fn write(scan: &Scan, crcs: &[u32], out: &Path) -> Result<()> {
         r[24..28].copy_from_slice(&name_len.to_le_bytes());
         w.write(&r)?;
     }
-    for (name_off, name_len) in &class_names {
+    for (name_off, name_len) in class_names {
         let mut r = [0u8; CLASS_REC];
         r[0..8].copy_from_slice(&name_off.to_le_bytes());
         r[8..12].copy_from_slice(&name_len.to_le_bytes());
         w.write(&r)?;
     }
-    debug_assert_eq!(w.body_len(), off_strings);
-    w.write(&strings)?;
+    w.write(strings)?;
+    if !scan.parts.is_empty() {
+        w.pad8()?;
+        let mut r = [0u8; PART_REC];
+        for (off, len) in &scan.parts {
+            r[0..4].copy_from_slice(&off.to_le_bytes());
+            r[4..8].copy_from_slice(&len.to_le_bytes());
+            w.write(&r)?;
+        }
+    }
     w.commit()
 }
 
@@ -305,15 +390,22 @@ impl Catalog {
             });
         }
         let map = ReadOnlyMap::new(&file).ctx("mmap", path)?;
-        let (body_start, body_len, body_crc, h) = {
+        let (body_start, body_len, body_crc, h, version) = {
             let bytes = map.as_slice();
-            let parsed = format::parse(path, "catalog", &MAGIC, VERSION, bytes)?;
-            let mut h = [0u64; 14];
+            let parsed =
+                format::parse_versions(path, "catalog", &MAGIC, OLDEST_VERSION..=VERSION, bytes)?;
+            let mut h = [0u64; 18];
             for (i, v) in h.iter_mut().enumerate() {
                 *v = parsed.fields.u64(i * 8);
             }
             let body_start = parsed.body.as_ptr() as usize - bytes.as_ptr() as usize;
-            (body_start, parsed.body.len(), le_u32(bytes, 24), h)
+            (
+                body_start,
+                parsed.body.len(),
+                le_u32(bytes, 24),
+                h,
+                parsed.version,
+            )
         };
         let corrupt = |detail: String| Error::Corrupt {
             path: path.to_path_buf(),
@@ -342,6 +434,10 @@ impl Catalog {
             created_ns: h[12],
             max_sample: u32::try_from(h[13]).unwrap_or(u32::MAX),
             body_crc,
+            version,
+            member_count: to_usize(h[14]),
+            members: (to_usize(h[15]), to_usize(h[16])),
+            off_parts: to_usize(h[17]),
         };
         // Section bounds, with overflow-checked arithmetic: the header is
         // trusted only as far as it is consistent.
@@ -366,6 +462,24 @@ impl Catalog {
         if samples == 0 {
             return Err(corrupt("no samples".into()));
         }
+        if cat.member_count > 0 {
+            let ok = cat
+                .members
+                .0
+                .checked_add(cat.members.1)
+                .is_some_and(|e| e <= cat.strings_len)
+                && cat.off_parts >= cat.off_strings + cat.strings_len
+                && cat
+                    .member_count
+                    .checked_mul(PART_REC)
+                    .and_then(|rec| span(cat.off_parts, samples, rec))
+                    .is_some_and(|e| e <= body_len)
+                && std::str::from_utf8(cat.members_bytes())
+                    .is_ok_and(|m| m.split(',').count() == cat.member_count);
+            if !ok || kind != SourceKind::Tar {
+                return Err(corrupt("member table does not fit the file".into()));
+            }
+        }
         for i in 0..files as u32 {
             let (off, len) = cat.file_name_range(i);
             if off.checked_add(len).is_none_or(|e| e > cat.strings_len) {
@@ -375,8 +489,9 @@ impl Catalog {
         for i in 0..classes as u32 {
             let r = cat.class_rec(i);
             let (off, len) = (le_u64(r, 0) as usize, le_u32(r, 8) as usize);
+            // Version 1 promised UTF-8 class names; version 2 stores bytes.
             if off.checked_add(len).is_none_or(|e| e > cat.strings_len)
-                || std::str::from_utf8(&cat.strings()[off..off + len]).is_err()
+                || (version == 1 && std::str::from_utf8(&cat.strings()[off..off + len]).is_err())
             {
                 return Err(corrupt(format!("class {i}: bad name")));
             }
@@ -404,6 +519,13 @@ impl Catalog {
                     "sample {id}: range past the end of its file"
                 )));
             }
+            for (j, (off, len)) in cat.sample_members(id).enumerate() {
+                if off as u64 + len as u64 > s.len as u64 {
+                    return Err(corrupt(format!(
+                        "sample {id}: member {j} runs past the sample"
+                    )));
+                }
+            }
             total += s.len as u64;
             max = max.max(s.len);
         }
@@ -412,8 +534,11 @@ impl Catalog {
                 "totals in the header do not match the samples".into(),
             ));
         }
-        if std::str::from_utf8(cat.source_bytes()).is_err() {
+        if version == 1 && std::str::from_utf8(cat.source_bytes()).is_err() {
             return Err(corrupt("source string is not UTF-8".into()));
+        }
+        if !cat.source_bytes().contains(&b':') {
+            return Err(corrupt("source string has no kind prefix".into()));
         }
         Ok(cat)
     }
@@ -424,6 +549,36 @@ impl Catalog {
 
     fn strings(&self) -> &[u8] {
         &self.body()[self.off_strings..self.off_strings + self.strings_len]
+    }
+
+    fn members_bytes(&self) -> &[u8] {
+        &self.strings()[self.members.0..self.members.0 + self.members.1]
+    }
+
+    /// The tar member extensions each sample is made of, in order, when the
+    /// catalog was built with `--members` (empty otherwise: a sample is one
+    /// member, or one file).
+    pub fn members(&self) -> Vec<&str> {
+        if self.member_count == 0 {
+            return Vec::new();
+        }
+        std::str::from_utf8(self.members_bytes())
+            .expect("validated at open")
+            .split(',')
+            .collect()
+    }
+
+    /// Where each listed member (see [`Catalog::members`]) lies inside sample
+    /// `id`'s bytes: (offset, length), in the listed order. Empty when the
+    /// catalog has no member list. Panics if `id >= len()`.
+    pub fn sample_members(&self, id: u64) -> impl Iterator<Item = (u32, u32)> + '_ {
+        assert!(id < self.samples, "sample {id} out of range");
+        let m = self.member_count;
+        let start = self.off_parts + id as usize * m * PART_REC;
+        (0..m).map(move |j| {
+            let r = &self.body()[start + j * PART_REC..start + (j + 1) * PART_REC];
+            (le_u32(r, 0), le_u32(r, 4))
+        })
     }
 
     fn source_bytes(&self) -> &[u8] {
@@ -485,18 +640,28 @@ impl Catalog {
         self.kind
     }
 
-    /// The source string recorded at build time, e.g. `dir:/data/train`.
-    pub fn source(&self) -> &str {
-        std::str::from_utf8(self.source_bytes()).expect("validated at open")
+    /// The source string recorded at build time, e.g. `dir:/data/train`
+    /// (bytes that are not UTF-8 shown as U+FFFD; [`Catalog::source_spec`]
+    /// has the exact path).
+    pub fn source(&self) -> Cow<'_, str> {
+        String::from_utf8_lossy(self.source_bytes())
+    }
+
+    /// The catalog format version of this file (1 or 2).
+    pub fn version(&self) -> u32 {
+        self.version
     }
 
     /// The source as a spec (without touching the file system).
     pub fn source_spec(&self) -> SourceSpec {
-        let s = self.source();
-        let (_, p) = s.split_once(':').unwrap_or(("", s));
+        let s = self.source_bytes();
+        let colon = s
+            .iter()
+            .position(|&b| b == b':')
+            .expect("validated at open");
         SourceSpec {
             kind: self.kind,
-            path: PathBuf::from(p),
+            path: PathBuf::from(OsStr::from_bytes(&s[colon + 1..])),
         }
     }
 
@@ -547,16 +712,120 @@ impl Catalog {
         self.source_spec().root().join(self.file(i).name)
     }
 
-    /// Name of class `i`. Panics if out of range.
-    pub fn class_name(&self, i: u32) -> &str {
+    /// Name of class `i` (the class folder's name; bytes that are not UTF-8
+    /// shown as U+FFFD). Panics if out of range.
+    pub fn class_name(&self, i: u32) -> Cow<'_, str> {
+        String::from_utf8_lossy(self.class_name_bytes(i))
+    }
+
+    /// Name of class `i` exactly as the folder is named. Panics if out of range.
+    pub fn class_name_bytes(&self, i: u32) -> &[u8] {
         let r = self.class_rec(i);
         let (off, len) = (le_u64(r, 0) as usize, le_u32(r, 8) as usize);
-        std::str::from_utf8(&self.strings()[off..off + len]).expect("validated at open")
+        &self.strings()[off..off + len]
     }
 
     /// Bytes of catalog per sample (file size / samples).
     pub fn bytes_per_sample(&self) -> f64 {
         self.map.as_slice().len() as f64 / self.samples as f64
+    }
+
+    /// Everything that differs between the source now and the catalog:
+    /// files changed (size, mtime), vanished, no longer listed, or no longer
+    /// regular; files added to the tree (or the list, or shards added to the
+    /// directory); new class folders, reported with the labels they would
+    /// shift (labels are the indices of the sorted class names). One scan of
+    /// the source's names, one `stat` per file.
+    pub fn source_status(&self, opts: &ScanOptions) -> Result<Vec<SourceChange>> {
+        let spec = self.source_spec();
+        let root = spec.root();
+        let mut changes = Vec::new();
+        if spec.kind == SourceKind::Dir {
+            let now = source::current_classes(&spec)?;
+            let old: Vec<&[u8]> = (0..self.classes as u32)
+                .map(|i| self.class_name_bytes(i))
+                .collect();
+            for (new_label, c) in now.iter().enumerate() {
+                let b = c.as_os_str().as_bytes();
+                if old.contains(&b) {
+                    continue;
+                }
+                let shifted: Vec<String> = old
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, o)| **o > b)
+                    .map(|(i, o)| format!("{} {i} -> {}", String::from_utf8_lossy(o), i + 1))
+                    .collect();
+                let what = if shifted.is_empty() {
+                    format!("new class folder (label {new_label})")
+                } else {
+                    format!(
+                        "new class folder; it shifts the labels of {} later class(es): {}{}",
+                        shifted.len(),
+                        shifted
+                            .iter()
+                            .take(3)
+                            .cloned()
+                            .collect::<Vec<_>>()
+                            .join(", "),
+                        if shifted.len() > 3 { ", ..." } else { "" }
+                    )
+                };
+                changes.push(SourceChange {
+                    path: root.join(c),
+                    what,
+                });
+            }
+        }
+        let current = source::current_files(&spec, opts)?;
+        let mut now: std::collections::HashMap<&Path, (u64, i64)> = current
+            .iter()
+            .map(|f| (f.name.as_path(), (f.size, f.mtime_ns)))
+            .collect();
+        for i in 0..self.files as u32 {
+            let f = self.file(i);
+            let p = root.join(f.name);
+            match now.remove(f.name) {
+                Some(stat) => {
+                    if let Some(what) = Self::stat_change(&f, stat) {
+                        changes.push(SourceChange { path: p, what });
+                    }
+                }
+                // Not among the source's files now: vanished, or still there
+                // but no longer part of the source.
+                None => {
+                    let what = match std::fs::metadata(&p) {
+                        Err(e) if e.kind() == std::io::ErrorKind::NotFound => "vanished".into(),
+                        Err(e) => format!("cannot stat: {e}"),
+                        Ok(_) if spec.kind == SourceKind::List => {
+                            format!("no longer listed in {}", spec.path.display())
+                        }
+                        Ok(_) => "no longer part of the source".into(),
+                    };
+                    changes.push(SourceChange { path: p, what });
+                }
+            }
+        }
+        let mut added: Vec<&Path> = now.into_keys().collect();
+        added.sort();
+        for name in added {
+            changes.push(SourceChange {
+                path: root.join(name),
+                what: "added".into(),
+            });
+        }
+        Ok(changes)
+    }
+
+    /// How a file's (size, mtime) now differs from the catalog's, if at all.
+    fn stat_change(f: &SourceFile<'_>, (size, mtime_ns): (u64, i64)) -> Option<String> {
+        if size != f.size {
+            Some(format!("size {} -> {} bytes", f.size, size))
+        } else if mtime_ns != f.mtime_ns {
+            Some("modification time changed".into())
+        } else {
+            None
+        }
     }
 
     /// Compares every source file's size and mtime with the catalog. Returns

@@ -5,11 +5,18 @@ pub mod catalog;
 pub mod gen;
 pub mod owner;
 pub mod preload;
+pub mod repair;
+mod shard;
 pub mod source;
 pub mod space;
 
 pub use catalog::{BuildOptions, Catalog, Sample};
 pub use owner::Placement;
-pub use preload::{preload, unload, PreloadOptions, PreloadReport};
-pub use source::{SourceKind, SourceSpec};
-pub use space::{BadSample, LayoutParams, Location, Space, VerifyReport};
+pub use preload::{preload, unload, PreloadOptions, PreloadReport, SpaceLock};
+pub use repair::{repair, RepairReport};
+pub use source::{ScanNotes, ScanOptions, SourceKind, SourceSpec};
+pub use space::{BadKind, BadSample, LayoutParams, Location, Space, VerifyReport};
+
+/// Raises the open-files soft limit to the hard limit (see the function in
+/// `sys`); the CLI, preload and verify call it at start.
+pub use crate::sys::raise_open_files_limit;

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use super::catalog::{self, BuildOptions, Catalog, SpanReader};
 use super::owner::Placement;
-use super::source::SourceSpec;
+use super::source::{ScanNotes, ScanOptions, SourceSpec};
 use super::space::{self, extent_path, files, LayoutParams, Plan, Space};
 use crate::error::{Error, IoContext, Result, SourceChange};
 use crate::format::{self, FileWriter};
@@ -54,6 +54,13 @@ pub struct PreloadOptions {
     pub max_bytes_per_sec: Option<u64>,
     /// Refuse to start when the file system has less free space than needed.
     pub check_free_space: bool,
+    /// How the source scan treats special files, symlinks leaving the tree
+    /// and damaged tar members (strict by default).
+    pub scan: ScanOptions,
+    /// Permissions of the files preload writes (catalog, manifest, journal,
+    /// extents); directories it creates get these plus `x` where `r` is set.
+    /// Default 0o600: a private cache, whatever the source's permissions.
+    pub file_mode: u32,
 }
 
 impl Default for PreloadOptions {
@@ -71,8 +78,32 @@ impl Default for PreloadOptions {
             checkpoint_bytes: 64 << 20,
             max_bytes_per_sec: None,
             check_free_space: true,
+            scan: ScanOptions::default(),
+            file_mode: 0o600,
         }
     }
+}
+
+/// The directory mode matching a file mode: `x` wherever `r` is set.
+pub(crate) fn dir_mode(file_mode: u32) -> u32 {
+    let m = file_mode & 0o777;
+    m | ((m & 0o444) >> 2)
+}
+
+/// Creates `dir` (and parents) with `mode` for the directories it creates.
+fn create_private_dir(dir: &Path, mode: u32) -> Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    fs::DirBuilder::new()
+        .recursive(true)
+        .mode(mode)
+        .create(dir)
+        .ctx("create directory", dir)
+}
+
+/// Sets `path`'s permissions to `mode`.
+fn chmod(path: &Path, mode: u32) -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    fs::set_permissions(path, fs::Permissions::from_mode(mode)).ctx("chmod", path)
 }
 
 /// What a preload did.
@@ -96,30 +127,104 @@ pub struct PreloadReport {
     pub catalog_time: Duration,
     /// Time spent copying.
     pub copy_time: Duration,
+    /// What the catalog build noticed and did not turn into samples (empty
+    /// when no catalog was built in this run).
+    pub notes: ScanNotes,
 }
 
-/// Holds the space's lock file for the duration of a preload or unload.
-pub(crate) struct SpaceLock {
+/// Holds a space's lock file (`SPACE/.lock`, flock). Preload, repair and
+/// unload hold it exclusively; `kspeed serve` (and anything else that reads
+/// the extents for a long time) holds it shared, so a space is never removed
+/// or rewritten under a process that serves it. A refusal names the holders'
+/// pids (from `/proc/locks`).
+pub struct SpaceLock {
     _file: File,
 }
 
 impl SpaceLock {
+    /// Takes the lock exclusively (to change the space).
+    pub fn exclusive(dir: &Path) -> Result<Self> {
+        Self::take(dir, false)
+    }
+
+    /// Takes the lock shared (to read the space while it must not change).
+    pub fn shared(dir: &Path) -> Result<Self> {
+        Self::take(dir, true)
+    }
+
     pub(crate) fn acquire(dir: &Path) -> Result<Self> {
+        Self::exclusive(dir)
+    }
+
+    fn take(dir: &Path, shared: bool) -> Result<Self> {
         let p = dir.join(files::LOCK);
-        let file = OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&p)
-            .ctx("create", &p)?;
-        match file.try_lock() {
+        // A reader only needs to read the lock file (flock works on a
+        // read-only descriptor), so serve runs on a space it cannot write.
+        let existing = if shared { File::open(&p).ok() } else { None };
+        let file = match existing {
+            Some(f) => f,
+            None => {
+                use std::os::unix::fs::OpenOptionsExt;
+                OpenOptions::new()
+                    .create(true)
+                    .truncate(false)
+                    .read(true)
+                    .write(true)
+                    .mode(0o600)
+                    .open(&p)
+                    .ctx("create", &p)?
+            }
+        };
+        let r = if shared {
+            file.try_lock_shared()
+        } else {
+            file.try_lock()
+        };
+        match r {
             Ok(()) => Ok(SpaceLock { _file: file }),
             Err(fs::TryLockError::WouldBlock) => Err(Error::SpaceLocked {
                 path: dir.to_path_buf(),
+                holders: lock_holders(&file),
             }),
             Err(fs::TryLockError::Error(e)) => Err(Error::io("lock", &p, e)),
         }
     }
+}
+
+/// The pids holding a flock on `file`, and whether each lock is shared,
+/// read from `/proc/locks` (empty when it cannot be read).
+fn lock_holders(file: &File) -> Vec<(u32, bool)> {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(md) = file.metadata() else {
+        return Vec::new();
+    };
+    let dev = md.dev();
+    let want = format!(
+        "{:02x}:{:02x}:{}",
+        libc::major(dev),
+        libc::minor(dev),
+        md.ino()
+    );
+    let Ok(text) = fs::read_to_string("/proc/locks") else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for line in text.lines() {
+        // "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF"; waiters carry "->".
+        let f: Vec<&str> = line.split_whitespace().collect();
+        if f.len() < 6 || f[1] != "FLOCK" || f.contains(&"->") {
+            continue;
+        }
+        if f[5] != want {
+            continue;
+        }
+        if let Ok(pid) = f[4].parse::<u32>() {
+            out.push((pid, f[3] == "READ"));
+        }
+    }
+    out.sort();
+    out.dedup();
+    out
 }
 
 fn remove_if_exists(p: &Path) -> Result<()> {
@@ -127,6 +232,19 @@ fn remove_if_exists(p: &Path) -> Result<()> {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
         Err(e) => Err(Error::io("remove", p, e)),
+    }
+}
+
+/// A full disk while writing the catalog: name the bytes the catalog needs
+/// (the `.tmp` file is already removed by the writer).
+fn catalog_write_error(e: Error, dir: &Path) -> Error {
+    match e {
+        Error::DiskFull { path, needed, .. } => Error::DiskFull {
+            path,
+            needed,
+            available: crate::sys::free_bytes(dir).unwrap_or(0),
+        },
+        e => e,
     }
 }
 
@@ -142,6 +260,20 @@ fn clear_layout(dir: &Path) -> Result<()> {
     }
 }
 
+/// Refuses a catalog built with other `--members` than asked for.
+fn check_members(cat: &Catalog, opts: &PreloadOptions) -> Result<()> {
+    let want = &opts.scan.members;
+    if !want.is_empty() && cat.members() != *want {
+        return Err(Error::InvalidConfig(format!(
+            "catalog {} makes samples of members [{}], not [{}]; use --refresh (or another space) to rebuild it",
+            cat.path().display(),
+            cat.members().join(","),
+            want.join(",")
+        )));
+    }
+    Ok(())
+}
+
 /// Brings the catalog in `dir` up to date with `opts`, building it if needed.
 fn ensure_catalog(
     dir: &Path,
@@ -151,13 +283,36 @@ fn ensure_catalog(
     let cpath = dir.join(files::CATALOG);
     if let Some(given) = &opts.catalog {
         let given_cat = Catalog::open(given)?;
+        check_members(&given_cat, opts)?;
+        // A catalog indexes one source: preloading it "from" another would
+        // silently copy the catalog's source instead.
+        if let Some(spec) = &opts.source {
+            if given_cat.source_spec() != *spec {
+                return Err(Error::CatalogOfAnotherSource {
+                    catalog: given.clone(),
+                    catalog_source: given_cat.source().into_owned(),
+                    given: spec.to_source_string(),
+                });
+            }
+        }
         let same = Catalog::open(&cpath)
             .map(|c| c.identity() == given_cat.identity())
             .unwrap_or(false);
         if !same {
             clear_layout(dir)?;
             let tmp = dir.join("catalog.ksc.tmp");
-            fs::copy(given, &tmp).ctx("copy", given)?;
+            if let Err(e) = fs::copy(given, &tmp).ctx("copy", given) {
+                let _ = fs::remove_file(&tmp);
+                return Err(match e {
+                    Error::DiskFull { path, .. } => Error::DiskFull {
+                        path,
+                        needed: fs::metadata(given).map(|m| m.len()).unwrap_or(0),
+                        available: crate::sys::free_bytes(dir).unwrap_or(0),
+                    },
+                    e => e,
+                });
+            }
+            chmod(&tmp, opts.file_mode)?;
             File::open(&tmp)
                 .and_then(|f| f.sync_all())
                 .ctx("fsync", &tmp)?;
@@ -168,11 +323,12 @@ fn ensure_catalog(
     }
     if cpath.exists() && !opts.refresh {
         let cat = Catalog::open(&cpath)?;
+        check_members(&cat, opts)?;
         if let Some(spec) = &opts.source {
-            if cat.source() != spec.to_source_string() {
+            if cat.source_spec() != *spec {
                 return Err(Error::SourceMismatch {
                     space: dir.to_path_buf(),
-                    catalog_source: cat.source().to_string(),
+                    catalog_source: cat.source().into_owned(),
                     given: spec.to_source_string(),
                 });
             }
@@ -193,14 +349,18 @@ fn ensure_catalog(
         clear_layout(dir)?;
     }
     let t0 = Instant::now();
-    let cat = catalog::build(
+    let (cat, notes) = catalog::build_with_notes(
         &spec,
         &cpath,
         &BuildOptions {
             threads: opts.threads,
             progress: opts.progress,
+            scan: opts.scan.clone(),
         },
-    )?;
+    )
+    .map_err(|e| catalog_write_error(e, dir))?;
+    chmod(&cpath, opts.file_mode)?;
+    report.notes = notes;
     report.catalog_built = true;
     report.catalog_time = t0.elapsed();
     Ok(cat)
@@ -239,11 +399,8 @@ fn write_journal(dir: &Path, params: &LayoutParams, watermark: u64) -> Result<()
     w.commit()
 }
 
-/// Preloads `dir` (created if missing) as `opts` says.
-pub fn preload(dir: &Path, opts: &PreloadOptions) -> Result<PreloadReport> {
-    fs::create_dir_all(dir).ctx("create directory", dir)?;
-    let _lock = SpaceLock::acquire(dir)?;
-    let mut report = PreloadReport {
+fn empty_report() -> PreloadReport {
+    PreloadReport {
         up_to_date: false,
         catalog_built: false,
         resumed_at: None,
@@ -253,19 +410,85 @@ pub fn preload(dir: &Path, opts: &PreloadOptions) -> Result<PreloadReport> {
         held_bytes: 0,
         catalog_time: Duration::ZERO,
         copy_time: Duration::ZERO,
-    };
-    let catalog = ensure_catalog(dir, opts, &mut report)?;
-    let params = LayoutParams {
+        notes: ScanNotes::default(),
+    }
+}
+
+fn layout_params(catalog: &Catalog, opts: &PreloadOptions) -> LayoutParams {
+    LayoutParams {
         catalog_identity: catalog.identity(),
         catalog_samples: catalog.len(),
         placement: opts.placement,
         node_index: opts.node_index,
         align_bytes: opts.align_bytes,
         extent_bytes: opts.extent_bytes,
+    }
+}
+
+/// Whether the space is complete and matches `opts` and the source, checked
+/// under a shared lock without changing anything (preload beside a serve).
+fn up_to_date_under_readers(dir: &Path, opts: &PreloadOptions) -> Result<Option<PreloadReport>> {
+    let _shared = SpaceLock::shared(dir)?;
+    let space = Space::open(dir)?;
+    let catalog = space.catalog();
+    check_members(catalog, opts)?;
+    if let Some(given) = &opts.catalog {
+        if Catalog::open(given)?.identity() != catalog.identity() {
+            return Ok(None);
+        }
+    }
+    if opts
+        .source
+        .as_ref()
+        .is_some_and(|s| *s != catalog.source_spec())
+    {
+        return Ok(None);
+    }
+    let changes = catalog.source_status(&opts.scan)?;
+    if !changes.is_empty() {
+        return Err(Error::SourceChanged { changes });
+    }
+    if *space.params() != layout_params(catalog, opts) || space.check_extents().is_err() {
+        return Ok(None);
+    }
+    let mut r = empty_report();
+    r.up_to_date = true;
+    r.held_samples = space.held_samples();
+    r.held_bytes = space.held_bytes();
+    Ok(Some(r))
+}
+
+/// Preloads `dir` (created if missing) as `opts` says.
+pub fn preload(dir: &Path, opts: &PreloadOptions) -> Result<PreloadReport> {
+    crate::sys::raise_open_files_limit();
+    create_private_dir(dir, dir_mode(opts.file_mode))?;
+    let _lock = match SpaceLock::acquire(dir) {
+        Ok(l) => l,
+        // Readers only (a running serve): a space that is already up to date
+        // is reported as such; anything that would change it is refused.
+        Err(Error::SpaceLocked { holders, path })
+            if !opts.refresh && !holders.is_empty() && holders.iter().all(|h| h.1) =>
+        {
+            return match up_to_date_under_readers(dir, opts)? {
+                Some(r) => Ok(r),
+                None => Err(Error::SpaceLocked { path, holders }),
+            };
+        }
+        Err(e) => return Err(e),
     };
+    let mut report = empty_report();
+    let catalog = ensure_catalog(dir, opts, &mut report)?;
+    let params = layout_params(&catalog, opts);
     params.validate()?;
 
-    let changes = catalog.source_changes();
+    // Additions are changes too: without this check new files and class
+    // folders would be silently absent from an "up to date" space. A catalog
+    // built in this run only needs the cheap size/mtime check.
+    let changes = if report.catalog_built {
+        catalog.source_changes()
+    } else {
+        catalog.source_status(&opts.scan)?
+    };
     if !changes.is_empty() {
         return Err(Error::SourceChanged { changes });
     }
@@ -316,24 +539,33 @@ pub fn preload(dir: &Path, opts: &PreloadOptions) -> Result<PreloadReport> {
     }
 
     let ext_dir = dir.join(files::EXTENTS);
-    fs::create_dir_all(&ext_dir).ctx("create directory", &ext_dir)?;
+    create_private_dir(&ext_dir, dir_mode(opts.file_mode))?;
+    // Extents are created here but opened only while written (one per copy
+    // thread at a time), so a space of many extents fits the open-files limit.
     let mut extents = Vec::with_capacity(plan.extent_lens.len());
     let mut existing = 0u64;
     for i in 0..plan.extent_lens.len() as u32 {
         let p = extent_path(dir, i);
-        let f = OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .read(true)
-            .write(true)
-            .open(&p)
-            .ctx("create", &p)?;
+        let f = {
+            use std::os::unix::fs::OpenOptionsExt;
+            OpenOptions::new()
+                .create(true)
+                .truncate(false)
+                .read(true)
+                .write(true)
+                .mode(opts.file_mode)
+                .open(&p)
+                .ctx("create", &p)?
+        };
+        // An extent left by an earlier run keeps its old mode otherwise.
+        chmod(&p, opts.file_mode)?;
         existing += f
             .metadata()
             .ctx("stat", &p)?
             .len()
             .min(plan.extent_lens[i as usize]);
-        extents.push((p, f));
+        drop(f);
+        extents.push(p);
     }
     let needed = plan
         .extent_lens
@@ -361,6 +593,7 @@ pub fn preload(dir: &Path, opts: &PreloadOptions) -> Result<PreloadReport> {
         plan: &plan,
         params: &params,
         extents: &extents,
+        dirty: Mutex::new(BTreeSet::new()),
         opts,
         progress: Progress::new("preload", to_copy, opts.progress),
         copied_samples: AtomicU64::new(0),
@@ -398,13 +631,15 @@ pub fn preload(dir: &Path, opts: &PreloadOptions) -> Result<PreloadReport> {
     report.copied_bytes = copier.copied_bytes.load(Ordering::Relaxed);
     drop(copier);
 
-    for ((p, f), &len) in extents.iter().zip(&plan.extent_lens) {
+    for (p, &len) in extents.iter().zip(&plan.extent_lens) {
+        let f = OpenOptions::new().write(true).open(p).ctx("open", p)?;
         f.set_len(len).ctx("truncate", p)?;
         f.sync_all().ctx("fsync", p)?;
-        crate::sys::drop_cache(f, 0, 0);
+        crate::sys::drop_cache(&f, 0, 0);
     }
     format::sync_parent(&extent_path(dir, 0))?;
     space::write_manifest(dir, &params, &plan)?;
+    chmod(&dir.join(files::MANIFEST), opts.file_mode)?;
     remove_if_exists(&dir.join(files::JOURNAL))?;
     report.copy_time = t0.elapsed();
     Ok(report)
@@ -423,7 +658,9 @@ struct Copier<'a> {
     catalog: &'a Catalog,
     plan: &'a Plan,
     params: &'a LayoutParams,
-    extents: &'a [(PathBuf, File)],
+    extents: &'a [PathBuf],
+    /// Extents written by completed ranges since the last checkpoint.
+    dirty: Mutex<BTreeSet<u32>>,
     opts: &'a PreloadOptions,
     progress: Progress,
     copied_samples: AtomicU64,
@@ -436,12 +673,25 @@ impl Copier<'_> {
     fn copy_range(&self, range: std::ops::Range<u64>) -> Result<()> {
         let mut reader = SpanReader::new(self.catalog.source_spec().root());
         let mut bytes = 0u64;
+        let mut open: Option<(u32, File)> = None;
+        let mut touched: Vec<u32> = Vec::new();
         for id in range.clone() {
             let Some(loc) = self.plan.location(id) else {
                 continue;
             };
             let s = self.catalog.sample(id);
-            let (ext_path, ext) = &self.extents[loc.extent as usize];
+            let ext_path = &self.extents[loc.extent as usize];
+            if open.as_ref().is_none_or(|(e, _)| *e != loc.extent) {
+                let f = OpenOptions::new()
+                    .write(true)
+                    .open(ext_path)
+                    .ctx("open", ext_path)?;
+                open = Some((loc.extent, f));
+                if !touched.contains(&loc.extent) {
+                    touched.push(loc.extent);
+                }
+            }
+            let ext = &open.as_ref().expect("just opened").1;
             let src = self.catalog.file(s.file).name;
             let mut pos = 0u64;
             let mut crc = 0u32;
@@ -471,7 +721,9 @@ impl Copier<'_> {
             let total = self.copied_bytes.fetch_add(s.len as u64, Ordering::Relaxed) + s.len as u64;
             self.throttle(total);
         }
+        drop(open);
         let mut st = self.state.lock().expect("not poisoned");
+        self.dirty.lock().expect("not poisoned").extend(touched);
         st.done.insert((range.start, range.end));
         st.unsynced_bytes += bytes;
         while let Some(&(a, b)) = st.done.first() {
@@ -522,9 +774,14 @@ impl Copier<'_> {
             return Ok(());
         }
         let watermark = st.next;
-        for (p, f) in self.extents {
+        let dirty = std::mem::take(&mut *self.dirty.lock().expect("not poisoned"));
+        for i in dirty {
+            // fsync through a new descriptor syncs the file's dirty pages
+            // written through any descriptor.
+            let p = &self.extents[i as usize];
+            let f = OpenOptions::new().write(true).open(p).ctx("open", p)?;
             f.sync_data().ctx("fsync", p)?;
-            crate::sys::drop_cache(f, 0, 0);
+            crate::sys::drop_cache(&f, 0, 0);
         }
         write_journal(self.dir, self.params, watermark)?;
         st.unsynced_bytes = 0;

@@ -15,10 +15,10 @@
 //!   decimal text. Samples are indexed in place: (shard, offset, length).
 
 use std::collections::HashSet;
+use std::ffi::OsString;
 use std::fs;
-use std::io::Read;
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::MetadataExt;
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
 use crate::error::{Error, IoContext, Result};
@@ -76,12 +76,19 @@ impl SourceSpec {
     /// guessed (directory: dir, or tar if the name ends in `.tar`; file: list,
     /// or tar if it ends in `.tar`).
     pub fn parse(s: &str) -> Result<Self> {
-        let (kind, raw) = match s.split_once(':') {
-            Some(("dir", p)) => (Some(SourceKind::Dir), p),
-            Some(("list", p)) => (Some(SourceKind::List), p),
-            Some(("tar", p)) => (Some(SourceKind::Tar), p),
-            _ => (None, s),
+        Self::parse_os(std::ffi::OsStr::new(s))
+    }
+
+    /// [`SourceSpec::parse`] for a path that need not be UTF-8.
+    pub fn parse_os(s: &std::ffi::OsStr) -> Result<Self> {
+        let b = s.as_bytes();
+        let (kind, raw) = match b.iter().position(|&c| c == b':') {
+            Some(i) if &b[..i] == b"dir" => (Some(SourceKind::Dir), &b[i + 1..]),
+            Some(i) if &b[..i] == b"list" => (Some(SourceKind::List), &b[i + 1..]),
+            Some(i) if &b[..i] == b"tar" => (Some(SourceKind::Tar), &b[i + 1..]),
+            _ => (None, b),
         };
+        let raw = std::ffi::OsStr::from_bytes(raw);
         if raw.is_empty() {
             return Err(Error::InvalidConfig(format!("source {s:?} names no path")));
         }
@@ -112,9 +119,19 @@ impl SourceSpec {
         Ok(SourceSpec { kind, path })
     }
 
-    /// The canonical string recorded in catalogs, e.g. `dir:/data/imagenet`.
+    /// The canonical string, e.g. `dir:/data/imagenet`, for messages (a path
+    /// that is not UTF-8 is shown lossily; catalogs record
+    /// [`SourceSpec::to_source_bytes`]).
     pub fn to_source_string(&self) -> String {
         format!("{}:{}", self.kind.prefix(), self.path.display())
+    }
+
+    /// The source as catalogs record it: `kind:` then the path's bytes, exact
+    /// even when the path is not UTF-8.
+    pub fn to_source_bytes(&self) -> Vec<u8> {
+        let mut v = format!("{}:", self.kind.prefix()).into_bytes();
+        v.extend_from_slice(self.path.as_os_str().as_bytes());
+        v
     }
 
     /// The directory relative file names are resolved against.
@@ -125,6 +142,72 @@ impl SourceSpec {
             SourceKind::Tar if self.path.is_dir() => self.path.clone(),
             SourceKind::Tar => self.path.parent().unwrap_or(Path::new("/")).to_path_buf(),
         }
+    }
+}
+
+/// How a scan treats entries that are not plain samples. `Default` is the
+/// strict setting: anything that could lose or invent a sample is an error.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ScanOptions {
+    /// Skip FIFOs, devices and sockets (counted in [`ScanNotes`]) instead of
+    /// refusing them with [`Error::NotRegularFile`].
+    pub skip_special: bool,
+    /// Follow symbolic links that lead outside the source tree instead of
+    /// refusing them with [`Error::SymlinkOutsideSource`].
+    pub follow_symlinks: bool,
+    /// In tar shards, skip a damaged member header to the next intact one
+    /// (each skip reported in [`ScanNotes`]) instead of failing with
+    /// [`Error::BadTar`].
+    pub skip_bad_members: bool,
+    /// Tar shards: make each sample the listed members of its key (by
+    /// extension, e.g. `["jpg", "json", "txt"]`), in this order, instead of
+    /// its first non-`.cls` member. Every key must have every listed member.
+    /// The sample's bytes are the shard's contiguous range from the first to
+    /// the last of them (tar headers between them included); the catalog
+    /// records each member's offset and length inside that range
+    /// ([`crate::dataset::Catalog::sample_members`]). Empty: one member per
+    /// sample.
+    pub members: Vec<String>,
+}
+
+/// What a scan noticed without failing: every entry it did not turn into a
+/// sample, so nothing is dropped without a word.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ScanNotes {
+    /// One line per thing the user should know (skipped entries, damaged
+    /// members skipped, a directory of `.tar` files read as plain files).
+    pub warnings: Vec<String>,
+    /// Entries skipped because they are not regular files (`skip_special`).
+    pub skipped_special: u64,
+    /// Damaged tar headers skipped (`skip_bad_members`).
+    pub skipped_bad_members: u64,
+    /// Tar members that belong to a sample's key but are not its data member
+    /// (captions, metadata, ...), counted by extension.
+    pub dropped_members: std::collections::BTreeMap<String, u64>,
+}
+
+impl ScanNotes {
+    /// Members not delivered, in total.
+    pub fn dropped_member_count(&self) -> u64 {
+        self.dropped_members.values().sum()
+    }
+
+    /// Every note as a line for the user (warnings, then dropped members).
+    pub fn lines(&self) -> Vec<String> {
+        let mut v = self.warnings.clone();
+        if !self.dropped_members.is_empty() {
+            let by_ext: Vec<String> = self
+                .dropped_members
+                .iter()
+                .map(|(e, n)| format!(".{e}: {n}"))
+                .collect();
+            v.push(format!(
+                "{} tar member(s) are not part of any sample ({}): a sample is the first member of its key that is not .cls",
+                self.dropped_member_count(),
+                by_ext.join(", ")
+            ));
+        }
+        v
     }
 }
 
@@ -161,8 +244,16 @@ pub struct Scan {
     pub files: Vec<ScannedFile>,
     /// Samples, in catalog order (their index is their id).
     pub samples: Vec<ScannedSample>,
-    /// Class names (ImageFolder) in label order; empty otherwise.
-    pub classes: Vec<String>,
+    /// Class names (ImageFolder) in label order, as the file system spells
+    /// them (bytes, not necessarily UTF-8); empty otherwise.
+    pub classes: Vec<OsString>,
+    /// What was noticed and not turned into samples.
+    pub notes: ScanNotes,
+    /// The member extensions each sample is made of (`ScanOptions::members`).
+    pub members: Vec<String>,
+    /// Per sample, per listed member: (offset inside the sample, length);
+    /// `samples.len() * members.len()` entries.
+    pub parts: Vec<(u32, u32)>,
 }
 
 impl Scan {
@@ -199,17 +290,38 @@ pub fn stat_pair(md: &fs::Metadata) -> (u64, i64) {
 
 /// Lists the samples of a source. Reads nothing but metadata (and, for tar
 /// shards, the tar headers and `.cls` members).
-pub fn scan(spec: &SourceSpec) -> Result<Scan> {
+pub fn scan(spec: &SourceSpec, opts: &ScanOptions) -> Result<Scan> {
     let mut scan = Scan {
         spec: spec.clone(),
         files: Vec::new(),
         samples: Vec::new(),
         classes: Vec::new(),
+        notes: ScanNotes::default(),
+        members: Vec::new(),
+        parts: Vec::new(),
     };
+    if !opts.members.is_empty() {
+        if spec.kind != SourceKind::Tar {
+            return Err(Error::InvalidConfig(format!(
+                "--members applies to tar shards; {} is not a tar: source",
+                spec.to_source_string()
+            )));
+        }
+        let mut seen = HashSet::new();
+        for m in &opts.members {
+            if m.is_empty() || m == "cls" || m.contains(',') || !seen.insert(m.as_str()) {
+                return Err(Error::InvalidConfig(format!(
+                    "--members {:?}: each member is a distinct extension other than cls",
+                    opts.members.join(",")
+                )));
+            }
+        }
+        scan.members = opts.members.clone();
+    }
     match spec.kind {
-        SourceKind::Dir => scan_dir(&mut scan)?,
+        SourceKind::Dir => scan_dir(&mut scan, opts)?,
         SourceKind::List => scan_list(&mut scan)?,
-        SourceKind::Tar => scan_tar(&mut scan)?,
+        SourceKind::Tar => scan_tar(&mut scan, opts)?,
     }
     if scan.samples.is_empty() {
         return Err(Error::EmptySource {
@@ -217,6 +329,48 @@ pub fn scan(spec: &SourceSpec) -> Result<Scan> {
         });
     }
     Ok(scan)
+}
+
+/// The files (names relative to the source root, size, mtime) a source holds
+/// now, in scan order, without reading any file: the ImageFolder walk, the
+/// list's paths, or the shards. Preload compares them with the catalog's to
+/// notice changes and additions with one `stat` per file.
+pub fn current_files(spec: &SourceSpec, opts: &ScanOptions) -> Result<Vec<ScannedFile>> {
+    let mut scan = Scan {
+        spec: spec.clone(),
+        files: Vec::new(),
+        samples: Vec::new(),
+        classes: Vec::new(),
+        notes: ScanNotes::default(),
+        members: Vec::new(),
+        parts: Vec::new(),
+    };
+    match spec.kind {
+        SourceKind::Dir => scan_dir(&mut scan, opts)?,
+        SourceKind::List => scan_list(&mut scan)?,
+        SourceKind::Tar => {
+            let root = spec.root();
+            let mut v = Vec::new();
+            for p in list_shards(spec, opts, &mut scan.notes)? {
+                let (size, mtime_ns) = stat_pair(&fs::metadata(&p).ctx("stat", &p)?);
+                v.push(ScannedFile {
+                    name: p.strip_prefix(&root).unwrap_or(&p).to_path_buf(),
+                    size,
+                    mtime_ns,
+                });
+            }
+            return Ok(v);
+        }
+    }
+    Ok(scan.files)
+}
+
+/// The class folders of an ImageFolder source now, in label order.
+pub fn current_classes(spec: &SourceSpec) -> Result<Vec<OsString>> {
+    if spec.kind != SourceKind::Dir {
+        return Ok(Vec::new());
+    }
+    class_folders(&spec.path)
 }
 
 fn check_len(path: &Path, len: u64) -> Result<u32> {
@@ -234,7 +388,99 @@ fn is_hidden(name: &std::ffi::OsStr) -> bool {
     name.as_bytes().first() == Some(&b'.')
 }
 
-fn scan_dir(scan: &mut Scan) -> Result<()> {
+/// What a non-regular, non-directory entry is, for messages.
+pub(crate) fn special_kind(ft: fs::FileType) -> &'static str {
+    if ft.is_fifo() {
+        "a FIFO"
+    } else if ft.is_char_device() {
+        "a character device"
+    } else if ft.is_block_device() {
+        "a block device"
+    } else if ft.is_socket() {
+        "a socket"
+    } else {
+        "not a regular file"
+    }
+}
+
+/// Refuses or counts an entry that is neither a regular file nor a directory.
+fn special_entry(
+    path: &Path,
+    md: &fs::Metadata,
+    opts: &ScanOptions,
+    notes: &mut ScanNotes,
+) -> Result<()> {
+    let what = special_kind(md.file_type());
+    if !opts.skip_special {
+        return Err(Error::NotRegularFile {
+            path: path.to_path_buf(),
+            what,
+        });
+    }
+    notes.skipped_special += 1;
+    notes
+        .warnings
+        .push(format!("skipped {}: {what}", path.display()));
+    Ok(())
+}
+
+/// Refuses a symbolic link at `abs` that leads outside `root` (canonical),
+/// unless `opts.follow_symlinks`.
+fn check_link(abs: &Path, root: &Path, opts: &ScanOptions) -> Result<()> {
+    if opts.follow_symlinks {
+        return Ok(());
+    }
+    let lmd = fs::symlink_metadata(abs).ctx("stat", abs)?;
+    if !lmd.file_type().is_symlink() {
+        return Ok(());
+    }
+    let target = fs::canonicalize(abs).map_err(|e| match e.raw_os_error() {
+        Some(libc::ELOOP) => Error::SymlinkLoop {
+            path: abs.to_path_buf(),
+        },
+        _ => Error::io("resolve symlink", abs, e),
+    })?;
+    if !target.starts_with(root) {
+        return Err(Error::SymlinkOutsideSource {
+            path: abs.to_path_buf(),
+            target,
+        });
+    }
+    Ok(())
+}
+
+/// Follows symlinks, naming a loop as one.
+fn stat_following(abs: &Path) -> Result<fs::Metadata> {
+    fs::metadata(abs).map_err(|e| {
+        if e.raw_os_error() == Some(libc::ELOOP) {
+            Error::SymlinkLoop {
+                path: abs.to_path_buf(),
+            }
+        } else {
+            Error::io("stat", abs, e)
+        }
+    })
+}
+
+/// First-level folders of an ImageFolder root, sorted bytewise.
+fn class_folders(root: &Path) -> Result<Vec<OsString>> {
+    let mut classes: Vec<OsString> = Vec::new();
+    for entry in fs::read_dir(root).ctx("read directory", root)? {
+        let entry = entry.ctx("read directory", root)?;
+        let name = entry.file_name();
+        if is_hidden(&name) {
+            continue;
+        }
+        let p = entry.path();
+        if fs::metadata(&p).map(|m| m.is_dir()).unwrap_or(false) {
+            classes.push(name);
+        }
+    }
+    classes.sort();
+    Ok(classes)
+}
+
+fn scan_dir(scan: &mut Scan, opts: &ScanOptions) -> Result<()> {
     let root = scan.spec.path.clone();
     // Walk the tree; `ancestors` holds the (dev, inode) of every directory on
     // the current path so a symlink back up the tree is caught.
@@ -242,82 +488,103 @@ fn scan_dir(scan: &mut Scan) -> Result<()> {
     let root_md = fs::metadata(&root).ctx("stat", &root)?;
     let mut ancestors = HashSet::new();
     ancestors.insert((root_md.dev(), root_md.ino()));
-    walk(&root, Path::new(""), &mut ancestors, &mut found)?;
+    let mut walk = Walk {
+        root: &root,
+        opts,
+        ancestors,
+        found: &mut found,
+        notes: &mut scan.notes,
+    };
+    walk.dir(&root, Path::new(""))?;
     found.sort_by(|a, b| a.0.cmp(&b.0));
 
-    let mut classes: Vec<String> = Vec::new();
-    for entry in fs::read_dir(&root).ctx("read directory", &root)? {
-        let entry = entry.ctx("read directory", &root)?;
-        let name = entry.file_name();
-        if is_hidden(&name) {
-            continue;
-        }
-        let p = entry.path();
-        if fs::metadata(&p).map(|m| m.is_dir()).unwrap_or(false) {
-            classes.push(name.to_string_lossy().into_owned());
-        }
-    }
-    classes.sort();
+    // Class names are compared as bytes: two folders that differ only in
+    // bytes that are not UTF-8 are two classes.
+    let classes = class_folders(&root)?;
+    let mut tar_files = 0u64;
     for (name, size, mtime_ns) in found {
         let label = if name.components().count() > 1 {
             let class = name.components().next().expect("non-empty");
-            let class = class.as_os_str().to_string_lossy();
             classes
-                .binary_search_by(|c| c.as_str().cmp(&class))
+                .binary_search_by(|c| c.as_os_str().cmp(class.as_os_str()))
                 .map(|i| i as u32)
                 .unwrap_or(NO_LABEL)
         } else {
             NO_LABEL
         };
+        if name.extension().is_some_and(|e| e == "tar") {
+            tar_files += 1;
+        }
         let abs = root.join(&name);
         scan.push_whole_file(&abs, name, size, mtime_ns, label)?;
+    }
+    if tar_files > 0 {
+        scan.notes.warnings.push(format!(
+            "{tar_files} of the {} samples in {} are .tar files, each taken whole as one sample; for WebDataset shards give --source tar:{}",
+            scan.samples.len(),
+            root.display(),
+            root.display()
+        ));
     }
     scan.classes = classes;
     Ok(())
 }
 
-fn walk(
-    dir_abs: &Path,
-    dir_rel: &Path,
-    ancestors: &mut HashSet<(u64, u64)>,
-    found: &mut Vec<(PathBuf, u64, i64)>,
-) -> Result<()> {
-    for entry in fs::read_dir(dir_abs).ctx("read directory", dir_abs)? {
-        let entry = entry.ctx("read directory", dir_abs)?;
-        let name = entry.file_name();
-        if is_hidden(&name) {
-            continue;
-        }
-        let abs = entry.path();
-        let rel = dir_rel.join(&name);
-        // Follows symlinks, like torchvision's ImageFolder.
-        let md = fs::metadata(&abs).map_err(|e| {
-            if e.raw_os_error() == Some(libc::ELOOP) {
-                Error::SymlinkLoop { path: abs.clone() }
+struct Walk<'a> {
+    root: &'a Path,
+    opts: &'a ScanOptions,
+    ancestors: HashSet<(u64, u64)>,
+    found: &'a mut Vec<(PathBuf, u64, i64)>,
+    notes: &'a mut ScanNotes,
+}
+
+impl Walk<'_> {
+    fn dir(&mut self, dir_abs: &Path, dir_rel: &Path) -> Result<()> {
+        for entry in fs::read_dir(dir_abs).ctx("read directory", dir_abs)? {
+            let entry = entry.ctx("read directory", dir_abs)?;
+            let name = entry.file_name();
+            if is_hidden(&name) {
+                continue;
+            }
+            let abs = entry.path();
+            let rel = dir_rel.join(&name);
+            if entry.file_type().is_ok_and(|t| t.is_symlink()) {
+                check_link(&abs, self.root, self.opts)?;
+            }
+            // Follows symlinks (inside the tree, or anywhere with
+            // --follow-symlinks), like torchvision's ImageFolder.
+            let md = stat_following(&abs)?;
+            if md.is_dir() {
+                let key = (md.dev(), md.ino());
+                if !self.ancestors.insert(key) {
+                    return Err(Error::SymlinkLoop { path: abs });
+                }
+                self.dir(&abs, &rel)?;
+                self.ancestors.remove(&key);
+            } else if md.is_file() {
+                let (size, mtime_ns) = stat_pair(&md);
+                self.found.push((rel, size, mtime_ns));
             } else {
-                Error::io("stat", &abs, e)
+                // Never opened: a FIFO would block the scan forever and a
+                // device would read without end.
+                special_entry(&abs, &md, self.opts, self.notes)?;
             }
-        })?;
-        if md.is_dir() {
-            let key = (md.dev(), md.ino());
-            if !ancestors.insert(key) {
-                return Err(Error::SymlinkLoop { path: abs });
-            }
-            walk(&abs, &rel, ancestors, found)?;
-            ancestors.remove(&key);
-        } else if md.is_file() {
-            let (size, mtime_ns) = stat_pair(&md);
-            found.push((rel, size, mtime_ns));
-        } else {
-            log::warn!("skipping {}: not a regular file", abs.display());
         }
+        Ok(())
     }
-    Ok(())
 }
 
 fn scan_list(scan: &mut Scan) -> Result<()> {
     let list = scan.spec.path.clone();
     let root = scan.spec.root();
+    // Checked before reading: reading a FIFO would wait for a writer forever.
+    let md = stat_following(&list)?;
+    if !md.is_file() {
+        return Err(Error::NotRegularFile {
+            path: list,
+            what: special_kind(md.file_type()),
+        });
+    }
     let text = fs::read(&list).ctx("read", &list)?;
     for (i, raw) in text.split(|&b| b == b'\n').enumerate() {
         let line_no = i + 1;
@@ -354,12 +621,13 @@ fn scan_list(scan: &mut Scan) -> Result<()> {
         }
         let name = PathBuf::from(std::ffi::OsStr::from_bytes(path_bytes));
         let abs = root.join(&name);
-        let md = fs::metadata(&abs).map_err(|e| match e.raw_os_error() {
-            Some(libc::ELOOP) => Error::SymlinkLoop { path: abs.clone() },
-            _ => Error::io("stat", &abs, e),
-        })?;
+        let md = stat_following(&abs)?;
         if !md.is_file() {
-            return Err(bad(format!("{} is not a regular file", abs.display())));
+            return Err(bad(format!(
+                "{} is {}; only regular files are read",
+                abs.display(),
+                special_kind(md.file_type())
+            )));
         }
         let (size, mtime_ns) = stat_pair(&md);
         scan.push_whole_file(&abs, name, size, mtime_ns, label)?;
@@ -368,31 +636,61 @@ fn scan_list(scan: &mut Scan) -> Result<()> {
 }
 
 /// Splits a WebDataset member path into (key, extension): the key is the path
-/// up to the first `.` of the file name.
-fn split_key(member: &str) -> (&str, &str) {
-    let base_start = member.rfind('/').map(|i| i + 1).unwrap_or(0);
-    match member[base_start..].find('.') {
+/// up to the first `.` of the file name. Bytes, so names that are not UTF-8
+/// keep their identity.
+fn split_key(member: &[u8]) -> (&[u8], &[u8]) {
+    let base_start = member
+        .iter()
+        .rposition(|&b| b == b'/')
+        .map(|i| i + 1)
+        .unwrap_or(0);
+    match member[base_start..].iter().position(|&b| b == b'.') {
         Some(dot) => (&member[..base_start + dot], &member[base_start + dot + 1..]),
-        None => (member, ""),
+        None => (member, b""),
     }
 }
 
-fn scan_tar(scan: &mut Scan) -> Result<()> {
-    let path = scan.spec.path.clone();
-    let shards: Vec<PathBuf> = if path.is_dir() {
-        let mut v = Vec::new();
-        for e in fs::read_dir(&path).ctx("read directory", &path)? {
-            let e = e.ctx("read directory", &path)?;
-            let p = e.path();
-            if p.extension().is_some_and(|x| x == "tar") && !is_hidden(&e.file_name()) {
-                v.push(p);
-            }
+/// The shards of a tar source: the one file, or the `.tar` files of the
+/// directory sorted by name. Only regular files are shards.
+fn list_shards(
+    spec: &SourceSpec,
+    opts: &ScanOptions,
+    notes: &mut ScanNotes,
+) -> Result<Vec<PathBuf>> {
+    let path = spec.path.clone();
+    let md = stat_following(&path)?;
+    if !md.is_dir() {
+        if !md.is_file() {
+            return Err(Error::NotRegularFile {
+                path,
+                what: special_kind(md.file_type()),
+            });
         }
-        v.sort();
-        v
-    } else {
-        vec![path.clone()]
-    };
+        return Ok(vec![path]);
+    }
+    let mut v = Vec::new();
+    for e in fs::read_dir(&path).ctx("read directory", &path)? {
+        let e = e.ctx("read directory", &path)?;
+        let p = e.path();
+        if p.extension().is_none_or(|x| x != "tar") || is_hidden(&e.file_name()) {
+            continue;
+        }
+        if e.file_type().is_ok_and(|t| t.is_symlink()) {
+            check_link(&p, &path, opts)?;
+        }
+        let md = stat_following(&p)?;
+        if md.is_file() {
+            v.push(p);
+        } else if !md.is_dir() {
+            special_entry(&p, &md, opts, notes)?;
+        }
+    }
+    v.sort();
+    Ok(v)
+}
+
+fn scan_tar(scan: &mut Scan, opts: &ScanOptions) -> Result<()> {
+    let shards = list_shards(&scan.spec, opts, &mut scan.notes)?;
     let root = scan.spec.root();
     for shard in shards {
         let md = fs::metadata(&shard).ctx("stat", &shard)?;
@@ -403,101 +701,25 @@ fn scan_tar(scan: &mut Scan) -> Result<()> {
             size,
             mtime_ns,
         });
-        index_shard(&shard, file, size, &mut scan.samples)?;
+        super::shard::index_shard(
+            &shard,
+            file,
+            size,
+            opts,
+            &mut scan.notes,
+            &mut scan.samples,
+            &mut scan.parts,
+        )?;
     }
     Ok(())
 }
 
-fn index_shard(
-    shard: &Path,
-    file: u32,
-    shard_size: u64,
-    out: &mut Vec<ScannedSample>,
-) -> Result<()> {
-    let bad = |reason: String| Error::BadTar {
-        path: shard.to_path_buf(),
-        reason,
-    };
-    let f = fs::File::open(shard).ctx("open", shard)?;
-    let mut archive = tar::Archive::new(std::io::BufReader::with_capacity(1 << 16, f));
-    // The group being assembled: key, data member (offset, len, name), label.
-    struct Group {
-        key: String,
-        data: Option<(u64, u64, String)>,
-        label: u32,
-    }
-    let mut group: Option<Group> = None;
-    let flush = |g: Option<Group>, out: &mut Vec<ScannedSample>| -> Result<()> {
-        if let Some(g) = g {
-            match g.data {
-                Some((offset, len, name)) => {
-                    let len = check_len(&shard.join(&name), len)?;
-                    out.push(ScannedSample {
-                        file,
-                        offset,
-                        len,
-                        label: g.label,
-                    });
-                }
-                None => log::warn!(
-                    "{}: key {} has no data member, skipped",
-                    shard.display(),
-                    g.key
-                ),
-            }
-        }
-        Ok(())
-    };
-    let entries = archive.entries().map_err(|e| bad(e.to_string()))?;
-    for entry in entries {
-        let mut entry = entry.map_err(|e| bad(format!("unreadable member header: {e}")))?;
-        if !entry.header().entry_type().is_file() {
-            continue;
-        }
-        let name = entry
-            .path()
-            .map_err(|e| bad(format!("bad member name: {e}")))?
-            .to_string_lossy()
-            .into_owned();
-        let offset = entry.raw_file_position();
-        let len = entry.size();
-        if offset + len > shard_size {
-            return Err(bad(format!(
-                "member {name} ends at byte {} but the shard has {shard_size} bytes (truncated?)",
-                offset + len
-            )));
-        }
-        let (key, ext) = split_key(&name);
-        if group.as_ref().is_none_or(|g| g.key != key) {
-            flush(group.take(), out)?;
-            group = Some(Group {
-                key: key.to_string(),
-                data: None,
-                label: NO_LABEL,
-            });
-        }
-        let g = group.as_mut().expect("just set");
-        if ext == "cls" {
-            let mut text = String::new();
-            entry
-                .by_ref()
-                .take(64)
-                .read_to_string(&mut text)
-                .map_err(|e| bad(format!("member {name}: {e}")))?;
-            g.label = match text.trim().parse::<u32>() {
-                Ok(v) if v != NO_LABEL => v,
-                _ => {
-                    return Err(bad(format!(
-                        "member {name}: label {:?} is not an integer",
-                        text.trim()
-                    )))
-                }
-            };
-        } else if g.data.is_none() {
-            g.data = Some((offset, len, name.clone()));
-        }
-    }
-    flush(group.take(), out)
+pub(crate) fn split_member_key(member: &[u8]) -> (&[u8], &[u8]) {
+    split_key(member)
+}
+
+pub(crate) fn member_len(path: &Path, len: u64) -> Result<u32> {
+    check_len(path, len)
 }
 
 #[cfg(test)]
@@ -506,8 +728,11 @@ mod tests {
 
     #[test]
     fn webdataset_keys() {
-        assert_eq!(split_key("0001.jpg"), ("0001", "jpg"));
-        assert_eq!(split_key("a/b/0001.seg.png"), ("a/b/0001", "seg.png"));
-        assert_eq!(split_key("dir.x/0001"), ("dir.x/0001", ""));
+        assert_eq!(split_key(b"0001.jpg"), (&b"0001"[..], &b"jpg"[..]));
+        assert_eq!(
+            split_key(b"a/b/0001.seg.png"),
+            (&b"a/b/0001"[..], &b"seg.png"[..])
+        );
+        assert_eq!(split_key(b"dir.x/0001"), (&b"dir.x/0001"[..], &b""[..]));
     }
 }

@@ -256,8 +256,38 @@ pub struct BadSample {
     pub source: PathBuf,
     /// Its extent file.
     pub extent: PathBuf,
-    /// "corrupt (crc ...)" or "missing (...)".
+    /// "corrupt (crc ...)", "missing (...)" or "I/O error (...)".
     pub what: String,
+    /// Which of the three it is.
+    pub kind: BadKind,
+}
+
+/// Why a sample failed verification.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BadKind {
+    /// Read, but its CRC32C differs from the catalog's: the space is damaged.
+    Corrupt,
+    /// Its extent is gone or too short: the space is damaged.
+    Missing,
+    /// It could not be read (EACCES, EMFILE, EIO, ...): the errno says why;
+    /// the space may be fine, so nothing should be copied again.
+    Io,
+}
+
+/// Classifies an I/O error from reading an extent and describes it with its errno.
+fn io_bad(e: &std::io::Error, doing: &str) -> (BadKind, String) {
+    match (e.kind(), e.raw_os_error()) {
+        (std::io::ErrorKind::NotFound, _) => (BadKind::Missing, format!("missing ({doing}: {e})")),
+        (std::io::ErrorKind::UnexpectedEof, _) => (BadKind::Missing, format!("missing ({e})")),
+        (_, Some(errno)) => (
+            BadKind::Io,
+            format!(
+                "I/O error ({doing}: {}, {e})",
+                crate::error::errno_name(errno)
+            ),
+        ),
+        _ => (BadKind::Io, format!("I/O error ({doing}: {e})")),
+    }
 }
 
 /// What [`Space::verify`] found.
@@ -271,6 +301,14 @@ pub struct VerifyReport {
     pub bad: Vec<BadSample>,
     /// Whether reads bypassed the page cache.
     pub direct_io: bool,
+}
+
+impl VerifyReport {
+    /// Samples that could not be read at all (I/O errors), as opposed to
+    /// corrupt or missing ones.
+    pub fn io_errors(&self) -> usize {
+        self.bad.iter().filter(|b| b.kind == BadKind::Io).count()
+    }
 }
 
 impl Space {
@@ -434,6 +472,7 @@ impl Space {
     /// allows, so the disk is read rather than the page cache) and checks its
     /// CRC32C. Corrupt and missing samples are collected, not fatal.
     pub fn verify(&self, threads: usize, progress: ProgressMode) -> Result<VerifyReport> {
+        sys::raise_open_files_limit();
         let align = self.params.align_bytes as usize;
         // Read windows of up to 8 MiB; a larger sample is streamed through it.
         let chunk = (8usize << 20).next_multiple_of(align);
@@ -442,9 +481,6 @@ impl Space {
             direct_io: true,
             ..Default::default()
         });
-        let extents: Vec<Option<(File, bool)>> = (0..self.extent_lens.len() as u32)
-            .map(|i| sys::open_direct(&self.extent_path(i)).ok())
-            .collect();
         let bufs: Mutex<Vec<AlignedBuf>> = Mutex::new(Vec::new());
         crate::par::for_each_chunk(self.catalog.len(), 1024, threads, |range| {
             let mut buf = bufs
@@ -456,6 +492,10 @@ impl Space {
                 direct_io: true,
                 ..Default::default()
             };
+            // One extent open at a time per worker (samples of a chunk are in
+            // extent order), so a space of thousands of extents does not need
+            // thousands of descriptors.
+            let mut open: Option<(u32, std::io::Result<(File, bool)>)> = None;
             // Samples of a chunk are contiguous in their extent, so read them
             // in windows of up to `chunk` bytes rather than one by one; a
             // window never reaches past the chunk's last sample in that extent.
@@ -480,17 +520,24 @@ impl Space {
                 local.checked += 1;
                 local.bytes += len;
                 let extent = self.extent_path(loc.extent);
-                let bad = |what: String| BadSample {
+                let bad = |(kind, what): (BadKind, String)| BadSample {
                     id,
                     source: self.catalog.file_path(s.file),
                     extent: extent.clone(),
                     what,
+                    kind,
                 };
-                let Some((file, direct)) = &extents[loc.extent as usize] else {
-                    local
-                        .bad
-                        .push(bad("missing (extent file cannot be opened)".into()));
-                    continue;
+                if open.as_ref().is_none_or(|(e, _)| *e != loc.extent) {
+                    window = None;
+                    open = Some((loc.extent, sys::open_direct(&extent)));
+                }
+                let (file, direct) = match &open.as_ref().expect("just opened").1 {
+                    Ok((f, d)) => (f, d),
+                    Err(e) => {
+                        local.bad.push(bad(io_bad(e, "open extent")));
+                        progress.add(len);
+                        continue;
+                    }
                 };
                 local.direct_io &= *direct;
                 let in_window = |w: Option<(u32, u64, usize)>| {
@@ -522,11 +569,14 @@ impl Space {
                 };
                 match result {
                     Ok(crc) if crc == s.crc32c => {}
-                    Ok(crc) => local.bad.push(bad(format!(
-                        "corrupt (crc32c {crc:#010x}, catalog says {:#010x})",
-                        s.crc32c
+                    Ok(crc) => local.bad.push(bad((
+                        BadKind::Corrupt,
+                        format!(
+                            "corrupt (crc32c {crc:#010x}, catalog says {:#010x})",
+                            s.crc32c
+                        ),
                     ))),
-                    Err(e) => local.bad.push(bad(format!("missing ({e})"))),
+                    Err(e) => local.bad.push(bad(io_bad(&e, "read"))),
                 }
                 progress.add(len);
             }

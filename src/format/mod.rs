@@ -46,6 +46,18 @@ pub fn parse<'a>(
     supported: u32,
     bytes: &'a [u8],
 ) -> Result<Parsed<'a>> {
+    parse_versions(path, kind, magic, supported..=supported, bytes)
+}
+
+/// [`parse`] for a kind whose readers accept several versions (the catalog
+/// reads version 1 and writes version 2); [`Parsed::version`] says which.
+pub fn parse_versions<'a>(
+    path: &Path,
+    kind: &'static str,
+    magic: &[u8; 8],
+    supported: std::ops::RangeInclusive<u32>,
+    bytes: &'a [u8],
+) -> Result<Parsed<'a>> {
     let truncated = |expected: u64| Error::Truncated {
         path: path.to_path_buf(),
         kind,
@@ -84,12 +96,12 @@ pub fn parse<'a>(
         });
     }
     let version = le_u32(bytes, 8);
-    if version != supported {
+    if !supported.contains(&version) {
         return Err(Error::UnsupportedVersion {
             path: path.to_path_buf(),
             kind,
             found: version,
-            supported,
+            supported: *supported.end(),
         });
     }
     let body_len = le_u64(bytes, 16);
@@ -187,6 +199,17 @@ pub struct FileWriter {
     fields: Vec<u8>,
     body_len: u64,
     body_crc: u32,
+    committed: bool,
+}
+
+/// A writer dropped before [`FileWriter::commit`] (an error, a full disk)
+/// removes its `.tmp` file instead of leaving it behind.
+impl Drop for FileWriter {
+    fn drop(&mut self) {
+        if !self.committed {
+            let _ = std::fs::remove_file(&self.tmp);
+        }
+    }
 }
 
 impl FileWriter {
@@ -200,7 +223,18 @@ impl FileWriter {
         let mut tmp = path.as_os_str().to_owned();
         tmp.push(".tmp");
         let tmp = PathBuf::from(tmp);
-        let file = File::create(&tmp).ctx("create", &tmp)?;
+        // Private (0600) like everything in a space; preload widens it when
+        // asked to (`--file-mode`).
+        let file = {
+            use std::os::unix::fs::OpenOptionsExt;
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(0o600)
+                .open(&tmp)
+                .ctx("create", &tmp)?
+        };
         let mut w = FileWriter {
             path: path.to_path_buf(),
             tmp,
@@ -210,6 +244,7 @@ impl FileWriter {
             fields: fields.bytes,
             body_len: 0,
             body_crc: 0,
+            committed: false,
         };
         let header = w.header();
         w.out.write_all(&header).ctx("write", &w.tmp)?;
@@ -255,18 +290,16 @@ impl FileWriter {
     }
 
     /// Writes the final header, syncs, renames into place and syncs the directory.
-    pub fn commit(self) -> Result<()> {
+    pub fn commit(mut self) -> Result<()> {
         let header = self.header();
         let tmp = self.tmp.clone();
-        let mut file = self
-            .out
-            .into_inner()
-            .map_err(|e| Error::io("write", &tmp, e.into_error()))?;
+        self.out.flush().ctx("write", &tmp)?;
+        let file = self.out.get_mut();
         file.seek(SeekFrom::Start(0)).ctx("seek", &tmp)?;
         file.write_all(&header).ctx("write", &tmp)?;
         file.sync_all().ctx("fsync", &tmp)?;
-        drop(file);
         std::fs::rename(&tmp, &self.path).ctx("rename", &self.path)?;
+        self.committed = true;
         sync_parent(&self.path)
     }
 }

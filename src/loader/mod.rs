@@ -642,6 +642,9 @@ impl LoaderBuilder {
 
     /// Opens the input, maps the ring, starts the pollers.
     pub fn build(self) -> Result<Loader> {
+        // Every extent stays open (registered with io_uring): lift the
+        // open-files soft limit to the hard one first, as servers do.
+        crate::sys::raise_open_files_limit();
         // Ranges are checked here, before anything touches the kernel, so
         // the message names the setting instead of an errno from io_uring.
         for (what, n, max, why) in [

@@ -331,3 +331,32 @@ impl ReadOnlyMap {
         self.map.as_deref().unwrap_or(&[])
     }
 }
+
+/// Raises the soft limit on open files to the hard limit, as servers do: a
+/// space keeps one descriptor per extent open while it is served or read, and
+/// the usual soft limit (1024) is far below what large spaces need. Returns
+/// the soft limit in force afterwards (0 if it cannot be read). Idempotent.
+pub fn raise_open_files_limit() -> u64 {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `lim` is a valid, writable rlimit for getrlimit to fill.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        return 0;
+    }
+    if lim.rlim_cur < lim.rlim_max {
+        let want = libc::rlimit {
+            rlim_cur: lim.rlim_max,
+            rlim_max: lim.rlim_max,
+        };
+        // SAFETY: `want` is a valid rlimit that outlives the call.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &want) } == 0 {
+            lim.rlim_cur = lim.rlim_max;
+        }
+    }
+    // rlim_t is u64 on Linux targets but not on every libc target.
+    #[allow(clippy::unnecessary_cast)]
+    let cur = lim.rlim_cur as u64;
+    cur
+}

@@ -169,6 +169,8 @@ pub struct NodeService {
     addr: SocketAddr,
     common: Arc<Common>,
     threads: Vec<JoinHandle<()>>,
+    /// Held shared while serving: unload and preload --refresh refuse, naming this pid.
+    _space_lock: crate::dataset::preload::SpaceLock,
 }
 
 impl NodeService {
@@ -179,6 +181,8 @@ impl NodeService {
                 "pollers, max_grants and connections per poller must be at least 1".into(),
             ));
         }
+        crate::sys::raise_open_files_limit();
+        let space_lock = crate::dataset::preload::SpaceLock::shared(&cfg.space)?;
         let space = Space::open(&cfg.space)?;
         space.check_extents()?;
         let align = space.params().align_bytes;
@@ -268,6 +272,7 @@ impl NodeService {
             addr,
             common,
             threads,
+            _space_lock: space_lock,
         })
     }
 

@@ -1,0 +1,50 @@
+//! `kspeed read --json`: the final report as one JSON object on stdout
+//! (exact numbers, no human units), for scripts and dashboards.
+
+use kspeed::loader::Stats;
+use serde_json::json;
+
+/// What the report needs beyond the loader's statistics.
+pub(crate) struct Run {
+    pub(crate) epochs: u64,
+    pub(crate) wall_secs: f64,
+    pub(crate) cpu_secs: f64,
+    pub(crate) setup_cpu_secs: f64,
+    pub(crate) cluster: Option<&'static str>,
+}
+
+pub(crate) fn print(st: &Stats, r: &Run) {
+    let wall = r.wall_secs.max(1e-9);
+    let mut v = json!({
+        "epochs": r.epochs,
+        "samples": st.samples,
+        "bytes": st.bytes,
+        "seconds": r.wall_secs,
+        "samples_per_sec": st.samples as f64 / wall,
+        "bytes_per_sec": st.bytes as f64 / wall,
+        "read_latency_us": {
+            "count": st.read_latency.count,
+            "p50": st.read_latency.p50_us,
+            "p90": st.read_latency.p90_us,
+            "p99": st.read_latency.p99_us,
+            "p999": st.read_latency.p999_us,
+            "max": st.read_latency.max_us,
+        },
+        "disk_reads": st.disk_reads,
+        "tier_hits": st.tier_hits,
+        "retries": st.retries,
+        "stall_seconds": st.stall.as_secs_f64(),
+        "stall_fraction": st.stall.as_secs_f64() / wall,
+        "cpu_seconds": r.cpu_secs,
+        "setup_cpu_seconds": r.setup_cpu_secs,
+    });
+    if let Some(transport) = r.cluster {
+        v["cluster"] = json!({
+            "transport": transport,
+            "remote_samples": st.remote_samples,
+            "failovers": st.failovers,
+            "source_reads": st.source_reads,
+        });
+    }
+    println!("{v}");
+}

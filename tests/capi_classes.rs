@@ -1,0 +1,186 @@
+//! Class names through the C ABI: tests/c/classes_test.c, compiled against
+//! include/kspeed.h and the freshly built libkspeed.so, over a real
+//! ImageFolder space whose class folders include one that is not UTF-8.
+
+mod common;
+
+use std::ffi::OsStr;
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use common::*;
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Compiles tests/c/classes_test.c into `dir`; None (with a message) without gcc.
+fn compile(dir: &Path) -> Option<PathBuf> {
+    let t = dir;
+    let target = Path::new(kspeed_bin()).parent().unwrap().to_path_buf();
+    let built = [
+        target.join("deps/libkspeed.so"),
+        target.join("libkspeed.so"),
+    ]
+    .into_iter()
+    .filter_map(|p| Some((std::fs::metadata(&p).ok()?.modified().ok()?, p)))
+    .max()
+    .map(|(_, p)| p)
+    .expect("libkspeed.so is built with the tests");
+    let lib = t.join("lib");
+    std::fs::create_dir_all(&lib).unwrap();
+    for name in [
+        "libkspeed.so",
+        &format!("libkspeed.so.{}", kspeed::capi::KSP_ABI_VERSION),
+    ] {
+        std::os::unix::fs::symlink(&built, lib.join(name)).unwrap();
+    }
+    let bin = t.join("classes_test");
+    let o = match Command::new("gcc")
+        .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-g"])
+        .arg("-I")
+        .arg(root().join("include"))
+        .arg(root().join("tests/c/classes_test.c"))
+        .arg("-o")
+        .arg(&bin)
+        .arg("-L")
+        .arg(&lib)
+        .arg(format!("-Wl,-rpath,{}", lib.display()))
+        .arg("-lkspeed")
+        .output()
+    {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("skipping: gcc not available ({e})");
+            return None;
+        }
+    };
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    Some(bin)
+}
+
+#[test]
+fn class_names_through_the_c_abi() {
+    let t = tempfile::tempdir().unwrap();
+    let src = t.path().join("src");
+    odd_tree(&src); // classes cat, dog, eel
+    let odd = src.join(OsStr::from_bytes(b"fish\xff"));
+    std::fs::create_dir_all(&odd).unwrap();
+    std::fs::write(odd.join("f.bin"), b"fish").unwrap();
+    let sp = t.path().join("space");
+    ok(&["preload", "--source", s(&src), "--space", s(&sp)]);
+
+    let Some(bin) = compile(t.path()) else {
+        return;
+    };
+    let o = Command::new(&bin)
+        .arg(&sp)
+        .args(["cat", "dog", "eel"])
+        .arg(OsStr::from_bytes(b"fish\xff"))
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success() && String::from_utf8_lossy(&o.stdout).contains("all checks passed"),
+        "{}",
+        text(&o)
+    );
+}
+
+#[test]
+fn sample_members_through_the_c_abi() {
+    let t = tempfile::tempdir().unwrap();
+    let m = t.path().join("m");
+    std::fs::create_dir_all(&m).unwrap();
+    let mut names = Vec::new();
+    for i in 0..9u64 {
+        let jpg = bytes_for(i, 500 + i as usize * 97);
+        std::fs::write(m.join(format!("{i:05}.jpg")), &jpg).unwrap();
+        names.push(format!("{i:05}.jpg"));
+        for e in ["json", "txt"] {
+            // The sample id is the key's index (one shard, keys in order).
+            std::fs::write(m.join(format!("{i:05}.{e}")), format!("{e} of {i}")).unwrap();
+            names.push(format!("{i:05}.{e}"));
+        }
+    }
+    let shard = t.path().join("s.tar");
+    let st = Command::new("tar")
+        .arg("-cf")
+        .arg(&shard)
+        .arg("-C")
+        .arg(&m)
+        .args(&names)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let sp = t.path().join("space");
+    ok(&[
+        "preload",
+        "--source",
+        &format!("tar:{}", shard.display()),
+        "--space",
+        s(&sp),
+        "--members",
+        "jpg,txt,json",
+    ]);
+    let Some(bin) = compile(t.path()) else {
+        return;
+    };
+    let o = Command::new(&bin)
+        .arg(&sp)
+        .args(["--members", "jpg", "txt", "json"])
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success() && String::from_utf8_lossy(&o.stdout).contains("all checks passed"),
+        "{}",
+        text(&o)
+    );
+}
+
+#[test]
+fn a_loader_from_c_lifts_the_open_files_limit() {
+    if Command::new("prlimit").arg("--version").output().is_err() {
+        eprintln!("skipping: no prlimit");
+        return;
+    }
+    let t = tempfile::tempdir().unwrap();
+    let src = t.path().join("src");
+    ok(&[
+        "gen",
+        "--profile",
+        "imagenet",
+        "--count",
+        "80",
+        "--classes",
+        "2",
+        "--out",
+        s(&src),
+    ]);
+    let sp = t.path().join("space");
+    // 4 KiB extents: 80+ extent files, all opened by the loader.
+    ok(&[
+        "preload",
+        "--source",
+        s(&src),
+        "--space",
+        s(&sp),
+        "--extent-bytes",
+        "4KiB",
+    ]);
+    let Some(bin) = compile(t.path()) else {
+        return;
+    };
+    let o = Command::new("prlimit")
+        .arg("--nofile=32:4096")
+        .arg(&bin)
+        .arg(&sp)
+        .args(["class_000", "class_001"])
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success() && String::from_utf8_lossy(&o.stdout).contains("all checks passed"),
+        "{}",
+        text(&o)
+    );
+}
