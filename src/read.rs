@@ -274,17 +274,21 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
         let cat = loader.catalog();
         (cat.total_bytes() as f64 * loader.epoch_len() as f64 / cat.len() as f64) as u64
     };
+    let mut idle_core_fraction = None;
     if a.idle_ms > 0 {
         // Fill: the pollers read ahead until the ring is full.
         std::thread::sleep(Duration::from_millis(a.idle_ms / 2 + 500));
         let (c0, w0) = (process_cpu_seconds(), Instant::now());
         std::thread::sleep(Duration::from_millis(a.idle_ms));
         let used = process_cpu_seconds() - c0;
-        println!(
-            "idle: {:.2}% of one core over {:.1} s with the ring full and nobody consuming",
-            100.0 * used / w0.elapsed().as_secs_f64(),
-            w0.elapsed().as_secs_f64()
-        );
+        idle_core_fraction = Some(used / w0.elapsed().as_secs_f64());
+        if !a.json {
+            println!(
+                "idle: {:.2}% of one core over {:.1} s with the ring full and nobody consuming",
+                100.0 * used / w0.elapsed().as_secs_f64(),
+                w0.elapsed().as_secs_f64()
+            );
+        }
     }
     let cpu0 = if a.idle_ms > 0 {
         process_cpu_seconds()
@@ -353,6 +357,7 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
                 wall_secs: wall,
                 cpu_secs: cpu,
                 setup_cpu_secs: setup_cpu,
+                idle_core_fraction,
                 cluster,
             },
         );

@@ -10,6 +10,8 @@ pub(crate) struct Run {
     pub(crate) wall_secs: f64,
     pub(crate) cpu_secs: f64,
     pub(crate) setup_cpu_secs: f64,
+    /// `--idle-ms`: CPU used while idle with the ring full, in cores.
+    pub(crate) idle_core_fraction: Option<f64>,
     pub(crate) cluster: Option<&'static str>,
 }
 
@@ -38,6 +40,9 @@ pub(crate) fn print(st: &Stats, r: &Run) {
         "cpu_seconds": r.cpu_secs,
         "setup_cpu_seconds": r.setup_cpu_secs,
     });
+    if let Some(f) = r.idle_core_fraction {
+        v["idle_core_fraction"] = json!(f);
+    }
     if let Some(transport) = r.cluster {
         v["cluster"] = json!({
             "transport": transport,

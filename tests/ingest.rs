@@ -1092,6 +1092,19 @@ fn read_report_as_json() {
     assert_eq!(v["bytes"], bytes);
     assert!(v["read_latency_us"]["p50"].is_u64());
     assert!(v.get("cluster").is_none());
+    // With --idle-ms the idle measurement is in the object, not a text line.
+    let out = ok(&[
+        "read",
+        "--space",
+        s(&sp),
+        "--epochs",
+        "1",
+        "--json",
+        "--idle-ms",
+        "100",
+    ]);
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert!(v["idle_core_fraction"].is_f64(), "{out}");
 }
 
 #[test]
