@@ -610,18 +610,19 @@ fn read_command_reports_throughput() {
     );
 }
 
-#[test]
-fn memlock_limit_is_a_named_error() {
+/// A space an unprivileged user can read (its files are private, 0600, by
+/// default), for tests that run kspeed as another user under prlimit;
+/// None (a skip) without root, prlimit or setpriv.
+fn space_for_nobody(test: &str) -> Option<(tempfile::TempDir, std::path::PathBuf)> {
     if !is_root() || Command::new("prlimit").arg("--version").output().is_err() {
-        skip("memlock_limit_is_a_named_error needs root, setpriv and prlimit");
-        return;
+        skip(&format!("{test} needs root, setpriv and prlimit"));
+        return None;
     }
     let t = tempfile::tempdir().unwrap();
     let sp = odd_space(t.path());
     for d in [t.path().to_path_buf(), sp.clone(), sp.join("extents")] {
         std::fs::set_permissions(&d, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
     }
-    // A space's files are private (0600): let the unprivileged reader in.
     for d in [sp.clone(), sp.join("extents")] {
         for f in std::fs::read_dir(&d).unwrap() {
             let p = f.unwrap().path();
@@ -631,6 +632,14 @@ fn memlock_limit_is_a_named_error() {
             }
         }
     }
+    Some((t, sp))
+}
+
+#[test]
+fn memlock_limit_is_a_named_error() {
+    let Some((_t, sp)) = space_for_nobody("memlock_limit_is_a_named_error") else {
+        return;
+    };
     let o = Command::new("prlimit")
         .args([
             "--memlock=65536:65536",
@@ -1221,25 +1230,10 @@ fn submit_failures_eagain_and_panics_reap_their_reads() {
 /// not charged for pinned memory).
 #[test]
 fn ring_registration_is_shared_and_its_loss_is_not_silent() {
-    if !is_root() || Command::new("prlimit").arg("--version").output().is_err() {
-        skip("needs root, setpriv and prlimit");
+    let Some((_t, sp)) = space_for_nobody("ring_registration_is_shared_and_its_loss_is_not_silent")
+    else {
         return;
-    }
-    let t = tempfile::tempdir().unwrap();
-    let sp = odd_space(t.path());
-    for d in [t.path().to_path_buf(), sp.clone(), sp.join("extents")] {
-        std::fs::set_permissions(&d, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
-    }
-    // A space's files are private (0600): let the unprivileged reader in.
-    for d in [sp.clone(), sp.join("extents")] {
-        for f in std::fs::read_dir(&d).unwrap() {
-            let p = f.unwrap().path();
-            if p.is_file() {
-                std::fs::set_permissions(&p, std::os::unix::fs::PermissionsExt::from_mode(0o644))
-                    .unwrap();
-            }
-        }
-    }
+    };
     // A uid of its own per run: RLIMIT_MEMLOCK charges are per user,
     // another test runs as nobody at the same time, and a process's
     // io_uring charges are released after it exits, not before.
