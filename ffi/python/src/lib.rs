@@ -198,8 +198,9 @@ fn acquire_one(core: &mut Core) -> Reply {
         .count();
     if held >= core.max_out {
         return Reply::InUse(format!(
-            "{held} batch(es) are still referenced (batches_in_flight={}): drop them, call \
-             release(), or copy what you keep, before asking for the next one",
+            "{held} batch(es) are still referenced (batches_in_flight={}) and those with views \
+             cannot be reclaimed: drop the views (numpy arrays, memoryviews, tensors) or copy what \
+             you keep before asking for the next batch",
             core.max_out
         ));
     }
@@ -209,9 +210,9 @@ fn acquire_one(core: &mut Core) -> Reply {
     let n = match loader.acquire_batch_keep() {
         Ok(0) => return Reply::EndOfEpoch,
         Ok(n) => n,
-        Err(kspeed::Error::InvalidConfig(msg)) if out_before > 0 => {
-            return Reply::InUse(format!("{msg} ({} batch(es) still referenced)", out_before))
-        }
+        Err(kspeed::Error::InvalidConfig(msg)) if out_before > 0 => return Reply::InUse(format!(
+            "{msg} ({out_before} batch(es) still referenced; those with views cannot be reclaimed)"
+        )),
         Err(e) => return Reply::Failed(e),
     };
     let mut d = BatchData {
@@ -449,6 +450,60 @@ fn builder_from(cfg: &Bound<'_, PyDict>) -> PyResult<(LoaderBuilder, usize)> {
     Ok((b, max_out))
 }
 
+impl PyLoader {
+    /// Asks the acquiring thread for the next batch (unless a request is
+    /// still outstanding) and waits for its reply in 50 ms slices with the
+    /// GIL released, checking for signals (Ctrl-C) between slices.
+    fn wait_reply(&self, py: Python<'_>) -> PyResult<Reply> {
+        loop {
+            let got = py.detach(|| {
+                let mut r = self.req.lock().unwrap_or_else(|e| e.into_inner());
+                if !r.outstanding {
+                    if r.tx.send(()).is_err() {
+                        return Some(Reply::Closed);
+                    }
+                    r.outstanding = true;
+                }
+                match r.rx.recv_timeout(Duration::from_millis(50)) {
+                    Ok(rep) => {
+                        r.outstanding = false;
+                        Some(rep)
+                    }
+                    Err(mpsc::RecvTimeoutError::Timeout) => None,
+                    Err(mpsc::RecvTimeoutError::Disconnected) => {
+                        r.outstanding = false;
+                        Some(Reply::Closed)
+                    }
+                }
+            });
+            match got {
+                Some(rep) => return Ok(rep),
+                None => py.check_signals()?,
+            }
+        }
+    }
+
+    /// Invalidates the oldest batch out that has no views and is not done,
+    /// and returns its ring space if it can go now. Runs with the GIL held:
+    /// views are made and dropped only under the GIL, so none can appear
+    /// between the check and the invalidation.
+    fn reclaim_one(&self) -> bool {
+        let mut core = self.shared.lock();
+        let victim = core.out.iter().find(|b| {
+            !b.flags.done.load(Ordering::Acquire) && b.flags.exports.load(Ordering::Acquire) == 0
+        });
+        match victim {
+            Some(b) => {
+                b.flags.invalid.store(true, Ordering::Release);
+                b.flags.done.store(true, Ordering::Release);
+                core.reap();
+                true
+            }
+            None => false,
+        }
+    }
+}
+
 #[pymethods]
 impl PyLoader {
     #[new]
@@ -499,47 +554,33 @@ impl PyLoader {
     /// The next batch of the current epoch, or None at its end. Waits with
     /// the GIL released; Ctrl-C interrupts the wait (the batch is not lost:
     /// the next call returns it).
+    ///
+    /// When the ring or `batches_in_flight` has no room for it, batches
+    /// without views are reclaimed, oldest first (their byte methods then
+    /// raise BatchReleasedError); batches with views are never touched, and
+    /// if they alone leave no room, BatchInUseError is raised.
     fn next_batch(slf: Bound<'_, Self>) -> PyResult<Option<Py<Batch>>> {
         let py = slf.py();
         let this = slf.get();
-        let reply = loop {
-            let got = py.detach(|| {
-                let mut r = this.req.lock().unwrap_or_else(|e| e.into_inner());
-                if !r.outstanding {
-                    if r.tx.send(()).is_err() {
-                        return Some(Reply::Closed);
-                    }
-                    r.outstanding = true;
+        loop {
+            let reply = this.wait_reply(py)?;
+            return match reply {
+                Reply::EndOfEpoch => Ok(None),
+                Reply::Closed => {
+                    Err(Fail::named("LoaderClosedError", "the loader is closed").into_py(py))
                 }
-                match r.rx.recv_timeout(Duration::from_millis(50)) {
-                    Ok(rep) => {
-                        r.outstanding = false;
-                        Some(rep)
+                Reply::InUse(msg) => {
+                    if this.reclaim_one() {
+                        continue;
                     }
-                    Err(mpsc::RecvTimeoutError::Timeout) => None,
-                    Err(mpsc::RecvTimeoutError::Disconnected) => {
-                        r.outstanding = false;
-                        Some(Reply::Closed)
-                    }
+                    Err(Fail::named("BatchInUseError", msg).into_py(py))
                 }
-            });
-            match got {
-                Some(rep) => break rep,
-                None => py.check_signals()?,
-            }
-        };
-        match reply {
-            Reply::EndOfEpoch => Ok(None),
-            Reply::Closed => {
-                Err(Fail::named("LoaderClosedError", "the loader is closed").into_py(py))
-            }
-            Reply::InUse(msg) => Err(Fail::named("BatchInUseError", msg).into_py(py)),
-            Reply::Failed(e) => Err(Fail::from_kspeed(e).into_py(py)),
-            Reply::Batch(d) => {
-                let d = *d;
-                let batch = Batch::new(this.shared.clone(), d);
-                Ok(Some(Py::new(py, batch)?))
-            }
+                Reply::Failed(e) => Err(Fail::from_kspeed(e).into_py(py)),
+                Reply::Batch(d) => {
+                    let batch = Batch::new(this.shared.clone(), *d);
+                    Ok(Some(Py::new(py, batch)?))
+                }
+            };
         }
     }
 

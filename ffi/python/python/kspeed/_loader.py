@@ -105,10 +105,13 @@ class Loader:
     Lifetime rule: a :class:`Batch` and every view of it (numpy arrays,
     memoryviews, DLPack capsules, tensors) keep its bytes. Its ring space goes
     back when the batch and all its views are gone, or at ``batch.release()``
-    / the end of ``with batch:`` (refused while views exist). At most
-    ``batches_in_flight`` batches may be referenced at once; asking for one
-    more raises :class:`kspeed.BatchInUseError` (it never reuses memory that
-    is still visible).
+    / the end of ``with batch:`` (refused while views exist). When the ring or
+    ``batches_in_flight`` leaves no room for the next batch, batches that
+    have no views are reclaimed, oldest first (their byte methods then raise
+    :class:`kspeed.BatchReleasedError`; ``ids``/``labels`` stay readable);
+    batches with views are never touched, and when they alone leave no room
+    ``next()`` raises :class:`kspeed.BatchInUseError`. Memory that Python can
+    still see is never reused.
     """
 
     def __init__(
