@@ -210,9 +210,11 @@ fn acquire_one(core: &mut Core) -> Reply {
     let n = match loader.acquire_batch_keep() {
         Ok(0) => return Reply::EndOfEpoch,
         Ok(n) => n,
-        Err(kspeed::Error::InvalidConfig(msg)) if out_before > 0 => return Reply::InUse(format!(
+        Err(kspeed::Error::InvalidConfig(msg)) if out_before > 0 => {
+            return Reply::InUse(format!(
             "{msg} ({out_before} batch(es) still referenced; those with views cannot be reclaimed)"
-        )),
+        ))
+        }
         Err(e) => return Reply::Failed(e),
     };
     let mut d = BatchData {
