@@ -88,6 +88,25 @@ impl Core {
         }
     }
 
+    /// No more batches: batches without views become invalid, and the Rust
+    /// loader goes once none is out (returned so the caller picks where it
+    /// is dropped).
+    fn close(&mut self) -> Option<RustLoader> {
+        self.closed = true;
+        for b in &self.out {
+            if b.flags.exports.load(Ordering::Acquire) == 0 {
+                b.flags.invalid.store(true, Ordering::Release);
+                b.flags.done.store(true, Ordering::Release);
+            }
+        }
+        self.reap();
+        if self.out.is_empty() {
+            self.loader.take()
+        } else {
+            None
+        }
+    }
+
     fn loader(&mut self) -> Result<&mut RustLoader, Fail> {
         if self.closed {
             return Err(Fail::named("LoaderClosedError", "the loader is closed"));
@@ -130,17 +149,35 @@ impl Core {
 /// State shared by the Python loader, its batches and the acquiring thread.
 pub(crate) struct Shared {
     core: Mutex<Core>,
+    /// The process that built the loader. A forked child has a copy of this
+    /// memory but none of the threads: it must neither use nor free the
+    /// loader (freeing would join pollers that do not exist there).
+    pid: u32,
 }
 
 impl Shared {
+    /// Whether this is a forked child of the process that built the loader.
+    pub(crate) fn in_child(&self) -> bool {
+        std::process::id() != self.pid
+    }
+
+    /// In a forked child: keeps the state from ever being freed here.
+    pub(crate) fn leak_in_child(self: &Arc<Self>) {
+        std::mem::forget(self.clone());
+    }
+
     fn lock(&self) -> MutexGuard<'_, Core> {
         self.core.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Marks a batch done and returns ring space if the core is free now
     /// (otherwise the acquiring thread does it before its next batch).
-    pub(crate) fn batch_done(&self, flags: &BatchFlags) {
+    pub(crate) fn batch_done(self: &Arc<Self>, flags: &BatchFlags) {
         flags.done.store(true, Ordering::Release);
+        if self.in_child() {
+            self.leak_in_child();
+            return;
+        }
         if let Ok(mut core) = self.core.try_lock() {
             core.reap();
         }
@@ -182,9 +219,14 @@ fn acquirer(shared: Arc<Shared>, rx: mpsc::Receiver<()>, tx: mpsc::Sender<Reply>
             acquire_one(&mut core)
         };
         if tx.send(reply).is_err() {
-            return;
+            break;
         }
     }
+    // The Python loader is gone (its drop may not have had the lock, if this
+    // thread was waiting for data then): close, so the Rust loader goes as
+    // soon as no batch is out.
+    let mut core = shared.lock();
+    core.close();
 }
 
 fn acquire_one(core: &mut Core) -> Reply {
@@ -519,6 +561,7 @@ impl PyLoader {
         let catalog_len = loader.catalog().len();
         let catalog_identity = loader.catalog().identity();
         let shared = Arc::new(Shared {
+            pid: std::process::id(),
             core: Mutex::new(Core {
                 loader: Some(loader),
                 out: VecDeque::new(),
@@ -694,37 +737,27 @@ impl PyLoader {
 
     /// Batches out of the Rust loader (referenced, or released but waiting
     /// for an older batch to go first).
-    fn batches_out(&self) -> usize {
-        self.shared.lock().out.len()
+    fn batches_out(&self, py: Python<'_>) -> usize {
+        py.detach(|| self.shared.lock().out.len())
     }
 
     /// Closes the loader: invalidates batches without views and, once no
     /// batch has views, stops the pollers and frees the ring. Refuses
     /// nothing: batches with live views keep the ring until they go.
     fn close(&self, py: Python<'_>) {
-        let dropped = py.detach(|| {
-            let mut core = self.shared.lock();
-            core.closed = true;
-            for b in &core.out {
-                if b.flags.exports.load(Ordering::Acquire) == 0 {
-                    b.flags.invalid.store(true, Ordering::Release);
-                    b.flags.done.store(true, Ordering::Release);
-                }
-            }
-            core.reap();
-            // Dropped here, with the GIL released: the pollers are joined.
-            if core.out.is_empty() {
-                core.loader.take()
-            } else {
-                None
-            }
+        if self.shared.in_child() {
+            return;
+        }
+        // Dropped with the GIL released: the pollers are joined.
+        py.detach(|| {
+            let dropped = self.shared.lock().close();
+            drop(dropped);
         });
-        py.detach(move || drop(dropped));
     }
 
     #[getter]
-    fn closed(&self) -> bool {
-        self.shared.lock().closed
+    fn closed(&self, py: Python<'_>) -> bool {
+        py.detach(|| self.shared.lock().closed)
     }
 
     #[getter]
@@ -765,17 +798,17 @@ impl PyLoader {
 
 impl Drop for PyLoader {
     fn drop(&mut self) {
-        // The acquiring thread ends when its request channel closes (after
-        // the request it may be serving); batches still referenced keep the
-        // Rust loader until they go.
-        let mut core = self.shared.lock();
-        core.closed = true;
-        for b in &core.out {
-            if b.flags.exports.load(Ordering::Acquire) == 0 {
-                b.flags.invalid.store(true, Ordering::Release);
-            }
+        if self.shared.in_child() {
+            self.shared.leak_in_child();
+            return;
         }
-        core.reap();
+        // The acquiring thread ends when its request channel closes (after
+        // the request it may be serving) and closes the core then; close now
+        // if the core is free, so the pollers stop at once. Batches still
+        // referenced keep the Rust loader until they go.
+        if let Ok(mut core) = self.shared.core.try_lock() {
+            drop(core.close());
+        }
     }
 }
 

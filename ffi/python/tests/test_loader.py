@@ -442,3 +442,37 @@ def test_node_service_in_process(tree, space, token_file):
         with kspeed.NodeService(space, token="other") as svc:
             kspeed.Loader(source=tree, catalog=os.path.join(space, "catalog.ksc"), cluster=[svc.address],
                           token="pytest-job-token", ring_bytes="256KiB")
+
+
+def test_forked_child_refuses_the_parents_loader_and_drops_it_safely(space):
+    """os.fork with a loader, a batch and a view alive: the child's use is
+    refused, dropping them there neither hangs nor frees anything, and the
+    parent reads on exactly."""
+    with kspeed.Loader(space, batch_size=4, seed=12, ring_bytes="256KiB") as ref:
+        want = [i for b in ref for i in b.ids.tolist()]
+    loader = kspeed.Loader(space, batch_size=4, seed=12, ring_bytes="256KiB")
+    b = loader.next_batch()
+    v = b.sample(0)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child
+        os.close(r)
+        msg = b"used"
+        try:
+            loader.next_batch()
+        except kspeed.LoaderError as e:
+            msg = b"refused" if "built in process" in str(e) else str(e).encode()
+        del v, b, loader
+        gc.collect()
+        os.write(w, msg + b" dropped")
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        out = f.read()  # returns when the child exits (it holds the write end)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    assert out == b"refused dropped", out
+    assert v.tobytes() == kspeed.Catalog.open(space).read_source(want[0])
+    del v
+    got = b.ids.tolist() + [i for x in loader for i in x.ids.tolist()]
+    assert got == want
