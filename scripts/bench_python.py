@@ -31,6 +31,10 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
+
+# DataLoader warns when asked for more workers than it thinks the machine has.
+warnings.filterwarnings("ignore", message="This DataLoader will create")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BATCH = 64

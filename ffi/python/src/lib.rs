@@ -322,6 +322,8 @@ struct Requester {
     /// A request was sent and its reply not yet taken (a wait interrupted by
     /// Ctrl-C leaves it for the next call, so no batch is lost).
     outstanding: bool,
+    /// A reply taken by [`PyLoader::settle`] for the next call.
+    stash: Option<Reply>,
 }
 
 /// The loader behind `kspeed.Loader` (which validates the arguments).
@@ -502,6 +504,9 @@ impl PyLoader {
         loop {
             let got = py.detach(|| {
                 let mut r = self.req.lock().unwrap_or_else(|e| e.into_inner());
+                if let Some(rep) = r.stash.take() {
+                    return Some(rep);
+                }
                 if !r.outstanding {
                     if r.tx.send(()).is_err() {
                         return Some(Reply::Closed);
@@ -524,6 +529,39 @@ impl PyLoader {
                 Some(rep) => return Ok(rep),
                 None => py.check_signals()?,
             }
+        }
+    }
+
+    /// Waits (answering Ctrl-C) for the reply to a request a Ctrl-C left
+    /// outstanding and keeps it for the next call; with `discard`, drops it
+    /// instead (before a restart: its batch belongs to the old position and
+    /// no Python object holds it).
+    fn settle(&self, py: Python<'_>, discard: bool) -> PyResult<()> {
+        loop {
+            let done = py.detach(|| {
+                let mut r = self.req.lock().unwrap_or_else(|e| e.into_inner());
+                if r.outstanding {
+                    match r.rx.recv_timeout(Duration::from_millis(50)) {
+                        Ok(rep) => {
+                            r.outstanding = false;
+                            r.stash = Some(rep);
+                        }
+                        Err(mpsc::RecvTimeoutError::Timeout) => return false,
+                        Err(mpsc::RecvTimeoutError::Disconnected) => r.outstanding = false,
+                    }
+                }
+                if discard {
+                    if let Some(Reply::Batch(d)) = r.stash.take() {
+                        d.flags.invalid.store(true, Ordering::Release);
+                        d.flags.done.store(true, Ordering::Release);
+                    }
+                }
+                true
+            });
+            if done {
+                return Ok(());
+            }
+            py.check_signals()?;
         }
     }
 
@@ -585,6 +623,7 @@ impl PyLoader {
                 tx,
                 rx,
                 outstanding: false,
+                stash: None,
             }),
             batch_size,
             epoch_len,
@@ -633,11 +672,18 @@ impl PyLoader {
     /// (the next epoch after finishing one); a restart needs every batch's
     /// views gone.
     fn set_epoch(&self, py: Python<'_>, epoch: u64) -> PyResult<()> {
+        self.settle(py, false)?;
         py.detach(|| {
             let mut core = self.shared.lock();
             core.reap();
             let continues = core.loader()?.epoch_continues(epoch);
             if !continues {
+                let mut r = self.req.lock().unwrap_or_else(|e| e.into_inner());
+                if let Some(Reply::Batch(d)) = r.stash.take() {
+                    d.flags.invalid.store(true, Ordering::Release);
+                    d.flags.done.store(true, Ordering::Release);
+                }
+                drop(r);
                 core.drop_out_batches(&format!("set_epoch({epoch}) (a restart)"))?;
             }
             core.loader()?.set_epoch(epoch).map_err(Fail::from_kspeed)
@@ -668,6 +714,7 @@ impl PyLoader {
 
     /// Continues from bytes of `save_position` (a restart).
     fn restore_position(&self, py: Python<'_>, bytes: Vec<u8>) -> PyResult<()> {
+        self.settle(py, true)?;
         py.detach(|| {
             let mut core = self.shared.lock();
             core.reap();
@@ -744,15 +791,18 @@ impl PyLoader {
     /// Closes the loader: invalidates batches without views and, once no
     /// batch has views, stops the pollers and frees the ring. Refuses
     /// nothing: batches with live views keep the ring until they go.
-    fn close(&self, py: Python<'_>) {
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
         if self.shared.in_child() {
-            return;
+            return Ok(());
         }
+        // A wait left by Ctrl-C ends first (or this one is interrupted too).
+        self.settle(py, true)?;
         // Dropped with the GIL released: the pollers are joined.
         py.detach(|| {
             let dropped = self.shared.lock().close();
             drop(dropped);
         });
+        Ok(())
     }
 
     #[getter]
@@ -829,13 +879,11 @@ impl Batch {
         let offsets = d
             .addrs
             .iter()
-            .map(|&a| {
-                if a >= s0 && a < s0 + l0.max(1) {
-                    (a - s0) as i64
-                } else {
-                    // In the second span (the ring's start).
-                    (l0 + (a - d.wrap.map_or(0, |w| w.0))) as i64
-                }
+            .map(|&a| match d.wrap {
+                // The second span starts at the ring's start, below the
+                // first span's start.
+                Some((w0, _)) if a < s0 => (l0 + (a - w0)) as i64,
+                _ => (a - s0) as i64,
             })
             .collect();
         let copy = match (d.wrap, d.device) {

@@ -8,6 +8,8 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 import kspeed
 from conftest import Serve
 
@@ -30,7 +32,12 @@ CHILD = textwrap.dedent(
         tb = traceback.format_exc()
         print("interrupted in_next_batch=%s" % ("next_batch" in tb), flush=True)
     sys.stdin.readline()  # the server runs again
+    if sys.argv[5] == "restart":
+        # Another epoch: the batch the interrupted wait was for is dropped.
+        loader.set_epoch(1)
+        got = []
     for b in loader:
+        assert not b.released
         got.extend(b.ids.tolist())
     print(json.dumps(got), flush=True)
     """
@@ -50,12 +57,17 @@ def main_thread_waits(pid):
     return True
 
 
-def test_ctrl_c_interrupts_a_wait_and_the_batch_is_not_lost(tree, space, token_file):
+@pytest.mark.parametrize("after", ["resume", "restart"])
+def test_ctrl_c_interrupts_a_wait_and_the_batch_is_not_lost(tree, space, token_file, after):
+    """resume: the same epoch goes on with exactly the remaining batches;
+    restart: set_epoch(1) after the interrupt reads epoch 1 from its start."""
     cat = os.path.join(space, "catalog.ksc")
     with kspeed.Loader(space, batch_size=4, seed=3, ring_bytes="64KiB") as ref:
+        if after == "restart":
+            ref.set_epoch(1)
         want = [i for b in ref for i in b.ids.tolist()]
     serve = Serve(space, token_file)
-    child = subprocess.Popen([sys.executable, "-c", CHILD, tree, cat, serve.addr, token_file],
+    child = subprocess.Popen([sys.executable, "-c", CHILD, tree, cat, serve.addr, token_file, after],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "ready", child.stderr.read()
