@@ -476,3 +476,20 @@ def test_forked_child_refuses_the_parents_loader_and_drops_it_safely(space):
     del v
     got = b.ids.tolist() + [i for x in loader for i in x.ids.tolist()]
     assert got == want
+
+
+def test_offsets_of_a_trailing_empty_sample(tmp_path):
+    """A batch ending in an empty sample: its offset lies inside array()."""
+    src = tmp_path / "src" / "c"
+    src.mkdir(parents=True)
+    (src / "x0.bin").write_bytes(b"0123456789")
+    (src / "x1.bin").write_bytes(b"")
+    sp = str(tmp_path / "sp")
+    cli("preload", "--source", str(tmp_path / "src"), "--space", sp)
+    with kspeed.Loader(sp, batch_size=2, shuffle=False, ring_bytes="64KiB") as loader:
+        b = loader.next_batch()
+        assert b.lengths.tolist() == [10, 0]
+        a = b.array()
+        assert 0 <= b.offsets[1] <= a.size, b.offsets.tolist()
+        assert a[b.offsets[0]: b.offsets[0] + 10].tobytes() == b"0123456789"
+        del a
