@@ -493,3 +493,21 @@ def test_offsets_of_a_trailing_empty_sample(tmp_path):
         assert 0 <= b.offsets[1] <= a.size, b.offsets.tolist()
         assert a[b.offsets[0]: b.offsets[0] + 10].tobytes() == b"0123456789"
         del a
+
+
+def test_cluster_from_the_launchers_environment(tree, space, serve, token_file, monkeypatch):
+    """cluster="env": the node list from KSPEED_NODES, rank and world from
+    torchrun's variables."""
+    monkeypatch.setenv("KSPEED_NODES", serve.addr)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    cat = kspeed.Catalog.open(space)
+    with kspeed.Loader(source=tree, catalog=os.path.join(space, "catalog.ksc"), cluster="env",
+                       token_file=token_file, batch_size=8, seed=3, ring_bytes="256KiB") as loader:
+        assert (loader.rank, loader.world) == (1, 2)
+        ids = read_epoch(loader, cat)
+        assert loader.stats()["remote_samples"] >= len(ids) == loader.epoch_len
+    with kspeed.Loader(space, batch_size=8, seed=3, rank=1, world=2, ring_bytes="256KiB") as local:
+        assert ids == [i for b in local for i in b.ids.tolist()]
