@@ -118,10 +118,16 @@ def test_dataset_state_dict_resumes(space):
     ds2.load_state_dict(state)
     cat = kspeed.Catalog.open(space)
     rest = list(ds2)
-    # The dataset's loader delivers whole batches: the state is at the batch
-    # boundary after the samples handed out (17 -> 20).
-    assert state["index"] == 20
-    assert [bytes(t.numpy()) for t, _ in rest] == [cat.read_source(i) for i in want[20:]]
+    # Exact, in the middle of a kspeed batch of 5.
+    assert state["index"] == 17 and state["skip"] == 2
+    assert [bytes(t.numpy()) for t, _ in rest] == [cat.read_source(i) for i in want[17:]]
+    # Pickled and loaded in a new dataset at an epoch boundary too.
+    import pickle
+
+    ds3 = KSpeedDataset(space, **kw)
+    assert len(list(ds3)) == len(want)
+    st3 = pickle.loads(pickle.dumps(ds3.state_dict()))
+    assert (st3["epoch"], st3["index"], st3["skip"]) == (1, 0, 0)
 
 
 def test_decode_jpeg_of_real_jpegs_equals_pil(tmp_path):

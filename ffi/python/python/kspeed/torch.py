@@ -35,9 +35,10 @@ without it each new pass goes on with the next epoch. With
 ``persistent_workers=True`` the workers do not see ``set_epoch``: each pass
 is the next epoch.
 
-Resume: ``state_dict()`` / ``load_state_dict()`` give the position of the
-next sample (``num_workers=0``, or per worker under torchdata's
-``StatefulDataLoader``, which calls them in each worker).
+Resume: ``state_dict()`` / ``load_state_dict()`` give the exact position of
+the next sample, also in the middle of a kspeed batch (``num_workers=0``, or
+per worker under torchdata's ``StatefulDataLoader``, which calls them in
+each worker).
 """
 
 import os
@@ -83,6 +84,7 @@ class KSpeedDataset(IterableDataset):
         self._loader = None
         self._loader_key = None
         self._state = None
+        self._cursor = None
         from ._loader import Catalog
 
         if space is not None:
@@ -141,26 +143,32 @@ class KSpeedDataset(IterableDataset):
         w, n = self._worker()
         loader = self._get_loader(w, n)
         state, self._state = self._state, None
+        skip = 0
         if state is not None:
             loader._l.restore_position(state["position"])
             loader._epoch = state["epoch"]
+            skip = state["skip"]
         elif self._epoch is not None:
             loader.set_epoch(self._epoch)
         epoch = loader.position()[0]
-        if loader.position()[0] > loader.epoch:
+        if epoch > loader.epoch:
             loader.set_epoch(epoch)
         left = self._steps(w, n) - loader.position()[1]
         while left > 0:
+            # Where this batch starts, so that a state taken in the middle of
+            # it resumes at the exact sample (restore there, skip the rest).
+            start = (loader._l.save_position(), loader.position())
             b = loader.next_batch()
             if b is None:
                 break
             k = min(len(b), left)
             left -= k
             if self.output == "batch":
+                self._cursor = (start, k)
                 yield self._batch(b, k)
             else:
                 labels = b.labels
-                for i in range(k):
+                for i in range(skip, k):
                     t = torch.from_numpy(b.sample(i))
                     if self.transform is not None:
                         t = self.transform(t)
@@ -169,8 +177,11 @@ class KSpeedDataset(IterableDataset):
                     y = int(labels[i])
                     if self.target_transform is not None:
                         y = self.target_transform(y)
+                    self._cursor = (start, i + 1)
                     yield t, y
+            skip = 0
             del b
+        self._cursor = None
         # Leave the loader at the next epoch's start (the cut may have left
         # the padding steps of this epoch unread).
         self._epoch = None
@@ -187,12 +198,17 @@ class KSpeedDataset(IterableDataset):
 
     # Checkpoints.
     def state_dict(self):
-        """Position of this process's (or worker's) next sample."""
+        """Position of this process's (or worker's) next sample: exact, also
+        in the middle of a kspeed batch."""
         w, n = self._worker()
         loader = self._get_loader(w, n)
-        epoch, index = loader.position()
-        return {"kspeed_dataset_state": 1, "worker": w, "num_workers": n, "epoch": epoch, "index": index,
-                "position": loader.state_dict()["position"]}
+        cursor = getattr(self, "_cursor", None)
+        if cursor is not None:
+            (pos, (epoch, index)), skip = cursor
+        else:
+            pos, (epoch, index), skip = loader._l.save_position(), loader.position(), 0
+        return {"kspeed_dataset_state": 1, "worker": w, "num_workers": n, "epoch": epoch, "index": index + skip,
+                "position": bytes(pos), "skip": skip}
 
     def load_state_dict(self, state):
         """The next pass continues from ``state`` (from :meth:`state_dict`)."""
@@ -217,6 +233,7 @@ class KSpeedDataset(IterableDataset):
         d = dict(self.__dict__)
         d["_loader"] = None
         d["_loader_key"] = None
+        d["_cursor"] = None
         return d
 
 
