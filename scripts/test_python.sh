@@ -2,7 +2,7 @@
 # Builds the kspeed Python package (ffi/python) and runs its tests
 # (ffi/python/tests, pytest) in a cached virtual environment:
 #   1. the venv (KSPEED_PY_VENV, default target/py-venv) with maturin, numpy,
-#      pytest, Pillow, and torch + torchvision from PyPI (large: the venv is
+#      pytest, Pillow, and torch + torchvision + torchdata from PyPI (large: the venv is
 #      kept between runs; KSPEED_PY_NO_TORCH=1 leaves them out, and their
 #      tests then skip, except under CI where a skip is a failure);
 #   2. fmt and clippy of the extension crate;
@@ -21,7 +21,7 @@ fi
 pip=("$venv/bin/pip" install -q --disable-pip-version-check)
 "$venv/bin/python" -c 'import maturin, numpy, pytest, PIL' 2>/dev/null || "${pip[@]}" maturin numpy pytest pillow
 if [ "${KSPEED_PY_NO_TORCH:-0}" != 1 ]; then
-    "$venv/bin/python" -c 'import torch, torchvision' 2>/dev/null || "${pip[@]}" torch torchvision
+    "$venv/bin/python" -c 'import torch, torchvision, torchdata' 2>/dev/null || "${pip[@]}" torch torchvision torchdata
 fi
 (cd ffi/python && cargo fmt --check && cargo clippy --quiet --all-targets -- -D warnings)
 # --no-build-isolation: the venv has maturin; the backend is in the tree.

@@ -162,3 +162,31 @@ def test_decode_jpeg_of_real_jpegs_equals_pil(tmp_path):
     ds2 = KSpeedImageFolder(str(sp), decode=True, batch_size=4, ring_bytes="256KiB")
     img, _ = next(iter(ds2))
     assert img.dtype == torch.uint8 and img.shape[0] == 3
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_stateful_dataloader_resumes_exactly(space, workers):
+    """torchdata's StatefulDataLoader: state taken after 23 samples, loaded
+    into a new DataLoader over a new dataset: the rest, exactly."""
+    require("torchdata")
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    kw = dict(batch_size=5, seed=4, ring_bytes="256KiB")
+    want = rank_sequence(space, 0, **kw)
+    cat = kspeed.Catalog.open(space)
+
+    def make():
+        return StatefulDataLoader(KSpeedDataset(space, **kw), batch_size=None, num_workers=workers,
+                                  multiprocessing_context="fork" if workers else None)
+
+    dl = make()
+    it = iter(dl)
+    head = [next(it) for _ in range(23)]
+    state = dl.state_dict()
+    del it, dl
+    dl2 = make()
+    dl2.load_state_dict(state)
+    rest = list(dl2)
+    got = [bytes(t.numpy()) for t, _ in head + rest]
+    assert len(got) == len(want)
+    assert got == [cat.read_source(i) for i in want]
