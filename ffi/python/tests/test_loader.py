@@ -569,3 +569,31 @@ def test_random_holds_and_releases_never_show_changed_bytes(space, seed):
     del batches, views
     gc.collect()
     loader.close()
+
+
+def test_preload_and_verify_release_the_gil(tmp_path):
+    """Another Python thread runs while preload and verify work."""
+    import threading
+    import time
+
+    src = make_tree(str(tmp_path / "src"), n=1500, max_len=30000)
+    sp = str(tmp_path / "sp")
+    for work in (lambda: kspeed.preload(src, sp, threads=1), lambda: kspeed.verify(sp, threads=1)):
+        span = []
+
+        def run():
+            span.append(time.perf_counter())
+            work()
+            span.append(time.perf_counter())
+
+        t = threading.Thread(target=run)
+        t.start()
+        last = 0.0
+        while len(span) < 2:
+            last = time.perf_counter()
+        t.join()
+        start, end = span
+        # This thread ran in the second half of the call: impossible if the
+        # call held the GIL (it could run only before it or after `end`, and
+        # after `end` the loop stops without a new timestamp).
+        assert last > start + (end - start) / 2, (start, last, end)
