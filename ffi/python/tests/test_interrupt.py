@@ -52,7 +52,8 @@ def main_thread_waits(pid):
             state = f.read().rsplit(")", 1)[1].split()[0]
         with open(f"/proc/{pid}/task/{pid}/wchan") as f:
             wchan = f.read()
-        if state != "S" or "futex" not in wchan:
+        # wchan reads "0" where the kernel hides it; the state must be S.
+        if state != "S" or ("futex" not in wchan and wchan.strip() != "0"):
             return False
     return True
 
