@@ -90,7 +90,7 @@ impl Core {
 
     /// No more batches: batches without views become invalid, and the Rust
     /// loader goes once none is out (returned so the caller picks where it
-    /// is dropped).
+    /// is dropped). Call with the GIL held (views are made under it).
     fn close(&mut self) -> Option<RustLoader> {
         self.closed = true;
         for b in &self.out {
@@ -117,7 +117,9 @@ impl Core {
     }
 
     /// Before an operation that returns every batch's ring space: refuses
-    /// when a batch has live views, else invalidates the batches out.
+    /// when a batch has live views, else invalidates the batches out. Call
+    /// with the GIL held, so that no view appears between check and
+    /// invalidation.
     fn drop_out_batches(&mut self, what: &str) -> Result<(), Fail> {
         let live: usize = self
             .out
@@ -223,10 +225,12 @@ fn acquirer(shared: Arc<Shared>, rx: mpsc::Receiver<()>, tx: mpsc::Sender<Reply>
         }
     }
     // The Python loader is gone (its drop may not have had the lock, if this
-    // thread was waiting for data then): close, so the Rust loader goes as
-    // soon as no batch is out.
+    // thread was waiting for data then): closed, so the Rust loader goes as
+    // soon as no batch is out. Batches still referenced are left alone: this
+    // thread has no GIL, and a Python thread may be making a view of one.
     let mut core = shared.lock();
-    core.close();
+    core.closed = true;
+    core.reap();
 }
 
 fn acquire_one(core: &mut Core) -> Reply {
@@ -673,7 +677,10 @@ impl PyLoader {
     /// views gone.
     fn set_epoch(&self, py: Python<'_>, epoch: u64) -> PyResult<()> {
         self.settle(py, false)?;
-        py.detach(|| {
+        // With the GIL held throughout: no other Python thread can make a
+        // view between the check for views and the restart that reuses
+        // the ring (a restart is rare and short: the pollers stop and start).
+        (|| {
             let mut core = self.shared.lock();
             core.reap();
             let continues = core.loader()?.epoch_continues(epoch);
@@ -687,7 +694,7 @@ impl PyLoader {
                 core.drop_out_batches(&format!("set_epoch({epoch}) (a restart)"))?;
             }
             core.loader()?.set_epoch(epoch).map_err(Fail::from_kspeed)
-        })
+        })()
         .raise(py)
     }
 
@@ -715,7 +722,8 @@ impl PyLoader {
     /// Continues from bytes of `save_position` (a restart).
     fn restore_position(&self, py: Python<'_>, bytes: Vec<u8>) -> PyResult<()> {
         self.settle(py, true)?;
-        py.detach(|| {
+        // With the GIL held throughout, as in set_epoch.
+        (|| {
             let mut core = self.shared.lock();
             core.reap();
             core.loader()?;
@@ -723,7 +731,7 @@ impl PyLoader {
             core.loader()?
                 .restore_position(&bytes)
                 .map_err(Fail::from_kspeed)
-        })
+        })()
         .raise(py)
     }
 
@@ -797,11 +805,10 @@ impl PyLoader {
         }
         // A wait left by Ctrl-C ends first (or this one is interrupted too).
         self.settle(py, true)?;
-        // Dropped with the GIL released: the pollers are joined.
-        py.detach(|| {
-            let dropped = self.shared.lock().close();
-            drop(dropped);
-        });
+        // Batches are invalidated with the GIL held (no view can appear
+        // meanwhile); the Rust loader is dropped without it (pollers joined).
+        let dropped = self.shared.lock().close();
+        py.detach(move || drop(dropped));
         Ok(())
     }
 
