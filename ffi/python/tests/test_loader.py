@@ -291,6 +291,16 @@ def test_dlpack_into_numpy_without_copy(space):
     assert b.views == 3
     del x, a, s
     assert b.views == 0
+    # A capsule nobody consumed frees its view when it goes.
+    cap = b.__dlpack__()
+    assert b.views == 1
+    del cap
+    assert b.views == 0
+    with pytest.raises(BufferError, match="copy"):
+        b.__dlpack__(copy=True)
+    with pytest.raises(BufferError, match="device"):
+        b.__dlpack__(dl_device=(2, 0))
+    assert b.views == 0
 
 
 def test_wrapped_batch_array_is_a_correct_copy(tmp_path):
