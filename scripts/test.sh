@@ -5,12 +5,13 @@
 # on 127.0.0.x and, as root, in network namespaces), the frame-decoding fuzz
 # target for a bounded time, the C ABI from C (plain, ASan, valgrind), the
 # C++ example against an installed package, the DALI plugin's tests (downloads
-# the DALI wheel once into target/dali-venv), and the RDMA tests inside the
-# soft-RoCE VM.
+# the DALI wheel once into target/dali-venv), the Python package's tests
+# (pip install ./ffi/python and pytest, torch cached in target/py-venv), and
+# the RDMA tests inside the soft-RoCE VM.
 #
 # KSPEED_REQUIRE=all (.ci/run sets it): nothing may be skipped. A test that
 # finds its tool, privilege or device missing fails instead of passing
-# (tests/common skip()), and so do the DALI, fuzzing and VM steps below.
+# (tests/common skip()), and so do the DALI, Python, fuzzing and VM steps.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -53,6 +54,10 @@ else
   ffi/dali/build_and_test.sh 2>&1 | tail -n 15
   test "${PIPESTATUS[0]}" = 0
 fi
+
+step "Python package (ffi/python): pip install, pytest (torch in a cached venv, target/py-venv)"
+scripts/test_python.sh 2>&1 | tail -n 15
+test "${PIPESTATUS[0]}" = 0
 
 step "fuzz the frame decoder (${KSPEED_FUZZ_SECS:-45} s)"
 if require_all; then

@@ -1276,3 +1276,95 @@ fn ring_registration_is_shared_and_its_loss_is_not_silent() {
     assert!(e.contains("io_uring: not registered"), "{e}");
     assert!(e.contains("samples/s"), "{e}");
 }
+
+/// Batches kept out with `acquire_batch_keep` (what the Python package does
+/// while a caller still holds views) keep their bytes while later batches
+/// are read, are released oldest first, and a batch the ring cannot hold
+/// beside them is a named error, not a hang.
+#[test]
+fn kept_batches_stay_put_until_released_in_order() {
+    let t = tempfile::tempdir().unwrap();
+    let src = t.path().join("src");
+    gen("tiny", 300, &src);
+    let sp = t.path().join("space");
+    ok(&["preload", "--source", s(&src), "--space", s(&sp)]);
+    let space = Space::open(&sp).unwrap();
+    let cat = space.catalog();
+    // Tiny samples take 4 or 8 KiB slots: 16 batches of 4 out do not
+    // always leave room for another in a 192 KiB ring.
+    let (batch, keep) = (4usize, 16usize);
+    let mut loader = LoaderBuilder::space(&sp)
+        .batch_size(batch)
+        .landing(small_ring(192 << 10))
+        .pollers(2)
+        .seed(5)
+        .build()
+        .unwrap();
+    let sampler = Sampler::new(SamplerConfig {
+        len: cat.len(),
+        seed: 5,
+        shuffle: true,
+        rank: 0,
+        world: 1,
+        drop_last: false,
+    })
+    .unwrap();
+    // (id, address, len) of every sample of the batches out, oldest first.
+    type Out = Vec<(u64, usize, usize)>;
+    let check = |out: &std::collections::VecDeque<Out>| {
+        for b in out {
+            for &(id, addr, len) in b {
+                // SAFETY: the batch is kept out, so its bytes stay mapped and
+                // unwritten until released (what this test checks).
+                let bytes = unsafe { std::slice::from_raw_parts(addr as *const u8, len) };
+                assert_eq!(crc32c::crc32c(bytes), cat.sample(id).crc32c, "sample {id}");
+            }
+        }
+    };
+    let (mut refused, mut k) = (0, 0u64);
+    for e in 0..2 {
+        loader.set_epoch(e).unwrap();
+        let mut out: std::collections::VecDeque<Out> = Default::default();
+        loop {
+            if out.len() == keep {
+                loader.release_oldest_batch();
+                out.pop_front();
+            }
+            let n = match loader.acquire_batch_keep() {
+                Ok(n) => n,
+                Err(Error::InvalidConfig(msg)) => {
+                    assert!(msg.contains("still out"), "{msg}");
+                    assert!(!out.is_empty());
+                    refused += 1;
+                    assert!(loader.release_oldest_batch());
+                    out.pop_front();
+                    continue;
+                }
+                Err(e) => panic!("{e}"),
+            };
+            if n == 0 {
+                break;
+            }
+            let b: Out = (0..n)
+                .map(|i| {
+                    let s = loader.held_sample(i);
+                    assert_eq!(s.id, sampler.sample(e, k % sampler.per_rank()));
+                    k += 1;
+                    (s.id, s.bytes.as_ptr() as usize, s.bytes.len())
+                })
+                .collect();
+            out.push_back(b);
+            assert_eq!(loader.batches_out(), out.len());
+            check(&out);
+        }
+        // The next epoch goes on without a restart: batches out stay valid.
+        assert!(loader.epoch_continues(e + 1));
+        loader.set_epoch(e + 1).unwrap();
+        assert_eq!(loader.batches_out(), out.len());
+        check(&out);
+        loader.set_epoch(e).unwrap_or_else(|err| panic!("{err}"));
+        assert_eq!(loader.batches_out(), 0, "a restart returns every batch");
+    }
+    assert_eq!(k, 2 * sampler.per_rank());
+    assert!(refused > 0, "the ring never refused a batch");
+}

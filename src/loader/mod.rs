@@ -985,6 +985,7 @@ impl LoaderBuilder {
             entries: Vec::with_capacity(batch_size),
             held: false,
             batch_seq: 0,
+            kept: std::collections::VecDeque::new(),
             failed: None,
             counters: Counters::default(),
             totals: Totals::new(),
@@ -1352,6 +1353,10 @@ pub struct Loader {
     /// Sequence number of the last batch handed out (1, 2, ...; 0 before
     /// the first): a batch's identity, so a binding releases only its own.
     batch_seq: u64,
+    /// Batches handed out by [`Loader::acquire_batch_keep`] and not yet
+    /// released, oldest first: the first sample of each (the released mark
+    /// moves to the next one's when the oldest goes).
+    kept: std::collections::VecDeque<Placed>,
     /// The first error: every later call returns it (wrapped).
     failed: Option<Error>,
     counters: Counters,
@@ -1808,9 +1813,12 @@ impl Loader {
         }
     }
 
-    /// Returns the held batch's ring space (nothing when none is held).
+    /// Returns the held batch's ring space (nothing when none is held), and
+    /// that of every batch kept out by [`Loader::acquire_batch_keep`].
     pub fn release_batch(&mut self) {
-        if std::mem::take(&mut self.held) {
+        let kept = !self.kept.is_empty();
+        self.kept.clear();
+        if std::mem::take(&mut self.held) || kept {
             self.release();
         }
     }
@@ -1834,25 +1842,111 @@ impl Loader {
         Ok(false)
     }
 
-    /// Returns the batch's ring space. The released mark is the *next*
-    /// sample's slot start, not the batch's end: padding skipped before that
-    /// slot (at the ring's end or a segment boundary) is free too, and
-    /// counting it as held could leave a large next sample waiting forever.
-    fn release(&mut self) {
-        let Some(run) = self.run.as_ref() else {
-            return; // not running (a failed restart): nothing to tell
-        };
-        let next = match self.peeked {
+    /// Like [`Loader::acquire_batch`], but the batches already out stay out:
+    /// their bytes stay put until [`Loader::release_oldest_batch`] returns
+    /// them, oldest first (or [`Loader::release_batch`] returns them all).
+    /// For bindings whose callers hold several batches at once (the Python
+    /// package). The new batch is the held one ([`Loader::held_sample`]).
+    ///
+    /// Fails with [`Error::InvalidConfig`], keeping everything as it was,
+    /// when the ring cannot hold the whole new batch beside the batches out:
+    /// waiting would never end, since their space comes back only when the
+    /// caller releases them.
+    pub fn acquire_batch_keep(&mut self) -> Result<usize> {
+        self.check_failed()?;
+        let first = self.peek_next();
+        if let Some(oldest) = self.kept.front() {
+            if first.pos.epoch == self.epoch {
+                // Walk the new batch's schedule on a copy of the cursor: where
+                // its last sample ends, as acquire_batch will place it.
+                let catalog = self.run.as_ref().expect("running").shared.input.catalog();
+                let mut cursor = self.cursor.clone().expect("running");
+                let mut end = first.v_end;
+                for _ in 1..self.batch_size {
+                    let p = cursor.next(catalog);
+                    if p.pos.epoch != self.epoch || p.v_end - first.v > self.geo.ring_bytes {
+                        break;
+                    }
+                    end = p.v_end;
+                }
+                if end - oldest.v > self.geo.ring_bytes {
+                    return Err(Error::InvalidConfig(format!(
+                        "the {}-byte landing ring cannot hold another batch beside the {} \
+                         still out ({} bytes needed); release one first or raise ring_bytes",
+                        self.geo.ring_bytes,
+                        self.kept.len(),
+                        end - oldest.v
+                    )));
+                }
+            }
+        }
+        // The held batch (if any) stays out: it is already in `kept`.
+        self.held = false;
+        let kept = std::mem::take(&mut self.kept);
+        let n = self.acquire_batch();
+        self.kept = kept;
+        if let Ok(n) = n {
+            if n > 0 {
+                self.kept.push_back(first);
+            }
+        }
+        n
+    }
+
+    /// Returns the ring space of the oldest batch kept out by
+    /// [`Loader::acquire_batch_keep`]; false when none is out.
+    pub fn release_oldest_batch(&mut self) -> bool {
+        if self.kept.pop_front().is_none() {
+            return false;
+        }
+        match self.kept.front() {
+            Some(&next) => self.mark_released(next),
+            None => {
+                self.held = false;
+                self.release();
+            }
+        }
+        true
+    }
+
+    /// Batches out through [`Loader::acquire_batch_keep`] and not released.
+    pub fn batches_out(&self) -> usize {
+        self.kept.len()
+    }
+
+    /// The next sample to deliver, taken from the cursor (and kept as
+    /// `peeked`) if need be.
+    fn peek_next(&mut self) -> Placed {
+        match self.peeked {
             Some(p) => p,
             None => {
                 let p = self
                     .cursor
                     .as_mut()
                     .expect("running")
-                    .next(run.shared.input.catalog());
+                    .next(self.run.as_ref().expect("running").shared.input.catalog());
                 self.peeked = Some(p);
                 p
             }
+        }
+    }
+
+    /// Returns the batch's ring space. The released mark is the *next*
+    /// sample's slot start, not the batch's end: padding skipped before that
+    /// slot (at the ring's end or a segment boundary) is free too, and
+    /// counting it as held could leave a large next sample waiting forever.
+    fn release(&mut self) {
+        if self.run.is_none() {
+            return; // not running (a failed restart): nothing to tell
+        }
+        let next = self.peek_next();
+        self.mark_released(next);
+    }
+
+    /// Frees the ring before sample `next` and lets the writers go on.
+    fn mark_released(&self, next: Placed) {
+        let Some(run) = self.run.as_ref() else {
+            return;
         };
         let sh = &run.shared;
         sh.released_v.store(next.v, Ordering::SeqCst);
@@ -1883,15 +1977,31 @@ impl Loader {
     /// Moves to `epoch` (PyTorch's `sampler.set_epoch`). Going to the next
     /// epoch after finishing one keeps what the pollers already read ahead;
     /// any other epoch restarts the pipeline there.
+    ///
+    /// Batches kept out by [`Loader::acquire_batch_keep`] stay valid when
+    /// the pipeline goes on ([`Loader::epoch_continues`]); a restart returns
+    /// them, like the held batch.
     pub fn set_epoch(&mut self, epoch: u64) -> Result<()> {
+        if self.failed.is_none() && !self.kept.is_empty() && self.epoch_continues(epoch) {
+            self.held = false;
+            self.epoch = epoch;
+            return Ok(());
+        }
         self.release_batch();
         self.check_failed()?;
-        let pos = self.position();
-        if pos.epoch == epoch && (pos.index == 0 || epoch == self.epoch) {
+        if self.epoch_continues(epoch) {
             self.epoch = epoch;
             return Ok(());
         }
         self.restart(Position { epoch, index: 0 })
+    }
+
+    /// Whether [`Loader::set_epoch`]`(epoch)` goes on with what the pollers
+    /// read ahead (the next epoch after finishing one, or the current one)
+    /// instead of restarting them.
+    pub fn epoch_continues(&self, epoch: u64) -> bool {
+        let pos = self.position();
+        pos.epoch == epoch && (pos.index == 0 || epoch == self.epoch)
     }
 
     fn restart(&mut self, pos: Position) -> Result<()> {

@@ -66,7 +66,9 @@ impl Placed {
     }
 }
 
-/// Walks the schedule forward.
+/// Walks the schedule forward. Cloning is cheap (no allocation): a clone
+/// walks ahead without moving the original.
+#[derive(Clone)]
 pub struct Cursor {
     sampler: Sampler,
     geo: Geometry,

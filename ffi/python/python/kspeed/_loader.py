@@ -1,0 +1,530 @@
+"""kspeed.Loader and the thin wrappers (preload, verify, NodeService, Catalog)."""
+
+import numbers
+import os
+import re
+
+from . import _kspeed
+from .errors import LoaderError
+
+_SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
+_UNITS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
+
+
+def _size(name, v, lo=0):
+    """An int, or a string: '256MiB' and '256M' are binary, '256MB' decimal."""
+    if isinstance(v, str):
+        m = _SIZE.match(v)
+        if not m:
+            raise ValueError(f"{name}: {v!r} is not a size (use bytes, or e.g. '256MiB', '4GB')")
+        n, unit, i, b = m.groups()
+        base = 1000 if (unit and not i and b) else 1024
+        v = int(n) * base ** _UNITS[unit.lower()]
+    return _int(name, v, lo)
+
+
+def _int(name, v, lo=None, hi=None):
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise TypeError(f"{name} must be an int, not {type(v).__name__} ({v!r})")
+    v = int(v)
+    if lo is not None and v < lo:
+        raise ValueError(f"{name} must be at least {lo}, got {v}")
+    if hi is not None and v > hi:
+        raise ValueError(f"{name} must be at most {hi}, got {v}")
+    return v
+
+
+def _opt_int(name, v, lo=None, hi=None):
+    return None if v is None else _int(name, v, lo, hi)
+
+
+def _bool(name, v):
+    if not isinstance(v, bool):
+        raise TypeError(f"{name} must be True or False, not {type(v).__name__} ({v!r})")
+    return v
+
+
+def _path(name, v, must_exist=True):
+    if not isinstance(v, (str, os.PathLike)):
+        raise TypeError(f"{name} must be a path (str or os.PathLike), not {type(v).__name__}")
+    p = os.fspath(v)
+    if must_exist and not os.path.exists(p):
+        raise ValueError(f"{name}: {p} does not exist")
+    return p
+
+
+def _env_int(var, env):
+    v = env.get(var)
+    if v is None:
+        return None
+    try:
+        return int(v.strip())
+    except ValueError:
+        raise ValueError(f"environment variable {var}={v!r} is not an integer") from None
+
+
+def launch_env(env=None):
+    """(rank, world, origin) from the launcher's environment: torchrun's RANK
+    and WORLD_SIZE, else SLURM's SLURM_PROCID and SLURM_NTASKS, else (0, 1)."""
+    env = os.environ if env is None else env
+    for r, w, origin in (("RANK", "WORLD_SIZE", "torchrun"), ("SLURM_PROCID", "SLURM_NTASKS", "SLURM")):
+        rank, world = _env_int(r, env), _env_int(w, env)
+        if rank is None and world is None:
+            continue
+        if rank is None or world is None:
+            missing = r if rank is None else w
+            raise ValueError(f"environment variable {missing} is not set while {r if missing == w else w} is ({origin})")
+        return rank, world, f"environment variables {r}={rank}, {w}={world}"
+    return 0, 1, "defaults (no RANK/WORLD_SIZE or SLURM_PROCID/SLURM_NTASKS in the environment)"
+
+
+def _read_token(path):
+    with open(path, "rb") as f:
+        raw = f.read().rstrip()
+    if not raw:
+        raise ValueError(f"token_file: {path} is empty")
+    return raw
+
+
+def _check_pid(obj):
+    if obj._pid != os.getpid():
+        raise LoaderError(
+            f"this loader was built in process {obj._pid}; a forked child (a DataLoader worker, "
+            f"multiprocessing) must build its own (KSpeedDataset does, in each worker)"
+        )
+
+
+class Loader:
+    """Reads a rank's samples in sampler order into the landing ring.
+
+    ``for batch in loader:`` yields the batches of the current epoch (the next
+    epoch when the current one was read to its end); ``set_epoch(e)`` moves to
+    epoch ``e`` as DistributedSampler does. See the package docs for every
+    argument; sizes take ints or strings like ``"256MiB"``.
+
+    Lifetime rule: a :class:`Batch` and every view of it (numpy arrays,
+    memoryviews, DLPack capsules, tensors) keep its bytes. Its ring space goes
+    back when the batch and all its views are gone, or at ``batch.release()``
+    / the end of ``with batch:`` (refused while views exist). When the ring or
+    ``batches_in_flight`` leaves no room for the next batch, batches that
+    have no views are reclaimed, oldest first (their byte methods then raise
+    :class:`kspeed.BatchReleasedError`; ``ids``/``labels`` stay readable);
+    batches with views are never touched, and when they alone leave no room
+    ``next()`` raises :class:`kspeed.BatchInUseError`. Memory that Python can
+    still see is never reused.
+    """
+
+    def __init__(
+        self,
+        space=None,
+        *,
+        source=None,
+        catalog=None,
+        batch_size=64,
+        seed=0,
+        shuffle=True,
+        drop_last=False,
+        rank=None,
+        world=None,
+        ring_bytes="256MiB",
+        tier_bytes=0,
+        pollers=None,
+        queue_depth=None,
+        submit_batch=None,
+        max_read_bytes=None,
+        lookahead=None,
+        spin_us=None,
+        sqpoll_idle_ms=None,
+        pin=True,
+        registered_buffers=True,
+        registered_files=True,
+        verify_crc32c=False,
+        huge_pages=True,
+        mlock=True,
+        numa_node=None,
+        gpu_pci=None,
+        cuda="auto",
+        gpu_ring=None,
+        cluster=None,
+        token=None,
+        token_file=None,
+        node_timeout=10.0,
+        rdma=False,
+        rdma_device=None,
+        rdma_port=1,
+        rdma_gid_index=None,
+        local_node=None,
+        start_epoch=0,
+        batches_in_flight=2,
+        _fault_injection=None,
+    ):
+        if (space is None) == (source is None):
+            raise ValueError("give exactly one of space= (a preloaded space) or source= (files read directly)")
+        cfg = {}
+        if space is not None:
+            cfg["space"] = _path("space", space)
+        else:
+            if not isinstance(source, (str, os.PathLike)):
+                raise TypeError(f"source must be a path or 'list:FILE' / 'tar:PATH', not {type(source).__name__}")
+            cfg["source"] = os.fspath(source)
+        if catalog is not None:
+            cfg["catalog"] = _path("catalog", catalog)
+        cfg["batch_size"] = _int("batch_size", batch_size, 1)
+        cfg["seed"] = _int("seed", seed, 0, 2**64 - 1)
+        cfg["shuffle"] = _bool("shuffle", shuffle)
+        cfg["drop_last"] = _bool("drop_last", drop_last)
+        env_rank, env_world, origin = launch_env()
+        if rank is None and world is None:
+            rank, world = env_rank, env_world
+        elif rank is None or world is None:
+            raise ValueError("give both rank and world, or neither (then they come from torchrun/SLURM)")
+        else:
+            origin = "the rank and world arguments"
+        rank = _int("rank", rank, 0, 2**32 - 1)
+        world = _int("world", world, 1, 2**32 - 1)
+        if rank >= world:
+            raise ValueError(f"rank {rank} is not below world {world} (from {origin})")
+        cfg["rank"], cfg["world"] = rank, world
+        cfg["ring_bytes"] = _size("ring_bytes", ring_bytes, 4096)
+        cfg["tier_bytes"] = _size("tier_bytes", tier_bytes, 0)
+        cfg["pollers"] = _opt_int("pollers", pollers, 1, 1024)
+        cfg["queue_depth"] = _opt_int("queue_depth", queue_depth, 1, 32768)
+        cfg["submit_batch"] = _opt_int("submit_batch", submit_batch, 1, 32768)
+        cfg["max_read_bytes"] = None if max_read_bytes is None else _size("max_read_bytes", max_read_bytes, 4096)
+        cfg["lookahead"] = _opt_int("lookahead", lookahead, 1)
+        cfg["spin_us"] = _opt_int("spin_us", spin_us, 0, 10**7)
+        cfg["sqpoll_idle_ms"] = _opt_int("sqpoll_idle_ms", sqpoll_idle_ms, 0, 2**32 - 1)
+        for name, v in (
+            ("pin", pin),
+            ("registered_buffers", registered_buffers),
+            ("registered_files", registered_files),
+            ("verify_crc32c", verify_crc32c),
+            ("huge_pages", huge_pages),
+            ("mlock", mlock),
+        ):
+            cfg[name] = _bool(name, v)
+        cfg["numa_node"] = _opt_int("numa_node", numa_node, 0, 4095)
+        if gpu_pci is not None and not isinstance(gpu_pci, str):
+            raise TypeError(f"gpu_pci must be a PCI address string like '0000:3b:00.0', not {type(gpu_pci).__name__}")
+        cfg["gpu_pci"] = gpu_pci
+        if cuda not in ("auto", "off", "require"):
+            raise ValueError(f"cuda must be 'auto', 'off' or 'require', not {cuda!r}")
+        cfg["cuda"] = cuda
+        cfg["gpu_ring"] = _opt_int("gpu_ring", gpu_ring, 0, 1023)
+        # Cluster mode.
+        if cluster is not None:
+            if cluster == "env":
+                cfg["cluster_env"] = True
+            elif isinstance(cluster, (list, tuple)):
+                if not cluster or not all(isinstance(a, str) and ":" in a for a in cluster):
+                    raise ValueError("cluster as a list must hold 'host:port' strings, one per node in node order")
+                cfg["cluster_nodes"] = list(cluster)
+            elif isinstance(cluster, (str, os.PathLike)):
+                cfg["cluster_file"] = _path("cluster", cluster)
+            else:
+                raise TypeError(f"cluster must be None, 'env', a cluster file path or a list of 'host:port', not {type(cluster).__name__}")
+            if token is not None and token_file is not None:
+                raise ValueError("give token or token_file, not both")
+            if token_file is not None:
+                token = _read_token(_path("token_file", token_file))
+            if token is None:
+                raise ValueError("cluster mode needs token= or token_file= (the job token every node checks)")
+            if isinstance(token, str):
+                token = token.encode()
+            if not isinstance(token, (bytes, bytearray)) or not token:
+                raise TypeError("token must be non-empty bytes or str")
+            cfg["token"] = bytes(token)
+            if isinstance(node_timeout, bool) or not isinstance(node_timeout, numbers.Real) or node_timeout <= 0:
+                raise ValueError(f"node_timeout must be a positive number of seconds, got {node_timeout!r}")
+            cfg["node_timeout"] = float(node_timeout)
+            if _bool("rdma", rdma):
+                if not _kspeed._has_rdma():
+                    raise ValueError("rdma=True: this kspeed package was built without RDMA (no libibverbs at build time)")
+                cfg["rdma"] = (
+                    rdma_device,
+                    _int("rdma_port", rdma_port, 1, 255),
+                    _opt_int("rdma_gid_index", rdma_gid_index, 0, 255),
+                )
+            cfg["local_node"] = _opt_int("local_node", local_node, 0, 65535)
+        else:
+            if rdma:
+                raise ValueError("rdma=True is for cluster mode (cluster='env', a cluster file or a node list)")
+            if token is not None or token_file is not None:
+                raise ValueError("token/token_file are for cluster mode (give cluster= too)")
+        cfg["start"] = (_int("start_epoch", start_epoch, 0), 0)
+        cfg["batches_in_flight"] = _int("batches_in_flight", batches_in_flight, 1, 1024)
+        if _fault_injection is not None:
+            cfg["fault_injection"] = tuple(_fault_injection)
+        self._l = _kspeed._Loader(cfg)
+        self._pid = os.getpid()
+        self._epoch = cfg["start"][0]
+        self._catalog = None
+
+    # Iteration.
+    def __iter__(self):
+        _check_pid(self)
+        epoch, _ = self._l.position()
+        if epoch > self._epoch:
+            # The current epoch was read to its end: go on with the next.
+            self.set_epoch(epoch)
+        return self
+
+    def __next__(self):
+        _check_pid(self)
+        b = self._l.next_batch()
+        if b is None:
+            raise StopIteration
+        return b
+
+    def next_batch(self):
+        """The next batch of the current epoch, or None at its end."""
+        _check_pid(self)
+        return self._l.next_batch()
+
+    def set_epoch(self, epoch):
+        """Moves to ``epoch`` (as ``DistributedSampler.set_epoch``)."""
+        _check_pid(self)
+        epoch = _int("epoch", epoch, 0)
+        self._l.set_epoch(epoch)
+        self._epoch = epoch
+
+    @property
+    def epoch(self):
+        return self._epoch
+
+    def position(self):
+        """(epoch, index) of the next sample to be delivered."""
+        _check_pid(self)
+        return self._l.position()
+
+    def __len__(self):
+        """Batches per epoch for this rank."""
+        n, b = self._l.epoch_len, self._l.batch_size
+        return -(-n // b)
+
+    @property
+    def epoch_len(self):
+        """Samples per epoch for this rank."""
+        return self._l.epoch_len
+
+    @property
+    def batch_size(self):
+        return self._l.batch_size
+
+    @property
+    def rank(self):
+        return self._l.rank
+
+    @property
+    def world(self):
+        return self._l.world
+
+    # Checkpoints (torchdata StatefulDataLoader's protocol: plain values).
+    def state_dict(self):
+        """Where the next batch starts, as plain picklable values."""
+        _check_pid(self)
+        epoch, index = self._l.position()
+        return {
+            "kspeed_loader_state": 1,
+            "epoch": epoch,
+            "index": index,
+            "position": bytes(self._l.save_position()),
+            "seed": self._l.seed,
+            "rank": self._l.rank,
+            "world": self._l.world,
+            "batch_size": self._l.batch_size,
+            "catalog_samples": self._l.catalog_len,
+            "catalog_identity": self._l.catalog_identity,
+        }
+
+    def load_state_dict(self, state):
+        """Continues exactly where ``state`` (from :meth:`state_dict`) was taken."""
+        _check_pid(self)
+        if not isinstance(state, dict):
+            raise TypeError(f"state must be a dict from Loader.state_dict(), not {type(state).__name__}")
+        if state.get("kspeed_loader_state") != 1:
+            raise ValueError("state is not a kspeed Loader state (no kspeed_loader_state: 1)")
+        for key in ("seed", "rank", "world", "catalog_samples", "catalog_identity"):
+            mine = {
+                "seed": self._l.seed,
+                "rank": self._l.rank,
+                "world": self._l.world,
+                "catalog_samples": self._l.catalog_len,
+                "catalog_identity": self._l.catalog_identity,
+            }[key]
+            if key not in state:
+                raise ValueError(f"state[{key!r}] is missing")
+            if state[key] != mine:
+                raise ValueError(f"state[{key!r}] is {state[key]!r} but this loader has {mine!r}: the state belongs to another job or dataset")
+        pos = state.get("position")
+        if not isinstance(pos, (bytes, bytearray)):
+            raise TypeError("state['position'] must be bytes")
+        self._l.restore_position(bytes(pos))
+        self._epoch = self._l.position()[0]
+
+    # Information.
+    def stats(self):
+        """Counters so far, as a dict."""
+        _check_pid(self)
+        return self._l.stats()
+
+    def landing_info(self):
+        _check_pid(self)
+        return self._l.landing_info()
+
+    @property
+    def catalog(self):
+        """The catalog: lengths, CRCs, labels, class names, source files."""
+        if self._catalog is None:
+            _check_pid(self)
+            self._catalog = Catalog(self._l.catalog_dict())
+        return self._catalog
+
+    @property
+    def batches_out(self):
+        """Batches whose ring space is not back yet."""
+        return self._l.batches_out()
+
+    # Teardown.
+    def close(self):
+        """Stops the pollers and frees the ring, at once when no batch has
+        views, else as soon as the last one goes. Batches without views
+        become invalid (their methods raise BatchReleasedError)."""
+        if self._pid == os.getpid():
+            self._l.close()
+
+    @property
+    def closed(self):
+        return self._l.closed
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __repr__(self):
+        return (
+            f"<kspeed.Loader rank {self.rank}/{self.world} batch_size {self.batch_size} "
+            f"epoch_len {self.epoch_len}{' closed' if self.closed else ''}>"
+        )
+
+
+class Catalog:
+    """A catalog as numpy columns: ``lengths``, ``crc32c``, ``labels`` (-1:
+    none), ``file_index``, ``file_offset``; ``file_paths``, ``class_names``,
+    ``source``. ``Catalog.open(path)`` takes a space or a catalog file."""
+
+    def __init__(self, d):
+        self.lengths = d["lengths"]
+        self.crc32c = d["crc32c"]
+        self.labels = d["labels"]
+        self.file_index = d["file_index"]
+        self.file_offset = d["file_offset"]
+        self.file_paths = d["file_paths"]
+        self.class_names = d["class_names"]
+        self.source = d["source"]
+        self.identity = d["identity"]
+        self.total_bytes = d["total_bytes"]
+        self.max_sample_bytes = d["max_sample_bytes"]
+
+    @classmethod
+    def open(cls, path):
+        return cls(_kspeed._open_catalog(_path("path", path)))
+
+    def __len__(self):
+        return len(self.lengths)
+
+    def path(self, i):
+        """The source file of sample ``i``."""
+        return self.file_paths[int(self.file_index[i])]
+
+    def read_source(self, i):
+        """Sample ``i``'s bytes read from its source file (for checks)."""
+        with open(self.path(i), "rb") as f:
+            f.seek(int(self.file_offset[i]))
+            return f.read(int(self.lengths[i]))
+
+    def __repr__(self):
+        return f"<kspeed.Catalog {len(self)} samples, {len(self.class_names)} classes, source {self.source}>"
+
+
+def preload(source=None, space=None, *, catalog=None, nodes=1, node_index=0, replicas=1, align_bytes=None,
+            extent_bytes=None, threads=None, refresh=False, max_bytes_per_sec=None):
+    """Copies the samples this node holds into ``space`` (``kspeed preload``).
+    Idempotent and resumable; returns the report as a dict."""
+    if space is None:
+        raise ValueError("space is required")
+    cfg = {"space": _path("space", space, must_exist=False)}
+    if source is not None:
+        if not isinstance(source, (str, os.PathLike)):
+            raise TypeError(f"source must be a path or 'list:FILE' / 'tar:PATH', not {type(source).__name__}")
+        cfg["source"] = os.fspath(source)
+    if catalog is not None:
+        cfg["catalog"] = _path("catalog", catalog)
+    cfg["nodes"] = _int("nodes", nodes, 1, 65535)
+    cfg["node_index"] = _int("node_index", node_index, 0, cfg["nodes"] - 1)
+    cfg["replicas"] = _int("replicas", replicas, 1, cfg["nodes"])
+    cfg["align_bytes"] = None if align_bytes is None else _size("align_bytes", align_bytes, 512)
+    cfg["extent_bytes"] = None if extent_bytes is None else _size("extent_bytes", extent_bytes, 4096)
+    cfg["threads"] = _opt_int("threads", threads, 1, 1024)
+    cfg["refresh"] = _bool("refresh", refresh)
+    cfg["max_bytes_per_sec"] = None if max_bytes_per_sec is None else _size("max_bytes_per_sec", max_bytes_per_sec, 1)
+    return _kspeed._preload(cfg)
+
+
+def verify(space, *, threads=None):
+    """Re-reads every sample of ``space`` and checks its CRC32C
+    (``kspeed verify``). Returns ``{"checked", "bytes", "bad": [...], "ok"}``."""
+    threads = _opt_int("threads", threads, 1, 1024) or max(1, min(8, os.cpu_count() or 1))
+    r = _kspeed._verify(_path("space", space), threads)
+    r["ok"] = not r["bad"]
+    return r
+
+
+class NodeService:
+    """The node service (``kspeed serve``) in this process: serves ``space``
+    to remote loaders on ``listen`` (port 0 picks one; see ``address``)."""
+
+    def __init__(self, space, *, listen="127.0.0.1:0", token=None, token_file=None, pollers=None,
+                 staging_bytes=None, chunk_bytes=None, page_cache=False, rdma=False, rdma_device=None,
+                 rdma_port=1, rdma_gid_index=None):
+        cfg = {"space": _path("space", space)}
+        if not isinstance(listen, str) or ":" not in listen:
+            raise ValueError(f"listen must be 'host:port', got {listen!r}")
+        cfg["listen"] = listen
+        if token is not None and token_file is not None:
+            raise ValueError("give token or token_file, not both")
+        if token_file is not None:
+            token = _read_token(_path("token_file", token_file))
+        if token is None:
+            raise ValueError("NodeService needs token= or token_file= (the job token consumers present)")
+        cfg["token"] = token.encode() if isinstance(token, str) else bytes(token)
+        cfg["pollers"] = _opt_int("pollers", pollers, 1, 1024)
+        cfg["staging_bytes"] = None if staging_bytes is None else _size("staging_bytes", staging_bytes, 4096)
+        cfg["chunk_bytes"] = None if chunk_bytes is None else _size("chunk_bytes", chunk_bytes, 4096)
+        cfg["page_cache"] = _bool("page_cache", page_cache)
+        if _bool("rdma", rdma):
+            if not _kspeed._has_rdma():
+                raise ValueError("rdma=True: this kspeed package was built without RDMA")
+            cfg["rdma"] = (rdma_device, _int("rdma_port", rdma_port, 1, 255), _opt_int("rdma_gid_index", rdma_gid_index, 0, 255))
+        self._s = _kspeed._NodeService(cfg)
+
+    @property
+    def address(self):
+        """The address it listens on (``host:port``)."""
+        return self._s.address
+
+    def stats(self):
+        return self._s.stats()
+
+    def stop(self):
+        self._s.stop()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+        return False

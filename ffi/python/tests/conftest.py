@@ -1,0 +1,121 @@
+"""Fixtures: real datasets on disk, real spaces made with the `kspeed` CLI,
+and a `kspeed serve` process on loopback."""
+
+import os
+import shutil
+import subprocess
+import sys
+import zlib
+
+import pytest
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
+
+
+def kspeed_bin():
+    """The `kspeed` CLI: $KSPEED_BIN, else the repository's build (built if missing)."""
+    b = os.environ.get("KSPEED_BIN")
+    if b:
+        return b
+    for prof in ("debug", "release"):
+        p = os.path.join(REPO, "target", prof, "kspeed")
+        if os.path.exists(p):
+            return p
+    subprocess.run(["cargo", "build", "--quiet", "--bin", "kspeed"], cwd=REPO, check=True)
+    return os.path.join(REPO, "target", "debug", "kspeed")
+
+
+def cli(*args):
+    r = subprocess.run([kspeed_bin(), "--progress", "none", *map(str, args)], capture_output=True, text=True)
+    assert r.returncode == 0, f"kspeed {' '.join(map(str, args))}: {r.stdout}{r.stderr}"
+    return r.stdout
+
+
+def sample_bytes(i, n):
+    """Deterministic bytes for sample i (cheap: a repeated CRC-seeded pattern)."""
+    seed = zlib.crc32(i.to_bytes(8, "little")).to_bytes(4, "little")
+    block = bytes((seed[j % 4] + j * 31 + i) & 0xFF for j in range(257))
+    return (block * (n // 257 + 1))[:n]
+
+
+def make_tree(root, n=123, max_len=20000, classes=("ant", "bee", "cat", "dog")):
+    """An ImageFolder tree: n files with awkward sizes (0, 1, 4095, 4096, 4097...)."""
+    awkward = [0, 1, 4095, 4096, 4097, 8191, 8192, 12345]
+    for i in range(n):
+        size = awkward[i] if i < len(awkward) else (i * 7919) % max_len
+        d = os.path.join(root, classes[i % len(classes)])
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, f"s{i:05d}.bin"), "wb") as f:
+            f.write(sample_bytes(i, size))
+    return root
+
+
+@pytest.fixture(scope="session")
+def tree(tmp_path_factory):
+    return make_tree(str(tmp_path_factory.mktemp("src")))
+
+
+@pytest.fixture(scope="session")
+def space(tree, tmp_path_factory):
+    """A space preloaded with the CLI."""
+    sp = str(tmp_path_factory.mktemp("sp") / "space")
+    cli("preload", "--source", tree, "--space", sp)
+    return sp
+
+
+@pytest.fixture(scope="session")
+def token_file(tmp_path_factory):
+    p = tmp_path_factory.mktemp("tok") / "token"
+    p.write_text("pytest-job-token\n")
+    return str(p)
+
+
+class Serve:
+    """A `kspeed serve` process on 127.0.0.1."""
+
+    def __init__(self, space, token_file):
+        self.proc = subprocess.Popen(
+            [kspeed_bin(), "serve", "--space", space, "--listen", "127.0.0.1:0", "--token-file", token_file,
+             "--pollers", "1"],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        line = self.proc.stdout.readline()
+        self.addr = line.strip().rsplit(" ", 1)[-1]
+        assert ":" in self.addr, f"serve printed {line!r}"
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture
+def serve(space, token_file):
+    s = Serve(space, token_file)
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def python():
+    return sys.executable
+
+
+def have(mod):
+    try:
+        __import__(mod)
+        return True
+    except ImportError:
+        return False
+
+
+def require(mod):
+    """Skips without `mod`, except in CI (KSPEED_PY_REQUIRE_ALL=1), where a
+    missing module is a failure."""
+    if have(mod):
+        return
+    if os.environ.get("KSPEED_PY_REQUIRE_ALL") == "1" or os.environ.get("CI"):
+        pytest.fail(f"{mod} is required here (KSPEED_PY_REQUIRE_ALL/CI) but not installed")
+    pytest.skip(f"{mod} not installed")
+
+
+__all__ = ["cli", "kspeed_bin", "make_tree", "sample_bytes", "Serve", "require", "shutil"]

@@ -1,0 +1,192 @@
+"""PyTorch: DLPack into torch, KSpeedDataset in a DataLoader with and without
+worker processes (fork), resume, and JPEG decoding of real images."""
+
+import io
+import multiprocessing
+import os
+
+import numpy as np
+import pytest
+
+import kspeed
+from conftest import cli, require
+
+require("torch")
+import torch  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+from kspeed.torch import KSpeedDataset, KSpeedImageFolder  # noqa: E402
+
+
+def rank_sequence(space, epoch, **kw):
+    kw.setdefault("ring_bytes", "256KiB")
+    with kspeed.Loader(space, **kw) as l:
+        l.set_epoch(epoch)
+        return [i for b in l for i in b.ids.tolist()]
+
+
+def test_torch_from_dlpack_is_zero_copy_and_keeps_the_batch(space):
+    cat = kspeed.Catalog.open(space)
+    loader = kspeed.Loader(space, batch_size=8, ring_bytes="4MiB")
+    b = loader.next_batch()
+    t = torch.from_dlpack(b)
+    a = b.array()
+    assert t.dtype == torch.uint8 and t.device.type == "cpu"
+    assert t.data_ptr() == a.__array_interface__["data"][0], "torch copied the batch"
+    ids, offs, lens = b.ids.tolist(), b.offsets.tolist(), b.lengths.tolist()
+    s3 = torch.from_dlpack(b.sample_dlpack(3))
+    assert bytes(s3.numpy()) == cat.read_source(ids[3])
+    del a, b
+    # The tensors alone keep the batch: it is still out, and reading on
+    # does not touch it.
+    for _ in range(5):
+        loader.next_batch()
+    for sid, o, n in zip(ids, offs, lens):
+        assert bytes(t[o: o + n].numpy()) == cat.read_source(sid)
+    del t, s3
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_dataset_in_a_dataloader_delivers_the_rank_sequence(space, workers):
+    cat = kspeed.Catalog.open(space)
+    for rank in (0, 1):
+        ds = KSpeedDataset(space, batch_size=5, seed=8, rank=rank, world=2, ring_bytes="256KiB")
+        assert len(ds) == ds.epoch_len == -(-len(cat) // 2)
+        dl = DataLoader(ds, batch_size=None, num_workers=workers,
+                        multiprocessing_context="fork" if workers else None)
+        for epoch in (0, 1):
+            ds.set_epoch(epoch)
+            want = rank_sequence(space, epoch, batch_size=5, seed=8, rank=rank, world=2)
+            got = list(dl)
+            assert len(got) == len(want)
+            for k, ((t, y), sid) in enumerate(zip(got, want)):
+                assert y == cat.labels[sid], f"step {k}"
+                assert t.dtype == torch.uint8 and bytes(t.numpy()) == cat.read_source(sid), f"step {k}"
+
+
+def test_batch_output_with_workers_reads_each_sample_once(space):
+    cat = kspeed.Catalog.open(space)
+    ds = KSpeedDataset(space, batch_size=6, seed=1, rank=1, world=2, output="batch", drop_last=True,
+                       ring_bytes="256KiB")
+    dl = DataLoader(ds, batch_size=None, num_workers=3, multiprocessing_context="fork")
+    seen = []
+    for data, offs, lens, labels, ids in dl:
+        for o, n, y, sid in zip(offs.tolist(), lens.tolist(), labels.tolist(), ids.tolist()):
+            assert bytes(data[o: o + n].numpy()) == cat.read_source(sid)
+            assert y == cat.labels[sid]
+            seen.append(sid)
+    want = rank_sequence(space, 0, batch_size=6, seed=1, rank=1, world=2, drop_last=True)
+    assert sorted(seen) == sorted(want) and len(seen) == len(want) == len(cat) // 2
+
+
+def test_fork_after_building_a_loader(space):
+    """The parent builds a loader and reads; DataLoader workers fork; a child
+    refuses to use the parent's loader; the parent reads on exactly."""
+    want = rank_sequence(space, 0, batch_size=4, seed=6)
+    loader = kspeed.Loader(space, batch_size=4, seed=6, ring_bytes="256KiB")
+    first = loader.next_batch().ids.tolist()
+    ds = KSpeedDataset(space, batch_size=4, seed=6, ring_bytes="256KiB")
+    assert len(list(DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork"))) == len(want)
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+
+    def child():
+        try:
+            loader.next_batch()
+            q.put("used the parent's loader")
+        except kspeed.LoaderError as e:
+            q.put("refused: " + str(e))
+
+    p = ctx.Process(target=child)
+    p.start()
+    msg = q.get(timeout=60)
+    p.join(60)
+    assert p.exitcode == 0 and msg.startswith("refused: this loader was built in process"), msg
+    rest = [i for b in loader for i in b.ids.tolist()]
+    assert first + rest == want
+
+
+def test_dataset_state_dict_resumes(space):
+    kw = dict(batch_size=5, seed=2, ring_bytes="256KiB")
+    want = rank_sequence(space, 0, **kw)
+    ds = KSpeedDataset(space, **kw)
+    it = iter(ds)
+    head = [next(it) for _ in range(17)]
+    state = ds.state_dict()
+    del it, head
+    ds2 = KSpeedDataset(space, **kw)
+    ds2.load_state_dict(state)
+    cat = kspeed.Catalog.open(space)
+    rest = list(ds2)
+    # Exact, in the middle of a kspeed batch of 5.
+    assert state["index"] == 17 and state["skip"] == 2
+    assert [bytes(t.numpy()) for t, _ in rest] == [cat.read_source(i) for i in want[17:]]
+    # Pickled and loaded in a new dataset at an epoch boundary too.
+    import pickle
+
+    ds3 = KSpeedDataset(space, **kw)
+    assert len(list(ds3)) == len(want)
+    st3 = pickle.loads(pickle.dumps(ds3.state_dict()))
+    assert (st3["epoch"], st3["index"], st3["skip"]) == (1, 0, 0)
+
+
+def test_decode_jpeg_of_real_jpegs_equals_pil(tmp_path):
+    require("torchvision")
+    require("PIL")
+    from PIL import Image
+    from torchvision.io import decode_jpeg
+
+    src = tmp_path / "jpg"
+    rng = np.random.default_rng(0)
+    for i in range(24):
+        cls = src / ("red" if i % 2 else "blue")
+        cls.mkdir(parents=True, exist_ok=True)
+        h, w = 16 + 8 * (i % 5), 24 + 4 * (i % 7)
+        img = (rng.random((h, w, 3)) * 255).astype(np.uint8)
+        Image.fromarray(img).save(cls / f"{i:03d}.jpg", quality=85)
+    sp = tmp_path / "sp"
+    cli("preload", "--source", src, "--space", sp)
+    ds = KSpeedImageFolder(str(sp), transform=decode_jpeg, batch_size=4, ring_bytes="256KiB")
+    assert ds.classes == ["blue", "red"] and ds.class_to_idx == {"blue": 0, "red": 1}
+    assert len(ds.targets) == 24
+    cat = ds.catalog
+    order = rank_sequence(str(sp), 0, batch_size=4)
+    n = 0
+    for (img, y), sid in zip(DataLoader(ds, batch_size=None, num_workers=0), order):
+        pil = np.asarray(Image.open(io.BytesIO(cat.read_source(sid))).convert("RGB"))
+        assert tuple(img.shape) == (3, pil.shape[0], pil.shape[1])
+        assert np.array_equal(img.permute(1, 2, 0).numpy(), pil), f"sample {sid} decodes differently"
+        assert ds.classes[y] == os.path.basename(os.path.dirname(cat.path(sid)))
+        n += 1
+    assert n == 24
+    ds2 = KSpeedImageFolder(str(sp), decode=True, batch_size=4, ring_bytes="256KiB")
+    img, _ = next(iter(ds2))
+    assert img.dtype == torch.uint8 and img.shape[0] == 3
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_stateful_dataloader_resumes_exactly(space, workers):
+    """torchdata's StatefulDataLoader: state taken after 23 samples, loaded
+    into a new DataLoader over a new dataset: the rest, exactly."""
+    require("torchdata")
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    kw = dict(batch_size=5, seed=4, ring_bytes="256KiB")
+    want = rank_sequence(space, 0, **kw)
+    cat = kspeed.Catalog.open(space)
+
+    def make():
+        return StatefulDataLoader(KSpeedDataset(space, **kw), batch_size=None, num_workers=workers,
+                                  multiprocessing_context="fork" if workers else None)
+
+    dl = make()
+    it = iter(dl)
+    head = [next(it) for _ in range(23)]
+    state = dl.state_dict()
+    del it, dl
+    dl2 = make()
+    dl2.load_state_dict(state)
+    rest = list(dl2)
+    got = [bytes(t.numpy()) for t, _ in head + rest]
+    assert len(got) == len(want)
+    assert got == [cat.read_source(i) for i in want]

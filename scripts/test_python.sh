@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Builds the kspeed Python package (ffi/python) and runs its tests
+# (ffi/python/tests, pytest) in a cached virtual environment:
+#   1. the venv (KSPEED_PY_VENV, default target/py-venv) with maturin, numpy,
+#      pytest, Pillow, and torch + torchvision + torchdata from PyPI (large: the venv is
+#      kept between runs; KSPEED_PY_NO_TORCH=1 leaves them out, and their
+#      tests then skip, except under CI where a skip is a failure);
+#   2. fmt and clippy of the extension crate;
+#   3. `pip install ./ffi/python` into the venv (the README's command; the
+#      build's target directory ffi/python/target is kept, so a rebuild is
+#      incremental);
+#   4. pytest, with the repository's `kspeed` CLI for making spaces and
+#      running `kspeed serve`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+venv=${KSPEED_PY_VENV:-$root/target/py-venv}
+if [ ! -x "$venv/bin/python" ]; then
+    python3 -m venv "$venv"
+fi
+pip=("$venv/bin/pip" install -q --disable-pip-version-check)
+"$venv/bin/python" -c 'import maturin, numpy, pytest, PIL' 2>/dev/null || "${pip[@]}" maturin numpy pytest pillow
+if [ "${KSPEED_PY_NO_TORCH:-0}" != 1 ]; then
+    "$venv/bin/python" -c 'import torch, torchvision, torchdata' 2>/dev/null || "${pip[@]}" torch torchvision torchdata
+fi
+(cd ffi/python && cargo fmt --check && cargo clippy --quiet --all-targets -- -D warnings)
+# --no-build-isolation: the venv has maturin; the backend is in the tree.
+PATH="$venv/bin:$PATH" "${pip[@]}" --no-build-isolation --force-reinstall --no-deps ./ffi/python
+cargo build --quiet --bin kspeed
+export KSPEED_BIN="$root/target/debug/kspeed"
+if [ -n "${CI:-}" ]; then
+    export KSPEED_PY_REQUIRE_ALL=1
+fi
+cd ffi/python
+"$venv/bin/python" -c 'import kspeed; print("kspeed", kspeed.__version__, "for Python, RDMA:", kspeed.HAS_RDMA)'
+exec "$venv/bin/python" -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning tests "$@"
