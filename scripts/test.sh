@@ -6,7 +6,7 @@
 # target for a bounded time, the C ABI from C (plain, ASan, valgrind), the
 # C++ example against an installed package, the DALI plugin's tests (downloads
 # the DALI wheel once into target/dali-venv), the Python package's tests
-# (pip install ./ffi/python and pytest, torch cached in target/py-venv), and
+# (pip install ./ffi/python and pytest, torch cached in ~/.cache/kspeed/py-venv), and
 # the RDMA tests inside the soft-RoCE VM.
 #
 # KSPEED_REQUIRE=all (.ci/run sets it): nothing may be skipped. A test that
@@ -55,7 +55,7 @@ else
   test "${PIPESTATUS[0]}" = 0
 fi
 
-step "Python package (ffi/python): pip install, pytest (torch in a cached venv, target/py-venv)"
+step "Python package (ffi/python): pip install, pytest (torch in a cached venv, ~/.cache/kspeed/py-venv)"
 scripts/test_python.sh 2>&1 | tail -n 15
 test "${PIPESTATUS[0]}" = 0
 

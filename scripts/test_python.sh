@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the kspeed Python package (ffi/python) and runs its tests
 # (ffi/python/tests, pytest) in a cached virtual environment:
-#   1. the venv (KSPEED_PY_VENV, default target/py-venv) with maturin, numpy,
+#   1. the venv (KSPEED_PY_VENV, default ~/.cache/kspeed/py-venv, outside
+#      the checkout so a fresh clone on the same machine reuses it) with maturin, numpy,
 #      pytest, Pillow, and torch + torchvision + torchdata from PyPI (large: the venv is
 #      kept between runs; KSPEED_PY_NO_TORCH=1 leaves them out, and their
 #      tests then skip, except under CI where a skip is a failure);
@@ -14,11 +15,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
-venv=${KSPEED_PY_VENV:-$root/target/py-venv}
+venv=${KSPEED_PY_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/kspeed/py-venv}
+mkdir -p "$(dirname "$venv")"
 if [ ! -x "$venv/bin/python" ]; then
     python3 -m venv "$venv"
 fi
-pip=("$venv/bin/pip" install -q --disable-pip-version-check)
+pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
 "$venv/bin/python" -c 'import maturin, numpy, pytest, PIL' 2>/dev/null || "${pip[@]}" maturin numpy pytest pillow
 if [ "${KSPEED_PY_NO_TORCH:-0}" != 1 ]; then
     "$venv/bin/python" -c 'import torch, torchvision, torchdata' 2>/dev/null || "${pip[@]}" torch torchvision torchdata

@@ -458,6 +458,7 @@ fn builder_from(cfg: &Bound<'_, PyDict>) -> PyResult<(LoaderBuilder, usize)> {
             eio_ppm: f.1,
             short_ppm: f.2,
             delay_ppm: f.3,
+            ..Default::default()
         });
     }
     if let Some(file) = get::<String>(cfg, "cluster_file")? {

@@ -17,7 +17,7 @@ CHILD = textwrap.dedent(
     """
     import json, sys, traceback, kspeed
     loader = kspeed.Loader(source=sys.argv[1], catalog=sys.argv[2], cluster=[sys.argv[3]], token_file=sys.argv[4],
-                           batch_size=4, seed=3, ring_bytes="64KiB", node_timeout=300)
+                           batch_size=4, seed=3, ring_bytes="128KiB", node_timeout=300)
     print("ready", flush=True)
     sys.stdin.readline()  # the server is stopped now
     got = []
@@ -63,7 +63,7 @@ def test_ctrl_c_interrupts_a_wait_and_the_batch_is_not_lost(tree, space, token_f
     """resume: the same epoch goes on with exactly the remaining batches;
     restart: set_epoch(1) after the interrupt reads epoch 1 from its start."""
     cat = os.path.join(space, "catalog.ksc")
-    with kspeed.Loader(space, batch_size=4, seed=3, ring_bytes="64KiB") as ref:
+    with kspeed.Loader(space, batch_size=4, seed=3, ring_bytes="128KiB") as ref:
         if after == "restart":
             ref.set_epoch(1)
         want = [i for b in ref for i in b.ids.tolist()]
