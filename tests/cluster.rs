@@ -53,14 +53,40 @@ struct Serve {
 
 impl Serve {
     fn start(space: &Path, ip: &str, token_file: &Path, extra: &[&str]) -> Serve {
-        let mut child = Command::new(kspeed_bin())
+        Serve::launch(space, ip, token_file, extra, None, None)
+    }
+
+    /// `start`, with the node's log (`-v`) in `log` and, with `nofile`, its
+    /// descriptor limit lowered to that (`ulimit -n`).
+    fn launch(
+        space: &Path,
+        ip: &str,
+        token_file: &Path,
+        extra: &[&str],
+        log: Option<&Path>,
+        nofile: Option<u32>,
+    ) -> Serve {
+        let mut cmd = match nofile {
+            Some(n) => {
+                let mut c = Command::new("sh");
+                c.args(["-c", &format!("ulimit -n {n} && exec \"$0\" \"$@\"")])
+                    .arg(kspeed_bin());
+                c
+            }
+            None => Command::new(kspeed_bin()),
+        };
+        let mut child = cmd
             .args(["serve", "--space", s(space), "--listen"])
             .arg(format!("{ip}:0"))
             .args(["--token-file", s(token_file), "--pollers", "1"])
             .args(extra)
             .args(if rdma_mode() { &["--rdma"][..] } else { &[] })
+            .args(if log.is_some() { &["-v"][..] } else { &[] })
             .stdout(Stdio::piped())
-            .stderr(Stdio::null())
+            .stderr(match log {
+                Some(p) => Stdio::from(std::fs::File::create(p).unwrap()),
+                None => Stdio::null(),
+            })
             .spawn()
             .expect("start kspeed serve");
         let mut line = String::new();
@@ -595,6 +621,279 @@ fn hostile_consumers_are_refused_and_others_unaffected() {
     assert_eq!(check(&mut l, &cat, 0, 1, 2), 600);
     assert_eq!(l.stats().source_reads, 0);
     drop(stalled);
+}
+
+/// A TCP connection to `to` from the loopback address `from`: flooding
+/// clients come from addresses of their own, so the node's per-address
+/// limits never touch the real consumer (which connects from 127.0.0.1).
+fn connect_from(from: [u8; 4], to: &str) -> std::io::Result<TcpStream> {
+    use std::os::fd::FromRawFd;
+    let to: std::net::SocketAddrV4 = to.parse().expect("an IPv4 address");
+    let sa = |ip: [u8; 4], port: u16| libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: port.to_be(),
+        sin_addr: libc::in_addr {
+            s_addr: u32::from_be_bytes(ip).to_be(),
+        },
+        sin_zero: [0; 8],
+    };
+    let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    // SAFETY: a fresh socket owned by the TcpStream from here on (closed on
+    // every return); bind and connect read one live sockaddr_in each.
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let sock = TcpStream::from_raw_fd(fd);
+        let src = sa(from, 0);
+        if libc::bind(fd, (&src as *const libc::sockaddr_in).cast(), len) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let dst = sa(to.ip().octets(), to.port());
+        if libc::connect(fd, (&dst as *const libc::sockaddr_in).cast(), len) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(sock)
+    }
+}
+
+/// Threads and open descriptors of process `pid` (from /proc).
+fn proc_counts(pid: u32) -> (usize, usize) {
+    let n = |what: &str| {
+        std::fs::read_dir(format!("/proc/{pid}/{what}"))
+            .map(|d| d.count())
+            .unwrap_or(0)
+    };
+    (n("task"), n("fd"))
+}
+
+/// Log lines of a node that contain `what`.
+fn log_lines(log: &Path, what: &str) -> usize {
+    std::fs::read_to_string(log)
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.contains(what))
+        .count()
+}
+
+#[test]
+fn flooded_node_stays_bounded_and_serves_a_real_consumer() {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    let st = setup("tiny", 300, 1, 1);
+    let log = st._tmp.path().join("node.log");
+    let node = Serve::launch(
+        &st.spaces[0],
+        "127.0.0.1",
+        &st.token,
+        &["--max-handshakes", "16", "--handshake-timeout-ms", "1000"],
+        Some(&log),
+        None,
+    );
+    let pid = node.child.id();
+    let cat = Catalog::open(&st.catalog).unwrap();
+    let hello = hello_frame(&cat, proto::VERSION, TOKEN.as_bytes(), 1 << 20);
+    let bad_hello = hello_frame(&cat, proto::VERSION, b"not-the-token", 1 << 20);
+    let (base_threads, base_fds) = proc_counts(pid);
+
+    let stop = AtomicBool::new(false);
+    let slow_opened = AtomicUsize::new(0);
+    let slow_closed = AtomicUsize::new(0);
+    let bad_tries = AtomicUsize::new(0);
+    let (mut max_threads, mut max_fds) = (0, 0);
+    std::thread::scope(|sc| {
+        // Slow clients: each keeps up to 48 connections that send one byte
+        // of a HELLO every 50 ms (and never finish in time).
+        for k in 0..2u8 {
+            let (stop, opened, closed, hello, addr) =
+                (&stop, &slow_opened, &slow_closed, &hello, &node.addr);
+            sc.spawn(move || {
+                let mut open: Vec<(TcpStream, usize)> = Vec::new();
+                while !stop.load(Ordering::Relaxed) {
+                    for _ in 0..8 {
+                        if open.len() < 48 {
+                            if let Ok(c) = connect_from([127, 0, 0, 9 + k], addr) {
+                                opened.fetch_add(1, Ordering::Relaxed);
+                                open.push((c, 0));
+                            }
+                        }
+                    }
+                    open.retain_mut(|(c, sent)| {
+                        let ok =
+                            *sent < hello.len() && c.write_all(&hello[*sent..*sent + 1]).is_ok();
+                        *sent += 1;
+                        if !ok {
+                            closed.fetch_add(1, Ordering::Relaxed);
+                        }
+                        ok
+                    });
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+            });
+        }
+        // A client that presents a wrong token over and over.
+        {
+            let (stop, tries, bad_hello, addr) = (&stop, &bad_tries, &bad_hello, &node.addr);
+            sc.spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    if let Ok(mut c) = connect_from([127, 0, 0, 11], addr) {
+                        tries.fetch_add(1, Ordering::Relaxed);
+                        let _ = c.write_all(bad_hello);
+                        c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+                        let mut sink = Vec::new();
+                        let _ = c.read_to_end(&mut sink);
+                    }
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+            });
+        }
+        // The flood is on once more slow clients came than handshakes may
+        // be pending.
+        let t0 = Instant::now();
+        while slow_opened.load(Ordering::Relaxed) < 64 {
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "flood did not start"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        // Watch the node's threads and descriptors while a real consumer
+        // connects and reads two epochs through the flood.
+        let watcher = {
+            let stop = &stop;
+            sc.spawn(move || {
+                let mut m = (0, 0);
+                while !stop.load(Ordering::Relaxed) {
+                    let (t, f) = proc_counts(pid);
+                    m = (m.0.max(t), m.1.max(f));
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                m
+            })
+        };
+        let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let mut l = builder_remote(&st, &[&node.addr], 1 << 20).build().unwrap();
+            assert_eq!(check(&mut l, &cat, 0, 1, 2), 600);
+            let stats = l.stats();
+            assert_eq!(stats.source_reads, 0, "{stats:?}");
+            assert_eq!(stats.failovers, 0, "{stats:?}");
+            // Let the flood go on past a couple of handshake deadlines.
+            let t0 = Instant::now();
+            while slow_closed.load(Ordering::Relaxed) < 64 || bad_tries.load(Ordering::Relaxed) < 40
+            {
+                assert!(t0.elapsed() < Duration::from_secs(60), "the flood stalled");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }));
+        stop.store(true, Ordering::Relaxed);
+        (max_threads, max_fds) = watcher.join().unwrap();
+        if let Err(p) = res {
+            std::panic::resume_unwind(p);
+        }
+    });
+    let opened = slow_opened.load(Ordering::Relaxed);
+    let tries = bad_tries.load(Ordering::Relaxed);
+    eprintln!(
+        "node before: {base_threads} threads, {base_fds} fds; during the flood at most {max_threads} threads, {max_fds} fds; {opened} slow clients, {tries} wrong tokens"
+    );
+    // One thread per connection made thousands; the handshakes run on the
+    // acceptor (16 pending at most, one consumer).
+    assert!(max_threads <= base_threads + 4, "{max_threads} threads");
+    assert!(max_fds <= base_fds + 16 + 4, "{max_fds} descriptors");
+
+    // One deadline for the whole handshake: a peer sending its HELLO one
+    // byte every 100 ms (9 s in all) is closed after about a second, before
+    // it is done.
+    let mut c = connect_from([127, 0, 0, 12], &node.addr).unwrap();
+    c.set_read_timeout(Some(Duration::from_millis(100)))
+        .unwrap();
+    let t0 = Instant::now();
+    let mut sent = 0;
+    let mut closed = false;
+    while sent < hello.len() {
+        if c.write_all(&hello[sent..sent + 1]).is_err() {
+            closed = true;
+            break;
+        }
+        sent += 1;
+        let mut b = [0u8; 256];
+        match c.read(&mut b) {
+            Ok(0) => {
+                closed = true;
+                break;
+            }
+            Ok(_) => {} // the ERROR frame saying why
+            Err(e)
+                if e.kind() == std::io::ErrorKind::WouldBlock
+                    || e.kind() == std::io::ErrorKind::TimedOut => {}
+            Err(_) => {
+                closed = true;
+                break;
+            }
+        }
+    }
+    assert!(
+        closed,
+        "a {}-byte HELLO sent over {:?} was let through",
+        hello.len(),
+        t0.elapsed()
+    );
+    assert!(
+        t0.elapsed() < Duration::from_secs(6),
+        "closed after {:?}",
+        t0.elapsed()
+    );
+
+    // Wrong tokens are logged once per address and window, then summarized.
+    let lines = log_lines(&log, "refused 127.0.0.11");
+    assert!(
+        tries >= 40 && lines <= 4,
+        "{lines} log lines for {tries} wrong tokens"
+    );
+    assert!(
+        log_lines(&log, "127.0.0.1:") >= 1,
+        "the consumer's connect is logged"
+    );
+}
+
+#[test]
+fn node_out_of_descriptors_backs_off_and_logs_once() {
+    let st = setup("tiny", 300, 1, 1);
+    let log = st._tmp.path().join("node.log");
+    // More handshakes allowed than descriptors: accept runs out first.
+    let node = Serve::launch(
+        &st.spaces[0],
+        "127.0.0.1",
+        &st.token,
+        &["--max-handshakes", "256", "--handshake-timeout-ms", "3000"],
+        Some(&log),
+        Some(40),
+    );
+    let cat = Catalog::open(&st.catalog).unwrap();
+    let mut silent = Vec::new();
+    for _ in 0..80 {
+        silent.push(connect_from([127, 0, 0, 13], &node.addr).unwrap());
+    }
+    // Until the node has hit the limit and backed off a while.
+    let t0 = Instant::now();
+    while log_lines(&log, "accept:") == 0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "never ran out of descriptors"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    std::thread::sleep(Duration::from_millis(1500)); // lets it spin, if it would
+    let mut l = builder_remote(&st, &[&node.addr], 1 << 20).build().unwrap();
+    assert_eq!(check(&mut l, &cat, 0, 1, 1), 300);
+    assert_eq!(l.stats().source_reads, 0);
+    drop(silent);
+    let n = log_lines(&log, "accept");
+    assert!(
+        n <= 3,
+        "{n} accept lines:\n{}",
+        std::fs::read_to_string(&log).unwrap()
+    );
 }
 
 // --- hostile nodes against a real consumer --------------------------------

@@ -326,6 +326,13 @@ pub(crate) struct Connected {
 /// Over RDMA the landing ring `ring` (address, length) is registered for
 /// remote write first, and every connection gets its queue pair.
 pub(crate) fn connect_all(setup: &mut NetSetup, ring: &LandingRing) -> Result<Connected> {
+    if setup.token.is_empty() || setup.token.len() > proto::MAX_TOKEN_BYTES {
+        return Err(Error::InvalidConfig(format!(
+            "the job token has {} bytes; it must have 1 to {} (the HELLO frame's limit)",
+            setup.token.len(),
+            proto::MAX_TOKEN_BYTES
+        )));
+    }
     let mut out = Vec::with_capacity(setup.cluster.nodes.len());
     #[cfg(feature = "rdma")]
     let rdma = match &setup.rdma {

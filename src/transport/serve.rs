@@ -1,8 +1,9 @@
 //! The node service: the owner side of the push protocol over TCP.
 //!
-//! An acceptor thread takes connections and runs each HELLO on a short-lived
-//! thread (so a peer that stalls in its handshake holds up no one), then
-//! hands the connection to a poller. Each poller owns one io_uring that
+//! An acceptor thread takes connections and runs every handshake as a
+//! non-blocking state machine under one deadline (`accept`: no thread per
+//! peer, a bounded number pending, so a peer that stalls or floods holds up
+//! no one), then hands the connection to the least loaded poller. Each poller owns one io_uring that
 //! carries everything: the socket receives (GRANT frames), the O_DIRECT
 //! reads of granted samples from the extents into its registered staging
 //! slab, and the DATA sends (`sendmsg` of header + staging slot, no copy).
@@ -16,18 +17,19 @@
 //! back-pressure: reads wait, grants stay queued.
 
 use std::collections::VecDeque;
-use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+
+mod accept;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use crossbeam_channel::{Receiver, Sender};
+use crossbeam_channel::Receiver;
 
-use super::proto::{self, Code, GrantEntry, Header, Hello, Kind, Welcome};
+use super::proto::{self, Code, GrantEntry, Header, Hello, Kind};
 use super::tcp::TcpLink;
 use super::{Done, Link};
 use crate::dataset::Space;
@@ -58,10 +60,16 @@ pub struct ServeConfig {
     pub chunk_bytes: u32,
     /// Grants one consumer may have outstanding.
     pub max_grants: u32,
-    /// Consumers one poller serves at once.
+    /// Consumers one poller serves at once (`--max-consumers-per-poller`);
+    /// a HELLO beyond `pollers` times this is refused with
+    /// [`Code::NodeFull`].
     pub max_conns_per_poller: usize,
-    /// Time a peer has to complete its HELLO.
+    /// Time a peer has to complete its whole handshake (HELLO, and the
+    /// RDMA endpoint swap), however it paces its bytes.
     pub handshake_timeout: Duration,
+    /// Handshakes pending at once (`--max-handshakes`); a connection
+    /// accepted beyond that closes the oldest pending one.
+    pub max_handshakes: usize,
     /// Send straight from a read-only mapping of the extents (the page
     /// cache) instead of reading each chunk into staging with O_DIRECT. For
     /// spaces on memory-backed file systems (tmpfs) or kept warm: it saves a
@@ -92,10 +100,56 @@ impl ServeConfig {
             max_grants: 8192,
             max_conns_per_poller: 256,
             handshake_timeout: Duration::from_secs(5),
+            max_handshakes: 64,
             page_cache: false,
             rdma: None,
             rdma_spin: crate::loader::default_spin(),
         }
+    }
+
+    /// Checks every limit against what the service can allocate and encode
+    /// (each bound is documented in docs/PROTOCOL.md, "Limits").
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::InvalidConfig(m));
+        if self.token.is_empty() || self.token.len() > proto::MAX_TOKEN_BYTES {
+            return bad(format!(
+                "the job token has {} bytes; it must have 1 to {} (the HELLO frame's limit)",
+                self.token.len(),
+                proto::MAX_TOKEN_BYTES
+            ));
+        }
+        let ranges: [(&str, u64, u64, u64); 6] = [
+            ("pollers", self.pollers as u64, 1, MAX_POLLERS),
+            ("max grants", self.max_grants as u64, 1, MAX_GRANTS),
+            (
+                "max consumers per poller",
+                self.max_conns_per_poller as u64,
+                1,
+                MAX_CONNS_PER_POLLER,
+            ),
+            (
+                "max handshakes",
+                self.max_handshakes as u64,
+                1,
+                MAX_HANDSHAKES,
+            ),
+            (
+                "chunk bytes",
+                self.chunk_bytes as u64,
+                1,
+                proto::MAX_DATA_BYTES as u64,
+            ),
+            ("staging bytes", self.staging_bytes, 1, MAX_STAGING_BYTES),
+        ];
+        for (what, v, lo, hi) in ranges {
+            if v < lo || v > hi {
+                return bad(format!("{what} is {v}; it must be {lo} to {hi}"));
+            }
+        }
+        if self.handshake_timeout.is_zero() {
+            return bad("the handshake timeout must be more than 0".into());
+        }
+        Ok(())
     }
 
     /// Staging slots per poller (and so the most RDMA writes in flight per
@@ -105,13 +159,35 @@ impl ServeConfig {
     }
 }
 
+/// Most poller threads.
+pub const MAX_POLLERS: u64 = 256;
+/// Most grants one consumer may have outstanding (each queued grant costs
+/// the node 32 bytes, reserved when the consumer connects).
+pub const MAX_GRANTS: u64 = 1 << 20;
+/// Most consumers per poller.
+pub const MAX_CONNS_PER_POLLER: u64 = 4096;
+/// Most handshakes pending at once (each holds a descriptor and a 1 KiB
+/// buffer).
+pub const MAX_HANDSHAKES: u64 = 4096;
+/// Most staging memory per poller.
+pub const MAX_STAGING_BYTES: u64 = 1 << 30;
+
 /// Counters of a running service.
 #[derive(Debug, Default)]
 pub struct ServeStats {
     /// Connections accepted past HELLO.
     pub connections: AtomicU64,
-    /// Connections refused at HELLO.
+    /// Connections refused or closed before their handshake completed.
     pub refused: AtomicU64,
+    /// Handshakes pending now.
+    pub handshakes_pending: AtomicU64,
+    /// Handshakes closed at their deadline.
+    pub handshake_timeouts: AtomicU64,
+    /// Pending handshakes closed to make room for newer connections.
+    pub evicted: AtomicU64,
+    /// `accept` failures for lack of descriptors or memory (each one backs
+    /// the acceptor off).
+    pub accept_errors: AtomicU64,
     /// Connections dropped for breaking the protocol.
     pub violations: AtomicU64,
     /// Samples pushed whole.
@@ -152,9 +228,17 @@ struct Common {
     stop: AtomicBool,
     stats: ServeStats,
     rdma: Option<OwnerRdma>,
+    /// Consumers per poller (reserved at HELLO by the acceptor, given back
+    /// by the poller when the connection is gone).
+    load: Box<[AtomicUsize]>,
 }
 
 impl Common {
+    /// Consumers connected (or being handed to a poller) now.
+    fn consumers(&self) -> usize {
+        self.load.iter().map(|l| l.load(Ordering::Relaxed)).sum()
+    }
+
     /// Whether RDMA links may send from the mapped extents (registered).
     fn rdma_maps(&self) -> bool {
         #[cfg(feature = "rdma")]
@@ -174,11 +258,7 @@ pub struct NodeService {
 impl NodeService {
     /// Opens the space, binds, and starts the acceptor and the pollers.
     pub fn start(cfg: ServeConfig) -> Result<NodeService> {
-        if cfg.pollers == 0 || cfg.max_grants == 0 || cfg.max_conns_per_poller == 0 {
-            return Err(Error::InvalidConfig(
-                "pollers, max_grants and connections per poller must be at least 1".into(),
-            ));
-        }
+        cfg.validate()?;
         let space = Space::open(&cfg.space)?;
         space.check_extents()?;
         let align = space.params().align_bytes;
@@ -188,7 +268,12 @@ impl NodeService {
             .next_multiple_of(align);
         let mut cfg = cfg;
         cfg.chunk_bytes = chunk;
-        cfg.staging_bytes = cfg.staging_bytes.max(chunk as u64).min(1 << 30);
+        if cfg.staging_bytes < chunk as u64 {
+            return Err(Error::InvalidConfig(format!(
+                "staging bytes {} hold no whole {chunk}-byte chunk (chunk bytes rounded up to the space's {align}-byte alignment)",
+                cfg.staging_bytes
+            )));
+        }
         let mut extents = Vec::new();
         for i in 0..space.extent_lens().len() as u32 {
             let path = space.extent_path(i);
@@ -221,41 +306,49 @@ impl NodeService {
             space,
             extents,
             maps,
-            cfg,
             stop: AtomicBool::new(false),
             stats: ServeStats::default(),
             rdma,
+            load: (0..cfg.pollers).map(|_| AtomicUsize::new(0)).collect(),
+            cfg,
         });
-        let mut threads = Vec::new();
-        let mut senders = Vec::new();
-        for i in 0..common.cfg.pollers {
-            let (tx, rx) = crossbeam_channel::bounded::<Accepted>(64);
-            senders.push(tx);
-            let c = common.clone();
-            // Build the ring here so setup errors reach the caller.
+        // Everything that can fail is made before the first thread starts;
+        // should spawning fail anyway, the threads already running are
+        // stopped and joined (none is left behind).
+        let mut parts = Vec::with_capacity(common.cfg.pollers);
+        for _ in 0..common.cfg.pollers {
             let ring = Uring::new(UringOptions {
                 entries: 1024,
                 sqpoll_idle_ms: None,
             })?;
-            let fds: Vec<i32> = c.extents.iter().map(|f| f.as_raw_fd()).collect();
+            let fds: Vec<i32> = common.extents.iter().map(|f| f.as_raw_fd()).collect();
             if !fds.is_empty() {
                 ring.register_files(&fds)?;
             }
-            let staging = Staging::new(&c)?;
-            threads.push(
-                std::thread::Builder::new()
-                    .name(format!("kspeed-serve-{i}"))
-                    .spawn(move || ServePoller::new(c, i, ring, staging, rx).run())
-                    .map_err(|e| Error::Serve(format!("spawn poller: {e}")))?,
-            );
+            parts.push((ring, Staging::new(&common)?));
+        }
+        let mut svc = NodeService {
+            addr,
+            common: common.clone(),
+            threads: Vec::new(),
+        };
+        let mut senders = Vec::new();
+        for (i, (ring, staging)) in parts.into_iter().enumerate() {
+            let (tx, rx) = crossbeam_channel::bounded::<Accepted>(64);
+            senders.push(tx);
+            let c = common.clone();
+            let t = std::thread::Builder::new()
+                .name(format!("kspeed-serve-{i}"))
+                .spawn(move || ServePoller::new(c, i, ring, staging, rx).run())
+                .map_err(|e| Error::Serve(format!("spawn poller {i}: {e}")))?;
+            svc.threads.push(t);
         }
         let c = common.clone();
-        threads.push(
-            std::thread::Builder::new()
-                .name("kspeed-accept".into())
-                .spawn(move || accept_loop(c, listener, senders))
-                .map_err(|e| Error::Serve(format!("spawn acceptor: {e}")))?,
-        );
+        let t = std::thread::Builder::new()
+            .name("kspeed-accept".into())
+            .spawn(move || accept::Acceptor::new(c, listener, senders).run())
+            .map_err(|e| Error::Serve(format!("spawn acceptor: {e}")))?;
+        svc.threads.push(t);
         log::info!(
             "serving {} ({} of {} samples, node {} of {}) on {addr}",
             common.cfg.space.display(),
@@ -264,11 +357,7 @@ impl NodeService {
             common.space.params().node_index,
             common.space.params().placement.nodes
         );
-        Ok(NodeService {
-            addr,
-            common,
-            threads,
-        })
+        Ok(svc)
     }
 
     /// The address it listens on.
@@ -433,195 +522,44 @@ struct Accepted {
     rdma: Option<RdmaAccepted>,
 }
 
-fn accept_loop(c: Arc<Common>, listener: TcpListener, senders: Vec<Sender<Accepted>>) {
-    let next = Arc::new(AtomicUsize::new(0));
-    let senders = Arc::new(senders);
-    while !c.stop.load(Ordering::Acquire) {
-        if !crate::sys::poll_readable(listener.as_raw_fd(), 100) {
-            continue;
-        }
-        let (sock, peer) = match listener.accept() {
-            Ok(x) => x,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
-            Err(e) => {
-                log::warn!("accept: {e}");
-                std::thread::sleep(Duration::from_millis(10));
-                continue;
-            }
-        };
-        let (c, senders) = (c.clone(), senders.clone());
-        // The poller is chosen first: an RDMA connection's CQ is made on
-        // that poller's completion channel.
-        let i = next.fetch_add(1, Ordering::Relaxed) % senders.len();
-        let _ = std::thread::Builder::new()
-            .name("kspeed-hello".into())
-            .spawn(move || match handshake(&c, sock, peer, i) {
-                Ok(acc) => {
-                    c.stats.connections.fetch_add(1, Ordering::Relaxed);
-                    let _ = senders[i].send(acc);
-                }
-                Err(msg) => {
-                    c.stats.refused.fetch_add(1, Ordering::Relaxed);
-                    log::warn!("refused {peer}: {msg}");
-                }
-            });
-    }
-}
-
-/// Sends an ERROR frame, best effort (the peer may be gone or not reading).
-fn send_error(sock: &mut TcpStream, grant: u32, code: Code, msg: &str) {
+/// Sends an ERROR frame, best effort and never blocking: the peer may be
+/// gone or not reading, and the caller (the acceptor, a data-path poller)
+/// must not wait on it. What the socket buffer does not take is dropped;
+/// the connection is closed right after either way.
+fn send_error(sock: &TcpStream, grant: u32, code: Code, msg: &str) {
     let m = &msg.as_bytes()[..msg.len().min(proto::MAX_MESSAGE_BYTES)];
-    let mut f = Header::error(grant, code, m.len() as u32).encode().to_vec();
-    f.extend_from_slice(m);
-    let _ = sock.set_write_timeout(Some(Duration::from_millis(200)));
-    let _ = sock.write_all(&f);
+    let mut f = [0u8; proto::HEADER_BYTES + proto::MAX_MESSAGE_BYTES];
+    f[..proto::HEADER_BYTES].copy_from_slice(&Header::error(grant, code, m.len() as u32).encode());
+    f[proto::HEADER_BYTES..proto::HEADER_BYTES + m.len()].copy_from_slice(m);
+    let _ = crate::sys::send_nonblocking(sock.as_raw_fd(), &f[..proto::HEADER_BYTES + m.len()]);
 }
 
-fn handshake(
-    c: &Common,
-    mut sock: TcpStream,
-    peer: SocketAddr,
-    poller: usize,
-) -> Result<Accepted, String> {
-    let _ = sock.set_read_timeout(Some(c.cfg.handshake_timeout));
-    let _ = sock.set_nodelay(true);
-    let mut hb = [0u8; proto::HEADER_BYTES];
-    sock.read_exact(&mut hb)
-        .map_err(|e| format!("no HELLO: {e}"))?;
-    let h = match Header::decode(&hb, 0) {
-        Ok(h) if h.kind == Kind::Hello => h,
-        Ok(h) => {
-            let m = format!("expected HELLO, got {:?}", h.kind);
-            send_error(&mut sock, proto::CONNECTION, Code::Violation, &m);
-            return Err(m);
-        }
-        Err(e) => {
-            let m = format!("bad HELLO header: {e}");
-            send_error(&mut sock, proto::CONNECTION, Code::Violation, &m);
-            return Err(m);
-        }
-    };
-    if h.a != proto::VERSION {
-        let m = format!(
-            "protocol version {} is not spoken here (this node speaks {})",
-            h.a,
-            proto::VERSION
-        );
-        send_error(&mut sock, proto::CONNECTION, Code::BadVersion, &m);
-        return Err(m);
-    }
-    let mut body = vec![0u8; h.body_len as usize];
-    sock.read_exact(&mut body)
-        .map_err(|e| format!("truncated HELLO: {e}"))?;
-    let (hello, token) = match Hello::decode(&body) {
-        Ok(x) => x,
-        Err(e) => {
-            let m = format!("bad HELLO body: {e}");
-            send_error(&mut sock, proto::CONNECTION, Code::Violation, &m);
-            return Err(m);
-        }
-    };
-    if !constant_time_eq(token, &c.cfg.token) {
-        let m = "job token does not match this node's".to_string();
-        send_error(&mut sock, proto::CONNECTION, Code::BadToken, &m);
-        return Err(m);
-    }
-    let cat = c.space.catalog();
-    if hello.catalog_identity != cat.identity() || hello.catalog_samples != cat.len() {
-        let m = format!(
-            "consumer's catalog (identity {:08x}, {} samples) is not this node's ({:08x}, {} samples)",
-            hello.catalog_identity,
-            hello.catalog_samples,
-            cat.identity(),
-            cat.len()
-        );
-        send_error(&mut sock, proto::CONNECTION, Code::WrongDataset, &m);
-        return Err(m);
-    }
-    let p = c.space.params();
-    let rdma = hello.transport == proto::TRANSPORT_RDMA && c.rdma.is_some();
-    #[cfg(not(feature = "rdma"))]
-    let _ = poller; // only an RDMA connection's CQ needs it
-    if hello.transport == proto::TRANSPORT_RDMA && !rdma {
-        log::info!("consumer {peer} asks for RDMA; this node serves it over TCP (no --rdma)");
-    }
-    let w = Welcome {
-        node_index: p.node_index,
-        nodes: p.placement.nodes,
-        replicas: p.placement.replicas,
-        max_data_bytes: c.cfg.chunk_bytes,
-        max_grants: c.cfg.max_grants as u64,
-        transport: if rdma {
-            proto::TRANSPORT_RDMA
-        } else {
-            proto::TRANSPORT_TCP
-        },
-    };
-    sock.write_all(&w.encode())
-        .map_err(|e| format!("sending WELCOME: {e}"))?;
-    #[cfg(feature = "rdma")]
-    let rdma = if rdma {
-        match rdma_handshake(c, &mut sock, &hello, poller) {
-            Ok(r) => Some(r),
-            Err((code, m)) => {
-                send_error(&mut sock, proto::CONNECTION, code, &m);
-                return Err(m);
-            }
-        }
-    } else {
-        None
-    };
-    let _ = sock.set_read_timeout(None);
-    log::info!(
-        "consumer {peer} (rank {} of {}) connected{}",
-        hello.rank,
-        hello.world,
-        if w.transport == proto::TRANSPORT_RDMA {
-            " over RDMA"
-        } else {
-            ""
-        }
-    );
-    Ok(Accepted {
-        sock,
-        peer,
-        hello,
-        #[cfg(feature = "rdma")]
-        rdma,
-    })
-}
-
-/// After WELCOME on an RDMA connection: reads the consumer's queue pair,
-/// creates and connects this end's (on the GID of the address the consumer
-/// reached, unless one is configured), and answers with it.
+/// After WELCOME on an RDMA connection, with the consumer's RDMA_ENDPOINT
+/// frame (`hb`, `body`) read by the acceptor: creates and connects this
+/// end's queue pair (on the GID of the address the consumer reached, unless
+/// one is configured), and answers with it (40 bytes into a socket that has
+/// sent only WELCOME: the send buffer takes them whole without blocking).
 #[cfg(feature = "rdma")]
 fn rdma_handshake(
     c: &Common,
     sock: &mut TcpStream,
-    hello: &Hello,
+    hb: &[u8; proto::HEADER_BYTES],
+    body: &[u8],
     poller: usize,
 ) -> Result<RdmaAccepted, (Code, String)> {
     use super::rdma::{Cq, Qp, RDMA_ERROR_BYTES};
+    use std::io::Write;
     let r = c.rdma.as_ref().expect("checked by the caller");
     let violation = |m: String| (Code::Violation, m);
     let failed = |e: Error| (Code::TransportFailed, format!("node RDMA setup: {e}"));
-    if hello.rkey == 0 && hello.ring_addr == 0 {
-        return Err(violation("RDMA HELLO without a registered ring".into()));
-    }
-    let mut hb = [0u8; proto::HEADER_BYTES];
-    sock.read_exact(&mut hb)
-        .map_err(|e| violation(format!("no RDMA_ENDPOINT: {e}")))?;
-    let h = Header::decode(&hb, 0).map_err(|e| violation(e.to_string()))?;
+    let h = Header::decode(hb, 0).map_err(|e| violation(e.to_string()))?;
     if h.kind != Kind::RdmaEndpoint {
         return Err(violation(format!(
             "expected RDMA_ENDPOINT, got {:?}",
             h.kind
         )));
     }
-    let mut body = [0u8; proto::RDMA_ENDPOINT_BYTES];
-    sock.read_exact(&mut body)
-        .map_err(|e| violation(format!("truncated RDMA_ENDPOINT: {e}")))?;
-    let theirs = proto::RdmaEndpoint::decode(&h, &body).map_err(|e| violation(e.to_string()))?;
+    let theirs = proto::RdmaEndpoint::decode(&h, body).map_err(|e| violation(e.to_string()))?;
     let max_wr = c.cfg.slots().clamp(16, 4096) as u32;
     let cq = Cq::with_channel(&r.ctx, max_wr as i32 + 16, &r.channels[poller]).map_err(failed)?;
     let mut qp = Qp::new(&r.pd, &cq, &cq, max_wr, (4 + RDMA_ERROR_BYTES) as u32).map_err(failed)?;
@@ -810,6 +748,8 @@ struct ServePoller {
     completions: Vec<Completion>,
     /// Round-robin start for reads, so one busy consumer cannot starve others.
     rr: usize,
+    /// This poller's number (its entry in `Common::load`).
+    index: usize,
     /// RDMA: this poller's completion channel, whether a poll of it is in
     /// the ring, and since when the poller has spun without a completion.
     #[cfg(feature = "rdma")]
@@ -826,8 +766,6 @@ impl ServePoller {
         staging: Staging,
         incoming: Receiver<Accepted>,
     ) -> Self {
-        #[cfg(not(feature = "rdma"))]
-        let _ = index; // picks the poller's RDMA completion channel
         let chunk = c.cfg.chunk_bytes as u64;
         let n = c.cfg.slots();
         // SAFETY: the staging slab lives in this struct, dropped after the
@@ -864,6 +802,7 @@ impl ServePoller {
             conns,
             completions: vec![Completion::default(); 1024],
             rr: 0,
+            index,
             #[cfg(feature = "rdma")]
             channel: c.rdma.as_ref().map(|r| r.channels[index].clone()),
             chan_inflight: false,
@@ -938,16 +877,18 @@ impl ServePoller {
 
     fn adopt(&mut self, acc: Accepted) {
         let Some(ci) = self.conns.iter().position(Option::is_none) else {
+            // Not reached: the acceptor reserved a place on this poller at
+            // HELLO (`Common::load`); kept as a refusal, not a panic.
+            self.c.load[self.index].fetch_sub(1, Ordering::Relaxed);
             #[cfg(feature = "rdma")]
             if acc.rdma.is_some() {
                 self.c.stats.rdma_qps.fetch_sub(1, Ordering::Relaxed);
             }
-            let mut sock = acc.sock;
             send_error(
-                &mut sock,
+                &acc.sock,
                 proto::CONNECTION,
-                Code::ShuttingDown,
-                "this node serves as many consumers as it was configured for",
+                Code::NodeFull,
+                "this poller serves as many consumers as it was configured for",
             );
             return;
         };
@@ -1487,7 +1428,7 @@ impl ServePoller {
             // Only between frames: a send in flight would interleave (an
             // RDMA connection's socket carries no frames from here).
             if c.link.is_rdma() || !c.link.busy() {
-                send_error(&mut c.sock, proto::CONNECTION, code, &msg);
+                send_error(&c.sock, proto::CONNECTION, code, &msg);
             }
         }
         c.closing = true;
@@ -1519,6 +1460,7 @@ impl ServePoller {
             .is_some_and(|c| c.closing && c.ops == 0 && !c.link.busy())
         {
             let c = self.conns[ci as usize].take().expect("live");
+            self.c.load[self.index].fetch_sub(1, Ordering::Relaxed);
             for &slot in &c.sendq {
                 self.free_slots.push(slot);
             }
