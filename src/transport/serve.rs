@@ -1109,8 +1109,11 @@ impl ServePoller {
                 if !s.ready {
                     break;
                 }
-                if !s.error && c.failed_grant == Some(s.grant) {
-                    // A later chunk of a grant already answered with ERROR.
+                if c.failed_grant == Some(s.grant) {
+                    // A later chunk of a grant already answered with ERROR:
+                    // its data, or its own read error, is not sent (one
+                    // ERROR per grant; a second would be a protocol
+                    // violation for the consumer).
                     c.sendq.pop_front();
                     self.free_slots.push(slot);
                     continue;
