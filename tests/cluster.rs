@@ -968,6 +968,83 @@ fn one_error_frame_per_grant_when_several_chunks_fail() {
     assert_eq!(errors, 1, "ERROR frames for one failed grant");
 }
 
+#[test]
+fn corrupt_sample_from_a_node_fails_over_to_the_replica() {
+    let st = setup("tiny", 300, 2, 2);
+    // Node 1's extent has a stretch of flipped bytes (after preload, so
+    // nothing but the consumer's CRC32C check can notice).
+    let ext = Space::open(&st.spaces[1]).unwrap().extent_path(0);
+    let mut bytes = std::fs::read(&ext).unwrap();
+    let n = bytes.len();
+    for b in &mut bytes[n / 3..n / 3 + 8192] {
+        *b ^= 0x5a;
+    }
+    std::fs::write(&ext, &bytes).unwrap();
+    let n0 = Serve::start(&st.spaces[0], &node_ip(0), &st.token, &[]);
+    let n1 = Serve::start(&st.spaces[1], &node_ip(1), &st.token, &[]);
+    let cat = Catalog::open(&st.catalog).unwrap();
+    let mut l = builder_remote(&st, &[&n0.addr, &n1.addr], 1 << 20)
+        .verify_crc32c(true)
+        .build()
+        .unwrap();
+    assert_eq!(check(&mut l, &cat, 0, 1, 2), 600);
+    let stats = l.finish();
+    assert!(stats.failovers > 0, "{stats:?}");
+    assert_eq!(stats.source_reads, 0, "node 0 has every sample: {stats:?}");
+}
+
+#[test]
+fn node_failing_every_grant_is_demoted_for_the_epoch() {
+    let st = setup("tiny", 2000, 2, 2);
+    let n0 = Serve::start(&st.spaces[0], &node_ip(0), &st.token, &[]);
+    let n1 = Serve::start(&st.spaces[1], &node_ip(1), &st.token, &[]);
+    // Node 1's extent is emptied once it serves: every grant it gets comes
+    // back as ERROR.
+    let ext = Space::open(&st.spaces[1]).unwrap().extent_path(0);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&ext)
+        .unwrap()
+        .set_len(0)
+        .unwrap();
+    let cat = Catalog::open(&st.catalog).unwrap();
+    let mut l = builder_remote(&st, &[&n0.addr, &n1.addr], 256 << 10)
+        .build()
+        .unwrap();
+    assert_eq!(check(&mut l, &cat, 0, 1, 2), 4000);
+    let stats = l.finish();
+    eprintln!("{} failovers in 2 epochs", stats.failovers);
+    // Node 1 is the first holder of about 1000 samples per epoch; demoted
+    // after 16 failures, it fails only those granted before that.
+    assert!(stats.failovers > 0 && stats.failovers < 800, "{stats:?}");
+    assert_eq!(stats.source_reads, 0, "{stats:?}");
+}
+
+#[test]
+fn stalled_nodes_cost_one_timeout_at_start_not_one_each() {
+    let st = setup("tiny", 300, 4, 2);
+    let n0 = Serve::start(&st.spaces[0], &node_ip(0), &st.token, &[]);
+    // Nodes 1-3 accept connections (the kernel does, from the backlog) and
+    // never answer a HELLO.
+    let stalled: Vec<TcpListener> = (1..4)
+        // (Two addresses: the RDMA VM has .2 and .3 besides node 0's.)
+        .map(|i| TcpListener::bind(format!("{}:0", node_ip(1 + i % 2))).unwrap())
+        .collect();
+    let addrs: Vec<String> = stalled
+        .iter()
+        .map(|l| l.local_addr().unwrap().to_string())
+        .collect();
+    let t0 = Instant::now();
+    let l = builder_remote(&st, &[&n0.addr, &addrs[0], &addrs[1], &addrs[2]], 1 << 20)
+        .node_timeout(Duration::from_secs(2))
+        .build()
+        .unwrap();
+    let took = t0.elapsed();
+    drop(l);
+    // One after another they took 3 x 2 s.
+    assert!(took < Duration::from_millis(4500), "build took {took:?}");
+}
+
 // --- hostile nodes against a real consumer --------------------------------
 
 #[derive(Clone, Copy, Debug)]
@@ -978,6 +1055,9 @@ enum Misdeed {
     TruncatedFrame,
     StallMidFrame,
     BadMagic,
+    /// One-byte DATA frames every 50 ms (each well within the node
+    /// timeout), for up to 30 s.
+    Trickle,
 }
 
 /// A fake node 1 (of 2, 2 copies) that answers HELLO properly and then
@@ -1020,6 +1100,18 @@ fn fake_node(misdeed: Misdeed) -> (String, std::thread::JoinHandle<()>) {
                 Ok(())
             }
             Misdeed::BadMagic => c.write_all(&[0x55u8; 24]),
+            Misdeed::Trickle => {
+                let t0 = Instant::now();
+                let mut off = 0;
+                while off < e.len as u64 && t0.elapsed() < Duration::from_secs(30) {
+                    if c.write_all(&frame(e.grant, e.offset + off, 1)).is_err() {
+                        break;
+                    }
+                    off += 1;
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                Ok(())
+            }
         };
         // Hold the socket a little, then go.
         std::thread::sleep(Duration::from_millis(200));
@@ -1039,6 +1131,7 @@ fn hostile_nodes_are_dropped_and_nothing_lands_outside_grants() {
         Misdeed::TruncatedFrame,
         Misdeed::StallMidFrame,
         Misdeed::BadMagic,
+        Misdeed::Trickle,
     ] {
         let (addr, fake) = fake_node(m);
         let t0 = Instant::now();
