@@ -85,6 +85,11 @@ struct ServeArgs {
     /// RDMA, the queue-pair swap), however it paces its bytes.
     #[arg(long, default_value_t = 5000)]
     handshake_timeout_ms: u64,
+    /// Milliseconds a TCP consumer may take no data while the node has
+    /// some queued for it before it is dropped (until then it holds at most
+    /// its fair share of staging).
+    #[arg(long, default_value_t = 10000)]
+    stall_timeout_ms: u64,
     /// Send straight from the page cache (a mapping of the extents) instead
     /// of O_DIRECT reads into staging: for spaces on tmpfs or kept warm.
     #[arg(long)]
@@ -349,6 +354,7 @@ fn run(cli: Cli) -> kspeed::Result<ExitCode> {
             cfg.max_conns_per_poller = a.max_consumers_per_poller;
             cfg.max_handshakes = a.max_handshakes;
             cfg.handshake_timeout = std::time::Duration::from_millis(a.handshake_timeout_ms);
+            cfg.stall_timeout = std::time::Duration::from_millis(a.stall_timeout_ms);
             cfg.page_cache = a.page_cache;
             cfg.rdma = a.rdma.options();
             if let Some(us) = a.rdma_spin_us {

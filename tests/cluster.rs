@@ -1045,6 +1045,94 @@ fn stalled_nodes_cost_one_timeout_at_start_not_one_each() {
     assert!(took < Duration::from_millis(4500), "build took {took:?}");
 }
 
+#[test]
+fn stopped_consumer_does_not_starve_the_others() {
+    let st = setup("imagenet", 600, 1, 1);
+    let log = st._tmp.path().join("node.log");
+    // A small staging pool (16 slots) that one consumer could hog.
+    let node = Serve::launch(
+        &st.spaces[0],
+        &node_ip(0),
+        &st.token,
+        &[
+            "--staging-bytes",
+            "1MiB",
+            "--chunk-bytes",
+            "64KiB",
+            "--stall-timeout-ms",
+            "3000",
+        ],
+        Some(&log),
+        None,
+    );
+    let file = st.spaces[0].parent().unwrap().join("cluster.txt");
+    std::fs::write(&file, format!("0 {}\n", node.addr)).unwrap();
+    // Rank 0 grants a 48 MiB ring ahead, far more than the socket buffers
+    // hold, and is stopped once it reads.
+    let mut rank0 = Command::new(kspeed_bin())
+        .args(["read", "--progress=none", "--source", s(&st.src)])
+        .args(["--catalog", s(&st.catalog), "--cluster", s(&file)])
+        .args(["--token-file", s(&st.token), "--rank", "0", "--world", "2"])
+        .args(["--epochs", "1000", "--ring-bytes", "48MiB"])
+        .args(if rdma_mode() { &["--rdma"][..] } else { &[] })
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    while log_lines(&log, "connected") == 0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "rank 0 never connected"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let stop = |sig: &str| {
+        Command::new("kill")
+            .args([sig, &rank0.id().to_string()])
+            .status()
+            .unwrap()
+    };
+    stop("-STOP");
+    let cat = Catalog::open(&st.catalog).unwrap();
+    let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let mut l = builder_remote(&st, &[&node.addr], 4 << 20)
+            .rank(1, 2)
+            .node_timeout(Duration::from_secs(5))
+            .build()
+            .unwrap();
+        let n = check(&mut l, &cat, 1, 2, 3);
+        let stats = l.finish();
+        if !rdma_mode() {
+            // RDMA writes land whether or not the consumer runs: only a TCP
+            // consumer stops taking data, and the node drops it.
+            let t0 = Instant::now();
+            while log_lines(&log, "took no data for 3000 ms") == 0 {
+                assert!(
+                    t0.elapsed() < Duration::from_secs(30),
+                    "the stopped consumer was not dropped"
+                );
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        (n, stats)
+    }));
+    stop("-CONT");
+    let _ = rank0.kill();
+    let _ = rank0.wait();
+    let (n, stats) = res.unwrap_or_else(|p| std::panic::resume_unwind(p));
+    assert_eq!(n, 900);
+    assert_eq!(stats.source_reads, 0, "{stats:?}");
+    assert_eq!(stats.failovers, 0, "{stats:?}");
+    // Rank 1 never stalled on the node (its own reading took the time).
+    assert!(
+        stats.stall < Duration::from_secs(3),
+        "rank 1 stalled {:?}: {stats:?}",
+        stats.stall
+    );
+}
+
 // --- hostile nodes against a real consumer --------------------------------
 
 #[derive(Clone, Copy, Debug)]

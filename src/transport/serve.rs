@@ -70,6 +70,10 @@ pub struct ServeConfig {
     /// Handshakes pending at once (`--max-handshakes`); a connection
     /// accepted beyond that closes the oldest pending one.
     pub max_handshakes: usize,
+    /// A TCP consumer whose socket takes no bytes for this long while the
+    /// node has data queued for it is dropped (`--stall-timeout-ms`);
+    /// before that it holds at most its fair share of staging.
+    pub stall_timeout: Duration,
     /// Send straight from a read-only mapping of the extents (the page
     /// cache) instead of reading each chunk into staging with O_DIRECT. For
     /// spaces on memory-backed file systems (tmpfs) or kept warm: it saves a
@@ -101,6 +105,7 @@ impl ServeConfig {
             max_conns_per_poller: 256,
             handshake_timeout: Duration::from_secs(5),
             max_handshakes: 64,
+            stall_timeout: Duration::from_secs(10),
             page_cache: false,
             rdma: None,
             rdma_spin: crate::loader::default_spin(),
@@ -146,8 +151,8 @@ impl ServeConfig {
                 return bad(format!("{what} is {v}; it must be {lo} to {hi}"));
             }
         }
-        if self.handshake_timeout.is_zero() {
-            return bad("the handshake timeout must be more than 0".into());
+        if self.handshake_timeout.is_zero() || self.stall_timeout.is_zero() {
+            return bad("the handshake and stall timeouts must be more than 0".into());
         }
         Ok(())
     }
@@ -196,6 +201,8 @@ pub struct ServeStats {
     pub bytes: AtomicU64,
     /// Grants answered with an ERROR frame.
     pub errors: AtomicU64,
+    /// Consumers dropped for taking no data for `stall_timeout`.
+    pub stalled: AtomicU64,
     /// RDMA queue pairs alive now (one per RDMA consumer, destroyed once
     /// its connection is closed and its last work request completed).
     pub rdma_qps: AtomicU64,
@@ -715,6 +722,11 @@ struct SConn {
     closing: bool,
     /// The last grant answered with ERROR: its later chunks are dropped.
     failed_grant: Option<u32>,
+    /// Staging slots it holds (reading, queued, posted or being sent).
+    held: u32,
+    /// Last time its socket took bytes, or its link became busy: a TCP
+    /// consumer whose sends make no progress for `stall_timeout` is dropped.
+    last_drained: std::time::Instant,
 }
 
 struct Slot {
@@ -734,6 +746,15 @@ struct Slot {
     error: bool,
 }
 
+/// Takes the free slot on top for connection `ci` (a function of the two
+/// fields, so callers may hold other borrows of the poller).
+fn take_slot(free_slots: &mut Vec<u32>, conns: &mut [Option<SConn>], ci: u32) {
+    free_slots.pop();
+    if let Some(c) = conns[ci as usize].as_mut() {
+        c.held += 1;
+    }
+}
+
 struct ServePoller {
     c: Arc<Common>,
     ring: Uring,
@@ -748,6 +769,10 @@ struct ServePoller {
     completions: Vec<Completion>,
     /// Round-robin start for reads, so one busy consumer cannot starve others.
     rr: usize,
+    /// Staging slots one connection may hold now (fair share).
+    quota: usize,
+    /// When the stalled-consumer check last ran.
+    last_stall_check: std::time::Instant,
     /// This poller's number (its entry in `Common::load`).
     index: usize,
     /// RDMA: this poller's completion channel, whether a poll of it is in
@@ -802,6 +827,8 @@ impl ServePoller {
             conns,
             completions: vec![Completion::default(); 1024],
             rr: 0,
+            quota: n,
+            last_stall_check: std::time::Instant::now(),
             index,
             #[cfg(feature = "rdma")]
             channel: c.rdma.as_ref().map(|r| r.channels[index].clone()),
@@ -846,6 +873,7 @@ impl ServePoller {
                 }
             }
             self.post_recvs();
+            self.drop_stalled();
             self.issue_reads();
             // Start the reads before posting sends: posting RDMA writes can
             // take a while (soft-RoCE does the whole transfer inside the
@@ -925,6 +953,8 @@ impl ServePoller {
             ops: 0,
             closing: false,
             failed_grant: None,
+            held: 0,
+            last_drained: std::time::Instant::now(),
         });
     }
 
@@ -951,6 +981,19 @@ impl ServePoller {
     }
 
     fn issue_reads(&mut self) {
+        // Fair shares among the connections with work (grants queued or
+        // slots held), rounded up; and never more than 3/4 of the slots, so
+        // a consumer that arrives while another has stopped reading still
+        // finds some (slots held in a send cannot be taken back).
+        let busy = self
+            .conns
+            .iter()
+            .flatten()
+            .filter(|c| !c.closing && (c.held > 0 || !c.grants.is_empty()))
+            .count()
+            .max(1);
+        let n = self.slots.len();
+        self.quota = n.div_ceil(busy).min(n - n / 4).max(1);
         let n = self.conns.len();
         let mut idle_rounds = 0;
         while !self.free_slots.is_empty() && idle_rounds < n {
@@ -966,7 +1009,10 @@ impl ServePoller {
         let Some(c) = self.conns[ci as usize].as_mut() else {
             return false;
         };
-        if c.closing || c.sendq.len() > self.slots.len() / 2 {
+        // Its share of staging: a consumer that does not drain keeps at
+        // most this many slots (read, queued or being sent), the rest stay
+        // with the others.
+        if c.closing || c.held as usize >= self.quota {
             return false;
         }
         let Some(w) = c.grants.front().copied() else {
@@ -987,7 +1033,7 @@ impl ServePoller {
         let Some(loc) = loc else {
             // Not held here: an ERROR frame for this grant.
             c.grants.pop_front();
-            self.free_slots.pop();
+            take_slot(&mut self.free_slots, &mut self.conns, ci);
             let msg = format!(
                 "node {} does not hold sample {}",
                 space.params().node_index,
@@ -1009,7 +1055,7 @@ impl ServePoller {
             let bytes = map.as_slice();
             let at = (loc.offset + off) as usize;
             if at + payload as usize > bytes.len() {
-                self.free_slots.pop();
+                take_slot(&mut self.free_slots, &mut self.conns, ci);
                 let msg = format!(
                     "node {}: extent {} is shorter than its manifest says (sample {})",
                     space.params().node_index,
@@ -1026,7 +1072,7 @@ impl ServePoller {
                     .push_back(slot);
                 return true;
             }
-            self.free_slots.pop();
+            take_slot(&mut self.free_slots, &mut self.conns, ci);
             self.queue_chunk(ci, slot, &e, off, payload, Some(bytes[at..].as_ptr()));
             return true;
         }
@@ -1043,10 +1089,49 @@ impl ServePoller {
         if !unsafe { self.ring.push(&op) } {
             return false;
         }
-        self.free_slots.pop();
+        take_slot(&mut self.free_slots, &mut self.conns, ci);
         self.conns[ci as usize].as_mut().expect("live").ops += 1;
         self.queue_chunk(ci, slot, &e, off, payload, None);
         true
+    }
+
+    /// Drops the TCP consumers whose socket took no bytes for
+    /// `stall_timeout` while a send was in flight (stopped, or granting
+    /// and never reading): their staging slots go back to the others.
+    /// Until then their fair share bounds what they hold.
+    fn drop_stalled(&mut self) {
+        let now = std::time::Instant::now();
+        if now.duration_since(self.last_stall_check) < Duration::from_millis(100) {
+            return;
+        }
+        self.last_stall_check = now;
+        let limit = self.c.cfg.stall_timeout;
+        for ci in 0..self.conns.len() {
+            let Some(c) = self.conns[ci].as_ref() else {
+                continue;
+            };
+            if c.closing || c.link.is_rdma() || !c.link.busy() {
+                continue;
+            }
+            if now.duration_since(c.last_drained) > limit {
+                let m = format!(
+                    "took no data for {} ms with {} staging slots held (--stall-timeout-ms)",
+                    limit.as_millis(),
+                    c.held
+                );
+                self.c.stats.stalled.fetch_add(1, Ordering::Relaxed);
+                self.close(ci as u32, Some((Code::Violation, m)));
+            }
+        }
+    }
+
+    /// Gives a slot back (its connection holds one less).
+    fn free_slot(&mut self, slot: u32) {
+        let ci = self.slots[slot as usize].conn as usize;
+        if let Some(c) = self.conns[ci].as_mut() {
+            c.held = c.held.saturating_sub(1);
+        }
+        self.free_slots.push(slot);
     }
 
     /// Describes chunk `off..off+payload` of grant `e` in `slot` (sent from
@@ -1115,6 +1200,7 @@ impl ServePoller {
                     // ERROR per grant; a second would be a protocol
                     // violation for the consumer).
                     c.sendq.pop_front();
+                    c.held -= 1;
                     self.free_slots.push(slot);
                     continue;
                 }
@@ -1154,6 +1240,7 @@ impl ServePoller {
             // A TCP link's sendmsg in flight is an op of the ring.
             if !c.link.is_rdma() && !was_busy && c.link.busy() {
                 c.ops += 1;
+                c.last_drained = std::time::Instant::now();
             }
         }
     }
@@ -1180,7 +1267,7 @@ impl ServePoller {
                         self.c.stats.samples.fetch_add(1, Ordering::Relaxed);
                     }
                 }
-                self.free_slots.push(d.wr_id as u32);
+                self.free_slot(d.wr_id as u32);
             }
         }
     }
@@ -1283,6 +1370,9 @@ impl ServePoller {
                 #[allow(irrefutable_let_patterns)] // without the rdma feature
                 if let ConnLink::Tcp(l) = &mut c.link {
                     l.on_send(comp.result);
+                }
+                if comp.result > 0 {
+                    c.last_drained = std::time::Instant::now();
                 }
                 if comp.result <= 0 && !c.closing {
                     log::debug!("{}: send failed: {}", c.peer, errno_name(-comp.result));
@@ -1415,7 +1505,7 @@ impl ServePoller {
         if let Some(i) = c.sendq.iter().position(|&s| s == slot) {
             c.sendq.remove(i);
         }
-        self.free_slots.push(slot);
+        self.free_slot(slot);
     }
 
     /// Closes a connection: optionally tells the peer why, shuts the socket
@@ -1449,6 +1539,7 @@ impl ServePoller {
             if !s.ready {
                 c.sendq.push_back(slot);
             } else {
+                c.held -= 1;
                 self.free_slots.push(slot);
             }
         }
