@@ -90,6 +90,10 @@ struct ServeArgs {
     /// its fair share of staging).
     #[arg(long, default_value_t = 10000)]
     stall_timeout_ms: u64,
+    /// Serve Prometheus metrics (GET /metrics) on this address, host:port
+    /// (port 0 picks one; the address is printed before the "serving" line).
+    #[arg(long)]
+    metrics: Option<String>,
     /// Send straight from the page cache (a mapping of the extents) instead
     /// of O_DIRECT reads into staging: for spaces on tmpfs or kept warm.
     #[arg(long)]
@@ -355,6 +359,7 @@ fn run(cli: Cli) -> kspeed::Result<ExitCode> {
             cfg.max_handshakes = a.max_handshakes;
             cfg.handshake_timeout = std::time::Duration::from_millis(a.handshake_timeout_ms);
             cfg.stall_timeout = std::time::Duration::from_millis(a.stall_timeout_ms);
+            cfg.metrics = a.metrics.clone();
             cfg.page_cache = a.page_cache;
             cfg.rdma = a.rdma.options();
             if let Some(us) = a.rdma_spin_us {
@@ -370,6 +375,9 @@ fn run(cli: Cli) -> kspeed::Result<ExitCode> {
                 }
             }
             kspeed::transport::serve::serve_until_signal(cfg, |svc| {
+                if let Some(m) = svc.metrics_addr() {
+                    println!("metrics on http://{m}/metrics");
+                }
                 // Scripts wait for this line (and read the port from it).
                 println!("serving {} on {}", a.space.display(), svc.local_addr());
                 use std::io::Write;

@@ -49,6 +49,8 @@ fn transport() -> Option<kspeed::transport::RdmaOptions> {
 struct Serve {
     child: Child,
     addr: String,
+    /// What it printed before its "serving" line.
+    before: Vec<String>,
 }
 
 impl Serve {
@@ -89,10 +91,18 @@ impl Serve {
             })
             .spawn()
             .expect("start kspeed serve");
+        // Lines before "serving" (the metrics address) are kept.
         let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
+        let mut before = Vec::new();
+        let mut out = BufReader::new(child.stdout.take().unwrap());
+        loop {
+            line.clear();
+            out.read_line(&mut line).unwrap();
+            if line.is_empty() || line.starts_with("serving") {
+                break;
+            }
+            before.push(line.trim().to_string());
+        }
         let addr = line
             .trim()
             .rsplit(' ')
@@ -100,7 +110,11 @@ impl Serve {
             .unwrap_or_default()
             .to_string();
         assert!(addr.contains(':'), "serve printed {line:?}");
-        Serve { child, addr }
+        Serve {
+            child,
+            addr,
+            before,
+        }
     }
 
     fn signal(&self, sig: &str) {
@@ -1133,6 +1147,112 @@ fn stopped_consumer_does_not_starve_the_others() {
     );
 }
 
+/// `GET path` over HTTP/1.0 with a plain socket: (status line, body).
+fn http_get(addr: &str, path: &str) -> (String, String) {
+    let mut c = TcpStream::connect(addr).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(c, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").unwrap();
+    let mut all = String::new();
+    c.read_to_string(&mut all).unwrap();
+    let (head, body) = all.split_once("\r\n\r\n").unwrap_or((&all, ""));
+    (
+        head.lines().next().unwrap_or("").to_string(),
+        body.to_string(),
+    )
+}
+
+/// The value of the metric line that starts with `prefix` (name and
+/// labels), if there is one.
+fn metric(text: &str, prefix: &str) -> Option<f64> {
+    text.lines()
+        .find(|l| l.starts_with(prefix))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+#[test]
+fn metrics_endpoint_counts_a_consumer_and_sigusr1_logs_statistics() {
+    let st = setup("tiny", 300, 1, 1);
+    let log = st._tmp.path().join("node.log");
+    let node = Serve::launch(
+        &st.spaces[0],
+        &node_ip(0),
+        &st.token,
+        &["--metrics", &format!("{}:0", node_ip(0))],
+        Some(&log),
+        None,
+    );
+    let maddr = node
+        .before
+        .iter()
+        .find_map(|l| l.strip_prefix("metrics on http://"))
+        .and_then(|l| l.strip_suffix("/metrics"))
+        .unwrap_or_else(|| panic!("no metrics line: {:?}", node.before))
+        .to_string();
+    let cat = Catalog::open(&st.catalog).unwrap();
+    let total: u64 = (0..cat.len()).map(|i| cat.sample(i).len as u64).sum();
+    let mut l = builder_remote(&st, &[&node.addr], 1 << 20).build().unwrap();
+    // While the consumer reads: its series is there.
+    l.set_epoch(0).unwrap();
+    let b = l.next_batch().unwrap().unwrap();
+    let (status, text) = http_get(&maddr, "/metrics");
+    assert!(status.contains("200"), "{status}");
+    let me = "kspeed_consumer_bytes_total{peer=\"";
+    assert!(metric(&text, me).unwrap_or(0.0) > 0.0, "{text}");
+    assert!(text.contains("rank=\"0\""), "{text}");
+    assert!(text.contains("kspeed_consumer_staging_slots{"), "{text}");
+    drop(b);
+    while let Some(b) = l.next_batch().unwrap() {
+        drop(b);
+    }
+    // After one whole epoch (the loader grants ahead into the next): at
+    // least every byte of it, the node's total being this consumer's.
+    let (_, text) = http_get(&maddr, "/metrics");
+    let bytes = metric(&text, me).unwrap_or(0.0);
+    assert!(bytes >= total as f64, "{bytes} < {total}: {text}");
+    assert_eq!(Some(bytes), metric(&text, "kspeed_serve_bytes_total "));
+    let samples = metric(&text, "kspeed_consumer_samples_total{").unwrap_or(0.0);
+    assert!(samples >= cat.len() as f64, "{text}");
+    assert_eq!(Some(samples), metric(&text, "kspeed_serve_samples_total "));
+    assert_eq!(metric(&text, "kspeed_consumer_errors_total{"), Some(0.0));
+    let reads = metric(
+        &text,
+        "kspeed_serve_read_latency_seconds_count{poller=\"0\"}",
+    )
+    .unwrap_or(0.0);
+    assert!(reads >= cat.len() as f64, "{text}");
+    let inf = metric(
+        &text,
+        "kspeed_serve_read_latency_seconds_bucket{le=\"+Inf\",poller=\"0\"}",
+    );
+    assert_eq!(inf, Some(reads), "{text}");
+    assert!(
+        text.contains("kspeed_serve_read_latency_seconds_bucket{le=\"0.001\",poller=\"0\"}")
+            || text.contains("kspeed_serve_read_latency_seconds_bucket{poller=\"0\",le=\"0.001\"}"),
+        "{text}"
+    );
+    assert_eq!(metric(&text, "kspeed_serve_consumers "), Some(1.0));
+    assert!(http_get(&maddr, "/nothing").0.contains("404"));
+    // SIGUSR1: the statistics in the log, the node still serving.
+    node.signal("-USR1");
+    let t0 = Instant::now();
+    while log_lines(&log, "statistics (SIGUSR1)") < 2 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "no statistics on SIGUSR1"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    drop(l);
+    // The disconnect, with its totals.
+    let t0 = Instant::now();
+    while log_lines(&log, "disconnected: ") == 0 {
+        assert!(t0.elapsed() < Duration::from_secs(20), "no disconnect line");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(log_lines(&log, "connected (poller 0") >= 1);
+}
+
 // --- hostile nodes against a real consumer --------------------------------
 
 #[derive(Clone, Copy, Debug)]
@@ -1370,7 +1490,11 @@ fn three_nodes_in_network_namespaces() {
                 .unwrap();
             let addr = line.trim().rsplit(' ').next().unwrap().to_string();
             assert!(addr.starts_with(&format!("10.77.{i}.2:")), "{line}");
-            Serve { child, addr }
+            Serve {
+                child,
+                addr,
+                before: Vec::new(),
+            }
         })
         .collect();
     let addrs: Vec<&str> = serves.iter().map(|s| s.addr.as_str()).collect();

@@ -206,6 +206,20 @@ impl TermSignals {
         }
     }
 
+    /// [`TermSignals::block`], and SIGUSR1 too (taken by
+    /// [`TermSignals::wait`] like the others: `kspeed serve` logs its
+    /// statistics on it).
+    pub fn block_with_usr1() -> Self {
+        let t = Self::block();
+        // SAFETY: as in `block`: our own set, this thread's mask.
+        unsafe {
+            let mut set = t.set;
+            libc::sigaddset(&mut set, libc::SIGUSR1);
+            libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+            TermSignals { set }
+        }
+    }
+
     /// Waits for one of the signals; returns its number.
     pub fn wait(&self) -> i32 {
         let mut sig = 0;

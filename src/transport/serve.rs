@@ -23,6 +23,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 mod accept;
+mod metrics;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -70,6 +71,9 @@ pub struct ServeConfig {
     /// Handshakes pending at once (`--max-handshakes`); a connection
     /// accepted beyond that closes the oldest pending one.
     pub max_handshakes: usize,
+    /// Serve Prometheus metrics (`GET /metrics`) on this address
+    /// (`--metrics`; port 0 picks one, see [`NodeService::metrics_addr`]).
+    pub metrics: Option<String>,
     /// A TCP consumer whose socket takes no bytes for this long while the
     /// node has data queued for it is dropped (`--stall-timeout-ms`);
     /// before that it holds at most its fair share of staging.
@@ -106,6 +110,7 @@ impl ServeConfig {
             handshake_timeout: Duration::from_secs(5),
             max_handshakes: 64,
             stall_timeout: Duration::from_secs(10),
+            metrics: None,
             page_cache: false,
             rdma: None,
             rdma_spin: crate::loader::default_spin(),
@@ -208,6 +213,14 @@ pub struct ServeStats {
     pub rdma_qps: AtomicU64,
 }
 
+impl std::fmt::Debug for Common {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Common")
+            .field("space", &self.cfg.space)
+            .finish_non_exhaustive()
+    }
+}
+
 /// The verbs resources of a node service: one device context and protection
 /// domain; the staging slabs and (page-cache mode) the mapped extents are
 /// registered in it, local access only.
@@ -238,6 +251,7 @@ struct Common {
     /// Consumers per poller (reserved at HELLO by the acceptor, given back
     /// by the poller when the connection is gone).
     load: Box<[AtomicUsize]>,
+    metrics: metrics::Metrics,
 }
 
 impl Common {
@@ -258,6 +272,7 @@ impl Common {
 /// A running node service. Dropping it stops it.
 pub struct NodeService {
     addr: SocketAddr,
+    metrics_addr: Option<SocketAddr>,
     common: Arc<Common>,
     threads: Vec<JoinHandle<()>>,
 }
@@ -317,8 +332,19 @@ impl NodeService {
             stats: ServeStats::default(),
             rdma,
             load: (0..cfg.pollers).map(|_| AtomicUsize::new(0)).collect(),
+            metrics: metrics::Metrics::new(cfg.pollers, cfg.slots() as u64),
             cfg,
         });
+        let metrics_server = match &common.cfg.metrics {
+            None => None,
+            Some(a) => Some(
+                tiny_http::Server::http(a.as_str())
+                    .map_err(|e| Error::Serve(format!("cannot serve metrics on {a}: {e}")))?,
+            ),
+        };
+        let metrics_addr = metrics_server
+            .as_ref()
+            .and_then(|s| s.server_addr().to_ip());
         // Everything that can fail is made before the first thread starts;
         // should spawning fail anyway, the threads already running are
         // stopped and joined (none is left behind).
@@ -336,6 +362,7 @@ impl NodeService {
         }
         let mut svc = NodeService {
             addr,
+            metrics_addr,
             common: common.clone(),
             threads: Vec::new(),
         };
@@ -356,6 +383,14 @@ impl NodeService {
             .spawn(move || accept::Acceptor::new(c, listener, senders).run())
             .map_err(|e| Error::Serve(format!("spawn acceptor: {e}")))?;
         svc.threads.push(t);
+        if let Some(server) = metrics_server {
+            let c = common.clone();
+            let t = std::thread::Builder::new()
+                .name("kspeed-metrics".into())
+                .spawn(move || metrics::serve_http(c, server))
+                .map_err(|e| Error::Serve(format!("spawn metrics server: {e}")))?;
+            svc.threads.push(t);
+        }
         log::info!(
             "serving {} ({} of {} samples, node {} of {}) on {addr}",
             common.cfg.space.display(),
@@ -377,9 +412,30 @@ impl NodeService {
         &self.common.stats
     }
 
+    /// Where the Prometheus metrics are served, with `metrics` set.
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics_addr
+    }
+
+    /// The metrics as Prometheus text (what `GET /metrics` returns).
+    pub fn metrics_text(&self) -> String {
+        metrics::render(&self.common)
+    }
+
+    /// Logs the statistics (what SIGUSR1 does to `kspeed serve`).
+    pub fn log_stats(&self, why: &str) {
+        metrics::log_stats(&self.common, why)
+    }
+
     /// Stops accepting, closes every connection, and waits for the threads.
     pub fn stop(mut self) {
         self.shutdown();
+    }
+
+    /// [`NodeService::stop`], then logs the totals.
+    pub fn stop_with_stats(mut self) {
+        self.shutdown();
+        self.log_stats("exit");
     }
 
     fn shutdown(&mut self) {
@@ -401,12 +457,19 @@ impl Drop for NodeService {
 /// what `kspeed serve` does. `on_start` sees the running service (to print
 /// its address).
 pub fn serve_until_signal(cfg: ServeConfig, on_start: impl FnOnce(&NodeService)) -> Result<()> {
-    let signals = crate::sys::TermSignals::block();
+    let signals = crate::sys::TermSignals::block_with_usr1();
     let svc = NodeService::start(cfg)?;
     on_start(&svc);
-    let sig = signals.wait();
-    log::info!("signal {sig}: stopping");
-    svc.stop();
+    loop {
+        let sig = signals.wait();
+        if sig == libc::SIGUSR1 {
+            svc.log_stats("SIGUSR1");
+            continue;
+        }
+        log::info!("signal {sig}: stopping");
+        break;
+    }
+    svc.stop_with_stats();
     Ok(())
 }
 
@@ -727,6 +790,8 @@ struct SConn {
     /// Last time its socket took bytes, or its link became busy: a TCP
     /// consumer whose sends make no progress for `stall_timeout` is dropped.
     last_drained: std::time::Instant,
+    /// Its counters (also in `Common::metrics` while it lives).
+    metrics: Arc<metrics::ConnMetrics>,
 }
 
 struct Slot {
@@ -744,6 +809,8 @@ struct Slot {
     src: *const u8,
     ready: bool,
     error: bool,
+    /// When its read was submitted (read-latency histogram).
+    issued: std::time::Instant,
 }
 
 /// Takes the free slot on top for connection `ci` (a function of the two
@@ -752,6 +819,9 @@ fn take_slot(free_slots: &mut Vec<u32>, conns: &mut [Option<SConn>], ci: u32) {
     free_slots.pop();
     if let Some(c) = conns[ci as usize].as_mut() {
         c.held += 1;
+        c.metrics
+            .staging_slots
+            .store(c.held as u64, Ordering::Relaxed);
     }
 }
 
@@ -813,6 +883,7 @@ impl ServePoller {
                 src: std::ptr::null(),
                 ready: false,
                 error: false,
+                issued: std::time::Instant::now(),
             })
             .collect();
         let conns = (0..c.cfg.max_conns_per_poller).map(|_| None).collect();
@@ -939,6 +1010,13 @@ impl ServePoller {
             ))),
             None => link,
         };
+        let m = Arc::new(metrics::ConnMetrics::new(
+            acc.peer.to_string(),
+            acc.hello.rank,
+            acc.hello.world,
+            if link.is_rdma() { "rdma" } else { "tcp" },
+        ));
+        self.c.metrics.add(m.clone());
         self.conns[ci] = Some(SConn {
             sock: acc.sock,
             peer: acc.peer,
@@ -955,6 +1033,7 @@ impl ServePoller {
             failed_grant: None,
             held: 0,
             last_drained: std::time::Instant::now(),
+            metrics: m,
         });
     }
 
@@ -1089,6 +1168,7 @@ impl ServePoller {
         if !unsafe { self.ring.push(&op) } {
             return false;
         }
+        self.slots[slot as usize].issued = std::time::Instant::now();
         take_slot(&mut self.free_slots, &mut self.conns, ci);
         self.conns[ci as usize].as_mut().expect("live").ops += 1;
         self.queue_chunk(ci, slot, &e, off, payload, None);
@@ -1130,6 +1210,9 @@ impl ServePoller {
         let ci = self.slots[slot as usize].conn as usize;
         if let Some(c) = self.conns[ci].as_mut() {
             c.held = c.held.saturating_sub(1);
+            c.metrics
+                .staging_slots
+                .store(c.held as u64, Ordering::Relaxed);
         }
         self.free_slots.push(slot);
     }
@@ -1175,7 +1258,11 @@ impl ServePoller {
         s.error = true;
         s.ready = true;
         s.src = std::ptr::null();
+        let ci = s.conn as usize;
         self.c.stats.errors.fetch_add(1, Ordering::Relaxed);
+        if let Some(c) = self.conns[ci].as_ref() {
+            c.metrics.errors.fetch_add(1, Ordering::Relaxed);
+        }
     }
 
     /// Per connection: posts the ready frames at the front of its queue, in
@@ -1256,19 +1343,21 @@ impl ServePoller {
             if n == 0 {
                 return;
             }
+            let (mut bytes, mut samples) = (0, 0);
             for d in &done[..n] {
                 let s = &self.slots[d.wr_id as usize];
                 if d.ok && !s.error {
-                    self.c
-                        .stats
-                        .bytes
-                        .fetch_add(s.payload as u64, Ordering::Relaxed);
-                    if s.last {
-                        self.c.stats.samples.fetch_add(1, Ordering::Relaxed);
-                    }
+                    bytes += s.payload as u64;
+                    samples += s.last as u64;
                 }
                 self.free_slot(d.wr_id as u32);
             }
+            let c = self.conns[ci as usize].as_ref().expect("live");
+            let st = &self.c.stats;
+            st.bytes.fetch_add(bytes, Ordering::Relaxed);
+            st.samples.fetch_add(samples, Ordering::Relaxed);
+            c.metrics.bytes.fetch_add(bytes, Ordering::Relaxed);
+            c.metrics.samples.fetch_add(samples, Ordering::Relaxed);
         }
     }
 
@@ -1417,6 +1506,7 @@ impl ServePoller {
             Rx::Body(h) => {
                 c.rx = Rx::Header;
                 let n = h.a as usize;
+                c.metrics.grants.fetch_add(n as u64, Ordering::Relaxed);
                 log::debug!(
                     "{}: GRANT with {n} entries ({} queued)",
                     c.peer,
@@ -1476,6 +1566,7 @@ impl ServePoller {
             return;
         }
         let s = &self.slots[slot as usize];
+        self.c.metrics.read_latency[self.index].record(s.issued.elapsed());
         if res < 0 || (res as u32) < s.payload {
             let (ring_offset, grant) = (s.offset, s.grant);
             let msg = if res < 0 {
@@ -1555,6 +1646,14 @@ impl ServePoller {
         {
             let c = self.conns[ci as usize].take().expect("live");
             self.c.load[self.index].fetch_sub(1, Ordering::Relaxed);
+            self.c.metrics.remove(&c.metrics);
+            log::info!(
+                "consumer {} (rank {} of {}) disconnected: {}",
+                c.peer,
+                c.hello.rank,
+                c.hello.world,
+                c.metrics.totals()
+            );
             for &slot in &c.sendq {
                 self.free_slots.push(slot);
             }
