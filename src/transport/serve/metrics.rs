@@ -143,7 +143,12 @@ impl Metrics {
 }
 
 /// A per-consumer series: name, help, type, how to read it.
-type PerConn = (&'static str, &'static str, MetricType, fn(&ConnMetrics) -> u64);
+type PerConn = (
+    &'static str,
+    &'static str,
+    MetricType,
+    fn(&ConnMetrics) -> u64,
+);
 
 /// Reads the service's counters at each scrape.
 #[derive(Debug)]
