@@ -1253,6 +1253,96 @@ fn metrics_endpoint_counts_a_consumer_and_sigusr1_logs_statistics() {
     assert!(log_lines(&log, "connected (poller 0") >= 1);
 }
 
+/// Runs `kspeed ARGS`, killed after `limit`: (exit code, output).
+fn run_for(args: &[&str], limit: Duration) -> (Option<i32>, String) {
+    let mut child = Command::new(kspeed_bin())
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if t0.elapsed() > limit {
+            let _ = child.kill();
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let o = child.wait_with_output().unwrap();
+    (o.status.code(), text(&o))
+}
+
+#[test]
+fn serve_and_read_check_the_token_and_every_limit_at_start() {
+    use std::os::unix::fs::PermissionsExt;
+    let st = setup("tiny", 50, 1, 1);
+    let dir = st._tmp.path();
+    let long = dir.join("long.token");
+    std::fs::write(&long, "x".repeat(2000)).unwrap();
+    let loose = dir.join("loose.token");
+    std::fs::write(&loose, TOKEN).unwrap();
+    std::fs::set_permissions(&loose, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let space = s(&st.spaces[0]);
+    let serve = |token: &Path, listen: &str, extra: &[&str]| {
+        let mut a = vec!["serve", "--space", space, "--listen", listen];
+        a.extend(["--token-file", s(token)]);
+        a.extend(extra);
+        run_for(&a, Duration::from_secs(20))
+    };
+    // A token longer than a HELLO carries: refused by serve and read.
+    let (code, out) = serve(&long, "127.0.0.1:0", &[]);
+    assert_eq!(code, Some(1), "{out}");
+    assert!(
+        out.contains("2000-byte token") && out.contains("1024"),
+        "{out}"
+    );
+    let file = dir.join("cluster.txt");
+    std::fs::write(&file, "0 127.0.0.1:9\n").unwrap();
+    let (code, out) = run_for(
+        &[
+            "read",
+            "--space",
+            space,
+            "--cluster",
+            s(&file),
+            "--token-file",
+            s(&long),
+        ],
+        Duration::from_secs(20),
+    );
+    assert_eq!(code, Some(1), "{out}");
+    assert!(out.contains("2000-byte token"), "{out}");
+    // Every size flag against what the service can allocate.
+    for (flag, value, what) in [
+        ("--max-grants", "4294967295", "max grants is 4294967295"),
+        (
+            "--max-consumers-per-poller",
+            "0",
+            "max consumers per poller is 0",
+        ),
+        ("--max-handshakes", "100000", "max handshakes is 100000"),
+        ("--staging-bytes", "64GiB", "staging bytes is"),
+        ("--chunk-bytes", "1GiB", "chunk bytes is"),
+        (
+            "--handshake-timeout-ms",
+            "0",
+            "timeouts must be more than 0",
+        ),
+    ] {
+        let (code, out) = serve(&st.token, "127.0.0.1:0", &[flag, value]);
+        assert_eq!(code, Some(1), "{flag} {value}: {out}");
+        assert!(out.contains(what), "{flag} {value}: {out}");
+        assert!(!out.contains("serving"), "{out}");
+    }
+    // A world-readable token file and every interface: warnings (this
+    // one then stops at its bad limit).
+    let (code, out) = serve(&loose, "0.0.0.0:0", &["--max-grants", "0"]);
+    assert_eq!(code, Some(1), "{out}");
+    assert!(out.contains("readable by every user"), "{out}");
+    assert!(out.contains("listening on every interface"), "{out}");
+}
+
 // --- hostile nodes against a real consumer --------------------------------
 
 #[derive(Clone, Copy, Debug)]
