@@ -839,6 +839,11 @@ struct ServePoller {
     completions: Vec<Completion>,
     /// Round-robin start for reads, so one busy consumer cannot starve others.
     rr: usize,
+    /// Indices of the occupied `conns` entries (a reaped one leaves at the
+    /// next tick's start): every per-tick loop walks this, not every slot.
+    live: Vec<u32>,
+    /// Free `conns` indices.
+    free_ci: Vec<u32>,
     /// Staging slots one connection may hold now (fair share).
     quota: usize,
     /// When the stalled-consumer check last ran.
@@ -898,6 +903,8 @@ impl ServePoller {
             conns,
             completions: vec![Completion::default(); 1024],
             rr: 0,
+            live: Vec::with_capacity(c.cfg.max_conns_per_poller),
+            free_ci: (0..c.cfg.max_conns_per_poller as u32).rev().collect(),
             quota: n,
             last_stall_check: std::time::Instant::now(),
             index,
@@ -928,14 +935,19 @@ impl ServePoller {
 
     fn run(mut self) {
         loop {
+            // Drop the reaped from the dense list before anyone is adopted
+            // (a reaped index may be reused right after).
+            let conns = &self.conns;
+            self.live.retain(|&ci| conns[ci as usize].is_some());
             let stopping = self.c.stop.load(Ordering::Acquire);
             if stopping {
-                for ci in 0..self.conns.len() {
+                for k in 0..self.live.len() {
+                    let ci = self.live[k] as usize;
                     if self.conns[ci].as_ref().is_some_and(|c| !c.closing) {
                         self.close(ci as u32, None);
                     }
                 }
-                if self.conns.iter().all(Option::is_none) {
+                if self.live.iter().all(|&ci| self.conns[ci as usize].is_none()) {
                     break;
                 }
             } else {
@@ -975,7 +987,7 @@ impl ServePoller {
     }
 
     fn adopt(&mut self, acc: Accepted) {
-        let Some(ci) = self.conns.iter().position(Option::is_none) else {
+        let Some(ci) = self.free_ci.pop().map(|i| i as usize) else {
             // Not reached: the acceptor reserved a place on this poller at
             // HELLO (`Common::load`); kept as a refusal, not a panic.
             self.c.load[self.index].fetch_sub(1, Ordering::Relaxed);
@@ -1017,6 +1029,7 @@ impl ServePoller {
             if link.is_rdma() { "rdma" } else { "tcp" },
         ));
         self.c.metrics.add(m.clone());
+        self.live.push(ci as u32);
         self.conns[ci] = Some(SConn {
             sock: acc.sock,
             peer: acc.peer,
@@ -1038,7 +1051,8 @@ impl ServePoller {
     }
 
     fn post_recvs(&mut self) {
-        for ci in 0..self.conns.len() {
+        for k in 0..self.live.len() {
+            let ci = self.live[k] as usize;
             let Some(c) = self.conns[ci].as_mut() else {
                 continue;
             };
@@ -1065,20 +1079,20 @@ impl ServePoller {
         // a consumer that arrives while another has stopped reading still
         // finds some (slots held in a send cannot be taken back).
         let busy = self
-            .conns
+            .live
             .iter()
-            .flatten()
+            .filter_map(|&ci| self.conns[ci as usize].as_ref())
             .filter(|c| !c.closing && (c.held > 0 || !c.grants.is_empty()))
             .count()
             .max(1);
         let n = self.slots.len();
         self.quota = n.div_ceil(busy).min(n - n / 4).max(1);
-        let n = self.conns.len();
+        let n = self.live.len();
         let mut idle_rounds = 0;
         while !self.free_slots.is_empty() && idle_rounds < n {
-            let ci = self.rr % n;
+            let ci = self.live[self.rr % n];
             self.rr = self.rr.wrapping_add(1);
-            let progressed = self.issue_one(ci as u32);
+            let progressed = self.issue_one(ci);
             idle_rounds = if progressed { 0 } else { idle_rounds + 1 };
         }
     }
@@ -1186,7 +1200,8 @@ impl ServePoller {
         }
         self.last_stall_check = now;
         let limit = self.c.cfg.stall_timeout;
-        for ci in 0..self.conns.len() {
+        for k in 0..self.live.len() {
+            let ci = self.live[k] as usize;
             let Some(c) = self.conns[ci].as_ref() else {
                 continue;
             };
@@ -1269,7 +1284,8 @@ impl ServePoller {
     /// order, to its link, then flushes the link (one `sendmsg` for many).
     fn issue_sends(&mut self) {
         let base = self.staging.buf.as_slice().as_ptr();
-        for ci in 0..self.conns.len() {
+        for k in 0..self.live.len() {
+            let ci = self.live[k] as usize;
             let Some(c) = self.conns[ci].as_mut() else {
                 continue;
             };
@@ -1383,7 +1399,8 @@ impl ServePoller {
         let Some(fd) = self.channel_fd() else {
             return true;
         };
-        for ci in 0..self.conns.len() {
+        for k in 0..self.live.len() {
+            let ci = self.live[k] as usize;
             let Some(c) = self.conns[ci].as_ref() else {
                 continue;
             };
@@ -1410,7 +1427,8 @@ impl ServePoller {
     /// True while any has writes in flight.
     fn reap_rdma(&mut self) -> bool {
         let mut busy = false;
-        for ci in 0..self.conns.len() {
+        for k in 0..self.live.len() {
+            let ci = self.live[k] as usize;
             let Some(c) = self.conns[ci].as_ref() else {
                 continue;
             };
@@ -1645,6 +1663,8 @@ impl ServePoller {
             .is_some_and(|c| c.closing && c.ops == 0 && !c.link.busy())
         {
             let c = self.conns[ci as usize].take().expect("live");
+            // Out of `live` at the next tick's start; free for reuse then.
+            self.free_ci.push(ci);
             self.c.load[self.index].fetch_sub(1, Ordering::Relaxed);
             self.c.metrics.remove(&c.metrics);
             log::info!(
