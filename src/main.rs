@@ -85,9 +85,9 @@ struct ServeArgs {
     /// RDMA, the queue-pair swap), however it paces its bytes.
     #[arg(long, default_value_t = 5000)]
     handshake_timeout_ms: u64,
-    /// Milliseconds a TCP consumer may take no data while the node has
-    /// some queued for it before it is dropped (until then it holds at most
-    /// its fair share of staging).
+    /// Milliseconds a consumer may take no data (TCP) or complete no write
+    /// (RDMA) while the node has some in flight for it before it is dropped
+    /// (until then it holds at most its fair share of staging).
     #[arg(long, default_value_t = 10000)]
     stall_timeout_ms: u64,
     /// Serve Prometheus metrics (GET /metrics) on this address, host:port

@@ -384,9 +384,9 @@ pub(crate) fn connect_all(setup: &mut NetSetup, ring: &LandingRing) -> Result<Co
             ));
         }
     }
-    // Every node at once, under one deadline: a stalled node costs the
-    // start one timeout, not one each.
-    let deadline = Instant::now() + setup.connect_timeout + setup.node_timeout;
+    // Every node at once, under one deadline (`node_timeout`, the connect
+    // included): stalled nodes cost the start one timeout, not one each.
+    let deadline = Instant::now() + setup.node_timeout;
     let shared: &NetSetup = setup;
     #[cfg(feature = "rdma")]
     let r = rdma.as_deref();

@@ -74,9 +74,10 @@ pub struct ServeConfig {
     /// Serve Prometheus metrics (`GET /metrics`) on this address
     /// (`--metrics`; port 0 picks one, see [`NodeService::metrics_addr`]).
     pub metrics: Option<String>,
-    /// A TCP consumer whose socket takes no bytes for this long while the
-    /// node has data queued for it is dropped (`--stall-timeout-ms`);
-    /// before that it holds at most its fair share of staging.
+    /// A consumer whose link finishes nothing for this long while the node
+    /// has data in flight for it (a socket that takes no bytes, RDMA writes
+    /// that do not complete) is dropped (`--stall-timeout-ms`); before that
+    /// it holds at most its fair share of staging.
     pub stall_timeout: Duration,
     /// Send straight from a read-only mapping of the extents (the page
     /// cache) instead of reading each chunk into staging with O_DIRECT. For
@@ -787,8 +788,9 @@ struct SConn {
     failed_grant: Option<u32>,
     /// Staging slots it holds (reading, queued, posted or being sent).
     held: u32,
-    /// Last time its socket took bytes, or its link became busy: a TCP
-    /// consumer whose sends make no progress for `stall_timeout` is dropped.
+    /// Last time its link finished a frame (socket bytes taken, RDMA writes
+    /// completed) or became busy: a consumer whose sends make no progress
+    /// for `stall_timeout` is dropped.
     last_drained: std::time::Instant,
     /// Its counters (also in `Common::metrics` while it lives).
     metrics: Arc<metrics::ConnMetrics>,
@@ -947,7 +949,11 @@ impl ServePoller {
                         self.close(ci as u32, None);
                     }
                 }
-                if self.live.iter().all(|&ci| self.conns[ci as usize].is_none()) {
+                if self
+                    .live
+                    .iter()
+                    .all(|&ci| self.conns[ci as usize].is_none())
+                {
                     break;
                 }
             } else {
@@ -1189,10 +1195,12 @@ impl ServePoller {
         true
     }
 
-    /// Drops the TCP consumers whose socket took no bytes for
-    /// `stall_timeout` while a send was in flight (stopped, or granting
-    /// and never reading): their staging slots go back to the others.
-    /// Until then their fair share bounds what they hold.
+    /// Drops the consumers whose link finished nothing for `stall_timeout`
+    /// while a send was in flight (over TCP a socket that takes no bytes;
+    /// over RDMA writes that do not complete, e.g. a stopped consumer that
+    /// reposts no receives for its WRITE_WITH_IMMs): their staging slots go
+    /// back to the others. Until then their fair share bounds what they
+    /// hold.
     fn drop_stalled(&mut self) {
         let now = std::time::Instant::now();
         if now.duration_since(self.last_stall_check) < Duration::from_millis(100) {
@@ -1205,7 +1213,7 @@ impl ServePoller {
             let Some(c) = self.conns[ci].as_ref() else {
                 continue;
             };
-            if c.closing || c.link.is_rdma() || !c.link.busy() {
+            if c.closing || !c.link.busy() {
                 continue;
             }
             if now.duration_since(c.last_drained) > limit {
@@ -1340,10 +1348,12 @@ impl ServePoller {
                 }
                 return; // submission queue full: next tick
             }
-            // A TCP link's sendmsg in flight is an op of the ring.
-            if !c.link.is_rdma() && !was_busy && c.link.busy() {
-                c.ops += 1;
+            if !was_busy && c.link.busy() {
                 c.last_drained = std::time::Instant::now();
+                // A TCP link's sendmsg in flight is an op of the ring.
+                if !c.link.is_rdma() {
+                    c.ops += 1;
+                }
             }
         }
     }
@@ -1368,7 +1378,8 @@ impl ServePoller {
                 }
                 self.free_slot(d.wr_id as u32);
             }
-            let c = self.conns[ci as usize].as_ref().expect("live");
+            let c = self.conns[ci as usize].as_mut().expect("live");
+            c.last_drained = std::time::Instant::now();
             let st = &self.c.stats;
             st.bytes.fetch_add(bytes, Ordering::Relaxed);
             st.samples.fetch_add(samples, Ordering::Relaxed);
