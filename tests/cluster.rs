@@ -1371,6 +1371,44 @@ fn serve_and_read_check_the_token_and_every_limit_at_start() {
     assert!(out.contains("listening on every interface"), "{out}");
 }
 
+#[test]
+fn a_full_node_refuses_at_hello_with_a_named_error() {
+    let st = setup("tiny", 100, 1, 1);
+    let node = Serve::start(
+        &st.spaces[0],
+        &node_ip(0),
+        &st.token,
+        &["--max-consumers-per-poller", "1"],
+    );
+    let cat = Catalog::open(&st.catalog).unwrap();
+    let mut first = builder_remote(&st, &[&node.addr], 1 << 20).build().unwrap();
+    // The second consumer is told why at HELLO, not welcomed then dropped.
+    let e = builder_remote(&st, &[&node.addr], 1 << 20)
+        .build()
+        .err()
+        .expect("refused");
+    assert!(
+        matches!(&e, Error::Refused { code, .. } if *code == "node full"),
+        "{e}"
+    );
+    assert!(e.to_string().contains("max-consumers-per-poller"), "{e}");
+    // The first is unaffected; once it is gone there is room again.
+    assert_eq!(check(&mut first, &cat, 0, 1, 1), 100);
+    drop(first);
+    let t0 = Instant::now();
+    let mut again = loop {
+        match builder_remote(&st, &[&node.addr], 1 << 20).build() {
+            Ok(l) => break l,
+            Err(Error::Refused { code, .. }) if code == "node full" => {
+                assert!(t0.elapsed() < Duration::from_secs(20), "never room again");
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Err(e) => panic!("{e}"),
+        }
+    };
+    assert_eq!(check(&mut again, &cat, 0, 1, 1), 100);
+}
+
 // --- hostile nodes against a real consumer --------------------------------
 
 #[derive(Clone, Copy, Debug)]
