@@ -1411,7 +1411,9 @@ fn a_full_node_refuses_at_hello_with_a_named_error() {
     let mut again = loop {
         match builder_remote(&st, &[&node.addr], 1 << 20).build() {
             Ok(l) => break l,
-            Err(Error::Refused { code, .. }) if code == "node full" => {
+            Err(Error::Refused {
+                code: "node full", ..
+            }) => {
                 assert!(t0.elapsed() < Duration::from_secs(20), "never room again");
                 std::thread::sleep(Duration::from_millis(50));
             }
