@@ -90,6 +90,11 @@ struct ServeArgs {
     /// (until then it holds at most its fair share of staging).
     #[arg(long, default_value_t = 10000)]
     stall_timeout_ms: u64,
+    /// Milliseconds a consumer connection may send nothing (kspeed's
+    /// consumer sends a keepalive every second) with nothing queued for it
+    /// before it is closed (at least 3000).
+    #[arg(long, default_value_t = 60000)]
+    idle_timeout_ms: u64,
     /// Serve Prometheus metrics (GET /metrics) on this address, host:port
     /// (port 0 picks one; the address is printed before the "serving" line).
     #[arg(long)]
@@ -360,6 +365,7 @@ fn run(cli: Cli) -> kspeed::Result<ExitCode> {
             cfg.handshake_timeout = std::time::Duration::from_millis(a.handshake_timeout_ms);
             cfg.stall_timeout = std::time::Duration::from_millis(a.stall_timeout_ms);
             cfg.metrics = a.metrics.clone();
+            cfg.idle_timeout = std::time::Duration::from_millis(a.idle_timeout_ms);
             cfg.page_cache = a.page_cache;
             cfg.rdma = a.rdma.options();
             if let Some(us) = a.rdma_spin_us {

@@ -1429,6 +1429,66 @@ fn a_full_node_refuses_at_hello_with_a_named_error() {
     assert_eq!(check(&mut again, &cat, 0, 1, 1), 100);
 }
 
+#[test]
+fn idle_connections_are_closed_and_keepalives_keep_live_consumers() {
+    let st = setup("tiny", 300, 1, 1);
+    let node = Serve::start(
+        &st.spaces[0],
+        &node_ip(0),
+        &st.token,
+        &["--idle-timeout-ms", "3000"],
+    );
+    let cat = Catalog::open(&st.catalog).unwrap();
+    // A consumer that holds its first batch: its ring fills, it grants
+    // nothing more and is idle but for its keepalives.
+    let mut l = builder_remote(&st, &[&node.addr], 1 << 20).build().unwrap();
+    l.set_epoch(0).unwrap();
+    let first: Vec<(u64, u32)> = {
+        let b = l.next_batch().unwrap().unwrap();
+        b.iter().map(|x| (x.id, crc32c::crc32c(x.bytes))).collect()
+    };
+    // Two peers past HELLO that send nothing, one after the other: each is
+    // closed for being idle, so the consumer has been idle two timeouts.
+    for _ in 0..2 {
+        let t0 = Instant::now();
+        let mut c = TcpStream::connect(&node.addr).unwrap();
+        c.write_all(&hello_frame(
+            &cat,
+            proto::VERSION,
+            TOKEN.as_bytes(),
+            1 << 20,
+        ))
+        .unwrap();
+        let (h, _) = read_frame(&mut c).unwrap();
+        assert_eq!(h.kind, Kind::Welcome);
+        c.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        let (code, msg) = read_error(&mut c);
+        assert_eq!(code, Code::ShuttingDown, "{msg}");
+        assert!(msg.contains("idle"), "{msg}");
+        assert!(
+            t0.elapsed() >= Duration::from_millis(2900),
+            "{:?}",
+            t0.elapsed()
+        );
+    }
+    for (id, crc) in first {
+        assert_eq!(crc, cat.sample(id).crc32c);
+    }
+    // The consumer's connection is still there: the rest arrives from the
+    // node, nothing from the source.
+    let mut n = 16;
+    while let Some(b) = l.next_batch().unwrap() {
+        for x in b.iter() {
+            assert_eq!(crc32c::crc32c(x.bytes), cat.sample(x.id).crc32c);
+            n += 1;
+        }
+    }
+    assert_eq!(n, 300);
+    let stats = l.finish();
+    assert_eq!(stats.failovers, 0, "{stats:?}");
+    assert_eq!(stats.source_reads, 0, "{stats:?}");
+}
+
 // --- hostile nodes against a real consumer --------------------------------
 
 #[derive(Clone, Copy, Debug)]

@@ -57,6 +57,11 @@ pub(crate) const MIN_PROGRESS_BYTES_PER_SEC: u64 = 1 << 20;
 pub(crate) const DEMOTE_AFTER_ERRORS: u32 = 16;
 /// See [`DEMOTE_AFTER_ERRORS`].
 pub(crate) const DEMOTE_WINDOW: Duration = Duration::from_secs(10);
+/// A connection that sent nothing for this long sends a keepalive (an
+/// empty ERROR frame for the connection, which a node ignores), so the
+/// node's idle timeout (`kspeed serve --idle-timeout-ms`, at least 3 s)
+/// closes only peers that are gone.
+pub(crate) const KEEPALIVE: Duration = Duration::from_secs(1);
 
 /// Cluster settings of a loader.
 #[derive(Debug, Clone)]
@@ -298,6 +303,8 @@ pub(crate) struct Conn {
     errors_since: Instant,
     /// No new grants until the next epoch.
     demoted: bool,
+    /// When it last sent a frame (GRANT or keepalive).
+    last_tx: Instant,
     #[cfg(feature = "rdma")]
     rdma: Option<RdmaConn>,
 }
@@ -335,6 +342,7 @@ impl Conn {
             errors: 0,
             errors_since: Instant::now(),
             demoted: false,
+            last_tx: Instant::now(),
             #[cfg(feature = "rdma")]
             rdma: None,
         }
@@ -588,6 +596,7 @@ fn connect(
             errors: 0,
             errors_since: Instant::now(),
             demoted: false,
+            last_tx: Instant::now(),
             #[cfg(feature = "rdma")]
             rdma: rdma_conn,
         },
@@ -1228,9 +1237,21 @@ impl NetThread {
 
     fn flush_grants(&mut self) {
         for c in &mut self.conns {
-            if c.state != State::Live || c.tx_inflight || c.fill_entries == 0 {
+            if c.state != State::Live || c.tx_inflight {
                 continue;
             }
+            if c.fill_entries == 0 {
+                if c.last_tx.elapsed() >= KEEPALIVE {
+                    let h = Header::error(proto::CONNECTION, Code::Unknown, 0).encode();
+                    c.flight.clear();
+                    c.flight.extend_from_slice(&h);
+                    c.flight_sent = 0;
+                    c.last_tx = Instant::now();
+                    Self::post_send(&mut self.ring, c);
+                }
+                continue;
+            }
+            c.last_tx = Instant::now();
             let h = Header::grant(c.fill_entries).encode();
             c.fill[..proto::HEADER_BYTES].copy_from_slice(&h);
             std::mem::swap(&mut c.fill, &mut c.flight);

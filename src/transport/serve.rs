@@ -71,6 +71,11 @@ pub struct ServeConfig {
     /// Handshakes pending at once (`--max-handshakes`); a connection
     /// accepted beyond that closes the oldest pending one.
     pub max_handshakes: usize,
+    /// A consumer connection that sends nothing (no GRANT, no keepalive)
+    /// for this long while it has nothing queued or in flight is closed
+    /// (`--idle-timeout-ms`; kspeed's consumer sends a keepalive every
+    /// second it has nothing to grant). At least [`MIN_IDLE_TIMEOUT`].
+    pub idle_timeout: Duration,
     /// Serve Prometheus metrics (`GET /metrics`) on this address
     /// (`--metrics`; port 0 picks one, see [`NodeService::metrics_addr`]).
     pub metrics: Option<String>,
@@ -112,6 +117,7 @@ impl ServeConfig {
             max_handshakes: 64,
             stall_timeout: Duration::from_secs(10),
             metrics: None,
+            idle_timeout: Duration::from_secs(60),
             page_cache: false,
             rdma: None,
             rdma_spin: crate::loader::default_spin(),
@@ -160,6 +166,13 @@ impl ServeConfig {
         if self.handshake_timeout.is_zero() || self.stall_timeout.is_zero() {
             return bad("the handshake and stall timeouts must be more than 0".into());
         }
+        if self.idle_timeout < MIN_IDLE_TIMEOUT {
+            return bad(format!(
+                "the idle timeout is {} ms; it must be at least {} ms (three consumer keepalives)",
+                self.idle_timeout.as_millis(),
+                MIN_IDLE_TIMEOUT.as_millis()
+            ));
+        }
         Ok(())
     }
 
@@ -182,6 +195,8 @@ pub const MAX_CONNS_PER_POLLER: u64 = 4096;
 pub const MAX_HANDSHAKES: u64 = 4096;
 /// Most staging memory per poller.
 pub const MAX_STAGING_BYTES: u64 = 1 << 30;
+/// Shortest idle timeout: three of the consumer's one-second keepalives.
+pub const MIN_IDLE_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// Counters of a running service.
 #[derive(Debug, Default)]
@@ -794,6 +809,8 @@ struct SConn {
     last_drained: std::time::Instant,
     /// Its counters (also in `Common::metrics` while it lives).
     metrics: Arc<metrics::ConnMetrics>,
+    /// When it last sent a frame (idle timeout).
+    last_rx: std::time::Instant,
 }
 
 struct Slot {
@@ -1053,6 +1070,7 @@ impl ServePoller {
             held: 0,
             last_drained: std::time::Instant::now(),
             metrics: m,
+            last_rx: std::time::Instant::now(),
         });
     }
 
@@ -1213,7 +1231,18 @@ impl ServePoller {
             let Some(c) = self.conns[ci].as_ref() else {
                 continue;
             };
-            if c.closing || !c.link.busy() {
+            if c.closing {
+                continue;
+            }
+            let idle = self.c.cfg.idle_timeout;
+            if !c.link.busy() {
+                if c.grants.is_empty() && c.held == 0 && now.duration_since(c.last_rx) > idle {
+                    let m = format!(
+                        "idle: no frame for {} ms with nothing to send (--idle-timeout-ms)",
+                        idle.as_millis()
+                    );
+                    self.close(ci as u32, Some((Code::ShuttingDown, m)));
+                }
                 continue;
             }
             if now.duration_since(c.last_drained) > limit {
@@ -1522,6 +1551,7 @@ impl ServePoller {
             self.close(ci, None);
             return;
         }
+        c.last_rx = std::time::Instant::now();
         match c.rx {
             Rx::Header => match Header::decode(&c.hdr, 0) {
                 Ok(h) if h.kind == Kind::Grant => c.rx = Rx::Body(h),
