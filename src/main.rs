@@ -79,9 +79,35 @@ struct ServeArgs {
     /// and sends are in flight per poller.
     #[arg(long, default_value = "256KiB", value_parser = parse_bytes)]
     chunk_bytes: u64,
-    /// Grants one consumer may have outstanding.
+    /// Grants one consumer may have outstanding (1 to 1048576).
     #[arg(long, default_value_t = 8192)]
     max_grants: u32,
+    /// Consumers one poller serves; a HELLO beyond pollers x this is
+    /// refused with the named error "node full" (1 to 4096).
+    #[arg(long, default_value_t = 256)]
+    max_consumers_per_poller: usize,
+    /// Handshakes pending at once; a connection beyond that closes the
+    /// oldest pending one (1 to 4096).
+    #[arg(long, default_value_t = 64)]
+    max_handshakes: usize,
+    /// Milliseconds a peer has for its whole handshake (HELLO and, over
+    /// RDMA, the queue-pair swap), however it paces its bytes.
+    #[arg(long, default_value_t = 5000)]
+    handshake_timeout_ms: u64,
+    /// Milliseconds a consumer may take no data (TCP) or complete no write
+    /// (RDMA) while the node has some in flight for it before it is dropped
+    /// (until then it holds at most its fair share of staging).
+    #[arg(long, default_value_t = 10000)]
+    stall_timeout_ms: u64,
+    /// Milliseconds a consumer connection may send nothing (kspeed's
+    /// consumer sends a keepalive every second) with nothing queued for it
+    /// before it is closed (at least 3000).
+    #[arg(long, default_value_t = 60000)]
+    idle_timeout_ms: u64,
+    /// Serve Prometheus metrics (GET /metrics) on this address, host:port
+    /// (port 0 picks one; the address is printed before the "serving" line).
+    #[arg(long)]
+    metrics: Option<String>,
     /// Send straight from the page cache (a mapping of the extents) instead
     /// of O_DIRECT reads into staging: for spaces on tmpfs or kept warm.
     #[arg(long)]
@@ -433,12 +459,30 @@ fn run(cli: Cli) -> kspeed::Result<ExitCode> {
             cfg.staging_bytes = a.staging_bytes;
             cfg.chunk_bytes = a.chunk_bytes.min(u32::MAX as u64) as u32;
             cfg.max_grants = a.max_grants;
+            cfg.max_conns_per_poller = a.max_consumers_per_poller;
+            cfg.max_handshakes = a.max_handshakes;
+            cfg.handshake_timeout = std::time::Duration::from_millis(a.handshake_timeout_ms);
+            cfg.stall_timeout = std::time::Duration::from_millis(a.stall_timeout_ms);
+            cfg.metrics = a.metrics.clone();
+            cfg.idle_timeout = std::time::Duration::from_millis(a.idle_timeout_ms);
             cfg.page_cache = a.page_cache;
             cfg.rdma = a.rdma.options();
             if let Some(us) = a.rdma_spin_us {
                 cfg.rdma_spin = std::time::Duration::from_micros(us);
             }
+            if let Ok(mut addrs) = std::net::ToSocketAddrs::to_socket_addrs(&a.listen) {
+                if addrs.any(|sa| sa.ip().is_unspecified()) {
+                    log::warn!(
+                        "listening on every interface ({}): the job token and the samples travel in clear text; \
+                         serve on the cluster's trusted fabric only (docs/PROTOCOL.md, threat model)",
+                        a.listen
+                    );
+                }
+            }
             kspeed::transport::serve::serve_until_signal(cfg, |svc| {
+                if let Some(m) = svc.metrics_addr() {
+                    println!("metrics on http://{m}/metrics");
+                }
                 // Scripts wait for this line (and read the port from it).
                 println!("serving {} on {}", a.space.display(), svc.local_addr());
                 use std::io::Write;
@@ -455,9 +499,22 @@ fn run(cli: Cli) -> kspeed::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// Reads a job token file (trailing whitespace dropped; empty is an error).
+/// Reads a job token file (trailing whitespace dropped; empty or longer
+/// than the HELLO frame allows is an error; readable by every user is a
+/// warning).
 pub(crate) fn read_token(path: &std::path::Path) -> kspeed::Result<Vec<u8>> {
+    use std::os::unix::fs::PermissionsExt;
     let raw = std::fs::read(path).map_err(|e| kspeed::Error::io("read token file", path, e))?;
+    if let Ok(md) = std::fs::metadata(path) {
+        let mode = md.permissions().mode();
+        if mode & 0o004 != 0 {
+            log::warn!(
+                "token file {} is readable by every user (mode {:o}); chmod 600 it",
+                path.display(),
+                mode & 0o777
+            );
+        }
+    }
     let end = raw
         .iter()
         .rposition(|b| !b.is_ascii_whitespace())
@@ -466,6 +523,13 @@ pub(crate) fn read_token(path: &std::path::Path) -> kspeed::Result<Vec<u8>> {
         return Err(kspeed::Error::InvalidConfig(format!(
             "token file {} is empty",
             path.display()
+        )));
+    }
+    if end > kspeed::transport::proto::MAX_TOKEN_BYTES {
+        return Err(kspeed::Error::InvalidConfig(format!(
+            "token file {} holds a {end}-byte token; the most a HELLO frame carries is {} bytes",
+            path.display(),
+            kspeed::transport::proto::MAX_TOKEN_BYTES
         )));
     }
     Ok(raw[..end].to_vec())

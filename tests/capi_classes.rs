@@ -52,7 +52,7 @@ fn compile(dir: &Path) -> Option<PathBuf> {
     {
         Ok(o) => o,
         Err(e) => {
-            eprintln!("skipping: gcc not available ({e})");
+            skip(&format!("gcc not available ({e})"));
             return None;
         }
     };
@@ -141,7 +141,7 @@ fn sample_members_through_the_c_abi() {
 #[test]
 fn a_loader_from_c_lifts_the_open_files_limit() {
     if Command::new("prlimit").arg("--version").output().is_err() {
-        eprintln!("skipping: no prlimit");
+        skip("no prlimit");
         return;
     }
     let t = tempfile::tempdir().unwrap();

@@ -664,7 +664,7 @@ fn kspeed_nofile(soft: u64, hard: u64, args: &[&str]) -> Output {
 #[test]
 fn many_extents_under_a_low_open_files_limit() {
     if Command::new("prlimit").arg("--version").output().is_err() {
-        eprintln!("skipping many_extents_under_a_low_open_files_limit: no prlimit");
+        skip("many_extents_under_a_low_open_files_limit: no prlimit");
         return;
     }
     let t = tempfile::tempdir().unwrap();

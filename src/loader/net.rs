@@ -16,7 +16,16 @@
 //! receive has returned (so nothing more lands from it), each of its
 //! outstanding grants goes to the sample's next live replica, else is read
 //! from the source, else fails with [`Error::SampleUnavailable`] naming every
-//! place tried. A grant answered with ERROR fails over the same way.
+//! place tried. A grant answered with ERROR, or whose bytes fail the CRC32C
+//! check (`verify_crc32c`), fails over the same way.
+//!
+//! Minimum progress: with grants outstanding, a connection must finish one
+//! (whole, or answered with ERROR) within `node_timeout` plus one second per
+//! MiB of the catalog's largest sample ([`MIN_PROGRESS_BYTES_PER_SEC`]) of
+//! the previous one; a node that trickles its bytes is dropped like a
+//! silent one. Demotion: a node whose grants fail [`DEMOTE_AFTER_ERRORS`]
+//! times within [`DEMOTE_WINDOW`] gets no more grants until the next epoch
+//! (its outstanding ones finish or fail over), said once in the log.
 //!
 //! Pools are fixed at start: the grant table (one entry per sample the ring
 //! can hold), per-connection header/message buffers and grant frame buffers.
@@ -39,6 +48,20 @@ use crate::ring::{Completion, IoBackend, Uring, UringOptions};
 use crate::sys::EventFd;
 use crate::transport::proto::{self, Code, GrantEntry, Header, Hello, Kind, Welcome};
 use crate::transport::Cluster;
+
+/// The slowest a node may deliver a grant (see the module's "minimum
+/// progress").
+pub(crate) const MIN_PROGRESS_BYTES_PER_SEC: u64 = 1 << 20;
+/// Failed grants (ERROR, CRC mismatch) within [`DEMOTE_WINDOW`] that demote
+/// a node for the rest of the epoch.
+pub(crate) const DEMOTE_AFTER_ERRORS: u32 = 16;
+/// See [`DEMOTE_AFTER_ERRORS`].
+pub(crate) const DEMOTE_WINDOW: Duration = Duration::from_secs(10);
+/// A connection that sent nothing for this long sends a keepalive (an
+/// empty ERROR frame for the connection, which a node ignores), so the
+/// node's idle timeout (`kspeed serve --idle-timeout-ms`, at least 3 s)
+/// closes only peers that are gone.
+pub(crate) const KEEPALIVE: Duration = Duration::from_secs(1);
 
 /// Cluster settings of a loader.
 #[derive(Debug, Clone)]
@@ -272,6 +295,16 @@ pub(crate) struct Conn {
     max_grants: u64,
     max_data: u32,
     last_rx: Instant,
+    /// When its last grant finished (or its first was given, from none):
+    /// the minimum-progress clock.
+    last_done: Instant,
+    /// Failed grants in the window that began at `errors_since`.
+    errors: u32,
+    errors_since: Instant,
+    /// No new grants until the next epoch.
+    demoted: bool,
+    /// When it last sent a frame (GRANT or keepalive).
+    last_tx: Instant,
     #[cfg(feature = "rdma")]
     rdma: Option<RdmaConn>,
 }
@@ -305,6 +338,11 @@ impl Conn {
             max_grants: 0,
             max_data: 0,
             last_rx: Instant::now(),
+            last_done: Instant::now(),
+            errors: 0,
+            errors_since: Instant::now(),
+            demoted: false,
+            last_tx: Instant::now(),
             #[cfg(feature = "rdma")]
             rdma: None,
         }
@@ -326,6 +364,13 @@ pub(crate) struct Connected {
 /// Over RDMA the landing ring `ring` (address, length) is registered for
 /// remote write first, and every connection gets its queue pair.
 pub(crate) fn connect_all(setup: &mut NetSetup, ring: &LandingRing) -> Result<Connected> {
+    if setup.token.is_empty() || setup.token.len() > proto::MAX_TOKEN_BYTES {
+        return Err(Error::InvalidConfig(format!(
+            "the job token has {} bytes; it must have 1 to {} (the HELLO frame's limit)",
+            setup.token.len(),
+            proto::MAX_TOKEN_BYTES
+        )));
+    }
     let mut out = Vec::with_capacity(setup.cluster.nodes.len());
     #[cfg(feature = "rdma")]
     let rdma = match &setup.rdma {
@@ -347,15 +392,55 @@ pub(crate) fn connect_all(setup: &mut NetSetup, ring: &LandingRing) -> Result<Co
             ));
         }
     }
-    for n in &setup.cluster.nodes {
-        if Some(n.index) == setup.local_node {
+    // Every node at once, under one deadline (`node_timeout`, the connect
+    // included): stalled nodes cost the start one timeout, not one each.
+    let deadline = Instant::now() + setup.node_timeout;
+    let shared: &NetSetup = setup;
+    #[cfg(feature = "rdma")]
+    let r = rdma.as_deref();
+    let one = |n: &crate::transport::Node| {
+        #[cfg(feature = "rdma")]
+        return connect(shared, n.index, &n.addr, deadline, r);
+        #[cfg(not(feature = "rdma"))]
+        connect(shared, n.index, &n.addr, deadline)
+    };
+    let results: Vec<Option<Result<(Conn, Welcome), ConnectError>>> = std::thread::scope(|sc| {
+        let handles: Vec<_> = shared
+            .cluster
+            .nodes
+            .iter()
+            .map(|n| {
+                if Some(n.index) == shared.local_node {
+                    return None;
+                }
+                let one = &one;
+                Some(
+                    std::thread::Builder::new()
+                        .name("kspeed-connect".into())
+                        .stack_size(256 << 10)
+                        .spawn_scoped(sc, move || one(n))
+                        .map_err(|_| n),
+                )
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.map(|h| match h {
+                    Ok(t) => t.join().unwrap_or_else(|_| {
+                        Err(ConnectError::Unreachable("connect thread panicked".into()))
+                    }),
+                    // No thread to spare: connect from here.
+                    Err(n) => one(n),
+                })
+            })
+            .collect()
+    });
+    for (n, res) in setup.cluster.nodes.iter().zip(results) {
+        let Some(res) = res else {
             out.push(Conn::dead(n.index, n.addr.clone(), "local node".into()));
             continue;
-        }
-        #[cfg(feature = "rdma")]
-        let res = connect(setup, n.index, &n.addr, rdma.as_deref());
-        #[cfg(not(feature = "rdma"))]
-        let res = connect(setup, n.index, &n.addr);
+        };
         match res {
             Ok((c, w)) => {
                 let theirs =
@@ -402,8 +487,16 @@ fn connect(
     setup: &NetSetup,
     node: u32,
     addr: &str,
+    deadline: Instant,
     #[cfg(feature = "rdma")] rdma: Option<&ConsumerRdma>,
 ) -> Result<(Conn, Welcome), ConnectError> {
+    // What is left of the start's deadline (never zero: a zero timeout
+    // means "none" to the socket calls).
+    let left = || {
+        deadline
+            .saturating_duration_since(Instant::now())
+            .max(Duration::from_millis(1))
+    };
     let unreachable =
         |what: &str, e: &dyn std::fmt::Display| ConnectError::Unreachable(format!("{what}: {e}"));
     let sa = crate::transport::Node {
@@ -412,10 +505,10 @@ fn connect(
     }
     .resolve()
     .map_err(|e| unreachable("resolve", &e))?;
-    let mut sock = TcpStream::connect_timeout(&sa, setup.connect_timeout)
+    let mut sock = TcpStream::connect_timeout(&sa, setup.connect_timeout.min(left()))
         .map_err(|e| unreachable("connect", &e))?;
     let _ = sock.set_nodelay(true);
-    let _ = sock.set_read_timeout(Some(setup.node_timeout));
+    let _ = sock.set_read_timeout(Some(left()));
     let mut hello = Vec::new();
     setup.hello.encode(&setup.token, &mut hello);
     sock.write_all(&hello)
@@ -432,6 +525,7 @@ fn connect(
     };
     let h = Header::decode(&hb, 0).map_err(|e| violation(e.to_string()))?;
     let mut body = vec![0u8; h.body_len as usize];
+    let _ = sock.set_read_timeout(Some(left()));
     sock.read_exact(&mut body)
         .map_err(|e| unreachable("truncated answer to HELLO", &e))?;
     match h.kind {
@@ -498,6 +592,11 @@ fn connect(
             max_grants: w.max_grants.max(1),
             max_data: w.max_data_bytes.min(proto::MAX_DATA_BYTES),
             last_rx: Instant::now(),
+            last_done: Instant::now(),
+            errors: 0,
+            errors_since: Instant::now(),
+            demoted: false,
+            last_tx: Instant::now(),
             #[cfg(feature = "rdma")]
             rdma: rdma_conn,
         },
@@ -615,6 +714,10 @@ pub(crate) struct NetThread {
     completions: Vec<Completion>,
     /// Host buffer for samples read from the source into a GPU ring.
     bounce: Vec<u8>,
+    /// The epoch of the newest sample granted (demotions end with it).
+    epoch: Option<u64>,
+    /// The minimum-progress allowance per grant beyond `node_timeout`.
+    progress_slack: Duration,
     sh: Arc<Shared>,
 }
 
@@ -641,6 +744,10 @@ impl NetThread {
             rdma: connected.rdma,
             chan_inflight: false,
             bounce: Vec::new(),
+            epoch: None,
+            progress_slack: Duration::from_secs_f64(
+                sh.input.catalog().max_sample_bytes() as f64 / MIN_PROGRESS_BYTES_PER_SEC as f64,
+            ),
             cursor,
             pending: None,
             table: vec![
@@ -891,7 +998,11 @@ impl NetThread {
         loop {
             let p = match self.pending.take() {
                 Some(p) => p,
-                None => self.cursor.next(self.sh.input.catalog()),
+                None => {
+                    let p = self.cursor.next(self.sh.input.catalog());
+                    self.new_epoch(p.pos.epoch);
+                    p
+                }
             };
             // Flow control bounds the walk over local samples too: with
             // every sample local (one node, replicas = nodes) the thread
@@ -936,6 +1047,50 @@ impl NetThread {
         }
     }
 
+    /// A new epoch's first sample: demoted nodes get grants again.
+    fn new_epoch(&mut self, epoch: u64) {
+        if self.epoch == Some(epoch) {
+            return;
+        }
+        self.epoch = Some(epoch);
+        for c in &mut self.conns {
+            if c.demoted {
+                c.demoted = false;
+                c.errors = 0;
+                log::info!(
+                    "node {} ({}) gets grants again in epoch {epoch}",
+                    c.node,
+                    c.addr
+                );
+            }
+        }
+    }
+
+    /// A grant of connection `i` failed (ERROR, CRC mismatch): counts it
+    /// and demotes the node after [`DEMOTE_AFTER_ERRORS`] in a window.
+    fn grant_failed(&mut self, i: usize) {
+        let epoch = self.epoch;
+        let c = &mut self.conns[i];
+        c.last_done = Instant::now();
+        if c.errors_since.elapsed() > DEMOTE_WINDOW {
+            c.errors = 0;
+            c.errors_since = Instant::now();
+        }
+        c.errors += 1;
+        if c.errors >= DEMOTE_AFTER_ERRORS && !c.demoted {
+            c.demoted = true;
+            log::warn!(
+                "node {} ({}): {} failed grants within {} s (latest: {}); no more grants to it in epoch {}, its samples go to replicas or the source",
+                c.node,
+                c.addr,
+                c.errors,
+                DEMOTE_WINDOW.as_secs(),
+                c.last_error,
+                epoch.unwrap_or(0)
+            );
+        }
+    }
+
     /// Gives table entry `idx` to its next untried live holder, or reads it
     /// from the source, or fails it. False: the holder has no room now.
     fn place(&mut self, idx: usize) -> bool {
@@ -949,7 +1104,7 @@ impl NetThread {
             let Some(c) = self.conns.get_mut(node) else {
                 continue;
             };
-            if c.state != State::Live {
+            if c.state != State::Live || c.demoted {
                 continue;
             }
             if c.outstanding >= c.max_grants || c.fill.len() == c.fill.capacity() {
@@ -967,6 +1122,7 @@ impl NetThread {
             c.fill_entries += 1;
             if c.outstanding == 0 {
                 c.last_rx = Instant::now();
+                c.last_done = c.last_rx;
             }
             c.outstanding += 1;
             let t = &mut self.table[idx];
@@ -1069,9 +1225,21 @@ impl NetThread {
 
     fn flush_grants(&mut self) {
         for c in &mut self.conns {
-            if c.state != State::Live || c.tx_inflight || c.fill_entries == 0 {
+            if c.state != State::Live || c.tx_inflight {
                 continue;
             }
+            if c.fill_entries == 0 {
+                if c.last_tx.elapsed() >= KEEPALIVE {
+                    let h = Header::error(proto::CONNECTION, Code::Unknown, 0).encode();
+                    c.flight.clear();
+                    c.flight.extend_from_slice(&h);
+                    c.flight_sent = 0;
+                    c.last_tx = Instant::now();
+                    Self::post_send(&mut self.ring, c);
+                }
+                continue;
+            }
+            c.last_tx = Instant::now();
             let h = Header::grant(c.fill_entries).encode();
             c.fill[..proto::HEADER_BYTES].copy_from_slice(&h);
             std::mem::swap(&mut c.fill, &mut c.flight);
@@ -1126,17 +1294,29 @@ impl NetThread {
 
     fn check_timeouts(&mut self) {
         let t = self.setup.node_timeout;
+        let progress = t + self.progress_slack;
         for i in 0..self.conns.len() {
             let c = &self.conns[i];
-            if c.state == State::Live && c.outstanding > 0 && c.last_rx.elapsed() > t {
-                let why = format!(
+            if c.state != State::Live || c.outstanding == 0 {
+                continue;
+            }
+            let why = if c.last_rx.elapsed() > t {
+                format!(
                     "no data for {} ms with {} grants outstanding",
                     t.as_millis(),
                     c.outstanding
-                );
-                log::warn!("node {} ({}): {why}", c.node, c.addr);
-                self.kill(i, why);
-            }
+                )
+            } else if c.last_done.elapsed() > progress {
+                format!(
+                    "no grant finished within {} ms with {} outstanding (minimum progress: the node timeout plus 1 s per MiB of the largest sample)",
+                    progress.as_millis(),
+                    c.outstanding
+                )
+            } else {
+                continue;
+            };
+            log::warn!("node {} ({}): {why}", c.node, c.addr);
+            self.kill(i, why);
         }
     }
 
@@ -1391,12 +1571,12 @@ impl NetThread {
         t.node = NONE;
         t.received = 0;
         self.regrant.push_back(idx);
+        self.grant_failed(i);
     }
 
     fn sample_done(&mut self, i: usize, idx: usize) {
         let s = self.table[idx];
         self.conns[i].outstanding -= 1;
-        self.table[idx].live = false;
         if self.sh.cfg.verify_crc32c {
             let want = self.sh.input.catalog().sample(s.id).crc32c;
             // SAFETY: every byte of the slot was received and it is unpublished.
@@ -1404,17 +1584,25 @@ impl NetThread {
                 std::slice::from_raw_parts(self.ring_ptr(s.phys), s.len as usize)
             });
             if got != want {
-                let e = Error::SampleCorrupt {
-                    sample: s.id,
-                    path: format!("node {} ({})", self.conns[i].node, self.conns[i].addr).into(),
-                    expected: want,
-                    computed: got,
-                };
-                self.sh.errors.lock().expect("not poisoned").push((s.g, e));
-                self.sh.publish(s.g, CODE_ERROR);
+                // Like an ERROR for the grant: the next holder, then the
+                // source (which is checked too) serve it again in full.
+                let c = &mut self.conns[i];
+                c.last_error = format!(
+                    "sample {} arrived with CRC32C {got:08x}, the catalog says {want:08x}",
+                    s.id
+                );
+                log::warn!("node {} ({}): {}", c.node, c.addr, c.last_error);
+                self.net().failovers.fetch_add(1, Ordering::Relaxed);
+                let t = &mut self.table[idx];
+                t.node = NONE;
+                t.received = 0;
+                self.regrant.push_back(idx);
+                self.grant_failed(i);
                 return;
             }
         }
+        self.table[idx].live = false;
+        self.conns[i].last_done = Instant::now();
         self.net().remote_samples.fetch_add(1, Ordering::Relaxed);
         self.sh.publish(s.g, CODE_OK);
     }

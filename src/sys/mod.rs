@@ -147,16 +147,41 @@ impl EventFd {
     }
 }
 
-/// Waits until `fd` is readable or `timeout_ms` passes; true if readable.
-pub fn poll_readable(fd: std::os::fd::RawFd, timeout_ms: i32) -> bool {
-    let mut p = libc::pollfd {
-        fd,
-        events: libc::POLLIN,
-        revents: 0,
+/// Waits until one of `fds` is ready or `timeout_ms` passes (`poll(2)`);
+/// the number of ready descriptors (their `revents` are set). EINTR counts as
+/// a time-out.
+pub fn poll_fds(fds: &mut [libc::pollfd], timeout_ms: i32) -> std::io::Result<usize> {
+    // SAFETY: `fds` is a live, exclusively borrowed array of `fds.len()`
+    // pollfd structs for the duration of the call.
+    let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout_ms) };
+    if n < 0 {
+        let e = std::io::Error::last_os_error();
+        if e.kind() == std::io::ErrorKind::Interrupted {
+            return Ok(0);
+        }
+        return Err(e);
+    }
+    Ok(n as usize)
+}
+
+/// Sends `bytes` on socket `fd` without ever blocking (`MSG_DONTWAIT`) and
+/// without SIGPIPE: the number of bytes the kernel took (possibly fewer, or
+/// an error such as `WouldBlock` when the peer does not read).
+pub fn send_nonblocking(fd: std::os::fd::RawFd, bytes: &[u8]) -> std::io::Result<usize> {
+    // SAFETY: reads `bytes.len()` bytes from a live slice; fd is the
+    // caller's open socket (a closed or wrong one is an error return).
+    let n = unsafe {
+        libc::send(
+            fd,
+            bytes.as_ptr().cast(),
+            bytes.len(),
+            libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+        )
     };
-    // SAFETY: one live pollfd for the duration of the call.
-    let n = unsafe { libc::poll(&mut p, 1, timeout_ms) };
-    n > 0
+    if n < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(n as usize)
 }
 
 /// SIGINT and SIGTERM blocked in this thread (and every thread it starts
@@ -175,6 +200,20 @@ impl TermSignals {
             libc::sigemptyset(&mut set);
             libc::sigaddset(&mut set, libc::SIGINT);
             libc::sigaddset(&mut set, libc::SIGTERM);
+            libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+            TermSignals { set }
+        }
+    }
+
+    /// [`TermSignals::block`], and SIGUSR1 too (taken by
+    /// [`TermSignals::wait`] like the others: `kspeed serve` logs its
+    /// statistics on it).
+    pub fn block_with_usr1() -> Self {
+        let t = Self::block();
+        // SAFETY: as in `block`: our own set, this thread's mask.
+        unsafe {
+            let mut set = t.set;
+            libc::sigaddset(&mut set, libc::SIGUSR1);
             libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
             TermSignals { set }
         }

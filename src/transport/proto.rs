@@ -106,6 +106,10 @@ pub enum Code {
     ShuttingDown = 8,
     /// Setting up or running the transport (RDMA) failed on the sender.
     TransportFailed = 9,
+    /// The node serves as many consumers as it is configured for
+    /// (`kspeed serve --max-consumers-per-poller` times its pollers); the
+    /// node itself is fine.
+    NodeFull = 10,
     /// A code this build does not know.
     Unknown = 0,
 }
@@ -123,6 +127,7 @@ impl Code {
             7 => Code::TooManyGrants,
             8 => Code::ShuttingDown,
             9 => Code::TransportFailed,
+            10 => Code::NodeFull,
             _ => Code::Unknown,
         }
     }
@@ -139,6 +144,7 @@ impl Code {
             Code::TooManyGrants => "too many grants",
             Code::ShuttingDown => "shutting down",
             Code::TransportFailed => "transport failed",
+            Code::NodeFull => "node full",
             Code::Unknown => "unknown error",
         }
     }

@@ -1,8 +1,9 @@
 //! The node service: the owner side of the push protocol over TCP.
 //!
-//! An acceptor thread takes connections and runs each HELLO on a short-lived
-//! thread (so a peer that stalls in its handshake holds up no one), then
-//! hands the connection to a poller. Each poller owns one io_uring that
+//! An acceptor thread takes connections and runs every handshake as a
+//! non-blocking state machine under one deadline (`accept`: no thread per
+//! peer, a bounded number pending, so a peer that stalls or floods holds up
+//! no one), then hands the connection to the least loaded poller. Each poller owns one io_uring that
 //! carries everything: the socket receives (GRANT frames), the O_DIRECT
 //! reads of granted samples from the extents into its registered staging
 //! slab, and the DATA sends (`sendmsg` of header + staging slot, no copy).
@@ -16,18 +17,20 @@
 //! back-pressure: reads wait, grants stay queued.
 
 use std::collections::VecDeque;
-use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+
+mod accept;
+mod metrics;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use crossbeam_channel::{Receiver, Sender};
+use crossbeam_channel::Receiver;
 
-use super::proto::{self, Code, GrantEntry, Header, Hello, Kind, Welcome};
+use super::proto::{self, Code, GrantEntry, Header, Hello, Kind};
 use super::tcp::TcpLink;
 use super::{Done, Link};
 use crate::dataset::Space;
@@ -58,10 +61,29 @@ pub struct ServeConfig {
     pub chunk_bytes: u32,
     /// Grants one consumer may have outstanding.
     pub max_grants: u32,
-    /// Consumers one poller serves at once.
+    /// Consumers one poller serves at once (`--max-consumers-per-poller`);
+    /// a HELLO beyond `pollers` times this is refused with
+    /// [`Code::NodeFull`].
     pub max_conns_per_poller: usize,
-    /// Time a peer has to complete its HELLO.
+    /// Time a peer has to complete its whole handshake (HELLO, and the
+    /// RDMA endpoint swap), however it paces its bytes.
     pub handshake_timeout: Duration,
+    /// Handshakes pending at once (`--max-handshakes`); a connection
+    /// accepted beyond that closes the oldest pending one.
+    pub max_handshakes: usize,
+    /// A consumer connection that sends nothing (no GRANT, no keepalive)
+    /// for this long while it has nothing queued or in flight is closed
+    /// (`--idle-timeout-ms`; kspeed's consumer sends a keepalive every
+    /// second it has nothing to grant). At least [`MIN_IDLE_TIMEOUT`].
+    pub idle_timeout: Duration,
+    /// Serve Prometheus metrics (`GET /metrics`) on this address
+    /// (`--metrics`; port 0 picks one, see [`NodeService::metrics_addr`]).
+    pub metrics: Option<String>,
+    /// A consumer whose link finishes nothing for this long while the node
+    /// has data in flight for it (a socket that takes no bytes, RDMA writes
+    /// that do not complete) is dropped (`--stall-timeout-ms`); before that
+    /// it holds at most its fair share of staging.
+    pub stall_timeout: Duration,
     /// Send straight from a read-only mapping of the extents (the page
     /// cache) instead of reading each chunk into staging with O_DIRECT. For
     /// spaces on memory-backed file systems (tmpfs) or kept warm: it saves a
@@ -92,10 +114,66 @@ impl ServeConfig {
             max_grants: 8192,
             max_conns_per_poller: 256,
             handshake_timeout: Duration::from_secs(5),
+            max_handshakes: 64,
+            stall_timeout: Duration::from_secs(10),
+            metrics: None,
+            idle_timeout: Duration::from_secs(60),
             page_cache: false,
             rdma: None,
             rdma_spin: crate::loader::default_spin(),
         }
+    }
+
+    /// Checks every limit against what the service can allocate and encode
+    /// (each bound is documented in docs/PROTOCOL.md, "Limits").
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::InvalidConfig(m));
+        if self.token.is_empty() || self.token.len() > proto::MAX_TOKEN_BYTES {
+            return bad(format!(
+                "the job token has {} bytes; it must have 1 to {} (the HELLO frame's limit)",
+                self.token.len(),
+                proto::MAX_TOKEN_BYTES
+            ));
+        }
+        let ranges: [(&str, u64, u64, u64); 6] = [
+            ("pollers", self.pollers as u64, 1, MAX_POLLERS),
+            ("max grants", self.max_grants as u64, 1, MAX_GRANTS),
+            (
+                "max consumers per poller",
+                self.max_conns_per_poller as u64,
+                1,
+                MAX_CONNS_PER_POLLER,
+            ),
+            (
+                "max handshakes",
+                self.max_handshakes as u64,
+                1,
+                MAX_HANDSHAKES,
+            ),
+            (
+                "chunk bytes",
+                self.chunk_bytes as u64,
+                1,
+                proto::MAX_DATA_BYTES as u64,
+            ),
+            ("staging bytes", self.staging_bytes, 1, MAX_STAGING_BYTES),
+        ];
+        for (what, v, lo, hi) in ranges {
+            if v < lo || v > hi {
+                return bad(format!("{what} is {v}; it must be {lo} to {hi}"));
+            }
+        }
+        if self.handshake_timeout.is_zero() || self.stall_timeout.is_zero() {
+            return bad("the handshake and stall timeouts must be more than 0".into());
+        }
+        if self.idle_timeout < MIN_IDLE_TIMEOUT {
+            return bad(format!(
+                "the idle timeout is {} ms; it must be at least {} ms (three consumer keepalives)",
+                self.idle_timeout.as_millis(),
+                MIN_IDLE_TIMEOUT.as_millis()
+            ));
+        }
+        Ok(())
     }
 
     /// Staging slots per poller (and so the most RDMA writes in flight per
@@ -105,13 +183,37 @@ impl ServeConfig {
     }
 }
 
+/// Most poller threads.
+pub const MAX_POLLERS: u64 = 256;
+/// Most grants one consumer may have outstanding (each queued grant costs
+/// the node 32 bytes, reserved when the consumer connects).
+pub const MAX_GRANTS: u64 = 1 << 20;
+/// Most consumers per poller.
+pub const MAX_CONNS_PER_POLLER: u64 = 4096;
+/// Most handshakes pending at once (each holds a descriptor and a 1 KiB
+/// buffer).
+pub const MAX_HANDSHAKES: u64 = 4096;
+/// Most staging memory per poller.
+pub const MAX_STAGING_BYTES: u64 = 1 << 30;
+/// Shortest idle timeout: three of the consumer's one-second keepalives.
+pub const MIN_IDLE_TIMEOUT: Duration = Duration::from_secs(3);
+
 /// Counters of a running service.
 #[derive(Debug, Default)]
 pub struct ServeStats {
     /// Connections accepted past HELLO.
     pub connections: AtomicU64,
-    /// Connections refused at HELLO.
+    /// Connections refused or closed before their handshake completed.
     pub refused: AtomicU64,
+    /// Handshakes pending now.
+    pub handshakes_pending: AtomicU64,
+    /// Handshakes closed at their deadline.
+    pub handshake_timeouts: AtomicU64,
+    /// Pending handshakes closed to make room for newer connections.
+    pub evicted: AtomicU64,
+    /// `accept` failures for lack of descriptors or memory (each one backs
+    /// the acceptor off).
+    pub accept_errors: AtomicU64,
     /// Connections dropped for breaking the protocol.
     pub violations: AtomicU64,
     /// Samples pushed whole.
@@ -120,9 +222,19 @@ pub struct ServeStats {
     pub bytes: AtomicU64,
     /// Grants answered with an ERROR frame.
     pub errors: AtomicU64,
+    /// Consumers dropped for taking no data for `stall_timeout`.
+    pub stalled: AtomicU64,
     /// RDMA queue pairs alive now (one per RDMA consumer, destroyed once
     /// its connection is closed and its last work request completed).
     pub rdma_qps: AtomicU64,
+}
+
+impl std::fmt::Debug for Common {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Common")
+            .field("space", &self.cfg.space)
+            .finish_non_exhaustive()
+    }
 }
 
 /// The verbs resources of a node service: one device context and protection
@@ -152,9 +264,18 @@ struct Common {
     stop: AtomicBool,
     stats: ServeStats,
     rdma: Option<OwnerRdma>,
+    /// Consumers per poller (reserved at HELLO by the acceptor, given back
+    /// by the poller when the connection is gone).
+    load: Box<[AtomicUsize]>,
+    metrics: metrics::Metrics,
 }
 
 impl Common {
+    /// Consumers connected (or being handed to a poller) now.
+    fn consumers(&self) -> usize {
+        self.load.iter().map(|l| l.load(Ordering::Relaxed)).sum()
+    }
+
     /// Whether RDMA links may send from the mapped extents (registered).
     fn rdma_maps(&self) -> bool {
         #[cfg(feature = "rdma")]
@@ -167,6 +288,7 @@ impl Common {
 /// A running node service. Dropping it stops it.
 pub struct NodeService {
     addr: SocketAddr,
+    metrics_addr: Option<SocketAddr>,
     common: Arc<Common>,
     threads: Vec<JoinHandle<()>>,
     /// Held shared while serving: unload and preload --refresh refuse, naming this pid.
@@ -176,11 +298,7 @@ pub struct NodeService {
 impl NodeService {
     /// Opens the space, binds, and starts the acceptor and the pollers.
     pub fn start(cfg: ServeConfig) -> Result<NodeService> {
-        if cfg.pollers == 0 || cfg.max_grants == 0 || cfg.max_conns_per_poller == 0 {
-            return Err(Error::InvalidConfig(
-                "pollers, max_grants and connections per poller must be at least 1".into(),
-            ));
-        }
+        cfg.validate()?;
         crate::sys::raise_open_files_limit();
         let space_lock = crate::dataset::preload::SpaceLock::shared(&cfg.space)?;
         let space = Space::open(&cfg.space)?;
@@ -192,7 +310,12 @@ impl NodeService {
             .next_multiple_of(align);
         let mut cfg = cfg;
         cfg.chunk_bytes = chunk;
-        cfg.staging_bytes = cfg.staging_bytes.max(chunk as u64).min(1 << 30);
+        if cfg.staging_bytes < chunk as u64 {
+            return Err(Error::InvalidConfig(format!(
+                "staging bytes {} hold no whole {chunk}-byte chunk (chunk bytes rounded up to the space's {align}-byte alignment)",
+                cfg.staging_bytes
+            )));
+        }
         let mut extents = Vec::new();
         for i in 0..space.extent_lens().len() as u32 {
             let path = space.extent_path(i);
@@ -225,41 +348,70 @@ impl NodeService {
             space,
             extents,
             maps,
-            cfg,
             stop: AtomicBool::new(false),
             stats: ServeStats::default(),
             rdma,
+            load: (0..cfg.pollers).map(|_| AtomicUsize::new(0)).collect(),
+            metrics: metrics::Metrics::new(cfg.pollers, cfg.slots() as u64),
+            cfg,
         });
-        let mut threads = Vec::new();
-        let mut senders = Vec::new();
-        for i in 0..common.cfg.pollers {
-            let (tx, rx) = crossbeam_channel::bounded::<Accepted>(64);
-            senders.push(tx);
-            let c = common.clone();
-            // Build the ring here so setup errors reach the caller.
+        let metrics_server = match &common.cfg.metrics {
+            None => None,
+            Some(a) => Some(
+                tiny_http::Server::http(a.as_str())
+                    .map_err(|e| Error::Serve(format!("cannot serve metrics on {a}: {e}")))?,
+            ),
+        };
+        let metrics_addr = metrics_server
+            .as_ref()
+            .and_then(|s| s.server_addr().to_ip());
+        // Everything that can fail is made before the first thread starts;
+        // should spawning fail anyway, the threads already running are
+        // stopped and joined (none is left behind).
+        let mut parts = Vec::with_capacity(common.cfg.pollers);
+        for _ in 0..common.cfg.pollers {
             let ring = Uring::new(UringOptions {
                 entries: 1024,
                 sqpoll_idle_ms: None,
             })?;
-            let fds: Vec<i32> = c.extents.iter().map(|f| f.as_raw_fd()).collect();
+            let fds: Vec<i32> = common.extents.iter().map(|f| f.as_raw_fd()).collect();
             if !fds.is_empty() {
                 ring.register_files(&fds)?;
             }
-            let staging = Staging::new(&c)?;
-            threads.push(
-                std::thread::Builder::new()
-                    .name(format!("kspeed-serve-{i}"))
-                    .spawn(move || ServePoller::new(c, i, ring, staging, rx).run())
-                    .map_err(|e| Error::Serve(format!("spawn poller: {e}")))?,
-            );
+            parts.push((ring, Staging::new(&common)?));
+        }
+        let mut svc = NodeService {
+            addr,
+            metrics_addr,
+            common: common.clone(),
+            threads: Vec::new(),
+            _space_lock: space_lock,
+        };
+        let mut senders = Vec::new();
+        for (i, (ring, staging)) in parts.into_iter().enumerate() {
+            let (tx, rx) = crossbeam_channel::bounded::<Accepted>(64);
+            senders.push(tx);
+            let c = common.clone();
+            let t = std::thread::Builder::new()
+                .name(format!("kspeed-serve-{i}"))
+                .spawn(move || ServePoller::new(c, i, ring, staging, rx).run())
+                .map_err(|e| Error::Serve(format!("spawn poller {i}: {e}")))?;
+            svc.threads.push(t);
         }
         let c = common.clone();
-        threads.push(
-            std::thread::Builder::new()
-                .name("kspeed-accept".into())
-                .spawn(move || accept_loop(c, listener, senders))
-                .map_err(|e| Error::Serve(format!("spawn acceptor: {e}")))?,
-        );
+        let t = std::thread::Builder::new()
+            .name("kspeed-accept".into())
+            .spawn(move || accept::Acceptor::new(c, listener, senders).run())
+            .map_err(|e| Error::Serve(format!("spawn acceptor: {e}")))?;
+        svc.threads.push(t);
+        if let Some(server) = metrics_server {
+            let c = common.clone();
+            let t = std::thread::Builder::new()
+                .name("kspeed-metrics".into())
+                .spawn(move || metrics::serve_http(c, server))
+                .map_err(|e| Error::Serve(format!("spawn metrics server: {e}")))?;
+            svc.threads.push(t);
+        }
         log::info!(
             "serving {} ({} of {} samples, node {} of {}) on {addr}",
             common.cfg.space.display(),
@@ -268,12 +420,7 @@ impl NodeService {
             common.space.params().node_index,
             common.space.params().placement.nodes
         );
-        Ok(NodeService {
-            addr,
-            common,
-            threads,
-            _space_lock: space_lock,
-        })
+        Ok(svc)
     }
 
     /// The address it listens on.
@@ -286,9 +433,30 @@ impl NodeService {
         &self.common.stats
     }
 
+    /// Where the Prometheus metrics are served, with `metrics` set.
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics_addr
+    }
+
+    /// The metrics as Prometheus text (what `GET /metrics` returns).
+    pub fn metrics_text(&self) -> String {
+        metrics::render(&self.common)
+    }
+
+    /// Logs the statistics (what SIGUSR1 does to `kspeed serve`).
+    pub fn log_stats(&self, why: &str) {
+        metrics::log_stats(&self.common, why)
+    }
+
     /// Stops accepting, closes every connection, and waits for the threads.
     pub fn stop(mut self) {
         self.shutdown();
+    }
+
+    /// [`NodeService::stop`], then logs the totals.
+    pub fn stop_with_stats(mut self) {
+        self.shutdown();
+        self.log_stats("exit");
     }
 
     fn shutdown(&mut self) {
@@ -310,12 +478,19 @@ impl Drop for NodeService {
 /// what `kspeed serve` does. `on_start` sees the running service (to print
 /// its address).
 pub fn serve_until_signal(cfg: ServeConfig, on_start: impl FnOnce(&NodeService)) -> Result<()> {
-    let signals = crate::sys::TermSignals::block();
+    let signals = crate::sys::TermSignals::block_with_usr1();
     let svc = NodeService::start(cfg)?;
     on_start(&svc);
-    let sig = signals.wait();
-    log::info!("signal {sig}: stopping");
-    svc.stop();
+    loop {
+        let sig = signals.wait();
+        if sig == libc::SIGUSR1 {
+            svc.log_stats("SIGUSR1");
+            continue;
+        }
+        log::info!("signal {sig}: stopping");
+        break;
+    }
+    svc.stop_with_stats();
     Ok(())
 }
 
@@ -438,195 +613,44 @@ struct Accepted {
     rdma: Option<RdmaAccepted>,
 }
 
-fn accept_loop(c: Arc<Common>, listener: TcpListener, senders: Vec<Sender<Accepted>>) {
-    let next = Arc::new(AtomicUsize::new(0));
-    let senders = Arc::new(senders);
-    while !c.stop.load(Ordering::Acquire) {
-        if !crate::sys::poll_readable(listener.as_raw_fd(), 100) {
-            continue;
-        }
-        let (sock, peer) = match listener.accept() {
-            Ok(x) => x,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
-            Err(e) => {
-                log::warn!("accept: {e}");
-                std::thread::sleep(Duration::from_millis(10));
-                continue;
-            }
-        };
-        let (c, senders) = (c.clone(), senders.clone());
-        // The poller is chosen first: an RDMA connection's CQ is made on
-        // that poller's completion channel.
-        let i = next.fetch_add(1, Ordering::Relaxed) % senders.len();
-        let _ = std::thread::Builder::new()
-            .name("kspeed-hello".into())
-            .spawn(move || match handshake(&c, sock, peer, i) {
-                Ok(acc) => {
-                    c.stats.connections.fetch_add(1, Ordering::Relaxed);
-                    let _ = senders[i].send(acc);
-                }
-                Err(msg) => {
-                    c.stats.refused.fetch_add(1, Ordering::Relaxed);
-                    log::warn!("refused {peer}: {msg}");
-                }
-            });
-    }
-}
-
-/// Sends an ERROR frame, best effort (the peer may be gone or not reading).
-fn send_error(sock: &mut TcpStream, grant: u32, code: Code, msg: &str) {
+/// Sends an ERROR frame, best effort and never blocking: the peer may be
+/// gone or not reading, and the caller (the acceptor, a data-path poller)
+/// must not wait on it. What the socket buffer does not take is dropped;
+/// the connection is closed right after either way.
+fn send_error(sock: &TcpStream, grant: u32, code: Code, msg: &str) {
     let m = &msg.as_bytes()[..msg.len().min(proto::MAX_MESSAGE_BYTES)];
-    let mut f = Header::error(grant, code, m.len() as u32).encode().to_vec();
-    f.extend_from_slice(m);
-    let _ = sock.set_write_timeout(Some(Duration::from_millis(200)));
-    let _ = sock.write_all(&f);
+    let mut f = [0u8; proto::HEADER_BYTES + proto::MAX_MESSAGE_BYTES];
+    f[..proto::HEADER_BYTES].copy_from_slice(&Header::error(grant, code, m.len() as u32).encode());
+    f[proto::HEADER_BYTES..proto::HEADER_BYTES + m.len()].copy_from_slice(m);
+    let _ = crate::sys::send_nonblocking(sock.as_raw_fd(), &f[..proto::HEADER_BYTES + m.len()]);
 }
 
-fn handshake(
-    c: &Common,
-    mut sock: TcpStream,
-    peer: SocketAddr,
-    poller: usize,
-) -> Result<Accepted, String> {
-    let _ = sock.set_read_timeout(Some(c.cfg.handshake_timeout));
-    let _ = sock.set_nodelay(true);
-    let mut hb = [0u8; proto::HEADER_BYTES];
-    sock.read_exact(&mut hb)
-        .map_err(|e| format!("no HELLO: {e}"))?;
-    let h = match Header::decode(&hb, 0) {
-        Ok(h) if h.kind == Kind::Hello => h,
-        Ok(h) => {
-            let m = format!("expected HELLO, got {:?}", h.kind);
-            send_error(&mut sock, proto::CONNECTION, Code::Violation, &m);
-            return Err(m);
-        }
-        Err(e) => {
-            let m = format!("bad HELLO header: {e}");
-            send_error(&mut sock, proto::CONNECTION, Code::Violation, &m);
-            return Err(m);
-        }
-    };
-    if h.a != proto::VERSION {
-        let m = format!(
-            "protocol version {} is not spoken here (this node speaks {})",
-            h.a,
-            proto::VERSION
-        );
-        send_error(&mut sock, proto::CONNECTION, Code::BadVersion, &m);
-        return Err(m);
-    }
-    let mut body = vec![0u8; h.body_len as usize];
-    sock.read_exact(&mut body)
-        .map_err(|e| format!("truncated HELLO: {e}"))?;
-    let (hello, token) = match Hello::decode(&body) {
-        Ok(x) => x,
-        Err(e) => {
-            let m = format!("bad HELLO body: {e}");
-            send_error(&mut sock, proto::CONNECTION, Code::Violation, &m);
-            return Err(m);
-        }
-    };
-    if !constant_time_eq(token, &c.cfg.token) {
-        let m = "job token does not match this node's".to_string();
-        send_error(&mut sock, proto::CONNECTION, Code::BadToken, &m);
-        return Err(m);
-    }
-    let cat = c.space.catalog();
-    if hello.catalog_identity != cat.identity() || hello.catalog_samples != cat.len() {
-        let m = format!(
-            "consumer's catalog (identity {:08x}, {} samples) is not this node's ({:08x}, {} samples)",
-            hello.catalog_identity,
-            hello.catalog_samples,
-            cat.identity(),
-            cat.len()
-        );
-        send_error(&mut sock, proto::CONNECTION, Code::WrongDataset, &m);
-        return Err(m);
-    }
-    let p = c.space.params();
-    let rdma = hello.transport == proto::TRANSPORT_RDMA && c.rdma.is_some();
-    #[cfg(not(feature = "rdma"))]
-    let _ = poller; // only an RDMA connection's CQ needs it
-    if hello.transport == proto::TRANSPORT_RDMA && !rdma {
-        log::info!("consumer {peer} asks for RDMA; this node serves it over TCP (no --rdma)");
-    }
-    let w = Welcome {
-        node_index: p.node_index,
-        nodes: p.placement.nodes,
-        replicas: p.placement.replicas,
-        max_data_bytes: c.cfg.chunk_bytes,
-        max_grants: c.cfg.max_grants as u64,
-        transport: if rdma {
-            proto::TRANSPORT_RDMA
-        } else {
-            proto::TRANSPORT_TCP
-        },
-    };
-    sock.write_all(&w.encode())
-        .map_err(|e| format!("sending WELCOME: {e}"))?;
-    #[cfg(feature = "rdma")]
-    let rdma = if rdma {
-        match rdma_handshake(c, &mut sock, &hello, poller) {
-            Ok(r) => Some(r),
-            Err((code, m)) => {
-                send_error(&mut sock, proto::CONNECTION, code, &m);
-                return Err(m);
-            }
-        }
-    } else {
-        None
-    };
-    let _ = sock.set_read_timeout(None);
-    log::info!(
-        "consumer {peer} (rank {} of {}) connected{}",
-        hello.rank,
-        hello.world,
-        if w.transport == proto::TRANSPORT_RDMA {
-            " over RDMA"
-        } else {
-            ""
-        }
-    );
-    Ok(Accepted {
-        sock,
-        peer,
-        hello,
-        #[cfg(feature = "rdma")]
-        rdma,
-    })
-}
-
-/// After WELCOME on an RDMA connection: reads the consumer's queue pair,
-/// creates and connects this end's (on the GID of the address the consumer
-/// reached, unless one is configured), and answers with it.
+/// After WELCOME on an RDMA connection, with the consumer's RDMA_ENDPOINT
+/// frame (`hb`, `body`) read by the acceptor: creates and connects this
+/// end's queue pair (on the GID of the address the consumer reached, unless
+/// one is configured), and answers with it (40 bytes into a socket that has
+/// sent only WELCOME: the send buffer takes them whole without blocking).
 #[cfg(feature = "rdma")]
 fn rdma_handshake(
     c: &Common,
     sock: &mut TcpStream,
-    hello: &Hello,
+    hb: &[u8; proto::HEADER_BYTES],
+    body: &[u8],
     poller: usize,
 ) -> Result<RdmaAccepted, (Code, String)> {
     use super::rdma::{Cq, Qp, RDMA_ERROR_BYTES};
+    use std::io::Write;
     let r = c.rdma.as_ref().expect("checked by the caller");
     let violation = |m: String| (Code::Violation, m);
     let failed = |e: Error| (Code::TransportFailed, format!("node RDMA setup: {e}"));
-    if hello.rkey == 0 && hello.ring_addr == 0 {
-        return Err(violation("RDMA HELLO without a registered ring".into()));
-    }
-    let mut hb = [0u8; proto::HEADER_BYTES];
-    sock.read_exact(&mut hb)
-        .map_err(|e| violation(format!("no RDMA_ENDPOINT: {e}")))?;
-    let h = Header::decode(&hb, 0).map_err(|e| violation(e.to_string()))?;
+    let h = Header::decode(hb, 0).map_err(|e| violation(e.to_string()))?;
     if h.kind != Kind::RdmaEndpoint {
         return Err(violation(format!(
             "expected RDMA_ENDPOINT, got {:?}",
             h.kind
         )));
     }
-    let mut body = [0u8; proto::RDMA_ENDPOINT_BYTES];
-    sock.read_exact(&mut body)
-        .map_err(|e| violation(format!("truncated RDMA_ENDPOINT: {e}")))?;
-    let theirs = proto::RdmaEndpoint::decode(&h, &body).map_err(|e| violation(e.to_string()))?;
+    let theirs = proto::RdmaEndpoint::decode(&h, body).map_err(|e| violation(e.to_string()))?;
     let max_wr = c.cfg.slots().clamp(16, 4096) as u32;
     let cq = Cq::with_channel(&r.ctx, max_wr as i32 + 16, &r.channels[poller]).map_err(failed)?;
     let mut qp = Qp::new(&r.pd, &cq, &cq, max_wr, (4 + RDMA_ERROR_BYTES) as u32).map_err(failed)?;
@@ -782,6 +806,16 @@ struct SConn {
     closing: bool,
     /// The last grant answered with ERROR: its later chunks are dropped.
     failed_grant: Option<u32>,
+    /// Staging slots it holds (reading, queued, posted or being sent).
+    held: u32,
+    /// Last time its link finished a frame (socket bytes taken, RDMA writes
+    /// completed) or became busy: a consumer whose sends make no progress
+    /// for `stall_timeout` is dropped.
+    last_drained: std::time::Instant,
+    /// Its counters (also in `Common::metrics` while it lives).
+    metrics: Arc<metrics::ConnMetrics>,
+    /// When it last sent a frame (idle timeout).
+    last_rx: std::time::Instant,
 }
 
 struct Slot {
@@ -799,6 +833,20 @@ struct Slot {
     src: *const u8,
     ready: bool,
     error: bool,
+    /// When its read was submitted (read-latency histogram).
+    issued: std::time::Instant,
+}
+
+/// Takes the free slot on top for connection `ci` (a function of the two
+/// fields, so callers may hold other borrows of the poller).
+fn take_slot(free_slots: &mut Vec<u32>, conns: &mut [Option<SConn>], ci: u32) {
+    free_slots.pop();
+    if let Some(c) = conns[ci as usize].as_mut() {
+        c.held += 1;
+        c.metrics
+            .staging_slots
+            .store(c.held as u64, Ordering::Relaxed);
+    }
 }
 
 struct ServePoller {
@@ -815,6 +863,17 @@ struct ServePoller {
     completions: Vec<Completion>,
     /// Round-robin start for reads, so one busy consumer cannot starve others.
     rr: usize,
+    /// Indices of the occupied `conns` entries (a reaped one leaves at the
+    /// next tick's start): every per-tick loop walks this, not every slot.
+    live: Vec<u32>,
+    /// Free `conns` indices.
+    free_ci: Vec<u32>,
+    /// Staging slots one connection may hold now (fair share).
+    quota: usize,
+    /// When the stalled-consumer check last ran.
+    last_stall_check: std::time::Instant,
+    /// This poller's number (its entry in `Common::load`).
+    index: usize,
     /// RDMA: this poller's completion channel, whether a poll of it is in
     /// the ring, and since when the poller has spun without a completion.
     #[cfg(feature = "rdma")]
@@ -831,8 +890,6 @@ impl ServePoller {
         staging: Staging,
         incoming: Receiver<Accepted>,
     ) -> Self {
-        #[cfg(not(feature = "rdma"))]
-        let _ = index; // picks the poller's RDMA completion channel
         let chunk = c.cfg.chunk_bytes as u64;
         let n = c.cfg.slots();
         // SAFETY: the staging slab lives in this struct, dropped after the
@@ -851,6 +908,7 @@ impl ServePoller {
                 src: std::ptr::null(),
                 ready: false,
                 error: false,
+                issued: std::time::Instant::now(),
             })
             .collect();
         let conns = (0..c.cfg.max_conns_per_poller).map(|_| None).collect();
@@ -865,6 +923,11 @@ impl ServePoller {
             conns,
             completions: vec![Completion::default(); 1024],
             rr: 0,
+            live: Vec::with_capacity(c.cfg.max_conns_per_poller),
+            free_ci: (0..c.cfg.max_conns_per_poller as u32).rev().collect(),
+            quota: n,
+            last_stall_check: std::time::Instant::now(),
+            index,
             #[cfg(feature = "rdma")]
             channel: c.rdma.as_ref().map(|r| r.channels[index].clone()),
             chan_inflight: false,
@@ -894,14 +957,23 @@ impl ServePoller {
 
     fn run(mut self) {
         loop {
+            // Drop the reaped from the dense list before anyone is adopted
+            // (a reaped index may be reused right after).
+            let conns = &self.conns;
+            self.live.retain(|&ci| conns[ci as usize].is_some());
             let stopping = self.c.stop.load(Ordering::Acquire);
             if stopping {
-                for ci in 0..self.conns.len() {
+                for k in 0..self.live.len() {
+                    let ci = self.live[k] as usize;
                     if self.conns[ci].as_ref().is_some_and(|c| !c.closing) {
                         self.close(ci as u32, None);
                     }
                 }
-                if self.conns.iter().all(Option::is_none) {
+                if self
+                    .live
+                    .iter()
+                    .all(|&ci| self.conns[ci as usize].is_none())
+                {
                     break;
                 }
             } else {
@@ -910,6 +982,7 @@ impl ServePoller {
                 }
             }
             self.post_recvs();
+            self.drop_stalled();
             self.issue_reads();
             // Start the reads before posting sends: posting RDMA writes can
             // take a while (soft-RoCE does the whole transfer inside the
@@ -940,17 +1013,19 @@ impl ServePoller {
     }
 
     fn adopt(&mut self, acc: Accepted) {
-        let Some(ci) = self.conns.iter().position(Option::is_none) else {
+        let Some(ci) = self.free_ci.pop().map(|i| i as usize) else {
+            // Not reached: the acceptor reserved a place on this poller at
+            // HELLO (`Common::load`); kept as a refusal, not a panic.
+            self.c.load[self.index].fetch_sub(1, Ordering::Relaxed);
             #[cfg(feature = "rdma")]
             if acc.rdma.is_some() {
                 self.c.stats.rdma_qps.fetch_sub(1, Ordering::Relaxed);
             }
-            let mut sock = acc.sock;
             send_error(
-                &mut sock,
+                &acc.sock,
                 proto::CONNECTION,
-                Code::ShuttingDown,
-                "this node serves as many consumers as it was configured for",
+                Code::NodeFull,
+                "this poller serves as many consumers as it was configured for",
             );
             return;
         };
@@ -973,6 +1048,14 @@ impl ServePoller {
             ))),
             None => link,
         };
+        let m = Arc::new(metrics::ConnMetrics::new(
+            acc.peer.to_string(),
+            acc.hello.rank,
+            acc.hello.world,
+            if link.is_rdma() { "rdma" } else { "tcp" },
+        ));
+        self.c.metrics.add(m.clone());
+        self.live.push(ci as u32);
         self.conns[ci] = Some(SConn {
             sock: acc.sock,
             peer: acc.peer,
@@ -987,11 +1070,16 @@ impl ServePoller {
             ops: 0,
             closing: false,
             failed_grant: None,
+            held: 0,
+            last_drained: std::time::Instant::now(),
+            metrics: m,
+            last_rx: std::time::Instant::now(),
         });
     }
 
     fn post_recvs(&mut self) {
-        for ci in 0..self.conns.len() {
+        for k in 0..self.live.len() {
+            let ci = self.live[k] as usize;
             let Some(c) = self.conns[ci].as_mut() else {
                 continue;
             };
@@ -1013,12 +1101,25 @@ impl ServePoller {
     }
 
     fn issue_reads(&mut self) {
-        let n = self.conns.len();
+        // Fair shares among the connections with work (grants queued or
+        // slots held), rounded up; and never more than 3/4 of the slots, so
+        // a consumer that arrives while another has stopped reading still
+        // finds some (slots held in a send cannot be taken back).
+        let busy = self
+            .live
+            .iter()
+            .filter_map(|&ci| self.conns[ci as usize].as_ref())
+            .filter(|c| !c.closing && (c.held > 0 || !c.grants.is_empty()))
+            .count()
+            .max(1);
+        let n = self.slots.len();
+        self.quota = n.div_ceil(busy).min(n - n / 4).max(1);
+        let n = self.live.len();
         let mut idle_rounds = 0;
         while !self.free_slots.is_empty() && idle_rounds < n {
-            let ci = self.rr % n;
+            let ci = self.live[self.rr % n];
             self.rr = self.rr.wrapping_add(1);
-            let progressed = self.issue_one(ci as u32);
+            let progressed = self.issue_one(ci);
             idle_rounds = if progressed { 0 } else { idle_rounds + 1 };
         }
     }
@@ -1028,7 +1129,10 @@ impl ServePoller {
         let Some(c) = self.conns[ci as usize].as_mut() else {
             return false;
         };
-        if c.closing || c.sendq.len() > self.slots.len() / 2 {
+        // Its share of staging: a consumer that does not drain keeps at
+        // most this many slots (read, queued or being sent), the rest stay
+        // with the others.
+        if c.closing || c.held as usize >= self.quota {
             return false;
         }
         let Some(w) = c.grants.front().copied() else {
@@ -1049,7 +1153,7 @@ impl ServePoller {
         let Some(loc) = loc else {
             // Not held here: an ERROR frame for this grant.
             c.grants.pop_front();
-            self.free_slots.pop();
+            take_slot(&mut self.free_slots, &mut self.conns, ci);
             let msg = format!(
                 "node {} does not hold sample {}",
                 space.params().node_index,
@@ -1071,7 +1175,7 @@ impl ServePoller {
             let bytes = map.as_slice();
             let at = (loc.offset + off) as usize;
             if at + payload as usize > bytes.len() {
-                self.free_slots.pop();
+                take_slot(&mut self.free_slots, &mut self.conns, ci);
                 let msg = format!(
                     "node {}: extent {} is shorter than its manifest says (sample {})",
                     space.params().node_index,
@@ -1088,7 +1192,7 @@ impl ServePoller {
                     .push_back(slot);
                 return true;
             }
-            self.free_slots.pop();
+            take_slot(&mut self.free_slots, &mut self.conns, ci);
             self.queue_chunk(ci, slot, &e, off, payload, Some(bytes[at..].as_ptr()));
             return true;
         }
@@ -1105,10 +1209,67 @@ impl ServePoller {
         if !unsafe { self.ring.push(&op) } {
             return false;
         }
-        self.free_slots.pop();
+        self.slots[slot as usize].issued = std::time::Instant::now();
+        take_slot(&mut self.free_slots, &mut self.conns, ci);
         self.conns[ci as usize].as_mut().expect("live").ops += 1;
         self.queue_chunk(ci, slot, &e, off, payload, None);
         true
+    }
+
+    /// Drops the consumers whose link finished nothing for `stall_timeout`
+    /// while a send was in flight (over TCP a socket that takes no bytes;
+    /// over RDMA writes that do not complete, e.g. a stopped consumer that
+    /// reposts no receives for its WRITE_WITH_IMMs): their staging slots go
+    /// back to the others. Until then their fair share bounds what they
+    /// hold.
+    fn drop_stalled(&mut self) {
+        let now = std::time::Instant::now();
+        if now.duration_since(self.last_stall_check) < Duration::from_millis(100) {
+            return;
+        }
+        self.last_stall_check = now;
+        let limit = self.c.cfg.stall_timeout;
+        for k in 0..self.live.len() {
+            let ci = self.live[k] as usize;
+            let Some(c) = self.conns[ci].as_ref() else {
+                continue;
+            };
+            if c.closing {
+                continue;
+            }
+            let idle = self.c.cfg.idle_timeout;
+            if !c.link.busy() {
+                if c.grants.is_empty() && c.held == 0 && now.duration_since(c.last_rx) > idle {
+                    let m = format!(
+                        "idle: no frame for {} ms with nothing to send (--idle-timeout-ms)",
+                        idle.as_millis()
+                    );
+                    self.close(ci as u32, Some((Code::ShuttingDown, m)));
+                }
+                continue;
+            }
+            if now.duration_since(c.last_drained) > limit {
+                let m = format!(
+                    "took no data for {} ms with {} staging slots held (--stall-timeout-ms)",
+                    limit.as_millis(),
+                    c.held
+                );
+                self.c.stats.stalled.fetch_add(1, Ordering::Relaxed);
+                self.close(ci as u32, Some((Code::Violation, m)));
+            }
+        }
+    }
+
+    /// Gives a slot back (its connection holds one less).
+    fn free_slot(&mut self, slot: u32) {
+        let ci = self.slots[slot as usize].conn as usize;
+        if let Some(c) = self.conns[ci].as_mut() {
+            c.held = c.held.saturating_sub(1);
+            c.metrics
+                .staging_slots
+                .store(c.held as u64, Ordering::Relaxed);
+        }
+        self.free_slots.push(slot);
     }
 
     /// Describes chunk `off..off+payload` of grant `e` in `slot` (sent from
@@ -1152,14 +1313,19 @@ impl ServePoller {
         s.error = true;
         s.ready = true;
         s.src = std::ptr::null();
+        let ci = s.conn as usize;
         self.c.stats.errors.fetch_add(1, Ordering::Relaxed);
+        if let Some(c) = self.conns[ci].as_ref() {
+            c.metrics.errors.fetch_add(1, Ordering::Relaxed);
+        }
     }
 
     /// Per connection: posts the ready frames at the front of its queue, in
     /// order, to its link, then flushes the link (one `sendmsg` for many).
     fn issue_sends(&mut self) {
         let base = self.staging.buf.as_slice().as_ptr();
-        for ci in 0..self.conns.len() {
+        for k in 0..self.live.len() {
+            let ci = self.live[k] as usize;
             let Some(c) = self.conns[ci].as_mut() else {
                 continue;
             };
@@ -1171,9 +1337,13 @@ impl ServePoller {
                 if !s.ready {
                     break;
                 }
-                if !s.error && c.failed_grant == Some(s.grant) {
-                    // A later chunk of a grant already answered with ERROR.
+                if c.failed_grant == Some(s.grant) {
+                    // A later chunk of a grant already answered with ERROR:
+                    // its data, or its own read error, is not sent (one
+                    // ERROR per grant; a second would be a protocol
+                    // violation for the consumer).
                     c.sendq.pop_front();
+                    c.held -= 1;
                     self.free_slots.push(slot);
                     continue;
                 }
@@ -1210,9 +1380,12 @@ impl ServePoller {
                 }
                 return; // submission queue full: next tick
             }
-            // A TCP link's sendmsg in flight is an op of the ring.
-            if !c.link.is_rdma() && !was_busy && c.link.busy() {
-                c.ops += 1;
+            if !was_busy && c.link.busy() {
+                c.last_drained = std::time::Instant::now();
+                // A TCP link's sendmsg in flight is an op of the ring.
+                if !c.link.is_rdma() {
+                    c.ops += 1;
+                }
             }
         }
     }
@@ -1228,19 +1401,22 @@ impl ServePoller {
             if n == 0 {
                 return;
             }
+            let (mut bytes, mut samples) = (0, 0);
             for d in &done[..n] {
                 let s = &self.slots[d.wr_id as usize];
                 if d.ok && !s.error {
-                    self.c
-                        .stats
-                        .bytes
-                        .fetch_add(s.payload as u64, Ordering::Relaxed);
-                    if s.last {
-                        self.c.stats.samples.fetch_add(1, Ordering::Relaxed);
-                    }
+                    bytes += s.payload as u64;
+                    samples += s.last as u64;
                 }
-                self.free_slots.push(d.wr_id as u32);
+                self.free_slot(d.wr_id as u32);
             }
+            let c = self.conns[ci as usize].as_mut().expect("live");
+            c.last_drained = std::time::Instant::now();
+            let st = &self.c.stats;
+            st.bytes.fetch_add(bytes, Ordering::Relaxed);
+            st.samples.fetch_add(samples, Ordering::Relaxed);
+            c.metrics.bytes.fetch_add(bytes, Ordering::Relaxed);
+            c.metrics.samples.fetch_add(samples, Ordering::Relaxed);
         }
     }
 
@@ -1266,7 +1442,8 @@ impl ServePoller {
         let Some(fd) = self.channel_fd() else {
             return true;
         };
-        for ci in 0..self.conns.len() {
+        for k in 0..self.live.len() {
+            let ci = self.live[k] as usize;
             let Some(c) = self.conns[ci].as_ref() else {
                 continue;
             };
@@ -1293,7 +1470,8 @@ impl ServePoller {
     /// True while any has writes in flight.
     fn reap_rdma(&mut self) -> bool {
         let mut busy = false;
-        for ci in 0..self.conns.len() {
+        for k in 0..self.live.len() {
+            let ci = self.live[k] as usize;
             let Some(c) = self.conns[ci].as_ref() else {
                 continue;
             };
@@ -1343,6 +1521,9 @@ impl ServePoller {
                 if let ConnLink::Tcp(l) = &mut c.link {
                     l.on_send(comp.result);
                 }
+                if comp.result > 0 {
+                    c.last_drained = std::time::Instant::now();
+                }
                 if comp.result <= 0 && !c.closing {
                     log::debug!("{}: send failed: {}", c.peer, errno_name(-comp.result));
                     self.close(ci, None);
@@ -1373,6 +1554,7 @@ impl ServePoller {
             self.close(ci, None);
             return;
         }
+        c.last_rx = std::time::Instant::now();
         match c.rx {
             Rx::Header => match Header::decode(&c.hdr, 0) {
                 Ok(h) if h.kind == Kind::Grant => c.rx = Rx::Body(h),
@@ -1386,6 +1568,7 @@ impl ServePoller {
             Rx::Body(h) => {
                 c.rx = Rx::Header;
                 let n = h.a as usize;
+                c.metrics.grants.fetch_add(n as u64, Ordering::Relaxed);
                 log::debug!(
                     "{}: GRANT with {n} entries ({} queued)",
                     c.peer,
@@ -1445,6 +1628,7 @@ impl ServePoller {
             return;
         }
         let s = &self.slots[slot as usize];
+        self.c.metrics.read_latency[self.index].record(s.issued.elapsed());
         if res < 0 || (res as u32) < s.payload {
             let (ring_offset, grant) = (s.offset, s.grant);
             let msg = if res < 0 {
@@ -1474,7 +1658,7 @@ impl ServePoller {
         if let Some(i) = c.sendq.iter().position(|&s| s == slot) {
             c.sendq.remove(i);
         }
-        self.free_slots.push(slot);
+        self.free_slot(slot);
     }
 
     /// Closes a connection: optionally tells the peer why, shuts the socket
@@ -1490,7 +1674,7 @@ impl ServePoller {
             // Only between frames: a send in flight would interleave (an
             // RDMA connection's socket carries no frames from here).
             if c.link.is_rdma() || !c.link.busy() {
-                send_error(&mut c.sock, proto::CONNECTION, code, &msg);
+                send_error(&c.sock, proto::CONNECTION, code, &msg);
             }
         }
         c.closing = true;
@@ -1508,6 +1692,7 @@ impl ServePoller {
             if !s.ready {
                 c.sendq.push_back(slot);
             } else {
+                c.held -= 1;
                 self.free_slots.push(slot);
             }
         }
@@ -1522,6 +1707,17 @@ impl ServePoller {
             .is_some_and(|c| c.closing && c.ops == 0 && !c.link.busy())
         {
             let c = self.conns[ci as usize].take().expect("live");
+            // Out of `live` at the next tick's start; free for reuse then.
+            self.free_ci.push(ci);
+            self.c.load[self.index].fetch_sub(1, Ordering::Relaxed);
+            self.c.metrics.remove(&c.metrics);
+            log::info!(
+                "consumer {} (rank {} of {}) disconnected: {}",
+                c.peer,
+                c.hello.rank,
+                c.hello.world,
+                c.metrics.totals()
+            );
             for &slot in &c.sendq {
                 self.free_slots.push(slot);
             }
