@@ -317,9 +317,18 @@ impl NodeService {
             )));
         }
         let mut extents = Vec::new();
+        let mut warned = false;
         for i in 0..space.extent_lens().len() as u32 {
             let path = space.extent_path(i);
-            let (f, _) = crate::sys::open_direct(&path).map_err(|e| Error::io("open", &path, e))?;
+            let (f, direct) =
+                crate::sys::open_direct(&path).map_err(|e| Error::io("open", &path, e))?;
+            if !direct && !cfg.page_cache && !std::mem::replace(&mut warned, true) {
+                // Not silent: every read then goes through the page cache.
+                log::warn!(
+                    "{}: the file system refuses O_DIRECT; the node service reads through the page cache",
+                    path.display()
+                );
+            }
             extents.push(f);
         }
         let mut maps = Vec::new();
@@ -894,9 +903,20 @@ impl ServePoller {
         let n = c.cfg.slots();
         // SAFETY: the staging slab lives in this struct, dropped after the
         // ring is done with it (run() drains every op before returning).
-        let fixed_staging =
-            unsafe { ring.register_buffers(&[(staging.buf.as_mut_ptr(), staging.buf.len())]) }
-                .is_ok();
+        let fixed_staging = match unsafe {
+            ring.register_buffers(&[(staging.buf.as_mut_ptr(), staging.buf.len())])
+        } {
+            Ok(()) => true,
+            Err(e) => {
+                // Not silent: reads then pin their pages one by one.
+                log::warn!(
+                    "node service poller {index}: staging cannot be registered with io_uring \
+                         ({e}); reading without fixed buffers (raise RLIMIT_MEMLOCK: each poller \
+                         pins --staging-bytes)"
+                );
+                false
+            }
+        };
         let slots = (0..n)
             .map(|_| Slot {
                 conn: 0,
