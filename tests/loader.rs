@@ -1054,15 +1054,7 @@ fn fork_after_build_keeps_the_ring_out_of_the_child() {
     );
 
     // The parent goes on exactly: the rest of epoch 0, then two more.
-    let sampler = Sampler::new(SamplerConfig {
-        len: cat.len(),
-        seed: 5,
-        shuffle: true,
-        rank: 0,
-        world: 1,
-        drop_last: false,
-    })
-    .unwrap();
+    let sampler = Sampler::new(SamplerConfig::single(cat.len(), 5)).unwrap();
     let mut k = 16u64;
     while let Some(b) = l.next_batch().unwrap() {
         for smp in b.iter() {
@@ -1300,15 +1292,7 @@ fn kept_batches_stay_put_until_released_in_order() {
         .seed(5)
         .build()
         .unwrap();
-    let sampler = Sampler::new(SamplerConfig {
-        len: cat.len(),
-        seed: 5,
-        shuffle: true,
-        rank: 0,
-        world: 1,
-        drop_last: false,
-    })
-    .unwrap();
+    let sampler = Sampler::new(SamplerConfig::single(cat.len(), 5)).unwrap();
     // (id, address, len) of every sample of the batches out, oldest first.
     type Out = Vec<(u64, usize, usize)>;
     let check = |out: &std::collections::VecDeque<Out>| {
