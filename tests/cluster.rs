@@ -1244,9 +1244,19 @@ fn metrics_endpoint_counts_a_consumer_and_sigusr1_logs_statistics() {
     // While the consumer reads: its series is there.
     l.set_epoch(0).unwrap();
     let b = l.next_batch().unwrap().unwrap();
-    let (status, text) = http_get(&maddr, "/metrics");
-    assert!(status.contains("200"), "{status}");
     let me = "kspeed_consumer_bytes_total{peer=\"";
+    // The node counts a send when it reaps its completion, which can come
+    // after the consumer has the bytes (under load, a while after): wait
+    // for the count, with a deadline, rather than read it once.
+    let t0 = Instant::now();
+    let (status, text) = loop {
+        let (status, text) = http_get(&maddr, "/metrics");
+        if metric(&text, me).unwrap_or(0.0) > 0.0 || t0.elapsed() > Duration::from_secs(20) {
+            break (status, text);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.contains("200"), "{status}");
     assert!(metric(&text, me).unwrap_or(0.0) > 0.0, "{text}");
     assert!(text.contains("rank=\"0\""), "{text}");
     assert!(text.contains("kspeed_consumer_staging_slots{"), "{text}");
@@ -1258,12 +1268,25 @@ fn metrics_endpoint_counts_a_consumer_and_sigusr1_logs_statistics() {
     // least every byte of it, the node's total being this consumer's. (The
     // node counts a write when it reaps its completion, which over RDMA can
     // come after the consumer has the bytes: wait for it.)
+    // The loader also grants ahead into the next epoch, so the node may
+    // still be sending: wait until a scrape shows every byte and agrees
+    // with itself (per-consumer and node totals are separate counters).
     let t0 = Instant::now();
     let text = loop {
         let (_, text) = http_get(&maddr, "/metrics");
-        if metric(&text, me).unwrap_or(0.0) >= total as f64
-            || t0.elapsed() > Duration::from_secs(20)
-        {
+        let bytes = metric(&text, me).unwrap_or(0.0);
+        let settled = bytes >= total as f64
+            && Some(bytes) == metric(&text, "kspeed_serve_bytes_total ")
+            && metric(&text, "kspeed_consumer_samples_total{")
+                == metric(&text, "kspeed_serve_samples_total ")
+            && metric(
+                &text,
+                "kspeed_serve_read_latency_seconds_count{poller=\"0\"}",
+            ) == metric(
+                &text,
+                "kspeed_serve_read_latency_seconds_bucket{le=\"+Inf\",poller=\"0\"}",
+            );
+        if settled || t0.elapsed() > Duration::from_secs(20) {
             break text;
         }
         std::thread::sleep(Duration::from_millis(50));
