@@ -989,10 +989,9 @@ fn fork_after_build_keeps_the_ring_out_of_the_child() {
         .unwrap();
     let space = Space::open(&sp).unwrap();
     let cat = space.catalog();
-    // Mid-epoch, pollers busy: hold a batch across the fork.
+    // Mid-epoch, pollers busy: hold a batch across the forks.
     let b = l.next_batch().unwrap().unwrap();
     let ring_addr = b.spans().0.as_ptr() as usize;
-    drop(b);
     let maps_of = |pid: i32| std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
     let holds = |maps: &str, addr: usize| {
         maps.lines().any(|line| {
@@ -1053,8 +1052,14 @@ fn fork_after_build_keeps_the_ring_out_of_the_child() {
         "child status {status}"
     );
 
-    // The parent goes on exactly: the rest of epoch 0, then two more.
+    // The batch held across the forks is intact, and the parent goes on
+    // exactly: the rest of epoch 0, then two more.
     let sampler = Sampler::new(SamplerConfig::single(cat.len(), 5)).unwrap();
+    for (k, smp) in b.iter().enumerate() {
+        assert_eq!(smp.id, sampler.sample(0, k as u64));
+        assert_eq!(crc32c::crc32c(smp.bytes), cat.sample(smp.id).crc32c);
+    }
+    drop(b);
     let mut k = 16u64;
     while let Some(b) = l.next_batch().unwrap() {
         for smp in b.iter() {

@@ -1566,6 +1566,12 @@ impl NetThread {
             s.id,
             c.last_error
         );
+        self.fail_over(i, idx);
+    }
+
+    /// Grant `idx` failed on connection `i`: it goes back in line for its
+    /// next holder (or the source), and the node's failure is counted.
+    fn fail_over(&mut self, i: usize, idx: usize) {
         self.net().failovers.fetch_add(1, Ordering::Relaxed);
         let t = &mut self.table[idx];
         t.node = NONE;
@@ -1592,12 +1598,7 @@ impl NetThread {
                     s.id
                 );
                 log::warn!("node {} ({}): {}", c.node, c.addr, c.last_error);
-                self.net().failovers.fetch_add(1, Ordering::Relaxed);
-                let t = &mut self.table[idx];
-                t.node = NONE;
-                t.received = 0;
-                self.regrant.push_back(idx);
-                self.grant_failed(i);
+                self.fail_over(i, idx);
                 return;
             }
         }
