@@ -1,0 +1,812 @@
+//! [`LoaderBuilder`]: the loader's options, their defaults and limits, and
+//! the build-time checks (the ring holds a whole batch, counts in range).
+
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::schedule::Geometry;
+use super::stats::{Counters, Totals};
+use super::tier::Tier;
+use super::{net, schedule, Input, Loader, PollerConfig, Spare};
+use crate::dataset::{Catalog, SourceSpec, Space};
+use crate::error::{Error, Result};
+use crate::landing::{LandingOptions, LandingRing};
+use crate::ring::{FaultConfig, Faulty, IoBackend, Uring, UringOptions};
+use crate::sampler::{Position, Sampler, SamplerConfig};
+
+/// Most poller threads per loader.
+pub const MAX_POLLERS: u64 = 1024;
+/// Largest `queue_depth`: io_uring rings hold at most 32768 entries and a
+/// poller's ring has two per read.
+pub const MAX_QUEUE_DEPTH: u64 = 16384;
+/// Largest `batch_size`.
+pub const MAX_BATCH_SIZE: u64 = 1 << 20;
+
+/// Builds a [`Loader`].
+#[derive(Debug, Clone)]
+pub struct LoaderBuilder {
+    space: Option<PathBuf>,
+    source: Option<String>,
+    catalog: Option<PathBuf>,
+    batch_size: usize,
+    seed: u64,
+    shuffle: bool,
+    rank: u32,
+    world: u32,
+    drop_last: bool,
+    landing: LandingOptions,
+    pollers: usize,
+    queue_depth: u32,
+    submit_batch: u32,
+    max_read_bytes: u64,
+    lookahead: u64,
+    spin: Duration,
+    sqpoll_idle_ms: Option<u32>,
+    pin: bool,
+    registered_buffers: bool,
+    registered_files: bool,
+    verify_crc32c: bool,
+    tier_bytes: u64,
+    gpu_ring: Option<u32>,
+    faults: Option<FaultConfig>,
+    start: Option<Position>,
+    cluster: Option<crate::transport::Cluster>,
+    token: Vec<u8>,
+    node_timeout: Duration,
+    rdma: Option<crate::transport::RdmaOptions>,
+    local_node: Option<Option<u32>>,
+}
+
+/// Default poller count: a quarter of the cores (at least 1, at most 8),
+/// leaving the rest to the trainer's own preprocessing.
+pub fn default_pollers() -> usize {
+    let cores = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
+    (cores / 4).clamp(1, 8)
+}
+
+/// Default submission batch: a poller submits its queued reads every 8. On
+/// this project's 2-core VM, with 4.5 KiB samples at queue depth 32, a
+/// whole-queue batch (32) made the device complete all 32 together every
+/// time and sit idle while the poller turned them around: 0.84x fio's IOPS.
+/// Batches of 8 keep reads arriving while others complete: 0.97x, for 2 %
+/// more CPU (BENCHMARKS.md, "Small samples").
+pub const DEFAULT_SUBMIT_BATCH: u32 = 8;
+
+/// Default busy-poll time: none on machines with 4 cores or fewer, where a
+/// spinning consumer or poller takes the core the other one needs (measured
+/// on 2 cores: tiny samples, 59K/s at 20 µs against 68K/s at 0, and 40 %
+/// less CPU per GB); 20 µs with more cores, to cut wake-up latency.
+pub fn default_spin() -> Duration {
+    let cores = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
+    if cores <= 4 {
+        Duration::ZERO
+    } else {
+        Duration::from_micros(20)
+    }
+}
+
+impl LoaderBuilder {
+    fn new() -> Self {
+        LoaderBuilder {
+            space: None,
+            source: None,
+            catalog: None,
+            batch_size: 64,
+            seed: 0,
+            shuffle: true,
+            rank: 0,
+            world: 1,
+            drop_last: false,
+            landing: LandingOptions::default(),
+            pollers: default_pollers(),
+            queue_depth: 32,
+            submit_batch: DEFAULT_SUBMIT_BATCH,
+            max_read_bytes: 4 << 20,
+            lookahead: u64::MAX,
+            spin: default_spin(),
+            sqpoll_idle_ms: None,
+            pin: true,
+            registered_buffers: true,
+            registered_files: true,
+            verify_crc32c: false,
+            tier_bytes: 0,
+            gpu_ring: None,
+            faults: None,
+            start: None,
+            cluster: None,
+            token: Vec::new(),
+            node_timeout: Duration::from_secs(10),
+            rdma: None,
+            local_node: None,
+        }
+    }
+
+    /// A builder with no input yet: give one with [`LoaderBuilder::set_space`]
+    /// or [`LoaderBuilder::set_source`] (for bindings that set options one
+    /// by one, like the C ABI).
+    pub fn empty() -> Self {
+        Self::new()
+    }
+
+    /// Reads this space (replacing any input set before).
+    pub fn set_space(mut self, dir: impl AsRef<Path>) -> Self {
+        self.space = Some(dir.as_ref().to_path_buf());
+        self.source = None;
+        self
+    }
+
+    /// Reads this source directly (replacing any input set before).
+    pub fn set_source(mut self, spec: &str) -> Self {
+        self.source = Some(spec.to_string());
+        self.space = None;
+        self
+    }
+
+    /// The rank and world size set so far.
+    pub fn rank_world(&self) -> (u32, u32) {
+        (self.rank, self.world)
+    }
+
+    /// The landing ring options set so far (to change one of them).
+    pub fn landing_options(&self) -> &LandingOptions {
+        &self.landing
+    }
+
+    /// Reads a preloaded space (the fast path).
+    pub fn space(dir: impl AsRef<Path>) -> Self {
+        LoaderBuilder {
+            space: Some(dir.as_ref().to_path_buf()),
+            ..Self::new()
+        }
+    }
+
+    /// Reads a source directly (no preload), with a catalog built by
+    /// `kspeed catalog` ([`LoaderBuilder::catalog`]) or built now into a
+    /// temporary file.
+    pub fn source(spec: &str) -> Self {
+        LoaderBuilder {
+            source: Some(spec.to_string()),
+            ..Self::new()
+        }
+    }
+
+    /// The catalog to use with [`LoaderBuilder::source`].
+    pub fn catalog(mut self, path: impl AsRef<Path>) -> Self {
+        self.catalog = Some(path.as_ref().to_path_buf());
+        self
+    }
+
+    /// Samples per batch (default 64).
+    pub fn batch_size(mut self, n: usize) -> Self {
+        self.batch_size = n;
+        self
+    }
+
+    /// Shuffle seed, the same on every rank (default 0).
+    pub fn seed(mut self, seed: u64) -> Self {
+        self.seed = seed;
+        self
+    }
+
+    /// Shuffle every epoch (default true).
+    pub fn shuffle(mut self, on: bool) -> Self {
+        self.shuffle = on;
+        self
+    }
+
+    /// This rank and the world size (default 0 of 1).
+    pub fn rank(mut self, rank: u32, world: u32) -> Self {
+        self.rank = rank;
+        self.world = world;
+        self
+    }
+
+    /// Drop the tail instead of padding (DistributedSampler semantics).
+    pub fn drop_last(mut self, on: bool) -> Self {
+        self.drop_last = on;
+        self
+    }
+
+    /// Landing ring size (default 256 MiB).
+    pub fn ring_bytes(mut self, bytes: u64) -> Self {
+        self.landing.ring_bytes = bytes;
+        self
+    }
+
+    /// All landing ring options (huge pages, mlock, NUMA, CUDA).
+    pub fn landing(mut self, opts: LandingOptions) -> Self {
+        self.landing = opts;
+        self
+    }
+
+    /// Poller threads (default [`default_pollers`]).
+    pub fn pollers(mut self, n: usize) -> Self {
+        self.pollers = n;
+        self
+    }
+
+    /// Reads in flight per poller (default 32).
+    pub fn queue_depth(mut self, n: u32) -> Self {
+        self.queue_depth = n;
+        self
+    }
+
+    /// Most reads a poller queues before it submits them (one
+    /// `io_uring_enter` per batch; default [`DEFAULT_SUBMIT_BATCH`]). Small
+    /// batches put the first reads on the device sooner after a burst of
+    /// completions; large ones cost fewer system calls.
+    pub fn submit_batch(mut self, n: u32) -> Self {
+        self.submit_batch = n;
+        self
+    }
+
+    /// Largest single read (default 4 MiB): bigger samples are read in
+    /// parts, so large samples keep the queue busy too.
+    pub fn max_read_bytes(mut self, bytes: u64) -> Self {
+        self.max_read_bytes = bytes.max(4096);
+        self
+    }
+
+    /// At most this many samples read ahead of the consumer's released
+    /// mark (default: as many as the ring holds). Never less than one batch,
+    /// which must be complete before it is handed out.
+    pub fn lookahead(mut self, samples: u64) -> Self {
+        self.lookahead = samples.max(1);
+        self
+    }
+
+    /// How long pollers and the consumer busy-poll before parking (default
+    /// [`default_spin`]).
+    pub fn spin(mut self, d: Duration) -> Self {
+        self.spin = d;
+        self
+    }
+
+    /// Use an SQPOLL kernel thread per poller, idling after `idle_ms`.
+    pub fn sqpoll(mut self, idle_ms: Option<u32>) -> Self {
+        self.sqpoll_idle_ms = idle_ms;
+        self
+    }
+
+    /// Pin pollers to cores (default true).
+    pub fn pin(mut self, on: bool) -> Self {
+        self.pin = on;
+        self
+    }
+
+    /// Register the ring with io_uring as fixed buffers (default true).
+    pub fn registered_buffers(mut self, on: bool) -> Self {
+        self.registered_buffers = on;
+        self
+    }
+
+    /// Register the extent files with io_uring (default true).
+    pub fn registered_files(mut self, on: bool) -> Self {
+        self.registered_files = on;
+        self
+    }
+
+    /// Check every sample's CRC32C as it is read (costs one pass over the bytes).
+    pub fn verify_crc32c(mut self, on: bool) -> Self {
+        self.verify_crc32c = on;
+        self
+    }
+
+    /// Memory tier budget in bytes (default 0: no tier).
+    pub fn tier_bytes(mut self, bytes: u64) -> Self {
+        self.tier_bytes = bytes;
+        self
+    }
+
+    /// Put the landing ring in the memory of GPU `ordinal` (CUDA driver,
+    /// loaded at run time) instead of host memory: the owners' RDMA writes
+    /// land in the GPU (GPUDirect RDMA; the ring is registered as a dma-buf,
+    /// or, where the NIC's driver lacks that, through a peer-memory module
+    /// such as nvidia-peermem). Needs cluster mode over RDMA with a source
+    /// (nothing read locally: the pollers cannot read into GPU memory), no
+    /// memory tier and no `verify_crc32c` (the CPU cannot read the ring).
+    /// Batches are then read with [`Loader::acquire_batch`] and
+    /// [`Loader::held_device_sample`] / [`Loader::held_device_spans`].
+    pub fn gpu_ring(mut self, ordinal: Option<u32>) -> Self {
+        self.gpu_ring = ordinal;
+        self
+    }
+
+    /// Inject seeded I/O faults (for tests of the error paths).
+    pub fn fault_injection(mut self, cfg: FaultConfig) -> Self {
+        self.faults = Some(cfg);
+        self
+    }
+
+    /// Cluster mode: samples the local space holds are read locally, the
+    /// others are pushed by their owners' node services (`kspeed serve`)
+    /// listed in `cluster`. With [`LoaderBuilder::space`] the space may be
+    /// this node's partition; with [`LoaderBuilder::source`] nothing is
+    /// local and the source is the last resort when no holder can serve a
+    /// sample.
+    pub fn cluster(mut self, cluster: crate::transport::Cluster) -> Self {
+        self.cluster = Some(cluster);
+        self
+    }
+
+    /// The job token the node services expect (cluster mode).
+    pub fn token(mut self, token: &[u8]) -> Self {
+        self.token = token.to_vec();
+        self
+    }
+
+    /// How long a node may stay silent with grants outstanding before its
+    /// grants fail over (default 10 s).
+    pub fn node_timeout(mut self, d: Duration) -> Self {
+        self.node_timeout = d;
+        self
+    }
+
+    /// Cluster mode: receive remote samples as RDMA writes into the landing
+    /// ring (registered for remote write, exactly its range) through this
+    /// device, instead of DATA frames on TCP (`None`, the default). Every
+    /// node service must offer RDMA (`kspeed serve --rdma`); needs a build
+    /// with the `rdma` feature.
+    pub fn rdma(mut self, opts: Option<crate::transport::RdmaOptions>) -> Self {
+        self.rdma = opts;
+        self
+    }
+
+    /// The RDMA settings ([`LoaderBuilder::rdma`]), if RDMA is on.
+    pub fn rdma_options(&self) -> Option<&crate::transport::RdmaOptions> {
+        self.rdma.as_ref()
+    }
+
+    /// The cluster node this process runs on (default: the local space's
+    /// node index; none with a source). Its samples are never requested over
+    /// the network.
+    pub fn local_node(mut self, node: Option<u32>) -> Self {
+        self.local_node = Some(node);
+        self
+    }
+
+    /// Start at a saved position instead of (epoch 0, step 0).
+    pub fn start_at(mut self, pos: Position) -> Self {
+        self.start = Some(pos);
+        self
+    }
+
+    /// Opens the input, maps the ring, starts the pollers.
+    pub fn build(self) -> Result<Loader> {
+        // Every extent stays open (registered with io_uring): lift the
+        // open-files soft limit to the hard one first, as servers do.
+        crate::sys::raise_open_files_limit();
+        // Ranges are checked here, before anything touches the kernel, so
+        // the message names the setting instead of an errno from io_uring.
+        for (what, n, max, why) in [
+            ("pollers", self.pollers as u64, MAX_POLLERS, "threads"),
+            (
+                "queue_depth",
+                self.queue_depth as u64,
+                MAX_QUEUE_DEPTH,
+                "io_uring holds at most 32768 entries, two per read",
+            ),
+            (
+                "submit_batch",
+                self.submit_batch as u64,
+                MAX_QUEUE_DEPTH,
+                "reads queued before a submission",
+            ),
+            (
+                "batch_size",
+                self.batch_size as u64,
+                MAX_BATCH_SIZE,
+                "samples",
+            ),
+        ] {
+            if n == 0 {
+                return Err(Error::InvalidConfig(format!(
+                    "{what} must be at least 1, not 0"
+                )));
+            }
+            if n > max {
+                return Err(Error::InvalidConfig(format!(
+                    "{what} must be 1 to {max} ({why}), not {n}"
+                )));
+            }
+        }
+        if self.landing.ring_bytes < 4096 {
+            return Err(Error::InvalidConfig(format!(
+                "ring_bytes must be at least 4096, not {}",
+                self.landing.ring_bytes
+            )));
+        }
+        let mut direct_io = self.space.is_some();
+        let (input, align) = match (&self.space, &self.source) {
+            (Some(dir), _) => {
+                let space = Space::open(dir)?;
+                space.check_extents()?;
+                let p = space.params();
+                if self.cluster.is_none() && space.held_samples() != space.catalog().len() {
+                    return Err(Error::InvalidConfig(format!(
+                        "space {} holds {} of {} samples (node {} of {}); reading a partial space needs the cluster transport",
+                        dir.display(),
+                        space.held_samples(),
+                        space.catalog().len(),
+                        p.node_index,
+                        p.placement.nodes
+                    )));
+                }
+                let align = p.align_bytes as u64;
+                let mut extents = Vec::with_capacity(space.extent_lens().len());
+                for i in 0..space.extent_lens().len() as u32 {
+                    let path = space.extent_path(i);
+                    let (f, direct) =
+                        crate::sys::open_direct(&path).map_err(|e| Error::io("open", &path, e))?;
+                    if !direct && direct_io {
+                        // Not silent: every read then goes through (and
+                        // evicts from) the page cache.
+                        log::warn!(
+                            "{}: the file system refuses O_DIRECT; reading through the page cache",
+                            path.display()
+                        );
+                    }
+                    direct_io &= direct;
+                    extents.push(f);
+                }
+                (Input::Space { space, extents }, align)
+            }
+            (None, Some(src)) => {
+                let spec = SourceSpec::parse(src)?;
+                let catalog = match &self.catalog {
+                    Some(c) => Catalog::open(c)?,
+                    None => {
+                        log::info!(
+                            "no catalog given: building one of {src} (reads every file to checksum it)"
+                        );
+                        // Unique per process and build; removed once mapped.
+                        static BUILDS: AtomicU64 = AtomicU64::new(0);
+                        let tmp = std::env::temp_dir().join(format!(
+                            "kspeed-{}-{}.ksc",
+                            std::process::id(),
+                            BUILDS.fetch_add(1, Ordering::Relaxed)
+                        ));
+                        let c = crate::dataset::catalog::build(&spec, &tmp, &Default::default())?;
+                        let _ = std::fs::remove_file(&tmp);
+                        c
+                    }
+                };
+                let root = catalog.source_spec().root();
+                (Input::Source { catalog, root }, 4096)
+            }
+            (None, None) => return Err(Error::InvalidConfig("give a space or a source".into())),
+        };
+        let catalog = input.catalog();
+        let sampler = Sampler::new(SamplerConfig {
+            len: catalog.len(),
+            seed: self.seed,
+            shuffle: self.shuffle,
+            rank: self.rank,
+            world: self.world,
+            drop_last: self.drop_last,
+        })?;
+        // Lock-step: every rank delivers the same steps per epoch, in whole
+        // batches with drop_last (the tail that cannot fill one is dropped).
+        let steps = if self.drop_last {
+            sampler.per_rank() / self.batch_size as u64 * self.batch_size as u64
+        } else {
+            sampler.per_rank()
+        };
+        if steps == 0 {
+            return Err(Error::InvalidConfig(format!(
+                "with drop_last, {} samples give rank {} of {} no whole batch of {}",
+                catalog.len(),
+                self.rank,
+                self.world,
+                self.batch_size
+            )));
+        }
+        let mut landing = self.landing.clone();
+        landing.ring_bytes = landing.ring_bytes.next_multiple_of(align.max(4096));
+        let geo = Geometry {
+            ring_bytes: landing.ring_bytes,
+            align,
+        };
+        // A sample that cannot fit is an error now, not a hang later.
+        let max_slot = geo.slot(catalog.max_sample_bytes() as u64);
+        if max_slot > geo.segment() {
+            let id = (0..catalog.len())
+                .find(|&i| geo.slot(catalog.sample(i).len as u64) > geo.segment())
+                .expect("the largest sample exists");
+            return Err(Error::SampleLargerThanRing {
+                sample: id,
+                len: catalog.sample(id).len as u64,
+                slot: max_slot,
+                ring_bytes: geo.ring_bytes,
+            });
+        }
+        check_batch_fits(catalog, &sampler, geo, self.batch_size)?;
+        let ring = match self.gpu_ring {
+            None => LandingRing::new(&landing)?,
+            Some(ordinal) => {
+                let why = if self.cluster.is_none() || self.rdma.is_none() {
+                    Some("cluster mode over RDMA (nothing else can write GPU memory)")
+                } else if self.space.is_some() {
+                    Some("a source instead of a space (local pollers cannot read into GPU memory)")
+                } else if self.tier_bytes > 0 {
+                    Some("no memory tier")
+                } else if self.verify_crc32c {
+                    Some("verify_crc32c off (the CPU cannot read the ring)")
+                } else {
+                    None
+                };
+                if let Some(why) = why {
+                    return Err(Error::InvalidConfig(format!(
+                        "a landing ring in GPU memory (device {ordinal}) needs {why}"
+                    )));
+                }
+                LandingRing::new_gpu(ordinal, landing.ring_bytes)?
+            }
+        };
+        let tier = Tier::new(catalog, self.tier_bytes, landing.mlock)?;
+        if let Some(t) = &tier {
+            log::info!(
+                "memory tier: {} samples, {} bytes",
+                t.members(),
+                t.member_bytes()
+            );
+        }
+        let cfg = PollerConfig {
+            pollers: self.pollers,
+            queue_depth: self.queue_depth,
+            submit_batch: self.submit_batch,
+            max_read_bytes: self.max_read_bytes,
+            lookahead: self.lookahead.max(self.batch_size as u64),
+            spin: self.spin,
+            sqpoll_idle_ms: self.sqpoll_idle_ms,
+            pin: self.pin,
+            verify_crc32c: self.verify_crc32c,
+            faults: self.faults,
+        };
+        let start = match self.start {
+            Some(p) if p.index > steps => {
+                return Err(Error::BadPosition(format!(
+                    "step {} is past the epoch's {steps} steps",
+                    p.index
+                )))
+            }
+            Some(p) => p,
+            None => Position { epoch: 0, index: 0 },
+        };
+        let net = match self.cluster.clone() {
+            None => None,
+            Some(cluster) => {
+                let (placement, space_node) = match &input {
+                    Input::Space { space, .. } => (
+                        Some(space.params().placement),
+                        Some(space.params().node_index),
+                    ),
+                    Input::Source { .. } => (None, None),
+                };
+                let cat = input.catalog();
+                Some(net::NetSetup {
+                    cluster,
+                    token: self.token.clone(),
+                    node_timeout: self.node_timeout,
+                    connect_timeout: self.node_timeout.min(Duration::from_secs(5)),
+                    hello: crate::transport::proto::Hello {
+                        catalog_identity: cat.identity(),
+                        rank: self.rank,
+                        world: self.world,
+                        catalog_samples: cat.len(),
+                        seed: self.seed,
+                        ring_addr: 0,
+                        ring_len: ring.len() as u64,
+                        rkey: 0,
+                        transport: crate::transport::proto::TRANSPORT_TCP,
+                    },
+                    placement,
+                    local_node: self.local_node.unwrap_or(space_node),
+                    rdma: self.rdma.clone(),
+                })
+            }
+        };
+        let mut backends: Vec<Uring> = Vec::with_capacity(cfg.pollers);
+        let mut fixed_buffers = self.registered_buffers && ring.device().is_none();
+        let mut io_how = if ring.device().is_some() {
+            "GPU memory: written by the NIC only".to_string()
+        } else if !self.registered_buffers {
+            "not registered (registered_buffers off)".to_string()
+        } else {
+            String::new()
+        };
+        let mut shared_regs = 0;
+        for _ in 0..cfg.pollers {
+            let uring = Uring::new(UringOptions {
+                entries: cfg.queue_depth * 2,
+                sqpoll_idle_ms: cfg.sqpoll_idle_ms,
+            })?;
+            if let (Input::Space { extents, .. }, true) = (&input, self.registered_files) {
+                let fds: Vec<i32> = extents.iter().map(|f| f.as_raw_fd()).collect();
+                uring.register_files(&fds)?;
+            }
+            if fixed_buffers {
+                // Once for all pollers where the kernel can share a ring's
+                // buffer table (6.12+): the ring is then pinned and charged
+                // to RLIMIT_MEMLOCK once, not once per poller.
+                let cloned = match backends.first() {
+                    Some(first) => match uring.register_buffers_from(first) {
+                        Ok(()) => true,
+                        Err(e) => {
+                            log::info!("{e}; registering the ring per poller");
+                            false
+                        }
+                    },
+                    None => false,
+                };
+                shared_regs += cloned as usize;
+                if !cloned {
+                    let seg = geo.segment() as usize;
+                    let regions: Vec<(*mut u8, usize)> = (0..ring.len())
+                        .step_by(seg)
+                        .map(|off| {
+                            (
+                                // SAFETY: off < ring.len(), inside the mapping.
+                                unsafe { ring.as_mut_ptr().add(off) },
+                                seg.min(ring.len() - off),
+                            )
+                        })
+                        .collect();
+                    // SAFETY: the ring outlives every backend: backends are
+                    // dropped by the Loader before its Shared (and so the ring).
+                    if let Err(e) = unsafe { uring.register_buffers(&regions) } {
+                        // Not silent: reads then pin pages one by one.
+                        log::warn!(
+                            "the landing ring cannot be registered with io_uring ({e}); reading \
+                             without fixed buffers. With {} pollers not sharing one registration \
+                             the ring is pinned {} times against RLIMIT_MEMLOCK: raise the limit \
+                             (ulimit -l) or use a kernel of 6.12 or later",
+                            cfg.pollers,
+                            cfg.pollers
+                        );
+                        io_how = format!("not registered: {e}");
+                        fixed_buffers = false;
+                    }
+                }
+            }
+            backends.push(uring);
+        }
+        if fixed_buffers {
+            io_how = if shared_regs + 1 == cfg.pollers && cfg.pollers > 1 {
+                format!("registered once, shared by {} pollers", cfg.pollers)
+            } else if cfg.pollers > 1 {
+                format!("registered by each of {} pollers", cfg.pollers)
+            } else {
+                "registered (1 poller)".to_string()
+            };
+        }
+        if !direct_io && matches!(input, Input::Space { .. }) {
+            io_how.push_str("; page cache (no O_DIRECT)");
+        }
+        let mut ring = ring;
+        ring.set_io_info(fixed_buffers, io_how, direct_io);
+        let backends: Vec<Box<dyn IoBackend>> = backends
+            .into_iter()
+            .map(|uring| -> Box<dyn IoBackend> {
+                match cfg.faults {
+                    Some(f) => Box::new(Faulty::new(uring, f, cfg.queue_depth as usize)),
+                    None => Box::new(uring),
+                }
+            })
+            .collect();
+        let batch_size = self.batch_size;
+        let mut loader = Loader {
+            run: None,
+            spare: Some(Spare {
+                input,
+                ring,
+                tier,
+                backends,
+            }),
+            geo,
+            sampler,
+            cfg,
+            fixed_buffers,
+            fixed_files: self.registered_files,
+            batch_size,
+            steps,
+            epoch: start.epoch,
+            cursor: None,
+            peeked: None,
+            entries: Vec::with_capacity(batch_size),
+            held: false,
+            batch_seq: 0,
+            kept: std::collections::VecDeque::new(),
+            failed: None,
+            counters: Counters::default(),
+            totals: Totals::new(),
+            started: Instant::now(),
+            net: net.map(Arc::new),
+        };
+        loader.launch(start)?;
+        log::info!(
+            "loader: {} samples per epoch for rank {} of {}, batch {}, ring {} bytes, {} pollers{}",
+            loader.steps,
+            self.rank,
+            self.world,
+            batch_size,
+            loader.geo.ring_bytes,
+            loader.cfg.pollers,
+            if loader.net.is_some() {
+                ", cluster mode"
+            } else {
+                ""
+            }
+        );
+        Ok(loader)
+    }
+}
+
+/// Refuses a ring that some batch might not fit in whole
+/// ([`Error::RingTooSmallForBatch`]): a batch is held whole while it is out,
+/// so a batch larger than the ring could only be delivered cut short, and
+/// where it is cut would depend on each rank's own sample sizes.
+///
+/// O(1) in the common case (from the catalog's largest sample); only when
+/// `batch` times that does not fit does it find the catalog's `batch`
+/// largest samples (one pass) before refusing.
+fn check_batch_fits(
+    catalog: &Catalog,
+    sampler: &Sampler,
+    geo: Geometry,
+    batch: usize,
+) -> Result<()> {
+    let max_slot = geo.slot(catalog.max_sample_bytes() as u64);
+    let quick = (batch as u64).saturating_mul(max_slot);
+    if geo.span_bound(quick, max_slot) <= geo.ring_bytes {
+        return Ok(());
+    }
+    // Within one epoch a rank's sequence repeats no sample unless the
+    // padding to equal ranks is a whole dataset or more (j and j + len fall
+    // on one rank only when len is a multiple of world, i.e. no padding),
+    // so a batch holds distinct samples and the largest ones bound it.
+    let cfg = sampler.config();
+    let distinct = cfg.drop_last || sampler.per_rank() * (cfg.world as u64) < 2 * cfg.len;
+    let slots = if distinct {
+        largest_slots(catalog, geo, batch)
+    } else {
+        quick
+    };
+    if geo.span_bound(slots, max_slot) <= geo.ring_bytes {
+        return Ok(());
+    }
+    let needed = schedule::ring_bytes_needed(geo.align, geo.align.max(4096), slots, max_slot);
+    Err(Error::RingTooSmallForBatch {
+        batch_size: batch,
+        batch_bytes: geo.span_bound(slots, max_slot),
+        align_bytes: geo.align,
+        ring_bytes: geo.ring_bytes,
+        needed_bytes: needed,
+        needed_human: crate::progress::human_bytes(needed as f64),
+    })
+}
+
+/// The sum of the `n` largest slots of the catalog (of all, if fewer).
+fn largest_slots(catalog: &Catalog, geo: Geometry, n: usize) -> u64 {
+    use std::cmp::Reverse;
+    use std::collections::BinaryHeap;
+    let n = n.min(catalog.len() as usize);
+    let mut heap: BinaryHeap<Reverse<u64>> = BinaryHeap::with_capacity(n + 1);
+    for id in 0..catalog.len() {
+        let slot = geo.slot(catalog.sample(id).len as u64);
+        if heap.len() < n {
+            heap.push(Reverse(slot));
+        } else if heap.peek().is_some_and(|Reverse(min)| slot > *min) {
+            heap.pop();
+            heap.push(Reverse(slot));
+        }
+    }
+    heap.into_iter().map(|Reverse(s)| s).sum()
+}

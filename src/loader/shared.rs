@@ -1,0 +1,258 @@
+//! State shared by one run's consumer, pollers and network thread: the
+//! input, the ready table and its wake protocol, flow control
+//! ([`Shared::writable`]) and the crash guard.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use hdrhistogram::Histogram;
+
+use super::net;
+use super::schedule::{Geometry, Placed};
+use super::tier::Tier;
+use crate::dataset::{Catalog, Space};
+use crate::error::Error;
+use crate::landing::LandingRing;
+use crate::ring::FaultConfig;
+use crate::sampler::{Position, Sampler};
+
+pub(crate) const CODE_OK: u64 = 0;
+pub(crate) const CODE_ERROR: u64 = 1;
+
+/// Where samples are read from.
+pub(crate) enum Input {
+    /// A preloaded space: packed, aligned extents (O_DIRECT).
+    Space {
+        space: Space,
+        /// Open extent files (registered with every poller's ring).
+        extents: Vec<std::fs::File>,
+    },
+    /// Source files directly, through the page cache.
+    Source { catalog: Catalog, root: PathBuf },
+}
+
+impl Input {
+    pub(crate) fn catalog(&self) -> &Catalog {
+        match self {
+            Input::Space { space, .. } => space.catalog(),
+            Input::Source { catalog, .. } => catalog,
+        }
+    }
+}
+
+/// Per-poller counters.
+pub(crate) struct PollerStats {
+    pub(crate) disk_reads: AtomicU64,
+    pub(crate) tier_hits: AtomicU64,
+    pub(crate) retries: AtomicU64,
+    pub(crate) latency: Mutex<Histogram<u64>>,
+}
+
+#[derive(Debug, Clone)]
+pub(crate) struct PollerConfig {
+    pub(crate) pollers: usize,
+    pub(crate) queue_depth: u32,
+    pub(crate) submit_batch: u32,
+    pub(crate) max_read_bytes: u64,
+    pub(crate) lookahead: u64,
+    pub(crate) spin: Duration,
+    pub(crate) sqpoll_idle_ms: Option<u32>,
+    pub(crate) pin: bool,
+    pub(crate) verify_crc32c: bool,
+    pub(crate) faults: Option<FaultConfig>,
+}
+
+/// State shared by the consumer and the pollers of one run (from a start
+/// position until a restart or the end).
+pub(crate) struct Shared {
+    pub(crate) input: Input,
+    pub(crate) ring: LandingRing,
+    pub(crate) geo: Geometry,
+    pub(crate) sampler: Sampler,
+    /// Steps per epoch (see [`Loader::epoch_len`]).
+    pub(crate) steps: u64,
+    pub(crate) start: Position,
+    pub(crate) cfg: PollerConfig,
+    pub(crate) fixed_buffers: bool,
+    pub(crate) fixed_files: bool,
+    /// Indexed by g mod table length: ((g + 1) << 8) | code once g is ready.
+    pub(super) ready: Box<[AtomicU64]>,
+    /// Per poller: (slot end, g) of the sample it parked waiting for, or
+    /// (0, _) when it is not parked on flow control. A release wakes only
+    /// the pollers whose sample it made writable.
+    pub(super) parked: Box<[(AtomicU64, AtomicU64)]>,
+    pub(crate) released_v: AtomicU64,
+    pub(crate) released_g: AtomicU64,
+    pub(crate) stop: AtomicBool,
+    /// Bumped by a poller that publishes the sample the consumer sleeps on;
+    /// the consumer futex-waits on it (no lock, no thread handle, so the
+    /// loader may move between threads).
+    pub(super) wake_seq: AtomicU32,
+    pub(super) waiting_for: AtomicU64,
+    pub(crate) errors: Mutex<Vec<(u64, Error)>>,
+    pub(crate) stats: Vec<PollerStats>,
+    pub(crate) tier: Option<Tier>,
+    /// Cluster mode: the network thread's side of things.
+    pub(crate) net: Option<net::NetShared>,
+    /// Set when a poller or the network thread died (a panic, or a ring
+    /// that stopped working), so the consumer fails with this instead of
+    /// waiting for samples that will never come.
+    pub(super) dead: Mutex<Option<Error>>,
+}
+
+/// Lives on a worker thread's stack: if the thread unwinds, it records the
+/// crash and wakes the consumer.
+pub(super) struct CrashGuard {
+    pub(super) shared: Arc<Shared>,
+    pub(super) name: &'static str,
+}
+
+impl Drop for CrashGuard {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.shared
+                .fail_run(Error::ThreadPanicked { thread: self.name });
+        }
+    }
+}
+
+impl Shared {
+    /// Whether the local pollers read any sample at all.
+    pub(crate) fn has_local(&self) -> bool {
+        if self.net.is_none() {
+            return true;
+        }
+        match &self.input {
+            Input::Space { space, .. } => space.held_samples() > 0,
+            Input::Source { .. } => false,
+        }
+    }
+
+    /// Whether the local pollers read sample `id` (else the network thread
+    /// gets it from its owner).
+    pub(crate) fn is_local(&self, id: u64) -> bool {
+        if self.net.is_none() {
+            return true;
+        }
+        match &self.input {
+            Input::Space { space, .. } => space.location(id).is_some(),
+            Input::Source { .. } => false,
+        }
+    }
+
+    /// Records that a thread of this run died with `e` (the first such
+    /// error stays) and wakes the consumer, which then fails with it.
+    pub(crate) fn fail_run(&self, e: Error) {
+        self.dead
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get_or_insert(e);
+        self.wake();
+    }
+
+    /// Why this run's threads died, if they did.
+    pub(super) fn dead(&self) -> Option<Error> {
+        self.dead.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Flow control, the one predicate every writer of the ring (pollers,
+    /// the network thread) obeys: sample `p`'s slot may be written once it
+    /// lies within one ring length of the consumer's released mark, and
+    /// within the lookahead. Sound because the consumer holds only samples
+    /// at or past the released mark and a batch never spans more than the
+    /// ring (`check_batch_fits`), so no byte of a slot that passes this
+    /// belongs to a sample the consumer may still be reading.
+    ///
+    /// The loads are SeqCst: a writer that finds its sample not writable
+    /// announces that it sleeps (a SeqCst store) and looks again, while the
+    /// consumer stores the mark (SeqCst) and then looks for sleepers, so one
+    /// of the two always sees the other (a store-buffer handshake).
+    pub(crate) fn writable(&self, p: &Placed) -> bool {
+        Self::fits(
+            p.v_end,
+            p.g,
+            self.released_v.load(Ordering::SeqCst),
+            self.released_g.load(Ordering::SeqCst),
+            self.geo.ring_bytes,
+            self.cfg.lookahead,
+        )
+    }
+
+    /// The predicate itself: a slot ending at `v_end` for sample `g` may be
+    /// written when the released mark is at (`released_v`, `released_g`).
+    pub(super) fn fits(
+        v_end: u64,
+        g: u64,
+        released_v: u64,
+        released_g: u64,
+        ring: u64,
+        ahead: u64,
+    ) -> bool {
+        v_end <= released_v + ring && g < released_g.saturating_add(ahead)
+    }
+
+    /// A poller blocked on flow control announces the sample it waits for
+    /// before it parks (then checks [`Shared::writable`] once more).
+    pub(crate) fn park_for(&self, poller: usize, p: Option<&Placed>) {
+        let (v, g) = p.map_or((0, 0), |p| (p.v_end, p.g));
+        self.parked[poller].1.store(g, Ordering::SeqCst);
+        self.parked[poller].0.store(v, Ordering::SeqCst);
+    }
+
+    /// Marks sample `g` done with `code` and wakes the consumer if it sleeps
+    /// on exactly that sample.
+    pub(crate) fn publish(&self, g: u64, code: u64) {
+        self.mark_ready(g, code);
+        if self.waiting_for.load(Ordering::SeqCst) == g + 1 {
+            self.wake();
+        }
+    }
+
+    /// Marks sample `g` done with `code` without waking anyone: a poller
+    /// that finishes several samples in one tick marks them all, starts its
+    /// next reads, and then calls [`Shared::wake_if_ready`] once.
+    pub(crate) fn mark_ready(&self, g: u64, code: u64) {
+        let idx = (g % self.ready.len() as u64) as usize;
+        self.ready[idx].store(((g + 1) << 8) | code, Ordering::SeqCst);
+    }
+
+    /// Wakes the consumer if the sample it sleeps on is done. Race-free with
+    /// the consumer's wait: it stores `waiting_for` before checking the
+    /// sample's word, and a marker stores the word before loading
+    /// `waiting_for` (all SeqCst), so one of the two sees the other.
+    pub(crate) fn wake_if_ready(&self) {
+        let w = self.waiting_for.load(Ordering::SeqCst);
+        if w != 0 && self.state(w - 1).is_some() {
+            self.wake();
+        }
+    }
+
+    /// Bumps the wake counter and wakes the consumer sleeping on it.
+    fn wake(&self) {
+        self.wake_seq.fetch_add(1, Ordering::SeqCst);
+        crate::sys::futex_wake(&self.wake_seq);
+    }
+
+    /// Samples at or after `g` that are ready: read ahead of a consumer
+    /// whose next sample is `g`.
+    pub(crate) fn ready_from(&self, g: u64) -> u64 {
+        self.ready
+            .iter()
+            .filter(|w| {
+                let v = w.load(Ordering::Acquire);
+                v >> 8 > g && v & 0xff == CODE_OK
+            })
+            .count() as u64
+    }
+
+    /// Sample `g`'s code once it is ready. SeqCst: the consumer stores
+    /// `waiting_for` and then loads this, a poller stores this and then
+    /// loads `waiting_for` (a store-buffer handshake: with Acquire here a
+    /// wake-up could be lost). On x86 a SeqCst load is a plain load.
+    pub(super) fn state(&self, g: u64) -> Option<u64> {
+        let v = self.ready[(g % self.ready.len() as u64) as usize].load(Ordering::SeqCst);
+        (v >> 8 == g + 1).then_some(v & 0xff)
+    }
+}

@@ -1,0 +1,135 @@
+//! Counters and the [`Stats`] a loader reports.
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use hdrhistogram::Histogram;
+
+use super::Shared;
+
+#[derive(Debug, Default, Clone, Copy)]
+pub(super) struct Counters {
+    pub(super) samples: u64,
+    pub(super) bytes: u64,
+    pub(super) stall: Duration,
+}
+
+/// What the pollers and the network thread counted, summed over runs.
+#[derive(Clone)]
+pub(super) struct Totals {
+    pub(super) disk_reads: u64,
+    pub(super) tier_hits: u64,
+    pub(super) retries: u64,
+    pub(super) remote_samples: u64,
+    pub(super) failovers: u64,
+    pub(super) source_reads: u64,
+    /// Samples read ahead that a restart or the end threw away.
+    pub(super) discarded: u64,
+    pub(super) latency: Histogram<u64>,
+}
+
+impl Totals {
+    pub(super) fn new() -> Self {
+        Totals {
+            disk_reads: 0,
+            tier_hits: 0,
+            retries: 0,
+            remote_samples: 0,
+            failovers: 0,
+            source_reads: 0,
+            discarded: 0,
+            latency: Histogram::new_with_bounds(1, 60_000_000, 2).expect("valid bounds"),
+        }
+    }
+
+    /// Adds what one run counted (`next_g`: the consumer's next sample).
+    pub(super) fn add_run(&mut self, sh: &Shared, next_g: u64) {
+        for s in &sh.stats {
+            self.disk_reads += s.disk_reads.load(Ordering::Relaxed);
+            self.tier_hits += s.tier_hits.load(Ordering::Relaxed);
+            self.retries += s.retries.load(Ordering::Relaxed);
+            let _ = self
+                .latency
+                .add(&*s.latency.lock().unwrap_or_else(|e| e.into_inner()));
+        }
+        if let Some(n) = &sh.net {
+            self.remote_samples += n.remote_samples.load(Ordering::Relaxed);
+            self.failovers += n.failovers.load(Ordering::Relaxed);
+            self.source_reads += n.source_reads.load(Ordering::Relaxed);
+        }
+        self.discarded += sh.ready_from(next_g);
+    }
+}
+/// Latency percentiles in microseconds.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Latency {
+    /// Reads measured.
+    pub count: u64,
+    /// Median.
+    pub p50_us: u64,
+    /// 90th percentile.
+    pub p90_us: u64,
+    /// 99th percentile.
+    pub p99_us: u64,
+    /// 99.9th percentile.
+    pub p999_us: u64,
+    /// Largest.
+    pub max_us: u64,
+}
+
+/// Loader statistics since it was built, cumulative over its life
+/// (restarts by `set_epoch` or `restore_position` included). `samples` and
+/// `bytes` count what was delivered; the read counters (`disk_reads`,
+/// `tier_hits`, `remote_samples`) also count samples read ahead, which are
+/// either still waiting (`read_ahead`) or were thrown away
+/// (`read_ahead_discarded`).
+#[derive(Debug, Clone, Copy)]
+pub struct Stats {
+    /// Samples delivered.
+    pub samples: u64,
+    /// Bytes delivered.
+    pub bytes: u64,
+    /// Time since the loader was built.
+    pub elapsed: Duration,
+    /// Time the caller waited inside `next_batch`.
+    pub stall: Duration,
+    /// Samples read from disk (or source files).
+    pub disk_reads: u64,
+    /// Samples served from the memory tier.
+    pub tier_hits: u64,
+    /// Reads retried (short or interrupted).
+    pub retries: u64,
+    /// Per-sample read latency (submission to completion) of disk reads.
+    pub read_latency: Latency,
+    /// Samples pushed by other nodes (cluster mode).
+    pub remote_samples: u64,
+    /// Grants moved to another holder or the source after a node failed.
+    pub failovers: u64,
+    /// Samples read from the source because no holder could serve them.
+    pub source_reads: u64,
+    /// Samples read ahead of the consumer and waiting in the ring now
+    /// (counted in `disk_reads`, `tier_hits` or `remote_samples`, not yet
+    /// in `samples`).
+    pub read_ahead: u64,
+    /// Samples read ahead and then thrown away unconsumed: by a
+    /// `set_epoch` to another epoch, a `restore_position`, or the end (for
+    /// example the next epoch's first samples when the job stops).
+    pub read_ahead_discarded: u64,
+}
+
+impl Stats {
+    /// Samples per second.
+    pub fn samples_per_sec(&self) -> f64 {
+        self.samples as f64 / self.elapsed.as_secs_f64().max(1e-9)
+    }
+
+    /// Bytes per second.
+    pub fn bytes_per_sec(&self) -> f64 {
+        self.bytes as f64 / self.elapsed.as_secs_f64().max(1e-9)
+    }
+
+    /// Fraction of the time spent waiting for data.
+    pub fn stall_fraction(&self) -> f64 {
+        self.stall.as_secs_f64() / self.elapsed.as_secs_f64().max(1e-9)
+    }
+}
