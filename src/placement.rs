@@ -26,7 +26,8 @@
 //! `OMPI_COMM_WORLD_LOCAL_SIZE`) or SLURM (`SLURM_LOCALID` with
 //! `SLURM_NTASKS_PER_NODE`, or this node's entry of `SLURM_TASKS_PER_NODE`),
 //! checked in that order (the innermost launcher first: torchrun started by
-//! srun sees SLURM's variables too), or from explicit options.
+//! srun sees SLURM's variables too), or from explicit options or
+//! `KSPEED_LOCAL_RANK` and `KSPEED_LOCAL_WORLD_SIZE`, which come first.
 //!
 //! The topology is read from a directory shaped like sysfs (`/sys`, or
 //! `KSPEED_SYSFS_ROOT`): `devices/system/cpu/online`,
@@ -332,8 +333,9 @@ impl LocalRank {
         })
     }
 
-    /// From the launcher's environment: torchrun, then Open MPI, then
-    /// SLURM; rank 0 of 1 when none is set. A variable that is set but not
+    /// From the environment: kspeed's own `KSPEED_LOCAL_RANK` and
+    /// `KSPEED_LOCAL_WORLD_SIZE` (to override a launcher's, in any binding),
+    /// then torchrun, Open MPI and SLURM; rank 0 of 1 when none is set. A variable that is set but not
     /// a number, a rank without its size, or a rank not below its size is
     /// an [`Error::BadPlacement`] naming the variables.
     pub fn from_env() -> Result<LocalRank> {
@@ -356,6 +358,7 @@ impl LocalRank {
             }
         };
         for (rk, sk) in [
+            ("KSPEED_LOCAL_RANK", "KSPEED_LOCAL_WORLD_SIZE"),
             ("LOCAL_RANK", "LOCAL_WORLD_SIZE"),
             ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
         ] {
@@ -854,6 +857,18 @@ mod tests {
         ]))
         .unwrap();
         assert_eq!((l.rank, l.size), (5, 8));
+        // kspeed's own variables override the launcher's.
+        let l = LocalRank::from_vars(vars(&[
+            ("LOCAL_RANK", "5"),
+            ("LOCAL_WORLD_SIZE", "8"),
+            ("KSPEED_LOCAL_RANK", "0"),
+            ("KSPEED_LOCAL_WORLD_SIZE", "1"),
+        ]))
+        .unwrap();
+        assert_eq!(
+            (l.rank, l.size, l.origin.as_str()),
+            (0, 1, "KSPEED_LOCAL_RANK/KSPEED_LOCAL_WORLD_SIZE")
+        );
         let l = LocalRank::from_vars(vars(&[
             ("OMPI_COMM_WORLD_LOCAL_RANK", "2"),
             ("OMPI_COMM_WORLD_LOCAL_SIZE", "4"),

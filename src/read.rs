@@ -97,13 +97,15 @@ pub(crate) struct ReadArgs {
     /// Do not pin pollers to cores.
     #[arg(long)]
     no_pin: bool,
-    /// This process's rank among the node's ranks (default: LOCAL_RANK,
-    /// OMPI_COMM_WORLD_LOCAL_RANK or SLURM_LOCALID); each local rank's
+    /// This process's rank among the node's ranks (default:
+    /// KSPEED_LOCAL_RANK, LOCAL_RANK, OMPI_COMM_WORLD_LOCAL_RANK or
+    /// SLURM_LOCALID); each local rank's
     /// pollers get their own slice of the node's cores.
     #[arg(long, requires = "local_world_size")]
     local_rank: Option<u32>,
-    /// Ranks on this node (default: LOCAL_WORLD_SIZE,
-    /// OMPI_COMM_WORLD_LOCAL_SIZE or SLURM_NTASKS_PER_NODE).
+    /// Ranks on this node (default: KSPEED_LOCAL_WORLD_SIZE,
+    /// LOCAL_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_SIZE or
+    /// SLURM_NTASKS_PER_NODE).
     #[arg(long, requires = "local_rank")]
     local_world_size: Option<u32>,
     /// Take the pollers' cores from this NUMA node (default: the ring's,
@@ -114,7 +116,7 @@ pub(crate) struct ReadArgs {
     #[arg(long)]
     no_mlock: bool,
     /// Busy-poll time before parking, in microseconds (default: 0 on up to
-    /// 4 cores, 20 above).
+    /// 4 cores or on cores shared with other local ranks, 20 above).
     #[arg(long)]
     spin_us: Option<u64>,
     /// Before reading, let the pollers fill the ring, then measure the CPU

@@ -94,6 +94,8 @@ fn start_rank(d: &Data, sysfs: &Path, mask: &str, env: &[(&str, String)], extra:
         "SLURM_LOCALID",
         "SLURM_NTASKS_PER_NODE",
         "SLURM_TASKS_PER_NODE",
+        "KSPEED_LOCAL_RANK",
+        "KSPEED_LOCAL_WORLD_SIZE",
     ] {
         c.env_remove(v);
     }
@@ -341,7 +343,7 @@ fn launchers_and_options_set_the_local_rank() {
         &'static [&'static str],
         (u64, u64, &'static str),
     );
-    let cases: [Case; 4] = [
+    let cases: [Case; 5] = [
         (
             vec![
                 ("OMPI_COMM_WORLD_LOCAL_RANK", "1".into()),
@@ -377,6 +379,17 @@ fn launchers_and_options_set_the_local_rank() {
             torchrun(0, 8),
             &["--local-rank", "1", "--local-world-size", "2"],
             (1, 2, "option"),
+        ),
+        (
+            // kspeed's own variables override the launcher's.
+            vec![
+                ("LOCAL_RANK", "0".into()),
+                ("LOCAL_WORLD_SIZE", "8".into()),
+                ("KSPEED_LOCAL_RANK", "1".into()),
+                ("KSPEED_LOCAL_WORLD_SIZE", "2".into()),
+            ],
+            &[],
+            (1, 2, "KSPEED_LOCAL_RANK/KSPEED_LOCAL_WORLD_SIZE"),
         ),
     ];
     for (env, extra, (rank, size, from)) in cases {

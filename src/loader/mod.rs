@@ -534,7 +534,8 @@ impl LoaderBuilder {
     }
 
     /// This process's rank among the node's ranks and their number, instead
-    /// of the launcher's variables (`LOCAL_RANK`/`LOCAL_WORLD_SIZE`,
+    /// of the environment's (`KSPEED_LOCAL_RANK`/`KSPEED_LOCAL_WORLD_SIZE`,
+    /// `LOCAL_RANK`/`LOCAL_WORLD_SIZE`,
     /// `OMPI_COMM_WORLD_LOCAL_RANK`/`OMPI_COMM_WORLD_LOCAL_SIZE`,
     /// `SLURM_LOCALID`/`SLURM_NTASKS_PER_NODE`). Each local rank's pollers
     /// get their own slice of the node's cores.
