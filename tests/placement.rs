@@ -451,3 +451,56 @@ fn bad_local_ranks_and_topology_are_named_errors() {
     .unwrap();
     fails_with(vec![], &[], "node1/cpulist: \"x\" is not a CPU number");
 }
+
+/// The Rust API: builder options, `Stats::placement` and
+/// `Loader::placement` agree, in process.
+#[test]
+fn rust_api_reports_the_placement_in_stats() {
+    let d = data();
+    let sys = tempfile::tempdir().unwrap();
+    fake_sysfs(sys.path());
+    let mask = kspeed::placement::affinity();
+    let loader = kspeed::loader::LoaderBuilder::source(s(&d.src))
+        .catalog(&d.cat)
+        .ring_bytes(1 << 20)
+        .local_rank(0, 1)
+        .sysfs_root(sys.path())
+        .poller_numa_node(Some(1))
+        .build()
+        .unwrap();
+    let p = loader.placement().clone();
+    let st = loader.finish().placement;
+    assert_eq!((st.local_rank, st.local_world), (0, 1));
+    assert_eq!(p.plan.local.origin, "option");
+    // Node 1 of the fake layout is the odd CPUs: those of the mask, or the
+    // whole mask (with a warning) when it has none.
+    let odd: Vec<u32> = mask.iter().copied().filter(|c| c % 2 == 1).collect();
+    if odd.is_empty() {
+        assert_eq!(st.numa_node, None);
+        assert_eq!(p.plan.warnings.len(), 1, "{:?}", p.plan.warnings);
+    } else {
+        assert_eq!(st.numa_node, Some(1));
+        let mut slice = p.plan.slice.clone();
+        slice.sort_unstable();
+        assert_eq!(slice, odd);
+    }
+    assert_eq!(st.slice_cores as usize, p.plan.slice.len());
+    assert_eq!(st.pollers as usize, p.pollers);
+    assert_eq!(st.pollers as usize, p.pinned.len());
+    assert_eq!(
+        st.pinned_pollers as usize,
+        p.pinned.iter().flatten().count()
+    );
+    assert_eq!(st.pinned_pollers, st.pollers, "every poller pinned: {p:?}");
+    for c in p.pinned.iter().flatten() {
+        assert!(p.plan.slice.contains(c) && mask.contains(c), "{p:?}");
+    }
+    // A local rank not below its size is a named error at build.
+    let e = kspeed::loader::LoaderBuilder::source(s(&d.src))
+        .catalog(&d.cat)
+        .local_rank(2, 2)
+        .build()
+        .err()
+        .expect("rank 2 of 2 is refused");
+    assert!(matches!(e, kspeed::Error::BadPlacement { .. }), "{e}");
+}
