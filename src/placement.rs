@@ -309,7 +309,7 @@ pub struct LocalRank {
     /// Ranks on this node.
     pub size: u32,
     /// Where it came from (`"LOCAL_RANK/LOCAL_WORLD_SIZE"`, `"option"`,
-    /// `"default"`...).
+    /// `"no launcher variables"`...).
     pub origin: String,
 }
 
@@ -319,7 +319,7 @@ impl LocalRank {
         LocalRank {
             rank: 0,
             size: 1,
-            origin: "default (no launcher variables)".into(),
+            origin: "no launcher variables".into(),
         }
     }
 
@@ -629,7 +629,7 @@ impl PollerPlacement {
         cores.dedup();
         let n_pinned = self.pinned.iter().flatten().count();
         format!(
-            "local rank {} of {} ({}), {}, slice {}{}, {} poller{} {}",
+            "local rank {} of {} ({}), {}, slice {}{}; {} poller{}, {}",
             p.local.rank,
             p.local.size,
             p.local.origin,
@@ -660,12 +660,13 @@ impl PollerPlacement {
                 )
             } else {
                 format!(
-                    "{} pinned to cores {}",
+                    "{}pinned to core{} {}",
                     if n_pinned == self.pollers {
-                        "all".to_string()
+                        String::new()
                     } else {
-                        format!("{n_pinned}")
+                        format!("{n_pinned} ")
                     },
+                    if cores.len() == 1 { "" } else { "s" },
                     format_cpulist(&cores)
                 )
             }
