@@ -369,6 +369,15 @@ pub enum Error {
         /// What is wrong.
         reason: String,
     },
+    /// The local rank, the NUMA node or the topology cannot place the
+    /// pollers (see [`crate::placement`]).
+    #[error("core placement {origin}: {reason}")]
+    BadPlacement {
+        /// The environment variable, option or sysfs file.
+        origin: String,
+        /// What is wrong.
+        reason: String,
+    },
     /// A node refused the connection at HELLO (token, version, dataset).
     #[error("node {node} ({addr}) refused the connection: {code}: {message}")]
     Refused {

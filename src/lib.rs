@@ -12,6 +12,7 @@
 //! - [`ring`]: io_uring reads into caller-owned slots, and a fault-injecting wrapper;
 //! - [`landing`]: the landing ring's memory (huge pages, mlock, NUMA, CUDA);
 //! - [`loader`]: pollers, the schedule, the memory tier and the consumer API;
+//! - [`placement`]: the node's CPU topology, the local rank and the cores a loader's pollers use;
 //! - [`transport`]: how bytes reach a remote consumer (the RDMA device probe so far);
 //! - [`mod@format`]: the checksummed envelope of kspeed's binary files;
 //! - [`progress`]: progress bars and lines for long work;
@@ -28,6 +29,7 @@ pub mod hash;
 pub mod landing;
 pub mod loader;
 pub mod par;
+pub mod placement;
 pub mod progress;
 pub mod ring;
 pub mod sampler;

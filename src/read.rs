@@ -47,7 +47,8 @@ pub(crate) struct ReadArgs {
     /// Landing ring size.
     #[arg(long, default_value = "256MiB", value_parser = crate::parse_bytes)]
     ring_bytes: u64,
-    /// Poller threads (default: a quarter of the cores, at least 1).
+    /// Poller threads (default: a quarter of this rank's slice of cores, at
+    /// least 1, at most 8).
     #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=kspeed::loader::MAX_POLLERS))]
     pollers: Option<usize>,
     /// Reads in flight per poller.
@@ -96,11 +97,26 @@ pub(crate) struct ReadArgs {
     /// Do not pin pollers to cores.
     #[arg(long)]
     no_pin: bool,
+    /// This process's rank among the node's ranks (default:
+    /// KSPEED_LOCAL_RANK, LOCAL_RANK, OMPI_COMM_WORLD_LOCAL_RANK or
+    /// SLURM_LOCALID); each local rank's
+    /// pollers get their own slice of the node's cores.
+    #[arg(long, requires = "local_world_size")]
+    local_rank: Option<u32>,
+    /// Ranks on this node (default: KSPEED_LOCAL_WORLD_SIZE,
+    /// LOCAL_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_SIZE or
+    /// SLURM_NTASKS_PER_NODE).
+    #[arg(long, requires = "local_rank")]
+    local_world_size: Option<u32>,
+    /// Take the pollers' cores from this NUMA node (default: the ring's,
+    /// from --numa-node or --gpu-pci).
+    #[arg(long)]
+    poller_numa_node: Option<u32>,
     /// Do not mlock the ring.
     #[arg(long)]
     no_mlock: bool,
     /// Busy-poll time before parking, in microseconds (default: 0 on up to
-    /// 4 cores, 20 above).
+    /// 4 cores or on cores shared with other local ranks, 20 above).
     #[arg(long)]
     spin_us: Option<u64>,
     /// Before reading, let the pollers fill the ring, then measure the CPU
@@ -205,16 +221,19 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
         .registered_buffers(!a.no_registered_buffers)
         .registered_files(!a.no_registered_files)
         .pin(!a.no_pin)
-        .spin(
-            a.spin_us
-                .map_or_else(kspeed::loader::default_spin, Duration::from_micros),
-        )
+        .poller_numa_node(a.poller_numa_node)
         .start_at(kspeed::sampler::Position {
             epoch: a.start_epoch,
             index: 0,
         });
     if let Some(p) = a.pollers {
         b = b.pollers(p);
+    }
+    if let Some(us) = a.spin_us {
+        b = b.spin(Duration::from_micros(us));
+    }
+    if let (Some(r), Some(w)) = (a.local_rank, a.local_world_size) {
+        b = b.local_rank(r, w);
     }
     let cluster = match (&a.cluster, a.cluster_env) {
         (Some(f), _) => Some(kspeed::transport::Cluster::from_file(f)?),
@@ -267,6 +286,7 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
         info.cuda,
         info.io
     );
+    eprintln!("pollers: {}", loader.placement().describe());
     if let Some((n, bytes)) = loader.tier() {
         eprintln!("memory tier: {n} samples, {}", human_bytes(bytes as f64));
     }
@@ -342,6 +362,7 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
         ));
     }
     let wall = t0.elapsed().as_secs_f64();
+    let placement = loader.placement().clone();
     let st = loader.finish();
     let cpu = process_cpu_seconds() - cpu0;
     if a.json {
@@ -352,6 +373,7 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
         });
         crate::read_json::print(
             &st,
+            &placement,
             &crate::read_json::Run {
                 epochs: a.epochs,
                 wall_secs: wall,

@@ -2,6 +2,7 @@
 //! (exact numbers, no human units), for scripts and dashboards.
 
 use kspeed::loader::Stats;
+use kspeed::placement::PollerPlacement;
 use serde_json::json;
 
 /// What the report needs beyond the loader's statistics.
@@ -15,7 +16,7 @@ pub(crate) struct Run {
     pub(crate) cluster: Option<&'static str>,
 }
 
-pub(crate) fn print(st: &Stats, r: &Run) {
+pub(crate) fn print(st: &Stats, placement: &PollerPlacement, r: &Run) {
     let wall = r.wall_secs.max(1e-9);
     let mut v = json!({
         "epochs": r.epochs,
@@ -39,6 +40,17 @@ pub(crate) fn print(st: &Stats, r: &Run) {
         "stall_fraction": st.stall.as_secs_f64() / wall,
         "cpu_seconds": r.cpu_secs,
         "setup_cpu_seconds": r.setup_cpu_secs,
+        "placement": {
+            "local_rank": placement.plan.local.rank,
+            "local_world_size": placement.plan.local.size,
+            "local_rank_from": placement.plan.local.origin,
+            "numa_node": placement.plan.numa_node,
+            "slice_cores": placement.plan.slice,
+            "shared": placement.plan.shared,
+            "pollers": placement.pollers,
+            "pinned_cores": placement.pinned,
+            "warnings": placement.plan.warnings,
+        },
     });
     if let Some(f) = r.idle_core_fraction {
         v["idle_core_fraction"] = json!(f);

@@ -114,6 +114,7 @@ fn status_of(e: &Error) -> ksp_status {
         Error::InvalidConfig(_)
         | Error::BadPosition(_)
         | Error::BadCluster { .. }
+        | Error::BadPlacement { .. }
         | Error::SampleLargerThanRing { .. }
         | Error::RingTooSmallForBatch { .. } => KSP_ERR_INVALID_ARG,
         Error::Refused { .. }
@@ -343,6 +344,8 @@ fn parse_bool(key: &str, v: &str) -> Result<bool, Fail> {
 /// | `ring_bytes`, `tier_bytes` | sizes, e.g. `256MiB` |
 /// | `pollers`, `queue_depth`, `submit_batch`, `lookahead` | counts |
 /// | `numa_node` | NUMA node of the ring |
+/// | `local_rank`, `local_world_size` | this process's rank among the node's ranks and their number (both, or neither: then `LOCAL_RANK`/`LOCAL_WORLD_SIZE`, `OMPI_COMM_WORLD_LOCAL_RANK`/`OMPI_COMM_WORLD_LOCAL_SIZE` or `SLURM_LOCALID`/`SLURM_NTASKS_PER_NODE`); each rank's pollers get their own slice of cores |
+/// | `poller_numa_node` | take the pollers' cores from this NUMA node (default: the ring's) |
 /// | `gpu_ring` | CUDA device ordinal: the ring lives in that GPU's memory and RDMA writes land there (cluster mode over RDMA with a `source`; batch pointers are then device pointers) |
 /// | `start_epoch` | first epoch |
 /// | `cluster_file` | cluster mode: the node list |
@@ -397,6 +400,9 @@ pub unsafe extern "C" fn ksp_config_set(
             "lookahead" => b.lookahead(parse_num(k, v)?),
             "verify_crc32c" => b.verify_crc32c(parse_bool(k, v)?),
             "pin" => b.pin(parse_bool(k, v)?),
+            "local_rank" => b.local_rank_part(Some(parse_num(k, v)?), None),
+            "local_world_size" => b.local_rank_part(None, Some(parse_num(k, v)?)),
+            "poller_numa_node" => b.poller_numa_node(Some(parse_num(k, v)?)),
             "mlock" | "huge_pages" | "numa_node" => {
                 match k {
                     "mlock" => landing.mlock = parse_bool(k, v)?,

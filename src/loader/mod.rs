@@ -54,7 +54,7 @@ pub use batch::{Batch, BatchSample, DeviceSample};
 pub use builder::*;
 pub(crate) use shared::*;
 use stats::{Counters, Totals};
-pub use stats::{Latency, Stats};
+pub use stats::{Latency, PlacementStats, Stats};
 use tier::Tier;
 
 /// Resources kept across restarts (set_epoch to another epoch, resume).
@@ -135,6 +135,8 @@ pub struct Loader {
     started: Instant,
     /// Cluster mode settings (connections are made at every launch).
     net: Option<Arc<net::NetSetup>>,
+    /// The pollers' cores, and where the last launch pinned them.
+    placement: crate::placement::PollerPlacement,
 }
 
 impl Loader {
@@ -242,22 +244,30 @@ impl Loader {
                 })?;
             run.net_thread = Some(h);
         }
-        let cores = if self.cfg.pin {
-            core_affinity::get_core_ids().unwrap_or_default()
-        } else {
-            Vec::new()
-        };
         let n = backends.len();
+        // Each poller reports whether the kernel took its pinning before it
+        // starts, so the placement is known when launch returns.
+        let (pin_tx, pin_rx) = crossbeam_channel::bounded::<(usize, Option<u32>)>(n);
+        let mut spawned = 0;
         for (i, backend) in backends.into_iter().enumerate() {
             let sh = shared.clone();
-            let core = (!cores.is_empty())
-                .then(|| cores[(cores.len() - 1 - i % cores.len()) % cores.len()]);
+            let core = if self.placement.pin {
+                self.placement.plan.core_for(i)
+            } else {
+                None
+            };
+            let tx = pin_tx.clone();
             let h = std::thread::Builder::new()
                 .name(format!("kspeed-poller-{i}"))
                 .spawn(move || {
-                    if let Some(c) = core {
-                        core_affinity::set_for_current(c);
+                    let pinned = core.filter(|&c| {
+                        core_affinity::set_for_current(core_affinity::CoreId { id: c as usize })
+                    });
+                    if core.is_some() && pinned.is_none() {
+                        log::warn!("poller {i}: the kernel refused pinning to core {core:?}");
                     }
+                    let _ = tx.send((i, pinned));
+                    drop(tx);
                     let _guard = CrashGuard {
                         shared: sh.clone(),
                         name: "poller",
@@ -269,6 +279,17 @@ impl Loader {
                     source: e.into(),
                 })?;
             run.threads.push(h);
+            spawned += 1;
+        }
+        drop(pin_tx);
+        self.placement.pinned = vec![None; n];
+        // Every spawned thread sends once, first thing; a recv error means
+        // all senders are gone (a thread died before sending).
+        for _ in 0..spawned {
+            match pin_rx.recv() {
+                Ok((i, core)) => self.placement.pinned[i] = core,
+                Err(_) => break,
+            }
         }
         Ok(())
     }
@@ -768,7 +789,22 @@ impl Loader {
             source_reads: t.source_reads,
             read_ahead: ahead,
             read_ahead_discarded: t.discarded,
+            placement: PlacementStats {
+                local_rank: self.placement.plan.local.rank,
+                local_world: self.placement.plan.local.size,
+                numa_node: self.placement.plan.numa_node,
+                slice_cores: self.placement.plan.slice.len() as u32,
+                shared: self.placement.plan.shared,
+                pollers: self.placement.pollers as u32,
+                pinned_pollers: self.placement.pinned.iter().flatten().count() as u32,
+            },
         }
+    }
+
+    /// Where the pollers run: the local rank, the slice of cores planned
+    /// for it and the core each poller is pinned to ([`crate::placement`]).
+    pub fn placement(&self) -> &crate::placement::PollerPlacement {
+        &self.placement
     }
 
     /// The memory tier's size: (samples, bytes), if there is one.

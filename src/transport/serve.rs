@@ -97,7 +97,7 @@ pub struct ServeConfig {
     /// With RDMA writes in flight, how long a poller keeps polling its
     /// completion queues after the last completion before it arms them and
     /// sleeps on its completion channel (default: the loader's
-    /// [`crate::loader::default_spin`], none on small machines).
+    /// [`crate::placement::default_spin`], none on small machines).
     pub rdma_spin: Duration,
 }
 
@@ -108,7 +108,7 @@ impl ServeConfig {
             space: space.into(),
             listen: listen.to_string(),
             token: token.to_vec(),
-            pollers: crate::loader::default_pollers(),
+            pollers: crate::placement::default_pollers(),
             staging_bytes: 64 << 20,
             chunk_bytes: 256 << 10,
             max_grants: 8192,
@@ -120,7 +120,7 @@ impl ServeConfig {
             idle_timeout: Duration::from_secs(60),
             page_cache: false,
             rdma: None,
-            rdma_spin: crate::loader::default_spin(),
+            rdma_spin: crate::placement::default_spin(),
         }
     }
 

@@ -169,6 +169,25 @@ int main(int argc, char **argv) {
           "names why: %s", last_error());
     ksp_config_free(cfg);
 
+    /* Local rank: half of the pair is refused at open, named; a bad
+     * number at set. */
+    cfg = config(space, "2MiB");
+    CHECK(ksp_config_set(cfg, "local_rank", "first") == KSP_ERR_INVALID_ARG, "bad local rank");
+    CHECK(ksp_config_set(cfg, "local_rank", "1") == KSP_OK, "%s", last_error());
+    CHECK(ksp_loader_new(cfg, &l) == KSP_ERR_INVALID_ARG && l == NULL, "local rank alone");
+    CHECK(strstr(last_error(), "local_rank given without local_world_size") != NULL, "names why: %s",
+          last_error());
+    CHECK(ksp_config_set(cfg, "local_world_size", "1") == KSP_OK, "%s", last_error());
+    CHECK(ksp_loader_new(cfg, &l) == KSP_ERR_INVALID_ARG && l == NULL, "rank 1 of 1");
+    CHECK(strstr(last_error(), "local rank 1 is not below local world size 1") != NULL, "names why: %s",
+          last_error());
+    CHECK(ksp_config_set(cfg, "local_world_size", "2") == KSP_OK, "%s", last_error());
+    CHECK(ksp_config_set(cfg, "poller_numa_node", "0") == KSP_OK, "%s", last_error());
+    CHECK(ksp_loader_new(cfg, &l) == KSP_OK, "rank 1 of 2: %s", last_error());
+    ksp_loader_free(l);
+    l = NULL;
+    ksp_config_free(cfg);
+
     /* The real thing: two epochs, byte-exact. */
     cfg = config(space, "2MiB");
     int calls_before = log_calls;

@@ -737,10 +737,11 @@ impl PyLoader {
     }
 
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let st = py
+        let (st, placement) = py
             .detach(|| {
                 let mut core = self.shared.lock();
-                Ok::<_, Fail>(core.loader()?.stats())
+                let l = core.loader()?;
+                Ok::<_, Fail>((l.stats(), l.placement().clone()))
             })
             .raise(py)?;
         let d = PyDict::new(py);
@@ -765,6 +766,17 @@ impl PyLoader {
         d.set_item("remote_samples", st.remote_samples)?;
         d.set_item("failovers", st.failovers)?;
         d.set_item("source_reads", st.source_reads)?;
+        // Where the pollers run (docs/LOCAL_PATH.md, "Placement on a node").
+        let p = PyDict::new(py);
+        p.set_item("local_rank", placement.plan.local.rank)?;
+        p.set_item("local_world_size", placement.plan.local.size)?;
+        p.set_item("local_rank_from", &placement.plan.local.origin)?;
+        p.set_item("numa_node", placement.plan.numa_node)?;
+        p.set_item("slice_cores", &placement.plan.slice)?;
+        p.set_item("shared", placement.plan.shared)?;
+        p.set_item("pollers", placement.pollers)?;
+        p.set_item("pinned_cores", &placement.pinned)?;
+        d.set_item("placement", p)?;
         Ok(d)
     }
 

@@ -614,3 +614,22 @@ def test_preload_and_verify_release_the_gil(tmp_path):
         # call held the GIL (it could run only before it or after `end`, and
         # after `end` the loop stops without a new timestamp).
         assert last > start + (end - start) / 2, (start, last, end)
+
+
+def test_placement_follows_the_local_rank(space, monkeypatch):
+    """The loader takes its local rank from torchrun's variables and pins
+    its pollers to its own slice of the cores it may use."""
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with kspeed.Loader(space, batch_size=4, ring_bytes="256KiB") as loader:
+        p = loader.stats()["placement"]
+    assert (p["local_rank"], p["local_world_size"]) == (1, 2), p
+    assert p["local_rank_from"] == "LOCAL_RANK/LOCAL_WORLD_SIZE", p
+    mask = os.sched_getaffinity(0)
+    assert p["slice_cores"] and set(p["slice_cores"]) <= mask, (p, mask)
+    assert len(p["pinned_cores"]) == p["pollers"] >= 1, p
+    assert all(c in p["slice_cores"] for c in p["pinned_cores"]), p
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    with pytest.raises(kspeed.ConfigError, match="local rank 2 is not below local world size 2") as e:
+        kspeed.Loader(space, batch_size=4, ring_bytes="256KiB")
+    assert e.value.kind == "BadPlacement"
