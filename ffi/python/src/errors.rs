@@ -64,6 +64,7 @@ impl Fail {
             E::Cuda(_) => ("ConfigError", "Cuda", None),
             E::BadPosition(_) => ("ConfigError", "BadPosition", None),
             E::BadCluster { .. } => ("ConfigError", "BadCluster", None),
+            E::BadHostlist { .. } => ("ConfigError", "BadHostlist", None),
             E::Refused { .. } => ("NetworkError", "Refused", None),
             E::ProtocolViolation { .. } => ("NetworkError", "ProtocolViolation", None),
             E::SampleUnavailable { .. } => ("NetworkError", "SampleUnavailable", None),
