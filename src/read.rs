@@ -246,6 +246,7 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
         port: a.node_port,
         env: a.cluster_env,
     };
+    let cluster_mode = spec.is_set();
     let cluster = match spec.resolve()? {
         Some((c, env)) => {
             if let Some(env) = env {
@@ -271,7 +272,8 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
             .rdma(a.rdma.options());
     } else if a.rdma.rdma {
         return Err(kspeed::Error::InvalidConfig(
-            "--rdma is for cluster mode (--cluster, --nodelist, --nodes-dns or --cluster-env)".into(),
+            "--rdma is for cluster mode (--cluster, --nodelist, --nodes-dns or --cluster-env)"
+                .into(),
         ));
     }
     if let Some(l) = a.lookahead {
@@ -417,7 +419,7 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
         "delivered {} samples; read ahead and not consumed: {} (the pollers run ahead into the next epoch)",
         st.samples, st.read_ahead_discarded
     );
-    if a.cluster.is_some() || a.cluster_env {
+    if cluster_mode {
         println!(
             "cluster ({}): {} samples pushed by other nodes, {} failed over, {} read from the source",
             if a.rdma.rdma { "RDMA" } else { "TCP" },

@@ -2182,3 +2182,173 @@ fn a_failed_restart_keeps_its_first_error_and_answers_every_call() {
         ksp_loader_free(c);
     }
 }
+
+/// The node list from the launcher, by name: SLURM's `SLURM_JOB_NODELIST`
+/// (`gpu[01-02]` + `KSPEED_PORT`) and a Kubernetes headless-service pattern
+/// (`kspeed-{i}.kspeed.ns.svc:7400`), with the names resolved through an
+/// /etc/hosts of the test's own. The test runs itself again inside a fresh
+/// network and mount namespace (`unshare -n -m`, root only) where it brings
+/// up lo with 127.0.0.2 and .3 and bind-mounts its hosts file over
+/// /etc/hosts; every node service listens on the same port 7400 of its own
+/// address, as in a real cluster.
+#[test]
+fn launcher_node_lists_resolve_through_hosts_file() {
+    const INNER: &str = "KSPEED_TEST_NETNS_MARKER";
+    let name = "launcher_node_lists_resolve_through_hosts_file";
+    let Some(marker) = std::env::var_os(INNER) else {
+        // Outside: probe, then run this test again in the namespaces.
+        let probe = Command::new("unshare")
+            .args(["-n", "-m", "--", "sh", "-c"])
+            .arg("ip link set lo up && mount --bind /etc/hostname /etc/hostname")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+        if !probe.is_ok_and(|s| s.success()) {
+            skip("unshare -n -m with ip and mount (root) is not available here");
+            return;
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let marker = tmp.path().join("ran");
+        let out = Command::new("unshare")
+            .args(["-n", "-m", "--"])
+            .arg(std::env::current_exe().unwrap())
+            .args(["--exact", name, "--nocapture", "--test-threads=1"])
+            .env(INNER, &marker)
+            .output()
+            .unwrap();
+        let t = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(out.status.success(), "inside the namespaces:\n{t}");
+        // libtest exits 0 when the filter matches nothing: the inner run
+        // leaves its mark after its last check.
+        assert_eq!(
+            std::fs::read_to_string(&marker).ok().as_deref(),
+            Some("done"),
+            "the test did not run inside the namespaces:\n{t}"
+        );
+        return;
+    };
+    // Inside: the namespaces are ours alone.
+    let sh = |cmd: &str| {
+        let o = Command::new("sh").args(["-c", cmd]).output().unwrap();
+        assert!(o.status.success(), "{cmd}: {}", text(&o));
+    };
+    sh("ip link set lo up && ip addr add 127.0.0.2/8 dev lo && ip addr add 127.0.0.3/8 dev lo");
+    let st = setup("tiny", 300, 2, 1);
+    let hosts = st.spaces[0].parent().unwrap().join("hosts");
+    std::fs::write(
+        &hosts,
+        "127.0.0.1 localhost\n\
+         127.0.0.2 gpu01 kspeed-0.kspeed.ns.svc\n\
+         127.0.0.3 gpu02 kspeed-1.kspeed.ns.svc\n",
+    )
+    .unwrap();
+    sh(&format!("mount --bind {} /etc/hosts", s(&hosts)));
+    // The services listen by name too (resolved through the same file).
+    let serves: Vec<Serve> = (0..2)
+        .map(|i| {
+            Serve::start(
+                &st.spaces[i],
+                &format!("gpu0{}:7400", i + 1),
+                &st.token,
+                &[],
+            )
+        })
+        .collect();
+    assert_eq!(serves[0].addr, "127.0.0.2:7400");
+    assert_eq!(serves[1].addr, "127.0.0.3:7400");
+    let cat = Catalog::open(&st.catalog).unwrap();
+
+    // SLURM (plain srun, one task per node): each rank reads its whole
+    // sequence, every sample pushed by a node (none from the source).
+    for rank in 0..2u32 {
+        let env = [
+            ("SLURM_PROCID", rank.to_string()),
+            ("SLURM_NTASKS", "2".into()),
+            ("SLURM_NODEID", rank.to_string()),
+            ("SLURM_JOB_NODELIST", "gpu[01-02]".into()),
+            ("KSPEED_PORT", "7400".into()),
+        ];
+        let (cluster, launch) =
+            Cluster::from_vars(|k| env.iter().find(|(n, _)| *n == k).map(|(_, v)| v.clone()))
+                .unwrap();
+        assert_eq!(cluster.nodes[1].addr, "gpu02:7400");
+        assert_eq!((launch.rank, launch.world, launch.node), (rank, 2, rank));
+        let mut l = builder_remote(&st, &["unused:1"], 1 << 20)
+            .cluster(cluster)
+            .rank(rank, 2)
+            .build()
+            .unwrap();
+        assert_eq!(check(&mut l, &cat, rank, 2, 2), 300, "rank {rank}");
+        assert_eq!(l.stats().source_reads, 0);
+    }
+
+    // Kubernetes: the CLI with --nodes-dns / --nodes, and the same through
+    // the environment (KSPEED_NODES_DNS, count from WORLD_SIZE).
+    let read = |extra: &[&str], env: &[(&str, &str)]| {
+        let o = Command::new(kspeed_bin())
+            .args(["read", "--progress=none", "--source", s(&st.src)])
+            .args(["--catalog", s(&st.catalog), "--seed", "3", "--verify"])
+            .args([
+                "--token-file",
+                s(&st.token),
+                "--ring-bytes",
+                "1MiB",
+                "--no-pin",
+            ])
+            .args(extra)
+            .envs(env.iter().copied())
+            .output()
+            .unwrap();
+        let t = text(&o);
+        assert!(o.status.success(), "{t}");
+        t
+    };
+    let t = read(
+        &[
+            "--nodes-dns",
+            "kspeed-{i}.kspeed.ns.svc:7400",
+            "--nodes",
+            "2",
+        ],
+        &[],
+    );
+    assert!(
+        t.contains("read 300 samples") && t.contains("cluster (TCP)"),
+        "{t}"
+    );
+    assert!(t.contains(" 0 failed over, 0 read from the source"), "{t}");
+    let t = read(
+        &["--cluster-env"],
+        &[
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ("KSPEED_NODES_DNS", "kspeed-{i}.kspeed.ns.svc"),
+            ("KSPEED_PORT", "7400"),
+        ],
+    );
+    assert!(t.contains("read 150 samples"), "{t}");
+    // A hostlist naming more nodes than the space was placed over, and
+    // one that breaks the grammar: named errors, exit status 1.
+    let fail = |extra: &[&str]| {
+        let o = Command::new(kspeed_bin())
+            .args(["read", "--progress=none", "--source", s(&st.src)])
+            .args(["--catalog", s(&st.catalog), "--token-file", s(&st.token)])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+        text(&o)
+    };
+    let t = fail(&["--nodelist", "gpu[01-03]", "--node-port", "7400"]);
+    assert!(t.contains("the cluster lists 3 nodes"), "{t}");
+    let t = fail(&["--nodelist", "gpu[01-02"]);
+    assert!(
+        t.contains("hostlist \"gpu[01-02\" at byte 3: `[` is never closed"),
+        "{t}"
+    );
+    std::fs::write(marker, "done").unwrap();
+}
