@@ -55,6 +55,20 @@ enum Cmd {
     Read(read::ReadArgs),
     /// Serve this node's space to remote consumers (the cluster's node service).
     Serve(ServeArgs),
+    /// Write the completion script for SHELL to stdout (for packagers:
+    /// packaging/README.md).
+    #[command(hide = true)]
+    Completions {
+        /// bash, zsh, fish, elvish or powershell.
+        shell: clap_complete::Shell,
+    },
+    /// Write the man pages (kspeed.1 and kspeed-COMMAND.1) into DIR (for
+    /// packagers: packaging/README.md).
+    #[command(hide = true)]
+    Man {
+        /// Output directory (created if missing).
+        dir: PathBuf,
+    },
 }
 
 #[derive(Args)]
@@ -495,6 +509,17 @@ fn run(cli: Cli) -> kspeed::Result<ExitCode> {
             inspect::run(&a.space, &a.catalog, a.nodes, a.replicas, a.devices, a.json)?
         }
         Cmd::Verify(a) => return verify_cmd::run(a, progress),
+        Cmd::Completions { shell } => {
+            use clap::CommandFactory;
+            clap_complete::generate(shell, &mut Cli::command(), "kspeed", &mut std::io::stdout());
+        }
+        Cmd::Man { dir } => {
+            use clap::CommandFactory;
+            std::fs::create_dir_all(&dir).map_err(|e| kspeed::Error::io("create", &dir, e))?;
+            clap_mangen::generate_to(Cli::command(), &dir)
+                .map_err(|e| kspeed::Error::io("write man pages into", &dir, e))?;
+            println!("wrote man pages into {}", dir.display());
+        }
     }
     Ok(ExitCode::SUCCESS)
 }
