@@ -54,6 +54,17 @@ const MAX_REPLICAS: usize = 3;
 /// Bytes of one send-queue entry of an RC queue pair on a ConnectX-class
 /// NIC (a WQE basic block; a WRITE_WITH_IMM with one SGE fits one).
 const WQE_BYTES: u64 = 64;
+/// Receives a rank keeps posted on each RDMA connection (`RDMA_RECVS` in
+/// src/loader/net.rs: every WRITE_WITH_IMM consumes one) and the bytes of
+/// each one's buffer (`4 + RDMA_ERROR_BYTES`, room for an ERROR message).
+const RECVS_PER_CONN: u64 = 1024;
+#[cfg(feature = "rdma")]
+const RECV_BUF_BYTES: u64 = 4 + kspeed::transport::rdma::RDMA_ERROR_BYTES as u64;
+#[cfg(not(feature = "rdma"))]
+const RECV_BUF_BYTES: u64 = 4 + 128;
+/// Receives one shared receive queue per node would keep posted: the
+/// completions of a node's 8 rings in flight at once, with margin.
+const SRQ_RECVS: u64 = 8192;
 
 fn gib(b: f64) -> String {
     if b >= (1u64 << 30) as f64 {
@@ -371,16 +382,16 @@ fn main() {
         cfg.max_conns_per_poller,
     );
     println!(
-        "| nodes | consumers served per node | RC QPs per node (serve + ranks) | grant tables per node | staging slots per consumer | node full? | per (node, rank) pair rate | QP send queues per node | at start: HELLOs per service (max_handshakes {}) | connect threads per rank |",
+        "| nodes | consumers served per node | RC QPs per node (serve + ranks) | grant tables per node | staging slots per consumer | node full? | per (node, rank) pair rate | QP send queues per node | at start: HELLOs per service (max_handshakes {}) | connect threads per rank | ranks' posted receives per node (RDMA) |",
         cfg.max_handshakes
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
     for nodes in NODE_COUNTS {
         let consumers = (nodes as u64 - 1) * RANKS_PER_NODE as u64;
         let outbound = consumers; // 8 local ranks x (nodes-1) services
         let qps = consumers + outbound;
         println!(
-            "| {nodes} | {consumers} | {qps} | {} | {:.2} | {} | {:.2} samples/s | {} | {consumers} | {} |",
+            "| {nodes} | {consumers} | {qps} | {} | {:.2} | {} | {:.2} samples/s | {} | {consumers} | {} | {} |",
             gib((consumers * per_consumer_grants) as f64),
             slots as f64 / consumers as f64,
             if consumers > max_consumers {
@@ -391,6 +402,7 @@ fn main() {
             TARGET_PER_GPU / nodes as f64,
             gib((qps * sq_entries * WQE_BYTES) as f64),
             nodes - 1,
+            gib((outbound * RECVS_PER_CONN * RECV_BUF_BYTES) as f64),
         );
     }
     println!(
@@ -403,17 +415,18 @@ fn main() {
     // and not yet received: their lookahead, not a reservation per peer.
     let lookahead = 2 * BATCH;
     println!(
-        "| nodes | connections per node | RC QPs per node | with DC transport (16 DCIs + 1 DCT) | grant pool per node (8 ranks x {lookahead} samples lookahead) | per (node, node) pair rate |"
+        "| nodes | connections per node | RC QPs per node | with DC transport (16 DCIs + 1 DCT) | grant pool per node (8 ranks x {lookahead} samples lookahead) | per (node, node) pair rate | posted receives with one SRQ ({SRQ_RECVS}) |"
     );
-    println!("|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|");
     for nodes in NODE_COUNTS {
         let peers = nodes as u64 - 1;
         println!(
-            "| {nodes} | {} | {} | 17 | {:.0} KiB | {:.0} samples/s |",
+            "| {nodes} | {} | {} | 17 | {:.0} KiB | {:.0} samples/s | {} |",
             2 * peers,
             2 * peers,
             (RANKS_PER_NODE as u64 * lookahead * grant_bytes) as f64 / 1024.0,
             RANKS_PER_NODE as f64 * TARGET_PER_GPU / nodes as f64,
+            gib((SRQ_RECVS * RECV_BUF_BYTES) as f64),
         );
     }
     eprintln!("model done in {:.1} s", t0.elapsed().as_secs_f64());
