@@ -2352,3 +2352,145 @@ fn launcher_node_lists_resolve_through_hosts_file() {
     );
     std::fs::write(marker, "done").unwrap();
 }
+
+/// The C ABI's cluster keys: a SLURM hostlist with `cluster_port`, a name
+/// pattern with `cluster_node_count`, and `cluster_env` (rank and world
+/// from the launcher's variables) reach real node services; bad values are
+/// `KSP_ERR_INVALID_ARG` at `ksp_loader_new` with the named error.
+#[test]
+fn capi_cluster_keys_from_hostlist_pattern_and_environment() {
+    use kspeed::capi::*;
+    let st = setup("tiny", 300, 2, 1);
+    let cat = Catalog::open(&st.catalog).unwrap();
+    // Both services on one port of their own addresses, as in a cluster.
+    let n0 = Serve::start_on_free_port(&st.spaces[0], &node_ip(0), &st.token);
+    let port = n0.addr.rsplit(':').next().unwrap().to_string();
+    let _n1 = Serve::start(
+        &st.spaces[1],
+        &format!("{}:{port}", node_ip(1)),
+        &st.token,
+        &[],
+    );
+    let prefix = node_ip(0).rsplit_once('.').unwrap().0.to_string();
+    let cstr = |x: &str| std::ffi::CString::new(x).unwrap();
+    // Builds a loader from `keys`, drains one epoch and returns the ids, or
+    // the failing status and message.
+    let run = |keys: &[(&str, String)]| -> Result<Vec<u64>, (ksp_status, String)> {
+        // SAFETY: the C ABI used as documented: live handles,
+        // NUL-terminated strings, writable out-parameters.
+        unsafe {
+            let mut cfg = std::ptr::null_mut();
+            assert_eq!(ksp_config_new(&mut cfg), ksp_status::KSP_OK);
+            let mut pairs = vec![
+                ("source", s(&st.src).to_string()),
+                ("catalog", s(&st.catalog).to_string()),
+                ("token", TOKEN.to_string()),
+                ("batch_size", "16".into()),
+                ("seed", "3".into()),
+                ("ring_bytes", "1MiB".into()),
+                ("pollers", "1".into()),
+                ("pin", "false".into()),
+            ];
+            if rdma_mode() {
+                pairs.push(("rdma", "true".into()));
+            }
+            pairs.extend(keys.iter().map(|(k, v)| (*k, v.clone())));
+            for (k, v) in pairs {
+                assert_eq!(
+                    ksp_config_set(cfg, cstr(k).as_ptr(), cstr(&v).as_ptr()),
+                    ksp_status::KSP_OK,
+                    "{k}"
+                );
+            }
+            let mut l: *mut ksp_loader = std::ptr::null_mut();
+            let st_new = ksp_loader_new(cfg, &mut l);
+            ksp_config_free(cfg);
+            if st_new != ksp_status::KSP_OK {
+                let mut buf = vec![0 as std::ffi::c_char; 1024];
+                let mut len = 0usize;
+                ksp_last_error(buf.as_mut_ptr(), buf.len(), &mut len);
+                let msg = std::ffi::CStr::from_ptr(buf.as_ptr())
+                    .to_string_lossy()
+                    .into_owned();
+                return Err((st_new, msg));
+            }
+            let mut ids = Vec::new();
+            loop {
+                let mut b: ksp_batch = std::mem::zeroed();
+                assert_eq!(ksp_loader_next_batch(l, &mut b), ksp_status::KSP_OK);
+                if b.count == 0 {
+                    break;
+                }
+                for smp in std::slice::from_raw_parts(b.samples, b.count) {
+                    let bytes = std::slice::from_raw_parts(smp.data, smp.len);
+                    assert_eq!(crc32c::crc32c(bytes), cat.sample(smp.id).crc32c);
+                    ids.push(smp.id);
+                }
+                ksp_loader_release_batch(l, b.seq);
+            }
+            ksp_loader_free(l);
+            Ok(ids)
+        }
+    };
+    let order = |rank: u32, world: u32| -> Vec<u64> {
+        let sm = Sampler::new(SamplerConfig {
+            len: 300,
+            seed: 3,
+            shuffle: true,
+            rank,
+            world,
+            drop_last: false,
+        })
+        .unwrap();
+        (0..sm.per_rank()).map(|k| sm.sample(0, k)).collect()
+    };
+    let ids = run(&[
+        ("cluster_nodelist", format!("{prefix}.[1-2]")),
+        ("cluster_port", port.clone()),
+    ])
+    .unwrap();
+    assert_eq!(ids, order(0, 1));
+    // A pattern: 127.0.0.10 and .11 serve nothing, so the loader (with no
+    // local space) cannot learn the placement: a named error, not a hang.
+    let (code, msg) = run(&[
+        ("cluster_nodes_dns", format!("{prefix}.1{{i}}")),
+        ("cluster_port", port.clone()),
+        ("cluster_node_count", "2".into()),
+    ])
+    .unwrap_err();
+    assert_eq!(code, ksp_status::KSP_ERR_INVALID_ARG);
+    assert!(msg.contains("no node could be reached"), "{msg}");
+    // The environment gives rank and world (and, with no explicit list,
+    // the nodes); the explicit list wins over KSPEED_NODES. (The C ABI
+    // reads the process's environment: nextest runs each test in its own
+    // process, the VM script with one thread; children spawned meanwhile
+    // by other tests pass --cluster-env only with these set explicitly.)
+    std::env::set_var("RANK", "1");
+    std::env::set_var("WORLD_SIZE", "2");
+    std::env::set_var("LOCAL_WORLD_SIZE", "1");
+    std::env::set_var("KSPEED_NODES", "nowhere.invalid:1,nowhere.invalid:2");
+    let ids = run(&[
+        ("cluster_env", "true".into()),
+        (
+            "cluster_nodes",
+            format!("{prefix}.1:{port},{prefix}.2:{port}"),
+        ),
+    ])
+    .unwrap();
+    assert_eq!(ids, order(1, 2));
+    std::env::set_var(
+        "KSPEED_NODES",
+        format!("{prefix}.1:{port},{prefix}.2:{port}"),
+    );
+    assert_eq!(run(&[("cluster_env", "true".into())]).unwrap(), order(1, 2));
+    for k in ["RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "KSPEED_NODES"] {
+        std::env::remove_var(k);
+    }
+    // Bad values: named errors at ksp_loader_new.
+    let (code, msg) = run(&[("cluster_nodelist", "gpu[1-".into())]).unwrap_err();
+    assert_eq!(code, ksp_status::KSP_ERR_INVALID_ARG);
+    assert!(msg.contains("hostlist \"gpu[1-\" at byte 3"), "{msg}");
+    let (code, msg) = run(&[("cluster_nodes_dns", "k-{i}:1".into())]).unwrap_err();
+    assert_eq!(code, ksp_status::KSP_ERR_INVALID_ARG);
+    assert!(msg.contains("needs a node count"), "{msg}");
+}
