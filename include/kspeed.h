@@ -212,6 +212,11 @@ void ksp_config_free(ksp_config *cfg);
 // | `gpu_ring` | CUDA device ordinal: the ring lives in that GPU's memory and RDMA writes land there (cluster mode over RDMA with a `source`; batch pointers are then device pointers) |
 // | `start_epoch` | first epoch |
 // | `cluster_file` | cluster mode: the node list |
+// | `cluster_nodes` | cluster mode: the node services' `host:port`, comma-separated, in node order |
+// | `cluster_nodelist` | cluster mode: a SLURM hostlist (`gpu[01-04,07]`), at `cluster_port` |
+// | `cluster_nodes_dns`, `cluster_node_count` | cluster mode: a name pattern with `{i}` (`kspeed-{i}.kspeed.ns.svc:7400`) for that many nodes |
+// | `cluster_port` | port for `cluster_nodelist` and a pattern without one (default: `KSPEED_PORT`, else 7400) |
+// | `cluster_env` | true: rank, world and (unless one of the above is set) the node list from the launcher's environment, as `kspeed read --cluster-env` (docs/DEPLOY.md) |
 // | `token` | cluster mode: the job token |
 // | `node_timeout_ms` | cluster mode: failover timeout |
 // | `rdma` | cluster mode: true to receive over RDMA (every node serves with `--rdma`) |

@@ -2,7 +2,8 @@
 # Installs the system packages kspeed builds and tests with (Debian/Ubuntu).
 # Idempotent: does nothing when everything is already there.
 set -euo pipefail
-pkgs=(libibverbs-dev librdmacm-dev ibverbs-providers libclang-dev pkg-config fio util-linux iproute2 procps gcc g++ cmake valgrind)
+# systemd: systemd-analyze verifies packaging/systemd (tests/packaging.rs).
+pkgs=(libibverbs-dev librdmacm-dev ibverbs-providers libclang-dev pkg-config fio util-linux iproute2 procps gcc g++ cmake valgrind systemd)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

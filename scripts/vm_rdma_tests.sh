@@ -15,6 +15,7 @@ echo "== verbs layer and RDMA end-to-end tests"
 "$rdma_bin" --include-ignored --test-threads 1
 echo "== the cluster tests over RDMA (KSPEED_TEST_RDMA=1)"
 # Not the ones whose peer is a hand-written TCP node or consumer, nor the
-# network-namespace one (TCP plumbing): tests/rdma.rs has RDMA's hostile peers.
+# network-namespace ones (TCP plumbing; a fresh namespace has no RDMA
+# netdev): tests/rdma.rs has RDMA's hostile peers.
 KSPEED_TEST_RDMA=1 "$cluster_bin" --test-threads 1 \
-  --skip hostile_ --skip network_namespaces
+  --skip hostile_ --skip network_namespaces --skip launcher_node_lists

@@ -378,6 +378,17 @@ pub enum Error {
         /// What is wrong.
         reason: String,
     },
+    /// A SLURM hostlist (`SLURM_JOB_NODELIST`, `--nodelist`) does not
+    /// follow the grammar.
+    #[error("hostlist {list:?} at byte {at}: {reason}")]
+    BadHostlist {
+        /// The hostlist as given.
+        list: String,
+        /// Byte offset in `list` where it is wrong.
+        at: usize,
+        /// What is wrong.
+        reason: String,
+    },
     /// A node refused the connection at HELLO (token, version, dataset).
     #[error("node {node} ({addr}) refused the connection: {code}: {message}")]
     Refused {

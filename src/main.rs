@@ -52,9 +52,23 @@ enum Cmd {
     /// Write one sample's bytes from the space to stdout, checked against its CRC32C.
     Cat(ls::CatArgs),
     /// Drain epochs through the loader (io_uring pollers, landing ring) and report throughput.
-    Read(read::ReadArgs),
+    Read(Box<read::ReadArgs>),
     /// Serve this node's space to remote consumers (the cluster's node service).
     Serve(ServeArgs),
+    /// Write the completion script for SHELL to stdout (for packagers:
+    /// packaging/README.md).
+    #[command(hide = true)]
+    Completions {
+        /// bash, zsh, fish, elvish or powershell.
+        shell: clap_complete::Shell,
+    },
+    /// Write the man pages (kspeed.1 and kspeed-COMMAND.1) into DIR (for
+    /// packagers: packaging/README.md).
+    #[command(hide = true)]
+    Man {
+        /// Output directory (created if missing).
+        dir: PathBuf,
+    },
 }
 
 #[derive(Args)]
@@ -449,7 +463,7 @@ fn run(cli: Cli) -> kspeed::Result<ExitCode> {
             dataset::unload(&a.space)?;
             println!("removed space {}", a.space.display());
         }
-        Cmd::Read(a) => read::run(a, progress)?,
+        Cmd::Read(a) => read::run(*a, progress)?,
         Cmd::Serve(a) => {
             let token = read_token(&a.token_file)?;
             let mut cfg = kspeed::transport::ServeConfig::new(&a.space, &a.listen, &token);
@@ -495,6 +509,17 @@ fn run(cli: Cli) -> kspeed::Result<ExitCode> {
             inspect::run(&a.space, &a.catalog, a.nodes, a.replicas, a.devices, a.json)?
         }
         Cmd::Verify(a) => return verify_cmd::run(a, progress),
+        Cmd::Completions { shell } => {
+            use clap::CommandFactory;
+            clap_complete::generate(shell, &mut Cli::command(), "kspeed", &mut std::io::stdout());
+        }
+        Cmd::Man { dir } => {
+            use clap::CommandFactory;
+            std::fs::create_dir_all(&dir).map_err(|e| kspeed::Error::io("create", &dir, e))?;
+            clap_mangen::generate_to(Cli::command(), &dir)
+                .map_err(|e| kspeed::Error::io("write man pages into", &dir, e))?;
+            println!("wrote man pages into {}", dir.display());
+        }
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -127,10 +127,31 @@ pub(crate) struct ReadArgs {
     #[arg(long, default_value_t = 0)]
     compute_us: u64,
     /// Cluster mode: a file listing the node services (`<index> <host:port>` per line).
-    #[arg(long, conflicts_with = "cluster_env")]
+    #[arg(long, conflicts_with_all = ["nodelist", "nodes_dns"])]
     cluster: Option<PathBuf>,
-    /// Cluster mode from the launcher's environment (RANK, WORLD_SIZE,
-    /// LOCAL_WORLD_SIZE, KSPEED_NODES); also sets --rank and --world.
+    /// Cluster mode: the node services' hosts as a SLURM hostlist
+    /// (`gpu[01-04,07]`), node i = the i-th host, each at --node-port.
+    #[arg(long, conflicts_with = "nodes_dns")]
+    nodelist: Option<String>,
+    /// Cluster mode: the node services' names, `{i}` standing for the node
+    /// index 0..N-1 (a Kubernetes headless service:
+    /// `kspeed-{i}.kspeed.ns.svc:7400`); N from --nodes (or, with
+    /// --cluster-env, WORLD_SIZE / LOCAL_WORLD_SIZE).
+    #[arg(long)]
+    nodes_dns: Option<String>,
+    /// Node count for --nodes-dns.
+    #[arg(long, requires = "nodes_dns")]
+    nodes: Option<u32>,
+    /// Port of the node services for --nodelist and a --nodes-dns pattern
+    /// without one (default: KSPEED_PORT, else 7400).
+    #[arg(long)]
+    node_port: Option<u16>,
+    /// Cluster mode from the launcher's environment: rank and world from
+    /// torchrun (RANK, WORLD_SIZE, LOCAL_WORLD_SIZE) or srun (SLURM_PROCID,
+    /// SLURM_NTASKS, ...), which also set --rank and --world; the node list,
+    /// unless given by --cluster/--nodelist/--nodes-dns, from KSPEED_NODES,
+    /// else KSPEED_NODES_DNS (+ KSPEED_NODE_COUNT), else SLURM_JOB_NODELIST,
+    /// else MASTER_ADDR (one node). docs/DEPLOY.md.
     #[arg(long)]
     cluster_env: bool,
     /// Job token file for the node services.
@@ -235,14 +256,24 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
     if let (Some(r), Some(w)) = (a.local_rank, a.local_world_size) {
         b = b.local_rank(r, w);
     }
-    let cluster = match (&a.cluster, a.cluster_env) {
-        (Some(f), _) => Some(kspeed::transport::Cluster::from_file(f)?),
-        (None, true) => {
-            let (c, env) = kspeed::transport::Cluster::from_env()?;
-            b = b.rank(env.rank, env.world);
+    let spec = kspeed::transport::ClusterSpec {
+        file: a.cluster.clone(),
+        addrs: None,
+        hostlist: a.nodelist.clone(),
+        dns: a.nodes_dns.clone(),
+        nodes: a.nodes,
+        port: a.node_port,
+        env: a.cluster_env,
+    };
+    let cluster_mode = spec.is_set();
+    let cluster = match spec.resolve()? {
+        Some((c, env)) => {
+            if let Some(env) = env {
+                b = b.rank(env.rank, env.world);
+            }
             Some(c)
         }
-        (None, false) => None,
+        None => None,
     };
     if let Some(c) = cluster {
         let token = match &a.token_file {
@@ -260,7 +291,8 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
             .rdma(a.rdma.options());
     } else if a.rdma.rdma {
         return Err(kspeed::Error::InvalidConfig(
-            "--rdma is for cluster mode (--cluster or --cluster-env)".into(),
+            "--rdma is for cluster mode (--cluster, --nodelist, --nodes-dns or --cluster-env)"
+                .into(),
         ));
     }
     if let Some(l) = a.lookahead {
@@ -409,7 +441,7 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
         "delivered {} samples; read ahead and not consumed: {} (the pollers run ahead into the next epoch)",
         st.samples, st.read_ahead_discarded
     );
-    if a.cluster.is_some() || a.cluster_env {
+    if cluster_mode {
         println!(
             "cluster ({}): {} samples pushed by other nodes, {} failed over, {} read from the source",
             if a.rdma.rdma { "RDMA" } else { "TCP" },

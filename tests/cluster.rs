@@ -2182,3 +2182,322 @@ fn a_failed_restart_keeps_its_first_error_and_answers_every_call() {
         ksp_loader_free(c);
     }
 }
+
+/// The node list from the launcher, by name: SLURM's `SLURM_JOB_NODELIST`
+/// (`gpu[01-02]` + `KSPEED_PORT`) and a Kubernetes headless-service pattern
+/// (`kspeed-{i}.kspeed.ns.svc:7400`), with the names resolved through an
+/// /etc/hosts of the test's own. The test runs itself again inside a fresh
+/// network and mount namespace (`unshare -n -m`, root only) where it brings
+/// up lo with 127.0.0.2 and .3 and bind-mounts its hosts file over
+/// /etc/hosts; every node service listens on the same port 7400 of its own
+/// address, as in a real cluster.
+#[test]
+fn launcher_node_lists_resolve_through_hosts_file() {
+    const INNER: &str = "KSPEED_TEST_NETNS_MARKER";
+    let name = "launcher_node_lists_resolve_through_hosts_file";
+    let Some(marker) = std::env::var_os(INNER) else {
+        // Outside: probe, then run this test again in the namespaces.
+        let probe = Command::new("unshare")
+            .args(["-n", "-m", "--", "sh", "-c"])
+            .arg("ip link set lo up && mount --bind /etc/hostname /etc/hostname")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+        if !probe.is_ok_and(|s| s.success()) {
+            skip("unshare -n -m with ip and mount (root) is not available here");
+            return;
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let marker = tmp.path().join("ran");
+        let out = Command::new("unshare")
+            .args(["-n", "-m", "--"])
+            .arg(std::env::current_exe().unwrap())
+            .args(["--exact", name, "--nocapture", "--test-threads=1"])
+            .env(INNER, &marker)
+            .output()
+            .unwrap();
+        let t = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(out.status.success(), "inside the namespaces:\n{t}");
+        // libtest exits 0 when the filter matches nothing: the inner run
+        // leaves its mark after its last check.
+        assert_eq!(
+            std::fs::read_to_string(&marker).ok().as_deref(),
+            Some("done"),
+            "the test did not run inside the namespaces:\n{t}"
+        );
+        return;
+    };
+    // Inside: the namespaces are ours alone.
+    let sh = |cmd: &str| {
+        let o = Command::new("sh").args(["-c", cmd]).output().unwrap();
+        assert!(o.status.success(), "{cmd}: {}", text(&o));
+    };
+    sh("ip link set lo up && ip addr add 127.0.0.2/8 dev lo && ip addr add 127.0.0.3/8 dev lo");
+    let st = setup("tiny", 300, 2, 1);
+    let hosts = st.spaces[0].parent().unwrap().join("hosts");
+    std::fs::write(
+        &hosts,
+        "127.0.0.1 localhost\n\
+         127.0.0.2 gpu01 kspeed-0.kspeed.ns.svc\n\
+         127.0.0.3 gpu02 kspeed-1.kspeed.ns.svc\n",
+    )
+    .unwrap();
+    sh(&format!("mount --bind {} /etc/hosts", s(&hosts)));
+    // The services listen by name too (resolved through the same file).
+    let serves: Vec<Serve> = (0..2)
+        .map(|i| {
+            Serve::start(
+                &st.spaces[i],
+                &format!("gpu0{}:7400", i + 1),
+                &st.token,
+                &[],
+            )
+        })
+        .collect();
+    assert_eq!(serves[0].addr, "127.0.0.2:7400");
+    assert_eq!(serves[1].addr, "127.0.0.3:7400");
+    let cat = Catalog::open(&st.catalog).unwrap();
+
+    // SLURM (plain srun, one task per node): each rank reads its whole
+    // sequence, every sample pushed by a node (none from the source).
+    for rank in 0..2u32 {
+        let env = [
+            ("SLURM_PROCID", rank.to_string()),
+            ("SLURM_NTASKS", "2".into()),
+            ("SLURM_NODEID", rank.to_string()),
+            ("SLURM_JOB_NODELIST", "gpu[01-02]".into()),
+            ("KSPEED_PORT", "7400".into()),
+        ];
+        let (cluster, launch) =
+            Cluster::from_vars(|k| env.iter().find(|(n, _)| *n == k).map(|(_, v)| v.clone()))
+                .unwrap();
+        assert_eq!(cluster.nodes[1].addr, "gpu02:7400");
+        assert_eq!((launch.rank, launch.world, launch.node), (rank, 2, rank));
+        let mut l = builder_remote(&st, &["unused:1"], 1 << 20)
+            .cluster(cluster)
+            .rank(rank, 2)
+            .build()
+            .unwrap();
+        assert_eq!(check(&mut l, &cat, rank, 2, 2), 300, "rank {rank}");
+        assert_eq!(l.stats().source_reads, 0);
+    }
+
+    // Kubernetes: the CLI with --nodes-dns / --nodes, and the same through
+    // the environment (KSPEED_NODES_DNS, count from WORLD_SIZE).
+    let read = |extra: &[&str], env: &[(&str, &str)]| {
+        let o = Command::new(kspeed_bin())
+            .args(["read", "--progress=none", "--source", s(&st.src)])
+            .args(["--catalog", s(&st.catalog), "--seed", "3", "--verify"])
+            .args([
+                "--token-file",
+                s(&st.token),
+                "--ring-bytes",
+                "1MiB",
+                "--no-pin",
+            ])
+            .args(extra)
+            .envs(env.iter().copied())
+            .output()
+            .unwrap();
+        let t = text(&o);
+        assert!(o.status.success(), "{t}");
+        t
+    };
+    let t = read(
+        &[
+            "--nodes-dns",
+            "kspeed-{i}.kspeed.ns.svc:7400",
+            "--nodes",
+            "2",
+        ],
+        &[],
+    );
+    assert!(
+        t.contains("read 300 samples") && t.contains("cluster (TCP)"),
+        "{t}"
+    );
+    assert!(t.contains(" 0 failed over, 0 read from the source"), "{t}");
+    let t = read(
+        &["--cluster-env"],
+        &[
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ("KSPEED_NODES_DNS", "kspeed-{i}.kspeed.ns.svc"),
+            ("KSPEED_PORT", "7400"),
+        ],
+    );
+    assert!(t.contains("read 150 samples"), "{t}");
+    // A hostlist naming more nodes than the space was placed over, and
+    // one that breaks the grammar: named errors, exit status 1.
+    let fail = |extra: &[&str]| {
+        let o = Command::new(kspeed_bin())
+            .args(["read", "--progress=none", "--source", s(&st.src)])
+            .args(["--catalog", s(&st.catalog), "--token-file", s(&st.token)])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+        text(&o)
+    };
+    let t = fail(&["--nodelist", "gpu[01-03]", "--node-port", "7400"]);
+    assert!(t.contains("the cluster lists 3 nodes"), "{t}");
+    let t = fail(&["--nodelist", "gpu[01-02"]);
+    assert!(
+        t.contains("hostlist \"gpu[01-02\" at byte 3: `[` is never closed"),
+        "{t}"
+    );
+    std::fs::write(marker, "done").unwrap();
+}
+
+/// The C ABI's cluster keys: a SLURM hostlist with `cluster_port`, a name
+/// pattern with `cluster_node_count`, and `cluster_env` (rank and world
+/// from the launcher's variables) reach real node services; bad values are
+/// `KSP_ERR_INVALID_ARG` at `ksp_loader_new` with the named error.
+#[test]
+fn capi_cluster_keys_from_hostlist_pattern_and_environment() {
+    use kspeed::capi::*;
+    let st = setup("tiny", 300, 2, 1);
+    let cat = Catalog::open(&st.catalog).unwrap();
+    // Both services on one port of their own addresses, as in a cluster.
+    let n0 = Serve::start_on_free_port(&st.spaces[0], &node_ip(0), &st.token);
+    let port = n0.addr.rsplit(':').next().unwrap().to_string();
+    let _n1 = Serve::start(
+        &st.spaces[1],
+        &format!("{}:{port}", node_ip(1)),
+        &st.token,
+        &[],
+    );
+    let prefix = node_ip(0).rsplit_once('.').unwrap().0.to_string();
+    let cstr = |x: &str| std::ffi::CString::new(x).unwrap();
+    // Builds a loader from `keys`, drains one epoch and returns the ids, or
+    // the failing status and message.
+    let run = |keys: &[(&str, String)]| -> Result<Vec<u64>, (ksp_status, String)> {
+        // SAFETY: the C ABI used as documented: live handles,
+        // NUL-terminated strings, writable out-parameters.
+        unsafe {
+            let mut cfg = std::ptr::null_mut();
+            assert_eq!(ksp_config_new(&mut cfg), ksp_status::KSP_OK);
+            let mut pairs = vec![
+                ("source", s(&st.src).to_string()),
+                ("catalog", s(&st.catalog).to_string()),
+                ("token", TOKEN.to_string()),
+                ("batch_size", "16".into()),
+                ("seed", "3".into()),
+                ("ring_bytes", "1MiB".into()),
+                ("pollers", "1".into()),
+                ("pin", "false".into()),
+            ];
+            if rdma_mode() {
+                pairs.push(("rdma", "true".into()));
+            }
+            pairs.extend(keys.iter().map(|(k, v)| (*k, v.clone())));
+            for (k, v) in pairs {
+                assert_eq!(
+                    ksp_config_set(cfg, cstr(k).as_ptr(), cstr(&v).as_ptr()),
+                    ksp_status::KSP_OK,
+                    "{k}"
+                );
+            }
+            let mut l: *mut ksp_loader = std::ptr::null_mut();
+            let st_new = ksp_loader_new(cfg, &mut l);
+            ksp_config_free(cfg);
+            if st_new != ksp_status::KSP_OK {
+                let mut buf = vec![0 as std::ffi::c_char; 1024];
+                let mut len = 0usize;
+                ksp_last_error(buf.as_mut_ptr(), buf.len(), &mut len);
+                let msg = std::ffi::CStr::from_ptr(buf.as_ptr())
+                    .to_string_lossy()
+                    .into_owned();
+                return Err((st_new, msg));
+            }
+            let mut ids = Vec::new();
+            loop {
+                let mut b: ksp_batch = std::mem::zeroed();
+                assert_eq!(ksp_loader_next_batch(l, &mut b), ksp_status::KSP_OK);
+                if b.count == 0 {
+                    break;
+                }
+                for smp in std::slice::from_raw_parts(b.samples, b.count) {
+                    let bytes = std::slice::from_raw_parts(smp.data, smp.len);
+                    assert_eq!(crc32c::crc32c(bytes), cat.sample(smp.id).crc32c);
+                    ids.push(smp.id);
+                }
+                ksp_loader_release_batch(l, b.seq);
+            }
+            ksp_loader_free(l);
+            Ok(ids)
+        }
+    };
+    let order = |rank: u32, world: u32| -> Vec<u64> {
+        let sm = Sampler::new(SamplerConfig {
+            len: 300,
+            seed: 3,
+            shuffle: true,
+            rank,
+            world,
+            drop_last: false,
+        })
+        .unwrap();
+        (0..sm.per_rank()).map(|k| sm.sample(0, k)).collect()
+    };
+    let ids = run(&[
+        ("cluster_nodelist", format!("{prefix}.[1-2]")),
+        ("cluster_port", port.clone()),
+    ])
+    .unwrap();
+    assert_eq!(ids, order(0, 1));
+    // A pattern: 127.0.0.10 and .11 serve nothing, so the loader (with no
+    // local space) cannot learn the placement: a named error, not a hang.
+    let (code, msg) = run(&[
+        ("cluster_nodes_dns", format!("{prefix}.1{{i}}")),
+        ("cluster_port", port.clone()),
+        ("cluster_node_count", "2".into()),
+    ])
+    .unwrap_err();
+    assert_eq!(code, ksp_status::KSP_ERR_INVALID_ARG);
+    assert!(msg.contains("no node could be reached"), "{msg}");
+    // The environment gives rank and world (and, with no explicit list,
+    // the nodes); the explicit list wins over KSPEED_NODES. (The C ABI
+    // reads the process's environment: nextest runs each test in its own
+    // process, the VM script with one thread; children spawned meanwhile
+    // by other tests pass --cluster-env only with these set explicitly.)
+    std::env::set_var("RANK", "1");
+    std::env::set_var("WORLD_SIZE", "2");
+    std::env::set_var("LOCAL_RANK", "0");
+    std::env::set_var("LOCAL_WORLD_SIZE", "1");
+    std::env::set_var("KSPEED_NODES", "nowhere.invalid:1,nowhere.invalid:2");
+    let ids = run(&[
+        ("cluster_env", "true".into()),
+        (
+            "cluster_nodes",
+            format!("{prefix}.1:{port},{prefix}.2:{port}"),
+        ),
+    ])
+    .unwrap();
+    assert_eq!(ids, order(1, 2));
+    std::env::set_var(
+        "KSPEED_NODES",
+        format!("{prefix}.1:{port},{prefix}.2:{port}"),
+    );
+    assert_eq!(run(&[("cluster_env", "true".into())]).unwrap(), order(1, 2));
+    for k in [
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "KSPEED_NODES",
+    ] {
+        std::env::remove_var(k);
+    }
+    // Bad values: named errors at ksp_loader_new.
+    let (code, msg) = run(&[("cluster_nodelist", "gpu[1-".into())]).unwrap_err();
+    assert_eq!(code, ksp_status::KSP_ERR_INVALID_ARG);
+    assert!(msg.contains("hostlist \"gpu[1-\" at byte 3"), "{msg}");
+    let (code, msg) = run(&[("cluster_nodes_dns", "k-{i}:1".into())]).unwrap_err();
+    assert_eq!(code, ksp_status::KSP_ERR_INVALID_ARG);
+    assert!(msg.contains("needs a node count"), "{msg}");
+}

@@ -33,7 +33,7 @@ use crate::loader::{Loader, LoaderBuilder};
 mod classes;
 use crate::progress::ProgressMode;
 use crate::sampler::POSITION_BYTES;
-use crate::transport::{Cluster, NodeService, ServeConfig};
+use crate::transport::{ClusterSpec, NodeService, ServeConfig};
 pub use classes::{
     ksp_loader_class_count, ksp_loader_class_name, ksp_loader_member_count, ksp_loader_member_name,
     ksp_loader_sample_member,
@@ -115,6 +115,7 @@ fn status_of(e: &Error) -> ksp_status {
         | Error::BadPosition(_)
         | Error::BadCluster { .. }
         | Error::BadPlacement { .. }
+        | Error::BadHostlist { .. }
         | Error::SampleLargerThanRing { .. }
         | Error::RingTooSmallForBatch { .. } => KSP_ERR_INVALID_ARG,
         Error::Refused { .. }
@@ -266,7 +267,7 @@ pub struct ksp_config {
     /// The Rust builder itself: its defaults are the C ABI's.
     builder: LoaderBuilder,
     /// Cluster mode (resolved when the loader is created).
-    cluster_file: Option<PathBuf>,
+    cluster: ClusterSpec,
     token: Option<Vec<u8>>,
 }
 
@@ -288,7 +289,7 @@ pub unsafe extern "C" fn ksp_config_new(out: *mut *mut ksp_config) -> ksp_status
         };
         let cfg = Box::new(ksp_config {
             builder: LoaderBuilder::empty().landing(landing),
-            cluster_file: None,
+            cluster: ClusterSpec::default(),
             token: None,
         });
         // SAFETY: out is writable (checked non-null; contract).
@@ -349,6 +350,11 @@ fn parse_bool(key: &str, v: &str) -> Result<bool, Fail> {
 /// | `gpu_ring` | CUDA device ordinal: the ring lives in that GPU's memory and RDMA writes land there (cluster mode over RDMA with a `source`; batch pointers are then device pointers) |
 /// | `start_epoch` | first epoch |
 /// | `cluster_file` | cluster mode: the node list |
+/// | `cluster_nodes` | cluster mode: the node services' `host:port`, comma-separated, in node order |
+/// | `cluster_nodelist` | cluster mode: a SLURM hostlist (`gpu[01-04,07]`), at `cluster_port` |
+/// | `cluster_nodes_dns`, `cluster_node_count` | cluster mode: a name pattern with `{i}` (`kspeed-{i}.kspeed.ns.svc:7400`) for that many nodes |
+/// | `cluster_port` | port for `cluster_nodelist` and a pattern without one (default: `KSPEED_PORT`, else 7400) |
+/// | `cluster_env` | true: rank, world and (unless one of the above is set) the node list from the launcher's environment, as `kspeed read --cluster-env` (docs/DEPLOY.md) |
 /// | `token` | cluster mode: the job token |
 /// | `node_timeout_ms` | cluster mode: failover timeout |
 /// | `rdma` | cluster mode: true to receive over RDMA (every node serves with `--rdma`) |
@@ -417,7 +423,31 @@ pub unsafe extern "C" fn ksp_config_set(
             }),
             "node_timeout_ms" => b.node_timeout(Duration::from_millis(parse_num(k, v)?)),
             "cluster_file" => {
-                c.cluster_file = Some(v.into());
+                c.cluster.file = Some(v.into());
+                b
+            }
+            "cluster_nodes" => {
+                c.cluster.addrs = Some(v.split(',').map(str::to_string).collect());
+                b
+            }
+            "cluster_nodelist" => {
+                c.cluster.hostlist = Some(v.into());
+                b
+            }
+            "cluster_nodes_dns" => {
+                c.cluster.dns = Some(v.into());
+                b
+            }
+            "cluster_node_count" => {
+                c.cluster.nodes = Some(parse_num(k, v)?);
+                b
+            }
+            "cluster_port" => {
+                c.cluster.port = Some(parse_num(k, v)?);
+                b
+            }
+            "cluster_env" => {
+                c.cluster.env = parse_bool(k, v)?;
                 b
             }
             "token" => {
@@ -569,12 +599,15 @@ pub unsafe extern "C" fn ksp_loader_new(
         // SAFETY: live configuration (contract).
         let c = unsafe { &*cfg };
         let mut b = c.builder.clone();
-        if let Some(f) = &c.cluster_file {
+        if let Some((cluster, env)) = c.cluster.resolve()? {
             let token = c
                 .token
                 .as_ref()
-                .ok_or_else(|| Fail::Invalid("cluster_file is set but token is not".into()))?;
-            b = b.cluster(Cluster::from_file(f)?).token(token);
+                .ok_or_else(|| Fail::Invalid("cluster mode is set but token is not".into()))?;
+            if let Some(env) = env {
+                b = b.rank(env.rank, env.world);
+            }
+            b = b.cluster(cluster).token(token);
         }
         let loader = b.build()?;
         let h = Box::new(ksp_loader {

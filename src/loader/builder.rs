@@ -38,14 +38,20 @@ pub struct LoaderBuilder {
     world: u32,
     drop_last: bool,
     landing: LandingOptions,
-    pollers: usize,
+    /// `None`: sized from the poller slice ([`crate::placement`]).
+    pollers: Option<usize>,
     queue_depth: u32,
     submit_batch: u32,
     max_read_bytes: u64,
     lookahead: u64,
-    spin: Duration,
+    /// `None`: [`default_spin`], or none when the slice is shared.
+    spin: Option<Duration>,
     sqpoll_idle_ms: Option<u32>,
     pin: bool,
+    local_rank: Option<u32>,
+    local_world: Option<u32>,
+    poller_numa_node: Option<u32>,
+    sysfs_root: Option<PathBuf>,
     registered_buffers: bool,
     registered_files: bool,
     verify_crc32c: bool,
@@ -60,14 +66,7 @@ pub struct LoaderBuilder {
     local_node: Option<Option<u32>>,
 }
 
-/// Default poller count: a quarter of the cores (at least 1, at most 8),
-/// leaving the rest to the trainer's own preprocessing.
-pub fn default_pollers() -> usize {
-    let cores = std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(1);
-    (cores / 4).clamp(1, 8)
-}
+pub use crate::placement::{default_pollers, default_spin};
 
 /// Default submission batch: a poller submits its queued reads every 8. On
 /// this project's 2-core VM, with 4.5 KiB samples at queue depth 32, a
@@ -76,21 +75,6 @@ pub fn default_pollers() -> usize {
 /// Batches of 8 keep reads arriving while others complete: 0.97x, for 2 %
 /// more CPU (BENCHMARKS.md, "Small samples").
 pub const DEFAULT_SUBMIT_BATCH: u32 = 8;
-
-/// Default busy-poll time: none on machines with 4 cores or fewer, where a
-/// spinning consumer or poller takes the core the other one needs (measured
-/// on 2 cores: tiny samples, 59K/s at 20 µs against 68K/s at 0, and 40 %
-/// less CPU per GB); 20 µs with more cores, to cut wake-up latency.
-pub fn default_spin() -> Duration {
-    let cores = std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(1);
-    if cores <= 4 {
-        Duration::ZERO
-    } else {
-        Duration::from_micros(20)
-    }
-}
 
 impl LoaderBuilder {
     fn new() -> Self {
@@ -105,14 +89,18 @@ impl LoaderBuilder {
             world: 1,
             drop_last: false,
             landing: LandingOptions::default(),
-            pollers: default_pollers(),
+            pollers: None,
             queue_depth: 32,
             submit_batch: DEFAULT_SUBMIT_BATCH,
             max_read_bytes: 4 << 20,
             lookahead: u64::MAX,
-            spin: default_spin(),
+            spin: None,
             sqpoll_idle_ms: None,
             pin: true,
+            local_rank: None,
+            local_world: None,
+            poller_numa_node: None,
+            sysfs_root: None,
             registered_buffers: true,
             registered_files: true,
             verify_crc32c: false,
@@ -226,9 +214,10 @@ impl LoaderBuilder {
         self
     }
 
-    /// Poller threads (default [`default_pollers`]).
+    /// Poller threads (default: a quarter of this rank's core slice, at
+    /// least 1, at most 8; see [`crate::placement`]).
     pub fn pollers(mut self, n: usize) -> Self {
-        self.pollers = n;
+        self.pollers = Some(n);
         self
     }
 
@@ -263,9 +252,10 @@ impl LoaderBuilder {
     }
 
     /// How long pollers and the consumer busy-poll before parking (default
-    /// [`default_spin`]).
+    /// [`default_spin`], and none when this rank shares its cores with
+    /// other ranks).
     pub fn spin(mut self, d: Duration) -> Self {
-        self.spin = d;
+        self.spin = Some(d);
         self
     }
 
@@ -275,9 +265,49 @@ impl LoaderBuilder {
         self
     }
 
-    /// Pin pollers to cores (default true).
+    /// Pin pollers to the cores of this rank's slice (default true; see
+    /// [`crate::placement`]).
     pub fn pin(mut self, on: bool) -> Self {
         self.pin = on;
+        self
+    }
+
+    /// This process's rank among the node's ranks and their number, instead
+    /// of the environment's (`KSPEED_LOCAL_RANK`/`KSPEED_LOCAL_WORLD_SIZE`,
+    /// `LOCAL_RANK`/`LOCAL_WORLD_SIZE`,
+    /// `OMPI_COMM_WORLD_LOCAL_RANK`/`OMPI_COMM_WORLD_LOCAL_SIZE`,
+    /// `SLURM_LOCALID`/`SLURM_NTASKS_PER_NODE`). Each local rank's pollers
+    /// get their own slice of the node's cores.
+    pub fn local_rank(mut self, rank: u32, size: u32) -> Self {
+        self.local_rank = Some(rank);
+        self.local_world = Some(size);
+        self
+    }
+
+    /// Sets the local rank or the local world size alone (for bindings
+    /// that set options one by one); both must be given by build time.
+    pub(crate) fn local_rank_part(mut self, rank: Option<u32>, size: Option<u32>) -> Self {
+        if rank.is_some() {
+            self.local_rank = rank;
+        }
+        if size.is_some() {
+            self.local_world = size;
+        }
+        self
+    }
+
+    /// Take the pollers' cores from this NUMA node (default: the node the
+    /// landing ring is bound to, if any), for example the GPU's node when
+    /// the ring is in GPU memory.
+    pub fn poller_numa_node(mut self, node: Option<u32>) -> Self {
+        self.poller_numa_node = node;
+        self
+    }
+
+    /// Read the CPU topology from this directory shaped like `/sys`
+    /// (default: `KSPEED_SYSFS_ROOT`, else `/sys`).
+    pub fn sysfs_root(mut self, dir: impl AsRef<Path>) -> Self {
+        self.sysfs_root = Some(dir.as_ref().to_path_buf());
         self
     }
 
@@ -386,7 +416,12 @@ impl LoaderBuilder {
         // Ranges are checked here, before anything touches the kernel, so
         // the message names the setting instead of an errno from io_uring.
         for (what, n, max, why) in [
-            ("pollers", self.pollers as u64, MAX_POLLERS, "threads"),
+            (
+                "pollers",
+                self.pollers.unwrap_or(1) as u64,
+                MAX_POLLERS,
+                "threads",
+            ),
             (
                 "queue_depth",
                 self.queue_depth as u64,
@@ -417,6 +452,26 @@ impl LoaderBuilder {
                 )));
             }
         }
+        let local = match (self.local_rank, self.local_world) {
+            (Some(r), Some(w)) => crate::placement::LocalRank::explicit(r, w)?,
+            (None, None) => crate::placement::LocalRank::from_env()?,
+            (r, _) => {
+                return Err(Error::BadPlacement {
+                    origin: "local rank option".into(),
+                    reason: if r.is_some() {
+                        "local_rank given without local_world_size".into()
+                    } else {
+                        "local_world_size given without local_rank".into()
+                    },
+                })
+            }
+        };
+        let topology = crate::placement::Topology::read(
+            &self
+                .sysfs_root
+                .clone()
+                .unwrap_or_else(crate::placement::sysfs_root),
+        )?;
         if self.landing.ring_bytes < 4096 {
             return Err(Error::InvalidConfig(format!(
                 "ring_bytes must be at least 4096, not {}",
@@ -558,15 +613,36 @@ impl LoaderBuilder {
                 t.member_bytes()
             );
         }
+        let mask = crate::placement::affinity();
+        let plan = crate::placement::plan(
+            &topology,
+            &mask,
+            self.poller_numa_node.or(ring.info().numa_node),
+            &local,
+        );
+        for w in &plan.warnings {
+            log::warn!("poller placement: {w}");
+        }
+        let pollers = self
+            .pollers
+            .unwrap_or_else(|| plan.default_pollers(mask.len()));
+        let spin = self.spin.unwrap_or_else(|| {
+            if plan.shared {
+                // Spinning on a core other ranks' pollers share takes it
+                // from them.
+                Duration::ZERO
+            } else {
+                default_spin()
+            }
+        });
         let cfg = PollerConfig {
-            pollers: self.pollers,
+            pollers,
             queue_depth: self.queue_depth,
             submit_batch: self.submit_batch,
             max_read_bytes: self.max_read_bytes,
             lookahead: self.lookahead.max(self.batch_size as u64),
-            spin: self.spin,
+            spin,
             sqpoll_idle_ms: self.sqpoll_idle_ms,
-            pin: self.pin,
             verify_crc32c: self.verify_crc32c,
             faults: self.faults,
         };
@@ -729,8 +805,15 @@ impl LoaderBuilder {
             totals: Totals::new(),
             started: Instant::now(),
             net: net.map(Arc::new),
+            placement: crate::placement::PollerPlacement {
+                pin: self.pin,
+                pollers,
+                pinned: vec![None; pollers],
+                plan,
+            },
         };
         loader.launch(start)?;
+        log::info!("poller placement: {}", loader.placement.describe());
         log::info!(
             "loader: {} samples per epoch for rank {} of {}, batch {}, ring {} bytes, {} pollers{}",
             loader.steps,

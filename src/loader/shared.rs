@@ -59,7 +59,6 @@ pub(crate) struct PollerConfig {
     pub(crate) lookahead: u64,
     pub(crate) spin: Duration,
     pub(crate) sqpoll_idle_ms: Option<u32>,
-    pub(crate) pin: bool,
     pub(crate) verify_crc32c: bool,
     pub(crate) faults: Option<FaultConfig>,
 }

@@ -115,6 +115,28 @@ pub struct Stats {
     /// `set_epoch` to another epoch, a `restore_position`, or the end (for
     /// example the next epoch's first samples when the job stops).
     pub read_ahead_discarded: u64,
+    /// Where the pollers run (the core lists: [`Loader::placement`]).
+    pub placement: PlacementStats,
+}
+
+/// The pollers' placement in [`Stats`] (counts; [`Loader::placement`] has
+/// the cores themselves).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PlacementStats {
+    /// This loader's rank among the node's ranks.
+    pub local_rank: u32,
+    /// Ranks on the node.
+    pub local_world: u32,
+    /// The NUMA node the slice was taken from, if any.
+    pub numa_node: Option<u32>,
+    /// Cores in this rank's slice (0: pollers not pinned).
+    pub slice_cores: u32,
+    /// The slice is shared with other ranks (more ranks than cores).
+    pub shared: bool,
+    /// Poller threads.
+    pub pollers: u32,
+    /// Pollers the kernel pinned to a core of the slice.
+    pub pinned_pollers: u32,
 }
 
 impl Stats {

@@ -20,7 +20,7 @@
 //! named error. See docs/PROTOCOL.md ("Describing a cluster").
 
 use std::net::{SocketAddr, ToSocketAddrs};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
 
@@ -32,6 +32,10 @@ pub struct Node {
     /// The node service's address as written (`host:port`).
     pub addr: String,
 }
+
+/// The node services' port where none is given (`KSPEED_PORT`,
+/// `--node-port`): `kspeed serve`'s default (`--listen 0.0.0.0:7400`).
+pub const DEFAULT_PORT: u16 = 7400;
 
 impl Node {
     /// Resolves the address.
@@ -125,86 +129,314 @@ impl Cluster {
         Ok(Cluster { nodes: out })
     }
 
-    /// The cluster and this process's place in it from the environment:
-    /// `KSPEED_NODES` (comma-separated `host:port`, in node order) plus
-    /// torchrun's `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`,
-    /// `GROUP_RANK`; without `KSPEED_NODES`, `MASTER_ADDR` with
-    /// `KSPEED_PORT` (default 7400) when there is one node.
+    /// One node per address (`host:port`), in node order; `origin` names
+    /// where the list came from in errors.
+    pub fn from_addrs<S: AsRef<str>>(addrs: &[S], origin: &str) -> Result<Cluster> {
+        let text: String = addrs
+            .iter()
+            .map(|a| a.as_ref().trim())
+            .filter(|a| !a.is_empty())
+            .enumerate()
+            .map(|(i, a)| format!("{i} {a}\n"))
+            .collect();
+        Self::parse(&text, origin)
+    }
+
+    /// The hosts of a SLURM hostlist (`gpu[01-04,07]`, see
+    /// [`super::hostlist`]), in the order it names them, each at `port`:
+    /// node `i` is the `i`-th host, which is also SLURM's node index
+    /// (`SLURM_NODEID`) when the list is `SLURM_JOB_NODELIST`.
+    pub fn from_hostlist(list: &str, port: u16) -> Result<Cluster> {
+        let hosts = super::hostlist::expand(list)?;
+        let addrs: Vec<String> = hosts.iter().map(|h| format!("{h}:{port}")).collect();
+        Self::from_addrs(&addrs, &format!("hostlist {list:?}"))
+    }
+
+    /// `nodes` addresses from a pattern where `{i}` stands for the node
+    /// index 0..nodes-1: a Kubernetes headless service's per-pod names,
+    /// `kspeed-{i}.kspeed.ns.svc:7400`. A pattern without `:port` gets
+    /// `port`. Names are resolved when the loader connects, not here.
+    pub fn from_dns_pattern(pattern: &str, nodes: u32, port: u16) -> Result<Cluster> {
+        let bad = |reason: String| Error::BadCluster {
+            origin: format!("node name pattern {pattern:?}"),
+            reason,
+        };
+        if !pattern.contains("{i}") {
+            return Err(bad(
+                "has no `{i}` (where the node index goes, e.g. kspeed-{i}.kspeed.ns.svc:7400)"
+                    .into(),
+            ));
+        }
+        let rest = pattern.replace("{i}", "");
+        if rest.contains('{') || rest.contains('}') {
+            return Err(bad("`{i}` is the only placeholder".into()));
+        }
+        if rest.chars().any(char::is_whitespace) || rest.contains(',') {
+            return Err(bad("contains whitespace or `,`".into()));
+        }
+        if nodes == 0 || nodes > 1 << 16 {
+            return Err(bad(format!(
+                "node count {nodes} is out of range (1 to 65536)"
+            )));
+        }
+        let with_port = |a: String| {
+            if a.contains(':') {
+                a
+            } else {
+                format!("{a}:{port}")
+            }
+        };
+        let addrs: Vec<String> = (0..nodes)
+            .map(|i| with_port(pattern.replace("{i}", &i.to_string())))
+            .collect();
+        Self::from_addrs(&addrs, &format!("node name pattern {pattern:?}"))
+    }
+
+    /// The cluster and this process's place in it from the environment.
+    ///
+    /// This process: `RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
+    /// `LOCAL_WORLD_SIZE`, `GROUP_RANK` (torchrun), or SLURM's
+    /// `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`,
+    /// `SLURM_NTASKS_PER_NODE`, `SLURM_NODEID` where torchrun's are unset.
+    ///
+    /// The nodes, the first of these that is set:
+    /// 1. `KSPEED_NODES`: the node services' `host:port`, comma-separated,
+    ///    in node order;
+    /// 2. `KSPEED_NODES_DNS`: a name pattern with `{i}` (see
+    ///    [`Cluster::from_dns_pattern`]) for `KSPEED_NODE_COUNT` nodes
+    ///    (default: `WORLD_SIZE / LOCAL_WORLD_SIZE`);
+    /// 3. `SLURM_JOB_NODELIST` (or `SLURM_NODELIST`): a SLURM hostlist;
+    /// 4. `MASTER_ADDR`, for a one-node job only.
+    ///
+    /// Where a list has no port, `KSPEED_PORT` (default [`DEFAULT_PORT`]).
     pub fn from_env() -> Result<(Cluster, LaunchEnv)> {
         Self::from_vars(|k| std::env::var(k).ok())
     }
 
     /// [`Cluster::from_env`] over any variable lookup (for tests).
     pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<(Cluster, LaunchEnv)> {
-        let num = |k: &str, default: Option<u32>| -> Result<u32> {
-            match var(k) {
+        let env = LaunchEnv::from_vars(&var)?;
+        let node_count = env.node_count();
+        let port = env_port(&var)?;
+        let cluster = if let Some(list) = var("KSPEED_NODES") {
+            let addrs: Vec<&str> = list.split(',').collect();
+            Self::from_addrs(&addrs, "environment variable KSPEED_NODES")?
+        } else if let Some(pattern) = var("KSPEED_NODES_DNS") {
+            let n = match var("KSPEED_NODE_COUNT") {
                 Some(v) => v.trim().parse().map_err(|_| Error::BadCluster {
-                    origin: format!("environment variable {k}"),
+                    origin: "environment variable KSPEED_NODE_COUNT".into(),
                     reason: format!("{v:?} is not a number"),
-                }),
-                None => default.ok_or_else(|| Error::BadCluster {
-                    origin: format!("environment variable {k}"),
-                    reason: "not set (is this process started by torchrun?)".into(),
-                }),
+                })?,
+                None => node_count,
+            };
+            Self::from_dns_pattern(&pattern, n, port)?
+        } else if let Some(list) = var("SLURM_JOB_NODELIST").or_else(|| var("SLURM_NODELIST")) {
+            Self::from_hostlist(&list, port)?
+        } else {
+            if node_count > 1 {
+                return Err(Error::BadCluster {
+                    origin: "environment".into(),
+                    reason: format!(
+                        "{node_count} nodes but none of KSPEED_NODES, KSPEED_NODES_DNS or SLURM_JOB_NODELIST is set: list the node services' addresses (torchrun only gives MASTER_ADDR)"
+                    ),
+                });
             }
+            let master = var("MASTER_ADDR").ok_or_else(|| Error::BadCluster {
+                origin: "environment variable MASTER_ADDR".into(),
+                reason: "not set".into(),
+            })?;
+            Self::parse(&format!("0 {master}:{port}\n"), "environment")?
         };
-        let rank = num("RANK", None)?;
-        let world = num("WORLD_SIZE", None)?;
-        let local_rank = num("LOCAL_RANK", Some(0))?;
-        let local_world = num("LOCAL_WORLD_SIZE", Some(1))?.max(1);
+        env.check_nodes(&cluster)?;
+        Ok((cluster, env))
+    }
+}
+
+/// `KSPEED_PORT`, or [`DEFAULT_PORT`].
+fn env_port(var: &impl Fn(&str) -> Option<String>) -> Result<u16> {
+    match var("KSPEED_PORT") {
+        Some(v) => v.trim().parse().map_err(|_| Error::BadCluster {
+            origin: "environment variable KSPEED_PORT".into(),
+            reason: format!("{v:?} is not a port number"),
+        }),
+        None => Ok(DEFAULT_PORT),
+    }
+}
+
+impl LaunchEnv {
+    /// This process's place from the launcher's variables (see
+    /// [`Cluster::from_env`]).
+    pub fn from_vars(var: &impl Fn(&str) -> Option<String>) -> Result<LaunchEnv> {
+        // torchrun's name first, then SLURM's.
+        let num = |names: &[&str], default: Option<u32>| -> Result<u32> {
+            for k in names {
+                if let Some(v) = var(k) {
+                    // SLURM_NTASKS_PER_NODE may read "8(x2)": 8 on each of 2 nodes.
+                    let digits = v.trim().split('(').next().unwrap_or("");
+                    return digits.parse().map_err(|_| Error::BadCluster {
+                        origin: format!("environment variable {k}"),
+                        reason: format!("{v:?} is not a number"),
+                    });
+                }
+            }
+            default.ok_or_else(|| Error::BadCluster {
+                origin: format!("environment variable {}", names.join(" / ")),
+                reason: "not set (is this process started by torchrun or srun?)".into(),
+            })
+        };
+        let rank = num(&["RANK", "SLURM_PROCID"], None)?;
+        let world = num(&["WORLD_SIZE", "SLURM_NTASKS"], None)?;
+        let local_rank = num(&["LOCAL_RANK", "SLURM_LOCALID"], Some(0))?;
+        let local_world = num(&["LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"], Some(1))?.max(1);
         if rank >= world {
             return Err(Error::BadCluster {
                 origin: "environment variable RANK".into(),
                 reason: format!("rank {rank} is not below WORLD_SIZE {world}"),
             });
         }
-        let node = num("GROUP_RANK", Some(rank / local_world))?;
-        let node_count = world.div_ceil(local_world);
-        let env = LaunchEnv {
+        let node = num(&["GROUP_RANK", "SLURM_NODEID"], Some(rank / local_world))?;
+        Ok(LaunchEnv {
             rank,
             world,
             local_rank,
             local_world,
             node,
-        };
-        let cluster = match var("KSPEED_NODES") {
-            Some(list) => {
-                let text: String = list
-                    .split(',')
-                    .map(str::trim)
-                    .filter(|a| !a.is_empty())
-                    .enumerate()
-                    .map(|(i, a)| format!("{i} {a}\n"))
-                    .collect();
-                Self::parse(&text, "environment variable KSPEED_NODES")?
-            }
-            None => {
-                if node_count > 1 {
-                    return Err(Error::BadCluster {
-                        origin: "environment".into(),
-                        reason: format!(
-                            "{node_count} nodes but KSPEED_NODES is not set: list the node services' addresses there (torchrun only gives MASTER_ADDR)"
-                        ),
-                    });
-                }
-                let master = var("MASTER_ADDR").ok_or_else(|| Error::BadCluster {
-                    origin: "environment variable MASTER_ADDR".into(),
-                    reason: "not set".into(),
-                })?;
-                let port = num("KSPEED_PORT", Some(7400))?;
-                Self::parse(&format!("0 {master}:{port}\n"), "environment")?
-            }
-        };
-        if cluster.nodes.len() as u32 != node_count {
+        })
+    }
+
+    /// Nodes the job runs on: `world / local_world`, rounded up.
+    pub fn node_count(&self) -> u32 {
+        self.world.div_ceil(self.local_world)
+    }
+
+    /// Checks that `cluster` has one node service per node of the job.
+    pub fn check_nodes(&self, cluster: &Cluster) -> Result<()> {
+        let n = self.node_count();
+        if cluster.nodes.len() as u32 != n {
             return Err(Error::BadCluster {
                 origin: "environment".into(),
                 reason: format!(
-                    "KSPEED_NODES lists {} nodes but WORLD_SIZE / LOCAL_WORLD_SIZE = {node_count}",
+                    "the node list names {} nodes but WORLD_SIZE / LOCAL_WORLD_SIZE = {n}",
                     cluster.nodes.len()
                 ),
             });
         }
-        Ok((cluster, env))
+        Ok(())
+    }
+}
+
+/// Where the node list comes from, as a command line, a C ABI
+/// configuration or a binding collects it. At most one of `file`,
+/// `addrs`, `hostlist` and `dns` is given; with none of them, `env` takes
+/// the node list from the launcher's environment ([`Cluster::from_env`]).
+///
+/// Precedence: an explicit source (option, flag, configuration key) wins
+/// over the environment; with `env` set as well, the environment still
+/// gives this process's rank and world, and the explicit list must have
+/// one node per node of the job. The port for `hostlist` and a `dns`
+/// pattern without one: `port`, else `KSPEED_PORT`, else [`DEFAULT_PORT`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ClusterSpec {
+    /// A cluster file.
+    pub file: Option<PathBuf>,
+    /// The node services' addresses in node order.
+    pub addrs: Option<Vec<String>>,
+    /// A SLURM hostlist.
+    pub hostlist: Option<String>,
+    /// A name pattern with `{i}`.
+    pub dns: Option<String>,
+    /// Nodes for `dns` (with `env`: default `WORLD_SIZE / LOCAL_WORLD_SIZE`).
+    pub nodes: Option<u32>,
+    /// Port for `hostlist` / `dns`.
+    pub port: Option<u16>,
+    /// Read the launcher's environment.
+    pub env: bool,
+}
+
+impl ClusterSpec {
+    /// Whether any source is given (cluster mode).
+    pub fn is_set(&self) -> bool {
+        self.file.is_some()
+            || self.addrs.is_some()
+            || self.hostlist.is_some()
+            || self.dns.is_some()
+            || self.env
+    }
+
+    /// The cluster, and with `env` this process's place; `None` when no
+    /// source is given.
+    pub fn resolve(&self) -> Result<Option<(Cluster, Option<LaunchEnv>)>> {
+        self.resolve_with(|k| std::env::var(k).ok())
+    }
+
+    /// [`ClusterSpec::resolve`] over any variable lookup (for tests).
+    pub fn resolve_with(
+        &self,
+        var: impl Fn(&str) -> Option<String>,
+    ) -> Result<Option<(Cluster, Option<LaunchEnv>)>> {
+        let bad = |reason: &str| Error::BadCluster {
+            origin: "cluster options".into(),
+            reason: reason.into(),
+        };
+        let explicit = [
+            self.file.is_some(),
+            self.addrs.is_some(),
+            self.hostlist.is_some(),
+            self.dns.is_some(),
+        ]
+        .iter()
+        .filter(|x| **x)
+        .count();
+        if explicit > 1 {
+            return Err(bad(
+                "give one node list: a cluster file, an address list, a hostlist or a name pattern",
+            ));
+        }
+        if self.nodes.is_some() && self.dns.is_none() {
+            return Err(bad("a node count is for a name pattern (--nodes-dns)"));
+        }
+        if self.port.is_some() && self.hostlist.is_none() && self.dns.is_none() {
+            return Err(bad("a port is for a hostlist or a name pattern"));
+        }
+        if explicit == 0 {
+            if !self.env {
+                return Ok(None);
+            }
+            let (c, e) = Cluster::from_vars(var)?;
+            return Ok(Some((c, Some(e))));
+        }
+        let launch = if self.env {
+            Some(LaunchEnv::from_vars(&var)?)
+        } else {
+            None
+        };
+        let port = match self.port {
+            Some(p) => p,
+            None => env_port(&var)?,
+        };
+        let cluster = if let Some(f) = &self.file {
+            Cluster::from_file(f)?
+        } else if let Some(a) = &self.addrs {
+            Cluster::from_addrs(a, "the node address list")?
+        } else if let Some(h) = &self.hostlist {
+            Cluster::from_hostlist(h, port)?
+        } else {
+            let pattern = self.dns.as_deref().unwrap_or_default();
+            let n = match (self.nodes, &launch) {
+                (Some(n), _) => n,
+                (None, Some(e)) => e.node_count(),
+                (None, None) => {
+                    return Err(bad(
+                        "a name pattern (--nodes-dns) needs a node count (--nodes)",
+                    ))
+                }
+            };
+            Cluster::from_dns_pattern(pattern, n, port)?
+        };
+        if let Some(e) = &launch {
+            e.check_nodes(&cluster)?;
+        }
+        Ok(Some((cluster, launch)))
     }
 }
 
@@ -264,5 +496,204 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(e.contains("KSPEED_NODES"), "{e}");
+    }
+    fn lookup(list: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let owned: Vec<(String, String)> = list
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        move |k: &str| owned.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone())
+    }
+
+    fn addrs(c: &Cluster) -> Vec<&str> {
+        c.nodes.iter().map(|n| n.addr.as_str()).collect()
+    }
+
+    #[test]
+    fn slurm_nodelist_with_port_and_slurm_ranks() {
+        // Plain srun (no torchrun): 2 nodes x 4 tasks, this is task 6.
+        let (c, env) = Cluster::from_vars(lookup(&[
+            ("SLURM_PROCID", "6"),
+            ("SLURM_NTASKS", "8"),
+            ("SLURM_LOCALID", "2"),
+            ("SLURM_NTASKS_PER_NODE", "4(x2)"),
+            ("SLURM_NODEID", "1"),
+            ("SLURM_JOB_NODELIST", "gpu[07-08]"),
+            ("KSPEED_PORT", "7500"),
+        ]))
+        .unwrap();
+        assert_eq!(addrs(&c), ["gpu07:7500", "gpu08:7500"]);
+        assert_eq!(
+            env,
+            LaunchEnv {
+                rank: 6,
+                world: 8,
+                local_rank: 2,
+                local_world: 4,
+                node: 1
+            }
+        );
+        // torchrun under SLURM: torchrun's variables win; default port.
+        let (c, env) = Cluster::from_vars(lookup(&[
+            ("RANK", "9"),
+            ("WORLD_SIZE", "32"),
+            ("LOCAL_WORLD_SIZE", "8"),
+            ("SLURM_PROCID", "1"),
+            ("SLURM_NTASKS", "4"),
+            ("SLURM_NODELIST", "a[1-2],b[01-02]"),
+        ]))
+        .unwrap();
+        assert_eq!(addrs(&c), ["a1:7400", "a2:7400", "b01:7400", "b02:7400"]);
+        assert_eq!((env.rank, env.world, env.node), (9, 32, 1));
+        // Bad grammar is the named hostlist error.
+        let e = Cluster::from_vars(lookup(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "1"),
+            ("SLURM_JOB_NODELIST", "gpu[1-"),
+        ]))
+        .unwrap_err();
+        assert!(matches!(e, Error::BadHostlist { at: 3, .. }), "{e}");
+        // A list that does not match the job's node count.
+        let e = Cluster::from_vars(lookup(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "16"),
+            ("LOCAL_WORLD_SIZE", "8"),
+            ("SLURM_JOB_NODELIST", "gpu[1-3]"),
+        ]))
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("names 3 nodes") && e.contains("= 2"), "{e}");
+        let e = Cluster::from_vars(lookup(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "1"),
+            ("KSPEED_PORT", "http"),
+            ("SLURM_JOB_NODELIST", "gpu1"),
+        ]))
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("KSPEED_PORT"), "{e}");
+    }
+
+    #[test]
+    fn dns_pattern_and_precedence() {
+        let c = Cluster::from_dns_pattern("kspeed-{i}.kspeed.ns.svc:7401", 3, 1).unwrap();
+        assert_eq!(
+            addrs(&c),
+            [
+                "kspeed-0.kspeed.ns.svc:7401",
+                "kspeed-1.kspeed.ns.svc:7401",
+                "kspeed-2.kspeed.ns.svc:7401"
+            ]
+        );
+        let c = Cluster::from_dns_pattern("n{i}", 2, 9000).unwrap();
+        assert_eq!(addrs(&c), ["n0:9000", "n1:9000"]);
+        for (p, n, what) in [
+            ("kspeed.ns.svc:7400", 2, "has no `{i}`"),
+            ("k-{i}-{j}:1", 2, "only placeholder"),
+            ("k-{i}:1", 0, "out of range"),
+            ("k {i}:1", 2, "whitespace"),
+        ] {
+            let e = Cluster::from_dns_pattern(p, n, 1).unwrap_err().to_string();
+            assert!(e.contains(what), "{p}: {e}");
+        }
+        // Environment: KSPEED_NODES > KSPEED_NODES_DNS > SLURM > MASTER_ADDR.
+        let base = [
+            ("RANK", "0"),
+            ("WORLD_SIZE", "16"),
+            ("LOCAL_WORLD_SIZE", "8"),
+        ];
+        let with = |extra: &[(&'static str, &'static str)]| {
+            let mut v = base.to_vec();
+            v.extend_from_slice(extra);
+            Cluster::from_vars(lookup(&v)).map(|(c, _)| c)
+        };
+        let dns = ("KSPEED_NODES_DNS", "k-{i}.s:7400");
+        let slurm = ("SLURM_JOB_NODELIST", "g[1-2]");
+        let list = ("KSPEED_NODES", "x:1,y:1");
+        assert_eq!(addrs(&with(&[dns, slurm, list]).unwrap()), ["x:1", "y:1"]);
+        assert_eq!(
+            addrs(&with(&[dns, slurm]).unwrap()),
+            ["k-0.s:7400", "k-1.s:7400"]
+        );
+        assert_eq!(addrs(&with(&[slurm]).unwrap()), ["g1:7400", "g2:7400"]);
+        // KSPEED_NODE_COUNT overrides the count from WORLD_SIZE, and is checked.
+        let e = with(&[dns, ("KSPEED_NODE_COUNT", "3")])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("names 3 nodes"), "{e}");
+    }
+
+    #[test]
+    fn spec_explicit_beats_environment() {
+        let env = lookup(&[
+            ("RANK", "3"),
+            ("WORLD_SIZE", "4"),
+            ("LOCAL_WORLD_SIZE", "2"),
+            ("KSPEED_NODES", "a:1,b:1"),
+            ("KSPEED_PORT", "7600"),
+        ]);
+        // Nothing chosen: not cluster mode.
+        assert_eq!(ClusterSpec::default().resolve_with(&env).unwrap(), None);
+        // Environment only.
+        let spec = ClusterSpec {
+            env: true,
+            ..Default::default()
+        };
+        let (c, e) = spec.resolve_with(&env).unwrap().unwrap();
+        assert_eq!(addrs(&c), ["a:1", "b:1"]);
+        assert_eq!(e.unwrap().node, 1);
+        // An explicit hostlist wins over KSPEED_NODES; KSPEED_PORT applies.
+        let spec = ClusterSpec {
+            hostlist: Some("h[1-2]".into()),
+            env: true,
+            ..Default::default()
+        };
+        let (c, e) = spec.resolve_with(&env).unwrap().unwrap();
+        assert_eq!(addrs(&c), ["h1:7600", "h2:7600"]);
+        assert_eq!(e.unwrap().rank, 3);
+        // The pattern's node count from the job, an explicit port over KSPEED_PORT.
+        let spec = ClusterSpec {
+            dns: Some("k-{i}.svc".into()),
+            port: Some(7401),
+            env: true,
+            ..Default::default()
+        };
+        let (c, _) = spec.resolve_with(&env).unwrap().unwrap();
+        assert_eq!(addrs(&c), ["k-0.svc:7401", "k-1.svc:7401"]);
+        // Without the environment a pattern needs --nodes.
+        let spec = ClusterSpec {
+            dns: Some("k-{i}.svc:1".into()),
+            ..Default::default()
+        };
+        let e = spec.resolve_with(&env).unwrap_err().to_string();
+        assert!(e.contains("needs a node count"), "{e}");
+        // Two explicit lists, or options that belong to another source.
+        let two = ClusterSpec {
+            hostlist: Some("h1".into()),
+            addrs: Some(vec!["a:1".into()]),
+            ..Default::default()
+        };
+        assert!(two
+            .resolve_with(&env)
+            .unwrap_err()
+            .to_string()
+            .contains("one node list"));
+        let stray = ClusterSpec {
+            addrs: Some(vec!["a:1".into()]),
+            nodes: Some(2),
+            ..Default::default()
+        };
+        assert!(stray.resolve_with(&env).is_err());
+        // Explicit list checked against the job's node count.
+        let spec = ClusterSpec {
+            hostlist: Some("h[1-3]".into()),
+            env: true,
+            ..Default::default()
+        };
+        assert!(spec
+            .resolve_with(&env)
+            .unwrap_err()
+            .to_string()
+            .contains("names 3 nodes"));
     }
 }

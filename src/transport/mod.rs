@@ -13,6 +13,7 @@
 //! `rdma` feature) over an RC queue pair.
 
 pub mod cluster;
+pub mod hostlist;
 pub mod proto;
 #[cfg(feature = "rdma")]
 pub mod rdma;
@@ -112,5 +113,5 @@ impl Default for RdmaOptions {
 /// Whether this build has the RDMA transport (the `rdma` feature).
 pub const RDMA_BUILT: bool = cfg!(feature = "rdma");
 
-pub use cluster::{Cluster, LaunchEnv, Node};
+pub use cluster::{Cluster, ClusterSpec, LaunchEnv, Node, DEFAULT_PORT};
 pub use serve::{NodeService, ServeConfig, ServeStats};

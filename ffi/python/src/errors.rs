@@ -65,6 +65,7 @@ impl Fail {
             E::BadPosition(_) => ("ConfigError", "BadPosition", None),
             E::BadCluster { .. } => ("ConfigError", "BadCluster", None),
             E::BadPlacement { .. } => ("ConfigError", "BadPlacement", None),
+            E::BadHostlist { .. } => ("ConfigError", "BadHostlist", None),
             E::Refused { .. } => ("NetworkError", "Refused", None),
             E::ProtocolViolation { .. } => ("NetworkError", "ProtocolViolation", None),
             E::SampleUnavailable { .. } => ("NetworkError", "SampleUnavailable", None),

@@ -1,0 +1,433 @@
+//! The scale model: what a kspeed cluster of 8 to 4,096 nodes (8 ranks
+//! each) asks of every node, computed with the frozen functions the real
+//! cluster runs: the sampler's epoch order (`Sampler::epoch`,
+//! `EpochOrder::global`), the owner function (`Placement::owner`, `holds`,
+//! `holder`), `kspeed gen`'s sample sizes (`gen::sample_size`) and the node
+//! service's defaults (`ServeConfig::new`, `proto`).
+//!
+//! ```sh
+//! cargo run --release --example scale_model              # the tables of docs/SCALE.md
+//! cargo run --release --example scale_model -- --quick   # fewer sampled steps
+//! ```
+//!
+//! Traffic is not iterated over whole epochs (10^9 samples): a number of
+//! training steps are drawn at random positions of the first epochs, and for
+//! each of them every rank's whole batch is enumerated, so the per-node
+//! figures of a step are exact and the max/mean is over nodes and the drawn
+//! steps. What the loader does is modelled as it is coded today:
+//!
+//! - a rank reads a sample from its own node's space when that node holds a
+//!   copy (owner or replica: `Space::location`), else it grants the owner
+//!   (copy 0), which pushes it;
+//! - when a node service fails, the rank grants the next live holder in copy
+//!   order (`holder(id, 1)`, `holder(id, 2)`, ...) and with no copy left
+//!   reads the source (the loader's `place`).
+//!
+//! Connections, queue pairs and memory follow from the node service's code:
+//! every remote rank holds one connection (one RC queue pair over RDMA) to
+//! every node service; the service reserves `max_grants` queued grants for
+//! each (a `GrantEntry` plus a `u64`), `staging_bytes` per poller, and at
+//! most `max_conns_per_poller` consumers per poller.
+
+use std::time::Instant;
+
+use kspeed::dataset::gen::{sample_size, Profile};
+use kspeed::dataset::Placement;
+use kspeed::hash::mix64;
+use kspeed::sampler::{EpochOrder, Sampler, SamplerConfig};
+use kspeed::transport::proto;
+use kspeed::transport::ServeConfig;
+
+/// Ranks (GPUs) per node.
+const RANKS_PER_NODE: u32 = 8;
+/// Samples per rank per training step (a common per-GPU ImageNet batch).
+const BATCH: u64 = 256;
+/// The target: samples per second each GPU consumes.
+const TARGET_PER_GPU: f64 = 3000.0;
+/// Cores of the modelled GPU node (two 64-core sockets).
+const NODE_CORES: usize = 128;
+/// Shuffle seed and `kspeed gen` seed (any: the figures are statistics).
+const SEED: u64 = 7;
+const NODE_COUNTS: [u32; 4] = [8, 64, 512, 4096];
+const SAMPLE_COUNTS: [u64; 2] = [1_000_000, 1_000_000_000];
+const MAX_REPLICAS: usize = 3;
+/// Bytes of one send-queue entry of an RC queue pair on a ConnectX-class
+/// NIC (a WQE basic block; a WRITE_WITH_IMM with one SGE fits one).
+const WQE_BYTES: u64 = 64;
+/// Receives a rank keeps posted on each RDMA connection (`RDMA_RECVS` in
+/// src/loader/net.rs: every WRITE_WITH_IMM consumes one) and the bytes of
+/// each one's buffer (`4 + RDMA_ERROR_BYTES`, room for an ERROR message).
+const RECVS_PER_CONN: u64 = 1024;
+#[cfg(feature = "rdma")]
+const RECV_BUF_BYTES: u64 = 4 + kspeed::transport::rdma::RDMA_ERROR_BYTES as u64;
+#[cfg(not(feature = "rdma"))]
+const RECV_BUF_BYTES: u64 = 4 + 128;
+/// Receives one shared receive queue per node would keep posted: the
+/// completions of a node's 8 rings in flight at once, with margin.
+const SRQ_RECVS: u64 = 8192;
+
+fn gib(b: f64) -> String {
+    if b >= (1u64 << 30) as f64 {
+        format!("{:.1} GiB", b / (1u64 << 30) as f64)
+    } else if b >= (1u64 << 20) as f64 {
+        format!("{:.0} MiB", b / (1u64 << 20) as f64)
+    } else {
+        format!("{:.0} KiB", b / 1024.0)
+    }
+}
+
+/// The traffic of the sampled steps of one (profile, samples, nodes).
+struct Traffic {
+    /// Steps per epoch for a rank.
+    steps_per_epoch: u64,
+    steps_drawn: usize,
+    /// Mean sample size over the enumerated samples.
+    mean_sample_bytes: f64,
+    /// Per replica count: per-node bytes pushed in one step, max and mean
+    /// over (node, drawn step); samples likewise.
+    push_max_bytes: [u64; MAX_REPLICAS],
+    push_mean_bytes: [f64; MAX_REPLICAS],
+    push_max_samples: [u64; MAX_REPLICAS],
+    /// Node 0's service failed: the most any survivor pushes in a step, and
+    /// the bytes read from the source per step (no copy left).
+    fail_max_bytes: [u64; MAX_REPLICAS],
+    /// The same if the loader spread a failed owner's samples over all the
+    /// surviving copies (by a hash of the id) instead of copy order.
+    spread_max_bytes: [u64; MAX_REPLICAS],
+    fail_source_bytes: [f64; MAX_REPLICAS],
+    /// Fraction of consumed samples that cross the network.
+    remote_fraction: [f64; MAX_REPLICAS],
+}
+
+/// Per-thread tallies of one step, indexed `[replicas-1][node]`.
+struct Tally {
+    push: Vec<Vec<u64>>,
+    push_n: Vec<Vec<u64>>,
+    fail: Vec<Vec<u64>>,
+    spread: Vec<Vec<u64>>,
+    source: [u64; MAX_REPLICAS],
+    remote: [u64; MAX_REPLICAS],
+    bytes: u64,
+    samples: u64,
+}
+
+impl Tally {
+    fn new(nodes: usize) -> Self {
+        Tally {
+            push: vec![vec![0; nodes]; MAX_REPLICAS],
+            push_n: vec![vec![0; nodes]; MAX_REPLICAS],
+            fail: vec![vec![0; nodes]; MAX_REPLICAS],
+            spread: vec![vec![0; nodes]; MAX_REPLICAS],
+            source: [0; MAX_REPLICAS],
+            remote: [0; MAX_REPLICAS],
+            bytes: 0,
+            samples: 0,
+        }
+    }
+
+    fn add(&mut self, o: &Tally) {
+        for r in 0..MAX_REPLICAS {
+            for (a, b) in self.push[r].iter_mut().zip(&o.push[r]) {
+                *a += b;
+            }
+            for (a, b) in self.push_n[r].iter_mut().zip(&o.push_n[r]) {
+                *a += b;
+            }
+            for (a, b) in self.fail[r].iter_mut().zip(&o.fail[r]) {
+                *a += b;
+            }
+            for (a, b) in self.spread[r].iter_mut().zip(&o.spread[r]) {
+                *a += b;
+            }
+            self.source[r] += o.source[r];
+            self.remote[r] += o.remote[r];
+        }
+        self.bytes += o.bytes;
+        self.samples += o.samples;
+    }
+}
+
+/// Enumerates one training step (position `step * BATCH` of every rank's
+/// sequence, epochs following each other) for ranks `ranks`.
+fn tally_step(
+    profile: Profile,
+    sampler: &Sampler,
+    nodes: u32,
+    step: u64,
+    ranks: std::ops::Range<u32>,
+) -> Tally {
+    let n = nodes as usize;
+    let world = sampler.config().world as u64;
+    let per_rank = sampler.per_rank();
+    let placements: Vec<Placement> = (1..=MAX_REPLICAS as u32)
+        .map(|r| Placement::new(nodes, r.min(nodes)).expect("valid placement"))
+        .collect();
+    let failed = 0u32;
+    let mut t = Tally::new(n);
+    let mut order: Option<(u64, EpochOrder)> = None;
+    for k in 0..BATCH {
+        let pos = step * BATCH + k;
+        let (epoch, idx) = (pos / per_rank, pos % per_rank);
+        if order.as_ref().map(|o| o.0) != Some(epoch) {
+            order = Some((epoch, sampler.epoch(epoch)));
+        }
+        let ord = &order.as_ref().expect("set above").1;
+        for rank in ranks.clone() {
+            // The rank's step `idx` of `epoch` (EpochOrder::sample for
+            // this rank, without building a sampler per rank).
+            let id = ord.global(rank as u64 + idx * world);
+            let consumer = rank / RANKS_PER_NODE;
+            let len = sample_size(profile, SEED, id);
+            t.bytes += len;
+            t.samples += 1;
+            for (ri, p) in placements.iter().enumerate() {
+                if p.holds(consumer, id) {
+                    continue;
+                }
+                let owner = p.owner(id) as usize;
+                t.remote[ri] += 1;
+                t.push[ri][owner] += len;
+                t.push_n[ri][owner] += 1;
+                // Node `failed`'s service is down: the next live holder in
+                // copy order, else the source.
+                let server = (0..p.replicas)
+                    .map(|r| p.holder(id, r))
+                    .find(|&h| h != failed);
+                match server {
+                    Some(h) => t.fail[ri][h as usize] += len,
+                    None => t.source[ri] += len,
+                }
+                // The alternative: any surviving copy, chosen by the id.
+                if owner as u32 == failed && p.replicas > 1 {
+                    let r = 1 + (mix64(id) % (p.replicas as u64 - 1)) as u32;
+                    t.spread[ri][p.holder(id, r) as usize] += len;
+                } else if owner as u32 != failed {
+                    t.spread[ri][owner] += len;
+                }
+            }
+        }
+    }
+    t
+}
+
+fn traffic(profile: Profile, samples: u64, nodes: u32, steps: usize, threads: usize) -> Traffic {
+    let world = nodes * RANKS_PER_NODE;
+    let sampler = Sampler::new(SamplerConfig {
+        len: samples,
+        seed: SEED,
+        shuffle: true,
+        rank: 0,
+        world,
+        drop_last: false,
+    })
+    .expect("valid sampler");
+    let per_rank = sampler.per_rank();
+    // Steps in the first 4 epochs, drawn without a pattern.
+    let span = (4 * per_rank).div_ceil(BATCH).max(1);
+    let drawn: Vec<u64> = (0..steps as u64)
+        .map(|i| mix64(SEED ^ (i + 1) ^ ((nodes as u64) << 32) ^ samples) % span)
+        .collect();
+    let n = nodes as usize;
+    let mut push_max_bytes = [0u64; MAX_REPLICAS];
+    let mut push_sum = [0f64; MAX_REPLICAS];
+    let mut push_max_samples = [0u64; MAX_REPLICAS];
+    let mut fail_max_bytes = [0u64; MAX_REPLICAS];
+    let mut spread_max_bytes = [0u64; MAX_REPLICAS];
+    let mut fail_source = [0f64; MAX_REPLICAS];
+    let mut remote = [0u64; MAX_REPLICAS];
+    let (mut bytes, mut count) = (0u64, 0u64);
+    for &step in &drawn {
+        let chunk = world.div_ceil(threads as u32);
+        let total = std::thread::scope(|sc| {
+            let hs: Vec<_> = (0..threads as u32)
+                .map(|i| {
+                    let lo = (i * chunk).min(world);
+                    let hi = ((i + 1) * chunk).min(world);
+                    let s = &sampler;
+                    sc.spawn(move || tally_step(profile, s, nodes, step, lo..hi))
+                })
+                .collect();
+            let mut total = Tally::new(n);
+            for h in hs {
+                total.add(&h.join().expect("model thread"));
+            }
+            total
+        });
+        for r in 0..MAX_REPLICAS {
+            push_max_bytes[r] = push_max_bytes[r].max(*total.push[r].iter().max().unwrap_or(&0));
+            push_max_samples[r] =
+                push_max_samples[r].max(*total.push_n[r].iter().max().unwrap_or(&0));
+            push_sum[r] += total.push[r].iter().sum::<u64>() as f64;
+            // Survivors only (node 0 is the failed one).
+            fail_max_bytes[r] =
+                fail_max_bytes[r].max(*total.fail[r][1..].iter().max().unwrap_or(&0));
+            spread_max_bytes[r] =
+                spread_max_bytes[r].max(*total.spread[r][1..].iter().max().unwrap_or(&0));
+            fail_source[r] += total.source[r] as f64;
+            remote[r] += total.remote[r];
+        }
+        bytes += total.bytes;
+        count += total.samples;
+    }
+    let node_steps = (n * drawn.len()) as f64;
+    Traffic {
+        steps_per_epoch: per_rank.div_ceil(BATCH),
+        steps_drawn: drawn.len(),
+        mean_sample_bytes: bytes as f64 / count as f64,
+        push_max_bytes,
+        push_mean_bytes: push_sum.map(|s| s / node_steps),
+        push_max_samples,
+        fail_max_bytes,
+        spread_max_bytes,
+        fail_source_bytes: fail_source.map(|s| s / drawn.len() as f64),
+        remote_fraction: remote.map(|r| r as f64 / count as f64),
+    }
+}
+
+fn main() {
+    let quick = std::env::args().any(|a| a == "--quick");
+    let threads = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1)
+        .min(8);
+    let t0 = Instant::now();
+    let step_s = BATCH as f64 / TARGET_PER_GPU;
+    println!(
+        "# kspeed scale model\n\n{RANKS_PER_NODE} ranks per node, batch {BATCH} samples per rank per step, \
+         target {TARGET_PER_GPU} samples/s per GPU (one step every {:.1} ms); \
+         sizes from `kspeed gen` profiles (seed {SEED}); node 0's service fails in the failure columns.\n",
+        step_s * 1e3
+    );
+
+    println!("## Traffic per node per training step\n");
+    println!(
+        "| profile | samples | nodes | steps/epoch | R | remote | push/step mean | push/step max | max/mean | samples/step max | push rate needed | one node down: busiest survivor | same, spread over copies | from the source |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    for profile in [Profile::Imagenet, Profile::Tiny] {
+        let pname = match profile {
+            Profile::Imagenet => "imagenet",
+            _ => "tiny",
+        };
+        for samples in SAMPLE_COUNTS {
+            for nodes in NODE_COUNTS {
+                let steps = match (quick, nodes) {
+                    (true, _) => 2,
+                    (false, 4096) => 3,
+                    (false, 512) => 6,
+                    (false, 64) => 12,
+                    _ => 16,
+                };
+                let t = traffic(profile, samples, nodes, steps, threads);
+                for r in 0..MAX_REPLICAS {
+                    if r as u32 + 1 > nodes {
+                        continue;
+                    }
+                    let mean = t.push_mean_bytes[r];
+                    let max = t.push_max_bytes[r] as f64;
+                    let rate = max / step_s;
+                    let fail = t.fail_max_bytes[r] as f64;
+                    println!(
+                        "| {pname} | {samples:.0e} | {nodes} | {} | {} | {:.1}% | {:.1} MiB | {:.1} MiB | {:.2} | {} | {:.2} GB/s | {:.2} GB/s ({:.2}x) | {:.2} GB/s ({:.2}x) | {:.2} GB/s |",
+                        t.steps_per_epoch,
+                        r + 1,
+                        100.0 * t.remote_fraction[r],
+                        mean / (1 << 20) as f64,
+                        max / (1 << 20) as f64,
+                        max / mean.max(1.0),
+                        t.push_max_samples[r],
+                        rate / 1e9,
+                        fail / step_s / 1e9,
+                        fail / max.max(1.0),
+                        t.spread_max_bytes[r] as f64 / step_s / 1e9,
+                        t.spread_max_bytes[r] as f64 / max.max(1.0),
+                        t.fail_source_bytes[r] / step_s / 1e9,
+                    );
+                }
+                eprintln!(
+                    "  {pname} {samples:.0e} samples, {nodes} nodes: {} steps drawn, mean sample {:.0} B ({:.0} s so far)",
+                    t.steps_drawn,
+                    t.mean_sample_bytes,
+                    t0.elapsed().as_secs_f64()
+                );
+            }
+        }
+    }
+
+    // --- connections, queue pairs and memory (independent of sizes) --------
+    let cfg = ServeConfig::new("/space", "0.0.0.0:7400", b"t");
+    // loader::default_pollers() on the modelled node: a quarter of its
+    // cores, at most 8 (the formula of src/loader/mod.rs, evaluated for
+    // NODE_CORES rather than for the machine running the model).
+    let pollers = (NODE_CORES / 4).clamp(1, 8) as u64;
+    let grant_bytes =
+        (std::mem::size_of::<proto::GrantEntry>() + std::mem::size_of::<u64>()) as u64;
+    let per_consumer_grants = cfg.max_grants as u64 * grant_bytes;
+    let staging = pollers * cfg.staging_bytes;
+    let slots = pollers * (cfg.staging_bytes / cfg.chunk_bytes as u64);
+    let sq_entries = (cfg.staging_bytes / cfg.chunk_bytes as u64).clamp(16, 4096);
+    let max_consumers = pollers * cfg.max_conns_per_poller as u64;
+    println!(
+        "\n## Connections, queue pairs and memory per node (today: every rank connects to every node service)\n\n\
+         Node service defaults (`ServeConfig::new`): {pollers} pollers on a {NODE_CORES}-core node, \
+         staging {} per poller ({} per node, {}-KiB slots), max_grants {} per consumer \
+         ({grant_bytes} B each: {} reserved per consumer), at most {} consumers per poller \
+         ({max_consumers} per node); an RC queue pair's send queue has {sq_entries} entries \
+         (x {WQE_BYTES} B).\n",
+        gib(cfg.staging_bytes as f64),
+        gib(staging as f64),
+        cfg.chunk_bytes / 1024,
+        cfg.max_grants,
+        gib(per_consumer_grants as f64),
+        cfg.max_conns_per_poller,
+    );
+    println!(
+        "| nodes | consumers served per node | RC QPs per node (serve + ranks) | grant tables per node | staging slots per consumer | node full? | per (node, rank) pair rate | QP send queues per node | at start: HELLOs per service (max_handshakes {}) | connect threads per rank | ranks' posted receives per node (RDMA) |",
+        cfg.max_handshakes
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    for nodes in NODE_COUNTS {
+        let consumers = (nodes as u64 - 1) * RANKS_PER_NODE as u64;
+        let outbound = consumers; // 8 local ranks x (nodes-1) services
+        let qps = consumers + outbound;
+        println!(
+            "| {nodes} | {consumers} | {qps} | {} | {:.2} | {} | {:.2} samples/s | {} | {consumers} | {} | {} |",
+            gib((consumers * per_consumer_grants) as f64),
+            slots as f64 / consumers as f64,
+            if consumers > max_consumers {
+                format!("yes: {} refused", consumers - max_consumers)
+            } else {
+                "no".into()
+            },
+            TARGET_PER_GPU / nodes as f64,
+            gib((qps * sq_entries * WQE_BYTES) as f64),
+            nodes - 1,
+            gib((outbound * RECVS_PER_CONN * RECV_BUF_BYTES) as f64),
+        );
+    }
+    println!(
+        "\n## The same with a node's ranks aggregated behind its node service\n\n\
+         One connection (one RC QP, or one DC initiator shared by all) between each pair of node \
+         services; the local ranks' landing rings are shared memory the node service registers; \
+         grants are batched per peer node, so a peer's queue holds 8 ranks' worth.\n"
+    );
+    // The grants a node must hold are what its peers' ranks have granted it
+    // and not yet received: their lookahead, not a reservation per peer.
+    let lookahead = 2 * BATCH;
+    println!(
+        "| nodes | connections per node | RC QPs per node | with DC transport (16 DCIs + 1 DCT) | grant pool per node (8 ranks x {lookahead} samples lookahead) | per (node, node) pair rate | posted receives with one SRQ ({SRQ_RECVS}) |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    for nodes in NODE_COUNTS {
+        let peers = nodes as u64 - 1;
+        println!(
+            "| {nodes} | {} | {} | 17 | {:.0} KiB | {:.0} samples/s | {} |",
+            2 * peers,
+            2 * peers,
+            (RANKS_PER_NODE as u64 * lookahead * grant_bytes) as f64 / 1024.0,
+            RANKS_PER_NODE as f64 * TARGET_PER_GPU / nodes as f64,
+            gib((SRQ_RECVS * RECV_BUF_BYTES) as f64),
+        );
+    }
+    eprintln!("model done in {:.1} s", t0.elapsed().as_secs_f64());
+}
