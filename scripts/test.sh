@@ -39,10 +39,12 @@ scripts/gen_header.sh --check
 
 runner=(cargo test)
 if cargo nextest --version >/dev/null 2>&1; then runner=(cargo nextest run --no-fail-fast); fi
+# test-panic: the library exports ksp_test_panic, so tests/capi.rs checks
+# the C ABI's panic boundary (without it that check is a skip).
 step "tests without the rdma feature"
-"${runner[@]}" --no-default-features
+"${runner[@]}" --no-default-features --features test-panic
 step "tests (default features)"
-"${runner[@]}"
+"${runner[@]}" --features test-panic
 
 step "C++ example against an installed package (CMake, pkg-config, static)"
 scripts/test_cpp.sh
