@@ -7,14 +7,16 @@
 //! it asks. See docs/ and the repository's DESIGN notes for the architecture.
 //!
 //! Modules, following the architecture:
-//! - [`dataset`]: sources, the catalog, the owner function, spaces, preload, verify, gen;
+//! - [`dataset`]: sources, the catalog, the owner function, spaces, preload, verify, and
+//!   (with the `gen` feature) a synthetic dataset generator;
 //! - [`sampler`]: the per-epoch permutation and each rank's sequence;
 //! - [`ring`]: io_uring reads into caller-owned slots, and a fault-injecting wrapper;
 //! - [`landing`]: the landing ring's memory (huge pages, mlock, NUMA, CUDA);
 //! - [`loader`]: pollers, the schedule, the memory tier and the consumer API;
-//! - [`transport`]: how bytes reach a remote consumer (the RDMA device probe so far);
+//! - [`transport`]: how bytes reach a remote consumer: the push protocol, the node
+//!   service (`kspeed serve`), cluster files, TCP and (with the `rdma` feature) RDMA links;
 //! - [`mod@format`]: the checksummed envelope of kspeed's binary files;
-//! - [`progress`]: progress bars and lines for long work;
+//! - [`progress`]: progress for long work (lines; bars with the `cli` feature);
 //! - [`capi`]: the C ABI (`libkspeed.so`, `include/kspeed.h`);
 //! - `sys` (private): the system calls std lacks.
 

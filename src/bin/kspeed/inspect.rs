@@ -53,6 +53,11 @@ fn print_catalog(cat: &Catalog) {
         cat.path().display(),
         cat.version()
     );
+    // What a consumer's HELLO carries and a node checks against its own.
+    println!(
+        "identity:     {:08x} (CRC32C of the catalog body)",
+        cat.identity()
+    );
     println!("source:       {}", cat.source());
     println!(
         "samples:      {n} in {} source files, {} ({:.1} catalog bytes/sample)",
@@ -131,6 +136,7 @@ fn json_summary(cat: &Catalog, space: Option<&Space>, placement: Option<Placemen
         "catalog": {
             "path": cat.path().to_string_lossy(),
             "format_version": cat.version(),
+            "identity": format!("{:08x}", cat.identity()),
             "source": cat.source(),
             "samples": n,
             "files": cat.file_count(),
