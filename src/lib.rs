@@ -15,18 +15,20 @@
 //! - [`loader`]: pollers, the schedule, the memory tier and the consumer API;
 //! - [`transport`]: how bytes reach a remote consumer: the push protocol, the node
 //!   service (`kspeed serve`), cluster files, TCP and (with the `rdma` feature) RDMA links;
-//! - [`mod@format`]: the checksummed envelope of kspeed's binary files;
 //! - [`progress`]: progress for long work (lines; bars with the `cli` feature);
+//! - [`par`]: the scoped worker pool of the bulk passes (checksums, preload, verify);
 //! - [`capi`]: the C ABI (`libkspeed.so`, `include/kspeed.h`);
-//! - `sys` (private): the system calls std lacks.
+//! - internal (`pub(crate)`): `format` (the checksummed envelope of kspeed's
+//!   binary files), `hash` (the frozen integer mixers of the sampler and owner function), `sys` (the system calls
+//!   std lacks).
 
 #![warn(missing_docs)]
 
 pub mod capi;
 pub mod dataset;
 pub mod error;
-pub mod format;
-pub mod hash;
+pub(crate) mod format;
+pub(crate) mod hash;
 pub mod landing;
 pub mod loader;
 pub mod par;
