@@ -1,4 +1,5 @@
-//! The C ABI from C: tests/c/capi_test.c, compiled against include/kspeed.h
+//! The C ABI from C: tests/c/capi_test.c (and sized_structs_test.c,
+//! batch_lifetime.cpp), compiled against include/kspeed.h
 //! and the freshly built libkspeed.so, run plainly, under AddressSanitizer
 //! and under valgrind (each skipped with a message when the tool is missing).
 
