@@ -73,7 +73,7 @@ fn c_round(space: &str) -> (f64, f64, u64) {
         let mut l = std::ptr::null_mut();
         assert_eq!(ksp_loader_new(cfg, &mut l), ksp_status::KSP_OK);
         ksp_config_free(cfg);
-        let mut b: ksp_batch = std::mem::zeroed();
+        let mut b = ksp_batch::default();
         loop {
             assert_eq!(ksp_loader_next_batch(l, &mut b), ksp_status::KSP_OK);
             if b.count == 0 {
@@ -82,7 +82,7 @@ fn c_round(space: &str) -> (f64, f64, u64) {
             ksp_loader_release_batch(l, b.seq);
         }
         assert_eq!(ksp_loader_set_epoch(l, 1), ksp_status::KSP_OK);
-        let mut st: ksp_stats = std::mem::zeroed();
+        let mut st = ksp_stats::default();
         ksp_loader_stats(l, &mut st);
         let stall0 = st.stall_s;
         let t0 = Instant::now();

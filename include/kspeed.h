@@ -14,9 +14,24 @@
 #include <stddef.h>
 #include <stdbool.h>
 /* Version of the C ABI: bumped on any incompatible change to this header. */
-#define KSP_ABI_VERSION 2
+#define KSP_ABI_VERSION 3
 /* Bytes of a saved loader position. */
 #define KSP_POSITION_BYTES 40
+/* Extensible structs: the smallest struct_size (sample_size) the library
+   accepts, i.e. each struct's first layout, and the largest. */
+#define KSP_BATCH_MIN_SIZE 80
+#define KSP_SAMPLE_MIN_SIZE 32
+#define KSP_STATS_MIN_SIZE 120
+#define KSP_MAX_STRUCT_SIZE 1024
+/* Initialisers setting the sizes this program was compiled with, every
+   other field zero: ksp_batch b = KSP_BATCH_INIT; ksp_stats s = KSP_STATS_INIT; */
+#ifdef __cplusplus
+#define KSP_BATCH_INIT ([] { ksp_batch b_{}; b_.struct_size = sizeof(ksp_batch); b_.sample_size = sizeof(ksp_sample); return b_; }())
+#define KSP_STATS_INIT ([] { ksp_stats s_{}; s_.struct_size = sizeof(ksp_stats); return s_; }())
+#else
+#define KSP_BATCH_INIT { .struct_size = sizeof(ksp_batch), .sample_size = sizeof(ksp_sample) }
+#define KSP_STATS_INIT { .struct_size = sizeof(ksp_stats) }
+#endif
 
 
 // Status of every fallible call.
@@ -41,8 +56,12 @@ typedef enum {
   KSP_ERR_BUFFER_TOO_SMALL = 8,
   // kspeed panicked inside this call (a bug); the handle should be freed.
   KSP_ERR_PANIC = 9,
-  // Any other error.
+  // Any other error (the node service could not start).
   KSP_ERR_OTHER = 10,
+  // A caller-sized struct's `struct_size` (or a batch's `sample_size`) is
+  // smaller than the struct's first layout, not a multiple of 8, or
+  // implausibly large (not set to `sizeof`). Nothing was written.
+  KSP_ERR_STRUCT_SIZE = 11,
 } ksp_status;
 
 // Loader settings, built with [`ksp_config_set`]. Opaque.
@@ -57,6 +76,11 @@ typedef struct ksp_node_service ksp_node_service;
 // One sample of a batch. `data` points into the landing ring: host memory,
 // or, with the `gpu_ring` config key, a CUDA device pointer (a
 // `CUdeviceptr` value) the CPU must not dereference.
+//
+// Extensible: the `samples` array of a batch is laid out with the stride
+// the caller gives in `ksp_batch.sample_size` (its `sizeof(ksp_sample)`),
+// so `samples[i]` indexes correctly for the layout the caller was compiled
+// with. New fields are only ever appended.
 typedef struct {
   // The sample's bytes (valid until the batch is released).
   const uint8_t *data;
@@ -73,21 +97,30 @@ typedef struct {
 // is owned by the loader and valid until this batch is released: by
 // [`ksp_loader_release_batch`] with its `seq`, by the next
 // [`ksp_loader_next_batch`] (a loader holds one batch at a time), by
-// [`ksp_loader_set_epoch`] / [`ksp_loader_restore_position`], or by
-// [`ksp_loader_free`]. With `gpu_ring`, `span`, `wrap` and every sample's
-// `data` are CUDA device pointers (copy or use them on the GPU; `samples`
-// itself is host memory).
+// [`super::ksp_loader_set_epoch`] / [`super::ksp_loader_restore_position`],
+// or by [`super::ksp_loader_free`]. With `gpu_ring`, `span`, `wrap` and
+// every sample's `data` are CUDA device pointers (copy or use them on the
+// GPU; `samples` itself is host memory).
 //
 // Every batch but an epoch's last has exactly `batch_size` samples, and
 // every rank of a job gets the same number of batches per epoch
-// ([`ksp_loader_batches_per_epoch`]): a batch is never cut short by ring
-// space, because [`ksp_loader_new`] refuses a `ring_bytes` that cannot
-// hold the largest possible batch (`KSP_ERR_INVALID_ARG`, naming the size
-// needed).
+// ([`super::ksp_loader_batches_per_epoch`]): a batch is never cut short by
+// ring space, because [`super::ksp_loader_new`] refuses a `ring_bytes`
+// that cannot hold the largest possible batch (`KSP_ERR_INVALID_ARG`,
+// naming the size needed).
+//
+// Extensible: the caller sets `struct_size` and `sample_size` before
+// calling [`ksp_loader_next_batch`] (`ksp_batch b = KSP_BATCH_INIT;`); see
+// there. New fields are only ever appended.
 typedef struct {
+  // Set by the caller: `sizeof(ksp_batch)` as it was compiled.
+  size_t struct_size;
+  // Set by the caller: `sizeof(ksp_sample)` as it was compiled; the
+  // stride of `samples`.
+  size_t sample_size;
   // Samples in the batch; 0 at the end of the epoch.
   size_t count;
-  // `count` samples.
+  // `count` samples, `sample_size` bytes apart.
   const ksp_sample *samples;
   // The batch's bytes from its first sample's start.
   const uint8_t *span;
@@ -107,7 +140,17 @@ typedef struct {
 // Loader statistics, cumulative over the loader's life (restarts by
 // set_epoch or restore_position included). `samples` and `bytes` count
 // what was delivered; the read counters also count read-ahead.
+//
+// Extensible: set `struct_size` to `sizeof(ksp_stats)` before the call
+// (`ksp_stats s = KSP_STATS_INIT;`). The library fills the fields that fit
+// in `struct_size` and leaves the rest of a smaller (older) layout
+// untouched; a larger (newer) layout's unknown fields are zeroed. New
+// fields are only ever appended. `struct_size` below
+// `KSP_STATS_MIN_SIZE` (the layout that ended at `read_ahead_discarded`)
+// is `KSP_ERR_STRUCT_SIZE`.
 typedef struct {
+  // Set by the caller: `sizeof(ksp_stats)` as it was compiled.
+  size_t struct_size;
   // Samples delivered.
   uint64_t samples;
   // Bytes delivered.
@@ -122,7 +165,8 @@ typedef struct {
   uint64_t tier_hits;
   // Reads retried.
   uint64_t retries;
-  // Read latency percentiles in microseconds.
+  // Read latency (submission to completion of disk reads), median, in
+  // microseconds.
   uint64_t p50_us;
   // 99th percentile.
   uint64_t p99_us;
@@ -138,6 +182,14 @@ typedef struct {
   // Samples read ahead and thrown away unconsumed (a jump to another
   // epoch, a restored position, the end).
   uint64_t read_ahead_discarded;
+  // Read latency, 90th percentile, in microseconds.
+  uint64_t p90_us;
+  // 99.9th percentile.
+  uint64_t p999_us;
+  // Largest.
+  uint64_t max_us;
+  // Reads the latency figures are computed from.
+  uint64_t latency_reads;
 } ksp_stats;
 
 // What the catalog says about one sample.
@@ -153,6 +205,12 @@ typedef struct {
 // Receives kspeed's log records: `level` 1 error, 2 warn, 3 info, 4 debug,
 // 5 trace; `target` the module; `message` the text. Both strings are valid
 // only during the call. Called from kspeed's threads, concurrently.
+//
+// The callback must return normally: it must not throw a C++ exception,
+// `longjmp` or otherwise unwind out of itself (catch everything inside
+// it). It is called through a plain C function pointer from kspeed's
+// threads, where an unwinding foreign exception is undefined behaviour
+// (in practice the process aborts).
 typedef void (*ksp_log_callback)(void *userdata, int level, const char *target, const char *message);
 
 #ifdef __cplusplus
@@ -165,16 +223,116 @@ const char *ksp_version(void);
 // The C ABI version ([`KSP_ABI_VERSION`] of the library actually loaded).
 uint32_t ksp_abi_version(void);
 
-// Copies the message of the calling thread's last failed call into `buf`
-// (NUL-terminated, truncated to `buf_len`) and its full length (without
-// the NUL) into `*out_len`. An empty message when nothing failed yet.
+#if defined(KSP_TEST_PANIC)
+// For tests of the panic boundary: panics inside kspeed and returns
+// `KSP_ERR_PANIC` with the message "kspeed panicked…". Only in a library
+// built with the `test-panic` cargo feature (the header declares it when
+// `KSP_TEST_PANIC` is defined).
+ksp_status ksp_test_panic(void);
+#endif
+
+// Waits for the next batch of the current epoch and describes it in
+// `*out`; `out->count == 0` at the epoch's end (call
+// [`super::ksp_loader_set_epoch`] to go on). A batch still held is
+// released first (its pointers die). Returns a loader error as its status
+// (`KSP_ERR_IO` naming the sample and file...); after one, the loader
+// stays failed: every later call returns that first error's status again,
+// with a message that starts "the loader stopped after an earlier error".
 //
-// Returns `KSP_ERR_BUFFER_TOO_SMALL` when truncated (`*out_len` says the
-// size needed), `KSP_ERR_NULL_ARG` when `buf` or `out_len` is NULL.
+// The caller sets `out->struct_size` (`sizeof(ksp_batch)`) and
+// `out->sample_size` (`sizeof(ksp_sample)`) first; `KSP_BATCH_INIT` does
+// both. The library fills the fields that fit in `struct_size` (zeroing
+// any it does not know of a newer, larger layout) and lays `samples` out
+// `sample_size` bytes apart (zeroing unknown tail fields of each).
+// `struct_size` below `KSP_BATCH_MIN_SIZE` or `sample_size` below
+// `KSP_SAMPLE_MIN_SIZE` (or either not a multiple of 8, or over
+// `KSP_MAX_STRUCT_SIZE`) is `KSP_ERR_STRUCT_SIZE`, with nothing waited for
+// or written.
 //
 // # Safety
-// `buf` must be writable for `buf_len` bytes; `out_len` writable.
-ksp_status ksp_last_error(char *buf, size_t buf_len, size_t *out_len);
+// `l` is a live loader; `out` points to a `ksp_batch` of the layout its
+// `struct_size` says, writable.
+ksp_status ksp_loader_next_batch(ksp_loader *l, ksp_batch *out);
+
+// Releases batch `seq` (its `ksp_batch.seq`): returns its ring space;
+// its pointers are invalid afterwards. A batch that was released already
+// (by an earlier call, the next [`ksp_loader_next_batch`],
+// [`super::ksp_loader_set_epoch`] or [`super::ksp_loader_restore_position`])
+// is left alone and the call does nothing, so a late release never frees a
+// newer batch: a wrapper that releases its batch in a destructor is safe in
+// any order.
+//
+// Status: `KSP_OK` (released, or already released); `KSP_ERR_NULL_ARG`;
+// `KSP_ERR_INVALID_ARG` (`seq` was never handed out by this loader).
+//
+// # Safety
+// `l` is a live loader.
+ksp_status ksp_loader_release_batch(ksp_loader *l, uint64_t seq);
+
+// Classes in the loader's catalog (class folders of an ImageFolder source;
+// 0 for file lists and tar shards, whose labels are plain numbers), in `*out`.
+// Labels run from 0 to the count - 1.
+//
+// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`.
+//
+// # Safety
+// `l` is a live loader; `out` writable.
+ksp_status ksp_loader_class_count(const ksp_loader *l, uint64_t *out);
+
+// The name of class `label` (its folder's name, byte for byte: not
+// necessarily UTF-8), NUL-terminated, into `buf`, and its length without the
+// NUL into `*out_len`. When `buf_len` is less than the length + 1, nothing
+// is written to `buf`, `*out_len` says the length and the call returns
+// `KSP_ERR_BUFFER_TOO_SMALL`, so a caller can size the buffer and call again.
+//
+// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_INVALID_ARG` (`label` is
+// not below [`ksp_loader_class_count`]); `KSP_ERR_BUFFER_TOO_SMALL`.
+//
+// # Safety
+// `l` is a live loader; `buf` writable for `buf_len` bytes; `out_len` writable.
+ksp_status ksp_loader_class_name(const ksp_loader *l,
+                                 uint64_t label,
+                                 char *buf,
+                                 size_t buf_len,
+                                 size_t *out_len);
+
+// How many tar members make each sample (`kspeed catalog/preload --members
+// jpg,json,txt`), in `*out`; 0 when a sample is a single member or file.
+//
+// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`.
+//
+// # Safety
+// `l` is a live loader; `out` writable.
+ksp_status ksp_loader_member_count(const ksp_loader *l, uint64_t *out);
+
+// The extension of member `index` (e.g. `json`), NUL-terminated, into `buf`,
+// its length into `*out_len`; buffer rules as for [`ksp_loader_class_name`].
+//
+// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_INVALID_ARG` (`index` is
+// not below [`ksp_loader_member_count`]); `KSP_ERR_BUFFER_TOO_SMALL`.
+//
+// # Safety
+// `l` is a live loader; `buf` writable for `buf_len` bytes; `out_len` writable.
+ksp_status ksp_loader_member_name(const ksp_loader *l,
+                                  uint64_t index,
+                                  char *buf,
+                                  size_t buf_len,
+                                  size_t *out_len);
+
+// Where member `index` of sample `id` lies inside the sample's bytes (the
+// `data`/`len` a batch gives for it): offset into `*offset`, length into
+// `*len`.
+//
+// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_INVALID_ARG` (`id` past the
+// catalog, or `index` not below [`ksp_loader_member_count`]).
+//
+// # Safety
+// `l` is a live loader; `offset` and `len` writable.
+ksp_status ksp_loader_sample_member(const ksp_loader *l,
+                                    uint64_t id,
+                                    uint64_t index,
+                                    uint32_t *offset,
+                                    uint32_t *len);
 
 // Creates a configuration with kspeed's defaults (batch 64, seed 0,
 // shuffle on, rank 0 of 1, 256 MiB ring...). Free it with
@@ -231,6 +389,17 @@ ksp_status ksp_config_set(ksp_config *cfg,
                           const char *key,
                           const char *value);
 
+// Copies the message of the calling thread's last failed call into `buf`
+// (NUL-terminated, truncated to `buf_len`) and its full length (without
+// the NUL) into `*out_len`. An empty message when nothing failed yet.
+//
+// Returns `KSP_ERR_BUFFER_TOO_SMALL` when truncated (`*out_len` says the
+// size needed), `KSP_ERR_NULL_ARG` when `buf` or `out_len` is NULL.
+//
+// # Safety
+// `buf` must be writable for `buf_len` bytes; `out_len` writable.
+ksp_status ksp_last_error(char *buf, size_t buf_len, size_t *out_len);
+
 // Creates a loader from `cfg` (which stays owned by the caller and may be
 // freed right after). Opens the space, maps and locks the ring, starts the
 // pollers (and connects to the cluster's nodes in cluster mode). Free it
@@ -251,33 +420,6 @@ ksp_status ksp_loader_new(const ksp_config *cfg, ksp_loader **out);
 // # Safety
 // `l` is NULL or came from [`ksp_loader_new`] and was not freed.
 void ksp_loader_free(ksp_loader *l);
-
-// Waits for the next batch of the current epoch and describes it in
-// `*out`; `out->count == 0` at the epoch's end (call
-// [`ksp_loader_set_epoch`] to go on). A batch still held is released
-// first (its pointers die). Returns a loader error as its status
-// (`KSP_ERR_IO` naming the sample and file...); after one, the loader
-// stays failed: every later call returns that first error's status again,
-// with a message that starts "the loader stopped after an earlier error".
-//
-// # Safety
-// `l` is a live loader; `out` writable.
-ksp_status ksp_loader_next_batch(ksp_loader *l, ksp_batch *out);
-
-// Releases batch `seq` (its `ksp_batch.seq`): returns its ring space;
-// its pointers are invalid afterwards. A batch that was released already
-// (by an earlier call, the next [`ksp_loader_next_batch`],
-// [`ksp_loader_set_epoch`] or [`ksp_loader_restore_position`]) is left
-// alone and the call does nothing, so a late release never frees a newer
-// batch: a wrapper that releases its batch in a destructor is safe in
-// any order.
-//
-// Status: `KSP_OK` (released, or already released); `KSP_ERR_NULL_ARG`;
-// `KSP_ERR_INVALID_ARG` (`seq` was never handed out by this loader).
-//
-// # Safety
-// `l` is a live loader.
-ksp_status ksp_loader_release_batch(ksp_loader *l, uint64_t seq);
 
 // Moves to `epoch` (like PyTorch's `sampler.set_epoch`); releases a held batch.
 //
@@ -344,12 +486,14 @@ ksp_status ksp_loader_save_position(const ksp_loader *l,
 // `l` is a live loader; `buf` readable for `len` bytes.
 ksp_status ksp_loader_restore_position(ksp_loader *l, const uint8_t *buf, size_t len);
 
-// Statistics so far, in `*out`.
+// Statistics so far, in `*out` (set `out->struct_size` first; see
+// [`ksp_stats`]).
 //
-// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`.
+// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_STRUCT_SIZE`.
 //
 // # Safety
-// `l` is a live loader; `out` writable.
+// `l` is a live loader; `out` points to a `ksp_stats` of the layout its
+// `struct_size` says, writable.
 ksp_status ksp_loader_stats(const ksp_loader *l, ksp_stats *out);
 
 // Samples in the loader's catalog (the whole dataset), in `*out`.
@@ -369,34 +513,17 @@ ksp_status ksp_loader_catalog_len(const ksp_loader *l, uint64_t *out);
 // `l` is a live loader; `out` writable.
 ksp_status ksp_loader_catalog_sample(const ksp_loader *l, uint64_t id, ksp_catalog_sample *out);
 
-// Preloads the samples node `node_index` of `nodes` holds (with `replicas`
-// copies) from `source` into the space `space` (idempotent, resumable).
-// `catalog` may be NULL (built from the source) or a prebuilt catalog;
-// `source` may be NULL when the space already has a catalog.
+// Sends kspeed's log records at `max_level` (1 error … 5 trace; 0 off) and
+// above to `cb` with `userdata`. Replaces any earlier callback; NULL `cb`
+// stops delivery. Fails with `KSP_ERR_STATE` if the process already has
+// another Rust logger installed.
 //
-// Status: `KSP_OK`; `KSP_ERR_NULL_ARG` (`space`); `KSP_ERR_INVALID_ARG`
-// (placement); `KSP_ERR_IO` (source, disk full, space locked by another
-// preload); `KSP_ERR_DATA` (source changed, corrupt catalog).
+// Status: `KSP_OK`; `KSP_ERR_INVALID_ARG` (level); `KSP_ERR_STATE`.
 //
 // # Safety
-// String arguments are NULL or NUL-terminated.
-ksp_status ksp_preload(const char *source,
-                       const char *space,
-                       const char *catalog,
-                       uint32_t nodes,
-                       uint32_t node_index,
-                       uint32_t replicas);
-
-// Re-reads every sample the space holds and checks its CRC32C. Writes the
-// samples checked and the bad ones to `*checked` and `*bad` (either may be
-// NULL); bad samples are not an error status (`KSP_OK` with `*bad > 0`).
-//
-// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_IO` / `KSP_ERR_DATA` (the
-// space cannot be opened).
-//
-// # Safety
-// `space` NUL-terminated; `checked`, `bad` NULL or writable.
-ksp_status ksp_verify(const char *space, uint64_t *checked, uint64_t *bad);
+// `cb` must be callable from any thread until replaced; `userdata` is
+// passed through untouched.
+ksp_status ksp_set_log_callback(ksp_log_callback cb, void *userdata, int max_level);
 
 // Starts a node service serving `space` on `listen` (`host:port`, port 0
 // picks one) for consumers presenting `token`. Stop and free it with
@@ -427,86 +554,34 @@ ksp_status ksp_node_service_port(const ksp_node_service *s, uint16_t *out);
 // `s` is NULL or came from [`ksp_node_service_start`] and was not stopped.
 void ksp_node_service_stop(ksp_node_service *s);
 
-// Sends kspeed's log records at `max_level` (1 error … 5 trace; 0 off) and
-// above to `cb` with `userdata`. Replaces any earlier callback; NULL `cb`
-// stops delivery. Fails with `KSP_ERR_STATE` if the process already has
-// another Rust logger installed.
+// Preloads the samples node `node_index` of `nodes` holds (with `replicas`
+// copies) from `source` into the space `space` (idempotent, resumable).
+// `catalog` may be NULL (built from the source) or a prebuilt catalog;
+// `source` may be NULL when the space already has a catalog.
 //
-// Status: `KSP_OK`; `KSP_ERR_INVALID_ARG` (level); `KSP_ERR_STATE`.
-//
-// # Safety
-// `cb` must be callable from any thread until replaced; `userdata` is
-// passed through untouched.
-ksp_status ksp_set_log_callback(ksp_log_callback cb, void *userdata, int max_level);
-
-// For tests of the panic boundary: panics inside kspeed and returns
-// `KSP_ERR_PANIC` with the message "kspeed panicked…".
-ksp_status ksp_test_panic(void);
-
-// Classes in the loader's catalog (class folders of an ImageFolder source;
-// 0 for file lists and tar shards, whose labels are plain numbers), in `*out`.
-// Labels run from 0 to the count - 1.
-//
-// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`.
+// Status: `KSP_OK`; `KSP_ERR_NULL_ARG` (`space`); `KSP_ERR_INVALID_ARG`
+// (placement); `KSP_ERR_IO` (source, disk full, space locked by another
+// preload); `KSP_ERR_DATA` (source changed, corrupt catalog).
 //
 // # Safety
-// `l` is a live loader; `out` writable.
-ksp_status ksp_loader_class_count(const ksp_loader *l, uint64_t *out);
+// String arguments are NULL or NUL-terminated.
+ksp_status ksp_preload(const char *source,
+                       const char *space,
+                       const char *catalog,
+                       uint32_t nodes,
+                       uint32_t node_index,
+                       uint32_t replicas);
 
-// The name of class `label` (its folder's name, byte for byte: not
-// necessarily UTF-8), NUL-terminated, into `buf`, and its length without the
-// NUL into `*out_len`. When `buf_len` is less than the length + 1, nothing
-// is written to `buf`, `*out_len` says the length and the call returns
-// `KSP_ERR_BUFFER_TOO_SMALL`, so a caller can size the buffer and call again.
+// Re-reads every sample the space holds and checks its CRC32C. Writes the
+// samples checked and the bad ones to `*checked` and `*bad` (either may be
+// NULL); bad samples are not an error status (`KSP_OK` with `*bad > 0`).
 //
-// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_INVALID_ARG` (`label` is
-// not below [`ksp_loader_class_count`]); `KSP_ERR_BUFFER_TOO_SMALL`.
+// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_IO` / `KSP_ERR_DATA` (the
+// space cannot be opened).
 //
 // # Safety
-// `l` is a live loader; `buf` writable for `buf_len` bytes; `out_len` writable.
-ksp_status ksp_loader_class_name(const ksp_loader *l,
-                                 uint64_t label,
-                                 char *buf,
-                                 size_t buf_len,
-                                 size_t *out_len);
-
-// How many tar members make each sample (`kspeed catalog/preload --members
-// jpg,json,txt`), in `*out`; 0 when a sample is a single member or file.
-//
-// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`.
-//
-// # Safety
-// `l` is a live loader; `out` writable.
-ksp_status ksp_loader_member_count(const ksp_loader *l, uint64_t *out);
-
-// The extension of member `index` (e.g. `json`), NUL-terminated, into `buf`,
-// its length into `*out_len`; buffer rules as for [`ksp_loader_class_name`].
-//
-// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_INVALID_ARG` (`index` is
-// not below [`ksp_loader_member_count`]); `KSP_ERR_BUFFER_TOO_SMALL`.
-//
-// # Safety
-// `l` is a live loader; `buf` writable for `buf_len` bytes; `out_len` writable.
-ksp_status ksp_loader_member_name(const ksp_loader *l,
-                                  uint64_t index,
-                                  char *buf,
-                                  size_t buf_len,
-                                  size_t *out_len);
-
-// Where member `index` of sample `id` lies inside the sample's bytes (the
-// `data`/`len` a batch gives for it): offset into `*offset`, length into
-// `*len`.
-//
-// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_INVALID_ARG` (`id` past the
-// catalog, or `index` not below [`ksp_loader_member_count`]).
-//
-// # Safety
-// `l` is a live loader; `offset` and `len` writable.
-ksp_status ksp_loader_sample_member(const ksp_loader *l,
-                                    uint64_t id,
-                                    uint64_t index,
-                                    uint32_t *offset,
-                                    uint32_t *len);
+// `space` NUL-terminated; `checked`, `bad` NULL or writable.
+ksp_status ksp_verify(const char *space, uint64_t *checked, uint64_t *bad);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -6,7 +6,8 @@
 #   PREFIX/include/kspeed.h, kspeed.hpp
 #   PREFIX/lib/pkgconfig/kspeed.pc
 #   PREFIX/lib/cmake/kspeed/kspeedConfig.cmake, kspeedConfigVersion.cmake
-# Extra cargo flags go in CARGO_FLAGS (e.g. --no-default-features).
+# Extra cargo flags go in CARGO_FLAGS (e.g. --no-default-features --features cli
+# for a build without RDMA; the kspeed command needs the cli feature).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 prefix="${1:-/usr/local}"

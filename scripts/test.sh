@@ -29,9 +29,11 @@ skipped() {
 
 step "cargo fmt --check"
 cargo fmt --all -- --check
-step "cargo clippy (default features, then --no-default-features)"
+step "cargo clippy (default features, without rdma, the library alone)"
 cargo clippy --all-targets -- -D warnings
+cargo clippy --all-targets --no-default-features --features cli -- -D warnings
 cargo clippy --all-targets --no-default-features -- -D warnings
+cargo clippy --all-targets --no-default-features --features rdma -- -D warnings
 step "rustdoc"
 RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --quiet
 step "include/kspeed.h matches src/capi (pinned cbindgen)"
@@ -39,10 +41,15 @@ scripts/gen_header.sh --check
 
 runner=(cargo test)
 if cargo nextest --version >/dev/null 2>&1; then runner=(cargo nextest run --no-fail-fast); fi
+# test-panic: the library exports ksp_test_panic, so tests/capi.rs checks
+# the C ABI's panic boundary (without it that check is a skip).
+step "the library alone (default-features = false, features = [\"rdma\"]): build, lib tests"
+cargo build --lib --no-default-features --features rdma
+cargo test --lib --no-default-features --features rdma
 step "tests without the rdma feature"
-"${runner[@]}" --no-default-features
+"${runner[@]}" --no-default-features --features cli,test-panic
 step "tests (default features)"
-"${runner[@]}"
+"${runner[@]}" --features test-panic
 
 step "C++ example against an installed package (CMake, pkg-config, static)"
 scripts/test_cpp.sh

@@ -270,9 +270,7 @@ pub enum Error {
         ring_bytes: u64,
     },
     /// Reading a sample failed.
-    #[error(
-        "reading sample {sample} from {path} at offset {offset} failed: {errno_name} ({source})"
-    )]
+    #[error("reading sample {sample} from {path} at offset {offset} failed: {errno_name}")]
     ReadFailed {
         /// The sample.
         sample: u64,
@@ -280,8 +278,9 @@ pub enum Error {
         path: PathBuf,
         /// Byte offset of the read.
         offset: u64,
-        /// Symbolic errno (EIO, ENOENT, ...).
-        errno_name: &'static str,
+        /// The errno (its number and description; `errno_name.0 ==
+        /// libc::EIO`...).
+        errno_name: Errno,
         /// The OS error.
         #[source]
         source: Arc<io::Error>,
@@ -476,37 +475,22 @@ impl Error {
     }
 }
 
-/// The symbolic name of an errno value, for messages.
-pub fn errno_name(errno: i32) -> &'static str {
-    match errno {
-        libc::EIO => "EIO",
-        libc::ENOENT => "ENOENT",
-        libc::EACCES => "EACCES",
-        libc::EPERM => "EPERM",
-        libc::EINVAL => "EINVAL",
-        libc::EBADF => "EBADF",
-        libc::EFAULT => "EFAULT",
-        libc::ENOMEM => "ENOMEM",
-        libc::EAGAIN => "EAGAIN",
-        libc::EINTR => "EINTR",
-        libc::ENOSPC => "ENOSPC",
-        libc::EOVERFLOW => "EOVERFLOW",
-        libc::ENXIO => "ENXIO",
-        libc::ENODEV => "ENODEV",
-        libc::ESTALE => "ESTALE",
-        libc::ETIMEDOUT => "ETIMEDOUT",
-        libc::ECANCELED => "ECANCELED",
-        libc::EOPNOTSUPP => "EOPNOTSUPP",
-        libc::EMFILE => "EMFILE",
-        libc::ENFILE => "ENFILE",
-        libc::ECONNRESET => "ECONNRESET",
-        libc::EPIPE => "EPIPE",
-        libc::EMSGSIZE => "EMSGSIZE",
-        libc::ENOTCONN => "ENOTCONN",
-        libc::ECONNREFUSED => "ECONNREFUSED",
-        libc::ENOBUFS => "ENOBUFS",
-        _ => "errno",
+/// An errno value in messages: its number and the C library's description
+/// (`errno 5 (Input/output error)`), for every value: the number is never
+/// dropped, and the description comes from the C library (`strerror_r`
+/// through the `errno` crate) rather than a table of names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Errno(pub i32);
+
+impl std::fmt::Display for Errno {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "errno {} ({})", self.0, errno::Errno(self.0))
     }
+}
+
+/// The errno `errno` for a message (see [`Errno`]).
+pub fn errno_name(errno: i32) -> Errno {
+    Errno(errno)
 }
 
 /// Adds the operation and path to an `io::Result`.
@@ -518,5 +502,27 @@ pub(crate) trait IoContext<T> {
 impl<T> IoContext<T> for io::Result<T> {
     fn ctx(self, op: &'static str, path: impl AsRef<Path>) -> Result<T> {
         self.map_err(|e| Error::io(op, path, e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every errno keeps its number, and gets the C library's description:
+    /// the old table knew 26 names and printed a bare "errno" for the rest.
+    #[test]
+    fn errno_messages_keep_the_number_and_describe_it() {
+        assert_eq!(
+            errno_name(libc::EIO).to_string(),
+            "errno 5 (Input/output error)"
+        );
+        let ehwpoison = errno_name(libc::EHWPOISON).to_string();
+        assert!(
+            ehwpoison.starts_with(&format!("errno {} (", libc::EHWPOISON))
+                && ehwpoison.len() > "errno 133 ()".len(),
+            "{ehwpoison}"
+        );
+        assert!(errno_name(4000).to_string().starts_with("errno 4000 ("));
     }
 }

@@ -7,24 +7,30 @@
 //! it asks. See docs/ and the repository's DESIGN notes for the architecture.
 //!
 //! Modules, following the architecture:
-//! - [`dataset`]: sources, the catalog, the owner function, spaces, preload, verify, gen;
+//! - [`dataset`]: sources, the catalog, the owner function, spaces, preload, verify, and
+//!   (with the `gen` feature) a synthetic dataset generator;
 //! - [`sampler`]: the per-epoch permutation and each rank's sequence;
 //! - [`ring`]: io_uring reads into caller-owned slots, and a fault-injecting wrapper;
 //! - [`landing`]: the landing ring's memory (huge pages, mlock, NUMA, CUDA);
 //! - [`loader`]: pollers, the schedule, the memory tier and the consumer API;
 //! - [`placement`]: the node's CPU topology, the local rank and the cores a loader's pollers use;
-//! - [`transport`]: how bytes reach a remote consumer (the RDMA device probe so far);
-//! - [`mod@format`]: the checksummed envelope of kspeed's binary files;
-//! - [`progress`]: progress bars and lines for long work;
+//! - [`transport`]: how bytes reach a remote consumer: the push protocol, the node
+//!   service (`kspeed serve`), cluster files, TCP and (with the `rdma` feature) RDMA links;
+//! - [`progress`]: progress for long work (lines; bars with the `cli` feature);
+//! - [`par`]: the scoped worker pool of the bulk passes (checksums, preload, verify);
 //! - [`capi`]: the C ABI (`libkspeed.so`, `include/kspeed.h`);
-//! - `sys` (private): the system calls std lacks.
+//! - internal (`pub(crate)`): `format` (the checksummed envelope of kspeed's
+//!   binary files), `hash` (the frozen integer mixers of the sampler and owner function), `sys` (the system calls
+//!   std lacks).
 
 #![warn(missing_docs)]
 
 pub mod capi;
 pub mod dataset;
 pub mod error;
-pub mod format;
+pub(crate) mod format;
+// Public: the frozen mixers are part of the wire contract (docs/FORMAT.md)
+// that other implementations and the scale model compute alike.
 pub mod hash;
 pub mod landing;
 pub mod loader;

@@ -10,7 +10,19 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+#[cfg(feature = "cli")]
 use indicatif::{ProgressBar, ProgressStyle};
+
+/// Without the `cli` feature (the library alone) there are no bars: a bar
+/// asked for is shown as lines.
+#[cfg(not(feature = "cli"))]
+struct ProgressBar;
+
+#[cfg(not(feature = "cli"))]
+impl ProgressBar {
+    fn inc(&self, _bytes: u64) {}
+    fn finish_and_clear(&self) {}
+}
 
 /// How progress is shown.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -18,7 +30,7 @@ pub enum ProgressMode {
     /// A bar when stderr is a terminal, lines otherwise.
     #[default]
     Auto,
-    /// Always a bar.
+    /// Always a bar (lines in a build without the `cli` feature).
     Bar,
     /// Plain lines on stderr every interval.
     Lines,
@@ -74,7 +86,9 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
     })
 }
 
-/// Formats a byte count with a binary unit.
+/// Formats a byte count with a binary unit, for the library's own messages
+/// (progress lines, errors). The `kspeed` command uses indicatif's
+/// `HumanBytes`; the library does not depend on indicatif.
 pub fn human_bytes(b: f64) -> String {
     const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
     let mut v = b;
@@ -98,8 +112,11 @@ impl Progress {
             total: total_bytes,
         });
         let mode = match mode {
-            ProgressMode::Auto if std::io::stderr().is_terminal() => ProgressMode::Bar,
+            ProgressMode::Auto if cfg!(feature = "cli") && std::io::stderr().is_terminal() => {
+                ProgressMode::Bar
+            }
             ProgressMode::Auto => ProgressMode::Lines,
+            ProgressMode::Bar if !cfg!(feature = "cli") => ProgressMode::Lines,
             m => m,
         };
         let mut p = Progress {
@@ -108,6 +125,7 @@ impl Progress {
             ticker: None,
         };
         match mode {
+            #[cfg(feature = "cli")]
             ProgressMode::Bar => {
                 let bar = ProgressBar::new(total_bytes);
                 bar.set_style(

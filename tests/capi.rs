@@ -1,4 +1,5 @@
-//! The C ABI from C: tests/c/capi_test.c, compiled against include/kspeed.h
+//! The C ABI from C: tests/c/capi_test.c (and sized_structs_test.c,
+//! batch_lifetime.cpp), compiled against include/kspeed.h
 //! and the freshly built libkspeed.so, run plainly, under AddressSanitizer
 //! and under valgrind (each skipped with a message when the tool is missing).
 
@@ -18,9 +19,15 @@ fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
-/// Compiles the C test; None (with a message) when gcc is missing.
+/// Compiles the C test; None (with a message) when gcc is missing. With
+/// the `test-panic` feature (scripts/test.sh enables it) the library
+/// exports `ksp_test_panic` and the test checks the panic boundary.
 fn compile(out: &Path, extra: &[&str]) -> Option<PathBuf> {
-    compile_with("gcc", "-std=c11", "tests/c/capi_test.c", out, extra)
+    let mut flags = extra.to_vec();
+    if cfg!(feature = "test-panic") {
+        flags.push("-DKSP_TEST_PANIC");
+    }
+    compile_with("gcc", "-std=c11", "tests/c/capi_test.c", out, &flags)
 }
 
 /// Compiles `source` (relative to the crate) with `compiler` against
@@ -159,7 +166,42 @@ fn c_test_passes() {
     let Some(bin) = compile(&d.work.join("capi_test"), &[]) else {
         return;
     };
-    assert_passed(&run(&["env"], &bin, &d, &[]), "plain");
+    let o = run(&["env"], &bin, &d, &[]);
+    assert_passed(&o, "plain");
+    if cfg!(feature = "test-panic") {
+        assert!(String::from_utf8_lossy(&o.stdout).contains("panic boundary checked"));
+    } else {
+        skip("the panic boundary (ksp_test_panic) is checked with --features test-panic");
+    }
+}
+
+/// The extensible structs (tests/c/sized_structs_test.c): a caller built
+/// with the first layout of `ksp_stats` (struct_size KSP_STATS_MIN_SIZE)
+/// and of `ksp_batch`/`ksp_sample` still works and nothing past its struct
+/// is written; a newer, larger layout gets zeroes for unknown fields; a
+/// size below the first layout, unaligned or never set is
+/// `KSP_ERR_STRUCT_SIZE` with nothing written or consumed.
+#[test]
+fn extensible_structs_accept_old_and_new_sizes_and_name_bad_ones() {
+    let d = data();
+    let Some(bin) = compile_with(
+        "gcc",
+        "-std=c11",
+        "tests/c/sized_structs_test.c",
+        &d.work.join("sized_structs_test"),
+        &["-fsanitize=address,undefined", "-fno-omit-frame-pointer"],
+    ) else {
+        return;
+    };
+    let o = Command::new(&bin)
+        .arg(&d.space)
+        .env(
+            "ASAN_OPTIONS",
+            "detect_leaks=0:abort_on_error=0:exitcode=23",
+        )
+        .output()
+        .unwrap();
+    assert_passed(&o, "sized structs");
 }
 
 #[test]
@@ -226,6 +268,17 @@ fn header_constants_match_the_library() {
         "#define KSP_POSITION_BYTES {}",
         kspeed::capi::KSP_POSITION_BYTES
     )));
+    for (name, v) in [
+        ("KSP_BATCH_MIN_SIZE", kspeed::capi::KSP_BATCH_MIN_SIZE),
+        ("KSP_SAMPLE_MIN_SIZE", kspeed::capi::KSP_SAMPLE_MIN_SIZE),
+        ("KSP_STATS_MIN_SIZE", kspeed::capi::KSP_STATS_MIN_SIZE),
+        ("KSP_MAX_STRUCT_SIZE", kspeed::capi::KSP_MAX_STRUCT_SIZE),
+    ] {
+        assert!(
+            h.contains(&format!("#define {name} {v}\n")),
+            "{name} is {v}"
+        );
+    }
     let build = std::fs::read_to_string(root().join("build.rs")).unwrap();
     assert!(
         build.contains(&format!("let abi = {};", kspeed::capi::KSP_ABI_VERSION)),

@@ -2135,7 +2135,7 @@ fn a_failed_restart_keeps_its_first_error_and_answers_every_call() {
         }
         assert_eq!(ksp_loader_new(cfg, &mut c), ksp_status::KSP_OK);
         ksp_config_free(cfg);
-        let mut b: ksp_batch = std::mem::zeroed();
+        let mut b = ksp_batch::default();
         assert_eq!(ksp_loader_next_batch(c, &mut b), ksp_status::KSP_OK);
         assert_eq!(b.count, 16);
     }
@@ -2166,7 +2166,7 @@ fn a_failed_restart_keeps_its_first_error_and_answers_every_call() {
     unsafe {
         let net = ksp_status::KSP_ERR_NETWORK;
         assert_eq!(ksp_loader_set_epoch(c, 4), net);
-        let mut b: ksp_batch = std::mem::zeroed();
+        let mut b = ksp_batch::default();
         assert_eq!(
             ksp_loader_next_batch(c, &mut b),
             net,
@@ -2176,7 +2176,7 @@ fn a_failed_restart_keeps_its_first_error_and_answers_every_call() {
         let mut n = 0u64;
         assert_eq!(ksp_loader_catalog_len(c, &mut n), ksp_status::KSP_OK);
         assert_eq!(n, 300);
-        let mut stats: ksp_stats = std::mem::zeroed();
+        let mut stats = ksp_stats::default();
         assert_eq!(ksp_loader_stats(c, &mut stats), ksp_status::KSP_OK);
         assert_eq!(stats.samples, 16);
         ksp_loader_free(c);
@@ -2416,7 +2416,7 @@ fn capi_cluster_keys_from_hostlist_pattern_and_environment() {
             }
             let mut ids = Vec::new();
             loop {
-                let mut b: ksp_batch = std::mem::zeroed();
+                let mut b = ksp_batch::default();
                 assert_eq!(ksp_loader_next_batch(l, &mut b), ksp_status::KSP_OK);
                 if b.count == 0 {
                     break;

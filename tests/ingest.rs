@@ -743,7 +743,7 @@ fn verify_reports_io_errors_as_such() {
     let out = text(&o);
     assert_eq!(o.status.code(), Some(1), "{out}");
     assert!(
-        out.contains("I/O error (open extent: EACCES")
+        out.contains("I/O error (open extent: errno 13 (Permission denied))")
             && out.contains("00000001.kse")
             && out.contains("could not be read because of I/O errors")
             && !out.contains("--refresh"),

@@ -862,3 +862,24 @@ fn progress_lines_when_not_a_terminal() {
         .unwrap_or_else(|| panic!("no progress line in {err}"));
     assert!(line.contains("/s, ETA ") && line.contains('%'), "{line}");
 }
+
+/// `kspeed inspect` shows the catalog identity that a consumer's HELLO
+/// carries and a node compares with its own (docs/PROTOCOL.md), as text and
+/// in --json, the same value the Rust API gives.
+#[test]
+fn inspect_shows_the_catalog_identity() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("src");
+    gen("tiny", 20, &src);
+    let sp = tmp.path().join("space");
+    ok(&["preload", "--source", s(&src), "--space", s(&sp)]);
+    let want = format!("{:08x}", Space::open(&sp).unwrap().catalog().identity());
+    let out = ok(&["inspect", "--space", s(&sp)]);
+    assert!(
+        out.contains(&format!("identity:     {want} ")),
+        "no identity {want} in\n{out}"
+    );
+    let v: serde_json::Value =
+        serde_json::from_str(&ok(&["inspect", "--space", s(&sp), "--json"])).unwrap();
+    assert_eq!(v["catalog"]["identity"], want.as_str(), "{v}");
+}

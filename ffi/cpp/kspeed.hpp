@@ -163,7 +163,9 @@ public:
 
     /// The next batch, or std::nullopt at the end of the epoch.
     std::optional<Batch> next_batch() {
-        ksp_batch b;
+        // struct_size and sample_size: the layouts this program was
+        // compiled with (the library fills what both know).
+        ksp_batch b = KSP_BATCH_INIT;
         check(ksp_loader_next_batch(p_, &b));
         if (b.count == 0) return std::nullopt;
         return Batch(p_, b);
@@ -203,7 +205,7 @@ public:
         check(ksp_loader_restore_position(p_, pos.data(), pos.size()));
     }
     ksp_stats stats() const {
-        ksp_stats s{};
+        ksp_stats s = KSP_STATS_INIT;
         check(ksp_loader_stats(p_, &s));
         return s;
     }

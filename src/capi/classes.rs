@@ -4,7 +4,9 @@
 
 use std::ffi::c_char;
 
-use super::{guard, ksp_loader, ksp_status, null, Fail};
+use super::errors::{guard, ksp_status, Fail};
+use super::ffi::{Handle, Out};
+use super::loader::ksp_loader;
 
 /// Classes in the loader's catalog (class folders of an ImageFolder source;
 /// 0 for file lists and tar shards, whose labels are plain numbers), in `*out`.
@@ -17,10 +19,9 @@ use super::{guard, ksp_loader, ksp_status, null, Fail};
 #[no_mangle]
 pub unsafe extern "C" fn ksp_loader_class_count(l: *const ksp_loader, out: *mut u64) -> ksp_status {
     guard(|| {
-        null(l, "loader")?;
-        null(out, "out")?;
         // SAFETY: live loader; out writable (contract).
-        unsafe { *out = (*l).loader.catalog().class_count() };
+        let (h, out) = unsafe { (ksp_loader::try_ref(l)?, Out::new(out, "out")?) };
+        out.set(h.loader.catalog().class_count());
         Ok(())
     })
 }
@@ -45,11 +46,11 @@ pub unsafe extern "C" fn ksp_loader_class_name(
     out_len: *mut usize,
 ) -> ksp_status {
     guard(|| {
-        null(l, "loader")?;
-        null(buf, "buf")?;
-        null(out_len, "out_len")?;
         // SAFETY: live loader (contract).
-        let cat = unsafe { &*l }.loader.catalog();
+        let cat = unsafe { ksp_loader::try_ref(l)? }.loader.catalog();
+        if buf.is_null() || out_len.is_null() {
+            return Err(Fail::Null(if buf.is_null() { "buf" } else { "out_len" }));
+        }
         if label >= cat.class_count() {
             return Err(Fail::Invalid(format!(
                 "label {label} is not below the catalog's {} classes",
@@ -98,10 +99,9 @@ pub unsafe extern "C" fn ksp_loader_member_count(
     out: *mut u64,
 ) -> ksp_status {
     guard(|| {
-        null(l, "loader")?;
-        null(out, "out")?;
         // SAFETY: live loader; out writable (contract).
-        unsafe { *out = (*l).loader.catalog().members().len() as u64 };
+        let (h, out) = unsafe { (ksp_loader::try_ref(l)?, Out::new(out, "out")?) };
+        out.set(h.loader.catalog().members().len() as u64);
         Ok(())
     })
 }
@@ -123,11 +123,14 @@ pub unsafe extern "C" fn ksp_loader_member_name(
     out_len: *mut usize,
 ) -> ksp_status {
     guard(|| {
-        null(l, "loader")?;
-        null(buf, "buf")?;
-        null(out_len, "out_len")?;
         // SAFETY: live loader (contract).
-        let members = unsafe { &*l }.loader.catalog().members();
+        let members = unsafe { ksp_loader::try_ref(l)? }
+            .loader
+            .catalog()
+            .members();
+        if buf.is_null() || out_len.is_null() {
+            return Err(Fail::Null(if buf.is_null() { "buf" } else { "out_len" }));
+        }
         let Some(name) = members.get(index as usize) else {
             return Err(Fail::Invalid(format!(
                 "member {index} is not below the catalog's {} members",
@@ -157,11 +160,15 @@ pub unsafe extern "C" fn ksp_loader_sample_member(
     len: *mut u32,
 ) -> ksp_status {
     guard(|| {
-        null(l, "loader")?;
-        null(offset, "offset")?;
-        null(len, "len")?;
-        // SAFETY: live loader (contract).
-        let cat = unsafe { &*l }.loader.catalog();
+        // SAFETY: live loader; offset and len writable (contract).
+        let (h, offset, len) = unsafe {
+            (
+                ksp_loader::try_ref(l)?,
+                Out::new(offset, "offset")?,
+                Out::new(len, "len")?,
+            )
+        };
+        let cat = h.loader.catalog();
         if id >= cat.len() {
             return Err(Fail::Invalid(format!(
                 "sample {id} is past the catalog's {} samples",
@@ -174,11 +181,8 @@ pub unsafe extern "C" fn ksp_loader_sample_member(
                 cat.members().len()
             )));
         };
-        // SAFETY: offset and len writable (contract).
-        unsafe {
-            *offset = o;
-            *len = n;
-        }
+        offset.set(o);
+        len.set(n);
         Ok(())
     })
 }

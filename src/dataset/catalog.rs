@@ -2,7 +2,7 @@
 //! versioned, checksummed binary file that is memory-mapped on open.
 //! docs/FORMAT.md is the reference; the layout is summarised here.
 //!
-//! Header fields (after the common 32-byte prefix, see [`crate::format`]):
+//! Header fields (after the common 32-byte prefix, see `crate::format` and docs/FORMAT.md):
 //! source kind, sample count, file count, class count, total bytes, the body
 //! offsets of the four sections, the source string, creation time and the
 //! largest sample. Body sections, each 8-byte aligned:

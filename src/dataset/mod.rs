@@ -2,6 +2,7 @@
 //! (packed extents + manifest) and its preload, and a test-data generator.
 
 pub mod catalog;
+#[cfg(feature = "gen")]
 pub mod gen;
 pub mod owner;
 pub mod preload;

@@ -7,7 +7,7 @@
 //! holder(i, r) = (primary(i) + r) mod N        for r in 0..R
 //! ```
 //!
-//! `mix64` is the SplitMix64 finalizer ([`crate::hash::mix64`]); the salt is
+//! `mix64` is the SplitMix64 finalizer (`crate::hash::mix64`); the salt is
 //! ASCII "kspeedow". `r = 0` is the owner, `r >= 1` the replicas. Hashing
 //! spreads consecutive ids (one class folder, one tar shard) over all nodes;
 //! consecutive replicas keep the computation O(1) per sample.

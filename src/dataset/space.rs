@@ -281,10 +281,7 @@ fn io_bad(e: &std::io::Error, doing: &str) -> (BadKind, String) {
         (std::io::ErrorKind::UnexpectedEof, _) => (BadKind::Missing, format!("missing ({e})")),
         (_, Some(errno)) => (
             BadKind::Io,
-            format!(
-                "I/O error ({doing}: {}, {e})",
-                crate::error::errno_name(errno)
-            ),
+            format!("I/O error ({doing}: {})", crate::error::Errno(errno)),
         ),
         _ => (BadKind::Io, format!("I/O error ({doing}: {e})")),
     }

@@ -278,11 +278,6 @@ impl FileWriter {
         self.out.write_all(bytes).ctx("write", &self.tmp)
     }
 
-    /// Body bytes written so far.
-    pub fn body_len(&self) -> u64 {
-        self.body_len
-    }
-
     /// Pads the body with zeros to a multiple of 8 bytes.
     pub fn pad8(&mut self) -> Result<()> {
         let pad = (self.body_len.next_multiple_of(8) - self.body_len) as usize;

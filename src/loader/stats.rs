@@ -115,11 +115,11 @@ pub struct Stats {
     /// `set_epoch` to another epoch, a `restore_position`, or the end (for
     /// example the next epoch's first samples when the job stops).
     pub read_ahead_discarded: u64,
-    /// Where the pollers run (the core lists: [`Loader::placement`]).
+    /// Where the pollers run (the core lists: [`Loader::placement`](super::Loader::placement)).
     pub placement: PlacementStats,
 }
 
-/// The pollers' placement in [`Stats`] (counts; [`Loader::placement`] has
+/// The pollers' placement in [`Stats`] (counts; [`Loader::placement`](super::Loader::placement) has
 /// the cores themselves).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PlacementStats {

@@ -6,8 +6,8 @@
 //! completion carries the grant id. Over TCP ([`serve`] on the owner side,
 //! the loader's network thread on the consumer side) a write is a DATA frame
 //! whose header names the grant and the ring offset, checked against the
-//! outstanding grant before a single payload byte lands; over RDMA it will
-//! be a WRITE_WITH_IMM (immediate = grant id) into a region registered for
+//! outstanding grant before a single payload byte lands; over RDMA it is a
+//! WRITE_WITH_IMM (immediate = grant id) into a region registered for
 //! remote write. [`Link`] is that owner-side seam: [`tcp::TcpLink`]
 //! implements it over the poller's io_uring, `rdma::RdmaLink` (with the
 //! `rdma` feature) over an RC queue pair.

@@ -69,7 +69,7 @@ int main(int argc, char **argv) {
         uint64_t seen = 0;
         CHECK(ksp_loader_set_epoch(l, 0) == KSP_OK, "%s", last_error());
         for (;;) {
-            ksp_batch b;
+            ksp_batch b = KSP_BATCH_INIT;
             ksp_status st = ksp_loader_next_batch(l, &b);
             CHECK(st == KSP_OK, "%s", last_error());
             if (st != KSP_OK || b.count == 0) break; /* count 0: end of the epoch */

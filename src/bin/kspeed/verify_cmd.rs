@@ -5,8 +5,9 @@
 use std::process::ExitCode;
 use std::time::Instant;
 
+use indicatif::HumanBytes;
 use kspeed::dataset::{self, BadKind, BadSample, Space, VerifyReport};
-use kspeed::progress::{human_bytes, ProgressMode};
+use kspeed::progress::ProgressMode;
 use serde_json::{json, Value};
 
 use crate::VerifyArgs;
@@ -57,9 +58,9 @@ pub(crate) fn run(a: VerifyArgs, progress: ProgressMode) -> kspeed::Result<ExitC
         println!(
             "verified {} samples, {} in {:.2} s ({}/s{}): {} bad",
             r.checked,
-            human_bytes(r.bytes as f64),
+            HumanBytes(r.bytes),
             secs,
-            human_bytes(r.bytes as f64 / secs),
+            HumanBytes((r.bytes as f64 / secs) as u64),
             if r.direct_io {
                 ", O_DIRECT"
             } else {
@@ -120,7 +121,7 @@ pub(crate) fn run(a: VerifyArgs, progress: ProgressMode) -> kspeed::Result<ExitC
         println!(
             "repaired {} sample(s), {} copied from the source{}: ids {}",
             fixed.repaired.len(),
-            human_bytes(fixed.bytes as f64),
+            HumanBytes(fixed.bytes),
             if fixed.recreated_extents.is_empty() {
                 String::new()
             } else {

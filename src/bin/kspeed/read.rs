@@ -4,9 +4,10 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use clap::Args;
+use indicatif::HumanBytes;
 use kspeed::landing::{CudaMode, LandingOptions};
 use kspeed::loader::LoaderBuilder;
-use kspeed::progress::{human_bytes, process_cpu_seconds, Progress, ProgressMode};
+use kspeed::progress::{process_cpu_seconds, Progress, ProgressMode};
 
 #[derive(Args)]
 pub(crate) struct ReadArgs {
@@ -305,7 +306,7 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
     let info = loader.landing_info().clone();
     eprintln!(
         "landing ring: {} ({}, {}locked{}); {}; io_uring: {}",
-        human_bytes(info.bytes as f64),
+        HumanBytes(info.bytes),
         if info.huge_pages {
             "2 MiB huge pages"
         } else {
@@ -320,7 +321,7 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
     );
     eprintln!("pollers: {}", loader.placement().describe());
     if let Some((n, bytes)) = loader.tier() {
-        eprintln!("memory tier: {n} samples, {}", human_bytes(bytes as f64));
+        eprintln!("memory tier: {n} samples, {}", HumanBytes(bytes));
     }
     let per_epoch: u64 = {
         let cat = loader.catalog();
@@ -387,10 +388,10 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
         epoch_lines.push(format!(
             "epoch {e}: {} samples, {} in {:.2} s ({:.0} samples/s, {}/s)",
             st.samples - s0,
-            human_bytes((st.bytes - b0) as f64),
+            HumanBytes(st.bytes - b0),
             secs,
             (st.samples - s0) as f64 / secs,
-            human_bytes((st.bytes - b0) as f64 / secs)
+            HumanBytes(((st.bytes - b0) as f64 / secs) as u64)
         ));
     }
     let wall = t0.elapsed().as_secs_f64();
@@ -423,7 +424,7 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
     println!(
         "read {} samples, {} in {:.2} s: {:.0} samples/s, {:.3} GB/s",
         st.samples,
-        human_bytes(st.bytes as f64),
+        HumanBytes(st.bytes),
         wall,
         st.samples as f64 / wall,
         st.bytes as f64 / wall / 1e9

@@ -2,8 +2,8 @@
 
 use std::path::PathBuf;
 
+use indicatif::HumanBytes;
 use kspeed::dataset::{Catalog, Placement, Space};
-use kspeed::progress::human_bytes;
 use serde_json::{json, Value};
 
 fn percentile(sorted: &[u32], p: f64) -> u32 {
@@ -53,16 +53,21 @@ fn print_catalog(cat: &Catalog) {
         cat.path().display(),
         cat.version()
     );
+    // What a consumer's HELLO carries and a node checks against its own.
+    println!(
+        "identity:     {:08x} (CRC32C of the catalog body)",
+        cat.identity()
+    );
     println!("source:       {}", cat.source());
     println!(
         "samples:      {n} in {} source files, {} ({:.1} catalog bytes/sample)",
         cat.file_count(),
-        human_bytes(cat.total_bytes() as f64),
+        HumanBytes(cat.total_bytes()),
         cat.bytes_per_sample()
     );
     let mut lens: Vec<u32> = (0..n).map(|i| cat.sample(i).len).collect();
     lens.sort_unstable();
-    let fmt = |v: u32| human_bytes(v as f64);
+    let fmt = |v: u32| HumanBytes(v.into());
     println!(
         "sample size:  min {}  p50 {}  p90 {}  p99 {}  max {}  mean {}",
         fmt(lens[0]),
@@ -70,7 +75,7 @@ fn print_catalog(cat: &Catalog) {
         fmt(percentile(&lens, 0.9)),
         fmt(percentile(&lens, 0.99)),
         fmt(*lens.last().expect("non-empty")),
-        human_bytes(cat.total_bytes() as f64 / n as f64)
+        HumanBytes((cat.total_bytes() as f64 / n as f64) as u64)
     );
     let mut per_class = vec![0u64; cat.class_count() as usize];
     let mut unlabeled = 0u64;
@@ -131,6 +136,7 @@ fn json_summary(cat: &Catalog, space: Option<&Space>, placement: Option<Placemen
         "catalog": {
             "path": cat.path().to_string_lossy(),
             "format_version": cat.version(),
+            "identity": format!("{:08x}", cat.identity()),
             "source": cat.source(),
             "samples": n,
             "files": cat.file_count(),
@@ -205,7 +211,7 @@ fn print_nodes(cat: &Catalog, p: Placement) {
         if p.replicas == 1 { "y" } else { "ies" }
     );
     for (i, (s, b)) in held.iter().enumerate() {
-        println!("  node {i:>4}:  {s} samples, {}", human_bytes(*b as f64));
+        println!("  node {i:>4}:  {s} samples, {}", HumanBytes(*b));
     }
 }
 
@@ -227,16 +233,16 @@ fn print_space(s: &Space) {
     println!(
         "held:         {} samples, {} ({:.1}% of the dataset)",
         s.held_samples(),
-        human_bytes(s.held_bytes() as f64),
+        HumanBytes(s.held_bytes()),
         100.0 * s.held_bytes() as f64 / s.catalog().total_bytes().max(1) as f64
     );
     println!(
         "extents:      {} files, {} on disk ({:.1}% alignment padding), align {} B, cap {}",
         s.extent_lens().len(),
-        human_bytes(on_disk as f64),
+        HumanBytes(on_disk),
         100.0 * (on_disk as f64 - s.held_bytes() as f64) / on_disk.max(1) as f64,
         p.align_bytes,
-        human_bytes(p.extent_bytes as f64)
+        HumanBytes(p.extent_bytes)
     );
     match s.check_extents() {
         Ok(()) => println!("status:       complete (run kspeed verify to check every byte)"),

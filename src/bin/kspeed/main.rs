@@ -9,9 +9,10 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use clap::{Args, Parser, Subcommand};
+use indicatif::HumanBytes;
 use kspeed::dataset::gen::{self, GenOptions, Profile};
 use kspeed::dataset::{self, BuildOptions, Catalog, Placement, PreloadOptions, SourceSpec, Space};
-use kspeed::progress::{human_bytes, ProgressMode};
+use kspeed::progress::ProgressMode;
 
 mod inspect;
 mod ls;
@@ -373,7 +374,7 @@ fn run(cli: Cli) -> kspeed::Result<ExitCode> {
             println!(
                 "generated {} samples, {} in {} ({} already present) in {:.2} s",
                 r.samples,
-                human_bytes(r.bytes as f64),
+                HumanBytes(r.bytes),
                 a.out.display(),
                 r.kept,
                 t0.elapsed().as_secs_f64()
@@ -401,7 +402,7 @@ fn run(cli: Cli) -> kspeed::Result<ExitCode> {
                 "catalog {}: {} samples, {}, {:.1} bytes/sample, built in {:.2} s",
                 a.out.display(),
                 cat.len(),
-                human_bytes(cat.total_bytes() as f64),
+                HumanBytes(cat.total_bytes()),
                 cat.bytes_per_sample(),
                 t0.elapsed().as_secs_f64()
             );
@@ -434,7 +435,7 @@ fn run(cli: Cli) -> kspeed::Result<ExitCode> {
                     "space {} is up to date: nothing copied ({} samples, {} held by node {})",
                     a.space.display(),
                     r.held_samples,
-                    human_bytes(r.held_bytes as f64),
+                    HumanBytes(r.held_bytes),
                     a.placement.node_index
                 );
             } else {
@@ -448,10 +449,10 @@ fn run(cli: Cli) -> kspeed::Result<ExitCode> {
                 println!(
                     "preloaded {} samples, {} into {} in {:.2} s ({}/s copy, {:.2} s total); node {} of {} holds {} samples",
                     r.copied_samples,
-                    human_bytes(r.copied_bytes as f64),
+                    HumanBytes(r.copied_bytes),
                     a.space.display(),
                     secs,
-                    human_bytes(r.copied_bytes as f64 / secs),
+                    HumanBytes((r.copied_bytes as f64 / secs) as u64),
                     t0.elapsed().as_secs_f64(),
                     a.placement.node_index,
                     a.placement.nodes,

@@ -1,0 +1,410 @@
+//! `ksp_loader`: create and free a loader, move between epochs, save and
+//! restore its position, read its statistics and its catalog. Batches are
+//! in [`super::batch`].
+
+use std::mem::offset_of;
+
+use super::config::ksp_config;
+use super::errors::{guard, ksp_status, Fail};
+use super::ffi::{Handle, Out, SizedOut};
+use crate::loader::Loader;
+
+/// A loader. Opaque; one thread at a time.
+pub struct ksp_loader {
+    pub(super) loader: Loader,
+    /// The held batch's `ksp_sample` array, laid out with the caller's
+    /// `sample_size` stride (8-byte words; see `ksp_loader_next_batch`).
+    /// Sized for a whole batch at creation; a larger caller stride grows it
+    /// once.
+    pub(super) samples: Vec<u64>,
+}
+
+impl Handle for ksp_loader {
+    const WHAT: &'static str = "loader";
+}
+
+/// Creates a loader from `cfg` (which stays owned by the caller and may be
+/// freed right after). Opens the space, maps and locks the ring, starts the
+/// pollers (and connects to the cluster's nodes in cluster mode). Free it
+/// with [`ksp_loader_free`].
+///
+/// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_INVALID_ARG` (settings,
+/// a sample larger than the ring); `KSP_ERR_IO` / `KSP_ERR_DATA` (the space
+/// or source); `KSP_ERR_RESOURCE` (memlock limit, io_uring); `KSP_ERR_NETWORK`
+/// (a node refused). The caller owns `*out`.
+///
+/// # Safety
+/// `cfg` is a live configuration; `out` writable.
+#[no_mangle]
+pub unsafe extern "C" fn ksp_loader_new(
+    cfg: *const ksp_config,
+    out: *mut *mut ksp_loader,
+) -> ksp_status {
+    guard(|| {
+        // SAFETY: live configuration; out writable (contract).
+        let (c, out) = unsafe { (ksp_config::try_ref(cfg)?, Out::new(out, "out")?) };
+        let loader = c.loader_builder()?.build()?;
+        let words = loader.batch_size() * std::mem::size_of::<super::ksp_sample>() / 8;
+        ksp_loader {
+            samples: Vec::with_capacity(words),
+            loader,
+        }
+        .give(out);
+        Ok(())
+    })
+}
+
+/// Stops the loader's threads and frees it and its ring. NULL is a no-op;
+/// every pointer from its batches dies with it.
+///
+/// # Safety
+/// `l` is NULL or came from [`ksp_loader_new`] and was not freed.
+#[no_mangle]
+pub unsafe extern "C" fn ksp_loader_free(l: *mut ksp_loader) {
+    // SAFETY: per the contract.
+    unsafe { ksp_loader::free(l) }
+}
+
+/// Moves to `epoch` (like PyTorch's `sampler.set_epoch`); releases a held batch.
+///
+/// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_NETWORK` (cluster mode:
+/// reconnecting failed); a loader that failed earlier returns its first
+/// error's status. After a failure here the loader stays failed, but its
+/// catalog, statistics and position can still be read.
+///
+/// # Safety
+/// `l` is a live loader.
+#[no_mangle]
+pub unsafe extern "C" fn ksp_loader_set_epoch(l: *mut ksp_loader, epoch: u64) -> ksp_status {
+    guard(|| {
+        // SAFETY: live loader, one thread at a time (contract).
+        let h = unsafe { ksp_loader::try_mut(l)? };
+        h.samples.clear();
+        h.loader.set_epoch(epoch)?;
+        Ok(())
+    })
+}
+
+/// Samples per epoch for this rank, in `*out` (the same on every rank;
+/// with `drop_last`, whole batches only).
+///
+/// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`.
+///
+/// # Safety
+/// `l` is a live loader; `out` writable.
+#[no_mangle]
+pub unsafe extern "C" fn ksp_loader_epoch_len(l: *const ksp_loader, out: *mut u64) -> ksp_status {
+    guard(|| {
+        // SAFETY: live loader; out writable (contract).
+        let (h, out) = unsafe { (ksp_loader::try_ref(l)?, Out::new(out, "out")?) };
+        out.set(h.loader.epoch_len());
+        Ok(())
+    })
+}
+
+/// Batches per epoch for this rank, in `*out`: the same on every rank of
+/// the job (`ceil(epoch_len / batch_size)`; with `drop_last` every batch is
+/// whole and the tail is dropped), so DDP ranks stay in lock-step.
+///
+/// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`.
+///
+/// # Safety
+/// `l` is a live loader; `out` writable.
+#[no_mangle]
+pub unsafe extern "C" fn ksp_loader_batches_per_epoch(
+    l: *const ksp_loader,
+    out: *mut u64,
+) -> ksp_status {
+    guard(|| {
+        // SAFETY: live loader; out writable (contract).
+        let (h, out) = unsafe { (ksp_loader::try_ref(l)?, Out::new(out, "out")?) };
+        out.set(h.loader.batches_per_epoch());
+        Ok(())
+    })
+}
+
+/// The position of the next sample `ksp_loader_next_batch` delivers: its
+/// epoch and its step within the epoch.
+///
+/// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`.
+///
+/// # Safety
+/// `l` is a live loader; `epoch` and `index` writable.
+#[no_mangle]
+pub unsafe extern "C" fn ksp_loader_position(
+    l: *const ksp_loader,
+    epoch: *mut u64,
+    index: *mut u64,
+) -> ksp_status {
+    guard(|| {
+        // SAFETY: live loader; outputs writable (contract).
+        let (h, epoch, index) = unsafe {
+            (
+                ksp_loader::try_ref(l)?,
+                Out::new(epoch, "epoch")?,
+                Out::new(index, "index")?,
+            )
+        };
+        let p = h.loader.position();
+        epoch.set(p.epoch);
+        index.set(p.index);
+        Ok(())
+    })
+}
+
+/// Writes the current position (`KSP_POSITION_BYTES` bytes) to `buf` and
+/// its length to `*out_len`. `KSP_ERR_BUFFER_TOO_SMALL` (with `*out_len`
+/// set) when `buf_len` is less.
+///
+/// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_BUFFER_TOO_SMALL`.
+///
+/// # Safety
+/// `l` is a live loader; `buf` writable for `buf_len` bytes; `out_len` writable.
+#[no_mangle]
+pub unsafe extern "C" fn ksp_loader_save_position(
+    l: *const ksp_loader,
+    buf: *mut u8,
+    buf_len: usize,
+    out_len: *mut usize,
+) -> ksp_status {
+    guard(|| {
+        // SAFETY: live loader; out_len writable (contract).
+        let (h, out_len) = unsafe { (ksp_loader::try_ref(l)?, Out::new(out_len, "out_len")?) };
+        if buf.is_null() {
+            return Err(Fail::Null("buf"));
+        }
+        let pos = h.loader.save_position();
+        out_len.set(pos.len());
+        if buf_len < pos.len() {
+            return Err(Fail::Small);
+        }
+        // SAFETY: buf has at least pos.len() bytes (checked; contract).
+        unsafe { std::ptr::copy_nonoverlapping(pos.as_ptr(), buf, pos.len()) };
+        Ok(())
+    })
+}
+
+/// Continues from a position saved by [`ksp_loader_save_position`] with
+/// the same dataset (the position records the catalog's identity), seed,
+/// shuffle, rank, world and drop_last (`KSP_ERR_INVALID_ARG` otherwise,
+/// naming what differs). Releases a held batch.
+///
+/// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_INVALID_ARG` (not a
+/// position of this loader's job or dataset); a loader that failed earlier
+/// returns its first error's status.
+///
+/// # Safety
+/// `l` is a live loader; `buf` readable for `len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn ksp_loader_restore_position(
+    l: *mut ksp_loader,
+    buf: *const u8,
+    len: usize,
+) -> ksp_status {
+    guard(|| {
+        // SAFETY: live loader, one thread at a time (contract).
+        let h = unsafe { ksp_loader::try_mut(l)? };
+        if buf.is_null() {
+            return Err(Fail::Null("buf"));
+        }
+        // SAFETY: buf readable for len bytes (contract).
+        let bytes = unsafe { std::slice::from_raw_parts(buf, len) };
+        h.samples.clear();
+        h.loader.restore_position(bytes)?;
+        Ok(())
+    })
+}
+
+/// Loader statistics, cumulative over the loader's life (restarts by
+/// set_epoch or restore_position included). `samples` and `bytes` count
+/// what was delivered; the read counters also count read-ahead.
+///
+/// Extensible: set `struct_size` to `sizeof(ksp_stats)` before the call
+/// (`ksp_stats s = KSP_STATS_INIT;`). The library fills the fields that fit
+/// in `struct_size` and leaves the rest of a smaller (older) layout
+/// untouched; a larger (newer) layout's unknown fields are zeroed. New
+/// fields are only ever appended. `struct_size` below
+/// `KSP_STATS_MIN_SIZE` (the layout that ended at `read_ahead_discarded`)
+/// is `KSP_ERR_STRUCT_SIZE`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct ksp_stats {
+    /// Set by the caller: `sizeof(ksp_stats)` as it was compiled.
+    pub struct_size: usize,
+    /// Samples delivered.
+    pub samples: u64,
+    /// Bytes delivered.
+    pub bytes: u64,
+    /// Seconds since the loader was created.
+    pub elapsed_s: f64,
+    /// Seconds the caller waited inside next_batch.
+    pub stall_s: f64,
+    /// Samples read from disk or source files.
+    pub disk_reads: u64,
+    /// Samples served from the memory tier.
+    pub tier_hits: u64,
+    /// Reads retried.
+    pub retries: u64,
+    /// Read latency (submission to completion of disk reads), median, in
+    /// microseconds.
+    pub p50_us: u64,
+    /// 99th percentile.
+    pub p99_us: u64,
+    /// Samples pushed by other nodes (cluster mode).
+    pub remote_samples: u64,
+    /// Grants moved to another node or the source.
+    pub failovers: u64,
+    /// Samples read from the source because no node could serve them.
+    pub source_reads: u64,
+    /// Samples read ahead and waiting in the ring (counted in the read
+    /// counters above, not yet in `samples`).
+    pub read_ahead: u64,
+    /// Samples read ahead and thrown away unconsumed (a jump to another
+    /// epoch, a restored position, the end).
+    pub read_ahead_discarded: u64,
+    // --- appended after the first layout (KSP_STATS_MIN_SIZE) ---
+    /// Read latency, 90th percentile, in microseconds.
+    pub p90_us: u64,
+    /// 99.9th percentile.
+    pub p999_us: u64,
+    /// Largest.
+    pub max_us: u64,
+    /// Reads the latency figures are computed from.
+    pub latency_reads: u64,
+}
+
+impl Default for ksp_stats {
+    /// Zeroes with this build's `struct_size` (`KSP_STATS_INIT`).
+    fn default() -> Self {
+        ksp_stats {
+            struct_size: std::mem::size_of::<ksp_stats>(),
+            samples: 0,
+            bytes: 0,
+            elapsed_s: 0.0,
+            stall_s: 0.0,
+            disk_reads: 0,
+            tier_hits: 0,
+            retries: 0,
+            p50_us: 0,
+            p99_us: 0,
+            remote_samples: 0,
+            failovers: 0,
+            source_reads: 0,
+            read_ahead: 0,
+            read_ahead_discarded: 0,
+            p90_us: 0,
+            p999_us: 0,
+            max_us: 0,
+            latency_reads: 0,
+        }
+    }
+}
+
+/// Smallest `ksp_stats.struct_size` accepted: the first layout, which
+/// ended at `read_ahead_discarded`.
+pub const KSP_STATS_MIN_SIZE: usize = offset_of!(ksp_stats, p90_us);
+
+/// Statistics so far, in `*out` (set `out->struct_size` first; see
+/// [`ksp_stats`]).
+///
+/// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_STRUCT_SIZE`.
+///
+/// # Safety
+/// `l` is a live loader; `out` points to a `ksp_stats` of the layout its
+/// `struct_size` says, writable.
+#[no_mangle]
+pub unsafe extern "C" fn ksp_loader_stats(l: *const ksp_loader, out: *mut ksp_stats) -> ksp_status {
+    guard(|| {
+        // SAFETY: live loader; out sized by its struct_size (contract).
+        let (h, out) = unsafe {
+            (
+                ksp_loader::try_ref(l)?,
+                SizedOut::new(out, "out", KSP_STATS_MIN_SIZE)?,
+            )
+        };
+        let s = h.loader.stats();
+        out.set(ksp_stats {
+            struct_size: 0, // not written: the caller's
+            samples: s.samples,
+            bytes: s.bytes,
+            elapsed_s: s.elapsed.as_secs_f64(),
+            stall_s: s.stall.as_secs_f64(),
+            disk_reads: s.disk_reads,
+            tier_hits: s.tier_hits,
+            retries: s.retries,
+            p50_us: s.read_latency.p50_us,
+            p99_us: s.read_latency.p99_us,
+            remote_samples: s.remote_samples,
+            failovers: s.failovers,
+            source_reads: s.source_reads,
+            read_ahead: s.read_ahead,
+            read_ahead_discarded: s.read_ahead_discarded,
+            p90_us: s.read_latency.p90_us,
+            p999_us: s.read_latency.p999_us,
+            max_us: s.read_latency.max_us,
+            latency_reads: s.read_latency.count,
+        });
+        Ok(())
+    })
+}
+
+/// What the catalog says about one sample.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ksp_catalog_sample {
+    /// Length in bytes.
+    pub len: u64,
+    /// CRC32C of its bytes.
+    pub crc32c: u32,
+    /// Label, or -1 when the source has none.
+    pub label: i64,
+}
+
+/// Samples in the loader's catalog (the whole dataset), in `*out`.
+///
+/// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`.
+///
+/// # Safety
+/// `l` is a live loader; `out` writable.
+#[no_mangle]
+pub unsafe extern "C" fn ksp_loader_catalog_len(l: *const ksp_loader, out: *mut u64) -> ksp_status {
+    guard(|| {
+        // SAFETY: live loader; out writable (contract).
+        let (h, out) = unsafe { (ksp_loader::try_ref(l)?, Out::new(out, "out")?) };
+        out.set(h.loader.catalog().len());
+        Ok(())
+    })
+}
+
+/// The catalog's record of sample `id` (length, CRC32C, label), in `*out`;
+/// `KSP_ERR_INVALID_ARG` when `id` is past the catalog.
+///
+/// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_INVALID_ARG`.
+///
+/// # Safety
+/// `l` is a live loader; `out` writable.
+#[no_mangle]
+pub unsafe extern "C" fn ksp_loader_catalog_sample(
+    l: *const ksp_loader,
+    id: u64,
+    out: *mut ksp_catalog_sample,
+) -> ksp_status {
+    guard(|| {
+        // SAFETY: live loader; out writable (contract).
+        let (h, out) = unsafe { (ksp_loader::try_ref(l)?, Out::new(out, "out")?) };
+        let cat = h.loader.catalog();
+        if id >= cat.len() {
+            return Err(Fail::Invalid(format!(
+                "sample {id} is past the catalog's {} samples",
+                cat.len()
+            )));
+        }
+        let s = cat.sample(id);
+        out.set(ksp_catalog_sample {
+            len: s.len as u64,
+            crc32c: s.crc32c,
+            label: s.label.map_or(-1, |x| x as i64),
+        });
+        Ok(())
+    })
+}
