@@ -19,6 +19,10 @@ default, taken from --work as bench_read.py leaves them):
             two raw socket copies at once.
 
   scripts/bench_net.py [--runs 3] [--work /var/tmp/kspeed-bench] [--profiles imagenet:20000,volumes:30] [--staging]
+
+A perf regression guard, under a minute: `scripts/bench_net.py --quick`
+(imagenet 3,000 samples; add --staging for the NVMe path). Compare the
+ratios against the raw socket before and after a change.
 """
 
 import argparse
@@ -154,9 +158,13 @@ def main():
     ap.add_argument("--work", default="/var/tmp/kspeed-bench")
     ap.add_argument("--profiles", default="imagenet:20000,volumes:30")
     ap.add_argument("--keep", action="store_true", help="keep the /dev/shm copies")
+    ap.add_argument("--quick", action="store_true",
+                    help="regression guard (under a minute): imagenet:3000 only, ratios against raw sockets")
     ap.add_argument("--staging", action="store_true",
                     help="services read into staging (O_DIRECT path) instead of sending from the page cache")
     a = ap.parse_args()
+    if a.quick and a.profiles == ap.get_default("profiles"):
+        a.profiles = "imagenet:3000"
     if not a.staging:
         PAGE_CACHE.append("--page-cache")
     sh(["cargo", "build", "--release", "--quiet", "--bin", "kspeed", "--example", "socket_copy"], cwd=ROOT)

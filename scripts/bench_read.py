@@ -17,6 +17,13 @@ set (epochs 2+) against a warm page cache pread pool; idle CPU with the ring
 full; peak RSS with a 256 MiB ring at two dataset sizes.
 
   scripts/bench_read.py [--runs 3] [--work /var/tmp/kspeed-bench] [--profiles imagenet:20000,tiny:200000,volumes:30]
+
+A perf regression guard, under a minute once the datasets exist (the first
+run generates and preloads them): the same tables on small imagenet and tiny
+sets, kspeed against fio in the same run, without the extra imagenet section.
+Run it before and after a change; compare the ratios, not the GB/s.
+
+  scripts/bench_read.py --quick
 """
 
 import argparse
@@ -114,7 +121,11 @@ def main():
     ap.add_argument("--work", default="/var/tmp/kspeed-bench")
     ap.add_argument("--profiles", default="imagenet:20000,tiny:200000,volumes:30")
     ap.add_argument("--qd", type=int, default=32)
+    ap.add_argument("--quick", action="store_true",
+                    help="regression guard: imagenet:3000,tiny:30000, no scaling/tier/idle/RSS section")
     a = ap.parse_args()
+    if a.quick and a.profiles == ap.get_default("profiles"):
+        a.profiles = "imagenet:3000,tiny:30000"
     subprocess.run(["cargo", "build", "--release", "--quiet", "--example", "naive_read", "--example", "fio_iolog"], cwd=ROOT, check=True)
     subprocess.run(["cargo", "build", "--release", "--quiet"], cwd=ROOT, check=True)
     os.makedirs(a.work, exist_ok=True)
@@ -174,7 +185,7 @@ def main():
         say(f"- kspeed read latency p50 {med(ks, 'p50'):.0f} us, p99 {med(ks, 'p99'):.0f} us")
         say("")
 
-    if "imagenet" in spaces:
+    if "imagenet" in spaces and not a.quick:
         src, space = spaces["imagenet"]
         catalog = os.path.join(space, "catalog.ksc")
         say("### imagenet: scaling, memory tier, idle cost, memory")
