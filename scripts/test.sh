@@ -3,7 +3,8 @@
 # lints (with and without the rdma feature), rustdoc, every test with and
 # without the rdma feature (the cluster tests start `kspeed serve` processes
 # on 127.0.0.x and, as root, in network namespaces), the frame-decoding fuzz
-# target for a bounded time, the C ABI from C (plain, ASan, valgrind), the
+# target for a bounded time, Miri on the modules that can run under it
+# (scripts/miri.sh), the C ABI from C (plain, ASan, valgrind), the
 # C++ example against an installed package, the DALI plugin's tests (downloads
 # the DALI wheel once into target/dali-venv), the Python package's tests
 # (pip install ./ffi/python and pytest, torch cached in ~/.cache/kspeed/py-venv), and
@@ -72,6 +73,18 @@ if require_all; then
   test "${PIPESTATUS[0]}" = 0
 else
   KSPEED_FUZZ_OPTIONAL=1 scripts/fuzz.sh "${KSPEED_FUZZ_SECS:-45}" 2>&1 | tail -n 3
+fi
+
+step "Miri: the sampler, envelope, frames, schedule, aligned buffer and fault-injecting ring (scripts/miri.sh)"
+set +e
+scripts/miri.sh 2>&1 | tail -n 25
+miri_rc=${PIPESTATUS[0]}
+set -e
+if [ "$miri_rc" = 2 ]; then
+  skipped "Miri is not installed and could not be added (rustup +nightly component add miri rust-src)"
+elif [ "$miri_rc" != 0 ]; then
+  echo "FAILED: Miri" >&2
+  exit 1
 fi
 
 VM=${RDMA_VM:-../shared/rdma-vm/run-in-vm.sh}
