@@ -1175,11 +1175,10 @@ impl NetThread {
         let res = std::fs::File::open(&path)
             .and_then(|f| f.read_exact_at(buf, sample.offset))
             .map_err(|e| {
-                format!(
-                    "source {}: {} ({e})",
-                    path.display(),
-                    errno_name(e.raw_os_error().unwrap_or(0))
-                )
+                match e.raw_os_error() {
+                    Some(n) => format!("source {}: {}", path.display(), errno_name(n)),
+                    None => format!("source {}: {e}", path.display()),
+                }
             })
             .and_then(|()| {
                 let got = crc32c::crc32c(buf);

@@ -1653,10 +1653,9 @@ impl ServePoller {
             let (ring_offset, grant) = (s.offset, s.grant);
             let msg = if res < 0 {
                 format!(
-                    "node {}: reading ring offset {ring_offset} of grant {grant}: {} ({})",
+                    "node {}: reading ring offset {ring_offset} of grant {grant}: {}",
                     self.c.space.params().node_index,
                     errno_name(-res),
-                    std::io::Error::from_raw_os_error(-res)
                 )
             } else {
                 format!(
