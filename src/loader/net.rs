@@ -17,7 +17,10 @@
 //! outstanding grants goes to the sample's next live replica, else is read
 //! from the source, else fails with [`Error::SampleUnavailable`] naming every
 //! place tried. A grant answered with ERROR, or whose bytes fail the CRC32C
-//! check (`verify_crc32c`), fails over the same way.
+//! check (`verify_crc32c`), fails over the same way, and so does a sample
+//! of this node's own space whose local read failed (I/O error, short read,
+//! CRC32C mismatch): the poller hands it over through a channel bounded at
+//! start ([`NetShared::hand_over`]) instead of failing the loader.
 //!
 //! Minimum progress: with grants outstanding, a connection must finish one
 //! (whole, or answered with ERROR) within `node_timeout` plus one second per
@@ -235,17 +238,50 @@ pub(crate) struct NetShared {
     pub(crate) remote_samples: AtomicU64,
     pub(crate) failovers: AtomicU64,
     pub(crate) source_reads: AtomicU64,
+    /// Local samples the pollers could not read (read error, short read,
+    /// CRC32C mismatch), handed to this thread to serve from the next
+    /// holder or the source. Bounded at start by the ready table's length:
+    /// a sample is handed over at most once and only while it lies inside
+    /// the flow-control window, which never holds more samples than that,
+    /// so a send never finds it full (and never allocates).
+    local_failed: (
+        crossbeam_channel::Sender<HandedOver>,
+        crossbeam_channel::Receiver<HandedOver>,
+    ),
 }
 
+/// A local sample whose read failed, and why.
+type HandedOver = (Placed, Error);
+
 impl NetShared {
-    pub(crate) fn new() -> Result<Self> {
+    /// `window_samples`: the most samples the ring holds at once (the
+    /// ready table's length).
+    pub(crate) fn new(window_samples: usize) -> Result<Self> {
         Ok(NetShared {
             wake: EventFd::new().map_err(|e| Error::Serve(format!("eventfd: {e}")))?,
             sleeping: AtomicBool::new(false),
             remote_samples: AtomicU64::new(0),
             failovers: AtomicU64::new(0),
             source_reads: AtomicU64::new(0),
+            local_failed: crossbeam_channel::bounded(window_samples.max(1)),
         })
+    }
+
+    /// A poller hands over local sample `p`, whose read failed with `e`:
+    /// the network thread serves it from its next holder (a replica on
+    /// another node) or the source, like a grant a node failed, and reports
+    /// `e` among the places tried if none can. The poller has no read in
+    /// flight into its slot any more; the slot stays unpublished, so the
+    /// consumer cannot release past it and flow control still covers it.
+    /// Gives `e` back when it cannot be handed over (the channel is full or
+    /// closed: not expected, see `local_failed`); the sample then fails.
+    pub(crate) fn hand_over(&self, p: Placed, e: Error) -> Result<(), Error> {
+        self.local_failed.0.try_send((p, e)).map_err(|err| {
+            let (_, e) = err.into_inner();
+            e
+        })?;
+        self.wake.notify();
+        Ok(())
     }
 
     /// Called after the consumer moved the released mark.
@@ -684,6 +720,9 @@ struct GSlot {
     received: u32,
     /// Replica indices tried (bit r).
     tried: u64,
+    /// The local pollers failed to read it (handed over); the error is in
+    /// `NetThread::local_errors`.
+    local: bool,
 }
 
 const UD_RECV: u64 = 1 << 56;
@@ -714,6 +753,9 @@ pub(crate) struct NetThread {
     completions: Vec<Completion>,
     /// Host buffer for samples read from the source into a GPU ring.
     bounce: Vec<u8>,
+    /// (g, why) of the handed-over local samples not yet served: why this
+    /// node's own copy failed, for the error if no other copy can serve it.
+    local_errors: Vec<(u64, String)>,
     /// The epoch of the newest sample granted (demotions end with it).
     epoch: Option<u64>,
     /// The minimum-progress allowance per grant beyond `node_timeout`.
@@ -744,6 +786,7 @@ impl NetThread {
             rdma: connected.rdma,
             chan_inflight: false,
             bounce: Vec::new(),
+            local_errors: Vec::new(),
             epoch: None,
             progress_slack: Duration::from_secs_f64(
                 sh.input.catalog().max_sample_bytes() as f64 / MIN_PROGRESS_BYTES_PER_SEC as f64,
@@ -760,6 +803,7 @@ impl NetThread {
                     node: NONE,
                     received: 0,
                     tried: 0,
+                    local: false,
                 };
                 size
             ]
@@ -987,8 +1031,63 @@ impl NetThread {
         }
     }
 
+    /// Takes the local samples the pollers handed over (their reads
+    /// failed): each becomes an outstanding entry with this node's copy
+    /// marked tried, queued (in sequence order) for its next holder or the
+    /// source. Its table entry is free: the sample is inside the
+    /// flow-control window and unpublished, and the window never holds two
+    /// samples with the same entry (see `NetShared::local_failed`).
+    fn take_local_failures(&mut self) {
+        let local = self.setup.local_node;
+        let placement = self.placement;
+        while let Ok((p, e)) = self.net().local_failed.1.try_recv() {
+            let idx = p.g as usize & self.mask;
+            debug_assert!(!self.table[idx].live, "local failover onto a live entry");
+            let mut tried = 0u64;
+            for r in 0..placement.replicas {
+                if Some(placement.holder(p.id, r)) == local {
+                    tried |= 1 << r;
+                }
+            }
+            self.table[idx] = GSlot {
+                live: true,
+                g: p.g,
+                id: p.id,
+                len: p.len as u32,
+                phys: p.phys(&self.sh.geo),
+                node: NONE,
+                received: 0,
+                tried,
+                local: true,
+            };
+            log::warn!(
+                "this node's copy of sample {} failed ({e}); it fails over to a replica or the source",
+                p.id
+            );
+            self.local_errors
+                .push((p.g, format!("this node's own copy: {e}")));
+            self.net().failovers.fetch_add(1, Ordering::Relaxed);
+            let table = &self.table;
+            let at = self.regrant.partition_point(|&i| table[i].g < p.g);
+            self.regrant.insert(at, idx);
+        }
+    }
+
+    /// Forgets the local error of entry `idx` once it is served or failed.
+    fn local_done(&mut self, idx: usize) -> Option<String> {
+        let s = &mut self.table[idx];
+        if !s.local {
+            return None;
+        }
+        s.local = false;
+        let g = s.g;
+        let at = self.local_errors.iter().position(|e| e.0 == g)?;
+        Some(self.local_errors.swap_remove(at).1)
+    }
+
     /// Grants what flow control allows: re-grants first, then new samples.
     fn fill(&mut self) {
+        self.take_local_failures();
         while let Some(&idx) = self.regrant.front() {
             if !self.place(idx) {
                 return;
@@ -1037,6 +1136,7 @@ impl NetThread {
                 node: NONE,
                 received: 0,
                 tried: 0,
+                local: false,
             };
             if !self.place(idx) {
                 // The chosen node has no credit or frame space now.
@@ -1140,10 +1240,16 @@ impl NetThread {
         let s = self.table[idx];
         let placement = self.placement;
         let mut tried = String::new();
+        let local_error = self.local_done(idx);
         for r in 0..placement.replicas {
             let node = placement.holder(s.id, r) as usize;
             if let Some(c) = self.conns.get(node) {
-                let why = if s.tried & (1 << r) != 0
+                let why = if let Some(e) = local_error
+                    .as_deref()
+                    .filter(|_| Some(node as u32) == self.setup.local_node)
+                {
+                    e
+                } else if s.tried & (1 << r) != 0
                     && !c.last_error.is_empty()
                     && c.state == State::Live
                 {
@@ -1603,6 +1709,7 @@ impl NetThread {
             }
         }
         self.table[idx].live = false;
+        self.local_done(idx);
         self.conns[i].last_done = Instant::now();
         self.net().remote_samples.fetch_add(1, Ordering::Relaxed);
         self.sh.publish(s.g, CODE_OK);
