@@ -545,12 +545,21 @@ fn hostile_consumers_are_refused_and_others_unaffected() {
         "{e}"
     );
 
-    // Wrong protocol version.
-    let mut c = connect();
-    c.write_all(&hello_frame(&cat, 99, TOKEN.as_bytes(), 1 << 20))
-        .unwrap();
-    let (code, msg) = read_error(&mut c);
-    assert_eq!(code, Code::BadVersion, "{msg}");
+    // Wrong protocol version, and version 1 (24-byte GRANT entries
+    // without a key): refused by name, saying which version is spoken.
+    for version in [99, 1] {
+        let mut c = connect();
+        c.write_all(&hello_frame(&cat, version, TOKEN.as_bytes(), 1 << 20))
+            .unwrap();
+        let (code, msg) = read_error(&mut c);
+        assert_eq!(code, Code::BadVersion, "{msg}");
+        assert!(
+            msg.contains(&format!(
+                "protocol version {version} is not spoken here (this node speaks 2)"
+            )),
+            "{msg}"
+        );
+    }
 
     // Garbage instead of a HELLO.
     let mut c = connect();
@@ -600,6 +609,7 @@ fn hostile_consumers_are_refused_and_others_unaffected() {
             len: s0.len,
             sample: 0,
             offset: (1 << 20) - 1,
+            rkey: 0,
         }],
     );
     let (code, msg) = read_error(&mut c);
@@ -614,12 +624,14 @@ fn hostile_consumers_are_refused_and_others_unaffected() {
             len: s0.len + 1,
             sample: 0,
             offset: 0,
+            rkey: 0,
         }],
         vec![GrantEntry {
             grant: 1,
             len: 1,
             sample: 1 << 40,
             offset: 0,
+            rkey: 0,
         }],
         (0..65)
             .map(|i| GrantEntry {
@@ -627,6 +639,7 @@ fn hostile_consumers_are_refused_and_others_unaffected() {
                 len: s0.len,
                 sample: 0,
                 offset: 0,
+                rkey: 0,
             })
             .collect(),
     ] {
@@ -987,6 +1000,7 @@ fn one_error_frame_per_grant_when_several_chunks_fail() {
             len: cat.sample(sample).len,
             sample,
             offset,
+            rkey: 0,
         }
         .encode_into(&mut b);
         f.extend_from_slice(&b);
