@@ -514,7 +514,7 @@ fn memory_windows_open_nothing_once_invalidated_and_the_region_key_opens_nothing
     // hardware) refuse it; soft-RoCE (rxe, Linux 6.1) checks a window's
     // rkey, QP and state but the range only against the region, so the
     // write lands there. Reported, not asserted: this is the device's
-    // behaviour, the reason kspeed does not rely on windows yet.
+    // behaviour (docs/PROTOCOL.md, "Over RDMA", says what it leaves open).
     let (st, landed) = window_write(&ctx, 8193, 4096, false, false);
     eprintln!(
         "{}: a write one byte past a bound window: {}, bytes outside the window: {landed}",
