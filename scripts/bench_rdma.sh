@@ -1,7 +1,10 @@
 #!/bin/bash
 # RDMA push throughput inside the soft-RoCE VM, side by side in one VM run:
 #   - kspeed over RDMA: one `kspeed serve --rdma` (1 poller) pushing a
-#     preloaded space to one `kspeed read --rdma` (nothing local);
+#     preloaded space to one `kspeed read --rdma` (nothing local), with
+#     per-grant memory windows (the default where the device has them);
+#   - the same with the whole ring under one key (KSPEED_RDMA_WINDOWS=0):
+#     the windows' cost;
 #   - ib_write_bw (perftest) between the same endpoints (the VM's RoCE
 #     address), RC, the same message size (the profile's mean sample size);
 #   - kspeed over TCP, same node, same consumer, same address.
@@ -58,6 +61,8 @@ print(round(float(m.group(1)) * unit / float(m.group(3)) / 1e6, 2))"
 for r in $(seq "$RUNS"); do
   sync; echo 3 > /proc/sys/vm/drop_caches
   serve --rdma; k=$(kread --rdma); kill $SPID; wait $SPID 2>/dev/null || true
+  sync; echo 3 > /proc/sys/vm/drop_caches
+  serve --rdma; k0=$(KSPEED_RDMA_WINDOWS=0 kread --rdma); kill $SPID; wait $SPID 2>/dev/null || true
   ib_write_bw -d rxe0 -x "$GIDX" -s "$MEAN" -n "$ITERS" -F >/tmp/ibs.out 2>&1 &
   IPID=$!; sleep 1
   ib=$(ib_write_bw -d rxe0 -x "$GIDX" -s "$MEAN" -n "$ITERS" -F "$IP" 2>/dev/null \
@@ -65,21 +70,23 @@ for r in $(seq "$RUNS"); do
   wait $IPID || true
   sync; echo 3 > /proc/sys/vm/drop_caches
   serve ""; t=$(kread ""); kill $SPID; wait $SPID 2>/dev/null || true
-  echo "run $r: kspeed-rdma ${k} MB/s  ib_write_bw ${ib} MiB/s  kspeed-tcp ${t} MB/s"
-  echo "$k $ib $t" >> /tmp/runs
+  echo "run $r: kspeed-rdma ${k} MB/s  whole-ring key ${k0} MB/s  ib_write_bw ${ib} MiB/s  kspeed-tcp ${t} MB/s"
+  echo "$k $ib $t $k0" >> /tmp/runs
 done
 grep -h "page-cache mode" /tmp/serve.err || true
 python3 - <<PY
 import statistics as st
 rows = [list(map(float, l.split())) for l in open("/tmp/runs")]
 # perftest reports MB/sec in 2^20 bytes.
-k = [r[0] for r in rows]; ib = [r[1] * 1.048576 for r in rows]; t = [r[2] for r in rows]
+k = [r[0] for r in rows]; ib = [r[1] * 1.048576 for r in rows]; t = [r[2] for r in rows]; k0 = [r[3] for r in rows]
 print("| | median MB/s (10^6) | per run |")
 print("|---|---|---|")
 print(f"| kspeed over RDMA | {st.median(k):.1f} | {[round(x,1) for x in k]} |")
 print(f"| ib_write_bw, same message size | {st.median(ib):.1f} | {[round(x,1) for x in ib]} |")
+print(f"| kspeed over RDMA, whole-ring key (no windows) | {st.median(k0):.1f} | {[round(x,1) for x in k0]} |")
 print(f"| kspeed over TCP | {st.median(t):.1f} | {[round(x,1) for x in t]} |")
 print(f"ratio kspeed-rdma / ib_write_bw: {st.median([a/b for a,b in zip(k,ib)]):.2f}x (median of per-run ratios)")
 print(f"ratio kspeed-rdma / kspeed-tcp: {st.median([a/b for a,b in zip(k,t)]):.2f}x")
+print(f"ratio windows / whole-ring key: {st.median([a/b for a,b in zip(k,k0)]):.2f}x (the cost of the windows)")
 PY
 '

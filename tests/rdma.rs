@@ -326,11 +326,11 @@ fn rdma_link_pushes_writes_and_errors_in_order_through_the_link_trait() {
     b.post_recvs_into(0, 64, Some((&imr, imr.addr(), 256)), &mut sges, &mut rwrs)
         .unwrap();
     let regions = kspeed::transport::rdma::SendRegions::new(&[&smr]);
-    let mut link = RdmaLink::new(a, cq_a.clone(), regions, rmr.addr(), rmr.rkey(), 64);
+    let mut link = RdmaLink::new(a, cq_a.clone(), regions, rmr.addr(), 64);
     let write = |link: &mut RdmaLink, id: u64| {
         let src = staging[id as usize * 2000..].as_ptr();
         // SAFETY: the source lies in the staging region, alive until polled.
-        assert!(unsafe { link.post_write(id, src, 2000, id * 4096, 100 + id as u32) });
+        assert!(unsafe { link.post_write(id, src, 2000, id * 4096, 100 + id as u32, rmr.rkey()) });
     };
     for id in 0..10 {
         write(&mut link, id);
@@ -387,9 +387,9 @@ fn rdma_link_pushes_writes_and_errors_in_order_through_the_link_trait() {
     // A write outside the peer's registration fails the link, and with it
     // everything outstanding, as a named error.
     // SAFETY: the source lies in the staging region.
-    assert!(unsafe { link.post_write(20, staging.as_ptr(), 64, 1 << 16, 1) });
+    assert!(unsafe { link.post_write(20, staging.as_ptr(), 64, 1 << 16, 1, rmr.rkey()) });
     // SAFETY: the buffer outlives its registration and the writes into it.
-    assert!(unsafe { link.post_write(21, staging.as_ptr(), 64, 0, 2) });
+    assert!(unsafe { link.post_write(21, staging.as_ptr(), 64, 0, 2, rmr.rkey()) });
     link.flush(&mut ()).unwrap();
     let mut failed = Vec::new();
     let t0 = Instant::now();
@@ -405,7 +405,7 @@ fn rdma_link_pushes_writes_and_errors_in_order_through_the_link_trait() {
         link.error().map(|e| e.to_string())
     );
     // SAFETY: the source lies in the staging region.
-    let taken = unsafe { link.post_write(22, staging.as_ptr(), 64, 0, 3) };
+    let taken = unsafe { link.post_write(22, staging.as_ptr(), 64, 0, 3, rmr.rkey()) };
     assert!(!taken, "a failed link takes nothing");
     drop(link);
     drop(b);
@@ -514,7 +514,7 @@ fn memory_windows_open_nothing_once_invalidated_and_the_region_key_opens_nothing
     // hardware) refuse it; soft-RoCE (rxe, Linux 6.1) checks a window's
     // rkey, QP and state but the range only against the region, so the
     // write lands there. Reported, not asserted: this is the device's
-    // behaviour, the reason kspeed does not rely on windows yet.
+    // behaviour (docs/PROTOCOL.md, "Over RDMA", says what it leaves open).
     let (st, landed) = window_write(&ctx, 8193, 4096, false, false);
     eprintln!(
         "{}: a write one byte past a bound window: {}, bytes outside the window: {landed}",
@@ -677,6 +677,14 @@ enum RdmaMisdeed {
     ForeignGrantId,
     /// A write past the end of the consumer's registered ring.
     OutsideTheRing,
+    /// A write into the granted range under the HELLO's key (the whole
+    /// ring's without windows, 0 with them) instead of the grant's.
+    RingKey,
+    /// The first grant written (junk, so the consumer's CRC32C check fails
+    /// it over), then, once the next GRANT frame shows the consumer closed
+    /// it (the node allows one grant outstanding), the same range again
+    /// under the first grant's (now invalidated) key.
+    StaleWindowKey,
 }
 
 /// A node that speaks the handshake and sets up a real QP, then misbehaves
@@ -698,7 +706,13 @@ fn hostile_rdma_node(
             nodes: 2,
             replicas: 2,
             max_data_bytes: 1 << 20,
-            max_grants: 4096,
+            // One grant at a time: a GRANT frame is then a sign that the
+            // previous grant is closed (its window invalidated).
+            max_grants: if matches!(misdeed, RdmaMisdeed::StaleWindowKey) {
+                1
+            } else {
+                4096
+            },
             transport: proto::TRANSPORT_RDMA,
         };
         c.write_all(&w.encode()).unwrap();
@@ -723,23 +737,52 @@ fn hostile_rdma_node(
         assert_eq!(h.kind, Kind::Grant);
         let e = GrantEntry::decode(&body, 0);
         let len = e.len.clamp(1, 1 << 16);
-        let (remote, imm) = match misdeed {
-            RdmaMisdeed::ForeignGrantId => (hello.ring_addr + e.offset, e.grant.wrapping_add(7777)),
-            RdmaMisdeed::OutsideTheRing => (hello.ring_addr + hello.ring_len, e.grant),
-        };
+        let at = hello.ring_addr + e.offset;
         let (mut sges, mut wrs) = (Vec::new(), Vec::new());
-        // SAFETY: the source lies in `mr`, alive until the completion below.
-        unsafe {
-            qp.post_writes(
-                &mr,
-                hello.rkey,
-                &[(1, junk.as_ptr(), len, remote, imm)],
-                &mut sges,
-                &mut wrs,
-            )
-        }
-        .unwrap();
-        let got = wait(&cq, 1);
+        let mut write = |id: u64, rkey: u32, remote: u64, imm: u32| {
+            // SAFETY: the source lies in `mr`, alive until the completion
+            // waited for below.
+            unsafe {
+                qp.post_writes(
+                    &mr,
+                    rkey,
+                    &[(id, junk.as_ptr(), len, remote, imm)],
+                    &mut sges,
+                    &mut wrs,
+                )
+            }
+            .unwrap();
+            wait(&cq, 1)
+        };
+        let got = match misdeed {
+            RdmaMisdeed::ForeignGrantId => write(1, e.rkey, at, e.grant.wrapping_add(7777)),
+            RdmaMisdeed::OutsideTheRing => {
+                write(1, e.rkey, hello.ring_addr + hello.ring_len, e.grant)
+            }
+            RdmaMisdeed::RingKey => write(1, hello.rkey, at, e.grant),
+            RdmaMisdeed::StaleWindowKey => {
+                assert_eq!(len, e.len, "tiny samples fit the junk buffer");
+                let first = write(1, e.rkey, at, e.grant);
+                assert_eq!(
+                    first.first().map(|w| w.status),
+                    Some(0),
+                    "the granted write"
+                );
+                // The next GRANT frame (keepalives are ERROR frames).
+                let next = loop {
+                    let Ok((h, body)) = common::read_frame(&mut c) else {
+                        return None;
+                    };
+                    if h.kind == Kind::Grant {
+                        break GrantEntry::decode(&body, 0);
+                    }
+                };
+                // Under the first grant's key, whatever key the next one
+                // has (with the whole-ring key, KSPEED_RDMA_WINDOWS=0, they
+                // are the same, and this write lands).
+                write(2, e.rkey, at, next.grant)
+            }
+        };
         // Keep the control connection until the consumer drops it.
         let mut sink = [0u8; 4096];
         while matches!(c.read(&mut sink), Ok(n) if n > 0) {}
@@ -748,7 +791,11 @@ fn hostile_rdma_node(
     (addr, h)
 }
 
+/// Node 0 serves every sample; node 1 is the hostile one. The consumer
+/// checks CRC32C (the stale-key node's first write is junk).
 fn hostile_rdma_node_case(misdeed: RdmaMisdeed) -> (kspeed::loader::Stats, Option<u32>) {
+    // The loader's and node's log (RUST_LOG) says why a node was dropped.
+    let _ = env_logger::builder().is_test(true).try_init();
     let d = data(400, 2);
     let node0 = rdma_node(&d.spaces[0], &vm_ip(0));
     let (bad, h) = hostile_rdma_node(misdeed, &vm_ip(1));
@@ -758,6 +805,7 @@ fn hostile_rdma_node_case(misdeed: RdmaMisdeed) -> (kspeed::loader::Stats, Optio
     let t0 = Instant::now();
     let mut l = consumer(&d, &[node0.local_addr().to_string(), bad])
         .node_timeout(Duration::from_secs(120))
+        .verify_crc32c(true)
         .build()
         .unwrap();
     assert_eq!(read_exact(&mut l, &cat, 2), 800, "{misdeed:?}");
@@ -797,6 +845,44 @@ fn rdma_write_outside_the_ring_is_refused_by_the_nic() {
         Some("IBV_WC_REM_ACCESS_ERR")
     );
     assert!(stats.failovers > 0, "{stats:?}");
+}
+
+#[test]
+#[ignore = "needs an RDMA device: runs in the soft-RoCE VM (scripts/vm_rdma_tests.sh)"]
+fn rdma_write_under_the_ring_key_is_refused_by_the_nic() {
+    if open().is_none() {
+        return;
+    }
+    let (stats, status) = hostile_rdma_node_case(RdmaMisdeed::RingKey);
+    // With per-grant windows the ring's own registration opens nothing
+    // remotely (HELLO carries key 0): the write lands nowhere, the node's
+    // QP breaks and its grants fail over to node 0. (Without windows,
+    // KSPEED_RDMA_WINDOWS=0, the whole-ring key lets it land.)
+    assert_eq!(
+        status.map(kspeed::transport::rdma::wc_status_name),
+        Some("IBV_WC_REM_ACCESS_ERR")
+    );
+    assert!(stats.failovers > 0, "{stats:?}");
+    assert_eq!(stats.source_reads, 0, "{stats:?}");
+}
+
+#[test]
+#[ignore = "needs an RDMA device: runs in the soft-RoCE VM (scripts/vm_rdma_tests.sh)"]
+fn rdma_write_under_a_closed_grants_key_is_refused_by_the_nic() {
+    if open().is_none() {
+        return;
+    }
+    let (stats, status) = hostile_rdma_node_case(RdmaMisdeed::StaleWindowKey);
+    // The first grant's window was invalidated before the consumer checked
+    // (and failed over) its junk and before it granted the node anything
+    // else: writing that range again under its key is refused by the NIC,
+    // lands nowhere, and the node is dropped; node 0 serves everything.
+    assert_eq!(
+        status.map(kspeed::transport::rdma::wc_status_name),
+        Some("IBV_WC_REM_ACCESS_ERR")
+    );
+    assert!(stats.failovers > 0, "{stats:?}");
+    assert_eq!(stats.source_reads, 0, "{stats:?}");
 }
 
 /// The node's live RDMA queue pairs once they reach 0, or after `limit`.

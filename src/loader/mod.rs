@@ -155,7 +155,7 @@ impl Loader {
             None => None,
         };
         let net_shared = match conns {
-            Some(_) => Some(net::NetShared::new()?),
+            Some(_) => Some(net::NetShared::new(self.geo.table_len() as usize)?),
             None => None,
         };
         let spare = self.spare.take().expect("resources available");

@@ -17,7 +17,10 @@
 //! outstanding grants goes to the sample's next live replica, else is read
 //! from the source, else fails with [`Error::SampleUnavailable`] naming every
 //! place tried. A grant answered with ERROR, or whose bytes fail the CRC32C
-//! check (`verify_crc32c`), fails over the same way.
+//! check (`verify_crc32c`), fails over the same way, and so does a sample
+//! of this node's own space whose local read failed (I/O error, short read,
+//! CRC32C mismatch): the poller hands it over through a channel bounded at
+//! start ([`NetShared::hand_over`]) instead of failing the loader.
 //!
 //! Minimum progress: with grants outstanding, a connection must finish one
 //! (whole, or answered with ERROR) within `node_timeout` plus one second per
@@ -87,14 +90,42 @@ const RDMA_RECVS: usize = 1024;
 /// Receive buffer size: an ERROR message (code + up to 128 bytes).
 #[cfg(feature = "rdma")]
 const RDMA_RECV_BYTES: usize = 4 + crate::transport::rdma::RDMA_ERROR_BYTES;
+/// Memory windows per RDMA connection (windows mode): one per grant
+/// outstanding with that node, so also the most grants it has outstanding.
+/// Each window has at most one request (a bind or an invalidation) on the
+/// QP's send queue at a time, so the send queue (`RDMA_RECVS` deep) never
+/// fills.
+#[cfg(feature = "rdma")]
+const RDMA_WINDOWS: usize = 256;
+/// Send-queue completions carry this bit in their wr_id (receives carry
+/// their buffer slot, below `RDMA_RECVS`).
+#[cfg(feature = "rdma")]
+const WR_SEND: u64 = 1 << 63;
+/// A bind chain's last request (the GRANT frame waits for it).
+#[cfg(feature = "rdma")]
+const WR_BIND: u64 = WR_SEND | 1 << 62;
+/// An invalidation: the low 32 bits name the window.
+#[cfg(feature = "rdma")]
+const WR_INV: u64 = WR_SEND | 1 << 61;
 
 /// A loader's verbs resources for one launch: the device, a protection
 /// domain, the completion channel every connection's CQ wakes, and the
-/// landing ring registered for remote write (exactly the ring's range).
+/// landing ring's registration.
+///
+/// Windows mode (the device has type 2B memory windows): the ring is
+/// registered for local write and window binding only, so its own rkey opens
+/// nothing remotely; each grant gets a window bound through the owner's QP to
+/// exactly the granted range, its rkey goes in the GRANT entry, and the
+/// window is invalidated once the grant is done (or failed) and before the
+/// sample is published or granted again. Otherwise the whole ring is
+/// registered for remote write (exactly its range) and every grant carries
+/// that rkey: said once at WARN.
 #[cfg(feature = "rdma")]
 pub(crate) struct ConsumerRdma {
     opts: crate::transport::RdmaOptions,
     ring_mr: crate::transport::rdma::Mr,
+    /// Per-grant memory windows (see above).
+    windows: bool,
     /// A GPU ring's dma-buf, kept open while it is registered.
     _dmabuf: Option<std::os::fd::OwnedFd>,
     channel: Arc<crate::transport::rdma::CompChannel>,
@@ -109,12 +140,35 @@ impl ConsumerRdma {
         let ctx = Context::open(opts.device.as_deref(), opts.port, opts.gid_index)?;
         let pd = Pd::new(&ctx)?;
         let channel = CompChannel::new(&ctx)?;
+        let windows = match windows_usable(&ctx, &pd, ring) {
+            Ok(()) => true,
+            Err(why) => {
+                log::warn!(
+                    "RDMA: no per-grant memory windows ({why}); the whole landing ring is \
+                     registered for remote write under one key, so a node holding the job \
+                     token could write anywhere in it (docs/PROTOCOL.md, \"Over RDMA\")"
+                );
+                false
+            }
+        };
         let (ring_mr, dmabuf) = match ring.device() {
             // SAFETY: the ring outlives this registration (the network thread
             // owns it and drops it before its Arc of the ring); peers write it
-            // only at granted ranges the consumer does not read until published.
+            // only at granted ranges the consumer does not read until published
+            // (in windows mode only through windows bound to those ranges).
             None => (
-                unsafe { Mr::register(&pd, ring.as_mut_ptr(), ring.len(), Access::RemoteWrite) }?,
+                unsafe {
+                    Mr::register(
+                        &pd,
+                        ring.as_mut_ptr(),
+                        ring.len(),
+                        if windows {
+                            Access::WindowsOnly
+                        } else {
+                            Access::RemoteWrite
+                        },
+                    )
+                }?,
                 None,
             ),
             Some(dev) => register_gpu_ring(&pd, dev)?,
@@ -122,12 +176,36 @@ impl ConsumerRdma {
         Ok(ConsumerRdma {
             opts: opts.clone(),
             ring_mr,
+            windows,
             _dmabuf: dmabuf,
             channel,
             pd,
             ctx,
         })
     }
+}
+
+/// Whether grants get memory windows: the device offers type 2B windows
+/// (probed: capability flag, `max_mw`, and one allocated), the ring is host
+/// memory (a GPU ring keeps the whole-ring key), and `KSPEED_RDMA_WINDOWS`
+/// is not `0` (a switch to measure the windows' cost against the whole-ring
+/// key; docs/PROTOCOL.md). `Err` says why not.
+#[cfg(feature = "rdma")]
+fn windows_usable(
+    ctx: &crate::transport::rdma::Context,
+    pd: &Arc<crate::transport::rdma::Pd>,
+    ring: &LandingRing,
+) -> std::result::Result<(), String> {
+    if std::env::var_os("KSPEED_RDMA_WINDOWS").is_some_and(|v| v == "0") {
+        return Err("KSPEED_RDMA_WINDOWS=0".into());
+    }
+    if ring.device().is_some() {
+        return Err("the landing ring is GPU memory".into());
+    }
+    ctx.windows_supported(RDMA_WINDOWS)?;
+    crate::transport::rdma::Mw::new(pd)
+        .map(drop)
+        .map_err(|e| e.to_string())
 }
 
 /// Registers a GPU ring for remote write: as a dma-buf where the NIC's
@@ -197,6 +275,31 @@ struct RdmaConn {
     next_slot: usize,
     sges: Vec<rdma_sys::ibv_sge>,
     wrs: Vec<rdma_sys::ibv_recv_wr>,
+    /// Windows mode: the windows, the rkey each was last bound under, the
+    /// table entry each opens (`NONE` when free), the free ones.
+    mws: Vec<crate::transport::rdma::Mw>,
+    mw_rkey: Vec<u32>,
+    mw_entry: Vec<u32>,
+    free_mws: Vec<u32>,
+    /// (window, ring offset, length) of the grants in the connection's
+    /// `fill` frame: bound (one chain) before that frame is sent.
+    binds: Vec<(u32, u64, u64)>,
+    /// A bind chain is posted; the frame in `flight` waits for it.
+    bind_pending: bool,
+    /// Invalidations posted and not completed.
+    invs_pending: usize,
+    swrs: Vec<rdma_sys::ibv_send_wr>,
+}
+
+#[cfg(feature = "rdma")]
+impl Drop for RdmaConn {
+    fn drop(&mut self) {
+        // Windows before their QP: soft-RoCE (Linux 6.1) took 50.6 s to
+        // destroy a QP that 8 bound windows still referenced (measured in
+        // the VM; 0.5 ms to free the windows first), and a dead node's QP is
+        // destroyed on the network thread.
+        self.mws.clear();
+    }
 }
 
 // SAFETY: `sges`/`wrs` are scratch space whose raw pointers are rebuilt on
@@ -235,17 +338,50 @@ pub(crate) struct NetShared {
     pub(crate) remote_samples: AtomicU64,
     pub(crate) failovers: AtomicU64,
     pub(crate) source_reads: AtomicU64,
+    /// Local samples the pollers could not read (read error, short read,
+    /// CRC32C mismatch), handed to this thread to serve from the next
+    /// holder or the source. Bounded at start by the ready table's length:
+    /// a sample is handed over at most once and only while it lies inside
+    /// the flow-control window, which never holds more samples than that,
+    /// so a send never finds it full (and never allocates).
+    local_failed: (
+        crossbeam_channel::Sender<HandedOver>,
+        crossbeam_channel::Receiver<HandedOver>,
+    ),
 }
 
+/// A local sample whose read failed, and why.
+type HandedOver = (Placed, Error);
+
 impl NetShared {
-    pub(crate) fn new() -> Result<Self> {
+    /// `window_samples`: the most samples the ring holds at once (the
+    /// ready table's length).
+    pub(crate) fn new(window_samples: usize) -> Result<Self> {
         Ok(NetShared {
             wake: EventFd::new().map_err(|e| Error::Serve(format!("eventfd: {e}")))?,
             sleeping: AtomicBool::new(false),
             remote_samples: AtomicU64::new(0),
             failovers: AtomicU64::new(0),
             source_reads: AtomicU64::new(0),
+            local_failed: crossbeam_channel::bounded(window_samples.max(1)),
         })
+    }
+
+    /// A poller hands over local sample `p`, whose read failed with `e`:
+    /// the network thread serves it from its next holder (a replica on
+    /// another node) or the source, like a grant a node failed, and reports
+    /// `e` among the places tried if none can. The poller has no read in
+    /// flight into its slot any more; the slot stays unpublished, so the
+    /// consumer cannot release past it and flow control still covers it.
+    /// Gives `e` back when it cannot be handed over (the channel is full or
+    /// closed: not expected, see `local_failed`); the sample then fails.
+    pub(crate) fn hand_over(&self, p: Placed, e: Error) -> Result<(), Error> {
+        self.local_failed.0.try_send((p, e)).map_err(|err| {
+            let (_, e) = err.into_inner();
+            e
+        })?;
+        self.wake.notify();
+        Ok(())
     }
 
     /// Called after the consumer moved the released mark.
@@ -310,6 +446,14 @@ pub(crate) struct Conn {
 }
 
 impl Conn {
+    /// Its GRANT frame waits for its windows' binds.
+    fn bind_pending(&self) -> bool {
+        #[cfg(feature = "rdma")]
+        return self.rdma.as_ref().is_some_and(|r| r.bind_pending);
+        #[cfg(not(feature = "rdma"))]
+        false
+    }
+
     fn is_rdma(&self) -> bool {
         #[cfg(feature = "rdma")]
         return self.rdma.is_some();
@@ -377,7 +521,9 @@ pub(crate) fn connect_all(setup: &mut NetSetup, ring: &LandingRing) -> Result<Co
         Some(opts) => {
             let r = Arc::new(ConsumerRdma::open(opts, ring)?);
             setup.hello.ring_addr = r.ring_mr.addr();
-            setup.hello.rkey = r.ring_mr.rkey();
+            // Windows mode: no key for the whole ring; each GRANT entry
+            // carries its window's.
+            setup.hello.rkey = if r.windows { 0 } else { r.ring_mr.rkey() };
             setup.hello.transport = proto::TRANSPORT_RDMA;
             Some(r)
         }
@@ -623,7 +769,8 @@ fn rdma_connect(
             what,
         })
     };
-    let cq = Cq::with_channel(&r.ctx, (RDMA_RECVS + 64) as i32, &r.channel).map_err(failed)?;
+    let cq = Cq::with_channel(&r.ctx, (RDMA_RECVS + RDMA_WINDOWS + 64) as i32, &r.channel)
+        .map_err(failed)?;
     let mut qp = Qp::new(&r.pd, &cq, &cq, RDMA_RECVS as u32, 0).map_err(failed)?;
     let ip = sock
         .local_addr()
@@ -664,7 +811,25 @@ fn rdma_connect(
         next_slot: 0,
         sges: Vec::with_capacity(RDMA_RECVS),
         wrs: Vec::with_capacity(RDMA_RECVS),
+        mws: Vec::new(),
+        mw_rkey: Vec::new(),
+        mw_entry: Vec::new(),
+        free_mws: Vec::new(),
+        binds: Vec::new(),
+        bind_pending: false,
+        invs_pending: 0,
+        swrs: Vec::with_capacity(proto::MAX_GRANT_ENTRIES.min(RDMA_WINDOWS)),
     };
+    if r.windows {
+        for m in 0..RDMA_WINDOWS {
+            let mw = crate::transport::rdma::Mw::new(&r.pd).map_err(failed)?;
+            c.mw_rkey.push(mw.rkey());
+            c.mws.push(mw);
+            c.mw_entry.push(NONE);
+            c.free_mws.push((RDMA_WINDOWS - 1 - m) as u32);
+        }
+        c.binds.reserve_exact(RDMA_WINDOWS);
+    }
     c.repost().map_err(failed)?;
     c.cq.arm().map_err(failed)?;
     Ok(c)
@@ -684,6 +849,37 @@ struct GSlot {
     received: u32,
     /// Replica indices tried (bit r).
     tried: u64,
+    /// The local pollers failed to read it (handed over); the error is in
+    /// `NetThread::local_errors`.
+    local: bool,
+    /// RDMA windows mode: the memory window of its node's connection that
+    /// opens its range, `NONE` when none is bound.
+    mw: u32,
+    /// Done with its node (all bytes in, or ERROR): waiting for its window's
+    /// invalidation before it is published (or checked) or failed over.
+    after_inv: AfterInv,
+}
+
+impl GSlot {
+    /// Whether it is grant `grant`, outstanding with `node`: live, given to
+    /// that node, and not over (a grant waiting for its window's
+    /// invalidation takes nothing more from the node).
+    fn outstanding_with(&self, grant: u32, node: u32) -> bool {
+        self.live
+            && self.g as u32 == grant
+            && self.node == node
+            && self.after_inv == AfterInv::Nothing
+    }
+}
+
+/// What a grant does once its window is invalidated.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum AfterInv {
+    Nothing,
+    /// All its bytes arrived: check (CRC32C) and publish.
+    Done,
+    /// Its node answered ERROR: fail over.
+    FailOver,
 }
 
 const UD_RECV: u64 = 1 << 56;
@@ -714,6 +910,9 @@ pub(crate) struct NetThread {
     completions: Vec<Completion>,
     /// Host buffer for samples read from the source into a GPU ring.
     bounce: Vec<u8>,
+    /// (g, why) of the handed-over local samples not yet served: why this
+    /// node's own copy failed, for the error if no other copy can serve it.
+    local_errors: Vec<(u64, String)>,
     /// The epoch of the newest sample granted (demotions end with it).
     epoch: Option<u64>,
     /// The minimum-progress allowance per grant beyond `node_timeout`.
@@ -744,6 +943,7 @@ impl NetThread {
             rdma: connected.rdma,
             chan_inflight: false,
             bounce: Vec::new(),
+            local_errors: Vec::new(),
             epoch: None,
             progress_slack: Duration::from_secs_f64(
                 sh.input.catalog().max_sample_bytes() as f64 / MIN_PROGRESS_BYTES_PER_SEC as f64,
@@ -760,6 +960,9 @@ impl NetThread {
                     node: NONE,
                     received: 0,
                     tried: 0,
+                    local: false,
+                    mw: NONE,
+                    after_inv: AfterInv::Nothing,
                 };
                 size
             ]
@@ -867,16 +1070,26 @@ impl NetThread {
                     break;
                 }
                 any = true;
-                r.consumed += n;
-                r.next_slot = (r.next_slot + n) % RDMA_RECVS;
+                let recvs = wc[..n].iter().filter(|w| w.wr_id & WR_SEND == 0).count();
+                r.consumed += recvs;
+                r.next_slot = (r.next_slot + recvs) % RDMA_RECVS;
                 for w in &wc[..n] {
                     if self.conns[i].state != State::Live {
-                        break; // flushed receives of a connection being shut
+                        break; // flushed requests of a connection being shut
                     }
                     if w.status != 0 {
                         let e = completion_error(w);
-                        self.kill(i, format!("RDMA queue pair failed: {e}"));
+                        let what = match w.wr_id {
+                            WR_BIND => "binding memory windows failed",
+                            id if id & WR_INV == WR_INV => "invalidating a memory window failed",
+                            _ => "RDMA queue pair failed",
+                        };
+                        self.kill(i, format!("{what}: {e}"));
                         break;
+                    }
+                    if w.wr_id & WR_SEND != 0 {
+                        self.on_window_completion(i, w.wr_id);
+                        continue;
                     }
                     self.conns[i].last_rx = Instant::now();
                     self.on_rdma_completion(i, w);
@@ -911,7 +1124,9 @@ impl NetThread {
         for i in 0..self.conns.len() {
             let c = &self.conns[i];
             let Some(rc) = c.rdma.as_ref() else { continue };
-            if c.state != State::Live || c.outstanding == 0 {
+            if c.state != State::Live
+                || (c.outstanding == 0 && !rc.bind_pending && rc.invs_pending == 0)
+            {
                 continue;
             }
             if let Err(e) = rc.cq.arm() {
@@ -934,6 +1149,75 @@ impl NetThread {
         false
     }
 
+    /// A send-queue completion of connection `i`: its bind chain is in
+    /// force (send the GRANT frame waiting for it), or a window is
+    /// invalidated (free it, and finish its grant).
+    #[cfg(feature = "rdma")]
+    fn on_window_completion(&mut self, i: usize, wr_id: u64) {
+        let c = &mut self.conns[i];
+        let rc = c.rdma.as_mut().expect("rdma");
+        if wr_id == WR_BIND {
+            rc.bind_pending = false;
+            Self::post_send(&mut self.ring, c);
+            return;
+        }
+        let m = (wr_id & 0xffff_ffff) as usize;
+        let idx = std::mem::replace(&mut rc.mw_entry[m], NONE);
+        rc.free_mws.push(m as u32);
+        rc.invs_pending -= 1;
+        let node = c.node;
+        let Some(s) = self.table.get(idx as usize).copied() else {
+            return;
+        };
+        if !s.live || s.mw != m as u32 || s.node != node {
+            return;
+        }
+        let idx = idx as usize;
+        self.table[idx].mw = NONE;
+        let then = std::mem::replace(&mut self.table[idx].after_inv, AfterInv::Nothing);
+        self.grant_closed(i, idx, then);
+    }
+
+    /// Grant `idx` of connection `i` is over (`then` says how): with a
+    /// window, invalidate it first and act once that completes (nothing the
+    /// node writes after can land); else act now.
+    fn grant_over(&mut self, i: usize, idx: usize, then: AfterInv) {
+        #[cfg(feature = "rdma")]
+        if self.table[idx].mw != NONE {
+            let m = self.table[idx].mw;
+            let rc = self.conns[i].rdma.as_mut().expect("a window means RDMA");
+            let rkey = rc.mw_rkey[m as usize];
+            let op = crate::transport::rdma::WindowOp::Invalidate { rkey };
+            match rc
+                .qp
+                .post_window_ops(&[(WR_INV | m as u64, true, op)], &mut rc.swrs)
+            {
+                Ok(()) => {
+                    rc.invs_pending += 1;
+                    self.table[idx].after_inv = then;
+                }
+                // The connection goes; its grants (this one too) fail over
+                // once its QP is gone.
+                Err(e) => self.kill(i, e.to_string()),
+            }
+            return;
+        }
+        self.grant_closed(i, idx, then);
+    }
+
+    /// Grant `idx` no longer counts against connection `i` (its window, if
+    /// any, is invalidated): publish it or fail it over. Only now does the
+    /// node get credit for another grant, so a GRANT frame sent after this
+    /// tells it that the grant's key opens nothing any more.
+    fn grant_closed(&mut self, i: usize, idx: usize, then: AfterInv) {
+        self.conns[i].outstanding -= 1;
+        match then {
+            AfterInv::Done => self.finish_sample(i, idx),
+            AfterInv::FailOver => self.fail_over(i, idx),
+            AfterInv::Nothing => {}
+        }
+    }
+
     /// One receive completion of connection `i`: an RDMA write into a
     /// granted range (immediate = grant id), or an ERROR sent on the QP.
     #[cfg(feature = "rdma")]
@@ -946,7 +1230,7 @@ impl NetThread {
             IBV_WC_RECV_RDMA_WITH_IMM => {
                 let idx = grant as usize & self.mask;
                 let s = self.table[idx];
-                if !s.live || s.g as u32 != grant || s.node != self.conns[i].node {
+                if !s.outstanding_with(grant, self.conns[i].node) {
                     return self.violation(
                         i,
                         format!(
@@ -987,8 +1271,65 @@ impl NetThread {
         }
     }
 
+    /// Takes the local samples the pollers handed over (their reads
+    /// failed): each becomes an outstanding entry with this node's copy
+    /// marked tried, queued (in sequence order) for its next holder or the
+    /// source. Its table entry is free: the sample is inside the
+    /// flow-control window and unpublished, and the window never holds two
+    /// samples with the same entry (see `NetShared::local_failed`).
+    fn take_local_failures(&mut self) {
+        let local = self.setup.local_node;
+        let placement = self.placement;
+        while let Ok((p, e)) = self.net().local_failed.1.try_recv() {
+            let idx = p.g as usize & self.mask;
+            debug_assert!(!self.table[idx].live, "local failover onto a live entry");
+            let mut tried = 0u64;
+            for r in 0..placement.replicas {
+                if Some(placement.holder(p.id, r)) == local {
+                    tried |= 1 << r;
+                }
+            }
+            self.table[idx] = GSlot {
+                live: true,
+                g: p.g,
+                id: p.id,
+                len: p.len as u32,
+                phys: p.phys(&self.sh.geo),
+                node: NONE,
+                received: 0,
+                tried,
+                local: true,
+                mw: NONE,
+                after_inv: AfterInv::Nothing,
+            };
+            log::warn!(
+                "this node's copy of sample {} failed ({e}); it fails over to a replica or the source",
+                p.id
+            );
+            self.local_errors
+                .push((p.g, format!("this node's own copy: {e}")));
+            self.net().failovers.fetch_add(1, Ordering::Relaxed);
+            let table = &self.table;
+            let at = self.regrant.partition_point(|&i| table[i].g < p.g);
+            self.regrant.insert(at, idx);
+        }
+    }
+
+    /// Forgets the local error of entry `idx` once it is served or failed.
+    fn local_done(&mut self, idx: usize) -> Option<String> {
+        let s = &mut self.table[idx];
+        if !s.local {
+            return None;
+        }
+        s.local = false;
+        let g = s.g;
+        let at = self.local_errors.iter().position(|e| e.0 == g)?;
+        Some(self.local_errors.swap_remove(at).1)
+    }
+
     /// Grants what flow control allows: re-grants first, then new samples.
     fn fill(&mut self) {
+        self.take_local_failures();
         while let Some(&idx) = self.regrant.front() {
             if !self.place(idx) {
                 return;
@@ -1037,6 +1378,9 @@ impl NetThread {
                 node: NONE,
                 received: 0,
                 tried: 0,
+                local: false,
+                mw: NONE,
+                after_inv: AfterInv::Nothing,
             };
             if !self.place(idx) {
                 // The chosen node has no credit or frame space now.
@@ -1110,12 +1454,35 @@ impl NetThread {
             if c.outstanding >= c.max_grants || c.fill.len() == c.fill.capacity() {
                 return false;
             }
+            #[cfg(not(feature = "rdma"))]
+            let rkey = 0;
+            #[cfg(feature = "rdma")]
+            let mut rkey = 0;
+            #[cfg(feature = "rdma")]
+            if let (Some(rc), Some(r)) = (c.rdma.as_mut(), self.rdma.as_ref()) {
+                if r.windows {
+                    // A window for exactly this range, bound (with the rest
+                    // of the frame's) before the frame goes out.
+                    let Some(m) = rc.free_mws.pop() else {
+                        return false;
+                    };
+                    let k = crate::transport::rdma::next_rkey(rc.mw_rkey[m as usize]);
+                    rc.mw_rkey[m as usize] = k;
+                    rc.mw_entry[m as usize] = idx as u32;
+                    rc.binds.push((m, s.phys, s.len as u64));
+                    self.table[idx].mw = m;
+                    rkey = k;
+                } else {
+                    rkey = r.ring_mr.rkey();
+                }
+            }
             let mut e = [0u8; proto::GRANT_ENTRY_BYTES];
             GrantEntry {
                 grant: s.g as u32,
                 len: s.len,
                 sample: s.id,
                 offset: s.phys,
+                rkey,
             }
             .encode_into(&mut e);
             c.fill.extend_from_slice(&e);
@@ -1140,10 +1507,16 @@ impl NetThread {
         let s = self.table[idx];
         let placement = self.placement;
         let mut tried = String::new();
+        let local_error = self.local_done(idx);
         for r in 0..placement.replicas {
             let node = placement.holder(s.id, r) as usize;
             if let Some(c) = self.conns.get(node) {
-                let why = if s.tried & (1 << r) != 0
+                let why = if let Some(e) = local_error
+                    .as_deref()
+                    .filter(|_| Some(node as u32) == self.setup.local_node)
+                {
+                    e
+                } else if s.tried & (1 << r) != 0
                     && !c.last_error.is_empty()
                     && c.state == State::Live
                 {
@@ -1223,8 +1596,9 @@ impl NetThread {
     }
 
     fn flush_grants(&mut self) {
-        for c in &mut self.conns {
-            if c.state != State::Live || c.tx_inflight {
+        for i in 0..self.conns.len() {
+            let c = &mut self.conns[i];
+            if c.state != State::Live || c.tx_inflight || c.bind_pending() {
                 continue;
             }
             if c.fill_entries == 0 {
@@ -1246,6 +1620,26 @@ impl NetThread {
             c.fill.resize(proto::HEADER_BYTES, 0);
             c.fill_entries = 0;
             c.flight_sent = 0;
+            #[cfg(feature = "rdma")]
+            if let Some(rc) = c.rdma.as_mut().filter(|rc| !rc.binds.is_empty()) {
+                // The frame goes once its windows are bound (their chain's
+                // completion), so no write can arrive before its window.
+                let r = self.rdma.as_ref().expect("rdma connection");
+                let base = r.ring_mr.addr();
+                let binds = rc.binds.iter().map(|&(m, off, len)| {
+                    (&rc.mws[m as usize], base + off, len, rc.mw_rkey[m as usize])
+                });
+                let res = rc.qp.post_binds(&r.ring_mr, binds, WR_BIND, &mut rc.swrs);
+                for &(m, _, _) in &rc.binds {
+                    rc.mws[m as usize].set_rkey(rc.mw_rkey[m as usize]);
+                }
+                rc.binds.clear();
+                match res {
+                    Ok(()) => rc.bind_pending = true,
+                    Err(e) => self.kill(i, e.to_string()),
+                }
+                continue;
+            }
             Self::post_send(&mut self.ring, c);
         }
     }
@@ -1363,6 +1757,9 @@ impl NetThread {
             if s.live && s.node == node {
                 s.node = NONE;
                 s.received = 0;
+                // Its window went with the QP.
+                s.mw = NONE;
+                s.after_inv = AfterInv::Nothing;
                 self.regrant.push_back(idx);
                 moved += 1;
             }
@@ -1501,7 +1898,7 @@ impl NetThread {
         let idx = h.a as usize & self.mask;
         let s = self.table[idx];
         let node = self.conns[i].node;
-        if !s.live || s.g as u32 != h.a || s.node != node {
+        if !s.outstanding_with(h.a, node) {
             return self.violation(
                 i,
                 format!(
@@ -1546,7 +1943,7 @@ impl NetThread {
         }
         let idx = h.a as usize & self.mask;
         let s = self.table[idx];
-        if !s.live || s.g as u32 != h.a || s.node != self.conns[i].node {
+        if !s.outstanding_with(h.a, self.conns[i].node) {
             return self.violation(
                 i,
                 format!(
@@ -1557,7 +1954,6 @@ impl NetThread {
         }
         let c = &mut self.conns[i];
         c.last_error = format!("{}: {msg}", code.name());
-        c.outstanding -= 1;
         log::warn!(
             "node {} ({}) cannot serve sample {}: {}",
             c.node,
@@ -1565,7 +1961,7 @@ impl NetThread {
             s.id,
             c.last_error
         );
-        self.fail_over(i, idx);
+        self.grant_over(i, idx, AfterInv::FailOver);
     }
 
     /// Grant `idx` failed on connection `i`: it goes back in line for its
@@ -1580,8 +1976,14 @@ impl NetThread {
     }
 
     fn sample_done(&mut self, i: usize, idx: usize) {
+        self.conns[i].last_done = Instant::now();
+        self.grant_over(i, idx, AfterInv::Done);
+    }
+
+    /// All of grant `idx`'s bytes are in and nothing more can land there:
+    /// checks them (`verify_crc32c`) and publishes the sample.
+    fn finish_sample(&mut self, i: usize, idx: usize) {
         let s = self.table[idx];
-        self.conns[i].outstanding -= 1;
         if self.sh.cfg.verify_crc32c {
             let want = self.sh.input.catalog().sample(s.id).crc32c;
             // SAFETY: every byte of the slot was received and it is unpublished.
@@ -1602,6 +2004,7 @@ impl NetThread {
             }
         }
         self.table[idx].live = false;
+        self.local_done(idx);
         self.conns[i].last_done = Instant::now();
         self.net().remote_samples.fetch_add(1, Ordering::Relaxed);
         self.sh.publish(s.g, CODE_OK);

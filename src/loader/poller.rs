@@ -544,7 +544,7 @@ impl Poller {
             unsafe { libc::close(fd) };
         }
         if let Some(e) = g.error {
-            self.fail(&g.placed, e);
+            self.local_failed(&g.placed, e);
             return;
         }
         let micros = g.submitted.elapsed().as_micros() as u64;
@@ -562,7 +562,7 @@ impl Poller {
                     expected: want,
                     computed: got,
                 };
-                self.fail(&p, e);
+                self.local_failed(&p, e);
                 return;
             }
         }
@@ -592,6 +592,22 @@ impl Poller {
         match &self.shared.input {
             Input::Space { space, .. } => space.extent_path(g.file),
             Input::Source { catalog, root } => root.join(catalog.file(g.file).name),
+        }
+    }
+
+    /// Reading sample `p` from this node's space failed (`e`: an I/O error,
+    /// a short read, a CRC32C mismatch), and its slot is no longer written
+    /// by any read. In cluster mode the network thread serves it instead
+    /// from the sample's next holder or the source, as for a node's error
+    /// (it reports `e` if none can); alone, the loader fails with `e`.
+    fn local_failed(&mut self, p: &Placed, e: Error) {
+        match &self.shared.net {
+            Some(net) => {
+                if let Err(e) = net.hand_over(*p, e) {
+                    self.fail(p, e);
+                }
+            }
+            None => self.fail(p, e),
         }
     }
 

@@ -50,8 +50,9 @@ pub trait Link {
     type Driver;
 
     /// Posts a write of `len` bytes at `src` to ring offset `remote_offset`
-    /// of the peer, completing grant `grant` (in part or whole). Returns
-    /// false when the send queue is full.
+    /// of the peer, completing grant `grant` (in part or whole), under the
+    /// grant's remote key `rkey` (RDMA; ignored over TCP). Returns false
+    /// when the send queue is full.
     ///
     /// # Safety
     /// `src..src+len` must stay valid and unchanged until the [`Done`] for
@@ -63,6 +64,7 @@ pub trait Link {
         len: u32,
         remote_offset: u64,
         grant: u32,
+        rkey: u32,
     ) -> bool;
 
     /// Posts an ERROR for `grant` (`proto::CONNECTION`: the whole

@@ -11,8 +11,10 @@
 //! (`fuzz/fuzz_targets/frames.rs`).
 
 /// Protocol version spoken by this build. A peer with another version is
-/// refused at HELLO with [`Code::BadVersion`].
-pub const VERSION: u32 = 1;
+/// refused at HELLO with [`Code::BadVersion`]. Version 2: GRANT entries
+/// carry the remote key to write the grant under (a memory window bound to
+/// just that range over RDMA), 32 bytes instead of version 1's 24.
+pub const VERSION: u32 = 2;
 
 /// First two bytes of every frame ("KS" little-endian).
 pub const MAGIC: u16 = 0x534b;
@@ -21,7 +23,7 @@ pub const MAGIC: u16 = 0x534b;
 pub const HEADER_BYTES: usize = 24;
 
 /// Size of one GRANT entry.
-pub const GRANT_ENTRY_BYTES: usize = 24;
+pub const GRANT_ENTRY_BYTES: usize = 32;
 
 /// Fixed part of a HELLO body (the token follows).
 pub const HELLO_FIXED_BYTES: usize = 56;
@@ -354,7 +356,9 @@ pub struct Hello {
     pub ring_addr: u64,
     /// Landing ring length: every granted range lies below it.
     pub ring_len: u64,
-    /// Remote key of the ring (RDMA; TCP: 0).
+    /// Remote key of the whole ring (RDMA, when the consumer's device has
+    /// no memory windows), or 0: each GRANT entry carries the key to use
+    /// (TCP: 0).
     pub rkey: u32,
     /// The transport asked for: [`TRANSPORT_TCP`] or [`TRANSPORT_RDMA`].
     pub transport: u32,
@@ -544,15 +548,21 @@ pub struct GrantEntry {
     pub sample: u64,
     /// Ring offset of the sample's first byte.
     pub offset: u64,
+    /// RDMA: the remote key to write this grant under (a memory window the
+    /// consumer bound to exactly `offset..offset + len`, or its whole
+    /// ring's key); TCP: 0.
+    pub rkey: u32,
 }
 
 impl GrantEntry {
-    /// Appends the 24-byte encoding.
+    /// Writes the 32-byte encoding (the last 4 bytes are reserved, 0).
     pub fn encode_into(&self, out: &mut [u8]) {
         out[0..4].copy_from_slice(&self.grant.to_le_bytes());
         out[4..8].copy_from_slice(&self.len.to_le_bytes());
         out[8..16].copy_from_slice(&self.sample.to_le_bytes());
         out[16..24].copy_from_slice(&self.offset.to_le_bytes());
+        out[24..28].copy_from_slice(&self.rkey.to_le_bytes());
+        out[28..32].copy_from_slice(&0u32.to_le_bytes());
     }
 
     /// Decodes entry `i` of a GRANT body (whose length the header checked).
@@ -563,6 +573,7 @@ impl GrantEntry {
             len: u32_at(e, 4),
             sample: u64_at(e, 8),
             offset: u64_at(e, 16),
+            rkey: u32_at(e, 24),
         }
     }
 }
@@ -734,6 +745,7 @@ mod tests {
             len: 10,
             sample: 5,
             offset: 0,
+            rkey: 0,
         }
         .encode_into(&mut g);
         s.extend_from_slice(&Header::grant(1).encode());

@@ -205,6 +205,37 @@ impl Context {
         &self.name
     }
 
+    /// Whether the device offers type 2B memory windows (bound through a
+    /// queue pair, usable only by that QP's peer): its capability flags
+    /// (`IBV_DEVICE_MEM_WINDOW_TYPE_2B`) and room for `windows` of them
+    /// (`max_mw`). `Err` says why not, for the log.
+    pub fn windows_supported(&self, windows: usize) -> std::result::Result<(), String> {
+        // SAFETY: plain data; the call fills it.
+        let mut dev: ibv_device_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: live context, valid out-pointer.
+        let rc = unsafe { ibv_query_device(self.ctx, &mut dev) };
+        if rc != 0 {
+            return Err(format!(
+                "ibv_query_device: {}",
+                std::io::Error::from_raw_os_error(rc)
+            ));
+        }
+        let type_2b = ibv_device_cap_flags::IBV_DEVICE_MEM_WINDOW_TYPE_2B.0;
+        if dev.device_cap_flags & type_2b == 0 {
+            return Err(format!(
+                "device {} lacks IBV_DEVICE_MEM_WINDOW_TYPE_2B (capability flags {:#x})",
+                self.name, dev.device_cap_flags
+            ));
+        }
+        if (dev.max_mw.max(0) as usize) < windows {
+            return Err(format!(
+                "device {} allows {} memory windows, {windows} are needed",
+                self.name, dev.max_mw
+            ));
+        }
+        Ok(())
+    }
+
     /// Every port of the device with its state, MTU and GID table: what a
     /// user needs to choose `--listen` and `--rdma-gid-index`.
     pub fn ports(&self) -> Vec<PortInfo> {
@@ -732,6 +763,20 @@ impl Mw {
         // SAFETY: live window.
         unsafe { (*self.mw).rkey }
     }
+
+    /// Records `rkey` as the window's current key once a bind to it has
+    /// been posted (the verbs library does this for type 1 binds, not for
+    /// type 2 ones posted on a QP). The next bind names the window by its
+    /// current key: the provider copies this field into the request, and
+    /// the device refuses a bind naming a stale one (soft-RoCE:
+    /// `IBV_WC_MW_BIND_ERR`), so without this only a window's first bind
+    /// works.
+    pub fn set_rkey(&self, rkey: u32) {
+        // SAFETY: live window; the field is plain data that only the
+        // provider's post path reads, on the thread that owns this window
+        // (Mw is Send, not Sync).
+        unsafe { (*self.mw).rkey = rkey };
+    }
 }
 
 impl Drop for Mw {
@@ -1052,6 +1097,59 @@ impl Qp {
         Ok(())
     }
 
+    /// Posts type 2 window binds as one chain (one doorbell): each
+    /// (window, address, length, rkey) opens `length` bytes at `address` of
+    /// `mr` for remote write by this QP's peer, under `rkey`. Only the last
+    /// is signalled, with `last_id` (the send queue runs them in order, so
+    /// its completion means every bind of the chain is in force); every
+    /// request carries `last_id`, so a failed one is recognised too.
+    pub fn post_binds<'a>(
+        &self,
+        mr: &Mr,
+        binds: impl Iterator<Item = (&'a Mw, u64, u64, u32)>,
+        last_id: u64,
+        wrs: &mut Vec<ibv_send_wr>,
+    ) -> Result<()> {
+        wrs.clear();
+        for (mw, addr, len, rkey) in binds {
+            // SAFETY: plain data.
+            let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
+            wr.wr_id = last_id;
+            wr.opcode = ibv_wr_opcode::IBV_WR_BIND_MW;
+            wr.bind_mw_tso_union.bind_mw = bind_mw_t {
+                mw: mw.mw,
+                rkey,
+                bind_info: ibv_mw_bind_info {
+                    mr: mr.mr,
+                    addr,
+                    length: len,
+                    mw_access_flags: ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0,
+                },
+            };
+            wrs.push(wr);
+        }
+        let Some(last) = wrs.last_mut() else {
+            return Ok(());
+        };
+        last.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
+        for i in 0..wrs.len() - 1 {
+            let next: *mut ibv_send_wr = &mut wrs[i + 1];
+            wrs[i].next = next;
+        }
+        let mut bad = ptr::null_mut();
+        // SAFETY: live QP; a well-formed chain that outlives the call; the
+        // windows and the region are live (the caller keeps them alive
+        // while bound: they are dropped with or after the QP).
+        let rc = unsafe { ibv_post_send(self.qp, wrs.as_mut_ptr(), &mut bad) };
+        if rc != 0 {
+            return Err(Error::Rdma {
+                op: "post memory-window binds",
+                detail: std::io::Error::from_raw_os_error(rc).to_string(),
+            });
+        }
+        Ok(())
+    }
+
     /// Posts a chain of RDMA WRITE_WITH_IMM work requests (one doorbell),
     /// signalling only the last. Each is (wr_id, local address, length,
     /// remote address, immediate).
@@ -1173,14 +1271,16 @@ struct RdmaWr {
     len: u32,
     lkey: u32,
     remote: u64,
+    rkey: u32,
     imm: u32,
     inline_at: usize,
 }
 
 /// The verbs backend of [`super::Link`]: a posted write is an RDMA
 /// WRITE_WITH_IMM from the poster's staging memory (registered local-only,
-/// `lkey`) into the peer's ring (`rkey`, registered remote-write) with the
-/// grant id as immediate; an ERROR is a SEND_WITH_IMM on the same QP, so it
+/// `lkey`) into the peer's ring under the grant's rkey (a memory window the
+/// peer bound to that grant's range, or its whole ring's) with the grant id
+/// as immediate; an ERROR is a SEND_WITH_IMM on the same QP, so it
 /// cannot overtake the grant's writes (RC ordering), carrying a 4-byte code
 /// and the message inline. `flush` posts everything queued as one chain (one
 /// doorbell) signalling only its last request; `poll` turns the chain's
@@ -1190,7 +1290,6 @@ pub struct RdmaLink {
     qp: Qp,
     cq: Arc<Cq>,
     regions: SendRegions,
-    rkey: u32,
     remote_base: u64,
     max_wr: usize,
     queued: Vec<RdmaWr>,
@@ -1213,21 +1312,13 @@ unsafe impl Send for RdmaLink {}
 impl RdmaLink {
     /// A link over the connected `qp` whose send completions go to `cq`
     /// (its own), writing from `regions` into the peer ring at `remote_base`
-    /// (`rkey`). At most `max_wr` requests outstanding (the QP's send queue
-    /// size).
-    pub fn new(
-        qp: Qp,
-        cq: Arc<Cq>,
-        regions: SendRegions,
-        remote_base: u64,
-        rkey: u32,
-        max_wr: usize,
-    ) -> Self {
+    /// (each write under its grant's rkey). At most `max_wr` requests
+    /// outstanding (the QP's send queue size).
+    pub fn new(qp: Qp, cq: Arc<Cq>, regions: SendRegions, remote_base: u64, max_wr: usize) -> Self {
         RdmaLink {
             qp,
             cq,
             regions,
-            rkey,
             remote_base,
             max_wr,
             queued: Vec::with_capacity(max_wr),
@@ -1315,6 +1406,7 @@ impl super::Link for RdmaLink {
         len: u32,
         remote_offset: u64,
         grant: u32,
+        rkey: u32,
     ) -> bool {
         if !self.room() {
             return false;
@@ -1332,6 +1424,7 @@ impl super::Link for RdmaLink {
             len,
             lkey,
             remote: self.remote_base + remote_offset,
+            rkey,
             imm: grant,
             inline_at: 0,
         });
@@ -1368,6 +1461,7 @@ impl super::Link for RdmaLink {
             len: 4 + n as u32,
             lkey: 0,
             remote: 0,
+            rkey: 0,
             imm: grant,
             inline_at: at,
         });
@@ -1420,7 +1514,7 @@ impl super::Link for RdmaLink {
             } else {
                 wr.opcode = ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM;
                 wr.wr.rdma.remote_addr = w.remote;
-                wr.wr.rdma.rkey = self.rkey;
+                wr.wr.rdma.rkey = w.rkey;
             }
             wr.send_flags = flags;
             self.wrs.push(wr);

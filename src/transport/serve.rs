@@ -718,13 +718,21 @@ enum ConnLink {
 impl ConnLink {
     /// # Safety
     /// As for [`Link::post_write`].
-    unsafe fn post_write(&mut self, id: u64, src: *const u8, len: u32, off: u64, g: u32) -> bool {
+    unsafe fn post_write(
+        &mut self,
+        id: u64,
+        src: *const u8,
+        len: u32,
+        off: u64,
+        g: u32,
+        rkey: u32,
+    ) -> bool {
         // SAFETY: forwarded contract.
         unsafe {
             match self {
-                ConnLink::Tcp(l) => l.post_write(id, src, len, off, g),
+                ConnLink::Tcp(l) => l.post_write(id, src, len, off, g, rkey),
                 #[cfg(feature = "rdma")]
-                ConnLink::Rdma(l) => l.post_write(id, src, len, off, g),
+                ConnLink::Rdma(l) => l.post_write(id, src, len, off, g, rkey),
             }
         }
     }
@@ -832,6 +840,8 @@ struct Slot {
     grant: u32,
     /// Ring offset of the payload's first byte (DATA).
     offset: u64,
+    /// The grant's remote key (RDMA).
+    rkey: u32,
     /// ERROR frames: the code.
     code: Code,
     payload: u32,
@@ -922,6 +932,7 @@ impl ServePoller {
                 conn: 0,
                 grant: 0,
                 offset: 0,
+                rkey: 0,
                 code: Code::Unknown,
                 payload: 0,
                 last: false,
@@ -1063,7 +1074,6 @@ impl ServePoller {
                 r.cq,
                 self.staging.regions.clone(),
                 acc.hello.ring_addr,
-                acc.hello.rkey,
                 self.c.cfg.slots().clamp(16, 4096),
             ))),
             None => link,
@@ -1307,6 +1317,7 @@ impl ServePoller {
     ) {
         let s = &mut self.slots[slot as usize];
         s.offset = e.offset + off;
+        s.rkey = e.rkey;
         s.payload = payload;
         s.last = off + payload as u64 >= e.len as u64;
         s.src = src.unwrap_or(std::ptr::null());
@@ -1380,7 +1391,7 @@ impl ServePoller {
                             .post_error(slot as u64, s.grant, s.code, src, s.payload)
                     } else {
                         c.link
-                            .post_write(slot as u64, src, s.payload, s.offset, s.grant)
+                            .post_write(slot as u64, src, s.payload, s.offset, s.grant, s.rkey)
                     }
                 };
                 if !posted {

@@ -155,6 +155,7 @@ impl Link for TcpLink {
         len: u32,
         remote_offset: u64,
         grant: u32,
+        _rkey: u32,
     ) -> bool {
         self.post(Wr {
             wr_id,
