@@ -147,7 +147,9 @@ impl LandingRing {
         let numa_node = match (&opts.gpu_pci, opts.numa_node) {
             (_, Some(n)) => Some(n),
             (Some(pci), None) => {
-                let n = pci_numa_node(Path::new("/sys"), pci)?;
+                // The same sysfs tree the placement reads (KSPEED_SYSFS_ROOT
+                // in tests and containers that mount sysfs elsewhere).
+                let n = pci_numa_node(&crate::placement::sysfs_root(), pci)?;
                 if n.is_none() {
                     log::info!(
                         "GPU {pci}: no NUMA node reported (single-node machine); not binding"

@@ -60,7 +60,10 @@ pub struct LaunchEnv {
     pub rank: u32,
     /// Ranks in the job (`WORLD_SIZE`).
     pub world: u32,
-    /// Rank on this node (`LOCAL_RANK`).
+    /// Rank on this node (`LOCAL_RANK`), as the launcher gave it. The
+    /// loader's core placement reads the local rank itself, with more
+    /// sources and checks ([`crate::placement::LocalRank`]); this copy is
+    /// for callers that report or log the job's layout.
     pub local_rank: u32,
     /// Ranks per node (`LOCAL_WORLD_SIZE`, default 1).
     pub local_world: u32,
