@@ -114,7 +114,7 @@ fn parse_bool(key: &str, v: &str) -> Result<bool, Fail> {
 /// | `ring_bytes`, `tier_bytes` | sizes, e.g. `256MiB` |
 /// | `pollers`, `queue_depth`, `submit_batch`, `lookahead` | counts |
 /// | `numa_node` | NUMA node of the ring |
-/// | `local_rank`, `local_world_size` | this process's rank among the node's ranks and their number (both, or neither: then `LOCAL_RANK`/`LOCAL_WORLD_SIZE`, `OMPI_COMM_WORLD_LOCAL_RANK`/`OMPI_COMM_WORLD_LOCAL_SIZE` or `SLURM_LOCALID`/`SLURM_NTASKS_PER_NODE`); each rank's pollers get their own slice of cores |
+/// | `local_rank`, `local_world_size` | this process's rank among the node's ranks and their number (both, or neither: then `KSPEED_LOCAL_RANK`/`KSPEED_LOCAL_WORLD_SIZE`, `LOCAL_RANK`/`LOCAL_WORLD_SIZE`, `OMPI_COMM_WORLD_LOCAL_RANK`/`OMPI_COMM_WORLD_LOCAL_SIZE` or `SLURM_LOCALID` with `SLURM_NTASKS_PER_NODE`/`SLURM_TASKS_PER_NODE`); each rank's pollers get their own slice of cores |
 /// | `poller_numa_node` | take the pollers' cores from this NUMA node (default: the ring's) |
 /// | `gpu_ring` | CUDA device ordinal: the ring lives in that GPU's memory and RDMA writes land there (cluster mode over RDMA with a `source`; batch pointers are then device pointers) |
 /// | `start_epoch` | first epoch |

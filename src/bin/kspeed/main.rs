@@ -83,7 +83,7 @@ struct ServeArgs {
     /// File holding the job token consumers must present (whitespace at the end is ignored).
     #[arg(long)]
     token_file: PathBuf,
-    /// Poller threads (default: a quarter of the cores, at least 1).
+    /// Poller threads (default: a quarter of the cores, at least 1, at most 8).
     #[arg(long)]
     pollers: Option<usize>,
     /// Staging memory per poller.
