@@ -861,6 +861,25 @@ struct GSlot {
 }
 
 impl GSlot {
+    /// A live entry for sample `p`, not yet given to a node: `tried` marks
+    /// the replicas already out of the question, `local` a sample the
+    /// local pollers handed over.
+    fn open(p: &Placed, geo: &super::schedule::Geometry, tried: u64, local: bool) -> Self {
+        GSlot {
+            live: true,
+            g: p.g,
+            id: p.id,
+            len: p.len as u32,
+            phys: p.phys(geo),
+            node: NONE,
+            received: 0,
+            tried,
+            local,
+            mw: NONE,
+            after_inv: AfterInv::Nothing,
+        }
+    }
+
     /// Whether it is grant `grant`, outstanding with `node`: live, given to
     /// that node, and not over (a grant waiting for its window's
     /// invalidation takes nothing more from the node).
@@ -1289,19 +1308,7 @@ impl NetThread {
                     tried |= 1 << r;
                 }
             }
-            self.table[idx] = GSlot {
-                live: true,
-                g: p.g,
-                id: p.id,
-                len: p.len as u32,
-                phys: p.phys(&self.sh.geo),
-                node: NONE,
-                received: 0,
-                tried,
-                local: true,
-                mw: NONE,
-                after_inv: AfterInv::Nothing,
-            };
+            self.table[idx] = GSlot::open(&p, &self.sh.geo, tried, true);
             log::warn!(
                 "this node's copy of sample {} failed ({e}); it fails over to a replica or the source",
                 p.id
@@ -1369,19 +1376,7 @@ impl NetThread {
             }
             let idx = p.g as usize & self.mask;
             debug_assert!(!self.table[idx].live, "grant table entry reused while live");
-            self.table[idx] = GSlot {
-                live: true,
-                g: p.g,
-                id: p.id,
-                len: p.len as u32,
-                phys: p.phys(&self.sh.geo),
-                node: NONE,
-                received: 0,
-                tried: 0,
-                local: false,
-                mw: NONE,
-                after_inv: AfterInv::Nothing,
-            };
+            self.table[idx] = GSlot::open(&p, &self.sh.geo, 0, false);
             if !self.place(idx) {
                 // The chosen node has no credit or frame space now.
                 self.table[idx].live = false;

@@ -1076,25 +1076,13 @@ impl Qp {
             }
             wrs.push(wr);
         }
-        if wrs.is_empty() {
-            return Ok(());
-        }
-        for i in 0..wrs.len() - 1 {
-            let next: *mut ibv_send_wr = &mut wrs[i + 1];
-            wrs[i].next = next;
-        }
-        let mut bad = ptr::null_mut();
-        // SAFETY: live QP; a well-formed chain that outlives the call; the
-        // windows and region are live (borrowed for the call, and the
-        // caller keeps them alive while bound).
-        let rc = unsafe { ibv_post_send(self.qp, wrs.as_mut_ptr(), &mut bad) };
-        if rc != 0 {
-            return Err(Error::Rdma {
-                op: "post window operations",
-                detail: std::io::Error::from_raw_os_error(rc).to_string(),
-            });
-        }
-        Ok(())
+        // SAFETY: the windows and region are live (borrowed for the call,
+        // and the caller keeps them alive while bound); nothing else is
+        // referenced.
+        unsafe { self.post_chain(wrs) }.map_err(|e| Error::Rdma {
+            op: "post window operations",
+            detail: e.to_string(),
+        })
     }
 
     /// Posts type 2 window binds as one chain (one doorbell): each
@@ -1128,26 +1116,15 @@ impl Qp {
             };
             wrs.push(wr);
         }
-        let Some(last) = wrs.last_mut() else {
-            return Ok(());
-        };
-        last.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
-        for i in 0..wrs.len() - 1 {
-            let next: *mut ibv_send_wr = &mut wrs[i + 1];
-            wrs[i].next = next;
+        if let Some(last) = wrs.last_mut() {
+            last.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
         }
-        let mut bad = ptr::null_mut();
-        // SAFETY: live QP; a well-formed chain that outlives the call; the
-        // windows and the region are live (the caller keeps them alive
-        // while bound: they are dropped with or after the QP).
-        let rc = unsafe { ibv_post_send(self.qp, wrs.as_mut_ptr(), &mut bad) };
-        if rc != 0 {
-            return Err(Error::Rdma {
-                op: "post memory-window binds",
-                detail: std::io::Error::from_raw_os_error(rc).to_string(),
-            });
-        }
-        Ok(())
+        // SAFETY: the windows and the region are live (the caller keeps
+        // them alive while bound: they are dropped with or after the QP).
+        unsafe { self.post_chain(wrs) }.map_err(|e| Error::Rdma {
+            op: "post memory-window binds",
+            detail: e.to_string(),
+        })
     }
 
     /// Posts a chain of RDMA WRITE_WITH_IMM work requests (one doorbell),
@@ -1191,22 +1168,35 @@ impl Qp {
             wr.wr.rdma.rkey = rkey;
             wrs.push(wr);
         }
-        for i in 0..wrs.len().saturating_sub(1) {
-            let next: *mut ibv_send_wr = &mut wrs[i + 1];
-            wrs[i].next = next;
-        }
+        // SAFETY: the SGEs (in `sges`) outlive the call; the local memory
+        // per this function's contract.
+        unsafe { self.post_chain(wrs) }.map_err(|e| Error::Rdma {
+            op: "post writes",
+            detail: e.to_string(),
+        })
+    }
+
+    /// Links `wrs` into one chain and posts it (one doorbell); nothing when
+    /// empty. Returns the provider's errno on failure.
+    ///
+    /// # Safety
+    /// Every request must be well formed, and whatever it references (SGEs,
+    /// local memory, windows, regions) valid for the call and, for memory
+    /// the device reads or writes, until the request completes.
+    unsafe fn post_chain(&self, wrs: &mut [ibv_send_wr]) -> std::io::Result<()> {
         if wrs.is_empty() {
             return Ok(());
         }
+        for i in 0..wrs.len() - 1 {
+            let next: *mut ibv_send_wr = &mut wrs[i + 1];
+            wrs[i].next = next;
+        }
         let mut bad = ptr::null_mut();
-        // SAFETY: live QP; a well-formed chain whose SGEs outlive the call;
-        // the local memory per this function's contract.
+        // SAFETY: live QP (owned by self); the chain lives in `wrs` for the
+        // call; what the requests reference, per this function's contract.
         let rc = unsafe { ibv_post_send(self.qp, wrs.as_mut_ptr(), &mut bad) };
         if rc != 0 {
-            return Err(Error::Rdma {
-                op: "post writes",
-                detail: std::io::Error::from_raw_os_error(rc).to_string(),
-            });
+            return Err(std::io::Error::from_raw_os_error(rc));
         }
         Ok(())
     }
@@ -1519,18 +1509,10 @@ impl super::Link for RdmaLink {
             wr.send_flags = flags;
             self.wrs.push(wr);
         }
-        for i in 0..last {
-            let next: *mut ibv_send_wr = &mut self.wrs[i + 1];
-            self.wrs[i].next = next;
-        }
-        let mut bad = ptr::null_mut();
-        // SAFETY: live QP; the chain and its SGEs outlive the call; inline
-        // data is copied during it; the written memory is valid until
-        // completion per Link's contract.
-        let rc = unsafe { ibv_post_send(self.qp.qp, self.wrs.as_mut_ptr(), &mut bad) };
-        if rc != 0 {
-            return Err(std::io::Error::from_raw_os_error(rc));
-        }
+        // SAFETY: the SGEs outlive the call; inline data is copied during
+        // it; the written memory is valid until completion per Link's
+        // contract.
+        unsafe { self.qp.post_chain(&mut self.wrs) }?;
         for w in self.queued.drain(..) {
             self.posted.push_back(w.wr_id);
         }
