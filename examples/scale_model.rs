@@ -55,7 +55,7 @@ const MAX_REPLICAS: usize = 3;
 /// NIC (a WQE basic block; a WRITE_WITH_IMM with one SGE fits one).
 const WQE_BYTES: u64 = 64;
 /// Receives a rank keeps posted on each RDMA connection (`RDMA_RECVS` in
-/// src/loader/net.rs: every WRITE_WITH_IMM consumes one) and the bytes of
+/// src/loader/net/rdma.rs: every WRITE_WITH_IMM consumes one) and the bytes of
 /// each one's buffer (`4 + RDMA_ERROR_BYTES`, room for an ERROR message).
 const RECVS_PER_CONN: u64 = 1024;
 #[cfg(feature = "rdma")]

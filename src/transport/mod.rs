@@ -17,6 +17,7 @@ pub mod hostlist;
 pub mod proto;
 #[cfg(feature = "rdma")]
 pub mod rdma;
+pub(crate) mod rx;
 pub mod serve;
 pub mod tcp;
 

@@ -1,0 +1,547 @@
+//! The network thread's grant table: one entry per sample the ring holds,
+//! from the moment flow control lets it be granted until it is published.
+//! Placing a grant with the sample's next live holder, failing it over
+//! (ERROR, CRC32C mismatch, a dead node, a local read the pollers handed
+//! over), the last-resort read from the source, demotion, and publishing.
+
+use std::os::unix::fs::FileExt;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use super::super::schedule::{Geometry, Placed};
+use super::super::{CODE_ERROR, CODE_OK};
+use super::{Landed, Receive, State, Thread, DEMOTE_AFTER_ERRORS, DEMOTE_WINDOW};
+use crate::error::{errno_name, Error};
+use crate::transport::proto::{self, Code, GrantEntry, Header};
+
+/// No window, node or entry.
+pub(crate) const NONE: u32 = u32::MAX;
+
+/// One outstanding remote sample.
+#[derive(Clone, Copy)]
+pub(super) struct GSlot {
+    pub(super) live: bool,
+    pub(super) g: u64,
+    pub(super) id: u64,
+    pub(super) len: u32,
+    pub(super) phys: u64,
+    pub(super) node: u32,
+    pub(super) received: u32,
+    /// Replica indices tried (bit r).
+    pub(super) tried: u64,
+    /// The local pollers failed to read it (handed over); the error is in
+    /// `NetThread::local_errors`.
+    pub(super) local: bool,
+    /// RDMA windows mode: the memory window of its node's connection that
+    /// opens its range, `NONE` when none is bound.
+    pub(super) mw: u32,
+    /// Done with its node (all bytes in, or ERROR): waiting for its window's
+    /// invalidation before it is published (or checked) or failed over.
+    pub(super) after_inv: AfterInv,
+}
+
+impl GSlot {
+    /// A live entry for sample `p`, not yet given to a node: `tried` marks
+    /// the replicas already out of the question, `local` a sample the
+    /// local pollers handed over.
+    pub(super) fn open(p: &Placed, geo: &Geometry, tried: u64, local: bool) -> Self {
+        GSlot {
+            live: true,
+            g: p.g,
+            id: p.id,
+            len: p.len as u32,
+            phys: p.phys(geo),
+            node: NONE,
+            received: 0,
+            tried,
+            local,
+            mw: NONE,
+            after_inv: AfterInv::Nothing,
+        }
+    }
+
+    /// Whether it is grant `grant`, outstanding with `node`: live, given to
+    /// that node, and not over (a grant waiting for its window's
+    /// invalidation takes nothing more from the node).
+    pub(super) fn outstanding_with(&self, grant: u32, node: u32) -> bool {
+        self.live
+            && self.g as u32 == grant
+            && self.node == node
+            && self.after_inv == AfterInv::Nothing
+    }
+}
+
+/// What a grant does once its window is invalidated.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum AfterInv {
+    Nothing,
+    /// All its bytes arrived: check (CRC32C) and publish.
+    Done,
+    /// Its node answered ERROR: fail over.
+    FailOver,
+}
+
+impl GSlot {
+    /// A free entry.
+    pub(super) const FREE: GSlot = GSlot {
+        live: false,
+        g: 0,
+        id: 0,
+        len: 0,
+        phys: 0,
+        node: NONE,
+        received: 0,
+        tried: 0,
+        local: false,
+        mw: NONE,
+        after_inv: AfterInv::Nothing,
+    };
+}
+
+impl<R: Receive> Thread<R> {
+    /// Window `m` of connection `i`, which opened entry `idx`, is closed
+    /// (invalidated): its grant is over now.
+    pub(super) fn on_window_closed(&mut self, i: usize, m: u32, idx: u32) {
+        let node = self.conns[i].node;
+        let Some(s) = self.table.get(idx as usize).copied() else {
+            return;
+        };
+        if !s.live || s.mw != m || s.node != node {
+            return;
+        }
+        let idx = idx as usize;
+        self.table[idx].mw = NONE;
+        let then = std::mem::replace(&mut self.table[idx].after_inv, AfterInv::Nothing);
+        self.grant_closed(i, idx, then);
+    }
+
+    /// Grant `idx` of connection `i` is over (`then` says how): with a
+    /// window, invalidate it first and act once that completes (nothing the
+    /// node writes after can land); else act now.
+    pub(super) fn grant_over(&mut self, i: usize, idx: usize, then: AfterInv) {
+        if self.table[idx].mw != NONE {
+            let m = self.table[idx].mw;
+            let d = self.conns[i]
+                .data
+                .as_mut()
+                .expect("a window means a data path");
+            match d.close(m) {
+                Ok(()) => self.table[idx].after_inv = then,
+                // The connection goes; its grants (this one too) fail over
+                // once its QP is gone.
+                Err(e) => self.kill(i, e.to_string()),
+            }
+            return;
+        }
+        self.grant_closed(i, idx, then);
+    }
+
+    /// Grant `idx` no longer counts against connection `i` (its window, if
+    /// any, is invalidated): publish it or fail it over. Only now does the
+    /// node get credit for another grant, so a GRANT frame sent after this
+    /// tells it that the grant's key opens nothing any more.
+    pub(super) fn grant_closed(&mut self, i: usize, idx: usize, then: AfterInv) {
+        self.conns[i].outstanding -= 1;
+        match then {
+            AfterInv::Done => self.finish_sample(i, idx),
+            AfterInv::FailOver => self.fail_over(i, idx),
+            AfterInv::Nothing => {}
+        }
+    }
+
+    /// What a receive on connection `i`'s data path carried: bytes written
+    /// into a granted range (RDMA: immediate = grant id), or an ERROR for a
+    /// grant.
+    pub(super) fn on_landed(&mut self, i: usize, what: Landed) {
+        match what {
+            Landed::Violation(why) => self.violation(i, why),
+            Landed::Wrote { grant, bytes } => {
+                let idx = grant as usize & self.mask;
+                let s = self.table[idx];
+                if !s.outstanding_with(grant, self.conns[i].node) {
+                    return self.violation(
+                        i,
+                        format!(
+                            "RDMA write for grant {grant} that is not outstanding with this node"
+                        ),
+                    );
+                }
+                if bytes > s.len - s.received {
+                    return self.violation(
+                        i,
+                        format!(
+                            "RDMA write of {} bytes for grant {grant} overruns it ({} of {} bytes left)",
+                            bytes,
+                            s.len - s.received,
+                            s.len
+                        ),
+                    );
+                }
+                self.table[idx].received += bytes;
+                if self.table[idx].received == s.len {
+                    self.sample_done(i, idx);
+                }
+            }
+            Landed::Error { grant, code, msg } => {
+                let h = Header::error(grant, Code::from_u32(code), 0);
+                self.on_error(i, h, &msg);
+            }
+        }
+    }
+
+    /// Takes the local samples the pollers handed over (their reads
+    /// failed): each becomes an outstanding entry with this node's copy
+    /// marked tried, queued (in sequence order) for its next holder or the
+    /// source. Its table entry is free: the sample is inside the
+    /// flow-control window and unpublished, and the window never holds two
+    /// samples with the same entry (see `NetShared::local_failed`).
+    pub(super) fn take_local_failures(&mut self) {
+        let local = self.setup.local_node;
+        let placement = self.placement;
+        while let Ok((p, e)) = self.net().local_failed.1.try_recv() {
+            let idx = p.g as usize & self.mask;
+            debug_assert!(!self.table[idx].live, "local failover onto a live entry");
+            let mut tried = 0u64;
+            for r in 0..placement.replicas {
+                if Some(placement.holder(p.id, r)) == local {
+                    tried |= 1 << r;
+                }
+            }
+            self.table[idx] = GSlot::open(&p, &self.sh.geo, tried, true);
+            log::warn!(
+                "this node's copy of sample {} failed ({e}); it fails over to a replica or the source",
+                p.id
+            );
+            self.local_errors
+                .push((p.g, format!("this node's own copy: {e}")));
+            self.net().failovers.fetch_add(1, Ordering::Relaxed);
+            let table = &self.table;
+            let at = self.regrant.partition_point(|&i| table[i].g < p.g);
+            self.regrant.insert(at, idx);
+        }
+    }
+
+    /// Forgets the local error of entry `idx` once it is served or failed.
+    pub(super) fn local_done(&mut self, idx: usize) -> Option<String> {
+        let s = &mut self.table[idx];
+        if !s.local {
+            return None;
+        }
+        s.local = false;
+        let g = s.g;
+        let at = self.local_errors.iter().position(|e| e.0 == g)?;
+        Some(self.local_errors.swap_remove(at).1)
+    }
+
+    /// Grants what flow control allows: re-grants first, then new samples.
+    pub(super) fn fill(&mut self) {
+        self.take_local_failures();
+        while let Some(&idx) = self.regrant.front() {
+            if !self.place(idx) {
+                return;
+            }
+            self.regrant.pop_front();
+        }
+        loop {
+            let p = match self.pending.take() {
+                Some(p) => p,
+                None => {
+                    let p = self.cursor.next(self.sh.input.catalog());
+                    self.new_epoch(p.pos.epoch);
+                    p
+                }
+            };
+            // Flow control bounds the walk over local samples too: with
+            // every sample local (one node, replicas = nodes) the thread
+            // must sleep here, not walk the endless schedule.
+            if !self.sh.writable(&p) {
+                self.pending = Some(p);
+                let net = self.net();
+                net.sleeping.store(true, Ordering::SeqCst);
+                // Re-check after announcing: a release in between would
+                // otherwise find `sleeping` unset and not wake us.
+                if self.sh.writable(&p) {
+                    net.sleeping.store(false, Ordering::SeqCst);
+                    continue;
+                }
+                return;
+            }
+            if self.sh.is_local(p.id) {
+                continue; // the local pollers read it
+            }
+            if p.len == 0 {
+                self.sh.publish(p.g, CODE_OK);
+                continue;
+            }
+            let idx = p.g as usize & self.mask;
+            debug_assert!(!self.table[idx].live, "grant table entry reused while live");
+            self.table[idx] = GSlot::open(&p, &self.sh.geo, 0, false);
+            if !self.place(idx) {
+                // The chosen node has no credit or frame space now.
+                self.table[idx].live = false;
+                self.pending = Some(p);
+                return;
+            }
+        }
+    }
+
+    /// A new epoch's first sample: demoted nodes get grants again.
+    pub(super) fn new_epoch(&mut self, epoch: u64) {
+        if self.epoch == Some(epoch) {
+            return;
+        }
+        self.epoch = Some(epoch);
+        for c in &mut self.conns {
+            if c.demoted {
+                c.demoted = false;
+                c.errors = 0;
+                log::info!(
+                    "node {} ({}) gets grants again in epoch {epoch}",
+                    c.node,
+                    c.addr
+                );
+            }
+        }
+    }
+
+    /// A grant of connection `i` failed (ERROR, CRC mismatch): counts it
+    /// and demotes the node after [`DEMOTE_AFTER_ERRORS`] in a window.
+    pub(super) fn grant_failed(&mut self, i: usize) {
+        let epoch = self.epoch;
+        let c = &mut self.conns[i];
+        c.last_done = Instant::now();
+        if c.errors_since.elapsed() > DEMOTE_WINDOW {
+            c.errors = 0;
+            c.errors_since = Instant::now();
+        }
+        c.errors += 1;
+        if c.errors >= DEMOTE_AFTER_ERRORS && !c.demoted {
+            c.demoted = true;
+            log::warn!(
+                "node {} ({}): {} failed grants within {} s (latest: {}); no more grants to it in epoch {}, its samples go to replicas or the source",
+                c.node,
+                c.addr,
+                c.errors,
+                DEMOTE_WINDOW.as_secs(),
+                c.last_error,
+                epoch.unwrap_or(0)
+            );
+        }
+    }
+
+    /// Gives table entry `idx` to its next untried live holder, or reads it
+    /// from the source, or fails it. False: the holder has no room now.
+    pub(super) fn place(&mut self, idx: usize) -> bool {
+        let s = self.table[idx];
+        let placement = self.placement;
+        for r in 0..placement.replicas {
+            if s.tried & (1 << r) != 0 {
+                continue;
+            }
+            let node = placement.holder(s.id, r) as usize;
+            let Some(c) = self.conns.get_mut(node) else {
+                continue;
+            };
+            if c.state != State::Live || c.demoted {
+                continue;
+            }
+            if c.outstanding >= c.max_grants || c.fill.len() == c.fill.capacity() {
+                return false;
+            }
+            // RDMA windows mode: a window for exactly this range, bound
+            // (with the rest of the frame's) before the frame goes out.
+            let Some((rkey, mw)) = c.data.as_mut().expect("live").open(idx, s.phys, s.len) else {
+                return false;
+            };
+            if mw != NONE {
+                self.table[idx].mw = mw;
+            }
+            let mut e = [0u8; proto::GRANT_ENTRY_BYTES];
+            GrantEntry {
+                grant: s.g as u32,
+                len: s.len,
+                sample: s.id,
+                offset: s.phys,
+                rkey,
+            }
+            .encode_into(&mut e);
+            c.fill.extend_from_slice(&e);
+            c.fill_entries += 1;
+            if c.outstanding == 0 {
+                c.last_rx = Instant::now();
+                c.last_done = c.last_rx;
+            }
+            c.outstanding += 1;
+            let t = &mut self.table[idx];
+            t.node = node as u32;
+            t.tried |= 1 << r;
+            t.received = 0;
+            return true;
+        }
+        self.read_from_source(idx);
+        true
+    }
+
+    /// Last resort: read the sample from the source files.
+    pub(super) fn read_from_source(&mut self, idx: usize) {
+        let s = self.table[idx];
+        let placement = self.placement;
+        let mut tried = String::new();
+        let local_error = self.local_done(idx);
+        for r in 0..placement.replicas {
+            let node = placement.holder(s.id, r) as usize;
+            if let Some(c) = self.conns.get(node) {
+                let why = if let Some(e) = local_error
+                    .as_deref()
+                    .filter(|_| Some(node as u32) == self.setup.local_node)
+                {
+                    e
+                } else if s.tried & (1 << r) != 0
+                    && !c.last_error.is_empty()
+                    && c.state == State::Live
+                {
+                    c.last_error.as_str()
+                } else if c.reason.is_empty() {
+                    "no answer"
+                } else {
+                    c.reason.as_str()
+                };
+                tried.push_str(&format!("node {node} ({}): {why}; ", c.addr));
+            }
+        }
+        let cat = self.sh.input.catalog();
+        let sample = cat.sample(s.id);
+        let path = cat.file_path(sample.file);
+        let device = self.sh.ring.device();
+        let buf: &mut [u8] = if device.is_some() {
+            // A GPU ring: read and check on the host, then copy it in. The
+            // buffer grows to the largest sample this fallback has read.
+            self.bounce.resize(s.len as usize, 0);
+            &mut self.bounce[..]
+        } else {
+            let dst = self.ring_ptr(s.phys);
+            // SAFETY: the sample's slot [phys, phys+len) is ours (outstanding,
+            // not published) and no connection writes it any more: every holder
+            // was tried and its receive has returned.
+            unsafe { std::slice::from_raw_parts_mut(dst, s.len as usize) }
+        };
+        let res = std::fs::File::open(&path)
+            .and_then(|f| f.read_exact_at(buf, sample.offset))
+            .map_err(|e| {
+                match e.raw_os_error() {
+                    Some(n) => format!("source {}: {}", path.display(), errno_name(n)),
+                    None => format!("source {}: {e}", path.display()),
+                }
+            })
+            .and_then(|()| {
+                let got = crc32c::crc32c(buf);
+                if got == sample.crc32c {
+                    Ok(())
+                } else {
+                    Err(format!(
+                        "source {}: CRC32C {got:08x}, the catalog says {:08x} (changed since the catalog was built)",
+                        path.display(),
+                        sample.crc32c
+                    ))
+                }
+            })
+            .and_then(|()| match device {
+                Some(d) => d
+                    .copy_from_host(s.phys as usize, buf)
+                    .map_err(|e| format!("copying it into the GPU ring: {e}")),
+                None => Ok(()),
+            });
+        self.table[idx].live = false;
+        match res {
+            Ok(()) => {
+                self.net().source_reads.fetch_add(1, Ordering::Relaxed);
+                log::info!("sample {} read from the source ({tried})", s.id);
+                self.sh.publish(s.g, CODE_OK);
+            }
+            Err(why) => {
+                tried.push_str(&why);
+                let e = Error::SampleUnavailable {
+                    sample: s.id,
+                    tried,
+                };
+                self.sh.errors.lock().expect("not poisoned").push((s.g, e));
+                self.sh.publish(s.g, CODE_ERROR);
+            }
+        }
+    }
+
+    pub(super) fn on_error(&mut self, i: usize, h: Header, msg: &str) {
+        let code = Code::from_u32(h.b);
+        if h.a == proto::CONNECTION {
+            let why = format!("{}: {msg}", code.name());
+            return self.kill(i, why);
+        }
+        let idx = h.a as usize & self.mask;
+        let s = self.table[idx];
+        if !s.outstanding_with(h.a, self.conns[i].node) {
+            return self.violation(
+                i,
+                format!(
+                    "ERROR for grant {} that is not outstanding with this node",
+                    h.a
+                ),
+            );
+        }
+        let c = &mut self.conns[i];
+        c.last_error = format!("{}: {msg}", code.name());
+        log::warn!(
+            "node {} ({}) cannot serve sample {}: {}",
+            c.node,
+            c.addr,
+            s.id,
+            c.last_error
+        );
+        self.grant_over(i, idx, AfterInv::FailOver);
+    }
+
+    /// Grant `idx` failed on connection `i`: it goes back in line for its
+    /// next holder (or the source), and the node's failure is counted.
+    pub(super) fn fail_over(&mut self, i: usize, idx: usize) {
+        self.net().failovers.fetch_add(1, Ordering::Relaxed);
+        let t = &mut self.table[idx];
+        t.node = NONE;
+        t.received = 0;
+        self.regrant.push_back(idx);
+        self.grant_failed(i);
+    }
+
+    pub(super) fn sample_done(&mut self, i: usize, idx: usize) {
+        self.conns[i].last_done = Instant::now();
+        self.grant_over(i, idx, AfterInv::Done);
+    }
+
+    /// All of grant `idx`'s bytes are in and nothing more can land there:
+    /// checks them (`verify_crc32c`) and publishes the sample.
+    pub(super) fn finish_sample(&mut self, i: usize, idx: usize) {
+        let s = self.table[idx];
+        if self.sh.cfg.verify_crc32c {
+            let want = self.sh.input.catalog().sample(s.id).crc32c;
+            // SAFETY: every byte of the slot was received and it is unpublished.
+            let got = crc32c::crc32c(unsafe {
+                std::slice::from_raw_parts(self.ring_ptr(s.phys), s.len as usize)
+            });
+            if got != want {
+                // Like an ERROR for the grant: the next holder, then the
+                // source (which is checked too) serve it again in full.
+                let c = &mut self.conns[i];
+                c.last_error = format!(
+                    "sample {} arrived with CRC32C {got:08x}, the catalog says {want:08x}",
+                    s.id
+                );
+                log::warn!("node {} ({}): {}", c.node, c.addr, c.last_error);
+                self.fail_over(i, idx);
+                return;
+            }
+        }
+        self.table[idx].live = false;
+        self.local_done(idx);
+        self.conns[i].last_done = Instant::now();
+        self.net().remote_samples.fetch_add(1, Ordering::Relaxed);
+        self.sh.publish(s.g, CODE_OK);
+    }
+}

@@ -1,0 +1,773 @@
+//! The consumer's network thread (cluster mode).
+//!
+//! It walks the same schedule as the pollers and takes the samples the local
+//! space does not hold. For each, once flow control allows (its slot is
+//! behind the released mark plus the ring size), it grants the sample's
+//! first live holder the ring range `[phys, phys + len)`, batching grants per
+//! node into GRANT frames. One io_uring carries every socket: per connection
+//! one receive is always posted, either a 24-byte header or, once a DATA
+//! header has been checked against its outstanding grant (id, node, offset,
+//! length), the payload straight into the ring at the granted offset. A frame
+//! that matches no grant drops the connection with a named error before a
+//! byte of its payload is read, so a peer writes only where it was granted.
+//!
+//! Failover: a connection that closes, fails, breaks the protocol or stays
+//! silent for `node_timeout` with grants outstanding is shut; once its last
+//! receive has returned (so nothing more lands from it), each of its
+//! outstanding grants goes to the sample's next live replica, else is read
+//! from the source, else fails with [`Error::SampleUnavailable`] naming every
+//! place tried. A grant answered with ERROR, or whose bytes fail the CRC32C
+//! check (`verify_crc32c`), fails over the same way, and so does a sample
+//! of this node's own space whose local read failed (I/O error, short read,
+//! CRC32C mismatch): the poller hands it over through a channel bounded at
+//! start ([`NetShared::hand_over`]) instead of failing the loader.
+//!
+//! Minimum progress: with grants outstanding, a connection must finish one
+//! (whole, or answered with ERROR) within `node_timeout` plus one second per
+//! MiB of the catalog's largest sample ([`MIN_PROGRESS_BYTES_PER_SEC`]) of
+//! the previous one; a node that trickles its bytes is dropped like a
+//! silent one. Demotion: a node whose grants fail [`DEMOTE_AFTER_ERRORS`]
+//! times within [`DEMOTE_WINDOW`] gets no more grants until the next epoch
+//! (its outstanding ones finish or fail over), said once in the log.
+//!
+//! Pools are fixed at start: the grant table (one entry per sample the ring
+//! can hold), per-connection header/message buffers and grant frame buffers.
+//!
+//! Over RDMA a node WRITE_WITH_IMMs into the registered ring instead of
+//! sending DATA frames (see [`Receive`] and `rdma.rs`); the control
+//! connection, grants and failover are the same.
+//!
+//! Files: this one is the thread (its loop, connection lifecycle and the
+//! [`Receive`] seam); `grants.rs` the grant table (flow control, placement,
+//! failover, the source fallback, publishing); `socket.rs` the control
+//! connection (GRANT frames out, frames in through
+//! [`crate::transport::rx::FrameRx`]); `connect.rs` the handshakes;
+//! `tcp.rs` and `rdma.rs` the two implementations of [`Receive`].
+
+use std::net::TcpStream;
+use std::os::fd::RawFd;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::schedule::{Cursor, Placed};
+use super::Shared;
+use crate::dataset::Placement;
+use crate::error::{errno_name, Error, Result};
+use crate::landing::LandingRing;
+use crate::ring::{Completion, IoBackend, Uring, UringOptions};
+use crate::sys::EventFd;
+use crate::transport::proto::Hello;
+use crate::transport::rx::FrameRx;
+use crate::transport::Cluster;
+
+mod connect;
+mod grants;
+#[cfg(feature = "rdma")]
+mod rdma;
+mod socket;
+mod tcp;
+
+pub(crate) use connect::{connect_all, ConnectError, Connected, Connections};
+use grants::{AfterInv, GSlot, NONE};
+use tcp::TcpRx;
+
+/// The slowest a node may deliver a grant (see the module's "minimum
+/// progress").
+pub(crate) const MIN_PROGRESS_BYTES_PER_SEC: u64 = 1 << 20;
+/// Failed grants (ERROR, CRC mismatch) within [`DEMOTE_WINDOW`] that demote
+/// a node for the rest of the epoch.
+pub(crate) const DEMOTE_AFTER_ERRORS: u32 = 16;
+/// See [`DEMOTE_AFTER_ERRORS`].
+pub(crate) const DEMOTE_WINDOW: Duration = Duration::from_secs(10);
+/// A connection that sent nothing for this long sends a keepalive (an
+/// empty ERROR frame for the connection, which a node ignores), so the
+/// node's idle timeout (`kspeed serve --idle-timeout-ms`, at least 3 s)
+/// closes only peers that are gone.
+pub(crate) const KEEPALIVE: Duration = Duration::from_secs(1);
+
+/// Cluster settings of a loader.
+#[derive(Debug, Clone)]
+pub(crate) struct NetSetup {
+    pub(crate) cluster: Cluster,
+    pub(crate) token: Vec<u8>,
+    pub(crate) node_timeout: Duration,
+    pub(crate) connect_timeout: Duration,
+    pub(crate) hello: Hello,
+    /// From the local space, or else from the first node's WELCOME.
+    pub(crate) placement: Option<Placement>,
+    /// The node this process runs on (its samples are read locally).
+    pub(crate) local_node: Option<u32>,
+    /// Data over RDMA (WRITE_WITH_IMM into the registered ring) on this
+    /// device, instead of DATA frames on TCP.
+    pub(crate) rdma: Option<crate::transport::RdmaOptions>,
+}
+
+/// What the consumer thread and the network thread share.
+pub(crate) struct NetShared {
+    pub(crate) wake: EventFd,
+    /// Set by the network thread while flow control holds it back; the
+    /// consumer's release clears it and wakes the thread.
+    pub(crate) sleeping: AtomicBool,
+    pub(crate) remote_samples: AtomicU64,
+    pub(crate) failovers: AtomicU64,
+    pub(crate) source_reads: AtomicU64,
+    /// Local samples the pollers could not read (read error, short read,
+    /// CRC32C mismatch), handed to this thread to serve from the next
+    /// holder or the source. Bounded at start by the ready table's length:
+    /// a sample is handed over at most once and only while it lies inside
+    /// the flow-control window, which never holds more samples than that,
+    /// so a send never finds it full (and never allocates).
+    local_failed: (
+        crossbeam_channel::Sender<HandedOver>,
+        crossbeam_channel::Receiver<HandedOver>,
+    ),
+}
+
+/// A local sample whose read failed, and why.
+type HandedOver = (Placed, Error);
+
+impl NetShared {
+    /// `window_samples`: the most samples the ring holds at once (the
+    /// ready table's length).
+    pub(crate) fn new(window_samples: usize) -> Result<Self> {
+        Ok(NetShared {
+            wake: EventFd::new().map_err(|e| Error::Serve(format!("eventfd: {e}")))?,
+            sleeping: AtomicBool::new(false),
+            remote_samples: AtomicU64::new(0),
+            failovers: AtomicU64::new(0),
+            source_reads: AtomicU64::new(0),
+            local_failed: crossbeam_channel::bounded(window_samples.max(1)),
+        })
+    }
+
+    /// A poller hands over local sample `p`, whose read failed with `e`:
+    /// the network thread serves it from its next holder (a replica on
+    /// another node) or the source, like a grant a node failed, and reports
+    /// `e` among the places tried if none can. The poller has no read in
+    /// flight into its slot any more; the slot stays unpublished, so the
+    /// consumer cannot release past it and flow control still covers it.
+    /// Gives `e` back when it cannot be handed over (the channel is full or
+    /// closed: not expected, see `local_failed`); the sample then fails.
+    pub(crate) fn hand_over(&self, p: Placed, e: Error) -> Result<(), Error> {
+        self.local_failed.0.try_send((p, e)).map_err(|err| {
+            let (_, e) = err.into_inner();
+            e
+        })?;
+        self.wake.notify();
+        Ok(())
+    }
+
+    /// Called after the consumer moved the released mark.
+    pub(crate) fn released(&self) {
+        if self.sleeping.swap(false, Ordering::SeqCst) {
+            self.wake.notify();
+        }
+    }
+}
+
+/// The consumer side of one connection's data path: how a node's writes
+/// land in the ring and how this thread learns of them. It mirrors the owner
+/// side's [`Link`](crate::transport::Link): where a link *posts* writes
+/// into granted ranges and *polls* their completions, a `Receive` *opens*
+/// a ring range for each grant (and closes it when the grant is over),
+/// *flushes* what it opened before the GRANT frame naming those ranges
+/// goes out, and is *polled* for what landed.
+///
+/// - [`TcpRx`]: a node's bytes come as DATA frames on the control
+///   connection itself, each header checked against its grant before its
+///   payload is received into the ring (`socket.rs`); nothing to open,
+///   flush or poll.
+/// - `rdma::RdmaRx` (the `rdma` feature): WRITE_WITH_IMM into the
+///   registered ring, under a memory window bound to exactly the granted
+///   range where the device has them; completions and ERROR messages come
+///   on the connection's completion queue.
+///
+/// The network thread is generic over it (static dispatch, one
+/// monomorphised loop per transport); nothing it calls allocates.
+pub(crate) trait Receive: Sized + Send {
+    /// What the connections of one launch share (RDMA: the device, the
+    /// completion channel, the ring's registration); the thread drops it
+    /// after them.
+    type Common: Send + Sync;
+
+    /// Whether a node's bytes and grant ERRORs arrive as frames on the
+    /// control connection (TCP), not as completions [`Receive::poll`]
+    /// returns (a DATA frame, or an ERROR for a grant, on an RDMA link's
+    /// control connection is a protocol violation: it could overtake the
+    /// writes it follows).
+    const FRAMED: bool;
+
+    /// After WELCOME on `sock`: sets up this connection's data path with
+    /// node `node` at `addr`.
+    fn connect(
+        common: &Self::Common,
+        sock: &mut TcpStream,
+        node: u32,
+        addr: &str,
+    ) -> Result<Self, ConnectError>;
+
+    /// The descriptor that becomes readable when an armed connection has a
+    /// completion; `None`: nothing to wait for besides the sockets.
+    fn wake_fd(common: &Self::Common) -> Option<RawFd>;
+
+    /// [`Receive::wake_fd`] became readable: takes its events.
+    fn woke(common: &Self::Common);
+
+    /// Opens ring range `[phys, phys + len)` for grant-table entry `entry`:
+    /// the remote key its GRANT entry carries and the window it holds
+    /// (`NONE`: none). `None`: no room now (all windows in use).
+    fn open(&mut self, entry: usize, phys: u64, len: u32) -> Option<(u32, u32)>;
+
+    /// Makes the ranges opened since the last call usable before their
+    /// GRANT frame goes out: true when the frame must wait for
+    /// [`Event::Flushed`].
+    fn flush(&mut self) -> Result<bool>;
+
+    /// A flush is in progress (the GRANT frame waits).
+    fn flushing(&self) -> bool;
+
+    /// Closes `window` of a grant that is over; [`Event::Closed`] follows.
+    fn close(&mut self, window: u32) -> Result<()>;
+
+    /// The connection is being shut: accept nothing more from the node.
+    fn shut(&self) -> Result<()>;
+
+    /// No flush or close is in progress.
+    fn idle(&self) -> bool;
+
+    /// Asks for an event on [`Receive::wake_fd`] at the next completion.
+    fn arm(&self) -> Result<()>;
+
+    /// Takes a batch of completions; returns how many, to be read with
+    /// [`Receive::take`] in order.
+    fn poll(&mut self) -> Result<usize>;
+
+    /// The `k`-th completion of the last poll.
+    fn take(&mut self, k: usize) -> Event;
+
+    /// After a poll's completions were handled (the connection is live):
+    /// re-posts what they used up.
+    fn refill(&mut self) -> Result<()>;
+}
+
+/// A completion of a [`Receive`] (only the RDMA data path has any).
+#[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+pub(crate) enum Event {
+    /// A request failed (the connection is broken): why.
+    Failed(String),
+    /// The last flush is in force: its GRANT frame can go.
+    Flushed,
+    /// `window`, which opened grant-table entry `entry`, is closed.
+    Closed {
+        /// The window.
+        window: u32,
+        /// The entry it opened (`NONE` if none).
+        entry: u32,
+    },
+    /// A receive completed (the node is alive), carrying this.
+    Received(Landed),
+}
+
+/// What a node sent on the data path (RDMA; over TCP it comes in frames).
+#[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+pub(crate) enum Landed {
+    /// `bytes` landed for grant `grant`.
+    Wrote {
+        /// Grant id.
+        grant: u32,
+        /// Bytes written.
+        bytes: u32,
+    },
+    /// Grant `grant` cannot be served: the node's code and message.
+    Error {
+        /// Grant id.
+        grant: u32,
+        /// `proto::Code` as sent.
+        code: u32,
+        /// Its message.
+        msg: String,
+    },
+    /// Something the protocol does not allow: what.
+    Violation(String),
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum State {
+    Live,
+    /// Shut down; waiting for its in-flight receive and send to return.
+    Closing,
+    Dead,
+}
+
+/// One connection to a node.
+pub(crate) struct Conn<R> {
+    node: u32,
+    addr: String,
+    sock: Option<TcpStream>,
+    state: State,
+    /// Why it is dead (for messages).
+    reason: String,
+    /// The last ERROR a grant got from it.
+    last_error: String,
+    /// The control connection's receive: headers, ERROR messages and (TCP)
+    /// DATA payloads, which name their grant-table entry.
+    rx: FrameRx<usize>,
+    /// GRANT frame being filled (header space first) and the one in flight.
+    fill: Vec<u8>,
+    fill_entries: u32,
+    flight: Vec<u8>,
+    flight_sent: usize,
+    tx_inflight: bool,
+    outstanding: u64,
+    max_grants: u64,
+    max_data: u32,
+    last_rx: Instant,
+    /// When its last grant finished (or its first was given, from none):
+    /// the minimum-progress clock.
+    last_done: Instant,
+    /// Failed grants in the window that began at `errors_since`.
+    errors: u32,
+    errors_since: Instant,
+    /// No new grants until the next epoch.
+    demoted: bool,
+    /// When it last sent a frame (GRANT or keepalive).
+    last_tx: Instant,
+    /// Its data path; dropped (an RDMA QP destroyed) once it is dead.
+    data: Option<R>,
+}
+
+impl<R: Receive> Conn<R> {
+    /// Its GRANT frame waits for its data path's flush.
+    fn flushing(&self) -> bool {
+        self.data.as_ref().is_some_and(|d| d.flushing())
+    }
+
+    fn dead(node: u32, addr: String, reason: String) -> Self {
+        Conn {
+            node,
+            addr,
+            sock: None,
+            state: State::Dead,
+            reason,
+            last_error: String::new(),
+            rx: FrameRx::new(0),
+            fill: Vec::new(),
+            fill_entries: 0,
+            flight: Vec::new(),
+            flight_sent: 0,
+            tx_inflight: false,
+            outstanding: 0,
+            max_grants: 0,
+            max_data: 0,
+            last_rx: Instant::now(),
+            last_done: Instant::now(),
+            errors: 0,
+            errors_since: Instant::now(),
+            demoted: false,
+            last_tx: Instant::now(),
+            data: None,
+        }
+    }
+}
+
+const UD_RECV: u64 = 1 << 56;
+const UD_SEND: u64 = 2 << 56;
+const UD_WAKE: u64 = 3 << 56;
+const UD_CHAN: u64 = 4 << 56;
+const UD_KIND: u64 = 0xff << 56;
+
+/// The network thread of a launch, over the transport its connections use.
+pub(crate) enum NetThread {
+    Tcp(Thread<TcpRx>),
+    #[cfg(feature = "rdma")]
+    Rdma(Thread<rdma::RdmaRx>),
+}
+
+impl NetThread {
+    pub(crate) fn new(sh: Arc<Shared>, setup: Arc<NetSetup>, connected: Connected) -> Result<Self> {
+        Ok(match connected {
+            Connected::Tcp(c) => NetThread::Tcp(Thread::new(sh, setup, c)?),
+            #[cfg(feature = "rdma")]
+            Connected::Rdma(c) => NetThread::Rdma(Thread::new(sh, setup, c)?),
+        })
+    }
+
+    pub(crate) fn run(self) {
+        match self {
+            NetThread::Tcp(t) => t.run(),
+            #[cfg(feature = "rdma")]
+            NetThread::Rdma(t) => t.run(),
+        }
+    }
+}
+
+/// The network thread over data path `R`.
+pub(crate) struct Thread<R: Receive> {
+    setup: Arc<NetSetup>,
+    placement: Placement,
+    ring: Uring,
+    /// Before `common` and `sh`: the QPs go before the registrations and
+    /// the ring memory they write.
+    conns: Vec<Conn<R>>,
+    common: R::Common,
+    /// A poll on the data path's wake descriptor is in the ring.
+    chan_inflight: bool,
+    cursor: Cursor,
+    pending: Option<Placed>,
+    table: Box<[GSlot]>,
+    mask: usize,
+    /// Grants to place again (table indices), oldest first.
+    regrant: std::collections::VecDeque<usize>,
+    wake_buf: Box<u64>,
+    wake_inflight: bool,
+    completions: Vec<Completion>,
+    /// Host buffer for samples read from the source into a GPU ring.
+    bounce: Vec<u8>,
+    /// (g, why) of the handed-over local samples not yet served: why this
+    /// node's own copy failed, for the error if no other copy can serve it.
+    local_errors: Vec<(u64, String)>,
+    /// The epoch of the newest sample granted (demotions end with it).
+    epoch: Option<u64>,
+    /// The minimum-progress allowance per grant beyond `node_timeout`.
+    progress_slack: Duration,
+    sh: Arc<Shared>,
+}
+
+/// Address of ring offset `phys`.
+fn ring_ptr(ring: &LandingRing, phys: u64) -> *mut u8 {
+    // SAFETY: phys < ring length (schedule construction).
+    unsafe { ring.as_mut_ptr().add(phys as usize) }
+}
+
+impl<R: Receive> Thread<R> {
+    pub(crate) fn new(
+        sh: Arc<Shared>,
+        setup: Arc<NetSetup>,
+        connected: Connections<R>,
+    ) -> Result<Self> {
+        let conns = connected.conns;
+        let ring = Uring::new(UringOptions {
+            entries: (conns.len() as u32 * 2 + 8).next_power_of_two(),
+            sqpoll_idle_ms: None,
+        })?;
+        let size = (sh.geo.table_len() as usize).next_power_of_two();
+        let cursor = Cursor::new(sh.sampler.clone(), sh.geo, sh.start, sh.steps);
+        let placement = setup.placement.ok_or_else(|| Error::BadCluster {
+            origin: "cluster".into(),
+            reason:
+                "no node could be reached and there is no local space to learn the placement from"
+                    .into(),
+        })?;
+        Ok(Thread {
+            placement,
+            ring,
+            conns,
+            common: connected.common,
+            chan_inflight: false,
+            bounce: Vec::new(),
+            local_errors: Vec::new(),
+            epoch: None,
+            progress_slack: Duration::from_secs_f64(
+                sh.input.catalog().max_sample_bytes() as f64 / MIN_PROGRESS_BYTES_PER_SEC as f64,
+            ),
+            cursor,
+            pending: None,
+            table: vec![GSlot::FREE; size].into_boxed_slice(),
+            mask: size - 1,
+            regrant: std::collections::VecDeque::with_capacity(size),
+            wake_buf: Box::new(0),
+            wake_inflight: false,
+            completions: vec![Completion::default(); 256],
+            sh,
+            setup,
+        })
+    }
+
+    fn net(&self) -> &NetShared {
+        self.sh.net.as_ref().expect("cluster mode")
+    }
+
+    pub(crate) fn run(mut self) {
+        let mut stopping = false;
+        loop {
+            if !stopping && self.sh.stop.load(Ordering::Acquire) {
+                stopping = true;
+                for i in 0..self.conns.len() {
+                    if self.conns[i].state == State::Live {
+                        self.kill(i, "loader stopped".into());
+                    }
+                }
+            }
+            if stopping && !self.busy() {
+                break;
+            }
+            // RDMA writes complete on the connections' CQs, not the ring.
+            let progressed = self.poll_data();
+            if !stopping {
+                self.fill();
+                self.flush_grants();
+                self.post_recvs();
+                self.check_timeouts();
+            }
+            // About to sleep: arm the CQs, then look once more (a
+            // completion that came in before arming raises no event).
+            let progressed = progressed || (self.arm_data() && self.poll_data());
+            if !self.wake_inflight {
+                let fd = self.net().wake.raw();
+                let buf: *mut u64 = &mut *self.wake_buf;
+                // SAFETY: the boxed u64 lives as long as this thread's state,
+                // and run() waits for this read before returning (busy()).
+                if unsafe { self.ring.push_eventfd_read(UD_WAKE, fd, buf) } {
+                    self.wake_inflight = true;
+                }
+            }
+            let res = if progressed && !stopping {
+                // RDMA work came in: look again at once, no system call
+                // unless something is queued.
+                self.ring.submit_pending()
+            } else if stopping {
+                self.ring.submit_wait_timeout(Duration::from_millis(5))
+            } else {
+                self.ring.submit_wait_timeout(Duration::from_millis(50))
+            };
+            if let Err(e) = res {
+                log::error!("network thread: io_uring: {e}");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            let n = self.ring.drain(&mut self.completions);
+            for i in 0..n {
+                let c = self.completions[i];
+                self.complete(c);
+            }
+            if stopping && self.wake_inflight {
+                // Complete our own eventfd read so the thread can exit.
+                self.net().wake.notify();
+            }
+        }
+    }
+
+    /// Whether ring operations that reference this thread's memory are in
+    /// flight (the completion channel's poll references none: the ring is
+    /// dropped before the channel).
+    fn busy(&self) -> bool {
+        self.wake_inflight || self.conns.iter().any(|c| c.rx.inflight() || c.tx_inflight)
+    }
+
+    /// Polls every connection's data path (RDMA: its CQ) and acts on what
+    /// completed; re-posts the receives used. True when anything completed.
+    fn poll_data(&mut self) -> bool {
+        if R::FRAMED {
+            return false;
+        }
+        let mut any = false;
+        for i in 0..self.conns.len() {
+            while let Some(d) = self.conns[i].data.as_mut() {
+                let n = match d.poll() {
+                    Ok(n) => n,
+                    Err(e) => {
+                        self.kill(i, e.to_string());
+                        break;
+                    }
+                };
+                if n == 0 {
+                    break;
+                }
+                any = true;
+                for k in 0..n {
+                    if self.conns[i].state != State::Live {
+                        break; // flushed requests of a connection being shut
+                    }
+                    let d = self.conns[i].data.as_mut().expect("live");
+                    match d.take(k) {
+                        Event::Failed(why) => {
+                            self.kill(i, why);
+                            break;
+                        }
+                        Event::Flushed => {
+                            Self::post_send(&mut self.ring, &mut self.conns[i]);
+                        }
+                        Event::Closed { window, entry } => self.on_window_closed(i, window, entry),
+                        Event::Received(what) => {
+                            self.conns[i].last_rx = Instant::now();
+                            self.on_landed(i, what);
+                        }
+                    }
+                }
+                if self.conns[i].state == State::Live {
+                    let d = self.conns[i].data.as_mut().expect("live");
+                    if let Err(e) = d.refill() {
+                        self.kill(i, format!("re-posting receives: {e}"));
+                    }
+                }
+            }
+        }
+        any
+    }
+
+    /// Before sleeping with grants outstanding on a data path that
+    /// completes on its own (RDMA): arms the connections' CQs and puts a
+    /// poll of the wake descriptor in the ring, so the first completion
+    /// wakes the thread. True when anything was armed.
+    fn arm_data(&mut self) -> bool {
+        let Some(fd) = R::wake_fd(&self.common) else {
+            return false;
+        };
+        let mut armed = false;
+        for i in 0..self.conns.len() {
+            let c = &self.conns[i];
+            let Some(d) = c.data.as_ref() else { continue };
+            if c.state != State::Live || (c.outstanding == 0 && d.idle()) {
+                continue;
+            }
+            if let Err(e) = d.arm() {
+                self.kill(i, e.to_string());
+                continue;
+            }
+            armed = true;
+        }
+        if !armed {
+            return false;
+        }
+        if !self.chan_inflight && self.ring.push_poll_in(UD_CHAN, fd) {
+            self.chan_inflight = true;
+        }
+        true
+    }
+
+    fn ring_ptr(&self, phys: u64) -> *mut u8 {
+        ring_ptr(&self.sh.ring, phys)
+    }
+
+    fn check_timeouts(&mut self) {
+        let t = self.setup.node_timeout;
+        let progress = t + self.progress_slack;
+        for i in 0..self.conns.len() {
+            let c = &self.conns[i];
+            if c.state != State::Live || c.outstanding == 0 {
+                continue;
+            }
+            let why = if c.last_rx.elapsed() > t {
+                format!(
+                    "no data for {} ms with {} grants outstanding",
+                    t.as_millis(),
+                    c.outstanding
+                )
+            } else if c.last_done.elapsed() > progress {
+                format!(
+                    "no grant finished within {} ms with {} outstanding (minimum progress: the node timeout plus 1 s per MiB of the largest sample)",
+                    progress.as_millis(),
+                    c.outstanding
+                )
+            } else {
+                continue;
+            };
+            log::warn!("node {} ({}): {why}", c.node, c.addr);
+            self.kill(i, why);
+        }
+    }
+
+    /// Shuts a connection; its grants fail over once its receive is back.
+    fn kill(&mut self, i: usize, reason: String) {
+        let c = &mut self.conns[i];
+        if c.state != State::Live {
+            return;
+        }
+        c.reason = reason;
+        c.state = State::Closing;
+        if let Some(s) = &c.sock {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+        if let Some(d) = &c.data {
+            // From now on the QP accepts no write; it is destroyed (and so
+            // done with the ring) before its grants move elsewhere.
+            if let Err(e) = d.shut() {
+                log::warn!("node {}: {e}", c.node);
+            }
+        }
+        self.maybe_dead(i);
+    }
+
+    fn maybe_dead(&mut self, i: usize) {
+        let c = &mut self.conns[i];
+        if c.state != State::Closing || c.rx.inflight() || c.tx_inflight {
+            return;
+        }
+        c.state = State::Dead;
+        c.sock = None;
+        c.outstanding = 0;
+        c.data = None; // RDMA: destroys the QP, then its CQ
+        let node = c.node;
+        if self.sh.stop.load(Ordering::Acquire) {
+            return;
+        }
+        let mut moved = 0;
+        for idx in 0..self.table.len() {
+            let s = &mut self.table[idx];
+            if s.live && s.node == node {
+                s.node = NONE;
+                s.received = 0;
+                // Its window went with the QP.
+                s.mw = NONE;
+                s.after_inv = AfterInv::Nothing;
+                self.regrant.push_back(idx);
+                moved += 1;
+            }
+        }
+        // Keep sequence order: the consumer waits on the oldest first.
+        let table = &self.table;
+        self.regrant.make_contiguous().sort_by_key(|&i| table[i].g);
+        self.net().failovers.fetch_add(moved, Ordering::Relaxed);
+        log::warn!(
+            "node {node} ({}) is gone ({}): {moved} outstanding grants fail over; its later samples go to replicas",
+            self.conns[i].addr,
+            self.conns[i].reason
+        );
+    }
+
+    fn complete(&mut self, comp: Completion) {
+        let i = (comp.user_data & 0xffff_ffff) as usize;
+        match comp.user_data & UD_KIND {
+            UD_WAKE => self.wake_inflight = false,
+            UD_CHAN => {
+                self.chan_inflight = false;
+                R::woke(&self.common);
+            }
+            UD_SEND => {
+                let c = &mut self.conns[i];
+                c.tx_inflight = false;
+                if c.state == State::Live {
+                    if comp.result <= 0 {
+                        let why = format!("send failed: {}", errno_name(-comp.result));
+                        self.kill(i, why);
+                    } else {
+                        c.flight_sent += comp.result as usize;
+                        if c.flight_sent < c.flight.len() {
+                            Self::post_send(&mut self.ring, c);
+                        }
+                    }
+                }
+                self.maybe_dead(i);
+            }
+            UD_RECV => {
+                self.conns[i].rx.returned();
+                if self.conns[i].state == State::Live {
+                    self.on_recv(i, comp.result);
+                }
+                self.maybe_dead(i);
+            }
+            _ => log::error!("network thread: unknown completion {:#x}", comp.user_data),
+        }
+    }
+
+    fn violation(&mut self, i: usize, what: String) {
+        let c = &self.conns[i];
+        let e = Error::ProtocolViolation {
+            node: c.node,
+            addr: c.addr.clone(),
+            what,
+        };
+        log::error!("{e}; dropping the connection");
+        self.kill(i, e.to_string());
+    }
+}

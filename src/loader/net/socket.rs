@@ -1,0 +1,197 @@
+//! The control connection of each node, on the network thread's io_uring:
+//! GRANT frames (and keepalives) out, one send in flight; frames in through
+//! the shared receive state machine ([`FrameRx`](crate::transport::rx::FrameRx)):
+//! a header, then an ERROR message into the connection's buffer or, over
+//! TCP, a DATA payload straight into the ring once its header was checked
+//! against the outstanding grant (id, node, offset, length).
+
+use std::os::fd::AsRawFd;
+use std::time::Instant;
+
+use super::{ring_ptr, Conn, Receive, State, Thread, KEEPALIVE, UD_RECV, UD_SEND};
+use crate::error::errno_name;
+use crate::ring::Uring;
+use crate::transport::proto::{self, Code, Header, Kind};
+use crate::transport::rx::{Received, RxError};
+
+impl<R: Receive> Thread<R> {
+    pub(super) fn flush_grants(&mut self) {
+        for i in 0..self.conns.len() {
+            let c = &mut self.conns[i];
+            if c.state != State::Live || c.tx_inflight || c.flushing() {
+                continue;
+            }
+            if c.fill_entries == 0 {
+                if c.last_tx.elapsed() >= KEEPALIVE {
+                    let h = Header::error(proto::CONNECTION, Code::Unknown, 0).encode();
+                    c.flight.clear();
+                    c.flight.extend_from_slice(&h);
+                    c.flight_sent = 0;
+                    c.last_tx = Instant::now();
+                    Self::post_send(&mut self.ring, c);
+                }
+                continue;
+            }
+            c.last_tx = Instant::now();
+            let h = Header::grant(c.fill_entries).encode();
+            c.fill[..proto::HEADER_BYTES].copy_from_slice(&h);
+            std::mem::swap(&mut c.fill, &mut c.flight);
+            c.fill.clear();
+            c.fill.resize(proto::HEADER_BYTES, 0);
+            c.fill_entries = 0;
+            c.flight_sent = 0;
+            // RDMA windows: the frame goes once they are bound (their
+            // chain's completion), so no write can arrive before its window.
+            match c.data.as_mut().map(|d| d.flush()) {
+                Some(Ok(true)) => continue,
+                Some(Err(e)) => {
+                    self.kill(i, e.to_string());
+                    continue;
+                }
+                _ => {}
+            }
+            Self::post_send(&mut self.ring, c);
+        }
+    }
+
+    pub(super) fn post_send(ring: &mut Uring, c: &mut Conn<R>) {
+        let fd = c.sock.as_ref().expect("live").as_raw_fd();
+        let rest = &c.flight[c.flight_sent..];
+        // SAFETY: `flight` is not touched until this send completes.
+        if unsafe {
+            ring.push_send(
+                UD_SEND | c.node as u64,
+                fd,
+                rest.as_ptr(),
+                rest.len() as u32,
+                false,
+            )
+        } {
+            c.tx_inflight = true;
+        }
+    }
+
+    pub(super) fn post_recvs(&mut self) {
+        for i in 0..self.conns.len() {
+            let c = &mut self.conns[i];
+            if c.state != State::Live || c.rx.inflight() {
+                continue;
+            }
+            let fd = c.sock.as_ref().expect("live").as_raw_fd();
+            let (table, ring) = (&self.table, &self.sh.ring);
+            // SAFETY: the connection (and its boxed header/message buffers)
+            // stays in `conns` until run() returns, which waits for this
+            // receive (busy()); a payload goes to the granted, unpublished
+            // part of a sample's slot, checked against the grant before this
+            // receive is posted.
+            unsafe {
+                c.rx.post(&mut self.ring, UD_RECV | i as u64, fd, |idx| {
+                    let s = &table[idx];
+                    ring_ptr(ring, s.phys + s.received as u64)
+                })
+            };
+        }
+    }
+
+    pub(super) fn on_recv(&mut self, i: usize, res: i32) {
+        let c = &mut self.conns[i];
+        let got = match c.rx.received(res, c.max_data) {
+            Ok(got) => got,
+            Err(RxError::BadHeader(e)) => {
+                c.last_rx = Instant::now();
+                return self.violation(i, e.to_string());
+            }
+            Err(e) => {
+                let why = match e {
+                    RxError::Failed(n) => format!(
+                        "receive failed: {} ({})",
+                        errno_name(n),
+                        std::io::Error::from_raw_os_error(n)
+                    ),
+                    RxError::Closed => "closed the connection".to_string(),
+                    RxError::Truncated { got, want } => {
+                        format!("connection ended in the middle of a frame ({got} of {want} bytes)")
+                    }
+                    RxError::BadHeader(_) => unreachable!("handled above"),
+                };
+                self.kill(i, why);
+                return;
+            }
+        };
+        c.last_rx = Instant::now();
+        match got {
+            Received::Header(h) => {
+                if !R::FRAMED
+                    && (h.kind == Kind::Data || (h.kind == Kind::Error && h.a != proto::CONNECTION))
+                {
+                    // Over RDMA data and grant errors come on the QP, in
+                    // order with the writes; on TCP they could overtake them.
+                    return self.violation(
+                        i,
+                        format!(
+                            "{:?} frame on the control connection of an RDMA link",
+                            h.kind
+                        ),
+                    );
+                }
+                match h.kind {
+                    Kind::Data => self.on_data_header(i, h),
+                    Kind::Error if h.body_len > 0 => self.conns[i].rx.expect_body(h),
+                    Kind::Error => self.on_error(i, h, ""),
+                    k => self.violation(i, format!("unexpected {k:?} frame")),
+                }
+            }
+            Received::Payload { to: idx, len } => {
+                let s = &mut self.table[idx];
+                s.received += len;
+                if s.received == s.len {
+                    self.sample_done(i, idx);
+                }
+            }
+            Received::Body(h) => {
+                let msg = String::from_utf8_lossy(c.rx.body(&h)).into_owned();
+                self.on_error(i, h, &msg);
+            }
+        }
+    }
+
+    /// Checks a DATA header against the outstanding grant before any of its
+    /// payload is read.
+    pub(super) fn on_data_header(&mut self, i: usize, h: Header) {
+        let idx = h.a as usize & self.mask;
+        let s = self.table[idx];
+        let node = self.conns[i].node;
+        if !s.outstanding_with(h.a, node) {
+            return self.violation(
+                i,
+                format!(
+                    "DATA for grant {} that is not outstanding with this node",
+                    h.a
+                ),
+            );
+        }
+        let expect = s.phys + s.received as u64;
+        if h.c != expect {
+            return self.violation(
+                i,
+                format!(
+                    "DATA for grant {} at ring offset {}, expected {} (grant covers {}+{})",
+                    h.a, h.c, expect, s.phys, s.len
+                ),
+            );
+        }
+        if h.body_len > s.len - s.received {
+            return self.violation(
+                i,
+                format!(
+                    "DATA for grant {} of {} bytes overruns the grant ({} of {} bytes left)",
+                    h.a,
+                    h.body_len,
+                    s.len - s.received,
+                    s.len
+                ),
+            );
+        }
+        self.conns[i].rx.expect_payload(idx, h.body_len);
+    }
+}

@@ -1,0 +1,72 @@
+//! [`TcpRx`]: the TCP data path. A node's bytes come as DATA frames on the
+//! control connection itself, so everything happens in `socket.rs`: each
+//! DATA header is checked against its outstanding grant (id, node, offset,
+//! length) before its payload is received straight into the granted range
+//! of the ring, and a frame that matches no grant drops the connection
+//! before a byte of its payload is read. There is nothing to open, flush,
+//! close or poll: every method here is a no-op the compiler removes.
+
+use std::net::TcpStream;
+use std::os::fd::RawFd;
+
+use super::{ConnectError, Event, Receive, NONE};
+use crate::error::Result;
+
+/// The TCP data path of one connection (no state of its own).
+pub(crate) struct TcpRx;
+
+impl Receive for TcpRx {
+    type Common = ();
+    const FRAMED: bool = true;
+
+    fn connect(_: &(), _: &mut TcpStream, _: u32, _: &str) -> Result<Self, ConnectError> {
+        Ok(TcpRx)
+    }
+
+    fn wake_fd(_: &()) -> Option<RawFd> {
+        None
+    }
+
+    fn woke(_: &()) {}
+
+    /// Every grant's remote key is 0 (a DATA frame names its grant).
+    fn open(&mut self, _: usize, _: u64, _: u32) -> Option<(u32, u32)> {
+        Some((0, NONE))
+    }
+
+    fn flush(&mut self) -> Result<bool> {
+        Ok(false)
+    }
+
+    fn flushing(&self) -> bool {
+        false
+    }
+
+    fn close(&mut self, _: u32) -> Result<()> {
+        Ok(())
+    }
+
+    fn shut(&self) -> Result<()> {
+        Ok(())
+    }
+
+    fn idle(&self) -> bool {
+        true
+    }
+
+    fn arm(&self) -> Result<()> {
+        Ok(())
+    }
+
+    fn poll(&mut self) -> Result<usize> {
+        Ok(0)
+    }
+
+    fn take(&mut self, _: usize) -> Event {
+        unreachable!("a TCP data path completes nothing on its own (FRAMED)")
+    }
+
+    fn refill(&mut self) -> Result<()> {
+        Ok(())
+    }
+}

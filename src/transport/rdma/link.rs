@@ -1,0 +1,330 @@
+//! [`RdmaLink`], the owner side's [`Link`] over an RC queue pair.
+//!
+//! Its `unsafe` is what the [`Link`] contract and the send-request layout
+//! need (the poster's memory is referenced until completion); the verbs
+//! calls themselves go through [`Qp`].
+
+use std::collections::VecDeque;
+use std::ptr;
+use std::sync::Arc;
+
+use rdma_sys::*;
+
+use super::qp::{Cq, Qp, WorkCompletion};
+use super::verbs::SendRegions;
+use crate::error::{Error, Result};
+use crate::transport::{proto, Done, Link};
+
+/// An [`RdmaLink`] asks for a completion at least every this many requests.
+pub const SIGNAL_EVERY: usize = 8;
+
+/// Largest ERROR message an [`RdmaLink`] sends (inline, after a 4-byte code).
+pub const RDMA_ERROR_BYTES: usize = 128;
+
+#[derive(Clone, Copy)]
+struct RdmaWr {
+    wr_id: u64,
+    send: bool,
+    src: *const u8,
+    len: u32,
+    lkey: u32,
+    remote: u64,
+    rkey: u32,
+    imm: u32,
+    inline_at: usize,
+}
+
+/// The verbs backend of [`Link`]: a posted write is an RDMA
+/// WRITE_WITH_IMM from the poster's staging memory (registered local-only,
+/// `lkey`) into the peer's ring under the grant's rkey (a memory window the
+/// peer bound to that grant's range, or its whole ring's) with the grant id
+/// as immediate; an ERROR is a SEND_WITH_IMM on the same QP, so it
+/// cannot overtake the grant's writes (RC ordering), carrying a 4-byte code
+/// and the message inline. `flush` posts everything queued as one chain (one
+/// doorbell) signalling only its last request; `poll` turns the chain's
+/// completion into a [`Done`] for each of its requests. A failed
+/// completion (the QP is then in error) fails everything outstanding.
+pub struct RdmaLink {
+    qp: Qp,
+    cq: Arc<Cq>,
+    regions: SendRegions,
+    remote_base: u64,
+    max_wr: usize,
+    queued: Vec<RdmaWr>,
+    /// Requests posted, oldest first, and the signalled id ending each chain.
+    posted: VecDeque<u64>,
+    chain_ends: VecDeque<u64>,
+    /// The signalled ids of the chain being built.
+    signal_ids: Vec<u64>,
+    done: VecDeque<Done>,
+    inline_buf: Vec<u8>,
+    sges: Vec<ibv_sge>,
+    wrs: Vec<ibv_send_wr>,
+    broken: Option<Error>,
+}
+
+// SAFETY: the raw pointers are addresses the poster keeps valid until
+// completion (Link's contract); one thread uses a link at a time.
+unsafe impl Send for RdmaLink {}
+
+impl RdmaLink {
+    /// A link over the connected `qp` whose send completions go to `cq`
+    /// (its own), writing from `regions` into the peer ring at `remote_base`
+    /// (each write under its grant's rkey). At most `max_wr` requests
+    /// outstanding (the QP's send queue size).
+    pub fn new(qp: Qp, cq: Arc<Cq>, regions: SendRegions, remote_base: u64, max_wr: usize) -> Self {
+        RdmaLink {
+            qp,
+            cq,
+            regions,
+            remote_base,
+            max_wr,
+            queued: Vec::with_capacity(max_wr),
+            posted: VecDeque::with_capacity(max_wr),
+            chain_ends: VecDeque::with_capacity(max_wr),
+            signal_ids: Vec::with_capacity(max_wr),
+            done: VecDeque::with_capacity(max_wr),
+            inline_buf: vec![0u8; max_wr * (4 + RDMA_ERROR_BYTES)],
+            sges: Vec::with_capacity(max_wr),
+            wrs: Vec::with_capacity(max_wr),
+            broken: None,
+        }
+    }
+
+    /// Why the link stopped (a failed completion), if it did.
+    pub fn error(&self) -> Option<&Error> {
+        self.broken.as_ref()
+    }
+
+    /// Asks for an event on the CQ's completion channel at its next
+    /// completion (the CQ must have been made with one).
+    pub fn arm(&self) -> Result<()> {
+        self.cq.arm()
+    }
+
+    /// Whether requests are posted and not yet completed.
+    pub fn busy(&self) -> bool {
+        !self.posted.is_empty()
+    }
+
+    /// Stops the link: the QP goes to the error state so the NIC touches
+    /// none of the posted memory any more once their (flushed) completions
+    /// are polled; what was queued and not posted fails now.
+    pub fn close(&mut self) {
+        if self.broken.is_none() {
+            if let Err(e) = self.qp.set_error() {
+                log::warn!("closing an RDMA link: {e}");
+            }
+            self.broken = Some(Error::Rdma {
+                op: "link",
+                detail: "closed".into(),
+            });
+        }
+        for w in self.queued.drain(..) {
+            self.done.push_back(Done {
+                wr_id: w.wr_id,
+                ok: false,
+            });
+        }
+        if self.posted.is_empty() {
+            self.chain_ends.clear();
+        }
+    }
+
+    fn room(&self) -> bool {
+        self.broken.is_none() && self.queued.len() + self.posted.len() < self.max_wr
+    }
+
+    fn fail_all(&mut self) {
+        for id in self.posted.drain(..) {
+            self.done.push_back(Done {
+                wr_id: id,
+                ok: false,
+            });
+        }
+        self.chain_ends.clear();
+        for w in self.queued.drain(..) {
+            self.done.push_back(Done {
+                wr_id: w.wr_id,
+                ok: false,
+            });
+        }
+    }
+}
+
+impl Link for RdmaLink {
+    type Driver = ();
+
+    /// # Safety
+    /// As for [`Link::post_write`].
+    unsafe fn post_write(
+        &mut self,
+        wr_id: u64,
+        src: *const u8,
+        len: u32,
+        remote_offset: u64,
+        grant: u32,
+        rkey: u32,
+    ) -> bool {
+        if !self.room() {
+            return false;
+        }
+        let Some(lkey) = self.regions.lkey(src as u64, len) else {
+            // A caller bug, not a peer's doing: fail this request loudly.
+            log::error!("RDMA write from unregistered memory {src:?}+{len}");
+            self.done.push_back(Done { wr_id, ok: false });
+            return true;
+        };
+        self.queued.push(RdmaWr {
+            wr_id,
+            send: false,
+            src,
+            len,
+            lkey,
+            remote: self.remote_base + remote_offset,
+            rkey,
+            imm: grant,
+            inline_at: 0,
+        });
+        true
+    }
+
+    /// # Safety
+    /// As for [`Link::post_error`].
+    unsafe fn post_error(
+        &mut self,
+        wr_id: u64,
+        grant: u32,
+        code: proto::Code,
+        msg: *const u8,
+        len: u32,
+    ) -> bool {
+        if !self.room() {
+            return false;
+        }
+        // The code and the (truncated) message go inline, so neither needs
+        // registered memory; the slot in inline_buf is this request's until
+        // the flush copies it (inline data is copied at post time).
+        let slot = self.queued.len();
+        let at = slot * (4 + RDMA_ERROR_BYTES);
+        let n = (len as usize).min(RDMA_ERROR_BYTES);
+        self.inline_buf[at..at + 4].copy_from_slice(&(code as u32).to_le_bytes());
+        // SAFETY: msg is readable for len bytes (Link's contract); n <= len.
+        let m = unsafe { std::slice::from_raw_parts(msg, n) };
+        self.inline_buf[at + 4..at + 4 + n].copy_from_slice(m);
+        self.queued.push(RdmaWr {
+            wr_id,
+            send: true,
+            src: ptr::null(),
+            len: 4 + n as u32,
+            lkey: 0,
+            remote: 0,
+            rkey: 0,
+            imm: grant,
+            inline_at: at,
+        });
+        true
+    }
+
+    fn flush(&mut self, _: &mut ()) -> std::io::Result<()> {
+        if self.queued.is_empty() || self.broken.is_some() {
+            return Ok(());
+        }
+        self.sges.clear();
+        self.wrs.clear();
+        self.signal_ids.clear();
+        for w in &self.queued {
+            let addr = if w.send {
+                self.inline_buf[w.inline_at..].as_ptr() as u64
+            } else {
+                w.src as u64
+            };
+            self.sges.push(ibv_sge {
+                addr,
+                length: w.len,
+                lkey: w.lkey,
+            });
+        }
+        let last = self.queued.len() - 1;
+        for (i, w) in self.queued.iter().enumerate() {
+            // SAFETY: plain data.
+            let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
+            wr.wr_id = w.wr_id;
+            wr.sg_list = &mut self.sges[i];
+            wr.num_sge = 1;
+            wr.imm_data_invalidated_rkey_union.imm_data = w.imm.to_be();
+            // Selective signalling: the last of the chain and every
+            // SIGNAL_EVERY-th, so staging slots come back while a long
+            // chain is still on the wire (one completion per chain would
+            // hold every slot until its last write).
+            let signal = i == last || (i + 1) % SIGNAL_EVERY == 0;
+            if signal {
+                self.signal_ids.push(w.wr_id);
+            }
+            let mut flags = if signal {
+                ibv_send_flags::IBV_SEND_SIGNALED.0
+            } else {
+                0
+            };
+            if w.send {
+                wr.opcode = ibv_wr_opcode::IBV_WR_SEND_WITH_IMM;
+                flags |= ibv_send_flags::IBV_SEND_INLINE.0;
+            } else {
+                wr.opcode = ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM;
+                wr.wr.rdma.remote_addr = w.remote;
+                wr.wr.rdma.rkey = w.rkey;
+            }
+            wr.send_flags = flags;
+            self.wrs.push(wr);
+        }
+        // SAFETY: the SGEs outlive the call; inline data is copied during
+        // it; the written memory is valid until completion per Link's
+        // contract.
+        unsafe { self.qp.post_chain(&mut self.wrs) }?;
+        for w in self.queued.drain(..) {
+            self.posted.push_back(w.wr_id);
+        }
+        self.chain_ends.extend(self.signal_ids.drain(..));
+        Ok(())
+    }
+
+    fn poll(&mut self, out: &mut [Done]) -> usize {
+        let mut wc = [WorkCompletion::default(); 16];
+        while let Ok(n) = self.cq.poll(&mut wc) {
+            if n == 0 {
+                break;
+            }
+            for c in &wc[..n] {
+                if let Err(e) = c.check() {
+                    // The QP is in error: whatever is still posted was not
+                    // (or not wholly) sent and the NIC is done with it.
+                    if self.broken.is_none() {
+                        log::warn!("RDMA link failed: {e}");
+                        self.broken = Some(e);
+                    }
+                    self.fail_all();
+                    continue;
+                }
+                // A signalled completion finishes every request up to it
+                // (a QP completes its send queue in order).
+                if self.chain_ends.front() == Some(&c.wr_id) {
+                    self.chain_ends.pop_front();
+                    while let Some(id) = self.posted.pop_front() {
+                        self.done.push_back(Done {
+                            wr_id: id,
+                            ok: true,
+                        });
+                        if id == c.wr_id {
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        let n = out.len().min(self.done.len());
+        for slot in out.iter_mut().take(n) {
+            *slot = self.done.pop_front().expect("counted");
+        }
+        n
+    }
+}
