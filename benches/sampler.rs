@@ -10,14 +10,12 @@ use std::time::Instant;
 use kspeed::sampler::{Position, Sampler, SamplerConfig};
 
 fn run(len: u64, steps: u64) -> f64 {
-    let s = Sampler::new(SamplerConfig {
-        len,
-        seed: 42,
-        shuffle: true,
-        rank: 3,
-        world: 8,
-        drop_last: false,
-    })
+    let s = Sampler::new(
+        SamplerConfig::single(len, 42)
+            .rank_world(3, 8)
+            .shuffle(true)
+            .drop_last(false),
+    )
     .unwrap();
     let t0 = Instant::now();
     let mut acc = 0u64;

@@ -20,14 +20,15 @@ fn rust_round(space: &str) -> (f64, f64, u64) {
         .batch_size(1)
         .tier_bytes(1 << 30)
         .pin(false)
-        .landing(LandingOptions {
-            ring_bytes: 64 << 20,
-            huge_pages: true,
-            mlock: false,
-            numa_node: None,
-            gpu_pci: None,
-            cuda: CudaMode::Off,
-        })
+        .landing(
+            LandingOptions::default()
+                .ring_bytes(64 << 20)
+                .huge_pages(true)
+                .mlock(false)
+                .numa_node(None)
+                .gpu_pci(None)
+                .cuda(CudaMode::Off),
+        )
         .build()
         .expect("loader");
     // Epoch 0 fills the tier; epoch 1 is timed.

@@ -109,10 +109,7 @@ fn run(space: &str, epochs: u64, batch: usize) -> Result<(), String> {
         // Every sample in memory after the first epoch, so the copies, not
         // the disk, are what the later epochs wait for.
         .tier_bytes(8 << 30)
-        .landing(LandingOptions {
-            ring_bytes,
-            ..LandingOptions::default()
-        })
+        .landing(LandingOptions::default().ring_bytes(ring_bytes))
         .build()
         .map_err(|e| e.to_string())?;
     let cuda_state = loader.landing_info().cuda.clone();

@@ -16,11 +16,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         eprintln!("usage: preload_and_sample SOURCE SPACE");
         std::process::exit(2);
     };
-    let opts = PreloadOptions {
-        source: Some(SourceSpec::parse(source)?),
-        progress: ProgressMode::Auto,
-        ..Default::default()
-    };
+    let opts = PreloadOptions::default()
+        .source(Some(SourceSpec::parse(source)?))
+        .progress(ProgressMode::Auto);
     let report = preload(space_dir.as_ref(), &opts)?;
     println!(
         "preload: {} samples copied (up to date: {})",
@@ -30,14 +28,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let space = Space::open(space_dir.as_ref())?;
     let catalog = space.catalog();
     for rank in 0..2 {
-        let sampler = Sampler::new(SamplerConfig {
-            len: catalog.len(),
-            seed: 42,
-            shuffle: true,
-            rank,
-            world: 2,
-            drop_last: false,
-        })?;
+        let sampler = Sampler::new(
+            SamplerConfig::single(catalog.len(), 42)
+                .rank_world(rank, 2)
+                .shuffle(true)
+                .drop_last(false),
+        )?;
         let mut buf = Vec::new();
         let mut bytes = 0u64;
         for id in sampler.iter_from(Position { epoch: 0, index: 0 }) {

@@ -212,14 +212,12 @@ fn tally_step(
 
 fn traffic(profile: Profile, samples: u64, nodes: u32, steps: usize, threads: usize) -> Traffic {
     let world = nodes * RANKS_PER_NODE;
-    let sampler = Sampler::new(SamplerConfig {
-        len: samples,
-        seed: SEED,
-        shuffle: true,
-        rank: 0,
-        world,
-        drop_last: false,
-    })
+    let sampler = Sampler::new(
+        SamplerConfig::single(samples, SEED)
+            .rank_world(0, world)
+            .shuffle(true)
+            .drop_last(false),
+    )
     .expect("valid sampler");
     let per_rank = sampler.per_rank();
     // Steps in the first 4 epochs, drawn without a pattern.

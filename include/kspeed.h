@@ -14,7 +14,7 @@
 #include <stddef.h>
 #include <stdbool.h>
 /* Version of the C ABI: bumped on any incompatible change to this header. */
-#define KSP_ABI_VERSION 3
+#define KSP_ABI_VERSION 4
 /* Bytes of a saved loader position. */
 #define KSP_POSITION_BYTES 40
 /* Extensible structs: the smallest struct_size (sample_size) the library
@@ -22,15 +22,19 @@
 #define KSP_BATCH_MIN_SIZE 80
 #define KSP_SAMPLE_MIN_SIZE 32
 #define KSP_STATS_MIN_SIZE 120
+#define KSP_CATALOG_SAMPLE_MIN_SIZE 32
 #define KSP_MAX_STRUCT_SIZE 1024
 /* Initialisers setting the sizes this program was compiled with, every
-   other field zero: ksp_batch b = KSP_BATCH_INIT; ksp_stats s = KSP_STATS_INIT; */
+   other field zero: ksp_batch b = KSP_BATCH_INIT; ksp_stats s = KSP_STATS_INIT;
+   ksp_catalog_sample c = KSP_CATALOG_SAMPLE_INIT; */
 #ifdef __cplusplus
 #define KSP_BATCH_INIT ([] { ksp_batch b_{}; b_.struct_size = sizeof(ksp_batch); b_.sample_size = sizeof(ksp_sample); return b_; }())
 #define KSP_STATS_INIT ([] { ksp_stats s_{}; s_.struct_size = sizeof(ksp_stats); return s_; }())
+#define KSP_CATALOG_SAMPLE_INIT ([] { ksp_catalog_sample c_{}; c_.struct_size = sizeof(ksp_catalog_sample); return c_; }())
 #else
 #define KSP_BATCH_INIT { .struct_size = sizeof(ksp_batch), .sample_size = sizeof(ksp_sample) }
 #define KSP_STATS_INIT { .struct_size = sizeof(ksp_stats) }
+#define KSP_CATALOG_SAMPLE_INIT { .struct_size = sizeof(ksp_catalog_sample) }
 #endif
 
 
@@ -193,11 +197,23 @@ typedef struct {
 } ksp_stats;
 
 // What the catalog says about one sample.
+//
+// Extensible like [`ksp_stats`]: set `struct_size` to
+// `sizeof(ksp_catalog_sample)` before the call
+// (`ksp_catalog_sample c = KSP_CATALOG_SAMPLE_INIT;`). The library fills
+// the fields that fit in `struct_size` and writes nothing past it; a
+// larger (newer) layout's unknown fields are zeroed. New fields are only
+// ever appended. `struct_size` below `KSP_CATALOG_SAMPLE_MIN_SIZE` (the
+// first layout, ending at `label`) is `KSP_ERR_STRUCT_SIZE`.
 typedef struct {
+  // Set by the caller: `sizeof(ksp_catalog_sample)` as it was compiled.
+  size_t struct_size;
   // Length in bytes.
   uint64_t len;
   // CRC32C of its bytes.
   uint32_t crc32c;
+  // Always 0 (keeps every field on an 8-byte boundary).
+  uint32_t reserved;
   // Label, or -1 when the source has none.
   int64_t label;
 } ksp_catalog_sample;
@@ -504,13 +520,16 @@ ksp_status ksp_loader_stats(const ksp_loader *l, ksp_stats *out);
 // `l` is a live loader; `out` writable.
 ksp_status ksp_loader_catalog_len(const ksp_loader *l, uint64_t *out);
 
-// The catalog's record of sample `id` (length, CRC32C, label), in `*out`;
+// The catalog's record of sample `id` (length, CRC32C, label), in `*out`
+// (set `out->struct_size` first; see [`ksp_catalog_sample`]);
 // `KSP_ERR_INVALID_ARG` when `id` is past the catalog.
 //
-// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_INVALID_ARG`.
+// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_STRUCT_SIZE`;
+// `KSP_ERR_INVALID_ARG`.
 //
 // # Safety
-// `l` is a live loader; `out` writable.
+// `l` is a live loader; `out` points to a `ksp_catalog_sample` of the
+// layout its `struct_size` says, writable.
 ksp_status ksp_loader_catalog_sample(const ksp_loader *l, uint64_t id, ksp_catalog_sample *out);
 
 // Sends kspeed's log records at `max_level` (1 error … 5 trace; 0 off) and

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite, on a fresh machine: system packages, formatting,
-# lints (with and without the rdma feature), rustdoc, every test with and
+# lints (with and without the rdma feature), rustdoc, the header and public
+# API listing drift checks, every test with and
 # without the rdma feature (the cluster tests start `kspeed serve` processes
 # on 127.0.0.x and, as root, in network namespaces), the frame-decoding fuzz
 # target for a bounded time, Miri on the modules that can run under it
@@ -39,6 +40,16 @@ step "rustdoc"
 RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --quiet
 step "include/kspeed.h matches src/capi (pinned cbindgen)"
 scripts/gen_header.sh --check
+step "api/kspeed.txt matches the public Rust API (nightly rustdoc JSON)"
+set +e
+scripts/api_listing.sh --check
+api_rc=$?
+set -e
+if [ "$api_rc" = 2 ]; then
+  skipped "the public API listing needs the nightly toolchain (rustup toolchain install nightly)"
+elif [ "$api_rc" != 0 ]; then
+  exit 1
+fi
 
 runner=(cargo test)
 if cargo nextest --version >/dev/null 2>&1; then runner=(cargo nextest run --no-fail-fast); fi

@@ -10,20 +10,48 @@
 //! - [`dataset`]: sources, the catalog, the owner function, spaces, preload, verify, and
 //!   (with the `gen` feature) a synthetic dataset generator;
 //! - [`sampler`]: the per-epoch permutation and each rank's sequence;
-//! - [`ring`]: io_uring reads into caller-owned slots, and a fault-injecting wrapper;
 //! - [`landing`]: the landing ring's memory (huge pages, mlock, NUMA, CUDA);
 //! - [`loader`]: pollers, the schedule, the memory tier and the consumer API;
 //! - [`placement`]: the node's CPU topology, the local rank and the cores a loader's pollers use;
 //! - [`transport`]: how bytes reach a remote consumer: the push protocol, the node
 //!   service (`kspeed serve`), cluster files, TCP and (with the `rdma` feature) RDMA links;
 //! - [`progress`]: progress for long work (lines; bars with the `cli` feature);
-//! - [`par`]: the scoped worker pool of the bulk passes (checksums, preload, verify);
+//! - [`hash`]: the frozen integer mixers of the sampler and owner function
+//!   (a wire contract, docs/FORMAT.md);
 //! - [`capi`]: the C ABI (`libkspeed.so`, `include/kspeed.h`);
-//! - internal (`pub(crate)`): `format` (the checksummed envelope of kspeed's
-//!   binary files), `hash` (the frozen integer mixers of the sampler and owner function), `sys` (the system calls
-//!   std lacks).
+//! - internal (`pub(crate)`): `ring` (io_uring reads into caller-owned
+//!   slots, and a fault-injecting wrapper, configured through
+//!   [`loader::FaultConfig`]), `par` (the scoped worker pool of the bulk
+//!   passes; its default size is [`dataset::default_threads`]), `format`
+//!   (the checksummed envelope of kspeed's binary files), `sys` (the system
+//!   calls std lacks), and inside the public modules the loader's schedule
+//!   and memory tier and the transports' TCP link and serve internals.
+//!
+//! The public surface is listed in `api/kspeed.txt`, which CI checks
+//! (`scripts/api_listing.sh --check`): a change to it shows in review.
+//! Option and report structs are `#[non_exhaustive]`: build them from
+//! `Default` (or their constructor) and the builder-style setters, so a
+//! field added later does not break callers.
 
 #![warn(missing_docs)]
+
+/// Builder-style setters, one per listed public field, for the
+/// `#[non_exhaustive]` option structs (which callers outside the crate
+/// cannot build with a struct literal): `Options::default().field(v)`.
+macro_rules! setters {
+    ($t:ty { $($f:ident: $ft:ty),* $(,)? }) => {
+        impl $t {
+            $(
+                #[doc = concat!("Sets `", stringify!($f), "` (builder style).")]
+                #[must_use]
+                pub fn $f(mut self, v: $ft) -> Self {
+                    self.$f = v;
+                    self
+                }
+            )*
+        }
+    };
+}
 
 pub mod capi;
 pub mod dataset;
@@ -34,10 +62,10 @@ pub(crate) mod format;
 pub mod hash;
 pub mod landing;
 pub mod loader;
-pub mod par;
+pub(crate) mod par;
 pub mod placement;
 pub mod progress;
-pub mod ring;
+pub(crate) mod ring;
 pub mod sampler;
 mod sys;
 pub mod transport;

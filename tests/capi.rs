@@ -176,8 +176,8 @@ fn c_test_passes() {
 }
 
 /// The extensible structs (tests/c/sized_structs_test.c): a caller built
-/// with the first layout of `ksp_stats` (struct_size KSP_STATS_MIN_SIZE)
-/// and of `ksp_batch`/`ksp_sample` still works and nothing past its struct
+/// with the first layout of `ksp_stats` (struct_size KSP_STATS_MIN_SIZE),
+/// of `ksp_catalog_sample` and of `ksp_batch`/`ksp_sample` still works and nothing past its struct
 /// is written; a newer, larger layout gets zeroes for unknown fields; a
 /// size below the first layout, unaligned or never set is
 /// `KSP_ERR_STRUCT_SIZE` with nothing written or consumed.
@@ -272,6 +272,10 @@ fn header_constants_match_the_library() {
         ("KSP_BATCH_MIN_SIZE", kspeed::capi::KSP_BATCH_MIN_SIZE),
         ("KSP_SAMPLE_MIN_SIZE", kspeed::capi::KSP_SAMPLE_MIN_SIZE),
         ("KSP_STATS_MIN_SIZE", kspeed::capi::KSP_STATS_MIN_SIZE),
+        (
+            "KSP_CATALOG_SAMPLE_MIN_SIZE",
+            kspeed::capi::KSP_CATALOG_SAMPLE_MIN_SIZE,
+        ),
         ("KSP_MAX_STRUCT_SIZE", kspeed::capi::KSP_MAX_STRUCT_SIZE),
     ] {
         assert!(

@@ -147,14 +147,13 @@ impl Drop for Serve {
 }
 
 fn ring(bytes: u64) -> LandingOptions {
-    LandingOptions {
-        ring_bytes: bytes,
-        huge_pages: false,
-        mlock: false,
-        numa_node: None,
-        gpu_pci: None,
-        cuda: CudaMode::Off,
-    }
+    LandingOptions::default()
+        .ring_bytes(bytes)
+        .huge_pages(false)
+        .mlock(false)
+        .numa_node(None)
+        .gpu_pci(None)
+        .cuda(CudaMode::Off)
 }
 
 /// A generated dataset preloaded onto `nodes` spaces with `replicas` copies.
@@ -221,14 +220,12 @@ fn check(loader: &mut Loader, cat: &Catalog, rank: u32, world: u32, epochs: u64)
     // memory where earlier samples' bytes legitimately remain.
     let ring_bytes = loader.landing_info().bytes as usize;
     let mut lap_bytes = 0usize;
-    let sampler = Sampler::new(SamplerConfig {
-        len: cat.len(),
-        seed: 3,
-        shuffle: true,
-        rank,
-        world,
-        drop_last: false,
-    })
+    let sampler = Sampler::new(
+        SamplerConfig::single(cat.len(), 3)
+            .rank_world(rank, world)
+            .shuffle(true)
+            .drop_last(false),
+    )
     .unwrap();
     let mut n = 0;
     for e in 0..epochs {
@@ -395,14 +392,12 @@ fn owner_trouble(
         .landing(ring(8 << 20))
         .build()
         .unwrap();
-    let sampler = Sampler::new(SamplerConfig {
-        len: cat.len(),
-        seed: 3,
-        shuffle: true,
-        rank: 0,
-        world: 1,
-        drop_last: false,
-    })
+    let sampler = Sampler::new(
+        SamplerConfig::single(cat.len(), 3)
+            .rank_world(0, 1)
+            .shuffle(true)
+            .drop_last(false),
+    )
     .unwrap();
     let t0 = Instant::now();
     let mut k = 0;
@@ -1872,11 +1867,11 @@ fn local_trouble(
         .landing(ring(1 << 20))
         .verify_crc32c(corrupt);
     if eio_ppm > 0 {
-        b = b.fault_injection(kspeed::ring::FaultConfig {
-            seed: 11,
-            eio_ppm,
-            ..Default::default()
-        });
+        b = b.fault_injection(
+            kspeed::loader::FaultConfig::default()
+                .seed(11)
+                .eio_ppm(eio_ppm),
+        );
     }
     (st, serves, cat, b.build().unwrap())
 }
@@ -1897,14 +1892,12 @@ fn local_crc_mismatch_fails_over_to_the_replica() {
     // Not `check`: its padding test assumes the extents' padding is zero,
     // and the flipped stretch covers some of it (the pollers read whole
     // aligned slots, padding included).
-    let sampler = Sampler::new(SamplerConfig {
-        len: cat.len(),
-        seed: 3,
-        shuffle: true,
-        rank: 0,
-        world: 1,
-        drop_last: false,
-    })
+    let sampler = Sampler::new(
+        SamplerConfig::single(cat.len(), 3)
+            .rank_world(0, 1)
+            .shuffle(true)
+            .drop_last(false),
+    )
     .unwrap();
     let mut n = 0;
     for e in 0..2 {
@@ -2562,14 +2555,12 @@ fn capi_cluster_keys_from_hostlist_pattern_and_environment() {
         }
     };
     let order = |rank: u32, world: u32| -> Vec<u64> {
-        let sm = Sampler::new(SamplerConfig {
-            len: 300,
-            seed: 3,
-            shuffle: true,
-            rank,
-            world,
-            drop_last: false,
-        })
+        let sm = Sampler::new(
+            SamplerConfig::single(300, 3)
+                .rank_world(rank, world)
+                .shuffle(true)
+                .drop_last(false),
+        )
         .unwrap();
         (0..sm.per_rank()).map(|k| sm.sample(0, k)).collect()
     };

@@ -11,20 +11,19 @@ use std::process::Command;
 use common::*;
 use kspeed::dataset::{Catalog, Space};
 use kspeed::landing::{CudaMode, LandingOptions};
+use kspeed::loader::FaultConfig;
 use kspeed::loader::{Loader, LoaderBuilder};
-use kspeed::ring::FaultConfig;
 use kspeed::sampler::{Position, Sampler, SamplerConfig};
 use kspeed::Error;
 
 fn small_ring(bytes: u64) -> LandingOptions {
-    LandingOptions {
-        ring_bytes: bytes,
-        huge_pages: false,
-        mlock: true,
-        numa_node: None,
-        gpu_pci: None,
-        cuda: CudaMode::Off,
-    }
+    LandingOptions::default()
+        .ring_bytes(bytes)
+        .huge_pages(false)
+        .mlock(true)
+        .numa_node(None)
+        .gpu_pci(None)
+        .cuda(CudaMode::Off)
 }
 
 /// A preloaded space with awkward sizes (0, 1, 4095, 4096, 4097, 300000...)
@@ -146,14 +145,12 @@ fn ordered_and_byte_identical_across_configs() {
             }
             Err(e) => panic!("build {batch} {ring}: {e}"),
         };
-        let sampler = Sampler::new(SamplerConfig {
-            len: cat.len(),
-            seed: 11,
-            shuffle: true,
-            rank,
-            world,
-            drop_last,
-        })
+        let sampler = Sampler::new(
+            SamplerConfig::single(cat.len(), 11)
+                .rank_world(rank, world)
+                .shuffle(true)
+                .drop_last(drop_last),
+        )
         .unwrap();
         let n = check_epochs(&mut loader, cat, &sampler, 0..3, batch);
         assert_eq!(n, 3 * loader.epoch_len());
@@ -237,11 +234,8 @@ fn without_shuffle_in_id_order_and_restart_at_any_epoch() {
     assert_eq!(ids, (0..10).collect::<Vec<_>>());
     drop(b);
     // Jump to epoch 5 mid-epoch: restarts there.
-    let sampler = Sampler::new(SamplerConfig {
-        shuffle: false,
-        ..SamplerConfig::single(space.catalog().len(), 0)
-    })
-    .unwrap();
+    let sampler =
+        Sampler::new(SamplerConfig::single(space.catalog().len(), 0).shuffle(false)).unwrap();
     check_epochs(&mut loader, space.catalog(), &sampler, 5..7, 10);
 }
 
@@ -302,14 +296,12 @@ fn save_and_resume_position() {
     .collect();
     assert_eq!(rest, resumed);
     // And the next epoch continues normally.
-    let sampler = Sampler::new(SamplerConfig {
-        len: cat.len(),
-        seed: 3,
-        shuffle: true,
-        rank: 1,
-        world: 2,
-        drop_last: false,
-    })
+    let sampler = Sampler::new(
+        SamplerConfig::single(cat.len(), 3)
+            .rank_world(1, 2)
+            .shuffle(true)
+            .drop_last(false),
+    )
     .unwrap();
     check_epochs(&mut b, cat, &sampler, 2..3, 6);
     // A position from another configuration is refused.
@@ -336,13 +328,13 @@ fn injected_eio_is_a_named_error_after_correct_samples() {
         .batch_size(4)
         .pollers(2)
         .landing(small_ring(1 << 20))
-        .fault_injection(FaultConfig {
-            seed: 5,
-            eio_ppm: 30_000,
-            short_ppm: 0,
-            delay_ppm: 0,
-            ..Default::default()
-        })
+        .fault_injection(
+            FaultConfig::default()
+                .seed(5)
+                .eio_ppm(30_000)
+                .short_ppm(0)
+                .delay_ppm(0),
+        )
         .build()
         .unwrap();
     let mut k = 0u64;
@@ -412,13 +404,13 @@ fn short_reads_are_retried_and_delays_keep_order() {
         .pollers(2)
         .queue_depth(8)
         .landing(small_ring(1 << 20))
-        .fault_injection(FaultConfig {
-            seed: 9,
-            eio_ppm: 0,
-            short_ppm: 150_000,
-            delay_ppm: 300_000,
-            ..Default::default()
-        })
+        .fault_injection(
+            FaultConfig::default()
+                .seed(9)
+                .eio_ppm(0)
+                .short_ppm(150_000)
+                .delay_ppm(300_000),
+        )
         .build()
         .unwrap();
     let sampler = Sampler::new(SamplerConfig::single(cat.len(), 2)).unwrap();
@@ -686,13 +678,13 @@ fn large_samples_are_read_in_parts() {
         .queue_depth(3)
         .max_read_bytes(4096)
         .landing(small_ring(1 << 20))
-        .fault_injection(FaultConfig {
-            seed: 2,
-            eio_ppm: 0,
-            short_ppm: 50_000,
-            delay_ppm: 200_000,
-            ..Default::default()
-        })
+        .fault_injection(
+            FaultConfig::default()
+                .seed(2)
+                .eio_ppm(0)
+                .short_ppm(50_000)
+                .delay_ppm(200_000),
+        )
         .build()
         .unwrap();
     check_epochs(&mut loader, cat, &sampler, 0..2, 5);
@@ -716,10 +708,7 @@ fn sqpoll_and_numa_binding() {
     let mut loader = LoaderBuilder::space(&sp)
         .seed(12)
         .sqpoll(Some(50))
-        .landing(LandingOptions {
-            numa_node: numa,
-            ..small_ring(1 << 20)
-        })
+        .landing(small_ring(1 << 20).numa_node(numa))
         .build()
         .unwrap();
     assert_eq!(loader.landing_info().numa_node, numa);
@@ -1180,12 +1169,12 @@ fn submit_failures_eagain_and_panics_reap_their_reads() {
             .unwrap()
     };
     // A ring that fails for good at its 20th submission.
-    let mut l = build(FaultConfig {
-        seed: 1,
-        submit_fail_after: 20,
-        submit_errno: libc::ENOMEM,
-        ..Default::default()
-    });
+    let mut l = build(
+        FaultConfig::default()
+            .seed(1)
+            .submit_fail_after(20)
+            .submit_errno(libc::ENOMEM),
+    );
     let e = read_until_error(&mut l, cat, 3).expect("the failed ring is an error");
     match e.root() {
         Error::Uring { what, source } => {
@@ -1200,22 +1189,14 @@ fn submit_failures_eagain_and_panics_reap_their_reads() {
     drop(l);
 
     // Transient EAGAIN on a third of the submissions: retried, nothing lost.
-    let mut l = build(FaultConfig {
-        seed: 2,
-        eagain_ppm: 300_000,
-        ..Default::default()
-    });
+    let mut l = build(FaultConfig::default().seed(2).eagain_ppm(300_000));
     assert!(read_until_error(&mut l, cat, 3).is_none());
     assert_eq!(l.stats().samples, 1800);
     drop(l);
 
     // A poller panics with reads in flight: the unwinding drop cancels and
     // reaps them before the ring goes; the consumer gets a named error.
-    let mut l = build(FaultConfig {
-        seed: 3,
-        panic_after_completions: 100,
-        ..Default::default()
-    });
+    let mut l = build(FaultConfig::default().seed(3).panic_after_completions(100));
     let e = read_until_error(&mut l, cat, 3).expect("the panic is an error");
     assert!(
         matches!(e.root(), Error::ThreadPanicked { thread: "poller" }),

@@ -797,11 +797,9 @@ fn full_disk_is_a_named_error() {
         "{e}"
     );
     // Without it, the write that hits ENOSPC is reported as a full disk.
-    let opts = PreloadOptions {
-        source: Some(SourceSpec::parse(s(&src)).unwrap()),
-        check_free_space: false,
-        ..Default::default()
-    };
+    let opts = PreloadOptions::default()
+        .source(Some(SourceSpec::parse(s(&src)).unwrap()))
+        .check_free_space(false);
     match dataset::preload(&sp, &opts) {
         Err(Error::DiskFull { path, needed, .. }) => {
             assert!(path.starts_with(&mnt.0), "{}", path.display());

@@ -628,27 +628,26 @@ fn consumer(d: &Data, addrs: &[String]) -> LoaderBuilder {
         .pollers(1)
         .pin(false)
         .node_timeout(Duration::from_secs(5))
-        .landing(LandingOptions {
-            ring_bytes: 1 << 20,
-            huge_pages: false,
-            mlock: false,
-            numa_node: None,
-            gpu_pci: None,
-            cuda: CudaMode::Off,
-        })
+        .landing(
+            LandingOptions::default()
+                .ring_bytes(1 << 20)
+                .huge_pages(false)
+                .mlock(false)
+                .numa_node(None)
+                .gpu_pci(None)
+                .cuda(CudaMode::Off),
+        )
         .rdma(Some(RdmaOptions::default()))
 }
 
 /// Reads `epochs` and checks every sample's id and CRC32C; returns the count.
 fn read_exact(l: &mut kspeed::loader::Loader, cat: &Catalog, epochs: u64) -> u64 {
-    let sampler = Sampler::new(SamplerConfig {
-        len: cat.len(),
-        seed: 3,
-        shuffle: true,
-        rank: 0,
-        world: 1,
-        drop_last: false,
-    })
+    let sampler = Sampler::new(
+        SamplerConfig::single(cat.len(), 3)
+            .rank_world(0, 1)
+            .shuffle(true)
+            .drop_last(false),
+    )
     .unwrap();
     let mut n = 0;
     for e in 0..epochs {

@@ -215,7 +215,7 @@ public:
         return n;
     }
     ksp_catalog_sample catalog_sample(uint64_t id) const {
-        ksp_catalog_sample c{};
+        ksp_catalog_sample c = KSP_CATALOG_SAMPLE_INIT;
         check(ksp_loader_catalog_sample(p_, id, &c));
         return c;
     }

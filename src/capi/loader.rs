@@ -349,16 +349,46 @@ pub unsafe extern "C" fn ksp_loader_stats(l: *const ksp_loader, out: *mut ksp_st
 }
 
 /// What the catalog says about one sample.
+///
+/// Extensible like [`ksp_stats`]: set `struct_size` to
+/// `sizeof(ksp_catalog_sample)` before the call
+/// (`ksp_catalog_sample c = KSP_CATALOG_SAMPLE_INIT;`). The library fills
+/// the fields that fit in `struct_size` and writes nothing past it; a
+/// larger (newer) layout's unknown fields are zeroed. New fields are only
+/// ever appended. `struct_size` below `KSP_CATALOG_SAMPLE_MIN_SIZE` (the
+/// first layout, ending at `label`) is `KSP_ERR_STRUCT_SIZE`.
 #[repr(C)]
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy)]
 pub struct ksp_catalog_sample {
+    /// Set by the caller: `sizeof(ksp_catalog_sample)` as it was compiled.
+    pub struct_size: usize,
     /// Length in bytes.
     pub len: u64,
     /// CRC32C of its bytes.
     pub crc32c: u32,
+    /// Always 0 (keeps every field on an 8-byte boundary).
+    pub reserved: u32,
     /// Label, or -1 when the source has none.
     pub label: i64,
 }
+
+impl Default for ksp_catalog_sample {
+    /// Zeroes with this build's `struct_size` (`KSP_CATALOG_SAMPLE_INIT`).
+    fn default() -> Self {
+        ksp_catalog_sample {
+            struct_size: std::mem::size_of::<ksp_catalog_sample>(),
+            len: 0,
+            crc32c: 0,
+            reserved: 0,
+            label: 0,
+        }
+    }
+}
+
+/// Smallest `ksp_catalog_sample.struct_size` accepted: the first layout,
+/// which ended at `label`.
+pub const KSP_CATALOG_SAMPLE_MIN_SIZE: usize =
+    offset_of!(ksp_catalog_sample, label) + size_of::<i64>();
 
 /// Samples in the loader's catalog (the whole dataset), in `*out`.
 ///
@@ -376,13 +406,16 @@ pub unsafe extern "C" fn ksp_loader_catalog_len(l: *const ksp_loader, out: *mut 
     })
 }
 
-/// The catalog's record of sample `id` (length, CRC32C, label), in `*out`;
+/// The catalog's record of sample `id` (length, CRC32C, label), in `*out`
+/// (set `out->struct_size` first; see [`ksp_catalog_sample`]);
 /// `KSP_ERR_INVALID_ARG` when `id` is past the catalog.
 ///
-/// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_INVALID_ARG`.
+/// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_STRUCT_SIZE`;
+/// `KSP_ERR_INVALID_ARG`.
 ///
 /// # Safety
-/// `l` is a live loader; `out` writable.
+/// `l` is a live loader; `out` points to a `ksp_catalog_sample` of the
+/// layout its `struct_size` says, writable.
 #[no_mangle]
 pub unsafe extern "C" fn ksp_loader_catalog_sample(
     l: *const ksp_loader,
@@ -390,8 +423,13 @@ pub unsafe extern "C" fn ksp_loader_catalog_sample(
     out: *mut ksp_catalog_sample,
 ) -> ksp_status {
     guard(|| {
-        // SAFETY: live loader; out writable (contract).
-        let (h, out) = unsafe { (ksp_loader::try_ref(l)?, Out::new(out, "out")?) };
+        // SAFETY: live loader; out sized by its struct_size (contract).
+        let (h, out) = unsafe {
+            (
+                ksp_loader::try_ref(l)?,
+                SizedOut::new(out, "out", KSP_CATALOG_SAMPLE_MIN_SIZE)?,
+            )
+        };
         let cat = h.loader.catalog();
         if id >= cat.len() {
             return Err(Fail::Invalid(format!(
@@ -401,8 +439,10 @@ pub unsafe extern "C" fn ksp_loader_catalog_sample(
         }
         let s = cat.sample(id);
         out.set(ksp_catalog_sample {
+            struct_size: 0, // not written: the caller's
             len: s.len as u64,
             crc32c: s.crc32c,
+            reserved: 0,
             label: s.label.map_or(-1, |x| x as i64),
         });
         Ok(())

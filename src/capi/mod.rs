@@ -53,7 +53,8 @@ pub use loader::{
     ksp_catalog_sample, ksp_loader, ksp_loader_batches_per_epoch, ksp_loader_catalog_len,
     ksp_loader_catalog_sample, ksp_loader_epoch_len, ksp_loader_free, ksp_loader_new,
     ksp_loader_position, ksp_loader_restore_position, ksp_loader_save_position,
-    ksp_loader_set_epoch, ksp_loader_stats, ksp_stats, KSP_STATS_MIN_SIZE,
+    ksp_loader_set_epoch, ksp_loader_stats, ksp_stats, KSP_CATALOG_SAMPLE_MIN_SIZE,
+    KSP_STATS_MIN_SIZE,
 };
 pub use log::{ksp_log_callback, ksp_set_log_callback};
 pub use service::{
@@ -75,7 +76,11 @@ use crate::sampler::POSITION_BYTES;
 /// `ksp_stats` gains `p90_us`, `p999_us`, `max_us`, `latency_reads`;
 /// `KSP_ERR_STRUCT_SIZE`; `ksp_test_panic` only in builds with the
 /// `test-panic` feature.
-pub const KSP_ABI_VERSION: u32 = 3;
+///
+/// 4: `ksp_catalog_sample` starts with a caller-set `struct_size` too
+/// (`KSP_CATALOG_SAMPLE_INIT`, `KSP_CATALOG_SAMPLE_MIN_SIZE`), and its
+/// padding after `crc32c` is the named field `reserved`.
+pub const KSP_ABI_VERSION: u32 = 4;
 
 /// Bytes of a saved loader position.
 pub const KSP_POSITION_BYTES: usize = POSITION_BYTES;

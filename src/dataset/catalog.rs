@@ -72,6 +72,7 @@ pub struct SourceFile<'a> {
 
 /// Options for building a catalog.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct BuildOptions {
     /// Reader threads for the checksum pass.
     pub threads: usize,
@@ -90,6 +91,12 @@ impl Default for BuildOptions {
         }
     }
 }
+
+setters!(BuildOptions {
+    threads: usize,
+    progress: ProgressMode,
+    scan: ScanOptions,
+});
 
 /// An open, validated catalog.
 pub struct Catalog {
@@ -257,7 +264,7 @@ fn checksum_all(scan: &Scan, opts: &BuildOptions) -> Result<Vec<u32>> {
 }
 
 /// Writes a catalog for `scan` with the given per-sample CRCs.
-pub fn write(scan: &Scan, crcs: &[u32], out: &Path) -> Result<()> {
+pub(crate) fn write(scan: &Scan, crcs: &[u32], out: &Path) -> Result<()> {
     assert_eq!(crcs.len(), scan.samples.len());
     let n = scan.samples.len() as u64;
     let nf = scan.files.len() as u64;

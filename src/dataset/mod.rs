@@ -18,6 +18,9 @@ pub use repair::{repair, RepairReport};
 pub use source::{ScanNotes, ScanOptions, SourceKind, SourceSpec};
 pub use space::{BadKind, BadSample, LayoutParams, Location, Space, VerifyReport};
 
+/// The default thread count of the bulk passes (checksums, preload,
+/// verify): the CPUs this process may use.
+pub use crate::par::default_threads;
 /// Raises the open-files soft limit to the hard limit (see the function in
 /// `sys`); the CLI, preload and verify call it at start.
 pub use crate::sys::raise_open_files_limit;

@@ -29,6 +29,7 @@ const JOURNAL_VERSION: u32 = 1;
 
 /// Preload settings. `Default` is one node holding everything.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct PreloadOptions {
     /// The source; may be omitted when the space already has a catalog.
     pub source: Option<SourceSpec>,
@@ -84,6 +85,23 @@ impl Default for PreloadOptions {
     }
 }
 
+setters!(PreloadOptions {
+    source: Option<SourceSpec>,
+    catalog: Option<PathBuf>,
+    placement: Placement,
+    node_index: u32,
+    align_bytes: u32,
+    extent_bytes: u64,
+    threads: usize,
+    progress: ProgressMode,
+    refresh: bool,
+    checkpoint_bytes: u64,
+    max_bytes_per_sec: Option<u64>,
+    check_free_space: bool,
+    scan: ScanOptions,
+    file_mode: u32,
+});
+
 /// The directory mode matching a file mode: `x` wherever `r` is set.
 pub(crate) fn dir_mode(file_mode: u32) -> u32 {
     let m = file_mode & 0o777;
@@ -108,6 +126,7 @@ fn chmod(path: &Path, mode: u32) -> Result<()> {
 
 /// What a preload did.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct PreloadReport {
     /// The space was already complete; nothing was copied.
     pub up_to_date: bool,

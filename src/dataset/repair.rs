@@ -13,6 +13,7 @@ use crate::error::{Error, IoContext, Result, SourceChange};
 
 /// What [`repair`] did.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct RepairReport {
     /// Ids of the samples copied again, ascending.
     pub repaired: Vec<u64>,

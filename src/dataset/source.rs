@@ -148,6 +148,7 @@ impl SourceSpec {
 /// How a scan treats entries that are not plain samples. `Default` is the
 /// strict setting: anything that could lose or invent a sample is an error.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct ScanOptions {
     /// Skip FIFOs, devices and sockets (counted in [`ScanNotes`]) instead of
     /// refusing them with [`Error::NotRegularFile`].
@@ -170,9 +171,17 @@ pub struct ScanOptions {
     pub members: Vec<String>,
 }
 
+setters!(ScanOptions {
+    skip_special: bool,
+    follow_symlinks: bool,
+    skip_bad_members: bool,
+    members: Vec<String>,
+});
+
 /// What a scan noticed without failing: every entry it did not turn into a
 /// sample, so nothing is dropped without a word.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct ScanNotes {
     /// One line per thing the user should know (skipped entries, damaged
     /// members skipped, a directory of `.tar` files read as plain files).
@@ -213,7 +222,7 @@ impl ScanNotes {
 
 /// A source file as found when scanning.
 #[derive(Debug, Clone)]
-pub struct ScannedFile {
+pub(crate) struct ScannedFile {
     /// Path relative to the source root (or absolute, from a file list).
     pub name: PathBuf,
     /// Size in bytes.
@@ -224,7 +233,7 @@ pub struct ScannedFile {
 
 /// A sample as found when scanning (its CRC comes later, from reading it).
 #[derive(Debug, Clone, Copy)]
-pub struct ScannedSample {
+pub(crate) struct ScannedSample {
     /// Index into the file table.
     pub file: u32,
     /// Byte offset inside that file (0 except for tar members).
@@ -237,7 +246,7 @@ pub struct ScannedSample {
 
 /// The result of listing a source.
 #[derive(Debug, Clone)]
-pub struct Scan {
+pub(crate) struct Scan {
     /// The source.
     pub spec: SourceSpec,
     /// Files, in first-use order.
@@ -290,7 +299,7 @@ pub fn stat_pair(md: &fs::Metadata) -> (u64, i64) {
 
 /// Lists the samples of a source. Reads nothing but metadata (and, for tar
 /// shards, the tar headers and `.cls` members).
-pub fn scan(spec: &SourceSpec, opts: &ScanOptions) -> Result<Scan> {
+pub(crate) fn scan(spec: &SourceSpec, opts: &ScanOptions) -> Result<Scan> {
     let mut scan = Scan {
         spec: spec.clone(),
         files: Vec::new(),
@@ -335,7 +344,7 @@ pub fn scan(spec: &SourceSpec, opts: &ScanOptions) -> Result<Scan> {
 /// now, in scan order, without reading any file: the ImageFolder walk, the
 /// list's paths, or the shards. Preload compares them with the catalog's to
 /// notice changes and additions with one `stat` per file.
-pub fn current_files(spec: &SourceSpec, opts: &ScanOptions) -> Result<Vec<ScannedFile>> {
+pub(crate) fn current_files(spec: &SourceSpec, opts: &ScanOptions) -> Result<Vec<ScannedFile>> {
     let mut scan = Scan {
         spec: spec.clone(),
         files: Vec::new(),

@@ -289,6 +289,7 @@ fn io_bad(e: &std::io::Error, doing: &str) -> (BadKind, String) {
 
 /// What [`Space::verify`] found.
 #[derive(Debug, Default)]
+#[non_exhaustive]
 pub struct VerifyReport {
     /// Samples checked.
     pub checked: u64,

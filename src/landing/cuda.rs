@@ -55,7 +55,7 @@ enum Kind {
 }
 
 /// A live registration; unregisters on drop.
-pub struct Registration {
+pub(crate) struct Registration {
     lib: Library,
     name: &'static str,
     ptr: *mut c_void,
@@ -69,7 +69,7 @@ unsafe impl Send for Registration {}
 unsafe impl Sync for Registration {}
 
 /// Whether a CUDA library and at least one device are present, and which library.
-pub fn probe() -> Result<&'static str, String> {
+pub(crate) fn probe() -> Result<&'static str, String> {
     if let Ok((lib, name)) = open_first(RUNTIME_LIBS) {
         // SAFETY: symbol type matches cudaGetDeviceCount's C signature.
         let count: libloading::Symbol<CudartCount> =

@@ -34,6 +34,7 @@ pub enum CudaMode {
 
 /// Landing ring settings.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct LandingOptions {
     /// Size in bytes (rounded up to whole pages).
     pub ring_bytes: u64,
@@ -62,8 +63,18 @@ impl Default for LandingOptions {
     }
 }
 
+setters!(LandingOptions {
+    ring_bytes: u64,
+    huge_pages: bool,
+    mlock: bool,
+    numa_node: Option<u32>,
+    gpu_pci: Option<String>,
+    cuda: CudaMode,
+});
+
 /// What the landing ring ended up with.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct LandingInfo {
     /// Bytes mapped.
     pub bytes: u64,
@@ -90,7 +101,7 @@ pub struct LandingInfo {
 const HUGE_PAGE: u64 = 2 << 20;
 
 /// The ring's memory.
-pub struct LandingRing {
+pub(crate) struct LandingRing {
     ptr: NonNull<u8>,
     len: usize,
     info: LandingInfo,
@@ -304,11 +315,6 @@ impl LandingRing {
     /// Length in bytes.
     pub fn len(&self) -> usize {
         self.len
-    }
-
-    /// Whether the ring is empty (never).
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
     }
 
     /// Base pointer for I/O into the ring (io_uring, memcpy from the tier).

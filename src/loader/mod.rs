@@ -17,15 +17,15 @@
 //! # Ok(()) }
 //! ```
 //!
-//! How it works: the schedule ([`schedule`]) gives every sample of the rank's
+//! How it works: the schedule (`loader::schedule`) gives every sample of the rank's
 //! sequence a slot in the ring, computed alike by the consumer and by each
 //! poller. Poller `p` reads samples `g` with `g mod P == p` once their slot is
 //! free (behind the consumer's released mark) and publishes `g` in a ready
 //! table; the consumer waits on that table (spin, then futex). Nothing per
 //! sample crosses threads but that one atomic store.
 
-pub mod schedule;
-pub mod tier;
+pub(crate) mod schedule;
+pub(crate) mod tier;
 
 mod batch;
 mod builder;
@@ -49,6 +49,8 @@ use crate::ring::IoBackend;
 use crate::sampler::{Position, Sampler, POSITION_BYTES};
 use schedule::{Cursor, Geometry, Placed};
 
+/// Fault injection for tests of the read path ([`LoaderBuilder::fault_injection`]).
+pub use crate::ring::FaultConfig;
 use batch::Entry;
 pub use batch::{Batch, BatchSample, DeviceSample};
 pub use builder::*;

@@ -115,11 +115,6 @@ impl Cursor {
         self.g
     }
 
-    /// Whether the next sample starts a new epoch (the current one is used up).
-    pub fn at_epoch_end(&self) -> bool {
-        self.pos.index >= self.steps
-    }
-
     /// Schedules the next sample.
     pub fn next(&mut self, catalog: &Catalog) -> Placed {
         self.next_with(|id| catalog.sample(id).len as u64)

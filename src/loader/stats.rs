@@ -62,6 +62,7 @@ impl Totals {
 }
 /// Latency percentiles in microseconds.
 #[derive(Debug, Clone, Copy, Default)]
+#[non_exhaustive]
 pub struct Latency {
     /// Reads measured.
     pub count: u64,
@@ -84,6 +85,7 @@ pub struct Latency {
 /// either still waiting (`read_ahead`) or were thrown away
 /// (`read_ahead_discarded`).
 #[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
 pub struct Stats {
     /// Samples delivered.
     pub samples: u64,
@@ -122,6 +124,7 @@ pub struct Stats {
 /// The pollers' placement in [`Stats`] (counts; [`Loader::placement`](super::Loader::placement) has
 /// the cores themselves).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct PlacementStats {
     /// This loader's rank among the node's ranks.
     pub local_rank: u32,

@@ -428,6 +428,7 @@ impl Drop for Uring {
 
 /// Fault rates, in parts per million of reads, and the seed.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct FaultConfig {
     /// Seed of the fault sequence.
     pub seed: u64,
@@ -448,6 +449,17 @@ pub struct FaultConfig {
     /// panics, as a bug in the poller would, with reads in flight.
     pub panic_after_completions: u64,
 }
+
+setters!(FaultConfig {
+    seed: u64,
+    eio_ppm: u32,
+    short_ppm: u32,
+    delay_ppm: u32,
+    eagain_ppm: u32,
+    submit_fail_after: u32,
+    submit_errno: i32,
+    panic_after_completions: u64,
+});
 
 /// Wraps a backend and injects faults into its completions.
 pub struct Faulty<B> {

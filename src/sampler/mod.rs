@@ -84,6 +84,7 @@ impl Permutation {
 
 /// What a rank's sequence depends on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct SamplerConfig {
     /// Dataset length N.
     pub len: u64,
@@ -119,6 +120,23 @@ impl SamplerConfig {
             h = mix64(h ^ v);
         }
         h
+    }
+}
+
+setters!(SamplerConfig {
+    len: u64,
+    seed: u64,
+    shuffle: bool,
+    drop_last: bool,
+});
+
+impl SamplerConfig {
+    /// Sets this rank and the world size (builder style).
+    #[must_use]
+    pub fn rank_world(mut self, rank: u32, world: u32) -> Self {
+        self.rank = rank;
+        self.world = world;
+        self
     }
 }
 

@@ -146,7 +146,7 @@ impl Cluster {
     }
 
     /// The hosts of a SLURM hostlist (`gpu[01-04,07]`, see
-    /// [`super::hostlist`]), in the order it names them, each at `port`:
+    /// `transport::hostlist`), in the order it names them, each at `port`:
     /// node `i` is the `i`-th host, which is also SLURM's node index
     /// (`SLURM_NODEID`) when the list is `SLURM_JOB_NODELIST`.
     pub fn from_hostlist(list: &str, port: u16) -> Result<Cluster> {

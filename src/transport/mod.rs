@@ -3,28 +3,34 @@
 //! The protocol ([`proto`], docs/PROTOCOL.md) is shaped for one-sided
 //! writes: a consumer *grants* an owner ranges of its registered landing
 //! ring, the owner writes each sample's bytes into its granted range and the
-//! completion carries the grant id. Over TCP ([`serve`] on the owner side,
+//! completion carries the grant id. Over TCP (`serve` on the owner side,
 //! the loader's network thread on the consumer side) a write is a DATA frame
 //! whose header names the grant and the ring offset, checked against the
 //! outstanding grant before a single payload byte lands; over RDMA it is a
 //! WRITE_WITH_IMM (immediate = grant id) into a region registered for
-//! remote write. [`Link`] is that owner-side seam: [`tcp::TcpLink`]
+//! remote write. `Link` is that owner-side seam: `tcp::TcpLink`
 //! implements it over the poller's io_uring, `rdma::RdmaLink` (with the
 //! `rdma` feature) over an RC queue pair.
 
 pub mod cluster;
-pub mod hostlist;
+pub(crate) mod hostlist;
 pub mod proto;
+// The verbs layer and the RDMA link: not part of the API (not in the docs
+// or api/kspeed.txt); public only because tests/rdma.rs drives the verbs
+// in the soft-RoCE VM and `kspeed inspect` lists devices. Moving those
+// tests into unit tests would let this become pub(crate).
 #[cfg(feature = "rdma")]
+#[doc(hidden)]
 pub mod rdma;
 pub(crate) mod rx;
-pub mod serve;
-pub mod tcp;
+pub(crate) mod serve;
+pub(crate) mod tcp;
 
 use std::io;
 
 /// A finished piece of work posted to a [`Link`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[doc(hidden)]
 pub struct Done {
     /// The id given when it was posted (the poster's slot index).
     pub wr_id: u64,
@@ -45,6 +51,7 @@ pub struct Done {
 /// - [`Link::flush`] hands what was posted to the transport in one go (one
 ///   doorbell, or one `sendmsg` for many frames);
 /// - completions are polled in batches with [`Link::poll`].
+#[doc(hidden)]
 pub trait Link {
     /// What submissions go through: the poller's io_uring for TCP; the
     /// verbs backend rings its queue pair's doorbell itself.
@@ -92,6 +99,7 @@ pub trait Link {
 /// Which RDMA device, port and GID a node service or a loader uses for the
 /// RDMA transport.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct RdmaOptions {
     /// Device name (`mlx5_0`, `rxe0`); `None`: the first device.
     pub device: Option<String>,
@@ -113,8 +121,14 @@ impl Default for RdmaOptions {
     }
 }
 
+setters!(RdmaOptions {
+    device: Option<String>,
+    port: u8,
+    gid_index: Option<u8>,
+});
+
 /// Whether this build has the RDMA transport (the `rdma` feature).
 pub const RDMA_BUILT: bool = cfg!(feature = "rdma");
 
 pub use cluster::{Cluster, ClusterSpec, LaunchEnv, Node, DEFAULT_PORT};
-pub use serve::{NodeService, ServeConfig, ServeStats};
+pub use serve::{serve_until_signal, NodeService, ServeConfig, ServeStats, MIN_IDLE_TIMEOUT};

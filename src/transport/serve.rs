@@ -40,6 +40,7 @@ use crate::sys::AlignedBuf;
 
 /// Node service settings.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct ServeConfig {
     /// The preloaded space this node serves.
     pub space: PathBuf,
@@ -200,6 +201,7 @@ pub const MIN_IDLE_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// Counters of a running service.
 #[derive(Debug, Default)]
+#[non_exhaustive]
 pub struct ServeStats {
     /// Connections accepted past HELLO.
     pub connections: AtomicU64,

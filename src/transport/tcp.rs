@@ -83,11 +83,6 @@ impl TcpLink {
         self.in_flight > 0
     }
 
-    /// Posted frames not yet completed.
-    pub fn queued(&self) -> usize {
-        self.queue.len()
-    }
-
     /// Takes the completion of this link's `sendmsg` (`res`: bytes sent or
     /// -errno): frames sent whole complete; a partly sent one stays first.
     pub fn on_send(&mut self, res: i32) {

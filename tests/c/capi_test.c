@@ -71,7 +71,7 @@ static uint64_t read_epoch(ksp_loader *l, uint64_t epoch, uint64_t *ids, uint64_
         CHECK(b.span == b.samples[0].data, "span starts at the first sample");
         for (size_t i = 0; i < b.count; i++) {
             const ksp_sample *s = &b.samples[i];
-            ksp_catalog_sample c;
+            ksp_catalog_sample c = KSP_CATALOG_SAMPLE_INIT;
             CHECK(ksp_loader_catalog_sample(l, s->id, &c) == KSP_OK, "%s", last_error());
             CHECK(s->len == c.len, "sample %llu length", (unsigned long long)s->id);
             CHECK(crc32c(s->data, s->len) == c.crc32c, "sample %llu bytes",
@@ -197,7 +197,7 @@ int main(int argc, char **argv) {
     uint64_t per_epoch = 0, total = 0;
     CHECK(ksp_loader_epoch_len(l, &per_epoch) == KSP_OK && per_epoch > 0, "%s", last_error());
     CHECK(ksp_loader_catalog_len(l, &total) == KSP_OK && total == per_epoch, "%s", last_error());
-    ksp_catalog_sample cs;
+    ksp_catalog_sample cs = KSP_CATALOG_SAMPLE_INIT;
     CHECK(ksp_loader_catalog_sample(l, total, &cs) == KSP_ERR_INVALID_ARG, "id past the catalog");
     for (uint64_t e = 0; e < 2; e++) {
         uint64_t got = read_epoch(l, e, NULL, 0);

@@ -1,5 +1,5 @@
-/* The C ABI's extensible structs (ksp_stats, ksp_batch and its ksp_sample
- * array): a caller compiled against an older, smaller layout still works
+/* The C ABI's extensible structs (ksp_stats, ksp_catalog_sample, ksp_batch
+ * and its ksp_sample array): a caller compiled against an older, smaller layout still works
  * and nothing past its struct is written; a caller compiled against a
  * newer, larger layout gets the fields the library knows and zeroes for
  * the rest; a size below the first layout (or one that was never set) is
@@ -57,7 +57,16 @@ struct old_stats {
         source_reads, read_ahead, read_ahead_discarded;
 };
 
-/* ksp_stats, ksp_sample and ksp_batch as a program compiled against a
+/* ksp_catalog_sample as a program compiled against its first layout (ABI
+ * 4) sees it: it ended at label. */
+struct old_catalog_sample {
+    size_t struct_size;
+    uint64_t len;
+    uint32_t crc32c, reserved;
+    int64_t label;
+};
+
+/* ksp_stats, ksp_sample, ksp_catalog_sample and ksp_batch as a program compiled against a
  * later header, with fields this library does not know, might see them. */
 struct new_stats {
     ksp_stats s;
@@ -65,6 +74,10 @@ struct new_stats {
 };
 struct new_sample {
     ksp_sample s;
+    uint64_t future[2];
+};
+struct new_catalog_sample {
+    ksp_catalog_sample c;
     uint64_t future[2];
 };
 struct new_batch {
@@ -77,7 +90,12 @@ _Static_assert(offsetof(ksp_stats, p90_us) == KSP_STATS_MIN_SIZE, "fields are ap
 _Static_assert(sizeof(ksp_stats) > KSP_STATS_MIN_SIZE, "ksp_stats grew past its first layout");
 _Static_assert(sizeof(ksp_batch) >= KSP_BATCH_MIN_SIZE, "first ksp_batch layout");
 _Static_assert(sizeof(ksp_sample) >= KSP_SAMPLE_MIN_SIZE, "first ksp_sample layout");
-_Static_assert(offsetof(ksp_stats, struct_size) == 0 && offsetof(ksp_batch, struct_size) == 0,
+_Static_assert(sizeof(struct old_catalog_sample) == KSP_CATALOG_SAMPLE_MIN_SIZE,
+               "first ksp_catalog_sample layout");
+_Static_assert(sizeof(ksp_catalog_sample) >= KSP_CATALOG_SAMPLE_MIN_SIZE,
+               "ksp_catalog_sample only grows");
+_Static_assert(offsetof(ksp_stats, struct_size) == 0 && offsetof(ksp_batch, struct_size) == 0 &&
+                   offsetof(ksp_catalog_sample, struct_size) == 0,
                "struct_size leads");
 
 #define FILL 0xAB
@@ -106,7 +124,7 @@ static ksp_loader *open_loader(const char *space) {
 
 /* Checks sample s against the catalog. */
 static void check_sample(ksp_loader *l, const ksp_sample *s) {
-    ksp_catalog_sample c;
+    ksp_catalog_sample c = KSP_CATALOG_SAMPLE_INIT;
     CHECK(ksp_loader_catalog_sample(l, s->id, &c) == KSP_OK, "%s", last_error());
     CHECK(s->len == c.len && crc32c(s->data, s->len) == c.crc32c && s->label == c.label,
           "sample %llu", (unsigned long long)s->id);
@@ -240,6 +258,51 @@ int main(int argc, char **argv) {
         CHECK(strstr(last_error(), "struct_size") != NULL, "message names the field: %s", msg);
         CHECK(all_bytes((const char *)&ns + sizeof(size_t), sizeof ns - sizeof(size_t), FILL),
               "a refused struct_size %zu is not written", bad_sizes[i]);
+    }
+
+    /* --- ksp_catalog_sample --- */
+    uint64_t cat_len = 0;
+    CHECK(ksp_loader_catalog_len(l, &cat_len) == KSP_OK && cat_len > 2, "%s", last_error());
+    uint64_t probe = cat_len - 1;
+    ksp_catalog_sample cur = KSP_CATALOG_SAMPLE_INIT;
+    CHECK(ksp_loader_catalog_sample(l, probe, &cur) == KSP_OK, "%s", last_error());
+    CHECK(cur.struct_size == sizeof cur && cur.len > 0 && cur.reserved == 0, "current layout");
+
+    /* The first layout: filled, and not one byte past it written. */
+    struct {
+        struct old_catalog_sample c;
+        unsigned char after[64];
+    } oc;
+    memset(&oc, FILL, sizeof oc);
+    oc.c.struct_size = sizeof oc.c;
+    CHECK(ksp_loader_catalog_sample(l, probe, (ksp_catalog_sample *)&oc.c) == KSP_OK,
+          "old catalog_sample layout: %s", last_error());
+    CHECK(oc.c.struct_size == sizeof oc.c, "struct_size is the caller's");
+    CHECK(oc.c.len == cur.len && oc.c.crc32c == cur.crc32c && oc.c.label == cur.label &&
+              oc.c.reserved == 0,
+          "old catalog_sample layout's fields");
+    CHECK(all_bytes(oc.after, sizeof oc.after, FILL), "nothing written past the old layout");
+
+    /* A newer layout: unknown fields zeroed. */
+    struct new_catalog_sample nc;
+    memset(&nc, FILL, sizeof nc);
+    nc.c.struct_size = sizeof nc;
+    CHECK(ksp_loader_catalog_sample(l, probe, &nc.c) == KSP_OK, "%s", last_error());
+    CHECK(nc.c.len == cur.len && nc.c.crc32c == cur.crc32c && nc.c.label == cur.label,
+          "newer catalog_sample layout's fields");
+    CHECK(all_bytes(nc.future, sizeof nc.future, 0), "unknown catalog_sample fields zeroed");
+
+    /* Too small, unaligned, never set: refused with nothing written. */
+    size_t bad_cat[] = {0, 8, KSP_CATALOG_SAMPLE_MIN_SIZE - 8, KSP_CATALOG_SAMPLE_MIN_SIZE + 4,
+                        KSP_MAX_STRUCT_SIZE + 8, (size_t)0xABABABABABABABABull};
+    for (size_t i = 0; i < sizeof bad_cat / sizeof bad_cat[0]; i++) {
+        memset(&nc, FILL, sizeof nc);
+        nc.c.struct_size = bad_cat[i];
+        CHECK(ksp_loader_catalog_sample(l, probe, &nc.c) == KSP_ERR_STRUCT_SIZE,
+              "catalog_sample struct_size %zu", bad_cat[i]);
+        CHECK(strstr(last_error(), "struct_size") != NULL, "message names the field: %s", msg);
+        CHECK(all_bytes((const char *)&nc + sizeof(size_t), sizeof nc - sizeof(size_t), FILL),
+              "a refused catalog_sample struct_size %zu is not written", bad_cat[i]);
     }
 
     ksp_loader_free(l);

@@ -437,6 +437,24 @@ fn builder_from(cfg: &Bound<'_, PyDict>) -> PyResult<(LoaderBuilder, usize)> {
     if let Some(p) = get::<bool>(cfg, "pin")? {
         b = b.pin(p);
     }
+    match (
+        get::<u32>(cfg, "local_rank")?,
+        get::<u32>(cfg, "local_world_size")?,
+    ) {
+        (Some(r), Some(n)) => b = b.local_rank(r, n),
+        (None, None) => {}
+        _ => {
+            return Err(PyValueError::new_err(
+                "give both local_rank and local_world_size, or neither",
+            ))
+        }
+    }
+    if let Some(n) = get::<u32>(cfg, "poller_numa_node")? {
+        b = b.poller_numa_node(Some(n));
+    }
+    if let Some(dir) = get::<String>(cfg, "sysfs_root")? {
+        b = b.sysfs_root(dir);
+    }
     if let Some(p) = get::<bool>(cfg, "registered_buffers")? {
         b = b.registered_buffers(p);
     }
@@ -453,13 +471,13 @@ fn builder_from(cfg: &Bound<'_, PyDict>) -> PyResult<(LoaderBuilder, usize)> {
         b = b.gpu_ring(Some(g));
     }
     if let Some(f) = get::<(u64, u32, u32, u32)>(cfg, "fault_injection")? {
-        b = b.fault_injection(kspeed::ring::FaultConfig {
-            seed: f.0,
-            eio_ppm: f.1,
-            short_ppm: f.2,
-            delay_ppm: f.3,
-            ..Default::default()
-        });
+        b = b.fault_injection(
+            kspeed::loader::FaultConfig::default()
+                .seed(f.0)
+                .eio_ppm(f.1)
+                .short_ppm(f.2)
+                .delay_ppm(f.3),
+        );
     }
     if let Some(file) = get::<String>(cfg, "cluster_file")? {
         b = b.cluster(kspeed::transport::Cluster::from_file(file.as_ref()).raise(py)?);
@@ -485,11 +503,12 @@ fn builder_from(cfg: &Bound<'_, PyDict>) -> PyResult<(LoaderBuilder, usize)> {
         b = b.node_timeout(Duration::from_secs_f64(s));
     }
     if let Some(r) = get::<(Option<String>, u8, Option<u8>)>(cfg, "rdma")? {
-        b = b.rdma(Some(kspeed::transport::RdmaOptions {
-            device: r.0,
-            port: r.1,
-            gid_index: r.2,
-        }));
+        b = b.rdma(Some(
+            kspeed::transport::RdmaOptions::default()
+                .device(r.0)
+                .port(r.1)
+                .gid_index(r.2),
+        ));
     }
     if let Some(n) = get::<u32>(cfg, "local_node")? {
         b = b.local_node(Some(n));
@@ -1294,11 +1313,12 @@ impl PyNodeService {
             c.page_cache = s;
         }
         if let Some(r) = get::<(Option<String>, u8, Option<u8>)>(cfg, "rdma")? {
-            c.rdma = Some(kspeed::transport::RdmaOptions {
-                device: r.0,
-                port: r.1,
-                gid_index: r.2,
-            });
+            c.rdma = Some(
+                kspeed::transport::RdmaOptions::default()
+                    .device(r.0)
+                    .port(r.1)
+                    .gid_index(r.2),
+            );
         }
         let svc = py
             .detach(|| kspeed::transport::NodeService::start(c))

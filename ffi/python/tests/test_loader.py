@@ -633,3 +633,71 @@ def test_placement_follows_the_local_rank(space, monkeypatch):
     with pytest.raises(kspeed.ConfigError, match="local rank 2 is not below local world size 2") as e:
         kspeed.Loader(space, batch_size=4, ring_bytes="256KiB")
     assert e.value.kind == "BadPlacement"
+
+
+def _fake_sysfs(root):
+    """A 2-node, 64-CPU sysfs tree: node 0 holds the even CPUs, node 1 the
+    odd ones (so this machine's CPUs 0 and 1 sit on different nodes)."""
+    def w(rel, text):
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+
+    w("devices/system/cpu/online", "0-63\n")
+    for node in (0, 1):
+        w(f"devices/system/node/node{node}/cpulist", ",".join(str(c) for c in range(node, 64, 2)) + "\n")
+    for c in range(64):
+        w(f"devices/system/cpu/cpu{c}/topology/thread_siblings_list", f"{c % 32},{c % 32 + 32}\n")
+
+
+def test_placement_keyword_arguments_override_the_environment(space, tmp_path, monkeypatch):
+    """local_rank/local_world_size, poller_numa_node and sysfs_root reach
+    the Rust builder: explicit values win over the environment's."""
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.delenv("KSPEED_LOCAL_RANK", raising=False)
+    monkeypatch.delenv("KSPEED_LOCAL_WORLD_SIZE", raising=False)
+    with kspeed.Loader(space, batch_size=4, ring_bytes="256KiB", local_rank=1, local_world_size=2) as loader:
+        p = loader.stats()["placement"]
+    assert (p["local_rank"], p["local_world_size"]) == (1, 2), p
+    assert p["local_rank_from"] == "option", p
+
+    sys_root = tmp_path / "sys"
+    _fake_sysfs(sys_root)
+    # The environment points elsewhere: the argument wins.
+    monkeypatch.setenv("KSPEED_SYSFS_ROOT", str(tmp_path / "missing"))
+    mask = os.sched_getaffinity(0)
+    for node in (0, 1):
+        want = sorted(c for c in mask if c % 2 == node)
+        if not want:
+            continue
+        with kspeed.Loader(
+            space, batch_size=4, ring_bytes="256KiB", sysfs_root=sys_root, poller_numa_node=node
+        ) as loader:
+            p = loader.stats()["placement"]
+            assert p["numa_node"] == node, p
+            assert p["slice_cores"] == want, (p, want)
+            assert sum(1 for _ in loader) > 0
+    # The tree the argument names is the one read: a broken one is named.
+    (sys_root / "devices/system/node/node1/cpulist").write_text("1-x\n")
+    with pytest.raises(kspeed.Error, match=r'node1/cpulist: "x" is not a CPU number'):
+        kspeed.Loader(space, batch_size=4, ring_bytes="256KiB", sysfs_root=sys_root)
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, msg",
+    [
+        ({"local_rank": 0}, ValueError, "both local_rank and local_world_size"),
+        ({"local_world_size": 2}, ValueError, "both local_rank and local_world_size"),
+        ({"local_rank": 2, "local_world_size": 2}, ValueError, "local_rank 2 is not below local_world_size 2"),
+        ({"local_rank": "0", "local_world_size": 2}, TypeError, "local_rank must be an int"),
+        ({"local_rank": 0, "local_world_size": 0}, ValueError, "local_world_size must be at least 1"),
+        ({"poller_numa_node": -1}, ValueError, "poller_numa_node must be at least 0"),
+        ({"poller_numa_node": 1.0}, TypeError, "poller_numa_node must be an int"),
+        ({"sysfs_root": 3}, TypeError, "sysfs_root must be a path"),
+        ({"sysfs_root": "/nonexistent/kspeed-sys"}, ValueError, "sysfs_root: /nonexistent/kspeed-sys does not exist"),
+    ],
+)
+def test_placement_keyword_arguments_are_checked(space, kwargs, exc, msg):
+    with pytest.raises(exc, match=msg):
+        kspeed.Loader(space, batch_size=4, ring_bytes="256KiB", **kwargs)

@@ -153,7 +153,7 @@ struct GenArgs {
     #[arg(long)]
     classes: Option<u32>,
     /// Writer threads.
-    #[arg(long, default_value_t = kspeed::par::default_threads())]
+    #[arg(long, default_value_t = kspeed::dataset::default_threads())]
     threads: usize,
 }
 
@@ -166,7 +166,7 @@ struct CatalogArgs {
     #[arg(long)]
     out: PathBuf,
     /// Reader threads.
-    #[arg(long, default_value_t = kspeed::par::default_threads())]
+    #[arg(long, default_value_t = kspeed::dataset::default_threads())]
     threads: usize,
     /// Permissions (octal) of the catalog file; default 0600 (chmod it, or
     /// give 0644, to share it with other users).
@@ -199,12 +199,11 @@ struct ScanArgs {
 
 impl ScanArgs {
     fn options(&self) -> dataset::ScanOptions {
-        dataset::ScanOptions {
-            skip_special: self.skip_special,
-            follow_symlinks: self.follow_symlinks,
-            skip_bad_members: self.skip_bad_members,
-            members: self.members.clone(),
-        }
+        dataset::ScanOptions::default()
+            .skip_special(self.skip_special)
+            .follow_symlinks(self.follow_symlinks)
+            .skip_bad_members(self.skip_bad_members)
+            .members(self.members.clone())
     }
 }
 
@@ -264,7 +263,7 @@ struct PreloadArgs {
     #[arg(long, default_value = "1GiB", value_parser = parse_bytes)]
     extent_bytes: u64,
     /// Copy threads.
-    #[arg(long, default_value_t = kspeed::par::default_threads())]
+    #[arg(long, default_value_t = kspeed::dataset::default_threads())]
     threads: usize,
     /// Rebuild the catalog from the source and copy everything again.
     #[arg(long)]
@@ -319,7 +318,7 @@ pub(crate) struct VerifyArgs {
     #[arg(long)]
     space: PathBuf,
     /// Reader threads.
-    #[arg(long, default_value_t = kspeed::par::default_threads())]
+    #[arg(long, default_value_t = kspeed::dataset::default_threads())]
     threads: usize,
     /// Copy the corrupt or missing samples found again from the source
     /// (each checked against the catalog's CRC32C), then verify again.
@@ -386,11 +385,10 @@ fn run(cli: Cli) -> kspeed::Result<ExitCode> {
             let (cat, notes) = dataset::catalog::build_with_notes(
                 &spec,
                 &a.out,
-                &BuildOptions {
-                    threads: a.threads,
-                    progress,
-                    scan: a.scan.options(),
-                },
+                &BuildOptions::default()
+                    .threads(a.threads)
+                    .progress(progress)
+                    .scan(a.scan.options()),
             )?;
             print_notes(&notes);
             {
@@ -411,22 +409,21 @@ fn run(cli: Cli) -> kspeed::Result<ExitCode> {
             let placement = Placement::new(a.placement.nodes, a.placement.replicas)?;
             let align_bytes = u32::try_from(a.align_bytes)
                 .map_err(|_| kspeed::Error::InvalidConfig("--align-bytes is too large".into()))?;
-            let opts = PreloadOptions {
-                source: a.source.as_deref().map(SourceSpec::parse_os).transpose()?,
-                catalog: a.catalog,
-                placement,
-                node_index: a.placement.node_index,
-                align_bytes,
-                extent_bytes: a.extent_bytes,
-                threads: a.threads,
-                progress,
-                refresh: a.refresh,
-                checkpoint_bytes: a.checkpoint_bytes,
-                max_bytes_per_sec: a.max_bytes_per_sec,
-                check_free_space: true,
-                scan: a.scan.options(),
-                file_mode: a.file_mode,
-            };
+            let opts = PreloadOptions::default()
+                .source(a.source.as_deref().map(SourceSpec::parse_os).transpose()?)
+                .catalog(a.catalog)
+                .placement(placement)
+                .node_index(a.placement.node_index)
+                .align_bytes(align_bytes)
+                .extent_bytes(a.extent_bytes)
+                .threads(a.threads)
+                .progress(progress)
+                .refresh(a.refresh)
+                .checkpoint_bytes(a.checkpoint_bytes)
+                .max_bytes_per_sec(a.max_bytes_per_sec)
+                .check_free_space(true)
+                .scan(a.scan.options())
+                .file_mode(a.file_mode);
             let t0 = Instant::now();
             let r = dataset::preload(&a.space, &opts)?;
             print_notes(&r.notes);
@@ -494,7 +491,7 @@ fn run(cli: Cli) -> kspeed::Result<ExitCode> {
                     );
                 }
             }
-            kspeed::transport::serve::serve_until_signal(cfg, |svc| {
+            kspeed::transport::serve_until_signal(cfg, |svc| {
                 if let Some(m) = svc.metrics_addr() {
                     println!("metrics on http://{m}/metrics");
                 }

@@ -190,10 +190,11 @@ pub(crate) struct RdmaArgs {
 
 impl RdmaArgs {
     pub(crate) fn options(&self) -> Option<kspeed::transport::RdmaOptions> {
-        self.rdma.then(|| kspeed::transport::RdmaOptions {
-            device: self.rdma_device.clone(),
-            port: self.rdma_port,
-            gid_index: self.rdma_gid_index,
+        self.rdma.then(|| {
+            kspeed::transport::RdmaOptions::default()
+                .device(self.rdma_device.clone())
+                .port(self.rdma_port)
+                .gid_index(self.rdma_gid_index)
         })
     }
 }
@@ -224,14 +225,15 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
         .seed(a.seed)
         .shuffle(!a.no_shuffle)
         .drop_last(a.drop_last)
-        .landing(LandingOptions {
-            ring_bytes: a.ring_bytes,
-            huge_pages: !a.no_huge_pages,
-            mlock: !a.no_mlock,
-            numa_node: a.numa_node,
-            gpu_pci: a.gpu_pci.clone(),
-            cuda: CudaMode::Auto,
-        })
+        .landing(
+            LandingOptions::default()
+                .ring_bytes(a.ring_bytes)
+                .huge_pages(!a.no_huge_pages)
+                .mlock(!a.no_mlock)
+                .numa_node(a.numa_node)
+                .gpu_pci(a.gpu_pci.clone())
+                .cuda(CudaMode::Auto),
+        )
         .queue_depth(a.queue_depth)
         .submit_batch(a.submit_batch)
         .max_read_bytes(a.max_read_bytes)

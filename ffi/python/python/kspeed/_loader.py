@@ -136,6 +136,10 @@ class Loader:
         spin_us=None,
         sqpoll_idle_ms=None,
         pin=True,
+        local_rank=None,
+        local_world_size=None,
+        poller_numa_node=None,
+        sysfs_root=None,
         registered_buffers=True,
         registered_files=True,
         verify_crc32c=False,
@@ -203,6 +207,21 @@ class Loader:
             ("mlock", mlock),
         ):
             cfg[name] = _bool(name, v)
+        # Placement on the node (docs/LOCAL_PATH.md): explicit values win
+        # over KSPEED_LOCAL_RANK / LOCAL_RANK / ... and KSPEED_SYSFS_ROOT.
+        if (local_rank is None) != (local_world_size is None):
+            raise ValueError(
+                "give both local_rank and local_world_size, or neither (then they come from "
+                "KSPEED_LOCAL_RANK/LOCAL_RANK/OMPI_COMM_WORLD_LOCAL_RANK/SLURM_LOCALID)"
+            )
+        if local_rank is not None:
+            local_world_size = _int("local_world_size", local_world_size, 1, 2**32 - 1)
+            local_rank = _int("local_rank", local_rank, 0, 2**32 - 1)
+            if local_rank >= local_world_size:
+                raise ValueError(f"local_rank {local_rank} is not below local_world_size {local_world_size}")
+        cfg["local_rank"], cfg["local_world_size"] = local_rank, local_world_size
+        cfg["poller_numa_node"] = _opt_int("poller_numa_node", poller_numa_node, 0, 4095)
+        cfg["sysfs_root"] = None if sysfs_root is None else _path("sysfs_root", sysfs_root)
         cfg["numa_node"] = _opt_int("numa_node", numa_node, 0, 4095)
         if gpu_pci is not None and not isinstance(gpu_pci, str):
             raise TypeError(f"gpu_pci must be a PCI address string like '0000:3b:00.0', not {type(gpu_pci).__name__}")
