@@ -29,6 +29,7 @@ Parts only (the issue-20 rows), each with its reference in the same run:
 
   scripts/bench_read.py --only tier [--runs 5]     # memory tier vs warm 8-thread pread pool
   scripts/bench_read.py --only tiny [--runs 5]     # tiny 200,000 vs fio 4 KiB randread, QD 32
+  scripts/bench_read.py --only tiny --variant=--coop-taskrun   # plus a second kspeed run per round
 
 `--only tier` runs, per round and interleaved, the 8-thread pread pool over
 the source files on a warm page cache, then kspeed read with the tier
@@ -186,6 +187,9 @@ def main():
     ap.add_argument("--qd", type=int, default=32)
     ap.add_argument("--quick", action="store_true",
                     help="regression guard: imagenet:3000,tiny:30000, no scaling/tier/idle/RSS section")
+    ap.add_argument("--variant", default="",
+                    help="extra kspeed read flags (e.g. --coop-taskrun): a second kspeed run per round, "
+                         "reported as variant / default per round")
     ap.add_argument("--only", choices=["tier", "tiny"],
                     help="run one part: the memory-tier comparison, or the tiny table")
     a = ap.parse_args()
@@ -221,11 +225,15 @@ def main():
         iolog = os.path.join(a.work, f"{profile}.iolog")
         with open(iolog, "w") as f:
             subprocess.run([IOLOG, space], check=True, stdout=f)
-        ks, fs, fa, fr, nl, npool = [], [], [], [], [], []
+        ks, kv, fs, fa, fr, nl, npool = [], [], [], [], [], [], []
         naive_too = a.only != "tiny"
         for r in range(a.runs):
             ring = ["--ring-bytes", "1GiB"] if profile == "volumes" else []
             ks.append(kspeed_read(space, "--queue-depth", str(a.qd), *ring))
+            if a.variant:
+                kv.append(kspeed_read(space, "--queue-depth", str(a.qd), *ring, *a.variant.split()))
+                print(f"  {profile} run {r + 1}: variant {a.variant}: {kv[-1]['sps']:.0f} samples/s "
+                      f"({kv[-1]['sps'] / ks[-1]['sps']:.2f}x the default)", file=sys.stderr, flush=True)
             fs.append(fio_randread(files, bs, a.qd, total))
             fa.append(fio_randread(files, bs, a.qd, total, align=4096))
             fr.append(fio_replay(iolog, a.qd))
@@ -266,6 +274,11 @@ def main():
             f"(median {statistics.median(rrep):.2f}x)")
         say(f"- CPU per sample: kspeed {statistics.median(k['cpu_s'] / k['n'] for k in ks) * 1e6:.2f} us, "
             f"fio 4 KiB-aligned {statistics.median(f['cpu_s'] / f['ios'] for f in fa) * 1e6:.2f} us per I/O")
+        if kv:
+            rv = [v["sps"] / k["sps"] for v, k in zip(kv, ks)]
+            say(f"- variant `{a.variant}` / default, per round: {', '.join(f'{x:.2f}' for x in rv)} "
+                f"(median {statistics.median(rv):.2f}x); variant / fio 4 KiB-aligned IOPS median "
+                f"{statistics.median(v['sps'] / f['iops'] for v, f in zip(kv, fa)):.2f}x")
         say(f"- load average while it ran: {open('/proc/loadavg').read().split()[0:3]}")
         say("")
 

@@ -57,6 +57,7 @@ pub struct LoaderBuilder {
     verify_crc32c: bool,
     tier_bytes: u64,
     tier_views: bool,
+    coop_taskrun: bool,
     gpu_ring: Option<u32>,
     faults: Option<FaultConfig>,
     start: Option<Position>,
@@ -107,6 +108,7 @@ impl LoaderBuilder {
             verify_crc32c: false,
             tier_bytes: 0,
             tier_views: false,
+            coop_taskrun: false,
             gpu_ring: None,
             faults: None,
             start: None,
@@ -258,6 +260,16 @@ impl LoaderBuilder {
     /// other ranks).
     pub fn spin(mut self, d: Duration) -> Self {
         self.spin = Some(d);
+        self
+    }
+
+    /// Create the pollers' io_urings with `IORING_SETUP_COOP_TASKRUN`
+    /// (default false; ignored with SQPOLL): a completion is processed at
+    /// the poller's next system call instead of interrupting it. Off by
+    /// default until it measures better: on the tiny profile it made no
+    /// difference that showed through a loaded machine (BENCHMARKS.md).
+    pub fn coop_taskrun(mut self, on: bool) -> Self {
+        self.coop_taskrun = on;
         self
     }
 
@@ -723,10 +735,17 @@ impl LoaderBuilder {
         };
         let mut shared_regs = 0;
         for _ in 0..cfg.pollers {
-            let uring = Uring::new(UringOptions {
+            let opts = UringOptions {
                 entries: cfg.queue_depth * 2,
                 sqpoll_idle_ms: cfg.sqpoll_idle_ms,
-            })?;
+            };
+            // A poller enters the kernel every tick, so completions need not
+            // interrupt it (COOP_TASKRUN), when asked for.
+            let uring = if self.coop_taskrun {
+                Uring::new_cooperative(opts)?
+            } else {
+                Uring::new(opts)?
+            };
             if let (Input::Space { extents, .. }, true) = (&input, self.registered_files) {
                 let fds: Vec<i32> = extents.iter().map(|f| f.as_raw_fd()).collect();
                 uring.register_files(&fds)?;

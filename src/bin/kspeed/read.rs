@@ -86,6 +86,11 @@ pub(crate) struct ReadArgs {
     /// taken.
     #[arg(long)]
     touch: bool,
+    /// Create the pollers' io_urings with IORING_SETUP_COOP_TASKRUN
+    /// (completions wait for the poller's next system call instead of
+    /// interrupting it; for comparisons).
+    #[arg(long)]
+    coop_taskrun: bool,
     /// Check every sample's CRC32C while reading.
     #[arg(long)]
     verify: bool,
@@ -247,6 +252,7 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
         .sqpoll(a.sqpoll_ms)
         .tier_bytes(a.tier_bytes)
         .tier_views(a.tier_views)
+        .coop_taskrun(a.coop_taskrun)
         // A GPU ring cannot be read by the CPU: --verify copies back below.
         .verify_crc32c(a.verify && a.gpu_ring.is_none())
         .gpu_ring(a.gpu_ring)
