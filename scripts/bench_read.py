@@ -24,6 +24,21 @@ sets, kspeed against fio in the same run, without the extra imagenet section.
 Run it before and after a change; compare the ratios, not the GB/s.
 
   scripts/bench_read.py --quick
+
+Parts only (the issue-20 rows), each with its reference in the same run:
+
+  scripts/bench_read.py --only tier [--runs 5]     # memory tier vs warm 8-thread pread pool
+  scripts/bench_read.py --only tiny [--runs 5]     # tiny 200,000 vs fio 4 KiB randread, QD 32
+  scripts/bench_read.py --only tiny --variant=--coop-taskrun   # plus a second kspeed run per round
+
+`--only tier` runs, per round and interleaved, the 8-thread pread pool over
+the source files on a warm page cache, then kspeed read with the tier
+holding the whole imagenet set (epochs 2-3 timed) copying into the ring
+(default) and handing out views (--tier-views), each also with --touch (the
+consumer reads every byte); prints per-round ratios and their medians.
+DALI warm (`fn.readers.file` over a warm page cache) is scripts/bench_dali.py.
+`--only tiny` is the tiny profile's table alone (kspeed, fio bs-aligned,
+fio 4 KiB-aligned, fio replay), with per-round ratios.
 """
 
 import argparse
@@ -64,6 +79,7 @@ def kspeed_read(space, *extra, cold=True):
         "sps": float(m.group(3)), "gbs": float(m.group(4)), "cpu_per_gb": cpu / max(gb, 1e-9),
         "p50": int(lat.group(1)), "p99": int(lat.group(2)), "epoch_sps": epochs,
         "disk": int(hits.group(1)), "hits": int(hits.group(2)), "out": out,
+        "cpu_s": cpu, "n": int(m.group(1)),
     }
 
 
@@ -74,7 +90,8 @@ def fio_run(args):
     secs = j["read"]["runtime"] / 1000
     cpu = (j["usr_cpu"] + j["sys_cpu"]) / 100 * secs
     gb = j["read"]["io_bytes"] / 1e9
-    return {"gbs": j["read"]["bw_bytes"] / 1e9, "iops": j["read"]["iops"], "cpu_per_gb": cpu / gb}
+    return {"gbs": j["read"]["bw_bytes"] / 1e9, "iops": j["read"]["iops"], "cpu_per_gb": cpu / gb,
+            "cpu_s": cpu, "ios": j["read"]["total_ios"]}
 
 
 def fio_randread(files, bs, qd, total, align=None):
@@ -115,6 +132,53 @@ def peak_rss_mib(space, *extra):
     return int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", r.stderr).group(1)) / 1024
 
 
+def tier_only(a):
+    """The memory-tier row: kspeed's tier (whole imagenet set, epochs 2-3)
+    copying into the ring and handing out views, with and without touching
+    the bytes, against an 8-thread pread pool over a warm page cache; all in
+    each round, interleaved."""
+    spec = a.profiles if a.profiles != "imagenet:20000,tiny:200000,volumes:30" else "imagenet:20000"
+    profile, count = spec.split(",")[0].split(":")
+    subprocess.run(["cargo", "build", "--release", "--quiet", "--example", "naive_read"], cwd=ROOT, check=True)
+    subprocess.run(["cargo", "build", "--release", "--quiet"], cwd=ROOT, check=True)
+    os.makedirs(a.work, exist_ok=True)
+    src, space = prepare(a.work, profile, int(count))
+    catalog = os.path.join(space, "catalog.ksc")
+    e2 = lambda r: statistics.mean(r["epoch_sps"][1:])
+    modes = {
+        "tier, copy into the ring (default)": [],
+        "tier, copy, --touch": [],
+        "tier, views (--tier-views)": [],
+        "tier, views, --touch": [],
+    }
+    flags = {
+        "tier, copy into the ring (default)": [],
+        "tier, copy, --touch": ["--touch"],
+        "tier, views (--tier-views)": ["--tier-views"],
+        "tier, views, --touch": ["--tier-views", "--touch"],
+    }
+    warm, loads = [], []
+    for r in range(a.runs):
+        naive(catalog, "pool")
+        warm.append(naive(catalog, "pool", cold=False)["sps"])
+        for name, rs in modes.items():
+            rs.append(e2(kspeed_read(space, "--epochs", "3", "--tier-bytes", "8GiB", *flags[name])))
+        loads.append(open("/proc/loadavg").read().split()[0])
+        print(f"  round {r + 1}: warm pool {warm[-1]:.0f}; "
+              + "; ".join(f"{n} {rs[-1]:.0f} ({rs[-1] / warm[-1]:.2f}x)" for n, rs in modes.items())
+              + f"; load {loads[-1]}", file=sys.stderr, flush=True)
+    print(f"### {profile} {count}: memory tier (whole set, epochs 2-3) vs warm 8-thread pread pool, "
+          f"{a.runs} rounds, load average {', '.join(loads)}")
+    print()
+    print("| reader | samples/s (median) | per round | vs warm pool (median of per-round ratios) |")
+    print("|---|---:|---|---:|")
+    print(f"| pread pool, 8 threads, warm page cache | {statistics.median(warm):.0f} | "
+          f"{', '.join(f'{x:.0f}' for x in warm)} | 1.00x |")
+    for name, rs in modes.items():
+        ratio = statistics.median(x / w for x, w in zip(rs, warm))
+        print(f"| kspeed read, {name} | {statistics.median(rs):.0f} | {', '.join(f'{x:.0f}' for x in rs)} | {ratio:.2f}x |")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=3)
@@ -123,9 +187,19 @@ def main():
     ap.add_argument("--qd", type=int, default=32)
     ap.add_argument("--quick", action="store_true",
                     help="regression guard: imagenet:3000,tiny:30000, no scaling/tier/idle/RSS section")
+    ap.add_argument("--variant", default="",
+                    help="extra kspeed read flags (e.g. --coop-taskrun): a second kspeed run per round, "
+                         "reported as variant / default per round")
+    ap.add_argument("--only", choices=["tier", "tiny"],
+                    help="run one part: the memory-tier comparison, or the tiny table")
     a = ap.parse_args()
     if a.quick and a.profiles == ap.get_default("profiles"):
         a.profiles = "imagenet:3000,tiny:30000"
+    if a.only == "tiny" and a.profiles == ap.get_default("profiles"):
+        a.profiles = "tiny:200000"
+    if a.only == "tier":
+        tier_only(a)
+        return
     subprocess.run(["cargo", "build", "--release", "--quiet", "--example", "naive_read", "--example", "fio_iolog"], cwd=ROOT, check=True)
     subprocess.run(["cargo", "build", "--release", "--quiet"], cwd=ROOT, check=True)
     os.makedirs(a.work, exist_ok=True)
@@ -151,18 +225,26 @@ def main():
         iolog = os.path.join(a.work, f"{profile}.iolog")
         with open(iolog, "w") as f:
             subprocess.run([IOLOG, space], check=True, stdout=f)
-        ks, fs, fa, fr, nl, npool = [], [], [], [], [], []
+        ks, kv, fs, fa, fr, nl, npool = [], [], [], [], [], [], []
+        naive_too = a.only != "tiny"
         for r in range(a.runs):
             ring = ["--ring-bytes", "1GiB"] if profile == "volumes" else []
             ks.append(kspeed_read(space, "--queue-depth", str(a.qd), *ring))
+            if a.variant:
+                kv.append(kspeed_read(space, "--queue-depth", str(a.qd), *ring, *a.variant.split()))
+                print(f"  {profile} run {r + 1}: variant {a.variant}: {kv[-1]['sps']:.0f} samples/s "
+                      f"({kv[-1]['sps'] / ks[-1]['sps']:.2f}x the default)", file=sys.stderr, flush=True)
             fs.append(fio_randread(files, bs, a.qd, total))
             fa.append(fio_randread(files, bs, a.qd, total, align=4096))
             fr.append(fio_replay(iolog, a.qd))
-            nl.append(naive(catalog, "loop"))
-            npool.append(naive(catalog, "pool"))
-            print(f"  {profile} run {r + 1}: kspeed {ks[-1]['gbs']:.3f} GB/s, fio {fs[-1]['gbs']:.3f}, "
-                  f"fio-4k {fa[-1]['gbs']:.3f}, replay {fr[-1]['gbs']:.3f}, "
-                  f"loop {nl[-1]['gbs']:.3f}, pool {npool[-1]['gbs']:.3f}", file=sys.stderr, flush=True)
+            if naive_too:
+                nl.append(naive(catalog, "loop"))
+                npool.append(naive(catalog, "pool"))
+            print(f"  {profile} run {r + 1}: kspeed {ks[-1]['sps']:.0f} samples/s, {ks[-1]['gbs']:.3f} GB/s; "
+                  f"fio {fs[-1]['iops']:.0f} IOPS, fio-4k {fa[-1]['iops']:.0f}, replay {fr[-1]['iops']:.0f}; "
+                  f"kspeed/fio-4k {ks[-1]['sps'] / fa[-1]['iops']:.2f}x, kspeed/replay {ks[-1]['sps'] / fr[-1]['iops']:.2f}x"
+                  + (f"; loop {nl[-1]['gbs']:.3f} GB/s, pool {npool[-1]['gbs']:.3f}" if naive_too else ""),
+                  file=sys.stderr, flush=True)
         n = int(count)
         say(f"### {profile}: {n} samples, mean {mean} {unit}, fio bs {bs}, queue depth {a.qd}, median of {a.runs}")
         say("")
@@ -175,6 +257,8 @@ def main():
             g = med(rs, "gbs")
             say(f"| {name} | {g:.3f} | {med(rs, 'iops'):.0f} | {med(rs, 'cpu_per_gb'):.3f} | {g / kg:.2f} |")
         for name, rs in (("naive loop (1 thread)", nl), ("naive pread pool (8 threads)", npool)):
+            if not rs:
+                continue
             g = med(rs, "gbs")
             say(f"| {name} | {g:.3f} | {med(rs, 'sps'):.0f} | {med(rs, 'cpu_per_gb'):.3f} | {g / kg:.2f} |")
         say("")
@@ -183,6 +267,19 @@ def main():
             say(f"- kspeed / fio {name}: {kg / med(rs, 'gbs'):.2f}x bandwidth, {med(ks, 'sps') / med(rs, 'iops'):.2f}x "
                 f"samples per IOPS, CPU per GB {kc / max(med(rs, 'cpu_per_gb'), 1e-9):.2f}x")
         say(f"- kspeed read latency p50 {med(ks, 'p50'):.0f} us, p99 {med(ks, 'p99'):.0f} us")
+        r4k = [k["sps"] / f["iops"] for k, f in zip(ks, fa)]
+        rrep = [k["sps"] / f["iops"] for k, f in zip(ks, fr)]
+        say(f"- per round, kspeed samples/s / fio 4 KiB-aligned IOPS: {', '.join(f'{x:.2f}' for x in r4k)} "
+            f"(median {statistics.median(r4k):.2f}x); / fio replay IOPS: {', '.join(f'{x:.2f}' for x in rrep)} "
+            f"(median {statistics.median(rrep):.2f}x)")
+        say(f"- CPU per sample: kspeed {statistics.median(k['cpu_s'] / k['n'] for k in ks) * 1e6:.2f} us, "
+            f"fio 4 KiB-aligned {statistics.median(f['cpu_s'] / f['ios'] for f in fa) * 1e6:.2f} us per I/O")
+        if kv:
+            rv = [v["sps"] / k["sps"] for v, k in zip(kv, ks)]
+            say(f"- variant `{a.variant}` / default, per round: {', '.join(f'{x:.2f}' for x in rv)} "
+                f"(median {statistics.median(rv):.2f}x); variant / fio 4 KiB-aligned IOPS median "
+                f"{statistics.median(v['sps'] / f['iops'] for v, f in zip(kv, fa)):.2f}x")
+        say(f"- load average while it ran: {open('/proc/loadavg').read().split()[0:3]}")
         say("")
 
     if "imagenet" in spaces and not a.quick:

@@ -11,10 +11,15 @@ pub struct BatchSample<'a> {
     pub id: u64,
     /// Label, if the source has one.
     pub label: Option<u32>,
-    /// The bytes, in the landing ring.
+    /// The bytes: in the landing ring, or in the memory tier with
+    /// [`LoaderBuilder::tier_views`](super::LoaderBuilder::tier_views).
     pub bytes: &'a [u8],
     /// Its place in the rank's sequence.
     pub position: Position,
+    /// Whether `bytes` is a view into the memory tier rather than the
+    /// landing ring (only with
+    /// [`LoaderBuilder::tier_views`](super::LoaderBuilder::tier_views)).
+    pub in_tier: bool,
 }
 
 /// One sample of a batch held in a GPU ring ([`Loader::held_device_sample`]).
@@ -38,6 +43,9 @@ pub struct DeviceSample {
 pub(super) struct Entry {
     pub(super) id: u64,
     pub(super) label: Option<u32>,
+    /// Its bytes are in the memory tier, not at `phys` in the ring
+    /// (`tier_views`).
+    pub(super) in_tier: bool,
     pub(super) phys: u64,
     pub(super) len: u64,
     pub(super) pos: Position,
@@ -74,8 +82,20 @@ impl Batch<'_> {
     /// The batch's bytes as one contiguous span of the ring, plus a second
     /// span when the batch wraps around the ring's end. Spans include the
     /// alignment padding between samples.
+    ///
+    /// # Panics
+    /// When some of the batch's samples are views into the memory tier
+    /// ([`LoaderBuilder::tier_views`](super::LoaderBuilder::tier_views);
+    /// see [`Batch::in_ring`]).
     pub fn spans(&self) -> (&[u8], Option<&[u8]>) {
         self.loader.held_spans()
+    }
+
+    /// Whether every sample of the batch is in the landing ring, so that
+    /// [`Batch::spans`] holds the whole batch. Always true unless
+    /// [`LoaderBuilder::tier_views`](super::LoaderBuilder::tier_views) is on.
+    pub fn in_ring(&self) -> bool {
+        self.loader.held_in_ring()
     }
 
     /// The epoch this batch belongs to.
@@ -113,7 +133,22 @@ impl Loader {
     pub fn held_sample(&self, i: usize) -> BatchSample<'_> {
         assert!(self.held, "no batch is held");
         let e = self.entries[i];
-        let ring = &self.run.as_ref().expect("running").shared.ring;
+        let shared = &self.run.as_ref().expect("running").shared;
+        if e.in_tier {
+            let tier = shared.tier.as_ref().expect("CODE_TIER comes with a tier");
+            return BatchSample {
+                id: e.id,
+                label: e.label,
+                // A filled member is never written again and the tier
+                // lives as long as the loader this batch borrows.
+                bytes: tier
+                    .view(e.id, e.len as usize)
+                    .expect("a sample published as CODE_TIER is filled"),
+                position: e.pos,
+                in_tier: true,
+            };
+        }
+        let ring = &shared.ring;
         debug_assert!(
             e.phys + e.len <= self.geo.ring_bytes,
             "a held slot lies inside the ring"
@@ -126,6 +161,7 @@ impl Loader {
             // writes it until the batch is released.
             bytes: unsafe { ring.slice(e.phys as usize, e.len as usize) },
             position: e.pos,
+            in_tier: false,
         }
     }
 
@@ -176,6 +212,10 @@ impl Loader {
     /// When no batch is held.
     fn held_span_ranges(&self) -> ((u64, usize), Option<(u64, usize)>) {
         assert!(self.held, "no batch is held");
+        assert!(
+            self.held_in_ring(),
+            "the held batch has samples in the memory tier (tier_views): it has no span"
+        );
         let first = self.entries[0];
         let last = *self.entries.last().expect("non-empty");
         let end = last.phys + last.len;
@@ -190,11 +230,20 @@ impl Loader {
         }
     }
 
+    /// Whether every sample of the held batch is in the landing ring (so
+    /// [`Loader::held_spans`] holds it all): false only when
+    /// [`LoaderBuilder::tier_views`](super::LoaderBuilder::tier_views)
+    /// handed out some of them in place in the memory tier.
+    pub fn held_in_ring(&self) -> bool {
+        self.entries.iter().all(|e| !e.in_tier)
+    }
+
     /// The held batch as one contiguous span of the ring (two if it wraps),
     /// alignment padding included.
     ///
     /// # Panics
-    /// When no batch is held.
+    /// When no batch is held, or when some of its samples are in the memory
+    /// tier ([`Loader::held_in_ring`] is false).
     pub fn held_spans(&self) -> (&[u8], Option<&[u8]>) {
         let ring = &self.run.as_ref().expect("running").shared.ring;
         let ((off, len), wrap) = self.held_span_ranges();

@@ -56,6 +56,8 @@ pub struct LoaderBuilder {
     registered_files: bool,
     verify_crc32c: bool,
     tier_bytes: u64,
+    tier_views: bool,
+    coop_taskrun: bool,
     gpu_ring: Option<u32>,
     faults: Option<FaultConfig>,
     start: Option<Position>,
@@ -105,6 +107,8 @@ impl LoaderBuilder {
             registered_files: true,
             verify_crc32c: false,
             tier_bytes: 0,
+            tier_views: false,
+            coop_taskrun: false,
             gpu_ring: None,
             faults: None,
             start: None,
@@ -259,6 +263,16 @@ impl LoaderBuilder {
         self
     }
 
+    /// Create the pollers' io_urings with `IORING_SETUP_COOP_TASKRUN`
+    /// (default false; ignored with SQPOLL): a completion is processed at
+    /// the poller's next system call instead of interrupting it. Off by
+    /// default until it measures better: on the tiny profile it made no
+    /// difference that showed through a loaded machine (BENCHMARKS.md).
+    pub fn coop_taskrun(mut self, on: bool) -> Self {
+        self.coop_taskrun = on;
+        self
+    }
+
     /// Use an SQPOLL kernel thread per poller, idling after `idle_ms`.
     pub fn sqpoll(mut self, idle_ms: Option<u32>) -> Self {
         self.sqpoll_idle_ms = idle_ms;
@@ -332,6 +346,26 @@ impl LoaderBuilder {
     /// Memory tier budget in bytes (default 0: no tier).
     pub fn tier_bytes(mut self, bytes: u64) -> Self {
         self.tier_bytes = bytes;
+        self
+    }
+
+    /// Hand out samples that sit in the memory tier in place, without
+    /// copying them into the landing ring (default false: every sample is
+    /// copied into the ring, and a batch is one span of it).
+    ///
+    /// With this on, a sample served from the tier has its bytes
+    /// ([`BatchSample::bytes`](super::BatchSample::bytes)) in the tier's
+    /// memory, which is not the landing ring: such a batch is **not one
+    /// contiguous span**. [`Batch::in_ring`](super::Batch::in_ring) (or
+    /// [`Loader::held_in_ring`]) says whether the held batch is;
+    /// [`Batch::spans`](super::Batch::spans) and [`Loader::held_spans`]
+    /// panic when it is not. Whether a sample comes from the tier is decided
+    /// per sample (a member is filled when first read from disk), so
+    /// callers that copy a batch as one span (to a GPU, the C ABI's and
+    /// Python's spans) should leave this off. The views stay valid while the
+    /// batch is held (tier members are never evicted or rewritten).
+    pub fn tier_views(mut self, on: bool) -> Self {
+        self.tier_views = on;
         self
     }
 
@@ -645,6 +679,7 @@ impl LoaderBuilder {
             sqpoll_idle_ms: self.sqpoll_idle_ms,
             verify_crc32c: self.verify_crc32c,
             faults: self.faults,
+            tier_views: self.tier_views && tier.is_some(),
         };
         let start = match self.start {
             Some(p) if p.index > steps => {
@@ -700,10 +735,17 @@ impl LoaderBuilder {
         };
         let mut shared_regs = 0;
         for _ in 0..cfg.pollers {
-            let uring = Uring::new(UringOptions {
+            let opts = UringOptions {
                 entries: cfg.queue_depth * 2,
                 sqpoll_idle_ms: cfg.sqpoll_idle_ms,
-            })?;
+            };
+            // A poller enters the kernel every tick, so completions need not
+            // interrupt it (COOP_TASKRUN), when asked for.
+            let uring = if self.coop_taskrun {
+                Uring::new_cooperative(opts)?
+            } else {
+                Uring::new(opts)?
+            };
             if let (Input::Space { extents, .. }, true) = (&input, self.registered_files) {
                 let fds: Vec<i32> = extents.iter().map(|f| f.as_raw_fd()).collect();
                 uring.register_files(&fds)?;

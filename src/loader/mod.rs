@@ -424,14 +424,18 @@ impl Loader {
                 debug_assert!(false, "check_batch_fits let through: {e}");
                 return Err(self.fail(e));
             }
-            if let Err(e) = self.wait_ready(&p) {
-                self.entries.clear();
-                return Err(self.fail(e));
-            }
+            let in_tier = match self.wait_ready(&p) {
+                Ok(code) => code == CODE_TIER,
+                Err(e) => {
+                    self.entries.clear();
+                    return Err(self.fail(e));
+                }
+            };
             let label = self.shared().input.catalog().sample(p.id).label;
             self.entries.push(Entry {
                 id: p.id,
                 label,
+                in_tier,
                 phys: p.phys(&self.geo),
                 len: p.len,
                 pos: p.pos,
@@ -448,7 +452,9 @@ impl Loader {
 }
 
 impl Loader {
-    fn wait_ready(&mut self, p: &Placed) -> Result<()> {
+    /// Waits until sample `p` is ready; returns its code ([`CODE_OK`] or
+    /// [`CODE_TIER`]) or its error.
+    fn wait_ready(&mut self, p: &Placed) -> Result<u64> {
         let spin = self.cfg.spin;
         let sh = &self.run.as_ref().expect("running").shared;
         let mut state = sh.state(p.g);
@@ -476,8 +482,10 @@ impl Loader {
             sh.waiting_for.store(0, Ordering::SeqCst);
             self.counters.stall += t0.elapsed();
         }
-        if state == Some(CODE_OK) {
-            return Ok(());
+        match state {
+            Some(CODE_OK) => return Ok(CODE_OK),
+            Some(CODE_TIER) => return Ok(CODE_TIER),
+            _ => {}
         }
         // A poisoned lock only means a thread panicked while recording an
         // error; the list itself is still whole.

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use hdrhistogram::Histogram;
 
 use super::schedule::{Cursor, Placed};
-use super::{Input, Shared, CODE_ERROR, CODE_OK};
+use super::{Input, Shared, CODE_ERROR, CODE_OK, CODE_TIER};
 use crate::error::{errno_name, Error};
 use crate::ring::{transient_submit_error, Completion, IoBackend, ReadOp, Target};
 
@@ -307,6 +307,18 @@ impl Poller {
             let dst = self.dst(&p);
             if p.len == 0 {
                 self.shared.publish(p.g, CODE_OK);
+                started += 1;
+                continue;
+            }
+            if self.shared.cfg.tier_views
+                && self.shared.tier.as_ref().is_some_and(|t| t.is_filled(p.id))
+            {
+                // Handed out in place: nothing to copy, the slot stays
+                // unwritten (the consumer reads the tier for CODE_TIER).
+                self.shared.stats[self.index as usize]
+                    .tier_hits
+                    .fetch_add(1, Ordering::Relaxed);
+                self.shared.publish(p.g, CODE_TIER);
                 started += 1;
                 continue;
             }

@@ -20,6 +20,9 @@ use crate::sampler::{Position, Sampler};
 
 pub(crate) const CODE_OK: u64 = 0;
 pub(crate) const CODE_ERROR: u64 = 1;
+/// Ready, and its bytes are in the memory tier, not in the ring slot
+/// (`tier_views`).
+pub(crate) const CODE_TIER: u64 = 2;
 
 /// Where samples are read from.
 pub(crate) enum Input {
@@ -61,6 +64,9 @@ pub(crate) struct PollerConfig {
     pub(crate) sqpoll_idle_ms: Option<u32>,
     pub(crate) verify_crc32c: bool,
     pub(crate) faults: Option<FaultConfig>,
+    /// Tier members already filled are published as [`CODE_TIER`] without
+    /// a copy; the consumer hands out a view into the tier.
+    pub(crate) tier_views: bool,
 }
 
 /// State shared by the consumer and the pollers of one run (from a start
@@ -241,7 +247,7 @@ impl Shared {
             .iter()
             .filter(|w| {
                 let v = w.load(Ordering::Acquire);
-                v >> 8 > g && v & 0xff == CODE_OK
+                v >> 8 > g && v & 0xff != CODE_ERROR
             })
             .count() as u64
     }

@@ -85,6 +85,35 @@ impl Tier {
         self.offsets[id as usize] != NOT_MEMBER
     }
 
+    /// Whether member `id` is filled (its bytes are final). Acquire: a
+    /// thread that sees `true` sees the bytes.
+    pub fn is_filled(&self, id: u64) -> bool {
+        self.offsets[id as usize] != NOT_MEMBER
+            && self.state[id as usize].load(Ordering::Acquire) == FULL
+    }
+
+    /// The first `len` bytes of member `id` in place, if it is filled.
+    /// Filled bytes are never written again (a member is filled once and
+    /// never evicted), so the view stays valid as long as the tier.
+    ///
+    /// # Panics
+    /// When `len` reaches past the tier's memory (a length that is not the
+    /// member's).
+    pub fn view(&self, id: u64, len: usize) -> Option<&[u8]> {
+        if !self.is_filled(id) {
+            return None;
+        }
+        let off = self.offsets[id as usize] as usize;
+        assert!(
+            off + len <= self.mem.len(),
+            "a tier view lies inside the tier"
+        );
+        // SAFETY: the range is inside the mapping (checked above); the
+        // member is FULL (Acquire in is_filled), so its bytes were written
+        // before and are never written again.
+        Some(unsafe { self.mem.slice(off, len) })
+    }
+
     /// Copies member `id` (`len` bytes) into `dst` if it is filled.
     ///
     /// # Safety

@@ -109,7 +109,28 @@ pub struct Uring {
 impl Uring {
     /// Creates a ring.
     pub fn new(opts: UringOptions) -> Result<Self> {
+        Self::build(opts, false)
+    }
+
+    /// Creates a ring for a thread that enters the kernel on every turn of
+    /// its loop (the loader's pollers): with `IORING_SETUP_COOP_TASKRUN`
+    /// (not with SQPOLL, which refuses it) a completion does not interrupt
+    /// the thread with an IPI while it runs in user space; it is processed
+    /// at the thread's next system call, which the poller makes every tick.
+    /// A thread blocked in a system call is still woken. Kernels before
+    /// 5.19 refuse the flag; the ring is then created without it.
+    pub fn new_cooperative(opts: UringOptions) -> Result<Self> {
+        match Self::build(opts, true) {
+            Ok(r) => Ok(r),
+            Err(_) => Self::build(opts, false),
+        }
+    }
+
+    fn build(opts: UringOptions, coop: bool) -> Result<Self> {
         let mut b = IoUring::builder();
+        if coop && opts.sqpoll_idle_ms.is_none() {
+            b.setup_coop_taskrun();
+        }
         // A forked child gets no copy of the rings' mappings (it cannot
         // use this ring; its operations are the parent's).
         b.dontfork();
@@ -727,6 +748,59 @@ mod tests {
         let wrote = unsafe { libc::write(w, [0x55u8; 64].as_ptr().cast(), 64) };
         assert_eq!(wrote, 64);
         assert!(buf2.iter().all(|&b| b == 0xaa), "a read outlived its ring");
+        // SAFETY: our descriptors, closed once.
+        unsafe {
+            libc::close(r);
+            libc::close(w);
+        }
+    }
+
+    /// A cooperative ring (COOP_TASKRUN) still wakes a thread blocked in
+    /// io_uring_enter when its read completes: the read from a pipe is
+    /// completed by another thread's write while this one waits.
+    #[test]
+    fn cooperative_ring_wakes_a_waiting_thread() {
+        let mut fds = [0; 2];
+        // SAFETY: pipe writes two new descriptors into fds.
+        assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+        let (r, w) = (fds[0], fds[1]);
+        let mut ring = Uring::new_cooperative(UringOptions {
+            entries: 8,
+            sqpoll_idle_ms: None,
+        })
+        .unwrap();
+        for round in 0..3u8 {
+            let mut buf = vec![0u8; 16];
+            let op = ReadOp {
+                user_data: round as u64,
+                target: Target::Fd(r),
+                buf: buf.as_mut_ptr(),
+                len: 16,
+                offset: u64::MAX,
+                buf_index: None,
+            };
+            // SAFETY: buf outlives the read: it is reaped below (or by the
+            // ring's drop on a failed assertion).
+            assert!(unsafe { ring.push(&op) });
+            ring.submit(false).unwrap();
+            let writer = std::thread::spawn(move || {
+                // SAFETY: writes 16 bytes from a live buffer to our pipe.
+                let n = unsafe { libc::write(w, [round + 1; 16].as_ptr().cast(), 16) };
+                assert_eq!(n, 16);
+            });
+            let mut out = [Completion::default(); 4];
+            let mut got = 0;
+            while got == 0 {
+                ring.submit(true).unwrap();
+                got = ring.drain(&mut out);
+            }
+            writer.join().unwrap();
+            assert_eq!(
+                (got, out[0].user_data, out[0].result),
+                (1, round as u64, 16)
+            );
+            assert!(buf.iter().all(|&b| b == round + 1));
+        }
         // SAFETY: our descriptors, closed once.
         unsafe {
             libc::close(r);

@@ -77,6 +77,20 @@ pub(crate) struct ReadArgs {
     /// Memory tier budget (e.g. 8GiB); samples in it are served from RAM.
     #[arg(long, default_value = "0", value_parser = crate::parse_bytes)]
     tier_bytes: u64,
+    /// Hand out samples that sit in the memory tier in place instead of
+    /// copying them into the landing ring (a batch is then not one span).
+    #[arg(long)]
+    tier_views: bool,
+    /// Read every byte of every sample (fold them into a checksum) as a
+    /// consumer that looks at its data would; without it only lengths are
+    /// taken.
+    #[arg(long)]
+    touch: bool,
+    /// Create the pollers' io_urings with IORING_SETUP_COOP_TASKRUN
+    /// (completions wait for the poller's next system call instead of
+    /// interrupting it; for comparisons).
+    #[arg(long)]
+    coop_taskrun: bool,
     /// Check every sample's CRC32C while reading.
     #[arg(long)]
     verify: bool,
@@ -239,6 +253,8 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
         .max_read_bytes(a.max_read_bytes)
         .sqpoll(a.sqpoll_ms)
         .tier_bytes(a.tier_bytes)
+        .tier_views(a.tier_views)
+        .coop_taskrun(a.coop_taskrun)
         // A GPU ring cannot be read by the CPU: --verify copies back below.
         .verify_crc32c(a.verify && a.gpu_ring.is_none())
         .gpu_ring(a.gpu_ring)
@@ -353,6 +369,7 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
     let t0 = Instant::now();
     let mut epoch_lines = Vec::new();
     let mut host = Vec::new();
+    let mut touched = 0u64;
     for e in a.start_epoch..a.start_epoch + a.epochs {
         loader.set_epoch(e)?;
         let bar = Progress::new(&format!("epoch {e}"), per_epoch, progress);
@@ -370,7 +387,11 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
                         check_gpu_sample(&loader, &s, &mut host)?;
                     }
                 } else {
-                    bytes += loader.held_sample(i).bytes.len();
+                    let s = loader.held_sample(i).bytes;
+                    bytes += s.len();
+                    if a.touch {
+                        touched ^= fold(s);
+                    }
                 }
             }
             bar.add(bytes as u64);
@@ -397,6 +418,7 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
         ));
     }
     let wall = t0.elapsed().as_secs_f64();
+    std::hint::black_box(touched);
     let placement = loader.placement().clone();
     let st = loader.finish();
     let cpu = process_cpu_seconds() - cpu0;
@@ -484,4 +506,17 @@ fn check_gpu_sample(
         });
     }
     Ok(())
+}
+
+/// XOR of the sample's bytes in 8-byte words (the tail zero-padded): reads
+/// every byte, for `--touch`.
+fn fold(bytes: &[u8]) -> u64 {
+    let mut chunks = bytes.chunks_exact(8);
+    let mut x = 0u64;
+    for c in &mut chunks {
+        x ^= u64::from_le_bytes(c.try_into().expect("8 bytes"));
+    }
+    let mut tail = [0u8; 8];
+    tail[..chunks.remainder().len()].copy_from_slice(chunks.remainder());
+    x ^ u64::from_le_bytes(tail)
 }
