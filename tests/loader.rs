@@ -544,11 +544,7 @@ fn tier_views_hand_out_tier_bytes_in_place() {
     let space = Space::open(&sp).unwrap();
     let cat = space.catalog();
     let total = cat.total_bytes();
-    let cfg = SamplerConfig {
-        rank: 0,
-        world: 2,
-        ..SamplerConfig::single(cat.len(), 9)
-    };
+    let cfg = SamplerConfig::single(cat.len(), 9).rank_world(0, 2);
     let sampler = Sampler::new(cfg).unwrap();
     let build = |views: bool| {
         LoaderBuilder::space(&sp)
