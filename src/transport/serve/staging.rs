@@ -1,0 +1,87 @@
+//! A poller's staging: the slab its reads land in and its sends go out
+//! from, and the slots that describe what each chunk of it holds.
+
+use std::sync::atomic::Ordering;
+
+use super::poller::SConn;
+use super::Common;
+use crate::error::Result;
+use crate::sys::AlignedBuf;
+use crate::transport::proto::Code;
+
+/// A poller's staging slab, registered for RDMA when the service offers it.
+pub(super) struct Staging {
+    pub(super) buf: AlignedBuf,
+    #[cfg(feature = "rdma")]
+    pub(super) regions: crate::transport::rdma::SendRegions,
+    #[cfg(feature = "rdma")]
+    pub(super) _mr: Option<crate::transport::rdma::Mr>,
+}
+
+impl Staging {
+    pub(super) fn new(c: &Common) -> Result<Staging> {
+        let n = c.cfg.slots();
+        let buf = AlignedBuf::new(n * c.cfg.chunk_bytes as usize, 4096);
+        #[cfg(feature = "rdma")]
+        {
+            let mut st = Staging {
+                buf,
+                regions: Default::default(),
+                _mr: None,
+            };
+            if let Some(r) = &c.rdma {
+                let p = st.buf.as_mut_ptr();
+                // SAFETY: the slab lives in the poller, which drops every
+                // link (QP) before the slab; the NIC only reads it.
+                let mr = unsafe {
+                    crate::transport::rdma::Mr::register(
+                        &r.pd,
+                        p,
+                        st.buf.len(),
+                        crate::transport::rdma::Access::ReadOnly,
+                    )
+                }?;
+                let mut all: Vec<&crate::transport::rdma::Mr> = r.map_mrs.iter().collect();
+                all.push(&mr);
+                st.regions = crate::transport::rdma::SendRegions::new(&all);
+                st._mr = Some(mr);
+            }
+            Ok(st)
+        }
+        #[cfg(not(feature = "rdma"))]
+        Ok(Staging { buf })
+    }
+}
+
+pub(super) struct Slot {
+    pub(super) conn: u32,
+    pub(super) grant: u32,
+    /// Ring offset of the payload's first byte (DATA).
+    pub(super) offset: u64,
+    /// The grant's remote key (RDMA).
+    pub(super) rkey: u32,
+    /// ERROR frames: the code.
+    pub(super) code: Code,
+    pub(super) payload: u32,
+    /// The chunk that completes its sample.
+    pub(super) last: bool,
+    /// Where the payload is sent from: null for the slot's staging memory,
+    /// else a place in a mapped extent (page-cache mode).
+    pub(super) src: *const u8,
+    pub(super) ready: bool,
+    pub(super) error: bool,
+    /// When its read was submitted (read-latency histogram).
+    pub(super) issued: std::time::Instant,
+}
+
+/// Takes the free slot on top for connection `ci` (a function of the two
+/// fields, so callers may hold other borrows of the poller).
+pub(super) fn take_slot(free_slots: &mut Vec<u32>, conns: &mut [Option<SConn>], ci: u32) {
+    free_slots.pop();
+    if let Some(c) = conns[ci as usize].as_mut() {
+        c.held += 1;
+        c.metrics
+            .staging_slots
+            .store(c.held as u64, Ordering::Relaxed);
+    }
+}
