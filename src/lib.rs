@@ -36,6 +36,7 @@ pub mod landing;
 pub mod loader;
 pub mod par;
 pub mod placement;
+mod pool;
 pub mod progress;
 pub mod ring;
 pub mod sampler;

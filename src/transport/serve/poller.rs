@@ -17,6 +17,7 @@ use super::rx::Rx;
 use super::staging::{Slot, Staging};
 use super::{metrics, send_error, Accepted, Common};
 use crate::error::errno_name;
+use crate::pool::Pool;
 use crate::ring::{Completion, IoBackend, Uring};
 use crate::transport::proto::{self, Code, GrantEntry, Hello};
 use crate::transport::tcp::TcpLink;
@@ -73,21 +74,21 @@ pub(super) struct ServePoller {
     pub(super) c: Arc<Common>,
     pub(super) ring: Uring,
     pub(super) incoming: Receiver<Accepted>,
-    pub(super) conns: Vec<Option<SConn>>,
+    /// Its connections (at most `max_conns_per_poller`, allocated at start).
+    pub(super) conns: Pool<SConn>,
     /// After `conns`: links (queue pairs) go before the memory they send from.
     pub(super) staging: Staging,
     pub(super) fixed_staging: bool,
     pub(super) chunk: u64,
-    pub(super) slots: Box<[Slot]>,
-    pub(super) free_slots: Vec<u32>,
+    /// The staging slots taken (at most `staging_bytes / chunk_bytes`,
+    /// allocated at start): a slot's key is its chunk of the slab.
+    pub(super) slots: Pool<Slot>,
     pub(super) completions: Vec<Completion>,
     /// Round-robin start for reads, so one busy consumer cannot starve others.
     pub(super) rr: usize,
     /// Indices of the occupied `conns` entries (a reaped one leaves at the
     /// next tick's start): every per-tick loop walks this, not every slot.
     pub(super) live: Vec<u32>,
-    /// Free `conns` indices.
-    pub(super) free_ci: Vec<u32>,
     /// Staging slots one connection may hold now (fair share).
     pub(super) quota: usize,
     /// When the stalled-consumer check last ran.
@@ -128,22 +129,10 @@ impl ServePoller {
                 false
             }
         };
-        let slots = (0..n)
-            .map(|_| Slot {
-                conn: 0,
-                grant: 0,
-                offset: 0,
-                rkey: 0,
-                code: Code::Unknown,
-                payload: 0,
-                last: false,
-                src: std::ptr::null(),
-                ready: false,
-                error: false,
-                issued: std::time::Instant::now(),
-            })
-            .collect();
-        let conns = (0..c.cfg.max_conns_per_poller).map(|_| None).collect();
+        // Both pools are allocated whole here and never grow (check_pools):
+        // a full one is back-pressure.
+        let slots = Pool::with_limit(n);
+        let conns = Pool::with_limit(c.cfg.max_conns_per_poller);
         ServePoller {
             ring,
             incoming,
@@ -151,12 +140,10 @@ impl ServePoller {
             fixed_staging,
             chunk,
             slots,
-            free_slots: (0..n as u32).rev().collect(),
             conns,
             completions: vec![Completion::default(); 1024],
             rr: 0,
             live: Vec::with_capacity(c.cfg.max_conns_per_poller),
-            free_ci: (0..c.cfg.max_conns_per_poller as u32).rev().collect(),
             quota: n,
             last_stall_check: std::time::Instant::now(),
             index,
@@ -192,19 +179,19 @@ impl ServePoller {
             // Drop the reaped from the dense list before anyone is adopted
             // (a reaped index may be reused right after).
             let conns = &self.conns;
-            self.live.retain(|&ci| conns[ci as usize].is_some());
+            self.live.retain(|&ci| conns.contains(ci as usize));
             let stopping = self.c.stop.load(Ordering::Acquire);
             if stopping {
                 for k in 0..self.live.len() {
                     let ci = self.live[k] as usize;
-                    if self.conns[ci].as_ref().is_some_and(|c| !c.closing) {
+                    if self.conns.get(ci).is_some_and(|c| !c.closing) {
                         self.close(ci as u32, None);
                     }
                 }
                 if self
                     .live
                     .iter()
-                    .all(|&ci| self.conns[ci as usize].is_none())
+                    .all(|&ci| !self.conns.contains(ci as usize))
                 {
                     break;
                 }
@@ -241,11 +228,21 @@ impl ServePoller {
                 let c = self.completions[i];
                 self.complete(c);
             }
+            self.check_pools();
         }
     }
 
+    /// Checks (debug builds) that no pool grew after start: the staging
+    /// slots and connections stay within what `new` allocated.
+    pub(super) fn check_pools(&self) {
+        self.slots.check();
+        self.conns.check();
+        debug_assert!(self.slots.len() <= self.slots.limit());
+        debug_assert!(self.live.len() <= self.conns.limit());
+    }
+
     pub(super) fn adopt(&mut self, acc: Accepted) {
-        let Some(ci) = self.free_ci.pop().map(|i| i as usize) else {
+        let Some(ci) = self.conns.vacant_key() else {
             // Not reached: the acceptor reserved a place on this poller at
             // HELLO (`Common::load`); kept as a refusal, not a panic.
             self.c.load[self.index].fetch_sub(1, Ordering::Relaxed);
@@ -265,7 +262,7 @@ impl ServePoller {
         let fd = acc.sock.as_raw_fd();
         let link = ConnLink::Tcp(TcpLink::new(
             fd,
-            self.slots.len(),
+            self.slots.limit(),
             ud(UD_SEND, ci as u32, 0),
         ));
         #[cfg(feature = "rdma")]
@@ -287,7 +284,7 @@ impl ServePoller {
         ));
         self.c.metrics.add(m.clone());
         self.live.push(ci as u32);
-        self.conns[ci] = Some(SConn {
+        let taken = self.conns.insert(SConn {
             sock: acc.sock,
             peer: acc.peer,
             hello: acc.hello,
@@ -296,7 +293,7 @@ impl ServePoller {
             rx: Rx::Header,
             rx_inflight: false,
             grants: VecDeque::with_capacity(max),
-            sendq: VecDeque::with_capacity(self.slots.len()),
+            sendq: VecDeque::with_capacity(self.slots.limit()),
             link,
             ops: 0,
             closing: false,
@@ -306,6 +303,7 @@ impl ServePoller {
             metrics: m,
             last_rx: std::time::Instant::now(),
         });
+        debug_assert!(matches!(taken, Ok(k) if k == ci), "adopt: the vacant key");
     }
 
     /// Drops the consumers whose link finished nothing for `stall_timeout`
@@ -323,7 +321,7 @@ impl ServePoller {
         let limit = self.c.cfg.stall_timeout;
         for k in 0..self.live.len() {
             let ci = self.live[k] as usize;
-            let Some(c) = self.conns[ci].as_ref() else {
+            let Some(c) = self.conns.get(ci) else {
                 continue;
             };
             if c.closing {
@@ -357,13 +355,13 @@ impl ServePoller {
     /// in the ring, after arming the busy links' CQs and queueing a poll of
     /// the completion channel so the next completion wakes the poller.
     pub(super) fn rdma_should_spin(&mut self) -> bool {
-        let free = self.free_slots.len();
+        let taken = self.slots.len();
         let busy = self.reap_rdma();
         if !busy {
             self.spin_since = None;
             return false;
         }
-        if self.free_slots.len() != free {
+        if self.slots.len() != taken {
             self.spin_since = None;
             return true;
         }
@@ -376,7 +374,7 @@ impl ServePoller {
         };
         for k in 0..self.live.len() {
             let ci = self.live[k] as usize;
-            let Some(c) = self.conns[ci].as_ref() else {
+            let Some(c) = self.conns.get(ci) else {
                 continue;
             };
             if c.link.is_rdma() && c.link.busy() {
@@ -387,7 +385,7 @@ impl ServePoller {
             }
         }
         // A completion that came in before arming raises no event.
-        if self.reap_rdma() && self.free_slots.len() != free {
+        if self.reap_rdma() && self.slots.len() != taken {
             self.spin_since = None;
             return true;
         }
@@ -404,14 +402,14 @@ impl ServePoller {
         let mut busy = false;
         for k in 0..self.live.len() {
             let ci = self.live[k] as usize;
-            let Some(c) = self.conns[ci].as_ref() else {
+            let Some(c) = self.conns.get(ci) else {
                 continue;
             };
             if !c.link.is_rdma() {
                 continue;
             }
             self.reap_link(ci as u32);
-            let c = self.conns[ci].as_ref().expect("live");
+            let c = self.conns.get(ci).expect("live");
             if !c.closing {
                 if let Some(why) = c.link.failure() {
                     // Its QP is in error: nothing more can reach the consumer.
@@ -420,7 +418,7 @@ impl ServePoller {
                 }
             }
             self.maybe_reap(ci as u32);
-            busy |= self.conns[ci].as_ref().is_some_and(|c| c.link.busy());
+            busy |= self.conns.get(ci).is_some_and(|c| c.link.busy());
         }
         busy
     }
@@ -437,7 +435,7 @@ impl ServePoller {
         }
         let ci = ((comp.user_data >> 32) & 0xff_ffff) as u32;
         let slot = comp.user_data as u32;
-        let Some(c) = self.conns[ci as usize].as_mut() else {
+        let Some(c) = self.conns.get_mut(ci as usize) else {
             log::error!("node service: completion for a closed connection");
             return;
         };
@@ -470,7 +468,7 @@ impl ServePoller {
     /// Closes a connection: optionally tells the peer why, shuts the socket
     /// (so in-flight receives and sends end), frees what is not in flight.
     pub(super) fn close(&mut self, ci: u32, why: Option<(Code, String)>) {
-        let c = self.conns[ci as usize].as_mut().expect("live");
+        let c = self.conns.get_mut(ci as usize).expect("live");
         if c.closing {
             return;
         }
@@ -499,7 +497,7 @@ impl ServePoller {
                 c.sendq.push_back(slot);
             } else {
                 c.held -= 1;
-                self.free_slots.push(slot);
+                self.slots.remove(slot as usize);
             }
         }
         self.reap_link(ci);
@@ -508,13 +506,14 @@ impl ServePoller {
 
     pub(super) fn maybe_reap(&mut self, ci: u32) {
         self.reap_link(ci);
-        if self.conns[ci as usize]
-            .as_ref()
+        if self
+            .conns
+            .get(ci as usize)
             .is_some_and(|c| c.closing && c.ops == 0 && !c.link.busy())
         {
-            let c = self.conns[ci as usize].take().expect("live");
-            // Out of `live` at the next tick's start; free for reuse then.
-            self.free_ci.push(ci);
+            // Out of `live` at the next tick's start; its key is free for
+            // the next adopt (which comes after that).
+            let c = self.conns.remove(ci as usize);
             self.c.load[self.index].fetch_sub(1, Ordering::Relaxed);
             self.c.metrics.remove(&c.metrics);
             log::info!(
@@ -525,7 +524,7 @@ impl ServePoller {
                 c.metrics.totals()
             );
             for &slot in &c.sendq {
-                self.free_slots.push(slot);
+                self.slots.remove(slot as usize);
             }
             if c.link.is_rdma() {
                 // Dropping the link destroys its QP, then its CQ.

@@ -4,7 +4,7 @@
 use std::sync::atomic::Ordering;
 
 use super::poller::{ud, ServePoller, UD_READ};
-use super::staging::take_slot;
+use super::staging::{take_slot, Slot};
 use crate::error::errno_name;
 use crate::ring::{IoBackend, ReadOp, Target};
 use crate::transport::proto::{self, Code, GrantEntry};
@@ -19,15 +19,15 @@ impl ServePoller {
         let busy = self
             .live
             .iter()
-            .filter_map(|&ci| self.conns[ci as usize].as_ref())
+            .filter_map(|&ci| self.conns.get(ci as usize))
             .filter(|c| !c.closing && (c.held > 0 || !c.grants.is_empty()))
             .count()
             .max(1);
-        let n = self.slots.len();
+        let n = self.slots.limit();
         self.quota = n.div_ceil(busy).min(n - n / 4).max(1);
         let n = self.live.len();
         let mut idle_rounds = 0;
-        while !self.free_slots.is_empty() && idle_rounds < n {
+        while !self.slots.is_full() && idle_rounds < n {
             let ci = self.live[self.rr % n];
             self.rr = self.rr.wrapping_add(1);
             let progressed = self.issue_one(ci);
@@ -37,7 +37,7 @@ impl ServePoller {
 
     /// Starts the next chunk of connection `ci`'s oldest grant.
     pub(super) fn issue_one(&mut self, ci: u32) -> bool {
-        let Some(c) = self.conns[ci as usize].as_mut() else {
+        let Some(c) = self.conns.get_mut(ci as usize) else {
             return false;
         };
         // Its share of staging: a consumer that does not drain keeps at
@@ -49,29 +49,24 @@ impl ServePoller {
         let Some(w) = c.grants.front().copied() else {
             return false;
         };
-        let Some(&slot) = self.free_slots.last() else {
+        let Some(slot) = self.slots.vacant_key().map(|k| k as u32) else {
             return false;
         };
         let e = w.e;
         let space = &self.c.space;
         let loc = space.location(e.sample);
-        let s = &mut self.slots[slot as usize];
-        s.conn = ci;
-        s.grant = e.grant;
-        s.ready = false;
-        s.error = false;
-        s.src = std::ptr::null();
         let Some(loc) = loc else {
             // Not held here: an ERROR frame for this grant.
             c.grants.pop_front();
-            take_slot(&mut self.free_slots, &mut self.conns, ci);
+            let s = Slot::new(ci, e.grant, std::time::Instant::now());
+            take_slot(&mut self.slots, &mut self.conns, ci, slot, s);
             let msg = format!(
                 "node {} does not hold sample {}",
                 space.params().node_index,
                 e.sample
             );
             self.fill_error(slot, e.grant, Code::NotHeld, &msg);
-            let c = self.conns[ci as usize].as_mut().expect("live");
+            let c = self.conns.get_mut(ci as usize).expect("live");
             c.sendq.push_back(slot);
             return true;
         };
@@ -86,24 +81,26 @@ impl ServePoller {
             let bytes = map.as_slice();
             let at = (loc.offset + off) as usize;
             if at + payload as usize > bytes.len() {
-                take_slot(&mut self.free_slots, &mut self.conns, ci);
+                let s = Slot::new(ci, e.grant, std::time::Instant::now());
+                take_slot(&mut self.slots, &mut self.conns, ci, slot, s);
                 let msg = format!(
                     "node {}: extent {} is shorter than its manifest says (sample {})",
                     space.params().node_index,
                     loc.extent,
                     e.sample
                 );
-                let c = self.conns[ci as usize].as_mut().expect("live");
+                let c = self.conns.get_mut(ci as usize).expect("live");
                 c.grants.pop_front();
                 self.fill_error(slot, e.grant, Code::ReadFailed, &msg);
-                self.conns[ci as usize]
-                    .as_mut()
+                self.conns
+                    .get_mut(ci as usize)
                     .expect("live")
                     .sendq
                     .push_back(slot);
                 return true;
             }
-            take_slot(&mut self.free_slots, &mut self.conns, ci);
+            let s = Slot::new(ci, e.grant, std::time::Instant::now());
+            take_slot(&mut self.slots, &mut self.conns, ci, slot, s);
             self.queue_chunk(ci, slot, &e, off, payload, Some(bytes[at..].as_ptr()));
             return true;
         }
@@ -115,14 +112,14 @@ impl ServePoller {
             offset: loc.offset + off,
             buf_index: self.fixed_staging.then_some(0),
         };
-        // SAFETY: the staging slot is ours (taken from the free list below)
+        // SAFETY: the staging slot is ours (taken from the pool below)
         // until its send completes.
         if !unsafe { self.ring.push(&op) } {
             return false;
         }
-        self.slots[slot as usize].issued = std::time::Instant::now();
-        take_slot(&mut self.free_slots, &mut self.conns, ci);
-        self.conns[ci as usize].as_mut().expect("live").ops += 1;
+        let s = Slot::new(ci, e.grant, std::time::Instant::now());
+        take_slot(&mut self.slots, &mut self.conns, ci, slot, s);
+        self.conns.get_mut(ci as usize).expect("live").ops += 1;
         self.queue_chunk(ci, slot, &e, off, payload, None);
         true
     }
@@ -130,13 +127,13 @@ impl ServePoller {
     /// Gives a slot back (its connection holds one less).
     pub(super) fn free_slot(&mut self, slot: u32) {
         let ci = self.slots[slot as usize].conn as usize;
-        if let Some(c) = self.conns[ci].as_mut() {
+        if let Some(c) = self.conns.get_mut(ci) {
             c.held = c.held.saturating_sub(1);
             c.metrics
                 .staging_slots
                 .store(c.held as u64, Ordering::Relaxed);
         }
-        self.free_slots.push(slot);
+        self.slots.remove(slot as usize);
     }
 
     /// Describes chunk `off..off+payload` of grant `e` in `slot` (sent from
@@ -159,7 +156,7 @@ impl ServePoller {
         s.last = off + payload as u64 >= e.len as u64;
         s.src = src.unwrap_or(std::ptr::null());
         s.ready = src.is_some();
-        let c = self.conns[ci as usize].as_mut().expect("live");
+        let c = self.conns.get_mut(ci as usize).expect("live");
         c.sendq.push_back(slot);
         let front = c.grants.front_mut().expect("non-empty");
         front.next += payload as u64;
@@ -183,7 +180,7 @@ impl ServePoller {
         s.src = std::ptr::null();
         let ci = s.conn as usize;
         self.c.stats.errors.fetch_add(1, Ordering::Relaxed);
-        if let Some(c) = self.conns[ci].as_ref() {
+        if let Some(c) = self.conns.get(ci) {
             c.metrics.errors.fetch_add(1, Ordering::Relaxed);
         }
     }
@@ -194,7 +191,7 @@ impl ServePoller {
         let base = self.staging.buf.as_slice().as_ptr();
         for k in 0..self.live.len() {
             let ci = self.live[k] as usize;
-            let Some(c) = self.conns[ci].as_mut() else {
+            let Some(c) = self.conns.get_mut(ci) else {
                 continue;
             };
             if c.closing {
@@ -212,7 +209,7 @@ impl ServePoller {
                     // violation for the consumer).
                     c.sendq.pop_front();
                     c.held -= 1;
-                    self.free_slots.push(slot);
+                    self.slots.remove(slot as usize);
                     continue;
                 }
                 let src = if s.src.is_null() {
@@ -262,7 +259,7 @@ impl ServePoller {
     pub(super) fn reap_link(&mut self, ci: u32) {
         let mut done = [Done::default(); 32];
         loop {
-            let Some(c) = self.conns[ci as usize].as_mut() else {
+            let Some(c) = self.conns.get_mut(ci as usize) else {
                 return;
             };
             let n = c.link.poll(&mut done);
@@ -278,7 +275,7 @@ impl ServePoller {
                 }
                 self.free_slot(d.wr_id as u32);
             }
-            let c = self.conns[ci as usize].as_mut().expect("live");
+            let c = self.conns.get_mut(ci as usize).expect("live");
             c.last_drained = std::time::Instant::now();
             let st = &self.c.stats;
             st.bytes.fetch_add(bytes, Ordering::Relaxed);
@@ -289,7 +286,7 @@ impl ServePoller {
     }
 
     pub(super) fn on_read(&mut self, ci: u32, slot: u32, res: i32) {
-        let closing = self.conns[ci as usize].as_ref().expect("live").closing;
+        let closing = self.conns.get(ci as usize).expect("live").closing;
         if closing {
             self.drop_slot(ci, slot);
             return;
@@ -320,7 +317,7 @@ impl ServePoller {
 
     /// Frees a slot of a closing connection (its read or send completed).
     pub(super) fn drop_slot(&mut self, ci: u32, slot: u32) {
-        let c = self.conns[ci as usize].as_mut().expect("live");
+        let c = self.conns.get_mut(ci as usize).expect("live");
         if let Some(i) = c.sendq.iter().position(|&s| s == slot) {
             c.sendq.remove(i);
         }

@@ -22,7 +22,7 @@ impl ServePoller {
     pub(super) fn post_recvs(&mut self) {
         for k in 0..self.live.len() {
             let ci = self.live[k] as usize;
-            let Some(c) = self.conns[ci].as_mut() else {
+            let Some(c) = self.conns.get_mut(ci) else {
                 continue;
             };
             if c.closing || c.rx_inflight {
@@ -43,7 +43,7 @@ impl ServePoller {
     }
 
     pub(super) fn on_recv(&mut self, ci: u32, res: i32) {
-        let c = self.conns[ci as usize].as_mut().expect("live");
+        let c = self.conns.get_mut(ci as usize).expect("live");
         if c.closing {
             return;
         }

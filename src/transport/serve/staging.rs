@@ -6,6 +6,7 @@ use std::sync::atomic::Ordering;
 use super::poller::SConn;
 use super::Common;
 use crate::error::Result;
+use crate::pool::Pool;
 use crate::sys::AlignedBuf;
 use crate::transport::proto::Code;
 
@@ -74,11 +75,42 @@ pub(super) struct Slot {
     pub(super) issued: std::time::Instant,
 }
 
-/// Takes the free slot on top for connection `ci` (a function of the two
-/// fields, so callers may hold other borrows of the poller).
-pub(super) fn take_slot(free_slots: &mut Vec<u32>, conns: &mut [Option<SConn>], ci: u32) {
-    free_slots.pop();
-    if let Some(c) = conns[ci as usize].as_mut() {
+impl Slot {
+    /// A slot taken for a chunk of connection `conn`'s grant `grant`;
+    /// `queue_chunk` or `fill_error` says what it holds.
+    pub(super) fn new(conn: u32, grant: u32, issued: std::time::Instant) -> Slot {
+        Slot {
+            conn,
+            grant,
+            offset: 0,
+            rkey: 0,
+            code: Code::Unknown,
+            payload: 0,
+            last: false,
+            src: std::ptr::null(),
+            ready: false,
+            error: false,
+            issued,
+        }
+    }
+}
+
+/// Takes staging slot `slot` (the pool's vacant key) for connection `ci`,
+/// described by `s` (a function of the two fields, so callers may hold
+/// other borrows of the poller).
+pub(super) fn take_slot(
+    slots: &mut Pool<Slot>,
+    conns: &mut Pool<SConn>,
+    ci: u32,
+    slot: u32,
+    s: Slot,
+) {
+    let taken = slots.insert(s);
+    debug_assert!(
+        matches!(taken, Ok(k) if k == slot as usize),
+        "take_slot: the vacant key"
+    );
+    if let Some(c) = conns.get_mut(ci as usize) {
         c.held += 1;
         c.metrics
             .staging_slots
