@@ -1,5 +1,6 @@
 //! A connection's send side: DATA frames over its socket (`TcpLink`), or
-//! RDMA writes on its queue pair (`RdmaLink`).
+//! RDMA writes on its queue pair (`RdmaLink`). What only an RDMA link
+//! does (arming its CQ, a failed completion) is in `owner_rdma.rs`.
 
 use crate::ring::Uring;
 use crate::transport::proto::Code;
@@ -12,6 +13,17 @@ pub(super) enum ConnLink {
     Tcp(TcpLink),
     #[cfg(feature = "rdma")]
     Rdma(Box<crate::transport::rdma::RdmaLink>),
+}
+
+/// `$body` with `$l` bound to the link, whichever transport it is.
+macro_rules! each_link {
+    ($link:expr, $l:ident => $body:expr) => {
+        match $link {
+            ConnLink::Tcp($l) => $body,
+            #[cfg(feature = "rdma")]
+            ConnLink::Rdma($l) => $body,
+        }
+    };
 }
 
 impl ConnLink {
@@ -27,13 +39,7 @@ impl ConnLink {
         rkey: u32,
     ) -> bool {
         // SAFETY: forwarded contract.
-        unsafe {
-            match self {
-                ConnLink::Tcp(l) => l.post_write(id, src, len, off, g, rkey),
-                #[cfg(feature = "rdma")]
-                ConnLink::Rdma(l) => l.post_write(id, src, len, off, g, rkey),
-            }
-        }
+        unsafe { each_link!(self, l => l.post_write(id, src, len, off, g, rkey)) }
     }
 
     /// # Safety
@@ -47,13 +53,7 @@ impl ConnLink {
         len: u32,
     ) -> bool {
         // SAFETY: forwarded contract.
-        unsafe {
-            match self {
-                ConnLink::Tcp(l) => l.post_error(id, g, code, msg, len),
-                #[cfg(feature = "rdma")]
-                ConnLink::Rdma(l) => l.post_error(id, g, code, msg, len),
-            }
-        }
+        unsafe { each_link!(self, l => l.post_error(id, g, code, msg, len)) }
     }
 
     pub(super) fn flush(&mut self, ring: &mut Uring) -> std::io::Result<()> {
@@ -65,48 +65,18 @@ impl ConnLink {
     }
 
     pub(super) fn poll(&mut self, out: &mut [Done]) -> usize {
-        match self {
-            ConnLink::Tcp(l) => l.poll(out),
-            #[cfg(feature = "rdma")]
-            ConnLink::Rdma(l) => l.poll(out),
-        }
+        each_link!(self, l => l.poll(out))
     }
 
     pub(super) fn busy(&self) -> bool {
-        match self {
-            ConnLink::Tcp(l) => l.busy(),
-            #[cfg(feature = "rdma")]
-            ConnLink::Rdma(l) => l.busy(),
-        }
+        each_link!(self, l => l.busy())
     }
 
     pub(super) fn close(&mut self) {
-        match self {
-            ConnLink::Tcp(l) => l.close(),
-            #[cfg(feature = "rdma")]
-            ConnLink::Rdma(l) => l.close(),
-        }
+        each_link!(self, l => l.close())
     }
 
     pub(super) fn is_rdma(&self) -> bool {
         !matches!(self, ConnLink::Tcp(_))
-    }
-
-    /// RDMA: arms the CQ (see [`crate::transport::rdma::RdmaLink::arm`]).
-    pub(super) fn arm(&self) -> std::result::Result<(), String> {
-        match self {
-            ConnLink::Tcp(_) => Ok(()),
-            #[cfg(feature = "rdma")]
-            ConnLink::Rdma(l) => l.arm().map_err(|e| e.to_string()),
-        }
-    }
-
-    /// Why an RDMA link broke (a failed completion), if it did.
-    pub(super) fn failure(&self) -> Option<String> {
-        match self {
-            ConnLink::Tcp(_) => None,
-            #[cfg(feature = "rdma")]
-            ConnLink::Rdma(l) => l.error().map(|e| e.to_string()),
-        }
     }
 }

@@ -18,7 +18,8 @@
 //!
 //! Files: [`config`] (settings and limits), [`service`] (start, stop,
 //! signals), `accept` (the acceptor and the TCP handshake),
-//! `owner_rdma` (verbs resources and the RDMA handshake), `staging` (the
+//! `owner_rdma` (verbs resources, the RDMA handshake and link; `no_rdma.rs`
+//! stands in for it without the `rdma` feature), `staging` (the
 //! staging slab and its slots), `link` (a connection's send side, TCP or
 //! RDMA), `poller` (the serve poller's loop and connections), `push` (reads
 //! into staging and sends in grant order), `rx` (receiving frames from a
@@ -28,6 +29,10 @@ mod accept;
 mod config;
 mod link;
 mod metrics;
+#[cfg(feature = "rdma")]
+mod owner_rdma;
+#[cfg(not(feature = "rdma"))]
+#[path = "no_rdma.rs"]
 mod owner_rdma;
 mod poller;
 mod push;
@@ -113,10 +118,7 @@ impl Common {
 
     /// Whether RDMA links may send from the mapped extents (registered).
     fn rdma_maps(&self) -> bool {
-        #[cfg(feature = "rdma")]
-        return self.rdma.as_ref().is_some_and(|r| !r.map_mrs.is_empty());
-        #[cfg(not(feature = "rdma"))]
-        false
+        self.rdma.as_ref().is_some_and(|r| r.sends_from_maps())
     }
 }
 

@@ -1,24 +1,25 @@
-//! The node service's verbs resources (one context and protection domain,
-//! a completion channel per poller) and the RDMA part of a consumer's
-//! handshake. Without the `rdma` feature, only the refusal is left.
+//! The RDMA side of the node service (built with the `rdma` feature;
+//! `no_rdma.rs` stands in without it): the verbs resources (one context and
+//! protection domain, a completion channel per poller), the staging slab's
+//! registration, the RDMA part of a consumer's handshake and the link it
+//! gets. The pollers use these through the same names either way, so
+//! their logic has no `cfg`.
 
-#[cfg(feature = "rdma")]
 use std::net::TcpStream;
-#[cfg(feature = "rdma")]
 use std::sync::atomic::Ordering;
-#[cfg(feature = "rdma")]
 use std::sync::Arc;
 
-#[cfg(feature = "rdma")]
-use super::Common;
+use super::link::ConnLink;
+use super::staging::Staging;
+use super::{Accepted, Common};
 use crate::error::{Error, Result};
-#[cfg(feature = "rdma")]
+use crate::sys::AlignedBuf;
 use crate::transport::proto::{self, Code, Header, Kind};
+use crate::transport::rdma::{Access, CompChannel, Mr, SendRegions};
 
 /// The verbs resources of a node service: one device context and protection
 /// domain; the staging slabs and (page-cache mode) the mapped extents are
 /// registered in it, local access only.
-#[cfg(feature = "rdma")]
 pub(super) struct OwnerRdma {
     pub(super) opts: crate::transport::RdmaOptions,
     pub(super) ctx: Arc<crate::transport::rdma::Context>,
@@ -30,10 +31,6 @@ pub(super) struct OwnerRdma {
     pub(super) channels: Vec<Arc<crate::transport::rdma::CompChannel>>,
 }
 
-#[cfg(not(feature = "rdma"))]
-pub(super) struct OwnerRdma;
-
-#[cfg(feature = "rdma")]
 pub(super) fn open_owner_rdma(
     opts: &crate::transport::RdmaOptions,
     maps: &[crate::sys::ReadOnlyMap],
@@ -87,19 +84,7 @@ pub(super) fn open_owner_rdma(
     })
 }
 
-#[cfg(not(feature = "rdma"))]
-pub(super) fn open_owner_rdma(
-    _: &crate::transport::RdmaOptions,
-    _: &[crate::sys::ReadOnlyMap],
-    _: usize,
-) -> Result<OwnerRdma> {
-    Err(Error::InvalidConfig(
-        "this kspeed was built without the `rdma` feature: no RDMA transport".into(),
-    ))
-}
-
 /// The owner's end of an RDMA connection, set up during the handshake.
-#[cfg(feature = "rdma")]
 pub(super) struct RdmaAccepted {
     pub(super) qp: crate::transport::rdma::Qp,
     pub(super) cq: Arc<crate::transport::rdma::Cq>,
@@ -110,7 +95,6 @@ pub(super) struct RdmaAccepted {
 /// end's queue pair (on the GID of the address the consumer reached, unless
 /// one is configured), and answers with it (40 bytes into a socket that has
 /// sent only WELCOME: the send buffer takes them whole without blocking).
-#[cfg(feature = "rdma")]
 pub(super) fn rdma_handshake(
     c: &Common,
     sock: &mut TcpStream,
@@ -145,4 +129,101 @@ pub(super) fn rdma_handshake(
         .map_err(|e| violation(format!("sending RDMA_ENDPOINT: {e}")))?;
     c.stats.rdma_qps.fetch_add(1, Ordering::Relaxed);
     Ok(RdmaAccepted { qp, cq })
+}
+
+impl OwnerRdma {
+    /// Whether RDMA links may send from the mapped extents (registered).
+    pub(super) fn sends_from_maps(&self) -> bool {
+        !self.map_mrs.is_empty()
+    }
+}
+
+/// A poller's staging slab as the NIC sees it: registered read-only, with
+/// the mapped extents' regions (page-cache mode) the links send from.
+pub(super) struct StagingMr {
+    pub(super) regions: SendRegions,
+    pub(super) _mr: Option<Mr>,
+}
+
+impl StagingMr {
+    /// Registers `buf` when the service offers RDMA.
+    pub(super) fn register(c: &Common, buf: &mut AlignedBuf) -> Result<StagingMr> {
+        let mut st = StagingMr {
+            regions: Default::default(),
+            _mr: None,
+        };
+        if let Some(r) = &c.rdma {
+            let p = buf.as_mut_ptr();
+            // SAFETY: the slab lives in the poller, which drops every
+            // link (QP) before the slab; the NIC only reads it.
+            let mr = unsafe { Mr::register(&r.pd, p, buf.len(), Access::ReadOnly) }?;
+            let mut all: Vec<&Mr> = r.map_mrs.iter().collect();
+            all.push(&mr);
+            st.regions = SendRegions::new(&all);
+            st._mr = Some(mr);
+        }
+        Ok(st)
+    }
+}
+
+/// A poller's completion channel (the one its connections' CQs wake), when
+/// the service offers RDMA.
+pub(super) struct PollerChannel(Option<Arc<CompChannel>>);
+
+impl PollerChannel {
+    pub(super) fn new(c: &Common, index: usize) -> Self {
+        PollerChannel(c.rdma.as_ref().map(|r| r.channels[index].clone()))
+    }
+
+    /// Its descriptor, to poll in the ring.
+    pub(super) fn fd(&self) -> Option<i32> {
+        self.0.as_ref().map(|ch| ch.fd())
+    }
+
+    /// Consumes its events (after the ring's poll of it completed).
+    pub(super) fn drain(&self) {
+        if let Some(ch) = &self.0 {
+            ch.drain();
+        }
+    }
+}
+
+impl Accepted {
+    /// Whether the handshake set up a queue pair (counted in `rdma_qps`).
+    pub(super) fn has_rdma(&self) -> bool {
+        self.rdma.is_some()
+    }
+
+    /// The RDMA link of a consumer that asked for RDMA: its queue pair,
+    /// sending from `staging` (and the mapped extents); None over TCP.
+    pub(super) fn take_rdma_link(&mut self, staging: &Staging, slots: usize) -> Option<ConnLink> {
+        let r = self.rdma.take()?;
+        Some(ConnLink::Rdma(Box::new(
+            crate::transport::rdma::RdmaLink::new(
+                r.qp,
+                r.cq,
+                staging.rdma.regions.clone(),
+                self.hello.ring_addr,
+                slots.clamp(16, 4096),
+            ),
+        )))
+    }
+}
+
+impl ConnLink {
+    /// RDMA: arms the CQ (see [`crate::transport::rdma::RdmaLink::arm`]).
+    pub(super) fn arm(&self) -> std::result::Result<(), String> {
+        match self {
+            ConnLink::Tcp(_) => Ok(()),
+            ConnLink::Rdma(l) => l.arm().map_err(|e| e.to_string()),
+        }
+    }
+
+    /// Why an RDMA link broke (a failed completion), if it did.
+    pub(super) fn failure(&self) -> Option<String> {
+        match self {
+            ConnLink::Tcp(_) => None,
+            ConnLink::Rdma(l) => l.error().map(|e| e.to_string()),
+        }
+    }
 }

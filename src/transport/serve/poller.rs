@@ -13,6 +13,7 @@ use std::time::Duration;
 use crossbeam_channel::Receiver;
 
 use super::link::ConnLink;
+use super::owner_rdma::PollerChannel;
 use super::rx::Rx;
 use super::staging::{Slot, Staging};
 use super::{metrics, send_error, Accepted, Common};
@@ -97,8 +98,7 @@ pub(super) struct ServePoller {
     pub(super) index: usize,
     /// RDMA: this poller's completion channel, whether a poll of it is in
     /// the ring, and since when the poller has spun without a completion.
-    #[cfg(feature = "rdma")]
-    pub(super) channel: Option<Arc<crate::transport::rdma::CompChannel>>,
+    pub(super) channel: PollerChannel,
     pub(super) chan_inflight: bool,
     pub(super) spin_since: Option<std::time::Instant>,
 }
@@ -147,8 +147,7 @@ impl ServePoller {
             quota: n,
             last_stall_check: std::time::Instant::now(),
             index,
-            #[cfg(feature = "rdma")]
-            channel: c.rdma.as_ref().map(|r| r.channels[index].clone()),
+            channel: PollerChannel::new(&c, index),
             chan_inflight: false,
             spin_since: None,
             c,
@@ -158,10 +157,7 @@ impl ServePoller {
     /// The descriptor of this poller's RDMA completion channel, when the
     /// service offers RDMA.
     pub(super) fn channel_fd(&self) -> Option<i32> {
-        #[cfg(feature = "rdma")]
-        return self.channel.as_ref().map(|ch| ch.fd());
-        #[cfg(not(feature = "rdma"))]
-        None
+        self.channel.fd()
     }
 
     pub(super) fn staging_ptr(&self, slot: u32) -> *mut u8 {
@@ -241,13 +237,12 @@ impl ServePoller {
         debug_assert!(self.live.len() <= self.conns.limit());
     }
 
-    pub(super) fn adopt(&mut self, acc: Accepted) {
+    pub(super) fn adopt(&mut self, mut acc: Accepted) {
         let Some(ci) = self.conns.vacant_key() else {
             // Not reached: the acceptor reserved a place on this poller at
             // HELLO (`Common::load`); kept as a refusal, not a panic.
             self.c.load[self.index].fetch_sub(1, Ordering::Relaxed);
-            #[cfg(feature = "rdma")]
-            if acc.rdma.is_some() {
+            if acc.has_rdma() {
                 self.c.stats.rdma_qps.fetch_sub(1, Ordering::Relaxed);
             }
             send_error(
@@ -260,21 +255,13 @@ impl ServePoller {
         };
         let max = self.c.cfg.max_grants as usize;
         let fd = acc.sock.as_raw_fd();
-        let link = ConnLink::Tcp(TcpLink::new(
-            fd,
-            self.slots.limit(),
-            ud(UD_SEND, ci as u32, 0),
-        ));
-        #[cfg(feature = "rdma")]
-        let link = match acc.rdma {
-            Some(r) => ConnLink::Rdma(Box::new(crate::transport::rdma::RdmaLink::new(
-                r.qp,
-                r.cq,
-                self.staging.regions.clone(),
-                acc.hello.ring_addr,
-                self.c.cfg.slots().clamp(16, 4096),
-            ))),
-            None => link,
+        let link = match acc.take_rdma_link(&self.staging, self.c.cfg.slots()) {
+            Some(rdma) => rdma,
+            None => ConnLink::Tcp(TcpLink::new(
+                fd,
+                self.slots.limit(),
+                ud(UD_SEND, ci as u32, 0),
+            )),
         };
         let m = Arc::new(metrics::ConnMetrics::new(
             acc.peer.to_string(),
@@ -427,10 +414,7 @@ impl ServePoller {
         let kind = comp.user_data & UD_KIND;
         if kind == UD_CHAN {
             self.chan_inflight = false;
-            #[cfg(feature = "rdma")]
-            if let Some(ch) = &self.channel {
-                ch.drain();
-            }
+            self.channel.drain();
             return;
         }
         let ci = ((comp.user_data >> 32) & 0xff_ffff) as u32;

@@ -3,6 +3,7 @@
 
 use std::sync::atomic::Ordering;
 
+use super::owner_rdma::StagingMr;
 use super::poller::SConn;
 use super::Common;
 use crate::error::Result;
@@ -13,44 +14,17 @@ use crate::transport::proto::Code;
 /// A poller's staging slab, registered for RDMA when the service offers it.
 pub(super) struct Staging {
     pub(super) buf: AlignedBuf,
-    #[cfg(feature = "rdma")]
-    pub(super) regions: crate::transport::rdma::SendRegions,
-    #[cfg(feature = "rdma")]
-    pub(super) _mr: Option<crate::transport::rdma::Mr>,
+    /// Its registration (read by the RDMA links only).
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+    pub(super) rdma: StagingMr,
 }
 
 impl Staging {
     pub(super) fn new(c: &Common) -> Result<Staging> {
         let n = c.cfg.slots();
-        let buf = AlignedBuf::new(n * c.cfg.chunk_bytes as usize, 4096);
-        #[cfg(feature = "rdma")]
-        {
-            let mut st = Staging {
-                buf,
-                regions: Default::default(),
-                _mr: None,
-            };
-            if let Some(r) = &c.rdma {
-                let p = st.buf.as_mut_ptr();
-                // SAFETY: the slab lives in the poller, which drops every
-                // link (QP) before the slab; the NIC only reads it.
-                let mr = unsafe {
-                    crate::transport::rdma::Mr::register(
-                        &r.pd,
-                        p,
-                        st.buf.len(),
-                        crate::transport::rdma::Access::ReadOnly,
-                    )
-                }?;
-                let mut all: Vec<&crate::transport::rdma::Mr> = r.map_mrs.iter().collect();
-                all.push(&mr);
-                st.regions = crate::transport::rdma::SendRegions::new(&all);
-                st._mr = Some(mr);
-            }
-            Ok(st)
-        }
-        #[cfg(not(feature = "rdma"))]
-        Ok(Staging { buf })
+        let mut buf = AlignedBuf::new(n * c.cfg.chunk_bytes as usize, 4096);
+        let rdma = StagingMr::register(c, &mut buf)?;
+        Ok(Staging { buf, rdma })
     }
 }
 
