@@ -31,7 +31,7 @@ pub struct ServeConfig {
     pub max_grants: u32,
     /// Consumers one poller serves at once (`--max-consumers-per-poller`);
     /// a HELLO beyond `pollers` times this is refused with
-    /// [`Code::NodeFull`].
+    /// [`Code::NodeFull`](crate::transport::proto::Code::NodeFull).
     pub max_conns_per_poller: usize,
     /// Time a peer has to complete its whole handshake (HELLO, and the
     /// RDMA endpoint swap), however it paces its bytes.
@@ -45,7 +45,7 @@ pub struct ServeConfig {
     /// second it has nothing to grant). At least [`MIN_IDLE_TIMEOUT`].
     pub idle_timeout: Duration,
     /// Serve Prometheus metrics (`GET /metrics`) on this address
-    /// (`--metrics`; port 0 picks one, see [`NodeService::metrics_addr`]).
+    /// (`--metrics`; port 0 picks one, see [`NodeService::metrics_addr`](super::NodeService::metrics_addr)).
     pub metrics: Option<String>,
     /// A consumer whose link finishes nothing for this long while the node
     /// has data in flight for it (a socket that takes no bytes, RDMA writes

@@ -13,10 +13,12 @@
 //!
 //! Pools are sized at start: staging slots (`staging_bytes / chunk_bytes`),
 //! connections per poller, grants per connection (announced in WELCOME; a
-//! consumer that exceeds it is dropped). Running out of staging slots is
-//! back-pressure: reads wait, grants stay queued.
+//! consumer that exceeds it is dropped). Staging slots and connections are
+//! fixed pools (`crate::pool::Pool`, a slab allocated whole when the poller
+//! starts, checked every tick never to have grown). Running out of staging
+//! slots is back-pressure: reads wait, grants stay queued.
 //!
-//! Files: [`config`] (settings and limits), [`service`] (start, stop,
+//! Files: `config` (settings and limits), `service` (start, stop,
 //! signals), `accept` (the acceptor and the TCP handshake),
 //! `owner_rdma` (verbs resources, the RDMA handshake and link; `no_rdma.rs`
 //! stands in for it without the `rdma` feature), `staging` (the
