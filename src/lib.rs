@@ -64,6 +64,7 @@ pub mod landing;
 pub mod loader;
 pub(crate) mod par;
 pub mod placement;
+mod pool;
 pub mod progress;
 pub(crate) mod ring;
 pub mod sampler;

@@ -23,6 +23,7 @@ use hdrhistogram::Histogram;
 use super::schedule::{Cursor, Placed};
 use super::{Input, Shared, CODE_ERROR, CODE_OK, CODE_TIER};
 use crate::error::{errno_name, Error};
+use crate::pool::Pool;
 use crate::ring::{transient_submit_error, Completion, IoBackend, ReadOp, Target};
 
 /// Attempts for a part that came back short or was interrupted.
@@ -62,10 +63,10 @@ pub(crate) struct Poller {
     backend: Box<dyn IoBackend>,
     cursor: Cursor,
     pending: Option<Placed>,
-    ops: Vec<Option<Op>>,
-    free_ops: Vec<u32>,
-    groups: Vec<Option<Group>>,
-    free_groups: Vec<u32>,
+    /// Reads in flight and samples being read: `queue_depth` each,
+    /// allocated here and never grown (a full pool waits for completions).
+    ops: Pool<Op>,
+    groups: Pool<Group>,
     /// A group whose parts are not all issued yet (issued before new samples).
     partial: Option<u32>,
     completions: Vec<Completion>,
@@ -105,10 +106,8 @@ impl Poller {
             backend,
             cursor,
             pending: None,
-            ops: (0..qd).map(|_| None).collect(),
-            free_ops: (0..qd as u32).rev().collect(),
-            groups: (0..qd).map(|_| None).collect(),
-            free_groups: (0..qd as u32).rev().collect(),
+            ops: Pool::with_limit(qd),
+            groups: Pool::with_limit(qd),
             partial: None,
             completions: vec![Completion::default(); qd],
             hist: Histogram::new_with_bounds(1, 60_000_000, 2).expect("valid bounds"),
@@ -219,21 +218,19 @@ impl Poller {
     /// the backend has exactly our reads in flight.
     #[cfg(debug_assertions)]
     fn check_pools(&self) {
-        let busy = self.ops.iter().filter(|o| o.is_some()).count();
-        assert_eq!(busy, self.in_flight, "op slots in use vs reads in flight");
-        assert_eq!(busy + self.free_ops.len(), self.ops.len(), "op slots lost");
-        for op in self.ops.iter().flatten() {
+        self.ops.check();
+        self.groups.check();
+        assert_eq!(
+            self.ops.len(),
+            self.in_flight,
+            "op slots in use vs reads in flight"
+        );
+        for (_, op) in self.ops.iter() {
             assert!(
-                self.groups[op.group as usize].is_some(),
+                self.groups.contains(op.group as usize),
                 "an op of a closed group"
             );
         }
-        let open = self.groups.iter().filter(|g| g.is_some()).count();
-        assert_eq!(
-            open + self.free_groups.len(),
-            self.groups.len(),
-            "groups lost"
-        );
         assert_eq!(
             self.backend.in_flight(),
             self.in_flight,
@@ -286,7 +283,7 @@ impl Poller {
                     (n, false) => return started + n,
                 }
             }
-            if self.free_ops.is_empty() || self.free_groups.is_empty() {
+            if self.ops.is_full() || self.groups.is_full() {
                 return started;
             }
             let p = match self.pending.take() {
@@ -393,8 +390,7 @@ impl Poller {
                 (Target::Fd(fd), s.offset, s.len as u64, s.file, Some(fd))
             }
         };
-        let gi = self.free_groups.pop().expect("caller checked a free group");
-        self.groups[gi as usize] = Some(Group {
+        let gi = self.groups.insert(Group {
             placed: p,
             target,
             file,
@@ -407,7 +403,8 @@ impl Poller {
             error: None,
             submitted: Instant::now(),
         });
-        Ok(gi)
+        let gi = gi.unwrap_or_else(|_| panic!("caller checked a free group"));
+        Ok(gi as u32)
     }
 
     /// Issues the group's remaining parts while op slots and the queue allow.
@@ -415,11 +412,11 @@ impl Poller {
     fn issue_parts(&mut self, gi: u32) -> (usize, bool) {
         let mut n = 0;
         loop {
-            let g = self.groups[gi as usize].as_ref().expect("open group");
+            let g = self.groups.get(gi as usize).expect("open group");
             if g.issued == g.parts {
                 return (n, true);
             }
-            let Some(&slot) = self.free_ops.last() else {
+            let Some(slot) = self.ops.vacant_key().map(|k| k as u32) else {
                 return (n, false);
             };
             let part = g.issued;
@@ -429,16 +426,13 @@ impl Poller {
             if !unsafe { self.backend.push(&op) } {
                 return (n, false);
             }
-            self.free_ops.pop();
-            self.ops[slot as usize] = Some(Op {
+            let taken = self.ops.insert(Op {
                 group: gi,
                 part,
                 attempts: 1,
             });
-            self.groups[gi as usize]
-                .as_mut()
-                .expect("open group")
-                .issued += 1;
+            debug_assert!(matches!(taken, Ok(k) if k == slot as usize));
+            self.groups.get_mut(gi as usize).expect("open group").issued += 1;
             self.in_flight += 1;
             n += 1;
             self.unsubmitted += 1;
@@ -456,7 +450,7 @@ impl Poller {
     }
 
     fn read_op(&self, slot: u32, gi: u32, part: u32) -> ReadOp {
-        let g = self.groups[gi as usize].as_ref().expect("open group");
+        let g = self.groups.get(gi as usize).expect("open group");
         let (start, len) = self.part_range(g, part);
         let seg = self.shared.geo.segment();
         ReadOp {
@@ -478,10 +472,10 @@ impl Poller {
         // A completion for a slot with no read in flight means the ring
         // and this poller disagree about what the kernel is writing: stop
         // (the crash guard names it) rather than guess.
-        let Some(mut op) = self.ops.get(slot as usize).copied().flatten() else {
+        let Some(mut op) = self.ops.get(slot as usize).copied() else {
             panic!("poller {}: completion for idle slot {slot}", self.index);
         };
-        let g = self.groups[op.group as usize].as_ref().expect("open group");
+        let g = self.groups.get(op.group as usize).expect("open group");
         let (_, part_len) = self.part_range(g, op.part);
         // Extents are padded to the alignment and source reads ask for the
         // exact sample, so every part must come back whole.
@@ -520,10 +514,10 @@ impl Poller {
             let rop = self.read_op(slot, op.group, op.part);
             // SAFETY: the same slot memory as the first attempt, still ours.
             if unsafe { self.backend.push(&rop) } {
-                self.ops[slot as usize] = Some(op);
+                self.ops[slot as usize] = op;
                 return;
             }
-            let g = self.groups[op.group as usize].as_ref().expect("open group");
+            let g = self.groups.get(op.group as usize).expect("open group");
             let e = self.read_failed(g, op.part, libc::EBUSY);
             self.part_done(slot, op.group, Some(e));
             return;
@@ -533,10 +527,9 @@ impl Poller {
 
     /// Frees the op slot; finishes the sample when its last part is in.
     fn part_done(&mut self, slot: u32, gi: u32, error: Option<Error>) {
-        self.ops[slot as usize] = None;
-        self.free_ops.push(slot);
+        self.ops.remove(slot as usize);
         self.in_flight -= 1;
-        let g = self.groups[gi as usize].as_mut().expect("open group");
+        let g = self.groups.get_mut(gi as usize).expect("open group");
         g.done += 1;
         if let Some(e) = error {
             // Issue no more parts; report the first error once all are back.
@@ -546,8 +539,7 @@ impl Poller {
         if g.done < g.parts {
             return;
         }
-        let g = self.groups[gi as usize].take().expect("open group");
-        self.free_groups.push(gi);
+        let g = self.groups.remove(gi as usize);
         if self.partial == Some(gi) {
             self.partial = None;
         }
@@ -639,25 +631,20 @@ impl Poller {
     /// for this poller's later samples.
     fn fail_all(&mut self, e: std::io::Error) {
         self.backend.cancel_all();
-        for op in &mut self.ops {
-            *op = None;
-        }
-        self.free_ops.clear();
-        self.free_ops.extend((0..self.ops.len() as u32).rev());
+        self.ops.clear();
         self.in_flight = 0;
         self.partial = None;
         let err = Error::Uring {
             what: "submit reads",
             source: std::sync::Arc::new(e),
         };
-        for gi in 0..self.groups.len() {
-            if let Some(g) = self.groups[gi].take() {
+        for gi in 0..self.groups.limit() {
+            if let Some(g) = self.groups.try_remove(gi) {
                 if let Some(fd) = g.owned_fd {
                     // SAFETY: opened for this sample, closed once (its reads
                     // were reaped above).
                     unsafe { libc::close(fd) };
                 }
-                self.free_groups.push(gi as u32);
                 self.fail(&g.placed, err.clone());
             }
         }

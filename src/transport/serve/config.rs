@@ -1,0 +1,173 @@
+//! The node service's settings and their limits.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+use crate::transport::proto;
+
+/// Node service settings.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct ServeConfig {
+    /// The preloaded space this node serves.
+    pub space: PathBuf,
+    /// Address to listen on (`host:port`; port 0 picks one).
+    pub listen: String,
+    /// Job token every consumer must present.
+    pub token: Vec<u8>,
+    /// Poller threads.
+    pub pollers: usize,
+    /// Staging memory per poller.
+    pub staging_bytes: u64,
+    /// Largest DATA frame or RDMA write, and the size of a staging slot
+    /// (default 256 KiB). Staging holds `staging_bytes / chunk_bytes`
+    /// slots, which bounds the reads and sends in flight: with 1 MiB slots
+    /// an ImageNet-sized sample (~128 KB) left 7/8 of its slot empty and 64
+    /// MiB of staging kept only 64 samples moving, and on soft-RoCE the
+    /// node then waited on its reads (kspeed over RDMA 0.81x ib_write_bw
+    /// with 1 MiB, 0.85-0.90x with 128-256 KiB; BENCHMARKS.md).
+    pub chunk_bytes: u32,
+    /// Grants one consumer may have outstanding.
+    pub max_grants: u32,
+    /// Consumers one poller serves at once (`--max-consumers-per-poller`);
+    /// a HELLO beyond `pollers` times this is refused with
+    /// [`Code::NodeFull`](crate::transport::proto::Code::NodeFull).
+    pub max_conns_per_poller: usize,
+    /// Time a peer has to complete its whole handshake (HELLO, and the
+    /// RDMA endpoint swap), however it paces its bytes.
+    pub handshake_timeout: Duration,
+    /// Handshakes pending at once (`--max-handshakes`); a connection
+    /// accepted beyond that closes the oldest pending one.
+    pub max_handshakes: usize,
+    /// A consumer connection that sends nothing (no GRANT, no keepalive)
+    /// for this long while it has nothing queued or in flight is closed
+    /// (`--idle-timeout-ms`; kspeed's consumer sends a keepalive every
+    /// second it has nothing to grant). At least [`MIN_IDLE_TIMEOUT`].
+    pub idle_timeout: Duration,
+    /// Serve Prometheus metrics (`GET /metrics`) on this address
+    /// (`--metrics`; port 0 picks one, see [`NodeService::metrics_addr`](super::NodeService::metrics_addr)).
+    pub metrics: Option<String>,
+    /// A consumer whose link finishes nothing for this long while the node
+    /// has data in flight for it (a socket that takes no bytes, RDMA writes
+    /// that do not complete) is dropped (`--stall-timeout-ms`); before that
+    /// it holds at most its fair share of staging.
+    pub stall_timeout: Duration,
+    /// Send straight from a read-only mapping of the extents (the page
+    /// cache) instead of reading each chunk into staging with O_DIRECT. For
+    /// spaces on memory-backed file systems (tmpfs) or kept warm: it saves a
+    /// copy per byte; on a cold NVMe space a page fault would stall the
+    /// poller, so it is off by default.
+    pub page_cache: bool,
+    /// Offer the RDMA transport on this device (consumers that ask for it
+    /// get their samples as RDMA writes; the others still get TCP). Needs a
+    /// build with the `rdma` feature.
+    pub rdma: Option<crate::transport::RdmaOptions>,
+    /// With RDMA writes in flight, how long a poller keeps polling its
+    /// completion queues after the last completion before it arms them and
+    /// sleeps on its completion channel (default: the loader's
+    /// [`crate::placement::default_spin`], none on small machines).
+    pub rdma_spin: Duration,
+}
+
+impl ServeConfig {
+    /// Defaults for a space and listen address.
+    pub fn new(space: impl Into<PathBuf>, listen: &str, token: &[u8]) -> Self {
+        ServeConfig {
+            space: space.into(),
+            listen: listen.to_string(),
+            token: token.to_vec(),
+            pollers: crate::placement::default_pollers(),
+            staging_bytes: 64 << 20,
+            chunk_bytes: 256 << 10,
+            max_grants: 8192,
+            max_conns_per_poller: 256,
+            handshake_timeout: Duration::from_secs(5),
+            max_handshakes: 64,
+            stall_timeout: Duration::from_secs(10),
+            metrics: None,
+            idle_timeout: Duration::from_secs(60),
+            page_cache: false,
+            rdma: None,
+            rdma_spin: crate::placement::default_spin(),
+        }
+    }
+
+    /// Checks every limit against what the service can allocate and encode
+    /// (each bound is documented in docs/PROTOCOL.md, "Limits").
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::InvalidConfig(m));
+        if self.token.is_empty() || self.token.len() > proto::MAX_TOKEN_BYTES {
+            return bad(format!(
+                "the job token has {} bytes; it must have 1 to {} (the HELLO frame's limit)",
+                self.token.len(),
+                proto::MAX_TOKEN_BYTES
+            ));
+        }
+        let ranges: [(&str, u64, u64, u64); 6] = [
+            ("pollers", self.pollers as u64, 1, MAX_POLLERS),
+            ("max grants", self.max_grants as u64, 1, MAX_GRANTS),
+            (
+                "max consumers per poller",
+                self.max_conns_per_poller as u64,
+                1,
+                MAX_CONNS_PER_POLLER,
+            ),
+            (
+                "max handshakes",
+                self.max_handshakes as u64,
+                1,
+                MAX_HANDSHAKES,
+            ),
+            (
+                "chunk bytes",
+                self.chunk_bytes as u64,
+                1,
+                proto::MAX_DATA_BYTES as u64,
+            ),
+            ("staging bytes", self.staging_bytes, 1, MAX_STAGING_BYTES),
+        ];
+        for (what, v, lo, hi) in ranges {
+            if v < lo || v > hi {
+                return bad(format!("{what} is {v}; it must be {lo} to {hi}"));
+            }
+        }
+        if self.handshake_timeout.is_zero() || self.stall_timeout.is_zero() {
+            return bad("the handshake and stall timeouts must be more than 0".into());
+        }
+        if self.idle_timeout < MIN_IDLE_TIMEOUT {
+            return bad(format!(
+                "the idle timeout is {} ms; it must be at least {} ms (three consumer keepalives)",
+                self.idle_timeout.as_millis(),
+                MIN_IDLE_TIMEOUT.as_millis()
+            ));
+        }
+        Ok(())
+    }
+
+    /// Staging slots per poller (and so the most RDMA writes in flight per
+    /// connection).
+    pub(super) fn slots(&self) -> usize {
+        (self.staging_bytes / self.chunk_bytes as u64).max(1) as usize
+    }
+}
+
+/// Most poller threads.
+pub const MAX_POLLERS: u64 = 256;
+
+/// Most grants one consumer may have outstanding (each queued grant costs
+/// the node 32 bytes, reserved when the consumer connects).
+pub const MAX_GRANTS: u64 = 1 << 20;
+
+/// Most consumers per poller.
+pub const MAX_CONNS_PER_POLLER: u64 = 4096;
+
+/// Most handshakes pending at once (each holds a descriptor and a 1 KiB
+/// buffer).
+pub const MAX_HANDSHAKES: u64 = 4096;
+
+/// Most staging memory per poller.
+pub const MAX_STAGING_BYTES: u64 = 1 << 30;
+
+/// Shortest idle timeout: three of the consumer's one-second keepalives.
+pub const MIN_IDLE_TIMEOUT: Duration = Duration::from_secs(3);

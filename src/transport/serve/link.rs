@@ -1,0 +1,82 @@
+//! A connection's send side: DATA frames over its socket (`TcpLink`), or
+//! RDMA writes on its queue pair (`RdmaLink`). What only an RDMA link
+//! does (arming its CQ, a failed completion) is in `owner_rdma.rs`.
+
+use crate::ring::Uring;
+use crate::transport::proto::Code;
+use crate::transport::tcp::TcpLink;
+use crate::transport::{Done, Link};
+
+/// A connection's send side: DATA frames on its socket, or RDMA writes on
+/// its queue pair.
+pub(super) enum ConnLink {
+    Tcp(TcpLink),
+    #[cfg(feature = "rdma")]
+    Rdma(Box<crate::transport::rdma::RdmaLink>),
+}
+
+/// `$body` with `$l` bound to the link, whichever transport it is.
+macro_rules! each_link {
+    ($link:expr, $l:ident => $body:expr) => {
+        match $link {
+            ConnLink::Tcp($l) => $body,
+            #[cfg(feature = "rdma")]
+            ConnLink::Rdma($l) => $body,
+        }
+    };
+}
+
+impl ConnLink {
+    /// # Safety
+    /// As for [`Link::post_write`].
+    pub(super) unsafe fn post_write(
+        &mut self,
+        id: u64,
+        src: *const u8,
+        len: u32,
+        off: u64,
+        g: u32,
+        rkey: u32,
+    ) -> bool {
+        // SAFETY: forwarded contract.
+        unsafe { each_link!(self, l => l.post_write(id, src, len, off, g, rkey)) }
+    }
+
+    /// # Safety
+    /// As for [`Link::post_error`].
+    pub(super) unsafe fn post_error(
+        &mut self,
+        id: u64,
+        g: u32,
+        code: Code,
+        msg: *const u8,
+        len: u32,
+    ) -> bool {
+        // SAFETY: forwarded contract.
+        unsafe { each_link!(self, l => l.post_error(id, g, code, msg, len)) }
+    }
+
+    pub(super) fn flush(&mut self, ring: &mut Uring) -> std::io::Result<()> {
+        match self {
+            ConnLink::Tcp(l) => l.flush(ring),
+            #[cfg(feature = "rdma")]
+            ConnLink::Rdma(l) => l.flush(&mut ()),
+        }
+    }
+
+    pub(super) fn poll(&mut self, out: &mut [Done]) -> usize {
+        each_link!(self, l => l.poll(out))
+    }
+
+    pub(super) fn busy(&self) -> bool {
+        each_link!(self, l => l.busy())
+    }
+
+    pub(super) fn close(&mut self) {
+        each_link!(self, l => l.close())
+    }
+
+    pub(super) fn is_rdma(&self) -> bool {
+        !matches!(self, ConnLink::Tcp(_))
+    }
+}

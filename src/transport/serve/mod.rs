@@ -1,0 +1,153 @@
+//! The node service: the owner side of the push protocol over TCP.
+//!
+//! An acceptor thread takes connections and runs every handshake as a
+//! non-blocking state machine under one deadline (`accept`: no thread per
+//! peer, a bounded number pending, so a peer that stalls or floods holds up
+//! no one), then hands the connection to the least loaded poller. Each poller owns one io_uring that
+//! carries everything: the socket receives (GRANT frames), the O_DIRECT
+//! reads of granted samples from the extents into its registered staging
+//! slab, and the DATA sends (`sendmsg` of header + staging slot, no copy).
+//! Per connection, frames go out strictly in the order the grants came in;
+//! one send is in flight at a time per socket (io_uring does not order two
+//! sends on one stream socket).
+//!
+//! Pools are sized at start: staging slots (`staging_bytes / chunk_bytes`),
+//! connections per poller, grants per connection (announced in WELCOME; a
+//! consumer that exceeds it is dropped). Staging slots and connections are
+//! fixed pools (`crate::pool::Pool`, a slab allocated whole when the poller
+//! starts, checked every tick never to have grown). Running out of staging
+//! slots is back-pressure: reads wait, grants stay queued.
+//!
+//! Files: `config` (settings and limits), `service` (start, stop,
+//! signals), `accept` (the acceptor and the TCP handshake),
+//! `owner_rdma` (verbs resources, the RDMA handshake and link; `no_rdma.rs`
+//! stands in for it without the `rdma` feature), `staging` (the
+//! staging slab and its slots), `link` (a connection's send side, TCP or
+//! RDMA), `poller` (the serve poller's loop and connections), `push` (reads
+//! into staging and sends in grant order), `rx` (receiving frames from a
+//! consumer: a header, then a body), `metrics`.
+
+mod accept;
+mod config;
+mod link;
+mod metrics;
+#[cfg(feature = "rdma")]
+mod owner_rdma;
+#[cfg(not(feature = "rdma"))]
+#[path = "no_rdma.rs"]
+mod owner_rdma;
+mod poller;
+mod push;
+mod rx;
+mod service;
+mod staging;
+
+use std::net::{SocketAddr, TcpStream};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+
+pub use config::{
+    ServeConfig, MAX_CONNS_PER_POLLER, MAX_GRANTS, MAX_HANDSHAKES, MAX_POLLERS, MAX_STAGING_BYTES,
+    MIN_IDLE_TIMEOUT,
+};
+pub use service::{serve_until_signal, NodeService};
+
+use super::proto::{self, Code, Header, Hello};
+use crate::dataset::Space;
+use owner_rdma::OwnerRdma;
+#[cfg(feature = "rdma")]
+use owner_rdma::{rdma_handshake, RdmaAccepted};
+
+/// Counters of a running service.
+#[derive(Debug, Default)]
+#[non_exhaustive]
+pub struct ServeStats {
+    /// Connections accepted past HELLO.
+    pub connections: AtomicU64,
+    /// Connections refused or closed before their handshake completed.
+    pub refused: AtomicU64,
+    /// Handshakes pending now.
+    pub handshakes_pending: AtomicU64,
+    /// Handshakes closed at their deadline.
+    pub handshake_timeouts: AtomicU64,
+    /// Pending handshakes closed to make room for newer connections.
+    pub evicted: AtomicU64,
+    /// `accept` failures for lack of descriptors or memory (each one backs
+    /// the acceptor off).
+    pub accept_errors: AtomicU64,
+    /// Connections dropped for breaking the protocol.
+    pub violations: AtomicU64,
+    /// Samples pushed whole.
+    pub samples: AtomicU64,
+    /// Payload bytes pushed.
+    pub bytes: AtomicU64,
+    /// Grants answered with an ERROR frame.
+    pub errors: AtomicU64,
+    /// Consumers dropped for taking no data for `stall_timeout`.
+    pub stalled: AtomicU64,
+    /// RDMA queue pairs alive now (one per RDMA consumer, destroyed once
+    /// its connection is closed and its last work request completed).
+    pub rdma_qps: AtomicU64,
+}
+
+impl std::fmt::Debug for Common {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Common")
+            .field("space", &self.cfg.space)
+            .finish_non_exhaustive()
+    }
+}
+
+struct Common {
+    space: Space,
+    extents: Vec<std::fs::File>,
+    /// With `page_cache`: the extents mapped read-only.
+    maps: Vec<crate::sys::ReadOnlyMap>,
+    cfg: ServeConfig,
+    stop: AtomicBool,
+    stats: ServeStats,
+    rdma: Option<OwnerRdma>,
+    /// Consumers per poller (reserved at HELLO by the acceptor, given back
+    /// by the poller when the connection is gone).
+    load: Box<[AtomicUsize]>,
+    metrics: metrics::Metrics,
+}
+
+impl Common {
+    /// Consumers connected (or being handed to a poller) now.
+    fn consumers(&self) -> usize {
+        self.load.iter().map(|l| l.load(Ordering::Relaxed)).sum()
+    }
+
+    /// Whether RDMA links may send from the mapped extents (registered).
+    fn rdma_maps(&self) -> bool {
+        self.rdma.as_ref().is_some_and(|r| r.sends_from_maps())
+    }
+}
+
+struct Accepted {
+    sock: TcpStream,
+    peer: SocketAddr,
+    hello: Hello,
+    #[cfg(feature = "rdma")]
+    rdma: Option<RdmaAccepted>,
+}
+
+/// Sends an ERROR frame, best effort and never blocking: the peer may be
+/// gone or not reading, and the caller (the acceptor, a data-path poller)
+/// must not wait on it. What the socket buffer does not take is dropped;
+/// the connection is closed right after either way.
+fn send_error(sock: &TcpStream, grant: u32, code: Code, msg: &str) {
+    let m = &msg.as_bytes()[..msg.len().min(proto::MAX_MESSAGE_BYTES)];
+    let mut f = [0u8; proto::HEADER_BYTES + proto::MAX_MESSAGE_BYTES];
+    f[..proto::HEADER_BYTES].copy_from_slice(&Header::error(grant, code, m.len() as u32).encode());
+    f[proto::HEADER_BYTES..proto::HEADER_BYTES + m.len()].copy_from_slice(m);
+    let _ = crate::sys::send_nonblocking(sock.as_raw_fd(), &f[..proto::HEADER_BYTES + m.len()]);
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}

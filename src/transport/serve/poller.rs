@@ -1,0 +1,520 @@
+//! The serve poller: one thread, one io_uring, its connections. Each tick
+//! adopts new consumers, posts receives, issues reads within each
+//! consumer's share of staging, sends what is ready in grant order, and
+//! reaps completions (io_uring's, and the RDMA links' CQs).
+
+use std::collections::VecDeque;
+use std::net::{SocketAddr, TcpStream};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crossbeam_channel::Receiver;
+
+use super::link::ConnLink;
+use super::owner_rdma::PollerChannel;
+use super::rx::Rx;
+use super::staging::{Slot, Staging};
+use super::{metrics, send_error, Accepted, Common};
+use crate::error::errno_name;
+use crate::pool::Pool;
+use crate::ring::{Completion, IoBackend, Uring};
+use crate::transport::proto::{self, Code, GrantEntry, Hello};
+use crate::transport::tcp::TcpLink;
+
+// user_data: kind in the top byte, connection index, slot index.
+pub(super) const UD_RECV: u64 = 1 << 56;
+pub(super) const UD_SEND: u64 = 2 << 56;
+pub(super) const UD_READ: u64 = 3 << 56;
+pub(super) const UD_CHAN: u64 = 4 << 56;
+pub(super) const UD_KIND: u64 = 0xff << 56;
+
+pub(super) fn ud(kind: u64, conn: u32, slot: u32) -> u64 {
+    kind | ((conn as u64) << 32) | slot as u64
+}
+
+/// A granted sample being pushed: the next chunk's offset within it.
+#[derive(Clone, Copy)]
+pub(super) struct Work {
+    pub(super) e: GrantEntry,
+    pub(super) next: u64,
+}
+
+pub(super) struct SConn {
+    pub(super) sock: TcpStream,
+    pub(super) peer: SocketAddr,
+    pub(super) hello: Hello,
+    pub(super) hdr: Box<[u8; proto::HEADER_BYTES]>,
+    pub(super) body: Box<[u8]>,
+    pub(super) rx: Rx,
+    pub(super) rx_inflight: bool,
+    pub(super) grants: VecDeque<Work>,
+    /// Staging slots in send order.
+    pub(super) sendq: VecDeque<u32>,
+    /// The send side: frames posted in order, one `sendmsg` in flight; or
+    /// RDMA writes in chains.
+    pub(super) link: ConnLink,
+    pub(super) ops: u32,
+    pub(super) closing: bool,
+    /// The last grant answered with ERROR: its later chunks are dropped.
+    pub(super) failed_grant: Option<u32>,
+    /// Staging slots it holds (reading, queued, posted or being sent).
+    pub(super) held: u32,
+    /// Last time its link finished a frame (socket bytes taken, RDMA writes
+    /// completed) or became busy: a consumer whose sends make no progress
+    /// for `stall_timeout` is dropped.
+    pub(super) last_drained: std::time::Instant,
+    /// Its counters (also in `Common::metrics` while it lives).
+    pub(super) metrics: Arc<metrics::ConnMetrics>,
+    /// When it last sent a frame (idle timeout).
+    pub(super) last_rx: std::time::Instant,
+}
+
+pub(super) struct ServePoller {
+    pub(super) c: Arc<Common>,
+    pub(super) ring: Uring,
+    pub(super) incoming: Receiver<Accepted>,
+    /// Its connections (at most `max_conns_per_poller`, allocated at start).
+    pub(super) conns: Pool<SConn>,
+    /// After `conns`: links (queue pairs) go before the memory they send from.
+    pub(super) staging: Staging,
+    pub(super) fixed_staging: bool,
+    pub(super) chunk: u64,
+    /// The staging slots taken (at most `staging_bytes / chunk_bytes`,
+    /// allocated at start): a slot's key is its chunk of the slab.
+    pub(super) slots: Pool<Slot>,
+    pub(super) completions: Vec<Completion>,
+    /// Round-robin start for reads, so one busy consumer cannot starve others.
+    pub(super) rr: usize,
+    /// Indices of the occupied `conns` entries (a reaped one leaves at the
+    /// next tick's start): every per-tick loop walks this, not every slot.
+    pub(super) live: Vec<u32>,
+    /// Staging slots one connection may hold now (fair share).
+    pub(super) quota: usize,
+    /// When the stalled-consumer check last ran.
+    pub(super) last_stall_check: std::time::Instant,
+    /// This poller's number (its entry in `Common::load`).
+    pub(super) index: usize,
+    /// RDMA: this poller's completion channel, whether a poll of it is in
+    /// the ring, and since when the poller has spun without a completion.
+    pub(super) channel: PollerChannel,
+    pub(super) chan_inflight: bool,
+    pub(super) spin_since: Option<std::time::Instant>,
+}
+
+impl ServePoller {
+    pub(super) fn new(
+        c: Arc<Common>,
+        index: usize,
+        ring: Uring,
+        staging: Staging,
+        incoming: Receiver<Accepted>,
+    ) -> Self {
+        let chunk = c.cfg.chunk_bytes as u64;
+        let n = c.cfg.slots();
+        // SAFETY: the staging slab lives in this struct, dropped after the
+        // ring is done with it (run() drains every op before returning).
+        let fixed_staging = match unsafe {
+            ring.register_buffers(&[(staging.buf.as_mut_ptr(), staging.buf.len())])
+        } {
+            Ok(()) => true,
+            Err(e) => {
+                // Not silent: reads then pin their pages one by one.
+                log::warn!(
+                    "node service poller {index}: staging cannot be registered with io_uring \
+                         ({e}); reading without fixed buffers (raise RLIMIT_MEMLOCK: each poller \
+                         pins --staging-bytes)"
+                );
+                false
+            }
+        };
+        // Both pools are allocated whole here and never grow (check_pools):
+        // a full one is back-pressure.
+        let slots = Pool::with_limit(n);
+        let conns = Pool::with_limit(c.cfg.max_conns_per_poller);
+        ServePoller {
+            ring,
+            incoming,
+            staging,
+            fixed_staging,
+            chunk,
+            slots,
+            conns,
+            completions: vec![Completion::default(); 1024],
+            rr: 0,
+            live: Vec::with_capacity(c.cfg.max_conns_per_poller),
+            quota: n,
+            last_stall_check: std::time::Instant::now(),
+            index,
+            channel: PollerChannel::new(&c, index),
+            chan_inflight: false,
+            spin_since: None,
+            c,
+        }
+    }
+
+    /// The descriptor of this poller's RDMA completion channel, when the
+    /// service offers RDMA.
+    pub(super) fn channel_fd(&self) -> Option<i32> {
+        self.channel.fd()
+    }
+
+    pub(super) fn staging_ptr(&self, slot: u32) -> *mut u8 {
+        // SAFETY: slot < n, so the offset is inside the slab.
+        unsafe {
+            self.staging
+                .buf
+                .as_mut_ptr()
+                .add(slot as usize * self.chunk as usize)
+        }
+    }
+
+    pub(super) fn run(mut self) {
+        loop {
+            // Drop the reaped from the dense list before anyone is adopted
+            // (a reaped index may be reused right after).
+            let conns = &self.conns;
+            self.live.retain(|&ci| conns.contains(ci as usize));
+            let stopping = self.c.stop.load(Ordering::Acquire);
+            if stopping {
+                for k in 0..self.live.len() {
+                    let ci = self.live[k] as usize;
+                    if self.conns.get(ci).is_some_and(|c| !c.closing) {
+                        self.close(ci as u32, None);
+                    }
+                }
+                if self
+                    .live
+                    .iter()
+                    .all(|&ci| !self.conns.contains(ci as usize))
+                {
+                    break;
+                }
+            } else {
+                while let Ok(acc) = self.incoming.try_recv() {
+                    self.adopt(acc);
+                }
+            }
+            self.post_recvs();
+            self.drop_stalled();
+            self.issue_reads();
+            // Start the reads before posting sends: posting RDMA writes can
+            // take a while (soft-RoCE does the whole transfer inside the
+            // post), and the disk should be busy meanwhile.
+            if let Err(e) = self.ring.submit_pending() {
+                log::warn!("node service poller: io_uring: {e}");
+            }
+            self.issue_sends();
+            // RDMA completions arrive on the links' CQs, not the ring: while
+            // writes are in flight, poll instead of sleeping.
+            // (Polling without a system call: io_uring completions are
+            // read from the shared ring either way.)
+            let res = if self.rdma_should_spin() {
+                self.ring.submit_pending()
+            } else {
+                self.ring.submit_wait_timeout(Duration::from_millis(50))
+            };
+            if let Err(e) = res {
+                log::error!("node service poller: io_uring: {e}");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let n = self.ring.drain(&mut self.completions);
+            for i in 0..n {
+                let c = self.completions[i];
+                self.complete(c);
+            }
+            self.check_pools();
+        }
+    }
+
+    /// Checks (debug builds) that no pool grew after start: the staging
+    /// slots and connections stay within what `new` allocated.
+    pub(super) fn check_pools(&self) {
+        self.slots.check();
+        self.conns.check();
+        debug_assert!(self.slots.len() <= self.slots.limit());
+        debug_assert!(self.live.len() <= self.conns.limit());
+    }
+
+    pub(super) fn adopt(&mut self, mut acc: Accepted) {
+        let Some(ci) = self.conns.vacant_key() else {
+            // Not reached: the acceptor reserved a place on this poller at
+            // HELLO (`Common::load`); kept as a refusal, not a panic.
+            self.c.load[self.index].fetch_sub(1, Ordering::Relaxed);
+            if acc.has_rdma() {
+                self.c.stats.rdma_qps.fetch_sub(1, Ordering::Relaxed);
+            }
+            send_error(
+                &acc.sock,
+                proto::CONNECTION,
+                Code::NodeFull,
+                "this poller serves as many consumers as it was configured for",
+            );
+            return;
+        };
+        let max = self.c.cfg.max_grants as usize;
+        let fd = acc.sock.as_raw_fd();
+        let link = match acc.take_rdma_link(&self.staging, self.c.cfg.slots()) {
+            Some(rdma) => rdma,
+            None => ConnLink::Tcp(TcpLink::new(
+                fd,
+                self.slots.limit(),
+                ud(UD_SEND, ci as u32, 0),
+            )),
+        };
+        let m = Arc::new(metrics::ConnMetrics::new(
+            acc.peer.to_string(),
+            acc.hello.rank,
+            acc.hello.world,
+            if link.is_rdma() { "rdma" } else { "tcp" },
+        ));
+        self.c.metrics.add(m.clone());
+        self.live.push(ci as u32);
+        let taken = self.conns.insert(SConn {
+            sock: acc.sock,
+            peer: acc.peer,
+            hello: acc.hello,
+            hdr: Box::new([0; proto::HEADER_BYTES]),
+            body: vec![0u8; proto::MAX_GRANT_ENTRIES * proto::GRANT_ENTRY_BYTES].into_boxed_slice(),
+            rx: Rx::Header,
+            rx_inflight: false,
+            grants: VecDeque::with_capacity(max),
+            sendq: VecDeque::with_capacity(self.slots.limit()),
+            link,
+            ops: 0,
+            closing: false,
+            failed_grant: None,
+            held: 0,
+            last_drained: std::time::Instant::now(),
+            metrics: m,
+            last_rx: std::time::Instant::now(),
+        });
+        debug_assert!(matches!(taken, Ok(k) if k == ci), "adopt: the vacant key");
+    }
+
+    /// Drops the consumers whose link finished nothing for `stall_timeout`
+    /// while a send was in flight (over TCP a socket that takes no bytes;
+    /// over RDMA writes that do not complete, e.g. a stopped consumer that
+    /// reposts no receives for its WRITE_WITH_IMMs): their staging slots go
+    /// back to the others. Until then their fair share bounds what they
+    /// hold.
+    pub(super) fn drop_stalled(&mut self) {
+        let now = std::time::Instant::now();
+        if now.duration_since(self.last_stall_check) < Duration::from_millis(100) {
+            return;
+        }
+        self.last_stall_check = now;
+        let limit = self.c.cfg.stall_timeout;
+        for k in 0..self.live.len() {
+            let ci = self.live[k] as usize;
+            let Some(c) = self.conns.get(ci) else {
+                continue;
+            };
+            if c.closing {
+                continue;
+            }
+            let idle = self.c.cfg.idle_timeout;
+            if !c.link.busy() {
+                if c.grants.is_empty() && c.held == 0 && now.duration_since(c.last_rx) > idle {
+                    let m = format!(
+                        "idle: no frame for {} ms with nothing to send (--idle-timeout-ms)",
+                        idle.as_millis()
+                    );
+                    self.close(ci as u32, Some((Code::ShuttingDown, m)));
+                }
+                continue;
+            }
+            if now.duration_since(c.last_drained) > limit {
+                let m = format!(
+                    "took no data for {} ms with {} staging slots held (--stall-timeout-ms)",
+                    limit.as_millis(),
+                    c.held
+                );
+                self.c.stats.stalled.fetch_add(1, Ordering::Relaxed);
+                self.close(ci as u32, Some((Code::Violation, m)));
+            }
+        }
+    }
+
+    /// With RDMA writes in flight: true to poll again at once (a completion
+    /// came, or the poller has spun less than `rdma_spin`); false to sleep
+    /// in the ring, after arming the busy links' CQs and queueing a poll of
+    /// the completion channel so the next completion wakes the poller.
+    pub(super) fn rdma_should_spin(&mut self) -> bool {
+        let taken = self.slots.len();
+        let busy = self.reap_rdma();
+        if !busy {
+            self.spin_since = None;
+            return false;
+        }
+        if self.slots.len() != taken {
+            self.spin_since = None;
+            return true;
+        }
+        let since = *self.spin_since.get_or_insert_with(std::time::Instant::now);
+        if since.elapsed() < self.c.cfg.rdma_spin {
+            return true;
+        }
+        let Some(fd) = self.channel_fd() else {
+            return true;
+        };
+        for k in 0..self.live.len() {
+            let ci = self.live[k] as usize;
+            let Some(c) = self.conns.get(ci) else {
+                continue;
+            };
+            if c.link.is_rdma() && c.link.busy() {
+                if let Err(e) = c.link.arm() {
+                    log::warn!("{}: {e}", c.peer);
+                    return true;
+                }
+            }
+        }
+        // A completion that came in before arming raises no event.
+        if self.reap_rdma() && self.slots.len() != taken {
+            self.spin_since = None;
+            return true;
+        }
+        if !self.chan_inflight && self.ring.push_poll_in(UD_CHAN, fd) {
+            self.chan_inflight = true;
+        }
+        self.spin_since = None;
+        false
+    }
+
+    /// Polls every RDMA link's completions; closes a link whose QP failed.
+    /// True while any has writes in flight.
+    pub(super) fn reap_rdma(&mut self) -> bool {
+        let mut busy = false;
+        for k in 0..self.live.len() {
+            let ci = self.live[k] as usize;
+            let Some(c) = self.conns.get(ci) else {
+                continue;
+            };
+            if !c.link.is_rdma() {
+                continue;
+            }
+            self.reap_link(ci as u32);
+            let c = self.conns.get(ci).expect("live");
+            if !c.closing {
+                if let Some(why) = c.link.failure() {
+                    // Its QP is in error: nothing more can reach the consumer.
+                    log::warn!("{}: RDMA link failed: {why}", c.peer);
+                    self.close(ci as u32, Some((Code::TransportFailed, why)));
+                }
+            }
+            self.maybe_reap(ci as u32);
+            busy |= self.conns.get(ci).is_some_and(|c| c.link.busy());
+        }
+        busy
+    }
+
+    pub(super) fn complete(&mut self, comp: Completion) {
+        let kind = comp.user_data & UD_KIND;
+        if kind == UD_CHAN {
+            self.chan_inflight = false;
+            self.channel.drain();
+            return;
+        }
+        let ci = ((comp.user_data >> 32) & 0xff_ffff) as u32;
+        let slot = comp.user_data as u32;
+        let Some(c) = self.conns.get_mut(ci as usize) else {
+            log::error!("node service: completion for a closed connection");
+            return;
+        };
+        c.ops -= 1;
+        match kind {
+            UD_RECV => {
+                c.rx_inflight = false;
+                self.on_recv(ci, comp.result);
+            }
+            UD_READ => self.on_read(ci, slot, comp.result),
+            UD_SEND => {
+                #[allow(irrefutable_let_patterns)] // without the rdma feature
+                if let ConnLink::Tcp(l) = &mut c.link {
+                    l.on_send(comp.result);
+                }
+                if comp.result > 0 {
+                    c.last_drained = std::time::Instant::now();
+                }
+                if comp.result <= 0 && !c.closing {
+                    log::debug!("{}: send failed: {}", c.peer, errno_name(-comp.result));
+                    self.close(ci, None);
+                }
+                self.reap_link(ci);
+            }
+            _ => log::error!("node service: unknown completion {:#x}", comp.user_data),
+        }
+        self.maybe_reap(ci);
+    }
+
+    /// Closes a connection: optionally tells the peer why, shuts the socket
+    /// (so in-flight receives and sends end), frees what is not in flight.
+    pub(super) fn close(&mut self, ci: u32, why: Option<(Code, String)>) {
+        let c = self.conns.get_mut(ci as usize).expect("live");
+        if c.closing {
+            return;
+        }
+        if let Some((code, msg)) = why {
+            log::warn!("dropping consumer {}: {}: {msg}", c.peer, code.name());
+            self.c.stats.violations.fetch_add(1, Ordering::Relaxed);
+            // Only between frames: a send in flight would interleave (an
+            // RDMA connection's socket carries no frames from here).
+            if c.link.is_rdma() || !c.link.busy() {
+                send_error(&c.sock, proto::CONNECTION, code, &msg);
+            }
+        }
+        c.closing = true;
+        let _ = c.sock.shutdown(std::net::Shutdown::Both);
+        c.grants.clear();
+        // Frames posted but not in flight fail now (their slots come back
+        // through reap_link), those in flight when their send returns; of
+        // the frames not posted, those whose read is done are free now and
+        // the others come back through their read completions.
+        c.link.close();
+        let mut keep = VecDeque::new();
+        std::mem::swap(&mut keep, &mut c.sendq);
+        for slot in keep.drain(..) {
+            let s = &self.slots[slot as usize];
+            if !s.ready {
+                c.sendq.push_back(slot);
+            } else {
+                c.held -= 1;
+                self.slots.remove(slot as usize);
+            }
+        }
+        self.reap_link(ci);
+        self.maybe_reap(ci);
+    }
+
+    pub(super) fn maybe_reap(&mut self, ci: u32) {
+        self.reap_link(ci);
+        if self
+            .conns
+            .get(ci as usize)
+            .is_some_and(|c| c.closing && c.ops == 0 && !c.link.busy())
+        {
+            // Out of `live` at the next tick's start; its key is free for
+            // the next adopt (which comes after that).
+            let c = self.conns.remove(ci as usize);
+            self.c.load[self.index].fetch_sub(1, Ordering::Relaxed);
+            self.c.metrics.remove(&c.metrics);
+            log::info!(
+                "consumer {} (rank {} of {}) disconnected: {}",
+                c.peer,
+                c.hello.rank,
+                c.hello.world,
+                c.metrics.totals()
+            );
+            for &slot in &c.sendq {
+                self.slots.remove(slot as usize);
+            }
+            if c.link.is_rdma() {
+                // Dropping the link destroys its QP, then its CQ.
+                drop(c);
+                self.c.stats.rdma_qps.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+    }
+}

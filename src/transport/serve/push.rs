@@ -1,0 +1,326 @@
+//! The serve poller's data path: reading granted chunks into staging (or
+//! pointing into the mapped extents), and sending them in grant order.
+
+use std::sync::atomic::Ordering;
+
+use super::poller::{ud, ServePoller, UD_READ};
+use super::staging::{take_slot, Slot};
+use crate::error::errno_name;
+use crate::ring::{IoBackend, ReadOp, Target};
+use crate::transport::proto::{self, Code, GrantEntry};
+use crate::transport::Done;
+
+impl ServePoller {
+    pub(super) fn issue_reads(&mut self) {
+        // Fair shares among the connections with work (grants queued or
+        // slots held), rounded up; and never more than 3/4 of the slots, so
+        // a consumer that arrives while another has stopped reading still
+        // finds some (slots held in a send cannot be taken back).
+        let busy = self
+            .live
+            .iter()
+            .filter_map(|&ci| self.conns.get(ci as usize))
+            .filter(|c| !c.closing && (c.held > 0 || !c.grants.is_empty()))
+            .count()
+            .max(1);
+        let n = self.slots.limit();
+        self.quota = n.div_ceil(busy).min(n - n / 4).max(1);
+        let n = self.live.len();
+        let mut idle_rounds = 0;
+        while !self.slots.is_full() && idle_rounds < n {
+            let ci = self.live[self.rr % n];
+            self.rr = self.rr.wrapping_add(1);
+            let progressed = self.issue_one(ci);
+            idle_rounds = if progressed { 0 } else { idle_rounds + 1 };
+        }
+    }
+
+    /// Starts the next chunk of connection `ci`'s oldest grant.
+    pub(super) fn issue_one(&mut self, ci: u32) -> bool {
+        let Some(c) = self.conns.get_mut(ci as usize) else {
+            return false;
+        };
+        // Its share of staging: a consumer that does not drain keeps at
+        // most this many slots (read, queued or being sent), the rest stay
+        // with the others.
+        if c.closing || c.held as usize >= self.quota {
+            return false;
+        }
+        let Some(w) = c.grants.front().copied() else {
+            return false;
+        };
+        let Some(slot) = self.slots.vacant_key().map(|k| k as u32) else {
+            return false;
+        };
+        let e = w.e;
+        let space = &self.c.space;
+        let loc = space.location(e.sample);
+        let Some(loc) = loc else {
+            // Not held here: an ERROR frame for this grant.
+            c.grants.pop_front();
+            let s = Slot::new(ci, e.grant, std::time::Instant::now());
+            take_slot(&mut self.slots, &mut self.conns, ci, slot, s);
+            let msg = format!(
+                "node {} does not hold sample {}",
+                space.params().node_index,
+                e.sample
+            );
+            self.fill_error(slot, e.grant, Code::NotHeld, &msg);
+            let c = self.conns.get_mut(ci as usize).expect("live");
+            c.sendq.push_back(slot);
+            return true;
+        };
+        let align = space.params().align_bytes as u64;
+        let slot_len = (e.len as u64).next_multiple_of(align);
+        let off = w.next;
+        let payload = self.chunk.min(e.len as u64 - off) as u32;
+        let read_len = self.chunk.min(slot_len - off) as u32;
+        let from_maps = !c.link.is_rdma() || self.c.rdma_maps();
+        if let Some(map) = self.c.maps.get(loc.extent as usize).filter(|_| from_maps) {
+            // Page-cache mode: no read; the frame points into the mapping.
+            let bytes = map.as_slice();
+            let at = (loc.offset + off) as usize;
+            if at + payload as usize > bytes.len() {
+                let s = Slot::new(ci, e.grant, std::time::Instant::now());
+                take_slot(&mut self.slots, &mut self.conns, ci, slot, s);
+                let msg = format!(
+                    "node {}: extent {} is shorter than its manifest says (sample {})",
+                    space.params().node_index,
+                    loc.extent,
+                    e.sample
+                );
+                let c = self.conns.get_mut(ci as usize).expect("live");
+                c.grants.pop_front();
+                self.fill_error(slot, e.grant, Code::ReadFailed, &msg);
+                self.conns
+                    .get_mut(ci as usize)
+                    .expect("live")
+                    .sendq
+                    .push_back(slot);
+                return true;
+            }
+            let s = Slot::new(ci, e.grant, std::time::Instant::now());
+            take_slot(&mut self.slots, &mut self.conns, ci, slot, s);
+            self.queue_chunk(ci, slot, &e, off, payload, Some(bytes[at..].as_ptr()));
+            return true;
+        }
+        let op = ReadOp {
+            user_data: ud(UD_READ, ci, slot),
+            target: Target::Fixed(loc.extent),
+            buf: self.staging_ptr(slot),
+            len: read_len,
+            offset: loc.offset + off,
+            buf_index: self.fixed_staging.then_some(0),
+        };
+        // SAFETY: the staging slot is ours (taken from the pool below)
+        // until its send completes.
+        if !unsafe { self.ring.push(&op) } {
+            return false;
+        }
+        let s = Slot::new(ci, e.grant, std::time::Instant::now());
+        take_slot(&mut self.slots, &mut self.conns, ci, slot, s);
+        self.conns.get_mut(ci as usize).expect("live").ops += 1;
+        self.queue_chunk(ci, slot, &e, off, payload, None);
+        true
+    }
+
+    /// Gives a slot back (its connection holds one less).
+    pub(super) fn free_slot(&mut self, slot: u32) {
+        let ci = self.slots[slot as usize].conn as usize;
+        if let Some(c) = self.conns.get_mut(ci) {
+            c.held = c.held.saturating_sub(1);
+            c.metrics
+                .staging_slots
+                .store(c.held as u64, Ordering::Relaxed);
+        }
+        self.slots.remove(slot as usize);
+    }
+
+    /// Describes chunk `off..off+payload` of grant `e` in `slot` (sent from
+    /// `src` when the bytes are already there, else from the slot's staging
+    /// once its read completes), queues it for sending in order, and moves
+    /// the grant on.
+    pub(super) fn queue_chunk(
+        &mut self,
+        ci: u32,
+        slot: u32,
+        e: &GrantEntry,
+        off: u64,
+        payload: u32,
+        src: Option<*const u8>,
+    ) {
+        let s = &mut self.slots[slot as usize];
+        s.offset = e.offset + off;
+        s.rkey = e.rkey;
+        s.payload = payload;
+        s.last = off + payload as u64 >= e.len as u64;
+        s.src = src.unwrap_or(std::ptr::null());
+        s.ready = src.is_some();
+        let c = self.conns.get_mut(ci as usize).expect("live");
+        c.sendq.push_back(slot);
+        let front = c.grants.front_mut().expect("non-empty");
+        front.next += payload as u64;
+        if front.next >= e.len as u64 {
+            c.grants.pop_front();
+        }
+    }
+
+    pub(super) fn fill_error(&mut self, slot: u32, grant: u32, code: Code, msg: &str) {
+        let m = &msg.as_bytes()[..msg.len().min(proto::MAX_MESSAGE_BYTES)];
+        let dst = self.staging_ptr(slot);
+        let n = m.len().min(self.chunk as usize);
+        // SAFETY: the slot is ours and at least `chunk` bytes; n <= chunk.
+        unsafe { std::ptr::copy_nonoverlapping(m.as_ptr(), dst, n) };
+        let s = &mut self.slots[slot as usize];
+        s.code = code;
+        s.payload = n as u32;
+        s.grant = grant;
+        s.error = true;
+        s.ready = true;
+        s.src = std::ptr::null();
+        let ci = s.conn as usize;
+        self.c.stats.errors.fetch_add(1, Ordering::Relaxed);
+        if let Some(c) = self.conns.get(ci) {
+            c.metrics.errors.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Per connection: posts the ready frames at the front of its queue, in
+    /// order, to its link, then flushes the link (one `sendmsg` for many).
+    pub(super) fn issue_sends(&mut self) {
+        let base = self.staging.buf.as_slice().as_ptr();
+        for k in 0..self.live.len() {
+            let ci = self.live[k] as usize;
+            let Some(c) = self.conns.get_mut(ci) else {
+                continue;
+            };
+            if c.closing {
+                continue;
+            }
+            while let Some(&slot) = c.sendq.front() {
+                let s = &self.slots[slot as usize];
+                if !s.ready {
+                    break;
+                }
+                if c.failed_grant == Some(s.grant) {
+                    // A later chunk of a grant already answered with ERROR:
+                    // its data, or its own read error, is not sent (one
+                    // ERROR per grant; a second would be a protocol
+                    // violation for the consumer).
+                    c.sendq.pop_front();
+                    c.held -= 1;
+                    self.slots.remove(slot as usize);
+                    continue;
+                }
+                let src = if s.src.is_null() {
+                    base.wrapping_add(slot as usize * self.chunk as usize)
+                } else {
+                    s.src
+                };
+                // SAFETY: the slot's bytes (staging or mapped extent) stay
+                // untouched until the link reports this wr_id done.
+                let posted = unsafe {
+                    if s.error {
+                        c.link
+                            .post_error(slot as u64, s.grant, s.code, src, s.payload)
+                    } else {
+                        c.link
+                            .post_write(slot as u64, src, s.payload, s.offset, s.grant, s.rkey)
+                    }
+                };
+                if !posted {
+                    break;
+                }
+                if s.error {
+                    c.failed_grant = Some(s.grant);
+                }
+                c.sendq.pop_front();
+            }
+            let was_busy = c.link.busy();
+            if let Err(e) = c.link.flush(&mut self.ring) {
+                if c.link.is_rdma() {
+                    let m = format!("posting RDMA writes: {e}");
+                    self.close(ci as u32, Some((Code::TransportFailed, m)));
+                    continue;
+                }
+                return; // submission queue full: next tick
+            }
+            if !was_busy && c.link.busy() {
+                c.last_drained = std::time::Instant::now();
+                // A TCP link's sendmsg in flight is an op of the ring.
+                if !c.link.is_rdma() {
+                    c.ops += 1;
+                }
+            }
+        }
+    }
+
+    /// Frees the slots whose frames the link finished.
+    pub(super) fn reap_link(&mut self, ci: u32) {
+        let mut done = [Done::default(); 32];
+        loop {
+            let Some(c) = self.conns.get_mut(ci as usize) else {
+                return;
+            };
+            let n = c.link.poll(&mut done);
+            if n == 0 {
+                return;
+            }
+            let (mut bytes, mut samples) = (0, 0);
+            for d in &done[..n] {
+                let s = &self.slots[d.wr_id as usize];
+                if d.ok && !s.error {
+                    bytes += s.payload as u64;
+                    samples += s.last as u64;
+                }
+                self.free_slot(d.wr_id as u32);
+            }
+            let c = self.conns.get_mut(ci as usize).expect("live");
+            c.last_drained = std::time::Instant::now();
+            let st = &self.c.stats;
+            st.bytes.fetch_add(bytes, Ordering::Relaxed);
+            st.samples.fetch_add(samples, Ordering::Relaxed);
+            c.metrics.bytes.fetch_add(bytes, Ordering::Relaxed);
+            c.metrics.samples.fetch_add(samples, Ordering::Relaxed);
+        }
+    }
+
+    pub(super) fn on_read(&mut self, ci: u32, slot: u32, res: i32) {
+        let closing = self.conns.get(ci as usize).expect("live").closing;
+        if closing {
+            self.drop_slot(ci, slot);
+            return;
+        }
+        let s = &self.slots[slot as usize];
+        self.c.metrics.read_latency[self.index].record(s.issued.elapsed());
+        if res < 0 || (res as u32) < s.payload {
+            let (ring_offset, grant) = (s.offset, s.grant);
+            let msg = if res < 0 {
+                format!(
+                    "node {}: reading ring offset {ring_offset} of grant {grant}: {}",
+                    self.c.space.params().node_index,
+                    errno_name(-res),
+                )
+            } else {
+                format!(
+                    "node {}: short read of grant {grant}: {res} of {} bytes (extent truncated?)",
+                    self.c.space.params().node_index,
+                    s.payload
+                )
+            };
+            log::warn!("{msg}");
+            self.fill_error(slot, grant, Code::ReadFailed, &msg);
+            return;
+        }
+        self.slots[slot as usize].ready = true;
+    }
+
+    /// Frees a slot of a closing connection (its read or send completed).
+    pub(super) fn drop_slot(&mut self, ci: u32, slot: u32) {
+        let c = self.conns.get_mut(ci as usize).expect("live");
+        if let Some(i) = c.sendq.iter().position(|&s| s == slot) {
+            c.sendq.remove(i);
+        }
+        self.free_slot(slot);
+    }
+}

@@ -1,0 +1,235 @@
+//! The node service's lifecycle: opening the space, starting the acceptor,
+//! pollers and metrics server, stopping them, and `kspeed serve`'s signals.
+
+use std::net::{SocketAddr, TcpListener};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use super::owner_rdma::open_owner_rdma;
+use super::poller::ServePoller;
+use super::staging::Staging;
+use super::{accept, metrics, Accepted, Common, ServeConfig, ServeStats};
+use crate::dataset::Space;
+use crate::error::{Error, Result};
+use crate::ring::{Uring, UringOptions};
+use crate::transport::proto;
+
+/// A running node service. Dropping it stops it.
+pub struct NodeService {
+    addr: SocketAddr,
+    metrics_addr: Option<SocketAddr>,
+    common: Arc<Common>,
+    threads: Vec<JoinHandle<()>>,
+    /// Held shared while serving: unload and preload --refresh refuse, naming this pid.
+    _space_lock: crate::dataset::preload::SpaceLock,
+}
+
+impl NodeService {
+    /// Opens the space, binds, and starts the acceptor and the pollers.
+    pub fn start(cfg: ServeConfig) -> Result<NodeService> {
+        cfg.validate()?;
+        crate::sys::raise_open_files_limit();
+        let space_lock = crate::dataset::preload::SpaceLock::shared(&cfg.space)?;
+        let space = Space::open(&cfg.space)?;
+        space.check_extents()?;
+        let align = space.params().align_bytes;
+        let chunk = cfg
+            .chunk_bytes
+            .clamp(align, proto::MAX_DATA_BYTES)
+            .next_multiple_of(align);
+        let mut cfg = cfg;
+        cfg.chunk_bytes = chunk;
+        if cfg.staging_bytes < chunk as u64 {
+            return Err(Error::InvalidConfig(format!(
+                "staging bytes {} hold no whole {chunk}-byte chunk (chunk bytes rounded up to the space's {align}-byte alignment)",
+                cfg.staging_bytes
+            )));
+        }
+        let mut extents = Vec::new();
+        let mut warned = false;
+        for i in 0..space.extent_lens().len() as u32 {
+            let path = space.extent_path(i);
+            let (f, direct) =
+                crate::sys::open_direct(&path).map_err(|e| Error::io("open", &path, e))?;
+            if !direct && !cfg.page_cache && !std::mem::replace(&mut warned, true) {
+                // Not silent: every read then goes through the page cache.
+                log::warn!(
+                    "{}: the file system refuses O_DIRECT; the node service reads through the page cache",
+                    path.display()
+                );
+            }
+            extents.push(f);
+        }
+        let mut maps = Vec::new();
+        if cfg.page_cache {
+            for i in 0..space.extent_lens().len() as u32 {
+                let path = space.extent_path(i);
+                let f = std::fs::File::open(&path).map_err(|e| Error::io("open", &path, e))?;
+                maps.push(
+                    crate::sys::ReadOnlyMap::new(&f).map_err(|e| Error::io("mmap", &path, e))?,
+                );
+            }
+        }
+        let rdma = match &cfg.rdma {
+            None => None,
+            Some(opts) => Some(open_owner_rdma(opts, &maps, cfg.pollers)?),
+        };
+        let listener = TcpListener::bind(&cfg.listen)
+            .map_err(|e| Error::Serve(format!("cannot listen on {}: {e}", cfg.listen)))?;
+        let addr = listener
+            .local_addr()
+            .map_err(|e| Error::Serve(format!("local address: {e}")))?;
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| Error::Serve(format!("listener: {e}")))?;
+        let common = Arc::new(Common {
+            space,
+            extents,
+            maps,
+            stop: AtomicBool::new(false),
+            stats: ServeStats::default(),
+            rdma,
+            load: (0..cfg.pollers).map(|_| AtomicUsize::new(0)).collect(),
+            metrics: metrics::Metrics::new(cfg.pollers, cfg.slots() as u64),
+            cfg,
+        });
+        let metrics_server = match &common.cfg.metrics {
+            None => None,
+            Some(a) => Some(
+                tiny_http::Server::http(a.as_str())
+                    .map_err(|e| Error::Serve(format!("cannot serve metrics on {a}: {e}")))?,
+            ),
+        };
+        let metrics_addr = metrics_server
+            .as_ref()
+            .and_then(|s| s.server_addr().to_ip());
+        // Everything that can fail is made before the first thread starts;
+        // should spawning fail anyway, the threads already running are
+        // stopped and joined (none is left behind).
+        let mut parts = Vec::with_capacity(common.cfg.pollers);
+        for _ in 0..common.cfg.pollers {
+            let ring = Uring::new(UringOptions {
+                entries: 1024,
+                sqpoll_idle_ms: None,
+            })?;
+            let fds: Vec<i32> = common.extents.iter().map(|f| f.as_raw_fd()).collect();
+            if !fds.is_empty() {
+                ring.register_files(&fds)?;
+            }
+            parts.push((ring, Staging::new(&common)?));
+        }
+        let mut svc = NodeService {
+            addr,
+            metrics_addr,
+            common: common.clone(),
+            threads: Vec::new(),
+            _space_lock: space_lock,
+        };
+        let mut senders = Vec::new();
+        for (i, (ring, staging)) in parts.into_iter().enumerate() {
+            let (tx, rx) = crossbeam_channel::bounded::<Accepted>(64);
+            senders.push(tx);
+            let c = common.clone();
+            let t = std::thread::Builder::new()
+                .name(format!("kspeed-serve-{i}"))
+                .spawn(move || ServePoller::new(c, i, ring, staging, rx).run())
+                .map_err(|e| Error::Serve(format!("spawn poller {i}: {e}")))?;
+            svc.threads.push(t);
+        }
+        let c = common.clone();
+        let t = std::thread::Builder::new()
+            .name("kspeed-accept".into())
+            .spawn(move || accept::Acceptor::new(c, listener, senders).run())
+            .map_err(|e| Error::Serve(format!("spawn acceptor: {e}")))?;
+        svc.threads.push(t);
+        if let Some(server) = metrics_server {
+            let c = common.clone();
+            let t = std::thread::Builder::new()
+                .name("kspeed-metrics".into())
+                .spawn(move || metrics::serve_http(c, server))
+                .map_err(|e| Error::Serve(format!("spawn metrics server: {e}")))?;
+            svc.threads.push(t);
+        }
+        log::info!(
+            "serving {} ({} of {} samples, node {} of {}) on {addr}",
+            common.cfg.space.display(),
+            common.space.held_samples(),
+            common.space.catalog().len(),
+            common.space.params().node_index,
+            common.space.params().placement.nodes
+        );
+        Ok(svc)
+    }
+
+    /// The address it listens on.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> &ServeStats {
+        &self.common.stats
+    }
+
+    /// Where the Prometheus metrics are served, with `metrics` set.
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics_addr
+    }
+
+    /// The metrics as Prometheus text (what `GET /metrics` returns).
+    pub fn metrics_text(&self) -> String {
+        metrics::render(&self.common)
+    }
+
+    /// Logs the statistics (what SIGUSR1 does to `kspeed serve`).
+    pub fn log_stats(&self, why: &str) {
+        metrics::log_stats(&self.common, why)
+    }
+
+    /// Stops accepting, closes every connection, and waits for the threads.
+    pub fn stop(mut self) {
+        self.shutdown();
+    }
+
+    /// [`NodeService::stop`], then logs the totals.
+    pub fn stop_with_stats(mut self) {
+        self.shutdown();
+        self.log_stats("exit");
+    }
+
+    pub(super) fn shutdown(&mut self) {
+        self.common.stop.store(true, Ordering::Release);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for NodeService {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// Runs `start` with SIGINT and SIGTERM blocked (so every service thread
+/// inherits the mask), then waits for one of them and stops the service:
+/// what `kspeed serve` does. `on_start` sees the running service (to print
+/// its address).
+pub fn serve_until_signal(cfg: ServeConfig, on_start: impl FnOnce(&NodeService)) -> Result<()> {
+    let signals = crate::sys::TermSignals::block_with_usr1();
+    let svc = NodeService::start(cfg)?;
+    on_start(&svc);
+    loop {
+        let sig = signals.wait();
+        if sig == libc::SIGUSR1 {
+            svc.log_stats("SIGUSR1");
+            continue;
+        }
+        log::info!("signal {sig}: stopping");
+        break;
+    }
+    svc.stop_with_stats();
+    Ok(())
+}
