@@ -46,10 +46,7 @@ use std::net::{SocketAddr, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
-pub use config::{
-    ServeConfig, MAX_CONNS_PER_POLLER, MAX_GRANTS, MAX_HANDSHAKES, MAX_POLLERS, MAX_STAGING_BYTES,
-    MIN_IDLE_TIMEOUT,
-};
+pub use config::{ServeConfig, MIN_IDLE_TIMEOUT};
 pub use service::{serve_until_signal, NodeService};
 
 use super::proto::{self, Code, Header, Hello};

@@ -4,6 +4,7 @@
 //! reaps completions (io_uring's, and the RDMA links' CQs).
 
 use std::collections::VecDeque;
+use std::convert::Infallible;
 use std::net::{SocketAddr, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
@@ -14,13 +15,13 @@ use crossbeam_channel::Receiver;
 
 use super::link::ConnLink;
 use super::owner_rdma::PollerChannel;
-use super::rx::Rx;
 use super::staging::{Slot, Staging};
 use super::{metrics, send_error, Accepted, Common};
 use crate::error::errno_name;
 use crate::pool::Pool;
 use crate::ring::{Completion, IoBackend, Uring};
 use crate::transport::proto::{self, Code, GrantEntry, Hello};
+use crate::transport::rx::FrameRx;
 use crate::transport::tcp::TcpLink;
 
 // user_data: kind in the top byte, connection index, slot index.
@@ -45,10 +46,9 @@ pub(super) struct SConn {
     pub(super) sock: TcpStream,
     pub(super) peer: SocketAddr,
     pub(super) hello: Hello,
-    pub(super) hdr: Box<[u8; proto::HEADER_BYTES]>,
-    pub(super) body: Box<[u8]>,
-    pub(super) rx: Rx,
-    pub(super) rx_inflight: bool,
+    /// The receive side: a header, then a GRANT body (never a payload:
+    /// consumers send no DATA).
+    pub(super) rx: FrameRx<Infallible>,
     pub(super) grants: VecDeque<Work>,
     /// Staging slots in send order.
     pub(super) sendq: VecDeque<u32>,
@@ -275,10 +275,7 @@ impl ServePoller {
             sock: acc.sock,
             peer: acc.peer,
             hello: acc.hello,
-            hdr: Box::new([0; proto::HEADER_BYTES]),
-            body: vec![0u8; proto::MAX_GRANT_ENTRIES * proto::GRANT_ENTRY_BYTES].into_boxed_slice(),
-            rx: Rx::Header,
-            rx_inflight: false,
+            rx: FrameRx::new(proto::MAX_GRANT_ENTRIES * proto::GRANT_ENTRY_BYTES),
             grants: VecDeque::with_capacity(max),
             sendq: VecDeque::with_capacity(self.slots.limit()),
             link,
@@ -426,7 +423,7 @@ impl ServePoller {
         c.ops -= 1;
         match kind {
             UD_RECV => {
-                c.rx_inflight = false;
+                c.rx.returned();
                 self.on_recv(ci, comp.result);
             }
             UD_READ => self.on_read(ci, slot, comp.result),

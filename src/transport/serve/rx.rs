@@ -2,21 +2,17 @@
 //! body, each one receive of the poller's io_uring, checked against the
 //! catalog and the consumer's ring before any grant is queued.
 //!
-//! Moved here unchanged from the poller so that the consumer side's receive
-//! state machine and this one can become one (issue 17).
+//! The framing itself (which receive comes next, short reads, bad headers)
+//! is `transport::rx::FrameRx`, shared with the consumer's network thread.
 
+use std::convert::Infallible;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
 
 use super::poller::{ud, ServePoller, Work, UD_RECV};
 use crate::error::errno_name;
-use crate::transport::proto::{self, Code, GrantEntry, Header, Kind};
-
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub(super) enum Rx {
-    Header,
-    Body(Header),
-}
+use crate::transport::proto::{Code, GrantEntry, Kind};
+use crate::transport::rx::{Received, RxError};
 
 impl ServePoller {
     pub(super) fn post_recvs(&mut self) {
@@ -25,18 +21,21 @@ impl ServePoller {
             let Some(c) = self.conns.get_mut(ci) else {
                 continue;
             };
-            if c.closing || c.rx_inflight {
+            if c.closing || c.rx.inflight() {
                 continue;
             }
-            let (buf, len) = match c.rx {
-                Rx::Header => (c.hdr.as_mut_ptr(), proto::HEADER_BYTES as u32),
-                Rx::Body(h) => (c.body.as_mut_ptr(), h.body_len),
-            };
             let fd = c.sock.as_raw_fd();
-            // SAFETY: hdr/body are boxed in the connection, which is kept
-            // until its last op completes (ops counter).
-            if unsafe { self.ring.push_recv(ud(UD_RECV, ci as u32, 0), fd, buf, len) } {
-                c.rx_inflight = true;
+            // SAFETY: the header and body buffers are boxed in the
+            // connection's FrameRx, which is kept until its last op completes
+            // (ops counter); a node never receives a payload into a ring.
+            if unsafe {
+                c.rx.post(
+                    &mut self.ring,
+                    ud(UD_RECV, ci as u32, 0),
+                    fd,
+                    |n: Infallible| match n {},
+                )
+            } {
                 c.ops += 1;
             }
         }
@@ -47,33 +46,33 @@ impl ServePoller {
         if c.closing {
             return;
         }
-        let want = match c.rx {
-            Rx::Header => proto::HEADER_BYTES as i32,
-            Rx::Body(h) => h.body_len as i32,
+        let got = match c.rx.received(res, 0) {
+            Ok(got) => got,
+            Err(RxError::BadHeader(e)) => {
+                self.close(ci, Some((Code::Violation, e.to_string())));
+                return;
+            }
+            Err(e) => {
+                let why = match e {
+                    RxError::Failed(n) => format!("receive failed: {}", errno_name(n)),
+                    _ => "consumer closed the connection".to_string(),
+                };
+                log::info!("{}: {why}", c.peer);
+                self.close(ci, None);
+                return;
+            }
         };
-        if res <= 0 || res < want {
-            let why = if res == 0 || (res > 0 && res < want) {
-                "consumer closed the connection".to_string()
-            } else {
-                format!("receive failed: {}", errno_name(-res))
-            };
-            log::info!("{}: {why}", c.peer);
-            self.close(ci, None);
-            return;
-        }
         c.last_rx = std::time::Instant::now();
-        match c.rx {
-            Rx::Header => match Header::decode(&c.hdr, 0) {
-                Ok(h) if h.kind == Kind::Grant => c.rx = Rx::Body(h),
-                Ok(h) if h.kind == Kind::Error && h.body_len == 0 => {}
-                Ok(h) => {
-                    let m = format!("unexpected {:?} frame from a consumer", h.kind);
-                    self.close(ci, Some((Code::Violation, m)));
-                }
-                Err(e) => self.close(ci, Some((Code::Violation, e.to_string()))),
-            },
-            Rx::Body(h) => {
-                c.rx = Rx::Header;
+        match got {
+            Received::Header(h) if h.kind == Kind::Grant => c.rx.expect_body(h),
+            // An empty ERROR is a keepalive.
+            Received::Header(h) if h.kind == Kind::Error && h.body_len == 0 => {}
+            Received::Header(h) => {
+                let m = format!("unexpected {:?} frame from a consumer", h.kind);
+                self.close(ci, Some((Code::Violation, m)));
+            }
+            Received::Payload { to, .. } => match to {},
+            Received::Body(h) => {
                 let n = h.a as usize;
                 c.metrics.grants.fetch_add(n as u64, Ordering::Relaxed);
                 log::debug!(
@@ -92,7 +91,7 @@ impl ServePoller {
                 }
                 let cat = self.c.space.catalog();
                 for i in 0..n {
-                    let e = GrantEntry::decode(&c.body, i);
+                    let e = GrantEntry::decode(c.rx.body(&h), i);
                     let bad = if e.sample >= cat.len() {
                         Some(format!(
                             "grant {} names sample {}, past the catalog's {}",
