@@ -13,10 +13,12 @@ use crate::transport::proto::Code;
 
 /// A poller's staging slab, registered for RDMA when the service offers it.
 pub(super) struct Staging {
-    pub(super) buf: AlignedBuf,
-    /// Its registration (read by the RDMA links only).
+    /// Its registration (read by the RDMA links only). Declared before
+    /// `buf` so that it is dropped first: the memory is deregistered before
+    /// it is freed (verbs teardown in reverse order of creation).
     #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
     pub(super) rdma: StagingMr,
+    pub(super) buf: AlignedBuf,
 }
 
 impl Staging {
@@ -24,7 +26,7 @@ impl Staging {
         let n = c.cfg.slots();
         let mut buf = AlignedBuf::new(n * c.cfg.chunk_bytes as usize, 4096);
         let rdma = StagingMr::register(c, &mut buf)?;
-        Ok(Staging { buf, rdma })
+        Ok(Staging { rdma, buf })
     }
 }
 
