@@ -11,6 +11,10 @@
 //! - files, 32 bytes each: name_off u64, size u64, mtime_ns i64, name_len u32, 0u32
 //! - classes, 16 bytes each: name_off u64, name_len u32, 0u32
 //! - strings: the bytes the name offsets point into
+//!
+//! Why this file is over ~800 lines: the catalog's reader and writer stay
+//! together so that the binary layout is defined in one place (docs/FORMAT.md
+//! mirrors it).
 
 use std::borrow::Cow;
 use std::ffi::OsStr;

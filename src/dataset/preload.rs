@@ -7,6 +7,10 @@
 //! every copied sample's CRC32C is checked against the catalog). The manifest
 //! is written last, by atomic rename, so a space is either complete or
 //! visibly unfinished.
+//!
+//! Why this file is over ~800 lines: preload is one pipeline (plan, copy
+//! threads, CRC check, fsync, resume, manifest) whose steps share one state;
+//! split apart they would pass that state around instead.
 
 use std::collections::BTreeSet;
 use std::fs::{self, File, OpenOptions};

@@ -1,5 +1,8 @@
 //! [`LoaderBuilder`]: the loader's options, their defaults and limits, and
 //! the build-time checks (the ring holds a whole batch, counts in range).
+//!
+//! Why this file is over ~800 lines: one builder whose ~35 documented setters
+//! are the public API, and the build-time checks that read them all.
 
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};

@@ -23,6 +23,10 @@
 //! free (behind the consumer's released mark) and publishes `g` in a ready
 //! table; the consumer waits on that table (spin, then futex). Nothing per
 //! sample crosses threads but that one atomic store.
+//!
+//! Why this file is over ~800 lines: the Loader's run state,
+//! `next_batch`/release and epoch handling, which share the flow-control
+//! invariants; about 130 lines are documentation.
 
 pub(crate) mod schedule;
 pub(crate) mod tier;
