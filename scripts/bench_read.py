@@ -50,7 +50,8 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-K = os.path.join(ROOT, "target", "release", "kspeed")
+# KSPEED_BIN: another build to measure (A/B against an older commit).
+K = os.environ.get("KSPEED_BIN", os.path.join(ROOT, "target", "release", "kspeed"))
 NAIVE = os.path.join(ROOT, "target", "release", "examples", "naive_read")
 IOLOG = os.path.join(ROOT, "target", "release", "examples", "fio_iolog")
 
