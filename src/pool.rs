@@ -89,6 +89,8 @@ impl<T> Pool<T> {
 
     /// Every entry, with its key (walks every slot, taken or not: not for
     /// per-tick loops).
+    // Used by the pollers' debug-build invariant checks only.
+    #[cfg_attr(not(debug_assertions), allow(dead_code))]
     pub(crate) fn iter(&self) -> slab::Iter<'_, T> {
         self.slab.iter()
     }
