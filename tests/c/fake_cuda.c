@@ -26,7 +26,12 @@
 static FILE *logf_;
 static int registered, allocated, retained;
 #ifdef FAKE_DRIVER
-static int initialized, current;
+static int initialized;
+/* The context stack is per thread, as in the real driver: a thread that
+ * did not push the context has none current, whatever other threads do.
+ * (A process-wide counter also raced: two threads pushing and popping at
+ * once could lose an update and fail a third call with 201.) */
+static __thread int current;
 #endif
 static struct { uintptr_t p; size_t n; } regs[16];
 
