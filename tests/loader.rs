@@ -28,6 +28,16 @@ fn small_ring(bytes: u64) -> LandingOptions {
 
 /// A preloaded space with awkward sizes (0, 1, 4095, 4096, 4097, 300000...)
 /// plus some generated tiny samples.
+/// A `tiny` source of `count` samples under `dir/src`, preloaded into
+/// `dir/space`: (source, space).
+fn tiny_space(dir: &Path, count: u64) -> (std::path::PathBuf, std::path::PathBuf) {
+    let src = dir.join("src");
+    gen("tiny", count, &src);
+    let sp = dir.join("space");
+    ok(&["preload", "--source", s(&src), "--space", s(&sp)]);
+    (src, sp)
+}
+
 fn odd_space(dir: &Path) -> std::path::PathBuf {
     let src = dir.join("src");
     odd_tree(&src);
@@ -473,10 +483,7 @@ fn extent_truncated_after_preload_is_detected() {
 #[test]
 fn memory_tier_serves_what_it_holds() {
     let t = tempfile::tempdir().unwrap();
-    let src = t.path().join("src");
-    gen("tiny", 400, &src);
-    let sp = t.path().join("space");
-    ok(&["preload", "--source", s(&src), "--space", s(&sp)]);
+    let (_, sp) = tiny_space(t.path(), 400);
     let space = Space::open(&sp).unwrap();
     let cat = space.catalog();
     let total = cat.total_bytes();
@@ -537,10 +544,7 @@ fn memory_tier_serves_what_it_holds() {
 #[test]
 fn tier_views_hand_out_tier_bytes_in_place() {
     let t = tempfile::tempdir().unwrap();
-    let src = t.path().join("src");
-    gen("tiny", 400, &src);
-    let sp = t.path().join("space");
-    ok(&["preload", "--source", s(&src), "--space", s(&sp)]);
+    let (_, sp) = tiny_space(t.path(), 400);
     let space = Space::open(&sp).unwrap();
     let cat = space.catalog();
     let total = cat.total_bytes();
@@ -619,10 +623,7 @@ fn tier_views_hand_out_tier_bytes_in_place() {
 #[test]
 fn tier_views_stay_put_while_the_tier_fills() {
     let t = tempfile::tempdir().unwrap();
-    let src = t.path().join("src");
-    gen("tiny", 600, &src);
-    let sp = t.path().join("space");
-    ok(&["preload", "--source", s(&src), "--space", s(&sp)]);
+    let (_, sp) = tiny_space(t.path(), 600);
     let space = Space::open(&sp).unwrap();
     let cat = space.catalog();
     let mut loader = LoaderBuilder::space(&sp)
@@ -1063,10 +1064,7 @@ fn a_position_does_not_resume_on_another_dataset_of_the_same_length() {
 #[test]
 fn statistics_are_cumulative_and_count_read_ahead_apart() {
     let t = tempfile::tempdir().unwrap();
-    let src = t.path().join("src");
-    gen("tiny", 300, &src);
-    let sp = t.path().join("space");
-    ok(&["preload", "--source", s(&src), "--space", s(&sp)]);
+    let (_, sp) = tiny_space(t.path(), 300);
     let mut l = LoaderBuilder::space(&sp)
         .batch_size(10)
         .landing(small_ring(1 << 20))
@@ -1112,10 +1110,7 @@ fn statistics_are_cumulative_and_count_read_ahead_apart() {
 #[test]
 fn fork_after_build_keeps_the_ring_out_of_the_child() {
     let t = tempfile::tempdir().unwrap();
-    let src = t.path().join("src");
-    gen("tiny", 400, &src);
-    let sp = t.path().join("space");
-    ok(&["preload", "--source", s(&src), "--space", s(&sp)]);
+    let (_, sp) = tiny_space(t.path(), 400);
     let mut l = LoaderBuilder::space(&sp)
         .batch_size(16)
         .seed(5)
@@ -1216,10 +1211,7 @@ fn fork_after_build_keeps_the_ring_out_of_the_child() {
 fn command_line_errors_name_the_flag_and_a_closed_pipe_is_quiet() {
     use std::os::fd::{FromRawFd, OwnedFd};
     let t = tempfile::tempdir().unwrap();
-    let src = t.path().join("src");
-    gen("tiny", 50, &src);
-    let sp = t.path().join("space");
-    ok(&["preload", "--source", s(&src), "--space", s(&sp)]);
+    let (src, sp) = tiny_space(t.path(), 50);
     // stdout is a pipe nobody reads: the first write fails with EPIPE.
     let mut fds = [0; 2];
     // SAFETY: pipe writes two new descriptors into fds.
@@ -1295,10 +1287,7 @@ fn read_until_error(loader: &mut Loader, cat: &Catalog, epochs: u64) -> Option<E
 #[test]
 fn submit_failures_eagain_and_panics_reap_their_reads() {
     let t = tempfile::tempdir().unwrap();
-    let src = t.path().join("src");
-    gen("tiny", 600, &src);
-    let sp = t.path().join("space");
-    ok(&["preload", "--source", s(&src), "--space", s(&sp)]);
+    let (_, sp) = tiny_space(t.path(), 600);
     let space = Space::open(&sp).unwrap();
     let cat = space.catalog();
     let build = |f: FaultConfig| {
@@ -1409,10 +1398,7 @@ fn ring_registration_is_shared_and_its_loss_is_not_silent() {
 #[test]
 fn kept_batches_stay_put_until_released_in_order() {
     let t = tempfile::tempdir().unwrap();
-    let src = t.path().join("src");
-    gen("tiny", 300, &src);
-    let sp = t.path().join("space");
-    ok(&["preload", "--source", s(&src), "--space", s(&sp)]);
+    let (_, sp) = tiny_space(t.path(), 300);
     let space = Space::open(&sp).unwrap();
     let cat = space.catalog();
     // Tiny samples take 4 or 8 KiB slots: 16 batches of 4 out do not
