@@ -97,7 +97,11 @@ typedef struct {
 } ksp_sample;
 
 // A batch: `count` samples in order, plus the contiguous span(s) of the
-// ring holding them (alignment padding included). Everything it points to
+// ring holding them (alignment padding included). With the `tier_views`
+// config key, a batch with any sample served in place from the memory
+// tier has no span: `span` and `wrap` are NULL and their lengths 0, and
+// each sample's `data` points to its own bytes (in the tier or the ring);
+// callers that copy a batch as one span leave `tier_views` off. Everything it points to
 // is owned by the loader and valid until this batch is released: by
 // [`ksp_loader_release_batch`] with its `seq`, by the next
 // [`ksp_loader_next_batch`] (a loader holds one batch at a time), by
@@ -126,7 +130,8 @@ typedef struct {
   size_t count;
   // `count` samples, `sample_size` bytes apart.
   const ksp_sample *samples;
-  // The batch's bytes from its first sample's start.
+  // The batch's bytes from its first sample's start (NULL when some
+  // samples are memory-tier views: `tier_views`).
   const uint8_t *span;
   // Length of `span`.
   size_t span_len;
@@ -379,6 +384,7 @@ void ksp_config_free(ksp_config *cfg);
 // | `shuffle`, `drop_last`, `verify_crc32c`, `mlock`, `huge_pages`, `pin` | true/false |
 // | `rank`, `world` | this rank, world size |
 // | `ring_bytes`, `tier_bytes` | sizes, e.g. `256MiB` |
+// | `tier_views` | true: a sample served from the memory tier is handed out in place (its `ksp_sample.data` points into the tier, no copy into the ring); a batch holding such a sample has `span` NULL (see `ksp_batch`). Default false |
 // | `pollers`, `queue_depth`, `submit_batch`, `lookahead` | counts |
 // | `numa_node` | NUMA node of the ring |
 // | `local_rank`, `local_world_size` | this process's rank among the node's ranks and their number (both, or neither: then `KSPEED_LOCAL_RANK`/`KSPEED_LOCAL_WORLD_SIZE`, `LOCAL_RANK`/`LOCAL_WORLD_SIZE`, `OMPI_COMM_WORLD_LOCAL_RANK`/`OMPI_COMM_WORLD_LOCAL_SIZE` or `SLURM_LOCALID` with `SLURM_NTASKS_PER_NODE`/`SLURM_TASKS_PER_NODE`); each rank's pollers get their own slice of cores |

@@ -131,6 +131,8 @@ public:
     /// The batch's identity (1, 2, ... in the loader's order).
     uint64_t seq() const noexcept { return b_.seq; }
     /// The batch's bytes: one contiguous span, plus a second when it wraps.
+    /// {nullptr, 0} when the loader has `tier_views` on and some samples
+    /// are handed out in place in the memory tier: use each sample's data.
     std::pair<const uint8_t*, size_t> span() const noexcept { return {b_.span, b_.span_len}; }
     std::pair<const uint8_t*, size_t> wrap() const noexcept { return {b_.wrap, b_.wrap_len}; }
 

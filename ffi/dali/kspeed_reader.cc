@@ -67,6 +67,12 @@ public:
                                  : uint64_t{0})
                 .set("ring_bytes", spec.GetArgument<std::string>("ring_bytes"))
                 .set("tier_bytes", spec.GetArgument<std::string>("tier_bytes"))
+                // This operator copies every sample into DALI's output by
+                // its own pointer (never a batch's span), so samples in the
+                // memory tier can be handed over in place: one copy per
+                // byte (tier -> output) instead of two (tier -> ring ->
+                // output).
+                .set("tier_views", spec.GetArgument<bool>("tier_views"))
                 .set("mlock", spec.GetArgument<bool>("mlock"));
             const int pollers = spec.GetArgument<int>("pollers");
             if (pollers > 0) cfg.set("pollers", pollers);
@@ -273,6 +279,10 @@ Pass the same `seed` to every shard (without one, 0 is used, not a random seed).
                     "Most samples read ahead of the consumer (0: as many as the ring holds).", 0)
     .AddOptionalArg("ring_bytes", "Landing ring size, e.g. \"256MiB\".", std::string("256MiB"))
     .AddOptionalArg("tier_bytes", "Memory tier budget, e.g. \"8GiB\" (0: none).", std::string("0"))
+    .AddOptionalArg("tier_views",
+                    "Copy samples held in the memory tier straight from it into the output, not "
+                    "through the landing ring first.",
+                    true)
     .AddOptionalArg("pollers", "kspeed poller threads (0: kspeed's default).", 0)
     .AddOptionalArg("mlock", "Lock the landing ring in memory.", true)
     .AddOptionalArg("cluster_file",

@@ -33,7 +33,11 @@ pub struct ksp_sample {
 pub const KSP_SAMPLE_MIN_SIZE: usize = size_of::<ksp_sample>();
 
 /// A batch: `count` samples in order, plus the contiguous span(s) of the
-/// ring holding them (alignment padding included). Everything it points to
+/// ring holding them (alignment padding included). With the `tier_views`
+/// config key, a batch with any sample served in place from the memory
+/// tier has no span: `span` and `wrap` are NULL and their lengths 0, and
+/// each sample's `data` points to its own bytes (in the tier or the ring);
+/// callers that copy a batch as one span leave `tier_views` off. Everything it points to
 /// is owned by the loader and valid until this batch is released: by
 /// [`ksp_loader_release_batch`] with its `seq`, by the next
 /// [`ksp_loader_next_batch`] (a loader holds one batch at a time), by
@@ -64,7 +68,8 @@ pub struct ksp_batch {
     pub count: usize,
     /// `count` samples, `sample_size` bytes apart.
     pub samples: *const ksp_sample,
-    /// The batch's bytes from its first sample's start.
+    /// The batch's bytes from its first sample's start (NULL when some
+    /// samples are memory-tier views: `tier_views`).
     pub span: *const u8,
     /// Length of `span`.
     pub span_len: usize,
@@ -192,6 +197,10 @@ pub unsafe extern "C" fn ksp_loader_next_batch(
             let ((span, span_len), wrap) = if gpu {
                 let ((a, l), w) = h.loader.held_device_spans();
                 ((a as *const u8, l), w.map(|(a, l)| (a as *const u8, l)))
+            } else if !h.loader.held_in_ring() {
+                // Some samples are views into the memory tier (tier_views):
+                // the batch is not one span of the ring.
+                ((std::ptr::null(), 0), None)
             } else {
                 let (sp, w) = h.loader.held_spans();
                 ((sp.as_ptr(), sp.len()), w.map(|w| (w.as_ptr(), w.len())))

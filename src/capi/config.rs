@@ -112,6 +112,7 @@ fn parse_bool(key: &str, v: &str) -> Result<bool, Fail> {
 /// | `shuffle`, `drop_last`, `verify_crc32c`, `mlock`, `huge_pages`, `pin` | true/false |
 /// | `rank`, `world` | this rank, world size |
 /// | `ring_bytes`, `tier_bytes` | sizes, e.g. `256MiB` |
+/// | `tier_views` | true: a sample served from the memory tier is handed out in place (its `ksp_sample.data` points into the tier, no copy into the ring); a batch holding such a sample has `span` NULL (see `ksp_batch`). Default false |
 /// | `pollers`, `queue_depth`, `submit_batch`, `lookahead` | counts |
 /// | `numa_node` | NUMA node of the ring |
 /// | `local_rank`, `local_world_size` | this process's rank among the node's ranks and their number (both, or neither: then `KSPEED_LOCAL_RANK`/`KSPEED_LOCAL_WORLD_SIZE`, `LOCAL_RANK`/`LOCAL_WORLD_SIZE`, `OMPI_COMM_WORLD_LOCAL_RANK`/`OMPI_COMM_WORLD_LOCAL_SIZE` or `SLURM_LOCALID` with `SLURM_NTASKS_PER_NODE`/`SLURM_TASKS_PER_NODE`); each rank's pollers get their own slice of cores |
@@ -172,6 +173,7 @@ pub unsafe extern "C" fn ksp_config_set(
             "drop_last" => b.drop_last(parse_bool(k, v)?),
             "ring_bytes" => b.ring_bytes(parse_bytes(k, v)?),
             "tier_bytes" => b.tier_bytes(parse_bytes(k, v)?),
+            "tier_views" => b.tier_views(parse_bool(k, v)?),
             "gpu_ring" => b.gpu_ring(Some(parse_num(k, v)?)),
             "pollers" => b.pollers(parse_num(k, v)?),
             "queue_depth" => b.queue_depth(parse_num(k, v)?),

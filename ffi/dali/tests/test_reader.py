@@ -50,12 +50,12 @@ class Dataset:
                     self.by_digest[digest(fh.read())] = cls
 
 
-def reader_pipeline(space, batch, shard=0, shards=1, pad=True, **kw):
+def reader_pipeline(space, batch, shard=0, shards=1, pad=True, reader_kw=None, **kw):
     @pipeline_def(batch_size=batch, num_threads=2, device_id=None, **kw)
     def p():
         data, label = fn.kspeed.reader(space=space, shard_id=shard, num_shards=shards, random_shuffle=True,
                                        seed=7, pad_last_batch=pad, name="Reader", mlock=False,
-                                       ring_bytes="32MiB")
+                                       ring_bytes="32MiB", **(reader_kw or {}))
         return data, label
     pipe = p()
     pipe.build()
@@ -111,6 +111,24 @@ class ReaderTest(unittest.TestCase):
         self.assertEqual(len(class_of_label), len(set(self.ds.by_digest.values())))
         # Shuffled: epochs differ in order.
         self.assertNotEqual(seen[0], seen[1])
+
+    def test_memory_tier_samples_are_copied_in_place_byte_exact(self):
+        # The whole set fits the tier: epoch 0 fills it, epochs 1 and 2 are
+        # copied straight out of it (tier_views, on by default), both in
+        # whole kspeed batches (padding) and through the staging path (no
+        # padding: DALI and kspeed batches out of step).
+        batch, n = 16, 300
+        for pad in (True, False):
+            for views in (True, False):
+                pipe = reader_pipeline(self.ds.space, batch, pad=pad,
+                                       reader_kw=dict(tier_bytes="64MiB", tier_views=views))
+                iters = -(-n // batch)
+                for epoch in range(3):
+                    got = [d for d, _ in self.read(pipe, iters)]
+                    for d in got:
+                        self.assertIn(d, self.ds.by_digest, f"pad={pad} views={views} epoch {epoch}")
+                    if pad:
+                        self.assertEqual(set(got[:n]), set(self.ds.by_digest), f"views={views} epoch {epoch}")
 
     def test_without_padding_the_stream_runs_on_into_the_next_epoch(self):
         batch, per_shard = 16, 150
