@@ -9,7 +9,9 @@ files, alternating:
           readers.file dont_use_mmap=True; fio randread of the space's
           extents at 128 KiB, QD 32, O_DIRECT as the disk's own limit.
   warm  : the dataset in kspeed's memory tier (epoch 0 fills it, epoch 1 is
-          timed) against readers.file over a warm page cache (epoch 1).
+          timed) against readers.file over a warm page cache (epoch 1);
+          kspeed both with tier_views (the default: copied from the tier
+          straight into DALI's output) and without (through the ring).
   jpeg  : real JPEGs (made with Pillow), each reader followed by
           fn.decoders.image on the CPU, cold.
 
@@ -48,11 +50,11 @@ def drop_caches():
         f.write("3\n")
 
 
-def pipe_kspeed(space, decode=False, tier="0"):
+def pipe_kspeed(space, decode=False, tier="0", views=True):
     @pipeline_def(batch_size=BATCH, num_threads=2, device_id=None)
     def p():
         raw, label = fn.kspeed.reader(space=space, random_shuffle=True, seed=1, name="Reader", pad_last_batch=True,
-                                      tier_bytes=tier, mlock=False, ring_bytes="256MiB")
+                                      tier_bytes=tier, tier_views=views, mlock=False, ring_bytes="256MiB")
         return (fn.decoders.image(raw, device="cpu") if decode else raw), label
     return p()
 
@@ -123,7 +125,10 @@ def main():
     ap.add_argument("--work", default="/var/tmp/kspeed-bench")
     ap.add_argument("--count", type=int, default=20000)
     ap.add_argument("--jpegs", type=int, default=3000)
+    ap.add_argument("--only", choices=["cold", "warm", "jpeg"], action="append",
+                    help="run only these parts (repeatable; default all)")
     a = ap.parse_args()
+    parts = set(a.only or ["cold", "warm", "jpeg"])
     src = os.path.join(a.work, f"src-imagenet-{a.count}")
     space = os.path.join(a.work, f"sp-imagenet-{a.count}")
     if not os.path.isdir(src):
@@ -132,6 +137,15 @@ def main():
     print(f"# DALI {__import__('nvidia.dali').dali.__version__}, {os.cpu_count()} cores, batch {BATCH}, "
           f"median of {a.runs}\n")
 
+    if "cold" in parts:
+        cold(a, src, space)
+    if "warm" in parts:
+        warm(a, src, space)
+    if "jpeg" in parts:
+        jpeg(a)
+
+
+def cold(a, src, space):
     print(f"## cold page cache, imagenet profile, {a.count} samples\n")
     print("| reader | samples/s | vs readers.file | runs |\n|---|---|---|---|")
     ks, fm, fn_ = [], [], []
@@ -147,15 +161,21 @@ def main():
     print(f"\nfio randread 128 KiB QD 32 O_DIRECT on the extents: {bw:.2f} GB/s "
           f"(= {bw * 1e9 / (2.6e9 / a.count):,.0f} samples/s at this profile's mean size)\n")
 
+
+def warm(a, src, space):
     print("## warm: whole set in kspeed's memory tier vs readers.file over a warm page cache\n")
     print("| reader | samples/s | vs readers.file | runs |\n|---|---|---|---|")
-    ks, fm = [], []
+    ks, kr, fm = [], [], []
     for _ in range(a.runs):
         ks.append(epoch_sps(lambda: pipe_kspeed(space, tier="8GiB"), cold=False, warm_epochs=1))
+        kr.append(epoch_sps(lambda: pipe_kspeed(space, tier="8GiB", views=False), cold=False, warm_epochs=1))
         fm.append(epoch_sps(lambda: pipe_file(src), cold=False, warm_epochs=1))
     ref = row("fn.readers.file (mmap), warm", fm)
-    row("fn.kspeed.reader, memory tier", ks, ref)
+    row("fn.kspeed.reader, memory tier (tier_views, the default)", ks, ref)
+    row("fn.kspeed.reader, memory tier, tier_views=False (through the ring)", kr, ref)
 
+
+def jpeg(a):
     jroot = os.path.join(a.work, f"jpeg-{a.jpegs}")
     make_jpegs(jroot, a.jpegs)
     jspace = os.path.join(a.work, f"sp-jpeg-{a.jpegs}")

@@ -221,14 +221,52 @@ protected:
     void RunImpl(Workspace& ws) override {
         auto& data = ws.Output<CPUBackend>(0);
         auto& labels = ws.Output<CPUBackend>(1);
-        for (size_t i = 0; i < len_.size(); ++i) {
-            const uint8_t* src = direct_ ? (*held_)[i].data : stage_.data() + off_[i];
-            if (len_[i] > 0) std::memcpy(data.mutable_tensor<uint8_t>(i), src, len_[i]);
+        const size_t n = len_.size();
+        src_.resize(n);
+        dst_.resize(n);
+        size_t total = 0;
+        for (size_t i = 0; i < n; ++i) {
+            src_[i] = direct_ ? (*held_)[i].data : stage_.data() + off_[i];
+            dst_[i] = data.mutable_tensor<uint8_t>(i);
             labels.mutable_tensor<int32_t>(i)[0] = labels_[i];
+            total += len_[i];
         }
+        // The copy is this operator's whole cost when the samples come from
+        // the memory tier: spread it over the pipeline's threads, in runs of
+        // consecutive samples of about equal bytes (one run per thread).
+        const int threads = ws.HasThreadPool() ? ws.GetThreadPool().NumThreads() : 1;
+        if (threads <= 1 || total < kParallelCopyBytes) {
+            copy(0, n);
+            return;
+        }
+        auto& pool = ws.GetThreadPool();
+        const size_t share = total / threads + 1;
+        size_t begin = 0, run = 0;
+        for (size_t i = 0; i < n; ++i) {
+            run += len_[i];
+            if (run >= share || i + 1 == n) {
+                const size_t b = begin, e = i + 1;
+                pool.AddWork([this, b, e](int) { copy(b, e); });
+                begin = e;
+                run = 0;
+            }
+        }
+        pool.RunAll();
     }
 
+    // Copies samples [b, e) to their outputs.
+    void copy(size_t b, size_t e) const {
+        for (size_t i = b; i < e; ++i)
+            if (len_[i] > 0) std::memcpy(dst_[i], src_[i], len_[i]);
+    }
+
+    // Below this many bytes a batch is copied on the calling thread (waking
+    // the pool costs more than it saves).
+    static constexpr size_t kParallelCopyBytes = size_t{1} << 20;
+
 private:
+    std::vector<const uint8_t*> src_;
+    std::vector<uint8_t*> dst_;
     int shard_id_;
     int num_shards_;
     bool pad_last_batch_;
