@@ -3,10 +3,13 @@
 //!
 //! ```text
 //! cargo run --release --example socket_copy -- recv 127.0.0.1:7500 BYTES &
-//! cargo run --release --example socket_copy -- send 127.0.0.1:7500 BYTES
+//! cargo run --release --example socket_copy -- send 127.0.0.1:7500 BYTES [SOURCE_BYTES]
 //! ```
 //!
-//! The sender writes BYTES from a 1 MiB buffer with `write_all`; the
+//! The sender writes BYTES from a 1 MiB buffer with `write_all` (a buffer
+//! that stays in the CPU's cache), or, with SOURCE_BYTES, 1 MiB at a time
+//! from a SOURCE_BYTES buffer it walks like a ring (a dataset in memory, as
+//! kspeed's page-cache sender reads it: every byte comes from DRAM); the
 //! receiver reads them into a 256 MiB buffer it walks like a ring (as a
 //! landing ring is), 1 MiB per `read`. Each side prints its wall time, GB/s
 //! and CPU seconds (user + system) on one line.
@@ -21,8 +24,8 @@ fn cpu_seconds() -> f64 {
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    if args.len() != 4 {
-        eprintln!("usage: socket_copy send|recv ADDR BYTES");
+    if !(4..=5).contains(&args.len()) {
+        eprintln!("usage: socket_copy send|recv ADDR BYTES [SOURCE_BYTES]");
         std::process::exit(2);
     }
     let bytes: u64 = args[3].parse().expect("BYTES is a number");
@@ -49,14 +52,22 @@ fn main() {
             report("recv", got, t0, c0);
         }
         "send" => {
+            let source: usize = args
+                .get(4)
+                .map_or(chunk, |a| a.parse().expect("SOURCE_BYTES is a number"))
+                .next_multiple_of(chunk);
+            // Written, so every page is really there (not the zero page).
+            let buf = vec![0x5au8; source];
+            // Connected once the source is ready: the receiver's clock
+            // starts at the connection.
             let mut s = TcpStream::connect(&args[2]).expect("connect");
-            let buf = vec![0x5au8; chunk];
             let (t0, c0) = (Instant::now(), cpu_seconds());
-            let mut sent = 0u64;
+            let (mut sent, mut at) = (0u64, 0usize);
             while sent < bytes {
                 let n = chunk.min((bytes - sent) as usize);
-                s.write_all(&buf[..n]).expect("write");
+                s.write_all(&buf[at..at + n]).expect("write");
                 sent += n as u64;
+                at = (at + chunk) % source;
             }
             s.shutdown(std::net::Shutdown::Write).ok();
             // Wait for the receiver to finish reading.
@@ -64,7 +75,7 @@ fn main() {
             report("send", sent, t0, c0);
         }
         _ => {
-            eprintln!("usage: socket_copy send|recv ADDR BYTES");
+            eprintln!("usage: socket_copy send|recv ADDR BYTES [SOURCE_BYTES]");
             std::process::exit(2);
         }
     }

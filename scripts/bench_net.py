@@ -17,6 +17,11 @@ default, taken from --work as bench_read.py leaves them):
   3 -> 2  : three services on 127.0.0.1-3 (a 3-node space, 1 copy) and two
             consumers (ranks 0 and 1 of 2) at once: aggregate bytes/s, against
             two raw socket copies at once.
+  raw, DRAM source (page-cache mode only): the same socket copies, but each
+            sender walks a buffer as large as its share of the dataset instead
+            of rewriting one 1 MiB buffer that never leaves the CPU's cache:
+            kspeed's page-cache sender copies every byte from DRAM, so this is
+            the like-for-like reference (both are printed).
 
   scripts/bench_net.py [--runs 3] [--work /var/tmp/kspeed-bench] [--profiles imagenet:20000,volumes:30] [--staging]
 
@@ -125,8 +130,9 @@ def kspeed_1to1(space, src, token, work):
     return {"gbs": r["gbs"], "bytes": r["bytes"], "cons_cpu_gb": r["cpu"] / gb, "serve_cpu_gb": r["serve_cpu"] / gb}
 
 
-def raw_copy(nbytes, pairs=1):
-    """`pairs` socket copies at once; aggregate GB/s and CPU s/GB per side."""
+def raw_copy(nbytes, pairs=1, source=0):
+    """`pairs` socket copies at once; aggregate GB/s and CPU s/GB per side.
+    source > 0: each sender walks a buffer of that many bytes (DRAM source)."""
     recvs, port0 = [], 7600
     for i in range(pairs):
         p = subprocess.Popen([COPY, "recv", f"127.0.0.1:{port0 + i}", str(int(nbytes))], stdout=subprocess.PIPE,
@@ -134,8 +140,9 @@ def raw_copy(nbytes, pairs=1):
         assert p.stdout.readline().strip() == "listening"
         recvs.append(p)
     t0 = time.time()
-    sends = [subprocess.Popen([COPY, "send", f"127.0.0.1:{port0 + i}", str(int(nbytes))], stdout=subprocess.PIPE,
-                              text=True) for i in range(pairs)]
+    extra = [str(int(source))] if source else []
+    sends = [subprocess.Popen([COPY, "send", f"127.0.0.1:{port0 + i}", str(int(nbytes)), *extra],
+                              stdout=subprocess.PIPE, text=True) for i in range(pairs)]
     outs = [s.communicate()[0] for s in sends] + [r.communicate()[0] for r in recvs]
     wall = time.time() - t0
     cpu = lambda side: sum(float(re.search(r"CPU ([\d.]+) s", o).group(1)) for o in outs if o.startswith(side))
@@ -229,7 +236,9 @@ def main():
         for spec in a.profiles.split(","):
             profile, count = spec.split(":")
             src, one, three = prepare(a.work, profile, int(count))
-            ks, raw, ks3, raw2, fio1, fio3 = [], [], [], [], [], []
+            ks, raw, ks3, raw2, fio1, fio3, rawd, raw2d = [], [], [], [], [], [], [], []
+            ext = os.path.join(one, "extents")
+            data_bytes = sum(os.path.getsize(os.path.join(ext, f)) for f in os.listdir(ext))
             for _ in range(a.runs):
                 k = kspeed_1to1(one, src, token, a.work)
                 ks.append(k)
@@ -237,6 +246,9 @@ def main():
                 k3 = kspeed_3to2(three, src, token, a.work)
                 ks3.append(k3)
                 raw2.append(raw_copy(k3["bytes"] / 2, pairs=2))
+                if not a.staging:
+                    rawd.append(raw_copy(k["bytes"], source=data_bytes))
+                    raw2d.append(raw_copy(k3["bytes"] / 2, pairs=2, source=data_bytes / 2))
                 if DISK:
                     # The pipeline's other stage: the disk. The reference is the slower stage.
                     fio1.append(fio_extents([one]))
@@ -256,6 +268,14 @@ def main():
             print(f"| kspeed 3 owners -> 2 consumers (aggregate) | {med(ks3, 'gbs'):.3f} | {ratio3:.2f}x | | |")
             print(f"| raw socket copy, 2 streams (aggregate) | {med(raw2, 'gbs'):.3f} | 1.00x | "
                   f"{med(raw2, 'send_cpu_gb'):.2f} | {med(raw2, 'recv_cpu_gb'):.2f} |")
+            if rawd:
+                ratio_d = statistics.median(k["gbs"] / r["gbs"] for k, r in zip(ks, rawd))
+                ratio3_d = statistics.median(k["gbs"] / r["gbs"] for k, r in zip(ks3, raw2d))
+                print(f"| raw socket copy, 1 stream, DRAM source ({data_bytes / 1e9:.2f} GB) | "
+                      f"{med(rawd, 'gbs'):.3f} | kspeed {ratio_d:.2f}x | {med(rawd, 'send_cpu_gb'):.2f} | "
+                      f"{med(rawd, 'recv_cpu_gb'):.2f} |")
+                print(f"| raw socket copy, 2 streams, DRAM source (aggregate) | {med(raw2d, 'gbs'):.3f} | "
+                      f"kspeed {ratio3_d:.2f}x | {med(raw2d, 'send_cpu_gb'):.2f} | {med(raw2d, 'recv_cpu_gb'):.2f} |")
             if DISK:
                 print(f"\nreference = min(raw socket, fio over the extents): raw socket {med(raw, 'socket_gbs'):.3f} "
                       f"/ {med(raw2, 'socket_gbs'):.3f} GB/s (1 / 2 streams), fio O_DIRECT 256 KiB QD 32 "
