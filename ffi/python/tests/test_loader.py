@@ -784,11 +784,12 @@ def test_tier_views_off_keeps_every_batch_in_the_ring(space):
         assert loader.stats()["tier_hits"] > 0
 
 
-def test_tier_view_outlives_next_close_and_the_loader(space):
+@pytest.mark.parametrize("close", [True, False])
+def test_tier_view_outlives_next_close_and_the_loader(space, close):
     """Views of a batch served from the tier, held while the next batches
-    are read and after the loader is closed and dropped: their bytes stay
-    right (the batch keeps the Rust loader, and so the tier's memory,
-    alive)."""
+    are read and after the loader is closed (or not) and dropped: their
+    bytes stay right (the batch keeps the Rust loader, and so the tier's
+    memory, alive)."""
     cat = kspeed.Catalog.open(space)
     loader = kspeed.Loader(space, batch_size=5, seed=4, ring_bytes="512KiB", tier_bytes="8MiB", tier_views=True,
                            batches_in_flight=2)
@@ -813,8 +814,9 @@ def test_tier_view_outlives_next_close_and_the_loader(space):
         assert [x.sample(i).tobytes() for i in range(len(x))] == [cat.read_source(int(i)) for i in x.ids]
         assert [v.tobytes() for v in views] == want
     del x
-    loader.close()
-    assert loader.closed
+    if close:
+        loader.close()
+        assert loader.closed
     del loader
     gc.collect()
     assert [v.tobytes() for v in views] == want
