@@ -9,7 +9,8 @@
 //!   memoryviews over them, DLPack capsules and the tensors made from them)
 //!   holds a strong reference to its [`Batch`], and the batch holds the
 //!   loader's [`Shared`] state, so neither the ring nor the loader can go
-//!   while a view exists;
+//!   while a view exists (nor the memory tier, which the Rust loader owns:
+//!   with `tier_views`, per-sample views point into it);
 //! - a batch's ring space goes back to the loader only when the batch is no
 //!   longer referenced, or on `release()` (refused while views are alive);
 //!   releases reach the Rust loader in batch order
