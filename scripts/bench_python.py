@@ -10,7 +10,12 @@ fn.readers.file, on the same files, batch 64, one epoch per run, medians of
          8 workers; DALI fn.readers.file (CPU pipeline, 2 threads) when
          nvidia-dali is installed.
   warm : kspeed with the whole set in its memory tier (epoch 0 fills it,
-         epoch 1 is timed) against the others over a warm page cache.
+         epoch 1 is timed) against the others over a warm page cache; twice:
+         samples copied from the tier into the landing ring (the default;
+         the loop takes the zero-copy array() of every batch), and with
+         tier_views=True (samples handed out in place in the tier; the loop
+         takes b.samples(), the per-sample zero-copy views, as the
+         DataLoader rows take a list of bytes per batch).
   overhead : the same kspeed configuration (warm, memory tier) read by the
          Rust loader alone in the same process and build
          (kspeed._kspeed._bench_rust) and through the Python API
@@ -76,21 +81,29 @@ class Timer:
         self.cpu = cpu() - self.c0
 
 
-def run_kspeed(space, tier_bytes=0):
+def run_kspeed(space, tier_bytes=0, tier_views=False):
     import kspeed
 
     loader = kspeed.Loader(space, batch_size=BATCH, seed=1, ring_bytes="256MiB", tier_bytes=tier_bytes,
-                           batches_in_flight=2)
+                           tier_views=tier_views, batches_in_flight=2)
     epochs = [0, 1] if tier_bytes else [0]
     n = 0
     for e in epochs:
         loader.set_epoch(e)
         timed = e == epochs[-1]
         with Timer() as t:
-            for b in loader:
-                _ = (b.ids, b.labels, b.offsets, b.lengths, b.array())
-                if timed:
-                    n += len(b)
+            if tier_views:
+                # Per-sample views in place (a batch from the tier is not
+                # one span: array() would copy it).
+                for b in loader:
+                    _ = (b.ids, b.labels, b.lengths, b.samples())
+                    if timed:
+                        n += len(b)
+            else:
+                for b in loader:
+                    _ = (b.ids, b.labels, b.offsets, b.lengths, b.array())
+                    if timed:
+                        n += len(b)
     loader.close()
     return n, t
 
@@ -204,7 +217,10 @@ def main():
                 record("cold", name, n, t)
     # Warm: the page cache holds the tree (one untimed pass), kspeed its tier.
     run_dataloader(src, 2)
-    warm = [("kspeed Python loader, memory tier", lambda: run_kspeed(space, tier))] + readers[1:]
+    warm = [
+        ("kspeed Python loader, memory tier", lambda: run_kspeed(space, tier)),
+        ("kspeed Python loader, memory tier, tier_views", lambda: run_kspeed(space, tier, tier_views=True)),
+    ] + readers[1:]
     for r in range(a.runs):
         for name, fn_ in warm:
             n, t = fn_()

@@ -9,7 +9,8 @@
 //!   memoryviews over them, DLPack capsules and the tensors made from them)
 //!   holds a strong reference to its [`Batch`], and the batch holds the
 //!   loader's [`Shared`] state, so neither the ring nor the loader can go
-//!   while a view exists;
+//!   while a view exists (nor the memory tier, which the Rust loader owns:
+//!   with `tier_views`, per-sample views point into it);
 //! - a batch's ring space goes back to the loader only when the batch is no
 //!   longer referenced, or on `release()` (refused while views are alive);
 //!   releases reach the Rust loader in batch order
@@ -26,7 +27,7 @@ mod objects;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
 use pyo3::exceptions::{PyIndexError, PyTypeError, PyValueError};
@@ -192,10 +193,16 @@ struct BatchData {
     first_index: u64,
     ids: Vec<i64>,
     labels: Vec<i64>,
-    /// Address of each sample (host or device).
+    /// Address of each sample (host or device): in the landing ring, or in
+    /// the memory tier (`tier_views`).
     addrs: Vec<u64>,
     lens: Vec<u64>,
-    /// The batch's span(s) as (address, bytes).
+    /// Every sample is in the landing ring, so `span`/`wrap` hold the whole
+    /// batch. False when `tier_views` handed out some samples in place in
+    /// the memory tier: then the batch is no span of anything, and `span`
+    /// and `wrap` are unset.
+    in_ring: bool,
+    /// The batch's span(s) as (address, bytes), when `in_ring`.
     span: (u64, u64),
     wrap: Option<(u64, u64)>,
     /// CUDA device of a GPU ring.
@@ -270,6 +277,7 @@ fn acquire_one(core: &mut Core) -> Reply {
         labels: Vec::with_capacity(n),
         addrs: Vec::with_capacity(n),
         lens: Vec::with_capacity(n),
+        in_ring: true,
         span: (0, 0),
         wrap: None,
         device: None,
@@ -280,6 +288,21 @@ fn acquire_one(core: &mut Core) -> Reply {
         }),
     };
     let dev = loader.landing_device().and(gpu);
+    d.in_ring = loader.held_in_ring();
+    if dev.is_some() && !d.in_ring {
+        // Not reachable: the Rust builder refuses a memory tier with a GPU
+        // ring (and builder_from refuses tier_views there). Should it ever
+        // happen, the device addresses of tier samples would be wrong:
+        // hand the batch back (done, so the next reap returns its space)
+        // and fail with a named error instead.
+        d.flags.done.store(true, Ordering::Release);
+        core.out.push_back(OutBatch { flags: d.flags });
+        return Reply::Failed(kspeed::Error::InvalidConfig(
+            "a batch in a GPU ring has samples in the memory tier (tier_views): \
+             tier views are not supported with a GPU ring"
+                .into(),
+        ));
+    }
     for i in 0..n {
         let (id, label, addr, len, pos) = if dev.is_some() {
             let s = loader.held_device_sample(i);
@@ -307,7 +330,7 @@ fn acquire_one(core: &mut Core) -> Reply {
         let (a, b) = loader.held_device_spans();
         d.span = (a.0, a.1 as u64);
         d.wrap = b.map(|(p, l)| (p, l as u64));
-    } else {
+    } else if d.in_ring {
         let (a, b) = loader.held_spans();
         d.span = (a.as_ptr() as u64, a.len() as u64);
         d.wrap = b.map(|s| (s.as_ptr() as u64, s.len() as u64));
@@ -467,7 +490,17 @@ fn builder_from(cfg: &Bound<'_, PyDict>) -> PyResult<(LoaderBuilder, usize)> {
     if let Some(t) = get::<u64>(cfg, "tier_bytes")? {
         b = b.tier_bytes(t);
     }
+    let tier_views = get::<bool>(cfg, "tier_views")?.unwrap_or(false);
+    b = b.tier_views(tier_views);
     if let Some(g) = get::<u32>(cfg, "gpu_ring")? {
+        if tier_views {
+            // The Rust builder refuses a memory tier with a GPU ring, and
+            // without a tier tier_views does nothing: say so.
+            return Err(PyValueError::new_err(format!(
+                "tier_views=True needs a memory tier in host memory, and a GPU ring \
+                 (gpu_ring={g}) has no memory tier: leave tier_views off"
+            )));
+        }
         b = b.gpu_ring(Some(g));
     }
     if let Some(f) = get::<(u64, u32, u32, u32)>(cfg, "fault_injection")? {
@@ -901,19 +934,42 @@ impl Drop for PyLoader {
     }
 }
 
-/// A batch: consecutive samples of the rank's sequence, in the landing ring.
+/// A batch: consecutive samples of the rank's sequence, in the landing ring
+/// (or, with `tier_views`, some of them in place in the memory tier).
 #[pyclass(module = "kspeed._kspeed", frozen)]
 pub(crate) struct Batch {
     shared: Arc<Shared>,
     d: BatchData,
     /// Each sample's offset in `array()`.
     offsets: Vec<i64>,
-    /// A wrapped batch's bytes, made contiguous (host rings only).
-    copy: Option<Box<[u8]>>,
+    /// The whole batch made contiguous, when it is not one span of the
+    /// ring (host memory only): a batch that wrapped around the ring's end
+    /// (copied at acquire time), or one with samples in the memory tier
+    /// (samples packed back to back, copied on the first whole-batch use).
+    copy: OnceLock<Box<[u8]>>,
 }
 
 impl Batch {
     fn new(shared: Arc<Shared>, d: BatchData) -> Batch {
+        let copy = OnceLock::new();
+        if !d.in_ring {
+            // Packed back to back in the copy `whole()` makes.
+            let offsets = d
+                .lens
+                .iter()
+                .scan(0u64, |at, &l| {
+                    let o = *at;
+                    *at += l;
+                    Some(o as i64)
+                })
+                .collect();
+            return Batch {
+                shared,
+                d,
+                offsets,
+                copy,
+            };
+        }
         let (s0, l0) = d.span;
         let offsets = d
             .addrs
@@ -925,20 +981,17 @@ impl Batch {
                 _ => (a - s0) as i64,
             })
             .collect();
-        let copy = match (d.wrap, d.device) {
-            (Some((w, wl)), None) => {
-                let mut v = Vec::with_capacity((l0 + wl) as usize);
-                // SAFETY: both spans are this batch's bytes in the ring,
-                // which stay put while the batch is out (it is: its flags
-                // are not done yet) and the loader is alive (`shared`).
-                unsafe {
-                    v.extend_from_slice(std::slice::from_raw_parts(s0 as *const u8, l0 as usize));
-                    v.extend_from_slice(std::slice::from_raw_parts(w as *const u8, wl as usize));
-                }
-                Some(v.into_boxed_slice())
+        if let (Some((w, wl)), None) = (d.wrap, d.device) {
+            let mut v = Vec::with_capacity((l0 + wl) as usize);
+            // SAFETY: both spans are this batch's bytes in the ring,
+            // which stay put while the batch is out (it is: its flags
+            // are not done yet) and the loader is alive (`shared`).
+            unsafe {
+                v.extend_from_slice(std::slice::from_raw_parts(s0 as *const u8, l0 as usize));
+                v.extend_from_slice(std::slice::from_raw_parts(w as *const u8, wl as usize));
             }
-            _ => None,
-        };
+            let _ = copy.set(v.into_boxed_slice());
+        }
         Batch {
             shared,
             d,
@@ -974,9 +1027,31 @@ impl Batch {
         Ok(j as usize)
     }
 
-    /// (address, bytes) of the whole batch as one contiguous range.
+    /// (address, bytes) of the whole batch as one contiguous range. Call
+    /// after [`Batch::check`], with the GIL still held: a batch with samples
+    /// in the memory tier is copied here, on first use.
     fn whole(&self) -> PyResult<(u64, u64)> {
-        match (&self.copy, self.d.wrap) {
+        if !self.d.in_ring {
+            let c = self.copy.get_or_init(|| {
+                let total: u64 = self.d.lens.iter().sum();
+                let mut v = Vec::with_capacity(total as usize);
+                for (&a, &l) in self.d.addrs.iter().zip(&self.d.lens) {
+                    // SAFETY: each (address, length) is one sample of this
+                    // batch, in the ring or in the memory tier. The caller
+                    // checked that the batch is valid and holds the GIL,
+                    // which release, reclaim, restart and close need too, so
+                    // the batch stays out (its ring bytes stay put) and the
+                    // Rust loader, which owns the tier, stays alive
+                    // (`shared`); tier members are never written again.
+                    v.extend_from_slice(unsafe {
+                        std::slice::from_raw_parts(a as *const u8, l as usize)
+                    });
+                }
+                v.into_boxed_slice()
+            });
+            return Ok((c.as_ptr() as u64, c.len() as u64));
+        }
+        match (self.copy.get(), self.d.wrap) {
             (Some(c), _) => Ok((c.as_ptr() as u64, c.len() as u64)),
             (None, None) => Ok(self.d.span),
             (None, Some(_)) => Err(PyValueError::new_err(
@@ -1029,7 +1104,8 @@ impl Batch {
     }
 
     /// Each sample's offset in `array()`, numpy int64 (alignment padding
-    /// lies between samples).
+    /// lies between samples in the ring; none in the copy made for a batch
+    /// that is not `in_ring`).
     #[getter]
     fn offsets<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         int64_array(py, self.offsets.clone())
@@ -1048,10 +1124,20 @@ impl Batch {
     }
 
     /// Whether `array()` is the ring itself (False: the batch wrapped around
-    /// the ring's end and `array()` is a copy made when it was acquired).
+    /// the ring's end and `array()` is a copy made when it was acquired, or
+    /// the batch is not `in_ring` and `array()` is a copy made on first
+    /// use). Per-sample views are never copies.
     #[getter]
     fn is_zero_copy(&self) -> bool {
-        self.d.wrap.is_none()
+        self.d.in_ring && self.d.wrap.is_none()
+    }
+
+    /// Whether every sample is in the landing ring (so the batch is one
+    /// span of it, two if it wraps). False only with `tier_views=True`, for
+    /// a batch with samples served in place from the memory tier.
+    #[getter]
+    fn in_ring(&self) -> bool {
+        self.d.in_ring
     }
 
     #[getter]
@@ -1065,7 +1151,8 @@ impl Batch {
         self.d.flags.exports.load(Ordering::Acquire)
     }
 
-    /// Sample `i` as a numpy uint8 array over the ring (no copy).
+    /// Sample `i` as a numpy uint8 array over the ring, or over the memory
+    /// tier for a sample served from it with `tier_views` (no copy).
     fn sample<'py>(slf: &Bound<'py, Self>, i: isize) -> PyResult<Bound<'py, PyAny>> {
         let b = slf.get();
         b.check(slf.py())?;
@@ -1078,7 +1165,8 @@ impl Batch {
         Self::sample(slf, i)
     }
 
-    /// Every sample as a numpy uint8 array over the ring (no copy).
+    /// Every sample as a numpy uint8 array over the ring or the memory tier
+    /// (no copy).
     fn samples<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyList>> {
         let b = slf.get();
         b.check(slf.py())?;
@@ -1099,7 +1187,9 @@ impl Batch {
 
     /// The whole batch as one numpy uint8 array (the ring span from the first
     /// sample's start to the last one's end; a copy made at acquire time if
-    /// the batch wrapped around the ring's end). Sample `i` is
+    /// the batch wrapped around the ring's end; for a batch that is not
+    /// `in_ring`, one copy with the samples back to back, made on first
+    /// use and shared by later calls and `__dlpack__`). Sample `i` is
     /// `array()[offsets[i]:offsets[i] + lengths[i]]`.
     fn array<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
         let b = slf.get();
@@ -1362,8 +1452,9 @@ impl PyNodeService {
 /// For scripts/bench_python.py: the same configuration read by the Rust
 /// loader alone, in this process and build (the baseline of the Python
 /// layer's cost). Reads `warm_epochs` untimed epochs, then `epochs` timed
-/// ones, touching each batch's span as Python callers touch `array()`;
-/// returns (seconds, samples, batches) of the timed part.
+/// ones, touching each batch's span as Python callers touch `array()` (each
+/// sample's view instead for a batch with `tier_views` samples, which has
+/// no span); returns (seconds, samples, batches) of the timed part.
 #[pyfunction]
 fn _bench_rust(
     py: Python<'_>,
@@ -1381,8 +1472,15 @@ fn _bench_rust(
             }
             l.set_epoch(e)?;
             while let Some(b) = l.next_batch()? {
-                let (span, wrap) = b.spans();
-                std::hint::black_box((span.first(), wrap.map(|w| w.len())));
+                if b.in_ring() {
+                    let (span, wrap) = b.spans();
+                    std::hint::black_box((span.first(), wrap.map(|w| w.len())));
+                } else {
+                    // tier_views: no span; the samples' views instead.
+                    for s in b.iter() {
+                        std::hint::black_box(s.bytes.first());
+                    }
+                }
                 if e >= warm_epochs {
                     samples += b.len() as u64;
                     batches += 1;

@@ -701,3 +701,141 @@ def test_placement_keyword_arguments_override_the_environment(space, tmp_path, m
 def test_placement_keyword_arguments_are_checked(space, kwargs, exc, msg):
     with pytest.raises(exc, match=msg):
         kspeed.Loader(space, batch_size=4, ring_bytes="256KiB", **kwargs)
+
+
+# Memory tier views (tier_views=True): samples served in place from the tier.
+
+
+def _addr(a):
+    return a.__array_interface__["data"][0]
+
+
+def test_tier_views_serve_every_sample_exactly_over_3_epochs(space):
+    """The whole set in the tier: epoch 0 reads the disk and fills the tier
+    (every batch in the ring), epochs 1 and 2 serve from the tier in place.
+    Bytes and labels of every sample equal the source files through every
+    view; a batch not in the ring gives one packed copy for array() and
+    DLPack; per-sample views point into the tier (the same address for a
+    sample in both later epochs: no copy)."""
+    cat = kspeed.Catalog.open(space)
+    n = len(cat)
+    loader = kspeed.Loader(space, batch_size=7, seed=3, ring_bytes="256KiB", tier_bytes="8MiB", tier_views=True,
+                           pollers=2)
+    assert loader.landing_info()["tier_samples"] == n, "the tier holds the whole set"
+    not_in_ring = {}
+    where = {}  # (epoch, sample id) -> address of its view
+    for epoch in range(3):
+        loader.set_epoch(epoch)
+        ids = []
+        for b in loader:
+            bid, lab, lens, offs = b.ids, b.labels, b.lengths, b.offsets
+            arr = b.array()
+            if b.in_ring:
+                assert arr.size >= int(lens.sum())
+            else:
+                not_in_ring[epoch] = not_in_ring.get(epoch, 0) + 1
+                assert not b.is_zero_copy
+                # Samples back to back in one copy, made once.
+                assert offs.tolist() == np.concatenate(([0], np.cumsum(lens)[:-1])).tolist()
+                assert arr.size == int(lens.sum())
+                assert _addr(b.array()) == _addr(arr), "array() copied again"
+                x = np.from_dlpack(b)
+                assert x.dtype == np.uint8 and _addr(x) == _addr(arr) and x.tobytes() == arr.tobytes()
+                del x
+            views = b.samples()
+            for i in range(len(b)):
+                sid = int(bid[i])
+                want = cat.read_source(sid)
+                assert lab[i] == cat.labels[sid] and lens[i] == len(want)
+                assert views[i].tobytes() == want, f"epoch {epoch} sample {sid}"
+                assert b.sample(i).tobytes() == want and b[i].tobytes() == want
+                assert bytes(b.memoryview(i)) == want and b.tobytes(i) == want
+                assert arr[offs[i]: offs[i] + lens[i]].tobytes() == want
+                if len(want):
+                    where[(epoch, sid)] = _addr(views[i])
+            ids.extend(bid.tolist())
+            del arr, views
+        assert sorted(ids) == list(range(n)), f"epoch {epoch}"
+    # Epoch 0 filled the tier (nothing to serve from it yet); the later
+    # epochs were served from it.
+    assert not_in_ring.get(0, 0) == 0 and not_in_ring.get(1, 0) > 0 and not_in_ring.get(2, 0) > 0, not_in_ring
+    assert loader.stats()["tier_hits"] > 0
+    nonempty = [i for i in range(n) if cat.lengths[i] > 0]
+    same = sum(where[(1, i)] == where[(2, i)] for i in nonempty)
+    # (A sample read at an epoch's very end and again at the next one's
+    # start may be read ahead before the tier has it: then it is in the ring.)
+    assert same >= len(nonempty) * 3 // 4, f"{same} of {len(nonempty)} samples at one place in the tier"
+    loader.close()
+
+
+def test_tier_views_off_keeps_every_batch_in_the_ring(space):
+    """The default: samples from the tier are copied into the ring, and
+    every batch is one ring span."""
+    cat = kspeed.Catalog.open(space)
+    with kspeed.Loader(space, batch_size=7, seed=3, ring_bytes="512KiB", tier_bytes="8MiB") as loader:
+        for epoch in range(2):
+            loader.set_epoch(epoch)
+            for b in loader:
+                assert b.in_ring
+                arr = b.array()
+                for i, sid in enumerate(b.ids.tolist()):
+                    assert arr[b.offsets[i]: b.offsets[i] + b.lengths[i]].tobytes() == cat.read_source(sid)
+                del arr
+        assert loader.stats()["tier_hits"] > 0
+
+
+@pytest.mark.parametrize("close", [True, False])
+def test_tier_view_outlives_next_close_and_the_loader(space, close):
+    """Views of a batch served from the tier, held while the next batches
+    are read and after the loader is closed (or not) and dropped: their
+    bytes stay right (the batch keeps the Rust loader, and so the tier's
+    memory, alive)."""
+    cat = kspeed.Catalog.open(space)
+    loader = kspeed.Loader(space, batch_size=5, seed=4, ring_bytes="512KiB", tier_bytes="8MiB", tier_views=True,
+                           batches_in_flight=2)
+    assert sum(len(x) for x in loader) == len(cat)  # epoch 0 fills the tier
+    loader.set_epoch(1)
+    b = loader.next_batch()
+    while b.in_ring:
+        b = loader.next_batch()
+    ids = b.ids.tolist()
+    views = b.samples()
+    mv = b.memoryview(len(b) - 1)
+    packed = b.array()
+    cap = b.__dlpack__()
+    assert b.views == len(ids) + 3
+    want = [cat.read_source(i) for i in ids]
+    del b
+    gc.collect()
+    # Later batches come meanwhile (the held batch's ring space stays
+    # reserved until it goes: releases reach the loader in batch order).
+    for _ in range(3):
+        x = loader.next_batch()
+        assert [x.sample(i).tobytes() for i in range(len(x))] == [cat.read_source(int(i)) for i in x.ids]
+        assert [v.tobytes() for v in views] == want
+    del x
+    if close:
+        loader.close()
+        assert loader.closed
+    del loader
+    gc.collect()
+    assert [v.tobytes() for v in views] == want
+    assert bytes(mv) == want[-1]
+    assert packed.tobytes() == b"".join(want)
+    whole = np.from_dlpack(_Capsule(cap))
+    assert whole.tobytes() == b"".join(want)
+    del views, mv, packed, whole, cap
+    gc.collect()
+
+
+def test_tier_views_bad_arguments(space):
+    for v in (1, "yes", None):
+        with pytest.raises(TypeError, match="tier_views must be True or False"):
+            kspeed.Loader(space, tier_bytes="8MiB", tier_views=v)
+    with pytest.raises(ValueError, match=r"tier_views=True .* GPU ring \(gpu_ring=0\)"):
+        kspeed.Loader(space, tier_views=True, gpu_ring=0)
+    # The extension checks its configuration too.
+    with pytest.raises(TypeError, match="tier_views"):
+        kspeed._kspeed._Loader({"space": space, "tier_views": 2})
+    with pytest.raises(ValueError, match="tier_views=True .* GPU ring"):
+        kspeed._kspeed._Loader({"space": space, "tier_views": True, "gpu_ring": 0})

@@ -192,3 +192,38 @@ def test_stateful_dataloader_resumes_exactly(space, workers):
     got = [bytes(t.numpy()) for t, _ in head + rest]
     assert len(got) == len(want)
     assert got == [cat.read_source(i) for i in want]
+
+
+def _same(t):
+    return t
+
+
+@pytest.mark.parametrize("output, workers", [("sample", 0), ("sample", 2), ("batch", 0)])
+def test_dataset_with_tier_views_delivers_the_rank_sequence(space, output, workers):
+    """tier_views=True through KSpeedDataset: samples from the memory tier
+    (epochs 1 and 2) reach the transform as views into the tier, batches as
+    the packed copy; bytes, labels and order equal the plain loader's."""
+    cat = kspeed.Catalog.open(space)
+    args = dict(batch_size=5, seed=8, rank=1, world=2)
+    kw = dict(transform=_same) if output == "sample" else dict(output="batch")
+    ds = KSpeedDataset(space, ring_bytes="256KiB", tier_bytes="8MiB", tier_views=True, **args, **kw)
+    dl = DataLoader(ds, batch_size=None, num_workers=workers, multiprocessing_context="fork" if workers else None)
+    for epoch in range(3):
+        ds.set_epoch(epoch)
+        want = rank_sequence(space, epoch, **args)
+        got = []
+        for item in dl:
+            if output == "sample":
+                t, y = item
+                sid = want[len(got)]
+                assert y == cat.labels[sid] and bytes(t.numpy()) == cat.read_source(sid), f"epoch {epoch}"
+                got.append(sid)
+            else:
+                data, offs, lens, labels, ids = item
+                for o, n, y, sid in zip(offs.tolist(), lens.tolist(), labels.tolist(), ids.tolist()):
+                    assert bytes(data[o: o + n].numpy()) == cat.read_source(sid) and y == cat.labels[sid]
+                    got.append(sid)
+            del item
+        assert got == want, f"epoch {epoch}"
+    if workers == 0:
+        assert ds._loader.stats()["tier_hits"] > 0

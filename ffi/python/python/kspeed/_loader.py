@@ -112,6 +112,18 @@ class Loader:
     batches with views are never touched, and when they alone leave no room
     ``next()`` raises :class:`kspeed.BatchInUseError`. Memory that Python can
     still see is never reused.
+
+    Memory tier views (``tier_views=True``, only useful with ``tier_bytes >
+    0``; refused with ``gpu_ring``): a sample served from the memory tier is
+    not copied into the landing ring. Its per-sample views (``sample(i)``,
+    ``samples()``, ``memoryview(i)``, ``batch[i]``, ``sample_dlpack(i)``)
+    point into the tier without any copy and keep the batch (and so the tier)
+    alive like any other view. A batch with tier samples is not one ring
+    span: ``batch.in_ring`` is False, and whole-batch access (``array()``,
+    ``__dlpack__``) makes one contiguous copy of it on first use, with the
+    samples back to back at ``offsets`` (``is_zero_copy`` is False). Turn it
+    on when you consume samples one by one (decode, transform); leave it off
+    when you copy whole batches (to a GPU, ``output="batch"``).
     """
 
     def __init__(
@@ -128,6 +140,7 @@ class Loader:
         world=None,
         ring_bytes="256MiB",
         tier_bytes=0,
+        tier_views=False,
         pollers=None,
         queue_depth=None,
         submit_batch=None,
@@ -191,6 +204,7 @@ class Loader:
         cfg["rank"], cfg["world"] = rank, world
         cfg["ring_bytes"] = _size("ring_bytes", ring_bytes, 4096)
         cfg["tier_bytes"] = _size("tier_bytes", tier_bytes, 0)
+        cfg["tier_views"] = _bool("tier_views", tier_views)
         cfg["pollers"] = _opt_int("pollers", pollers, 1, 1024)
         cfg["queue_depth"] = _opt_int("queue_depth", queue_depth, 1, 32768)
         cfg["submit_batch"] = _opt_int("submit_batch", submit_batch, 1, 32768)
@@ -230,6 +244,11 @@ class Loader:
             raise ValueError(f"cuda must be 'auto', 'off' or 'require', not {cuda!r}")
         cfg["cuda"] = cuda
         cfg["gpu_ring"] = _opt_int("gpu_ring", gpu_ring, 0, 1023)
+        if cfg["tier_views"] and cfg["gpu_ring"] is not None:
+            raise ValueError(
+                f"tier_views=True needs a memory tier in host memory, and a GPU ring (gpu_ring={cfg['gpu_ring']}) "
+                "has no memory tier: leave tier_views off"
+            )
         # Cluster mode.
         if cluster is not None:
             if cluster == "env":
