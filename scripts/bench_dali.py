@@ -53,8 +53,11 @@ def drop_caches():
 def pipe_kspeed(space, decode=False, tier="0", views=True):
     @pipeline_def(batch_size=BATCH, num_threads=2, device_id=None)
     def p():
+        # tier_views only when off: a plugin older than that argument
+        # (KSPEED_DALI_PLUGIN, for an A/B) still runs the other parts.
+        extra = {} if views else {"tier_views": False}
         raw, label = fn.kspeed.reader(space=space, random_shuffle=True, seed=1, name="Reader", pad_last_batch=True,
-                                      tier_bytes=tier, tier_views=views, mlock=False, ring_bytes="256MiB")
+                                      tier_bytes=tier, mlock=False, ring_bytes="256MiB", **extra)
         return (fn.decoders.image(raw, device="cpu") if decode else raw), label
     return p()
 
