@@ -1005,6 +1005,20 @@ impl Batch {
     }
 
     fn check(&self, py: Python<'_>) -> PyResult<()> {
+        if self.shared.in_child() {
+            // The ring and the tier are MADV_DONTFORK: nothing of this batch
+            // is mapped in a forked child (views made before the fork must
+            // not be read there either, README "Fork").
+            return Err(Fail::named(
+                "LoaderError",
+                format!(
+                    "this batch's loader was built in process {}; a forked child (a DataLoader \
+                     worker, multiprocessing) has none of its memory and must build its own loader",
+                    self.shared.pid
+                ),
+            )
+            .into_py(py));
+        }
         if self.d.flags.invalid.load(Ordering::Acquire) {
             return Err(Fail::named(
                 "BatchReleasedError",

@@ -479,6 +479,15 @@ def test_forked_child_refuses_the_parents_loader_and_drops_it_safely(space):
             loader.next_batch()
         except kspeed.LoaderError as e:
             msg = b"refused" if "built in process" in str(e) else str(e).encode()
+        # The batch's bytes are not mapped here (MADV_DONTFORK): every call
+        # that would read them is refused by name, none faults.
+        for use in (b.array, lambda: b.sample(0), lambda: b.tobytes(0), b.__dlpack__, b.samples):
+            try:
+                use()
+                msg += b" batch-used"
+            except kspeed.LoaderError as e:
+                if "built in process" not in str(e):
+                    msg += b" " + str(e).encode()
         del v, b, loader
         gc.collect()
         os.write(w, msg + b" dropped")
