@@ -81,12 +81,19 @@ fn main() {
     }
 }
 
+/// One line per side; `window` is the copy's start and end in seconds since
+/// the Unix epoch, so that concurrent copies can be timed together (from
+/// the first start to the last end).
 fn report(side: &str, bytes: u64, t0: Instant, c0: f64) {
     let secs = t0.elapsed().as_secs_f64();
     let cpu = cpu_seconds() - c0;
+    let end = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64());
     println!(
-        "{side}: {bytes} bytes in {secs:.3} s: {:.3} GB/s, CPU {cpu:.3} s ({:.3} s per GB)",
+        "{side}: {bytes} bytes in {secs:.3} s: {:.3} GB/s, CPU {cpu:.3} s ({:.3} s per GB), window {:.6} {end:.6}",
         bytes as f64 / secs / 1e9,
-        cpu / (bytes as f64 / 1e9)
+        cpu / (bytes as f64 / 1e9),
+        end - secs
     );
 }

@@ -115,11 +115,16 @@ def make_jpegs(root, count):
         Image.fromarray(img).save(os.path.join(d, f"{i:06d}.jpg"), quality=90)
 
 
-def row(name, vals, ref=None):
+def row(name, vals, refs=None):
+    """One table row; with the reference's runs (alternating with these), the
+    ratio of the medians and the median of the per-run ratios."""
     m = statistics.median(vals)
-    ratio = f"{m / ref:.2f}x" if ref else ""
+    ratio = ""
+    if refs:
+        paired = statistics.median(v / r for v, r in zip(vals, refs))
+        ratio = f"{m / statistics.median(refs):.2f}x (paired {paired:.2f}x)"
     print(f"| {name} | {m:,.0f} | {ratio} | {', '.join(f'{v:,.0f}' for v in vals)} |")
-    return m
+    return vals
 
 
 def main():
@@ -150,15 +155,15 @@ def main():
 
 def cold(a, src, space):
     print(f"## cold page cache, imagenet profile, {a.count} samples\n")
-    print("| reader | samples/s | vs readers.file | runs |\n|---|---|---|---|")
+    print("| reader | samples/s | vs readers.file (medians; paired per run) | runs |\n|---|---|---|---|")
     ks, fm, fn_ = [], [], []
     for _ in range(a.runs):
         ks.append(epoch_sps(lambda: pipe_kspeed(space), cold=True))
         fm.append(epoch_sps(lambda: pipe_file(src), cold=True))
         fn_.append(epoch_sps(lambda: pipe_file(src, mmap=False), cold=True))
-    ref = row("fn.readers.file (mmap)", fm)
-    row("fn.readers.file (dont_use_mmap)", fn_, ref)
-    row("fn.kspeed.reader", ks, ref)
+    row("fn.readers.file (mmap)", fm)
+    row("fn.readers.file (dont_use_mmap)", fn_, fm)
+    row("fn.kspeed.reader", ks, fm)
     bw = statistics.median(fio_extents(space) for _ in range(a.runs))
     mean = os.path.getsize(os.path.join(space, "extents", sorted(os.listdir(os.path.join(space, "extents")))[0]))
     print(f"\nfio randread 128 KiB QD 32 O_DIRECT on the extents: {bw:.2f} GB/s "
@@ -167,15 +172,15 @@ def cold(a, src, space):
 
 def warm(a, src, space):
     print("## warm: whole set in kspeed's memory tier vs readers.file over a warm page cache\n")
-    print("| reader | samples/s | vs readers.file | runs |\n|---|---|---|---|")
+    print("| reader | samples/s | vs readers.file (medians; paired per run) | runs |\n|---|---|---|---|")
     ks, kr, fm = [], [], []
     for _ in range(a.runs):
         ks.append(epoch_sps(lambda: pipe_kspeed(space, tier="8GiB"), cold=False, warm_epochs=1))
         kr.append(epoch_sps(lambda: pipe_kspeed(space, tier="8GiB", views=False), cold=False, warm_epochs=1))
         fm.append(epoch_sps(lambda: pipe_file(src), cold=False, warm_epochs=1))
-    ref = row("fn.readers.file (mmap), warm", fm)
-    row("fn.kspeed.reader, memory tier (tier_views, the default)", ks, ref)
-    row("fn.kspeed.reader, memory tier, tier_views=False (through the ring)", kr, ref)
+    row("fn.readers.file (mmap), warm", fm)
+    row("fn.kspeed.reader, memory tier (tier_views, the default)", ks, fm)
+    row("fn.kspeed.reader, memory tier, tier_views=False (through the ring)", kr, fm)
 
 
 def jpeg(a):
@@ -184,13 +189,13 @@ def jpeg(a):
     jspace = os.path.join(a.work, f"sp-jpeg-{a.jpegs}")
     sh(K, "--progress", "none", "preload", "--source", jroot, "--space", jspace)
     print(f"\n## real JPEGs ({a.jpegs}, ~300-500 px), reader + fn.decoders.image on the CPU, cold\n")
-    print("| pipeline | samples/s | vs readers.file | runs |\n|---|---|---|---|")
+    print("| pipeline | samples/s | vs readers.file (medians; paired per run) | runs |\n|---|---|---|---|")
     ks, fm = [], []
     for _ in range(a.runs):
         ks.append(epoch_sps(lambda: pipe_kspeed(jspace, decode=True), cold=True))
         fm.append(epoch_sps(lambda: pipe_file(jroot, decode=True), cold=True))
-    ref = row("fn.readers.file + decoders.image", fm)
-    row("fn.kspeed.reader + decoders.image", ks, ref)
+    row("fn.readers.file + decoders.image", fm)
+    row("fn.kspeed.reader + decoders.image", ks, fm)
 
 
 if __name__ == "__main__":

@@ -143,10 +143,12 @@ def raw_copy(nbytes, pairs=1, source=0):
     sends = [subprocess.Popen([COPY, "send", f"127.0.0.1:{port0 + i}", str(int(nbytes)), *extra],
                               stdout=subprocess.PIPE, text=True) for i in range(pairs)]
     outs = [s.communicate()[0] for s in sends] + [r.communicate()[0] for r in recvs]
-    # Timed by the receivers, from the connection to the last byte: a sender
-    # with a large source fills it before connecting, and that is not part of
-    # the copy.
-    secs = max(float(re.search(r"bytes in ([\d.]+) s", o).group(1)) for o in outs if o.startswith("recv"))
+    # Timed by the receivers, from the first connection to the last byte: a
+    # sender with a large source fills it before connecting, and that is not
+    # part of the copy.
+    windows = [tuple(map(float, re.search(r"window ([\d.]+) ([\d.]+)", o).groups())) for o in outs
+               if o.startswith("recv")]
+    secs = max(e for _, e in windows) - min(s for s, _ in windows)
     cpu = lambda side: sum(float(re.search(r"CPU ([\d.]+) s", o).group(1)) for o in outs if o.startswith(side))
     gb = nbytes * pairs / 1e9
     return {"gbs": gb / secs, "send_cpu_gb": cpu("send") / gb, "recv_cpu_gb": cpu("recv") / gb}

@@ -81,29 +81,36 @@ class Timer:
         self.cpu = cpu() - self.c0
 
 
-def run_kspeed(space, tier_bytes=0, tier_views=False):
+def run_kspeed(space, tier_bytes=0, tier_views=False, timed_epochs=1):
+    """One loader: with a tier, epoch 0 fills it untimed; then `timed_epochs`
+    epochs are timed. Returns (samples in the timed epochs, Timer)."""
     import kspeed
 
     loader = kspeed.Loader(space, batch_size=BATCH, seed=1, ring_bytes="256MiB", tier_bytes=tier_bytes,
                            tier_views=tier_views, batches_in_flight=2)
-    epochs = [0, 1] if tier_bytes else [0]
-    n = 0
-    for e in epochs:
+
+    def epoch(e):
         loader.set_epoch(e)
-        timed = e == epochs[-1]
-        with Timer() as t:
-            if tier_views:
-                # Per-sample views in place (a batch from the tier is not
-                # one span: array() would copy it).
-                for b in loader:
-                    _ = (b.ids, b.labels, b.lengths, b.samples())
-                    if timed:
-                        n += len(b)
-            else:
-                for b in loader:
-                    _ = (b.ids, b.labels, b.offsets, b.lengths, b.array())
-                    if timed:
-                        n += len(b)
+        n = 0
+        if tier_views:
+            # Per-sample views in place (a batch from the tier is not one
+            # span: array() would copy it). No byte is read here.
+            for b in loader:
+                _ = (b.ids, b.labels, b.lengths, b.samples())
+                n += len(b)
+        else:
+            for b in loader:
+                _ = (b.ids, b.labels, b.offsets, b.lengths, b.array())
+                n += len(b)
+        return n
+
+    first = 1 if tier_bytes else 0
+    for e in range(first):
+        epoch(e)
+    n = 0
+    with Timer() as t:
+        for e in range(first, first + timed_epochs):
+            n += epoch(e)
     loader.close()
     return n, t
 
@@ -175,6 +182,9 @@ def main():
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--workers", default="0,2,4,8")
     ap.add_argument("--overhead-rounds", type=int, default=5)
+    ap.add_argument("--overhead-epochs", type=int, default=5,
+                    help="epochs timed per overhead round (after the one that fills the tier)")
+    ap.add_argument("--skip-warm", action="store_true", help="only the cold part (unless skipped) and the overhead")
     ap.add_argument("--work", default="/var/tmp/kspeed-pybench")
     ap.add_argument("--json", default=None)
     ap.add_argument("--skip-cold", action="store_true")
@@ -221,7 +231,7 @@ def main():
         ("kspeed Python loader, memory tier", lambda: run_kspeed(space, tier)),
         ("kspeed Python loader, memory tier, tier_views", lambda: run_kspeed(space, tier, tier_views=True)),
     ] + readers[1:]
-    for r in range(a.runs):
+    for r in range(0 if a.skip_warm else a.runs):
         for name, fn_ in warm:
             n, t = fn_()
             record("warm", name, n, t)
@@ -229,9 +239,10 @@ def main():
     cfg = {"space": space, "batch_size": BATCH, "seed": 1, "ring_bytes": 256 << 20, "tier_bytes": tier,
            "rank": 0, "world": 1}
     for r in range(a.overhead_rounds):
-        secs, n, batches = kspeed._kspeed._bench_rust(cfg, 1, 1)
+        secs, n, batches = kspeed._kspeed._bench_rust(cfg, 1, a.overhead_epochs)
         results["overhead"].setdefault("rust", []).append(secs)
-        n2, t = run_kspeed(space, tier)
+        n2, t = run_kspeed(space, tier, timed_epochs=a.overhead_epochs)
+        assert n2 == n, f"the Python loop read {n2} samples, the Rust one {n}"
         results["overhead"].setdefault("python", []).append(t.wall)
         results["overhead"]["batches"] = batches
         print(f"  overhead round {r}: rust {n / secs:,.0f}/s, python {n2 / t.wall:,.0f}/s", flush=True)
@@ -240,21 +251,29 @@ def main():
         return statistics.median(x[key] for x in results[mode][name])
 
     print(f"\n{a.profile}: {a.count} samples, {gb:.2f} GB, batch {BATCH}, medians of {a.runs}\n")
-    print("| mode | reader | samples/s | CPU s/GB | vs best DataLoader |")
-    print("|---|---|---:|---:|---:|")
+    # Two ratios: the median against the best DataLoader's median, and the
+    # median of per-round ratios against the best DataLoader of that round
+    # (readers alternate within a round, so this one pairs like with like).
+    print("| mode | reader | samples/s | CPU s/GB | vs best DataLoader (medians) | paired, per round |")
+    print("|---|---|---:|---:|---:|---:|")
     for mode in ("cold", "warm"):
         if not results[mode]:
             continue
-        best = max(med(mode, k, "sps") for k in results[mode] if k.startswith("DataLoader"))
+        loaders = [k for k in results[mode] if k.startswith("DataLoader")]
+        best = max(med(mode, k, "sps") for k in loaders)
+        best_per_round = [max(results[mode][k][r]["sps"] for k in loaders) for r in range(a.runs)]
         for name in results[mode]:
             sps = med(mode, name, "sps")
             runs = ", ".join(f"{x['sps']:,.0f}" for x in results[mode][name])
-            print(f"| {mode} | {name} ({runs}) | {sps:,.0f} | {med(mode, name, 'cpu_per_gb'):.2f} | {sps / best:.2f}x |")
+            paired = statistics.median(x["sps"] / b for x, b in zip(results[mode][name], best_per_round))
+            print(f"| {mode} | {name} ({runs}) | {sps:,.0f} | {med(mode, name, 'cpu_per_gb'):.2f} | "
+                  f"{sps / best:.2f}x | {paired:.2f}x |")
     ov = results["overhead"]
     rs, ps = statistics.median(ov["rust"]), statistics.median(ov["python"])
     per_batch_us = (ps - rs) / ov["batches"] * 1e6
-    print(f"\nPython layer vs the Rust loader (memory tier, {a.overhead_rounds} rounds, medians): "
-          f"Rust {a.count / rs:,.0f} samples/s, Python {a.count / ps:,.0f} samples/s: "
+    print(f"\nPython layer vs the Rust loader (memory tier, {a.overhead_rounds} rounds of {a.overhead_epochs} "
+          f"epochs, medians): Rust {a.count * a.overhead_epochs / rs:,.0f} samples/s, "
+          f"Python {a.count * a.overhead_epochs / ps:,.0f} samples/s: "
           f"{(ps / rs - 1) * 100:+.1f} % time, {per_batch_us:+.1f} us per batch "
           f"(rounds rust {', '.join(f'{x:.3f}' for x in ov['rust'])} s; "
           f"python {', '.join(f'{x:.3f}' for x in ov['python'])} s)")
