@@ -16,7 +16,10 @@ files, alternating:
           fn.decoders.image on the CPU, cold.
 
 Run with the DALI virtual environment's python (ffi/dali/build_and_test.sh
-makes one and builds the plugin):
+makes one and builds the plugin). With MALLOC_MMAP_THRESHOLD_ and
+MALLOC_TRIM_THRESHOLD_ set (ffi/dali/README.md, "Performance"), glibc keeps
+DALI's per-iteration output buffers instead of mapping them afresh; the
+header line says when they are set (they apply to every reader alike):
 
   target/dali-venv/bin/python scripts/bench_dali.py [--runs 3] [--work /var/tmp/kspeed-bench]
 """
@@ -142,8 +145,10 @@ def main():
     if not os.path.isdir(src):
         sh(K, "gen", "--profile", "imagenet", "--count", str(a.count), "--out", src)
     sh(K, "--progress", "none", "preload", "--source", src, "--space", space)
+    tuning = " ".join(f"{k}={os.environ[k]}" for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+                      if k in os.environ)
     print(f"# DALI {__import__('nvidia.dali').dali.__version__}, {os.cpu_count()} cores, batch {BATCH}, "
-          f"median of {a.runs}\n")
+          f"median of {a.runs}{', ' + tuning if tuning else ''}\n")
 
     if "cold" in parts:
         cold(a, src, space)
