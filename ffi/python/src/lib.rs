@@ -289,20 +289,8 @@ fn acquire_one(core: &mut Core) -> Reply {
     };
     let dev = loader.landing_device().and(gpu);
     d.in_ring = loader.held_in_ring();
-    if dev.is_some() && !d.in_ring {
-        // Not reachable: the Rust builder refuses a memory tier with a GPU
-        // ring (and builder_from refuses tier_views there). Should it ever
-        // happen, the device addresses of tier samples would be wrong:
-        // hand the batch back (done, so the next reap returns its space)
-        // and fail with a named error instead.
-        d.flags.done.store(true, Ordering::Release);
-        core.out.push_back(OutBatch { flags: d.flags });
-        return Reply::Failed(kspeed::Error::InvalidConfig(
-            "a batch in a GPU ring has samples in the memory tier (tier_views): \
-             tier views are not supported with a GPU ring"
-                .into(),
-        ));
-    }
+    // The Rust builder refuses a memory tier with a GPU ring.
+    debug_assert!(dev.is_none() || d.in_ring, "tier samples in a GPU ring");
     for i in 0..n {
         let (id, label, addr, len, pos) = if dev.is_some() {
             let s = loader.held_device_sample(i);
@@ -942,61 +930,42 @@ pub(crate) struct Batch {
     d: BatchData,
     /// Each sample's offset in `array()`.
     offsets: Vec<i64>,
-    /// The whole batch made contiguous, when it is not one span of the
-    /// ring (host memory only): a batch that wrapped around the ring's end
-    /// (copied at acquire time), or one with samples in the memory tier
-    /// (samples packed back to back, copied on the first whole-batch use).
+    /// The whole batch made contiguous on its first whole-batch use, when it
+    /// is not one span of the ring (host memory only): a batch that wrapped
+    /// around the ring's end, or one with samples in the memory tier
+    /// (samples packed back to back).
     copy: OnceLock<Box<[u8]>>,
 }
 
 impl Batch {
     fn new(shared: Arc<Shared>, d: BatchData) -> Batch {
-        let copy = OnceLock::new();
-        if !d.in_ring {
+        let offsets = if d.in_ring {
+            let (s0, l0) = d.span;
+            d.addrs
+                .iter()
+                .map(|&a| match d.wrap {
+                    // The second span starts at the ring's start, below the
+                    // first span's start.
+                    Some((w0, _)) if a < s0 => (l0 + (a - w0)) as i64,
+                    _ => (a - s0) as i64,
+                })
+                .collect()
+        } else {
             // Packed back to back in the copy `whole()` makes.
-            let offsets = d
-                .lens
+            d.lens
                 .iter()
                 .scan(0u64, |at, &l| {
                     let o = *at;
                     *at += l;
                     Some(o as i64)
                 })
-                .collect();
-            return Batch {
-                shared,
-                d,
-                offsets,
-                copy,
-            };
-        }
-        let (s0, l0) = d.span;
-        let offsets = d
-            .addrs
-            .iter()
-            .map(|&a| match d.wrap {
-                // The second span starts at the ring's start, below the
-                // first span's start.
-                Some((w0, _)) if a < s0 => (l0 + (a - w0)) as i64,
-                _ => (a - s0) as i64,
-            })
-            .collect();
-        if let (Some((w, wl)), None) = (d.wrap, d.device) {
-            let mut v = Vec::with_capacity((l0 + wl) as usize);
-            // SAFETY: both spans are this batch's bytes in the ring,
-            // which stay put while the batch is out (it is: its flags
-            // are not done yet) and the loader is alive (`shared`).
-            unsafe {
-                v.extend_from_slice(std::slice::from_raw_parts(s0 as *const u8, l0 as usize));
-                v.extend_from_slice(std::slice::from_raw_parts(w as *const u8, wl as usize));
-            }
-            let _ = copy.set(v.into_boxed_slice());
-        }
+                .collect()
+        };
         Batch {
             shared,
             d,
             offsets,
-            copy,
+            copy: OnceLock::new(),
         }
     }
 
@@ -1041,37 +1010,50 @@ impl Batch {
         Ok(j as usize)
     }
 
-    /// (address, bytes) of the whole batch as one contiguous range. Call
-    /// after [`Batch::check`], with the GIL still held: a batch with samples
-    /// in the memory tier is copied here, on first use.
+    /// (address, bytes) of the whole batch as one contiguous range: its span
+    /// of the ring, or, for a batch that is not one span, a copy made here
+    /// on first use (a wrapped batch's two spans end to end; a batch with
+    /// samples in the memory tier, its samples back to back). Call after
+    /// [`Batch::check`], with the GIL still held.
     fn whole(&self) -> PyResult<(u64, u64)> {
-        if !self.d.in_ring {
-            let c = self.copy.get_or_init(|| {
-                let total: u64 = self.d.lens.iter().sum();
-                let mut v = Vec::with_capacity(total as usize);
-                for (&a, &l) in self.d.addrs.iter().zip(&self.d.lens) {
-                    // SAFETY: each (address, length) is one sample of this
-                    // batch, in the ring or in the memory tier. The caller
-                    // checked that the batch is valid and holds the GIL,
-                    // which release, reclaim, restart and close need too, so
-                    // the batch stays out (its ring bytes stay put) and the
-                    // Rust loader, which owns the tier, stays alive
-                    // (`shared`); tier members are never written again.
-                    v.extend_from_slice(unsafe {
-                        std::slice::from_raw_parts(a as *const u8, l as usize)
-                    });
+        match (self.d.in_ring, self.d.wrap, self.d.device) {
+            (true, None, _) => return Ok(self.d.span),
+            (true, Some(_), Some(_)) => {
+                return Err(PyValueError::new_err(
+                    "this batch wraps around the end of a GPU ring: take its samples one by one",
+                ))
+            }
+            _ => {}
+        }
+        let c = self.copy.get_or_init(|| {
+            let mut v = Vec::new();
+            let mut append = |addr: u64, len: u64| {
+                // SAFETY: (addr, len) is a span or a sample of this batch,
+                // in host memory (GPU batches returned above): in the ring
+                // or in the memory tier. The caller checked that the batch
+                // is valid and holds the GIL, which release, reclaim,
+                // restart and close need too, so the batch stays out (its
+                // ring bytes stay put) and the Rust loader, which owns the
+                // ring and the tier, stays alive (`shared`); tier members
+                // are never written again.
+                v.extend_from_slice(unsafe {
+                    std::slice::from_raw_parts(addr as *const u8, len as usize)
+                });
+            };
+            match self.d.wrap {
+                Some(wrap) if self.d.in_ring => {
+                    append(self.d.span.0, self.d.span.1);
+                    append(wrap.0, wrap.1);
                 }
-                v.into_boxed_slice()
-            });
-            return Ok((c.as_ptr() as u64, c.len() as u64));
-        }
-        match (self.copy.get(), self.d.wrap) {
-            (Some(c), _) => Ok((c.as_ptr() as u64, c.len() as u64)),
-            (None, None) => Ok(self.d.span),
-            (None, Some(_)) => Err(PyValueError::new_err(
-                "this batch wraps around the end of a GPU ring: take its samples one by one",
-            )),
-        }
+                _ => {
+                    for (&a, &l) in self.d.addrs.iter().zip(&self.d.lens) {
+                        append(a, l);
+                    }
+                }
+            }
+            v.into_boxed_slice()
+        });
+        Ok((c.as_ptr() as u64, c.len() as u64))
     }
 
     fn host_only(&self) -> PyResult<()> {
@@ -1138,9 +1120,8 @@ impl Batch {
     }
 
     /// Whether `array()` is the ring itself (False: the batch wrapped around
-    /// the ring's end and `array()` is a copy made when it was acquired, or
-    /// the batch is not `in_ring` and `array()` is a copy made on first
-    /// use). Per-sample views are never copies.
+    /// the ring's end or is not `in_ring`, and `array()` is a copy made on
+    /// first use). Per-sample views are never copies.
     #[getter]
     fn is_zero_copy(&self) -> bool {
         self.d.in_ring && self.d.wrap.is_none()
@@ -1200,10 +1181,10 @@ impl Batch {
     }
 
     /// The whole batch as one numpy uint8 array (the ring span from the first
-    /// sample's start to the last one's end; a copy made at acquire time if
-    /// the batch wrapped around the ring's end; for a batch that is not
-    /// `in_ring`, one copy with the samples back to back, made on first
-    /// use and shared by later calls and `__dlpack__`). Sample `i` is
+    /// sample's start to the last one's end; for a batch that wrapped around
+    /// the ring's end, its two spans end to end, and for one that is not
+    /// `in_ring`, its samples back to back: one copy, made on first use and
+    /// shared by later calls and `__dlpack__`). Sample `i` is
     /// `array()[offsets[i]:offsets[i] + lengths[i]]`.
     fn array<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
         let b = slf.get();

@@ -108,14 +108,18 @@ def have(mod):
         return False
 
 
-def require(mod):
-    """Skips without `mod`, except in CI (KSPEED_PY_REQUIRE_ALL=1), where a
-    missing module is a failure."""
-    if have(mod):
-        return
+def must_run(why):
+    """Skips a test that cannot run here, saying `why`, except in CI
+    (KSPEED_PY_REQUIRE_ALL=1), where everything must run: a failure."""
     if os.environ.get("KSPEED_PY_REQUIRE_ALL") == "1" or os.environ.get("CI"):
-        pytest.fail(f"{mod} is required here (KSPEED_PY_REQUIRE_ALL/CI) but not installed")
-    pytest.skip(f"{mod} not installed")
+        pytest.fail(f"this test must run here (KSPEED_PY_REQUIRE_ALL/CI), but {why}")
+    pytest.skip(why)
 
 
-__all__ = ["cli", "kspeed_bin", "make_tree", "sample_bytes", "Serve", "require", "shutil"]
+def require(mod):
+    """Skips without `mod`, except in CI (see `must_run`)."""
+    if not have(mod):
+        must_run(f"{mod} is not installed")
+
+
+__all__ = ["cli", "kspeed_bin", "make_tree", "must_run", "sample_bytes", "Serve", "require", "shutil"]

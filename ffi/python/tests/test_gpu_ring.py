@@ -11,19 +11,10 @@ import shutil
 import subprocess
 import sys
 
-import pytest
-
 import kspeed
-from conftest import REPO, cli, kspeed_bin, make_tree
+from conftest import REPO, cli, kspeed_bin, make_tree, must_run
 
 VM = os.environ.get("KSPEED_RDMA_VM") or os.path.join(REPO, "..", "shared", "rdma-vm", "run-in-vm.sh")
-
-
-def must_run(why):
-    """Skips, except in CI, where everything must run."""
-    if os.environ.get("KSPEED_PY_REQUIRE_ALL") == "1" or os.environ.get("CI"):
-        pytest.fail(f"this test must run here (KSPEED_PY_REQUIRE_ALL/CI), but {why}")
-    pytest.skip(why)
 
 
 def test_gpu_ring_batches_through_dlpack_over_rdma_in_the_vm(tmp_path):

@@ -244,11 +244,6 @@ class Loader:
             raise ValueError(f"cuda must be 'auto', 'off' or 'require', not {cuda!r}")
         cfg["cuda"] = cuda
         cfg["gpu_ring"] = _opt_int("gpu_ring", gpu_ring, 0, 1023)
-        if cfg["tier_views"] and cfg["gpu_ring"] is not None:
-            raise ValueError(
-                f"tier_views=True needs a memory tier in host memory, and a GPU ring (gpu_ring={cfg['gpu_ring']}) "
-                "has no memory tier: leave tier_views off"
-            )
         # Cluster mode.
         if cluster is not None:
             if cluster == "env":
