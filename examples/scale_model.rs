@@ -8,6 +8,7 @@
 //! ```sh
 //! cargo run --release --example scale_model              # the tables of docs/SCALE.md
 //! cargo run --release --example scale_model -- --quick   # fewer sampled steps
+//! cargo run --release --example scale_model -- --connections   # only the connection tables
 //! ```
 //!
 //! Traffic is not iterated over whole epochs (10^9 samples): a number of
@@ -51,9 +52,24 @@ const SEED: u64 = 7;
 const NODE_COUNTS: [u32; 4] = [8, 64, 512, 4096];
 const SAMPLE_COUNTS: [u64; 2] = [1_000_000, 1_000_000_000];
 const MAX_REPLICAS: usize = 3;
-/// Bytes of one send-queue entry of an RC queue pair on a ConnectX-class
-/// NIC (a WQE basic block; a WRITE_WITH_IMM with one SGE fits one).
-const WQE_BYTES: u64 = 64;
+/// mlx5's send-queue building block (`MLX5_SEND_WQE_BB`): a send WQE is a
+/// whole number of them.
+const WQE_BB_BYTES: u64 = 64;
+/// What mlx5 reserves in every send WQE of an RC QP before its data
+/// (`sq_overhead`: a 16-B control segment and the larger of atomic + remote
+/// address, 32 B, or a memory-window bind, 48 + 64 + 64 B).
+const RC_SQ_OVERHEAD_BYTES: u64 = 16 + 176;
+/// A data (scatter/gather) segment, and an inline segment's header.
+const DATA_SEG_BYTES: u64 = 16;
+const INLINE_HDR_BYTES: u64 = 4;
+/// A completion queue entry (64 B on ConnectX; 128-B CQEs exist too).
+const CQE_BYTES: u64 = 64;
+/// Inline bytes the node's QPs ask for (`4 + RDMA_ERROR_BYTES`: an ERROR
+/// goes inline as a SEND).
+const OWNER_INLINE_BYTES: u64 = RECV_BUF_BYTES;
+/// Memory windows a rank keeps per RDMA connection (`RDMA_WINDOWS` in
+/// src/loader/net/rdma.rs: one per grant in flight to that node).
+const WINDOWS_PER_CONN: u64 = 256;
 /// Receives a rank keeps posted on each RDMA connection (`RDMA_RECVS` in
 /// src/loader/net/rdma.rs: every WRITE_WITH_IMM consumes one) and the bytes of
 /// each one's buffer (`4 + RDMA_ERROR_BYTES`, room for an ERROR message).
@@ -65,6 +81,42 @@ const RECV_BUF_BYTES: u64 = 4 + 128;
 /// Receives one shared receive queue per node would keep posted: the
 /// completions of a node's 8 rings in flight at once, with margin.
 const SRQ_RECVS: u64 = 8192;
+
+/// Host memory one connection's verbs objects pin.
+struct Verbs {
+    qp: u64,
+    cq: u64,
+    recv_bufs: u64,
+    windows: u64,
+}
+
+impl Verbs {
+    fn pinned(&self) -> u64 {
+        self.qp + self.cq + self.recv_bufs
+    }
+}
+
+/// Bytes of an RC QP's work queues as mlx5 allocates them
+/// (`mlx5_calc_send_wqe`, `mlx5_calc_sq_size`, `mlx5_calc_rq_size`).
+fn mlx5_rc_qp_bytes(send_wr: u64, recv_wr: u64, sge: u64, inline_bytes: u64) -> u64 {
+    let data = RC_SQ_OVERHEAD_BYTES + sge * DATA_SEG_BYTES;
+    let inline = if inline_bytes > 0 {
+        RC_SQ_OVERHEAD_BYTES + (INLINE_HDR_BYTES + inline_bytes).div_ceil(16) * 16
+    } else {
+        0
+    };
+    let wqe = data.max(inline).div_ceil(WQE_BB_BYTES) * WQE_BB_BYTES;
+    let sq = (send_wr * wqe).next_power_of_two();
+    let rq = (recv_wr.next_power_of_two() * (sge * DATA_SEG_BYTES).next_power_of_two())
+        .max(WQE_BB_BYTES);
+    sq + rq
+}
+
+/// Bytes of a CQ of `entries` (mlx5 rounds `entries + 1` up to a power of
+/// two).
+fn mlx5_cq_bytes(entries: u64) -> u64 {
+    (entries + 1).next_power_of_two() * CQE_BYTES
+}
 
 fn gib(b: f64) -> String {
     if b >= (1u64 << 30) as f64 {
@@ -284,6 +336,8 @@ fn traffic(profile: Profile, samples: u64, nodes: u32, steps: usize, threads: us
 
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
+    // Only the tables of connections and memory (no traffic sampling).
+    let connections_only = std::env::args().any(|a| a == "--connections");
     let threads = std::thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(1)
@@ -302,7 +356,12 @@ fn main() {
         "| profile | samples | nodes | steps/epoch | R | remote | push/step mean | push/step max | max/mean | samples/step max | push rate needed | one node down: busiest survivor | same, spread over copies | from the source |"
     );
     println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
-    for profile in [Profile::Imagenet, Profile::Tiny] {
+    let profiles: &[Profile] = if connections_only {
+        &[]
+    } else {
+        &[Profile::Imagenet, Profile::Tiny]
+    };
+    for &profile in profiles {
         let pname = match profile {
             Profile::Imagenet => "imagenet",
             _ => "tiny",
@@ -362,45 +421,69 @@ fn main() {
         (std::mem::size_of::<proto::GrantEntry>() + std::mem::size_of::<u64>()) as u64;
     let per_consumer_grants = cfg.max_grants as u64 * grant_bytes;
     let staging = pollers * cfg.staging_bytes;
-    let slots = pollers * (cfg.staging_bytes / cfg.chunk_bytes as u64);
-    let sq_entries = (cfg.staging_bytes / cfg.chunk_bytes as u64).clamp(16, 4096);
     let max_consumers = pollers * cfg.max_conns_per_poller as u64;
+    // The verbs objects of one connection, as the code creates them
+    // (src/transport/serve/owner_rdma.rs and src/loader/net/rdma.rs), in
+    // the host memory mlx5 pins for them.
+    let owner_wr = (cfg.staging_bytes / cfg.chunk_bytes as u64).clamp(16, 4096);
+    let owner = Verbs {
+        qp: mlx5_rc_qp_bytes(owner_wr, owner_wr, 1, OWNER_INLINE_BYTES),
+        cq: mlx5_cq_bytes(owner_wr + 16),
+        recv_bufs: 0,
+        windows: 0,
+    };
+    let rank = Verbs {
+        qp: mlx5_rc_qp_bytes(RECVS_PER_CONN, RECVS_PER_CONN, 1, 0),
+        cq: mlx5_cq_bytes(RECVS_PER_CONN + WINDOWS_PER_CONN + 64),
+        recv_bufs: RECVS_PER_CONN * RECV_BUF_BYTES,
+        windows: WINDOWS_PER_CONN,
+    };
     println!(
         "\n## Connections, queue pairs and memory per node (today: every rank connects to every node service)\n\n\
          Node service defaults (`ServeConfig::new`): {pollers} pollers on a {NODE_CORES}-core node, \
          staging {} per poller ({} per node, {}-KiB slots), max_grants {} per consumer \
          ({grant_bytes} B each: {} reserved per consumer), at most {} consumers per poller \
-         ({max_consumers} per node); an RC queue pair's send queue has {sq_entries} entries \
-         (x {WQE_BYTES} B).\n",
+         ({max_consumers} per node).\n\n\
+         Verbs memory per connection, as mlx5 sizes it (send WQE: 16 B control + 176 B reserved \
+         for a memory-window bind + data or inline, in 64-B blocks; queues rounded up to powers \
+         of two; 64-B CQEs): the node's side {} (QP {} with {owner_wr} WRs and {OWNER_INLINE_BYTES} B \
+         inline, CQ {}), a rank's side {} (QP {} with {RECVS_PER_CONN} WRs, CQ {}, \
+         {RECVS_PER_CONN} posted receives of {RECV_BUF_BYTES} B: {}) and {WINDOWS_PER_CONN} \
+         memory windows (NIC memory keys, not host memory).\n",
         gib(cfg.staging_bytes as f64),
         gib(staging as f64),
         cfg.chunk_bytes / 1024,
         cfg.max_grants,
         gib(per_consumer_grants as f64),
         cfg.max_conns_per_poller,
+        gib(owner.pinned() as f64),
+        gib(owner.qp as f64),
+        gib(owner.cq as f64),
+        gib(rank.pinned() as f64),
+        gib(rank.qp as f64),
+        gib(rank.cq as f64),
+        gib(rank.recv_bufs as f64),
     );
     println!(
-        "| nodes | consumers served per node | RC QPs per node (serve + ranks) | grant tables per node | staging slots per consumer | node full? | per (node, rank) pair rate | QP send queues per node | at start: HELLOs per service (max_handshakes {}) | connect threads per rank | ranks' posted receives per node (RDMA) |",
-        cfg.max_handshakes
+        "| nodes | consumers served per node | RC QPs per node (serve + ranks) | memory windows per node | pinned verbs memory per node | grant tables per node | node full? | per (node, rank) pair rate | at start: HELLOs per service | connect threads per rank |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
     for nodes in NODE_COUNTS {
         let consumers = (nodes as u64 - 1) * RANKS_PER_NODE as u64;
         let outbound = consumers; // 8 local ranks x (nodes-1) services
         let qps = consumers + outbound;
         println!(
-            "| {nodes} | {consumers} | {qps} | {} | {:.2} | {} | {:.2} samples/s | {} | {consumers} | {} | {} |",
+            "| {nodes} | {consumers} | {qps} | {} | {} | {} | {} | {:.2} samples/s | {consumers} | {} |",
+            outbound * rank.windows,
+            gib((consumers * owner.pinned() + outbound * rank.pinned()) as f64),
             gib((consumers * per_consumer_grants) as f64),
-            slots as f64 / consumers as f64,
             if consumers > max_consumers {
                 format!("yes: {} refused", consumers - max_consumers)
             } else {
                 "no".into()
             },
             TARGET_PER_GPU / nodes as f64,
-            gib((qps * sq_entries * WQE_BYTES) as f64),
             nodes - 1,
-            gib((outbound * RECVS_PER_CONN * RECV_BUF_BYTES) as f64),
         );
     }
     println!(
