@@ -1345,6 +1345,64 @@ fn metrics_endpoint_counts_a_consumer_and_sigusr1_logs_statistics() {
     assert!(log_lines(&log, "(poller 0, ") >= 1, "no connect line");
 }
 
+/// The metrics port costs one thread however many connections arrive: a
+/// thousand idle connections (tiny_http gave each its own thread, for as
+/// long as the client kept it open) leave the node's thread count where it
+/// was, a scrape still answers, and an idle connection is closed at its
+/// deadline.
+#[test]
+fn metrics_port_threads_are_bounded_and_idle_connections_time_out() {
+    let st = setup("tiny", 50, 1, 1);
+    let node = Serve::start(
+        &st.spaces[0],
+        &node_ip(0),
+        &st.token,
+        &["--metrics", &format!("{}:0", node_ip(0))],
+    );
+    let maddr = node
+        .before
+        .iter()
+        .find_map(|l| l.strip_prefix("metrics on http://"))
+        .and_then(|l| l.strip_suffix("/metrics"))
+        .unwrap_or_else(|| panic!("no metrics line: {:?}", node.before))
+        .to_string();
+    let task_dir = format!("/proc/{}/task", node.child.id());
+    let threads = || std::fs::read_dir(&task_dir).unwrap().count();
+    // One scrape first, so whatever the first answer starts is counted.
+    assert!(http_get(&maddr, "/metrics").0.contains("200"));
+    let base = threads();
+    kspeed::dataset::raise_open_files_limit();
+    let sock_addr: std::net::SocketAddr = maddr.parse().unwrap();
+    let idle: Vec<TcpStream> = (0..1000)
+        .map(|i| {
+            TcpStream::connect_timeout(&sock_addr, Duration::from_secs(30))
+                .unwrap_or_else(|e| panic!("connection {i}: {e}"))
+        })
+        .collect();
+    // A real scrape answers while they are open (it is the newest
+    // connection, and the node has taken every older one by then).
+    let (status, text) = http_get(&maddr, "/metrics");
+    assert!(status.contains("200"), "{status}");
+    assert!(text.contains("kspeed_serve_connections_total"), "{text}");
+    let during = threads();
+    assert!(
+        during <= base + 1,
+        "{during} threads with 1000 metrics connections open, {base} before"
+    );
+    drop(idle);
+    // An idle connection alone is closed at its deadline (5 s), not kept.
+    let mut c = TcpStream::connect(&maddr).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let mut b = [0u8; 16];
+    match c.read(&mut b) {
+        Ok(0) => {}
+        Ok(n) => panic!("{n} bytes on a connection that sent nothing"),
+        Err(e) => panic!("idle metrics connection not closed: {e}"),
+    }
+    assert!(http_get(&maddr, "/metrics").0.contains("200"));
+    assert!(http_get(&maddr, "/nothing").0.contains("404"));
+}
+
 /// Runs `kspeed ARGS`, killed after `limit`: (exit code, output).
 fn run_for(args: &[&str], limit: Duration) -> (Option<i32>, String) {
     let mut child = Command::new(kspeed_bin())
