@@ -7,7 +7,9 @@
 //!   skipped. Samples are ordered by relative path, component by component.
 //! - `list:PATH` (or a regular file not ending in `.tar`): a text file, one
 //!   sample per line, `path` or `path<TAB>label`; relative paths are relative
-//!   to the list's directory; `#` starts a comment line; blank lines are skipped.
+//!   to the list's directory; `#` starts a comment line; blank lines are
+//!   skipped; a leading UTF-8 BOM and trailing whitespace (spaces, tabs, CR)
+//!   are not part of a line, nor trailing spaces of the path column.
 //! - `tar:PATH` (or a path ending in `.tar`): WebDataset shards, one `.tar` file
 //!   or a directory of them (sorted by name). Members are grouped by key (the
 //!   member path up to the first `.` of its file name); a group's sample is its

@@ -179,8 +179,8 @@ struct CatalogArgs {
 /// How a source scan treats what is not a plain sample.
 #[derive(Args)]
 struct ScanArgs {
-    /// Skip FIFOs, devices and sockets in the source (reported with a count)
-    /// instead of refusing them.
+    /// Skip FIFOs, devices, sockets and dangling symlinks in the source
+    /// (reported with a count) instead of refusing them.
     #[arg(long)]
     skip_special: bool,
     /// Follow symbolic links that lead outside the source tree (refused by default).
