@@ -442,6 +442,27 @@ pub enum Error {
     /// A saved sampler position cannot be decoded or does not fit the sampler.
     #[error("invalid sampler position: {0}")]
     BadPosition(String),
+    /// A symbolic link in the source leads to nothing: its target does not
+    /// exist.
+    #[error("symlink {path} is dangling: its target {target} does not exist (in a dir: tree or a tar: directory, --skip-special skips such entries with a count)")]
+    DanglingSymlink {
+        /// The link.
+        path: PathBuf,
+        /// What it points to (as written in the link).
+        target: PathBuf,
+    },
+    /// An extent file is longer than the manifest says: something wrote
+    /// past its planned end after preload (a shorter one is
+    /// [`Error::Truncated`]).
+    #[error("extent {path} is {actual_bytes} bytes, manifest says {manifest_bytes}: it changed after preload (kspeed verify lists it, kspeed verify --repair restores its length)")]
+    ExtentSize {
+        /// The extent file.
+        path: PathBuf,
+        /// Its length on disk.
+        actual_bytes: u64,
+        /// The length the manifest gives it.
+        manifest_bytes: u64,
+    },
 }
 
 impl Error {

@@ -1345,9 +1345,92 @@ fn metrics_endpoint_counts_a_consumer_and_sigusr1_logs_statistics() {
     assert!(log_lines(&log, "(poller 0, ") >= 1, "no connect line");
 }
 
+/// The metrics port costs one thread however many connections arrive: a
+/// thousand idle connections (tiny_http gave each its own thread, for as
+/// long as the client kept it open) leave the node's thread count where it
+/// was, a scrape still answers, and an idle connection is closed at its
+/// deadline.
+#[test]
+fn metrics_port_threads_are_bounded_and_idle_connections_time_out() {
+    let st = setup("tiny", 50, 1, 1);
+    let node = Serve::start(
+        &st.spaces[0],
+        &node_ip(0),
+        &st.token,
+        &["--metrics", &format!("{}:0", node_ip(0))],
+    );
+    let maddr = node
+        .before
+        .iter()
+        .find_map(|l| l.strip_prefix("metrics on http://"))
+        .and_then(|l| l.strip_suffix("/metrics"))
+        .unwrap_or_else(|| panic!("no metrics line: {:?}", node.before))
+        .to_string();
+    let task_dir = format!("/proc/{}/task", node.child.id());
+    let threads = || std::fs::read_dir(&task_dir).unwrap().count();
+    // One scrape first, so whatever the first answer starts is counted.
+    assert!(http_get(&maddr, "/metrics").0.contains("200"));
+    let base = threads();
+    kspeed::dataset::raise_open_files_limit();
+    let sock_addr: std::net::SocketAddr = maddr.parse().unwrap();
+    let idle: Vec<TcpStream> = (0..1000)
+        .map(|i| {
+            TcpStream::connect_timeout(&sock_addr, Duration::from_secs(30))
+                .unwrap_or_else(|e| panic!("connection {i}: {e}"))
+        })
+        .collect();
+    // A real scrape answers while they are open (it is the newest
+    // connection, and the node has taken every older one by then).
+    let (status, text) = http_get(&maddr, "/metrics");
+    assert!(status.contains("200"), "{status}");
+    assert!(text.contains("kspeed_serve_connections_total"), "{text}");
+    let during = threads();
+    assert!(
+        during <= base + 1,
+        "{during} threads with 1000 metrics connections open, {base} before"
+    );
+    drop(idle);
+    // An idle connection alone is closed at its deadline (5 s), not kept.
+    let mut c = TcpStream::connect(&maddr).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let mut b = [0u8; 16];
+    match c.read(&mut b) {
+        Ok(0) => {}
+        Ok(n) => panic!("{n} bytes on a connection that sent nothing"),
+        Err(e) => panic!("idle metrics connection not closed: {e}"),
+    }
+    assert!(http_get(&maddr, "/metrics").0.contains("200"));
+    assert!(http_get(&maddr, "/nothing").0.contains("404"));
+}
+
 /// Runs `kspeed ARGS`, killed after `limit`: (exit code, output).
 fn run_for(args: &[&str], limit: Duration) -> (Option<i32>, String) {
     let mut child = Command::new(kspeed_bin())
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if t0.elapsed() > limit {
+            let _ = child.kill();
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let o = child.wait_with_output().unwrap();
+    (o.status.code(), text(&o))
+}
+
+/// [`run_for`] with the address space limited to `as_bytes` (`prlimit`), so
+/// a command that reads without bound fails fast instead of exhausting the
+/// machine's memory.
+fn run_for_limited(args: &[&str], limit: Duration, as_bytes: u64) -> (Option<i32>, String) {
+    let mut child = Command::new("prlimit")
+        .arg(format!("--as={as_bytes}"))
+        .arg("--")
+        .arg(kspeed_bin())
         .args(args)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -1371,7 +1454,11 @@ fn serve_and_read_check_the_token_and_every_limit_at_start() {
     let st = setup("tiny", 50, 1, 1);
     let dir = st._tmp.path();
     let long = dir.join("long.token");
-    std::fs::write(&long, "x".repeat(2000)).unwrap();
+    std::fs::write(&long, "x".repeat(1025)).unwrap();
+    // The longest token, with a CRLF: accepted.
+    let longest = dir.join("longest.token");
+    std::fs::write(&longest, "x".repeat(1024) + "\r\n").unwrap();
+    std::fs::set_permissions(&longest, std::fs::Permissions::from_mode(0o600)).unwrap();
     let loose = dir.join("loose.token");
     std::fs::write(&loose, TOKEN).unwrap();
     std::fs::set_permissions(&loose, std::fs::Permissions::from_mode(0o644)).unwrap();
@@ -1386,9 +1473,32 @@ fn serve_and_read_check_the_token_and_every_limit_at_start() {
     let (code, out) = serve(&long, "127.0.0.1:0", &[]);
     assert_eq!(code, Some(1), "{out}");
     assert!(
-        out.contains("2000-byte token") && out.contains("1024"),
+        out.contains("1025-byte token") && out.contains("1024"),
         "{out}"
     );
+    // A token file without end (or a huge one) is refused after reading
+    // 1027 bytes, by serve and read, naming the limit: not read until
+    // memory runs out (the old code did; 1 GiB of address space stops it).
+    let one_node = dir.join("one-node.txt");
+    std::fs::write(&one_node, "0 127.0.0.1:9\n").unwrap();
+    for cmd in ["serve", "read"] {
+        let mut a = vec![cmd, "--space", space, "--token-file", "/dev/zero"];
+        if cmd == "serve" {
+            a.extend(["--listen", "127.0.0.1:0"]);
+        } else {
+            a.extend(["--cluster", s(&one_node)]);
+        }
+        let (code, out) = run_for_limited(&a, Duration::from_secs(20), 1 << 30);
+        assert_eq!(code, Some(1), "{cmd}: {out}");
+        assert!(
+            out.contains("token file /dev/zero holds more than 1026 bytes")
+                && out.contains("at most 1024 bytes"),
+            "{cmd}: {out}"
+        );
+    }
+    let (code, out) = serve(&longest, "127.0.0.1:0", &["--max-grants", "0"]);
+    assert_eq!(code, Some(1), "{out}");
+    assert!(!out.contains("token"), "the token is fine: {out}");
     let file = dir.join("cluster.txt");
     std::fs::write(&file, "0 127.0.0.1:9\n").unwrap();
     let (code, out) = run_for(
@@ -1404,7 +1514,7 @@ fn serve_and_read_check_the_token_and_every_limit_at_start() {
         Duration::from_secs(20),
     );
     assert_eq!(code, Some(1), "{out}");
-    assert!(out.contains("2000-byte token"), "{out}");
+    assert!(out.contains("1025-byte token"), "{out}");
     // Every size flag against what the service can allocate.
     for (flag, value, what) in [
         ("--max-grants", "4294967295", "max grants is 4294967295"),

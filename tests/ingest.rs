@@ -488,6 +488,71 @@ fn paths_that_are_not_utf8_are_kept_exactly() {
     let o = run(args(&["--refresh"]));
     assert!(o.status.success(), "{}", text(&o));
     ok(&["verify", "--space", s(&sp)]);
+
+    // ls --json and inspect --json: the display name is lossy, the exact
+    // bytes are beside it in base64; a UTF-8 name has no such field.
+    let sp_arg = sp.as_os_str();
+    let o = Command::new(kspeed_bin())
+        .args([
+            OsStr::new("ls"),
+            OsStr::new("--space"),
+            sp_arg,
+            OsStr::new("--json"),
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let rows: Vec<serde_json::Value> = String::from_utf8(o.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows[0]["class"], "cl\u{fffd}");
+    assert_eq!(b64(&rows[0]["class_b64"]), b"cl\xfe");
+    assert_eq!(b64(&rows[1]["class_b64"]), b"cl\xff");
+    assert_eq!(
+        b64(&rows[0]["path_b64"]),
+        root.join(OsStr::from_bytes(b"cl\xfe/a\xe9.bin"))
+            .as_os_str()
+            .as_bytes()
+    );
+    let o = Command::new(kspeed_bin())
+        .args([
+            OsStr::new("inspect"),
+            OsStr::new("--space"),
+            sp_arg,
+            OsStr::new("--json"),
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(b64(&v["catalog"]["classes"][0]["name_b64"]), b"cl\xfe");
+    assert_eq!(b64(&v["catalog"]["classes"][1]["name_b64"]), b"cl\xff");
+}
+
+/// Decodes a JSON string of standard base64 (the `*_b64` fields).
+fn b64(v: &serde_json::Value) -> Vec<u8> {
+    let s = v.as_str().unwrap_or_else(|| panic!("not a string: {v}"));
+    let val = |c: u8| match c {
+        b'A'..=b'Z' => c - b'A',
+        b'a'..=b'z' => c - b'a' + 26,
+        b'0'..=b'9' => c - b'0' + 52,
+        b'+' => 62,
+        b'/' => 63,
+        _ => panic!("not base64: {s}"),
+    } as u32;
+    let mut out = Vec::new();
+    for q in s.as_bytes().chunks(4) {
+        let pad = q.iter().filter(|&&c| c == b'=').count();
+        let n = q
+            .iter()
+            .take(4 - pad)
+            .enumerate()
+            .fold(0u32, |n, (i, &c)| n | val(c) << (18 - 6 * i));
+        out.extend_from_slice(&n.to_be_bytes()[1..4 - pad]);
+    }
+    out
 }
 
 #[test]
@@ -1182,4 +1247,235 @@ fn a_source_file_replaced_by_a_fifo_is_never_opened_for_reading() {
         "{}",
         text(&o)
     );
+}
+
+#[test]
+fn file_list_lines_lose_bom_and_trailing_whitespace_and_name_their_line() {
+    let t = tempfile::tempdir().unwrap();
+    let src = t.path().join("src");
+    odd_tree(&src);
+    let list = t.path().join("list.txt");
+    let out = t.path().join("c.ksc");
+    let catalog = |list: &Path| {
+        kspeed(&[
+            "catalog",
+            "--source",
+            &format!("list:{}", list.display()),
+            "--out",
+            s(&out),
+        ])
+    };
+    // A BOM before the first path (Notepad), CRLF line ends, trailing
+    // spaces and tabs after a path and after a label, spaces before the
+    // label's tab, and a line of blanks only.
+    let mut body = b"\xef\xbb\xbfsrc/cat/img_000.bin\r\n".to_vec();
+    body.extend_from_slice(b"src/dog/img_001.bin   \r\n");
+    body.extend_from_slice(b"src/eel/img_002.bin\t2 \t\r\n");
+    body.extend_from_slice(b"   \t\r\n");
+    body.extend_from_slice(b"src/cat/img_003.bin  \t0\n");
+    fs::write(&list, &body).unwrap();
+    let o = catalog(&list);
+    assert!(o.status.success(), "{}", text(&o));
+    let cat = Catalog::open(&out).unwrap();
+    assert_eq!(cat.len(), 4);
+    let names: Vec<Vec<u8>> = (0..4)
+        .map(|i| {
+            cat.file(cat.sample(i).file)
+                .name
+                .as_os_str()
+                .as_bytes()
+                .to_vec()
+        })
+        .collect();
+    assert_eq!(
+        names,
+        [
+            &b"src/cat/img_000.bin"[..],
+            b"src/dog/img_001.bin",
+            b"src/eel/img_002.bin",
+            b"src/cat/img_003.bin"
+        ]
+    );
+    assert_eq!(cat.sample(2).label, Some(2));
+    assert_eq!(cat.sample(3).label, Some(0));
+
+    // A path that does not exist: the list and the line are named, and
+    // the path as resolved.
+    fs::write(
+        &list,
+        "# comment\nsrc/cat/img_000.bin\nsrc/cat/nope.bin\t1\n",
+    )
+    .unwrap();
+    let o = catalog(&list);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    let e = text(&o);
+    assert!(
+        e.contains(&format!("file list {}, line 3:", list.display()))
+            && e.contains("src/cat/nope.bin")
+            && e.contains("No such file"),
+        "{e}"
+    );
+    // A dangling symlink named by a list line: its line and its target.
+    std::os::unix::fs::symlink(t.path().join("gone.bin"), src.join("dangling.bin")).unwrap();
+    fs::write(&list, "src/cat/img_000.bin\nsrc/dangling.bin\n").unwrap();
+    let o = catalog(&list);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    let e = text(&o);
+    assert!(
+        e.contains("line 2:") && e.contains("dangling.bin is dangling") && e.contains("gone.bin"),
+        "{e}"
+    );
+}
+
+#[test]
+fn dangling_symlinks_are_skipped_with_skip_special_and_named_otherwise() {
+    let t = tempfile::tempdir().unwrap();
+    let src = t.path().join("src");
+    odd_tree(&src);
+    let gone = t.path().join("gone.bin");
+    std::os::unix::fs::symlink(&gone, src.join("dog/dangling.bin")).unwrap();
+    let out = t.path().join("c.ksc");
+    let catalog = |src: &str, extra: &[&str]| {
+        let mut a = vec!["catalog", "--source", src, "--out", s(&out)];
+        a.extend(extra);
+        kspeed(&a)
+    };
+    // Named with its target, with and without --follow-symlinks.
+    for extra in [&[][..], &["--follow-symlinks"]] {
+        let o = catalog(s(&src), extra);
+        assert_eq!(o.status.code(), Some(1), "{extra:?}: {}", text(&o));
+        let e = text(&o);
+        assert!(
+            e.contains("dog/dangling.bin is dangling")
+                && e.contains(&gone.display().to_string())
+                && e.contains("--skip-special"),
+            "{extra:?}: {e}"
+        );
+    }
+    // Skipped, named and counted like a FIFO with --skip-special; the
+    // other 13 samples are all there.
+    for extra in [
+        &["--skip-special"][..],
+        &["--skip-special", "--follow-symlinks"],
+    ] {
+        let o = catalog(s(&src), extra);
+        assert!(o.status.success(), "{extra:?}: {}", text(&o));
+        let e = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            e.contains("warning: skipped")
+                && e.contains("dog/dangling.bin")
+                && e.contains("dangling symlink"),
+            "{extra:?}: {e}"
+        );
+        assert_eq!(Catalog::open(&out).unwrap().len(), 13);
+    }
+    // The same in a directory of tar shards.
+    let shards = t.path().join("shards");
+    fs::create_dir_all(&shards).unwrap();
+    gnu_shard(&t.path().join("m"), &shards.join("a.tar"), 3, &[]);
+    std::os::unix::fs::symlink(&gone, shards.join("b.tar")).unwrap();
+    let tar_src = format!("tar:{}", shards.display());
+    let o = catalog(&tar_src, &[]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("b.tar is dangling"), "{}", text(&o));
+    let o = catalog(&tar_src, &["--skip-special"]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("skipped"), "{}", text(&o));
+    assert_eq!(Catalog::open(&out).unwrap().len(), 3);
+}
+
+#[test]
+fn an_extent_that_grew_is_a_size_mismatch_for_read_and_bad_for_verify() {
+    let t = tempfile::tempdir().unwrap();
+    let src = t.path().join("src");
+    gen("tiny", 60, &src);
+    let sp = t.path().join("space");
+    ok(&[
+        "preload",
+        "--source",
+        s(&src),
+        "--space",
+        s(&sp),
+        "--extent-bytes",
+        "64KiB",
+    ]);
+    let space = Space::open(&sp).unwrap();
+    assert!(space.extent_lens().len() > 2);
+    let ext = space.extent_path(1);
+    let planned = space.extent_lens()[1];
+    drop(space);
+    // Something appends to an extent: every sample still reads back intact.
+    let grown = planned + 4096;
+    fs::OpenOptions::new()
+        .write(true)
+        .open(&ext)
+        .unwrap()
+        .set_len(grown)
+        .unwrap();
+    let what = format!(
+        "extent {} is {grown} bytes, manifest says {planned}",
+        ext.display()
+    );
+    let e = fails(&["read", "--space", s(&sp), "--epochs", "1"], 1);
+    assert!(e.contains(&what) && !e.contains("truncated"), "{e}");
+    let e = fails(&["verify", "--space", s(&sp)], 3);
+    assert!(
+        e.contains(&what)
+            && e.contains("0 bad (and 1 extent of the wrong length)")
+            && e.contains("--repair"),
+        "{e}"
+    );
+    let o = kspeed(&["verify", "--space", s(&sp), "--json"]);
+    assert_eq!(o.status.code(), Some(3), "{}", text(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["bad_extents"][0]["index"], 1);
+    assert_eq!(v["bad_extents"][0]["bytes"], grown);
+    assert_eq!(v["bad_extents"][0]["manifest_bytes"], planned);
+    // Repair gives it its planned length back; read and verify agree again.
+    let out = ok(&["verify", "--space", s(&sp), "--repair"]);
+    assert!(
+        out.contains("1 extent file(s) given their planned length") && out.contains("again: 0 bad"),
+        "{out}"
+    );
+    assert_eq!(fs::metadata(&ext).unwrap().len(), planned);
+    ok(&["verify", "--space", s(&sp)]);
+    ok(&["read", "--space", s(&sp), "--epochs", "1"]);
+
+    // Cut short by its alignment padding only: no sample lost, but the
+    // loader refuses it (truncated), so verify must say so too.
+    let space = Space::open(&sp).unwrap();
+    let last = space.extent_lens().len() as u32 - 1;
+    let ext = space.extent_path(last);
+    let planned = space.extent_lens()[last as usize];
+    let data_end = (0..space.catalog().len())
+        .filter_map(|id| {
+            space
+                .location(id)
+                .filter(|l| l.extent == last)
+                .map(|l| l.offset + space.catalog().sample(id).len as u64)
+        })
+        .max()
+        .unwrap();
+    drop(space);
+    assert!(data_end < planned, "{data_end} {planned}");
+    {
+        fs::OpenOptions::new()
+            .write(true)
+            .open(&ext)
+            .unwrap()
+            .set_len(data_end)
+            .unwrap();
+        let e = fails(&["read", "--space", s(&sp), "--epochs", "1"], 1);
+        assert!(e.contains("truncated"), "{e}");
+        let e = fails(&["verify", "--space", s(&sp)], 3);
+        assert!(
+            e.contains(&format!(
+                "extent {} is {data_end} bytes, manifest says {planned}",
+                ext.display()
+            )),
+            "{e}"
+        );
+        ok(&["verify", "--space", s(&sp), "--repair"]);
+        ok(&["read", "--space", s(&sp), "--epochs", "1"]);
+    }
 }

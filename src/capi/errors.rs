@@ -58,6 +58,7 @@ pub(super) fn status_of(e: &Error) -> ksp_status {
         | Error::ReadFailed { .. }
         | Error::ShortRead { .. }
         | Error::SymlinkLoop { .. }
+        | Error::DanglingSymlink { .. }
         | Error::NotRegularFile { .. }
         | Error::SymlinkOutsideSource { .. }
         | Error::EmptySource { .. }
@@ -66,6 +67,7 @@ pub(super) fn status_of(e: &Error) -> ksp_status {
         | Error::UnsupportedVersion { .. }
         | Error::ChecksumMismatch { .. }
         | Error::Truncated { .. }
+        | Error::ExtentSize { .. }
         | Error::Corrupt { .. }
         | Error::SampleCorrupt { .. }
         | Error::SourceChanged { .. }

@@ -14,9 +14,9 @@ pub mod space;
 pub use catalog::{BuildOptions, Catalog, Sample};
 pub use owner::Placement;
 pub use preload::{preload, unload, PreloadOptions, PreloadReport, SpaceLock};
-pub use repair::{repair, RepairReport};
+pub use repair::{repair, repair_verified, RepairReport};
 pub use source::{ScanNotes, ScanOptions, SourceKind, SourceSpec};
-pub use space::{BadKind, BadSample, LayoutParams, Location, Space, VerifyReport};
+pub use space::{BadExtent, BadKind, BadSample, LayoutParams, Location, Space, VerifyReport};
 
 /// The default thread count of the bulk passes (checksums, preload,
 /// verify): the CPUs this process may use.

@@ -8,7 +8,7 @@ use std::path::Path;
 
 use super::catalog::SpanReader;
 use super::preload::SpaceLock;
-use super::space::{BadKind, BadSample, Space};
+use super::space::{BadExtent, BadKind, BadSample, Space, VerifyReport};
 use crate::error::{Error, IoContext, Result, SourceChange};
 
 /// What [`repair`] did.
@@ -21,6 +21,17 @@ pub struct RepairReport {
     pub bytes: u64,
     /// Extent files that were missing and were recreated.
     pub recreated_extents: Vec<u32>,
+    /// Extent files whose length was not the manifest's and was set back
+    /// to it ([`VerifyReport::bad_extents`]).
+    pub resized_extents: Vec<u32>,
+}
+
+/// Repairs everything [`Space::verify`] found: the bad samples (as
+/// [`repair`]) and the extents of the wrong length, which get their planned
+/// length back (bytes appended past it are dropped; the samples a short
+/// extent lost are among the bad samples and are copied again).
+pub fn repair_verified(dir: &Path, report: &VerifyReport) -> Result<RepairReport> {
+    repair_all(dir, &report.bad, &report.bad_extents)
 }
 
 /// Re-copies the samples in `bad` (from [`Space::verify`]) into the space at
@@ -31,6 +42,10 @@ pub struct RepairReport {
 /// [`Error::SourceChanged`] naming the file (that sample stays bad, the ones
 /// before it are repaired; `preload --refresh` is the way then).
 pub fn repair(dir: &Path, bad: &[BadSample]) -> Result<RepairReport> {
+    repair_all(dir, bad, &[])
+}
+
+fn repair_all(dir: &Path, bad: &[BadSample], bad_extents: &[BadExtent]) -> Result<RepairReport> {
     if let Some(b) = bad.iter().find(|b| b.kind == BadKind::Io) {
         return Err(Error::InvalidConfig(format!(
             "sample {} could not be read ({}); an I/O error is not repaired by copying: fix its cause and verify again",
@@ -55,6 +70,22 @@ pub fn repair(dir: &Path, bad: &[BadSample]) -> Result<RepairReport> {
     };
     let mut open: Option<(u32, File)> = None;
     let mut touched: Vec<u32> = Vec::new();
+    for b in bad_extents {
+        let Some(&want) = space.extent_lens().get(b.index as usize) else {
+            return Err(Error::InvalidConfig(format!(
+                "extent {} is not in the space ({} extents)",
+                b.index,
+                space.extent_lens().len()
+            )));
+        };
+        let p = space.extent_path(b.index);
+        let f = OpenOptions::new().write(true).open(&p).ctx("open", &p)?;
+        if f.metadata().ctx("stat", &p)?.len() != want {
+            f.set_len(want).ctx("truncate", &p)?;
+            report.resized_extents.push(b.index);
+            touched.push(b.index);
+        }
+    }
     for &id in &ids {
         if id >= cat.len() {
             return Err(Error::InvalidConfig(format!(
@@ -125,6 +156,8 @@ pub fn repair(dir: &Path, bad: &[BadSample]) -> Result<RepairReport> {
         report.bytes += s.len as u64;
     }
     drop(open);
+    touched.sort_unstable();
+    touched.dedup();
     for e in touched {
         let p = space.extent_path(e);
         let f = OpenOptions::new().write(true).open(&p).ctx("open", &p)?;

@@ -7,7 +7,9 @@
 //!   skipped. Samples are ordered by relative path, component by component.
 //! - `list:PATH` (or a regular file not ending in `.tar`): a text file, one
 //!   sample per line, `path` or `path<TAB>label`; relative paths are relative
-//!   to the list's directory; `#` starts a comment line; blank lines are skipped.
+//!   to the list's directory; `#` starts a comment line; blank lines are
+//!   skipped; a leading UTF-8 BOM and trailing whitespace (spaces, tabs, CR)
+//!   are not part of a line, nor trailing spaces of the path column.
 //! - `tar:PATH` (or a path ending in `.tar`): WebDataset shards, one `.tar` file
 //!   or a directory of them (sorted by name). Members are grouped by key (the
 //!   member path up to the first `.` of its file name); a group's sample is its
@@ -151,7 +153,8 @@ impl SourceSpec {
 #[non_exhaustive]
 pub struct ScanOptions {
     /// Skip FIFOs, devices and sockets (counted in [`ScanNotes`]) instead of
-    /// refusing them with [`Error::NotRegularFile`].
+    /// refusing them with [`Error::NotRegularFile`], and dangling symbolic
+    /// links instead of refusing them with [`Error::DanglingSymlink`].
     pub skip_special: bool,
     /// Follow symbolic links that lead outside the source tree instead of
     /// refusing them with [`Error::SymlinkOutsideSource`].
@@ -186,7 +189,8 @@ pub struct ScanNotes {
     /// One line per thing the user should know (skipped entries, damaged
     /// members skipped, a directory of `.tar` files read as plain files).
     pub warnings: Vec<String>,
-    /// Entries skipped because they are not regular files (`skip_special`).
+    /// Entries skipped because they are not regular files, or are dangling
+    /// symbolic links (`skip_special`).
     pub skipped_special: u64,
     /// Damaged tar headers skipped (`skip_bad_members`).
     pub skipped_bad_members: u64,
@@ -433,6 +437,39 @@ fn special_entry(
     Ok(())
 }
 
+/// The target of `abs` if it is a symbolic link whose target (followed to
+/// the end) does not exist.
+fn dangling_target(abs: &Path) -> Option<PathBuf> {
+    match fs::metadata(abs) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => fs::read_link(abs).ok(),
+        _ => None,
+    }
+}
+
+/// Refuses or counts a dangling symbolic link in a `dir:` tree or a `tar:`
+/// directory: with `skip_special` it is skipped like a FIFO (it holds no
+/// sample), else it is named with its target.
+fn dangling_entry(
+    path: &Path,
+    target: PathBuf,
+    opts: &ScanOptions,
+    notes: &mut ScanNotes,
+) -> Result<()> {
+    if !opts.skip_special {
+        return Err(Error::DanglingSymlink {
+            path: path.to_path_buf(),
+            target,
+        });
+    }
+    notes.skipped_special += 1;
+    notes.warnings.push(format!(
+        "skipped {}: a dangling symlink (its target {} does not exist)",
+        path.display(),
+        target.display()
+    ));
+    Ok(())
+}
+
 /// Refuses a symbolic link at `abs` that leads outside `root` (canonical),
 /// unless `opts.follow_symlinks`.
 fn check_link(abs: &Path, root: &Path, opts: &ScanOptions) -> Result<()> {
@@ -458,12 +495,20 @@ fn check_link(abs: &Path, root: &Path, opts: &ScanOptions) -> Result<()> {
     Ok(())
 }
 
-/// Follows symlinks, naming a loop as one.
+/// Follows symlinks, naming a loop and a dangling link as such.
 fn stat_following(abs: &Path) -> Result<fs::Metadata> {
     fs::metadata(abs).map_err(|e| {
         if e.raw_os_error() == Some(libc::ELOOP) {
             Error::SymlinkLoop {
                 path: abs.to_path_buf(),
+            }
+        } else if let Some(target) = (e.kind() == std::io::ErrorKind::NotFound)
+            .then(|| fs::read_link(abs).ok())
+            .flatten()
+        {
+            Error::DanglingSymlink {
+                path: abs.to_path_buf(),
+                target,
             }
         } else {
             Error::io("stat", abs, e)
@@ -558,6 +603,10 @@ impl Walk<'_> {
             let abs = entry.path();
             let rel = dir_rel.join(&name);
             if entry.file_type().is_ok_and(|t| t.is_symlink()) {
+                if let Some(target) = dangling_target(&abs) {
+                    dangling_entry(&abs, target, self.opts, self.notes)?;
+                    continue;
+                }
                 check_link(&abs, self.root, self.opts)?;
             }
             // Follows symlinks (inside the tree, or anywhere with
@@ -595,9 +644,15 @@ fn scan_list(scan: &mut Scan) -> Result<()> {
         });
     }
     let text = fs::read(&list).ctx("read", &list)?;
+    // A byte-order mark (editors on Windows write one) is not part of the
+    // first path.
+    let text = text.strip_prefix(UTF8_BOM).unwrap_or(&text);
     for (i, raw) in text.split(|&b| b == b'\n').enumerate() {
         let line_no = i + 1;
-        let raw = raw.strip_suffix(b"\r").unwrap_or(raw);
+        // Trailing spaces, tabs and the `\r` of CRLF files are not part of
+        // the line: a path that really ends in whitespace cannot be listed
+        // (docs/FORMAT.md); a `dir:` source reads such files.
+        let raw = trim_end_ascii_ws(raw);
         if raw.is_empty() || raw.first() == Some(&b'#') {
             continue;
         }
@@ -625,12 +680,18 @@ fn scan_list(scan: &mut Scan) -> Result<()> {
         if cols.next().is_some() {
             return Err(bad("more than two tab-separated columns".into()));
         }
+        // `path<spaces><TAB>label`: the spaces belong to the separator too.
+        let path_bytes = trim_end_ascii_ws(path_bytes);
         if path_bytes.is_empty() {
             return Err(bad("empty path".into()));
         }
         let name = PathBuf::from(std::ffi::OsStr::from_bytes(path_bytes));
         let abs = root.join(&name);
-        let md = stat_following(&abs)?;
+        // A path that cannot be followed is named with its line.
+        let md = stat_following(&abs).map_err(|e| match e {
+            Error::Io { source, .. } => bad(format!("{}: {source}", abs.display())),
+            e => bad(e.to_string()),
+        })?;
         if !md.is_file() {
             return Err(bad(format!(
                 "{} is {}; only regular files are read",
@@ -642,6 +703,14 @@ fn scan_list(scan: &mut Scan) -> Result<()> {
         scan.push_whole_file(&abs, name, size, mtime_ns, label)?;
     }
     Ok(())
+}
+
+/// The UTF-8 byte-order mark.
+const UTF8_BOM: &[u8] = b"\xef\xbb\xbf";
+
+/// `b` without its trailing ASCII whitespace (space, tab, CR, LF, FF).
+fn trim_end_ascii_ws(b: &[u8]) -> &[u8] {
+    b.trim_ascii_end()
 }
 
 /// Splits a WebDataset member path into (key, extension): the key is the path
@@ -685,6 +754,10 @@ fn list_shards(
             continue;
         }
         if e.file_type().is_ok_and(|t| t.is_symlink()) {
+            if let Some(target) = dangling_target(&p) {
+                dangling_entry(&p, target, opts, notes)?;
+                continue;
+            }
             check_link(&p, &path, opts)?;
         }
         let md = stat_following(&p)?;

@@ -287,6 +287,35 @@ fn io_bad(e: &std::io::Error, doing: &str) -> (BadKind, String) {
     }
 }
 
+/// An extent file whose length is not the one the manifest planned: it
+/// grew (something appended to it) or was cut short. Either way the space
+/// is damaged even when every sample in it still reads back intact: the
+/// loader and the node service refuse it ([`Error::ExtentSize`],
+/// [`Error::Truncated`]), and repair restores the planned length.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BadExtent {
+    /// Extent index.
+    pub index: u32,
+    /// Its file.
+    pub path: PathBuf,
+    /// Its length on disk.
+    pub actual_bytes: u64,
+    /// The length the manifest gives it.
+    pub manifest_bytes: u64,
+}
+
+impl std::fmt::Display for BadExtent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "extent {} is {} bytes, manifest says {}",
+            self.path.display(),
+            self.actual_bytes,
+            self.manifest_bytes
+        )
+    }
+}
+
 /// What [`Space::verify`] found.
 #[derive(Debug, Default)]
 #[non_exhaustive]
@@ -297,6 +326,9 @@ pub struct VerifyReport {
     pub bytes: u64,
     /// Samples that are corrupt or missing, by id.
     pub bad: Vec<BadSample>,
+    /// Extent files that exist but are not the length the manifest gives
+    /// them (a missing extent shows as its samples, [`BadKind::Missing`]).
+    pub bad_extents: Vec<BadExtent>,
     /// Whether reads bypassed the page cache.
     pub direct_io: bool,
 }
@@ -306,6 +338,11 @@ impl VerifyReport {
     /// corrupt or missing ones.
     pub fn io_errors(&self) -> usize {
         self.bad.iter().filter(|b| b.kind == BadKind::Io).count()
+    }
+
+    /// Everything found wrong: bad samples plus extents of the wrong length.
+    pub fn bad_count(&self) -> usize {
+        self.bad.len() + self.bad_extents.len()
     }
 }
 
@@ -449,12 +486,15 @@ impl Space {
         decode_loc(&self.manifest.as_slice()[self.locs_start..], id)
     }
 
-    /// Checks that every extent file exists with its planned length.
+    /// Checks that every extent file exists with its planned length: a
+    /// shorter one is [`Error::Truncated`], a longer one
+    /// [`Error::ExtentSize`] (both are what [`Space::verify`] lists in
+    /// [`VerifyReport::bad_extents`]).
     pub fn check_extents(&self) -> Result<()> {
         for (i, &len) in self.extent_lens.iter().enumerate() {
             let p = self.extent_path(i as u32);
             let actual = std::fs::metadata(&p).ctx("stat", &p)?.len();
-            if actual != len {
+            if actual < len {
                 return Err(Error::Truncated {
                     path: p,
                     kind: "extent",
@@ -462,13 +502,43 @@ impl Space {
                     actual,
                 });
             }
+            if actual > len {
+                return Err(Error::ExtentSize {
+                    path: p,
+                    actual_bytes: actual,
+                    manifest_bytes: len,
+                });
+            }
         }
         Ok(())
     }
 
+    /// Extents that exist with another length than the manifest's (one
+    /// `stat` each; a missing or unreadable one is left to the sample reads,
+    /// which name it).
+    fn extents_of_wrong_size(&self) -> Vec<BadExtent> {
+        let mut v = Vec::new();
+        for (i, &len) in self.extent_lens.iter().enumerate() {
+            let path = self.extent_path(i as u32);
+            if let Ok(md) = std::fs::metadata(&path) {
+                if md.len() != len {
+                    v.push(BadExtent {
+                        index: i as u32,
+                        path,
+                        actual_bytes: md.len(),
+                        manifest_bytes: len,
+                    });
+                }
+            }
+        }
+        v
+    }
+
     /// Re-reads every held sample (with `O_DIRECT` where the file system
     /// allows, so the disk is read rather than the page cache) and checks its
-    /// CRC32C. Corrupt and missing samples are collected, not fatal.
+    /// CRC32C, and checks every extent's length against the manifest.
+    /// Corrupt and missing samples and extents of the wrong length are
+    /// collected, not fatal.
     pub fn verify(&self, threads: usize, progress: ProgressMode) -> Result<VerifyReport> {
         sys::raise_open_files_limit();
         let align = self.params.align_bytes as usize;
@@ -589,6 +659,7 @@ impl Space {
         progress.finish();
         let mut report = report.into_inner().expect("not poisoned");
         report.bad.sort_by_key(|b| b.id);
+        report.bad_extents = self.extents_of_wrong_size();
         Ok(report)
     }
 }

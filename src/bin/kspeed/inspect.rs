@@ -130,7 +130,11 @@ fn json_summary(cat: &Catalog, space: Option<&Space>, placement: Option<Placemen
     let classes: Vec<Value> = per_class
         .iter()
         .enumerate()
-        .map(|(i, c)| json!({"label": i, "name": cat.class_name(i as u32), "samples": c}))
+        .map(|(i, c)| {
+            let mut v = json!({"label": i, "samples": c});
+            crate::ls::put_name(&mut v, "name", Some(cat.class_name_bytes(i as u32)));
+            v
+        })
         .collect();
     let mut v = json!({
         "catalog": {

@@ -2,6 +2,7 @@
 //! (one sample's bytes from the space, checked).
 
 use std::io::Write;
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 
@@ -46,6 +47,36 @@ pub(crate) struct CatArgs {
     /// The sample id.
     #[arg(long)]
     id: u64,
+}
+
+/// Standard base64 (RFC 4648, with padding) of `b`: how `--json` output
+/// gives the exact bytes of a name that is not UTF-8.
+pub(crate) fn base64(b: &[u8]) -> String {
+    const ABC: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::with_capacity(b.len().div_ceil(3) * 4);
+    for chunk in b.chunks(3) {
+        let n = chunk
+            .iter()
+            .enumerate()
+            .fold(0u32, |n, (i, &c)| n | (c as u32) << (16 - 8 * i));
+        for i in 0..4 {
+            if i <= chunk.len() {
+                out.push(ABC[(n >> (18 - 6 * i) & 63) as usize] as char);
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
+/// Sets `v[key]` to `bytes` for display (lossy), and, when they are not
+/// UTF-8, `v[key + "_b64"]` to their exact bytes in base64 (docs/FORMAT.md).
+pub(crate) fn put_name(v: &mut serde_json::Value, key: &str, bytes: Option<&[u8]>) {
+    v[key] = json!(bytes.map(String::from_utf8_lossy));
+    if let Some(b) = bytes.filter(|b| std::str::from_utf8(b).is_err()) {
+        v[format!("{key}_b64")] = json!(base64(b));
+    }
 }
 
 /// Parses `N`, `A..B` or `A..=B` into a half-open range.
@@ -137,10 +168,11 @@ pub(crate) fn ls(a: LsArgs) -> kspeed::Result<()> {
                 continue;
             }
         }
-        let class_name = smp
+        let class_bytes = smp
             .label
             .filter(|&l| (l as u64) < cat.class_count())
-            .map(|l| cat.class_name(l).into_owned());
+            .map(|l| cat.class_name_bytes(l));
+        let class_name = class_bytes.map(String::from_utf8_lossy);
         let holders: Vec<u32> = placement
             .map(|p| (0..p.replicas).map(|r| p.holder(id, r)).collect())
             .unwrap_or_default();
@@ -148,12 +180,12 @@ pub(crate) fn ls(a: LsArgs) -> kspeed::Result<()> {
         let line = if a.json {
             let mut v = json!({
                 "id": id,
-                "path": path.to_string_lossy(),
                 "len": smp.len,
                 "crc32c": format!("{:#010x}", smp.crc32c),
                 "label": smp.label,
-                "class": class_name,
             });
+            put_name(&mut v, "path", Some(path.as_os_str().as_bytes()));
+            put_name(&mut v, "class", class_bytes);
             if tar {
                 v["offset"] = json!(smp.offset);
             }
@@ -242,4 +274,24 @@ pub(crate) fn cat(a: CatArgs) -> kspeed::Result<()> {
     out.write_all(&buf)
         .and_then(|()| out.flush())
         .map_err(|e| kspeed::Error::io("write", "stdout", e))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn base64_matches_rfc4648() {
+        for (raw, enc) in [
+            (&b""[..], ""),
+            (b"f", "Zg=="),
+            (b"fo", "Zm8="),
+            (b"foo", "Zm9v"),
+            (b"foob", "Zm9vYg=="),
+            (b"fooba", "Zm9vYmE="),
+            (b"foobar", "Zm9vYmFy"),
+            (b"cl\xfe", "Y2z+"),
+            (b"\xff\xff\xff", "////"),
+        ] {
+            assert_eq!(super::base64(raw), enc, "{raw:?}");
+        }
+    }
 }

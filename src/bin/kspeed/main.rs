@@ -179,8 +179,8 @@ struct CatalogArgs {
 /// How a source scan treats what is not a plain sample.
 #[derive(Args)]
 struct ScanArgs {
-    /// Skip FIFOs, devices and sockets in the source (reported with a count)
-    /// instead of refusing them.
+    /// Skip FIFOs, devices, sockets and dangling symlinks in the source
+    /// (reported with a count) instead of refusing them.
     #[arg(long)]
     skip_special: bool,
     /// Follow symbolic links that lead outside the source tree (refused by default).
@@ -526,8 +526,24 @@ fn run(cli: Cli) -> kspeed::Result<ExitCode> {
 /// than the HELLO frame allows is an error; readable by every user is a
 /// warning).
 pub(crate) fn read_token(path: &std::path::Path) -> kspeed::Result<Vec<u8>> {
+    use kspeed::transport::proto::MAX_TOKEN_BYTES;
+    use std::io::Read;
     use std::os::unix::fs::PermissionsExt;
-    let raw = std::fs::read(path).map_err(|e| kspeed::Error::io("read token file", path, e))?;
+    // The largest token a HELLO carries plus a line ending (CRLF). One byte
+    // more is read to tell a file that is too long, so `/dev/zero` or a
+    // huge file is refused after reading that much rather than read until
+    // memory runs out.
+    let file_limit_bytes = MAX_TOKEN_BYTES + 2;
+    let mut raw = Vec::with_capacity(file_limit_bytes + 1);
+    std::fs::File::open(path)
+        .and_then(|f| f.take(file_limit_bytes as u64 + 1).read_to_end(&mut raw))
+        .map_err(|e| kspeed::Error::io("read token file", path, e))?;
+    if raw.len() > file_limit_bytes {
+        return Err(kspeed::Error::InvalidConfig(format!(
+            "token file {} holds more than {file_limit_bytes} bytes; a token is at most {MAX_TOKEN_BYTES} bytes (what a HELLO frame carries), plus a line ending",
+            path.display()
+        )));
+    }
     if let Ok(md) = std::fs::metadata(path) {
         let mode = md.permissions().mode();
         if mode & 0o004 != 0 {
@@ -548,11 +564,10 @@ pub(crate) fn read_token(path: &std::path::Path) -> kspeed::Result<Vec<u8>> {
             path.display()
         )));
     }
-    if end > kspeed::transport::proto::MAX_TOKEN_BYTES {
+    if end > MAX_TOKEN_BYTES {
         return Err(kspeed::Error::InvalidConfig(format!(
-            "token file {} holds a {end}-byte token; the most a HELLO frame carries is {} bytes",
+            "token file {} holds a {end}-byte token; the most a HELLO frame carries is {MAX_TOKEN_BYTES} bytes",
             path.display(),
-            kspeed::transport::proto::MAX_TOKEN_BYTES
         )));
     }
     Ok(raw[..end].to_vec())

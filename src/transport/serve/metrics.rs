@@ -1,8 +1,9 @@
 //! The node service's metrics: counters the pollers bump with relaxed
 //! atomics (no lock, no allocation on the data path), read at scrape time
 //! by a `prometheus-client` collector and served as Prometheus text by a
-//! small HTTP server (`--metrics ADDR`, `GET /metrics`); the same numbers
-//! go to the log on SIGUSR1 and at exit.
+//! small HTTP/1.1 server on one thread (`--metrics ADDR`, `GET /metrics`;
+//! bounded connections, each with a deadline: see [`serve_http`]); the same
+//! numbers go to the log on SIGUSR1 and at exit.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -327,34 +328,296 @@ pub(crate) fn render(c: &Arc<Common>) -> String {
     out
 }
 
-/// Serves `GET /metrics` on `server` until the service stops.
-pub(crate) fn serve_http(c: Arc<Common>, server: tiny_http::Server) {
+/// Metrics connections served at once. A scraper needs one; a newer
+/// connection beyond this closes the oldest, so idle or slow connections
+/// cannot hold the port.
+pub(crate) const METRICS_MAX_CONNS: usize = 16;
+
+/// A metrics connection's whole life, from accept to the answer written:
+/// a connection that has not sent its request, or not read the answer, by
+/// then is closed.
+pub(crate) const METRICS_CONN_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The largest request head (request line and headers) read; a longer one
+/// is answered 431.
+const METRICS_MAX_REQUEST_BYTES: usize = 8192;
+
+/// The metrics port's listener, bound when the service starts (so a port in
+/// use fails the start); [`serve_http`] serves it on one thread.
+pub(crate) struct MetricsListener {
+    listener: std::net::TcpListener,
+    addr: std::net::SocketAddr,
+}
+
+impl MetricsListener {
+    /// Binds `addr` (`HOST:PORT`; port 0 picks one).
+    pub(crate) fn bind(addr: &str) -> crate::error::Result<Self> {
+        let fail = |e: std::io::Error| {
+            crate::error::Error::Serve(format!("cannot serve metrics on {addr}: {e}"))
+        };
+        let listener = std::net::TcpListener::bind(addr).map_err(fail)?;
+        listener.set_nonblocking(true).map_err(fail)?;
+        let addr = listener.local_addr().map_err(fail)?;
+        Ok(MetricsListener { listener, addr })
+    }
+
+    /// The address it listens on.
+    pub(crate) fn local_addr(&self) -> std::net::SocketAddr {
+        self.addr
+    }
+}
+
+/// Where a metrics connection is.
+enum HttpStage {
+    /// Reading the request head.
+    Request,
+    /// Writing the answer (`sent` bytes of `out` so far).
+    Answer { out: Vec<u8>, sent: usize },
+    /// Answer written and our side shut: reading until the client closes,
+    /// so unread request bytes do not turn the close into a reset that
+    /// could discard the answer.
+    Drain,
+}
+
+/// One metrics connection.
+struct HttpConn {
+    sock: std::net::TcpStream,
+    deadline: Instant,
+    /// The request head so far (a buffer from the pool).
+    buf: Box<[u8]>,
+    have: usize,
+    stage: HttpStage,
+}
+
+/// The answer to a request head: status line, content type, body.
+fn answer(c: &Arc<Common>, head: &[u8]) -> Vec<u8> {
+    let line = head.split(|&b| b == b'\n').next().unwrap_or_default();
+    let line = std::str::from_utf8(line).unwrap_or("").trim_end();
+    let mut parts = line.split(' ');
+    let (method, target) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+    let path = target.split('?').next().unwrap_or("");
+    let (status, ctype, body) = if !parts.next().is_some_and(|v| v.starts_with("HTTP/")) {
+        (
+            "400 Bad Request",
+            "text/plain",
+            "bad request: expected GET /metrics HTTP/1.1\n".to_string(),
+        )
+    } else if method == "GET" && (path == "/metrics" || path == "/") {
+        (
+            "200 OK",
+            "text/plain; version=0.0.4; charset=utf-8",
+            render(c),
+        )
+    } else {
+        (
+            "404 Not Found",
+            "text/plain",
+            "not found: GET /metrics\n".to_string(),
+        )
+    };
+    http_response(status, ctype, &body)
+}
+
+fn http_response(status: &str, ctype: &str, body: &str) -> Vec<u8> {
+    let mut out = format!(
+        "HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    )
+    .into_bytes();
+    out.extend_from_slice(body.as_bytes());
+    out
+}
+
+impl HttpConn {
+    /// Moves the connection on as far as it goes without blocking; true
+    /// when it is finished (answered and closed by the client, or failed).
+    fn step(&mut self, c: &Arc<Common>) -> bool {
+        use std::io::Read;
+        use std::os::fd::AsRawFd;
+        loop {
+            match &mut self.stage {
+                HttpStage::Request => {
+                    let n = match self.sock.read(&mut self.buf[self.have..]) {
+                        Ok(0) => return true,
+                        Ok(n) => n,
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return false,
+                        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                        Err(_) => return true,
+                    };
+                    // Look for the blank line from where it could start.
+                    let from = self.have.saturating_sub(3);
+                    self.have += n;
+                    let head = &self.buf[..self.have];
+                    let end = head[from..]
+                        .windows(4)
+                        .position(|w| w == b"\r\n\r\n")
+                        .or_else(|| head[from..].windows(2).position(|w| w == b"\n\n"));
+                    let out = if end.is_some() {
+                        answer(c, head)
+                    } else if self.have == self.buf.len() {
+                        http_response(
+                            "431 Request Header Fields Too Large",
+                            "text/plain",
+                            "request head too large\n",
+                        )
+                    } else {
+                        continue;
+                    };
+                    self.stage = HttpStage::Answer { out, sent: 0 };
+                }
+                HttpStage::Answer { out, sent } => {
+                    match crate::sys::send_nonblocking(self.sock.as_raw_fd(), &out[*sent..]) {
+                        Ok(n) => *sent += n,
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return false,
+                        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                        Err(_) => return true,
+                    }
+                    if *sent == out.len() {
+                        let _ = self.sock.shutdown(std::net::Shutdown::Write);
+                        self.stage = HttpStage::Drain;
+                    }
+                }
+                HttpStage::Drain => match self.sock.read(&mut self.buf) {
+                    Ok(0) => return true,
+                    Ok(_) => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return false,
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(_) => return true,
+                },
+            }
+        }
+    }
+
+    fn events(&self) -> i16 {
+        match self.stage {
+            HttpStage::Answer { .. } => libc::POLLOUT,
+            _ => libc::POLLIN,
+        }
+    }
+}
+
+/// Serves `GET /metrics` on `server` until the service stops, on the
+/// calling thread alone: at most [`METRICS_MAX_CONNS`] connections at once
+/// (a newer one closes the oldest), each closed at
+/// [`METRICS_CONN_TIMEOUT`] after its accept, one answer per connection.
+/// The port costs this one thread and at most that many descriptors,
+/// however many connections arrive.
+pub(crate) fn serve_http(c: Arc<Common>, server: MetricsListener) {
+    use std::os::fd::AsRawFd;
+    let mut conns: Vec<HttpConn> = Vec::with_capacity(METRICS_MAX_CONNS);
+    let mut spare: Vec<Box<[u8]>> = (0..METRICS_MAX_CONNS)
+        .map(|_| vec![0u8; METRICS_MAX_REQUEST_BYTES].into_boxed_slice())
+        .collect();
+    let mut pollfds: Vec<libc::pollfd> = Vec::with_capacity(METRICS_MAX_CONNS + 1);
+    // After an accept failure for lack of descriptors: no accepting before this.
+    let mut paused_until: Option<Instant> = None;
+    let mut evicted = 0u64;
     while !c.stop.load(Ordering::Acquire) {
-        let req = match server.recv_timeout(Duration::from_millis(100)) {
-            Ok(Some(r)) => r,
-            Ok(None) => continue,
-            Err(e) => {
-                log::warn!("metrics endpoint: {e}");
-                std::thread::sleep(Duration::from_millis(100));
+        let now = Instant::now();
+        // Expired connections close (their buffers go back to the pool).
+        conns.retain_mut(|h| {
+            let live = h.deadline > now;
+            if !live {
+                spare.push(std::mem::take(&mut h.buf));
+            }
+            live
+        });
+        if paused_until.is_some_and(|t| now >= t) {
+            paused_until = None;
+        }
+        pollfds.clear();
+        pollfds.push(libc::pollfd {
+            fd: server.listener.as_raw_fd(),
+            events: if paused_until.is_none() {
+                libc::POLLIN
+            } else {
+                0
+            },
+            revents: 0,
+        });
+        for h in &conns {
+            pollfds.push(libc::pollfd {
+                fd: h.sock.as_raw_fd(),
+                events: h.events(),
+                revents: 0,
+            });
+        }
+        // Wake for the stop flag, the oldest deadline and the pause.
+        let mut wake = now + Duration::from_millis(100);
+        if let Some(h) = conns.first() {
+            wake = wake.min(h.deadline);
+        }
+        if let Some(t) = paused_until {
+            wake = wake.min(t);
+        }
+        let ms = wake.saturating_duration_since(now).as_millis() as i32 + 1;
+        if let Err(e) = crate::sys::poll_fds(&mut pollfds, ms) {
+            log::error!("metrics endpoint: poll: {e}");
+            std::thread::sleep(Duration::from_millis(10));
+            continue;
+        }
+        // Connections in order (a finished one is removed and its pollfd
+        // skipped), then new ones.
+        let (mut i, mut fd_i) = (0, 1);
+        while i < conns.len() {
+            let ready = pollfds[fd_i].revents != 0;
+            fd_i += 1;
+            if ready && conns[i].step(&c) {
+                let mut h = conns.remove(i);
+                spare.push(std::mem::take(&mut h.buf));
                 continue;
             }
-        };
-        let path = req.url().split('?').next().unwrap_or("");
-        let res = if *req.method() == tiny_http::Method::Get && (path == "/metrics" || path == "/")
-        {
-            let ct = tiny_http::Header::from_bytes(
-                &b"Content-Type"[..],
-                &b"text/plain; version=0.0.4; charset=utf-8"[..],
-            )
-            .expect("a valid header");
-            req.respond(tiny_http::Response::from_string(render(&c)).with_header(ct))
-        } else {
-            req.respond(
-                tiny_http::Response::from_string("not found: GET /metrics\n").with_status_code(404),
-            )
-        };
-        if let Err(e) = res {
-            log::debug!("metrics endpoint: answering: {e}");
+            i += 1;
+        }
+        if pollfds[0].revents == 0 {
+            continue;
+        }
+        for _ in 0..64 {
+            let sock = match server.listener.accept() {
+                Ok((sock, _)) => sock,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e)
+                    if matches!(
+                        e.raw_os_error(),
+                        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
+                    ) =>
+                {
+                    log::warn!("metrics endpoint: accept: {e}; pausing 100 ms");
+                    paused_until = Some(Instant::now() + Duration::from_millis(100));
+                    break;
+                }
+                Err(e) => {
+                    // That one connection is gone (ECONNABORTED...).
+                    log::debug!("metrics endpoint: accept: {e}");
+                    continue;
+                }
+            };
+            if sock.set_nonblocking(true).is_err() {
+                continue;
+            }
+            if conns.len() >= METRICS_MAX_CONNS {
+                let mut old = conns.remove(0);
+                spare.push(std::mem::take(&mut old.buf));
+                evicted += 1;
+                if evicted.is_power_of_two() {
+                    log::info!(
+                        "metrics endpoint: {evicted} connections closed to make room for newer ones (at most {METRICS_MAX_CONNS} at once)"
+                    );
+                }
+            }
+            let mut h = HttpConn {
+                sock,
+                deadline: Instant::now() + METRICS_CONN_TIMEOUT,
+                buf: spare.pop().expect("a spare buffer per connection"),
+                have: 0,
+                stage: HttpStage::Request,
+            };
+            // The request usually came with the connection: try it now.
+            if h.step(&c) {
+                spare.push(std::mem::take(&mut h.buf));
+            } else {
+                conns.push(h);
+            }
         }
     }
 }

@@ -97,14 +97,9 @@ impl NodeService {
         });
         let metrics_server = match &common.cfg.metrics {
             None => None,
-            Some(a) => Some(
-                tiny_http::Server::http(a.as_str())
-                    .map_err(|e| Error::Serve(format!("cannot serve metrics on {a}: {e}")))?,
-            ),
+            Some(a) => Some(metrics::MetricsListener::bind(a)?),
         };
-        let metrics_addr = metrics_server
-            .as_ref()
-            .and_then(|s| s.server_addr().to_ip());
+        let metrics_addr = metrics_server.as_ref().map(|s| s.local_addr());
         // Everything that can fail is made before the first thread starts;
         // should spawning fail anyway, the threads already running are
         // stopped and joined (none is left behind).
