@@ -46,13 +46,18 @@ typedef enum {
   KSP_ERR_NULL_ARG = 1,
   // An argument or configuration value is invalid (the message says which).
   KSP_ERR_INVALID_ARG = 2,
-  // An I/O error on a named file (open, read, write, disk full).
+  // An I/O error on a named file (open, read, write, disk full, a space
+  // locked by another process).
   KSP_ERR_IO = 3,
-  // Corrupt or incompatible data (catalog, manifest, sample checksum).
+  // Wrong, corrupt or incompatible data: a catalog, manifest or sample
+  // checksum, a source with no samples, a source entry that cannot be a
+  // sample (not a regular file, a symlink loop or one leading outside
+  // the source), a catalog of another source.
   KSP_ERR_DATA = 4,
   // A node refused, broke the protocol, or a sample could not be fetched.
   KSP_ERR_NETWORK = 5,
-  // A system resource is missing or limited (memlock, io_uring, NUMA, CUDA).
+  // A system resource is missing or limited (memlock, io_uring, threads,
+  // NUMA, CUDA, RDMA verbs).
   KSP_ERR_RESOURCE = 6,
   // The object is not in a state for this call (e.g. a loader that failed).
   KSP_ERR_STATE = 7,
@@ -66,6 +71,12 @@ typedef enum {
   // smaller than the struct's first layout, not a multiple of 8, or
   // implausibly large (not set to `sizeof`). Nothing was written.
   KSP_ERR_STRUCT_SIZE = 11,
+  // The loader was created by another process: this is a forked child
+  // (`fork()` copies the loader's memory but none of its threads, and
+  // its ring and connections belong to the parent). Nothing was done or
+  // written; the message names both pids. Create a new loader in the
+  // child (see `ksp_loader_new` on fork).
+  KSP_ERR_FORKED = 12,
 } ksp_status;
 
 // Loader settings, built with [`ksp_config_set`]. Opaque.
@@ -432,12 +443,29 @@ ksp_status ksp_last_error(char *buf, size_t buf_len, size_t *out_len);
 // or source); `KSP_ERR_RESOURCE` (memlock limit, io_uring); `KSP_ERR_NETWORK`
 // (a node refused). The caller owns `*out`.
 //
+// Fork: the loader belongs to the process that created it. A `fork()`ed
+// child gets a copy of the handle but none of the loader's threads and
+// none of its ring (mapped `MADV_DONTFORK`), so every call on the handle
+// in the child returns `KSP_ERR_FORKED` ("this loader was created by pid
+// X; a forked child (pid Y) cannot use it...") without doing or writing
+// anything, and [`ksp_loader_free`] there leaks the child's copy of the
+// handle rather than stop the parent's threads. The parent's loader is
+// unaffected. A child that needs data creates its own loader.
+//
+// Thread safety: any thread; `cfg` is only read (but not while another
+// thread calls [`super::ksp_config_set`] on it).
+//
 // # Safety
 // `cfg` is a live configuration; `out` writable.
 ksp_status ksp_loader_new(const ksp_config *cfg, ksp_loader **out);
 
 // Stops the loader's threads and frees it and its ring. NULL is a no-op;
-// every pointer from its batches dies with it.
+// every pointer from its batches dies with it. In a forked child (a
+// process other than the one that created it) it frees nothing: the
+// child's copy of the handle is leaked, and the parent's loader is left
+// alone (see [`ksp_loader_new`] on fork).
+//
+// Thread safety: no other call on `l` may run or follow.
 //
 // # Safety
 // `l` is NULL or came from [`ksp_loader_new`] and was not freed.

@@ -160,6 +160,37 @@ fn cpp_batches_release_only_their_own() {
     assert_passed(&o, "C++ batch lifetimes");
 }
 
+/// A forked child cannot use its parent's loader (tests/c/fork_test.c):
+/// every call in the child is `KSP_ERR_FORKED` naming both pids with
+/// nothing written, `ksp_loader_free` there leaves the parent alone, and
+/// the parent reads its held batch and the rest of the epoch byte-exact.
+/// Run under AddressSanitizer.
+#[test]
+fn forked_child_is_refused_and_the_parent_goes_on() {
+    let d = data();
+    let Some(bin) = compile_with(
+        "gcc",
+        "-std=c11",
+        "tests/c/fork_test.c",
+        &d.work.join("fork_test"),
+        &["-fsanitize=address,undefined", "-fno-omit-frame-pointer"],
+    ) else {
+        return;
+    };
+    let o = Command::new(&bin)
+        .arg(&d.space)
+        // The child leaks its copy of the loader by design.
+        .env(
+            "ASAN_OPTIONS",
+            "detect_leaks=0:abort_on_error=0:exitcode=23",
+        )
+        .output()
+        .unwrap();
+    assert_passed(&o, "fork");
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("child: all checks passed"), "{out}");
+}
+
 #[test]
 fn c_test_passes() {
     let d = data();
