@@ -160,6 +160,36 @@ fn cpp_batches_release_only_their_own() {
     assert_passed(&o, "C++ batch lifetimes");
 }
 
+/// A C++ `kspeed::Batch` may outlive its `kspeed::Loader`
+/// (tests/c/batch_outlives_loader.cpp, under AddressSanitizer with leak
+/// checking): the batch's bytes stay valid and byte-exact after the
+/// Loader's destructor, its release touches no freed memory, and the C
+/// loader is freed with the last batch (no leak).
+#[test]
+fn cpp_batch_outlives_its_loader() {
+    let d = data();
+    let Some(bin) = compile_with(
+        "g++",
+        "-std=c++17",
+        "tests/c/batch_outlives_loader.cpp",
+        &d.work.join("batch_outlives_loader"),
+        &["-fsanitize=address,undefined", "-fno-omit-frame-pointer"],
+    ) else {
+        return;
+    };
+    let o = Command::new(&bin)
+        .arg(&d.space)
+        .env(
+            "ASAN_OPTIONS",
+            "detect_leaks=1:abort_on_error=0:exitcode=23",
+        )
+        .output()
+        .unwrap();
+    assert_passed(&o, "C++ batch outliving its loader");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!err.contains("ERROR: AddressSanitizer"), "{err}");
+}
+
 /// A forked child cannot use its parent's loader (tests/c/fork_test.c):
 /// every call in the child is `KSP_ERR_FORKED` naming both pids with
 /// nothing written, `ksp_loader_free` there leaves the parent alone, and
