@@ -350,3 +350,84 @@ fn header_constants_match_the_library() {
         "build.rs's soname version follows KSP_ABI_VERSION"
     );
 }
+
+/// The calling thread's last C ABI message.
+fn last_error() -> String {
+    use kspeed::capi::ksp_last_error;
+    let mut buf = vec![0 as std::ffi::c_char; 4096];
+    let mut n = 0usize;
+    // SAFETY: buf is writable for its length; n writable.
+    unsafe { ksp_last_error(buf.as_mut_ptr(), buf.len(), &mut n) };
+    // SAFETY: ksp_last_error NUL-terminated it.
+    unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+/// `ksp_config_set(cfg, key, value)` from Rust.
+fn config_set(cfg: *mut kspeed::capi::ksp_config, k: &str, v: &str) -> kspeed::capi::ksp_status {
+    let (k, v) = (
+        std::ffi::CString::new(k).unwrap(),
+        std::ffi::CString::new(v).unwrap(),
+    );
+    // SAFETY: a live configuration and two C strings.
+    unsafe { kspeed::capi::ksp_config_set(cfg, k.as_ptr(), v.as_ptr()) }
+}
+
+/// The C ABI's messages say what kspeed.h promises: an unknown key names
+/// the key and its value; a sample too large for the ring is described by
+/// its own size and slot, not the largest sample's (sample 0 is 10,000
+/// bytes, sample 1 300,000: the message used to say "sample 0 (10000
+/// bytes, 303104 with alignment)").
+#[test]
+fn c_messages_name_the_key_value_and_the_sample_s_own_size() {
+    use kspeed::capi::*;
+    let mut cfg: *mut ksp_config = std::ptr::null_mut();
+    // SAFETY: cfg is writable.
+    assert_eq!(unsafe { ksp_config_new(&mut cfg) }, ksp_status::KSP_OK);
+
+    let st = config_set(cfg, "ring_byts", "1GiB");
+    let msg = last_error();
+    assert_eq!(st, ksp_status::KSP_ERR_INVALID_ARG, "{msg}");
+    assert!(
+        msg.contains("\"ring_byts\"") && msg.contains("\"1GiB\""),
+        "the message names the key and the value: {msg}"
+    );
+
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("src");
+    put(&src, "c/a.bin", &bytes_for(0, 10_000));
+    put(&src, "c/b.bin", &bytes_for(1, 300_000));
+    for (k, v) in [
+        ("source", s(&src)),
+        ("ring_bytes", "8KiB"),
+        ("batch_size", "1"),
+        ("mlock", "false"),
+        ("huge_pages", "false"),
+        ("pin", "false"),
+    ] {
+        assert_eq!(
+            config_set(cfg, k, v),
+            ksp_status::KSP_OK,
+            "{k}: {}",
+            last_error()
+        );
+    }
+    let mut l: *mut ksp_loader = std::ptr::null_mut();
+    // SAFETY: a live configuration; l writable.
+    let st = unsafe { ksp_loader_new(cfg, &mut l) };
+    let msg = last_error();
+    // SAFETY: freed once, not used afterwards.
+    unsafe { ksp_config_free(cfg) };
+    assert_eq!(st, ksp_status::KSP_ERR_INVALID_ARG, "{msg}");
+    assert!(l.is_null());
+    let slot: u64 = msg
+        .strip_prefix("sample 0 (10000 bytes, ")
+        .and_then(|r| r.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("the message names sample 0 and its size: {msg}"));
+    assert!(
+        (10_000..300_000).contains(&slot),
+        "sample 0's own slot, not the largest sample's: {msg}"
+    );
+}

@@ -143,6 +143,9 @@ pub(super) fn guard(f: impl FnOnce() -> Result<(), Fail>) -> ksp_status {
 /// Returns `KSP_ERR_BUFFER_TOO_SMALL` when truncated (`*out_len` says the
 /// size needed), `KSP_ERR_NULL_ARG` when `buf` or `out_len` is NULL.
 ///
+/// Thread safety: any thread. Each thread has its own message: the one of
+/// its own last failed call.
+///
 /// # Safety
 /// `buf` must be writable for `buf_len` bytes; `out_len` writable.
 #[no_mangle]

@@ -110,6 +110,9 @@ pub unsafe extern "C" fn ksp_loader_free(l: *mut ksp_loader) {
 /// error's status. After a failure here the loader stays failed, but its
 /// catalog, statistics and position can still be read.
 ///
+/// Thread safety: one call on `l` at a time (serialise every call on one
+/// loader); other loaders may be used from other threads at once.
+///
 /// # Safety
 /// `l` is a live loader.
 #[no_mangle]
@@ -128,6 +131,10 @@ pub unsafe extern "C" fn ksp_loader_set_epoch(l: *mut ksp_loader, epoch: u64) ->
 ///
 /// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`.
 ///
+/// Thread safety: one call on `l` at a time, reads included (serialise
+/// every call on one loader; a read must not overlap `ksp_loader_next_batch`
+/// on another thread); other loaders may be used from other threads at once.
+///
 /// # Safety
 /// `l` is a live loader; `out` writable.
 #[no_mangle]
@@ -145,6 +152,10 @@ pub unsafe extern "C" fn ksp_loader_epoch_len(l: *const ksp_loader, out: *mut u6
 /// whole and the tail is dropped), so DDP ranks stay in lock-step.
 ///
 /// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`.
+///
+/// Thread safety: one call on `l` at a time, reads included (serialise
+/// every call on one loader; a read must not overlap `ksp_loader_next_batch`
+/// on another thread); other loaders may be used from other threads at once.
 ///
 /// # Safety
 /// `l` is a live loader; `out` writable.
@@ -165,6 +176,10 @@ pub unsafe extern "C" fn ksp_loader_batches_per_epoch(
 /// epoch and its step within the epoch.
 ///
 /// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`.
+///
+/// Thread safety: one call on `l` at a time, reads included (serialise
+/// every call on one loader; a read must not overlap `ksp_loader_next_batch`
+/// on another thread); other loaders may be used from other threads at once.
 ///
 /// # Safety
 /// `l` is a live loader; `epoch` and `index` writable.
@@ -195,6 +210,10 @@ pub unsafe extern "C" fn ksp_loader_position(
 /// set) when `buf_len` is less.
 ///
 /// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_BUFFER_TOO_SMALL`.
+///
+/// Thread safety: one call on `l` at a time, reads included (serialise
+/// every call on one loader; a read must not overlap `ksp_loader_next_batch`
+/// on another thread); other loaders may be used from other threads at once.
 ///
 /// # Safety
 /// `l` is a live loader; `buf` writable for `buf_len` bytes; `out_len` writable.
@@ -230,6 +249,9 @@ pub unsafe extern "C" fn ksp_loader_save_position(
 /// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_INVALID_ARG` (not a
 /// position of this loader's job or dataset); a loader that failed earlier
 /// returns its first error's status.
+///
+/// Thread safety: one call on `l` at a time (serialise every call on one
+/// loader); other loaders may be used from other threads at once.
 ///
 /// # Safety
 /// `l` is a live loader; `buf` readable for `len` bytes.
@@ -347,6 +369,10 @@ pub const KSP_STATS_MIN_SIZE: usize = offset_of!(ksp_stats, p90_us);
 ///
 /// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_STRUCT_SIZE`.
 ///
+/// Thread safety: one call on `l` at a time, reads included (serialise
+/// every call on one loader; a read must not overlap `ksp_loader_next_batch`
+/// on another thread); other loaders may be used from other threads at once.
+///
 /// # Safety
 /// `l` is a live loader; `out` points to a `ksp_stats` of the layout its
 /// `struct_size` says, writable.
@@ -432,6 +458,10 @@ pub const KSP_CATALOG_SAMPLE_MIN_SIZE: usize =
 ///
 /// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`.
 ///
+/// Thread safety: one call on `l` at a time, reads included (serialise
+/// every call on one loader; a read must not overlap `ksp_loader_next_batch`
+/// on another thread); other loaders may be used from other threads at once.
+///
 /// # Safety
 /// `l` is a live loader; `out` writable.
 #[no_mangle]
@@ -450,6 +480,10 @@ pub unsafe extern "C" fn ksp_loader_catalog_len(l: *const ksp_loader, out: *mut 
 ///
 /// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_STRUCT_SIZE`;
 /// `KSP_ERR_INVALID_ARG`.
+///
+/// Thread safety: one call on `l` at a time, reads included (serialise
+/// every call on one loader; a read must not overlap `ksp_loader_next_batch`
+/// on another thread); other loaders may be used from other threads at once.
 ///
 /// # Safety
 /// `l` is a live loader; `out` points to a `ksp_catalog_sample` of the

@@ -17,6 +17,10 @@ use crate::progress::ProgressMode;
 /// (placement); `KSP_ERR_IO` (source, disk full, space locked by another
 /// preload); `KSP_ERR_DATA` (source changed, corrupt catalog).
 ///
+/// Thread safety: any thread; it blocks until the preload is done. Two
+/// preloads of one space exclude each other (the space's lock:
+/// `KSP_ERR_IO`, naming the holder).
+///
 /// # Safety
 /// String arguments are NULL or NUL-terminated.
 #[no_mangle]
@@ -58,6 +62,8 @@ pub unsafe extern "C" fn ksp_preload(
 ///
 /// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_IO` / `KSP_ERR_DATA` (the
 /// space cannot be opened).
+///
+/// Thread safety: any thread; it blocks until every sample was read.
 ///
 /// # Safety
 /// `space` NUL-terminated; `checked`, `bad` NULL or writable.
