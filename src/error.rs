@@ -618,6 +618,75 @@ impl<T> IoContext<T> for io::Result<T> {
 mod tests {
     use super::*;
 
+    /// The three variants the Python binding's wildcard used to turn into
+    /// kind "Other" have their own kind and class, shared by the C ABI and
+    /// Python (the exhaustive match maps every other variant: a new one
+    /// does not compile until it is given both).
+    #[test]
+    fn every_variant_has_its_own_kind_and_class() {
+        let cases = [
+            (
+                Error::NotRegularFile {
+                    path: "/src/a/fifo".into(),
+                    what: "a FIFO",
+                },
+                "NotRegularFile",
+                ErrorClass::Data,
+            ),
+            (
+                Error::SymlinkOutsideSource {
+                    path: "/src/a/l".into(),
+                    target: "/etc/passwd".into(),
+                },
+                "SymlinkOutsideSource",
+                ErrorClass::Data,
+            ),
+            (
+                Error::CatalogOfAnotherSource {
+                    catalog: "/c.ksc".into(),
+                    catalog_source: "/a".into(),
+                    given: "/b".into(),
+                },
+                "CatalogOfAnotherSource",
+                ErrorClass::Data,
+            ),
+            (
+                Error::Memlock {
+                    needed: 1,
+                    limit: 0,
+                    errno: libc::ENOMEM,
+                },
+                "Memlock",
+                ErrorClass::Resource,
+            ),
+            (Error::Serve("bind".into()), "Serve", ErrorClass::Service),
+        ];
+        for (e, name, class) in cases {
+            assert_eq!(e.kind_name(), name, "{e}");
+            assert_eq!(e.class(), class, "{e}");
+        }
+        // A loader that failed keeps its first error's class; its own kind
+        // is LoaderFailed, the first error's is root()'s.
+        let failed = Error::LoaderFailed(Box::new(Error::SampleCorrupt {
+            sample: 3,
+            path: "/x".into(),
+            expected: 1,
+            computed: 2,
+        }));
+        assert_eq!(failed.kind_name(), "LoaderFailed");
+        assert_eq!(failed.class(), ErrorClass::Data);
+        assert_eq!(failed.root().kind_name(), "SampleCorrupt");
+        assert_eq!(
+            Error::DiskFull {
+                path: "/x".into(),
+                needed: 1,
+                available: 0
+            }
+            .os_errno(),
+            Some(libc::ENOSPC)
+        );
+    }
+
     /// Every errno keeps its number, and gets the C library's description:
     /// the old table knew 26 names and printed a bare "errno" for the rest.
     #[test]
