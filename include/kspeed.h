@@ -5,7 +5,11 @@
    only on success; ksp_last_error() gives the calling thread's last failure
    message; a panic inside kspeed comes back as KSP_ERR_PANIC. A handle is
    used by one thread at a time; different handles may be used from
-   different threads. Link with -lkspeed (pkg-config kspeed). */
+   different threads (each function's "Thread safety" note says more).
+   Fork: a loader belongs to the process that created it; in a forked
+   child every call on it returns KSP_ERR_FORKED and writes nothing, and
+   ksp_loader_free leaks the child's copy (see ksp_loader_new).
+   Link with -lkspeed (pkg-config kspeed). */
 
 #ifndef KSPEED_H
 #define KSPEED_H
@@ -46,13 +50,18 @@ typedef enum {
   KSP_ERR_NULL_ARG = 1,
   // An argument or configuration value is invalid (the message says which).
   KSP_ERR_INVALID_ARG = 2,
-  // An I/O error on a named file (open, read, write, disk full).
+  // An I/O error on a named file (open, read, write, disk full, a space
+  // locked by another process).
   KSP_ERR_IO = 3,
-  // Corrupt or incompatible data (catalog, manifest, sample checksum).
+  // Wrong, corrupt or incompatible data: a catalog, manifest or sample
+  // checksum, a source with no samples, a source entry that cannot be a
+  // sample (not a regular file, a symlink loop or one leading outside
+  // the source), a catalog of another source.
   KSP_ERR_DATA = 4,
   // A node refused, broke the protocol, or a sample could not be fetched.
   KSP_ERR_NETWORK = 5,
-  // A system resource is missing or limited (memlock, io_uring, NUMA, CUDA).
+  // A system resource is missing or limited (memlock, io_uring, threads,
+  // NUMA, CUDA, RDMA verbs).
   KSP_ERR_RESOURCE = 6,
   // The object is not in a state for this call (e.g. a loader that failed).
   KSP_ERR_STATE = 7,
@@ -66,6 +75,12 @@ typedef enum {
   // smaller than the struct's first layout, not a multiple of 8, or
   // implausibly large (not set to `sizeof`). Nothing was written.
   KSP_ERR_STRUCT_SIZE = 11,
+  // The loader was created by another process: this is a forked child
+  // (`fork()` copies the loader's memory but none of its threads, and
+  // its ring and connections belong to the parent). Nothing was done or
+  // written; the message names both pids. Create a new loader in the
+  // child (see `ksp_loader_new` on fork).
+  KSP_ERR_FORKED = 12,
 } ksp_status;
 
 // Loader settings, built with [`ksp_config_set`]. Opaque.
@@ -239,9 +254,13 @@ extern "C" {
 #endif // __cplusplus
 
 // The kspeed version, a static NUL-terminated string (never freed).
+//
+// Thread safety: any thread.
 const char *ksp_version(void);
 
 // The C ABI version ([`KSP_ABI_VERSION`] of the library actually loaded).
+//
+// Thread safety: any thread.
 uint32_t ksp_abi_version(void);
 
 #if defined(KSP_TEST_PANIC)
@@ -270,6 +289,11 @@ ksp_status ksp_test_panic(void);
 // `KSP_MAX_STRUCT_SIZE`) is `KSP_ERR_STRUCT_SIZE`, with nothing waited for
 // or written.
 //
+// Thread safety: one call on `l` at a time (serialise every call on one
+// loader); it blocks the calling thread until the batch is read. Other
+// loaders may be used from other threads at once. The batch's bytes may be
+// read from any thread until it is released.
+//
 // # Safety
 // `l` is a live loader; `out` points to a `ksp_batch` of the layout its
 // `struct_size` says, writable.
@@ -286,6 +310,10 @@ ksp_status ksp_loader_next_batch(ksp_loader *l, ksp_batch *out);
 // Status: `KSP_OK` (released, or already released); `KSP_ERR_NULL_ARG`;
 // `KSP_ERR_INVALID_ARG` (`seq` was never handed out by this loader).
 //
+// Thread safety: one call on `l` at a time (a batch may be released from
+// another thread than the one that got it, if calls on `l` are
+// serialised).
+//
 // # Safety
 // `l` is a live loader.
 ksp_status ksp_loader_release_batch(ksp_loader *l, uint64_t seq);
@@ -295,6 +323,10 @@ ksp_status ksp_loader_release_batch(ksp_loader *l, uint64_t seq);
 // Labels run from 0 to the count - 1.
 //
 // Status: `KSP_OK`; `KSP_ERR_NULL_ARG`.
+//
+// Thread safety: one call on `l` at a time, reads included (serialise
+// every call on one loader; a read must not overlap `ksp_loader_next_batch`
+// on another thread); other loaders may be used from other threads at once.
 //
 // # Safety
 // `l` is a live loader; `out` writable.
@@ -309,6 +341,10 @@ ksp_status ksp_loader_class_count(const ksp_loader *l, uint64_t *out);
 // Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_INVALID_ARG` (`label` is
 // not below [`ksp_loader_class_count`]); `KSP_ERR_BUFFER_TOO_SMALL`.
 //
+// Thread safety: one call on `l` at a time, reads included (serialise
+// every call on one loader; a read must not overlap `ksp_loader_next_batch`
+// on another thread); other loaders may be used from other threads at once.
+//
 // # Safety
 // `l` is a live loader; `buf` writable for `buf_len` bytes; `out_len` writable.
 ksp_status ksp_loader_class_name(const ksp_loader *l,
@@ -322,6 +358,10 @@ ksp_status ksp_loader_class_name(const ksp_loader *l,
 //
 // Status: `KSP_OK`; `KSP_ERR_NULL_ARG`.
 //
+// Thread safety: one call on `l` at a time, reads included (serialise
+// every call on one loader; a read must not overlap `ksp_loader_next_batch`
+// on another thread); other loaders may be used from other threads at once.
+//
 // # Safety
 // `l` is a live loader; `out` writable.
 ksp_status ksp_loader_member_count(const ksp_loader *l, uint64_t *out);
@@ -331,6 +371,10 @@ ksp_status ksp_loader_member_count(const ksp_loader *l, uint64_t *out);
 //
 // Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_INVALID_ARG` (`index` is
 // not below [`ksp_loader_member_count`]); `KSP_ERR_BUFFER_TOO_SMALL`.
+//
+// Thread safety: one call on `l` at a time, reads included (serialise
+// every call on one loader; a read must not overlap `ksp_loader_next_batch`
+// on another thread); other loaders may be used from other threads at once.
 //
 // # Safety
 // `l` is a live loader; `buf` writable for `buf_len` bytes; `out_len` writable.
@@ -347,6 +391,10 @@ ksp_status ksp_loader_member_name(const ksp_loader *l,
 // Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_INVALID_ARG` (`id` past the
 // catalog, or `index` not below [`ksp_loader_member_count`]).
 //
+// Thread safety: one call on `l` at a time, reads included (serialise
+// every call on one loader; a read must not overlap `ksp_loader_next_batch`
+// on another thread); other loaders may be used from other threads at once.
+//
 // # Safety
 // `l` is a live loader; `offset` and `len` writable.
 ksp_status ksp_loader_sample_member(const ksp_loader *l,
@@ -361,49 +409,68 @@ ksp_status ksp_loader_sample_member(const ksp_loader *l,
 //
 // Status: `KSP_OK`; `KSP_ERR_NULL_ARG` (`out`). The caller owns `*out`.
 //
+// Thread safety: any thread.
+//
 // # Safety
 // `out` must be writable.
 ksp_status ksp_config_new(ksp_config **out);
 
 // Frees a configuration. NULL is a no-op. Using it afterwards is undefined
-// behaviour (as with `free`).
+// behaviour (as with `free`). Loaders created from it do not need it.
+//
+// Thread safety: no other call on `cfg` may run or follow.
 //
 // # Safety
 // `cfg` is NULL or came from [`ksp_config_new`] and was not freed.
 void ksp_config_free(ksp_config *cfg);
 
-// Sets one setting from strings, mirroring the Rust `LoaderBuilder`:
+// Sets one setting from strings, mirroring the Rust `LoaderBuilder`.
+// Every key has the default shown until it is set:
 //
-// | key | value |
-// |---|---|
-// | `space` | a preloaded space directory |
-// | `source` | a source read directly (DIR, list:FILE, tar:DIR) |
-// | `catalog` | the catalog for `source` |
-// | `batch_size` | samples per batch |
-// | `seed` | shuffle seed |
-// | `shuffle`, `drop_last`, `verify_crc32c`, `mlock`, `huge_pages`, `pin` | true/false |
-// | `rank`, `world` | this rank, world size |
-// | `ring_bytes`, `tier_bytes` | sizes, e.g. `256MiB` |
-// | `tier_views` | true: a sample served from the memory tier is handed out in place (its `ksp_sample.data` points into the tier, no copy into the ring); a batch holding such a sample has `span` NULL (see `ksp_batch`). Default false |
-// | `pollers`, `queue_depth`, `submit_batch`, `lookahead` | counts |
-// | `numa_node` | NUMA node of the ring |
-// | `local_rank`, `local_world_size` | this process's rank among the node's ranks and their number (both, or neither: then `KSPEED_LOCAL_RANK`/`KSPEED_LOCAL_WORLD_SIZE`, `LOCAL_RANK`/`LOCAL_WORLD_SIZE`, `OMPI_COMM_WORLD_LOCAL_RANK`/`OMPI_COMM_WORLD_LOCAL_SIZE` or `SLURM_LOCALID` with `SLURM_NTASKS_PER_NODE`/`SLURM_TASKS_PER_NODE`); each rank's pollers get their own slice of cores |
-// | `poller_numa_node` | take the pollers' cores from this NUMA node (default: the ring's) |
-// | `gpu_ring` | CUDA device ordinal: the ring lives in that GPU's memory and RDMA writes land there (cluster mode over RDMA with a `source`; batch pointers are then device pointers) |
-// | `start_epoch` | first epoch |
-// | `cluster_file` | cluster mode: the node list |
-// | `cluster_nodes` | cluster mode: the node services' `host:port`, comma-separated, in node order |
-// | `cluster_nodelist` | cluster mode: a SLURM hostlist (`gpu[01-04,07]`), at `cluster_port` |
-// | `cluster_nodes_dns`, `cluster_node_count` | cluster mode: a name pattern with `{i}` (`kspeed-{i}.kspeed.ns.svc:7400`) for that many nodes |
-// | `cluster_port` | port for `cluster_nodelist` and a pattern without one (default: `KSPEED_PORT`, else 7400) |
-// | `cluster_env` | true: rank, world and (unless one of the above is set) the node list from the launcher's environment, as `kspeed read --cluster-env` (docs/DEPLOY.md) |
-// | `token` | cluster mode: the job token |
-// | `node_timeout_ms` | cluster mode: failover timeout |
-// | `rdma` | cluster mode: true to receive over RDMA (every node serves with `--rdma`) |
-// | `rdma_device`, `rdma_port`, `rdma_gid_index` | RDMA device name, port, GID index (`auto`: the RoCE v2 GID of the connection's address); each implies `rdma=true` |
+// | key | value | default |
+// |---|---|---|
+// | `space` | a preloaded space directory | none: `space` or `source` is required |
+// | `source` | a source read directly (DIR, list:FILE, tar:DIR) | none |
+// | `catalog` | the catalog for `source` | built from the source into a temporary file |
+// | `batch_size` | samples per batch | 64 |
+// | `seed` | shuffle seed | 0 |
+// | `shuffle` | true/false: shuffle each epoch | true |
+// | `drop_last` | true/false: drop each epoch's last, partial batch | false |
+// | `verify_crc32c` | true/false: check the CRC32C of every sample read from disk against the catalog (one pass over its bytes; a mismatch is `KSP_ERR_DATA` naming the sample and file). Off: bytes are delivered as read | false |
+// | `mlock` | true/false: lock the ring in memory (needs `RLIMIT_MEMLOCK` of at least `ring_bytes`) | true |
+// | `huge_pages` | true/false: 2 MiB pages for the ring when the system has them reserved (normal pages otherwise) | true |
+// | `pin` | true/false: pin the pollers to this rank's cores | true |
+// | `rank`, `world` | this rank, world size | 0, 1 |
+// | `ring_bytes` | landing ring size, e.g. `256MiB` (refused if it cannot hold a whole batch) | 256 MiB |
+// | `tier_bytes` | memory tier budget: samples read once are kept in memory and served from there | 0: no tier |
+// | `tier_views` | true: a sample served from the memory tier is handed out in place (its `ksp_sample.data` points into the tier, no copy into the ring); a batch holding such a sample has `span` NULL (see `ksp_batch`) | false |
+// | `pollers` | poller threads | a quarter of this rank's core slice, 1 to 8 |
+// | `queue_depth` | reads in flight per poller | 32 |
+// | `submit_batch` | reads a poller queues before it submits them | 8 |
+// | `lookahead` | most samples read ahead of the consumer (at least one batch) | as many as the ring holds |
+// | `numa_node` | NUMA node of the ring | not bound (the kernel's placement) |
+// | `local_rank`, `local_world_size` | this process's rank among the node's ranks and their number (both, or neither); each rank's pollers get their own slice of cores | from the environment: `KSPEED_LOCAL_RANK`/`KSPEED_LOCAL_WORLD_SIZE`, `LOCAL_RANK`/`LOCAL_WORLD_SIZE`, `OMPI_COMM_WORLD_LOCAL_RANK`/`OMPI_COMM_WORLD_LOCAL_SIZE` or `SLURM_LOCALID` with `SLURM_NTASKS_PER_NODE`/`SLURM_TASKS_PER_NODE`; else rank 0 of 1 |
+// | `poller_numa_node` | take the pollers' cores from this NUMA node | the ring's node |
+// | `gpu_ring` | CUDA device ordinal: the ring lives in that GPU's memory and RDMA writes land there (cluster mode over RDMA with a `source`; batch pointers are then device pointers) | none: a host ring |
+// | `start_epoch` | first epoch | 0 |
+// | `cluster_file` | cluster mode: the node list | none: single-node (no cluster) |
+// | `cluster_nodes` | cluster mode: the node services' `host:port`, comma-separated, in node order | none |
+// | `cluster_nodelist` | cluster mode: a SLURM hostlist (`gpu[01-04,07]`), at `cluster_port` | none |
+// | `cluster_nodes_dns`, `cluster_node_count` | cluster mode: a name pattern with `{i}` (`kspeed-{i}.kspeed.ns.svc:7400`) for that many nodes | none |
+// | `cluster_port` | port for `cluster_nodelist` and a pattern without one | `KSPEED_PORT`, else 7400 |
+// | `cluster_env` | true: rank, world and (unless one of the above is set) the node list from the launcher's environment, as `kspeed read --cluster-env` (docs/DEPLOY.md) | false |
+// | `token` | cluster mode: the job token | none (required in cluster mode) |
+// | `node_timeout_ms` | cluster mode: how long a node may stay silent with grants outstanding before they fail over | 10000 |
+// | `rdma` | cluster mode: true to receive over RDMA (every node serves with `--rdma`) | false: TCP |
+// | `rdma_device`, `rdma_port`, `rdma_gid_index` | RDMA device name, port, GID index (`auto`: the RoCE v2 GID of the connection's address); each implies `rdma=true` | the first device, port 1, `auto` |
 //
 // Returns `KSP_ERR_INVALID_ARG` for an unknown key or a bad value (the
-// message names both), `KSP_ERR_NULL_ARG` for NULL arguments.
+// message names both; the configuration is left as it was),
+// `KSP_ERR_NULL_ARG` for NULL arguments.
+//
+// Thread safety: one thread at a time per configuration (it is
+// modified), and not while [`super::ksp_loader_new`] reads it on another
+// thread.
 //
 // # Safety
 // `cfg` is a live configuration; `key` and `value` NUL-terminated strings.
@@ -417,6 +484,9 @@ ksp_status ksp_config_set(ksp_config *cfg,
 //
 // Returns `KSP_ERR_BUFFER_TOO_SMALL` when truncated (`*out_len` says the
 // size needed), `KSP_ERR_NULL_ARG` when `buf` or `out_len` is NULL.
+//
+// Thread safety: any thread. Each thread has its own message: the one of
+// its own last failed call.
 //
 // # Safety
 // `buf` must be writable for `buf_len` bytes; `out_len` writable.
@@ -432,12 +502,29 @@ ksp_status ksp_last_error(char *buf, size_t buf_len, size_t *out_len);
 // or source); `KSP_ERR_RESOURCE` (memlock limit, io_uring); `KSP_ERR_NETWORK`
 // (a node refused). The caller owns `*out`.
 //
+// Fork: the loader belongs to the process that created it. A `fork()`ed
+// child gets a copy of the handle but none of the loader's threads and
+// none of its ring (mapped `MADV_DONTFORK`), so every call on the handle
+// in the child returns `KSP_ERR_FORKED` ("this loader was created by pid
+// X; a forked child (pid Y) cannot use it...") without doing or writing
+// anything, and [`ksp_loader_free`] there leaks the child's copy of the
+// handle rather than stop the parent's threads. The parent's loader is
+// unaffected. A child that needs data creates its own loader.
+//
+// Thread safety: any thread; `cfg` is only read (but not while another
+// thread calls [`super::ksp_config_set`] on it).
+//
 // # Safety
 // `cfg` is a live configuration; `out` writable.
 ksp_status ksp_loader_new(const ksp_config *cfg, ksp_loader **out);
 
 // Stops the loader's threads and frees it and its ring. NULL is a no-op;
-// every pointer from its batches dies with it.
+// every pointer from its batches dies with it. In a forked child (a
+// process other than the one that created it) it frees nothing: the
+// child's copy of the handle is leaked, and the parent's loader is left
+// alone (see [`ksp_loader_new`] on fork).
+//
+// Thread safety: no other call on `l` may run or follow.
 //
 // # Safety
 // `l` is NULL or came from [`ksp_loader_new`] and was not freed.
@@ -450,6 +537,9 @@ void ksp_loader_free(ksp_loader *l);
 // error's status. After a failure here the loader stays failed, but its
 // catalog, statistics and position can still be read.
 //
+// Thread safety: one call on `l` at a time (serialise every call on one
+// loader); other loaders may be used from other threads at once.
+//
 // # Safety
 // `l` is a live loader.
 ksp_status ksp_loader_set_epoch(ksp_loader *l, uint64_t epoch);
@@ -458,6 +548,10 @@ ksp_status ksp_loader_set_epoch(ksp_loader *l, uint64_t epoch);
 // with `drop_last`, whole batches only).
 //
 // Status: `KSP_OK`; `KSP_ERR_NULL_ARG`.
+//
+// Thread safety: one call on `l` at a time, reads included (serialise
+// every call on one loader; a read must not overlap `ksp_loader_next_batch`
+// on another thread); other loaders may be used from other threads at once.
 //
 // # Safety
 // `l` is a live loader; `out` writable.
@@ -469,6 +563,10 @@ ksp_status ksp_loader_epoch_len(const ksp_loader *l, uint64_t *out);
 //
 // Status: `KSP_OK`; `KSP_ERR_NULL_ARG`.
 //
+// Thread safety: one call on `l` at a time, reads included (serialise
+// every call on one loader; a read must not overlap `ksp_loader_next_batch`
+// on another thread); other loaders may be used from other threads at once.
+//
 // # Safety
 // `l` is a live loader; `out` writable.
 ksp_status ksp_loader_batches_per_epoch(const ksp_loader *l, uint64_t *out);
@@ -477,6 +575,10 @@ ksp_status ksp_loader_batches_per_epoch(const ksp_loader *l, uint64_t *out);
 // epoch and its step within the epoch.
 //
 // Status: `KSP_OK`; `KSP_ERR_NULL_ARG`.
+//
+// Thread safety: one call on `l` at a time, reads included (serialise
+// every call on one loader; a read must not overlap `ksp_loader_next_batch`
+// on another thread); other loaders may be used from other threads at once.
 //
 // # Safety
 // `l` is a live loader; `epoch` and `index` writable.
@@ -487,6 +589,10 @@ ksp_status ksp_loader_position(const ksp_loader *l, uint64_t *epoch, uint64_t *i
 // set) when `buf_len` is less.
 //
 // Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_BUFFER_TOO_SMALL`.
+//
+// Thread safety: one call on `l` at a time, reads included (serialise
+// every call on one loader; a read must not overlap `ksp_loader_next_batch`
+// on another thread); other loaders may be used from other threads at once.
 //
 // # Safety
 // `l` is a live loader; `buf` writable for `buf_len` bytes; `out_len` writable.
@@ -504,6 +610,9 @@ ksp_status ksp_loader_save_position(const ksp_loader *l,
 // position of this loader's job or dataset); a loader that failed earlier
 // returns its first error's status.
 //
+// Thread safety: one call on `l` at a time (serialise every call on one
+// loader); other loaders may be used from other threads at once.
+//
 // # Safety
 // `l` is a live loader; `buf` readable for `len` bytes.
 ksp_status ksp_loader_restore_position(ksp_loader *l, const uint8_t *buf, size_t len);
@@ -513,6 +622,10 @@ ksp_status ksp_loader_restore_position(ksp_loader *l, const uint8_t *buf, size_t
 //
 // Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_STRUCT_SIZE`.
 //
+// Thread safety: one call on `l` at a time, reads included (serialise
+// every call on one loader; a read must not overlap `ksp_loader_next_batch`
+// on another thread); other loaders may be used from other threads at once.
+//
 // # Safety
 // `l` is a live loader; `out` points to a `ksp_stats` of the layout its
 // `struct_size` says, writable.
@@ -521,6 +634,10 @@ ksp_status ksp_loader_stats(const ksp_loader *l, ksp_stats *out);
 // Samples in the loader's catalog (the whole dataset), in `*out`.
 //
 // Status: `KSP_OK`; `KSP_ERR_NULL_ARG`.
+//
+// Thread safety: one call on `l` at a time, reads included (serialise
+// every call on one loader; a read must not overlap `ksp_loader_next_batch`
+// on another thread); other loaders may be used from other threads at once.
 //
 // # Safety
 // `l` is a live loader; `out` writable.
@@ -533,6 +650,10 @@ ksp_status ksp_loader_catalog_len(const ksp_loader *l, uint64_t *out);
 // Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_STRUCT_SIZE`;
 // `KSP_ERR_INVALID_ARG`.
 //
+// Thread safety: one call on `l` at a time, reads included (serialise
+// every call on one loader; a read must not overlap `ksp_loader_next_batch`
+// on another thread); other loaders may be used from other threads at once.
+//
 // # Safety
 // `l` is a live loader; `out` points to a `ksp_catalog_sample` of the
 // layout its `struct_size` says, writable.
@@ -544,6 +665,10 @@ ksp_status ksp_loader_catalog_sample(const ksp_loader *l, uint64_t id, ksp_catal
 // another Rust logger installed.
 //
 // Status: `KSP_OK`; `KSP_ERR_INVALID_ARG` (level); `KSP_ERR_STATE`.
+//
+// Thread safety: any thread; the setting is process-wide and replaces the
+// callback for every loader and service (records already being delivered
+// on kspeed's threads may still reach the old one).
 //
 // # Safety
 // `cb` must be callable from any thread until replaced; `userdata` is
@@ -558,6 +683,8 @@ ksp_status ksp_set_log_callback(ksp_log_callback cb, void *userdata, int max_lev
 // space); `KSP_ERR_OTHER` (cannot listen). The caller owns `*out`; the
 // service's threads run until [`ksp_node_service_stop`].
 //
+// Thread safety: any thread. The service runs on its own threads.
+//
 // # Safety
 // Strings NUL-terminated; `out` writable.
 ksp_status ksp_node_service_start(const char *space,
@@ -569,11 +696,15 @@ ksp_status ksp_node_service_start(const char *space,
 //
 // Status: `KSP_OK`; `KSP_ERR_NULL_ARG`.
 //
+// Thread safety: any thread, but not overlapping [`ksp_node_service_stop`].
+//
 // # Safety
 // `s` is a live service; `out` writable.
 ksp_status ksp_node_service_port(const ksp_node_service *s, uint16_t *out);
 
 // Stops the service (closing every connection) and frees it. NULL is a no-op.
+//
+// Thread safety: no other call on `s` may run or follow.
 //
 // # Safety
 // `s` is NULL or came from [`ksp_node_service_start`] and was not stopped.
@@ -588,6 +719,10 @@ void ksp_node_service_stop(ksp_node_service *s);
 // (placement); `KSP_ERR_IO` (source, disk full, space locked by another
 // preload); `KSP_ERR_DATA` (source changed, corrupt catalog).
 //
+// Thread safety: any thread; it blocks until the preload is done. Two
+// preloads of one space exclude each other (the space's lock:
+// `KSP_ERR_IO`, naming the holder).
+//
 // # Safety
 // String arguments are NULL or NUL-terminated.
 ksp_status ksp_preload(const char *source,
@@ -597,12 +732,16 @@ ksp_status ksp_preload(const char *source,
                        uint32_t node_index,
                        uint32_t replicas);
 
-// Re-reads every sample the space holds and checks its CRC32C. Writes the
-// samples checked and the bad ones to `*checked` and `*bad` (either may be
-// NULL); bad samples are not an error status (`KSP_OK` with `*bad > 0`).
+// Re-reads every sample the space holds and checks its CRC32C, and every
+// extent's length against the manifest. Writes the samples checked to
+// `*checked` and what was found wrong (bad samples plus extents of the
+// wrong length, as `kspeed verify` counts them) to `*bad` (either may be
+// NULL); anything bad is not an error status (`KSP_OK` with `*bad > 0`).
 //
 // Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_IO` / `KSP_ERR_DATA` (the
 // space cannot be opened).
+//
+// Thread safety: any thread; it blocks until every sample was read.
 //
 // # Safety
 // `space` NUL-terminated; `checked`, `bad` NULL or writable.

@@ -496,6 +496,117 @@ impl Error {
     }
 }
 
+/// The family an [`Error`] belongs to: what the front ends group errors by
+/// (the C ABI's `ksp_status`, the Python package's exception classes).
+/// Every variant of [`Error`] has exactly one, given by [`Error::class`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ErrorClass {
+    /// An I/O call on a named file failed (open, read, write, a full disk,
+    /// a space locked by another process).
+    Io,
+    /// A source, catalog, space or sample is wrong or corrupt (no samples,
+    /// an entry that cannot be read as a sample, a checksum that does not
+    /// match, a catalog of another source).
+    Data,
+    /// A configuration or argument kspeed refuses (a ring too small, a bad
+    /// cluster description, placement or position).
+    Config,
+    /// A node refused, broke the protocol, or no node could deliver a sample.
+    Network,
+    /// A system resource is missing or limited (memlock, io_uring, threads,
+    /// NUMA, CUDA, RDMA verbs).
+    Resource,
+    /// A kspeed thread panicked: a bug.
+    Bug,
+    /// The node service could not start.
+    Service,
+}
+
+impl Error {
+    /// The variant's name (`"ReadFailed"`, `"NotRegularFile"`...): the
+    /// Python exception's `kind`. [`Error::LoaderFailed`] is
+    /// `"LoaderFailed"`; its first error is [`Error::root`].
+    pub fn kind_name(&self) -> &'static str {
+        self.kind().0
+    }
+
+    /// The variant's [`ErrorClass`]. [`Error::LoaderFailed`] has its first
+    /// error's class: a loader that failed keeps failing the same way.
+    pub fn class(&self) -> ErrorClass {
+        self.kind().1
+    }
+
+    /// The one mapping of every variant to its name and class, for every
+    /// front end. No wildcard: a new variant does not compile until it is
+    /// given both here.
+    fn kind(&self) -> (&'static str, ErrorClass) {
+        use ErrorClass::*;
+        match self {
+            Error::Io { .. } => ("Io", Io),
+            Error::ReadFailed { .. } => ("ReadFailed", Io),
+            Error::ShortRead { .. } => ("ShortRead", Io),
+            Error::DiskFull { .. } => ("DiskFull", Io),
+            Error::SpaceLocked { .. } => ("SpaceLocked", Io),
+            Error::EmptySource { .. } => ("EmptySource", Data),
+            Error::SymlinkLoop { .. } => ("SymlinkLoop", Data),
+            Error::NotRegularFile { .. } => ("NotRegularFile", Data),
+            Error::SymlinkOutsideSource { .. } => ("SymlinkOutsideSource", Data),
+            Error::DanglingSymlink { .. } => ("DanglingSymlink", Data),
+            Error::CatalogOfAnotherSource { .. } => ("CatalogOfAnotherSource", Data),
+            Error::ExtentSize { .. } => ("ExtentSize", Data),
+            Error::BadFileList { .. } => ("BadFileList", Data),
+            Error::BadTar { .. } => ("BadTar", Data),
+            Error::SampleTooLarge { .. } => ("SampleTooLarge", Data),
+            Error::BadMagic { .. } => ("BadMagic", Data),
+            Error::UnsupportedVersion { .. } => ("UnsupportedVersion", Data),
+            Error::ChecksumMismatch { .. } => ("ChecksumMismatch", Data),
+            Error::Truncated { .. } => ("Truncated", Data),
+            Error::Corrupt { .. } => ("Corrupt", Data),
+            Error::SourceChanged { .. } => ("SourceChanged", Data),
+            Error::SourceMismatch { .. } => ("SourceMismatch", Data),
+            Error::NotASpace { .. } => ("NotASpace", Data),
+            Error::SampleCorrupt { .. } => ("SampleCorrupt", Data),
+            Error::InvalidConfig(_) => ("InvalidConfig", Config),
+            Error::SampleLargerThanRing { .. } => ("SampleLargerThanRing", Config),
+            Error::RingTooSmallForBatch { .. } => ("RingTooSmallForBatch", Config),
+            Error::BadPosition(_) => ("BadPosition", Config),
+            Error::BadCluster { .. } => ("BadCluster", Config),
+            Error::BadPlacement { .. } => ("BadPlacement", Config),
+            Error::BadHostlist { .. } => ("BadHostlist", Config),
+            Error::Refused { .. } => ("Refused", Network),
+            Error::ProtocolViolation { .. } => ("ProtocolViolation", Network),
+            Error::SampleUnavailable { .. } => ("SampleUnavailable", Network),
+            Error::RdmaCompletion { .. } => ("RdmaCompletion", Network),
+            Error::Memlock { .. } => ("Memlock", Resource),
+            Error::Uring { .. } => ("Uring", Resource),
+            Error::ThreadSpawn { .. } => ("ThreadSpawn", Resource),
+            Error::Numa { .. } => ("Numa", Resource),
+            Error::Cuda(_) => ("Cuda", Resource),
+            Error::Rdma { .. } => ("Rdma", Resource),
+            Error::ThreadPanicked { .. } => ("ThreadPanicked", Bug),
+            Error::Serve(_) => ("Serve", Service),
+            Error::LoaderFailed(first) => ("LoaderFailed", first.class()),
+        }
+    }
+
+    /// The operating system's error number the error carries, if any
+    /// (`errno` of the Python exception).
+    pub fn os_errno(&self) -> Option<i32> {
+        match self {
+            Error::Io { source, .. }
+            | Error::ReadFailed { source, .. }
+            | Error::Uring { source, .. }
+            | Error::ThreadSpawn { source, .. } => source.raw_os_error(),
+            Error::DiskFull { .. } => Some(libc::ENOSPC),
+            Error::Memlock { errno, .. } => Some(*errno),
+            Error::LoaderFailed(first) => first.os_errno(),
+            // The other variants carry no OS error (a wildcard is right
+            // here: a new variant with one adds its arm above).
+            _ => None,
+        }
+    }
+}
+
 /// An errno value in messages: its number and the C library's description
 /// (`errno 5 (Input/output error)`), for every value: the number is never
 /// dropped, and the description comes from the C library (`strerror_r`
@@ -529,6 +640,75 @@ impl<T> IoContext<T> for io::Result<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The three variants the Python binding's wildcard used to turn into
+    /// kind "Other" have their own kind and class, shared by the C ABI and
+    /// Python (the exhaustive match maps every other variant: a new one
+    /// does not compile until it is given both).
+    #[test]
+    fn every_variant_has_its_own_kind_and_class() {
+        let cases = [
+            (
+                Error::NotRegularFile {
+                    path: "/src/a/fifo".into(),
+                    what: "a FIFO",
+                },
+                "NotRegularFile",
+                ErrorClass::Data,
+            ),
+            (
+                Error::SymlinkOutsideSource {
+                    path: "/src/a/l".into(),
+                    target: "/etc/passwd".into(),
+                },
+                "SymlinkOutsideSource",
+                ErrorClass::Data,
+            ),
+            (
+                Error::CatalogOfAnotherSource {
+                    catalog: "/c.ksc".into(),
+                    catalog_source: "/a".into(),
+                    given: "/b".into(),
+                },
+                "CatalogOfAnotherSource",
+                ErrorClass::Data,
+            ),
+            (
+                Error::Memlock {
+                    needed: 1,
+                    limit: 0,
+                    errno: libc::ENOMEM,
+                },
+                "Memlock",
+                ErrorClass::Resource,
+            ),
+            (Error::Serve("bind".into()), "Serve", ErrorClass::Service),
+        ];
+        for (e, name, class) in cases {
+            assert_eq!(e.kind_name(), name, "{e}");
+            assert_eq!(e.class(), class, "{e}");
+        }
+        // A loader that failed keeps its first error's class; its own kind
+        // is LoaderFailed, the first error's is root()'s.
+        let failed = Error::LoaderFailed(Box::new(Error::SampleCorrupt {
+            sample: 3,
+            path: "/x".into(),
+            expected: 1,
+            computed: 2,
+        }));
+        assert_eq!(failed.kind_name(), "LoaderFailed");
+        assert_eq!(failed.class(), ErrorClass::Data);
+        assert_eq!(failed.root().kind_name(), "SampleCorrupt");
+        assert_eq!(
+            Error::DiskFull {
+                path: "/x".into(),
+                needed: 1,
+                available: 0
+            }
+            .os_errno(),
+            Some(libc::ENOSPC)
+        );
+    }
 
     /// Every errno keeps its number, and gets the C library's description:
     /// the old table knew 26 names and printed a bare "errno" for the rest.

@@ -160,6 +160,67 @@ fn cpp_batches_release_only_their_own() {
     assert_passed(&o, "C++ batch lifetimes");
 }
 
+/// A C++ `kspeed::Batch` may outlive its `kspeed::Loader`
+/// (tests/c/batch_outlives_loader.cpp, under AddressSanitizer with leak
+/// checking): the batch's bytes stay valid and byte-exact after the
+/// Loader's destructor, its release touches no freed memory, and the C
+/// loader is freed with the last batch (no leak).
+#[test]
+fn cpp_batch_outlives_its_loader() {
+    let d = data();
+    let Some(bin) = compile_with(
+        "g++",
+        "-std=c++17",
+        "tests/c/batch_outlives_loader.cpp",
+        &d.work.join("batch_outlives_loader"),
+        &["-fsanitize=address,undefined", "-fno-omit-frame-pointer"],
+    ) else {
+        return;
+    };
+    let o = Command::new(&bin)
+        .arg(&d.space)
+        .env(
+            "ASAN_OPTIONS",
+            "detect_leaks=1:abort_on_error=0:exitcode=23",
+        )
+        .output()
+        .unwrap();
+    assert_passed(&o, "C++ batch outliving its loader");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!err.contains("ERROR: AddressSanitizer"), "{err}");
+}
+
+/// A forked child cannot use its parent's loader (tests/c/fork_test.c):
+/// every call in the child is `KSP_ERR_FORKED` naming both pids with
+/// nothing written, `ksp_loader_free` there leaves the parent alone, and
+/// the parent reads its held batch and the rest of the epoch byte-exact.
+/// Run under AddressSanitizer.
+#[test]
+fn forked_child_is_refused_and_the_parent_goes_on() {
+    let d = data();
+    let Some(bin) = compile_with(
+        "gcc",
+        "-std=c11",
+        "tests/c/fork_test.c",
+        &d.work.join("fork_test"),
+        &["-fsanitize=address,undefined", "-fno-omit-frame-pointer"],
+    ) else {
+        return;
+    };
+    let o = Command::new(&bin)
+        .arg(&d.space)
+        // The child leaks its copy of the loader by design.
+        .env(
+            "ASAN_OPTIONS",
+            "detect_leaks=0:abort_on_error=0:exitcode=23",
+        )
+        .output()
+        .unwrap();
+    assert_passed(&o, "fork");
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("child: all checks passed"), "{out}");
+}
+
 #[test]
 fn c_test_passes() {
     let d = data();
@@ -287,5 +348,86 @@ fn header_constants_match_the_library() {
     assert!(
         build.contains(&format!("let abi = {};", kspeed::capi::KSP_ABI_VERSION)),
         "build.rs's soname version follows KSP_ABI_VERSION"
+    );
+}
+
+/// The calling thread's last C ABI message.
+fn last_error() -> String {
+    use kspeed::capi::ksp_last_error;
+    let mut buf = vec![0 as std::ffi::c_char; 4096];
+    let mut n = 0usize;
+    // SAFETY: buf is writable for its length; n writable.
+    unsafe { ksp_last_error(buf.as_mut_ptr(), buf.len(), &mut n) };
+    // SAFETY: ksp_last_error NUL-terminated it.
+    unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+/// `ksp_config_set(cfg, key, value)` from Rust.
+fn config_set(cfg: *mut kspeed::capi::ksp_config, k: &str, v: &str) -> kspeed::capi::ksp_status {
+    let (k, v) = (
+        std::ffi::CString::new(k).unwrap(),
+        std::ffi::CString::new(v).unwrap(),
+    );
+    // SAFETY: a live configuration and two C strings.
+    unsafe { kspeed::capi::ksp_config_set(cfg, k.as_ptr(), v.as_ptr()) }
+}
+
+/// The C ABI's messages say what kspeed.h promises: an unknown key names
+/// the key and its value; a sample too large for the ring is described by
+/// its own size and slot, not the largest sample's (sample 0 is 10,000
+/// bytes, sample 1 300,000: the message used to say "sample 0 (10000
+/// bytes, 303104 with alignment)").
+#[test]
+fn c_messages_name_the_key_value_and_the_sample_s_own_size() {
+    use kspeed::capi::*;
+    let mut cfg: *mut ksp_config = std::ptr::null_mut();
+    // SAFETY: cfg is writable.
+    assert_eq!(unsafe { ksp_config_new(&mut cfg) }, ksp_status::KSP_OK);
+
+    let st = config_set(cfg, "ring_byts", "1GiB");
+    let msg = last_error();
+    assert_eq!(st, ksp_status::KSP_ERR_INVALID_ARG, "{msg}");
+    assert!(
+        msg.contains("\"ring_byts\"") && msg.contains("\"1GiB\""),
+        "the message names the key and the value: {msg}"
+    );
+
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("src");
+    put(&src, "c/a.bin", &bytes_for(0, 10_000));
+    put(&src, "c/b.bin", &bytes_for(1, 300_000));
+    for (k, v) in [
+        ("source", s(&src)),
+        ("ring_bytes", "8KiB"),
+        ("batch_size", "1"),
+        ("mlock", "false"),
+        ("huge_pages", "false"),
+        ("pin", "false"),
+    ] {
+        assert_eq!(
+            config_set(cfg, k, v),
+            ksp_status::KSP_OK,
+            "{k}: {}",
+            last_error()
+        );
+    }
+    let mut l: *mut ksp_loader = std::ptr::null_mut();
+    // SAFETY: a live configuration; l writable.
+    let st = unsafe { ksp_loader_new(cfg, &mut l) };
+    let msg = last_error();
+    // SAFETY: freed once, not used afterwards.
+    unsafe { ksp_config_free(cfg) };
+    assert_eq!(st, ksp_status::KSP_ERR_INVALID_ARG, "{msg}");
+    assert!(l.is_null());
+    let slot: u64 = msg
+        .strip_prefix("sample 0 (10000 bytes, ")
+        .and_then(|r| r.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("the message names sample 0 and its size: {msg}"));
+    assert!(
+        (10_000..300_000).contains(&slot),
+        "sample 0's own slot, not the largest sample's: {msg}"
     );
 }

@@ -22,6 +22,17 @@
 // the next next_batch() are both safe: the old one's release does nothing.
 // Do not read an old Batch's bytes after the next next_batch().
 //
+// A Batch may outlive its Loader: the Loader and its batches share the C
+// loader (a std::shared_ptr), which is freed (ksp_loader_free: its threads
+// stopped, its ring unmapped) when the last of them is destroyed. Until
+// then a live Batch's bytes stay valid, and its release works as usual.
+// A Batch that is kept keeps the loader's threads and ring alive with it.
+//
+// Fork: a Loader belongs to the process that created it. In a forked child
+// every call throws kspeed::Error with status KSP_ERR_FORKED, and the
+// destructors of the child's copies free nothing (see ksp_loader_new in
+// kspeed.h); create a new Loader in the child.
+//
 // Lock-step: every batch but an epoch's last has exactly batch_size samples
 // and every rank gets batches_per_epoch() batches; a ring that cannot hold
 // a whole batch is refused when the Loader is built (the error names the
@@ -34,6 +45,7 @@
 #include <kspeed.h>
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -109,13 +121,15 @@ class Loader;
 /// destructor, or release()) returns the space; the loader hands out one
 /// batch at a time, so a new next_batch() releases the previous one and
 /// invalidates its pointers. Releasing a batch the loader already released
-/// does nothing: a Batch never frees another batch.
+/// does nothing: a Batch never frees another batch. A Batch shares the C
+/// loader with its Loader, so it may outlive the Loader object: the C
+/// loader is freed after the last of them.
 class Batch {
 public:
-    Batch(Batch&& o) noexcept : l_(std::exchange(o.l_, nullptr)), b_(o.b_) {}
+    Batch(Batch&& o) noexcept : l_(std::move(o.l_)), b_(o.b_) {}
     Batch& operator=(Batch&& o) noexcept {
         release();
-        l_ = std::exchange(o.l_, nullptr);
+        l_ = std::move(o.l_);
         b_ = o.b_;
         return *this;
     }
@@ -137,25 +151,34 @@ public:
     std::pair<const uint8_t*, size_t> wrap() const noexcept { return {b_.wrap, b_.wrap_len}; }
 
     /// Returns the batch's space now (the destructor does it otherwise).
+    /// Drops this batch's share of the C loader: if the Loader is gone and
+    /// this was the last batch, the C loader is freed here.
     void release() noexcept {
         // Releases this batch only; a no-op when the loader already did.
-        if (l_) ksp_loader_release_batch(l_, b_.seq);
-        l_ = nullptr;
+        if (l_) ksp_loader_release_batch(l_.get(), b_.seq);
+        l_.reset();
     }
 
 private:
     friend class Loader;
-    Batch(ksp_loader* l, const ksp_batch& b) : l_(l), b_(b) {}
-    ksp_loader* l_;
+    Batch(std::shared_ptr<ksp_loader> l, const ksp_batch& b) : l_(std::move(l)), b_(b) {}
+    std::shared_ptr<ksp_loader> l_;
     ksp_batch b_;
 };
 
 /// Reads a rank's samples in sampler order (see the Rust Loader).
 class Loader {
 public:
-    explicit Loader(const Config& cfg) { check(ksp_loader_new(cfg.get(), &p_)); }
-    ~Loader() { ksp_loader_free(p_); }
-    Loader(Loader&& o) noexcept : p_(std::exchange(o.p_, nullptr)) {}
+    explicit Loader(const Config& cfg) {
+        ksp_loader* p = nullptr;
+        check(ksp_loader_new(cfg.get(), &p));
+        // Shared with the batches handed out: the last owner frees it.
+        // (A throwing allocation of the control block frees p too.)
+        p_ = std::shared_ptr<ksp_loader>(p, ksp_loader_free);
+    }
+    // The C loader is freed here unless a Batch still holds it.
+    ~Loader() = default;
+    Loader(Loader&& o) noexcept : p_(std::move(o.p_)) {}
     Loader& operator=(Loader&& o) noexcept {
         std::swap(p_, o.p_);
         return *this;
@@ -168,26 +191,26 @@ public:
         // struct_size and sample_size: the layouts this program was
         // compiled with (the library fills what both know).
         ksp_batch b = KSP_BATCH_INIT;
-        check(ksp_loader_next_batch(p_, &b));
+        check(ksp_loader_next_batch(p_.get(), &b));
         if (b.count == 0) return std::nullopt;
         return Batch(p_, b);
     }
-    void set_epoch(uint64_t epoch) { check(ksp_loader_set_epoch(p_, epoch)); }
+    void set_epoch(uint64_t epoch) { check(ksp_loader_set_epoch(p_.get(), epoch)); }
     uint64_t epoch_len() const {
         uint64_t n = 0;
-        check(ksp_loader_epoch_len(p_, &n));
+        check(ksp_loader_epoch_len(p_.get(), &n));
         return n;
     }
     /// Batches per epoch, the same on every rank (DDP lock-step).
     uint64_t batches_per_epoch() const {
         uint64_t n = 0;
-        check(ksp_loader_batches_per_epoch(p_, &n));
+        check(ksp_loader_batches_per_epoch(p_.get(), &n));
         return n;
     }
     /// {epoch, step} of the next sample next_batch() delivers.
     std::pair<uint64_t, uint64_t> position() const {
         uint64_t e = 0, i = 0;
-        check(ksp_loader_position(p_, &e, &i));
+        check(ksp_loader_position(p_.get(), &e, &i));
         return {e, i};
     }
     /// The position to resume from (KSP_POSITION_BYTES bytes).
@@ -200,30 +223,30 @@ public:
     void save_position(std::vector<uint8_t>& pos) const {
         pos.resize(KSP_POSITION_BYTES);
         size_t n = 0;
-        check(ksp_loader_save_position(p_, pos.data(), pos.size(), &n));
+        check(ksp_loader_save_position(p_.get(), pos.data(), pos.size(), &n));
         pos.resize(n);
     }
     void restore_position(const std::vector<uint8_t>& pos) {
-        check(ksp_loader_restore_position(p_, pos.data(), pos.size()));
+        check(ksp_loader_restore_position(p_.get(), pos.data(), pos.size()));
     }
     ksp_stats stats() const {
         ksp_stats s = KSP_STATS_INIT;
-        check(ksp_loader_stats(p_, &s));
+        check(ksp_loader_stats(p_.get(), &s));
         return s;
     }
     uint64_t catalog_len() const {
         uint64_t n = 0;
-        check(ksp_loader_catalog_len(p_, &n));
+        check(ksp_loader_catalog_len(p_.get(), &n));
         return n;
     }
     ksp_catalog_sample catalog_sample(uint64_t id) const {
         ksp_catalog_sample c = KSP_CATALOG_SAMPLE_INIT;
-        check(ksp_loader_catalog_sample(p_, id, &c));
+        check(ksp_loader_catalog_sample(p_.get(), id, &c));
         return c;
     }
 
 private:
-    ksp_loader* p_ = nullptr;
+    std::shared_ptr<ksp_loader> p_;
 };
 
 /// Preloads node `node_index` of `nodes` (with `replicas` copies) from

@@ -125,6 +125,11 @@ pub const KSP_BATCH_MIN_SIZE: usize = offset_of!(ksp_batch, seq) + size_of::<u64
 /// `KSP_MAX_STRUCT_SIZE`) is `KSP_ERR_STRUCT_SIZE`, with nothing waited for
 /// or written.
 ///
+/// Thread safety: one call on `l` at a time (serialise every call on one
+/// loader); it blocks the calling thread until the batch is read. Other
+/// loaders may be used from other threads at once. The batch's bytes may be
+/// read from any thread until it is released.
+///
 /// # Safety
 /// `l` is a live loader; `out` points to a `ksp_batch` of the layout its
 /// `struct_size` says, writable.
@@ -228,6 +233,10 @@ pub unsafe extern "C" fn ksp_loader_next_batch(
 ///
 /// Status: `KSP_OK` (released, or already released); `KSP_ERR_NULL_ARG`;
 /// `KSP_ERR_INVALID_ARG` (`seq` was never handed out by this loader).
+///
+/// Thread safety: one call on `l` at a time (a batch may be released from
+/// another thread than the one that got it, if calls on `l` are
+/// serialised).
 ///
 /// # Safety
 /// `l` is a live loader.

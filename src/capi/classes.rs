@@ -14,6 +14,10 @@ use super::loader::ksp_loader;
 ///
 /// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`.
 ///
+/// Thread safety: one call on `l` at a time, reads included (serialise
+/// every call on one loader; a read must not overlap `ksp_loader_next_batch`
+/// on another thread); other loaders may be used from other threads at once.
+///
 /// # Safety
 /// `l` is a live loader; `out` writable.
 #[no_mangle]
@@ -34,6 +38,10 @@ pub unsafe extern "C" fn ksp_loader_class_count(l: *const ksp_loader, out: *mut 
 ///
 /// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_INVALID_ARG` (`label` is
 /// not below [`ksp_loader_class_count`]); `KSP_ERR_BUFFER_TOO_SMALL`.
+///
+/// Thread safety: one call on `l` at a time, reads included (serialise
+/// every call on one loader; a read must not overlap `ksp_loader_next_batch`
+/// on another thread); other loaders may be used from other threads at once.
 ///
 /// # Safety
 /// `l` is a live loader; `buf` writable for `buf_len` bytes; `out_len` writable.
@@ -91,6 +99,10 @@ unsafe fn copy_name(
 ///
 /// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`.
 ///
+/// Thread safety: one call on `l` at a time, reads included (serialise
+/// every call on one loader; a read must not overlap `ksp_loader_next_batch`
+/// on another thread); other loaders may be used from other threads at once.
+///
 /// # Safety
 /// `l` is a live loader; `out` writable.
 #[no_mangle]
@@ -111,6 +123,10 @@ pub unsafe extern "C" fn ksp_loader_member_count(
 ///
 /// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_INVALID_ARG` (`index` is
 /// not below [`ksp_loader_member_count`]); `KSP_ERR_BUFFER_TOO_SMALL`.
+///
+/// Thread safety: one call on `l` at a time, reads included (serialise
+/// every call on one loader; a read must not overlap `ksp_loader_next_batch`
+/// on another thread); other loaders may be used from other threads at once.
 ///
 /// # Safety
 /// `l` is a live loader; `buf` writable for `buf_len` bytes; `out_len` writable.
@@ -148,6 +164,10 @@ pub unsafe extern "C" fn ksp_loader_member_name(
 ///
 /// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_INVALID_ARG` (`id` past the
 /// catalog, or `index` not below [`ksp_loader_member_count`]).
+///
+/// Thread safety: one call on `l` at a time, reads included (serialise
+/// every call on one loader; a read must not overlap `ksp_loader_next_batch`
+/// on another thread); other loaders may be used from other threads at once.
 ///
 /// # Safety
 /// `l` is a live loader; `offset` and `len` writable.

@@ -48,6 +48,8 @@ impl ksp_config {
 ///
 /// Status: `KSP_OK`; `KSP_ERR_NULL_ARG` (`out`). The caller owns `*out`.
 ///
+/// Thread safety: any thread.
+///
 /// # Safety
 /// `out` must be writable.
 #[no_mangle]
@@ -70,7 +72,9 @@ pub unsafe extern "C" fn ksp_config_new(out: *mut *mut ksp_config) -> ksp_status
 }
 
 /// Frees a configuration. NULL is a no-op. Using it afterwards is undefined
-/// behaviour (as with `free`).
+/// behaviour (as with `free`). Loaders created from it do not need it.
+///
+/// Thread safety: no other call on `cfg` may run or follow.
 ///
 /// # Safety
 /// `cfg` is NULL or came from [`ksp_config_new`] and was not freed.
@@ -100,38 +104,53 @@ fn parse_bool(key: &str, v: &str) -> Result<bool, Fail> {
     }
 }
 
-/// Sets one setting from strings, mirroring the Rust `LoaderBuilder`:
+/// Sets one setting from strings, mirroring the Rust `LoaderBuilder`.
+/// Every key has the default shown until it is set:
 ///
-/// | key | value |
-/// |---|---|
-/// | `space` | a preloaded space directory |
-/// | `source` | a source read directly (DIR, list:FILE, tar:DIR) |
-/// | `catalog` | the catalog for `source` |
-/// | `batch_size` | samples per batch |
-/// | `seed` | shuffle seed |
-/// | `shuffle`, `drop_last`, `verify_crc32c`, `mlock`, `huge_pages`, `pin` | true/false |
-/// | `rank`, `world` | this rank, world size |
-/// | `ring_bytes`, `tier_bytes` | sizes, e.g. `256MiB` |
-/// | `tier_views` | true: a sample served from the memory tier is handed out in place (its `ksp_sample.data` points into the tier, no copy into the ring); a batch holding such a sample has `span` NULL (see `ksp_batch`). Default false |
-/// | `pollers`, `queue_depth`, `submit_batch`, `lookahead` | counts |
-/// | `numa_node` | NUMA node of the ring |
-/// | `local_rank`, `local_world_size` | this process's rank among the node's ranks and their number (both, or neither: then `KSPEED_LOCAL_RANK`/`KSPEED_LOCAL_WORLD_SIZE`, `LOCAL_RANK`/`LOCAL_WORLD_SIZE`, `OMPI_COMM_WORLD_LOCAL_RANK`/`OMPI_COMM_WORLD_LOCAL_SIZE` or `SLURM_LOCALID` with `SLURM_NTASKS_PER_NODE`/`SLURM_TASKS_PER_NODE`); each rank's pollers get their own slice of cores |
-/// | `poller_numa_node` | take the pollers' cores from this NUMA node (default: the ring's) |
-/// | `gpu_ring` | CUDA device ordinal: the ring lives in that GPU's memory and RDMA writes land there (cluster mode over RDMA with a `source`; batch pointers are then device pointers) |
-/// | `start_epoch` | first epoch |
-/// | `cluster_file` | cluster mode: the node list |
-/// | `cluster_nodes` | cluster mode: the node services' `host:port`, comma-separated, in node order |
-/// | `cluster_nodelist` | cluster mode: a SLURM hostlist (`gpu[01-04,07]`), at `cluster_port` |
-/// | `cluster_nodes_dns`, `cluster_node_count` | cluster mode: a name pattern with `{i}` (`kspeed-{i}.kspeed.ns.svc:7400`) for that many nodes |
-/// | `cluster_port` | port for `cluster_nodelist` and a pattern without one (default: `KSPEED_PORT`, else 7400) |
-/// | `cluster_env` | true: rank, world and (unless one of the above is set) the node list from the launcher's environment, as `kspeed read --cluster-env` (docs/DEPLOY.md) |
-/// | `token` | cluster mode: the job token |
-/// | `node_timeout_ms` | cluster mode: failover timeout |
-/// | `rdma` | cluster mode: true to receive over RDMA (every node serves with `--rdma`) |
-/// | `rdma_device`, `rdma_port`, `rdma_gid_index` | RDMA device name, port, GID index (`auto`: the RoCE v2 GID of the connection's address); each implies `rdma=true` |
+/// | key | value | default |
+/// |---|---|---|
+/// | `space` | a preloaded space directory | none: `space` or `source` is required |
+/// | `source` | a source read directly (DIR, list:FILE, tar:DIR) | none |
+/// | `catalog` | the catalog for `source` | built from the source into a temporary file |
+/// | `batch_size` | samples per batch | 64 |
+/// | `seed` | shuffle seed | 0 |
+/// | `shuffle` | true/false: shuffle each epoch | true |
+/// | `drop_last` | true/false: drop each epoch's last, partial batch | false |
+/// | `verify_crc32c` | true/false: check the CRC32C of every sample read from disk against the catalog (one pass over its bytes; a mismatch is `KSP_ERR_DATA` naming the sample and file). Off: bytes are delivered as read | false |
+/// | `mlock` | true/false: lock the ring in memory (needs `RLIMIT_MEMLOCK` of at least `ring_bytes`) | true |
+/// | `huge_pages` | true/false: 2 MiB pages for the ring when the system has them reserved (normal pages otherwise) | true |
+/// | `pin` | true/false: pin the pollers to this rank's cores | true |
+/// | `rank`, `world` | this rank, world size | 0, 1 |
+/// | `ring_bytes` | landing ring size, e.g. `256MiB` (refused if it cannot hold a whole batch) | 256 MiB |
+/// | `tier_bytes` | memory tier budget: samples read once are kept in memory and served from there | 0: no tier |
+/// | `tier_views` | true: a sample served from the memory tier is handed out in place (its `ksp_sample.data` points into the tier, no copy into the ring); a batch holding such a sample has `span` NULL (see `ksp_batch`) | false |
+/// | `pollers` | poller threads | a quarter of this rank's core slice, 1 to 8 |
+/// | `queue_depth` | reads in flight per poller | 32 |
+/// | `submit_batch` | reads a poller queues before it submits them | 8 |
+/// | `lookahead` | most samples read ahead of the consumer (at least one batch) | as many as the ring holds |
+/// | `numa_node` | NUMA node of the ring | not bound (the kernel's placement) |
+/// | `local_rank`, `local_world_size` | this process's rank among the node's ranks and their number (both, or neither); each rank's pollers get their own slice of cores | from the environment: `KSPEED_LOCAL_RANK`/`KSPEED_LOCAL_WORLD_SIZE`, `LOCAL_RANK`/`LOCAL_WORLD_SIZE`, `OMPI_COMM_WORLD_LOCAL_RANK`/`OMPI_COMM_WORLD_LOCAL_SIZE` or `SLURM_LOCALID` with `SLURM_NTASKS_PER_NODE`/`SLURM_TASKS_PER_NODE`; else rank 0 of 1 |
+/// | `poller_numa_node` | take the pollers' cores from this NUMA node | the ring's node |
+/// | `gpu_ring` | CUDA device ordinal: the ring lives in that GPU's memory and RDMA writes land there (cluster mode over RDMA with a `source`; batch pointers are then device pointers) | none: a host ring |
+/// | `start_epoch` | first epoch | 0 |
+/// | `cluster_file` | cluster mode: the node list | none: single-node (no cluster) |
+/// | `cluster_nodes` | cluster mode: the node services' `host:port`, comma-separated, in node order | none |
+/// | `cluster_nodelist` | cluster mode: a SLURM hostlist (`gpu[01-04,07]`), at `cluster_port` | none |
+/// | `cluster_nodes_dns`, `cluster_node_count` | cluster mode: a name pattern with `{i}` (`kspeed-{i}.kspeed.ns.svc:7400`) for that many nodes | none |
+/// | `cluster_port` | port for `cluster_nodelist` and a pattern without one | `KSPEED_PORT`, else 7400 |
+/// | `cluster_env` | true: rank, world and (unless one of the above is set) the node list from the launcher's environment, as `kspeed read --cluster-env` (docs/DEPLOY.md) | false |
+/// | `token` | cluster mode: the job token | none (required in cluster mode) |
+/// | `node_timeout_ms` | cluster mode: how long a node may stay silent with grants outstanding before they fail over | 10000 |
+/// | `rdma` | cluster mode: true to receive over RDMA (every node serves with `--rdma`) | false: TCP |
+/// | `rdma_device`, `rdma_port`, `rdma_gid_index` | RDMA device name, port, GID index (`auto`: the RoCE v2 GID of the connection's address); each implies `rdma=true` | the first device, port 1, `auto` |
 ///
 /// Returns `KSP_ERR_INVALID_ARG` for an unknown key or a bad value (the
-/// message names both), `KSP_ERR_NULL_ARG` for NULL arguments.
+/// message names both; the configuration is left as it was),
+/// `KSP_ERR_NULL_ARG` for NULL arguments.
+///
+/// Thread safety: one thread at a time per configuration (it is
+/// modified), and not while [`super::ksp_loader_new`] reads it on another
+/// thread.
 ///
 /// # Safety
 /// `cfg` is a live configuration; `key` and `value` NUL-terminated strings.
@@ -244,7 +263,12 @@ pub unsafe extern "C" fn ksp_config_set(
                 }
                 b.rdma(Some(o))
             }
-            _ => return Err(Fail::Invalid(format!("unknown config key {k:?}"))),
+            _ => {
+                return Err(Fail::Invalid(format!(
+                    "unknown config key {k:?} (set to {v:?}); the keys are listed at \
+                     ksp_config_set in kspeed.h"
+                )))
+            }
         };
         c.builder = b;
         Ok(())

@@ -5,7 +5,7 @@ use std::cell::RefCell;
 use std::ffi::c_char;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-use crate::error::Error;
+use crate::error::{Error, ErrorClass};
 
 /// Status of every fallible call.
 #[repr(C)]
@@ -17,13 +17,18 @@ pub enum ksp_status {
     KSP_ERR_NULL_ARG = 1,
     /// An argument or configuration value is invalid (the message says which).
     KSP_ERR_INVALID_ARG = 2,
-    /// An I/O error on a named file (open, read, write, disk full).
+    /// An I/O error on a named file (open, read, write, disk full, a space
+    /// locked by another process).
     KSP_ERR_IO = 3,
-    /// Corrupt or incompatible data (catalog, manifest, sample checksum).
+    /// Wrong, corrupt or incompatible data: a catalog, manifest or sample
+    /// checksum, a source with no samples, a source entry that cannot be a
+    /// sample (not a regular file, a symlink loop or one leading outside
+    /// the source), a catalog of another source.
     KSP_ERR_DATA = 4,
     /// A node refused, broke the protocol, or a sample could not be fetched.
     KSP_ERR_NETWORK = 5,
-    /// A system resource is missing or limited (memlock, io_uring, NUMA, CUDA).
+    /// A system resource is missing or limited (memlock, io_uring, threads,
+    /// NUMA, CUDA, RDMA verbs).
     KSP_ERR_RESOURCE = 6,
     /// The object is not in a state for this call (e.g. a loader that failed).
     KSP_ERR_STATE = 7,
@@ -37,6 +42,12 @@ pub enum ksp_status {
     /// smaller than the struct's first layout, not a multiple of 8, or
     /// implausibly large (not set to `sizeof`). Nothing was written.
     KSP_ERR_STRUCT_SIZE = 11,
+    /// The loader was created by another process: this is a forked child
+    /// (`fork()` copies the loader's memory but none of its threads, and
+    /// its ring and connections belong to the parent). Nothing was done or
+    /// written; the message names both pids. Create a new loader in the
+    /// child (see `ksp_loader_new` on fork).
+    KSP_ERR_FORKED = 12,
 }
 
 use ksp_status::*;
@@ -49,57 +60,20 @@ fn set_error(msg: String) {
     LAST_ERROR.with(|e| *e.borrow_mut() = msg);
 }
 
-/// The status of a kspeed error. Every variant is listed: a new one does
-/// not compile until it is given its status here.
+/// The status of a kspeed error: its [`ErrorClass`] (the crate's one
+/// mapping of every variant, shared with the Python binding). The match
+/// has no wildcard: a new class does not compile until it has a status.
 pub(super) fn status_of(e: &Error) -> ksp_status {
-    match e {
-        Error::Io { .. }
-        | Error::DiskFull { .. }
-        | Error::ReadFailed { .. }
-        | Error::ShortRead { .. }
-        | Error::SymlinkLoop { .. }
-        | Error::DanglingSymlink { .. }
-        | Error::NotRegularFile { .. }
-        | Error::SymlinkOutsideSource { .. }
-        | Error::EmptySource { .. }
-        | Error::SpaceLocked { .. } => KSP_ERR_IO,
-        Error::BadMagic { .. }
-        | Error::UnsupportedVersion { .. }
-        | Error::ChecksumMismatch { .. }
-        | Error::Truncated { .. }
-        | Error::ExtentSize { .. }
-        | Error::Corrupt { .. }
-        | Error::SampleCorrupt { .. }
-        | Error::SourceChanged { .. }
-        | Error::SourceMismatch { .. }
-        | Error::CatalogOfAnotherSource { .. }
-        | Error::NotASpace { .. }
-        | Error::BadFileList { .. }
-        | Error::BadTar { .. }
-        | Error::SampleTooLarge { .. } => KSP_ERR_DATA,
-        Error::InvalidConfig(_)
-        | Error::BadPosition(_)
-        | Error::BadCluster { .. }
-        | Error::BadPlacement { .. }
-        | Error::BadHostlist { .. }
-        | Error::SampleLargerThanRing { .. }
-        | Error::RingTooSmallForBatch { .. } => KSP_ERR_INVALID_ARG,
-        Error::Refused { .. }
-        | Error::ProtocolViolation { .. }
-        | Error::SampleUnavailable { .. }
-        | Error::RdmaCompletion { .. } => KSP_ERR_NETWORK,
-        Error::Rdma { .. }
-        | Error::Memlock { .. }
-        | Error::Numa { .. }
-        | Error::Cuda(_)
-        | Error::Uring { .. }
-        | Error::ThreadSpawn { .. } => KSP_ERR_RESOURCE,
-        Error::ThreadPanicked { .. } => KSP_ERR_PANIC,
+    match e.class() {
+        ErrorClass::Io => KSP_ERR_IO,
+        ErrorClass::Data => KSP_ERR_DATA,
+        ErrorClass::Config => KSP_ERR_INVALID_ARG,
+        ErrorClass::Network => KSP_ERR_NETWORK,
+        ErrorClass::Resource => KSP_ERR_RESOURCE,
+        ErrorClass::Bug => KSP_ERR_PANIC,
         // The node service could not start (bind, listen): documented as
         // KSP_ERR_OTHER on ksp_node_service_start.
-        Error::Serve(_) => KSP_ERR_OTHER,
-        // A loader that failed keeps failing with its first error's status.
-        Error::LoaderFailed(first) => status_of(first),
+        ErrorClass::Service => KSP_ERR_OTHER,
     }
 }
 
@@ -111,6 +85,13 @@ pub(super) enum Fail {
     State(String),
     Small,
     StructSize(String),
+    /// A loader used by another process than the one that created it.
+    Forked {
+        /// The pid that created the loader.
+        creator: u32,
+        /// The pid of the caller (a forked child).
+        caller: u32,
+    },
     Kspeed(Error),
 }
 
@@ -130,6 +111,14 @@ pub(super) fn guard(f: impl FnOnce() -> Result<(), Fail>) -> ksp_status {
         Ok(Err(Fail::State(m))) => (KSP_ERR_STATE, m),
         Ok(Err(Fail::Small)) => (KSP_ERR_BUFFER_TOO_SMALL, "the buffer is too small".into()),
         Ok(Err(Fail::StructSize(m))) => (KSP_ERR_STRUCT_SIZE, m),
+        Ok(Err(Fail::Forked { creator, caller })) => (
+            KSP_ERR_FORKED,
+            format!(
+                "this loader was created by pid {creator}; a forked child (pid {caller}) \
+                 cannot use it (fork copies none of its threads, and its ring and connections \
+                 are the parent's); create a new loader after fork"
+            ),
+        ),
         Ok(Err(Fail::Kspeed(e))) => (status_of(&e), e.to_string()),
         Err(p) => {
             let what = p
@@ -153,6 +142,9 @@ pub(super) fn guard(f: impl FnOnce() -> Result<(), Fail>) -> ksp_status {
 ///
 /// Returns `KSP_ERR_BUFFER_TOO_SMALL` when truncated (`*out_len` says the
 /// size needed), `KSP_ERR_NULL_ARG` when `buf` or `out_len` is NULL.
+///
+/// Thread safety: any thread. Each thread has its own message: the one of
+/// its own last failed call.
 ///
 /// # Safety
 /// `buf` must be writable for `buf_len` bytes; `out_len` writable.

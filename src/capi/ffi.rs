@@ -27,7 +27,9 @@ pub(super) trait Handle: Sized {
     /// freed, and not mutated by another thread during `'a`.
     unsafe fn try_ref<'a>(p: *const Self) -> Result<&'a Self, Fail> {
         // SAFETY: a non-NULL p is a live, shared handle (contract).
-        unsafe { p.as_ref() }.ok_or(Fail::Null(Self::WHAT))
+        let h = unsafe { p.as_ref() }.ok_or(Fail::Null(Self::WHAT))?;
+        h.check_process()?;
+        Ok(h)
     }
 
     /// Borrows the handle behind `p` mutably; [`Fail::Null`] when NULL.
@@ -38,7 +40,18 @@ pub(super) trait Handle: Sized {
     /// thread at a time").
     unsafe fn try_mut<'a>(p: *mut Self) -> Result<&'a mut Self, Fail> {
         // SAFETY: a non-NULL p is a live handle used by this thread only.
-        unsafe { p.as_mut() }.ok_or(Fail::Null(Self::WHAT))
+        let h = unsafe { p.as_mut() }.ok_or(Fail::Null(Self::WHAT))?;
+        h.check_process()?;
+        Ok(h)
+    }
+
+    /// Whether the calling process may use this handle. A handle that
+    /// owns threads, a ring or connections (a loader) refuses a forked
+    /// child with [`Fail::Forked`]: the child has a copy of its memory but
+    /// none of its threads, so every call is refused before it reads or
+    /// writes anything, and [`Handle::free`] leaks it there.
+    fn check_process(&self) -> Result<(), Fail> {
+        Ok(())
     }
 
     /// Moves `self` to the heap and hands its ownership to the caller
@@ -49,6 +62,10 @@ pub(super) trait Handle: Sized {
 
     /// Takes the handle back and drops it; NULL does nothing, and a panic
     /// while dropping is contained (a `_free` has no status to return).
+    /// A handle this process may not use ([`Handle::check_process`]: a
+    /// loader in a forked child) is leaked instead: dropping it would join
+    /// threads the child does not have and stop the parent's pollers and
+    /// connections through the descriptors they share.
     ///
     /// # Safety
     /// `p` is NULL or a handle from [`Handle::give`] that was not freed;
@@ -59,6 +76,12 @@ pub(super) trait Handle: Sized {
         }
         // SAFETY: the caller gives up its ownership (contract).
         let b = unsafe { Box::from_raw(p) };
+        if b.check_process().is_err() {
+            // The child's copy of the memory only; the parent's loader is
+            // untouched.
+            std::mem::forget(b);
+            return;
+        }
         let _ = catch_unwind(AssertUnwindSafe(|| drop(b)));
     }
 }

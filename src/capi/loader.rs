@@ -17,10 +17,30 @@ pub struct ksp_loader {
     /// Sized for a whole batch at creation; a larger caller stride grows it
     /// once.
     pub(super) samples: Vec<u64>,
+    /// The process that created the loader. After `fork()` the child has a
+    /// copy of this struct but none of the pollers, no ring (it is mapped
+    /// `MADV_DONTFORK`), and shares the parent's descriptors: every call
+    /// from another pid is refused (`KSP_ERR_FORKED`) and
+    /// `ksp_loader_free` leaks it there.
+    pub(super) pid: u32,
 }
 
 impl Handle for ksp_loader {
     const WHAT: &'static str = "loader";
+
+    /// One `getpid` per call (glibc does not cache the pid): a few tens of
+    /// nanoseconds against a batch's work.
+    fn check_process(&self) -> Result<(), Fail> {
+        let caller = std::process::id();
+        if caller == self.pid {
+            Ok(())
+        } else {
+            Err(Fail::Forked {
+                creator: self.pid,
+                caller,
+            })
+        }
+    }
 }
 
 /// Creates a loader from `cfg` (which stays owned by the caller and may be
@@ -32,6 +52,18 @@ impl Handle for ksp_loader {
 /// a sample larger than the ring); `KSP_ERR_IO` / `KSP_ERR_DATA` (the space
 /// or source); `KSP_ERR_RESOURCE` (memlock limit, io_uring); `KSP_ERR_NETWORK`
 /// (a node refused). The caller owns `*out`.
+///
+/// Fork: the loader belongs to the process that created it. A `fork()`ed
+/// child gets a copy of the handle but none of the loader's threads and
+/// none of its ring (mapped `MADV_DONTFORK`), so every call on the handle
+/// in the child returns `KSP_ERR_FORKED` ("this loader was created by pid
+/// X; a forked child (pid Y) cannot use it...") without doing or writing
+/// anything, and [`ksp_loader_free`] there leaks the child's copy of the
+/// handle rather than stop the parent's threads. The parent's loader is
+/// unaffected. A child that needs data creates its own loader.
+///
+/// Thread safety: any thread; `cfg` is only read (but not while another
+/// thread calls [`super::ksp_config_set`] on it).
 ///
 /// # Safety
 /// `cfg` is a live configuration; `out` writable.
@@ -48,6 +80,7 @@ pub unsafe extern "C" fn ksp_loader_new(
         ksp_loader {
             samples: Vec::with_capacity(words),
             loader,
+            pid: std::process::id(),
         }
         .give(out);
         Ok(())
@@ -55,7 +88,12 @@ pub unsafe extern "C" fn ksp_loader_new(
 }
 
 /// Stops the loader's threads and frees it and its ring. NULL is a no-op;
-/// every pointer from its batches dies with it.
+/// every pointer from its batches dies with it. In a forked child (a
+/// process other than the one that created it) it frees nothing: the
+/// child's copy of the handle is leaked, and the parent's loader is left
+/// alone (see [`ksp_loader_new`] on fork).
+///
+/// Thread safety: no other call on `l` may run or follow.
 ///
 /// # Safety
 /// `l` is NULL or came from [`ksp_loader_new`] and was not freed.
@@ -71,6 +109,9 @@ pub unsafe extern "C" fn ksp_loader_free(l: *mut ksp_loader) {
 /// reconnecting failed); a loader that failed earlier returns its first
 /// error's status. After a failure here the loader stays failed, but its
 /// catalog, statistics and position can still be read.
+///
+/// Thread safety: one call on `l` at a time (serialise every call on one
+/// loader); other loaders may be used from other threads at once.
 ///
 /// # Safety
 /// `l` is a live loader.
@@ -90,6 +131,10 @@ pub unsafe extern "C" fn ksp_loader_set_epoch(l: *mut ksp_loader, epoch: u64) ->
 ///
 /// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`.
 ///
+/// Thread safety: one call on `l` at a time, reads included (serialise
+/// every call on one loader; a read must not overlap `ksp_loader_next_batch`
+/// on another thread); other loaders may be used from other threads at once.
+///
 /// # Safety
 /// `l` is a live loader; `out` writable.
 #[no_mangle]
@@ -107,6 +152,10 @@ pub unsafe extern "C" fn ksp_loader_epoch_len(l: *const ksp_loader, out: *mut u6
 /// whole and the tail is dropped), so DDP ranks stay in lock-step.
 ///
 /// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`.
+///
+/// Thread safety: one call on `l` at a time, reads included (serialise
+/// every call on one loader; a read must not overlap `ksp_loader_next_batch`
+/// on another thread); other loaders may be used from other threads at once.
 ///
 /// # Safety
 /// `l` is a live loader; `out` writable.
@@ -127,6 +176,10 @@ pub unsafe extern "C" fn ksp_loader_batches_per_epoch(
 /// epoch and its step within the epoch.
 ///
 /// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`.
+///
+/// Thread safety: one call on `l` at a time, reads included (serialise
+/// every call on one loader; a read must not overlap `ksp_loader_next_batch`
+/// on another thread); other loaders may be used from other threads at once.
 ///
 /// # Safety
 /// `l` is a live loader; `epoch` and `index` writable.
@@ -157,6 +210,10 @@ pub unsafe extern "C" fn ksp_loader_position(
 /// set) when `buf_len` is less.
 ///
 /// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_BUFFER_TOO_SMALL`.
+///
+/// Thread safety: one call on `l` at a time, reads included (serialise
+/// every call on one loader; a read must not overlap `ksp_loader_next_batch`
+/// on another thread); other loaders may be used from other threads at once.
 ///
 /// # Safety
 /// `l` is a live loader; `buf` writable for `buf_len` bytes; `out_len` writable.
@@ -192,6 +249,9 @@ pub unsafe extern "C" fn ksp_loader_save_position(
 /// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_INVALID_ARG` (not a
 /// position of this loader's job or dataset); a loader that failed earlier
 /// returns its first error's status.
+///
+/// Thread safety: one call on `l` at a time (serialise every call on one
+/// loader); other loaders may be used from other threads at once.
 ///
 /// # Safety
 /// `l` is a live loader; `buf` readable for `len` bytes.
@@ -309,6 +369,10 @@ pub const KSP_STATS_MIN_SIZE: usize = offset_of!(ksp_stats, p90_us);
 ///
 /// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_STRUCT_SIZE`.
 ///
+/// Thread safety: one call on `l` at a time, reads included (serialise
+/// every call on one loader; a read must not overlap `ksp_loader_next_batch`
+/// on another thread); other loaders may be used from other threads at once.
+///
 /// # Safety
 /// `l` is a live loader; `out` points to a `ksp_stats` of the layout its
 /// `struct_size` says, writable.
@@ -394,6 +458,10 @@ pub const KSP_CATALOG_SAMPLE_MIN_SIZE: usize =
 ///
 /// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`.
 ///
+/// Thread safety: one call on `l` at a time, reads included (serialise
+/// every call on one loader; a read must not overlap `ksp_loader_next_batch`
+/// on another thread); other loaders may be used from other threads at once.
+///
 /// # Safety
 /// `l` is a live loader; `out` writable.
 #[no_mangle]
@@ -412,6 +480,10 @@ pub unsafe extern "C" fn ksp_loader_catalog_len(l: *const ksp_loader, out: *mut 
 ///
 /// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_STRUCT_SIZE`;
 /// `KSP_ERR_INVALID_ARG`.
+///
+/// Thread safety: one call on `l` at a time, reads included (serialise
+/// every call on one loader; a read must not overlap `ksp_loader_next_batch`
+/// on another thread); other loaders may be used from other threads at once.
 ///
 /// # Safety
 /// `l` is a live loader; `out` points to a `ksp_catalog_sample` of the

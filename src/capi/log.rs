@@ -78,6 +78,10 @@ static LOGGER: CallbackLogger = CallbackLogger;
 ///
 /// Status: `KSP_OK`; `KSP_ERR_INVALID_ARG` (level); `KSP_ERR_STATE`.
 ///
+/// Thread safety: any thread; the setting is process-wide and replaces the
+/// callback for every loader and service (records already being delivered
+/// on kspeed's threads may still reach the old one).
+///
 /// # Safety
 /// `cb` must be callable from any thread until replaced; `userdata` is
 /// passed through untouched.

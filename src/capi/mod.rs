@@ -17,6 +17,11 @@
 //!
 //! Thread safety: a handle is used by one thread at a time (the caller
 //! serialises); different handles may be used from different threads.
+//! Each function's documentation says what it allows ("Thread safety").
+//!
+//! Fork: a loader belongs to the process that created it; in a forked
+//! child every call on it returns `KSP_ERR_FORKED` and writes nothing, and
+//! `ksp_loader_free` leaks the child's copy (see `ksp_loader_new`).
 //!
 //! One file per API noun: errors (statuses, the panic boundary,
 //! `ksp_last_error`), config, loader, batch, classes (the catalog's class
@@ -86,12 +91,16 @@ pub const KSP_ABI_VERSION: u32 = 4;
 pub const KSP_POSITION_BYTES: usize = POSITION_BYTES;
 
 /// The kspeed version, a static NUL-terminated string (never freed).
+///
+/// Thread safety: any thread.
 #[no_mangle]
 pub extern "C" fn ksp_version() -> *const c_char {
     concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
 }
 
 /// The C ABI version ([`KSP_ABI_VERSION`] of the library actually loaded).
+///
+/// Thread safety: any thread.
 #[no_mangle]
 pub extern "C" fn ksp_abi_version() -> u32 {
     KSP_ABI_VERSION

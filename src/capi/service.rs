@@ -24,6 +24,8 @@ impl Handle for ksp_node_service {
 /// space); `KSP_ERR_OTHER` (cannot listen). The caller owns `*out`; the
 /// service's threads run until [`ksp_node_service_stop`].
 ///
+/// Thread safety: any thread. The service runs on its own threads.
+///
 /// # Safety
 /// Strings NUL-terminated; `out` writable.
 #[no_mangle]
@@ -53,6 +55,8 @@ pub unsafe extern "C" fn ksp_node_service_start(
 ///
 /// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`.
 ///
+/// Thread safety: any thread, but not overlapping [`ksp_node_service_stop`].
+///
 /// # Safety
 /// `s` is a live service; `out` writable.
 #[no_mangle]
@@ -69,6 +73,8 @@ pub unsafe extern "C" fn ksp_node_service_port(
 }
 
 /// Stops the service (closing every connection) and frees it. NULL is a no-op.
+///
+/// Thread safety: no other call on `s` may run or follow.
 ///
 /// # Safety
 /// `s` is NULL or came from [`ksp_node_service_start`] and was not stopped.

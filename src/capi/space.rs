@@ -17,6 +17,10 @@ use crate::progress::ProgressMode;
 /// (placement); `KSP_ERR_IO` (source, disk full, space locked by another
 /// preload); `KSP_ERR_DATA` (source changed, corrupt catalog).
 ///
+/// Thread safety: any thread; it blocks until the preload is done. Two
+/// preloads of one space exclude each other (the space's lock:
+/// `KSP_ERR_IO`, naming the holder).
+///
 /// # Safety
 /// String arguments are NULL or NUL-terminated.
 #[no_mangle]
@@ -52,12 +56,16 @@ pub unsafe extern "C" fn ksp_preload(
     })
 }
 
-/// Re-reads every sample the space holds and checks its CRC32C. Writes the
-/// samples checked and the bad ones to `*checked` and `*bad` (either may be
-/// NULL); bad samples are not an error status (`KSP_OK` with `*bad > 0`).
+/// Re-reads every sample the space holds and checks its CRC32C, and every
+/// extent's length against the manifest. Writes the samples checked to
+/// `*checked` and what was found wrong (bad samples plus extents of the
+/// wrong length, as `kspeed verify` counts them) to `*bad` (either may be
+/// NULL); anything bad is not an error status (`KSP_OK` with `*bad > 0`).
 ///
 /// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_IO` / `KSP_ERR_DATA` (the
 /// space cannot be opened).
+///
+/// Thread safety: any thread; it blocks until every sample was read.
 ///
 /// # Safety
 /// `space` NUL-terminated; `checked`, `bad` NULL or writable.
@@ -79,7 +87,7 @@ pub unsafe extern "C" fn ksp_verify(
         let sp = Space::open(dir.as_ref())?;
         let r = sp.verify(crate::par::default_threads(), ProgressMode::Quiet)?;
         checked.set(r.checked);
-        bad.set(r.bad.len() as u64);
+        bad.set(r.bad_count() as u64);
         Ok(())
     })
 }

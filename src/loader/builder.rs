@@ -612,10 +612,13 @@ impl LoaderBuilder {
             let id = (0..catalog.len())
                 .find(|&i| geo.slot(catalog.sample(i).len as u64) > geo.segment())
                 .expect("the largest sample exists");
+            // The message names this sample: give its own size and slot
+            // (not the largest sample's).
+            let len = catalog.sample(id).len as u64;
             return Err(Error::SampleLargerThanRing {
                 sample: id,
-                len: catalog.sample(id).len as u64,
-                slot: max_slot,
+                len,
+                slot: geo.slot(len),
                 ring_bytes: geo.ring_bytes,
             });
         }

@@ -28,58 +28,34 @@ impl Fail {
         }
     }
 
-    /// A kspeed error, mapped to its class by variant.
+    /// A kspeed error, mapped to its class by the crate's one mapping of
+    /// every variant (`Error::kind_name` and `Error::class`, shared with
+    /// the C ABI's statuses): `kind` is the variant's name, the class
+    /// follows its `ErrorClass`. No wildcard: a new class does not compile
+    /// until it has a Python class here.
     pub(crate) fn from_kspeed(e: kspeed::Error) -> Fail {
-        use kspeed::Error as E;
+        use kspeed::error::ErrorClass as C;
         // A loader that failed keeps failing with its first error: classify
         // by that (the message still says the loader stopped).
-        let (class, kind, errno) = match e.root() {
-            E::Io { source, .. } => ("IoError", "Io", source.raw_os_error()),
-            E::ReadFailed { source, .. } => ("IoError", "ReadFailed", source.raw_os_error()),
-            E::Uring { source, .. } => ("IoError", "Uring", source.raw_os_error()),
-            E::ShortRead { .. } => ("IoError", "ShortRead", None),
-            E::DiskFull { .. } => ("IoError", "DiskFull", Some(libc_enospc())),
-            E::Memlock { errno, .. } => ("IoError", "Memlock", Some(*errno)),
-            E::SpaceLocked { .. } => ("IoError", "SpaceLocked", None),
-            E::EmptySource { .. } => ("DataError", "EmptySource", None),
-            E::SymlinkLoop { .. } => ("DataError", "SymlinkLoop", None),
-            E::BadFileList { .. } => ("DataError", "BadFileList", None),
-            E::BadTar { .. } => ("DataError", "BadTar", None),
-            E::SampleTooLarge { .. } => ("DataError", "SampleTooLarge", None),
-            E::BadMagic { .. } => ("DataError", "BadMagic", None),
-            E::UnsupportedVersion { .. } => ("DataError", "UnsupportedVersion", None),
-            E::ChecksumMismatch { .. } => ("DataError", "ChecksumMismatch", None),
-            E::Truncated { .. } => ("DataError", "Truncated", None),
-            E::Corrupt { .. } => ("DataError", "Corrupt", None),
-            E::SourceChanged { .. } => ("DataError", "SourceChanged", None),
-            E::SourceMismatch { .. } => ("DataError", "SourceMismatch", None),
-            E::NotASpace { .. } => ("DataError", "NotASpace", None),
-            E::SampleCorrupt { .. } => ("DataError", "SampleCorrupt", None),
-            E::InvalidConfig(_) => ("ConfigError", "InvalidConfig", None),
-            E::SampleLargerThanRing { .. } => ("ConfigError", "SampleLargerThanRing", None),
-            E::RingTooSmallForBatch { .. } => ("ConfigError", "RingTooSmallForBatch", None),
-            E::ThreadSpawn { source, .. } => ("IoError", "ThreadSpawn", source.raw_os_error()),
-            E::ThreadPanicked { .. } => ("LoaderError", "ThreadPanicked", None),
-            E::Numa { .. } => ("ConfigError", "Numa", None),
-            E::Cuda(_) => ("ConfigError", "Cuda", None),
-            E::BadPosition(_) => ("ConfigError", "BadPosition", None),
-            E::BadCluster { .. } => ("ConfigError", "BadCluster", None),
-            E::BadPlacement { .. } => ("ConfigError", "BadPlacement", None),
-            E::BadHostlist { .. } => ("ConfigError", "BadHostlist", None),
-            E::Refused { .. } => ("NetworkError", "Refused", None),
-            E::ProtocolViolation { .. } => ("NetworkError", "ProtocolViolation", None),
-            E::SampleUnavailable { .. } => ("NetworkError", "SampleUnavailable", None),
-            E::Rdma { .. } => ("NetworkError", "Rdma", None),
-            E::RdmaCompletion { .. } => ("NetworkError", "RdmaCompletion", None),
-            E::Serve(_) => ("NetworkError", "Serve", None),
-            E::LoaderFailed(_) => ("LoaderError", "LoaderFailed", None),
-            _ => ("Error", "Other", None),
+        let root = e.root();
+        let class = match root.class() {
+            C::Io => "IoError",
+            C::Data => "DataError",
+            C::Config => "ConfigError",
+            C::Network => "NetworkError",
+            // An OSError too: memlock, io_uring, threads, NUMA, CUDA, RDMA
+            // devices (with `errno` where the OS gave one).
+            C::Resource => "IoError",
+            // A kspeed thread panicked: the loader stops.
+            C::Bug => "LoaderError",
+            // The node service could not start.
+            C::Service => "NetworkError",
         };
         Fail {
             class,
-            kind,
+            kind: root.kind_name(),
             msg: e.to_string(),
-            errno,
+            errno: root.os_errno(),
         }
     }
 
@@ -96,10 +72,6 @@ impl Fail {
         };
         make().unwrap_or_else(|e| e)
     }
-}
-
-fn libc_enospc() -> i32 {
-    28
 }
 
 /// Converts a `Result<T, Fail>` with the GIL held.
