@@ -11,10 +11,12 @@ The `kspeed` command: the wheel carries the repository's `kspeed` binary
 (`cargo build --release --bin kspeed` of the root crate, with the same
 `rdma` choice) as kspeed/_bin/kspeed, and the `kspeed` console script
 (kspeed._cli) execs it, so `pip install ./ffi/python` puts the same CLI the
-docs use on PATH. It is built into ffi/python/target (CARGO_TARGET_DIR if
-set), where the extension's build already compiled most of its
-dependencies. KSPEED_CLI=0 leaves it out (the console script then says how
-to get it).
+docs use on PATH. It is built into ffi/python/target/cli
+(KSPEED_CLI_TARGET_DIR to move it): not the extension's target directory,
+where the kspeed library is built with other features under the same file
+name (a cdylib crate's rlib has no hash in its name), so the two builds
+would overwrite each other's library. KSPEED_CLI=0 leaves the command out
+(the console script then says how to get it).
 """
 
 import os
@@ -85,7 +87,7 @@ def _build_cli():
             f"kspeed: cannot build the kspeed command: {manifest} is not the kspeed repository "
             f"(build from a checkout, or set KSPEED_CLI=0 for a package without the command)"
         )
-    target = os.environ.get("CARGO_TARGET_DIR") or os.path.join(PACKAGE, "target")
+    target = os.environ.get("KSPEED_CLI_TARGET_DIR") or os.path.join(PACKAGE, "target", "cli")
     features = "cli,rdma" if rdma_wanted() else "cli"
     cmd = ["cargo", "build", "--release", "--locked", "--bin", "kspeed", "--no-default-features",
            "--features", features, "--manifest-path", manifest, "--target-dir", target]

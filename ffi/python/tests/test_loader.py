@@ -419,7 +419,10 @@ def test_rank_and_world_from_torchrun_and_slurm(space, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     with kspeed.Loader(space, ring_bytes="2MiB") as l:
         assert (l.rank, l.world) == (1, 4)
-    with kspeed.Loader(space, rank=0, world=1, ring_bytes="2MiB") as l:
+    # Explicit values that contradict the launcher's: only when asked for.
+    with pytest.raises(ValueError, match="contradict the launcher's environment variables RANK=1, WORLD_SIZE=4"):
+        kspeed.Loader(space, rank=0, world=1, ring_bytes="2MiB")
+    with kspeed.Loader(space, rank=0, world=1, ignore_launcher_env=True, ring_bytes="2MiB") as l:
         assert (l.rank, l.world) == (0, 1)
 
 

@@ -298,6 +298,7 @@ def test_len_of_a_dataloader_is_what_it_yields(space):
             for bs in (None, 1, 7, 16, 64):
                 for drop_last in ((False, True) if bs else (False,)):
                     dl = DataLoader(ds, batch_size=bs, num_workers=workers, drop_last=drop_last,
+                                    collate_fn=list if bs else None,
                                     multiprocessing_context="fork" if workers else None)
                     n = sum(1 for _ in dl)
                     assert len(dl) == n == ds.batches_per_epoch(bs, workers, drop_last), (world, workers, bs, drop_last)

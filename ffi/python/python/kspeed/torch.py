@@ -252,9 +252,11 @@ class KSpeedDataset(IterableDataset):
 
     def _batch(self, b, k):
         offsets, lengths = b.offsets[:k], b.lengths[:k]
-        arr = b.array()
         end = int(offsets[-1] + lengths[-1]) if k else 0
-        data = torch.from_numpy(arr[:end])
+        # Through DLPack: numpy views are read-only, which torch.from_numpy
+        # warns about. The ring span in place (a batch with tier samples: its
+        # packed copy, not the tier).
+        data = torch.from_dlpack(b)[:end]
         if self.copy:
             data = data.clone()
         return data, torch.from_numpy(offsets), torch.from_numpy(lengths), torch.from_numpy(b.labels[:k]), torch.from_numpy(b.ids[:k])
