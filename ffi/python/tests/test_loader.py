@@ -918,7 +918,7 @@ def test_a_source_that_is_not_the_catalogs_is_refused(tree, tmp_path):
     source would be read instead of the one named)."""
     other = make_tree(str(tmp_path / "other"), n=10)
     cat = tmp_path / "c.ksc"
-    kspeed.catalog(tree, cat)
+    cli("catalog", "--source", tree, "--out", cat)
     with pytest.raises(kspeed.Error, match=r"was built from dir:.*, not dir:.*other"):
         kspeed.Loader(source=other, catalog=cat)
     with kspeed.Loader(source=tree, catalog=cat) as loader:
