@@ -142,6 +142,16 @@ class Loader:
     ``next()`` raises :class:`kspeed.BatchInUseError`. Memory that Python can
     still see is never reused.
 
+    Views are read-only (numpy ``writeable=False``; DLPack 1.0 exports carry
+    the read-only flag): the ring belongs to the loader, and a memory tier
+    sample is served again every epoch. ``sample_dlpack(i)`` of a tier sample
+    is a copy, since PyTorch ignores the flag.
+
+    ``rank``/``world``: both or neither (then torchrun's or SLURM's); explicit
+    values that contradict the launcher's environment raise ValueError
+    unless ``ignore_launcher_env=True``. With ``source=`` and ``catalog=``,
+    the catalog must have been built from that source.
+
     Memory tier views (``tier_views=True``, only useful with ``tier_bytes >
     0``; refused with ``gpu_ring``): a sample served from the memory tier is
     not copied into the landing ring. Its per-sample views (``sample(i)``,
