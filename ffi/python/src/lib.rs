@@ -578,7 +578,19 @@ impl PyLoader {
                 }
             });
             match got {
-                Some(rep) => return Ok(rep),
+                Some(rep) => {
+                    // A signal that came during the wait (the futex wait
+                    // resumes after it, so the reply can come in the same
+                    // slice) is answered here, the reply kept for the next
+                    // call: returned with a signal pending, the batch would
+                    // be dropped by the interpreter's check right after this
+                    // call (its KeyboardInterrupt replaces the result).
+                    if let Err(e) = py.check_signals() {
+                        self.req.lock().unwrap_or_else(|e| e.into_inner()).stash = Some(rep);
+                        return Err(e);
+                    }
+                    return Ok(rep);
+                }
                 None => py.check_signals()?,
             }
         }

@@ -111,6 +111,23 @@ def read_line(proc, timeout_s=CHILD_TIMEOUT_S):
     return line.decode()
 
 
+def read_to_eof(fd, timeout_s=CHILD_TIMEOUT_S):
+    """Everything written to the pipe `fd` until its last writer closes it,
+    waiting at most `timeout_s` in all (a select loop); fails past it."""
+    out = bytearray()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise AssertionError(f"the child did not close the pipe in {timeout_s} s (got {bytes(out)!r})")
+        ready, _, _ = select.select([fd], [], [], left)
+        if ready:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return bytes(out)
+            out += chunk
+
+
 def stop_and_stderr(proc, timeout_s=10):
     """Kills `proc` if it still runs and returns its stderr (for messages;
     never blocks past `timeout_s`)."""
@@ -177,4 +194,5 @@ def require(mod):
 
 
 __all__ = ["cli", "kspeed_bin", "make_tree", "must_run", "sample_bytes", "Serve", "require", "shutil", "read_line",
+           "read_to_eof",
            "stop_and_stderr", "default_sigint", "CHILD_TIMEOUT_S"]

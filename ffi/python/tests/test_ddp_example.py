@@ -8,6 +8,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from conftest import cli, make_tree, require
 
 require("torch")
@@ -39,6 +41,8 @@ def torchrun(*args):
     return r.stdout
 
 
+# Two torchrun jobs of up to 600 s each (on a quiet machine, ~20 s in all).
+@pytest.mark.timeout(1500)
 def test_the_readme_ddp_loop_trains_and_resumes(tmp_path):
     src = make_tree(str(tmp_path / "src"), n=1000, max_len=3000)
     space = tmp_path / "space"

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import kspeed
-from conftest import cli, make_tree
+from conftest import cli, make_tree, read_to_eof
 
 
 def expected_ids(n, rank, world, drop_last, epoch_ids=None):
@@ -500,8 +500,13 @@ def test_forked_child_refuses_the_parents_loader_and_drops_it_safely(space):
         os.write(w, msg + b" dropped")
         os._exit(0)
     os.close(w)
-    with os.fdopen(r, "rb") as f:
-        out = f.read()  # returns when the child exits (it holds the write end)
+    try:
+        out = read_to_eof(r)  # EOF when the child exits (it holds the write end)
+    except AssertionError:
+        os.kill(pid, 9)
+        raise
+    finally:
+        os.close(r)
     _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
     assert out == b"refused dropped", out
