@@ -3,15 +3,17 @@
 # (ffi/python/tests, pytest) in a cached virtual environment:
 #   1. the venv (KSPEED_PY_VENV, default ~/.cache/kspeed/py-venv, outside
 #      the checkout so a fresh clone on the same machine reuses it) with maturin, numpy,
-#      pytest, Pillow, and torch + torchvision + torchdata from PyPI (large: the venv is
+#      pytest, pytest-timeout, Pillow, and torch + torchvision + torchdata from PyPI (large: the venv is
 #      kept between runs; KSPEED_PY_NO_TORCH=1 leaves them out, and their
 #      tests then skip, except under CI where a skip is a failure);
 #   2. fmt and clippy of the extension crate;
 #   3. `pip install ./ffi/python` into the venv (the README's command; the
 #      build's target directory ffi/python/target is kept, so a rebuild is
-#      incremental);
+#      incremental); it builds the `kspeed` command the wheel carries too;
 #   4. pytest, with the repository's `kspeed` CLI for making spaces and
-#      running `kspeed serve`.
+#      running `kspeed serve`, and a limit per test (pytest-timeout,
+#      KSPEED_PY_TEST_TIMEOUT_S, default 600 s): a test that hangs fails
+#      with its stack instead of holding the run until CI's limit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -21,7 +23,7 @@ if [ ! -x "$venv/bin/python" ]; then
     python3 -m venv "$venv"
 fi
 pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
-"$venv/bin/python" -c 'import maturin, numpy, pytest, PIL' 2>/dev/null || "${pip[@]}" maturin numpy pytest pillow
+"$venv/bin/python" -c 'import maturin, numpy, pytest, pytest_timeout, PIL' 2>/dev/null || "${pip[@]}" maturin numpy pytest pytest-timeout pillow
 if [ "${KSPEED_PY_NO_TORCH:-0}" != 1 ]; then
     "$venv/bin/python" -c 'import torch, torchvision, torchdata' 2>/dev/null || "${pip[@]}" torch torchvision torchdata
 fi
@@ -35,4 +37,5 @@ if [ -n "${CI:-}" ]; then
 fi
 cd ffi/python
 "$venv/bin/python" -c 'import kspeed; print("kspeed", kspeed.__version__, "for Python, RDMA:", kspeed.HAS_RDMA)'
-exec "$venv/bin/python" -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning tests "$@"
+exec "$venv/bin/python" -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
+    --timeout="${KSPEED_PY_TEST_TIMEOUT_S:-600}" tests "$@"

@@ -553,7 +553,19 @@ impl LoaderBuilder {
             (None, Some(src)) => {
                 let spec = SourceSpec::parse(src)?;
                 let catalog = match &self.catalog {
-                    Some(c) => Catalog::open(c)?,
+                    Some(c) => {
+                        let cat = Catalog::open(c)?;
+                        // A catalog indexes one source: reading it "from"
+                        // another would silently read the catalog's source.
+                        if cat.source_spec() != spec {
+                            return Err(Error::CatalogOfAnotherSource {
+                                catalog: c.clone(),
+                                catalog_source: cat.source().into_owned(),
+                                given: spec.to_source_string(),
+                            });
+                        }
+                        cat
+                    }
                     None => {
                         log::info!(
                             "no catalog given: building one of {src} (reads every file to checksum it)"

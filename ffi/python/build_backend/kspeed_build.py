@@ -1,4 +1,4 @@
-"""PEP 517 backend for the kspeed package: maturin's, plus one decision.
+"""PEP 517 backend for the kspeed package: maturin's, plus two things.
 
 The `rdma` feature (RDMA verbs through libibverbs) is turned on when
 libibverbs' development files are installed, so `pip install ./ffi/python`
@@ -6,6 +6,17 @@ gives the RDMA transport where it can be built and a TCP-only package
 elsewhere. KSPEED_RDMA=1 forces it on (the build fails without libibverbs),
 KSPEED_RDMA=0 forces it off. Arguments given with MATURIN_PEP517_ARGS or
 `--config-settings build-args=...` are kept.
+
+The `kspeed` command: the wheel carries the repository's `kspeed` binary
+(`cargo build --release --bin kspeed` of the root crate, with the same
+`rdma` choice) as kspeed/_bin/kspeed, and the `kspeed` console script
+(kspeed._cli) execs it, so `pip install ./ffi/python` puts the same CLI the
+docs use on PATH. It is built into ffi/python/target/cli
+(KSPEED_CLI_TARGET_DIR to move it): not the extension's target directory,
+where the kspeed library is built with other features under the same file
+name (a cdylib crate's rlib has no hash in its name), so the two builds
+would overwrite each other's library. KSPEED_CLI=0 leaves the command out
+(the console script then says how to get it).
 """
 
 import os
@@ -53,11 +64,49 @@ def _with_features(config_settings):
     return cs
 
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+PACKAGE = os.path.dirname(HERE)  # ffi/python
+REPO = os.path.dirname(os.path.dirname(PACKAGE))
+BIN_DIR = os.path.join(PACKAGE, "python", "kspeed", "_bin")
+
+
+def _build_cli():
+    """Builds the `kspeed` binary and puts it at kspeed/_bin/kspeed."""
+    want = os.environ.get("KSPEED_CLI", "1")
+    if want not in ("0", "1"):
+        raise ValueError(f"KSPEED_CLI must be 0 or 1, not {want!r}")
+    exe = os.path.join(BIN_DIR, "kspeed")
+    if want == "0":
+        print("kspeed: KSPEED_CLI=0: the wheel carries no kspeed command")
+        if os.path.exists(exe):
+            os.remove(exe)
+        return
+    manifest = os.path.join(REPO, "Cargo.toml")
+    if not os.path.exists(os.path.join(REPO, "src", "bin", "kspeed", "main.rs")):
+        raise RuntimeError(
+            f"kspeed: cannot build the kspeed command: {manifest} is not the kspeed repository "
+            f"(build from a checkout, or set KSPEED_CLI=0 for a package without the command)"
+        )
+    target = os.environ.get("KSPEED_CLI_TARGET_DIR") or os.path.join(PACKAGE, "target", "cli")
+    features = "cli,rdma" if rdma_wanted() else "cli"
+    cmd = ["cargo", "build", "--release", "--locked", "--bin", "kspeed", "--no-default-features",
+           "--features", features, "--manifest-path", manifest, "--target-dir", target]
+    print("kspeed: building the kspeed command:", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True)
+    os.makedirs(BIN_DIR, exist_ok=True)
+    tmp = exe + ".tmp"
+    shutil.copyfile(os.path.join(target, "release", "kspeed"), tmp)
+    os.chmod(tmp, 0o755)
+    os.replace(tmp, exe)
+
+
 def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
+    _build_cli()
     return _maturin.build_wheel(wheel_directory, _with_features(config_settings), metadata_directory)
 
 
 def build_editable(wheel_directory, config_settings=None, metadata_directory=None):
+    _build_cli()
     return _maturin.build_editable(wheel_directory, _with_features(config_settings), metadata_directory)
 
 

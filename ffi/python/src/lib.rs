@@ -197,6 +197,10 @@ struct BatchData {
     /// the memory tier (`tier_views`).
     addrs: Vec<u64>,
     lens: Vec<u64>,
+    /// Whether each sample is a view into the memory tier (`tier_views`),
+    /// which is never rewritten: its DLPack export is a copy (consumers such
+    /// as PyTorch ignore DLPack's read-only flag).
+    in_tier: Vec<bool>,
     /// Every sample is in the landing ring, so `span`/`wrap` hold the whole
     /// batch. False when `tier_views` handed out some samples in place in
     /// the memory tier: then the batch is no span of anything, and `span`
@@ -277,6 +281,7 @@ fn acquire_one(core: &mut Core) -> Reply {
         labels: Vec::with_capacity(n),
         addrs: Vec::with_capacity(n),
         lens: Vec::with_capacity(n),
+        in_tier: Vec::with_capacity(n),
         in_ring: true,
         span: (0, 0),
         wrap: None,
@@ -292,9 +297,9 @@ fn acquire_one(core: &mut Core) -> Reply {
     // The Rust builder refuses a memory tier with a GPU ring.
     debug_assert!(dev.is_none() || d.in_ring, "tier samples in a GPU ring");
     for i in 0..n {
-        let (id, label, addr, len, pos) = if dev.is_some() {
+        let (id, label, addr, len, pos, in_tier) = if dev.is_some() {
             let s = loader.held_device_sample(i);
-            (s.id, s.label, s.addr, s.len as u64, s.position)
+            (s.id, s.label, s.addr, s.len as u64, s.position, false)
         } else {
             let s = loader.held_sample(i);
             (
@@ -303,6 +308,7 @@ fn acquire_one(core: &mut Core) -> Reply {
                 s.bytes.as_ptr() as u64,
                 s.bytes.len() as u64,
                 s.position,
+                s.in_tier,
             )
         };
         if i == 0 {
@@ -313,6 +319,7 @@ fn acquire_one(core: &mut Core) -> Reply {
         d.labels.push(label.map_or(-1, |l| l as i64));
         d.addrs.push(addr);
         d.lens.push(len);
+        d.in_tier.push(in_tier);
     }
     if dev.is_some() {
         let (a, b) = loader.held_device_spans();
@@ -571,7 +578,19 @@ impl PyLoader {
                 }
             });
             match got {
-                Some(rep) => return Ok(rep),
+                Some(rep) => {
+                    // A signal that came during the wait (the futex wait
+                    // resumes after it, so the reply can come in the same
+                    // slice) is answered here, the reply kept for the next
+                    // call: returned with a signal pending, the batch would
+                    // be dropped by the interpreter's check right after this
+                    // call (its KeyboardInterrupt replaces the result).
+                    if let Err(e) = py.check_signals() {
+                        self.req.lock().unwrap_or_else(|e| e.into_inner()).stash = Some(rep);
+                        return Err(e);
+                    }
+                    return Ok(rep);
+                }
                 None => py.check_signals()?,
             }
         }
@@ -1207,7 +1226,10 @@ impl Batch {
         Ok(PyBytes::new(py, s))
     }
 
-    /// DLPack export of the whole batch (1-D uint8, see `array()`).
+    /// DLPack export of the whole batch (1-D uint8, see `array()`): a
+    /// versioned capsule marked read-only for consumers that ask with
+    /// `max_version >= (1, 0)` (numpy then gives a read-only array), else a
+    /// legacy one; `copy=True`: a private copy (host batches).
     #[pyo3(signature = (*, stream=None, max_version=None, dl_device=None, copy=None))]
     fn __dlpack__<'py>(
         slf: &Bound<'py, Self>,
@@ -1216,23 +1238,41 @@ impl Batch {
         dl_device: Option<Bound<'py, PyAny>>,
         copy: Option<bool>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let _ = (stream, max_version);
+        let _ = stream;
         let b = slf.get();
         b.check(slf.py())?;
+        let how = dlpack::Export::from_args(max_version.as_ref(), copy)?;
         let (addr, len) = b.whole()?;
-        dlpack::export(slf, addr, len, b.d.device, dl_device, copy)
+        dlpack::export(slf, addr, len, b.d.device, dl_device, how)
     }
 
     fn __dlpack_device__(&self) -> (i32, i32) {
         dlpack::device_tuple(self.d.device)
     }
 
-    /// A DLPack capsule of sample `i` alone (for `torch.from_dlpack`).
-    fn sample_dlpack<'py>(slf: &Bound<'py, Self>, i: isize) -> PyResult<Bound<'py, PyAny>> {
+    /// A DLPack capsule of sample `i` alone (for `torch.from_dlpack`): the
+    /// ring bytes in place, or, for a sample in the memory tier
+    /// (`tier_views`), a copy (PyTorch ignores DLPack's read-only flag, and
+    /// the tier is served again every epoch). `max_version` as in
+    /// `__dlpack__`.
+    #[pyo3(signature = (i, *, max_version=None))]
+    fn sample_dlpack<'py>(
+        slf: &Bound<'py, Self>,
+        i: isize,
+        max_version: Option<Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
         let b = slf.get();
         b.check(slf.py())?;
         let j = b.index(i)?;
-        dlpack::export(slf, b.d.addrs[j], b.d.lens[j], b.d.device, None, None)
+        let how = dlpack::Export::from_args(max_version.as_ref(), Some(b.d.in_tier[j]))?;
+        dlpack::export(slf, b.d.addrs[j], b.d.lens[j], b.d.device, None, how)
+    }
+
+    /// Whether sample `i` is served in place from the memory tier
+    /// (`tier_views`) rather than from the landing ring.
+    fn sample_in_tier(&self, py: Python<'_>, i: isize) -> PyResult<bool> {
+        self.check(py)?;
+        Ok(self.d.in_tier[self.index(i)?])
     }
 
     /// Returns the batch's ring space now. Refused (BatchInUseError) while
@@ -1273,6 +1313,46 @@ impl Batch {
             if self.released() { " released" } else { "" }
         )
     }
+}
+
+/// Builds a catalog of a source (`kspeed catalog`): the scan and the
+/// checksum pass through the crate, the file written with `file_mode`.
+#[pyfunction]
+#[pyo3(signature = (cfg))]
+fn _catalog<'py>(py: Python<'py>, cfg: &Bound<'py, PyDict>) -> PyResult<Bound<'py, PyDict>> {
+    use kspeed::dataset::{BuildOptions, ScanOptions, SourceSpec};
+    use std::os::unix::fs::PermissionsExt;
+    let source: String =
+        get(cfg, "source")?.ok_or_else(|| PyValueError::new_err("source is required"))?;
+    let out: String = get(cfg, "out")?.ok_or_else(|| PyValueError::new_err("out is required"))?;
+    let spec = SourceSpec::parse(&source).raise(py)?;
+    let mut scan = ScanOptions::default();
+    scan.skip_special = get(cfg, "skip_special")?.unwrap_or(false);
+    scan.follow_symlinks = get(cfg, "follow_symlinks")?.unwrap_or(false);
+    scan.skip_bad_members = get(cfg, "skip_bad_members")?.unwrap_or(false);
+    scan.members = get(cfg, "members")?.unwrap_or_default();
+    let mut opts = BuildOptions::default().scan(scan);
+    if let Some(t) = get(cfg, "threads")? {
+        opts = opts.threads(t);
+    }
+    let mode: u32 = get(cfg, "file_mode")?.unwrap_or(0o600);
+    let out_path = std::path::PathBuf::from(&out);
+    let (cat, notes) = py
+        .detach(|| {
+            let (cat, notes) = kspeed::dataset::catalog::build_with_notes(&spec, &out_path, &opts)?;
+            std::fs::set_permissions(&out_path, std::fs::Permissions::from_mode(mode))
+                .map_err(|e| kspeed::Error::io("chmod", &out_path, e))?;
+            Ok::<_, kspeed::Error>((cat, notes))
+        })
+        .raise(py)?;
+    let d = PyDict::new(py);
+    d.set_item("catalog", out)?;
+    d.set_item("source", spec.to_source_string())?;
+    d.set_item("samples", cat.len())?;
+    d.set_item("bytes", cat.total_bytes())?;
+    d.set_item("classes", cat.class_count())?;
+    d.set_item("notes", notes.lines())?;
+    Ok(d)
 }
 
 /// Preloads a source into a space (`kspeed preload`).
@@ -1502,6 +1582,7 @@ fn _kspeed(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<objects::View>()?;
     m.add_class::<PyNodeService>()?;
     m.add_function(wrap_pyfunction!(_preload, m)?)?;
+    m.add_function(wrap_pyfunction!(_catalog, m)?)?;
     m.add_function(wrap_pyfunction!(_verify, m)?)?;
     m.add_function(wrap_pyfunction!(_open_catalog, m)?)?;
     m.add_function(wrap_pyfunction!(_has_rdma, m)?)?;

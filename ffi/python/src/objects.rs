@@ -30,6 +30,7 @@ fn interface<'py>(
     len: u64,
     typestr: &str,
     itemsize: u64,
+    read_only: bool,
 ) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("version", 3)?;
@@ -37,7 +38,7 @@ fn interface<'py>(
     d.set_item("shape", PyTuple::new(py, [len / itemsize])?)?;
     // numpy wants a non-null address even for an empty array.
     let addr = if addr == 0 { itemsize.max(1) } else { addr };
-    d.set_item("data", (addr, false))?;
+    d.set_item("data", (addr, read_only))?;
     Ok(d)
 }
 
@@ -57,6 +58,7 @@ impl Owned {
             self.v.len() as u64 * 8,
             "<i8",
             8,
+            false,
         )
     }
 }
@@ -67,7 +69,7 @@ pub(crate) fn int64_array(py: Python<'_>, v: Vec<i64>) -> PyResult<Bound<'_, PyA
     asarray(py, o.into_any())
 }
 
-/// A range of a batch's bytes. While it exists the batch counts it as a
+/// A range of a batch's bytes, read-only. While it exists the batch counts it as a
 /// view: the batch cannot be released, and (through `batch`) neither the
 /// batch nor the loader can go.
 #[pyclass(module = "kspeed._kspeed", frozen)]
@@ -101,7 +103,11 @@ impl Drop for View {
 impl View {
     #[getter]
     fn __array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        interface(py, self.addr, self.len, "|u1", 1)
+        // Read-only: a ring sample's bytes belong to the loader until the
+        // batch goes, and a memory tier sample (`tier_views`) is filled once
+        // and served again every epoch, so a write through a view would
+        // corrupt it for every later epoch (numpy: writeable=False).
+        interface(py, self.addr, self.len, "|u1", 1, true)
     }
 
     fn __len__(&self) -> usize {

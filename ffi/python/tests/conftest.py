@@ -2,9 +2,12 @@
 and a `kspeed serve` process on loopback."""
 
 import os
+import select
 import shutil
+import signal
 import subprocess
 import sys
+import time
 import zlib
 
 import pytest
@@ -21,12 +24,13 @@ def kspeed_bin():
         p = os.path.join(REPO, "target", prof, "kspeed")
         if os.path.exists(p):
             return p
-    subprocess.run(["cargo", "build", "--quiet", "--bin", "kspeed"], cwd=REPO, check=True)
+    subprocess.run(["cargo", "build", "--quiet", "--bin", "kspeed"], cwd=REPO, check=True, timeout=1800)
     return os.path.join(REPO, "target", "debug", "kspeed")
 
 
 def cli(*args):
-    r = subprocess.run([kspeed_bin(), "--progress", "none", *map(str, args)], capture_output=True, text=True)
+    r = subprocess.run([kspeed_bin(), "--progress", "none", *map(str, args)], capture_output=True, text=True,
+                       timeout=CHILD_TIMEOUT_S)
     assert r.returncode == 0, f"kspeed {' '.join(map(str, args))}: {r.stdout}{r.stderr}"
     return r.stdout
 
@@ -70,6 +74,73 @@ def token_file(tmp_path_factory):
     return str(p)
 
 
+#: The longest any test waits for one answer from a child process.
+CHILD_TIMEOUT_S = 120
+
+
+def default_sigint():
+    """preexec_fn for a child that must answer Ctrl-C: SIGINT back to its
+    default. A shell runs background commands (`cmd &`, as CI harnesses do)
+    with SIGINT ignored, children inherit that, and Python then installs no
+    KeyboardInterrupt handler: a SIGINT would do nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def read_line(proc, timeout_s=CHILD_TIMEOUT_S):
+    """The next line of `proc`'s stdout (without its newline), waiting at
+    most `timeout_s` (a select loop on the pipe, never a blocking read);
+    fails with what the child said on stderr when the deadline passes or the
+    child ends first. Read a child's stdout only through this function."""
+    buf = proc.__dict__.setdefault("_line_buf", bytearray())
+    fd = proc.stdout.fileno()
+    deadline = time.monotonic() + timeout_s
+    while b"\n" not in buf:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise AssertionError(f"no line from the child in {timeout_s} s (got {bytes(buf)!r}); "
+                                 f"stderr: {stop_and_stderr(proc)}")
+        ready, _, _ = select.select([fd], [], [], left)
+        if ready:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                raise AssertionError(f"the child closed its stdout (got {bytes(buf)!r}); "
+                                     f"stderr: {stop_and_stderr(proc)}")
+            buf += chunk
+    line, _, rest = bytes(buf).partition(b"\n")
+    buf[:] = rest
+    return line.decode()
+
+
+def read_to_eof(fd, timeout_s=CHILD_TIMEOUT_S):
+    """Everything written to the pipe `fd` until its last writer closes it,
+    waiting at most `timeout_s` in all (a select loop); fails past it."""
+    out = bytearray()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise AssertionError(f"the child did not close the pipe in {timeout_s} s (got {bytes(out)!r})")
+        ready, _, _ = select.select([fd], [], [], left)
+        if ready:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return bytes(out)
+            out += chunk
+
+
+def stop_and_stderr(proc, timeout_s=10):
+    """Kills `proc` if it still runs and returns its stderr (for messages;
+    never blocks past `timeout_s`)."""
+    if proc.poll() is None:
+        proc.kill()
+    try:
+        proc.wait(timeout=timeout_s)
+        err = proc.stderr.read() if proc.stderr else ""
+    except (subprocess.TimeoutExpired, ValueError, OSError) as e:
+        err = f"<unreadable: {e}>"
+    return err.decode(errors="replace") if isinstance(err, bytes) else err
+
+
 class Serve:
     """A `kspeed serve` process on 127.0.0.1."""
 
@@ -78,14 +149,14 @@ class Serve:
             [kspeed_bin(), "serve", "--space", space, "--listen", "127.0.0.1:0", "--token-file", token_file,
              "--pollers", "1"],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        line = self.proc.stdout.readline()
+        line = read_line(self.proc)
         self.addr = line.strip().rsplit(" ", 1)[-1]
         assert ":" in self.addr, f"serve printed {line!r}"
 
     def stop(self):
         if self.proc.poll() is None:
             self.proc.kill()
-        self.proc.wait()
+        self.proc.wait(timeout=CHILD_TIMEOUT_S)
 
 
 @pytest.fixture
@@ -122,4 +193,6 @@ def require(mod):
         must_run(f"{mod} is not installed")
 
 
-__all__ = ["cli", "kspeed_bin", "make_tree", "must_run", "sample_bytes", "Serve", "require", "shutil"]
+__all__ = ["cli", "kspeed_bin", "make_tree", "must_run", "sample_bytes", "Serve", "require", "shutil", "read_line",
+           "read_to_eof",
+           "stop_and_stderr", "default_sigint", "CHILD_TIMEOUT_S"]

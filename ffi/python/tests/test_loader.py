@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import kspeed
-from conftest import cli, make_tree
+from conftest import cli, make_tree, read_to_eof
 
 
 def expected_ids(n, rank, world, drop_last, epoch_ids=None):
@@ -301,8 +301,12 @@ def test_dlpack_into_numpy_without_copy(space):
     assert b.views == 1
     del cap
     assert b.views == 0
-    with pytest.raises(BufferError, match="copy"):
-        b.__dlpack__(copy=True)
+    # copy=True: a private copy (writable), the batch not held by it.
+    c = np.from_dlpack(b, copy=True)
+    assert c.flags.writeable and c.tobytes() == b.array().tobytes()
+    assert c.__array_interface__["data"][0] != b.array().__array_interface__["data"][0]
+    assert b.views == 0
+    del c
     with pytest.raises(BufferError, match="device"):
         b.__dlpack__(dl_device=(2, 0))
     assert b.views == 0
@@ -415,7 +419,10 @@ def test_rank_and_world_from_torchrun_and_slurm(space, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     with kspeed.Loader(space, ring_bytes="2MiB") as l:
         assert (l.rank, l.world) == (1, 4)
-    with kspeed.Loader(space, rank=0, world=1, ring_bytes="2MiB") as l:
+    # Explicit values that contradict the launcher's: only when asked for.
+    with pytest.raises(ValueError, match="contradict the launcher's environment variables RANK=1, WORLD_SIZE=4"):
+        kspeed.Loader(space, rank=0, world=1, ring_bytes="2MiB")
+    with kspeed.Loader(space, rank=0, world=1, ignore_launcher_env=True, ring_bytes="2MiB") as l:
         assert (l.rank, l.world) == (0, 1)
 
 
@@ -493,8 +500,13 @@ def test_forked_child_refuses_the_parents_loader_and_drops_it_safely(space):
         os.write(w, msg + b" dropped")
         os._exit(0)
     os.close(w)
-    with os.fdopen(r, "rb") as f:
-        out = f.read()  # returns when the child exits (it holds the write end)
+    try:
+        out = read_to_eof(r)  # EOF when the child exits (it holds the write end)
+    except AssertionError:
+        os.kill(pid, 9)
+        raise
+    finally:
+        os.close(r)
     _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
     assert out == b"refused dropped", out
@@ -848,3 +860,91 @@ def test_tier_views_bad_arguments(space):
         kspeed._kspeed._Loader({"space": space, "tier_views": 2})
     with pytest.raises(ValueError, match="tier_views=True .* GPU ring"):
         kspeed._kspeed._Loader({"space": space, "tier_views": True, "gpu_ring": 0})
+
+
+# Views are read-only: the landing ring belongs to the loader, and a memory
+# tier sample is filled once and served again every epoch.
+
+
+def test_views_are_read_only_and_writes_never_reach_the_tier(space):
+    cat = kspeed.Catalog.open(space)
+    loader = kspeed.Loader(space, batch_size=5, seed=3, ring_bytes="256KiB", tier_bytes="8MiB", tier_views=True)
+    in_tier = 0
+    for epoch in range(3):
+        loader.set_epoch(epoch)
+        for b in loader:
+            views = [b.sample(0), b[0], b.array(), np.from_dlpack(b)] + b.samples()
+            for v in views:
+                assert not v.flags.writeable
+                if v.size:
+                    with pytest.raises(ValueError, match="read-only"):
+                        v[0] = 1
+            mv = b.memoryview(0)
+            assert mv.readonly
+            if len(mv):
+                with pytest.raises(TypeError):
+                    mv[0] = 1
+            for i in range(len(b)):
+                sid = int(b.ids[i])
+                in_tier += b.sample_in_tier(i)
+                assert b.sample(i).tobytes() == cat.read_source(sid), f"epoch {epoch}: sample {sid} changed"
+                # The DLPack export of a tier sample is a copy: writable, and
+                # a write does not reach the tier (checked next epoch).
+                s = np.from_dlpack(_Capsule(b.sample_dlpack(i)))
+                assert s.tobytes() == cat.read_source(sid)
+            del views, mv, s, b
+    assert in_tier > 0, "no sample came from the tier"
+
+
+def test_catalog_builds_what_the_cli_builds(tree, tmp_path):
+    out = tmp_path / "py.ksc"
+    r = kspeed.catalog(tree, out)
+    assert r["samples"] == 123 and r["catalog"] == str(out) and r["source"] == "dir:" + os.path.realpath(tree)
+    assert r["notes"] == [] and r["classes"] == 4
+    assert oct(os.stat(out).st_mode & 0o777) == oct(0o600)
+    cli("catalog", "--source", tree, "--out", tmp_path / "cli.ksc")
+    a, b = kspeed.Catalog.open(out), kspeed.Catalog.open(tmp_path / "cli.ksc")
+    for col in ("lengths", "crc32c", "labels", "file_index", "file_offset"):
+        assert (getattr(a, col) == getattr(b, col)).all(), col
+    assert (a.file_paths, a.class_names, a.source, a.identity) == (b.file_paths, b.class_names, b.source, b.identity)
+    # source= mode reads with it.
+    with kspeed.Loader(source=tree, catalog=out, batch_size=8) as loader:
+        for batch in loader:
+            for i, sid in enumerate(batch.ids.tolist()):
+                assert batch.tobytes(i) == a.read_source(sid)
+    with pytest.raises(kspeed.Error, match="does-not-exist"):
+        kspeed.catalog(tmp_path / "does-not-exist", tmp_path / "x.ksc")
+    with pytest.raises(TypeError, match="skip_special must be True or False"):
+        kspeed.catalog(tree, out, skip_special=1)
+
+
+def test_a_source_that_is_not_the_catalogs_is_refused(tree, tmp_path):
+    """source= with catalog= of another source: refused (the catalog's own
+    source would be read instead of the one named)."""
+    other = make_tree(str(tmp_path / "other"), n=10)
+    cat = tmp_path / "c.ksc"
+    cli("catalog", "--source", tree, "--out", cat)
+    with pytest.raises(kspeed.Error, match=r"was built from dir:.*, not dir:.*other"):
+        kspeed.Loader(source=other, catalog=cat)
+    with kspeed.Loader(source=tree, catalog=cat) as loader:
+        assert loader.epoch_len == 123
+
+
+def test_explicit_rank_world_against_the_launcher_is_refused(space, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"rank=0, world=1 contradict the launcher's environment variables "
+                                         r"RANK=0, WORLD_SIZE=2.*ignore_launcher_env=True"):
+        kspeed.Loader(space, rank=0, world=1)
+    with kspeed.Loader(space, rank=0, world=1, ignore_launcher_env=True) as l:
+        assert (l.rank, l.world) == (0, 1)
+    with kspeed.Loader(space, rank=0, world=2) as l:  # agrees with the launcher
+        assert l.world == 2
+    with kspeed.Loader(space) as l:
+        assert (l.rank, l.world) == (0, 2)
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    with pytest.raises(ValueError, match="SLURM_PROCID=1, SLURM_NTASKS=4"):
+        kspeed.Loader(space, rank=0, world=4)

@@ -198,22 +198,24 @@ def _same(t):
     return t
 
 
-def _with_address(t):
-    """A copy of the sample and the address the transform was handed."""
-    return t.clone(), t.data_ptr()
+def _seen_then_zeroed(t):
+    """What the transform was handed (a copy), then an in-place write to it."""
+    seen = t.clone()
+    t.zero_()
+    return seen
 
 
 @pytest.mark.parametrize("output, workers", [("sample", 0), ("sample", 2), ("batch", 0)])
 def test_dataset_with_tier_views_delivers_the_rank_sequence(space, output, workers):
     """tier_views=True through KSpeedDataset: samples from the memory tier
-    (epochs 1 and 2) reach the transform as views into the tier, batches as
-    the packed copy; bytes, labels and order equal the plain loader's."""
+    (epochs 1 and 2) reach the transform as copies (an in-place transform
+    does not reach the tier, which is served again every epoch), batches
+    as the packed copy; bytes, labels and order equal the plain loader's."""
     cat = kspeed.Catalog.open(space)
     args = dict(batch_size=5, seed=8, rank=1, world=2)
-    kw = dict(transform=_with_address) if output == "sample" else dict(output="batch")
+    kw = dict(transform=_seen_then_zeroed) if output == "sample" else dict(output="batch")
     ds = KSpeedDataset(space, ring_bytes="256KiB", tier_bytes="8MiB", tier_views=True, **args, **kw)
     dl = DataLoader(ds, batch_size=None, num_workers=workers, multiprocessing_context="fork" if workers else None)
-    address = {}  # (epoch, id) -> where the transform saw the sample
     packed = 0  # batches laid out back to back (the copy of a batch not in the ring)
     for epoch in range(3):
         ds.set_epoch(epoch)
@@ -221,10 +223,9 @@ def test_dataset_with_tier_views_delivers_the_rank_sequence(space, output, worke
         got = []
         for item in dl:
             if output == "sample":
-                (t, addr), y = item
+                t, y = item
                 sid = want[len(got)]
                 assert y == cat.labels[sid] and bytes(t.numpy()) == cat.read_source(sid), f"epoch {epoch}"
-                address[epoch, sid] = addr
                 got.append(sid)
             else:
                 data, offs, lens, labels, ids = item
@@ -240,11 +241,115 @@ def test_dataset_with_tier_views_delivers_the_rank_sequence(space, output, worke
         assert got == want, f"epoch {epoch}"
     if output == "batch":
         assert packed > 0, "no batch came as the packed copy: tier_views did not reach the loader"
-    elif workers == 0:
-        # Views into the tier: a sample is handed over at the same address
-        # in epochs 1 and 2 (the ring would move it).
-        # (This rank reads another half of the set each epoch: a sample it
-        # read in epoch 0 is in the tier from then on.)
-        both = [i for i in want if (0, i) in address and (1, i) in address]
-        same = sum(address[1, i] == address[2, i] for i in both)
-        assert both and same >= 3 * len(both) // 4, f"{same} of {len(both)} at the same address"
+
+
+@pytest.mark.parametrize("copy", [True, False])
+def test_in_place_ops_never_reach_the_memory_tier(space, copy):
+    """Every way a tier sample reaches torch (KSpeedDataset with and without
+    copy, torch.from_dlpack of sample_dlpack and of the batch) is written
+    to in place, over 3 epochs: the tier's bytes still equal the source,
+    and the writes changed only the tensors."""
+    cat = kspeed.Catalog.open(space)
+    ds = KSpeedDataset(space, batch_size=5, seed=3, ring_bytes="256KiB", tier_bytes="8MiB", tier_views=True,
+                       copy=copy)
+    loader = kspeed.Loader(space, batch_size=5, seed=3, ring_bytes="256KiB", tier_bytes="8MiB", tier_views=True)
+    in_tier = 0
+    for epoch in range(3):
+        ds.set_epoch(epoch)
+        want = rank_sequence(space, epoch, batch_size=5, seed=3)
+        for (t, y), sid in zip(ds, want):
+            assert bytes(t.numpy()) == cat.read_source(sid), f"epoch {epoch}: sample {sid} was changed"
+            t.fill_(0xA5)
+        loader.set_epoch(epoch)
+        for b in loader:
+            in_tier += not b.in_ring
+            for i in range(len(b)):
+                sid = int(b.ids[i])
+                s = torch.from_dlpack(b.sample_dlpack(i))
+                assert bytes(s.numpy()) == cat.read_source(sid), f"epoch {epoch}: sample {sid} was changed"
+                s.fill_(0x5A)
+            w = torch.from_dlpack(b)
+            w.fill_(0x33)
+            del s, w, b
+    assert in_tier > 0, "no batch had samples from the tier"
+
+
+@pytest.mark.parametrize("workers, persistent", [(0, False), (2, False), (2, True)])
+def test_each_pass_without_set_epoch_reads_the_next_epoch(space, workers, persistent):
+    """The docs' rule with every kind of worker: a pass without set_epoch
+    reads the epoch after the last pass's, and set_epoch(e) sets the next
+    pass's epoch (also for persistent workers)."""
+    args = dict(batch_size=5, seed=8, rank=1, world=2)
+    cat = kspeed.Catalog.open(space)
+    ds = KSpeedDataset(space, ring_bytes="256KiB", **args)
+    dl = DataLoader(ds, batch_size=None, num_workers=workers, persistent_workers=persistent,
+                    multiprocessing_context="fork" if workers else None)
+
+    def epoch_of_the_pass(epoch):
+        return [bytes(t.numpy()) for t, _ in dl] == [cat.read_source(i) for i in rank_sequence(space, epoch, **args)]
+
+    for epoch in (0, 1, 2):
+        assert epoch_of_the_pass(epoch), f"pass {epoch} did not read epoch {epoch}"
+    ds.set_epoch(7)
+    assert epoch_of_the_pass(7)
+    assert epoch_of_the_pass(8)
+
+
+def test_len_of_a_dataloader_is_what_it_yields(space):
+    """len(DataLoader) equals the batches one pass yields, for every worker
+    count, batch size and drop_last (each worker batches its own samples)."""
+    wrong, counts = [], {}
+    for world in (1, 2):
+        ds = KSpeedDataset(space, batch_size=5, seed=2, rank=0, world=world, ring_bytes="256KiB")
+        for workers in (0, 1, 2, 3):
+            for bs in (None, 1, 7, 16, 64):
+                for drop_last in ((False, True) if bs else (False,)):
+                    dl = DataLoader(ds, batch_size=bs, num_workers=workers, drop_last=drop_last,
+                                    collate_fn=list if bs else None,
+                                    multiprocessing_context="fork" if workers else None)
+                    n = sum(1 for _ in dl)
+                    counts[world, workers, bs, drop_last] = n
+                    if len(dl) != n:
+                        wrong.append(f"world {world}, {workers} workers, batch_size {bs}, drop_last {drop_last}: "
+                                     f"len {len(dl)}, yielded {n}")
+        assert len(ds) == ds.epoch_len
+    assert not wrong, wrong
+    for (world, workers, bs, drop_last), n in counts.items():
+        ds = KSpeedDataset(space, batch_size=5, seed=2, rank=0, world=world)
+        assert ds.batches_per_epoch(bs, workers, drop_last) == n
+
+
+def test_load_state_dict_of_another_job_fails_naming_the_field(space):
+    ds2 = KSpeedDataset(space, batch_size=5, seed=2, rank=0, world=2, ring_bytes="256KiB")
+    state = ds2.state_dict()
+    ds1 = KSpeedDataset(space, batch_size=5, seed=2, ring_bytes="256KiB")
+    with pytest.raises(ValueError, match=r"state\['world'\] is 2 but this dataset has 1"):
+        ds1.load_state_dict(state)
+    with pytest.raises(ValueError, match=r"state\['seed'\] is 2 but this dataset has 9"):
+        KSpeedDataset(space, batch_size=5, seed=9, rank=0, world=2).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"state\['num_workers'\] is 2 \(worker 1\) but this is worker 0 of 1"):
+        ds2.load_state_dict({**state, "num_workers": 2, "worker": 1})
+    ds2.load_state_dict(state)  # its own: accepted
+
+
+def test_return_id_gives_the_catalog_index(space):
+    cat = kspeed.Catalog.open(space)
+    ds = KSpeedDataset(space, batch_size=5, seed=2, ring_bytes="256KiB", return_id=True)
+    got = list(DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork"))
+    assert [sid for _, _, sid in got] == rank_sequence(space, 0, batch_size=5, seed=2)
+    for t, y, sid in got:
+        assert bytes(t.numpy()) == cat.read_source(sid) and y == cat.labels[sid]
+    with pytest.raises(TypeError, match="return_id must be True or False"):
+        KSpeedDataset(space, return_id=1)
+
+
+def test_explicit_rank_world_against_torchrun_is_refused(space, monkeypatch):
+    """world=1 under a 2-rank torchrun would read every sample twice per
+    epoch: refused unless ignore_launcher_env=True."""
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"rank=0, world=1 contradict the launcher's environment variables RANK=1"):
+        KSpeedDataset(space, rank=0, world=1)
+    ds = KSpeedDataset(space, rank=0, world=1, ignore_launcher_env=True)
+    assert (ds.rank, ds.world) == (0, 1)
+    assert (KSpeedDataset(space).rank, KSpeedDataset(space, rank=1, world=2).world) == (1, 2)

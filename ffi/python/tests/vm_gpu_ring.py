@@ -13,6 +13,7 @@ usage: vm_gpu_ring.py SOURCE SPACE TOKEN_FILE KSPEED_BIN
 
 import ctypes
 import os
+import select
 import subprocess
 import sys
 
@@ -83,6 +84,9 @@ def main():
     serve = subprocess.Popen([kspeed_bin, "serve", "--space", space, "--listen", f"{ip}:0", "--token-file",
                               token_file, "--pollers", "1", "--rdma"], stdout=subprocess.PIPE, text=True)
     try:
+        # A deadline on the read (serve prints its one line at once).
+        ready, _, _ = select.select([serve.stdout], [], [], 120)
+        assert ready, "kspeed serve printed nothing in 120 s"
         line = serve.stdout.readline()
         assert line.startswith("serving"), f"kspeed serve said {line!r}"
         addr = line.strip().rsplit(" ", 1)[1]

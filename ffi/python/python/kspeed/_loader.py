@@ -78,6 +78,35 @@ def launch_env(env=None):
     return 0, 1, "defaults (no RANK/WORLD_SIZE or SLURM_PROCID/SLURM_NTASKS in the environment)"
 
 
+def _rank_world(rank, world, ignore_launcher_env):
+    """(rank, world, origin): the arguments, else the launcher's
+    environment. Explicit values that contradict the launcher's
+    (RANK/WORLD_SIZE or SLURM_PROCID/SLURM_NTASKS) are refused unless
+    ``ignore_launcher_env``: world=1 under a 2-rank torchrun would read every
+    sample twice per epoch."""
+    env_rank, env_world, origin = launch_env()
+    if rank is None and world is None:
+        rank, world = env_rank, env_world
+    elif rank is None or world is None:
+        raise ValueError("give both rank and world, or neither (then they come from torchrun/SLURM)")
+    else:
+        rank = _int("rank", rank, 0, 2**32 - 1)
+        world = _int("world", world, 1, 2**32 - 1)
+        launched = origin.startswith("environment")
+        if launched and (rank, world) != (env_rank, env_world) and not _bool("ignore_launcher_env", ignore_launcher_env):
+            raise ValueError(
+                f"rank={rank}, world={world} contradict the launcher's {origin}: with these the job's ranks "
+                f"would not split the samples (some read twice, some never); leave rank and world out to take "
+                f"the launcher's, or pass ignore_launcher_env=True if these are meant"
+            )
+        origin = "the rank and world arguments"
+    rank = _int("rank", rank, 0, 2**32 - 1)
+    world = _int("world", world, 1, 2**32 - 1)
+    if rank >= world:
+        raise ValueError(f"rank {rank} is not below world {world} (from {origin})")
+    return rank, world, origin
+
+
 def _read_token(path):
     with open(path, "rb") as f:
         raw = f.read().rstrip()
@@ -112,6 +141,16 @@ class Loader:
     batches with views are never touched, and when they alone leave no room
     ``next()`` raises :class:`kspeed.BatchInUseError`. Memory that Python can
     still see is never reused.
+
+    Views are read-only (numpy ``writeable=False``; DLPack 1.0 exports carry
+    the read-only flag): the ring belongs to the loader, and a memory tier
+    sample is served again every epoch. ``sample_dlpack(i)`` of a tier sample
+    is a copy, since PyTorch ignores the flag.
+
+    ``rank``/``world``: both or neither (then torchrun's or SLURM's); explicit
+    values that contradict the launcher's environment raise ValueError
+    unless ``ignore_launcher_env=True``. With ``source=`` and ``catalog=``,
+    the catalog must have been built from that source.
 
     Memory tier views (``tier_views=True``, only useful with ``tier_bytes >
     0``; refused with ``gpu_ring``): a sample served from the memory tier is
@@ -173,6 +212,7 @@ class Loader:
         local_node=None,
         start_epoch=0,
         batches_in_flight=2,
+        ignore_launcher_env=False,
         _fault_injection=None,
     ):
         if (space is None) == (source is None):
@@ -190,17 +230,7 @@ class Loader:
         cfg["seed"] = _int("seed", seed, 0, 2**64 - 1)
         cfg["shuffle"] = _bool("shuffle", shuffle)
         cfg["drop_last"] = _bool("drop_last", drop_last)
-        env_rank, env_world, origin = launch_env()
-        if rank is None and world is None:
-            rank, world = env_rank, env_world
-        elif rank is None or world is None:
-            raise ValueError("give both rank and world, or neither (then they come from torchrun/SLURM)")
-        else:
-            origin = "the rank and world arguments"
-        rank = _int("rank", rank, 0, 2**32 - 1)
-        world = _int("world", world, 1, 2**32 - 1)
-        if rank >= world:
-            raise ValueError(f"rank {rank} is not below world {world} (from {origin})")
+        rank, world, origin = _rank_world(rank, world, ignore_launcher_env)
         cfg["rank"], cfg["world"] = rank, world
         cfg["ring_bytes"] = _size("ring_bytes", ring_bytes, 4096)
         cfg["tier_bytes"] = _size("tier_bytes", tier_bytes, 0)
@@ -505,6 +535,34 @@ def preload(source=None, space=None, *, catalog=None, nodes=1, node_index=0, rep
     cfg["refresh"] = _bool("refresh", refresh)
     cfg["max_bytes_per_sec"] = None if max_bytes_per_sec is None else _size("max_bytes_per_sec", max_bytes_per_sec, 1)
     return _kspeed._preload(cfg)
+
+
+def catalog(source, out, *, threads=None, skip_special=False, follow_symlinks=False, skip_bad_members=False,
+            members=None, file_mode=0o600):
+    """Builds a catalog of ``source`` into the file ``out`` (``kspeed
+    catalog``): every sample's place, length, label and CRC32C, for
+    ``Loader(source=..., catalog=out)``, ``KSpeedDataset(source=...,
+    catalog=out)`` and ``preload(..., catalog=out)``. ``source`` is a
+    directory (ImageFolder), ``list:FILE``, ``tar:SHARD.tar`` or
+    ``tar:DIR``; the scan options are the CLI's ``--skip-special``,
+    ``--follow-symlinks``, ``--skip-bad-members`` and ``--members``.
+    Returns ``{"catalog", "source", "samples", "bytes", "classes",
+    "notes"}`` (``notes``: what the scan skipped, one line each)."""
+    if not isinstance(source, (str, os.PathLike)):
+        raise TypeError(f"source must be a path or 'list:FILE' / 'tar:PATH', not {type(source).__name__}")
+    cfg = {"source": os.fspath(source), "out": _path("out", out, must_exist=False)}
+    cfg["threads"] = _opt_int("threads", threads, 1, 1024)
+    for name, v in (("skip_special", skip_special), ("follow_symlinks", follow_symlinks),
+                    ("skip_bad_members", skip_bad_members)):
+        cfg[name] = _bool(name, v)
+    if members is not None:
+        if isinstance(members, str):
+            members = members.split(",")
+        if not all(isinstance(m, str) and m for m in members):
+            raise TypeError("members must be a list of member extensions, e.g. ['jpg', 'cls']")
+        cfg["members"] = list(members)
+    cfg["file_mode"] = _int("file_mode", file_mode, 0, 0o7777)
+    return _kspeed._catalog(cfg)
 
 
 def verify(space, *, threads=None):

@@ -23,17 +23,30 @@ arrives in the rank's exact sequence order. A loader built in the parent is
 never used in a child (kspeed refuses that), and the parent's ring is not
 shared with the workers.
 
-Samples are yielded as ``(tensor, label)``: ``tensor`` is uint8. Without a
-``transform`` it is a copy (a tensor you may keep); with one, the transform
-receives a zero-copy tensor over the landing ring, valid during the call,
-and must return new memory (decoders do). ``output="batch"`` yields whole
-batches as ``(data, offsets, lengths, labels, ids)`` tensors instead (``data``
-is a copy of the batch's span unless ``copy=False``).
+Samples are yielded as ``(tensor, label)``, or ``(tensor, label, id)``
+with ``return_id=True`` (``id``: the sample's catalog index, as in
+``Catalog.path(id)``): ``tensor`` is uint8. Without a ``transform`` it is a
+copy (a tensor you may keep); with one, the transform receives a zero-copy
+tensor over the landing ring, valid during the call, and must return new
+memory (decoders do). A sample served from the memory tier (``tier_views``)
+is handed over as a copy: the tier is filled once and served again every
+epoch, and PyTorch tensors cannot be read-only, so an in-place transform must
+not reach it. ``output="batch"`` yields whole batches as ``(data, offsets,
+lengths, labels, ids)`` tensors instead (``data`` is a copy of the batch's
+span unless ``copy=False``).
 
 Epochs: ``set_epoch(e)`` before iterating (as with ``DistributedSampler``);
-without it each new pass goes on with the next epoch. With
-``persistent_workers=True`` the workers do not see ``set_epoch``: each pass
-is the next epoch.
+without it each new pass goes on with the next epoch, with 0 workers,
+worker processes started anew for each pass, or ``persistent_workers=True``
+alike (the epoch is kept in shared memory that the parent's ``set_epoch``
+writes and each worker reads when its pass starts).
+
+Length: ``len(DataLoader(ds, batch_size=B, num_workers=N, drop_last=D))``
+is the number of batches the DataLoader yields: each worker batches its own
+samples, so with workers that can be more than ``ceil(len(ds) / B)``; the
+dataset answers the DataLoader that asks with the exact count
+(:meth:`KSpeedDataset.batches_per_epoch`), so an LR schedule sized with
+``len(dl) * epochs`` steps exactly.
 
 Resume: ``state_dict()`` / ``load_state_dict()`` give the exact position of
 the next sample, also in the middle of a kspeed batch (``num_workers=0``, or
@@ -42,12 +55,16 @@ each worker).
 """
 
 import os
+import sys
 
 import numpy as np
 import torch
-from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from ._loader import Loader, _int
+from ._loader import Loader, _bool, _int, _rank_world
+
+#: Worker processes a dataset keeps an epoch for (DataLoader num_workers).
+MAX_WORKERS = 256
 
 __all__ = ["KSpeedDataset", "KSpeedImageFolder"]
 
@@ -57,7 +74,7 @@ class KSpeedDataset(IterableDataset):
     order. Keyword arguments go to :class:`kspeed.Loader`."""
 
     def __init__(self, space=None, *, transform=None, target_transform=None, output="sample", copy=None,
-                 rank=None, world=None, **loader_kwargs):
+                 return_id=False, rank=None, world=None, ignore_launcher_env=False, **loader_kwargs):
         super().__init__()
         if output not in ("sample", "batch"):
             raise ValueError(f"output must be 'sample' or 'batch', not {output!r}")
@@ -70,17 +87,18 @@ class KSpeedDataset(IterableDataset):
         self.target_transform = target_transform
         self.output = output
         self.copy = (transform is None) if copy is None else bool(copy)
+        self.return_id = _bool("return_id", return_id)
         if "source" in loader_kwargs and space is not None:
             raise ValueError("give space or source=, not both")
         self._kwargs = dict(loader_kwargs)
         # Resolve rank and world now (in the parent), so that workers agree.
-        from ._loader import launch_env
-
-        if rank is None and world is None:
-            rank, world, _ = launch_env()
-        elif rank is None or world is None:
-            raise ValueError("give both rank and world, or neither (then they come from torchrun/SLURM)")
-        self._epoch = None
+        rank, world, _ = _rank_world(rank, world, ignore_launcher_env)
+        # The epoch each worker's next pass reads (slot w for worker w; 0
+        # workers: slot 0), in shared memory: worker processes, new for each
+        # pass or persistent, see the parent's set_epoch, and each pass
+        # moves its worker's slot on (see _next_epoch).
+        start = _int("start_epoch", self._kwargs.get("start_epoch", 0), 0)
+        self._epochs = torch.full((MAX_WORKERS,), start, dtype=torch.int64).share_memory_()
         self._loader = None
         self._loader_key = None
         self._state = None
@@ -96,10 +114,6 @@ class KSpeedDataset(IterableDataset):
                 "KSpeedDataset needs space= or, with source=, catalog= (build one with `kspeed catalog`) "
                 "so that every worker reads the same catalog without checksumming the source again"
             )
-        rank = _int("rank", rank, 0)
-        world = _int("world", world, 1)
-        if rank >= world:
-            raise ValueError(f"rank {rank} is not below world {world}")
         self.rank, self.world = rank, world
         n = len(self._catalog)
         self.epoch_len = n // world if loader_kwargs.get("drop_last", False) else -(-n // world)
@@ -109,17 +123,59 @@ class KSpeedDataset(IterableDataset):
         return self._catalog
 
     def set_epoch(self, epoch):
-        """The epoch the next pass reads (DistributedSampler.set_epoch)."""
-        self._epoch = _int("epoch", epoch, 0)
+        """The epoch the next pass reads (DistributedSampler.set_epoch); the
+        passes after it go on with the next epochs."""
+        epoch = _int("epoch", epoch, 0)
+        self._epochs.fill_(epoch)
         self._state = None
 
+    def _next_epoch(self, w, n, reading):
+        """Worker ``w`` of ``n`` starts a pass of epoch ``reading``: its next
+        pass reads the one after. The last worker also moves the slots of
+        worker ids above ``n``, so that a DataLoader with more workers later
+        goes on from the same epoch."""
+        self._epochs[w] = reading + 1
+        if w == n - 1:
+            self._epochs[n:] = reading + 1
+
+    def batches_per_epoch(self, batch_size=None, num_workers=0, drop_last=False):
+        """What one pass of ``DataLoader(self, batch_size=batch_size,
+        num_workers=num_workers, drop_last=drop_last)`` yields: samples (or,
+        with ``output="batch"``, kspeed batches) for ``batch_size=None``,
+        else DataLoader batches. Each worker batches its own samples, so
+        this is the sum over workers, not ``ceil(len(self) / batch_size)``."""
+        n = max(1, _int("num_workers", num_workers, 0))
+        if num_workers > MAX_WORKERS:
+            raise ValueError(f"num_workers {num_workers} is above {MAX_WORKERS}, the most KSpeedDataset supports")
+        per_worker = [self._steps(w, n) for w in range(n)]
+        if self.output == "batch":
+            kb = self._kwargs.get("batch_size", 64)
+            per_worker = [-(-s // kb) for s in per_worker]
+        if batch_size is None:
+            return sum(per_worker)
+        b = _int("batch_size", batch_size, 1)
+        return sum((s // b) if drop_last else -(-s // b) for s in per_worker)
+
     def __len__(self):
+        """Samples per epoch for this rank (``output="sample"``). Asked by a
+        DataLoader (as ``len(dataloader)`` does), the value from which the
+        DataLoader computes exactly the batches it yields
+        (:meth:`batches_per_epoch`)."""
+        dl = _calling_dataloader(self)
+        if dl is not None:
+            got = self.batches_per_epoch(dl.batch_size, dl.num_workers, dl.drop_last)
+            # The DataLoader divides by its batch size (rounding up, or down
+            # with drop_last): hand it a length that gives `got` batches.
+            return got if dl.batch_size is None else got * dl.batch_size
         if self.output != "sample":
-            raise TypeError("len() is the sample count; with output='batch' it depends on the workers")
+            raise TypeError("len() is the sample count; with output='batch' it depends on the workers "
+                            "(batches_per_epoch(num_workers=N) gives it)")
         return self.epoch_len
 
     def _worker(self):
         info = get_worker_info()
+        if info is not None and info.num_workers > MAX_WORKERS:
+            raise ValueError(f"num_workers {info.num_workers} is above {MAX_WORKERS}, the most KSpeedDataset supports")
         return (0, 1) if info is None else (info.id, info.num_workers)
 
     def _get_loader(self, w, n):
@@ -129,9 +185,12 @@ class KSpeedDataset(IterableDataset):
         kw = dict(self._kwargs)
         # Worker w of n reads steps w, w+n, ... of the rank's sequence: the
         # sampler's rank (rank + world*w) of world*n, without drop_last (the
-        # cut to the rank's length is done here).
+        # cut to the rank's length is done here). Those contradict the
+        # launcher's RANK/WORLD_SIZE on purpose.
         kw["drop_last"] = False
-        self._loader = Loader(self.space, rank=self.rank + self.world * w, world=self.world * n, **kw)
+        kw["start_epoch"] = int(self._epochs[w])
+        self._loader = Loader(self.space, rank=self.rank + self.world * w, world=self.world * n,
+                              ignore_launcher_env=True, **kw)
         self._loader_key = key
         return self._loader
 
@@ -148,11 +207,11 @@ class KSpeedDataset(IterableDataset):
             loader._l.restore_position(state["position"])
             loader._epoch = state["epoch"]
             skip = state["skip"]
-        elif self._epoch is not None:
-            loader.set_epoch(self._epoch)
-        epoch = loader.position()[0]
-        if epoch > loader.epoch:
-            loader.set_epoch(epoch)
+        else:
+            epoch = int(self._epochs[w])
+            if loader.position() != (epoch, 0) or loader.epoch != epoch:
+                loader.set_epoch(epoch)
+        self._next_epoch(w, n, loader.position()[0])
         left = self._steps(w, n) - loader.position()[1]
         while left > 0:
             # Where this batch starts, so that a state taken in the middle of
@@ -167,36 +226,47 @@ class KSpeedDataset(IterableDataset):
                 self._cursor = (start, k)
                 yield self._batch(b, k)
             else:
-                labels = b.labels
+                labels, ids = b.labels, b.ids
                 for i in range(skip, k):
-                    t = torch.from_numpy(b.sample(i))
+                    # A ring sample in place; a memory tier sample as a copy
+                    # (sample_dlpack copies those: the tier is never
+                    # rewritten, and a tensor cannot be read-only).
+                    t = torch.from_dlpack(b.sample_dlpack(i))
                     if self.transform is not None:
                         t = self.transform(t)
-                    elif self.copy:
+                    elif self.copy and not b.sample_in_tier(i):
                         t = t.clone()
                     y = int(labels[i])
                     if self.target_transform is not None:
                         y = self.target_transform(y)
                     self._cursor = (start, i + 1)
-                    yield t, y
+                    yield (t, y, int(ids[i])) if self.return_id else (t, y)
             skip = 0
             del b
         self._cursor = None
-        # Leave the loader at the next epoch's start (the cut may have left
-        # the padding steps of this epoch unread).
-        self._epoch = None
-        loader.set_epoch(loader.epoch + 1)
+        # Leave the loader at the next epoch's start, reading ahead (the cut
+        # may have left the padding steps of this epoch unread).
+        nxt = int(self._epochs[w])
+        if loader.position() != (nxt, 0) or loader.epoch != nxt:
+            loader.set_epoch(nxt)
 
     def _batch(self, b, k):
         offsets, lengths = b.offsets[:k], b.lengths[:k]
-        arr = b.array()
         end = int(offsets[-1] + lengths[-1]) if k else 0
-        data = torch.from_numpy(arr[:end])
+        # Through DLPack: numpy views are read-only, which torch.from_numpy
+        # warns about. The ring span in place (a batch with tier samples: its
+        # packed copy, not the tier).
+        data = torch.from_dlpack(b)[:end]
         if self.copy:
             data = data.clone()
         return data, torch.from_numpy(offsets), torch.from_numpy(lengths), torch.from_numpy(b.labels[:k]), torch.from_numpy(b.ids[:k])
 
     # Checkpoints.
+    def _identity(self):
+        """What a state must match: the job (rank, world, seed) and the dataset."""
+        return {"rank": self.rank, "world": self.world, "seed": self._kwargs.get("seed", 0),
+                "catalog_identity": self._catalog.identity}
+
     def state_dict(self):
         """Position of this process's (or worker's) next sample: exact, also
         in the middle of a kspeed batch."""
@@ -207,19 +277,30 @@ class KSpeedDataset(IterableDataset):
             (pos, (epoch, index)), skip = cursor
         else:
             pos, (epoch, index), skip = loader._l.save_position(), loader.position(), 0
-        return {"kspeed_dataset_state": 1, "worker": w, "num_workers": n, "epoch": epoch, "index": index + skip,
-                "position": bytes(pos), "skip": skip}
+        return {"kspeed_dataset_state": 1, **self._identity(), "worker": w, "num_workers": n, "epoch": epoch,
+                "index": index + skip, "position": bytes(pos), "skip": skip}
 
     def load_state_dict(self, state):
-        """The next pass continues from ``state`` (from :meth:`state_dict`)."""
+        """The next pass continues from ``state`` (from :meth:`state_dict`).
+        A state of another job (world size, rank, seed), dataset or worker
+        count is refused here, naming the field."""
         if not isinstance(state, dict) or state.get("kspeed_dataset_state") != 1:
-            raise ValueError("state is not a KSpeedDataset state")
+            raise ValueError("state is not a KSpeedDataset state (no kspeed_dataset_state: 1)")
+        for key, mine in self._identity().items():
+            if key not in state:
+                raise ValueError(f"state[{key!r}] is missing: the state is from an older kspeed or not a "
+                                 f"KSpeedDataset state")
+            if state[key] != mine:
+                raise ValueError(f"state[{key!r}] is {state[key]!r} but this dataset has {mine!r}: the state "
+                                 f"belongs to another job or dataset")
         w, n = self._worker()
         if (state["worker"], state["num_workers"]) != (w, n):
             raise ValueError(
-                f"state was saved by worker {state['worker']} of {state['num_workers']}, "
-                f"this is worker {w} of {n}: resume with the same num_workers"
+                f"state['num_workers'] is {state['num_workers']} (worker {state['worker']}) but this is worker "
+                f"{w} of {n}: resume with the same num_workers"
             )
+        if not isinstance(state.get("position"), (bytes, bytearray)):
+            raise TypeError("state['position'] must be bytes")
         self._state = state
 
     def close(self):
@@ -235,6 +316,20 @@ class KSpeedDataset(IterableDataset):
         d["_loader_key"] = None
         d["_cursor"] = None
         return d
+
+
+def _calling_dataloader(ds):
+    """The DataLoader whose ``__len__`` asks ``len(ds)``, if one does (its
+    batch size and worker count decide what it yields)."""
+    f = sys._getframe(2)
+    for _ in range(4):
+        if f is None:
+            return None
+        me = f.f_locals.get("self")
+        if isinstance(me, DataLoader) and me.dataset is ds and f.f_code.co_name == "__len__":
+            return me
+        f = f.f_back
+    return None
 
 
 class KSpeedImageFolder(KSpeedDataset):
