@@ -1422,6 +1422,16 @@ fn _verify<'py>(py: Python<'py>, space: String, threads: usize) -> PyResult<Boun
         bad.append(e)?;
     }
     d.set_item("bad", bad)?;
+    let bad_extents = PyList::empty(py);
+    for x in &r.bad_extents {
+        let e = PyDict::new(py);
+        e.set_item("index", x.index)?;
+        e.set_item("path", x.path.display().to_string())?;
+        e.set_item("actual_bytes", x.actual_bytes)?;
+        e.set_item("manifest_bytes", x.manifest_bytes)?;
+        bad_extents.append(e)?;
+    }
+    d.set_item("bad_extents", bad_extents)?;
     Ok(d)
 }
 

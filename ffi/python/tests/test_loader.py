@@ -364,6 +364,33 @@ def test_corrupt_sample_is_a_data_error_and_verify_names_it(tmp_path):
     assert again.value.kind == "SampleCorrupt" and "stopped after an earlier error" in str(again.value)
 
 
+def test_verify_names_an_extent_that_grew(tmp_path):
+    src = make_tree(str(tmp_path / "src"), n=20, max_len=5000)
+    sp = str(tmp_path / "sp")
+    kspeed.preload(src, sp)
+    r = kspeed.verify(sp)
+    assert r["ok"] and r["bad_extents"] == []
+    name = sorted(os.listdir(os.path.join(sp, "extents")))[0]
+    path = os.path.join(sp, "extents", name)
+    before = os.path.getsize(path)
+    with open(path, "ab") as f:
+        f.write(b"\0" * 4096)
+    r = kspeed.verify(sp)
+    assert not r["ok"] and r["bad"] == [], r
+    (x,) = r["bad_extents"]
+    assert x["path"].endswith(name) and x["actual_bytes"] == before + 4096 and x["manifest_bytes"] == before
+
+
+def test_token_file_is_read_up_to_its_limit(tmp_path):
+    # /dev/zero never ends: read whole, it would fill memory.
+    with pytest.raises(ValueError, match="a token is at most 1024 bytes"):
+        kspeed.Loader(str(tmp_path), batch_size=1, cluster=["127.0.0.1:9"], token_file="/dev/zero")
+    long = tmp_path / "long"
+    long.write_bytes(b"x" * 1025 + b"\n")
+    with pytest.raises(ValueError, match="1025-byte token"):
+        kspeed.Loader(str(tmp_path), batch_size=1, cluster=["127.0.0.1:9"], token_file=str(long))
+
+
 def test_bad_arguments_name_the_argument(space, tmp_path, monkeypatch):
     cases = [
         (dict(batch_size=0), ValueError, "batch_size"),

@@ -107,11 +107,26 @@ def _rank_world(rank, world, ignore_launcher_env):
     return rank, world, origin
 
 
+# A token is at most 1024 bytes (the CLI's and the protocol's limit); a
+# line end may follow. Reading one byte more tells a longer file apart
+# without reading all of it (a token_file of /dev/zero must not fill memory).
+_MAX_TOKEN_BYTES = 1024
+_TOKEN_FILE_READ_BYTES = _MAX_TOKEN_BYTES + 3
+
+
 def _read_token(path):
     with open(path, "rb") as f:
-        raw = f.read().rstrip()
+        raw = f.read(_TOKEN_FILE_READ_BYTES)
+    if len(raw) == _TOKEN_FILE_READ_BYTES:
+        raise ValueError(
+            f"token_file: {path} holds more than {_TOKEN_FILE_READ_BYTES - 1} bytes; "
+            f"a token is at most {_MAX_TOKEN_BYTES} bytes"
+        )
+    raw = raw.rstrip()
     if not raw:
         raise ValueError(f"token_file: {path} is empty")
+    if len(raw) > _MAX_TOKEN_BYTES:
+        raise ValueError(f"token_file: {path} holds a {len(raw)}-byte token; a token is at most {_MAX_TOKEN_BYTES} bytes")
     return raw
 
 
@@ -567,10 +582,13 @@ def catalog(source, out, *, threads=None, skip_special=False, follow_symlinks=Fa
 
 def verify(space, *, threads=None):
     """Re-reads every sample of ``space`` and checks its CRC32C
-    (``kspeed verify``). Returns ``{"checked", "bytes", "bad": [...], "ok"}``."""
+    (``kspeed verify``) and every extent's length against the manifest.
+    Returns ``{"checked", "bytes", "bad": [...], "bad_extents": [...], "ok"}``
+    (``bad_extents``: ``{"index", "path", "actual_bytes", "manifest_bytes"}``
+    of each extent of the wrong length)."""
     threads = _opt_int("threads", threads, 1, 1024) or max(1, min(8, os.cpu_count() or 1))
     r = _kspeed._verify(_path("space", space), threads)
-    r["ok"] = not r["bad"]
+    r["ok"] = not r["bad"] and not r["bad_extents"]
     return r
 
 
