@@ -238,6 +238,12 @@ impl ServePoller {
     }
 
     pub(super) fn adopt(&mut self, mut acc: Accepted) {
+        // Tests of what a poller's panic does (tests/cluster.rs): only in
+        // builds with the `test-panic` feature.
+        #[cfg(feature = "test-panic")]
+        if std::env::var_os("KSPEED_TEST_POLLER_PANIC").is_some() {
+            panic!("KSPEED_TEST_POLLER_PANIC is set: poller {} panics on adopting a consumer", self.index);
+        }
         let Some(ci) = self.conns.vacant_key() else {
             // Not reached: the acceptor reserved a place on this poller at
             // HELLO (`Common::load`); kept as a refusal, not a panic.
