@@ -72,9 +72,8 @@ fn connect_with<R: Receive>(setup: &mut NetSetup, common: R::Common) -> Result<C
     // late (no thread to spare) still gets its whole time.
     let shared: &NetSetup = setup;
     let common_ref = &common;
-    let one = |n: &crate::transport::Node| {
-        connect_retrying::<R>(shared, n.index, &n.addr, common_ref)
-    };
+    let one =
+        |n: &crate::transport::Node| connect_retrying::<R>(shared, n.index, &n.addr, common_ref);
     let results: Vec<Option<Connect<R>>> = std::thread::scope(|sc| {
         let handles: Vec<_> = shared
             .cluster
@@ -261,9 +260,9 @@ fn retryable(name: &str) -> bool {
 /// time (`EAGAIN` from a socket timeout) is "timed out after N ms".
 fn read_failure(what: &str, e: &std::io::Error, waited: Duration) -> ConnectError {
     match e.kind() {
-        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => ConnectError::Unreachable(
-            format!("{what}: timed out after {} ms", waited.as_millis()),
-        ),
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+            ConnectError::Unreachable(format!("{what}: timed out after {} ms", waited.as_millis()))
+        }
         _ => ConnectError::Unreachable(format!("{what}: {e}")),
     }
 }

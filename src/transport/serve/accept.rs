@@ -242,7 +242,14 @@ impl RefusalLog {
         }
     }
 
-    fn record(&mut self, now: Instant, peer: SocketAddr, why: Refusal, code: Option<Code>, msg: &str) {
+    fn record(
+        &mut self,
+        now: Instant,
+        peer: SocketAddr,
+        why: Refusal,
+        code: Option<Code>,
+        msg: &str,
+    ) {
         let ip = peer.ip();
         if !self.by_addr.contains_key(&ip) && self.by_addr.len() >= MAX_TRACKED_ADDRS {
             self.untracked += 1;
@@ -604,8 +611,7 @@ impl Acceptor {
         }
         self.c.stats.refused.fetch_add(1, Ordering::Relaxed);
         let now = Instant::now();
-        if why == Refusal::BadToken
-            && self.refusals.bad_tokens(now, p.peer.ip()) >= BAD_TOKEN_LIMIT
+        if why == Refusal::BadToken && self.refusals.bad_tokens(now, p.peer.ip()) >= BAD_TOKEN_LIMIT
         {
             // Over the limit: answered at the throttle's end, unread from
             // here (its buffer is back with the spares).

@@ -242,7 +242,10 @@ impl ServePoller {
         // builds with the `test-panic` feature.
         #[cfg(feature = "test-panic")]
         if std::env::var_os("KSPEED_TEST_POLLER_PANIC").is_some() {
-            panic!("KSPEED_TEST_POLLER_PANIC is set: poller {} panics on adopting a consumer", self.index);
+            panic!(
+                "KSPEED_TEST_POLLER_PANIC is set: poller {} panics on adopting a consumer",
+                self.index
+            );
         }
         let Some(ci) = self.conns.vacant_key() else {
             // Not reached: the acceptor reserved a place on this poller at

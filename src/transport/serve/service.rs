@@ -148,8 +148,7 @@ impl NodeService {
             // Room for every consumer the poller may have: the acceptor
             // reserved each one's place at HELLO (`Common::load`), so the
             // hand-off after WELCOME never fails for capacity.
-            let (tx, rx) =
-                crossbeam_channel::bounded::<Accepted>(common.cfg.max_conns_per_poller);
+            let (tx, rx) = crossbeam_channel::bounded::<Accepted>(common.cfg.max_conns_per_poller);
             senders.push(tx);
             let c = common.clone();
             let t = std::thread::Builder::new()
@@ -165,7 +164,9 @@ impl NodeService {
                             .map(|s| s.to_string())
                             .or_else(|| p.downcast_ref::<String>().cloned())
                             .unwrap_or_else(|| "unknown panic".into());
-                        c2.fail(format!("poller {i} panicked (a bug; please report it): {what}"));
+                        c2.fail(format!(
+                            "poller {i} panicked (a bug; please report it): {what}"
+                        ));
                     }
                 })
                 .map_err(|e| Error::Serve(format!("spawn poller {i}: {e}")))?;
@@ -302,7 +303,10 @@ fn listen(addr: &str) -> std::io::Result<TcpListener> {
         let sock = Socket::new(Domain::for_address(sa), Type::STREAM, Some(Protocol::TCP))?;
         // As std's bind does: a restarted node can listen again at once.
         sock.set_reuse_address(true)?;
-        match sock.bind(&sa.into()).and_then(|_| sock.listen(libc::SOMAXCONN)) {
+        match sock
+            .bind(&sa.into())
+            .and_then(|_| sock.listen(libc::SOMAXCONN))
+        {
             Ok(()) => return Ok(sock.into()),
             Err(e) => last = Some(e),
         }
