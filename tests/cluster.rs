@@ -2912,3 +2912,94 @@ fn a_poller_that_panics_fails_the_service_with_a_named_error() {
     let mut sink = Vec::new();
     let _ = c.read_to_end(&mut sink);
 }
+
+/// A stand-in in front of node `to`: its first connections are answered at
+/// HELLO with the ERROR codes `refusals` (one each, in order), the later
+/// ones are forwarded to the node byte for byte. Returns its address and a
+/// count of the connections it took.
+fn refusing_proxy(
+    to: String,
+    refusals: Vec<Code>,
+) -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let l = TcpListener::bind(format!("{}:0", node_ip(0))).unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let taken = std::sync::Arc::new(AtomicUsize::new(0));
+    let count = taken.clone();
+    std::thread::spawn(move || {
+        for c in l.incoming() {
+            let Ok(mut c) = c else { return };
+            let k = count.fetch_add(1, Ordering::Relaxed);
+            if let Some(&code) = refusals.get(k) {
+                let _ = read_frame(&mut c);
+                let msg = format!("try {k}: {}", code.name());
+                let mut f = Header::error(proto::CONNECTION, code, msg.len() as u32)
+                    .encode()
+                    .to_vec();
+                f.extend_from_slice(msg.as_bytes());
+                let _ = c.write_all(&f);
+                continue;
+            }
+            let Ok(n) = TcpStream::connect(&to) else {
+                return;
+            };
+            let (mut c2, mut n2) = (c.try_clone().unwrap(), n.try_clone().unwrap());
+            std::thread::spawn(move || {
+                let _ = std::io::copy(&mut c2, &mut n2);
+                let _ = n2.shutdown(std::net::Shutdown::Write);
+            });
+            std::thread::spawn(move || {
+                let (mut n, mut c) = (n, c);
+                let _ = std::io::copy(&mut n, &mut c);
+                let _ = c.shutdown(std::net::Shutdown::Write);
+            });
+        }
+    });
+    (addr, taken)
+}
+
+#[test]
+fn a_node_that_answers_busy_rate_limited_or_full_is_tried_again() {
+    use std::sync::atomic::Ordering;
+    let st = setup("tiny", 200, 1, 1);
+    let node = Serve::start(&st.spaces[0], &node_ip(0), &st.token, &[]);
+    let cat = Catalog::open(&st.catalog).unwrap();
+    let (proxy, taken) = refusing_proxy(
+        node.addr.clone(),
+        vec![Code::Busy, Code::RateLimited, Code::NodeFull],
+    );
+    // TCP only: the stand-in forwards the control connection.
+    let mut l = builder_remote(&st, &[&proxy], 1 << 20)
+        .rdma(None)
+        .node_timeout(Duration::from_secs(20))
+        .build()
+        .unwrap();
+    assert_eq!(taken.load(Ordering::Relaxed), 4, "three refusals, then in");
+    assert_eq!(check(&mut l, &cat, 0, 1, 1), 200);
+    assert_eq!(l.stats().source_reads, 0, "{:?}", l.stats());
+    drop(l);
+    // Refused for longer than the node timeout: a busy node is dead from
+    // the start (its samples come from the source), a full one is a named
+    // error.
+    let (proxy, _) = refusing_proxy(node.addr.clone(), vec![Code::Busy; 1000]);
+    let mut l = builder_remote(&st, &[&proxy], 1 << 20)
+        .rdma(None)
+        .node_timeout(Duration::from_millis(500))
+        .build()
+        .unwrap();
+    assert_eq!(check(&mut l, &cat, 0, 1, 1), 200);
+    assert!(l.stats().source_reads >= 200, "{:?}", l.stats());
+    drop(l);
+    let (proxy, _) = refusing_proxy(node.addr.clone(), vec![Code::NodeFull; 1000]);
+    let e = builder_remote(&st, &[&proxy], 1 << 20)
+        .rdma(None)
+        .node_timeout(Duration::from_millis(500))
+        .build()
+        .err()
+        .expect("refused");
+    assert!(
+        matches!(&e, Error::Refused { code, .. } if *code == "node full"),
+        "{e}"
+    );
+    assert!(e.to_string().contains("tries over"), "{e}");
+}
