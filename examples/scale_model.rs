@@ -381,7 +381,11 @@ fn main() {
     );
     println!(
         "| nodes | consumers served per node | RC QPs per node (serve + ranks) | grant tables per node | staging slots per consumer | node full? | per (node, rank) pair rate | QP send queues per node | at start: HELLOs per service (max_handshakes {}) | connect threads per rank | ranks' posted receives per node (RDMA) |",
-        cfg.max_handshakes
+        if cfg.max_handshakes == 0 {
+            "auto: 64 + 8 x (nodes - 1), each retried on Busy".to_string()
+        } else {
+            cfg.max_handshakes.to_string()
+        }
     );
     println!("|---|---|---|---|---|---|---|---|---|---|---|");
     for nodes in NODE_COUNTS {
