@@ -380,3 +380,37 @@ fn connect<R: Receive>(
         w,
     ))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retry_backoff_stays_within_its_documented_bounds() {
+        // docs/PROTOCOL.md: try k waits in [b/2, b], b = min(100 ms x 2^k, 2 s).
+        for attempt in 0..40u32 {
+            let bound = Duration::from_millis(100)
+                .saturating_mul(1u32 << attempt.min(16))
+                .min(Duration::from_secs(2));
+            for jitter in [0u64, 1, 12_345, u64::MAX / 3, u64::MAX] {
+                let w = retry_backoff(attempt, jitter);
+                assert!(
+                    w >= bound / 2 && w <= bound,
+                    "try {attempt}: {w:?} outside [{:?}, {bound:?}]",
+                    bound / 2
+                );
+            }
+        }
+        assert_eq!(retry_backoff(0, 0), Duration::from_millis(50));
+        assert_eq!(retry_backoff(30, 0), Duration::from_secs(1));
+    }
+
+    #[test]
+    fn only_full_busy_and_rate_limited_are_retried() {
+        for c in (0..20).map(Code::from_u32) {
+            let want = matches!(c, Code::NodeFull | Code::Busy | Code::RateLimited);
+            assert_eq!(retryable(c.name()), want, "{c:?}");
+            assert_eq!(c.retry_at_hello(), want, "{c:?}");
+        }
+    }
+}

@@ -318,3 +318,15 @@ fn listen(addr: &str) -> std::io::Result<TcpListener> {
         )
     }))
 }
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn pending_handshakes_are_sized_from_the_cluster() {
+        // A job's start: 8 ranks on each other node connect at once.
+        assert_eq!(super::auto_max_handshakes(1), 64);
+        assert_eq!(super::auto_max_handshakes(10), 64 + 72);
+        assert_eq!(super::auto_max_handshakes(512), 64 + 8 * 511);
+        assert_eq!(super::auto_max_handshakes(u32::MAX), 4096);
+    }
+}
