@@ -3002,3 +3002,62 @@ fn a_node_that_answers_busy_rate_limited_or_full_is_tried_again() {
     );
     assert!(e.to_string().contains("tries over"), "{e}");
 }
+
+#[test]
+fn hostile_wrong_tokens_and_a_full_handshake_table_rate_limit_then_admit() {
+    let st = setup("tiny", 200, 1, 1);
+    let node = Serve::start(
+        &st.spaces[0],
+        "127.0.0.1",
+        &st.token,
+        &["--max-handshakes", "2", "--handshake-timeout-ms", "3000"],
+    );
+    let cat = Catalog::open(&st.catalog).unwrap();
+    let bad = hello_frame(&cat, proto::VERSION, b"a-stale-launcher", 1 << 20);
+    // 127.0.0.1 reaches the wrong-token limit (each answered at once)...
+    for k in 0..16 {
+        let mut c = TcpStream::connect(&node.addr).unwrap();
+        c.write_all(&bad).unwrap();
+        let (h, body) = frame_within(&mut c);
+        assert_eq!(
+            (h.kind, Code::from_u32(h.b)),
+            (Kind::Error, Code::BadToken),
+            "wrong token {k}: {}",
+            String::from_utf8_lossy(&body)
+        );
+    }
+    // ...and two silent peers elsewhere fill the handshake table.
+    let silent: Vec<TcpStream> = (0..2)
+        .map(|_| connect_from([127, 0, 0, 20], &node.addr).unwrap())
+        .collect();
+    // A connection from 127.0.0.1 then displaces nobody: it is told why,
+    // unread (the old code closed it without a word).
+    let mut c = TcpStream::connect(&node.addr).unwrap();
+    c.write_all(&hello_frame(
+        &cat,
+        proto::VERSION,
+        TOKEN.as_bytes(),
+        1 << 20,
+    ))
+    .unwrap();
+    let (h, body) = frame_within(&mut c);
+    let msg = String::from_utf8_lossy(&body);
+    assert_eq!(
+        (h.kind, Code::from_u32(h.b)),
+        (Kind::Error, Code::RateLimited),
+        "{msg}"
+    );
+    assert!(
+        msg.contains("wrong tokens") && msg.contains("retry"),
+        "{msg}"
+    );
+    // A real loader there retries until the silent peers' deadline frees
+    // room, and reads everything from the node.
+    let mut l = builder_remote(&st, &[&node.addr], 1 << 20)
+        .node_timeout(Duration::from_secs(20))
+        .build()
+        .unwrap();
+    assert_eq!(check(&mut l, &cat, 0, 1, 1), 200);
+    assert_eq!(l.stats().source_reads, 0, "{:?}", l.stats());
+    drop(silent);
+}
