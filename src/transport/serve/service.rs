@@ -154,11 +154,9 @@ impl NodeService {
             let t = std::thread::Builder::new()
                 .name(format!("kspeed-serve-{i}"))
                 .spawn(move || {
+                    use std::panic::{catch_unwind, AssertUnwindSafe};
                     let c2 = c.clone();
-                    let run = std::panic::AssertUnwindSafe(move || {
-                        ServePoller::new(c, i, ring, staging, rx).run()
-                    });
-                    if let Err(p) = std::panic::catch_unwind(run) {
+                    let fail = |p: Box<dyn std::any::Any + Send>| {
                         let what = p
                             .downcast_ref::<&str>()
                             .map(|s| s.to_string())
@@ -167,6 +165,21 @@ impl NodeService {
                         c2.fail(format!(
                             "poller {i} panicked (a bug; please report it): {what}"
                         ));
+                    };
+                    let made = catch_unwind(AssertUnwindSafe(move || {
+                        ServePoller::new(c, i, ring, staging, rx)
+                    }));
+                    let mut poller = match made {
+                        Ok(p) => p,
+                        Err(p) => return fail(p),
+                    };
+                    match catch_unwind(AssertUnwindSafe(|| poller.run())) {
+                        Ok(()) => drop(poller),
+                        Err(p) => {
+                            fail(p);
+                            // Its ring may still be reading into staging.
+                            poller.abandon();
+                        }
                     }
                 })
                 .map_err(|e| Error::Serve(format!("spawn poller {i}: {e}")))?;
