@@ -52,6 +52,9 @@ const SEED: u64 = 7;
 const NODE_COUNTS: [u32; 4] = [8, 64, 512, 4096];
 const SAMPLE_COUNTS: [u64; 2] = [1_000_000, 1_000_000_000];
 const MAX_REPLICAS: usize = 3;
+/// The ceiling of `--max-handshakes` (`MAX_HANDSHAKES` in
+/// src/transport/serve/config.rs, not exported).
+const MAX_HANDSHAKES: u64 = 4096;
 /// mlx5's send-queue building block (`MLX5_SEND_WQE_BB`): a send WQE is a
 /// whole number of them.
 const WQE_BB_BYTES: u64 = 64;
@@ -465,15 +468,15 @@ fn main() {
         gib(rank.recv_bufs as f64),
     );
     println!(
-        "| nodes | consumers served per node | RC QPs per node (serve + ranks) | memory windows per node | pinned verbs memory per node | grant tables per node | node full? | per (node, rank) pair rate | at start: HELLOs per service | connect threads per rank |"
+        "| nodes | consumers served per node | RC QPs per node (serve + ranks) | memory windows per node | pinned verbs memory per node | grant tables per node | node full? | per (node, rank) pair rate | at start: HELLOs per service | pending-handshake limit (`--max-handshakes` auto) | connect threads per rank |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
     for nodes in NODE_COUNTS {
         let consumers = (nodes as u64 - 1) * RANKS_PER_NODE as u64;
         let outbound = consumers; // 8 local ranks x (nodes-1) services
         let qps = consumers + outbound;
         println!(
-            "| {nodes} | {consumers} | {qps} | {} | {} | {} | {} | {:.2} samples/s | {consumers} | {} |",
+            "| {nodes} | {consumers} | {qps} | {} | {} | {} | {} | {:.2} samples/s | {consumers} | {} | {} |",
             outbound * rank.windows,
             gib((consumers * owner.pinned() + outbound * rank.pinned()) as f64),
             gib((consumers * per_consumer_grants) as f64),
@@ -483,6 +486,14 @@ fn main() {
                 "no".into()
             },
             TARGET_PER_GPU / nodes as f64,
+            if cfg.max_handshakes == 0 {
+                // The service's default (`auto_max_handshakes` in
+                // src/transport/serve/service.rs): room for every rank of the
+                // other nodes at once, within MAX_HANDSHAKES.
+                (64 + RANKS_PER_NODE as u64 * (nodes as u64 - 1)).min(MAX_HANDSHAKES)
+            } else {
+                cfg.max_handshakes as u64
+            },
             nodes - 1,
         );
     }

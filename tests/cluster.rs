@@ -1556,8 +1556,10 @@ fn a_full_node_refuses_at_hello_with_a_named_error() {
     );
     let cat = Catalog::open(&st.catalog).unwrap();
     let mut first = builder_remote(&st, &[&node.addr], 1 << 20).build().unwrap();
-    // The second consumer is told why at HELLO, not welcomed then dropped.
+    // The second consumer is told why at HELLO, not welcomed then dropped;
+    // it tries again within its node timeout, then gives up by name.
     let e = builder_remote(&st, &[&node.addr], 1 << 20)
+        .node_timeout(Duration::from_secs(2))
         .build()
         .err()
         .expect("refused");
@@ -2680,16 +2682,15 @@ fn capi_cluster_keys_from_hostlist_pattern_and_environment() {
     ])
     .unwrap();
     assert_eq!(ids, order(0, 1));
-    // A pattern: 127.0.0.10 and .11 serve nothing, so the loader (with no
-    // local space) cannot learn the placement: a named error, not a hang.
-    let (code, msg) = run(&[
+    // A pattern: 127.0.0.10 and .11 serve nothing, so the loader (reading
+    // a source, no local space) reads every sample from its source.
+    let ids = run(&[
         ("cluster_nodes_dns", format!("{prefix}.1{{i}}")),
         ("cluster_port", port.clone()),
         ("cluster_node_count", "2".into()),
     ])
-    .unwrap_err();
-    assert_eq!(code, ksp_status::KSP_ERR_INVALID_ARG);
-    assert!(msg.contains("no node could be reached"), "{msg}");
+    .unwrap();
+    assert_eq!(ids, order(0, 1));
     // The environment gives rank and world (and, with no explicit list,
     // the nodes); the explicit list wins over KSPEED_NODES. (The C ABI
     // reads the process's environment: nextest runs each test in its own
@@ -2730,4 +2731,443 @@ fn capi_cluster_keys_from_hostlist_pattern_and_environment() {
     let (code, msg) = run(&[("cluster_nodes_dns", "k-{i}:1".into())]).unwrap_err();
     assert_eq!(code, ksp_status::KSP_ERR_INVALID_ARG);
     assert!(msg.contains("needs a node count"), "{msg}");
+}
+
+// --- admission, retry and rate limits (docs/PROTOCOL.md) -----------------
+
+/// Reads one frame with a deadline of 20 s (per read).
+fn frame_within(c: &mut TcpStream) -> (Header, Vec<u8>) {
+    c.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    read_frame(c).expect("a frame within 20 s")
+}
+
+#[test]
+fn a_burst_of_handshakes_is_served_to_the_limit_and_refused_only_at_hello() {
+    let st = setup("tiny", 100, 1, 1);
+    // One poller (as every test node), room for 200 consumers.
+    let node = Serve::start(
+        &st.spaces[0],
+        &node_ip(0),
+        &st.token,
+        &["--max-consumers-per-poller", "200"],
+    );
+    let cat = Catalog::open(&st.catalog).unwrap();
+    let hello = hello_frame(&cat, proto::VERSION, TOKEN.as_bytes(), 1 << 20);
+    // 250 handshakes back to back: each connects and sends its HELLO
+    // before any answer is read.
+    let mut socks = Vec::new();
+    for _ in 0..250 {
+        let mut c = TcpStream::connect(&node.addr).unwrap();
+        c.write_all(&hello).unwrap();
+        socks.push(c);
+    }
+    let (id, s) = (0..cat.len())
+        .map(|i| (i, cat.sample(i)))
+        .find(|(_, s)| s.len > 0)
+        .unwrap();
+    let (mut served, mut full) = (0, 0);
+    let mut kept = Vec::new();
+    for (k, mut c) in socks.into_iter().enumerate() {
+        let (h, body) = frame_within(&mut c);
+        match h.kind {
+            Kind::Welcome => {
+                // Welcomed means served: a grant gets its bytes, never a
+                // refusal after WELCOME.
+                let mut f = Header::grant(1).encode().to_vec();
+                let mut e = [0u8; proto::GRANT_ENTRY_BYTES];
+                GrantEntry {
+                    grant: 7,
+                    len: s.len,
+                    sample: id,
+                    offset: 0,
+                    rkey: 0,
+                }
+                .encode_into(&mut e);
+                f.extend_from_slice(&e);
+                c.write_all(&f).unwrap();
+                let mut got = 0u64;
+                while got < s.len as u64 {
+                    let (h, body) = frame_within(&mut c);
+                    assert_eq!(
+                        h.kind,
+                        Kind::Data,
+                        "handshake {k}: {:?} {} after WELCOME ({served} served before it)",
+                        Code::from_u32(h.b),
+                        String::from_utf8_lossy(&body)
+                    );
+                    got += body.len() as u64;
+                }
+                served += 1;
+                kept.push(c); // stays connected: it holds its place
+            }
+            Kind::Error => {
+                let msg = String::from_utf8_lossy(&body);
+                assert_eq!(Code::from_u32(h.b), Code::NodeFull, "handshake {k}: {msg}");
+                assert!(msg.contains("max-consumers-per-poller"), "{msg}");
+                full += 1;
+            }
+            other => panic!("handshake {k}: {other:?} in answer to HELLO"),
+        }
+    }
+    assert_eq!((served, full), (200, 50));
+}
+
+#[test]
+fn wrong_tokens_from_an_address_do_not_lock_out_a_real_consumer_there() {
+    let st = setup("tiny", 200, 1, 1);
+    let node = Serve::start(&st.spaces[0], &node_ip(0), &st.token, &[]);
+    let cat = Catalog::open(&st.catalog).unwrap();
+    let bad = hello_frame(&cat, proto::VERSION, b"a-stale-launcher", 1 << 20);
+    // A burst of wrong tokens from the address the real consumer uses
+    // (more than the 16 a window answers at once), all in flight together.
+    let mut socks = Vec::new();
+    for _ in 0..40 {
+        let mut c = TcpStream::connect(&node.addr).unwrap();
+        c.write_all(&bad).unwrap();
+        socks.push(c);
+    }
+    // Every one is answered with an ERROR naming the reason (the old code
+    // closed them unread past the 16th).
+    let mut late = 0;
+    for (k, mut c) in socks.into_iter().enumerate() {
+        c.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        let (h, body) = read_frame(&mut c)
+            .unwrap_or_else(|e| panic!("wrong token {k}: closed without an ERROR ({e})"));
+        let msg = String::from_utf8_lossy(&body);
+        assert_eq!(h.kind, Kind::Error, "wrong token {k}");
+        let code = Code::from_u32(h.b);
+        assert!(
+            matches!(code, Code::BadToken | Code::RateLimited),
+            "wrong token {k}: {code:?} {msg}"
+        );
+        late += msg.contains("answered late") as u32;
+    }
+    assert!(late > 0, "no wrong token was throttled");
+    // Right after, within the same window, a real loader at that address
+    // gets in and reads everything from the node.
+    let mut l = builder_remote(&st, &[&node.addr], 1 << 20).build().unwrap();
+    assert_eq!(check(&mut l, &cat, 0, 1, 1), 200);
+    let stats = l.stats();
+    assert_eq!(stats.source_reads, 0, "{stats:?}");
+}
+
+#[test]
+fn hello_with_impossible_fields_is_refused_naming_the_field() {
+    let st = setup("tiny", 50, 1, 1);
+    let node = Serve::start(&st.spaces[0], &node_ip(0), &st.token, &[]);
+    let cat = Catalog::open(&st.catalog).unwrap();
+    let base = Hello {
+        catalog_identity: cat.identity(),
+        rank: 0,
+        world: 1,
+        catalog_samples: cat.len(),
+        seed: 0,
+        ring_addr: 0,
+        ring_len: 1 << 20,
+        rkey: 0,
+        transport: proto::TRANSPORT_TCP,
+    };
+    let cases: [(Hello, &str); 4] = [
+        (Hello { world: 0, ..base }, "field world is 0"),
+        (
+            Hello {
+                rank: 2,
+                world: 2,
+                ..base
+            },
+            "field rank is 2",
+        ),
+        (
+            Hello {
+                ring_len: 0,
+                ..base
+            },
+            "field ring_len is 0",
+        ),
+        (
+            Hello {
+                transport: 7,
+                ..base
+            },
+            "field transport is 7",
+        ),
+    ];
+    for (hello, what) in cases {
+        let mut f = Vec::new();
+        hello.encode(TOKEN.as_bytes(), &mut f);
+        let mut c = TcpStream::connect(&node.addr).unwrap();
+        c.write_all(&f).unwrap();
+        let (h, body) = frame_within(&mut c);
+        let msg = String::from_utf8_lossy(&body);
+        assert_eq!(h.kind, Kind::Error, "{what}: welcomed");
+        assert_eq!(Code::from_u32(h.b), Code::Violation, "{what}: {msg}");
+        assert!(msg.contains(what), "{what}: {msg}");
+    }
+}
+
+#[test]
+fn all_nodes_silent_at_start_time_out_and_a_source_serves_everything() {
+    let st = setup("tiny", 100, 2, 1);
+    // Two nodes whose kernel accepts connections (the backlog) and that
+    // never answer a HELLO: stopped processes.
+    let silent: Vec<TcpListener> = (0..2)
+        .map(|i| TcpListener::bind(format!("{}:0", node_ip(i))).unwrap())
+        .collect();
+    let addrs: Vec<String> = silent
+        .iter()
+        .map(|l| l.local_addr().unwrap().to_string())
+        .collect();
+    let cat = Catalog::open(&st.catalog).unwrap();
+    // The loader reads the source it was given instead of failing its build.
+    let mut l = builder_remote(&st, &[&addrs[0], &addrs[1]], 1 << 20)
+        .node_timeout(Duration::from_secs(1))
+        .build()
+        .unwrap();
+    assert_eq!(check(&mut l, &cat, 0, 1, 1), 100);
+    let stats = l.stats();
+    assert!(
+        stats.source_reads >= 100 && stats.remote_samples == 0,
+        "{stats:?}"
+    );
+    drop(l);
+    // `kspeed read` says the nodes timed out, once each.
+    let file = st._tmp.path().join("cluster.txt");
+    std::fs::write(&file, format!("0 {}\n1 {}\n", addrs[0], addrs[1])).unwrap();
+    let (code, out) = run_for(
+        &[
+            "read",
+            "--progress=none",
+            "--source",
+            s(&st.src),
+            "--catalog",
+            s(&st.catalog),
+            "--cluster",
+            s(&file),
+            "--token-file",
+            s(&st.token),
+            "--node-timeout-ms",
+            "1000",
+            "--ring-bytes",
+            "1MiB",
+        ],
+        Duration::from_secs(60),
+    );
+    assert_eq!(code, Some(0), "{out}");
+    assert!(out.contains("read 100 samples"), "{out}");
+    assert_eq!(
+        out.matches("is unreachable: no answer to HELLO: timed out after")
+            .count(),
+        2,
+        "{out}"
+    );
+    assert!(!out.contains("temporarily unavailable"), "{out}");
+    drop(silent);
+}
+
+#[cfg(feature = "test-panic")]
+#[test]
+fn a_poller_that_panics_fails_the_service_with_a_named_error() {
+    let st = setup("tiny", 50, 1, 1);
+    let log = st._tmp.path().join("node.log");
+    let mut child = Command::new(kspeed_bin())
+        .args(["serve", "--space", s(&st.spaces[0]), "--listen"])
+        .arg(format!("{}:0", node_ip(0)))
+        .args(["--token-file", s(&st.token), "--pollers", "1"])
+        .env("KSPEED_TEST_POLLER_PANIC", "1")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::from(std::fs::File::create(&log).unwrap()))
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    let addr = line.trim().rsplit(' ').next().unwrap().to_string();
+    assert!(line.starts_with("serving"), "{line}");
+    // A consumer is welcomed, then its poller panics on taking it.
+    let cat = Catalog::open(&st.catalog).unwrap();
+    let mut c = TcpStream::connect(&addr).unwrap();
+    c.write_all(&hello_frame(
+        &cat,
+        proto::VERSION,
+        TOKEN.as_bytes(),
+        1 << 20,
+    ))
+    .unwrap();
+    assert_eq!(frame_within(&mut c).0.kind, Kind::Welcome);
+    // The service stops by itself, with an error naming the poller.
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        if t0.elapsed() > Duration::from_secs(30) {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "kspeed serve still runs 30 s after its poller panicked:\n{}",
+                std::fs::read_to_string(&log).unwrap()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let err = std::fs::read_to_string(&log).unwrap();
+    assert!(!status.success(), "{err}");
+    assert!(
+        err.contains("the node service failed: poller 0 panicked"),
+        "{err}"
+    );
+    // The consumer's connection is closed, not left hanging.
+    c.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let mut sink = Vec::new();
+    let _ = c.read_to_end(&mut sink);
+}
+
+/// A stand-in in front of node `to`: its first connections are answered at
+/// HELLO with the ERROR codes `refusals` (one each, in order), the later
+/// ones are forwarded to the node byte for byte. Returns its address and a
+/// count of the connections it took.
+fn refusing_proxy(
+    to: String,
+    refusals: Vec<Code>,
+) -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let l = TcpListener::bind(format!("{}:0", node_ip(0))).unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let taken = std::sync::Arc::new(AtomicUsize::new(0));
+    let count = taken.clone();
+    std::thread::spawn(move || {
+        for c in l.incoming() {
+            let Ok(mut c) = c else { return };
+            let k = count.fetch_add(1, Ordering::Relaxed);
+            if let Some(&code) = refusals.get(k) {
+                let _ = read_frame(&mut c);
+                let msg = format!("try {k}: {}", code.name());
+                let mut f = Header::error(proto::CONNECTION, code, msg.len() as u32)
+                    .encode()
+                    .to_vec();
+                f.extend_from_slice(msg.as_bytes());
+                let _ = c.write_all(&f);
+                continue;
+            }
+            let Ok(n) = TcpStream::connect(&to) else {
+                return;
+            };
+            let (mut c2, mut n2) = (c.try_clone().unwrap(), n.try_clone().unwrap());
+            std::thread::spawn(move || {
+                let _ = std::io::copy(&mut c2, &mut n2);
+                let _ = n2.shutdown(std::net::Shutdown::Write);
+            });
+            std::thread::spawn(move || {
+                let (mut n, mut c) = (n, c);
+                let _ = std::io::copy(&mut n, &mut c);
+                let _ = c.shutdown(std::net::Shutdown::Write);
+            });
+        }
+    });
+    (addr, taken)
+}
+
+#[test]
+fn a_node_that_answers_busy_rate_limited_or_full_is_tried_again() {
+    use std::sync::atomic::Ordering;
+    let st = setup("tiny", 200, 1, 1);
+    let node = Serve::start(&st.spaces[0], &node_ip(0), &st.token, &[]);
+    let cat = Catalog::open(&st.catalog).unwrap();
+    let (proxy, taken) = refusing_proxy(
+        node.addr.clone(),
+        vec![Code::Busy, Code::RateLimited, Code::NodeFull],
+    );
+    // TCP only: the stand-in forwards the control connection.
+    let mut l = builder_remote(&st, &[&proxy], 1 << 20)
+        .rdma(None)
+        .node_timeout(Duration::from_secs(20))
+        .build()
+        .unwrap();
+    assert_eq!(taken.load(Ordering::Relaxed), 4, "three refusals, then in");
+    assert_eq!(check(&mut l, &cat, 0, 1, 1), 200);
+    assert_eq!(l.stats().source_reads, 0, "{:?}", l.stats());
+    drop(l);
+    // Refused for longer than the node timeout: a busy node is dead from
+    // the start (its samples come from the source), a full one is a named
+    // error.
+    let (proxy, _) = refusing_proxy(node.addr.clone(), vec![Code::Busy; 1000]);
+    let mut l = builder_remote(&st, &[&proxy], 1 << 20)
+        .rdma(None)
+        .node_timeout(Duration::from_millis(500))
+        .build()
+        .unwrap();
+    assert_eq!(check(&mut l, &cat, 0, 1, 1), 200);
+    assert!(l.stats().source_reads >= 200, "{:?}", l.stats());
+    drop(l);
+    let (proxy, _) = refusing_proxy(node.addr.clone(), vec![Code::NodeFull; 1000]);
+    let e = builder_remote(&st, &[&proxy], 1 << 20)
+        .rdma(None)
+        .node_timeout(Duration::from_millis(500))
+        .build()
+        .err()
+        .expect("refused");
+    assert!(
+        matches!(&e, Error::Refused { code, .. } if *code == "node full"),
+        "{e}"
+    );
+    assert!(e.to_string().contains("tries over"), "{e}");
+}
+
+#[test]
+fn hostile_wrong_tokens_and_a_full_handshake_table_rate_limit_then_admit() {
+    let st = setup("tiny", 200, 1, 1);
+    let node = Serve::start(
+        &st.spaces[0],
+        "127.0.0.1",
+        &st.token,
+        &["--max-handshakes", "2", "--handshake-timeout-ms", "3000"],
+    );
+    let cat = Catalog::open(&st.catalog).unwrap();
+    let bad = hello_frame(&cat, proto::VERSION, b"a-stale-launcher", 1 << 20);
+    // 127.0.0.1 reaches the wrong-token limit (each answered at once)...
+    for k in 0..16 {
+        let mut c = TcpStream::connect(&node.addr).unwrap();
+        c.write_all(&bad).unwrap();
+        let (h, body) = frame_within(&mut c);
+        assert_eq!(
+            (h.kind, Code::from_u32(h.b)),
+            (Kind::Error, Code::BadToken),
+            "wrong token {k}: {}",
+            String::from_utf8_lossy(&body)
+        );
+    }
+    // ...and two silent peers elsewhere fill the handshake table.
+    let silent: Vec<TcpStream> = (0..2)
+        .map(|_| connect_from([127, 0, 0, 20], &node.addr).unwrap())
+        .collect();
+    // A connection from 127.0.0.1 then displaces nobody: it is told why,
+    // unread (the old code closed it without a word).
+    let mut c = TcpStream::connect(&node.addr).unwrap();
+    c.write_all(&hello_frame(
+        &cat,
+        proto::VERSION,
+        TOKEN.as_bytes(),
+        1 << 20,
+    ))
+    .unwrap();
+    let (h, body) = frame_within(&mut c);
+    let msg = String::from_utf8_lossy(&body);
+    assert_eq!(
+        (h.kind, Code::from_u32(h.b)),
+        (Kind::Error, Code::RateLimited),
+        "{msg}"
+    );
+    assert!(
+        msg.contains("wrong tokens") && msg.contains("retry"),
+        "{msg}"
+    );
+    // A real loader there retries until the silent peers' deadline frees
+    // room, and reads everything from the node.
+    let mut l = builder_remote(&st, &[&node.addr], 1 << 20)
+        .node_timeout(Duration::from_secs(20))
+        .build()
+        .unwrap();
+    assert_eq!(check(&mut l, &cat, 0, 1, 1), 200);
+    assert_eq!(l.stats().source_reads, 0, "{:?}", l.stats());
+    drop(silent);
 }

@@ -1172,3 +1172,91 @@ fn a_gpu_ring_takes_rdma_writes_through_the_cuda_driver() {
         "some samples over RDMA, some from the source: {line}"
     );
 }
+
+#[test]
+#[ignore = "needs an RDMA device: runs in the soft-RoCE VM (scripts/vm_rdma_tests.sh)"]
+fn slow_rdma_handshakes_past_welcome_are_never_evicted() {
+    let Some(ctx) = open() else {
+        return;
+    };
+    use std::sync::atomic::Ordering;
+    let d = data(50, 1);
+    // The default limits: 64 handshakes not yet admitted on a 1-node space.
+    let node = rdma_node(&d.spaces[0], &vm_ip(0));
+    let addr = node.local_addr();
+    let cat = Catalog::open(&d.catalog).unwrap();
+    let mut hello = Vec::new();
+    proto::Hello {
+        catalog_identity: cat.identity(),
+        rank: 0,
+        world: 1,
+        catalog_samples: cat.len(),
+        seed: 3,
+        // Never written: no grant is sent.
+        ring_addr: 0x10000,
+        ring_len: 1 << 20,
+        rkey: 1,
+        transport: proto::TRANSPORT_RDMA,
+    }
+    .encode(TOKEN, &mut hello);
+    // 80 consumers (a 10-node job's 8 x 9, and then some) send HELLO back
+    // to back and are welcomed...
+    let mut socks = Vec::new();
+    for _ in 0..80 {
+        let mut c = std::net::TcpStream::connect(addr).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        c.write_all(&hello).unwrap();
+        socks.push(c);
+    }
+    for (k, c) in socks.iter_mut().enumerate() {
+        let (h, body) = common::read_frame(c).unwrap();
+        assert_eq!(
+            h.kind,
+            Kind::Welcome,
+            "consumer {k}: {}",
+            String::from_utf8_lossy(&body)
+        );
+    }
+    // ...then take a while before sending their endpoints (setting up
+    // their queue pairs, a loaded host): about 200 ms.
+    let pd = Pd::new(&ctx).unwrap();
+    let cq = Cq::new(&ctx, 256).unwrap();
+    let t0 = Instant::now();
+    let mut qps = Vec::new();
+    for c in &socks {
+        let mut qp = Qp::new(&pd, &cq, &cq, 16, 0).unwrap();
+        let (i, g) = ctx.gid_for_ip(c.local_addr().unwrap().ip()).unwrap();
+        qp.use_gid(i, g);
+        qps.push(qp);
+    }
+    // A consumer this slow, not a wait for the node.
+    std::thread::sleep(Duration::from_millis(200).saturating_sub(t0.elapsed()));
+    for (c, qp) in socks.iter_mut().zip(&qps) {
+        c.write_all(&qp.endpoint().encode()).unwrap();
+    }
+    // Every one is served: the node's endpoint, no ERROR (the old code
+    // evicted 16 of them, "handshake not complete while 64 newer
+    // connections waited").
+    for (k, c) in socks.iter_mut().enumerate() {
+        let (h, body) = common::read_frame(c).unwrap();
+        assert_eq!(
+            h.kind,
+            Kind::RdmaEndpoint,
+            "consumer {k}: {:?} {}",
+            proto::Code::from_u32(h.b),
+            String::from_utf8_lossy(&body)
+        );
+    }
+    assert_eq!(node.stats().evicted.load(Ordering::Relaxed), 0);
+    // Each is counted once the node has handed it to its poller, just
+    // after its endpoint went out.
+    let t0 = Instant::now();
+    while node.stats().connections.load(Ordering::Relaxed) < 80 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "{} of 80 consumers handed to the poller",
+            node.stats().connections.load(Ordering::Relaxed)
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}

@@ -112,6 +112,16 @@ pub enum Code {
     /// (`kspeed serve --max-consumers-per-poller` times its pollers); the
     /// node itself is fine.
     NodeFull = 10,
+    /// Answer to a connection whose HELLO the owner did not read: too many
+    /// handshakes were pending and this one, not yet past HELLO, made room
+    /// for a newer one (`kspeed serve --max-handshakes`). Retry after a
+    /// back-off (docs/PROTOCOL.md, "Admission and retry").
+    Busy = 11,
+    /// Answer to a connection whose HELLO the owner did not read: its
+    /// address presented too many wrong tokens lately and the node had no
+    /// room for another handshake from it. Retry after a back-off; a
+    /// correct token is never refused for its address once read.
+    RateLimited = 12,
     /// A code this build does not know.
     Unknown = 0,
 }
@@ -130,6 +140,8 @@ impl Code {
             8 => Code::ShuttingDown,
             9 => Code::TransportFailed,
             10 => Code::NodeFull,
+            11 => Code::Busy,
+            12 => Code::RateLimited,
             _ => Code::Unknown,
         }
     }
@@ -147,8 +159,17 @@ impl Code {
             Code::ShuttingDown => "shutting down",
             Code::TransportFailed => "transport failed",
             Code::NodeFull => "node full",
+            Code::Busy => "node busy",
+            Code::RateLimited => "rate-limited",
             Code::Unknown => "unknown error",
         }
+    }
+
+    /// Whether a consumer that gets this code in answer to HELLO tries the
+    /// node again (with a back-off, within its node timeout) instead of
+    /// giving up: the node is fine but cannot take it now.
+    pub fn retry_at_hello(self) -> bool {
+        matches!(self, Code::NodeFull | Code::Busy | Code::RateLimited)
     }
 }
 
@@ -389,6 +410,31 @@ impl Hello {
         out.extend_from_slice(&self.rkey.to_le_bytes());
         out.extend_from_slice(&(token.len() as u32).to_le_bytes());
         out.extend_from_slice(token);
+    }
+
+    /// Checks the fields an owner relies on: a world of at least one rank,
+    /// a rank inside it, a ring of at least one byte and a transport this
+    /// protocol names. The error names the field and its value.
+    pub fn check(&self) -> Result<(), String> {
+        if self.world == 0 {
+            return Err("HELLO field world is 0; a job has at least 1 rank".into());
+        }
+        if self.rank >= self.world {
+            return Err(format!(
+                "HELLO field rank is {}; it must be below world ({})",
+                self.rank, self.world
+            ));
+        }
+        if self.ring_len == 0 {
+            return Err("HELLO field ring_len is 0; no grant can fit in it".into());
+        }
+        if self.transport != TRANSPORT_TCP && self.transport != TRANSPORT_RDMA {
+            return Err(format!(
+                "HELLO field transport is {}; it must be {TRANSPORT_TCP} (TCP) or {TRANSPORT_RDMA} (RDMA)",
+                self.transport
+            ));
+        }
+        Ok(())
     }
 
     /// Decodes a HELLO body; returns the fields and the token.

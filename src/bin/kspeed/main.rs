@@ -101,9 +101,11 @@ struct ServeArgs {
     /// refused with the named error "node full" (1 to 4096).
     #[arg(long, default_value_t = 256)]
     max_consumers_per_poller: usize,
-    /// Handshakes pending at once; a connection beyond that closes the
-    /// oldest pending one (1 to 4096).
-    #[arg(long, default_value_t = 64)]
+    /// Handshakes not yet past HELLO pending at once; a connection beyond
+    /// that makes room (a late wrong-token answer is sent now, else the
+    /// oldest unfinished HELLO is told "node busy" and retries). 0: 64 +
+    /// 8 x (nodes - 1) of the space's placement (0 to 4096).
+    #[arg(long, default_value_t = 0)]
     max_handshakes: usize,
     /// Milliseconds a peer has for its whole handshake (HELLO and, over
     /// RDMA, the queue-pair swap), however it paces its bytes.

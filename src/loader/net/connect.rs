@@ -66,13 +66,14 @@ type Connect<R> = Result<(Conn<R>, Welcome), ConnectError>;
 /// Connects to every node but the local one over data path `R`.
 fn connect_with<R: Receive>(setup: &mut NetSetup, common: R::Common) -> Result<Connections<R>> {
     let mut out = Vec::with_capacity(setup.cluster.nodes.len());
-    // Every node at once, under one deadline (`node_timeout`, the connect
-    // included): stalled nodes cost the start one timeout, not one each.
-    let deadline = Instant::now() + setup.node_timeout;
+    // Every node at once, each under its own deadline (`node_timeout` from
+    // when its connect starts, the retries included): stalled nodes cost
+    // the start one timeout, not one each, and a connection that starts
+    // late (no thread to spare) still gets its whole time.
     let shared: &NetSetup = setup;
     let common_ref = &common;
     let one =
-        |n: &crate::transport::Node| connect::<R>(shared, n.index, &n.addr, deadline, common_ref);
+        |n: &crate::transport::Node| connect_retrying::<R>(shared, n.index, &n.addr, common_ref);
     let results: Vec<Option<Connect<R>>> = std::thread::scope(|sc| {
         let handles: Vec<_> = shared
             .cluster
@@ -140,6 +141,20 @@ fn connect_with<R: Receive>(setup: &mut NetSetup, common: R::Common) -> Result<C
             }
         }
     }
+    if setup.placement.is_none() {
+        // No WELCOME and no local space: reading a source (a space gives
+        // the placement), which serves every sample when no node can. Any
+        // placement will do: every holder of every sample is dead.
+        let nodes = setup.cluster.nodes.len() as u32;
+        let any = Placement::new(nodes.max(1), 1).map_err(|e| Error::BadCluster {
+            origin: "cluster".into(),
+            reason: e.to_string(),
+        })?;
+        log::warn!(
+            "none of the {nodes} node(s) could be reached: every sample is read from the source"
+        );
+        setup.placement = Some(any);
+    }
     Ok(Connections { conns: out, common })
 }
 
@@ -147,6 +162,109 @@ fn connect_with<R: Receive>(setup: &mut NetSetup, common: R::Common) -> Result<C
 pub(crate) enum ConnectError {
     Refused(Error),
     Unreachable(String),
+}
+
+/// First back-off after a retryable refusal at HELLO; each next one's
+/// bound doubles up to [`RETRY_MAX`] (docs/PROTOCOL.md, "Admission and
+/// retry").
+pub(crate) const RETRY_FIRST: Duration = Duration::from_millis(100);
+/// Longest back-off between two tries.
+pub(crate) const RETRY_MAX: Duration = Duration::from_secs(2);
+
+/// The wait before try `attempt + 1` (`attempt` from 0): uniform in
+/// `[bound / 2, bound]` with `bound = min(RETRY_FIRST x 2^attempt,
+/// RETRY_MAX)`, so consumers refused together spread out.
+pub(crate) fn retry_backoff(attempt: u32, jitter: u64) -> Duration {
+    let bound = RETRY_FIRST
+        .saturating_mul(1u32 << attempt.min(16))
+        .min(RETRY_MAX);
+    let half = bound / 2;
+    let span = half.as_micros() as u64 + 1;
+    half + Duration::from_micros(jitter % span)
+}
+
+/// A random number for the back-off's jitter (std's randomly keyed hasher;
+/// no generator needed for this).
+fn jitter(node: u32, attempt: u32) -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u32(node);
+    h.write_u32(attempt);
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0),
+    );
+    h.finish()
+}
+
+/// [`connect`] under its own deadline (`node_timeout` from now), trying
+/// again after a back-off with jitter while the node answers HELLO with a
+/// code that asks for it ([`Code::retry_at_hello`]: node full, busy,
+/// rate-limited). When the deadline comes first: a full node is `Refused`
+/// (the job has more consumers than the nodes are configured for); a busy
+/// or rate-limiting one is unreachable (dead from the start, its samples
+/// fail over).
+fn connect_retrying<R: Receive>(
+    setup: &NetSetup,
+    node: u32,
+    addr: &str,
+    common: &R::Common,
+) -> Result<(Conn<R>, Welcome), ConnectError> {
+    let started = Instant::now();
+    let deadline = started + setup.node_timeout;
+    let mut attempt = 0u32;
+    loop {
+        let (code, message) = match connect::<R>(setup, node, addr, deadline, common) {
+            Err(ConnectError::Refused(Error::Refused {
+                code: name,
+                message,
+                ..
+            })) if retryable(name) => (name, message),
+            other => return other,
+        };
+        let wait = retry_backoff(attempt, jitter(node, attempt));
+        attempt += 1;
+        if Instant::now() + wait >= deadline {
+            let message = format!(
+                "{message} (still so after {attempt} tries over {} ms, the node timeout)",
+                started.elapsed().as_millis()
+            );
+            if code == Code::NodeFull.name() {
+                return Err(ConnectError::Refused(Error::Refused {
+                    node,
+                    addr: addr.to_string(),
+                    code,
+                    message,
+                }));
+            }
+            return Err(ConnectError::Unreachable(format!("{code}: {message}")));
+        }
+        log::debug!(
+            "node {node} ({addr}) answered HELLO with {code}: {message}; trying again in {} ms",
+            wait.as_millis()
+        );
+        std::thread::sleep(wait);
+    }
+}
+
+/// Whether a refusal's code (by name) asks the consumer to try again.
+fn retryable(name: &str) -> bool {
+    [Code::NodeFull, Code::Busy, Code::RateLimited]
+        .iter()
+        .any(|c| c.retry_at_hello() && c.name() == name)
+}
+
+/// Says what a failed read of the handshake means: a read that ran out of
+/// time (`EAGAIN` from a socket timeout) is "timed out after N ms".
+fn read_failure(what: &str, e: &std::io::Error, waited: Duration) -> ConnectError {
+    match e.kind() {
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+            ConnectError::Unreachable(format!("{what}: timed out after {} ms", waited.as_millis()))
+        }
+        _ => ConnectError::Unreachable(format!("{what}: {e}")),
+    }
 }
 
 fn connect<R: Receive>(
@@ -174,6 +292,7 @@ fn connect<R: Receive>(
     let mut sock = TcpStream::connect_timeout(&sa, setup.connect_timeout.min(left()))
         .map_err(|e| unreachable("connect", &e))?;
     let _ = sock.set_nodelay(true);
+    let sent = Instant::now();
     let _ = sock.set_read_timeout(Some(left()));
     let mut hello = Vec::new();
     setup.hello.encode(&setup.token, &mut hello);
@@ -181,7 +300,7 @@ fn connect<R: Receive>(
         .map_err(|e| unreachable("send HELLO", &e))?;
     let mut hb = [0u8; proto::HEADER_BYTES];
     sock.read_exact(&mut hb)
-        .map_err(|e| unreachable("no answer to HELLO", &e))?;
+        .map_err(|e| read_failure("no answer to HELLO", &e, sent.elapsed()))?;
     let violation = |what: String| {
         ConnectError::Refused(Error::ProtocolViolation {
             node,
@@ -193,7 +312,7 @@ fn connect<R: Receive>(
     let mut body = vec![0u8; h.body_len as usize];
     let _ = sock.set_read_timeout(Some(left()));
     sock.read_exact(&mut body)
-        .map_err(|e| unreachable("truncated answer to HELLO", &e))?;
+        .map_err(|e| read_failure("truncated answer to HELLO", &e, sent.elapsed()))?;
     match h.kind {
         Kind::Welcome => {}
         Kind::Error => {
@@ -260,4 +379,38 @@ fn connect<R: Receive>(
         },
         w,
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retry_backoff_stays_within_its_documented_bounds() {
+        // docs/PROTOCOL.md: try k waits in [b/2, b], b = min(100 ms x 2^k, 2 s).
+        for attempt in 0..40u32 {
+            let bound = Duration::from_millis(100)
+                .saturating_mul(1u32 << attempt.min(16))
+                .min(Duration::from_secs(2));
+            for jitter in [0u64, 1, 12_345, u64::MAX / 3, u64::MAX] {
+                let w = retry_backoff(attempt, jitter);
+                assert!(
+                    w >= bound / 2 && w <= bound,
+                    "try {attempt}: {w:?} outside [{:?}, {bound:?}]",
+                    bound / 2
+                );
+            }
+        }
+        assert_eq!(retry_backoff(0, 0), Duration::from_millis(50));
+        assert_eq!(retry_backoff(30, 0), Duration::from_secs(1));
+    }
+
+    #[test]
+    fn only_full_busy_and_rate_limited_are_retried() {
+        for c in (0..20).map(Code::from_u32) {
+            let want = matches!(c, Code::NodeFull | Code::Busy | Code::RateLimited);
+            assert_eq!(retryable(c.name()), want, "{c:?}");
+            assert_eq!(c.retry_at_hello(), want, "{c:?}");
+        }
+    }
 }

@@ -3,22 +3,33 @@
 //! a non-blocking state machine over `poll(2)`, so no peer gets a thread or
 //! can hold up another one's handshake.
 //!
-//! Every bound here is fixed at start (docs/PROTOCOL.md, "Limits"):
+//! Every bound here is fixed at start (docs/PROTOCOL.md, "Limits" and
+//! "Admission and retry"):
 //! - one deadline for the whole handshake (`handshake_timeout`), however
 //!   the peer paces its bytes;
-//! - at most `max_handshakes` handshakes pending; a connection accepted
-//!   beyond that closes the oldest pending one (a real consumer sends its
-//!   HELLO in one write right after connecting, so the oldest is the one
-//!   most likely stalled);
-//! - at most `max_conns_per_poller` consumers per poller: a HELLO beyond
-//!   that is refused with [`Code::NodeFull`];
+//! - at most `max_handshakes` handshakes *not yet admitted* (HELLO not
+//!   read in full, or a wrong token waiting for its delayed answer). A
+//!   connection accepted beyond that makes room: a delayed wrong-token
+//!   answer is sent at once, else (when the new connection's address is
+//!   over the wrong-token limit) the new connection is answered
+//!   [`Code::RateLimited`], else the oldest handshake without a whole
+//!   HELLO is answered [`Code::Busy`]. Both codes tell a consumer to retry;
+//! - admission is decided at HELLO, before WELCOME: at most
+//!   `max_conns_per_poller` consumers per poller, a HELLO beyond that is
+//!   refused with [`Code::NodeFull`]. An admitted handshake (over RDMA,
+//!   WELCOME sent, waiting for the consumer's endpoint) holds its place on
+//!   a poller, is bounded by the consumer limit, and is never closed to make
+//!   room: only its own deadline ends it. The hand-off to the poller never
+//!   fails for capacity (its queue holds every consumer it can take);
 //! - `accept` failing for lack of descriptors (EMFILE, ENFILE) or memory
-//!   closes the oldest pending handshake and backs off (10 ms doubling to
-//!   1 s); it is logged once, then summarized every [`LOG_WINDOW`];
+//!   closes a handshake not yet admitted, as above, and backs off (10 ms
+//!   doubling to 1 s); it is logged once, then summarized every
+//!   [`LOG_WINDOW`];
 //! - refusals are logged once per address per [`LOG_WINDOW`], the rest
-//!   summarized; an address that presents [`BAD_TOKEN_LIMIT`] wrong tokens
-//!   within a window has its further connections closed unread until the
-//!   window ends.
+//!   summarized; from an address that presented [`BAD_TOKEN_LIMIT`] wrong
+//!   tokens within a window, each further wrong token is answered
+//!   [`THROTTLE_DELAY`] late (a looping stale launcher slows down). A
+//!   correct token is admitted whatever its address did.
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -28,18 +39,22 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::Sender;
+use crossbeam_channel::{Sender, TrySendError};
 
 use super::{send_error, Accepted, Common};
 use crate::transport::proto::{self, Code, Header, Hello, Kind, Welcome};
 
 /// Window of the refusal and accept-error log summaries and of the
-/// per-address bad-token limit.
+/// per-address wrong-token count.
 pub(crate) const LOG_WINDOW: Duration = Duration::from_secs(10);
 
-/// Wrong tokens one address may present within [`LOG_WINDOW`] before its
-/// connections are closed unread for the rest of the window.
+/// Wrong tokens one address may present within [`LOG_WINDOW`] and have
+/// answered at once; later ones are answered [`THROTTLE_DELAY`] late.
 pub(crate) const BAD_TOKEN_LIMIT: u32 = 16;
+
+/// How late a wrong token is answered from an address over
+/// [`BAD_TOKEN_LIMIT`].
+pub(crate) const THROTTLE_DELAY: Duration = Duration::from_secs(1);
 
 /// Addresses the refusal log tracks at once (beyond it, refusals are only
 /// counted).
@@ -48,14 +63,23 @@ const MAX_TRACKED_ADDRS: usize = 4096;
 /// A handshake buffer holds the largest HELLO (header, fixed part, token).
 const BUF_BYTES: usize = proto::HEADER_BYTES + proto::HELLO_FIXED_BYTES + proto::MAX_TOKEN_BYTES;
 
+/// An admitted RDMA handshake reads only the consumer's endpoint frame, into
+/// a buffer of its own (the HELLO buffer goes back to the spares).
+#[cfg(feature = "rdma")]
+const ENDPOINT_FRAME_BYTES: usize = proto::HEADER_BYTES + proto::RDMA_ENDPOINT_BYTES;
+
 #[derive(Clone, Copy)]
 enum Stage {
     /// Reading the HELLO header.
     Header,
     /// Reading the HELLO body (the header is in the buffer).
     Body(Header),
-    /// RDMA: WELCOME sent; reading the consumer's RDMA_ENDPOINT. The poller
-    /// whose load this connection already counts in.
+    /// A wrong token from an address over [`BAD_TOKEN_LIMIT`]: its BadToken
+    /// answer waits for the handshake's deadline (set to the throttle's
+    /// end). Nothing more is read from it.
+    Throttled,
+    /// RDMA: admitted (a place on `poller` reserved), WELCOME sent; reading
+    /// the consumer's RDMA_ENDPOINT. Never closed to make room.
     #[cfg(feature = "rdma")]
     Endpoint { poller: usize },
 }
@@ -64,7 +88,11 @@ struct Pending {
     sock: TcpStream,
     peer: SocketAddr,
     deadline: Instant,
-    buf: Box<[u8]>,
+    /// The HELLO buffer (from the spares) while the HELLO is read.
+    buf: Option<Box<[u8]>>,
+    /// RDMA: the endpoint frame, once admitted.
+    #[cfg(feature = "rdma")]
+    ep: [u8; ENDPOINT_FRAME_BYTES],
     have: usize,
     stage: Stage,
     /// RDMA: the decoded HELLO while the endpoints are swapped.
@@ -73,13 +101,46 @@ struct Pending {
 }
 
 impl Pending {
-    /// Bytes the current stage needs in the buffer.
+    /// Bytes the current stage needs in its buffer.
     fn want(&self) -> usize {
         match self.stage {
             Stage::Header => proto::HEADER_BYTES,
             Stage::Body(h) => proto::HEADER_BYTES + h.body_len as usize,
+            Stage::Throttled => 0,
             #[cfg(feature = "rdma")]
-            Stage::Endpoint { .. } => proto::HEADER_BYTES + proto::RDMA_ENDPOINT_BYTES,
+            Stage::Endpoint { .. } => ENDPOINT_FRAME_BYTES,
+        }
+    }
+
+    /// The buffer the current stage reads into.
+    fn space(&self) -> &[u8] {
+        #[cfg(feature = "rdma")]
+        if let Stage::Endpoint { .. } = self.stage {
+            return &self.ep;
+        }
+        self.buf.as_deref().unwrap_or(&[])
+    }
+
+    /// Reads what the socket has of the current stage's bytes.
+    fn read_some(&mut self, want: usize) -> std::io::Result<usize> {
+        let have = self.have;
+        #[cfg(feature = "rdma")]
+        if let Stage::Endpoint { .. } = self.stage {
+            return self.sock.read(&mut self.ep[have..want]);
+        }
+        match self.buf.as_deref_mut() {
+            Some(b) => self.sock.read(&mut b[have..want]),
+            None => Ok(0),
+        }
+    }
+
+    /// Not admitted yet: counts against `max_handshakes` and may be closed
+    /// to make room.
+    fn unadmitted(&self) -> bool {
+        match self.stage {
+            Stage::Header | Stage::Body(_) | Stage::Throttled => true,
+            #[cfg(feature = "rdma")]
+            Stage::Endpoint { .. } => false,
         }
     }
 }
@@ -89,7 +150,7 @@ impl Pending {
 enum Refusal {
     /// The token did not match.
     BadToken,
-    /// The deadline passed.
+    /// The deadline passed, or it made room for a newer one.
     Timeout,
     /// The peer closed or reset before finishing.
     Closed,
@@ -99,7 +160,7 @@ enum Refusal {
 
 /// What one step of a handshake came to.
 enum Step {
-    /// Waiting for more bytes.
+    /// Waiting for more bytes (or for a throttled answer's time).
     Wait,
     /// Done: hand the consumer (its HELLO, its RDMA end) to this poller.
     Ready(Box<Ready>),
@@ -120,8 +181,10 @@ struct AddrLog {
     since: Instant,
     refusals: u64,
     bad_tokens: u32,
-    /// Closed unread (over the bad-token limit).
-    blocked: u64,
+    /// Wrong tokens answered late (over the limit).
+    throttled: u64,
+    /// Connections answered RateLimited unread.
+    rate_limited: u64,
     last: String,
 }
 
@@ -144,12 +207,14 @@ impl RefusalLog {
 
     fn summarize(ip: &IpAddr, r: &AddrLog) {
         let more = r.refusals.saturating_sub(1);
-        if more > 0 || r.blocked > 0 {
+        if more > 0 {
             log::warn!(
-                "refused {ip} {more} more time(s) in the last {} s ({} wrong token(s), {} connection(s) closed unread over the limit of {BAD_TOKEN_LIMIT} wrong tokens); latest: {}",
+                "refused {ip} {more} more time(s) in the last {} s ({} wrong token(s), {} of them answered {} ms late over the limit of {BAD_TOKEN_LIMIT}; {} connection(s) answered rate-limited); latest: {}",
                 LOG_WINDOW.as_secs(),
                 r.bad_tokens,
-                r.blocked,
+                r.throttled,
+                THROTTLE_DELAY.as_millis(),
+                r.rate_limited,
                 r.last
             );
         }
@@ -177,7 +242,14 @@ impl RefusalLog {
         }
     }
 
-    fn record(&mut self, now: Instant, peer: SocketAddr, why: Refusal, msg: &str) {
+    fn record(
+        &mut self,
+        now: Instant,
+        peer: SocketAddr,
+        why: Refusal,
+        code: Option<Code>,
+        msg: &str,
+    ) {
         let ip = peer.ip();
         if !self.by_addr.contains_key(&ip) && self.by_addr.len() >= MAX_TRACKED_ADDRS {
             self.untracked += 1;
@@ -187,12 +259,16 @@ impl RefusalLog {
             since: now,
             refusals: 0,
             bad_tokens: 0,
-            blocked: 0,
+            throttled: 0,
+            rate_limited: 0,
             last: String::new(),
         });
         r.refusals += 1;
         if why == Refusal::BadToken {
             r.bad_tokens += 1;
+        }
+        if code == Some(Code::RateLimited) {
+            r.rate_limited += 1;
         }
         if r.refusals == 1 {
             if why == Refusal::Closed {
@@ -205,17 +281,18 @@ impl RefusalLog {
         }
     }
 
-    /// True when `ip` is over the bad-token limit in its window (the
-    /// connection is then closed unread and counted).
-    fn blocked(&mut self, now: Instant, ip: IpAddr) -> bool {
-        match self.by_addr.get_mut(&ip) {
-            Some(r)
-                if r.bad_tokens >= BAD_TOKEN_LIMIT && now.duration_since(r.since) < LOG_WINDOW =>
-            {
-                r.blocked += 1;
-                true
-            }
-            _ => false,
+    /// Wrong tokens `ip` presented in its current window.
+    fn bad_tokens(&self, now: Instant, ip: IpAddr) -> u32 {
+        match self.by_addr.get(&ip) {
+            Some(r) if now.duration_since(r.since) < LOG_WINDOW => r.bad_tokens,
+            _ => 0,
+        }
+    }
+
+    /// Counts a wrong token of `ip` answered late.
+    fn throttled(&mut self, ip: IpAddr) {
+        if let Some(r) = self.by_addr.get_mut(&ip) {
+            r.throttled += 1;
         }
     }
 }
@@ -233,9 +310,10 @@ pub(super) struct Acceptor {
     c: Arc<Common>,
     listener: TcpListener,
     senders: Vec<Sender<Accepted>>,
-    /// Pending handshakes, oldest first (at most `max_handshakes`).
+    /// Pending handshakes, oldest first: at most `max_handshakes` not yet
+    /// admitted, and the admitted ones (bounded by the consumer limit).
     pending: Vec<Pending>,
-    /// Spare handshake buffers (`max_handshakes` in all, made at start).
+    /// Spare HELLO buffers (`max_handshakes` in all, made at start).
     spare: Vec<Box<[u8]>>,
     pollfds: Vec<libc::pollfd>,
     refusals: RefusalLog,
@@ -249,14 +327,16 @@ impl Acceptor {
         senders: Vec<Sender<Accepted>>,
     ) -> Self {
         let cap = c.cfg.max_handshakes;
+        // Admitted handshakes are consumers: at most pollers x the limit.
+        let admitted = c.cfg.pollers * c.cfg.max_conns_per_poller;
         Acceptor {
             listener,
             senders,
-            pending: Vec::with_capacity(cap),
+            pending: Vec::with_capacity(cap + admitted),
             spare: (0..cap)
                 .map(|_| vec![0u8; BUF_BYTES].into_boxed_slice())
                 .collect(),
-            pollfds: Vec::with_capacity(cap + 1),
+            pollfds: Vec::with_capacity(cap + admitted + 1),
             refusals: RefusalLog::new(),
             trouble: AcceptTrouble {
                 until: None,
@@ -271,7 +351,8 @@ impl Acceptor {
     pub(super) fn run(mut self) {
         while !self.c.stop.load(Ordering::Acquire) {
             let now = Instant::now();
-            self.expire(now);
+            // Wake for the stop flag, the next deadline and the back-off.
+            let mut wake = self.expire(now).min(now + Duration::from_millis(100));
             self.refusals.sweep(now);
             self.trouble_summary(now);
             let accepting = self.trouble.until.is_none_or(|t| now >= t);
@@ -287,14 +368,14 @@ impl Acceptor {
             for p in &self.pending {
                 self.pollfds.push(libc::pollfd {
                     fd: p.sock.as_raw_fd(),
-                    events: libc::POLLIN,
+                    // A throttled one is only answered, at its time.
+                    events: if matches!(p.stage, Stage::Throttled) {
+                        0
+                    } else {
+                        libc::POLLIN
+                    },
                     revents: 0,
                 });
-            }
-            // Wake for the stop flag, the next deadline and the back-off.
-            let mut wake = now + Duration::from_millis(100);
-            if let Some(p) = self.pending.first() {
-                wake = wake.min(p.deadline);
             }
             if let Some(t) = self.trouble.until {
                 wake = wake.min(t);
@@ -306,10 +387,11 @@ impl Acceptor {
                 continue;
             }
             // Handshakes first (in order, so indices stay valid: a finished
-            // one is removed and its pollfd is skipped), then new ones.
+            // one is removed and its pollfd is skipped; a throttled one goes
+            // to the end, past the polled ones), then new ones.
             let mut i = 0;
             let mut fd_i = 1;
-            while i < self.pending.len() {
+            while i < self.pending.len() && fd_i < self.pollfds.len() {
                 let ready = self.pollfds[fd_i].revents != 0;
                 fd_i += 1;
                 if ready && self.step(i) {
@@ -326,8 +408,46 @@ impl Acceptor {
                 .store(self.pending.len() as u64, Ordering::Relaxed);
         }
         for p in self.pending.drain(..) {
+            #[cfg(feature = "rdma")]
+            if let Stage::Endpoint { poller } = p.stage {
+                self.c.load[poller].fetch_sub(1, Ordering::Relaxed);
+            }
             drop(p.sock);
         }
+    }
+
+    /// Handshakes not yet admitted (the ones `max_handshakes` bounds).
+    fn unadmitted(&self) -> usize {
+        self.pending.iter().filter(|p| p.unadmitted()).count()
+    }
+
+    /// Makes room for one more handshake not yet admitted, for a new
+    /// connection from `ip`: answers a throttled wrong token now, or else
+    /// closes the oldest handshake without a whole HELLO (ERROR Busy).
+    /// False when the new connection should be refused instead (its
+    /// address is over the wrong-token limit and only others' HELLOs
+    /// could make room).
+    fn make_room(&mut self, now: Instant, ip: Option<IpAddr>, why: &str) -> bool {
+        if let Some(k) = self
+            .pending
+            .iter()
+            .position(|p| matches!(p.stage, Stage::Throttled))
+        {
+            let p = self.pending.remove(k);
+            self.answer_throttled(p);
+            return true;
+        }
+        if ip.is_some_and(|ip| self.refusals.bad_tokens(now, ip) >= BAD_TOKEN_LIMIT) {
+            return false;
+        }
+        let Some(k) = self.pending.iter().position(|p| p.unadmitted()) else {
+            return true;
+        };
+        let old = self.pending.remove(k);
+        self.c.stats.evicted.fetch_add(1, Ordering::Relaxed);
+        let m = format!("{why}; this handshake had not sent its whole HELLO: retry");
+        self.finish(old, Refusal::Timeout, Some(Code::Busy), m);
+        true
     }
 
     /// Accepts what is queued (up to a batch, so handshakes keep moving).
@@ -344,38 +464,40 @@ impl Acceptor {
             };
             self.trouble.backoff = Duration::from_millis(10);
             let now = Instant::now();
-            if self.refusals.blocked(now, peer.ip()) {
-                self.c.stats.refused.fetch_add(1, Ordering::Relaxed);
-                drop(sock);
-                continue;
-            }
             if sock.set_nonblocking(true).is_err() {
                 continue;
             }
             let _ = sock.set_nodelay(true);
-            if self.pending.len() >= self.c.cfg.max_handshakes {
-                // Full: the oldest pending handshake makes room.
-                let old = self.pending.remove(0);
-                self.c.stats.evicted.fetch_add(1, Ordering::Relaxed);
-                self.finish(
-                    old,
-                    Refusal::Timeout,
-                    Some(Code::Violation),
-                    format!(
-                        "handshake not complete while {} newer connections waited (--max-handshakes)",
-                        self.c.cfg.max_handshakes
-                    ),
+            if self.unadmitted() >= self.c.cfg.max_handshakes {
+                let why = format!(
+                    "{} handshakes were pending (--max-handshakes)",
+                    self.c.cfg.max_handshakes
                 );
+                if !self.make_room(now, Some(peer.ip()), &why) {
+                    // Unread, but told why: a consumer retries.
+                    let m = format!(
+                        "{why} and {} presented {BAD_TOKEN_LIMIT} or more wrong tokens in the last {} s: retry",
+                        peer.ip(),
+                        LOG_WINDOW.as_secs()
+                    );
+                    send_error(&sock, proto::CONNECTION, Code::RateLimited, &m);
+                    self.c.stats.refused.fetch_add(1, Ordering::Relaxed);
+                    self.refusals
+                        .record(now, peer, Refusal::Other, Some(Code::RateLimited), &m);
+                    continue;
+                }
             }
             let buf = self
                 .spare
                 .pop()
-                .expect("a spare buffer per pending handshake");
+                .expect("a spare buffer per handshake not yet admitted");
             self.pending.push(Pending {
                 sock,
                 peer,
                 deadline: now + self.c.cfg.handshake_timeout,
-                buf,
+                buf: Some(buf),
+                #[cfg(feature = "rdma")]
+                ep: [0; ENDPOINT_FRAME_BYTES],
                 have: 0,
                 stage: Stage::Header,
                 #[cfg(feature = "rdma")]
@@ -399,18 +521,9 @@ impl Acceptor {
             return;
         }
         self.c.stats.accept_errors.fetch_add(1, Ordering::Relaxed);
-        if !self.pending.is_empty() {
-            // The only descriptors the acceptor can free are its pending
-            // handshakes': the oldest goes, so the queue moves on.
-            let old = self.pending.remove(0);
-            self.c.stats.evicted.fetch_add(1, Ordering::Relaxed);
-            self.finish(
-                old,
-                Refusal::Timeout,
-                Some(Code::Violation),
-                "handshake closed: the node is out of descriptors".into(),
-            );
-        }
+        // The only descriptors the acceptor can free are its handshakes'
+        // not yet admitted: one goes, so the queue moves on.
+        self.make_room(now, None, "the node is out of descriptors");
         self.trouble.until = Some(now + self.trouble.backoff);
         self.trouble.backoff = (self.trouble.backoff * 2).min(Duration::from_secs(1));
         if self.trouble.last_log.is_none() {
@@ -446,10 +559,23 @@ impl Acceptor {
         }
     }
 
-    /// Closes the handshakes past their deadline.
-    fn expire(&mut self, now: Instant) {
-        while self.pending.first().is_some_and(|p| p.deadline <= now) {
-            let p = self.pending.remove(0);
+    /// Ends the handshakes whose time came (throttled answers, deadlines);
+    /// returns the next such time.
+    fn expire(&mut self, now: Instant) -> Instant {
+        let mut next = now + Duration::from_secs(3600);
+        let mut i = 0;
+        while i < self.pending.len() {
+            let d = self.pending[i].deadline;
+            if d > now {
+                next = next.min(d);
+                i += 1;
+                continue;
+            }
+            let p = self.pending.remove(i);
+            if matches!(p.stage, Stage::Throttled) {
+                self.answer_throttled(p);
+                continue;
+            }
             self.c
                 .stats
                 .handshake_timeouts
@@ -460,26 +586,54 @@ impl Acceptor {
             );
             self.finish(p, Refusal::Timeout, Some(Code::Violation), m);
         }
+        next
+    }
+
+    /// Answers a throttled wrong token (already counted as a refusal).
+    fn answer_throttled(&mut self, p: Pending) {
+        let m = format!(
+            "job token does not match this node's (answered late: {} presented {BAD_TOKEN_LIMIT} or more wrong tokens in the last {} s)",
+            p.peer.ip(),
+            LOG_WINDOW.as_secs()
+        );
+        send_error(&p.sock, proto::CONNECTION, Code::BadToken, &m);
     }
 
     /// Ends a handshake without a consumer: the ERROR frame (never
     /// blocking), the count, the log.
-    fn finish(&mut self, p: Pending, why: Refusal, code: Option<Code>, msg: String) {
+    fn finish(&mut self, mut p: Pending, why: Refusal, code: Option<Code>, msg: String) {
         #[cfg(feature = "rdma")]
         if let Stage::Endpoint { poller } = p.stage {
             self.c.load[poller].fetch_sub(1, Ordering::Relaxed);
         }
+        if let Some(buf) = p.buf.take() {
+            self.spare.push(buf);
+        }
+        self.c.stats.refused.fetch_add(1, Ordering::Relaxed);
+        let now = Instant::now();
+        if why == Refusal::BadToken && self.refusals.bad_tokens(now, p.peer.ip()) >= BAD_TOKEN_LIMIT
+        {
+            // Over the limit: answered at the throttle's end, unread from
+            // here (its buffer is back with the spares).
+            self.refusals.record(now, p.peer, why, code, &msg);
+            self.refusals.throttled(p.peer.ip());
+            p.stage = Stage::Throttled;
+            p.deadline = now + THROTTLE_DELAY;
+            self.pending.push(p);
+            return;
+        }
         if let Some(code) = code {
             send_error(&p.sock, proto::CONNECTION, code, &msg);
         }
-        self.c.stats.refused.fetch_add(1, Ordering::Relaxed);
-        self.refusals.record(Instant::now(), p.peer, why, &msg);
-        self.spare.push(p.buf);
+        self.refusals.record(now, p.peer, why, code, &msg);
     }
 
-    /// Moves handshake `i` on with what its socket has. True when it ended
-    /// (and was removed from `pending`).
+    /// Moves handshake `i` on with what its socket has. True when it left
+    /// its place in `pending` (ended, or throttled to the end).
     fn step(&mut self, i: usize) -> bool {
+        if matches!(self.pending[i].stage, Stage::Throttled) {
+            return false;
+        }
         let step = self.advance(i);
         match step {
             Step::Wait => false,
@@ -490,8 +644,10 @@ impl Acceptor {
                     rdma,
                     poller,
                 } = *r;
-                let p = self.pending.remove(i);
-                self.spare.push(p.buf);
+                let mut p = self.pending.remove(i);
+                if let Some(buf) = p.buf.take() {
+                    self.spare.push(buf);
+                }
                 let acc = Accepted {
                     sock: p.sock,
                     peer: p.peer,
@@ -516,19 +672,23 @@ impl Acceptor {
                     self.c.consumers()
                 );
                 self.c.stats.connections.fetch_add(1, Ordering::Relaxed);
+                // The queue holds every consumer the poller may have (its
+                // place was reserved at HELLO), so only a poller that is
+                // gone (the service stopping or failed) refuses it.
                 if let Err(e) = self.senders[poller].try_send(acc) {
-                    // The poller is gone (stopping) or its queue is full.
                     self.c.load[poller].fetch_sub(1, Ordering::Relaxed);
+                    let full = matches!(e, TrySendError::Full(_));
                     let acc = e.into_inner();
                     #[cfg(feature = "rdma")]
                     if acc.rdma.is_some() {
                         self.c.stats.rdma_qps.fetch_sub(1, Ordering::Relaxed);
                     }
+                    debug_assert!(!full, "a poller's queue holds all its consumers");
                     send_error(
                         &acc.sock,
                         proto::CONNECTION,
-                        Code::NodeFull,
-                        "the node's pollers are not taking consumers now",
+                        Code::ShuttingDown,
+                        &format!("the node service is stopping (poller {poller} is gone)"),
                     );
                 }
                 true
@@ -546,7 +706,7 @@ impl Acceptor {
             let p = &mut self.pending[i];
             let want = p.want();
             while p.have < want {
-                match p.sock.read(&mut p.buf[p.have..want]) {
+                match p.read_some(want) {
                     Ok(0) => {
                         return Step::Refused(
                             Refusal::Closed,
@@ -562,43 +722,48 @@ impl Acceptor {
                     }
                 }
             }
-            let mut hb = [0u8; proto::HEADER_BYTES];
-            hb.copy_from_slice(&p.buf[..proto::HEADER_BYTES]);
             match p.stage {
-                Stage::Header => match Header::decode(&hb, 0) {
-                    Ok(h) if h.kind != Kind::Hello => {
-                        let m = format!("expected HELLO, got {:?}", h.kind);
-                        return Step::Refused(Refusal::Other, Some(Code::Violation), m);
+                Stage::Header => {
+                    let mut hb = [0u8; proto::HEADER_BYTES];
+                    hb.copy_from_slice(&p.space()[..proto::HEADER_BYTES]);
+                    match Header::decode(&hb, 0) {
+                        Ok(h) if h.kind != Kind::Hello => {
+                            let m = format!("expected HELLO, got {:?}", h.kind);
+                            return Step::Refused(Refusal::Other, Some(Code::Violation), m);
+                        }
+                        Ok(h) if h.a != proto::VERSION => {
+                            let m = format!(
+                                "protocol version {} is not spoken here (this node speaks {})",
+                                h.a,
+                                proto::VERSION
+                            );
+                            return Step::Refused(Refusal::Other, Some(Code::BadVersion), m);
+                        }
+                        Ok(h) => p.stage = Stage::Body(h),
+                        Err(e) => {
+                            let m = format!("bad HELLO header: {e}");
+                            return Step::Refused(Refusal::Other, Some(Code::Violation), m);
+                        }
                     }
-                    Ok(h) if h.a != proto::VERSION => {
-                        let m = format!(
-                            "protocol version {} is not spoken here (this node speaks {})",
-                            h.a,
-                            proto::VERSION
-                        );
-                        return Step::Refused(Refusal::Other, Some(Code::BadVersion), m);
-                    }
-                    Ok(h) => p.stage = Stage::Body(h),
-                    Err(e) => {
-                        let m = format!("bad HELLO header: {e}");
-                        return Step::Refused(Refusal::Other, Some(Code::Violation), m);
-                    }
-                },
+                }
                 Stage::Body(_) => return self.hello_done(i),
+                Stage::Throttled => return Step::Wait,
                 #[cfg(feature = "rdma")]
                 Stage::Endpoint { poller } => return self.endpoint_done(i, poller),
             }
         }
     }
 
-    /// The whole HELLO is in: checks it, picks a poller, sends WELCOME.
+    /// The whole HELLO is in: checks it, admits it (a poller with room,
+    /// reserved), sends WELCOME.
     fn hello_done(&mut self, i: usize) -> Step {
         let c = self.c.clone();
         let p = &mut self.pending[i];
         let Stage::Body(h) = p.stage else {
             unreachable!("called on a complete HELLO")
         };
-        let body = &p.buf[proto::HEADER_BYTES..proto::HEADER_BYTES + h.body_len as usize];
+        let buf = p.buf.as_deref().expect("a HELLO buffer while reading it");
+        let body = &buf[proto::HEADER_BYTES..proto::HEADER_BYTES + h.body_len as usize];
         let (hello, token) = match Hello::decode(body) {
             Ok(x) => x,
             Err(e) => {
@@ -609,6 +774,9 @@ impl Acceptor {
         if !super::constant_time_eq(token, &c.cfg.token) {
             let m = "job token does not match this node's".to_string();
             return Step::Refused(Refusal::BadToken, Some(Code::BadToken), m);
+        }
+        if let Err(m) = hello.check() {
+            return Step::Refused(Refusal::Other, Some(Code::Violation), m);
         }
         let cat = c.space.catalog();
         if hello.catalog_identity != cat.identity() || hello.catalog_samples != cat.len() {
@@ -621,7 +789,14 @@ impl Acceptor {
             );
             return Step::Refused(Refusal::Other, Some(Code::WrongDataset), m);
         }
-        // The least loaded poller with room, reserved now.
+        let rdma = hello.transport == proto::TRANSPORT_RDMA && c.rdma.is_some();
+        #[cfg(feature = "rdma")]
+        if rdma && hello.rkey == 0 && hello.ring_addr == 0 {
+            let m = "RDMA HELLO without a registered ring".to_string();
+            return Step::Refused(Refusal::Other, Some(Code::Violation), m);
+        }
+        // Admission, before WELCOME: the least loaded poller with room,
+        // reserved now (given back when the connection is gone).
         let max = c.cfg.max_conns_per_poller;
         let Some(poller) = (0..c.load.len())
             .filter(|&k| c.load[k].load(Ordering::Relaxed) < max)
@@ -636,7 +811,6 @@ impl Acceptor {
         };
         c.load[poller].fetch_add(1, Ordering::Relaxed);
         let pr = c.space.params();
-        let rdma = hello.transport == proto::TRANSPORT_RDMA && c.rdma.is_some();
         if hello.transport == proto::TRANSPORT_RDMA && !rdma {
             log::info!(
                 "consumer {} asks for RDMA; this node serves it over TCP (no --rdma)",
@@ -662,11 +836,12 @@ impl Acceptor {
         }
         #[cfg(feature = "rdma")]
         if rdma {
-            if hello.rkey == 0 && hello.ring_addr == 0 {
-                c.load[poller].fetch_sub(1, Ordering::Relaxed);
-                let m = "RDMA HELLO without a registered ring".to_string();
-                return Step::Refused(Refusal::Other, Some(Code::Violation), m);
+            // Admitted: the HELLO buffer goes back, the endpoint is read
+            // into the handshake's own small one.
+            if let Some(buf) = p.buf.take() {
+                self.spare.push(buf);
             }
+            let p = &mut self.pending[i];
             p.hello = Some(hello);
             p.stage = Stage::Endpoint { poller };
             p.have = 0;
@@ -687,8 +862,8 @@ impl Acceptor {
         let c = self.c.clone();
         let p = &mut self.pending[i];
         let mut hb = [0u8; proto::HEADER_BYTES];
-        hb.copy_from_slice(&p.buf[..proto::HEADER_BYTES]);
-        let body = &p.buf[proto::HEADER_BYTES..proto::HEADER_BYTES + proto::RDMA_ENDPOINT_BYTES];
+        hb.copy_from_slice(&p.ep[..proto::HEADER_BYTES]);
+        let body = &p.ep[proto::HEADER_BYTES..];
         let res = super::rdma_handshake(&c, &mut p.sock, &hb, body, poller);
         match res {
             Ok(r) => {

@@ -37,8 +37,12 @@ pub struct ServeConfig {
     /// Time a peer has to complete its whole handshake (HELLO, and the
     /// RDMA endpoint swap), however it paces its bytes.
     pub handshake_timeout: Duration,
-    /// Handshakes pending at once (`--max-handshakes`); a connection
-    /// accepted beyond that closes the oldest pending one.
+    /// Handshakes not yet admitted (HELLO not read in full) pending at
+    /// once (`--max-handshakes`); a connection accepted beyond that makes
+    /// room (docs/PROTOCOL.md, "Admission and retry"). 0 (the default):
+    /// 64 + 8 x (nodes - 1) of the space's placement, so the connections of
+    /// a job's start fit. Admitted handshakes (over RDMA, waiting for the
+    /// consumer's endpoint) are bounded by the consumer limit instead.
     pub max_handshakes: usize,
     /// A consumer connection that sends nothing (no GRANT, no keepalive)
     /// for this long while it has nothing queued or in flight is closed
@@ -83,7 +87,7 @@ impl ServeConfig {
             max_grants: 8192,
             max_conns_per_poller: 256,
             handshake_timeout: Duration::from_secs(5),
-            max_handshakes: 64,
+            max_handshakes: 0,
             stall_timeout: Duration::from_secs(10),
             metrics: None,
             idle_timeout: Duration::from_secs(60),
@@ -116,7 +120,7 @@ impl ServeConfig {
             (
                 "max handshakes",
                 self.max_handshakes as u64,
-                1,
+                0,
                 MAX_HANDSHAKES,
             ),
             (

@@ -108,12 +108,35 @@ struct Common {
     /// by the poller when the connection is gone).
     load: Box<[AtomicUsize]>,
     metrics: metrics::Metrics,
+    /// Set when a poller panicked: the service stops (`fail`).
+    failure: std::sync::Mutex<Option<String>>,
+    /// Under `serve_until_signal`: a failure sends the process SIGTERM so
+    /// its signal wait ends.
+    signal_on_failure: bool,
 }
 
 impl Common {
     /// Consumers connected (or being handed to a poller) now.
     fn consumers(&self) -> usize {
         self.load.iter().map(|l| l.load(Ordering::Relaxed)).sum()
+    }
+
+    /// Stops the service for good because of `why` (a poller panicked):
+    /// logged as an error, kept for `serve_until_signal` to return.
+    fn fail(&self, why: String) {
+        log::error!("node service: {why}; stopping the service");
+        let mut f = self.failure.lock().unwrap_or_else(|e| e.into_inner());
+        if f.is_none() {
+            *f = Some(why);
+        }
+        drop(f);
+        self.stop.store(true, Ordering::Release);
+        if self.signal_on_failure {
+            // SAFETY: kill with our own pid and a valid signal number has
+            // no memory effects; every thread of `kspeed serve` blocks
+            // SIGTERM, so it reaches serve_until_signal's sigwait.
+            unsafe { libc::kill(libc::getpid(), libc::SIGTERM) };
+        }
     }
 
     /// Whether RDMA links may send from the mapped extents (registered).

@@ -170,7 +170,27 @@ impl ServePoller {
         }
     }
 
-    pub(super) fn run(mut self) {
+    /// After a panic in [`ServePoller::run`] (a bug): shuts every
+    /// consumer's socket, so its peer sees the connection end and fails
+    /// over at once, and leaks the rest. The ring may still have reads and
+    /// receives in flight into staging and the sockets: freeing that memory
+    /// could let the kernel write into whatever reuses it.
+    pub(super) fn abandon(self) {
+        for &ci in &self.live {
+            if let Some(c) = self.conns.get(ci as usize) {
+                let _ = c.sock.shutdown(std::net::Shutdown::Both);
+            }
+        }
+        // Those not adopted yet have nothing in flight: closed.
+        while let Ok(acc) = self.incoming.try_recv() {
+            drop(acc);
+        }
+        std::mem::forget(self);
+    }
+
+    /// Runs until the service stops and every connection is gone (then
+    /// nothing is in flight in the ring).
+    pub(super) fn run(&mut self) {
         loop {
             // Drop the reaped from the dense list before anyone is adopted
             // (a reaped index may be reused right after).
@@ -238,6 +258,15 @@ impl ServePoller {
     }
 
     pub(super) fn adopt(&mut self, mut acc: Accepted) {
+        // Tests of what a poller's panic does (tests/cluster.rs): only in
+        // builds with the `test-panic` feature.
+        #[cfg(feature = "test-panic")]
+        if std::env::var_os("KSPEED_TEST_POLLER_PANIC").is_some() {
+            panic!(
+                "KSPEED_TEST_POLLER_PANIC is set: poller {} panics on adopting a consumer",
+                self.index
+            );
+        }
         let Some(ci) = self.conns.vacant_key() else {
             // Not reached: the acceptor reserved a place on this poller at
             // HELLO (`Common::load`); kept as a refusal, not a panic.

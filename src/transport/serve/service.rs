@@ -1,7 +1,7 @@
 //! The node service's lifecycle: opening the space, starting the acceptor,
 //! pollers and metrics server, stopping them, and `kspeed serve`'s signals.
 
-use std::net::{SocketAddr, TcpListener};
+use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -28,7 +28,18 @@ pub struct NodeService {
 
 impl NodeService {
     /// Opens the space, binds, and starts the acceptor and the pollers.
+    ///
+    /// Should a poller panic (a bug), the whole service stops: its
+    /// consumers see their connections close and fail over, it accepts no
+    /// more, and the panic is logged as an error naming the poller.
     pub fn start(cfg: ServeConfig) -> Result<NodeService> {
+        Self::start_with(cfg, false)
+    }
+
+    /// [`NodeService::start`]; with `signal_on_failure`, a poller's panic
+    /// also sends the process SIGTERM, so [`serve_until_signal`]'s wait
+    /// ends and it returns the failure.
+    fn start_with(cfg: ServeConfig, signal_on_failure: bool) -> Result<NodeService> {
         cfg.validate()?;
         crate::sys::raise_open_files_limit();
         let space_lock = crate::dataset::preload::SpaceLock::shared(&cfg.space)?;
@@ -41,6 +52,9 @@ impl NodeService {
             .next_multiple_of(align);
         let mut cfg = cfg;
         cfg.chunk_bytes = chunk;
+        if cfg.max_handshakes == 0 {
+            cfg.max_handshakes = auto_max_handshakes(space.params().placement.nodes);
+        }
         if cfg.staging_bytes < chunk as u64 {
             return Err(Error::InvalidConfig(format!(
                 "staging bytes {} hold no whole {chunk}-byte chunk (chunk bytes rounded up to the space's {align}-byte alignment)",
@@ -76,7 +90,7 @@ impl NodeService {
             None => None,
             Some(opts) => Some(open_owner_rdma(opts, &maps, cfg.pollers)?),
         };
-        let listener = TcpListener::bind(&cfg.listen)
+        let listener = listen(&cfg.listen)
             .map_err(|e| Error::Serve(format!("cannot listen on {}: {e}", cfg.listen)))?;
         let addr = listener
             .local_addr()
@@ -93,6 +107,8 @@ impl NodeService {
             rdma,
             load: (0..cfg.pollers).map(|_| AtomicUsize::new(0)).collect(),
             metrics: metrics::Metrics::new(cfg.pollers, cfg.slots() as u64),
+            failure: std::sync::Mutex::new(None),
+            signal_on_failure,
             cfg,
         });
         let metrics_server = match &common.cfg.metrics {
@@ -124,12 +140,43 @@ impl NodeService {
         };
         let mut senders = Vec::new();
         for (i, (ring, staging)) in parts.into_iter().enumerate() {
-            let (tx, rx) = crossbeam_channel::bounded::<Accepted>(64);
+            // Room for every consumer the poller may have: the acceptor
+            // reserved each one's place at HELLO (`Common::load`), so the
+            // hand-off after WELCOME never fails for capacity.
+            let (tx, rx) = crossbeam_channel::bounded::<Accepted>(common.cfg.max_conns_per_poller);
             senders.push(tx);
             let c = common.clone();
             let t = std::thread::Builder::new()
                 .name(format!("kspeed-serve-{i}"))
-                .spawn(move || ServePoller::new(c, i, ring, staging, rx).run())
+                .spawn(move || {
+                    use std::panic::{catch_unwind, AssertUnwindSafe};
+                    let c2 = c.clone();
+                    let fail = |p: Box<dyn std::any::Any + Send>| {
+                        let what = p
+                            .downcast_ref::<&str>()
+                            .map(|s| s.to_string())
+                            .or_else(|| p.downcast_ref::<String>().cloned())
+                            .unwrap_or_else(|| "unknown panic".into());
+                        c2.fail(format!(
+                            "poller {i} panicked (a bug; please report it): {what}"
+                        ));
+                    };
+                    let made = catch_unwind(AssertUnwindSafe(move || {
+                        ServePoller::new(c, i, ring, staging, rx)
+                    }));
+                    let mut poller = match made {
+                        Ok(p) => p,
+                        Err(p) => return fail(p),
+                    };
+                    match catch_unwind(AssertUnwindSafe(|| poller.run())) {
+                        Ok(()) => drop(poller),
+                        Err(p) => {
+                            fail(p);
+                            // Its ring may still be reading into staging.
+                            poller.abandon();
+                        }
+                    }
+                })
                 .map_err(|e| Error::Serve(format!("spawn poller {i}: {e}")))?;
             svc.threads.push(t);
         }
@@ -161,6 +208,15 @@ impl NodeService {
     /// The address it listens on.
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// Why the service stopped by itself (a poller panicked), if it did.
+    fn failure(&self) -> Option<String> {
+        self.common
+            .failure
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// Counters.
@@ -214,7 +270,7 @@ impl Drop for NodeService {
 /// its address).
 pub fn serve_until_signal(cfg: ServeConfig, on_start: impl FnOnce(&NodeService)) -> Result<()> {
     let signals = crate::sys::TermSignals::block_with_usr1();
-    let svc = NodeService::start(cfg)?;
+    let svc = NodeService::start_with(cfg, true)?;
     on_start(&svc);
     loop {
         let sig = signals.wait();
@@ -222,9 +278,64 @@ pub fn serve_until_signal(cfg: ServeConfig, on_start: impl FnOnce(&NodeService))
             svc.log_stats("SIGUSR1");
             continue;
         }
-        log::info!("signal {sig}: stopping");
+        if svc.failure().is_none() {
+            log::info!("signal {sig}: stopping");
+        }
         break;
     }
+    let failure = svc.failure();
     svc.stop_with_stats();
-    Ok(())
+    match failure {
+        Some(why) => Err(Error::Serve(format!("the node service failed: {why}"))),
+        None => Ok(()),
+    }
+}
+
+/// The default `--max-handshakes` for a space placed over `nodes` nodes:
+/// at job start every rank of every other node connects at once (8 ranks
+/// a node is the common case), plus 64 for stragglers and restarts.
+pub(super) fn auto_max_handshakes(nodes: u32) -> usize {
+    let others = nodes.saturating_sub(1) as u64;
+    (64 + 8 * others).min(super::config::MAX_HANDSHAKES) as usize
+}
+
+/// Binds `addr` and listens with a backlog of `SOMAXCONN` (the kernel caps
+/// it at `net.core.somaxconn`): std's `TcpListener::bind` asks for 128,
+/// and a job's start sends a node 8 x (nodes - 1) connections at once;
+/// beyond the backlog the kernel drops SYNs and the consumer's connect
+/// waits for a retransmission (1 s, then 3 s...).
+fn listen(addr: &str) -> std::io::Result<TcpListener> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let mut last = None;
+    for sa in addr.to_socket_addrs()? {
+        let sock = Socket::new(Domain::for_address(sa), Type::STREAM, Some(Protocol::TCP))?;
+        // As std's bind does: a restarted node can listen again at once.
+        sock.set_reuse_address(true)?;
+        match sock
+            .bind(&sa.into())
+            .and_then(|_| sock.listen(libc::SOMAXCONN))
+        {
+            Ok(()) => return Ok(sock.into()),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "the address resolves to nothing",
+        )
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn pending_handshakes_are_sized_from_the_cluster() {
+        // A job's start: 8 ranks on each other node connect at once.
+        assert_eq!(super::auto_max_handshakes(1), 64);
+        assert_eq!(super::auto_max_handshakes(10), 64 + 72);
+        assert_eq!(super::auto_max_handshakes(100), 64 + 8 * 99);
+        assert_eq!(super::auto_max_handshakes(512), 4096);
+        assert_eq!(super::auto_max_handshakes(u32::MAX), 4096);
+    }
 }
