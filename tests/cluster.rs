@@ -2621,3 +2621,150 @@ fn capi_cluster_keys_from_hostlist_pattern_and_environment() {
     assert_eq!(code, ksp_status::KSP_ERR_INVALID_ARG);
     assert!(msg.contains("needs a node count"), "{msg}");
 }
+
+// --- failure detection, read-ahead and failing extents (issue 26) --------
+
+impl Netns {
+    /// Cuts namespace `i` off as if its host had died: its veth end goes
+    /// down, so nothing more arrives from it (not even a FIN or RST when
+    /// its processes are then killed) and nothing sent to it is answered.
+    fn cut(&self, i: usize) {
+        let peer = format!("ksp{}{i}", std::process::id() % 100_000);
+        let ok = Command::new("ip")
+            .args(["-n", &self.names[i], "link", "set", &peer, "down"])
+            .status()
+            .map(|s| s.success())
+            .unwrap_or(false);
+        assert!(ok, "could not take {peer} down");
+    }
+}
+
+/// `kspeed serve` for space `space` inside namespace `ns`, on 10.77.`i`.2.
+fn serve_in_netns(ns: &Netns, i: usize, space: &Path, token: &Path) -> Serve {
+    let mut child = Command::new("ip")
+        .args(["netns", "exec", &ns.names[i], kspeed_bin(), "serve"])
+        .arg("--space")
+        .arg(space)
+        .args(["--listen", &format!("10.77.{i}.2:0"), "--token-file"])
+        .arg(token)
+        .args(["--pollers", "1"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let out = child.stdout.take().unwrap();
+    let line = within("serve's first line", Duration::from_secs(60), move || {
+        let mut line = String::new();
+        BufReader::new(out).read_line(&mut line).unwrap();
+        line
+    });
+    let addr = line.trim().rsplit(' ').next().unwrap().to_string();
+    assert!(addr.starts_with(&format!("10.77.{i}.2:")), "{line}");
+    Serve {
+        child,
+        addr,
+        before: Vec::new(),
+    }
+}
+
+/// An owner whose host dies (its network cut, then the process killed
+/// with SIGKILL, so no FIN or RST ever reaches the consumer) is found dead
+/// by its missing heartbeats: the consumer fails over to the replica and
+/// finishes two epochs long before its 60 s `node_timeout`, which is all
+/// that found it before heartbeats (the old code stalls 60 s here).
+#[test]
+fn dead_owner_host_is_found_by_its_missing_heartbeats() {
+    if !is_root() || Command::new("ip").arg("-V").output().is_err() {
+        skip("needs root and iproute2 to create network namespaces");
+        return;
+    }
+    let st = setup("imagenet", 480, 2, 2);
+    let Some(ns) = Netns::create(2) else {
+        return;
+    };
+    let serves: Vec<Serve> = (0..2)
+        .map(|i| serve_in_netns(&ns, i, &st.spaces[i], &st.token))
+        .collect();
+    let addrs: Vec<String> = serves.iter().map(|s| s.addr.clone()).collect();
+    let victim = serves[1].child.id();
+    let (src, catalog) = (st.src.clone(), st.catalog.clone());
+    let cat = Catalog::open(&st.catalog).unwrap();
+    let (killed_tx, killed_rx) = std::sync::mpsc::channel::<()>();
+    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    // The reader: a batch, then it waits for the kill, then the rest.
+    let reader = std::thread::spawn(move || {
+        let a: Vec<&str> = addrs.iter().map(|s| s.as_str()).collect();
+        let mut l = LoaderBuilder::source(s(&src))
+            .catalog(&catalog)
+            .cluster(cluster_of(&a))
+            .token(TOKEN.as_bytes())
+            .seed(3)
+            .batch_size(16)
+            .pollers(1)
+            .pin(false)
+            .node_timeout(Duration::from_secs(60))
+            .landing(ring(8 << 20))
+            .build()
+            .unwrap();
+        let sampler = Sampler::new(
+            SamplerConfig::single(cat.len(), 3)
+                .rank_world(0, 1)
+                .shuffle(true)
+                .drop_last(false),
+        )
+        .unwrap();
+        let mut k = 0u64;
+        let mut killed_at = None;
+        let mut first_failover = None;
+        for e in 0..2 {
+            l.set_epoch(e).unwrap();
+            loop {
+                let Some(b) = l.next_batch().unwrap() else {
+                    break;
+                };
+                for smp in b.iter() {
+                    assert_eq!(smp.id, sampler.sample(e, k % 480));
+                    assert_eq!(crc32c::crc32c(smp.bytes), cat.sample(smp.id).crc32c);
+                    k += 1;
+                }
+                drop(b);
+                if killed_at.is_none() {
+                    killed_tx.send(()).unwrap();
+                    // The test thread answers once the owner is dead.
+                    go_rx.recv().unwrap();
+                    killed_at = Some(Instant::now());
+                } else if first_failover.is_none() && l.stats().failovers > 0 {
+                    first_failover = killed_at.map(|t| t.elapsed());
+                }
+            }
+        }
+        let took = killed_at.unwrap().elapsed();
+        (k, l.finish(), first_failover, took)
+    });
+    killed_rx
+        .recv_timeout(Duration::from_secs(120))
+        .expect("the first batch");
+    ns.cut(1);
+    Command::new("kill")
+        .args(["-KILL", &victim.to_string()])
+        .status()
+        .unwrap();
+    go_tx.send(()).unwrap();
+    // The deadline the old code (60 s node timeout) cannot meet.
+    let t0 = Instant::now();
+    while !reader.is_finished() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "two epochs not done 30 s after the owner's host died (node_timeout 60 s)"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (k, stats, first, took) = reader.join().unwrap();
+    eprintln!(
+        "owner killed: first batch after failover {first:?} after the kill; the rest of both epochs {took:?}"
+    );
+    assert_eq!(k, 960);
+    assert!(stats.failovers > 0, "{stats:?}");
+    assert_eq!(stats.source_reads, 0, "{stats:?}");
+    drop(serves);
+}

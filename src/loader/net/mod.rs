@@ -45,7 +45,7 @@
 //! `tcp.rs` and `rdma.rs` the two implementations of [`Receive`].
 
 use std::net::TcpStream;
-use std::os::fd::RawFd;
+use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -85,6 +85,24 @@ pub(crate) const DEMOTE_WINDOW: Duration = Duration::from_secs(10);
 /// node's idle timeout (`kspeed serve --idle-timeout-ms`, at least 3 s)
 /// closes only peers that are gone.
 pub(crate) const KEEPALIVE: Duration = Duration::from_secs(1);
+/// A node that sends heartbeats (it answered the first keepalive, which
+/// asks for them, with one) and sent nothing at all for this long is
+/// taken for dead, whatever is outstanding: eight heartbeat intervals, so
+/// a live node's poller can miss several on a loaded machine. (Bounded by
+/// `node_timeout` when that is shorter.) A node that does not send them
+/// (an older build) is judged by `node_timeout` alone, as before.
+pub(crate) const HEARTBEAT_SILENCE: Duration = Duration::from_secs(2);
+/// The longest TCP_USER_TIMEOUT on a control connection (it is
+/// `node_timeout`, at most this and at least [`USER_TIMEOUT_MIN`]): a
+/// GRANT or keepalive that a dead host never acknowledges fails the
+/// connection after it, also with a node that sends no heartbeats.
+pub(crate) const USER_TIMEOUT_MAX: Duration = Duration::from_secs(5);
+/// See [`USER_TIMEOUT_MAX`].
+pub(crate) const USER_TIMEOUT_MIN: Duration = Duration::from_secs(1);
+/// A gap this long between two looks at the clocks means the thread did
+/// not run (the process was stopped, or starved): the silence clocks are
+/// moved on by the gap, so nodes are not blamed for it.
+const NOT_RUNNING: Duration = Duration::from_secs(1);
 
 /// Cluster settings of a loader.
 #[derive(Debug, Clone)]
@@ -431,7 +449,21 @@ pub(crate) struct Thread<R: Receive> {
     epoch: Option<u64>,
     /// The minimum-progress allowance per grant beyond `node_timeout`.
     progress_slack: Duration,
+    /// Per connection (same index): heartbeats asked for, and heard.
+    beats: Vec<Beats>,
+    /// When `check_timeouts` last ran (see [`NOT_RUNNING`]).
+    last_check: Instant,
     sh: Arc<Shared>,
+}
+
+/// A connection's heartbeat state (kept beside `conns`).
+#[derive(Clone, Copy, Default)]
+struct Beats {
+    /// The keepalive that asks for heartbeats went (or is in flight).
+    asked: bool,
+    /// A heartbeat came: the node sends them, so its silence is judged by
+    /// [`HEARTBEAT_SILENCE`].
+    heard: bool,
 }
 
 /// Address of ring offset `phys`.
@@ -447,6 +479,17 @@ impl<R: Receive> Thread<R> {
         connected: Connections<R>,
     ) -> Result<Self> {
         let conns = connected.conns;
+        let user_timeout = setup
+            .node_timeout
+            .clamp(USER_TIMEOUT_MIN, USER_TIMEOUT_MAX);
+        for c in &conns {
+            if let Some(sock) = &c.sock {
+                if let Err(e) = crate::sys::set_tcp_user_timeout(sock.as_raw_fd(), user_timeout) {
+                    log::debug!("node {}: TCP_USER_TIMEOUT: {e}", c.node);
+                }
+            }
+        }
+        let beats = vec![Beats::default(); conns.len()];
         let ring = Uring::new(UringOptions {
             entries: (conns.len() as u32 * 2 + 8).next_power_of_two(),
             sqpoll_idle_ms: None,
@@ -479,6 +522,8 @@ impl<R: Receive> Thread<R> {
             wake_buf: Box::new(0),
             wake_inflight: false,
             completions: vec![Completion::default(); 256],
+            beats,
+            last_check: Instant::now(),
             sh,
             setup,
         })
@@ -642,18 +687,43 @@ impl<R: Receive> Thread<R> {
     fn check_timeouts(&mut self) {
         let t = self.setup.node_timeout;
         let progress = t + self.progress_slack;
+        let silence = HEARTBEAT_SILENCE.min(t);
+        let now = Instant::now();
+        let gap = now.duration_since(self.last_check);
+        self.last_check = now;
+        if gap > NOT_RUNNING {
+            // This thread did not run: nothing was received meanwhile
+            // because nothing was looked at.
+            for c in &mut self.conns {
+                c.last_rx += gap;
+                c.last_done += gap;
+            }
+        }
         for i in 0..self.conns.len() {
             let c = &self.conns[i];
-            if c.state != State::Live || c.outstanding == 0 {
+            if c.state != State::Live {
                 continue;
             }
-            let why = if c.last_rx.elapsed() > t {
+            if self.beats[i].heard && now.saturating_duration_since(c.last_rx) > silence {
+                let why = format!(
+                    "no heartbeat for {} ms ({} grants outstanding)",
+                    silence.as_millis(),
+                    c.outstanding
+                );
+                log::warn!("node {} ({}): {why}", c.node, c.addr);
+                self.kill(i, why);
+                continue;
+            }
+            if c.outstanding == 0 {
+                continue;
+            }
+            let why = if now.saturating_duration_since(c.last_rx) > t {
                 format!(
                     "no data for {} ms with {} grants outstanding",
                     t.as_millis(),
                     c.outstanding
                 )
-            } else if c.last_done.elapsed() > progress {
+            } else if now.saturating_duration_since(c.last_done) > progress {
                 format!(
                     "no grant finished within {} ms with {} outstanding (minimum progress: the node timeout plus 1 s per MiB of the largest sample)",
                     progress.as_millis(),

@@ -31,6 +31,15 @@ pub(super) const UD_READ: u64 = 3 << 56;
 pub(super) const UD_CHAN: u64 = 4 << 56;
 pub(super) const UD_KIND: u64 = 0xff << 56;
 
+/// Work-request id of a heartbeat in a TCP link's queue (staging slots
+/// are numbered from 0, far below it): its completion frees no slot.
+pub(super) const HEARTBEAT_WR: u64 = u64::MAX;
+
+/// The shortest TCP_USER_TIMEOUT the node sets on a consumer's connection
+/// (it is the stall timeout, at least this): below it ordinary
+/// retransmissions on a busy network could end a live connection.
+const USER_TIMEOUT_MIN: Duration = Duration::from_secs(1);
+
 pub(super) fn ud(kind: u64, conn: u32, slot: u32) -> u64 {
     kind | ((conn as u64) << 32) | slot as u64
 }
@@ -69,6 +78,10 @@ pub(super) struct SConn {
     pub(super) metrics: Arc<metrics::ConnMetrics>,
     /// When it last sent a frame (idle timeout).
     pub(super) last_rx: std::time::Instant,
+    /// It asked for heartbeats (a keepalive with `proto::ASK_HEARTBEATS`).
+    pub(super) heartbeats: bool,
+    /// When this poller last sent it a heartbeat (None: never).
+    pub(super) last_beat: Option<std::time::Instant>,
 }
 
 pub(super) struct ServePoller {
@@ -101,6 +114,9 @@ pub(super) struct ServePoller {
     pub(super) channel: PollerChannel,
     pub(super) chan_inflight: bool,
     pub(super) spin_since: Option<std::time::Instant>,
+    /// When the heartbeat pass runs next: each tick compares this one
+    /// time, and only a due pass walks the connections.
+    pub(super) next_beat: std::time::Instant,
 }
 
 impl ServePoller {
@@ -150,6 +166,7 @@ impl ServePoller {
             channel: PollerChannel::new(&c, index),
             chan_inflight: false,
             spin_since: None,
+            next_beat: std::time::Instant::now(),
             c,
         }
     }
@@ -197,6 +214,7 @@ impl ServePoller {
                 }
             }
             self.post_recvs();
+            self.heartbeats();
             self.drop_stalled();
             self.issue_reads();
             // Start the reads before posting sends: posting RDMA writes can
@@ -255,6 +273,12 @@ impl ServePoller {
         };
         let max = self.c.cfg.max_grants as usize;
         let fd = acc.sock.as_raw_fd();
+        // A consumer whose host died leaves its heartbeats unacknowledged:
+        // the kernel fails the connection after the stall timeout instead
+        // of retransmitting for many minutes (TCP_USER_TIMEOUT).
+        if let Err(e) = crate::sys::set_tcp_user_timeout(fd, self.c.cfg.stall_timeout.max(USER_TIMEOUT_MIN)) {
+            log::debug!("{}: TCP_USER_TIMEOUT: {e}", acc.peer);
+        }
         let link = match acc.take_rdma_link(&self.staging, self.c.cfg.slots()) {
             Some(rdma) => rdma,
             None => ConnLink::Tcp(TcpLink::new(
@@ -286,8 +310,64 @@ impl ServePoller {
             last_drained: std::time::Instant::now(),
             metrics: m,
             last_rx: std::time::Instant::now(),
+            heartbeats: false,
+            last_beat: None,
         });
         debug_assert!(matches!(taken, Ok(k) if k == ci), "adopt: the vacant key");
+    }
+
+    /// Sends a heartbeat to each consumer that asked for them and was sent
+    /// nothing (no frame finished, no heartbeat) for
+    /// [`proto::HEARTBEAT_INTERVAL`]. Per tick this is one comparison with
+    /// `next_beat`; the connections are walked only when a pass is due
+    /// (every half interval), so a consumer hears from a live node at
+    /// least every 1.5 intervals, and nothing is added per sample: a
+    /// connection that is sending needs no heartbeat. Over TCP the frame
+    /// goes in the link's queue, between DATA frames, only while no
+    /// `sendmsg` is in flight (one was then finished recently); over RDMA
+    /// it is written on the control socket, where the node sends nothing
+    /// else after the handshake.
+    pub(super) fn heartbeats(&mut self) {
+        let now = std::time::Instant::now();
+        if now < self.next_beat {
+            return;
+        }
+        self.next_beat = now + proto::HEARTBEAT_INTERVAL / 2;
+        for k in 0..self.live.len() {
+            let ci = self.live[k] as usize;
+            let Some(c) = self.conns.get_mut(ci) else {
+                continue;
+            };
+            if c.closing || !c.heartbeats {
+                continue;
+            }
+            if let Some(beat) = c.last_beat {
+                if now.duration_since(beat.max(c.last_drained)) < proto::HEARTBEAT_INTERVAL {
+                    continue;
+                }
+            }
+            if !c.link.is_rdma() {
+                // SAFETY: no payload (length 0).
+                if c.link.busy()
+                    || !unsafe {
+                        c.link
+                            .post_error(HEARTBEAT_WR, proto::CONNECTION, Code::Unknown, std::ptr::null(), 0)
+                    }
+                {
+                    continue;
+                }
+                c.last_beat = Some(now);
+                continue;
+            }
+            let h = proto::Header::keepalive(false).encode();
+            match crate::sys::send_nonblocking(c.sock.as_raw_fd(), &h) {
+                Ok(n) if n == h.len() => c.last_beat = Some(now),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                // A frame cut short cannot be finished later: the consumer
+                // left its control socket unread for thousands of them.
+                Ok(_) | Err(_) => self.close(ci as u32, None),
+            }
+        }
     }
 
     /// Drops the consumers whose link finished nothing for `stall_timeout`

@@ -3,7 +3,7 @@
 
 use std::sync::atomic::Ordering;
 
-use super::poller::{ud, ServePoller, UD_READ};
+use super::poller::{ud, ServePoller, HEARTBEAT_WR, UD_READ};
 use super::staging::{take_slot, Slot};
 use crate::error::errno_name;
 use crate::ring::{IoBackend, ReadOp, Target};
@@ -268,6 +268,9 @@ impl ServePoller {
             }
             let (mut bytes, mut samples) = (0, 0);
             for d in &done[..n] {
+                if d.wr_id == HEARTBEAT_WR {
+                    continue;
+                }
                 let s = &self.slots[d.wr_id as usize];
                 if d.ok && !s.error {
                     bytes += s.payload as u64;
