@@ -457,13 +457,16 @@ pub(crate) struct Thread<R: Receive> {
 }
 
 /// A connection's heartbeat state (kept beside `conns`).
-#[derive(Clone, Copy, Default)]
+#[derive(Clone, Copy)]
 struct Beats {
     /// The keepalive that asks for heartbeats went (or is in flight).
     asked: bool,
     /// A heartbeat came: the node sends them, so its silence is judged by
     /// [`HEARTBEAT_SILENCE`].
     heard: bool,
+    /// When anything last came from the node (unlike `Conn::last_rx`,
+    /// not reset when a grant is placed).
+    last_heard: Instant,
 }
 
 /// Address of ring offset `phys`.
@@ -479,9 +482,7 @@ impl<R: Receive> Thread<R> {
         connected: Connections<R>,
     ) -> Result<Self> {
         let conns = connected.conns;
-        let user_timeout = setup
-            .node_timeout
-            .clamp(USER_TIMEOUT_MIN, USER_TIMEOUT_MAX);
+        let user_timeout = setup.node_timeout.clamp(USER_TIMEOUT_MIN, USER_TIMEOUT_MAX);
         for c in &conns {
             if let Some(sock) = &c.sock {
                 if let Err(e) = crate::sys::set_tcp_user_timeout(sock.as_raw_fd(), user_timeout) {
@@ -489,7 +490,14 @@ impl<R: Receive> Thread<R> {
                 }
             }
         }
-        let beats = vec![Beats::default(); conns.len()];
+        let beats = vec![
+            Beats {
+                asked: false,
+                heard: false,
+                last_heard: Instant::now(),
+            };
+            conns.len()
+        ];
         let ring = Uring::new(UringOptions {
             entries: (conns.len() as u32 * 2 + 8).next_power_of_two(),
             sqpoll_idle_ms: None,
@@ -635,6 +643,7 @@ impl<R: Receive> Thread<R> {
                         Event::Closed { window, entry } => self.on_window_closed(i, window, entry),
                         Event::Received(what) => {
                             self.conns[i].last_rx = Instant::now();
+                            self.beats[i].last_heard = self.conns[i].last_rx;
                             self.on_landed(i, what);
                         }
                     }
@@ -694,9 +703,10 @@ impl<R: Receive> Thread<R> {
         if gap > NOT_RUNNING {
             // This thread did not run: nothing was received meanwhile
             // because nothing was looked at.
-            for c in &mut self.conns {
+            for (c, b) in self.conns.iter_mut().zip(&mut self.beats) {
                 c.last_rx += gap;
                 c.last_done += gap;
+                b.last_heard += gap;
             }
         }
         for i in 0..self.conns.len() {
@@ -704,7 +714,8 @@ impl<R: Receive> Thread<R> {
             if c.state != State::Live {
                 continue;
             }
-            if self.beats[i].heard && now.saturating_duration_since(c.last_rx) > silence {
+            let b = &self.beats[i];
+            if b.heard && now.saturating_duration_since(b.last_heard) > silence {
                 let why = format!(
                     "no heartbeat for {} ms ({} grants outstanding)",
                     silence.as_millis(),

@@ -103,6 +103,7 @@ impl<R: Receive> Thread<R> {
             Ok(got) => got,
             Err(RxError::BadHeader(e)) => {
                 c.last_rx = Instant::now();
+                self.beats[i].last_heard = c.last_rx;
                 return self.violation(i, e.to_string());
             }
             Err(e) => {
@@ -123,6 +124,7 @@ impl<R: Receive> Thread<R> {
             }
         };
         c.last_rx = Instant::now();
+        self.beats[i].last_heard = c.last_rx;
         match got {
             Received::Header(h) => {
                 if !R::FRAMED

@@ -276,7 +276,9 @@ impl ServePoller {
         // A consumer whose host died leaves its heartbeats unacknowledged:
         // the kernel fails the connection after the stall timeout instead
         // of retransmitting for many minutes (TCP_USER_TIMEOUT).
-        if let Err(e) = crate::sys::set_tcp_user_timeout(fd, self.c.cfg.stall_timeout.max(USER_TIMEOUT_MIN)) {
+        if let Err(e) =
+            crate::sys::set_tcp_user_timeout(fd, self.c.cfg.stall_timeout.max(USER_TIMEOUT_MIN))
+        {
             log::debug!("{}: TCP_USER_TIMEOUT: {e}", acc.peer);
         }
         let link = match acc.take_rdma_link(&self.staging, self.c.cfg.slots()) {
@@ -350,8 +352,13 @@ impl ServePoller {
                 // SAFETY: no payload (length 0).
                 if c.link.busy()
                     || !unsafe {
-                        c.link
-                            .post_error(HEARTBEAT_WR, proto::CONNECTION, Code::Unknown, std::ptr::null(), 0)
+                        c.link.post_error(
+                            HEARTBEAT_WR,
+                            proto::CONNECTION,
+                            Code::Unknown,
+                            std::ptr::null(),
+                            0,
+                        )
                     }
                 {
                     continue;
