@@ -2790,3 +2790,67 @@ fn dead_owner_host_is_found_by_its_missing_heartbeats() {
     assert_eq!(stats.source_reads, 0, "{stats:?}");
     drop(serves);
 }
+
+/// With the job's last epoch known (`end_epoch`, `kspeed read --epochs`)
+/// the pollers and the network thread stop at its last sample: with a ring
+/// that holds several epochs, every count is exactly what was delivered,
+/// nothing read ahead is thrown away, and going past the end is a named
+/// error instead of a wait that never ends.
+#[test]
+fn read_ahead_stops_at_the_last_epoch_with_exact_counts() {
+    let st = setup("tiny", 600, 2, 1);
+    let n0 = Serve::start(&st.spaces[0], &node_ip(0), &st.token, &[]);
+    let n1 = Serve::start(&st.spaces[1], &node_ip(1), &st.token, &[]);
+    let cat = Catalog::open(&st.catalog).unwrap();
+    // Rank 0 on node 0: its half local, the other half from node 1. The
+    // 16 MiB ring holds about six epochs of these samples.
+    let mut l = builder_space(&st.spaces[0], cluster_of(&[&n0.addr, &n1.addr]))
+        .landing(ring(16 << 20))
+        .end_epoch(Some(3))
+        .build()
+        .unwrap();
+    assert_eq!(check(&mut l, &cat, 0, 1, 3), 1800);
+    match l.set_epoch(3) {
+        Err(Error::InvalidConfig(m)) => {
+            assert!(m.contains("past the loader's last epoch 2"), "{m}")
+        }
+        other => panic!("set_epoch past the end: {other:?}"),
+    }
+    let stats = l.finish();
+    assert!(
+        stats.disk_reads > 0 && stats.remote_samples > 0,
+        "{stats:?}"
+    );
+    assert_eq!(stats.disk_reads + stats.remote_samples, 1800, "{stats:?}");
+    assert_eq!(stats.source_reads, 0, "{stats:?}");
+    assert_eq!(
+        stats.read_ahead + stats.read_ahead_discarded,
+        0,
+        "{stats:?}"
+    );
+
+    // Nothing local and node 1 gone from the start: its samples come from
+    // the source, each exactly once.
+    drop(n1);
+    let gone = TcpListener::bind(format!("{}:0", node_ip(1))).unwrap();
+    let gone_addr = gone.local_addr().unwrap().to_string();
+    drop(gone);
+    let mut l = builder_remote(&st, &[&n0.addr, &gone_addr], 16 << 20)
+        .node_timeout(Duration::from_secs(5))
+        .end_epoch(Some(3))
+        .build()
+        .unwrap();
+    assert_eq!(check(&mut l, &cat, 0, 1, 3), 1800);
+    let stats = l.finish();
+    assert!(
+        stats.source_reads > 0 && stats.remote_samples > 0,
+        "{stats:?}"
+    );
+    assert_eq!(stats.remote_samples + stats.source_reads, 1800, "{stats:?}");
+    assert_eq!(stats.disk_reads, 0, "{stats:?}");
+    assert_eq!(
+        stats.read_ahead + stats.read_ahead_discarded,
+        0,
+        "{stats:?}"
+    );
+}
