@@ -2854,3 +2854,44 @@ fn read_ahead_stops_at_the_last_epoch_with_exact_counts() {
         "{stats:?}"
     );
 }
+
+/// This node's own copies that keep failing are demoted for the epoch, as
+/// a node is: after 16 failed reads the pollers hand their samples to the
+/// replica unread (no read, no WARN, no failover each), and try again in
+/// the next epoch. Without demotion every one of the 3,000 samples is read,
+/// fails and fails over.
+#[test]
+fn failing_local_copies_are_demoted_for_the_epoch() {
+    let st = setup("tiny", 1500, 2, 2);
+    let serves: Vec<Serve> = (0..2)
+        .map(|i| Serve::start(&st.spaces[i], &node_ip(i), &st.token, &[]))
+        .collect();
+    std::fs::rename(&st.src, st.src.with_extension("gone")).unwrap();
+    let addrs: Vec<&str> = serves.iter().map(|s| s.addr.as_str()).collect();
+    let cat = Catalog::open(&st.catalog).unwrap();
+    let ring_bytes = 1u64 << 20;
+    let mut l = builder_space(&st.spaces[0], cluster_of(&addrs))
+        .landing(ring(ring_bytes))
+        .end_epoch(Some(2))
+        // Every local read fails.
+        .fault_injection(
+            kspeed::loader::FaultConfig::default()
+                .seed(11)
+                .eio_ppm(1_000_000),
+        )
+        .build()
+        .unwrap();
+    assert_eq!(check(&mut l, &cat, 0, 1, 2), 3000);
+    let stats = l.finish();
+    // Node 1 served every sample; the failed reads per epoch are at most
+    // the 16 that demote plus what the ring's window held when they did
+    // (a slot is at least 4 KiB).
+    assert_eq!(stats.remote_samples, 3000, "{stats:?}");
+    assert_eq!(stats.source_reads, 0, "{stats:?}");
+    let bound = 2 * (16 + ring_bytes / 4096);
+    assert!(
+        stats.failovers >= 32 && stats.failovers <= bound,
+        "{} failovers (demotion allows 32 to {bound}): {stats:?}",
+        stats.failovers
+    );
+}

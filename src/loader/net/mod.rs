@@ -140,6 +140,15 @@ pub(crate) struct NetShared {
         crossbeam_channel::Sender<HandedOver>,
         crossbeam_channel::Receiver<HandedOver>,
     ),
+    /// The epoch in which this node's own copies are demoted (`u64::MAX`:
+    /// none): its local samples are handed over without a read, like a
+    /// demoted node's samples go to the next holder. Set by the network
+    /// thread after [`DEMOTE_AFTER_ERRORS`] local failures within
+    /// [`DEMOTE_WINDOW`]; over at the next epoch.
+    local_demoted_epoch: AtomicU64,
+    /// Why (the latest local failure), for the samples' error if no other
+    /// copy can serve them. Written before `local_demoted_epoch`.
+    local_demoted_why: std::sync::Mutex<Option<Error>>,
 }
 
 /// A local sample whose read failed, and why.
@@ -156,6 +165,8 @@ impl NetShared {
             failovers: AtomicU64::new(0),
             source_reads: AtomicU64::new(0),
             local_failed: crossbeam_channel::bounded(window_samples.max(1)),
+            local_demoted_epoch: AtomicU64::new(u64::MAX),
+            local_demoted_why: std::sync::Mutex::new(None),
         })
     }
 
@@ -174,6 +185,28 @@ impl NetShared {
         })?;
         self.wake.notify();
         Ok(())
+    }
+
+    /// Whether this node's own copies are demoted in `epoch` (a poller
+    /// then hands its local samples over unread), and why. One atomic load
+    /// per local sample while they are not.
+    pub(crate) fn local_demoted(&self, epoch: u64) -> Option<Error> {
+        if self.local_demoted_epoch.load(Ordering::Acquire) != epoch {
+            return None;
+        }
+        self.local_demoted_why
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Demotes this node's own copies for `epoch` (see `local_demoted`).
+    fn demote_local(&self, epoch: u64, why: Error) {
+        *self
+            .local_demoted_why
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some(why);
+        self.local_demoted_epoch.store(epoch, Ordering::Release);
     }
 
     /// Called after the consumer moved the released mark.
@@ -453,6 +486,10 @@ pub(crate) struct Thread<R: Receive> {
     beats: Vec<Beats>,
     /// When `check_timeouts` last ran (see [`NOT_RUNNING`]).
     last_check: Instant,
+    /// This node's own failed reads in the window that began at
+    /// `local_errors_since` (demotion, as for a node).
+    local_error_count: u32,
+    local_errors_since: Instant,
     sh: Arc<Shared>,
 }
 
@@ -532,6 +569,8 @@ impl<R: Receive> Thread<R> {
             completions: vec![Completion::default(); 256],
             beats,
             last_check: Instant::now(),
+            local_error_count: 0,
+            local_errors_since: Instant::now(),
             sh,
             setup,
         })
