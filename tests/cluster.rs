@@ -2895,3 +2895,121 @@ fn failing_local_copies_are_demoted_for_the_epoch() {
         stats.failovers
     );
 }
+
+/// A node (with `extra` flags, 4 KiB chunks) whose extent loses its second
+/// half after it started; a consumer grants a many-chunk sample past the
+/// cut (grant 1) and one before it (grant 2) and reads until grant 2 is
+/// whole. Returns the ERROR frames for grant 1 with their messages, the
+/// sample past the cut, and the node's log.
+fn cut_extent_frames(extra: &[&str]) -> (Vec<(Code, String)>, u64, String) {
+    let st = setup("imagenet", 40, 1, 1);
+    let space = Space::open(&st.spaces[0]).unwrap();
+    let cat = Catalog::open(&st.catalog).unwrap();
+    let log = st._tmp.path().join("node.log");
+    let mut flags = vec!["--chunk-bytes", "4KiB"];
+    flags.extend_from_slice(extra);
+    let node = Serve::launch(
+        &st.spaces[0],
+        "127.0.0.1",
+        &st.token,
+        &flags,
+        Some(&log),
+        None,
+    );
+    let ext = space.extent_path(0);
+    let half = std::fs::metadata(&ext).unwrap().len() / 2;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&ext)
+        .unwrap()
+        .set_len(half)
+        .unwrap();
+    let lost = (0..cat.len())
+        .find(|&i| space.location(i).unwrap().offset >= half && cat.sample(i).len > 16 << 10)
+        .expect("a multi-chunk sample past the cut");
+    let kept = (0..cat.len())
+        .find(|&i| space.location(i).unwrap().offset + (cat.sample(i).len as u64) < half)
+        .expect("a sample before the cut");
+    let mut c = TcpStream::connect(&node.addr).unwrap();
+    c.write_all(&hello_frame(
+        &cat,
+        proto::VERSION,
+        TOKEN.as_bytes(),
+        1 << 20,
+    ))
+    .unwrap();
+    let (h, _) = read_frame(&mut c).unwrap();
+    assert_eq!(h.kind, Kind::Welcome);
+    let mut f = Header::grant(2).encode().to_vec();
+    for (grant, sample, offset) in [(1, lost, 0), (2, kept, 512 << 10)] {
+        let mut b = [0u8; proto::GRANT_ENTRY_BYTES];
+        GrantEntry {
+            grant,
+            len: cat.sample(sample).len,
+            sample,
+            offset,
+            rkey: 0,
+        }
+        .encode_into(&mut b);
+        f.extend_from_slice(&b);
+    }
+    c.write_all(&f).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let (mut errors, mut got2) = (Vec::new(), 0u64);
+    while got2 < cat.sample(kept).len as u64 {
+        let (h, body) = read_frame(&mut c).unwrap_or_else(|e| {
+            panic!(
+                "frames until grant 2 is whole: {e}; node log:\n{}",
+                std::fs::read_to_string(&log).unwrap_or_default()
+            )
+        });
+        match (h.kind, h.a) {
+            (Kind::Error, 1) => errors.push((
+                Code::from_u32(h.b),
+                String::from_utf8_lossy(&body).into_owned(),
+            )),
+            (Kind::Data, 1) => {}
+            (Kind::Data, 2) => got2 += body.len() as u64,
+            other => panic!(
+                "unexpected frame {other:?}: {}",
+                String::from_utf8_lossy(&body)
+            ),
+        }
+    }
+    drop(c);
+    (errors, lost, std::fs::read_to_string(&log).unwrap())
+}
+
+/// `--page-cache`: a grant of a sample the extent no longer holds is
+/// answered with ERROR ReadFailed naming the sample, and the connection
+/// goes on (the old code sent from the mapping, got EFAULT in the middle of
+/// a DATA frame and dropped the consumer without a word).
+#[test]
+fn page_cache_answers_a_truncated_extent_with_an_error_naming_the_sample() {
+    let (errors, lost, log) = cut_extent_frames(&["--page-cache"]);
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert_eq!(errors[0].0, Code::ReadFailed, "{errors:?}");
+    assert!(
+        errors[0].1.contains(&format!("sample {lost}")),
+        "{errors:?}"
+    );
+    assert_eq!(
+        log_lines_in(&log, &format!("sample {lost} needs")),
+        1,
+        "{log}"
+    );
+}
+
+/// A sample whose dozens of chunks all fail logs one WARN line, not one
+/// per chunk.
+#[test]
+fn read_errors_log_one_warn_per_grant() {
+    let (errors, _, log) = cut_extent_frames(&[]);
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert_eq!(log_lines_in(&log, "of grant 1"), 1, "{log}");
+}
+
+/// Lines of `text` that contain `what`.
+fn log_lines_in(text: &str, what: &str) -> usize {
+    text.lines().filter(|l| l.contains(what)).count()
+}

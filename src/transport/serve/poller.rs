@@ -82,6 +82,8 @@ pub(super) struct SConn {
     pub(super) heartbeats: bool,
     /// When this poller last sent it a heartbeat (None: never).
     pub(super) last_beat: Option<std::time::Instant>,
+    /// The last grant whose read error was logged (one line per grant).
+    pub(super) warned_grant: Option<u32>,
 }
 
 pub(super) struct ServePoller {
@@ -117,6 +119,8 @@ pub(super) struct ServePoller {
     /// When the heartbeat pass runs next: each tick compares this one
     /// time, and only a due pass walks the connections.
     pub(super) next_beat: std::time::Instant,
+    /// Rate limit of read-error WARN lines.
+    pub(super) warns: super::push::WarnLimit,
 }
 
 impl ServePoller {
@@ -167,6 +171,7 @@ impl ServePoller {
             chan_inflight: false,
             spin_since: None,
             next_beat: std::time::Instant::now(),
+            warns: super::push::WarnLimit::new(),
             c,
         }
     }
@@ -314,6 +319,7 @@ impl ServePoller {
             last_rx: std::time::Instant::now(),
             heartbeats: false,
             last_beat: None,
+            warned_grant: None,
         });
         debug_assert!(matches!(taken, Ok(k) if k == ci), "adopt: the vacant key");
     }
@@ -389,6 +395,7 @@ impl ServePoller {
             return;
         }
         self.last_stall_check = now;
+        self.warns.roll();
         let limit = self.c.cfg.stall_timeout;
         for k in 0..self.live.len() {
             let ci = self.live[k] as usize;
@@ -523,7 +530,17 @@ impl ServePoller {
                     c.last_drained = std::time::Instant::now();
                 }
                 if comp.result <= 0 && !c.closing {
-                    log::debug!("{}: send failed: {}", c.peer, errno_name(-comp.result));
+                    if comp.result == -libc::EFAULT {
+                        // Page-cache mode: an extent was cut shorter after
+                        // its grant's check; the frame cannot be finished,
+                        // so no ERROR can follow it on this stream.
+                        log::warn!(
+                            "{}: sending from the mapped extents failed (EFAULT: an extent shrank while served); dropping the consumer",
+                            c.peer
+                        );
+                    } else {
+                        log::debug!("{}: send failed: {}", c.peer, errno_name(-comp.result));
+                    }
                     self.close(ci, None);
                 }
                 self.reap_link(ci);
