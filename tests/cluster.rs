@@ -1120,7 +1120,9 @@ fn stalled_nodes_cost_one_timeout_at_start_not_one_each() {
 fn stopped_consumer_does_not_starve_the_others() {
     let st = setup("imagenet", 600, 1, 1);
     let log = st._tmp.path().join("node.log");
-    // A small staging pool (16 slots) that one consumer could hog.
+    // A small staging pool (16 slots) that one consumer could hog. The
+    // stall timeout is long: rank 1 must finish while the stopped rank 0
+    // still holds its share, not once the node has dropped it.
     let node = Serve::launch(
         &st.spaces[0],
         &node_ip(0),
@@ -1131,11 +1133,20 @@ fn stopped_consumer_does_not_starve_the_others() {
             "--chunk-bytes",
             "64KiB",
             "--stall-timeout-ms",
-            "3000",
+            "20000",
+            "--metrics",
+            &format!("{}:0", node_ip(0)),
         ],
         Some(&log),
         None,
     );
+    let maddr = node
+        .before
+        .iter()
+        .find_map(|l| l.strip_prefix("metrics on http://"))
+        .and_then(|l| l.strip_suffix("/metrics"))
+        .unwrap_or_else(|| panic!("no metrics line: {:?}", node.before))
+        .to_string();
     let file = st.spaces[0].parent().unwrap().join("cluster.txt");
     std::fs::write(&file, format!("0 {}\n", node.addr)).unwrap();
     // Rank 0 grants a 48 MiB ring ahead, far more than the socket buffers
@@ -1150,15 +1161,21 @@ fn stopped_consumer_does_not_starve_the_others() {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
+    // Stopped while the node holds staging slots for it.
     let t0 = Instant::now();
-    while log_lines(&log, "connected") == 0 {
+    while metric(
+        &http_get(&maddr, "/metrics").1,
+        "kspeed_consumer_staging_slots{",
+    )
+    .unwrap_or(0.0)
+        < 1.0
+    {
         assert!(
             t0.elapsed() < Duration::from_secs(30),
-            "rank 0 never connected"
+            "rank 0 never held a staging slot"
         );
         std::thread::sleep(Duration::from_millis(10));
     }
-    std::thread::sleep(Duration::from_millis(300));
     let stop = |sig: &str| {
         Command::new("kill")
             .args([sig, &rank0.id().to_string()])
@@ -1174,12 +1191,19 @@ fn stopped_consumer_does_not_starve_the_others() {
             .build()
             .unwrap();
         let n = check(&mut l, &cat, 1, 2, 3);
+        // Rank 1 never waited for the node to drop rank 0: it is done
+        // while rank 0 is still there, stopped, holding its share.
+        assert_eq!(
+            log_lines(&log, "took no data"),
+            0,
+            "rank 1 finished only once the stopped rank 0 was dropped"
+        );
         let stats = l.finish();
         // The node drops the stopped consumer. (Over RDMA the NIC keeps
         // landing its granted writes while it is stopped: nothing stalls
         // and nothing is dropped.)
         let t0 = Instant::now();
-        while !rdma_mode() && log_lines(&log, "took no data for 3000 ms") == 0 {
+        while !rdma_mode() && log_lines(&log, "took no data for 20000 ms") == 0 {
             assert!(
                 t0.elapsed() < Duration::from_secs(60),
                 "the stopped consumer was not dropped"
@@ -1195,14 +1219,6 @@ fn stopped_consumer_does_not_starve_the_others() {
     assert_eq!(n, 900);
     assert_eq!(stats.source_reads, 0, "{stats:?}");
     assert_eq!(stats.failovers, 0, "{stats:?}");
-    // Rank 1 never stalled on the node (its own reading took the time).
-    // (Over soft-RoCE in the VM its share of 1/4 of the slots, until rank 0
-    // is dropped, is slow; the TCP run is the measure.)
-    assert!(
-        rdma_mode() || stats.stall < Duration::from_secs(3),
-        "rank 1 stalled {:?}: {stats:?}",
-        stats.stall
-    );
 }
 
 /// `GET path` over HTTP/1.0 with a plain socket: (status line, body).

@@ -35,10 +35,15 @@ pub(super) const UD_KIND: u64 = 0xff << 56;
 /// are numbered from 0, far below it): its completion frees no slot.
 pub(super) const HEARTBEAT_WR: u64 = u64::MAX;
 
-/// The shortest TCP_USER_TIMEOUT the node sets on a consumer's connection
-/// (it is the stall timeout, at least this): below it ordinary
-/// retransmissions on a busy network could end a live connection.
+/// The shortest stall timeout the node's TCP_USER_TIMEOUT on a consumer's
+/// connection is built on (it is the stall timeout, at least this, plus
+/// [`USER_TIMEOUT_MARGIN`]): below it ordinary retransmissions on a busy
+/// network could end a live connection.
 const USER_TIMEOUT_MIN: Duration = Duration::from_secs(1);
+/// Added to the stall timeout, so that a consumer that takes no data is
+/// dropped by the stall check, which names the reason, before the kernel
+/// ends its connection.
+const USER_TIMEOUT_MARGIN: Duration = Duration::from_secs(2);
 
 pub(super) fn ud(kind: u64, conn: u32, slot: u32) -> u64 {
     kind | ((conn as u64) << 32) | slot as u64
@@ -279,11 +284,10 @@ impl ServePoller {
         let max = self.c.cfg.max_grants as usize;
         let fd = acc.sock.as_raw_fd();
         // A consumer whose host died leaves its heartbeats unacknowledged:
-        // the kernel fails the connection after the stall timeout instead
-        // of retransmitting for many minutes (TCP_USER_TIMEOUT).
-        if let Err(e) =
-            crate::sys::set_tcp_user_timeout(fd, self.c.cfg.stall_timeout.max(USER_TIMEOUT_MIN))
-        {
+        // the kernel fails the connection a little after the stall timeout
+        // instead of retransmitting for many minutes (TCP_USER_TIMEOUT).
+        let user_timeout = self.c.cfg.stall_timeout.max(USER_TIMEOUT_MIN) + USER_TIMEOUT_MARGIN;
+        if let Err(e) = crate::sys::set_tcp_user_timeout(fd, user_timeout) {
             log::debug!("{}: TCP_USER_TIMEOUT: {e}", acc.peer);
         }
         let link = match acc.take_rdma_link(&self.staging, self.c.cfg.slots()) {
