@@ -359,18 +359,21 @@ impl ServePoller {
                 }
             }
             if !c.link.is_rdma() {
-                // SAFETY: no payload (length 0).
-                if c.link.busy()
-                    || !unsafe {
-                        c.link.post_error(
-                            HEARTBEAT_WR,
-                            proto::CONNECTION,
-                            Code::Unknown,
-                            std::ptr::null(),
-                            0,
-                        )
-                    }
-                {
+                if c.link.busy() {
+                    continue;
+                }
+                // SAFETY: the frame has no payload (length 0), so no memory
+                // has to outlive the post.
+                let posted = unsafe {
+                    c.link.post_error(
+                        HEARTBEAT_WR,
+                        proto::CONNECTION,
+                        Code::Unknown,
+                        std::ptr::null(),
+                        0,
+                    )
+                };
+                if !posted {
                     continue;
                 }
                 c.last_beat = Some(now);
