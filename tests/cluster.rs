@@ -1583,7 +1583,14 @@ fn fake_node(misdeed: Misdeed) -> (String, std::thread::JoinHandle<()>) {
             transport: proto::TRANSPORT_TCP,
         };
         c.write_all(&w.encode()).unwrap();
-        let (_, body) = read_frame(&mut c).unwrap(); // the first GRANT
+        // The first GRANT (after the keepalive that asks for heartbeats,
+        // which this fake node, like an older one, ignores).
+        let body = loop {
+            let (h, body) = read_frame(&mut c).unwrap();
+            if h.kind == Kind::Grant {
+                break body;
+            }
+        };
         let e = GrantEntry::decode(&body, 0);
         let junk = |n: usize| vec![0xaau8; n];
         let frame = |grant: u32, off: u64, len: u32| {
