@@ -267,7 +267,7 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
             index: 0,
         })
         // Nothing is read ahead past the last epoch asked for.
-        .end_epoch(Some(a.start_epoch + a.epochs));
+        .end_epoch(a.start_epoch.checked_add(a.epochs).filter(|_| a.epochs > 0));
     if let Some(p) = a.pollers {
         b = b.pollers(p);
     }
