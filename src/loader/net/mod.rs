@@ -11,8 +11,16 @@
 //! that matches no grant drops the connection with a named error before a
 //! byte of its payload is read, so a peer writes only where it was granted.
 //!
-//! Failover: a connection that closes, fails, breaks the protocol or stays
-//! silent for `node_timeout` with grants outstanding is shut; once its last
+//! Heartbeats: the first frame to each node is a keepalive asking for
+//! heartbeats; a node that sends them (an empty connection ERROR, code 0,
+//! whenever it sent nothing for 250 ms) and then goes silent for
+//! [`HEARTBEAT_SILENCE`] is taken for dead, grants outstanding or not, so a
+//! dead host costs about 2 s, not `node_timeout`. TCP_USER_TIMEOUT bounds
+//! unacknowledged bytes on every control connection.
+//!
+//! Failover: a connection that closes, fails, breaks the protocol, misses
+//! its heartbeats or stays silent for `node_timeout` with grants
+//! outstanding is shut; once its last
 //! receive has returned (so nothing more lands from it), each of its
 //! outstanding grants goes to the sample's next live replica, else is read
 //! from the source, else fails with [`Error::SampleUnavailable`] naming every
