@@ -2683,20 +2683,26 @@ fn serve_in_netns(ns: &Netns, i: usize, space: &Path, token: &Path, log: &Path) 
         line
     });
     let addr = line.trim().rsplit(' ').next().unwrap().to_string();
-    assert!(addr.starts_with(&format!("10.77.{i}.2:")), "{line}");
-    // Reachable from here before a consumer counts on it (a fresh veth
-    // pair can drop the first packets).
-    let sa: std::net::SocketAddr = addr.parse().unwrap();
-    let t0 = Instant::now();
-    while TcpStream::connect_timeout(&sa, Duration::from_secs(1)).is_err() {
-        assert!(t0.elapsed() < Duration::from_secs(30), "{addr} unreachable");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    Serve {
+    // Killed on drop from here on, whatever fails next.
+    let serve = Serve {
         child,
         addr,
         before: Vec::new(),
+    };
+    assert!(serve.addr.starts_with(&format!("10.77.{i}.2:")), "{line}");
+    // Reachable from here before a consumer counts on it (a fresh veth
+    // pair can drop the first packets).
+    let sa: std::net::SocketAddr = serve.addr.parse().unwrap();
+    let t0 = Instant::now();
+    while TcpStream::connect_timeout(&sa, Duration::from_secs(1)).is_err() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "{} unreachable (another 10.77.{i}.0/24 route on this host?)",
+            serve.addr
+        );
+        std::thread::sleep(Duration::from_millis(20));
     }
+    serve
 }
 
 /// An owner whose host dies (its network cut, then the process killed
