@@ -2677,18 +2677,18 @@ fn serve_in_netns(ns: &Netns, i: usize, space: &Path, token: &Path, log: &Path) 
         .spawn()
         .unwrap();
     let out = child.stdout.take().unwrap();
+    // Killed on drop from here on, whatever fails next.
+    let mut serve = Serve {
+        child,
+        addr: String::new(),
+        before: Vec::new(),
+    };
     let line = within("serve's first line", Duration::from_secs(60), move || {
         let mut line = String::new();
         BufReader::new(out).read_line(&mut line).unwrap();
         line
     });
-    let addr = line.trim().rsplit(' ').next().unwrap().to_string();
-    // Killed on drop from here on, whatever fails next.
-    let serve = Serve {
-        child,
-        addr,
-        before: Vec::new(),
-    };
+    serve.addr = line.trim().rsplit(' ').next().unwrap().to_string();
     assert!(serve.addr.starts_with(&format!("10.77.{i}.2:")), "{line}");
     // Reachable from here before a consumer counts on it (a fresh veth
     // pair can drop the first packets).
