@@ -18,4 +18,5 @@ echo "== the cluster tests over RDMA (KSPEED_TEST_RDMA=1)"
 # network-namespace ones (TCP plumbing; a fresh namespace has no RDMA
 # netdev): tests/rdma.rs has RDMA's hostile peers.
 KSPEED_TEST_RDMA=1 "$cluster_bin" --test-threads 1 \
-  --skip hostile_ --skip network_namespaces --skip launcher_node_lists
+  --skip hostile_ --skip network_namespaces --skip launcher_node_lists \
+  --skip dead_owner_host

@@ -1120,7 +1120,9 @@ fn stalled_nodes_cost_one_timeout_at_start_not_one_each() {
 fn stopped_consumer_does_not_starve_the_others() {
     let st = setup("imagenet", 600, 1, 1);
     let log = st._tmp.path().join("node.log");
-    // A small staging pool (16 slots) that one consumer could hog.
+    // A small staging pool (16 slots) that one consumer could hog. The
+    // stall timeout is long: rank 1 must finish while the stopped rank 0
+    // still holds its share, not once the node has dropped it.
     let node = Serve::launch(
         &st.spaces[0],
         &node_ip(0),
@@ -1131,11 +1133,20 @@ fn stopped_consumer_does_not_starve_the_others() {
             "--chunk-bytes",
             "64KiB",
             "--stall-timeout-ms",
-            "3000",
+            "20000",
+            "--metrics",
+            &format!("{}:0", node_ip(0)),
         ],
         Some(&log),
         None,
     );
+    let maddr = node
+        .before
+        .iter()
+        .find_map(|l| l.strip_prefix("metrics on http://"))
+        .and_then(|l| l.strip_suffix("/metrics"))
+        .unwrap_or_else(|| panic!("no metrics line: {:?}", node.before))
+        .to_string();
     let file = st.spaces[0].parent().unwrap().join("cluster.txt");
     std::fs::write(&file, format!("0 {}\n", node.addr)).unwrap();
     // Rank 0 grants a 48 MiB ring ahead, far more than the socket buffers
@@ -1150,15 +1161,21 @@ fn stopped_consumer_does_not_starve_the_others() {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
+    // Stopped while the node holds staging slots for it.
     let t0 = Instant::now();
-    while log_lines(&log, "connected") == 0 {
+    while metric(
+        &http_get(&maddr, "/metrics").1,
+        "kspeed_consumer_staging_slots{",
+    )
+    .unwrap_or(0.0)
+        < 1.0
+    {
         assert!(
             t0.elapsed() < Duration::from_secs(30),
-            "rank 0 never connected"
+            "rank 0 never held a staging slot"
         );
         std::thread::sleep(Duration::from_millis(10));
     }
-    std::thread::sleep(Duration::from_millis(300));
     let stop = |sig: &str| {
         Command::new("kill")
             .args([sig, &rank0.id().to_string()])
@@ -1174,12 +1191,19 @@ fn stopped_consumer_does_not_starve_the_others() {
             .build()
             .unwrap();
         let n = check(&mut l, &cat, 1, 2, 3);
+        // Rank 1 never waited for the node to drop rank 0: it is done
+        // while rank 0 is still there, stopped, holding its share.
+        assert_eq!(
+            log_lines(&log, "took no data"),
+            0,
+            "rank 1 finished only once the stopped rank 0 was dropped"
+        );
         let stats = l.finish();
         // The node drops the stopped consumer. (Over RDMA the NIC keeps
         // landing its granted writes while it is stopped: nothing stalls
         // and nothing is dropped.)
         let t0 = Instant::now();
-        while !rdma_mode() && log_lines(&log, "took no data for 3000 ms") == 0 {
+        while !rdma_mode() && log_lines(&log, "took no data for 20000 ms") == 0 {
             assert!(
                 t0.elapsed() < Duration::from_secs(60),
                 "the stopped consumer was not dropped"
@@ -1195,14 +1219,6 @@ fn stopped_consumer_does_not_starve_the_others() {
     assert_eq!(n, 900);
     assert_eq!(stats.source_reads, 0, "{stats:?}");
     assert_eq!(stats.failovers, 0, "{stats:?}");
-    // Rank 1 never stalled on the node (its own reading took the time).
-    // (Over soft-RoCE in the VM its share of 1/4 of the slots, until rank 0
-    // is dropped, is slow; the TCP run is the measure.)
-    assert!(
-        rdma_mode() || stats.stall < Duration::from_secs(3),
-        "rank 1 stalled {:?}: {stats:?}",
-        stats.stall
-    );
 }
 
 /// `GET path` over HTTP/1.0 with a plain socket: (status line, body).
@@ -1679,7 +1695,14 @@ fn fake_node(misdeed: Misdeed) -> (String, std::thread::JoinHandle<()>) {
             transport: proto::TRANSPORT_TCP,
         };
         c.write_all(&w.encode()).unwrap();
-        let (_, body) = read_frame(&mut c).unwrap(); // the first GRANT
+        // The first GRANT (after the keepalive that asks for heartbeats,
+        // which this fake node, like an older one, ignores).
+        let body = loop {
+            let (h, body) = read_frame(&mut c).unwrap();
+            if h.kind == Kind::Grant {
+                break body;
+            }
+        };
         let e = GrantEntry::decode(&body, 0);
         let junk = |n: usize| vec![0xaau8; n];
         let frame = |grant: u32, off: u64, len: u32| {
@@ -3170,4 +3193,402 @@ fn hostile_wrong_tokens_and_a_full_handshake_table_rate_limit_then_admit() {
     assert_eq!(check(&mut l, &cat, 0, 1, 1), 200);
     assert_eq!(l.stats().source_reads, 0, "{:?}", l.stats());
     drop(silent);
+}
+
+// --- failure detection, read-ahead and failing extents (issue 26) --------
+
+impl Netns {
+    /// Cuts namespace `i` off as if its host had died: its veth end goes
+    /// down, so nothing more arrives from it (not even a FIN or RST when
+    /// its processes are then killed) and nothing sent to it is answered.
+    fn cut(&self, i: usize) {
+        let peer = format!("ksp{}{i}", std::process::id() % 100_000);
+        let ok = Command::new("ip")
+            .args(["-n", &self.names[i], "link", "set", &peer, "down"])
+            .status()
+            .map(|s| s.success())
+            .unwrap_or(false);
+        assert!(ok, "could not take {peer} down");
+    }
+}
+
+/// `kspeed serve -v` for space `space` inside namespace `ns`, on
+/// 10.77.`i`.2, logging to `log`.
+fn serve_in_netns(ns: &Netns, i: usize, space: &Path, token: &Path, log: &Path) -> Serve {
+    let mut child = Command::new("ip")
+        .args(["netns", "exec", &ns.names[i], kspeed_bin(), "serve"])
+        .arg("--space")
+        .arg(space)
+        .args(["--listen", &format!("10.77.{i}.2:0"), "--token-file"])
+        .arg(token)
+        .args(["--pollers", "1", "-v"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::from(std::fs::File::create(log).unwrap()))
+        .spawn()
+        .unwrap();
+    let out = child.stdout.take().unwrap();
+    // Killed on drop from here on, whatever fails next.
+    let mut serve = Serve {
+        child,
+        addr: String::new(),
+        before: Vec::new(),
+    };
+    let line = within("serve's first line", Duration::from_secs(60), move || {
+        let mut line = String::new();
+        BufReader::new(out).read_line(&mut line).unwrap();
+        line
+    });
+    serve.addr = line.trim().rsplit(' ').next().unwrap().to_string();
+    assert!(serve.addr.starts_with(&format!("10.77.{i}.2:")), "{line}");
+    // Reachable from here before a consumer counts on it (a fresh veth
+    // pair can drop the first packets).
+    let sa: std::net::SocketAddr = serve.addr.parse().unwrap();
+    let t0 = Instant::now();
+    while TcpStream::connect_timeout(&sa, Duration::from_secs(1)).is_err() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "{} unreachable (another 10.77.{i}.0/24 route on this host?)",
+            serve.addr
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    serve
+}
+
+/// An owner whose host dies (its network cut, then the process killed
+/// with SIGKILL, so no FIN or RST ever reaches the consumer) is found dead
+/// by its missing heartbeats: the consumer fails over to the replica and
+/// finishes two epochs long before its 60 s `node_timeout`, which is all
+/// that found it before heartbeats (the old code stalls 60 s here).
+#[test]
+fn dead_owner_host_is_found_by_its_missing_heartbeats() {
+    if !is_root() || Command::new("ip").arg("-V").output().is_err() {
+        skip("needs root and iproute2 to create network namespaces");
+        return;
+    }
+    let st = setup("imagenet", 480, 2, 2);
+    let Some(ns) = Netns::create(2) else {
+        return;
+    };
+    let logs: Vec<PathBuf> = (0..2)
+        .map(|i| st._tmp.path().join(format!("node{i}.log")))
+        .collect();
+    let serves: Vec<Serve> = (0..2)
+        .map(|i| serve_in_netns(&ns, i, &st.spaces[i], &st.token, &logs[i]))
+        .collect();
+    let addrs: Vec<String> = serves.iter().map(|s| s.addr.clone()).collect();
+    let victim = serves[1].child.id();
+    let (src, catalog) = (st.src.clone(), st.catalog.clone());
+    let cat = Catalog::open(&st.catalog).unwrap();
+    let (killed_tx, killed_rx) = std::sync::mpsc::channel::<()>();
+    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    // The reader: a batch, then it waits for the kill, then the rest.
+    let reader = std::thread::spawn(move || {
+        let a: Vec<&str> = addrs.iter().map(|s| s.as_str()).collect();
+        let mut l = LoaderBuilder::source(s(&src))
+            .catalog(&catalog)
+            .cluster(cluster_of(&a))
+            .token(TOKEN.as_bytes())
+            .seed(3)
+            .batch_size(4)
+            .pollers(1)
+            .pin(false)
+            .node_timeout(Duration::from_secs(60))
+            .landing(ring(3 << 20))
+            .build()
+            .unwrap();
+        let sampler = Sampler::new(
+            SamplerConfig::single(cat.len(), 3)
+                .rank_world(0, 1)
+                .shuffle(true)
+                .drop_last(false),
+        )
+        .unwrap();
+        let mut k = 0u64;
+        let mut killed_at: Option<Instant> = None;
+        // The longest wait for a batch after the kill: the trainer's stall.
+        let mut stall = Duration::ZERO;
+        for e in 0..2 {
+            l.set_epoch(e).unwrap();
+            loop {
+                let t = Instant::now();
+                let Some(b) = l.next_batch().unwrap() else {
+                    break;
+                };
+                if killed_at.is_some() {
+                    stall = stall.max(t.elapsed());
+                }
+                for smp in b.iter() {
+                    assert_eq!(smp.id, sampler.sample(e, k % 480));
+                    assert_eq!(crc32c::crc32c(smp.bytes), cat.sample(smp.id).crc32c);
+                    k += 1;
+                }
+                drop(b);
+                if killed_at.is_none() {
+                    killed_tx.send(()).unwrap();
+                    // The test thread answers once the owner is dead.
+                    go_rx.recv().unwrap();
+                    killed_at = Some(Instant::now());
+                }
+            }
+        }
+        let took = killed_at.unwrap().elapsed();
+        (k, l.finish(), stall, took)
+    });
+    killed_rx
+        .recv_timeout(Duration::from_secs(120))
+        .expect("the first batch");
+    // The consumer is being served by the node about to die.
+    let t0 = Instant::now();
+    while log_lines(&logs[1], "connected") == 0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "node 1 has no consumer: {}",
+            std::fs::read_to_string(&logs[1]).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    ns.cut(1);
+    Command::new("kill")
+        .args(["-KILL", &victim.to_string()])
+        .status()
+        .unwrap();
+    go_tx.send(()).unwrap();
+    // The deadline the old code (60 s node timeout) cannot meet.
+    let t0 = Instant::now();
+    while !reader.is_finished() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "two epochs not done 30 s after the owner's host died (node_timeout 60 s)"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (k, stats, stall, took) = reader.join().unwrap();
+    eprintln!("owner killed: longest wait for a batch {stall:?}; the rest of both epochs {took:?}");
+    assert_eq!(k, 960);
+    assert_eq!(stats.source_reads, 0, "{stats:?}");
+    drop(serves);
+}
+
+/// With the job's last epoch known (`end_epoch`, `kspeed read --epochs`)
+/// the pollers and the network thread stop at its last sample: with a ring
+/// that holds several epochs, every count is exactly what was delivered,
+/// nothing read ahead is thrown away, and going past the end is a named
+/// error instead of a wait that never ends.
+#[test]
+fn read_ahead_stops_at_the_last_epoch_with_exact_counts() {
+    let st = setup("tiny", 600, 2, 1);
+    let n0 = Serve::start(&st.spaces[0], &node_ip(0), &st.token, &[]);
+    let n1 = Serve::start(&st.spaces[1], &node_ip(1), &st.token, &[]);
+    let cat = Catalog::open(&st.catalog).unwrap();
+    // Rank 0 on node 0: its half local, the other half from node 1. The
+    // 16 MiB ring holds about six epochs of these samples.
+    let mut l = builder_space(&st.spaces[0], cluster_of(&[&n0.addr, &n1.addr]))
+        .landing(ring(16 << 20))
+        .end_epoch(Some(3))
+        .build()
+        .unwrap();
+    assert_eq!(check(&mut l, &cat, 0, 1, 3), 1800);
+    match l.set_epoch(3) {
+        Err(Error::InvalidConfig(m)) => {
+            assert!(m.contains("past the loader's last epoch 2"), "{m}")
+        }
+        other => panic!("set_epoch past the end: {other:?}"),
+    }
+    let stats = l.finish();
+    assert!(
+        stats.disk_reads > 0 && stats.remote_samples > 0,
+        "{stats:?}"
+    );
+    assert_eq!(stats.disk_reads + stats.remote_samples, 1800, "{stats:?}");
+    assert_eq!(stats.source_reads, 0, "{stats:?}");
+    assert_eq!(
+        stats.read_ahead + stats.read_ahead_discarded,
+        0,
+        "{stats:?}"
+    );
+
+    // Nothing local and node 1 gone from the start: its samples come from
+    // the source, each exactly once.
+    drop(n1);
+    let gone = TcpListener::bind(format!("{}:0", node_ip(1))).unwrap();
+    let gone_addr = gone.local_addr().unwrap().to_string();
+    drop(gone);
+    let mut l = builder_remote(&st, &[&n0.addr, &gone_addr], 16 << 20)
+        .node_timeout(Duration::from_secs(5))
+        .end_epoch(Some(3))
+        .build()
+        .unwrap();
+    assert_eq!(check(&mut l, &cat, 0, 1, 3), 1800);
+    let stats = l.finish();
+    assert!(
+        stats.source_reads > 0 && stats.remote_samples > 0,
+        "{stats:?}"
+    );
+    assert_eq!(stats.remote_samples + stats.source_reads, 1800, "{stats:?}");
+    assert_eq!(stats.disk_reads, 0, "{stats:?}");
+    assert_eq!(
+        stats.read_ahead + stats.read_ahead_discarded,
+        0,
+        "{stats:?}"
+    );
+}
+
+/// This node's own copies that keep failing are demoted for the epoch, as
+/// a node is: after 16 failed reads the pollers hand their samples to the
+/// replica unread (no read, no WARN, no failover each), and try again in
+/// the next epoch. Without demotion every one of the 3,000 samples is read,
+/// fails and fails over.
+#[test]
+fn failing_local_copies_are_demoted_for_the_epoch() {
+    let st = setup("tiny", 1500, 2, 2);
+    let serves: Vec<Serve> = (0..2)
+        .map(|i| Serve::start(&st.spaces[i], &node_ip(i), &st.token, &[]))
+        .collect();
+    std::fs::rename(&st.src, st.src.with_extension("gone")).unwrap();
+    let addrs: Vec<&str> = serves.iter().map(|s| s.addr.as_str()).collect();
+    let cat = Catalog::open(&st.catalog).unwrap();
+    let ring_bytes = 1u64 << 20;
+    let mut l = builder_space(&st.spaces[0], cluster_of(&addrs))
+        .landing(ring(ring_bytes))
+        .end_epoch(Some(2))
+        // Every local read fails.
+        .fault_injection(
+            kspeed::loader::FaultConfig::default()
+                .seed(11)
+                .eio_ppm(1_000_000),
+        )
+        .build()
+        .unwrap();
+    assert_eq!(check(&mut l, &cat, 0, 1, 2), 3000);
+    let stats = l.finish();
+    // Node 1 served every sample; the failed reads per epoch are at most
+    // the 16 that demote plus what the ring's window held when they did
+    // (a slot is at least 4 KiB).
+    assert_eq!(stats.remote_samples, 3000, "{stats:?}");
+    assert_eq!(stats.source_reads, 0, "{stats:?}");
+    let bound = 2 * (16 + ring_bytes / 4096);
+    assert!(
+        stats.failovers >= 32 && stats.failovers <= bound,
+        "{} failovers (demotion allows 32 to {bound}): {stats:?}",
+        stats.failovers
+    );
+}
+
+/// A node (with `extra` flags, 4 KiB chunks) whose extent loses its second
+/// half after it started; a consumer grants a many-chunk sample past the
+/// cut (grant 1) and one before it (grant 2) and reads until grant 2 is
+/// whole. Returns the ERROR frames for grant 1 with their messages, the
+/// sample past the cut, and the node's log.
+fn cut_extent_frames(extra: &[&str]) -> (Vec<(Code, String)>, u64, String) {
+    let st = setup("imagenet", 40, 1, 1);
+    let space = Space::open(&st.spaces[0]).unwrap();
+    let cat = Catalog::open(&st.catalog).unwrap();
+    let log = st._tmp.path().join("node.log");
+    let mut flags = vec!["--chunk-bytes", "4KiB"];
+    flags.extend_from_slice(extra);
+    let node = Serve::launch(
+        &st.spaces[0],
+        "127.0.0.1",
+        &st.token,
+        &flags,
+        Some(&log),
+        None,
+    );
+    let ext = space.extent_path(0);
+    let half = std::fs::metadata(&ext).unwrap().len() / 2;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&ext)
+        .unwrap()
+        .set_len(half)
+        .unwrap();
+    let lost = (0..cat.len())
+        .find(|&i| space.location(i).unwrap().offset >= half && cat.sample(i).len > 16 << 10)
+        .expect("a multi-chunk sample past the cut");
+    let kept = (0..cat.len())
+        .find(|&i| space.location(i).unwrap().offset + (cat.sample(i).len as u64) < half)
+        .expect("a sample before the cut");
+    let mut c = TcpStream::connect(&node.addr).unwrap();
+    c.write_all(&hello_frame(
+        &cat,
+        proto::VERSION,
+        TOKEN.as_bytes(),
+        1 << 20,
+    ))
+    .unwrap();
+    let (h, _) = read_frame(&mut c).unwrap();
+    assert_eq!(h.kind, Kind::Welcome);
+    let mut f = Header::grant(2).encode().to_vec();
+    for (grant, sample, offset) in [(1, lost, 0), (2, kept, 512 << 10)] {
+        let mut b = [0u8; proto::GRANT_ENTRY_BYTES];
+        GrantEntry {
+            grant,
+            len: cat.sample(sample).len,
+            sample,
+            offset,
+            rkey: 0,
+        }
+        .encode_into(&mut b);
+        f.extend_from_slice(&b);
+    }
+    c.write_all(&f).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let (mut errors, mut got2) = (Vec::new(), 0u64);
+    while got2 < cat.sample(kept).len as u64 {
+        let (h, body) = read_frame(&mut c).unwrap_or_else(|e| {
+            panic!(
+                "frames until grant 2 is whole: {e}; node log:\n{}",
+                std::fs::read_to_string(&log).unwrap_or_default()
+            )
+        });
+        match (h.kind, h.a) {
+            (Kind::Error, 1) => errors.push((
+                Code::from_u32(h.b),
+                String::from_utf8_lossy(&body).into_owned(),
+            )),
+            (Kind::Data, 1) => {}
+            (Kind::Data, 2) => got2 += body.len() as u64,
+            other => panic!(
+                "unexpected frame {other:?}: {}",
+                String::from_utf8_lossy(&body)
+            ),
+        }
+    }
+    drop(c);
+    (errors, lost, std::fs::read_to_string(&log).unwrap())
+}
+
+/// `--page-cache`: a grant of a sample the extent no longer holds is
+/// answered with ERROR ReadFailed naming the sample, and the connection
+/// goes on (the old code sent from the mapping, got EFAULT in the middle of
+/// a DATA frame and dropped the consumer without a word).
+#[test]
+fn page_cache_answers_a_truncated_extent_with_an_error_naming_the_sample() {
+    let (errors, lost, log) = cut_extent_frames(&["--page-cache"]);
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert_eq!(errors[0].0, Code::ReadFailed, "{errors:?}");
+    assert!(
+        errors[0].1.contains(&format!("sample {lost}")),
+        "{errors:?}"
+    );
+    assert_eq!(
+        log_lines_in(&log, &format!("sample {lost} needs")),
+        1,
+        "{log}"
+    );
+}
+
+/// A sample whose dozens of chunks all fail logs one WARN line, not one
+/// per chunk.
+#[test]
+fn read_errors_log_one_warn_per_grant() {
+    let (errors, _, log) = cut_extent_frames(&[]);
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert_eq!(log_lines_in(&log, "of grant 1"), 1, "{log}");
+}
+
+/// Lines of `text` that contain `what`.
+fn log_lines_in(text: &str, what: &str) -> usize {
+    text.lines().filter(|l| l.contains(what)).count()
 }

@@ -64,6 +64,7 @@ pub struct LoaderBuilder {
     gpu_ring: Option<u32>,
     faults: Option<FaultConfig>,
     start: Option<Position>,
+    end_epoch: Option<u64>,
     cluster: Option<crate::transport::Cluster>,
     token: Vec<u8>,
     node_timeout: Duration,
@@ -115,6 +116,7 @@ impl LoaderBuilder {
             gpu_ring: None,
             faults: None,
             start: None,
+            end_epoch: None,
             cluster: None,
             token: Vec::new(),
             node_timeout: Duration::from_secs(10),
@@ -409,8 +411,11 @@ impl LoaderBuilder {
         self
     }
 
-    /// How long a node may stay silent with grants outstanding before its
-    /// grants fail over (default 10 s).
+    /// How long a node that is alive (it sends heartbeats) may go without
+    /// delivering while it has grants outstanding before its grants fail
+    /// over (default 10 s). A node that sends nothing at all, heartbeats
+    /// included, is taken for dead after 2 s (or this, if shorter); one
+    /// that predates heartbeats after this.
     pub fn node_timeout(mut self, d: Duration) -> Self {
         self.node_timeout = d;
         self
@@ -442,6 +447,18 @@ impl LoaderBuilder {
     /// Start at a saved position instead of (epoch 0, step 0).
     pub fn start_at(mut self, pos: Position) -> Self {
         self.start = Some(pos);
+        self
+    }
+
+    /// The job reads epochs below `end` only (`kspeed read --epochs N`
+    /// sets the start epoch plus N): the pollers and the network thread
+    /// read and request nothing of epoch `end` or later, so nothing is read
+    /// ahead past the job's last sample, and [`Loader::set_epoch`] (or
+    /// [`Loader::restore_position`]) to epoch `end` or later is an
+    /// [`Error::InvalidConfig`]. `None` (the default): the read-ahead
+    /// runs on into the next epoch, whatever the caller does next.
+    pub fn end_epoch(mut self, end: Option<u64>) -> Self {
+        self.end_epoch = end;
         self
     }
 
@@ -709,6 +726,12 @@ impl LoaderBuilder {
             Some(p) => p,
             None => Position { epoch: 0, index: 0 },
         };
+        if let Some(end) = self.end_epoch.filter(|&end| start.epoch >= end) {
+            return Err(Error::InvalidConfig(format!(
+                "end_epoch {end} is not after the start epoch {}: there is nothing to read",
+                start.epoch
+            )));
+        }
         let net = match self.cluster.clone() {
             None => None,
             Some(cluster) => {
@@ -854,6 +877,7 @@ impl LoaderBuilder {
             batch_size,
             steps,
             epoch: start.epoch,
+            end_epoch: self.end_epoch,
             cursor: None,
             peeked: None,
             entries: Vec::with_capacity(batch_size),

@@ -119,6 +119,8 @@ pub struct Loader {
     steps: u64,
     /// The epoch the caller is in.
     epoch: u64,
+    /// Nothing of this epoch or later is read ([`LoaderBuilder::end_epoch`]).
+    end_epoch: Option<u64>,
     cursor: Option<Cursor>,
     /// A sample taken from the cursor but left for the next batch: the
     /// first of the next epoch, or the one after a released batch.
@@ -174,6 +176,13 @@ impl Loader {
             sampler: self.sampler.clone(),
             steps: self.steps,
             start,
+            end_g: match self.end_epoch {
+                // The sequence number of the end epoch's first sample.
+                Some(end) => (end.saturating_sub(start.epoch))
+                    .saturating_mul(self.steps)
+                    .saturating_sub(start.index),
+                None => u64::MAX,
+            },
             cfg: self.cfg.clone(),
             fixed_buffers: self.fixed_buffers,
             fixed_files: self.fixed_files,
@@ -671,6 +680,7 @@ impl Loader {
     /// the pipeline goes on ([`Loader::epoch_continues`]); a restart returns
     /// them, like the held batch.
     pub fn set_epoch(&mut self, epoch: u64) -> Result<()> {
+        self.check_end(epoch)?;
         if self.failed.is_none() && !self.kept.is_empty() && self.epoch_continues(epoch) {
             self.held = false;
             self.epoch = epoch;
@@ -683,6 +693,19 @@ impl Loader {
             return Ok(());
         }
         self.restart(Position { epoch, index: 0 })
+    }
+
+    /// Refuses `epoch` at or past [`LoaderBuilder::end_epoch`]: nothing of
+    /// it is read, so waiting for it would never end.
+    fn check_end(&self, epoch: u64) -> Result<()> {
+        match self.end_epoch {
+            Some(end) if epoch >= end => Err(Error::InvalidConfig(format!(
+                "epoch {epoch} is past the loader's last epoch {} (end_epoch {end}: nothing of \
+                 epoch {end} or later is read)",
+                end - 1
+            ))),
+            _ => Ok(()),
+        }
     }
 
     /// Whether [`Loader::set_epoch`]`(epoch)` goes on with what the pollers
@@ -733,6 +756,7 @@ impl Loader {
                 pos.index, self.steps
             )));
         }
+        self.check_end(pos.epoch)?;
         self.restart(pos)
     }
 

@@ -338,6 +338,19 @@ impl Poller {
                     continue;
                 }
             }
+            // This node's copies demoted for the epoch (they kept
+            // failing): the network thread serves the sample from the next
+            // holder or the source, without a read that would fail again.
+            if let Some(e) = self
+                .shared
+                .net
+                .as_ref()
+                .and_then(|n| n.local_demoted(p.pos.epoch))
+            {
+                self.local_failed(&p, e);
+                started += 1;
+                continue;
+            }
             match self.open_group(p) {
                 Ok(gi) => self.partial = Some(gi),
                 Err(e) => {

@@ -79,6 +79,12 @@ pub(crate) struct Shared {
     /// Steps per epoch (see [`Loader::epoch_len`]).
     pub(crate) steps: u64,
     pub(crate) start: Position,
+    /// Sequence number of the first sample of the loader's end epoch
+    /// ([`super::LoaderBuilder::end_epoch`]; `u64::MAX` without one): no
+    /// sample from there on is writable, so the pollers and the network
+    /// thread stop at the job's last sample instead of reading ahead into
+    /// an epoch nobody asks for.
+    pub(crate) end_g: u64,
     pub(crate) cfg: PollerConfig,
     pub(crate) fixed_buffers: bool,
     pub(crate) fixed_files: bool,
@@ -165,7 +171,7 @@ impl Shared {
     /// Flow control, the one predicate every writer of the ring (pollers,
     /// the network thread) obeys: sample `p`'s slot may be written once it
     /// lies within one ring length of the consumer's released mark, and
-    /// within the lookahead. Sound because the consumer holds only samples
+    /// within the lookahead (and before the end epoch, `end_g`). Sound because the consumer holds only samples
     /// at or past the released mark and a batch never spans more than the
     /// ring (`check_batch_fits`), so no byte of a slot that passes this
     /// belongs to a sample the consumer may still be reading.
@@ -175,14 +181,15 @@ impl Shared {
     /// consumer stores the mark (SeqCst) and then looks for sleepers, so one
     /// of the two always sees the other (a store-buffer handshake).
     pub(crate) fn writable(&self, p: &Placed) -> bool {
-        Self::fits(
-            p.v_end,
-            p.g,
-            self.released_v.load(Ordering::SeqCst),
-            self.released_g.load(Ordering::SeqCst),
-            self.geo.ring_bytes,
-            self.cfg.lookahead,
-        )
+        p.g < self.end_g
+            && Self::fits(
+                p.v_end,
+                p.g,
+                self.released_v.load(Ordering::SeqCst),
+                self.released_g.load(Ordering::SeqCst),
+                self.geo.ring_bytes,
+                self.cfg.lookahead,
+            )
     }
 
     /// The predicate itself: a slot ending at `v_end` for sample `g` may be

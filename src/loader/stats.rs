@@ -81,9 +81,13 @@ pub struct Latency {
 /// Loader statistics since it was built, cumulative over its life
 /// (restarts by `set_epoch` or `restore_position` included). `samples` and
 /// `bytes` count what was delivered; the read counters (`disk_reads`,
-/// `tier_hits`, `remote_samples`) also count samples read ahead, which are
-/// either still waiting (`read_ahead`) or were thrown away
-/// (`read_ahead_discarded`).
+/// `tier_hits`, `remote_samples`, `source_reads`) also count samples read
+/// ahead, which are either still waiting (`read_ahead`) or were thrown away
+/// (`read_ahead_discarded`): their sum is `samples + read_ahead +
+/// read_ahead_discarded` (empty and failed samples aside). With
+/// [`LoaderBuilder::end_epoch`](super::LoaderBuilder::end_epoch) nothing is
+/// read past the last epoch, so after a run that consumed every epoch both
+/// read-ahead counters are 0 and the read counters add up to `samples`.
 #[derive(Debug, Clone, Copy)]
 #[non_exhaustive]
 pub struct Stats {

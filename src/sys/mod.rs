@@ -184,6 +184,32 @@ pub fn send_nonblocking(fd: std::os::fd::RawFd, bytes: &[u8]) -> std::io::Result
     Ok(n as usize)
 }
 
+/// Sets TCP_USER_TIMEOUT on socket `fd`: data the peer has not
+/// acknowledged for `timeout` (a peer whose host died, or that keeps a
+/// zero window) fails the connection with ETIMEDOUT, instead of after
+/// the kernel's ~15 minutes of retransmissions.
+pub fn set_tcp_user_timeout(
+    fd: std::os::fd::RawFd,
+    timeout: std::time::Duration,
+) -> std::io::Result<()> {
+    let ms: libc::c_uint = timeout.as_millis().clamp(1, libc::c_uint::MAX as u128) as _;
+    // SAFETY: passes a live c_uint by pointer with its size; fd is the
+    // caller's open socket (a closed or wrong one is an error return).
+    let rc = unsafe {
+        libc::setsockopt(
+            fd,
+            libc::IPPROTO_TCP,
+            libc::TCP_USER_TIMEOUT,
+            (&ms as *const libc::c_uint).cast(),
+            std::mem::size_of::<libc::c_uint>() as libc::socklen_t,
+        )
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// SIGINT and SIGTERM blocked in this thread (and every thread it starts
 /// afterwards), to be taken synchronously with [`TermSignals::wait`].
 pub struct TermSignals {

@@ -53,6 +53,19 @@ pub const MAX_DATA_BYTES: u32 = 64 << 20;
 /// Grant id meaning "the whole connection" in an ERROR frame.
 pub const CONNECTION: u32 = u32::MAX;
 
+/// Header `c` of a consumer's keepalive (an empty ERROR frame for the
+/// connection, code 0): bit 0 asks the owner for heartbeats. An owner that
+/// predates heartbeats ignores `c` (and every keepalive), so asking is
+/// safe with any version-2 owner; one that knows them answers with
+/// [`HEARTBEAT_INTERVAL`] heartbeats from then on.
+pub(crate) const ASK_HEARTBEATS: u64 = 1;
+
+/// An owner sends a heartbeat (the keepalive frame: an empty ERROR for the
+/// connection, code 0) to a consumer that asked for them when it sent that
+/// consumer nothing for this long, so a consumer can tell a dead owner
+/// from a quiet one in a few intervals instead of a node timeout.
+pub(crate) const HEARTBEAT_INTERVAL: std::time::Duration = std::time::Duration::from_millis(250);
+
 /// Frame types.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
@@ -336,6 +349,28 @@ impl Header {
             b: 0,
             c: 0,
         }
+    }
+
+    /// A keepalive (either way): an empty ERROR frame for the connection
+    /// with code 0; from a consumer, `ask_heartbeats` sets
+    /// [`ASK_HEARTBEATS`] in `c`.
+    pub(crate) fn keepalive(ask_heartbeats: bool) -> Header {
+        Header {
+            kind: Kind::Error,
+            body_len: 0,
+            a: CONNECTION,
+            b: Code::Unknown as u32,
+            c: if ask_heartbeats { ASK_HEARTBEATS } else { 0 },
+        }
+    }
+
+    /// Whether this is a keepalive (from a consumer) or heartbeat (from an
+    /// owner): an empty ERROR for the connection with code 0.
+    pub(crate) fn is_keepalive(&self) -> bool {
+        self.kind == Kind::Error
+            && self.a == CONNECTION
+            && self.b == Code::Unknown as u32
+            && self.body_len == 0
     }
 
     /// An ERROR header for a message of `len` bytes.

@@ -265,7 +265,9 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
         .start_at(kspeed::sampler::Position {
             epoch: a.start_epoch,
             index: 0,
-        });
+        })
+        // Nothing is read ahead past the last epoch asked for.
+        .end_epoch(a.start_epoch.checked_add(a.epochs).filter(|_| a.epochs > 0));
     if let Some(p) = a.pollers {
         b = b.pollers(p);
     }
@@ -463,7 +465,7 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
         st.retries
     );
     println!(
-        "delivered {} samples; read ahead and not consumed: {} (the pollers run ahead into the next epoch)",
+        "delivered {} samples; read ahead and not consumed: {}",
         st.samples, st.read_ahead_discarded
     );
     if cluster_mode {

@@ -208,16 +208,43 @@ impl<R: Receive> Thread<R> {
                 }
             }
             self.table[idx] = GSlot::open(&p, &self.sh.geo, tried, true);
-            log::warn!(
-                "this node's copy of sample {} failed ({e}); it fails over to a replica or the source",
-                p.id
-            );
+            let demoted = self.net().local_demoted_epoch.load(Ordering::Acquire) == p.pos.epoch;
+            if !demoted {
+                // A failed read (a demoted sample was not read: it goes to
+                // the next holder without a word, like a demoted node's).
+                log::warn!(
+                    "this node's copy of sample {} failed ({e}); it fails over to a replica or the source",
+                    p.id
+                );
+                self.net().failovers.fetch_add(1, Ordering::Relaxed);
+                self.local_failed_once(p.pos.epoch, &e);
+            }
             self.local_errors
                 .push((p.g, format!("this node's own copy: {e}")));
-            self.net().failovers.fetch_add(1, Ordering::Relaxed);
             let table = &self.table;
             let at = self.regrant.partition_point(|&i| table[i].g < p.g);
             self.regrant.insert(at, idx);
+        }
+    }
+
+    /// Counts a failed read of this node's own copy; after
+    /// [`DEMOTE_AFTER_ERRORS`] within [`DEMOTE_WINDOW`] the local copies
+    /// are demoted for the rest of `epoch`: the pollers hand their samples
+    /// over unread, to the next holder or the source, said once.
+    fn local_failed_once(&mut self, epoch: u64, e: &Error) {
+        if self.local_errors_since.elapsed() > DEMOTE_WINDOW {
+            self.local_error_count = 0;
+            self.local_errors_since = Instant::now();
+        }
+        self.local_error_count += 1;
+        if self.local_error_count >= DEMOTE_AFTER_ERRORS {
+            self.local_error_count = 0;
+            log::warn!(
+                "this node's own copies failed {DEMOTE_AFTER_ERRORS} times within {} s (latest: {e}); \
+                 no more local reads in epoch {epoch}, its samples go to replicas or the source",
+                DEMOTE_WINDOW.as_secs()
+            );
+            self.net().demote_local(epoch, e.clone());
         }
     }
 

@@ -11,8 +11,16 @@
 //! that matches no grant drops the connection with a named error before a
 //! byte of its payload is read, so a peer writes only where it was granted.
 //!
-//! Failover: a connection that closes, fails, breaks the protocol or stays
-//! silent for `node_timeout` with grants outstanding is shut; once its last
+//! Heartbeats: the first frame to each node is a keepalive asking for
+//! heartbeats; a node that sends them (an empty connection ERROR, code 0,
+//! whenever it sent nothing for 250 ms) and then goes silent for
+//! [`HEARTBEAT_SILENCE`] is taken for dead, grants outstanding or not, so a
+//! dead host costs about 2 s, not `node_timeout`. TCP_USER_TIMEOUT bounds
+//! unacknowledged bytes on every control connection.
+//!
+//! Failover: a connection that closes, fails, breaks the protocol, misses
+//! its heartbeats or stays silent for `node_timeout` with grants
+//! outstanding is shut; once its last
 //! receive has returned (so nothing more lands from it), each of its
 //! outstanding grants goes to the sample's next live replica, else is read
 //! from the source, else fails with [`Error::SampleUnavailable`] naming every
@@ -45,7 +53,7 @@
 //! `tcp.rs` and `rdma.rs` the two implementations of [`Receive`].
 
 use std::net::TcpStream;
-use std::os::fd::RawFd;
+use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -85,6 +93,24 @@ pub(crate) const DEMOTE_WINDOW: Duration = Duration::from_secs(10);
 /// node's idle timeout (`kspeed serve --idle-timeout-ms`, at least 3 s)
 /// closes only peers that are gone.
 pub(crate) const KEEPALIVE: Duration = Duration::from_secs(1);
+/// A node that sends heartbeats (it answered the first keepalive, which
+/// asks for them, with one) and sent nothing at all for this long is
+/// taken for dead, whatever is outstanding: eight heartbeat intervals, so
+/// a live node's poller can miss several on a loaded machine. (Bounded by
+/// `node_timeout` when that is shorter.) A node that does not send them
+/// (an older build) is judged by `node_timeout` alone, as before.
+pub(crate) const HEARTBEAT_SILENCE: Duration = Duration::from_secs(2);
+/// The longest TCP_USER_TIMEOUT on a control connection (it is
+/// `node_timeout`, at most this and at least [`USER_TIMEOUT_MIN`]): a
+/// GRANT or keepalive that a dead host never acknowledges fails the
+/// connection after it, also with a node that sends no heartbeats.
+pub(crate) const USER_TIMEOUT_MAX: Duration = Duration::from_secs(5);
+/// See [`USER_TIMEOUT_MAX`].
+pub(crate) const USER_TIMEOUT_MIN: Duration = Duration::from_secs(1);
+/// A gap this long between two looks at the clocks means the thread did
+/// not run (the process was stopped, or starved): the silence clocks are
+/// moved on by the gap, so nodes are not blamed for it.
+const NOT_RUNNING: Duration = Duration::from_secs(1);
 
 /// Cluster settings of a loader.
 #[derive(Debug, Clone)]
@@ -122,6 +148,15 @@ pub(crate) struct NetShared {
         crossbeam_channel::Sender<HandedOver>,
         crossbeam_channel::Receiver<HandedOver>,
     ),
+    /// The epoch in which this node's own copies are demoted (`u64::MAX`:
+    /// none): its local samples are handed over without a read, like a
+    /// demoted node's samples go to the next holder. Set by the network
+    /// thread after [`DEMOTE_AFTER_ERRORS`] local failures within
+    /// [`DEMOTE_WINDOW`]; over at the next epoch.
+    local_demoted_epoch: AtomicU64,
+    /// Why (the latest local failure), for the samples' error if no other
+    /// copy can serve them. Written before `local_demoted_epoch`.
+    local_demoted_why: std::sync::Mutex<Option<Error>>,
 }
 
 /// A local sample whose read failed, and why.
@@ -138,6 +173,8 @@ impl NetShared {
             failovers: AtomicU64::new(0),
             source_reads: AtomicU64::new(0),
             local_failed: crossbeam_channel::bounded(window_samples.max(1)),
+            local_demoted_epoch: AtomicU64::new(u64::MAX),
+            local_demoted_why: std::sync::Mutex::new(None),
         })
     }
 
@@ -156,6 +193,28 @@ impl NetShared {
         })?;
         self.wake.notify();
         Ok(())
+    }
+
+    /// Whether this node's own copies are demoted in `epoch` (a poller
+    /// then hands its local samples over unread), and why. One atomic load
+    /// per local sample while they are not.
+    pub(crate) fn local_demoted(&self, epoch: u64) -> Option<Error> {
+        if self.local_demoted_epoch.load(Ordering::Acquire) != epoch {
+            return None;
+        }
+        self.local_demoted_why
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Demotes this node's own copies for `epoch` (see `local_demoted`).
+    fn demote_local(&self, epoch: u64, why: Error) {
+        *self
+            .local_demoted_why
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some(why);
+        self.local_demoted_epoch.store(epoch, Ordering::Release);
     }
 
     /// Called after the consumer moved the released mark.
@@ -431,7 +490,28 @@ pub(crate) struct Thread<R: Receive> {
     epoch: Option<u64>,
     /// The minimum-progress allowance per grant beyond `node_timeout`.
     progress_slack: Duration,
+    /// Per connection (same index): heartbeats asked for, and heard.
+    beats: Vec<Beats>,
+    /// When `check_timeouts` last ran (see [`NOT_RUNNING`]).
+    last_check: Instant,
+    /// This node's own failed reads in the window that began at
+    /// `local_errors_since` (demotion, as for a node).
+    local_error_count: u32,
+    local_errors_since: Instant,
     sh: Arc<Shared>,
+}
+
+/// A connection's heartbeat state (kept beside `conns`).
+#[derive(Clone, Copy)]
+struct Beats {
+    /// The keepalive that asks for heartbeats went (or is in flight).
+    asked: bool,
+    /// A heartbeat came: the node sends them, so its silence is judged by
+    /// [`HEARTBEAT_SILENCE`].
+    heard: bool,
+    /// When anything last came from the node (unlike `Conn::last_rx`,
+    /// not reset when a grant is placed).
+    last_heard: Instant,
 }
 
 /// Address of ring offset `phys`.
@@ -447,6 +527,22 @@ impl<R: Receive> Thread<R> {
         connected: Connections<R>,
     ) -> Result<Self> {
         let conns = connected.conns;
+        let user_timeout = setup.node_timeout.clamp(USER_TIMEOUT_MIN, USER_TIMEOUT_MAX);
+        for c in &conns {
+            if let Some(sock) = &c.sock {
+                if let Err(e) = crate::sys::set_tcp_user_timeout(sock.as_raw_fd(), user_timeout) {
+                    log::debug!("node {}: TCP_USER_TIMEOUT: {e}", c.node);
+                }
+            }
+        }
+        let beats = vec![
+            Beats {
+                asked: false,
+                heard: false,
+                last_heard: Instant::now(),
+            };
+            conns.len()
+        ];
         let ring = Uring::new(UringOptions {
             entries: (conns.len() as u32 * 2 + 8).next_power_of_two(),
             sqpoll_idle_ms: None,
@@ -479,6 +575,10 @@ impl<R: Receive> Thread<R> {
             wake_buf: Box::new(0),
             wake_inflight: false,
             completions: vec![Completion::default(); 256],
+            beats,
+            last_check: Instant::now(),
+            local_error_count: 0,
+            local_errors_since: Instant::now(),
             sh,
             setup,
         })
@@ -590,6 +690,7 @@ impl<R: Receive> Thread<R> {
                         Event::Closed { window, entry } => self.on_window_closed(i, window, entry),
                         Event::Received(what) => {
                             self.conns[i].last_rx = Instant::now();
+                            self.beats[i].last_heard = self.conns[i].last_rx;
                             self.on_landed(i, what);
                         }
                     }
@@ -642,18 +743,45 @@ impl<R: Receive> Thread<R> {
     fn check_timeouts(&mut self) {
         let t = self.setup.node_timeout;
         let progress = t + self.progress_slack;
+        let silence = HEARTBEAT_SILENCE.min(t);
+        let now = Instant::now();
+        let gap = now.duration_since(self.last_check);
+        self.last_check = now;
+        if gap > NOT_RUNNING {
+            // This thread did not run: nothing was received meanwhile
+            // because nothing was looked at.
+            for (c, b) in self.conns.iter_mut().zip(&mut self.beats) {
+                c.last_rx += gap;
+                c.last_done += gap;
+                b.last_heard += gap;
+            }
+        }
         for i in 0..self.conns.len() {
             let c = &self.conns[i];
-            if c.state != State::Live || c.outstanding == 0 {
+            if c.state != State::Live {
                 continue;
             }
-            let why = if c.last_rx.elapsed() > t {
+            let b = &self.beats[i];
+            if b.heard && now.saturating_duration_since(b.last_heard) > silence {
+                let why = format!(
+                    "no heartbeat for {} ms ({} grants outstanding)",
+                    silence.as_millis(),
+                    c.outstanding
+                );
+                log::warn!("node {} ({}): {why}", c.node, c.addr);
+                self.kill(i, why);
+                continue;
+            }
+            if c.outstanding == 0 {
+                continue;
+            }
+            let why = if now.saturating_duration_since(c.last_rx) > t {
                 format!(
                     "no data for {} ms with {} grants outstanding",
                     t.as_millis(),
                     c.outstanding
                 )
-            } else if c.last_done.elapsed() > progress {
+            } else if now.saturating_duration_since(c.last_done) > progress {
                 format!(
                     "no grant finished within {} ms with {} outstanding (minimum progress: the node timeout plus 1 s per MiB of the largest sample)",
                     progress.as_millis(),

@@ -11,7 +11,7 @@ use std::time::Instant;
 use super::{ring_ptr, Conn, Receive, State, Thread, KEEPALIVE, UD_RECV, UD_SEND};
 use crate::error::errno_name;
 use crate::ring::Uring;
-use crate::transport::proto::{self, Code, Header, Kind};
+use crate::transport::proto::{self, Header, Kind};
 use crate::transport::rx::{Received, RxError};
 
 impl<R: Receive> Thread<R> {
@@ -21,9 +21,13 @@ impl<R: Receive> Thread<R> {
             if c.state != State::Live || c.tx_inflight || c.flushing() {
                 continue;
             }
-            if c.fill_entries == 0 {
-                if c.last_tx.elapsed() >= KEEPALIVE {
-                    let h = Header::error(proto::CONNECTION, Code::Unknown, 0).encode();
+            // The first frame asks for heartbeats (an older node ignores
+            // it as a keepalive); so do the later keepalives, harmlessly.
+            let ask = !self.beats[i].asked;
+            if c.fill_entries == 0 || ask {
+                if c.last_tx.elapsed() >= KEEPALIVE || ask {
+                    self.beats[i].asked = true;
+                    let h = Header::keepalive(true).encode();
                     c.flight.clear();
                     c.flight.extend_from_slice(&h);
                     c.flight_sent = 0;
@@ -99,6 +103,7 @@ impl<R: Receive> Thread<R> {
             Ok(got) => got,
             Err(RxError::BadHeader(e)) => {
                 c.last_rx = Instant::now();
+                self.beats[i].last_heard = c.last_rx;
                 return self.violation(i, e.to_string());
             }
             Err(e) => {
@@ -119,6 +124,7 @@ impl<R: Receive> Thread<R> {
             }
         };
         c.last_rx = Instant::now();
+        self.beats[i].last_heard = c.last_rx;
         match got {
             Received::Header(h) => {
                 if !R::FRAMED
@@ -133,6 +139,12 @@ impl<R: Receive> Thread<R> {
                             h.kind
                         ),
                     );
+                }
+                if h.is_keepalive() {
+                    // A heartbeat: the node is alive (last_rx, above) and
+                    // sends them, so its silence now counts.
+                    self.beats[i].heard = true;
+                    return;
                 }
                 match h.kind {
                     Kind::Data => self.on_data_header(i, h),

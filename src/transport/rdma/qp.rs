@@ -12,6 +12,23 @@ use rdma_sys::*;
 use super::verbs::{os_err, Context, Mr, Mw, Pd, WindowOp};
 use crate::error::{Error, Result};
 
+/// Local ACK timeout, as the verbs exponent: 4.096 µs × 2^14 = 67 ms per
+/// try. With [`RETRY_CNT`] retries a write to a peer that answers nothing
+/// (its host died, its port is gone) fails with `IBV_WC_RETRY_EXC_ERR`
+/// after (7 + 1) × 67 ms ≈ 0.54 s (checked by this file's tests), so an owner frees
+/// a dead consumer's staging in well under a second.
+const ACK_TIMEOUT_EXP: u8 = 14;
+/// Retransmissions before a write to a silent peer fails (the most verbs
+/// allow).
+const RETRY_CNT: u8 = 7;
+/// Receiver-not-ready retries: 7 means "retry for ever". A peer that
+/// answers RNR is alive but has no receive posted (a consumer that is
+/// stopped or slow); that is the owner's stall timeout to judge, not a
+/// failure of the link.
+const RNR_RETRY_INFINITE: u8 = 7;
+/// The RNR NAK delay this end asks of a sender (12: 0.64 ms).
+const MIN_RNR_TIMER: u8 = 12;
+
 /// What the other end of an RC connection needs: queue pair number, first
 /// packet sequence number, GID — the content of an RDMA_ENDPOINT frame, so
 /// an endpoint goes on the wire as it is.
@@ -329,7 +346,7 @@ impl Qp {
         a.dest_qp_num = remote.qpn;
         a.rq_psn = remote.psn;
         a.max_dest_rd_atomic = 1;
-        a.min_rnr_timer = 12;
+        a.min_rnr_timer = MIN_RNR_TIMER;
         a.ah_attr.is_global = 1;
         a.ah_attr.port_num = self.ctx.port;
         a.ah_attr.grh.dgid.raw = remote.gid;
@@ -349,9 +366,9 @@ impl Qp {
         // SAFETY: plain data.
         let mut a: ibv_qp_attr = unsafe { std::mem::zeroed() };
         a.qp_state = ibv_qp_state::IBV_QPS_RTS;
-        a.timeout = 14;
-        a.retry_cnt = 7;
-        a.rnr_retry = 7;
+        a.timeout = ACK_TIMEOUT_EXP;
+        a.retry_cnt = RETRY_CNT;
+        a.rnr_retry = RNR_RETRY_INFINITE;
         a.sq_psn = self.psn;
         a.max_rd_atomic = 1;
         self.modify(
@@ -638,5 +655,19 @@ pub fn completion_error(wc: &WorkCompletion) -> Error {
         wr_id: wc.wr_id,
         status: wc_status_name(wc.status),
         vendor_err: wc.vendor_err,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A write to a dead peer fails within a second: (retries + 1) ×
+    /// 4.096 µs × 2^timeout, from the attributes `connect` sets.
+    #[test]
+    fn a_dead_peer_is_reported_within_a_second() {
+        let per_try_ns = 4096u64 << ACK_TIMEOUT_EXP;
+        let bound = std::time::Duration::from_nanos(per_try_ns * (RETRY_CNT as u64 + 1));
+        assert!(bound < std::time::Duration::from_secs(1), "{bound:?}");
     }
 }

@@ -31,6 +31,20 @@ pub(super) const UD_READ: u64 = 3 << 56;
 pub(super) const UD_CHAN: u64 = 4 << 56;
 pub(super) const UD_KIND: u64 = 0xff << 56;
 
+/// Work-request id of a heartbeat in a TCP link's queue (staging slots
+/// are numbered from 0, far below it): its completion frees no slot.
+pub(super) const HEARTBEAT_WR: u64 = u64::MAX;
+
+/// The shortest stall timeout the node's TCP_USER_TIMEOUT on a consumer's
+/// connection is built on (it is the stall timeout, at least this, plus
+/// [`USER_TIMEOUT_MARGIN`]): below it ordinary retransmissions on a busy
+/// network could end a live connection.
+const USER_TIMEOUT_MIN: Duration = Duration::from_secs(1);
+/// Added to the stall timeout, so that a consumer that takes no data is
+/// dropped by the stall check, which names the reason, before the kernel
+/// ends its connection.
+const USER_TIMEOUT_MARGIN: Duration = Duration::from_secs(2);
+
 pub(super) fn ud(kind: u64, conn: u32, slot: u32) -> u64 {
     kind | ((conn as u64) << 32) | slot as u64
 }
@@ -69,6 +83,12 @@ pub(super) struct SConn {
     pub(super) metrics: Arc<metrics::ConnMetrics>,
     /// When it last sent a frame (idle timeout).
     pub(super) last_rx: std::time::Instant,
+    /// It asked for heartbeats (a keepalive with `proto::ASK_HEARTBEATS`).
+    pub(super) heartbeats: bool,
+    /// When this poller last sent it a heartbeat (None: never).
+    pub(super) last_beat: Option<std::time::Instant>,
+    /// The last grant whose read error was logged (one line per grant).
+    pub(super) warned_grant: Option<u32>,
 }
 
 pub(super) struct ServePoller {
@@ -101,6 +121,11 @@ pub(super) struct ServePoller {
     pub(super) channel: PollerChannel,
     pub(super) chan_inflight: bool,
     pub(super) spin_since: Option<std::time::Instant>,
+    /// When the heartbeat pass runs next: each tick compares this one
+    /// time, and only a due pass walks the connections.
+    pub(super) next_beat: std::time::Instant,
+    /// Rate limit of read-error WARN lines.
+    pub(super) warns: super::push::WarnLimit,
 }
 
 impl ServePoller {
@@ -150,6 +175,8 @@ impl ServePoller {
             channel: PollerChannel::new(&c, index),
             chan_inflight: false,
             spin_since: None,
+            next_beat: std::time::Instant::now(),
+            warns: super::push::WarnLimit::new(),
             c,
         }
     }
@@ -217,6 +244,7 @@ impl ServePoller {
                 }
             }
             self.post_recvs();
+            self.heartbeats();
             self.drop_stalled();
             self.issue_reads();
             // Start the reads before posting sends: posting RDMA writes can
@@ -284,6 +312,13 @@ impl ServePoller {
         };
         let max = self.c.cfg.max_grants as usize;
         let fd = acc.sock.as_raw_fd();
+        // A consumer whose host died leaves its heartbeats unacknowledged:
+        // the kernel fails the connection a little after the stall timeout
+        // instead of retransmitting for many minutes (TCP_USER_TIMEOUT).
+        let user_timeout = self.c.cfg.stall_timeout.max(USER_TIMEOUT_MIN) + USER_TIMEOUT_MARGIN;
+        if let Err(e) = crate::sys::set_tcp_user_timeout(fd, user_timeout) {
+            log::debug!("{}: TCP_USER_TIMEOUT: {e}", acc.peer);
+        }
         let link = match acc.take_rdma_link(&self.staging, self.c.cfg.slots()) {
             Some(rdma) => rdma,
             None => ConnLink::Tcp(TcpLink::new(
@@ -315,8 +350,73 @@ impl ServePoller {
             last_drained: std::time::Instant::now(),
             metrics: m,
             last_rx: std::time::Instant::now(),
+            heartbeats: false,
+            last_beat: None,
+            warned_grant: None,
         });
         debug_assert!(matches!(taken, Ok(k) if k == ci), "adopt: the vacant key");
+    }
+
+    /// Sends a heartbeat to each consumer that asked for them and was sent
+    /// nothing (no frame finished, no heartbeat) for
+    /// [`proto::HEARTBEAT_INTERVAL`]. Per tick this is one comparison with
+    /// `next_beat`; the connections are walked only when a pass is due
+    /// (every half interval), so a consumer hears from a live node at
+    /// least every 1.5 intervals, and nothing is added per sample: a
+    /// connection that is sending needs no heartbeat. Over TCP the frame
+    /// goes in the link's queue, between DATA frames, only while no
+    /// `sendmsg` is in flight (one was then finished recently); over RDMA
+    /// it is written on the control socket, where the node sends nothing
+    /// else after the handshake.
+    pub(super) fn heartbeats(&mut self) {
+        let now = std::time::Instant::now();
+        if now < self.next_beat {
+            return;
+        }
+        self.next_beat = now + proto::HEARTBEAT_INTERVAL / 2;
+        for k in 0..self.live.len() {
+            let ci = self.live[k] as usize;
+            let Some(c) = self.conns.get_mut(ci) else {
+                continue;
+            };
+            if c.closing || !c.heartbeats {
+                continue;
+            }
+            if let Some(beat) = c.last_beat {
+                if now.duration_since(beat.max(c.last_drained)) < proto::HEARTBEAT_INTERVAL {
+                    continue;
+                }
+            }
+            if !c.link.is_rdma() {
+                if c.link.busy() {
+                    continue;
+                }
+                // SAFETY: the frame has no payload (length 0), so no memory
+                // has to outlive the post.
+                let posted = unsafe {
+                    c.link.post_error(
+                        HEARTBEAT_WR,
+                        proto::CONNECTION,
+                        Code::Unknown,
+                        std::ptr::null(),
+                        0,
+                    )
+                };
+                if !posted {
+                    continue;
+                }
+                c.last_beat = Some(now);
+                continue;
+            }
+            let h = proto::Header::keepalive(false).encode();
+            match crate::sys::send_nonblocking(c.sock.as_raw_fd(), &h) {
+                Ok(n) if n == h.len() => c.last_beat = Some(now),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                // A frame cut short cannot be finished later: the consumer
+                // left its control socket unread for thousands of them.
+                Ok(_) | Err(_) => self.close(ci as u32, None),
+            }
+        }
     }
 
     /// Drops the consumers whose link finished nothing for `stall_timeout`
@@ -331,6 +431,7 @@ impl ServePoller {
             return;
         }
         self.last_stall_check = now;
+        self.warns.roll();
         let limit = self.c.cfg.stall_timeout;
         for k in 0..self.live.len() {
             let ci = self.live[k] as usize;
@@ -465,7 +566,17 @@ impl ServePoller {
                     c.last_drained = std::time::Instant::now();
                 }
                 if comp.result <= 0 && !c.closing {
-                    log::debug!("{}: send failed: {}", c.peer, errno_name(-comp.result));
+                    if comp.result == -libc::EFAULT {
+                        // Page-cache mode: an extent was cut shorter after
+                        // its grant's check; the frame cannot be finished,
+                        // so no ERROR can follow it on this stream.
+                        log::warn!(
+                            "{}: sending from the mapped extents failed (EFAULT: an extent shrank while served); dropping the consumer",
+                            c.peer
+                        );
+                    } else {
+                        log::debug!("{}: send failed: {}", c.peer, errno_name(-comp.result));
+                    }
                     self.close(ci, None);
                 }
                 self.reap_link(ci);

@@ -3,12 +3,63 @@
 
 use std::sync::atomic::Ordering;
 
-use super::poller::{ud, ServePoller, UD_READ};
+use super::poller::{ud, ServePoller, HEARTBEAT_WR, UD_READ};
 use super::staging::{take_slot, Slot};
 use crate::error::errno_name;
 use crate::ring::{IoBackend, ReadOp, Target};
 use crate::transport::proto::{self, Code, GrantEntry};
 use crate::transport::Done;
+
+/// Read-error WARN lines one poller writes per [`WARN_WINDOW`]; the rest
+/// are counted and summed up in one line when the window ends.
+pub(super) const WARNS_PER_WINDOW: u32 = 10;
+/// See [`WARNS_PER_WINDOW`].
+pub(super) const WARN_WINDOW: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Rate limit of a poller's read-error WARN lines.
+pub(super) struct WarnLimit {
+    since: std::time::Instant,
+    lines: u32,
+    suppressed: u64,
+}
+
+impl WarnLimit {
+    pub(super) fn new() -> Self {
+        WarnLimit {
+            since: std::time::Instant::now(),
+            lines: 0,
+            suppressed: 0,
+        }
+    }
+
+    /// Whether one more line may be written now (else it is counted).
+    pub(super) fn allow(&mut self) -> bool {
+        self.roll();
+        if self.lines < WARNS_PER_WINDOW {
+            self.lines += 1;
+            return true;
+        }
+        self.suppressed += 1;
+        false
+    }
+
+    /// Ends a window that is over: says how many lines it left out.
+    pub(super) fn roll(&mut self) {
+        if self.since.elapsed() < WARN_WINDOW {
+            return;
+        }
+        if self.suppressed > 0 {
+            log::warn!(
+                "{} more failed reads in the last {} s (at most {WARNS_PER_WINDOW} logged per window)",
+                self.suppressed,
+                WARN_WINDOW.as_secs()
+            );
+        }
+        self.since = std::time::Instant::now();
+        self.lines = 0;
+        self.suppressed = 0;
+    }
+}
 
 impl ServePoller {
     pub(super) fn issue_reads(&mut self) {
@@ -80,15 +131,28 @@ impl ServePoller {
             // Page-cache mode: no read; the frame points into the mapping.
             let bytes = map.as_slice();
             let at = (loc.offset + off) as usize;
-            if at + payload as usize > bytes.len() {
+            // The mapping keeps the length the extent had at start; a file
+            // cut shorter since would fail the send (EFAULT) in the middle
+            // of a DATA frame, where no ERROR can follow. So each grant's
+            // first chunk checks the file's length now (one fstat per
+            // sample, page-cache mode only) and answers ERROR instead.
+            let end = loc.offset + e.len as u64;
+            let cut = off == 0
+                && self.c.extents[loc.extent as usize]
+                    .metadata()
+                    .is_ok_and(|m| m.len() < end);
+            if cut || at + payload as usize > bytes.len() {
                 let s = Slot::new(ci, e.grant, std::time::Instant::now());
                 take_slot(&mut self.slots, &mut self.conns, ci, slot, s);
                 let msg = format!(
-                    "node {}: extent {} is shorter than its manifest says (sample {})",
+                    "node {}: extent {} is shorter than its manifest says (sample {} needs bytes up to {end}; truncated?)",
                     space.params().node_index,
                     loc.extent,
                     e.sample
                 );
+                if self.warns.allow() {
+                    log::warn!("{msg}");
+                }
                 let c = self.conns.get_mut(ci as usize).expect("live");
                 c.grants.pop_front();
                 self.fill_error(slot, e.grant, Code::ReadFailed, &msg);
@@ -268,6 +332,9 @@ impl ServePoller {
             }
             let (mut bytes, mut samples) = (0, 0);
             for d in &done[..n] {
+                if d.wr_id == HEARTBEAT_WR {
+                    continue;
+                }
                 let s = &self.slots[d.wr_id as usize];
                 if d.ok && !s.error {
                     bytes += s.payload as u64;
@@ -308,7 +375,16 @@ impl ServePoller {
                     s.payload
                 )
             };
-            log::warn!("{msg}");
+            // One line per grant (its later chunks fail alike), and at most
+            // `WARNS_PER_WINDOW` per window: a dying disk must not flood
+            // the log.
+            let c = self.conns.get_mut(ci as usize).expect("live");
+            if c.warned_grant != Some(grant) {
+                c.warned_grant = Some(grant);
+                if self.warns.allow() {
+                    log::warn!("{msg}");
+                }
+            }
             self.fill_error(slot, grant, Code::ReadFailed, &msg);
             return;
         }

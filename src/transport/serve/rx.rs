@@ -11,7 +11,7 @@ use std::sync::atomic::Ordering;
 
 use super::poller::{ud, ServePoller, Work, UD_RECV};
 use crate::error::errno_name;
-use crate::transport::proto::{Code, GrantEntry, Kind};
+use crate::transport::proto::{self, Code, GrantEntry, Kind};
 use crate::transport::rx::{Received, RxError};
 
 impl ServePoller {
@@ -65,8 +65,14 @@ impl ServePoller {
         c.last_rx = std::time::Instant::now();
         match got {
             Received::Header(h) if h.kind == Kind::Grant => c.rx.expect_body(h),
-            // An empty ERROR is a keepalive.
-            Received::Header(h) if h.kind == Kind::Error && h.body_len == 0 => {}
+            // An empty ERROR is a keepalive; one with `ASK_HEARTBEATS`
+            // asks for heartbeats (the first goes at the next tick).
+            Received::Header(h) if h.kind == Kind::Error && h.body_len == 0 => {
+                if h.c & proto::ASK_HEARTBEATS != 0 && !c.heartbeats {
+                    c.heartbeats = true;
+                    self.next_beat = std::time::Instant::now();
+                }
+            }
             Received::Header(h) => {
                 let m = format!("unexpected {:?} frame from a consumer", h.kind);
                 self.close(ci, Some((Code::Violation, m)));
