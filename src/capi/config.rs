@@ -133,6 +133,7 @@ fn parse_bool(key: &str, v: &str) -> Result<bool, Fail> {
 /// | `poller_numa_node` | take the pollers' cores from this NUMA node | the ring's node |
 /// | `gpu_ring` | CUDA device ordinal: the ring lives in that GPU's memory and RDMA writes land there (cluster mode over RDMA with a `source`; batch pointers are then device pointers) | none: a host ring |
 /// | `start_epoch` | first epoch | 0 |
+/// | `end_epoch` | the job reads epochs below this one only: nothing is read ahead past its last sample, and `ksp_loader_set_epoch` to it or later is `KSP_ERR_INVALID_ARG` | none: read-ahead runs on into the next epoch |
 /// | `cluster_file` | cluster mode: the node list | none: single-node (no cluster) |
 /// | `cluster_nodes` | cluster mode: the node services' `host:port`, comma-separated, in node order | none |
 /// | `cluster_nodelist` | cluster mode: a SLURM hostlist (`gpu[01-04,07]`), at `cluster_port` | none |
@@ -215,6 +216,7 @@ pub unsafe extern "C" fn ksp_config_set(
                 epoch: parse_num(k, v)?,
                 index: 0,
             }),
+            "end_epoch" => b.end_epoch(Some(parse_num(k, v)?)),
             "node_timeout_ms" => b.node_timeout(Duration::from_millis(parse_num(k, v)?)),
             "cluster_file" => {
                 c.cluster.file = Some(v.into());

@@ -285,6 +285,29 @@ int main(int argc, char **argv) {
     CHECK(spanless_batches > 0, "later epochs are served from the tier in place");
     ksp_loader_free(l);
 
+    /* end_epoch: two epochs read, nothing read ahead past them, and the
+     * epoch after the last is refused. */
+    cfg = config(space, "2MiB");
+    CHECK(ksp_config_set(cfg, "end_epoch", "two") == KSP_ERR_INVALID_ARG, "bad end_epoch");
+    CHECK(strstr(last_error(), "end_epoch") != NULL, "names the key: %s", msg);
+    CHECK(ksp_config_set(cfg, "end_epoch", "2") == KSP_OK, "%s", last_error());
+    CHECK(ksp_loader_new(cfg, &l) == KSP_OK, "%s", last_error());
+    ksp_config_free(cfg);
+    for (uint64_t e = 0; e < 2; e++) {
+        uint64_t got = read_epoch(l, e, NULL, 0);
+        CHECK(got == per_epoch, "end_epoch, epoch %llu: %llu of %llu", (unsigned long long)e,
+              (unsigned long long)got, (unsigned long long)per_epoch);
+    }
+    ksp_stats es = KSP_STATS_INIT;
+    CHECK(ksp_loader_stats(l, &es) == KSP_OK, "%s", last_error());
+    CHECK(es.disk_reads == 2 * per_epoch && es.read_ahead + es.read_ahead_discarded == 0,
+          "end_epoch: %llu disk reads for %llu samples, %llu read ahead",
+          (unsigned long long)es.disk_reads, (unsigned long long)(2 * per_epoch),
+          (unsigned long long)(es.read_ahead + es.read_ahead_discarded));
+    CHECK(ksp_loader_set_epoch(l, 2) == KSP_ERR_INVALID_ARG, "set_epoch past end_epoch");
+    CHECK(strstr(last_error(), "last epoch 1") != NULL, "names the last epoch: %s", msg);
+    ksp_loader_free(l);
+
     /* The panic boundary (ksp_test_panic exists in a library built with
      * the test-panic feature; tests/capi.rs defines KSP_TEST_PANIC then). */
 #ifdef KSP_TEST_PANIC

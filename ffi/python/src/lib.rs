@@ -544,6 +544,9 @@ fn builder_from(cfg: &Bound<'_, PyDict>) -> PyResult<(LoaderBuilder, usize)> {
     if let Some((e, i)) = get::<(u64, u64)>(cfg, "start")? {
         b = b.start_at(kspeed::sampler::Position { epoch: e, index: i });
     }
+    if let Some(end) = get::<u64>(cfg, "end_epoch")? {
+        b = b.end_epoch(Some(end));
+    }
     let max_out = get::<usize>(cfg, "batches_in_flight")?.unwrap_or(2).max(1);
     Ok((b, max_out))
 }
@@ -825,6 +828,8 @@ impl PyLoader {
         d.set_item("remote_samples", st.remote_samples)?;
         d.set_item("failovers", st.failovers)?;
         d.set_item("source_reads", st.source_reads)?;
+        d.set_item("read_ahead", st.read_ahead)?;
+        d.set_item("read_ahead_discarded", st.read_ahead_discarded)?;
         // Where the pollers run (docs/LOCAL_PATH.md, "Placement on a node").
         let p = PyDict::new(py);
         p.set_item("local_rank", placement.plan.local.rank)?;

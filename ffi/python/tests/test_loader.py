@@ -114,6 +114,24 @@ def test_iteration_goes_on_to_the_next_epoch_and_set_epoch_repeats(space):
     assert read_epoch(loader, cat, check_bytes=False) == e1
 
 
+def test_end_epoch_reads_nothing_past_the_last_epoch(space):
+    cat = kspeed.Catalog.open(space)
+    n = len(cat)
+    # The ring holds the whole dataset several times over: without
+    # end_epoch the pollers read on into epoch 2 while epoch 1 is consumed.
+    with kspeed.Loader(space, batch_size=16, seed=4, ring_bytes="16MiB", end_epoch=2) as loader:
+        for _ in range(2):
+            assert len(read_epoch(loader, cat, check_bytes=False)) == n
+        with pytest.raises(kspeed.ConfigError, match="last epoch 1"):
+            loader.set_epoch(2)
+        st = loader.stats()
+        # Empty samples need no read.
+        assert st["disk_reads"] == 2 * int((cat.lengths > 0).sum()), st
+        assert st["read_ahead"] + st["read_ahead_discarded"] == 0, st
+    with pytest.raises(ValueError, match="end_epoch 1 must be after start_epoch 1"):
+        kspeed.Loader(space, batch_size=16, start_epoch=1, end_epoch=1)
+
+
 def test_state_dict_resumes_in_a_new_process(space, tmp_path):
     cat = kspeed.Catalog.open(space)
     args = dict(batch_size=6, seed=21, rank=1, world=2, ring_bytes="256KiB")

@@ -226,6 +226,7 @@ class Loader:
         rdma_gid_index=None,
         local_node=None,
         start_epoch=0,
+        end_epoch=None,
         batches_in_flight=2,
         ignore_launcher_env=False,
         _fault_injection=None,
@@ -330,6 +331,11 @@ class Loader:
             if token is not None or token_file is not None:
                 raise ValueError("token/token_file are for cluster mode (give cluster= too)")
         cfg["start"] = (_int("start_epoch", start_epoch, 0), 0)
+        if end_epoch is not None:
+            end = _int("end_epoch", end_epoch, 1)
+            if end <= cfg["start"][0]:
+                raise ValueError(f"end_epoch {end} must be after start_epoch {cfg['start'][0]}")
+            cfg["end_epoch"] = end
         cfg["batches_in_flight"] = _int("batches_in_flight", batches_in_flight, 1, 1024)
         if _fault_injection is not None:
             cfg["fault_injection"] = tuple(_fault_injection)
