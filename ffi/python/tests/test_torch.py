@@ -319,6 +319,33 @@ def test_len_of_a_dataloader_is_what_it_yields(space):
         assert ds.batches_per_epoch(bs, workers, drop_last) == n
 
 
+def test_len_through_a_wrapper_dataset_warns_once(space):
+    """A DataLoader over a wrapper of the dataset cannot be answered
+    exactly: with workers that says so (once) instead of undercounting in
+    silence; without workers the sample count is exact and nothing warns."""
+    import warnings
+
+    class Wrapper(torch.utils.data.IterableDataset):
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __iter__(self):
+            return iter(self.inner)
+
+        def __len__(self):
+            return len(self.inner)
+
+    ds = KSpeedDataset(space, batch_size=5, seed=2, ring_bytes="256KiB")
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        len(DataLoader(Wrapper(ds), batch_size=7, num_workers=0))
+        assert not [x for x in w if "batches_per_epoch" in str(x.message)]
+        for _ in range(2):
+            len(DataLoader(Wrapper(ds), batch_size=7, num_workers=2))
+        hits = [x for x in w if "batches_per_epoch" in str(x.message)]
+    assert len(hits) == 1, [str(x.message) for x in w]
+
+
 def test_load_state_dict_of_another_job_fails_naming_the_field(space):
     ds2 = KSpeedDataset(space, batch_size=5, seed=2, rank=0, world=2, ring_bytes="256KiB")
     state = ds2.state_dict()

@@ -56,6 +56,7 @@ each worker).
 
 import os
 import sys
+import warnings
 
 import numpy as np
 import torch
@@ -320,16 +321,37 @@ class KSpeedDataset(IterableDataset):
 
 def _calling_dataloader(ds):
     """The DataLoader whose ``__len__`` asks ``len(ds)``, if one does (its
-    batch size and worker count decide what it yields)."""
+    batch size and worker count decide what it yields).
+
+    A DataLoader further up whose dataset is not ``ds`` (``ds`` wrapped in
+    another dataset) cannot be answered exactly: its length is then the
+    sample count's, which undercounts with workers, so that case warns
+    (once per dataset) and names :meth:`KSpeedDataset.batches_per_epoch`."""
     f = sys._getframe(2)
-    for _ in range(4):
+    for depth in range(_LEN_FRAMES):
         if f is None:
             return None
         me = f.f_locals.get("self")
-        if isinstance(me, DataLoader) and me.dataset is ds and f.f_code.co_name == "__len__":
-            return me
+        if isinstance(me, DataLoader) and f.f_code.co_name == "__len__":
+            if me.dataset is ds and depth < 4:
+                return me
+            if me.num_workers > 0 and not getattr(ds, "_warned_wrapped_len", False):
+                ds._warned_wrapped_len = True
+                warnings.warn(
+                    "len() of a DataLoader over a wrapped KSpeedDataset with num_workers > 0 is "
+                    "the sample count divided by the batch size, which can be less than the "
+                    "batches iteration yields; use ds.batches_per_epoch(batch_size, num_workers, "
+                    "drop_last) for schedules that need the exact count",
+                    stacklevel=3,
+                )
+            return None
         f = f.f_back
     return None
+
+
+# How far up len(ds) looks for the DataLoader asking (its own __len__ is
+# within 4 frames; a wrapper dataset's __len__ adds a few).
+_LEN_FRAMES = 12
 
 
 class KSpeedImageFolder(KSpeedDataset):
