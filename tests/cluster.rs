@@ -611,6 +611,23 @@ fn hostile_consumers_are_refused_and_others_unaffected() {
     assert_eq!(code, Code::Violation);
     assert!(msg.contains("outside"), "{msg}");
 
+    // A grant under the id an ERROR uses for the whole connection: an
+    // answer to it could not be told from the end of the connection.
+    let (mut c, _) = joined();
+    grant(
+        &mut c,
+        &[GrantEntry {
+            grant: proto::CONNECTION,
+            len: s0.len,
+            sample: 0,
+            offset: 0,
+            rkey: 0,
+        }],
+    );
+    let (code, msg) = read_error(&mut c);
+    assert_eq!(code, Code::Violation);
+    assert!(msg.contains("reserved for the connection"), "{msg}");
+
     // A grant with the wrong length, one for a sample past the catalog,
     // and more grants than the WELCOME allowed.
     for entries in [

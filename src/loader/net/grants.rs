@@ -40,6 +40,16 @@ pub(super) struct GSlot {
     pub(super) after_inv: AfterInv,
 }
 
+/// The GRANT id of the sample at sequence number `g`: its low 31 bits, so
+/// that an id is never `proto::CONNECTION` (`0xFFFFFFFF`, which an ERROR
+/// uses for the whole connection; the low 32 bits alone reach it once every
+/// 2^32 samples). The table index (`g & mask`, a table of at most 2^31
+/// entries) is in those bits, and an id names one sequence number among
+/// the 2^31 around it, far more than are ever outstanding.
+pub(super) fn grant_id(g: u64) -> u32 {
+    (g as u32) & 0x7FFF_FFFF
+}
+
 impl GSlot {
     /// A live entry for sample `p`, not yet given to a node: `tried` marks
     /// the replicas already out of the question, `local` a sample the
@@ -65,7 +75,7 @@ impl GSlot {
     /// invalidation takes nothing more from the node).
     pub(super) fn outstanding_with(&self, grant: u32, node: u32) -> bool {
         self.live
-            && self.g as u32 == grant
+            && grant_id(self.g) == grant
             && self.node == node
             && self.after_inv == AfterInv::Nothing
     }
@@ -385,7 +395,7 @@ impl<R: Receive> Thread<R> {
             }
             let mut e = [0u8; proto::GRANT_ENTRY_BYTES];
             GrantEntry {
-                grant: s.g as u32,
+                grant: grant_id(s.g),
                 len: s.len,
                 sample: s.id,
                 offset: s.phys,
@@ -570,5 +580,28 @@ impl<R: Receive> Thread<R> {
         self.conns[i].last_done = Instant::now();
         self.net().remote_samples.fetch_add(1, Ordering::Relaxed);
         self.sh.publish(s.g, CODE_OK);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::grant_id;
+    use crate::transport::proto::CONNECTION;
+
+    /// No sequence number gives the connection's id, and the id keeps the
+    /// bits the table index is taken from.
+    #[test]
+    fn a_grant_id_is_never_the_connection_id() {
+        for g in [
+            0xFFFF_FFFFu64,
+            0x1_FFFF_FFFF,
+            u64::MAX,
+            0x7FFF_FFFF,
+            0x8000_0000,
+        ] {
+            assert_ne!(grant_id(g), CONNECTION, "sequence {g:#x}");
+            let mask = (1usize << 31) - 1;
+            assert_eq!(grant_id(g) as usize & mask, g as usize & mask);
+        }
     }
 }

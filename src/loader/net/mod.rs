@@ -548,6 +548,9 @@ impl<R: Receive> Thread<R> {
             sqpoll_idle_ms: None,
         })?;
         let size = (sh.geo.table_len() as usize).next_power_of_two();
+        // Grant ids keep the low 31 bits of a sequence number (grants::grant_id):
+        // the table index must fit in them.
+        assert!(size <= 1 << 31, "grant table of {size} entries");
         let cursor = Cursor::new(sh.sampler.clone(), sh.geo, sh.start, sh.steps);
         let placement = setup.placement.ok_or_else(|| Error::BadCluster {
             origin: "cluster".into(),

@@ -98,7 +98,15 @@ impl ServePoller {
                 let cat = self.c.space.catalog();
                 for i in 0..n {
                     let e = GrantEntry::decode(c.rx.body(&h), i);
-                    let bad = if e.sample >= cat.len() {
+                    let bad = if e.grant == proto::CONNECTION {
+                        // Reserved: an ERROR with this id is about the
+                        // connection, so an answer for such a grant would be
+                        // read as the end of the connection.
+                        Some(format!(
+                            "grant id {:#x} is reserved for the connection",
+                            e.grant
+                        ))
+                    } else if e.sample >= cat.len() {
                         Some(format!(
                             "grant {} names sample {}, past the catalog's {}",
                             e.grant,
