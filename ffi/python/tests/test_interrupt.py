@@ -119,6 +119,7 @@ RACE_CHILD = textwrap.dedent(
     # raised there, it must not lose the batch the call was waiting for.
     armed = False
     interrupts = 0
+    sent = 0
 
     def on_sigint(sig, frame):
         if armed:
@@ -132,6 +133,7 @@ RACE_CHILD = textwrap.dedent(
             return f.read().rsplit(")", 1)[1].split()[0] == "S"
 
     def helper():
+        global sent
         # Each round: stop the server, wait until the main thread waits in
         # next_batch for data, then SIGINT and at once SIGCONT, so that the
         # batch arrives while the signal is pending (the same 50 ms slice).
@@ -141,6 +143,7 @@ RACE_CHILD = textwrap.dedent(
             while not done and not (armed and blocked() and (time.sleep(0.02) or (armed and blocked()))):
                 assert time.monotonic() < deadline, "the main thread never waited"
                 time.sleep(0.005)
+            sent += 1
             os.kill(os.getpid(), signal.SIGINT)
             os.kill(serve_pid, signal.SIGCONT)
             if done:
@@ -173,7 +176,7 @@ RACE_CHILD = textwrap.dedent(
     done = True
     t.join(60)
     os.kill(serve_pid, signal.SIGCONT)
-    print(json.dumps({"ids": got, "interrupts": interrupts}), flush=True)
+    print(json.dumps({"ids": got, "interrupts": interrupts, "sent": sent}), flush=True)
     """
 )
 
@@ -198,9 +201,15 @@ def test_ctrl_c_as_the_batch_arrives_loses_nothing(tree, space, token_file):
         out, err = child.communicate(timeout=CHILD_TIMEOUT_S)
         assert child.returncode == 0, err
         r = json.loads(out.strip().splitlines()[-1])
-        # Each round's SIGINT came while next_batch waited: each raised
-        # there (the 2 epochs outlast the rounds).
-        assert r["interrupts"] == rounds, (r["interrupts"], err)
+        # Every SIGINT came while next_batch waited (the helper checks the
+        # main thread sleeps there first). Nearly always each raises from
+        # inside next_batch; one that lands in the microseconds between
+        # next_batch's last check and its return reaches the handler after
+        # `armed` is cleared and is ignored (the batch was returned: nothing
+        # lost). Rounds stop early if the two epochs end first, as they can
+        # on a loaded machine. What must hold every time: no batch lost or
+        # repeated, and at least one interrupt raised from the wait.
+        assert 1 <= r["interrupts"] <= r["sent"] <= rounds, (r["interrupts"], r["sent"], err)
         assert r["ids"] == want, "a batch was lost or repeated around an interrupt"
     finally:
         if child.poll() is None:
