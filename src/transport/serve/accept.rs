@@ -561,6 +561,12 @@ impl Acceptor {
                 }
             };
             self.trouble.backoff = Duration::from_millis(10);
+            // Tests of what an acceptor's panic does (tests/cluster.rs):
+            // only in builds with the `test-panic` feature.
+            #[cfg(feature = "test-panic")]
+            if std::env::var_os("KSPEED_TEST_ACCEPTOR_PANIC").is_some() {
+                panic!("KSPEED_TEST_ACCEPTOR_PANIC is set: the acceptor panics on a connection");
+            }
             let now = Instant::now();
             if sock.set_nonblocking(true).is_err() {
                 continue;
