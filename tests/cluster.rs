@@ -3816,3 +3816,115 @@ fn an_acceptor_that_panics_fails_the_service_with_a_named_error() {
     assert!(!status.success(), "{err}");
     assert!(err.contains("the acceptor panicked"), "{err}");
 }
+
+/// Sends `req` on a new connection to `addr` and reads the whole answer
+/// (deadline 20 s): its status line, headers, and body bytes.
+fn http_raw(addr: &str, req: &str) -> (String, String, Vec<u8>) {
+    let mut c = TcpStream::connect(addr).unwrap();
+    c.write_all(req.as_bytes()).unwrap();
+    http_read(c)
+}
+
+fn http_read(mut c: TcpStream) -> (String, String, Vec<u8>) {
+    c.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let mut all = Vec::new();
+    c.read_to_end(&mut all)
+        .unwrap_or_else(|e| panic!("reading the answer: {e} after {all:?}"));
+    let end = all
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .unwrap_or_else(|| panic!("no header end in {:?}", String::from_utf8_lossy(&all)));
+    let head = String::from_utf8_lossy(&all[..end]).to_string();
+    let status = head.lines().next().unwrap_or("").to_string();
+    (status, head, all[end + 4..].to_vec())
+}
+
+fn header<'a>(head: &'a str, name: &str) -> Option<&'a str> {
+    head.lines()
+        .find_map(|l| l.split_once(": ").filter(|(k, _)| k.eq_ignore_ascii_case(name)))
+        .map(|(_, v)| v)
+}
+
+#[test]
+fn metrics_head_gets_the_get_headers_and_no_body() {
+    let st = setup("tiny", 50, 1, 1);
+    let node = Serve::start(
+        &st.spaces[0],
+        &node_ip(0),
+        &st.token,
+        &["--metrics", &format!("{}:0", node_ip(0))],
+    );
+    let maddr = metrics_addr_of(&node);
+    let (status, head, body) = http_raw(&maddr, "HEAD /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
+    assert!(status.contains("200"), "{head}");
+    assert!(body.is_empty(), "HEAD answered with a body: {body:?}");
+    let (_, get_head, get_body) = http_raw(&maddr, "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
+    assert_eq!(
+        header(&head, "Content-Type"),
+        header(&get_head, "Content-Type")
+    );
+    let len: usize = header(&head, "Content-Length").unwrap().parse().unwrap();
+    // The text changes between scrapes only in values: the same order of
+    // size as GET's body.
+    assert!(len > 0 && len / 2 < get_body.len(), "{head}");
+    let (status, head, body) = http_raw(&maddr, "HEAD /nope HTTP/1.1\r\nHost: x\r\n\r\n");
+    assert!(status.contains("404"), "{head}");
+    assert!(body.is_empty(), "HEAD answered with a body: {body:?}");
+}
+
+#[test]
+fn a_metrics_flood_does_not_abort_a_scrape_in_progress() {
+    let st = setup("tiny", 50, 1, 1);
+    let node = Serve::start(
+        &st.spaces[0],
+        &node_ip(0),
+        &st.token,
+        &["--metrics", &format!("{}:0", node_ip(0))],
+    );
+    let maddr = metrics_addr_of(&node);
+    // A scraper that has sent the first part of its request...
+    let mut scrape = TcpStream::connect(&maddr).unwrap();
+    scrape.write_all(b"GET /metrics HTTP/1.1\r\n").unwrap();
+    // ... then more connections than the port serves at once, silent.
+    let flood: Vec<TcpStream> = (0..40)
+        .map(|_| TcpStream::connect(&maddr).unwrap())
+        .collect();
+    // The old port closed the oldest (the scraper) to make room.
+    scrape.write_all(b"Host: x\r\n\r\n").unwrap();
+    let (status, head, body) = http_read(scrape);
+    assert!(status.contains("200"), "{head}");
+    assert!(
+        String::from_utf8_lossy(&body).contains("kspeed_serve_connections"),
+        "{body:?}"
+    );
+    drop(flood);
+}
+
+#[test]
+fn a_full_metrics_port_delays_a_new_scrape_until_a_slot_frees() {
+    let st = setup("tiny", 50, 1, 1);
+    let node = Serve::start(
+        &st.spaces[0],
+        &node_ip(0),
+        &st.token,
+        &["--metrics", &format!("{}:0", node_ip(0))],
+    );
+    let maddr = metrics_addr_of(&node);
+    // Every slot holds a connection that sent part of its request.
+    let partial: Vec<TcpStream> = (0..16)
+        .map(|_| {
+            let mut c = TcpStream::connect(&maddr).unwrap();
+            c.write_all(b"GET /metrics HTTP/1.1\r\n").unwrap();
+            c
+        })
+        .collect();
+    // A new scrape waits in the backlog; when the others close, it is
+    // served.
+    let mut scrape = TcpStream::connect(&maddr).unwrap();
+    scrape
+        .write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    drop(partial);
+    let (status, head, _) = http_read(scrape);
+    assert!(status.contains("200"), "{head}");
+}
