@@ -3889,7 +3889,19 @@ fn a_metrics_flood_does_not_abort_a_scrape_in_progress() {
     let flood: Vec<TcpStream> = (0..40)
         .map(|_| TcpStream::connect(&maddr).unwrap())
         .collect();
-    // The old port closed the oldest (the scraper) to make room.
+    // Once the port has taken them all (the first silent one is closed to
+    // make room), the scraper finishes its request. The old port closed
+    // the oldest (the scraper) to make room.
+    let mut first = &flood[0];
+    first
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let mut one = [0u8; 1];
+    match first.read(&mut one) {
+        Ok(0) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+        other => panic!("the first silent connection: {other:?}, not closed within 20 s"),
+    }
     scrape.write_all(b"Host: x\r\n\r\n").unwrap();
     let (status, head, body) = http_read(scrape);
     assert!(status.contains("200"), "{head}");
