@@ -29,7 +29,11 @@
 //!   summarized; from an address that presented [`BAD_TOKEN_LIMIT`] wrong
 //!   tokens within a window, each further wrong token is answered
 //!   [`THROTTLE_DELAY`] late (a looping stale launcher slows down). A
-//!   correct token is admitted whatever its address did.
+//!   correct token is admitted whatever its address did;
+//! - a refusal's ERROR is followed by a shutdown of our side and a drain
+//!   of what the peer sent (at most [`DRAIN_BYTES`] within [`DRAIN_TIME`],
+//!   at most `max_handshakes` such connections, in this same loop) before
+//!   the close, so the peer sees the ERROR and a FIN, not a reset.
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -626,8 +630,13 @@ impl Acceptor {
             return;
         }
         self.c.stats.accept_errors.fetch_add(1, Ordering::Relaxed);
-        // The only descriptors the acceptor can free are its handshakes'
-        // not yet admitted: one goes, so the queue moves on.
+        // The descriptors the acceptor can free: a refused connection
+        // being drained, and its handshakes not yet admitted: one of each
+        // goes, so the queue moves on.
+        if !self.closing.is_empty() {
+            let old = self.closing.remove(0);
+            discard_pending(&old.sock);
+        }
         self.make_room(now, None, "the node is out of descriptors");
         self.trouble.until = Some(now + self.trouble.backoff);
         self.trouble.backoff = (self.trouble.backoff * 2).min(Duration::from_secs(1));
