@@ -221,7 +221,10 @@ fn forked_child_is_refused_and_the_parent_goes_on() {
         .unwrap();
     assert_passed(&o, "fork");
     let out = String::from_utf8_lossy(&o.stdout);
-    assert!(out.lines().any(|l| l == "child: all checks passed"), "{out}");
+    assert!(
+        out.lines().any(|l| l == "child: all checks passed"),
+        "{out}"
+    );
     assert!(out.contains("service child: all checks passed"), "{out}");
 }
 

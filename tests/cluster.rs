@@ -3719,8 +3719,8 @@ fn a_refused_connection_with_unread_input_gets_its_error_then_eof_not_a_reset() 
         let mut c = TcpStream::connect(&node.addr).unwrap();
         c.write_all(&frame).unwrap();
         c.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
-        let (h, body) = read_frame(&mut c)
-            .unwrap_or_else(|e| panic!("connection {k}: no whole ERROR ({e})"));
+        let (h, body) =
+            read_frame(&mut c).unwrap_or_else(|e| panic!("connection {k}: no whole ERROR ({e})"));
         assert_eq!(h.kind, Kind::Error, "connection {k}");
         assert_eq!(
             Code::from_u32(h.b),
@@ -3842,7 +3842,10 @@ fn http_read(mut c: TcpStream) -> (String, String, Vec<u8>) {
 
 fn header<'a>(head: &'a str, name: &str) -> Option<&'a str> {
     head.lines()
-        .find_map(|l| l.split_once(": ").filter(|(k, _)| k.eq_ignore_ascii_case(name)))
+        .find_map(|l| {
+            l.split_once(": ")
+                .filter(|(k, _)| k.eq_ignore_ascii_case(name))
+        })
         .map(|(_, v)| v)
 }
 

@@ -218,7 +218,10 @@ impl ServePoller {
                 &acc.sock,
                 crate::transport::proto::CONNECTION,
                 crate::transport::proto::Code::ShuttingDown,
-                &format!("the node service is stopping (poller {} failed)", self.index),
+                &format!(
+                    "the node service is stopping (poller {} failed)",
+                    self.index
+                ),
             );
         }
         drop(incoming);

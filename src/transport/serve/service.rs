@@ -189,9 +189,9 @@ impl NodeService {
                 // A panic (a bug) must not leave the service half-running:
                 // without the acceptor nobody new gets in, so the service
                 // fails as a whole, as for a poller.
-                if let Err(p) =
-                    catch_unwind(AssertUnwindSafe(move || accept::Acceptor::new(c, listener, senders).run()))
-                {
+                if let Err(p) = catch_unwind(AssertUnwindSafe(move || {
+                    accept::Acceptor::new(c, listener, senders).run()
+                })) {
                     let what = p
                         .downcast_ref::<&str>()
                         .map(|s| s.to_string())
