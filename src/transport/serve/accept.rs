@@ -502,6 +502,11 @@ impl Acceptor {
     /// writing now (the peer sees the ERROR, then EOF), the socket closes
     /// once the peer closed or [`DRAIN_BYTES`] / [`DRAIN_TIME`] passed.
     fn close_after_error(&mut self, sock: TcpStream) {
+        // A welcomed socket was made blocking for its poller: the drain
+        // must never block this thread.
+        if sock.set_nonblocking(true).is_err() {
+            return;
+        }
         let _ = sock.shutdown(std::net::Shutdown::Write);
         let mut cl = Closing {
             sock,
@@ -511,7 +516,7 @@ impl Acceptor {
         if cl.drain() {
             return;
         }
-        if self.closing.len() >= self.closing.capacity() {
+        if self.closing.len() >= self.c.cfg.max_handshakes.max(1) {
             let old = self.closing.remove(0);
             discard_pending(&old.sock);
         }
