@@ -75,11 +75,12 @@ typedef enum {
   // smaller than the struct's first layout, not a multiple of 8, or
   // implausibly large (not set to `sizeof`). Nothing was written.
   KSP_ERR_STRUCT_SIZE = 11,
-  // The loader was created by another process: this is a forked child
-  // (`fork()` copies the loader's memory but none of its threads, and
-  // its ring and connections belong to the parent). Nothing was done or
-  // written; the message names both pids. Create a new loader in the
-  // child (see `ksp_loader_new` on fork).
+  // The loader (or node service) was created by another process: this
+  // is a forked child (`fork()` copies its memory but none of its
+  // threads, and its ring and connections belong to the parent). Nothing
+  // was done or written; the message names both pids. Create a new one
+  // in the child (see `ksp_loader_new` and `ksp_node_service_start` on
+  // fork).
   KSP_ERR_FORKED = 12,
 } ksp_status;
 
@@ -686,6 +687,16 @@ ksp_status ksp_set_log_callback(ksp_log_callback cb, void *userdata, int max_lev
 //
 // Thread safety: any thread. The service runs on its own threads.
 //
+// Fork: the service belongs to the process that started it. A `fork()`ed
+// child gets a copy of the handle but none of the service's threads, so
+// every call on the handle in the child returns `KSP_ERR_FORKED` ("this
+// node service was created by pid X; a forked child (pid Y) cannot use
+// it...") without doing or writing anything, and
+// [`ksp_node_service_stop`] there leaks the child's copy rather than wait
+// for threads the child does not have. The parent's service is
+// unaffected (its listening and consumer sockets are shared with the
+// child until the child closes them or execs).
+//
 // # Safety
 // Strings NUL-terminated; `out` writable.
 ksp_status ksp_node_service_start(const char *space,
@@ -695,7 +706,8 @@ ksp_status ksp_node_service_start(const char *space,
 
 // The TCP port the service listens on, in `*out`.
 //
-// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`.
+// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_FORKED` (a forked
+// child; nothing written).
 //
 // Thread safety: any thread, but not overlapping [`ksp_node_service_stop`].
 //
@@ -704,6 +716,10 @@ ksp_status ksp_node_service_start(const char *space,
 ksp_status ksp_node_service_port(const ksp_node_service *s, uint16_t *out);
 
 // Stops the service (closing every connection) and frees it. NULL is a no-op.
+// In a forked child (a process other than the one that started it) it
+// stops and frees nothing: the child's copy of the handle is leaked and
+// the parent's service is left alone (see [`ksp_node_service_start`] on
+// fork).
 //
 // Thread safety: no other call on `s` may run or follow.
 //

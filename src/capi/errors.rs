@@ -42,11 +42,12 @@ pub enum ksp_status {
     /// smaller than the struct's first layout, not a multiple of 8, or
     /// implausibly large (not set to `sizeof`). Nothing was written.
     KSP_ERR_STRUCT_SIZE = 11,
-    /// The loader was created by another process: this is a forked child
-    /// (`fork()` copies the loader's memory but none of its threads, and
-    /// its ring and connections belong to the parent). Nothing was done or
-    /// written; the message names both pids. Create a new loader in the
-    /// child (see `ksp_loader_new` on fork).
+    /// The loader (or node service) was created by another process: this
+    /// is a forked child (`fork()` copies its memory but none of its
+    /// threads, and its ring and connections belong to the parent). Nothing
+    /// was done or written; the message names both pids. Create a new one
+    /// in the child (see `ksp_loader_new` and `ksp_node_service_start` on
+    /// fork).
     KSP_ERR_FORKED = 12,
 }
 
@@ -85,8 +86,11 @@ pub(super) enum Fail {
     State(String),
     Small,
     StructSize(String),
-    /// A loader used by another process than the one that created it.
+    /// A loader or node service used by another process than the one
+    /// that created it.
     Forked {
+        /// What it is ("loader", "node service").
+        what: &'static str,
         /// The pid that created the loader.
         creator: u32,
         /// The pid of the caller (a forked child).
@@ -111,12 +115,16 @@ pub(super) fn guard(f: impl FnOnce() -> Result<(), Fail>) -> ksp_status {
         Ok(Err(Fail::State(m))) => (KSP_ERR_STATE, m),
         Ok(Err(Fail::Small)) => (KSP_ERR_BUFFER_TOO_SMALL, "the buffer is too small".into()),
         Ok(Err(Fail::StructSize(m))) => (KSP_ERR_STRUCT_SIZE, m),
-        Ok(Err(Fail::Forked { creator, caller })) => (
+        Ok(Err(Fail::Forked {
+            what,
+            creator,
+            caller,
+        })) => (
             KSP_ERR_FORKED,
             format!(
-                "this loader was created by pid {creator}; a forked child (pid {caller}) \
-                 cannot use it (fork copies none of its threads, and its ring and connections \
-                 are the parent's); create a new loader after fork"
+                "this {what} was created by pid {creator}; a forked child (pid {caller}) \
+                 cannot use it (fork copies none of its threads, and its memory and connections \
+                 are the parent's); create a new {what} after fork"
             ),
         ),
         Ok(Err(Fail::Kspeed(e))) => (status_of(&e), e.to_string()),

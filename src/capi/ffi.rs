@@ -46,7 +46,7 @@ pub(super) trait Handle: Sized {
     }
 
     /// Whether the calling process may use this handle. A handle that
-    /// owns threads, a ring or connections (a loader) refuses a forked
+    /// owns threads, a ring or connections (a loader, a node service) refuses a forked
     /// child with [`Fail::Forked`]: the child has a copy of its memory but
     /// none of its threads, so every call is refused before it reads or
     /// writes anything, and [`Handle::free`] leaks it there.
@@ -63,7 +63,7 @@ pub(super) trait Handle: Sized {
     /// Takes the handle back and drops it; NULL does nothing, and a panic
     /// while dropping is contained (a `_free` has no status to return).
     /// A handle this process may not use ([`Handle::check_process`]: a
-    /// loader in a forked child) is leaked instead: dropping it would join
+    /// loader or node service in a forked child) is leaked instead: dropping it would join
     /// threads the child does not have and stop the parent's pollers and
     /// connections through the descriptors they share.
     ///

@@ -36,6 +36,7 @@ impl Handle for ksp_loader {
             Ok(())
         } else {
             Err(Fail::Forked {
+                what: "loader",
                 creator: self.pid,
                 caller,
             })

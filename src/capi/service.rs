@@ -3,17 +3,36 @@
 
 use std::ffi::c_char;
 
-use super::errors::{guard, ksp_status};
+use super::errors::{guard, ksp_status, Fail};
 use super::ffi::{str_arg, Handle, Out};
 use crate::transport::{NodeService, ServeConfig};
 
 /// A running node service. Opaque.
 pub struct ksp_node_service {
     svc: NodeService,
+    /// The process that started the service. A forked child has a copy of
+    /// this struct but none of the service's threads (joining them would
+    /// hang) and shares its sockets: every call from another pid is
+    /// refused (`KSP_ERR_FORKED`) and `ksp_node_service_stop` leaks it
+    /// there.
+    pid: u32,
 }
 
 impl Handle for ksp_node_service {
     const WHAT: &'static str = "service";
+
+    fn check_process(&self) -> Result<(), Fail> {
+        let caller = std::process::id();
+        if caller == self.pid {
+            Ok(())
+        } else {
+            Err(Fail::Forked {
+                what: "node service",
+                creator: self.pid,
+                caller,
+            })
+        }
+    }
 }
 
 /// Starts a node service serving `space` on `listen` (`host:port`, port 0
@@ -25,6 +44,16 @@ impl Handle for ksp_node_service {
 /// service's threads run until [`ksp_node_service_stop`].
 ///
 /// Thread safety: any thread. The service runs on its own threads.
+///
+/// Fork: the service belongs to the process that started it. A `fork()`ed
+/// child gets a copy of the handle but none of the service's threads, so
+/// every call on the handle in the child returns `KSP_ERR_FORKED` ("this
+/// node service was created by pid X; a forked child (pid Y) cannot use
+/// it...") without doing or writing anything, and
+/// [`ksp_node_service_stop`] there leaks the child's copy rather than wait
+/// for threads the child does not have. The parent's service is
+/// unaffected (its listening and consumer sockets are shared with the
+/// child until the child closes them or execs).
 ///
 /// # Safety
 /// Strings NUL-terminated; `out` writable.
@@ -46,14 +75,19 @@ pub unsafe extern "C" fn ksp_node_service_start(
             )
         };
         let svc = NodeService::start(ServeConfig::new(sp, addr, tok.as_bytes()))?;
-        ksp_node_service { svc }.give(out);
+        ksp_node_service {
+            svc,
+            pid: std::process::id(),
+        }
+        .give(out);
         Ok(())
     })
 }
 
 /// The TCP port the service listens on, in `*out`.
 ///
-/// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`.
+/// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_FORKED` (a forked
+/// child; nothing written).
 ///
 /// Thread safety: any thread, but not overlapping [`ksp_node_service_stop`].
 ///
@@ -73,6 +107,10 @@ pub unsafe extern "C" fn ksp_node_service_port(
 }
 
 /// Stops the service (closing every connection) and frees it. NULL is a no-op.
+/// In a forked child (a process other than the one that started it) it
+/// stops and frees nothing: the child's copy of the handle is leaked and
+/// the parent's service is left alone (see [`ksp_node_service_start`] on
+/// fork).
 ///
 /// Thread safety: no other call on `s` may run or follow.
 ///

@@ -111,6 +111,46 @@ static int child(ksp_loader *l, uint64_t held_seq, pid_t parent) {
     return failures == 0 ? 0 : 1;
 }
 
+/* Waits for child `pid` (SIGCHLD blocked in `chld`) at most `secs`, killing
+ * it past that; true when it exited 0. */
+static int child_passed(sigset_t *chld, pid_t pid, time_t secs, const char *what) {
+    int wstatus = 0;
+    struct timespec deadline = {secs, 0};
+    siginfo_t info;
+    if (sigtimedwait(chld, &info, &deadline) < 0) {
+        kill(pid, SIGKILL);
+        CHECK(0, "%s: the child did not finish within %ld s", what, (long)secs);
+    }
+    waitpid(pid, &wstatus, 0);
+    int ok = WIFEXITED(wstatus) && WEXITSTATUS(wstatus) == 0;
+    CHECK(ok, "%s child: exited %d, signal %d", what,
+          WIFEXITED(wstatus) ? WEXITSTATUS(wstatus) : -1,
+          WIFSIGNALED(wstatus) ? WTERMSIG(wstatus) : 0);
+    return ok;
+}
+
+/* The child of a process running a node service: every call on it is
+ * refused and nothing written; stopping it there returns at once (before
+ * the fix it joined threads the child does not have: a hang) and leaves
+ * the parent's service alone. */
+static int service_child(ksp_node_service *svc, pid_t parent) {
+    char want_parent[64], want_child[64];
+    snprintf(want_parent, sizeof want_parent, "created by pid %ld", (long)parent);
+    snprintf(want_child, sizeof want_child, "forked child (pid %ld)", (long)getpid());
+    uint16_t port = 0x5eed;
+    ksp_status st = ksp_node_service_port(svc, &port);
+    CHECK(st == KSP_ERR_FORKED && port == 0x5eed, "child service_port: status %d, out %u",
+          (int)st, (unsigned)port);
+    CHECK(strstr(last_error(), want_parent) != NULL, "message names the parent: %s", msg);
+    CHECK(strstr(msg, want_child) != NULL, "message names the child: %s", msg);
+    CHECK(strstr(msg, "create a new node service after fork") != NULL,
+          "message says what to do: %s", msg);
+    ksp_node_service_stop(svc);
+    if (failures == 0) printf("service child: all checks passed\n");
+    fflush(stdout);
+    return failures == 0 ? 0 : 1;
+}
+
 int main(int argc, char **argv) {
     if (argc < 2) {
         printf("usage: fork_test SPACE\n");
@@ -171,6 +211,29 @@ int main(int argc, char **argv) {
     CHECK(WIFEXITED(wstatus) && WEXITSTATUS(wstatus) == 0, "child: exited %d, signal %d",
           WIFEXITED(wstatus) ? WEXITSTATUS(wstatus) : -1,
           WIFSIGNALED(wstatus) ? WTERMSIG(wstatus) : 0);
+
+    /* A node service in a process that forks. */
+    ksp_node_service *svc = NULL;
+    CHECK(ksp_node_service_start(argv[1], "127.0.0.1:0", "fork-token", &svc) == KSP_OK, "%s",
+          last_error());
+    uint16_t port = 0;
+    CHECK(ksp_node_service_port(svc, &port) == KSP_OK && port > 0, "%s", last_error());
+    fflush(stdout);
+    pid_t spid = fork();
+    if (spid < 0) {
+        perror("fork");
+        return 1;
+    }
+    if (spid == 0) {
+        sigprocmask(SIG_UNBLOCK, &chld, NULL);
+        alarm(30);
+        _exit(service_child(svc, parent));
+    }
+    child_passed(&chld, spid, 60, "service");
+    uint16_t again = 0;
+    CHECK(ksp_node_service_port(svc, &again) == KSP_OK && again == port,
+          "parent service_port after the fork: %s", last_error());
+    ksp_node_service_stop(svc);
 
     /* The parent's batch and loader are untouched. */
     uint64_t n = held.count;

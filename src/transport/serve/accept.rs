@@ -29,7 +29,11 @@
 //!   summarized; from an address that presented [`BAD_TOKEN_LIMIT`] wrong
 //!   tokens within a window, each further wrong token is answered
 //!   [`THROTTLE_DELAY`] late (a looping stale launcher slows down). A
-//!   correct token is admitted whatever its address did.
+//!   correct token is admitted whatever its address did;
+//! - a refusal's ERROR is followed by a shutdown of our side and a drain
+//!   of what the peer sent (at most [`DRAIN_BYTES`] within [`DRAIN_TIME`],
+//!   at most `max_handshakes` such connections, in this same loop) before
+//!   the close, so the peer sees the ERROR and a FIN, not a reset.
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -56,9 +60,19 @@ pub(crate) const BAD_TOKEN_LIMIT: u32 = 16;
 /// [`BAD_TOKEN_LIMIT`].
 pub(crate) const THROTTLE_DELAY: Duration = Duration::from_secs(1);
 
-/// Addresses the refusal log tracks at once (beyond it, refusals are only
-/// counted).
+/// Addresses the refusal log tracks at once: a new one beyond it replaces
+/// the one whose window started first (expired ones go first), so memory
+/// stays bounded and every new address is still counted and throttled.
 const MAX_TRACKED_ADDRS: usize = 4096;
+
+/// After a refusal's ERROR (our side shut for writing), at most this many
+/// bytes the peer sent are read and discarded, within [`DRAIN_TIME`], so
+/// the close sends FIN rather than the reset that unread input causes
+/// (a reset can discard the ERROR before the peer reads it).
+const DRAIN_BYTES: usize = 64 * 1024;
+
+/// How long a refused connection is drained at most (see [`DRAIN_BYTES`]).
+const DRAIN_TIME: Duration = Duration::from_millis(500);
 
 /// A handshake buffer holds the largest HELLO (header, fixed part, token).
 const BUF_BYTES: usize = proto::HEADER_BYTES + proto::HELLO_FIXED_BYTES + proto::MAX_TOKEN_BYTES;
@@ -191,16 +205,25 @@ struct AddrLog {
 /// Refusals, logged once per address and window, the rest summarized.
 struct RefusalLog {
     by_addr: HashMap<IpAddr, AddrLog>,
-    /// Refusals of addresses the map had no room for.
-    untracked: u64,
+    /// Addresses forgotten early to make room for new ones.
+    forgotten: u64,
     last_sweep: Instant,
+}
+
+/// A refused connection after its ERROR: our side shut for writing, what
+/// the peer sent is read and discarded until it closes, [`DRAIN_BYTES`] or
+/// [`DRAIN_TIME`].
+struct Closing {
+    sock: TcpStream,
+    deadline: Instant,
+    drained: usize,
 }
 
 impl RefusalLog {
     fn new() -> Self {
         RefusalLog {
             by_addr: HashMap::with_capacity(64),
-            untracked: 0,
+            forgotten: 0,
             last_sweep: Instant::now(),
         }
     }
@@ -233,12 +256,38 @@ impl RefusalLog {
             }
             live
         });
-        if self.untracked > 0 {
+        if self.forgotten > 0 {
             log::warn!(
-                "refused {} more connection(s) from addresses past the {MAX_TRACKED_ADDRS} tracked",
-                self.untracked
+                "refusals came from more than {MAX_TRACKED_ADDRS} addresses at once: {} address record(s) ended early to make room",
+                self.forgotten
             );
-            self.untracked = 0;
+            self.forgotten = 0;
+        }
+    }
+
+    /// Makes room for one more address: the expired records go (with their
+    /// summaries), else the one whose window started first.
+    fn make_room(&mut self, now: Instant) {
+        self.by_addr.retain(|ip, r| {
+            let live = now.duration_since(r.since) < LOG_WINDOW;
+            if !live {
+                Self::summarize(ip, r);
+            }
+            live
+        });
+        if self.by_addr.len() < MAX_TRACKED_ADDRS {
+            return;
+        }
+        let oldest = self
+            .by_addr
+            .iter()
+            .min_by_key(|(_, r)| r.since)
+            .map(|(ip, _)| *ip);
+        if let Some(ip) = oldest {
+            if let Some(r) = self.by_addr.remove(&ip) {
+                Self::summarize(&ip, &r);
+            }
+            self.forgotten += 1;
         }
     }
 
@@ -252,8 +301,7 @@ impl RefusalLog {
     ) {
         let ip = peer.ip();
         if !self.by_addr.contains_key(&ip) && self.by_addr.len() >= MAX_TRACKED_ADDRS {
-            self.untracked += 1;
-            return;
+            self.make_room(now);
         }
         let r = self.by_addr.entry(ip).or_insert_with(|| AddrLog {
             since: now,
@@ -313,6 +361,9 @@ pub(super) struct Acceptor {
     /// Pending handshakes, oldest first: at most `max_handshakes` not yet
     /// admitted, and the admitted ones (bounded by the consumer limit).
     pending: Vec<Pending>,
+    /// Refused connections being drained before their close, oldest first
+    /// (at most `max_handshakes`; a newer one closes the oldest).
+    closing: Vec<Closing>,
     /// Spare HELLO buffers (`max_handshakes` in all, made at start).
     spare: Vec<Box<[u8]>>,
     pollfds: Vec<libc::pollfd>,
@@ -333,10 +384,11 @@ impl Acceptor {
             listener,
             senders,
             pending: Vec::with_capacity(cap + admitted),
+            closing: Vec::with_capacity(cap.max(1)),
             spare: (0..cap)
                 .map(|_| vec![0u8; BUF_BYTES].into_boxed_slice())
                 .collect(),
-            pollfds: Vec::with_capacity(cap + admitted + 1),
+            pollfds: Vec::with_capacity(2 * cap + admitted + 2),
             refusals: RefusalLog::new(),
             trouble: AcceptTrouble {
                 until: None,
@@ -377,6 +429,15 @@ impl Acceptor {
                     revents: 0,
                 });
             }
+            let polled_pending = self.pending.len();
+            for cl in &self.closing {
+                wake = wake.min(cl.deadline);
+                self.pollfds.push(libc::pollfd {
+                    fd: cl.sock.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                });
+            }
             if let Some(t) = self.trouble.until {
                 wake = wake.min(t);
             }
@@ -386,15 +447,23 @@ impl Acceptor {
                 std::thread::sleep(Duration::from_millis(10));
                 continue;
             }
-            // Handshakes first (in order, so indices stay valid: a finished
-            // one is removed and its pollfd is skipped; a throttled one goes
-            // to the end, past the polled ones), then new ones.
+            // Draining ones first, last to first (only they are removed
+            // here, so the indices below stay valid).
+            let first_closing = 1 + polled_pending;
+            for k in (0..self.closing.len()).rev() {
+                if self.pollfds[first_closing + k].revents != 0 && self.closing[k].drain() {
+                    self.closing.remove(k);
+                }
+            }
+            // Handshakes (in order, so indices stay valid: a finished one
+            // is removed and its pollfd is skipped; a throttled one goes to
+            // the end, past the polled ones), then new ones.
             let mut i = 0;
             let mut fd_i = 1;
-            while i < self.pending.len() && fd_i < self.pollfds.len() {
-                let ready = self.pollfds[fd_i].revents != 0;
+            while i < self.pending.len() && fd_i < first_closing {
+                let revents = self.pollfds[fd_i].revents;
                 fd_i += 1;
-                if ready && self.step(i) {
+                if revents != 0 && self.step(i, revents) {
                     continue; // removed: the same index is the next one
                 }
                 i += 1;
@@ -407,13 +476,51 @@ impl Acceptor {
                 .handshakes_pending
                 .store(self.pending.len() as u64, Ordering::Relaxed);
         }
-        for p in self.pending.drain(..) {
+        // Stopping: every handshake still pending is told why (a consumer
+        // fails over at once rather than at its timeout), then closed with
+        // what already arrived read, so the close is no reset.
+        for p in std::mem::take(&mut self.pending) {
             #[cfg(feature = "rdma")]
             if let Stage::Endpoint { poller } = p.stage {
                 self.c.load[poller].fetch_sub(1, Ordering::Relaxed);
             }
-            drop(p.sock);
+            send_error(
+                &p.sock,
+                proto::CONNECTION,
+                Code::ShuttingDown,
+                "the node service is stopping",
+            );
+            let _ = p.sock.shutdown(std::net::Shutdown::Write);
+            discard_pending(&p.sock);
         }
+        for cl in self.closing.drain(..) {
+            discard_pending(&cl.sock);
+        }
+    }
+
+    /// Closes a refused connection whose ERROR was sent: our side shuts for
+    /// writing now (the peer sees the ERROR, then EOF), the socket closes
+    /// once the peer closed or [`DRAIN_BYTES`] / [`DRAIN_TIME`] passed.
+    fn close_after_error(&mut self, sock: TcpStream) {
+        // A welcomed socket was made blocking for its poller: the drain
+        // must never block this thread.
+        if sock.set_nonblocking(true).is_err() {
+            return;
+        }
+        let _ = sock.shutdown(std::net::Shutdown::Write);
+        let mut cl = Closing {
+            sock,
+            deadline: Instant::now() + DRAIN_TIME,
+            drained: 0,
+        };
+        if cl.drain() {
+            return;
+        }
+        if self.closing.len() >= self.c.cfg.max_handshakes.max(1) {
+            let old = self.closing.remove(0);
+            discard_pending(&old.sock);
+        }
+        self.closing.push(cl);
     }
 
     /// Handshakes not yet admitted (the ones `max_handshakes` bounds).
@@ -463,6 +570,12 @@ impl Acceptor {
                 }
             };
             self.trouble.backoff = Duration::from_millis(10);
+            // Tests of what an acceptor's panic does (tests/cluster.rs):
+            // only in builds with the `test-panic` feature.
+            #[cfg(feature = "test-panic")]
+            if std::env::var_os("KSPEED_TEST_ACCEPTOR_PANIC").is_some() {
+                panic!("KSPEED_TEST_ACCEPTOR_PANIC is set: the acceptor panics on a connection");
+            }
             let now = Instant::now();
             if sock.set_nonblocking(true).is_err() {
                 continue;
@@ -484,6 +597,7 @@ impl Acceptor {
                     self.c.stats.refused.fetch_add(1, Ordering::Relaxed);
                     self.refusals
                         .record(now, peer, Refusal::Other, Some(Code::RateLimited), &m);
+                    self.close_after_error(sock);
                     continue;
                 }
             }
@@ -505,7 +619,7 @@ impl Acceptor {
             });
             // The HELLO usually came with the connection: try it now.
             let i = self.pending.len() - 1;
-            self.step(i);
+            self.step(i, libc::POLLIN);
         }
     }
 
@@ -521,8 +635,13 @@ impl Acceptor {
             return;
         }
         self.c.stats.accept_errors.fetch_add(1, Ordering::Relaxed);
-        // The only descriptors the acceptor can free are its handshakes'
-        // not yet admitted: one goes, so the queue moves on.
+        // The descriptors the acceptor can free: a refused connection
+        // being drained, and its handshakes not yet admitted: one of each
+        // goes, so the queue moves on.
+        if !self.closing.is_empty() {
+            let old = self.closing.remove(0);
+            discard_pending(&old.sock);
+        }
         self.make_room(now, None, "the node is out of descriptors");
         self.trouble.until = Some(now + self.trouble.backoff);
         self.trouble.backoff = (self.trouble.backoff * 2).min(Duration::from_secs(1));
@@ -563,6 +682,13 @@ impl Acceptor {
     /// returns the next such time.
     fn expire(&mut self, now: Instant) -> Instant {
         let mut next = now + Duration::from_secs(3600);
+        self.closing.retain(|cl| {
+            let live = cl.deadline > now;
+            if !live {
+                discard_pending(&cl.sock);
+            }
+            live
+        });
         let mut i = 0;
         while i < self.pending.len() {
             let d = self.pending[i].deadline;
@@ -597,6 +723,7 @@ impl Acceptor {
             LOG_WINDOW.as_secs()
         );
         send_error(&p.sock, proto::CONNECTION, Code::BadToken, &m);
+        self.close_after_error(p.sock);
     }
 
     /// Ends a handshake without a consumer: the ERROR frame (never
@@ -622,16 +749,26 @@ impl Acceptor {
             self.pending.push(p);
             return;
         }
+        self.refusals.record(now, p.peer, why, code, &msg);
         if let Some(code) = code {
             send_error(&p.sock, proto::CONNECTION, code, &msg);
+            self.close_after_error(p.sock);
         }
-        self.refusals.record(now, p.peer, why, code, &msg);
     }
 
-    /// Moves handshake `i` on with what its socket has. True when it left
-    /// its place in `pending` (ended, or throttled to the end).
-    fn step(&mut self, i: usize) -> bool {
+    /// Moves handshake `i` on with what its socket has (`revents` from
+    /// poll). True when it left its place in `pending` (ended, or throttled
+    /// to the end).
+    fn step(&mut self, i: usize, revents: i16) -> bool {
         if matches!(self.pending[i].stage, Stage::Throttled) {
+            // Nothing is read from it, but poll reports a hang-up or error
+            // whatever the events: the peer is gone, so its late answer
+            // cannot arrive. Dropped now (it was counted as a refusal when
+            // throttled), else poll would return at once until its time.
+            if revents & (libc::POLLHUP | libc::POLLERR | libc::POLLNVAL) != 0 {
+                self.pending.remove(i);
+                return true;
+            }
             return false;
         }
         let step = self.advance(i);
@@ -690,6 +827,7 @@ impl Acceptor {
                         Code::ShuttingDown,
                         &format!("the node service is stopping (poller {poller} is gone)"),
                     );
+                    self.close_after_error(acc.sock);
                 }
                 true
             }
@@ -879,5 +1017,71 @@ impl Acceptor {
                 Step::Refused(Refusal::Other, Some(code), m)
             }
         }
+    }
+}
+
+impl Closing {
+    /// Reads and discards what the peer sent; true when done (the peer
+    /// closed, failed, or sent [`DRAIN_BYTES`]).
+    fn drain(&mut self) -> bool {
+        let mut sink = [0u8; 4096];
+        loop {
+            match (&self.sock).read(&mut sink) {
+                Ok(0) => return true,
+                Ok(n) => {
+                    self.drained += n;
+                    if self.drained >= DRAIN_BYTES {
+                        return true;
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return false,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(_) => return true,
+            }
+        }
+    }
+}
+
+/// Reads and discards what already arrived on a non-blocking socket about
+/// to close (at most [`DRAIN_BYTES`]), so its close is no reset when the
+/// peer sent nothing more.
+fn discard_pending(sock: &TcpStream) {
+    let mut sink = [0u8; 4096];
+    let mut total = 0;
+    while total < DRAIN_BYTES {
+        match (&*sock).read(&mut sink) {
+            Ok(0) => return,
+            Ok(n) => total += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(_) => return,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_new_address_is_tracked_and_throttled_past_the_tracked_limit() {
+        let mut log = RefusalLog::new();
+        let now = Instant::now();
+        for k in 0..MAX_TRACKED_ADDRS as u32 {
+            let peer = SocketAddr::new(IpAddr::from((0x0a00_0000u32 + k).to_be_bytes()), 1);
+            log.record(now, peer, Refusal::BadToken, Some(Code::BadToken), "x");
+        }
+        assert_eq!(log.by_addr.len(), MAX_TRACKED_ADDRS);
+        let new = SocketAddr::new(IpAddr::from([192, 0, 2, 1]), 1);
+        for _ in 0..BAD_TOKEN_LIMIT {
+            log.record(now, new, Refusal::BadToken, Some(Code::BadToken), "x");
+        }
+        assert_eq!(log.bad_tokens(now, new.ip()), BAD_TOKEN_LIMIT);
+        assert_eq!(log.by_addr.len(), MAX_TRACKED_ADDRS, "memory stays bounded");
+        // Expired records go first, however many there are.
+        let later = now + LOG_WINDOW + Duration::from_secs(1);
+        let other = SocketAddr::new(IpAddr::from([192, 0, 2, 2]), 1);
+        log.record(later, other, Refusal::BadToken, Some(Code::BadToken), "x");
+        assert_eq!(log.by_addr.len(), 1);
+        assert_eq!(log.bad_tokens(later, other.ip()), 1);
     }
 }

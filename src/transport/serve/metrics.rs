@@ -329,8 +329,11 @@ pub(crate) fn render(c: &Arc<Common>) -> String {
 }
 
 /// Metrics connections served at once. A scraper needs one; a newer
-/// connection beyond this closes the oldest, so idle or slow connections
-/// cannot hold the port.
+/// connection beyond this closes the oldest that has sent nothing yet (so
+/// silent connections cannot hold the port), never one that sent part of
+/// its request or is being answered: with none to close, new connections
+/// wait in the listen backlog until a slot frees (at most
+/// [`METRICS_CONN_TIMEOUT`]).
 pub(crate) const METRICS_MAX_CONNS: usize = 16;
 
 /// A metrics connection's whole life, from accept to the answer written:
@@ -389,20 +392,22 @@ struct HttpConn {
     stage: HttpStage,
 }
 
-/// The answer to a request head: status line, content type, body.
+/// The answer to a request head: status line, content type, body (HEAD:
+/// the same status and headers, no body).
 fn answer(c: &Arc<Common>, head: &[u8]) -> Vec<u8> {
     let line = head.split(|&b| b == b'\n').next().unwrap_or_default();
     let line = std::str::from_utf8(line).unwrap_or("").trim_end();
     let mut parts = line.split(' ');
     let (method, target) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
     let path = target.split('?').next().unwrap_or("");
+    let head_only = method == "HEAD";
     let (status, ctype, body) = if !parts.next().is_some_and(|v| v.starts_with("HTTP/")) {
         (
             "400 Bad Request",
             "text/plain",
             "bad request: expected GET /metrics HTTP/1.1\n".to_string(),
         )
-    } else if method == "GET" && (path == "/metrics" || path == "/") {
+    } else if (method == "GET" || head_only) && (path == "/metrics" || path == "/") {
         (
             "200 OK",
             "text/plain; version=0.0.4; charset=utf-8",
@@ -415,7 +420,12 @@ fn answer(c: &Arc<Common>, head: &[u8]) -> Vec<u8> {
             "not found: GET /metrics\n".to_string(),
         )
     };
-    http_response(status, ctype, &body)
+    let mut out = http_response(status, ctype, &body);
+    if head_only {
+        // The headers GET would get (Content-Length included), no body.
+        out.truncate(out.len() - body.len());
+    }
+    out
 }
 
 fn http_response(status: &str, ctype: &str, body: &str) -> Vec<u8> {
@@ -488,6 +498,11 @@ impl HttpConn {
         }
     }
 
+    /// May be closed to make room: it has sent nothing yet.
+    fn evictable(&self) -> bool {
+        matches!(self.stage, HttpStage::Request) && self.have == 0
+    }
+
     fn events(&self) -> i16 {
         match self.stage {
             HttpStage::Answer { .. } => libc::POLLOUT,
@@ -498,7 +513,8 @@ impl HttpConn {
 
 /// Serves `GET /metrics` on `server` until the service stops, on the
 /// calling thread alone: at most [`METRICS_MAX_CONNS`] connections at once
-/// (a newer one closes the oldest), each closed at
+/// (a newer one closes the oldest that sent nothing yet, else waits in the
+/// backlog), each closed at
 /// [`METRICS_CONN_TIMEOUT`] after its accept, one answer per connection.
 /// The port costs this one thread and at most that many descriptors,
 /// however many connections arrive.
@@ -525,10 +541,13 @@ pub(crate) fn serve_http(c: Arc<Common>, server: MetricsListener) {
         if paused_until.is_some_and(|t| now >= t) {
             paused_until = None;
         }
+        // Full, with no connection that may be closed to make room: new
+        // ones wait in the backlog (a scrape is delayed, not aborted).
+        let room = conns.len() < METRICS_MAX_CONNS || conns.iter().any(|h| h.evictable());
         pollfds.clear();
         pollfds.push(libc::pollfd {
             fd: server.listener.as_raw_fd(),
-            events: if paused_until.is_none() {
+            events: if paused_until.is_none() && room {
                 libc::POLLIN
             } else {
                 0
@@ -573,6 +592,9 @@ pub(crate) fn serve_http(c: Arc<Common>, server: MetricsListener) {
             continue;
         }
         for _ in 0..64 {
+            if conns.len() >= METRICS_MAX_CONNS && !conns.iter().any(|h| h.evictable()) {
+                break;
+            }
             let sock = match server.listener.accept() {
                 Ok((sock, _)) => sock,
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
@@ -596,12 +618,17 @@ pub(crate) fn serve_http(c: Arc<Common>, server: MetricsListener) {
                 continue;
             }
             if conns.len() >= METRICS_MAX_CONNS {
-                let mut old = conns.remove(0);
+                // Checked before the accept: one has sent nothing yet.
+                let k = conns
+                    .iter()
+                    .position(|h| h.evictable())
+                    .expect("a connection that sent nothing");
+                let mut old = conns.remove(k);
                 spare.push(std::mem::take(&mut old.buf));
                 evicted += 1;
                 if evicted.is_power_of_two() {
                     log::info!(
-                        "metrics endpoint: {evicted} connections closed to make room for newer ones (at most {METRICS_MAX_CONNS} at once)"
+                        "metrics endpoint: {evicted} connections that sent nothing closed to make room for newer ones (at most {METRICS_MAX_CONNS} at once)"
                     );
                 }
             }

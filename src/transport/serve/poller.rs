@@ -202,16 +202,29 @@ impl ServePoller {
     /// over at once, and leaks the rest. The ring may still have reads and
     /// receives in flight into staging and the sockets: freeing that memory
     /// could let the kernel write into whatever reuses it.
-    pub(super) fn abandon(self) {
+    pub(super) fn abandon(mut self) {
         for &ci in &self.live {
             if let Some(c) = self.conns.get(ci as usize) {
                 let _ = c.sock.shutdown(std::net::Shutdown::Both);
             }
         }
-        // Those not adopted yet have nothing in flight: closed.
-        while let Ok(acc) = self.incoming.try_recv() {
-            drop(acc);
+        // The hand-off queue is not leaked with the rest: dropped, it
+        // disconnects, so the acceptor answers later consumers ShuttingDown
+        // instead of queueing them where nobody takes them. Those queued
+        // (welcomed, nothing in flight) are told why and closed.
+        let incoming = std::mem::replace(&mut self.incoming, crossbeam_channel::never());
+        while let Ok(acc) = incoming.try_recv() {
+            super::send_error(
+                &acc.sock,
+                crate::transport::proto::CONNECTION,
+                crate::transport::proto::Code::ShuttingDown,
+                &format!(
+                    "the node service is stopping (poller {} failed)",
+                    self.index
+                ),
+            );
         }
+        drop(incoming);
         std::mem::forget(self);
     }
 

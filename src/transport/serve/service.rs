@@ -183,7 +183,25 @@ impl NodeService {
         let c = common.clone();
         let t = std::thread::Builder::new()
             .name("kspeed-accept".into())
-            .spawn(move || accept::Acceptor::new(c, listener, senders).run())
+            .spawn(move || {
+                use std::panic::{catch_unwind, AssertUnwindSafe};
+                let c2 = c.clone();
+                // A panic (a bug) must not leave the service half-running:
+                // without the acceptor nobody new gets in, so the service
+                // fails as a whole, as for a poller.
+                if let Err(p) = catch_unwind(AssertUnwindSafe(move || {
+                    accept::Acceptor::new(c, listener, senders).run()
+                })) {
+                    let what = p
+                        .downcast_ref::<&str>()
+                        .map(|s| s.to_string())
+                        .or_else(|| p.downcast_ref::<String>().cloned())
+                        .unwrap_or_else(|| "unknown panic".into());
+                    c2.fail(format!(
+                        "the acceptor panicked (a bug; please report it): {what}"
+                    ));
+                }
+            })
             .map_err(|e| Error::Serve(format!("spawn acceptor: {e}")))?;
         svc.threads.push(t);
         if let Some(server) = metrics_server {
