@@ -126,6 +126,11 @@ pub(super) struct ServePoller {
     pub(super) next_beat: std::time::Instant,
     /// Rate limit of read-error WARN lines.
     pub(super) warns: super::push::WarnLimit,
+    /// Test builds only (`test-panic`): read completions still to be turned
+    /// into a transient failure (`KSPEED_TEST_SERVE_READ_FAULTS`), cycling
+    /// through EAGAIN, a short read and EINTR.
+    #[cfg(feature = "test-panic")]
+    pub(super) read_faults: u32,
 }
 
 impl ServePoller {
@@ -177,6 +182,11 @@ impl ServePoller {
             spin_since: None,
             next_beat: std::time::Instant::now(),
             warns: super::push::WarnLimit::new(),
+            #[cfg(feature = "test-panic")]
+            read_faults: std::env::var("KSPEED_TEST_SERVE_READ_FAULTS")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0),
             c,
         }
     }
