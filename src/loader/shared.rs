@@ -129,6 +129,17 @@ impl Drop for CrashGuard {
     }
 }
 
+/// Records sample `g`'s error for the consumer. A poisoned lock (a thread
+/// that panicked while holding it) is used anyway: the list is a plain
+/// Vec, whole after any push, and the panic itself is reported through
+/// `dead`; the pollers and the network thread must not panic in turn.
+pub(crate) fn push_error(errors: &Mutex<Vec<(u64, Error)>>, g: u64, e: Error) {
+    errors
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .push((g, e));
+}
+
 impl Shared {
     /// Whether the local pollers read any sample at all.
     pub(crate) fn has_local(&self) -> bool {
@@ -266,5 +277,35 @@ impl Shared {
     pub(super) fn state(&self, g: u64) -> Option<u64> {
         let v = self.ready[(g % self.ready.len() as u64) as usize].load(Ordering::SeqCst);
         (v >> 8 == g + 1).then_some(v & 0xff)
+    }
+}
+
+#[cfg(test)]
+mod poison_tests {
+    use super::*;
+
+    /// A poisoned errors lock still takes the error (the network thread
+    /// used to panic on it with "not poisoned").
+    #[test]
+    fn push_error_tolerates_a_poisoned_lock() {
+        let errors = std::sync::Arc::new(Mutex::new(Vec::new()));
+        let e2 = errors.clone();
+        let _ = std::thread::spawn(move || {
+            let _g = e2.lock().unwrap();
+            panic!("poison the errors lock");
+        })
+        .join();
+        assert!(errors.is_poisoned());
+        push_error(
+            &errors,
+            7,
+            Error::SampleUnavailable {
+                sample: 7,
+                tried: "test".into(),
+            },
+        );
+        let v = errors.lock().unwrap_or_else(|p| p.into_inner());
+        assert_eq!(v.len(), 1);
+        assert_eq!(v[0].0, 7);
     }
 }

@@ -491,7 +491,7 @@ impl<R: Receive> Thread<R> {
                     sample: s.id,
                     tried,
                 };
-                self.sh.errors.lock().expect("not poisoned").push((s.g, e));
+                crate::loader::shared::push_error(&self.sh.errors, s.g, e);
                 self.sh.publish(s.g, CODE_ERROR);
             }
         }
