@@ -17,6 +17,13 @@ use crate::transport::proto::{self, Code, GrantEntry, Header};
 /// No window, node or entry.
 pub(crate) const NONE: u32 = u32::MAX;
 
+/// Whether a GRANT frame holding `entries` is full at `max_entries` (its
+/// stored size; never the Vec's capacity, which may exceed what was asked).
+fn frame_full(entries: u32, max_entries: u32) -> bool {
+    debug_assert!(entries <= max_entries, "a GRANT frame past its size");
+    entries >= max_entries
+}
+
 /// One outstanding remote sample.
 #[derive(Clone, Copy)]
 pub(super) struct GSlot {
@@ -372,7 +379,7 @@ impl<R: Receive> Thread<R> {
             if c.state != State::Live || c.demoted {
                 continue;
             }
-            if c.outstanding >= c.max_grants || c.fill.len() == c.fill.capacity() {
+            if c.outstanding >= c.max_grants || frame_full(c.fill_entries, c.fill_max_entries) {
                 return false;
             }
             // RDMA windows mode: a window for exactly this range, bound
@@ -570,5 +577,35 @@ impl<R: Receive> Thread<R> {
         self.conns[i].last_done = Instant::now();
         self.net().remote_samples.fetch_add(1, Ordering::Relaxed);
         self.sh.publish(s.g, CODE_OK);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A frame for 3 entries is full at 3, however much capacity its Vec
+    /// got (here more than asked): fullness was `len == capacity()`, which
+    /// over-filled a frame whose Vec had spare capacity.
+    #[test]
+    fn a_grant_frame_is_full_at_its_stored_size_not_its_capacity() {
+        let entries = 3usize;
+        let mut fill: Vec<u8> =
+            Vec::with_capacity(proto::HEADER_BYTES + (entries + 5) * proto::GRANT_ENTRY_BYTES);
+        fill.resize(proto::HEADER_BYTES, 0);
+        let mut n = 0u32;
+        while !frame_full(n, entries as u32) {
+            fill.extend_from_slice(&[0u8; proto::GRANT_ENTRY_BYTES]);
+            n += 1;
+        }
+        assert_eq!(n, 3);
+        assert_eq!(
+            fill.len(),
+            proto::HEADER_BYTES + entries * proto::GRANT_ENTRY_BYTES
+        );
+        assert!(
+            fill.len() < fill.capacity(),
+            "the old check would not stop here"
+        );
     }
 }

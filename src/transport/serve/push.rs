@@ -202,7 +202,11 @@ impl ServePoller {
     pub(super) fn free_slot(&mut self, slot: u32) {
         let ci = self.slots[slot as usize].conn as usize;
         if let Some(c) = self.conns.get_mut(ci) {
-            c.held = c.held.saturating_sub(1);
+            // `held` counts the slots take_slot gave this connection; a
+            // free with none held is a double free.
+            c.held = c.held.checked_sub(1).expect(
+                "free_slot: a connection's held count would go below zero (slot freed twice)",
+            );
             c.metrics
                 .staging_slots
                 .store(c.held as u64, Ordering::Relaxed);
