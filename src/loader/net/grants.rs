@@ -34,7 +34,8 @@ pub(super) struct GSlot {
     pub(super) phys: u64,
     pub(super) node: u32,
     pub(super) received: u32,
-    /// Replica indices tried (bit r).
+    /// Replica indices tried (bit r; `Placement::new` caps replicas at
+    /// `MAX_REPLICAS` = 64, so every r fits).
     pub(super) tried: u64,
     /// The local pollers failed to read it (handed over); the error is in
     /// `NetThread::local_errors`.
