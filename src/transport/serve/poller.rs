@@ -225,6 +225,23 @@ impl ServePoller {
         std::mem::forget(self);
     }
 
+    /// The ring is sized so its completion queue holds everything in
+    /// flight (`ServeConfig::ring_entries`); a completion the kernel
+    /// dropped all the same would leave its slot taken and its connection
+    /// open forever (shutdown would hang): fail the service, naming it.
+    fn check_cq_overflow(&mut self) {
+        let lost = self.ring.cq_overflow();
+        if lost != 0 {
+            let (sq, cq, _) = self.c.cfg.ring_entries();
+            panic!(
+                "io_uring completion queue overflow: {lost} completions dropped \
+                 (ring of {sq}/{cq} entries, {} slots, {} in flight)",
+                self.slots.limit(),
+                self.ring.in_flight()
+            );
+        }
+    }
+
     /// Runs until the service stops and every connection is gone (then
     /// nothing is in flight in the ring).
     pub(super) fn run(&mut self) {
@@ -278,6 +295,7 @@ impl ServePoller {
                 std::thread::sleep(Duration::from_millis(10));
             }
             let n = self.ring.drain(&mut self.completions);
+            self.check_cq_overflow();
             for i in 0..n {
                 let c = self.completions[i];
                 self.complete(c);

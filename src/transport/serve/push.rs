@@ -174,6 +174,13 @@ impl ServePoller {
             self.queue_chunk(ci, slot, &e, off, payload, Some(bytes[at..].as_ptr()));
             return true;
         }
+        // The ring's completion queue must hold everything in flight: past
+        // its bound (only with more slots than it holds) reads wait.
+        let (_, _, max_ops) = self.c.cfg.ring_entries();
+        let reserve = 2 * self.c.cfg.max_conns_per_poller + 1;
+        if self.ring.in_flight() + reserve >= max_ops {
+            return false;
+        }
         let op = ReadOp {
             user_data: ud(UD_READ, ci, slot),
             target: Target::Fixed(loc.extent),
