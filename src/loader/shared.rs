@@ -103,6 +103,9 @@ pub(crate) struct Shared {
     pub(super) wake_seq: AtomicU32,
     pub(super) waiting_for: AtomicU64,
     pub(crate) errors: Mutex<Vec<(u64, Error)>>,
+    /// Samples marked ready without error in this run: with what the
+    /// consumer took, the read-ahead now, without scanning `ready`.
+    pub(crate) published_ok: AtomicU64,
     pub(crate) stats: Vec<PollerStats>,
     pub(crate) tier: Option<Tier>,
     /// Cluster mode: the network thread's side of things.
@@ -238,6 +241,9 @@ impl Shared {
     /// next reads, and then calls [`Shared::wake_if_ready`] once.
     pub(crate) fn mark_ready(&self, g: u64, code: u64) {
         let idx = (g % self.ready.len() as u64) as usize;
+        if code != super::CODE_ERROR {
+            self.published_ok.fetch_add(1, Ordering::Relaxed);
+        }
         self.ready[idx].store(((g + 1) << 8) | code, Ordering::SeqCst);
     }
 
