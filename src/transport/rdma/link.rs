@@ -160,7 +160,7 @@ const FLUSH_MARKER_WR: u64 = u64::MAX - 1;
 /// chain is still on the wire (one completion per chain would hold every
 /// slot until its last write).
 fn is_signalled(i: usize, n: usize) -> bool {
-    i + 1 == n || (i + 1) % SIGNAL_EVERY == 0
+    i + 1 == n || (i + 1).is_multiple_of(SIGNAL_EVERY)
 }
 
 /// Moves the first `accepted` of `queued` (a chain built with

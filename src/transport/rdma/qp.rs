@@ -657,7 +657,7 @@ fn accepted_before(wrs: &[ibv_send_wr], bad: *const ibv_send_wr) -> usize {
     let base = wrs.as_ptr() as usize;
     let at = bad as usize;
     let size = std::mem::size_of::<ibv_send_wr>();
-    if at < base || at >= base + wrs.len() * size || (at - base) % size != 0 {
+    if at < base || at >= base + std::mem::size_of_val(wrs) || !(at - base).is_multiple_of(size) {
         return wrs.len();
     }
     (at - base) / size
@@ -730,6 +730,7 @@ mod tests {
         assert_eq!(accepted_before(&wrs, &wrs[0]), 0);
         assert_eq!(accepted_before(&wrs, &wrs[3]), 3);
         assert_eq!(accepted_before(&wrs, ptr::null()), 5);
+        // SAFETY: plain data.
         let outside: ibv_send_wr = unsafe { std::mem::zeroed() };
         assert_eq!(accepted_before(&wrs, &outside), 5);
     }
