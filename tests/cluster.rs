@@ -68,6 +68,19 @@ impl Serve {
         log: Option<&Path>,
         nofile: Option<u32>,
     ) -> Serve {
+        Serve::launch_env(space, ip, token_file, extra, log, nofile, &[])
+    }
+
+    /// `launch`, with `env` set in the node's environment.
+    fn launch_env(
+        space: &Path,
+        ip: &str,
+        token_file: &Path,
+        extra: &[&str],
+        log: Option<&Path>,
+        nofile: Option<u32>,
+        env: &[(&str, &str)],
+    ) -> Serve {
         let mut cmd = match nofile {
             Some(n) => {
                 let mut c = Command::new("sh");
@@ -86,6 +99,7 @@ impl Serve {
             })
             .args(["--token-file", s(token_file), "--pollers", "1"])
             .args(extra)
+            .envs(env.iter().copied())
             .args(if rdma_mode() { &["--rdma"][..] } else { &[] })
             .args(if log.is_some() { &["-v"][..] } else { &[] })
             .stdout(Stdio::piped())
@@ -3061,6 +3075,48 @@ fn a_poller_that_panics_fails_the_service_with_a_named_error() {
     c.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
     let mut sink = Vec::new();
     let _ = c.read_to_end(&mut sink);
+}
+
+/// Transient read failures on the node (EAGAIN, EINTR, short reads, here
+/// injected: 60 of them) are retried there: no ERROR, no failover, no read
+/// from the source, every byte exact, and the retries counted.
+#[cfg(feature = "test-panic")]
+#[test]
+fn transient_read_failures_on_a_node_are_retried_not_failed_over() {
+    let st = setup("tiny", 300, 1, 1);
+    let node = Serve::launch_env(
+        &st.spaces[0],
+        &node_ip(0),
+        &st.token,
+        &["--metrics", &format!("{}:0", node_ip(0))],
+        None,
+        None,
+        &[("KSPEED_TEST_SERVE_READ_FAULTS", "60")],
+    );
+    let maddr = node
+        .before
+        .iter()
+        .find_map(|l| l.strip_prefix("metrics on http://"))
+        .and_then(|l| l.strip_suffix("/metrics"))
+        .unwrap_or_else(|| panic!("no metrics line: {:?}", node.before))
+        .to_string();
+    let cat = Catalog::open(&st.catalog).unwrap();
+    let mut l = builder_remote(&st, &[&node.addr], 1 << 20).build().unwrap();
+    assert_eq!(check(&mut l, &cat, 0, 1, 2), 600);
+    let stats = l.finish();
+    assert_eq!(stats.failovers, 0, "{stats:?}");
+    assert_eq!(stats.source_reads, 0, "{stats:?}");
+    let (_, text) = http_get(&maddr, "/metrics");
+    assert_eq!(
+        metric(&text, "kspeed_serve_errors_total "),
+        Some(0.0),
+        "{text}"
+    );
+    assert_eq!(
+        metric(&text, "kspeed_serve_read_retries_total "),
+        Some(60.0),
+        "{text}"
+    );
 }
 
 /// A stand-in in front of node `to`: its first connections are answered at

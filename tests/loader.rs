@@ -1059,6 +1059,38 @@ fn a_position_does_not_resume_on_another_dataset_of_the_same_length() {
     assert_eq!(c.position(), Position { epoch: 0, index: 8 });
 }
 
+/// `stats()` counts the read-ahead from running totals (no scan of the
+/// ready table): once the pollers have read the whole (last) epoch, what
+/// waits is exactly what was read and not delivered, at every point of it.
+#[test]
+fn stats_read_ahead_is_what_was_read_and_not_delivered() {
+    let t = tempfile::tempdir().unwrap();
+    let (_, sp) = tiny_space(t.path(), 300);
+    let mut l = LoaderBuilder::space(&sp)
+        .batch_size(10)
+        .end_epoch(Some(1))
+        .landing(small_ring(64 << 20))
+        .build()
+        .unwrap();
+    for k in 1..=30u64 {
+        l.next_batch().unwrap().unwrap();
+        let t0 = std::time::Instant::now();
+        let st = loop {
+            let st = l.stats();
+            if st.disk_reads == 300 || t0.elapsed() > std::time::Duration::from_secs(30) {
+                break st;
+            }
+            std::thread::yield_now();
+        };
+        assert_eq!(st.disk_reads, 300, "the pollers read the epoch: {st:?}");
+        assert_eq!(st.samples, 10 * k);
+        assert_eq!(st.read_ahead, 300 - 10 * k, "{st:?}");
+        assert_eq!(st.read_ahead_discarded, 0, "{st:?}");
+    }
+    assert!(l.next_batch().unwrap().is_none());
+    assert_eq!(l.stats().read_ahead, 0);
+}
+
 /// Statistics add up over the loader's life: restarts do not reset them,
 /// and what was read ahead is counted apart from what was delivered.
 #[test]

@@ -17,6 +17,10 @@ use crate::hash::{mix64, reduce};
 
 const SALT: u64 = 0x6b73_7065_6564_6f77;
 
+/// Most copies of a sample: the consumer marks the replicas it tried in a
+/// 64-bit mask (bit r), so a 65th could not be told apart.
+pub(crate) const MAX_REPLICAS: u32 = 64;
+
 /// How a space's samples are spread over nodes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Placement {
@@ -41,6 +45,11 @@ impl Placement {
         if replicas == 0 || replicas > nodes {
             return Err(Error::InvalidConfig(format!(
                 "replicas must be between 1 and the number of nodes ({nodes}), not {replicas}"
+            )));
+        }
+        if replicas > MAX_REPLICAS {
+            return Err(Error::InvalidConfig(format!(
+                "replicas must be at most {MAX_REPLICAS} (a consumer tracks the copies it tried in a 64-bit mask), not {replicas}"
             )));
         }
         Ok(Placement { nodes, replicas })
@@ -105,5 +114,15 @@ mod tests {
         assert!(Placement::new(0, 1).is_err());
         assert!(Placement::new(3, 0).is_err());
         assert!(Placement::new(3, 4).is_err());
+    }
+
+    /// Past 64 copies the consumer's tried mask (`1 << r` in a u64) would
+    /// overflow: refused with a message naming the limit.
+    #[test]
+    fn replicas_are_capped_at_64() {
+        assert!(Placement::new(100, 64).is_ok());
+        let e = Placement::new(100, 65).unwrap_err();
+        assert!(matches!(e, Error::InvalidConfig(_)), "{e:?}");
+        assert!(e.to_string().contains("at most 64"), "{e}");
     }
 }

@@ -77,6 +77,8 @@ struct Run {
     net_thread: Option<JoinHandle<()>>,
     /// Backends of pollers already joined (by `finish`).
     joined: Vec<Box<dyn IoBackend>>,
+    /// Samples delivered before this run started (`counters.samples`).
+    samples_at_start: u64,
 }
 
 impl Run {
@@ -196,6 +198,7 @@ impl Loader {
             wake_seq: AtomicU32::new(0),
             waiting_for: AtomicU64::new(0),
             errors: Mutex::new(Vec::new()),
+            published_ok: AtomicU64::new(0),
             stats: (0..n)
                 .map(|_| PollerStats {
                     disk_reads: AtomicU64::new(0),
@@ -223,6 +226,7 @@ impl Loader {
             threads: Vec::with_capacity(n),
             net_thread: None,
             joined: Vec::new(),
+            samples_at_start: self.counters.samples,
         });
         if let Err(e) = self.spawn(spare.backends, conns) {
             // Stop what started and take the resources back.
@@ -794,11 +798,14 @@ impl Loader {
         let mut t = self.totals.clone();
         let mut ahead = 0;
         if let Some(run) = &self.run {
-            // The live run: its read-ahead is not thrown away (yet).
-            let discarded = t.discarded;
-            t.add_run(&run.shared, self.next_g());
-            ahead = t.discarded - discarded;
-            t.discarded = discarded;
+            // The live run: its counters (O(pollers)), and its read-ahead
+            // (not thrown away yet) from running totals: every sample
+            // marked ready is either delivered or waiting, so no scan of
+            // the ready table.
+            t.add_counters(&run.shared);
+            let published = run.shared.published_ok.load(Ordering::Relaxed);
+            let taken = self.counters.samples - run.samples_at_start;
+            ahead = published.saturating_sub(taken);
         }
         let hist = &t.latency;
         let lat = if hist.is_empty() {

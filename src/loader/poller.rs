@@ -629,11 +629,7 @@ impl Poller {
     }
 
     fn fail(&mut self, p: &Placed, e: Error) {
-        self.shared
-            .errors
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push((p.g, e));
+        super::shared::push_error(&self.shared.errors, p.g, e);
         self.shared.mark_ready(p.g, CODE_ERROR);
         self.unwoken = true;
     }

@@ -103,6 +103,9 @@ pub(crate) struct Shared {
     pub(super) wake_seq: AtomicU32,
     pub(super) waiting_for: AtomicU64,
     pub(crate) errors: Mutex<Vec<(u64, Error)>>,
+    /// Samples marked ready without error in this run: with what the
+    /// consumer took, the read-ahead now, without scanning `ready`.
+    pub(crate) published_ok: AtomicU64,
     pub(crate) stats: Vec<PollerStats>,
     pub(crate) tier: Option<Tier>,
     /// Cluster mode: the network thread's side of things.
@@ -127,6 +130,17 @@ impl Drop for CrashGuard {
                 .fail_run(Error::ThreadPanicked { thread: self.name });
         }
     }
+}
+
+/// Records sample `g`'s error for the consumer. A poisoned lock (a thread
+/// that panicked while holding it) is used anyway: the list is a plain
+/// Vec, whole after any push, and the panic itself is reported through
+/// `dead`; the pollers and the network thread must not panic in turn.
+pub(crate) fn push_error(errors: &Mutex<Vec<(u64, Error)>>, g: u64, e: Error) {
+    errors
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .push((g, e));
 }
 
 impl Shared {
@@ -227,6 +241,9 @@ impl Shared {
     /// next reads, and then calls [`Shared::wake_if_ready`] once.
     pub(crate) fn mark_ready(&self, g: u64, code: u64) {
         let idx = (g % self.ready.len() as u64) as usize;
+        if code != super::CODE_ERROR {
+            self.published_ok.fetch_add(1, Ordering::Relaxed);
+        }
         self.ready[idx].store(((g + 1) << 8) | code, Ordering::SeqCst);
     }
 
@@ -266,5 +283,35 @@ impl Shared {
     pub(super) fn state(&self, g: u64) -> Option<u64> {
         let v = self.ready[(g % self.ready.len() as u64) as usize].load(Ordering::SeqCst);
         (v >> 8 == g + 1).then_some(v & 0xff)
+    }
+}
+
+#[cfg(test)]
+mod poison_tests {
+    use super::*;
+
+    /// A poisoned errors lock still takes the error (the network thread
+    /// used to panic on it with "not poisoned").
+    #[test]
+    fn push_error_tolerates_a_poisoned_lock() {
+        let errors = std::sync::Arc::new(Mutex::new(Vec::new()));
+        let e2 = errors.clone();
+        let _ = std::thread::spawn(move || {
+            let _g = e2.lock().unwrap();
+            panic!("poison the errors lock");
+        })
+        .join();
+        assert!(errors.is_poisoned());
+        push_error(
+            &errors,
+            7,
+            Error::SampleUnavailable {
+                sample: 7,
+                tried: "test".into(),
+            },
+        );
+        let v = errors.lock().unwrap_or_else(|p| p.into_inner());
+        assert_eq!(v.len(), 1);
+        assert_eq!(v[0].0, 7);
     }
 }

@@ -44,6 +44,13 @@ impl Totals {
 
     /// Adds what one run counted (`next_g`: the consumer's next sample).
     pub(super) fn add_run(&mut self, sh: &Shared, next_g: u64) {
+        self.add_counters(sh);
+        // Once per run (at its end): what it read ahead and nobody took.
+        self.discarded += sh.ready_from(next_g);
+    }
+
+    /// Adds one run's counters and latency: O(pollers).
+    pub(super) fn add_counters(&mut self, sh: &Shared) {
         for s in &sh.stats {
             self.disk_reads += s.disk_reads.load(Ordering::Relaxed);
             self.tier_hits += s.tier_hits.load(Ordering::Relaxed);
@@ -57,7 +64,6 @@ impl Totals {
             self.failovers += n.failovers.load(Ordering::Relaxed);
             self.source_reads += n.source_reads.load(Ordering::Relaxed);
         }
-        self.discarded += sh.ready_from(next_g);
     }
 }
 /// Latency percentiles in microseconds.

@@ -235,7 +235,8 @@ struct PlacementArgs {
     /// This node's index (0-based).
     #[arg(long, default_value_t = 0)]
     node_index: u32,
-    /// Copies of each sample across nodes (1 = no replica).
+    /// Copies of each sample across nodes (1 = no replica; at most the
+    /// node count and 64).
     #[arg(long, default_value_t = 1)]
     replicas: u32,
 }

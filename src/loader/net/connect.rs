@@ -363,6 +363,7 @@ fn connect<R: Receive>(
             rx: FrameRx::new(proto::MAX_MESSAGE_BYTES),
             fill,
             fill_entries: 0,
+            fill_max_entries: entries as u32,
             flight: Vec::with_capacity(frame),
             flight_sent: 0,
             tx_inflight: false,

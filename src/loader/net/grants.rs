@@ -17,6 +17,13 @@ use crate::transport::proto::{self, Code, GrantEntry, Header};
 /// No window, node or entry.
 pub(crate) const NONE: u32 = u32::MAX;
 
+/// Whether a GRANT frame holding `entries` is full at `max_entries` (its
+/// stored size; never the Vec's capacity, which may exceed what was asked).
+fn frame_full(entries: u32, max_entries: u32) -> bool {
+    debug_assert!(entries <= max_entries, "a GRANT frame past its size");
+    entries >= max_entries
+}
+
 /// One outstanding remote sample.
 #[derive(Clone, Copy)]
 pub(super) struct GSlot {
@@ -27,7 +34,8 @@ pub(super) struct GSlot {
     pub(super) phys: u64,
     pub(super) node: u32,
     pub(super) received: u32,
-    /// Replica indices tried (bit r).
+    /// Replica indices tried (bit r; `Placement::new` caps replicas at
+    /// `MAX_REPLICAS` = 64, so every r fits).
     pub(super) tried: u64,
     /// The local pollers failed to read it (handed over); the error is in
     /// `NetThread::local_errors`.
@@ -382,7 +390,7 @@ impl<R: Receive> Thread<R> {
             if c.state != State::Live || c.demoted {
                 continue;
             }
-            if c.outstanding >= c.max_grants || c.fill.len() == c.fill.capacity() {
+            if c.outstanding >= c.max_grants || frame_full(c.fill_entries, c.fill_max_entries) {
                 return false;
             }
             // RDMA windows mode: a window for exactly this range, bound
@@ -501,7 +509,7 @@ impl<R: Receive> Thread<R> {
                     sample: s.id,
                     tried,
                 };
-                self.sh.errors.lock().expect("not poisoned").push((s.g, e));
+                crate::loader::shared::push_error(&self.sh.errors, s.g, e);
                 self.sh.publish(s.g, CODE_ERROR);
             }
         }
@@ -585,7 +593,7 @@ impl<R: Receive> Thread<R> {
 
 #[cfg(test)]
 mod tests {
-    use super::grant_id;
+    use super::*;
     use crate::transport::proto::CONNECTION;
 
     /// No sequence number gives the connection's id, and the id keeps the
@@ -603,5 +611,30 @@ mod tests {
             let mask = (1usize << 31) - 1;
             assert_eq!(grant_id(g) as usize & mask, g as usize & mask);
         }
+    }
+
+    /// A frame for 3 entries is full at 3, however much capacity its Vec
+    /// got (here more than asked): fullness was `len == capacity()`, which
+    /// over-filled a frame whose Vec had spare capacity.
+    #[test]
+    fn a_grant_frame_is_full_at_its_stored_size_not_its_capacity() {
+        let entries = 3usize;
+        let mut fill: Vec<u8> =
+            Vec::with_capacity(proto::HEADER_BYTES + (entries + 5) * proto::GRANT_ENTRY_BYTES);
+        fill.resize(proto::HEADER_BYTES, 0);
+        let mut n = 0u32;
+        while !frame_full(n, entries as u32) {
+            fill.extend_from_slice(&[0u8; proto::GRANT_ENTRY_BYTES]);
+            n += 1;
+        }
+        assert_eq!(n, 3);
+        assert_eq!(
+            fill.len(),
+            proto::HEADER_BYTES + entries * proto::GRANT_ENTRY_BYTES
+        );
+        assert!(
+            fill.len() < fill.capacity(),
+            "the old check would not stop here"
+        );
     }
 }

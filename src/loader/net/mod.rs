@@ -375,6 +375,10 @@ pub(crate) struct Conn<R> {
     /// GRANT frame being filled (header space first) and the one in flight.
     fill: Vec<u8>,
     fill_entries: u32,
+    /// Entries one GRANT frame holds (the node's limit): the frame is full
+    /// at this count, whatever capacity its Vec was given (an allocator
+    /// may give more than asked).
+    fill_max_entries: u32,
     flight: Vec<u8>,
     flight_sent: usize,
     tx_inflight: bool,
@@ -413,6 +417,7 @@ impl<R: Receive> Conn<R> {
             rx: FrameRx::new(0),
             fill: Vec::new(),
             fill_entries: 0,
+            fill_max_entries: 0,
             flight: Vec::new(),
             flight_sent: 0,
             tx_inflight: false,

@@ -54,8 +54,6 @@ pub struct RdmaLink {
     /// Requests posted, oldest first, and the signalled id ending each chain.
     posted: VecDeque<u64>,
     chain_ends: VecDeque<u64>,
-    /// The signalled ids of the chain being built.
-    signal_ids: Vec<u64>,
     done: VecDeque<Done>,
     inline_buf: Vec<u8>,
     sges: Vec<ibv_sge>,
@@ -82,7 +80,6 @@ impl RdmaLink {
             queued: Vec::with_capacity(max_wr),
             posted: VecDeque::with_capacity(max_wr),
             chain_ends: VecDeque::with_capacity(max_wr),
-            signal_ids: Vec::with_capacity(max_wr),
             done: VecDeque::with_capacity(max_wr),
             inline_buf: vec![0u8; max_wr * (4 + RDMA_ERROR_BYTES)],
             sges: Vec::with_capacity(max_wr),
@@ -120,14 +117,21 @@ impl RdmaLink {
                 detail: "closed".into(),
             });
         }
-        for w in self.queued.drain(..) {
-            self.done.push_back(Done {
-                wr_id: w.wr_id,
-                ok: false,
-            });
-        }
+        fail_queued(&mut self.queued, &mut self.done);
         if self.posted.is_empty() {
             self.chain_ends.clear();
+        } else if unsignalled_tail(&self.posted, &self.chain_ends) {
+            // A chain refused part-way left posted requests that no
+            // signalled completion covers: if they all succeed, nothing
+            // would ever report them. A signalled request posted to the
+            // QP in error is flushed with an error completion, which
+            // (after every earlier one, in order) fails them all.
+            if let Err(e) = self.qp.post_flush_marker(FLUSH_MARKER_WR) {
+                // The QP is in error: the device processes none of its
+                // requests any more.
+                log::warn!("RDMA link: posting the flush marker: {e}");
+                self.fail_all();
+            }
         }
     }
 
@@ -143,13 +147,53 @@ impl RdmaLink {
             });
         }
         self.chain_ends.clear();
-        for w in self.queued.drain(..) {
-            self.done.push_back(Done {
-                wr_id: w.wr_id,
-                ok: false,
-            });
+        fail_queued(&mut self.queued, &mut self.done);
+    }
+}
+
+/// The wr_id of the request `close` posts to learn that the send queue is
+/// flushed; never a poster's id (those are staging slots).
+const FLUSH_MARKER_WR: u64 = u64::MAX - 1;
+
+/// Whether request `i` of a chain of `n` asks for a completion: the last,
+/// and every SIGNAL_EVERY-th, so staging slots come back while a long
+/// chain is still on the wire (one completion per chain would hold every
+/// slot until its last write).
+fn is_signalled(i: usize, n: usize) -> bool {
+    i + 1 == n || (i + 1).is_multiple_of(SIGNAL_EVERY)
+}
+
+/// Moves the first `accepted` of `queued` (a chain built with
+/// [`is_signalled`] over all of `queued`) to `posted`, and their signalled
+/// ids to `chain_ends`; the rest stays queued.
+fn commit_posted(
+    queued: &mut Vec<RdmaWr>,
+    accepted: usize,
+    posted: &mut VecDeque<u64>,
+    chain_ends: &mut VecDeque<u64>,
+) {
+    let n = queued.len();
+    for (i, w) in queued.drain(..accepted.min(n)).enumerate() {
+        posted.push_back(w.wr_id);
+        if is_signalled(i, n) {
+            chain_ends.push_back(w.wr_id);
         }
     }
+}
+
+/// Fails what was queued and never posted (its memory is free now).
+fn fail_queued(queued: &mut Vec<RdmaWr>, done: &mut VecDeque<Done>) {
+    for w in queued.drain(..) {
+        done.push_back(Done {
+            wr_id: w.wr_id,
+            ok: false,
+        });
+    }
+}
+
+/// Whether the newest posted requests have no signalled completion coming.
+fn unsignalled_tail(posted: &VecDeque<u64>, chain_ends: &VecDeque<u64>) -> bool {
+    posted.back().is_some() && chain_ends.back() != posted.back()
 }
 
 impl Link for RdmaLink {
@@ -232,7 +276,6 @@ impl Link for RdmaLink {
         }
         self.sges.clear();
         self.wrs.clear();
-        self.signal_ids.clear();
         for w in &self.queued {
             let addr = if w.send {
                 self.inline_buf[w.inline_at..].as_ptr() as u64
@@ -257,10 +300,7 @@ impl Link for RdmaLink {
             // SIGNAL_EVERY-th, so staging slots come back while a long
             // chain is still on the wire (one completion per chain would
             // hold every slot until its last write).
-            let signal = i == last || (i + 1) % SIGNAL_EVERY == 0;
-            if signal {
-                self.signal_ids.push(w.wr_id);
-            }
+            let signal = is_signalled(i, last + 1);
             let mut flags = if signal {
                 ibv_send_flags::IBV_SEND_SIGNALED.0
             } else {
@@ -280,12 +320,20 @@ impl Link for RdmaLink {
         // SAFETY: the SGEs outlive the call; inline data is copied during
         // it; the written memory is valid until completion per Link's
         // contract.
-        unsafe { self.qp.post_chain(&mut self.wrs) }?;
-        for w in self.queued.drain(..) {
-            self.posted.push_back(w.wr_id);
-        }
-        self.chain_ends.extend(self.signal_ids.drain(..));
-        Ok(())
+        let (accepted, result) = match unsafe { self.qp.post_chain_counted(&mut self.wrs) } {
+            Ok(()) => (self.queued.len(), Ok(())),
+            Err((k, e)) => (k, Err(e)),
+        };
+        // What the provider accepted (all, or those before its bad_wr) is
+        // on the send queue: held until its completion (or the flush of
+        // the QP's error state); the rest stays queued, never posted.
+        commit_posted(
+            &mut self.queued,
+            accepted,
+            &mut self.posted,
+            &mut self.chain_ends,
+        );
+        result
     }
 
     fn poll(&mut self, out: &mut [Done]) -> usize {
@@ -326,5 +374,60 @@ impl Link for RdmaLink {
             *slot = self.done.pop_front().expect("counted");
         }
         n
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn wr(id: u64) -> RdmaWr {
+        RdmaWr {
+            wr_id: id,
+            send: false,
+            src: ptr::null(),
+            len: 1,
+            lkey: 0,
+            remote: 0,
+            rkey: 0,
+            imm: 0,
+            inline_at: 0,
+        }
+    }
+
+    /// A chain of 10 refused at its 6th request (bad_wr = 5): the first 5
+    /// are on the send queue and are not freed when the link closes (only
+    /// the 5 never posted are); no signalled request is among them, so
+    /// `close` must ask for a flush completion.
+    #[test]
+    fn a_chain_refused_part_way_frees_only_what_was_not_posted() {
+        let mut queued: Vec<RdmaWr> = (0..10).map(wr).collect();
+        let (mut posted, mut ends, mut done) = (VecDeque::new(), VecDeque::new(), VecDeque::new());
+        commit_posted(&mut queued, 5, &mut posted, &mut ends);
+        assert_eq!(posted, (0..5).collect::<VecDeque<u64>>());
+        assert!(
+            ends.is_empty(),
+            "requests 7 and 9 are signalled, not posted"
+        );
+        assert!(unsignalled_tail(&posted, &ends));
+        fail_queued(&mut queued, &mut done);
+        let freed: Vec<u64> = done.iter().map(|d| d.wr_id).collect();
+        assert_eq!(freed, (5..10).collect::<Vec<u64>>());
+
+        // Refused at request 9: 0..9 posted, request 7 signalled, 8 not.
+        let mut queued: Vec<RdmaWr> = (0..10).map(wr).collect();
+        let (mut posted, mut ends) = (VecDeque::new(), VecDeque::new());
+        commit_posted(&mut queued, 9, &mut posted, &mut ends);
+        assert_eq!(ends, VecDeque::from([7]));
+        assert!(unsignalled_tail(&posted, &ends));
+        assert_eq!(queued.len(), 1);
+
+        // All accepted: the last is signalled, nothing left queued.
+        let mut queued: Vec<RdmaWr> = (0..10).map(wr).collect();
+        let (mut posted, mut ends) = (VecDeque::new(), VecDeque::new());
+        commit_posted(&mut queued, 10, &mut posted, &mut ends);
+        assert_eq!(ends, VecDeque::from([7, 9]));
+        assert!(!unsignalled_tail(&posted, &ends));
+        assert!(queued.is_empty());
     }
 }

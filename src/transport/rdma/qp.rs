@@ -587,14 +587,47 @@ impl Qp {
         })
     }
 
+    /// Posts one signalled zero-length SEND with no memory (`wr_id`): on a
+    /// QP in the error state it completes, flushed with an error, after
+    /// every request posted before it, so its completion says the device
+    /// is done with them all.
+    pub fn post_flush_marker(&self, wr_id: u64) -> Result<()> {
+        // SAFETY: plain data.
+        let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
+        wr.wr_id = wr_id;
+        wr.opcode = ibv_wr_opcode::IBV_WR_SEND;
+        wr.num_sge = 0;
+        wr.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
+        // SAFETY: the request references no memory.
+        unsafe { self.post_chain(std::slice::from_mut(&mut wr)) }.map_err(|e| Error::Rdma {
+            op: "post the flush marker",
+            detail: e.to_string(),
+        })
+    }
+
     /// Links `wrs` into one chain and posts it (one doorbell); nothing when
     /// empty. Returns the provider's errno on failure.
+    ///
+    /// # Safety
+    /// As for [`Qp::post_chain_counted`].
+    pub(super) unsafe fn post_chain(&self, wrs: &mut [ibv_send_wr]) -> std::io::Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.post_chain_counted(wrs) }.map_err(|(_, e)| e)
+    }
+
+    /// As [`Qp::post_chain`], but a failure also says how many requests of
+    /// the chain the provider accepted before the one it refused (its
+    /// `bad_wr`): those are on the send queue and complete like any other,
+    /// so what they reference must stay valid until then.
     ///
     /// # Safety
     /// Every request must be well formed, and whatever it references (SGEs,
     /// local memory, windows, regions) valid for the call and, for memory
     /// the device reads or writes, until the request completes.
-    pub(super) unsafe fn post_chain(&self, wrs: &mut [ibv_send_wr]) -> std::io::Result<()> {
+    pub(super) unsafe fn post_chain_counted(
+        &self,
+        wrs: &mut [ibv_send_wr],
+    ) -> std::result::Result<(), (usize, std::io::Error)> {
         if wrs.is_empty() {
             return Ok(());
         }
@@ -602,15 +635,32 @@ impl Qp {
             let next: *mut ibv_send_wr = &mut wrs[i + 1];
             wrs[i].next = next;
         }
-        let mut bad = ptr::null_mut();
+        let mut bad: *mut ibv_send_wr = ptr::null_mut();
         // SAFETY: live QP (owned by self); the chain lives in `wrs` for the
         // call; what the requests reference, per this function's contract.
         let rc = unsafe { ibv_post_send(self.qp, wrs.as_mut_ptr(), &mut bad) };
         if rc != 0 {
-            return Err(std::io::Error::from_raw_os_error(rc));
+            return Err((
+                accepted_before(wrs, bad),
+                std::io::Error::from_raw_os_error(rc),
+            ));
         }
         Ok(())
     }
+}
+
+/// How many requests of the chain `wrs` precede `bad` (the one the provider
+/// refused): those were posted. A `bad` that is null or outside the chain
+/// (a provider that does not set it) counts as the whole chain posted: the
+/// safe side, since memory wrongly thought posted is only held longer.
+fn accepted_before(wrs: &[ibv_send_wr], bad: *const ibv_send_wr) -> usize {
+    let base = wrs.as_ptr() as usize;
+    let at = bad as usize;
+    let size = std::mem::size_of::<ibv_send_wr>();
+    if at < base || at >= base + std::mem::size_of_val(wrs) || !(at - base).is_multiple_of(size) {
+        return wrs.len();
+    }
+    (at - base) / size
 }
 
 impl Drop for Qp {
@@ -669,5 +719,19 @@ mod tests {
         let per_try_ns = 4096u64 << ACK_TIMEOUT_EXP;
         let bound = std::time::Duration::from_nanos(per_try_ns * (RETRY_CNT as u64 + 1));
         assert!(bound < std::time::Duration::from_secs(1), "{bound:?}");
+    }
+
+    /// `bad_wr` at index k means k requests were posted; an unknown
+    /// `bad_wr` counts all of them (held, never freed early).
+    #[test]
+    fn bad_wr_position_counts_what_was_posted() {
+        // SAFETY: plain data.
+        let wrs: Vec<ibv_send_wr> = (0..5).map(|_| unsafe { std::mem::zeroed() }).collect();
+        assert_eq!(accepted_before(&wrs, &wrs[0]), 0);
+        assert_eq!(accepted_before(&wrs, &wrs[3]), 3);
+        assert_eq!(accepted_before(&wrs, ptr::null()), 5);
+        // SAFETY: plain data.
+        let outside: ibv_send_wr = unsafe { std::mem::zeroed() };
+        assert_eq!(accepted_before(&wrs, &outside), 5);
     }
 }

@@ -149,12 +149,35 @@ impl ServeConfig {
         Ok(())
     }
 
+    /// A poller's io_uring: (submission entries, completion entries, most
+    /// operations it keeps in flight). Each poller has at most a read per
+    /// staging slot, and per connection a receive and a send, plus its
+    /// completion channel's poll: `slots + 2 × connections + 1`. The
+    /// completion queue holds twice the submission queue and at least all
+    /// of that, up to the kernel's 65,536; past that the reads in flight
+    /// are held below it (back-pressure), so a completion can never be
+    /// dropped (which would leak its slot and hang shutdown).
+    pub(super) fn ring_entries(&self) -> (u32, u32, usize) {
+        let reserve = 2 * self.max_conns_per_poller + 1;
+        let need = self.slots().saturating_add(reserve);
+        let sq = (need.min(MAX_RING_SQ) as u32).next_power_of_two().max(1024);
+        let cq = (need.min(MAX_RING_CQ) as u32)
+            .next_power_of_two()
+            .max(2 * sq);
+        (sq, cq, cq as usize)
+    }
+
     /// Staging slots per poller (and so the most RDMA writes in flight per
     /// connection).
     pub(super) fn slots(&self) -> usize {
         (self.staging_bytes / self.chunk_bytes as u64).max(1) as usize
     }
 }
+
+/// Largest io_uring submission queue (the kernel's IORING_MAX_ENTRIES).
+const MAX_RING_SQ: usize = 32768;
+/// Largest io_uring completion queue (the kernel's IORING_MAX_CQ_ENTRIES).
+const MAX_RING_CQ: usize = 2 * MAX_RING_SQ;
 
 /// Most poller threads.
 pub const MAX_POLLERS: u64 = 256;
@@ -175,3 +198,39 @@ pub const MAX_STAGING_BYTES: u64 = 1 << 30;
 
 /// Shortest idle timeout: three of the consumer's one-second keepalives.
 pub const MIN_IDLE_TIMEOUT: Duration = Duration::from_secs(3);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The ring holds every operation a poller may have in flight: a read
+    /// per slot, a receive and a send per connection, the channel's poll.
+    /// (It was 1,024 entries, 2,048 completions, whatever the config.)
+    #[test]
+    fn the_serve_ring_holds_every_operation_in_flight() {
+        for (staging_bytes, chunk_bytes, conns) in [
+            (8u64 << 20, 256u32 << 10, 256usize),
+            (64 << 20, 16 << 10, 256),
+            (256 << 20, 64 << 10, 4096),
+            (1 << 30, 4096, 4096),
+        ] {
+            let cfg = ServeConfig {
+                staging_bytes,
+                chunk_bytes,
+                max_conns_per_poller: conns,
+                ..ServeConfig::new("/x", "127.0.0.1:0", b"t")
+            };
+            let (sq, cq, max_ops) = cfg.ring_entries();
+            let need = cfg.slots() + 2 * conns + 1;
+            assert!(sq.is_power_of_two() && cq.is_power_of_two() && cq >= sq);
+            assert!(cq as usize <= MAX_RING_CQ && sq as usize <= MAX_RING_SQ);
+            assert!(max_ops <= cq as usize);
+            if need <= MAX_RING_CQ {
+                assert!(
+                    cq as usize >= need,
+                    "{staging_bytes}/{chunk_bytes}, {conns}: {cq} < {need}"
+                );
+            }
+        }
+    }
+}

@@ -230,6 +230,12 @@ impl Collector for ServeCollector {
             "grants answered with ERROR",
             r(&s.errors),
         )?;
+        counter(
+            &mut e,
+            "kspeed_serve_read_retries",
+            "reads submitted again after EAGAIN, EINTR or a short read",
+            r(&s.read_retries),
+        )?;
         gauge(
             &mut e,
             "kspeed_serve_handshakes_pending",
@@ -654,7 +660,7 @@ pub(crate) fn log_stats(c: &Common, why: &str) {
     let s = &c.stats;
     let r = |a: &AtomicU64| a.load(Ordering::Relaxed);
     log::warn!(
-        "statistics ({why}): {} consumers now, {} accepted, {} refused ({} handshake timeouts, {} evicted, {} accept errors), {} dropped ({} stalled); {} samples, {} bytes pushed, {} grants answered with ERROR",
+        "statistics ({why}): {} consumers now, {} accepted, {} refused ({} handshake timeouts, {} evicted, {} accept errors), {} dropped ({} stalled); {} samples, {} bytes pushed, {} grants answered with ERROR, {} reads retried",
         c.consumers(),
         r(&s.connections),
         r(&s.refused),
@@ -665,7 +671,8 @@ pub(crate) fn log_stats(c: &Common, why: &str) {
         r(&s.stalled),
         r(&s.samples),
         r(&s.bytes),
-        r(&s.errors)
+        r(&s.errors),
+        r(&s.read_retries)
     );
     for m in c.metrics.conns.lock().expect("not poisoned").iter() {
         log::warn!(

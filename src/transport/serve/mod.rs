@@ -80,6 +80,9 @@ pub struct ServeStats {
     pub bytes: AtomicU64,
     /// Grants answered with an ERROR frame.
     pub errors: AtomicU64,
+    /// Reads submitted again after a transient failure (EAGAIN, EINTR, a
+    /// short read); one that fails `MAX_READ_ATTEMPTS` times is an ERROR.
+    pub read_retries: AtomicU64,
     /// Consumers dropped for taking no data for `stall_timeout`.
     pub stalled: AtomicU64,
     /// RDMA queue pairs alive now (one per RDMA consumer, destroyed once

@@ -126,6 +126,11 @@ pub(super) struct ServePoller {
     pub(super) next_beat: std::time::Instant,
     /// Rate limit of read-error WARN lines.
     pub(super) warns: super::push::WarnLimit,
+    /// Test builds only (`test-panic`): read completions still to be turned
+    /// into a transient failure (`KSPEED_TEST_SERVE_READ_FAULTS`), cycling
+    /// through EAGAIN, a short read and EINTR.
+    #[cfg(feature = "test-panic")]
+    pub(super) read_faults: u32,
 }
 
 impl ServePoller {
@@ -177,6 +182,11 @@ impl ServePoller {
             spin_since: None,
             next_beat: std::time::Instant::now(),
             warns: super::push::WarnLimit::new(),
+            #[cfg(feature = "test-panic")]
+            read_faults: std::env::var("KSPEED_TEST_SERVE_READ_FAULTS")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0),
             c,
         }
     }
@@ -226,6 +236,23 @@ impl ServePoller {
         }
         drop(incoming);
         std::mem::forget(self);
+    }
+
+    /// The ring is sized so its completion queue holds everything in
+    /// flight (`ServeConfig::ring_entries`); a completion the kernel
+    /// dropped all the same would leave its slot taken and its connection
+    /// open forever (shutdown would hang): fail the service, naming it.
+    fn check_cq_overflow(&mut self) {
+        let lost = self.ring.cq_overflow();
+        if lost != 0 {
+            let (sq, cq, _) = self.c.cfg.ring_entries();
+            panic!(
+                "io_uring completion queue overflow: {lost} completions dropped \
+                 (ring of {sq}/{cq} entries, {} slots, {} in flight)",
+                self.slots.limit(),
+                self.ring.in_flight()
+            );
+        }
     }
 
     /// Runs until the service stops and every connection is gone (then
@@ -281,6 +308,7 @@ impl ServePoller {
                 std::thread::sleep(Duration::from_millis(10));
             }
             let n = self.ring.drain(&mut self.completions);
+            self.check_cq_overflow();
             for i in 0..n {
                 let c = self.completions[i];
                 self.complete(c);

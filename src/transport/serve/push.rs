@@ -10,6 +10,12 @@ use crate::ring::{IoBackend, ReadOp, Target};
 use crate::transport::proto::{self, Code, GrantEntry};
 use crate::transport::Done;
 
+/// Reads of a chunk submitted at most, as the loader's poller: a transient
+/// failure (EAGAIN, EINTR, a short read) is retried, the same read into
+/// the same slot, before it becomes an ERROR frame (and the consumer's
+/// failover; enough of them demote the node for the epoch).
+pub(super) const MAX_READ_ATTEMPTS: u32 = 4;
+
 /// Read-error WARN lines one poller writes per [`WARN_WINDOW`]; the rest
 /// are counted and summed up in one line when the window ends.
 pub(super) const WARNS_PER_WINDOW: u32 = 10;
@@ -168,6 +174,13 @@ impl ServePoller {
             self.queue_chunk(ci, slot, &e, off, payload, Some(bytes[at..].as_ptr()));
             return true;
         }
+        // The ring's completion queue must hold everything in flight: past
+        // its bound (only with more slots than it holds) reads wait.
+        let (_, _, max_ops) = self.c.cfg.ring_entries();
+        let reserve = 2 * self.c.cfg.max_conns_per_poller + 1;
+        if self.ring.in_flight() + reserve >= max_ops {
+            return false;
+        }
         let op = ReadOp {
             user_data: ud(UD_READ, ci, slot),
             target: Target::Fixed(loc.extent),
@@ -181,7 +194,11 @@ impl ServePoller {
         if !unsafe { self.ring.push(&op) } {
             return false;
         }
-        let s = Slot::new(ci, e.grant, std::time::Instant::now());
+        let mut s = Slot::new(ci, e.grant, std::time::Instant::now());
+        s.read_extent = loc.extent;
+        s.read_offset = loc.offset + off;
+        s.read_len = read_len;
+        s.attempts = 1;
         take_slot(&mut self.slots, &mut self.conns, ci, slot, s);
         self.conns.get_mut(ci as usize).expect("live").ops += 1;
         self.queue_chunk(ci, slot, &e, off, payload, None);
@@ -192,7 +209,11 @@ impl ServePoller {
     pub(super) fn free_slot(&mut self, slot: u32) {
         let ci = self.slots[slot as usize].conn as usize;
         if let Some(c) = self.conns.get_mut(ci) {
-            c.held = c.held.saturating_sub(1);
+            // `held` counts the slots take_slot gave this connection; a
+            // free with none held is a double free.
+            c.held = c.held.checked_sub(1).expect(
+                "free_slot: a connection's held count would go below zero (slot freed twice)",
+            );
             c.metrics
                 .staging_slots
                 .store(c.held as u64, Ordering::Relaxed);
@@ -358,6 +379,14 @@ impl ServePoller {
             self.drop_slot(ci, slot);
             return;
         }
+        #[cfg(feature = "test-panic")]
+        let res = self.injected_read_fault(slot, res);
+        let s = &self.slots[slot as usize];
+        let transient =
+            res == -libc::EAGAIN || res == -libc::EINTR || (res >= 0 && (res as u32) < s.payload);
+        if transient && s.attempts < MAX_READ_ATTEMPTS && self.retry_read(ci, slot) {
+            return;
+        }
         let s = &self.slots[slot as usize];
         self.c.metrics.read_latency[self.index].record(s.issued.elapsed());
         if res < 0 || (res as u32) < s.payload {
@@ -389,6 +418,45 @@ impl ServePoller {
             return;
         }
         self.slots[slot as usize].ready = true;
+    }
+
+    /// Submits `slot`'s read again, as it was issued; false when the
+    /// submission queue is full (the failure then stands).
+    fn retry_read(&mut self, ci: u32, slot: u32) -> bool {
+        let s = &self.slots[slot as usize];
+        let op = ReadOp {
+            user_data: ud(UD_READ, ci, slot),
+            target: Target::Fixed(s.read_extent),
+            buf: self.staging_ptr(slot),
+            len: s.read_len,
+            offset: s.read_offset,
+            buf_index: self.fixed_staging.then_some(0),
+        };
+        // SAFETY: the staging slot is still ours (taken at the first
+        // attempt, freed only after its send).
+        if !unsafe { self.ring.push(&op) } {
+            return false;
+        }
+        self.slots[slot as usize].attempts += 1;
+        self.conns.get_mut(ci as usize).expect("live").ops += 1;
+        self.c.stats.read_retries.fetch_add(1, Ordering::Relaxed);
+        true
+    }
+
+    /// Test builds: turns the next read completions into transient
+    /// failures while `KSPEED_TEST_SERVE_READ_FAULTS` lasts.
+    #[cfg(feature = "test-panic")]
+    fn injected_read_fault(&mut self, slot: u32, res: i32) -> i32 {
+        // First attempts only: each fault then costs exactly one retry.
+        if self.read_faults == 0 || res <= 0 || self.slots[slot as usize].attempts > 1 {
+            return res;
+        }
+        self.read_faults -= 1;
+        match self.read_faults % 3 {
+            0 => -libc::EAGAIN,
+            1 => (self.slots[slot as usize].payload / 2) as i32,
+            _ => -libc::EINTR,
+        }
     }
 
     /// Frees a slot of a closing connection (its read or send completed).

@@ -121,10 +121,14 @@ impl NodeService {
         // stopped and joined (none is left behind).
         let mut parts = Vec::with_capacity(common.cfg.pollers);
         for _ in 0..common.cfg.pollers {
-            let ring = Uring::new(UringOptions {
-                entries: 1024,
-                sqpoll_idle_ms: None,
-            })?;
+            let (sq, cq, _) = common.cfg.ring_entries();
+            let ring = Uring::with_cq_entries(
+                UringOptions {
+                    entries: sq,
+                    sqpoll_idle_ms: None,
+                },
+                cq,
+            )?;
             let fds: Vec<i32> = common.extents.iter().map(|f| f.as_raw_fd()).collect();
             if !fds.is_empty() {
                 ring.register_files(&fds)?;

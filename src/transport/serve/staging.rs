@@ -49,6 +49,13 @@ pub(super) struct Slot {
     pub(super) error: bool,
     /// When its read was submitted (read-latency histogram).
     pub(super) issued: std::time::Instant,
+    /// Its read (extent, file offset, length), kept so that a transient
+    /// failure (EAGAIN, EINTR, a short read) is retried as it was issued.
+    pub(super) read_extent: u32,
+    pub(super) read_offset: u64,
+    pub(super) read_len: u32,
+    /// Reads of it submitted so far (at most `MAX_READ_ATTEMPTS`).
+    pub(super) attempts: u32,
 }
 
 impl Slot {
@@ -67,6 +74,10 @@ impl Slot {
             ready: false,
             error: false,
             issued,
+            read_extent: 0,
+            read_offset: 0,
+            read_len: 0,
+            attempts: 0,
         }
     }
 }
