@@ -112,6 +112,14 @@ pub(crate) const USER_TIMEOUT_MIN: Duration = Duration::from_secs(1);
 /// moved on by the gap, so nodes are not blamed for it.
 const NOT_RUNNING: Duration = Duration::from_secs(1);
 
+/// A silence clock `t` moved on by a gap of `gap` in which the thread did
+/// not run, but never past `now`: frames drained right after the pause set
+/// the clock to about `now`, and adding the gap to that would put it in
+/// the future and so excuse a later silence for as long as the pause was.
+fn shift_for_pause(t: Instant, gap: Duration, now: Instant) -> Instant {
+    (t + gap).min(now)
+}
+
 /// Cluster settings of a loader.
 #[derive(Debug, Clone)]
 pub(crate) struct NetSetup {
@@ -148,15 +156,68 @@ pub(crate) struct NetShared {
         crossbeam_channel::Sender<HandedOver>,
         crossbeam_channel::Receiver<HandedOver>,
     ),
-    /// The epoch in which this node's own copies are demoted (`u64::MAX`:
-    /// none): its local samples are handed over without a read, like a
-    /// demoted node's samples go to the next holder. Set by the network
-    /// thread after [`DEMOTE_AFTER_ERRORS`] local failures within
-    /// [`DEMOTE_WINDOW`]; over at the next epoch.
-    local_demoted_epoch: AtomicU64,
-    /// Why (the latest local failure), for the samples' error if no other
-    /// copy can serve them. Written before `local_demoted_epoch`.
-    local_demoted_why: std::sync::Mutex<Option<Error>>,
+    /// The lowest and highest epochs in which this node's own copies are
+    /// demoted (`u64::MAX` and 0: none): its local samples are handed over
+    /// without a read, like a demoted node's samples go to the next holder.
+    /// Set by the network thread after [`DEMOTE_AFTER_ERRORS`] local
+    /// failures within [`DEMOTE_WINDOW`]; each demotion is for its epoch
+    /// only. A sample outside the range costs two atomic loads; inside it,
+    /// `local_demoted_set` says which epochs are demoted: read-ahead
+    /// failures that demote epoch E+1 leave E demoted while its samples
+    /// are still read.
+    local_demoted_from: AtomicU64,
+    local_demoted_to: AtomicU64,
+    /// Which epochs are demoted, and why (the latest local failure), for
+    /// the samples' error if no other copy can serve them. Written before
+    /// the range.
+    local_demoted_set: std::sync::Mutex<DemotedEpochs>,
+}
+
+/// The epochs in which this node's own copies are demoted: the latest 64
+/// at most (epochs `base..base + 64`, one bit each; an older one is long
+/// read when a demotion 64 epochs later comes), and why.
+#[derive(Default)]
+struct DemotedEpochs {
+    base: u64,
+    bits: u64,
+    why: Option<Error>,
+}
+
+impl DemotedEpochs {
+    fn insert(&mut self, epoch: u64, why: Error) {
+        if self.bits == 0 {
+            self.base = epoch;
+        } else if epoch < self.base {
+            let shift = self.base - epoch;
+            self.bits = if shift >= 64 { 0 } else { self.bits << shift };
+            self.base = epoch;
+        } else if epoch - self.base >= 64 {
+            let shift = epoch - self.base - 63;
+            self.bits = if shift >= 64 { 0 } else { self.bits >> shift };
+            self.base += shift;
+        }
+        self.bits |= 1 << (epoch - self.base);
+        self.why = Some(why);
+    }
+
+    fn get(&self, epoch: u64) -> Option<Error> {
+        let off = epoch.checked_sub(self.base)?;
+        if off >= 64 || self.bits & (1 << off) == 0 {
+            return None;
+        }
+        self.why.clone()
+    }
+
+    /// The lowest and highest demoted epoch (`u64::MAX`, 0 when none).
+    fn range(&self) -> (u64, u64) {
+        if self.bits == 0 {
+            return (u64::MAX, 0);
+        }
+        (
+            self.base + self.bits.trailing_zeros() as u64,
+            self.base + 63 - self.bits.leading_zeros() as u64,
+        )
+    }
 }
 
 /// A local sample whose read failed, and why.
@@ -173,8 +234,9 @@ impl NetShared {
             failovers: AtomicU64::new(0),
             source_reads: AtomicU64::new(0),
             local_failed: crossbeam_channel::bounded(window_samples.max(1)),
-            local_demoted_epoch: AtomicU64::new(u64::MAX),
-            local_demoted_why: std::sync::Mutex::new(None),
+            local_demoted_from: AtomicU64::new(u64::MAX),
+            local_demoted_to: AtomicU64::new(0),
+            local_demoted_set: std::sync::Mutex::new(DemotedEpochs::default()),
         })
     }
 
@@ -199,22 +261,30 @@ impl NetShared {
     /// then hands its local samples over unread), and why. One atomic load
     /// per local sample while they are not.
     pub(crate) fn local_demoted(&self, epoch: u64) -> Option<Error> {
-        if self.local_demoted_epoch.load(Ordering::Acquire) != epoch {
+        if epoch < self.local_demoted_from.load(Ordering::Acquire)
+            || epoch > self.local_demoted_to.load(Ordering::Acquire)
+        {
             return None;
         }
-        self.local_demoted_why
+        self.local_demoted_set
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .clone()
+            .get(epoch)
     }
 
-    /// Demotes this node's own copies for `epoch` (see `local_demoted`).
+    /// Demotes this node's own copies for `epoch` (see `local_demoted`),
+    /// leaving the epochs demoted before demoted.
     fn demote_local(&self, epoch: u64, why: Error) {
-        *self
-            .local_demoted_why
+        let mut set = self
+            .local_demoted_set
             .lock()
-            .unwrap_or_else(|e| e.into_inner()) = Some(why);
-        self.local_demoted_epoch.store(epoch, Ordering::Release);
+            .unwrap_or_else(|e| e.into_inner());
+        set.insert(epoch, why);
+        let (from, to) = set.range();
+        // Widened only while the set is held: a reader that sees the new
+        // range finds the epoch in the set.
+        self.local_demoted_from.store(from, Ordering::Release);
+        self.local_demoted_to.store(to, Ordering::Release);
     }
 
     /// Called after the consumer moved the released mark.
@@ -549,14 +619,8 @@ impl<R: Receive> Thread<R> {
         })?;
         let size = (sh.geo.table_len() as usize).next_power_of_two();
         let cursor = Cursor::new(sh.sampler.clone(), sh.geo, sh.start, sh.steps);
-        let placement = setup.placement.ok_or_else(|| Error::BadCluster {
-            origin: "cluster".into(),
-            reason:
-                "no node could be reached and there is no local space to learn the placement from"
-                    .into(),
-        })?;
         Ok(Thread {
-            placement,
+            placement: connected.placement,
             ring,
             conns,
             common: connected.common,
@@ -751,9 +815,9 @@ impl<R: Receive> Thread<R> {
             // This thread did not run: nothing was received meanwhile
             // because nothing was looked at.
             for (c, b) in self.conns.iter_mut().zip(&mut self.beats) {
-                c.last_rx += gap;
-                c.last_done += gap;
-                b.last_heard += gap;
+                c.last_rx = shift_for_pause(c.last_rx, gap, now);
+                c.last_done = shift_for_pause(c.last_done, gap, now);
+                b.last_heard = shift_for_pause(b.last_heard, gap, now);
             }
         }
         for i in 0..self.conns.len() {
@@ -762,10 +826,16 @@ impl<R: Receive> Thread<R> {
                 continue;
             }
             let b = &self.beats[i];
-            if b.heard && now.saturating_duration_since(b.last_heard) > silence {
+            // The short silence rule holds only while grants wait on the
+            // node: a dead connection is never reconnected, so an idle
+            // node paused for a few seconds (cgroup throttling, a VM
+            // pause) must not be lost for the run. An idle one gets the
+            // node timeout.
+            let limit = if c.outstanding > 0 { silence } else { t };
+            if b.heard && now.saturating_duration_since(b.last_heard) > limit {
                 let why = format!(
                     "no heartbeat for {} ms ({} grants outstanding)",
-                    silence.as_millis(),
+                    limit.as_millis(),
                     c.outstanding
                 );
                 log::warn!("node {} ({}): {why}", c.node, c.addr);
@@ -897,5 +967,44 @@ impl<R: Receive> Thread<R> {
         };
         log::error!("{e}; dropping the connection");
         self.kill(i, e.to_string());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn demoting_a_later_epoch_keeps_the_earlier_one_demoted() {
+        let net = NetShared::new(4).unwrap();
+        let why = || Error::InvalidConfig("test".into());
+        assert!(net.local_demoted(5).is_none());
+        net.demote_local(5, why());
+        // Read-ahead failures demote epoch 6 while 5 is still read.
+        net.demote_local(6, why());
+        assert!(net.local_demoted(5).is_some(), "epoch 5 un-demoted");
+        assert!(net.local_demoted(6).is_some());
+        for e in [0, 4, 7, 100, u64::MAX] {
+            assert!(net.local_demoted(e).is_none(), "epoch {e}");
+        }
+        net.demote_local(9, why());
+        assert!(net.local_demoted(7).is_none() && net.local_demoted(8).is_none());
+        assert!(net.local_demoted(9).is_some() && net.local_demoted(5).is_some());
+        // 64 epochs later the oldest are dropped, the newest kept.
+        net.demote_local(70, why());
+        assert!(net.local_demoted(5).is_none() && net.local_demoted(6).is_none());
+        assert!(net.local_demoted(9).is_some() && net.local_demoted(70).is_some());
+    }
+
+    #[test]
+    fn a_pause_never_moves_a_silence_clock_past_now() {
+        let now = Instant::now() + Duration::from_secs(100);
+        let gap = Duration::from_secs(10);
+        // Heard just now (frames drained after the pause): stays at now.
+        assert_eq!(shift_for_pause(now, gap, now), now);
+        assert_eq!(shift_for_pause(now - Duration::from_secs(1), gap, now), now);
+        // Heard before the pause: moved on by the whole gap.
+        let before = now - Duration::from_secs(30);
+        assert_eq!(shift_for_pause(before, gap, now), before + gap);
     }
 }
