@@ -3592,3 +3592,106 @@ fn read_errors_log_one_warn_per_grant() {
 fn log_lines_in(text: &str, what: &str) -> usize {
     text.lines().filter(|l| l.contains(what)).count()
 }
+
+/// A node whose `kspeed serve` starts after the trainer: its connect is
+/// refused (nothing listens yet) and is tried again with the back-off, like
+/// a busy node, until the node timeout, so the node serves the whole run
+/// instead of being dead from the start (every sample from the source).
+#[test]
+fn a_node_that_starts_after_the_loader_is_connected_when_it_listens() {
+    let st = setup("tiny", 600, 1, 1);
+    let port = TcpListener::bind(format!("{}:0", node_ip(0)))
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr = format!("{}:{port}", node_ip(0));
+    let (space, token, at) = (st.spaces[0].clone(), st.token.clone(), addr.clone());
+    // The node comes up about a second after the loader starts connecting
+    // (the delay is the scenario, not a wait for something).
+    let late = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_secs(1));
+        Serve::start(&space, &at, &token, &[])
+    });
+    let cat = Catalog::open(&st.catalog).unwrap();
+    let mut l = builder_remote(&st, &[&addr], 16 << 20)
+        .node_timeout(Duration::from_secs(20))
+        .end_epoch(Some(1))
+        .build()
+        .unwrap();
+    let node = late.join().unwrap();
+    assert_eq!(check(&mut l, &cat, 0, 1, 1), 600);
+    let stats = l.finish();
+    assert_eq!(stats.source_reads, 0, "{stats:?}");
+    assert_eq!(stats.remote_samples, 600, "{stats:?}");
+    drop(node);
+}
+
+/// A node paused for 3 s (cgroup throttling, a VM pause, a debugger) while
+/// no grant waits on it is not taken for dead: the 2 s heartbeat silence
+/// applies only with grants outstanding (an idle link gets `node_timeout`),
+/// so the connection survives the pause and the node keeps serving this
+/// consumer. (A dead connection is not reconnected.)
+#[test]
+fn an_idle_node_paused_for_three_seconds_keeps_its_consumer() {
+    let st = setup("tiny", 600, 1, 1);
+    let log = st._tmp.path().join("node0.log");
+    let node = Serve::launch(&st.spaces[0], &node_ip(0), &st.token, &[], Some(&log), None);
+    let cat = Catalog::open(&st.catalog).unwrap();
+    // The 16 MiB ring holds about six epochs: all three land.
+    let mut a = builder_remote(&st, &[&node.addr], 16 << 20)
+        .end_epoch(Some(3))
+        .build()
+        .unwrap();
+    let sampler = Sampler::new(
+        SamplerConfig::single(cat.len(), 3)
+            .rank_world(0, 1)
+            .shuffle(true)
+            .drop_last(false),
+    )
+    .unwrap();
+    let read_epoch = |l: &mut Loader, e: u64| {
+        l.set_epoch(e).unwrap();
+        let mut k = 0;
+        while let Some(b) = l.next_batch().unwrap() {
+            for smp in b.iter() {
+                assert_eq!(smp.id, sampler.sample(e, k), "epoch {e} step {k}");
+                assert_eq!(crc32c::crc32c(smp.bytes), cat.sample(smp.id).crc32c);
+                k += 1;
+            }
+        }
+        assert_eq!(k, 600, "epoch {e}");
+    };
+    read_epoch(&mut a, 0);
+    // Every sample of the three epochs has landed: no grant is outstanding
+    // now or later, and the node has sent heartbeats.
+    let t0 = Instant::now();
+    while a.stats().remote_samples < 1800 {
+        assert!(t0.elapsed() < Duration::from_secs(60), "{:?}", a.stats());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    node.signal("-STOP");
+    std::thread::sleep(Duration::from_secs(3));
+    node.signal("-CONT");
+    read_epoch(&mut a, 1);
+    read_epoch(&mut a, 2);
+    // A second consumer served in full by the node's only poller: by then
+    // that poller has taken in whatever consumer A did during the pause
+    // (a shut connection would be logged "disconnected").
+    let mut b = builder_remote(&st, &[&node.addr], 16 << 20)
+        .end_epoch(Some(1))
+        .build()
+        .unwrap();
+    read_epoch(&mut b, 0);
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert_eq!(
+        log_lines(&log, "disconnected"),
+        0,
+        "a consumer was dropped during the pause: {text}"
+    );
+    let stats = a.finish();
+    assert_eq!(stats.remote_samples, 1800, "{stats:?}");
+    assert_eq!(stats.source_reads + stats.failovers, 0, "{stats:?}");
+    drop(b);
+    drop(node);
+}
