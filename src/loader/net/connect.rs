@@ -233,7 +233,10 @@ fn jitter(node: u32, attempt: u32) -> u64 {
 /// [`connect`] under its own deadline (`node_timeout` from now), trying
 /// again after a back-off with jitter while the node answers HELLO with a
 /// code that asks for it ([`Code::retry_at_hello`]: node full, busy,
-/// rate-limited). When the deadline comes first: a full node is `Refused`
+/// rate-limited), and likewise after a [`ConnectError::Transient`] failure
+/// (a refused connect, a reset or close before the answer: a service not
+/// started yet, or restarting). When the deadline comes first: a node that
+/// still fails so is unreachable; a full node is `Refused`
 /// (the job has more consumers than the nodes are configured for); a busy
 /// or rate-limiting one is unreachable (dead from the start, its samples
 /// fail over).

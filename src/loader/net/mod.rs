@@ -14,8 +14,10 @@
 //! Heartbeats: the first frame to each node is a keepalive asking for
 //! heartbeats; a node that sends them (an empty connection ERROR, code 0,
 //! whenever it sent nothing for 250 ms) and then goes silent for
-//! [`HEARTBEAT_SILENCE`] is taken for dead, grants outstanding or not, so a
-//! dead host costs about 2 s, not `node_timeout`. TCP_USER_TIMEOUT bounds
+//! [`HEARTBEAT_SILENCE`] with grants outstanding (`node_timeout` with none)
+//! is taken for dead, so a dead host costs about 2 s, not `node_timeout`,
+//! and an idle node paused for a few seconds is not lost: a shut
+//! connection is not reconnected. TCP_USER_TIMEOUT bounds
 //! unacknowledged bytes on every control connection.
 //!
 //! Failover: a connection that closes, fails, breaks the protocol, misses
@@ -95,7 +97,9 @@ pub(crate) const DEMOTE_WINDOW: Duration = Duration::from_secs(10);
 pub(crate) const KEEPALIVE: Duration = Duration::from_secs(1);
 /// A node that sends heartbeats (it answered the first keepalive, which
 /// asks for them, with one) and sent nothing at all for this long is
-/// taken for dead, whatever is outstanding: eight heartbeat intervals, so
+/// taken for dead when grants are outstanding on it (idle: after
+/// `node_timeout`, as a dead connection is never reconnected and an idle
+/// node may be paused for a few seconds): eight heartbeat intervals, so
 /// a live node's poller can miss several on a loaded machine. (Bounded by
 /// `node_timeout` when that is shorter.) A node that does not send them
 /// (an older build) is judged by `node_timeout` alone, as before.
