@@ -3695,3 +3695,79 @@ fn an_idle_node_paused_for_three_seconds_keeps_its_consumer() {
     drop(b);
     drop(node);
 }
+
+/// A node paused for 3 s mid-epoch, grants waiting on it: its consumer
+/// takes it for dead after 2 s of silence and fails its grants over (the
+/// epoch completes exactly, the rest from the source), then reconnects once
+/// the node runs again, and the node serves again: later epochs read
+/// nothing from the source. Without the reconnect the node is lost to the
+/// consumer for the rest of the run.
+#[test]
+fn a_node_paused_mid_epoch_is_reconnected_and_serves_again() {
+    let st = setup("tiny", 600, 1, 1);
+    let node = Serve::start(&st.spaces[0], &node_ip(0), &st.token, &[]);
+    let cat = Catalog::open(&st.catalog).unwrap();
+    // A 1 MiB ring holds about a third of an epoch: grants wait on the
+    // node while it is stopped.
+    let mut l = builder_remote(&st, &[&node.addr], 1 << 20).build().unwrap();
+    let sampler = Sampler::new(
+        SamplerConfig::single(cat.len(), 3)
+            .rank_world(0, 1)
+            .shuffle(true)
+            .drop_last(false),
+    )
+    .unwrap();
+    let pid = node.child.id();
+    let read_epoch = |l: &mut Loader, e: u64, pause: bool| {
+        l.set_epoch(e).unwrap();
+        let mut k = 0;
+        let mut cont = None;
+        while let Some(b) = l.next_batch().unwrap() {
+            for smp in b.iter() {
+                assert_eq!(smp.id, sampler.sample(e, k), "epoch {e} step {k}");
+                assert_eq!(crc32c::crc32c(smp.bytes), cat.sample(smp.id).crc32c);
+                k += 1;
+            }
+            drop(b);
+            if pause && cont.is_none() {
+                node.signal("-STOP");
+                // The pause is the scenario (not a wait for something).
+                cont = Some(std::thread::spawn(move || {
+                    std::thread::sleep(Duration::from_secs(3));
+                    Command::new("kill")
+                        .args(["-CONT", &pid.to_string()])
+                        .status()
+                        .unwrap();
+                }));
+            }
+        }
+        assert_eq!(k, 600, "epoch {e}");
+        if let Some(t) = cont {
+            t.join().unwrap();
+        }
+    };
+    read_epoch(&mut l, 0, true);
+    let after_pause = l.stats();
+    assert!(after_pause.source_reads > 0, "{after_pause:?}");
+    // Epochs go on (from the source while the node is away) until one is
+    // served by the node alone.
+    let t0 = Instant::now();
+    let mut e = 1;
+    loop {
+        let before = l.stats();
+        read_epoch(&mut l, e, false);
+        let now = l.stats();
+        if now.source_reads == before.source_reads {
+            assert!(now.remote_samples >= before.remote_samples + 600, "{now:?}");
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "node never served again after its pause ({e} epochs): {now:?}"
+        );
+        e += 1;
+    }
+    let stats = l.finish();
+    assert_eq!(stats.samples, 600 * (e + 1), "{stats:?}");
+    drop(node);
+}

@@ -216,7 +216,7 @@ pub(crate) fn retry_backoff(attempt: u32, jitter: u64) -> Duration {
 
 /// A random number for the back-off's jitter (std's randomly keyed hasher;
 /// no generator needed for this).
-fn jitter(node: u32, attempt: u32) -> u64 {
+pub(crate) fn jitter(node: u32, attempt: u32) -> u64 {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     h.write_u32(node);
@@ -240,7 +240,7 @@ fn jitter(node: u32, attempt: u32) -> u64 {
 /// (the job has more consumers than the nodes are configured for); a busy
 /// or rate-limiting one is unreachable (dead from the start, its samples
 /// fail over).
-fn connect_retrying<R: Receive>(
+pub(crate) fn connect_retrying<R: Receive>(
     setup: &NetSetup,
     node: u32,
     addr: &str,

@@ -75,6 +75,7 @@ mod connect;
 mod grants;
 #[cfg(feature = "rdma")]
 mod rdma;
+mod redial;
 mod socket;
 mod tcp;
 
@@ -318,11 +319,11 @@ impl NetShared {
 ///
 /// The network thread is generic over it (static dispatch, one
 /// monomorphised loop per transport); nothing it calls allocates.
-pub(crate) trait Receive: Sized + Send {
+pub(crate) trait Receive: Sized + Send + 'static {
     /// What the connections of one launch share (RDMA: the device, the
     /// completion channel, the ring's registration); the thread drops it
     /// after them.
-    type Common: Send + Sync;
+    type Common: Send + Sync + 'static;
 
     /// Whether a node's bytes and grant ERRORs arrive as frames on the
     /// control connection (TCP), not as completions [`Receive::poll`]
@@ -333,6 +334,13 @@ pub(crate) trait Receive: Sized + Send {
 
     /// After WELCOME on `sock`: sets up this connection's data path with
     /// node `node` at `addr`.
+    /// What a reconnect thread needs to set up a connection again (a
+    /// clone of `common`); `None` (the default): this data path is not set
+    /// up again, and a dead node stays dead.
+    fn redial_common(_common: &Self::Common) -> Option<Self::Common> {
+        None
+    }
+
     fn connect(
         common: &Self::Common,
         sock: &mut TcpStream,
@@ -566,6 +574,8 @@ pub(crate) struct Thread<R: Receive> {
     progress_slack: Duration,
     /// Per connection (same index): heartbeats asked for, and heard.
     beats: Vec<Beats>,
+    /// Per connection (same index): when a dead one is tried again.
+    redials: redial::Redials<R>,
     /// When `check_timeouts` last ran (see [`NOT_RUNNING`]).
     last_check: Instant,
     /// This node's own failed reads in the window that began at
@@ -623,7 +633,17 @@ impl<R: Receive> Thread<R> {
         })?;
         let size = (sh.geo.table_len() as usize).next_power_of_two();
         let cursor = Cursor::new(sh.sampler.clone(), sh.geo, sh.start, sh.steps);
+        let mut redials = redial::Redials::new(conns.len());
+        let redial = R::redial_common(&connected.common).is_some();
+        for (c, r) in conns.iter().zip(&mut redials.state) {
+            // Unreachable at start: tried again like one that died later
+            // (not the local node's place).
+            if redial && c.state == State::Dead && Some(c.node) != setup.local_node {
+                r.schedule_first(c.node);
+            }
+        }
         Ok(Thread {
+            redials,
             placement: connected.placement,
             ring,
             conns,
@@ -677,6 +697,7 @@ impl<R: Receive> Thread<R> {
                 self.flush_grants();
                 self.post_recvs();
                 self.check_timeouts();
+                self.redial();
             }
             // About to sleep: arm the CQs, then look once more (a
             // completion that came in before arming raises no event).
@@ -903,6 +924,7 @@ impl<R: Receive> Thread<R> {
         if self.sh.stop.load(Ordering::Acquire) {
             return;
         }
+        self.schedule_redial(i);
         let mut moved = 0;
         for idx in 0..self.table.len() {
             let s = &mut self.table[idx];
