@@ -51,6 +51,8 @@ pub(super) struct Redial {
     next: Option<Instant>,
     /// A try is running on its thread.
     inflight: bool,
+    /// When the node was last reconnected.
+    back_since: Option<Instant>,
 }
 
 /// What a reconnect thread sends back: the connection index and its result.
@@ -91,6 +93,13 @@ impl<R: Receive> Thread<R> {
             return;
         }
         let r = &mut self.redials.state[i];
+        // The back-off goes on growing across reconnects, so a node that
+        // fails again soon after each (alive but not delivering) costs
+        // the consumer a stall at most every REDIAL_MAX; one that served
+        // for that long starts again from the shortest wait.
+        if r.back_since.is_some_and(|t| t.elapsed() > REDIAL_MAX) {
+            r.attempt = 0;
+        }
         let wait = redial_backoff(r.attempt, jitter(self.conns[i].node, r.attempt));
         r.attempt = r.attempt.saturating_add(1);
         r.next = Some(Instant::now() + wait);
@@ -178,7 +187,9 @@ impl<R: Receive> Thread<R> {
             heard: false,
             last_heard: Instant::now(),
         };
-        self.redials.state[i] = Redial::default();
+        let r = &mut self.redials.state[i];
+        r.next = None;
+        r.back_since = Some(Instant::now());
         log::warn!(
             "node {node} ({addr}) is back (it was gone: {}); it takes grants again",
             was.reason
