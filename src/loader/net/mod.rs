@@ -16,8 +16,8 @@
 //! whenever it sent nothing for 250 ms) and then goes silent for
 //! [`HEARTBEAT_SILENCE`] with grants outstanding (`node_timeout` with none)
 //! is taken for dead, so a dead host costs about 2 s, not `node_timeout`,
-//! and an idle node paused for a few seconds is not lost: a shut
-//! connection is not reconnected. TCP_USER_TIMEOUT bounds
+//! and an idle node paused for a few seconds keeps its connection. A dead
+//! node is reconnected later over TCP (`redial.rs`). TCP_USER_TIMEOUT bounds
 //! unacknowledged bytes on every control connection.
 //!
 //! Failover: a connection that closes, fails, breaks the protocol, misses
@@ -99,8 +99,8 @@ pub(crate) const KEEPALIVE: Duration = Duration::from_secs(1);
 /// A node that sends heartbeats (it answered the first keepalive, which
 /// asks for them, with one) and sent nothing at all for this long is
 /// taken for dead when grants are outstanding on it (idle: after
-/// `node_timeout`, as a dead connection is never reconnected and an idle
-/// node may be paused for a few seconds): eight heartbeat intervals, so
+/// `node_timeout`: an idle node may be paused for a few seconds, and
+/// losing it costs a reconnect, or over RDMA the run): eight heartbeat intervals, so
 /// a live node's poller can miss several on a loaded machine. (Bounded by
 /// `node_timeout` when that is shorter.) A node that does not send them
 /// (an older build) is judged by `node_timeout` alone, as before.
@@ -852,10 +852,10 @@ impl<R: Receive> Thread<R> {
             }
             let b = &self.beats[i];
             // The short silence rule holds only while grants wait on the
-            // node: a dead connection is never reconnected, so an idle
-            // node paused for a few seconds (cgroup throttling, a VM
-            // pause) must not be lost for the run. An idle one gets the
-            // node timeout.
+            // node: an idle node paused for a few seconds (cgroup
+            // throttling, a VM pause) keeps its connection (over RDMA a
+            // dead one is not reconnected). An idle one gets the node
+            // timeout.
             let limit = if c.outstanding > 0 { silence } else { t };
             if b.heard && now.saturating_duration_since(b.last_heard) > limit {
                 let why = format!(
