@@ -110,8 +110,7 @@ impl<R: Receive> Thread<R> {
         let now = Instant::now();
         for i in 0..self.conns.len() {
             let r = self.redials.state[i];
-            if r.inflight || !r.next.is_some_and(|t| t <= now) || self.conns[i].state != State::Dead
-            {
+            if r.inflight || r.next.is_none_or(|t| t > now) || self.conns[i].state != State::Dead {
                 continue;
             }
             let Some(common) = R::redial_common(&self.common) else {
