@@ -3704,6 +3704,10 @@ fn an_idle_node_paused_for_three_seconds_keeps_its_consumer() {
 /// consumer for the rest of the run.
 #[test]
 fn a_node_paused_mid_epoch_is_reconnected_and_serves_again() {
+    if rdma_mode() {
+        skip("over RDMA a dead node is not reconnected (docs/PROTOCOL.md)");
+        return;
+    }
     let st = setup("tiny", 600, 1, 1);
     let node = Serve::start(&st.spaces[0], &node_ip(0), &st.token, &[]);
     let cat = Catalog::open(&st.catalog).unwrap();
