@@ -4017,3 +4017,188 @@ fn a_full_metrics_port_delays_a_new_scrape_until_a_slot_frees() {
     let (status, head, _) = http_read(scrape);
     assert!(status.contains("200"), "{head}");
 }
+
+/// A node whose `kspeed serve` starts after the trainer: its connect is
+/// refused (nothing listens yet) and is tried again with the back-off, like
+/// a busy node, until the node timeout, so the node serves the whole run
+/// instead of being dead from the start (every sample from the source).
+#[test]
+fn a_node_that_starts_after_the_loader_is_connected_when_it_listens() {
+    let st = setup("tiny", 600, 1, 1);
+    let port = TcpListener::bind(format!("{}:0", node_ip(0)))
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr = format!("{}:{port}", node_ip(0));
+    let (space, token, at) = (st.spaces[0].clone(), st.token.clone(), addr.clone());
+    // The node comes up about a second after the loader starts connecting
+    // (the delay is the scenario, not a wait for something).
+    let late = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_secs(1));
+        Serve::start(&space, &at, &token, &[])
+    });
+    let cat = Catalog::open(&st.catalog).unwrap();
+    let mut l = builder_remote(&st, &[&addr], 16 << 20)
+        .node_timeout(Duration::from_secs(20))
+        .end_epoch(Some(1))
+        .build()
+        .unwrap();
+    let node = late.join().unwrap();
+    assert_eq!(check(&mut l, &cat, 0, 1, 1), 600);
+    let stats = l.finish();
+    assert_eq!(stats.source_reads, 0, "{stats:?}");
+    assert_eq!(stats.remote_samples, 600, "{stats:?}");
+    drop(node);
+}
+
+/// A node paused for 3 s (cgroup throttling, a VM pause, a debugger) while
+/// no grant waits on it is not taken for dead: the 2 s heartbeat silence
+/// applies only with grants outstanding (an idle link gets `node_timeout`),
+/// so the connection survives the pause and the node keeps serving this
+/// consumer (no reconnect needed; over RDMA there is none).
+#[test]
+fn an_idle_node_paused_for_three_seconds_keeps_its_consumer() {
+    let st = setup("tiny", 600, 1, 1);
+    let log = st._tmp.path().join("node0.log");
+    let node = Serve::launch(&st.spaces[0], &node_ip(0), &st.token, &[], Some(&log), None);
+    let cat = Catalog::open(&st.catalog).unwrap();
+    // The 16 MiB ring holds about six epochs: all three land.
+    let mut a = builder_remote(&st, &[&node.addr], 16 << 20)
+        .end_epoch(Some(3))
+        .build()
+        .unwrap();
+    let sampler = Sampler::new(
+        SamplerConfig::single(cat.len(), 3)
+            .rank_world(0, 1)
+            .shuffle(true)
+            .drop_last(false),
+    )
+    .unwrap();
+    let read_epoch = |l: &mut Loader, e: u64| {
+        l.set_epoch(e).unwrap();
+        let mut k = 0;
+        while let Some(b) = l.next_batch().unwrap() {
+            for smp in b.iter() {
+                assert_eq!(smp.id, sampler.sample(e, k), "epoch {e} step {k}");
+                assert_eq!(crc32c::crc32c(smp.bytes), cat.sample(smp.id).crc32c);
+                k += 1;
+            }
+        }
+        assert_eq!(k, 600, "epoch {e}");
+    };
+    read_epoch(&mut a, 0);
+    // Every sample of the three epochs has landed: no grant is outstanding
+    // now or later, and the node has sent heartbeats.
+    let t0 = Instant::now();
+    while a.stats().remote_samples < 1800 {
+        assert!(t0.elapsed() < Duration::from_secs(60), "{:?}", a.stats());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    node.signal("-STOP");
+    std::thread::sleep(Duration::from_secs(3));
+    node.signal("-CONT");
+    read_epoch(&mut a, 1);
+    read_epoch(&mut a, 2);
+    // A second consumer served in full by the node's only poller: by then
+    // that poller has taken in whatever consumer A did during the pause
+    // (a shut connection would be logged "disconnected").
+    let mut b = builder_remote(&st, &[&node.addr], 16 << 20)
+        .end_epoch(Some(1))
+        .build()
+        .unwrap();
+    read_epoch(&mut b, 0);
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert_eq!(
+        log_lines(&log, "disconnected"),
+        0,
+        "a consumer was dropped during the pause: {text}"
+    );
+    let stats = a.finish();
+    assert_eq!(stats.remote_samples, 1800, "{stats:?}");
+    assert_eq!(stats.source_reads + stats.failovers, 0, "{stats:?}");
+    drop(b);
+    drop(node);
+}
+
+/// A node paused for 3 s mid-epoch, grants waiting on it: its consumer
+/// takes it for dead after 2 s of silence and fails its grants over (the
+/// epoch completes exactly, the rest from the source), then reconnects once
+/// the node runs again, and the node serves again: later epochs read
+/// nothing from the source. Without the reconnect the node is lost to the
+/// consumer for the rest of the run.
+#[test]
+fn a_node_paused_mid_epoch_is_reconnected_and_serves_again() {
+    if rdma_mode() {
+        skip("over RDMA a dead node is not reconnected (docs/PROTOCOL.md)");
+        return;
+    }
+    let st = setup("tiny", 600, 1, 1);
+    let node = Serve::start(&st.spaces[0], &node_ip(0), &st.token, &[]);
+    let cat = Catalog::open(&st.catalog).unwrap();
+    // A 1 MiB ring holds about a third of an epoch: grants wait on the
+    // node while it is stopped.
+    let mut l = builder_remote(&st, &[&node.addr], 1 << 20).build().unwrap();
+    let sampler = Sampler::new(
+        SamplerConfig::single(cat.len(), 3)
+            .rank_world(0, 1)
+            .shuffle(true)
+            .drop_last(false),
+    )
+    .unwrap();
+    let pid = node.child.id();
+    let read_epoch = |l: &mut Loader, e: u64, pause: bool| {
+        l.set_epoch(e).unwrap();
+        let mut k = 0;
+        let mut cont = None;
+        while let Some(b) = l.next_batch().unwrap() {
+            for smp in b.iter() {
+                assert_eq!(smp.id, sampler.sample(e, k), "epoch {e} step {k}");
+                assert_eq!(crc32c::crc32c(smp.bytes), cat.sample(smp.id).crc32c);
+                k += 1;
+            }
+            drop(b);
+            if pause && cont.is_none() {
+                node.signal("-STOP");
+                // The pause is the scenario (not a wait for something).
+                cont = Some(std::thread::spawn(move || {
+                    std::thread::sleep(Duration::from_secs(3));
+                    Command::new("kill")
+                        .args(["-CONT", &pid.to_string()])
+                        .status()
+                        .unwrap();
+                }));
+            }
+        }
+        assert_eq!(k, 600, "epoch {e}");
+        if let Some(t) = cont {
+            t.join().unwrap();
+        }
+    };
+    read_epoch(&mut l, 0, true);
+    let after_pause = l.stats();
+    assert!(after_pause.source_reads > 0, "{after_pause:?}");
+    // Epochs go on (from the source while the node is away) until one is
+    // served by the node alone.
+    let t0 = Instant::now();
+    let mut e = 1;
+    loop {
+        let before = l.stats();
+        read_epoch(&mut l, e, false);
+        let now = l.stats();
+        if now.source_reads == before.source_reads {
+            // (Part of this epoch may have been read ahead, from the
+            // source, during the one before.)
+            assert!(now.remote_samples > before.remote_samples, "{now:?}");
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "node never served again after its pause ({e} epochs): {now:?}"
+        );
+        e += 1;
+    }
+    let stats = l.finish();
+    assert_eq!(stats.samples, 600 * (e + 1), "{stats:?}");
+    drop(node);
+}

@@ -27,6 +27,9 @@ pub(crate) enum Connected {
 pub(crate) struct Connections<R: Receive> {
     pub(crate) conns: Vec<Conn<R>>,
     pub(crate) common: R::Common,
+    /// How the space is placed: from the local space, the first WELCOME,
+    /// or (neither) any placement, every holder being dead.
+    pub(crate) placement: Placement,
 }
 
 /// Connects to every node but the local one. A node that cannot be reached
@@ -135,33 +138,61 @@ fn connect_with<R: Receive>(setup: &mut NetSetup, common: R::Common) -> Result<C
                 out.push(c)
             }
             Err(ConnectError::Refused(e)) => return Err(e),
-            Err(ConnectError::Unreachable(why)) => {
+            Err(ConnectError::Unreachable(why) | ConnectError::Transient(why)) => {
                 log::warn!("node {} ({}) is unreachable: {why}", n.index, n.addr);
                 out.push(Conn::dead(n.index, n.addr.clone(), why));
             }
         }
     }
-    if setup.placement.is_none() {
-        // No WELCOME and no local space: reading a source (a space gives
-        // the placement), which serves every sample when no node can. Any
-        // placement will do: every holder of every sample is dead.
-        let nodes = setup.cluster.nodes.len() as u32;
-        let any = Placement::new(nodes.max(1), 1).map_err(|e| Error::BadCluster {
-            origin: "cluster".into(),
-            reason: e.to_string(),
-        })?;
-        log::warn!(
-            "none of the {nodes} node(s) could be reached: every sample is read from the source"
-        );
-        setup.placement = Some(any);
-    }
-    Ok(Connections { conns: out, common })
+    let placement = match setup.placement {
+        Some(p) => p,
+        None => {
+            // No WELCOME and no local space: reading a source (a space
+            // gives the placement), which serves every sample when no node
+            // can. Any placement will do: every holder of every sample is
+            // dead.
+            let nodes = setup.cluster.nodes.len() as u32;
+            let any = Placement::new(nodes.max(1), 1).map_err(|e| Error::BadCluster {
+                origin: "cluster".into(),
+                reason: e.to_string(),
+            })?;
+            log::warn!(
+                "none of the {nodes} node(s) could be reached: every sample is read from the source"
+            );
+            setup.placement = Some(any);
+            any
+        }
+    };
+    Ok(Connections {
+        conns: out,
+        common,
+        placement,
+    })
 }
 
 /// Why a node could not be connected.
 pub(crate) enum ConnectError {
     Refused(Error),
     Unreachable(String),
+    /// Refused at TCP connect (no service listening yet), or the
+    /// connection reset or closed before the node answered HELLO: the
+    /// service may be starting or restarting, so [`connect_retrying`]
+    /// tries again with back-off until the node's deadline.
+    Transient(String),
+}
+
+/// Whether a failed connect, send or read of the handshake is one the
+/// node may get over by itself (see [`ConnectError::Transient`]).
+fn transient(e: &std::io::Error) -> bool {
+    use std::io::ErrorKind as K;
+    matches!(
+        e.kind(),
+        K::ConnectionRefused
+            | K::ConnectionReset
+            | K::ConnectionAborted
+            | K::BrokenPipe
+            | K::UnexpectedEof
+    )
 }
 
 /// First back-off after a retryable refusal at HELLO; each next one's
@@ -185,7 +216,7 @@ pub(crate) fn retry_backoff(attempt: u32, jitter: u64) -> Duration {
 
 /// A random number for the back-off's jitter (std's randomly keyed hasher;
 /// no generator needed for this).
-fn jitter(node: u32, attempt: u32) -> u64 {
+pub(crate) fn jitter(node: u32, attempt: u32) -> u64 {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     h.write_u32(node);
@@ -202,11 +233,14 @@ fn jitter(node: u32, attempt: u32) -> u64 {
 /// [`connect`] under its own deadline (`node_timeout` from now), trying
 /// again after a back-off with jitter while the node answers HELLO with a
 /// code that asks for it ([`Code::retry_at_hello`]: node full, busy,
-/// rate-limited). When the deadline comes first: a full node is `Refused`
+/// rate-limited), and likewise after a [`ConnectError::Transient`] failure
+/// (a refused connect, a reset or close before the answer: a service not
+/// started yet, or restarting). When the deadline comes first: a node that
+/// still fails so is unreachable; a full node is `Refused`
 /// (the job has more consumers than the nodes are configured for); a busy
 /// or rate-limiting one is unreachable (dead from the start, its samples
 /// fail over).
-fn connect_retrying<R: Receive>(
+pub(crate) fn connect_retrying<R: Receive>(
     setup: &NetSetup,
     node: u32,
     addr: &str,
@@ -222,6 +256,24 @@ fn connect_retrying<R: Receive>(
                 message,
                 ..
             })) if retryable(name) => (name, message),
+            Err(ConnectError::Transient(why)) => {
+                // Not listening yet, or gone before it answered: tried
+                // again like a busy node until the deadline.
+                let wait = retry_backoff(attempt, jitter(node, attempt));
+                attempt += 1;
+                if Instant::now() + wait >= deadline {
+                    return Err(ConnectError::Unreachable(format!(
+                        "{why} (still so after {attempt} tries over {} ms, the node timeout)",
+                        started.elapsed().as_millis()
+                    )));
+                }
+                log::debug!(
+                    "node {node} ({addr}): {why}; trying again in {} ms",
+                    wait.as_millis()
+                );
+                std::thread::sleep(wait);
+                continue;
+            }
             other => return other,
         };
         let wait = retry_backoff(attempt, jitter(node, attempt));
@@ -263,6 +315,7 @@ fn read_failure(what: &str, e: &std::io::Error, waited: Duration) -> ConnectErro
         std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
             ConnectError::Unreachable(format!("{what}: timed out after {} ms", waited.as_millis()))
         }
+        _ if transient(e) => ConnectError::Transient(format!("{what}: {e}")),
         _ => ConnectError::Unreachable(format!("{what}: {e}")),
     }
 }
@@ -283,6 +336,13 @@ fn connect<R: Receive>(
     };
     let unreachable =
         |what: &str, e: &dyn std::fmt::Display| ConnectError::Unreachable(format!("{what}: {e}"));
+    let io_failure = |what: &str, e: &std::io::Error| {
+        if transient(e) {
+            ConnectError::Transient(format!("{what}: {e}"))
+        } else {
+            unreachable(what, e)
+        }
+    };
     let sa = crate::transport::Node {
         index: node,
         addr: addr.to_string(),
@@ -290,14 +350,14 @@ fn connect<R: Receive>(
     .resolve()
     .map_err(|e| unreachable("resolve", &e))?;
     let mut sock = TcpStream::connect_timeout(&sa, setup.connect_timeout.min(left()))
-        .map_err(|e| unreachable("connect", &e))?;
+        .map_err(|e| io_failure("connect", &e))?;
     let _ = sock.set_nodelay(true);
     let sent = Instant::now();
     let _ = sock.set_read_timeout(Some(left()));
     let mut hello = Vec::new();
     setup.hello.encode(&setup.token, &mut hello);
     sock.write_all(&hello)
-        .map_err(|e| unreachable("send HELLO", &e))?;
+        .map_err(|e| io_failure("send HELLO", &e))?;
     let mut hb = [0u8; proto::HEADER_BYTES];
     sock.read_exact(&mut hb)
         .map_err(|e| read_failure("no answer to HELLO", &e, sent.elapsed()))?;

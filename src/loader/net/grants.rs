@@ -226,7 +226,7 @@ impl<R: Receive> Thread<R> {
                 }
             }
             self.table[idx] = GSlot::open(&p, &self.sh.geo, tried, true);
-            let demoted = self.net().local_demoted_epoch.load(Ordering::Acquire) == p.pos.epoch;
+            let demoted = self.net().local_demoted(p.pos.epoch).is_some();
             if !demoted {
                 // A failed read (a demoted sample was not read: it goes to
                 // the next holder without a word, like a demoted node's).

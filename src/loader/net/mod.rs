@@ -14,8 +14,10 @@
 //! Heartbeats: the first frame to each node is a keepalive asking for
 //! heartbeats; a node that sends them (an empty connection ERROR, code 0,
 //! whenever it sent nothing for 250 ms) and then goes silent for
-//! [`HEARTBEAT_SILENCE`] is taken for dead, grants outstanding or not, so a
-//! dead host costs about 2 s, not `node_timeout`. TCP_USER_TIMEOUT bounds
+//! [`HEARTBEAT_SILENCE`] with grants outstanding (`node_timeout` with none)
+//! is taken for dead, so a dead host costs about 2 s, not `node_timeout`,
+//! and an idle node paused for a few seconds keeps its connection. A dead
+//! node is reconnected later over TCP (`redial.rs`). TCP_USER_TIMEOUT bounds
 //! unacknowledged bytes on every control connection.
 //!
 //! Failover: a connection that closes, fails, breaks the protocol, misses
@@ -73,6 +75,7 @@ mod connect;
 mod grants;
 #[cfg(feature = "rdma")]
 mod rdma;
+mod redial;
 mod socket;
 mod tcp;
 
@@ -95,7 +98,9 @@ pub(crate) const DEMOTE_WINDOW: Duration = Duration::from_secs(10);
 pub(crate) const KEEPALIVE: Duration = Duration::from_secs(1);
 /// A node that sends heartbeats (it answered the first keepalive, which
 /// asks for them, with one) and sent nothing at all for this long is
-/// taken for dead, whatever is outstanding: eight heartbeat intervals, so
+/// taken for dead when grants are outstanding on it (idle: after
+/// `node_timeout`: an idle node may be paused for a few seconds, and
+/// losing it costs a reconnect, or over RDMA the run): eight heartbeat intervals, so
 /// a live node's poller can miss several on a loaded machine. (Bounded by
 /// `node_timeout` when that is shorter.) A node that does not send them
 /// (an older build) is judged by `node_timeout` alone, as before.
@@ -111,6 +116,14 @@ pub(crate) const USER_TIMEOUT_MIN: Duration = Duration::from_secs(1);
 /// not run (the process was stopped, or starved): the silence clocks are
 /// moved on by the gap, so nodes are not blamed for it.
 const NOT_RUNNING: Duration = Duration::from_secs(1);
+
+/// A silence clock `t` moved on by a gap of `gap` in which the thread did
+/// not run, but never past `now`: frames drained right after the pause set
+/// the clock to about `now`, and adding the gap to that would put it in
+/// the future and so excuse a later silence for as long as the pause was.
+fn shift_for_pause(t: Instant, gap: Duration, now: Instant) -> Instant {
+    (t + gap).min(now)
+}
 
 /// Cluster settings of a loader.
 #[derive(Debug, Clone)]
@@ -148,15 +161,68 @@ pub(crate) struct NetShared {
         crossbeam_channel::Sender<HandedOver>,
         crossbeam_channel::Receiver<HandedOver>,
     ),
-    /// The epoch in which this node's own copies are demoted (`u64::MAX`:
-    /// none): its local samples are handed over without a read, like a
-    /// demoted node's samples go to the next holder. Set by the network
-    /// thread after [`DEMOTE_AFTER_ERRORS`] local failures within
-    /// [`DEMOTE_WINDOW`]; over at the next epoch.
-    local_demoted_epoch: AtomicU64,
-    /// Why (the latest local failure), for the samples' error if no other
-    /// copy can serve them. Written before `local_demoted_epoch`.
-    local_demoted_why: std::sync::Mutex<Option<Error>>,
+    /// The lowest and highest epochs in which this node's own copies are
+    /// demoted (`u64::MAX` and 0: none): its local samples are handed over
+    /// without a read, like a demoted node's samples go to the next holder.
+    /// Set by the network thread after [`DEMOTE_AFTER_ERRORS`] local
+    /// failures within [`DEMOTE_WINDOW`]; each demotion is for its epoch
+    /// only. A sample outside the range costs two atomic loads; inside it,
+    /// `local_demoted_set` says which epochs are demoted: read-ahead
+    /// failures that demote epoch E+1 leave E demoted while its samples
+    /// are still read.
+    local_demoted_from: AtomicU64,
+    local_demoted_to: AtomicU64,
+    /// Which epochs are demoted, and why (the latest local failure), for
+    /// the samples' error if no other copy can serve them. Written before
+    /// the range.
+    local_demoted_set: std::sync::Mutex<DemotedEpochs>,
+}
+
+/// The epochs in which this node's own copies are demoted: the latest 64
+/// at most (epochs `base..base + 64`, one bit each; an older one is long
+/// read when a demotion 64 epochs later comes), and why.
+#[derive(Default)]
+struct DemotedEpochs {
+    base: u64,
+    bits: u64,
+    why: Option<Error>,
+}
+
+impl DemotedEpochs {
+    fn insert(&mut self, epoch: u64, why: Error) {
+        if self.bits == 0 {
+            self.base = epoch;
+        } else if epoch < self.base {
+            let shift = self.base - epoch;
+            self.bits = if shift >= 64 { 0 } else { self.bits << shift };
+            self.base = epoch;
+        } else if epoch - self.base >= 64 {
+            let shift = epoch - self.base - 63;
+            self.bits = if shift >= 64 { 0 } else { self.bits >> shift };
+            self.base += shift;
+        }
+        self.bits |= 1 << (epoch - self.base);
+        self.why = Some(why);
+    }
+
+    fn get(&self, epoch: u64) -> Option<Error> {
+        let off = epoch.checked_sub(self.base)?;
+        if off >= 64 || self.bits & (1 << off) == 0 {
+            return None;
+        }
+        self.why.clone()
+    }
+
+    /// The lowest and highest demoted epoch (`u64::MAX`, 0 when none).
+    fn range(&self) -> (u64, u64) {
+        if self.bits == 0 {
+            return (u64::MAX, 0);
+        }
+        (
+            self.base + self.bits.trailing_zeros() as u64,
+            self.base + 63 - self.bits.leading_zeros() as u64,
+        )
+    }
 }
 
 /// A local sample whose read failed, and why.
@@ -173,8 +239,9 @@ impl NetShared {
             failovers: AtomicU64::new(0),
             source_reads: AtomicU64::new(0),
             local_failed: crossbeam_channel::bounded(window_samples.max(1)),
-            local_demoted_epoch: AtomicU64::new(u64::MAX),
-            local_demoted_why: std::sync::Mutex::new(None),
+            local_demoted_from: AtomicU64::new(u64::MAX),
+            local_demoted_to: AtomicU64::new(0),
+            local_demoted_set: std::sync::Mutex::new(DemotedEpochs::default()),
         })
     }
 
@@ -199,22 +266,30 @@ impl NetShared {
     /// then hands its local samples over unread), and why. One atomic load
     /// per local sample while they are not.
     pub(crate) fn local_demoted(&self, epoch: u64) -> Option<Error> {
-        if self.local_demoted_epoch.load(Ordering::Acquire) != epoch {
+        if epoch < self.local_demoted_from.load(Ordering::Acquire)
+            || epoch > self.local_demoted_to.load(Ordering::Acquire)
+        {
             return None;
         }
-        self.local_demoted_why
+        self.local_demoted_set
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .clone()
+            .get(epoch)
     }
 
-    /// Demotes this node's own copies for `epoch` (see `local_demoted`).
+    /// Demotes this node's own copies for `epoch` (see `local_demoted`),
+    /// leaving the epochs demoted before demoted.
     fn demote_local(&self, epoch: u64, why: Error) {
-        *self
-            .local_demoted_why
+        let mut set = self
+            .local_demoted_set
             .lock()
-            .unwrap_or_else(|e| e.into_inner()) = Some(why);
-        self.local_demoted_epoch.store(epoch, Ordering::Release);
+            .unwrap_or_else(|e| e.into_inner());
+        set.insert(epoch, why);
+        let (from, to) = set.range();
+        // Widened only while the set is held: a reader that sees the new
+        // range finds the epoch in the set.
+        self.local_demoted_from.store(from, Ordering::Release);
+        self.local_demoted_to.store(to, Ordering::Release);
     }
 
     /// Called after the consumer moved the released mark.
@@ -244,11 +319,11 @@ impl NetShared {
 ///
 /// The network thread is generic over it (static dispatch, one
 /// monomorphised loop per transport); nothing it calls allocates.
-pub(crate) trait Receive: Sized + Send {
+pub(crate) trait Receive: Sized + Send + 'static {
     /// What the connections of one launch share (RDMA: the device, the
     /// completion channel, the ring's registration); the thread drops it
     /// after them.
-    type Common: Send + Sync;
+    type Common: Send + Sync + 'static;
 
     /// Whether a node's bytes and grant ERRORs arrive as frames on the
     /// control connection (TCP), not as completions [`Receive::poll`]
@@ -259,6 +334,13 @@ pub(crate) trait Receive: Sized + Send {
 
     /// After WELCOME on `sock`: sets up this connection's data path with
     /// node `node` at `addr`.
+    /// What a reconnect thread needs to set up a connection again (a
+    /// clone of `common`); `None` (the default): this data path is not set
+    /// up again, and a dead node stays dead.
+    fn redial_common(_common: &Self::Common) -> Option<Self::Common> {
+        None
+    }
+
     fn connect(
         common: &Self::Common,
         sock: &mut TcpStream,
@@ -497,6 +579,8 @@ pub(crate) struct Thread<R: Receive> {
     progress_slack: Duration,
     /// Per connection (same index): heartbeats asked for, and heard.
     beats: Vec<Beats>,
+    /// Per connection (same index): when a dead one is tried again.
+    redials: redial::Redials<R>,
     /// When `check_timeouts` last ran (see [`NOT_RUNNING`]).
     last_check: Instant,
     /// This node's own failed reads in the window that began at
@@ -557,14 +641,18 @@ impl<R: Receive> Thread<R> {
         // the table index must fit in them.
         assert!(size <= 1 << 31, "grant table of {size} entries");
         let cursor = Cursor::new(sh.sampler.clone(), sh.geo, sh.start, sh.steps);
-        let placement = setup.placement.ok_or_else(|| Error::BadCluster {
-            origin: "cluster".into(),
-            reason:
-                "no node could be reached and there is no local space to learn the placement from"
-                    .into(),
-        })?;
+        let mut redials = redial::Redials::new(conns.len());
+        let redial = R::redial_common(&connected.common).is_some();
+        for (c, r) in conns.iter().zip(&mut redials.state) {
+            // Unreachable at start: tried again like one that died later
+            // (not the local node's place).
+            if redial && c.state == State::Dead && Some(c.node) != setup.local_node {
+                r.schedule_first(c.node);
+            }
+        }
         Ok(Thread {
-            placement,
+            redials,
+            placement: connected.placement,
             ring,
             conns,
             common: connected.common,
@@ -617,6 +705,7 @@ impl<R: Receive> Thread<R> {
                 self.flush_grants();
                 self.post_recvs();
                 self.check_timeouts();
+                self.redial();
             }
             // About to sleep: arm the CQs, then look once more (a
             // completion that came in before arming raises no event).
@@ -759,9 +848,9 @@ impl<R: Receive> Thread<R> {
             // This thread did not run: nothing was received meanwhile
             // because nothing was looked at.
             for (c, b) in self.conns.iter_mut().zip(&mut self.beats) {
-                c.last_rx += gap;
-                c.last_done += gap;
-                b.last_heard += gap;
+                c.last_rx = shift_for_pause(c.last_rx, gap, now);
+                c.last_done = shift_for_pause(c.last_done, gap, now);
+                b.last_heard = shift_for_pause(b.last_heard, gap, now);
             }
         }
         for i in 0..self.conns.len() {
@@ -770,10 +859,16 @@ impl<R: Receive> Thread<R> {
                 continue;
             }
             let b = &self.beats[i];
-            if b.heard && now.saturating_duration_since(b.last_heard) > silence {
+            // The short silence rule holds only while grants wait on the
+            // node: an idle node paused for a few seconds (cgroup
+            // throttling, a VM pause) keeps its connection (over RDMA a
+            // dead one is not reconnected). An idle one gets the node
+            // timeout.
+            let limit = if c.outstanding > 0 { silence } else { t };
+            if b.heard && now.saturating_duration_since(b.last_heard) > limit {
                 let why = format!(
                     "no heartbeat for {} ms ({} grants outstanding)",
-                    silence.as_millis(),
+                    limit.as_millis(),
                     c.outstanding
                 );
                 log::warn!("node {} ({}): {why}", c.node, c.addr);
@@ -837,6 +932,7 @@ impl<R: Receive> Thread<R> {
         if self.sh.stop.load(Ordering::Acquire) {
             return;
         }
+        self.schedule_redial(i);
         let mut moved = 0;
         for idx in 0..self.table.len() {
             let s = &mut self.table[idx];
@@ -905,5 +1001,44 @@ impl<R: Receive> Thread<R> {
         };
         log::error!("{e}; dropping the connection");
         self.kill(i, e.to_string());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn demoting_a_later_epoch_keeps_the_earlier_one_demoted() {
+        let net = NetShared::new(4).unwrap();
+        let why = || Error::InvalidConfig("test".into());
+        assert!(net.local_demoted(5).is_none());
+        net.demote_local(5, why());
+        // Read-ahead failures demote epoch 6 while 5 is still read.
+        net.demote_local(6, why());
+        assert!(net.local_demoted(5).is_some(), "epoch 5 un-demoted");
+        assert!(net.local_demoted(6).is_some());
+        for e in [0, 4, 7, 100, u64::MAX] {
+            assert!(net.local_demoted(e).is_none(), "epoch {e}");
+        }
+        net.demote_local(9, why());
+        assert!(net.local_demoted(7).is_none() && net.local_demoted(8).is_none());
+        assert!(net.local_demoted(9).is_some() && net.local_demoted(5).is_some());
+        // 64 epochs later the oldest are dropped, the newest kept.
+        net.demote_local(70, why());
+        assert!(net.local_demoted(5).is_none() && net.local_demoted(6).is_none());
+        assert!(net.local_demoted(9).is_some() && net.local_demoted(70).is_some());
+    }
+
+    #[test]
+    fn a_pause_never_moves_a_silence_clock_past_now() {
+        let now = Instant::now() + Duration::from_secs(100);
+        let gap = Duration::from_secs(10);
+        // Heard just now (frames drained after the pause): stays at now.
+        assert_eq!(shift_for_pause(now, gap, now), now);
+        assert_eq!(shift_for_pause(now - Duration::from_secs(1), gap, now), now);
+        // Heard before the pause: moved on by the whole gap.
+        let before = now - Duration::from_secs(30);
+        assert_eq!(shift_for_pause(before, gap, now), before + gap);
     }
 }

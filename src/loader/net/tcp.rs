@@ -19,6 +19,10 @@ impl Receive for TcpRx {
     type Common = ();
     const FRAMED: bool = true;
 
+    fn redial_common(_: &()) -> Option<()> {
+        Some(())
+    }
+
     fn connect(_: &(), _: &mut TcpStream, _: u32, _: &str) -> Result<Self, ConnectError> {
         Ok(TcpRx)
     }

@@ -1,0 +1,216 @@
+//! Reconnecting to a node whose connection was shut (heartbeat silence, a
+//! failure, a reset) or that could not be reached at start: a node paused
+//! for a few seconds (cgroup throttling, a VM pause, a debugger) or
+//! restarted is not lost to the consumer for the rest of the run.
+//!
+//! Each dead node is tried again after a back-off with jitter
+//! ([`redial_backoff`]: 1 s doubling to 30 s), by a thread of its own that
+//! runs the start's handshake ([`connect_retrying`], under its own
+//! `node_timeout` deadline) so the network thread never blocks. The network
+//! thread takes the result at its next pass: a WELCOME with the same
+//! placement makes the connection live again and it takes new grants. The
+//! grants of the old connection were failed over when it went dead (once
+//! its receive was back, so nothing more lands from it): each sample is in
+//! one place at a time and is delivered once.
+//!
+//! Over TCP only: an RDMA data path's endpoints are not set up again
+//! ([`Receive::redial_common`] is `None`), so a dead RDMA node stays dead.
+
+use std::os::fd::AsRawFd;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use super::connect::{connect_retrying, jitter, ConnectError};
+use super::{Beats, Placement, Receive, State, Thread, USER_TIMEOUT_MAX, USER_TIMEOUT_MIN};
+use crate::transport::proto::Welcome;
+
+/// The first wait before a dead node is tried again; each next one's bound
+/// doubles up to [`REDIAL_MAX`].
+pub(crate) const REDIAL_FIRST: Duration = Duration::from_secs(1);
+/// The longest wait between two tries of a dead node.
+pub(crate) const REDIAL_MAX: Duration = Duration::from_secs(30);
+
+/// The wait before try `attempt + 1` (from 0) of a dead node: uniform in
+/// `[bound / 2, bound]`, `bound = min(REDIAL_FIRST x 2^attempt,
+/// REDIAL_MAX)`, so consumers that lost a node together spread out.
+pub(crate) fn redial_backoff(attempt: u32, jitter: u64) -> Duration {
+    let bound = REDIAL_FIRST
+        .saturating_mul(1u32 << attempt.min(16))
+        .min(REDIAL_MAX);
+    let half = bound / 2;
+    let span = half.as_micros() as u64 + 1;
+    half + Duration::from_micros(jitter % span)
+}
+
+/// One node's reconnect state (kept beside `conns`).
+#[derive(Clone, Copy, Default)]
+pub(super) struct Redial {
+    /// Tries since the connection was last live.
+    attempt: u32,
+    /// When to try next; `None`: not to be tried (live, local, or given up).
+    next: Option<Instant>,
+    /// A try is running on its thread.
+    inflight: bool,
+    /// When the node was last reconnected.
+    back_since: Option<Instant>,
+}
+
+/// What a reconnect thread sends back: the connection index and its result.
+pub(super) type Redialed<R> = (usize, Result<(super::Conn<R>, Welcome), ConnectError>);
+
+pub(super) struct Redials<R: Receive> {
+    pub(super) state: Vec<Redial>,
+    tx: mpsc::Sender<Redialed<R>>,
+    rx: mpsc::Receiver<Redialed<R>>,
+}
+
+impl Redial {
+    /// The first try of a node unreachable at start.
+    pub(super) fn schedule_first(&mut self, node: u32) {
+        self.next = Some(Instant::now() + redial_backoff(0, jitter(node, 0)));
+        self.attempt = 1;
+    }
+}
+
+impl<R: Receive> Redials<R> {
+    pub(super) fn new(n: usize) -> Self {
+        let (tx, rx) = mpsc::channel();
+        Redials {
+            state: vec![Redial::default(); n],
+            tx,
+            rx,
+        }
+    }
+}
+
+impl<R: Receive> Thread<R> {
+    /// Schedules the next try of dead connection `i` (not the local node's
+    /// place, and only where the data path can be set up again).
+    pub(super) fn schedule_redial(&mut self, i: usize) {
+        if Some(self.conns[i].node) == self.setup.local_node
+            || R::redial_common(&self.common).is_none()
+        {
+            return;
+        }
+        let r = &mut self.redials.state[i];
+        // The back-off goes on growing across reconnects, so a node that
+        // fails again soon after each (alive but not delivering) costs
+        // the consumer a stall at most every REDIAL_MAX; one that served
+        // for that long starts again from the shortest wait.
+        if r.back_since.is_some_and(|t| t.elapsed() > REDIAL_MAX) {
+            r.attempt = 0;
+        }
+        let wait = redial_backoff(r.attempt, jitter(self.conns[i].node, r.attempt));
+        r.attempt = r.attempt.saturating_add(1);
+        r.next = Some(Instant::now() + wait);
+    }
+
+    /// Starts the tries that are due and takes the results that came in.
+    pub(super) fn redial(&mut self) {
+        let now = Instant::now();
+        for i in 0..self.conns.len() {
+            let r = self.redials.state[i];
+            if r.inflight || r.next.is_none_or(|t| t > now) || self.conns[i].state != State::Dead {
+                continue;
+            }
+            let Some(common) = R::redial_common(&self.common) else {
+                continue;
+            };
+            let (setup, tx) = (self.setup.clone(), self.redials.tx.clone());
+            let (node, addr) = (self.conns[i].node, self.conns[i].addr.clone());
+            let spawned = std::thread::Builder::new()
+                .name("kspeed-redial".into())
+                .stack_size(256 << 10)
+                .spawn(move || {
+                    let res = connect_retrying::<R>(&setup, node, &addr, &common);
+                    // The loader may be gone: the connection is dropped.
+                    let _ = tx.send((i, res));
+                });
+            match spawned {
+                Ok(_) => {
+                    self.redials.state[i].inflight = true;
+                    self.redials.state[i].next = None;
+                }
+                // No thread to spare now: later.
+                Err(_) => self.schedule_redial(i),
+            }
+        }
+        while let Ok((i, res)) = self.redials.rx.try_recv() {
+            self.redials.state[i].inflight = false;
+            self.redialed(i, res);
+        }
+    }
+
+    fn redialed(&mut self, i: usize, res: Result<(super::Conn<R>, Welcome), ConnectError>) {
+        let (node, addr) = (self.conns[i].node, self.conns[i].addr.clone());
+        let (conn, w) = match res {
+            Ok(ok) => ok,
+            Err(ConnectError::Refused(e)) => {
+                log::debug!("node {node} ({addr}): reconnect refused: {e}");
+                self.schedule_redial(i);
+                return;
+            }
+            Err(ConnectError::Unreachable(why) | ConnectError::Transient(why)) => {
+                log::debug!("node {node} ({addr}): reconnect failed: {why}");
+                self.schedule_redial(i);
+                return;
+            }
+        };
+        let same = Placement::new(w.nodes, w.replicas)
+            .is_ok_and(|p| p == self.placement && p.nodes as usize == self.conns.len());
+        if !same {
+            log::error!(
+                "node {node} ({addr}) came back with its space placed over {} nodes x {} copies; this loader uses {} x {}: it stays dead",
+                w.nodes,
+                w.replicas,
+                self.placement.nodes,
+                self.placement.replicas
+            );
+            return;
+        }
+        if let Some(sock) = &conn.sock {
+            let t = self
+                .setup
+                .node_timeout
+                .clamp(USER_TIMEOUT_MIN, USER_TIMEOUT_MAX);
+            if let Err(e) = crate::sys::set_tcp_user_timeout(sock.as_raw_fd(), t) {
+                log::debug!("node {node}: TCP_USER_TIMEOUT: {e}");
+            }
+        }
+        // The old connection is dead: nothing of it is in flight (its
+        // receive and send are back) and its grants were failed over.
+        debug_assert!(!self.conns[i].rx.inflight() && !self.conns[i].tx_inflight);
+        let was = std::mem::replace(&mut self.conns[i], conn);
+        self.beats[i] = Beats {
+            asked: false,
+            heard: false,
+            last_heard: Instant::now(),
+        };
+        let r = &mut self.redials.state[i];
+        r.next = None;
+        r.back_since = Some(Instant::now());
+        log::warn!(
+            "node {node} ({addr}) is back (it was gone: {}); it takes grants again",
+            was.reason
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn redial_backoff_stays_within_its_documented_bounds() {
+        // docs/PROTOCOL.md: try k waits in [b/2, b], b = min(1 s x 2^k, 30 s).
+        for attempt in 0..40u32 {
+            let bound = Duration::from_secs(1)
+                .saturating_mul(1u32 << attempt.min(16))
+                .min(Duration::from_secs(30));
+            for jitter in [0u64, 1, 12_345, u64::MAX / 3, u64::MAX] {
+                let w = redial_backoff(attempt, jitter);
+                assert!(w >= bound / 2 && w <= bound, "try {attempt}: {w:?}");
+            }
+        }
+    }
+}
