@@ -637,6 +637,16 @@ impl<T> IoContext<T> for io::Result<T> {
     }
 }
 
+/// The text of a panic's payload (`panic!` with a literal or a formatted
+/// message), for the errors that report a caught panic.
+pub(crate) fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".into())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

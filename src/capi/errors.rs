@@ -129,11 +129,7 @@ pub(super) fn guard(f: impl FnOnce() -> Result<(), Fail>) -> ksp_status {
         ),
         Ok(Err(Fail::Kspeed(e))) => (status_of(&e), e.to_string()),
         Err(p) => {
-            let what = p
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| p.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "unknown panic".into());
+            let what = crate::error::panic_text(&*p);
             (
                 KSP_ERR_PANIC,
                 format!("kspeed panicked (a bug; please report it): {what}"),

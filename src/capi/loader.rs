@@ -28,19 +28,8 @@ pub struct ksp_loader {
 impl Handle for ksp_loader {
     const WHAT: &'static str = "loader";
 
-    /// One `getpid` per call (glibc does not cache the pid): a few tens of
-    /// nanoseconds against a batch's work.
     fn check_process(&self) -> Result<(), Fail> {
-        let caller = std::process::id();
-        if caller == self.pid {
-            Ok(())
-        } else {
-            Err(Fail::Forked {
-                what: "loader",
-                creator: self.pid,
-                caller,
-            })
-        }
+        super::ffi::same_process("loader", self.pid)
     }
 }
 

@@ -22,16 +22,7 @@ impl Handle for ksp_node_service {
     const WHAT: &'static str = "service";
 
     fn check_process(&self) -> Result<(), Fail> {
-        let caller = std::process::id();
-        if caller == self.pid {
-            Ok(())
-        } else {
-            Err(Fail::Forked {
-                what: "node service",
-                creator: self.pid,
-                caller,
-            })
-        }
+        super::ffi::same_process("node service", self.pid)
     }
 }
 

@@ -156,11 +156,7 @@ impl NodeService {
                     use std::panic::{catch_unwind, AssertUnwindSafe};
                     let c2 = c.clone();
                     let fail = |p: Box<dyn std::any::Any + Send>| {
-                        let what = p
-                            .downcast_ref::<&str>()
-                            .map(|s| s.to_string())
-                            .or_else(|| p.downcast_ref::<String>().cloned())
-                            .unwrap_or_else(|| "unknown panic".into());
+                        let what = crate::error::panic_text(&*p);
                         c2.fail(format!(
                             "poller {i} panicked (a bug; please report it): {what}"
                         ));
@@ -196,11 +192,7 @@ impl NodeService {
                 if let Err(p) = catch_unwind(AssertUnwindSafe(move || {
                     accept::Acceptor::new(c, listener, senders).run()
                 })) {
-                    let what = p
-                        .downcast_ref::<&str>()
-                        .map(|s| s.to_string())
-                        .or_else(|| p.downcast_ref::<String>().cloned())
-                        .unwrap_or_else(|| "unknown panic".into());
+                    let what = crate::error::panic_text(&*p);
                     c2.fail(format!(
                         "the acceptor panicked (a bug; please report it): {what}"
                     ));
