@@ -53,6 +53,11 @@
 //! connection (GRANT frames out, frames in through
 //! [`crate::transport::rx::FrameRx`]); `connect.rs` the handshakes;
 //! `tcp.rs` and `rdma.rs` the two implementations of [`Receive`].
+//!
+//! Why this file is over ~800 lines: the thread's loop, each connection's
+//! lifecycle (live, closing, dead, redialled) and the silence clocks that judge
+//! it are one state; the grant table, socket, connect and redial code are
+//! already apart.
 
 use std::net::TcpStream;
 use std::os::fd::{AsRawFd, RawFd};

@@ -34,6 +34,11 @@
 //!   of what the peer sent (at most [`DRAIN_BYTES`] within [`DRAIN_TIME`],
 //!   at most `max_handshakes` such connections, in this same loop) before
 //!   the close, so the peer sees the ERROR and a FIN, not a reset.
+//!
+//! Why this file is over ~800 lines: one handshake state machine (admission,
+//! making room, wrong-token throttling and rate limits, draining refused
+//! connections) whose limits interlock; the wrong-token log and the drain list
+//! are the first parts to move out when the serve tree is split (issue 27).
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
