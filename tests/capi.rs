@@ -160,6 +160,37 @@ fn cpp_batches_release_only_their_own() {
     assert_passed(&o, "C++ batch lifetimes");
 }
 
+/// Compiles `tests/c/{src}` under AddressSanitizer and UBSan and runs it on
+/// the test space (`detect_leaks` as given); `None` when the compiler is
+/// missing (`compile_with` says so).
+fn run_under_asan(
+    d: &Data,
+    cc: &str,
+    std: &str,
+    src: &str,
+    detect_leaks: bool,
+) -> Option<std::process::Output> {
+    let stem = src.rsplit_once('.').map_or(src, |(s, _)| s);
+    let bin = compile_with(
+        cc,
+        std,
+        &format!("tests/c/{src}"),
+        &d.work.join(stem),
+        &["-fsanitize=address,undefined", "-fno-omit-frame-pointer"],
+    )?;
+    let leaks = u8::from(detect_leaks);
+    Some(
+        Command::new(&bin)
+            .arg(&d.space)
+            .env(
+                "ASAN_OPTIONS",
+                format!("detect_leaks={leaks}:abort_on_error=0:exitcode=23"),
+            )
+            .output()
+            .unwrap(),
+    )
+}
+
 /// A C++ `kspeed::Batch` may outlive its `kspeed::Loader`
 /// (tests/c/batch_outlives_loader.cpp, under AddressSanitizer with leak
 /// checking): the batch's bytes stay valid and byte-exact after the
@@ -168,23 +199,9 @@ fn cpp_batches_release_only_their_own() {
 #[test]
 fn cpp_batch_outlives_its_loader() {
     let d = data();
-    let Some(bin) = compile_with(
-        "g++",
-        "-std=c++17",
-        "tests/c/batch_outlives_loader.cpp",
-        &d.work.join("batch_outlives_loader"),
-        &["-fsanitize=address,undefined", "-fno-omit-frame-pointer"],
-    ) else {
+    let Some(o) = run_under_asan(&d, "g++", "-std=c++17", "batch_outlives_loader.cpp", true) else {
         return;
     };
-    let o = Command::new(&bin)
-        .arg(&d.space)
-        .env(
-            "ASAN_OPTIONS",
-            "detect_leaks=1:abort_on_error=0:exitcode=23",
-        )
-        .output()
-        .unwrap();
     assert_passed(&o, "C++ batch outliving its loader");
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!err.contains("ERROR: AddressSanitizer"), "{err}");
@@ -201,24 +218,10 @@ fn cpp_batch_outlives_its_loader() {
 #[test]
 fn forked_child_is_refused_and_the_parent_goes_on() {
     let d = data();
-    let Some(bin) = compile_with(
-        "gcc",
-        "-std=c11",
-        "tests/c/fork_test.c",
-        &d.work.join("fork_test"),
-        &["-fsanitize=address,undefined", "-fno-omit-frame-pointer"],
-    ) else {
+    // The child leaks its copy of the loader by design: no leak check.
+    let Some(o) = run_under_asan(&d, "gcc", "-std=c11", "fork_test.c", false) else {
         return;
     };
-    let o = Command::new(&bin)
-        .arg(&d.space)
-        // The child leaks its copy of the loader by design.
-        .env(
-            "ASAN_OPTIONS",
-            "detect_leaks=0:abort_on_error=0:exitcode=23",
-        )
-        .output()
-        .unwrap();
     assert_passed(&o, "fork");
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(
