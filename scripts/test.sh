@@ -18,7 +18,46 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export CARGO_TERM_COLOR=never
-step() { echo; echo "== $*"; }
+# CI builds once from a clean clone, so incremental caches (about as large as
+# the rest of target/debug) and pip's download cache (torch's CUDA wheels,
+# gigabytes) only cost disk; a CI run out of disk failed before.
+if [ -n "${CI:-}" ]; then
+  export CARGO_INCREMENTAL=0 PIP_NO_CACHE_DIR=1
+fi
+tmp_dir=${TMPDIR:-/tmp}
+free_mib() { df -Pm "$1" | awk 'NR == 2 { print $4 }'; }
+# Each step says how much disk is left, so a run that fills the disk shows
+# which step did it.
+step() {
+  echo
+  echo "== $*"
+  echo "   (free: $(free_mib .) MiB here, $(free_mib "$tmp_dir") MiB in $tmp_dir)"
+}
+# quiet LOG CMD...: CMD's output goes to LOG; its tail is shown, a longer
+# one when it fails (a failing pytest's report is longer than 15 lines).
+quiet() {
+  local log=$1
+  shift
+  mkdir -p "$(dirname "$log")"
+  if "$@" >"$log" 2>&1; then
+    tail -n 15 "$log"
+  else
+    local rc=$?
+    tail -n 300 "$log"
+    echo "FAILED (exit $rc): $*; the whole output is in $log" >&2
+    return "$rc"
+  fi
+}
+# need_disk MIB DIR WHAT: fail with a named reason, not a failure deep inside
+# the step, when DIR has less than MIB MiB free.
+need_disk() {
+  local have
+  have=$(free_mib "$2")
+  if [ "$have" -lt "$1" ]; then
+    echo "FAILED: $3 needs about $1 MiB free in $2; $have MiB are left (df -h $2)" >&2
+    exit 1
+  fi
+}
 require_all() { [ "${KSPEED_REQUIRE:-}" = all ]; }
 # A step that cannot run: a failure under KSPEED_REQUIRE=all, else a note.
 skipped() {
@@ -70,13 +109,13 @@ step "DALI plugin (fn.kspeed.reader) against the DALI wheel, CPU only"
 if [ "${KSPEED_SKIP_DALI:-0}" = 1 ]; then
   skipped "KSPEED_SKIP_DALI=1"
 else
-  ffi/dali/build_and_test.sh 2>&1 | tail -n 15
-  test "${PIPESTATUS[0]}" = 0
+  quiet target/ci-logs/dali.log ffi/dali/build_and_test.sh
+  if [ -n "${CI:-}" ]; then rm -rf target/dali-venv target/dali-build target/dali-prefix; fi
 fi
 
 step "Python package (ffi/python): pip install, pytest (torch in a cached venv, ~/.cache/kspeed/py-venv)"
-scripts/test_python.sh 2>&1 | tail -n 15
-test "${PIPESTATUS[0]}" = 0
+quiet target/ci-logs/python.log scripts/test_python.sh
+if [ -n "${CI:-}" ]; then rm -rf ffi/python/target; fi
 
 step "fuzz the frame decoder (${KSPEED_FUZZ_SECS:-45} s)"
 if require_all; then
@@ -91,6 +130,9 @@ set +e
 scripts/miri.sh 2>&1 | tail -n 25
 miri_rc=${PIPESTATUS[0]}
 set -e
+# CI: what later steps do not use goes, to leave disk for the VM's scratch
+# disk (a local run keeps them for the next, faster run).
+if [ -n "${CI:-}" ]; then rm -rf target/miri fuzz/target; fi
 if [ "$miri_rc" = 2 ]; then
   skipped "Miri is not installed and could not be added (rustup +nightly component add miri rust-src)"
 elif [ "$miri_rc" != 0 ]; then
@@ -109,6 +151,9 @@ for l in sys.stdin:
         print(m["executable"])' "$1"
   }
   cargo build --quiet --bin kspeed
+  # The VM's /tmp is a sparse disk file in the host's $TMPDIR; the tests
+  # write their datasets there.
+  need_disk 2048 "$tmp_dir" "the RDMA VM"
   # One VM start for all of them (about 4 s of boot).
   # The VM allows 30 min by default; the two sets take 13-18 min on 2 busy
   # cores (soft-RoCE is emulated), so leave room.
