@@ -1759,13 +1759,37 @@ fn hostile_nodes_are_dropped_and_nothing_lands_outside_grants() {
 /// Network namespaces joined to this one by veth pairs; removed on drop.
 struct Netns {
     names: Vec<String>,
+    /// An exclusive flock on /tmp/kspeed-netns.lock, held until the
+    /// namespaces are gone (fields drop after `Drop::drop`): the addresses
+    /// 10.77.<i>.0/24 are fixed, so two test runs on one machine (two
+    /// checkouts, or CI beside a developer) would otherwise route into each
+    /// other's namespaces.
+    _lock: std::fs::File,
 }
 
 impl Netns {
     /// Namespace i gets 10.77.<i>.2, reachable from here through 10.77.<i>.1.
     fn create(n: usize) -> Option<Netns> {
         let tag = std::process::id() % 100_000;
-        let mut ns = Netns { names: Vec::new() };
+        let lock = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open("/tmp/kspeed-netns.lock")
+            .expect("open /tmp/kspeed-netns.lock");
+        // SAFETY: flock on a descriptor this function owns; blocking is
+        // what is wanted (another run's namespaces are short-lived).
+        let rc = unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&lock), libc::LOCK_EX) };
+        assert_eq!(
+            rc,
+            0,
+            "flock /tmp/kspeed-netns.lock: {}",
+            std::io::Error::last_os_error()
+        );
+        let mut ns = Netns {
+            names: Vec::new(),
+            _lock: lock,
+        };
         for i in 0..n {
             let name = format!("ksp{tag}n{i}");
             let host = format!("ksh{tag}{i}");
