@@ -660,4 +660,148 @@ mod tests {
             .to_string()
             .contains("names 3 nodes"));
     }
+
+    /// Every launcher's variables, as that launcher sets them for rank 5 of
+    /// 8 on 2 nodes of 4 (local rank 1, node 1).
+    const LAUNCHERS: &[(&str, &[(&str, &str)])] = &[
+        (
+            "torchrun",
+            &[
+                ("RANK", "5"),
+                ("WORLD_SIZE", "8"),
+                ("LOCAL_RANK", "1"),
+                ("LOCAL_WORLD_SIZE", "4"),
+                ("GROUP_RANK", "1"),
+                ("GROUP_WORLD_SIZE", "2"),
+            ],
+        ),
+        (
+            "openmpi",
+            &[
+                ("OMPI_COMM_WORLD_RANK", "5"),
+                ("OMPI_COMM_WORLD_SIZE", "8"),
+                ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+                ("OMPI_COMM_WORLD_LOCAL_SIZE", "4"),
+            ],
+        ),
+        (
+            "mpich",
+            &[
+                ("PMI_RANK", "5"),
+                ("PMI_SIZE", "8"),
+                ("MPI_LOCALRANKID", "1"),
+                ("MPI_LOCALNRANKS", "4"),
+            ],
+        ),
+        (
+            "slurm",
+            &[
+                ("SLURM_PROCID", "5"),
+                ("SLURM_NTASKS", "8"),
+                ("SLURM_LOCALID", "1"),
+                ("SLURM_TASKS_PER_NODE", "4(x2)"),
+                ("SLURM_NODEID", "1"),
+                ("SLURM_NNODES", "2"),
+            ],
+        ),
+        (
+            // mpirun inside a SLURM allocation: the batch step's SLURM
+            // variables are there too, and Open MPI's win.
+            "openmpi",
+            &[
+                ("OMPI_COMM_WORLD_RANK", "5"),
+                ("OMPI_COMM_WORLD_SIZE", "8"),
+                ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+                ("OMPI_COMM_WORLD_LOCAL_SIZE", "4"),
+                ("SLURM_PROCID", "0"),
+                ("SLURM_NTASKS", "1"),
+                ("SLURM_LOCALID", "0"),
+                ("SLURM_NTASKS_PER_NODE", "1"),
+            ],
+        ),
+        (
+            // torchrun started by srun, one task per node.
+            "torchrun",
+            &[
+                ("RANK", "5"),
+                ("WORLD_SIZE", "8"),
+                ("LOCAL_RANK", "1"),
+                ("LOCAL_WORLD_SIZE", "4"),
+                ("SLURM_PROCID", "1"),
+                ("SLURM_NTASKS", "2"),
+                ("SLURM_LOCALID", "0"),
+                ("SLURM_TASKS_PER_NODE", "1(x2)"),
+                ("SLURM_NODEID", "1"),
+            ],
+        ),
+    ];
+
+    #[test]
+    fn every_launcher_gives_cluster_and_placement_the_same_answer() {
+        for (name, vars) in LAUNCHERS {
+            let mut v = vars.to_vec();
+            v.push(("KSPEED_NODES", "a:1,b:1"));
+            let (c, env) = Cluster::from_vars(lookup(&v)).unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert_eq!(addrs(&c), ["a:1", "b:1"], "{name}");
+            assert_eq!(env.kind.name(), *name);
+            assert_eq!(
+                (
+                    env.rank,
+                    env.world,
+                    env.local_rank,
+                    env.local_world,
+                    env.node,
+                    env.nodes
+                ),
+                (5, 8, 1, 4, 1, 2),
+                "{name}: {env:?}"
+            );
+            let local = crate::placement::LocalRank::from_vars(lookup(vars)).unwrap();
+            assert_eq!(
+                (local.rank, local.size, local.origin.as_str()),
+                (env.local_rank, env.local_world, env.local_from.as_str()),
+                "{name}"
+            );
+            // The same through a cluster spec with an explicit list.
+            let spec = ClusterSpec {
+                addrs: Some(vec!["x:1".into(), "y:1".into()]),
+                env: true,
+                ..Default::default()
+            };
+            let (_, e) = spec.resolve_with(lookup(vars)).unwrap().unwrap();
+            assert_eq!(e.as_ref(), Some(&env), "{name}");
+        }
+    }
+
+    #[test]
+    fn mpirun_variables_give_the_cluster_path_its_rank() {
+        // Open MPI's mpirun: before the one launcher type, placement read
+        // OMPI_COMM_WORLD_LOCAL_RANK but the cluster path found no rank.
+        let (c, env) = Cluster::from_vars(lookup(&[
+            ("OMPI_COMM_WORLD_RANK", "3"),
+            ("OMPI_COMM_WORLD_SIZE", "4"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+            ("KSPEED_NODES", "a:1,b:1"),
+        ]))
+        .unwrap();
+        assert_eq!(c.nodes.len(), 2);
+        assert_eq!((env.rank, env.world, env.node), (3, 4, 1));
+        // MPICH's Hydra, one node: MASTER_ADDR is torchrun's, so a list.
+        let (c, env) = Cluster::from_vars(lookup(&[
+            ("PMI_RANK", "1"),
+            ("PMI_SIZE", "2"),
+            ("MPI_LOCALRANKID", "1"),
+            ("MPI_LOCALNRANKS", "2"),
+            ("KSPEED_NODES", "a:1"),
+        ]))
+        .unwrap();
+        assert_eq!(c.nodes.len(), 1);
+        assert_eq!((env.rank, env.world, env.node), (1, 2, 0));
+        // No launcher at all is still the named cluster error.
+        let e = Cluster::from_vars(lookup(&[("KSPEED_NODES", "a:1")]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("torchrun, mpirun or srun"), "{e}");
+    }
 }
