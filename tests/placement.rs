@@ -8,7 +8,7 @@
 //! This machine has 2 cores, so the masks hold at most CPUs 0 and 1: with
 //! 8 ranks the slices are shared (rank r gets CPU r mod 2, one poller each,
 //! pinned), with 2 ranks they are disjoint. The 64-core cases (8 ranks on
-//! one socket of a 2-socket machine) are the unit tests in src/placement.rs.
+//! one socket of a 2-socket machine) are the unit tests in src/placement/plan.rs.
 
 mod common;
 

@@ -21,13 +21,16 @@
 //! 4. within a slice, pollers go to distinct physical cores first, then to
 //!    their siblings (glommio's `MaxSpread`, inside one node).
 //!
-//! The local rank comes from the launcher: torchrun (`LOCAL_RANK`,
-//! `LOCAL_WORLD_SIZE`), Open MPI (`OMPI_COMM_WORLD_LOCAL_RANK`,
-//! `OMPI_COMM_WORLD_LOCAL_SIZE`) or SLURM (`SLURM_LOCALID` with
+//! The local rank comes from explicit options, else from the launcher's
+//! environment as [`crate::launcher::Launcher`] reads it for every path
+//! (the cluster path and Python's `kspeed.launch_env()` too):
+//! `KSPEED_LOCAL_RANK` and `KSPEED_LOCAL_WORLD_SIZE` first, then torchrun
+//! (`LOCAL_RANK`, `LOCAL_WORLD_SIZE`), Open MPI
+//! (`OMPI_COMM_WORLD_LOCAL_RANK`, `OMPI_COMM_WORLD_LOCAL_SIZE`), MPICH/PMI
+//! (`MPI_LOCALRANKID`, `MPI_LOCALNRANKS`) and SLURM (`SLURM_LOCALID` with
 //! `SLURM_NTASKS_PER_NODE`, or this node's entry of `SLURM_TASKS_PER_NODE`),
-//! checked in that order (the innermost launcher first: torchrun started by
-//! srun sees SLURM's variables too), or from explicit options or
-//! `KSPEED_LOCAL_RANK` and `KSPEED_LOCAL_WORLD_SIZE`, which come first.
+//! in that order (the innermost launcher first: torchrun started by srun
+//! sees SLURM's variables too).
 //!
 //! The topology is read from a directory shaped like sysfs (`/sys`, or
 //! `KSPEED_SYSFS_ROOT`): `devices/system/cpu/online`,

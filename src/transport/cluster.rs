@@ -18,6 +18,9 @@
 //! `MASTER_ADDR`, so without `KSPEED_NODES` a one-node job uses
 //! `MASTER_ADDR:KSPEED_PORT` (default port 7400) and a multi-node job is a
 //! named error. See docs/PROTOCOL.md ("Describing a cluster").
+//!
+//! Why this file is over ~800 lines: half of it is unit tests (cluster
+//! files, every launcher's variables, the node lists' precedence).
 
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::{Path, PathBuf};
