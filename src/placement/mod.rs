@@ -40,7 +40,7 @@
 //!
 //! The module is in three parts: [`topology`] (sysfs, cpusets, the CPU
 //! list format), [`launcher`] (the local rank, from
-//! [`crate::launcher::Launcher`]) and [`plan`] (the slices and the pollers'
+//! [`crate::launcher::Launcher`]) and [`plan`](mod@plan) (the slices and the pollers'
 //! cores); their items are re-exported here.
 
 use std::time::Duration;
