@@ -38,16 +38,16 @@
 //! `devices/system/cpu/cpuN/topology/thread_siblings_list` and
 //! `fs/cgroup/.../cpuset.cpus.effective`.
 //!
-//! The module is in three parts: [`topology`] (sysfs, cpusets, the CPU
-//! list format), [`launcher`] (the local rank, from
-//! [`crate::launcher::Launcher`]) and [`plan`](mod@plan) (the slices and the pollers'
-//! cores); their items are re-exported here.
+//! The module is in three files, whose items are all here: `topology.rs`
+//! (sysfs, cpusets, the CPU list format), `launcher.rs` (the local rank,
+//! from [`crate::launcher::Launcher`]) and `plan.rs` (the slices and the
+//! pollers' cores).
 
 use std::time::Duration;
 
-pub mod launcher;
-pub mod plan;
-pub mod topology;
+mod launcher;
+mod plan;
+mod topology;
 
 pub use launcher::LocalRank;
 pub use plan::{plan, CorePlan, PollerPlacement};
