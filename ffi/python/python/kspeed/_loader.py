@@ -98,7 +98,7 @@ def launch_env(env=None):
 def _rank_world(rank, world, ignore_launcher_env):
     """(rank, world, origin): the arguments, else the launcher's
     environment. Explicit values that contradict the launcher's
-    (RANK/WORLD_SIZE or SLURM_PROCID/SLURM_NTASKS) are refused unless
+    (launch_env(): torchrun, Open MPI, MPICH/PMI or SLURM) are refused unless
     ``ignore_launcher_env``: world=1 under a 2-rank torchrun would read every
     sample twice per epoch."""
     launched = launch_env()
@@ -179,7 +179,8 @@ class Loader:
     sample is served again every epoch. ``sample_dlpack(i)`` of a tier sample
     is a copy, since PyTorch ignores the flag.
 
-    ``rank``/``world``: both or neither (then torchrun's or SLURM's); explicit
+    ``rank``/``world``: both or neither (then the launcher's, as
+    :func:`kspeed.launch_env` reads them: torchrun, mpirun or srun); explicit
     values that contradict the launcher's environment raise ValueError
     unless ``ignore_launcher_env=True``. With ``source=`` and ``catalog=``,
     the catalog must have been built from that source.
@@ -289,7 +290,7 @@ class Loader:
         if (local_rank is None) != (local_world_size is None):
             raise ValueError(
                 "give both local_rank and local_world_size, or neither (then they come from "
-                "KSPEED_LOCAL_RANK/LOCAL_RANK/OMPI_COMM_WORLD_LOCAL_RANK/SLURM_LOCALID)"
+                "KSPEED_LOCAL_RANK/LOCAL_RANK/OMPI_COMM_WORLD_LOCAL_RANK/MPI_LOCALRANKID/SLURM_LOCALID)"
             )
         if local_rank is not None:
             local_world_size = _int("local_world_size", local_world_size, 1, 2**32 - 1)
