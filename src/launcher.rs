@@ -120,7 +120,7 @@ impl LauncherKind {
                 node: None,
                 nodes: None,
             },
-            LauncherKind::Slurm | LauncherKind::None => Vars {
+            LauncherKind::Slurm => Vars {
                 rank: "SLURM_PROCID",
                 world: "SLURM_NTASKS",
                 local_rank: "SLURM_LOCALID",
@@ -128,6 +128,8 @@ impl LauncherKind {
                 node: Some("SLURM_NODEID"),
                 nodes: Some("SLURM_NNODES"),
             },
+            // Only the launchers of `ALL` are looked up.
+            LauncherKind::None => unreachable!("no launcher has no variables"),
         }
     }
 }
@@ -246,7 +248,7 @@ fn check_rank(rank: u32, size: u32, vars: &str, what: &str) -> Result<()> {
 
 /// Entry `node` of SLURM's compressed tasks-per-node list (`2(x3),1` is
 /// 2, 2, 2, 1).
-pub(crate) fn slurm_tasks_on_node(list: &str, node: u32) -> std::result::Result<u32, String> {
+fn slurm_tasks_on_node(list: &str, node: u32) -> std::result::Result<u32, String> {
     let mut seen = 0u64;
     for item in list.trim().split(',') {
         let item = item.trim();
