@@ -377,6 +377,15 @@ pub enum Error {
         /// What is wrong.
         reason: String,
     },
+    /// The launcher's environment variables are malformed or contradict
+    /// each other (see [`crate::launcher`]).
+    #[error("launcher environment ({vars}): {reason}")]
+    BadLauncher {
+        /// The variables and their values (`RANK=8, WORLD_SIZE=8`).
+        vars: String,
+        /// What is wrong.
+        reason: String,
+    },
     /// A SLURM hostlist (`SLURM_JOB_NODELIST`, `--nodelist`) does not
     /// follow the grammar.
     #[error("hostlist {list:?} at byte {at}: {reason}")]
@@ -572,6 +581,7 @@ impl Error {
             Error::BadPosition(_) => ("BadPosition", Config),
             Error::BadCluster { .. } => ("BadCluster", Config),
             Error::BadPlacement { .. } => ("BadPlacement", Config),
+            Error::BadLauncher { .. } => ("BadLauncher", Config),
             Error::BadHostlist { .. } => ("BadHostlist", Config),
             Error::Refused { .. } => ("Refused", Network),
             Error::ProtocolViolation { .. } => ("ProtocolViolation", Network),

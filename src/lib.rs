@@ -61,6 +61,7 @@ pub(crate) mod format;
 // that other implementations and the scale model compute alike.
 pub mod hash;
 pub mod landing;
+pub mod launcher;
 pub mod loader;
 pub(crate) mod par;
 pub mod placement;

@@ -8,7 +8,7 @@
 //! This machine has 2 cores, so the masks hold at most CPUs 0 and 1: with
 //! 8 ranks the slices are shared (rank r gets CPU r mod 2, one poller each,
 //! pinned), with 2 ranks they are disjoint. The 64-core cases (8 ranks on
-//! one socket of a 2-socket machine) are the unit tests in src/placement.rs.
+//! one socket of a 2-socket machine) are the unit tests in src/placement/plan.rs.
 
 mod common;
 
@@ -96,6 +96,22 @@ fn start_rank(d: &Data, sysfs: &Path, mask: &str, env: &[(&str, String)], extra:
         "SLURM_TASKS_PER_NODE",
         "KSPEED_LOCAL_RANK",
         "KSPEED_LOCAL_WORLD_SIZE",
+        // The rest of the launchers' variables (src/launcher.rs reads them
+        // all, and checks them against each other).
+        "RANK",
+        "WORLD_SIZE",
+        "GROUP_RANK",
+        "GROUP_WORLD_SIZE",
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "PMI_RANK",
+        "PMI_SIZE",
+        "MPI_LOCALRANKID",
+        "MPI_LOCALNRANKS",
+        "SLURM_PROCID",
+        "SLURM_NTASKS",
+        "SLURM_NODEID",
+        "SLURM_NNODES",
     ] {
         c.env_remove(v);
     }
@@ -343,7 +359,15 @@ fn launchers_and_options_set_the_local_rank() {
         &'static [&'static str],
         (u64, u64, &'static str),
     );
-    let cases: [Case; 5] = [
+    let cases: [Case; 6] = [
+        (
+            vec![
+                ("MPI_LOCALRANKID", "1".into()),
+                ("MPI_LOCALNRANKS", "2".into()),
+            ],
+            &[],
+            (1, 2, "MPI_LOCALRANKID/MPI_LOCALNRANKS"),
+        ),
         (
             vec![
                 ("OMPI_COMM_WORLD_LOCAL_RANK", "1".into()),
@@ -424,12 +448,12 @@ fn bad_local_ranks_and_topology_are_named_errors() {
     fails_with(
         torchrun(8, 8),
         &[],
-        "core placement LOCAL_RANK/LOCAL_WORLD_SIZE: local rank 8 is not below local world size 8",
+        "launcher environment (LOCAL_RANK=8, LOCAL_WORLD_SIZE=8): local rank 8 is not below local world size 8",
     );
     fails_with(
         vec![("LOCAL_RANK", "2".into())],
         &[],
-        "core placement environment variable LOCAL_RANK: set without LOCAL_WORLD_SIZE",
+        "launcher environment (LOCAL_RANK=2): LOCAL_WORLD_SIZE is not set while LOCAL_RANK is",
     );
     fails_with(
         vec![
@@ -437,7 +461,7 @@ fn bad_local_ranks_and_topology_are_named_errors() {
             ("SLURM_NTASKS_PER_NODE", "2".into()),
         ],
         &[],
-        "environment variable SLURM_LOCALID: \"one\" is not a number",
+        "launcher environment (SLURM_LOCALID=\"one\"): not a number",
     );
     fails_with(
         vec![],

@@ -11,18 +11,22 @@
 //! 2 10.0.0.3:7400
 //! ```
 //!
-//! From the environment ([`Cluster::from_env`]): torchrun's `RANK`,
-//! `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE` and `GROUP_RANK` give this
-//! process's rank and node; `KSPEED_NODES` lists the node services'
-//! addresses in node order (comma-separated). torchrun gives only
+//! From the environment ([`Cluster::from_env`]): the launcher's variables
+//! (torchrun, Open MPI, MPICH/PMI or SLURM, read by [`crate::launcher`])
+//! give this process's rank and node; `KSPEED_NODES` lists the node
+//! services' addresses in node order (comma-separated). torchrun gives only
 //! `MASTER_ADDR`, so without `KSPEED_NODES` a one-node job uses
 //! `MASTER_ADDR:KSPEED_PORT` (default port 7400) and a multi-node job is a
 //! named error. See docs/PROTOCOL.md ("Describing a cluster").
+//!
+//! Why this file is over ~800 lines: half of it is unit tests (cluster
+//! files, every launcher's variables, the node lists' precedence).
 
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
+use crate::launcher::Launcher;
 
 /// One node of the cluster.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -53,23 +57,9 @@ pub struct Cluster {
     pub nodes: Vec<Node>,
 }
 
-/// The launcher's view of this process (torchrun's variables).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct LaunchEnv {
-    /// Global rank (`RANK`).
-    pub rank: u32,
-    /// Ranks in the job (`WORLD_SIZE`).
-    pub world: u32,
-    /// Rank on this node (`LOCAL_RANK`), as the launcher gave it. The
-    /// loader's core placement reads the local rank itself, with more
-    /// sources and checks ([`crate::placement::LocalRank`]); this copy is
-    /// for callers that report or log the job's layout.
-    pub local_rank: u32,
-    /// Ranks per node (`LOCAL_WORLD_SIZE`, default 1).
-    pub local_world: u32,
-    /// This node's index (`GROUP_RANK`, or `RANK / LOCAL_WORLD_SIZE`).
-    pub node: u32,
-}
+/// The launcher's view of this process: the one [`Launcher`] every path
+/// reads (the former name, kept for callers).
+pub type LaunchEnv = Launcher;
 
 impl Cluster {
     /// Parses a cluster file.
@@ -197,28 +187,28 @@ impl Cluster {
 
     /// The cluster and this process's place in it from the environment.
     ///
-    /// This process: `RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
-    /// `LOCAL_WORLD_SIZE`, `GROUP_RANK` (torchrun), or SLURM's
-    /// `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`,
-    /// `SLURM_NTASKS_PER_NODE`, `SLURM_NODEID` where torchrun's are unset.
+    /// This process: [`Launcher::from_vars`] (torchrun, Open MPI, MPICH/PMI
+    /// or SLURM, innermost first; see [`crate::launcher`]); a launcher
+    /// must have given the rank and world.
     ///
     /// The nodes, the first of these that is set:
     /// 1. `KSPEED_NODES`: the node services' `host:port`, comma-separated,
     ///    in node order;
     /// 2. `KSPEED_NODES_DNS`: a name pattern with `{i}` (see
     ///    [`Cluster::from_dns_pattern`]) for `KSPEED_NODE_COUNT` nodes
-    ///    (default: `WORLD_SIZE / LOCAL_WORLD_SIZE`);
-    /// 3. `SLURM_JOB_NODELIST` (or `SLURM_NODELIST`): a SLURM hostlist;
+    ///    (default: the launcher's node count, [`Launcher::nodes`]);
+    /// 3. the launcher's node list, `SLURM_JOB_NODELIST` (or
+    ///    `SLURM_NODELIST`): a SLURM hostlist;
     /// 4. `MASTER_ADDR`, for a one-node job only.
     ///
     /// Where a list has no port, `KSPEED_PORT` (default [`DEFAULT_PORT`]).
-    pub fn from_env() -> Result<(Cluster, LaunchEnv)> {
+    pub fn from_env() -> Result<(Cluster, Launcher)> {
         Self::from_vars(|k| std::env::var(k).ok())
     }
 
     /// [`Cluster::from_env`] over any variable lookup (for tests).
-    pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<(Cluster, LaunchEnv)> {
-        let env = LaunchEnv::from_vars(&var)?;
+    pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<(Cluster, Launcher)> {
+        let env = launched(&var)?;
         let node_count = env.node_count();
         let port = env_port(&var)?;
         let cluster = if let Some(list) = var("KSPEED_NODES") {
@@ -233,8 +223,8 @@ impl Cluster {
                 None => node_count,
             };
             Self::from_dns_pattern(&pattern, n, port)?
-        } else if let Some(list) = var("SLURM_JOB_NODELIST").or_else(|| var("SLURM_NODELIST")) {
-            Self::from_hostlist(&list, port)?
+        } else if let Some(list) = &env.nodelist {
+            Self::from_hostlist(list, port)?
         } else {
             if node_count > 1 {
                 return Err(Error::BadCluster {
@@ -266,52 +256,20 @@ fn env_port(var: &impl Fn(&str) -> Option<String>) -> Result<u16> {
     }
 }
 
-impl LaunchEnv {
-    /// This process's place from the launcher's variables (see
-    /// [`Cluster::from_env`]).
-    pub fn from_vars(var: &impl Fn(&str) -> Option<String>) -> Result<LaunchEnv> {
-        // torchrun's name first, then SLURM's.
-        let num = |names: &[&str], default: Option<u32>| -> Result<u32> {
-            for k in names {
-                if let Some(v) = var(k) {
-                    // SLURM_NTASKS_PER_NODE may read "8(x2)": 8 on each of 2 nodes.
-                    let digits = v.trim().split('(').next().unwrap_or("");
-                    return digits.parse().map_err(|_| Error::BadCluster {
-                        origin: format!("environment variable {k}"),
-                        reason: format!("{v:?} is not a number"),
-                    });
-                }
-            }
-            default.ok_or_else(|| Error::BadCluster {
-                origin: format!("environment variable {}", names.join(" / ")),
-                reason: "not set (is this process started by torchrun or srun?)".into(),
-            })
-        };
-        let rank = num(&["RANK", "SLURM_PROCID"], None)?;
-        let world = num(&["WORLD_SIZE", "SLURM_NTASKS"], None)?;
-        let local_rank = num(&["LOCAL_RANK", "SLURM_LOCALID"], Some(0))?;
-        let local_world = num(&["LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"], Some(1))?.max(1);
-        if rank >= world {
-            return Err(Error::BadCluster {
-                origin: "environment variable RANK".into(),
-                reason: format!("rank {rank} is not below WORLD_SIZE {world}"),
-            });
-        }
-        let node = num(&["GROUP_RANK", "SLURM_NODEID"], Some(rank / local_world))?;
-        Ok(LaunchEnv {
-            rank,
-            world,
-            local_rank,
-            local_world,
-            node,
-        })
+/// The launcher's view of this process, which must have a rank and world
+/// (cluster mode reads every rank's own sequence).
+fn launched(var: &impl Fn(&str) -> Option<String>) -> Result<Launcher> {
+    let env = Launcher::from_vars(var)?;
+    if !env.is_launched() {
+        return Err(Error::BadCluster {
+            origin: "environment".into(),
+            reason: "no launcher's rank and world (RANK/WORLD_SIZE, OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE, PMI_RANK/PMI_SIZE or SLURM_PROCID/SLURM_NTASKS): is this process started by torchrun, mpirun or srun?".into(),
+        });
     }
+    Ok(env)
+}
 
-    /// Nodes the job runs on: `world / local_world`, rounded up.
-    pub fn node_count(&self) -> u32 {
-        self.world.div_ceil(self.local_world)
-    }
-
+impl Launcher {
     /// Checks that `cluster` has one node service per node of the job.
     pub fn check_nodes(&self, cluster: &Cluster) -> Result<()> {
         let n = self.node_count();
@@ -319,8 +277,9 @@ impl LaunchEnv {
             return Err(Error::BadCluster {
                 origin: "environment".into(),
                 reason: format!(
-                    "the node list names {} nodes but WORLD_SIZE / LOCAL_WORLD_SIZE = {n}",
-                    cluster.nodes.len()
+                    "the node list names {} nodes but {} = {n}",
+                    cluster.nodes.len(),
+                    self.nodes_from
                 ),
             });
         }
@@ -368,7 +327,7 @@ impl ClusterSpec {
 
     /// The cluster, and with `env` this process's place; `None` when no
     /// source is given.
-    pub fn resolve(&self) -> Result<Option<(Cluster, Option<LaunchEnv>)>> {
+    pub fn resolve(&self) -> Result<Option<(Cluster, Option<Launcher>)>> {
         self.resolve_with(|k| std::env::var(k).ok())
     }
 
@@ -376,7 +335,7 @@ impl ClusterSpec {
     pub fn resolve_with(
         &self,
         var: impl Fn(&str) -> Option<String>,
-    ) -> Result<Option<(Cluster, Option<LaunchEnv>)>> {
+    ) -> Result<Option<(Cluster, Option<Launcher>)>> {
         let bad = |reason: &str| Error::BadCluster {
             origin: "cluster options".into(),
             reason: reason.into(),
@@ -409,7 +368,7 @@ impl ClusterSpec {
             return Ok(Some((c, Some(e))));
         }
         let launch = if self.env {
-            Some(LaunchEnv::from_vars(&var)?)
+            Some(launched(&var)?)
         } else {
             None
         };
@@ -494,6 +453,7 @@ mod tests {
         let e = Cluster::from_vars(vars(&[
             ("RANK", "0"),
             ("WORLD_SIZE", "4"),
+            ("LOCAL_RANK", "0"),
             ("LOCAL_WORLD_SIZE", "2"),
         ]))
         .unwrap_err()
@@ -527,19 +487,20 @@ mod tests {
         .unwrap();
         assert_eq!(addrs(&c), ["gpu07:7500", "gpu08:7500"]);
         assert_eq!(
-            env,
-            LaunchEnv {
-                rank: 6,
-                world: 8,
-                local_rank: 2,
-                local_world: 4,
-                node: 1
-            }
+            (
+                env.rank,
+                env.world,
+                env.local_rank,
+                env.local_world,
+                env.node
+            ),
+            (6, 8, 2, 4, 1)
         );
         // torchrun under SLURM: torchrun's variables win; default port.
         let (c, env) = Cluster::from_vars(lookup(&[
             ("RANK", "9"),
             ("WORLD_SIZE", "32"),
+            ("LOCAL_RANK", "0"),
             ("LOCAL_WORLD_SIZE", "8"),
             ("SLURM_PROCID", "1"),
             ("SLURM_NTASKS", "4"),
@@ -560,6 +521,7 @@ mod tests {
         let e = Cluster::from_vars(lookup(&[
             ("RANK", "0"),
             ("WORLD_SIZE", "16"),
+            ("LOCAL_RANK", "0"),
             ("LOCAL_WORLD_SIZE", "8"),
             ("SLURM_JOB_NODELIST", "gpu[1-3]"),
         ]))
@@ -603,6 +565,7 @@ mod tests {
         let base = [
             ("RANK", "0"),
             ("WORLD_SIZE", "16"),
+            ("LOCAL_RANK", "0"),
             ("LOCAL_WORLD_SIZE", "8"),
         ];
         let with = |extra: &[(&'static str, &'static str)]| {
@@ -631,6 +594,7 @@ mod tests {
         let env = lookup(&[
             ("RANK", "3"),
             ("WORLD_SIZE", "4"),
+            ("LOCAL_RANK", "0"),
             ("LOCAL_WORLD_SIZE", "2"),
             ("KSPEED_NODES", "a:1,b:1"),
             ("KSPEED_PORT", "7600"),
@@ -698,5 +662,149 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("names 3 nodes"));
+    }
+
+    /// Every launcher's variables, as that launcher sets them for rank 5 of
+    /// 8 on 2 nodes of 4 (local rank 1, node 1).
+    const LAUNCHERS: &[(&str, &[(&str, &str)])] = &[
+        (
+            "torchrun",
+            &[
+                ("RANK", "5"),
+                ("WORLD_SIZE", "8"),
+                ("LOCAL_RANK", "1"),
+                ("LOCAL_WORLD_SIZE", "4"),
+                ("GROUP_RANK", "1"),
+                ("GROUP_WORLD_SIZE", "2"),
+            ],
+        ),
+        (
+            "openmpi",
+            &[
+                ("OMPI_COMM_WORLD_RANK", "5"),
+                ("OMPI_COMM_WORLD_SIZE", "8"),
+                ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+                ("OMPI_COMM_WORLD_LOCAL_SIZE", "4"),
+            ],
+        ),
+        (
+            "mpich",
+            &[
+                ("PMI_RANK", "5"),
+                ("PMI_SIZE", "8"),
+                ("MPI_LOCALRANKID", "1"),
+                ("MPI_LOCALNRANKS", "4"),
+            ],
+        ),
+        (
+            "slurm",
+            &[
+                ("SLURM_PROCID", "5"),
+                ("SLURM_NTASKS", "8"),
+                ("SLURM_LOCALID", "1"),
+                ("SLURM_TASKS_PER_NODE", "4(x2)"),
+                ("SLURM_NODEID", "1"),
+                ("SLURM_NNODES", "2"),
+            ],
+        ),
+        (
+            // mpirun inside a SLURM allocation: the batch step's SLURM
+            // variables are there too, and Open MPI's win.
+            "openmpi",
+            &[
+                ("OMPI_COMM_WORLD_RANK", "5"),
+                ("OMPI_COMM_WORLD_SIZE", "8"),
+                ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+                ("OMPI_COMM_WORLD_LOCAL_SIZE", "4"),
+                ("SLURM_PROCID", "0"),
+                ("SLURM_NTASKS", "1"),
+                ("SLURM_LOCALID", "0"),
+                ("SLURM_NTASKS_PER_NODE", "1"),
+            ],
+        ),
+        (
+            // torchrun started by srun, one task per node.
+            "torchrun",
+            &[
+                ("RANK", "5"),
+                ("WORLD_SIZE", "8"),
+                ("LOCAL_RANK", "1"),
+                ("LOCAL_WORLD_SIZE", "4"),
+                ("SLURM_PROCID", "1"),
+                ("SLURM_NTASKS", "2"),
+                ("SLURM_LOCALID", "0"),
+                ("SLURM_TASKS_PER_NODE", "1(x2)"),
+                ("SLURM_NODEID", "1"),
+            ],
+        ),
+    ];
+
+    #[test]
+    fn every_launcher_gives_cluster_and_placement_the_same_answer() {
+        for (name, vars) in LAUNCHERS {
+            let mut v = vars.to_vec();
+            v.push(("KSPEED_NODES", "a:1,b:1"));
+            let (c, env) = Cluster::from_vars(lookup(&v)).unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert_eq!(addrs(&c), ["a:1", "b:1"], "{name}");
+            assert_eq!(env.kind.name(), *name);
+            assert_eq!(
+                (
+                    env.rank,
+                    env.world,
+                    env.local_rank,
+                    env.local_world,
+                    env.node,
+                    env.nodes
+                ),
+                (5, 8, 1, 4, 1, 2),
+                "{name}: {env:?}"
+            );
+            let local = crate::placement::LocalRank::from_vars(lookup(vars)).unwrap();
+            assert_eq!(
+                (local.rank, local.size, local.origin.as_str()),
+                (env.local_rank, env.local_world, env.local_from.as_str()),
+                "{name}"
+            );
+            // The same through a cluster spec with an explicit list.
+            let spec = ClusterSpec {
+                addrs: Some(vec!["x:1".into(), "y:1".into()]),
+                env: true,
+                ..Default::default()
+            };
+            let (_, e) = spec.resolve_with(lookup(vars)).unwrap().unwrap();
+            assert_eq!(e.as_ref(), Some(&env), "{name}");
+        }
+    }
+
+    #[test]
+    fn mpirun_variables_give_the_cluster_path_its_rank() {
+        // Open MPI's mpirun: before the one launcher type, placement read
+        // OMPI_COMM_WORLD_LOCAL_RANK but the cluster path found no rank.
+        let (c, env) = Cluster::from_vars(lookup(&[
+            ("OMPI_COMM_WORLD_RANK", "3"),
+            ("OMPI_COMM_WORLD_SIZE", "4"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+            ("KSPEED_NODES", "a:1,b:1"),
+        ]))
+        .unwrap();
+        assert_eq!(c.nodes.len(), 2);
+        assert_eq!((env.rank, env.world, env.node), (3, 4, 1));
+        // MPICH's Hydra, one node: MASTER_ADDR is torchrun's, so a list.
+        let (c, env) = Cluster::from_vars(lookup(&[
+            ("PMI_RANK", "1"),
+            ("PMI_SIZE", "2"),
+            ("MPI_LOCALRANKID", "1"),
+            ("MPI_LOCALNRANKS", "2"),
+            ("KSPEED_NODES", "a:1"),
+        ]))
+        .unwrap();
+        assert_eq!(c.nodes.len(), 1);
+        assert_eq!((env.rank, env.world, env.node), (1, 2, 0));
+        // No launcher at all is still the named cluster error.
+        let e = Cluster::from_vars(lookup(&[("KSPEED_NODES", "a:1")]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("torchrun, mpirun or srun"), "{e}");
     }
 }

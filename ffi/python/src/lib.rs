@@ -25,6 +25,7 @@
 
 mod dlpack;
 mod errors;
+mod launcher;
 mod objects;
 
 use std::collections::VecDeque;
@@ -1605,6 +1606,7 @@ fn _kspeed(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_open_catalog, m)?)?;
     m.add_function(wrap_pyfunction!(_has_rdma, m)?)?;
     m.add_function(wrap_pyfunction!(_bench_rust, m)?)?;
+    launcher::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -162,8 +162,10 @@ pub(crate) struct ReadArgs {
     #[arg(long)]
     node_port: Option<u16>,
     /// Cluster mode from the launcher's environment: rank and world from
-    /// torchrun (RANK, WORLD_SIZE, LOCAL_WORLD_SIZE) or srun (SLURM_PROCID,
-    /// SLURM_NTASKS, ...), which also set --rank and --world; the node list,
+    /// torchrun (RANK, WORLD_SIZE, LOCAL_WORLD_SIZE), Open MPI
+    /// (OMPI_COMM_WORLD_RANK, ...), MPICH (PMI_RANK, ...) or srun
+    /// (SLURM_PROCID, SLURM_NTASKS, ...), innermost first, which also set
+    /// --rank and --world; the node list,
     /// unless given by --cluster/--nodelist/--nodes-dns, from KSPEED_NODES,
     /// else KSPEED_NODES_DNS (+ KSPEED_NODE_COUNT), else SLURM_JOB_NODELIST,
     /// else MASTER_ADDR (one node). docs/DEPLOY.md.

@@ -53,47 +53,64 @@ def _path(name, v, must_exist=True):
     return p
 
 
-def _env_int(var, env):
-    v = env.get(var)
-    if v is None:
-        return None
-    try:
-        return int(v.strip())
-    except ValueError:
-        raise ValueError(f"environment variable {var}={v!r} is not an integer") from None
+class LaunchEnv(tuple):
+    """The launcher's view of this process, from :func:`launch_env`.
+
+    A ``(rank, world, origin)`` tuple, with every field the Rust crate's
+    ``kspeed::launcher::Launcher`` reads as attributes: ``launcher``
+    (``"torchrun"``, ``"openmpi"``, ``"mpich"``, ``"slurm"`` or ``"none"``),
+    ``rank``, ``world``, ``local_rank``, ``local_world_size``, ``node``,
+    ``nodes``, ``nodelist`` (the SLURM hostlist, or None), ``rank_from``,
+    ``local_rank_from``, ``node_from``, ``nodes_from`` (the variables each
+    came from) and ``origin``.
+    """
+
+    def __new__(cls, fields):
+        if fields["launcher"] == "none":
+            origin = "defaults (no launcher's rank and world in the environment)"
+        else:
+            names = fields["rank_from"].split("/")
+            origin = f"environment variables {names[0]}={fields['rank']}, {names[1]}={fields['world']}"
+        self = super().__new__(cls, (fields["rank"], fields["world"], origin))
+        self.__dict__.update(fields)
+        self.origin = origin
+        return self
+
+    def __repr__(self):
+        keys = ("launcher", "rank", "world", "local_rank", "local_world_size", "node", "nodes", "nodelist")
+        return "LaunchEnv(" + ", ".join(f"{k}={getattr(self, k)!r}" for k in keys) + ")"
 
 
 def launch_env(env=None):
-    """(rank, world, origin) from the launcher's environment: torchrun's RANK
-    and WORLD_SIZE, else SLURM's SLURM_PROCID and SLURM_NTASKS, else (0, 1)."""
-    env = os.environ if env is None else env
-    for r, w, origin in (("RANK", "WORLD_SIZE", "torchrun"), ("SLURM_PROCID", "SLURM_NTASKS", "SLURM")):
-        rank, world = _env_int(r, env), _env_int(w, env)
-        if rank is None and world is None:
-            continue
-        if rank is None or world is None:
-            missing = r if rank is None else w
-            raise ValueError(f"environment variable {missing} is not set while {r if missing == w else w} is ({origin})")
-        return rank, world, f"environment variables {r}={rank}, {w}={world}"
-    return 0, 1, "defaults (no RANK/WORLD_SIZE or SLURM_PROCID/SLURM_NTASKS in the environment)"
+    """This process's place in the job from the launcher's environment, read
+    by the Rust crate (the same reading as the loader's core placement and
+    ``cluster="env"``): torchrun (RANK, WORLD_SIZE, LOCAL_RANK, ...), Open
+    MPI (OMPI_COMM_WORLD_*), MPICH/PMI (PMI_RANK, PMI_SIZE, MPI_LOCALRANKID,
+    MPI_LOCALNRANKS), SLURM (SLURM_PROCID, ...), innermost first; rank 0 of 1
+    without any. ``env``: a mapping to read instead of the process
+    environment. Returns a :class:`LaunchEnv` (a ``(rank, world, origin)``
+    tuple with more attributes); malformed or contradictory variables raise
+    :class:`kspeed.ConfigError` (kind ``BadLauncher``) naming them."""
+    fields = _kspeed._launch_env(None if env is None else {str(k): str(v) for k, v in env.items()})
+    return LaunchEnv(fields)
 
 
 def _rank_world(rank, world, ignore_launcher_env):
     """(rank, world, origin): the arguments, else the launcher's
     environment. Explicit values that contradict the launcher's
-    (RANK/WORLD_SIZE or SLURM_PROCID/SLURM_NTASKS) are refused unless
+    (launch_env(): torchrun, Open MPI, MPICH/PMI or SLURM) are refused unless
     ``ignore_launcher_env``: world=1 under a 2-rank torchrun would read every
     sample twice per epoch."""
-    env_rank, env_world, origin = launch_env()
+    launched = launch_env()
+    env_rank, env_world, origin = launched
     if rank is None and world is None:
         rank, world = env_rank, env_world
     elif rank is None or world is None:
-        raise ValueError("give both rank and world, or neither (then they come from torchrun/SLURM)")
+        raise ValueError("give both rank and world, or neither (then they come from the launcher: torchrun, mpirun or srun)")
     else:
         rank = _int("rank", rank, 0, 2**32 - 1)
         world = _int("world", world, 1, 2**32 - 1)
-        launched = origin.startswith("environment")
-        if launched and (rank, world) != (env_rank, env_world) and not _bool("ignore_launcher_env", ignore_launcher_env):
+        if launched.launcher != "none" and (rank, world) != (env_rank, env_world) and not _bool("ignore_launcher_env", ignore_launcher_env):
             raise ValueError(
                 f"rank={rank}, world={world} contradict the launcher's {origin}: with these the job's ranks "
                 f"would not split the samples (some read twice, some never); leave rank and world out to take "
@@ -162,7 +179,8 @@ class Loader:
     sample is served again every epoch. ``sample_dlpack(i)`` of a tier sample
     is a copy, since PyTorch ignores the flag.
 
-    ``rank``/``world``: both or neither (then torchrun's or SLURM's); explicit
+    ``rank``/``world``: both or neither (then the launcher's, as
+    :func:`kspeed.launch_env` reads them: torchrun, mpirun or srun); explicit
     values that contradict the launcher's environment raise ValueError
     unless ``ignore_launcher_env=True``. With ``source=`` and ``catalog=``,
     the catalog must have been built from that source.
@@ -272,7 +290,7 @@ class Loader:
         if (local_rank is None) != (local_world_size is None):
             raise ValueError(
                 "give both local_rank and local_world_size, or neither (then they come from "
-                "KSPEED_LOCAL_RANK/LOCAL_RANK/OMPI_COMM_WORLD_LOCAL_RANK/SLURM_LOCALID)"
+                "KSPEED_LOCAL_RANK/LOCAL_RANK/OMPI_COMM_WORLD_LOCAL_RANK/MPI_LOCALRANKID/SLURM_LOCALID)"
             )
         if local_rank is not None:
             local_world_size = _int("local_world_size", local_world_size, 1, 2**32 - 1)

@@ -12,7 +12,7 @@ Recommended set-up::
             ...
 
 What each process reads. With ``num_workers=0`` the dataset's one loader
-reads the rank's whole sequence (rank and world from torchrun/SLURM, as
+reads the rank's whole sequence (rank and world from the launcher, as
 ``kspeed.Loader``). With ``N`` worker processes, worker ``w`` builds its own
 loader, inside the worker (after the fork), that reads steps ``w, w+N,
 w+2N, ...`` of the rank's sequence: it is the sampler's rank
