@@ -46,44 +46,61 @@ fn a_blocked_poller_tick_is_counted_and_logged_once_and_a_normal_run_has_none() 
     // Each poller's first tick blocks for 150 ms: one stall each, one line
     // each (the two pollers, no network thread alone).
     let (n, err) = read(&src, &[("KSPEED_TEST_STALL_MS", "150")]);
-    assert_eq!(n, 2, "{err}");
+    assert!(n >= 2, "{n} stalls: {err}");
     for p in 0..2 {
         let line = format!("loader poller {p}: a tick took");
         assert_eq!(err.matches(&line).count(), 1, "{line:?} in {err}");
     }
-    // The same run without the hook: no tick that long (the waits for the
-    // disk and the consumer are not ticks' work).
-    let (n, err) = read(&src, &[]);
+    // The same run without the hook counts none. (The threshold is raised
+    // here: on a loaded test machine a poller can be preempted for 50 ms
+    // mid-tick; the idle service below checks that waits are not counted.)
+    let (n, err) = read(&src, &[("KSPEED_STALL_MS", "2000")]);
     assert_eq!(n, 0, "{err}");
     assert!(!err.contains("a tick took"), "{err}");
 }
 
+fn service(space: &std::path::Path) -> NodeService {
+    let mut cfg = ServeConfig::new(space, "127.0.0.1:0", b"token");
+    cfg.pollers = 2;
+    cfg.staging_bytes = 1 << 20;
+    NodeService::start(cfg).unwrap()
+}
+
+fn stalls(svc: &NodeService) -> u64 {
+    svc.stats()
+        .loop_stalls
+        .load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// One test: it sets the environment of this process, which the services
+/// it starts read (the `kspeed read` children above clear it).
 #[test]
-fn a_blocked_service_tick_is_counted() {
-    // In-process: this test binary's only in-process service.
-    std::env::set_var("KSPEED_TEST_STALL_MS", "120");
-    std::env::set_var("KSPEED_STALL_MS", "50");
+fn an_idle_service_counts_no_stalls_and_a_blocked_tick_is_counted() {
     let tmp = tempfile::tempdir().unwrap();
     let src = tmp.path().join("src");
     gen("tiny", 20, &src);
     let space = tmp.path().join("space");
     ok(&["preload", "--source", s(&src), "--space", s(&space)]);
-    let mut cfg = ServeConfig::new(&space, "127.0.0.1:0", b"token");
-    cfg.pollers = 2;
-    cfg.staging_bytes = 1 << 20;
-    let svc = NodeService::start(cfg).unwrap();
-    // The acceptor's and both pollers' first ticks stalled.
+    // Idle: the pollers wait 50 ms per tick and the acceptor up to 100 ms;
+    // with a 25 ms threshold, counting a wait would show within 400 ms.
+    std::env::set_var("KSPEED_STALL_MS", "25");
+    let svc = service(&space);
     let t0 = Instant::now();
-    let stalls = || {
-        svc.stats()
-            .loop_stalls
-            .load(std::sync::atomic::Ordering::Relaxed)
-    };
-    while stalls() < 3 {
+    while t0.elapsed() < Duration::from_millis(400) {
+        assert_eq!(stalls(&svc), 0, "an idle service counted a stall");
+        std::thread::yield_now();
+    }
+    svc.stop();
+    // The acceptor's and both pollers' first ticks block for 120 ms.
+    std::env::set_var("KSPEED_TEST_STALL_MS", "120");
+    std::env::set_var("KSPEED_STALL_MS", "50");
+    let svc = service(&space);
+    let t0 = Instant::now();
+    while stalls(&svc) < 3 {
         assert!(
             t0.elapsed() < Duration::from_secs(30),
             "{} stalls counted",
-            stalls()
+            stalls(&svc)
         );
         std::thread::yield_now();
     }

@@ -19,15 +19,15 @@ use std::collections::HashMap;
 use std::fs::File;
 use std::os::fd::{AsRawFd, RawFd};
 
-/// Descriptors one cache may hold: an eighth of the soft `RLIMIT_NOFILE`
+/// Descriptors one cache may hold: a quarter of the soft `RLIMIT_NOFILE`
 /// shared by `users` caches (pollers and the network thread), between 16
-/// and 4,096 each.
+/// and 65,536 each.
 pub(crate) fn capacity(users: usize) -> usize {
     let limit = match crate::sys::open_files_limit() {
         0 => 1024,
         n => n,
     };
-    ((limit / 8) as usize / users.max(1)).clamp(16, 4096)
+    ((limit / 4) as usize / users.max(1)).clamp(16, 1 << 16)
 }
 
 /// A descriptor lent for one sample's reads; give it back with
