@@ -149,7 +149,9 @@ impl Stall {
         self.phases |= 1 << p as u16;
     }
 
-    /// The loop woke from a wait: the busy part starts now.
+    /// The loop woke from a wait, or starts (call it first thing in the
+    /// loop's thread: construction and thread start are no tick): the busy
+    /// part starts now.
     #[inline]
     pub(crate) fn resume(&mut self) {
         if self.threshold.is_some() {
@@ -189,7 +191,10 @@ impl Stall {
             self.worst = took;
             self.worst_phases = phases;
         }
-        if self.last_log.is_some_and(|t| now.duration_since(t) < LOG_INTERVAL) {
+        if self
+            .last_log
+            .is_some_and(|t| now.duration_since(t) < LOG_INTERVAL)
+        {
             return None;
         }
         // Rare (at most once per interval): the line may allocate.
@@ -266,7 +271,9 @@ mod tests {
         let t0 = s.mark;
         s.phase(Phase::Open);
         s.phase(Phase::Reap);
-        let line = s.lap_at(t0 + Duration::from_millis(120), &c).expect("logged");
+        let line = s
+            .lap_at(t0 + Duration::from_millis(120), &c)
+            .expect("logged");
         assert_eq!(c.load(Ordering::Relaxed), 1);
         assert!(line.contains("took 120 ms"), "{line}");
         assert!(line.contains("reap+open"), "{line}");

@@ -143,7 +143,6 @@ pub(crate) fn split_key(member: &[u8]) -> (&[u8], &[u8]) {
     }
 }
 
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -147,6 +147,7 @@ impl Poller {
         }
         let spin = self.shared.cfg.spin;
         let mut last_progress = Instant::now();
+        self.stall.resume();
         loop {
             let stopping = self.shared.stop.load(Ordering::Acquire);
             if stopping && self.in_flight == 0 {

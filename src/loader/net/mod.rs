@@ -700,6 +700,7 @@ impl<R: Receive> Thread<R> {
     }
 
     pub(crate) fn run(mut self) {
+        self.stall.resume();
         let mut stopping = false;
         loop {
             if !stopping && self.sh.stop.load(Ordering::Acquire) {

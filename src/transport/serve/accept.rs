@@ -409,6 +409,7 @@ impl Acceptor {
     }
 
     pub(super) fn run(mut self) {
+        self.stall.resume();
         while !self.c.stop.load(Ordering::Acquire) {
             let now = Instant::now();
             // Wake for the stop flag, the next deadline and the back-off.

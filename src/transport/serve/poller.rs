@@ -262,6 +262,7 @@ impl ServePoller {
     /// Runs until the service stops and every connection is gone (then
     /// nothing is in flight in the ring).
     pub(super) fn run(&mut self) {
+        self.stall.resume();
         loop {
             // Drop the reaped from the dense list before anyone is adopted
             // (a reaped index may be reused right after).
