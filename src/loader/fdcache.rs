@@ -12,6 +12,12 @@
 //! entry is in use the file is opened for that one sample
 //! ([`Lease::Owned`]) and closed when its reads are done.
 //!
+//! A cache lives for one run (a poller's, or the network thread's): a file
+//! replaced or removed during the run is read as it was when first opened,
+//! as a process holding it open would; the catalog's CRC32C check
+//! (`verify_crc32c`) still catches changed bytes. The next run (a new epoch
+//! after `set_epoch`, a restart) opens it again.
+//!
 //! Descriptors are owned (`File`s): dropping the cache (the poller's exit, or a
 //! panic unwinding it) closes them.
 

@@ -412,15 +412,19 @@ impl Poller {
                 (target, loc.offset, sh.geo.slot(p.len), loc.extent, None)
             }
             Input::Source { root, .. } => {
-                self.stall.phase(Phase::Open);
                 let s = cat.sample(p.id);
                 self.path_buf.clear();
                 self.path_buf.push(root);
                 self.path_buf.push(cat.file(s.file).name);
                 let path = &self.path_buf;
+                let stall = &mut self.stall;
                 let lease = self
                     .fds
-                    .acquire(s.file, || std::fs::File::open(path))
+                    .acquire(s.file, || {
+                        // Not cached: a blocking open (named in a stall).
+                        stall.phase(Phase::Open);
+                        std::fs::File::open(path)
+                    })
                     .map_err(|e| Error::ReadFailed {
                         sample: p.id,
                         path: self.path_buf.clone(),
