@@ -619,14 +619,18 @@ impl Error {
 
 /// An errno value in messages: its number and the C library's description
 /// (`errno 5 (Input/output error)`), for every value: the number is never
-/// dropped, and the description comes from the C library (`strerror_r`
-/// through the `errno` crate) rather than a table of names.
+/// dropped, and the description comes from the C library (`strerror_r`,
+/// through std's `io::Error`) rather than a table of names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Errno(pub i32);
 
 impl std::fmt::Display for Errno {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "errno {} ({})", self.0, errno::Errno(self.0))
+        // std writes "DESCRIPTION (os error N)"; the number is ours to place.
+        let e = std::io::Error::from_raw_os_error(self.0).to_string();
+        let suffix = format!(" (os error {})", self.0);
+        let desc = e.strip_suffix(&suffix).unwrap_or(&e);
+        write!(f, "errno {} ({desc})", self.0)
     }
 }
 

@@ -69,6 +69,7 @@ mod pool;
 pub mod progress;
 pub(crate) mod ring;
 pub mod sampler;
+pub(crate) mod stall;
 mod sys;
 pub mod transport;
 

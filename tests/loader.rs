@@ -1606,3 +1606,44 @@ fn eight_ranks_in_one_process_step_in_lock_step() {
         }
     }
 }
+
+/// Source mode keeps a tar shard open for the run (`src/loader/fdcache.rs`):
+/// one `open` for all its members, not one per sample. Shown by removing
+/// the shard once the first batch is in: the rest of the epoch is still
+/// read from the open shard (before the cache every member reopened it, and
+/// the first member read after the removal failed with ENOENT).
+#[test]
+fn a_tar_shard_is_opened_once_per_run_not_per_member() {
+    let t = tempfile::tempdir().unwrap();
+    let shard = t.path().join("one.tar");
+    let mut b = tar::Builder::new(std::fs::File::create(&shard).unwrap());
+    for i in 0..200u64 {
+        let data = bytes_for(i, 4096);
+        let mut h = tar::Header::new_gnu();
+        h.set_size(data.len() as u64);
+        h.set_mode(0o644);
+        h.set_cksum();
+        b.append_data(&mut h, format!("{i:05}.bin"), &data[..])
+            .unwrap();
+    }
+    b.into_inner().unwrap();
+    let spec = format!("tar:{}", shard.display());
+    let cat = t.path().join("shard.ksc");
+    ok(&["catalog", "--source", &spec, "--out", s(&cat)]);
+    // A ring of 16 samples: most of the epoch is read after the removal.
+    let mut l = LoaderBuilder::source(&spec)
+        .catalog(&cat)
+        .batch_size(4)
+        .pollers(1)
+        .end_epoch(Some(1))
+        .landing(small_ring(64 << 10))
+        .build()
+        .unwrap();
+    let mut n = l.next_batch().unwrap().unwrap().len();
+    std::fs::remove_file(&shard).unwrap();
+    while let Some(b) = l.next_batch().unwrap() {
+        n += b.len();
+    }
+    assert_eq!(n, 200);
+    assert_eq!(l.stats().disk_reads, 200);
+}

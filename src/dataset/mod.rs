@@ -7,6 +7,7 @@ pub mod gen;
 pub mod owner;
 pub mod preload;
 pub mod repair;
+mod scan;
 mod shard;
 pub mod source;
 pub mod space;

@@ -21,9 +21,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
-use super::source::{
-    member_len, split_member_key, ScanNotes, ScanOptions, ScannedSample, NO_LABEL,
-};
+use super::scan::{check_len, split_key, ScanNotes, ScanOptions, ScannedSample, NO_LABEL};
 use crate::error::{Error, IoContext, Result};
 
 const BLOCK: u64 = 512;
@@ -138,7 +136,7 @@ pub(crate) fn index_shard(
                     offset + len
                 )));
             }
-            let (key, ext) = split_member_key(&name);
+            let (key, ext) = split_key(&name);
             if group.as_ref().is_none_or(|g| g.key != key) {
                 flush(&mut out, group.take())?;
                 group = Some(Group {
@@ -226,7 +224,7 @@ fn flush(out: &mut Out<'_>, g: Option<Group>) -> Result<()> {
     if out.members.is_empty() {
         // One member per sample: the first; the rest are counted.
         let (_, offset, len, name) = &g.members[0];
-        let len = member_len(&shard.join(std::ffi::OsStr::from_bytes(name)), *len)?;
+        let len = check_len(&shard.join(std::ffi::OsStr::from_bytes(name)), *len)?;
         out.samples.push(ScannedSample {
             file: out.file,
             offset: *offset,
@@ -266,7 +264,7 @@ fn flush(out: &mut Out<'_>, g: Option<Group>) -> Result<()> {
     }
     let start = picked.iter().map(|m| m.1).min().expect("non-empty");
     let end = picked.iter().map(|m| m.1 + m.2).max().expect("non-empty");
-    let len = member_len(
+    let len = check_len(
         &shard.join(std::ffi::OsStr::from_bytes(&picked[0].3)),
         end - start,
     )?;

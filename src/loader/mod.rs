@@ -33,6 +33,7 @@ pub(crate) mod tier;
 
 mod batch;
 mod builder;
+mod fdcache;
 mod net;
 mod shared;
 mod stats;
@@ -204,6 +205,7 @@ impl Loader {
                     disk_reads: AtomicU64::new(0),
                     tier_hits: AtomicU64::new(0),
                     retries: AtomicU64::new(0),
+                    loop_stalls: AtomicU64::new(0),
                     latency: Mutex::new(
                         Histogram::new_with_bounds(1, 60_000_000, 2).expect("valid bounds"),
                     ),
@@ -828,6 +830,7 @@ impl Loader {
             disk_reads: t.disk_reads,
             tier_hits: t.tier_hits,
             retries: t.retries,
+            loop_stalls: t.loop_stalls,
             read_latency: lat,
             remote_samples: t.remote_samples,
             failovers: t.failovers,

@@ -12,7 +12,7 @@
 //! each sample being read occupies a group record until its last part lands.
 //! Both pools are sized once from the queue depth.
 
-use std::os::fd::{AsRawFd, IntoRawFd, RawFd};
+use std::os::fd::AsRawFd;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -20,11 +20,13 @@ use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
 
+use super::fdcache::{FdCache, Lease};
 use super::schedule::{Cursor, Placed};
 use super::{Input, Shared, CODE_ERROR, CODE_OK, CODE_TIER};
 use crate::error::{errno_name, Error};
 use crate::pool::Pool;
 use crate::ring::{transient_submit_error, Completion, IoBackend, ReadOp, Target};
+use crate::stall::{Phase, Stall};
 
 /// Attempts for a part that came back short or was interrupted.
 const MAX_ATTEMPTS: u32 = 4;
@@ -43,7 +45,9 @@ struct Group {
     parts: u32,
     issued: u32,
     done: u32,
-    owned_fd: Option<RawFd>,
+    /// The source file's descriptor (source mode), released when the
+    /// sample's reads are done.
+    lease: Option<Lease>,
     error: Option<Error>,
     submitted: Instant,
 }
@@ -83,6 +87,9 @@ pub(crate) struct Poller {
     submit_error: Option<std::io::Error>,
     part_bytes: u64,
     path_buf: PathBuf,
+    /// Source files kept open across samples (source mode).
+    fds: FdCache,
+    stall: Stall,
 }
 
 impl Poller {
@@ -118,6 +125,11 @@ impl Poller {
             submit_error: None,
             part_bytes: shared.cfg.max_read_bytes.next_multiple_of(align).max(align),
             path_buf: PathBuf::with_capacity(4096),
+            fds: FdCache::new(match shared.input {
+                Input::Source { .. } => super::fdcache::capacity(count + 1),
+                Input::Space { .. } => 1,
+            }),
+            stall: Stall::new("loader poller", index),
             shared,
         }
     }
@@ -135,6 +147,7 @@ impl Poller {
         }
         let spin = self.shared.cfg.spin;
         let mut last_progress = Instant::now();
+        self.stall.resume();
         loop {
             let stopping = self.shared.stop.load(Ordering::Acquire);
             if stopping && self.in_flight == 0 {
@@ -153,7 +166,13 @@ impl Poller {
             // nothing (after busy-polling for `spin`, if configured).
             let wait = self.in_flight > 0 && last_progress.elapsed() >= spin;
             self.unsubmitted = 0;
-            match result.and_then(|()| self.backend.submit(wait)) {
+            self.stall
+                .lap(&self.shared.stats[self.index as usize].loop_stalls);
+            let submitted = result.and_then(|()| self.backend.submit(wait));
+            if wait {
+                self.stall.resume();
+            }
+            match submitted {
                 Ok(()) => {}
                 // EAGAIN/EBUSY/EINTR: the reads stay queued; drain what
                 // completed and submit again next tick.
@@ -169,6 +188,7 @@ impl Poller {
                 }
             }
             let n = self.backend.drain(&mut self.completions);
+            self.stall.phase(Phase::Reap);
             for i in 0..n {
                 let c = self.completions[i];
                 self.complete(c);
@@ -191,11 +211,13 @@ impl Poller {
                 // only bounds a stop).
                 self.publish_stats();
                 let i = self.index as usize;
+                self.stall.lap(&self.shared.stats[i].loop_stalls);
                 self.shared.park_for(i, self.pending.as_ref());
                 if !self.pending.is_some_and(|p| self.shared.writable(&p)) {
                     std::thread::park_timeout(Duration::from_millis(50));
                 }
                 self.shared.park_for(i, None);
+                self.stall.resume();
             } else {
                 std::hint::spin_loop();
             }
@@ -273,6 +295,7 @@ impl Poller {
     /// how many samples or parts were started.
     fn fill(&mut self) -> usize {
         let mut started = 0;
+        self.stall.phase(Phase::Submit);
         loop {
             if let Some(gi) = self.partial {
                 match self.issue_parts(gi) {
@@ -327,6 +350,7 @@ impl Poller {
                 self.flush();
             }
             if let Some(tier) = &self.shared.tier {
+                self.stall.phase(Phase::Tier);
                 // SAFETY: dst..dst+len is this sample's slot, inside the ring
                 // and outside the consumer's window (flow control above).
                 if unsafe { tier.copy_out(p.id, p.len as usize, dst) } {
@@ -375,7 +399,7 @@ impl Poller {
     fn open_group(&mut self, p: Placed) -> Result<u32, Error> {
         let sh = &self.shared;
         let cat = sh.input.catalog();
-        let (target, offset, want, file, owned_fd) = match &sh.input {
+        let (target, offset, want, file, lease) = match &sh.input {
             Input::Space { space, extents } => {
                 let loc = space
                     .location(p.id)
@@ -392,15 +416,24 @@ impl Poller {
                 self.path_buf.clear();
                 self.path_buf.push(root);
                 self.path_buf.push(cat.file(s.file).name);
-                let f = std::fs::File::open(&self.path_buf).map_err(|e| Error::ReadFailed {
-                    sample: p.id,
-                    path: self.path_buf.clone(),
-                    offset: s.offset,
-                    errno_name: errno_name(e.raw_os_error().unwrap_or(0)),
-                    source: e.into(),
-                })?;
-                let fd = f.into_raw_fd();
-                (Target::Fd(fd), s.offset, s.len as u64, s.file, Some(fd))
+                let path = &self.path_buf;
+                let stall = &mut self.stall;
+                let lease = self
+                    .fds
+                    .acquire(s.file, || {
+                        // Not cached: a blocking open (named in a stall).
+                        stall.phase(Phase::Open);
+                        std::fs::File::open(path)
+                    })
+                    .map_err(|e| Error::ReadFailed {
+                        sample: p.id,
+                        path: self.path_buf.clone(),
+                        offset: s.offset,
+                        errno_name: errno_name(e.raw_os_error().unwrap_or(0)),
+                        source: e.into(),
+                    })?;
+                let fd = self.fds.fd(&lease);
+                (Target::Fd(fd), s.offset, s.len as u64, s.file, Some(lease))
             }
         };
         let gi = self.groups.insert(Group {
@@ -412,7 +445,7 @@ impl Poller {
             parts: want.div_ceil(self.part_bytes) as u32,
             issued: 0,
             done: 0,
-            owned_fd,
+            lease,
             error: None,
             submitted: Instant::now(),
         });
@@ -552,13 +585,13 @@ impl Poller {
         if g.done < g.parts {
             return;
         }
-        let g = self.groups.remove(gi as usize);
+        let mut g = self.groups.remove(gi as usize);
         if self.partial == Some(gi) {
             self.partial = None;
         }
-        if let Some(fd) = g.owned_fd {
-            // SAFETY: the descriptor was opened for this sample and is closed once.
-            unsafe { libc::close(fd) };
+        if let Some(lease) = g.lease.take() {
+            // Its reads are done: the descriptor may be closed or reused.
+            self.fds.release(lease);
         }
         if let Some(e) = g.error {
             self.local_failed(&g.placed, e);
@@ -649,10 +682,9 @@ impl Poller {
         };
         for gi in 0..self.groups.limit() {
             if let Some(g) = self.groups.try_remove(gi) {
-                if let Some(fd) = g.owned_fd {
-                    // SAFETY: opened for this sample, closed once (its reads
-                    // were reaped above).
-                    unsafe { libc::close(fd) };
+                if let Some(lease) = g.lease {
+                    // Its reads were reaped above.
+                    self.fds.release(lease);
                 }
                 self.fail(&g.placed, err.clone());
             }

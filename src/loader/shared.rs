@@ -50,6 +50,8 @@ pub(crate) struct PollerStats {
     pub(crate) disk_reads: AtomicU64,
     pub(crate) tier_hits: AtomicU64,
     pub(crate) retries: AtomicU64,
+    /// Ticks longer than the stall threshold (`crate::stall`).
+    pub(crate) loop_stalls: AtomicU64,
     pub(crate) latency: Mutex<Histogram<u64>>,
 }
 

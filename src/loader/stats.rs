@@ -20,6 +20,7 @@ pub(super) struct Totals {
     pub(super) disk_reads: u64,
     pub(super) tier_hits: u64,
     pub(super) retries: u64,
+    pub(super) loop_stalls: u64,
     pub(super) remote_samples: u64,
     pub(super) failovers: u64,
     pub(super) source_reads: u64,
@@ -34,6 +35,7 @@ impl Totals {
             disk_reads: 0,
             tier_hits: 0,
             retries: 0,
+            loop_stalls: 0,
             remote_samples: 0,
             failovers: 0,
             source_reads: 0,
@@ -55,6 +57,7 @@ impl Totals {
             self.disk_reads += s.disk_reads.load(Ordering::Relaxed);
             self.tier_hits += s.tier_hits.load(Ordering::Relaxed);
             self.retries += s.retries.load(Ordering::Relaxed);
+            self.loop_stalls += s.loop_stalls.load(Ordering::Relaxed);
             let _ = self
                 .latency
                 .add(&*s.latency.lock().unwrap_or_else(|e| e.into_inner()));
@@ -63,6 +66,7 @@ impl Totals {
             self.remote_samples += n.remote_samples.load(Ordering::Relaxed);
             self.failovers += n.failovers.load(Ordering::Relaxed);
             self.source_reads += n.source_reads.load(Ordering::Relaxed);
+            self.loop_stalls += n.loop_stalls.load(Ordering::Relaxed);
         }
     }
 }
@@ -111,6 +115,11 @@ pub struct Stats {
     pub tier_hits: u64,
     /// Reads retried (short or interrupted).
     pub retries: u64,
+    /// Ticks of the pollers' and the network thread's loops that took
+    /// longer than the stall threshold (`KSPEED_STALL_MS`, default 50 ms;
+    /// each is logged, at most once per 10 s per loop, with what the tick
+    /// was doing): blocking work on a thread that must not block.
+    pub loop_stalls: u64,
     /// Per-sample read latency (submission to completion) of disk reads.
     pub read_latency: Latency,
     /// Samples pushed by other nodes (cluster mode).

@@ -401,6 +401,22 @@ impl ReadOnlyMap {
     }
 }
 
+/// The soft limit on open files (`RLIMIT_NOFILE`; 0 if it cannot be read).
+pub fn open_files_limit() -> u64 {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `lim` is a valid, writable rlimit for getrlimit to fill.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        return 0;
+    }
+    // rlim_t is u64 on Linux targets but not on every libc target.
+    #[allow(clippy::unnecessary_cast)]
+    let cur = lim.rlim_cur as u64;
+    cur
+}
+
 /// Raises the soft limit on open files to the hard limit, as servers do: a
 /// space keeps one descriptor per extent open while it is served or read, and
 /// the usual soft limit (1024) is far below what large spaces need. Returns

@@ -458,13 +458,14 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
         st.bytes as f64 / wall / 1e9
     );
     println!(
-        "read latency: p50 {} us, p99 {} us, max {} us ({} disk reads, {} tier hits, {} retries)",
+        "read latency: p50 {} us, p99 {} us, max {} us ({} disk reads, {} tier hits, {} retries, {} loop stalls)",
         st.read_latency.p50_us,
         st.read_latency.p99_us,
         st.read_latency.max_us,
         st.disk_reads,
         st.tier_hits,
-        st.retries
+        st.retries,
+        st.loop_stalls
     );
     println!(
         "delivered {} samples; read ahead and not consumed: {}",

@@ -36,6 +36,7 @@ pub(crate) fn print(st: &Stats, placement: &PollerPlacement, r: &Run) {
         "disk_reads": st.disk_reads,
         "tier_hits": st.tier_hits,
         "retries": st.retries,
+        "loop_stalls": st.loop_stalls,
         "stall_seconds": st.stall.as_secs_f64(),
         "stall_fraction": st.stall.as_secs_f64() / wall,
         "cpu_seconds": r.cpu_secs,

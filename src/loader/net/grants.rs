@@ -470,8 +470,15 @@ impl<R: Receive> Thread<R> {
             // was tried and its receive has returned.
             unsafe { std::slice::from_raw_parts_mut(dst, s.len as usize) }
         };
-        let res = std::fs::File::open(&path)
-            .and_then(|f| f.read_exact_at(buf, sample.offset))
+        self.stall.phase(crate::stall::Phase::ReadSource);
+        let fds = &mut self.source_fds;
+        let res = fds
+            .acquire(sample.file, || std::fs::File::open(&path))
+            .and_then(|lease| {
+                let r = fds.file(&lease).read_exact_at(buf, sample.offset);
+                fds.release(lease);
+                r
+            })
             .map_err(|e| {
                 match e.raw_os_error() {
                     Some(n) => format!("source {}: {}", path.display(), errno_name(n)),

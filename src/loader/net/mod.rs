@@ -71,6 +71,7 @@ use crate::dataset::Placement;
 use crate::error::{errno_name, Error, Result};
 use crate::landing::LandingRing;
 use crate::ring::{Completion, IoBackend, Uring, UringOptions};
+use crate::stall::{Phase, Stall};
 use crate::sys::EventFd;
 use crate::transport::proto::Hello;
 use crate::transport::rx::FrameRx;
@@ -156,6 +157,8 @@ pub(crate) struct NetShared {
     pub(crate) remote_samples: AtomicU64,
     pub(crate) failovers: AtomicU64,
     pub(crate) source_reads: AtomicU64,
+    /// Ticks longer than the stall threshold (`crate::stall`).
+    pub(crate) loop_stalls: AtomicU64,
     /// Local samples the pollers could not read (read error, short read,
     /// CRC32C mismatch), handed to this thread to serve from the next
     /// holder or the source. Bounded at start by the ready table's length:
@@ -243,6 +246,7 @@ impl NetShared {
             remote_samples: AtomicU64::new(0),
             failovers: AtomicU64::new(0),
             source_reads: AtomicU64::new(0),
+            loop_stalls: AtomicU64::new(0),
             local_failed: crossbeam_channel::bounded(window_samples.max(1)),
             local_demoted_from: AtomicU64::new(u64::MAX),
             local_demoted_to: AtomicU64::new(0),
@@ -575,6 +579,8 @@ pub(crate) struct Thread<R: Receive> {
     completions: Vec<Completion>,
     /// Host buffer for samples read from the source into a GPU ring.
     bounce: Vec<u8>,
+    /// Source files the fallback read from, kept open across samples.
+    source_fds: super::fdcache::FdCache,
     /// (g, why) of the handed-over local samples not yet served: why this
     /// node's own copy failed, for the error if no other copy can serve it.
     local_errors: Vec<(u64, String)>,
@@ -588,6 +594,8 @@ pub(crate) struct Thread<R: Receive> {
     redials: redial::Redials<R>,
     /// When `check_timeouts` last ran (see [`NOT_RUNNING`]).
     last_check: Instant,
+    /// Ticks longer than the stall threshold (`crate::stall`).
+    stall: Stall,
     /// This node's own failed reads in the window that began at
     /// `local_errors_since` (demotion, as for a node).
     local_error_count: u32,
@@ -663,6 +671,7 @@ impl<R: Receive> Thread<R> {
             common: connected.common,
             chan_inflight: false,
             bounce: Vec::new(),
+            source_fds: super::fdcache::FdCache::new(16),
             local_errors: Vec::new(),
             epoch: None,
             progress_slack: Duration::from_secs_f64(
@@ -678,6 +687,7 @@ impl<R: Receive> Thread<R> {
             completions: vec![Completion::default(); 256],
             beats,
             last_check: Instant::now(),
+            stall: Stall::new("network thread", 0),
             local_error_count: 0,
             local_errors_since: Instant::now(),
             sh,
@@ -690,6 +700,7 @@ impl<R: Receive> Thread<R> {
     }
 
     pub(crate) fn run(mut self) {
+        self.stall.resume();
         let mut stopping = false;
         loop {
             if !stopping && self.sh.stop.load(Ordering::Acquire) {
@@ -706,10 +717,14 @@ impl<R: Receive> Thread<R> {
             // RDMA writes complete on the connections' CQs, not the ring.
             let progressed = self.poll_data();
             if !stopping {
+                self.stall.phase(Phase::Submit);
                 self.fill();
                 self.flush_grants();
+                self.stall.phase(Phase::Recv);
                 self.post_recvs();
+                self.stall.phase(Phase::Timers);
                 self.check_timeouts();
+                self.stall.phase(Phase::Connect);
                 self.redial();
             }
             // About to sleep: arm the CQs, then look once more (a
@@ -724,20 +739,24 @@ impl<R: Receive> Thread<R> {
                     self.wake_inflight = true;
                 }
             }
+            self.stall
+                .lap(&self.sh.net.as_ref().expect("cluster mode").loop_stalls);
             let res = if progressed && !stopping {
                 // RDMA work came in: look again at once, no system call
                 // unless something is queued.
                 self.ring.submit_pending()
-            } else if stopping {
-                self.ring.submit_wait_timeout(Duration::from_millis(5))
             } else {
-                self.ring.submit_wait_timeout(Duration::from_millis(50))
+                let wait = if stopping { 5 } else { 50 };
+                let r = self.ring.submit_wait_timeout(Duration::from_millis(wait));
+                self.stall.resume();
+                r
             };
             if let Err(e) = res {
                 log::error!("network thread: io_uring: {e}");
                 std::thread::sleep(Duration::from_millis(5));
             }
             let n = self.ring.drain(&mut self.completions);
+            self.stall.phase(Phase::Reap);
             for i in 0..n {
                 let c = self.completions[i];
                 self.complete(c);

@@ -372,6 +372,8 @@ pub(super) struct Acceptor {
     /// Spare HELLO buffers (`max_handshakes` in all, made at start).
     spare: Vec<Box<[u8]>>,
     pollfds: Vec<libc::pollfd>,
+    /// Ticks longer than the stall threshold (`crate::stall`).
+    stall: crate::stall::Stall,
     refusals: RefusalLog,
     trouble: AcceptTrouble,
 }
@@ -394,6 +396,7 @@ impl Acceptor {
                 .map(|_| vec![0u8; BUF_BYTES].into_boxed_slice())
                 .collect(),
             pollfds: Vec::with_capacity(2 * cap + admitted + 2),
+            stall: crate::stall::Stall::new("node service acceptor", 0),
             refusals: RefusalLog::new(),
             trouble: AcceptTrouble {
                 until: None,
@@ -406,6 +409,7 @@ impl Acceptor {
     }
 
     pub(super) fn run(mut self) {
+        self.stall.resume();
         while !self.c.stop.load(Ordering::Acquire) {
             let now = Instant::now();
             // Wake for the stop flag, the next deadline and the back-off.
@@ -447,7 +451,10 @@ impl Acceptor {
                 wake = wake.min(t);
             }
             let ms = wake.saturating_duration_since(now).as_millis() as i32 + 1;
-            if let Err(e) = crate::sys::poll_fds(&mut self.pollfds, ms) {
+            self.stall.lap(&self.c.stats.loop_stalls);
+            let polled = crate::sys::poll_fds(&mut self.pollfds, ms);
+            self.stall.resume();
+            if let Err(e) = polled {
                 log::error!("node service acceptor: poll: {e}");
                 std::thread::sleep(Duration::from_millis(10));
                 continue;
@@ -468,12 +475,14 @@ impl Acceptor {
             while i < self.pending.len() && fd_i < first_closing {
                 let revents = self.pollfds[fd_i].revents;
                 fd_i += 1;
+                self.stall.phase(crate::stall::Phase::Handshake);
                 if revents != 0 && self.step(i, revents) {
                     continue; // removed: the same index is the next one
                 }
                 i += 1;
             }
             if self.pollfds[0].revents != 0 {
+                self.stall.phase(crate::stall::Phase::Accept);
                 self.accept_some();
             }
             self.c

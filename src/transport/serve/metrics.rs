@@ -236,6 +236,12 @@ impl Collector for ServeCollector {
             "reads submitted again after EAGAIN, EINTR or a short read",
             r(&s.read_retries),
         )?;
+        counter(
+            &mut e,
+            "kspeed_serve_loop_stalls",
+            "poller and acceptor ticks longer than the stall threshold (KSPEED_STALL_MS)",
+            r(&s.loop_stalls),
+        )?;
         gauge(
             &mut e,
             "kspeed_serve_handshakes_pending",
@@ -660,7 +666,7 @@ pub(crate) fn log_stats(c: &Common, why: &str) {
     let s = &c.stats;
     let r = |a: &AtomicU64| a.load(Ordering::Relaxed);
     log::warn!(
-        "statistics ({why}): {} consumers now, {} accepted, {} refused ({} handshake timeouts, {} evicted, {} accept errors), {} dropped ({} stalled); {} samples, {} bytes pushed, {} grants answered with ERROR, {} reads retried",
+        "statistics ({why}): {} consumers now, {} accepted, {} refused ({} handshake timeouts, {} evicted, {} accept errors), {} dropped ({} stalled); {} samples, {} bytes pushed, {} grants answered with ERROR, {} reads retried, {} loop stalls",
         c.consumers(),
         r(&s.connections),
         r(&s.refused),
@@ -672,7 +678,8 @@ pub(crate) fn log_stats(c: &Common, why: &str) {
         r(&s.samples),
         r(&s.bytes),
         r(&s.errors),
-        r(&s.read_retries)
+        r(&s.read_retries),
+        r(&s.loop_stalls)
     );
     for m in c.metrics.conns.lock().expect("not poisoned").iter() {
         log::warn!(

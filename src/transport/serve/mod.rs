@@ -88,6 +88,10 @@ pub struct ServeStats {
     /// RDMA queue pairs alive now (one per RDMA consumer, destroyed once
     /// its connection is closed and its last work request completed).
     pub rdma_qps: AtomicU64,
+    /// Ticks of the pollers' and the acceptor's loops that took longer
+    /// than the stall threshold (`KSPEED_STALL_MS`, default 50 ms; each is
+    /// logged, at most once per 10 s per loop, with what the tick did).
+    pub loop_stalls: AtomicU64,
 }
 
 impl std::fmt::Debug for Common {

@@ -20,6 +20,7 @@ use super::{metrics, send_error, Accepted, Common};
 use crate::error::errno_name;
 use crate::pool::Pool;
 use crate::ring::{Completion, IoBackend, Uring};
+use crate::stall::Phase;
 use crate::transport::proto::{self, Code, GrantEntry, Hello};
 use crate::transport::rx::FrameRx;
 use crate::transport::tcp::TcpLink;
@@ -116,6 +117,8 @@ pub(super) struct ServePoller {
     pub(super) last_stall_check: std::time::Instant,
     /// This poller's number (its entry in `Common::load`).
     pub(super) index: usize,
+    /// Ticks longer than the stall threshold (`crate::stall`).
+    pub(super) stall: crate::stall::Stall,
     /// RDMA: this poller's completion channel, whether a poll of it is in
     /// the ring, and since when the poller has spun without a completion.
     pub(super) channel: PollerChannel,
@@ -177,6 +180,7 @@ impl ServePoller {
             quota: n,
             last_stall_check: std::time::Instant::now(),
             index,
+            stall: crate::stall::Stall::new("node service poller", index),
             channel: PollerChannel::new(&c, index),
             chan_inflight: false,
             spin_since: None,
@@ -258,6 +262,7 @@ impl ServePoller {
     /// Runs until the service stops and every connection is gone (then
     /// nothing is in flight in the ring).
     pub(super) fn run(&mut self) {
+        self.stall.resume();
         loop {
             // Drop the reaped from the dense list before anyone is adopted
             // (a reaped index may be reused right after).
@@ -283,9 +288,11 @@ impl ServePoller {
                     self.adopt(acc);
                 }
             }
+            self.stall.phase(Phase::Conns);
             self.post_recvs();
             self.heartbeats();
             self.drop_stalled();
+            self.stall.phase(Phase::Submit);
             self.issue_reads();
             // Start the reads before posting sends: posting RDMA writes can
             // take a while (soft-RoCE does the whole transfer inside the
@@ -293,21 +300,26 @@ impl ServePoller {
             if let Err(e) = self.ring.submit_pending() {
                 log::warn!("node service poller: io_uring: {e}");
             }
+            self.stall.phase(Phase::Send);
             self.issue_sends();
             // RDMA completions arrive on the links' CQs, not the ring: while
             // writes are in flight, poll instead of sleeping.
             // (Polling without a system call: io_uring completions are
             // read from the shared ring either way.)
+            self.stall.lap(&self.c.stats.loop_stalls);
             let res = if self.rdma_should_spin() {
                 self.ring.submit_pending()
             } else {
-                self.ring.submit_wait_timeout(Duration::from_millis(50))
+                let r = self.ring.submit_wait_timeout(Duration::from_millis(50));
+                self.stall.resume();
+                r
             };
             if let Err(e) = res {
                 log::error!("node service poller: io_uring: {e}");
                 std::thread::sleep(Duration::from_millis(10));
             }
             let n = self.ring.drain(&mut self.completions);
+            self.stall.phase(Phase::Reap);
             self.check_cq_overflow();
             for i in 0..n {
                 let c = self.completions[i];
