@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use super::{ring_ptr, Conn, Receive, State, Thread, KEEPALIVE, UD_RECV, UD_SEND};
 use crate::error::errno_name;
-use crate::ring::Uring;
+use crate::ring::{IoBackend, Uring};
 use crate::transport::proto::{self, Header, Kind};
 use crate::transport::rx::{Received, RxError};
 
