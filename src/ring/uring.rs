@@ -572,4 +572,125 @@ mod tests {
         );
         assert_eq!(&buf[..], &data[1000..5000]);
     }
+
+    fn socketpair() -> (std::os::fd::OwnedFd, std::os::fd::OwnedFd) {
+        use std::os::fd::FromRawFd;
+        let mut fds = [0; 2];
+        // SAFETY: socketpair writes two new descriptors into fds.
+        let rc = unsafe { libc::socketpair(libc::AF_UNIX, libc::SOCK_STREAM, 0, fds.as_mut_ptr()) };
+        assert_eq!(rc, 0);
+        // SAFETY: both are new descriptors we own.
+        unsafe {
+            (
+                std::os::fd::OwnedFd::from_raw_fd(fds[0]),
+                std::os::fd::OwnedFd::from_raw_fd(fds[1]),
+            )
+        }
+    }
+
+    /// Waits (bounded) for the completion of `ud` and returns its result.
+    fn wait_for(ring: &mut Uring, ud: u64) -> i32 {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let mut out = [Completion::default(); 8];
+        loop {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no completion for {ud}"
+            );
+            ring.submit_wait_timeout(Duration::from_millis(100))
+                .unwrap();
+            let n = ring.drain(&mut out);
+            if let Some(c) = out[..n].iter().find(|c| c.user_data == ud) {
+                assert_eq!(n, 1, "one operation at a time here: {:?}", &out[..n]);
+                return c.result;
+            }
+            assert_eq!(n, 0, "unexpected completions {:?}", &out[..n]);
+        }
+    }
+
+    /// The socket operations of the interface, on real io_uring opcodes: a
+    /// send and a `sendmsg` arrive whole through a receive, a poll sees
+    /// data waiting, a timeout fires with ETIME, and a cancelled receive
+    /// completes with ECANCELED without writing its buffer.
+    #[test]
+    fn socket_ops_timeouts_and_cancels() {
+        use std::os::fd::AsRawFd;
+        let (a, b) = socketpair();
+        let (a, b) = (a.as_raw_fd(), b.as_raw_fd());
+        let mut ring = Uring::new(UringOptions {
+            entries: 8,
+            sqpoll_idle_ms: None,
+        })
+        .unwrap();
+        let msg: Vec<u8> = (0..100u8).collect();
+        // SAFETY: msg outlives the send, reaped by wait_for.
+        assert!(unsafe { ring.push_send(1, a, msg.as_ptr(), 100, false) });
+        assert_eq!(wait_for(&mut ring, 1), 100);
+        assert!(ring.push_poll_in(2, b));
+        assert!(wait_for(&mut ring, 2) & libc::POLLIN as i32 != 0);
+        let mut got = vec![0u8; 100];
+        // SAFETY: got outlives the receive, reaped by wait_for.
+        assert!(unsafe { ring.push_recv(3, b, got.as_mut_ptr(), 100) });
+        assert_eq!(wait_for(&mut ring, 3), 100);
+        assert_eq!(got, msg);
+        let (head, tail) = ([7u8; 5], [9u8; 3]);
+        let mut iov = [
+            libc::iovec {
+                iov_base: head.as_ptr() as *mut libc::c_void,
+                iov_len: 5,
+            },
+            libc::iovec {
+                iov_base: tail.as_ptr() as *mut libc::c_void,
+                iov_len: 3,
+            },
+        ];
+        // SAFETY: an all-zero msghdr is valid; its iovecs are set below.
+        let mut mh: libc::msghdr = unsafe { std::mem::zeroed() };
+        mh.msg_iov = iov.as_mut_ptr();
+        mh.msg_iovlen = 2;
+        // SAFETY: mh, iov and the bytes outlive the send (wait_for).
+        assert!(unsafe { ring.push_sendmsg(4, a, &mh) });
+        assert_eq!(wait_for(&mut ring, 4), 8);
+        // SAFETY: as above.
+        assert!(unsafe { ring.push_recv(5, b, got.as_mut_ptr(), 8) });
+        assert_eq!(wait_for(&mut ring, 5), 8);
+        assert_eq!(&got[..8], &[7, 7, 7, 7, 7, 9, 9, 9]);
+        let ts = Timespec::from(Duration::from_millis(1));
+        // SAFETY: ts outlives the timeout (wait_for).
+        assert!(unsafe { ring.push_timeout(6, &ts) });
+        assert_eq!(wait_for(&mut ring, 6), -libc::ETIME);
+        // A receive nothing will satisfy, then its cancel.
+        let mut canary = vec![0xaau8; 16];
+        // SAFETY: canary outlives the receive: both completions are reaped.
+        assert!(unsafe { ring.push_recv(7, b, canary.as_mut_ptr(), 16) });
+        ring.submit_pending().unwrap();
+        assert!(ring.push_cancel(8, 7));
+        let mut seen = Vec::new();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let mut out = [Completion::default(); 8];
+        while seen.len() < 2 {
+            assert!(std::time::Instant::now() < deadline);
+            ring.submit_wait_timeout(Duration::from_millis(100))
+                .unwrap();
+            let n = ring.drain(&mut out);
+            seen.extend_from_slice(&out[..n]);
+        }
+        seen.sort_by_key(|c| c.user_data);
+        assert_eq!(
+            seen,
+            [
+                Completion {
+                    user_data: 7,
+                    result: -libc::ECANCELED
+                },
+                Completion {
+                    user_data: 8,
+                    result: 0
+                }
+            ]
+        );
+        assert_eq!(ring.in_flight(), 0);
+        assert_eq!(ring.lost_completions(), 0);
+        assert!(canary.iter().all(|&x| x == 0xaa));
+    }
 }
