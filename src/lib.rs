@@ -68,6 +68,8 @@ mod pool;
 pub mod progress;
 pub(crate) mod ring;
 pub mod sampler;
+#[cfg(test)]
+mod sim;
 mod sys;
 pub mod transport;
 

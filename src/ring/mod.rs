@@ -9,7 +9,10 @@
 //!   (EIO, short reads and sends, EAGAIN, EINTR, connection resets, delayed
 //!   completions), so the error paths of every loop run everywhere;
 //! - `MemBackend` (`mem.rs`, tests only): reads from a file image in
-//!   memory, so the loader's poller runs under Miri.
+//!   memory, so the loader's poller runs under Miri;
+//! - `MemNet` (`memnet.rs`, tests only): an in-memory network of paired
+//!   endpoints with seeded delivery and faults, for the simulator
+//!   (`src/sim/`).
 //!
 //! The loops are generic over [`IoBackend`] (the node service's poller is
 //! monomorphised on `Uring` in production) or hold a `Box<dyn IoBackend>`
@@ -24,6 +27,8 @@ use crate::error::Result;
 mod faulty;
 #[cfg(test)]
 mod mem;
+#[cfg(test)]
+pub(crate) mod memnet;
 mod uring;
 
 pub use faulty::{FaultConfig, Faulty};
