@@ -14,8 +14,8 @@
 //! always ends (no hang) with nothing in flight and no pool grown.
 //!
 //! Seeds: `KSPEED_SIM_SEED=n` replays one; `KSPEED_SIM_SEEDS=n` sets how
-//! many run (from `KSPEED_SIM_BASE`, default 0), within a time budget. A
-//! failure names its seed.
+//! many run (from `KSPEED_SIM_BASE`, default 0), within a time budget
+//! (`KSPEED_SIM_BUDGET_S`, default 60 s). A failure names its seed.
 //!
 //! Next (issue 27): the whole serve poller and network thread over
 //! [`MemNet`] (both are generic over [`IoBackend`] already).
@@ -43,6 +43,7 @@ pub(crate) fn run_seeds(name: &str, default_count: u64, budget: Duration, body: 
         return 1;
     }
     let count = env_u64("KSPEED_SIM_SEEDS").unwrap_or(default_count);
+    let budget = env_u64("KSPEED_SIM_BUDGET_S").map_or(budget, Duration::from_secs);
     let base = env_u64("KSPEED_SIM_BASE").unwrap_or(0);
     let t0 = Instant::now();
     let mut ran = 0;
@@ -86,13 +87,6 @@ fn one_stream(seed: u64) {
     };
     let mut net = MemNet::new(seed, 2, buffer, 8, faults);
     let (a, b) = net.pair();
-    // Room for 200 frames of at most 8 KiB; every byte's value depends
-    // on its position and the seed, so a misplaced byte shows.
-    const SRC: usize = 2 << 20;
-    let salt = crate::hash::mix64(seed);
-    let src: Vec<u8> = (0..SRC)
-        .map(|i| ((i as u64).wrapping_mul(0x9e37_79b9) ^ salt ^ (i as u64 >> 11)) as u8)
-        .collect();
     let nframes = 1 + net.below(200) as usize;
     let mut frames = Vec::with_capacity(nframes);
     let mut at = 0;
@@ -111,13 +105,19 @@ fn one_stream(seed: u64) {
         });
         at += len;
     }
+    // Every byte's value depends on its position and the seed, so a
+    // misplaced byte shows.
+    let salt = crate::hash::mix64(seed);
+    let src: Vec<u8> = (0..at)
+        .map(|i| ((i as u64).wrapping_mul(0x9e37_79b9) ^ salt ^ (i as u64 >> 11)) as u8)
+        .collect();
     let steps_hint = 40 * nframes as u64 + 8 * (at as u64 / buffer as u64 + 1);
     let loss_at = (net.below(3) == 0).then(|| net.below(steps_hint));
     let stall = (net.below(4) == 0).then(|| {
         let from = net.below(steps_hint);
         from..from + net.below(200)
     });
-    let mut land = vec![0u8; SRC];
+    let mut land = vec![0u8; at];
     let capacity = 1 + net.below(32) as usize;
     let mut link = TcpLink::new(a, capacity, UD_SEND);
     let mut rx: FrameRx<u32> = FrameRx::new(proto::MAX_MESSAGE_BYTES);
