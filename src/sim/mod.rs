@@ -1,7 +1,8 @@
 //! The deterministic simulator (tests only): the transport code the node
 //! service's poller and the consumer's network thread share, run over the
 //! in-memory network ([`MemNet`]) under one seed, with invariant checks
-//! after every step. Today it drives a node's send side ([`TcpLink`]: DATA
+//! after every step. Today it drives, on 1 to 4 connections sharing one
+//! ring (as a serve poller's consumers do), a node's send side ([`TcpLink`]: DATA
 //! and ERROR frames, batched `sendmsg`, partial sends resumed) against a
 //! consumer's receive state machine ([`FrameRx`]: header, body, payload
 //! straight into the landing memory), through partial sends, held-back
@@ -76,228 +77,297 @@ struct Frame {
     len: usize,
 }
 
-/// One connection, one seed: a node streams frames to a consumer.
-fn one_stream(seed: u64) {
-    let mut net = MemNet::new(seed, 2, 1, 8, MemNetFaults::default());
-    // The scenario's shape from the seed.
-    let buffer = 64 + net.below(64 << 10) as usize;
-    let faults = MemNetFaults {
-        partial_send_ppm: net.below(600_000) as u32,
-        delay_ppm: net.below(400_000) as u32,
-    };
-    let mut net = MemNet::new(seed, 2, buffer, 8, faults);
-    let (a, b) = net.pair();
-    let nframes = 1 + net.below(200) as usize;
-    let mut frames = Vec::with_capacity(nframes);
-    let mut at = 0;
-    for _ in 0..nframes {
-        let error = net.below(10) == 0;
-        // DATA carries at least one byte (the protocol's rule).
-        let len = if error {
-            net.below(proto::MAX_MESSAGE_BYTES as u64 + 1) as usize
-        } else {
-            1 + net.below(8192) as usize
-        };
-        frames.push(Frame {
-            error,
-            off: at,
-            len,
-        });
-        at += len;
-    }
-    // Every byte's value depends on its position and the seed, so a
-    // misplaced byte shows.
-    let salt = crate::hash::mix64(seed);
-    let src: Vec<u8> = (0..at)
-        .map(|i| ((i as u64).wrapping_mul(0x9e37_79b9) ^ salt ^ (i as u64 >> 11)) as u8)
-        .collect();
-    let steps_hint = 40 * nframes as u64 + 8 * (at as u64 / buffer as u64 + 1);
-    let loss_at = (net.below(3) == 0).then(|| net.below(steps_hint));
-    let stall = (net.below(4) == 0).then(|| {
-        let from = net.below(steps_hint);
-        from..from + net.below(200)
-    });
-    let mut land = vec![0u8; at];
-    let capacity = 1 + net.below(32) as usize;
-    let mut link = TcpLink::new(a, capacity, UD_SEND);
-    let mut rx: FrameRx<u32> = FrameRx::new(proto::MAX_MESSAGE_BYTES);
+/// One connection: a node streams `frames` (cut from `src`) to a consumer
+/// that lands DATA payloads in `land` at their frames' offsets.
+struct Stream {
+    conn: u64,
+    a: i32,
+    b: i32,
+    frames: Vec<Frame>,
+    src: Vec<u8>,
+    land: Vec<u8>,
+    link: TcpLink,
+    rx: FrameRx<u32>,
+    loss_at: Option<u64>,
+    stall: Option<std::ops::Range<u64>>,
+    posted: usize,
+    done_seen: Vec<Option<bool>>,
+    next_done: usize,
+    received: usize,
+    rx_dead: Option<String>,
+    lost: bool,
+    shut: bool,
+    closed: bool,
+}
 
-    let mut posted = 0usize;
-    let mut done_seen = vec![None::<bool>; nframes];
-    let mut next_done = 0usize;
-    let mut received = 0usize;
-    let mut rx_dead: Option<String> = None;
-    let mut lost = false;
-    let mut shut = false;
-    let mut closed = false;
+impl Stream {
+    fn new(conn: u64, net: &mut MemNet, seed: u64, buffer: usize) -> Stream {
+        let (a, b) = net.pair();
+        let nframes = 1 + net.below(200) as usize;
+        let mut frames = Vec::with_capacity(nframes);
+        let mut at = 0;
+        for _ in 0..nframes {
+            let error = net.below(10) == 0;
+            // DATA carries at least one byte (the protocol's rule).
+            let len = if error {
+                net.below(proto::MAX_MESSAGE_BYTES as u64 + 1) as usize
+            } else {
+                1 + net.below(8192) as usize
+            };
+            frames.push(Frame {
+                error,
+                off: at,
+                len,
+            });
+            at += len;
+        }
+        // Every byte's value depends on its position, its connection and
+        // the seed, so a misplaced byte shows.
+        let salt = crate::hash::mix64(seed ^ conn << 40);
+        let src: Vec<u8> = (0..at)
+            .map(|i| ((i as u64).wrapping_mul(0x9e37_79b9) ^ salt ^ (i as u64 >> 11)) as u8)
+            .collect();
+        let steps_hint = 40 * nframes as u64 + 8 * (at as u64 / buffer as u64 + 1);
+        let loss_at = (net.below(3) == 0).then(|| net.below(steps_hint));
+        let stall = (net.below(4) == 0).then(|| {
+            let from = net.below(steps_hint);
+            from..from + net.below(200)
+        });
+        let capacity = 1 + net.below(32) as usize;
+        Stream {
+            conn,
+            a,
+            b,
+            link: TcpLink::new(a, capacity, UD_SEND | conn << 8),
+            rx: FrameRx::new(proto::MAX_MESSAGE_BYTES),
+            done_seen: vec![None; nframes],
+            land: vec![0u8; at],
+            frames,
+            src,
+            loss_at,
+            stall,
+            posted: 0,
+            next_done: 0,
+            received: 0,
+            rx_dead: None,
+            lost: false,
+            shut: false,
+            closed: false,
+        }
+    }
+
+    /// The node's part of a step, and the consumer's receive.
+    fn step(&mut self, net: &mut MemNet, step: u64) {
+        let nframes = self.frames.len();
+        if self.loss_at == Some(step) {
+            net.reset(self.a);
+            self.lost = true;
+        }
+        // The node: post what the link takes, then flush.
+        while self.posted < nframes {
+            let (i, f) = (self.posted, self.frames[self.posted]);
+            // SAFETY: `src` outlives every send (a stream is dropped after
+            // the run, which ends with nothing in flight).
+            let ok = unsafe {
+                let p = self.src.as_ptr().add(f.off);
+                let (id, len) = (i as u64, f.len as u32);
+                if f.error {
+                    self.link.post_error(id, i as u32, Code::ReadFailed, p, len)
+                } else {
+                    self.link.post_write(id, p, len, f.off as u64, i as u32, 0)
+                }
+            };
+            if !ok {
+                break;
+            }
+            self.posted += 1;
+        }
+        let _ = self.link.flush_on(net);
+        if self.next_done == nframes && !self.link.busy() && !self.shut {
+            net.shutdown(self.a);
+            self.shut = true;
+        }
+        // The consumer: one receive at a time, unless it stalls.
+        let stalled = self.stall.as_ref().is_some_and(|s| s.contains(&step));
+        if self.rx_dead.is_none() && !self.rx.inflight() && !stalled {
+            let land = self.land.as_mut_ptr();
+            let frames = &self.frames;
+            // SAFETY: `land` outlives the receive (as `src` above); a
+            // payload lands in its frame's own range, nothing else uses it.
+            unsafe {
+                self.rx.post(net, UD_RECV | self.conn << 8, self.b, |i| {
+                    land.add(frames[i as usize].off)
+                })
+            };
+        }
+    }
+
+    fn on_send(&mut self, res: i32) {
+        if res < 0 {
+            assert!(self.lost, "send failed without a loss: {res}");
+            assert_eq!(res, -libc::ECONNRESET);
+        }
+        self.link.on_send(res);
+    }
+
+    fn on_recv(&mut self, res: i32) {
+        self.rx.returned();
+        let received = self.received;
+        match self.rx.received(res, 8192) {
+            Ok(Received::Header(h)) => {
+                assert!(received < self.posted, "a frame that was never posted");
+                let f = self.frames[received];
+                assert_eq!(h.a, received as u32, "frames out of order");
+                assert_eq!(h.body_len as usize, f.len);
+                if f.error {
+                    assert_eq!(h.kind, Kind::Error);
+                    assert_eq!(h.b, Code::ReadFailed as u32);
+                    self.rx.expect_body(h);
+                } else {
+                    assert_eq!(h.kind, Kind::Data);
+                    assert_eq!(h.c, f.off as u64);
+                    self.rx.expect_payload(received as u32, f.len as u32);
+                }
+            }
+            Ok(Received::Body(h)) => {
+                let f = self.frames[received];
+                assert_eq!(self.rx.body(&h), &self.src[f.off..f.off + f.len]);
+                self.received += 1;
+            }
+            Ok(Received::Payload { to, len }) => {
+                let f = self.frames[to as usize];
+                assert_eq!(to as usize, received);
+                assert_eq!(len as usize, f.len);
+                assert!(
+                    self.land[f.off..f.off + f.len] == self.src[f.off..f.off + f.len],
+                    "frame {to}: payload not byte-exact"
+                );
+                self.received += 1;
+            }
+            Err(RxError::Closed) => {
+                assert_eq!(
+                    received,
+                    self.frames.len(),
+                    "end of stream before the last frame"
+                );
+                self.rx_dead = Some("closed".into());
+            }
+            Err(e) => {
+                assert!(self.lost, "receive failed without a loss: {e:?}");
+                self.rx_dead = Some(format!("{e:?}"));
+            }
+        }
+    }
+
+    /// The link's finished frames; after a loss, the node drops the
+    /// connection once no send is in flight (the link then fails what it
+    /// holds at once, and what was never posted is failed too).
+    fn reap(&mut self) {
+        if self.lost && !self.closed && !self.link.busy() {
+            self.link.close();
+            self.closed = true;
+        }
+        let mut dones = [Done {
+            wr_id: 0,
+            ok: false,
+        }; 8];
+        loop {
+            let k = self.link.poll(&mut dones);
+            if k == 0 {
+                break;
+            }
+            for d in &dones[..k] {
+                let i = d.wr_id as usize;
+                assert_eq!(i, self.next_done, "frames complete in post order");
+                assert!(self.done_seen[i].is_none(), "frame {i} completed twice");
+                assert!(d.ok || self.lost, "frame {i} failed without a loss");
+                self.done_seen[i] = Some(d.ok);
+                self.next_done += 1;
+            }
+        }
+        if self.closed && self.next_done == self.posted {
+            while self.posted < self.frames.len() {
+                self.done_seen[self.posted] = Some(false);
+                self.posted += 1;
+                self.next_done += 1;
+            }
+        }
+    }
+
+    fn finished(&self) -> bool {
+        self.next_done == self.frames.len()
+            && !self.link.busy()
+            && self.rx_dead.is_some()
+            && !self.rx.inflight()
+    }
+
+    /// The end-of-run invariants.
+    fn check_end(&self) {
+        let nframes = self.frames.len();
+        assert!(self.done_seen.iter().all(|d| d.is_some()));
+        if !self.lost {
+            assert_eq!(self.received, nframes);
+            assert!(self.done_seen.iter().all(|d| *d == Some(true)));
+        } else {
+            // Every frame received was handed to the socket whole first.
+            for (i, d) in self.done_seen.iter().enumerate().take(self.received) {
+                assert_eq!(*d, Some(true), "frame {i} received but failed");
+            }
+        }
+    }
+}
+
+/// One seed: 1 to 4 connections on one ring (as a serve poller holds
+/// several consumers), each a node streaming frames to a consumer.
+fn streams(seed: u64) {
+    let mut shape = MemNet::new(seed, 0, 0, 1, MemNetFaults::default());
+    let conns = 1 + shape.below(4) as usize;
+    let buffer = 64 + shape.below(64 << 10) as usize;
+    let faults = MemNetFaults {
+        partial_send_ppm: shape.below(600_000) as u32,
+        delay_ppm: shape.below(400_000) as u32,
+    };
+    let mut net = MemNet::new(seed, 2 * conns, buffer, 2 * conns + 2, faults);
+    let mut ss: Vec<Stream> = (0..conns)
+        .map(|i| Stream::new(i as u64, &mut net, seed, buffer))
+        .collect();
     let mut out = [Completion::default(); 8];
-    let mut dones = [Done {
-        wr_id: 0,
-        ok: false,
-    }; 8];
-    let land_ptr = land.as_mut_ptr();
     const MAX_STEPS: u64 = 2_000_000;
     let mut step = 0u64;
     loop {
         step += 1;
         assert!(
             step < MAX_STEPS,
-            "no progress: {posted} of {nframes} posted, {next_done} done, {received} received, \
-             {} in flight",
+            "no progress: {:?}, {} in flight",
+            ss.iter()
+                .map(|s| (s.posted, s.next_done, s.received, s.frames.len()))
+                .collect::<Vec<_>>(),
             net.in_flight()
         );
-        if loss_at == Some(step) {
-            net.reset(a);
-            lost = true;
-        }
-        // The node: post what the link takes, then flush.
-        while posted < nframes {
-            let f = frames[posted];
-            // SAFETY: `src` outlives every send (it is dropped after the
-            // loop, which ends with nothing in flight).
-            let ok = unsafe {
-                let p = src.as_ptr().add(f.off);
-                if f.error {
-                    link.post_error(
-                        posted as u64,
-                        posted as u32,
-                        Code::ReadFailed,
-                        p,
-                        f.len as u32,
-                    )
-                } else {
-                    link.post_write(
-                        posted as u64,
-                        p,
-                        f.len as u32,
-                        f.off as u64,
-                        posted as u32,
-                        0,
-                    )
-                }
-            };
-            if !ok {
-                break;
-            }
-            posted += 1;
-        }
-        let _ = link.flush_on(&mut net);
-        if posted == nframes && next_done == nframes && !link.busy() && !shut {
-            net.shutdown(a);
-            shut = true;
-        }
-        // The consumer: one receive at a time, unless it stalls.
-        let stalled = stall.as_ref().is_some_and(|s| s.contains(&step));
-        if rx_dead.is_none() && !rx.inflight() && !stalled {
-            // SAFETY: `land` outlives the receive (as `src` above); a
-            // payload lands in its frame's own range, nothing else uses it.
-            unsafe {
-                rx.post(&mut net, UD_RECV, b, |i| {
-                    land_ptr.add(frames[i as usize].off)
-                })
-            };
+        for s in &mut ss {
+            s.step(&mut net, step);
         }
         net.submit(false).unwrap();
         let n = net.drain(&mut out);
         for c in &out[..n] {
-            match c.user_data {
-                UD_SEND => {
-                    if c.result < 0 {
-                        assert!(lost, "send failed without a loss: {}", c.result);
-                        assert_eq!(c.result, -libc::ECONNRESET);
-                    }
-                    link.on_send(c.result);
-                }
-                UD_RECV => {
-                    rx.returned();
-                    match rx.received(c.result, 8192) {
-                        Ok(Received::Header(h)) => {
-                            let i = received;
-                            assert!(i < posted, "a frame that was never posted");
-                            let f = frames[i];
-                            assert_eq!(h.a, i as u32, "frames out of order");
-                            assert_eq!(h.body_len as usize, f.len);
-                            if f.error {
-                                assert_eq!(h.kind, Kind::Error);
-                                assert_eq!(h.b, Code::ReadFailed as u32);
-                                rx.expect_body(h);
-                            } else {
-                                assert_eq!(h.kind, Kind::Data);
-                                assert_eq!(h.c, f.off as u64);
-                                rx.expect_payload(i as u32, f.len as u32);
-                            }
-                        }
-                        Ok(Received::Body(h)) => {
-                            let f = frames[received];
-                            assert_eq!(rx.body(&h), &src[f.off..f.off + f.len]);
-                            received += 1;
-                        }
-                        Ok(Received::Payload { to, len }) => {
-                            let f = frames[to as usize];
-                            assert_eq!(to as usize, received);
-                            assert_eq!(len as usize, f.len);
-                            assert!(
-                                land[f.off..f.off + f.len] == src[f.off..f.off + f.len],
-                                "frame {to}: payload not byte-exact"
-                            );
-                            received += 1;
-                        }
-                        Err(RxError::Closed) => {
-                            assert_eq!(received, nframes, "end of stream before the last frame");
-                            rx_dead = Some("closed".into());
-                        }
-                        Err(e) => {
-                            assert!(lost, "receive failed without a loss: {e:?}");
-                            rx_dead = Some(format!("{e:?}"));
-                        }
-                    }
-                }
+            let s = &mut ss[(c.user_data >> 8) as usize];
+            match c.user_data & 0xff {
+                UD_SEND => s.on_send(c.result),
+                UD_RECV => s.on_recv(c.result),
                 ud => panic!("unknown completion {ud}"),
             }
         }
-        // After a loss the node drops the connection once no send is in
-        // flight; the link then fails what it holds at once.
-        if lost && !closed && !link.busy() {
-            link.close();
-            closed = true;
+        for s in &mut ss {
+            s.reap();
         }
-        let k = link.poll(&mut dones);
-        for d in &dones[..k] {
-            let i = d.wr_id as usize;
-            assert_eq!(i, next_done, "frames complete in post order");
-            assert!(done_seen[i].is_none(), "frame {i} completed twice");
-            assert!(d.ok || lost, "frame {i} failed without a loss");
-            done_seen[i] = Some(d.ok);
-            next_done += 1;
-        }
-        if closed && next_done == posted {
-            // Never posted: the connection is gone.
-            while posted < nframes {
-                done_seen[posted] = Some(false);
-                posted += 1;
-                next_done += 1;
-            }
-        }
-        let finished = next_done == nframes
-            && !link.busy()
-            && rx_dead.is_some()
-            && !rx.inflight()
-            && net.in_flight() == 0;
-        if finished {
+        if ss.iter().all(Stream::finished) && net.in_flight() == 0 {
             break;
         }
     }
-    // Teardown: nothing in flight, every frame accounted for.
+    // Teardown: nothing in flight, every frame accounted for, no pool grew.
     assert_eq!(net.in_flight(), 0);
-    assert!(done_seen.iter().all(|d| d.is_some()));
-    if !lost {
-        assert_eq!(received, nframes);
-        assert!(done_seen.iter().all(|d| *d == Some(true)));
-    } else {
-        // Every frame received was handed to the socket whole first.
-        for (i, d) in done_seen.iter().enumerate().take(received) {
-            assert_eq!(*d, Some(true), "frame {i} received but failed");
-        }
+    for s in &ss {
+        s.check_end();
     }
     net.check_pools();
 }
@@ -310,7 +380,7 @@ mod tests {
     /// module's documentation for replaying one).
     #[test]
     fn sim_transport_streams_over_the_memory_network() {
-        let ran = run_seeds("sim_transport", 300, Duration::from_secs(60), one_stream);
+        let ran = run_seeds("sim_transport", 300, Duration::from_secs(60), streams);
         assert!(ran > 0);
     }
 }
