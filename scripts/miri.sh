@@ -24,7 +24,7 @@ cargo +nightly miri test --lib -- \
   format:: \
   transport::proto:: \
   loader::schedule:: \
-  ring::tests::faulty_backend_over_memory \
+  ring::faulty::tests::faulty_backend_over_memory \
   sys::tests::aligned_buf \
   hash:: \
   sampler::tests::frozen_sequence \

@@ -69,6 +69,8 @@ mod pool;
 pub mod progress;
 pub(crate) mod ring;
 pub mod sampler;
+#[cfg(test)]
+mod sim;
 pub(crate) mod stall;
 mod sys;
 pub mod transport;

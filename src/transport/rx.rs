@@ -17,7 +17,7 @@
 use std::os::fd::RawFd;
 
 use super::proto::{FrameError, Header, HEADER_BYTES};
-use crate::ring::Uring;
+use crate::ring::IoBackend;
 
 /// What the next receive of a [`FrameRx`] fills.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -115,9 +115,9 @@ impl<T: Copy> FrameRx<T> {
     /// ([`FrameRx::returned`]): the kernel writes its boxed buffers until
     /// then. In the payload state, `payload(to)` must point to `len`
     /// writable bytes that nothing else reads or writes until then.
-    pub(crate) unsafe fn post(
+    pub(crate) unsafe fn post<R: IoBackend + ?Sized>(
         &mut self,
-        ring: &mut Uring,
+        ring: &mut R,
         user_data: u64,
         fd: RawFd,
         payload: impl FnOnce(T) -> *mut u8,

@@ -15,7 +15,7 @@ use std::os::fd::RawFd;
 
 use super::proto::{self, Code, Header};
 use super::{Done, Link};
-use crate::ring::Uring;
+use crate::ring::{IoBackend, Uring};
 
 /// Most frames one `sendmsg` carries (each a header and a payload iovec).
 pub const SEND_BATCH: usize = 16;
@@ -120,6 +120,46 @@ impl TcpLink {
         }
     }
 
+    /// [`Link::flush`] on any backend: posts the next `sendmsg` of queued
+    /// frames unless one is in flight.
+    pub(crate) fn flush_on<R: IoBackend + ?Sized>(&mut self, ring: &mut R) -> io::Result<()> {
+        if self.in_flight > 0 || self.broken || self.queue.is_empty() {
+            return Ok(());
+        }
+        let (mut k, mut n) = (0, 0);
+        for w in self.queue.iter_mut().take(SEND_BATCH) {
+            let hdr_left = proto::HEADER_BYTES.saturating_sub(w.sent);
+            let pay_done = w.sent.saturating_sub(proto::HEADER_BYTES);
+            if hdr_left > 0 {
+                self.tx.iov[n] = libc::iovec {
+                    iov_base: w.hdr[proto::HEADER_BYTES - hdr_left..].as_mut_ptr().cast(),
+                    iov_len: hdr_left,
+                };
+                n += 1;
+            }
+            if w.len as usize > pay_done {
+                self.tx.iov[n] = libc::iovec {
+                    iov_base: w.src.wrapping_add(pay_done) as *mut libc::c_void,
+                    iov_len: w.len as usize - pay_done,
+                };
+                n += 1;
+            }
+            k += 1;
+        }
+        self.tx.msg.msg_iov = self.tx.iov.as_mut_ptr();
+        self.tx.msg.msg_iovlen = n as _;
+        // SAFETY: headers live in `queue` (not moved while in flight: only
+        // completed frames are popped, and pushes go to the back of a deque
+        // with reserved capacity, which never reallocates), payloads are
+        // valid per post_write's contract, iovecs and msghdr are boxed.
+        if unsafe { ring.push_sendmsg(self.user_data, self.fd, &self.tx.msg) } {
+            self.in_flight = k;
+            Ok(())
+        } else {
+            Err(io::Error::from(io::ErrorKind::WouldBlock))
+        }
+    }
+
     fn fail_all(&mut self) {
         while let Some(w) = self.queue.pop_front() {
             self.done.push_back(Done {
@@ -182,41 +222,7 @@ impl Link for TcpLink {
     }
 
     fn flush(&mut self, ring: &mut Uring) -> io::Result<()> {
-        if self.in_flight > 0 || self.broken || self.queue.is_empty() {
-            return Ok(());
-        }
-        let (mut k, mut n) = (0, 0);
-        for w in self.queue.iter_mut().take(SEND_BATCH) {
-            let hdr_left = proto::HEADER_BYTES.saturating_sub(w.sent);
-            let pay_done = w.sent.saturating_sub(proto::HEADER_BYTES);
-            if hdr_left > 0 {
-                self.tx.iov[n] = libc::iovec {
-                    iov_base: w.hdr[proto::HEADER_BYTES - hdr_left..].as_mut_ptr().cast(),
-                    iov_len: hdr_left,
-                };
-                n += 1;
-            }
-            if w.len as usize > pay_done {
-                self.tx.iov[n] = libc::iovec {
-                    iov_base: w.src.wrapping_add(pay_done) as *mut libc::c_void,
-                    iov_len: w.len as usize - pay_done,
-                };
-                n += 1;
-            }
-            k += 1;
-        }
-        self.tx.msg.msg_iov = self.tx.iov.as_mut_ptr();
-        self.tx.msg.msg_iovlen = n as _;
-        // SAFETY: headers live in `queue` (not moved while in flight: only
-        // completed frames are popped, and pushes go to the back of a deque
-        // with reserved capacity, which never reallocates), payloads are
-        // valid per post_write's contract, iovecs and msghdr are boxed.
-        if unsafe { ring.push_sendmsg(self.user_data, self.fd, &self.tx.msg) } {
-            self.in_flight = k;
-            Ok(())
-        } else {
-            Err(io::Error::from(io::ErrorKind::WouldBlock))
-        }
+        self.flush_on(ring)
     }
 
     fn poll(&mut self, out: &mut [Done]) -> usize {

@@ -12,6 +12,7 @@ use super::super::schedule::{Geometry, Placed};
 use super::super::{CODE_ERROR, CODE_OK};
 use super::{Landed, Receive, State, Thread, DEMOTE_AFTER_ERRORS, DEMOTE_WINDOW};
 use crate::error::{errno_name, Error};
+use crate::ring::IoBackend;
 use crate::transport::proto::{self, Code, GrantEntry, Header};
 
 /// No window, node or entry.
@@ -116,7 +117,7 @@ impl GSlot {
     };
 }
 
-impl<R: Receive> Thread<R> {
+impl<R: Receive, I: IoBackend> Thread<R, I> {
     /// Window `m` of connection `i`, which opened entry `idx`, is closed
     /// (invalidated): its grant is over now.
     pub(super) fn on_window_closed(&mut self, i: usize, m: u32, idx: u32) {

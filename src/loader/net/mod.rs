@@ -557,11 +557,12 @@ impl NetThread {
     }
 }
 
-/// The network thread over data path `R`.
-pub(crate) struct Thread<R: Receive> {
+/// The network thread over data path `R` and I/O backend `I` (`Uring` in
+/// production, monomorphised).
+pub(crate) struct Thread<R: Receive, I: IoBackend = Uring> {
     setup: Arc<NetSetup>,
     placement: Placement,
-    ring: Uring,
+    ring: I,
     /// Before `common` and `sh`: the QPs go before the registrations and
     /// the ring memory they write.
     conns: Vec<Conn<R>>,
@@ -694,7 +695,9 @@ impl<R: Receive> Thread<R> {
             setup,
         })
     }
+}
 
+impl<R: Receive, I: IoBackend> Thread<R, I> {
     fn net(&self) -> &NetShared {
         self.sh.net.as_ref().expect("cluster mode")
     }

@@ -22,6 +22,7 @@ use std::time::{Duration, Instant};
 
 use super::connect::{connect_retrying, jitter, ConnectError};
 use super::{Beats, Placement, Receive, State, Thread, USER_TIMEOUT_MAX, USER_TIMEOUT_MIN};
+use crate::ring::IoBackend;
 use crate::transport::proto::Welcome;
 
 /// The first wait before a dead node is tried again; each next one's bound
@@ -83,7 +84,7 @@ impl<R: Receive> Redials<R> {
     }
 }
 
-impl<R: Receive> Thread<R> {
+impl<R: Receive, I: IoBackend> Thread<R, I> {
     /// Schedules the next try of dead connection `i` (not the local node's
     /// place, and only where the data path can be set up again).
     pub(super) fn schedule_redial(&mut self, i: usize) {

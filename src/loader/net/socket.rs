@@ -10,11 +10,11 @@ use std::time::Instant;
 
 use super::{ring_ptr, Conn, Receive, State, Thread, KEEPALIVE, UD_RECV, UD_SEND};
 use crate::error::errno_name;
-use crate::ring::Uring;
+use crate::ring::IoBackend;
 use crate::transport::proto::{self, Header, Kind};
 use crate::transport::rx::{Received, RxError};
 
-impl<R: Receive> Thread<R> {
+impl<R: Receive, I: IoBackend> Thread<R, I> {
     pub(super) fn flush_grants(&mut self) {
         for i in 0..self.conns.len() {
             let c = &mut self.conns[i];
@@ -58,7 +58,7 @@ impl<R: Receive> Thread<R> {
         }
     }
 
-    pub(super) fn post_send(ring: &mut Uring, c: &mut Conn<R>) {
+    pub(super) fn post_send(ring: &mut I, c: &mut Conn<R>) {
         let fd = c.sock.as_ref().expect("live").as_raw_fd();
         let rest = &c.flight[c.flight_sent..];
         // SAFETY: `flight` is not touched until this send completes.

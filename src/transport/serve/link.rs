@@ -2,7 +2,7 @@
 //! RDMA writes on its queue pair (`RdmaLink`). What only an RDMA link
 //! does (arming its CQ, a failed completion) is in `owner_rdma.rs`.
 
-use crate::ring::Uring;
+use crate::ring::IoBackend;
 use crate::transport::proto::Code;
 use crate::transport::tcp::TcpLink;
 use crate::transport::{Done, Link};
@@ -56,9 +56,9 @@ impl ConnLink {
         unsafe { each_link!(self, l => l.post_error(id, g, code, msg, len)) }
     }
 
-    pub(super) fn flush(&mut self, ring: &mut Uring) -> std::io::Result<()> {
+    pub(super) fn flush<R: IoBackend>(&mut self, ring: &mut R) -> std::io::Result<()> {
         match self {
-            ConnLink::Tcp(l) => l.flush(ring),
+            ConnLink::Tcp(l) => l.flush_on(ring),
             #[cfg(feature = "rdma")]
             ConnLink::Rdma(l) => l.flush(&mut ()),
         }

@@ -92,9 +92,12 @@ pub(super) struct SConn {
     pub(super) warned_grant: Option<u32>,
 }
 
-pub(super) struct ServePoller {
+/// One node-service poller, generic over its I/O backend: `Uring` in
+/// production (monomorphised, so no call is indirect), `Faulty` or an
+/// in-memory network in tests.
+pub(super) struct ServePoller<R: IoBackend = Uring> {
     pub(super) c: Arc<Common>,
-    pub(super) ring: Uring,
+    pub(super) ring: R,
     pub(super) incoming: Receiver<Accepted>,
     /// Its connections (at most `max_conns_per_poller`, allocated at start).
     pub(super) conns: Pool<SConn>,
@@ -136,11 +139,11 @@ pub(super) struct ServePoller {
     pub(super) read_faults: u32,
 }
 
-impl ServePoller {
+impl<R: IoBackend> ServePoller<R> {
     pub(super) fn new(
         c: Arc<Common>,
         index: usize,
-        ring: Uring,
+        mut ring: R,
         staging: Staging,
         incoming: Receiver<Accepted>,
     ) -> Self {
@@ -247,7 +250,7 @@ impl ServePoller {
     /// dropped all the same would leave its slot taken and its connection
     /// open forever (shutdown would hang): fail the service, naming it.
     fn check_cq_overflow(&mut self) {
-        let lost = self.ring.cq_overflow();
+        let lost = self.ring.lost_completions();
         if lost != 0 {
             let (sq, cq, _) = self.c.cfg.ring_entries();
             panic!(

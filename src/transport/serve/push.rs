@@ -67,7 +67,7 @@ impl WarnLimit {
     }
 }
 
-impl ServePoller {
+impl<R: IoBackend> ServePoller<R> {
     pub(super) fn issue_reads(&mut self) {
         // Fair shares among the connections with work (grants queued or
         // slots held), rounded up; and never more than 3/4 of the slots, so

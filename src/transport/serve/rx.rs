@@ -11,10 +11,11 @@ use std::sync::atomic::Ordering;
 
 use super::poller::{ud, ServePoller, Work, UD_RECV};
 use crate::error::errno_name;
+use crate::ring::IoBackend;
 use crate::transport::proto::{self, Code, GrantEntry, Kind};
 use crate::transport::rx::{Received, RxError};
 
-impl ServePoller {
+impl<R: IoBackend> ServePoller<R> {
     pub(super) fn post_recvs(&mut self) {
         for k in 0..self.live.len() {
             let ci = self.live[k] as usize;
