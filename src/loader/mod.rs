@@ -34,6 +34,7 @@ pub(crate) mod tier;
 mod batch;
 mod builder;
 mod net;
+pub mod options;
 mod shared;
 mod stats;
 
@@ -58,6 +59,7 @@ pub use crate::ring::FaultConfig;
 use batch::Entry;
 pub use batch::{Batch, BatchSample, DeviceSample};
 pub use builder::*;
+pub use options::{LoaderOptions, OptionKind, OptionSpec, OptionValue, OPTIONS};
 pub(crate) use shared::*;
 use stats::{Counters, Totals};
 pub use stats::{Latency, PlacementStats, Stats};
