@@ -72,6 +72,59 @@ pub unsafe extern "C" fn ksp_config_free(cfg: *mut ksp_config) {
 /// `rdma_gid_index` each imply `rdma=true`.
 ///
 /// <!-- options:begin -->
+/// | key | type | range | unit | default | what it does |
+/// |---|---|---|---|---|---|
+/// | `space` | path |  |  | none: `space` or `source` is required | a preloaded space directory (the fast path) |
+/// | `source` | text |  |  | none | a source read directly (DIR, list:FILE, tar:DIR) |
+/// | `catalog` | path |  |  | built from the source into a temporary file | the catalog for `source` (`kspeed catalog`) |
+/// | `batch_size` | int | 1 to 1048576 | samples | 64 | samples per batch |
+/// | `seed` | int | 0 and up |  | 0 | shuffle seed, the same on every rank |
+/// | `shuffle` | bool |  |  | true | shuffle each epoch (`kspeed read --no-shuffle`) |
+/// | `drop_last` | bool |  |  | false | drop each epoch's last, partial batch |
+/// | `rank` | int | 0 to 4294967295 |  | 0 | this rank |
+/// | `world` | int | 1 to 4294967295 | ranks | 1 | the world size |
+/// | `ring_bytes` | size | 4096 and up | bytes | 256MiB | landing ring size (refused if it cannot hold a whole batch) |
+/// | `tier_bytes` | size | 0 and up | bytes | 0: no tier | memory tier budget: samples read once are kept in memory and served from there |
+/// | `tier_views` | bool |  |  | false | a sample served from the memory tier is handed out in place (no copy into the ring); a batch holding one is not one ring span |
+/// | `pollers` | int | 1 to 1024 | threads | a quarter of this rank's core slice, 1 to 8 | poller threads |
+/// | `queue_depth` | int | 1 to 16384 | reads | 32 | reads in flight per poller (io_uring holds at most 32768 entries, two per read) |
+/// | `submit_batch` | int | 1 to 16384 | reads | 8 | reads a poller queues before it submits them (one system call per batch) |
+/// | `max_read_bytes` | size | 4096 and up | bytes | 4MiB | largest single read: bigger samples are read in parts |
+/// | `lookahead` | int | 1 and up | samples | as many as the ring holds | most samples read ahead of the consumer (at least one batch) |
+/// | `spin_us` | int | 0 to 10000000 | us | 0 on up to 4 cores or on cores shared with other ranks, else 20 | how long pollers and the consumer busy-poll before parking |
+/// | `sqpoll_idle_ms` | int | 0 to 4294967295 | ms | none: no SQPOLL | use an SQPOLL kernel thread per poller, idling after this long |
+/// | `coop_taskrun` | bool |  |  | false | create the pollers' io_urings with IORING_SETUP_COOP_TASKRUN |
+/// | `pin` | bool |  |  | true | pin the pollers to this rank's cores (`kspeed read --no-pin`) |
+/// | `local_rank` | int | 0 to 4294967295 |  | from the environment (KSPEED_LOCAL_RANK, LOCAL_RANK, OMPI_COMM_WORLD_LOCAL_RANK, SLURM_LOCALID), else 0 | this process's rank among the node's ranks (with `local_world_size`); each gets its own slice of cores |
+/// | `local_world_size` | int | 1 to 4294967295 | ranks | from the environment, else 1 | the number of ranks on this node (with `local_rank`) |
+/// | `poller_numa_node` | int | 0 to 4095 |  | the ring's node | take the pollers' cores from this NUMA node |
+/// | `sysfs_root` | path |  |  | KSPEED_SYSFS_ROOT, else /sys | read the CPU topology from this directory shaped like /sys |
+/// | `registered_buffers` | bool |  |  | true | register the ring with io_uring as fixed buffers (`kspeed read --no-registered-buffers`) |
+/// | `registered_files` | bool |  |  | true | register the extent files with io_uring (`kspeed read --no-registered-files`) |
+/// | `verify_crc32c` | bool |  |  | false | check the CRC32C of every sample read from disk against the catalog (a mismatch is a data error naming the sample and file) |
+/// | `huge_pages` | bool |  |  | true | 2 MiB pages for the ring when the system has them reserved (`kspeed read --no-huge-pages`) |
+/// | `mlock` | bool |  |  | true | lock the ring in memory (needs RLIMIT_MEMLOCK of at least `ring_bytes`; `kspeed read --no-mlock`) |
+/// | `numa_node` | int | 0 to 4095 |  | not bound (the kernel's placement) | bind the ring to this NUMA node |
+/// | `gpu_pci` | text |  |  | none | bind the ring to the NUMA node of this GPU (PCI address, e.g. 0000:3b:00.0) |
+/// | `cuda` | choice | auto, off, require |  | auto | register the ring with CUDA: when possible, never, or fail if not possible |
+/// | `gpu_ring` | int | 0 to 1023 |  | none: a host ring | CUDA device ordinal: the ring lives in that GPU's memory and RDMA writes land there (cluster mode over RDMA with a `source`) |
+/// | `start_epoch` | int | 0 and up |  | 0 | first epoch |
+/// | `end_epoch` | int | 1 and up |  | none: read-ahead runs on into the next epoch | the job reads epochs below this one only: nothing is read ahead past its last sample (`kspeed read --epochs`) |
+/// | `cluster_file` | path |  |  | none: single-node | cluster mode: the node list (`<index> <host:port>` per line) |
+/// | `cluster_nodes` | list |  |  | none | cluster mode: the node services' `host:port` in node order (comma-separated) |
+/// | `cluster_nodelist` | text |  |  | none | cluster mode: a SLURM hostlist (`gpu[01-04,07]`), each at `cluster_port` |
+/// | `cluster_nodes_dns` | text |  |  | none | cluster mode: a name pattern with `{i}` (`kspeed-{i}.kspeed.ns.svc:7400`) for `cluster_node_count` nodes |
+/// | `cluster_node_count` | int | 1 to 4294967295 | nodes | none (with `cluster_env`: WORLD_SIZE / LOCAL_WORLD_SIZE) | the node count for `cluster_nodes_dns` |
+/// | `cluster_port` | int | 1 to 65535 |  | KSPEED_PORT, else 7400 | port for `cluster_nodelist` and a pattern without one |
+/// | `cluster_env` | bool |  |  | false | rank, world and (unless a node list is given) the node list from the launcher's environment (docs/DEPLOY.md) |
+/// | `token` | text |  |  | none (required in cluster mode) | cluster mode: the job token (`kspeed read --token-file`) |
+/// | `node_timeout_ms` | int | 1 to 86400000 | ms | 10000 | cluster mode: how long a node may stay silent with grants outstanding before they fail over |
+/// | `node_timeout` | seconds | 0.001 to 86400 | s | 10 | alias of `node_timeout_ms`: `node_timeout_ms` in seconds (Python's name) |
+/// | `rdma` | bool |  |  | false: TCP | cluster mode: receive over RDMA (every node serves with `--rdma`) |
+/// | `rdma_device` | text |  |  | the first device | RDMA device name; implies `rdma` |
+/// | `rdma_port` | int | 1 to 255 |  | 1 | RDMA port number; implies `rdma` |
+/// | `rdma_gid_index` | int or auto | 0 to 255 |  | auto | GID index (`auto`: the RoCE v2 GID of the connection's address); implies `rdma` |
+/// | `local_node` | int | 0 to 65535 |  | the local space's node; none with a source | cluster mode: the node this process runs on (its samples are never requested over the network) |
 /// <!-- options:end -->
 ///
 /// Returns `KSP_ERR_INVALID_ARG` for an unknown key or a bad value (the
