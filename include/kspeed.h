@@ -432,7 +432,11 @@ void ksp_config_free(ksp_config *cfg);
 // take bytes or a unit (`256MiB`); `node_timeout` is a documented alias
 // of `node_timeout_ms` in seconds. `local_rank` and `local_world_size`
 // go together (both, or neither); `rdma_device`, `rdma_port` and
-// `rdma_gid_index` each imply `rdma=true`.
+// `rdma_gid_index` each imply `rdma=true`. In C terms: a CRC32C mismatch
+// (`verify_crc32c`) is `KSP_ERR_DATA` naming the sample and file; a batch
+// holding a tier sample (`tier_views`) has `span` NULL (see `ksp_batch`);
+// with `gpu_ring` batch pointers are device pointers; with `end_epoch`,
+// `ksp_loader_set_epoch` to it or later is `KSP_ERR_INVALID_ARG`.
 //
 // <!-- options:begin -->
 // | key | type | range | unit | default | what it does |
