@@ -119,6 +119,12 @@ pub(crate) fn builder_from(cfg: &Bound<'_, PyDict>) -> PyResult<(LoaderBuilder, 
         )));
     }
     let mut b = o.builder().raise(py)?;
+    // The Python layer settles the rank and world (the arguments, else the
+    // launcher's environment, refusing contradictions): they win over
+    // `cluster_env`'s reading of the same environment.
+    if let (Some(r), Some(w)) = (get::<u32>(cfg, "rank")?, get::<u32>(cfg, "world")?) {
+        b = b.rank(r, w);
+    }
     if let Some(f) = get::<(u64, u32, u32, u32)>(cfg, "fault_injection")? {
         b = b.fault_injection(
             kspeed::loader::FaultConfig::default()
