@@ -59,7 +59,7 @@ pub use crate::ring::FaultConfig;
 use batch::Entry;
 pub use batch::{Batch, BatchSample, DeviceSample};
 pub use builder::*;
-pub use options::{LoaderOptions, OptionKind, OptionSpec, OptionValue, OPTIONS};
+pub use options::LoaderOptions;
 pub(crate) use shared::*;
 use stats::{Counters, Totals};
 pub use stats::{Latency, PlacementStats, Stats};
