@@ -23,6 +23,19 @@ def _size(name, v, lo=0):
     return _int(name, v, lo)
 
 
+def _size_str(name, v):
+    """A size string as bytes by the Python package's rule; anything else
+    as it is (the options table checks it)."""
+    if isinstance(v, str):
+        m = _SIZE.match(v)
+        if not m:
+            raise ValueError(f"{name}: {v!r} is not a size (use bytes, or e.g. '256MiB', '4GB')")
+        n, unit, i, b = m.groups()
+        base = 1000 if (unit and not i and b) else 1024
+        return int(n) * base ** _UNITS[unit.lower()]
+    return v
+
+
 def _int(name, v, lo=None, hi=None):
     if isinstance(v, bool) or not isinstance(v, numbers.Integral):
         raise TypeError(f"{name} must be an int, not {type(v).__name__} ({v!r})")
@@ -286,6 +299,12 @@ class Loader:
             cfg[name] = _opt(name, v)
         rank, world, origin = _rank_world(rank, world, ignore_launcher_env)
         cfg["rank"], cfg["world"] = rank, world
+        # Size strings keep the Python package's documented rule ('256M' and
+        # '256MiB' binary, '256MB' decimal; the C ABI and `kspeed read` read a
+        # bare 'M' as decimal): converted here, then range-checked by the table.
+        ring_bytes = _size_str("ring_bytes", ring_bytes)
+        tier_bytes = _size_str("tier_bytes", tier_bytes)
+        max_read_bytes = _size_str("max_read_bytes", max_read_bytes)
         for name, v in (
             ("ring_bytes", ring_bytes),
             ("tier_bytes", tier_bytes),
