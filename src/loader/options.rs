@@ -312,7 +312,7 @@ impl std::fmt::Display for OptionValue<'_> {
         match self {
             OptionValue::Str(s) => write!(f, "{s:?}"),
             OptionValue::Int(n) => write!(f, "{n}"),
-            OptionValue::Float(x) => write!(f, "{x}"),
+            OptionValue::Float(x) => write!(f, "{x:?}"),
             OptionValue::Bool(b) => write!(f, "{b}"),
             OptionValue::List(l) => write!(f, "{l:?}"),
             OptionValue::None => write!(f, "None"),

@@ -16,7 +16,7 @@ LOADER_ARGS = set(inspect.signature(kspeed.Loader).parameters)
 # Keys that need another argument first (checked through the table's typed
 # path, which Loader uses too).
 PAIRED = {"rank", "world", "local_rank", "local_world_size"}
-CLUSTER = {"node_timeout", "local_node", "rdma_device", "rdma_port", "rdma_gid_index"}
+CLUSTER = {"rdma", "node_timeout", "local_node", "rdma_device", "rdma_port", "rdma_gid_index"}
 LISTED = {"cluster_nodelist", "cluster_nodes_dns", "cluster_node_count", "cluster_port"}
 
 
