@@ -235,6 +235,32 @@ pub enum Error {
     /// A configuration value is invalid.
     #[error("invalid configuration: {0}")]
     InvalidConfig(String),
+    /// A loader option's value is of the wrong type or out of its range
+    /// (the one message of every front end:
+    /// [`crate::loader::options::OPTIONS`]).
+    #[error("option {key}: {value} is {problem}; it takes {allowed}")]
+    InvalidOption {
+        /// The option's key.
+        key: String,
+        /// The value given, as given (a string quoted) or as the number it
+        /// was read as.
+        value: String,
+        /// What is wrong with it ("above the maximum", "not an integer"...).
+        problem: String,
+        /// What the option takes ("an integer from 1 to 16384").
+        allowed: String,
+        /// The value is of a type the option never takes (Python raises
+        /// `TypeError` for these, `ValueError` for the others).
+        wrong_type: bool,
+    },
+    /// No loader option has this key.
+    #[error("unknown option {key:?} (set to {value}); the options are listed at ksp_config_set in kspeed.h, by kspeed.options() and in the README")]
+    UnknownOption {
+        /// The key given.
+        key: String,
+        /// The value given (a string quoted).
+        value: String,
+    },
     /// The landing ring cannot be locked in memory.
     #[error("cannot mlock the {needed}-byte landing ring (errno {errno}): RLIMIT_MEMLOCK is {}; raise it (ulimit -l, or LimitMEMLOCK= in systemd, or memlock in /etc/security/limits.conf) or use a smaller ring",
         if *limit == u64::MAX { "unlimited".to_string() } else { format!("{limit} bytes") })]
@@ -576,6 +602,8 @@ impl Error {
             Error::NotASpace { .. } => ("NotASpace", Data),
             Error::SampleCorrupt { .. } => ("SampleCorrupt", Data),
             Error::InvalidConfig(_) => ("InvalidConfig", Config),
+            Error::InvalidOption { .. } => ("InvalidOption", Config),
+            Error::UnknownOption { .. } => ("UnknownOption", Config),
             Error::SampleLargerThanRing { .. } => ("SampleLargerThanRing", Config),
             Error::RingTooSmallForBatch { .. } => ("RingTooSmallForBatch", Config),
             Error::BadPosition(_) => ("BadPosition", Config),

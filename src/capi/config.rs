@@ -1,22 +1,17 @@
-//! `ksp_config`: loader settings set from strings, mirroring the Rust
-//! [`LoaderBuilder`].
+//! `ksp_config`: loader settings set from strings, through the loader's
+//! one options table ([`crate::loader::options`]).
 
 use std::ffi::c_char;
-use std::time::Duration;
 
 use super::errors::{guard, ksp_status, Fail};
 use super::ffi::{str_arg, Handle, Out};
-use crate::landing::{CudaMode, LandingOptions};
-use crate::loader::LoaderBuilder;
-use crate::transport::ClusterSpec;
+use crate::loader::{LoaderBuilder, LoaderOptions};
 
 /// Loader settings, built with [`ksp_config_set`]. Opaque.
 pub struct ksp_config {
-    /// The Rust builder itself: its defaults are the C ABI's.
-    builder: LoaderBuilder,
-    /// Cluster mode (resolved when the loader is created).
-    cluster: ClusterSpec,
-    token: Option<Vec<u8>>,
+    /// The options, parsed by the table every front end shares: its
+    /// defaults are the C ABI's.
+    options: LoaderOptions,
 }
 
 impl Handle for ksp_config {
@@ -27,18 +22,7 @@ impl ksp_config {
     /// The loader builder these settings describe, with the cluster
     /// resolved (cluster mode).
     pub(super) fn loader_builder(&self) -> Result<LoaderBuilder, Fail> {
-        let mut b = self.builder.clone();
-        if let Some((cluster, env)) = self.cluster.resolve()? {
-            let token = self
-                .token
-                .as_ref()
-                .ok_or_else(|| Fail::Invalid("cluster mode is set but token is not".into()))?;
-            if let Some(env) = env {
-                b = b.rank(env.rank, env.world);
-            }
-            b = b.cluster(cluster).token(token);
-        }
-        Ok(b)
+        Ok(self.options.builder()?)
     }
 }
 
@@ -57,14 +41,8 @@ pub unsafe extern "C" fn ksp_config_new(out: *mut *mut ksp_config) -> ksp_status
     guard(|| {
         // SAFETY: out is NULL or writable (contract).
         let out = unsafe { Out::new(out, "out")? };
-        let landing = LandingOptions {
-            cuda: CudaMode::Auto,
-            ..Default::default()
-        };
         ksp_config {
-            builder: LoaderBuilder::empty().landing(landing),
-            cluster: ClusterSpec::default(),
-            token: None,
+            options: LoaderOptions::new(),
         }
         .give(out);
         Ok(())
@@ -84,69 +62,78 @@ pub unsafe extern "C" fn ksp_config_free(cfg: *mut ksp_config) {
     unsafe { ksp_config::free(cfg) }
 }
 
-fn parse_num<T: std::str::FromStr>(key: &str, v: &str) -> Result<T, Fail> {
-    v.trim()
-        .parse()
-        .map_err(|_| Fail::Invalid(format!("config {key}: {v:?} is not a valid number")))
-}
-
-fn parse_bytes(key: &str, v: &str) -> Result<u64, Fail> {
-    crate::progress::parse_bytes(v).map_err(|e| Fail::Invalid(format!("config {key}: {e}")))
-}
-
-fn parse_bool(key: &str, v: &str) -> Result<bool, Fail> {
-    match v.trim() {
-        "1" | "true" | "yes" | "on" => Ok(true),
-        "0" | "false" | "no" | "off" => Ok(false),
-        _ => Err(Fail::Invalid(format!(
-            "config {key}: {v:?} is not a boolean (true/false, 1/0)"
-        ))),
-    }
-}
-
-/// Sets one setting from strings, mirroring the Rust `LoaderBuilder`.
-/// Every key has the default shown until it is set:
+/// Sets one setting from strings, through the loader's one options table
+/// (`kspeed::loader::options`, shared with Python, the `kspeed read` flags
+/// and the DALI operator). Every key has the default shown until it is set;
+/// booleans take `true`/`false`, `1`/`0`, `yes`/`no`, `on`/`off`; sizes
+/// take bytes or a unit (`256MiB`); `node_timeout` is a documented alias
+/// of `node_timeout_ms` in seconds. `local_rank` and `local_world_size`
+/// go together (both, or neither); `rdma_device`, `rdma_port` and
+/// `rdma_gid_index` each imply `rdma=true`. In C terms: a CRC32C mismatch
+/// (`verify_crc32c`) is `KSP_ERR_DATA` naming the sample and file; a batch
+/// holding a tier sample (`tier_views`) has `span` NULL (see `ksp_batch`);
+/// with `gpu_ring` batch pointers are device pointers; with `end_epoch`,
+/// `ksp_loader_set_epoch` to it or later is `KSP_ERR_INVALID_ARG`.
 ///
-/// | key | value | default |
-/// |---|---|---|
-/// | `space` | a preloaded space directory | none: `space` or `source` is required |
-/// | `source` | a source read directly (DIR, list:FILE, tar:DIR) | none |
-/// | `catalog` | the catalog for `source` | built from the source into a temporary file |
-/// | `batch_size` | samples per batch | 64 |
-/// | `seed` | shuffle seed | 0 |
-/// | `shuffle` | true/false: shuffle each epoch | true |
-/// | `drop_last` | true/false: drop each epoch's last, partial batch | false |
-/// | `verify_crc32c` | true/false: check the CRC32C of every sample read from disk against the catalog (one pass over its bytes; a mismatch is `KSP_ERR_DATA` naming the sample and file). Off: bytes are delivered as read | false |
-/// | `mlock` | true/false: lock the ring in memory (needs `RLIMIT_MEMLOCK` of at least `ring_bytes`) | true |
-/// | `huge_pages` | true/false: 2 MiB pages for the ring when the system has them reserved (normal pages otherwise) | true |
-/// | `pin` | true/false: pin the pollers to this rank's cores | true |
-/// | `rank`, `world` | this rank, world size | 0, 1 |
-/// | `ring_bytes` | landing ring size, e.g. `256MiB` (refused if it cannot hold a whole batch) | 256 MiB |
-/// | `tier_bytes` | memory tier budget: samples read once are kept in memory and served from there | 0: no tier |
-/// | `tier_views` | true: a sample served from the memory tier is handed out in place (its `ksp_sample.data` points into the tier, no copy into the ring); a batch holding such a sample has `span` NULL (see `ksp_batch`) | false |
-/// | `pollers` | poller threads | a quarter of this rank's core slice, 1 to 8 |
-/// | `queue_depth` | reads in flight per poller | 32 |
-/// | `submit_batch` | reads a poller queues before it submits them | 8 |
-/// | `lookahead` | most samples read ahead of the consumer (at least one batch) | as many as the ring holds |
-/// | `numa_node` | NUMA node of the ring | not bound (the kernel's placement) |
-/// | `local_rank`, `local_world_size` | this process's rank among the node's ranks and their number (both, or neither); each rank's pollers get their own slice of cores | from the environment: `KSPEED_LOCAL_RANK`/`KSPEED_LOCAL_WORLD_SIZE`, `LOCAL_RANK`/`LOCAL_WORLD_SIZE`, `OMPI_COMM_WORLD_LOCAL_RANK`/`OMPI_COMM_WORLD_LOCAL_SIZE` or `SLURM_LOCALID` with `SLURM_NTASKS_PER_NODE`/`SLURM_TASKS_PER_NODE`; else rank 0 of 1 |
-/// | `poller_numa_node` | take the pollers' cores from this NUMA node | the ring's node |
-/// | `gpu_ring` | CUDA device ordinal: the ring lives in that GPU's memory and RDMA writes land there (cluster mode over RDMA with a `source`; batch pointers are then device pointers) | none: a host ring |
-/// | `start_epoch` | first epoch | 0 |
-/// | `end_epoch` | the job reads epochs below this one only: nothing is read ahead past its last sample, and `ksp_loader_set_epoch` to it or later is `KSP_ERR_INVALID_ARG` | none: read-ahead runs on into the next epoch |
-/// | `cluster_file` | cluster mode: the node list | none: single-node (no cluster) |
-/// | `cluster_nodes` | cluster mode: the node services' `host:port`, comma-separated, in node order | none |
-/// | `cluster_nodelist` | cluster mode: a SLURM hostlist (`gpu[01-04,07]`), at `cluster_port` | none |
-/// | `cluster_nodes_dns`, `cluster_node_count` | cluster mode: a name pattern with `{i}` (`kspeed-{i}.kspeed.ns.svc:7400`) for that many nodes | none |
-/// | `cluster_port` | port for `cluster_nodelist` and a pattern without one | `KSPEED_PORT`, else 7400 |
-/// | `cluster_env` | true: rank, world and (unless one of the above is set) the node list from the launcher's environment, as `kspeed read --cluster-env` (docs/DEPLOY.md) | false |
-/// | `token` | cluster mode: the job token | none (required in cluster mode) |
-/// | `node_timeout_ms` | cluster mode: how long a node may stay silent with grants outstanding before they fail over | 10000 |
-/// | `rdma` | cluster mode: true to receive over RDMA (every node serves with `--rdma`) | false: TCP |
-/// | `rdma_device`, `rdma_port`, `rdma_gid_index` | RDMA device name, port, GID index (`auto`: the RoCE v2 GID of the connection's address); each implies `rdma=true` | the first device, port 1, `auto` |
+/// <!-- options:begin -->
+/// | key | type | range | unit | default | what it does |
+/// |---|---|---|---|---|---|
+/// | `space` | path |  |  | none: `space` or `source` is required | a preloaded space directory (the fast path) |
+/// | `source` | text |  |  | none | a source read directly (DIR, list:FILE, tar:DIR) |
+/// | `catalog` | path |  |  | built from the source into a temporary file | the catalog for `source` (`kspeed catalog`) |
+/// | `batch_size` | int | 1 to 1048576 | samples | 64 | samples per batch |
+/// | `seed` | int | 0 and up |  | 0 | shuffle seed, the same on every rank |
+/// | `shuffle` | bool |  |  | true | shuffle each epoch (`kspeed read --no-shuffle`) |
+/// | `drop_last` | bool |  |  | false | drop each epoch's last, partial batch |
+/// | `rank` | int | 0 to 4294967295 |  | 0 | this rank |
+/// | `world` | int | 1 to 4294967295 | ranks | 1 | the world size |
+/// | `ring_bytes` | size | 4096 and up | bytes | 256MiB | landing ring size (refused if it cannot hold a whole batch) |
+/// | `tier_bytes` | size | 0 and up | bytes | 0: no tier | memory tier budget: samples read once are kept in memory and served from there |
+/// | `tier_views` | bool |  |  | false | a sample served from the memory tier is handed out in place (no copy into the ring); a batch holding one is not one ring span |
+/// | `pollers` | int | 1 to 1024 | threads | a quarter of this rank's core slice, 1 to 8 | poller threads |
+/// | `queue_depth` | int | 1 to 16384 | reads | 32 | reads in flight per poller (io_uring holds at most 32768 entries, two per read) |
+/// | `submit_batch` | int | 1 to 16384 | reads | 8 | reads a poller queues before it submits them (one system call per batch) |
+/// | `max_read_bytes` | size | 4096 and up | bytes | 4MiB | largest single read: bigger samples are read in parts |
+/// | `lookahead` | int | 1 and up | samples | as many as the ring holds | most samples read ahead of the consumer (at least one batch) |
+/// | `spin_us` | int | 0 to 10000000 | us | 0 on up to 4 cores or on cores shared with other ranks, else 20 | how long pollers and the consumer busy-poll before parking |
+/// | `sqpoll_idle_ms` | int | 0 to 4294967295 | ms | none: no SQPOLL | use an SQPOLL kernel thread per poller, idling after this long |
+/// | `coop_taskrun` | bool |  |  | false | create the pollers' io_urings with IORING_SETUP_COOP_TASKRUN |
+/// | `pin` | bool |  |  | true | pin the pollers to this rank's cores (`kspeed read --no-pin`) |
+/// | `local_rank` | int | 0 to 4294967295 |  | from the environment (KSPEED_LOCAL_RANK, LOCAL_RANK, OMPI_COMM_WORLD_LOCAL_RANK, SLURM_LOCALID), else 0 | this process's rank among the node's ranks (with `local_world_size`); each gets its own slice of cores |
+/// | `local_world_size` | int | 1 to 4294967295 | ranks | from the environment, else 1 | the number of ranks on this node (with `local_rank`) |
+/// | `poller_numa_node` | int | 0 to 4095 |  | the ring's node | take the pollers' cores from this NUMA node |
+/// | `sysfs_root` | path |  |  | KSPEED_SYSFS_ROOT, else /sys | read the CPU topology from this directory shaped like /sys |
+/// | `registered_buffers` | bool |  |  | true | register the ring with io_uring as fixed buffers (`kspeed read --no-registered-buffers`) |
+/// | `registered_files` | bool |  |  | true | register the extent files with io_uring (`kspeed read --no-registered-files`) |
+/// | `verify_crc32c` | bool |  |  | false | check the CRC32C of every sample read from disk against the catalog (a mismatch is a data error naming the sample and file) |
+/// | `huge_pages` | bool |  |  | true | 2 MiB pages for the ring when the system has them reserved (`kspeed read --no-huge-pages`) |
+/// | `mlock` | bool |  |  | true | lock the ring in memory (needs RLIMIT_MEMLOCK of at least `ring_bytes`; `kspeed read --no-mlock`) |
+/// | `numa_node` | int | 0 to 4095 |  | not bound (the kernel's placement) | bind the ring to this NUMA node |
+/// | `gpu_pci` | text |  |  | none | bind the ring to the NUMA node of this GPU (PCI address, e.g. 0000:3b:00.0) |
+/// | `cuda` | choice | auto, off, require |  | auto | register the ring with CUDA: when possible, never, or fail if not possible |
+/// | `gpu_ring` | int | 0 to 1023 |  | none: a host ring | CUDA device ordinal: the ring lives in that GPU's memory and RDMA writes land there (cluster mode over RDMA with a `source`) |
+/// | `start_epoch` | int | 0 and up |  | 0 | first epoch |
+/// | `end_epoch` | int | 1 and up |  | none: read-ahead runs on into the next epoch | the job reads epochs below this one only: nothing is read ahead past its last sample (`kspeed read --epochs`) |
+/// | `cluster_file` | path |  |  | none: single-node | cluster mode: the node list (`<index> <host:port>` per line) |
+/// | `cluster_nodes` | list |  |  | none | cluster mode: the node services' `host:port` in node order (comma-separated) |
+/// | `cluster_nodelist` | text |  |  | none | cluster mode: a SLURM hostlist (`gpu[01-04,07]`), each at `cluster_port` |
+/// | `cluster_nodes_dns` | text |  |  | none | cluster mode: a name pattern with `{i}` (`kspeed-{i}.kspeed.ns.svc:7400`) for `cluster_node_count` nodes |
+/// | `cluster_node_count` | int | 1 to 4294967295 | nodes | none (with `cluster_env`: WORLD_SIZE / LOCAL_WORLD_SIZE) | the node count for `cluster_nodes_dns` |
+/// | `cluster_port` | int | 1 to 65535 |  | KSPEED_PORT, else 7400 | port for `cluster_nodelist` and a pattern without one |
+/// | `cluster_env` | bool |  |  | false | rank, world and (unless a node list is given) the node list from the launcher's environment (docs/DEPLOY.md) |
+/// | `token` | text |  |  | none (required in cluster mode) | cluster mode: the job token (`kspeed read --token-file`) |
+/// | `node_timeout_ms` | int | 1 to 86400000 | ms | 10000 | cluster mode: how long a node may stay silent with grants outstanding before they fail over |
+/// | `node_timeout` | seconds | 0.001 to 86400 | s | 10 | alias of `node_timeout_ms`: `node_timeout_ms` in seconds (Python's name) |
+/// | `rdma` | bool |  |  | false: TCP | cluster mode: receive over RDMA (every node serves with `--rdma`) |
+/// | `rdma_device` | text |  |  | the first device | RDMA device name; implies `rdma` |
+/// | `rdma_port` | int | 1 to 255 |  | 1 | RDMA port number; implies `rdma` |
+/// | `rdma_gid_index` | int or auto | 0 to 255 |  | auto | GID index (`auto`: the RoCE v2 GID of the connection's address); implies `rdma` |
+/// | `local_node` | int | 0 to 65535 |  | the local space's node; none with a source | cluster mode: the node this process runs on (its samples are never requested over the network) |
+/// <!-- options:end -->
 ///
 /// Returns `KSP_ERR_INVALID_ARG` for an unknown key or a bad value (the
-/// message names both; the configuration is left as it was),
+/// message names the key, the value and what the key takes, in the words
+/// of every front end; the configuration is left as it was),
 /// `KSP_ERR_NULL_ARG` for NULL arguments.
 ///
 /// Thread safety: one thread at a time per configuration (it is
@@ -171,108 +158,8 @@ pub unsafe extern "C" fn ksp_config_set(
                 str_arg(value, "value")?,
             )
         };
-        // Work on a copy: a bad value leaves the configuration as it was.
-        let b = c.builder.clone();
-        let mut landing = b.landing_options().clone();
-        let b = match k {
-            "space" => b.set_space(v),
-            "source" => b.set_source(v),
-            "catalog" => b.catalog(v),
-            "batch_size" => b.batch_size(parse_num(k, v)?),
-            "seed" => b.seed(parse_num(k, v)?),
-            "shuffle" => b.shuffle(parse_bool(k, v)?),
-            "rank" | "world" => {
-                let (mut r, mut w) = b.rank_world();
-                if k == "rank" {
-                    r = parse_num(k, v)?;
-                } else {
-                    w = parse_num(k, v)?;
-                }
-                b.rank(r, w)
-            }
-            "drop_last" => b.drop_last(parse_bool(k, v)?),
-            "ring_bytes" => b.ring_bytes(parse_bytes(k, v)?),
-            "tier_bytes" => b.tier_bytes(parse_bytes(k, v)?),
-            "tier_views" => b.tier_views(parse_bool(k, v)?),
-            "gpu_ring" => b.gpu_ring(Some(parse_num(k, v)?)),
-            "pollers" => b.pollers(parse_num(k, v)?),
-            "queue_depth" => b.queue_depth(parse_num(k, v)?),
-            "submit_batch" => b.submit_batch(parse_num(k, v)?),
-            "lookahead" => b.lookahead(parse_num(k, v)?),
-            "verify_crc32c" => b.verify_crc32c(parse_bool(k, v)?),
-            "pin" => b.pin(parse_bool(k, v)?),
-            "local_rank" => b.local_rank_part(Some(parse_num(k, v)?), None),
-            "local_world_size" => b.local_rank_part(None, Some(parse_num(k, v)?)),
-            "poller_numa_node" => b.poller_numa_node(Some(parse_num(k, v)?)),
-            "mlock" | "huge_pages" | "numa_node" => {
-                match k {
-                    "mlock" => landing.mlock = parse_bool(k, v)?,
-                    "huge_pages" => landing.huge_pages = parse_bool(k, v)?,
-                    _ => landing.numa_node = Some(parse_num(k, v)?),
-                }
-                b.landing(landing)
-            }
-            "start_epoch" => b.start_at(crate::sampler::Position {
-                epoch: parse_num(k, v)?,
-                index: 0,
-            }),
-            "end_epoch" => b.end_epoch(Some(parse_num(k, v)?)),
-            "node_timeout_ms" => b.node_timeout(Duration::from_millis(parse_num(k, v)?)),
-            "cluster_file" => {
-                c.cluster.file = Some(v.into());
-                b
-            }
-            "cluster_nodes" => {
-                c.cluster.addrs = Some(v.split(',').map(str::to_string).collect());
-                b
-            }
-            "cluster_nodelist" => {
-                c.cluster.hostlist = Some(v.into());
-                b
-            }
-            "cluster_nodes_dns" => {
-                c.cluster.dns = Some(v.into());
-                b
-            }
-            "cluster_node_count" => {
-                c.cluster.nodes = Some(parse_num(k, v)?);
-                b
-            }
-            "cluster_port" => {
-                c.cluster.port = Some(parse_num(k, v)?);
-                b
-            }
-            "cluster_env" => {
-                c.cluster.env = parse_bool(k, v)?;
-                b
-            }
-            "token" => {
-                c.token = Some(v.as_bytes().to_vec());
-                b
-            }
-            "rdma" => {
-                let on = parse_bool(k, v)?;
-                let cur = b.rdma_options().cloned().unwrap_or_default();
-                b.rdma(on.then_some(cur))
-            }
-            "rdma_device" | "rdma_port" | "rdma_gid_index" => {
-                let mut o = b.rdma_options().cloned().unwrap_or_default();
-                match k {
-                    "rdma_device" => o.device = Some(v.to_string()),
-                    "rdma_port" => o.port = parse_num(k, v)?,
-                    _ if v.trim() == "auto" => o.gid_index = None,
-                    _ => o.gid_index = Some(parse_num(k, v)?),
-                }
-                b.rdma(Some(o))
-            }
-            _ => {
-                return Err(Fail::Invalid(format!(
-                    "unknown config key {k:?} (set to {v:?}); the keys are listed at \
-                     ksp_config_set in kspeed.h"
-                )))
-            }
-        };
-        c.builder = b;
+        // A bad value leaves the configuration as it was.
+        c.options.set(k, v)?;
         Ok(())
     })
 }

@@ -35,6 +35,7 @@ mod batch;
 mod builder;
 mod fdcache;
 mod net;
+pub mod options;
 mod shared;
 mod stats;
 
@@ -59,6 +60,7 @@ pub use crate::ring::FaultConfig;
 use batch::Entry;
 pub use batch::{Batch, BatchSample, DeviceSample};
 pub use builder::*;
+pub use options::LoaderOptions;
 pub(crate) use shared::*;
 use stats::{Counters, Totals};
 pub use stats::{Latency, PlacementStats, Stats};

@@ -763,10 +763,10 @@ def test_placement_keyword_arguments_override_the_environment(space, tmp_path, m
         ({"local_rank": 0}, ValueError, "both local_rank and local_world_size"),
         ({"local_world_size": 2}, ValueError, "both local_rank and local_world_size"),
         ({"local_rank": 2, "local_world_size": 2}, ValueError, "local_rank 2 is not below local_world_size 2"),
-        ({"local_rank": "0", "local_world_size": 2}, TypeError, "local_rank must be an int"),
-        ({"local_rank": 0, "local_world_size": 0}, ValueError, "local_world_size must be at least 1"),
-        ({"poller_numa_node": -1}, ValueError, "poller_numa_node must be at least 0"),
-        ({"poller_numa_node": 1.0}, TypeError, "poller_numa_node must be an int"),
+        ({"local_rank": "0", "local_world_size": 2}, TypeError, 'option local_rank: "0" is not an integer'),
+        ({"local_rank": 0, "local_world_size": 0}, ValueError, "option local_world_size: 0 is below the minimum"),
+        ({"poller_numa_node": -1}, ValueError, "option poller_numa_node: -1 is below the minimum"),
+        ({"poller_numa_node": 1.0}, TypeError, r"option poller_numa_node: 1\.0 is not an integer"),
         ({"sysfs_root": 3}, TypeError, "sysfs_root must be a path"),
         ({"sysfs_root": "/nonexistent/kspeed-sys"}, ValueError, "sysfs_root: /nonexistent/kspeed-sys does not exist"),
     ],
@@ -903,7 +903,7 @@ def test_tier_view_outlives_next_close_and_the_loader(space, close):
 
 def test_tier_views_bad_arguments(space):
     for v in (1, "yes", None):
-        with pytest.raises(TypeError, match="tier_views must be True or False"):
+        with pytest.raises(TypeError, match="option tier_views: .* is not true or false"):
             kspeed.Loader(space, tier_bytes="8MiB", tier_views=v)
     with pytest.raises(ValueError, match=r"tier_views=True .* GPU ring \(gpu_ring=0\)"):
         kspeed.Loader(space, tier_views=True, gpu_ring=0)

@@ -245,6 +245,19 @@ pub(crate) fn parse_bytes(s: &str) -> Result<u64, String> {
     kspeed::progress::parse_bytes(s)
 }
 
+/// The value parser of a `kspeed read` flag that sets the loader option
+/// `key`: the options table's type, range and message
+/// (`kspeed::loader::options`), as in the C ABI and Python.
+pub(crate) fn opt<T: TryFrom<u64>>(
+    key: &'static str,
+) -> impl Fn(&str) -> Result<T, String> + Clone + Send + Sync + 'static {
+    let spec = kspeed::loader::options::spec(key).expect("a key of the options table");
+    move |s: &str| {
+        let n = spec.parse_u64(s).map_err(|e| e.to_string())?;
+        T::try_from(n).map_err(|_| format!("option {key}: {n} does not fit"))
+    }
+}
+
 #[derive(Args)]
 struct PreloadArgs {
     /// Source: DIR (ImageFolder), list:FILE, tar:SHARD.tar or tar:DIR.

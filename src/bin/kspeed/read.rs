@@ -24,20 +24,19 @@ pub(crate) struct ReadArgs {
     #[arg(long, default_value_t = 1)]
     epochs: u64,
     /// First epoch.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, value_parser = crate::opt::<u64>("start_epoch"))]
     start_epoch: u64,
     /// Samples per batch.
-    #[arg(long, default_value_t = 64,
-          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=kspeed::loader::MAX_BATCH_SIZE))]
+    #[arg(long, default_value_t = 64, value_parser = crate::opt::<usize>("batch_size"))]
     batch_size: usize,
     /// This rank.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, value_parser = crate::opt::<u32>("rank"))]
     rank: u32,
     /// World size.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = crate::opt::<u32>("world"))]
     world: u32,
     /// Shuffle seed.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, value_parser = crate::opt::<u64>("seed"))]
     seed: u64,
     /// Read in id order.
     #[arg(long)]
@@ -46,36 +45,34 @@ pub(crate) struct ReadArgs {
     #[arg(long)]
     drop_last: bool,
     /// Landing ring size.
-    #[arg(long, default_value = "256MiB", value_parser = crate::parse_bytes)]
+    #[arg(long, default_value = "256MiB", value_parser = crate::opt::<u64>("ring_bytes"))]
     ring_bytes: u64,
     /// Poller threads (default: a quarter of this rank's slice of cores, at
     /// least 1, at most 8).
-    #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=kspeed::loader::MAX_POLLERS))]
+    #[arg(long, value_parser = crate::opt::<usize>("pollers"))]
     pollers: Option<usize>,
     /// Reads in flight per poller.
-    #[arg(long, default_value_t = 32,
-          value_parser = clap::value_parser!(u32).range(1..=kspeed::loader::MAX_QUEUE_DEPTH as i64))]
+    #[arg(long, default_value_t = 32, value_parser = crate::opt::<u32>("queue_depth"))]
     queue_depth: u32,
     /// Most reads a poller queues before submitting them (one system call per batch).
-    #[arg(long, default_value_t = kspeed::loader::DEFAULT_SUBMIT_BATCH,
-          value_parser = clap::value_parser!(u32).range(1..=kspeed::loader::MAX_QUEUE_DEPTH as i64))]
+    #[arg(long, default_value_t = kspeed::loader::DEFAULT_SUBMIT_BATCH, value_parser = crate::opt::<u32>("submit_batch"))]
     submit_batch: u32,
     /// Largest single read; bigger samples are read in parts.
-    #[arg(long, default_value = "4MiB", value_parser = crate::parse_bytes)]
+    #[arg(long, default_value = "4MiB", value_parser = crate::opt::<u64>("max_read_bytes"))]
     max_read_bytes: u64,
     /// Most samples read ahead of the consumer (default: what the ring holds).
-    #[arg(long)]
+    #[arg(long, value_parser = crate::opt::<u64>("lookahead"))]
     lookahead: Option<u64>,
-    /// Use SQPOLL kernel threads (idle timeout in ms).
-    #[arg(long)]
-    sqpoll_ms: Option<u32>,
+    /// Use SQPOLL kernel threads (idle timeout in ms; also --sqpoll-ms).
+    #[arg(long, alias = "sqpoll-ms", value_parser = crate::opt::<u32>("sqpoll_idle_ms"))]
+    sqpoll_idle_ms: Option<u32>,
     /// Put the landing ring in the memory of this GPU (CUDA device ordinal):
     /// RDMA writes land there directly. Needs --rdma, a cluster and --source;
     /// with --verify every sample is copied back to check its CRC32C.
-    #[arg(long)]
+    #[arg(long, value_parser = crate::opt::<u32>("gpu_ring"))]
     gpu_ring: Option<u32>,
     /// Memory tier budget (e.g. 8GiB); samples in it are served from RAM.
-    #[arg(long, default_value = "0", value_parser = crate::parse_bytes)]
+    #[arg(long, default_value = "0", value_parser = crate::opt::<u64>("tier_bytes"))]
     tier_bytes: u64,
     /// Hand out samples that sit in the memory tier in place instead of
     /// copying them into the landing ring (a batch is then not one span).
@@ -95,7 +92,7 @@ pub(crate) struct ReadArgs {
     #[arg(long)]
     verify: bool,
     /// Bind the ring to this NUMA node.
-    #[arg(long)]
+    #[arg(long, value_parser = crate::opt::<u32>("numa_node"))]
     numa_node: Option<u32>,
     /// Bind the ring to the NUMA node of this GPU (PCI address, e.g. 0000:3b:00.0).
     #[arg(long)]
@@ -116,23 +113,23 @@ pub(crate) struct ReadArgs {
     /// KSPEED_LOCAL_RANK, LOCAL_RANK, OMPI_COMM_WORLD_LOCAL_RANK or
     /// SLURM_LOCALID); each local rank's
     /// pollers get their own slice of the node's cores.
-    #[arg(long, requires = "local_world_size")]
+    #[arg(long, requires = "local_world_size", value_parser = crate::opt::<u32>("local_rank"))]
     local_rank: Option<u32>,
     /// Ranks on this node (default: KSPEED_LOCAL_WORLD_SIZE,
     /// LOCAL_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_SIZE or
     /// SLURM_NTASKS_PER_NODE).
-    #[arg(long, requires = "local_rank")]
+    #[arg(long, requires = "local_rank", value_parser = crate::opt::<u32>("local_world_size"))]
     local_world_size: Option<u32>,
     /// Take the pollers' cores from this NUMA node (default: the ring's,
     /// from --numa-node or --gpu-pci).
-    #[arg(long)]
+    #[arg(long, value_parser = crate::opt::<u32>("poller_numa_node"))]
     poller_numa_node: Option<u32>,
     /// Do not mlock the ring.
     #[arg(long)]
     no_mlock: bool,
     /// Busy-poll time before parking, in microseconds (default: 0 on up to
     /// 4 cores or on cores shared with other local ranks, 20 above).
-    #[arg(long)]
+    #[arg(long, value_parser = crate::opt::<u64>("spin_us"))]
     spin_us: Option<u64>,
     /// Before reading, let the pollers fill the ring, then measure the CPU
     /// they use over this many ms while nobody consumes (idle cost).
@@ -155,11 +152,11 @@ pub(crate) struct ReadArgs {
     #[arg(long)]
     nodes_dns: Option<String>,
     /// Node count for --nodes-dns.
-    #[arg(long, requires = "nodes_dns")]
+    #[arg(long, requires = "nodes_dns", value_parser = crate::opt::<u32>("cluster_node_count"))]
     nodes: Option<u32>,
     /// Port of the node services for --nodelist and a --nodes-dns pattern
     /// without one (default: KSPEED_PORT, else 7400).
-    #[arg(long)]
+    #[arg(long, value_parser = crate::opt::<u16>("cluster_port"))]
     node_port: Option<u16>,
     /// Cluster mode from the launcher's environment: rank and world from
     /// torchrun (RANK, WORLD_SIZE, LOCAL_WORLD_SIZE), Open MPI
@@ -176,7 +173,7 @@ pub(crate) struct ReadArgs {
     token_file: Option<PathBuf>,
     /// How long a node may stay silent with grants outstanding before its
     /// samples fail over, in ms.
-    #[arg(long, default_value_t = 10_000)]
+    #[arg(long, default_value_t = 10_000, value_parser = crate::opt::<u64>("node_timeout_ms"))]
     node_timeout_ms: u64,
     #[command(flatten)]
     rdma: RdmaArgs,
@@ -196,11 +193,11 @@ pub(crate) struct RdmaArgs {
     #[arg(long, requires = "rdma")]
     pub(crate) rdma_device: Option<String>,
     /// RDMA port number.
-    #[arg(long, default_value_t = 1, requires = "rdma")]
+    #[arg(long, default_value_t = 1, requires = "rdma", value_parser = crate::opt::<u8>("rdma_port"))]
     pub(crate) rdma_port: u8,
     /// GID index (default: the RoCE v2 GID of the address the TCP control
     /// connection uses).
-    #[arg(long, requires = "rdma")]
+    #[arg(long, requires = "rdma", value_parser = crate::opt::<u8>("rdma_gid_index"))]
     pub(crate) rdma_gid_index: Option<u8>,
 }
 
@@ -253,7 +250,7 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
         .queue_depth(a.queue_depth)
         .submit_batch(a.submit_batch)
         .max_read_bytes(a.max_read_bytes)
-        .sqpoll(a.sqpoll_ms)
+        .sqpoll(a.sqpoll_idle_ms)
         .tier_bytes(a.tier_bytes)
         .tier_views(a.tier_views)
         .coop_taskrun(a.coop_taskrun)

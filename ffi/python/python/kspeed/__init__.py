@@ -19,7 +19,7 @@ PyTorch: ``kspeed.torch.KSpeedDataset`` (an IterableDataset).
 
 from . import _kspeed
 from ._kspeed import Batch
-from ._loader import Catalog, Loader, NodeService, catalog, launch_env, preload, verify
+from ._loader import Catalog, Loader, NodeService, catalog, launch_env, options, preload, verify
 from .errors import (
     BatchInUseError,
     BatchReleasedError,
@@ -42,6 +42,7 @@ __all__ = [
     "Loader",
     "NodeService",
     "launch_env",
+    "options",
     "catalog",
     "preload",
     "verify",

@@ -23,6 +23,19 @@ def _size(name, v, lo=0):
     return _int(name, v, lo)
 
 
+def _size_str(name, v):
+    """A size string as bytes by the Python package's rule; anything else
+    as it is (the options table checks it)."""
+    if isinstance(v, str):
+        m = _SIZE.match(v)
+        if not m:
+            raise ValueError(f"{name}: {v!r} is not a size (use bytes, or e.g. '256MiB', '4GB')")
+        n, unit, i, b = m.groups()
+        base = 1000 if (unit and not i and b) else 1024
+        return int(n) * base ** _UNITS[unit.lower()]
+    return v
+
+
 def _int(name, v, lo=None, hi=None):
     if isinstance(v, bool) or not isinstance(v, numbers.Integral):
         raise TypeError(f"{name} must be an int, not {type(v).__name__} ({v!r})")
@@ -31,6 +44,13 @@ def _int(name, v, lo=None, hi=None):
         raise ValueError(f"{name} must be at least {lo}, got {v}")
     if hi is not None and v > hi:
         raise ValueError(f"{name} must be at most {hi}, got {v}")
+    return v
+
+
+def _opt(name, v):
+    """``v``, checked against the loader option ``name`` in the crate's one
+    options table (its range and message, as in the C ABI and the CLI)."""
+    _kspeed._check_option(name, v)
     return v
 
 
@@ -108,8 +128,8 @@ def _rank_world(rank, world, ignore_launcher_env):
     elif rank is None or world is None:
         raise ValueError("give both rank and world, or neither (then they come from the launcher: torchrun, mpirun or srun)")
     else:
-        rank = _int("rank", rank, 0, 2**32 - 1)
-        world = _int("world", world, 1, 2**32 - 1)
+        rank = _opt("rank", rank)
+        world = _opt("world", world)
         if launched.launcher != "none" and (rank, world) != (env_rank, env_world) and not _bool("ignore_launcher_env", ignore_launcher_env):
             raise ValueError(
                 f"rank={rank}, world={world} contradict the launcher's {origin}: with these the job's ranks "
@@ -117,8 +137,8 @@ def _rank_world(rank, world, ignore_launcher_env):
                 f"the launcher's, or pass ignore_launcher_env=True if these are meant"
             )
         origin = "the rank and world arguments"
-    rank = _int("rank", rank, 0, 2**32 - 1)
-    world = _int("world", world, 1, 2**32 - 1)
+    rank = _opt("rank", rank)
+    world = _opt("world", world)
     if rank >= world:
         raise ValueError(f"rank {rank} is not below world {world} (from {origin})")
     return rank, world, origin
@@ -145,6 +165,25 @@ def _read_token(path):
     if len(raw) > _MAX_TOKEN_BYTES:
         raise ValueError(f"token_file: {path} holds a {len(raw)}-byte token; a token is at most {_MAX_TOKEN_BYTES} bytes")
     return raw
+
+
+def options():
+    """The loader's options: one dict per keyword argument of
+    :class:`Loader` that is a loader option (``name``, ``type``, ``unit``,
+    ``min``, ``max``, ``choices``, ``default``, ``doc``, ``alias_of``,
+    ``cli``: the ``kspeed read`` flag, ``allowed``), from the crate's one
+    options table, which the C ABI's ``ksp_config_set``, ``kspeed read`` and
+    the DALI operator share."""
+    return _kspeed._options()
+
+
+def _options_doc():
+    lines = ["", "    Loader options (from the crate's options table, ``kspeed.options()``):", ""]
+    for o in _kspeed._options():
+        alias = f" (alias of ``{o['alias_of']}``)" if o["alias_of"] else ""
+        unit = f", in {o['unit']}" if o["unit"] else ""
+        lines.append(f"    ``{o['name']}``{alias}: {o['doc']}; {o['allowed']}{unit}; default {o['default']}.")
+    return "\n".join(lines) + "\n"
 
 
 def _check_pid(obj):
@@ -220,6 +259,7 @@ class Loader:
         lookahead=None,
         spin_us=None,
         sqpoll_idle_ms=None,
+        coop_taskrun=False,
         pin=True,
         local_rank=None,
         local_world_size=None,
@@ -235,6 +275,10 @@ class Loader:
         cuda="auto",
         gpu_ring=None,
         cluster=None,
+        cluster_nodelist=None,
+        cluster_nodes_dns=None,
+        cluster_node_count=None,
+        cluster_port=None,
         token=None,
         token_file=None,
         node_timeout=10.0,
@@ -260,23 +304,37 @@ class Loader:
             cfg["source"] = os.fspath(source)
         if catalog is not None:
             cfg["catalog"] = _path("catalog", catalog)
-        cfg["batch_size"] = _int("batch_size", batch_size, 1)
-        cfg["seed"] = _int("seed", seed, 0, 2**64 - 1)
-        cfg["shuffle"] = _bool("shuffle", shuffle)
-        cfg["drop_last"] = _bool("drop_last", drop_last)
+        # Every loader option is checked by the crate's one options table
+        # (kspeed.options(); the same ranges and messages as the C ABI and
+        # `kspeed read`), here in argument order so the first bad one is
+        # named, and again when the extension builds the loader.
+        for name, v in (
+            ("batch_size", batch_size),
+            ("seed", seed),
+            ("shuffle", shuffle),
+            ("drop_last", drop_last),
+        ):
+            cfg[name] = _opt(name, v)
         rank, world, origin = _rank_world(rank, world, ignore_launcher_env)
         cfg["rank"], cfg["world"] = rank, world
-        cfg["ring_bytes"] = _size("ring_bytes", ring_bytes, 4096)
-        cfg["tier_bytes"] = _size("tier_bytes", tier_bytes, 0)
-        cfg["tier_views"] = _bool("tier_views", tier_views)
-        cfg["pollers"] = _opt_int("pollers", pollers, 1, 1024)
-        cfg["queue_depth"] = _opt_int("queue_depth", queue_depth, 1, 32768)
-        cfg["submit_batch"] = _opt_int("submit_batch", submit_batch, 1, 32768)
-        cfg["max_read_bytes"] = None if max_read_bytes is None else _size("max_read_bytes", max_read_bytes, 4096)
-        cfg["lookahead"] = _opt_int("lookahead", lookahead, 1)
-        cfg["spin_us"] = _opt_int("spin_us", spin_us, 0, 10**7)
-        cfg["sqpoll_idle_ms"] = _opt_int("sqpoll_idle_ms", sqpoll_idle_ms, 0, 2**32 - 1)
+        # Size strings keep the Python package's documented rule ('256M' and
+        # '256MiB' binary, '256MB' decimal; the C ABI and `kspeed read` read a
+        # bare 'M' as decimal): converted here, then range-checked by the table.
+        ring_bytes = _size_str("ring_bytes", ring_bytes)
+        tier_bytes = _size_str("tier_bytes", tier_bytes)
+        max_read_bytes = _size_str("max_read_bytes", max_read_bytes)
         for name, v in (
+            ("ring_bytes", ring_bytes),
+            ("tier_bytes", tier_bytes),
+            ("tier_views", tier_views),
+            ("pollers", pollers),
+            ("queue_depth", queue_depth),
+            ("submit_batch", submit_batch),
+            ("max_read_bytes", max_read_bytes),
+            ("lookahead", lookahead),
+            ("spin_us", spin_us),
+            ("sqpoll_idle_ms", sqpoll_idle_ms),
+            ("coop_taskrun", coop_taskrun),
             ("pin", pin),
             ("registered_buffers", registered_buffers),
             ("registered_files", registered_files),
@@ -284,7 +342,7 @@ class Loader:
             ("huge_pages", huge_pages),
             ("mlock", mlock),
         ):
-            cfg[name] = _bool(name, v)
+            cfg[name] = _opt(name, v)
         # Placement on the node (docs/LOCAL_PATH.md): explicit values win
         # over KSPEED_LOCAL_RANK / LOCAL_RANK / ... and KSPEED_SYSFS_ROOT.
         if (local_rank is None) != (local_world_size is None):
@@ -293,24 +351,35 @@ class Loader:
                 "KSPEED_LOCAL_RANK/LOCAL_RANK/OMPI_COMM_WORLD_LOCAL_RANK/MPI_LOCALRANKID/SLURM_LOCALID)"
             )
         if local_rank is not None:
-            local_world_size = _int("local_world_size", local_world_size, 1, 2**32 - 1)
-            local_rank = _int("local_rank", local_rank, 0, 2**32 - 1)
+            local_world_size = _opt("local_world_size", local_world_size)
+            local_rank = _opt("local_rank", local_rank)
             if local_rank >= local_world_size:
                 raise ValueError(f"local_rank {local_rank} is not below local_world_size {local_world_size}")
         cfg["local_rank"], cfg["local_world_size"] = local_rank, local_world_size
-        cfg["poller_numa_node"] = _opt_int("poller_numa_node", poller_numa_node, 0, 4095)
+        cfg["poller_numa_node"] = _opt("poller_numa_node", poller_numa_node)
         cfg["sysfs_root"] = None if sysfs_root is None else _path("sysfs_root", sysfs_root)
-        cfg["numa_node"] = _opt_int("numa_node", numa_node, 0, 4095)
-        if gpu_pci is not None and not isinstance(gpu_pci, str):
-            raise TypeError(f"gpu_pci must be a PCI address string like '0000:3b:00.0', not {type(gpu_pci).__name__}")
-        cfg["gpu_pci"] = gpu_pci
-        if cuda not in ("auto", "off", "require"):
-            raise ValueError(f"cuda must be 'auto', 'off' or 'require', not {cuda!r}")
-        cfg["cuda"] = cuda
-        cfg["gpu_ring"] = _opt_int("gpu_ring", gpu_ring, 0, 1023)
-        # Cluster mode.
-        if cluster is not None:
-            if cluster == "env":
+        cfg["numa_node"] = _opt("numa_node", numa_node)
+        cfg["gpu_pci"] = _opt("gpu_pci", gpu_pci)
+        cfg["cuda"] = _opt("cuda", cuda)
+        cfg["gpu_ring"] = _opt("gpu_ring", gpu_ring)
+        # Cluster mode: `cluster`, or a node list by a hostlist or a name
+        # pattern (as `kspeed read --nodelist/--nodes-dns`).
+        listed = {
+            name: v
+            for name, v in (
+                ("cluster_nodelist", cluster_nodelist),
+                ("cluster_nodes_dns", cluster_nodes_dns),
+                ("cluster_node_count", cluster_node_count),
+                ("cluster_port", cluster_port),
+            )
+            if v is not None
+        }
+        if cluster is not None or listed:
+            for name, v in listed.items():
+                cfg[name] = _opt(name, v)
+            if cluster is None:
+                pass
+            elif cluster == "env":
                 cfg["cluster_env"] = True
             elif isinstance(cluster, (list, tuple)):
                 if not cluster or not all(isinstance(a, str) and ":" in a for a in cluster):
@@ -331,35 +400,32 @@ class Loader:
             if not isinstance(token, (bytes, bytearray)) or not token:
                 raise TypeError("token must be non-empty bytes or str")
             cfg["token"] = bytes(token)
-            if isinstance(node_timeout, bool) or not isinstance(node_timeout, numbers.Real) or node_timeout <= 0:
-                raise ValueError(f"node_timeout must be a positive number of seconds, got {node_timeout!r}")
-            cfg["node_timeout"] = float(node_timeout)
-            if _bool("rdma", rdma):
+            cfg["node_timeout"] = _opt("node_timeout", node_timeout)
+            if _opt("rdma", rdma):
                 if not _kspeed._has_rdma():
                     raise ValueError("rdma=True: this kspeed package was built without RDMA (no libibverbs at build time)")
-                cfg["rdma"] = (
-                    rdma_device,
-                    _int("rdma_port", rdma_port, 1, 255),
-                    _opt_int("rdma_gid_index", rdma_gid_index, 0, 255),
-                )
-            cfg["local_node"] = _opt_int("local_node", local_node, 0, 65535)
+                cfg["rdma"] = True
+                cfg["rdma_device"] = _opt("rdma_device", rdma_device)
+                cfg["rdma_port"] = _opt("rdma_port", rdma_port)
+                cfg["rdma_gid_index"] = _opt("rdma_gid_index", rdma_gid_index)
+            cfg["local_node"] = _opt("local_node", local_node)
         else:
             if rdma:
                 raise ValueError("rdma=True is for cluster mode (cluster='env', a cluster file or a node list)")
             if token is not None or token_file is not None:
                 raise ValueError("token/token_file are for cluster mode (give cluster= too)")
-        cfg["start"] = (_int("start_epoch", start_epoch, 0), 0)
+        cfg["start_epoch"] = _opt("start_epoch", start_epoch)
         if end_epoch is not None:
-            end = _int("end_epoch", end_epoch, 1)
-            if end <= cfg["start"][0]:
-                raise ValueError(f"end_epoch {end} must be after start_epoch {cfg['start'][0]}")
+            end = _opt("end_epoch", end_epoch)
+            if end <= start_epoch:
+                raise ValueError(f"end_epoch {end} must be after start_epoch {start_epoch}")
             cfg["end_epoch"] = end
         cfg["batches_in_flight"] = _int("batches_in_flight", batches_in_flight, 1, 1024)
         if _fault_injection is not None:
             cfg["fault_injection"] = tuple(_fault_injection)
         self._l = _kspeed._Loader(cfg)
         self._pid = os.getpid()
-        self._epoch = cfg["start"][0]
+        self._epoch = start_epoch
         self._catalog = None
 
     # Iteration.
@@ -511,6 +577,9 @@ class Loader:
             f"<kspeed.Loader rank {self.rank}/{self.world} batch_size {self.batch_size} "
             f"epoch_len {self.epoch_len}{' closed' if self.closed else ''}>"
         )
+
+
+Loader.__doc__ = (Loader.__doc__ or "") + _options_doc()
 
 
 class Catalog:
