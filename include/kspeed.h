@@ -462,7 +462,7 @@ void ksp_config_free(ksp_config *cfg);
 // | `sqpoll_idle_ms` | int | 0 to 4294967295 | ms | none: no SQPOLL | use an SQPOLL kernel thread per poller, idling after this long |
 // | `coop_taskrun` | bool |  |  | false | create the pollers' io_urings with IORING_SETUP_COOP_TASKRUN |
 // | `pin` | bool |  |  | true | pin the pollers to this rank's cores (`kspeed read --no-pin`) |
-// | `local_rank` | int | 0 to 4294967295 |  | from the environment (KSPEED_LOCAL_RANK, LOCAL_RANK, OMPI_COMM_WORLD_LOCAL_RANK, SLURM_LOCALID), else 0 | this process's rank among the node's ranks (with `local_world_size`); each gets its own slice of cores |
+// | `local_rank` | int | 0 to 4294967295 |  | from the environment (KSPEED_LOCAL_RANK, LOCAL_RANK, OMPI_COMM_WORLD_LOCAL_RANK, MPI_LOCALRANKID, SLURM_LOCALID), else 0 | this process's rank among the node's ranks (with `local_world_size`); each gets its own slice of cores |
 // | `local_world_size` | int | 1 to 4294967295 | ranks | from the environment, else 1 | the number of ranks on this node (with `local_rank`) |
 // | `poller_numa_node` | int | 0 to 4095 |  | the ring's node | take the pollers' cores from this NUMA node |
 // | `sysfs_root` | path |  |  | KSPEED_SYSFS_ROOT, else /sys | read the CPU topology from this directory shaped like /sys |

@@ -219,7 +219,7 @@ pub static OPTIONS: &[OptionSpec] = &[
     opt!("coop_taskrun", OptionKind::Bool, "", "false", "coop-taskrun",
         "create the pollers' io_urings with IORING_SETUP_COOP_TASKRUN"),
     opt!("pin", OptionKind::Bool, "", "true", "", "pin the pollers to this rank's cores (`kspeed read --no-pin`)"),
-    opt!("local_rank", int(0, U32), "", "from the environment (KSPEED_LOCAL_RANK, LOCAL_RANK, OMPI_COMM_WORLD_LOCAL_RANK, SLURM_LOCALID), else 0", "local-rank",
+    opt!("local_rank", int(0, U32), "", "from the environment (KSPEED_LOCAL_RANK, LOCAL_RANK, OMPI_COMM_WORLD_LOCAL_RANK, MPI_LOCALRANKID, SLURM_LOCALID), else 0", "local-rank",
         "this process's rank among the node's ranks (with `local_world_size`); each gets its own slice of cores"),
     opt!("local_world_size", int(1, U32), "ranks", "from the environment, else 1", "local-world-size",
         "the number of ranks on this node (with `local_rank`)"),
