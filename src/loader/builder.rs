@@ -305,7 +305,10 @@ impl LoaderBuilder {
 
     /// Sets the local rank or the local world size alone (for bindings
     /// that set options one by one); both must be given by build time.
-    pub(crate) fn local_rank_part(mut self, rank: Option<u32>, size: Option<u32>) -> Self {
+    /// Public but hidden for the C ABI crate (kspeed-capi): its
+    /// `ksp_config_set` takes `local_rank` and `local_world_size` apart.
+    #[doc(hidden)]
+    pub fn local_rank_part(mut self, rank: Option<u32>, size: Option<u32>) -> Self {
         if rank.is_some() {
             self.local_rank = rank;
         }

@@ -6,9 +6,9 @@ use std::time::Duration;
 
 use super::errors::{guard, ksp_status, Fail};
 use super::ffi::{str_arg, Handle, Out};
-use crate::landing::{CudaMode, LandingOptions};
-use crate::loader::LoaderBuilder;
-use crate::transport::ClusterSpec;
+use kspeed::landing::{CudaMode, LandingOptions};
+use kspeed::loader::LoaderBuilder;
+use kspeed::transport::ClusterSpec;
 
 /// Loader settings, built with [`ksp_config_set`]. Opaque.
 pub struct ksp_config {
@@ -57,10 +57,7 @@ pub unsafe extern "C" fn ksp_config_new(out: *mut *mut ksp_config) -> ksp_status
     guard(|| {
         // SAFETY: out is NULL or writable (contract).
         let out = unsafe { Out::new(out, "out")? };
-        let landing = LandingOptions {
-            cuda: CudaMode::Auto,
-            ..Default::default()
-        };
+        let landing = LandingOptions::default().cuda(CudaMode::Auto);
         ksp_config {
             builder: LoaderBuilder::empty().landing(landing),
             cluster: ClusterSpec::default(),
@@ -91,7 +88,7 @@ fn parse_num<T: std::str::FromStr>(key: &str, v: &str) -> Result<T, Fail> {
 }
 
 fn parse_bytes(key: &str, v: &str) -> Result<u64, Fail> {
-    crate::progress::parse_bytes(v).map_err(|e| Fail::Invalid(format!("config {key}: {e}")))
+    kspeed::progress::parse_bytes(v).map_err(|e| Fail::Invalid(format!("config {key}: {e}")))
 }
 
 fn parse_bool(key: &str, v: &str) -> Result<bool, Fail> {
@@ -212,7 +209,7 @@ pub unsafe extern "C" fn ksp_config_set(
                 }
                 b.landing(landing)
             }
-            "start_epoch" => b.start_at(crate::sampler::Position {
+            "start_epoch" => b.start_at(kspeed::sampler::Position {
                 epoch: parse_num(k, v)?,
                 index: 0,
             }),

@@ -67,7 +67,7 @@ pub use service::{
 };
 pub use space::{ksp_preload, ksp_verify};
 
-use crate::sampler::POSITION_BYTES;
+use kspeed::sampler::POSITION_BYTES;
 
 /// Version of the C ABI: bumped on any incompatible change to kspeed.h.
 ///
