@@ -11,7 +11,7 @@
 
 use std::time::Instant;
 
-use kspeed::capi::*;
+use kspeed_capi::*;
 use kspeed::landing::{CudaMode, LandingOptions};
 use kspeed::loader::LoaderBuilder;
 
