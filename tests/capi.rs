@@ -374,11 +374,19 @@ fn header_constants_match_the_library() {
 #[test]
 fn the_library_exports_exactly_the_header_s_functions() {
     let lib = built_library();
-    let nm = match Command::new("nm").args(["-D", "--defined-only"]).arg(&lib).output() {
+    let nm = match Command::new("nm")
+        .args(["-D", "--defined-only"])
+        .arg(&lib)
+        .output()
+    {
         Ok(o) => o,
         Err(e) => return skip(&format!("nm not available ({e})")),
     };
-    assert!(nm.status.success(), "{}", String::from_utf8_lossy(&nm.stderr));
+    assert!(
+        nm.status.success(),
+        "{}",
+        String::from_utf8_lossy(&nm.stderr)
+    );
     let exported: std::collections::BTreeSet<String> = String::from_utf8_lossy(&nm.stdout)
         .lines()
         .filter_map(|l| l.split_whitespace().nth(2))
@@ -397,7 +405,10 @@ fn the_library_exports_exactly_the_header_s_functions() {
         .filter(|name| cfg!(feature = "test-panic") || name != "ksp_test_panic")
         .collect();
     assert!(declared.len() >= 30, "{declared:?}");
-    assert_eq!(exported, declared, "exported ksp_* symbols vs include/kspeed.h");
+    assert_eq!(
+        exported, declared,
+        "exported ksp_* symbols vs include/kspeed.h"
+    );
     let readelf = Command::new("readelf").arg("-d").arg(&lib).output();
     match readelf {
         Ok(o) => assert!(
