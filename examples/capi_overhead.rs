@@ -11,9 +11,9 @@
 
 use std::time::Instant;
 
-use kspeed::capi::*;
 use kspeed::landing::{CudaMode, LandingOptions};
 use kspeed::loader::LoaderBuilder;
+use kspeed_capi::*;
 
 fn rust_round(space: &str) -> (f64, f64, u64) {
     let mut l = LoaderBuilder::space(space)

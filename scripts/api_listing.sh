@@ -14,7 +14,7 @@ if ! cargo +nightly --version >/dev/null 2>&1; then
 fi
 export CARGO_TARGET_DIR=${KSPEED_API_TARGET_DIR:-$PWD/target/api}
 RUSTDOCFLAGS="-Z unstable-options --output-format json" \
-  cargo +nightly doc --lib --no-deps --quiet
+  cargo +nightly doc -p kspeed --lib --no-deps --quiet
 out=$(mktemp)
 trap 'rm -f "$out"' EXIT
 python3 scripts/api_listing.py "$CARGO_TARGET_DIR/doc/kspeed.json" > "$out"

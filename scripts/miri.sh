@@ -20,7 +20,7 @@ fi
 export PROPTEST_CASES="${PROPTEST_CASES:-4}"
 # Isolation off: the tests read the clock (proptest) and the page size.
 export MIRIFLAGS="${MIRIFLAGS:--Zmiri-disable-isolation}"
-cargo +nightly miri test --lib -- \
+cargo +nightly miri test -p kspeed --lib -- \
   format:: \
   transport::proto:: \
   loader::schedule:: \

@@ -70,14 +70,15 @@ skipped() {
 
 step "cargo fmt --check"
 cargo fmt --all -- --check
+# --workspace: the kspeed crate and the C ABI crate kspeed-capi (capi/).
 step "cargo clippy (default features, without rdma, the library alone)"
-cargo clippy --all-targets -- -D warnings
-cargo clippy --all-targets --no-default-features --features cli -- -D warnings
-cargo clippy --all-targets --no-default-features -- -D warnings
-cargo clippy --all-targets --no-default-features --features rdma -- -D warnings
+cargo clippy --workspace --all-targets -- -D warnings
+cargo clippy --workspace --all-targets --no-default-features --features cli -- -D warnings
+cargo clippy --workspace --all-targets --no-default-features -- -D warnings
+cargo clippy --workspace --all-targets --no-default-features --features rdma -- -D warnings
 step "rustdoc"
-RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --quiet
-step "include/kspeed.h matches src/capi (pinned cbindgen)"
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --quiet
+step "include/kspeed.h matches capi/src (pinned cbindgen)"
 scripts/gen_header.sh --check
 step "api/kspeed.txt matches the public Rust API (nightly rustdoc JSON)"
 set +e
@@ -92,15 +93,17 @@ fi
 
 runner=(cargo test)
 if cargo nextest --version >/dev/null 2>&1; then runner=(cargo nextest run --no-fail-fast); fi
-# test-panic: the library exports ksp_test_panic, so tests/capi.rs checks
-# the C ABI's panic boundary (without it that check is a skip).
+# test-panic: the C library (kspeed-capi) exports ksp_test_panic, so
+# tests/capi.rs checks the C ABI's panic boundary (without it that check is
+# a skip). --workspace: the tests of both crates (kspeed-capi's C library
+# is tested from C by kspeed's tests/capi.rs and tests/capi_classes.rs).
 step "the library alone (default-features = false, features = [\"rdma\"]): build, lib tests"
-cargo build --lib --no-default-features --features rdma
-cargo test --lib --no-default-features --features rdma
+cargo build -p kspeed --lib --no-default-features --features rdma
+cargo test -p kspeed --lib --no-default-features --features rdma
 step "tests without the rdma feature"
-"${runner[@]}" --no-default-features --features cli,test-panic
+"${runner[@]}" --workspace --no-default-features --features cli,test-panic
 step "tests (default features)"
-"${runner[@]}" --features test-panic
+"${runner[@]}" --workspace --features test-panic
 
 step "simulator: the transport over the in-memory network, ${KSPEED_SIM_SEEDS:-2000} seeds within ${KSPEED_SIM_BUDGET_S:-120} s (KSPEED_SIM_SEED=n replays a failing seed)"
 # The unit tests above ran 300 seeds; this runs more, on the same build.

@@ -10,7 +10,11 @@
 #   3. `pip install ./ffi/python` into the venv (the README's command; the
 #      build's target directory ffi/python/target is kept, so a rebuild is
 #      incremental); it builds the `kspeed` command the wheel carries too;
-#   4. pytest, with the repository's `kspeed` CLI for making spaces and
+#   4. the installed extension module exports no ksp_* symbol (the C ABI
+#      lives in the kspeed-capi crate, which the extension does not link;
+#      when it was part of the kspeed crate every cdylib built on kspeed
+#      exported all of it);
+#   5. pytest, with the repository's `kspeed` CLI for making spaces and
 #      running `kspeed serve`, and a limit per test (pytest-timeout,
 #      KSPEED_PY_TEST_TIMEOUT_S, default 600 s): a test that hangs fails
 #      with its stack instead of holding the run until CI's limit.
@@ -30,6 +34,13 @@ fi
 (cd ffi/python && cargo fmt --check && cargo clippy --quiet --all-targets -- -D warnings)
 # --no-build-isolation: the venv has maturin; the backend is in the tree.
 PATH="$venv/bin:$PATH" "${pip[@]}" --no-build-isolation --force-reinstall --no-deps ./ffi/python
+ext=$("$venv/bin/python" -c 'import kspeed._kspeed as m; print(m.__file__)')
+exported=$(nm -D --defined-only "$ext" | awk '$3 ~ /^ksp_/ {print $3}')
+if [ -n "$exported" ]; then
+    echo "FAILED: the Python extension $ext exports C ABI symbols:" $exported >&2
+    exit 1
+fi
+echo "the Python extension ($(basename "$ext")) exports no ksp_* symbol"
 cargo build --quiet --bin kspeed
 export KSPEED_BIN="$root/target/debug/kspeed"
 if [ -n "${CI:-}" ]; then

@@ -680,8 +680,10 @@ impl<T> IoContext<T> for io::Result<T> {
 }
 
 /// The text of a panic's payload (`panic!` with a literal or a formatted
-/// message), for the errors that report a caught panic.
-pub(crate) fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
+/// message), for the errors that report a caught panic. Public but hidden
+/// for the C ABI crate (kspeed-capi), which reports panics the same way.
+#[doc(hidden)]
+pub fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
     payload
         .downcast_ref::<&str>()
         .map(|s| s.to_string())

@@ -18,7 +18,6 @@
 //! - [`progress`]: progress for long work (lines; bars with the `cli` feature);
 //! - [`hash`]: the frozen integer mixers of the sampler and owner function
 //!   (a wire contract, docs/FORMAT.md);
-//! - [`capi`]: the C ABI (`libkspeed.so`, `include/kspeed.h`);
 //! - internal (`pub(crate)`): `ring` (io_uring reads into caller-owned
 //!   slots, and a fault-injecting wrapper, configured through
 //!   [`loader::FaultConfig`]), `par` (the scoped worker pool of the bulk
@@ -53,7 +52,6 @@ macro_rules! setters {
     };
 }
 
-pub mod capi;
 pub mod dataset;
 pub mod error;
 pub(crate) mod format;

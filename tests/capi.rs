@@ -10,7 +10,7 @@ use std::process::Command;
 
 use common::*;
 
-/// target/<profile>: where cargo put the kspeed binary and libkspeed.so.
+/// target/<profile>: where cargo put the kspeed binary and the C library.
 fn target_dir() -> PathBuf {
     Path::new(kspeed_bin()).parent().unwrap().to_path_buf()
 }
@@ -30,6 +30,22 @@ fn compile(out: &Path, extra: &[&str]) -> Option<PathBuf> {
     compile_with("gcc", "-std=c11", "tests/c/capi_test.c", out, &flags)
 }
 
+/// The freshly built C library: the kspeed-capi crate's cdylib, which
+/// cargo names libkspeed_capi.so (scripts/install.sh installs it as
+/// libkspeed.so.*). Test builds refresh target/<profile>/deps/ but not
+/// always the copy one level up: the newer of the two.
+fn built_library() -> PathBuf {
+    [
+        target_dir().join("deps/libkspeed_capi.so"),
+        target_dir().join("libkspeed_capi.so"),
+    ]
+    .into_iter()
+    .filter_map(|p| Some((std::fs::metadata(&p).ok()?.modified().ok()?, p)))
+    .max()
+    .map(|(_, p)| p)
+    .expect("libkspeed_capi.so (kspeed-capi, a dev-dependency) is built with the tests")
+}
+
 /// Compiles `source` (relative to the crate) with `compiler` against
 /// include/ (and ffi/cpp) and the built library.
 fn compile_with(
@@ -39,25 +55,15 @@ fn compile_with(
     out: &Path,
     extra: &[&str],
 ) -> Option<PathBuf> {
-    // Test builds refresh target/<profile>/deps/libkspeed.so but not always
-    // the copy one level up: take the newer.
-    let built = [
-        target_dir().join("deps/libkspeed.so"),
-        target_dir().join("libkspeed.so"),
-    ]
-    .into_iter()
-    .filter_map(|p| Some((std::fs::metadata(&p).ok()?.modified().ok()?, p)))
-    .max()
-    .map(|(_, p)| p)
-    .expect("libkspeed.so is built with the tests");
+    let built = built_library();
     // Programs record the soname (libkspeed.so.ABI), which cargo does not
     // create; an install does (scripts/install.sh). Link through a
-    // directory holding both names.
+    // directory holding both names (-lkspeed finds libkspeed.so).
     let lib = out.parent().unwrap().join("lib");
     std::fs::create_dir_all(&lib).unwrap();
     for name in [
         "libkspeed.so",
-        &format!("libkspeed.so.{}", kspeed::capi::KSP_ABI_VERSION),
+        &format!("libkspeed.so.{}", kspeed_capi::KSP_ABI_VERSION),
     ] {
         let _ = std::fs::remove_file(lib.join(name));
         std::os::unix::fs::symlink(&built, lib.join(name)).unwrap();
@@ -333,37 +339,93 @@ fn header_constants_match_the_library() {
     let h = std::fs::read_to_string(root().join("include/kspeed.h")).unwrap();
     assert!(h.contains(&format!(
         "#define KSP_ABI_VERSION {}",
-        kspeed::capi::KSP_ABI_VERSION
+        kspeed_capi::KSP_ABI_VERSION
     )));
     assert!(h.contains(&format!(
         "#define KSP_POSITION_BYTES {}",
-        kspeed::capi::KSP_POSITION_BYTES
+        kspeed_capi::KSP_POSITION_BYTES
     )));
     for (name, v) in [
-        ("KSP_BATCH_MIN_SIZE", kspeed::capi::KSP_BATCH_MIN_SIZE),
-        ("KSP_SAMPLE_MIN_SIZE", kspeed::capi::KSP_SAMPLE_MIN_SIZE),
-        ("KSP_STATS_MIN_SIZE", kspeed::capi::KSP_STATS_MIN_SIZE),
+        ("KSP_BATCH_MIN_SIZE", kspeed_capi::KSP_BATCH_MIN_SIZE),
+        ("KSP_SAMPLE_MIN_SIZE", kspeed_capi::KSP_SAMPLE_MIN_SIZE),
+        ("KSP_STATS_MIN_SIZE", kspeed_capi::KSP_STATS_MIN_SIZE),
         (
             "KSP_CATALOG_SAMPLE_MIN_SIZE",
-            kspeed::capi::KSP_CATALOG_SAMPLE_MIN_SIZE,
+            kspeed_capi::KSP_CATALOG_SAMPLE_MIN_SIZE,
         ),
-        ("KSP_MAX_STRUCT_SIZE", kspeed::capi::KSP_MAX_STRUCT_SIZE),
+        ("KSP_MAX_STRUCT_SIZE", kspeed_capi::KSP_MAX_STRUCT_SIZE),
     ] {
         assert!(
             h.contains(&format!("#define {name} {v}\n")),
             "{name} is {v}"
         );
     }
-    let build = std::fs::read_to_string(root().join("build.rs")).unwrap();
+    let build = std::fs::read_to_string(root().join("capi/build.rs")).unwrap();
     assert!(
-        build.contains(&format!("let abi = {};", kspeed::capi::KSP_ABI_VERSION)),
-        "build.rs's soname version follows KSP_ABI_VERSION"
+        build.contains(&format!("let abi = {};", kspeed_capi::KSP_ABI_VERSION)),
+        "capi/build.rs's soname version follows KSP_ABI_VERSION"
     );
+}
+
+/// The C library exports exactly the functions include/kspeed.h declares
+/// (`ksp_test_panic` only with the `test-panic` feature), and the soname
+/// carries the ABI version: what moving the C ABI into its own crate
+/// (kspeed-capi) must keep.
+#[test]
+fn the_library_exports_exactly_the_header_s_functions() {
+    let lib = built_library();
+    let nm = match Command::new("nm")
+        .args(["-D", "--defined-only"])
+        .arg(&lib)
+        .output()
+    {
+        Ok(o) => o,
+        Err(e) => return skip(&format!("nm not available ({e})")),
+    };
+    assert!(
+        nm.status.success(),
+        "{}",
+        String::from_utf8_lossy(&nm.stderr)
+    );
+    let exported: std::collections::BTreeSet<String> = String::from_utf8_lossy(&nm.stdout)
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(2))
+        .filter(|sym| sym.starts_with("ksp_"))
+        .map(str::to_string)
+        .collect();
+    let h = std::fs::read_to_string(root().join("include/kspeed.h")).unwrap();
+    // Declarations start a line: `ksp_status ksp_x(...`, `void ksp_x(`.
+    let declared: std::collections::BTreeSet<String> = h
+        .lines()
+        .filter(|l| !l.starts_with(' ') && !l.starts_with("//") && !l.starts_with("#"))
+        .filter_map(|l| {
+            let name = l.split('(').next()?.rsplit([' ', '*']).next()?;
+            (name.starts_with("ksp_") && l.contains('(')).then(|| name.to_string())
+        })
+        .filter(|name| cfg!(feature = "test-panic") || name != "ksp_test_panic")
+        .collect();
+    assert!(declared.len() >= 30, "{declared:?}");
+    assert_eq!(
+        exported, declared,
+        "exported ksp_* symbols vs include/kspeed.h"
+    );
+    let readelf = Command::new("readelf").arg("-d").arg(&lib).output();
+    match readelf {
+        Ok(o) => assert!(
+            String::from_utf8_lossy(&o.stdout).contains(&format!(
+                "Library soname: [libkspeed.so.{}]",
+                kspeed_capi::KSP_ABI_VERSION
+            )),
+            "{}",
+            String::from_utf8_lossy(&o.stdout)
+        ),
+        Err(e) => skip(&format!("readelf not available ({e})")),
+    }
 }
 
 /// The calling thread's last C ABI message.
 fn last_error() -> String {
-    use kspeed::capi::ksp_last_error;
+    use kspeed_capi::ksp_last_error;
     let mut buf = vec![0 as std::ffi::c_char; 4096];
     let mut n = 0usize;
     // SAFETY: buf is writable for its length; n writable.
@@ -375,13 +437,13 @@ fn last_error() -> String {
 }
 
 /// `ksp_config_set(cfg, key, value)` from Rust.
-fn config_set(cfg: *mut kspeed::capi::ksp_config, k: &str, v: &str) -> kspeed::capi::ksp_status {
+fn config_set(cfg: *mut kspeed_capi::ksp_config, k: &str, v: &str) -> kspeed_capi::ksp_status {
     let (k, v) = (
         std::ffi::CString::new(k).unwrap(),
         std::ffi::CString::new(v).unwrap(),
     );
     // SAFETY: a live configuration and two C strings.
-    unsafe { kspeed::capi::ksp_config_set(cfg, k.as_ptr(), v.as_ptr()) }
+    unsafe { kspeed_capi::ksp_config_set(cfg, k.as_ptr(), v.as_ptr()) }
 }
 
 /// The C ABI's messages say what kspeed.h promises: an unknown key names
@@ -391,7 +453,7 @@ fn config_set(cfg: *mut kspeed::capi::ksp_config, k: &str, v: &str) -> kspeed::c
 /// bytes, 303104 with alignment)").
 #[test]
 fn c_messages_name_the_key_value_and_the_sample_s_own_size() {
-    use kspeed::capi::*;
+    use kspeed_capi::*;
     let mut cfg: *mut ksp_config = std::ptr::null_mut();
     // SAFETY: cfg is writable.
     assert_eq!(unsafe { ksp_config_new(&mut cfg) }, ksp_status::KSP_OK);

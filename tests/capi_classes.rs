@@ -20,19 +20,19 @@ fn compile(dir: &Path) -> Option<PathBuf> {
     let t = dir;
     let target = Path::new(kspeed_bin()).parent().unwrap().to_path_buf();
     let built = [
-        target.join("deps/libkspeed.so"),
-        target.join("libkspeed.so"),
+        target.join("deps/libkspeed_capi.so"),
+        target.join("libkspeed_capi.so"),
     ]
     .into_iter()
     .filter_map(|p| Some((std::fs::metadata(&p).ok()?.modified().ok()?, p)))
     .max()
     .map(|(_, p)| p)
-    .expect("libkspeed.so is built with the tests");
+    .expect("libkspeed_capi.so (kspeed-capi, a dev-dependency) is built with the tests");
     let lib = t.join("lib");
     std::fs::create_dir_all(&lib).unwrap();
     for name in [
         "libkspeed.so",
-        &format!("libkspeed.so.{}", kspeed::capi::KSP_ABI_VERSION),
+        &format!("libkspeed.so.{}", kspeed_capi::KSP_ABI_VERSION),
     ] {
         std::os::unix::fs::symlink(&built, lib.join(name)).unwrap();
     }

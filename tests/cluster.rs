@@ -2350,7 +2350,7 @@ fn cluster_mode_with_every_sample_local_idles_and_ends() {
 /// statistics, position) as before; nothing panics.
 #[test]
 fn a_failed_restart_keeps_its_first_error_and_answers_every_call() {
-    use kspeed::capi::*;
+    use kspeed_capi::*;
     let st = setup("tiny", 300, 1, 1);
     let node = Serve::start_on_free_port(&st.spaces[0], &node_ip(0), &st.token);
     let addr = node.addr.clone();
@@ -2613,7 +2613,7 @@ fn launcher_node_lists_resolve_through_hosts_file() {
 /// `KSP_ERR_INVALID_ARG` at `ksp_loader_new` with the named error.
 #[test]
 fn capi_cluster_keys_from_hostlist_pattern_and_environment() {
-    use kspeed::capi::*;
+    use kspeed_capi::*;
     let st = setup("tiny", 300, 2, 1);
     let cat = Catalog::open(&st.catalog).unwrap();
     // Both services on one port of their own addresses, as in a cluster.

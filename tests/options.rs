@@ -15,7 +15,7 @@ use std::ffi::{c_char, CStr, CString};
 use std::path::PathBuf;
 use std::process::Command;
 
-use kspeed::capi::*;
+use kspeed_capi::*;
 use kspeed::loader::options::{markdown_table, OptionKind, OptionSpec, OptionValue, OPTIONS};
 use kspeed::loader::LoaderOptions;
 
@@ -194,7 +194,7 @@ fn generated_option_docs_are_up_to_date() {
     let table = markdown_table();
     let update = std::env::var_os("KSPEED_UPDATE_DOCS").is_some();
     let mut stale = Vec::new();
-    for (path, prefix) in [("README.md", ""), ("src/capi/config.rs", "/// ")] {
+    for (path, prefix) in [("README.md", ""), ("capi/src/config.rs", "/// ")] {
         let p = root().join(path);
         let text = std::fs::read_to_string(&p).unwrap();
         let want = splice(&text, prefix, &table);

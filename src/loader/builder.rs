@@ -304,7 +304,8 @@ impl LoaderBuilder {
     }
 
     /// Sets the local rank or the local world size alone (for bindings
-    /// that set options one by one); both must be given by build time.
+    /// that set options one by one, through `LoaderOptions`); both must be
+    /// given by build time.
     pub(crate) fn local_rank_part(mut self, rank: Option<u32>, size: Option<u32>) -> Self {
         if rank.is_some() {
             self.local_rank = rank;

@@ -13,9 +13,8 @@ The `kspeed` command: the wheel carries the repository's `kspeed` binary
 (kspeed._cli) execs it, so `pip install ./ffi/python` puts the same CLI the
 docs use on PATH. It is built into ffi/python/target/cli
 (KSPEED_CLI_TARGET_DIR to move it): not the extension's target directory,
-where the kspeed library is built with other features under the same file
-name (a cdylib crate's rlib has no hash in its name), so the two builds
-would overwrite each other's library. KSPEED_CLI=0 leaves the command out
+where the kspeed library is built with other features, so the two builds
+neither wait on each other's lock nor rebuild each other's outputs. KSPEED_CLI=0 leaves the command out
 (the console script then says how to get it).
 """
 

@@ -1,5 +1,5 @@
 //! The C ABI: `libkspeed.so` / `libkspeed.a` and `include/kspeed.h`
-//! (generated from this module by cbindgen; `scripts/gen_header.sh`).
+//! (generated from this crate by cbindgen; `scripts/gen_header.sh`).
 //!
 //! Conventions (after rustls-ffi):
 //! - opaque handles with `_new`/`_free` pairs; `_free(NULL)` does nothing;
@@ -26,7 +26,7 @@
 //! One file per API noun: errors (statuses, the panic boundary,
 //! `ksp_last_error`), config, loader, batch, classes (the catalog's class
 //! and member names), space (preload, verify), service, log; `ffi` holds
-//! the pointer helpers they share. This module owns the C boundary and is
+//! the pointer helpers they share. This crate owns the C boundary and is
 //! one of the few allowed `unsafe`.
 
 #![allow(non_camel_case_types)]
@@ -67,7 +67,7 @@ pub use service::{
 };
 pub use space::{ksp_preload, ksp_verify};
 
-use crate::sampler::POSITION_BYTES;
+use kspeed::sampler::POSITION_BYTES;
 
 /// Version of the C ABI: bumped on any incompatible change to kspeed.h.
 ///

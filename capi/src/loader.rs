@@ -7,7 +7,7 @@ use std::mem::offset_of;
 use super::config::ksp_config;
 use super::errors::{guard, ksp_status, Fail};
 use super::ffi::{Handle, Out, SizedOut};
-use crate::loader::Loader;
+use kspeed::loader::Loader;
 
 /// A loader. Opaque; one thread at a time.
 pub struct ksp_loader {

@@ -5,7 +5,7 @@ use std::cell::RefCell;
 use std::ffi::c_char;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-use crate::error::{Error, ErrorClass};
+use kspeed::error::{Error, ErrorClass};
 
 /// Status of every fallible call.
 #[repr(C)]
@@ -129,7 +129,7 @@ pub(super) fn guard(f: impl FnOnce() -> Result<(), Fail>) -> ksp_status {
         ),
         Ok(Err(Fail::Kspeed(e))) => (status_of(&e), e.to_string()),
         Err(p) => {
-            let what = crate::error::panic_text(&*p);
+            let what = kspeed::error::panic_text(&*p);
             (
                 KSP_ERR_PANIC,
                 format!("kspeed panicked (a bug; please report it): {what}"),

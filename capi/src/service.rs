@@ -5,7 +5,7 @@ use std::ffi::c_char;
 
 use super::errors::{guard, ksp_status, Fail};
 use super::ffi::{str_arg, Handle, Out};
-use crate::transport::{NodeService, ServeConfig};
+use kspeed::transport::{NodeService, ServeConfig};
 
 /// A running node service. Opaque.
 pub struct ksp_node_service {

@@ -1,11 +1,11 @@
 //! `ksp_config`: loader settings set from strings, through the loader's
-//! one options table ([`crate::loader::options`]).
+//! one options table ([`kspeed::loader::options`]).
 
 use std::ffi::c_char;
 
 use super::errors::{guard, ksp_status, Fail};
 use super::ffi::{str_arg, Handle, Out};
-use crate::loader::{LoaderBuilder, LoaderOptions};
+use kspeed::loader::{LoaderBuilder, LoaderOptions};
 
 /// Loader settings, built with [`ksp_config_set`]. Opaque.
 pub struct ksp_config {

@@ -5,8 +5,8 @@ use std::path::PathBuf;
 
 use super::errors::{guard, ksp_status};
 use super::ffi::{opt_str_arg, str_arg, OptOut};
-use crate::dataset::{Placement, PreloadOptions, SourceSpec, Space};
-use crate::progress::ProgressMode;
+use kspeed::dataset::{Placement, PreloadOptions, SourceSpec, Space};
+use kspeed::progress::ProgressMode;
 
 /// Preloads the samples node `node_index` of `nodes` holds (with `replicas`
 /// copies) from `source` into the space `space` (idempotent, resumable).
@@ -43,15 +43,13 @@ pub unsafe extern "C" fn ksp_preload(
         };
         let source = source.map(SourceSpec::parse).transpose()?;
         let catalog = catalog.map(PathBuf::from);
-        let opts = PreloadOptions {
-            source,
-            catalog,
-            placement: Placement::new(nodes, replicas)?,
-            node_index,
-            progress: ProgressMode::Quiet,
-            ..Default::default()
-        };
-        crate::dataset::preload(dir.as_ref(), &opts)?;
+        let opts = PreloadOptions::default()
+            .source(source)
+            .catalog(catalog)
+            .placement(Placement::new(nodes, replicas)?)
+            .node_index(node_index)
+            .progress(ProgressMode::Quiet);
+        kspeed::dataset::preload(dir.as_ref(), &opts)?;
         Ok(())
     })
 }
@@ -85,7 +83,7 @@ pub unsafe extern "C" fn ksp_verify(
             )
         };
         let sp = Space::open(dir.as_ref())?;
-        let r = sp.verify(crate::par::default_threads(), ProgressMode::Quiet)?;
+        let r = sp.verify(kspeed::dataset::default_threads(), ProgressMode::Quiet)?;
         checked.set(r.checked);
         bad.set(r.bad_count() as u64);
         Ok(())
