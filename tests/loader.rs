@@ -1395,6 +1395,9 @@ fn ring_registration_is_shared_and_its_loss_is_not_silent() {
             .arg(format!("--regid={uid}"))
             .arg("--clear-groups")
             .arg(kspeed_bin())
+            // No WARN but the registration's is asserted below; a poller
+            // preempted for 50 ms on a loaded machine would log a stall.
+            .env("KSPEED_STALL_MS", "0")
             .args([
                 "read",
                 "--space",

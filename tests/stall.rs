@@ -85,11 +85,13 @@ fn an_idle_service_counts_no_stalls_and_a_blocked_tick_is_counted() {
     // with a 25 ms threshold, counting a wait would show within 400 ms.
     std::env::set_var("KSPEED_STALL_MS", "25");
     let svc = service(&space);
-    let t0 = Instant::now();
-    while t0.elapsed() < Duration::from_millis(400) {
-        assert_eq!(stalls(&svc), 0, "an idle service counted a stall");
-        std::thread::yield_now();
-    }
+    // Waits counted as work would be a stall per tick: 8 or more per poller
+    // in 400 ms. A few are allowed: on a loaded 2-core machine a loop can be
+    // preempted for 25 ms mid-tick, which is a real stall. (This thread
+    // sleeps rather than spinning, so as not to take a core from them.)
+    std::thread::sleep(Duration::from_millis(400));
+    let idle = stalls(&svc);
+    assert!(idle <= 3, "an idle service counted {idle} stalls in 400 ms");
     svc.stop();
     // The acceptor's and both pollers' first ticks block for 120 ms.
     std::env::set_var("KSPEED_TEST_STALL_MS", "120");

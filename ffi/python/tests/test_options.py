@@ -122,3 +122,20 @@ def test_types_and_values_raise_type_error_and_config_error(tmp_path):
     # node_timeout (seconds) is the documented alias of node_timeout_ms.
     with pytest.raises(ValueError, match="option node_timeout: 0 is below the minimum"):
         kspeed.Loader(str(tmp_path), cluster=["127.0.0.1:9"], token="t", node_timeout=0)
+
+
+def test_numpy_scalars_are_the_numbers_they_stand_for(tmp_path):
+    """``batch_size=np.int64(64)`` and ``seed=rng.integers(...)`` are common;
+    numpy's scalars are not int/float subclasses, so the table's typed path
+    would call them the wrong type. They are checked as their value: out of
+    range is a ConfigError, not a TypeError."""
+    np = pytest.importorskip("numpy")
+    from kspeed._loader import _opt
+
+    assert _opt("seed", np.uint64(7)) == 7 and type(_opt("seed", np.uint64(7))) is int
+    assert _opt("batch_size", np.int32(64)) == 64
+    assert type(_opt("node_timeout", np.float32(2.5))) is float
+    with pytest.raises(kspeed.ConfigError, match="option queue_depth: 32768 is above the maximum"):
+        kspeed.Loader(str(tmp_path), queue_depth=np.int64(32768))
+    with pytest.raises(ValueError, match="option node_timeout: 0 is below the minimum"):
+        kspeed.Loader(str(tmp_path), cluster=["127.0.0.1:9"], token="t", node_timeout=np.float64(0.0))

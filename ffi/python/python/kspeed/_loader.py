@@ -49,7 +49,15 @@ def _int(name, v, lo=None, hi=None):
 
 def _opt(name, v):
     """``v``, checked against the loader option ``name`` in the crate's one
-    options table (its range and message, as in the C ABI and the CLI)."""
+    options table (its range and message, as in the C ABI and the CLI).
+    numpy and other ``numbers.Integral``/``numbers.Real`` scalars are taken
+    as the int or float they stand for (``seed=rng.integers(...)``), as
+    before the table."""
+    if not isinstance(v, bool):
+        if isinstance(v, numbers.Integral) and not isinstance(v, int):
+            v = int(v)
+        elif isinstance(v, numbers.Real) and not isinstance(v, (int, float)):
+            v = float(v)
     _kspeed._check_option(name, v)
     return v
 
