@@ -12,11 +12,11 @@
 //! entry is in use the file is opened for that one sample
 //! ([`Lease::Owned`]) and closed when its reads are done.
 //!
-//! A cache lives for one run (a poller's, or the network thread's): a file
-//! replaced or removed during the run is read as it was when first opened,
-//! as a process holding it open would; the catalog's CRC32C check
-//! (`verify_crc32c`) still catches changed bytes. The next run (a new epoch
-//! after `set_epoch`, a restart) opens it again.
+//! A cache lives as long as its poller or network thread, that is as long
+//! as the loader (epochs after `set_epoch` included): a file replaced or
+//! removed meanwhile is read as it was when first opened, as a process
+//! holding it open would; the catalog's CRC32C check (`verify_crc32c`)
+//! still catches changed bytes. A new loader opens it again.
 //!
 //! Descriptors are owned (`File`s): dropping the cache (the poller's exit, or a
 //! panic unwinding it) closes them.
@@ -25,15 +25,23 @@ use std::collections::HashMap;
 use std::fs::File;
 use std::os::fd::{AsRawFd, RawFd};
 
-/// Descriptors one cache may hold: a quarter of the soft `RLIMIT_NOFILE`
-/// shared by `users` caches (pollers and the network thread), between 16
-/// and 65,536 each.
+/// All of one loader's caches together hold at most this many descriptors.
+/// The cache lives in the trainer's process: thousands of extra descriptors
+/// pin inodes, are inherited by forked workers and push the process's other
+/// descriptors past `FD_SETSIZE` (1,024, where `select(2)` stops working).
+/// A tar shard or a small directory fits; for a directory of many more
+/// files read in shuffled order a larger cache would hit rarely anyway.
+const TOTAL_MAX: u64 = 1024;
+
+/// Descriptors one cache may hold: a quarter of the soft `RLIMIT_NOFILE`,
+/// at most [`TOTAL_MAX`], shared by `users` caches (pollers and the network
+/// thread), and at least 16 each.
 pub(crate) fn capacity(users: usize) -> usize {
     let limit = match crate::sys::open_files_limit() {
         0 => 1024,
         n => n,
     };
-    ((limit / 4) as usize / users.max(1)).clamp(16, 1 << 16)
+    ((limit / 4).min(TOTAL_MAX) as usize / users.max(1)).max(16)
 }
 
 /// A descriptor lent for one sample's reads; give it back with
