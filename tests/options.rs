@@ -15,9 +15,9 @@ use std::ffi::{c_char, CStr, CString};
 use std::path::PathBuf;
 use std::process::Command;
 
-use kspeed_capi::*;
 use kspeed::loader::options::{markdown_table, OptionKind, OptionSpec, OptionValue, OPTIONS};
 use kspeed::loader::LoaderOptions;
+use kspeed_capi::*;
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
