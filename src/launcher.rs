@@ -8,6 +8,9 @@
 //! `kspeed.launch_env()` all read [`Launcher::from_env`], so they cannot
 //! disagree about a job.
 //!
+//! (Over 800 lines: about 300 are the tests, every launcher's variables
+//! and their contradictions, kept next to the one parser they pin.)
+//!
 //! # Variables and precedence
 //!
 //! Launchers, innermost first (torchrun started by `srun`, or `mpirun`
@@ -27,11 +30,18 @@
 //!   `MPI_LOCALRANKID`, takes its local rank from `SLURM_LOCALID`).
 //!   kspeed's own `KSPEED_LOCAL_RANK` and `KSPEED_LOCAL_WORLD_SIZE` come
 //!   before every launcher's local rank (for a launcher kspeed does not
-//!   know, or to override one).
-//! - The node index is the rank's launcher's (`GROUP_RANK`, `SLURM_NODEID`),
-//!   else `rank / local world`; the node count is the rank's launcher's
-//!   (`GROUP_WORLD_SIZE`, `SLURM_NNODES`), else `world / local world`
-//!   rounded up.
+//!   know, or to override one); they decide the core placement only, never
+//!   the node index or count.
+//! - The node index and count: the node variables (`GROUP_RANK` /
+//!   `GROUP_WORLD_SIZE`, `SLURM_NODEID` / `SLURM_NNODES`) of the rank's
+//!   launcher, else of a launcher with the same rank and world (`srun
+//!   --mpi=pmi2`: SLURM's tasks are PMI's ranks, so `SLURM_NODEID`, right
+//!   with uneven `SLURM_TASKS_PER_NODE` too); else `rank / local world`
+//!   and `world / local world` rounded up, with the local world of the
+//!   rank's launcher itself (or of that same-rank launcher); else one rank
+//!   per node. An outer launcher's variables (the batch step's
+//!   `SLURM_NODEID` under `mpirun`) are not this process's and are not
+//!   read for it.
 //! - The job's node list: `SLURM_JOB_NODELIST`, else `SLURM_NODELIST` (a
 //!   SLURM hostlist), whichever launcher gave the ranks (torchrun inside an
 //!   allocation runs on its nodes).
@@ -49,6 +59,9 @@
 //! that is not a number, one of a pair set without the other (`RANK`
 //! without `WORLD_SIZE`), a zero size, a rank not below its size, a local
 //! world larger than the world, a node index not below the node count.
+//! The core placement reads only the local variables
+//! ([`crate::placement::LocalRank::from_env`]): a one-node loader does not
+//! fail on a rank, world or node variable it does not use.
 
 use crate::error::{Error, Result};
 
@@ -338,36 +351,8 @@ impl Launcher {
                 break;
             }
         }
-        // Local rank and local world: kspeed's own, then the innermost
-        // launcher that sets them.
-        let mut local: Option<(LauncherKind, Local)> =
-            pair(&var, KSPEED_LOCAL_RANK, KSPEED_LOCAL_WORLD_SIZE, false)?.map(|(r, s, d)| {
-                (
-                    LauncherKind::None,
-                    (
-                        r,
-                        s,
-                        d,
-                        format!("{KSPEED_LOCAL_RANK}/{KSPEED_LOCAL_WORLD_SIZE}"),
-                    ),
-                )
-            });
-        if local.is_none() {
-            for kind in LauncherKind::ALL {
-                if let Some(l) = local_of(&var, kind)? {
-                    local = Some((kind, l));
-                    break;
-                }
-            }
-        }
-        if let Some((_, (r, s, d, _))) = &local {
-            check_rank(*r, *s, d, "local world")?;
-        }
+        let (local_rank, local_world, local_from) = Self::local_from_vars(&var)?;
         let nodelist = var("SLURM_JOB_NODELIST").or_else(|| var("SLURM_NODELIST"));
-        let (local_kind, (local_rank, local_world, local_vals, local_from)) = local.unwrap_or((
-            LauncherKind::None,
-            (0, 1, String::new(), NO_LAUNCHER.to_string()),
-        ));
         let Some((kind, rank, world, rank_vals)) = global else {
             return Ok(Launcher {
                 kind: LauncherKind::None,
@@ -385,19 +370,69 @@ impl Launcher {
             });
         };
         let v = kind.vars();
-        if local_kind == kind && local_world > world {
-            return Err(bad(
-                format!("{rank_vals}, {local_vals}"),
-                format!("local world size {local_world} is above the world size {world}"),
-            ));
+        // The launchers that started this very process: the rank's, then
+        // any other whose rank and world are the same ones (`srun
+        // --mpi=pmi2`: PMI's ranks are SLURM's tasks). An outer launcher's
+        // variables (the batch step's SLURM_NODEID under mpirun) describe
+        // another process and are not read; a malformed one is not this
+        // process's error.
+        let mut same = vec![kind];
+        for k in LauncherKind::ALL {
+            let kv = k.vars();
+            if k != kind
+                && matches!(pair(&var, kv.rank, kv.world, false),
+                            Ok(Some((r, w, _))) if (r, w) == (rank, world))
+            {
+                same.push(k);
+            }
         }
-        let local_world_var = local_from.split('/').nth(1).unwrap_or("local world size");
-        let (nodes, nodes_vals, nodes_from) = match v.nodes.map(|k| num(&var, k, false)) {
-            Some(r) => match r? {
-                Some((n, d)) => (n, d, v.nodes.unwrap_or_default().to_string()),
-                None => derived_nodes(world, local_world, v.world, local_world_var),
-            },
-            None => derived_nodes(world, local_world, v.world, local_world_var),
+        // The local world the node index and count are derived from where
+        // no node variable is set: these launchers' own, never kspeed's
+        // KSPEED_LOCAL_* (that only decides the core placement: `0 of 1`
+        // under a core-binding launcher is not one rank per node).
+        let mut div: Option<Local> = None;
+        for &k in &same {
+            if let Some(l) = local_of(&var, k)? {
+                check_rank(l.0, l.1, &l.2, "local world")?;
+                if l.1 > world {
+                    return Err(bad(
+                        format!("{rank_vals}, {}", l.2),
+                        format!("local world size {} is above the world size {world}", l.1),
+                    ));
+                }
+                div = Some(l);
+                break;
+            }
+        }
+        // A node variable: the first of these launchers that sets it.
+        let node_var =
+            |pick: fn(&Vars) -> Option<&'static str>| -> Result<Option<(u32, String, String)>> {
+                for &k in &same {
+                    if let Some(name) = pick(&k.vars()) {
+                        if let Some((n, d)) = num(&var, name, false)? {
+                            return Ok(Some((n, d, name.to_string())));
+                        }
+                    }
+                }
+                Ok(None)
+            };
+        let derived = |x: u32, x_var: &str, round_up: bool| {
+            let (n, what) = match &div {
+                Some((_, s, _, from)) => {
+                    let s_var = from.split('/').nth(1).unwrap_or("local world size");
+                    let n = if round_up { x.div_ceil(*s) } else { x / s };
+                    (n, format!("{x_var} / {s_var}"))
+                }
+                None => (
+                    x,
+                    format!("{x_var} (no local world size: one rank per node)"),
+                ),
+            };
+            (n, format!("{what} = {n}"), what)
+        };
+        let (nodes, nodes_vals, nodes_from) = match node_var(|v| v.nodes)? {
+            Some(n) => n,
+            None => derived(world, v.world, true),
         };
         if nodes == 0 || nodes > world {
             return Err(bad(
@@ -405,16 +440,9 @@ impl Launcher {
                 format!("node count {nodes} is not 1 to the world size {world}"),
             ));
         }
-        let derived = |what: String| {
-            let n = rank / local_world;
-            (n, format!("{what} = {n}"), what)
-        };
-        let (node, node_vals, node_from) = match v.node.map(|k| num(&var, k, false)) {
-            Some(r) => match r? {
-                Some((n, d)) => (n, d, v.node.unwrap_or_default().to_string()),
-                None => derived(format!("{} / {local_world_var}", v.rank)),
-            },
-            None => derived(format!("{} / {local_world_var}", v.rank)),
+        let (node, node_vals, node_from) = match node_var(|v| v.node)? {
+            Some(n) => n,
+            None => derived(rank, v.rank, false),
         };
         if node >= nodes {
             return Err(bad(
@@ -438,6 +466,43 @@ impl Launcher {
         })
     }
 
+    /// The local rank, local world and where they came from (as
+    /// [`Launcher::local_from`] says it): kspeed's own `KSPEED_LOCAL_*`,
+    /// else the innermost launcher that sets a local pair, else 0 of 1.
+    /// Reads only the local variables (and `SLURM_NODEID` for this node's
+    /// entry of `SLURM_TASKS_PER_NODE`): the core placement of a one-node
+    /// loader must not fail on a global variable it does not use (`RANK`
+    /// without `WORLD_SIZE`, `SLURM_PROCID` without `SLURM_NTASKS` in an
+    /// `sbatch` script without `-n`).
+    pub(crate) fn local_from_vars(
+        var: &impl Fn(&str) -> Option<String>,
+    ) -> Result<(u32, u32, String)> {
+        let mut local: Option<Local> =
+            pair(var, KSPEED_LOCAL_RANK, KSPEED_LOCAL_WORLD_SIZE, false)?.map(|(r, s, d)| {
+                (
+                    r,
+                    s,
+                    d,
+                    format!("{KSPEED_LOCAL_RANK}/{KSPEED_LOCAL_WORLD_SIZE}"),
+                )
+            });
+        if local.is_none() {
+            for kind in LauncherKind::ALL {
+                if let Some(l) = local_of(var, kind)? {
+                    local = Some(l);
+                    break;
+                }
+            }
+        }
+        Ok(match local {
+            Some((r, s, d, from)) => {
+                check_rank(r, s, &d, "local world")?;
+                (r, s, from)
+            }
+            None => (0, 1, NO_LAUNCHER.to_string()),
+        })
+    }
+
     /// Whether a launcher gave the rank and world (not rank 0 of 1 by
     /// default).
     pub fn is_launched(&self) -> bool {
@@ -448,18 +513,6 @@ impl Launcher {
     pub fn node_count(&self) -> u32 {
         self.nodes
     }
-}
-
-/// The node count from the world and the local world, rounded up.
-fn derived_nodes(
-    world: u32,
-    local_world: u32,
-    world_var: &str,
-    local_world_var: &str,
-) -> (u32, String, String) {
-    let n = world.div_ceil(local_world.max(1));
-    let what = format!("{world_var} / {local_world_var}");
-    (n, format!("{what} = {n}"), what)
 }
 
 #[cfg(test)]
@@ -585,7 +638,8 @@ mod tests {
         ]);
         assert_eq!(key(&l), (Mpich, 3, 4, 1, 2, 1, 2));
         assert_eq!(l.local_from, "SLURM_LOCALID/SLURM_NTASKS_PER_NODE");
-        // kspeed's own local rank wins, for placement and the node count.
+        // kspeed's own local rank wins for placement, not for the node
+        // count (still the launcher's local world).
         let l = get(&[
             ("RANK", "5"),
             ("WORLD_SIZE", "8"),
@@ -594,8 +648,8 @@ mod tests {
             ("KSPEED_LOCAL_RANK", "1"),
             ("KSPEED_LOCAL_WORLD_SIZE", "2"),
         ]);
-        assert_eq!(key(&l), (Torchrun, 5, 8, 1, 2, 2, 4));
-        assert_eq!(l.nodes_from, "WORLD_SIZE / KSPEED_LOCAL_WORLD_SIZE");
+        assert_eq!(key(&l), (Torchrun, 5, 8, 1, 2, 0, 1));
+        assert_eq!(l.nodes_from, "WORLD_SIZE / LOCAL_WORLD_SIZE");
         // A local rank without a global one (placement only).
         let l = get(&[("LOCAL_RANK", "1"), ("LOCAL_WORLD_SIZE", "2")]);
         assert_eq!(key(&l), (None, 0, 1, 1, 2, 0, 1));
@@ -607,6 +661,86 @@ mod tests {
             ("SLURM_NTASKS_PER_NODE", "4(x2)"),
         ]);
         assert_eq!(key(&l), (Slurm, 6, 8, 2, 4, 1, 2));
+    }
+
+    /// The node index and count come from node variables or the rank
+    /// launcher's own local world, never from KSPEED_LOCAL_* (which only
+    /// decides the core placement). Before, they were divided by whatever
+    /// local pair won: KSPEED_LOCAL_WORLD_SIZE=1 under mpirun made every
+    /// rank its own node, and `srun --mpi=pmi2` divided PMI_RANK by
+    /// SLURM's local size, wrong with uneven SLURM_TASKS_PER_NODE.
+    #[test]
+    fn node_comes_from_node_variables_or_the_rank_launcher_s_own_local_world() {
+        use LauncherKind::*;
+        // mpirun with the core-binding override of docs/LOCAL_PATH.md.
+        let l = get(&[
+            ("OMPI_COMM_WORLD_RANK", "5"),
+            ("OMPI_COMM_WORLD_SIZE", "8"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "4"),
+            ("KSPEED_LOCAL_RANK", "0"),
+            ("KSPEED_LOCAL_WORLD_SIZE", "1"),
+        ]);
+        assert_eq!(key(&l), (OpenMpi, 5, 8, 0, 1, 1, 2));
+        assert_eq!(
+            (l.node_from.as_str(), l.nodes_from.as_str()),
+            (
+                "OMPI_COMM_WORLD_RANK / OMPI_COMM_WORLD_LOCAL_SIZE",
+                "OMPI_COMM_WORLD_SIZE / OMPI_COMM_WORLD_LOCAL_SIZE"
+            )
+        );
+        // The same with MPICH's Hydra.
+        let l = get(&[
+            ("PMI_RANK", "5"),
+            ("PMI_SIZE", "8"),
+            ("MPI_LOCALRANKID", "1"),
+            ("MPI_LOCALNRANKS", "4"),
+            ("KSPEED_LOCAL_RANK", "0"),
+            ("KSPEED_LOCAL_WORLD_SIZE", "1"),
+        ]);
+        assert_eq!(key(&l), (Mpich, 5, 8, 0, 1, 1, 2));
+        // srun --mpi=pmi2 over 4 + 3 tasks: the last task of node 1 is
+        // node 1 of 2 (SLURM's), not 6 / 3 = node 2 of 3.
+        for tasks in ["4,3", "4(x1),3"] {
+            let l = get(&[
+                ("PMI_RANK", "6"),
+                ("PMI_SIZE", "7"),
+                ("SLURM_PROCID", "6"),
+                ("SLURM_NTASKS", "7"),
+                ("SLURM_LOCALID", "2"),
+                ("SLURM_TASKS_PER_NODE", tasks),
+                ("SLURM_NODEID", "1"),
+                ("SLURM_NNODES", "2"),
+                ("SLURM_JOB_NODELIST", "n[1-2]"),
+            ]);
+            assert_eq!(key(&l), (Mpich, 6, 7, 2, 3, 1, 2), "{tasks}");
+            assert_eq!(
+                (l.node_from.as_str(), l.nodes_from.as_str()),
+                ("SLURM_NODEID", "SLURM_NNODES")
+            );
+        }
+        // mpirun inside an sbatch script: the batch step's SLURM_NODEID
+        // and SLURM_NNODES are another process's, and its SLURM_PROCID
+        // without SLURM_NTASKS (sbatch without -n) is no error here.
+        let l = get(&[
+            ("OMPI_COMM_WORLD_RANK", "5"),
+            ("OMPI_COMM_WORLD_SIZE", "8"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "4"),
+            ("SLURM_PROCID", "0"),
+            ("SLURM_LOCALID", "0"),
+            ("SLURM_TASKS_PER_NODE", "1(x2)"),
+            ("SLURM_NODEID", "0"),
+            ("SLURM_NNODES", "2"),
+        ]);
+        assert_eq!(key(&l), (OpenMpi, 5, 8, 1, 4, 1, 2));
+        // No local world at all: one rank per node.
+        let l = get(&[("RANK", "3"), ("WORLD_SIZE", "4")]);
+        assert_eq!(key(&l), (Torchrun, 3, 4, 0, 1, 3, 4));
+        assert_eq!(
+            l.nodes_from,
+            "WORLD_SIZE (no local world size: one rank per node)"
+        );
     }
 
     #[test]

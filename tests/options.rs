@@ -75,6 +75,9 @@ fn cases(o: &OptionSpec) -> Vec<(String, bool)> {
                 v.push(((max as u128 + 1).to_string(), false));
             }
             v.push(("x".into(), false));
+            if matches!(o.kind, OptionKind::IntOrAuto { .. }) {
+                v.push(("auto".into(), true));
+            }
         }
         OptionKind::Seconds { min_ms, max_ms } => {
             v.push(((min_ms as f64 / 1000.0).to_string(), true));

@@ -429,6 +429,62 @@ fn launchers_and_options_set_the_local_rank() {
     }
 }
 
+/// A one-node loader reads only the local variables: a launcher's rank,
+/// world or node variables it does not use do not fail it. Before, the
+/// core placement ran the whole launcher parse and each of these was a
+/// `BadLauncher` error.
+#[test]
+fn global_launcher_variables_do_not_fail_a_one_node_loader() {
+    if !two_cpus() {
+        return skip("needs CPUs 0 and 1 (taskset -c 0,1)");
+    }
+    let d = data();
+    let sys = tempfile::tempdir().unwrap();
+    fake_sysfs(sys.path());
+    let cases: [(Vec<(&'static str, String)>, &str); 3] = [
+        // RANK without WORLD_SIZE.
+        (
+            vec![
+                ("RANK", "1".into()),
+                ("LOCAL_RANK", "1".into()),
+                ("LOCAL_WORLD_SIZE", "2".into()),
+            ],
+            "LOCAL_RANK/LOCAL_WORLD_SIZE",
+        ),
+        // An sbatch script without -n: SLURM_PROCID, no SLURM_NTASKS.
+        (
+            vec![
+                ("SLURM_PROCID", "0".into()),
+                ("SLURM_LOCALID", "1".into()),
+                ("SLURM_TASKS_PER_NODE", "2".into()),
+                ("SLURM_NODEID", "0".into()),
+                ("SLURM_NNODES", "1".into()),
+            ],
+            "SLURM_LOCALID/SLURM_TASKS_PER_NODE",
+        ),
+        // A node index that is not a number.
+        (
+            vec![
+                ("RANK", "1".into()),
+                ("WORLD_SIZE", "2".into()),
+                ("LOCAL_RANK", "1".into()),
+                ("LOCAL_WORLD_SIZE", "2".into()),
+                ("GROUP_RANK", "first".into()),
+            ],
+            "LOCAL_RANK/LOCAL_WORLD_SIZE",
+        ),
+    ];
+    for (env, from) in cases {
+        let p = finish(start_rank(&d, sys.path(), "0,1", &env, &[])).placement;
+        assert_eq!(
+            (p["local_rank"].as_u64(), p["local_world_size"].as_u64()),
+            (Some(1), Some(2)),
+            "{env:?}: {p}"
+        );
+        assert_eq!(p["local_rank_from"], from, "{p}");
+    }
+}
+
 #[test]
 fn bad_local_ranks_and_topology_are_named_errors() {
     if !two_cpus() {

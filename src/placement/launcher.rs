@@ -59,18 +59,22 @@ impl LocalRank {
         }
     }
 
-    /// From the environment ([`Launcher::from_env`]): kspeed's own
-    /// `KSPEED_LOCAL_RANK` and `KSPEED_LOCAL_WORLD_SIZE` (to override a
-    /// launcher's, in any binding), then torchrun, Open MPI, MPICH/PMI and
-    /// SLURM; rank 0 of 1 when none is set. Malformed or contradictory
-    /// variables are an [`Error::BadLauncher`] naming them.
+    /// From the environment: kspeed's own `KSPEED_LOCAL_RANK` and
+    /// `KSPEED_LOCAL_WORLD_SIZE` (to override a launcher's, in any
+    /// binding), then torchrun, Open MPI, MPICH/PMI and SLURM, as
+    /// [`Launcher::from_env`] reads them; rank 0 of 1 when none is set.
+    /// Only the local variables are read: a one-node loader does not fail
+    /// on a launcher's rank, world or node variables it does not use.
+    /// Malformed or contradictory local variables are an
+    /// [`Error::BadLauncher`] naming them.
     pub fn from_env() -> Result<LocalRank> {
-        Launcher::from_env().map(|l| Self::of(&l))
+        Self::from_vars(|k| std::env::var(k).ok())
     }
 
     /// [`LocalRank::from_env`] over any variable lookup (for tests).
     pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<LocalRank> {
-        Launcher::from_vars(var).map(|l| Self::of(&l))
+        let (rank, size, origin) = Launcher::local_from_vars(&var)?;
+        Ok(LocalRank { rank, size, origin })
     }
 }
 
@@ -167,5 +171,66 @@ mod tests {
             assert!(e.to_string().contains(what), "{e}");
         }
         assert!(LocalRank::explicit(2, 2).is_err());
+    }
+
+    /// Placement reads only the local variables: a launcher's rank, world
+    /// or node variables it does not use, malformed, do not fail a one-node
+    /// loader (before, the whole launcher parse ran and they did).
+    #[test]
+    fn global_variables_do_not_fail_placement() {
+        let vars = |pairs: &'static [(&'static str, &'static str)]| {
+            move |k: &str| {
+                pairs
+                    .iter()
+                    .find(|(n, _)| *n == k)
+                    .map(|(_, v)| v.to_string())
+            }
+        };
+        for (env, want) in [
+            (
+                &[
+                    ("RANK", "1"),
+                    ("LOCAL_RANK", "1"),
+                    ("LOCAL_WORLD_SIZE", "2"),
+                ][..],
+                (1, 2),
+            ),
+            (&[("RANK", "1")][..], (0, 1)),
+            (&[("WORLD_SIZE", "x")][..], (0, 1)),
+            // sbatch without -n: SLURM_PROCID but no SLURM_NTASKS.
+            (
+                &[
+                    ("SLURM_PROCID", "0"),
+                    ("SLURM_LOCALID", "1"),
+                    ("SLURM_TASKS_PER_NODE", "2"),
+                    ("SLURM_NODEID", "0"),
+                    ("SLURM_NNODES", "1"),
+                ][..],
+                (1, 2),
+            ),
+            (
+                &[
+                    ("RANK", "1"),
+                    ("WORLD_SIZE", "2"),
+                    ("LOCAL_RANK", "1"),
+                    ("LOCAL_WORLD_SIZE", "2"),
+                    ("GROUP_RANK", "x"),
+                ][..],
+                (1, 2),
+            ),
+            (
+                &[
+                    ("OMPI_COMM_WORLD_RANK", "9"),
+                    ("OMPI_COMM_WORLD_SIZE", "8"),
+                    ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+                    ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+                ][..],
+                (1, 2),
+            ),
+            (&[("PMI_SIZE", "4"), ("SLURM_NNODES", "0")][..], (0, 1)),
+        ] {
+            let l = LocalRank::from_vars(vars(env)).unwrap_or_else(|e| panic!("{env:?}: {e}"));
+            assert_eq!((l.rank, l.size), want, "{env:?}");
+        }
     }
 }

@@ -807,4 +807,39 @@ mod tests {
             .to_string();
         assert!(e.contains("torchrun, mpirun or srun"), "{e}");
     }
+
+    #[test]
+    fn core_binding_override_and_pmi2_keep_the_job_s_node_count() {
+        // mpirun with KSPEED_LOCAL_RANK=0 KSPEED_LOCAL_WORLD_SIZE=1 (the
+        // core-binding override of docs/LOCAL_PATH.md): before, node 5 of
+        // 8 against a 2-node list.
+        let (c, env) = Cluster::from_vars(lookup(&[
+            ("OMPI_COMM_WORLD_RANK", "5"),
+            ("OMPI_COMM_WORLD_SIZE", "8"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "4"),
+            ("KSPEED_LOCAL_RANK", "0"),
+            ("KSPEED_LOCAL_WORLD_SIZE", "1"),
+            ("KSPEED_NODES", "a:1,b:1"),
+        ]))
+        .unwrap();
+        assert_eq!(c.nodes.len(), 2);
+        assert_eq!((env.node, env.nodes), (1, 2));
+        assert_eq!((env.local_rank, env.local_world), (0, 1));
+        // srun --mpi=pmi2 over 4 + 3 tasks: before, 6 / 3 = node 2 of 3.
+        let (c, env) = Cluster::from_vars(lookup(&[
+            ("PMI_RANK", "6"),
+            ("PMI_SIZE", "7"),
+            ("SLURM_PROCID", "6"),
+            ("SLURM_NTASKS", "7"),
+            ("SLURM_LOCALID", "2"),
+            ("SLURM_TASKS_PER_NODE", "4,3"),
+            ("SLURM_NODEID", "1"),
+            ("SLURM_NNODES", "2"),
+            ("SLURM_JOB_NODELIST", "n[1-2]"),
+        ]))
+        .unwrap();
+        assert_eq!(c.nodes.len(), 2);
+        assert_eq!((env.rank, env.node, env.nodes), (6, 1, 2));
+    }
 }

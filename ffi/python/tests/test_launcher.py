@@ -83,6 +83,23 @@ def test_no_launcher(clean_env):
         "none", 1, 2, "KSPEED_LOCAL_RANK/KSPEED_LOCAL_WORLD_SIZE")
 
 
+def test_kspeed_local_rank_is_placement_only():
+    """KSPEED_LOCAL_RANK=0 KSPEED_LOCAL_WORLD_SIZE=1 (the core-binding
+    override) changes the local rank, not the node: node 1 of 2 under
+    mpirun (before, node 5 of 8); `srun --mpi=pmi2` takes SLURM_NODEID over
+    uneven tasks per node (before, 6 / 3 = node 2 of 3)."""
+    e = kspeed.launch_env({
+        "OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "8",
+        "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
+        "KSPEED_LOCAL_RANK": "0", "KSPEED_LOCAL_WORLD_SIZE": "1"})
+    assert (e.launcher, e.local_rank, e.local_world_size, e.node, e.nodes) == ("openmpi", 0, 1, 1, 2), e
+    e = kspeed.launch_env({
+        "PMI_RANK": "6", "PMI_SIZE": "7", "SLURM_PROCID": "6", "SLURM_NTASKS": "7",
+        "SLURM_LOCALID": "2", "SLURM_TASKS_PER_NODE": "4,3", "SLURM_NODEID": "1", "SLURM_NNODES": "2"})
+    assert (e.launcher, e.local_rank, e.local_world_size, e.node, e.nodes) == ("mpich", 2, 3, 1, 2), e
+    assert (e.node_from, e.nodes_from) == ("SLURM_NODEID", "SLURM_NNODES")
+
+
 @pytest.mark.parametrize("env,what", [
     ({"RANK": "1"}, "(RANK=1): WORLD_SIZE is not set while RANK is"),
     ({"RANK": "0", "WORLD_SIZE": "x"}, 'WORLD_SIZE="x"): not a number'),

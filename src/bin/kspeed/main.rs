@@ -258,6 +258,26 @@ pub(crate) fn opt<T: TryFrom<u64>>(
     }
 }
 
+/// A flag's value that is a number or `auto` (`None`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct OrAuto<T>(pub(crate) Option<T>);
+
+/// [`opt`] for an option that also takes `auto` (the table's `int or
+/// auto`): checked and worded by the table, `auto` as `OrAuto(None)`.
+pub(crate) fn opt_or_auto<T: TryFrom<u64>>(
+    key: &'static str,
+) -> impl Fn(&str) -> Result<OrAuto<T>, String> + Clone + Send + Sync + 'static {
+    let spec = kspeed::loader::options::spec(key).expect("a key of the options table");
+    let number = opt::<T>(key);
+    move |s: &str| {
+        spec.check_str(s).map_err(|e| e.to_string())?;
+        if s.trim() == "auto" {
+            return Ok(OrAuto(None));
+        }
+        number(s).map(|n| OrAuto(Some(n)))
+    }
+}
+
 #[derive(Args)]
 struct PreloadArgs {
     /// Source: DIR (ImageFolder), list:FILE, tar:SHARD.tar or tar:DIR.

@@ -110,14 +110,14 @@ pub(crate) struct ReadArgs {
     #[arg(long)]
     no_pin: bool,
     /// This process's rank among the node's ranks (default:
-    /// KSPEED_LOCAL_RANK, LOCAL_RANK, OMPI_COMM_WORLD_LOCAL_RANK or
-    /// SLURM_LOCALID); each local rank's
-    /// pollers get their own slice of the node's cores.
+    /// KSPEED_LOCAL_RANK, LOCAL_RANK, OMPI_COMM_WORLD_LOCAL_RANK,
+    /// MPI_LOCALRANKID or SLURM_LOCALID); each local rank's pollers get
+    /// their own slice of the node's cores.
     #[arg(long, requires = "local_world_size", value_parser = crate::opt::<u32>("local_rank"))]
     local_rank: Option<u32>,
     /// Ranks on this node (default: KSPEED_LOCAL_WORLD_SIZE,
-    /// LOCAL_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_SIZE or
-    /// SLURM_NTASKS_PER_NODE).
+    /// LOCAL_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_SIZE, MPI_LOCALNRANKS or
+    /// SLURM_NTASKS_PER_NODE, else this node's SLURM_TASKS_PER_NODE).
     #[arg(long, requires = "local_rank", value_parser = crate::opt::<u32>("local_world_size"))]
     local_world_size: Option<u32>,
     /// Take the pollers' cores from this NUMA node (default: the ring's,
@@ -195,10 +195,10 @@ pub(crate) struct RdmaArgs {
     /// RDMA port number.
     #[arg(long, default_value_t = 1, requires = "rdma", value_parser = crate::opt::<u8>("rdma_port"))]
     pub(crate) rdma_port: u8,
-    /// GID index (default: the RoCE v2 GID of the address the TCP control
-    /// connection uses).
-    #[arg(long, requires = "rdma", value_parser = crate::opt::<u8>("rdma_gid_index"))]
-    pub(crate) rdma_gid_index: Option<u8>,
+    /// GID index, or `auto` (the default): the RoCE v2 GID of the address
+    /// the TCP control connection uses.
+    #[arg(long, requires = "rdma", value_parser = crate::opt_or_auto::<u8>("rdma_gid_index"))]
+    pub(crate) rdma_gid_index: Option<crate::OrAuto<u8>>,
 }
 
 impl RdmaArgs {
@@ -207,7 +207,7 @@ impl RdmaArgs {
             kspeed::transport::RdmaOptions::default()
                 .device(self.rdma_device.clone())
                 .port(self.rdma_port)
-                .gid_index(self.rdma_gid_index)
+                .gid_index(self.rdma_gid_index.and_then(|g| g.0))
         })
     }
 }
