@@ -158,7 +158,12 @@ impl FdCache {
         match lease {
             Lease::Cached(slot) => {
                 let e = self.entries[slot as usize].as_mut().expect("leased entry");
-                e.users -= 1;
+                // More releases than leases is a bug; wrapping would mark the
+                // entry busy forever (never evicted) instead of saying so.
+                e.users = e
+                    .users
+                    .checked_sub(1)
+                    .expect("fd cache: entry released more often than leased");
             }
             Lease::Owned(fd) => drop(fd),
         }
