@@ -6,7 +6,7 @@
 
 use std::io;
 use std::os::fd::RawFd;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::{Completion, IoBackend, ReadOp, Timespec};
 use crate::error::Result;
@@ -367,6 +367,22 @@ impl<B: IoBackend> IoBackend for Faulty<B> {
     unsafe fn register_buffers(&mut self, regions: &[(*mut u8, usize)]) -> Result<()> {
         // SAFETY: forwarded with the same contract.
         unsafe { self.inner.register_buffers(regions) }
+    }
+
+    fn now(&self) -> Instant {
+        self.inner.now()
+    }
+
+    fn shutdown(&mut self, fd: RawFd) {
+        self.inner.shutdown(fd)
+    }
+
+    fn send_now(&mut self, fd: RawFd, buf: &[u8]) -> io::Result<usize> {
+        self.inner.send_now(fd, buf)
+    }
+
+    fn set_user_timeout(&mut self, fd: RawFd, timeout: Duration) -> io::Result<()> {
+        self.inner.set_user_timeout(fd, timeout)
     }
 }
 

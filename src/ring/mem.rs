@@ -3,7 +3,7 @@
 
 use std::io;
 use std::os::fd::RawFd;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::{Completion, IoBackend, ReadOp, Timespec};
 use crate::error::Result;
@@ -158,5 +158,21 @@ impl IoBackend for MemBackend {
     /// Nothing is registered: reads copy into the caller's memory.
     unsafe fn register_buffers(&mut self, _: &[(*mut u8, usize)]) -> Result<()> {
         Ok(())
+    }
+
+    fn now(&self) -> Instant {
+        Instant::now()
+    }
+
+    fn shutdown(&mut self, _: RawFd) {
+        // No sockets here.
+    }
+
+    fn send_now(&mut self, _: RawFd, _: &[u8]) -> io::Result<usize> {
+        Err(io::Error::from_raw_os_error(libc::ENOTSOCK))
+    }
+
+    fn set_user_timeout(&mut self, _: RawFd, _: Duration) -> io::Result<()> {
+        Err(io::Error::from_raw_os_error(libc::ENOTSOCK))
     }
 }

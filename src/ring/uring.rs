@@ -4,7 +4,7 @@
 
 use std::io;
 use std::os::fd::RawFd;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use io_uring::{opcode, types, IoUring};
 
@@ -381,6 +381,22 @@ impl IoBackend for Uring {
     unsafe fn register_buffers(&mut self, regions: &[(*mut u8, usize)]) -> Result<()> {
         // SAFETY: the same contract.
         unsafe { Uring::register_buffers(self, regions) }
+    }
+
+    fn now(&self) -> Instant {
+        Instant::now()
+    }
+
+    fn shutdown(&mut self, fd: RawFd) {
+        crate::sys::shutdown_socket(fd);
+    }
+
+    fn send_now(&mut self, fd: RawFd, buf: &[u8]) -> io::Result<usize> {
+        crate::sys::send_nonblocking(fd, buf)
+    }
+
+    fn set_user_timeout(&mut self, fd: RawFd, timeout: Duration) -> io::Result<()> {
+        crate::sys::set_tcp_user_timeout(fd, timeout)
     }
 }
 

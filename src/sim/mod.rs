@@ -184,7 +184,7 @@ impl Stream {
         }
         let _ = self.link.flush_on(net);
         if self.next_done == nframes && !self.link.busy() && !self.shut {
-            net.shutdown(self.a);
+            net.shutdown_write(self.a);
             self.shut = true;
         }
         // The consumer: one receive at a time, unless it stalls.

@@ -184,6 +184,16 @@ pub fn send_nonblocking(fd: std::os::fd::RawFd, bytes: &[u8]) -> std::io::Result
     Ok(n as usize)
 }
 
+/// Shuts both directions of socket `fd` (`shutdown(SHUT_RDWR)`), ignoring
+/// errors: the descriptor stays open (its owner closes it), but receives
+/// and sends on it end and the peer reads EOF.
+#[allow(dead_code)] // the serve poller and network thread take it up next
+pub fn shutdown_socket(fd: std::os::fd::RawFd) {
+    // SAFETY: shutdown takes a descriptor number and touches no memory; a
+    // closed or wrong one is an error return, which is ignored.
+    unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
+}
+
 /// Sets TCP_USER_TIMEOUT on socket `fd`: data the peer has not
 /// acknowledged for `timeout` (a peer whose host died, or that keeps a
 /// zero window) fails the connection with ETIMEDOUT, instead of after
