@@ -14,7 +14,10 @@
 //!   (the delay); a successful one completes only when signalled. A QP in
 //!   error executes nothing more: each request left (signalled or not) and
 //!   each receive completes with `IBV_WC_WR_FLUSH_ERR`, in order; posting to
-//!   it is allowed (flushed likewise), as on the real device.
+//!   it is allowed (flushed likewise), as on the real device. Moved to
+//!   error by software, it still runs a seeded few requests first (those
+//!   the device had fetched): a QP's error state says the device will
+//!   stop, its flush completions that it has.
 //! - A send-queue slot is taken at post and given back when a completion
 //!   at or after it is polled (as a provider does under selective
 //!   signalling); a post past the queue's depth is refused there with
@@ -89,6 +92,13 @@ struct End {
     /// An error completion was generated: the device touches none of the
     /// send queue's memory any more.
     reported: bool,
+    /// Requests the device had already fetched when software moved the QP
+    /// to error: they still execute (read and write memory) before the
+    /// flush begins.
+    draining: u64,
+    /// The first sequence number posted after the QP entered error (never
+    /// executed).
+    error_seq: u64,
     sq: VecDeque<Pending>,
     sq_depth: u64,
     next_seq: u64,
@@ -109,6 +119,8 @@ impl End {
             error: false,
             first_status: None,
             reported: false,
+            draining: 0,
+            error_seq: 0,
             sq: VecDeque::with_capacity(sq_depth),
             sq_depth: sq_depth as u64,
             next_seq: 0,
@@ -314,11 +326,20 @@ impl MemNic {
     }
 
     fn enter_error(&mut self, side: usize, first_status: Option<u32>) {
-        let e = &mut self.ends[side];
-        if !e.error {
-            e.error = true;
-            e.first_status = first_status;
+        if self.ends[side].error {
+            return;
         }
+        // Moved by software (first_status None): what the device had
+        // fetched may still run (a seeded few requests).
+        let draining = match first_status {
+            None => self.below(self.faults.max_per_step as u64 + 1),
+            Some(_) => 0,
+        };
+        let e = &mut self.ends[side];
+        e.error = true;
+        e.first_status = first_status;
+        e.draining = draining;
+        e.error_seq = e.next_seq;
     }
 
     /// One step of the device: perhaps the connection dies; each end
@@ -375,19 +396,29 @@ impl MemNic {
         let Some(p) = self.ends[side].sq.front().copied() else {
             return false;
         };
+        let peer = 1 - side;
+        let w = p.wr;
+        let consumes_recv = !matches!(w.op, SendOp::Write);
         if self.ends[side].error {
-            let status = self.ends[side].first_status.take();
-            self.complete_head(side, status.unwrap_or(ibv_wc_status::IBV_WC_WR_FLUSH_ERR));
-            return true;
+            let e = &mut self.ends[side];
+            let fetched = e.draining > 0
+                && p.seq < e.error_seq
+                && !e.reported
+                && !self.ends[peer].error
+                && !(consumes_recv && self.ends[peer].rq.is_empty());
+            if !fetched {
+                let status = self.ends[side].first_status.take();
+                self.complete_head(side, status.unwrap_or(ibv_wc_status::IBV_WC_WR_FLUSH_ERR));
+                return true;
+            }
+            // Already at the device: it runs as if the QP were not in error.
+            self.ends[side].draining -= 1;
         }
         if self.chance(self.faults.wc_error_ppm) {
             self.stats.wc_errors += 1;
             self.complete_head(side, ibv_wc_status::IBV_WC_REM_OP_ERR);
             return true;
         }
-        let peer = 1 - side;
-        let w = p.wr;
-        let consumes_recv = !matches!(w.op, SendOp::Write);
         let status = if !w.inline && w.len > 0 && !self.local_ok(side, w.local_addr, w.len, w.lkey)
         {
             ibv_wc_status::IBV_WC_LOC_PROT_ERR
