@@ -169,6 +169,41 @@ impl VerbsQueue {
     }
 }
 
+/// The verbs form of `w`, its bytes described by `sge` (unused when it
+/// has none); `next` is left for the chain to link.
+fn send_wr(w: &SendWr, sge: *mut ibv_sge) -> ibv_send_wr {
+    // SAFETY: plain data.
+    let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
+    wr.wr_id = w.wr_id;
+    if w.len > 0 {
+        wr.sg_list = sge;
+        wr.num_sge = 1;
+    }
+    let mut flags = if w.signaled {
+        ibv_send_flags::IBV_SEND_SIGNALED.0
+    } else {
+        0
+    };
+    if w.inline {
+        flags |= ibv_send_flags::IBV_SEND_INLINE.0;
+    }
+    wr.send_flags = flags;
+    wr.opcode = match w.op {
+        SendOp::Write => ibv_wr_opcode::IBV_WR_RDMA_WRITE,
+        SendOp::WriteWithImm => ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM,
+        SendOp::Send => ibv_wr_opcode::IBV_WR_SEND,
+        SendOp::SendWithImm => ibv_wr_opcode::IBV_WR_SEND_WITH_IMM,
+    };
+    if matches!(w.op, SendOp::WriteWithImm | SendOp::SendWithImm) {
+        wr.imm_data_invalidated_rkey_union.imm_data = w.imm.to_be();
+    }
+    if matches!(w.op, SendOp::Write | SendOp::WriteWithImm) {
+        wr.wr.rdma.remote_addr = w.remote_addr;
+        wr.wr.rdma.rkey = w.rkey;
+    }
+    wr
+}
+
 impl WorkQueue for VerbsQueue {
     unsafe fn post_send(&mut self, chain: &[SendWr]) -> std::result::Result<(), PostError> {
         self.sges.clear();
@@ -182,36 +217,8 @@ impl WorkQueue for VerbsQueue {
             });
         }
         for (i, w) in chain.iter().enumerate() {
-            // SAFETY: plain data.
-            let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
-            wr.wr_id = w.wr_id;
-            if w.len > 0 {
-                wr.sg_list = &mut self.sges[i];
-                wr.num_sge = 1;
-            }
-            let mut flags = if w.signaled {
-                ibv_send_flags::IBV_SEND_SIGNALED.0
-            } else {
-                0
-            };
-            if w.inline {
-                flags |= ibv_send_flags::IBV_SEND_INLINE.0;
-            }
-            wr.send_flags = flags;
-            wr.opcode = match w.op {
-                SendOp::Write => ibv_wr_opcode::IBV_WR_RDMA_WRITE,
-                SendOp::WriteWithImm => ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM,
-                SendOp::Send => ibv_wr_opcode::IBV_WR_SEND,
-                SendOp::SendWithImm => ibv_wr_opcode::IBV_WR_SEND_WITH_IMM,
-            };
-            if matches!(w.op, SendOp::WriteWithImm | SendOp::SendWithImm) {
-                wr.imm_data_invalidated_rkey_union.imm_data = w.imm.to_be();
-            }
-            if matches!(w.op, SendOp::Write | SendOp::WriteWithImm) {
-                wr.wr.rdma.remote_addr = w.remote_addr;
-                wr.wr.rdma.rkey = w.rkey;
-            }
-            self.wrs.push(wr);
+            let sge: *mut ibv_sge = &mut self.sges[i];
+            self.wrs.push(send_wr(w, sge));
         }
         // SAFETY: the SGEs outlive the call; inline data is copied during
         // it; the rest per this function's contract.
@@ -258,5 +265,68 @@ impl WorkQueue for VerbsQueue {
 
     fn set_error(&mut self) -> Result<()> {
         self.qp.set_error()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The requests RdmaLink posts become the verbs requests it built
+    /// before this interface: a WRITE_WITH_IMM (remote address and key,
+    /// big-endian immediate, one SGE), an inline SEND_WITH_IMM, and the
+    /// flush marker (a signalled SEND with no SGE).
+    #[test]
+    fn send_requests_map_to_the_verbs_requests() {
+        let mut sge = ibv_sge {
+            addr: 0,
+            length: 0,
+            lkey: 0,
+        };
+        let p: *mut ibv_sge = &mut sge;
+        let write = SendWr {
+            wr_id: 7,
+            op: SendOp::WriteWithImm,
+            local_addr: 0x1000,
+            len: 64,
+            lkey: 3,
+            inline: false,
+            remote_addr: 0x9000,
+            rkey: 0x55,
+            imm: 0x0102_0304,
+            signaled: true,
+        };
+        let wr = send_wr(&write, p);
+        assert_eq!(wr.wr_id, 7);
+        assert_eq!(wr.opcode, ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM);
+        assert_eq!((wr.sg_list, wr.num_sge), (p, 1));
+        assert_eq!(wr.send_flags, ibv_send_flags::IBV_SEND_SIGNALED.0);
+        // SAFETY: the fields this opcode uses.
+        unsafe {
+            assert_eq!(wr.imm_data_invalidated_rkey_union.imm_data, 0x0403_0201);
+            assert_eq!((wr.wr.rdma.remote_addr, wr.wr.rdma.rkey), (0x9000, 0x55));
+        }
+        assert!(wr.next.is_null());
+
+        let error = SendWr {
+            op: SendOp::SendWithImm,
+            inline: true,
+            signaled: false,
+            ..write
+        };
+        let wr = send_wr(&error, p);
+        assert_eq!(wr.opcode, ibv_wr_opcode::IBV_WR_SEND_WITH_IMM);
+        assert_eq!(wr.send_flags, ibv_send_flags::IBV_SEND_INLINE.0);
+        assert_eq!(wr.num_sge, 1);
+
+        let marker = SendWr {
+            wr_id: u64::MAX - 1,
+            signaled: true,
+            ..SendWr::EMPTY
+        };
+        let wr = send_wr(&marker, p);
+        assert_eq!(wr.opcode, ibv_wr_opcode::IBV_WR_SEND);
+        assert_eq!((wr.sg_list, wr.num_sge), (std::ptr::null_mut(), 0));
+        assert_eq!(wr.send_flags, ibv_send_flags::IBV_SEND_SIGNALED.0);
     }
 }
