@@ -586,3 +586,114 @@ impl WorkQueue for MemQp {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write(wr_id: u64, src: &[u8], lkey: u32, dst: u64, rkey: u32, signaled: bool) -> SendWr {
+        SendWr {
+            wr_id,
+            op: SendOp::WriteWithImm,
+            local_addr: src.as_ptr() as u64,
+            len: src.len() as u32,
+            lkey,
+            inline: false,
+            remote_addr: dst,
+            rkey,
+            imm: wr_id as u32,
+            signaled,
+        }
+    }
+
+    fn drain(nic: &Rc<RefCell<MemNic>>, q: &mut MemQp) -> Vec<WorkCompletion> {
+        for _ in 0..64 {
+            nic.borrow_mut().step();
+        }
+        let mut out = [WorkCompletion::default(); 16];
+        let n = q.poll(&mut out).unwrap();
+        out[..n].to_vec()
+    }
+
+    /// The model's RC semantics, without random faults: a WRITE_WITH_IMM
+    /// waits for a receive (RNR, retried for ever) and then lands; one out
+    /// of the peer's region fails with a remote access error and the
+    /// requests behind it are flushed, signalled or not; a post past the
+    /// send queue's depth is refused where it overflows, and the slots come
+    /// back only when a completion is polled.
+    #[test]
+    fn the_in_memory_pair_behaves_as_rc() {
+        let faults = MemFaults {
+            max_per_step: 3,
+            ..MemFaults::default()
+        };
+        // Declared first, so dropped after the NICs.
+        let mut src = vec![7u8; 32];
+        let mut dst = vec![0u8; 64];
+        let (nic, mut a, mut b) = MemNic::pair(1, faults, 4, 4, 16, 16);
+        // SAFETY: both buffers outlive the NIC (declared before it).
+        let (lkey, rkey) = unsafe {
+            let (l, _) = nic.borrow_mut().register(0, src.as_mut_ptr(), 32, false);
+            let (_, r) = nic.borrow_mut().register(1, dst.as_mut_ptr(), 64, true);
+            (l, r.unwrap())
+        };
+        let base = dst.as_ptr() as u64;
+        // SAFETY: src stays valid until the completions (this test).
+        unsafe { a.post_send(&[write(1, &src, lkey, base + 8, rkey, true)]) }.unwrap();
+        assert!(drain(&nic, &mut a).is_empty(), "no receive: it waits");
+        assert!(nic.borrow().may_read(0, 1));
+        let r = RecvWr {
+            wr_id: 40,
+            ..RecvWr::default()
+        };
+        // SAFETY: no buffer.
+        unsafe { b.post_recv(&[r]) }.unwrap();
+        let c = drain(&nic, &mut a);
+        assert_eq!((c.len(), c[0].wr_id, c[0].status), (1, 1, 0));
+        assert!(!nic.borrow().may_read(0, 1));
+        assert_eq!(&dst[8..40], &[7u8; 32][..]);
+        assert_eq!(dst[7], 0);
+        let c = drain(&nic, &mut b);
+        assert_eq!((c[0].wr_id, c[0].imm, c[0].byte_len), (40, Some(1), 32));
+
+        // Out of the region: remote access error, the rest flushed.
+        // SAFETY: as above.
+        unsafe {
+            b.post_recv(&[r, r]).unwrap();
+            let chain = [
+                write(2, &src, lkey, base + 40, rkey, false),
+                write(3, &src, lkey, base, rkey, false),
+            ];
+            a.post_send(&chain).unwrap();
+        }
+        let c = drain(&nic, &mut a);
+        let got: Vec<(u64, u32)> = c.iter().map(|w| (w.wr_id, w.status)).collect();
+        assert_eq!(
+            got,
+            [
+                (2, ibv_wc_status::IBV_WC_REM_ACCESS_ERR),
+                (3, ibv_wc_status::IBV_WC_WR_FLUSH_ERR)
+            ]
+        );
+        assert_eq!(dst[0], 0, "nothing written after the error");
+
+        // Depth 4: a chain of 5 is refused at its fifth.
+        let (nic, mut a, _b) = MemNic::pair(2, faults, 4, 4, 16, 16);
+        // SAFETY: as above.
+        let lkey = unsafe { nic.borrow_mut().register(0, src.as_mut_ptr(), 32, false).0 };
+        let chain: Vec<SendWr> = (0..5).map(|i| write(i, &src, lkey, 0, 0, i == 3)).collect();
+        // SAFETY: as above.
+        let e = unsafe { a.post_send(&chain) }.unwrap_err();
+        assert_eq!((e.posted, e.error.raw_os_error()), (4, Some(libc::ENOMEM)));
+        a.set_error().unwrap();
+        // Posted to a QP in error: accepted only once a completion is
+        // polled (its slot and the ones before it free).
+        // SAFETY: as above.
+        assert!(unsafe { a.post_send(&chain[4..]) }.is_err());
+        let c = drain(&nic, &mut a);
+        assert_eq!(c.len(), 4, "every request flushed");
+        // SAFETY: as above.
+        unsafe { a.post_send(&chain[4..]) }.unwrap();
+        nic.borrow().check_pools();
+    }
+}

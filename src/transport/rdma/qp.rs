@@ -587,24 +587,6 @@ impl Qp {
         })
     }
 
-    /// Posts one signalled zero-length SEND with no memory (`wr_id`): on a
-    /// QP in the error state it completes, flushed with an error, after
-    /// every request posted before it, so its completion says the device
-    /// is done with them all.
-    pub fn post_flush_marker(&self, wr_id: u64) -> Result<()> {
-        // SAFETY: plain data.
-        let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
-        wr.wr_id = wr_id;
-        wr.opcode = ibv_wr_opcode::IBV_WR_SEND;
-        wr.num_sge = 0;
-        wr.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
-        // SAFETY: the request references no memory.
-        unsafe { self.post_chain(std::slice::from_mut(&mut wr)) }.map_err(|e| Error::Rdma {
-            op: "post the flush marker",
-            detail: e.to_string(),
-        })
-    }
-
     /// Links `wrs` into one chain and posts it (one doorbell); nothing when
     /// empty. Returns the provider's errno on failure.
     ///
