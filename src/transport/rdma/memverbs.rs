@@ -61,12 +61,29 @@ pub(super) struct MemFaults {
 /// What the faults did (so a test can say they were exercised).
 #[derive(Debug, Clone, Copy, Default)]
 pub(super) struct MemStats {
+    /// Requests executed (read and written).
+    pub executed: u64,
+    /// Chains refused by the fault (at any index).
+    pub refused: u64,
+    /// Of those, refused after posting at least one request.
     pub refused_part_way: u64,
     pub wc_errors: u64,
     pub deaths: u64,
     pub remote_access_errors: u64,
     pub rnr_waits: u64,
-    pub executed: u64,
+}
+
+impl MemStats {
+    /// Adds `o` to these.
+    pub(super) fn add(&mut self, o: &MemStats) {
+        self.executed += o.executed;
+        self.refused += o.refused;
+        self.refused_part_way += o.refused_part_way;
+        self.wc_errors += o.wc_errors;
+        self.deaths += o.deaths;
+        self.remote_access_errors += o.remote_access_errors;
+        self.rnr_waits += o.rnr_waits;
+    }
 }
 
 #[derive(Clone, Copy)]
@@ -501,7 +518,8 @@ impl MemNic {
             let full = e.next_seq - e.retired >= e.sq_depth;
             if full || refuse_at == Some(i) {
                 if !full {
-                    self.stats.refused_part_way += 1;
+                    self.stats.refused += 1;
+                    self.stats.refused_part_way += (i > 0) as u64;
                 }
                 return Err(PostError {
                     posted: i,
