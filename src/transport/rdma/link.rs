@@ -1,17 +1,17 @@
-//! [`RdmaLink`], the owner side's [`Link`] over an RC queue pair.
+//! [`RdmaLink`], the owner side's [`Link`] over an RC queue pair, through
+//! the [`WorkQueue`] interface (the real QP's by default; the tests run the
+//! same code over the in-memory pair of `memverbs.rs`).
 //!
-//! Its `unsafe` is what the [`Link`] contract and the send-request layout
-//! need (the poster's memory is referenced until completion); the verbs
-//! calls themselves go through [`Qp`].
+//! Its `unsafe` is what the [`Link`] contract needs (the poster's memory
+//! is referenced until completion); the verbs calls themselves go through
+//! [`WorkQueue`].
 
 use std::collections::VecDeque;
-use std::ptr;
 use std::sync::Arc;
-
-use rdma_sys::*;
 
 use super::qp::{Cq, Qp, WorkCompletion};
 use super::verbs::SendRegions;
+use super::wq::{SendOp, SendWr, VerbsQueue, WorkQueue};
 use crate::error::{Error, Result};
 use crate::transport::{proto, Done, Link};
 
@@ -25,7 +25,7 @@ pub const RDMA_ERROR_BYTES: usize = 128;
 struct RdmaWr {
     wr_id: u64,
     send: bool,
-    src: *const u8,
+    src: u64,
     len: u32,
     lkey: u32,
     remote: u64,
@@ -44,9 +44,8 @@ struct RdmaWr {
 /// doorbell) signalling only its last request; `poll` turns the chain's
 /// completion into a [`Done`] for each of its requests. A failed
 /// completion (the QP is then in error) fails everything outstanding.
-pub struct RdmaLink {
-    qp: Qp,
-    cq: Arc<Cq>,
+pub struct RdmaLink<Q: WorkQueue = VerbsQueue> {
+    queue: Q,
     regions: SendRegions,
     remote_base: u64,
     max_wr: usize,
@@ -56,14 +55,10 @@ pub struct RdmaLink {
     chain_ends: VecDeque<u64>,
     done: VecDeque<Done>,
     inline_buf: Vec<u8>,
-    sges: Vec<ibv_sge>,
-    wrs: Vec<ibv_send_wr>,
+    /// The chain `flush` posts (built from `queued`).
+    chain: Vec<SendWr>,
     broken: Option<Error>,
 }
-
-// SAFETY: the raw pointers are addresses the poster keeps valid until
-// completion (Link's contract); one thread uses a link at a time.
-unsafe impl Send for RdmaLink {}
 
 impl RdmaLink {
     /// A link over the connected `qp` whose send completions go to `cq`
@@ -71,9 +66,21 @@ impl RdmaLink {
     /// (each write under its grant's rkey). At most `max_wr` requests
     /// outstanding (the QP's send queue size).
     pub fn new(qp: Qp, cq: Arc<Cq>, regions: SendRegions, remote_base: u64, max_wr: usize) -> Self {
+        Self::on(
+            VerbsQueue::new(qp, cq, max_wr),
+            regions,
+            remote_base,
+            max_wr,
+        )
+    }
+}
+
+impl<Q: WorkQueue> RdmaLink<Q> {
+    /// A link over `queue` (a connected QP's, at most `max_wr` deep),
+    /// otherwise as [`RdmaLink::new`].
+    pub fn on(queue: Q, regions: SendRegions, remote_base: u64, max_wr: usize) -> Self {
         RdmaLink {
-            qp,
-            cq,
+            queue,
             regions,
             remote_base,
             max_wr,
@@ -82,10 +89,22 @@ impl RdmaLink {
             chain_ends: VecDeque::with_capacity(max_wr),
             done: VecDeque::with_capacity(max_wr),
             inline_buf: vec![0u8; max_wr * (4 + RDMA_ERROR_BYTES)],
-            sges: Vec::with_capacity(max_wr),
-            wrs: Vec::with_capacity(max_wr),
+            chain: Vec::with_capacity(max_wr),
             broken: None,
         }
+    }
+
+    /// The capacities of the link's pools, which never grow.
+    #[cfg(test)]
+    pub(super) fn capacities(&self) -> [usize; 6] {
+        [
+            self.queued.capacity(),
+            self.posted.capacity(),
+            self.chain_ends.capacity(),
+            self.done.capacity(),
+            self.inline_buf.capacity(),
+            self.chain.capacity(),
+        ]
     }
 
     /// Why the link stopped (a failed completion), if it did.
@@ -96,7 +115,7 @@ impl RdmaLink {
     /// Asks for an event on the CQ's completion channel at its next
     /// completion (the CQ must have been made with one).
     pub fn arm(&self) -> Result<()> {
-        self.cq.arm()
+        self.queue.arm()
     }
 
     /// Whether requests are posted and not yet completed.
@@ -109,7 +128,7 @@ impl RdmaLink {
     /// are polled; what was queued and not posted fails now.
     pub fn close(&mut self) {
         if self.broken.is_none() {
-            if let Err(e) = self.qp.set_error() {
+            if let Err(e) = self.queue.set_error() {
                 log::warn!("closing an RDMA link: {e}");
             }
             self.broken = Some(Error::Rdma {
@@ -126,10 +145,16 @@ impl RdmaLink {
             // would ever report them. A signalled request posted to the
             // QP in error is flushed with an error completion, which
             // (after every earlier one, in order) fails them all.
-            if let Err(e) = self.qp.post_flush_marker(FLUSH_MARKER_WR) {
+            let marker = SendWr {
+                wr_id: FLUSH_MARKER_WR,
+                signaled: true,
+                ..SendWr::EMPTY
+            };
+            // SAFETY: a zero-length SEND references no memory.
+            if let Err(e) = unsafe { self.queue.post_send(&[marker]) } {
                 // The QP is in error: the device processes none of its
                 // requests any more.
-                log::warn!("RDMA link: posting the flush marker: {e}");
+                log::warn!("RDMA link: posting the flush marker: {}", e.error);
                 self.fail_all();
             }
         }
@@ -196,7 +221,11 @@ fn unsignalled_tail(posted: &VecDeque<u64>, chain_ends: &VecDeque<u64>) -> bool 
     posted.back().is_some() && chain_ends.back() != posted.back()
 }
 
-impl Link for RdmaLink {
+// SAFETY: the raw addresses are memory the poster keeps valid until
+// completion (Link's contract); one thread uses a link at a time.
+unsafe impl<Q: WorkQueue + Send> Send for RdmaLink<Q> {}
+
+impl<Q: WorkQueue> Link for RdmaLink<Q> {
     type Driver = ();
 
     /// # Safety
@@ -222,7 +251,7 @@ impl Link for RdmaLink {
         self.queued.push(RdmaWr {
             wr_id,
             send: false,
-            src,
+            src: src as u64,
             len,
             lkey,
             remote: self.remote_base + remote_offset,
@@ -259,7 +288,7 @@ impl Link for RdmaLink {
         self.queued.push(RdmaWr {
             wr_id,
             send: true,
-            src: ptr::null(),
+            src: 0,
             len: 4 + n as u32,
             lkey: 0,
             remote: 0,
@@ -274,55 +303,44 @@ impl Link for RdmaLink {
         if self.queued.is_empty() || self.broken.is_some() {
             return Ok(());
         }
-        self.sges.clear();
-        self.wrs.clear();
-        for w in &self.queued {
-            let addr = if w.send {
-                self.inline_buf[w.inline_at..].as_ptr() as u64
+        self.chain.clear();
+        let n = self.queued.len();
+        for (i, w) in self.queued.iter().enumerate() {
+            // Selective signalling: the last of the chain and every
+            // SIGNAL_EVERY-th (see is_signalled).
+            let signaled = is_signalled(i, n);
+            self.chain.push(if w.send {
+                // The code and message go inline (copied at post time).
+                SendWr {
+                    wr_id: w.wr_id,
+                    op: SendOp::SendWithImm,
+                    local_addr: self.inline_buf[w.inline_at..].as_ptr() as u64,
+                    len: w.len,
+                    inline: true,
+                    imm: w.imm,
+                    signaled,
+                    ..SendWr::EMPTY
+                }
             } else {
-                w.src as u64
-            };
-            self.sges.push(ibv_sge {
-                addr,
-                length: w.len,
-                lkey: w.lkey,
+                SendWr {
+                    wr_id: w.wr_id,
+                    op: SendOp::WriteWithImm,
+                    local_addr: w.src,
+                    len: w.len,
+                    lkey: w.lkey,
+                    inline: false,
+                    remote_addr: w.remote,
+                    rkey: w.rkey,
+                    imm: w.imm,
+                    signaled,
+                }
             });
         }
-        let last = self.queued.len() - 1;
-        for (i, w) in self.queued.iter().enumerate() {
-            // SAFETY: plain data.
-            let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
-            wr.wr_id = w.wr_id;
-            wr.sg_list = &mut self.sges[i];
-            wr.num_sge = 1;
-            wr.imm_data_invalidated_rkey_union.imm_data = w.imm.to_be();
-            // Selective signalling: the last of the chain and every
-            // SIGNAL_EVERY-th, so staging slots come back while a long
-            // chain is still on the wire (one completion per chain would
-            // hold every slot until its last write).
-            let signal = is_signalled(i, last + 1);
-            let mut flags = if signal {
-                ibv_send_flags::IBV_SEND_SIGNALED.0
-            } else {
-                0
-            };
-            if w.send {
-                wr.opcode = ibv_wr_opcode::IBV_WR_SEND_WITH_IMM;
-                flags |= ibv_send_flags::IBV_SEND_INLINE.0;
-            } else {
-                wr.opcode = ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM;
-                wr.wr.rdma.remote_addr = w.remote;
-                wr.wr.rdma.rkey = w.rkey;
-            }
-            wr.send_flags = flags;
-            self.wrs.push(wr);
-        }
-        // SAFETY: the SGEs outlive the call; inline data is copied during
-        // it; the written memory is valid until completion per Link's
-        // contract.
-        let (accepted, result) = match unsafe { self.qp.post_chain_counted(&mut self.wrs) } {
-            Ok(()) => (self.queued.len(), Ok(())),
-            Err((k, e)) => (k, Err(e)),
+        // SAFETY: inline data is copied during the call; the written
+        // memory is valid until completion per Link's contract.
+        let (accepted, result) = match unsafe { self.queue.post_send(&self.chain) } {
+            Ok(()) => (n, Ok(())),
+            Err(e) => (e.posted, Err(e.error)),
         };
         // What the provider accepted (all, or those before its bad_wr) is
         // on the send queue: held until its completion (or the flush of
@@ -338,7 +356,7 @@ impl Link for RdmaLink {
 
     fn poll(&mut self, out: &mut [Done]) -> usize {
         let mut wc = [WorkCompletion::default(); 16];
-        while let Ok(n) = self.cq.poll(&mut wc) {
+        while let Ok(n) = self.queue.poll(&mut wc) {
             if n == 0 {
                 break;
             }
@@ -385,7 +403,7 @@ mod tests {
         RdmaWr {
             wr_id: id,
             send: false,
-            src: ptr::null(),
+            src: 0,
             len: 1,
             lkey: 0,
             remote: 0,

@@ -2,18 +2,28 @@
 //! resources the RDMA transport is built from — device context, protection
 //! domain, memory region and window (`verbs.rs`), completion queues and the RC
 //! queue pair (`qp.rs`) — with the one-sided WRITE_WITH_IMM the push protocol uses
-//! (immediate = grant id); and the owner side's link over them
-//! ([`RdmaLink`], `link.rs`).
+//! (immediate = grant id); the verbs-shaped interface work requests are
+//! posted and polled through ([`WorkQueue`], `wq.rs`, with the real QP's
+//! implementation); and the owner side's link over it ([`RdmaLink`],
+//! `link.rs`). Tests only: an in-memory queue-pair pair behind the same
+//! interface (`memverbs.rs`) and the seeded simulation that runs the real
+//! link over it (`sim.rs`).
 //!
 //! This module owns the verbs resources and is one of the few allowed
 //! `unsafe`; the submodules say which resources each owns.
 
 mod link;
+#[cfg(test)]
+mod memverbs;
 mod qp;
+#[cfg(test)]
+mod sim;
 mod verbs;
+mod wq;
 
 pub use link::{RdmaLink, RDMA_ERROR_BYTES, SIGNAL_EVERY};
 pub use qp::{completion_error, wc_status_name, CompChannel, Cq, Endpoint, Qp, WorkCompletion};
 pub use verbs::{
     device_names, next_rkey, Access, Context, Mr, Mw, Pd, PortInfo, SendRegions, WindowOp,
 };
+pub use wq::{PostError, RecvWr, SendOp, SendWr, VerbsQueue, WorkQueue};

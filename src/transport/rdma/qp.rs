@@ -587,24 +587,6 @@ impl Qp {
         })
     }
 
-    /// Posts one signalled zero-length SEND with no memory (`wr_id`): on a
-    /// QP in the error state it completes, flushed with an error, after
-    /// every request posted before it, so its completion says the device
-    /// is done with them all.
-    pub fn post_flush_marker(&self, wr_id: u64) -> Result<()> {
-        // SAFETY: plain data.
-        let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
-        wr.wr_id = wr_id;
-        wr.opcode = ibv_wr_opcode::IBV_WR_SEND;
-        wr.num_sge = 0;
-        wr.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
-        // SAFETY: the request references no memory.
-        unsafe { self.post_chain(std::slice::from_mut(&mut wr)) }.map_err(|e| Error::Rdma {
-            op: "post the flush marker",
-            detail: e.to_string(),
-        })
-    }
-
     /// Links `wrs` into one chain and posts it (one doorbell); nothing when
     /// empty. Returns the provider's errno on failure.
     ///
@@ -647,16 +629,45 @@ impl Qp {
         }
         Ok(())
     }
+    /// Links `wrs` into one chain of receives and posts it; a failure says
+    /// how many were posted before the one refused (`bad_wr`).
+    ///
+    /// # Safety
+    /// Each buffer must stay valid, and be written only by the device,
+    /// until its receive completes.
+    pub(super) unsafe fn post_recv_chain_counted(
+        &self,
+        wrs: &mut [ibv_recv_wr],
+    ) -> std::result::Result<(), (usize, std::io::Error)> {
+        if wrs.is_empty() {
+            return Ok(());
+        }
+        for i in 0..wrs.len() - 1 {
+            let next: *mut ibv_recv_wr = &mut wrs[i + 1];
+            wrs[i].next = next;
+        }
+        let mut bad: *mut ibv_recv_wr = ptr::null_mut();
+        // SAFETY: live QP; the chain lives in `wrs` for the call; the
+        // buffers per this function's contract.
+        let rc = unsafe { ibv_post_recv(self.qp, wrs.as_mut_ptr(), &mut bad) };
+        if rc != 0 {
+            return Err((
+                accepted_before(wrs, bad),
+                std::io::Error::from_raw_os_error(rc),
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// How many requests of the chain `wrs` precede `bad` (the one the provider
 /// refused): those were posted. A `bad` that is null or outside the chain
 /// (a provider that does not set it) counts as the whole chain posted: the
 /// safe side, since memory wrongly thought posted is only held longer.
-fn accepted_before(wrs: &[ibv_send_wr], bad: *const ibv_send_wr) -> usize {
+fn accepted_before<T>(wrs: &[T], bad: *const T) -> usize {
     let base = wrs.as_ptr() as usize;
     let at = bad as usize;
-    let size = std::mem::size_of::<ibv_send_wr>();
+    let size = std::mem::size_of::<T>();
     if at < base || at >= base + std::mem::size_of_val(wrs) || !(at - base).is_multiple_of(size) {
         return wrs.len();
     }

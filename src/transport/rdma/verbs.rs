@@ -519,6 +519,15 @@ impl SendRegions {
         SendRegions(v.into())
     }
 
+    /// Regions given as (address, bytes, lkey): what the in-memory verbs
+    /// of the tests register.
+    #[cfg(test)]
+    pub(crate) fn from_ranges(ranges: &[(u64, u64, u32)]) -> Self {
+        let mut v = ranges.to_vec();
+        v.sort_unstable();
+        SendRegions(v.into())
+    }
+
     /// The local key of the region holding `addr..addr+len`.
     pub fn lkey(&self, addr: u64, len: u32) -> Option<u32> {
         let i = self.0.partition_point(|r| r.0 <= addr).checked_sub(1)?;
