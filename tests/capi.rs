@@ -257,7 +257,9 @@ fn c_test_passes() {
 /// of `ksp_catalog_sample` and of `ksp_batch`/`ksp_sample` still works and nothing past its struct
 /// is written; a newer, larger layout gets zeroes for unknown fields; a
 /// size below the first layout, unaligned or never set is
-/// `KSP_ERR_STRUCT_SIZE` with nothing written or consumed.
+/// `KSP_ERR_STRUCT_SIZE` with nothing written or consumed. `loop_stalls`
+/// is filled for a layout that has it (and counts a blocked tick, with the
+/// test hook) and not written for the layout before it.
 #[test]
 fn extensible_structs_accept_old_and_new_sizes_and_name_bad_ones() {
     let d = data();
@@ -270,14 +272,20 @@ fn extensible_structs_accept_old_and_new_sizes_and_name_bad_ones() {
     ) else {
         return;
     };
-    let o = Command::new(&bin)
-        .arg(&d.space)
+    // With the test hook, the poller's first tick blocks for 120 ms: at
+    // least one loop stall for ksp_stats.loop_stalls to show.
+    let mut cmd = Command::new(&bin);
+    cmd.arg(&d.space)
         .env(
             "ASAN_OPTIONS",
             "detect_leaks=0:abort_on_error=0:exitcode=23",
         )
-        .output()
-        .unwrap();
+        .env_remove("KSPEED_TEST_STALL_MS")
+        .env_remove("KSPEED_STALL_MS");
+    if cfg!(feature = "test-panic") {
+        cmd.arg("1").env("KSPEED_TEST_STALL_MS", "120");
+    }
+    let o = cmd.output().unwrap();
     assert_passed(&o, "sized structs");
 }
 
