@@ -215,6 +215,11 @@ typedef struct {
   uint64_t max_us;
   // Reads the latency figures are computed from.
   uint64_t latency_reads;
+  // Ticks of the pollers' and the network thread's loops that took
+  // longer than the stall threshold (`KSPEED_STALL_MS`, default 50 ms):
+  // blocking work on a thread that must not block. Each is logged, at
+  // most once per 10 s per loop.
+  uint64_t loop_stalls;
 } ksp_stats;
 
 // What the catalog says about one sample.

@@ -10,11 +10,6 @@ use std::process::Command;
 
 use common::*;
 
-/// target/<profile>: where cargo put the kspeed binary and the C library.
-fn target_dir() -> PathBuf {
-    Path::new(kspeed_bin()).parent().unwrap().to_path_buf()
-}
-
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
@@ -28,68 +23,6 @@ fn compile(out: &Path, extra: &[&str]) -> Option<PathBuf> {
         flags.push("-DKSP_TEST_PANIC");
     }
     compile_with("gcc", "-std=c11", "tests/c/capi_test.c", out, &flags)
-}
-
-/// The freshly built C library: the kspeed-capi crate's cdylib, which
-/// cargo names libkspeed_capi.so (scripts/install.sh installs it as
-/// libkspeed.so.*). Test builds refresh target/<profile>/deps/ but not
-/// always the copy one level up: the newer of the two.
-fn built_library() -> PathBuf {
-    [
-        target_dir().join("deps/libkspeed_capi.so"),
-        target_dir().join("libkspeed_capi.so"),
-    ]
-    .into_iter()
-    .filter_map(|p| Some((std::fs::metadata(&p).ok()?.modified().ok()?, p)))
-    .max()
-    .map(|(_, p)| p)
-    .expect("libkspeed_capi.so (kspeed-capi, a dev-dependency) is built with the tests")
-}
-
-/// Compiles `source` (relative to the crate) with `compiler` against
-/// include/ (and ffi/cpp) and the built library.
-fn compile_with(
-    compiler: &str,
-    std_flag: &str,
-    source: &str,
-    out: &Path,
-    extra: &[&str],
-) -> Option<PathBuf> {
-    let built = built_library();
-    // Programs record the soname (libkspeed.so.ABI), which cargo does not
-    // create; an install does (scripts/install.sh). Link through a
-    // directory holding both names (-lkspeed finds libkspeed.so).
-    let lib = out.parent().unwrap().join("lib");
-    std::fs::create_dir_all(&lib).unwrap();
-    for name in [
-        "libkspeed.so",
-        &format!("libkspeed.so.{}", kspeed_capi::KSP_ABI_VERSION),
-    ] {
-        let _ = std::fs::remove_file(lib.join(name));
-        std::os::unix::fs::symlink(&built, lib.join(name)).unwrap();
-    }
-    let mut cmd = Command::new(compiler);
-    cmd.args([std_flag, "-Wall", "-Wextra", "-Werror", "-g", "-O1"])
-        .args(extra)
-        .arg("-I")
-        .arg(root().join("include"))
-        .arg("-I")
-        .arg(root().join("ffi/cpp"))
-        .arg(root().join(source))
-        .arg("-o")
-        .arg(out)
-        .arg("-L")
-        .arg(&lib)
-        .arg(format!("-Wl,-rpath,{}", lib.display()))
-        .arg("-lkspeed");
-    match cmd.output() {
-        Ok(o) if o.status.success() => Some(out.to_path_buf()),
-        Ok(o) => panic!("{compiler} failed:\n{}", String::from_utf8_lossy(&o.stderr)),
-        Err(e) => {
-            skip(&format!("{compiler} not available ({e})"));
-            None
-        }
-    }
 }
 
 struct Data {
@@ -257,7 +190,9 @@ fn c_test_passes() {
 /// of `ksp_catalog_sample` and of `ksp_batch`/`ksp_sample` still works and nothing past its struct
 /// is written; a newer, larger layout gets zeroes for unknown fields; a
 /// size below the first layout, unaligned or never set is
-/// `KSP_ERR_STRUCT_SIZE` with nothing written or consumed.
+/// `KSP_ERR_STRUCT_SIZE` with nothing written or consumed. `loop_stalls`
+/// is filled for a layout that has it (and counts a blocked tick, with the
+/// test hook) and not written for the layout before it.
 #[test]
 fn extensible_structs_accept_old_and_new_sizes_and_name_bad_ones() {
     let d = data();
@@ -270,14 +205,20 @@ fn extensible_structs_accept_old_and_new_sizes_and_name_bad_ones() {
     ) else {
         return;
     };
-    let o = Command::new(&bin)
-        .arg(&d.space)
+    // With the test hook, the poller's first tick blocks for 120 ms: at
+    // least one loop stall for ksp_stats.loop_stalls to show.
+    let mut cmd = Command::new(&bin);
+    cmd.arg(&d.space)
         .env(
             "ASAN_OPTIONS",
             "detect_leaks=0:abort_on_error=0:exitcode=23",
         )
-        .output()
-        .unwrap();
+        .env_remove("KSPEED_TEST_STALL_MS")
+        .env_remove("KSPEED_STALL_MS");
+    if cfg!(feature = "test-panic") {
+        cmd.arg("1").env("KSPEED_TEST_STALL_MS", "120");
+    }
+    let o = cmd.output().unwrap();
     assert_passed(&o, "sized structs");
 }
 

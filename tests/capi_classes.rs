@@ -11,53 +11,15 @@ use std::process::Command;
 
 use common::*;
 
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
 /// Compiles tests/c/classes_test.c into `dir`; None (with a message) without gcc.
 fn compile(dir: &Path) -> Option<PathBuf> {
-    let t = dir;
-    let target = Path::new(kspeed_bin()).parent().unwrap().to_path_buf();
-    let built = [
-        target.join("deps/libkspeed_capi.so"),
-        target.join("libkspeed_capi.so"),
-    ]
-    .into_iter()
-    .filter_map(|p| Some((std::fs::metadata(&p).ok()?.modified().ok()?, p)))
-    .max()
-    .map(|(_, p)| p)
-    .expect("libkspeed_capi.so (kspeed-capi, a dev-dependency) is built with the tests");
-    let lib = t.join("lib");
-    std::fs::create_dir_all(&lib).unwrap();
-    for name in [
-        "libkspeed.so",
-        &format!("libkspeed.so.{}", kspeed_capi::KSP_ABI_VERSION),
-    ] {
-        std::os::unix::fs::symlink(&built, lib.join(name)).unwrap();
-    }
-    let bin = t.join("classes_test");
-    let o = match Command::new("gcc")
-        .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-g"])
-        .arg("-I")
-        .arg(root().join("include"))
-        .arg(root().join("tests/c/classes_test.c"))
-        .arg("-o")
-        .arg(&bin)
-        .arg("-L")
-        .arg(&lib)
-        .arg(format!("-Wl,-rpath,{}", lib.display()))
-        .arg("-lkspeed")
-        .output()
-    {
-        Ok(o) => o,
-        Err(e) => {
-            skip(&format!("gcc not available ({e})"));
-            return None;
-        }
-    };
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    Some(bin)
+    compile_with(
+        "gcc",
+        "-std=c11",
+        "tests/c/classes_test.c",
+        &dir.join("classes_test"),
+        &[],
+    )
 }
 
 #[test]

@@ -321,6 +321,11 @@ pub struct ksp_stats {
     pub max_us: u64,
     /// Reads the latency figures are computed from.
     pub latency_reads: u64,
+    /// Ticks of the pollers' and the network thread's loops that took
+    /// longer than the stall threshold (`KSPEED_STALL_MS`, default 50 ms):
+    /// blocking work on a thread that must not block. Each is logged, at
+    /// most once per 10 s per loop.
+    pub loop_stalls: u64,
 }
 
 impl Default for ksp_stats {
@@ -346,6 +351,7 @@ impl Default for ksp_stats {
             p999_us: 0,
             max_us: 0,
             latency_reads: 0,
+            loop_stalls: 0,
         }
     }
 }
@@ -397,6 +403,7 @@ pub unsafe extern "C" fn ksp_loader_stats(l: *const ksp_loader, out: *mut ksp_st
             p999_us: s.read_latency.p999_us,
             max_us: s.read_latency.max_us,
             latency_reads: s.read_latency.count,
+            loop_stalls: s.loop_stalls,
         });
         Ok(())
     })

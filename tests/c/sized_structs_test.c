@@ -6,9 +6,12 @@
  * KSP_ERR_STRUCT_SIZE with nothing written and nothing consumed.
  * Run by tests/capi.rs:
  *
- *   sized_structs_test SPACE
+ *   sized_structs_test SPACE [MIN_LOOP_STALLS]
  *
- * SPACE is a preloaded space. Prints one line per failed check and exits
+ * SPACE is a preloaded space. MIN_LOOP_STALLS (default 0) is the least
+ * ksp_stats.loop_stalls must show: tests/capi.rs passes 1 when the library
+ * has the test hook that blocks each poller's first tick
+ * (KSPEED_TEST_STALL_MS). Prints one line per failed check and exits
  * non-zero if any failed. */
 #include <kspeed.h>
 
@@ -57,6 +60,13 @@ struct old_stats {
         source_reads, read_ahead, read_ahead_discarded;
 };
 
+/* ksp_stats as a program compiled against its second layout sees it: it
+ * ended at latency_reads (before loop_stalls was appended). */
+struct second_stats {
+    struct old_stats first;
+    uint64_t p90_us, p999_us, max_us, latency_reads;
+};
+
 /* ksp_catalog_sample as a program compiled against its first layout (ABI
  * 4) sees it: it ended at label. */
 struct old_catalog_sample {
@@ -88,6 +98,8 @@ struct new_batch {
 _Static_assert(sizeof(struct old_stats) == KSP_STATS_MIN_SIZE, "first ksp_stats layout");
 _Static_assert(offsetof(ksp_stats, p90_us) == KSP_STATS_MIN_SIZE, "fields are appended");
 _Static_assert(sizeof(ksp_stats) > KSP_STATS_MIN_SIZE, "ksp_stats grew past its first layout");
+_Static_assert(offsetof(ksp_stats, loop_stalls) == sizeof(struct second_stats),
+               "loop_stalls is appended after the second layout");
 _Static_assert(sizeof(ksp_batch) >= KSP_BATCH_MIN_SIZE, "first ksp_batch layout");
 _Static_assert(sizeof(ksp_sample) >= KSP_SAMPLE_MIN_SIZE, "first ksp_sample layout");
 _Static_assert(sizeof(struct old_catalog_sample) == KSP_CATALOG_SAMPLE_MIN_SIZE,
@@ -131,10 +143,11 @@ static void check_sample(ksp_loader *l, const ksp_sample *s) {
 }
 
 int main(int argc, char **argv) {
-    if (argc != 2) {
-        fprintf(stderr, "usage: sized_structs_test SPACE\n");
+    if (argc != 2 && argc != 3) {
+        fprintf(stderr, "usage: sized_structs_test SPACE [MIN_LOOP_STALLS]\n");
         return 2;
     }
+    uint64_t min_loop_stalls = argc == 3 ? strtoull(argv[2], NULL, 10) : 0;
     ksp_loader *l = open_loader(argv[1]);
     if (!l) return 1;
     uint64_t per_epoch = 0;
@@ -221,6 +234,32 @@ int main(int argc, char **argv) {
           (unsigned long long)full.latency_reads, (unsigned long long)full.p50_us,
           (unsigned long long)full.p90_us, (unsigned long long)full.p99_us,
           (unsigned long long)full.p999_us, (unsigned long long)full.max_us);
+
+    /* loop_stalls is written (the struct was filled with FILL bytes
+     * first) and counts the blocked ticks the hook made, if any. */
+    ksp_stats filled;
+    memset(&filled, FILL, sizeof filled);
+    filled.struct_size = sizeof filled;
+    CHECK(ksp_loader_stats(l, &filled) == KSP_OK, "%s", last_error());
+    CHECK(filled.loop_stalls >= min_loop_stalls && filled.loop_stalls < (1ull << 32),
+          "loop_stalls %llu (at least %llu)", (unsigned long long)filled.loop_stalls,
+          (unsigned long long)min_loop_stalls);
+
+    /* The second layout (up to latency_reads): filled, and loop_stalls,
+     * which lies past it, not written. */
+    struct {
+        struct second_stats s;
+        unsigned char after[64];
+    } second;
+    memset(&second, FILL, sizeof second);
+    second.s.first.struct_size = sizeof second.s;
+    CHECK(ksp_loader_stats(l, (ksp_stats *)&second.s) == KSP_OK, "second layout: %s",
+          last_error());
+    CHECK(second.s.first.samples == full.samples && second.s.latency_reads >= full.latency_reads &&
+              second.s.max_us >= full.max_us,
+          "second layout's fields");
+    CHECK(all_bytes(second.after, sizeof second.after, FILL),
+          "nothing written past the second layout");
 
     /* The first layout: filled, and not one byte past it written. */
     struct {

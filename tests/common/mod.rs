@@ -160,3 +160,68 @@ pub fn skip(why: &str) {
     }
     eprintln!("skipping: {why}");
 }
+
+/// The freshly built C library: the kspeed-capi crate's cdylib, which
+/// cargo names libkspeed_capi.so (scripts/install.sh installs it as
+/// libkspeed.so.*). Test builds refresh target/<profile>/deps/ but not
+/// always the copy one level up: the newer of the two.
+pub fn built_library() -> PathBuf {
+    let target = Path::new(kspeed_bin()).parent().unwrap().to_path_buf();
+    [
+        target.join("deps/libkspeed_capi.so"),
+        target.join("libkspeed_capi.so"),
+    ]
+    .into_iter()
+    .filter_map(|p| Some((std::fs::metadata(&p).ok()?.modified().ok()?, p)))
+    .max()
+    .map(|(_, p)| p)
+    .expect("libkspeed_capi.so (kspeed-capi, a dev-dependency) is built with the tests")
+}
+
+/// Compiles `source` (relative to the crate) with `compiler` against
+/// include/ (and ffi/cpp) and the built library, as `out`; None (with a
+/// message) when the compiler is missing.
+pub fn compile_with(
+    compiler: &str,
+    std_flag: &str,
+    source: &str,
+    out: &Path,
+    extra: &[&str],
+) -> Option<PathBuf> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let built = built_library();
+    // Programs record the soname (libkspeed.so.ABI), which cargo does not
+    // create; an install does (scripts/install.sh). Link through a
+    // directory holding both names (-lkspeed finds libkspeed.so).
+    let lib = out.parent().unwrap().join("lib");
+    std::fs::create_dir_all(&lib).unwrap();
+    for name in [
+        "libkspeed.so",
+        &format!("libkspeed.so.{}", kspeed_capi::KSP_ABI_VERSION),
+    ] {
+        let _ = std::fs::remove_file(lib.join(name));
+        std::os::unix::fs::symlink(&built, lib.join(name)).unwrap();
+    }
+    let mut cmd = Command::new(compiler);
+    cmd.args([std_flag, "-Wall", "-Wextra", "-Werror", "-g", "-O1"])
+        .args(extra)
+        .arg("-I")
+        .arg(root.join("include"))
+        .arg("-I")
+        .arg(root.join("ffi/cpp"))
+        .arg(root.join(source))
+        .arg("-o")
+        .arg(out)
+        .arg("-L")
+        .arg(&lib)
+        .arg(format!("-Wl,-rpath,{}", lib.display()))
+        .arg("-lkspeed");
+    match cmd.output() {
+        Ok(o) if o.status.success() => Some(out.to_path_buf()),
+        Ok(o) => panic!("{compiler} failed:\n{}", String::from_utf8_lossy(&o.stderr)),
+        Err(e) => {
+            skip(&format!("{compiler} not available ({e})"));
+            None
+        }
+    }
+}

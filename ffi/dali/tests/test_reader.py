@@ -170,6 +170,9 @@ class ReaderTest(unittest.TestCase):
         cases = [
             (dict(space=os.path.join(self.tmp, "no-such-space")), "no-such-space"),
             (dict(space=self.ds.space, shard_id=2, num_shards=2), "shard_id 2"),
+            # Arguments go through kspeed's options table (ksp_config_set):
+            # its message, naming the option.
+            (dict(space=self.ds.space, tier_bytes="lots"), "option tier_bytes: "),
         ]
         corrupt = os.path.join(self.tmp, "corrupt")
         shutil.copytree(self.ds.space, corrupt)

@@ -295,6 +295,7 @@ impl PyLoader {
         d.set_item("disk_reads", st.disk_reads)?;
         d.set_item("tier_hits", st.tier_hits)?;
         d.set_item("retries", st.retries)?;
+        d.set_item("loop_stalls", st.loop_stalls)?;
         let lat = PyDict::new(py);
         lat.set_item("count", st.read_latency.count)?;
         lat.set_item("p50_us", st.read_latency.p50_us)?;

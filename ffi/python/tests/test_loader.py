@@ -80,6 +80,16 @@ def test_every_sample_matches_its_source_2_ranks_3_epochs(space, drop_last):
     assert per_epoch[0][0] != per_epoch[1][0], "epochs are shuffled differently"
 
 
+def test_stats_has_loop_stalls(space):
+    # The loops' stall count (ticks longer than KSPEED_STALL_MS), as in
+    # Rust's Stats::loop_stalls and C's ksp_stats.loop_stalls.
+    cat = kspeed.Catalog.open(space)
+    with kspeed.Loader(space, batch_size=8, seed=3, ring_bytes="256KiB") as loader:
+        read_epoch(loader, cat, check_bytes=False)
+        st = loader.stats()
+    assert type(st["loop_stalls"]) is int and st["loop_stalls"] >= 0, st
+
+
 @pytest.mark.parametrize("drop_last", [False, True])
 @pytest.mark.parametrize("world", [2, 3])
 def test_order_is_distributed_samplers_without_shuffle(space, drop_last, world):
