@@ -21,6 +21,8 @@
 //! Next (issue 27): the whole serve poller and network thread over
 //! [`MemNet`] (both are generic over [`IoBackend`] already).
 
+mod serve;
+
 use std::time::{Duration, Instant};
 
 use crate::ring::memnet::{MemNet, MemNetFaults};

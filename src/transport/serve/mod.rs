@@ -40,6 +40,8 @@ mod poller;
 mod push;
 mod rx;
 mod service;
+#[cfg(test)]
+pub(crate) mod sim_node;
 mod staging;
 
 use std::net::{SocketAddr, TcpStream};

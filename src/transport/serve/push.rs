@@ -409,6 +409,15 @@ impl<R: IoBackend> ServePoller<R> {
             // `WARNS_PER_WINDOW` per window: a dying disk must not flood
             // the log.
             let c = self.conns.get_mut(ci as usize).expect("live");
+            // The grant is answered (its later chunks would be dropped
+            // unsent): it leaves the queue now, so it no longer counts
+            // against `max_grants`. The consumer takes the ERROR as the
+            // grant's end and may grant another at once; counting this one
+            // until its last chunk was issued dropped a consumer that kept
+            // its window (TooManyGrants; found by the simulator).
+            if c.grants.front().is_some_and(|w| w.e.grant == grant) {
+                c.grants.pop_front();
+            }
             if c.warned_grant != Some(grant) {
                 c.warned_grant = Some(grant);
                 if self.warns.allow(self.ring.now()) {
