@@ -217,18 +217,19 @@ impl<R: IoBackend> SimNode<R> {
         );
         for (ci, c) in pl.conns.iter() {
             out += &format!(
-                "conn {ci} (fd {}): {} grants queued (front {:?}), held {}, sendq {:?}, ops {}, closing {}, link busy {}; ",
+                "conn {ci} (fd {}): {} grants queued (front {:?}), held {}, sendq {} (front {:?}), ops {}, closing {}, link busy {}; ",
                 c.fd,
                 c.grants.len(),
                 c.grants.front().map(|w| (w.e.grant, w.e.sample, w.e.len, w.next)),
                 c.held,
-                c.sendq,
+                c.sendq.len(),
+                c.sendq.iter().take(8).collect::<Vec<_>>(),
                 c.ops,
                 c.closing,
                 c.link.busy()
             );
         }
-        for (k, s) in pl.slots.iter() {
+        for (k, s) in pl.slots.iter().take(16) {
             out += &format!(
                 "slot {k}: conn {} grant {} ready {} error {} attempts {}; ",
                 s.conn, s.grant, s.ready, s.error, s.attempts
