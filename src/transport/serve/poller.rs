@@ -668,9 +668,18 @@ impl<R: IoBackend> ServePoller<R> {
         if let Some((code, msg)) = why {
             log::warn!("dropping consumer {}: {}: {msg}", c.peer, code.name());
             self.c.stats.violations.fetch_add(1, Ordering::Relaxed);
-            // Only between frames: a send in flight would interleave (an
-            // RDMA connection's socket carries no frames from here).
-            if c.link.is_rdma() || !c.link.busy() {
+            // Only between frames: a send in flight, or the rest of a
+            // frame a send took part of, would interleave with it (an RDMA
+            // connection's socket carries no frames from here). `busy()`
+            // alone let an ERROR into the middle of a partly sent DATA
+            // frame (found by the simulator).
+            #[allow(irrefutable_let_patterns)] // without the rdma feature
+            let between_frames = if let ConnLink::Tcp(l) = &c.link {
+                !l.mid_frame()
+            } else {
+                true
+            };
+            if between_frames {
                 send_error_now(&mut self.ring, c.fd, proto::CONNECTION, code, &msg);
             }
         }
