@@ -256,7 +256,11 @@ impl<B: IoBackend> IoBackend for Faulty<B> {
             } else if c.result > 1 && !was_short && self.roll(self.cfg.short_ppm) {
                 c.result /= 2;
                 short = true;
-            } else if c.result > 0 && !was_short && self.roll(self.read_transient_ppm) {
+            } else if self.read_transient_ppm > 0
+                && c.result > 0
+                && !was_short
+                && self.roll(self.read_transient_ppm)
+            {
                 c.result = if self.state & 1 == 0 {
                     -libc::EAGAIN
                 } else {
