@@ -7,8 +7,8 @@
 //! seeded samples and ring ranges and checks every frame it receives
 //! (the real `proto` encoding and [`FrameRx`]); some misbehave: stop
 //! reading for a while (long enough, sometimes, for the stall or idle
-//! timeout), send garbage or a grant the node must refuse, or lose their
-//! connection. The virtual clock moves a seeded amount each step, so the
+//! timeout), send garbage or a grant the node must refuse, close their
+//! connection with grants outstanding, or lose it. The virtual clock moves a seeded amount each step, so the
 //! node's timers fire as they would.
 //!
 //! Checked every step: each DATA payload is byte-exact against the
@@ -115,6 +115,8 @@ enum Act {
     BadGrant { at: u64, how: u64 },
     /// Loses its connection at step `at`.
     Reset { at: u64 },
+    /// Closes its connection at step `at`, grants outstanding or not.
+    Leave { at: u64 },
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -237,6 +239,12 @@ impl Consumer {
             }
             Act::Reset { at } if at == step => {
                 net.reset(self.fd);
+                self.must_end = true;
+                self.may_drop = true;
+            }
+            Act::Leave { at } if at == step && !self.left => {
+                net.shutdown(self.fd);
+                self.left = true;
                 self.must_end = true;
                 self.may_drop = true;
             }
@@ -630,7 +638,7 @@ fn serve_shape(seed: u64, many_slots: bool) {
         };
         let steps_hint = 4 * batches as u64 + 20;
         let long = rng.chance(2);
-        let act = match if many_slots { 7 } else { rng.below(8) } {
+        let act = match if many_slots { 9 } else { rng.below(10) } {
             0 => Act::Stall {
                 at: rng.below(steps_hint),
                 steps: rng.below(if long { 600 } else { 60 }),
@@ -644,6 +652,9 @@ fn serve_shape(seed: u64, many_slots: bool) {
                 how: rng.below(5),
             },
             3 => Act::Reset {
+                at: rng.below(steps_hint),
+            },
+            4 => Act::Leave {
                 at: rng.below(steps_hint),
             },
             _ => Act::Good,
