@@ -24,6 +24,9 @@
 //! never dropped; one that misbehaved was dropped (or survived its
 //! stall); after the stop every connection is reaped, no slot is taken,
 //! nothing is in flight and no completion was lost.
+//!
+//! (Over 800 lines: one scenario, whose consumer script, per-frame checks
+//! and end-of-run checks share the same expectations and read together.)
 
 use std::os::fd::RawFd;
 use std::path::PathBuf;
