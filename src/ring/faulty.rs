@@ -65,6 +65,9 @@ pub struct Faulty<B> {
     /// construction; a full list is a full queue): their completions get
     /// no read faults.
     net_ud: Vec<u64>,
+    /// Reads that complete with EAGAIN or EINTR (transient, as a short
+    /// read: never twice in a row for a slot), in parts per million.
+    read_transient_ppm: u32,
 }
 
 /// Faults of socket operations, in parts per million of operations: a
@@ -95,6 +98,7 @@ impl<B: IoBackend> Faulty<B> {
             completions: 0,
             net: NetFaults::default(),
             net_ud: Vec::with_capacity(max_inflight),
+            read_transient_ppm: 0,
         }
     }
 
@@ -102,6 +106,15 @@ impl<B: IoBackend> Faulty<B> {
     #[allow(dead_code)] // used by tests and the simulator
     pub(crate) fn with_net_faults(mut self, net: NetFaults) -> Self {
         self.net = net;
+        self
+    }
+
+    /// Also fails reads with a transient EAGAIN or EINTR (`ppm` of them),
+    /// never twice in a row for a slot, so a reader that retries always
+    /// recovers.
+    #[allow(dead_code)] // used by the simulator
+    pub(crate) fn with_transient_read_faults(mut self, ppm: u32) -> Self {
+        self.read_transient_ppm = ppm;
         self
     }
 
@@ -233,13 +246,26 @@ impl<B: IoBackend> IoBackend for Faulty<B> {
                 }
                 continue;
             }
-            let slot = c.user_data as usize;
+            // The slot is the low 32 bits (the serve poller keeps its
+            // operation's kind and connection above them).
+            let slot = c.user_data as u32 as usize;
             let was_short = self.short_last.get(slot).copied().unwrap_or(true);
             let mut short = false;
             if c.result > 0 && self.roll(self.cfg.eio_ppm) {
                 c.result = -libc::EIO;
             } else if c.result > 1 && !was_short && self.roll(self.cfg.short_ppm) {
                 c.result /= 2;
+                short = true;
+            } else if self.read_transient_ppm > 0
+                && c.result > 0
+                && !was_short
+                && self.roll(self.read_transient_ppm)
+            {
+                c.result = if self.state & 1 == 0 {
+                    -libc::EAGAIN
+                } else {
+                    -libc::EINTR
+                };
                 short = true;
             }
             if let Some(s) = self.short_last.get_mut(slot) {

@@ -105,6 +105,10 @@ pub(crate) struct MemNet {
     /// The pools' capacities at construction (they never grow).
     caps: (usize, usize),
     depth: usize,
+    /// Completions the port's completion queue holds (`with_cq_limit`;
+    /// `usize::MAX`: all), and those lost past it.
+    cq_limit: usize,
+    lost: u32,
 }
 
 // SAFETY: the raw pointers are the callers' buffers, valid until their
@@ -152,6 +156,8 @@ impl MemNet {
             pending,
             done,
             depth,
+            cq_limit: usize::MAX,
+            lost: 0,
         }
     }
 
@@ -386,6 +392,55 @@ impl MemNet {
     }
 }
 
+/// The simulator's views of a port: a bounded completion queue (as
+/// io_uring's, which drops what overflows and counts it), and the memory
+/// its operations in flight reference.
+impl MemNet {
+    /// Holds at most `n` completions not yet drained; more are lost and
+    /// counted ([`IoBackend::lost_completions`]), as io_uring's CQ
+    /// overflow (without IORING_FEAT_NODROP's backlog).
+    pub(crate) fn with_cq_limit(mut self, n: usize) -> Self {
+        self.cq_limit = n;
+        self
+    }
+
+    fn complete(&mut self, c: Completion) {
+        if self.done.len() >= self.cq_limit {
+            self.lost += 1;
+            return;
+        }
+        self.done.push_back(c);
+    }
+
+    /// Calls `f(user_data, fd, writes, ptr, len)` for each piece of memory
+    /// an operation in flight may still read (a send's) or write (a
+    /// read's or receive's, `writes`).
+    pub(crate) fn each_pending_buffer(
+        &self,
+        mut f: impl FnMut(u64, RawFd, bool, *const u8, usize),
+    ) {
+        for o in &self.pending {
+            let fd = o.fd as RawFd;
+            match o.kind {
+                Kind::Read(r) => f(o.user_data, fd, true, r.buf, r.len as usize),
+                Kind::Recv(b, len) => f(o.user_data, fd, true, b, len as usize),
+                Kind::Send(p, len) => f(o.user_data, fd, false, p, len as usize),
+                Kind::SendMsg(m) => {
+                    // SAFETY: the sendmsg contract: msg and its iovecs are
+                    // valid until the completion.
+                    let (iov, k) = unsafe { ((*m).msg_iov, (*m).msg_iovlen) };
+                    for i in 0..k {
+                        // SAFETY: as above, i < msg_iovlen.
+                        let v = unsafe { *iov.add(i) };
+                        f(o.user_data, fd, false, v.iov_base as *const u8, v.iov_len);
+                    }
+                }
+                Kind::PollIn | Kind::Timeout(_) | Kind::Cancel(_) => {}
+            }
+        }
+    }
+}
+
 impl IoBackend for MemNet {
     /// # Safety
     /// As for [`IoBackend::push`].
@@ -428,7 +483,7 @@ impl IoBackend for MemNet {
                         .position(|o| o.user_data == op.user_data && o.fd == op.fd)
                         .expect("the op is pending");
                     self.pending.remove(at);
-                    self.done.push_back(Completion {
+                    self.complete(Completion {
                         user_data: op.user_data,
                         result,
                     });
@@ -514,7 +569,7 @@ impl IoBackend for MemNet {
     }
 
     fn lost_completions(&mut self) -> u32 {
-        0
+        self.lost
     }
 
     /// # Safety

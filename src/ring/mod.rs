@@ -201,19 +201,15 @@ pub trait IoBackend: Send {
     /// exists.
     unsafe fn register_buffers(&mut self, regions: &[(*mut u8, usize)]) -> Result<()>;
 
-    // (`now`, `shutdown`, `send_now` and `set_user_timeout` are taken up
-    // by the serve poller and the network thread next.)
     /// The loop's clock: `Instant::now()` on real backends, the
     /// simulator's virtual time on `MemNet`. Loops read time only here, so
     /// a seed replays their timeouts too.
-    #[allow(dead_code)]
     fn now(&self) -> Instant;
 
     /// Shuts both directions of socket `fd` now (`shutdown(SHUT_RDWR)`,
     /// not queued): its receives and sends in flight end, and its peer
     /// reads EOF after what was sent. Errors are ignored (the socket may
     /// already be gone, which is what the caller wants).
-    #[allow(dead_code)]
     fn shutdown(&mut self, fd: RawFd);
 
     /// Sends `buf` on socket `fd` now without blocking
@@ -221,12 +217,10 @@ pub trait IoBackend: Send {
     /// queued stream (an ERROR before closing, a heartbeat on an RDMA
     /// connection's control socket): the bytes taken (possibly fewer), or
     /// `WouldBlock` when there is no room, or the error.
-    #[allow(dead_code)]
     fn send_now(&mut self, fd: RawFd, buf: &[u8]) -> io::Result<usize>;
 
     /// Sets `TCP_USER_TIMEOUT` on socket `fd`: unacknowledged data older
     /// than `timeout` ends the connection.
-    #[allow(dead_code)]
     fn set_user_timeout(&mut self, fd: RawFd, timeout: Duration) -> io::Result<()>;
 }
 

@@ -18,8 +18,11 @@
 //! many run (from `KSPEED_SIM_BASE`, default 0), within a time budget
 //! (`KSPEED_SIM_BUDGET_S`, default 60 s). A failure names its seed.
 //!
-//! Next (issue 27): the whole serve poller and network thread over
-//! [`MemNet`] (both are generic over [`IoBackend`] already).
+//! `serve.rs` runs the node service's real pollers over [`MemNet`]
+//! against scripted consumers (see there). Next (issue 27): the
+//! consumer's network thread.
+
+mod serve;
 
 use std::time::{Duration, Instant};
 

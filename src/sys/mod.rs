@@ -187,7 +187,6 @@ pub fn send_nonblocking(fd: std::os::fd::RawFd, bytes: &[u8]) -> std::io::Result
 /// Shuts both directions of socket `fd` (`shutdown(SHUT_RDWR)`), ignoring
 /// errors: the descriptor stays open (its owner closes it), but receives
 /// and sends on it end and the peer reads EOF.
-#[allow(dead_code)] // the serve poller and network thread take it up next
 pub fn shutdown_socket(fd: std::os::fd::RawFd) {
     // SAFETY: shutdown takes a descriptor number and touches no memory; a
     // closed or wrong one is an error return, which is ignored.

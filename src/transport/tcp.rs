@@ -83,6 +83,14 @@ impl TcpLink {
         self.in_flight > 0
     }
 
+    /// Whether the stream is inside a frame: a `sendmsg` is in flight, or
+    /// one took part of the first frame and the rest is not sent yet.
+    /// Bytes written on the socket by anyone else now (an ERROR before
+    /// closing) would land inside that frame.
+    pub(crate) fn mid_frame(&self) -> bool {
+        self.in_flight > 0 || self.queue.front().is_some_and(|w| w.sent > 0)
+    }
+
     /// Takes the completion of this link's `sendmsg` (`res`: bytes sent or
     /// -errno): frames sent whole complete; a partly sent one stays first.
     pub fn on_send(&mut self, res: i32) {

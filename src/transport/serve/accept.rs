@@ -799,17 +799,18 @@ impl Acceptor {
                 if let Some(buf) = p.buf.take() {
                     self.spare.push(buf);
                 }
+                if p.sock.set_nonblocking(false).is_err() {
+                    self.c.load[poller].fetch_sub(1, Ordering::Relaxed);
+                    return true;
+                }
                 let acc = Accepted {
-                    sock: p.sock,
+                    fd: p.sock.as_raw_fd(),
+                    sock: Some(p.sock),
                     peer: p.peer,
                     hello,
                     #[cfg(feature = "rdma")]
                     rdma,
                 };
-                if acc.sock.set_nonblocking(false).is_err() {
-                    self.c.load[poller].fetch_sub(1, Ordering::Relaxed);
-                    return true;
-                }
                 log::info!(
                     "consumer {} (rank {} of {}) connected{} (poller {poller}, {} consumers)",
                     acc.peer,
@@ -835,13 +836,16 @@ impl Acceptor {
                         self.c.stats.rdma_qps.fetch_sub(1, Ordering::Relaxed);
                     }
                     debug_assert!(!full, "a poller's queue holds all its consumers");
+                    let sock = acc
+                        .sock
+                        .expect("the acceptor's connections own their socket");
                     send_error(
-                        &acc.sock,
+                        &sock,
                         proto::CONNECTION,
                         Code::ShuttingDown,
                         &format!("the node service is stopping (poller {poller} is gone)"),
                     );
-                    self.close_after_error(acc.sock);
+                    self.close_after_error(sock);
                 }
                 true
             }

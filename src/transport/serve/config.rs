@@ -157,7 +157,7 @@ impl ServeConfig {
     /// of that, up to the kernel's 65,536; past that the reads in flight
     /// are held below it (back-pressure), so a completion can never be
     /// dropped (which would leak its slot and hang shutdown).
-    pub(super) fn ring_entries(&self) -> (u32, u32, usize) {
+    pub(crate) fn ring_entries(&self) -> (u32, u32, usize) {
         let reserve = 2 * self.max_conns_per_poller + 1;
         let need = self.slots().saturating_add(reserve);
         let sq = (need.min(MAX_RING_SQ) as u32).next_power_of_two().max(1024);
@@ -169,7 +169,7 @@ impl ServeConfig {
 
     /// Staging slots per poller (and so the most RDMA writes in flight per
     /// connection).
-    pub(super) fn slots(&self) -> usize {
+    pub(crate) fn slots(&self) -> usize {
         (self.staging_bytes / self.chunk_bytes as u64).max(1) as usize
     }
 }

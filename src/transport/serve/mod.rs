@@ -40,10 +40,12 @@ mod poller;
 mod push;
 mod rx;
 mod service;
+#[cfg(test)]
+pub(crate) mod sim_node;
 mod staging;
 
 use std::net::{SocketAddr, TcpStream};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 pub use config::{ServeConfig, MIN_IDLE_TIMEOUT};
@@ -153,7 +155,12 @@ impl Common {
 }
 
 struct Accepted {
-    sock: TcpStream,
+    /// The socket's descriptor: what the poller's ring sends and receives
+    /// on.
+    fd: RawFd,
+    /// Owns the socket (closing it when the connection is dropped); None
+    /// in the simulator, whose connections are in-memory endpoints.
+    sock: Option<TcpStream>,
     peer: SocketAddr,
     hello: Hello,
     #[cfg(feature = "rdma")]
@@ -165,11 +172,21 @@ struct Accepted {
 /// must not wait on it. What the socket buffer does not take is dropped;
 /// the connection is closed right after either way.
 fn send_error(sock: &TcpStream, grant: u32, code: Code, msg: &str) {
+    let mut f = [0u8; ERROR_FRAME_MAX];
+    let n = encode_error(&mut f, grant, code, msg);
+    let _ = crate::sys::send_nonblocking(sock.as_raw_fd(), &f[..n]);
+}
+
+/// Largest ERROR frame (a header and the longest message).
+const ERROR_FRAME_MAX: usize = proto::HEADER_BYTES + proto::MAX_MESSAGE_BYTES;
+
+/// Writes an ERROR frame (the message cut to the protocol's limit) into
+/// `f`; returns its length.
+fn encode_error(f: &mut [u8; ERROR_FRAME_MAX], grant: u32, code: Code, msg: &str) -> usize {
     let m = &msg.as_bytes()[..msg.len().min(proto::MAX_MESSAGE_BYTES)];
-    let mut f = [0u8; proto::HEADER_BYTES + proto::MAX_MESSAGE_BYTES];
     f[..proto::HEADER_BYTES].copy_from_slice(&Header::error(grant, code, m.len() as u32).encode());
     f[proto::HEADER_BYTES..proto::HEADER_BYTES + m.len()].copy_from_slice(m);
-    let _ = crate::sys::send_nonblocking(sock.as_raw_fd(), &f[..proto::HEADER_BYTES + m.len()]);
+    proto::HEADER_BYTES + m.len()
 }
 
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {

@@ -6,7 +6,7 @@
 use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::net::{SocketAddr, TcpStream};
-use std::os::fd::AsRawFd;
+use std::os::fd::RawFd;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -16,7 +16,7 @@ use crossbeam_channel::Receiver;
 use super::link::ConnLink;
 use super::owner_rdma::PollerChannel;
 use super::staging::{Slot, Staging};
-use super::{metrics, send_error, Accepted, Common};
+use super::{encode_error, metrics, Accepted, Common, ERROR_FRAME_MAX};
 use crate::error::errno_name;
 use crate::pool::Pool;
 use crate::ring::{Completion, IoBackend, Uring};
@@ -58,7 +58,11 @@ pub(super) struct Work {
 }
 
 pub(super) struct SConn {
-    pub(super) sock: TcpStream,
+    /// Its socket's descriptor (every operation goes through the ring).
+    pub(super) fd: RawFd,
+    /// Owns the socket: closed when the connection is dropped, after its
+    /// last operation (None in the simulator).
+    pub(super) _sock: Option<TcpStream>,
     pub(super) peer: SocketAddr,
     pub(super) hello: Hello,
     /// The receive side: a header, then a GRANT body (never a payload:
@@ -169,8 +173,8 @@ impl<R: IoBackend> ServePoller<R> {
         // a full one is back-pressure.
         let slots = Pool::with_limit(n);
         let conns = Pool::with_limit(c.cfg.max_conns_per_poller);
+        let now = ring.now();
         ServePoller {
-            ring,
             incoming,
             staging,
             fixed_staging,
@@ -181,20 +185,21 @@ impl<R: IoBackend> ServePoller<R> {
             rr: 0,
             live: Vec::with_capacity(c.cfg.max_conns_per_poller),
             quota: n,
-            last_stall_check: std::time::Instant::now(),
+            last_stall_check: now,
             index,
             stall: crate::stall::Stall::new("node service poller", index),
             channel: PollerChannel::new(&c, index),
             chan_inflight: false,
             spin_since: None,
-            next_beat: std::time::Instant::now(),
-            warns: super::push::WarnLimit::new(),
+            next_beat: now,
+            warns: super::push::WarnLimit::new(now),
             #[cfg(feature = "test-panic")]
             read_faults: std::env::var("KSPEED_TEST_SERVE_READ_FAULTS")
                 .ok()
                 .and_then(|v| v.parse().ok())
                 .unwrap_or(0),
             c,
+            ring,
         }
     }
 
@@ -222,7 +227,7 @@ impl<R: IoBackend> ServePoller<R> {
     pub(super) fn abandon(mut self) {
         for &ci in &self.live {
             if let Some(c) = self.conns.get(ci as usize) {
-                let _ = c.sock.shutdown(std::net::Shutdown::Both);
+                self.ring.shutdown(c.fd);
             }
         }
         // The hand-off queue is not leaked with the rest: dropped, it
@@ -231,14 +236,16 @@ impl<R: IoBackend> ServePoller<R> {
         // (welcomed, nothing in flight) are told why and closed.
         let incoming = std::mem::replace(&mut self.incoming, crossbeam_channel::never());
         while let Ok(acc) = incoming.try_recv() {
-            super::send_error(
-                &acc.sock,
-                crate::transport::proto::CONNECTION,
-                crate::transport::proto::Code::ShuttingDown,
-                &format!(
-                    "the node service is stopping (poller {} failed)",
-                    self.index
-                ),
+            let m = format!(
+                "the node service is stopping (poller {} failed)",
+                self.index
+            );
+            send_error_now(
+                &mut self.ring,
+                acc.fd,
+                proto::CONNECTION,
+                Code::ShuttingDown,
+                &m,
             );
         }
         drop(incoming);
@@ -266,70 +273,75 @@ impl<R: IoBackend> ServePoller<R> {
     /// nothing is in flight in the ring).
     pub(super) fn run(&mut self) {
         self.stall.resume();
-        loop {
-            // Drop the reaped from the dense list before anyone is adopted
-            // (a reaped index may be reused right after).
-            let conns = &self.conns;
-            self.live.retain(|&ci| conns.contains(ci as usize));
-            let stopping = self.c.stop.load(Ordering::Acquire);
-            if stopping {
-                for k in 0..self.live.len() {
-                    let ci = self.live[k] as usize;
-                    if self.conns.get(ci).is_some_and(|c| !c.closing) {
-                        self.close(ci as u32, None);
-                    }
-                }
-                if self
-                    .live
-                    .iter()
-                    .all(|&ci| !self.conns.contains(ci as usize))
-                {
-                    break;
-                }
-            } else {
-                while let Ok(acc) = self.incoming.try_recv() {
-                    self.adopt(acc);
+        while !self.tick() {}
+    }
+
+    /// One iteration of the loop (the simulator steps it): true once the
+    /// service stops and every connection is gone.
+    pub(super) fn tick(&mut self) -> bool {
+        // Drop the reaped from the dense list before anyone is adopted
+        // (a reaped index may be reused right after).
+        let conns = &self.conns;
+        self.live.retain(|&ci| conns.contains(ci as usize));
+        let stopping = self.c.stop.load(Ordering::Acquire);
+        if stopping {
+            for k in 0..self.live.len() {
+                let ci = self.live[k] as usize;
+                if self.conns.get(ci).is_some_and(|c| !c.closing) {
+                    self.close(ci as u32, None);
                 }
             }
-            self.stall.phase(Phase::Conns);
-            self.post_recvs();
-            self.heartbeats();
-            self.drop_stalled();
-            self.stall.phase(Phase::Submit);
-            self.issue_reads();
-            // Start the reads before posting sends: posting RDMA writes can
-            // take a while (soft-RoCE does the whole transfer inside the
-            // post), and the disk should be busy meanwhile.
-            if let Err(e) = self.ring.submit_pending() {
-                log::warn!("node service poller: io_uring: {e}");
+            if self
+                .live
+                .iter()
+                .all(|&ci| !self.conns.contains(ci as usize))
+            {
+                return true;
             }
-            self.stall.phase(Phase::Send);
-            self.issue_sends();
-            // RDMA completions arrive on the links' CQs, not the ring: while
-            // writes are in flight, poll instead of sleeping.
-            // (Polling without a system call: io_uring completions are
-            // read from the shared ring either way.)
-            self.stall.lap(&self.c.stats.loop_stalls);
-            let res = if self.rdma_should_spin() {
-                self.ring.submit_pending()
-            } else {
-                let r = self.ring.submit_wait_timeout(Duration::from_millis(50));
-                self.stall.resume();
-                r
-            };
-            if let Err(e) = res {
-                log::error!("node service poller: io_uring: {e}");
-                std::thread::sleep(Duration::from_millis(10));
+        } else {
+            while let Ok(acc) = self.incoming.try_recv() {
+                self.adopt(acc);
             }
-            let n = self.ring.drain(&mut self.completions);
-            self.stall.phase(Phase::Reap);
-            self.check_cq_overflow();
-            for i in 0..n {
-                let c = self.completions[i];
-                self.complete(c);
-            }
-            self.check_pools();
         }
+        self.stall.phase(Phase::Conns);
+        self.post_recvs();
+        self.heartbeats();
+        self.drop_stalled();
+        self.stall.phase(Phase::Submit);
+        self.issue_reads();
+        // Start the reads before posting sends: posting RDMA writes can
+        // take a while (soft-RoCE does the whole transfer inside the
+        // post), and the disk should be busy meanwhile.
+        if let Err(e) = self.ring.submit_pending() {
+            log::warn!("node service poller: io_uring: {e}");
+        }
+        self.stall.phase(Phase::Send);
+        self.issue_sends();
+        // RDMA completions arrive on the links' CQs, not the ring: while
+        // writes are in flight, poll instead of sleeping.
+        // (Polling without a system call: io_uring completions are
+        // read from the shared ring either way.)
+        self.stall.lap(&self.c.stats.loop_stalls);
+        let res = if self.rdma_should_spin() {
+            self.ring.submit_pending()
+        } else {
+            let r = self.ring.submit_wait_timeout(Duration::from_millis(50));
+            self.stall.resume();
+            r
+        };
+        if let Err(e) = res {
+            log::error!("node service poller: io_uring: {e}");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let n = self.ring.drain(&mut self.completions);
+        self.stall.phase(Phase::Reap);
+        self.check_cq_overflow();
+        for i in 0..n {
+            let c = self.completions[i];
+            self.complete(c);
+        }
+        self.check_pools();
+        false
     }
 
     /// Checks (debug builds) that no pool grew after start: the staging
@@ -358,8 +370,9 @@ impl<R: IoBackend> ServePoller<R> {
             if acc.has_rdma() {
                 self.c.stats.rdma_qps.fetch_sub(1, Ordering::Relaxed);
             }
-            send_error(
-                &acc.sock,
+            send_error_now(
+                &mut self.ring,
+                acc.fd,
                 proto::CONNECTION,
                 Code::NodeFull,
                 "this poller serves as many consumers as it was configured for",
@@ -367,12 +380,12 @@ impl<R: IoBackend> ServePoller<R> {
             return;
         };
         let max = self.c.cfg.max_grants as usize;
-        let fd = acc.sock.as_raw_fd();
+        let fd = acc.fd;
         // A consumer whose host died leaves its heartbeats unacknowledged:
         // the kernel fails the connection a little after the stall timeout
         // instead of retransmitting for many minutes (TCP_USER_TIMEOUT).
         let user_timeout = self.c.cfg.stall_timeout.max(USER_TIMEOUT_MIN) + USER_TIMEOUT_MARGIN;
-        if let Err(e) = crate::sys::set_tcp_user_timeout(fd, user_timeout) {
+        if let Err(e) = self.ring.set_user_timeout(fd, user_timeout) {
             log::debug!("{}: TCP_USER_TIMEOUT: {e}", acc.peer);
         }
         let link = match acc.take_rdma_link(&self.staging, self.c.cfg.slots()) {
@@ -391,8 +404,10 @@ impl<R: IoBackend> ServePoller<R> {
         ));
         self.c.metrics.add(m.clone());
         self.live.push(ci as u32);
+        let now = self.ring.now();
         let taken = self.conns.insert(SConn {
-            sock: acc.sock,
+            fd,
+            _sock: acc.sock,
             peer: acc.peer,
             hello: acc.hello,
             rx: FrameRx::new(proto::MAX_GRANT_ENTRIES * proto::GRANT_ENTRY_BYTES),
@@ -403,9 +418,9 @@ impl<R: IoBackend> ServePoller<R> {
             closing: false,
             failed_grant: None,
             held: 0,
-            last_drained: std::time::Instant::now(),
+            last_drained: now,
             metrics: m,
-            last_rx: std::time::Instant::now(),
+            last_rx: now,
             heartbeats: false,
             last_beat: None,
             warned_grant: None,
@@ -425,7 +440,7 @@ impl<R: IoBackend> ServePoller<R> {
     /// it is written on the control socket, where the node sends nothing
     /// else after the handshake.
     pub(super) fn heartbeats(&mut self) {
-        let now = std::time::Instant::now();
+        let now = self.ring.now();
         if now < self.next_beat {
             return;
         }
@@ -465,7 +480,7 @@ impl<R: IoBackend> ServePoller<R> {
                 continue;
             }
             let h = proto::Header::keepalive(false).encode();
-            match crate::sys::send_nonblocking(c.sock.as_raw_fd(), &h) {
+            match self.ring.send_now(c.fd, &h) {
                 Ok(n) if n == h.len() => c.last_beat = Some(now),
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
                 // A frame cut short cannot be finished later: the consumer
@@ -482,12 +497,12 @@ impl<R: IoBackend> ServePoller<R> {
     /// back to the others. Until then their fair share bounds what they
     /// hold.
     pub(super) fn drop_stalled(&mut self) {
-        let now = std::time::Instant::now();
+        let now = self.ring.now();
         if now.duration_since(self.last_stall_check) < Duration::from_millis(100) {
             return;
         }
         self.last_stall_check = now;
-        self.warns.roll();
+        self.warns.roll(now);
         let limit = self.c.cfg.stall_timeout;
         for k in 0..self.live.len() {
             let ci = self.live[k] as usize;
@@ -535,8 +550,9 @@ impl<R: IoBackend> ServePoller<R> {
             self.spin_since = None;
             return true;
         }
-        let since = *self.spin_since.get_or_insert_with(std::time::Instant::now);
-        if since.elapsed() < self.c.cfg.rdma_spin {
+        let now = self.ring.now();
+        let since = *self.spin_since.get_or_insert(now);
+        if now.duration_since(since) < self.c.cfg.rdma_spin {
             return true;
         }
         let Some(fd) = self.channel_fd() else {
@@ -619,7 +635,7 @@ impl<R: IoBackend> ServePoller<R> {
                     l.on_send(comp.result);
                 }
                 if comp.result > 0 {
-                    c.last_drained = std::time::Instant::now();
+                    c.last_drained = self.ring.now();
                 }
                 if comp.result <= 0 && !c.closing {
                     if comp.result == -libc::EFAULT {
@@ -652,14 +668,23 @@ impl<R: IoBackend> ServePoller<R> {
         if let Some((code, msg)) = why {
             log::warn!("dropping consumer {}: {}: {msg}", c.peer, code.name());
             self.c.stats.violations.fetch_add(1, Ordering::Relaxed);
-            // Only between frames: a send in flight would interleave (an
-            // RDMA connection's socket carries no frames from here).
-            if c.link.is_rdma() || !c.link.busy() {
-                send_error(&c.sock, proto::CONNECTION, code, &msg);
+            // Only between frames: a send in flight, or the rest of a
+            // frame a send took part of, would interleave with it (an RDMA
+            // connection's socket carries no frames from here). `busy()`
+            // alone let an ERROR into the middle of a partly sent DATA
+            // frame (found by the simulator).
+            #[allow(irrefutable_let_patterns)] // without the rdma feature
+            let between_frames = if let ConnLink::Tcp(l) = &c.link {
+                !l.mid_frame()
+            } else {
+                true
+            };
+            if between_frames {
+                send_error_now(&mut self.ring, c.fd, proto::CONNECTION, code, &msg);
             }
         }
         c.closing = true;
-        let _ = c.sock.shutdown(std::net::Shutdown::Both);
+        self.ring.shutdown(c.fd);
         c.grants.clear();
         // Frames posted but not in flight fail now (their slots come back
         // through reap_link), those in flight when their send returns; of
@@ -710,4 +735,14 @@ impl<R: IoBackend> ServePoller<R> {
             }
         }
     }
+}
+
+/// Sends an ERROR frame on `fd` through the ring, best effort and never
+/// blocking (as `super::send_error` does for the acceptor's sockets): the
+/// connection is closed right after, so what the socket does not take is
+/// dropped.
+fn send_error_now<R: IoBackend>(ring: &mut R, fd: RawFd, grant: u32, code: Code, msg: &str) {
+    let mut f = [0u8; ERROR_FRAME_MAX];
+    let n = encode_error(&mut f, grant, code, msg);
+    let _ = ring.send_now(fd, &f[..n]);
 }

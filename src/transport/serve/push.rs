@@ -30,17 +30,17 @@ pub(super) struct WarnLimit {
 }
 
 impl WarnLimit {
-    pub(super) fn new() -> Self {
+    pub(super) fn new(now: std::time::Instant) -> Self {
         WarnLimit {
-            since: std::time::Instant::now(),
+            since: now,
             lines: 0,
             suppressed: 0,
         }
     }
 
     /// Whether one more line may be written now (else it is counted).
-    pub(super) fn allow(&mut self) -> bool {
-        self.roll();
+    pub(super) fn allow(&mut self, now: std::time::Instant) -> bool {
+        self.roll(now);
         if self.lines < WARNS_PER_WINDOW {
             self.lines += 1;
             return true;
@@ -50,8 +50,8 @@ impl WarnLimit {
     }
 
     /// Ends a window that is over: says how many lines it left out.
-    pub(super) fn roll(&mut self) {
-        if self.since.elapsed() < WARN_WINDOW {
+    pub(super) fn roll(&mut self, now: std::time::Instant) {
+        if now.duration_since(self.since) < WARN_WINDOW {
             return;
         }
         if self.suppressed > 0 {
@@ -61,7 +61,7 @@ impl WarnLimit {
                 WARN_WINDOW.as_secs()
             );
         }
-        self.since = std::time::Instant::now();
+        self.since = now;
         self.lines = 0;
         self.suppressed = 0;
     }
@@ -115,7 +115,7 @@ impl<R: IoBackend> ServePoller<R> {
         let Some(loc) = loc else {
             // Not held here: an ERROR frame for this grant.
             c.grants.pop_front();
-            let s = Slot::new(ci, e.grant, std::time::Instant::now());
+            let s = Slot::new(ci, e.grant, self.ring.now());
             take_slot(&mut self.slots, &mut self.conns, ci, slot, s);
             let msg = format!(
                 "node {} does not hold sample {}",
@@ -148,7 +148,7 @@ impl<R: IoBackend> ServePoller<R> {
                     .metadata()
                     .is_ok_and(|m| m.len() < end);
             if cut || at + payload as usize > bytes.len() {
-                let s = Slot::new(ci, e.grant, std::time::Instant::now());
+                let s = Slot::new(ci, e.grant, self.ring.now());
                 take_slot(&mut self.slots, &mut self.conns, ci, slot, s);
                 let msg = format!(
                     "node {}: extent {} is shorter than its manifest says (sample {} needs bytes up to {end}; truncated?)",
@@ -156,7 +156,7 @@ impl<R: IoBackend> ServePoller<R> {
                     loc.extent,
                     e.sample
                 );
-                if self.warns.allow() {
+                if self.warns.allow(self.ring.now()) {
                     log::warn!("{msg}");
                 }
                 let c = self.conns.get_mut(ci as usize).expect("live");
@@ -169,7 +169,7 @@ impl<R: IoBackend> ServePoller<R> {
                     .push_back(slot);
                 return true;
             }
-            let s = Slot::new(ci, e.grant, std::time::Instant::now());
+            let s = Slot::new(ci, e.grant, self.ring.now());
             take_slot(&mut self.slots, &mut self.conns, ci, slot, s);
             self.queue_chunk(ci, slot, &e, off, payload, Some(bytes[at..].as_ptr()));
             return true;
@@ -194,7 +194,7 @@ impl<R: IoBackend> ServePoller<R> {
         if !unsafe { self.ring.push(&op) } {
             return false;
         }
-        let mut s = Slot::new(ci, e.grant, std::time::Instant::now());
+        let mut s = Slot::new(ci, e.grant, self.ring.now());
         s.read_extent = loc.extent;
         s.read_offset = loc.offset + off;
         s.read_len = read_len;
@@ -331,7 +331,7 @@ impl<R: IoBackend> ServePoller<R> {
                 return; // submission queue full: next tick
             }
             if !was_busy && c.link.busy() {
-                c.last_drained = std::time::Instant::now();
+                c.last_drained = self.ring.now();
                 // A TCP link's sendmsg in flight is an op of the ring.
                 if !c.link.is_rdma() {
                     c.ops += 1;
@@ -364,7 +364,7 @@ impl<R: IoBackend> ServePoller<R> {
                 self.free_slot(d.wr_id as u32);
             }
             let c = self.conns.get_mut(ci as usize).expect("live");
-            c.last_drained = std::time::Instant::now();
+            c.last_drained = self.ring.now();
             let st = &self.c.stats;
             st.bytes.fetch_add(bytes, Ordering::Relaxed);
             st.samples.fetch_add(samples, Ordering::Relaxed);
@@ -388,7 +388,8 @@ impl<R: IoBackend> ServePoller<R> {
             return;
         }
         let s = &self.slots[slot as usize];
-        self.c.metrics.read_latency[self.index].record(s.issued.elapsed());
+        let latency = self.ring.now().saturating_duration_since(s.issued);
+        self.c.metrics.read_latency[self.index].record(latency);
         if res < 0 || (res as u32) < s.payload {
             let (ring_offset, grant) = (s.offset, s.grant);
             let msg = if res < 0 {
@@ -408,9 +409,18 @@ impl<R: IoBackend> ServePoller<R> {
             // `WARNS_PER_WINDOW` per window: a dying disk must not flood
             // the log.
             let c = self.conns.get_mut(ci as usize).expect("live");
+            // The grant is answered (its later chunks would be dropped
+            // unsent): it leaves the queue now, so it no longer counts
+            // against `max_grants`. The consumer takes the ERROR as the
+            // grant's end and may grant another at once; counting this one
+            // until its last chunk was issued dropped a consumer that kept
+            // its window (TooManyGrants; found by the simulator).
+            if c.grants.front().is_some_and(|w| w.e.grant == grant) {
+                c.grants.pop_front();
+            }
             if c.warned_grant != Some(grant) {
                 c.warned_grant = Some(grant);
-                if self.warns.allow() {
+                if self.warns.allow(self.ring.now()) {
                     log::warn!("{msg}");
                 }
             }

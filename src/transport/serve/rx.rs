@@ -6,7 +6,6 @@
 //! is `transport::rx::FrameRx`, shared with the consumer's network thread.
 
 use std::convert::Infallible;
-use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
 
 use super::poller::{ud, ServePoller, Work, UD_RECV};
@@ -25,7 +24,7 @@ impl<R: IoBackend> ServePoller<R> {
             if c.closing || c.rx.inflight() {
                 continue;
             }
-            let fd = c.sock.as_raw_fd();
+            let fd = c.fd;
             // SAFETY: the header and body buffers are boxed in the
             // connection's FrameRx, which is kept until its last op completes
             // (ops counter); a node never receives a payload into a ring.
@@ -63,7 +62,7 @@ impl<R: IoBackend> ServePoller<R> {
                 return;
             }
         };
-        c.last_rx = std::time::Instant::now();
+        c.last_rx = self.ring.now();
         match got {
             Received::Header(h) if h.kind == Kind::Grant => c.rx.expect_body(h),
             // An empty ERROR is a keepalive; one with `ASK_HEARTBEATS`
@@ -71,7 +70,7 @@ impl<R: IoBackend> ServePoller<R> {
             Received::Header(h) if h.kind == Kind::Error && h.body_len == 0 => {
                 if h.c & proto::ASK_HEARTBEATS != 0 && !c.heartbeats {
                     c.heartbeats = true;
-                    self.next_beat = std::time::Instant::now();
+                    self.next_beat = self.ring.now();
                 }
             }
             Received::Header(h) => {
