@@ -23,6 +23,8 @@
 
 use std::time::{Duration, Instant};
 
+mod net;
+
 use crate::ring::memnet::{MemNet, MemNetFaults};
 use crate::ring::{Completion, IoBackend};
 use crate::transport::proto::{self, Code, Kind};
