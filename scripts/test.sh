@@ -105,7 +105,7 @@ step "tests without the rdma feature"
 step "tests (default features)"
 "${runner[@]}" --workspace --features test-panic
 
-step "simulator: the transport over the in-memory network, ${KSPEED_SIM_SEEDS:-2000} seeds within ${KSPEED_SIM_BUDGET_S:-120} s (KSPEED_SIM_SEED=n replays a failing seed)"
+step "simulator: the transport and the consumer's network thread over the in-memory network, ${KSPEED_SIM_SEEDS:-2000} seeds within ${KSPEED_SIM_BUDGET_S:-120} s (KSPEED_SIM_SEED=n replays a failing seed)"
 # The unit tests above ran 300 seeds; this runs more, on the same build.
 KSPEED_SIM_SEEDS="${KSPEED_SIM_SEEDS:-2000}" KSPEED_SIM_BUDGET_S="${KSPEED_SIM_BUDGET_S:-120}" \
   "${runner[@]}" --features test-panic --lib sim::

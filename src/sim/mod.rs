@@ -18,8 +18,8 @@
 //! many run (from `KSPEED_SIM_BASE`, default 0), within a time budget
 //! (`KSPEED_SIM_BUDGET_S`, default 60 s). A failure names its seed.
 //!
-//! Next (issue 27): the whole serve poller and network thread over
-//! [`MemNet`] (both are generic over [`IoBackend`] already).
+//! `net.rs`: the consumer's whole network thread over [`MemNet`] against
+//! scripted node services (see there). Next (issue 27): the serve poller.
 
 use std::time::{Duration, Instant};
 

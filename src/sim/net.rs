@@ -158,6 +158,9 @@ struct World<'a> {
     ring_bytes: u64,
     /// (node, sample) a node failed on purpose.
     faulted: HashSet<(u32, u64)>,
+    /// Every node fails every grant but those for which it is the last
+    /// replica (so each sample reaches its last replica).
+    fail_all_but_last: bool,
 }
 
 impl Node {
@@ -272,7 +275,8 @@ impl Node {
             return;
         };
         let bytes = &w.bytes[e.sample as usize];
-        if rng.ppm(self.error_ppm) {
+        let last = w.placement.holder(e.sample, w.placement.replicas - 1);
+        if rng.ppm(self.error_ppm) || (w.fail_all_but_last && last != self.index) {
             let code = [Code::ReadFailed, Code::NotHeld, Code::Busy][rng.below(3) as usize];
             let msg = format!("sim: node {} fails sample {}", self.index, e.sample);
             self.out
@@ -311,12 +315,13 @@ pub(crate) fn network_thread(seed: u64) {
     run(seed, None);
 }
 
-/// `replicas_past_64`: a placement of that many nodes, every holder but
-/// the last dead from the start (so a sample goes to its last replica).
+/// `replicas_past_64`: a placement of that many nodes and copies, where
+/// every node fails every sample but those it holds the last copy of (so
+/// each sample goes to its last replica), the source gone.
 fn run(seed: u64, replicas_past_64: Option<u32>) {
     let mut rng = Rng(crate::hash::mix64(seed ^ 0x6e65_7477));
     let d = data();
-    let source_kept = rng.below(2) == 0;
+    let source_kept = rng.below(2) == 0 && replicas_past_64.is_none();
     let catalog = Catalog::open(if source_kept {
         &d.with_source
     } else {
@@ -396,19 +401,19 @@ fn run(seed: u64, replicas_past_64: Option<u32>) {
         delay_ppm: rng.below(300_000) as u32,
     };
     let buffer = 64 << rng.below(9);
-    let mut mem = MemNet::new(seed, 2 * nodes as usize, buffer as usize, 16, faults);
+    // As deep as the thread's io_uring (its submission queue never fills).
+    let depth = (nodes as usize * 2 + 8).next_power_of_two();
+    let mut mem = MemNet::new(seed, 2 * nodes as usize, buffer as usize, depth, faults);
     let mut ctl = mem.port(1);
     let now = mem.now();
     let mut fds = Vec::new();
     let mut scripted = Vec::new();
     for i in 0..nodes {
         let (a, b) = mem.pair();
-        let dead_at_start = match replicas_past_64 {
-            Some(n) => i + 1 < n,
-            None => rng.below(8) == 0,
-        };
+        let dead_at_start = replicas_past_64.is_none() && rng.below(8) == 0;
         fds.push((!dead_at_start).then_some(a));
         let (error_ppm, corrupt_ppm) = match rng.below(4) {
+            _ if replicas_past_64.is_some() => (0, 0),
             0 => (0, 0),
             1 => (rng.below(100_000), 0),
             2 => (0, rng.below(100_000)),
@@ -460,15 +465,17 @@ fn run(seed: u64, replicas_past_64: Option<u32>) {
     let pools = thread.sim_view().2;
     // Seeded faults at seeded steps: a node reset, a node stalled, the
     // errors lock poisoned.
-    let kill_at = (rng.below(3) == 0).then(|| (rng.below(nodes as u64) as u32, rng.below(3000)));
-    let stall_at = (rng.below(3) == 0).then(|| {
+    let faults_on = replicas_past_64.is_none();
+    let kill_at =
+        (faults_on && rng.below(3) == 0).then(|| (rng.below(nodes as u64) as u32, rng.below(3000)));
+    let stall_at = (faults_on && rng.below(3) == 0).then(|| {
         (
             rng.below(nodes as u64) as u32,
             rng.below(3000),
             Duration::from_millis(300 + rng.below(3700)),
         )
     });
-    let poison_at = (rng.below(16) == 0).then(|| rng.below(2000));
+    let poison_at = (faults_on && rng.below(16) == 0).then(|| rng.below(2000));
 
     let mut w = World {
         seed,
@@ -477,6 +484,7 @@ fn run(seed: u64, replicas_past_64: Option<u32>) {
         bytes: &d.bytes,
         ring_bytes,
         faulted: HashSet::new(),
+        fail_all_but_last: replicas_past_64.is_some(),
     };
     let mut cursor = Cursor::new(sampler, geo, Position { epoch: 0, index: 0 }, steps);
     let mut next: Placed = cursor.next(w.catalog);
@@ -658,7 +666,7 @@ mod tests {
     fn sim_network_thread_against_scripted_nodes() {
         let ran = super::super::run_seeds(
             "sim_network_thread",
-            300,
+            1000,
             Duration::from_secs(60),
             network_thread,
         );
@@ -677,5 +685,8 @@ mod tests {
     #[test]
     fn sim_network_thread_with_65_replicas() {
         run(1, Some(65));
+        // At the cap, every sample goes through 63 failovers to its last
+        // copy (bit 63 of the mask).
+        run(2, Some(64));
     }
 }
