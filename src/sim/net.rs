@@ -11,7 +11,8 @@
 //! when asked, and seeded faults: an ERROR for a grant (a named code), a
 //! corrupted byte (the CRC32C check fails it over), a stall (no frame at
 //! all for 0.3–4 s: the heartbeat clock fails its grants over), a dead node
-//! (the connection reset), nodes dead from the start; the network buffers,
+//! (the connection reset), nodes dead from the start, a thread not run for
+//! 1–3 s (all clocks jump); the network buffers,
 //! partial sends and held-back completions come from [`MemNetFaults`].
 //! Some seeds poison the errors lock (a thread that panicked holding it).
 //!
@@ -400,7 +401,10 @@ fn run(seed: u64, replicas_past_64: Option<u32>) {
         partial_send_ppm: rng.below(300_000) as u32,
         delay_ppm: rng.below(300_000) as u32,
     };
-    let buffer = 64 << rng.below(9);
+    // At least 256 bytes a step (20 ms on average): a node always beats
+    // the minimum progress (node_timeout plus 1 s per MiB per grant),
+    // below which the thread drops it by design.
+    let buffer = 256 << rng.below(7);
     // As deep as the thread's io_uring (its submission queue never fills).
     let depth = (nodes as usize * 2 + 8).next_power_of_two();
     let mut mem = MemNet::new(seed, 2 * nodes as usize, buffer as usize, depth, faults);
@@ -576,7 +580,14 @@ fn run(seed: u64, replicas_past_64: Option<u32>) {
         let (ring, _, now_pools) = thread.sim_view();
         ring.check_pools();
         assert_eq!(now_pools, pools, "seed {seed}: a pool of the thread grew");
-        ctl.advance(Duration::from_millis(rng.below(40)));
+        // Now and then the thread is not run for 1-3 s (descheduled, the
+        // process stopped): its silence clocks must not blame the nodes.
+        let pause = if rng.below(2000) == 0 {
+            1001 + rng.below(2000)
+        } else {
+            0
+        };
+        ctl.advance(Duration::from_millis(rng.below(40) + pause));
     }
     let net = sh.net.as_ref().expect("cluster");
     for (t, v) in TOTALS.iter().zip([
