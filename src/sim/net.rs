@@ -14,7 +14,9 @@
 //! (the connection reset), nodes dead from the start, a thread not run for
 //! 1–3 s (all clocks jump); the network buffers,
 //! partial sends and held-back completions come from [`MemNetFaults`].
-//! Some seeds poison the errors lock (a thread that panicked holding it).
+//! Some nodes break the protocol (DATA at the wrong offset, for a grant
+//! they do not have, or longer than the grant): they must be dropped
+//! before a byte lands. Some seeds poison the errors lock (a thread that panicked holding it).
 //!
 //! Not simulated: the blocking handshake and reconnects (`connect.rs`,
 //! `redial.rs`: real TCP on threads of their own): the thread starts with
@@ -147,6 +149,11 @@ struct Node {
     corrupt_ppm: u64,
     /// Grants it failed on purpose (ERROR or corrupt bytes).
     failed: u32,
+    /// Frames that break the protocol (DATA at the wrong offset, for a
+    /// grant it does not have, or longer than its grant), per million.
+    rogue_ppm: u64,
+    /// It sent one: the thread must drop it before a byte lands.
+    rogue: bool,
     completions: [Completion; 8],
 }
 
@@ -275,6 +282,19 @@ impl Node {
             }
             return;
         };
+        if rng.ppm(self.rogue_ppm) {
+            let (grant, offset, len) = match rng.below(3) {
+                0 => (e.grant, e.offset + ALIGN, e.len),
+                1 => (e.grant ^ 0x4000_0000, e.offset, e.len),
+                _ => (e.grant, e.offset, e.len + 1),
+            };
+            self.out
+                .extend_from_slice(&Header::data(grant, offset, len).encode());
+            self.out.resize(self.out.len() + len as usize, 0xee);
+            self.rogue = true;
+            self.queue.push_front(e);
+            return;
+        }
         let bytes = &w.bytes[e.sample as usize];
         let last = w.placement.holder(e.sample, w.placement.replicas - 1);
         if rng.ppm(self.error_ppm) || (w.fail_all_but_last && last != self.index) {
@@ -412,6 +432,7 @@ fn run(seed: u64, replicas_past_64: Option<u32>) {
     let now = mem.now();
     let mut fds = Vec::new();
     let mut scripted = Vec::new();
+    let faults_on = replicas_past_64.is_none();
     for i in 0..nodes {
         let (a, b) = mem.pair();
         let dead_at_start = replicas_past_64.is_none() && rng.below(8) == 0;
@@ -439,6 +460,12 @@ fn run(seed: u64, replicas_past_64: Option<u32>) {
             error_ppm,
             corrupt_ppm,
             failed: 0,
+            rogue_ppm: if faults_on && rng.below(4) == 0 {
+                rng.below(20_000)
+            } else {
+                0
+            },
+            rogue: false,
             completions: [Completion::default(); 8],
         });
     }
@@ -469,7 +496,6 @@ fn run(seed: u64, replicas_past_64: Option<u32>) {
     let pools = thread.sim_view().2;
     // Seeded faults at seeded steps: a node reset, a node stalled, the
     // errors lock poisoned.
-    let faults_on = replicas_past_64.is_none();
     let kill_at =
         (faults_on && rng.below(3) == 0).then(|| (rng.below(nodes as u64) as u32, rng.below(3000)));
     let stall_at = (faults_on && rng.below(3) == 0).then(|| {
@@ -618,6 +644,19 @@ fn run(seed: u64, replicas_past_64: Option<u32>) {
             "seed {seed}: the thread does not end when stopped"
         );
     }
+    for n in &scripted {
+        assert!(
+            !n.rogue || n.gone,
+            "seed {seed}: node {} broke the protocol and is still connected",
+            n.index
+        );
+    }
+    let failed = sh.errors.lock().unwrap_or_else(|e| e.into_inner()).len() as u64;
+    assert_eq!(
+        failed,
+        end_g - taken_ok,
+        "seed {seed}: errors recorded for samples not failed"
+    );
     let (ring, busy, _) = thread.sim_view();
     assert!(
         !busy,
@@ -658,7 +697,8 @@ fn check_failed(w: &World, sh: &Shared, p: &Placed, nodes: &[Node], source_kept:
         let excused = n.gone
             || w.faulted.contains(&(h, p.id))
             || n.failed >= crate::loader::net::DEMOTE_AFTER_ERRORS
-            || n.stall_until.is_some();
+            || n.stall_until.is_some()
+            || n.rogue;
         assert!(
             excused,
             "seed {seed}: sample {} failed while node {h}, a live holder that never failed it, could serve it: {e}",
