@@ -12,7 +12,8 @@
 //! corrupted byte (the CRC32C check fails it over), a stall (no frame at
 //! all for 0.3–4 s: the heartbeat clock fails its grants over), a dead node
 //! (the connection reset), nodes dead from the start, a thread not run for
-//! 1–3 s (all clocks jump); the network buffers,
+//! 1–3 s (all clocks jump), a submission queue too shallow for every
+//! operation (pushes refused); the network buffers,
 //! partial sends and held-back completions come from [`MemNetFaults`].
 //! Some nodes break the protocol (DATA at the wrong offset, for a grant
 //! they do not have, or longer than the grant): they must be dropped
@@ -425,8 +426,13 @@ fn run(seed: u64, replicas_past_64: Option<u32>) {
     // the minimum progress (node_timeout plus 1 s per MiB per grant),
     // below which the thread drops it by design.
     let buffer = 256 << rng.below(7);
-    // As deep as the thread's io_uring (its submission queue never fills).
-    let depth = (nodes as usize * 2 + 8).next_power_of_two();
+    // As deep as the thread's io_uring (its submission queue never fills
+    // there), or for some seeds shallower, so pushes are refused.
+    let depth = if rng.below(4) == 0 {
+        2 + rng.below(4) as usize
+    } else {
+        (nodes as usize * 2 + 8).next_power_of_two()
+    };
     let mut mem = MemNet::new(seed, 2 * nodes as usize, buffer as usize, depth, faults);
     let mut ctl = mem.port(1);
     let now = mem.now();

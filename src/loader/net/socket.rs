@@ -19,6 +19,12 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             if c.state != State::Live || c.tx_inflight || c.flushing() {
                 continue;
             }
+            if c.flight_sent < c.flight.len() {
+                // Its frame did not go (the submission queue was full):
+                // send it before anything else, never overwrite it.
+                Self::post_send(&mut self.ring, c);
+                continue;
+            }
             // The first frame asks for heartbeats (an older node ignores
             // it as a keepalive); so do the later keepalives, harmlessly.
             let ask = !self.beats[i].asked;
