@@ -9,7 +9,8 @@
 //! [`FrameRx`]): they read GRANT frames and keepalives, answer with DATA
 //! frames in grant order (a sample sometimes in two frames), heartbeats
 //! when asked, and seeded faults: an ERROR for a grant (a named code), a
-//! corrupted byte (the CRC32C check fails it over), a stall (no frame at
+//! corrupted byte (the CRC32C check fails it over), a node shutting down
+//! (a connection ERROR `ShuttingDown`, then it closes), a stall (no frame at
 //! all for 0.3–4 s: the heartbeat clock fails its grants over), a dead node
 //! (the connection reset), nodes dead from the start, a thread not run for
 //! 1–3 s (all clocks jump), a submission queue too shallow for every
@@ -155,6 +156,9 @@ struct Node {
     rogue_ppm: u64,
     /// It sent one: the thread must drop it before a byte lands.
     rogue: bool,
+    /// Shutting down gracefully: 1, a connection ERROR (`ShuttingDown`)
+    /// goes after the frame being sent; 2, it went: the node closes.
+    closing: u8,
     completions: [Completion; 8],
 }
 
@@ -216,7 +220,21 @@ impl Node {
             return;
         }
         if self.out.is_empty() {
-            self.next_frame(now, w, rng);
+            match self.closing {
+                0 => self.next_frame(now, w, rng),
+                1 => {
+                    let msg = b"sim: the node service is shutting down";
+                    let h = Header::error(proto::CONNECTION, Code::ShuttingDown, msg.len() as u32);
+                    self.out.extend_from_slice(&h.encode());
+                    self.out.extend_from_slice(msg);
+                    self.closing = 2;
+                }
+                _ => {
+                    self.port.shutdown(self.fd);
+                    self.gone = true;
+                    return;
+                }
+            }
         }
         if self.out_sent < self.out.len() {
             let rest = &self.out[self.out_sent..];
@@ -472,6 +490,7 @@ fn run(seed: u64, replicas_past_64: Option<u32>) {
                 0
             },
             rogue: false,
+            closing: 0,
             completions: [Completion::default(); 8],
         });
     }
@@ -502,8 +521,13 @@ fn run(seed: u64, replicas_past_64: Option<u32>) {
     let pools = thread.sim_view().2;
     // Seeded faults at seeded steps: a node reset, a node stalled, the
     // errors lock poisoned.
-    let kill_at =
-        (faults_on && rng.below(3) == 0).then(|| (rng.below(nodes as u64) as u32, rng.below(3000)));
+    let kill_at = (faults_on && rng.below(3) == 0).then(|| {
+        (
+            rng.below(nodes as u64) as u32,
+            rng.below(3000),
+            rng.below(2) == 0,
+        )
+    });
     let stall_at = (faults_on && rng.below(3) == 0).then(|| {
         (
             rng.below(nodes as u64) as u32,
@@ -562,10 +586,15 @@ fn run(seed: u64, replicas_past_64: Option<u32>) {
         for n in scripted.iter_mut() {
             n.step(&mut w, &mut rng);
         }
-        if let Some((i, at)) = kill_at {
-            if at == step && !scripted[i as usize].gone {
-                ctl.reset(scripted[i as usize].fd);
-                scripted[i as usize].gone = true;
+        if let Some((i, at, graceful)) = kill_at {
+            let n = &mut scripted[i as usize];
+            if at == step && !n.gone {
+                if graceful {
+                    n.closing = 1;
+                } else {
+                    ctl.reset(n.fd);
+                    n.gone = true;
+                }
             }
         }
         if let Some((i, at, len)) = stall_at {
@@ -704,7 +733,8 @@ fn check_failed(w: &World, sh: &Shared, p: &Placed, nodes: &[Node], source_kept:
             || w.faulted.contains(&(h, p.id))
             || n.failed >= crate::loader::net::DEMOTE_AFTER_ERRORS
             || n.stall_until.is_some()
-            || n.rogue;
+            || n.rogue
+            || n.closing > 0;
         assert!(
             excused,
             "seed {seed}: sample {} failed while node {h}, a live holder that never failed it, could serve it: {e}",
