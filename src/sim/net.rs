@@ -30,8 +30,10 @@
 //! `SampleUnavailable` only when no holder could serve it (each was gone,
 //! failed that sample, or was demoted) and the source is gone too; a GRANT
 //! names only samples its node holds, at aligned ranges inside the ring,
-//! with the catalog's length, each grant id once; no pool grows; and at
-//! teardown the thread ends with nothing in flight.
+//! with the catalog's length, each grant id once; a node that breaks the
+//! protocol is dropped; a node the simulation never hurt (no reset, stall,
+//! goodbye or breach) is never dropped, pauses of the thread included; no
+//! pool grows; and at teardown the thread ends with nothing in flight.
 
 use std::collections::{HashSet, VecDeque};
 use std::os::fd::RawFd;
@@ -445,9 +447,11 @@ fn run(seed: u64, replicas_past_64: Option<u32>) {
     // below which the thread drops it by design.
     let buffer = 256 << rng.below(7);
     // As deep as the thread's io_uring (its submission queue never fills
-    // there), or for some seeds shallower, so pushes are refused.
+    // there), or for some seeds shallower, so pushes are refused: room for
+    // every connection's receive and the wake-up read at least (fewer
+    // starve a connection's receive for good, as with any ring that small).
     let depth = if rng.below(4) == 0 {
-        2 + rng.below(4) as usize
+        nodes as usize + 2 + rng.below(nodes as u64) as usize
     } else {
         (nodes as usize * 2 + 8).next_power_of_two()
     };
@@ -665,6 +669,29 @@ fn run(seed: u64, replicas_past_64: Option<u32>) {
         taken_ok,
         "seed {seed}: samples published OK that the consumer did not take (published twice, or past the end)"
     );
+    for (n, fd) in scripted.iter().zip(&fds) {
+        assert!(
+            !n.rogue || n.gone,
+            "seed {seed}: node {} broke the protocol and is still connected",
+            n.index
+        );
+        // A node the simulation never hurt (no reset, stall, goodbye or
+        // protocol breach; failed grants only demote) keeps its connection
+        // through everything else, pauses of the thread included.
+        let hurt = fd.is_none()
+            || n.rogue
+            || n.closing > 0
+            || n.stall_until.is_some()
+            || kill_at.is_some_and(|(i, at, _)| i == n.index && at <= step);
+        assert!(
+            hurt || !n.gone,
+            "seed {seed}: node {} was dropped by the thread though it never failed: {}",
+            n.index,
+            thread
+                .sim_dropped(n.index as usize)
+                .unwrap_or("(still live)")
+        );
+    }
     // Teardown: stop, and the thread ends with nothing in flight.
     sh.stop.store(true, Ordering::Release);
     let mut steps_left = 10_000;
@@ -677,13 +704,6 @@ fn run(seed: u64, replicas_past_64: Option<u32>) {
         assert!(
             steps_left > 0,
             "seed {seed}: the thread does not end when stopped"
-        );
-    }
-    for n in &scripted {
-        assert!(
-            !n.rogue || n.gone,
-            "seed {seed}: node {} broke the protocol and is still connected",
-            n.index
         );
     }
     let failed = sh.errors.lock().unwrap_or_else(|e| e.into_inner()).len() as u64;

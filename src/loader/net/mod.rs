@@ -811,6 +811,13 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         true
     }
 
+    /// Why connection `i` was shut (tests only), if it was.
+    #[cfg(test)]
+    pub(crate) fn sim_dropped(&self, i: usize) -> Option<&str> {
+        let c = &self.conns[i];
+        (c.state != State::Live).then_some(c.reason.as_str())
+    }
+
     /// The simulator's view (tests only): its ring, whether anything of
     /// its memory is in flight, and the sizes of its pools (which must
     /// never change).
