@@ -670,8 +670,9 @@ fn run(seed: u64, replicas_past_64: Option<u32>) {
         "seed {seed}: samples published OK that the consumer did not take (published twice, or past the end)"
     );
     for (n, fd) in scripted.iter().zip(&fds) {
+        let dropped = thread.sim_dropped(n.index as usize);
         assert!(
-            !n.rogue || n.gone,
+            !n.rogue || dropped.is_some(),
             "seed {seed}: node {} broke the protocol and is still connected",
             n.index
         );
@@ -684,12 +685,10 @@ fn run(seed: u64, replicas_past_64: Option<u32>) {
             || n.stall_until.is_some()
             || kill_at.is_some_and(|(i, at, _)| i == n.index && at <= step);
         assert!(
-            hurt || !n.gone,
+            hurt || dropped.is_none(),
             "seed {seed}: node {} was dropped by the thread though it never failed: {}",
             n.index,
-            thread
-                .sim_dropped(n.index as usize)
-                .unwrap_or("(still live)")
+            dropped.unwrap_or_default()
         );
     }
     // Teardown: stop, and the thread ends with nothing in flight.
