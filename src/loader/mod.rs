@@ -34,7 +34,7 @@ pub(crate) mod tier;
 mod batch;
 mod builder;
 mod fdcache;
-mod net;
+pub(crate) mod net;
 pub mod options;
 mod shared;
 mod stats;

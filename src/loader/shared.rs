@@ -288,6 +288,58 @@ impl Shared {
     }
 }
 
+/// The simulator's view (tests only): a run's shared state built without a
+/// loader, and the ready table read as the consumer reads it.
+#[cfg(test)]
+impl Shared {
+    /// One run's state over `input` and `ring` from the start of epoch 0,
+    /// up to (not including) sequence number `end_g`, with no pollers and
+    /// cluster state `net`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn for_sim(
+        input: Input,
+        ring: LandingRing,
+        geo: Geometry,
+        sampler: Sampler,
+        steps: u64,
+        end_g: u64,
+        cfg: PollerConfig,
+        net: Option<net::NetShared>,
+    ) -> Self {
+        let table = geo.table_len() as usize;
+        Shared {
+            input,
+            ring,
+            geo,
+            sampler,
+            steps,
+            start: Position { epoch: 0, index: 0 },
+            end_g,
+            cfg,
+            fixed_buffers: false,
+            fixed_files: false,
+            ready: (0..table).map(|_| AtomicU64::new(0)).collect(),
+            parked: Box::new([]),
+            released_v: AtomicU64::new(0),
+            released_g: AtomicU64::new(0),
+            stop: AtomicBool::new(false),
+            wake_seq: AtomicU32::new(0),
+            waiting_for: AtomicU64::new(0),
+            errors: Mutex::new(Vec::new()),
+            published_ok: AtomicU64::new(0),
+            stats: Vec::new(),
+            tier: None,
+            net,
+            dead: Mutex::new(None),
+        }
+    }
+
+    /// Sample `g`'s code once it is published (see `state`).
+    pub(crate) fn sim_state(&self, g: u64) -> Option<u64> {
+        self.state(g)
+    }
+}
+
 #[cfg(test)]
 mod poison_tests {
     use super::*;

@@ -19,12 +19,14 @@
 //! (`KSPEED_SIM_BUDGET_S`, default 60 s). A failure names its seed.
 //!
 //! `serve.rs` runs the node service's real pollers over [`MemNet`]
-//! against scripted consumers (see there). Next (issue 27): the
-//! consumer's network thread.
+//! against scripted consumers; `net.rs` the consumer's whole network
+//! thread against scripted node services (see each).
 
 mod serve;
 
 use std::time::{Duration, Instant};
+
+mod net;
 
 use crate::ring::memnet::{MemNet, MemNetFaults};
 use crate::ring::{Completion, IoBackend};

@@ -4,6 +4,7 @@
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
+use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
 #[cfg(feature = "rdma")]
@@ -416,6 +417,7 @@ fn connect<R: Receive>(
         Conn {
             node,
             addr: addr.to_string(),
+            fd: sock.as_raw_fd(),
             sock: Some(sock),
             state: State::Live,
             reason: String::new(),
@@ -440,6 +442,67 @@ fn connect<R: Receive>(
         },
         w,
     ))
+}
+
+/// The simulator's connections (tests only): node `i` is live on MemNet
+/// endpoint `fds[i]` (its handshake taken as done, with WELCOME's
+/// `max_grants` and `max_data`), or dead from the start where `None` (the
+/// local node, or one unreachable at start). No socket owns the
+/// descriptors; the clocks start at `now` (the ring's virtual time).
+#[cfg(test)]
+pub(crate) fn sim_connections(
+    fds: &[Option<std::os::fd::RawFd>],
+    placement: Placement,
+    max_grants: u32,
+    max_data: u32,
+    now: Instant,
+) -> Connections<TcpRx> {
+    let conns = fds
+        .iter()
+        .enumerate()
+        .map(|(i, fd)| {
+            let node = i as u32;
+            let addr = format!("sim-node-{i}");
+            let Some(fd) = *fd else {
+                return Conn::dead(node, addr, "dead from the start".into());
+            };
+            let entries = proto::MAX_GRANT_ENTRIES.min(max_grants.max(1) as usize);
+            let frame = proto::HEADER_BYTES + entries * proto::GRANT_ENTRY_BYTES;
+            let mut fill = Vec::with_capacity(frame);
+            fill.resize(proto::HEADER_BYTES, 0);
+            Conn {
+                node,
+                addr,
+                fd,
+                sock: None,
+                state: State::Live,
+                reason: String::new(),
+                last_error: String::new(),
+                rx: FrameRx::new(proto::MAX_MESSAGE_BYTES),
+                fill,
+                fill_entries: 0,
+                fill_max_entries: entries as u32,
+                flight: Vec::with_capacity(frame),
+                flight_sent: 0,
+                tx_inflight: false,
+                outstanding: 0,
+                max_grants: max_grants.max(1) as u64,
+                max_data: max_data.min(proto::MAX_DATA_BYTES),
+                last_rx: now,
+                last_done: now,
+                errors: 0,
+                errors_since: now,
+                demoted: false,
+                last_tx: now,
+                data: Some(TcpRx),
+            }
+        })
+        .collect();
+    Connections {
+        conns,
+        common: (),
+        placement,
+    }
 }
 
 #[cfg(test)]

@@ -6,7 +6,6 @@
 
 use std::os::unix::fs::FileExt;
 use std::sync::atomic::Ordering;
-use std::time::Instant;
 
 use super::super::schedule::{Geometry, Placed};
 use super::super::{CODE_ERROR, CODE_OK};
@@ -251,9 +250,10 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
     /// are demoted for the rest of `epoch`: the pollers hand their samples
     /// over unread, to the next holder or the source, said once.
     fn local_failed_once(&mut self, epoch: u64, e: &Error) {
-        if self.local_errors_since.elapsed() > DEMOTE_WINDOW {
+        let now = self.ring.now();
+        if now.saturating_duration_since(self.local_errors_since) > DEMOTE_WINDOW {
             self.local_error_count = 0;
-            self.local_errors_since = Instant::now();
+            self.local_errors_since = now;
         }
         self.local_error_count += 1;
         if self.local_error_count >= DEMOTE_AFTER_ERRORS {
@@ -354,11 +354,12 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
     /// and demotes the node after [`DEMOTE_AFTER_ERRORS`] in a window.
     pub(super) fn grant_failed(&mut self, i: usize) {
         let epoch = self.epoch;
+        let now = self.ring.now();
         let c = &mut self.conns[i];
-        c.last_done = Instant::now();
-        if c.errors_since.elapsed() > DEMOTE_WINDOW {
+        c.last_done = now;
+        if now.saturating_duration_since(c.errors_since) > DEMOTE_WINDOW {
             c.errors = 0;
-            c.errors_since = Instant::now();
+            c.errors_since = now;
         }
         c.errors += 1;
         if c.errors >= DEMOTE_AFTER_ERRORS && !c.demoted {
@@ -380,6 +381,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
     pub(super) fn place(&mut self, idx: usize) -> bool {
         let s = self.table[idx];
         let placement = self.placement;
+        let now = self.ring.now();
         for r in 0..placement.replicas {
             if s.tried & (1 << r) != 0 {
                 continue;
@@ -414,8 +416,8 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             c.fill.extend_from_slice(&e);
             c.fill_entries += 1;
             if c.outstanding == 0 {
-                c.last_rx = Instant::now();
-                c.last_done = c.last_rx;
+                c.last_rx = now;
+                c.last_done = now;
             }
             c.outstanding += 1;
             let t = &mut self.table[idx];
@@ -564,7 +566,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
     }
 
     pub(super) fn sample_done(&mut self, i: usize, idx: usize) {
-        self.conns[i].last_done = Instant::now();
+        self.conns[i].last_done = self.ring.now();
         self.grant_over(i, idx, AfterInv::Done);
     }
 
@@ -593,7 +595,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         }
         self.table[idx].live = false;
         self.local_done(idx);
-        self.conns[i].last_done = Instant::now();
+        self.conns[i].last_done = self.ring.now();
         self.net().remote_samples.fetch_add(1, Ordering::Relaxed);
         self.sh.publish(s.g, CODE_OK);
     }

@@ -60,7 +60,7 @@
 //! already apart.
 
 use std::net::TcpStream;
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -85,8 +85,12 @@ mod redial;
 mod socket;
 mod tcp;
 
+#[cfg(test)]
+pub(crate) use connect::sim_connections;
 pub(crate) use connect::{connect_all, ConnectError, Connected, Connections};
 use grants::{AfterInv, GSlot, NONE};
+#[cfg(test)]
+pub(crate) use tcp::TcpRx as SimRx;
 use tcp::TcpRx;
 
 /// The slowest a node may deliver a grant (see the module's "minimum
@@ -454,6 +458,10 @@ enum State {
 pub(crate) struct Conn<R> {
     node: u32,
     addr: String,
+    /// The control socket's descriptor (-1 once dead): what the ring's
+    /// operations name. `sock` owns it in production; the simulator's
+    /// connections are MemNet endpoints that nothing owns.
+    fd: RawFd,
     sock: Option<TcpStream>,
     state: State,
     /// Why it is dead (for messages).
@@ -497,10 +505,17 @@ impl<R: Receive> Conn<R> {
         self.data.as_ref().is_some_and(|d| d.flushing())
     }
 
+    /// The control socket of a live connection.
+    fn fd(&self) -> RawFd {
+        debug_assert!(self.fd >= 0, "a connection without a socket");
+        self.fd
+    }
+
     fn dead(node: u32, addr: String, reason: String) -> Self {
         Conn {
             node,
             addr,
+            fd: -1,
             sock: None,
             state: State::Dead,
             reason,
@@ -601,6 +616,9 @@ pub(crate) struct Thread<R: Receive, I: IoBackend = Uring> {
     /// `local_errors_since` (demotion, as for a node).
     local_error_count: u32,
     local_errors_since: Instant,
+    /// The loader stopped: live connections are shut, and the thread ends
+    /// once nothing of its memory is in flight.
+    stopping: bool,
     sh: Arc<Shared>,
 }
 
@@ -629,42 +647,58 @@ impl<R: Receive> Thread<R> {
         setup: Arc<NetSetup>,
         connected: Connections<R>,
     ) -> Result<Self> {
+        let ring = Uring::new(UringOptions {
+            entries: (connected.conns.len() as u32 * 2 + 8).next_power_of_two(),
+            sqpoll_idle_ms: None,
+        })?;
+        Ok(Self::with_ring(sh, setup, connected, ring, true))
+    }
+}
+
+impl<R: Receive, I: IoBackend> Thread<R, I> {
+    /// The thread over `ring` (`Uring` in production; the simulator's
+    /// `MemNet`), its connections made. `redial`: dead nodes are
+    /// reconnected (the simulator has no TCP to reconnect over).
+    pub(crate) fn with_ring(
+        sh: Arc<Shared>,
+        setup: Arc<NetSetup>,
+        connected: Connections<R>,
+        mut ring: I,
+        redial: bool,
+    ) -> Self {
         let conns = connected.conns;
         let user_timeout = setup.node_timeout.clamp(USER_TIMEOUT_MIN, USER_TIMEOUT_MAX);
         for c in &conns {
-            if let Some(sock) = &c.sock {
-                if let Err(e) = crate::sys::set_tcp_user_timeout(sock.as_raw_fd(), user_timeout) {
+            if c.state == State::Live {
+                if let Err(e) = ring.set_user_timeout(c.fd(), user_timeout) {
                     log::debug!("node {}: TCP_USER_TIMEOUT: {e}", c.node);
                 }
             }
         }
+        let now = ring.now();
         let beats = vec![
             Beats {
                 asked: false,
                 heard: false,
-                last_heard: Instant::now(),
+                last_heard: now,
             };
             conns.len()
         ];
-        let ring = Uring::new(UringOptions {
-            entries: (conns.len() as u32 * 2 + 8).next_power_of_two(),
-            sqpoll_idle_ms: None,
-        })?;
         let size = (sh.geo.table_len() as usize).next_power_of_two();
         // Grant ids keep the low 31 bits of a sequence number (grants::grant_id):
         // the table index must fit in them.
         assert!(size <= 1 << 31, "grant table of {size} entries");
         let cursor = Cursor::new(sh.sampler.clone(), sh.geo, sh.start, sh.steps);
-        let mut redials = redial::Redials::new(conns.len());
-        let redial = R::redial_common(&connected.common).is_some();
+        let mut redials = redial::Redials::new(conns.len(), redial);
+        let redial = redial && R::redial_common(&connected.common).is_some();
         for (c, r) in conns.iter().zip(&mut redials.state) {
             // Unreachable at start: tried again like one that died later
             // (not the local node's place).
             if redial && c.state == State::Dead && Some(c.node) != setup.local_node {
-                r.schedule_first(c.node);
+                r.schedule_first(c.node, now);
             }
         }
-        Ok(Thread {
+        Thread {
             redials,
             placement: connected.placement,
             ring,
@@ -687,35 +721,40 @@ impl<R: Receive> Thread<R> {
             wake_inflight: false,
             completions: vec![Completion::default(); 256],
             beats,
-            last_check: Instant::now(),
+            last_check: now,
             stall: Stall::new("network thread", 0),
             local_error_count: 0,
-            local_errors_since: Instant::now(),
+            local_errors_since: now,
+            stopping: false,
             sh,
             setup,
-        })
+        }
     }
-}
 
-impl<R: Receive, I: IoBackend> Thread<R, I> {
     fn net(&self) -> &NetShared {
         self.sh.net.as_ref().expect("cluster mode")
     }
 
     pub(crate) fn run(mut self) {
         self.stall.resume();
-        let mut stopping = false;
-        loop {
-            if !stopping && self.sh.stop.load(Ordering::Acquire) {
-                stopping = true;
+        while self.tick() {}
+    }
+
+    /// One iteration of the loop: false once the thread is done (stopped,
+    /// with nothing of its memory in flight). The simulator steps it.
+    pub(crate) fn tick(&mut self) -> bool {
+        {
+            if !self.stopping && self.sh.stop.load(Ordering::Acquire) {
+                self.stopping = true;
                 for i in 0..self.conns.len() {
                     if self.conns[i].state == State::Live {
                         self.kill(i, "loader stopped".into());
                     }
                 }
             }
+            let stopping = self.stopping;
             if stopping && !self.busy() {
-                break;
+                return false;
             }
             // RDMA writes complete on the connections' CQs, not the ring.
             let progressed = self.poll_data();
@@ -769,6 +808,34 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                 self.net().wake.notify();
             }
         }
+        true
+    }
+
+    /// Why connection `i` was shut (tests only), if it was.
+    #[cfg(test)]
+    pub(crate) fn sim_dropped(&self, i: usize) -> Option<&str> {
+        let c = &self.conns[i];
+        (c.state != State::Live).then_some(c.reason.as_str())
+    }
+
+    /// The simulator's view (tests only): its ring, whether anything of
+    /// its memory is in flight, and the sizes of its pools (which must
+    /// never change).
+    #[cfg(test)]
+    pub(crate) fn sim_view(&self) -> (&I, bool, [usize; 5]) {
+        let fill: usize = self.conns.iter().map(|c| c.fill.capacity()).sum();
+        let flight: usize = self.conns.iter().map(|c| c.flight.capacity()).sum();
+        (
+            &self.ring,
+            self.busy(),
+            [
+                self.table.len(),
+                self.regrant.capacity(),
+                self.completions.len(),
+                fill,
+                flight,
+            ],
+        )
     }
 
     /// Whether ring operations that reference this thread's memory are in
@@ -813,7 +880,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                         }
                         Event::Closed { window, entry } => self.on_window_closed(i, window, entry),
                         Event::Received(what) => {
-                            self.conns[i].last_rx = Instant::now();
+                            self.conns[i].last_rx = self.ring.now();
                             self.beats[i].last_heard = self.conns[i].last_rx;
                             self.on_landed(i, what);
                         }
@@ -868,7 +935,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         let t = self.setup.node_timeout;
         let progress = t + self.progress_slack;
         let silence = HEARTBEAT_SILENCE.min(t);
-        let now = Instant::now();
+        let now = self.ring.now();
         let gap = now.duration_since(self.last_check);
         self.last_check = now;
         if gap > NOT_RUNNING {
@@ -933,9 +1000,9 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         }
         c.reason = reason;
         c.state = State::Closing;
-        if let Some(s) = &c.sock {
-            let _ = s.shutdown(std::net::Shutdown::Both);
-        }
+        // The socket stays open (owned by `sock`) until the connection
+        // is dead: its receive and send in flight name its descriptor.
+        self.ring.shutdown(c.fd());
         if let Some(d) = &c.data {
             // From now on the QP accepts no write; it is destroyed (and so
             // done with the ring) before its grants move elsewhere.
@@ -953,6 +1020,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         }
         c.state = State::Dead;
         c.sock = None;
+        c.fd = -1;
         c.outstanding = 0;
         c.data = None; // RDMA: destroys the QP, then its CQ
         let node = c.node;

@@ -16,7 +16,6 @@
 //! Over TCP only: an RDMA data path's endpoints are not set up again
 //! ([`Receive::redial_common`] is `None`), so a dead RDMA node stays dead.
 
-use std::os::fd::AsRawFd;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -61,23 +60,26 @@ pub(super) type Redialed<R> = (usize, Result<(super::Conn<R>, Welcome), ConnectE
 
 pub(super) struct Redials<R: Receive> {
     pub(super) state: Vec<Redial>,
+    /// Dead nodes are reconnected (off in the simulator, which has no TCP).
+    enabled: bool,
     tx: mpsc::Sender<Redialed<R>>,
     rx: mpsc::Receiver<Redialed<R>>,
 }
 
 impl Redial {
     /// The first try of a node unreachable at start.
-    pub(super) fn schedule_first(&mut self, node: u32) {
-        self.next = Some(Instant::now() + redial_backoff(0, jitter(node, 0)));
+    pub(super) fn schedule_first(&mut self, node: u32, now: Instant) {
+        self.next = Some(now + redial_backoff(0, jitter(node, 0)));
         self.attempt = 1;
     }
 }
 
 impl<R: Receive> Redials<R> {
-    pub(super) fn new(n: usize) -> Self {
+    pub(super) fn new(n: usize, enabled: bool) -> Self {
         let (tx, rx) = mpsc::channel();
         Redials {
             state: vec![Redial::default(); n],
+            enabled,
             tx,
             rx,
         }
@@ -89,26 +91,30 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
     /// place, and only where the data path can be set up again).
     pub(super) fn schedule_redial(&mut self, i: usize) {
         if Some(self.conns[i].node) == self.setup.local_node
+            || !self.redials.enabled
             || R::redial_common(&self.common).is_none()
         {
             return;
         }
+        let now = self.ring.now();
         let r = &mut self.redials.state[i];
         // The back-off goes on growing across reconnects, so a node that
         // fails again soon after each (alive but not delivering) costs
         // the consumer a stall at most every REDIAL_MAX; one that served
         // for that long starts again from the shortest wait.
-        if r.back_since.is_some_and(|t| t.elapsed() > REDIAL_MAX) {
+        if r.back_since
+            .is_some_and(|t| now.saturating_duration_since(t) > REDIAL_MAX)
+        {
             r.attempt = 0;
         }
         let wait = redial_backoff(r.attempt, jitter(self.conns[i].node, r.attempt));
         r.attempt = r.attempt.saturating_add(1);
-        r.next = Some(Instant::now() + wait);
+        r.next = Some(now + wait);
     }
 
     /// Starts the tries that are due and takes the results that came in.
     pub(super) fn redial(&mut self) {
-        let now = Instant::now();
+        let now = self.ring.now();
         for i in 0..self.conns.len() {
             let r = self.redials.state[i];
             if r.inflight || r.next.is_none_or(|t| t > now) || self.conns[i].state != State::Dead {
@@ -169,27 +175,26 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             );
             return;
         }
-        if let Some(sock) = &conn.sock {
-            let t = self
-                .setup
-                .node_timeout
-                .clamp(USER_TIMEOUT_MIN, USER_TIMEOUT_MAX);
-            if let Err(e) = crate::sys::set_tcp_user_timeout(sock.as_raw_fd(), t) {
-                log::debug!("node {node}: TCP_USER_TIMEOUT: {e}");
-            }
+        let t = self
+            .setup
+            .node_timeout
+            .clamp(USER_TIMEOUT_MIN, USER_TIMEOUT_MAX);
+        if let Err(e) = self.ring.set_user_timeout(conn.fd(), t) {
+            log::debug!("node {node}: TCP_USER_TIMEOUT: {e}");
         }
         // The old connection is dead: nothing of it is in flight (its
         // receive and send are back) and its grants were failed over.
         debug_assert!(!self.conns[i].rx.inflight() && !self.conns[i].tx_inflight);
         let was = std::mem::replace(&mut self.conns[i], conn);
+        let now = self.ring.now();
         self.beats[i] = Beats {
             asked: false,
             heard: false,
-            last_heard: Instant::now(),
+            last_heard: now,
         };
         let r = &mut self.redials.state[i];
         r.next = None;
-        r.back_since = Some(Instant::now());
+        r.back_since = Some(now);
         log::warn!(
             "node {node} ({addr}) is back (it was gone: {}); it takes grants again",
             was.reason

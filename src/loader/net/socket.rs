@@ -5,9 +5,6 @@
 //! TCP, a DATA payload straight into the ring once its header was checked
 //! against the outstanding grant (id, node, offset, length).
 
-use std::os::fd::AsRawFd;
-use std::time::Instant;
-
 use super::{ring_ptr, Conn, Receive, State, Thread, KEEPALIVE, UD_RECV, UD_SEND};
 use crate::error::errno_name;
 use crate::ring::IoBackend;
@@ -16,27 +13,34 @@ use crate::transport::rx::{Received, RxError};
 
 impl<R: Receive, I: IoBackend> Thread<R, I> {
     pub(super) fn flush_grants(&mut self) {
+        let now = self.ring.now();
         for i in 0..self.conns.len() {
             let c = &mut self.conns[i];
             if c.state != State::Live || c.tx_inflight || c.flushing() {
+                continue;
+            }
+            if c.flight_sent < c.flight.len() {
+                // Its frame did not go (the submission queue was full):
+                // send it before anything else, never overwrite it.
+                Self::post_send(&mut self.ring, c);
                 continue;
             }
             // The first frame asks for heartbeats (an older node ignores
             // it as a keepalive); so do the later keepalives, harmlessly.
             let ask = !self.beats[i].asked;
             if c.fill_entries == 0 || ask {
-                if c.last_tx.elapsed() >= KEEPALIVE || ask {
+                if now.saturating_duration_since(c.last_tx) >= KEEPALIVE || ask {
                     self.beats[i].asked = true;
                     let h = Header::keepalive(true).encode();
                     c.flight.clear();
                     c.flight.extend_from_slice(&h);
                     c.flight_sent = 0;
-                    c.last_tx = Instant::now();
+                    c.last_tx = now;
                     Self::post_send(&mut self.ring, c);
                 }
                 continue;
             }
-            c.last_tx = Instant::now();
+            c.last_tx = now;
             let h = Header::grant(c.fill_entries).encode();
             c.fill[..proto::HEADER_BYTES].copy_from_slice(&h);
             std::mem::swap(&mut c.fill, &mut c.flight);
@@ -59,7 +63,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
     }
 
     pub(super) fn post_send(ring: &mut I, c: &mut Conn<R>) {
-        let fd = c.sock.as_ref().expect("live").as_raw_fd();
+        let fd = c.fd();
         let rest = &c.flight[c.flight_sent..];
         // SAFETY: `flight` is not touched until this send completes.
         if unsafe {
@@ -81,7 +85,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             if c.state != State::Live || c.rx.inflight() {
                 continue;
             }
-            let fd = c.sock.as_ref().expect("live").as_raw_fd();
+            let fd = c.fd();
             let (table, ring) = (&self.table, &self.sh.ring);
             // SAFETY: the connection (and its boxed header/message buffers)
             // stays in `conns` until run() returns, which waits for this
@@ -98,11 +102,12 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
     }
 
     pub(super) fn on_recv(&mut self, i: usize, res: i32) {
+        let now = self.ring.now();
         let c = &mut self.conns[i];
         let got = match c.rx.received(res, c.max_data) {
             Ok(got) => got,
             Err(RxError::BadHeader(e)) => {
-                c.last_rx = Instant::now();
+                c.last_rx = now;
                 self.beats[i].last_heard = c.last_rx;
                 return self.violation(i, e.to_string());
             }
@@ -123,7 +128,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                 return;
             }
         };
-        c.last_rx = Instant::now();
+        c.last_rx = now;
         self.beats[i].last_heard = c.last_rx;
         match got {
             Received::Header(h) => {
