@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite, on a fresh machine: system packages, formatting,
-# lints (with and without the rdma feature), rustdoc, the header and public
-# API listing drift checks, every test with and
+# lints (with and without the rdma feature), rustdoc, the import-cycle
+# check, the header and public API listing drift checks, every test with and
 # without the rdma feature (the cluster tests start `kspeed serve` processes
 # on 127.0.0.x and, as root, in network namespaces), the frame-decoding fuzz
 # target for a bounded time, Miri on the modules that can run under it
@@ -78,6 +78,8 @@ cargo clippy --workspace --all-targets --no-default-features -- -D warnings
 cargo clippy --workspace --all-targets --no-default-features --features rdma -- -D warnings
 step "rustdoc"
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --quiet
+step "no import cycles between source files (scripts/import_cycles.py)"
+python3 scripts/import_cycles.py
 step "include/kspeed.h matches capi/src (pinned cbindgen)"
 scripts/gen_header.sh --check
 step "api/kspeed.txt matches the public Rust API (nightly rustdoc JSON)"
