@@ -462,8 +462,8 @@ pub fn attach(
 ) -> Result<(AttachConn, AttachedReply)> {
     let conn = AttachConn::connect(path, timeout)?;
     if let Err(sent) = conn.send(&req.encode(), &[ring.fd(), seg.fd()]) {
-        // An agent that refuses the peer's uid answers before reading the
-        // ATTACH and closes: its REFUSED is still queued for us to read.
+        // An agent that answered and closed before reading (one that gave
+        // up on us): a REFUSED may still be queued for us to read.
         return Err(
             match conn.recv("REFUSED reply").map(|(b, _)| decode_reply(&b)) {
                 Ok(Err(refused @ Error::AttachRefused { .. })) => refused,
@@ -682,8 +682,9 @@ impl AttachListener {
     }
 
     /// Accepts and checks one attach (waiting up to `wait` for a
-    /// connection; `Ok(None)` when none came): the peer's uid, the ATTACH
-    /// message, exactly two descriptors, the segment and the ring. A
+    /// connection; `Ok(None)` when none came): the ATTACH message is read
+    /// (within the io timeout), then the peer's uid, the message, exactly
+    /// two descriptors, the segment and the ring. A
     /// failed check is answered with REFUSED (its code) and returned as the
     /// error; every received descriptor is closed.
     pub fn accept_attach(&self, wait: Duration) -> Result<Option<Incoming>> {
@@ -694,8 +695,18 @@ impl AttachListener {
             conn.refuse(code, &e.to_string());
             e
         };
+        let (bytes, mut fds) = match conn.recv("ATTACH message") {
+            Ok(m) => m,
+            Err(e @ Error::AttachTimeout { .. }) => return Err(e),
+            Err(e) => return Err(refuse(&conn, RefuseCode::Protocol, e)),
+        };
+        // The uid is checked after the ATTACH is read, not before: closing
+        // a connection with a message still unread resets it, and the rank
+        // would read ECONNRESET instead of the REFUSED that says why. What
+        // a stranger sent is closed unread.
         let peer = conn.peer();
         if peer.uid != self.euid && !(self.euid == 0 && self.cfg.allow_other_uids) {
+            drop(fds);
             let e = Error::AttachRefused {
                 code: RefuseCode::PeerUid.name(),
                 reason: format!(
@@ -705,11 +716,6 @@ impl AttachListener {
             };
             return Err(refuse(&conn, RefuseCode::PeerUid, e));
         }
-        let (bytes, mut fds) = match conn.recv("ATTACH message") {
-            Ok(m) => m,
-            Err(e @ Error::AttachTimeout { .. }) => return Err(e),
-            Err(e) => return Err(refuse(&conn, RefuseCode::Protocol, e)),
-        };
         let request = match AttachRequest::decode(&bytes) {
             Ok(r) => r,
             Err(e) => {

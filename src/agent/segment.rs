@@ -264,6 +264,18 @@ const _: () = {
     assert!(std::mem::size_of::<ErrorSlot>() == 256);
     assert!(std::mem::size_of::<Slot>() == 64);
     assert!(SLOTS_OFFSET == 192 + 1024);
+    use std::mem::offset_of;
+    assert!(offset_of!(Header, generation) == 40 && offset_of!(Header, rank_pid) == 44);
+    assert!(
+        offset_of!(AgentBlock, ready_futex) == 16 && offset_of!(AgentBlock, room_waiters) == 20
+    );
+    assert!(
+        offset_of!(AgentBlock, published) == 24 && offset_of!(AgentBlock, errors_dropped) == 56
+    );
+    assert!(offset_of!(RankBlock, room_futex) == 24 && offset_of!(RankBlock, ready_waiters) == 28);
+    assert!(offset_of!(RankBlock, taken) == 32 && offset_of!(RankBlock, errors_dropped) == 56);
+    assert!(offset_of!(ErrorSlot, kind) == 16 && offset_of!(ErrorSlot, message) == 48);
+    assert!(offset_of!(Slot, samples) == 40);
 };
 
 /// Bytes of a segment with `slots` batch slots (before page rounding).
