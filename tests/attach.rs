@@ -32,6 +32,15 @@ const ROUNDS: u32 = 3;
 /// How long any child may live: it exits with a failure after this.
 const CHILD_LIFE: Duration = Duration::from_secs(60);
 
+/// For the data-path test: sleeps long enough that a timed-out sleep
+/// means a lost wake, not a slow peer.
+fn live_long() -> Liveness {
+    Liveness {
+        slice: Duration::from_secs(2),
+        silence_limit: Duration::from_secs(5),
+    }
+}
+
 fn live() -> Liveness {
     Liveness {
         slice: Duration::from_millis(20),
@@ -145,6 +154,7 @@ fn child_deadline() -> Option<Instant> {
 /// each into its slot's area of the ring, waiting (futex) for room.
 /// `pause_every` makes the rank run dry now and then so it sleeps.
 fn agent_publish(
+    live: &Liveness,
     a: &mut AgentSide,
     ring: &RingMap,
     conn: Option<&AttachConn>,
@@ -156,7 +166,7 @@ fn agent_publish(
     let deadline = child_deadline();
     for seq in 0..count {
         if !a.has_room()? {
-            a.wait_room(&live(), deadline, &mut || match conn {
+            a.wait_room(live, deadline, &mut || match conn {
                 Some(c) if c.peer_closed() => Err(Error::AttachPeerGone {
                     peer: "rank",
                     pid: c.peer().pid,
@@ -187,12 +197,18 @@ fn agent_publish(
 }
 
 /// The rank's loop: take batches `0..count`, check every byte, release.
-fn rank_take(r: &mut RankSide, ring: &RingMap, count: u64, pause_every: u64) -> kspeed::Result<()> {
+fn rank_take(
+    live: &Liveness,
+    r: &mut RankSide,
+    ring: &RingMap,
+    count: u64,
+    pause_every: u64,
+) -> kspeed::Result<()> {
     let gen = r.generation();
     let mut want = Vec::with_capacity(SLOT_BYTES as usize);
     let deadline = child_deadline();
     for seq in 0..count {
-        let d = r.wait_take(&live(), deadline, &mut || Ok(()))?;
+        let d = r.wait_take(live, deadline, &mut || Ok(()))?;
         fill(gen, seq, &mut want);
         assert_eq!(
             (d.ring_offset, d.bytes, d.epoch, d.batch_in_epoch),
@@ -265,9 +281,11 @@ fn batches_cross_processes_and_generations() {
             )
             .unwrap();
             assert_eq!(reply.generation, r.generation());
-            rank_take(&mut r, &ring, BATCHES_PER_ROUND, 500).unwrap();
+            rank_take(&live_long(), &mut r, &ring, BATCHES_PER_ROUND, 500).unwrap();
             let st = r.segment().stats();
             println!("rank round {round}: {st:?}");
+            // Every sleep ended in a wake from the agent's process.
+            assert_eq!(r.sleep_timeouts(), 0, "rank sleeps with no wake");
             drop(conn);
             seg = r.into_segment();
         }
@@ -283,7 +301,16 @@ fn batches_cross_processes_and_generations() {
         assert_eq!(inc.conn.peer().pid, child.id());
         gens.push(inc.request.generation.get());
         let a = &mut inc.side;
-        agent_publish(a, &inc.ring, Some(&inc.conn), BATCHES_PER_ROUND, 700).unwrap();
+        agent_publish(
+            &live_long(),
+            a,
+            &inc.ring,
+            Some(&inc.conn),
+            BATCHES_PER_ROUND,
+            700,
+        )
+        .unwrap();
+        assert_eq!(a.sleep_timeouts(), 0, "agent sleeps with no wake");
         let st = a.segment().stats();
         assert_eq!(st.published, BATCHES_PER_ROUND);
         (agent_sleeps, rank_sleeps, wakes) = (
@@ -323,7 +350,15 @@ fn killed_agent_is_noticed_by_the_rank() {
             assert!(t.elapsed() < CHILD_LIFE);
         };
         let mut inc = inc.accept(20).unwrap();
-        let e = agent_publish(&mut inc.side, &inc.ring, Some(&inc.conn), u64::MAX, 0).unwrap_err();
+        let e = agent_publish(
+            &live(),
+            &mut inc.side,
+            &inc.ring,
+            Some(&inc.conn),
+            u64::MAX,
+            0,
+        )
+        .unwrap_err();
         panic!("agent child: {e}");
     }
     let (_dir, sock) = temp_socket();
@@ -332,7 +367,7 @@ fn killed_agent_is_noticed_by_the_rank() {
     let mut r = RankSide::new(seg).unwrap();
     let (_conn, reply) = attach_when_up(&sock, &ring, r.segment());
     assert_eq!(reply.agent_pid, child.id());
-    rank_take(&mut r, &ring, 200, 0).unwrap();
+    rank_take(&live(), &mut r, &ring, 200, 0).unwrap();
     child.kill().unwrap();
     let killed = Instant::now();
     child.wait().unwrap();
@@ -377,19 +412,19 @@ fn killed_rank_is_noticed_by_the_agent() {
             Duration::from_secs(5),
         )
         .unwrap();
-        let e = rank_take(&mut r, &ring, u64::MAX, 0).unwrap_err();
+        let e = rank_take(&live(), &mut r, &ring, u64::MAX, 0).unwrap_err();
         panic!("rank child: {e}");
     }
     let (_dir, sock) = temp_socket();
     let l = AttachListener::bind(&sock, ListenerConfig::default()).unwrap();
     let mut child = spawn(NAME, "rank", &sock);
     let mut inc = accept_one(&l, &mut child).accept(20).unwrap();
-    agent_publish(&mut inc.side, &inc.ring, None, 200, 0).unwrap();
+    agent_publish(&live(), &mut inc.side, &inc.ring, None, 200, 0).unwrap();
     child.kill().unwrap();
     let killed = Instant::now();
     child.wait().unwrap();
     // The ring fills; the wait for room ends on the rank's silence.
-    let e = agent_publish(&mut inc.side, &inc.ring, None, u64::MAX, 0).unwrap_err();
+    let e = agent_publish(&live(), &mut inc.side, &inc.ring, None, u64::MAX, 0).unwrap_err();
     let after = killed.elapsed();
     match e {
         Error::AttachPeerGone {

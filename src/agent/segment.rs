@@ -27,6 +27,7 @@
 //! This module owns raw shared memory and the futex system call, so it is
 //! one of the few allowed `unsafe`.
 
+use std::cell::Cell;
 use std::fs::File;
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{fence, AtomicU32, AtomicU64, AtomicU8, Ordering};
@@ -732,6 +733,7 @@ fn wait_until(
     futex: &AtomicU32,
     waiters: &AtomicU32,
     sleeps: &AtomicU64,
+    timeouts: &Cell<u64>,
     live: &Liveness,
     deadline: Option<Instant>,
     check: &mut dyn FnMut() -> Result<()>,
@@ -810,7 +812,9 @@ fn wait_until(
             return Ok(());
         }
         sleeps.store(sleeps.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
-        futex_wait(futex, seen, slice);
+        if futex_wait(futex, seen, slice) {
+            timeouts.set(timeouts.get() + 1);
+        }
         waiters.fetch_sub(1, Ordering::SeqCst);
         if ready() {
             return Ok(());
@@ -825,6 +829,8 @@ pub struct AgentSide {
     gen: Generation,
     /// Batches published (mod 2^48 on the wire; a u64 here).
     published: u64,
+    /// Sleeps that lasted their whole slice (no wake came).
+    sleep_timeouts: Cell<u64>,
 }
 
 impl AgentSide {
@@ -848,6 +854,7 @@ impl AgentSide {
             seg,
             gen,
             published: 0,
+            sleep_timeouts: Cell::new(0),
         })
     }
 
@@ -859,6 +866,12 @@ impl AgentSide {
     /// The next sequence to publish.
     pub fn published(&self) -> u64 {
         self.published
+    }
+
+    /// Sleeps of this side that lasted their whole slice: no wake came
+    /// (the peer was slower than a slice, or a wake was lost).
+    pub fn sleep_timeouts(&self) -> u64 {
+        self.sleep_timeouts.get()
     }
 
     /// Batches the rank has released, checked: a mark of this generation
@@ -909,6 +922,7 @@ impl AgentSide {
             &r.room_futex,
             &a.room_waiters,
             &a.sleeps,
+            &self.sleep_timeouts,
             live,
             deadline,
             check,
@@ -972,6 +986,8 @@ pub struct RankSide {
     taken: u64,
     /// Batches released.
     released: u64,
+    /// Sleeps that lasted their whole slice (no wake came).
+    sleep_timeouts: Cell<u64>,
 }
 
 impl RankSide {
@@ -992,6 +1008,7 @@ impl RankSide {
             gen,
             taken: 0,
             released: 0,
+            sleep_timeouts: Cell::new(0),
         })
     }
 
@@ -1008,6 +1025,12 @@ impl RankSide {
     /// Batches taken so far (the next one's sequence).
     pub fn taken(&self) -> u64 {
         self.taken
+    }
+
+    /// Sleeps of this side that lasted their whole slice: no wake came
+    /// (the peer was slower than a slice, or a wake was lost).
+    pub fn sleep_timeouts(&self) -> u64 {
+        self.sleep_timeouts.get()
     }
 
     /// The next batch's descriptor if it is ready (one Acquire load; no
@@ -1052,6 +1075,7 @@ impl RankSide {
             &a.ready_futex,
             &r.ready_waiters,
             &r.sleeps,
+            &self.sleep_timeouts,
             live,
             deadline,
             check,
@@ -1221,8 +1245,9 @@ impl RingMap {
 }
 
 /// FUTEX_WAIT on a word in shared memory (not _PRIVATE: the key must be
-/// the page, not this process's address), for at most `timeout`.
-fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
+/// the page, not this process's address), for at most `timeout`; true
+/// when it slept the whole timeout (no wake came).
+fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) -> bool {
     let ts = libc::timespec {
         tv_sec: timeout.as_secs() as libc::time_t,
         tv_nsec: timeout.subsec_nanos() as libc::c_long,
@@ -1230,15 +1255,20 @@ fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
     // SAFETY: the word is a live, aligned u32 in a mapping `&word` keeps
     // alive; the timespec outlives the call; FUTEX_WAIT only reads both.
     // EAGAIN, EINTR and ETIMEDOUT are all fine: callers re-check.
-    unsafe {
+    let rc = unsafe {
         libc::syscall(
             libc::SYS_futex,
             word.as_ptr(),
             libc::FUTEX_WAIT,
             expected,
             &ts as *const libc::timespec,
-        );
-    }
+        )
+    };
+    rc != 0 && io_errno() == libc::ETIMEDOUT
+}
+
+fn io_errno() -> i32 {
+    std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
 }
 
 /// FUTEX_WAKE of every sleeper on a shared word (one rank thread and one
