@@ -525,7 +525,7 @@ pub enum Error {
     /// A peer on the attach socket did not answer in time.
     #[error("attach: no {what} within {waited_ms} ms (the peer is silent)")]
     AttachTimeout {
-        /// What was awaited ("ATTACHED reply", "ATTACH message", "a ready batch"...).
+        /// What was awaited ("ATTACHED reply", "ATTACH message", "ready batch"...).
         what: &'static str,
         /// How long it waited.
         waited_ms: u64,

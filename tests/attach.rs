@@ -5,6 +5,8 @@
 //! memfds passed by SCM_RIGHTS, both map them, and batches cross through
 //! ready words, release marks and shared futexes. Every wait on a child
 //! has a deadline, and every child gives up on its own after one too.
+//! (Over 800 lines: one test binary per contract, as tests/cluster.rs;
+//! the roles share the publish/take loops defined once here.)
 
 use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
@@ -12,13 +14,13 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus};
 use std::time::{Duration, Instant};
 
-use kspeed::agent::attach::{
-    attach, AttachConn, AttachListener, AttachRequest, ListenerConfig, ATTACH_BYTES,
-};
+use kspeed::agent::attach::{attach, AttachConn, AttachListener, ListenerConfig};
+use kspeed::agent::msg::{decode_reply, AttachRequest, AttachedReply, ATTACH_BYTES};
 use kspeed::agent::segment::{
     decode_release, in_flight, is_ready, ready_word, release_mark, segment_bytes, AgentSide,
-    BatchDesc, Generation, Liveness, RankSide, RingMap, Segment, SEQ_MASK,
+    BatchDesc, Generation, Liveness, RankSide, Segment, SEQ_MASK,
 };
+use kspeed::agent::shm::RingMap;
 use kspeed::Error;
 use proptest::prelude::*;
 
@@ -27,8 +29,10 @@ const SOCKET: &str = "KSPEED_ATTACH_SOCKET";
 const SLOTS: u32 = 8;
 /// Each slot owns a fixed area of the ring this big.
 const SLOT_BYTES: u64 = 4096;
-const BATCHES_PER_ROUND: u64 = 3000;
-const ROUNDS: u32 = 3;
+/// Batches per attach generation. The short middle one leaves words of
+/// sequences 0..5 in the slots, the very sequences the next generation
+/// starts with: only the generation bits tell them apart.
+const ROUND_BATCHES: [u64; 3] = [3000, 5, 3000];
 /// How long any child may live: it exits with a failure after this.
 const CHILD_LIFE: Duration = Duration::from_secs(60);
 
@@ -129,11 +133,7 @@ fn accept_one(l: &AttachListener, child: &mut Child) -> kspeed::agent::attach::I
 }
 
 /// Connects to the child's agent once its socket answers.
-fn attach_when_up(
-    sock: &Path,
-    ring: &RingMap,
-    seg: &Segment,
-) -> (AttachConn, kspeed::agent::attach::AttachedReply) {
+fn attach_when_up(sock: &Path, ring: &RingMap, seg: &Segment) -> (AttachConn, AttachedReply) {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         match attach(sock, &request(seg, ring), ring, seg, Duration::from_secs(5)) {
@@ -267,11 +267,17 @@ fn batches_cross_processes_and_generations() {
         // The rank: one ring and segment, attached three times, each in a
         // new generation (the ready words of the last stay in the slots).
         let (ring, mut seg) = new_rank();
-        for round in 0..ROUNDS {
+        for (round, &count) in ROUND_BATCHES.iter().enumerate() {
             if round > 0 {
                 seg.begin_generation();
             }
             let mut r = RankSide::new(seg).unwrap();
+            // The last generation's ready words are still in the slots.
+            assert_eq!(
+                r.try_take(),
+                None,
+                "a ready word of the last generation was taken"
+            );
             let (conn, reply) = attach(
                 &sock,
                 &request(r.segment(), &ring),
@@ -281,7 +287,7 @@ fn batches_cross_processes_and_generations() {
             )
             .unwrap();
             assert_eq!(reply.generation, r.generation());
-            rank_take(&live_long(), &mut r, &ring, BATCHES_PER_ROUND, 500).unwrap();
+            rank_take(&live_long(), &mut r, &ring, count, 500).unwrap();
             let st = r.segment().stats();
             println!("rank round {round}: {st:?}");
             // Every sleep ended in a wake from the agent's process.
@@ -296,23 +302,15 @@ fn batches_cross_processes_and_generations() {
     let mut child = spawn(NAME, "rank", &sock);
     let (mut agent_sleeps, mut rank_sleeps, mut wakes) = (0, 0, 0);
     let mut gens = Vec::new();
-    for _ in 0..ROUNDS {
+    for &count in &ROUND_BATCHES {
         let mut inc = accept_one(&l, &mut child).accept(20).unwrap();
         assert_eq!(inc.conn.peer().pid, child.id());
         gens.push(inc.request.generation.get());
         let a = &mut inc.side;
-        agent_publish(
-            &live_long(),
-            a,
-            &inc.ring,
-            Some(&inc.conn),
-            BATCHES_PER_ROUND,
-            700,
-        )
-        .unwrap();
+        agent_publish(&live_long(), a, &inc.ring, Some(&inc.conn), count, 700).unwrap();
         assert_eq!(a.sleep_timeouts(), 0, "agent sleeps with no wake");
         let st = a.segment().stats();
-        assert_eq!(st.published, BATCHES_PER_ROUND);
+        assert_eq!(st.published, count);
         (agent_sleeps, rank_sleeps, wakes) = (
             st.agent_sleeps,
             st.rank_sleeps,
@@ -329,8 +327,9 @@ fn batches_cross_processes_and_generations() {
         "agent sleeps {agent_sleeps}, rank sleeps {rank_sleeps}, wakes {wakes}"
     );
     eprintln!(
-        "{} batches in {ROUNDS} generations; agent slept {agent_sleeps}, rank {rank_sleeps}, wakes {wakes}",
-        BATCHES_PER_ROUND * u64::from(ROUNDS)
+        "{} batches in {} generations; agent slept {agent_sleeps}, rank {rank_sleeps}, wakes {wakes}",
+        ROUND_BATCHES.iter().sum::<u64>(),
+        ROUND_BATCHES.len()
     );
 }
 
@@ -578,7 +577,7 @@ fn wrong_version_magic_and_descriptor_count_are_refused() {
             let c = AttachConn::connect(&sock, Duration::from_secs(5)).unwrap();
             c.send(&b, &[ring.fd(), seg.fd()]).unwrap();
             let (bytes, _) = c.recv("reply").unwrap();
-            kspeed::agent::attach::decode_reply(&bytes).map(|_| ())
+            decode_reply(&bytes).map(|_| ())
         });
         match got {
             Err(Error::AttachProtocol { what }) => assert!(what.contains(needle), "{what}"),
@@ -601,10 +600,7 @@ fn wrong_version_magic_and_descriptor_count_are_refused() {
             let (bytes, _) = c.recv("reply").unwrap();
             // The agent closed what it received before it answered.
             let left = (fds_on(&ring.fd()), fds_on(&seg.fd()));
-            (
-                kspeed::agent::attach::decode_reply(&bytes).map(|_| ()),
-                left,
-            )
+            (decode_reply(&bytes).map(|_| ()), left)
         });
         match got {
             Err(Error::AttachProtocol { what }) => {
@@ -755,7 +751,7 @@ fn a_segment_that_is_not_a_sealed_memfd_is_refused() {
         c.send(&request(&seg, &ring).encode(), &[ring.fd(), f.as_fd()])
             .unwrap();
         let (bytes, _) = c.recv("reply").unwrap();
-        kspeed::agent::attach::decode_reply(&bytes).map(|_| ())
+        decode_reply(&bytes).map(|_| ())
     });
     assert!(
         matches!(got, Err(Error::AttachSegment { .. })),
