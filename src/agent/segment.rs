@@ -3,9 +3,9 @@
 //! release mark (docs/AGENT.md, "The attach segment").
 //!
 //! The rank creates the segment and its landing ring as sealed memfds
-//! ([`Segment::create`], [`RingMap::create`]) and passes both to the agent
+//! ([`Segment::create`], [`RingMap::create`](super::shm::RingMap::create)) and passes both to the agent
 //! over the attach socket ([`super::attach`]); the agent maps them with
-//! [`Segment::open`] / [`RingMap::open`], which check the layout (magic,
+//! [`Segment::open`] / [`RingMap::open`](super::shm::RingMap::open), which check the layout (magic,
 //! version, sizes, seals) before anything else is read. Then the agent
 //! drives an [`AgentSide`] (publish batches, wait for room) and the rank a
 //! [`RankSide`] (wait for a batch, release it).
