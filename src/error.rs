@@ -498,6 +498,70 @@ pub enum Error {
         /// The length the manifest gives it.
         manifest_bytes: u64,
     },
+    /// An attach segment or ring a peer passed does not hold together
+    /// (magic, layout version, sizes, seals, a release mark past what was
+    /// published): docs/AGENT.md.
+    #[error("attach segment: {what}")]
+    AttachSegment {
+        /// What is wrong with it.
+        what: String,
+    },
+    /// A message on the agent's attach socket is malformed (magic,
+    /// version, length, kind, descriptor count): docs/AGENT.md.
+    #[error("attach protocol: {what}")]
+    AttachProtocol {
+        /// What is wrong with it.
+        what: String,
+    },
+    /// The agent refused the attach (REFUSED with its reason), or the
+    /// agent refused the peer (its credentials).
+    #[error("attach refused ({code}): {reason}")]
+    AttachRefused {
+        /// The refusal code's name (`peer_uid`, `version`, ...).
+        code: &'static str,
+        /// The reason as the refusing side wrote it.
+        reason: String,
+    },
+    /// A peer on the attach socket did not answer in time.
+    #[error("attach: no {what} within {waited_ms} ms (the peer is silent)")]
+    AttachTimeout {
+        /// What was awaited ("ATTACHED reply", "ATTACH message", "ready batch"...).
+        what: &'static str,
+        /// How long it waited.
+        waited_ms: u64,
+    },
+    /// The other side of an attach segment stopped beating (died) or
+    /// detached.
+    #[error("attached {peer} (pid {pid}) is gone: {}", if *closed { "it detached".to_string() } else { format!("no heartbeat for {silent_ms} ms") })]
+    AttachPeerGone {
+        /// "agent" or "rank".
+        peer: &'static str,
+        /// Its process id, as it wrote it in the segment.
+        pid: u32,
+        /// How long since its last heartbeat.
+        silent_ms: u64,
+        /// Whether it closed cleanly instead.
+        closed: bool,
+    },
+    /// The other side of an attach segment failed and posted this error.
+    #[error("attached {peer} failed: {kind}: {message}")]
+    AttachPeerError {
+        /// "agent" or "rank".
+        peer: &'static str,
+        /// The posted error's kind name.
+        kind: String,
+        /// Its message.
+        message: String,
+    },
+    /// The agent's attach socket cannot be set up (in use, not a socket,
+    /// its directory).
+    #[error("attach socket {path}: {what}")]
+    AttachSocket {
+        /// The socket's path.
+        path: PathBuf,
+        /// What is wrong.
+        what: String,
+    },
 }
 
 impl Error {
@@ -615,6 +679,13 @@ impl Error {
             Error::ProtocolViolation { .. } => ("ProtocolViolation", Network),
             Error::SampleUnavailable { .. } => ("SampleUnavailable", Network),
             Error::RdmaCompletion { .. } => ("RdmaCompletion", Network),
+            Error::AttachSegment { .. } => ("AttachSegment", Network),
+            Error::AttachProtocol { .. } => ("AttachProtocol", Network),
+            Error::AttachRefused { .. } => ("AttachRefused", Network),
+            Error::AttachTimeout { .. } => ("AttachTimeout", Network),
+            Error::AttachPeerGone { .. } => ("AttachPeerGone", Network),
+            Error::AttachPeerError { .. } => ("AttachPeerError", Network),
+            Error::AttachSocket { .. } => ("AttachSocket", Service),
             Error::Memlock { .. } => ("Memlock", Resource),
             Error::Uring { .. } => ("Uring", Resource),
             Error::ThreadSpawn { .. } => ("ThreadSpawn", Resource),
