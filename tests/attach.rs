@@ -5,8 +5,10 @@
 //! memfds passed by SCM_RIGHTS, both map them, and batches cross through
 //! ready words, release marks and shared futexes. Every wait on a child
 //! has a deadline, and every child gives up on its own after one too.
-//! (Over 800 lines: one test binary per contract, as tests/cluster.rs;
+//! (Why this file is over ~800 lines: one test binary per contract, as tests/cluster.rs;
 //! the roles share the publish/take loops defined once here.)
+
+mod common;
 
 use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
@@ -477,7 +479,7 @@ fn another_uid_is_refused_unless_a_root_agent_allows_it() {
     }
     // SAFETY: geteuid cannot fail.
     if unsafe { libc::geteuid() } != 0 {
-        eprintln!("skipped: switching the rank to another uid needs root");
+        common::skip("switching the rank to another uid needs root");
         return;
     }
     let (dir, _) = temp_socket();
