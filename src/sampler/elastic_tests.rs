@@ -166,6 +166,15 @@ fn check_values() {
         })
         .collect();
     assert_eq!(r, vec![vec![5, 9], vec![0, 4], vec![8, 7]]);
+    // With drop_last on three ranks: one step each, 9 dropped.
+    let c = cfg(10, 1, true, true);
+    let r: Vec<Vec<u64>> = (0..3)
+        .map(|rank| {
+            let s = ElasticSampler::new(c.rank_world(rank, 3), at).unwrap();
+            (0..s.per_rank(0)).map(|k| s.sample(0, k)).collect()
+        })
+        .collect();
+    assert_eq!(r, vec![vec![5], vec![0], vec![8]]);
     // Digest check values (also computed by a Python transcription of
     // docs/FORMAT.md): h(0, 0), h(3, 7), and the digest of 4 7 6 3 2 1.
     assert_eq!(EpochDigest::hash(0, 0), 0xfdbf_42a8_8ac5_0f27);
@@ -254,6 +263,10 @@ fn job_positions_round_trip() {
         ));
     }
     assert!(JobPosition::restore(&b[..39], &c, 0xfeed).is_err());
+    // docs/FORMAT.md check value (Python transcription): the fingerprint of
+    // N = 10, seed 1, shuffle, no drop_last.
+    let b = p.save(&cfg(10, 1, true, false), 0);
+    assert_eq!(b[24..32], 0xedfa_456b_6a8d_3bccu64.to_le_bytes());
 }
 
 #[test]
