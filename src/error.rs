@@ -747,6 +747,16 @@ mod tests {
                 ErrorClass::Resource,
             ),
             (Error::Serve("bind".into()), "Serve", ErrorClass::Service),
+            (
+                Error::NotLockStep("rank 1: step 3".into()),
+                "NotLockStep",
+                ErrorClass::Config,
+            ),
+            (
+                Error::AuditMismatch("epoch 0".into()),
+                "AuditMismatch",
+                ErrorClass::Data,
+            ),
         ];
         for (e, name, class) in cases {
             assert_eq!(e.kind_name(), name, "{e}");
