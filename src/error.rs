@@ -481,6 +481,14 @@ pub enum Error {
     /// A saved sampler position cannot be decoded or does not fit the sampler.
     #[error("invalid sampler position: {0}")]
     BadPosition(String),
+    /// Ranks' positions that should describe one lock-step job disagree
+    /// (another epoch, step, world or segment), so no job position exists.
+    #[error("ranks were not in lock-step: {0}")]
+    NotLockStep(String),
+    /// The exactly-once audit found delivered samples that differ from the
+    /// sampler's consumed set (a count or a digest mismatch).
+    #[error("exactly-once audit failed: {0}")]
+    AuditMismatch(String),
     /// A symbolic link in the source leads to nothing: its target does not
     /// exist.
     #[error("symlink {path} is dangling: its target {target} does not exist (in a dir: tree or a tar: directory, --skip-special skips such entries with a count)")]
@@ -675,6 +683,8 @@ impl Error {
             Error::SampleLargerThanRing { .. } => ("SampleLargerThanRing", Config),
             Error::RingTooSmallForBatch { .. } => ("RingTooSmallForBatch", Config),
             Error::BadPosition(_) => ("BadPosition", Config),
+            Error::NotLockStep(_) => ("NotLockStep", Config),
+            Error::AuditMismatch(_) => ("AuditMismatch", Data),
             Error::BadCluster { .. } => ("BadCluster", Config),
             Error::BadPlacement { .. } => ("BadPlacement", Config),
             Error::BadLauncher { .. } => ("BadLauncher", Config),
@@ -812,6 +822,16 @@ mod tests {
                 ErrorClass::Resource,
             ),
             (Error::Serve("bind".into()), "Serve", ErrorClass::Service),
+            (
+                Error::NotLockStep("rank 1: step 3".into()),
+                "NotLockStep",
+                ErrorClass::Config,
+            ),
+            (
+                Error::AuditMismatch("epoch 0".into()),
+                "AuditMismatch",
+                ErrorClass::Data,
+            ),
         ];
         for (e, name, class) in cases {
             assert_eq!(e.kind_name(), name, "{e}");
