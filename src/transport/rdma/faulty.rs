@@ -9,7 +9,8 @@
 //! - a receive chain refused part-way, likewise;
 //! - a request that fails at the device: a seeded send (one that reads
 //!   registered memory) is posted under a local key no region has, so the
-//!   device itself completes it with `IBV_WC_LOC_PROT_ERR` and moves the
+//!   device itself completes it with an error (`IBV_WC_LOC_PROT_ERR`;
+//!   soft-RoCE says `IBV_WC_LOC_QP_OP_ERR`) and moves the
 //!   QP to error, flushing what follows (`IBV_WC_WR_FLUSH_ERR`), as RC
 //!   does. The device, not the wrapper, makes the error: a wrapper that
 //!   only rewrote a completion's status would report requests failed that
@@ -79,7 +80,7 @@ impl<Q: WorkQueue> FaultyQueue<Q> {
         FaultyQueue {
             inner,
             cfg,
-            rng: crate::hash::mix64(cfg.seed ^ 0x5157_4641_554c_5459),
+            rng: seeded(cfg.seed),
             failed: false,
             stats: QueueFaultStats::default(),
         }
@@ -88,6 +89,13 @@ impl<Q: WorkQueue> FaultyQueue<Q> {
     /// What the faults did so far.
     pub fn stats(&self) -> QueueFaultStats {
         self.stats
+    }
+
+    /// Changes the faults from now on: their rates, and the sequence
+    /// restarts from `cfg.seed`.
+    pub fn set_faults(&mut self, cfg: QueueFaults) {
+        self.cfg = cfg;
+        self.rng = seeded(cfg.seed);
     }
 
     /// The wrapped queue.
@@ -115,6 +123,10 @@ impl<Q: WorkQueue> FaultyQueue<Q> {
         }
         Some(k)
     }
+}
+
+fn seeded(seed: u64) -> u64 {
+    crate::hash::mix64(seed ^ 0x5157_4641_554c_5459)
 }
 
 fn enomem(posted: usize) -> PostError {
@@ -200,5 +212,93 @@ impl<Q: WorkQueue> WorkQueue for FaultyQueue<Q> {
 
     fn set_error(&mut self) -> Result<()> {
         self.inner.set_error()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::memverbs::{MemFaults, MemNic};
+    use super::super::wq::SendOp;
+    use super::*;
+
+    /// Over the in-memory pair, seeds 0..16: a chain of 8 refused at `k`
+    /// completes exactly its first `k` writes (they landed, the rest did
+    /// not), and a send made to fail at the device completes with an error
+    /// after which the rest of its chain is flushed. Returns, over the
+    /// seeds, whether a refusal came after posting some and whether a
+    /// failure left requests to flush (so both cases were tested).
+    #[test]
+    fn refusals_post_their_prefix_and_a_failed_send_flushes_the_rest() {
+        let (mut part_way, mut flushed) = (false, false);
+        for seed in 0..16 {
+            let mut src: Vec<u8> = (1..=128).collect();
+            let mut dst = vec![0u8; 256];
+            let faults = MemFaults {
+                max_per_step: 4,
+                ..MemFaults::default()
+            };
+            let (nic, a, _b) = MemNic::pair(seed, faults, 16, 16, 64, 16);
+            // SAFETY: both buffers outlive the NIC (declared before it).
+            let (lkey, rkey) = unsafe {
+                let (l, _) = nic.borrow_mut().register(0, src.as_mut_ptr(), 128, false);
+                let (_, r) = nic.borrow_mut().register(1, dst.as_mut_ptr(), 256, true);
+                (l, r.unwrap())
+            };
+            let write = |i: u64| SendWr {
+                wr_id: i,
+                op: SendOp::Write,
+                local_addr: src.as_ptr() as u64 + (i % 8) * 16,
+                len: 16,
+                lkey,
+                remote_addr: dst.as_ptr() as u64 + i * 16,
+                rkey,
+                signaled: true,
+                ..SendWr::EMPTY
+            };
+            let drain = |q: &mut FaultyQueue<_>| {
+                let mut got = Vec::new();
+                let mut out = [WorkCompletion::default(); 16];
+                for _ in 0..64 {
+                    nic.borrow_mut().step();
+                    let n = WorkQueue::poll(q, &mut out).unwrap();
+                    got.extend_from_slice(&out[..n]);
+                }
+                got
+            };
+            let cfg = QueueFaults::default().seed(seed).send_refuse_ppm(1_000_000);
+            let mut q = FaultyQueue::new(a, cfg);
+            let chain: Vec<SendWr> = (0..8).map(write).collect();
+            // SAFETY: src outlives the requests (drained below).
+            let e = unsafe { q.post_send(&chain) }.unwrap_err();
+            let k = e.posted;
+            assert_eq!(e.error.raw_os_error(), Some(libc::ENOMEM));
+            let got = drain(&mut q);
+            let ids: Vec<u64> = got.iter().map(|c| c.wr_id).collect();
+            assert_eq!(ids, (0..k as u64).collect::<Vec<_>>(), "seed {seed}");
+            assert!(got.iter().all(|c| c.status == 0));
+            for i in 0..8 {
+                let landed = &dst[i * 16..i * 16 + 16];
+                assert_eq!(landed == &src[i * 16..i * 16 + 16], i < k, "seed {seed}");
+            }
+            part_way |= k > 0;
+
+            q.set_faults(QueueFaults::default().seed(seed).wc_error_ppm(1_000_000));
+            let chain: Vec<SendWr> = (8..16).map(write).collect();
+            // SAFETY: as above.
+            unsafe { q.post_send(&chain) }.unwrap();
+            let got = drain(&mut q);
+            assert_eq!(got.len(), 8, "seed {seed}: {got:?}");
+            let j = got.iter().position(|c| c.status != 0).expect("a failure");
+            assert_eq!(got[j].status, ibv_wc_status::IBV_WC_LOC_PROT_ERR);
+            assert!(got[..j].iter().all(|c| c.status == 0));
+            assert!(got[j + 1..]
+                .iter()
+                .all(|c| c.status == ibv_wc_status::IBV_WC_WR_FLUSH_ERR));
+            assert_eq!(q.stats().flushed, (7 - j) as u64);
+            assert!(nic.borrow().in_error(0));
+            flushed |= j < 7;
+            eprintln!("seed {seed}: refused at {k}, request {j} of 8 failed");
+        }
+        assert!(part_way && flushed);
     }
 }
