@@ -416,6 +416,114 @@ fn rdma_link_pushes_writes_and_errors_in_order_through_the_link_trait() {
     drop((smr, rmr, imr));
 }
 
+/// The fault wrapper over the real verbs: a send chain it refuses
+/// part-way really posted the requests before `bad_wr` (they land and
+/// complete, the rest do not), and a send it makes fail fails at the
+/// device, which moves the QP to error and flushes what follows.
+#[test]
+#[ignore = "needs an RDMA device: runs in the soft-RoCE VM (scripts/vm_rdma_tests.sh)"]
+fn faulty_queue_over_real_verbs_refuses_part_way_and_fails_at_the_device() {
+    use kspeed::transport::rdma::{
+        FaultyQueue, QueueFaults, SendOp, SendWr, VerbsQueue, WorkQueue,
+    };
+    let Some(ctx) = open() else { return };
+    let Pair {
+        pd,
+        cq_a,
+        cq_b,
+        a,
+        b,
+    } = pair(&ctx);
+    let mut staging: Vec<u8> = (0..1 << 14).map(|i| (i % 251) as u8 + 1).collect();
+    let mut ring = vec![0u8; 1 << 14];
+    // SAFETY: the buffers outlive their regions and the writes into them
+    // (dropped at the end, after the QPs).
+    let smr =
+        unsafe { Mr::register(&pd, staging.as_mut_ptr(), staging.len(), Access::Local) }.unwrap();
+    // SAFETY: as above.
+    let rmr =
+        unsafe { Mr::register(&pd, ring.as_mut_ptr(), ring.len(), Access::RemoteWrite) }.unwrap();
+    let (mut sges, mut rwrs) = (Vec::new(), Vec::new());
+    b.post_recvs_into(0, 64, None, &mut sges, &mut rwrs)
+        .unwrap();
+    let write = |i: u64| SendWr {
+        wr_id: i,
+        op: SendOp::WriteWithImm,
+        local_addr: smr.addr() + i * 256,
+        len: 256,
+        lkey: smr.lkey(),
+        inline: false,
+        remote_addr: rmr.addr() + i * 256,
+        rkey: rmr.rkey(),
+        imm: i as u32,
+        signaled: true,
+    };
+    let poll_n = |q: &mut FaultyQueue<VerbsQueue>, n: usize| {
+        let mut got = Vec::new();
+        let mut buf = [WorkCompletion::default(); 16];
+        let t0 = Instant::now();
+        while got.len() < n && t0.elapsed() < Duration::from_secs(5) {
+            let k = q.poll(&mut buf).unwrap();
+            got.extend_from_slice(&buf[..k]);
+        }
+        got
+    };
+    // Every chain refused somewhere; the seed picks where.
+    let faults = QueueFaults::default().seed(3).send_refuse_ppm(1_000_000);
+    let mut q = FaultyQueue::new(VerbsQueue::new(a, cq_a.clone(), 64), faults);
+    let chain: Vec<SendWr> = (0..8).map(write).collect();
+    // SAFETY: staging outlives the requests (polled below).
+    let e = unsafe { q.post_send(&chain) }.unwrap_err();
+    let k = e.posted;
+    eprintln!("the chain of 8 was refused at {k}");
+    assert!(k < 8);
+    assert_eq!(e.error.raw_os_error(), Some(libc::ENOMEM));
+    let done = poll_n(&mut q, k);
+    assert_eq!(done.len(), k, "{done:?}");
+    assert!(done.iter().all(|c| c.status == 0));
+    let got = wait(&cq_b, k);
+    assert_eq!(got.len(), k);
+    for i in 0..8usize {
+        let (at, landed) = (i * 256, &ring[i * 256..i * 256 + 256]);
+        if i < k {
+            assert_eq!(landed, &staging[at..at + 256], "request {i} was posted");
+        } else {
+            assert!(landed.iter().all(|&x| x == 0), "request {i} was not posted");
+        }
+    }
+    // Now one request of each chain fails at the device.
+    q.set_faults(QueueFaults::default().seed(3).wc_error_ppm(1_000_000));
+    let chain: Vec<SendWr> = (8..16).map(write).collect();
+    // SAFETY: as above.
+    unsafe { q.post_send(&chain) }.unwrap();
+    let done = poll_n(&mut q, 8);
+    assert_eq!(done.len(), 8, "{done:?}");
+    let j = done
+        .iter()
+        .position(|c| c.status != 0)
+        .expect("one request failed");
+    // A local protection error on mlx5 (and MemNic); soft-RoCE reports
+    // IBV_WC_LOC_QP_OP_ERR.
+    let st = done[j].status;
+    eprintln!("request {j} of 8 failed with status {st}");
+    assert!(
+        st != rdma_sys::ibv_wc_status::IBV_WC_WR_FLUSH_ERR,
+        "the first error is the request's own: {done:?}"
+    );
+    assert!(
+        done[j + 1..]
+            .iter()
+            .all(|c| c.status == rdma_sys::ibv_wc_status::IBV_WC_WR_FLUSH_ERR),
+        "{done:?}"
+    );
+    assert!(done[..j].iter().all(|c| c.status == 0));
+    let stats = q.stats();
+    assert_eq!((stats.wc_errors, stats.flushed), (1, (7 - j) as u64));
+    drop(q);
+    drop(b);
+    drop((smr, rmr, cq_b));
+}
+
 /// Binds a type 2 window over 4 KiB at offset 8 KiB of a windows-only ring
 /// on a fresh pair, optionally invalidates it, then writes `len` bytes at
 /// ring offset `off` from the other end under the window's rkey (or, with

@@ -22,8 +22,8 @@ use crate::error::{Error, Result};
 use crate::landing::LandingRing;
 use crate::transport::proto::{self, Code, Header, Hello, Kind};
 use crate::transport::rdma::{
-    self, completion_error, next_rkey, Access, CompChannel, Context, Cq, Mr, Mw, Pd, Qp, WindowOp,
-    WorkCompletion,
+    self, completion_error, next_rkey, Access, CompChannel, Context, Cq, Mr, Mw, Pd, Qp, RecvWr,
+    VerbsQueue, WindowOp, WorkCompletion, WorkQueue,
 };
 
 /// How many receives an RDMA connection keeps posted: every WRITE_WITH_IMM
@@ -190,19 +190,21 @@ fn register_gpu_ring(
     }
 }
 
-/// One connection's RDMA end: its QP and CQ, and the receive buffers for
-/// ERROR messages (receives are posted in order and complete in order, so
-/// the buffers are used round-robin and re-posted in bulk).
+/// One connection's RDMA end: its QP and CQ, behind [`WorkQueue`] for the
+/// receives and the completions (the memory-window binds and
+/// invalidations go to the QP itself: the interface does not carry them),
+/// and the receive buffers for ERROR messages (receives are posted in order
+/// and complete in order, so the buffers are used round-robin and re-posted
+/// in bulk).
 pub(crate) struct RdmaRx {
-    qp: rdma::Qp,
-    cq: Arc<rdma::Cq>,
+    queue: VerbsQueue,
     bufs_mr: rdma::Mr,
     bufs: Box<[u8]>,
     /// Receives completed and not re-posted yet, and the slot of the first.
     consumed: usize,
     next_slot: usize,
-    sges: Vec<rdma_sys::ibv_sge>,
-    wrs: Vec<rdma_sys::ibv_recv_wr>,
+    /// The receive chain `repost` builds (sized once).
+    rwrs: Vec<RecvWr>,
     /// Windows mode: the windows, the rkey each was last bound under, the
     /// table entry each opens (`NONE` when free), the free ones.
     mws: Vec<rdma::Mw>,
@@ -233,28 +235,64 @@ impl Drop for RdmaRx {
     }
 }
 
-// SAFETY: `sges`/`wrs` are scratch space whose raw pointers are rebuilt on
-// every post and never outlive it; the verbs objects may be used from any
+// SAFETY: `swrs` is scratch space whose raw pointers are rebuilt on every
+// post and never outlive it; the verbs objects may be used from any
 // thread, and one thread at a time uses a connection.
 unsafe impl Send for RdmaRx {}
 
 impl RdmaRx {
-    /// Re-posts the receives consumed so far (one or two chains).
+    /// Re-posts the receives consumed so far (one or two chains). A chain
+    /// refused part-way (`bad_wr`) still posted the receives before it:
+    /// they count as re-posted, so no buffer is ever posted twice.
     fn repost(&mut self) -> Result<()> {
         while self.consumed > 0 {
             let first = (self.next_slot + RDMA_RECVS - self.consumed) % RDMA_RECVS;
             let n = self.consumed.min(RDMA_RECVS - first);
-            let base = self.bufs.as_ptr() as u64 + (first * RDMA_RECV_BYTES) as u64;
-            self.qp.post_recvs_into(
-                first as u64,
+            let posted = post_recv_slots(
+                &mut self.queue,
+                &mut self.rwrs,
+                first,
                 n,
-                Some((&self.bufs_mr, base, RDMA_RECV_BYTES as u32)),
-                &mut self.sges,
-                &mut self.wrs,
-            )?;
-            self.consumed -= n;
+                self.bufs.as_ptr() as u64,
+                self.bufs_mr.lkey(),
+            );
+            self.consumed -= posted.as_ref().map_or_else(|(k, _)| *k, |()| n);
+            posted.map_err(|(_, error)| Error::Rdma {
+                op: "post receives",
+                detail: error.to_string(),
+            })?;
         }
         Ok(())
+    }
+}
+
+/// Posts receives for buffer slots `first..first + n` of the buffers at
+/// `base` (`RDMA_RECV_BYTES` each, under `lkey`), each slot its wr_id, as
+/// one chain built in `rwrs`; `Err` says how many were posted before the
+/// queue refused one.
+fn post_recv_slots<Q: WorkQueue>(
+    queue: &mut Q,
+    rwrs: &mut Vec<RecvWr>,
+    first: usize,
+    n: usize,
+    base: u64,
+    lkey: u32,
+) -> std::result::Result<(), (usize, std::io::Error)> {
+    rwrs.clear();
+    rwrs.extend((first..first + n).map(|slot| RecvWr {
+        wr_id: slot as u64,
+        addr: base + (slot * RDMA_RECV_BYTES) as u64,
+        len: RDMA_RECV_BYTES as u32,
+        lkey,
+    }));
+    // SAFETY: the buffers live next to (and are dropped after) the queue
+    // that receives into them, and are read only after their completion.
+    unsafe { queue.post_recv(rwrs) }.map_err(|e| (e.posted, e.error))
+}
+
+impl RdmaRx {
+    fn qp(&self) -> &Qp {
+        self.queue.qp()
     }
 }
 
@@ -309,14 +347,12 @@ fn connect(
     let bufs_mr = unsafe { Mr::register(&r.pd, bufs.as_mut_ptr(), bufs.len(), Access::Local) }
         .map_err(failed)?;
     let mut c = RdmaRx {
-        qp,
-        cq,
+        queue: VerbsQueue::new(qp, cq, RDMA_RECVS),
         bufs_mr,
         bufs,
         consumed: RDMA_RECVS,
         next_slot: 0,
-        sges: Vec::with_capacity(RDMA_RECVS),
-        wrs: Vec::with_capacity(RDMA_RECVS),
+        rwrs: Vec::with_capacity(RDMA_RECVS),
         mws: Vec::new(),
         mw_rkey: Vec::new(),
         mw_entry: Vec::new(),
@@ -339,7 +375,7 @@ fn connect(
         c.binds.reserve_exact(RDMA_WINDOWS);
     }
     c.repost().map_err(failed)?;
-    c.cq.arm().map_err(failed)?;
+    c.queue.arm().map_err(failed)?;
     Ok(c)
 }
 
@@ -438,7 +474,8 @@ impl Receive for RdmaRx {
             .iter()
             .map(|&(m, off, len)| (&mws[m as usize], base + off, len, mw_rkey[m as usize]));
         let res = self
-            .qp
+            .queue
+            .qp()
             .post_binds(&self.r.ring_mr, binds, WR_BIND, &mut self.swrs);
         for &(m, _, _) in &self.binds {
             self.mws[m as usize].set_rkey(self.mw_rkey[m as usize]);
@@ -457,7 +494,8 @@ impl Receive for RdmaRx {
     fn close(&mut self, m: u32) -> Result<()> {
         let rkey = self.mw_rkey[m as usize];
         let op = WindowOp::Invalidate { rkey };
-        self.qp
+        self.queue
+            .qp()
             .post_window_ops(&[(WR_INV | m as u64, true, op)], &mut self.swrs)?;
         self.invs_pending += 1;
         Ok(())
@@ -465,7 +503,7 @@ impl Receive for RdmaRx {
 
     /// The QP goes to the error state: it accepts no write from now on.
     fn shut(&self) -> Result<()> {
-        self.qp.set_error()
+        self.qp().set_error()
     }
 
     fn idle(&self) -> bool {
@@ -473,11 +511,11 @@ impl Receive for RdmaRx {
     }
 
     fn arm(&self) -> Result<()> {
-        self.cq.arm()
+        self.queue.arm()
     }
 
     fn poll(&mut self) -> Result<usize> {
-        let n = self.cq.poll(&mut self.wc)?;
+        let n = self.queue.poll(&mut self.wc)?;
         let recvs = self.wc[..n]
             .iter()
             .filter(|w| w.wr_id & WR_SEND == 0)

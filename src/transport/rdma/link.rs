@@ -58,6 +58,9 @@ pub struct RdmaLink<Q: WorkQueue = VerbsQueue> {
     /// The chain `flush` posts (built from `queued`).
     chain: Vec<SendWr>,
     broken: Option<Error>,
+    /// `close` could not post its flush marker (the queue refused it): it
+    /// is posted at a later `poll`.
+    marker_owed: bool,
 }
 
 impl RdmaLink {
@@ -91,7 +94,13 @@ impl<Q: WorkQueue> RdmaLink<Q> {
             inline_buf: vec![0u8; max_wr * (4 + RDMA_ERROR_BYTES)],
             chain: Vec::with_capacity(max_wr),
             broken: None,
+            marker_owed: false,
         }
+    }
+
+    /// The queue it posts to (a test reads a fault wrapper's counts).
+    pub fn queue(&self) -> &Q {
+        &self.queue
     }
 
     /// The capacities of the link's pools, which never grow.
@@ -145,18 +154,26 @@ impl<Q: WorkQueue> RdmaLink<Q> {
             // would ever report them. A signalled request posted to the
             // QP in error is flushed with an error completion, which
             // (after every earlier one, in order) fails them all.
-            let marker = SendWr {
-                wr_id: FLUSH_MARKER_WR,
-                signaled: true,
-                ..SendWr::EMPTY
-            };
-            // SAFETY: a zero-length SEND references no memory.
-            if let Err(e) = unsafe { self.queue.post_send(&[marker]) } {
-                // The QP is in error: the device processes none of its
-                // requests any more.
-                log::warn!("RDMA link: posting the flush marker: {}", e.error);
-                self.fail_all();
-            }
+            self.marker_owed = true;
+            self.post_marker();
+        }
+    }
+
+    /// Posts the flush marker `close` owes. A refusal (a full send queue)
+    /// is no sign that the device is done with the posted requests (a QP
+    /// in error takes posts, and flushes them): they stay held, and the
+    /// marker is retried at the next `poll`, once completions have freed
+    /// room (every request still queued completes, flushed).
+    fn post_marker(&mut self) {
+        let marker = SendWr {
+            wr_id: FLUSH_MARKER_WR,
+            signaled: true,
+            ..SendWr::EMPTY
+        };
+        // SAFETY: a zero-length SEND references no memory.
+        match unsafe { self.queue.post_send(&[marker]) } {
+            Ok(()) => self.marker_owed = false,
+            Err(e) => log::debug!("RDMA link: the flush marker waits: {}", e.error),
         }
     }
 
@@ -172,6 +189,7 @@ impl<Q: WorkQueue> RdmaLink<Q> {
             });
         }
         self.chain_ends.clear();
+        self.marker_owed = false;
         fail_queued(&mut self.queued, &mut self.done);
     }
 }
@@ -355,6 +373,9 @@ impl<Q: WorkQueue> Link for RdmaLink<Q> {
     }
 
     fn poll(&mut self, out: &mut [Done]) -> usize {
+        if self.marker_owed {
+            self.post_marker();
+        }
         let mut wc = [WorkCompletion::default(); 16];
         while let Ok(n) = self.queue.poll(&mut wc) {
             if n == 0 {

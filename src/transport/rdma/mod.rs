@@ -4,7 +4,8 @@
 //! queue pair (`qp.rs`) — with the one-sided WRITE_WITH_IMM the push protocol uses
 //! (immediate = grant id); the verbs-shaped interface work requests are
 //! posted and polled through ([`WorkQueue`], `wq.rs`, with the real QP's
-//! implementation); and the owner side's link over it ([`RdmaLink`],
+//! implementation, and [`FaultyQueue`], `faulty.rs`, which injects seeded
+//! faults into any of them); and the owner side's link over it ([`RdmaLink`],
 //! `link.rs`). Tests only: an in-memory queue-pair pair behind the same
 //! interface (`memverbs.rs`) and the seeded simulation that runs the real
 //! link over it (`sim.rs`).
@@ -12,6 +13,7 @@
 //! This module owns the verbs resources and is one of the few allowed
 //! `unsafe`; the submodules say which resources each owns.
 
+mod faulty;
 mod link;
 #[cfg(test)]
 mod memverbs;
@@ -21,6 +23,7 @@ mod sim;
 mod verbs;
 mod wq;
 
+pub use faulty::{FaultyQueue, QueueFaultStats, QueueFaults};
 pub use link::{RdmaLink, RDMA_ERROR_BYTES, SIGNAL_EVERY};
 pub use qp::{completion_error, wc_status_name, CompChannel, Cq, Endpoint, Qp, WorkCompletion};
 pub use verbs::{

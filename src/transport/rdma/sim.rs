@@ -25,6 +25,7 @@ use std::time::Duration;
 
 use rdma_sys::{ibv_wc_opcode, ibv_wc_status};
 
+use super::faulty::{FaultyQueue, QueueFaultStats, QueueFaults};
 use super::link::{RdmaLink, RDMA_ERROR_BYTES};
 use super::memverbs::{MemFaults, MemNic, MemQp, MemStats};
 use super::qp::WorkCompletion;
@@ -66,7 +67,9 @@ struct Run {
     seed: u64,
     rng: Rng,
     nic: Rc<RefCell<MemNic>>,
-    link: RdmaLink<MemQp>,
+    /// Over the fault wrapper (no faults in some seeds), so its faults and
+    /// the in-memory NIC's are both exercised.
+    link: RdmaLink<FaultyQueue<MemQp>>,
     link_caps: [usize; 6],
     rx: MemQp,
     chunk: usize,
@@ -119,6 +122,21 @@ impl Run {
             },
             max_per_step: 1 + rng.below(12) as u32,
         };
+        // The wrapper's faults, in half the seeds: chains refused
+        // part-way before the NIC sees them, completions that succeeded
+        // turned into errors (the QP then flushes the rest).
+        let queue_faults = if rng.one_in(2) {
+            QueueFaults::default()
+        } else {
+            QueueFaults::default()
+                .seed(seed)
+                .send_refuse_ppm(rng.below(200_000) as u32)
+                .wc_error_ppm(if rng.one_in(3) {
+                    rng.below(20_000) as u32
+                } else {
+                    0
+                })
+        };
         let recv_depth = 1 + rng.below(64) as usize;
         // The real CQ: the QP's depth + 16 (serve/owner_rdma.rs).
         let (nic, owner_qp, rx) = MemNic::pair(
@@ -159,7 +177,12 @@ impl Run {
         };
         let regions =
             SendRegions::from_ranges(&[(slab.as_ptr() as u64, slab.len() as u64, slab_lkey)]);
-        let link = RdmaLink::on(owner_qp, regions, ring.as_ptr() as u64, max_wr);
+        let link = RdmaLink::on(
+            FaultyQueue::new(owner_qp, queue_faults),
+            regions,
+            ring.as_ptr() as u64,
+            max_wr,
+        );
         let link_caps = link.capacities();
         Box::new(Run {
             seed,
@@ -376,8 +399,9 @@ fn one_seed(seed: u64) {
     run_seed(seed);
 }
 
-/// One seed's run, its invariants checked; returns what the device did.
-fn run_seed(seed: u64) -> MemStats {
+/// One seed's run, its invariants checked; returns what the device and the
+/// fault wrapper did.
+fn run_seed(seed: u64) -> (MemStats, QueueFaultStats) {
     let mut r = Run::new(seed);
     const MAX_STEPS: u64 = 200_000;
     let mut step = 0u64;
@@ -431,7 +455,7 @@ fn run_seed(seed: u64) -> MemStats {
     assert_eq!(r.link.capacities(), r.link_caps, "a link pool grew");
     r.nic.borrow().check_pools();
     let stats = r.nic.borrow().stats;
-    stats
+    (stats, r.link.queue().stats())
 }
 
 /// The owner's RDMA link over the in-memory verbs, many seeds (bounded in
@@ -449,10 +473,17 @@ fn sim_rdma_link_over_memory_verbs() {
 #[test]
 fn sim_rdma_link_faults_are_exercised() {
     let mut total = MemStats::default();
+    let mut wrapper = QueueFaultStats::default();
     for seed in 0..200 {
-        total.add(&run_seed(seed));
+        let (nic, w) = run_seed(seed);
+        total.add(&nic);
+        wrapper.sends_refused += w.sends_refused;
+        wrapper.refused_part_way += w.refused_part_way;
+        wrapper.wc_errors += w.wc_errors;
+        wrapper.flushed += w.flushed;
     }
-    eprintln!("sim_rdma_link, seeds 0..200: {total:?}");
+    eprintln!("sim_rdma_link, seeds 0..200: {total:?}, the fault wrapper: {wrapper:?}");
+    assert!(wrapper.refused_part_way > 0 && wrapper.wc_errors > 0 && wrapper.flushed > 0);
     assert!(total.refused_part_way > 0);
     assert!(total.wc_errors > 0 && total.deaths > 0);
     assert!(total.remote_access_errors > 0 && total.rnr_waits > 0);

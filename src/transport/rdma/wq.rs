@@ -167,6 +167,12 @@ impl VerbsQueue {
             rwrs: Vec::with_capacity(max_wr),
         }
     }
+
+    /// The queue pair, for what the interface does not carry (memory
+    /// window binds and invalidations: `RdmaRx` posts them here).
+    pub fn qp(&self) -> &Qp {
+        &self.qp
+    }
 }
 
 /// The verbs form of `w`, its bytes described by `sge` (unused when it
