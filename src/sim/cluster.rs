@@ -28,8 +28,10 @@
 //! fails with `SampleUnavailable` only when no holder could serve it (each
 //! stopped, its connection lost, it refused the rank, or it injects EIO),
 //! never naming `NotHeld` (a grant to a node that does not hold the
-//! sample); a node without EIO answers no grant with ERROR; a node never
-//! hurt is never dropped by a rank. At teardown every rank's thread and
+//! sample); a node without EIO answers no grant with ERROR (so no grant
+//! reached it for a sample it does not hold, and a transient read failure
+//! was retried); no node saw a rank break the protocol; a node never hurt
+//! is never dropped by a rank. At teardown every rank's thread and
 //! every poller finishes with nothing in flight, every connection reaped.
 
 use std::collections::HashSet;
@@ -515,6 +517,11 @@ pub(crate) fn cluster(seed: u64) {
         }
     }
     for (n, (node, _)) in nodes.iter().enumerate() {
+        let violations = node.stats().violations.load(Ordering::Relaxed);
+        assert_eq!(
+            violations, 0,
+            "seed {seed}: node {n} dropped a rank for breaking the protocol"
+        );
         let errors = node.stats().errors.load(Ordering::Relaxed);
         assert!(
             eio[n] > 0 || errors == 0,

@@ -285,6 +285,25 @@ impl<R: IoBackend> ServePoller<R> {
         self.live.retain(|&ci| conns.contains(ci as usize));
         let stopping = self.c.stop.load(Ordering::Acquire);
         if stopping {
+            // Consumers handed over but not adopted (welcomed just before
+            // the stop): told why and closed, their places given back
+            // (they used to stay queued, uncounted and open, until the
+            // service was dropped).
+            while let Ok(acc) = self.incoming.try_recv() {
+                self.c.load[self.index].fetch_sub(1, Ordering::Relaxed);
+                if acc.has_rdma() {
+                    self.c.stats.rdma_qps.fetch_sub(1, Ordering::Relaxed);
+                }
+                let m = "the node service is stopping";
+                send_error_now(
+                    &mut self.ring,
+                    acc.fd,
+                    proto::CONNECTION,
+                    Code::ShuttingDown,
+                    m,
+                );
+                self.ring.shutdown(acc.fd);
+            }
             for k in 0..self.live.len() {
                 let ci = self.live[k] as usize;
                 if self.conns.get(ci).is_some_and(|c| !c.closing) {
