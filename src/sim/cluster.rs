@@ -12,7 +12,9 @@
 //! the ranks' threads, the nodes' pollers and the consumers in a seeded
 //! order; the clock moves a few ms a step.
 //!
-//! Faults (seeded): partial sends and held-back completions (MemNet); on
+//! Faults (seeded): partial sends and held-back completions (MemNet),
+//! sends cut short and delayed completions on every loop's ring
+//! ([`Faulty`]'s socket faults); on
 //! the nodes, read EIO (the node answers ERROR, the rank fails over to a
 //! replica, else names the sample unavailable: the source tree is gone),
 //! short reads, EAGAIN and EINTR (the node retries them), delayed reads;
@@ -48,6 +50,7 @@ use crate::loader::net::{sim_connections, NetSetup, NetShared, SimRx, Thread};
 use crate::loader::schedule::{Cursor, Geometry, Placed};
 use crate::loader::{Input, PollerConfig, Shared, CODE_ERROR, CODE_OK};
 use crate::ring::memnet::{MemNet, MemNetFaults};
+use crate::ring::NetFaults;
 use crate::ring::{FaultConfig, Faulty, IoBackend};
 use crate::sampler::{Position, Sampler, SamplerConfig};
 use crate::transport::proto::{self, Hello};
@@ -169,7 +172,7 @@ type NodeRing = Faulty<MemNet>;
 /// One rank: its real network thread, and the consumer's place.
 struct Rank {
     sh: Arc<Shared>,
-    thread: Thread<SimRx, MemNet>,
+    thread: Thread<SimRx, Faulty<MemNet>>,
     pools: [usize; 5],
     geo: Geometry,
     end_g: u64,
@@ -232,6 +235,15 @@ pub(crate) fn cluster(seed: u64) {
     // progress (below which a rank drops a node by design).
     let buffer = 512usize << rng.below(6);
     let mut net = MemNet::new(seed, 2 * nranks * nnodes, buffer, 1, faults);
+    // Sends cut short (a send returns part of its length), on both
+    // sides. (Not receives: the loops receive with MSG_WAITALL, which
+    // io_uring completes short only at the end of the stream or an error,
+    // as a short receive is taken; nor EAGAIN/EINTR, which io_uring
+    // retries itself for a socket operation.)
+    let net_faults = NetFaults {
+        short_send_ppm: rng.below(300_000) as u32,
+        ..Default::default()
+    };
 
     // The nodes: one service each, 1-2 pollers, one settings draw for all
     // (the ranks' connections take one WELCOME's limits).
@@ -283,7 +295,9 @@ pub(crate) fn cluster(seed: u64) {
                     .port(depth)
                     .with_cq_limit(cq as usize)
                     .with_file_base(base);
-                Faulty::new(port, fc, depth).with_transient_read_faults(transient_ppm)
+                Faulty::new(port, fc, depth)
+                    .with_transient_read_faults(transient_ppm)
+                    .with_net_faults(net_faults)
             })
             .collect();
         nodes.push((SimNode::new(Space::open(dir).unwrap(), cfg, rings), pollers));
@@ -377,7 +391,13 @@ pub(crate) fn cluster(seed: u64) {
             rdma: None,
         };
         let conns = sim_connections(&fds, placement, max_grants, chunk, net.now());
-        let port = net.port((nnodes * 2 + 8).next_power_of_two());
+        let depth = (nnodes * 2 + 8).next_power_of_two();
+        let fc = FaultConfig {
+            seed: seed ^ 0x7a4c ^ (r as u64) << 40,
+            delay_ppm: rng.below(200_000) as u32,
+            ..Default::default()
+        };
+        let port = Faulty::new(net.port(depth), fc, depth).with_net_faults(net_faults);
         let thread = Thread::with_ring(sh.clone(), Arc::new(setup), conns, port, false);
         let pools = thread.sim_view().2;
         let mut cursor = Cursor::new(sampler, geo, Position { epoch: 0, index: 0 }, steps);
@@ -468,7 +488,7 @@ pub(crate) fn cluster(seed: u64) {
                         "seed {seed}: rank {r}'s thread ended unasked"
                     );
                     let (ring, _, pools) = k.thread.sim_view();
-                    ring.check_pools();
+                    ring.inner().check_pools();
                     assert_eq!(pools, k.pools, "seed {seed}: rank {r}: a pool grew");
                 }
                 Actor::Poller(n, p) => {
@@ -594,7 +614,7 @@ pub(crate) fn cluster(seed: u64) {
             0,
             "seed {seed}: rank {r}: operations in flight"
         );
-        ring.check_pools();
+        ring.inner().check_pools();
     }
     let net_sum = |f: fn(&NetShared) -> u64| -> u64 {
         ranks
