@@ -19,7 +19,8 @@
 //! replica, else names the sample unavailable: the source tree is gone),
 //! short reads, EAGAIN and EINTR (the node retries them), delayed reads;
 //! the loss of one rank–node connection (`MemNet::reset`); a node stopping
-//! mid-run (its service's stop flag: it closes every connection).
+//! mid-run (its service's stop flag: it closes every connection); a node
+//! full for some ranks (refused at HELLO, dead from the start for them).
 //!
 //! Checked after every step: the nodes' bookkeeping (`SimNode::check`: no
 //! pool grew, no staging slot freed, reused or read into under an
@@ -258,7 +259,13 @@ pub(crate) fn cluster(seed: u64) {
         cfg.chunk_bytes = chunk;
         cfg.staging_bytes = chunk as u64 * staging_chunks;
         cfg.max_grants = max_grants;
-        cfg.max_conns_per_poller = nranks;
+        // Mostly room for every rank; else a rank may find the node full
+        // (refused at HELLO: dead from the start for that rank).
+        cfg.max_conns_per_poller = if rng.chance(4) {
+            1 + rng.below(nranks as u64) as usize
+        } else {
+            nranks
+        };
         cfg.stall_timeout = Duration::from_millis(stall_ms);
         cfg.idle_timeout = Duration::from_millis(6000 + rng.below(4000));
         let (_, cq, _) = cfg.ring_entries();
