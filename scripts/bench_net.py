@@ -25,6 +25,11 @@ default, taken from --work as bench_read.py leaves them):
 
   scripts/bench_net.py [--runs 3] [--work /var/tmp/kspeed-bench] [--profiles imagenet:20000,volumes:30] [--staging]
 
+--ab OLD_KSPEED: A/B against another build (e.g. the commit before a change):
+each run measures kspeed 1 -> 1 and 3 -> 2 with this build and with OLD_KSPEED
+(alternating which goes first), plus the raw copies; prints both builds' GB/s,
+the ratio this/old paired per run (median), and each against raw.
+
 A perf regression guard, under a minute: `scripts/bench_net.py --quick`
 (imagenet 3,000 samples; add --staging for the NVMe path). Compare the
 ratios against the raw socket before and after a change.
@@ -199,6 +204,40 @@ def prepare(work, profile, count):
     return src, one, three
 
 
+def ab(a, token):
+    """--ab: this build against another, paired per run."""
+    global K
+    new, old = K, os.path.abspath(a.ab)
+    print(f"A/B: this build {new} against {old}\n")
+    for spec in a.profiles.split(","):
+        profile, count = spec.split(":")
+        src, one, three = prepare(a.work, profile, int(count))
+        rows = {"new": ([], []), "old": ([], [])}
+        raw, raw2 = [], []
+        for run in range(a.runs):
+            order = ["new", "old"] if run % 2 == 0 else ["old", "new"]
+            for which in order:
+                K = new if which == "new" else old
+                rows[which][0].append(kspeed_1to1(one, src, token, a.work))
+                rows[which][1].append(kspeed_3to2(three, src, token, a.work))
+            K = new
+            raw.append(raw_copy(rows["new"][0][-1]["bytes"]))
+            raw2.append(raw_copy(rows["new"][1][-1]["bytes"] / 2, pairs=2))
+        print(f"## {profile}: {count} samples, 2 epochs, {a.runs} runs\n")
+        print("| run | this build GB/s | old build GB/s | this/old (paired, median) | this vs raw | old vs raw |")
+        print("|---|---|---|---|---|---|")
+        for i, (name, refs) in enumerate([("1 owner -> 1 consumer", raw), ("3 owners -> 2 consumers", raw2)]):
+            n, o = rows["new"][i], rows["old"][i]
+            paired = statistics.median(x["gbs"] / y["gbs"] for x, y in zip(n, o))
+            vn = statistics.median(x["gbs"] / r["gbs"] for x, r in zip(n, refs))
+            vo = statistics.median(y["gbs"] / r["gbs"] for y, r in zip(o, refs))
+            print(f"| {name} | {med(n, 'gbs'):.3f} | {med(o, 'gbs'):.3f} | {paired:.3f}x | {vn:.2f}x | {vo:.2f}x |")
+            print(f"|  per run (this/old GB/s) | " + ", ".join(f"{x['gbs']:.3f}/{y['gbs']:.3f}" for x, y in zip(n, o))
+                  + " | | | | |")
+        print()
+        sys.stdout.flush()
+
+
 def med(rows, key):
     return statistics.median(r[key] for r in rows)
 
@@ -213,6 +252,8 @@ def main():
                     help="regression guard (under a minute): imagenet:3000 only, ratios against raw sockets")
     ap.add_argument("--staging", action="store_true",
                     help="services read into staging (O_DIRECT path) instead of sending from the page cache")
+    ap.add_argument("--ab", metavar="OLD_KSPEED",
+                    help="also measure this other kspeed binary in every run, alternating, and print this/old")
     ap.add_argument("--disk", action="store_true",
                     help="spaces on the disk under --work, cold cache, staging with O_DIRECT; reference = "
                          "min(raw socket, fio over the extents)")
@@ -237,6 +278,8 @@ def main():
         mode = "O_DIRECT reads from the disk into staging, cold cache"
     print(f"# network benchmark, {os.cpu_count()} cores, median of {a.runs}, services with {mode}\n")
     try:
+        if a.ab:
+            return ab(a, token)
         for spec in a.profiles.split(","):
             profile, count = spec.split(":")
             src, one, three = prepare(a.work, profile, int(count))

@@ -2,7 +2,10 @@
 # Runs the unit tests that can run under Miri (no io_uring, sockets or
 # verbs): the sampler, the file envelope, the protocol frames, the ring
 # schedule, the aligned buffer, and the fault-injecting ring over an
-# in-memory backend (reads land through raw pointers as the kernel's would).
+# in-memory backend (reads land through raw pointers as the kernel's would),
+# and 3 seeds of two simulations whose backends are all in memory: the
+# transport's send and receive sides over MemNet (sim::tests) and the RDMA
+# link over MemNic (the sims that preload a space need a file system).
 # Property tests run 4 cases each (interpreted code is ~1000x slower).
 #   scripts/miri.sh
 # Needs the nightly toolchain with the miri and rust-src components (it
@@ -18,6 +21,7 @@ if ! cargo +nightly miri --version >/dev/null 2>&1; then
   exit 2
 fi
 export PROPTEST_CASES="${PROPTEST_CASES:-4}"
+export KSPEED_SIM_SEEDS="${KSPEED_SIM_SEEDS:-3}"
 # Isolation off: the tests read the clock (proptest) and the page size.
 export MIRIFLAGS="${MIRIFLAGS:--Zmiri-disable-isolation}"
 cargo +nightly miri test -p kspeed --lib -- \
@@ -25,6 +29,9 @@ cargo +nightly miri test -p kspeed --lib -- \
   transport::proto:: \
   loader::schedule:: \
   ring::faulty::tests::faulty_backend_over_memory \
+  ring::memnet:: \
+  sim::tests::sim_transport \
+  transport::rdma::sim::sim_rdma_link_over \
   sys::tests::aligned_buf \
   hash:: \
   sampler::tests::frozen_sequence \

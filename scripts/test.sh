@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite, on a fresh machine: system packages, formatting,
-# lints (with and without the rdma feature), rustdoc, the header and public
-# API listing drift checks, every test with and
+# lints (with and without the rdma feature), rustdoc, the import-cycle
+# check, the header and public API listing drift checks, every test with and
 # without the rdma feature (the cluster tests start `kspeed serve` processes
 # on 127.0.0.x and, as root, in network namespaces), the frame-decoding fuzz
 # target for a bounded time, Miri on the modules that can run under it
@@ -78,6 +78,17 @@ cargo clippy --workspace --all-targets --no-default-features -- -D warnings
 cargo clippy --workspace --all-targets --no-default-features --features rdma -- -D warnings
 step "rustdoc"
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --quiet
+step "no import cycles between source files (scripts/import_cycles.py)"
+python3 scripts/import_cycles.py
+step "every source file over 800 lines says why at its top"
+long_unexplained=0
+while IFS= read -r f; do
+    if [ "$(wc -l < "$f")" -gt 800 ] && ! head -80 "$f" | grep -q "Why this file is over ~800 lines"; then
+        echo "FAILED: $f has $(wc -l < "$f") lines and no 'Why this file is over ~800 lines' in its first 80" >&2
+        long_unexplained=1
+    fi
+done < <(git ls-files '*.rs')
+[ "$long_unexplained" = 0 ]
 step "include/kspeed.h matches capi/src (pinned cbindgen)"
 scripts/gen_header.sh --check
 step "api/kspeed.txt matches the public Rust API (nightly rustdoc JSON)"

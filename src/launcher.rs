@@ -8,7 +8,7 @@
 //! `kspeed.launch_env()` all read [`Launcher::from_env`], so they cannot
 //! disagree about a job.
 //!
-//! (Over 800 lines: about 300 are the tests, every launcher's variables
+//! (Why this file is over ~800 lines: about 300 are the tests, every launcher's variables
 //! and their contradictions, kept next to the one parser they pin.)
 //!
 //! # Variables and precedence

@@ -4,6 +4,10 @@
 //! stalled mid-epoch fail over to replicas or the source, or fail with a
 //! named error; hostile peers on either side are refused and never write
 //! outside a granted range.
+//!
+//! Why this file is over ~800 lines: every failure mode of the cluster path
+//! (owners killed, stalled, hostile; consumers hostile) shares the same
+//! spaces, services and consumers; one binary builds them once per process.
 
 mod common;
 

@@ -3,6 +3,9 @@
 //! and devices, paths that are not UTF-8, symlinks leaving the tree,
 //! permissions of the space, and the space lock. Real files throughout (GNU
 //! tar makes the shards), through the `kspeed` binary.
+//!
+//! Why this file is over ~800 lines: each kind of damaged or unusual input
+//! is a few tests over the same fixtures (sources, shards, spaces).
 
 mod common;
 

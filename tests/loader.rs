@@ -2,6 +2,9 @@
 //! byte-identical to its source and in sampler order, across epochs, ranks,
 //! batch sizes, ring sizes, lookaheads and poller counts; faults surface as
 //! named errors or are retried; the memory tier serves what it holds.
+//!
+//! Why this file is over ~800 lines: one property (every sample exact and
+//! in order) over many configurations, sharing the same fixtures.
 
 mod common;
 

@@ -1,5 +1,8 @@
 //! End-to-end tests of sources, catalog, preload, inspect, verify and unload
 //! over real files, through the real `kspeed` binary and the library API.
+//!
+//! Why this file is over ~800 lines: the end-to-end life of a space
+//! (source, catalog, preload, inspect, verify, unload) reads in order.
 
 mod common;
 

@@ -25,7 +25,7 @@
 //! stall); after the stop every connection is reaped, no slot is taken,
 //! nothing is in flight and no completion was lost.
 //!
-//! (Over 800 lines: one scenario, whose consumer script, per-frame checks
+//! (Why this file is over ~800 lines: one scenario, whose consumer script, per-frame checks
 //! and end-of-run checks share the same expectations and read together.)
 
 use std::os::fd::RawFd;

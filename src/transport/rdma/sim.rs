@@ -97,9 +97,10 @@ impl Run {
     fn new(seed: u64) -> Box<Run> {
         let mut rng = Rng(crate::hash::mix64(seed));
         let slots = 1 + rng.below(48) as usize;
-        let chunk = 1 + rng.below(3000) as usize;
+        let chunk = 1 + rng.below(if cfg!(miri) { 300 } else { 3000 }) as usize;
         let max_wr = 16 + rng.below(48) as usize;
-        let nsamples = 1 + rng.below(400) as usize;
+        // Under Miri (interpreted) a seed is a few samples.
+        let nsamples = 1 + rng.below(if cfg!(miri) { 12 } else { 400 }) as usize;
         let faults = MemFaults {
             post_refuse_ppm: if rng.one_in(3) {
                 0

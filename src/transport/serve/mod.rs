@@ -20,15 +20,23 @@
 //!
 //! Files: `config` (settings and limits), `service` (start, stop,
 //! signals), `accept` (the acceptor and the TCP handshake),
-//! `owner_rdma` (verbs resources, the RDMA handshake and link; `no_rdma.rs`
-//! stands in for it without the `rdma` feature), `staging` (the
-//! staging slab and its slots), `link` (a connection's send side, TCP or
-//! RDMA), `poller` (the serve poller's loop and connections), `push` (reads
-//! into staging and sends in grant order), `rx` (receiving frames from a
-//! consumer: a header, then a body), `metrics`.
+//! `owner_rdma` (verbs resources, the staging slab's registration, the
+//! RDMA handshake and link; `no_rdma.rs` stands in for it without the
+//! `rdma` feature), `staging` (`Staging`: the staging slab and the pool of
+//! its slots, taken and freed only through it), `conn` (`SConn`, a
+//! consumer's connection, and the ring's `user_data` encoding), `conns`
+//! (`Conns`: a poller's connection table, its pool and live list), `link`
+//! (a connection's send side, TCP or RDMA), `poller` (the serve poller's
+//! loop: adopting, closing, heartbeats, completions), `push` (reads into
+//! staging and sends in grant order), `rx` (receiving frames from a
+//! consumer: a header, then a body), `warn_limit` (the WARN-line rate
+//! limit), `metrics`. No two of them use each other
+//! (`scripts/import_cycles.py`).
 
 mod accept;
 mod config;
+mod conn;
+mod conns;
 mod link;
 mod metrics;
 #[cfg(feature = "rdma")]
@@ -43,6 +51,7 @@ mod service;
 #[cfg(test)]
 pub(crate) mod sim_node;
 mod staging;
+mod warn_limit;
 
 use std::net::{SocketAddr, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};

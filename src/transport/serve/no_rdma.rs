@@ -2,7 +2,6 @@
 //! the same names, no RDMA (a service asked for it is refused at start).
 
 use super::link::ConnLink;
-use super::staging::Staging;
 use super::{Accepted, Common};
 use crate::error::{Error, Result};
 use crate::sys::AlignedBuf;
@@ -54,7 +53,7 @@ impl Accepted {
         false
     }
 
-    pub(super) fn take_rdma_link(&mut self, _: &Staging, _: usize) -> Option<ConnLink> {
+    pub(super) fn take_rdma_link(&mut self, _: &StagingMr, _: usize) -> Option<ConnLink> {
         None
     }
 }

@@ -10,7 +10,6 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use super::link::ConnLink;
-use super::staging::Staging;
 use super::{Accepted, Common};
 use crate::error::{Error, Result};
 use crate::sys::AlignedBuf;
@@ -195,14 +194,15 @@ impl Accepted {
     }
 
     /// The RDMA link of a consumer that asked for RDMA: its queue pair,
-    /// sending from `staging` (and the mapped extents); None over TCP.
-    pub(super) fn take_rdma_link(&mut self, staging: &Staging, slots: usize) -> Option<ConnLink> {
+    /// sending from the staging slab `staging` registers (and the mapped
+    /// extents); None over TCP.
+    pub(super) fn take_rdma_link(&mut self, staging: &StagingMr, slots: usize) -> Option<ConnLink> {
         let r = self.rdma.take()?;
         Some(ConnLink::Rdma(Box::new(
             crate::transport::rdma::RdmaLink::new(
                 r.qp,
                 r.cq,
-                staging.rdma.regions.clone(),
+                staging.regions.clone(),
                 self.hello.ring_addr,
                 slots.clamp(16, 4096),
             ),

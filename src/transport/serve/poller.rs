@@ -4,8 +4,6 @@
 //! reaps completions (io_uring's, and the RDMA links' CQs).
 
 use std::collections::VecDeque;
-use std::convert::Infallible;
-use std::net::{SocketAddr, TcpStream};
 use std::os::fd::RawFd;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -13,28 +11,20 @@ use std::time::Duration;
 
 use crossbeam_channel::Receiver;
 
+use super::conn::{ud, ud_conn, ud_slot, SConn, HEARTBEAT_WR, UD_CHAN, UD_KIND, UD_READ};
+use super::conn::{UD_RECV, UD_SEND};
+use super::conns::Conns;
 use super::link::ConnLink;
 use super::owner_rdma::PollerChannel;
-use super::staging::{Slot, Staging};
+use super::staging::Staging;
+use super::warn_limit::WarnLimit;
 use super::{encode_error, metrics, Accepted, Common, ERROR_FRAME_MAX};
 use crate::error::errno_name;
-use crate::pool::Pool;
 use crate::ring::{Completion, IoBackend, Uring};
 use crate::stall::Phase;
-use crate::transport::proto::{self, Code, GrantEntry, Hello};
+use crate::transport::proto::{self, Code};
 use crate::transport::rx::FrameRx;
 use crate::transport::tcp::TcpLink;
-
-// user_data: kind in the top byte, connection index, slot index.
-pub(super) const UD_RECV: u64 = 1 << 56;
-pub(super) const UD_SEND: u64 = 2 << 56;
-pub(super) const UD_READ: u64 = 3 << 56;
-pub(super) const UD_CHAN: u64 = 4 << 56;
-pub(super) const UD_KIND: u64 = 0xff << 56;
-
-/// Work-request id of a heartbeat in a TCP link's queue (staging slots
-/// are numbered from 0, far below it): its completion frees no slot.
-pub(super) const HEARTBEAT_WR: u64 = u64::MAX;
 
 /// The shortest stall timeout the node's TCP_USER_TIMEOUT on a consumer's
 /// connection is built on (it is the stall timeout, at least this, plus
@@ -46,56 +36,6 @@ const USER_TIMEOUT_MIN: Duration = Duration::from_secs(1);
 /// ends its connection.
 const USER_TIMEOUT_MARGIN: Duration = Duration::from_secs(2);
 
-pub(super) fn ud(kind: u64, conn: u32, slot: u32) -> u64 {
-    kind | ((conn as u64) << 32) | slot as u64
-}
-
-/// A granted sample being pushed: the next chunk's offset within it.
-#[derive(Clone, Copy)]
-pub(super) struct Work {
-    pub(super) e: GrantEntry,
-    pub(super) next: u64,
-}
-
-pub(super) struct SConn {
-    /// Its socket's descriptor (every operation goes through the ring).
-    pub(super) fd: RawFd,
-    /// Owns the socket: closed when the connection is dropped, after its
-    /// last operation (None in the simulator).
-    pub(super) _sock: Option<TcpStream>,
-    pub(super) peer: SocketAddr,
-    pub(super) hello: Hello,
-    /// The receive side: a header, then a GRANT body (never a payload:
-    /// consumers send no DATA).
-    pub(super) rx: FrameRx<Infallible>,
-    pub(super) grants: VecDeque<Work>,
-    /// Staging slots in send order.
-    pub(super) sendq: VecDeque<u32>,
-    /// The send side: frames posted in order, one `sendmsg` in flight; or
-    /// RDMA writes in chains.
-    pub(super) link: ConnLink,
-    pub(super) ops: u32,
-    pub(super) closing: bool,
-    /// The last grant answered with ERROR: its later chunks are dropped.
-    pub(super) failed_grant: Option<u32>,
-    /// Staging slots it holds (reading, queued, posted or being sent).
-    pub(super) held: u32,
-    /// Last time its link finished a frame (socket bytes taken, RDMA writes
-    /// completed) or became busy: a consumer whose sends make no progress
-    /// for `stall_timeout` is dropped.
-    pub(super) last_drained: std::time::Instant,
-    /// Its counters (also in `Common::metrics` while it lives).
-    pub(super) metrics: Arc<metrics::ConnMetrics>,
-    /// When it last sent a frame (idle timeout).
-    pub(super) last_rx: std::time::Instant,
-    /// It asked for heartbeats (a keepalive with `proto::ASK_HEARTBEATS`).
-    pub(super) heartbeats: bool,
-    /// When this poller last sent it a heartbeat (None: never).
-    pub(super) last_beat: Option<std::time::Instant>,
-    /// The last grant whose read error was logged (one line per grant).
-    pub(super) warned_grant: Option<u32>,
-}
-
 /// One node-service poller, generic over its I/O backend: `Uring` in
 /// production (monomorphised, so no call is indirect), `Faulty` or an
 /// in-memory network in tests.
@@ -104,20 +44,15 @@ pub(super) struct ServePoller<R: IoBackend = Uring> {
     pub(super) ring: R,
     pub(super) incoming: Receiver<Accepted>,
     /// Its connections (at most `max_conns_per_poller`, allocated at start).
-    pub(super) conns: Pool<SConn>,
-    /// After `conns`: links (queue pairs) go before the memory they send from.
+    pub(super) conns: Conns,
+    /// After `conns`: links (queue pairs) go before the memory they send
+    /// from. Its slots are allocated at start too.
     pub(super) staging: Staging,
     pub(super) fixed_staging: bool,
     pub(super) chunk: u64,
-    /// The staging slots taken (at most `staging_bytes / chunk_bytes`,
-    /// allocated at start): a slot's key is its chunk of the slab.
-    pub(super) slots: Pool<Slot>,
     pub(super) completions: Vec<Completion>,
     /// Round-robin start for reads, so one busy consumer cannot starve others.
     pub(super) rr: usize,
-    /// Indices of the occupied `conns` entries (a reaped one leaves at the
-    /// next tick's start): every per-tick loop walks this, not every slot.
-    pub(super) live: Vec<u32>,
     /// Staging slots one connection may hold now (fair share).
     pub(super) quota: usize,
     /// When the stalled-consumer check last ran.
@@ -135,7 +70,7 @@ pub(super) struct ServePoller<R: IoBackend = Uring> {
     /// time, and only a due pass walks the connections.
     pub(super) next_beat: std::time::Instant,
     /// Rate limit of read-error WARN lines.
-    pub(super) warns: super::push::WarnLimit,
+    pub(super) warns: WarnLimit,
     /// Test builds only (`test-panic`): read completions still to be turned
     /// into a transient failure (`KSPEED_TEST_SERVE_READ_FAULTS`), cycling
     /// through EAGAIN, a short read and EINTR.
@@ -155,9 +90,7 @@ impl<R: IoBackend> ServePoller<R> {
         let n = c.cfg.slots();
         // SAFETY: the staging slab lives in this struct, dropped after the
         // ring is done with it (run() drains every op before returning).
-        let fixed_staging = match unsafe {
-            ring.register_buffers(&[(staging.buf.as_mut_ptr(), staging.buf.len())])
-        } {
+        let fixed_staging = match unsafe { ring.register_buffers(&[staging.slab()]) } {
             Ok(()) => true,
             Err(e) => {
                 // Not silent: reads then pin their pages one by one.
@@ -169,21 +102,19 @@ impl<R: IoBackend> ServePoller<R> {
                 false
             }
         };
-        // Both pools are allocated whole here and never grow (check_pools):
-        // a full one is back-pressure.
-        let slots = Pool::with_limit(n);
-        let conns = Pool::with_limit(c.cfg.max_conns_per_poller);
+        // Both pools (staging's slots, made with it, and the connections)
+        // are allocated whole at start and never grow (check_pools): a
+        // full one is back-pressure.
+        let conns = Conns::with_limit(c.cfg.max_conns_per_poller);
         let now = ring.now();
         ServePoller {
             incoming,
             staging,
             fixed_staging,
             chunk,
-            slots,
             conns,
             completions: vec![Completion::default(); 1024],
             rr: 0,
-            live: Vec::with_capacity(c.cfg.max_conns_per_poller),
             quota: n,
             last_stall_check: now,
             index,
@@ -192,7 +123,7 @@ impl<R: IoBackend> ServePoller<R> {
             chan_inflight: false,
             spin_since: None,
             next_beat: now,
-            warns: super::push::WarnLimit::new(now),
+            warns: WarnLimit::new(now),
             #[cfg(feature = "test-panic")]
             read_faults: std::env::var("KSPEED_TEST_SERVE_READ_FAULTS")
                 .ok()
@@ -209,26 +140,14 @@ impl<R: IoBackend> ServePoller<R> {
         self.channel.fd()
     }
 
-    pub(super) fn staging_ptr(&self, slot: u32) -> *mut u8 {
-        // SAFETY: slot < n, so the offset is inside the slab.
-        unsafe {
-            self.staging
-                .buf
-                .as_mut_ptr()
-                .add(slot as usize * self.chunk as usize)
-        }
-    }
-
     /// After a panic in [`ServePoller::run`] (a bug): shuts every
     /// consumer's socket, so its peer sees the connection end and fails
     /// over at once, and leaks the rest. The ring may still have reads and
     /// receives in flight into staging and the sockets: freeing that memory
     /// could let the kernel write into whatever reuses it.
     pub(super) fn abandon(mut self) {
-        for &ci in &self.live {
-            if let Some(c) = self.conns.get(ci as usize) {
-                self.ring.shutdown(c.fd);
-            }
+        for (_, c) in self.conns.iter_live() {
+            self.ring.shutdown(c.fd);
         }
         // The hand-off queue is not leaked with the rest: dropped, it
         // disconnects, so the acceptor answers later consumers ShuttingDown
@@ -263,7 +182,7 @@ impl<R: IoBackend> ServePoller<R> {
             panic!(
                 "io_uring completion queue overflow: {lost} completions dropped \
                  (ring of {sq}/{cq} entries, {} slots, {} in flight)",
-                self.slots.limit(),
+                self.staging.limit(),
                 self.ring.in_flight()
             );
         }
@@ -281,8 +200,7 @@ impl<R: IoBackend> ServePoller<R> {
     pub(super) fn tick(&mut self) -> bool {
         // Drop the reaped from the dense list before anyone is adopted
         // (a reaped index may be reused right after).
-        let conns = &self.conns;
-        self.live.retain(|&ci| conns.contains(ci as usize));
+        self.conns.prune();
         let stopping = self.c.stop.load(Ordering::Acquire);
         if stopping {
             // Consumers handed over but not adopted (welcomed just before
@@ -304,17 +222,13 @@ impl<R: IoBackend> ServePoller<R> {
                 );
                 self.ring.shutdown(acc.fd);
             }
-            for k in 0..self.live.len() {
-                let ci = self.live[k] as usize;
+            for k in 0..self.conns.live_len() {
+                let ci = self.conns.live(k);
                 if self.conns.get(ci).is_some_and(|c| !c.closing) {
-                    self.close(ci as u32, None);
+                    self.close(ci, None);
                 }
             }
-            if self
-                .live
-                .iter()
-                .all(|&ci| !self.conns.contains(ci as usize))
-            {
+            if self.conns.len() == 0 {
                 return true;
             }
         } else {
@@ -366,10 +280,8 @@ impl<R: IoBackend> ServePoller<R> {
     /// Checks (debug builds) that no pool grew after start: the staging
     /// slots and connections stay within what `new` allocated.
     pub(super) fn check_pools(&self) {
-        self.slots.check();
+        self.staging.check();
         self.conns.check();
-        debug_assert!(self.slots.len() <= self.slots.limit());
-        debug_assert!(self.live.len() <= self.conns.limit());
     }
 
     pub(super) fn adopt(&mut self, mut acc: Accepted) {
@@ -407,13 +319,9 @@ impl<R: IoBackend> ServePoller<R> {
         if let Err(e) = self.ring.set_user_timeout(fd, user_timeout) {
             log::debug!("{}: TCP_USER_TIMEOUT: {e}", acc.peer);
         }
-        let link = match acc.take_rdma_link(&self.staging, self.c.cfg.slots()) {
+        let link = match acc.take_rdma_link(self.staging.mr(), self.c.cfg.slots()) {
             Some(rdma) => rdma,
-            None => ConnLink::Tcp(TcpLink::new(
-                fd,
-                self.slots.limit(),
-                ud(UD_SEND, ci as u32, 0),
-            )),
+            None => ConnLink::Tcp(TcpLink::new(fd, self.staging.limit(), ud(UD_SEND, ci, 0))),
         };
         let m = Arc::new(metrics::ConnMetrics::new(
             acc.peer.to_string(),
@@ -422,29 +330,30 @@ impl<R: IoBackend> ServePoller<R> {
             if link.is_rdma() { "rdma" } else { "tcp" },
         ));
         self.c.metrics.add(m.clone());
-        self.live.push(ci as u32);
         let now = self.ring.now();
-        let taken = self.conns.insert(SConn {
-            fd,
-            _sock: acc.sock,
-            peer: acc.peer,
-            hello: acc.hello,
-            rx: FrameRx::new(proto::MAX_GRANT_ENTRIES * proto::GRANT_ENTRY_BYTES),
-            grants: VecDeque::with_capacity(max),
-            sendq: VecDeque::with_capacity(self.slots.limit()),
-            link,
-            ops: 0,
-            closing: false,
-            failed_grant: None,
-            held: 0,
-            last_drained: now,
-            metrics: m,
-            last_rx: now,
-            heartbeats: false,
-            last_beat: None,
-            warned_grant: None,
-        });
-        debug_assert!(matches!(taken, Ok(k) if k == ci), "adopt: the vacant key");
+        self.conns.adopt(
+            ci,
+            SConn {
+                fd,
+                _sock: acc.sock,
+                peer: acc.peer,
+                hello: acc.hello,
+                rx: FrameRx::new(proto::MAX_GRANT_ENTRIES * proto::GRANT_ENTRY_BYTES),
+                grants: VecDeque::with_capacity(max),
+                sendq: VecDeque::with_capacity(self.staging.limit()),
+                link,
+                ops: 0,
+                closing: false,
+                failed_grant: None,
+                held: 0,
+                last_drained: now,
+                metrics: m,
+                last_rx: now,
+                heartbeats: false,
+                last_beat: None,
+                warned_grant: None,
+            },
+        );
     }
 
     /// Sends a heartbeat to each consumer that asked for them and was sent
@@ -464,8 +373,8 @@ impl<R: IoBackend> ServePoller<R> {
             return;
         }
         self.next_beat = now + proto::HEARTBEAT_INTERVAL / 2;
-        for k in 0..self.live.len() {
-            let ci = self.live[k] as usize;
+        for k in 0..self.conns.live_len() {
+            let ci = self.conns.live(k);
             let Some(c) = self.conns.get_mut(ci) else {
                 continue;
             };
@@ -504,7 +413,7 @@ impl<R: IoBackend> ServePoller<R> {
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
                 // A frame cut short cannot be finished later: the consumer
                 // left its control socket unread for thousands of them.
-                Ok(_) | Err(_) => self.close(ci as u32, None),
+                Ok(_) | Err(_) => self.close(ci, None),
             }
         }
     }
@@ -523,8 +432,8 @@ impl<R: IoBackend> ServePoller<R> {
         self.last_stall_check = now;
         self.warns.roll(now);
         let limit = self.c.cfg.stall_timeout;
-        for k in 0..self.live.len() {
-            let ci = self.live[k] as usize;
+        for k in 0..self.conns.live_len() {
+            let ci = self.conns.live(k);
             let Some(c) = self.conns.get(ci) else {
                 continue;
             };
@@ -538,7 +447,7 @@ impl<R: IoBackend> ServePoller<R> {
                         "idle: no frame for {} ms with nothing to send (--idle-timeout-ms)",
                         idle.as_millis()
                     );
-                    self.close(ci as u32, Some((Code::ShuttingDown, m)));
+                    self.close(ci, Some((Code::ShuttingDown, m)));
                 }
                 continue;
             }
@@ -549,7 +458,7 @@ impl<R: IoBackend> ServePoller<R> {
                     c.held
                 );
                 self.c.stats.stalled.fetch_add(1, Ordering::Relaxed);
-                self.close(ci as u32, Some((Code::Violation, m)));
+                self.close(ci, Some((Code::Violation, m)));
             }
         }
     }
@@ -559,13 +468,13 @@ impl<R: IoBackend> ServePoller<R> {
     /// in the ring, after arming the busy links' CQs and queueing a poll of
     /// the completion channel so the next completion wakes the poller.
     pub(super) fn rdma_should_spin(&mut self) -> bool {
-        let taken = self.slots.len();
+        let taken = self.staging.len();
         let busy = self.reap_rdma();
         if !busy {
             self.spin_since = None;
             return false;
         }
-        if self.slots.len() != taken {
+        if self.staging.len() != taken {
             self.spin_since = None;
             return true;
         }
@@ -577,8 +486,8 @@ impl<R: IoBackend> ServePoller<R> {
         let Some(fd) = self.channel_fd() else {
             return true;
         };
-        for k in 0..self.live.len() {
-            let ci = self.live[k] as usize;
+        for k in 0..self.conns.live_len() {
+            let ci = self.conns.live(k);
             let Some(c) = self.conns.get(ci) else {
                 continue;
             };
@@ -590,7 +499,7 @@ impl<R: IoBackend> ServePoller<R> {
             }
         }
         // A completion that came in before arming raises no event.
-        if self.reap_rdma() && self.slots.len() != taken {
+        if self.reap_rdma() && self.staging.len() != taken {
             self.spin_since = None;
             return true;
         }
@@ -605,24 +514,24 @@ impl<R: IoBackend> ServePoller<R> {
     /// True while any has writes in flight.
     pub(super) fn reap_rdma(&mut self) -> bool {
         let mut busy = false;
-        for k in 0..self.live.len() {
-            let ci = self.live[k] as usize;
+        for k in 0..self.conns.live_len() {
+            let ci = self.conns.live(k);
             let Some(c) = self.conns.get(ci) else {
                 continue;
             };
             if !c.link.is_rdma() {
                 continue;
             }
-            self.reap_link(ci as u32);
+            self.reap_link(ci);
             let c = self.conns.get(ci).expect("live");
             if !c.closing {
                 if let Some(why) = c.link.failure() {
                     // Its QP is in error: nothing more can reach the consumer.
                     log::warn!("{}: RDMA link failed: {why}", c.peer);
-                    self.close(ci as u32, Some((Code::TransportFailed, why)));
+                    self.close(ci, Some((Code::TransportFailed, why)));
                 }
             }
-            self.maybe_reap(ci as u32);
+            self.maybe_reap(ci);
             busy |= self.conns.get(ci).is_some_and(|c| c.link.busy());
         }
         busy
@@ -635,9 +544,9 @@ impl<R: IoBackend> ServePoller<R> {
             self.channel.drain();
             return;
         }
-        let ci = ((comp.user_data >> 32) & 0xff_ffff) as u32;
-        let slot = comp.user_data as u32;
-        let Some(c) = self.conns.get_mut(ci as usize) else {
+        let ci = ud_conn(comp.user_data);
+        let slot = ud_slot(comp.user_data);
+        let Some(c) = self.conns.get_mut(ci) else {
             log::error!("node service: completion for a closed connection");
             return;
         };
@@ -680,7 +589,7 @@ impl<R: IoBackend> ServePoller<R> {
     /// Closes a connection: optionally tells the peer why, shuts the socket
     /// (so in-flight receives and sends end), frees what is not in flight.
     pub(super) fn close(&mut self, ci: u32, why: Option<(Code, String)>) {
-        let c = self.conns.get_mut(ci as usize).expect("live");
+        let c = self.conns.get_mut(ci).expect("live");
         if c.closing {
             return;
         }
@@ -713,12 +622,11 @@ impl<R: IoBackend> ServePoller<R> {
         let mut keep = VecDeque::new();
         std::mem::swap(&mut keep, &mut c.sendq);
         for slot in keep.drain(..) {
-            let s = &self.slots[slot as usize];
-            if !s.ready {
+            if !self.staging[slot].ready {
                 c.sendq.push_back(slot);
             } else {
-                c.held -= 1;
-                self.slots.remove(slot as usize);
+                self.staging.free(slot);
+                c.release();
             }
         }
         self.reap_link(ci);
@@ -729,12 +637,12 @@ impl<R: IoBackend> ServePoller<R> {
         self.reap_link(ci);
         if self
             .conns
-            .get(ci as usize)
+            .get(ci)
             .is_some_and(|c| c.closing && c.ops == 0 && !c.link.busy())
         {
             // Out of `live` at the next tick's start; its key is free for
             // the next adopt (which comes after that).
-            let c = self.conns.remove(ci as usize);
+            let c = self.conns.remove(ci);
             self.c.load[self.index].fetch_sub(1, Ordering::Relaxed);
             self.c.metrics.remove(&c.metrics);
             log::info!(
@@ -745,7 +653,7 @@ impl<R: IoBackend> ServePoller<R> {
                 c.metrics.totals()
             );
             for &slot in &c.sendq {
-                self.slots.remove(slot as usize);
+                self.staging.free(slot);
             }
             if c.link.is_rdma() {
                 // Dropping the link destroys its QP, then its CQ.

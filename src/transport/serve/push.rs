@@ -3,8 +3,10 @@
 
 use std::sync::atomic::Ordering;
 
-use super::poller::{ud, ServePoller, HEARTBEAT_WR, UD_READ};
-use super::staging::{take_slot, Slot};
+use super::conn::{ud, HEARTBEAT_WR, UD_READ};
+use super::conns::Conns;
+use super::poller::ServePoller;
+use super::staging::{Slot, Staging};
 use crate::error::errno_name;
 use crate::ring::{IoBackend, ReadOp, Target};
 use crate::transport::proto::{self, Code, GrantEntry};
@@ -16,57 +18,6 @@ use crate::transport::Done;
 /// failover; enough of them demote the node for the epoch).
 pub(super) const MAX_READ_ATTEMPTS: u32 = 4;
 
-/// Read-error WARN lines one poller writes per [`WARN_WINDOW`]; the rest
-/// are counted and summed up in one line when the window ends.
-pub(super) const WARNS_PER_WINDOW: u32 = 10;
-/// See [`WARNS_PER_WINDOW`].
-pub(super) const WARN_WINDOW: std::time::Duration = std::time::Duration::from_secs(10);
-
-/// Rate limit of a poller's read-error WARN lines.
-pub(super) struct WarnLimit {
-    since: std::time::Instant,
-    lines: u32,
-    suppressed: u64,
-}
-
-impl WarnLimit {
-    pub(super) fn new(now: std::time::Instant) -> Self {
-        WarnLimit {
-            since: now,
-            lines: 0,
-            suppressed: 0,
-        }
-    }
-
-    /// Whether one more line may be written now (else it is counted).
-    pub(super) fn allow(&mut self, now: std::time::Instant) -> bool {
-        self.roll(now);
-        if self.lines < WARNS_PER_WINDOW {
-            self.lines += 1;
-            return true;
-        }
-        self.suppressed += 1;
-        false
-    }
-
-    /// Ends a window that is over: says how many lines it left out.
-    pub(super) fn roll(&mut self, now: std::time::Instant) {
-        if now.duration_since(self.since) < WARN_WINDOW {
-            return;
-        }
-        if self.suppressed > 0 {
-            log::warn!(
-                "{} more failed reads in the last {} s (at most {WARNS_PER_WINDOW} logged per window)",
-                self.suppressed,
-                WARN_WINDOW.as_secs()
-            );
-        }
-        self.since = now;
-        self.lines = 0;
-        self.suppressed = 0;
-    }
-}
-
 impl<R: IoBackend> ServePoller<R> {
     pub(super) fn issue_reads(&mut self) {
         // Fair shares among the connections with work (grants queued or
@@ -74,18 +25,17 @@ impl<R: IoBackend> ServePoller<R> {
         // a consumer that arrives while another has stopped reading still
         // finds some (slots held in a send cannot be taken back).
         let busy = self
-            .live
-            .iter()
-            .filter_map(|&ci| self.conns.get(ci as usize))
-            .filter(|c| !c.closing && (c.held > 0 || !c.grants.is_empty()))
+            .conns
+            .iter_live()
+            .filter(|(_, c)| !c.closing && (c.held > 0 || !c.grants.is_empty()))
             .count()
             .max(1);
-        let n = self.slots.limit();
+        let n = self.staging.limit();
         self.quota = n.div_ceil(busy).min(n - n / 4).max(1);
-        let n = self.live.len();
+        let n = self.conns.live_len();
         let mut idle_rounds = 0;
-        while !self.slots.is_full() && idle_rounds < n {
-            let ci = self.live[self.rr % n];
+        while !self.staging.is_full() && idle_rounds < n {
+            let ci = self.conns.live(self.rr % n);
             self.rr = self.rr.wrapping_add(1);
             let progressed = self.issue_one(ci);
             idle_rounds = if progressed { 0 } else { idle_rounds + 1 };
@@ -94,7 +44,7 @@ impl<R: IoBackend> ServePoller<R> {
 
     /// Starts the next chunk of connection `ci`'s oldest grant.
     pub(super) fn issue_one(&mut self, ci: u32) -> bool {
-        let Some(c) = self.conns.get_mut(ci as usize) else {
+        let Some(c) = self.conns.get_mut(ci) else {
             return false;
         };
         // Its share of staging: a consumer that does not drain keeps at
@@ -106,7 +56,7 @@ impl<R: IoBackend> ServePoller<R> {
         let Some(w) = c.grants.front().copied() else {
             return false;
         };
-        let Some(slot) = self.slots.vacant_key().map(|k| k as u32) else {
+        let Some(slot) = self.staging.vacant() else {
             return false;
         };
         let e = w.e;
@@ -116,14 +66,14 @@ impl<R: IoBackend> ServePoller<R> {
             // Not held here: an ERROR frame for this grant.
             c.grants.pop_front();
             let s = Slot::new(ci, e.grant, self.ring.now());
-            take_slot(&mut self.slots, &mut self.conns, ci, slot, s);
+            take_slot(&mut self.staging, &mut self.conns, ci, slot, s);
             let msg = format!(
                 "node {} does not hold sample {}",
                 space.params().node_index,
                 e.sample
             );
             self.fill_error(slot, e.grant, Code::NotHeld, &msg);
-            let c = self.conns.get_mut(ci as usize).expect("live");
+            let c = self.conns.get_mut(ci).expect("live");
             c.sendq.push_back(slot);
             return true;
         };
@@ -149,7 +99,7 @@ impl<R: IoBackend> ServePoller<R> {
                     .is_ok_and(|m| m.len() < end);
             if cut || at + payload as usize > bytes.len() {
                 let s = Slot::new(ci, e.grant, self.ring.now());
-                take_slot(&mut self.slots, &mut self.conns, ci, slot, s);
+                take_slot(&mut self.staging, &mut self.conns, ci, slot, s);
                 let msg = format!(
                     "node {}: extent {} is shorter than its manifest says (sample {} needs bytes up to {end}; truncated?)",
                     space.params().node_index,
@@ -159,18 +109,14 @@ impl<R: IoBackend> ServePoller<R> {
                 if self.warns.allow(self.ring.now()) {
                     log::warn!("{msg}");
                 }
-                let c = self.conns.get_mut(ci as usize).expect("live");
+                let c = self.conns.get_mut(ci).expect("live");
                 c.grants.pop_front();
                 self.fill_error(slot, e.grant, Code::ReadFailed, &msg);
-                self.conns
-                    .get_mut(ci as usize)
-                    .expect("live")
-                    .sendq
-                    .push_back(slot);
+                self.conns.get_mut(ci).expect("live").sendq.push_back(slot);
                 return true;
             }
             let s = Slot::new(ci, e.grant, self.ring.now());
-            take_slot(&mut self.slots, &mut self.conns, ci, slot, s);
+            take_slot(&mut self.staging, &mut self.conns, ci, slot, s);
             self.queue_chunk(ci, slot, &e, off, payload, Some(bytes[at..].as_ptr()));
             return true;
         }
@@ -184,7 +130,7 @@ impl<R: IoBackend> ServePoller<R> {
         let op = ReadOp {
             user_data: ud(UD_READ, ci, slot),
             target: Target::Fixed(loc.extent),
-            buf: self.staging_ptr(slot),
+            buf: self.staging.ptr(slot),
             len: read_len,
             offset: loc.offset + off,
             buf_index: self.fixed_staging.then_some(0),
@@ -199,26 +145,18 @@ impl<R: IoBackend> ServePoller<R> {
         s.read_offset = loc.offset + off;
         s.read_len = read_len;
         s.attempts = 1;
-        take_slot(&mut self.slots, &mut self.conns, ci, slot, s);
-        self.conns.get_mut(ci as usize).expect("live").ops += 1;
+        take_slot(&mut self.staging, &mut self.conns, ci, slot, s);
+        self.conns.get_mut(ci).expect("live").ops += 1;
         self.queue_chunk(ci, slot, &e, off, payload, None);
         true
     }
 
-    /// Gives a slot back (its connection holds one less).
+    /// Gives a slot back (its connection, if still there, holds one less).
     pub(super) fn free_slot(&mut self, slot: u32) {
-        let ci = self.slots[slot as usize].conn as usize;
-        if let Some(c) = self.conns.get_mut(ci) {
-            // `held` counts the slots take_slot gave this connection; a
-            // free with none held is a double free.
-            c.held = c.held.checked_sub(1).expect(
-                "free_slot: a connection's held count would go below zero (slot freed twice)",
-            );
-            c.metrics
-                .staging_slots
-                .store(c.held as u64, Ordering::Relaxed);
+        let s = self.staging.free(slot);
+        if let Some(c) = self.conns.get_mut(s.conn) {
+            c.release();
         }
-        self.slots.remove(slot as usize);
     }
 
     /// Describes chunk `off..off+payload` of grant `e` in `slot` (sent from
@@ -234,14 +172,14 @@ impl<R: IoBackend> ServePoller<R> {
         payload: u32,
         src: Option<*const u8>,
     ) {
-        let s = &mut self.slots[slot as usize];
+        let s = &mut self.staging[slot];
         s.offset = e.offset + off;
         s.rkey = e.rkey;
         s.payload = payload;
         s.last = off + payload as u64 >= e.len as u64;
         s.src = src.unwrap_or(std::ptr::null());
         s.ready = src.is_some();
-        let c = self.conns.get_mut(ci as usize).expect("live");
+        let c = self.conns.get_mut(ci).expect("live");
         c.sendq.push_back(slot);
         let front = c.grants.front_mut().expect("non-empty");
         front.next += payload as u64;
@@ -252,18 +190,18 @@ impl<R: IoBackend> ServePoller<R> {
 
     pub(super) fn fill_error(&mut self, slot: u32, grant: u32, code: Code, msg: &str) {
         let m = &msg.as_bytes()[..msg.len().min(proto::MAX_MESSAGE_BYTES)];
-        let dst = self.staging_ptr(slot);
+        let dst = self.staging.ptr(slot);
         let n = m.len().min(self.chunk as usize);
         // SAFETY: the slot is ours and at least `chunk` bytes; n <= chunk.
         unsafe { std::ptr::copy_nonoverlapping(m.as_ptr(), dst, n) };
-        let s = &mut self.slots[slot as usize];
+        let s = &mut self.staging[slot];
         s.code = code;
         s.payload = n as u32;
         s.grant = grant;
         s.error = true;
         s.ready = true;
         s.src = std::ptr::null();
-        let ci = s.conn as usize;
+        let ci = s.conn;
         self.c.stats.errors.fetch_add(1, Ordering::Relaxed);
         if let Some(c) = self.conns.get(ci) {
             c.metrics.errors.fetch_add(1, Ordering::Relaxed);
@@ -273,9 +211,8 @@ impl<R: IoBackend> ServePoller<R> {
     /// Per connection: posts the ready frames at the front of its queue, in
     /// order, to its link, then flushes the link (one `sendmsg` for many).
     pub(super) fn issue_sends(&mut self) {
-        let base = self.staging.buf.as_slice().as_ptr();
-        for k in 0..self.live.len() {
-            let ci = self.live[k] as usize;
+        for k in 0..self.conns.live_len() {
+            let ci = self.conns.live(k);
             let Some(c) = self.conns.get_mut(ci) else {
                 continue;
             };
@@ -283,7 +220,7 @@ impl<R: IoBackend> ServePoller<R> {
                 continue;
             }
             while let Some(&slot) = c.sendq.front() {
-                let s = &self.slots[slot as usize];
+                let s = &self.staging[slot];
                 if !s.ready {
                     break;
                 }
@@ -293,12 +230,12 @@ impl<R: IoBackend> ServePoller<R> {
                     // ERROR per grant; a second would be a protocol
                     // violation for the consumer).
                     c.sendq.pop_front();
-                    c.held -= 1;
-                    self.slots.remove(slot as usize);
+                    self.staging.free(slot);
+                    c.release();
                     continue;
                 }
                 let src = if s.src.is_null() {
-                    base.wrapping_add(slot as usize * self.chunk as usize)
+                    self.staging.ptr(slot).cast_const()
                 } else {
                     s.src
                 };
@@ -325,7 +262,7 @@ impl<R: IoBackend> ServePoller<R> {
             if let Err(e) = c.link.flush(&mut self.ring) {
                 if c.link.is_rdma() {
                     let m = format!("posting RDMA writes: {e}");
-                    self.close(ci as u32, Some((Code::TransportFailed, m)));
+                    self.close(ci, Some((Code::TransportFailed, m)));
                     continue;
                 }
                 return; // submission queue full: next tick
@@ -344,7 +281,7 @@ impl<R: IoBackend> ServePoller<R> {
     pub(super) fn reap_link(&mut self, ci: u32) {
         let mut done = [Done::default(); 32];
         loop {
-            let Some(c) = self.conns.get_mut(ci as usize) else {
+            let Some(c) = self.conns.get_mut(ci) else {
                 return;
             };
             let n = c.link.poll(&mut done);
@@ -356,14 +293,14 @@ impl<R: IoBackend> ServePoller<R> {
                 if d.wr_id == HEARTBEAT_WR {
                     continue;
                 }
-                let s = &self.slots[d.wr_id as usize];
+                let s = &self.staging[d.wr_id as u32];
                 if d.ok && !s.error {
                     bytes += s.payload as u64;
                     samples += s.last as u64;
                 }
                 self.free_slot(d.wr_id as u32);
             }
-            let c = self.conns.get_mut(ci as usize).expect("live");
+            let c = self.conns.get_mut(ci).expect("live");
             c.last_drained = self.ring.now();
             let st = &self.c.stats;
             st.bytes.fetch_add(bytes, Ordering::Relaxed);
@@ -374,20 +311,20 @@ impl<R: IoBackend> ServePoller<R> {
     }
 
     pub(super) fn on_read(&mut self, ci: u32, slot: u32, res: i32) {
-        let closing = self.conns.get(ci as usize).expect("live").closing;
+        let closing = self.conns.get(ci).expect("live").closing;
         if closing {
             self.drop_slot(ci, slot);
             return;
         }
         #[cfg(feature = "test-panic")]
         let res = self.injected_read_fault(slot, res);
-        let s = &self.slots[slot as usize];
+        let s = &self.staging[slot];
         let transient =
             res == -libc::EAGAIN || res == -libc::EINTR || (res >= 0 && (res as u32) < s.payload);
         if transient && s.attempts < MAX_READ_ATTEMPTS && self.retry_read(ci, slot) {
             return;
         }
-        let s = &self.slots[slot as usize];
+        let s = &self.staging[slot];
         let latency = self.ring.now().saturating_duration_since(s.issued);
         self.c.metrics.read_latency[self.index].record(latency);
         if res < 0 || (res as u32) < s.payload {
@@ -408,7 +345,7 @@ impl<R: IoBackend> ServePoller<R> {
             // One line per grant (its later chunks fail alike), and at most
             // `WARNS_PER_WINDOW` per window: a dying disk must not flood
             // the log.
-            let c = self.conns.get_mut(ci as usize).expect("live");
+            let c = self.conns.get_mut(ci).expect("live");
             // The grant is answered (its later chunks would be dropped
             // unsent): it leaves the queue now, so it no longer counts
             // against `max_grants`. The consumer takes the ERROR as the
@@ -427,17 +364,17 @@ impl<R: IoBackend> ServePoller<R> {
             self.fill_error(slot, grant, Code::ReadFailed, &msg);
             return;
         }
-        self.slots[slot as usize].ready = true;
+        self.staging[slot].ready = true;
     }
 
     /// Submits `slot`'s read again, as it was issued; false when the
     /// submission queue is full (the failure then stands).
     fn retry_read(&mut self, ci: u32, slot: u32) -> bool {
-        let s = &self.slots[slot as usize];
+        let s = &self.staging[slot];
         let op = ReadOp {
             user_data: ud(UD_READ, ci, slot),
             target: Target::Fixed(s.read_extent),
-            buf: self.staging_ptr(slot),
+            buf: self.staging.ptr(slot),
             len: s.read_len,
             offset: s.read_offset,
             buf_index: self.fixed_staging.then_some(0),
@@ -447,8 +384,8 @@ impl<R: IoBackend> ServePoller<R> {
         if !unsafe { self.ring.push(&op) } {
             return false;
         }
-        self.slots[slot as usize].attempts += 1;
-        self.conns.get_mut(ci as usize).expect("live").ops += 1;
+        self.staging[slot].attempts += 1;
+        self.conns.get_mut(ci).expect("live").ops += 1;
         self.c.stats.read_retries.fetch_add(1, Ordering::Relaxed);
         true
     }
@@ -458,23 +395,33 @@ impl<R: IoBackend> ServePoller<R> {
     #[cfg(feature = "test-panic")]
     fn injected_read_fault(&mut self, slot: u32, res: i32) -> i32 {
         // First attempts only: each fault then costs exactly one retry.
-        if self.read_faults == 0 || res <= 0 || self.slots[slot as usize].attempts > 1 {
+        if self.read_faults == 0 || res <= 0 || self.staging[slot].attempts > 1 {
             return res;
         }
         self.read_faults -= 1;
         match self.read_faults % 3 {
             0 => -libc::EAGAIN,
-            1 => (self.slots[slot as usize].payload / 2) as i32,
+            1 => (self.staging[slot].payload / 2) as i32,
             _ => -libc::EINTR,
         }
     }
 
     /// Frees a slot of a closing connection (its read or send completed).
     pub(super) fn drop_slot(&mut self, ci: u32, slot: u32) {
-        let c = self.conns.get_mut(ci as usize).expect("live");
+        let c = self.conns.get_mut(ci).expect("live");
         if let Some(i) = c.sendq.iter().position(|&s| s == slot) {
             c.sendq.remove(i);
         }
         self.free_slot(slot);
+    }
+}
+
+/// Takes staging slot `slot` (the vacant one) for connection `ci`, which
+/// holds one more, described by `s` (a function of the two fields, so
+/// callers may hold other borrows of the poller).
+fn take_slot(staging: &mut Staging, conns: &mut Conns, ci: u32, slot: u32, s: Slot) {
+    staging.take(slot, s);
+    if let Some(c) = conns.get_mut(ci) {
+        c.hold();
     }
 }

@@ -8,7 +8,8 @@
 use std::convert::Infallible;
 use std::sync::atomic::Ordering;
 
-use super::poller::{ud, ServePoller, Work, UD_RECV};
+use super::conn::{ud, Work, UD_RECV};
+use super::poller::ServePoller;
 use crate::error::errno_name;
 use crate::ring::IoBackend;
 use crate::transport::proto::{self, Code, GrantEntry, Kind};
@@ -16,8 +17,8 @@ use crate::transport::rx::{Received, RxError};
 
 impl<R: IoBackend> ServePoller<R> {
     pub(super) fn post_recvs(&mut self) {
-        for k in 0..self.live.len() {
-            let ci = self.live[k] as usize;
+        for k in 0..self.conns.live_len() {
+            let ci = self.conns.live(k);
             let Some(c) = self.conns.get_mut(ci) else {
                 continue;
             };
@@ -31,7 +32,7 @@ impl<R: IoBackend> ServePoller<R> {
             if unsafe {
                 c.rx.post(
                     &mut self.ring,
-                    ud(UD_RECV, ci as u32, 0),
+                    ud(UD_RECV, ci, 0),
                     fd,
                     |n: Infallible| match n {},
                 )
@@ -42,7 +43,7 @@ impl<R: IoBackend> ServePoller<R> {
     }
 
     pub(super) fn on_recv(&mut self, ci: u32, res: i32) {
-        let c = self.conns.get_mut(ci as usize).expect("live");
+        let c = self.conns.get_mut(ci).expect("live");
         if c.closing {
             return;
         }

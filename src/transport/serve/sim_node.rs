@@ -14,7 +14,8 @@ use std::sync::Arc;
 
 use crossbeam_channel::Sender;
 
-use super::poller::{ServePoller, UD_KIND, UD_READ};
+use super::conn::{UD_KIND, UD_READ};
+use super::poller::ServePoller;
 use super::staging::Staging;
 use super::{metrics, Accepted, Common, ServeConfig, ServeStats};
 use crate::dataset::Space;
@@ -144,10 +145,13 @@ impl<R: IoBackend> SimNode<R> {
     ) {
         let pl = &self.pollers[p];
         pl.check_pools();
-        assert!(pl.slots.len() <= pl.slots.limit(), "slots beyond the pool");
+        assert!(
+            pl.staging.len() <= pl.staging.limit(),
+            "slots beyond the pool"
+        );
         let mut held = vec![0u32; pl.conns.limit()];
-        for (k, s) in pl.slots.iter() {
-            let c = pl.conns.get(s.conn as usize).unwrap_or_else(|| {
+        for (k, s) in pl.staging.iter() {
+            let c = pl.conns.get(s.conn).unwrap_or_else(|| {
                 panic!(
                     "staging slot {k} belongs to connection {}, which is gone",
                     s.conn
@@ -163,10 +167,11 @@ impl<R: IoBackend> SimNode<R> {
                 c.held, held[ci]
             );
         }
-        let base = pl.staging.buf.as_slice().as_ptr() as usize;
-        let end = base + pl.staging.buf.len();
-        let chunk = pl.chunk as usize;
-        let mut reading = vec![false; pl.slots.limit()];
+        let (slab, slab_len) = pl.staging.slab();
+        let base = slab as usize;
+        let end = base + slab_len;
+        let chunk = pl.staging.chunk_bytes();
+        let mut reading = vec![false; pl.staging.limit()];
         each(&mut |ud, fd, writes, ptr, len| {
             let at = ptr as usize;
             if at < base || at >= end {
@@ -177,10 +182,10 @@ impl<R: IoBackend> SimNode<R> {
                 at + len <= base + (k + 1) * chunk,
                 "an operation spans staging slots {k} and beyond"
             );
-            let s = pl.slots.get(k).unwrap_or_else(|| {
+            let s = pl.staging.get(k).unwrap_or_else(|| {
                 panic!("staging slot {k} is free while an operation in flight uses it (ud {ud:#x})")
             });
-            let c = pl.conns.get(s.conn as usize).expect("checked above");
+            let c = pl.conns.get(s.conn).expect("checked above");
             if writes {
                 assert_eq!(ud & UD_KIND, UD_READ, "a receive into staging");
                 assert_eq!(ud as u32 as usize, k, "a read into another slot's memory");
@@ -210,8 +215,8 @@ impl<R: IoBackend> SimNode<R> {
         let pl = &self.pollers[p];
         let mut out = format!(
             "poller {p}: {} slots of {} taken, {} in flight, quota {}; ",
-            pl.slots.len(),
-            pl.slots.limit(),
+            pl.staging.len(),
+            pl.staging.limit(),
             pl.ring.in_flight(),
             pl.quota
         );
@@ -229,7 +234,7 @@ impl<R: IoBackend> SimNode<R> {
                 c.link.busy()
             );
         }
-        for (k, s) in pl.slots.iter().take(16) {
+        for (k, s) in pl.staging.iter().take(16) {
             out += &format!(
                 "slot {k}: conn {} grant {} ready {} error {} attempts {}; ",
                 s.conn, s.grant, s.ready, s.error, s.attempts
@@ -245,7 +250,7 @@ impl<R: IoBackend> SimNode<R> {
         for (p, pl) in self.pollers.iter().enumerate() {
             assert!(self.finished[p], "poller {p} has not finished");
             assert_eq!(pl.conns.len(), 0, "poller {p}: connections left");
-            assert_eq!(pl.slots.len(), 0, "poller {p}: staging slots taken");
+            assert_eq!(pl.staging.len(), 0, "poller {p}: staging slots taken");
             assert_eq!(pl.ring.in_flight(), 0, "poller {p}: operations in flight");
             assert_eq!(self.load(p), 0, "poller {p}: load not given back");
         }

@@ -1,0 +1,112 @@
+//! A serve poller's connection table: its connections in a fixed pool
+//! (`max_conns_per_poller`, allocated at start, never grown) and the dense
+//! list of the occupied keys that every per-tick loop walks instead of
+//! every entry of the pool.
+
+use super::conn::SConn;
+use crate::pool::Pool;
+
+pub(super) struct Conns {
+    pool: Pool<SConn>,
+    /// The keys of the occupied entries, in the order they were adopted.
+    /// A removed connection stays listed until [`Conns::prune`] (at the
+    /// next tick's start), so that a loop over [`Conns::live_len`] may
+    /// close and reap connections as it goes; its key is reused only by an
+    /// adopt, which comes after the prune.
+    live: Vec<u32>,
+}
+
+impl Conns {
+    /// A table for `limit` connections, allocated now.
+    pub(super) fn with_limit(limit: usize) -> Self {
+        Conns {
+            pool: Pool::with_limit(limit),
+            live: Vec::with_capacity(limit),
+        }
+    }
+
+    /// Connections it may hold.
+    #[cfg(test)]
+    pub(super) fn limit(&self) -> usize {
+        self.pool.limit()
+    }
+
+    /// Connections it holds now.
+    pub(super) fn len(&self) -> usize {
+        self.pool.len()
+    }
+
+    /// The key the next [`Conns::adopt`] takes, unless the table is full.
+    pub(super) fn vacant_key(&self) -> Option<u32> {
+        self.pool.vacant_key().map(|k| k as u32)
+    }
+
+    /// Stores connection `c` under `ci`, the [`Conns::vacant_key`] it was
+    /// built for (its ring operations carry that key).
+    pub(super) fn adopt(&mut self, ci: u32, c: SConn) {
+        self.live.push(ci);
+        let taken = self.pool.insert(c);
+        debug_assert!(
+            matches!(taken, Ok(k) if k == ci as usize),
+            "adopt: the vacant key"
+        );
+    }
+
+    /// Takes connection `ci` out (it stays listed in the live list until
+    /// the next [`Conns::prune`]). Panics if there is none.
+    pub(super) fn remove(&mut self, ci: u32) -> SConn {
+        self.pool.remove(ci as usize)
+    }
+
+    /// Drops the removed connections from the live list; before any adopt
+    /// (a removed key may be reused right after).
+    pub(super) fn prune(&mut self) {
+        let pool = &self.pool;
+        self.live.retain(|&ci| pool.contains(ci as usize));
+    }
+
+    /// Entries of the live list (a removed connection counts until the
+    /// next prune): loops walk `0..live_len()` with [`Conns::live`].
+    pub(super) fn live_len(&self) -> usize {
+        self.live.len()
+    }
+
+    /// The key at place `k` of the live list (its connection may have
+    /// been removed since the last prune: look it up with `get`).
+    pub(super) fn live(&self, k: usize) -> u32 {
+        self.live[k]
+    }
+
+    /// The connections of the live list that are still there, with their
+    /// keys.
+    pub(super) fn iter_live(&self) -> impl Iterator<Item = (u32, &SConn)> + '_ {
+        self.live
+            .iter()
+            .filter_map(|&ci| self.pool.get(ci as usize).map(|c| (ci, c)))
+    }
+
+    /// Connection `ci`, if it is there.
+    pub(super) fn get(&self, ci: u32) -> Option<&SConn> {
+        self.pool.get(ci as usize)
+    }
+
+    /// Connection `ci`, if it is there.
+    pub(super) fn get_mut(&mut self, ci: u32) -> Option<&mut SConn> {
+        self.pool.get_mut(ci as usize)
+    }
+
+    /// Every connection, with its key (walks the whole pool: not for
+    /// per-tick loops).
+    #[cfg(test)]
+    pub(super) fn iter(&self) -> impl Iterator<Item = (usize, &SConn)> + '_ {
+        self.pool.iter()
+    }
+
+    /// Checks (debug builds) that the pool has not grown since start and
+    /// the live list holds every connection, within the limit.
+    pub(super) fn check(&self) {
+        self.pool.check();
+        debug_assert!(self.live.len() <= self.pool.limit());
+        debug_assert!(self.live.len() >= self.pool.len());
+    }
+}
