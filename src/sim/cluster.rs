@@ -434,9 +434,12 @@ pub(crate) fn cluster(seed: u64) {
             rng.below(400),
         )
     });
-    let stop_at = rng
-        .chance(4)
-        .then(|| (rng.below(nnodes as u64) as usize, rng.below(400)));
+    // A node stops mid-run, or (a sixth of those) at the first step, before
+    // its pollers adopted the consumers handed over to them.
+    let stop_at = rng.chance(4).then(|| {
+        let n = rng.below(nnodes as u64) as usize;
+        (n, if rng.chance(6) { 1 } else { rng.below(400) })
+    });
     let mut stopped = vec![false; nnodes];
 
     let mut order: Vec<Actor> = Vec::new();
