@@ -1,6 +1,10 @@
 //! One error type for the whole crate: every failure has a named variant that
 //! says what was wrong and where (file, sample, line), so the CLI and the C ABI
 //! can print it as is and tests can match on it.
+//!
+//! Why this file is over ~800 lines: it is one enum, each variant with the
+//! doc and message a user reads; splitting it by module would scatter the
+//! one list the C ABI's status codes and the Python exceptions map from.
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -477,6 +481,14 @@ pub enum Error {
     /// A saved sampler position cannot be decoded or does not fit the sampler.
     #[error("invalid sampler position: {0}")]
     BadPosition(String),
+    /// Ranks' positions that should describe one lock-step job disagree
+    /// (another epoch, step, world or segment), so no job position exists.
+    #[error("ranks were not in lock-step: {0}")]
+    NotLockStep(String),
+    /// The exactly-once audit found delivered samples that differ from the
+    /// sampler's consumed set (a count or a digest mismatch).
+    #[error("exactly-once audit failed: {0}")]
+    AuditMismatch(String),
     /// A symbolic link in the source leads to nothing: its target does not
     /// exist.
     #[error("symlink {path} is dangling: its target {target} does not exist (in a dir: tree or a tar: directory, --skip-special skips such entries with a count)")]
@@ -497,6 +509,70 @@ pub enum Error {
         actual_bytes: u64,
         /// The length the manifest gives it.
         manifest_bytes: u64,
+    },
+    /// An attach segment or ring a peer passed does not hold together
+    /// (magic, layout version, sizes, seals, a release mark past what was
+    /// published): docs/AGENT.md.
+    #[error("attach segment: {what}")]
+    AttachSegment {
+        /// What is wrong with it.
+        what: String,
+    },
+    /// A message on the agent's attach socket is malformed (magic,
+    /// version, length, kind, descriptor count): docs/AGENT.md.
+    #[error("attach protocol: {what}")]
+    AttachProtocol {
+        /// What is wrong with it.
+        what: String,
+    },
+    /// The agent refused the attach (REFUSED with its reason), or the
+    /// agent refused the peer (its credentials).
+    #[error("attach refused ({code}): {reason}")]
+    AttachRefused {
+        /// The refusal code's name (`peer_uid`, `version`, ...).
+        code: &'static str,
+        /// The reason as the refusing side wrote it.
+        reason: String,
+    },
+    /// A peer on the attach socket did not answer in time.
+    #[error("attach: no {what} within {waited_ms} ms (the peer is silent)")]
+    AttachTimeout {
+        /// What was awaited ("ATTACHED reply", "ATTACH message", "ready batch"...).
+        what: &'static str,
+        /// How long it waited.
+        waited_ms: u64,
+    },
+    /// The other side of an attach segment stopped beating (died) or
+    /// detached.
+    #[error("attached {peer} (pid {pid}) is gone: {}", if *closed { "it detached".to_string() } else { format!("no heartbeat for {silent_ms} ms") })]
+    AttachPeerGone {
+        /// "agent" or "rank".
+        peer: &'static str,
+        /// Its process id, as it wrote it in the segment.
+        pid: u32,
+        /// How long since its last heartbeat.
+        silent_ms: u64,
+        /// Whether it closed cleanly instead.
+        closed: bool,
+    },
+    /// The other side of an attach segment failed and posted this error.
+    #[error("attached {peer} failed: {kind}: {message}")]
+    AttachPeerError {
+        /// "agent" or "rank".
+        peer: &'static str,
+        /// The posted error's kind name.
+        kind: String,
+        /// Its message.
+        message: String,
+    },
+    /// The agent's attach socket cannot be set up (in use, not a socket,
+    /// its directory).
+    #[error("attach socket {path}: {what}")]
+    AttachSocket {
+        /// The socket's path.
+        path: PathBuf,
+        /// What is wrong.
+        what: String,
     },
 }
 
@@ -607,6 +683,8 @@ impl Error {
             Error::SampleLargerThanRing { .. } => ("SampleLargerThanRing", Config),
             Error::RingTooSmallForBatch { .. } => ("RingTooSmallForBatch", Config),
             Error::BadPosition(_) => ("BadPosition", Config),
+            Error::NotLockStep(_) => ("NotLockStep", Config),
+            Error::AuditMismatch(_) => ("AuditMismatch", Data),
             Error::BadCluster { .. } => ("BadCluster", Config),
             Error::BadPlacement { .. } => ("BadPlacement", Config),
             Error::BadLauncher { .. } => ("BadLauncher", Config),
@@ -615,6 +693,13 @@ impl Error {
             Error::ProtocolViolation { .. } => ("ProtocolViolation", Network),
             Error::SampleUnavailable { .. } => ("SampleUnavailable", Network),
             Error::RdmaCompletion { .. } => ("RdmaCompletion", Network),
+            Error::AttachSegment { .. } => ("AttachSegment", Network),
+            Error::AttachProtocol { .. } => ("AttachProtocol", Network),
+            Error::AttachRefused { .. } => ("AttachRefused", Network),
+            Error::AttachTimeout { .. } => ("AttachTimeout", Network),
+            Error::AttachPeerGone { .. } => ("AttachPeerGone", Network),
+            Error::AttachPeerError { .. } => ("AttachPeerError", Network),
+            Error::AttachSocket { .. } => ("AttachSocket", Service),
             Error::Memlock { .. } => ("Memlock", Resource),
             Error::Uring { .. } => ("Uring", Resource),
             Error::ThreadSpawn { .. } => ("ThreadSpawn", Resource),
@@ -737,6 +822,16 @@ mod tests {
                 ErrorClass::Resource,
             ),
             (Error::Serve("bind".into()), "Serve", ErrorClass::Service),
+            (
+                Error::NotLockStep("rank 1: step 3".into()),
+                "NotLockStep",
+                ErrorClass::Config,
+            ),
+            (
+                Error::AuditMismatch("epoch 0".into()),
+                "AuditMismatch",
+                ErrorClass::Data,
+            ),
         ];
         for (e, name, class) in cases {
             assert_eq!(e.kind_name(), name, "{e}");

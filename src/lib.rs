@@ -52,6 +52,10 @@ macro_rules! setters {
     };
 }
 
+// The node agent's attach layer (issue 28): hidden until the loader and
+// the agent use it; public so tests/attach.rs drives it across processes.
+#[doc(hidden)]
+pub mod agent;
 pub mod dataset;
 pub mod error;
 pub(crate) mod format;

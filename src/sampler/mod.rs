@@ -14,9 +14,21 @@
 //! position is O(1) memory and a few dozen multiplications, so a
 //! billion-sample dataset costs nothing to shuffle. The exact construction is
 //! frozen in docs/FORMAT.md: every node computes every rank's future alike.
+//!
+//! A job can resume an epoch at another world size ([`JobPosition`],
+//! [`ElasticSampler`], in `elastic.rs`) and check that every sample was
+//! delivered exactly once ([`EpochDigest`], [`audit()`], in `audit.rs`).
 
 use crate::error::{Error, Result};
 use crate::hash::mix64;
+
+mod audit;
+mod elastic;
+#[cfg(test)]
+mod elastic_tests;
+
+pub use audit::{audit, AuditReport, EpochDigest};
+pub use elastic::{ElasticSampler, JobPosition, RankPosition, RemainderOrder, JOB_POSITION_BYTES};
 
 const ROUNDS: usize = 6;
 const PERM_SALT: u64 = 0x6b73_7065_6564_7065; // "kspeedpe"

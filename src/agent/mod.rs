@@ -1,0 +1,23 @@
+//! The node agent's attach layer (issue 28, docs/AGENT.md): how a training
+//! rank's loader in *attached* mode hands its landing ring to the node's
+//! one kspeed agent and then exchanges, per batch, only a ready word and a
+//! release mark through shared memory.
+//!
+//! - [`segment`]: the attach segment's layout (ready words with a
+//!   generation, the release mark, futex words, error slots, stats,
+//!   heartbeats); its child `sides` holds each side's view
+//!   ([`segment::AgentSide`], [`segment::RankSide`]) and the wait loop;
+//! - [`shm`]: sealed memfds, the ring's mapping ([`shm::RingMap`]), the
+//!   shared futex, the monotonic clock;
+//! - [`msg`]: the ATTACH / ATTACHED / REFUSED messages (fixed
+//!   little-endian layouts);
+//! - [`attach`]: the agent's Unix socket (`SOCK_SEQPACKET`,
+//!   `SO_PEERCRED`, the two memfds passed with `SCM_RIGHTS`).
+//!
+//! This is the foundation only: neither the loader nor `kspeed serve` uses
+//! it yet. Hidden from the documented API until they do.
+
+pub mod attach;
+pub mod msg;
+pub mod segment;
+pub mod shm;

@@ -1,0 +1,347 @@
+//! The attach protocol's messages (version 1): ATTACH, ATTACHED and
+//! REFUSED, fixed little-endian layouts behind a 12-byte header that every
+//! version shares (docs/AGENT.md, "The attach protocol"). Pure encoding and
+//! checking; the socket that carries them is `super::attach`.
+
+use super::segment::Generation;
+use crate::error::{Error, Result};
+
+/// The messages' magic: the bytes `KSAT` read as a little-endian u32.
+pub const ATTACH_MAGIC: u32 = u32::from_le_bytes(*b"KSAT");
+/// The message layout version this build speaks. The first 12 bytes
+/// (magic, version, kind, length) are the same in every version, so a
+/// peer of another version is answered with a REFUSED it can read.
+pub const ATTACH_VERSION: u16 = 1;
+/// Kind of an ATTACH message (rank to agent).
+pub const KIND_ATTACH: u16 = 1;
+/// Kind of an ATTACHED reply.
+pub const KIND_ATTACHED: u16 = 2;
+/// Kind of a REFUSED reply.
+pub const KIND_REFUSED: u16 = 3;
+/// Bytes of an ATTACH message (version 1).
+pub const ATTACH_BYTES: usize = 96;
+/// Bytes of an ATTACHED reply (version 1).
+pub const ATTACHED_BYTES: usize = 32;
+/// Bytes of a REFUSED reply (version 1).
+pub const REFUSED_BYTES: usize = 256;
+/// Bytes of a REFUSED reason (longer ones are cut).
+pub const REFUSED_REASON_BYTES: usize = REFUSED_BYTES - 20;
+/// Descriptors an ATTACH carries: the ring's memfd, then the segment's.
+pub const ATTACH_FDS: usize = 2;
+
+/// Why the agent refused an attach: the REFUSED message's code.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u32)]
+pub enum RefuseCode {
+    /// The message's version is not this agent's.
+    Version = 1,
+    /// The message is malformed (magic, length, kind, descriptor count).
+    Protocol = 2,
+    /// The peer's uid may not attach.
+    PeerUid = 3,
+    /// The segment or the ring does not check out.
+    Segment = 4,
+    /// The agent cannot take this rank (its own reason).
+    Agent = 5,
+}
+
+impl RefuseCode {
+    /// The code's name, as [`Error::AttachRefused`] shows it.
+    pub fn name(self) -> &'static str {
+        match self {
+            RefuseCode::Version => "version",
+            RefuseCode::Protocol => "protocol",
+            RefuseCode::PeerUid => "peer_uid",
+            RefuseCode::Segment => "segment",
+            RefuseCode::Agent => "agent",
+        }
+    }
+    fn from_u32(v: u32) -> Option<RefuseCode> {
+        Some(match v {
+            1 => RefuseCode::Version,
+            2 => RefuseCode::Protocol,
+            3 => RefuseCode::PeerUid,
+            4 => RefuseCode::Segment,
+            5 => RefuseCode::Agent,
+            _ => return None,
+        })
+    }
+}
+
+/// What a rank asks for: enough for the agent to compute the rank's
+/// schedule itself (the sampler's inputs and the start position) and to
+/// check the ring and segment it was given.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttachRequest {
+    /// The segment's generation (bumped per re-attach).
+    pub generation: Generation,
+    /// The dataset's identity (the catalog's id: the agent refuses a rank
+    /// of another dataset).
+    pub dataset_id: u64,
+    /// The sampler's seed.
+    pub seed: u64,
+    /// This rank.
+    pub rank: u32,
+    /// Ranks in the job.
+    pub world: u32,
+    /// Samples per batch.
+    pub batch_size: u32,
+    /// Batch slots in the segment.
+    pub slots: u32,
+    /// The epoch to start at.
+    pub start_epoch: u64,
+    /// The sample index within the epoch to start at.
+    pub start_index: u64,
+    /// Bytes of the ring memfd.
+    pub ring_bytes: u64,
+    /// Bytes of the segment (its layout's size, not the page-rounded
+    /// memfd's).
+    pub segment_bytes: u64,
+}
+
+/// The agent's answer to an accepted ATTACH.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttachedReply {
+    /// The generation the agent publishes in (the request's).
+    pub generation: Generation,
+    /// The agent's process id.
+    pub agent_pid: u32,
+    /// The agent's heartbeat period in ms (the rank's silence limit is 3 of them).
+    pub heartbeat_ms: u32,
+}
+
+pub(super) fn proto(what: impl Into<String>) -> Error {
+    Error::AttachProtocol { what: what.into() }
+}
+
+fn put_header(b: &mut [u8], kind: u16) {
+    let len = b.len() as u32;
+    b[0..4].copy_from_slice(&ATTACH_MAGIC.to_le_bytes());
+    b[4..6].copy_from_slice(&ATTACH_VERSION.to_le_bytes());
+    b[6..8].copy_from_slice(&kind.to_le_bytes());
+    b[8..12].copy_from_slice(&len.to_le_bytes());
+}
+
+pub(super) fn u16_at(b: &[u8], o: usize) -> u16 {
+    u16::from_le_bytes(b[o..o + 2].try_into().expect("2 bytes"))
+}
+fn u32_at(b: &[u8], o: usize) -> u32 {
+    u32::from_le_bytes(b[o..o + 4].try_into().expect("4 bytes"))
+}
+fn u64_at(b: &[u8], o: usize) -> u64 {
+    u64::from_le_bytes(b[o..o + 8].try_into().expect("8 bytes"))
+}
+
+/// Checks the 12-byte header every version shares and returns the kind:
+/// magic, then version, then that the length field is both what arrived
+/// and what the kind has.
+pub fn check_header(b: &[u8]) -> Result<u16> {
+    if b.len() < 12 {
+        return Err(proto(format!(
+            "a message of {} bytes is shorter than the 12-byte header",
+            b.len()
+        )));
+    }
+    let magic = u32_at(b, 0);
+    if magic != ATTACH_MAGIC {
+        return Err(proto(format!(
+            "magic {:02x?}, expected {:02x?} (\"KSAT\")",
+            magic.to_le_bytes(),
+            ATTACH_MAGIC.to_le_bytes()
+        )));
+    }
+    let version = u16_at(b, 4);
+    if version != ATTACH_VERSION {
+        return Err(proto(format!(
+            "message version {version}, this build speaks version {ATTACH_VERSION}"
+        )));
+    }
+    let kind = u16_at(b, 6);
+    let want = match kind {
+        KIND_ATTACH => ATTACH_BYTES,
+        KIND_ATTACHED => ATTACHED_BYTES,
+        KIND_REFUSED => REFUSED_BYTES,
+        k => return Err(proto(format!("unknown message kind {k}"))),
+    };
+    let len = u32_at(b, 8) as usize;
+    if len != want || b.len() != want {
+        return Err(proto(format!(
+            "kind {kind}: length field {len}, received {} bytes; version {ATTACH_VERSION} has {want}",
+            b.len()
+        )));
+    }
+    Ok(kind)
+}
+
+impl AttachRequest {
+    /// The message's bytes (version 1, little-endian).
+    pub fn encode(&self) -> [u8; ATTACH_BYTES] {
+        let mut b = [0u8; ATTACH_BYTES];
+        put_header(&mut b, KIND_ATTACH);
+        b[12..16].copy_from_slice(&u32::from(self.generation.get()).to_le_bytes());
+        b[16..24].copy_from_slice(&self.dataset_id.to_le_bytes());
+        b[24..32].copy_from_slice(&self.seed.to_le_bytes());
+        b[32..36].copy_from_slice(&self.rank.to_le_bytes());
+        b[36..40].copy_from_slice(&self.world.to_le_bytes());
+        b[40..44].copy_from_slice(&self.batch_size.to_le_bytes());
+        b[44..48].copy_from_slice(&self.slots.to_le_bytes());
+        b[48..56].copy_from_slice(&self.start_epoch.to_le_bytes());
+        b[56..64].copy_from_slice(&self.start_index.to_le_bytes());
+        b[64..72].copy_from_slice(&self.ring_bytes.to_le_bytes());
+        b[72..80].copy_from_slice(&self.segment_bytes.to_le_bytes());
+        // 80..96: flags and reserved, zero in version 1.
+        b
+    }
+
+    /// Decodes and checks an ATTACH message.
+    pub fn decode(b: &[u8]) -> Result<AttachRequest> {
+        let kind = check_header(b)?;
+        if kind != KIND_ATTACH {
+            return Err(proto(format!("expected ATTACH (kind 1), got kind {kind}")));
+        }
+        if b[80..96].iter().any(|&x| x != 0) {
+            return Err(proto("flags or reserved bytes set in a version 1 ATTACH"));
+        }
+        let gen = u32_at(b, 12);
+        let generation = u16::try_from(gen)
+            .ok()
+            .and_then(Generation::new)
+            .ok_or_else(|| proto(format!("generation {gen}: must be 1 to 65535")))?;
+        let r = AttachRequest {
+            generation,
+            dataset_id: u64_at(b, 16),
+            seed: u64_at(b, 24),
+            rank: u32_at(b, 32),
+            world: u32_at(b, 36),
+            batch_size: u32_at(b, 40),
+            slots: u32_at(b, 44),
+            start_epoch: u64_at(b, 48),
+            start_index: u64_at(b, 56),
+            ring_bytes: u64_at(b, 64),
+            segment_bytes: u64_at(b, 72),
+        };
+        if r.world == 0 || r.rank >= r.world || r.batch_size == 0 {
+            return Err(proto(format!(
+                "rank {} of world {} with batch size {}",
+                r.rank, r.world, r.batch_size
+            )));
+        }
+        Ok(r)
+    }
+}
+
+impl AttachedReply {
+    /// The reply's bytes.
+    pub fn encode(&self) -> [u8; ATTACHED_BYTES] {
+        let mut b = [0u8; ATTACHED_BYTES];
+        put_header(&mut b, KIND_ATTACHED);
+        b[12..16].copy_from_slice(&u32::from(self.generation.get()).to_le_bytes());
+        b[16..20].copy_from_slice(&self.agent_pid.to_le_bytes());
+        b[20..24].copy_from_slice(&self.heartbeat_ms.to_le_bytes());
+        b
+    }
+}
+
+/// Encodes a REFUSED reply.
+pub fn encode_refused(code: RefuseCode, reason: &str) -> [u8; REFUSED_BYTES] {
+    let mut b = [0u8; REFUSED_BYTES];
+    put_header(&mut b, KIND_REFUSED);
+    let mut n = reason.len().min(REFUSED_REASON_BYTES);
+    while !reason.is_char_boundary(n) {
+        n -= 1;
+    }
+    b[12..16].copy_from_slice(&(code as u32).to_le_bytes());
+    b[16..20].copy_from_slice(&(n as u32).to_le_bytes());
+    b[20..20 + n].copy_from_slice(&reason.as_bytes()[..n]);
+    b
+}
+
+/// Decodes the agent's reply: the ATTACHED reply, or the refusal as
+/// [`Error::AttachRefused`].
+pub fn decode_reply(b: &[u8]) -> Result<AttachedReply> {
+    match check_header(b)? {
+        KIND_ATTACHED => {
+            let gen = u32_at(b, 12);
+            let generation = u16::try_from(gen)
+                .ok()
+                .and_then(Generation::new)
+                .ok_or_else(|| proto(format!("ATTACHED with generation {gen}")))?;
+            Ok(AttachedReply {
+                generation,
+                agent_pid: u32_at(b, 16),
+                heartbeat_ms: u32_at(b, 20),
+            })
+        }
+        KIND_REFUSED => {
+            let code = u32_at(b, 12);
+            let n = (u32_at(b, 16) as usize).min(REFUSED_REASON_BYTES);
+            Err(Error::AttachRefused {
+                code: RefuseCode::from_u32(code).map_or("unknown", RefuseCode::name),
+                reason: String::from_utf8_lossy(&b[20..20 + n]).into_owned(),
+            })
+        }
+        k => Err(proto(format!("expected ATTACHED or REFUSED, got kind {k}"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::agent::segment::segment_bytes;
+
+    fn req() -> AttachRequest {
+        AttachRequest {
+            generation: Generation::FIRST,
+            dataset_id: 0xdead_beef,
+            seed: 7,
+            rank: 1,
+            world: 4,
+            batch_size: 32,
+            slots: 8,
+            start_epoch: 2,
+            start_index: 96,
+            ring_bytes: 1 << 20,
+            segment_bytes: segment_bytes(8),
+        }
+    }
+
+    #[test]
+    fn attach_round_trips_and_checks_its_header() {
+        let r = req();
+        let b = r.encode();
+        assert_eq!(AttachRequest::decode(&b).unwrap(), r);
+        let mut bad = b;
+        bad[0] ^= 1;
+        assert!(AttachRequest::decode(&bad)
+            .unwrap_err()
+            .to_string()
+            .contains("magic"));
+        let mut bad = b;
+        bad[4] = 2;
+        assert!(AttachRequest::decode(&bad)
+            .unwrap_err()
+            .to_string()
+            .contains("version 2"));
+        assert!(AttachRequest::decode(&b[..95])
+            .unwrap_err()
+            .to_string()
+            .contains("received 95"));
+        let mut bad = b;
+        bad[8] = 97;
+        assert!(AttachRequest::decode(&bad)
+            .unwrap_err()
+            .to_string()
+            .contains("length field 97"));
+    }
+
+    #[test]
+    fn refused_carries_code_and_reason() {
+        let b = encode_refused(RefuseCode::PeerUid, "no");
+        match decode_reply(&b) {
+            Err(Error::AttachRefused { code, reason }) => {
+                assert_eq!((code, reason.as_str()), ("peer_uid", "no"))
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+}

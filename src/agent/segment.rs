@@ -1,0 +1,693 @@
+//! The attach segment: the small shared mapping through which an attached
+//! rank and the node's agent exchange, per batch, only a ready word and a
+//! release mark (docs/AGENT.md, "The attach segment").
+//!
+//! The rank creates the segment and its landing ring as sealed memfds
+//! ([`Segment::create`], [`RingMap::create`](super::shm::RingMap::create)) and passes both to the agent
+//! over the attach socket ([`super::attach`]); the agent maps them with
+//! [`Segment::open`] / [`RingMap::open`](super::shm::RingMap::open), which check the layout (magic,
+//! version, sizes, seals) before anything else is read. Then the agent
+//! drives an [`AgentSide`] (publish batches, wait for room) and the rank a
+//! [`RankSide`] (wait for a batch, release it).
+//!
+//! Why this is safe to share with another process: every word in the
+//! mapping is an atomic in `#[repr(C)]` memory; a value that sizes or
+//! places anything (slot count, ring bytes) is read once at open into the
+//! process's own memory and never again, so a peer that scribbles on the
+//! segment can give wrong answers (caught as named errors where they can
+//! be: a release past what was published) but cannot make this process
+//! read or write outside its mappings. The memfds are sealed against
+//! shrinking, so the peer cannot truncate them under us (a SIGBUS).
+//!
+//! Fast path: publishing is some relaxed stores, one Release store, a
+//! SeqCst fence and one load of the waiters word; taking is one Acquire
+//! load. A futex call happens only to sleep (nothing ready / no room) or
+//! to wake a side that said it sleeps.
+//!
+//! This module forms references to the atomics of a shared mapping, so
+//! it is one of the few allowed `unsafe`; the mapping, memfds and futexes
+//! themselves are `super::shm`'s.
+
+use std::fs::File;
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
+
+use memmap2::MmapRaw;
+
+use super::shm::{check_sealed, futex_wake_all, io_err, monotonic_ns, sealed_memfd};
+use crate::error::{Error, Result};
+
+mod sides;
+pub use sides::{AgentSide, Liveness, RankSide};
+
+#[cfg(not(target_endian = "little"))]
+compile_error!("the attach segment and messages are little-endian; kspeed builds only on little-endian targets");
+
+/// The segment's magic: the bytes `KSPATSEG` read as a little-endian u64.
+pub const SEGMENT_MAGIC: u64 = u64::from_le_bytes(*b"KSPATSEG");
+/// The segment layout this build writes and reads (bump on any change of
+/// an offset or a meaning; the agent refuses another).
+pub const SEGMENT_VERSION: u32 = 1;
+/// Error slots in a segment: a side posts at most this many errors; later
+/// ones are counted, not stored.
+pub const ERROR_SLOTS: usize = 4;
+/// Bytes of an error's kind name (an [`Error::kind_name`]) in a slot.
+pub const ERROR_KIND_BYTES: usize = 32;
+/// Bytes of an error's message in a slot (longer ones are cut on a char
+/// boundary).
+pub const ERROR_MESSAGE_BYTES: usize = 208;
+/// Most batch slots a segment may have (the ring holds at most this many
+/// batches in flight).
+pub const MAX_SLOTS: u32 = 1 << 16;
+/// Bits of a ready word or release mark that carry the batch sequence;
+/// the generation takes the 16 bits above them.
+pub const SEQ_BITS: u32 = 48;
+/// Mask of the sequence bits.
+pub const SEQ_MASK: u64 = (1 << SEQ_BITS) - 1;
+
+/// A side's state word: what the peer reads to tell a clean close from a
+/// death (a closed side stops beating without being gone).
+pub mod side_state {
+    /// Not started (the zeroed segment).
+    pub const NONE: u32 = 0;
+    /// Attached and running.
+    pub const RUNNING: u32 = 1;
+    /// Closed cleanly (detached); the peer stops waiting at once.
+    pub const CLOSED: u32 = 2;
+    /// Failed; its error is in an error slot.
+    pub const FAILED: u32 = 3;
+}
+
+/// Which side of the segment wrote a word or an error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Side {
+    /// The node's agent (writes ready words).
+    Agent,
+    /// The training rank (writes the release mark).
+    Rank,
+}
+
+impl Side {
+    /// The side's name in messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            Side::Agent => "agent",
+            Side::Rank => "rank",
+        }
+    }
+    fn code(self) -> u32 {
+        match self {
+            Side::Agent => 1,
+            Side::Rank => 2,
+        }
+    }
+}
+
+/// An attach generation: 1..=65535, bumped by the rank each time it
+/// (re)attaches its segment, so no ready word or release mark of an
+/// earlier attach (a dead agent's last publishes) counts in this one.
+/// Zero is never a generation, so a zeroed word is never ready.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Generation(u16);
+
+impl Generation {
+    /// The first generation.
+    pub const FIRST: Generation = Generation(1);
+
+    /// The generation of a raw value; `None` for 0.
+    pub fn new(raw: u16) -> Option<Generation> {
+        (raw != 0).then_some(Generation(raw))
+    }
+
+    /// The raw value (1..=65535).
+    pub fn get(self) -> u16 {
+        self.0
+    }
+
+    /// The next generation: 65535 wraps to 1, never 0.
+    #[must_use]
+    pub fn next(self) -> Generation {
+        Generation(if self.0 == u16::MAX { 1 } else { self.0 + 1 })
+    }
+}
+
+/// The word the agent stores in slot `seq % slots` when batch `seq` of
+/// generation `gen` is ready: the generation in the high 16 bits, the
+/// sequence (mod 2^48) below. It is never 0.
+pub fn ready_word(gen: Generation, seq: u64) -> u64 {
+    (u64::from(gen.0) << SEQ_BITS) | (seq & SEQ_MASK)
+}
+
+/// Whether `word` says batch `seq` of generation `gen` is ready: exact
+/// equality, so a word of another generation or of the batch one lap
+/// earlier (`seq - slots`) never counts.
+pub fn is_ready(word: u64, gen: Generation, seq: u64) -> bool {
+    word == ready_word(gen, seq)
+}
+
+/// The release mark: the rank has consumed every batch below `released`
+/// in generation `gen`. Same encoding as a ready word.
+pub fn release_mark(gen: Generation, released: u64) -> u64 {
+    ready_word(gen, released)
+}
+
+/// Decodes a release mark: `Some(count mod 2^48)` when it is of `gen`,
+/// `None` for another generation (a mark left by an earlier attach counts
+/// as nothing released yet).
+pub fn decode_release(mark: u64, gen: Generation) -> Option<u64> {
+    ((mark >> SEQ_BITS) == u64::from(gen.0)).then_some(mark & SEQ_MASK)
+}
+
+/// Batches in flight between `published` and `released` (both mod 2^48):
+/// the wrapping difference, so the counters may wrap.
+pub fn in_flight(published: u64, released: u64) -> u64 {
+    published.wrapping_sub(released) & SEQ_MASK
+}
+
+/// Line 0: written once by the rank before it publishes the magic.
+#[repr(C, align(64))]
+struct Header {
+    magic: AtomicU64,
+    version: AtomicU32,
+    header_bytes: AtomicU32,
+    total_bytes: AtomicU64,
+    slots: AtomicU32,
+    error_slots: AtomicU32,
+    ring_bytes: AtomicU64,
+    generation: AtomicU32,
+    rank_pid: AtomicU32,
+    _reserved: [AtomicU64; 2],
+}
+
+/// Line 1: written by the agent only.
+#[repr(C, align(64))]
+struct AgentBlock {
+    heartbeat_ns: AtomicU64,
+    pid: AtomicU32,
+    state: AtomicU32,
+    /// Bumped (then FUTEX_WAKE) after a publish when the rank sleeps.
+    ready_futex: AtomicU32,
+    /// Agents sleeping for room (the rank wakes them on release).
+    room_waiters: AtomicU32,
+    published: AtomicU64,
+    published_bytes: AtomicU64,
+    wakes: AtomicU64,
+    sleeps: AtomicU64,
+    errors_dropped: AtomicU64,
+}
+
+/// Line 2: written by the rank only.
+#[repr(C, align(64))]
+struct RankBlock {
+    release: AtomicU64,
+    heartbeat_ns: AtomicU64,
+    pid: AtomicU32,
+    state: AtomicU32,
+    /// Bumped (then FUTEX_WAKE) after a release when the agent sleeps.
+    room_futex: AtomicU32,
+    /// Ranks sleeping for a batch (the agent wakes them on publish).
+    ready_waiters: AtomicU32,
+    taken: AtomicU64,
+    wakes: AtomicU64,
+    sleeps: AtomicU64,
+    errors_dropped: AtomicU64,
+}
+
+/// One posted error: 256 bytes.
+#[repr(C, align(64))]
+struct ErrorSlot {
+    /// 0 empty, 1 being written, 2 posted.
+    state: AtomicU32,
+    side: AtomicU32,
+    class: AtomicU32,
+    message_len: AtomicU32,
+    kind: [AtomicU8; ERROR_KIND_BYTES],
+    message: [AtomicU8; ERROR_MESSAGE_BYTES],
+}
+
+/// One batch slot: the ready word and where the batch lies in the ring.
+#[repr(C, align(64))]
+struct Slot {
+    ready: AtomicU64,
+    ring_offset: AtomicU64,
+    bytes: AtomicU64,
+    epoch: AtomicU64,
+    batch_in_epoch: AtomicU64,
+    samples: AtomicU64,
+    _reserved: [AtomicU64; 2],
+}
+
+const HEADER_OFFSET: usize = 0;
+const AGENT_OFFSET: usize = 64;
+const RANK_OFFSET: usize = 128;
+const ERRORS_OFFSET: usize = 192;
+const SLOTS_OFFSET: usize = ERRORS_OFFSET + ERROR_SLOTS * std::mem::size_of::<ErrorSlot>();
+
+// The documented offsets (docs/AGENT.md): a change here is a layout change.
+const _: () = {
+    assert!(std::mem::size_of::<Header>() == 64);
+    assert!(std::mem::size_of::<AgentBlock>() == 64);
+    assert!(std::mem::size_of::<RankBlock>() == 64);
+    assert!(std::mem::size_of::<ErrorSlot>() == 256);
+    assert!(std::mem::size_of::<Slot>() == 64);
+    assert!(SLOTS_OFFSET == 192 + 1024);
+    use std::mem::offset_of;
+    assert!(offset_of!(Header, generation) == 40 && offset_of!(Header, rank_pid) == 44);
+    assert!(
+        offset_of!(AgentBlock, ready_futex) == 16 && offset_of!(AgentBlock, room_waiters) == 20
+    );
+    assert!(
+        offset_of!(AgentBlock, published) == 24 && offset_of!(AgentBlock, errors_dropped) == 56
+    );
+    assert!(offset_of!(RankBlock, room_futex) == 24 && offset_of!(RankBlock, ready_waiters) == 28);
+    assert!(offset_of!(RankBlock, taken) == 32 && offset_of!(RankBlock, errors_dropped) == 56);
+    assert!(offset_of!(ErrorSlot, kind) == 16 && offset_of!(ErrorSlot, message) == 48);
+    assert!(offset_of!(Slot, samples) == 40);
+};
+
+/// Bytes of a segment with `slots` batch slots (before page rounding).
+pub fn segment_bytes(slots: u32) -> u64 {
+    (SLOTS_OFFSET + slots as usize * std::mem::size_of::<Slot>()) as u64
+}
+
+/// Where one published batch lies in the ring, and what it is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct BatchDesc {
+    /// Offset of the batch's first byte in the ring.
+    pub ring_offset: u64,
+    /// The batch's bytes (its samples and their offset table, as the
+    /// agent lays them out).
+    pub bytes: u64,
+    /// The sampler epoch it belongs to.
+    pub epoch: u64,
+    /// Its index within the epoch.
+    pub batch_in_epoch: u64,
+    /// Samples in it.
+    pub samples: u64,
+}
+
+/// An error a side posted in the segment.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PostedError {
+    /// Who posted it.
+    pub side: Side,
+    /// The error's kind name ([`Error::kind_name`]).
+    pub kind: String,
+    /// Its message (cut to [`ERROR_MESSAGE_BYTES`]).
+    pub message: String,
+}
+
+/// Counters of both sides (each written by one side only).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SegmentStats {
+    /// Batches the agent published in this generation.
+    pub published: u64,
+    /// Bytes of those batches.
+    pub published_bytes: u64,
+    /// Futex wakes the agent sent (the rank was asleep).
+    pub agent_wakes: u64,
+    /// Times the agent slept for room.
+    pub agent_sleeps: u64,
+    /// Batches the rank took.
+    pub taken: u64,
+    /// Futex wakes the rank sent (the agent was asleep).
+    pub rank_wakes: u64,
+    /// Times the rank slept for a batch.
+    pub rank_sleeps: u64,
+}
+
+fn seg_err(what: impl Into<String>) -> Error {
+    Error::AttachSegment { what: what.into() }
+}
+
+/// The shared mapping of an attach segment. The slot count and ring size
+/// are the values checked at open, kept here (never re-read from the
+/// shared memory).
+pub struct Segment {
+    map: MmapRaw,
+    file: File,
+    slots: u32,
+    ring_bytes: u64,
+}
+
+// SAFETY: the mapping holds only atomics and is reached only through
+// shared references to them; the raw pointer is valid for the struct's
+// life on any thread.
+unsafe impl Send for Segment {}
+// SAFETY: as above: every access is an atomic operation.
+unsafe impl Sync for Segment {}
+
+impl std::fmt::Debug for Segment {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Segment")
+            .field("slots", &self.slots)
+            .field("ring_bytes", &self.ring_bytes)
+            .finish()
+    }
+}
+
+impl Segment {
+    /// Creates a segment (the rank's side): a sealed memfd with `slots`
+    /// batch slots (a power of two, 1..=[`MAX_SLOTS`]) for a ring of
+    /// `ring_bytes`, in generation [`Generation::FIRST`]. The magic is
+    /// stored last (Release), so a peer never accepts a half-written header.
+    pub fn create(slots: u32, ring_bytes: u64) -> Result<Segment> {
+        if slots == 0 || slots > MAX_SLOTS || !slots.is_power_of_two() {
+            return Err(Error::InvalidConfig(format!(
+                "attach segment slots {slots}: must be a power of two from 1 to {MAX_SLOTS}"
+            )));
+        }
+        let total = segment_bytes(slots);
+        let file = sealed_memfd(c"kspeed-attach-segment", total)?;
+        let map = MmapRaw::map_raw(&file).map_err(|e| io_err("mmap", "attach segment", e))?;
+        let seg = Segment {
+            map,
+            file,
+            slots,
+            ring_bytes,
+        };
+        let h = seg.header();
+        h.version.store(SEGMENT_VERSION, Ordering::Relaxed);
+        h.header_bytes.store(64, Ordering::Relaxed);
+        h.total_bytes.store(total, Ordering::Relaxed);
+        h.slots.store(slots, Ordering::Relaxed);
+        h.error_slots.store(ERROR_SLOTS as u32, Ordering::Relaxed);
+        h.ring_bytes.store(ring_bytes, Ordering::Relaxed);
+        h.generation
+            .store(u32::from(Generation::FIRST.get()), Ordering::Relaxed);
+        h.rank_pid.store(std::process::id(), Ordering::Relaxed);
+        seg.rank()
+            .release
+            .store(release_mark(Generation::FIRST, 0), Ordering::Relaxed);
+        h.magic.store(SEGMENT_MAGIC, Ordering::Release);
+        Ok(seg)
+    }
+
+    /// Maps a segment a peer passed (the agent's side) and checks it:
+    /// sealed memfd, magic, version, header size, slot count, total size
+    /// and the ring size the ATTACH message announced.
+    pub fn open(fd: OwnedFd, expect_ring_bytes: u64) -> Result<Segment> {
+        let file = File::from(fd);
+        check_sealed(&file, segment_bytes(1), "attach segment")?;
+        let map = MmapRaw::map_raw(&file).map_err(|e| io_err("mmap", "attach segment", e))?;
+        let mapped = map.len() as u64;
+        // Read the header through a provisional view over the checked
+        // minimum size (one slot) before trusting the slot count.
+        let seg = Segment {
+            map,
+            file,
+            slots: 1,
+            ring_bytes: 0,
+        };
+        let h = seg.header();
+        let magic = h.magic.load(Ordering::Acquire);
+        if magic != SEGMENT_MAGIC {
+            return Err(seg_err(format!(
+                "magic {:02x?}, expected {:02x?} (\"KSPATSEG\")",
+                magic.to_le_bytes(),
+                SEGMENT_MAGIC.to_le_bytes()
+            )));
+        }
+        let version = h.version.load(Ordering::Relaxed);
+        if version != SEGMENT_VERSION {
+            return Err(seg_err(format!(
+                "layout version {version}, this build reads version {SEGMENT_VERSION}"
+            )));
+        }
+        let header_bytes = h.header_bytes.load(Ordering::Relaxed);
+        let error_slots = h.error_slots.load(Ordering::Relaxed);
+        if header_bytes != 64 || error_slots != ERROR_SLOTS as u32 {
+            return Err(seg_err(format!(
+                "header of {header_bytes} bytes with {error_slots} error slots; version {SEGMENT_VERSION} has 64 and {ERROR_SLOTS}"
+            )));
+        }
+        let slots = h.slots.load(Ordering::Relaxed);
+        if slots == 0 || slots > MAX_SLOTS || !slots.is_power_of_two() {
+            return Err(seg_err(format!(
+                "{slots} slots: must be a power of two from 1 to {MAX_SLOTS}"
+            )));
+        }
+        let total = h.total_bytes.load(Ordering::Relaxed);
+        if total != segment_bytes(slots) || mapped < total {
+            return Err(seg_err(format!(
+                "total size {total} bytes (mapped {mapped}); {slots} slots need {}",
+                segment_bytes(slots)
+            )));
+        }
+        let ring_bytes = h.ring_bytes.load(Ordering::Relaxed);
+        if ring_bytes != expect_ring_bytes {
+            return Err(seg_err(format!(
+                "ring of {ring_bytes} bytes, the ATTACH message says {expect_ring_bytes}"
+            )));
+        }
+        Ok(Segment {
+            slots,
+            ring_bytes,
+            ..seg
+        })
+    }
+
+    /// The memfd, to pass to the agent.
+    pub fn fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.file.as_fd()
+    }
+
+    /// Batch slots.
+    pub fn slots(&self) -> u32 {
+        self.slots
+    }
+
+    /// The ring's bytes, as the segment records it.
+    pub fn ring_bytes(&self) -> u64 {
+        self.ring_bytes
+    }
+
+    /// The generation the rank set in the header (for the agent to check
+    /// against the ATTACH message).
+    pub fn generation(&self) -> Option<Generation> {
+        Generation::new(self.header().generation.load(Ordering::Acquire) as u16)
+    }
+
+    /// The rank's side starts a new generation (re-attach): the slots and
+    /// the release mark of the old one count as nothing in the new.
+    /// Call only while no agent is attached.
+    pub fn begin_generation(&self) -> Generation {
+        let old = self.generation().unwrap_or(Generation::FIRST);
+        let gen = old.next();
+        let r = self.rank();
+        r.release.store(release_mark(gen, 0), Ordering::Relaxed);
+        r.state.store(side_state::NONE, Ordering::Relaxed);
+        self.agent()
+            .state
+            .store(side_state::NONE, Ordering::Relaxed);
+        self.header()
+            .generation
+            .store(u32::from(gen.get()), Ordering::Release);
+        gen
+    }
+
+    /// Both sides' counters.
+    pub fn stats(&self) -> SegmentStats {
+        let (a, r) = (self.agent(), self.rank());
+        SegmentStats {
+            published: a.published.load(Ordering::Relaxed),
+            published_bytes: a.published_bytes.load(Ordering::Relaxed),
+            agent_wakes: a.wakes.load(Ordering::Relaxed),
+            agent_sleeps: a.sleeps.load(Ordering::Relaxed),
+            taken: r.taken.load(Ordering::Relaxed),
+            rank_wakes: r.wakes.load(Ordering::Relaxed),
+            rank_sleeps: r.sleeps.load(Ordering::Relaxed),
+        }
+    }
+
+    /// The errors posted so far (either side), in slot order.
+    pub fn posted_errors(&self) -> Vec<PostedError> {
+        let mut out = Vec::new();
+        for i in 0..ERROR_SLOTS {
+            let e = self.error_slot(i);
+            if e.state.load(Ordering::Acquire) != 2 {
+                continue;
+            }
+            let side = if e.side.load(Ordering::Relaxed) == Side::Agent.code() {
+                Side::Agent
+            } else {
+                Side::Rank
+            };
+            let bytes = |a: &[AtomicU8], n: usize| -> String {
+                let v: Vec<u8> = a[..n.min(a.len())]
+                    .iter()
+                    .map(|b| b.load(Ordering::Relaxed))
+                    .collect();
+                String::from_utf8_lossy(&v).into_owned()
+            };
+            let kind_len = e.kind.iter().position(|b| b.load(Ordering::Relaxed) == 0);
+            out.push(PostedError {
+                side,
+                kind: bytes(&e.kind, kind_len.unwrap_or(ERROR_KIND_BYTES)),
+                message: bytes(&e.message, e.message_len.load(Ordering::Relaxed) as usize),
+            });
+        }
+        out
+    }
+
+    /// Posts `err` in the first free error slot and marks `side` failed,
+    /// so the peer's waits end with [`Error::AttachPeerError`]. With every
+    /// slot taken the error is only counted.
+    pub fn post_error(&self, side: Side, err: &Error) {
+        let state = match side {
+            Side::Agent => &self.agent().state,
+            Side::Rank => &self.rank().state,
+        };
+        let mut stored = false;
+        for i in 0..ERROR_SLOTS {
+            let e = self.error_slot(i);
+            if e.state
+                .compare_exchange(0, 1, Ordering::Acquire, Ordering::Relaxed)
+                .is_err()
+            {
+                continue;
+            }
+            e.side.store(side.code(), Ordering::Relaxed);
+            e.class.store(err.class() as u32, Ordering::Relaxed);
+            let kind = err.kind_name().as_bytes();
+            for (j, b) in e.kind.iter().enumerate() {
+                b.store(kind.get(j).copied().unwrap_or(0), Ordering::Relaxed);
+            }
+            let msg = err.to_string();
+            let mut n = msg.len().min(ERROR_MESSAGE_BYTES);
+            while !msg.is_char_boundary(n) {
+                n -= 1;
+            }
+            for (j, b) in msg.as_bytes()[..n].iter().enumerate() {
+                e.message[j].store(*b, Ordering::Relaxed);
+            }
+            e.message_len.store(n as u32, Ordering::Relaxed);
+            e.state.store(2, Ordering::Release);
+            stored = true;
+            break;
+        }
+        if !stored {
+            let dropped = match side {
+                Side::Agent => &self.agent().errors_dropped,
+                Side::Rank => &self.rank().errors_dropped,
+            };
+            dropped.fetch_add(1, Ordering::Relaxed);
+        }
+        state.store(side_state::FAILED, Ordering::Release);
+        // Wake whoever may sleep on the other side so it sees the failure
+        // now rather than at its next heartbeat check.
+        self.agent().ready_futex.fetch_add(1, Ordering::Release);
+        futex_wake_all(&self.agent().ready_futex);
+        self.rank().room_futex.fetch_add(1, Ordering::Release);
+        futex_wake_all(&self.rank().room_futex);
+    }
+
+    fn word<T>(&self, offset: usize) -> &T {
+        assert!(offset + std::mem::size_of::<T>() <= self.map.len());
+        // SAFETY: the offset is in bounds (checked above) and aligned (the
+        // mapping is page-aligned and every offset is a multiple of 64);
+        // the memory holds only atomics, valid for any bit pattern, shared
+        // through `&` for the mapping's life, which `&self` bounds.
+        unsafe { &*(self.map.as_ptr().add(offset) as *const T) }
+    }
+    fn header(&self) -> &Header {
+        self.word(HEADER_OFFSET)
+    }
+    fn agent(&self) -> &AgentBlock {
+        self.word(AGENT_OFFSET)
+    }
+    fn rank(&self) -> &RankBlock {
+        self.word(RANK_OFFSET)
+    }
+    fn error_slot(&self, i: usize) -> &ErrorSlot {
+        assert!(i < ERROR_SLOTS);
+        self.word(ERRORS_OFFSET + i * std::mem::size_of::<ErrorSlot>())
+    }
+    fn slot(&self, seq: u64) -> &Slot {
+        let i = (seq & u64::from(self.slots - 1)) as usize;
+        self.word(SLOTS_OFFSET + i * std::mem::size_of::<Slot>())
+    }
+
+    /// How long a peer has been silent and what state it says it is in.
+    fn peer(&self, peer: Side) -> (u32, u32, u64) {
+        let (hb, pid, state) = match peer {
+            Side::Agent => (
+                &self.agent().heartbeat_ns,
+                &self.agent().pid,
+                &self.agent().state,
+            ),
+            Side::Rank => (
+                &self.rank().heartbeat_ns,
+                &self.rank().pid,
+                &self.rank().state,
+            ),
+        };
+        let last = hb.load(Ordering::Acquire);
+        (
+            state.load(Ordering::Acquire),
+            pid.load(Ordering::Relaxed),
+            monotonic_ns().saturating_sub(last),
+        )
+    }
+}
+
+impl Segment {
+    fn beat(&self, side: Side) {
+        let hb = match side {
+            Side::Agent => &self.agent().heartbeat_ns,
+            Side::Rank => &self.rank().heartbeat_ns,
+        };
+        hb.store(monotonic_ns(), Ordering::Release);
+    }
+
+    fn close(&self, side: Side) {
+        match side {
+            Side::Agent => self
+                .agent()
+                .state
+                .store(side_state::CLOSED, Ordering::Release),
+            Side::Rank => self
+                .rank()
+                .state
+                .store(side_state::CLOSED, Ordering::Release),
+        }
+        self.agent().ready_futex.fetch_add(1, Ordering::Release);
+        futex_wake_all(&self.agent().ready_futex);
+        self.rank().room_futex.fetch_add(1, Ordering::Release);
+        futex_wake_all(&self.rank().room_futex);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layout_offsets_are_the_documented_ones() {
+        assert_eq!(segment_bytes(1), 1216 + 64);
+        assert_eq!(segment_bytes(16), 1216 + 16 * 64);
+    }
+
+    #[test]
+    fn open_checks_magic_version_and_seals() {
+        let seg = Segment::create(8, 1 << 20).unwrap();
+        let dup = || seg.fd().try_clone_to_owned().unwrap();
+        Segment::open(dup(), 1 << 20).unwrap();
+        assert!(matches!(
+            Segment::open(dup(), 1 << 21),
+            Err(Error::AttachSegment { .. })
+        ));
+        seg.header().version.store(2, Ordering::Relaxed);
+        let e = Segment::open(dup(), 1 << 20).unwrap_err();
+        assert!(e.to_string().contains("layout version 2"), "{e}");
+        seg.header().version.store(1, Ordering::Relaxed);
+        seg.header().magic.store(7, Ordering::Relaxed);
+        let e = Segment::open(dup(), 1 << 20).unwrap_err();
+        assert!(e.to_string().contains("magic"), "{e}");
+        // A plain file is not a sealed memfd.
+        let f = tempfile::tempfile().unwrap();
+        f.set_len(1 << 16).unwrap();
+        let e = Segment::open(OwnedFd::from(f), 1 << 20).unwrap_err();
+        assert!(e.to_string().contains("sealed"), "{e}");
+    }
+}

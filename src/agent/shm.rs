@@ -1,0 +1,219 @@
+//! Shared-memory primitives of the attach layer: sealed memfds (the only
+//! kind a peer's descriptor is mapped from), the ring's mapping, the
+//! futex on a word in a shared mapping, and the monotonic clock both
+//! processes read for heartbeats.
+//!
+//! This module owns raw shared memory and calls the kernel directly, so
+//! it is allowed `unsafe`.
+
+use std::fs::File;
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
+use std::sync::atomic::AtomicU32;
+use std::time::Duration;
+
+use memmap2::MmapRaw;
+
+use crate::error::{Error, Result};
+
+fn seg_err(what: String) -> Error {
+    Error::AttachSegment { what }
+}
+
+/// CLOCK_MONOTONIC in nanoseconds: the clock both processes read for
+/// heartbeats (one clock per boot; processes in different time
+/// namespaces would disagree, docs/AGENT.md).
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes into the timespec we own; the clock id
+    // is a constant the kernel always supports.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    assert_eq!(rc, 0, "clock_gettime(CLOCK_MONOTONIC) failed");
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+// ---- the layout (docs/AGENT.md has the byte tables) ----------------------
+
+pub(super) fn io_err(op: &'static str, what: &str, e: std::io::Error) -> Error {
+    Error::io(op, format!("<{what}>"), e)
+}
+
+/// Creates a sealed memfd of `bytes` (rounded up to a page): it can grow
+/// no more and never shrink, so a peer mapping it can trust its size.
+pub(super) fn sealed_memfd(name: &std::ffi::CStr, bytes: u64) -> Result<File> {
+    // SAFETY: memfd_create reads the NUL-terminated name and returns a new
+    // descriptor or -1; it touches no memory of ours otherwise.
+    let fd =
+        unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+    if fd < 0 {
+        return Err(io_err(
+            "memfd_create",
+            "attach",
+            std::io::Error::last_os_error(),
+        ));
+    }
+    // SAFETY: fd is a fresh descriptor nothing else owns.
+    let file = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
+    let page = 4096u64;
+    let len = bytes.div_ceil(page) * page;
+    file.set_len(len)
+        .map_err(|e| io_err("ftruncate", "attach memfd", e))?;
+    let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+    // SAFETY: fcntl on a descriptor we own with an integer argument.
+    if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
+        return Err(io_err(
+            "F_ADD_SEALS",
+            "attach memfd",
+            std::io::Error::last_os_error(),
+        ));
+    }
+    Ok(file)
+}
+
+/// Checks that `file` is a memfd sealed against shrinking and at least
+/// `need` bytes long: what makes mapping a peer's memory safe.
+pub(super) fn check_sealed(file: &File, need: u64, what: &str) -> Result<()> {
+    // SAFETY: fcntl F_GET_SEALS on a descriptor we own; no pointer.
+    let seals = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) };
+    if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
+        return Err(seg_err(format!(
+            "the {what} is not a memfd sealed against shrinking (seals {seals:#x}); a peer could truncate it under the mapping"
+        )));
+    }
+    let len = file.metadata().map_err(|e| io_err("fstat", what, e))?.len();
+    if len < need {
+        return Err(seg_err(format!("the {what} is {len} bytes, needs {need}")));
+    }
+    Ok(())
+}
+
+/// The landing ring as a shared mapping (a sealed memfd).
+pub struct RingMap {
+    map: MmapRaw,
+    file: File,
+}
+
+// SAFETY: the mapping is plain shared memory reached through raw-pointer
+// copies (`write_at`/`read_at`) or `unsafe` slices whose callers follow
+// the ready/release protocol.
+unsafe impl Send for RingMap {}
+// SAFETY: as above.
+unsafe impl Sync for RingMap {}
+
+impl std::fmt::Debug for RingMap {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RingMap")
+            .field("bytes", &self.len())
+            .finish()
+    }
+}
+
+impl RingMap {
+    /// Creates a ring of `bytes` (rounded up to a page) as a sealed memfd.
+    pub fn create(bytes: u64) -> Result<RingMap> {
+        let file = sealed_memfd(c"kspeed-attach-ring", bytes)?;
+        let map = MmapRaw::map_raw(&file).map_err(|e| io_err("mmap", "attach ring", e))?;
+        Ok(RingMap { map, file })
+    }
+
+    /// Maps a ring a peer passed, checking it is a sealed memfd of at
+    /// least `bytes`.
+    pub fn open(fd: OwnedFd, bytes: u64) -> Result<RingMap> {
+        let file = File::from(fd);
+        check_sealed(&file, bytes, "attach ring")?;
+        let map = MmapRaw::map_raw(&file).map_err(|e| io_err("mmap", "attach ring", e))?;
+        Ok(RingMap { map, file })
+    }
+
+    /// The memfd, to pass to the agent.
+    pub fn fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.file.as_fd()
+    }
+
+    /// The mapped bytes.
+    pub fn len(&self) -> u64 {
+        self.map.len() as u64
+    }
+
+    /// Whether the ring is empty (never, once created).
+    pub fn is_empty(&self) -> bool {
+        self.map.len() == 0
+    }
+
+    fn check(&self, offset: u64, len: usize) {
+        assert!(
+            offset
+                .checked_add(len as u64)
+                .is_some_and(|e| e <= self.len()),
+            "ring access {offset}+{len} past {} bytes",
+            self.len()
+        );
+    }
+
+    /// Copies `data` into the ring at `offset` (the agent's side, into a
+    /// slot the rank released).
+    pub fn write_at(&self, offset: u64, data: &[u8]) {
+        self.check(offset, data.len());
+        // SAFETY: in bounds (checked); the destination is shared memory no
+        // Rust reference of this process covers while the slot is free; a
+        // peer breaking the protocol can only see torn bytes.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                data.as_ptr(),
+                self.map.as_mut_ptr().add(offset as usize),
+                data.len(),
+            );
+        }
+    }
+
+    /// A view of `len` bytes at `offset` (the rank's side, a batch taken
+    /// and not yet released).
+    ///
+    /// # Safety
+    /// The bytes must belong to a batch this side took and has not
+    /// released, so the agent does not write them while the view lives.
+    pub unsafe fn slice(&self, offset: u64, len: usize) -> &[u8] {
+        self.check(offset, len);
+        // SAFETY: in bounds (checked); the caller guarantees no writer for
+        // the view's life; the mapping outlives `&self`.
+        unsafe { std::slice::from_raw_parts(self.map.as_ptr().add(offset as usize), len) }
+    }
+}
+
+/// FUTEX_WAIT on a word in shared memory (not _PRIVATE: the key must be
+/// the page, not this process's address), for at most `timeout`; true
+/// when it slept the whole timeout (no wake came).
+pub(super) fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) -> bool {
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs() as libc::time_t,
+        tv_nsec: timeout.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: the word is a live, aligned u32 in a mapping `&word` keeps
+    // alive; the timespec outlives the call; FUTEX_WAIT only reads both.
+    // EAGAIN, EINTR and ETIMEDOUT are all fine: callers re-check.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT,
+            expected,
+            &ts as *const libc::timespec,
+        )
+    };
+    rc != 0 && io_errno() == libc::ETIMEDOUT
+}
+
+fn io_errno() -> i32 {
+    std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
+}
+
+/// FUTEX_WAKE of every sleeper on a shared word (one rank thread and one
+/// agent thread at most per word, but waking all costs nothing more).
+pub(super) fn futex_wake_all(word: &AtomicU32) {
+    // SAFETY: FUTEX_WAKE uses the address only as a key; the word is live.
+    unsafe {
+        libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, i32::MAX);
+    }
+}

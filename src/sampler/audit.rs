@@ -1,0 +1,155 @@
+//! The exactly-once audit: a commutative digest of the ids each rank
+//! delivers per epoch, checked against the sampler's consumed prefix.
+//!
+//! A rank folds `h(epoch, id) = mix64(mix64(epoch ^ 0x6b73706565646467) ^ id)`
+//! into a wrapping sum and counts the ids. Sums commute, so the digests of
+//! all ranks of all worlds that dealt an epoch add up to the digest of the
+//! multiset the job delivered, whatever the order and the resumes; the
+//! sampler alone gives the digest of the prefix `g(0..consumed)` it should
+//! be (the padding duplicates included, as they are delivered). For a given
+//! epoch `h` is a bijection of the id, so a skipped, repeated or foreign id
+//! changes the sum except with probability about 2^-64.
+
+use super::{JobPosition, Sampler, SamplerConfig};
+use crate::error::{Error, Result};
+use crate::hash::mix64;
+use std::fmt;
+
+const DIGEST_SALT: u64 = 0x6b73_7065_6564_6467; // "kspeeddg"
+
+/// The ids delivered in one epoch, folded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EpochDigest {
+    /// Epoch.
+    pub epoch: u64,
+    /// Ids folded.
+    pub count: u64,
+    /// Wrapping sum of `h(epoch, id)`.
+    pub sum: u64,
+}
+
+impl EpochDigest {
+    /// The digest of nothing delivered in `epoch`.
+    pub fn new(epoch: u64) -> Self {
+        EpochDigest {
+            epoch,
+            count: 0,
+            sum: 0,
+        }
+    }
+
+    /// The keyed hash of `id` in `epoch`.
+    pub fn hash(epoch: u64, id: u64) -> u64 {
+        mix64(mix64(epoch ^ DIGEST_SALT) ^ id)
+    }
+
+    /// Folds in one delivered id.
+    pub fn add(&mut self, id: u64) {
+        self.count = self.count.checked_add(1).expect("digest count overflow");
+        self.sum = self.sum.wrapping_add(Self::hash(self.epoch, id));
+    }
+
+    /// The digest of both (of the same epoch).
+    pub fn merge(&self, other: &EpochDigest) -> Result<EpochDigest> {
+        if other.epoch != self.epoch {
+            return Err(Error::AuditMismatch(format!(
+                "a digest of epoch {} merged into one of epoch {}",
+                other.epoch, self.epoch
+            )));
+        }
+        Ok(EpochDigest {
+            epoch: self.epoch,
+            count: self.count + other.count,
+            sum: self.sum.wrapping_add(other.sum),
+        })
+    }
+
+    /// What a job of `cfg` (any rank and world) delivered when it stood at
+    /// `pos`: the digest of `g(0..pos.consumed)` of `pos.epoch`, computed
+    /// from the sampler alone (O(consumed) time, O(1) memory).
+    pub fn expected(cfg: &SamplerConfig, pos: JobPosition) -> Result<EpochDigest> {
+        let s = Sampler::new(cfg.rank_world(0, 1))?;
+        let order = s.epoch(pos.epoch);
+        let mut d = EpochDigest::new(pos.epoch);
+        for j in 0..pos.consumed {
+            d.add(order.global(j));
+        }
+        Ok(d)
+    }
+}
+
+/// An audit that passed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AuditReport {
+    /// Epoch.
+    pub epoch: u64,
+    /// Distinct samples delivered, each exactly once.
+    pub samples: u64,
+    /// Padding duplicates delivered besides (the first of the epoch's order
+    /// again).
+    pub padding: u64,
+}
+
+impl fmt::Display for AuditReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "epoch {}: {} samples, each exactly once",
+            self.epoch, self.samples
+        )?;
+        if self.padding > 0 {
+            write!(f, ", and {} padding duplicates", self.padding)?;
+        }
+        Ok(())
+    }
+}
+
+/// Checks the digests of every rank (of every world) that dealt
+/// `pos.epoch` against what the sampler says the job consumed at `pos`.
+/// Names the first difference: a digest of another epoch, a count
+/// mismatch (samples skipped or delivered twice), or a digest mismatch
+/// (the same count but other samples: a repeat in place of a skip, a
+/// sample of another epoch).
+pub fn audit(
+    cfg: &SamplerConfig,
+    pos: JobPosition,
+    digests: &[EpochDigest],
+) -> Result<AuditReport> {
+    let mut got = EpochDigest::new(pos.epoch);
+    for (i, d) in digests.iter().enumerate() {
+        if d.epoch != pos.epoch {
+            return Err(Error::AuditMismatch(format!(
+                "digest {i} is of epoch {}, the audit is of epoch {}",
+                d.epoch, pos.epoch
+            )));
+        }
+        got = got.merge(d)?;
+    }
+    let want = EpochDigest::expected(cfg, pos)?;
+    if got.count != want.count {
+        return Err(Error::AuditMismatch(format!(
+            "epoch {}: the ranks delivered {} samples, the sampler consumed {} ({})",
+            pos.epoch,
+            got.count,
+            want.count,
+            if got.count < want.count {
+                "some skipped"
+            } else {
+                "some delivered twice"
+            }
+        )));
+    }
+    if got.sum != want.sum {
+        return Err(Error::AuditMismatch(format!(
+            "epoch {}: {} samples delivered as expected, but not the expected ones \
+             (digest {:016x}, the sampler's {:016x}): a sample repeated in place of another \
+             or one of another epoch",
+            pos.epoch, got.count, got.sum, want.sum
+        )));
+    }
+    Ok(AuditReport {
+        epoch: pos.epoch,
+        samples: pos.consumed.min(cfg.len),
+        padding: pos.consumed.saturating_sub(cfg.len),
+    })
+}
