@@ -116,12 +116,13 @@ step "tests without the rdma feature"
 step "tests (default features)"
 "${runner[@]}" --workspace --features test-panic
 
-step "simulator: the transport, the node service's pollers and the consumer's network thread over the in-memory network, ${KSPEED_SIM_SEEDS:-2000} seeds each within ${KSPEED_SIM_BUDGET_S:-120} s (KSPEED_SIM_SEED=n replays a failing seed)"
+step "simulator: the transport, the node service's pollers, the consumer's network thread and the cluster (real nodes and ranks together) over the in-memory network, ${KSPEED_SIM_SEEDS:-2000} seeds each within ${KSPEED_SIM_BUDGET_S:-120} s (KSPEED_SIM_SEED=n replays a failing seed)"
 # The unit tests above ran 300 to 1000 seeds each (sim::serve's many-slots
 # test 3); this runs more, on the same build: sim::tests (TcpLink against
 # FrameRx), sim::serve (the real serve pollers and scripted consumers, and
 # a poller with thousands of staging slots against its completion queue),
-# sim::net (the real network thread against scripted nodes).
+# sim::net (the real network thread against scripted nodes), sim::cluster
+# (2-3 real node services and 1-3 real rank network threads together).
 KSPEED_SIM_SEEDS="${KSPEED_SIM_SEEDS:-2000}" KSPEED_SIM_BUDGET_S="${KSPEED_SIM_BUDGET_S:-120}" \
   "${runner[@]}" --features test-panic --lib sim::
 

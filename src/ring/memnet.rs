@@ -109,6 +109,9 @@ pub(crate) struct MemNet {
     /// `usize::MAX`: all), and those lost past it.
     cq_limit: usize,
     lost: u32,
+    /// This port's file `i` is the world's file `file_base + i` (each
+    /// simulated node reads its own extents by their own indices).
+    file_base: u32,
 }
 
 // SAFETY: the raw pointers are the callers' buffers, valid until their
@@ -158,6 +161,7 @@ impl MemNet {
             depth,
             cq_limit: usize::MAX,
             lost: 0,
+            file_base: 0,
         }
     }
 
@@ -287,10 +291,11 @@ fn transfer(w: &mut World, fd: usize, pieces: &[(*const u8, usize)], want: usize
 
 /// A read of a file image: the bytes there are (short at the end), or
 /// EBADF for a descriptor that names no file.
-fn read(w: &World, op: &ReadOp) -> i32 {
+fn read(w: &World, op: &ReadOp, base: u32) -> i32 {
+    let base = base as usize;
     let file = match op.target {
-        Target::Fixed(i) => w.files.get(i as usize),
-        Target::Fd(fd) if fd >= FILE_FD_BASE => w.files.get((fd - FILE_FD_BASE) as usize),
+        Target::Fixed(i) => w.files.get(base + i as usize),
+        Target::Fd(fd) if fd >= FILE_FD_BASE => w.files.get(base + (fd - FILE_FD_BASE) as usize),
         Target::Fd(_) => None,
     };
     let Some(f) = file else {
@@ -327,7 +332,7 @@ impl MemNet {
                 }
                 None => Some(-libc::ENOENT),
             },
-            Kind::Read(r) => Some(read(w, &r)),
+            Kind::Read(r) => Some(read(w, &r, self.file_base)),
             _ if reset => Some(-libc::ECONNRESET),
             Kind::Send(..) | Kind::SendMsg(_) if shut => Some(-libc::EPIPE),
             Kind::Send(p, len) => {
@@ -401,6 +406,13 @@ impl MemNet {
     /// overflow (without IORING_FEAT_NODROP's backlog).
     pub(crate) fn with_cq_limit(mut self, n: usize) -> Self {
         self.cq_limit = n;
+        self
+    }
+
+    /// Reads this port's file `i` as the world's file `base + i` (files
+    /// `base..` are one node's extents, added in order).
+    pub(crate) fn with_file_base(mut self, base: u32) -> Self {
+        self.file_base = base;
         self
     }
 

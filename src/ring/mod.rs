@@ -31,6 +31,8 @@ mod mem;
 pub(crate) mod memnet;
 mod uring;
 
+#[cfg(test)]
+pub(crate) use faulty::NetFaults;
 pub use faulty::{FaultConfig, Faulty};
 #[cfg(test)]
 pub(crate) use mem::MemBackend;

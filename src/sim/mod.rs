@@ -22,6 +22,7 @@
 //! against scripted consumers; `net.rs` the consumer's whole network
 //! thread against scripted node services (see each).
 
+mod cluster;
 mod serve;
 
 use std::time::{Duration, Instant};

@@ -203,6 +203,25 @@ impl<R: IoBackend> ServePoller<R> {
         self.conns.prune();
         let stopping = self.c.stop.load(Ordering::Acquire);
         if stopping {
+            // Consumers handed over but not adopted (welcomed just before
+            // the stop): told why and closed, their places given back
+            // (they used to stay queued, uncounted and open, until the
+            // service was dropped).
+            while let Ok(acc) = self.incoming.try_recv() {
+                self.c.load[self.index].fetch_sub(1, Ordering::Relaxed);
+                if acc.has_rdma() {
+                    self.c.stats.rdma_qps.fetch_sub(1, Ordering::Relaxed);
+                }
+                let m = "the node service is stopping";
+                send_error_now(
+                    &mut self.ring,
+                    acc.fd,
+                    proto::CONNECTION,
+                    Code::ShuttingDown,
+                    m,
+                );
+                self.ring.shutdown(acc.fd);
+            }
             for k in 0..self.conns.live_len() {
                 let ci = self.conns.live(k);
                 if self.conns.get(ci).is_some_and(|c| !c.closing) {
