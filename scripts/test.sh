@@ -116,13 +116,15 @@ step "tests without the rdma feature"
 step "tests (default features)"
 "${runner[@]}" --workspace --features test-panic
 
-step "simulator: the transport, the node service's pollers, the consumer's network thread and the cluster (real nodes and ranks together) over the in-memory network, ${KSPEED_SIM_SEEDS:-2000} seeds each within ${KSPEED_SIM_BUDGET_S:-120} s (KSPEED_SIM_SEED=n replays a failing seed)"
-# The unit tests above ran 300 to 1000 seeds each (sim::serve's many-slots
-# test 3); this runs more, on the same build: sim::tests (TcpLink against
+step "simulator: the transport, the node service's pollers, the consumer's network thread, the cluster (real nodes and ranks together) and the RDMA link over the in-memory backends, up to ${KSPEED_SIM_SEEDS:-2000} seeds each, each stopping at ${KSPEED_SIM_BUDGET_S:-120} s (KSPEED_SIM_SEED=n replays a failing seed)"
+# The unit tests above ran their defaults (200 to 2,000 seeds; sim::serve's
+# many-slots test 3); this runs more, on the same build: sim::tests (TcpLink against
 # FrameRx), sim::serve (the real serve pollers and scripted consumers, and
 # a poller with thousands of staging slots against its completion queue),
 # sim::net (the real network thread against scripted nodes), sim::cluster
-# (2-3 real node services and 1-3 real rank network threads together).
+# (2-3 real node services and 1-3 real rank network threads together),
+# transport::rdma::sim (RdmaLink over MemNic and FaultyQueue; the filter
+# matches it too).
 KSPEED_SIM_SEEDS="${KSPEED_SIM_SEEDS:-2000}" KSPEED_SIM_BUDGET_S="${KSPEED_SIM_BUDGET_S:-120}" \
   "${runner[@]}" --features test-panic --lib sim::
 
@@ -149,7 +151,7 @@ else
   KSPEED_FUZZ_OPTIONAL=1 scripts/fuzz.sh "${KSPEED_FUZZ_SECS:-45}" 2>&1 | tail -n 3
 fi
 
-step "Miri: the sampler, envelope, frames, schedule, aligned buffer and fault-injecting ring (scripts/miri.sh)"
+step "Miri: the sampler, envelope, frames, schedule, hashes, aligned buffer, fault-injecting ring, MemNet, and 3 seeds of the transport and RDMA link simulations (scripts/miri.sh)"
 set +e
 scripts/miri.sh 2>&1 | tail -n 25
 miri_rc=${PIPESTATUS[0]}
