@@ -37,6 +37,7 @@
 //! is never dropped by a rank. At teardown every rank's thread and
 //! every poller finishes with nothing in flight, every connection reaped.
 
+use crate::sim::Rng;
 use std::collections::HashSet;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
@@ -147,20 +148,6 @@ fn world() -> &'static World {
         std::fs::remove_dir_all(&src).unwrap();
         World { layouts, bytes }
     })
-}
-
-/// A seeded sequence (splitmix64).
-struct Rng(u64);
-
-impl Rng {
-    fn below(&mut self, n: u64) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        crate::hash::reduce(crate::hash::mix64(self.0), n.max(1))
-    }
-
-    fn chance(&mut self, one_in: u64) -> bool {
-        self.below(one_in) == 0
-    }
 }
 
 /// What all seeds of this process did: steps, samples taken, samples

@@ -36,6 +36,28 @@ use crate::transport::rx::{FrameRx, Received, RxError};
 use crate::transport::tcp::TcpLink;
 use crate::transport::{Done, Link};
 
+/// A simulation's own seeded sequence (splitmix64; the network's is
+/// MemNet's), shared by every simulation.
+pub(crate) struct Rng(pub(crate) u64);
+
+impl Rng {
+    /// A number below `n` (0 when `n` is 0).
+    pub(crate) fn below(&mut self, n: u64) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        crate::hash::reduce(crate::hash::mix64(self.0), n.max(1))
+    }
+
+    /// True once in `one_in` draws.
+    pub(crate) fn chance(&mut self, one_in: u64) -> bool {
+        self.below(one_in) == 0
+    }
+
+    /// True `ppm` times in a million draws.
+    pub(crate) fn ppm(&mut self, ppm: u64) -> bool {
+        self.below(1_000_000) < ppm
+    }
+}
+
 fn env_u64(name: &str) -> Option<u64> {
     std::env::var(name).ok().and_then(|v| v.trim().parse().ok())
 }

@@ -35,6 +35,7 @@
 //! goodbye or breach) is never dropped, pauses of the thread included; no
 //! pool grows; and at teardown the thread ends with nothing in flight.
 
+use crate::sim::Rng;
 use std::collections::{HashSet, VecDeque};
 use std::os::fd::RawFd;
 use std::path::PathBuf;
@@ -107,20 +108,6 @@ fn data() -> &'static Data {
             bytes,
         }
     })
-}
-
-/// The simulation's own seeded sequence (the network's is MemNet's).
-struct Rng(u64);
-
-impl Rng {
-    fn below(&mut self, n: u64) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        crate::hash::reduce(crate::hash::mix64(self.0), n.max(1))
-    }
-
-    fn ppm(&mut self, ppm: u64) -> bool {
-        self.below(1_000_000) < ppm
-    }
 }
 
 /// What all seeds of this process did (printed by the test, so a run

@@ -28,6 +28,7 @@
 //! (Why this file is over ~800 lines: one scenario, whose consumer script, per-frame checks
 //! and end-of-run checks share the same expectations and read together.)
 
+use crate::sim::Rng;
 use std::os::fd::RawFd;
 use std::path::PathBuf;
 use std::sync::OnceLock;
@@ -88,20 +89,6 @@ fn world() -> &'static World {
             .collect();
         World { dir, extents }
     })
-}
-
-/// A seeded sequence (splitmix64).
-struct Rng(u64);
-
-impl Rng {
-    fn below(&mut self, n: u64) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        crate::hash::reduce(crate::hash::mix64(self.0), n.max(1))
-    }
-
-    fn chance(&mut self, one_in: u64) -> bool {
-        self.below(one_in) == 0
-    }
 }
 
 /// What a consumer does besides granting and reading.

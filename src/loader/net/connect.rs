@@ -10,12 +10,11 @@ use std::time::{Duration, Instant};
 #[cfg(feature = "rdma")]
 use super::rdma::RdmaRx;
 use super::tcp::TcpRx;
-use super::{Conn, NetSetup, Receive, State};
+use super::{Conn, NetSetup, Receive};
 use crate::dataset::Placement;
 use crate::error::{Error, Result};
 use crate::landing::LandingRing;
 use crate::transport::proto::{self, Code, Header, Kind, Welcome};
-use crate::transport::rx::FrameRx;
 
 /// What [`connect_all`] made, over the transport the setup asks for.
 pub(crate) enum Connected {
@@ -409,39 +408,18 @@ fn connect<R: Receive>(
     }
     let data = R::connect(common, &mut sock, node, addr)?;
     let _ = sock.set_read_timeout(None);
-    let entries = proto::MAX_GRANT_ENTRIES.min(w.max_grants.max(1) as usize);
-    let frame = proto::HEADER_BYTES + entries * proto::GRANT_ENTRY_BYTES;
-    let mut fill = Vec::with_capacity(frame);
-    fill.resize(proto::HEADER_BYTES, 0);
-    Ok((
-        Conn {
-            node,
-            addr: addr.to_string(),
-            fd: sock.as_raw_fd(),
-            sock: Some(sock),
-            state: State::Live,
-            reason: String::new(),
-            last_error: String::new(),
-            rx: FrameRx::new(proto::MAX_MESSAGE_BYTES),
-            fill,
-            fill_entries: 0,
-            fill_max_entries: entries as u32,
-            flight: Vec::with_capacity(frame),
-            flight_sent: 0,
-            tx_inflight: false,
-            outstanding: 0,
-            max_grants: w.max_grants.max(1),
-            max_data: w.max_data_bytes.min(proto::MAX_DATA_BYTES),
-            last_rx: Instant::now(),
-            last_done: Instant::now(),
-            errors: 0,
-            errors_since: Instant::now(),
-            demoted: false,
-            last_tx: Instant::now(),
-            data: Some(data),
-        },
-        w,
-    ))
+    let fd = sock.as_raw_fd();
+    let conn = Conn::live(
+        node,
+        addr.to_string(),
+        fd,
+        Some(sock),
+        w.max_grants,
+        w.max_data_bytes,
+        data,
+        Instant::now(),
+    );
+    Ok((conn, w))
 }
 
 /// The simulator's connections (tests only): node `i` is live on MemNet
@@ -466,36 +444,16 @@ pub(crate) fn sim_connections(
             let Some(fd) = *fd else {
                 return Conn::dead(node, addr, "dead from the start".into());
             };
-            let entries = proto::MAX_GRANT_ENTRIES.min(max_grants.max(1) as usize);
-            let frame = proto::HEADER_BYTES + entries * proto::GRANT_ENTRY_BYTES;
-            let mut fill = Vec::with_capacity(frame);
-            fill.resize(proto::HEADER_BYTES, 0);
-            Conn {
+            Conn::live(
                 node,
                 addr,
                 fd,
-                sock: None,
-                state: State::Live,
-                reason: String::new(),
-                last_error: String::new(),
-                rx: FrameRx::new(proto::MAX_MESSAGE_BYTES),
-                fill,
-                fill_entries: 0,
-                fill_max_entries: entries as u32,
-                flight: Vec::with_capacity(frame),
-                flight_sent: 0,
-                tx_inflight: false,
-                outstanding: 0,
-                max_grants: max_grants.max(1) as u64,
-                max_data: max_data.min(proto::MAX_DATA_BYTES),
-                last_rx: now,
-                last_done: now,
-                errors: 0,
-                errors_since: now,
-                demoted: false,
-                last_tx: now,
-                data: Some(TcpRx),
-            }
+                None,
+                max_grants as u64,
+                max_data,
+                TcpRx,
+                now,
+            )
         })
         .collect();
     Connections {

@@ -511,6 +511,54 @@ impl<R: Receive> Conn<R> {
         self.fd
     }
 
+    /// A live connection on control socket `fd` (owned by `sock`; None in
+    /// the simulator), its handshake done with WELCOME's `max_grants` and
+    /// `max_data`; its GRANT frame buffers sized for them, its clocks at
+    /// `now`.
+    #[allow(clippy::too_many_arguments)]
+    fn live(
+        node: u32,
+        addr: String,
+        fd: RawFd,
+        sock: Option<TcpStream>,
+        max_grants: u64,
+        max_data: u32,
+        data: R,
+        now: Instant,
+    ) -> Self {
+        let entries = crate::transport::proto::MAX_GRANT_ENTRIES.min(max_grants.max(1) as usize);
+        let frame = crate::transport::proto::HEADER_BYTES
+            + entries * crate::transport::proto::GRANT_ENTRY_BYTES;
+        let mut fill = Vec::with_capacity(frame);
+        fill.resize(crate::transport::proto::HEADER_BYTES, 0);
+        Conn {
+            node,
+            addr,
+            fd,
+            sock,
+            state: State::Live,
+            reason: String::new(),
+            last_error: String::new(),
+            rx: FrameRx::new(crate::transport::proto::MAX_MESSAGE_BYTES),
+            fill,
+            fill_entries: 0,
+            fill_max_entries: entries as u32,
+            flight: Vec::with_capacity(frame),
+            flight_sent: 0,
+            tx_inflight: false,
+            outstanding: 0,
+            max_grants: max_grants.max(1),
+            max_data: max_data.min(crate::transport::proto::MAX_DATA_BYTES),
+            last_rx: now,
+            last_done: now,
+            errors: 0,
+            errors_since: now,
+            demoted: false,
+            last_tx: now,
+            data: Some(data),
+        }
+    }
+
     fn dead(node: u32, addr: String, reason: String) -> Self {
         Conn {
             node,

@@ -19,6 +19,7 @@
 //! Seeds: as the simulator's (`crate::sim::run_seeds`): `KSPEED_SIM_SEED=n`
 //! replays one.
 
+use crate::sim::Rng;
 use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::Duration;
@@ -38,19 +39,6 @@ const OWNER: usize = 0;
 const CONSUMER: usize = 1;
 /// A consumer receive buffer: an ERROR's code and message.
 const RECV_BYTES: usize = 4 + RDMA_ERROR_BYTES;
-
-struct Rng(u64);
-
-impl Rng {
-    fn below(&mut self, n: u64) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        crate::hash::reduce(crate::hash::mix64(self.0), n)
-    }
-
-    fn one_in(&mut self, n: u64) -> bool {
-        self.below(n) == 0
-    }
-}
 
 /// The byte at `j` of sample `i`'s payload (a misplaced byte shows).
 fn byte(seed: u64, i: usize, j: usize) -> u8 {
@@ -105,17 +93,17 @@ impl Run {
         // Under Miri (interpreted) a seed is a few samples.
         let nsamples = 1 + rng.below(if cfg!(miri) { 12 } else { 400 }) as usize;
         let faults = MemFaults {
-            post_refuse_ppm: if rng.one_in(3) {
+            post_refuse_ppm: if rng.chance(3) {
                 0
             } else {
                 rng.below(300_000) as u32
             },
-            wc_error_ppm: if rng.one_in(4) {
+            wc_error_ppm: if rng.chance(4) {
                 rng.below(20_000) as u32
             } else {
                 0
             },
-            die_ppm: if rng.one_in(4) {
+            die_ppm: if rng.chance(4) {
                 rng.below(10_000) as u32
             } else {
                 0
@@ -125,13 +113,13 @@ impl Run {
         // The wrapper's faults, in half the seeds: chains refused
         // part-way before the NIC sees them, completions that succeeded
         // turned into errors (the QP then flushes the rest).
-        let queue_faults = if rng.one_in(2) {
+        let queue_faults = if rng.chance(2) {
             QueueFaults::default()
         } else {
             QueueFaults::default()
                 .seed(seed)
                 .send_refuse_ppm(rng.below(200_000) as u32)
-                .wc_error_ppm(if rng.one_in(3) {
+                .wc_error_ppm(if rng.chance(3) {
                     rng.below(20_000) as u32
                 } else {
                     0
@@ -149,7 +137,7 @@ impl Run {
         );
         let samples: Vec<Sample> = (0..nsamples)
             .map(|_| {
-                let error = rng.one_in(16);
+                let error = rng.chance(16);
                 let most = if error { RDMA_ERROR_BYTES + 40 } else { chunk };
                 Sample {
                     len: 1 + rng.below(most.min(chunk) as u64) as usize,
@@ -157,8 +145,8 @@ impl Run {
                 }
             })
             .collect();
-        let bad_sample = rng.one_in(8).then(|| rng.below(nsamples as u64) as usize);
-        let close_at = rng.one_in(6).then(|| rng.below(40 * nsamples as u64));
+        let bad_sample = rng.chance(8).then(|| rng.below(nsamples as u64) as usize);
+        let close_at = rng.chance(6).then(|| rng.below(40 * nsamples as u64));
         let mut slab = vec![0u8; slots * chunk];
         let mut ring = vec![0u8; nsamples * chunk];
         let mut bufs = vec![0u8; recv_depth * RECV_BYTES];
@@ -224,7 +212,7 @@ impl Run {
             self.closed = true;
             return;
         }
-        while self.posted < self.samples.len() && !self.rng.one_in(6) {
+        while self.posted < self.samples.len() && !self.rng.chance(6) {
             let Some(&slot) = self.free.last() else {
                 break;
             };
@@ -261,7 +249,7 @@ impl Run {
             self.lent[slot as usize] = Some(i);
             self.posted += 1;
         }
-        if self.rng.one_in(3) {
+        if self.rng.chance(3) {
             return; // the flush comes at a later tick
         }
         if self.link.flush(&mut ()).is_err() {
@@ -328,7 +316,7 @@ impl Run {
                 self.received(c);
             }
         }
-        if !self.nic.borrow().in_error(CONSUMER) && !self.rng.one_in(4) {
+        if !self.nic.borrow().in_error(CONSUMER) && !self.rng.chance(4) {
             let mut wrs = [RecvWr::default(); 16];
             let room = self.recv_depth - (self.recvs_posted - self.recvs_done) as usize;
             let k = room.min(wrs.len());
