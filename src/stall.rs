@@ -38,8 +38,6 @@ pub(crate) enum Phase {
     Reap,
     /// Opening a file (source mode).
     Open,
-    /// Reading from the source synchronously.
-    ReadSource,
     /// Copying in or out of the memory tier.
     Tier,
     /// Receiving frames or posting receives.
@@ -58,11 +56,10 @@ pub(crate) enum Phase {
     Conns,
 }
 
-const PHASES: [&str; 12] = [
+const PHASES: [&str; 11] = [
     "submit",
     "reap",
     "open",
-    "read source",
     "tier",
     "recv",
     "send",

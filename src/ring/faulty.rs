@@ -57,6 +57,11 @@ pub struct Faulty<B> {
     /// slot), so a retry always recovers and tests do not depend on timing;
     /// a persistent short read is a real truncation, tested on real files.
     short_last: Vec<bool>,
+    /// Per slot: the last read pushed (user_data, buffer address with its
+    /// provenance exposed, length), so an injected short read can scribble
+    /// over the bytes past its count: the kernel would not have written
+    /// them, and a reader that took them must be caught.
+    reads: Vec<(u64, usize, u32)>,
     submits: u32,
     completions: u64,
     /// Socket-operation faults (none unless [`Faulty::with_net_faults`]).
@@ -94,6 +99,7 @@ impl<B: IoBackend> Faulty<B> {
             state: crate::hash::mix64(cfg.seed ^ 0xfa17),
             held: Vec::with_capacity(max_inflight),
             short_last: vec![false; max_inflight],
+            reads: vec![(u64::MAX, 0, 0); max_inflight],
             submits: 0,
             completions: 0,
             net: NetFaults::default(),
@@ -185,7 +191,13 @@ impl<B: IoBackend> IoBackend for Faulty<B> {
     /// As for [`IoBackend::push`].
     unsafe fn push(&mut self, op: &ReadOp) -> bool {
         // SAFETY: forwarded with the same contract.
-        unsafe { self.inner.push(op) }
+        let pushed = unsafe { self.inner.push(op) };
+        if let Some(r) = self.reads.get_mut(op.user_data as u32 as usize) {
+            if pushed {
+                *r = (op.user_data, op.buf.expose_provenance(), op.len);
+            }
+        }
+        pushed
     }
 
     fn submit(&mut self, wait: bool) -> io::Result<()> {
@@ -251,11 +263,28 @@ impl<B: IoBackend> IoBackend for Faulty<B> {
             let slot = c.user_data as u32 as usize;
             let was_short = self.short_last.get(slot).copied().unwrap_or(true);
             let mut short = false;
-            if c.result > 0 && self.roll(self.cfg.eio_ppm) {
+            // Only reads get read faults: an eventfd read, a poll or a
+            // timeout that shares a read's slot number is left alone (and
+            // leaves the slot's "last was short" alone).
+            let read = self.reads.get(slot).is_some_and(|r| r.0 == c.user_data);
+            if !read {
+                // Falls through to the delay below.
+            } else if c.result > 0 && self.roll(self.cfg.eio_ppm) {
                 c.result = -libc::EIO;
             } else if c.result > 1 && !was_short && self.roll(self.cfg.short_ppm) {
+                let full = c.result as usize;
                 c.result /= 2;
                 short = true;
+                if let Some(&(ud, buf, len)) = self.reads.get(slot) {
+                    if ud == c.user_data && full <= len as usize {
+                        let past = c.result as usize;
+                        let p = std::ptr::with_exposed_provenance_mut::<u8>(buf);
+                        // SAFETY: push's contract: buf..buf+len is the
+                        // caller's until this completion is drained (it is
+                        // being drained now), and past < full <= len.
+                        unsafe { std::ptr::write_bytes(p.add(past), 0xA5, full - past) };
+                    }
+                }
             } else if self.read_transient_ppm > 0
                 && c.result > 0
                 && !was_short
@@ -268,7 +297,7 @@ impl<B: IoBackend> IoBackend for Faulty<B> {
                 };
                 short = true;
             }
-            if let Some(s) = self.short_last.get_mut(slot) {
+            if let Some(s) = self.short_last.get_mut(slot).filter(|_| read) {
                 *s = short;
             }
             if self.held.len() < self.held.capacity() && self.roll(self.cfg.delay_ppm) {

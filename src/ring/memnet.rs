@@ -4,7 +4,9 @@
 //! onto a shared world ([`MemNet::port`] makes another, as each loop owns
 //! its ring): endpoints come in pairs ([`MemNet::pair`]) and a descriptor
 //! is an endpoint's index; files ([`MemNet::add_file`]) are byte images
-//! read through `Target::Fixed(i)` or `Target::Fd(FILE_FD_BASE + i)`; the
+//! read through `Target::Fixed(i)` or `Target::Fd(FILE_FD_BASE + i)` (a
+//! lower `Target::Fd` is a real file the code under test opened, read with
+//! the one system call here, `pread`); the
 //! clock is virtual ([`IoBackend::now`], moved by [`MemNet::advance`]).
 //! Each submission is one step of the port's operations: they progress in
 //! a seeded order, within TCP's guarantees (the operations of one kind on
@@ -290,13 +292,29 @@ fn transfer(w: &mut World, fd: usize, pieces: &[(*const u8, usize)], want: usize
 }
 
 /// A read of a file image: the bytes there are (short at the end), or
-/// EBADF for a descriptor that names no file.
+/// EBADF for a descriptor at or above [`FILE_FD_BASE`] that names no file;
+/// a descriptor below it is a real file, read with `pread`.
 fn read(w: &World, op: &ReadOp, base: u32) -> i32 {
     let base = base as usize;
     let file = match op.target {
         Target::Fixed(i) => w.files.get(base + i as usize),
         Target::Fd(fd) if fd >= FILE_FD_BASE => w.files.get(base + (fd - FILE_FD_BASE) as usize),
-        Target::Fd(_) => None,
+        Target::Fd(fd) => {
+            // A real descriptor: a file the code under test opened itself
+            // (the network thread's source fallback over a simulation's
+            // real source tree). Read it as the kernel would; the bytes
+            // are the file's, so the run stays a function of its seed.
+            // SAFETY: push's contract: buf..buf+len is the caller's until
+            // the completion is drained.
+            let n = unsafe { libc::pread(fd, op.buf.cast(), op.len as usize, op.offset as i64) };
+            return if n < 0 {
+                -std::io::Error::last_os_error()
+                    .raw_os_error()
+                    .unwrap_or(libc::EIO)
+            } else {
+                n as i32
+            };
+        }
     };
     let Some(f) = file else {
         return -libc::EBADF;

@@ -51,6 +51,7 @@ use crate::loader::schedule::{Cursor, Geometry, Placed};
 use crate::loader::{Input, PollerConfig, Shared, CODE_ERROR, CODE_OK};
 use crate::ring::memnet::{MemNet, MemNetFaults};
 use crate::ring::{Completion, IoBackend};
+use crate::ring::{FaultConfig, Faulty};
 use crate::sampler::{Position, Sampler, SamplerConfig};
 use crate::transport::proto::{self, Code, GrantEntry, Header, Hello, Kind};
 use crate::transport::rx::{FrameRx, Received, RxError};
@@ -507,8 +508,19 @@ fn run(seed: u64, replicas_past_64: Option<u32>) {
         rdma: None,
     };
     let conns = sim_connections(&fds, placement, max_grants, 1 << 20, now);
-    let mut thread: Thread<SimRx, MemNet> =
-        Thread::with_ring(sh.clone(), Arc::new(setup), conns, mem, false);
+    // Faults on the thread's own reads (the source fallback): short reads
+    // (the bytes past the count scribbled over), EAGAIN/EINTR, held-back
+    // completions; each transient, so the fallback must retry them.
+    let read_faults = FaultConfig {
+        seed: seed ^ 0x50c3,
+        short_ppm: rng.below(300_000) as u32,
+        delay_ppm: rng.below(200_000) as u32,
+        ..Default::default()
+    };
+    let ring = Faulty::new(mem, read_faults, depth + 8)
+        .with_transient_read_faults(rng.below(300_000) as u32);
+    let mut thread: Thread<SimRx, Faulty<MemNet>> =
+        Thread::with_ring(sh.clone(), Arc::new(setup), conns, ring, false);
     let pools = thread.sim_view().2;
     // Seeded faults at seeded steps: a node reset, a node stalled, the
     // errors lock poisoned.
@@ -630,7 +642,7 @@ fn run(seed: u64, replicas_past_64: Option<u32>) {
             }
         }
         let (ring, _, now_pools) = thread.sim_view();
-        ring.check_pools();
+        ring.inner().check_pools();
         assert_eq!(now_pools, pools, "seed {seed}: a pool of the thread grew");
         // Now and then the thread is not run for 1-3 s (descheduled, the
         // process stopped): its silence clocks must not blame the nodes.
@@ -702,6 +714,11 @@ fn run(seed: u64, replicas_past_64: Option<u32>) {
     assert!(
         !busy,
         "seed {seed}: the thread ended with its memory in flight"
+    );
+    assert_eq!(
+        thread.sim_source_reads(),
+        0,
+        "seed {seed}: the thread ended with source reads unfinished"
     );
     assert_eq!(
         ring.in_flight(),

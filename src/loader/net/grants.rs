@@ -4,13 +4,12 @@
 //! (ERROR, CRC32C mismatch, a dead node, a local read the pollers handed
 //! over), the last-resort read from the source, demotion, and publishing.
 
-use std::os::unix::fs::FileExt;
 use std::sync::atomic::Ordering;
 
 use super::super::schedule::{Geometry, Placed};
-use super::super::{CODE_ERROR, CODE_OK};
+use super::super::CODE_OK;
 use super::{Landed, Receive, State, Thread, DEMOTE_AFTER_ERRORS, DEMOTE_WINDOW};
-use crate::error::{errno_name, Error};
+use crate::error::Error;
 use crate::ring::IoBackend;
 use crate::transport::proto::{self, Code, GrantEntry, Header};
 
@@ -426,12 +425,15 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             t.received = 0;
             return true;
         }
-        self.read_from_source(idx);
-        true
+        self.read_from_source(idx)
     }
 
-    /// Last resort: read the sample from the source files.
-    pub(super) fn read_from_source(&mut self, idx: usize) {
+    /// Last resort: starts reading the sample from the source files
+    /// (`source.rs`). False: every source read slot is busy now.
+    pub(super) fn read_from_source(&mut self, idx: usize) -> bool {
+        let Some(slot) = self.sources.free_slot() else {
+            return false;
+        };
         let s = self.table[idx];
         let placement = self.placement;
         let mut tried = String::new();
@@ -457,72 +459,8 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                 tried.push_str(&format!("node {node} ({}): {why}; ", c.addr));
             }
         }
-        let cat = self.sh.input.catalog();
-        let sample = cat.sample(s.id);
-        let path = cat.file_path(sample.file);
-        let device = self.sh.ring.device();
-        let buf: &mut [u8] = if device.is_some() {
-            // A GPU ring: read and check on the host, then copy it in. The
-            // buffer grows to the largest sample this fallback has read.
-            self.bounce.resize(s.len as usize, 0);
-            &mut self.bounce[..]
-        } else {
-            let dst = self.ring_ptr(s.phys);
-            // SAFETY: the sample's slot [phys, phys+len) is ours (outstanding,
-            // not published) and no connection writes it any more: every holder
-            // was tried and its receive has returned.
-            unsafe { std::slice::from_raw_parts_mut(dst, s.len as usize) }
-        };
-        self.stall.phase(crate::stall::Phase::ReadSource);
-        let fds = &mut self.source_fds;
-        let res = fds
-            .acquire(sample.file, || std::fs::File::open(&path))
-            .and_then(|lease| {
-                let r = fds.file(&lease).read_exact_at(buf, sample.offset);
-                fds.release(lease);
-                r
-            })
-            .map_err(|e| {
-                match e.raw_os_error() {
-                    Some(n) => format!("source {}: {}", path.display(), errno_name(n)),
-                    None => format!("source {}: {e}", path.display()),
-                }
-            })
-            .and_then(|()| {
-                let got = crc32c::crc32c(buf);
-                if got == sample.crc32c {
-                    Ok(())
-                } else {
-                    Err(format!(
-                        "source {}: CRC32C {got:08x}, the catalog says {:08x} (changed since the catalog was built)",
-                        path.display(),
-                        sample.crc32c
-                    ))
-                }
-            })
-            .and_then(|()| match device {
-                Some(d) => d
-                    .copy_from_host(s.phys as usize, buf)
-                    .map_err(|e| format!("copying it into the GPU ring: {e}")),
-                None => Ok(()),
-            });
-        self.table[idx].live = false;
-        match res {
-            Ok(()) => {
-                self.net().source_reads.fetch_add(1, Ordering::Relaxed);
-                log::info!("sample {} read from the source ({tried})", s.id);
-                self.sh.publish(s.g, CODE_OK);
-            }
-            Err(why) => {
-                tried.push_str(&why);
-                let e = Error::SampleUnavailable {
-                    sample: s.id,
-                    tried,
-                };
-                crate::loader::shared::push_error(&self.sh.errors, s.g, e);
-                self.sh.publish(s.g, CODE_ERROR);
-            }
-        }
+        self.start_source_read(slot, idx, tried);
+        true
     }
 
     pub(super) fn on_error(&mut self, i: usize, h: Header, msg: &str) {

@@ -49,7 +49,8 @@
 //!
 //! Files: this one is the thread (its loop, connection lifecycle and the
 //! [`Receive`] seam); `grants.rs` the grant table (flow control, placement,
-//! failover, the source fallback, publishing); `socket.rs` the control
+//! failover, publishing); `source.rs` the source fallback's reads (through
+//! this thread's ring); `socket.rs` the control
 //! connection (GRANT frames out, frames in through
 //! [`crate::transport::rx::FrameRx`]); `connect.rs` the handshakes;
 //! `tcp.rs` and `rdma.rs` the two implementations of [`Receive`].
@@ -83,6 +84,7 @@ mod grants;
 mod rdma;
 mod redial;
 mod socket;
+mod source;
 mod tcp;
 
 #[cfg(test)]
@@ -593,6 +595,8 @@ const UD_RECV: u64 = 1 << 56;
 const UD_SEND: u64 = 2 << 56;
 const UD_WAKE: u64 = 3 << 56;
 const UD_CHAN: u64 = 4 << 56;
+/// A source read; the low bits are its slot (`source.rs`).
+const UD_SOURCE: u64 = 5 << 56;
 const UD_KIND: u64 = 0xff << 56;
 
 /// The network thread of a launch, over the transport its connections use.
@@ -641,8 +645,8 @@ pub(crate) struct Thread<R: Receive, I: IoBackend = Uring> {
     wake_buf: Box<u64>,
     wake_inflight: bool,
     completions: Vec<Completion>,
-    /// Host buffer for samples read from the source into a GPU ring.
-    bounce: Vec<u8>,
+    /// The source fallback's reads (`source.rs`).
+    sources: source::SourceReads,
     /// Source files the fallback read from, kept open across samples.
     source_fds: super::fdcache::FdCache,
     /// (g, why) of the handed-over local samples not yet served: why this
@@ -696,7 +700,10 @@ impl<R: Receive> Thread<R> {
         connected: Connections<R>,
     ) -> Result<Self> {
         let ring = Uring::new(UringOptions {
-            entries: (connected.conns.len() as u32 * 2 + 8).next_power_of_two(),
+            // A receive and a send per connection, the wake read, the
+            // channel poll, and the source reads.
+            entries: (connected.conns.len() as u32 * 2 + 8 + source::SOURCE_READS as u32)
+                .next_power_of_two(),
             sqpoll_idle_ms: None,
         })?;
         Ok(Self::with_ring(sh, setup, connected, ring, true))
@@ -753,7 +760,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             conns,
             common: connected.common,
             chan_inflight: false,
-            bounce: Vec::new(),
+            sources: source::SourceReads::new(),
             source_fds: super::fdcache::FdCache::new(16),
             local_errors: Vec::new(),
             epoch: None,
@@ -806,6 +813,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             }
             // RDMA writes complete on the connections' CQs, not the ring.
             let progressed = self.poll_data();
+            self.push_queued_sources();
             if !stopping {
                 self.stall.phase(Phase::Submit);
                 self.fill();
@@ -886,11 +894,20 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         )
     }
 
+    /// Samples the source fallback is reading (tests only): none once the
+    /// thread has ended.
+    #[cfg(test)]
+    pub(crate) fn sim_source_reads(&self) -> usize {
+        self.sources.in_use()
+    }
+
     /// Whether ring operations that reference this thread's memory are in
     /// flight (the completion channel's poll references none: the ring is
     /// dropped before the channel).
     fn busy(&self) -> bool {
-        self.wake_inflight || self.conns.iter().any(|c| c.rx.inflight() || c.tx_inflight)
+        self.wake_inflight
+            || self.sources.busy()
+            || self.conns.iter().any(|c| c.rx.inflight() || c.tx_inflight)
     }
 
     /// Polls every connection's data path (RDMA: its CQ) and acts on what
@@ -1131,6 +1148,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                 }
                 self.maybe_dead(i);
             }
+            UD_SOURCE => self.source_completed(i, comp.result),
             _ => log::error!("network thread: unknown completion {:#x}", comp.user_data),
         }
     }

@@ -1,0 +1,294 @@
+//! The source fallback on the network thread: a sample that no node can
+//! serve (every holder dead, demoted or failed) is read from the source
+//! files through the thread's own ring, like everything else it does, so a
+//! slow or stalled source file system delays that sample and no other
+//! connection's receives, grants or timers.
+//!
+//! At most [`SOURCE_READS`] samples are read at once, each in a slot fixed
+//! at start (its grant-table index, its descriptor lease, how far it got);
+//! the slot index is the read's `user_data`. With every slot busy a sample
+//! waits in the re-grant queue (`place` answers "no room now"), the same
+//! back-pressure a node without credit gives. A read that comes back short,
+//! or with EAGAIN/EINTR, continues where it stopped, [`MAX_ATTEMPTS`] times
+//! at most, as the local pollers do. The bytes are checked against the
+//! catalog's CRC32C whatever `verify_crc32c` says (the source may have
+//! changed since the catalog was built), then published; any failure fails
+//! the sample with `SampleUnavailable`, naming every place tried.
+//!
+//! Descriptors come from the thread's `FdCache`: a file is opened once
+//! (the one blocking call left, once per file and run) and a lease keeps it
+//! open while its read is in the ring.
+
+use std::sync::atomic::Ordering;
+
+use super::{IoBackend, Receive, Thread, UD_SOURCE};
+use crate::error::{errno_name, Error};
+use crate::loader::fdcache::Lease;
+use crate::loader::shared::push_error;
+use crate::loader::{CODE_ERROR, CODE_OK};
+use crate::ring::{ReadOp, Target};
+
+/// Source reads in flight at once on one network thread. Failover to the
+/// source is the last resort (every copy lost); this bounds what a dead
+/// node's grants, all falling back at once, put on the source's file
+/// system, and the GPU-ring bounce buffers (one per slot).
+pub(super) const SOURCE_READS: usize = 8;
+
+/// Attempts for a read that came back short or was interrupted.
+const MAX_ATTEMPTS: u32 = 4;
+
+/// One sample being read from the source.
+#[derive(Default)]
+pub(super) struct SourceRead {
+    /// Its grant-table index; None: the slot is free.
+    idx: Option<usize>,
+    /// The file's descriptor, held while a read of it is in the ring.
+    lease: Option<Lease>,
+    /// Bytes of the sample read so far.
+    done_bytes: u32,
+    /// Reads issued for it.
+    attempts: u32,
+    /// A read is in the ring (its buffer is the kernel's).
+    in_ring: bool,
+    /// Waiting to be pushed: the submission queue was full.
+    queued: bool,
+    /// A GPU ring's host buffer (grows to the largest sample this slot
+    /// read; the bytes are checked here, then copied to the device).
+    bounce: Vec<u8>,
+    /// Why every holder could not serve it (for the error, if the source
+    /// cannot either).
+    tried: String,
+}
+
+/// The fixed pool of source reads (see the module comment).
+pub(super) struct SourceReads {
+    slots: Box<[SourceRead]>,
+    /// Slots whose read is in the ring.
+    in_ring: usize,
+}
+
+impl SourceReads {
+    pub(super) fn new() -> Self {
+        SourceReads {
+            slots: (0..SOURCE_READS).map(|_| SourceRead::default()).collect(),
+            in_ring: 0,
+        }
+    }
+
+    /// A free slot, if any.
+    pub(super) fn free_slot(&self) -> Option<usize> {
+        self.slots.iter().position(|s| s.idx.is_none())
+    }
+
+    /// Whether a read references this thread's memory (the ring's or a
+    /// bounce buffer).
+    pub(super) fn busy(&self) -> bool {
+        self.in_ring > 0
+    }
+
+    /// Samples being read (tests).
+    #[cfg(test)]
+    pub(super) fn in_use(&self) -> usize {
+        self.slots.iter().filter(|s| s.idx.is_some()).count()
+    }
+}
+
+impl<R: Receive, I: IoBackend> Thread<R, I> {
+    /// Starts reading table entry `idx` from the source in free slot
+    /// `slot`; `tried` says why no node served it.
+    pub(super) fn start_source_read(&mut self, slot: usize, idx: usize, tried: String) {
+        let s = self.table[idx];
+        debug_assert!(
+            s.live && s.mw == super::NONE,
+            "source read of a granted entry"
+        );
+        // No connection's failover may touch it now.
+        self.table[idx].node = super::NONE;
+        let cat = self.sh.input.catalog();
+        let sample = cat.sample(s.id);
+        // Opening is the one blocking call left (once per file and run).
+        self.stall.phase(crate::stall::Phase::Open);
+        let lease = self.source_fds.acquire(sample.file, || {
+            std::fs::File::open(cat.file_path(sample.file))
+        });
+        let r = &mut self.sources.slots[slot];
+        debug_assert!(r.idx.is_none() && !r.in_ring, "source slot {slot} taken");
+        r.idx = Some(idx);
+        r.done_bytes = 0;
+        r.attempts = 0;
+        r.tried = tried;
+        match lease {
+            Ok(l) => {
+                r.lease = Some(l);
+                if self.sh.ring.device().is_some() {
+                    r.bounce.resize(s.len as usize, 0);
+                }
+                self.push_source(slot);
+            }
+            Err(e) => {
+                let why = match e.raw_os_error() {
+                    Some(n) => errno_name(n).to_string(),
+                    None => e.to_string(),
+                };
+                self.finish_source(slot, Err(why));
+            }
+        }
+    }
+
+    /// Puts slot `slot`'s next read (the rest of its sample) in the ring,
+    /// or marks it queued when the ring has no room.
+    fn push_source(&mut self, slot: usize) {
+        let r = &self.sources.slots[slot];
+        let idx = r.idx.expect("busy source slot");
+        let s = self.table[idx];
+        let sample = self.sh.input.catalog().sample(s.id);
+        let done = r.done_bytes as usize;
+        let base = if self.sh.ring.device().is_some() {
+            r.bounce.as_ptr() as *mut u8
+        } else {
+            self.ring_ptr(s.phys)
+        };
+        let op = ReadOp {
+            user_data: UD_SOURCE | slot as u64,
+            target: Target::Fd(self.source_fds.fd(r.lease.as_ref().expect("leased"))),
+            // SAFETY: done < len, and base..base+len is the sample's slot of
+            // the ring (unpublished, written by no connection: every holder
+            // was tried and none has a grant for it) or this slot's bounce
+            // buffer of len bytes.
+            buf: unsafe { base.add(done) },
+            len: s.len - r.done_bytes,
+            offset: sample.offset + done as u64,
+            buf_index: None,
+        };
+        // SAFETY: the buffer stays ours until the completion is drained:
+        // the entry stays live (nothing re-grants or publishes it) and the
+        // bounce buffer is not resized while `in_ring` (busy() keeps the
+        // thread, and so both, alive until then).
+        let pushed = unsafe { self.ring.push(&op) };
+        let r = &mut self.sources.slots[slot];
+        if pushed {
+            r.attempts += 1;
+            r.in_ring = true;
+            r.queued = false;
+            self.sources.in_ring += 1;
+        } else {
+            r.queued = true;
+        }
+    }
+
+    /// Pushes the reads the ring had no room for (at most
+    /// [`SOURCE_READS`] slots to look at); while stopping, gives them up.
+    pub(super) fn push_queued_sources(&mut self) {
+        for slot in 0..SOURCE_READS {
+            if !self.sources.slots[slot].queued {
+                continue;
+            }
+            if self.stopping {
+                self.sources.slots[slot].queued = false;
+                self.finish_source(slot, Err("the loader stopped".into()));
+            } else {
+                self.push_source(slot);
+            }
+        }
+    }
+
+    /// A read of slot `slot` completed with `result` (bytes, or -errno).
+    pub(super) fn source_completed(&mut self, slot: usize, result: i32) {
+        let Some(r) = self.sources.slots.get_mut(slot).filter(|r| r.in_ring) else {
+            // The ring and this thread disagree about what the kernel
+            // writes: stop rather than guess (as the pollers do).
+            panic!("network thread: source completion for idle slot {slot}");
+        };
+        r.in_ring = false;
+        if result > 0 {
+            r.done_bytes += result as u32;
+        }
+        let (idx, done, attempts) = (r.idx.expect("busy source slot"), r.done_bytes, r.attempts);
+        self.sources.in_ring = self
+            .sources
+            .in_ring
+            .checked_sub(1)
+            .expect("source reads in the ring undercounted");
+        let len = self.table[idx].len;
+        assert!(done <= len, "read past the sample's {len} bytes");
+        let retry = attempts < MAX_ATTEMPTS && !self.stopping;
+        let errno = -result;
+        if result < 0 && retry && (errno == libc::EAGAIN || errno == libc::EINTR) {
+            return self.push_source(slot);
+        }
+        let res = if result < 0 {
+            Err(errno_name(errno).to_string())
+        } else if result == 0 {
+            Err(format!(
+                "the file ends {done} bytes into the sample's {len} (shorter than the catalog says)"
+            ))
+        } else if done == len {
+            Ok(())
+        } else if retry {
+            return self.push_source(slot);
+        } else {
+            Err(format!(
+                "short read: {done} of {len} bytes after {attempts} attempts"
+            ))
+        };
+        self.finish_source(slot, res);
+    }
+
+    /// Slot `slot`'s sample is read (`Ok`) or cannot be (`Err(why)`):
+    /// checks it, publishes or fails it, and frees the slot.
+    fn finish_source(&mut self, slot: usize, res: Result<(), String>) {
+        let r = &mut self.sources.slots[slot];
+        debug_assert!(!r.in_ring, "finishing a source read still in the ring");
+        let idx = r.idx.take().expect("busy source slot");
+        r.queued = false;
+        if let Some(l) = r.lease.take() {
+            self.source_fds.release(l);
+        }
+        let s = self.table[idx];
+        let cat = self.sh.input.catalog();
+        let sample = cat.sample(s.id);
+        let device = self.sh.ring.device();
+        let res = res.and_then(|()| {
+            let r = &self.sources.slots[slot];
+            let bytes: &[u8] = if device.is_some() {
+                &r.bounce[..s.len as usize]
+            } else {
+                // SAFETY: every byte of the sample's unpublished slot was
+                // read and no read of it is in the ring any more.
+                unsafe { std::slice::from_raw_parts(self.ring_ptr(s.phys), s.len as usize) }
+            };
+            let got = crc32c::crc32c(bytes);
+            if got != sample.crc32c {
+                return Err(format!(
+                    "CRC32C {got:08x}, the catalog says {:08x} (changed since the catalog was built)",
+                    sample.crc32c
+                ));
+            }
+            match device {
+                Some(d) => d
+                    .copy_from_host(s.phys as usize, bytes)
+                    .map_err(|e| format!("copying it into the GPU ring: {e}")),
+                None => Ok(()),
+            }
+        });
+        self.table[idx].live = false;
+        let r = &mut self.sources.slots[slot];
+        let tried = std::mem::take(&mut r.tried);
+        match res {
+            Ok(()) => {
+                self.net().source_reads.fetch_add(1, Ordering::Relaxed);
+                log::info!("sample {} read from the source ({tried})", s.id);
+                self.sh.publish(s.g, CODE_OK);
+            }
+            Err(why) => {
+                let path = cat.file_path(sample.file);
+                let e = Error::SampleUnavailable {
+                    sample: s.id,
+                    tried: format!("{tried}source {}: {why}", path.display()),
+                };
+                push_error(&self.sh.errors, s.g, e);
+                self.sh.publish(s.g, CODE_ERROR);
+            }
+        }
+    }
+}
