@@ -55,6 +55,9 @@ const MAX_REPLICAS: usize = 3;
 /// The ceiling of `--max-handshakes` (`MAX_HANDSHAKES` in
 /// src/transport/serve/config.rs, not exported).
 const MAX_HANDSHAKES: u64 = 4096;
+/// Handshakes a rank runs at once at start, all from one thread
+/// (`HANDSHAKES_IN_FLIGHT` in src/loader/net/handshake.rs).
+const HANDSHAKES_IN_FLIGHT: u64 = 128;
 /// mlx5's send-queue building block (`MLX5_SEND_WQE_BB`): a send WQE is a
 /// whole number of them.
 const WQE_BB_BYTES: u64 = 64;
@@ -468,7 +471,7 @@ fn main() {
         gib(rank.recv_bufs as f64),
     );
     println!(
-        "| nodes | consumers served per node | RC QPs per node (serve + ranks) | memory windows per node | pinned verbs memory per node | grant tables per node | node full? | per (node, rank) pair rate | at start: HELLOs per service | pending-handshake limit (`--max-handshakes` auto) | connect threads per rank |"
+        "| nodes | consumers served per node | RC QPs per node (serve + ranks) | memory windows per node | pinned verbs memory per node | grant tables per node | node full? | per (node, rank) pair rate | at start: HELLOs per service | pending-handshake limit (`--max-handshakes` auto) | a rank's handshakes in flight at start (one thread) |"
     );
     println!("|---|---|---|---|---|---|---|---|---|---|---|");
     for nodes in NODE_COUNTS {
@@ -494,7 +497,7 @@ fn main() {
             } else {
                 cfg.max_handshakes as u64
             },
-            nodes - 1,
+            (nodes as u64 - 1).min(HANDSHAKES_IN_FLIGHT),
         );
     }
     println!(

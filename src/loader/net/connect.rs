@@ -1,12 +1,13 @@
-//! Connecting a launch's network thread to every node: the TCP control
-//! connection, HELLO and WELCOME (checked: version, node index, transport,
-//! placement), then the data path's own setup ([`Receive::connect`]).
+//! Connecting a launch's network thread to every node: the handshakes
+//! (`handshake.rs`: the TCP control connection, HELLO and WELCOME checked
+//! for version, node index and transport, then the data path's own setup),
+//! then the placement every WELCOME must agree on.
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
-use std::os::fd::AsRawFd;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+#[cfg(test)]
+use std::time::Instant;
 
+use super::handshake::handshake_all;
 #[cfg(feature = "rdma")]
 use super::rdma::RdmaRx;
 use super::tcp::TcpRx;
@@ -14,7 +15,7 @@ use super::{Conn, NetSetup, Receive};
 use crate::dataset::Placement;
 use crate::error::{Error, Result};
 use crate::landing::LandingRing;
-use crate::transport::proto::{self, Code, Header, Kind, Welcome};
+use crate::transport::proto::{self, Code, Welcome};
 
 /// What [`connect_all`] made, over the transport the setup asks for.
 pub(crate) enum Connected {
@@ -69,46 +70,26 @@ type Connect<R> = Result<(Conn<R>, Welcome), ConnectError>;
 /// Connects to every node but the local one over data path `R`.
 fn connect_with<R: Receive>(setup: &mut NetSetup, common: R::Common) -> Result<Connections<R>> {
     let mut out = Vec::with_capacity(setup.cluster.nodes.len());
-    // Every node at once, each under its own deadline (`node_timeout` from
-    // when its connect starts, the retries included): stalled nodes cost
-    // the start one timeout, not one each, and a connection that starts
-    // late (no thread to spare) still gets its whole time.
-    let shared: &NetSetup = setup;
-    let common_ref = &common;
-    let one =
-        |n: &crate::transport::Node| connect_retrying::<R>(shared, n.index, &n.addr, common_ref);
-    let results: Vec<Option<Connect<R>>> = std::thread::scope(|sc| {
-        let handles: Vec<_> = shared
-            .cluster
-            .nodes
-            .iter()
-            .map(|n| {
-                if Some(n.index) == shared.local_node {
-                    return None;
-                }
-                let one = &one;
-                Some(
-                    std::thread::Builder::new()
-                        .name("kspeed-connect".into())
-                        .stack_size(256 << 10)
-                        .spawn_scoped(sc, move || one(n))
-                        .map_err(|_| n),
-                )
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| {
-                h.map(|h| match h {
-                    Ok(t) => t.join().unwrap_or_else(|_| {
-                        Err(ConnectError::Unreachable("connect thread panicked".into()))
-                    }),
-                    // No thread to spare: connect from here.
-                    Err(n) => one(n),
-                })
-            })
-            .collect()
-    });
+    // Every node from this one thread, up to HANDSHAKES_IN_FLIGHT at once,
+    // each under its own deadline (`node_timeout` from when its handshake
+    // starts, the retries included): stalled nodes cost the start one
+    // timeout, not one each (`handshake.rs`).
+    let remote: Vec<(u32, String)> = setup
+        .cluster
+        .nodes
+        .iter()
+        .filter(|n| Some(n.index) != setup.local_node)
+        .map(|n| (n.index, n.addr.clone()))
+        .collect();
+    let mut outcomes = handshake_all::<R>(setup, &common, &remote).into_iter();
+    let results: Vec<Option<Connect<R>>> = setup
+        .cluster
+        .nodes
+        .iter()
+        .map(|n| {
+            (Some(n.index) != setup.local_node).then(|| outcomes.next().expect("one per node"))
+        })
+        .collect();
     for (n, res) in setup.cluster.nodes.iter().zip(results) {
         let Some(res) = res else {
             out.push(Conn::dead(n.index, n.addr.clone(), "local node".into()));
@@ -170,6 +151,15 @@ fn connect_with<R: Receive>(setup: &mut NetSetup, common: R::Common) -> Result<C
     })
 }
 
+/// [`connect_with`] for tests.
+#[cfg(test)]
+pub(crate) fn connect_with_for_tests<R: Receive>(
+    setup: &mut NetSetup,
+    common: R::Common,
+) -> Result<Connections<R>> {
+    connect_with(setup, common)
+}
+
 /// Why a node could not be connected.
 pub(crate) enum ConnectError {
     Refused(Error),
@@ -179,20 +169,6 @@ pub(crate) enum ConnectError {
     /// service may be starting or restarting, so [`connect_retrying`]
     /// tries again with back-off until the node's deadline.
     Transient(String),
-}
-
-/// Whether a failed connect, send or read of the handshake is one the
-/// node may get over by itself (see [`ConnectError::Transient`]).
-fn transient(e: &std::io::Error) -> bool {
-    use std::io::ErrorKind as K;
-    matches!(
-        e.kind(),
-        K::ConnectionRefused
-            | K::ConnectionReset
-            | K::ConnectionAborted
-            | K::BrokenPipe
-            | K::UnexpectedEof
-    )
 }
 
 /// First back-off after a retryable refusal at HELLO; each next one's
@@ -230,196 +206,32 @@ pub(crate) fn jitter(node: u32, attempt: u32) -> u64 {
     h.finish()
 }
 
-/// [`connect`] under its own deadline (`node_timeout` from now), trying
-/// again after a back-off with jitter while the node answers HELLO with a
-/// code that asks for it ([`Code::retry_at_hello`]: node full, busy,
-/// rate-limited), and likewise after a [`ConnectError::Transient`] failure
-/// (a refused connect, a reset or close before the answer: a service not
-/// started yet, or restarting). When the deadline comes first: a node that
-/// still fails so is unreachable; a full node is `Refused`
-/// (the job has more consumers than the nodes are configured for); a busy
-/// or rate-limiting one is unreachable (dead from the start, its samples
-/// fail over).
+/// One node's handshake ([`handshake_all`] over that node alone), under
+/// its own deadline (`node_timeout` from now), trying again after a
+/// back-off with jitter while the node answers HELLO with a code that asks
+/// for it ([`Code::retry_at_hello`]: node full, busy, rate-limited), and
+/// likewise after a [`ConnectError::Transient`] failure (a refused
+/// connect, a reset or close before the answer: a service not started
+/// yet, or restarting). When the deadline comes first: a node that still
+/// fails so is unreachable; a full node is `Refused` (the job has more
+/// consumers than the nodes are configured for); a busy or rate-limiting
+/// one is unreachable (dead from the start, its samples fail over).
 pub(crate) fn connect_retrying<R: Receive>(
     setup: &NetSetup,
     node: u32,
     addr: &str,
     common: &R::Common,
 ) -> Result<(Conn<R>, Welcome), ConnectError> {
-    let started = Instant::now();
-    let deadline = started + setup.node_timeout;
-    let mut attempt = 0u32;
-    loop {
-        let (code, message) = match connect::<R>(setup, node, addr, deadline, common) {
-            Err(ConnectError::Refused(Error::Refused {
-                code: name,
-                message,
-                ..
-            })) if retryable(name) => (name, message),
-            Err(ConnectError::Transient(why)) => {
-                // Not listening yet, or gone before it answered: tried
-                // again like a busy node until the deadline.
-                let wait = retry_backoff(attempt, jitter(node, attempt));
-                attempt += 1;
-                if Instant::now() + wait >= deadline {
-                    return Err(ConnectError::Unreachable(format!(
-                        "{why} (still so after {attempt} tries over {} ms, the node timeout)",
-                        started.elapsed().as_millis()
-                    )));
-                }
-                log::debug!(
-                    "node {node} ({addr}): {why}; trying again in {} ms",
-                    wait.as_millis()
-                );
-                std::thread::sleep(wait);
-                continue;
-            }
-            other => return other,
-        };
-        let wait = retry_backoff(attempt, jitter(node, attempt));
-        attempt += 1;
-        if Instant::now() + wait >= deadline {
-            let message = format!(
-                "{message} (still so after {attempt} tries over {} ms, the node timeout)",
-                started.elapsed().as_millis()
-            );
-            if code == Code::NodeFull.name() {
-                return Err(ConnectError::Refused(Error::Refused {
-                    node,
-                    addr: addr.to_string(),
-                    code,
-                    message,
-                }));
-            }
-            return Err(ConnectError::Unreachable(format!("{code}: {message}")));
-        }
-        log::debug!(
-            "node {node} ({addr}) answered HELLO with {code}: {message}; trying again in {} ms",
-            wait.as_millis()
-        );
-        std::thread::sleep(wait);
-    }
+    handshake_all::<R>(setup, common, &[(node, addr.to_string())])
+        .pop()
+        .expect("one outcome")
 }
 
 /// Whether a refusal's code (by name) asks the consumer to try again.
-fn retryable(name: &str) -> bool {
+pub(super) fn retryable(name: &str) -> bool {
     [Code::NodeFull, Code::Busy, Code::RateLimited]
         .iter()
         .any(|c| c.retry_at_hello() && c.name() == name)
-}
-
-/// Says what a failed read of the handshake means: a read that ran out of
-/// time (`EAGAIN` from a socket timeout) is "timed out after N ms".
-fn read_failure(what: &str, e: &std::io::Error, waited: Duration) -> ConnectError {
-    match e.kind() {
-        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
-            ConnectError::Unreachable(format!("{what}: timed out after {} ms", waited.as_millis()))
-        }
-        _ if transient(e) => ConnectError::Transient(format!("{what}: {e}")),
-        _ => ConnectError::Unreachable(format!("{what}: {e}")),
-    }
-}
-
-fn connect<R: Receive>(
-    setup: &NetSetup,
-    node: u32,
-    addr: &str,
-    deadline: Instant,
-    common: &R::Common,
-) -> Result<(Conn<R>, Welcome), ConnectError> {
-    // What is left of the start's deadline (never zero: a zero timeout
-    // means "none" to the socket calls).
-    let left = || {
-        deadline
-            .saturating_duration_since(Instant::now())
-            .max(Duration::from_millis(1))
-    };
-    let unreachable =
-        |what: &str, e: &dyn std::fmt::Display| ConnectError::Unreachable(format!("{what}: {e}"));
-    let io_failure = |what: &str, e: &std::io::Error| {
-        if transient(e) {
-            ConnectError::Transient(format!("{what}: {e}"))
-        } else {
-            unreachable(what, e)
-        }
-    };
-    let sa = crate::transport::Node {
-        index: node,
-        addr: addr.to_string(),
-    }
-    .resolve()
-    .map_err(|e| unreachable("resolve", &e))?;
-    let mut sock = TcpStream::connect_timeout(&sa, setup.connect_timeout.min(left()))
-        .map_err(|e| io_failure("connect", &e))?;
-    let _ = sock.set_nodelay(true);
-    let sent = Instant::now();
-    let _ = sock.set_read_timeout(Some(left()));
-    let mut hello = Vec::new();
-    setup.hello.encode(&setup.token, &mut hello);
-    sock.write_all(&hello)
-        .map_err(|e| io_failure("send HELLO", &e))?;
-    let mut hb = [0u8; proto::HEADER_BYTES];
-    sock.read_exact(&mut hb)
-        .map_err(|e| read_failure("no answer to HELLO", &e, sent.elapsed()))?;
-    let violation = |what: String| {
-        ConnectError::Refused(Error::ProtocolViolation {
-            node,
-            addr: addr.to_string(),
-            what,
-        })
-    };
-    let h = Header::decode(&hb, 0).map_err(|e| violation(e.to_string()))?;
-    let mut body = vec![0u8; h.body_len as usize];
-    let _ = sock.set_read_timeout(Some(left()));
-    sock.read_exact(&mut body)
-        .map_err(|e| read_failure("truncated answer to HELLO", &e, sent.elapsed()))?;
-    match h.kind {
-        Kind::Welcome => {}
-        Kind::Error => {
-            return Err(ConnectError::Refused(Error::Refused {
-                node,
-                addr: addr.to_string(),
-                code: Code::from_u32(h.b).name(),
-                message: String::from_utf8_lossy(&body).into_owned(),
-            }))
-        }
-        k => return Err(violation(format!("answered HELLO with {k:?}"))),
-    }
-    let w = Welcome::decode(&h, &body).map_err(|e| violation(e.to_string()))?;
-    if h.a != proto::VERSION {
-        return Err(violation(format!("WELCOME with version {}", h.a)));
-    }
-    if w.node_index != node {
-        return Err(ConnectError::Refused(Error::BadCluster {
-            origin: format!("node {node} ({addr})"),
-            reason: format!("the service there is node {}", w.node_index),
-        }));
-    }
-    if w.transport != setup.hello.transport {
-        return Err(ConnectError::Refused(Error::BadCluster {
-            origin: format!("node {node} ({addr})"),
-            reason: if setup.hello.transport == proto::TRANSPORT_RDMA {
-                "it does not serve over RDMA (start `kspeed serve` with --rdma, or read over TCP)"
-                    .into()
-            } else {
-                format!("it answered with transport {}", w.transport)
-            },
-        }));
-    }
-    let data = R::connect(common, &mut sock, node, addr)?;
-    let _ = sock.set_read_timeout(None);
-    let fd = sock.as_raw_fd();
-    let conn = Conn::live(
-        node,
-        addr.to_string(),
-        fd,
-        Some(sock),
-        w.max_grants,
-        w.max_data_bytes,
-        data,
-        Instant::now(),
-    );
-    Ok((conn, w))
 }
 
 /// The simulator's connections (tests only): node `i` is live on MemNet

@@ -80,6 +80,7 @@ use crate::transport::Cluster;
 
 mod connect;
 mod grants;
+mod handshake;
 #[cfg(feature = "rdma")]
 mod rdma;
 mod redial;
@@ -356,9 +357,32 @@ pub(crate) trait Receive: Sized + Send + 'static {
         None
     }
 
-    fn connect(
+    /// What a connection's setup holds between [`Receive::begin`] and
+    /// [`Receive::finish`] (RDMA: its queue pair, not yet connected).
+    type Pending: Send;
+
+    /// The name of the message the data path exchanges after WELCOME, for
+    /// errors ("no RDMA_ENDPOINT: …").
+    const EXCHANGE: &'static str;
+
+    /// After WELCOME from node `node` at `addr`, over a control
+    /// connection leaving from `local`: starts this connection's data
+    /// path, and gives the message to send the node, if any (its answer
+    /// goes to [`Receive::finish`]). Must not block.
+    fn begin(
         common: &Self::Common,
-        sock: &mut TcpStream,
+        local: std::net::IpAddr,
+        node: u32,
+        addr: &str,
+    ) -> Result<(Self::Pending, Option<Vec<u8>>), ConnectError>;
+
+    /// Completes the data path with the node's answer (a frame's header
+    /// and body; None when [`Receive::begin`] sent nothing). Must not
+    /// block.
+    fn finish(
+        common: &Self::Common,
+        pending: Self::Pending,
+        answer: Option<(&crate::transport::proto::Header, &[u8])>,
         node: u32,
         addr: &str,
     ) -> Result<Self, ConnectError>;

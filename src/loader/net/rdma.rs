@@ -12,8 +12,6 @@
 //! entry, and the window is invalidated once the grant is done (or failed)
 //! and before the sample is published or granted again.
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::Arc;
 
@@ -296,12 +294,36 @@ impl RdmaRx {
     }
 }
 
+/// A connection's verbs resources between the two halves of its setup:
+/// its CQ and its QP, not yet connected.
+pub(crate) struct PendingQp {
+    cq: Arc<Cq>,
+    qp: Qp,
+}
+
 /// After WELCOME over RDMA: creates this connection's QP (on the GID of the
-/// address the control connection leaves from, unless one is configured),
-/// swaps endpoints with the owner, connects, and posts the receives.
-fn connect(
+/// address the control connection leaves from, `local`, unless one is
+/// configured) and gives the RDMA_ENDPOINT message to send the owner.
+fn begin(
     r: &Arc<ConsumerRdma>,
-    sock: &mut TcpStream,
+    local: std::net::IpAddr,
+) -> Result<(PendingQp, Option<Vec<u8>>), ConnectError> {
+    let failed = |e: Error| ConnectError::Refused(e);
+    let cq = Cq::with_channel(&r.ctx, (RDMA_RECVS + RDMA_WINDOWS + 64) as i32, &r.channel)
+        .map_err(failed)?;
+    let mut qp = Qp::new(&r.pd, &cq, &cq, RDMA_RECVS as u32, 0).map_err(failed)?;
+    let (index, gid) = r.ctx.choose_gid(r.opts.gid_index, local).map_err(failed)?;
+    qp.use_gid(index, gid);
+    let message = qp.endpoint().encode().to_vec();
+    Ok((PendingQp { cq, qp }, Some(message)))
+}
+
+/// The owner's answer to RDMA_ENDPOINT is in: connects the QP to its
+/// endpoint and posts the receives.
+fn finish(
+    r: &Arc<ConsumerRdma>,
+    pending: PendingQp,
+    answer: Option<(&Header, &[u8])>,
     node: u32,
     addr: &str,
 ) -> Result<RdmaRx, ConnectError> {
@@ -313,33 +335,19 @@ fn connect(
             what,
         })
     };
-    let cq = Cq::with_channel(&r.ctx, (RDMA_RECVS + RDMA_WINDOWS + 64) as i32, &r.channel)
-        .map_err(failed)?;
-    let mut qp = Qp::new(&r.pd, &cq, &cq, RDMA_RECVS as u32, 0).map_err(failed)?;
-    let ip = sock
-        .local_addr()
-        .map_err(|e| ConnectError::Unreachable(format!("local address: {e}")))?
-        .ip();
-    let (index, gid) = r.ctx.choose_gid(r.opts.gid_index, ip).map_err(failed)?;
-    qp.use_gid(index, gid);
-    sock.write_all(&qp.endpoint().encode())
-        .map_err(|e| ConnectError::Unreachable(format!("send RDMA_ENDPOINT: {e}")))?;
-    let mut hb = [0u8; proto::HEADER_BYTES];
-    sock.read_exact(&mut hb)
-        .map_err(|e| ConnectError::Unreachable(format!("no RDMA_ENDPOINT: {e}")))?;
-    let h = Header::decode(&hb, 0).map_err(|e| violation(e.to_string()))?;
-    let mut body = vec![0u8; h.body_len as usize];
-    sock.read_exact(&mut body)
-        .map_err(|e| ConnectError::Unreachable(format!("truncated answer: {e}")))?;
+    let Some((h, body)) = answer else {
+        return Err(violation("no answer to RDMA_ENDPOINT".into()));
+    };
     if h.kind == Kind::Error {
         return Err(ConnectError::Refused(Error::Refused {
             node,
             addr: addr.to_string(),
             code: Code::from_u32(h.b).name(),
-            message: String::from_utf8_lossy(&body).into_owned(),
+            message: String::from_utf8_lossy(body).into_owned(),
         }));
     }
-    let theirs = proto::RdmaEndpoint::decode(&h, &body).map_err(|e| violation(e.to_string()))?;
+    let theirs = proto::RdmaEndpoint::decode(h, body).map_err(|e| violation(e.to_string()))?;
+    let PendingQp { cq, qp } = pending;
     qp.connect(&theirs).map_err(failed)?;
     let mut bufs = vec![0u8; RDMA_RECVS * RDMA_RECV_BYTES].into_boxed_slice();
     // SAFETY: the buffers live in the RdmaConn next to (and dropped after)
@@ -429,13 +437,26 @@ impl Receive for RdmaRx {
     type Common = Arc<ConsumerRdma>;
     const FRAMED: bool = false;
 
-    fn connect(
+    type Pending = PendingQp;
+    const EXCHANGE: &'static str = "RDMA_ENDPOINT";
+
+    fn begin(
         common: &Arc<ConsumerRdma>,
-        sock: &mut TcpStream,
+        local: std::net::IpAddr,
+        _node: u32,
+        _addr: &str,
+    ) -> Result<(PendingQp, Option<Vec<u8>>), ConnectError> {
+        begin(common, local)
+    }
+
+    fn finish(
+        common: &Arc<ConsumerRdma>,
+        pending: PendingQp,
+        answer: Option<(&Header, &[u8])>,
         node: u32,
         addr: &str,
     ) -> Result<Self, ConnectError> {
-        connect(common, sock, node, addr)
+        finish(common, pending, answer, node, addr)
     }
 
     fn wake_fd(common: &Arc<ConsumerRdma>) -> Option<RawFd> {

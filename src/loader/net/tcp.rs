@@ -6,7 +6,6 @@
 //! before a byte of its payload is read. There is nothing to open, flush,
 //! close or poll: every method here is a no-op the compiler removes.
 
-use std::net::TcpStream;
 use std::os::fd::RawFd;
 
 use super::{ConnectError, Event, Receive, NONE};
@@ -23,7 +22,26 @@ impl Receive for TcpRx {
         Some(())
     }
 
-    fn connect(_: &(), _: &mut TcpStream, _: u32, _: &str) -> Result<Self, ConnectError> {
+    /// Nothing to set up: a node's bytes come on the control connection.
+    type Pending = ();
+    const EXCHANGE: &'static str = "nothing";
+
+    fn begin(
+        _: &(),
+        _: std::net::IpAddr,
+        _: u32,
+        _: &str,
+    ) -> Result<((), Option<Vec<u8>>), ConnectError> {
+        Ok(((), None))
+    }
+
+    fn finish(
+        _: &(),
+        _: (),
+        _: Option<(&crate::transport::proto::Header, &[u8])>,
+        _: u32,
+        _: &str,
+    ) -> Result<Self, ConnectError> {
         Ok(TcpRx)
     }
 
