@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use socket2::{Domain, Protocol, SockAddr, Socket, Type};
 
-use super::connect::{jitter, retry_backoff, retryable, ConnectError};
+use super::retry::{jitter, retry_backoff, retryable, ConnectError};
 use super::{Conn, NetSetup, Receive};
 use crate::error::Error;
 use crate::transport::proto::{self, Code, Header, Kind, Welcome};
@@ -715,7 +715,7 @@ mod tests {
         });
         let mut s = setup(&addrs, Duration::from_millis(1500));
         let started = Instant::now();
-        let made = super::super::connect::connect_with_for_tests::<TcpRx>(&mut s, ())
+        let made = crate::loader::net::connect_with_for_tests::<TcpRx>(&mut s, ())
             .unwrap_or_else(|e| panic!("connect: {e}"));
         let took = started.elapsed();
         let (ready, during) = watcher

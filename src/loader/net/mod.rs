@@ -84,14 +84,18 @@ mod handshake;
 #[cfg(feature = "rdma")]
 mod rdma;
 mod redial;
+mod retry;
 mod socket;
 mod source;
 mod tcp;
 
 #[cfg(test)]
+pub(crate) use connect::connect_with_for_tests;
+#[cfg(test)]
 pub(crate) use connect::sim_connections;
-pub(crate) use connect::{connect_all, ConnectError, Connected, Connections};
+pub(crate) use connect::{connect_all, Connected, Connections};
 use grants::{AfterInv, GSlot, NONE};
+pub(crate) use retry::ConnectError;
 #[cfg(test)]
 pub(crate) use tcp::TcpRx as SimRx;
 use tcp::TcpRx;

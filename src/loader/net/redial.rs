@@ -19,8 +19,11 @@
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use super::connect::{connect_retrying, jitter, ConnectError};
-use super::{Beats, Placement, Receive, State, Thread, USER_TIMEOUT_MAX, USER_TIMEOUT_MIN};
+use super::handshake::handshake_all;
+use super::retry::{jitter, ConnectError};
+use super::{
+    Beats, Conn, NetSetup, Placement, Receive, State, Thread, USER_TIMEOUT_MAX, USER_TIMEOUT_MIN,
+};
 use crate::ring::IoBackend;
 use crate::transport::proto::Welcome;
 
@@ -200,6 +203,27 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             was.reason
         );
     }
+}
+
+/// One node's handshake ([`handshake_all`] over that node alone), under
+/// its own deadline (`node_timeout` from now), trying again after a
+/// back-off with jitter while the node answers HELLO with a code that asks
+/// for it ([`Code::retry_at_hello`]: node full, busy, rate-limited), and
+/// likewise after a [`ConnectError::Transient`] failure (a refused
+/// connect, a reset or close before the answer: a service not started
+/// yet, or restarting). When the deadline comes first: a node that still
+/// fails so is unreachable; a full node is `Refused` (the job has more
+/// consumers than the nodes are configured for); a busy or rate-limiting
+/// one is unreachable (dead from the start, its samples fail over).
+fn connect_retrying<R: Receive>(
+    setup: &NetSetup,
+    node: u32,
+    addr: &str,
+    common: &R::Common,
+) -> Result<(Conn<R>, Welcome), ConnectError> {
+    handshake_all::<R>(setup, common, &[(node, addr.to_string())])
+        .pop()
+        .expect("one outcome")
 }
 
 #[cfg(test)]
