@@ -18,11 +18,11 @@
 //! partial sends and held-back completions come from [`MemNetFaults`].
 //! Some nodes break the protocol (DATA at the wrong offset, for a grant
 //! they do not have, or longer than the grant): they must be dropped
-//! before a byte lands. Some seeds poison the errors lock (a thread that panicked holding it).
+//! before a byte lands. Some seeds poison the errors lock.
 //!
-//! Not simulated: the blocking handshake and reconnects (`connect.rs`,
-//! `redial.rs`: real TCP on threads of their own): the thread starts with
-//! its connections made (`sim_connections`) and redial off.
+//! Not simulated: the handshakes and reconnects (`handshake.rs`,
+//! `redial.rs`, real sockets): the thread starts with its connections made
+//! (`sim_connections`) and redial off.
 //!
 //! Checked after every step: every sample of the two epochs is published
 //! exactly once, in the rank's order, byte-exact at its slot (checked when
@@ -33,7 +33,7 @@
 //! with the catalog's length, each grant id once; a node that breaks the
 //! protocol is dropped; a node the simulation never hurt (no reset, stall,
 //! goodbye or breach) is never dropped, pauses of the thread included; no
-//! pool grows; and at teardown the thread ends with nothing in flight.
+//! pool grows; at teardown nothing is in flight.
 
 use crate::sim::Rng;
 use std::collections::{HashSet, VecDeque};
@@ -50,12 +50,10 @@ use crate::loader::net::{sim_connections, NetSetup, NetShared, SimRx, Thread};
 use crate::loader::schedule::{Cursor, Geometry, Placed};
 use crate::loader::{Input, PollerConfig, Shared, CODE_ERROR, CODE_OK};
 use crate::ring::memnet::{MemNet, MemNetFaults};
-use crate::ring::{Completion, IoBackend};
-use crate::ring::{FaultConfig, Faulty};
+use crate::ring::{Completion, FaultConfig, Faulty, IoBackend};
 use crate::sampler::{Position, Sampler, SamplerConfig};
 use crate::transport::proto::{self, Code, GrantEntry, Header, Hello, Kind};
-use crate::transport::rx::{FrameRx, Received, RxError};
-use crate::transport::Cluster;
+use crate::transport::{rx::FrameRx, rx::Received, rx::RxError, Cluster};
 
 /// The dataset every seed reads: files of seeded bytes, cataloged twice:
 /// once over a source tree that stays (the fallback can read it), once
