@@ -80,7 +80,7 @@ use crate::transport::Cluster;
 mod connect;
 mod grants;
 #[cfg(feature = "rdma")]
-mod rdma;
+pub(crate) mod rdma;
 mod redial;
 mod socket;
 mod tcp;
@@ -88,7 +88,8 @@ mod tcp;
 #[cfg(test)]
 pub(crate) use connect::sim_connections;
 pub(crate) use connect::{connect_all, ConnectError, Connected, Connections};
-use grants::{AfterInv, GSlot, NONE};
+pub(crate) use grants::NONE;
+use grants::{AfterInv, GSlot};
 #[cfg(test)]
 pub(crate) use tcp::TcpRx as SimRx;
 use tcp::TcpRx;
@@ -385,7 +386,7 @@ pub(crate) trait Receive: Sized + Send + 'static {
     fn close(&mut self, window: u32) -> Result<()>;
 
     /// The connection is being shut: accept nothing more from the node.
-    fn shut(&self) -> Result<()>;
+    fn shut(&mut self) -> Result<()>;
 
     /// No flush or close is in progress.
     fn idle(&self) -> bool;
@@ -1051,7 +1052,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         // The socket stays open (owned by `sock`) until the connection
         // is dead: its receive and send in flight name its descriptor.
         self.ring.shutdown(c.fd());
-        if let Some(d) = &c.data {
+        if let Some(d) = &mut c.data {
             // From now on the QP accepts no write; it is destroyed (and so
             // done with the ring) before its grants move elsewhere.
             if let Err(e) = d.shut() {
