@@ -17,7 +17,8 @@
 //! invalidations and receives refused part-way or failing at the device),
 //! a node that closes its link, and (windows mode) a misbehaving node: a
 //! write one byte past its grant, or a stale write under the key of a
-//! grant that is over.
+//! grant that is over, into the range of a later grant under the same
+//! window.
 //!
 //! Checked after every step: every write that landed lies inside a grant
 //! the consumer has open, under that grant's key, and came from no
@@ -69,8 +70,9 @@ enum Misbehave {
     /// Writes sample `i` one byte past the start of its grant, so its last
     /// byte falls outside the window.
     PastGrant(usize),
-    /// After sample `i`'s write completed, writes its range again under
-    /// its key, with other bytes.
+    /// Once the consumer is done with sample `i`, writes other bytes under
+    /// its grant's key into the range of a later grant under the same
+    /// window (or its own, when none comes).
     Stale(usize),
 }
 
@@ -130,6 +132,10 @@ struct Run {
     control: VecDeque<GrantMsg>,
     /// The node took this stale write's grant: (grant, posted).
     stale: Option<(GrantMsg, bool)>,
+    /// The newest grant the node took under the stale write's window.
+    rebound: Option<GrantMsg>,
+    /// The stale write went into a window bound again.
+    stale_into_rebound: bool,
     misbehave: Option<Misbehave>,
     closed: bool,
     close_at: Option<u64>,
@@ -295,6 +301,8 @@ impl Run {
             free: (0..slots as u32).rev().collect(),
             control: VecDeque::with_capacity(nsamples),
             stale: None,
+            rebound: None,
+            stale_into_rebound: false,
             misbehave,
             closed: false,
             close_at,
@@ -334,14 +342,29 @@ impl Run {
             self.closed = true;
             return;
         }
-        // A stale write, once the consumer is done with the grant it
-        // reuses (its window invalidated: the write must not land).
+        // A stale write, once the consumer is done with the grant whose
+        // key it uses (its window invalidated: the write must not land):
+        // into the range of a later grant under the same window (bound
+        // again, under a key with another tag), or, when none comes, its
+        // own.
         if let Some((g, false)) = self.stale {
-            if self.outcome[g.sample] != Outcome::Pending
-                && self.rng.chance(4)
-                && self.post(g, true)
+            let target = match self.rebound {
+                Some(n) => Some(n),
+                _ if self.next_publish == self.samples.len() => Some(g),
+                _ => None,
+            };
+            if let Some(t) =
+                target.filter(|_| self.outcome[g.sample] != Outcome::Pending && self.rng.chance(4))
             {
-                self.stale = Some((g, true));
+                let w = GrantMsg {
+                    sample: g.sample,
+                    rkey: g.rkey,
+                    ..t
+                };
+                if self.post(w, true) {
+                    self.stale = Some((g, true));
+                    self.stale_into_rebound = self.rebound.is_some();
+                }
             }
         }
         while !self.rng.chance(6) {
@@ -352,6 +375,13 @@ impl Run {
                 break;
             }
             self.control.pop_front();
+            // A later grant under the same window (its key's index, which
+            // the node sees): where the stale write aims.
+            if let Some((st, _)) = self.stale {
+                if g.sample > st.sample && g.rkey >> 8 == st.rkey >> 8 && self.windows {
+                    self.rebound = Some(g);
+                }
+            }
             if self.misbehave == Some(Misbehave::Stale(g.sample)) && !self.samples[g.sample].error {
                 self.stale = Some((g, false));
             }
@@ -374,7 +404,7 @@ impl Run {
         let i = g.sample;
         let s = self.samples[i];
         let at = slot as usize * self.chunk;
-        for j in 0..s.len {
+        for j in 0..g.len as usize {
             self.slab[at + j] = if bad { 0xee } else { byte(self.seed, i, j) };
         }
         let src = self.slab[at..].as_ptr();
@@ -692,7 +722,8 @@ impl Run {
             let (i, bad) = lent[l.wr_id as usize].expect("a write from a lent slot");
             assert!(
                 !(bad && windows),
-                "a misbehaving write (sample {i}) landed outside its window: {l:?}"
+                "a misbehaving write (sample {i}: past its grant, or under the key of a grant \
+                 that is over) landed: {l:?}"
             );
             let off = l.addr - base;
             let slot = off as usize / chunk;
@@ -718,7 +749,7 @@ impl Run {
 
 /// One seed's run, its invariants checked; returns what the device and
 /// the two fault wrappers did.
-fn run_seed(seed: u64) -> (MemStats, QueueFaultStats, QueueFaultStats) {
+fn run_seed(seed: u64) -> (MemStats, QueueFaultStats, QueueFaultStats, bool) {
     let mut r = Run::new(seed);
     const MAX_STEPS: u64 = 400_000;
     let mut step = 0u64;
@@ -796,7 +827,8 @@ fn run_seed(seed: u64) -> (MemStats, QueueFaultStats, QueueFaultStats) {
     assert_eq!(r.link.capacities(), r.link_caps, "a link pool grew");
     assert_eq!(r.rx.capacities(), r.rx_caps, "a receive-side pool grew");
     r.nic.borrow().check_pools();
-    (stats, r.link.queue().stats(), r.rx.queue().stats())
+    let rebound = r.stale_into_rebound;
+    (stats, r.link.queue().stats(), r.rx.queue().stats(), rebound)
 }
 
 fn one_seed(seed: u64) {
@@ -815,13 +847,16 @@ fn sim_rdma_rx_over_memory_verbs() {
 /// The faults the simulation injects do happen (so its invariants were
 /// tested against them): over the first 200 seeds, window binds and
 /// invalidations, refused and failing window requests, remote access
-/// errors (the misbehaving node's writes refused), deaths.
+/// errors (the misbehaving node's writes refused), deaths, and stale
+/// writes aimed at a window bound again.
 #[test]
 fn sim_rdma_rx_faults_are_exercised() {
     let mut total = MemStats::default();
     let (mut node, mut consumer) = (QueueFaultStats::default(), QueueFaultStats::default());
+    let mut stale_into_rebound = 0;
     for seed in 0..200 {
-        let (nic, o, c) = run_seed(seed);
+        let (nic, o, c, rebound) = run_seed(seed);
+        stale_into_rebound += rebound as u32;
         total.add(&nic);
         node.sends_refused += o.sends_refused;
         node.wc_errors += o.wc_errors;
@@ -831,8 +866,10 @@ fn sim_rdma_rx_faults_are_exercised() {
     }
     eprintln!(
         "sim_rdma_rx, seeds 0..200: {total:?}; the node's fault wrapper: {node:?}; \
-         the consumer's: {consumer:?}"
+         the consumer's: {consumer:?}; stale writes into a window bound again: \
+         {stale_into_rebound}"
     );
+    assert!(stale_into_rebound > 0);
     assert!(total.window_ops > 0 && total.window_errors > 0);
     assert!(total.remote_access_errors > 0 && total.deaths > 0);
     assert!(node.sends_refused > 0 && node.wc_errors > 0);
