@@ -3,9 +3,10 @@
 # verbs): the sampler, the file envelope, the protocol frames, the ring
 # schedule, the aligned buffer, and the fault-injecting ring over an
 # in-memory backend (reads land through raw pointers as the kernel's would),
-# and 3 seeds of two simulations whose backends are all in memory: the
-# transport's send and receive sides over MemNet (sim::tests) and the RDMA
-# link over MemNic (the sims that preload a space need a file system).
+# and 3 seeds of three simulations whose backends are all in memory: the
+# transport's send and receive sides over MemNet (sim::tests), the RDMA
+# link over MemNic, and the RDMA link into RdmaRx with memory windows
+# (sim::rdma) (the sims that preload a space need a file system).
 # Property tests run 4 cases each (interpreted code is ~1000x slower).
 #   scripts/miri.sh
 # Needs the nightly toolchain with the miri and rust-src components (it
@@ -32,6 +33,7 @@ cargo +nightly miri test -p kspeed --lib -- \
   ring::memnet:: \
   sim::tests::sim_transport \
   transport::rdma::sim::sim_rdma_link_over \
+  sim::rdma::sim_rdma_rx_over \
   sys::tests::aligned_buf \
   hash:: \
   sampler::tests::frozen_sequence \

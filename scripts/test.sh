@@ -116,7 +116,7 @@ step "tests without the rdma feature"
 step "tests (default features)"
 "${runner[@]}" --workspace --features test-panic
 
-step "simulator: the transport, the node service's pollers, the consumer's network thread, the cluster (real nodes and ranks together) and the RDMA link over the in-memory backends, up to ${KSPEED_SIM_SEEDS:-2000} seeds each, each stopping at ${KSPEED_SIM_BUDGET_S:-120} s (KSPEED_SIM_SEED=n replays a failing seed)"
+step "simulator: the transport, the node service's pollers, the consumer's network thread, the cluster (real nodes and ranks together), the RDMA link, and the RDMA link into the consumer's RdmaRx (memory windows) over the in-memory backends, up to ${KSPEED_SIM_SEEDS:-2000} seeds each, each stopping at ${KSPEED_SIM_BUDGET_S:-120} s (KSPEED_SIM_SEED=n replays a failing seed)"
 # The unit tests above ran their defaults (200 to 2,000 seeds; sim::serve's
 # many-slots test 3); this runs more, on the same build: sim::tests (TcpLink against
 # FrameRx), sim::serve (the real serve pollers and scripted consumers, and
@@ -124,7 +124,8 @@ step "simulator: the transport, the node service's pollers, the consumer's netwo
 # sim::net (the real network thread against scripted nodes), sim::cluster
 # (2-3 real node services and 1-3 real rank network threads together),
 # transport::rdma::sim (RdmaLink over MemNic and FaultyQueue; the filter
-# matches it too).
+# matches it too), sim::rdma (RdmaLink writing into the real RdmaRx, its
+# memory windows bound and invalidated through WorkQueue on MemNic).
 KSPEED_SIM_SEEDS="${KSPEED_SIM_SEEDS:-2000}" KSPEED_SIM_BUDGET_S="${KSPEED_SIM_BUDGET_S:-120}" \
   "${runner[@]}" --features test-panic --lib sim::
 
@@ -151,7 +152,7 @@ else
   KSPEED_FUZZ_OPTIONAL=1 scripts/fuzz.sh "${KSPEED_FUZZ_SECS:-45}" 2>&1 | tail -n 3
 fi
 
-step "Miri: the sampler, envelope, frames, schedule, hashes, aligned buffer, fault-injecting ring, MemNet, and 3 seeds of the transport and RDMA link simulations (scripts/miri.sh)"
+step "Miri: the sampler, envelope, frames, schedule, hashes, aligned buffer, fault-injecting ring, MemNet, and 3 seeds of the transport, RDMA link and RDMA link-into-RdmaRx simulations (scripts/miri.sh)"
 set +e
 scripts/miri.sh 2>&1 | tail -n 25
 miri_rc=${PIPESTATUS[0]}

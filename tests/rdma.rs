@@ -635,6 +635,142 @@ fn memory_windows_open_nothing_once_invalidated_and_the_region_key_opens_nothing
     );
 }
 
+/// Memory-window requests through `WorkQueue` on the real verbs
+/// (`VerbsQueue` with a window): a bind opens its range (a write there
+/// lands), an invalidation closes it, and the window binds again under
+/// the next key (the queue records each posted bind's key, without which
+/// the device refuses a window's second bind); a request naming a window
+/// the queue does not have is refused whole; and `FaultyQueue` makes a
+/// bind or invalidation fail at the device, the rest of its chain flushed.
+#[test]
+#[ignore = "needs an RDMA device: runs in the soft-RoCE VM (scripts/vm_rdma_tests.sh)"]
+fn memory_window_requests_through_the_work_queue_and_their_faults() {
+    use kspeed::transport::rdma::{
+        next_rkey, wc_status_name as name, FaultyQueue, Mw, MwOp, MwWr, QueueFaults, RecvWr,
+        VerbsQueue, WorkQueue,
+    };
+    let Some(ctx) = open() else { return };
+    let p = pair(&ctx);
+    let mut staging = vec![0x5Au8; 1 << 16];
+    let mut ring = vec![0u8; 1 << 16];
+    // SAFETY: both buffers outlive their regions (dropped at the end, after
+    // the queues).
+    let smr =
+        unsafe { Mr::register(&p.pd, staging.as_mut_ptr(), staging.len(), Access::Local) }.unwrap();
+    // SAFETY: as above.
+    let rmr = Arc::new(
+        unsafe { Mr::register(&p.pd, ring.as_mut_ptr(), ring.len(), Access::WindowsOnly) }.unwrap(),
+    );
+    let mw = Mw::new(&p.pd).unwrap();
+    let k1 = next_rkey(mw.rkey());
+    let mut q = VerbsQueue::new(p.b, p.cq_b.clone(), 64).with_windows(rmr.clone(), vec![mw]);
+    let bind = |wr_id, len, rkey| MwWr {
+        wr_id,
+        op: MwOp::Bind {
+            window: 0,
+            addr: rmr.addr() + 8192,
+            len,
+            rkey,
+        },
+        signaled: true,
+    };
+    let inv = |wr_id, rkey| MwWr {
+        wr_id,
+        op: MwOp::Invalidate { rkey },
+        signaled: true,
+    };
+    let poll_n = |q: &mut dyn WorkQueue, n: usize| {
+        let mut got = Vec::new();
+        let mut buf = [WorkCompletion::default(); 16];
+        let t0 = Instant::now();
+        while got.len() < n && t0.elapsed() < Duration::from_secs(5) {
+            let k = q.poll(&mut buf).unwrap();
+            got.extend_from_slice(&buf[..k]);
+        }
+        got
+    };
+    let write = |key: u32, id: u64| {
+        let (mut sges, mut swrs) = (Vec::new(), Vec::new());
+        // SAFETY: the source lies in `smr`; staging outlives the completion.
+        unsafe {
+            p.a.post_writes(
+                &smr,
+                key,
+                &[(id, staging.as_ptr(), 4096, rmr.addr() + 8192, 7)],
+                &mut sges,
+                &mut swrs,
+            )
+        }
+        .unwrap();
+        let done = wait(&p.cq_a, 1);
+        assert_eq!(done.len(), 1);
+        done[0].status
+    };
+    q.post_mw(&[bind(1, 4096, k1)]).unwrap();
+    let c = poll_n(&mut q, 1);
+    assert_eq!((c[0].wr_id, name(c[0].status)), (1, "IBV_WC_SUCCESS"));
+    let recv = RecvWr {
+        wr_id: 100,
+        ..RecvWr::default()
+    };
+    // SAFETY: no buffer.
+    unsafe { q.post_recv(&[recv, recv, recv]) }.unwrap();
+    assert_eq!(name(write(k1, 9)), "IBV_WC_SUCCESS");
+    assert_eq!(&ring[8192..12288], &staging[..4096]);
+    poll_n(&mut q, 1); // the write's receive
+                       // Invalidate, and bind again under the next key: the second bind
+                       // names the window by the key the first gave it.
+    let k2 = next_rkey(k1);
+    q.post_mw(&[inv(2, k1), bind(3, 4096, k2)]).unwrap();
+    let c = poll_n(&mut q, 2);
+    let got: Vec<(u64, &str)> = c.iter().map(|w| (w.wr_id, name(w.status))).collect();
+    assert_eq!(got, [(2, "IBV_WC_SUCCESS"), (3, "IBV_WC_SUCCESS")]);
+    ring[8192..12288].fill(0);
+    assert_eq!(name(write(k2, 10)), "IBV_WC_SUCCESS");
+    assert_eq!(&ring[8192..12288], &staging[..4096]);
+    poll_n(&mut q, 1);
+    // A window the queue does not have: nothing of the chain is posted.
+    let e = q
+        .post_mw(&[
+            inv(4, k2),
+            MwWr {
+                op: MwOp::Bind {
+                    window: 1,
+                    addr: rmr.addr(),
+                    len: 64,
+                    rkey: 0,
+                },
+                ..inv(5, 0)
+            },
+        ])
+        .unwrap_err();
+    assert_eq!((e.posted, e.error.raw_os_error()), (0, Some(libc::EINVAL)));
+    // One request of the chain fails at the device (seeded: which), the
+    // rest is flushed.
+    let faults = QueueFaults::default().seed(5).wc_error_ppm(1_000_000);
+    let mut fq = FaultyQueue::new(q, faults);
+    let k3 = next_rkey(k2);
+    fq.post_mw(&[inv(6, k2), bind(7, 4096, k3)]).unwrap();
+    // The QP errs: its last receive is flushed too.
+    let mut c = poll_n(&mut fq, 3);
+    c.retain(|w| w.wr_id != 100);
+    let got: Vec<(u64, &str)> = c.iter().map(|w| (w.wr_id, name(w.status))).collect();
+    eprintln!(
+        "{}: a window chain with a request made to fail: {got:?}",
+        ctx.name()
+    );
+    let j = c.iter().position(|w| w.status != 0).expect("one failed");
+    assert_ne!(got[j].1, "IBV_WC_WR_FLUSH_ERR", "{got:?}");
+    assert!(
+        got[j + 1..].iter().all(|g| g.1 == "IBV_WC_WR_FLUSH_ERR"),
+        "{got:?}"
+    );
+    assert_eq!(fq.stats().mw_errors, 1);
+    drop(fq);
+    drop(p.a);
+    drop((smr, rmr));
+}
+
 // --- end to end over RDMA: a real node service, a real loader -------------
 
 #[path = "common/mod.rs"]

@@ -23,6 +23,8 @@
 //! thread against scripted node services (see each).
 
 mod cluster;
+#[cfg(feature = "rdma")]
+mod rdma;
 mod serve;
 
 use std::time::{Duration, Instant};

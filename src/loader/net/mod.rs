@@ -82,7 +82,7 @@ mod connect;
 mod grants;
 mod handshake;
 #[cfg(feature = "rdma")]
-mod rdma;
+pub(crate) mod rdma;
 mod redial;
 mod retry;
 mod socket;
@@ -94,7 +94,8 @@ pub(crate) use connect::connect_with_for_tests;
 #[cfg(test)]
 pub(crate) use connect::sim_connections;
 pub(crate) use connect::{connect_all, Connected, Connections};
-use grants::{AfterInv, GSlot, NONE};
+pub(crate) use grants::NONE;
+use grants::{AfterInv, GSlot};
 pub(crate) use retry::ConnectError;
 #[cfg(test)]
 pub(crate) use tcp::TcpRx as SimRx;
@@ -415,7 +416,7 @@ pub(crate) trait Receive: Sized + Send + 'static {
     fn close(&mut self, window: u32) -> Result<()>;
 
     /// The connection is being shut: accept nothing more from the node.
-    fn shut(&self) -> Result<()>;
+    fn shut(&mut self) -> Result<()>;
 
     /// No flush or close is in progress.
     fn idle(&self) -> bool;
@@ -1096,7 +1097,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         // The socket stays open (owned by `sock`) until the connection
         // is dead: its receive and send in flight name its descriptor.
         self.ring.shutdown(c.fd());
-        if let Some(d) = &c.data {
+        if let Some(d) = &mut c.data {
             // From now on the QP accepts no write; it is destroyed (and so
             // done with the ring) before its grants move elsewhere.
             if let Err(e) = d.shut() {

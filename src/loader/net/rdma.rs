@@ -20,15 +20,15 @@ use crate::error::{Error, Result};
 use crate::landing::LandingRing;
 use crate::transport::proto::{self, Code, Header, Hello, Kind};
 use crate::transport::rdma::{
-    self, completion_error, next_rkey, Access, CompChannel, Context, Cq, Mr, Mw, Pd, Qp, RecvWr,
-    VerbsQueue, WindowOp, WorkCompletion, WorkQueue,
+    self, completion_error, next_rkey, Access, CompChannel, Context, Cq, Mr, Mw, MwOp, MwWr, Pd,
+    Qp, RecvWr, VerbsQueue, WorkCompletion, WorkQueue,
 };
 
 /// How many receives an RDMA connection keeps posted: every WRITE_WITH_IMM
 /// consumes one (too few only slows the owner down: it retries on RNR).
-const RDMA_RECVS: usize = 1024;
+pub(crate) const RDMA_RECVS: usize = 1024;
 /// Receive buffer size: an ERROR message (code + up to 128 bytes).
-const RDMA_RECV_BYTES: usize = 4 + crate::transport::rdma::RDMA_ERROR_BYTES;
+pub(crate) const RDMA_RECV_BYTES: usize = 4 + crate::transport::rdma::RDMA_ERROR_BYTES;
 /// Memory windows per RDMA connection (windows mode): one per grant
 /// outstanding with that node, so also the most grants it has outstanding.
 /// Each window has at most one request (a bind or an invalidation) on the
@@ -57,7 +57,8 @@ const WR_INV: u64 = WR_SEND | 1 << 61;
 /// that rkey: said once at WARN.
 pub(crate) struct ConsumerRdma {
     opts: crate::transport::RdmaOptions,
-    ring_mr: rdma::Mr,
+    /// Shared with each connection's queue, whose windows bind over it.
+    ring_mr: Arc<rdma::Mr>,
     /// Per-grant memory windows (see above).
     windows: bool,
     /// A GPU ring's dma-buf, kept open while it is registered.
@@ -107,7 +108,7 @@ impl ConsumerRdma {
         };
         Ok(ConsumerRdma {
             opts: opts.clone(),
-            ring_mr,
+            ring_mr: Arc::new(ring_mr),
             windows,
             _dmabuf: dmabuf,
             channel,
@@ -188,57 +189,119 @@ fn register_gpu_ring(
     }
 }
 
-/// One connection's RDMA end: its QP and CQ, behind [`WorkQueue`] for the
-/// receives and the completions (the memory-window binds and
-/// invalidations go to the QP itself: the interface does not carry them),
-/// and the receive buffers for ERROR messages (receives are posted in order
-/// and complete in order, so the buffers are used round-robin and re-posted
-/// in bulk).
-pub(crate) struct RdmaRx {
-    queue: VerbsQueue,
-    bufs_mr: rdma::Mr,
-    bufs: Box<[u8]>,
+/// One connection's RDMA end: its queues behind [`WorkQueue`] (the real
+/// QP's, [`VerbsQueue`], with the connection's memory windows; the
+/// simulation's, `crate::sim::rdma`, in memory), and the receive buffers
+/// for ERROR messages (receives are posted in order and complete in order,
+/// so the buffers are used round-robin and re-posted in bulk).
+///
+/// Windows mode: each window has at most one request (a bind or an
+/// invalidation) on the send queue at a time, so the send queue
+/// (`RDMA_RECVS` deep) never fills; a window is bound (advancing its key)
+/// only once its invalidation completed, and the GRANT frame naming it
+/// goes only once its bind completed.
+pub(crate) struct RdmaRx<Q: WorkQueue = VerbsQueue> {
+    /// First: the QP is destroyed before the memory it receives into.
+    queue: Q,
     /// Receives completed and not re-posted yet, and the slot of the first.
     consumed: usize,
     next_slot: usize,
     /// The receive chain `repost` builds (sized once).
     rwrs: Vec<RecvWr>,
-    /// Windows mode: the windows, the rkey each was last bound under, the
-    /// table entry each opens (`NONE` when free), the free ones.
-    mws: Vec<rdma::Mw>,
+    /// The ring's address, and the key every grant carries when there are
+    /// no windows.
+    ring_addr: u64,
+    ring_rkey: u32,
+    /// Windows mode: the rkey each window was last bound under, the table
+    /// entry each opens (`NONE` when free), the free ones. Empty: no
+    /// windows.
     mw_rkey: Vec<u32>,
     mw_entry: Vec<u32>,
     free_mws: Vec<u32>,
-    /// (window, ring offset, length) of the grants in the connection's
-    /// `fill` frame: bound (one chain) before that frame is sent.
-    binds: Vec<(u32, u64, u64)>,
+    /// The binds of the grants in the connection's `fill` frame: posted
+    /// (one chain) before that frame is sent.
+    binds: Vec<MwWr>,
     /// A bind chain is posted; the frame in `flight` waits for it.
     bind_pending: bool,
     /// Invalidations posted and not completed.
     invs_pending: usize,
-    swrs: Vec<rdma_sys::ibv_send_wr>,
     /// The last poll's completions.
     wc: [WorkCompletion; 32],
-    /// Last: the ring's registration outlives the windows bound to it.
-    r: Arc<ConsumerRdma>,
+    /// The real queue's: the buffers' registration and the launch's verbs
+    /// resources, dropped after the queue and before the buffers (None in
+    /// the simulation, whose device registers the buffers itself).
+    _verbs: Option<(rdma::Mr, Arc<ConsumerRdma>)>,
+    /// The receive buffers and their key (a Vec, not a Box: the device
+    /// writes them through the addresses posted, and a Box is retagged as
+    /// unique whenever it moves, which Miri counts against those writes).
+    bufs: Vec<u8>,
+    bufs_lkey: u32,
 }
 
-impl Drop for RdmaRx {
-    fn drop(&mut self) {
-        // Windows before their QP: soft-RoCE (Linux 6.1) took 50.6 s to
-        // destroy a QP that 8 bound windows still referenced (measured in
-        // the VM; 0.5 ms to free the windows first), and a dead node's QP is
-        // destroyed on the network thread.
-        self.mws.clear();
+impl<Q: WorkQueue> RdmaRx<Q> {
+    /// The data path over `queue` (connected): `bufs` (`RDMA_RECVS` ×
+    /// `RDMA_RECV_BYTES`, registered under `bufs_lkey`) receive ERROR
+    /// messages; the ring is at `ring_addr`. Windows mode when
+    /// `window_rkeys` holds the current keys of the queue's windows (at
+    /// most `RDMA_WINDOWS`); else every grant carries `ring_rkey`. Posts
+    /// the receives.
+    pub(crate) fn on(
+        queue: Q,
+        bufs: Vec<u8>,
+        bufs_lkey: u32,
+        ring_addr: u64,
+        ring_rkey: u32,
+        window_rkeys: &[u32],
+    ) -> Result<Self> {
+        assert_eq!(bufs.len(), RDMA_RECVS * RDMA_RECV_BYTES, "receive buffers");
+        let n = window_rkeys.len();
+        assert!(n <= RDMA_WINDOWS, "{n} windows");
+        let mut c = RdmaRx {
+            queue,
+            consumed: RDMA_RECVS,
+            next_slot: 0,
+            rwrs: Vec::with_capacity(RDMA_RECVS),
+            ring_addr,
+            ring_rkey,
+            mw_rkey: window_rkeys.to_vec(),
+            mw_entry: vec![NONE; n],
+            free_mws: (0..n as u32).rev().collect(),
+            binds: Vec::with_capacity(n),
+            bind_pending: false,
+            invs_pending: 0,
+            wc: [WorkCompletion::default(); 32],
+            _verbs: None,
+            bufs,
+            bufs_lkey,
+        };
+        c.repost()?;
+        Ok(c)
     }
-}
 
-// SAFETY: `swrs` is scratch space whose raw pointers are rebuilt on every
-// post and never outlive it; the verbs objects may be used from any
-// thread, and one thread at a time uses a connection.
-unsafe impl Send for RdmaRx {}
+    /// The queue (the simulation reads its fault counts).
+    #[cfg(test)]
+    pub(crate) fn queue(&self) -> &Q {
+        &self.queue
+    }
 
-impl RdmaRx {
+    /// The queue, to change its faults.
+    #[cfg(test)]
+    pub(crate) fn queue_mut(&mut self) -> &mut Q {
+        &mut self.queue
+    }
+
+    /// The capacities of its pools, which never grow.
+    #[cfg(test)]
+    pub(crate) fn capacities(&self) -> [usize; 5] {
+        [
+            self.rwrs.capacity(),
+            self.mw_rkey.capacity(),
+            self.mw_entry.capacity(),
+            self.free_mws.capacity(),
+            self.binds.capacity(),
+        ]
+    }
+
     /// Re-posts the receives consumed so far (one or two chains). A chain
     /// refused part-way (`bad_wr`) still posted the receives before it:
     /// they count as re-posted, so no buffer is ever posted twice.
@@ -252,7 +315,7 @@ impl RdmaRx {
                 first,
                 n,
                 self.bufs.as_ptr() as u64,
-                self.bufs_mr.lkey(),
+                self.bufs_lkey,
             );
             self.consumed -= posted.as_ref().map_or_else(|(k, _)| *k, |()| n);
             posted.map_err(|(_, error)| Error::Rdma {
@@ -286,12 +349,6 @@ fn post_recv_slots<Q: WorkQueue>(
     // SAFETY: the buffers live next to (and are dropped after) the queue
     // that receives into them, and are read only after their completion.
     unsafe { queue.post_recv(rwrs) }.map_err(|e| (e.posted, e.error))
-}
-
-impl RdmaRx {
-    fn qp(&self) -> &Qp {
-        self.queue.qp()
-    }
 }
 
 /// A connection's verbs resources between the two halves of its setup:
@@ -349,40 +406,33 @@ fn finish(
     let theirs = proto::RdmaEndpoint::decode(h, body).map_err(|e| violation(e.to_string()))?;
     let PendingQp { cq, qp } = pending;
     qp.connect(&theirs).map_err(failed)?;
-    let mut bufs = vec![0u8; RDMA_RECVS * RDMA_RECV_BYTES].into_boxed_slice();
-    // SAFETY: the buffers live in the RdmaConn next to (and dropped after)
-    // the QP that receives into them.
+    let mut bufs = vec![0u8; RDMA_RECVS * RDMA_RECV_BYTES];
+    // SAFETY: the buffers live in the RdmaRx next to (and are freed after)
+    // the QP that receives into them and this registration.
     let bufs_mr = unsafe { Mr::register(&r.pd, bufs.as_mut_ptr(), bufs.len(), Access::Local) }
         .map_err(failed)?;
-    let mut c = RdmaRx {
-        queue: VerbsQueue::new(qp, cq, RDMA_RECVS),
-        bufs_mr,
-        bufs,
-        consumed: RDMA_RECVS,
-        next_slot: 0,
-        rwrs: Vec::with_capacity(RDMA_RECVS),
-        mws: Vec::new(),
-        mw_rkey: Vec::new(),
-        mw_entry: Vec::new(),
-        free_mws: Vec::new(),
-        binds: Vec::new(),
-        bind_pending: false,
-        invs_pending: 0,
-        swrs: Vec::with_capacity(proto::MAX_GRANT_ENTRIES.min(RDMA_WINDOWS)),
-        wc: [WorkCompletion::default(); 32],
-        r: r.clone(),
-    };
+    let mut queue = VerbsQueue::new(qp, cq, RDMA_RECVS);
+    let mut rkeys = Vec::new();
     if r.windows {
-        for m in 0..RDMA_WINDOWS {
+        let mut mws = Vec::with_capacity(RDMA_WINDOWS);
+        for _ in 0..RDMA_WINDOWS {
             let mw = Mw::new(&r.pd).map_err(failed)?;
-            c.mw_rkey.push(mw.rkey());
-            c.mws.push(mw);
-            c.mw_entry.push(NONE);
-            c.free_mws.push((RDMA_WINDOWS - 1 - m) as u32);
+            rkeys.push(mw.rkey());
+            mws.push(mw);
         }
-        c.binds.reserve_exact(RDMA_WINDOWS);
+        queue = queue.with_windows(r.ring_mr.clone(), mws);
     }
-    c.repost().map_err(failed)?;
+    let bufs_lkey = bufs_mr.lkey();
+    let mut c = RdmaRx::on(
+        queue,
+        bufs,
+        bufs_lkey,
+        r.ring_mr.addr(),
+        r.ring_mr.rkey(),
+        &rkeys,
+    )
+    .map_err(failed)?;
+    c._verbs = Some((bufs_mr, r.clone()));
     c.queue.arm().map_err(failed)?;
     Ok(c)
 }
@@ -404,7 +454,11 @@ impl RdmaRx {
         hello.transport = proto::TRANSPORT_RDMA;
         Ok(r)
     }
+}
 
+/// The data path, over any [`WorkQueue`]: what [`Receive`] calls (the
+/// implementation below forwards), and what the simulation drives.
+impl<Q: WorkQueue> RdmaRx<Q> {
     /// What receive completion `w` carried: an RDMA write into a granted
     /// range (immediate = grant id), or an ERROR sent on the QP.
     fn landed(&self, w: &WorkCompletion) -> Landed {
@@ -430,6 +484,138 @@ impl RdmaRx {
             }
             op => Landed::Violation(format!("unexpected RDMA completion opcode {op}")),
         }
+    }
+
+    /// [`Receive::open`].
+    pub(crate) fn open_range(&mut self, entry: usize, phys: u64, len: u32) -> Option<(u32, u32)> {
+        if self.mw_rkey.is_empty() {
+            return Some((self.ring_rkey, NONE));
+        }
+        // A window for exactly this range, bound (with the rest of the
+        // frame's) before the frame goes out, under a key no earlier grant
+        // had (the window is free: its invalidation completed).
+        let m = self.free_mws.pop()?;
+        let k = next_rkey(self.mw_rkey[m as usize]);
+        self.mw_rkey[m as usize] = k;
+        self.mw_entry[m as usize] = entry as u32;
+        self.binds.push(MwWr {
+            wr_id: WR_BIND,
+            op: MwOp::Bind {
+                window: m,
+                addr: self.ring_addr + phys,
+                len: len as u64,
+                rkey: k,
+            },
+            signaled: false,
+        });
+        Some((k, m))
+    }
+
+    /// [`Receive::flush`]: binds the windows of the GRANT frame about to
+    /// go, as one chain (every request carries `WR_BIND`, so a failed one
+    /// is recognised; only the last is signalled: the send queue runs them
+    /// in order, so its completion means every bind is in force); the
+    /// frame goes once the chain completes ([`Event::Flushed`]), so no
+    /// write can arrive before its window.
+    pub(crate) fn flush(&mut self) -> Result<bool> {
+        let Some(last) = self.binds.last_mut() else {
+            return Ok(false);
+        };
+        last.signaled = true;
+        let res = self.queue.post_mw(&self.binds);
+        self.binds.clear();
+        res.map_err(|e| Error::Rdma {
+            op: "post memory-window binds",
+            detail: format!("{} posted: {}", e.posted, e.error),
+        })?;
+        self.bind_pending = true;
+        Ok(true)
+    }
+
+    /// [`Receive::flushing`].
+    pub(crate) fn flushing(&self) -> bool {
+        self.bind_pending
+    }
+
+    /// [`Receive::close`]: invalidates window `m`; [`Event::Closed`] once
+    /// done (only then is it free to bind again).
+    pub(crate) fn close(&mut self, m: u32) -> Result<()> {
+        let inv = MwWr {
+            wr_id: WR_INV | m as u64,
+            op: MwOp::Invalidate {
+                rkey: self.mw_rkey[m as usize],
+            },
+            signaled: true,
+        };
+        self.queue.post_mw(&[inv]).map_err(|e| Error::Rdma {
+            op: "post a memory-window invalidation",
+            detail: e.error.to_string(),
+        })?;
+        self.invs_pending += 1;
+        Ok(())
+    }
+
+    /// [`Receive::shut`]: the QP goes to the error state: it accepts no
+    /// write from now on.
+    pub(crate) fn shut(&mut self) -> Result<()> {
+        self.queue.set_error()
+    }
+
+    /// [`Receive::idle`].
+    pub(crate) fn idle(&self) -> bool {
+        !self.bind_pending && self.invs_pending == 0
+    }
+
+    /// [`Receive::poll`].
+    pub(crate) fn poll(&mut self) -> Result<usize> {
+        let n = self.queue.poll(&mut self.wc)?;
+        let recvs = self.wc[..n]
+            .iter()
+            .filter(|w| w.wr_id & WR_SEND == 0)
+            .count();
+        self.consumed += recvs;
+        self.next_slot = (self.next_slot + recvs) % RDMA_RECVS;
+        Ok(n)
+    }
+
+    /// [`Receive::take`].
+    pub(crate) fn take(&mut self, k: usize) -> Event {
+        let w = self.wc[k];
+        if w.status != 0 {
+            let e = completion_error(&w);
+            let what = match w.wr_id {
+                WR_BIND => "binding memory windows failed",
+                id if id & WR_INV == WR_INV => "invalidating a memory window failed",
+                _ => "RDMA queue pair failed",
+            };
+            return Event::Failed(format!("{what}: {e}"));
+        }
+        if w.wr_id & WR_SEND != 0 {
+            // The bind chain is in force (send the GRANT frame waiting for
+            // it), or a window is invalidated (free it, and finish its
+            // grant).
+            if w.wr_id == WR_BIND {
+                self.bind_pending = false;
+                return Event::Flushed;
+            }
+            let m = (w.wr_id & 0xffff_ffff) as usize;
+            let entry = std::mem::replace(&mut self.mw_entry[m], NONE);
+            self.free_mws.push(m as u32);
+            self.invs_pending -= 1;
+            return Event::Closed {
+                window: m as u32,
+                entry,
+            };
+        }
+        Event::Received(self.landed(&w))
+    }
+
+    /// [`Receive::refill`].
+    pub(crate) fn refill(&mut self) -> Result<()> {
+        if self.consumed >= RDMA_RECVS / 8 {
+            self.repost()?;
+        }
+        Ok(())
     }
 }
 
@@ -468,67 +654,27 @@ impl Receive for RdmaRx {
     }
 
     fn open(&mut self, entry: usize, phys: u64, len: u32) -> Option<(u32, u32)> {
-        if !self.r.windows {
-            return Some((self.r.ring_mr.rkey(), NONE));
-        }
-        // A window for exactly this range, bound (with the rest of the
-        // frame's) before the frame goes out.
-        let m = self.free_mws.pop()?;
-        let k = next_rkey(self.mw_rkey[m as usize]);
-        self.mw_rkey[m as usize] = k;
-        self.mw_entry[m as usize] = entry as u32;
-        self.binds.push((m, phys, len as u64));
-        Some((k, m))
+        self.open_range(entry, phys, len)
     }
 
-    /// Binds the windows of the GRANT frame about to go, as one chain; the
-    /// frame goes once the chain completes ([`Event::Flushed`]), so no
-    /// write can arrive before its window.
     fn flush(&mut self) -> Result<bool> {
-        if self.binds.is_empty() {
-            return Ok(false);
-        }
-        let base = self.r.ring_mr.addr();
-        let (mws, mw_rkey) = (&self.mws, &self.mw_rkey);
-        let binds = self
-            .binds
-            .iter()
-            .map(|&(m, off, len)| (&mws[m as usize], base + off, len, mw_rkey[m as usize]));
-        let res = self
-            .queue
-            .qp()
-            .post_binds(&self.r.ring_mr, binds, WR_BIND, &mut self.swrs);
-        for &(m, _, _) in &self.binds {
-            self.mws[m as usize].set_rkey(self.mw_rkey[m as usize]);
-        }
-        self.binds.clear();
-        res?;
-        self.bind_pending = true;
-        Ok(true)
+        RdmaRx::flush(self)
     }
 
     fn flushing(&self) -> bool {
-        self.bind_pending
+        RdmaRx::flushing(self)
     }
 
-    /// Invalidates window `m`: [`Event::Closed`] once done.
     fn close(&mut self, m: u32) -> Result<()> {
-        let rkey = self.mw_rkey[m as usize];
-        let op = WindowOp::Invalidate { rkey };
-        self.queue
-            .qp()
-            .post_window_ops(&[(WR_INV | m as u64, true, op)], &mut self.swrs)?;
-        self.invs_pending += 1;
-        Ok(())
+        RdmaRx::close(self, m)
     }
 
-    /// The QP goes to the error state: it accepts no write from now on.
-    fn shut(&self) -> Result<()> {
-        self.qp().set_error()
+    fn shut(&mut self) -> Result<()> {
+        RdmaRx::shut(self)
     }
 
     fn idle(&self) -> bool {
-        !self.bind_pending && self.invs_pending == 0
+        RdmaRx::idle(self)
     }
 
     fn arm(&self) -> Result<()> {
@@ -536,51 +682,14 @@ impl Receive for RdmaRx {
     }
 
     fn poll(&mut self) -> Result<usize> {
-        let n = self.queue.poll(&mut self.wc)?;
-        let recvs = self.wc[..n]
-            .iter()
-            .filter(|w| w.wr_id & WR_SEND == 0)
-            .count();
-        self.consumed += recvs;
-        self.next_slot = (self.next_slot + recvs) % RDMA_RECVS;
-        Ok(n)
+        RdmaRx::poll(self)
     }
 
     fn take(&mut self, k: usize) -> Event {
-        let w = self.wc[k];
-        if w.status != 0 {
-            let e = completion_error(&w);
-            let what = match w.wr_id {
-                WR_BIND => "binding memory windows failed",
-                id if id & WR_INV == WR_INV => "invalidating a memory window failed",
-                _ => "RDMA queue pair failed",
-            };
-            return Event::Failed(format!("{what}: {e}"));
-        }
-        if w.wr_id & WR_SEND != 0 {
-            // The bind chain is in force (send the GRANT frame waiting for
-            // it), or a window is invalidated (free it, and finish its
-            // grant).
-            if w.wr_id == WR_BIND {
-                self.bind_pending = false;
-                return Event::Flushed;
-            }
-            let m = (w.wr_id & 0xffff_ffff) as usize;
-            let entry = std::mem::replace(&mut self.mw_entry[m], NONE);
-            self.free_mws.push(m as u32);
-            self.invs_pending -= 1;
-            return Event::Closed {
-                window: m as u32,
-                entry,
-            };
-        }
-        Event::Received(self.landed(&w))
+        RdmaRx::take(self, k)
     }
 
     fn refill(&mut self) -> Result<()> {
-        if self.consumed >= RDMA_RECVS / 8 {
-            self.repost()?;
-        }
-        Ok(())
+        RdmaRx::refill(self)
     }
 }

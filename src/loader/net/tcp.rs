@@ -68,7 +68,7 @@ impl Receive for TcpRx {
         Ok(())
     }
 
-    fn shut(&self) -> Result<()> {
+    fn shut(&mut self) -> Result<()> {
         Ok(())
     }
 

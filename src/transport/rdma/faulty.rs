@@ -6,6 +6,8 @@
 //!   posted to the inner queue (and complete like any other), that one and
 //!   the rest are not, reported as `bad_wr` with ENOMEM (`posted` = the
 //!   index);
+//! - a chain of memory-window requests refused part-way, likewise (at the
+//!   send rate);
 //! - a receive chain refused part-way, likewise;
 //! - a request that fails at the device: a seeded send (one that reads
 //!   registered memory) is posted under a local key no region has, so the
@@ -22,7 +24,7 @@
 use rdma_sys::ibv_wc_status;
 
 use super::qp::WorkCompletion;
-use super::wq::{PostError, RecvWr, SendWr, WorkQueue};
+use super::wq::{MwOp, MwWr, PostError, RecvWr, SendWr, WorkQueue};
 use crate::error::Result;
 
 /// Fault rates in parts per million, and the seed.
@@ -35,8 +37,8 @@ pub struct QueueFaults {
     pub send_refuse_ppm: u32,
     /// Receive chains refused at a seeded index (ENOMEM).
     pub recv_refuse_ppm: u32,
-    /// Sends (those reading registered memory) made to fail at the device
-    /// (then the QP errs).
+    /// Sends (those reading registered memory) and memory-window requests
+    /// made to fail at the device (then the QP errs).
     pub wc_error_ppm: u32,
 }
 
@@ -59,6 +61,10 @@ pub struct QueueFaultStats {
     pub refused_part_way: u64,
     /// Sends made to fail at the device.
     pub wc_errors: u64,
+    /// Memory-window chains refused (at any index).
+    pub mws_refused: u64,
+    /// Memory-window requests made to fail at the device.
+    pub mw_errors: u64,
     /// Flushed completions polled after one of those.
     pub flushed: u64,
 }
@@ -178,6 +184,52 @@ impl<Q: WorkQueue> WorkQueue for FaultyQueue<Q> {
         }
         if refused.is_some() {
             self.stats.sends_refused += 1;
+            return Err(enomem(k));
+        }
+        Ok(())
+    }
+
+    fn post_mw(&mut self, chain: &[MwWr]) -> std::result::Result<(), PostError> {
+        let refused = self.refuse_at(chain.len(), self.cfg.send_refuse_ppm);
+        let k = refused.unwrap_or(chain.len());
+        let j =
+            (k > 0 && self.chance(self.cfg.wc_error_ppm)).then(|| self.below(k as u64) as usize);
+        if let Some(j) = j {
+            self.stats.mw_errors += 1;
+            self.failed = true;
+            let op = match chain[j].op {
+                // Longer than any region: the device refuses the bind.
+                MwOp::Bind {
+                    window, addr, rkey, ..
+                } => MwOp::Bind {
+                    window,
+                    addr,
+                    len: 1 << 62,
+                    rkey,
+                },
+                // Another tag: no window is bound under it.
+                MwOp::Invalidate { rkey } => MwOp::Invalidate { rkey: rkey ^ 0x80 },
+            };
+            let bad = MwWr {
+                op,
+                signaled: true,
+                ..chain[j]
+            };
+            self.inner.post_mw(&chain[..j])?;
+            self.inner
+                .post_mw(&[bad])
+                .map_err(|e| PostError { posted: j, ..e })?;
+            self.inner
+                .post_mw(&chain[j + 1..k])
+                .map_err(|e| PostError {
+                    posted: j + 1 + e.posted,
+                    ..e
+                })?;
+        } else {
+            self.inner.post_mw(&chain[..k])?;
+        }
+        if refused.is_some() {
+            self.stats.mws_refused += 1;
             return Err(enomem(k));
         }
         Ok(())

@@ -105,7 +105,7 @@ impl<Q: WorkQueue> RdmaLink<Q> {
 
     /// The capacities of the link's pools, which never grow.
     #[cfg(test)]
-    pub(super) fn capacities(&self) -> [usize; 6] {
+    pub(crate) fn capacities(&self) -> [usize; 6] {
         [
             self.queued.capacity(),
             self.posted.capacity(),

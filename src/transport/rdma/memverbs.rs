@@ -9,7 +9,24 @@
 //!   peer's oldest receive (completing it with the immediate; a SEND's
 //!   bytes go into its buffer). With no receive posted the request waits
 //!   at the head of the send queue, blocking those behind it: the real
-//!   config's `rnr_retry` is 7, "retry for ever" (`qp.rs`).
+//!   config's `rnr_retry` is 7, "retry for ever" (`qp.rs`). A remote access
+//!   error moves the peer's QP to error too (the responder's class C
+//!   error, as RC does): its receives flush.
+//! - Type 2 memory windows ([`MemNic::alloc_windows`]) over a region
+//!   registered without remote access, as the verbs spec has them: a bind
+//!   ([`MwOp::Bind`]) is a send-queue request that executes in order and
+//!   completes like one; it needs the window free and the range inside the
+//!   region (else `IBV_WC_MW_BIND_ERR`), and gives the window the rkey it
+//!   names (same index; the caller advances the low 8 bits). A write under
+//!   a window's rkey lands only while the window is valid, with that very
+//!   key, inside its range; anything else is `IBV_WC_REM_ACCESS_ERR` with
+//!   the target memory untouched. An invalidation ([`MwOp::Invalidate`])
+//!   names the current key (else `IBV_WC_LOC_QP_OP_ERR`) and frees the
+//!   window. A bind or invalidation that executes while a write through
+//!   that window's key is still on the peer's send queue is counted
+//!   ([`MemStats::window_races`]): the protocol must never do it.
+//! - Optionally ([`MemNic::log_writes`]) every write that lands is logged
+//!   for the test to check against what it has open.
 //! - Requests execute in order, a seeded number per QP per [`MemNic::step`]
 //!   (the delay); a successful one completes only when signalled. A QP in
 //!   error executes nothing more: each request left (signalled or not) and
@@ -34,6 +51,10 @@
 //! ([`MemNic::may_read`]): what the tests check a staging slot against
 //! before it may be reused. Its `unsafe` is the device's access to the
 //! memory registered with it.
+//!
+//! (Why this file is over ~800 lines: one device model; the queue pairs,
+//! regions, windows and their completion rules act on one shared state,
+//! and about 240 lines are its own tests.)
 
 use std::cell::RefCell;
 use std::collections::VecDeque;
@@ -42,12 +63,12 @@ use std::rc::Rc;
 use rdma_sys::{ibv_wc_opcode, ibv_wc_status};
 
 use super::qp::WorkCompletion;
-use super::wq::{PostError, RecvWr, SendOp, SendWr, WorkQueue};
+use super::wq::{MwOp, MwWr, PostError, RecvWr, SendOp, SendWr, WorkQueue};
 use crate::error::Result;
 
 /// Seeded fault and delay rates (parts per million).
 #[derive(Debug, Clone, Copy, Default)]
-pub(super) struct MemFaults {
+pub(crate) struct MemFaults {
     /// Per chain posted: refused at a seeded index with ENOMEM.
     pub post_refuse_ppm: u32,
     /// Per request executed: completes with `IBV_WC_REM_OP_ERR`.
@@ -60,7 +81,7 @@ pub(super) struct MemFaults {
 
 /// What the faults did (so a test can say they were exercised).
 #[derive(Debug, Clone, Copy, Default)]
-pub(super) struct MemStats {
+pub(crate) struct MemStats {
     /// Requests executed (read and written).
     pub executed: u64,
     /// Chains refused by the fault (at any index).
@@ -71,11 +92,19 @@ pub(super) struct MemStats {
     pub deaths: u64,
     pub remote_access_errors: u64,
     pub rnr_waits: u64,
+    /// Window binds and invalidations executed.
+    pub window_ops: u64,
+    /// Of those, executed while a write under the window's key was still
+    /// queued at the peer (see the module's documentation).
+    pub window_races: u64,
+    /// Window requests the device refused (`IBV_WC_MW_BIND_ERR`,
+    /// `IBV_WC_LOC_QP_OP_ERR`).
+    pub window_errors: u64,
 }
 
 impl MemStats {
     /// Adds `o` to these.
-    pub(super) fn add(&mut self, o: &MemStats) {
+    pub(crate) fn add(&mut self, o: &MemStats) {
         self.executed += o.executed;
         self.refused += o.refused;
         self.refused_part_way += o.refused_part_way;
@@ -83,6 +112,9 @@ impl MemStats {
         self.deaths += o.deaths;
         self.remote_access_errors += o.remote_access_errors;
         self.rnr_waits += o.rnr_waits;
+        self.window_ops += o.window_ops;
+        self.window_races += o.window_races;
+        self.window_errors += o.window_errors;
     }
 }
 
@@ -97,8 +129,31 @@ struct Region {
 
 #[derive(Clone, Copy)]
 struct Pending {
+    /// A send; for a window request, its id and signalling (no memory).
     wr: SendWr,
+    /// A window request: what it does.
+    mw: Option<MwOp>,
     seq: u64,
+}
+
+/// A type 2 memory window.
+#[derive(Clone, Copy)]
+struct Window {
+    rkey: u32,
+    valid: bool,
+    addr: u64,
+    len: u64,
+}
+
+/// A write that landed (see [`MemNic::log_writes`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Landed {
+    /// The side that posted it, and its request's id.
+    pub side: usize,
+    pub wr_id: u64,
+    pub addr: u64,
+    pub len: u32,
+    pub rkey: u32,
 }
 
 struct End {
@@ -127,6 +182,9 @@ struct End {
     /// Completions, with the send-queue sequence number of a send's.
     cq: VecDeque<(WorkCompletion, Option<u64>)>,
     cq_depth: usize,
+    /// Its windows, and the lkey of the region they bind over.
+    windows: Vec<Window>,
+    window_region: u32,
     caps: [usize; 4],
 }
 
@@ -147,6 +205,8 @@ impl End {
             rq_depth,
             cq: VecDeque::with_capacity(cq_depth),
             cq_depth,
+            windows: Vec::new(),
+            window_region: 0,
             caps: [0; 4],
         };
         e.caps = e.capacities();
@@ -176,18 +236,21 @@ impl End {
 
 /// The two ends of one connection (0 and 1), and the memory registered
 /// with them.
-pub(super) struct MemNic {
+pub(crate) struct MemNic {
     ends: [End; 2],
     regions: Vec<Region>,
     max_inline: usize,
     faults: MemFaults,
     rng: u64,
     next_key: u32,
-    pub(super) stats: MemStats,
+    /// Writes that landed, when logging (fixed capacity: drained by the
+    /// test every step).
+    landed: Option<Vec<Landed>>,
+    pub(crate) stats: MemStats,
 }
 
 /// One end's queues, as [`WorkQueue`].
-pub(super) struct MemQp {
+pub(crate) struct MemQp {
     nic: Rc<RefCell<MemNic>>,
     side: usize,
 }
@@ -203,6 +266,12 @@ fn wc(wr_id: u64, status: u32, opcode: u32, byte_len: u32, imm: Option<u32>) -> 
     }
 }
 
+/// The rkey of window `j` of side `side` with tag 0: an index no region's
+/// key has.
+fn window_rkey(side: usize, j: usize) -> u32 {
+    (0x40_0000 | (side as u32) << 16 | j as u32) << 8
+}
+
 fn send_opcode(op: SendOp) -> u32 {
     match op {
         SendOp::Write | SendOp::WriteWithImm => ibv_wc_opcode::IBV_WC_RDMA_WRITE,
@@ -213,7 +282,7 @@ fn send_opcode(op: SendOp) -> u32 {
 impl MemNic {
     /// A connected pair: each end's send queue `sq_depth` deep, receive
     /// queue `rq_depth`, CQ `cq_depth`, inline data up to `max_inline`.
-    pub(super) fn pair(
+    pub(crate) fn pair(
         seed: u64,
         faults: MemFaults,
         sq_depth: usize,
@@ -231,6 +300,7 @@ impl MemNic {
             faults,
             rng: crate::hash::mix64(seed ^ 0x05ee_d0f7_e1b5),
             next_key: 0x100,
+            landed: None,
             stats: MemStats::default(),
         }));
         let a = MemQp {
@@ -263,7 +333,7 @@ impl MemNic {
     /// # Safety
     /// The memory must stay valid for as long as this NIC lives; the NIC
     /// reads and writes it (as a device would) during [`MemNic::step`].
-    pub(super) unsafe fn register(
+    pub(crate) unsafe fn register(
         &mut self,
         side: usize,
         addr: *mut u8,
@@ -284,6 +354,47 @@ impl MemNic {
         (lkey, rkey)
     }
 
+    /// Allocates `n` type 2 windows on end `side` that bind over the region
+    /// of `lkey` (registered by `side`); returns their current rkeys,
+    /// window `j` at index `j` (what [`MwOp::Bind`] names). Once per end.
+    pub(crate) fn alloc_windows(&mut self, side: usize, lkey: u32, n: usize) -> Vec<u32> {
+        let e = &mut self.ends[side];
+        assert!(e.windows.is_empty(), "windows allocated twice");
+        e.window_region = lkey;
+        e.windows = (0..n)
+            .map(|j| Window {
+                rkey: window_rkey(side, j),
+                valid: false,
+                addr: 0,
+                len: 0,
+            })
+            .collect();
+        e.windows.iter().map(|w| w.rkey).collect()
+    }
+
+    /// Logs every write that lands from now on, up to `capacity` between
+    /// two [`MemNic::take_landed`] calls.
+    pub(crate) fn log_writes(&mut self, capacity: usize) {
+        self.landed = Some(Vec::with_capacity(capacity));
+    }
+
+    /// Hands each logged write to `f`, oldest first, and forgets them.
+    pub(crate) fn take_landed(&mut self, mut f: impl FnMut(&Landed)) {
+        if let Some(log) = &mut self.landed {
+            for l in log.drain(..) {
+                f(&l);
+            }
+        }
+    }
+
+    /// The window of `side` whose index `rkey` names (any tag).
+    fn window_of(&self, side: usize, rkey: u32) -> Option<usize> {
+        let ws = &self.ends[side].windows;
+        let first = ws.first()?.rkey >> 8;
+        let j = (rkey >> 8).checked_sub(first)? as usize;
+        (j < ws.len()).then_some(j)
+    }
+
     fn local_ok(&self, side: usize, addr: u64, len: u32, lkey: u32) -> bool {
         self.regions.iter().any(|r| {
             r.side == side
@@ -294,6 +405,13 @@ impl MemNic {
     }
 
     fn remote_ok(&self, side: usize, addr: u64, len: u32, rkey: u32) -> bool {
+        if let Some(j) = self.window_of(side, rkey) {
+            let w = self.ends[side].windows[j];
+            return w.valid
+                && w.rkey == rkey
+                && addr >= w.addr
+                && addr + len as u64 <= w.addr + w.len;
+        }
         self.regions.iter().any(|r| {
             r.side == side
                 && r.rkey == Some(rkey)
@@ -305,14 +423,17 @@ impl MemNic {
     /// Whether the device may still read the memory of request `wr_id`
     /// posted on end `side`: it is on the send queue (not executed, not
     /// flushed) and the QP has reported no error.
-    pub(super) fn may_read(&self, side: usize, wr_id: u64) -> bool {
+    pub(crate) fn may_read(&self, side: usize, wr_id: u64) -> bool {
         let e = &self.ends[side];
-        !e.reported && e.sq.iter().any(|p| p.wr.wr_id == wr_id && !p.wr.inline)
+        !e.reported
+            && e.sq
+                .iter()
+                .any(|p| p.wr.wr_id == wr_id && !p.wr.inline && p.mw.is_none())
     }
 
     /// End `side`'s state, for a failure's message: the QP's error state
     /// and its send queue as (wr_id, sequence number, signalled).
-    pub(super) fn describe(&self, side: usize) -> String {
+    pub(crate) fn describe(&self, side: usize) -> String {
         let e = &self.ends[side];
         let sq: Vec<(u64, u64, bool)> =
             e.sq.iter()
@@ -325,19 +446,22 @@ impl MemNic {
     }
 
     /// Requests and receives posted on end `side` and not completed.
-    pub(super) fn in_flight(&self, side: usize) -> usize {
+    pub(crate) fn in_flight(&self, side: usize) -> usize {
         self.ends[side].sq.len() + self.ends[side].rq.len()
     }
 
     /// Whether end `side`'s QP is in the error state.
-    pub(super) fn in_error(&self, side: usize) -> bool {
+    pub(crate) fn in_error(&self, side: usize) -> bool {
         self.ends[side].error
     }
 
     /// Panics if any queue or pool grew past its size at construction.
-    pub(super) fn check_pools(&self) {
+    pub(crate) fn check_pools(&self) {
         for (i, e) in self.ends.iter().enumerate() {
             assert_eq!(e.capacities(), e.caps, "end {i}: a pool grew");
+        }
+        if let Some(log) = &self.landed {
+            assert!(log.len() <= log.capacity(), "the write log grew");
         }
         assert!(self.regions.len() <= 8);
     }
@@ -362,7 +486,7 @@ impl MemNic {
     /// One step of the device: perhaps the connection dies; each end
     /// executes (or flushes) a seeded number of its requests, and a QP in
     /// error flushes its receives.
-    pub(super) fn step(&mut self) {
+    pub(crate) fn step(&mut self) {
         if !(self.ends[0].error && self.ends[1].error) && self.chance(self.faults.die_ppm) {
             self.stats.deaths += 1;
             let status = Some(ibv_wc_status::IBV_WC_RETRY_EXC_ERR);
@@ -402,7 +526,12 @@ impl MemNic {
             e.reported = true;
         }
         if !ok || p.wr.signaled {
-            let c = wc(p.wr.wr_id, status, send_opcode(p.wr.op), p.wr.len, None);
+            let opcode = match p.mw {
+                Some(MwOp::Bind { .. }) => ibv_wc_opcode::IBV_WC_BIND_MW,
+                Some(MwOp::Invalidate { .. }) => ibv_wc_opcode::IBV_WC_LOCAL_INV,
+                None => send_opcode(p.wr.op),
+            };
+            let c = wc(p.wr.wr_id, status, opcode, p.wr.len, None);
             e.push_cq(c, Some(p.seq));
         }
     }
@@ -415,7 +544,7 @@ impl MemNic {
         };
         let peer = 1 - side;
         let w = p.wr;
-        let consumes_recv = !matches!(w.op, SendOp::Write);
+        let consumes_recv = p.mw.is_none() && !matches!(w.op, SendOp::Write);
         if self.ends[side].error {
             let e = &mut self.ends[side];
             let fetched = e.draining > 0
@@ -430,6 +559,11 @@ impl MemNic {
             }
             // Already at the device: it runs as if the QP were not in error.
             self.ends[side].draining -= 1;
+        }
+        if let Some(op) = p.mw {
+            let status = self.exec_window(side, op);
+            self.complete_head(side, status);
+            return true;
         }
         if self.chance(self.faults.wc_error_ppm) {
             self.stats.wc_errors += 1;
@@ -446,6 +580,8 @@ impl MemNic {
             && !self.remote_ok(peer, w.remote_addr, w.len, w.rkey)
         {
             self.stats.remote_access_errors += 1;
+            // The responder's class C error: its QP goes to error too.
+            self.enter_error(peer, Some(ibv_wc_status::IBV_WC_WR_FLUSH_ERR));
             ibv_wc_status::IBV_WC_REM_ACCESS_ERR
         } else if consumes_recv && self.ends[peer].rq.is_empty() {
             // Receiver not ready: retried for ever (rnr_retry 7).
@@ -457,6 +593,66 @@ impl MemNic {
         };
         self.complete_head(side, status);
         true
+    }
+
+    /// Executes window request `op` on end `side`; returns its status.
+    fn exec_window(&mut self, side: usize, op: MwOp) -> u32 {
+        self.stats.window_ops += 1;
+        let (j, ok) = match op {
+            MwOp::Bind {
+                window,
+                addr,
+                len,
+                rkey,
+            } => {
+                let e = &self.ends[side];
+                let j = window as usize;
+                let region = e.window_region;
+                let ok = j < e.windows.len()
+                    && !e.windows[j].valid
+                    && rkey >> 8 == e.windows[j].rkey >> 8
+                    && len <= u32::MAX as u64
+                    && self.local_ok(side, addr, len as u32, region);
+                (j, ok)
+            }
+            MwOp::Invalidate { rkey } => match self.window_of(side, rkey) {
+                Some(j) => (j, self.ends[side].windows[j].rkey == rkey),
+                None => (usize::MAX, false),
+            },
+        };
+        if !ok {
+            self.stats.window_errors += 1;
+            return match op {
+                MwOp::Bind { .. } => ibv_wc_status::IBV_WC_MW_BIND_ERR,
+                MwOp::Invalidate { .. } => ibv_wc_status::IBV_WC_LOC_QP_OP_ERR,
+            };
+        }
+        // A write through the window's key still queued at the peer would
+        // land or fail depending on which runs first.
+        let key = self.ends[side].windows[j].rkey;
+        let racing = self.ends[1 - side].sq.iter().any(|p| {
+            p.mw.is_none()
+                && matches!(p.wr.op, SendOp::Write | SendOp::WriteWithImm)
+                && p.wr.rkey == key
+        });
+        if racing && self.ends[side].windows[j].valid {
+            self.stats.window_races += 1;
+        }
+        let w = &mut self.ends[side].windows[j];
+        match op {
+            MwOp::Bind {
+                addr, len, rkey, ..
+            } => {
+                *w = Window {
+                    rkey,
+                    valid: true,
+                    addr,
+                    len,
+                };
+            }
+            MwOp::Invalidate { .. } => w.valid = false,
+        }
+        ibv_wc_status::IBV_WC_SUCCESS
     }
 
     /// Moves the bytes of the (checked) request `p` of `side` and completes
@@ -499,6 +695,16 @@ impl MemNic {
             // its receive's buffer); registered memory outlives the NIC
             // (register's contract). `copy` allows overlap.
             unsafe { std::ptr::copy(src, dst, w.len as usize) };
+        }
+        if let (Some(log), SendOp::Write | SendOp::WriteWithImm) = (&mut self.landed, w.op) {
+            assert!(log.len() < log.capacity(), "write log full: drain it");
+            log.push(Landed {
+                side,
+                wr_id: w.wr_id,
+                addr: w.remote_addr,
+                len: w.len,
+                rkey: w.rkey,
+            });
         }
         if w.op != SendOp::Write {
             let r = self.ends[peer].rq.pop_front().expect("checked");
@@ -543,6 +749,30 @@ impl MemNic {
             }
             e.sq.push_back(Pending {
                 wr: *w,
+                mw: None,
+                seq: e.next_seq,
+            });
+            e.next_seq += 1;
+        }
+        Ok(())
+    }
+
+    fn post_mw(&mut self, side: usize, chain: &[MwWr]) -> std::result::Result<(), PostError> {
+        let e = &mut self.ends[side];
+        for (i, w) in chain.iter().enumerate() {
+            if e.next_seq - e.retired >= e.sq_depth {
+                return Err(PostError {
+                    posted: i,
+                    error: std::io::Error::from_raw_os_error(libc::ENOMEM),
+                });
+            }
+            e.sq.push_back(Pending {
+                wr: SendWr {
+                    wr_id: w.wr_id,
+                    signaled: w.signaled,
+                    ..SendWr::EMPTY
+                },
+                mw: Some(w.op),
                 seq: e.next_seq,
             });
             e.next_seq += 1;
@@ -585,6 +815,10 @@ impl MemNic {
 impl WorkQueue for MemQp {
     unsafe fn post_send(&mut self, chain: &[SendWr]) -> std::result::Result<(), PostError> {
         self.nic.borrow_mut().post_send(self.side, chain)
+    }
+
+    fn post_mw(&mut self, chain: &[MwWr]) -> std::result::Result<(), PostError> {
+        self.nic.borrow_mut().post_mw(self.side, chain)
     }
 
     unsafe fn post_recv(&mut self, chain: &[RecvWr]) -> std::result::Result<(), PostError> {
@@ -712,6 +946,136 @@ mod tests {
         assert_eq!(c.len(), 4, "every request flushed");
         // SAFETY: as above.
         unsafe { a.post_send(&chain[4..]) }.unwrap();
+        nic.borrow().check_pools();
+    }
+
+    /// Type 2 windows: a bind completes on the CQ and opens exactly its
+    /// range under the key it names; a write inside lands; one past the
+    /// range, or under the key after the window is invalidated, fails with
+    /// a remote access error, puts both QPs in error and leaves the memory
+    /// untouched; binding a valid window, or invalidating under a stale
+    /// key, is refused by the device.
+    #[test]
+    fn type_2_windows_open_only_their_range_while_valid() {
+        let faults = MemFaults {
+            max_per_step: 3,
+            ..MemFaults::default()
+        };
+        let mut src = vec![7u8; 32];
+        let mut dst = vec![0u8; 64];
+        let setup = |src: &mut Vec<u8>, dst: &mut Vec<u8>, seed| {
+            let (nic, a, b) = MemNic::pair(seed, faults, 8, 8, 16, 16);
+            // SAFETY: both buffers outlive the NIC (declared before it).
+            let (lkey, region) = unsafe {
+                let (l, _) = nic.borrow_mut().register(0, src.as_mut_ptr(), 32, false);
+                let (r, rkey) = nic.borrow_mut().register(1, dst.as_mut_ptr(), 64, false);
+                assert!(rkey.is_none(), "windows only: the region opens nothing");
+                (l, r)
+            };
+            let keys = nic.borrow_mut().alloc_windows(1, region, 2);
+            nic.borrow_mut().log_writes(8);
+            (nic, a, b, lkey, keys)
+        };
+        let base = dst.as_ptr() as u64;
+        let bind = |wr_id, window, addr, len, rkey| MwWr {
+            wr_id,
+            op: MwOp::Bind {
+                window,
+                addr,
+                len,
+                rkey,
+            },
+            signaled: true,
+        };
+        let recv = RecvWr {
+            wr_id: 40,
+            ..RecvWr::default()
+        };
+        let (nic, mut a, mut b, lkey, keys) = setup(&mut src, &mut dst, 1);
+        let k = super::super::next_rkey(keys[0]);
+        b.post_mw(&[bind(9, 0, base + 16, 16, k)]).unwrap();
+        let c = drain(&nic, &mut b);
+        assert_eq!((c[0].wr_id, c[0].status), (9, 0));
+        assert_eq!(c[0].opcode, ibv_wc_opcode::IBV_WC_BIND_MW);
+        // SAFETY: src outlives the requests (this test).
+        unsafe {
+            b.post_recv(&[recv, recv]).unwrap();
+            a.post_send(&[write(1, &src[..16], lkey, base + 16, k, true)])
+                .unwrap();
+        }
+        assert_eq!(drain(&nic, &mut a)[0].status, 0);
+        assert_eq!(&dst[16..32], &[7u8; 16][..]);
+        let mut landed = 0;
+        nic.borrow_mut().take_landed(|l| {
+            assert_eq!((l.addr, l.len, l.rkey), (base + 16, 16, k));
+            landed += 1;
+        });
+        assert_eq!(landed, 1);
+        // Binding it again while valid: the device refuses.
+        let k2 = super::super::next_rkey(k);
+        b.post_mw(&[bind(10, 0, base, 16, k2)]).unwrap();
+        let c = drain(&nic, &mut b);
+        let e = c
+            .iter()
+            .find(|w| w.wr_id == 10)
+            .expect("the bind's completion");
+        assert_eq!(e.status, ibv_wc_status::IBV_WC_MW_BIND_ERR);
+        assert!(nic.borrow().in_error(1));
+
+        // One byte past the window: refused, both QPs in error, nothing
+        // written.
+        dst.fill(0);
+        let (nic, mut a, mut b, lkey, keys) = setup(&mut src, &mut dst, 2);
+        let k = super::super::next_rkey(keys[1]);
+        b.post_mw(&[bind(9, 1, base, 16, k)]).unwrap();
+        drain(&nic, &mut b);
+        // SAFETY: as above.
+        unsafe {
+            b.post_recv(&[recv]).unwrap();
+            a.post_send(&[write(1, &src[..16], lkey, base + 1, k, true)])
+                .unwrap();
+        }
+        let c = drain(&nic, &mut a);
+        assert_eq!(c[0].status, ibv_wc_status::IBV_WC_REM_ACCESS_ERR);
+        assert!(nic.borrow().in_error(0) && nic.borrow().in_error(1));
+        assert!(
+            dst.iter().all(|&x| x == 0),
+            "the target memory is untouched"
+        );
+        let c = drain(&nic, &mut b);
+        assert_eq!(c[0].status, ibv_wc_status::IBV_WC_WR_FLUSH_ERR);
+
+        // Invalidated: its key opens nothing; a stale key cannot
+        // invalidate.
+        let (nic, mut a, mut b, lkey, keys) = setup(&mut src, &mut dst, 3);
+        let k = super::super::next_rkey(keys[0]);
+        let inv = |wr_id, rkey| MwWr {
+            wr_id,
+            op: MwOp::Invalidate { rkey },
+            signaled: true,
+        };
+        b.post_mw(&[bind(9, 0, base, 64, k), inv(11, k)]).unwrap();
+        let c = drain(&nic, &mut b);
+        assert_eq!(c.len(), 2);
+        assert_eq!(c[1].opcode, ibv_wc_opcode::IBV_WC_LOCAL_INV);
+        // SAFETY: as above.
+        unsafe {
+            b.post_recv(&[recv]).unwrap();
+            a.post_send(&[write(1, &src[..16], lkey, base, k, true)])
+                .unwrap();
+        }
+        assert_eq!(
+            drain(&nic, &mut a)[0].status,
+            ibv_wc_status::IBV_WC_REM_ACCESS_ERR
+        );
+        assert!(dst.iter().all(|&x| x == 0));
+        let (nic, _a, mut b, _lkey, keys) = setup(&mut src, &mut dst, 4);
+        b.post_mw(&[inv(12, keys[0] ^ 0x80)]).unwrap();
+        assert_eq!(
+            drain(&nic, &mut b)[0].status,
+            ibv_wc_status::IBV_WC_LOC_QP_OP_ERR
+        );
+        assert_eq!(nic.borrow().stats.window_races, 0);
         nic.borrow().check_pools();
     }
 }

@@ -452,38 +452,18 @@ impl Qp {
     ) -> Result<()> {
         wrs.clear();
         for (id, signaled, op) in ops {
-            // SAFETY: plain data.
-            let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
-            wr.wr_id = *id;
-            wr.send_flags = if *signaled {
-                ibv_send_flags::IBV_SEND_SIGNALED.0
-            } else {
-                0
-            };
-            match op {
+            let mut wr = match op {
                 WindowOp::Bind {
                     mw,
                     mr,
                     addr,
                     len,
                     rkey,
-                } => {
-                    wr.opcode = ibv_wr_opcode::IBV_WR_BIND_MW;
-                    wr.bind_mw_tso_union.bind_mw = bind_mw_t {
-                        mw: mw.mw,
-                        rkey: *rkey,
-                        bind_info: ibv_mw_bind_info {
-                            mr: mr.mr,
-                            addr: *addr,
-                            length: *len,
-                            mw_access_flags: ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0,
-                        },
-                    };
-                }
-                WindowOp::Invalidate { rkey } => {
-                    wr.opcode = ibv_wr_opcode::IBV_WR_LOCAL_INV;
-                    wr.imm_data_invalidated_rkey_union.invalidated_rkey = *rkey;
-                }
+                } => bind_mw_wr(*id, mw, mr, *addr, *len, *rkey),
+                WindowOp::Invalidate { rkey } => local_inv_wr(*id, *rkey),
+            };
+            if *signaled {
+                wr.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
             }
             wrs.push(wr);
         }
@@ -492,48 +472,6 @@ impl Qp {
         // referenced.
         unsafe { self.post_chain(wrs) }.map_err(|e| Error::Rdma {
             op: "post window operations",
-            detail: e.to_string(),
-        })
-    }
-
-    /// Posts type 2 window binds as one chain (one doorbell): each
-    /// (window, address, length, rkey) opens `length` bytes at `address` of
-    /// `mr` for remote write by this QP's peer, under `rkey`. Only the last
-    /// is signalled, with `last_id` (the send queue runs them in order, so
-    /// its completion means every bind of the chain is in force); every
-    /// request carries `last_id`, so a failed one is recognised too.
-    pub fn post_binds<'a>(
-        &self,
-        mr: &Mr,
-        binds: impl Iterator<Item = (&'a Mw, u64, u64, u32)>,
-        last_id: u64,
-        wrs: &mut Vec<ibv_send_wr>,
-    ) -> Result<()> {
-        wrs.clear();
-        for (mw, addr, len, rkey) in binds {
-            // SAFETY: plain data.
-            let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
-            wr.wr_id = last_id;
-            wr.opcode = ibv_wr_opcode::IBV_WR_BIND_MW;
-            wr.bind_mw_tso_union.bind_mw = bind_mw_t {
-                mw: mw.mw,
-                rkey,
-                bind_info: ibv_mw_bind_info {
-                    mr: mr.mr,
-                    addr,
-                    length: len,
-                    mw_access_flags: ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0,
-                },
-            };
-            wrs.push(wr);
-        }
-        if let Some(last) = wrs.last_mut() {
-            last.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
-        }
-        // SAFETY: the windows and the region are live (the caller keeps
-        // them alive while bound: they are dropped with or after the QP).
-        unsafe { self.post_chain(wrs) }.map_err(|e| Error::Rdma {
-            op: "post memory-window binds",
             detail: e.to_string(),
         })
     }
@@ -658,6 +596,43 @@ impl Qp {
         }
         Ok(())
     }
+}
+
+/// An unsignalled request binding type 2 window `mw` to `len` bytes at
+/// `addr` of `mr` for remote write by the QP's peer, under `rkey`.
+pub(super) fn bind_mw_wr(
+    wr_id: u64,
+    mw: &Mw,
+    mr: &Mr,
+    addr: u64,
+    len: u64,
+    rkey: u32,
+) -> ibv_send_wr {
+    // SAFETY: plain data.
+    let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
+    wr.wr_id = wr_id;
+    wr.opcode = ibv_wr_opcode::IBV_WR_BIND_MW;
+    wr.bind_mw_tso_union.bind_mw = bind_mw_t {
+        mw: mw.mw,
+        rkey,
+        bind_info: ibv_mw_bind_info {
+            mr: mr.mr,
+            addr,
+            length: len,
+            mw_access_flags: ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0,
+        },
+    };
+    wr
+}
+
+/// An unsignalled request invalidating the window bound under `rkey`.
+pub(super) fn local_inv_wr(wr_id: u64, rkey: u32) -> ibv_send_wr {
+    // SAFETY: plain data.
+    let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
+    wr.wr_id = wr_id;
+    wr.opcode = ibv_wr_opcode::IBV_WR_LOCAL_INV;
+    wr.imm_data_invalidated_rkey_union.invalidated_rkey = rkey;
+    wr
 }
 
 /// How many requests of the chain `wrs` precede `bad` (the one the provider

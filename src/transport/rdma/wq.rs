@@ -1,8 +1,10 @@
 //! [`WorkQueue`]: the verbs-shaped interface the RDMA paths post and poll
 //! work requests through — a chain of sends (RDMA WRITE / WRITE_WITH_IMM /
-//! SEND, one doorbell) that may be refused part-way (`bad_wr`), receives,
-//! and the completion queue polled into a caller's fixed array — and
-//! [`VerbsQueue`], its implementation over a real RC [`Qp`] and its [`Cq`].
+//! SEND, one doorbell) that may be refused part-way (`bad_wr`), a chain of
+//! type 2 memory-window binds and invalidations (likewise), receives, and
+//! the completion queue polled into a caller's fixed array — and
+//! [`VerbsQueue`], its implementation over a real RC [`Qp`] and its [`Cq`]
+//! (and the windows it was given).
 //! The in-memory pair the tests run the same code over is `memverbs.rs`.
 //!
 //! The request types carry no verbs structures, so a backend that is not
@@ -19,7 +21,8 @@ use std::sync::Arc;
 
 use rdma_sys::*;
 
-use super::qp::{Cq, Qp, WorkCompletion};
+use super::qp::{bind_mw_wr, local_inv_wr, Cq, Qp, WorkCompletion};
+use super::verbs::{Mr, Mw};
 use crate::error::Result;
 
 /// What a send work request does.
@@ -80,6 +83,47 @@ impl SendWr {
     };
 }
 
+/// What a memory-window request does. Windows are type 2: bound through
+/// this QP, they open memory to this QP's peer only.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MwOp {
+    /// Binds window `window` (an index among the windows the queue was
+    /// given) to `len` bytes at `addr` of the region they bind over, for
+    /// remote write, under `rkey`: the window's current key with its low 8
+    /// bits advanced ([`super::next_rkey`]), so a key of an earlier bind
+    /// opens nothing. The window must be free (new or invalidated): the
+    /// device refuses to bind a valid type 2 window (`IBV_WC_MW_BIND_ERR`).
+    Bind {
+        /// The window.
+        window: u32,
+        /// First byte.
+        addr: u64,
+        /// Bytes.
+        len: u64,
+        /// The key the peer will write under.
+        rkey: u32,
+    },
+    /// Invalidates the window bound under `rkey`: once it completes, no
+    /// write through that key lands.
+    Invalidate {
+        /// The key to revoke.
+        rkey: u32,
+    },
+}
+
+/// One memory-window request. It goes on the send queue and executes in
+/// order with the sends posted before and after it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MwWr {
+    /// Returned in its completion.
+    pub wr_id: u64,
+    /// What it does.
+    pub op: MwOp,
+    /// Whether it produces a completion when it succeeds (a failed or
+    /// flushed request always does).
+    pub signaled: bool,
+}
+
 /// One receive work request: a buffer for a SEND (`len` 0: none, enough
 /// for a WRITE_WITH_IMM, which only consumes the receive).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -120,6 +164,12 @@ pub trait WorkQueue {
     /// including when the QP is in error (then until its flush).
     unsafe fn post_send(&mut self, chain: &[SendWr]) -> std::result::Result<(), PostError>;
 
+    /// Posts memory-window requests in order, as one chain that may be
+    /// refused part-way like a send chain. They reference no local memory;
+    /// the memory a bind opens was registered for it (its registration's
+    /// contract covers the peer's writes there).
+    fn post_mw(&mut self, chain: &[MwWr]) -> std::result::Result<(), PostError>;
+
     /// Posts receives in order.
     ///
     /// # Safety
@@ -141,9 +191,19 @@ pub trait WorkQueue {
 }
 
 /// [`WorkQueue`] over a real RC queue pair and its (send and receive)
-/// completion queue. The verbs request arrays are sized at construction
-/// (`max_wr`, the QP's queue depth), so a post allocates nothing.
+/// completion queue, and the memory windows it binds (if it was given any:
+/// [`VerbsQueue::with_windows`]). The verbs request arrays are sized at
+/// construction (`max_wr`, the QP's queue depth), so a post allocates
+/// nothing.
 pub struct VerbsQueue {
+    /// The windows, declared before the QP so they are freed first:
+    /// soft-RoCE (Linux 6.1) took 50.6 s to destroy a QP that 8 bound
+    /// windows still referenced (measured in the VM; 0.5 ms to free the
+    /// windows first), and a dead node's QP is destroyed on the network
+    /// thread.
+    mws: Vec<Mw>,
+    /// The region the windows bind over (kept registered while they live).
+    mw_region: Option<Arc<Mr>>,
     qp: Qp,
     cq: Arc<Cq>,
     sges: Vec<ibv_sge>,
@@ -152,7 +212,8 @@ pub struct VerbsQueue {
 }
 
 // SAFETY: the verbs structures in the scratch arrays point only into those
-// arrays (rebuilt on every post); the QP and CQ are Send.
+// arrays or at the windows and region this queue owns (rebuilt on every
+// post); the QP, CQ, windows and region are Send.
 unsafe impl Send for VerbsQueue {}
 
 impl VerbsQueue {
@@ -160,6 +221,8 @@ impl VerbsQueue {
     /// requests per chain.
     pub fn new(qp: Qp, cq: Arc<Cq>, max_wr: usize) -> Self {
         VerbsQueue {
+            mws: Vec::new(),
+            mw_region: None,
             qp,
             cq,
             sges: Vec::with_capacity(max_wr),
@@ -168,10 +231,14 @@ impl VerbsQueue {
         }
     }
 
-    /// The queue pair, for what the interface does not carry (memory
-    /// window binds and invalidations: `RdmaRx` posts them here).
-    pub fn qp(&self) -> &Qp {
-        &self.qp
+    /// Gives the queue `windows` (allocated on the QP's protection domain)
+    /// to bind over `region` (registered [`super::Access::WindowsOnly`]):
+    /// [`MwOp::Bind`] names them by their index here. Their current keys
+    /// are [`Mw::rkey`].
+    pub fn with_windows(mut self, region: Arc<Mr>, windows: Vec<Mw>) -> Self {
+        self.mws = windows;
+        self.mw_region = Some(region);
+        self
     }
 }
 
@@ -230,6 +297,48 @@ impl WorkQueue for VerbsQueue {
         // it; the rest per this function's contract.
         unsafe { self.qp.post_chain_counted(&mut self.wrs) }
             .map_err(|(posted, error)| PostError { posted, error })
+    }
+
+    fn post_mw(&mut self, chain: &[MwWr]) -> std::result::Result<(), PostError> {
+        self.wrs.clear();
+        for w in chain {
+            let mut wr = match w.op {
+                MwOp::Bind {
+                    window,
+                    addr,
+                    len,
+                    rkey,
+                } => {
+                    let (Some(mw), Some(mr)) = (self.mws.get(window as usize), &self.mw_region)
+                    else {
+                        // A caller bug: nothing of the chain is posted.
+                        return Err(PostError {
+                            posted: 0,
+                            error: std::io::Error::from_raw_os_error(libc::EINVAL),
+                        });
+                    };
+                    bind_mw_wr(w.wr_id, mw, mr, addr, len, rkey)
+                }
+                MwOp::Invalidate { rkey } => local_inv_wr(w.wr_id, rkey),
+            };
+            if w.signaled {
+                wr.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
+            }
+            self.wrs.push(wr);
+        }
+        // SAFETY: the windows and their region live in this queue, freed
+        // after the QP is done with them (field order); binds reference no
+        // other memory, and the memory they open was registered for it.
+        let res = unsafe { self.qp.post_chain_counted(&mut self.wrs) };
+        let posted = res.as_ref().map_or_else(|(k, _)| *k, |()| chain.len());
+        // A bind posted names the window by the key it gets: the next
+        // request on that window must name it so (see Mw::set_rkey).
+        for w in &chain[..posted] {
+            if let MwOp::Bind { window, rkey, .. } = w.op {
+                self.mws[window as usize].set_rkey(rkey);
+            }
+        }
+        res.map_err(|(posted, error)| PostError { posted, error })
     }
 
     unsafe fn post_recv(&mut self, chain: &[RecvWr]) -> std::result::Result<(), PostError> {
