@@ -377,7 +377,9 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
     }
 
     /// Gives table entry `idx` to its next untried live holder, or reads it
-    /// from the source, or fails it. False: the holder has no room now.
+    /// from the source, or fails it. False: the holder has no room now, or
+    /// every holder is gone and one of them is being dialled again (the
+    /// entry waits for it: `redial.rs`).
     pub(super) fn place(&mut self, idx: usize) -> bool {
         let s = self.table[idx];
         let placement = self.placement;
@@ -426,12 +428,14 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             t.received = 0;
             return true;
         }
-        self.read_from_source(idx);
-        true
+        self.read_from_source(idx)
     }
 
-    /// Last resort: read the sample from the source files.
-    pub(super) fn read_from_source(&mut self, idx: usize) {
+    /// Last resort: read the sample from the source files. True: the
+    /// sample is published (read, or failed with a named error); false: the
+    /// source failed but a holder that went away is being dialled again,
+    /// so the entry waits for it (that holder's copy is marked untried).
+    pub(super) fn read_from_source(&mut self, idx: usize) -> bool {
         let s = self.table[idx];
         let placement = self.placement;
         let mut tried = String::new();
@@ -506,21 +510,38 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                     .map_err(|e| format!("copying it into the GPU ring: {e}")),
                 None => Ok(()),
             });
-        self.table[idx].live = false;
         match res {
             Ok(()) => {
+                self.table[idx].live = false;
                 self.net().source_reads.fetch_add(1, Ordering::Relaxed);
                 log::info!("sample {} read from the source ({tried})", s.id);
                 self.sh.publish(s.g, CODE_OK);
+                true
             }
             Err(why) => {
+                let mut back = 0u64;
+                let mut refused = None;
+                for r in 0..placement.replicas {
+                    let node = placement.holder(s.id, r) as usize;
+                    if self.coming_back(node) {
+                        back |= 1 << r;
+                    } else if refused.is_none() {
+                        refused = self.refused(node).cloned();
+                    }
+                }
+                if back != 0 {
+                    self.table[idx].tried &= !back;
+                    return false;
+                }
+                self.table[idx].live = false;
                 tried.push_str(&why);
-                let e = Error::SampleUnavailable {
+                let e = refused.unwrap_or(Error::SampleUnavailable {
                     sample: s.id,
                     tried,
-                };
+                });
                 crate::loader::shared::push_error(&self.sh.errors, s.g, e);
                 self.sh.publish(s.g, CODE_ERROR);
+                true
             }
         }
     }

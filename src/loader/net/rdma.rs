@@ -429,6 +429,13 @@ impl Receive for RdmaRx {
     type Common = Arc<ConsumerRdma>;
     const FRAMED: bool = false;
 
+    /// A reconnect sets up a new queue pair on the same device, protection
+    /// domain, ring registration and completion channel, as the start's
+    /// connect threads do.
+    fn redial_common(common: &Arc<ConsumerRdma>) -> Option<Arc<ConsumerRdma>> {
+        Some(common.clone())
+    }
+
     fn connect(
         common: &Arc<ConsumerRdma>,
         sock: &mut TcpStream,
