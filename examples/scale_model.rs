@@ -314,7 +314,9 @@ fn print_resize(threads: usize) {
          under the new placement and did not under the old. The minimum: growing, the new nodes' \
          share of every copy; shrinking, the removed nodes' copies.\n"
     );
-    println!("| nodes | R | stored | minimum | scaled (v1) moves | jump (v2) moves | jump / minimum |");
+    println!(
+        "| nodes | R | stored | minimum | scaled (v1) moves | jump (v2) moves | jump / minimum |"
+    );
     println!("|---|---|---|---|---|---|---|");
     for (from, to) in [(64u32, 65u32), (512, 448)] {
         for r in 1..=MAX_REPLICAS as u32 {

@@ -85,7 +85,12 @@ impl Serve {
                 break;
             }
         }
-        let addr = line.trim().rsplit(' ').next().unwrap_or_default().to_string();
+        let addr = line
+            .trim()
+            .rsplit(' ')
+            .next()
+            .unwrap_or_default()
+            .to_string();
         assert!(addr.contains(':'), "serve printed {line:?}");
         Serve { child, addr }
     }
@@ -424,6 +429,7 @@ fn three_to_four_to_two_nodes_with_replicas_in_network_namespaces() {
         let mut bytes = 0;
         for i in 0..to {
             let (out, n, b) = stage(&st, i, to, &addrs, i >= from);
+            assert!(out.contains("2 copies"), "{out}");
             let (want_n, want_b) = arriving(&cat, pf, pt, i);
             assert_eq!((n, b), (want_n, want_b), "node {i} {from}->{to}: {out}");
             bytes += b;
@@ -449,7 +455,10 @@ fn three_to_four_to_two_nodes_with_replicas_in_network_namespaces() {
             100.0 * min / total_copies as f64
         );
         // Consecutive replicas cost at most one more wrapped copy per sample.
-        assert!((bytes as f64) < min * 1.75, "{from}->{to}: {bytes} vs {min}");
+        assert!(
+            (bytes as f64) < min * 1.75,
+            "{from}->{to}: {bytes} vs {min}"
+        );
         moved.push(bytes);
         let serves: Vec<Serve> = (0..to).map(serve).collect();
         let addrs: Vec<String> = serves.iter().map(|s| s.addr.clone()).collect();
@@ -460,13 +469,7 @@ fn three_to_four_to_two_nodes_with_replicas_in_network_namespaces() {
         drop(serves);
     }
     // A rerun after the commit finds the layout in place.
-    let out = ok(&[
-        "rebalance",
-        "--space",
-        s(&st.space(0)),
-        "--nodes",
-        "2",
-    ]);
+    let out = ok(&["rebalance", "--space", s(&st.space(0)), "--nodes", "2"]);
     assert!(out.contains("nothing copied"), "{out}");
     eprintln!("moved bytes per resize: {moved:?}");
 }
@@ -499,20 +502,21 @@ impl Fetch for Crashing {
 
 #[test]
 fn staging_stopped_mid_way_resumes_and_a_rerun_copies_nothing() {
-    let st = setup("tiny", 4000, 2, 1);
+    // Node 0 of 3 going to 2 nodes takes half of node 2's samples.
+    let st = setup("tiny", 4000, 3, 1);
     let cat = Catalog::open(&st.catalog).unwrap();
-    let to = Placement::new(3, 1).unwrap();
-    let (want_n, want_b) = arriving(&cat, Placement::new(2, 1).unwrap(), to, 0);
+    let (from, to) = (Placement::new(3, 1).unwrap(), Placement::new(2, 1).unwrap());
+    let (want_n, want_b) = arriving(&cat, from, to, 0);
     assert!(want_n > 600, "{want_n}");
     let opts = RebalanceOptions::new(to, 0).checkpoint_bytes(4096);
     let mut crash = Crashing {
         inner: SourceFetch::new(&cat).unwrap(),
-        left: 600,
+        left: 300,
     };
     let e = dataset::rebalance(&st.space(0), &opts, &mut crash).unwrap_err();
     assert!(e.to_string().contains("crashed"), "{e}");
     // The old layout is untouched and still complete.
-    check_space(&st.space(0), Placement::new(2, 1).unwrap(), 0);
+    check_space(&st.space(0), from, 0);
     let mut src = SourceFetch::new(&cat).unwrap();
     let r = dataset::rebalance(&st.space(0), &opts, &mut src).unwrap();
     let at = r.resumed_at.expect("resumed");
@@ -522,11 +526,14 @@ fn staging_stopped_mid_way_resumes_and_a_rerun_copies_nothing() {
     assert_eq!(r.arriving_bytes, want_b);
     assert!(r.staged && !r.committed);
     let r = dataset::rebalance(&st.space(0), &opts.clone().commit(true), &mut src).unwrap();
-    assert!(r.already_staged && r.committed && r.copied_samples == 0, "{r:?}");
+    assert!(
+        r.already_staged && r.committed && r.copied_samples == 0,
+        "{r:?}"
+    );
     check_space(&st.space(0), to, 0);
     // The punched ranges are the samples node 0 gave up.
     let dropped: u64 = (0..cat.len())
-        .filter(|&id| Placement::new(2, 1).unwrap().holds(0, id) && !to.holds(0, id))
+        .filter(|&id| from.holds(0, id) && !to.holds(0, id))
         .count() as u64;
     assert_eq!(r.dropped_samples, dropped);
     assert!(r.reclaimed_bytes >= r.dropped_bytes, "{r:?}");
@@ -584,6 +591,23 @@ fn node_killed_and_restarted_twice_in_one_epoch_with_one_copy_and_no_source() {
     .unwrap();
     assert_eq!(n, cat.len());
     assert_eq!(restarts, 2);
+    // Node 1 alone holds samples well past each restart (beyond what the
+    // 256 KiB ring had read ahead): they came from the restarted service.
+    let sampler = Sampler::new(
+        SamplerConfig::single(cat.len(), 3)
+            .rank_world(0, 1)
+            .shuffle(true)
+            .drop_last(false),
+    )
+    .unwrap();
+    let p = Placement::new(3, 1).unwrap();
+    let only_node1 = |steps: std::ops::Range<u64>| {
+        steps
+            .filter(|&k| p.owner(sampler.sample(0, k)) == 1)
+            .count()
+    };
+    assert!(only_node1(11 * 16 + 200..51 * 16) > 50);
+    assert!(only_node1(51 * 16 + 200..cat.len()) > 50);
     let stats = l.finish();
     eprintln!(
         "epoch with two restarts in {:.2} s: {stats:?}",
@@ -659,7 +683,9 @@ fn scaled_spaces_keep_working_and_rebalance_converts_them() {
     let scaled = Placement::with_fn(OwnerFn::Scaled, 2, 1).unwrap();
     for i in 0..2 {
         let opts = PreloadOptions::default()
-            .source(Some(dataset::SourceSpec::parse_os(st.src.as_os_str()).unwrap()))
+            .source(Some(
+                dataset::SourceSpec::parse_os(st.src.as_os_str()).unwrap(),
+            ))
             .catalog(Some(st.catalog.clone()))
             .placement(scaled)
             .node_index(i);
@@ -680,7 +706,14 @@ fn scaled_spaces_keep_working_and_rebalance_converts_them() {
         assert!(out.contains("up to date"), "{out}");
     }
     let serves: Vec<Serve> = (0..2)
-        .map(|i| Serve::start(&st.space(i), &format!("{}:0", node_ip(i as usize)), &st.token, None))
+        .map(|i| {
+            Serve::start(
+                &st.space(i),
+                &format!("{}:0", node_ip(i as usize)),
+                &st.token,
+                None,
+            )
+        })
         .collect();
     let addrs: Vec<String> = serves.iter().map(|s| s.addr.clone()).collect();
     let mut l = consumer(&st.space(0), &addrs, 1 << 20);

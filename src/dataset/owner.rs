@@ -188,7 +188,10 @@ mod tests {
         assert_eq!(owners, vec![4, 2, 0, 1, 0, 3, 2, 5, 6, 0]);
         let p = Placement::new(1000, 1).unwrap();
         let owners: Vec<u32> = (0..10).map(|i| p.owner(i)).collect();
-        assert_eq!(owners, vec![299, 368, 125, 154, 538, 411, 299, 874, 522, 989]);
+        assert_eq!(
+            owners,
+            vec![299, 368, 125, 154, 538, 411, 299, 874, 522, 989]
+        );
         // The widest node count: (b + 1) << 31 must not overflow.
         let raw: Vec<u32> = (0..5).map(|k| jump(k, u32::MAX)).collect();
         assert_eq!(

@@ -405,7 +405,8 @@ fn read_journal(dir: &Path) -> Result<Option<Journal>> {
         return Ok(None);
     }
     let bytes = format::read_small(&p)?;
-    let parsed = format::parse_versions(&p, "journal", &JOURNAL_MAGIC, 1..=JOURNAL_VERSION, &bytes)?;
+    let parsed =
+        format::parse_versions(&p, "journal", &JOURNAL_MAGIC, 1..=JOURNAL_VERSION, &bytes)?;
     let owner_fn = match parsed.version {
         1 => Some(OwnerFn::Scaled),
         _ => u32::try_from(parsed.fields.u64(64))

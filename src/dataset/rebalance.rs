@@ -621,9 +621,11 @@ fn stage(
         got.clear();
         got.resize(want.len(), false);
         fetch.fetch(&want, &mut |sid, data| {
-            let k = want
-                .binary_search_by_key(&sid, |w| w.0)
-                .map_err(|_| Error::InvalidConfig(format!("fetch delivered sample {sid}, which was not asked for")))?;
+            let k = want.binary_search_by_key(&sid, |w| w.0).map_err(|_| {
+                Error::InvalidConfig(format!(
+                    "fetch delivered sample {sid}, which was not asked for"
+                ))
+            })?;
             assert!(!got[k], "sample {sid} delivered twice by the fetch");
             let s = catalog.sample(sid);
             let crc = crc32c::crc32c(data);
@@ -687,6 +689,14 @@ fn stage(
     report.staged = true;
     report.stage_time = t0.elapsed();
     Ok(())
+}
+
+/// The layout parameters of a staged, uncommitted rebalance of `dir`, if
+/// any (a new node's `--commit` takes its node index from them).
+pub fn staged_params(dir: &Path) -> Option<LayoutParams> {
+    Space::open_manifest(dir, files::STAGED)
+        .ok()
+        .map(|s| *s.params())
 }
 
 /// Puts a staged layout in use and punches out what the node no longer

@@ -230,7 +230,11 @@ fn decode_loc(locs: &[u8], id: u64) -> Option<Location> {
 /// Starts writing a manifest at `path` (header fields; the caller writes the
 /// body and commits): version 1 for a space placed by the scaled function,
 /// so builds that predate jump still read it, version 2 otherwise.
-pub(crate) fn create_manifest(path: &Path, params: &LayoutParams, plan: &Plan) -> Result<FileWriter> {
+pub(crate) fn create_manifest(
+    path: &Path,
+    params: &LayoutParams,
+    plan: &Plan,
+) -> Result<FileWriter> {
     let created_ns = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_nanos() as u64)

@@ -326,7 +326,8 @@ impl PeerFetch {
                         done[k] = true;
                         open -= 1;
                         let s = start as usize;
-                        put(batch[k].0, &self.ring[s..s + len as usize]).map_err(BatchError::Put)?;
+                        put(batch[k].0, &self.ring[s..s + len as usize])
+                            .map_err(BatchError::Put)?;
                         self.counts.0 += 1;
                         self.counts.1 += len as u64;
                     }
@@ -390,7 +391,8 @@ fn read_frame<'b>(
     buf: &'b mut Vec<u8>,
 ) -> std::result::Result<(Header, &'b [u8]), String> {
     let mut hb = [0u8; proto::HEADER_BYTES];
-    s.read_exact(&mut hb).map_err(|e| format!("receiving: {e}"))?;
+    s.read_exact(&mut hb)
+        .map_err(|e| format!("receiving: {e}"))?;
     let h = Header::decode(&hb, proto::MAX_DATA_BYTES).map_err(|e| e.to_string())?;
     if h.body_len as usize > proto::MAX_MESSAGE_BYTES + 64 {
         return Err(format!("a {:?} frame of {} bytes", h.kind, h.body_len));

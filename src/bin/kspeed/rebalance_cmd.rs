@@ -25,7 +25,8 @@ pub(crate) struct RebalanceArgs {
     /// new nodes take the next ones).
     #[arg(long)]
     node_index: Option<u32>,
-    /// Copies of each sample in the new layout (default: the space's).
+    /// Copies of each sample in the new layout (default: the space's, or
+    /// for a new node the old layout's, from its peers).
     #[arg(long)]
     replicas: Option<u32>,
     /// The old layout's node services, in node-index order
@@ -78,9 +79,11 @@ pub(crate) fn run(a: RebalanceArgs, progress: ProgressMode) -> kspeed::Result<()
             std::fs::rename(&tmp, &cpath).map_err(|e| kspeed::Error::io("rename", &tmp, e))?;
         }
     }
-    let old = Space::open(&a.space).ok();
-    let old_params = old.as_ref().map(|s| *s.params());
-    drop(old);
+    // The space's layout, else a staged one's (a new node committing).
+    let old_params = Space::open(&a.space)
+        .ok()
+        .map(|s| *s.params())
+        .or_else(|| dataset::rebalance::staged_params(&a.space));
     let node_index = match (a.node_index, old_params) {
         (Some(i), _) => i,
         (None, Some(p)) => p.node_index,
@@ -90,11 +93,6 @@ pub(crate) fn run(a: RebalanceArgs, progress: ProgressMode) -> kspeed::Result<()
             ))
         }
     };
-    let replicas = a
-        .replicas
-        .or(old_params.map(|p| p.placement.replicas))
-        .unwrap_or(1);
-    let placement = Placement::with_fn(OwnerFn::Jump, a.nodes, replicas)?;
     let catalog = Catalog::open(&cpath)?;
     let peers = match (&a.peers_file, a.peers.is_empty()) {
         (Some(f), _) => Some(Cluster::from_file(f)?),
@@ -106,28 +104,41 @@ pub(crate) fn run(a: RebalanceArgs, progress: ProgressMode) -> kspeed::Result<()
     } else {
         None
     };
+    let mut old_replicas = old_params.map(|p| p.placement.replicas);
     let mut fetch: Box<dyn Fetch> = match (peers, source) {
         (Some(cluster), source) => {
             let token = match &a.token_file {
                 Some(t) => crate::read_token(t)?,
                 None => {
                     return Err(kspeed::Error::InvalidConfig(
-                        "--peers needs --token-file (the node services check the job token)"
-                            .into(),
+                        "--peers needs --token-file (the node services check the job token)".into(),
                     ))
                 }
             };
-            Box::new(PeerFetch::new(
+            let mut pf = PeerFetch::new(
                 &cluster,
                 &token,
                 &catalog,
                 source,
                 Duration::from_secs(a.timeout.max(1)),
-            ))
+            );
+            if a.replicas.is_none() && old_replicas.is_none() {
+                old_replicas = Some(pf.placement()?.replicas);
+            }
+            Box::new(pf)
         }
         (None, Some(source)) => Box::new(source),
         (None, None) => Box::new(NoFetch),
     };
+    let replicas = match (a.replicas, old_replicas) {
+        (Some(r), _) | (None, Some(r)) => r,
+        (None, None) => {
+            return Err(kspeed::Error::InvalidConfig(
+                "--replicas is needed for a space with no layout yet and no --peers".into(),
+            ))
+        }
+    };
+    let placement = Placement::with_fn(OwnerFn::Jump, a.nodes, replicas)?;
     let opts = RebalanceOptions::new(placement, node_index)
         .commit(a.commit)
         .checkpoint_bytes(a.checkpoint_bytes)

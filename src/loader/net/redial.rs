@@ -30,7 +30,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use super::connect::{connect_retrying, jitter, welcome_placement, ConnectError};
-use super::{Beats, Placement, Receive, State, Thread, USER_TIMEOUT_MAX, USER_TIMEOUT_MIN};
+use super::{Beats, Receive, State, Thread, USER_TIMEOUT_MAX, USER_TIMEOUT_MIN};
 use crate::ring::IoBackend;
 use crate::transport::proto::Welcome;
 
@@ -190,7 +190,15 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         let Some(c) = self.conns.get(node) else {
             return false;
         };
+        let redials = self.redials.enabled
+            && Some(c.node) != self.setup.local_node
+            && R::redial_common(&self.common).is_some();
         let r = &mut self.redials.state[node];
+        // Closing: it goes dead (and is dialled again) once its receive
+        // and send are back.
+        if c.state == State::Closing {
+            return redials && r.refused.is_none();
+        }
         let waiting = c.state == State::Dead
             && r.refused.is_none()
             && (r.inflight || r.next.is_some())
@@ -211,7 +219,10 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
     /// The error a gone node left for the samples only it holds (it came
     /// back changed, or refused us), if any.
     pub(super) fn refused(&self, node: usize) -> Option<&crate::error::Error> {
-        self.redials.state.get(node).and_then(|r| r.refused.as_ref())
+        self.redials
+            .state
+            .get(node)
+            .and_then(|r| r.refused.as_ref())
     }
 
     fn redialed(&mut self, i: usize, res: Result<(super::Conn<R>, Welcome), ConnectError>) {
@@ -275,6 +286,18 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         r.next = None;
         r.back_since = Some(now);
         r.dead_since = None;
+        // A new connection is a fresh try: the entries waiting for another
+        // place (their tries of the old connection marked) may go to it.
+        let placement = self.placement;
+        for t in self.table.iter_mut() {
+            if t.live && t.node == super::NONE {
+                for c in 0..placement.replicas {
+                    if placement.holder(t.id, c) == node {
+                        t.tried &= !(1u64 << c);
+                    }
+                }
+            }
+        }
         log::warn!(
             "node {node} ({addr}) is back (it was gone: {}); it takes grants again",
             was.reason
