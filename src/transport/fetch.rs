@@ -190,7 +190,7 @@ impl PeerFetch {
     /// layout); delivers what it sends through `put` and returns the ones
     /// it could not deliver. A broken connection fails every sample not yet
     /// delivered (the connection is dropped and opened again next time).
-    fn from_peer(
+    fn ask_peer(
         &mut self,
         i: usize,
         want: &[(u64, u32)],
@@ -426,7 +426,7 @@ impl Fetch for PeerFetch {
             todo.clear();
             for (i, batch) in per_node.iter().enumerate() {
                 if !batch.is_empty() {
-                    self.from_peer(i, batch, put, &mut todo)?;
+                    self.ask_peer(i, batch, put, &mut todo)?;
                 }
             }
             todo.sort_unstable();
