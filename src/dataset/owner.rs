@@ -164,8 +164,12 @@ impl Placement {
         ((self.owner(id) as u64 + r as u64) % self.nodes as u64) as u32
     }
 
-    /// Whether `node` holds a copy of sample `id`.
+    /// Whether `node` holds a copy of sample `id` (never for a node past
+    /// the last: a resize asks about nodes of another layout).
     pub fn holds(&self, node: u32, id: u64) -> bool {
+        if node >= self.nodes {
+            return false;
+        }
         let d = (node as u64 + self.nodes as u64 - self.owner(id) as u64) % self.nodes as u64;
         d < self.replicas as u64
     }
