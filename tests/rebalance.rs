@@ -446,9 +446,10 @@ fn three_to_four_to_two_nodes_with_replicas_in_network_namespaces() {
             let dropped = (0..cat.len()).any(|id| pf.holds(i, id) && !pt.holds(i, id));
             let (copied, punched) = commit(&st, i, to);
             assert_eq!(copied, 0);
-            // What the node gave up is punched out; what it kept reads
-            // back intact (check_space verifies every held sample).
-            assert_eq!(punched > 0, dropped, "node {i} {from}->{to}");
+            // What the node gave up is punched out (and the ranges an
+            // earlier resize left, again); what it kept reads back intact
+            // (check_space verifies every held sample).
+            assert!(punched > 0 || !dropped, "node {i} {from}->{to}");
             check_space(&st.space(i), pt, i);
         }
         for i in to..from {

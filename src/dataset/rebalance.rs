@@ -213,7 +213,8 @@ pub struct RebalanceReport {
     pub dropped_samples: u64,
     /// Bytes of the dropped samples.
     pub dropped_bytes: u64,
-    /// Bytes punched out of the extents at commit.
+    /// Bytes punched out of the extents at commit: every range no held
+    /// sample covers, including those an earlier resize already punched.
     pub reclaimed_bytes: u64,
     /// Copied from peers (samples, bytes) and from the source.
     pub from_peers: (u64, u64),
