@@ -738,3 +738,99 @@ fn scaled_spaces_keep_working_and_rebalance_converts_them() {
         assert_eq!(u32::from_le_bytes(m[8..12].try_into().unwrap()), 2);
     }
 }
+
+/// A node 2 of 3 that serves the first GRANT with the real bytes and then
+/// answers nothing more (holding the connection): a staging that fetches
+/// from it makes progress, then hangs where a kill -9 can find it.
+fn node_serving_one_batch(cat: &Catalog) -> String {
+    use kspeed::transport::proto::{self, GrantEntry, Header, Kind, Welcome};
+    use std::io::Write;
+    let l = std::net::TcpListener::bind("127.0.0.3:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let mut src = SourceFetch::new(cat).unwrap();
+    std::thread::spawn(move || {
+        let (mut c, _) = l.accept().unwrap();
+        read_frame(&mut c).unwrap(); // HELLO
+        let w = Welcome {
+            node_index: 2,
+            nodes: 3,
+            replicas: 1,
+            owner_fn: 1,
+            max_data_bytes: 1 << 20,
+            max_grants: 4096,
+            transport: proto::TRANSPORT_TCP,
+        };
+        c.write_all(&w.encode()).unwrap();
+        let (h, body) = read_frame(&mut c).unwrap();
+        assert_eq!(h.kind, Kind::Grant);
+        let mut buf = Vec::new();
+        for k in 0..h.a as usize {
+            let e = GrantEntry::decode(&body, k);
+            src.read(e.sample, &mut buf).unwrap();
+            c.write_all(&Header::data(e.grant, e.offset, e.len).encode())
+                .unwrap();
+            c.write_all(&buf).unwrap();
+        }
+        // The next GRANT is never answered; the connection stays open
+        // until the staging process is killed.
+        let _ = read_frame(&mut c);
+        let _ = read_frame(&mut c);
+    });
+    addr
+}
+
+#[test]
+fn staging_killed_mid_way_resumes_from_its_journal() {
+    // Node 0 of 3 going to 2 nodes takes half of node 2's samples.
+    let st = setup("tiny", 4000, 3, 1);
+    let cat = Catalog::open(&st.catalog).unwrap();
+    let (from, to) = (Placement::new(3, 1).unwrap(), Placement::new(2, 1).unwrap());
+    let (want_n, want_b) = arriving(&cat, from, to, 0);
+    assert!(want_n > 300, "{want_n}");
+    let node2 = node_serving_one_batch(&cat);
+    // Nodes 0 and 1 do not answer (nothing listens there).
+    let peers = format!("127.0.0.1:1,127.0.0.2:1,{node2}");
+    let mut child = Command::new(kspeed_bin())
+        .args(["rebalance", "--space", s(&st.space(0)), "--nodes", "2"])
+        .args(["--peers", &peers, "--token-file", s(&st.token)])
+        .args(["--checkpoint-bytes", "4096", "--progress", "none"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    // The first batch is synced and journaled; the second never comes.
+    let journal = st.space(0).join("rebalance.journal");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !journal.exists() {
+        assert!(Instant::now() < deadline, "no journal");
+        assert!(child.try_wait().unwrap().is_none(), "staging ended");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    Command::new("kill")
+        .args(["-KILL", &child.id().to_string()])
+        .status()
+        .unwrap();
+    child.wait().unwrap();
+    assert!(!st.space(0).join("rebalance.ksm").exists());
+    check_space(&st.space(0), from, 0);
+    // The rerun (from the source now) resumes at the journal's watermark.
+    let out = ok(&[
+        "rebalance",
+        "--space",
+        s(&st.space(0)),
+        "--nodes",
+        "2",
+        "--from-source",
+        "--commit",
+    ]);
+    assert!(
+        out.contains("resumed an interrupted rebalance at sample"),
+        "{out}"
+    );
+    let f = fields(&out);
+    assert_eq!(num(&f, "arriving_samples"), want_n);
+    assert_eq!(num(&f, "arriving_bytes"), want_b);
+    assert!(num(&f, "copied_samples") < want_n, "{out}");
+    assert_eq!(f["committed"], "true");
+    check_space(&st.space(0), to, 0);
+}
