@@ -9,6 +9,7 @@
 //! cargo run --release --example scale_model              # the tables of docs/SCALE.md
 //! cargo run --release --example scale_model -- --quick   # fewer sampled steps
 //! cargo run --release --example scale_model -- --connections   # only the connection tables
+//! cargo run --release --example scale_model -- --resize        # only the resize table
 //! ```
 //!
 //! Traffic is not iterated over whole epochs (10^9 samples): a number of
@@ -33,7 +34,7 @@
 use std::time::Instant;
 
 use kspeed::dataset::gen::{sample_size, Profile};
-use kspeed::dataset::Placement;
+use kspeed::dataset::{OwnerFn, Placement};
 use kspeed::hash::mix64;
 use kspeed::sampler::{EpochOrder, Sampler, SamplerConfig};
 use kspeed::transport::proto;
@@ -268,6 +269,82 @@ fn tally_step(
     t
 }
 
+/// Samples of the resize table (imagenet sizes: about 128 GB).
+const RESIZE_SAMPLES: u64 = 1_000_000;
+
+/// What resizing a cluster from `from` to `to` nodes copies: every copy a
+/// node holds under the new placement and did not hold under the old one
+/// is copied to it (`kspeed rebalance` fetches exactly these), in bytes
+/// (imagenet sizes, `RESIZE_SAMPLES` samples), for the owner function `f`.
+/// The minimum is what any placement must copy: the new nodes' share of
+/// every copy when growing, the removed nodes' copies when shrinking.
+fn resize_moved(f: OwnerFn, from: u32, to: u32, replicas: u32, threads: usize) -> (u64, u64) {
+    let (a, b) = (
+        Placement::with_fn(f, from, replicas).expect("valid placement"),
+        Placement::with_fn(f, to, replicas).expect("valid placement"),
+    );
+    let per = RESIZE_SAMPLES.div_ceil(threads as u64);
+    std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..threads as u64)
+            .map(|t| {
+                sc.spawn(move || {
+                    let (mut moved, mut total) = (0u64, 0u64);
+                    for id in t * per..((t + 1) * per).min(RESIZE_SAMPLES) {
+                        let len = sample_size(Profile::Imagenet, SEED, id);
+                        total += len * replicas as u64;
+                        for r in 0..replicas {
+                            if !a.holds(b.holder(id, r), id) {
+                                moved += len;
+                            }
+                        }
+                    }
+                    (moved, total)
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().expect("no panic"))
+            .fold((0, 0), |x, y| (x.0 + y.0, x.1 + y.1))
+    })
+}
+
+/// The resize table: bytes copied for 64 -> 65 and 512 -> 448 nodes, the
+/// scaled owner function (manifest version 1) against jump (version 2).
+fn print_resize(threads: usize) {
+    println!(
+        "\n## Resizing the cluster: bytes `kspeed rebalance` copies\n\n\
+         {RESIZE_SAMPLES:.0e} imagenet-sized samples (seed {SEED}); a copy moves when a node holds it \
+         under the new placement and did not under the old. The minimum: growing, the new nodes' \
+         share of every copy; shrinking, the removed nodes' copies.\n"
+    );
+    println!(
+        "| nodes | R | stored | minimum | scaled (v1) moves | jump (v2) moves | jump / minimum |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    for (from, to) in [(64u32, 65u32), (512, 448)] {
+        for r in 1..=MAX_REPLICAS as u32 {
+            let (scaled, total) = resize_moved(OwnerFn::Scaled, from, to, r, threads);
+            let (jump, _) = resize_moved(OwnerFn::Jump, from, to, r, threads);
+            let min = if to > from {
+                total as f64 * (to - from) as f64 / to as f64
+            } else {
+                total as f64 * (from - to) as f64 / from as f64
+            };
+            println!(
+                "| {from} → {to} | {r} | {:.1} GB | {:.2} GB ({:.2}%) | {:.2} GB ({:.1}%) | {:.2} GB ({:.2}%) | {:.2} |",
+                total as f64 / 1e9,
+                min / 1e9,
+                100.0 * min / total as f64,
+                scaled as f64 / 1e9,
+                100.0 * scaled as f64 / total as f64,
+                jump as f64 / 1e9,
+                100.0 * jump as f64 / total as f64,
+                jump as f64 / min,
+            );
+        }
+    }
+}
+
 fn traffic(profile: Profile, samples: u64, nodes: u32, steps: usize, threads: usize) -> Traffic {
     let world = nodes * RANKS_PER_NODE;
     let sampler = Sampler::new(
@@ -344,6 +421,12 @@ fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
     // Only the tables of connections and memory (no traffic sampling).
     let connections_only = std::env::args().any(|a| a == "--connections");
+    // Only the resize table.
+    if std::env::args().any(|a| a == "--resize") {
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        print_resize(threads.min(8));
+        return;
+    }
     let threads = std::thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(1)
@@ -415,6 +498,10 @@ fn main() {
                 );
             }
         }
+    }
+
+    if !connections_only {
+        print_resize(threads);
     }
 
     // --- connections, queue pairs and memory (independent of sizes) --------

@@ -1,10 +1,11 @@
 #!/bin/bash
 # Runs inside the soft-RoCE VM (../shared/rdma-vm/run-in-vm.sh): the RDMA
 # test binary, then the cluster tests over RDMA. scripts/test.sh calls it:
-#   run-in-vm.sh -- scripts/vm_rdma_tests.sh RDMA_TEST_BIN CLUSTER_TEST_BIN
+#   run-in-vm.sh -- scripts/vm_rdma_tests.sh RDMA_TEST_BIN CLUSTER_TEST_BIN [REBALANCE_TEST_BIN]
 set -euo pipefail
 rdma_bin=$1
 cluster_bin=$2
+rebalance_bin=${3:-}
 # Nodes 2 and 3 get their own addresses on the RDMA interface (rxe adds a
 # RoCE v2 GID for each), so every node has its own GID as on a real cluster.
 for ip in 10.77.0.2 10.77.0.3; do
@@ -16,8 +17,12 @@ echo "== verbs layer and RDMA end-to-end tests"
 echo "== the cluster tests over RDMA (KSPEED_TEST_RDMA=1)"
 # Not the ones whose peer is a hand-written TCP node or consumer, nor the
 # network-namespace ones (TCP plumbing; a fresh namespace has no RDMA
-# netdev): tests/rdma.rs has RDMA's hostile peers. Nor the reconnect test:
-# a dead node is redialled over TCP only (docs/PROTOCOL.md).
+# netdev): tests/rdma.rs has RDMA's hostile peers.
 KSPEED_TEST_RDMA=1 "$cluster_bin" --test-threads 1 \
   --skip hostile_ --skip network_namespaces --skip launcher_node_lists \
-  --skip dead_owner_host --skip a_node_paused_mid_epoch_is_reconnected
+  --skip dead_owner_host
+if [ -n "$rebalance_bin" ]; then
+  echo "== node services restarted mid-epoch over RDMA (KSPEED_TEST_RDMA=1)"
+  KSPEED_TEST_RDMA=1 "$rebalance_bin" --test-threads 1 \
+    node_killed_and_restarted a_node_that_comes_back_changed
+fi

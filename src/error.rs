@@ -449,6 +449,19 @@ pub enum Error {
         /// What it did.
         what: String,
     },
+    /// A node service that went away came back as another node: its space
+    /// is placed otherwise (another node count, copies or owner function)
+    /// or it is another node index. The consumer does not use it again;
+    /// the samples only it held fail with this error.
+    #[error("node {node} ({addr}) came back changed: {what}")]
+    NodeChanged {
+        /// Node index.
+        node: u32,
+        /// Its address.
+        addr: String,
+        /// What differs.
+        what: String,
+    },
     /// No node and no source could deliver a sample.
     #[error("sample {sample} is unavailable: {tried}")]
     SampleUnavailable {
@@ -692,6 +705,7 @@ impl Error {
             Error::Refused { .. } => ("Refused", Network),
             Error::ProtocolViolation { .. } => ("ProtocolViolation", Network),
             Error::SampleUnavailable { .. } => ("SampleUnavailable", Network),
+            Error::NodeChanged { .. } => ("NodeChanged", Network),
             Error::RdmaCompletion { .. } => ("RdmaCompletion", Network),
             Error::AttachSegment { .. } => ("AttachSegment", Network),
             Error::AttachProtocol { .. } => ("AttachProtocol", Network),

@@ -1667,6 +1667,7 @@ fn fake_node(misdeed: Misdeed) -> (String, std::thread::JoinHandle<()>) {
             node_index: 1,
             nodes: 2,
             replicas: 2,
+            owner_fn: 1,
             max_data_bytes: 1 << 20,
             max_grants: 4096,
             transport: proto::TRANSPORT_TCP,
@@ -4115,10 +4116,6 @@ fn an_idle_node_paused_for_three_seconds_keeps_its_consumer() {
 /// consumer for the rest of the run.
 #[test]
 fn a_node_paused_mid_epoch_is_reconnected_and_serves_again() {
-    if rdma_mode() {
-        skip("over RDMA a dead node is not reconnected (docs/PROTOCOL.md)");
-        return;
-    }
     let st = setup("tiny", 600, 1, 1);
     let node = Serve::start(&st.spaces[0], &node_ip(0), &st.token, &[]);
     let cat = Catalog::open(&st.catalog).unwrap();

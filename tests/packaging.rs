@@ -10,8 +10,18 @@ use std::process::Command;
 use common::*;
 
 /// The visible subcommands (the hidden packaging ones are left out of both).
-const SUBCOMMANDS: [&str; 10] = [
-    "gen", "catalog", "preload", "unload", "inspect", "verify", "ls", "cat", "read", "serve",
+const SUBCOMMANDS: [&str; 11] = [
+    "gen",
+    "catalog",
+    "preload",
+    "rebalance",
+    "unload",
+    "inspect",
+    "verify",
+    "ls",
+    "cat",
+    "read",
+    "serve",
 ];
 
 #[test]

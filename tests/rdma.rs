@@ -952,6 +952,7 @@ fn hostile_rdma_node(
             node_index: 1,
             nodes: 2,
             replicas: 2,
+            owner_fn: 1,
             max_data_bytes: 1 << 20,
             // One grant at a time: a GRANT frame is then a sign that the
             // previous grant is closed (its window invalidated).

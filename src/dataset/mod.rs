@@ -6,6 +6,7 @@ pub mod catalog;
 pub mod gen;
 pub mod owner;
 pub mod preload;
+pub mod rebalance;
 pub mod repair;
 mod scan;
 mod shard;
@@ -13,8 +14,9 @@ pub mod source;
 pub mod space;
 
 pub use catalog::{BuildOptions, Catalog, Sample};
-pub use owner::Placement;
+pub use owner::{OwnerFn, Placement};
 pub use preload::{preload, unload, PreloadOptions, PreloadReport, SpaceLock};
+pub use rebalance::{rebalance, Fetch, RebalanceOptions, RebalanceReport, SourceFetch};
 pub use repair::{repair, repair_verified, RepairReport};
 pub use source::{ScanNotes, ScanOptions, SourceKind, SourceSpec};
 pub use space::{BadExtent, BadKind, BadSample, LayoutParams, Location, Space, VerifyReport};

@@ -21,7 +21,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use super::catalog::{self, BuildOptions, Catalog, SpanReader};
-use super::owner::Placement;
+use super::owner::{OwnerFn, Placement};
 use super::source::{ScanNotes, ScanOptions, SourceSpec};
 use super::space::{self, extent_path, files, LayoutParams, Plan, Space};
 use crate::error::{Error, IoContext, Result, SourceChange};
@@ -29,7 +29,9 @@ use crate::format::{self, FileWriter};
 use crate::progress::{Progress, ProgressMode};
 
 const JOURNAL_MAGIC: [u8; 8] = *b"KSPDJRN\0";
-const JOURNAL_VERSION: u32 = 1;
+/// Version 2: the owner function's code at field 64 (version 1 is the
+/// scaled function's journal, which builds that predate jump also resume).
+const JOURNAL_VERSION: u32 = 2;
 
 /// Preload settings. `Default` is one node holding everything.
 #[derive(Debug, Clone)]
@@ -250,7 +252,7 @@ fn lock_holders(file: &File) -> Vec<(u32, bool)> {
     out
 }
 
-fn remove_if_exists(p: &Path) -> Result<()> {
+pub(crate) fn remove_if_exists(p: &Path) -> Result<()> {
     match fs::remove_file(p) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
@@ -275,6 +277,9 @@ fn catalog_write_error(e: Error, dir: &Path) -> Error {
 fn clear_layout(dir: &Path) -> Result<()> {
     remove_if_exists(&dir.join(files::MANIFEST))?;
     remove_if_exists(&dir.join(files::JOURNAL))?;
+    // A staged rebalance is of the old layout's extents.
+    remove_if_exists(&dir.join(files::STAGED))?;
+    remove_if_exists(&dir.join(files::REBALANCE_JOURNAL))?;
     let ext = dir.join(files::EXTENTS);
     match fs::remove_dir_all(&ext) {
         Ok(()) => Ok(()),
@@ -400,8 +405,16 @@ fn read_journal(dir: &Path) -> Result<Option<Journal>> {
         return Ok(None);
     }
     let bytes = format::read_small(&p)?;
-    let parsed = format::parse(&p, "journal", &JOURNAL_MAGIC, JOURNAL_VERSION, &bytes)?;
-    let params = LayoutParams::from_fields(parsed.fields).ok_or_else(|| Error::Corrupt {
+    let parsed =
+        format::parse_versions(&p, "journal", &JOURNAL_MAGIC, 1..=JOURNAL_VERSION, &bytes)?;
+    let owner_fn = match parsed.version {
+        1 => Some(OwnerFn::Scaled),
+        _ => u32::try_from(parsed.fields.u64(64))
+            .ok()
+            .and_then(OwnerFn::from_code),
+    };
+    let params = owner_fn.and_then(|f| LayoutParams::from_fields(parsed.fields, f));
+    let params = params.ok_or_else(|| Error::Corrupt {
         path: p.clone(),
         kind: "journal",
         detail: "layout parameters out of range".into(),
@@ -413,13 +426,25 @@ fn read_journal(dir: &Path) -> Result<Option<Journal>> {
 }
 
 fn write_journal(dir: &Path, params: &LayoutParams, watermark: u64) -> Result<()> {
-    let w = FileWriter::create(
-        &dir.join(files::JOURNAL),
-        JOURNAL_MAGIC,
-        JOURNAL_VERSION,
-        params.to_fields().u64(watermark),
-    )?;
+    let fields = params.to_fields().u64(watermark);
+    let owner_fn = params.placement.owner_fn;
+    let (version, fields) = match owner_fn {
+        OwnerFn::Scaled => (1, fields),
+        OwnerFn::Jump => (JOURNAL_VERSION, fields.u64(owner_fn.code() as u64)),
+    };
+    let w = FileWriter::create(&dir.join(files::JOURNAL), JOURNAL_MAGIC, version, fields)?;
     w.commit()
+}
+
+/// Whether a complete space with `have` may stay as it is when preload is
+/// asked for `want`: the same layout, or the same but for the owner
+/// function (a space placed by the scaled function before jump existed
+/// keeps it, so rerunning an old preload command copies nothing;
+/// `kspeed rebalance` converts it, moving only what the new function moves).
+fn keeps_layout(have: &LayoutParams, want: &LayoutParams) -> bool {
+    let mut w = *want;
+    w.placement.owner_fn = have.placement.owner_fn;
+    *have == w
 }
 
 fn empty_report() -> PreloadReport {
@@ -471,7 +496,9 @@ fn up_to_date_under_readers(dir: &Path, opts: &PreloadOptions) -> Result<Option<
     if !changes.is_empty() {
         return Err(Error::SourceChanged { changes });
     }
-    if *space.params() != layout_params(catalog, opts) || space.check_extents().is_err() {
+    if !keeps_layout(space.params(), &layout_params(catalog, opts))
+        || space.check_extents().is_err()
+    {
         return Ok(None);
     }
     let mut r = empty_report();
@@ -519,7 +546,7 @@ pub fn preload(dir: &Path, opts: &PreloadOptions) -> Result<PreloadReport> {
     // A complete space with the same layout: nothing to do.
     if dir.join(files::MANIFEST).exists() {
         match Space::open(dir) {
-            Ok(space) if *space.params() == params && space.check_extents().is_ok() => {
+            Ok(space) if keeps_layout(space.params(), &params) && space.check_extents().is_ok() => {
                 report.up_to_date = true;
                 report.held_samples = space.held_samples();
                 report.held_bytes = space.held_bytes();

@@ -24,7 +24,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 use super::catalog::Catalog;
-use super::owner::Placement;
+use super::owner::{OwnerFn, Placement};
 use crate::error::{Error, IoContext, Result};
 use crate::format::{self, le_u32, le_u64, FieldsBuilder, FileWriter};
 use crate::progress::{Progress, ProgressMode};
@@ -32,8 +32,13 @@ use crate::sys::{self, AlignedBuf, ReadOnlyMap};
 
 /// Magic bytes of a manifest.
 pub const MANIFEST_MAGIC: [u8; 8] = *b"KSPDMAN\0";
-/// The manifest format version this build writes and reads.
-pub const MANIFEST_VERSION: u32 = 1;
+/// The newest manifest format version, which this build writes for a space
+/// placed by [`OwnerFn::Jump`]; a space placed by [`OwnerFn::Scaled`] keeps
+/// version 1 (so builds that predate jump still read it). This build reads
+/// both. Version 2 adds the owner function's code at field offset 88.
+pub const MANIFEST_VERSION: u32 = 2;
+/// Field offset of the owner function's code in a version-2 manifest.
+const OWNER_FN_FIELD: usize = 88;
 /// Default sample alignment inside extents.
 pub const DEFAULT_ALIGN_BYTES: u32 = 4096;
 /// Default extent file size cap.
@@ -53,6 +58,14 @@ pub mod files {
     pub const EXTENTS: &str = "extents";
     /// The preload journal.
     pub const JOURNAL: &str = "preload.journal";
+    /// A rebalance's new layout, complete but not yet in use
+    /// (`kspeed rebalance` stages it; `--commit` renames it to the manifest).
+    pub const STAGED: &str = "rebalance.ksm";
+    /// A rebalance's progress while its staging is unfinished.
+    pub const REBALANCE_JOURNAL: &str = "rebalance.journal";
+    /// flock'd by a rebalance while it stages (beside a serve's shared
+    /// `.lock`, so that two rebalances of one space never run at once).
+    pub const REBALANCE_LOCK: &str = ".rebalance.lock";
     /// The lock file.
     pub const LOCK: &str = ".lock";
 }
@@ -92,11 +105,15 @@ impl LayoutParams {
             .u64(self.extent_bytes)
     }
 
-    pub(crate) fn from_fields(f: format::Fields<'_>) -> Option<Self> {
+    /// The parameters in fields 0..56, placed by `owner_fn` (which the
+    /// caller read from its own field: the manifest's and the journal's
+    /// differ).
+    pub(crate) fn from_fields(f: format::Fields<'_>, owner_fn: OwnerFn) -> Option<Self> {
         Some(LayoutParams {
             catalog_identity: u32::try_from(f.u64(0)).ok()?,
             catalog_samples: f.u64(8),
-            placement: Placement::new(
+            placement: Placement::with_fn(
+                owner_fn,
                 u32::try_from(f.u64(16)).ok()?,
                 u32::try_from(f.u64(32)).ok()?,
             )
@@ -210,8 +227,14 @@ fn decode_loc(locs: &[u8], id: u64) -> Option<Location> {
     })
 }
 
-/// Writes the manifest of a completed preload.
-pub(crate) fn write_manifest(dir: &Path, params: &LayoutParams, plan: &Plan) -> Result<()> {
+/// Starts writing a manifest at `path` (header fields; the caller writes the
+/// body and commits): version 1 for a space placed by the scaled function,
+/// so builds that predate jump still read it, version 2 otherwise.
+pub(crate) fn create_manifest(
+    path: &Path,
+    params: &LayoutParams,
+    plan: &Plan,
+) -> Result<FileWriter> {
     let created_ns = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_nanos() as u64)
@@ -222,12 +245,18 @@ pub(crate) fn write_manifest(dir: &Path, params: &LayoutParams, plan: &Plan) -> 
         .u64(plan.held_samples)
         .u64(plan.held_bytes)
         .u64(created_ns);
-    let mut w = FileWriter::create(
-        &dir.join(files::MANIFEST),
-        MANIFEST_MAGIC,
-        MANIFEST_VERSION,
-        fields,
-    )?;
+    let owner_fn = params.placement.owner_fn;
+    let (version, fields) = match owner_fn {
+        OwnerFn::Scaled => (1, fields),
+        OwnerFn::Jump => (MANIFEST_VERSION, fields.u64(owner_fn.code() as u64)),
+    };
+    debug_assert_eq!(OWNER_FN_FIELD, LayoutParams::PARAM_FIELDS + 32);
+    FileWriter::create(path, MANIFEST_MAGIC, version, fields)
+}
+
+/// Writes the manifest of a completed preload.
+pub(crate) fn write_manifest(dir: &Path, params: &LayoutParams, plan: &Plan) -> Result<()> {
+    let mut w = create_manifest(&dir.join(files::MANIFEST), params, plan)?;
     for len in &plan.extent_lens {
         w.write(&len.to_le_bytes())?;
     }
@@ -351,7 +380,13 @@ impl Space {
     /// that catalog). Extent files are checked by [`Space::check_extents`] and
     /// [`Space::verify`], not here, so a damaged space can still be inspected.
     pub fn open(dir: &Path) -> Result<Space> {
-        let mpath = dir.join(files::MANIFEST);
+        Space::open_manifest(dir, files::MANIFEST)
+    }
+
+    /// Opens the space with the manifest named `name` in `dir` (the
+    /// manifest, or a rebalance's staged one).
+    pub(crate) fn open_manifest(dir: &Path, name: &str) -> Result<Space> {
+        let mpath = dir.join(name);
         if !mpath.exists() {
             let reason = if dir.join(files::JOURNAL).exists() {
                 "a preload was started but has not finished (no manifest); rerun kspeed preload"
@@ -375,8 +410,26 @@ impl Space {
         };
         let (params, extent_count, held_samples, held_bytes, body_start, body_len) = {
             let bytes = manifest.as_slice();
-            let p = format::parse(&mpath, "manifest", &MANIFEST_MAGIC, MANIFEST_VERSION, bytes)?;
-            let params = LayoutParams::from_fields(p.fields)
+            let p = format::parse_versions(
+                &mpath,
+                "manifest",
+                &MANIFEST_MAGIC,
+                1..=MANIFEST_VERSION,
+                bytes,
+            )?;
+            let owner_fn = match p.version {
+                1 => Some(OwnerFn::Scaled),
+                _ => u32::try_from(p.fields.u64(OWNER_FN_FIELD))
+                    .ok()
+                    .and_then(OwnerFn::from_code),
+            }
+            .ok_or_else(|| {
+                corrupt(format!(
+                    "unknown owner function {}",
+                    p.fields.u64(OWNER_FN_FIELD)
+                ))
+            })?;
+            let params = LayoutParams::from_fields(p.fields, owner_fn)
                 .ok_or_else(|| corrupt("layout parameters out of range".into()))?;
             let f = LayoutParams::PARAM_FIELDS;
             (

@@ -47,6 +47,32 @@ pub fn free_bytes(path: &Path) -> io::Result<u64> {
     Ok(bytes)
 }
 
+/// Frees the blocks of `len` bytes at `offset` in `file` without changing
+/// its length (`fallocate(PUNCH_HOLE | KEEP_SIZE)`): the range reads as
+/// zeros afterwards. Rebalance uses it to give back the samples a node no
+/// longer holds while every other sample keeps its offset. A file system
+/// that cannot punch holes answers `EOPNOTSUPP`.
+pub fn punch_hole(file: &File, offset: u64, len: u64) -> io::Result<()> {
+    let (off, n) = match (libc::off_t::try_from(offset), libc::off_t::try_from(len)) {
+        (Ok(o), Ok(n)) => (o, n),
+        _ => return Err(io::Error::from(io::ErrorKind::InvalidInput)),
+    };
+    // SAFETY: fallocate only reads its integer arguments and acts on the
+    // descriptor `file` owns for the duration of the call.
+    let rc = unsafe {
+        libc::fallocate(
+            file.as_raw_fd(),
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+            off,
+            n,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// Tells the kernel we will not read `len` bytes at `offset` again soon, so
 /// a preload does not push the trainer's own page cache out. Advisory only.
 pub fn drop_cache(file: &File, offset: u64, len: u64) {

@@ -13,6 +13,7 @@
 //! `rdma` feature) over an RC queue pair.
 
 pub mod cluster;
+pub mod fetch;
 pub(crate) mod hostlist;
 pub mod proto;
 // The verbs layer and the RDMA link: not part of the API (not in the docs
@@ -131,4 +132,5 @@ setters!(RdmaOptions {
 pub const RDMA_BUILT: bool = cfg!(feature = "rdma");
 
 pub use cluster::{Cluster, ClusterSpec, LaunchEnv, Node, DEFAULT_PORT};
+pub use fetch::PeerFetch;
 pub use serve::{serve_until_signal, NodeService, ServeConfig, ServeStats, MIN_IDLE_TIMEOUT};

@@ -513,8 +513,14 @@ pub struct Welcome {
     pub node_index: u32,
     /// Nodes in its placement.
     pub nodes: u32,
-    /// Copies per sample in its placement.
+    /// Copies per sample in its placement (at most 64: the low 16 bits of
+    /// the body's word at 4).
     pub replicas: u32,
+    /// Its placement's owner function (docs/FORMAT.md, "Owner function"):
+    /// 0 scaled, 1 jump; bits 16..31 of the body's word at 4, so a consumer
+    /// that predates jump reads a jump space's copies as 65,536 or more and
+    /// refuses the node instead of misplacing every sample.
+    pub owner_fn: u32,
     /// Largest DATA body it sends.
     pub max_data_bytes: u32,
     /// Most grants a consumer may have outstanding with it.
@@ -539,7 +545,8 @@ impl Welcome {
             .encode(),
         );
         out[24..28].copy_from_slice(&self.nodes.to_le_bytes());
-        out[28..32].copy_from_slice(&self.replicas.to_le_bytes());
+        let placed = (self.replicas & 0xffff) | (self.owner_fn << 16);
+        out[28..32].copy_from_slice(&placed.to_le_bytes());
         out[32..36].copy_from_slice(&self.max_data_bytes.to_le_bytes());
         out[36..40].copy_from_slice(&self.transport.to_le_bytes());
         out
@@ -559,7 +566,8 @@ impl Welcome {
         Ok(Welcome {
             node_index: h.b,
             nodes: u32_at(body, 0),
-            replicas: u32_at(body, 4),
+            replicas: u32_at(body, 4) & 0xffff,
+            owner_fn: u32_at(body, 4) >> 16,
             max_data_bytes: u32_at(body, 8),
             max_grants: h.c,
             transport: u32_at(body, 12),
@@ -774,6 +782,7 @@ mod tests {
             node_index: 2,
             nodes: 3,
             replicas: 2,
+            owner_fn: 1,
             max_data_bytes: 1 << 20,
             max_grants: 4096,
             transport: TRANSPORT_RDMA,

@@ -64,6 +64,8 @@ fn _preload<'py>(py: Python<'py>, cfg: &Bound<'py, PyDict>) -> PyResult<Bound<'p
     o.placement = Placement {
         nodes: get(cfg, "nodes")?.unwrap_or(1),
         replicas: get(cfg, "replicas")?.unwrap_or(1),
+        // New spaces are placed by jump (docs/FORMAT.md, "Owner function").
+        owner_fn: kspeed::dataset::OwnerFn::Jump,
     };
     o.node_index = get(cfg, "node_index")?.unwrap_or(0);
     if let Some(a) = get(cfg, "align_bytes")? {

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use indicatif::HumanBytes;
-use kspeed::dataset::{Catalog, Placement, Space};
+use kspeed::dataset::{Catalog, OwnerFn, Placement, Space};
 use serde_json::{json, Value};
 
 fn percentile(sorted: &[u32], p: f64) -> u32 {
@@ -25,7 +25,13 @@ pub(crate) fn run(
     }
     let (cat, space) = crate::open_target(space, catalog)?;
     let placement = match (nodes, &space) {
-        (Some(n), _) => Some(Placement::new(n, replicas.unwrap_or(1))?),
+        // Another node count for this space keeps its owner function.
+        (Some(n), s) => Some(Placement::with_fn(
+            s.as_ref()
+                .map_or(OwnerFn::Jump, |s| s.params().placement.owner_fn),
+            n,
+            replicas.unwrap_or(1),
+        )?),
         (None, Some(s)) if s.params().placement.nodes > 1 => Some(s.params().placement),
         _ => None,
     };
@@ -186,6 +192,7 @@ fn json_summary(cat: &Catalog, space: Option<&Space>, placement: Option<Placemen
             "node_index": p.node_index,
             "nodes": p.placement.nodes,
             "replicas": p.placement.replicas,
+            "owner_fn": p.placement.owner_fn.name(),
             "held_samples": s.held_samples(),
             "held_bytes": s.held_bytes(),
             "extents": s.extent_lens().len(),
@@ -209,10 +216,11 @@ fn print_nodes(cat: &Catalog, p: Placement) {
         }
     }
     println!(
-        "nodes:        {} nodes, {} cop{} per sample",
+        "nodes:        {} nodes, {} cop{} per sample, placed by {}",
         p.nodes,
         p.replicas,
-        if p.replicas == 1 { "y" } else { "ies" }
+        if p.replicas == 1 { "y" } else { "ies" },
+        p.owner_fn.name()
     );
     for (i, (s, b)) in held.iter().enumerate() {
         println!("  node {i:>4}:  {s} samples, {}", HumanBytes(*b));

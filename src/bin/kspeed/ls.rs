@@ -7,7 +7,7 @@ use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 
 use clap::Args;
-use kspeed::dataset::{Catalog, Placement, SourceKind, Space};
+use kspeed::dataset::{Catalog, OwnerFn, Placement, SourceKind, Space};
 use serde_json::json;
 
 #[derive(Args)]
@@ -99,7 +99,12 @@ fn parse_ids(s: &str) -> kspeed::Result<std::ops::Range<u64>> {
 pub(crate) fn ls(a: LsArgs) -> kspeed::Result<()> {
     let (cat, space) = crate::open_target(&a.space, &a.catalog)?;
     let placement = match (a.nodes, &space) {
-        (Some(n), _) => Some(Placement::new(n, a.replicas.unwrap_or(1))?),
+        (Some(n), s) => Some(Placement::with_fn(
+            s.as_ref()
+                .map_or(OwnerFn::Jump, |s| s.params().placement.owner_fn),
+            n,
+            a.replicas.unwrap_or(1),
+        )?),
         (None, Some(s)) => Some(s.params().placement),
         _ => None,
     };

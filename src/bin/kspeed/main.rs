@@ -18,6 +18,7 @@ mod inspect;
 mod ls;
 mod read;
 mod read_json;
+mod rebalance_cmd;
 mod verify_cmd;
 
 #[derive(Parser)]
@@ -41,6 +42,9 @@ enum Cmd {
     Catalog(CatalogArgs),
     /// Copy the samples this node holds into a space (idempotent, resumable).
     Preload(PreloadArgs),
+    /// Change a space's node count, copying only the samples whose holder
+    /// changed (stage beside a running serve; --commit when every node staged).
+    Rebalance(rebalance_cmd::RebalanceArgs),
     /// Remove a space.
     Unload(SpaceArg),
     /// Summarise a space or a catalog.
@@ -498,6 +502,7 @@ fn run(cli: Cli) -> kspeed::Result<ExitCode> {
             println!("removed space {}", a.space.display());
         }
         Cmd::Read(a) => read::run(*a, progress)?,
+        Cmd::Rebalance(a) => rebalance_cmd::run(a, progress)?,
         Cmd::Serve(a) => {
             let token = read_token(&a.token_file)?;
             let mut cfg = kspeed::transport::ServeConfig::new(&a.space, &a.listen, &token);

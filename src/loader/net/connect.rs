@@ -12,7 +12,7 @@ use super::rdma::RdmaRx;
 use super::retry::ConnectError;
 use super::tcp::TcpRx;
 use super::{Conn, NetSetup, Receive};
-use crate::dataset::Placement;
+use crate::dataset::{OwnerFn, Placement};
 use crate::error::{Error, Result};
 use crate::landing::LandingRing;
 use crate::transport::proto::{self, Welcome};
@@ -97,21 +97,22 @@ fn connect_with<R: Receive>(setup: &mut NetSetup, common: R::Common) -> Result<C
         };
         match res {
             Ok((c, w)) => {
-                let theirs =
-                    Placement::new(w.nodes, w.replicas).map_err(|e| Error::BadCluster {
-                        origin: format!("node {} ({})", n.index, n.addr),
-                        reason: e.to_string(),
-                    })?;
+                let theirs = welcome_placement(&w).map_err(|e| Error::BadCluster {
+                    origin: format!("node {} ({})", n.index, n.addr),
+                    reason: e.to_string(),
+                })?;
                 let ours = *setup.placement.get_or_insert(theirs);
                 if theirs != ours || ours.nodes as usize != setup.cluster.nodes.len() {
                     return Err(Error::BadCluster {
                         origin: format!("node {} ({})", n.index, n.addr),
                         reason: format!(
-                            "its space is placed over {} nodes × {} copies; this loader expects {} × {} and the cluster lists {} nodes",
+                            "its space is placed over {} nodes × {} copies by the {} function; this loader expects {} × {} by {} and the cluster lists {} nodes",
                             theirs.nodes,
                             theirs.replicas,
+                            theirs.owner_fn.name(),
                             ours.nodes,
                             ours.replicas,
+                            ours.owner_fn.name(),
                             setup.cluster.nodes.len()
                         ),
                     });
@@ -158,6 +159,17 @@ pub(crate) fn connect_with_for_tests<R: Receive>(
     common: R::Common,
 ) -> Result<Connections<R>> {
     connect_with(setup, common)
+}
+
+/// The placement a WELCOME announces (nodes, copies, owner function).
+pub(crate) fn welcome_placement(w: &Welcome) -> Result<Placement> {
+    let f = OwnerFn::from_code(w.owner_fn).ok_or_else(|| {
+        Error::InvalidConfig(format!(
+            "owner function {} is unknown to this build (0 scaled, 1 jump)",
+            w.owner_fn
+        ))
+    })?;
+    Placement::with_fn(f, w.nodes, w.replicas)
 }
 
 /// The simulator's connections (tests only): node `i` is live on MemNet

@@ -376,7 +376,9 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
     }
 
     /// Gives table entry `idx` to its next untried live holder, or reads it
-    /// from the source, or fails it. False: the holder has no room now.
+    /// from the source, or fails it. False: the holder has no room now, or
+    /// every holder is gone and one of them is being dialled again (the
+    /// entry waits for it: `redial.rs`).
     pub(super) fn place(&mut self, idx: usize) -> bool {
         let s = self.table[idx];
         let placement = self.placement;
@@ -429,7 +431,9 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
     }
 
     /// Last resort: starts reading the sample from the source files
-    /// (`source.rs`). False: every source read slot is busy now.
+    /// (`source.rs`). False: every source read slot is busy now, or the
+    /// source cannot be opened while a holder that went away is being
+    /// dialled again (the entry waits for it: `redial.rs`).
     pub(super) fn read_from_source(&mut self, idx: usize) -> bool {
         let Some(slot) = self.sources.free_slot() else {
             return false;
@@ -459,8 +463,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                 tried.push_str(&format!("node {node} ({}): {why}; ", c.addr));
             }
         }
-        self.start_source_read(slot, idx, tried);
-        true
+        self.start_source_read(slot, idx, tried)
     }
 
     pub(super) fn on_error(&mut self, i: usize, h: Header, msg: &str) {

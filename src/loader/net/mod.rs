@@ -1049,9 +1049,9 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             let b = &self.beats[i];
             // The short silence rule holds only while grants wait on the
             // node: an idle node paused for a few seconds (cgroup
-            // throttling, a VM pause) keeps its connection (over RDMA a
-            // dead one is not reconnected). An idle one gets the node
-            // timeout.
+            // throttling, a VM pause) keeps its connection (a reconnect
+            // costs a handshake, over RDMA a new queue pair). An idle one
+            // gets the node timeout.
             let limit = if c.outstanding > 0 { silence } else { t };
             if b.heard && now.saturating_duration_since(b.last_heard) > limit {
                 let why = format!(
@@ -1121,7 +1121,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         if self.sh.stop.load(Ordering::Acquire) {
             return;
         }
-        self.schedule_redial(i);
+        self.went_dead(i);
         let mut moved = 0;
         for idx in 0..self.table.len() {
             let s = &mut self.table[idx];

@@ -626,6 +626,13 @@ impl Receive for RdmaRx {
     type Pending = PendingQp;
     const EXCHANGE: &'static str = "RDMA_ENDPOINT";
 
+    /// A reconnect sets up a new queue pair on the same device, protection
+    /// domain, ring registration and completion channel, as the start's
+    /// handshakes do.
+    fn redial_common(common: &Arc<ConsumerRdma>) -> Option<Arc<ConsumerRdma>> {
+        Some(common.clone())
+    }
+
     fn begin(
         common: &Arc<ConsumerRdma>,
         local: std::net::IpAddr,

@@ -13,17 +13,26 @@
 //! its receive was back, so nothing more lands from it): each sample is in
 //! one place at a time and is delivered once.
 //!
-//! Over TCP only: an RDMA data path's endpoints are not set up again
-//! ([`Receive::redial_common`] is `None`), so a dead RDMA node stays dead.
+//! A sample whose holders are all gone, and that the source cannot serve
+//! either (one copy, no source), waits up to [`REDIAL_WAIT`] for a holder
+//! that is being dialled again (tried at least every [`REDIAL_WAITED`]
+//! meanwhile), and is granted to it once it is back: a node service
+//! restarted mid-epoch costs a pause, not the run. A node that comes back
+//! as another node (its space placed otherwise, another index) is not used
+//! again ([`Error::NodeChanged`]), nor is one that refuses the
+//! consumer at HELLO (another token or dataset: [`Error::Refused`]); the
+//! samples only it held fail with that error.
+//!
+//! Over RDMA the reconnect sets up a new queue pair beside the new control
+//! connection (the old one was destroyed when the node went dead).
 
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use super::connect::welcome_placement;
 use super::handshake::handshake_all;
 use super::retry::{jitter, ConnectError};
-use super::{
-    Beats, Conn, NetSetup, Placement, Receive, State, Thread, USER_TIMEOUT_MAX, USER_TIMEOUT_MIN,
-};
+use super::{Beats, Conn, NetSetup, Receive, State, Thread, USER_TIMEOUT_MAX, USER_TIMEOUT_MIN};
 use crate::ring::IoBackend;
 use crate::transport::proto::Welcome;
 
@@ -32,6 +41,12 @@ use crate::transport::proto::Welcome;
 pub(crate) const REDIAL_FIRST: Duration = Duration::from_secs(1);
 /// The longest wait between two tries of a dead node.
 pub(crate) const REDIAL_MAX: Duration = Duration::from_secs(30);
+/// How long a sample that only gone nodes hold (and the source cannot
+/// serve) waits for one of them to come back before it fails.
+pub(crate) const REDIAL_WAIT: Duration = Duration::from_secs(10);
+/// While a sample waits for a gone node, that node is tried again within
+/// this (uniform in its second half), whatever its back-off.
+pub(crate) const REDIAL_WAITED: Duration = Duration::from_secs(1);
 
 /// The wait before try `attempt + 1` (from 0) of a dead node: uniform in
 /// `[bound / 2, bound]`, `bound = min(REDIAL_FIRST x 2^attempt,
@@ -46,8 +61,14 @@ pub(crate) fn redial_backoff(attempt: u32, jitter: u64) -> Duration {
 }
 
 /// One node's reconnect state (kept beside `conns`).
-#[derive(Clone, Copy, Default)]
+#[derive(Clone, Default)]
 pub(super) struct Redial {
+    /// When the connection went dead (unset for a node unreachable at
+    /// start): samples wait for it until [`REDIAL_WAIT`] after this.
+    dead_since: Option<Instant>,
+    /// It came back changed or refused us: not tried again, and the
+    /// samples only it holds fail with this.
+    pub(super) refused: Option<crate::error::Error>,
     /// Tries since the connection was last live.
     attempt: u32,
     /// When to try next; `None`: not to be tried (live, local, or given up).
@@ -101,6 +122,10 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         }
         let now = self.ring.now();
         let r = &mut self.redials.state[i];
+        if r.refused.is_some() {
+            r.next = None;
+            return;
+        }
         // The back-off goes on growing across reconnects, so a node that
         // fails again soon after each (alive but not delivering) costs
         // the consumer a stall at most every REDIAL_MAX; one that served
@@ -119,7 +144,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
     pub(super) fn redial(&mut self) {
         let now = self.ring.now();
         for i in 0..self.conns.len() {
-            let r = self.redials.state[i];
+            let r = &self.redials.state[i];
             if r.inflight || r.next.is_none_or(|t| t > now) || self.conns[i].state != State::Dead {
                 continue;
             }
@@ -151,13 +176,67 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         }
     }
 
+    /// Connection `i` was live and is dead now: samples only it holds
+    /// wait for it from now on, up to [`REDIAL_WAIT`].
+    pub(super) fn went_dead(&mut self, i: usize) {
+        let now = self.ring.now();
+        self.redials.state[i].dead_since = Some(now);
+        self.schedule_redial(i);
+    }
+
+    /// Whether node `node` is gone but being dialled again, and went away
+    /// less than [`REDIAL_WAIT`] ago: a sample only it can serve waits for
+    /// it. Its next try is brought within [`REDIAL_WAITED`].
+    pub(super) fn coming_back(&mut self, node: usize) -> bool {
+        let now = self.ring.now();
+        let Some(c) = self.conns.get(node) else {
+            return false;
+        };
+        let redials = self.redials.enabled
+            && Some(c.node) != self.setup.local_node
+            && R::redial_common(&self.common).is_some();
+        let r = &mut self.redials.state[node];
+        // Closing: it goes dead (and is dialled again) once its receive
+        // and send are back.
+        if c.state == State::Closing {
+            return redials && r.refused.is_none();
+        }
+        let waiting = c.state == State::Dead
+            && r.refused.is_none()
+            && (r.inflight || r.next.is_some())
+            && r.dead_since
+                .is_some_and(|t| now.saturating_duration_since(t) < REDIAL_WAIT);
+        if waiting {
+            let half = REDIAL_WAITED / 2;
+            let soon = now
+                + half
+                + Duration::from_micros(jitter(c.node, r.attempt) % (half.as_micros() as u64 + 1));
+            if r.next.is_some_and(|t| t > soon) {
+                r.next = Some(soon);
+            }
+        }
+        waiting
+    }
+
+    /// The error a gone node left for the samples only it holds (it came
+    /// back changed, or refused us), if any.
+    pub(super) fn refused(&self, node: usize) -> Option<&crate::error::Error> {
+        self.redials
+            .state
+            .get(node)
+            .and_then(|r| r.refused.as_ref())
+    }
+
     fn redialed(&mut self, i: usize, res: Result<(super::Conn<R>, Welcome), ConnectError>) {
         let (node, addr) = (self.conns[i].node, self.conns[i].addr.clone());
         let (conn, w) = match res {
             Ok(ok) => ok,
             Err(ConnectError::Refused(e)) => {
-                log::debug!("node {node} ({addr}): reconnect refused: {e}");
-                self.schedule_redial(i);
+                // Another token or dataset: this is not the node the job
+                // started with; asking again will not change that.
+                log::error!("node {node} ({addr}): reconnect refused: {e}; it is not used again");
+                self.redials.state[i].refused = Some(e);
+                self.redials.state[i].next = None;
                 return;
             }
             Err(ConnectError::Unreachable(why) | ConnectError::Transient(why)) => {
@@ -166,16 +245,26 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                 return;
             }
         };
-        let same = Placement::new(w.nodes, w.replicas)
+        let same = welcome_placement(&w)
             .is_ok_and(|p| p == self.placement && p.nodes as usize == self.conns.len());
-        if !same {
-            log::error!(
-                "node {node} ({addr}) came back with its space placed over {} nodes x {} copies; this loader uses {} x {}: it stays dead",
-                w.nodes,
-                w.replicas,
-                self.placement.nodes,
-                self.placement.replicas
-            );
+        if !same || w.node_index != node {
+            let e = crate::error::Error::NodeChanged {
+                node,
+                addr: addr.clone(),
+                what: format!(
+                    "it is node {} with its space placed over {} nodes x {} copies (owner function {}); this loader uses node {node} of {} x {} ({})",
+                    w.node_index,
+                    w.nodes,
+                    w.replicas,
+                    w.owner_fn,
+                    self.placement.nodes,
+                    self.placement.replicas,
+                    self.placement.owner_fn.name()
+                ),
+            };
+            log::error!("{e}; it is not used again");
+            self.redials.state[i].refused = Some(e);
+            self.redials.state[i].next = None;
             return;
         }
         let t = self
@@ -198,6 +287,19 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         let r = &mut self.redials.state[i];
         r.next = None;
         r.back_since = Some(now);
+        r.dead_since = None;
+        // A new connection is a fresh try: the entries waiting for another
+        // place (their tries of the old connection marked) may go to it.
+        let placement = self.placement;
+        for t in self.table.iter_mut() {
+            if t.live && t.node == super::NONE {
+                for c in 0..placement.replicas {
+                    if placement.holder(t.id, c) == node {
+                        t.tried &= !(1u64 << c);
+                    }
+                }
+            }
+        }
         log::warn!(
             "node {node} ({addr}) is back (it was gone: {}); it takes grants again",
             was.reason

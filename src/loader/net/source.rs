@@ -95,8 +95,11 @@ impl SourceReads {
 
 impl<R: Receive, I: IoBackend> Thread<R, I> {
     /// Starts reading table entry `idx` from the source in free slot
-    /// `slot`; `tried` says why no node served it.
-    pub(super) fn start_source_read(&mut self, slot: usize, idx: usize, tried: String) {
+    /// `slot`; `tried` says why no node served it. False: the source
+    /// failed at once (it cannot be opened) while a holder that went away
+    /// is being dialled again: the entry waits for it (the caller leaves
+    /// it in line; its next try comes on a later tick, not in this one).
+    pub(super) fn start_source_read(&mut self, slot: usize, idx: usize, tried: String) -> bool {
         let s = self.table[idx];
         debug_assert!(
             s.live && s.mw == super::NONE,
@@ -124,13 +127,14 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                     r.bounce.resize(s.len as usize, 0);
                 }
                 self.push_source(slot);
+                true
             }
             Err(e) => {
                 let why = match e.raw_os_error() {
                     Some(n) => errno_name(n).to_string(),
                     None => e.to_string(),
                 };
-                self.finish_source(slot, Err(why));
+                !self.finish_source(slot, Err(why))
             }
         }
     }
@@ -185,7 +189,8 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             }
             if self.stopping {
                 self.sources.slots[slot].queued = false;
-                self.finish_source(slot, Err("the loader stopped".into()));
+                let waits = self.finish_source(slot, Err("the loader stopped".into()));
+                debug_assert!(!waits, "a stopping thread put a source read back in line");
             } else {
                 self.push_source(slot);
             }
@@ -231,12 +236,21 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                 "short read: {done} of {len} bytes after {attempts} attempts"
             ))
         };
-        self.finish_source(slot, res);
+        let idx = self.sources.slots[slot].idx.expect("busy source slot");
+        if self.finish_source(slot, res) {
+            let g = self.table[idx].g;
+            let table = &self.table;
+            let at = self.regrant.partition_point(|&i| table[i].g < g);
+            self.regrant.insert(at, idx);
+        }
     }
 
     /// Slot `slot`'s sample is read (`Ok`) or cannot be (`Err(why)`):
-    /// checks it, publishes or fails it, and frees the slot.
-    fn finish_source(&mut self, slot: usize, res: Result<(), String>) {
+    /// checks it, publishes or fails it, and frees the slot. True: it
+    /// failed while a holder that went away is being dialled again, so it
+    /// is neither published nor failed: the entry (live, that holder's
+    /// copy marked untried) is to wait for it in the re-grant line.
+    fn finish_source(&mut self, slot: usize, res: Result<(), String>) -> bool {
         let r = &mut self.sources.slots[slot];
         debug_assert!(!r.in_ring, "finishing a source read still in the ring");
         let idx = r.idx.take().expect("busy source slot");
@@ -279,15 +293,38 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                 self.net().source_reads.fetch_add(1, Ordering::Relaxed);
                 log::info!("sample {} read from the source ({tried})", s.id);
                 self.sh.publish(s.g, CODE_OK);
+                false
             }
             Err(why) => {
                 let path = cat.file_path(sample.file);
-                let e = Error::SampleUnavailable {
+                // A holder that went away and is being dialled again gets
+                // the sample back: the entry waits for it in the re-grant
+                // line (its copy marked untried). Otherwise the sample fails
+                // with the error that holder left, or SampleUnavailable.
+                let placement = self.placement;
+                let mut back = 0u64;
+                let mut refused = None;
+                for r in 0..placement.replicas {
+                    let node = placement.holder(s.id, r) as usize;
+                    if !self.stopping && self.coming_back(node) {
+                        back |= 1 << r;
+                    } else if refused.is_none() {
+                        refused = self.refused(node).cloned();
+                    }
+                }
+                if back != 0 {
+                    let t = &mut self.table[idx];
+                    t.live = true;
+                    t.tried &= !back;
+                    return true;
+                }
+                let e = refused.unwrap_or(Error::SampleUnavailable {
                     sample: s.id,
                     tried: format!("{tried}source {}: {why}", path.display()),
-                };
+                });
                 push_error(&self.sh.errors, s.g, e);
                 self.sh.publish(s.g, CODE_ERROR);
+                false
             }
         }
     }

@@ -977,6 +977,7 @@ impl Acceptor {
             node_index: pr.node_index,
             nodes: pr.placement.nodes,
             replicas: pr.placement.replicas,
+            owner_fn: pr.placement.owner_fn.code(),
             max_data_bytes: c.cfg.chunk_bytes,
             max_grants: c.cfg.max_grants as u64,
             transport: if rdma {
