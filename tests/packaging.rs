@@ -10,8 +10,9 @@ use std::process::Command;
 use common::*;
 
 /// The visible subcommands (the hidden packaging ones are left out of both).
-const SUBCOMMANDS: [&str; 10] = [
+const SUBCOMMANDS: [&str; 11] = [
     "gen", "catalog", "preload", "unload", "inspect", "verify", "ls", "cat", "read", "serve",
+    "audit",
 ];
 
 #[test]

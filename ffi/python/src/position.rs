@@ -11,14 +11,13 @@ use kspeed::sampler::{audit_positions, SavedPosition};
 /// difference.
 #[pyfunction]
 fn _audit(py: Python<'_>, positions: Vec<Vec<u8>>) -> PyResult<Vec<String>> {
-    py.detach(|| {
+    py.detach(|| -> kspeed::Result<Vec<String>> {
         let saved = positions
             .iter()
             .enumerate()
             .map(|(i, b)| {
-                SavedPosition::decode(b).map_err(|e| {
-                    kspeed::Error::BadPosition(format!("position {i}: {e}"))
-                })
+                SavedPosition::decode(b)
+                    .map_err(|e| kspeed::Error::BadPosition(format!("position {i}: {e}")))
             })
             .collect::<kspeed::Result<Vec<_>>>()?;
         Ok(audit_positions(&saved)?
