@@ -1,5 +1,5 @@
 //! The C ABI from C: tests/c/capi_test.c (and sized_structs_test.c,
-//! elastic_test.c, batch_lifetime.cpp), compiled against include/kspeed.h
+//! elastic_test.c, elastic_cpp.cpp, batch_lifetime.cpp), compiled against include/kspeed.h
 //! and the freshly built libkspeed.so, run plainly, under AddressSanitizer
 //! and under valgrind (each skipped with a message when the tool is missing).
 
@@ -183,6 +183,25 @@ fn c_test_passes() {
     } else {
         skip("the panic boundary (ksp_test_panic) is checked with --features test-panic");
     }
+}
+
+/// The C++ wrapper's job positions and audit (tests/c/elastic_cpp.cpp):
+/// 2 ranks, then 3 from the job position; `kspeed::audit` reports every
+/// sample once and throws `KSP_ERR_DATA` naming a missing rank.
+#[test]
+fn cpp_resumes_at_another_world_size_and_audits() {
+    let d = data();
+    let Some(bin) = compile_with(
+        "g++",
+        "-std=c++17",
+        "tests/c/elastic_cpp.cpp",
+        &d.work.join("elastic_cpp"),
+        &[],
+    ) else {
+        return;
+    };
+    let o = Command::new(&bin).arg(&d.space).output().unwrap();
+    assert_passed(&o, "C++ job positions");
 }
 
 /// Resume at another world size and the exactly-once audit from C
