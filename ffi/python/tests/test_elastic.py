@@ -29,7 +29,7 @@ def expected_report(n, padding):
 
 
 @pytest.mark.parametrize("new_world", [3, 6])
-def test_loader_state_resumes_at_another_world_size(space, new_world):
+def test_loader_state_resumes_at_another_world_size(space, new_world, tmp_path):
     cat = kspeed.Catalog.open(space)
     n = len(cat)
     seen = Counter()
@@ -64,6 +64,10 @@ def test_loader_state_resumes_at_another_world_size(space, new_world):
     padding = per_rank * new_world - left
     check_union(seen, n, padding)
     assert kspeed.audit(positions) == expected_report(n, padding)
+    # The old world's state dicts, and a file, do as well as the bytes.
+    f = tmp_path / "rank0.pos"
+    f.write_bytes(positions[0])
+    assert kspeed.audit([str(f)] + states[1:] + positions[4:]) == expected_report(n, padding)
     # A rank of the new world missing: named.
     with pytest.raises(kspeed.DataError, match=f"{new_world - 1} rank positions for a world of {new_world}"):
         kspeed.audit(positions[:-1])
