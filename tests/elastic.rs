@@ -5,7 +5,8 @@
 //! the union of delivered ids the epoch exactly once (checked with counts,
 //! independently of the digest), the digests audited by the library and by
 //! `kspeed audit`, which also catches an edited digest (a skipped and a
-//! repeated sample); restores of another job refused by name.
+//! repeated sample); restores of another job refused by name; the same
+//! in cluster mode (every sample from two node services over TCP).
 
 mod common;
 
@@ -97,6 +98,9 @@ struct Run {
     seen: Vec<u32>,
     /// The job position after the last world.
     end: JobPosition,
+    /// Samples the ranks got from node services, and read from the source.
+    remote_samples: u64,
+    source_reads: u64,
 }
 
 /// Deals epoch `EPOCH` through `worlds` (world size, batches per rank; the
@@ -106,7 +110,19 @@ struct Run {
 /// KSPDPOS3 file).
 fn run(dir: &Path, sp: &Path, worlds: &[(u32, u64)], drop_last: bool) -> Run {
     let space = Space::open(sp).unwrap();
-    let cat = space.catalog();
+    run_with(dir, space.catalog(), worlds, drop_last, &|rank, world| {
+        loader(sp, rank, world, drop_last)
+    })
+}
+
+/// [`run`] with loaders from `make(rank, world)` over catalog `cat`.
+fn run_with(
+    dir: &Path,
+    cat: &Catalog,
+    worlds: &[(u32, u64)],
+    drop_last: bool,
+    make: &dyn Fn(u32, u32) -> Loader,
+) -> Run {
     let n = cat.len();
     let cfg = SamplerConfig::single(n, SEED).drop_last(drop_last);
     let mut seen = vec![0u32; n as usize];
@@ -116,12 +132,13 @@ fn run(dir: &Path, sp: &Path, worlds: &[(u32, u64)], drop_last: bool) -> Run {
         consumed: 0,
     };
     let mut resume_from: Option<Vec<u8>> = None;
+    let (mut remote_samples, mut source_reads) = (0, 0);
     for (i, &(world, batches)) in worlds.iter().enumerate() {
         let last = i + 1 == worlds.len();
         let mut ranks = Vec::new();
         let mut next_from = None;
         for rank in 0..world {
-            let mut l = loader(sp, rank, world, drop_last);
+            let mut l = make(rank, world);
             if let Some(b) = &resume_from {
                 l.restore_job_position(b).unwrap();
             }
@@ -137,7 +154,10 @@ fn run(dir: &Path, sp: &Path, worlds: &[(u32, u64)], drop_last: bool) -> Run {
             }
             let (digest, _) = l.digest();
             assert_eq!(digest.count, ids.len() as u64);
-            assert_eq!(l.stats().digest, digest);
+            let st = l.stats();
+            assert_eq!(st.digest, digest);
+            remote_samples += st.remote_samples;
+            source_reads += st.source_reads;
             let f = dir.join(format!("w{i}-{world}-r{rank}.pos"));
             std::fs::write(&f, l.save_position()).unwrap();
             files.push(f);
@@ -158,6 +178,8 @@ fn run(dir: &Path, sp: &Path, worlds: &[(u32, u64)], drop_last: bool) -> Run {
         files,
         seen,
         end: job,
+        remote_samples,
+        source_reads,
     }
 }
 
@@ -448,5 +470,80 @@ fn same_world_resume_keeps_the_digest_and_the_next_epoch_is_ordinary() {
     match audit_positions(&with_mids) {
         Err(Error::AuditMismatch(m)) => assert!(m.contains("rank"), "{m}"),
         r => panic!("{r:?}"),
+    }
+}
+
+/// Cluster mode: every sample comes from two in-process node services over
+/// TCP (the consumer has only the catalog; the network thread's schedule
+/// deals the remainder too): 4 ranks, then 3 from the job position.
+#[test]
+fn cluster_mode_resumes_at_another_world_size() {
+    use kspeed::transport::{Cluster, NodeService, ServeConfig};
+    let t = tempfile::tempdir().unwrap();
+    let src = t.path().join("src");
+    gen("tiny", 250, &src);
+    let catalog = t.path().join("cat.ksc");
+    ok(&["catalog", "--source", s(&src), "--out", s(&catalog)]);
+    let mut services = Vec::new();
+    let mut addrs = String::new();
+    for i in 0..2 {
+        let sp = t.path().join(format!("node{i}"));
+        let idx = i.to_string();
+        ok(&[
+            "preload",
+            "--source",
+            s(&src),
+            "--catalog",
+            s(&catalog),
+            "--space",
+            s(&sp),
+            "--nodes",
+            "2",
+            "--node-index",
+            &idx,
+        ]);
+        let mut cfg = ServeConfig::new(&sp, "127.0.0.1:0", b"elastic-token");
+        cfg.pollers = 1;
+        cfg.staging_bytes = 1 << 20;
+        let svc = NodeService::start(cfg).unwrap();
+        addrs.push_str(&format!("{i} {}\n", svc.local_addr()));
+        services.push(svc);
+    }
+    let cluster = Cluster::parse(&addrs, "test").unwrap();
+    let cat = Catalog::open(&catalog).unwrap();
+    let make = |rank, world| {
+        LoaderBuilder::source(s(&src))
+            .catalog(&catalog)
+            .cluster(cluster.clone())
+            .token(b"elastic-token")
+            .batch_size(BATCH)
+            .seed(SEED)
+            .rank(rank, world)
+            .pollers(1)
+            .pin(false)
+            .landing(ring())
+            .start_at(Position {
+                epoch: EPOCH,
+                index: 0,
+            })
+            .build()
+            .unwrap()
+    };
+    let r = run_with(t.path(), &cat, &[(4, 5), (3, 0)], false, &make);
+    // 80 consumed, 170 left on 3 ranks: 57 each, 1 padding duplicate.
+    assert_eq!(r.seen.iter().filter(|&&c| c == 2).count(), 1);
+    // Everything from the nodes (read-ahead included), nothing from the
+    // source.
+    assert!(r.remote_samples >= 251, "{}", r.remote_samples);
+    assert_eq!(r.source_reads, 0);
+    assert!(r.seen.iter().all(|&c| c == 1 || c == 2));
+    let o = audit_cli(&r.files);
+    assert!(o.status.success(), "{}", text(&o));
+    assert_eq!(
+        String::from_utf8_lossy(&o.stdout),
+        "epoch 2: 250 samples, each exactly once, and 1 padding duplicates\n"
+    );
+    for svc in services {
+        svc.stop();
     }
 }
