@@ -547,3 +547,57 @@ fn cluster_mode_resumes_at_another_world_size() {
         svc.stop();
     }
 }
+
+/// With `end_epoch`, a loader resumed inside the last epoch reads exactly
+/// the remainder: nothing past it is read ahead (the end is counted from
+/// the resumed epoch's own length, not an ordinary epoch's).
+#[test]
+fn a_resumed_last_epoch_reads_nothing_past_its_end() {
+    let t = tempfile::tempdir().unwrap();
+    let sp = space(t.path(), 160);
+    let build = |rank, world| {
+        LoaderBuilder::space(&sp)
+            .batch_size(BATCH)
+            .seed(SEED)
+            .rank(rank, world)
+            .pollers(1)
+            .pin(false)
+            .landing(ring())
+            .start_at(Position {
+                epoch: EPOCH,
+                index: 0,
+            })
+            .end_epoch(Some(EPOCH + 1))
+            .build()
+            .unwrap()
+    };
+    let mut first = build(0, 2);
+    for _ in 0..5 {
+        first.next_batch().unwrap().unwrap();
+    }
+    let job = first.save_job_position();
+    drop(first);
+    // 40 consumed; 120 left on 4 ranks: 30 each.
+    let mut l = build(1, 4);
+    l.restore_job_position(&job).unwrap();
+    assert_eq!(l.epoch_steps(EPOCH), 30);
+    // What the run before the restore read ahead (thrown away by it, and
+    // counted when it stopped).
+    let discarded = l.stats().read_ahead_discarded;
+    let mut n = 0;
+    while let Some(b) = l.next_batch().unwrap() {
+        n += b.len();
+    }
+    assert_eq!(n, 30);
+    let st = l.finish();
+    assert_eq!(st.samples, 30);
+    assert_eq!(
+        (st.read_ahead, st.read_ahead_discarded - discarded),
+        (0, 0),
+        "read past the end epoch's start"
+    );
+    assert_eq!(
+        st.disk_reads + st.tier_hits,
+        st.samples + st.read_ahead_discarded
+    );
+}
