@@ -18,9 +18,11 @@
 #include <stddef.h>
 #include <stdbool.h>
 /* Version of the C ABI: bumped on any incompatible change to this header. */
-#define KSP_ABI_VERSION 4
-/* Bytes of a saved loader position. */
-#define KSP_POSITION_BYTES 40
+#define KSP_ABI_VERSION 5
+/* Bytes of a saved loader position (KSPDPOS3). */
+#define KSP_POSITION_BYTES 108
+/* Bytes of a saved job position (KSPDJOB1). */
+#define KSP_JOB_POSITION_BYTES 40
 /* Extensible structs: the smallest struct_size (sample_size) the library
    accepts, i.e. each struct's first layout, and the largest. */
 #define KSP_BATCH_MIN_SIZE 80
@@ -220,6 +222,15 @@ typedef struct {
   // blocking work on a thread that must not block. Each is logged, at
   // most once per 10 s per loop.
   uint64_t loop_stalls;
+  // The exactly-once digest (ABI 5): the epoch of the last sample
+  // delivered, the ids delivered in it and the wrapping sum of their
+  // keyed hashes (docs/FORMAT.md, "Exactly-once digest"); the saved
+  // position carries them for `ksp_audit`.
+  uint64_t digest_epoch;
+  // Ids folded into the digest.
+  uint64_t digest_count;
+  // Wrapping sum of the ids' keyed hashes.
+  uint64_t digest_sum;
 } ksp_stats;
 
 // What the catalog says about one sample.
@@ -710,6 +721,78 @@ ksp_status ksp_loader_catalog_sample(const ksp_loader *l, uint64_t id, ksp_catal
 // `cb` must be callable from any thread until replaced; `userdata` is
 // passed through untouched.
 ksp_status ksp_set_log_callback(ksp_log_callback cb, void *userdata, int max_level);
+
+// Writes the job's position (`KSP_JOB_POSITION_BYTES` bytes, `KSPDJOB1`)
+// to `buf` and its length to `*out_len`: what the whole job has consumed
+// of the epoch, from this rank's position, valid for any world size when
+// the job is in lock-step (every rank at the same step, as DDP training is
+// between steps). Restore it on any number of ranks with
+// [`ksp_loader_restore_job_position`]. `*epoch` and `*consumed` (either
+// may be NULL) get its epoch and the entries of the epoch's order
+// consumed. `KSP_ERR_BUFFER_TOO_SMALL` (with `*out_len` set) when
+// `buf_len` is less.
+//
+// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_BUFFER_TOO_SMALL`.
+//
+// Thread safety: one call on `l` at a time, reads included (serialise
+// every call on one loader; a read must not overlap `ksp_loader_next_batch`
+// on another thread); other loaders may be used from other threads at once.
+//
+// # Safety
+// `l` is a live loader; `buf` writable for `buf_len` bytes; `out_len`
+// writable; `epoch` and `consumed` NULL or writable.
+ksp_status ksp_loader_job_position(const ksp_loader *l,
+                                   uint8_t *buf,
+                                   size_t buf_len,
+                                   size_t *out_len,
+                                   uint64_t *epoch,
+                                   uint64_t *consumed);
+
+// Continues the job from a job position at this loader's rank and world
+// (any world size): the rest of the epoch, each sample not yet consumed
+// exactly once across the ranks, then ordinary epochs. `buf` holds a job
+// position ([`ksp_loader_job_position`]) or any rank's saved position
+// ([`super::ksp_loader_save_position`], whose job position is taken). A
+// position of another dataset, seed, shuffle or drop_last is
+// `KSP_ERR_INVALID_ARG`, naming what differs. Releases a held batch.
+//
+// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_INVALID_ARG`; a loader
+// that failed earlier returns its first error's status.
+//
+// Thread safety: one call on `l` at a time (serialise every call on one
+// loader); other loaders may be used from other threads at once.
+//
+// # Safety
+// `l` is a live loader; `buf` readable for `len` bytes.
+ksp_status ksp_loader_restore_job_position(ksp_loader *l, const uint8_t *buf, size_t len);
+
+// Audits a job from its ranks' saved positions (`count` buffers
+// `positions[i]` of `lens[i]` bytes, from `ksp_loader_save_position`: the
+// last one of every rank of every world that dealt the epochs, across
+// resumes at other world sizes), as `kspeed audit` does. On success the
+// report, one line per epoch ("epoch 3: 1,281,167 samples, each exactly
+// once"), NUL-terminated, goes to `report` and its length without the NUL
+// to `*out_len` (`KSP_ERR_BUFFER_TOO_SMALL`, with `*out_len` set and
+// nothing written to `report`, when `report_len` is less than that + 1).
+// A sample skipped or delivered twice is `KSP_ERR_DATA` and
+// `ksp_last_error()` names the first difference; a buffer that is not a
+// position is `KSP_ERR_INVALID_ARG`.
+//
+// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_INVALID_ARG`;
+// `KSP_ERR_DATA`; `KSP_ERR_BUFFER_TOO_SMALL`.
+//
+// Thread safety: any thread.
+//
+// # Safety
+// `positions` and `lens` readable for `count` entries, each
+// `positions[i]` readable for `lens[i]` bytes; `report` writable for
+// `report_len` bytes; `out_len` writable.
+ksp_status ksp_audit(const uint8_t *const *positions,
+                     const size_t *lens,
+                     size_t count,
+                     char *report,
+                     size_t report_len,
+                     size_t *out_len);
 
 // Starts a node service serving `space` on `listen` (`host:port`, port 0
 // picks one) for consumers presenting `token`. Stop and free it with

@@ -1,5 +1,5 @@
 //! The C ABI from C: tests/c/capi_test.c (and sized_structs_test.c,
-//! batch_lifetime.cpp), compiled against include/kspeed.h
+//! elastic_test.c, elastic_cpp.cpp, batch_lifetime.cpp), compiled against include/kspeed.h
 //! and the freshly built libkspeed.so, run plainly, under AddressSanitizer
 //! and under valgrind (each skipped with a message when the tool is missing).
 
@@ -185,6 +185,46 @@ fn c_test_passes() {
     }
 }
 
+/// The C++ wrapper's job positions and audit (tests/c/elastic_cpp.cpp):
+/// 2 ranks, then 3 from the job position; `kspeed::audit` reports every
+/// sample once and throws `KSP_ERR_DATA` naming a missing rank.
+#[test]
+fn cpp_resumes_at_another_world_size_and_audits() {
+    let d = data();
+    let Some(bin) = compile_with(
+        "g++",
+        "-std=c++17",
+        "tests/c/elastic_cpp.cpp",
+        &d.work.join("elastic_cpp"),
+        &[],
+    ) else {
+        return;
+    };
+    let o = Command::new(&bin).arg(&d.space).output().unwrap();
+    assert_passed(&o, "C++ job positions");
+}
+
+/// Resume at another world size and the exactly-once audit from C
+/// (tests/c/elastic_test.c): 4 ranks take 3 batches, 3 ranks resume from
+/// the job position (and from a rank's saved position) and finish the
+/// epoch, every sample byte-checked; the union of ids is the epoch once
+/// plus the padding duplicate; `ksp_audit` passes on the 7 positions and
+/// names a missing rank; a rank position of another world is refused.
+#[test]
+fn c_resumes_at_another_world_size_and_audits() {
+    let d = data();
+    let Some(bin) = compile_with(
+        "gcc",
+        "-std=c11",
+        "tests/c/elastic_test.c",
+        &d.work.join("elastic_test"),
+        &[],
+    ) else {
+        return;
+    };
+    assert_passed(&run(&["env"], &bin, &d, &[]), "elastic");
+}
+
 /// The extensible structs (tests/c/sized_structs_test.c): a caller built
 /// with the first layout of `ksp_stats` (struct_size KSP_STATS_MIN_SIZE),
 /// of `ksp_catalog_sample` and of `ksp_batch`/`ksp_sample` still works and nothing past its struct
@@ -283,8 +323,12 @@ fn header_constants_match_the_library() {
         kspeed_capi::KSP_ABI_VERSION
     )));
     assert!(h.contains(&format!(
-        "#define KSP_POSITION_BYTES {}",
+        "#define KSP_POSITION_BYTES {}\n",
         kspeed_capi::KSP_POSITION_BYTES
+    )));
+    assert!(h.contains(&format!(
+        "#define KSP_JOB_POSITION_BYTES {}\n",
+        kspeed_capi::KSP_JOB_POSITION_BYTES
     )));
     for (name, v) in [
         ("KSP_BATCH_MIN_SIZE", kspeed_capi::KSP_BATCH_MIN_SIZE),

@@ -10,7 +10,7 @@ use std::process::Command;
 use common::*;
 
 /// The visible subcommands (the hidden packaging ones are left out of both).
-const SUBCOMMANDS: [&str; 11] = [
+const SUBCOMMANDS: [&str; 12] = [
     "gen",
     "catalog",
     "preload",
@@ -22,6 +22,7 @@ const SUBCOMMANDS: [&str; 11] = [
     "cat",
     "read",
     "serve",
+    "audit",
 ];
 
 #[test]

@@ -24,8 +24,9 @@
 //! `ksp_loader_free` leaks the child's copy (see `ksp_loader_new`).
 //!
 //! One file per API noun: errors (statuses, the panic boundary,
-//! `ksp_last_error`), config, loader, batch, classes (the catalog's class
-//! and member names), space (preload, verify), service, log; `ffi` holds
+//! `ksp_last_error`), config, loader, batch, position (job positions and
+//! the audit), classes (the catalog's class and member names), space
+//! (preload, verify), service, log; `ffi` holds
 //! the pointer helpers they share. This crate owns the C boundary and is
 //! one of the few allowed `unsafe`.
 
@@ -40,6 +41,7 @@ mod errors;
 mod ffi;
 mod loader;
 mod log;
+mod position;
 mod service;
 mod space;
 
@@ -62,12 +64,13 @@ pub use loader::{
     KSP_STATS_MIN_SIZE,
 };
 pub use log::{ksp_log_callback, ksp_set_log_callback};
+pub use position::{ksp_audit, ksp_loader_job_position, ksp_loader_restore_job_position};
 pub use service::{
     ksp_node_service, ksp_node_service_port, ksp_node_service_start, ksp_node_service_stop,
 };
 pub use space::{ksp_preload, ksp_verify};
 
-use kspeed::sampler::POSITION_BYTES;
+use kspeed::sampler::{JOB_POSITION_BYTES, POSITION_BYTES};
 
 /// Version of the C ABI: bumped on any incompatible change to kspeed.h.
 ///
@@ -85,10 +88,19 @@ use kspeed::sampler::POSITION_BYTES;
 /// 4: `ksp_catalog_sample` starts with a caller-set `struct_size` too
 /// (`KSP_CATALOG_SAMPLE_INIT`, `KSP_CATALOG_SAMPLE_MIN_SIZE`), and its
 /// padding after `crc32c` is the named field `reserved`.
-pub const KSP_ABI_VERSION: u32 = 4;
+///
+/// 5: `KSP_POSITION_BYTES` 108 (`KSPDPOS3`: a rank's position carries
+/// where its world started dealing the epoch and the exactly-once digest);
+/// job positions (`KSP_JOB_POSITION_BYTES`, `ksp_loader_job_position`,
+/// `ksp_loader_restore_job_position`), `ksp_audit`; `ksp_stats` gains the
+/// digest fields (appended).
+pub const KSP_ABI_VERSION: u32 = 5;
 
 /// Bytes of a saved loader position.
 pub const KSP_POSITION_BYTES: usize = POSITION_BYTES;
+
+/// Bytes of a saved job position.
+pub const KSP_JOB_POSITION_BYTES: usize = JOB_POSITION_BYTES;
 
 /// The kspeed version, a static NUL-terminated string (never freed).
 ///

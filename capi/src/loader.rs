@@ -326,6 +326,15 @@ pub struct ksp_stats {
     /// blocking work on a thread that must not block. Each is logged, at
     /// most once per 10 s per loop.
     pub loop_stalls: u64,
+    /// The exactly-once digest (ABI 5): the epoch of the last sample
+    /// delivered, the ids delivered in it and the wrapping sum of their
+    /// keyed hashes (docs/FORMAT.md, "Exactly-once digest"); the saved
+    /// position carries them for `ksp_audit`.
+    pub digest_epoch: u64,
+    /// Ids folded into the digest.
+    pub digest_count: u64,
+    /// Wrapping sum of the ids' keyed hashes.
+    pub digest_sum: u64,
 }
 
 impl Default for ksp_stats {
@@ -352,6 +361,9 @@ impl Default for ksp_stats {
             max_us: 0,
             latency_reads: 0,
             loop_stalls: 0,
+            digest_epoch: 0,
+            digest_count: 0,
+            digest_sum: 0,
         }
     }
 }
@@ -404,6 +416,9 @@ pub unsafe extern "C" fn ksp_loader_stats(l: *const ksp_loader, out: *mut ksp_st
             max_us: s.read_latency.max_us,
             latency_reads: s.read_latency.count,
             loop_stalls: s.loop_stalls,
+            digest_epoch: s.digest.epoch,
+            digest_count: s.digest.count,
+            digest_sum: s.digest.sum,
         });
         Ok(())
     })

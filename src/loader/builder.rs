@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::schedule::Geometry;
+use super::schedule::{Deal, Geometry};
 use super::stats::{Counters, Totals};
 use super::tier::Tier;
 use super::{net, schedule, Input, Loader, PollerConfig, Spare};
@@ -18,7 +18,7 @@ use crate::dataset::{Catalog, SourceSpec, Space};
 use crate::error::{Error, Result};
 use crate::landing::{LandingOptions, LandingRing};
 use crate::ring::{FaultConfig, Faulty, IoBackend, Uring, UringOptions};
-use crate::sampler::{Position, Sampler, SamplerConfig};
+use crate::sampler::{ElasticSampler, EpochDigest, JobPosition, Position, Sampler, SamplerConfig};
 
 /// Most poller threads per loader.
 pub const MAX_POLLERS: u64 = 1024;
@@ -733,6 +733,24 @@ impl LoaderBuilder {
                 start.epoch
             )));
         }
+        // Every epoch ordinary: a job position is restored on the loader
+        // (Loader::restore_job_position).
+        let deal = Deal::new(
+            ElasticSampler::new(
+                *sampler.config(),
+                JobPosition {
+                    epoch: 0,
+                    consumed: 0,
+                },
+            )?,
+            if self.drop_last {
+                self.batch_size as u64
+            } else {
+                1
+            },
+        );
+        debug_assert_eq!(deal.steps(start.epoch), steps);
+        let digest_at = deal.sampler().rank_position(start);
         let net = match self.cluster.clone() {
             None => None,
             Some(cluster) => {
@@ -871,12 +889,14 @@ impl LoaderBuilder {
                 backends,
             }),
             geo,
-            sampler,
+            deal,
             cfg,
             fixed_buffers,
             fixed_files: self.registered_files,
             batch_size,
             steps,
+            digest: EpochDigest::new(start.epoch),
+            digest_at,
             epoch: start.epoch,
             end_epoch: self.end_epoch,
             cursor: None,

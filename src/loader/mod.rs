@@ -25,8 +25,9 @@
 //! sample crosses threads but that one atomic store.
 //!
 //! Why this file is over ~800 lines: the Loader's run state,
-//! `next_batch`/release and epoch handling, which share the flow-control
-//! invariants; about 130 lines are documentation.
+//! `next_batch`/release, epoch handling and positions (rank and job
+//! positions, the exactly-once digest), which share the flow-control
+//! invariants and the restart; about 200 lines are documentation.
 
 pub(crate) mod schedule;
 pub(crate) mod tier;
@@ -52,8 +53,11 @@ use crate::dataset::Catalog;
 use crate::error::{Error, Result};
 use crate::landing::{LandingInfo, LandingRing};
 use crate::ring::IoBackend;
-use crate::sampler::{Position, Sampler, POSITION_BYTES};
-use schedule::{Cursor, Geometry, Placed};
+use crate::sampler::{
+    EpochDigest, JobPosition, Position, RankPosition, Sampler, SavedPosition, JOB_POSITION_BYTES,
+    POSITION_BYTES,
+};
+use schedule::{Cursor, Deal, Geometry, Placed};
 
 /// Fault injection for tests of the read path ([`LoaderBuilder::fault_injection`]).
 pub use crate::ring::FaultConfig;
@@ -115,13 +119,21 @@ pub struct Loader {
     run: Option<Run>,
     spare: Option<Spare>,
     geo: Geometry,
-    sampler: Sampler,
+    /// The rank's sequence: the sampler (resumed at a job position or not)
+    /// and each epoch's steps.
+    deal: Deal,
     cfg: PollerConfig,
     fixed_buffers: bool,
     fixed_files: bool,
     batch_size: usize,
-    /// Steps per epoch for this rank (see [`Loader::epoch_len`]).
+    /// Steps of an ordinary (not resumed) epoch for this rank (see
+    /// [`Loader::epoch_len`]).
     steps: u64,
+    /// The exactly-once digest of the ids delivered in `digest.epoch` (the
+    /// epoch of the last sample delivered), and where in that epoch this
+    /// rank stood when it took it (`index` steps since `base`).
+    digest: EpochDigest,
+    digest_at: RankPosition,
     /// The epoch the caller is in.
     epoch: u64,
     /// Nothing of this epoch or later is read ([`LoaderBuilder::end_epoch`]).
@@ -178,14 +190,18 @@ impl Loader {
             input: spare.input,
             ring: spare.ring,
             geo: self.geo,
-            sampler: self.sampler.clone(),
-            steps: self.steps,
+            deal: self.deal.clone(),
             start,
             end_g: match self.end_epoch {
-                // The sequence number of the end epoch's first sample.
-                Some(end) => (end.saturating_sub(start.epoch))
-                    .saturating_mul(self.steps)
-                    .saturating_sub(start.index),
+                // The sequence number of the end epoch's first sample: the
+                // rest of the start epoch (which may be a resumed one's
+                // remainder), then whole epochs.
+                Some(end) if end > start.epoch => self
+                    .deal
+                    .steps(start.epoch)
+                    .saturating_sub(start.index)
+                    .saturating_add((end - start.epoch - 1).saturating_mul(self.steps)),
+                Some(_) => 0,
                 None => u64::MAX,
             },
             cfg: self.cfg.clone(),
@@ -217,12 +233,7 @@ impl Loader {
             net: net_shared,
             dead: Mutex::new(None),
         });
-        self.cursor = Some(Cursor::new(
-            self.sampler.clone(),
-            self.geo,
-            start,
-            self.steps,
-        ));
+        self.cursor = Some(Cursor::with_deal(self.deal.clone(), self.geo, start));
         self.peeked = None;
         self.epoch = start.epoch;
         self.run = Some(Run {
@@ -461,6 +472,7 @@ impl Loader {
                 len: p.len,
                 pos: p.pos,
             });
+            self.fold(p.pos, p.id);
             self.counters.samples += 1;
             self.counters.bytes += p.len;
         }
@@ -700,7 +712,10 @@ impl Loader {
             self.epoch = epoch;
             return Ok(());
         }
-        self.restart(Position { epoch, index: 0 })
+        let start = Position { epoch, index: 0 };
+        self.restart(start)?;
+        self.reset_digest(start);
+        Ok(())
     }
 
     /// Refuses `epoch` at or past [`LoaderBuilder::end_epoch`]: nothing of
@@ -741,31 +756,164 @@ impl Loader {
         }
     }
 
-    /// The current position, serialized ([`POSITION_BYTES`] bytes) for a
-    /// checkpoint. It carries the sampler's settings and the catalog's
-    /// identity, so it resumes only the same job on the same dataset.
+    /// The current position, serialized ([`POSITION_BYTES`] bytes,
+    /// `KSPDPOS3`) for a checkpoint: where this rank resumes (its epoch,
+    /// step, and where the world it belongs to started dealing the epoch),
+    /// the exactly-once digest of what it delivered in the epoch
+    /// ([`Loader::digest`]), the sampler's settings and the catalog's
+    /// identity. [`Loader::restore_position`] resumes it on the same rank of
+    /// the same world; [`Loader::restore_job_position`] on any rank of any
+    /// world, when the job was in lock-step; `kspeed audit` checks every
+    /// rank's file of a job for exactly-once delivery.
     pub fn save_position(&self) -> [u8; POSITION_BYTES] {
-        self.sampler
-            .save(self.position(), self.parts().0.catalog().identity())
+        self.saved_position().save()
+    }
+
+    /// What [`Loader::save_position`] saves, decoded.
+    pub fn saved_position(&self) -> SavedPosition {
+        SavedPosition {
+            cfg: *self.deal.sampler().config(),
+            catalog_identity: self.parts().0.catalog().identity(),
+            next: self.rank_position(),
+            digest: self.digest,
+            digest_at: self.digest_at,
+        }
     }
 
     /// Continues from a position saved by [`Loader::save_position`] with the
     /// same dataset (catalog), seed, shuffle, rank, world and drop_last;
-    /// anything else is an [`Error::BadPosition`] saying what differs.
+    /// anything else is an [`Error::BadPosition`] naming what differs. The
+    /// exactly-once digest continues from the saved one. Positions of
+    /// earlier versions (`KSPDPOS2`, `KSPDPOS1`) are accepted; they carry no
+    /// digest, so the digest starts empty at their step.
     pub fn restore_position(&mut self, bytes: &[u8]) -> Result<()> {
         self.release_batch();
         self.check_failed()?;
-        let pos = self
-            .sampler
-            .restore(bytes, self.parts().0.catalog().identity())?;
-        if pos.index > self.steps {
+        let cfg = *self.deal.sampler().config();
+        let identity = self.parts().0.catalog().identity();
+        let (job, pos, digest) = if SavedPosition::is_v3(bytes) {
+            let s = SavedPosition::decode(bytes)?;
+            s.check_job(&cfg, identity, true)?;
+            let job = JobPosition {
+                epoch: s.next.epoch,
+                consumed: s.next.base,
+            };
+            let pos = Position {
+                epoch: s.next.epoch,
+                index: s.next.index,
+            };
+            (job, pos, Some((s.digest, s.digest_at)))
+        } else {
+            let pos = Sampler::new(cfg)?.restore(bytes, identity)?;
+            (
+                JobPosition {
+                    epoch: pos.epoch,
+                    consumed: 0,
+                },
+                pos,
+                None,
+            )
+        };
+        let deal = self.deal.resumed(job)?;
+        if pos.index > deal.steps(pos.epoch) {
             return Err(Error::BadPosition(format!(
                 "step {} is past the epoch's {} steps",
-                pos.index, self.steps
+                pos.index,
+                deal.steps(pos.epoch)
             )));
         }
         self.check_end(pos.epoch)?;
-        self.restart(pos)
+        self.deal = deal;
+        self.restart(pos)?;
+        match digest {
+            Some((d, at)) => (self.digest, self.digest_at) = (d, at),
+            None => self.reset_digest(pos),
+        }
+        Ok(())
+    }
+
+    /// This rank's place: the epoch and step of the next sample it
+    /// delivers, where the world it belongs to started dealing that epoch
+    /// (`base`: entries of the epoch's global order consumed before; 0
+    /// unless the job resumed inside the epoch), its rank and world.
+    pub fn rank_position(&self) -> RankPosition {
+        self.deal.sampler().rank_position(self.position())
+    }
+
+    /// The job's position, from this rank's: `base + index * world` entries
+    /// of the epoch's global order consumed, valid for any world size
+    /// ([`JobPosition`]). It is the job's when the job is in lock-step:
+    /// every rank at the same step, which DDP training is at a step
+    /// boundary (every rank takes one batch per step; the batches of an
+    /// epoch are equal on every rank). To check rather than assume, gather
+    /// every rank's [`Loader::rank_position`] (or saved position) and call
+    /// [`JobPosition::from_ranks`], which refuses ranks out of lock-step
+    /// with [`Error::NotLockStep`] naming the first that differs.
+    pub fn job_position(&self) -> JobPosition {
+        self.rank_position().job_position()
+    }
+
+    /// The job position, serialized ([`JOB_POSITION_BYTES`] bytes,
+    /// `KSPDJOB1`) with the sampler's settings and the catalog's identity.
+    pub fn save_job_position(&self) -> [u8; JOB_POSITION_BYTES] {
+        self.job_position().save(
+            self.deal.sampler().config(),
+            self.parts().0.catalog().identity(),
+        )
+    }
+
+    /// Continues a job from a job position, at this loader's rank and world
+    /// (any world size): the rest of the epoch, each sample not yet
+    /// consumed exactly once across the ranks (docs/FORMAT.md, "Job
+    /// positions"), then ordinary epochs. `bytes` is a saved job position
+    /// ([`Loader::save_job_position`]) or any rank's saved position
+    /// ([`Loader::save_position`], whose job position it takes). A position
+    /// of another dataset, seed, shuffle or drop_last is an
+    /// [`Error::BadPosition`] naming it. The digest starts empty.
+    pub fn restore_job_position(&mut self, bytes: &[u8]) -> Result<()> {
+        self.release_batch();
+        self.check_failed()?;
+        let cfg = *self.deal.sampler().config();
+        let identity = self.parts().0.catalog().identity();
+        let job = if SavedPosition::is_v3(bytes) {
+            let s = SavedPosition::decode(bytes)?;
+            s.check_job(&cfg, identity, false)?;
+            s.job_position()
+        } else {
+            JobPosition::restore(bytes, &cfg, identity)?
+        };
+        self.check_end(job.epoch)?;
+        self.deal = self.deal.resumed(job)?;
+        let start = Position {
+            epoch: job.epoch,
+            index: 0,
+        };
+        self.restart(start)?;
+        self.reset_digest(start);
+        Ok(())
+    }
+
+    /// The exactly-once digest of the ids this rank delivered in the epoch
+    /// of its last delivered sample, and where in that epoch it stood: the
+    /// digest `kspeed audit` adds up over every rank (docs/FORMAT.md,
+    /// "Exactly-once digest"). Also in [`Stats`] and the saved position.
+    pub fn digest(&self) -> (EpochDigest, RankPosition) {
+        (self.digest, self.digest_at)
+    }
+
+    /// Folds a delivered sample into the digest: O(1), no allocation.
+    fn fold(&mut self, pos: Position, id: u64) {
+        if pos.epoch != self.digest.epoch {
+            self.reset_digest(pos);
+        }
+        self.digest.add(id);
+        self.digest_at.index = pos.index + 1;
+    }
+
+    /// An empty digest of `pos.epoch`, taken at `pos`.
+    fn reset_digest(&mut self, pos: Position) {
+        self.digest = EpochDigest::new(pos.epoch);
+        self.digest_at = self.deal.sampler().rank_position(pos);
     }
 
     /// Samples per batch (the last of an epoch may have fewer).
@@ -775,9 +923,16 @@ impl Loader {
 
     /// Samples per epoch for this rank, the same on every rank: the
     /// sampler's share (padded to equal ranks), or with drop_last that
-    /// rounded down to whole batches.
+    /// rounded down to whole batches. An epoch resumed at a job position
+    /// ([`Loader::restore_job_position`]) has fewer: [`Loader::epoch_steps`].
     pub fn epoch_len(&self) -> u64 {
         self.steps
+    }
+
+    /// Samples this rank delivers in `epoch`: [`Loader::epoch_len`], or the
+    /// rank's share of the remainder in the epoch the job resumed in.
+    pub fn epoch_steps(&self, epoch: u64) -> u64 {
+        self.deal.steps(epoch)
     }
 
     /// Batches per epoch, the same on every rank: `ceil(epoch_len /
@@ -848,6 +1003,8 @@ impl Loader {
                 pollers: self.placement.pollers as u32,
                 pinned_pollers: self.placement.pinned.iter().flatten().count() as u32,
             },
+            digest: self.digest,
+            digest_at: self.digest_at,
         }
     }
 

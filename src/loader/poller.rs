@@ -100,12 +100,7 @@ impl Poller {
         backend: Box<dyn IoBackend>,
     ) -> Self {
         let qd = shared.cfg.queue_depth as usize;
-        let cursor = Cursor::new(
-            shared.sampler.clone(),
-            shared.geo,
-            shared.start,
-            shared.steps,
-        );
+        let cursor = shared.cursor();
         let align = shared.geo.align;
         Poller {
             index: index as u64,

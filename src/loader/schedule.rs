@@ -11,7 +11,9 @@
 //! io_uring registers): it moves to the boundary instead, leaving padding.
 
 use crate::dataset::Catalog;
-use crate::sampler::{EpochOrder, Position, Sampler};
+#[cfg(test)]
+use crate::sampler::Sampler;
+use crate::sampler::{ElasticSampler, JobPosition, Position, RemainderOrder};
 
 /// Largest registered-buffer segment (io_uring limits one buffer to 1 GiB).
 pub const SEGMENT_BYTES: u64 = 1 << 30;
@@ -66,29 +68,96 @@ impl Placed {
     }
 }
 
+/// A rank's sequence over the epochs: the sampler (resumed at a job
+/// position or not) and how many of each epoch's steps are delivered.
+#[derive(Debug, Clone)]
+pub struct Deal {
+    sampler: ElasticSampler,
+    /// Steps of an epoch are delivered in multiples of this: the batch
+    /// size with drop_last (whole batches, every rank alike), else 1.
+    whole: u64,
+}
+
+impl Deal {
+    /// `sampler`'s sequence, each epoch cut to a multiple of `whole` steps.
+    pub fn new(sampler: ElasticSampler, whole: u64) -> Self {
+        assert!(whole > 0, "steps in multiples of 0");
+        Deal { sampler, whole }
+    }
+
+    /// Tests only (the simulators): an ordinary job (never resumed at
+    /// another world) delivering `steps`
+    /// of each epoch: the sampler's `per_rank`, or that rounded down to
+    /// whole batches (then `per_rank < 2 * steps`, so cutting to multiples
+    /// of `steps` gives `steps`).
+    #[cfg(test)]
+    pub fn plain(sampler: Sampler, steps: u64) -> Self {
+        let whole = if steps == sampler.per_rank() {
+            1
+        } else {
+            steps
+        };
+        assert!(steps > 0 && sampler.per_rank() / whole * whole == steps);
+        let sampler = ElasticSampler::new(
+            *sampler.config(),
+            JobPosition {
+                epoch: 0,
+                consumed: 0,
+            },
+        )
+        .expect("a valid sampler");
+        Deal { sampler, whole }
+    }
+
+    /// The same job resumed at `start` (a job position: any world).
+    pub fn resumed(&self, start: JobPosition) -> crate::Result<Deal> {
+        Ok(Deal {
+            sampler: ElasticSampler::new(*self.sampler.config(), start)?,
+            whole: self.whole,
+        })
+    }
+
+    /// The sampler.
+    pub fn sampler(&self) -> &ElasticSampler {
+        &self.sampler
+    }
+
+    /// Steps of `epoch` this rank delivers (the same on every rank).
+    pub fn steps(&self, epoch: u64) -> u64 {
+        self.sampler.per_rank(epoch) / self.whole * self.whole
+    }
+}
+
 /// Walks the schedule forward. Cloning is cheap (no allocation): a clone
 /// walks ahead without moving the original.
 #[derive(Clone)]
 pub struct Cursor {
-    sampler: Sampler,
+    deal: Deal,
     geo: Geometry,
-    /// Steps delivered per epoch: the sampler's `per_rank`, or with
-    /// drop_last that rounded down to whole batches (every rank alike).
+    /// Steps delivered in `pos.epoch` ([`Deal::steps`]).
     steps: u64,
-    order: EpochOrder,
+    order: RemainderOrder,
     pos: Position,
     g: u64,
     v: u64,
 }
 
 impl Cursor {
-    /// Starts at `start` (the next step to deliver); an epoch is its first
-    /// `steps` steps (at most the sampler's `per_rank`).
+    /// Tests only: starts at `start` (the next step to deliver) of an
+    /// ordinary job; an epoch is its first `steps` steps (see
+    /// [`Deal::plain`]).
+    #[cfg(test)]
     pub fn new(sampler: Sampler, geo: Geometry, start: Position, steps: u64) -> Self {
-        debug_assert!(steps <= sampler.per_rank());
-        let order = sampler.epoch(start.epoch);
+        Self::with_deal(Deal::plain(sampler, steps), geo, start)
+    }
+
+    /// Starts at `start` (the next step to deliver) of `deal`.
+    pub fn with_deal(deal: Deal, geo: Geometry, start: Position) -> Self {
+        let order = deal.sampler.epoch(start.epoch);
+        let steps = deal.steps(start.epoch);
+        debug_assert!(start.index <= steps);
         Cursor {
-            sampler,
+            deal,
             geo,
             steps,
             order,
@@ -122,12 +191,15 @@ impl Cursor {
 
     /// Schedules the next sample, its length from `len_of(id)`.
     pub fn next_with(&mut self, len_of: impl FnOnce(u64) -> u64) -> Placed {
-        if self.pos.index >= self.steps {
+        // A loop: a resumed epoch may have no steps left (only the start
+        // epoch; the ones after are whole).
+        while self.pos.index >= self.steps {
             self.pos = Position {
                 epoch: self.pos.epoch + 1,
                 index: 0,
             };
-            self.order = self.sampler.epoch(self.pos.epoch);
+            self.order = self.deal.sampler.epoch(self.pos.epoch);
+            self.steps = self.deal.steps(self.pos.epoch);
         }
         let id = self.order.sample(self.pos.index);
         let len = len_of(id);

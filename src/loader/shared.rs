@@ -10,13 +10,15 @@ use std::time::Duration;
 use hdrhistogram::Histogram;
 
 use super::net;
-use super::schedule::{Geometry, Placed};
+use super::schedule::{Cursor, Deal, Geometry, Placed};
 use super::tier::Tier;
 use crate::dataset::{Catalog, Space};
 use crate::error::Error;
 use crate::landing::LandingRing;
 use crate::ring::FaultConfig;
-use crate::sampler::{Position, Sampler};
+use crate::sampler::Position;
+#[cfg(test)]
+use crate::sampler::Sampler;
 
 pub(crate) const CODE_OK: u64 = 0;
 pub(crate) const CODE_ERROR: u64 = 1;
@@ -77,9 +79,8 @@ pub(crate) struct Shared {
     pub(crate) input: Input,
     pub(crate) ring: LandingRing,
     pub(crate) geo: Geometry,
-    pub(crate) sampler: Sampler,
-    /// Steps per epoch (see [`Loader::epoch_len`]).
-    pub(crate) steps: u64,
+    /// The rank's sequence and each epoch's steps.
+    pub(crate) deal: Deal,
     pub(crate) start: Position,
     /// Sequence number of the first sample of the loader's end epoch
     /// ([`super::LoaderBuilder::end_epoch`]; `u64::MAX` without one): no
@@ -116,6 +117,14 @@ pub(crate) struct Shared {
     /// that stopped working), so the consumer fails with this instead of
     /// waiting for samples that will never come.
     pub(super) dead: Mutex<Option<Error>>,
+}
+
+impl Shared {
+    /// A cursor at the run's start: the schedule every thread of the run
+    /// computes alike.
+    pub(crate) fn cursor(&self) -> Cursor {
+        Cursor::with_deal(self.deal.clone(), self.geo, self.start)
+    }
 }
 
 /// Lives on a worker thread's stack: if the thread unwinds, it records the
@@ -311,8 +320,7 @@ impl Shared {
             input,
             ring,
             geo,
-            sampler,
-            steps,
+            deal: Deal::plain(sampler, steps),
             start: Position { epoch: 0, index: 0 },
             end_g,
             cfg,

@@ -6,6 +6,7 @@ use std::time::Duration;
 use hdrhistogram::Histogram;
 
 use super::Shared;
+use crate::sampler::{EpochDigest, RankPosition};
 
 #[derive(Debug, Default, Clone, Copy)]
 pub(super) struct Counters {
@@ -138,6 +139,11 @@ pub struct Stats {
     pub read_ahead_discarded: u64,
     /// Where the pollers run (the core lists: [`Loader::placement`](super::Loader::placement)).
     pub placement: PlacementStats,
+    /// The exactly-once digest of the ids delivered in the epoch of the
+    /// last delivered sample ([`Loader::digest`](super::Loader::digest)).
+    pub digest: EpochDigest,
+    /// Where this rank stood in `digest.epoch` when the digest was taken.
+    pub digest_at: RankPosition,
 }
 
 /// The pollers' placement in [`Stats`] (counts; [`Loader::placement`](super::Loader::placement) has

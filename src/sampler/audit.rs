@@ -95,13 +95,27 @@ impl fmt::Display for AuditReport {
         write!(
             f,
             "epoch {}: {} samples, each exactly once",
-            self.epoch, self.samples
+            self.epoch,
+            grouped(self.samples)
         )?;
         if self.padding > 0 {
-            write!(f, ", and {} padding duplicates", self.padding)?;
+            write!(f, ", and {} padding duplicates", grouped(self.padding))?;
         }
         Ok(())
     }
+}
+
+/// `n` with a comma every three digits (1,281,167), as people read counts.
+fn grouped(n: u64) -> String {
+    let digits = n.to_string();
+    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
 }
 
 /// Checks the digests of every rank (of every world) that dealt
@@ -152,4 +166,31 @@ pub fn audit(
         samples: pos.consumed.min(cfg.len),
         padding: pos.consumed.saturating_sub(cfg.len),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reports_read_as_people_count() {
+        let r = AuditReport {
+            epoch: 3,
+            samples: 1_281_167,
+            padding: 0,
+        };
+        assert_eq!(
+            r.to_string(),
+            "epoch 3: 1,281,167 samples, each exactly once"
+        );
+        let r = AuditReport {
+            epoch: 0,
+            samples: 999,
+            padding: 1000,
+        };
+        assert_eq!(
+            r.to_string(),
+            "epoch 0: 999 samples, each exactly once, and 1,000 padding duplicates"
+        );
+    }
 }

@@ -167,16 +167,37 @@ impl JobPosition {
         if crc != crc32c::crc32c(&bytes[..36]) {
             return Err(Error::BadPosition("checksum mismatch (corrupt)".into()));
         }
-        if u64_at(24) != job_fingerprint(cfg) {
-            return Err(Error::BadPosition(
-                "saved by a job with another dataset length, seed, shuffle or drop_last".into(),
-            ));
-        }
         let saved = u32::from_le_bytes(bytes[32..36].try_into().expect("4 bytes"));
         if saved != catalog_identity {
             return Err(Error::BadPosition(format!(
                 "saved on another dataset (catalog identity {saved:08x}, this job reads {catalog_identity:08x})"
             )));
+        }
+        let fp = u64_at(24);
+        if fp != job_fingerprint(cfg) {
+            // The fingerprint hides the settings; the two flags can be
+            // named by trying them.
+            let flipped = |shuffle: bool, drop_last: bool| SamplerConfig {
+                shuffle: cfg.shuffle ^ shuffle,
+                drop_last: cfg.drop_last ^ drop_last,
+                ..*cfg
+            };
+            let what = if fp == job_fingerprint(&flipped(true, false)) {
+                format!("shuffle {} (this job has {})", !cfg.shuffle, cfg.shuffle)
+            } else if fp == job_fingerprint(&flipped(false, true)) {
+                format!(
+                    "drop_last {} (this job has {})",
+                    !cfg.drop_last, cfg.drop_last
+                )
+            } else if fp == job_fingerprint(&flipped(true, true)) {
+                format!(
+                    "shuffle {} and drop_last {} (this job has {} and {})",
+                    !cfg.shuffle, !cfg.drop_last, cfg.shuffle, cfg.drop_last
+                )
+            } else {
+                "another seed (or dataset length)".into()
+            };
+            return Err(Error::BadPosition(format!("saved by a job with {what}")));
         }
         let pos = JobPosition {
             epoch: u64_at(8),

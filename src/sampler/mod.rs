@@ -26,9 +26,11 @@ mod audit;
 mod elastic;
 #[cfg(test)]
 mod elastic_tests;
+mod saved;
 
 pub use audit::{audit, AuditReport, EpochDigest};
 pub use elastic::{ElasticSampler, JobPosition, RankPosition, RemainderOrder, JOB_POSITION_BYTES};
+pub use saved::{audit_positions, SavedPosition, POSITION_BYTES};
 
 const ROUNDS: usize = 6;
 const PERM_SALT: u64 = 0x6b73_7065_6564_7065; // "kspeedpe"
@@ -163,8 +165,9 @@ pub struct Position {
 
 const POS_MAGIC: &[u8; 8] = b"KSPDPOS2";
 const POS_MAGIC_V1: &[u8; 8] = b"KSPDPOS1";
-/// Bytes of a serialized [`Position`].
-pub const POSITION_BYTES: usize = 40;
+/// Bytes of a [`Position`] serialized by [`Sampler::save`] (`KSPDPOS2`; a
+/// loader saves the longer [`SavedPosition`], `KSPDPOS3`).
+pub const POSITION_V2_BYTES: usize = 40;
 /// Bytes of a position saved by kspeed 0.1 (no catalog identity).
 const POSITION_V1_BYTES: usize = 36;
 
@@ -230,8 +233,8 @@ impl Sampler {
     /// Layout (little-endian): magic `KSPDPOS2`, epoch u64, index u64,
     /// sampler fingerprint u64, catalog identity u32, CRC32C u32 of the
     /// preceding 36 bytes.
-    pub fn save(&self, pos: Position, catalog_identity: u32) -> [u8; POSITION_BYTES] {
-        let mut b = [0u8; POSITION_BYTES];
+    pub fn save(&self, pos: Position, catalog_identity: u32) -> [u8; POSITION_V2_BYTES] {
+        let mut b = [0u8; POSITION_V2_BYTES];
         b[0..8].copy_from_slice(POS_MAGIC);
         b[8..16].copy_from_slice(&pos.epoch.to_le_bytes());
         b[16..24].copy_from_slice(&pos.index.to_le_bytes());
@@ -248,16 +251,16 @@ impl Sampler {
     /// it cannot tell two datasets of the same length apart.
     pub fn restore(&self, bytes: &[u8], catalog_identity: u32) -> Result<Position> {
         let (body, crc_at) = match bytes.len() {
-            POSITION_BYTES if &bytes[0..8] == POS_MAGIC => (36, 36),
+            POSITION_V2_BYTES if &bytes[0..8] == POS_MAGIC => (36, 36),
             POSITION_V1_BYTES if &bytes[0..8] == POS_MAGIC_V1 => (32, 32),
-            POSITION_BYTES | POSITION_V1_BYTES => {
+            POSITION_V2_BYTES | POSITION_V1_BYTES => {
                 return Err(Error::BadPosition(
                     "wrong magic (not a kspeed position)".into(),
                 ))
             }
             n => {
                 return Err(Error::BadPosition(format!(
-                    "{n} bytes, expected {POSITION_BYTES}"
+                    "{n} bytes, expected {POSITION_V2_BYTES}"
                 )))
             }
         };

@@ -34,6 +34,7 @@ mod loader;
 mod node_service;
 mod objects;
 mod options;
+mod position;
 mod shared;
 
 use pyo3::prelude::*;
@@ -50,6 +51,7 @@ fn _kspeed(m: &Bound<'_, PyModule>) -> PyResult<()> {
     options::register(m)?;
     bench::register(m)?;
     launcher::register(m)?;
+    position::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

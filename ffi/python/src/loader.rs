@@ -276,6 +276,71 @@ impl PyLoader {
         .raise(py)
     }
 
+    /// (epoch, base, index, rank, world): this rank's place, and where its
+    /// world started dealing the epoch.
+    pub(crate) fn rank_position(&self, py: Python<'_>) -> PyResult<(u64, u64, u64, u32, u32)> {
+        py.detach(|| {
+            let mut core = self.shared.lock();
+            let p = core.loader()?.rank_position();
+            Ok::<_, Fail>((p.epoch, p.base, p.index, p.rank, p.world))
+        })
+        .raise(py)
+    }
+
+    /// The job position (KSPDJOB1 bytes) of `consumed` entries of `epoch`
+    /// (default: the job position from this rank's position).
+    #[pyo3(signature = (epoch=None, consumed=None))]
+    pub(crate) fn save_job_position<'py>(
+        &self,
+        py: Python<'py>,
+        epoch: Option<u64>,
+        consumed: Option<u64>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let b = py
+            .detach(|| {
+                let mut core = self.shared.lock();
+                let l = core.loader()?;
+                let mut job = l.job_position();
+                if let (Some(e), Some(c)) = (epoch, consumed) {
+                    job = kspeed::sampler::JobPosition {
+                        epoch: e,
+                        consumed: c,
+                    };
+                }
+                // The job fingerprint leaves rank and world out.
+                let saved = l.saved_position();
+                Ok::<_, Fail>(job.save(&saved.cfg, saved.catalog_identity))
+            })
+            .raise(py)?;
+        Ok(PyBytes::new(py, &b))
+    }
+
+    /// Continues the job from a job position (or any rank's saved
+    /// position) at this loader's rank and world (a restart).
+    pub(crate) fn restore_job_position(&self, py: Python<'_>, bytes: Vec<u8>) -> PyResult<()> {
+        self.settle(py, true)?;
+        (|| {
+            let mut core = self.shared.lock();
+            core.reap();
+            core.loader()?;
+            core.drop_out_batches("load_state_dict")?;
+            core.loader()?
+                .restore_job_position(&bytes)
+                .map_err(Fail::from_kspeed)
+        })()
+        .raise(py)
+    }
+
+    /// Samples this rank delivers in `epoch` (fewer in an epoch resumed
+    /// at a job position).
+    pub(crate) fn epoch_steps(&self, py: Python<'_>, epoch: u64) -> PyResult<u64> {
+        py.detach(|| {
+            let mut core = self.shared.lock();
+            Ok::<_, Fail>(core.loader()?.epoch_steps(epoch))
+        })
+        .raise(py)
+    }
+
     pub(crate) fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let (st, placement) = py
             .detach(|| {
@@ -320,6 +385,14 @@ impl PyLoader {
         p.set_item("pollers", placement.pollers)?;
         p.set_item("pinned_cores", &placement.pinned)?;
         d.set_item("placement", p)?;
+        // The exactly-once digest (docs/FORMAT.md, "Exactly-once digest").
+        let g = PyDict::new(py);
+        g.set_item("epoch", st.digest.epoch)?;
+        g.set_item("count", st.digest.count)?;
+        g.set_item("sum", st.digest.sum)?;
+        g.set_item("base", st.digest_at.base)?;
+        g.set_item("index", st.digest_at.index)?;
+        d.set_item("digest", g)?;
         Ok(d)
     }
 

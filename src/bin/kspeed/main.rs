@@ -2,7 +2,8 @@
 //!
 //! Exit status: 0 success, 1 error (the message names what and where; also
 //! `verify` when samples could not be read: I/O errors), 2 usage error,
-//! 3 `verify` found corrupt or missing samples.
+//! 3 `verify` found corrupt or missing samples, or `audit` found samples
+//! not delivered exactly once.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -14,6 +15,7 @@ use kspeed::dataset::gen::{self, GenOptions, Profile};
 use kspeed::dataset::{self, BuildOptions, Catalog, Placement, PreloadOptions, SourceSpec, Space};
 use kspeed::progress::ProgressMode;
 
+mod audit;
 mod inspect;
 mod ls;
 mod read;
@@ -60,6 +62,9 @@ enum Cmd {
     Read(Box<read::ReadArgs>),
     /// Serve this node's space to remote consumers (the cluster's node service).
     Serve(ServeArgs),
+    /// Check from every rank's saved position that each sample of an epoch
+    /// was delivered exactly once, across resumes at other world sizes.
+    Audit(audit::AuditArgs),
     /// Write the completion script for SHELL to stdout (for packagers:
     /// packaging/README.md).
     #[command(hide = true)]
@@ -548,6 +553,7 @@ fn run(cli: Cli) -> kspeed::Result<ExitCode> {
             inspect::run(&a.space, &a.catalog, a.nodes, a.replicas, a.devices, a.json)?
         }
         Cmd::Verify(a) => return verify_cmd::run(a, progress),
+        Cmd::Audit(a) => return audit::run(a),
         Cmd::Completions { shell } => {
             use clap::CommandFactory;
             clap_complete::generate(shell, &mut Cli::command(), "kspeed", &mut std::io::stdout());

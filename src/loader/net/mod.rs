@@ -772,7 +772,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         // Grant ids keep the low 31 bits of a sequence number (grants::grant_id):
         // the table index must fit in them.
         assert!(size <= 1 << 31, "grant table of {size} entries");
-        let cursor = Cursor::new(sh.sampler.clone(), sh.geo, sh.start, sh.steps);
+        let cursor = sh.cursor();
         let mut redials = redial::Redials::new(conns.len(), redial);
         let redial = redial && R::redial_common(&connected.common).is_some();
         for (c, r) in conns.iter().zip(&mut redials.state) {

@@ -19,7 +19,7 @@ PyTorch: ``kspeed.torch.KSpeedDataset`` (an IterableDataset).
 
 from . import _kspeed
 from ._kspeed import Batch
-from ._loader import Catalog, Loader, NodeService, catalog, launch_env, options, preload, verify
+from ._loader import Catalog, Loader, NodeService, audit, catalog, launch_env, options, preload, verify
 from .errors import (
     BatchInUseError,
     BatchReleasedError,
@@ -46,6 +46,7 @@ __all__ = [
     "catalog",
     "preload",
     "verify",
+    "audit",
     "Error",
     "IoError",
     "DataError",

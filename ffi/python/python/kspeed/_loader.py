@@ -497,7 +497,10 @@ class Loader:
 
     # Checkpoints (torchdata StatefulDataLoader's protocol: plain values).
     def state_dict(self):
-        """Where the next batch starts, as plain picklable values."""
+        """Where the next batch starts, as plain picklable values: this
+        rank's position (``position``, with the exactly-once digest) and
+        the job's (``job_position``, valid for any world size when the
+        ranks are in lock-step, as DDP steps are)."""
         _check_pid(self)
         epoch, index = self._l.position()
         return {
@@ -505,6 +508,7 @@ class Loader:
             "epoch": epoch,
             "index": index,
             "position": bytes(self._l.save_position()),
+            "job_position": bytes(self._l.save_job_position()),
             "seed": self._l.seed,
             "rank": self._l.rank,
             "world": self._l.world,
@@ -514,13 +518,22 @@ class Loader:
         }
 
     def load_state_dict(self, state):
-        """Continues exactly where ``state`` (from :meth:`state_dict`) was taken."""
+        """Continues exactly where ``state`` (from :meth:`state_dict`) was
+        taken. A state of another rank or world size (a job resumed on
+        another number of GPUs: load any rank's state on every rank)
+        continues the job from its job position: the rest of the epoch,
+        each sample not yet consumed exactly once across the new ranks."""
         _check_pid(self)
         if not isinstance(state, dict):
             raise TypeError(f"state must be a dict from Loader.state_dict(), not {type(state).__name__}")
         if state.get("kspeed_loader_state") != 1:
             raise ValueError("state is not a kspeed Loader state (no kspeed_loader_state: 1)")
-        for key in ("seed", "rank", "world", "catalog_samples", "catalog_identity"):
+        elastic = (state.get("rank"), state.get("world")) != (self._l.rank, self._l.world)
+        if elastic and isinstance(state.get("job_position"), (bytes, bytearray)):
+            keys = ("seed", "catalog_samples", "catalog_identity")
+        else:
+            keys = ("seed", "rank", "world", "catalog_samples", "catalog_identity")
+        for key in keys:
             mine = {
                 "seed": self._l.seed,
                 "rank": self._l.rank,
@@ -532,11 +545,29 @@ class Loader:
                 raise ValueError(f"state[{key!r}] is missing")
             if state[key] != mine:
                 raise ValueError(f"state[{key!r}] is {state[key]!r} but this loader has {mine!r}: the state belongs to another job or dataset")
+        if elastic:
+            self._l.restore_job_position(bytes(state["job_position"]))
+            self._epoch = self._l.position()[0]
+            return
         pos = state.get("position")
         if not isinstance(pos, (bytes, bytearray)):
             raise TypeError("state['position'] must be bytes")
         self._l.restore_position(bytes(pos))
         self._epoch = self._l.position()[0]
+
+    def job_position(self):
+        """(epoch, consumed): what the job has consumed of the epoch's
+        global order, from this rank's position (the job's when the ranks
+        are in lock-step)."""
+        _check_pid(self)
+        epoch, base, index, _, world = self._l.rank_position()
+        return epoch, base + index * world
+
+    def save_position(self):
+        """This rank's position (bytes, ``KSPDPOS3``), with the exactly-once
+        digest: what :func:`kspeed.audit` checks."""
+        _check_pid(self)
+        return bytes(self._l.save_position())
 
     # Information.
     def stats(self):
@@ -679,6 +710,27 @@ def catalog(source, out, *, threads=None, skip_special=False, follow_symlinks=Fa
         cfg["members"] = list(members)
     cfg["file_mode"] = _int("file_mode", file_mode, 0, 0o7777)
     return _kspeed._catalog(cfg)
+
+
+def audit(positions):
+    """Checks that a job delivered each sample of an epoch exactly once,
+    across resumes at other world sizes, from its ranks' saved positions
+    (``Loader.save_position()`` bytes, ``state_dict()`` dicts or files: the
+    last one of every rank of every world that dealt the epochs). Returns
+    one line per epoch ("epoch 3: 1,281,167 samples, each exactly once");
+    raises :class:`kspeed.DataError` (kind ``AuditMismatch``) naming the
+    first sample skipped or delivered twice."""
+    blobs = []
+    for i, p in enumerate(positions):
+        if isinstance(p, dict):
+            p = p.get("position")
+        elif isinstance(p, (str, os.PathLike)):
+            with open(p, "rb") as f:
+                p = f.read()
+        if not isinstance(p, (bytes, bytearray)):
+            raise TypeError(f"positions[{i}] must be bytes, a state dict or a path, not {type(p).__name__}")
+        blobs.append(bytes(p))
+    return _kspeed._audit(blobs)
 
 
 def verify(space, *, threads=None):

@@ -51,7 +51,9 @@ dataset answers the DataLoader that asks with the exact count
 Resume: ``state_dict()`` / ``load_state_dict()`` give the exact position of
 the next sample, also in the middle of a kspeed batch (``num_workers=0``, or
 per worker under torchdata's ``StatefulDataLoader``, which calls them in
-each worker).
+each worker). With ``num_workers=0`` a state also resumes at another world
+size (load any rank's state on every rank of the new world): the rest of the
+epoch is dealt to the new ranks, each sample exactly once.
 """
 
 import os
@@ -204,7 +206,12 @@ class KSpeedDataset(IterableDataset):
         loader = self._get_loader(w, n)
         state, self._state = self._state, None
         skip = 0
-        if state is not None:
+        if state is not None and state.get("_elastic"):
+            # Another rank or world size: the job's position, the rest of
+            # the epoch dealt to this world.
+            loader._l.restore_job_position(state["job_position"])
+            loader._epoch = loader.position()[0]
+        elif state is not None:
             loader._l.restore_position(state["position"])
             loader._epoch = state["epoch"]
             skip = state["skip"]
@@ -212,12 +219,20 @@ class KSpeedDataset(IterableDataset):
             epoch = int(self._epochs[w])
             if loader.position() != (epoch, 0) or loader.epoch != epoch:
                 loader.set_epoch(epoch)
-        self._next_epoch(w, n, loader.position()[0])
-        left = self._steps(w, n) - loader.position()[1]
+        reading, index = loader.position()
+        self._next_epoch(w, n, reading)
+        if n == 1 and not self._kwargs.get("drop_last", False):
+            # The loader's own epoch (shorter in an epoch resumed at another
+            # world size).
+            left = loader._l.epoch_steps(reading) - index
+        else:
+            left = self._steps(w, n) - index
         while left > 0:
             # Where this batch starts, so that a state taken in the middle of
-            # it resumes at the exact sample (restore there, skip the rest).
-            start = (loader._l.save_position(), loader.position())
+            # it resumes at the exact sample (restore there, skip the rest),
+            # and where this world started dealing the epoch (for the job
+            # position).
+            start = (loader._l.save_position(), loader.position(), loader._l.rank_position()[1])
             b = loader.next_batch()
             if b is None:
                 break
@@ -275,26 +290,45 @@ class KSpeedDataset(IterableDataset):
         loader = self._get_loader(w, n)
         cursor = getattr(self, "_cursor", None)
         if cursor is not None:
-            (pos, (epoch, index)), skip = cursor
+            (pos, (epoch, index), base), skip = cursor
         else:
             pos, (epoch, index), skip = loader._l.save_position(), loader.position(), 0
-        return {"kspeed_dataset_state": 1, **self._identity(), "worker": w, "num_workers": n, "epoch": epoch,
-                "index": index + skip, "position": bytes(pos), "skip": skip}
+            base = loader._l.rank_position()[1]
+        state = {"kspeed_dataset_state": 1, **self._identity(), "worker": w, "num_workers": n, "epoch": epoch,
+                 "index": index + skip, "position": bytes(pos), "skip": skip}
+        if n == 1 and not self._kwargs.get("drop_last", False):
+            # The job's position at this exact sample (valid at any world
+            # size when the ranks are in lock-step, as DDP steps are).
+            state["job_position"] = bytes(loader._l.save_job_position(epoch, base + (index + skip) * self.world))
+        return state
 
     def load_state_dict(self, state):
         """The next pass continues from ``state`` (from :meth:`state_dict`).
-        A state of another job (world size, rank, seed), dataset or worker
-        count is refused here, naming the field."""
+        With ``num_workers=0`` (and no ``drop_last``), a state of another
+        rank or world size continues the job from its job position (a job
+        resumed on another number of GPUs: load any rank's state on every
+        rank): the rest of the epoch, each sample not yet consumed exactly
+        once across the new ranks. Otherwise a state of another job (world
+        size, rank, seed), dataset or worker count is refused here, naming
+        the field."""
         if not isinstance(state, dict) or state.get("kspeed_dataset_state") != 1:
             raise ValueError("state is not a KSpeedDataset state (no kspeed_dataset_state: 1)")
+        w, n = self._worker()
+        elastic = ((state.get("rank"), state.get("world")) != (self.rank, self.world)
+                   and "job_position" in state and n == 1 and state.get("num_workers") == 1
+                   and not self._kwargs.get("drop_last", False))
         for key, mine in self._identity().items():
+            if elastic and key in ("rank", "world"):
+                continue
             if key not in state:
                 raise ValueError(f"state[{key!r}] is missing: the state is from an older kspeed or not a "
                                  f"KSpeedDataset state")
             if state[key] != mine:
                 raise ValueError(f"state[{key!r}] is {state[key]!r} but this dataset has {mine!r}: the state "
                                  f"belongs to another job or dataset")
-        w, n = self._worker()
+        if elastic:
+            self._state = dict(state, _elastic=True)
+            return
         if (state["worker"], state["num_workers"]) != (w, n):
             raise ValueError(
                 f"state['num_workers'] is {state['num_workers']} (worker {state['worker']}) but this is worker "

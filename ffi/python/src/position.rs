@@ -1,0 +1,33 @@
+//! `_audit`: the exactly-once audit of a job from its ranks' saved
+//! positions (`kspeed.audit` in Python; `kspeed audit` on the command line).
+
+use pyo3::prelude::*;
+
+use crate::errors::Raise;
+use kspeed::sampler::{audit_positions, SavedPosition};
+
+/// One line per epoch ("epoch 3: 1,281,167 samples, each exactly once");
+/// a mismatch raises DataError (kind "AuditMismatch") naming the first
+/// difference.
+#[pyfunction]
+fn _audit(py: Python<'_>, positions: Vec<Vec<u8>>) -> PyResult<Vec<String>> {
+    py.detach(|| -> kspeed::Result<Vec<String>> {
+        let saved = positions
+            .iter()
+            .enumerate()
+            .map(|(i, b)| {
+                SavedPosition::decode(b)
+                    .map_err(|e| kspeed::Error::BadPosition(format!("position {i}: {e}")))
+            })
+            .collect::<kspeed::Result<Vec<_>>>()?;
+        Ok(audit_positions(&saved)?
+            .iter()
+            .map(|r| r.to_string())
+            .collect())
+    })
+    .raise(py)
+}
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(_audit, m)?)
+}

@@ -1,0 +1,386 @@
+//! A rank's saved position (`KSPDPOS3`): where the rank resumes, the
+//! exactly-once digest of the epoch it last delivered from, and the job's
+//! settings in clear, so that `kspeed audit` checks a job from its ranks'
+//! files alone (no loader, no dataset) and a restore names what differs.
+//!
+//! The layout is frozen in docs/FORMAT.md ("Saved positions").
+
+use super::{audit, AuditReport, EpochDigest, JobPosition, RankPosition, SamplerConfig};
+use crate::error::{Error, Result};
+
+const MAGIC: &[u8; 8] = b"KSPDPOS3";
+/// Bytes of a saved rank position ([`SavedPosition`], `KSPDPOS3`).
+pub const POSITION_BYTES: usize = 108;
+
+/// Everything a rank saves with its position.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SavedPosition {
+    /// The job: dataset length, seed, shuffle, drop_last, this rank and the
+    /// world size of the dealing it belongs to.
+    pub cfg: SamplerConfig,
+    /// The catalog's identity (its body's CRC32C).
+    pub catalog_identity: u32,
+    /// The next step this rank delivers (`rank` and `world` equal `cfg`'s).
+    pub next: RankPosition,
+    /// The ids this rank delivered in `digest.epoch` (the epoch of the last
+    /// sample it delivered, or `next.epoch` before any).
+    pub digest: EpochDigest,
+    /// Where this rank stood in `digest.epoch` when the digest was taken:
+    /// `digest_at.index` steps since `digest_at.base`.
+    pub digest_at: RankPosition,
+}
+
+impl SavedPosition {
+    /// Serializes (layout in docs/FORMAT.md).
+    pub fn save(&self) -> [u8; POSITION_BYTES] {
+        let mut b = [0u8; POSITION_BYTES];
+        let flags = (self.cfg.shuffle as u32) | ((self.cfg.drop_last as u32) << 1);
+        b[0..8].copy_from_slice(MAGIC);
+        b[8..16].copy_from_slice(&self.cfg.len.to_le_bytes());
+        b[16..24].copy_from_slice(&self.cfg.seed.to_le_bytes());
+        b[24..28].copy_from_slice(&flags.to_le_bytes());
+        b[28..32].copy_from_slice(&self.catalog_identity.to_le_bytes());
+        b[32..36].copy_from_slice(&self.cfg.rank.to_le_bytes());
+        b[36..40].copy_from_slice(&self.cfg.world.to_le_bytes());
+        let words = [
+            self.next.epoch,
+            self.next.base,
+            self.next.index,
+            self.digest.epoch,
+            self.digest_at.base,
+            self.digest_at.index,
+            self.digest.count,
+            self.digest.sum,
+        ];
+        for (i, w) in words.iter().enumerate() {
+            b[40 + 8 * i..48 + 8 * i].copy_from_slice(&w.to_le_bytes());
+        }
+        let crc = crc32c::crc32c(&b[..104]);
+        b[104..108].copy_from_slice(&crc.to_le_bytes());
+        b
+    }
+
+    /// Whether `bytes` claim to be a `KSPDPOS3` position (by their magic).
+    pub fn is_v3(bytes: &[u8]) -> bool {
+        bytes.len() >= 8 && &bytes[0..8] == MAGIC
+    }
+
+    /// Decodes a position saved by [`SavedPosition::save`], checking its
+    /// size, magic and checksum only ([`SavedPosition::check_job`] checks
+    /// that it belongs to a job).
+    pub fn decode(bytes: &[u8]) -> Result<Self> {
+        if bytes.len() != POSITION_BYTES {
+            return Err(Error::BadPosition(format!(
+                "{} bytes, expected a {POSITION_BYTES}-byte KSPDPOS3 position",
+                bytes.len()
+            )));
+        }
+        if !Self::is_v3(bytes) {
+            return Err(Error::BadPosition(
+                "wrong magic (not a kspeed position)".into(),
+            ));
+        }
+        let crc = u32::from_le_bytes(bytes[104..108].try_into().expect("4 bytes"));
+        if crc != crc32c::crc32c(&bytes[..104]) {
+            return Err(Error::BadPosition("checksum mismatch (corrupt)".into()));
+        }
+        let u64_at = |o: usize| u64::from_le_bytes(bytes[o..o + 8].try_into().expect("8 bytes"));
+        let u32_at = |o: usize| u32::from_le_bytes(bytes[o..o + 4].try_into().expect("4 bytes"));
+        let flags = u32_at(24);
+        if flags > 3 {
+            return Err(Error::BadPosition(format!("unknown flags {flags:#x}")));
+        }
+        let (rank, world) = (u32_at(32), u32_at(36));
+        if world == 0 || rank >= world {
+            return Err(Error::BadPosition(format!(
+                "rank {rank} is not below world size {world}"
+            )));
+        }
+        let cfg = SamplerConfig {
+            len: u64_at(8),
+            seed: u64_at(16),
+            shuffle: flags & 1 != 0,
+            rank,
+            world,
+            drop_last: flags & 2 != 0,
+        };
+        let at = |epoch, base, index| RankPosition {
+            epoch,
+            base,
+            index,
+            rank,
+            world,
+        };
+        let digest = EpochDigest {
+            epoch: u64_at(64),
+            count: u64_at(88),
+            sum: u64_at(96),
+        };
+        Ok(SavedPosition {
+            cfg,
+            catalog_identity: u32_at(28),
+            next: at(u64_at(40), u64_at(48), u64_at(56)),
+            digest,
+            digest_at: at(digest.epoch, u64_at(72), u64_at(80)),
+        })
+    }
+
+    /// Refuses a position of another job than `cfg` over
+    /// `catalog_identity`, naming the first setting that differs; `rank`
+    /// and `world` are compared only when `same_rank` (a rank position
+    /// resumes only its own rank; a job position any).
+    pub fn check_job(
+        &self,
+        cfg: &SamplerConfig,
+        catalog_identity: u32,
+        same_rank: bool,
+    ) -> Result<()> {
+        let mine = &self.cfg;
+        let differs = |what: &str, saved: String, here: String| {
+            Err(Error::BadPosition(format!(
+                "saved with {what} {saved}, this loader has {here}"
+            )))
+        };
+        if self.catalog_identity != catalog_identity {
+            return Err(Error::BadPosition(format!(
+                "saved on another dataset (catalog identity {:08x}, this loader reads {catalog_identity:08x})",
+                self.catalog_identity
+            )));
+        }
+        if mine.len != cfg.len {
+            return differs("dataset length", mine.len.to_string(), cfg.len.to_string());
+        }
+        if mine.seed != cfg.seed {
+            return differs("seed", mine.seed.to_string(), cfg.seed.to_string());
+        }
+        if mine.shuffle != cfg.shuffle {
+            return differs("shuffle", mine.shuffle.to_string(), cfg.shuffle.to_string());
+        }
+        if mine.drop_last != cfg.drop_last {
+            return differs(
+                "drop_last",
+                mine.drop_last.to_string(),
+                cfg.drop_last.to_string(),
+            );
+        }
+        if same_rank && (mine.rank, mine.world) != (cfg.rank, cfg.world) {
+            return differs(
+                "rank/world",
+                format!("{}/{}", mine.rank, mine.world),
+                format!(
+                    "{}/{} (resume at another world size with the job position)",
+                    cfg.rank, cfg.world
+                ),
+            );
+        }
+        Ok(())
+    }
+
+    /// The job position this rank's file gives, valid when the job was in
+    /// lock-step (every rank at this step).
+    pub fn job_position(&self) -> JobPosition {
+        self.next.job_position()
+    }
+}
+
+/// Audits a job from its ranks' saved positions, across resumes at other
+/// world sizes: per epoch (the epoch of each file's digest), the files of
+/// each world that dealt it must be one lock-step world
+/// ([`JobPosition::from_ranks`] on where each digest was taken), and the
+/// worlds must follow each other (each starting where the one before
+/// stopped, the first at the epoch's start). Then [`audit()`] checks the
+/// sum of all their digests against the sampler's prefix. One report per
+/// epoch, in epoch order; the first difference found is the error.
+pub fn audit_positions(saved: &[SavedPosition]) -> Result<Vec<AuditReport>> {
+    let first = saved
+        .first()
+        .ok_or_else(|| Error::AuditMismatch("no positions given".into()))?;
+    for (i, s) in saved.iter().enumerate() {
+        let job = first.cfg.rank_world(s.cfg.rank, s.cfg.world);
+        s.check_job(&job, first.catalog_identity, false)
+            .map_err(|e| Error::AuditMismatch(format!("position {i} is of another job: {e}")))?;
+    }
+    let mut epochs: Vec<u64> = saved.iter().map(|s| s.digest.epoch).collect();
+    epochs.sort_unstable();
+    epochs.dedup();
+    let mut reports = Vec::with_capacity(epochs.len());
+    for epoch in epochs {
+        let of_epoch: Vec<&SavedPosition> =
+            saved.iter().filter(|s| s.digest.epoch == epoch).collect();
+        // The worlds that dealt this epoch: (base, world) of each dealing.
+        let mut worlds: Vec<(u64, u32)> = of_epoch
+            .iter()
+            .map(|s| (s.digest_at.base, s.cfg.world))
+            .collect();
+        worlds.sort_unstable();
+        worlds.dedup();
+        let mut consumed = 0u64;
+        for (base, world) in worlds {
+            if base != consumed {
+                return Err(Error::AuditMismatch(format!(
+                    "epoch {epoch}: a world of {world} ranks started at entry {base} of the epoch's \
+                     order, but the positions before it stop at {consumed}: {}",
+                    if base > consumed {
+                        "a world's positions are missing, or samples were skipped"
+                    } else {
+                        "two worlds dealt the same entries"
+                    }
+                )));
+            }
+            let ranks: Vec<RankPosition> = of_epoch
+                .iter()
+                .filter(|s| (s.digest_at.base, s.cfg.world) == (base, world))
+                .map(|s| s.digest_at)
+                .collect();
+            consumed = JobPosition::from_ranks(&ranks)
+                .map_err(|e| Error::AuditMismatch(format!("epoch {epoch}: {e}")))?
+                .consumed;
+        }
+        let digests: Vec<EpochDigest> = of_epoch.iter().map(|s| s.digest).collect();
+        reports.push(audit(
+            &first.cfg,
+            JobPosition { epoch, consumed },
+            &digests,
+        )?);
+    }
+    Ok(reports)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sampler::{ElasticSampler, Position};
+
+    fn cfg() -> SamplerConfig {
+        SamplerConfig::single(10, 1).rank_world(1, 2)
+    }
+
+    fn example() -> SavedPosition {
+        let at = RankPosition {
+            epoch: 0,
+            base: 6,
+            index: 1,
+            rank: 1,
+            world: 2,
+        };
+        SavedPosition {
+            cfg: cfg(),
+            catalog_identity: 0,
+            next: at,
+            digest: EpochDigest {
+                epoch: 0,
+                count: 1,
+                sum: EpochDigest::hash(0, 0),
+            },
+            digest_at: at,
+        }
+    }
+
+    #[test]
+    fn round_trip_and_check_value() {
+        let s = example();
+        let b = s.save();
+        assert_eq!(SavedPosition::decode(&b).unwrap(), s);
+        assert_eq!(
+            s.job_position(),
+            JobPosition {
+                epoch: 0,
+                consumed: 8
+            }
+        );
+        // docs/FORMAT.md's check value.
+        assert_eq!(
+            u32::from_le_bytes(b[104..108].try_into().unwrap()),
+            CHECK_CRC,
+            "{:#010x}",
+            u32::from_le_bytes(b[104..108].try_into().unwrap())
+        );
+        let mut bad = b;
+        bad[50] ^= 1;
+        assert!(
+            matches!(SavedPosition::decode(&bad), Err(Error::BadPosition(m)) if m.contains("checksum"))
+        );
+        assert!(SavedPosition::decode(&b[..100]).is_err());
+    }
+
+    const CHECK_CRC: u32 = 0xaf8b_839d;
+
+    #[test]
+    fn another_job_is_named() {
+        let s = example();
+        let c = cfg();
+        s.check_job(&c, 0, true).unwrap();
+        for (other, id, what) in [
+            (c.seed(2), 0, "seed"),
+            (c.shuffle(false), 0, "shuffle"),
+            (c.drop_last(true), 0, "drop_last"),
+            (c.len(11), 0, "length"),
+            (c, 7, "another dataset"),
+            (c.rank_world(0, 3), 0, "rank/world"),
+        ] {
+            match s.check_job(&other, id, true) {
+                Err(Error::BadPosition(m)) => assert!(m.contains(what), "{what}: {m}"),
+                r => panic!("{what}: {r:?}"),
+            }
+        }
+        // A job position resumes any rank and world.
+        s.check_job(&c.rank_world(4, 5), 0, false).unwrap();
+    }
+
+    /// Positions saved as the loader saves them: 3 ranks take 4 steps of
+    /// epoch 1, 2 ranks the rest.
+    fn job() -> Vec<SavedPosition> {
+        let c = SamplerConfig::single(25, 3);
+        let mut out = Vec::new();
+        let mut start = JobPosition {
+            epoch: 1,
+            consumed: 0,
+        };
+        for (world, steps) in [(3u32, Some(4u64)), (2, None)] {
+            for rank in 0..world {
+                let s = ElasticSampler::new(c.rank_world(rank, world), start).unwrap();
+                let n = steps.unwrap_or(s.per_rank(1));
+                let mut d = EpochDigest::new(1);
+                (0..n).for_each(|k| d.add(s.sample(1, k)));
+                let at = s.rank_position(Position { epoch: 1, index: n });
+                out.push(SavedPosition {
+                    cfg: c.rank_world(rank, world),
+                    catalog_identity: 5,
+                    next: at,
+                    digest: d,
+                    digest_at: at,
+                });
+            }
+            start = out.last().unwrap().job_position();
+        }
+        out
+    }
+
+    #[test]
+    fn audits_across_worlds_and_names_what_is_wrong() {
+        let all = job();
+        let r = audit_positions(&all).unwrap();
+        assert_eq!(r.len(), 1);
+        assert_eq!(
+            r[0].to_string(),
+            "epoch 1: 25 samples, each exactly once, and 1 padding duplicates"
+        );
+        let err = |v: &[SavedPosition]| match audit_positions(v) {
+            Err(Error::AuditMismatch(m)) => m,
+            r => panic!("{r:?}"),
+        };
+        // The first world missing.
+        assert!(err(&all[3..]).contains("stop at 0"));
+        // A rank of the second world missing.
+        assert!(err(&all[..4]).contains("1 rank positions for a world of 2"));
+        // Another job's file.
+        let mut other = all.clone();
+        other[1].cfg.seed = 4;
+        assert!(err(&other).contains("seed"));
+        // A rank out of lock-step.
+        let mut ahead = all.clone();
+        ahead[0].digest_at.index += 1;
+        assert!(err(&ahead).contains("step"));
+        assert!(err(&[]).contains("no positions"));
+    }
+}
