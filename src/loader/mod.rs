@@ -34,6 +34,7 @@ pub(crate) mod tier;
 mod batch;
 mod builder;
 mod fdcache;
+mod input;
 pub(crate) mod net;
 pub mod options;
 mod shared;
@@ -60,6 +61,7 @@ pub use crate::ring::FaultConfig;
 use batch::Entry;
 pub use batch::{Batch, BatchSample, DeviceSample};
 pub use builder::*;
+pub use input::parse_mix_entry;
 pub use options::LoaderOptions;
 pub(crate) use shared::*;
 use stats::{Counters, Totals};
@@ -418,11 +420,11 @@ impl Loader {
         while self.entries.len() < self.batch_size {
             let p = match self.peeked.take() {
                 Some(p) => p,
-                None => self
-                    .cursor
-                    .as_mut()
-                    .expect("running")
-                    .next(self.run.as_ref().expect("running").shared.input.catalog()),
+                None => {
+                    let input = &self.run.as_ref().expect("running").shared.input;
+                    let cursor = self.cursor.as_mut().expect("running");
+                    cursor.next_with(|id| input.sample(id).len as u64)
+                }
             };
             if p.pos.epoch != self.epoch {
                 self.peeked = Some(p);
@@ -452,10 +454,13 @@ impl Loader {
                     return Err(self.fail(e));
                 }
             };
-            let label = self.shared().input.catalog().sample(p.id).label;
+            let input = &self.shared().input;
+            let label = input.sample(p.id).label;
+            let dataset = input.part(p.id).0 as u32;
             self.entries.push(Entry {
                 id: p.id,
                 label,
+                dataset,
                 in_tier,
                 phys: p.phys(&self.geo),
                 len: p.len,
@@ -565,11 +570,11 @@ impl Loader {
             if first.pos.epoch == self.epoch {
                 // Walk the new batch's schedule on a copy of the cursor: where
                 // its last sample ends, as acquire_batch will place it.
-                let catalog = self.run.as_ref().expect("running").shared.input.catalog();
+                let input = &self.run.as_ref().expect("running").shared.input;
                 let mut cursor = self.cursor.clone().expect("running");
                 let mut end = first.v_end;
                 for _ in 1..self.batch_size {
-                    let p = cursor.next(catalog);
+                    let p = cursor.next_with(|id| input.sample(id).len as u64);
                     if p.pos.epoch != self.epoch || p.v_end - first.v > self.geo.ring_bytes {
                         break;
                     }
@@ -626,11 +631,9 @@ impl Loader {
         match self.peeked {
             Some(p) => p,
             None => {
-                let p = self
-                    .cursor
-                    .as_mut()
-                    .expect("running")
-                    .next(self.run.as_ref().expect("running").shared.input.catalog());
+                let input = &self.run.as_ref().expect("running").shared.input;
+                let cursor = self.cursor.as_mut().expect("running");
+                let p = cursor.next_with(|id| input.sample(id).len as u64);
                 self.peeked = Some(p);
                 p
             }
@@ -746,7 +749,7 @@ impl Loader {
     /// identity, so it resumes only the same job on the same dataset.
     pub fn save_position(&self) -> [u8; POSITION_BYTES] {
         self.sampler
-            .save(self.position(), self.parts().0.catalog().identity())
+            .save(self.position(), self.parts().0.identity())
     }
 
     /// Continues from a position saved by [`Loader::save_position`] with the
@@ -755,9 +758,7 @@ impl Loader {
     pub fn restore_position(&mut self, bytes: &[u8]) -> Result<()> {
         self.release_batch();
         self.check_failed()?;
-        let pos = self
-            .sampler
-            .restore(bytes, self.parts().0.catalog().identity())?;
+        let pos = self.sampler.restore(bytes, self.parts().0.identity())?;
         if pos.index > self.steps {
             return Err(Error::BadPosition(format!(
                 "step {} is past the epoch's {} steps",
@@ -786,9 +787,34 @@ impl Loader {
         self.steps.div_ceil(self.batch_size as u64)
     }
 
-    /// The catalog being read.
+    /// The catalog being read (a mixture's first dataset's: see
+    /// [`Loader::catalogs`]).
     pub fn catalog(&self) -> &Catalog {
         self.parts().0.catalog()
+    }
+
+    /// Every dataset's catalog, in the order the mixture gives them (one
+    /// without a mixture). Dataset `d`'s sample `i` has id
+    /// `offsets[d] + i`, `offsets` being [`Loader::dataset_offsets`].
+    pub fn catalogs(&self) -> Vec<&Catalog> {
+        match self.parts().0 {
+            Input::Mix(m) => m.parts.iter().map(|p| p.catalog()).collect(),
+            input => vec![input.catalog()],
+        }
+    }
+
+    /// Each dataset's first id (`[0]` without a mixture).
+    pub fn dataset_offsets(&self) -> &[u64] {
+        match self.parts().0 {
+            Input::Mix(m) => &m.offsets,
+            _ => &[0],
+        }
+    }
+
+    /// The mixture's sampler, if this loader reads several datasets
+    /// ([`LoaderBuilder::mix`]).
+    pub fn mixture(&self) -> Option<&crate::sampler::MixSampler> {
+        self.sampler.mixture()
     }
 
     /// What the landing ring got (huge pages, lock, NUMA node, CUDA).
