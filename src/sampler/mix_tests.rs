@@ -94,11 +94,11 @@ proptest! {
         let s = MixSampler::new(cfg(1, 0, 1, false), &lens, &counts).unwrap();
         let o = s.order(0);
         let t = o.len();
-        for d in 0..counts.len() {
-            let share = len as f64 * counts[d] as f64 / t as f64;
+        for (d, &count) in counts.iter().enumerate() {
+            let share = len as f64 * count as f64 / t as f64;
             let bound = o.window_bound(d);
             // Windows that wrap around (padding): the order repeated.
-            let at = |n: u64| (n / t) * counts[d] + o.count_before(d, n % t);
+            let at = |n: u64| (n / t) * count + o.count_before(d, n % t);
             for start in 0..t {
                 let c = at(start + len) - at(start);
                 prop_assert!((c as f64 - share).abs() < bound + 1e-9,
@@ -116,7 +116,22 @@ proptest! {
 fn proportions_over_ten_million() {
     const T: u64 = 10_000_000;
     const L: u64 = 1_000;
-    for props in [&[0.7, 0.3][..], &[0.5, 0.3, 0.2], &[0.4, 0.3, 0.2, 0.1]] {
+    let sqrt2 = std::f64::consts::SQRT_2;
+    let third = 1.0 / 3.0;
+    // Shares of a 1,000-window that are whole numbers (0.7 / 0.3) and
+    // that are not (the others).
+    for props in [
+        &[0.7, 0.3][..],
+        &[sqrt2 - 1.0, 2.0 - sqrt2],
+        &[0.5, 0.3, 0.2],
+        &[third, third, third],
+        &[
+            0.5,
+            std::f64::consts::FRAC_1_PI,
+            0.5 - std::f64::consts::FRAC_1_PI,
+        ],
+        &[0.4, 0.3, 1.0 / 7.0, 0.3 - 1.0 / 7.0],
+    ] {
         let weights: Vec<Weight> = props.iter().map(|&p| Weight::Proportion(p)).collect();
         let lens = vec![T; props.len()];
         let counts = epoch_counts(&weights, &lens, Some(T)).unwrap();
