@@ -271,6 +271,14 @@ fn frozen_mixed_sequence() {
     // sampler's order of 10 (docs/FORMAT.md): 4 7 6 3 2 1 5 0 8 9.
     let zero: Vec<u64> = (0..20).filter(|&j| which[j] == 0).map(|j| ids[j]).collect();
     assert_eq!(zero, [4, 7, 6, 3, 2, 1, 5, 0, 8, 9]);
+    assert_eq!(counts_hash(&counts), 0x89e0_8085_e547_c159);
+    // A dataset of 4 drawn twice (seed 1, epoch 2): two passes, the
+    // second under pass key 1.
+    let twice = epoch_counts(&[Weight::Repeat(2.0)], &[4], None).unwrap();
+    let s = MixSampler::new(cfg(1, 0, 1, false), &[4], &twice).unwrap();
+    let o = s.order(2);
+    let ids: Vec<u64> = (0..8).map(|j| o.sample(j).id).collect();
+    assert_eq!(ids, [3, 2, 1, 0, 0, 3, 1, 2]);
 }
 
 #[test]
