@@ -1,6 +1,6 @@
 //! Weighted mixing of datasets (issue 29 part 2): one epoch interleaves
 //! several datasets in fixed proportions, as a pure function of (seed,
-//! epoch, per-epoch counts, dataset lengths), O(1) memory and O(log D) per
+//! epoch, per-epoch counts, dataset lengths), O(D) memory and O(log D) per
 //! position for D datasets, no per-epoch list.
 //!
 //! - **Counts.** The weights give each dataset `d` a count `c_d` of slots
@@ -24,8 +24,7 @@
 //!   length cycles through fresh permutations. Dataset 0 is keyed with the
 //!   job's seed and pass 0 with the epoch itself: a one-dataset mixture
 //!   with `Repeat(1.0)` is the plain sampler's order.
-//! - **Ranks.** `DistributedSampler` semantics over the mixed order, as the
-//!   plain sampler over its permutation: padding repeats the order's start.
+//! - **Ranks.** `DistributedSampler` semantics over the mixed order.
 //! - **Resume, and new weights** ([`MixPosition`]): a position records the
 //!   counts its order was made of, the stream entries each dataset had
 //!   used before that order started, and the prefix of it consumed. With
@@ -33,10 +32,9 @@
 //!   With other counts the rest of the epoch is a new order: dataset `d`
 //!   has used `q_d` stream entries (counted in O(log D) from the prefix) and
 //!   gets `max(c'_d - q_d, 0)` more, interleaved as above and taken from its
-//!   stream from entry `q_d` on, so no stream entry is taken twice in the
-//!   epoch (no sample twice while `q_d + c'_d <= N_d`).
-//!
-//! The frozen definition, with check values, is in docs/FORMAT.md.
+//!   stream from entry `q_d` on: no stream entry twice in the epoch (no
+//!   sample twice while `max(q_d, c'_d) <= N_d`). Frozen, with check
+//!   values, in docs/FORMAT.md.
 
 use std::sync::Arc;
 
@@ -65,16 +63,6 @@ pub enum Weight {
     Repeat(f64),
     /// This many samples per epoch.
     Choose(u64),
-}
-
-impl std::fmt::Display for Weight {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Weight::Proportion(p) => write!(f, "{p}"),
-            Weight::Repeat(r) => write!(f, "repeat={r}"),
-            Weight::Choose(n) => write!(f, "choose={n}"),
-        }
-    }
 }
 
 impl std::str::FromStr for Weight {
@@ -335,7 +323,7 @@ impl MixOrder {
 
     /// Positions in this order.
     pub fn len(&self) -> u64 {
-        *self.cum.last().expect("D + 1 entries")
+        self.cum[self.cum.len() - 1]
     }
 
     /// Whether the order is empty (a rest with nothing left).
