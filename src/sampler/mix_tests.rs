@@ -453,3 +453,30 @@ fn resume_new_weights_follows_them() {
         assert_eq!(e.sample(k), s.order(0).sample(200 + k));
     }
 }
+
+/// Cost per position (run in release: `cargo test --release --lib
+/// mix_cost -- --ignored --nocapture`): the plain sampler against
+/// mixtures of 1, 3 and 16 datasets.
+#[test]
+#[ignore]
+fn mix_cost_per_position() {
+    const T: u64 = 10_000_000;
+    let time = |what: &str, f: &dyn Fn(u64) -> u64| {
+        let t0 = std::time::Instant::now();
+        let mut acc = 0u64;
+        for k in 0..T {
+            acc = acc.wrapping_add(f(k));
+        }
+        let ns = t0.elapsed().as_nanos() as f64 / T as f64;
+        eprintln!("{what}: {ns:.1} ns/position ({acc})");
+    };
+    let plain = Sampler::new(SamplerConfig::single(T, 1)).unwrap();
+    let e = plain.epoch(0);
+    time("plain sampler", &|k| e.sample(k));
+    for d in [1usize, 3, 16] {
+        let lens = vec![T / d as u64; d];
+        let s = MixSampler::new(cfg(1, 0, 1, false), &lens, &lens).unwrap();
+        let e = s.epoch(0);
+        time(&format!("mixture of {d}"), &|k| e.sample(k).id);
+    }
+}
