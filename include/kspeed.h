@@ -112,6 +112,13 @@ typedef struct {
   uint64_t id;
   // Label, or -1 when the source has none.
   int64_t label;
+  // Which dataset of a mixture (the `mix` config key) the sample came
+  // from: its index in the order the datasets were given; 0 without a
+  // mixture. Appended after the first layout: written only when the
+  // caller's `sample_size` covers it.
+  uint32_t dataset;
+  // Zero (reserved; keeps the layout a multiple of 8 bytes).
+  uint32_t reserved;
 } ksp_sample;
 
 // A batch: `count` samples in order, plus the contiguous span(s) of the
@@ -491,6 +498,8 @@ void ksp_config_free(ksp_config *cfg);
 // | `gpu_pci` | text |  |  | none | bind the ring to the NUMA node of this GPU (PCI address, e.g. 0000:3b:00.0) |
 // | `cuda` | choice | auto, off, require |  | auto | register the ring with CUDA: when possible, never, or fail if not possible |
 // | `gpu_ring` | int | 0 to 1023 |  | none: a host ring | CUDA device ordinal: the ring lives in that GPU's memory and RDMA writes land there (cluster mode over RDMA with a `source`) |
+// | `mix` | list |  |  | none: one dataset (`space` or `source`) | a mixture of datasets read side by side (single node): `PATH:WEIGHT` entries, PATH a space directory, a catalog (`.ksc`) or a source, WEIGHT a proportion (`0.7`), `repeat=R` or `choose=N` (none: `repeat=1`); ids follow the order given |
+// | `mix_epoch_size` | int | 1 and up | samples | the datasets' total length | samples per epoch that a mixture's proportions divide |
 // | `start_epoch` | int | 0 and up |  | 0 | first epoch |
 // | `end_epoch` | int | 1 and up |  | none: read-ahead runs on into the next epoch | the job reads epochs below this one only: nothing is read ahead past its last sample (`kspeed read --epochs`) |
 // | `cluster_file` | path |  |  | none: single-node | cluster mode: the node list (`<index> <host:port>` per line) |

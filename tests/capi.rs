@@ -170,6 +170,33 @@ fn forked_child_is_refused_and_the_parent_goes_on() {
     assert!(out.contains("service child: all checks passed"), "{out}");
 }
 
+/// A mixture from C (tests/c/mix_test.c): the `mix` key, each dataset's
+/// exact count, `ksp_sample.dataset` and bytes, under AddressSanitizer.
+#[test]
+fn c_mixture_counts_and_labels_datasets() {
+    let d = data();
+    let Some(bin) = compile_with(
+        "gcc",
+        "-std=c11",
+        "tests/c/mix_test.c",
+        &d.work.join("mix_test"),
+        &["-fsanitize=address,undefined", "-fno-omit-frame-pointer"],
+    ) else {
+        return;
+    };
+    let o = run(
+        &["env"],
+        &bin,
+        &d,
+        &[(
+            "ASAN_OPTIONS",
+            "detect_leaks=1:abort_on_error=0:exitcode=23",
+        )],
+    );
+    assert_passed(&o, "mix");
+    assert!(String::from_utf8_lossy(&o.stdout).contains("mix: all checks passed"));
+}
+
 #[test]
 fn c_test_passes() {
     let d = data();

@@ -26,11 +26,18 @@ pub struct ksp_sample {
     pub id: u64,
     /// Label, or -1 when the source has none.
     pub label: i64,
+    /// Which dataset of a mixture (the `mix` config key) the sample came
+    /// from: its index in the order the datasets were given; 0 without a
+    /// mixture. Appended after the first layout: written only when the
+    /// caller's `sample_size` covers it.
+    pub dataset: u32,
+    /// Zero (reserved; keeps the layout a multiple of 8 bytes).
+    pub reserved: u32,
 }
 
 /// Smallest `ksp_batch.sample_size` accepted: the first layout of
-/// `ksp_sample`.
-pub const KSP_SAMPLE_MIN_SIZE: usize = size_of::<ksp_sample>();
+/// `ksp_sample` (up to `label`).
+pub const KSP_SAMPLE_MIN_SIZE: usize = offset_of!(ksp_sample, dataset);
 
 /// A batch: `count` samples in order, plus the contiguous span(s) of the
 /// ring holding them (alignment padding included). With the `tier_views`
@@ -175,13 +182,14 @@ pub unsafe extern "C" fn ksp_loader_next_batch(
             // dereferenced here.
             let gpu = h.loader.landing_device().is_some();
             for i in 0..n {
-                let (data, len, id, label, epoch) = if gpu {
+                let (data, len, id, label, dataset, epoch) = if gpu {
                     let s = h.loader.held_device_sample(i);
-                    (s.addr as *const u8, s.len, s.id, s.label, s.position.epoch)
+                    let p = s.addr as *const u8;
+                    (p, s.len, s.id, s.label, s.dataset, s.position.epoch)
                 } else {
                     let s = h.loader.held_sample(i);
                     let (p, l) = (s.bytes.as_ptr(), s.bytes.len());
-                    (p, l, s.id, s.label, s.position.epoch)
+                    (p, l, s.id, s.label, s.dataset, s.position.epoch)
                 };
                 if i == 0 {
                     batch.epoch = epoch;
@@ -191,13 +199,20 @@ pub unsafe extern "C" fn ksp_loader_next_batch(
                     len,
                     id,
                     label: label.map_or(-1, |x| x as i64),
+                    dataset,
+                    reserved: 0,
                 };
-                let slot = h.samples[i * words..].as_mut_ptr().cast::<ksp_sample>();
-                // SAFETY: slot is 8-aligned (a u64 element) with words * 8
-                // >= size_of::<ksp_sample>() bytes left in the vector (the
-                // stride was checked against the minimum); the tail of a
+                let slot = h.samples[i * words..].as_mut_ptr().cast::<u8>();
+                // As much of this layout as the caller's stride holds: an
+                // older caller's (the first layout) ends before `dataset`.
+                let n = stride.min(size_of::<ksp_sample>());
+                // SAFETY: slot has words * 8 = stride >= n bytes left in
+                // the vector (the stride was checked against the minimum),
+                // and s is a plain value of at least n bytes; the tail of a
                 // larger stride stays zero from the resize.
-                unsafe { slot.write(s) };
+                unsafe {
+                    std::ptr::copy_nonoverlapping((&s as *const ksp_sample).cast::<u8>(), slot, n)
+                };
             }
             let ((span, span_len), wrap) = if gpu {
                 let ((a, l), w) = h.loader.held_device_spans();

@@ -11,6 +11,10 @@ pub struct BatchSample<'a> {
     pub id: u64,
     /// Label, if the source has one.
     pub label: Option<u32>,
+    /// Which dataset of a mixture it came from (its index in the order
+    /// the datasets were given; 0 without a mixture). Its id within that
+    /// dataset is `id - Loader::dataset_offsets()[dataset]`.
+    pub dataset: u32,
     /// The bytes: in the landing ring, or in the memory tier with
     /// [`LoaderBuilder::tier_views`](super::LoaderBuilder::tier_views).
     pub bytes: &'a [u8],
@@ -29,6 +33,8 @@ pub struct DeviceSample {
     pub id: u64,
     /// Label, if the source has one.
     pub label: Option<u32>,
+    /// Which dataset of a mixture it came from (0 without one).
+    pub dataset: u32,
     /// Device address of its first byte.
     pub addr: u64,
     /// Its offset in the ring (for `DeviceMemory` copies).
@@ -43,6 +49,7 @@ pub struct DeviceSample {
 pub(super) struct Entry {
     pub(super) id: u64,
     pub(super) label: Option<u32>,
+    pub(super) dataset: u32,
     /// Its bytes are in the memory tier, not at `phys` in the ring
     /// (`tier_views`).
     pub(super) in_tier: bool,
@@ -139,6 +146,7 @@ impl Loader {
             return BatchSample {
                 id: e.id,
                 label: e.label,
+                dataset: e.dataset,
                 // A filled member is never written again and the tier
                 // lives as long as the loader this batch borrows.
                 bytes: tier
@@ -156,6 +164,7 @@ impl Loader {
         BatchSample {
             id: e.id,
             label: e.label,
+            dataset: e.dataset,
             // SAFETY: the sample is ready (published by its poller) and its
             // slot lies behind the released mark's window, so no poller
             // writes it until the batch is released.
@@ -183,6 +192,7 @@ impl Loader {
         DeviceSample {
             id: e.id,
             label: e.label,
+            dataset: e.dataset,
             addr: dev.addr() + e.phys,
             offset: e.phys,
             len: e.len as usize,

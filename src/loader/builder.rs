@@ -6,19 +6,21 @@
 
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::schedule::{Deal, Geometry};
 use super::stats::{Counters, Totals};
 use super::tier::Tier;
-use super::{net, schedule, Input, Loader, PollerConfig, Spare};
-use crate::dataset::{Catalog, SourceSpec, Space};
+use super::{input, net, schedule, Input, Loader, PollerConfig, Spare};
+use crate::dataset::Catalog;
 use crate::error::{Error, Result};
 use crate::landing::{LandingOptions, LandingRing};
 use crate::ring::{FaultConfig, Faulty, IoBackend, Uring, UringOptions};
-use crate::sampler::{ElasticSampler, EpochDigest, JobPosition, Position, Sampler, SamplerConfig};
+use crate::sampler::{
+    epoch_counts, ElasticSampler, EpochDigest, JobPosition, MixSampler, Position, Sampler,
+    SamplerConfig, Weight,
+};
 
 /// Most poller threads per loader.
 pub const MAX_POLLERS: u64 = 1024;
@@ -70,6 +72,11 @@ pub struct LoaderBuilder {
     node_timeout: Duration,
     rdma: Option<crate::transport::RdmaOptions>,
     local_node: Option<Option<u32>>,
+    /// A mixture: each dataset (a space, a catalog or a source) and its
+    /// weight ([`LoaderBuilder::mix`]); empty: `space` or `source` alone.
+    mix: Vec<(String, Weight)>,
+    /// The epoch size that mixture proportions divide.
+    mix_epoch_size: Option<u64>,
 }
 
 pub use crate::placement::{default_pollers, default_spin};
@@ -122,6 +129,8 @@ impl LoaderBuilder {
             node_timeout: Duration::from_secs(10),
             rdma: None,
             local_node: None,
+            mix: Vec::new(),
+            mix_epoch_size: None,
         }
     }
 
@@ -136,6 +145,7 @@ impl LoaderBuilder {
     pub fn set_space(mut self, dir: impl AsRef<Path>) -> Self {
         self.space = Some(dir.as_ref().to_path_buf());
         self.source = None;
+        self.mix.clear();
         self
     }
 
@@ -143,6 +153,7 @@ impl LoaderBuilder {
     pub fn set_source(mut self, spec: &str) -> Self {
         self.source = Some(spec.to_string());
         self.space = None;
+        self.mix.clear();
         self
     }
 
@@ -172,6 +183,42 @@ impl LoaderBuilder {
             source: Some(spec.to_string()),
             ..Self::new()
         }
+    }
+
+    /// Reads a mixture of datasets side by side in one id space (single
+    /// node): each a space directory, a catalog file (`.ksc`, read from
+    /// the source it records) or a source (`DIR`, `list:FILE`, `tar:DIR`),
+    /// with its [`Weight`]: every dataset a `Proportion` (of
+    /// [`LoaderBuilder::mix_epoch_size`], default the datasets' total), or
+    /// each a `Repeat`/`Choose` count. Dataset `d`'s sample `i` has id
+    /// `offset_d + i` (the lengths of the datasets before it), and each
+    /// sample says which dataset it came from
+    /// ([`BatchSample::dataset`](super::BatchSample::dataset)). The order
+    /// is docs/FORMAT.md's mixing function.
+    pub fn mix<S: AsRef<str>>(datasets: impl IntoIterator<Item = (S, Weight)>) -> Self {
+        Self::new().set_mix(datasets)
+    }
+
+    /// Reads this mixture ([`LoaderBuilder::mix`]), replacing any input set
+    /// before.
+    pub fn set_mix<S: AsRef<str>>(
+        mut self,
+        datasets: impl IntoIterator<Item = (S, Weight)>,
+    ) -> Self {
+        self.mix = datasets
+            .into_iter()
+            .map(|(d, w)| (d.as_ref().to_string(), w))
+            .collect();
+        self.space = None;
+        self.source = None;
+        self
+    }
+
+    /// Samples per epoch that mixture proportions divide (default: the
+    /// datasets' total length).
+    pub fn mix_epoch_size(mut self, samples: u64) -> Self {
+        self.mix_epoch_size = Some(samples);
+        self
     }
 
     /// The catalog to use with [`LoaderBuilder::source`].
@@ -533,87 +580,35 @@ impl LoaderBuilder {
                 self.landing.ring_bytes
             )));
         }
-        let mut direct_io = self.space.is_some();
-        let (input, align) = match (&self.space, &self.source) {
-            (Some(dir), _) => {
-                let space = Space::open(dir)?;
-                space.check_extents()?;
-                let p = space.params();
-                if self.cluster.is_none() && space.held_samples() != space.catalog().len() {
-                    return Err(Error::InvalidConfig(format!(
-                        "space {} holds {} of {} samples (node {} of {}); reading a partial space needs the cluster transport",
-                        dir.display(),
-                        space.held_samples(),
-                        space.catalog().len(),
-                        p.node_index,
-                        p.placement.nodes
-                    )));
-                }
-                let align = p.align_bytes as u64;
-                let mut extents = Vec::with_capacity(space.extent_lens().len());
-                for i in 0..space.extent_lens().len() as u32 {
-                    let path = space.extent_path(i);
-                    let (f, direct) =
-                        crate::sys::open_direct(&path).map_err(|e| Error::io("open", &path, e))?;
-                    if !direct && direct_io {
-                        // Not silent: every read then goes through (and
-                        // evicts from) the page cache.
-                        log::warn!(
-                            "{}: the file system refuses O_DIRECT; reading through the page cache",
-                            path.display()
-                        );
-                    }
-                    direct_io &= direct;
-                    extents.push(f);
-                }
-                (Input::Space { space, extents }, align)
-            }
-            (None, Some(src)) => {
-                let spec = SourceSpec::parse(src)?;
-                let catalog = match &self.catalog {
-                    Some(c) => {
-                        let cat = Catalog::open(c)?;
-                        // A catalog indexes one source: reading it "from"
-                        // another would silently read the catalog's source.
-                        if cat.source_spec() != spec {
-                            return Err(Error::CatalogOfAnotherSource {
-                                catalog: c.clone(),
-                                catalog_source: cat.source().into_owned(),
-                                given: spec.to_source_string(),
-                            });
-                        }
-                        cat
-                    }
-                    None => {
-                        log::info!(
-                            "no catalog given: building one of {src} (reads every file to checksum it)"
-                        );
-                        // Unique per process and build; removed once mapped.
-                        static BUILDS: AtomicU64 = AtomicU64::new(0);
-                        let tmp = std::env::temp_dir().join(format!(
-                            "kspeed-{}-{}.ksc",
-                            std::process::id(),
-                            BUILDS.fetch_add(1, Ordering::Relaxed)
-                        ));
-                        let c = crate::dataset::catalog::build(&spec, &tmp, &Default::default())?;
-                        let _ = std::fs::remove_file(&tmp);
-                        c
-                    }
-                };
-                let root = catalog.source_spec().root();
-                (Input::Source { catalog, root }, 4096)
-            }
-            (None, None) => return Err(Error::InvalidConfig("give a space or a source".into())),
+        let mut direct_io = self.space.is_some() || !self.mix.is_empty();
+        let (input, align) = if self.mix.is_empty() {
+            input::open_input(
+                self.space.as_ref(),
+                self.source.as_ref(),
+                self.catalog.as_ref(),
+                self.cluster.is_some(),
+                &mut direct_io,
+            )?
+        } else {
+            input::open_mix(&self.mix, self.cluster.is_some(), &mut direct_io)?
         };
-        let catalog = input.catalog();
-        let sampler = Sampler::new(SamplerConfig {
-            len: catalog.len(),
+        let sampler_cfg = SamplerConfig {
+            len: input.len(),
             seed: self.seed,
             shuffle: self.shuffle,
             rank: self.rank,
             world: self.world,
             drop_last: self.drop_last,
-        })?;
+        };
+        let sampler = match &input {
+            Input::Mix(m) => {
+                let lens: Vec<u64> = m.parts.iter().map(|p| p.len()).collect();
+                let weights: Vec<Weight> = self.mix.iter().map(|(_, w)| *w).collect();
+                let counts = epoch_counts(&weights, &lens, self.mix_epoch_size)?;
+                Sampler::mixed(MixSampler::new(sampler_cfg, &lens, &counts)?)?
+            }
+            _ => Sampler::new(sampler_cfg)?,
+        };
         // Lock-step: every rank delivers the same steps per epoch, in whole
         // batches with drop_last (the tail that cannot fill one is dropped).
         let steps = if self.drop_last {
@@ -624,7 +619,7 @@ impl LoaderBuilder {
         if steps == 0 {
             return Err(Error::InvalidConfig(format!(
                 "with drop_last, {} samples give rank {} of {} no whole batch of {}",
-                catalog.len(),
+                sampler.config().len,
                 self.rank,
                 self.world,
                 self.batch_size
@@ -637,14 +632,14 @@ impl LoaderBuilder {
             align,
         };
         // A sample that cannot fit is an error now, not a hang later.
-        let max_slot = geo.slot(catalog.max_sample_bytes() as u64);
+        let max_slot = geo.slot(input.max_sample_bytes() as u64);
         if max_slot > geo.segment() {
-            let id = (0..catalog.len())
-                .find(|&i| geo.slot(catalog.sample(i).len as u64) > geo.segment())
+            let id = (0..input.len())
+                .find(|&i| geo.slot(input.sample(i).len as u64) > geo.segment())
                 .expect("the largest sample exists");
             // The message names this sample: give its own size and slot
             // (not the largest sample's).
-            let len = catalog.sample(id).len as u64;
+            let len = input.sample(id).len as u64;
             return Err(Error::SampleLargerThanRing {
                 sample: id,
                 len,
@@ -652,7 +647,7 @@ impl LoaderBuilder {
                 ring_bytes: geo.ring_bytes,
             });
         }
-        check_batch_fits(catalog, &sampler, geo, self.batch_size)?;
+        check_batch_fits(&input, &sampler, geo, self.batch_size)?;
         let ring = match self.gpu_ring {
             None => LandingRing::new(&landing)?,
             Some(ordinal) => {
@@ -675,7 +670,15 @@ impl LoaderBuilder {
                 LandingRing::new_gpu(ordinal, landing.ring_bytes)?
             }
         };
-        let tier = Tier::new(catalog, self.tier_bytes, landing.mlock)?;
+        let tier = match &input {
+            Input::Mix(_) if self.tier_bytes > 0 => {
+                return Err(Error::InvalidConfig(
+                    "a mixture of datasets has no memory tier yet (tier_bytes must be 0)".into(),
+                ))
+            }
+            Input::Mix(_) => None,
+            _ => Tier::new(input.catalog(), self.tier_bytes, landing.mlock)?,
+        };
         if let Some(t) = &tier {
             log::info!(
                 "memory tier: {} samples, {} bytes",
@@ -736,8 +739,8 @@ impl LoaderBuilder {
         // Every epoch ordinary: a job position is restored on the loader
         // (Loader::restore_job_position).
         let deal = Deal::new(
-            ElasticSampler::new(
-                *sampler.config(),
+            ElasticSampler::over(
+                sampler.clone(),
                 JobPosition {
                     epoch: 0,
                     consumed: 0,
@@ -759,7 +762,8 @@ impl LoaderBuilder {
                         Some(space.params().placement),
                         Some(space.params().node_index),
                     ),
-                    Input::Source { .. } => (None, None),
+                    // A mixture is refused with a cluster (input::open_mix).
+                    Input::Source { .. } | Input::Mix(_) => (None, None),
                 };
                 let cat = input.catalog();
                 Some(net::NetSetup {
@@ -806,9 +810,25 @@ impl LoaderBuilder {
             } else {
                 Uring::new(opts)?
             };
-            if let (Input::Space { extents, .. }, true) = (&input, self.registered_files) {
-                let fds: Vec<i32> = extents.iter().map(|f| f.as_raw_fd()).collect();
-                uring.register_files(&fds)?;
+            if self.registered_files {
+                // A mixture's spaces' extents, in the order of its parts
+                // (MixInput::extent_base).
+                let parts = match &input {
+                    Input::Mix(m) => m.parts.iter().collect(),
+                    input => vec![input],
+                };
+                let fds: Vec<i32> = parts
+                    .iter()
+                    .filter_map(|p| match p {
+                        Input::Space { extents, .. } => Some(extents),
+                        _ => None,
+                    })
+                    .flatten()
+                    .map(|f| f.as_raw_fd())
+                    .collect();
+                if !fds.is_empty() {
+                    uring.register_files(&fds)?;
+                }
             }
             if fixed_buffers {
                 // Once for all pollers where the kernel can share a ring's
@@ -865,7 +885,7 @@ impl LoaderBuilder {
                 "registered (1 poller)".to_string()
             };
         }
-        if !direct_io && matches!(input, Input::Space { .. }) {
+        if !direct_io && matches!(input, Input::Space { .. } | Input::Mix(_)) {
             io_how.push_str("; page cache (no O_DIRECT)");
         }
         let mut ring = ring;
@@ -945,13 +965,8 @@ impl LoaderBuilder {
 /// O(1) in the common case (from the catalog's largest sample); only when
 /// `batch` times that does not fit does it find the catalog's `batch`
 /// largest samples (one pass) before refusing.
-fn check_batch_fits(
-    catalog: &Catalog,
-    sampler: &Sampler,
-    geo: Geometry,
-    batch: usize,
-) -> Result<()> {
-    let max_slot = geo.slot(catalog.max_sample_bytes() as u64);
+fn check_batch_fits(input: &Input, sampler: &Sampler, geo: Geometry, batch: usize) -> Result<()> {
+    let max_slot = geo.slot(input.max_sample_bytes() as u64);
     let quick = (batch as u64).saturating_mul(max_slot);
     if geo.span_bound(quick, max_slot) <= geo.ring_bytes {
         return Ok(());
@@ -961,9 +976,11 @@ fn check_batch_fits(
     // on one rank only when len is a multiple of world, i.e. no padding),
     // so a batch holds distinct samples and the largest ones bound it.
     let cfg = sampler.config();
-    let distinct = cfg.drop_last || sampler.per_rank() * (cfg.world as u64) < 2 * cfg.len;
+    // A mixture may take a dataset more than once per epoch.
+    let distinct = sampler.mixture().is_none()
+        && (cfg.drop_last || sampler.per_rank() * (cfg.world as u64) < 2 * cfg.len);
     let slots = if distinct {
-        largest_slots(catalog, geo, batch)
+        largest_slots(input.catalog(), geo, batch)
     } else {
         quick
     };

@@ -35,6 +35,7 @@ pub(crate) mod tier;
 mod batch;
 mod builder;
 mod fdcache;
+mod input;
 pub(crate) mod net;
 pub mod options;
 mod shared;
@@ -64,6 +65,7 @@ pub use crate::ring::FaultConfig;
 use batch::Entry;
 pub use batch::{Batch, BatchSample, DeviceSample};
 pub use builder::*;
+pub use input::parse_mix_entry;
 pub use options::LoaderOptions;
 pub(crate) use shared::*;
 use stats::{Counters, Totals};
@@ -429,11 +431,11 @@ impl Loader {
         while self.entries.len() < self.batch_size {
             let p = match self.peeked.take() {
                 Some(p) => p,
-                None => self
-                    .cursor
-                    .as_mut()
-                    .expect("running")
-                    .next(self.run.as_ref().expect("running").shared.input.catalog()),
+                None => {
+                    let input = &self.run.as_ref().expect("running").shared.input;
+                    let cursor = self.cursor.as_mut().expect("running");
+                    cursor.next_with(|id| input.sample(id).len as u64)
+                }
             };
             if p.pos.epoch != self.epoch {
                 self.peeked = Some(p);
@@ -463,10 +465,13 @@ impl Loader {
                     return Err(self.fail(e));
                 }
             };
-            let label = self.shared().input.catalog().sample(p.id).label;
+            let input = &self.shared().input;
+            let label = input.sample(p.id).label;
+            let dataset = input.part(p.id).0 as u32;
             self.entries.push(Entry {
                 id: p.id,
                 label,
+                dataset,
                 in_tier,
                 phys: p.phys(&self.geo),
                 len: p.len,
@@ -577,11 +582,11 @@ impl Loader {
             if first.pos.epoch == self.epoch {
                 // Walk the new batch's schedule on a copy of the cursor: where
                 // its last sample ends, as acquire_batch will place it.
-                let catalog = self.run.as_ref().expect("running").shared.input.catalog();
+                let input = &self.run.as_ref().expect("running").shared.input;
                 let mut cursor = self.cursor.clone().expect("running");
                 let mut end = first.v_end;
                 for _ in 1..self.batch_size {
-                    let p = cursor.next(catalog);
+                    let p = cursor.next_with(|id| input.sample(id).len as u64);
                     if p.pos.epoch != self.epoch || p.v_end - first.v > self.geo.ring_bytes {
                         break;
                     }
@@ -638,11 +643,9 @@ impl Loader {
         match self.peeked {
             Some(p) => p,
             None => {
-                let p = self
-                    .cursor
-                    .as_mut()
-                    .expect("running")
-                    .next(self.run.as_ref().expect("running").shared.input.catalog());
+                let input = &self.run.as_ref().expect("running").shared.input;
+                let cursor = self.cursor.as_mut().expect("running");
+                let p = cursor.next_with(|id| input.sample(id).len as u64);
                 self.peeked = Some(p);
                 p
             }
@@ -773,7 +776,8 @@ impl Loader {
     pub fn saved_position(&self) -> SavedPosition {
         SavedPosition {
             cfg: *self.deal.sampler().config(),
-            catalog_identity: self.parts().0.catalog().identity(),
+            catalog_identity: self.identity(),
+            mixture: self.mixture().is_some(),
             next: self.rank_position(),
             digest: self.digest,
             digest_at: self.digest_at,
@@ -790,7 +794,7 @@ impl Loader {
         self.release_batch();
         self.check_failed()?;
         let cfg = *self.deal.sampler().config();
-        let identity = self.parts().0.catalog().identity();
+        let identity = self.identity();
         let (job, pos, digest) = if SavedPosition::is_v3(bytes) {
             let s = SavedPosition::decode(bytes)?;
             s.check_job(&cfg, identity, true)?;
@@ -856,10 +860,8 @@ impl Loader {
     /// The job position, serialized ([`JOB_POSITION_BYTES`] bytes,
     /// `KSPDJOB1`) with the sampler's settings and the catalog's identity.
     pub fn save_job_position(&self) -> [u8; JOB_POSITION_BYTES] {
-        self.job_position().save(
-            self.deal.sampler().config(),
-            self.parts().0.catalog().identity(),
-        )
+        self.job_position()
+            .save(self.deal.sampler().config(), self.identity())
     }
 
     /// Continues a job from a job position, at this loader's rank and world
@@ -874,7 +876,7 @@ impl Loader {
         self.release_batch();
         self.check_failed()?;
         let cfg = *self.deal.sampler().config();
-        let identity = self.parts().0.catalog().identity();
+        let identity = self.identity();
         let job = if SavedPosition::is_v3(bytes) {
             let s = SavedPosition::decode(bytes)?;
             s.check_job(&cfg, identity, false)?;
@@ -941,9 +943,48 @@ impl Loader {
         self.steps.div_ceil(self.batch_size as u64)
     }
 
-    /// The catalog being read.
+    /// The catalog being read (a mixture's first dataset's: see
+    /// [`Loader::catalogs`]).
     pub fn catalog(&self) -> &Catalog {
         self.parts().0.catalog()
+    }
+
+    /// Every dataset's catalog, in the order the mixture gives them (one
+    /// without a mixture). Dataset `d`'s sample `i` has id
+    /// `offsets[d] + i`, `offsets` being [`Loader::dataset_offsets`].
+    pub fn catalogs(&self) -> Vec<&Catalog> {
+        match self.parts().0 {
+            Input::Mix(m) => m.parts.iter().map(|p| p.catalog()).collect(),
+            input => vec![input.catalog()],
+        }
+    }
+
+    /// Each dataset's first id (`[0]` without a mixture).
+    pub fn dataset_offsets(&self) -> &[u64] {
+        match self.parts().0 {
+            Input::Mix(m) => &m.offsets,
+            _ => &[0],
+        }
+    }
+
+    /// The mixture's sampler, if this loader reads several datasets
+    /// ([`LoaderBuilder::mix`]).
+    pub fn mixture(&self) -> Option<&crate::sampler::MixSampler> {
+        self.deal.sampler().inner().mixture()
+    }
+
+    /// The identity positions record: the catalog's; for a mixture, its
+    /// catalogs' and its per-epoch counts folded in, so a position of
+    /// another mixture or other weights is refused as another dataset.
+    fn identity(&self) -> u32 {
+        let id = self.parts().0.identity();
+        match self.mixture() {
+            None => id,
+            Some(m) => {
+                let h = crate::hash::mix64(id as u64 ^ crate::sampler::counts_hash(m.counts()));
+                (h ^ (h >> 32)) as u32
+            }
+        }
     }
 
     /// What the landing ring got (huge pages, lock, NUMA node, CUDA).

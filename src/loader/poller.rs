@@ -35,8 +35,10 @@ const MAX_ATTEMPTS: u32 = 4;
 struct Group {
     placed: Placed,
     target: Target,
-    /// Extent index or source file index, for messages.
+    /// Extent index or source file index (its dataset's own), for messages.
     file: u32,
+    /// Its dataset in a mixture (0 otherwise), for messages.
+    dataset: u32,
     /// File offset of the sample's first byte.
     offset: u64,
     /// Bytes to read in all (the aligned slot from extents, the exact length
@@ -120,9 +122,10 @@ impl Poller {
             submit_error: None,
             part_bytes: shared.cfg.max_read_bytes.next_multiple_of(align).max(align),
             path_buf: PathBuf::with_capacity(4096),
-            fds: FdCache::new(match shared.input {
-                Input::Source { .. } => super::fdcache::capacity(count + 1),
-                Input::Space { .. } => 1,
+            fds: FdCache::new(if shared.input.has_source() {
+                super::fdcache::capacity(count + 1)
+            } else {
+                1
             }),
             stall: Stall::new("loader poller", index),
             shared,
@@ -306,7 +309,10 @@ impl Poller {
             }
             let p = match self.pending.take() {
                 Some(p) => p,
-                None => self.cursor.next(self.shared.input.catalog()),
+                None => {
+                    let input = &self.shared.input;
+                    self.cursor.next_with(|id| input.sample(id).len as u64)
+                }
             };
             // The scan for this poller's next sample stops at flow control
             // too, so a stretch of samples that are not its own (other
@@ -393,21 +399,29 @@ impl Poller {
     /// Takes a group record for `p` (the caller checked one is free).
     fn open_group(&mut self, p: Placed) -> Result<u32, Error> {
         let sh = &self.shared;
-        let cat = sh.input.catalog();
-        let (target, offset, want, file, lease) = match &sh.input {
+        let (dataset, input, local) = sh.input.part(p.id);
+        // A mixture's extents are registered after the parts before it;
+        // its source files are cached after theirs.
+        let (extent_base, file_base) = match &sh.input {
+            Input::Mix(m) => (m.extent_base[dataset], m.file_base[dataset]),
+            _ => (0, 0),
+        };
+        let cat = input.catalog();
+        let (target, offset, want, file, lease) = match input {
             Input::Space { space, extents } => {
                 let loc = space
-                    .location(p.id)
+                    .location(local)
                     .expect("pollers read only samples the space holds");
                 let target = if sh.fixed_files {
-                    Target::Fixed(loc.extent)
+                    Target::Fixed(extent_base + loc.extent)
                 } else {
                     Target::Fd(extents[loc.extent as usize].as_raw_fd())
                 };
                 (target, loc.offset, sh.geo.slot(p.len), loc.extent, None)
             }
+            Input::Mix(_) => unreachable!("a mixture's parts are spaces or sources"),
             Input::Source { root, .. } => {
-                let s = cat.sample(p.id);
+                let s = cat.sample(local);
                 self.path_buf.clear();
                 self.path_buf.push(root);
                 self.path_buf.push(cat.file(s.file).name);
@@ -415,7 +429,7 @@ impl Poller {
                 let stall = &mut self.stall;
                 let lease = self
                     .fds
-                    .acquire(s.file, || {
+                    .acquire(file_base + s.file, || {
                         // Not cached: a blocking open (named in a stall).
                         stall.phase(Phase::Open);
                         std::fs::File::open(path)
@@ -435,6 +449,7 @@ impl Poller {
             placed: p,
             target,
             file,
+            dataset: dataset as u32,
             offset,
             want,
             parts: want.div_ceil(self.part_bytes) as u32,
@@ -597,7 +612,7 @@ impl Poller {
         let p = g.placed;
         let dst = self.dst(&p);
         if self.shared.cfg.verify_crc32c {
-            let want = self.shared.input.catalog().sample(p.id).crc32c;
+            let want = self.shared.input.sample(p.id).crc32c;
             // SAFETY: every part completed into this slot, which is still ours.
             let got = crc32c::crc32c(unsafe { std::slice::from_raw_parts(dst, p.len as usize) });
             if got != want {
@@ -634,9 +649,14 @@ impl Poller {
     }
 
     fn file_path(&self, g: &Group) -> PathBuf {
-        match &self.shared.input {
+        let input = match &self.shared.input {
+            Input::Mix(m) => &m.parts[g.dataset as usize],
+            input => input,
+        };
+        match input {
             Input::Space { space, .. } => space.extent_path(g.file),
             Input::Source { catalog, root } => root.join(catalog.file(g.file).name),
+            Input::Mix(_) => unreachable!("a mixture's parts are spaces or sources"),
         }
     }
 

@@ -36,13 +36,98 @@ pub(crate) enum Input {
     },
     /// Source files directly, through the page cache.
     Source { catalog: Catalog, root: PathBuf },
+    /// Several datasets side by side in one id space (a mixture, single
+    /// node): dataset `d`'s sample `i` is id `offsets[d] + i`.
+    Mix(Box<MixInput>),
+}
+
+/// The datasets of a mixture, each a space or a source.
+pub(crate) struct MixInput {
+    /// Each dataset's input (never a mixture itself).
+    pub(crate) parts: Vec<Input>,
+    /// Each dataset's first global id.
+    pub(crate) offsets: Vec<u64>,
+    /// Each space's first extent among the extents registered with the
+    /// pollers' rings (all parts' extents, in part order).
+    pub(crate) extent_base: Vec<u32>,
+    /// Each source's first file key in a poller's descriptor cache.
+    pub(crate) file_base: Vec<u32>,
+    /// The mixture's identity: a hash of every catalog's.
+    pub(crate) identity: u32,
 }
 
 impl Input {
+    /// The catalog (a mixture's first dataset's: per-id lookups go
+    /// through [`Input::sample`]).
     pub(crate) fn catalog(&self) -> &Catalog {
         match self {
             Input::Space { space, .. } => space.catalog(),
             Input::Source { catalog, .. } => catalog,
+            Input::Mix(m) => m.parts[0].catalog(),
+        }
+    }
+
+    /// The dataset of global id `id`: its index, input and local id.
+    pub(crate) fn part(&self, id: u64) -> (usize, &Input, u64) {
+        match self {
+            Input::Mix(m) => {
+                let d = m.offsets.partition_point(|&o| o <= id) - 1;
+                (d, &m.parts[d], id - m.offsets[d])
+            }
+            _ => (0, self, id),
+        }
+    }
+
+    /// Sample `id`'s catalog entry (its `id` and `file` are its
+    /// dataset's own).
+    pub(crate) fn sample(&self, id: u64) -> crate::dataset::Sample {
+        let (_, input, local) = self.part(id);
+        input.catalog().sample(local)
+    }
+
+    /// Samples in every dataset together.
+    pub(crate) fn len(&self) -> u64 {
+        match self {
+            Input::Mix(m) => m.parts.iter().map(|p| p.len()).sum(),
+            _ => self.catalog().len(),
+        }
+    }
+
+    /// The largest sample of any dataset.
+    pub(crate) fn max_sample_bytes(&self) -> u32 {
+        match self {
+            Input::Mix(m) => m
+                .parts
+                .iter()
+                .map(|p| p.max_sample_bytes())
+                .max()
+                .unwrap_or(0),
+            _ => self.catalog().max_sample_bytes(),
+        }
+    }
+
+    /// What positions record: the catalog's identity, or the mixture's.
+    pub(crate) fn identity(&self) -> u32 {
+        match self {
+            Input::Mix(m) => m.identity,
+            _ => self.catalog().identity(),
+        }
+    }
+
+    /// Whether any dataset is read from its source files.
+    pub(crate) fn has_source(&self) -> bool {
+        match self {
+            Input::Space { .. } => false,
+            Input::Source { .. } => true,
+            Input::Mix(m) => m.parts.iter().any(|p| p.has_source()),
+        }
+    }
+
+    /// Source files over every dataset (a poller's descriptor cache keys).
+    pub(crate) fn file_count(&self) -> u64 {
+        match self {
+            Input::Mix(m) => m.parts.iter().map(|p| p.file_count()).sum(),
+            _ => self.catalog().file_count(),
         }
     }
 }
@@ -162,7 +247,7 @@ impl Shared {
         }
         match &self.input {
             Input::Space { space, .. } => space.held_samples() > 0,
-            Input::Source { .. } => false,
+            Input::Source { .. } | Input::Mix(_) => false,
         }
     }
 
@@ -174,7 +259,7 @@ impl Shared {
         }
         match &self.input {
             Input::Space { space, .. } => space.location(id).is_some(),
-            Input::Source { .. } => false,
+            Input::Source { .. } | Input::Mix(_) => false,
         }
     }
 

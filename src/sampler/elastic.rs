@@ -226,7 +226,13 @@ impl ElasticSampler {
     /// The sampler of rank `cfg.rank` of `cfg.world` resuming at `start`
     /// (`JobPosition { epoch, consumed: 0 }` starts an ordinary job).
     pub fn new(cfg: SamplerConfig, start: JobPosition) -> Result<Self> {
-        let inner = Sampler::new(cfg)?;
+        Self::over(Sampler::new(cfg)?, start)
+    }
+
+    /// [`ElasticSampler::new`] over a sampler already made: a mixture's
+    /// ([`Sampler::mixed`]) deals the rest of its mixed epoch order.
+    pub fn over(inner: Sampler, start: JobPosition) -> Result<Self> {
+        let cfg = *inner.config();
         if start.consumed > cfg.len + u32::MAX as u64 {
             return Err(Error::BadPosition(format!(
                 "{} entries consumed of an epoch of {}",
@@ -239,6 +245,17 @@ impl ElasticSampler {
     /// The configuration.
     pub fn config(&self) -> &SamplerConfig {
         self.inner.config()
+    }
+
+    /// The sampler of an ordinary epoch (a mixture's, if it is one).
+    pub fn inner(&self) -> &Sampler {
+        &self.inner
+    }
+
+    /// The same job resumed at `start` (any world: `start` is a job
+    /// position).
+    pub fn resumed(&self, start: JobPosition) -> Result<Self> {
+        Self::over(self.inner.clone(), start)
     }
 
     /// The job position this sampler resumed at.

@@ -18,6 +18,9 @@
 //! A job can resume an epoch at another world size ([`JobPosition`],
 //! [`ElasticSampler`], in `elastic.rs`) and check that every sample was
 //! delivered exactly once ([`EpochDigest`], [`audit()`], in `audit.rs`).
+//!
+//! Several datasets mix into one epoch in fixed proportions
+//! ([`MixSampler`], [`Weight`], in `mix.rs`).
 
 use crate::error::{Error, Result};
 use crate::hash::mix64;
@@ -26,10 +29,15 @@ mod audit;
 mod elastic;
 #[cfg(test)]
 mod elastic_tests;
+mod mix;
 mod saved;
 
 pub use audit::{audit, AuditReport, EpochDigest};
 pub use elastic::{ElasticSampler, JobPosition, RankPosition, RemainderOrder, JOB_POSITION_BYTES};
+pub use mix::{
+    counts_hash, dataset_seed, epoch_counts, pass_key, MixEpoch, MixOrder, MixPosition, MixSample,
+    MixSampler, Weight, MAX_DATASETS,
+};
 pub use saved::{audit_positions, SavedPosition, POSITION_BYTES};
 
 const ROUNDS: usize = 6;
@@ -176,6 +184,9 @@ const POSITION_V1_BYTES: usize = 36;
 pub struct Sampler {
     cfg: SamplerConfig,
     per_rank: u64,
+    /// A mixture of datasets ([`Sampler::mixed`]): its order replaces the
+    /// permutation (`cfg.len` is then the mixed epoch's length).
+    mix: Option<MixSampler>,
 }
 
 impl Sampler {
@@ -196,7 +207,37 @@ impl Sampler {
         } else {
             cfg.len.div_ceil(w)
         };
-        Ok(Sampler { cfg, per_rank })
+        Ok(Sampler {
+            cfg,
+            per_rank,
+            mix: None,
+        })
+    }
+
+    /// The sampler of a mixture of datasets, from an ordinary epoch on (the
+    /// loader's: every epoch has the same steps). Its positions record the
+    /// mixture's counts: restoring one with other weights is refused.
+    pub fn mixed(mix: MixSampler) -> Result<Self> {
+        Ok(Sampler {
+            mix: Some(mix.clone()),
+            ..Sampler::new(*mix.config())?
+        })
+    }
+
+    /// The mixture, for a sampler made by [`Sampler::mixed`].
+    pub fn mixture(&self) -> Option<&MixSampler> {
+        self.mix.as_ref()
+    }
+
+    /// What a position checks: the configuration and, for a mixture, its
+    /// datasets' lengths and per-epoch counts.
+    fn fingerprint(&self) -> u64 {
+        match &self.mix {
+            None => self.cfg.fingerprint(),
+            Some(m) => {
+                mix64(self.cfg.fingerprint() ^ mix64(m.fingerprint(&[]) ^ counts_hash(m.counts())))
+            }
+        }
     }
 
     /// The configuration.
@@ -212,12 +253,11 @@ impl Sampler {
     /// The order of `epoch`, to look up many positions of it.
     pub fn epoch(&self, epoch: u64) -> EpochOrder {
         EpochOrder {
-            perm: self
-                .cfg
-                .shuffle
+            perm: (self.cfg.shuffle && self.mix.is_none())
                 .then(|| Permutation::new(self.cfg.len, self.cfg.seed, epoch)),
             cfg: self.cfg,
             per_rank: self.per_rank,
+            mix: self.mix.as_ref().map(|m| m.epoch(epoch)),
         }
     }
 
@@ -238,7 +278,7 @@ impl Sampler {
         b[0..8].copy_from_slice(POS_MAGIC);
         b[8..16].copy_from_slice(&pos.epoch.to_le_bytes());
         b[16..24].copy_from_slice(&pos.index.to_le_bytes());
-        b[24..32].copy_from_slice(&self.cfg.fingerprint().to_le_bytes());
+        b[24..32].copy_from_slice(&self.fingerprint().to_le_bytes());
         b[32..36].copy_from_slice(&catalog_identity.to_le_bytes());
         let crc = crc32c::crc32c(&b[..36]);
         b[36..40].copy_from_slice(&crc.to_le_bytes());
@@ -269,9 +309,11 @@ impl Sampler {
             return Err(Error::BadPosition("checksum mismatch (corrupt)".into()));
         }
         let fp = u64::from_le_bytes(bytes[24..32].try_into().expect("8 bytes"));
-        if fp != self.cfg.fingerprint() {
+        if fp != self.fingerprint() {
             return Err(Error::BadPosition(
-                "saved by a sampler with another dataset length, seed, shuffle, rank, world or drop_last".into(),
+                "saved by a sampler with another dataset length, seed, shuffle, rank, world or drop_last, \
+                 or another mixture of datasets or weights"
+                    .into(),
             ));
         }
         if body == 36 {
@@ -313,12 +355,16 @@ pub struct EpochOrder {
     perm: Option<Permutation>,
     cfg: SamplerConfig,
     per_rank: u64,
+    mix: Option<MixEpoch>,
 }
 
 impl EpochOrder {
     /// Sample id of this rank's step `k`.
     pub fn sample(&self, k: u64) -> u64 {
         debug_assert!(k < self.per_rank, "step {k} past the epoch");
+        if let Some(m) = &self.mix {
+            return m.sample(k).id;
+        }
         let j = (self.cfg.rank as u64 + k * self.cfg.world as u64) % self.cfg.len;
         match &self.perm {
             Some(p) => p.apply(j),
@@ -329,6 +375,9 @@ impl EpochOrder {
     /// Sample id of global step `j` (all ranks interleaved).
     pub fn global(&self, j: u64) -> u64 {
         let j = j % self.cfg.len;
+        if let Some(m) = &self.mix {
+            return m.order().sample(j).id;
+        }
         match &self.perm {
             Some(p) => p.apply(j),
             None => j,

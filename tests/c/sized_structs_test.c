@@ -189,8 +189,12 @@ int main(int argc, char **argv) {
         CHECK(ksp_loader_next_batch(l, &ob) == KSP_OK, "%s", last_error());
         if (ob.count == 0) break;
         for (size_t i = 0; i < ob.count && n0 < per_epoch; i++) {
-            check_sample(l, &ob.samples[i]);
-            ids[n0++] = ob.samples[i].id;
+            /* The library lays samples out at the caller's stride: the
+             * first layout's, shorter than this build's ksp_sample. */
+            const ksp_sample *os =
+                (const ksp_sample *)((const char *)ob.samples + i * ob.sample_size);
+            check_sample(l, os);
+            ids[n0++] = os->id;
         }
     }
     CHECK(n0 == per_epoch, "first layout: %llu of %llu", (unsigned long long)n0,

@@ -183,6 +183,13 @@ impl Batch {
         int64_array(py, self.d.labels.clone())
     }
 
+    /// Each sample's dataset in a mixture (the `mix` option): its index in
+    /// the order the datasets were given, numpy int64 (all 0 without one).
+    #[getter]
+    pub(crate) fn dataset<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        int64_array(py, self.d.datasets.clone())
+    }
+
     /// Each sample's byte length, numpy int64.
     #[getter]
     pub(crate) fn lengths<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {

@@ -80,13 +80,16 @@ const PYTHON_ONLY: &[&str] = &["batches_in_flight", "fault_injection", "start"];
 /// and the batches Python may hold at once.
 pub(crate) fn builder_from(cfg: &Bound<'_, PyDict>) -> PyResult<(LoaderBuilder, usize)> {
     let py = cfg.py();
-    match (get::<String>(cfg, "space")?, get::<String>(cfg, "source")?) {
-        (Some(_), None) | (None, Some(_)) => {}
-        _ => {
-            return Err(PyValueError::new_err(
-                "give exactly one of space= (a preloaded space) or source= (files read directly)",
-            ))
-        }
+    let given = [
+        get::<String>(cfg, "space")?.is_some(),
+        get::<String>(cfg, "source")?.is_some(),
+        cfg.contains("mix")?,
+    ];
+    if given.iter().filter(|&&g| g).count() != 1 {
+        return Err(PyValueError::new_err(
+            "give exactly one of space= (a preloaded space), source= (files read directly) \
+             or mix= (several datasets with weights)",
+        ));
     }
     let mut o = LoaderOptions::new();
     for (k, v) in cfg.iter() {

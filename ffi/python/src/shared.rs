@@ -163,6 +163,8 @@ pub(crate) struct BatchData {
     pub(crate) first_index: u64,
     pub(crate) ids: Vec<i64>,
     pub(crate) labels: Vec<i64>,
+    /// Each sample's dataset in a mixture (0 without one).
+    pub(crate) datasets: Vec<i64>,
     /// Address of each sample (host or device): in the landing ring, or in
     /// the memory tier (`tier_views`).
     pub(crate) addrs: Vec<u64>,
@@ -249,6 +251,7 @@ pub(crate) fn acquire_one(core: &mut Core) -> Reply {
         first_index: 0,
         ids: Vec::with_capacity(n),
         labels: Vec::with_capacity(n),
+        datasets: Vec::with_capacity(n),
         addrs: Vec::with_capacity(n),
         lens: Vec::with_capacity(n),
         in_tier: Vec::with_capacity(n),
@@ -267,14 +270,16 @@ pub(crate) fn acquire_one(core: &mut Core) -> Reply {
     // The Rust builder refuses a memory tier with a GPU ring.
     debug_assert!(dev.is_none() || d.in_ring, "tier samples in a GPU ring");
     for i in 0..n {
-        let (id, label, addr, len, pos, in_tier) = if dev.is_some() {
+        let (id, label, dataset, addr, len, pos, in_tier) = if dev.is_some() {
             let s = loader.held_device_sample(i);
-            (s.id, s.label, s.addr, s.len as u64, s.position, false)
+            let len = s.len as u64;
+            (s.id, s.label, s.dataset, s.addr, len, s.position, false)
         } else {
             let s = loader.held_sample(i);
             (
                 s.id,
                 s.label,
+                s.dataset,
                 s.bytes.as_ptr() as u64,
                 s.bytes.len() as u64,
                 s.position,
@@ -287,6 +292,7 @@ pub(crate) fn acquire_one(core: &mut Core) -> Reply {
         }
         d.ids.push(id as i64);
         d.labels.push(label.map_or(-1, |l| l as i64));
+        d.datasets.push(dataset as i64);
         d.addrs.push(addr);
         d.lens.push(len);
         d.in_tier.push(in_tier);

@@ -267,6 +267,18 @@ pub(crate) fn opt<T: TryFrom<u64>>(
     }
 }
 
+/// A list flag's value (comma-separated), checked against the options
+/// table (`mix`: each entry's form and weight), kept as given.
+pub(crate) fn opt_list(
+    key: &'static str,
+) -> impl Fn(&str) -> Result<String, String> + Clone + Send + Sync + 'static {
+    let spec = kspeed::loader::options::spec(key).expect("a key of the options table");
+    move |s: &str| {
+        spec.check_str(s).map_err(|e| e.to_string())?;
+        Ok(s.to_string())
+    }
+}
+
 /// A flag's value that is a number or `auto` (`None`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct OrAuto<T>(pub(crate) Option<T>);

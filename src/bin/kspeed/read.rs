@@ -12,8 +12,17 @@ use kspeed::progress::{process_cpu_seconds, Progress, ProgressMode};
 #[derive(Args)]
 pub(crate) struct ReadArgs {
     /// A preloaded space (the fast path).
-    #[arg(long, required_unless_present = "source")]
+    #[arg(long, required_unless_present_any = ["source", "mix"])]
     space: Option<PathBuf>,
+    /// Or a mixture of datasets read side by side: PATH:WEIGHT,... (PATH a
+    /// space, a catalog .ksc or a source; WEIGHT a proportion 0.7,
+    /// repeat=R or choose=N). Each epoch's line then counts the samples of
+    /// each dataset and gives a digest of the order delivered.
+    #[arg(long, conflicts_with_all = ["space", "source"], value_parser = crate::opt_list("mix"))]
+    mix: Option<String>,
+    /// Samples per epoch that the mixture's proportions divide.
+    #[arg(long, value_parser = crate::opt::<u64>("mix_epoch_size"))]
+    mix_epoch_size: Option<u64>,
     /// Or a source read directly: DIR, list:FILE, tar:DIR.
     #[arg(long, conflicts_with = "space")]
     source: Option<String>,
@@ -214,6 +223,18 @@ impl RdmaArgs {
 
 pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
     let mut b = match (&a.space, &a.source) {
+        _ if a.mix.is_some() => {
+            let entries = a.mix.as_deref().unwrap_or_default().split(',');
+            let b = LoaderBuilder::mix(
+                entries
+                    .map(kspeed::loader::parse_mix_entry)
+                    .collect::<kspeed::Result<Vec<_>>>()?,
+            );
+            match a.mix_epoch_size {
+                Some(n) => b.mix_epoch_size(n),
+                None => b,
+            }
+        }
         (Some(s), _) => LoaderBuilder::space(s),
         (None, Some(src)) => {
             let b = LoaderBuilder::source(src);
@@ -376,9 +397,18 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
         let bar = Progress::new(&format!("epoch {e}"), per_epoch, progress);
         let (te, s0, b0) = (Instant::now(), loader.stats().samples, loader.stats().bytes);
         let gpu = loader.landing_device().is_some();
+        let mut per_dataset = vec![0u64; loader.dataset_offsets().len()];
+        let mut order_digest = 0u64;
         while loader.acquire_batch()? > 0 {
             let mut bytes = 0;
             for i in 0..loader.held_len() {
+                if a.mix.is_some() {
+                    // The order, not just the set: each id folded after
+                    // the ones before it.
+                    let s = loader.held_sample(i);
+                    per_dataset[s.dataset as usize] += 1;
+                    order_digest = kspeed::hash::mix64(order_digest.rotate_left(7) ^ s.id);
+                }
                 if gpu {
                     // The batch is device addresses; --verify copies each
                     // sample back and checks it against the catalog.
@@ -417,6 +447,17 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
             (st.samples - s0) as f64 / secs,
             HumanBytes(((st.bytes - b0) as f64 / secs) as u64)
         ));
+        if a.mix.is_some() {
+            let counts: Vec<String> = per_dataset
+                .iter()
+                .enumerate()
+                .map(|(d, n)| format!("{n} from dataset {d}"))
+                .collect();
+            epoch_lines.push(format!(
+                "epoch {e} mixture: {}; order digest {order_digest:016x}",
+                counts.join(", ")
+            ));
+        }
     }
     let wall = t0.elapsed().as_secs_f64();
     std::hint::black_box(touched);

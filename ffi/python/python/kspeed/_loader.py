@@ -62,6 +62,30 @@ def _opt(name, v):
     return v
 
 
+def _mix_entries(mix):
+    """``mix=`` as the options table's list of ``PATH:WEIGHT`` entries:
+    from a dict ``{path: weight}``, pairs ``[(path, weight), ...]`` or the
+    entries themselves (a list, or one comma-separated string). A weight is
+    a proportion (a number) or ``"repeat=R"`` / ``"choose=N"``."""
+    if isinstance(mix, str):
+        return [e.strip() for e in mix.split(",")]
+    items = mix.items() if isinstance(mix, dict) else mix
+    out = []
+    for e in items:
+        if isinstance(e, (str, os.PathLike)):
+            out.append(os.fspath(e))
+        elif isinstance(e, (tuple, list)) and len(e) == 2:
+            path, w = e
+            if not isinstance(path, (str, os.PathLike)):
+                raise TypeError(f"mix: a dataset must be a path, not {type(path).__name__}")
+            if isinstance(w, bool) or not isinstance(w, (numbers.Real, str)):
+                raise TypeError(f"mix: the weight of {os.fspath(path)} must be a number or 'repeat=R'/'choose=N', not {w!r}")
+            out.append(f"{os.fspath(path)}:{w!r}" if isinstance(w, float) else f"{os.fspath(path)}:{w}")
+        else:
+            raise TypeError(f"mix: each entry is a path, 'PATH:WEIGHT' or a (path, weight) pair, not {e!r}")
+    return out
+
+
 def _opt_int(name, v, lo=None, hi=None):
     return None if v is None else _int(name, v, lo, hi)
 
@@ -295,16 +319,25 @@ class Loader:
         rdma_port=1,
         rdma_gid_index=None,
         local_node=None,
+        mix=None,
+        mix_epoch_size=None,
         start_epoch=0,
         end_epoch=None,
         batches_in_flight=2,
         ignore_launcher_env=False,
         _fault_injection=None,
     ):
-        if (space is None) == (source is None):
-            raise ValueError("give exactly one of space= (a preloaded space) or source= (files read directly)")
+        if (space is not None) + (source is not None) + (mix is not None) != 1:
+            raise ValueError(
+                "give exactly one of space= (a preloaded space), source= (files read directly) "
+                "or mix= (several datasets with weights)"
+            )
         cfg = {}
-        if space is not None:
+        if mix_epoch_size is not None:
+            cfg["mix_epoch_size"] = _opt("mix_epoch_size", mix_epoch_size)
+        if mix is not None:
+            cfg["mix"] = _opt("mix", _mix_entries(mix))
+        elif space is not None:
             cfg["space"] = _path("space", space)
         else:
             if not isinstance(source, (str, os.PathLike)):

@@ -1,0 +1,184 @@
+//! Opening a loader's input: a space (its extents, O_DIRECT where the
+//! file system allows), a source with its catalog, or a mixture of them
+//! side by side in one id space (`LoaderBuilder::mix`), and the mixture
+//! entries the front ends write (`PATH:WEIGHT`).
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use super::{Input, MixInput};
+use crate::dataset::{Catalog, SourceSpec, Space};
+use crate::error::{Error, Result};
+use crate::sampler::Weight;
+
+/// One entry of a mixture as the front ends write it: `PATH:WEIGHT` (the
+/// weight after the last `:`: a proportion `0.7`, `repeat=R` or
+/// `choose=N`), or `PATH` alone (`repeat=1`: the dataset once per epoch).
+/// What follows the last `:` is a weight if it starts like one (a digit,
+/// `.`, a sign, `repeat=`, `choose=`), else part of the path (`tar:DIR`).
+pub fn parse_mix_entry(entry: &str) -> Result<(String, Weight)> {
+    let entry = entry.trim();
+    if let Some((path, w)) = entry.rsplit_once(':') {
+        let looks = w.starts_with(|c: char| c.is_ascii_digit() || ".-+".contains(c))
+            || w.starts_with("repeat=")
+            || w.starts_with("choose=");
+        if looks {
+            if path.is_empty() {
+                return Err(Error::InvalidConfig(format!("{entry:?} names no dataset")));
+            }
+            return Ok((path.to_string(), w.parse()?));
+        }
+    }
+    if entry.is_empty() {
+        return Err(Error::InvalidConfig("an empty mixture entry".into()));
+    }
+    Ok((entry.to_string(), Weight::Repeat(1.0)))
+}
+
+/// Opens one input: a space (its extents, O_DIRECT where the file
+/// system allows; `direct_io` is cleared where it does not) or a
+/// source with its catalog. Returns it with its alignment.
+pub(super) fn open_input(
+    space: Option<&PathBuf>,
+    source: Option<&String>,
+    catalog: Option<&PathBuf>,
+    cluster: bool,
+    direct_io: &mut bool,
+) -> Result<(Input, u64)> {
+    Ok(match (space, source) {
+        (Some(dir), _) => {
+            let space = Space::open(dir)?;
+            space.check_extents()?;
+            let p = space.params();
+            if !cluster && space.held_samples() != space.catalog().len() {
+                return Err(Error::InvalidConfig(format!(
+                    "space {} holds {} of {} samples (node {} of {}); reading a partial space needs the cluster transport",
+                    dir.display(),
+                    space.held_samples(),
+                    space.catalog().len(),
+                    p.node_index,
+                    p.placement.nodes
+                )));
+            }
+            let align = p.align_bytes as u64;
+            let mut extents = Vec::with_capacity(space.extent_lens().len());
+            for i in 0..space.extent_lens().len() as u32 {
+                let path = space.extent_path(i);
+                let (f, direct) =
+                    crate::sys::open_direct(&path).map_err(|e| Error::io("open", &path, e))?;
+                if !direct && *direct_io {
+                    // Not silent: every read then goes through (and
+                    // evicts from) the page cache.
+                    log::warn!(
+                        "{}: the file system refuses O_DIRECT; reading through the page cache",
+                        path.display()
+                    );
+                }
+                *direct_io &= direct;
+                extents.push(f);
+            }
+            (Input::Space { space, extents }, align)
+        }
+        (None, Some(src)) => {
+            let spec = SourceSpec::parse(src)?;
+            let catalog = match catalog {
+                Some(c) => {
+                    let cat = Catalog::open(c)?;
+                    // A catalog indexes one source: reading it "from"
+                    // another would silently read the catalog's source.
+                    if cat.source_spec() != spec {
+                        return Err(Error::CatalogOfAnotherSource {
+                            catalog: c.clone(),
+                            catalog_source: cat.source().into_owned(),
+                            given: spec.to_source_string(),
+                        });
+                    }
+                    cat
+                }
+                None => {
+                    log::info!(
+                        "no catalog given: building one of {src} (reads every file to checksum it)"
+                    );
+                    // Unique per process and build; removed once mapped.
+                    static BUILDS: AtomicU64 = AtomicU64::new(0);
+                    let tmp = std::env::temp_dir().join(format!(
+                        "kspeed-{}-{}.ksc",
+                        std::process::id(),
+                        BUILDS.fetch_add(1, Ordering::Relaxed)
+                    ));
+                    let c = crate::dataset::catalog::build(&spec, &tmp, &Default::default())?;
+                    let _ = std::fs::remove_file(&tmp);
+                    c
+                }
+            };
+            let root = catalog.source_spec().root();
+            (Input::Source { catalog, root }, 4096)
+        }
+        (None, None) => return Err(Error::InvalidConfig("give a space or a source".into())),
+    })
+}
+
+/// Opens every dataset of the mixture ([`LoaderBuilder::mix`]) side by
+/// side: ids follow the order given, extents are registered in that
+/// order. Returns the mixture with the largest alignment (a multiple of
+/// every other: alignments are powers of two).
+pub(super) fn open_mix(
+    mix: &[(String, Weight)],
+    cluster: bool,
+    direct_io: &mut bool,
+) -> Result<(Input, u64)> {
+    if cluster {
+        return Err(Error::InvalidConfig(
+            "a mixture of datasets is read on a single node for now (cluster mode takes one space)"
+                .into(),
+        ));
+    }
+    let mut parts = Vec::with_capacity(mix.len());
+    let mut align = 4096u64;
+    let mut any_space = false;
+    for (what, _) in mix {
+        let path = PathBuf::from(what);
+        let (input, a) = if path.join(crate::dataset::space::files::MANIFEST).is_file() {
+            any_space = true;
+            open_input(Some(&path), None, None, false, direct_io)?
+        } else if what.ends_with(".ksc") && path.is_file() {
+            // A catalog: read from the source it records.
+            let source = Catalog::open(&path)?.source().into_owned();
+            open_input(None, Some(&source), Some(&path), false, direct_io)?
+        } else {
+            open_input(None, Some(what), None, false, direct_io)?
+        };
+        align = align.max(a);
+        parts.push(input);
+    }
+    *direct_io &= any_space;
+    let mut offsets = Vec::with_capacity(parts.len());
+    let (mut extent_base, mut file_base) = (Vec::new(), Vec::new());
+    let (mut id, mut extents, mut files) = (0u64, 0u32, 0u32);
+    let mut identity = crate::hash::mix64(parts.len() as u64);
+    for p in &parts {
+        offsets.push(id);
+        extent_base.push(extents);
+        file_base.push(files);
+        id = id
+            .checked_add(p.len())
+            .ok_or_else(|| Error::InvalidConfig("the mixture's ids overflow u64".into()))?;
+        if let Input::Space { extents: e, .. } = p {
+            extents += e.len() as u32;
+        }
+        files = files
+            .checked_add(p.file_count() as u32)
+            .ok_or_else(|| Error::InvalidConfig("the mixture has over 2^32 files".into()))?;
+        identity = crate::hash::mix64(identity ^ p.catalog().identity() as u64);
+    }
+    Ok((
+        Input::Mix(Box::new(MixInput {
+            parts,
+            offsets,
+            extent_base,
+            file_base,
+            identity: (identity ^ (identity >> 32)) as u32,
+        })),
+        align,
+    ))
+}

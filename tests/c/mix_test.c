@@ -1,0 +1,104 @@
+/* A mixture through the C ABI (the `mix` config key, ksp_sample.dataset).
+ * Run by tests/capi.rs:
+ *
+ *   mix_test SPACE SOURCE WORKDIR
+ *
+ * SPACE is a preloaded space and SOURCE its source directory: the mixture
+ * reads them side by side (the space's samples first in the id space),
+ * 3:1, in an epoch of 400. Checks each dataset's count, that every
+ * sample's `dataset` matches its id's range, and every sample's bytes.
+ * Prints one line per failed check and exits non-zero if any failed. */
+#include <kspeed.h>
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int failures = 0;
+
+#define CHECK(cond, ...)                                                        \
+    do {                                                                        \
+        if (!(cond)) {                                                          \
+            failures++;                                                         \
+            fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);     \
+            fprintf(stderr, __VA_ARGS__);                                       \
+            fprintf(stderr, "\n");                                              \
+        }                                                                       \
+    } while (0)
+
+static char msg[4096];
+
+static const char *last_error(void) {
+    size_t n = 0;
+    ksp_status st = ksp_last_error(msg, sizeof msg, &n);
+    if (st != KSP_OK && st != KSP_ERR_BUFFER_TOO_SMALL) return "(no message)";
+    return msg;
+}
+
+static uint32_t crc32c(const uint8_t *p, size_t n) {
+    uint32_t c = 0xffffffffu;
+    for (size_t i = 0; i < n; i++) {
+        c ^= p[i];
+        for (int k = 0; k < 8; k++) c = (c >> 1) ^ (0x82f63b78u & (0u - (c & 1u)));
+    }
+    return ~c;
+}
+
+int main(int argc, char **argv) {
+    if (argc != 4) {
+        fprintf(stderr, "usage: mix_test SPACE SOURCE WORKDIR\n");
+        return 2;
+    }
+    char mix[8192];
+    snprintf(mix, sizeof mix, "%s:0.75,%s:0.25", argv[1], argv[2]);
+    ksp_config *cfg = NULL;
+    CHECK(ksp_config_new(&cfg) == KSP_OK, "%s", last_error());
+    const char *kv[][2] = {
+        {"mix", mix}, {"mix_epoch_size", "400"}, {"batch_size", "16"}, {"seed", "9"},
+        {"ring_bytes", "4MiB"}, {"pollers", "1"}, {"pin", "false"}, {"mlock", "false"},
+        {"huge_pages", "false"},
+    };
+    for (size_t i = 0; i < sizeof kv / sizeof kv[0]; i++)
+        CHECK(ksp_config_set(cfg, kv[i][0], kv[i][1]) == KSP_OK, "%s: %s", kv[i][0], last_error());
+    /* A bad weight is refused by the options table, naming the key. */
+    CHECK(ksp_config_set(cfg, "mix", "a:0.5,b:-2") == KSP_ERR_INVALID_ARG, "negative weight");
+    CHECK(strstr(last_error(), "mix") != NULL, "message names the key: %s", msg);
+    ksp_loader *l = NULL;
+    CHECK(ksp_loader_new(cfg, &l) == KSP_OK, "%s", last_error());
+    ksp_config_free(cfg);
+    if (!l) return 1;
+    /* The space's catalog is the first dataset's; the source holds the
+     * same samples, so dataset 1's local id has the same catalog entry. */
+    uint64_t n0 = 0;
+    CHECK(ksp_loader_catalog_len(l, &n0) == KSP_OK, "%s", last_error());
+    uint64_t count[2] = {0, 0};
+    CHECK(ksp_loader_set_epoch(l, 0) == KSP_OK, "%s", last_error());
+    for (;;) {
+        ksp_batch b = KSP_BATCH_INIT;
+        CHECK(ksp_loader_next_batch(l, &b) == KSP_OK, "%s", last_error());
+        if (b.count == 0) break;
+        for (size_t i = 0; i < b.count; i++) {
+            const ksp_sample *s = &b.samples[i];
+            CHECK(s->dataset <= 1 && (s->id >= n0) == (s->dataset == 1), "sample %llu in dataset %u",
+                  (unsigned long long)s->id, s->dataset);
+            CHECK(s->reserved == 0, "reserved is zero");
+            if (s->dataset > 1) continue;
+            count[s->dataset]++;
+            ksp_catalog_sample c = KSP_CATALOG_SAMPLE_INIT;
+            uint64_t local = s->id - (s->dataset ? n0 : 0);
+            CHECK(ksp_loader_catalog_sample(l, local, &c) == KSP_OK, "%s", last_error());
+            CHECK(s->len == c.len && crc32c(s->data, s->len) == c.crc32c,
+                  "dataset %u sample %llu bytes", s->dataset, (unsigned long long)local);
+        }
+        CHECK(ksp_loader_release_batch(l, b.seq) == KSP_OK, "%s", last_error());
+    }
+    CHECK(count[0] == 300 && count[1] == 100, "counts %llu and %llu", (unsigned long long)count[0],
+          (unsigned long long)count[1]);
+    ksp_loader_free(l);
+    if (failures) {
+        fprintf(stderr, "%d check(s) failed\n", failures);
+        return 1;
+    }
+    printf("mix: all checks passed\n");
+    return 0;
+}

@@ -1,0 +1,309 @@
+//! Weighted mixing of datasets through the Loader and `kspeed read --mix`
+//! (issue 29 part 2): a space and a source side by side in one id space,
+//! each sample byte-exact, labelled with its dataset, in the mixing
+//! function's order with the weights' exact counts; positions resume the
+//! same mixture and refuse other weights by name; the CLI's order is the
+//! same in two processes.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::*;
+use kspeed::dataset::Catalog;
+use kspeed::landing::{CudaMode, LandingOptions};
+use kspeed::loader::{Loader, LoaderBuilder};
+use kspeed::sampler::{epoch_counts, MixSampler, SamplerConfig, Weight};
+use kspeed::Error;
+
+fn ring() -> LandingOptions {
+    LandingOptions::default()
+        .ring_bytes(8 << 20)
+        .huge_pages(false)
+        .mlock(false)
+        .cuda(CudaMode::Off)
+}
+
+/// Dataset 0: a `tiny` space of 300 samples; dataset 1: an awkward tree
+/// read from its source with a catalog. Returns (space, catalog of the
+/// source, each dataset's catalog).
+fn two_datasets(dir: &Path) -> (PathBuf, PathBuf, Vec<Catalog>) {
+    let src = dir.join("src0");
+    gen("tiny", 300, &src);
+    let space = dir.join("space0");
+    ok(&["preload", "--source", s(&src), "--space", s(&space)]);
+    let src1 = dir.join("src1");
+    odd_tree(&src1);
+    let cat1 = dir.join("one.ksc");
+    ok(&["catalog", "--source", s(&src1), "--out", s(&cat1)]);
+    let cats = vec![
+        Catalog::open(&space.join("catalog.ksc")).unwrap(),
+        Catalog::open(&cat1).unwrap(),
+    ];
+    (space, cat1, cats)
+}
+
+fn builder(space: &Path, cat1: &Path, w: [Weight; 2]) -> LoaderBuilder {
+    LoaderBuilder::mix([(s(space), w[0]), (s(cat1), w[1])])
+        .mix_epoch_size(200)
+        .batch_size(16)
+        .seed(5)
+        .landing(ring())
+        .pollers(2)
+}
+
+/// Reads epoch `e` to its end (from wherever the loader is) and checks
+/// every sample against its dataset's catalog; returns (dataset, id).
+fn read_epoch(l: &mut Loader, e: u64, cats: &[Catalog]) -> Vec<(u32, u64)> {
+    l.set_epoch(e).unwrap();
+    let offsets = l.dataset_offsets().to_vec();
+    let mut got = Vec::new();
+    while let Some(b) = l.next_batch().unwrap() {
+        for smp in b.iter() {
+            let d = smp.dataset as usize;
+            assert!(
+                smp.id >= offsets[d],
+                "id {} below dataset {d}'s offset",
+                smp.id
+            );
+            let local = smp.id - offsets[d];
+            let c = cats[d].sample(local);
+            assert_eq!(
+                smp.bytes.len(),
+                c.len as usize,
+                "dataset {d} sample {local}"
+            );
+            assert_eq!(
+                crc32c::crc32c(smp.bytes),
+                c.crc32c,
+                "dataset {d} sample {local} bytes"
+            );
+            assert_eq!(smp.label, c.label);
+            got.push((smp.dataset, smp.id));
+        }
+    }
+    got
+}
+
+#[test]
+fn a_space_and_a_source_mixed_in_order_and_byte_exact() {
+    let t = tempfile::tempdir().unwrap();
+    let (space, cat1, cats) = two_datasets(t.path());
+    let lens = [cats[0].len(), cats[1].len()];
+    let w = [Weight::Proportion(0.7), Weight::Proportion(0.3)];
+    let counts = epoch_counts(&w, &lens, Some(200)).unwrap();
+    assert_eq!(counts, vec![140, 60]);
+    for (rank, world) in [(0, 1), (1, 3)] {
+        let mut l = builder(&space, &cat1, w).rank(rank, world).build().unwrap();
+        assert_eq!(l.dataset_offsets(), &[0, lens[0]]);
+        assert_eq!(l.catalogs().len(), 2);
+        let cfg = SamplerConfig::single(0, 5).rank_world(rank, world);
+        let want = MixSampler::new(cfg, &lens, &counts).unwrap();
+        for e in 0..2 {
+            let got = read_epoch(&mut l, e, &cats);
+            let order = want.epoch(e);
+            assert_eq!(got.len() as u64, order.per_rank(), "epoch {e}");
+            for (k, &(d, id)) in got.iter().enumerate() {
+                let m = order.sample(k as u64);
+                assert_eq!((d, id), (m.dataset, m.id), "rank {rank} epoch {e} step {k}");
+            }
+            if world == 1 {
+                // The weights' exact counts; the odd tree (13 samples) is
+                // drawn 60 times: each sample 4 or 5 times.
+                let from1 = got.iter().filter(|g| g.0 == 1).count();
+                assert_eq!((got.len() - from1, from1), (140, 60));
+            }
+        }
+    }
+}
+
+#[test]
+fn positions_resume_the_mixture_and_refuse_other_weights() {
+    let t = tempfile::tempdir().unwrap();
+    let (space, cat1, cats) = two_datasets(t.path());
+    let w = [Weight::Proportion(0.7), Weight::Proportion(0.3)];
+    let mut l = builder(&space, &cat1, w).build().unwrap();
+    let full = read_epoch(&mut l, 1, &cats);
+    // Stop after 3 batches of epoch 1, save, resume in a new loader.
+    l.set_epoch(1).unwrap();
+    for _ in 0..3 {
+        l.next_batch().unwrap().unwrap();
+    }
+    let saved = l.save_position();
+    drop(l);
+    let mut again = builder(&space, &cat1, w).build().unwrap();
+    again.restore_position(&saved).unwrap();
+    let rest = read_epoch(&mut again, 1, &cats);
+    assert_eq!(&full[48..], &rest[..]);
+    // Other weights: refused by name (the loader's per-rank positions
+    // resume one mixture; the sampler's KSPDMIX1 positions change weights).
+    let mut other = builder(
+        &space,
+        &cat1,
+        [Weight::Proportion(0.5), Weight::Proportion(0.5)],
+    )
+    .build()
+    .unwrap();
+    match other.restore_position(&saved) {
+        Err(Error::BadPosition(m)) => assert!(m.contains("weights"), "{m}"),
+        r => panic!("{r:?}"),
+    }
+}
+
+#[test]
+fn mixture_options_are_checked_by_name() {
+    let t = tempfile::tempdir().unwrap();
+    let (space, cat1, _) = two_datasets(t.path());
+    // A mixture of proportions and counts; a memory tier; an empty epoch.
+    let r = LoaderBuilder::mix([
+        (s(&space), Weight::Proportion(0.5)),
+        (s(&cat1), Weight::Choose(3)),
+    ])
+    .landing(ring())
+    .build();
+    assert!(
+        matches!(r, Err(Error::InvalidConfig(ref m)) if m.contains("proportion")),
+        "{:?}",
+        r.err()
+    );
+    let r = builder(&space, &cat1, [Weight::Repeat(1.0), Weight::Repeat(1.0)])
+        .mix_epoch_size(5)
+        .build();
+    assert!(
+        matches!(r, Err(Error::InvalidConfig(ref m)) if m.contains("epoch size")),
+        "{:?}",
+        r.err()
+    );
+    let r = builder(&space, &cat1, [Weight::Choose(0), Weight::Choose(0)]).build();
+    assert!(r.is_err());
+    let mut o = kspeed::loader::LoaderOptions::new();
+    match o.set("mix", &format!("{}:0.5x", s(&space))) {
+        Err(Error::InvalidOption { problem, .. }) => assert!(problem.contains("0.5x"), "{problem}"),
+        r => panic!("{r:?}"),
+    }
+    o.set(
+        "mix",
+        &format!("{}:repeat=2,{}:choose=7", s(&space), s(&cat1)),
+    )
+    .unwrap();
+    o.set("batch_size", "10").unwrap();
+    o.set("mlock", "false").unwrap();
+    o.set("ring_bytes", "8MiB").unwrap();
+    let l = o.builder().unwrap().build().unwrap();
+    assert_eq!(l.epoch_len(), 600 + 7);
+}
+
+/// `kspeed read --mix` in two processes: the same per-dataset counts and
+/// the same order digest; another seed, another order.
+#[test]
+fn cli_mixture_is_the_same_in_two_processes() {
+    let t = tempfile::tempdir().unwrap();
+    let (space, cat1, _) = two_datasets(t.path());
+    let mix = format!("{}:0.7,{}:0.3", s(&space), s(&cat1));
+    let run = |seed: &str| -> Vec<String> {
+        let out = ok(&[
+            "read",
+            "--mix",
+            &mix,
+            "--mix-epoch-size",
+            "200",
+            "--epochs",
+            "2",
+            "--seed",
+            seed,
+            "--ring-bytes",
+            "8MiB",
+            "--no-mlock",
+            "--no-huge-pages",
+            "--batch-size",
+            "16",
+        ]);
+        out.lines()
+            .filter(|l| l.contains("mixture"))
+            .map(String::from)
+            .collect()
+    };
+    let a = run("3");
+    assert_eq!(a.len(), 2, "{a:?}");
+    assert!(
+        a[0].contains("140 from dataset 0, 60 from dataset 1"),
+        "{a:?}"
+    );
+    assert_eq!(a, run("3"));
+    assert_ne!(a, run("4"));
+    // A bad entry is refused by the options table's message.
+    let err = fails(&["read", "--mix", &format!("{}:-1", s(&space))], 2);
+    assert!(err.contains("mix"), "{err}");
+}
+
+/// A mixture's job resumes at another world size: 2 ranks read 3 batches
+/// of epoch 1, the job position goes to 3 ranks, and the two worlds'
+/// samples, put back at their places in the epoch's global order (rank r's
+/// step k of a world of W from base b is index b + r + k·W), are the mixed
+/// epoch exactly (the one-rank order), each place once; the resumed world's
+/// places past the epoch's end are its padding. A mixture's saved position
+/// is refused by the audit, by name (the file cannot give the mixed order).
+#[test]
+fn a_mixture_resumes_at_another_world_size_exactly_once() {
+    let t = tempfile::tempdir().unwrap();
+    let (space, cat1, cats) = two_datasets(t.path());
+    let w = [Weight::Proportion(0.7), Weight::Proportion(0.3)];
+    let mut one = builder(&space, &cat1, w).build().unwrap();
+    let full = read_epoch(&mut one, 1, &cats);
+    assert_eq!(full.len(), 200);
+    let mut placed: Vec<Option<(u32, u64)>> = vec![None; full.len()];
+    let mut put = |j: u64, got: (u32, u64)| {
+        if (j as usize) < placed.len() {
+            assert!(placed[j as usize].is_none(), "index {j} delivered twice");
+            placed[j as usize] = Some(got);
+        }
+    };
+    let mut job = None;
+    for rank in 0..2 {
+        let mut l = builder(&space, &cat1, w).rank(rank, 2).build().unwrap();
+        l.set_epoch(1).unwrap();
+        let mut k = 0u64;
+        for _ in 0..3 {
+            let b = l.next_batch().unwrap().unwrap();
+            for smp in b.iter() {
+                put(rank as u64 + 2 * k, (smp.dataset, smp.id));
+                k += 1;
+            }
+        }
+        let saved = kspeed::sampler::SavedPosition::decode(&l.save_position()).unwrap();
+        assert!(saved.mixture);
+        match kspeed::sampler::audit_positions(&[saved]) {
+            Err(Error::AuditMismatch(m)) => assert!(m.contains("mixture"), "{m}"),
+            r => panic!("{r:?}"),
+        }
+        job = Some(l.save_job_position());
+    }
+    let job = job.unwrap();
+    let base = 96;
+    for rank in 0..3u32 {
+        let mut l = builder(&space, &cat1, w).rank(rank, 3).build().unwrap();
+        l.restore_job_position(&job).unwrap();
+        let got = read_epoch(&mut l, 1, &cats);
+        assert_eq!(got.len(), 35, "rank {rank}: 104 left over 3 ranks, padded");
+        for (k, &g) in got.iter().enumerate() {
+            put(base + rank as u64 + 3 * k as u64, g);
+        }
+    }
+    let placed: Vec<(u32, u64)> = placed
+        .into_iter()
+        .map(|p| p.expect("every index"))
+        .collect();
+    assert_eq!(placed, full);
+    // Other weights refuse the job position by name.
+    let mut other = builder(
+        &space,
+        &cat1,
+        [Weight::Proportion(0.5), Weight::Proportion(0.5)],
+    )
+    .build()
+    .unwrap();
+    match other.restore_job_position(&job) {
+        Err(Error::BadPosition(_)) => {}
+        r => panic!("{r:?}"),
+    }
+}
