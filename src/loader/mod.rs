@@ -31,6 +31,7 @@
 pub(crate) mod schedule;
 pub(crate) mod tier;
 
+mod attached;
 mod batch;
 mod builder;
 mod fdcache;
@@ -58,6 +59,7 @@ use schedule::{Cursor, Geometry, Placed};
 /// Fault injection for tests of the read path ([`LoaderBuilder::fault_injection`]).
 pub use crate::ring::FaultConfig;
 use batch::Entry;
+pub use attached::{default_agent_socket, AgentMode};
 pub use batch::{Batch, BatchSample, DeviceSample};
 pub use builder::*;
 pub use options::LoaderOptions;
@@ -82,6 +84,8 @@ struct Run {
     joined: Vec<Box<dyn IoBackend>>,
     /// Samples delivered before this run started (`counters.samples`).
     samples_at_start: u64,
+    /// Attached mode: this run's attach to the node agent (no pollers).
+    attach: Option<attached::RankAttach>,
 }
 
 impl Run {
@@ -150,12 +154,27 @@ pub struct Loader {
     net: Option<Arc<net::NetSetup>>,
     /// The pollers' cores, and where the last launch pinned them.
     placement: crate::placement::PollerPlacement,
+    /// Attached mode: what every launch sends the node agent (each launch
+    /// attaches anew, with a fresh ring, at its start position).
+    attach_settings: Option<attached::AttachSettings>,
 }
 
 impl Loader {
     /// Starts a run at `start`. On error the loader keeps its resources
     /// (catalog, ring) and no thread of the run is left behind.
     fn launch(&mut self, start: Position) -> Result<()> {
+        // Attached: a fresh ring per attach, so no read of an earlier
+        // attach (still landing in the agent) can touch this one's bytes.
+        let attach = match &self.attach_settings {
+            Some(settings) => {
+                let map = crate::agent::shm::RingMap::create(self.geo.ring_bytes)?;
+                let a = attached::RankAttach::connect(settings, &map, start)?;
+                let spare = self.spare.as_mut().expect("resources available");
+                spare.ring = LandingRing::shared(map);
+                Some(a)
+            }
+            None => None,
+        };
         // Connect first: a refusal leaves the loader as it was.
         let conns = match &mut self.net {
             Some(setup) => {
@@ -231,6 +250,7 @@ impl Loader {
             net_thread: None,
             joined: Vec::new(),
             samples_at_start: self.counters.samples,
+            attach,
         });
         if let Err(e) = self.spawn(spare.backends, conns) {
             // Stop what started and take the resources back.
@@ -415,6 +435,7 @@ impl Loader {
         self.check_failed()?;
         self.entries.clear();
         let mut first_v = None;
+        let mut desc = None;
         while self.entries.len() < self.batch_size {
             let p = match self.peeked.take() {
                 Some(p) => p,
@@ -445,6 +466,19 @@ impl Loader {
                 debug_assert!(false, "check_batch_fits let through: {e}");
                 return Err(self.fail(e));
             }
+            if self.entries.is_empty() {
+                if let Some(a) = self.run.as_mut().and_then(|r| r.attach.as_mut()) {
+                    // Attached: the agent publishes whole batches; the
+                    // one descriptor covers every sample of this one.
+                    match a.take(p.g) {
+                        Ok(d) => desc = Some(d),
+                        Err(e) => {
+                            self.peeked = Some(p);
+                            return Err(self.fail(e));
+                        }
+                    }
+                }
+            }
             let in_tier = match self.wait_ready(&p) {
                 Ok(code) => code == CODE_TIER,
                 Err(e) => {
@@ -464,11 +498,41 @@ impl Loader {
             self.counters.samples += 1;
             self.counters.bytes += p.len;
         }
+        if let Some(d) = desc {
+            self.check_desc(&d)?;
+        }
         self.held = !self.entries.is_empty();
         if self.held {
             self.batch_seq += 1;
         }
         Ok(self.entries.len())
+    }
+
+    /// Attached mode: the agent's descriptor must be the batch this rank
+    /// scheduled (same size, first slot and epoch), else the two disagree
+    /// about the schedule and no byte can be trusted.
+    fn check_desc(&mut self, d: &crate::agent::segment::BatchDesc) -> Result<()> {
+        let first = self.entries[0];
+        let n = self.entries.len();
+        if d.samples != n as u64
+            || d.ring_offset != first.phys
+            || d.epoch != first.pos.epoch
+        {
+            self.entries.clear();
+            let e = Error::AttachProtocol {
+                what: format!(
+                    "the agent published a batch of {} samples at ring offset {} in epoch {};                      this rank scheduled one of {} samples at offset {} in epoch {}",
+                    d.samples,
+                    d.ring_offset,
+                    d.epoch,
+                    n,
+                    first.phys,
+                    first.pos.epoch
+                ),
+            };
+            return Err(self.fail(e));
+        }
+        Ok(())
     }
 }
 
@@ -477,7 +541,12 @@ impl Loader {
     /// [`CODE_TIER`]) or its error.
     fn wait_ready(&mut self, p: &Placed) -> Result<u64> {
         let spin = self.cfg.spin;
-        let sh = &self.run.as_ref().expect("running").shared;
+        let run = self.run.as_ref().expect("running");
+        if run.attach.is_some() {
+            // The batch's descriptor was taken: every sample of it is in.
+            return Ok(CODE_OK);
+        }
+        let sh = &run.shared;
         let mut state = sh.state(p.g);
         if state.is_none() {
             let t0 = Instant::now();
@@ -650,7 +719,12 @@ impl Loader {
     }
 
     /// Frees the ring before sample `next` and lets the writers go on.
-    fn mark_released(&self, next: Placed) {
+    fn mark_released(&mut self, next: Placed) {
+        if let Some(a) = self.run.as_mut().and_then(|r| r.attach.as_mut()) {
+            // Attached: one release mark for the agent, no local writer.
+            a.release_before(next.g);
+            return;
+        }
         let Some(run) = self.run.as_ref() else {
             return;
         };
