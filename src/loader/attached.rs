@@ -11,7 +11,7 @@
 //! the agent takes instead of opening the space and mapping a ring itself.
 
 use std::collections::VecDeque;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -29,11 +29,11 @@ use crate::sampler::Position;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum AgentMode {
     /// Never: the loader runs its own pollers (embedded).
-    #[default]
     Off,
-    /// In cluster mode with an agent socket present: attached; otherwise
+    /// The default. In cluster mode with an agent socket present: attached; otherwise
     /// (or when the attach fails, with one WARN) embedded. The README's
     /// single-node first command is therefore unchanged.
+    #[default]
     Auto,
     /// Always attached; no agent is [`Error::NoAgent`].
     Required,
@@ -249,11 +249,6 @@ impl RankAttach {
         if self.released != before {
             self.side.release(self.released);
         }
-    }
-
-    /// The socket attached to.
-    pub(crate) fn socket(&self) -> &Path {
-        &self.socket
     }
 }
 

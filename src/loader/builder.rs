@@ -126,7 +126,7 @@ impl LoaderBuilder {
             node_timeout: Duration::from_secs(10),
             rdma: None,
             local_node: None,
-            agent: super::AgentMode::Off,
+            agent: super::AgentMode::Auto,
             agent_socket: None,
             agent_input: None,
         }

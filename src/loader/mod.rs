@@ -59,6 +59,7 @@ use schedule::{Cursor, Geometry, Placed};
 /// Fault injection for tests of the read path ([`LoaderBuilder::fault_injection`]).
 pub use crate::ring::FaultConfig;
 use batch::Entry;
+pub(crate) use attached::AgentInput;
 pub use attached::{default_agent_socket, AgentMode};
 pub use batch::{Batch, BatchSample, DeviceSample};
 pub use builder::*;
@@ -630,30 +631,13 @@ impl Loader {
     pub fn acquire_batch_keep(&mut self) -> Result<usize> {
         self.check_failed()?;
         let first = self.peek_next();
-        if let Some(oldest) = self.kept.front() {
-            if first.pos.epoch == self.epoch {
-                // Walk the new batch's schedule on a copy of the cursor: where
-                // its last sample ends, as acquire_batch will place it.
-                let catalog = self.run.as_ref().expect("running").shared.input.catalog();
-                let mut cursor = self.cursor.clone().expect("running");
-                let mut end = first.v_end;
-                for _ in 1..self.batch_size {
-                    let p = cursor.next(catalog);
-                    if p.pos.epoch != self.epoch || p.v_end - first.v > self.geo.ring_bytes {
-                        break;
-                    }
-                    end = p.v_end;
-                }
-                if end - oldest.v > self.geo.ring_bytes {
-                    return Err(Error::InvalidConfig(format!(
-                        "the {}-byte landing ring cannot hold another batch beside the {} \
-                         still out ({} bytes needed); release one first or raise ring_bytes",
-                        self.geo.ring_bytes,
-                        self.kept.len(),
-                        end - oldest.v
-                    )));
-                }
-            }
+        if let Some(need) = self.keep_bytes_needed() {
+            return Err(Error::InvalidConfig(format!(
+                "the {}-byte landing ring cannot hold another batch beside the {} \
+                 still out ({need} bytes needed); release one first or raise ring_bytes",
+                self.geo.ring_bytes,
+                self.kept.len(),
+            )));
         }
         // The held batch (if any) stays out: it is already in `kept`.
         self.held = false;
@@ -666,6 +650,48 @@ impl Loader {
             }
         }
         n
+    }
+
+    /// The ring bytes the next batch would need beside the batches kept
+    /// out, when the ring cannot hold it ([`Loader::acquire_batch_keep`]
+    /// would refuse); `None` when it fits.
+    pub(crate) fn keep_bytes_needed(&mut self) -> Option<u64> {
+        let first = self.peek_next();
+        let oldest = self.kept.front()?;
+        if first.pos.epoch != self.epoch {
+            return None;
+        }
+        // Walk the new batch's schedule on a copy of the cursor: where
+        // its last sample ends, as acquire_batch will place it.
+        let catalog = self.run.as_ref().expect("running").shared.input.catalog();
+        let mut cursor = self.cursor.clone().expect("running");
+        let mut end = first.v_end;
+        for _ in 1..self.batch_size {
+            let p = cursor.next(catalog);
+            if p.pos.epoch != self.epoch || p.v_end - first.v > self.geo.ring_bytes {
+                break;
+            }
+            end = p.v_end;
+        }
+        (end - oldest.v > self.geo.ring_bytes).then_some(end - oldest.v)
+    }
+
+    /// The held batch as the agent publishes it: its first byte's ring
+    /// offset, its span's bytes (padding included, both parts if it
+    /// wraps), its epoch and sample count; `None` when none is held.
+    pub(crate) fn held_desc(&self) -> Option<crate::agent::segment::BatchDesc> {
+        if !self.held {
+            return None;
+        }
+        let ((off, len), wrap) = self.held_span_ranges();
+        let first = self.entries[0];
+        Some(crate::agent::segment::BatchDesc {
+            ring_offset: off,
+            bytes: (len + wrap.map_or(0, |(_, l)| l)) as u64,
+            epoch: first.pos.epoch,
+            batch_in_epoch: first.pos.index / self.batch_size as u64,
+            samples: self.entries.len() as u64,
+        })
     }
 
     /// Returns the ring space of the oldest batch kept out by
