@@ -345,7 +345,12 @@ fn take_rank(
 /// rank goes (socket hang-up or a clean detach) or the agent stops.
 /// Returns the batches published. Dropping the loader at the end stops its
 /// pollers after their in-flight reads land; then the ring is unmapped.
-fn feed(mut att: Attached, mut loader: Loader, halt: &AtomicBool, heartbeat: Duration) -> Result<u64> {
+fn feed(
+    mut att: Attached,
+    mut loader: Loader,
+    halt: &AtomicBool,
+    heartbeat: Duration,
+) -> Result<u64> {
     // Judged by its socket and state word, not by its heartbeat.
     let live = Liveness {
         slice: heartbeat,
@@ -390,7 +395,10 @@ fn feed(mut att: Attached, mut loader: Loader, halt: &AtomicBool, heartbeat: Dur
                 Ok(())
             };
             let deadline = Some(Instant::now() + heartbeat);
-            match att.side.wait_released(released, &live, deadline, &mut check) {
+            match att
+                .side
+                .wait_released(released, &live, deadline, &mut check)
+            {
                 Ok(()) | Err(Error::AttachTimeout { .. }) => continue,
                 Err(Error::AttachPeerGone { .. }) => break Ok(()),
                 Err(e) => break Err(e),

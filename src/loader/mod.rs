@@ -58,9 +58,9 @@ use schedule::{Cursor, Geometry, Placed};
 
 /// Fault injection for tests of the read path ([`LoaderBuilder::fault_injection`]).
 pub use crate::ring::FaultConfig;
-use batch::Entry;
 pub(crate) use attached::AgentInput;
 pub use attached::{default_agent_socket, AgentMode};
+use batch::Entry;
 pub use batch::{Batch, BatchSample, DeviceSample};
 pub use builder::*;
 pub use options::LoaderOptions;
@@ -515,10 +515,7 @@ impl Loader {
     fn check_desc(&mut self, d: &crate::agent::segment::BatchDesc) -> Result<()> {
         let first = self.entries[0];
         let n = self.entries.len();
-        if d.samples != n as u64
-            || d.ring_offset != first.phys
-            || d.epoch != first.pos.epoch
-        {
+        if d.samples != n as u64 || d.ring_offset != first.phys || d.epoch != first.pos.epoch {
             self.entries.clear();
             let e = Error::AttachProtocol {
                 what: format!(
