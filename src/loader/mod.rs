@@ -519,7 +519,8 @@ impl Loader {
             self.entries.clear();
             let e = Error::AttachProtocol {
                 what: format!(
-                    "the agent published a batch of {} samples at ring offset {} in epoch {};                      this rank scheduled one of {} samples at offset {} in epoch {}",
+                    "the agent published a batch of {} samples at ring offset {} in epoch {}; \
+                     this rank scheduled one of {} samples at offset {} in epoch {}",
                     d.samples,
                     d.ring_offset,
                     d.epoch,
