@@ -326,3 +326,65 @@ fn a_killed_agent_gives_agent_gone_in_time() {
         "AgentGone took {took:?}"
     );
 }
+
+/// What a loader delivers through a script of calls that restarts it
+/// (another epoch, a restored position) and keeps batches out: every
+/// sample's (id, bytes) in order.
+fn script(mut l: kspeed::loader::Loader) -> Vec<(u64, Vec<u8>)> {
+    fn take(l: &mut kspeed::loader::Loader, n: usize, got: &mut Vec<(u64, Vec<u8>)>) {
+        for _ in 0..n {
+            let b = l.next_batch().unwrap().expect("a batch");
+            got.extend(b.iter().map(|s| (s.id, s.bytes.to_vec())));
+        }
+    }
+    let mut got = Vec::new();
+    take(&mut l, 3, &mut got);
+    let saved = l.save_position();
+    take(&mut l, 2, &mut got);
+    // Another epoch: a restart, so a fresh attach.
+    l.set_epoch(4).unwrap();
+    take(&mut l, 2, &mut got);
+    l.restore_position(&saved).unwrap();
+    take(&mut l, 2, &mut got);
+    // Two batches out at once (the Python package's way), released
+    // oldest first.
+    for _ in 0..2 {
+        assert!(l.acquire_batch_keep().unwrap() > 0);
+        got.extend((0..l.held_len()).map(|i| {
+            let s = l.held_sample(i);
+            (s.id, s.bytes.to_vec())
+        }));
+    }
+    assert!(l.release_oldest_batch());
+    assert!(l.release_oldest_batch());
+    take(&mut l, 1, &mut got);
+    got
+}
+
+/// In one process, through the library: restarts (`set_epoch` to another
+/// epoch, `restore_position`) attach anew and deliver what an embedded
+/// loader does, as do batches kept out together.
+#[test]
+fn restarts_and_kept_batches_match_embedded() {
+    use kspeed::loader::{AgentMode, LoaderBuilder};
+    let dir = tempfile::tempdir().unwrap();
+    let sp = space(dir.path(), 400);
+    let sock = dir.path().join("agent.sock");
+    let _agent = Agent::start(&sp, &sock, &[]);
+    let build = |mode| {
+        LoaderBuilder::space(&sp)
+            .batch_size(8)
+            .seed(3)
+            .rank(1, 2)
+            .ring_bytes(256 << 10)
+            .pin(false)
+            .agent(mode)
+            .agent_socket(Some(sock.clone()))
+            .build()
+            .unwrap()
+    };
+    let want = script(build(AgentMode::Off));
+    let got = script(build(AgentMode::Required));
+    assert_eq!(got.len(), want.len());
+    assert!(got == want, "attached and embedded differ");
+}

@@ -521,12 +521,7 @@ impl Loader {
                 what: format!(
                     "the agent published a batch of {} samples at ring offset {} in epoch {}; \
                      this rank scheduled one of {} samples at offset {} in epoch {}",
-                    d.samples,
-                    d.ring_offset,
-                    d.epoch,
-                    n,
-                    first.phys,
-                    first.pos.epoch
+                    d.samples, d.ring_offset, d.epoch, n, first.phys, first.pos.epoch
                 ),
             };
             return Err(self.fail(e));
