@@ -97,9 +97,20 @@ struct AgentArgs {
     /// Heartbeat period in ms (a rank counts the agent gone after 3).
     #[arg(long, default_value_t = 100)]
     heartbeat_ms: u64,
-    /// A root agent also serves other users' ranks (a system service).
+    /// A root agent also serves other users' ranks (a system service;
+    /// give the socket a mode they can connect with, e.g. --socket-mode 666).
     #[arg(long)]
     allow_other_uids: bool,
+    /// The socket file's mode, octal (default 660: the agent's user and group).
+    #[arg(long, default_value = "660", value_parser = parse_octal_mode)]
+    socket_mode: u32,
+}
+
+fn parse_octal_mode(s: &str) -> Result<u32, String> {
+    u32::from_str_radix(s, 8)
+        .ok()
+        .filter(|m| *m <= 0o777)
+        .ok_or_else(|| format!("{s:?} is not an octal file mode (e.g. 660)"))
 }
 
 #[derive(Args)]
@@ -605,6 +616,7 @@ fn run_agent(a: AgentArgs) -> kspeed::Result<()> {
     cfg.registered_buffers = !a.no_registered_buffers;
     cfg.heartbeat = std::time::Duration::from_millis(a.heartbeat_ms.max(1));
     cfg.listener.allow_other_uids = a.allow_other_uids;
+    cfg.listener.mode = a.socket_mode;
     let space = a.space.clone();
     let summary = kspeed::agent::node::run_until_signal(&cfg, move |sock| {
         // Scripts and tests wait for this line.
