@@ -388,3 +388,27 @@ fn restarts_and_kept_batches_match_embedded() {
     assert_eq!(got.len(), want.len());
     assert!(got == want, "attached and embedded differ");
 }
+
+/// A peer that connects and never sends its ATTACH holds the agent's
+/// accept for the ATTACH deadline (5 s): the agent's heartbeat must not
+/// stop meanwhile, or a rank waiting for data counts it gone. (The first
+/// version beat from the accept loop and failed this with `AgentGone`.)
+#[test]
+fn a_silent_connection_does_not_silence_the_heartbeat() {
+    let dir = tempfile::tempdir().unwrap();
+    let sp = space(dir.path(), 1500);
+    let sock = dir.path().join("agent.sock");
+    // One read in flight: the rank mostly waits for data and the feeder
+    // for reads (not for room, where it would beat itself).
+    let agent = Agent::start(&sp, &sock, &["--queue-depth", "1"]);
+    // Enough epochs that the rank reads (and waits for the disk) well
+    // past the silent peer's arrival.
+    let rank = spawn_read(&attached_args(&sp, &sock, 0, 2, 40));
+    let pid = rank.id().to_string();
+    agent
+        .log
+        .wait_for(&["rank 0", &pid, "attached"], Duration::from_secs(30));
+    let silent = kspeed::agent::attach::AttachConn::connect(&sock, Duration::from_secs(5)).unwrap();
+    assert_eq!(finish(rank), embedded(&sp, 0, 2, 40));
+    drop(silent);
+}

@@ -121,27 +121,42 @@ fn open_space(dir: &Path) -> Result<OpenSpace> {
     })
 }
 
-/// One attached rank as the main loop sees it.
+/// Every attached rank's segment (a second mapping of it), beaten by the
+/// heartbeat thread: the agent's heartbeat never waits on an accept, a
+/// loader build or a feeder busy in a read.
+type Beats = Arc<Mutex<Vec<(u64, Arc<Segment>)>>>;
+
+/// One rank as the main loop sees it, from its ATTACH on.
 struct Rank {
-    /// A second mapping of the rank's segment: the main loop beats the
-    /// agent's heartbeat here while the feeder may be busy in a read.
-    beat: Segment,
+    id: u64,
     pid: u32,
     rank: u32,
-    feeder: JoinHandle<Result<u64>>,
+    feeder: JoinHandle<Outcome>,
+}
+
+/// How a rank's feeder thread ended.
+enum Outcome {
+    /// Its loader could not be built (or ATTACHED not sent): refused.
+    Refused(Error),
+    /// It was served; the batches published, or why it stopped.
+    Served(Result<u64>),
 }
 
 /// Runs the agent until `stop` is set: binds the socket, calls
 /// `on_ready(socket)` once it accepts, then serves ranks. On return every
 /// rank's pollers have stopped (their reads landed) and its ring is
 /// unmapped.
+///
+/// Threads: this loop (accepts; reaps ranks that ended), one heartbeat
+/// thread, and per rank a feeder (which builds the rank's loader, answers,
+/// then feeds) and its loader's pollers.
 pub fn run(
     cfg: &AgentConfig,
     stop: &AtomicBool,
     on_ready: impl FnOnce(&Path),
 ) -> Result<AgentSummary> {
     crate::sys::raise_open_files_limit();
-    let open = open_space(&cfg.space)?;
+    let open = Arc::new(open_space(&cfg.space)?);
     let listener = AttachListener::bind(&cfg.socket, cfg.listener)?;
     log::info!(
         "agent: serving {} ({} samples) on {}",
@@ -149,24 +164,44 @@ pub fn run(
         open.space.catalog().len(),
         cfg.socket.display()
     );
-    on_ready(listener.path());
     let halt = Arc::new(AtomicBool::new(false));
+    let beats: Beats = Arc::new(Mutex::new(Vec::new()));
+    let beat_stop = Arc::new(AtomicBool::new(false));
+    let beater = {
+        let (beats, beat_stop, period) = (beats.clone(), beat_stop.clone(), cfg.heartbeat / 2);
+        std::thread::Builder::new()
+            .name("kspeed-agent-beat".into())
+            .spawn(move || {
+                while !beat_stop.load(Ordering::Acquire) {
+                    for (_, seg) in beats.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+                        seg.beat_for(Side::Agent);
+                    }
+                    // A period, not a wait for a condition: the timeout is
+                    // the point (unparked only to stop).
+                    std::thread::park_timeout(period);
+                }
+            })
+            .map_err(|e| Error::ThreadSpawn {
+                thread: "agent heartbeat",
+                source: e.into(),
+            })?
+    };
+    on_ready(listener.path());
     let mut ranks: Vec<Rank> = Vec::new();
     let mut summary = AgentSummary::default();
-    let heartbeat_ms = cfg.heartbeat.as_millis().clamp(1, u32::MAX as u128) as u32;
+    let mut next_id = 0u64;
     while !stop.load(Ordering::Acquire) {
         match listener.accept_attach(cfg.heartbeat) {
-            Ok(Some(incoming)) => match take_rank(cfg, &open, incoming, heartbeat_ms, &halt) {
-                Ok(r) => {
-                    summary.attached += 1;
-                    log::info!("agent: rank {} (pid {}) attached", r.rank, r.pid);
-                    ranks.push(r);
+            Ok(Some(incoming)) => {
+                next_id += 1;
+                match start_rank(cfg, &open, incoming, next_id, &halt, &beats) {
+                    Ok(r) => ranks.push(r),
+                    Err(e) => {
+                        summary.refused += 1;
+                        log::warn!("agent: attach refused: {e}");
+                    }
                 }
-                Err(e) => {
-                    summary.refused += 1;
-                    log::warn!("agent: attach refused: {e}");
-                }
-            },
+            }
             Ok(None) => {}
             // One bad peer (a wrong request, a timeout) never stops the agent.
             Err(e) => {
@@ -174,15 +209,11 @@ pub fn run(
                 log::warn!("agent: attach failed: {e}");
             }
         }
-        for r in &ranks {
-            r.beat.beat_for(Side::Agent);
-        }
         let mut i = 0;
         while i < ranks.len() {
             if ranks[i].feeder.is_finished() {
                 let r = ranks.swap_remove(i);
-                end_rank(r);
-                summary.ended += 1;
+                end_rank(r, &beats, &mut summary);
             } else {
                 i += 1;
             }
@@ -190,11 +221,11 @@ pub fn run(
     }
     halt.store(true, Ordering::Release);
     for r in ranks.drain(..) {
-        // Keep beating while feeders stop, so no rank sees silence first.
-        r.beat.beat_for(Side::Agent);
-        end_rank(r);
-        summary.ended += 1;
+        end_rank(r, &beats, &mut summary);
     }
+    beat_stop.store(true, Ordering::Release);
+    beater.thread().unpark();
+    let _ = beater.join();
     Ok(summary)
 }
 
@@ -232,27 +263,50 @@ pub fn run_until_signal(
         .map_err(|_| Error::ThreadPanicked { thread: "agent" })?
 }
 
-fn end_rank(r: Rank) {
-    match r.feeder.join() {
-        Ok(Ok(batches)) => log::info!(
-            "agent: rank {} (pid {}) ended after {batches} batches; its pollers stopped and its ring is unmapped",
-            r.rank,
-            r.pid
-        ),
-        Ok(Err(e)) => log::warn!("agent: rank {} (pid {}) ended: {e}", r.rank, r.pid),
+/// Joins a rank's feeder (its pollers stopped and its reads landed when
+/// it returns) and stops beating its segment.
+fn end_rank(r: Rank, beats: &Beats, summary: &mut AgentSummary) {
+    let outcome = r.feeder.join();
+    beats
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .retain(|(id, _)| *id != r.id);
+    match outcome {
+        Ok(Outcome::Refused(e)) => {
+            summary.refused += 1;
+            log::warn!(
+                "agent: attach of rank {} (pid {}) refused: {e}",
+                r.rank,
+                r.pid
+            );
+        }
+        Ok(Outcome::Served(result)) => {
+            summary.attached += 1;
+            summary.ended += 1;
+            match result {
+                Ok(batches) => log::info!(
+                    "agent: rank {} (pid {}) ended after {batches} batches; its pollers stopped and its ring is unmapped",
+                    r.rank,
+                    r.pid
+                ),
+                Err(e) => log::warn!("agent: rank {} (pid {}) ended: {e}", r.rank, r.pid),
+            }
+        }
         Err(_) => log::error!("agent: the feeder of rank {} panicked", r.rank),
     }
 }
 
-/// Checks an incoming rank, builds its loader over the shared space and
-/// the rank's ring, answers ATTACHED and starts its feeder; refuses it
-/// (with the reason) otherwise.
-fn take_rank(
+/// Checks an incoming rank's dataset, registers its segment with the
+/// heartbeat thread and starts its feeder thread, which builds the rank's
+/// loader over the shared space and the rank's ring, answers ATTACHED
+/// (or REFUSED with the reason) and feeds it.
+fn start_rank(
     cfg: &AgentConfig,
-    open: &OpenSpace,
+    open: &Arc<OpenSpace>,
     incoming: Incoming,
-    heartbeat_ms: u32,
+    id: u64,
     halt: &Arc<AtomicBool>,
+    beats: &Beats,
 ) -> Result<Rank> {
     let req = incoming.request;
     let refuse = |incoming: &Incoming, e: Error| {
@@ -268,77 +322,98 @@ fn take_rank(
         ));
         return Err(refuse(&incoming, e));
     }
-    let built = (|| {
-        // The loader maps the ring a second time: the attach keeps its
-        // own mapping, and each is unmapped by its owner.
-        let ring = RingMap::open(
-            incoming
-                .ring
-                .fd()
-                .try_clone_to_owned()
-                .map_err(|e| Error::io("dup", "attach ring", e))?,
-            req.ring_bytes,
-        )?;
-        let beat = Segment::open(
-            incoming
-                .segment
-                .fd()
-                .try_clone_to_owned()
-                .map_err(|e| Error::io("dup", "attach segment", e))?,
-            req.ring_bytes,
-        )?;
-        let loader = LoaderBuilder::space(&cfg.space)
-            .agent_input(crate::loader::AgentInput {
-                space: open.space.clone(),
-                extents: open.extents.clone(),
-                direct_io: open.direct_io,
-                ring: Arc::new(Mutex::new(Some(ring))),
-            })
-            .batch_size(req.batch_size as usize)
-            .seed(req.seed)
-            .shuffle(req.flags & FLAG_SHUFFLE != 0)
-            .drop_last(req.flags & FLAG_DROP_LAST != 0)
-            .rank(req.rank, req.world)
-            .landing(
-                LandingOptions::default()
-                    .ring_bytes(req.ring_bytes)
-                    .huge_pages(false)
-                    .mlock(false)
-                    .cuda(CudaMode::Off),
-            )
-            .pollers(cfg.pollers)
-            .queue_depth(cfg.queue_depth)
-            .registered_buffers(cfg.registered_buffers)
-            .pin(false)
-            .local_rank(0, 1)
-            .start_at(Position {
-                epoch: req.start_epoch,
-                index: req.start_index,
-            })
-            .build()?;
-        Ok::<_, Error>((loader, beat))
-    })();
-    let (loader, beat) = match built {
-        Ok(b) => b,
+    let beat = incoming
+        .segment
+        .fd()
+        .try_clone_to_owned()
+        .map_err(|e| Error::io("dup", "attach segment", e))
+        .and_then(|fd| Segment::open(fd, req.ring_bytes));
+    let beat = match beat {
+        Ok(b) => Arc::new(b),
         Err(e) => return Err(refuse(&incoming, e)),
     };
+    beats
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .push((id, beat));
     let pid = incoming.conn.peer().pid;
-    let attached = incoming.accept(heartbeat_ms)?;
-    let halt = halt.clone();
-    let heartbeat = Duration::from_millis(u64::from(heartbeat_ms));
+    let (cfg, open, halt) = (cfg.clone(), open.clone(), halt.clone());
     let feeder = std::thread::Builder::new()
         .name(format!("kspeed-feed-{}", req.rank))
-        .spawn(move || feed(attached, loader, &halt, heartbeat))
+        .spawn(move || {
+            let loader = match build_loader(&cfg, &open, &incoming) {
+                Ok(l) => l,
+                Err(e) => return Outcome::Refused(refuse(&incoming, e)),
+            };
+            let heartbeat_ms = cfg.heartbeat.as_millis().clamp(1, u32::MAX as u128) as u32;
+            let attached = match incoming.accept(heartbeat_ms) {
+                Ok(a) => a,
+                Err(e) => return Outcome::Refused(e),
+            };
+            log::info!("agent: rank {} (pid {pid}) attached", req.rank);
+            Outcome::Served(feed(attached, loader, &halt, cfg.heartbeat))
+        })
         .map_err(|e| Error::ThreadSpawn {
             thread: "agent feeder",
             source: e.into(),
-        })?;
-    Ok(Rank {
-        beat,
-        pid,
-        rank: req.rank,
-        feeder,
-    })
+        });
+    match feeder {
+        Ok(feeder) => Ok(Rank {
+            id,
+            pid,
+            rank: req.rank,
+            feeder,
+        }),
+        Err(e) => {
+            beats
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .retain(|(i, _)| *i != id);
+            Err(e)
+        }
+    }
+}
+
+/// The rank's loader: the agent's space (opened once), the rank's ring
+/// (mapped a second time: the attach keeps its own mapping, and each is
+/// unmapped by its owner), the rank's sampler and start position.
+fn build_loader(cfg: &AgentConfig, open: &OpenSpace, incoming: &Incoming) -> Result<Loader> {
+    let req = &incoming.request;
+    let ring = incoming
+        .ring
+        .fd()
+        .try_clone_to_owned()
+        .map_err(|e| Error::io("dup", "attach ring", e))
+        .and_then(|fd| RingMap::open(fd, req.ring_bytes))?;
+    LoaderBuilder::space(&cfg.space)
+        .agent_input(crate::loader::AgentInput {
+            space: open.space.clone(),
+            extents: open.extents.clone(),
+            direct_io: open.direct_io,
+            ring: Arc::new(Mutex::new(Some(ring))),
+        })
+        .batch_size(req.batch_size as usize)
+        .seed(req.seed)
+        .shuffle(req.flags & FLAG_SHUFFLE != 0)
+        .drop_last(req.flags & FLAG_DROP_LAST != 0)
+        .rank(req.rank, req.world)
+        .landing(
+            LandingOptions::default()
+                .ring_bytes(req.ring_bytes)
+                .huge_pages(false)
+                .mlock(false)
+                .cuda(CudaMode::Off),
+        )
+        .pollers(cfg.pollers)
+        .queue_depth(cfg.queue_depth)
+        .registered_buffers(cfg.registered_buffers)
+        .pin(false)
+        .local_rank(0, 1)
+        .start_at(Position {
+            epoch: req.start_epoch,
+            index: req.start_index,
+        })
+        .build()
 }
 
 /// Moves one rank's batches from its loader to its segment until the
