@@ -403,12 +403,12 @@ fn a_silent_connection_does_not_silence_the_heartbeat() {
     let agent = Agent::start(&sp, &sock, &["--queue-depth", "1"]);
     // Enough epochs that the rank reads (and waits for the disk) well
     // past the silent peer's arrival.
-    let rank = spawn_read(&attached_args(&sp, &sock, 0, 2, 40));
+    let rank = spawn_read(&attached_args(&sp, &sock, 0, 2, 15));
     let pid = rank.id().to_string();
     agent
         .log
         .wait_for(&["rank 0", &pid, "attached"], Duration::from_secs(30));
     let silent = kspeed::agent::attach::AttachConn::connect(&sock, Duration::from_secs(5)).unwrap();
-    assert_eq!(finish(rank), embedded(&sp, 0, 2, 40));
+    assert_eq!(finish(rank), embedded(&sp, 0, 2, 15));
     drop(silent);
 }
