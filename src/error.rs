@@ -587,6 +587,28 @@ pub enum Error {
         /// What is wrong.
         what: String,
     },
+    /// The node agent an attached loader reads through is gone: it died
+    /// (no heartbeat, or its socket hung up) or detached.
+    #[error("the kspeed agent at {} (pid {pid}) is gone: {why}; its last heartbeat was {last_heartbeat_ms} ms ago", socket.display())]
+    AgentGone {
+        /// The agent's attach socket.
+        socket: PathBuf,
+        /// The agent's process id, as it wrote it in the segment.
+        pid: u32,
+        /// How long before the error its last heartbeat was.
+        last_heartbeat_ms: u64,
+        /// What showed it ("no heartbeat", "its socket hung up", "it detached").
+        why: String,
+    },
+    /// `agent = required` (or `auto` in cluster mode with a socket) and no
+    /// agent could be attached to.
+    #[error("no kspeed agent at {}: {reason} (start one with `kspeed agent --space DIR`, docs/DEPLOY.md; or set agent = off)", socket.display())]
+    NoAgent {
+        /// The socket tried.
+        socket: PathBuf,
+        /// Why it failed (no such socket, refused, timed out...).
+        reason: String,
+    },
 }
 
 impl Error {
@@ -714,6 +736,8 @@ impl Error {
             Error::AttachPeerGone { .. } => ("AttachPeerGone", Network),
             Error::AttachPeerError { .. } => ("AttachPeerError", Network),
             Error::AttachSocket { .. } => ("AttachSocket", Service),
+            Error::AgentGone { .. } => ("AgentGone", Service),
+            Error::NoAgent { .. } => ("NoAgent", Service),
             Error::Memlock { .. } => ("Memlock", Resource),
             Error::Uring { .. } => ("Uring", Resource),
             Error::ThreadSpawn { .. } => ("ThreadSpawn", Resource),

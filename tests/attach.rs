@@ -85,6 +85,7 @@ fn request(seg: &Segment, ring: &RingMap) -> AttachRequest {
         start_index: 0,
         ring_bytes: ring.len(),
         segment_bytes: segment_bytes(seg.slots()),
+        flags: 0,
     }
 }
 
@@ -567,9 +568,9 @@ fn fds_on(fd: &impl AsFd) -> usize {
 
 #[test]
 fn wrong_version_magic_and_descriptor_count_are_refused() {
-    // Version 2, then a bad magic: the agent's error and the REFUSED code.
+    // Version 1 (an older rank), then a bad magic: the agent's error and the REFUSED code.
     for (byte, value, code, needle) in [
-        (4usize, 2u8, "version", "version 2"),
+        (4usize, 1u8, "version", "version 1"),
         (0, b'X', "protocol", "magic"),
     ] {
         let (got, reply) = exchange(ListenerConfig::default(), move |sock| {

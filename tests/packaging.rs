@@ -10,7 +10,7 @@ use std::process::Command;
 use common::*;
 
 /// The visible subcommands (the hidden packaging ones are left out of both).
-const SUBCOMMANDS: [&str; 12] = [
+const SUBCOMMANDS: [&str; 13] = [
     "gen",
     "catalog",
     "preload",
@@ -23,6 +23,7 @@ const SUBCOMMANDS: [&str; 12] = [
     "read",
     "serve",
     "audit",
+    "agent",
 ];
 
 #[test]
@@ -172,4 +173,72 @@ fn systemd_unit_verifies() {
         "{}",
         text(&o)
     );
+}
+
+/// The agent's unit (packaging/systemd/kspeed-agent.service) passes
+/// `systemd-analyze verify` with no warning about it, and its ExecStart is
+/// a command line `kspeed agent` accepts.
+#[test]
+fn agent_systemd_unit_verifies() {
+    let unit = Path::new(env!("CARGO_MANIFEST_DIR")).join("packaging/systemd/kspeed-agent.service");
+    let text_unit = std::fs::read_to_string(&unit).unwrap();
+    for line in [
+        "RuntimeDirectory=kspeed",
+        "--socket /run/kspeed/agent.sock",
+        "Restart=on-failure",
+        "NoNewPrivileges=yes",
+        "ProtectSystem=strict",
+        "RestrictAddressFamilies=AF_UNIX",
+    ] {
+        assert!(text_unit.contains(line), "the unit lacks {line}");
+    }
+    // The flags parse (a missing space fails with a usage error, status 2,
+    // before anything is opened).
+    let exec = text_unit
+        .lines()
+        .find_map(|l| l.strip_prefix("ExecStart=/usr/bin/kspeed "))
+        .expect("ExecStart");
+    let args: Vec<&str> = exec
+        .split_whitespace()
+        .map(|a| {
+            if a == "${KSPEED_SPACE}" {
+                "/nonexistent"
+            } else {
+                a
+            }
+        })
+        .filter(|a| !a.starts_with('$') && !a.starts_with("--progress"))
+        .collect();
+    let e = fails(&args, 1);
+    assert!(e.contains("/nonexistent"), "{e}");
+    if Command::new("systemd-analyze")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
+        skip("systemd-analyze is not installed");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let copy = tmp.path().join("kspeed-agent.service");
+    std::fs::write(
+        &copy,
+        text_unit.replace(
+            "ExecStart=/usr/bin/kspeed",
+            &format!("ExecStart={}", kspeed_bin()),
+        ),
+    )
+    .unwrap();
+    let o = Command::new("systemd-analyze")
+        .args(["verify", "--man=no"])
+        .arg(&copy)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    let about_unit: Vec<&str> = err
+        .lines()
+        .filter(|l| !l.contains("Unit sysinit.target not found"))
+        .filter(|l| !l.trim().is_empty())
+        .collect();
+    assert!(o.status.success() && about_unit.is_empty(), "{}", text(&o));
 }

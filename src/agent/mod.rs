@@ -14,10 +14,15 @@
 //! - [`attach`]: the agent's Unix socket (`SOCK_SEQPACKET`,
 //!   `SO_PEERCRED`, the two memfds passed with `SCM_RIGHTS`).
 //!
-//! This is the foundation only: neither the loader nor `kspeed serve` uses
-//! it yet. Hidden from the documented API until they do.
+//! - [`node`]: `kspeed agent` itself (first slice: one node, a local
+//!   space): the socket, one loader producer per attached rank reading
+//!   into the rank's ring, a feeder publishing its batches.
+//!
+//! The loader's attached mode (`agent = required|auto`) is the rank side.
+//! Hidden from the documented API while the agent is one slice.
 
 pub mod attach;
 pub mod msg;
+pub mod node;
 pub mod segment;
 pub mod shm;

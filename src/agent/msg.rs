@@ -11,7 +11,7 @@ pub const ATTACH_MAGIC: u32 = u32::from_le_bytes(*b"KSAT");
 /// The message layout version this build speaks. The first 12 bytes
 /// (magic, version, kind, length) are the same in every version, so a
 /// peer of another version is answered with a REFUSED it can read.
-pub const ATTACH_VERSION: u16 = 1;
+pub const ATTACH_VERSION: u16 = 2;
 /// Kind of an ATTACH message (rank to agent).
 pub const KIND_ATTACH: u16 = 1;
 /// Kind of an ATTACHED reply.
@@ -97,7 +97,16 @@ pub struct AttachRequest {
     /// Bytes of the segment (its layout's size, not the page-rounded
     /// memfd's).
     pub segment_bytes: u64,
+    /// Sampler flags (version 2): [`FLAG_SHUFFLE`], [`FLAG_DROP_LAST`].
+    pub flags: u32,
 }
+
+/// ATTACH flag: the sampler shuffles each epoch.
+pub const FLAG_SHUFFLE: u32 = 1;
+/// ATTACH flag: the sampler drops each epoch's last partial batch.
+pub const FLAG_DROP_LAST: u32 = 2;
+/// Every flag version 2 knows; another bit is refused.
+const KNOWN_FLAGS: u32 = FLAG_SHUFFLE | FLAG_DROP_LAST;
 
 /// The agent's answer to an accepted ATTACH.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -174,7 +183,7 @@ pub fn check_header(b: &[u8]) -> Result<u16> {
 }
 
 impl AttachRequest {
-    /// The message's bytes (version 1, little-endian).
+    /// The message's bytes (little-endian).
     pub fn encode(&self) -> [u8; ATTACH_BYTES] {
         let mut b = [0u8; ATTACH_BYTES];
         put_header(&mut b, KIND_ATTACH);
@@ -189,7 +198,8 @@ impl AttachRequest {
         b[56..64].copy_from_slice(&self.start_index.to_le_bytes());
         b[64..72].copy_from_slice(&self.ring_bytes.to_le_bytes());
         b[72..80].copy_from_slice(&self.segment_bytes.to_le_bytes());
-        // 80..96: flags and reserved, zero in version 1.
+        b[80..84].copy_from_slice(&self.flags.to_le_bytes());
+        // 84..96: reserved, zero.
         b
     }
 
@@ -199,8 +209,12 @@ impl AttachRequest {
         if kind != KIND_ATTACH {
             return Err(proto(format!("expected ATTACH (kind 1), got kind {kind}")));
         }
-        if b[80..96].iter().any(|&x| x != 0) {
-            return Err(proto("flags or reserved bytes set in a version 1 ATTACH"));
+        let flags = u32_at(b, 80);
+        if flags & !KNOWN_FLAGS != 0 || b[84..96].iter().any(|&x| x != 0) {
+            return Err(proto(format!(
+                "unknown flags {:#x} or reserved bytes set in a version {ATTACH_VERSION} ATTACH",
+                flags & !KNOWN_FLAGS
+            )));
         }
         let gen = u32_at(b, 12);
         let generation = u16::try_from(gen)
@@ -219,6 +233,7 @@ impl AttachRequest {
             start_index: u64_at(b, 56),
             ring_bytes: u64_at(b, 64),
             segment_bytes: u64_at(b, 72),
+            flags,
         };
         if r.world == 0 || r.rank >= r.world || r.batch_size == 0 {
             return Err(proto(format!(
@@ -302,6 +317,7 @@ mod tests {
             start_index: 96,
             ring_bytes: 1 << 20,
             segment_bytes: segment_bytes(8),
+            flags: FLAG_SHUFFLE | FLAG_DROP_LAST,
         }
     }
 
@@ -317,11 +333,17 @@ mod tests {
             .to_string()
             .contains("magic"));
         let mut bad = b;
-        bad[4] = 2;
+        bad[4] = 1;
         assert!(AttachRequest::decode(&bad)
             .unwrap_err()
             .to_string()
-            .contains("version 2"));
+            .contains("version 1"));
+        let mut bad = b;
+        bad[80] |= 4;
+        assert!(AttachRequest::decode(&bad)
+            .unwrap_err()
+            .to_string()
+            .contains("unknown flags 0x4"));
         assert!(AttachRequest::decode(&b[..95])
             .unwrap_err()
             .to_string()

@@ -632,6 +632,19 @@ impl Segment {
 }
 
 impl Segment {
+    /// Records `side`'s heartbeat: for a process that beats for a side
+    /// from another thread than the one holding its [`AgentSide`] (the
+    /// agent's main loop maps each rank's segment a second time and beats
+    /// there, so a feeder busy in a read never looks dead).
+    pub fn beat_for(&self, side: Side) {
+        self.beat(side);
+    }
+
+    /// `side`'s state word, pid and nanoseconds since its last heartbeat.
+    pub fn side_status(&self, side: Side) -> (u32, u32, u64) {
+        self.peer(side)
+    }
+
     fn beat(&self, side: Side) {
         let hb = match side {
             Side::Agent => &self.agent().heartbeat_ns,

@@ -132,6 +132,13 @@ impl RingMap {
         self.file.as_fd()
     }
 
+    /// The mapping's first byte (for the loader's landing ring, which
+    /// reads into and hands out views of it under the ready/release
+    /// protocol).
+    pub(crate) fn as_mut_ptr(&self) -> *mut u8 {
+        self.map.as_mut_ptr()
+    }
+
     /// The mapped bytes.
     pub fn len(&self) -> u64 {
         self.map.len() as u64

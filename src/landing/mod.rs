@@ -109,6 +109,10 @@ pub(crate) struct LandingRing {
     /// A ring in GPU memory: `ptr` is then the device address, which the CPU
     /// must not dereference (see [`LandingRing::new_gpu`]).
     device: Option<cuda::DeviceMemory>,
+    /// A ring shared with another process (the node agent's attach, a
+    /// sealed memfd mapped `MAP_SHARED`): the mapping is the `RingMap`'s,
+    /// unmapped when it drops (see [`LandingRing::shared`]).
+    shared: Option<crate::agent::shm::RingMap>,
 }
 
 // SAFETY: the ring is plain memory owned by this value; which bytes may be
@@ -186,6 +190,7 @@ impl LandingRing {
             },
             cuda: None,
             device: None,
+            shared: None,
         };
         if let Some(node) = numa_node {
             ring.bind(node)?;
@@ -292,7 +297,34 @@ impl LandingRing {
             },
             cuda: None,
             device: Some(mem),
+            shared: None,
         })
+    }
+
+    /// A ring in a shared mapping (a sealed memfd): the attached loader's
+    /// ring, written by the node agent's pollers, or the agent's view of a
+    /// rank's ring. Not locked, bound or registered with CUDA here (the
+    /// rank creates the memfd; binding it is left to the rank).
+    pub(crate) fn shared(map: crate::agent::shm::RingMap) -> Self {
+        let ptr = NonNull::new(map.as_mut_ptr()).expect("a mapping is non-null");
+        let len = map.len() as usize;
+        LandingRing {
+            ptr,
+            len,
+            info: LandingInfo {
+                bytes: len as u64,
+                huge_pages: false,
+                locked: false,
+                numa_node: None,
+                cuda: "CUDA registration off (a ring shared with the node agent)".into(),
+                io_registered: false,
+                io: "shared with the node agent (a sealed memfd)".into(),
+                direct_io: true,
+            },
+            cuda: None,
+            device: None,
+            shared: Some(map),
+        }
     }
 
     /// The GPU memory behind a ring made by [`LandingRing::new_gpu`].
@@ -401,6 +433,10 @@ impl Drop for LandingRing {
     fn drop(&mut self) {
         if self.device.take().is_some() {
             // GPU memory: freed by DeviceMemory; nothing was mapped here.
+            return;
+        }
+        if self.shared.take().is_some() {
+            // The RingMap owned the mapping and unmapped it as it dropped.
             return;
         }
         // Reverse order of setup: CUDA registration, lock, mapping.

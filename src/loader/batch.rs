@@ -220,7 +220,7 @@ impl Loader {
     ///
     /// # Panics
     /// When no batch is held.
-    fn held_span_ranges(&self) -> ((u64, usize), Option<(u64, usize)>) {
+    pub(super) fn held_span_ranges(&self) -> ((u64, usize), Option<(u64, usize)>) {
         assert!(self.held, "no batch is held");
         assert!(
             self.held_in_ring(),

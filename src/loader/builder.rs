@@ -13,7 +13,7 @@ use super::schedule::{Deal, Geometry};
 use super::stats::{Counters, Totals};
 use super::tier::Tier;
 use super::{input, net, schedule, Input, Loader, PollerConfig, Spare};
-use crate::dataset::Catalog;
+use crate::dataset::{Catalog, Space};
 use crate::error::{Error, Result};
 use crate::landing::{LandingOptions, LandingRing};
 use crate::ring::{FaultConfig, Faulty, IoBackend, Uring, UringOptions};
@@ -77,6 +77,10 @@ pub struct LoaderBuilder {
     mix: Vec<(String, Weight)>,
     /// The epoch size that mixture proportions divide.
     mix_epoch_size: Option<u64>,
+    agent: super::AgentMode,
+    agent_socket: Option<PathBuf>,
+    /// Inside the node agent: the space it opened once and the rank's ring.
+    agent_input: Option<super::attached::AgentInput>,
 }
 
 pub use crate::placement::{default_pollers, default_spin};
@@ -131,6 +135,9 @@ impl LoaderBuilder {
             local_node: None,
             mix: Vec::new(),
             mix_epoch_size: None,
+            agent: super::AgentMode::Auto,
+            agent_socket: None,
+            agent_input: None,
         }
     }
 
@@ -510,8 +517,77 @@ impl LoaderBuilder {
         self
     }
 
+    /// Reads through the node's `kspeed agent` ([`super::AgentMode`]):
+    /// `Required` always, `Auto` in cluster mode when the agent's socket
+    /// exists (falling back to embedded pollers with a WARN when the
+    /// attach fails), `Off` (the default) never.
+    pub fn agent(mut self, mode: super::AgentMode) -> Self {
+        self.agent = mode;
+        self
+    }
+
+    /// The agent's socket (default [`super::default_agent_socket`]:
+    /// `$KSPEED_AGENT_SOCKET`, else `/run/kspeed/agent.sock`).
+    pub fn agent_socket(mut self, path: Option<PathBuf>) -> Self {
+        self.agent_socket = path;
+        self
+    }
+
+    /// Inside the agent: read `input.space` (opened and checked by the
+    /// agent) into the rank's ring `input.ring`.
+    pub(crate) fn agent_input(mut self, input: super::attached::AgentInput) -> Self {
+        self.agent_input = Some(input);
+        self
+    }
+
     /// Opens the input, maps the ring, starts the pollers.
     pub fn build(self) -> Result<Loader> {
+        let socket = self
+            .agent_socket
+            .clone()
+            .unwrap_or_else(super::default_agent_socket);
+        let attach = self.agent_input.is_none()
+            && match self.agent {
+                super::AgentMode::Off => false,
+                super::AgentMode::Required => true,
+                super::AgentMode::Auto => self.cluster.is_some() && socket.exists(),
+            };
+        if !attach {
+            return self.build_with(None);
+        }
+        let fallback = (self.agent == super::AgentMode::Auto).then(|| self.clone());
+        match self.build_with(Some(socket)) {
+            Err(e @ Error::NoAgent { .. }) => match fallback {
+                Some(b) => {
+                    log::warn!("{e}; reading with this process's own pollers (agent = auto)");
+                    b.agent(super::AgentMode::Off).build_with(None)
+                }
+                None => Err(e),
+            },
+            r => r,
+        }
+    }
+
+    /// The build, attached to the agent at `attach` or embedded.
+    fn build_with(self, attach: Option<PathBuf>) -> Result<Loader> {
+        if attach.is_some() {
+            let why = if self.space.is_none() {
+                Some("a space (the agent reads its node's space, not a source)")
+            } else if self.tier_bytes > 0 {
+                Some("no memory tier (the node tier is the agent's, not built yet)")
+            } else if self.gpu_ring.is_some() {
+                Some("a host ring (GPU rings through the agent are not built yet)")
+            } else if self.faults.is_some() {
+                Some("no fault injection")
+            } else {
+                None
+            };
+            if let Some(why) = why {
+                return Err(Error::InvalidConfig(format!(
+                    "reading through the node agent (agent = required/auto) needs {why}"
+                )));
+            }
+        }
         // Every extent stays open (registered with io_uring): lift the
         // open-files soft limit to the hard one first, as servers do.
         crate::sys::raise_open_files_limit();
@@ -581,7 +657,29 @@ impl LoaderBuilder {
             )));
         }
         let mut direct_io = self.space.is_some() || !self.mix.is_empty();
-        let (input, align) = if self.mix.is_empty() {
+        let (input, align) = if let Some(a) = self.agent_input.clone() {
+            direct_io = a.direct_io;
+            let align = a.space.params().align_bytes as u64;
+            (
+                Input::Space {
+                    space: a.space,
+                    extents: a.extents,
+                },
+                align,
+            )
+        } else if let (Some(dir), true) = (&self.space, attach.is_some()) {
+            // Attached: the catalog for the schedule and the labels; the
+            // agent checked the extents and reads them.
+            let space = Space::open(dir)?;
+            let align = space.params().align_bytes as u64;
+            (
+                Input::Space {
+                    space: Arc::new(space),
+                    extents: Arc::new([]),
+                },
+                align,
+            )
+        } else if self.mix.is_empty() {
             input::open_input(
                 self.space.as_ref(),
                 self.source.as_ref(),
@@ -649,6 +747,29 @@ impl LoaderBuilder {
         }
         check_batch_fits(&input, &sampler, geo, self.batch_size)?;
         let ring = match self.gpu_ring {
+            None if self.agent_input.is_some() => {
+                let a = self.agent_input.as_ref().expect("checked");
+                let map = a
+                    .ring
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .take()
+                    .ok_or_else(|| Error::InvalidConfig("the rank's ring was taken".into()))?;
+                if map.len() != landing.ring_bytes {
+                    return Err(Error::InvalidConfig(format!(
+                        "the rank's ring is {} bytes; its geometry needs {} (a multiple of the \
+                         space's {align}-byte alignment)",
+                        map.len(),
+                        landing.ring_bytes
+                    )));
+                }
+                LandingRing::shared(map)
+            }
+            // Attached: each launch maps a fresh ring and attaches it; this
+            // one page only stands in until the first launch.
+            None if attach.is_some() => {
+                LandingRing::shared(crate::agent::shm::RingMap::create(4096)?)
+            }
             None => LandingRing::new(&landing)?,
             Some(ordinal) => {
                 let why = if self.cluster.is_none() || self.rdma.is_none() {
@@ -696,9 +817,12 @@ impl LoaderBuilder {
         for w in &plan.warnings {
             log::warn!("poller placement: {w}");
         }
-        let pollers = self
-            .pollers
-            .unwrap_or_else(|| plan.default_pollers(mask.len()));
+        let pollers = if attach.is_some() {
+            0 // the agent's pollers read for this rank
+        } else {
+            self.pollers
+                .unwrap_or_else(|| plan.default_pollers(mask.len()))
+        };
         let spin = self.spin.unwrap_or_else(|| {
             if plan.shared {
                 // Spinning on a core other ranks' pollers share takes it
@@ -820,7 +944,7 @@ impl LoaderBuilder {
                 let fds: Vec<i32> = parts
                     .iter()
                     .filter_map(|p| match p {
-                        Input::Space { extents, .. } => Some(extents),
+                        Input::Space { extents, .. } => Some(extents.iter()),
                         _ => None,
                     })
                     .flatten()
@@ -900,6 +1024,20 @@ impl LoaderBuilder {
             })
             .collect();
         let batch_size = self.batch_size;
+        let attach_settings = attach.map(|socket| super::attached::AttachSettings {
+            socket,
+            dataset_id: u64::from(input.catalog().identity()),
+            seed: self.seed,
+            rank: self.rank,
+            world: self.world,
+            batch_size: batch_size as u32,
+            shuffle: self.shuffle,
+            drop_last: self.drop_last,
+            slots: super::attached::slots_for(geo.table_len(), batch_size),
+        });
+        // Attached: the agent reads every sample; this process connects
+        // to no node.
+        let net = if attach_settings.is_some() { None } else { net };
         let mut loader = Loader {
             run: None,
             spare: Some(Spare {
@@ -936,6 +1074,7 @@ impl LoaderBuilder {
                 pinned: vec![None; pollers],
                 plan,
             },
+            attach_settings,
         };
         loader.launch(start)?;
         log::info!("poller placement: {}", loader.placement.describe());

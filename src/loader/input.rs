@@ -5,6 +5,7 @@
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use super::{Input, MixInput};
 use crate::dataset::{Catalog, SourceSpec, Space};
@@ -77,7 +78,13 @@ pub(super) fn open_input(
                 *direct_io &= direct;
                 extents.push(f);
             }
-            (Input::Space { space, extents }, align)
+            (
+                Input::Space {
+                    space: Arc::new(space),
+                    extents: extents.into(),
+                },
+                align,
+            )
         }
         (None, Some(src)) => {
             let spec = SourceSpec::parse(src)?;

@@ -32,6 +32,7 @@
 pub(crate) mod schedule;
 pub(crate) mod tier;
 
+mod attached;
 mod batch;
 mod builder;
 mod fdcache;
@@ -62,6 +63,8 @@ use schedule::{Cursor, Deal, Geometry, Placed};
 
 /// Fault injection for tests of the read path ([`LoaderBuilder::fault_injection`]).
 pub use crate::ring::FaultConfig;
+pub(crate) use attached::AgentInput;
+pub use attached::{default_agent_socket, AgentMode};
 use batch::Entry;
 pub use batch::{Batch, BatchSample, DeviceSample};
 pub use builder::*;
@@ -88,6 +91,8 @@ struct Run {
     joined: Vec<Box<dyn IoBackend>>,
     /// Samples delivered before this run started (`counters.samples`).
     samples_at_start: u64,
+    /// Attached mode: this run's attach to the node agent (no pollers).
+    attach: Option<attached::RankAttach>,
 }
 
 impl Run {
@@ -164,12 +169,27 @@ pub struct Loader {
     net: Option<Arc<net::NetSetup>>,
     /// The pollers' cores, and where the last launch pinned them.
     placement: crate::placement::PollerPlacement,
+    /// Attached mode: what every launch sends the node agent (each launch
+    /// attaches anew, with a fresh ring, at its start position).
+    attach_settings: Option<attached::AttachSettings>,
 }
 
 impl Loader {
     /// Starts a run at `start`. On error the loader keeps its resources
     /// (catalog, ring) and no thread of the run is left behind.
     fn launch(&mut self, start: Position) -> Result<()> {
+        // Attached: a fresh ring per attach, so no read of an earlier
+        // attach (still landing in the agent) can touch this one's bytes.
+        let attach = match &self.attach_settings {
+            Some(settings) => {
+                let map = crate::agent::shm::RingMap::create(self.geo.ring_bytes)?;
+                let a = attached::RankAttach::connect(settings, &map, start)?;
+                let spare = self.spare.as_mut().expect("resources available");
+                spare.ring = LandingRing::shared(map);
+                Some(a)
+            }
+            None => None,
+        };
         // Connect first: a refusal leaves the loader as it was.
         let conns = match &mut self.net {
             Some(setup) => {
@@ -244,6 +264,7 @@ impl Loader {
             net_thread: None,
             joined: Vec::new(),
             samples_at_start: self.counters.samples,
+            attach,
         });
         if let Err(e) = self.spawn(spare.backends, conns) {
             // Stop what started and take the resources back.
@@ -428,6 +449,7 @@ impl Loader {
         self.check_failed()?;
         self.entries.clear();
         let mut first_v = None;
+        let mut desc = None;
         while self.entries.len() < self.batch_size {
             let p = match self.peeked.take() {
                 Some(p) => p,
@@ -458,6 +480,19 @@ impl Loader {
                 debug_assert!(false, "check_batch_fits let through: {e}");
                 return Err(self.fail(e));
             }
+            if self.entries.is_empty() {
+                if let Some(a) = self.run.as_mut().and_then(|r| r.attach.as_mut()) {
+                    // Attached: the agent publishes whole batches; the
+                    // one descriptor covers every sample of this one.
+                    match a.take(p.g) {
+                        Ok(d) => desc = Some(d),
+                        Err(e) => {
+                            self.peeked = Some(p);
+                            return Err(self.fail(e));
+                        }
+                    }
+                }
+            }
             let in_tier = match self.wait_ready(&p) {
                 Ok(code) => code == CODE_TIER,
                 Err(e) => {
@@ -481,11 +516,34 @@ impl Loader {
             self.counters.samples += 1;
             self.counters.bytes += p.len;
         }
+        if let Some(d) = desc {
+            self.check_desc(&d)?;
+        }
         self.held = !self.entries.is_empty();
         if self.held {
             self.batch_seq += 1;
         }
         Ok(self.entries.len())
+    }
+
+    /// Attached mode: the agent's descriptor must be the batch this rank
+    /// scheduled (same size, first slot and epoch), else the two disagree
+    /// about the schedule and no byte can be trusted.
+    fn check_desc(&mut self, d: &crate::agent::segment::BatchDesc) -> Result<()> {
+        let first = self.entries[0];
+        let n = self.entries.len();
+        if d.samples != n as u64 || d.ring_offset != first.phys || d.epoch != first.pos.epoch {
+            self.entries.clear();
+            let e = Error::AttachProtocol {
+                what: format!(
+                    "the agent published a batch of {} samples at ring offset {} in epoch {}; \
+                     this rank scheduled one of {} samples at offset {} in epoch {}",
+                    d.samples, d.ring_offset, d.epoch, n, first.phys, first.pos.epoch
+                ),
+            };
+            return Err(self.fail(e));
+        }
+        Ok(())
     }
 }
 
@@ -494,7 +552,12 @@ impl Loader {
     /// [`CODE_TIER`]) or its error.
     fn wait_ready(&mut self, p: &Placed) -> Result<u64> {
         let spin = self.cfg.spin;
-        let sh = &self.run.as_ref().expect("running").shared;
+        let run = self.run.as_ref().expect("running");
+        if run.attach.is_some() {
+            // The batch's descriptor was taken: every sample of it is in.
+            return Ok(CODE_OK);
+        }
+        let sh = &run.shared;
         let mut state = sh.state(p.g);
         if state.is_none() {
             let t0 = Instant::now();
@@ -578,30 +641,13 @@ impl Loader {
     pub fn acquire_batch_keep(&mut self) -> Result<usize> {
         self.check_failed()?;
         let first = self.peek_next();
-        if let Some(oldest) = self.kept.front() {
-            if first.pos.epoch == self.epoch {
-                // Walk the new batch's schedule on a copy of the cursor: where
-                // its last sample ends, as acquire_batch will place it.
-                let input = &self.run.as_ref().expect("running").shared.input;
-                let mut cursor = self.cursor.clone().expect("running");
-                let mut end = first.v_end;
-                for _ in 1..self.batch_size {
-                    let p = cursor.next_with(|id| input.sample(id).len as u64);
-                    if p.pos.epoch != self.epoch || p.v_end - first.v > self.geo.ring_bytes {
-                        break;
-                    }
-                    end = p.v_end;
-                }
-                if end - oldest.v > self.geo.ring_bytes {
-                    return Err(Error::InvalidConfig(format!(
-                        "the {}-byte landing ring cannot hold another batch beside the {} \
-                         still out ({} bytes needed); release one first or raise ring_bytes",
-                        self.geo.ring_bytes,
-                        self.kept.len(),
-                        end - oldest.v
-                    )));
-                }
-            }
+        if let Some(need) = self.keep_bytes_needed() {
+            return Err(Error::InvalidConfig(format!(
+                "the {}-byte landing ring cannot hold another batch beside the {} \
+                 still out ({need} bytes needed); release one first or raise ring_bytes",
+                self.geo.ring_bytes,
+                self.kept.len(),
+            )));
         }
         // The held batch (if any) stays out: it is already in `kept`.
         self.held = false;
@@ -614,6 +660,48 @@ impl Loader {
             }
         }
         n
+    }
+
+    /// The ring bytes the next batch would need beside the batches kept
+    /// out, when the ring cannot hold it ([`Loader::acquire_batch_keep`]
+    /// would refuse); `None` when it fits.
+    pub(crate) fn keep_bytes_needed(&mut self) -> Option<u64> {
+        let first = self.peek_next();
+        let oldest = self.kept.front()?;
+        if first.pos.epoch != self.epoch {
+            return None;
+        }
+        // Walk the new batch's schedule on a copy of the cursor: where
+        // its last sample ends, as acquire_batch will place it.
+        let input = &self.run.as_ref().expect("running").shared.input;
+        let mut cursor = self.cursor.clone().expect("running");
+        let mut end = first.v_end;
+        for _ in 1..self.batch_size {
+            let p = cursor.next_with(|id| input.sample(id).len as u64);
+            if p.pos.epoch != self.epoch || p.v_end - first.v > self.geo.ring_bytes {
+                break;
+            }
+            end = p.v_end;
+        }
+        (end - oldest.v > self.geo.ring_bytes).then_some(end - oldest.v)
+    }
+
+    /// The held batch as the agent publishes it: its first byte's ring
+    /// offset, its span's bytes (padding included, both parts if it
+    /// wraps), its epoch and sample count; `None` when none is held.
+    pub(crate) fn held_desc(&self) -> Option<crate::agent::segment::BatchDesc> {
+        if !self.held {
+            return None;
+        }
+        let ((off, len), wrap) = self.held_span_ranges();
+        let first = self.entries[0];
+        Some(crate::agent::segment::BatchDesc {
+            ring_offset: off,
+            bytes: (len + wrap.map_or(0, |(_, l)| l)) as u64,
+            epoch: first.pos.epoch,
+            batch_in_epoch: first.pos.index / self.batch_size as u64,
+            samples: self.entries.len() as u64,
+        })
     }
 
     /// Returns the ring space of the oldest batch kept out by
@@ -665,7 +753,12 @@ impl Loader {
     }
 
     /// Frees the ring before sample `next` and lets the writers go on.
-    fn mark_released(&self, next: Placed) {
+    fn mark_released(&mut self, next: Placed) {
+        if let Some(a) = self.run.as_mut().and_then(|r| r.attach.as_mut()) {
+            // Attached: one release mark for the agent, no local writer.
+            a.release_before(next.g);
+            return;
+        }
         let Some(run) = self.run.as_ref() else {
             return;
         };
@@ -740,6 +833,21 @@ impl Loader {
     pub fn epoch_continues(&self, epoch: u64) -> bool {
         let pos = self.position();
         pos.epoch == epoch && (pos.index == 0 || epoch == self.epoch)
+    }
+
+    /// Attached mode: the agent deals a rank's epochs from (seed, rank,
+    /// world, start) as an ordinary job; an epoch resumed from another
+    /// world's job position is not something it can deal yet. Refused
+    /// before anything changes, so the loader goes on where it was.
+    fn check_attached_deal(&self, deal: &schedule::Deal, epoch: u64) -> Result<()> {
+        if self.attach_settings.is_some() && deal.sampler().base(epoch) != 0 {
+            return Err(Error::InvalidConfig(
+                "resuming an epoch at another world size through the node agent is not built yet \
+                 (docs/AGENT.md); build this loader with agent = off"
+                    .into(),
+            ));
+        }
+        Ok(())
     }
 
     fn restart(&mut self, pos: Position) -> Result<()> {
@@ -827,6 +935,7 @@ impl Loader {
             )));
         }
         self.check_end(pos.epoch)?;
+        self.check_attached_deal(&deal, pos.epoch)?;
         self.deal = deal;
         self.restart(pos)?;
         match digest {
@@ -885,7 +994,9 @@ impl Loader {
             JobPosition::restore(bytes, &cfg, identity)?
         };
         self.check_end(job.epoch)?;
-        self.deal = self.deal.resumed(job)?;
+        let deal = self.deal.resumed(job)?;
+        self.check_attached_deal(&deal, job.epoch)?;
+        self.deal = deal;
         let start = Position {
             epoch: job.epoch,
             index: 0,

@@ -283,6 +283,10 @@ pub static OPTIONS: &[OptionSpec] = &[
     opt!("rdma_port", int(1, 255), "", "1", "rdma-port", "RDMA port number; implies `rdma`"),
     opt!("rdma_gid_index", OptionKind::IntOrAuto { min: 0, max: 255 }, "", "auto", "rdma-gid-index",
         "GID index (`auto`: the RoCE v2 GID of the connection's address); implies `rdma`"),
+    opt!("agent", OptionKind::Choice(&["auto", "off", "required"]), "", "auto", "agent",
+        "read through the node's `kspeed agent` (docs/DEPLOY.md): `required` always (no agent is a `NoAgent` error), `auto` in cluster mode when its socket exists, `off` never (this process's own pollers)"),
+    opt!("agent_socket", OptionKind::Path, "", "KSPEED_AGENT_SOCKET, else /run/kspeed/agent.sock", "agent-socket",
+        "the node agent's attach socket"),
     opt!("local_node", int(0, 65535), "", "the local space's node; none with a source", "",
         "cluster mode: the node this process runs on (its samples are never requested over the network)"),
 ];
@@ -681,6 +685,12 @@ impl LoaderOptions {
                 b.rdma(Some(o))
             }
             "local_node" => b.local_node(n32),
+            "agent" => b.agent(
+                text.as_deref()
+                    .and_then(super::AgentMode::parse)
+                    .unwrap_or_default(),
+            ),
+            "agent_socket" => b.agent_socket(text.map(PathBuf::from)),
             "cluster_file" => {
                 self.cluster.file = text.map(PathBuf::from);
                 b

@@ -98,8 +98,8 @@ impl Deal {
             steps
         };
         assert!(steps > 0 && sampler.per_rank() / whole * whole == steps);
-        let sampler = ElasticSampler::new(
-            *sampler.config(),
+        let sampler = ElasticSampler::over(
+            sampler,
             JobPosition {
                 epoch: 0,
                 consumed: 0,
@@ -112,7 +112,7 @@ impl Deal {
     /// The same job resumed at `start` (a job position: any world).
     pub fn resumed(&self, start: JobPosition) -> crate::Result<Deal> {
         Ok(Deal {
-            sampler: ElasticSampler::new(*self.sampler.config(), start)?,
+            sampler: self.sampler.resumed(start)?,
             whole: self.whole,
         })
     }

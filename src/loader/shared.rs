@@ -30,9 +30,12 @@ pub(crate) const CODE_TIER: u64 = 2;
 pub(crate) enum Input {
     /// A preloaded space: packed, aligned extents (O_DIRECT).
     Space {
-        space: Space,
-        /// Open extent files (registered with every poller's ring).
-        extents: Vec<std::fs::File>,
+        /// Shared: the node agent opens and checks its space once and
+        /// hands it to every attached rank's loader.
+        space: Arc<Space>,
+        /// Open extent files (registered with every poller's ring; empty
+        /// in an attached rank, which reads nothing itself).
+        extents: Arc<[std::fs::File]>,
     },
     /// Source files directly, through the page cache.
     Source { catalog: Catalog, root: PathBuf },

@@ -249,6 +249,41 @@ impl AgentSide {
         err.map_or(Ok(()), Err)
     }
 
+    /// Waits until the rank has released more than `above` batches (the
+    /// agent's pollers wait for ring space, not only for a slot): as
+    /// [`AgentSide::wait_room`], on the same futex.
+    pub fn wait_released(
+        &self,
+        above: u64,
+        live: &Liveness,
+        deadline: Option<Instant>,
+        check: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<()> {
+        let mut err = None;
+        let mut ready = || match self.released() {
+            Ok(r) => r > above,
+            Err(e) => {
+                err = Some(e);
+                true
+            }
+        };
+        let r = self.seg.rank();
+        let a = self.seg.agent();
+        wait_until(
+            &self.seg,
+            Side::Agent,
+            &r.room_futex,
+            &a.room_waiters,
+            &a.sleeps,
+            &self.sleep_timeouts,
+            live,
+            deadline,
+            check,
+            &mut ready,
+        )?;
+        err.map_or(Ok(()), Err)
+    }
+
     /// Publishes the next batch: its descriptor (Relaxed), then its ready
     /// word (Release: the ring bytes and the descriptor are visible to a
     /// rank that Acquires the word), then wakes the rank if it sleeps.

@@ -189,6 +189,18 @@ pub(crate) struct ReadArgs {
     /// Print the final report as one JSON object instead of text.
     #[arg(long)]
     json: bool,
+    /// Read through the node's `kspeed agent`: required, auto (cluster
+    /// mode with an agent socket) or off.
+    #[arg(long, default_value = "auto", value_parser = ["auto", "off", "required"])]
+    agent: String,
+    /// The agent's socket (default: $KSPEED_AGENT_SOCKET, else
+    /// /run/kspeed/agent.sock).
+    #[arg(long)]
+    agent_socket: Option<PathBuf>,
+    /// Report an order-sensitive digest of every sample's id and bytes
+    /// (CRC32C chained in delivery order) to compare two runs exactly.
+    #[arg(long)]
+    digest: bool,
 }
 
 /// The RDMA transport's options, shared by `read` and `serve`.
@@ -287,7 +299,9 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
             index: 0,
         })
         // Nothing is read ahead past the last epoch asked for.
-        .end_epoch(a.start_epoch.checked_add(a.epochs).filter(|_| a.epochs > 0));
+        .end_epoch(a.start_epoch.checked_add(a.epochs).filter(|_| a.epochs > 0))
+        .agent(kspeed::loader::AgentMode::parse(&a.agent).expect("clap checked it"))
+        .agent_socket(a.agent_socket.clone());
     if let Some(p) = a.pollers {
         b = b.pollers(p);
     }
@@ -392,6 +406,7 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
     let mut epoch_lines = Vec::new();
     let mut host = Vec::new();
     let mut touched = 0u64;
+    let mut digest = 0u32;
     for e in a.start_epoch..a.start_epoch + a.epochs {
         loader.set_epoch(e)?;
         let bar = Progress::new(&format!("epoch {e}"), per_epoch, progress);
@@ -418,8 +433,13 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
                         check_gpu_sample(&loader, &s, &mut host)?;
                     }
                 } else {
-                    let s = loader.held_sample(i).bytes;
+                    let sample = loader.held_sample(i);
+                    let s = sample.bytes;
                     bytes += s.len();
+                    if a.digest {
+                        digest = crc32c::crc32c_append(digest, &sample.id.to_le_bytes());
+                        digest = crc32c::crc32c_append(digest, s);
+                    }
                     if a.touch {
                         touched ^= fold(s);
                     }
@@ -480,12 +500,16 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
                 setup_cpu_secs: setup_cpu,
                 idle_core_fraction,
                 cluster,
+                digest: a.digest.then_some(digest),
             },
         );
         return Ok(());
     }
     for l in epoch_lines {
         println!("{l}");
+    }
+    if a.digest {
+        println!("digest: {digest:08x}");
     }
     println!(
         "read {} samples, {} in {:.2} s: {:.0} samples/s, {:.3} GB/s",

@@ -14,6 +14,8 @@ pub(crate) struct Run {
     /// `--idle-ms`: CPU used while idle with the ring full, in cores.
     pub(crate) idle_core_fraction: Option<f64>,
     pub(crate) cluster: Option<&'static str>,
+    /// `--digest`: CRC32C over every sample's id and bytes in order.
+    pub(crate) digest: Option<u32>,
 }
 
 pub(crate) fn print(st: &Stats, placement: &PollerPlacement, r: &Run) {
@@ -53,6 +55,9 @@ pub(crate) fn print(st: &Stats, placement: &PollerPlacement, r: &Run) {
             "warnings": placement.plan.warnings,
         },
     });
+    if let Some(d) = r.digest {
+        v["digest"] = json!(format!("{d:08x}"));
+    }
     if let Some(f) = r.idle_core_fraction {
         v["idle_core_fraction"] = json!(f);
     }

@@ -1,0 +1,131 @@
+#!/usr/bin/env python3
+"""One node, N rank processes over one local space: attached to one
+`kspeed agent` against embedded (each rank its own pollers), side by side
+in one run (issue 28's first benchmark row).
+
+Per round, interleaved:
+  embedded : N x `kspeed read --agent off` at once (rank r of N)
+  attached : one `kspeed agent --pollers P`, N x `kspeed read --agent required`
+Reported per mode: samples/s over the whole node (samples of every rank /
+wall time of the slowest), CPU seconds per GB (ranks' own CPU from their
+--json reports, plus the agent's from /proc in attached mode), and the
+poller threads (embedded: the sum of each rank's pollers; attached: the
+agent's pollers per rank x N, and its N feeder threads besides).
+Every rank's order-sensitive digest is checked equal between the modes.
+
+The page cache is not dropped (that needs root); the extents are read with
+O_DIRECT either way.
+
+  scripts/bench_agent.py [--ranks 8] [--profile imagenet:2000] [--epochs 2] [--runs 1] [--agent-pollers 1]
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+K = os.environ.get("KSPEED_BIN", os.path.join(ROOT, "target", "release", "kspeed"))
+
+
+def sh(cmd):
+    return subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+
+
+def proc_cpu_seconds(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    # utime, stime: fields 14 and 15 (1-based), here 11 and 12 after the name.
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def ranks(space, n, epochs, extra):
+    procs = [
+        subprocess.Popen(
+            [K, "read", "--progress=none", "--json", "--digest", "--space", space,
+             "--rank", str(r), "--world", str(n), "--epochs", str(epochs),
+             "--local-rank", str(r), "--local-world-size", str(n)] + extra,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for r in range(n)
+    ]
+    t0 = time.monotonic()
+    out = []
+    for p in procs:
+        o, e = p.communicate(timeout=600)
+        if p.returncode != 0:
+            sys.exit(f"kspeed read failed: {e}")
+        out.append(json.loads(o))
+    return time.monotonic() - t0, out
+
+
+def summarise(name, wall, reports, extra_cpu, pollers, threads_note):
+    samples = sum(r["samples"] for r in reports)
+    gb = sum(r["bytes"] for r in reports) / 1e9
+    cpu = sum(r["cpu_seconds"] + r["setup_cpu_seconds"] for r in reports) + extra_cpu
+    setup = sum(r["setup_cpu_seconds"] for r in reports)
+    read_s = max(r["seconds"] for r in reports)
+    return {
+        "mode": name, "wall_s": wall, "read_s": read_s, "samples_per_s": samples / wall,
+        "read_samples_per_s": samples / read_s, "setup_cpu_s": setup,
+        "gb_per_s": gb / wall, "cpu_s_per_gb": cpu / gb, "cpu_s": cpu,
+        "poller_threads": pollers, "note": threads_note,
+        "digests": [r["digest"] for r in reports],
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ranks", type=int, default=8)
+    ap.add_argument("--profile", default="imagenet:2000")
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--runs", type=int, default=1)
+    ap.add_argument("--agent-pollers", type=int, default=1)
+    ap.add_argument("--work", default=None)
+    ap.add_argument("--ring-bytes", default="64MiB", help="every rank's ring, both modes")
+    a = ap.parse_args()
+    work = a.work or tempfile.mkdtemp(prefix="kspeed-bench-agent-")
+    prof, count = a.profile.split(":")
+    src, space = os.path.join(work, f"{prof}-{count}"), os.path.join(work, f"space-{prof}-{count}")
+    if not os.path.exists(space):
+        sh([K, "gen", "--profile", prof, "--count", count, "--out", src, "--progress", "none"])
+        sh([K, "preload", "--source", src, "--space", space, "--progress", "none"])
+    sock = os.path.join(work, "agent.sock")
+    rows = []
+    for run in range(a.runs):
+        ring = ["--ring-bytes", a.ring_bytes]
+        wall, rep = ranks(space, a.ranks, a.epochs, ["--agent", "off"] + ring)
+        pollers = sum(r["placement"]["pollers"] for r in rep)
+        rows.append(summarise("embedded", wall, rep, 0.0, pollers, f"{a.ranks} ranks' own pollers"))
+        agent = subprocess.Popen([K, "agent", "--space", space, "--socket", sock,
+                                  "--pollers", str(a.agent_pollers)],
+                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        line = agent.stdout.readline()
+        if "agent serving" not in line:
+            sys.exit(f"the agent did not start: {line!r}")
+        c0 = proc_cpu_seconds(agent.pid)
+        wall, rep = ranks(space, a.ranks, a.epochs,
+                          ["--agent", "required", "--agent-socket", sock] + ring)
+        agent_cpu = proc_cpu_seconds(agent.pid) - c0
+        agent.terminate()
+        agent.wait(timeout=60)
+        rows.append(summarise("attached", wall, rep, agent_cpu, a.agent_pollers * a.ranks,
+                              f"agent: {a.agent_pollers} poller(s) + 1 feeder per rank; ranks: 0"))
+        if rows[-1]["digests"] != rows[-2]["digests"]:
+            sys.exit("attached and embedded ranks delivered different bytes")
+    print(f"{a.ranks} ranks, {a.profile}, {a.epochs} epochs, {a.runs} run(s); digests equal")
+    print("samples/s: whole node over the wall time from spawn to the last exit; "
+          "read: over the slowest rank's read loop; CPU includes setup (ring, catalog)")
+    print(f"{'mode':10} {'samples/s':>10} {'read s/s':>9} {'GB/s':>7} {'CPU s/GB':>9} "
+          f"{'setup CPU':>9} {'pollers':>8}  note")
+    for r in rows:
+        print(f"{r['mode']:10} {r['samples_per_s']:10.0f} {r['read_samples_per_s']:9.0f} "
+              f"{r['gb_per_s']:7.3f} {r['cpu_s_per_gb']:9.2f} {r['setup_cpu_s']:9.2f} "
+              f"{r['poller_threads']:8d}  {r['note']}")
+    print(json.dumps([{k: v for k, v in r.items() if k != "digests"} for r in rows]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,510 @@
+//! `kspeed agent`: the node's one kspeed process (issue 28, docs/AGENT.md),
+//! first slice: one node, a local space, no peers. It opens and checks the
+//! space once, binds the attach socket and serves every rank that
+//! attaches: per rank a loader's producer half (its pollers, io_uring,
+//! schedule) reading into the rank's own ring, and a feeder thread that
+//! takes the loader's batches and publishes them through the rank's
+//! attach segment, honouring the rank's release marks.
+//!
+//! Threads: the main loop (accepts, beats every rank's heartbeat, reaps
+//! ranks that ended); per rank one feeder and `pollers` pollers.
+//!
+//! A rank is judged by its socket (the kernel's hang-up when it dies) and
+//! its segment's state word (a clean detach), never by its heartbeat: a
+//! rank in a long training step does not call into the loader.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use super::attach::{AttachListener, Attached, Incoming, ListenerConfig};
+use super::msg::{RefuseCode, FLAG_DROP_LAST, FLAG_SHUFFLE};
+use super::segment::{side_state, Liveness, Segment, Side};
+use super::shm::RingMap;
+use crate::dataset::Space;
+use crate::error::{Error, Result};
+use crate::landing::{CudaMode, LandingOptions};
+use crate::loader::{Loader, LoaderBuilder};
+use crate::sampler::Position;
+
+/// How the agent runs.
+#[derive(Debug, Clone)]
+pub struct AgentConfig {
+    /// The node's space.
+    pub space: PathBuf,
+    /// The attach socket.
+    pub socket: PathBuf,
+    /// Poller threads per attached rank.
+    pub pollers: usize,
+    /// Reads in flight per poller.
+    pub queue_depth: u32,
+    /// Register each rank's ring with the pollers' io_urings.
+    pub registered_buffers: bool,
+    /// The agent's heartbeat period (ranks count it gone after 3).
+    pub heartbeat: Duration,
+    /// The socket's mode, uid policy and I/O deadlines.
+    pub listener: ListenerConfig,
+}
+
+impl AgentConfig {
+    /// Defaults: 1 poller per rank, queue depth 32, registered buffers,
+    /// a 100 ms heartbeat.
+    pub fn new(space: impl Into<PathBuf>, socket: impl Into<PathBuf>) -> Self {
+        AgentConfig {
+            space: space.into(),
+            socket: socket.into(),
+            pollers: 1,
+            queue_depth: 32,
+            registered_buffers: true,
+            heartbeat: Duration::from_millis(100),
+            listener: ListenerConfig::default(),
+        }
+    }
+}
+
+/// What a run of the agent did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AgentSummary {
+    /// Ranks attached over the agent's life.
+    pub attached: u64,
+    /// Attaches refused (another dataset, a bad request...).
+    pub refused: u64,
+    /// Ranks that ended (detached, died or failed).
+    pub ended: u64,
+}
+
+/// The space, opened and checked once, shared by every rank's loader.
+struct OpenSpace {
+    space: Arc<Space>,
+    extents: Arc<[File]>,
+    direct_io: bool,
+    identity: u64,
+}
+
+fn open_space(dir: &Path) -> Result<OpenSpace> {
+    let space = Space::open(dir)?;
+    space.check_extents()?;
+    if space.held_samples() != space.catalog().len() {
+        // Peers (remote samples through other nodes' agents) are a later
+        // step of issue 28.
+        return Err(Error::InvalidConfig(format!(
+            "space {} holds {} of {} samples: this agent serves a whole local space only (peers are not built yet)",
+            dir.display(),
+            space.held_samples(),
+            space.catalog().len()
+        )));
+    }
+    let mut direct_io = true;
+    let mut extents = Vec::with_capacity(space.extent_lens().len());
+    for i in 0..space.extent_lens().len() as u32 {
+        let path = space.extent_path(i);
+        let (f, direct) =
+            crate::sys::open_direct(&path).map_err(|e| Error::io("open", &path, e))?;
+        direct_io &= direct;
+        extents.push(f);
+    }
+    if !direct_io {
+        log::warn!(
+            "{}: the file system refuses O_DIRECT; reading through the page cache",
+            dir.display()
+        );
+    }
+    let identity = u64::from(space.catalog().identity());
+    Ok(OpenSpace {
+        space: Arc::new(space),
+        extents: extents.into(),
+        direct_io,
+        identity,
+    })
+}
+
+/// Every attached rank's segment (a second mapping of it), beaten by the
+/// heartbeat thread: the agent's heartbeat never waits on an accept, a
+/// loader build or a feeder busy in a read.
+type Beats = Arc<Mutex<Vec<(u64, Arc<Segment>)>>>;
+
+/// One rank as the main loop sees it, from its ATTACH on.
+struct Rank {
+    id: u64,
+    pid: u32,
+    rank: u32,
+    feeder: JoinHandle<Outcome>,
+}
+
+/// How a rank's feeder thread ended.
+enum Outcome {
+    /// Its loader could not be built (or ATTACHED not sent): refused.
+    Refused(Error),
+    /// It was served; the batches published, or why it stopped.
+    Served(Result<u64>),
+}
+
+/// Runs the agent until `stop` is set: binds the socket, calls
+/// `on_ready(socket)` once it accepts, then serves ranks. On return every
+/// rank's pollers have stopped (their reads landed) and its ring is
+/// unmapped.
+///
+/// Threads: this loop (accepts; reaps ranks that ended), one heartbeat
+/// thread, and per rank a feeder (which builds the rank's loader, answers,
+/// then feeds) and its loader's pollers.
+pub fn run(
+    cfg: &AgentConfig,
+    stop: &AtomicBool,
+    on_ready: impl FnOnce(&Path),
+) -> Result<AgentSummary> {
+    crate::sys::raise_open_files_limit();
+    let open = Arc::new(open_space(&cfg.space)?);
+    let listener = AttachListener::bind(&cfg.socket, cfg.listener)?;
+    log::info!(
+        "agent: serving {} ({} samples) on {}",
+        cfg.space.display(),
+        open.space.catalog().len(),
+        cfg.socket.display()
+    );
+    let halt = Arc::new(AtomicBool::new(false));
+    let beats: Beats = Arc::new(Mutex::new(Vec::new()));
+    let beat_stop = Arc::new(AtomicBool::new(false));
+    let beater = {
+        let (beats, beat_stop, period) = (beats.clone(), beat_stop.clone(), cfg.heartbeat / 2);
+        std::thread::Builder::new()
+            .name("kspeed-agent-beat".into())
+            .spawn(move || {
+                while !beat_stop.load(Ordering::Acquire) {
+                    for (_, seg) in beats.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+                        seg.beat_for(Side::Agent);
+                    }
+                    // A period, not a wait for a condition: the timeout is
+                    // the point (unparked only to stop).
+                    std::thread::park_timeout(period);
+                }
+            })
+            .map_err(|e| Error::ThreadSpawn {
+                thread: "agent heartbeat",
+                source: e.into(),
+            })?
+    };
+    on_ready(listener.path());
+    let mut ranks: Vec<Rank> = Vec::new();
+    let mut summary = AgentSummary::default();
+    let mut next_id = 0u64;
+    while !stop.load(Ordering::Acquire) {
+        match listener.accept_attach(cfg.heartbeat) {
+            Ok(Some(incoming)) => {
+                next_id += 1;
+                match start_rank(cfg, &open, incoming, next_id, &halt, &beats) {
+                    Ok(r) => ranks.push(r),
+                    Err(e) => {
+                        summary.refused += 1;
+                        log::warn!("agent: attach refused: {e}");
+                    }
+                }
+            }
+            Ok(None) => {}
+            // One bad peer (a wrong request, a timeout) never stops the agent.
+            Err(e) => {
+                summary.refused += 1;
+                log::warn!("agent: attach failed: {e}");
+            }
+        }
+        let mut i = 0;
+        while i < ranks.len() {
+            if ranks[i].feeder.is_finished() {
+                let r = ranks.swap_remove(i);
+                end_rank(r, &beats, &mut summary);
+            } else {
+                i += 1;
+            }
+        }
+    }
+    halt.store(true, Ordering::Release);
+    for r in ranks.drain(..) {
+        end_rank(r, &beats, &mut summary);
+    }
+    beat_stop.store(true, Ordering::Release);
+    beater.thread().unpark();
+    let _ = beater.join();
+    Ok(summary)
+}
+
+/// [`run`] until SIGINT or SIGTERM (`kspeed agent`): the signals are
+/// blocked in every thread and taken here; then every rank's pollers stop
+/// (their reads land) and the socket is removed. A failure to start (the
+/// space, the socket) ends the wait at once.
+pub fn run_until_signal(
+    cfg: &AgentConfig,
+    on_ready: impl FnOnce(&Path) + Send + 'static,
+) -> Result<AgentSummary> {
+    let signals = crate::sys::TermSignals::block();
+    let stop = Arc::new(AtomicBool::new(false));
+    let (s2, cfg2) = (stop.clone(), cfg.clone());
+    let agent = std::thread::Builder::new()
+        .name("kspeed-agent".into())
+        .spawn(move || {
+            let r = run(&cfg2, &s2, on_ready);
+            if !s2.load(Ordering::Acquire) {
+                // SAFETY: kill with our own pid and a valid signal number
+                // has no memory effects; every thread blocks SIGTERM, so it
+                // reaches the sigwait below.
+                unsafe { libc::kill(libc::getpid(), libc::SIGTERM) };
+            }
+            r
+        })
+        .map_err(|e| Error::ThreadSpawn {
+            thread: "agent",
+            source: e.into(),
+        })?;
+    signals.wait();
+    stop.store(true, Ordering::Release);
+    agent
+        .join()
+        .map_err(|_| Error::ThreadPanicked { thread: "agent" })?
+}
+
+/// Joins a rank's feeder (its pollers stopped and its reads landed when
+/// it returns) and stops beating its segment.
+fn end_rank(r: Rank, beats: &Beats, summary: &mut AgentSummary) {
+    let outcome = r.feeder.join();
+    beats
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .retain(|(id, _)| *id != r.id);
+    match outcome {
+        Ok(Outcome::Refused(e)) => {
+            summary.refused += 1;
+            log::warn!(
+                "agent: attach of rank {} (pid {}) refused: {e}",
+                r.rank,
+                r.pid
+            );
+        }
+        Ok(Outcome::Served(result)) => {
+            summary.attached += 1;
+            summary.ended += 1;
+            match result {
+                Ok(batches) => log::info!(
+                    "agent: rank {} (pid {}) ended after {batches} batches; its pollers stopped and its ring is unmapped",
+                    r.rank,
+                    r.pid
+                ),
+                Err(e) => log::warn!("agent: rank {} (pid {}) ended: {e}", r.rank, r.pid),
+            }
+        }
+        Err(_) => log::error!("agent: the feeder of rank {} panicked", r.rank),
+    }
+}
+
+/// Checks an incoming rank's dataset, registers its segment with the
+/// heartbeat thread and starts its feeder thread, which builds the rank's
+/// loader over the shared space and the rank's ring, answers ATTACHED
+/// (or REFUSED with the reason) and feeds it.
+fn start_rank(
+    cfg: &AgentConfig,
+    open: &Arc<OpenSpace>,
+    incoming: Incoming,
+    id: u64,
+    halt: &Arc<AtomicBool>,
+    beats: &Beats,
+) -> Result<Rank> {
+    let req = incoming.request;
+    let refuse = |incoming: &Incoming, e: Error| {
+        incoming.conn.refuse(RefuseCode::Agent, &e.to_string());
+        e
+    };
+    if req.dataset_id != open.identity {
+        let e = Error::InvalidConfig(format!(
+            "the rank reads dataset {:#x}; this agent serves {} (dataset {:#x})",
+            req.dataset_id,
+            cfg.space.display(),
+            open.identity
+        ));
+        return Err(refuse(&incoming, e));
+    }
+    let beat = incoming
+        .segment
+        .fd()
+        .try_clone_to_owned()
+        .map_err(|e| Error::io("dup", "attach segment", e))
+        .and_then(|fd| Segment::open(fd, req.ring_bytes));
+    let beat = match beat {
+        Ok(b) => Arc::new(b),
+        Err(e) => return Err(refuse(&incoming, e)),
+    };
+    beats
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .push((id, beat));
+    let pid = incoming.conn.peer().pid;
+    let (cfg, open, halt) = (cfg.clone(), open.clone(), halt.clone());
+    let feeder = std::thread::Builder::new()
+        .name(format!("kspeed-feed-{}", req.rank))
+        .spawn(move || {
+            let loader = match build_loader(&cfg, &open, &incoming) {
+                Ok(l) => l,
+                Err(e) => return Outcome::Refused(refuse(&incoming, e)),
+            };
+            let heartbeat_ms = cfg.heartbeat.as_millis().clamp(1, u32::MAX as u128) as u32;
+            let attached = match incoming.accept(heartbeat_ms) {
+                Ok(a) => a,
+                Err(e) => return Outcome::Refused(e),
+            };
+            log::info!("agent: rank {} (pid {pid}) attached", req.rank);
+            Outcome::Served(feed(attached, loader, &halt, cfg.heartbeat))
+        })
+        .map_err(|e| Error::ThreadSpawn {
+            thread: "agent feeder",
+            source: e.into(),
+        });
+    match feeder {
+        Ok(feeder) => Ok(Rank {
+            id,
+            pid,
+            rank: req.rank,
+            feeder,
+        }),
+        Err(e) => {
+            beats
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .retain(|(i, _)| *i != id);
+            Err(e)
+        }
+    }
+}
+
+/// The rank's loader: the agent's space (opened once), the rank's ring
+/// (mapped a second time: the attach keeps its own mapping, and each is
+/// unmapped by its owner), the rank's sampler and start position.
+fn build_loader(cfg: &AgentConfig, open: &OpenSpace, incoming: &Incoming) -> Result<Loader> {
+    let req = &incoming.request;
+    let ring = incoming
+        .ring
+        .fd()
+        .try_clone_to_owned()
+        .map_err(|e| Error::io("dup", "attach ring", e))
+        .and_then(|fd| RingMap::open(fd, req.ring_bytes))?;
+    LoaderBuilder::space(&cfg.space)
+        .agent_input(crate::loader::AgentInput {
+            space: open.space.clone(),
+            extents: open.extents.clone(),
+            direct_io: open.direct_io,
+            ring: Arc::new(Mutex::new(Some(ring))),
+        })
+        .batch_size(req.batch_size as usize)
+        .seed(req.seed)
+        .shuffle(req.flags & FLAG_SHUFFLE != 0)
+        .drop_last(req.flags & FLAG_DROP_LAST != 0)
+        .rank(req.rank, req.world)
+        .landing(
+            LandingOptions::default()
+                .ring_bytes(req.ring_bytes)
+                .huge_pages(false)
+                .mlock(false)
+                .cuda(CudaMode::Off),
+        )
+        .pollers(cfg.pollers)
+        .queue_depth(cfg.queue_depth)
+        .registered_buffers(cfg.registered_buffers)
+        .pin(false)
+        .local_rank(0, 1)
+        .start_at(Position {
+            epoch: req.start_epoch,
+            index: req.start_index,
+        })
+        .build()
+}
+
+/// Moves one rank's batches from its loader to its segment until the
+/// rank goes (socket hang-up or a clean detach) or the agent stops.
+/// Returns the batches published. Dropping the loader at the end stops its
+/// pollers after their in-flight reads land; then the ring is unmapped.
+fn feed(
+    mut att: Attached,
+    mut loader: Loader,
+    halt: &AtomicBool,
+    heartbeat: Duration,
+) -> Result<u64> {
+    // Judged by its socket and state word, not by its heartbeat.
+    let live = Liveness {
+        slice: heartbeat,
+        silence_limit: Duration::from_secs(u32::MAX as u64),
+    };
+    let mut released = 0u64;
+    let result = loop {
+        if halt.load(Ordering::Acquire)
+            || att.conn.peer_closed()
+            || att.side.segment().side_status(Side::Rank).0 != side_state::RUNNING
+        {
+            break Ok(());
+        }
+        // The rank's releases free the loader's oldest batches.
+        match att.side.released() {
+            Ok(r) => {
+                while released < r {
+                    assert!(
+                        loader.release_oldest_batch(),
+                        "the rank released a batch the agent never published"
+                    );
+                    released += 1;
+                }
+            }
+            Err(e) => break Err(e),
+        }
+        let room = match att.side.has_room() {
+            Ok(room) => room && loader.keep_bytes_needed().is_none(),
+            Err(e) => break Err(e),
+        };
+        if !room {
+            let conn = &att.conn;
+            let mut check = || {
+                if conn.peer_closed() {
+                    return Err(Error::AttachPeerGone {
+                        peer: "rank",
+                        pid: conn.peer().pid,
+                        silent_ms: 0,
+                        closed: true,
+                    });
+                }
+                Ok(())
+            };
+            let deadline = Some(Instant::now() + heartbeat);
+            match att
+                .side
+                .wait_released(released, &live, deadline, &mut check)
+            {
+                Ok(()) | Err(Error::AttachTimeout { .. }) => continue,
+                Err(Error::AttachPeerGone { .. }) => break Ok(()),
+                Err(e) => break Err(e),
+            }
+        }
+        match loader.acquire_batch_keep() {
+            Ok(0) => {
+                // The epoch's end: go on into the next, as the rank does.
+                let next = loader.position().epoch;
+                if let Err(e) = loader.set_epoch(next) {
+                    break Err(e);
+                }
+            }
+            Ok(_) => {
+                let desc = loader.held_desc().expect("a batch is held");
+                if let Err(e) = att.side.publish(&desc) {
+                    break Err(e);
+                }
+            }
+            Err(e) => break Err(e),
+        }
+    };
+    let published = att.side.published();
+    if let Err(e) = &result {
+        // The rank's wait ends with this error at once.
+        att.side.segment().post_error(Side::Agent, e);
+    } else {
+        att.side.close();
+    }
+    // Pollers stop and their reads land before the ring's mapping goes.
+    drop(loader);
+    drop(att);
+    result.map(|()| published)
+}

@@ -1,0 +1,261 @@
+//! The loader's *attached* mode (issue 28, docs/AGENT.md): the rank starts
+//! no poller; the node's `kspeed agent` reads the rank's samples into the
+//! rank's own ring (a sealed memfd passed at attach) and publishes whole
+//! batches through the attach segment. Per batch only a ready word and a
+//! release mark cross the process boundary.
+//!
+//! The rank still computes its schedule itself (the same cursor the agent
+//! runs), so every batch's sample ids, lengths and ring offsets are known
+//! here without a per-sample message; the agent's descriptor is checked
+//! against them. Also here: the agent-side inputs a loader built inside
+//! the agent takes instead of opening the space and mapping a ring itself.
+
+use std::collections::VecDeque;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use crate::agent::attach::{attach, AttachConn};
+use crate::agent::msg::{AttachRequest, FLAG_DROP_LAST, FLAG_SHUFFLE};
+use crate::agent::segment::{
+    segment_bytes, BatchDesc, Liveness, RankSide, Segment, Side, MAX_SLOTS,
+};
+use crate::agent::shm::RingMap;
+use crate::dataset::Space;
+use crate::error::{Error, Result};
+use crate::sampler::Position;
+
+/// Whether a loader reads through the node's agent (`agent` option).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AgentMode {
+    /// Never: the loader runs its own pollers (embedded).
+    Off,
+    /// The default. In cluster mode with an agent socket present: attached; otherwise
+    /// (or when the attach fails, with one WARN) embedded. The README's
+    /// single-node first command is therefore unchanged.
+    #[default]
+    Auto,
+    /// Always attached; no agent is [`Error::NoAgent`].
+    Required,
+}
+
+impl AgentMode {
+    /// Parses `off`, `auto` or `required`.
+    pub fn parse(s: &str) -> Option<AgentMode> {
+        match s {
+            "off" => Some(AgentMode::Off),
+            "auto" => Some(AgentMode::Auto),
+            "required" => Some(AgentMode::Required),
+            _ => None,
+        }
+    }
+}
+
+/// The agent's socket when none is given: `$KSPEED_AGENT_SOCKET`, else
+/// `/run/kspeed/agent.sock`.
+pub fn default_agent_socket() -> PathBuf {
+    std::env::var_os("KSPEED_AGENT_SOCKET")
+        .filter(|s| !s.is_empty())
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/run/kspeed/agent.sock"))
+}
+
+/// How long the rank waits for the agent to answer its ATTACH.
+const ATTACH_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// What a loader built inside the agent is given instead of opening the
+/// space and mapping a ring: the space the agent opened and checked once,
+/// its extent files (opened once, shared by every rank's pollers) and the
+/// rank's ring.
+#[derive(Clone)]
+pub(crate) struct AgentInput {
+    pub(crate) space: Arc<Space>,
+    pub(crate) extents: Arc<[std::fs::File]>,
+    pub(crate) direct_io: bool,
+    /// Taken by the build (a builder is Clone; the ring is not).
+    pub(crate) ring: Arc<Mutex<Option<RingMap>>>,
+}
+
+impl std::fmt::Debug for AgentInput {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AgentInput")
+            .field("space", &self.space.dir())
+            .field("extents", &self.extents.len())
+            .finish()
+    }
+}
+
+/// The rank's settings an attach sends (the agent computes the schedule
+/// from them).
+#[derive(Debug, Clone)]
+pub(crate) struct AttachSettings {
+    pub(crate) socket: PathBuf,
+    pub(crate) dataset_id: u64,
+    pub(crate) seed: u64,
+    pub(crate) rank: u32,
+    pub(crate) world: u32,
+    pub(crate) batch_size: u32,
+    pub(crate) shuffle: bool,
+    pub(crate) drop_last: bool,
+    /// Batch slots of the segment: as many batches as the ring can hold.
+    pub(crate) slots: u32,
+}
+
+/// Slots for a ring of `table_len` sample slots and batches of
+/// `batch_size`: the most batches the ring can hold at once (a power of
+/// two, at most [`MAX_SLOTS`]).
+pub(crate) fn slots_for(table_len: u64, batch_size: usize) -> u32 {
+    let batches = (table_len / batch_size as u64).max(1) + 1;
+    batches.next_power_of_two().min(u64::from(MAX_SLOTS)) as u32
+}
+
+/// One attach of a rank to the agent: the connection (its hang-up tells
+/// the agent the rank is gone), the rank's side of the segment, and the
+/// batches taken and not yet released.
+pub(crate) struct RankAttach {
+    socket: PathBuf,
+    conn: AttachConn,
+    side: RankSide,
+    live: Liveness,
+    /// First sequence number (g) of every batch taken and not released,
+    /// oldest first (at most `slots`; allocated once).
+    out: VecDeque<u64>,
+    /// Batches released (the release mark).
+    released: u64,
+    slots: u32,
+}
+
+impl std::fmt::Debug for RankAttach {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RankAttach")
+            .field("socket", &self.socket)
+            .finish()
+    }
+}
+
+impl RankAttach {
+    /// Attaches `ring` at `start`: a fresh segment, the ATTACH, the reply.
+    /// Any failure is [`Error::NoAgent`] naming the socket.
+    pub(crate) fn connect(s: &AttachSettings, ring: &RingMap, start: Position) -> Result<Self> {
+        let no_agent = |e: Error| Error::NoAgent {
+            socket: s.socket.clone(),
+            reason: e.to_string(),
+        };
+        let seg = Segment::create(s.slots, ring.len()).map_err(no_agent)?;
+        let side = RankSide::new(seg).map_err(no_agent)?;
+        let req = AttachRequest {
+            generation: side.generation(),
+            dataset_id: s.dataset_id,
+            seed: s.seed,
+            rank: s.rank,
+            world: s.world,
+            batch_size: s.batch_size,
+            slots: s.slots,
+            start_epoch: start.epoch,
+            start_index: start.index,
+            ring_bytes: ring.len(),
+            segment_bytes: segment_bytes(s.slots),
+            flags: if s.shuffle { FLAG_SHUFFLE } else { 0 }
+                | if s.drop_last { FLAG_DROP_LAST } else { 0 },
+        };
+        let (conn, reply) =
+            attach(&s.socket, &req, ring, side.segment(), ATTACH_TIMEOUT).map_err(no_agent)?;
+        let beat = Duration::from_millis(u64::from(reply.heartbeat_ms.max(1)));
+        log::info!(
+            "attached to the kspeed agent at {} (pid {}, heartbeat {} ms)",
+            s.socket.display(),
+            reply.agent_pid,
+            reply.heartbeat_ms
+        );
+        Ok(RankAttach {
+            socket: s.socket.clone(),
+            conn,
+            side,
+            // Gone after 3 heartbeats without one.
+            live: Liveness {
+                slice: beat,
+                silence_limit: beat * 3,
+            },
+            out: VecDeque::with_capacity(s.slots as usize),
+            released: 0,
+            slots: s.slots,
+        })
+    }
+
+    /// The next batch: its descriptor once the agent published it (no
+    /// system call while batches are ahead); `first_g` is its first
+    /// sample's sequence number, kept until it is released.
+    pub(crate) fn take(&mut self, first_g: u64) -> Result<BatchDesc> {
+        let desc = match self.side.try_take() {
+            Some(d) => d,
+            None => {
+                let conn = &self.conn;
+                let socket = &self.socket;
+                let mut hung_up = false;
+                let r = self.side.wait_take(&self.live, None, &mut || {
+                    if conn.peer_closed() {
+                        hung_up = true;
+                        return Err(Error::AttachSocket {
+                            path: socket.clone(),
+                            what: "hung up".into(),
+                        });
+                    }
+                    Ok(())
+                });
+                match r {
+                    Ok(d) => d,
+                    Err(e) => return Err(self.gone(e, hung_up)),
+                }
+            }
+        };
+        // The agent publishes at most `slots` batches past the release
+        // mark, so more out than that is a bug on one side.
+        assert!(
+            self.out.len() < self.slots as usize,
+            "more batches out than the segment's {} slots",
+            self.slots
+        );
+        self.out.push_back(first_g);
+        Ok(desc)
+    }
+
+    /// The agent-gone error for a failed wait.
+    fn gone(&self, e: Error, hung_up: bool) -> Error {
+        let (_, pid, silent_ns) = self.side.segment().side_status(Side::Agent);
+        let why = match e {
+            Error::AttachPeerGone { closed: true, .. } => "it detached".to_string(),
+            Error::AttachPeerGone { silent_ms, .. } => {
+                format!("no heartbeat for {silent_ms} ms")
+            }
+            _ if hung_up => "its socket hung up".to_string(),
+            other => return other,
+        };
+        Error::AgentGone {
+            socket: self.socket.clone(),
+            pid,
+            last_heartbeat_ms: silent_ns / 1_000_000,
+            why,
+        }
+    }
+
+    /// Releases every batch whose first sample comes before `g` (the
+    /// loader's released mark moved to sample `g`).
+    pub(crate) fn release_before(&mut self, g: u64) {
+        let before = self.released;
+        while self.out.front().is_some_and(|&first| first < g) {
+            self.out.pop_front();
+            self.released += 1;
+        }
+        if self.released != before {
+            self.side.release(self.released);
+        }
+    }
+}
+
+impl Drop for RankAttach {
+    fn drop(&mut self) {
+        // A clean detach: the agent stops this rank's pollers, lets their
+        // reads land and unmaps (the connection's hang-up says the same).
+        self.side.close();
+    }
+}

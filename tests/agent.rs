@@ -1,0 +1,485 @@
+//! `kspeed agent` with real rank processes (`kspeed read --agent required`)
+//! over one local space (issue 28, first slice): byte-exact, ordered
+//! delivery against embedded reads of the same rank/world/seed; a rank
+//! killed with SIGKILL leaves the others exact and the agent serving; an
+//! agent killed with SIGKILL gives the ranks `AgentGone` within its
+//! heartbeats. Every wait is on a condition with a deadline.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use common::{gen, kspeed_bin, ok, s, text};
+
+/// A space of `count` tiny samples (about 4.5 KiB each).
+fn space(dir: &Path, count: u64) -> PathBuf {
+    let src = dir.join("src");
+    gen("tiny", count, &src);
+    let sp = dir.join("space");
+    ok(&["preload", "--source", s(&src), "--space", s(&sp)]);
+    sp
+}
+
+/// Lines a child wrote to one stream, collected by a thread.
+#[derive(Clone, Default)]
+struct Lines(Arc<(Mutex<Vec<String>>, Condvar)>);
+
+impl Lines {
+    fn follow(stream: impl std::io::Read + Send + 'static) -> Lines {
+        let l = Lines::default();
+        let l2 = l.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stream).lines() {
+                let Ok(line) = line else { break };
+                let (m, cv) = &*l2.0;
+                m.lock().unwrap().push(line);
+                cv.notify_all();
+            }
+        });
+        l
+    }
+
+    /// Waits for a line containing every one of `needles`.
+    fn wait_for(&self, needles: &[&str], within: Duration) -> String {
+        let deadline = Instant::now() + within;
+        let (m, cv) = &*self.0;
+        let mut g = m.lock().unwrap();
+        loop {
+            if let Some(l) = g.iter().find(|l| needles.iter().all(|n| l.contains(n))) {
+                return l.clone();
+            }
+            let now = Instant::now();
+            assert!(
+                now < deadline,
+                "no line with {needles:?} within {within:?}; got:\n{}",
+                g.join("\n")
+            );
+            g = cv.wait_timeout(g, deadline - now).unwrap().0;
+        }
+    }
+
+    fn all(&self) -> String {
+        self.0 .0.lock().unwrap().join("\n")
+    }
+}
+
+/// A running `kspeed agent`; killed with SIGKILL when dropped.
+struct Agent {
+    child: Child,
+    log: Lines,
+}
+
+impl Agent {
+    fn start(space: &Path, socket: &Path, extra: &[&str]) -> Agent {
+        let mut child = Command::new(kspeed_bin())
+            .args(["agent", "-v", "--space", s(space), "--socket", s(socket)])
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn kspeed agent");
+        let out = Lines::follow(child.stdout.take().unwrap());
+        let log = Lines::follow(child.stderr.take().unwrap());
+        out.wait_for(&["agent serving"], Duration::from_secs(30));
+        Agent { child, log }
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// `kspeed read` arguments for rank `rank` of `world`.
+fn read_args(space: &Path, rank: u32, world: u32, epochs: u64, extra: &[&str]) -> Vec<String> {
+    let mut v: Vec<String> = [
+        "read",
+        "--progress=none",
+        "--json",
+        "--digest",
+        "--space",
+        s(space),
+        "--rank",
+        &rank.to_string(),
+        "--world",
+        &world.to_string(),
+        "--seed",
+        "11",
+        "--batch-size",
+        "16",
+        // A small ring: many wraps, and flow control through the agent.
+        "--ring-bytes",
+        "256KiB",
+        "--epochs",
+        &epochs.to_string(),
+        "--start-epoch",
+        "1",
+    ]
+    .iter()
+    .map(|a| a.to_string())
+    .collect();
+    v.extend(extra.iter().map(|a| a.to_string()));
+    v
+}
+
+fn spawn_read(args: &[String]) -> Child {
+    Command::new(kspeed_bin())
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn kspeed read")
+}
+
+/// Waits for a child to exit, at most `within` (then kills it and fails).
+fn wait_output(child: Child, within: Duration) -> std::process::Output {
+    let pid = child.id();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    match rx.recv_timeout(within) {
+        Ok(o) => o.expect("wait for the child"),
+        Err(_) => {
+            let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+            panic!("pid {pid} did not exit within {within:?}");
+        }
+    }
+}
+
+/// Waits for a read and returns its (samples, digest) from `--json`.
+fn finish(child: Child) -> (u64, String) {
+    let o = wait_output(child, Duration::from_secs(120));
+    assert!(o.status.success(), "kspeed read failed:\n{}", text(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("json report");
+    (
+        v["samples"].as_u64().expect("samples"),
+        v["digest"].as_str().expect("digest").to_string(),
+    )
+}
+
+fn embedded(space: &Path, rank: u32, world: u32, epochs: u64) -> (u64, String) {
+    finish(spawn_read(&read_args(
+        space,
+        rank,
+        world,
+        epochs,
+        &["--agent", "off"],
+    )))
+}
+
+fn attached_args(space: &Path, sock: &Path, rank: u32, world: u32, epochs: u64) -> Vec<String> {
+    read_args(
+        space,
+        rank,
+        world,
+        epochs,
+        &["--agent", "required", "--agent-socket", s(sock)],
+    )
+}
+
+/// 2, 4 and 8 rank processes at once through one agent deliver exactly
+/// what each rank reads embedded: the same samples in the same order, byte
+/// for byte (an order-sensitive digest of ids and bytes), over two epochs
+/// (the second continues what the agent read ahead).
+#[test]
+fn attached_ranks_deliver_exactly_what_embedded_ranks_do() {
+    let dir = tempfile::tempdir().unwrap();
+    let sp = space(dir.path(), 1500);
+    let sock = dir.path().join("agent.sock");
+    let agent = Agent::start(&sp, &sock, &[]);
+    for world in [2u32, 4, 8] {
+        let ranks: Vec<Child> = (0..world)
+            .map(|r| spawn_read(&attached_args(&sp, &sock, r, world, 2)))
+            .collect();
+        let got: Vec<(u64, String)> = ranks.into_iter().map(finish).collect();
+        for (r, g) in got.iter().enumerate() {
+            let want = embedded(&sp, r as u32, world, 2);
+            assert_eq!(g, &want, "rank {r} of {world}");
+            assert_eq!(g.0, 2 * 1500_u64.div_ceil(world as u64));
+        }
+    }
+    // Every rank attached and ended cleanly.
+    agent
+        .log
+        .wait_for(&["rank 7", "ended after"], Duration::from_secs(10));
+    // No attach refused or failed (a stall warning under load is fine).
+    let log = agent.log.all();
+    assert!(
+        !log.contains("attach refused") && !log.contains("attach failed"),
+        "{log}"
+    );
+}
+
+/// `agent = required` with no agent is a named error naming the socket.
+#[test]
+fn required_without_an_agent_is_a_named_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let sp = space(dir.path(), 50);
+    let sock = dir.path().join("none.sock");
+    let o = Command::new(kspeed_bin())
+        .args(attached_args(&sp, &sock, 0, 1, 1))
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("no kspeed agent at") && err.contains("none.sock"),
+        "{err}"
+    );
+    // `auto` outside cluster mode never looks for one: embedded.
+    let o = Command::new(kspeed_bin())
+        .args(read_args(
+            &sp,
+            0,
+            1,
+            1,
+            &["--agent", "auto", "--agent-socket", s(&sock)],
+        ))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+}
+
+/// A rank killed with SIGKILL mid-epoch: the agent sees its socket hang
+/// up, stops its pollers (their reads land) and unmaps its ring; the other
+/// ranks finish exactly, and the agent still takes new ranks.
+#[test]
+fn a_killed_rank_leaves_the_others_exact() {
+    let dir = tempfile::tempdir().unwrap();
+    let sp = space(dir.path(), 1200);
+    let sock = dir.path().join("agent.sock");
+    let agent = Agent::start(&sp, &sock, &[]);
+    let world = 3;
+    // Rank 1 computes 20 ms per batch: its first epoch takes seconds.
+    let mut slow = attached_args(&sp, &sock, 1, world, 2);
+    slow.extend(["--compute-us".to_string(), "20000".to_string()]);
+    let mut victim = spawn_read(&slow);
+    let pid = victim.id().to_string();
+    agent
+        .log
+        .wait_for(&["rank 1", &pid, "attached"], Duration::from_secs(30));
+    let others: Vec<Child> = [0u32, 2]
+        .iter()
+        .map(|&r| spawn_read(&attached_args(&sp, &sock, r, world, 2)))
+        .collect();
+    victim.kill().unwrap();
+    let _ = victim.wait();
+    let t0 = Instant::now();
+    let ended = agent
+        .log
+        .wait_for(&["rank 1", &pid, "ended"], Duration::from_secs(10));
+    eprintln!(
+        "agent released the killed rank in {} ms: {ended}",
+        t0.elapsed().as_millis()
+    );
+    for (o, r) in others.into_iter().zip([0u32, 2]) {
+        assert_eq!(finish(o), embedded(&sp, r, world, 2), "rank {r}");
+    }
+    // The agent goes on serving: rank 1 again, from the start.
+    let again = spawn_read(&attached_args(&sp, &sock, 1, world, 2));
+    assert_eq!(finish(again), embedded(&sp, 1, world, 2));
+    assert!(!agent.log.all().contains("panicked"), "{}", agent.log.all());
+}
+
+/// The agent killed with SIGKILL: a rank waiting for its next batch gets
+/// `AgentGone` naming the socket, within 3 heartbeats (plus the machine's
+/// scheduling slack).
+#[test]
+fn a_killed_agent_gives_agent_gone_in_time() {
+    let dir = tempfile::tempdir().unwrap();
+    let sp = space(dir.path(), 600);
+    let sock = dir.path().join("agent.sock");
+    let mut agent = Agent::start(&sp, &sock, &["--heartbeat-ms", "100"]);
+    // Many epochs: the rank is still reading when the agent dies.
+    let args = attached_args(&sp, &sock, 0, 1, 1_000_000);
+    let rank = spawn_read(&args);
+    let pid = rank.id().to_string();
+    agent
+        .log
+        .wait_for(&["rank 0", &pid, "attached"], Duration::from_secs(30));
+    let t0 = Instant::now();
+    agent.child.kill().unwrap();
+    let _ = agent.child.wait();
+    let o = wait_output(rank, Duration::from_secs(30));
+    let took = t0.elapsed();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(
+        err.contains("kspeed agent at") && err.contains("is gone") && err.contains("agent.sock"),
+        "{err}"
+    );
+    assert!(err.contains(&format!("pid {}", agent.pid())), "{err}");
+    eprintln!("AgentGone after {} ms: {err}", took.as_millis());
+    assert!(
+        took < Duration::from_millis(300 + 1200),
+        "AgentGone took {took:?}"
+    );
+}
+
+/// What a loader delivers through a script of calls that restarts it
+/// (another epoch, a restored position) and keeps batches out: every
+/// sample's (id, bytes) in order.
+fn script(mut l: kspeed::loader::Loader) -> Vec<(u64, Vec<u8>)> {
+    fn take(l: &mut kspeed::loader::Loader, n: usize, got: &mut Vec<(u64, Vec<u8>)>) {
+        for _ in 0..n {
+            let b = l.next_batch().unwrap().expect("a batch");
+            got.extend(b.iter().map(|s| (s.id, s.bytes.to_vec())));
+        }
+    }
+    let mut got = Vec::new();
+    take(&mut l, 3, &mut got);
+    let saved = l.save_position();
+    take(&mut l, 2, &mut got);
+    // Another epoch: a restart, so a fresh attach.
+    l.set_epoch(4).unwrap();
+    take(&mut l, 2, &mut got);
+    l.restore_position(&saved).unwrap();
+    take(&mut l, 2, &mut got);
+    // Two batches out at once (the Python package's way), released
+    // oldest first.
+    for _ in 0..2 {
+        assert!(l.acquire_batch_keep().unwrap() > 0);
+        got.extend((0..l.held_len()).map(|i| {
+            let s = l.held_sample(i);
+            (s.id, s.bytes.to_vec())
+        }));
+    }
+    assert!(l.release_oldest_batch());
+    assert!(l.release_oldest_batch());
+    take(&mut l, 1, &mut got);
+    got
+}
+
+/// In one process, through the library: restarts (`set_epoch` to another
+/// epoch, `restore_position`) attach anew and deliver what an embedded
+/// loader does, as do batches kept out together.
+#[test]
+fn restarts_and_kept_batches_match_embedded() {
+    use kspeed::loader::{AgentMode, LoaderBuilder};
+    let dir = tempfile::tempdir().unwrap();
+    let sp = space(dir.path(), 400);
+    let sock = dir.path().join("agent.sock");
+    let _agent = Agent::start(&sp, &sock, &[]);
+    let build = |mode| {
+        LoaderBuilder::space(&sp)
+            .batch_size(8)
+            .seed(3)
+            .rank(1, 2)
+            .ring_bytes(256 << 10)
+            .pin(false)
+            .agent(mode)
+            .agent_socket(Some(sock.clone()))
+            .build()
+            .unwrap()
+    };
+    let want = script(build(AgentMode::Off));
+    let got = script(build(AgentMode::Required));
+    assert_eq!(got.len(), want.len());
+    assert!(got == want, "attached and embedded differ");
+}
+
+/// An attached rank resumes its own position (same world) as an embedded
+/// one does, but an epoch dealt from another world's job position is
+/// refused by name before anything changes (the agent deals ordinary
+/// epochs only), and the loader goes on from where it was.
+#[test]
+fn attached_resume_at_another_world_is_refused_by_name() {
+    use kspeed::loader::{AgentMode, LoaderBuilder};
+    let dir = tempfile::tempdir().unwrap();
+    let sp = space(dir.path(), 400);
+    let sock = dir.path().join("agent.sock");
+    let _agent = Agent::start(&sp, &sock, &[]);
+    let build = |mode, rank, world| {
+        LoaderBuilder::space(&sp)
+            .batch_size(8)
+            .seed(3)
+            .rank(rank, world)
+            .ring_bytes(256 << 10)
+            .pin(false)
+            .agent(mode)
+            .agent_socket(Some(sock.clone()))
+            .build()
+            .unwrap()
+    };
+    let mut two = build(AgentMode::Off, 0, 2);
+    for _ in 0..3 {
+        two.next_batch().unwrap().unwrap();
+    }
+    let job = two.save_job_position();
+    let own = two.save_position();
+    let mut three = build(AgentMode::Required, 0, 3);
+    match three.restore_job_position(&job) {
+        Err(kspeed::Error::InvalidConfig(m)) => assert!(m.contains("agent = off"), "{m}"),
+        r => panic!("{r:?}"),
+    }
+    let first = three
+        .next_batch()
+        .unwrap()
+        .unwrap()
+        .iter()
+        .map(|b| b.id)
+        .collect::<Vec<_>>();
+    let mut plain = build(AgentMode::Off, 0, 3);
+    let want = plain
+        .next_batch()
+        .unwrap()
+        .unwrap()
+        .iter()
+        .map(|b| b.id)
+        .collect::<Vec<_>>();
+    assert_eq!(first, want, "the refused restore changed nothing");
+    // The same world resumes attached exactly as embedded.
+    let mut again = build(AgentMode::Required, 0, 2);
+    again.restore_position(&own).unwrap();
+    let got = again
+        .next_batch()
+        .unwrap()
+        .unwrap()
+        .iter()
+        .map(|b| b.id)
+        .collect::<Vec<_>>();
+    two.restore_position(&own).unwrap();
+    let want = two
+        .next_batch()
+        .unwrap()
+        .unwrap()
+        .iter()
+        .map(|b| b.id)
+        .collect::<Vec<_>>();
+    assert_eq!(got, want);
+}
+
+/// A peer that connects and never sends its ATTACH holds the agent's
+/// accept for the ATTACH deadline (5 s): the agent's heartbeat must not
+/// stop meanwhile, or a rank waiting for data counts it gone. (The first
+/// version beat from the accept loop and failed this with `AgentGone`.)
+#[test]
+fn a_silent_connection_does_not_silence_the_heartbeat() {
+    let dir = tempfile::tempdir().unwrap();
+    let sp = space(dir.path(), 1500);
+    let sock = dir.path().join("agent.sock");
+    // One read in flight: the rank mostly waits for data and the feeder
+    // for reads (not for room, where it would beat itself).
+    let agent = Agent::start(&sp, &sock, &["--queue-depth", "1"]);
+    // Enough epochs that the rank reads (and waits for the disk) well
+    // past the silent peer's arrival.
+    let rank = spawn_read(&attached_args(&sp, &sock, 0, 2, 15));
+    let pid = rank.id().to_string();
+    agent
+        .log
+        .wait_for(&["rank 0", &pid, "attached"], Duration::from_secs(30));
+    let silent = kspeed::agent::attach::AttachConn::connect(&sock, Duration::from_secs(5)).unwrap();
+    assert_eq!(finish(rank), embedded(&sp, 0, 2, 15));
+    drop(silent);
+}
