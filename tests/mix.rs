@@ -273,7 +273,7 @@ fn a_mixture_resumes_at_another_world_size_exactly_once() {
         let saved = kspeed::sampler::SavedPosition::decode(&l.save_position()).unwrap();
         assert!(saved.mixture);
         match kspeed::sampler::audit_positions(&[saved]) {
-            Err(Error::AuditMismatch(m)) => assert!(m.contains("mixture"), "{m}"),
+            Err(Error::BadPosition(m)) => assert!(m.contains("mixture"), "{m}"),
             r => panic!("{r:?}"),
         }
         job = Some(l.save_job_position());

@@ -550,7 +550,7 @@ impl LoaderBuilder {
             && match self.agent {
                 super::AgentMode::Off => false,
                 super::AgentMode::Required => true,
-                super::AgentMode::Auto => self.cluster.is_some() && socket.exists(),
+                super::AgentMode::Auto => self.cluster.is_some() && self.agent_serves(&socket),
             };
         if !attach {
             return self.build_with(None);
@@ -568,23 +568,61 @@ impl LoaderBuilder {
         }
     }
 
+    /// What this loader needs that the node agent cannot give yet, if
+    /// anything (attached mode refuses it; `auto` stays embedded).
+    fn agent_refusal(&self) -> Option<&'static str> {
+        if !self.mix.is_empty() {
+            Some("a single space (mixtures through the agent are not built yet)")
+        } else if self.space.is_none() {
+            Some("a space (the agent reads its node's space, not a source)")
+        } else if self.tier_bytes > 0 {
+            Some("no memory tier (the node tier is the agent's, not built yet)")
+        } else if self.gpu_ring.is_some() {
+            Some("a host ring (GPU rings through the agent are not built yet)")
+        } else if self.faults.is_some() {
+            Some("no fault injection")
+        } else {
+            None
+        }
+    }
+
+    /// `agent = auto` in cluster mode: whether the agent at `socket` can
+    /// serve this loader. It can when one listens there (the socket
+    /// exists), the loader needs nothing it lacks, and this node holds the
+    /// whole space: the agent has no links to other nodes yet, so a rank
+    /// whose samples are partly remote reads with its own pollers and
+    /// connections. Each "no" is logged at info with its reason.
+    fn agent_serves(&self, socket: &Path) -> bool {
+        if !socket.exists() {
+            return false;
+        }
+        let why = match (self.agent_refusal(), &self.space) {
+            (Some(why), _) => format!("it needs {why}"),
+            (None, Some(dir)) => match Space::open(dir) {
+                Ok(sp) if sp.held_samples() == sp.catalog().len() => return true,
+                Ok(sp) => format!(
+                    "this node holds {} of the space's {} samples and the agent has no links to other nodes yet",
+                    sp.held_samples(),
+                    sp.catalog().len()
+                ),
+                // The embedded build names what is wrong with the space.
+                Err(_) => return false,
+            },
+            (None, None) => unreachable!("agent_refusal asks for a space"),
+        };
+        log::info!(
+            "agent = auto: not attaching to the node agent at {}: {why}; reading with this process's own pollers",
+            socket.display()
+        );
+        false
+    }
+
     /// The build, attached to the agent at `attach` or embedded.
     fn build_with(self, attach: Option<PathBuf>) -> Result<Loader> {
         if attach.is_some() {
-            let why = if self.space.is_none() {
-                Some("a space (the agent reads its node's space, not a source)")
-            } else if self.tier_bytes > 0 {
-                Some("no memory tier (the node tier is the agent's, not built yet)")
-            } else if self.gpu_ring.is_some() {
-                Some("a host ring (GPU rings through the agent are not built yet)")
-            } else if self.faults.is_some() {
-                Some("no fault injection")
-            } else {
-                None
-            };
-            if let Some(why) = why {
+            if let Some(why) = self.agent_refusal() {
                 return Err(Error::InvalidConfig(format!(
-                    "reading through the node agent (agent = required/auto) needs {why}"
+                    "reading through the node agent (agent = required) needs {why}"
                 )));
             }
         }
@@ -1153,4 +1191,60 @@ fn largest_slots(catalog: &Catalog, geo: Geometry, n: usize) -> u64 {
         }
     }
     heap.into_iter().map(|Reverse(s)| s).sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dataset::{Placement, PreloadOptions, SourceSpec};
+    use crate::sampler::Weight;
+
+    /// `agent = auto` in cluster mode attaches only where the agent can
+    /// serve the loader: a socket there, nothing the agent lacks, and the
+    /// whole space on this node (no links to other nodes yet).
+    #[test]
+    fn auto_attaches_only_where_the_agent_can_serve() {
+        let t = tempfile::tempdir().unwrap();
+        let src = t.path().join("src");
+        std::fs::create_dir_all(&src).unwrap();
+        for i in 0..16u64 {
+            std::fs::write(
+                src.join(format!("f{i:02}.bin")),
+                vec![i as u8; 100 + i as usize],
+            )
+            .unwrap();
+        }
+        let spec = SourceSpec::parse(&format!("dir:{}", src.display())).unwrap();
+        let space = |nodes: u32| {
+            let dir = t.path().join(format!("space-of-{nodes}"));
+            let opts = PreloadOptions::default()
+                .source(Some(spec.clone()))
+                .placement(Placement::new(nodes, 1).unwrap())
+                .node_index(0)
+                .threads(1)
+                .check_free_space(false);
+            crate::dataset::preload(&dir, &opts).unwrap();
+            dir
+        };
+        let (whole, part) = (space(1), space(2));
+        let socket = t.path().join("agent.sock");
+        let cluster =
+            crate::transport::Cluster::from_addrs(&["127.0.0.1:1", "127.0.0.1:2"], "test").unwrap();
+        let b = |dir: &Path| LoaderBuilder::space(dir).cluster(cluster.clone());
+        // No socket: embedded.
+        assert!(!b(&whole).agent_serves(&socket));
+        std::fs::write(&socket, b"").unwrap();
+        assert!(b(&whole).agent_serves(&socket));
+        // Part of the space here: the rest is on nodes the agent has no
+        // link to.
+        assert!(!b(&part).agent_serves(&socket));
+        // Something the agent lacks.
+        assert!(!b(&whole).tier_bytes(1 << 20).agent_serves(&socket));
+        let mix = LoaderBuilder::mix([
+            (whole.to_str().unwrap(), Weight::Repeat(1.0)),
+            (whole.to_str().unwrap(), Weight::Repeat(1.0)),
+        ]);
+        assert!(!mix.agent_serves(&socket));
+        assert!(mix.agent_refusal().unwrap().contains("mixtures"));
+    }
 }

@@ -210,7 +210,7 @@ pub fn audit_positions(saved: &[SavedPosition]) -> Result<Vec<AuditReport>> {
         .first()
         .ok_or_else(|| Error::AuditMismatch("no positions given".into()))?;
     if let Some(i) = saved.iter().position(|s| s.mixture) {
-        return Err(Error::AuditMismatch(format!(
+        return Err(Error::BadPosition(format!(
             "position {i} was saved by a loader reading a mixture of datasets: the audit does not cover mixtures yet"
         )));
     }

@@ -139,3 +139,26 @@ def test_numpy_scalars_are_the_numbers_they_stand_for(tmp_path):
         kspeed.Loader(str(tmp_path), queue_depth=np.int64(32768))
     with pytest.raises(ValueError, match="option node_timeout: 0 is below the minimum"):
         kspeed.Loader(str(tmp_path), cluster=["127.0.0.1:9"], token="t", node_timeout=np.float64(0.0))
+
+
+# Table keys that kspeed.Loader takes under another keyword: the cluster
+# comes as one ``cluster=`` argument (a file, a list or 'env'), the node
+# timeout in seconds.
+UNDER_ANOTHER_NAME = {"cluster_file": "cluster", "cluster_nodes": "cluster", "cluster_env": "cluster",
+                      "node_timeout_ms": "node_timeout"}
+
+
+def test_every_table_key_is_a_loader_keyword():
+    missing = [o["name"] for o in kspeed.options()
+               if o["name"] not in LOADER_ARGS and UNDER_ANOTHER_NAME.get(o["name"]) not in LOADER_ARGS]
+    assert not missing, f"options of the table that kspeed.Loader does not take: {missing}"
+
+
+def test_agent_required_without_an_agent_is_named(tmp_path, space):
+    sock = tmp_path / "no-agent.sock"
+    with pytest.raises(kspeed.NetworkError, match=r"no kspeed agent at .*no-agent\.sock"):
+        kspeed.Loader(space, agent="required", agent_socket=sock, ring_bytes="4MiB", pin=False)
+    with pytest.raises(ValueError, match="agent"):
+        kspeed.Loader(space, agent="sometimes")
+    # Off never looks for one.
+    kspeed.Loader(space, agent="off", agent_socket=sock, ring_bytes="4MiB", pin=False).close()

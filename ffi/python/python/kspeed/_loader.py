@@ -321,6 +321,8 @@ class Loader:
         local_node=None,
         mix=None,
         mix_epoch_size=None,
+        agent="auto",
+        agent_socket=None,
         start_epoch=0,
         end_epoch=None,
         batches_in_flight=2,
@@ -455,6 +457,12 @@ class Loader:
                 raise ValueError("rdma=True is for cluster mode (cluster='env', a cluster file or a node list)")
             if token is not None or token_file is not None:
                 raise ValueError("token/token_file are for cluster mode (give cluster= too)")
+        # The node agent (docs/AGENT.md): 'auto' attaches in cluster mode
+        # only where the agent can serve this loader, 'off' never,
+        # 'required' or a named error.
+        cfg["agent"] = _opt("agent", agent)
+        if agent_socket is not None:
+            cfg["agent_socket"] = _path("agent_socket", agent_socket, must_exist=False)
         cfg["start_epoch"] = _opt("start_epoch", start_epoch)
         if end_epoch is not None:
             end = _opt("end_epoch", end_epoch)
