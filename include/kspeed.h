@@ -765,7 +765,10 @@ ksp_status ksp_loader_job_position(const ksp_loader *l,
 // position ([`ksp_loader_job_position`]) or any rank's saved position
 // ([`super::ksp_loader_save_position`], whose job position is taken). A
 // position of another dataset, seed, shuffle or drop_last is
-// `KSP_ERR_INVALID_ARG`, naming what differs. Releases a held batch.
+// `KSP_ERR_INVALID_ARG`, naming what differs. A loader attached to the
+// node agent (`agent`) refuses a position whose epoch another world dealt
+// (`KSP_ERR_INVALID_ARG`: the agent deals ordinary epochs only; build it
+// with `agent = off`) and goes on where it was. Releases a held batch.
 //
 // Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_INVALID_ARG`; a loader
 // that failed earlier returns its first error's status.
