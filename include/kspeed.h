@@ -516,7 +516,7 @@ void ksp_config_free(ksp_config *cfg);
 // | `rdma_device` | text |  |  | the first device | RDMA device name; implies `rdma` |
 // | `rdma_port` | int | 1 to 255 |  | 1 | RDMA port number; implies `rdma` |
 // | `rdma_gid_index` | int or auto | 0 to 255 |  | auto | GID index (`auto`: the RoCE v2 GID of the connection's address); implies `rdma` |
-// | `agent` | choice | auto, off, required |  | auto | read through the node's `kspeed agent` (docs/DEPLOY.md): `required` always (no agent is a `NoAgent` error), `auto` in cluster mode when its socket exists, `off` never (this process's own pollers) |
+// | `agent` | choice | auto, off, required |  | auto | read through the node's `kspeed agent` (docs/DEPLOY.md): `required` always (no agent is a `NoAgent` error), `auto` in cluster mode where the agent can serve this loader (its socket exists, the whole space is on this node, no tier, GPU ring or mixture), `off` never (this process's own pollers) |
 // | `agent_socket` | path |  |  | KSPEED_AGENT_SOCKET, else /run/kspeed/agent.sock | the node agent's attach socket |
 // | `local_node` | int | 0 to 65535 |  | the local space's node; none with a source | cluster mode: the node this process runs on (its samples are never requested over the network) |
 // <!-- options:end -->

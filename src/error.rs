@@ -600,7 +600,7 @@ pub enum Error {
         /// What showed it ("no heartbeat", "its socket hung up", "it detached").
         why: String,
     },
-    /// `agent = required` (or `auto` in cluster mode with a socket) and no
+    /// `agent = required` (or `auto` where the agent could serve) and no
     /// agent could be attached to.
     #[error("no kspeed agent at {}: {reason} (start one with `kspeed agent --space DIR`, docs/DEPLOY.md; or set agent = off)", socket.display())]
     NoAgent {

@@ -30,9 +30,11 @@ use crate::sampler::Position;
 pub enum AgentMode {
     /// Never: the loader runs its own pollers (embedded).
     Off,
-    /// The default. In cluster mode with an agent socket present: attached; otherwise
-    /// (or when the attach fails, with one WARN) embedded. The README's
-    /// single-node first command is therefore unchanged.
+    /// The default. In cluster mode where the agent can serve the loader
+    /// (its socket exists, this node holds the whole space, no tier, GPU
+    /// ring or mixture): attached; otherwise (or when the attach fails,
+    /// with one WARN) embedded. The README's single-node first command is
+    /// therefore unchanged.
     #[default]
     Auto,
     /// Always attached; no agent is [`Error::NoAgent`].

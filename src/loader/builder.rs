@@ -518,9 +518,10 @@ impl LoaderBuilder {
     }
 
     /// Reads through the node's `kspeed agent` ([`super::AgentMode`]):
-    /// `Required` always, `Auto` in cluster mode when the agent's socket
-    /// exists (falling back to embedded pollers with a WARN when the
-    /// attach fails), `Off` (the default) never.
+    /// `Required` always, `Auto` (the default) in cluster mode where the
+    /// agent can serve this loader (its socket exists, this node holds the
+    /// whole space, nothing the agent lacks is asked for; falling back to
+    /// embedded pollers with a WARN when the attach fails), `Off` never.
     pub fn agent(mut self, mode: super::AgentMode) -> Self {
         self.agent = mode;
         self

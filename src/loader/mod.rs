@@ -842,8 +842,8 @@ impl Loader {
     fn check_attached_deal(&self, deal: &schedule::Deal, epoch: u64) -> Result<()> {
         if self.attach_settings.is_some() && deal.sampler().base(epoch) != 0 {
             return Err(Error::InvalidConfig(
-                "resuming an epoch at another world size through the node agent is not built yet \
-                 (docs/AGENT.md); build this loader with agent = off"
+                "resuming an epoch from a job position (the rest of an epoch dealt to a new world) \
+                 through the node agent is not built yet (docs/AGENT.md); build this loader with agent = off"
                     .into(),
             ));
         }

@@ -190,7 +190,7 @@ pub(crate) struct ReadArgs {
     #[arg(long)]
     json: bool,
     /// Read through the node's `kspeed agent`: required, auto (cluster
-    /// mode with an agent socket) or off.
+    /// mode, where the agent can serve this read) or off.
     #[arg(long, default_value = "auto", value_parser = ["auto", "off", "required"])]
     agent: String,
     /// The agent's socket (default: $KSPEED_AGENT_SOCKET, else
