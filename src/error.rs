@@ -117,6 +117,36 @@ pub enum Error {
         /// What is wrong with it.
         reason: String,
     },
+    /// An object store has no such bucket or key.
+    #[error("{url}: no such {what} in the object store ({detail})")]
+    StoreNotFound {
+        /// The bucket or object.
+        url: String,
+        /// "bucket" or "key".
+        what: &'static str,
+        /// The store's answer.
+        detail: String,
+    },
+    /// An object store refused the credentials or the request (403, 401, a
+    /// bad key id or signature, an expired token).
+    #[error("{url}: access denied by the object store: {detail}; check AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE (or --aws-profile) and the endpoint")]
+    StoreAccessDenied {
+        /// What was asked for.
+        url: String,
+        /// The store's answer and where the credentials came from (never
+        /// the credentials).
+        detail: String,
+    },
+    /// An object-store request failed after its retries (5xx, SlowDown,
+    /// connections refused or reset, time-outs), or the store answered
+    /// something that is not S3.
+    #[error("{url}: object store request failed: {detail}")]
+    StoreFailed {
+        /// What was asked for.
+        url: String,
+        /// The last error and the client's settings (never the credentials).
+        detail: String,
+    },
     /// A sample is larger than the format allows (4 GiB - 1).
     #[error("sample {path} is {len} bytes; kspeed samples are limited to {max} bytes")]
     SampleTooLarge {
@@ -702,6 +732,9 @@ impl Error {
             Error::ExtentSize { .. } => ("ExtentSize", Data),
             Error::BadFileList { .. } => ("BadFileList", Data),
             Error::BadTar { .. } => ("BadTar", Data),
+            Error::StoreNotFound { .. } => ("StoreNotFound", Data),
+            Error::StoreAccessDenied { .. } => ("StoreAccessDenied", Io),
+            Error::StoreFailed { .. } => ("StoreFailed", Io),
             Error::SampleTooLarge { .. } => ("SampleTooLarge", Data),
             Error::BadMagic { .. } => ("BadMagic", Data),
             Error::UnsupportedVersion { .. } => ("UnsupportedVersion", Data),

@@ -8,7 +8,9 @@
 //! largest sample. Body sections, each 8-byte aligned:
 //!
 //! - samples, 24 bytes each: file u32, label u32, len u32, crc32c u32, offset u64
-//! - files, 32 bytes each: name_off u64, size u64, mtime_ns i64, name_len u32, 0u32
+//! - files, 32 bytes each: name_off u64, size u64, mtime_ns i64, name_len u32,
+//!   tag_len u32 (version 3: an object's ETag, stored right after its name
+//!   in the strings; 0 for files)
 //! - classes, 16 bytes each: name_off u64, name_len u32, 0u32
 //! - strings: the bytes the name offsets point into
 //!
@@ -36,8 +38,10 @@ use crate::sys::ReadOnlyMap;
 pub const MAGIC: [u8; 8] = *b"KSPDCAT\0";
 /// The catalog format version this build writes. Version 2 allows file
 /// names, class names and the source path to be any bytes (paths that are not
-/// UTF-8); version 1 required UTF-8 class names and source. Both are read.
-pub const VERSION: u32 = 2;
+/// UTF-8); version 1 required UTF-8 class names and source. Version 3
+/// records each object's ETag (object-store sources); a catalog of files is
+/// still written as version 2, so older builds read it. All three are read.
+pub const VERSION: u32 = 3;
 /// The oldest catalog version this build reads.
 pub const OLDEST_VERSION: u32 = 1;
 
@@ -70,8 +74,12 @@ pub struct SourceFile<'a> {
     pub name: &'a Path,
     /// Size when the catalog was built.
     pub size: u64,
-    /// Modification time when the catalog was built (ns since the epoch).
+    /// Modification time when the catalog was built (ns since the epoch);
+    /// an object's last-modified time.
     pub mtime_ns: i64,
+    /// An object's ETag as the store gave it (object-store sources); empty
+    /// for files.
+    pub etag: &'a [u8],
 }
 
 /// Options for building a catalog.
@@ -80,6 +88,9 @@ pub struct SourceFile<'a> {
 pub struct BuildOptions {
     /// Reader threads for the checksum pass.
     pub threads: usize,
+    /// Object-store sources: requests in flight, one reader thread each
+    /// (instead of `threads`). Default 64.
+    pub requests: usize,
     /// How to show progress.
     pub progress: ProgressMode,
     /// How the source scan treats special files, symlinks and damaged tar members.
@@ -90,6 +101,7 @@ impl Default for BuildOptions {
     fn default() -> Self {
         BuildOptions {
             threads: crate::par::default_threads(),
+            requests: 64,
             progress: ProgressMode::Quiet,
             scan: ScanOptions::default(),
         }
@@ -98,6 +110,7 @@ impl Default for BuildOptions {
 
 setters!(BuildOptions {
     threads: usize,
+    requests: usize,
     progress: ProgressMode,
     scan: ScanOptions,
 });
@@ -133,28 +146,55 @@ pub(crate) struct SpanReader {
     root: PathBuf,
     open: Option<(u32, File)>,
     buf: Vec<u8>,
+    /// An object-store source: its bucket and the prefix names follow.
+    #[cfg(feature = "s3")]
+    store: Option<(
+        super::store::StoreUrl,
+        Option<std::sync::Arc<super::store::Store>>,
+    )>,
 }
 
 impl SpanReader {
-    pub(crate) fn new(root: PathBuf) -> Self {
+    pub(crate) fn new(spec: &SourceSpec) -> Self {
         SpanReader {
-            root,
+            root: spec.root(),
             open: None,
-            buf: vec![0; 4 << 20],
+            buf: Vec::new(),
+            #[cfg(feature = "s3")]
+            store: spec.store_url().map(|u| {
+                let key = u.dir_prefix_or_parent();
+                (super::store::StoreUrl { key, ..u }, None)
+            }),
         }
     }
 
-    /// Streams `len` bytes at `offset` of file `file` (named `name`) to `sink`
-    /// in pieces of at most 4 MiB. A file shorter than expected is reported as
-    /// a [`Error::SourceChanged`].
+    /// Streams `len` bytes at `offset` of file `file` (named `name`; `tag`:
+    /// an object's ETag, read only while it is that version) to `sink` in
+    /// pieces of at most 4 MiB. A file shorter than expected, or an object
+    /// replaced, is reported as a [`Error::SourceChanged`].
     pub(crate) fn read(
         &mut self,
         file: u32,
         name: &Path,
+        tag: &[u8],
         offset: u64,
         len: u64,
         mut sink: impl FnMut(&[u8]) -> Result<()>,
     ) -> Result<()> {
+        #[cfg(feature = "s3")]
+        if let Some((url, store)) = &mut self.store {
+            let store = match store {
+                Some(s) => s.clone(),
+                None => store.insert(super::store::Store::of(&url.bucket)?).clone(),
+            };
+            let key = format!("{}{}", url.key, name.to_string_lossy());
+            let tag = String::from_utf8_lossy(tag);
+            return store.read(&key, Some(&tag), offset..offset + len, sink);
+        }
+        let _ = tag;
+        if self.buf.is_empty() {
+            self.buf = vec![0; 4 << 20];
+        }
         let path = self.root.join(name);
         if self.open.as_ref().is_none_or(|(i, _)| *i != file) {
             // O_NONBLOCK: if the file was replaced by a FIFO since the scan,
@@ -241,19 +281,25 @@ fn checksum_all(scan: &Scan, opts: &BuildOptions) -> Result<Vec<u32>> {
     let crcs: Vec<std::sync::atomic::AtomicU32> = (0..scan.samples.len())
         .map(|_| std::sync::atomic::AtomicU32::new(0))
         .collect();
-    let root = scan.spec.root();
     let readers: Mutex<Vec<SpanReader>> = Mutex::new(Vec::new());
-    crate::par::for_each_chunk(scan.samples.len() as u64, 64, opts.threads, |range| {
+    let threads = if scan.spec.is_remote() {
+        opts.requests.max(1)
+    } else {
+        opts.threads
+    };
+    // Small chunks for a store: a chunk is requests one after another.
+    let chunk = if scan.spec.is_remote() { 4 } else { 64 };
+    crate::par::for_each_chunk(scan.samples.len() as u64, chunk, threads, |range| {
         let mut reader = readers
             .lock()
             .expect("not poisoned")
             .pop()
-            .unwrap_or_else(|| SpanReader::new(root.clone()));
+            .unwrap_or_else(|| SpanReader::new(&scan.spec));
         for id in range {
             let s = scan.samples[id as usize];
             let f = &scan.files[s.file as usize];
             let mut crc = 0u32;
-            reader.read(s.file, &f.name, s.offset, s.len as u64, |b| {
+            reader.read(s.file, &f.name, &f.tag, s.offset, s.len as u64, |b| {
                 crc = crc32c::crc32c_append(crc, b);
                 progress.add(b.len() as u64);
                 Ok(())
@@ -279,6 +325,7 @@ pub(crate) fn write(scan: &Scan, crcs: &[u32], out: &Path) -> Result<()> {
     for f in &scan.files {
         file_names.push((strings.len() as u64, f.name.as_os_str().len() as u32));
         strings.extend_from_slice(f.name.as_os_str().as_bytes());
+        strings.extend_from_slice(&f.tag);
     }
     let mut class_names = Vec::with_capacity(scan.classes.len());
     for c in &scan.classes {
@@ -345,7 +392,14 @@ fn write_body(
     class_names: &[(u64, u32)],
     strings: &[u8],
 ) -> Result<()> {
-    let mut w = FileWriter::create(out, MAGIC, VERSION, fields)?;
+    // Version 3 only where it says more: a catalog of files stays readable
+    // by builds that read version 2.
+    let version = if scan.files.iter().any(|f| !f.tag.is_empty()) {
+        VERSION
+    } else {
+        2
+    };
+    let mut w = FileWriter::create(out, MAGIC, version, fields)?;
     let mut rec = [0u8; SAMPLE_REC];
     for (s, crc) in scan.samples.iter().zip(crcs) {
         rec[0..4].copy_from_slice(&s.file.to_le_bytes());
@@ -362,6 +416,7 @@ fn write_body(
         r[8..16].copy_from_slice(&f.size.to_le_bytes());
         r[16..24].copy_from_slice(&f.mtime_ns.to_le_bytes());
         r[24..28].copy_from_slice(&name_len.to_le_bytes());
+        r[28..32].copy_from_slice(&(f.tag.len() as u32).to_le_bytes());
         w.write(&r)?;
     }
     for (name_off, name_len) in class_names {
@@ -493,7 +548,12 @@ impl Catalog {
         }
         for i in 0..files as u32 {
             let (off, len) = cat.file_name_range(i);
-            if off.checked_add(len).is_none_or(|e| e > cat.strings_len) {
+            let tag = cat.file_tag_len(i);
+            if off
+                .checked_add(len)
+                .and_then(|e| e.checked_add(tag))
+                .is_none_or(|e| e > cat.strings_len)
+            {
                 return Err(corrupt(format!("file {i}: name outside the string table")));
             }
         }
@@ -606,6 +666,15 @@ impl Catalog {
         &self.body()[o..o + CLASS_REC]
     }
 
+    /// The length of file `i`'s ETag (version 3; before, the field is 0).
+    fn file_tag_len(&self, i: u32) -> usize {
+        if self.version >= 3 {
+            le_u32(self.file_rec(i), 28) as usize
+        } else {
+            0
+        }
+    }
+
     fn file_name_range(&self, i: u32) -> (usize, usize) {
         let r = self.file_rec(i);
         (le_u64(r, 0) as usize, le_u32(r, 24) as usize)
@@ -658,7 +727,7 @@ impl Catalog {
         String::from_utf8_lossy(self.source_bytes())
     }
 
-    /// The catalog format version of this file (1 or 2).
+    /// The catalog format version of this file (1, 2 or 3).
     pub fn version(&self) -> u32 {
         self.version
     }
@@ -711,10 +780,12 @@ impl Catalog {
     pub fn file(&self, i: u32) -> SourceFile<'_> {
         let r = self.file_rec(i);
         let (off, len) = self.file_name_range(i);
+        let tag = self.file_tag_len(i);
         SourceFile {
             name: Path::new(std::ffi::OsStr::from_bytes(&self.strings()[off..off + len])),
             size: le_u64(r, 8),
             mtime_ns: le_u64(r, 16) as i64,
+            etag: &self.strings()[off + len..off + len + tag],
         }
     }
 
@@ -789,9 +860,9 @@ impl Catalog {
             }
         }
         let current = source::current_files(&spec, opts)?;
-        let mut now: std::collections::HashMap<&Path, (u64, i64)> = current
+        let mut now: std::collections::HashMap<&Path, (u64, i64, &[u8])> = current
             .iter()
-            .map(|f| (f.name.as_path(), (f.size, f.mtime_ns)))
+            .map(|f| (f.name.as_path(), (f.size, f.mtime_ns, f.tag.as_slice())))
             .collect();
         for i in 0..self.files as u32 {
             let f = self.file(i);
@@ -804,6 +875,10 @@ impl Catalog {
                 }
                 // Not among the source's files now: vanished, or still there
                 // but no longer part of the source.
+                None if spec.is_remote() => changes.push(SourceChange {
+                    path: p,
+                    what: "vanished (not in the store's listing)".into(),
+                }),
                 None => {
                     let what = match std::fs::metadata(&p) {
                         Err(e) if e.kind() == std::io::ErrorKind::NotFound => "vanished".into(),
@@ -829,9 +904,19 @@ impl Catalog {
     }
 
     /// How a file's (size, mtime) now differs from the catalog's, if at all.
-    fn stat_change(f: &SourceFile<'_>, (size, mtime_ns): (u64, i64)) -> Option<String> {
+    /// An object is compared by size and ETag (its last-modified time
+    /// changes on a rewrite of the same bytes, and only bytes matter).
+    fn stat_change(f: &SourceFile<'_>, (size, mtime_ns, tag): (u64, i64, &[u8])) -> Option<String> {
         if size != f.size {
             Some(format!("size {} -> {} bytes", f.size, size))
+        } else if !f.etag.is_empty() {
+            (tag != f.etag).then(|| {
+                format!(
+                    "replaced (ETag {} -> {})",
+                    String::from_utf8_lossy(f.etag),
+                    String::from_utf8_lossy(tag)
+                )
+            })
         } else if mtime_ns != f.mtime_ns {
             Some("modification time changed".into())
         } else {
@@ -842,6 +927,11 @@ impl Catalog {
     /// Compares every source file's size and mtime with the catalog. Returns
     /// the changed and vanished files.
     pub fn source_changes(&self) -> Vec<SourceChange> {
+        if self.source_spec().is_remote() {
+            // Built from the store's listing moments ago; every read is
+            // conditional on the cataloged ETag anyway.
+            return Vec::new();
+        }
         let root = self.source_spec().root();
         let mut changes = Vec::new();
         for i in 0..self.files as u32 {

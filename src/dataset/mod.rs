@@ -12,6 +12,10 @@ mod scan;
 mod shard;
 pub mod source;
 pub mod space;
+#[cfg(feature = "s3")]
+pub mod store;
+#[cfg(feature = "s3")]
+mod store_scan;
 
 pub use catalog::{BuildOptions, Catalog, Sample};
 pub use owner::{OwnerFn, Placement};

@@ -51,6 +51,9 @@ pub struct PreloadOptions {
     pub extent_bytes: u64,
     /// Copy threads.
     pub threads: usize,
+    /// Object-store sources: ranged GETs in flight, one copy thread each
+    /// (instead of `threads`). Default 64.
+    pub requests: usize,
     /// Progress display.
     pub progress: ProgressMode,
     /// Rebuild the catalog from the source and copy everything again.
@@ -80,6 +83,7 @@ impl Default for PreloadOptions {
             align_bytes: space::DEFAULT_ALIGN_BYTES,
             extent_bytes: space::DEFAULT_EXTENT_BYTES,
             threads: crate::par::default_threads(),
+            requests: 64,
             progress: ProgressMode::Quiet,
             refresh: false,
             checkpoint_bytes: 64 << 20,
@@ -99,6 +103,7 @@ setters!(PreloadOptions {
     align_bytes: u32,
     extent_bytes: u64,
     threads: usize,
+    requests: usize,
     progress: ProgressMode,
     refresh: bool,
     checkpoint_bytes: u64,
@@ -382,6 +387,7 @@ fn ensure_catalog(
         &cpath,
         &BuildOptions {
             threads: opts.threads,
+            requests: opts.requests,
             progress: opts.progress,
             scan: opts.scan.clone(),
         },
@@ -662,7 +668,16 @@ pub fn preload(dir: &Path, opts: &PreloadOptions) -> Result<PreloadReport> {
     let target = (8u64 << 20).min(opts.checkpoint_bytes / 2).max(1);
     let chunk = (target / mean).clamp(1, 4096);
     let n_left = catalog.len() - start_id;
-    let result = crate::par::for_each_chunk(n_left, chunk, opts.threads, |r| {
+    // A store's reads wait on the network, not the CPU: one thread per
+    // request in flight, and chunks small enough that every thread has
+    // some (a chunk's samples are read one after another).
+    let (threads, chunk) = if catalog.source_spec().is_remote() {
+        let t = opts.requests.max(1);
+        (t, chunk.min((n_left / (t as u64 * 4)).max(1)))
+    } else {
+        (opts.threads, chunk)
+    };
+    let result = crate::par::for_each_chunk(n_left, chunk, threads, |r| {
         copier.copy_range(start_id + r.start..start_id + r.end)
     });
     if let Err(e) = result {
@@ -721,7 +736,7 @@ struct Copier<'a> {
 
 impl Copier<'_> {
     fn copy_range(&self, range: std::ops::Range<u64>) -> Result<()> {
-        let mut reader = SpanReader::new(self.catalog.source_spec().root());
+        let mut reader = SpanReader::new(&self.catalog.source_spec());
         let mut bytes = 0u64;
         let mut open: Option<(u32, File)> = None;
         let mut touched: Vec<u32> = Vec::new();
@@ -742,17 +757,24 @@ impl Copier<'_> {
                 }
             }
             let ext = &open.as_ref().expect("just opened").1;
-            let src = self.catalog.file(s.file).name;
+            let src = self.catalog.file(s.file);
             let mut pos = 0u64;
             let mut crc = 0u32;
             reader
-                .read(s.file, src, s.offset, s.len as u64, |piece| {
-                    crc = crc32c::crc32c_append(crc, piece);
-                    ext.write_all_at(piece, loc.offset + pos)
-                        .ctx("write", ext_path)?;
-                    pos += piece.len() as u64;
-                    Ok(())
-                })
+                .read(
+                    s.file,
+                    src.name,
+                    src.etag,
+                    s.offset,
+                    s.len as u64,
+                    |piece| {
+                        crc = crc32c::crc32c_append(crc, piece);
+                        ext.write_all_at(piece, loc.offset + pos)
+                            .ctx("write", ext_path)?;
+                        pos += piece.len() as u64;
+                        Ok(())
+                    },
+                )
                 .map_err(|e| self.source_error(s.file, e))?;
             if crc != s.crc32c {
                 return Err(Error::SourceChanged {

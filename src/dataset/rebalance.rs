@@ -91,7 +91,7 @@ impl SourceFetch {
     /// Reads from `catalog`'s source.
     pub fn new(catalog: &Catalog) -> Result<SourceFetch> {
         Ok(SourceFetch {
-            reader: SpanReader::new(catalog.source_spec().root()),
+            reader: SpanReader::new(&catalog.source_spec()),
             catalog: Catalog::open(catalog.path())?,
             buf: Vec::new(),
             samples: 0,
@@ -102,10 +102,10 @@ impl SourceFetch {
     /// One sample into `out` (replaced).
     pub fn read(&mut self, id: u64, out: &mut Vec<u8>) -> Result<()> {
         let s = self.catalog.sample(id);
-        let name = self.catalog.file(s.file).name;
+        let f = self.catalog.file(s.file);
         out.clear();
         self.reader
-            .read(s.file, name, s.offset, s.len as u64, |piece| {
+            .read(s.file, f.name, f.etag, s.offset, s.len as u64, |piece| {
                 out.extend_from_slice(piece);
                 Ok(())
             })

@@ -59,7 +59,7 @@ fn repair_all(dir: &Path, bad: &[BadSample], bad_extents: &[BadExtent]) -> Resul
     ids.sort_unstable();
     ids.dedup();
     let mut report = RepairReport::default();
-    let mut reader = SpanReader::new(cat.source_spec().root());
+    let mut reader = SpanReader::new(&cat.source_spec());
     // A recreated extent gets the permissions the catalog has (preload gave
     // both its --file-mode).
     let mode = {
@@ -132,6 +132,7 @@ fn repair_all(dir: &Path, bad: &[BadSample], bad_extents: &[BadExtent]) -> Resul
         reader.read(
             s.file,
             cat.file(s.file).name,
+            cat.file(s.file).etag,
             s.offset,
             s.len as u64,
             |piece| {

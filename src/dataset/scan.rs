@@ -100,6 +100,8 @@ pub(crate) struct ScannedFile {
     pub size: u64,
     /// Modification time, nanoseconds since the Unix epoch.
     pub mtime_ns: i64,
+    /// An object's ETag (object-store sources); empty for files.
+    pub tag: Vec<u8>,
 }
 
 /// A sample as found when scanning (its CRC comes later, from reading it).

@@ -44,9 +44,68 @@ struct Out<'a> {
     parts: &'a mut Vec<(u32, u32)>,
 }
 
+/// Positional reads of a shard: a file, or an object read by ranged GETs
+/// (`store_scan.rs`).
+pub(crate) trait ReadAt {
+    /// Reads at most `buf.len()` bytes at `pos`; 0 at the end.
+    fn read_at(&self, buf: &mut [u8], pos: u64) -> std::io::Result<usize>;
+}
+
+impl ReadAt for File {
+    fn read_at(&self, buf: &mut [u8], pos: u64) -> std::io::Result<usize> {
+        FileExt::read_at(self, buf, pos)
+    }
+}
+
+/// A cursor over a [`ReadAt`]: what the tar reader reads from.
+struct Cursor<'a, R> {
+    f: &'a R,
+    pos: u64,
+}
+
+impl<R: ReadAt> Read for Cursor<'_, R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.f.read_at(buf, self.pos)?;
+        self.pos += n as u64;
+        Ok(n)
+    }
+}
+
+impl<R: ReadAt> Seek for Cursor<'_, R> {
+    fn seek(&mut self, to: SeekFrom) -> std::io::Result<u64> {
+        match to {
+            SeekFrom::Start(p) => self.pos = p,
+            SeekFrom::Current(d) => self.pos = self.pos.saturating_add_signed(d),
+            SeekFrom::End(_) => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::Unsupported,
+                    "seek from the end of a shard",
+                ))
+            }
+        }
+        Ok(self.pos)
+    }
+}
+
 /// Indexes `shard` (file index `file`, `shard_size` bytes) into `out`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn index_shard(
+    shard: &Path,
+    file: u32,
+    shard_size: u64,
+    opts: &ScanOptions,
+    notes: &mut ScanNotes,
+    samples: &mut Vec<ScannedSample>,
+    parts: &mut Vec<(u32, u32)>,
+) -> Result<()> {
+    let f = File::open(shard).ctx("open", shard)?;
+    index_shard_at(&f, shard, file, shard_size, opts, notes, samples, parts)
+}
+
+/// [`index_shard`] reading through `f`; `shard` names it in messages.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn index_shard_at<R: ReadAt>(
+    f: &R,
     shard: &Path,
     file: u32,
     shard_size: u64,
@@ -68,13 +127,12 @@ pub(crate) fn index_shard(
         path: shard.to_path_buf(),
         reason,
     };
-    let f = File::open(shard).ctx("open", shard)?;
     let mut group: Option<Group> = None;
     // Where the current pass over the shard starts (0, or the intact header
     // found after a damaged one).
     let mut start = 0u64;
     loop {
-        let mut reader = BufReader::with_capacity(1 << 16, f.try_clone().ctx("open", shard)?);
+        let mut reader = BufReader::with_capacity(1 << 16, Cursor { f, pos: 0 });
         reader.seek(SeekFrom::Start(start)).ctx("seek", shard)?;
         let mut archive = tar::Archive::new(reader);
         // End of the last intact member's data, block-rounded: where the next
@@ -169,7 +227,7 @@ pub(crate) fn index_shard(
         // The tar reader stops at the first all-zero block, which is the end
         // of the archive only if nothing but zeros follows.
         if damage.is_none() {
-            if let Some(at) = first_nonzero(&f, next_header, shard_size).ctx("read", shard)? {
+            if let Some(at) = first_nonzero(f, next_header, shard_size).ctx("read", shard)? {
                 damage = Some(format!(
                     "zeroed member header, but data follows (first non-zero byte at {at})"
                 ));
@@ -183,7 +241,7 @@ pub(crate) fn index_shard(
                 "damaged member header at byte {next_header}: {why}; the members after it would be lost (--skip-bad-members skips to the next intact header)"
             )));
         }
-        let resume = next_intact_header(&f, next_header + BLOCK, shard_size).ctx("read", shard)?;
+        let resume = next_intact_header(f, next_header + BLOCK, shard_size).ctx("read", shard)?;
         out.notes.skipped_bad_members += 1;
         out.notes.warnings.push(match resume {
             Some(at) => format!(
@@ -286,7 +344,7 @@ fn flush(out: &mut Out<'_>, g: Option<Group>) -> Result<()> {
 }
 
 /// The offset of the first non-zero byte in `[from, end)`, if any.
-fn first_nonzero(f: &File, from: u64, end: u64) -> std::io::Result<Option<u64>> {
+fn first_nonzero<R: ReadAt>(f: &R, from: u64, end: u64) -> std::io::Result<Option<u64>> {
     let mut buf = vec![0u8; 1 << 16];
     let mut pos = from;
     while pos < end {
@@ -331,7 +389,7 @@ fn is_intact_header(block: &[u8]) -> bool {
 }
 
 /// The first block at or after `from` (block-aligned) that is an intact header.
-fn next_intact_header(f: &File, from: u64, end: u64) -> std::io::Result<Option<u64>> {
+fn next_intact_header<R: ReadAt>(f: &R, from: u64, end: u64) -> std::io::Result<Option<u64>> {
     let mut buf = vec![0u8; 1 << 16];
     let mut pos = from;
     while pos + BLOCK <= end {

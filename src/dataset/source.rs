@@ -93,6 +93,9 @@ impl SourceSpec {
         if raw.is_empty() {
             return Err(Error::InvalidConfig(format!("source {s:?} names no path")));
         }
+        if raw.as_bytes().starts_with(b"s3://") {
+            return Self::parse_store(kind, raw);
+        }
         let path = fs::canonicalize(raw).ctx("open source", raw)?;
         let is_dir = path.is_dir();
         let kind = kind.unwrap_or(if path.extension().is_some_and(|e| e == "tar") {
@@ -120,6 +123,69 @@ impl SourceSpec {
         Ok(SourceSpec { kind, path })
     }
 
+    /// An object-store source: `s3://bucket/prefix/` (ImageFolder keys),
+    /// `s3://bucket/shard.tar` or `s3://bucket/prefix/*.tar` (tar shards),
+    /// `list:s3://bucket/files.txt`. Nothing is asked of the store here.
+    fn parse_store(kind: Option<SourceKind>, raw: &std::ffi::OsStr) -> Result<Self> {
+        let text = raw.to_str().ok_or_else(|| {
+            Error::InvalidConfig(format!("source {raw:?}: an s3:// URL must be UTF-8"))
+        })?;
+        #[cfg(not(feature = "s3"))]
+        {
+            let _ = kind;
+            Err(Error::InvalidConfig(format!(
+                "source {text}: this build of kspeed has no object-store support (the s3 cargo feature)"
+            )))
+        }
+        #[cfg(feature = "s3")]
+        {
+            use super::store::StoreUrl;
+            let (text, glob_tar) = match text.strip_suffix("*.tar") {
+                Some(t) => (t, true),
+                None => (text, false),
+            };
+            let url = StoreUrl::parse(text).expect("starts with s3://")?;
+            let is_prefix = url.key.is_empty() || url.key.ends_with('/');
+            let kind = match kind {
+                Some(k) => k,
+                None if glob_tar => SourceKind::Tar,
+                None if url.key.ends_with(".tar") => SourceKind::Tar,
+                None => SourceKind::Dir,
+            };
+            let key = match kind {
+                SourceKind::Dir => url.dir_prefix(),
+                SourceKind::Tar if glob_tar || is_prefix => url.dir_prefix(),
+                SourceKind::Tar => url.key.clone(),
+                SourceKind::List if is_prefix => {
+                    return Err(Error::InvalidConfig(format!(
+                        "file list {text} names a prefix, not an object"
+                    )))
+                }
+                SourceKind::List => url.key.clone(),
+            };
+            let url = StoreUrl { key, ..url };
+            Ok(SourceSpec {
+                kind,
+                path: PathBuf::from(url.to_url()),
+            })
+        }
+    }
+
+    /// The object-store location of a source in a bucket (`s3://`), None
+    /// for files.
+    #[cfg(feature = "s3")]
+    pub fn store_url(&self) -> Option<super::store::StoreUrl> {
+        self.path
+            .to_str()
+            .and_then(super::store::StoreUrl::parse)
+            .and_then(|r| r.ok())
+    }
+
+    /// Whether the source is in an object store (`s3://`).
+    pub fn is_remote(&self) -> bool {
+        self.path.as_os_str().as_bytes().starts_with(b"s3://")
+    }
+
     /// The canonical string, e.g. `dir:/data/imagenet`, for messages (a path
     /// that is not UTF-8 is shown lossily; catalogs record
     /// [`SourceSpec::to_source_bytes`]).
@@ -136,7 +202,17 @@ impl SourceSpec {
     }
 
     /// The directory relative file names are resolved against.
+    /// For an object-store source, the URL prefix file names follow
+    /// (`s3://bucket/prefix/`): messages name objects by `root().join(name)`.
     pub fn root(&self) -> PathBuf {
+        if self.is_remote() {
+            let s = self.path.to_string_lossy();
+            return match self.kind {
+                SourceKind::Dir => self.path.clone(),
+                _ if s.ends_with('/') => self.path.clone(),
+                _ => PathBuf::from(&s[..s.rfind('/').map_or(s.len(), |i| i + 1)]),
+            };
+        }
         match self.kind {
             SourceKind::Dir => self.path.clone(),
             SourceKind::List => self.path.parent().unwrap_or(Path::new("/")).to_path_buf(),
@@ -169,7 +245,7 @@ pub(crate) struct Scan {
 
 impl Scan {
     /// Adds a file that is one sample (directory trees and file lists).
-    fn push_whole_file(
+    pub(crate) fn push_whole_file(
         &mut self,
         abs: &Path,
         name: PathBuf,
@@ -183,6 +259,7 @@ impl Scan {
             name,
             size,
             mtime_ns,
+            tag: Vec::new(),
         });
         self.samples.push(ScannedSample {
             file,
@@ -229,10 +306,15 @@ pub(crate) fn scan(spec: &SourceSpec, opts: &ScanOptions) -> Result<Scan> {
         }
         scan.members = opts.members.clone();
     }
-    match spec.kind {
-        SourceKind::Dir => scan_dir(&mut scan, opts)?,
-        SourceKind::List => scan_list(&mut scan)?,
-        SourceKind::Tar => scan_tar(&mut scan, opts)?,
+    if spec.is_remote() {
+        #[cfg(feature = "s3")]
+        super::store_scan::scan(&mut scan, opts)?;
+    } else {
+        match spec.kind {
+            SourceKind::Dir => scan_dir(&mut scan, opts)?,
+            SourceKind::List => scan_list(&mut scan)?,
+            SourceKind::Tar => scan_tar(&mut scan, opts)?,
+        }
     }
     if scan.samples.is_empty() {
         return Err(Error::EmptySource {
@@ -256,6 +338,10 @@ pub(crate) fn current_files(spec: &SourceSpec, opts: &ScanOptions) -> Result<Vec
         members: Vec::new(),
         parts: Vec::new(),
     };
+    #[cfg(feature = "s3")]
+    if spec.is_remote() {
+        return super::store_scan::current_files(spec);
+    }
     match spec.kind {
         SourceKind::Dir => scan_dir(&mut scan, opts)?,
         SourceKind::List => scan_list(&mut scan)?,
@@ -268,6 +354,7 @@ pub(crate) fn current_files(spec: &SourceSpec, opts: &ScanOptions) -> Result<Vec
                     name: p.strip_prefix(&root).unwrap_or(&p).to_path_buf(),
                     size,
                     mtime_ns,
+                    tag: Vec::new(),
                 });
             }
             return Ok(v);
@@ -280,6 +367,10 @@ pub(crate) fn current_files(spec: &SourceSpec, opts: &ScanOptions) -> Result<Vec
 pub fn current_classes(spec: &SourceSpec) -> Result<Vec<OsString>> {
     if spec.kind != SourceKind::Dir {
         return Ok(Vec::new());
+    }
+    #[cfg(feature = "s3")]
+    if spec.is_remote() {
+        return super::store_scan::current_classes(spec);
     }
     class_folders(&spec.path)
 }
@@ -654,6 +745,7 @@ fn scan_tar(scan: &mut Scan, opts: &ScanOptions) -> Result<()> {
             name: shard.strip_prefix(&root).unwrap_or(&shard).to_path_buf(),
             size,
             mtime_ns,
+            tag: Vec::new(),
         });
         super::shard::index_shard(
             &shard,

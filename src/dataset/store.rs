@@ -1,0 +1,676 @@
+//! Object-store sources: `s3://bucket/prefix/` and friends, read through the
+//! `object_store` crate (SigV4, ListObjectsV2 pagination, ranged GETs,
+//! retries with backoff and jitter on 5xx, SlowDown and dropped
+//! connections).
+//!
+//! Configuration is what the AWS command line reads, in its order:
+//! credentials from `AWS_ACCESS_KEY_ID`/`AWS_SECRET_ACCESS_KEY`
+//! (+`AWS_SESSION_TOKEN`), else from the profile (`--profile`, else
+//! `AWS_PROFILE`, else `default`) in the shared credentials file
+//! (`AWS_SHARED_CREDENTIALS_FILE`, default `~/.aws/credentials`) or config
+//! file (`AWS_CONFIG_FILE`, default `~/.aws/config`); the region from
+//! `AWS_REGION`, `AWS_DEFAULT_REGION`, the profile, else `us-east-1`; the
+//! endpoint of an S3-compatible store from `--endpoint-url`,
+//! `AWS_ENDPOINT_URL_S3`, `AWS_ENDPOINT_URL` or the profile's
+//! `endpoint_url`. With an endpoint, requests are path-style
+//! (`endpoint/bucket/key`, what S3-compatible stores serve); without one,
+//! virtual-hosted (`bucket.s3.region.amazonaws.com`). With credentials
+//! found, no instance-metadata endpoint is ever asked (off the cloud it
+//! does not answer); with none, the provider chain of the cloud (web
+//! identity, container, instance metadata) is tried, as the AWS tools do.
+//!
+//! Everything here blocks: one process-wide runtime (two threads) drives
+//! the requests of every caller thread, so a pool of N caller threads has N
+//! requests in flight. Secrets never leave this module: errors name the
+//! URL and the S3 error, not the request.
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use object_store::aws::{AmazonS3, AmazonS3Builder, AmazonS3ConfigKey};
+use object_store::path::Path as ObjPath;
+use object_store::{ClientOptions, GetOptions, GetRange, ObjectStore, ObjectStoreExt, RetryConfig};
+
+use crate::error::{Error, Result, SourceChange};
+
+/// The URL scheme of S3 sources.
+pub const S3_SCHEME: &str = "s3://";
+
+/// A location in an object store: a bucket and a key (or key prefix).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct StoreUrl {
+    /// The bucket.
+    pub bucket: String,
+    /// The key or prefix, without a leading `/` (a prefix ends in `/`, or
+    /// is empty for the whole bucket).
+    pub key: String,
+}
+
+impl StoreUrl {
+    /// Parses `s3://bucket/key`. None: not an `s3://` string.
+    pub fn parse(s: &str) -> Option<Result<StoreUrl>> {
+        let rest = s.strip_prefix(S3_SCHEME)?;
+        let (bucket, key) = rest.split_once('/').unwrap_or((rest, ""));
+        if bucket.is_empty() {
+            return Some(Err(Error::InvalidConfig(format!(
+                "source {s:?} names no bucket (s3://BUCKET/PREFIX/)"
+            ))));
+        }
+        // Bucket names are 3-63 of [a-z0-9.-] on AWS; S3-compatible stores
+        // allow more, so only what cannot be part of a host or path is refused.
+        if bucket
+            .bytes()
+            .any(|b| b.is_ascii_whitespace() || b == b'?' || b == b'#' || b == b'@')
+        {
+            return Some(Err(Error::InvalidConfig(format!(
+                "source {s:?}: {bucket:?} is not a bucket name"
+            ))));
+        }
+        Some(Ok(StoreUrl {
+            bucket: bucket.to_string(),
+            key: key.trim_start_matches('/').to_string(),
+        }))
+    }
+
+    /// `s3://bucket/key`.
+    pub fn to_url(&self) -> String {
+        format!("{S3_SCHEME}{}/{}", self.bucket, self.key)
+    }
+
+    /// The URL of `name` under this prefix (for messages and change reports).
+    pub fn child(&self, name: &str) -> String {
+        if self.key.is_empty() || self.key.ends_with('/') {
+            format!("{S3_SCHEME}{}/{}{}", self.bucket, self.key, name)
+        } else {
+            format!("{S3_SCHEME}{}/{}/{}", self.bucket, self.key, name)
+        }
+    }
+
+    /// The prefix ending in `/` (empty for the bucket's root).
+    pub fn dir_prefix(&self) -> String {
+        if self.key.is_empty() || self.key.ends_with('/') {
+            self.key.clone()
+        } else {
+            format!("{}/", self.key)
+        }
+    }
+
+    /// The "directory" of the key: everything up to its last `/`, with it.
+    pub fn parent_prefix(&self) -> String {
+        match self.key.rfind('/') {
+            Some(i) => self.key[..=i].to_string(),
+            None => String::new(),
+        }
+    }
+}
+
+/// Settings given on a command line or to a loader that override the
+/// environment's (`--endpoint-url`, `--profile`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct StoreOverrides {
+    /// The endpoint of an S3-compatible store (`http://127.0.0.1:9000`).
+    pub endpoint_url: Option<String>,
+    /// The profile of the shared credentials and config files.
+    pub profile: Option<String>,
+}
+
+setters!(StoreOverrides {
+    endpoint_url: Option<String>,
+    profile: Option<String>,
+});
+
+static OVERRIDES: Mutex<Option<StoreOverrides>> = Mutex::new(None);
+
+/// Sets the process's overrides (the CLI's `--endpoint-url`/`--profile`, a
+/// loader's `s3_endpoint_url`/`s3_profile`). Clients already made keep the
+/// settings they were made with; later ones use these.
+pub fn set_overrides(o: StoreOverrides) {
+    let mut g = OVERRIDES.lock().expect("not poisoned");
+    if g.as_ref() != Some(&o) {
+        *CLIENTS.lock().expect("not poisoned") = None;
+    }
+    *g = Some(o);
+}
+
+/// The settings a client is made with, resolved from overrides, the
+/// environment and the shared files. `Debug` leaves the secrets out.
+#[derive(Clone, Default)]
+struct Resolved {
+    endpoint: Option<String>,
+    region: String,
+    key_id: Option<String>,
+    secret: Option<String>,
+    token: Option<String>,
+    /// Where the credentials came from, for messages ("environment",
+    /// "profile default in ~/.aws/credentials").
+    cred_from: String,
+}
+
+impl std::fmt::Debug for Resolved {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Resolved")
+            .field("endpoint", &self.endpoint)
+            .field("region", &self.region)
+            .field("cred_from", &self.cred_from)
+            .finish_non_exhaustive()
+    }
+}
+
+/// `[section]` → key → value of an AWS shared file (INI: `#`/`;` comments,
+/// `key = value`, keys case-insensitive as the AWS tools read them).
+fn parse_ini(text: &str) -> HashMap<String, HashMap<String, String>> {
+    let mut out: HashMap<String, HashMap<String, String>> = HashMap::new();
+    let mut section = String::new();
+    for line in text.lines() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') || line.starts_with(';') {
+            continue;
+        }
+        if let Some(s) = line.strip_prefix('[').and_then(|l| l.strip_suffix(']')) {
+            section = s.trim().to_string();
+            continue;
+        }
+        if let Some((k, v)) = line.split_once('=') {
+            out.entry(section.clone())
+                .or_default()
+                .insert(k.trim().to_ascii_lowercase(), v.trim().to_string());
+        }
+    }
+    out
+}
+
+fn env(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.is_empty())
+}
+
+fn home_file(var: &str, rel: &str) -> Option<PathBuf> {
+    env(var)
+        .map(PathBuf::from)
+        .or_else(|| env("HOME").map(|h| Path::new(&h).join(rel)))
+}
+
+/// Reads a shared file; a missing one is empty, an unreadable one an error.
+fn read_shared(path: &Option<PathBuf>) -> Result<HashMap<String, HashMap<String, String>>> {
+    let Some(p) = path else {
+        return Ok(HashMap::new());
+    };
+    match std::fs::read_to_string(p) {
+        Ok(t) => Ok(parse_ini(&t)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(HashMap::new()),
+        Err(e) => Err(Error::io("read", p, e)),
+    }
+}
+
+fn resolve(o: &StoreOverrides) -> Result<Resolved> {
+    let explicit_profile = o.profile.clone();
+    let profile = explicit_profile
+        .clone()
+        .or_else(|| env("AWS_PROFILE"))
+        .or_else(|| env("AWS_DEFAULT_PROFILE"));
+    let creds_path = home_file("AWS_SHARED_CREDENTIALS_FILE", ".aws/credentials");
+    let config_path = home_file("AWS_CONFIG_FILE", ".aws/config");
+    let creds = read_shared(&creds_path)?;
+    let config = read_shared(&config_path)?;
+    let name = profile.clone().unwrap_or_else(|| "default".into());
+    let cfg_section = if name == "default" {
+        "default".to_string()
+    } else {
+        format!("profile {name}")
+    };
+    let from_creds = creds.get(&name);
+    let from_config = config.get(&cfg_section);
+    let get = |k: &str| {
+        from_creds
+            .and_then(|s| s.get(k))
+            .or_else(|| from_config.and_then(|s| s.get(k)))
+            .cloned()
+    };
+    if profile.is_some() && from_creds.is_none() && from_config.is_none() {
+        return Err(Error::InvalidConfig(format!(
+            "AWS profile {name:?} is in neither {} nor {}",
+            creds_path
+                .as_deref()
+                .map(|p| p.display().to_string())
+                .unwrap_or_else(|| "~/.aws/credentials".into()),
+            config_path
+                .as_deref()
+                .map(|p| p.display().to_string())
+                .unwrap_or_else(|| "~/.aws/config".into()),
+        )));
+    }
+    let mut r = Resolved {
+        endpoint: o
+            .endpoint_url
+            .clone()
+            .or_else(|| env("AWS_ENDPOINT_URL_S3"))
+            .or_else(|| env("AWS_ENDPOINT_URL"))
+            .or_else(|| get("endpoint_url")),
+        region: env("AWS_REGION")
+            .or_else(|| env("AWS_DEFAULT_REGION"))
+            .or_else(|| get("region"))
+            .unwrap_or_else(|| "us-east-1".into()),
+        ..Default::default()
+    };
+    // The AWS tools' order: an explicit --profile, then the environment's
+    // keys, then the profile named by AWS_PROFILE (or default).
+    let env_keys = (env("AWS_ACCESS_KEY_ID"), env("AWS_SECRET_ACCESS_KEY"));
+    if let (None, (Some(id), Some(secret))) = (&explicit_profile, env_keys) {
+        r.key_id = Some(id);
+        r.secret = Some(secret);
+        r.token = env("AWS_SESSION_TOKEN");
+        r.cred_from = "the environment (AWS_ACCESS_KEY_ID)".into();
+    } else if let (Some(id), Some(secret)) =
+        (get("aws_access_key_id"), get("aws_secret_access_key"))
+    {
+        r.key_id = Some(id);
+        r.secret = Some(secret);
+        r.token = get("aws_session_token");
+        r.cred_from = format!("profile {name:?}");
+    } else {
+        r.cred_from = "the cloud's provider chain (no keys in the environment or profile)".into();
+    }
+    if let Some(e) = &r.endpoint {
+        if !(e.starts_with("http://") || e.starts_with("https://")) {
+            return Err(Error::InvalidConfig(format!(
+                "endpoint URL {e:?} must start with http:// or https://"
+            )));
+        }
+    }
+    Ok(r)
+}
+
+/// The runtime every request runs on: two threads drive the sockets of all
+/// callers (the callers block; the work per request is small).
+fn runtime() -> &'static tokio::runtime::Runtime {
+    static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
+    RT.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("kspeed-s3")
+            .enable_all()
+            .build()
+            .expect("a tokio runtime (threads and an epoll instance) could be made")
+    })
+}
+
+static CLIENTS: Mutex<Option<HashMap<String, Arc<Store>>>> = Mutex::new(None);
+
+/// A client of one bucket.
+pub struct Store {
+    bucket: String,
+    s3: AmazonS3,
+    /// For messages: where the credentials came from and the endpoint.
+    describe: String,
+}
+
+impl std::fmt::Debug for Store {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Store")
+            .field("bucket", &self.bucket)
+            .field("describe", &self.describe)
+            .finish_non_exhaustive()
+    }
+}
+
+/// One object of a listing.
+#[derive(Debug, Clone)]
+pub struct Object {
+    /// The key relative to the listed prefix.
+    pub name: String,
+    /// Size in bytes.
+    pub size: u64,
+    /// Last-modified time (ns since the epoch).
+    pub modified_ns: i64,
+    /// The ETag as the store gave it (quotes included).
+    pub etag: String,
+}
+
+impl Store {
+    /// The shared client of `bucket` (made on first use with the settings
+    /// in force then).
+    pub fn of(bucket: &str) -> Result<Arc<Store>> {
+        let mut g = CLIENTS.lock().expect("not poisoned");
+        let map = g.get_or_insert_with(HashMap::new);
+        if let Some(s) = map.get(bucket) {
+            return Ok(s.clone());
+        }
+        let s = Arc::new(Store::new(bucket)?);
+        map.insert(bucket.to_string(), s.clone());
+        Ok(s)
+    }
+
+    fn new(bucket: &str) -> Result<Store> {
+        // rustls needs one crypto provider in the process; ring's is the
+        // one this crate builds (a second install is refused, harmlessly).
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let o = OVERRIDES
+            .lock()
+            .expect("not poisoned")
+            .clone()
+            .unwrap_or_default();
+        let r = resolve(&o)?;
+        let mut b = AmazonS3Builder::new()
+            .with_bucket_name(bucket)
+            .with_region(&r.region)
+            .with_retry(RetryConfig {
+                max_retries: 10,
+                retry_timeout: Duration::from_secs(180),
+                ..Default::default()
+            })
+            .with_client_options(
+                ClientOptions::new()
+                    .with_connect_timeout(Duration::from_secs(10))
+                    .with_timeout(Duration::from_secs(120))
+                    .with_pool_max_idle_per_host(1024),
+            );
+        if let Some(e) = &r.endpoint {
+            b = b
+                .with_endpoint(e)
+                .with_allow_http(e.starts_with("http://"))
+                .with_virtual_hosted_style_request(false);
+        } else {
+            b = b.with_virtual_hosted_style_request(true);
+        }
+        if let (Some(id), Some(secret)) = (&r.key_id, &r.secret) {
+            b = b.with_access_key_id(id).with_secret_access_key(secret);
+            if let Some(t) = &r.token {
+                b = b.with_token(t);
+            }
+        } else {
+            // No keys: the cloud's chain (web identity, container, instance
+            // metadata), configured from the environment as the SDKs are.
+            for k in [
+                "AWS_WEB_IDENTITY_TOKEN_FILE",
+                "AWS_ROLE_ARN",
+                "AWS_ROLE_SESSION_NAME",
+                "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+                "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+                "AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE",
+            ] {
+                if let (Some(v), Ok(key)) =
+                    (env(k), k.to_ascii_lowercase().parse::<AmazonS3ConfigKey>())
+                {
+                    b = b.with_config(key, v);
+                }
+            }
+        }
+        let describe = format!(
+            "endpoint {}, region {}, credentials from {}",
+            r.endpoint.as_deref().unwrap_or("AWS"),
+            r.region,
+            r.cred_from
+        );
+        let s3 = b.build().map_err(|e| {
+            Error::InvalidConfig(format!("S3 client for bucket {bucket:?} ({describe}): {e}"))
+        })?;
+        log::debug!("s3 client for bucket {bucket}: {describe}");
+        Ok(Store {
+            bucket: bucket.to_string(),
+            s3,
+            describe,
+        })
+    }
+
+    fn url(&self, key: &str) -> String {
+        format!("{S3_SCHEME}{}/{key}", self.bucket)
+    }
+
+    /// Maps a client error on `key` to a named error.
+    fn error(&self, key: &str, e: object_store::Error) -> Error {
+        let url = self.url(key);
+        let chain = error_chain(&e);
+        match &e {
+            object_store::Error::NotFound { .. } => {
+                if chain.contains("NoSuchBucket") {
+                    Error::StoreNotFound {
+                        url: format!("{S3_SCHEME}{}/", self.bucket),
+                        what: "bucket",
+                        detail: short(&chain),
+                    }
+                } else {
+                    Error::StoreNotFound {
+                        url,
+                        what: "key",
+                        detail: short(&chain),
+                    }
+                }
+            }
+            object_store::Error::PermissionDenied { .. }
+            | object_store::Error::Unauthenticated { .. } => Error::StoreAccessDenied {
+                url,
+                detail: format!("{} ({})", short(&chain), self.describe),
+            },
+            object_store::Error::Precondition { .. } => Error::SourceChanged {
+                changes: vec![SourceChange {
+                    path: PathBuf::from(url),
+                    what: "object replaced since the catalog was built (ETag differs)".into(),
+                }],
+            },
+            _ => classify_text(&url, &self.bucket, &chain, &self.describe),
+        }
+    }
+
+    /// Lists every object under `prefix` (ending in `/`, or empty), in key
+    /// order, page by page (the store's pages: 1,000 keys each on S3), to
+    /// `each` with the key made relative to the prefix.
+    pub fn list(&self, prefix: &str, mut each: impl FnMut(Object) -> Result<()>) -> Result<()> {
+        let p = if prefix.is_empty() {
+            None
+        } else {
+            Some(ObjPath::from(prefix.trim_end_matches('/')))
+        };
+        let mut stream = self.s3.list(p.as_ref());
+        let base = p.as_ref().map(|p| p.as_ref().len() + 1).unwrap_or(0);
+        loop {
+            let next = runtime().block_on(stream.next());
+            let Some(m) = next else { break };
+            let m = m.map_err(|e| self.error(prefix, e))?;
+            let full = m.location.as_ref();
+            let name = full.get(base..).unwrap_or(full).to_string();
+            each(Object {
+                name,
+                size: m.size,
+                modified_ns: m.last_modified.timestamp_nanos_opt().unwrap_or(0),
+                etag: m.e_tag.unwrap_or_default(),
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Streams bytes `range` of `key` to `sink`; with `etag`, only from
+    /// that version of the object (a replaced object is
+    /// [`Error::SourceChanged`], named by key).
+    pub fn read(
+        &self,
+        key: &str,
+        etag: Option<&str>,
+        range: Range<u64>,
+        mut sink: impl FnMut(&[u8]) -> Result<()>,
+    ) -> Result<()> {
+        if range.is_empty() {
+            return Ok(());
+        }
+        let want = range.end - range.start;
+        let opts = GetOptions {
+            if_match: etag.filter(|e| !e.is_empty()).map(str::to_string),
+            range: Some(GetRange::Bounded(range.clone())),
+            ..Default::default()
+        };
+        let path = ObjPath::from(key);
+        let mut got = 0u64;
+        runtime().block_on(async {
+            let r = self
+                .s3
+                .get_opts(&path, opts)
+                .await
+                .map_err(|e| self.error(key, e))?;
+            let mut body = r.into_stream();
+            while let Some(chunk) = body.next().await {
+                let chunk = chunk.map_err(|e| self.error(key, e))?;
+                got += chunk.len() as u64;
+                if got > want {
+                    break;
+                }
+                sink(&chunk)?;
+            }
+            Ok::<(), Error>(())
+        })?;
+        if got != want {
+            return Err(Error::SourceChanged {
+                changes: vec![SourceChange {
+                    path: PathBuf::from(self.url(key)),
+                    what: format!(
+                        "bytes {}..{} asked, {} came back (the object is shorter than the catalog says)",
+                        range.start, range.end, got
+                    ),
+                }],
+            });
+        }
+        Ok(())
+    }
+
+    /// The whole object `key` (a file list), with its size bound.
+    pub fn read_all(&self, key: &str, max_bytes: u64) -> Result<Vec<u8>> {
+        let path = ObjPath::from(key);
+        let bytes = runtime().block_on(async {
+            let r = self.s3.get_opts(&path, GetOptions::default()).await?;
+            if r.meta.size > max_bytes {
+                return Ok(Err(r.meta.size));
+            }
+            r.bytes().await.map(Ok)
+        });
+        match bytes.map_err(|e| self.error(key, e))? {
+            Ok(b) => Ok(b.to_vec()),
+            Err(size) => Err(Error::InvalidConfig(format!(
+                "{} is {size} bytes; a file list is read whole and may be at most {max_bytes}",
+                self.url(key)
+            ))),
+        }
+    }
+
+    /// Size, last-modified and ETag of `key`.
+    pub fn head(&self, key: &str) -> Result<Object> {
+        let path = ObjPath::from(key);
+        let m = runtime()
+            .block_on(self.s3.head(&path))
+            .map_err(|e| self.error(key, e))?;
+        Ok(Object {
+            name: key.to_string(),
+            size: m.size,
+            modified_ns: m.last_modified.timestamp_nanos_opt().unwrap_or(0),
+            etag: m.e_tag.unwrap_or_default(),
+        })
+    }
+}
+
+/// The error and its causes, joined.
+fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        let t = c.to_string();
+        if !s.contains(&t) {
+            s.push_str(": ");
+            s.push_str(&t);
+        }
+        cur = c.source();
+    }
+    s
+}
+
+/// At most 400 characters of a message (a server's HTML error page can be long).
+fn short(s: &str) -> String {
+    match s.char_indices().nth(400) {
+        Some((i, _)) => format!("{}...", &s[..i]),
+        None => s.to_string(),
+    }
+}
+
+/// Names an error the client did not classify by the S3 error codes in its
+/// text (the codes are the S3 API's, the same on every server).
+fn classify_text(url: &str, bucket: &str, chain: &str, describe: &str) -> Error {
+    const DENIED: [&str; 6] = [
+        "AccessDenied",
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "ExpiredToken",
+        "InvalidToken",
+        "403 Forbidden",
+    ];
+    if chain.contains("NoSuchBucket") {
+        Error::StoreNotFound {
+            url: format!("{S3_SCHEME}{bucket}/"),
+            what: "bucket",
+            detail: short(chain),
+        }
+    } else if chain.contains("NoSuchKey") || chain.contains("404 Not Found") {
+        Error::StoreNotFound {
+            url: url.to_string(),
+            what: "key",
+            detail: short(chain),
+        }
+    } else if DENIED.iter().any(|d| chain.contains(d)) {
+        Error::StoreAccessDenied {
+            url: url.to_string(),
+            detail: format!("{} ({describe})", short(chain)),
+        }
+    } else {
+        Error::StoreFailed {
+            url: url.to_string(),
+            detail: format!("{} ({describe})", short(chain)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_parse_and_print() {
+        let u = StoreUrl::parse("s3://b/p/q/").unwrap().unwrap();
+        assert_eq!((u.bucket.as_str(), u.key.as_str()), ("b", "p/q/"));
+        assert_eq!(u.child("c/x.jpg"), "s3://b/p/q/c/x.jpg");
+        assert_eq!(u.dir_prefix(), "p/q/");
+        let u = StoreUrl::parse("s3://b").unwrap().unwrap();
+        assert_eq!((u.key.as_str(), u.dir_prefix().as_str()), ("", ""));
+        let u = StoreUrl::parse("s3://b/lists/train.txt").unwrap().unwrap();
+        assert_eq!(u.parent_prefix(), "lists/");
+        assert!(StoreUrl::parse("s3:///x").unwrap().is_err());
+        assert!(StoreUrl::parse("/data").is_none());
+    }
+
+    #[test]
+    fn shared_files_parse_as_the_aws_tools_read_them() {
+        let t = "# c\n[default]\naws_access_key_id = A\n; x\n[profile p]\nRegion= eu-west-1 \n";
+        let m = parse_ini(t);
+        assert_eq!(m["default"]["aws_access_key_id"], "A");
+        assert_eq!(m["profile p"]["region"], "eu-west-1");
+    }
+
+    #[test]
+    fn errors_are_named_by_the_s3_codes() {
+        let e = classify_text("s3://b/k", "b", "... <Code>NoSuchBucket</Code>", "d");
+        assert!(matches!(e, Error::StoreNotFound { what: "bucket", .. }));
+        let e = classify_text("s3://b/k", "b", "<Code>InvalidAccessKeyId</Code>", "d");
+        assert!(matches!(e, Error::StoreAccessDenied { .. }));
+        let e = classify_text("s3://b/k", "b", "connection reset", "d");
+        assert!(matches!(e, Error::StoreFailed { .. }));
+    }
+
+    #[test]
+    fn debug_leaves_secrets_out() {
+        let r = Resolved {
+            secret: Some("SECRETVALUE".into()),
+            key_id: Some("KEYID".into()),
+            ..Default::default()
+        };
+        let s = format!("{r:?}");
+        assert!(!s.contains("SECRETVALUE") && !s.contains("KEYID"), "{s}");
+    }
+}
