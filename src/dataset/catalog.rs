@@ -28,6 +28,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::Instant;
 
+use super::scan::ScannedFile;
 use super::source::{self, Scan, ScanNotes, ScanOptions, SourceKind, SourceSpec, NO_LABEL};
 use crate::error::{Error, IoContext, Result, SourceChange};
 use crate::format::{self, le_u32, le_u64, FieldsBuilder, FileWriter};
@@ -261,7 +262,7 @@ pub fn build_with_notes(
     opts: &BuildOptions,
 ) -> Result<(Catalog, ScanNotes)> {
     let t0 = Instant::now();
-    let scan = source::scan(spec, &opts.scan)?;
+    let scan = scan_any(spec, &opts.scan)?;
     log::info!(
         "scanned {}: {} samples in {} files, {} classes ({:.2} s)",
         spec.to_source_string(),
@@ -273,6 +274,33 @@ pub fn build_with_notes(
     let crcs = checksum_all(&scan, opts)?;
     write(&scan, &crcs, out)?;
     Ok((Catalog::open(out)?, scan.notes))
+}
+
+/// Lists a source, in a bucket or on a file system.
+fn scan_any(spec: &SourceSpec, opts: &ScanOptions) -> Result<Scan> {
+    #[cfg(feature = "s3")]
+    if spec.is_remote() {
+        return source::scan_with(spec, opts, super::store_scan::scan);
+    }
+    source::scan(spec, opts)
+}
+
+/// What a source holds now (names, sizes, times, ETags).
+fn current_files_any(spec: &SourceSpec, opts: &ScanOptions) -> Result<Vec<ScannedFile>> {
+    #[cfg(feature = "s3")]
+    if spec.is_remote() {
+        return super::store_scan::current_files(spec);
+    }
+    source::current_files(spec, opts)
+}
+
+/// The class folders of an ImageFolder source now.
+fn current_classes_any(spec: &SourceSpec) -> Result<Vec<std::ffi::OsString>> {
+    #[cfg(feature = "s3")]
+    if spec.is_remote() {
+        return super::store_scan::current_classes(spec);
+    }
+    source::current_classes(spec)
 }
 
 fn checksum_all(scan: &Scan, opts: &BuildOptions) -> Result<Vec<u32>> {
@@ -823,7 +851,7 @@ impl Catalog {
         let root = spec.root();
         let mut changes = Vec::new();
         if spec.kind == SourceKind::Dir {
-            let now = source::current_classes(&spec)?;
+            let now = current_classes_any(&spec)?;
             let old: Vec<&[u8]> = (0..self.classes as u32)
                 .map(|i| self.class_name_bytes(i))
                 .collect();
@@ -859,7 +887,7 @@ impl Catalog {
                 });
             }
         }
-        let current = source::current_files(&spec, opts)?;
+        let current = current_files_any(&spec, opts)?;
         let mut now: std::collections::HashMap<&Path, (u64, i64, &[u8])> = current
             .iter()
             .map(|f| (f.name.as_path(), (f.size, f.mtime_ns, f.tag.as_slice())))

@@ -279,6 +279,20 @@ pub fn stat_pair(md: &fs::Metadata) -> (u64, i64) {
 /// Lists the samples of a source. Reads nothing but metadata (and, for tar
 /// shards, the tar headers and `.cls` members).
 pub(crate) fn scan(spec: &SourceSpec, opts: &ScanOptions) -> Result<Scan> {
+    scan_with(spec, opts, |scan, opts| match scan.spec.kind {
+        SourceKind::Dir => scan_dir(scan, opts),
+        SourceKind::List => scan_list(scan),
+        SourceKind::Tar => scan_tar(scan, opts),
+    })
+}
+
+/// [`scan`] with the listing done by `layout` (the object-store scanner
+/// passes its own): the options' checks and the empty-source check around it.
+pub(crate) fn scan_with(
+    spec: &SourceSpec,
+    opts: &ScanOptions,
+    layout: impl FnOnce(&mut Scan, &ScanOptions) -> Result<()>,
+) -> Result<Scan> {
     let mut scan = Scan {
         spec: spec.clone(),
         files: Vec::new(),
@@ -306,16 +320,7 @@ pub(crate) fn scan(spec: &SourceSpec, opts: &ScanOptions) -> Result<Scan> {
         }
         scan.members = opts.members.clone();
     }
-    if spec.is_remote() {
-        #[cfg(feature = "s3")]
-        super::store_scan::scan(&mut scan, opts)?;
-    } else {
-        match spec.kind {
-            SourceKind::Dir => scan_dir(&mut scan, opts)?,
-            SourceKind::List => scan_list(&mut scan)?,
-            SourceKind::Tar => scan_tar(&mut scan, opts)?,
-        }
-    }
+    layout(&mut scan, opts)?;
     if scan.samples.is_empty() {
         return Err(Error::EmptySource {
             path: spec.path.clone(),
@@ -338,10 +343,6 @@ pub(crate) fn current_files(spec: &SourceSpec, opts: &ScanOptions) -> Result<Vec
         members: Vec::new(),
         parts: Vec::new(),
     };
-    #[cfg(feature = "s3")]
-    if spec.is_remote() {
-        return super::store_scan::current_files(spec);
-    }
     match spec.kind {
         SourceKind::Dir => scan_dir(&mut scan, opts)?,
         SourceKind::List => scan_list(&mut scan)?,
@@ -367,10 +368,6 @@ pub(crate) fn current_files(spec: &SourceSpec, opts: &ScanOptions) -> Result<Vec
 pub fn current_classes(spec: &SourceSpec) -> Result<Vec<OsString>> {
     if spec.kind != SourceKind::Dir {
         return Ok(Vec::new());
-    }
-    #[cfg(feature = "s3")]
-    if spec.is_remote() {
-        return super::store_scan::current_classes(spec);
     }
     class_folders(&spec.path)
 }

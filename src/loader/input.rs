@@ -88,6 +88,13 @@ pub(super) fn open_input(
         }
         (None, Some(src)) => {
             let spec = SourceSpec::parse(src)?;
+            if spec.is_remote() {
+                return Err(Error::InvalidConfig(format!(
+                    "reading {} directly is not supported yet; preload it into a space (kspeed preload --source {} --space DIR) and read the space",
+                    spec.to_source_string(),
+                    spec.to_source_string()
+                )));
+            }
             let catalog = match catalog {
                 Some(c) => {
                     let cat = Catalog::open(c)?;

@@ -112,7 +112,18 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         // Opening is the one blocking call left (once per file and run).
         self.stall.phase(crate::stall::Phase::Open);
         let lease = self.source_fds.acquire(sample.file, || {
-            std::fs::File::open(cat.file_path(sample.file))
+            let path = cat.file_path(sample.file);
+            if path.as_os_str().as_encoded_bytes().starts_with(b"s3://") {
+                // Named, not ENOENT: the loader reads no bucket yet.
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::Unsupported,
+                    format!(
+                        "{} is in an object store, which the loader does not read yet",
+                        path.display()
+                    ),
+                ));
+            }
+            std::fs::File::open(path)
         });
         let r = &mut self.sources.slots[slot];
         debug_assert!(r.idx.is_none() && !r.in_ring, "source slot {slot} taken");
