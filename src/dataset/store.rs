@@ -490,6 +490,19 @@ impl Store {
         key: &str,
         etag: Option<&str>,
         range: Range<u64>,
+        sink: impl FnMut(&[u8]) -> Result<()>,
+    ) -> Result<()> {
+        self.read_within(key, etag, range, Duration::MAX, sink)
+    }
+
+    /// [`Store::read`] given up after `timeout` (retries included) as
+    /// [`Error::StoreFailed`].
+    pub fn read_within(
+        &self,
+        key: &str,
+        etag: Option<&str>,
+        range: Range<u64>,
+        timeout: Duration,
         mut sink: impl FnMut(&[u8]) -> Result<()>,
     ) -> Result<()> {
         if range.is_empty() {
@@ -503,7 +516,7 @@ impl Store {
         };
         let path = ObjPath::from(key);
         let mut got = 0u64;
-        runtime().block_on(async {
+        let work = async {
             let r = self
                 .s3
                 .get_opts(&path, opts)
@@ -519,6 +532,22 @@ impl Store {
                 sink(&chunk)?;
             }
             Ok::<(), Error>(())
+        };
+        runtime().block_on(async {
+            if timeout == Duration::MAX {
+                return work.await;
+            }
+            match tokio::time::timeout(timeout, work).await {
+                Ok(r) => r,
+                Err(_) => Err(Error::StoreFailed {
+                    url: self.url(key),
+                    detail: format!(
+                        "no answer within {} s ({})",
+                        timeout.as_secs(),
+                        self.describe
+                    ),
+                }),
+            }
         })?;
         if got != want {
             return Err(Error::SourceChanged {

@@ -88,7 +88,9 @@ pub(super) fn open_input(
         }
         (None, Some(src)) => {
             let spec = SourceSpec::parse(src)?;
-            if spec.is_remote() {
+            // In cluster mode the nodes read; the source (a bucket) is only
+            // read when every copy of a sample is lost (net/store_fetch.rs).
+            if spec.is_remote() && !cluster {
                 return Err(Error::InvalidConfig(format!(
                     "reading {} directly is not supported yet; preload it into a space (kspeed preload --source {} --space DIR) and read the space",
                     spec.to_source_string(),

@@ -87,6 +87,8 @@ mod redial;
 mod retry;
 mod socket;
 mod source;
+#[cfg(feature = "s3")]
+mod store_fetch;
 mod tcp;
 
 #[cfg(test)]
@@ -789,7 +791,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             conns,
             common: connected.common,
             chan_inflight: false,
-            sources: source::SourceReads::new(),
+            sources: source::SourceReads::new(sh.input.catalog().source_spec().is_remote()),
             source_fds: super::fdcache::FdCache::new(16),
             local_errors: Vec::new(),
             epoch: None,
@@ -843,6 +845,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             // RDMA writes complete on the connections' CQs, not the ring.
             let progressed = self.poll_data();
             self.push_queued_sources();
+            self.drain_store_reads();
             if !stopping {
                 self.stall.phase(Phase::Submit);
                 self.fill();

@@ -63,15 +63,25 @@ pub(super) struct SourceRead {
 /// The fixed pool of source reads (see the module comment).
 pub(super) struct SourceReads {
     slots: Box<[SourceRead]>,
-    /// Slots whose read is in the ring.
+    /// Slots whose read is in the ring (or, for a source in an object
+    /// store, with a worker of `store`).
     in_ring: usize,
+    /// The catalog's source is in an object store (`s3://`): samples are
+    /// read by `store`'s workers, not through the ring.
+    remote: bool,
+    /// The GET workers, started on the first sample read from the store.
+    #[cfg(feature = "s3")]
+    store: Option<super::store_fetch::StorePool>,
 }
 
 impl SourceReads {
-    pub(super) fn new() -> Self {
+    pub(super) fn new(remote: bool) -> Self {
         SourceReads {
             slots: (0..SOURCE_READS).map(|_| SourceRead::default()).collect(),
             in_ring: 0,
+            remote,
+            #[cfg(feature = "s3")]
+            store: None,
         }
     }
 
@@ -109,21 +119,13 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         self.table[idx].node = super::NONE;
         let cat = self.sh.input.catalog();
         let sample = cat.sample(s.id);
+        if self.sources.remote {
+            return self.start_store_read(slot, idx, tried);
+        }
         // Opening is the one blocking call left (once per file and run).
         self.stall.phase(crate::stall::Phase::Open);
         let lease = self.source_fds.acquire(sample.file, || {
-            let path = cat.file_path(sample.file);
-            if path.as_os_str().as_encoded_bytes().starts_with(b"s3://") {
-                // Named, not ENOENT: the loader reads no bucket yet.
-                return Err(std::io::Error::new(
-                    std::io::ErrorKind::Unsupported,
-                    format!(
-                        "{} is in an object store, which the loader does not read yet",
-                        path.display()
-                    ),
-                ));
-            }
-            std::fs::File::open(path)
+            std::fs::File::open(cat.file_path(sample.file))
         });
         let r = &mut self.sources.slots[slot];
         debug_assert!(r.idx.is_none() && !r.in_ring, "source slot {slot} taken");
@@ -147,6 +149,79 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                 };
                 !self.finish_source(slot, Err(why))
             }
+        }
+    }
+
+    /// [`Self::start_source_read`] for a source in an object store: the
+    /// sample goes to a GET worker (`store_fetch.rs`).
+    fn start_store_read(&mut self, slot: usize, idx: usize, tried: String) -> bool {
+        let s = self.table[idx];
+        let r = &mut self.sources.slots[slot];
+        debug_assert!(r.idx.is_none() && !r.in_ring, "source slot {slot} taken");
+        r.idx = Some(idx);
+        r.done_bytes = 0;
+        r.attempts = 1;
+        r.tried = tried;
+        if self.sh.ring.device().is_some() {
+            r.bounce.resize(s.len as usize, 0);
+        }
+        #[cfg(feature = "s3")]
+        {
+            if self.sources.store.is_none() {
+                // Once per loader: threads for the rare last resort.
+                self.stall.phase(crate::stall::Phase::Open);
+                match super::store_fetch::StorePool::start(&self.sh) {
+                    Ok(p) => self.sources.store = Some(p),
+                    Err(e) => {
+                        return !self.finish_source(slot, Err(format!("starting GET workers: {e}")))
+                    }
+                }
+            }
+            let dst = if self.sh.ring.device().is_some() {
+                self.sources.slots[slot].bounce.as_mut_ptr()
+            } else {
+                self.ring_ptr(s.phys)
+            };
+            self.sources.slots[slot].in_ring = true;
+            self.sources.in_ring += 1;
+            self.sources
+                .store
+                .as_ref()
+                .expect("started")
+                .send(super::store_fetch::Fetch {
+                    slot,
+                    id: s.id,
+                    dst: dst as usize,
+                    len: s.len,
+                });
+            true
+        }
+        #[cfg(not(feature = "s3"))]
+        {
+            !self.finish_source(
+                slot,
+                Err("the source is in an object store and this build has no s3 feature".into()),
+            )
+        }
+    }
+
+    /// Takes the GET workers' answers (object-store sources).
+    pub(super) fn drain_store_reads(&mut self) {
+        #[cfg(feature = "s3")]
+        while let Some(f) = self.sources.store.as_ref().and_then(|p| p.try_done()) {
+            let r = &mut self.sources.slots[f.slot];
+            assert!(
+                r.in_ring,
+                "network thread: GET answer for idle slot {}",
+                f.slot
+            );
+            r.in_ring = false;
+            self.sources.in_ring = self
+                .sources
+                .in_ring
+                .checked_sub(1)
+                .expect("source reads in flight undercounted");
+            self.source_done(f.slot, f.res);
         }
     }
 
@@ -247,6 +322,12 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                 "short read: {done} of {len} bytes after {attempts} attempts"
             ))
         };
+        self.source_done(slot, res);
+    }
+
+    /// Slot `slot`'s read ended with `res`: [`Self::finish_source`], and
+    /// back in the re-grant line when it is to wait for a holder.
+    fn source_done(&mut self, slot: usize, res: Result<(), String>) {
         let idx = self.sources.slots[slot].idx.expect("busy source slot");
         if self.finish_source(slot, res) {
             let g = self.table[idx].g;
