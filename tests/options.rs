@@ -318,6 +318,8 @@ const DALI_ARGUMENTS: &[(&str, Option<&str>)] = &[
     ("cluster_file", Some("cluster_file")),
     ("token", Some("token")),
     ("rdma", Some("rdma")),
+    ("s3_endpoint_url", Some("s3_endpoint_url")),
+    ("s3_profile", Some("s3_profile")),
 ];
 
 /// The double-quoted word after each `needle` in `text`.

@@ -132,6 +132,8 @@ pub unsafe extern "C" fn ksp_config_free(cfg: *mut ksp_config) {
 /// | `rdma_gid_index` | int or auto | 0 to 255 |  | auto | GID index (`auto`: the RoCE v2 GID of the connection's address); implies `rdma` |
 /// | `agent` | choice | auto, off, required |  | auto | read through the node's `kspeed agent` (docs/DEPLOY.md): `required` always (no agent is a `NoAgent` error), `auto` in cluster mode where the agent can serve this loader (its socket exists, the whole space is on this node, no tier, GPU ring or mixture), `off` never (this process's own pollers) |
 /// | `agent_socket` | path |  |  | KSPEED_AGENT_SOCKET, else /run/kspeed/agent.sock | the node agent's attach socket |
+/// | `s3_endpoint_url` | text |  |  | AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL, the profile's, else AWS | a source in an S3-compatible store (`s3://`): its endpoint, e.g. http://minio:9000 (path-style requests); read only when a sample is read from the bucket. Process-wide: the last loader built with it sets it |
+/// | `s3_profile` | text |  |  | AWS_PROFILE, else default | a source in an object store: the profile of ~/.aws/credentials and ~/.aws/config to take credentials, region and endpoint from. Process-wide, as `s3_endpoint_url` |
 /// | `local_node` | int | 0 to 65535 |  | the local space's node; none with a source | cluster mode: the node this process runs on (its samples are never requested over the network) |
 /// <!-- options:end -->
 ///

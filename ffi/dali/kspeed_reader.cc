@@ -80,6 +80,12 @@ public:
             if (lookahead > 0) cfg.set("lookahead", lookahead);
             if (!cluster.empty()) cfg.set("cluster_file", cluster).set("token", token);
             if (rdma) cfg.set("rdma", "true");
+            // A space preloaded from a bucket: where and as whom a sample
+            // every node lost is read from it.
+            const std::string s3_endpoint = spec.GetArgument<std::string>("s3_endpoint_url");
+            const std::string s3_profile = spec.GetArgument<std::string>("s3_profile");
+            if (!s3_endpoint.empty()) cfg.set("s3_endpoint_url", s3_endpoint);
+            if (!s3_profile.empty()) cfg.set("s3_profile", s3_profile);
             loader_ = std::make_unique<kspeed::Loader>(cfg);
             epoch_len_ = loader_->epoch_len();
             catalog_len_ = loader_->catalog_len();
@@ -328,6 +334,14 @@ Pass the same `seed` to every shard (without one, 0 is used, not a random seed).
     .AddOptionalArg("token", "Cluster mode: the job token.", std::string(""))
     .AddOptionalArg("rdma",
                     "Cluster mode: receive samples as RDMA writes (every node serves with --rdma).",
-                    false);
+                    false)
+    .AddOptionalArg("s3_endpoint_url",
+                    "A space preloaded from an S3-compatible store: its endpoint, for samples read "
+                    "from the bucket when every node lost them (empty: the AWS variables').",
+                    std::string(""))
+    .AddOptionalArg("s3_profile",
+                    "A space preloaded from an object store: the AWS profile to read it as "
+                    "(empty: AWS_PROFILE, else default).",
+                    std::string(""));
 
 }  // namespace dali

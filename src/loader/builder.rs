@@ -79,6 +79,8 @@ pub struct LoaderBuilder {
     mix_epoch_size: Option<u64>,
     agent: super::AgentMode,
     agent_socket: Option<PathBuf>,
+    /// `s3_endpoint_url`, `s3_profile`.
+    s3: (Option<String>, Option<String>),
     /// Inside the node agent: the space it opened once and the rank's ring.
     agent_input: Option<super::attached::AgentInput>,
 }
@@ -137,6 +139,7 @@ impl LoaderBuilder {
             mix_epoch_size: None,
             agent: super::AgentMode::Auto,
             agent_socket: None,
+            s3: (None, None),
             agent_input: None,
         }
     }
@@ -534,6 +537,23 @@ impl LoaderBuilder {
         self
     }
 
+    /// A source in an S3-compatible store: its endpoint (else the AWS
+    /// variables' and the profile's). Process-wide: the store's settings
+    /// are one per process (`dataset::store::set_overrides`), set by the
+    /// last loader built with this or [`LoaderBuilder::s3_profile`].
+    pub fn s3_endpoint_url(mut self, url: Option<String>) -> Self {
+        self.s3.0 = url;
+        self
+    }
+
+    /// A source in an object store: the profile of the AWS shared files to
+    /// take credentials, region and endpoint from (else `AWS_PROFILE`,
+    /// else `default`). Process-wide, as [`LoaderBuilder::s3_endpoint_url`].
+    pub fn s3_profile(mut self, profile: Option<String>) -> Self {
+        self.s3.1 = profile;
+        self
+    }
+
     /// Inside the agent: read `input.space` (opened and checked by the
     /// agent) into the rank's ring `input.ring`.
     pub(crate) fn agent_input(mut self, input: super::attached::AgentInput) -> Self {
@@ -543,6 +563,18 @@ impl LoaderBuilder {
 
     /// Opens the input, maps the ring, starts the pollers.
     pub fn build(self) -> Result<Loader> {
+        if self.s3.0.is_some() || self.s3.1.is_some() {
+            #[cfg(feature = "s3")]
+            crate::dataset::store::set_overrides(
+                crate::dataset::store::StoreOverrides::default()
+                    .endpoint_url(self.s3.0.clone())
+                    .profile(self.s3.1.clone()),
+            );
+            #[cfg(not(feature = "s3"))]
+            return Err(Error::InvalidConfig(
+                "s3_endpoint_url/s3_profile: this build of kspeed has no object-store support (the s3 cargo feature)".into(),
+            ));
+        }
         let socket = self
             .agent_socket
             .clone()

@@ -287,6 +287,10 @@ pub static OPTIONS: &[OptionSpec] = &[
         "read through the node's `kspeed agent` (docs/DEPLOY.md): `required` always (no agent is a `NoAgent` error), `auto` in cluster mode where the agent can serve this loader (its socket exists, the whole space is on this node, no tier, GPU ring or mixture), `off` never (this process's own pollers)"),
     opt!("agent_socket", OptionKind::Path, "", "KSPEED_AGENT_SOCKET, else /run/kspeed/agent.sock", "agent-socket",
         "the node agent's attach socket"),
+    opt!("s3_endpoint_url", OptionKind::Text, "", "AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL, the profile's, else AWS", "endpoint-url",
+        "a source in an S3-compatible store (`s3://`): its endpoint, e.g. http://minio:9000 (path-style requests); read only when a sample is read from the bucket. Process-wide: the last loader built with it sets it"),
+    opt!("s3_profile", OptionKind::Text, "", "AWS_PROFILE, else default", "aws-profile",
+        "a source in an object store: the profile of ~/.aws/credentials and ~/.aws/config to take credentials, region and endpoint from. Process-wide, as `s3_endpoint_url`"),
     opt!("local_node", int(0, 65535), "", "the local space's node; none with a source", "",
         "cluster mode: the node this process runs on (its samples are never requested over the network)"),
 ];
@@ -691,6 +695,8 @@ impl LoaderOptions {
                     .unwrap_or_default(),
             ),
             "agent_socket" => b.agent_socket(text.map(PathBuf::from)),
+            "s3_endpoint_url" => b.s3_endpoint_url(text),
+            "s3_profile" => b.s3_profile(text),
             "cluster_file" => {
                 self.cluster.file = text.map(PathBuf::from);
                 b

@@ -323,6 +323,8 @@ class Loader:
         mix_epoch_size=None,
         agent="auto",
         agent_socket=None,
+        s3_endpoint_url=None,
+        s3_profile=None,
         start_epoch=0,
         end_epoch=None,
         batches_in_flight=2,
@@ -463,6 +465,11 @@ class Loader:
         cfg["agent"] = _opt("agent", agent)
         if agent_socket is not None:
             cfg["agent_socket"] = _path("agent_socket", agent_socket, must_exist=False)
+        # A source in an object store (s3://): where and as whom to read it
+        # when a sample comes from the bucket (process-wide settings).
+        for key, value in (("s3_endpoint_url", s3_endpoint_url), ("s3_profile", s3_profile)):
+            if value is not None:
+                cfg[key] = _opt(key, value)
         cfg["start_epoch"] = _opt("start_epoch", start_epoch)
         if end_epoch is not None:
             end = _opt("end_epoch", end_epoch)
