@@ -983,8 +983,17 @@ impl LoaderBuilder {
                 })
             }
         };
+        // A source in an object store is read by GETs (ring/store.rs), one
+        // backend per poller with `queue_depth` of them in flight.
+        let remote = match &input {
+            Input::Source { catalog, .. } if catalog.source_spec().is_remote() => {
+                Some(catalog.clone())
+            }
+            _ => None,
+        };
         let mut backends: Vec<Uring> = Vec::with_capacity(cfg.pollers);
-        let mut fixed_buffers = self.registered_buffers && ring.device().is_none();
+        let mut fixed_buffers =
+            self.registered_buffers && ring.device().is_none() && remote.is_none();
         let mut io_how = if ring.device().is_some() {
             "GPU memory: written by the NIC only".to_string()
         } else if !self.registered_buffers {
@@ -993,7 +1002,7 @@ impl LoaderBuilder {
             String::new()
         };
         let mut shared_regs = 0;
-        for _ in 0..cfg.pollers {
+        for _ in 0..if remote.is_some() { 0 } else { cfg.pollers } {
             let opts = UringOptions {
                 entries: cfg.queue_depth * 2,
                 sqpoll_idle_ms: cfg.sqpoll_idle_ms,
@@ -1084,8 +1093,14 @@ impl LoaderBuilder {
             io_how.push_str("; page cache (no O_DIRECT)");
         }
         let mut ring = ring;
+        if remote.is_some() {
+            io_how = format!(
+                "object store: {} GETs in flight per poller into the ring",
+                cfg.queue_depth
+            );
+        }
         ring.set_io_info(fixed_buffers, io_how, direct_io);
-        let backends: Vec<Box<dyn IoBackend>> = backends
+        let mut backends: Vec<Box<dyn IoBackend>> = backends
             .into_iter()
             .map(|uring| -> Box<dyn IoBackend> {
                 match cfg.faults {
@@ -1094,6 +1109,9 @@ impl LoaderBuilder {
                 }
             })
             .collect();
+        if let Some(cat) = remote {
+            backends = store_backends(cat, cfg.pollers, cfg.queue_depth as usize, cfg.faults)?;
+        }
         let batch_size = self.batch_size;
         let attach_settings = attach.map(|socket| super::attached::AttachSettings {
             socket,
@@ -1224,6 +1242,47 @@ fn largest_slots(catalog: &Catalog, geo: Geometry, n: usize) -> u64 {
         }
     }
     heap.into_iter().map(|Reverse(s)| s).sum()
+}
+
+/// One object-store backend per poller for a source in a bucket
+/// (`ring/store.rs`), wrapped in the fault injector when one is asked for.
+#[cfg(feature = "s3")]
+fn store_backends(
+    cat: std::sync::Arc<crate::dataset::Catalog>,
+    pollers: usize,
+    depth: usize,
+    faults: Option<crate::ring::FaultConfig>,
+) -> Result<Vec<Box<dyn IoBackend>>> {
+    let spec = cat.source_spec();
+    let url = spec.store_url().expect("a remote source has a URL");
+    let prefix = url.dir_prefix_or_parent();
+    let objects: std::sync::Arc<crate::ring::ObjectOf> = std::sync::Arc::new(move |i: u32| {
+        let f = cat.file(i);
+        (
+            format!("{prefix}{}", f.name.to_string_lossy()),
+            String::from_utf8_lossy(f.etag).into_owned(),
+        )
+    });
+    (0..pollers)
+        .map(|_| -> Result<Box<dyn IoBackend>> {
+            let ring = crate::ring::StoreRing::new(&url.bucket, objects.clone(), depth)?;
+            Ok(match faults {
+                Some(f) => Box::new(Faulty::new(ring, f, depth)),
+                None => Box::new(ring),
+            })
+        })
+        .collect()
+}
+
+/// Without the s3 feature no source is remote (parsing refuses `s3://`).
+#[cfg(not(feature = "s3"))]
+fn store_backends(
+    _: std::sync::Arc<crate::dataset::Catalog>,
+    _: usize,
+    _: usize,
+    _: Option<crate::ring::FaultConfig>,
+) -> Result<Vec<Box<dyn IoBackend>>> {
+    unreachable!("an s3:// source does not parse without the s3 feature")
 }
 
 #[cfg(test)]

@@ -88,15 +88,10 @@ pub(super) fn open_input(
         }
         (None, Some(src)) => {
             let spec = SourceSpec::parse(src)?;
-            // In cluster mode the nodes read; the source (a bucket) is only
-            // read when every copy of a sample is lost (net/store_fetch.rs).
-            if spec.is_remote() && !cluster {
-                return Err(Error::InvalidConfig(format!(
-                    "reading {} directly is not supported yet; preload it into a space (kspeed preload --source {} --space DIR) and read the space",
-                    spec.to_source_string(),
-                    spec.to_source_string()
-                )));
-            }
+            // A bucket is read by GETs from the pollers' object-store
+            // backends (ring/store.rs); in cluster mode the nodes read and
+            // the bucket is read only when every copy of a sample is lost
+            // (net/store_fetch.rs).
             let catalog = match catalog {
                 Some(c) => {
                     let cat = Catalog::open(c)?;
@@ -128,7 +123,13 @@ pub(super) fn open_input(
                 }
             };
             let root = catalog.source_spec().root();
-            (Input::Source { catalog, root }, 4096)
+            (
+                Input::Source {
+                    catalog: std::sync::Arc::new(catalog),
+                    root,
+                },
+                4096,
+            )
         }
         (None, None) => return Err(Error::InvalidConfig("give a space or a source".into())),
     })
@@ -154,6 +155,11 @@ pub(super) fn open_mix(
     let mut any_space = false;
     for (what, _) in mix {
         let path = PathBuf::from(what);
+        if what.contains("s3://") {
+            return Err(Error::InvalidConfig(format!(
+                "mix: {what} is in an object store; a mixture reads spaces and sources on files for now (preload it: kspeed preload --source {what} --space DIR)"
+            )));
+        }
         let (input, a) = if path.join(crate::dataset::space::files::MANIFEST).is_file() {
             any_space = true;
             open_input(Some(&path), None, None, false, direct_io)?

@@ -89,6 +89,9 @@ pub(crate) struct Poller {
     submit_error: Option<std::io::Error>,
     part_bytes: u64,
     path_buf: PathBuf,
+    /// The input is a source in an object store: reads name the object
+    /// ([`Target::Object`]) and the backend GETs it (`ring/store.rs`).
+    remote: bool,
     /// Source files kept open across samples (source mode).
     fds: FdCache,
     stall: Stall,
@@ -122,6 +125,7 @@ impl Poller {
             submit_error: None,
             part_bytes: shared.cfg.max_read_bytes.next_multiple_of(align).max(align),
             path_buf: PathBuf::with_capacity(4096),
+            remote: matches!(&shared.input, Input::Source { catalog, .. } if catalog.source_spec().is_remote()),
             fds: FdCache::new(if shared.input.has_source() {
                 super::fdcache::capacity(count + 1)
             } else {
@@ -420,6 +424,11 @@ impl Poller {
                 (target, loc.offset, sh.geo.slot(p.len), loc.extent, None)
             }
             Input::Mix(_) => unreachable!("a mixture's parts are spaces or sources"),
+            Input::Source { .. } if self.remote => {
+                let s = cat.sample(local);
+                let target = Target::Object(file_base + s.file);
+                (target, s.offset, s.len as u64, s.file, None)
+            }
             Input::Source { root, .. } => {
                 let s = cat.sample(local);
                 self.path_buf.clear();

@@ -38,7 +38,10 @@ pub(crate) enum Input {
         extents: Arc<[std::fs::File]>,
     },
     /// Source files directly, through the page cache.
-    Source { catalog: Catalog, root: PathBuf },
+    Source {
+        catalog: Arc<Catalog>,
+        root: PathBuf,
+    },
     /// Several datasets side by side in one id space (a mixture, single
     /// node): dataset `d`'s sample `i` is id `offsets[d] + i`.
     Mix(Box<MixInput>),

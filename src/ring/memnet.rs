@@ -299,6 +299,7 @@ fn read(w: &World, op: &ReadOp, base: u32) -> i32 {
     let file = match op.target {
         Target::Fixed(i) => w.files.get(base + i as usize),
         Target::Fd(fd) if fd >= FILE_FD_BASE => w.files.get(base + (fd - FILE_FD_BASE) as usize),
+        Target::Object(_) => None,
         Target::Fd(fd) => {
             // A real descriptor: a file the code under test opened itself
             // (the network thread's source fallback over a simulation's

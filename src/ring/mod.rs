@@ -29,6 +29,8 @@ mod faulty;
 mod mem;
 #[cfg(test)]
 pub(crate) mod memnet;
+#[cfg(feature = "s3")]
+mod store;
 mod uring;
 
 #[cfg(test)]
@@ -36,6 +38,8 @@ pub(crate) use faulty::NetFaults;
 pub use faulty::{FaultConfig, Faulty};
 #[cfg(test)]
 pub(crate) use mem::MemBackend;
+#[cfg(feature = "s3")]
+pub use store::{ObjectOf, StoreRing};
 pub use uring::{Uring, UringOptions};
 
 /// Which file a read targets.
@@ -45,6 +49,10 @@ pub enum Target {
     Fixed(u32),
     /// A plain descriptor.
     Fd(RawFd),
+    /// An object of a source in an object store: the catalog's file index.
+    /// Only [`StoreRing`] reads these; other backends complete such a read
+    /// with `-EBADF`.
+    Object(u32),
 }
 
 /// One read: `len` bytes at `offset` of `target` into `buf`.

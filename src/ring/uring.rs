@@ -194,6 +194,9 @@ impl IoBackend for Uring {
             (Target::Fd(fd), None) => opcode::Read::new(types::Fd(fd), op.buf, op.len)
                 .offset(op.offset)
                 .build(),
+            // Not a file: the kernel answers -EBADF for descriptor -1, as
+            // for any read of something that is not open.
+            (Target::Object(_), _) => opcode::Read::new(types::Fd(-1), op.buf, op.len).build(),
         };
         // SAFETY: the caller keeps the buffer valid until completion (this
         // method's contract); the entry refers to nothing else.

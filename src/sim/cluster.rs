@@ -342,7 +342,7 @@ pub(crate) fn cluster(seed: u64) {
         let netsh = NetShared::new(geo.table_len() as usize).expect("sim: eventfd");
         let sh = Arc::new(Shared::for_sim(
             Input::Source {
-                catalog,
+                catalog: Arc::new(catalog),
                 root: PathBuf::new(),
             },
             ring,

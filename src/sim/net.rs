@@ -413,7 +413,7 @@ fn run(seed: u64, replicas_past_64: Option<u32>) {
     let net = NetShared::new(geo.table_len() as usize).expect("sim: eventfd");
     let sh = Arc::new(Shared::for_sim(
         Input::Source {
-            catalog,
+            catalog: Arc::new(catalog),
             root: PathBuf::new(),
         },
         ring,

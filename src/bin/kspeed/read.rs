@@ -252,7 +252,6 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
             let b = LoaderBuilder::source(src);
             match &a.catalog {
                 Some(c) => b.catalog(c),
-                None if src.contains("s3://") => b,
                 None => {
                     // Not silent: on a large source this takes a while.
                     eprintln!(

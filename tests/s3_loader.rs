@@ -1,0 +1,154 @@
+//! A loader reading a bucket directly (`source = "s3://…"`, no nodes): the
+//! pollers' reads are ranged GETs in the rank's order (ring/store.rs).
+//! Every sample of two epochs, in the sampler's order, byte for byte the
+//! file that was uploaded; ranks of a world split the epoch; an object
+//! replaced after the catalog fails its read by name. Real S3 server
+//! process (s3s-fs, tests/common/s3.rs).
+#![cfg(all(feature = "cli", feature = "s3"))]
+
+mod common;
+#[path = "common/s3.rs"]
+mod s3h;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use common::*;
+use kspeed::dataset::Catalog;
+use kspeed::landing::{CudaMode, LandingOptions};
+use kspeed::loader::LoaderBuilder;
+use kspeed::sampler::{Sampler, SamplerConfig};
+use kspeed::Error;
+use s3h::*;
+
+const BUCKET: &str = "direct";
+const LIMIT: Duration = Duration::from_secs(240);
+
+fn walk(dir: &Path) -> Vec<PathBuf> {
+    let mut v = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            v.extend(walk(&p));
+        } else {
+            v.push(p);
+        }
+    }
+    v.sort();
+    v
+}
+
+fn landing() -> LandingOptions {
+    LandingOptions::default()
+        .ring_bytes(8 << 20)
+        .huge_pages(false)
+        .mlock(false)
+        .numa_node(None)
+        .gpu_pci(None)
+        .cuda(CudaMode::Off)
+}
+
+#[test]
+fn a_loader_reads_a_bucket_directly_in_order_and_byte_exact() {
+    let Some(srv) = S3Server::start() else { return };
+    srv.create_bucket(BUCKET);
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("src");
+    gen("imagenet", 200, &src);
+    // The uploaded bytes by key, to check what the loader hands out
+    // independently of kspeed's catalog.
+    let mut uploaded: HashMap<String, Vec<u8>> = HashMap::new();
+    for p in walk(&src) {
+        let rel = p.strip_prefix(&src).unwrap().to_string_lossy().into_owned();
+        uploaded.insert(rel, std::fs::read(&p).unwrap());
+    }
+    srv.put_many(
+        BUCKET,
+        uploaded
+            .iter()
+            .map(|(k, v)| (format!("train/{k}"), v.clone())),
+        16,
+        LIMIT,
+    );
+    // The loader finds the store from the AWS variables, as a user's
+    // would (one test in this binary: nothing else reads them).
+    for (k, v) in srv.env() {
+        std::env::set_var(k, v);
+    }
+    let url = format!("s3://{BUCKET}/train/");
+    let cat_path = tmp.path().join("cat.ksc");
+    srv.ok(&["catalog", "--source", &url, "--out", s(&cat_path)], LIMIT);
+    let cat = Catalog::open(&cat_path).unwrap();
+    assert_eq!(cat.len(), 200);
+
+    for (rank, world) in [(0u32, 1u32), (1, 3)] {
+        let mut l = LoaderBuilder::source(&url)
+            .catalog(&cat_path)
+            .seed(9)
+            .rank(rank, world)
+            .batch_size(8)
+            .pollers(2)
+            .queue_depth(16)
+            .pin(false)
+            .landing(landing())
+            .build()
+            .unwrap();
+        let sampler = Sampler::new(
+            SamplerConfig::single(cat.len(), 9)
+                .rank_world(rank, world)
+                .shuffle(true),
+        )
+        .unwrap();
+        for e in 0..2 {
+            l.set_epoch(e).unwrap();
+            let mut k = 0u64;
+            while let Some(b) = l.next_batch().unwrap() {
+                for smp in b.iter() {
+                    assert_eq!(
+                        smp.id,
+                        sampler.sample(e, k),
+                        "rank {rank}: sample {k} of epoch {e}"
+                    );
+                    let name = cat
+                        .file(cat.sample(smp.id).file)
+                        .name
+                        .to_string_lossy()
+                        .into_owned();
+                    assert_eq!(smp.bytes, &uploaded[&name][..], "bytes of {name}");
+                    k += 1;
+                }
+            }
+            assert_eq!(k, sampler.per_rank(), "rank {rank}: a whole epoch {e}");
+        }
+        let stats = l.stats();
+        assert!(stats.disk_reads >= 2 * sampler.per_rank(), "{stats:?}");
+    }
+
+    // An object replaced after the catalog: its read fails, named.
+    let victim = cat
+        .file(cat.sample(0).file)
+        .name
+        .to_string_lossy()
+        .into_owned();
+    srv.put(BUCKET, &format!("train/{victim}"), b"other bytes");
+    let mut l = LoaderBuilder::source(&url)
+        .catalog(&cat_path)
+        .batch_size(8)
+        .pollers(1)
+        .pin(false)
+        .landing(landing())
+        .build()
+        .unwrap();
+    let err = (|| -> Result<(), Error> {
+        l.set_epoch(0)?;
+        while l.next_batch()?.is_some() {}
+        Ok(())
+    })()
+    .expect_err("a replaced object must fail its read");
+    let text = err.to_string();
+    assert!(
+        text.contains(&format!("s3://{BUCKET}/train/{victim}")),
+        "{text}"
+    );
+}
