@@ -170,7 +170,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             if self.sources.store.is_none() {
                 // Once per loader: threads for the rare last resort.
                 self.stall.phase(crate::stall::Phase::Open);
-                match super::store_fetch::StorePool::start(&self.sh) {
+                match super::store_fetch::StorePool::start(&self.sh, SOURCE_READS) {
                     Ok(p) => self.sources.store = Some(p),
                     Err(e) => {
                         return !self.finish_source(slot, Err(format!("starting GET workers: {e}")))

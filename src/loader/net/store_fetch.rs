@@ -3,8 +3,8 @@
 //! threads beside the network thread, never on it (a GET waits on the
 //! network; the thread's other connections must not).
 //!
-//! The pool has one thread per source-read slot ([`super::source::SOURCE_READS`]),
-//! started on the first such sample. A request names the slot, the sample
+//! The pool has one thread per source-read slot (`source.rs` gives the
+//! count), started on the first such sample. A request names the slot, the sample
 //! and where its bytes go (the sample's span of the ring, or the slot's
 //! bounce buffer for a GPU ring); the worker GETs the sample's byte range,
 //! conditional on the object's cataloged ETag, straight into that memory,
@@ -22,7 +22,6 @@ use std::time::Duration;
 
 use crossbeam_channel::{bounded, Receiver, Sender};
 
-use super::source::SOURCE_READS;
 use crate::dataset::store::Store;
 use crate::loader::shared::Shared;
 
@@ -53,12 +52,13 @@ pub(super) struct StorePool {
 }
 
 impl StorePool {
-    /// Starts [`SOURCE_READS`] workers reading `sh`'s catalog's source.
-    pub(super) fn start(sh: &Arc<Shared>) -> std::io::Result<Self> {
-        let (tx, rx) = bounded::<Fetch>(SOURCE_READS);
-        let (done_tx, done) = bounded::<Fetched>(SOURCE_READS);
-        let mut workers = Vec::with_capacity(SOURCE_READS);
-        for i in 0..SOURCE_READS {
+    /// Starts `slots` workers (one per source-read slot) reading `sh`'s
+    /// catalog's source.
+    pub(super) fn start(sh: &Arc<Shared>, slots: usize) -> std::io::Result<Self> {
+        let (tx, rx) = bounded::<Fetch>(slots);
+        let (done_tx, done) = bounded::<Fetched>(slots);
+        let mut workers = Vec::with_capacity(slots);
+        for i in 0..slots {
             let (rx, done_tx, sh) = (rx.clone(), done_tx.clone(), sh.clone());
             workers.push(
                 std::thread::Builder::new()
