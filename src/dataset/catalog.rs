@@ -277,7 +277,7 @@ pub fn build_with_notes(
 }
 
 /// Lists a source, in a bucket or on a file system.
-fn scan_any(spec: &SourceSpec, opts: &ScanOptions) -> Result<Scan> {
+pub(crate) fn scan_any(spec: &SourceSpec, opts: &ScanOptions) -> Result<Scan> {
     #[cfg(feature = "s3")]
     if spec.is_remote() {
         return source::scan_with(spec, opts, super::store_scan::scan);
@@ -692,6 +692,52 @@ impl Catalog {
     fn class_rec(&self, i: u32) -> &[u8] {
         let o = self.off_classes + i as usize * CLASS_REC;
         &self.body()[o..o + CLASS_REC]
+    }
+
+    /// This catalog as a scan: what [`write`] needs to write it again
+    /// (with other CRCs: preload's one-pass build from a store).
+    pub(crate) fn to_scan(&self) -> Scan {
+        let files = (0..self.files as u32)
+            .map(|i| {
+                let f = self.file(i);
+                super::scan::ScannedFile {
+                    name: f.name.to_path_buf(),
+                    size: f.size,
+                    mtime_ns: f.mtime_ns,
+                    tag: f.etag.to_vec(),
+                }
+            })
+            .collect();
+        let samples = (0..self.samples)
+            .map(|id| {
+                let s = self.sample(id);
+                super::scan::ScannedSample {
+                    file: s.file,
+                    offset: s.offset,
+                    len: s.len,
+                    label: s.label.unwrap_or(NO_LABEL),
+                }
+            })
+            .collect();
+        let classes = (0..self.classes as u32)
+            .map(|i| OsStr::from_bytes(self.class_name_bytes(i)).to_os_string())
+            .collect();
+        let parts = if self.member_count == 0 {
+            Vec::new()
+        } else {
+            (0..self.samples)
+                .flat_map(|id| self.sample_members(id))
+                .collect()
+        };
+        Scan {
+            spec: self.source_spec(),
+            files,
+            samples,
+            classes,
+            notes: ScanNotes::default(),
+            members: self.members().iter().map(|m| m.to_string()).collect(),
+            parts,
+        }
     }
 
     /// The length of file `i`'s ETag (version 3; before, the field is 0).

@@ -8,15 +8,25 @@
 //! is written last, by atomic rename, so a space is either complete or
 //! visibly unfinished.
 //!
+//! A source in an object store that this node holds whole, with no catalog
+//! yet, is read once: the catalog is first written from the listing with
+//! its CRCs pending (`catalog.pending.ksc`), the copy computes each
+//! sample's CRC32C from the bytes it writes (recorded with each checkpoint
+//! in `crc.pending`, so a rerun resumes), and the catalog with the CRCs
+//! replaces the pending one before the manifest is written. Elsewhere the
+//! catalog's checksum pass reads everything first and the copy checks
+//! every sample against it.
+//!
 //! Why this file is over ~800 lines: preload is one pipeline (plan, copy
-//! threads, CRC check, fsync, resume, manifest) whose steps share one state;
-//! split apart they would pass that state around instead.
+//! threads, CRC check or, in one pass, CRC computation, fsync, resume,
+//! manifest) whose steps share one state; split apart they would pass that
+//! state around instead.
 
 use std::collections::BTreeSet;
 use std::fs::{self, File, OpenOptions};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -29,6 +39,11 @@ use crate::format::{self, FileWriter};
 use crate::progress::{Progress, ProgressMode};
 
 const JOURNAL_MAGIC: [u8; 8] = *b"KSPDJRN\0";
+/// The catalog of a one-pass build, CRCs not yet known (module comment).
+const PENDING_CATALOG: &str = "catalog.pending.ksc";
+/// The CRCs a one-pass build computed, u32 little-endian per sample id,
+/// synced up to the journal's watermark.
+const PENDING_CRCS: &str = "crc.pending";
 /// Version 2: the owner function's code at field 64 (version 1 is the
 /// scaled function's journal, which builds that predate jump also resume).
 const JOURNAL_VERSION: u32 = 2;
@@ -307,6 +322,100 @@ fn check_members(cat: &Catalog, opts: &PreloadOptions) -> Result<()> {
     Ok(())
 }
 
+/// Whether this preload reads its source once (module comment): a source
+/// in an object store, no catalog given or in the space yet (or a
+/// refresh), and this node holds every sample.
+fn one_pass_eligible(dir: &Path, opts: &PreloadOptions) -> bool {
+    opts.source.as_ref().is_some_and(|s| s.is_remote())
+        && opts.catalog.is_none()
+        && (opts.refresh || !dir.join(files::CATALOG).exists())
+        && opts.placement.replicas >= opts.placement.nodes
+}
+
+/// The pending catalog of a one-pass build: the one an interrupted run
+/// left (same source), or one written now from the listing.
+fn pending_catalog(
+    dir: &Path,
+    opts: &PreloadOptions,
+    report: &mut PreloadReport,
+) -> Result<Catalog> {
+    let spec = opts.source.as_ref().expect("one pass has a source");
+    let ppath = dir.join(PENDING_CATALOG);
+    if opts.refresh {
+        clear_layout(dir)?;
+        remove_if_exists(&ppath)?;
+        remove_if_exists(&dir.join(PENDING_CRCS))?;
+    }
+    match Catalog::open(&ppath) {
+        Ok(c) if c.source_spec() == *spec && check_members(&c, opts).is_ok() => return Ok(c),
+        Ok(_) | Err(_) if ppath.exists() => {
+            log::warn!(
+                "{}: an earlier one-pass preload of another source or layout; starting over",
+                dir.display()
+            );
+            clear_layout(dir)?;
+            remove_if_exists(&dir.join(PENDING_CRCS))?;
+        }
+        _ => {}
+    }
+    let t0 = Instant::now();
+    let scan = catalog::scan_any(spec, &opts.scan)?;
+    log::info!(
+        "listed {}: {} samples in {} objects; their CRC32C is computed while copying",
+        spec.to_source_string(),
+        scan.samples.len(),
+        scan.files.len()
+    );
+    catalog::write(&scan, &vec![0; scan.samples.len()], &ppath)
+        .map_err(|e| catalog_write_error(e, dir))?;
+    chmod(&ppath, opts.file_mode)?;
+    report.notes = scan.notes;
+    report.catalog_built = true;
+    report.catalog_time = t0.elapsed();
+    Catalog::open(&ppath)
+}
+
+/// Appends the CRCs of ids `from..crcs.len()` to `crc.pending` and syncs it.
+fn save_crcs(dir: &Path, crcs: &[AtomicU32], from: u64) -> Result<()> {
+    let p = dir.join(PENDING_CRCS);
+    let f = OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&p)
+        .ctx("open", &p)?;
+    let bytes: Vec<u8> = crcs[from as usize..]
+        .iter()
+        .flat_map(|c| c.load(Ordering::Relaxed).to_le_bytes())
+        .collect();
+    f.write_all_at(&bytes, from * 4).ctx("write", &p)?;
+    f.sync_data().ctx("fsync", &p)
+}
+
+/// Loads the CRCs of the first `into.len()` samples from `crc.pending`.
+fn load_crcs(dir: &Path, into: &[AtomicU32]) -> Result<()> {
+    let p = dir.join(PENDING_CRCS);
+    let bytes = fs::read(&p).ctx("read", &p)?;
+    if bytes.len() < into.len() * 4 {
+        return Err(Error::Corrupt {
+            path: p,
+            kind: "pending CRCs",
+            detail: format!(
+                "{} bytes, but the journal says {} samples are copied",
+                bytes.len(),
+                into.len()
+            ),
+        });
+    }
+    for (c, b) in into.iter().zip(bytes.chunks_exact(4)) {
+        c.store(
+            u32::from_le_bytes(b.try_into().expect("4 bytes")),
+            Ordering::Relaxed,
+        );
+    }
+    Ok(())
+}
+
 /// Brings the catalog in `dir` up to date with `opts`, building it if needed.
 fn ensure_catalog(
     dir: &Path,
@@ -533,8 +642,15 @@ pub fn preload(dir: &Path, opts: &PreloadOptions) -> Result<PreloadReport> {
         Err(e) => return Err(e),
     };
     let mut report = empty_report();
-    let catalog = ensure_catalog(dir, opts, &mut report)?;
-    let params = layout_params(&catalog, opts);
+    let one_pass = one_pass_eligible(dir, opts);
+    let catalog = if one_pass {
+        pending_catalog(dir, opts, &mut report)?
+    } else {
+        remove_if_exists(&dir.join(PENDING_CATALOG))?;
+        remove_if_exists(&dir.join(PENDING_CRCS))?;
+        ensure_catalog(dir, opts, &mut report)?
+    };
+    let mut params = layout_params(&catalog, opts);
     params.validate()?;
 
     // Additions are changes too: without this check new files and class
@@ -589,6 +705,24 @@ pub fn preload(dir: &Path, opts: &PreloadOptions) -> Result<PreloadReport> {
             clear_layout(dir)?;
             0
         }
+    };
+    // A one-pass build's CRCs of the samples already copied.
+    let crcs: Vec<AtomicU32> = if one_pass {
+        (0..catalog.len()).map(|_| AtomicU32::new(0)).collect()
+    } else {
+        Vec::new()
+    };
+    let start_id = if one_pass && start_id > 0 {
+        match load_crcs(dir, &crcs[..start_id as usize]) {
+            Ok(()) => start_id,
+            Err(e) => {
+                log::warn!("{}: {e}; copying from the start", dir.display());
+                clear_layout(dir)?;
+                0
+            }
+        }
+    } else {
+        start_id
     };
     if start_id > 0 {
         report.resumed_at = Some(start_id);
@@ -659,7 +793,9 @@ pub fn preload(dir: &Path, opts: &PreloadOptions) -> Result<PreloadReport> {
             next: start_id,
             done: BTreeSet::new(),
             unsynced_bytes: 0,
+            crcs_synced: start_id,
         }),
+        crcs: one_pass.then_some(&crcs[..]),
     };
     // Chunks of about 8 MiB of samples (less with a small checkpoint
     // interval), so the watermark moves between checkpoints even for large
@@ -703,9 +839,22 @@ pub fn preload(dir: &Path, opts: &PreloadOptions) -> Result<PreloadReport> {
         crate::sys::drop_cache(&f, 0, 0);
     }
     format::sync_parent(&extent_path(dir, 0))?;
+    if one_pass {
+        // The catalog with the CRCs the copy computed replaces the pending
+        // one (same ids and lengths, so the same plan), then the manifest
+        // names it.
+        let crcs: Vec<u32> = crcs.into_iter().map(|c| c.into_inner()).collect();
+        let cpath = dir.join(files::CATALOG);
+        catalog::write(&catalog.to_scan(), &crcs, &cpath)
+            .map_err(|e| catalog_write_error(e, dir))?;
+        chmod(&cpath, opts.file_mode)?;
+        params = layout_params(&Catalog::open(&cpath)?, opts);
+    }
     space::write_manifest(dir, &params, &plan)?;
     chmod(&dir.join(files::MANIFEST), opts.file_mode)?;
     remove_if_exists(&dir.join(files::JOURNAL))?;
+    remove_if_exists(&dir.join(PENDING_CATALOG))?;
+    remove_if_exists(&dir.join(PENDING_CRCS))?;
     report.copy_time = t0.elapsed();
     Ok(report)
 }
@@ -716,6 +865,8 @@ struct Watermark {
     /// Completed ranges (start, end) above `next`.
     done: BTreeSet<(u64, u64)>,
     unsynced_bytes: u64,
+    /// A one-pass build: CRCs of ids below this are in `crc.pending`.
+    crcs_synced: u64,
 }
 
 struct Copier<'a> {
@@ -732,6 +883,9 @@ struct Copier<'a> {
     copied_bytes: AtomicU64,
     started: Instant,
     state: Mutex<Watermark>,
+    /// A one-pass build: each copied sample's CRC32C goes here (there is
+    /// none in the catalog yet to check it against).
+    crcs: Option<&'a [AtomicU32]>,
 }
 
 impl Copier<'_> {
@@ -776,7 +930,9 @@ impl Copier<'_> {
                     },
                 )
                 .map_err(|e| self.source_error(s.file, e))?;
-            if crc != s.crc32c {
+            if let Some(crcs) = self.crcs {
+                crcs[id as usize].store(crc, Ordering::Relaxed);
+            } else if crc != s.crc32c {
                 return Err(Error::SourceChanged {
                     changes: vec![SourceChange {
                         path: self.catalog.file_path(s.file),
@@ -855,6 +1011,11 @@ impl Copier<'_> {
             f.sync_data().ctx("fsync", p)?;
             crate::sys::drop_cache(&f, 0, 0);
         }
+        if let Some(crcs) = self.crcs {
+            // The CRCs of what the journal will say is copied, first.
+            save_crcs(self.dir, &crcs[..watermark as usize], st.crcs_synced)?;
+            st.crcs_synced = watermark;
+        }
         write_journal(self.dir, self.params, watermark)?;
         st.unsynced_bytes = 0;
         Ok(())
@@ -867,6 +1028,7 @@ pub fn unload(dir: &Path) -> Result<()> {
     let known = [
         files::MANIFEST,
         files::CATALOG,
+        PENDING_CATALOG,
         files::JOURNAL,
         files::EXTENTS,
     ];
@@ -879,6 +1041,8 @@ pub fn unload(dir: &Path) -> Result<()> {
     let lock = SpaceLock::acquire(dir)?;
     clear_layout(dir)?;
     remove_if_exists(&dir.join(files::CATALOG))?;
+    remove_if_exists(&dir.join(PENDING_CATALOG))?;
+    remove_if_exists(&dir.join(PENDING_CRCS))?;
     remove_if_exists(&dir.join("catalog.ksc.tmp"))?;
     remove_if_exists(&dir.join("manifest.ksm.tmp"))?;
     remove_if_exists(&dir.join("preload.journal.tmp"))?;
