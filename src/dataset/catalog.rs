@@ -304,6 +304,10 @@ fn current_classes_any(spec: &SourceSpec) -> Result<Vec<std::ffi::OsString>> {
 }
 
 fn checksum_all(scan: &Scan, opts: &BuildOptions) -> Result<Vec<u32>> {
+    if let Some(c) = scan.crcs.as_ref().filter(|c| c.len() == scan.samples.len()) {
+        // Taken while indexing (tar shards): no second read.
+        return Ok(c.clone());
+    }
     let total: u64 = scan.samples.iter().map(|s| s.len as u64).sum();
     let progress = Progress::new("checksum", total, opts.progress);
     let crcs: Vec<std::sync::atomic::AtomicU32> = (0..scan.samples.len())
@@ -737,6 +741,7 @@ impl Catalog {
             notes: ScanNotes::default(),
             members: self.members().iter().map(|m| m.to_string()).collect(),
             parts,
+            crcs: None,
         }
     }
 

@@ -27,10 +27,11 @@ use crate::error::{Error, IoContext, Result};
 const BLOCK: u64 = 512;
 
 /// The key being assembled: its members other than `.cls` (extension,
-/// data offset, length, name), in shard order, and its label.
+/// data offset, length, name, CRC32C of the data), in shard order, and its
+/// label.
 struct Group {
     key: Vec<u8>,
-    members: Vec<(Vec<u8>, u64, u64, Vec<u8>)>,
+    members: Vec<(Vec<u8>, u64, u64, Vec<u8>, u32)>,
     label: u32,
 }
 
@@ -42,6 +43,10 @@ struct Out<'a> {
     notes: &'a mut ScanNotes,
     samples: &'a mut Vec<ScannedSample>,
     parts: &'a mut Vec<(u32, u32)>,
+    /// Each sample's CRC32C, computed from the data as the index pass
+    /// reads it (one member per sample); None once a sample's could not
+    /// be (a multi-member span holds tar headers the pass does not keep).
+    crcs: &'a mut Option<Vec<u32>>,
 }
 
 /// Positional reads of a shard: a file, or an object read by ranged GETs
@@ -97,9 +102,12 @@ pub(crate) fn index_shard(
     notes: &mut ScanNotes,
     samples: &mut Vec<ScannedSample>,
     parts: &mut Vec<(u32, u32)>,
+    crcs: &mut Option<Vec<u32>>,
 ) -> Result<()> {
     let f = File::open(shard).ctx("open", shard)?;
-    index_shard_at(&f, shard, file, shard_size, opts, notes, samples, parts)
+    index_shard_at(
+        &f, shard, file, shard_size, opts, notes, samples, parts, crcs,
+    )
 }
 
 /// [`index_shard`] reading through `f`; `shard` names it in messages.
@@ -113,6 +121,7 @@ pub(crate) fn index_shard_at<R: ReadAt>(
     notes: &mut ScanNotes,
     samples: &mut Vec<ScannedSample>,
     parts: &mut Vec<(u32, u32)>,
+    crcs: &mut Option<Vec<u32>>,
 ) -> Result<()> {
     let mut out = Out {
         shard,
@@ -121,7 +130,11 @@ pub(crate) fn index_shard_at<R: ReadAt>(
         notes,
         samples,
         parts,
+        crcs,
     };
+    // The index pass reads every member's data anyway (a tar reader skips
+    // it by reading it): its CRC32C is taken on the way.
+    let mut data = vec![0u8; 1 << 16];
     let notes_warn = |out: &mut Out<'_>, w: String| out.notes.warnings.push(w);
     let bad = |reason: String| Error::BadTar {
         path: shard.to_path_buf(),
@@ -221,7 +234,18 @@ pub(crate) fn index_shard_at<R: ReadAt>(
                     }
                 };
             } else {
-                g.members.push((ext.to_vec(), offset, len, name.clone()));
+                let mut crc = 0u32;
+                loop {
+                    let n = entry
+                        .read(&mut data)
+                        .map_err(|e| bad(format!("member {shown}: {e}")))?;
+                    if n == 0 {
+                        break;
+                    }
+                    crc = crc32c::crc32c_append(crc, &data[..n]);
+                }
+                g.members
+                    .push((ext.to_vec(), offset, len, name.clone(), crc));
             }
         }
         // The tar reader stops at the first all-zero block, which is the end
@@ -281,7 +305,10 @@ fn flush(out: &mut Out<'_>, g: Option<Group>) -> Result<()> {
     };
     if out.members.is_empty() {
         // One member per sample: the first; the rest are counted.
-        let (_, offset, len, name) = &g.members[0];
+        let (_, offset, len, name, crc) = &g.members[0];
+        if let Some(c) = out.crcs.as_mut() {
+            c.push(*crc);
+        }
         let len = check_len(&shard.join(std::ffi::OsStr::from_bytes(name)), *len)?;
         out.samples.push(ScannedSample {
             file: out.file,
@@ -337,6 +364,7 @@ fn flush(out: &mut Out<'_>, g: Option<Group>) -> Result<()> {
         len,
         label: g.label,
     });
+    *out.crcs = None;
     for m in picked {
         out.parts.push(((m.1 - start) as u32, m.2 as u32));
     }

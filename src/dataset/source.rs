@@ -241,6 +241,10 @@ pub(crate) struct Scan {
     /// Per sample, per listed member: (offset inside the sample, length);
     /// `samples.len() * members.len()` entries.
     pub parts: Vec<(u32, u32)>,
+    /// Every sample's CRC32C when the scan could take it on the way (tar
+    /// shards of one member per sample: the index pass reads the data);
+    /// the catalog then needs no checksum pass.
+    pub crcs: Option<Vec<u32>>,
 }
 
 impl Scan {
@@ -301,6 +305,7 @@ pub(crate) fn scan_with(
         notes: ScanNotes::default(),
         members: Vec::new(),
         parts: Vec::new(),
+        crcs: (spec.kind == SourceKind::Tar && opts.members.is_empty()).then(Vec::new),
     };
     if !opts.members.is_empty() {
         if spec.kind != SourceKind::Tar {
@@ -342,6 +347,7 @@ pub(crate) fn current_files(spec: &SourceSpec, opts: &ScanOptions) -> Result<Vec
         notes: ScanNotes::default(),
         members: Vec::new(),
         parts: Vec::new(),
+        crcs: (spec.kind == SourceKind::Tar && opts.members.is_empty()).then(Vec::new),
     };
     match spec.kind {
         SourceKind::Dir => scan_dir(&mut scan, opts)?,
@@ -752,6 +758,7 @@ fn scan_tar(scan: &mut Scan, opts: &ScanOptions) -> Result<()> {
             &mut scan.notes,
             &mut scan.samples,
             &mut scan.parts,
+            &mut scan.crcs,
         )?;
     }
     Ok(())

@@ -233,6 +233,7 @@ pub(crate) fn scan(scan: &mut Scan, opts: &ScanOptions) -> Result<()> {
                     &mut scan.notes,
                     &mut scan.samples,
                     &mut scan.parts,
+                    &mut scan.crcs,
                 )?;
                 scan.files.push(ScannedFile {
                     name: PathBuf::from(o.name),
