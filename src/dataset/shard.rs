@@ -31,9 +31,12 @@ const BLOCK: u64 = 512;
 /// label.
 struct Group {
     key: Vec<u8>,
-    members: Vec<(Vec<u8>, u64, u64, Vec<u8>, u32)>,
+    members: Vec<Member>,
     label: u32,
 }
+
+/// A member of a key: extension, data offset, length, name, CRC32C.
+type Member = (Vec<u8>, u64, u64, Vec<u8>, u32);
 
 /// Where a shard's samples go.
 struct Out<'a> {
