@@ -87,7 +87,8 @@ def _build_cli():
             f"(build from a checkout, or set KSPEED_CLI=0 for a package without the command)"
         )
     target = os.environ.get("KSPEED_CLI_TARGET_DIR") or os.path.join(PACKAGE, "target", "cli")
-    features = "cli,rdma" if rdma_wanted() else "cli"
+    # s3: the command reads sources in object stores, as the extension does.
+    features = "cli,s3,rdma" if rdma_wanted() else "cli,s3"
     cmd = ["cargo", "build", "--release", "--locked", "--bin", "kspeed", "--no-default-features",
            "--features", features, "--manifest-path", manifest, "--target-dir", target]
     print("kspeed: building the kspeed command:", " ".join(cmd), flush=True)
