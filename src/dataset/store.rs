@@ -462,7 +462,7 @@ impl Store {
         let p = if prefix.is_empty() {
             None
         } else {
-            Some(ObjPath::from(prefix.trim_end_matches('/')))
+            Some(obj_path(prefix.trim_end_matches('/')))
         };
         let mut stream = self.s3.list(p.as_ref());
         let base = p.as_ref().map(|p| p.as_ref().len() + 1).unwrap_or(0);
@@ -514,7 +514,7 @@ impl Store {
             range: Some(GetRange::Bounded(range.clone())),
             ..Default::default()
         };
-        let path = ObjPath::from(key);
+        let path = obj_path(key);
         let mut got = 0u64;
         let work = async {
             let r = self
@@ -554,7 +554,7 @@ impl Store {
                 changes: vec![SourceChange {
                     path: PathBuf::from(self.url(key)),
                     what: format!(
-                        "bytes {}..{} asked, {} came back (the object is shorter than the catalog says)",
+                        "bytes {}..{} asked, {} came back (the object changed since the catalog)",
                         range.start, range.end, got
                     ),
                 }],
@@ -565,7 +565,7 @@ impl Store {
 
     /// The whole object `key` (a file list), with its size bound.
     pub fn read_all(&self, key: &str, max_bytes: u64) -> Result<Vec<u8>> {
-        let path = ObjPath::from(key);
+        let path = obj_path(key);
         let bytes = runtime().block_on(async {
             let r = self.s3.get_opts(&path, GetOptions::default()).await?;
             if r.meta.size > max_bytes {
@@ -584,7 +584,7 @@ impl Store {
 
     /// Size, last-modified and ETag of `key`.
     pub fn head(&self, key: &str) -> Result<Object> {
-        let path = ObjPath::from(key);
+        let path = obj_path(key);
         let m = runtime()
             .block_on(self.s3.head(&path))
             .map_err(|e| self.error(key, e))?;
@@ -595,6 +595,14 @@ impl Store {
             etag: m.e_tag.unwrap_or_default(),
         })
     }
+}
+
+/// The client's path of `key`, as the key is: `Path::from` would
+/// percent-encode what it finds unusual (non-ASCII, `%`), and the request
+/// would then name another key. Only a key `parse` refuses (an empty
+/// segment, `.` or `..`) takes `from`'s encoding.
+fn obj_path(key: &str) -> ObjPath {
+    ObjPath::parse(key).unwrap_or_else(|_| ObjPath::from(key))
 }
 
 /// The error and its causes, joined.

@@ -27,6 +27,11 @@ use super::{Completion, IoBackend, ReadOp, Target, Timespec};
 use crate::dataset::store::Store;
 use crate::error::{Error, Result};
 
+/// How long one read may take, the client's retries included: a store that
+/// stays down fails the read (named) rather than hold the loader, whose
+/// stop waits for every read in flight.
+const READ_TIMEOUT: Duration = Duration::from_secs(120);
+
 /// The key and ETag of the catalog's file `i`.
 pub type ObjectOf = dyn Fn(u32) -> (String, String) + Send + Sync;
 
@@ -127,10 +132,11 @@ fn get(store: &Store, objects: &ObjectOf, j: &Job) -> i32 {
     // anyone else, until this read's completion is drained.
     let dst = unsafe { std::slice::from_raw_parts_mut(j.buf as *mut u8, j.len as usize) };
     let mut at = 0usize;
-    let r = store.read(
+    let r = store.read_within(
         &key,
         Some(&etag),
         j.offset..j.offset + j.len as u64,
+        READ_TIMEOUT,
         |piece| {
             dst[at..at + piece.len()].copy_from_slice(piece);
             at += piece.len();
