@@ -16,7 +16,9 @@
 # (tests/common skip()), and so do the DALI, Python, fuzzing and VM steps.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+# --test-tools: s3s-fs (a real S3 server for tests/s3.rs) and boto3/awscli in
+# the Python venv (ffi/python/tests/test_s3.py).
+bash scripts/setup.sh --test-tools
 export CARGO_TERM_COLOR=never
 # CI builds once from a clean clone, so incremental caches (about as large as
 # the rest of target/debug) and pip's download cache (torch's CUDA wheels,
