@@ -67,16 +67,6 @@ fn check_space(sp: &Path, prefix: &str, want: &[(String, Vec<u8>, Option<u32>)])
     }
 }
 
-fn read_sample(space: &Space, id: u64) -> Vec<u8> {
-    use std::os::unix::fs::FileExt;
-    let loc = space.location(id).expect("held here");
-    let len = space.catalog().sample(id).len as usize;
-    let f = std::fs::File::open(space.extent_path(loc.extent)).unwrap();
-    let mut buf = vec![0u8; len];
-    f.read_exact_at(&mut buf, loc.offset).unwrap();
-    buf
-}
-
 fn verify_ok(srv: &S3Server, sp: &Path, n: usize) {
     let out = srv.ok(&["verify", "--space", s(sp)], LIMIT);
     assert!(
@@ -191,6 +181,46 @@ fn image_folder_from_a_bucket() {
     assert_eq!(identity(&c3), identity(&cat_path));
 }
 
+/// The digest line (`digest: XXXXXXXX`, over every epoch read) of a
+/// `kspeed read --digest`.
+fn digests(out: &str) -> Vec<String> {
+    out.lines()
+        .filter(|l| l.starts_with("digest:"))
+        .map(str::to_string)
+        .collect()
+}
+
+/// A loader reading the bucket directly (ranged GETs into the ring)
+/// delivers what a loader reading the preloaded space does: the same
+/// order-sensitive digest of ids and bytes over two epochs, every CRC32C
+/// checked.
+#[test]
+fn direct_reads_from_a_bucket_match_the_space() {
+    let Some(srv) = server() else { return };
+    let t = tempfile::tempdir().unwrap();
+    upload_tree(&srv, "direct/");
+    let url = format!("s3://{BUCKET}/direct/");
+    let cat = t.path().join("c.ksc");
+    srv.ok(&["catalog", "--source", &url, "--out", s(&cat)], LIMIT);
+    let sp = t.path().join("space");
+    srv.ok(&["preload", "--catalog", s(&cat), "--space", s(&sp)], LIMIT);
+    let read = ["--digest", "--verify", "--epochs", "2", "--seed", "5"];
+    let small = ["--ring-bytes", "8MiB", "--batch-size", "4"];
+    let from_space = srv.ok(
+        &[&["read", "--space", s(&sp)][..], &read, &small].concat(),
+        LIMIT,
+    );
+    let want = digests(&from_space);
+    assert_eq!(want.len(), 1, "{from_space}");
+    for args in [
+        vec!["read", "--source", &url, "--catalog", s(&cat)],
+        vec!["read", "--source", &url],
+    ] {
+        let out = srv.ok(&[&args[..], &read, &small].concat(), LIMIT);
+        assert_eq!(digests(&out), want, "{args:?}: {out}");
+    }
+}
+
 /// Catalog v3 records each object's ETag and preload reads on condition of
 /// it: for every layout, the ETag in the catalog is the one the server
 /// gives for the object (HEAD). s3s-fs lists no ETags (real S3 does), so a
@@ -204,6 +234,8 @@ fn the_catalog_records_each_objects_etag() {
     srv.put(BUCKET, "etag/wds/shard-0.tar", &s0);
     srv.put(BUCKET, "etag/list/a.bin", b"abc");
     srv.put(BUCKET, "etag/list/l.txt", b"a.bin\n");
+    // Every layout checked before failing: the message lists them all.
+    let mut wrong = Vec::new();
     for (source, prefix) in [
         (format!("s3://{BUCKET}/etag/tree/"), "etag/tree/"),
         (format!("tar:s3://{BUCKET}/etag/wds/"), "etag/wds/"),
@@ -215,41 +247,15 @@ fn the_catalog_records_each_objects_etag() {
         for f in 0..cat.file_count() as u32 {
             let name = rel_name(&cat, f, prefix);
             let etag = String::from_utf8_lossy(cat.file(f).etag).into_owned();
-            assert_eq!(
-                etag.trim_matches('"'),
-                srv.etag(BUCKET, &format!("{prefix}{name}")),
-                "{source}: {name}: the catalog's ETag"
-            );
+            let want = srv.etag(BUCKET, &format!("{prefix}{name}"));
+            if etag.trim_matches('"') != want {
+                wrong.push(format!(
+                    "{source}: {name}: catalog {etag:?}, server {want:?}"
+                ));
+            }
         }
     }
-}
-
-/// A WebDataset shard in memory: per key a .jpg (the sample), optionally a
-/// .cls label, and a .json that is not the sample.
-fn shard(first: u64, count: u64, labels: bool) -> (Vec<u8>, Vec<Vec<u8>>) {
-    let mut b = tar::Builder::new(Vec::new());
-    let mut datas = Vec::new();
-    let add = |b: &mut tar::Builder<Vec<u8>>, name: String, data: &[u8]| {
-        let mut h = tar::Header::new_gnu();
-        h.set_size(data.len() as u64);
-        h.set_mode(0o644);
-        h.set_cksum();
-        b.append_data(&mut h, name, data).unwrap();
-    };
-    for i in first..first + count {
-        let data = bytes_for(i, (i as usize * 997) % 20_000);
-        add(&mut b, format!("{i:05}.jpg"), &data);
-        if labels {
-            add(
-                &mut b,
-                format!("{i:05}.cls"),
-                format!("{}\n", i % 5).as_bytes(),
-            );
-        }
-        add(&mut b, format!("{i:05}.json"), b"{}");
-        datas.push(data);
-    }
-    (b.into_inner().unwrap(), datas)
+    assert!(wrong.is_empty(), "ETags:\n{}", wrong.join("\n"));
 }
 
 #[test]
@@ -411,12 +417,6 @@ fn errors_are_named_and_secrets_stay_out() {
         e.contains("no-such-bucket") && e.to_lowercase().contains("no such bucket"),
         "{e}"
     );
-    // An empty prefix.
-    let e = srv.fails(&catalog(&format!("s3://{BUCKET}/empty/"), out), LIMIT);
-    assert!(
-        e.contains(&format!("no objects under s3://{BUCKET}/empty/")),
-        "{e}"
-    );
     // A single shard that is not there.
     let e = srv.fails(&catalog(&format!("s3://{BUCKET}/none.tar"), out), LIMIT);
     assert!(e.contains("none.tar"), "{e}");
@@ -436,6 +436,12 @@ fn errors_are_named_and_secrets_stay_out() {
     let o = srv.run(cmd, LIMIT);
     let e = assert_failed(&["catalog"], &o);
     assert!(e.contains(&url) || e.contains(BUCKET), "{e}");
+    // An empty prefix (last: the message is the interface's wording).
+    let e = srv.fails(&catalog(&format!("s3://{BUCKET}/empty/"), out), LIMIT);
+    assert!(
+        e.contains(&format!("no objects under s3://{BUCKET}/empty/")),
+        "{e}"
+    );
 }
 
 #[test]
@@ -661,13 +667,47 @@ fn slowdown_503s_and_slow_answers_are_ridden_out() {
     );
     check_space(&sp, "faults/", &want);
     verify_ok(&srv, &sp, want.len());
+
+    // Tar shards through a proxy: ranged GETs retried too. A
+    // catalog first (--endpoint-url naming the proxy), then the preload.
+    let (s0, mut all) = shard(0, 30, true);
+    let (s1, d1) = shard(30, 30, true);
+    all.extend(d1);
+    srv.put(BUCKET, "faults-wds/a.tar", &s0);
+    srv.put(BUCKET, "faults-wds/b.tar", &s1);
+    // Few requests here: every other one a 503, every third one slow.
+    let proxy = FaultProxy::start(srv.addr(), 2, 3, Duration::from_millis(200));
+    let cat = t.path().join("wds.ksc");
+    let sp = t.path().join("wds");
+    let src = format!("tar:s3://{BUCKET}/faults-wds/");
+    let e = proxy.endpoint();
+    for args in [
+        vec!["catalog", "--source", &src, "--out", s(&cat)],
+        vec!["preload", "--catalog", s(&cat), "--space", s(&sp)],
+    ] {
+        let o = srv.run(
+            srv.kspeed_cmd(&[&args[..], &["--endpoint-url", &e]].concat()),
+            LIMIT,
+        );
+        assert!(o.status.success(), "{args:?}: {}", text(&o));
+    }
+    let space = Space::open(&sp).unwrap();
+    for id in 0..60u64 {
+        assert_eq!(read_sample(&space, id), all[id as usize], "#{id}");
+    }
+    verify_ok(&srv, &sp, 60);
+    assert!(proxy.failed.load(std::sync::atomic::Ordering::Relaxed) > 0);
 }
 
-/// 100,000 objects: 100 LIST pages of 1,000. The time is the server's:
-/// s3s-fs walks and stats its whole bucket for every page (O(N) a page,
-/// O(N²/1000) in all: boto3's paginator alone took 236 s on 2 cores for
-/// these 100,000 keys, kspeed's catalog 230 s), so the bound is loose; what
-/// it catches is a catalog that stalls or lists again per object.
+/// 100,000 objects: 100 LIST pages of 1,000. Most of the time is the
+/// server's: s3s-fs walks and stats its whole bucket for every page (O(N) a
+/// page, O(N²/1000) in all: boto3's paginator alone took 236 s on 2 cores
+/// for these 100,000 keys, kspeed's catalog 230 to 410 s with other builds
+/// running). So the bound follows the server's own listing time (pages ×
+/// one page, measured here on an idle server: 0.75 s, while the catalog's
+/// GETs slow each page 2-3×): four times it, plus two minutes for the
+/// GETs. What it catches is a catalog that lists again, pages wrongly or
+/// stalls.
 /// KSPEED_S3_MANY_OBJECTS changes the count (at least 2,001).
 #[test]
 fn a_hundred_thousand_objects_list_in_pages() {
@@ -691,6 +731,9 @@ fn a_hundred_thousand_objects_list_in_pages() {
         Duration::from_secs(900),
     );
     eprintln!("uploaded {n} objects in {:?}", t0.elapsed());
+    let page = srv.list_page_time(BUCKET, "many/");
+    let listing = page * n.div_ceil(1000) as u32;
+    eprintln!("one LIST page: {page:?}; the whole listing about {listing:?}");
     let cat = t.path().join("many.ksc");
     let t0 = Instant::now();
     let out = srv.ok(
@@ -701,7 +744,7 @@ fn a_hundred_thousand_objects_list_in_pages() {
             "--out",
             s(&cat),
         ],
-        Duration::from_secs(540),
+        listing * 6 + Duration::from_secs(240),
     );
     let took = t0.elapsed();
     eprintln!("catalogued {n} objects in {took:?}");
@@ -723,7 +766,7 @@ fn a_hundred_thousand_objects_list_in_pages() {
         assert!(names.insert(i), "{name} twice");
     }
     assert!(
-        took < Duration::from_secs(480),
-        "catalog of {n} objects took {took:?}"
+        took < listing * 4 + Duration::from_secs(120),
+        "catalog of {n} objects took {took:?}; the server lists them in about {listing:?}"
     );
 }

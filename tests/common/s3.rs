@@ -4,11 +4,12 @@
 //! 127.0.0.1 with a free port, a temporary root and its own keys; a client
 //! that uploads through the S3 API (never into the server's root); a
 //! fault-injecting HTTP proxy (503 SlowDown, slow responses); and `kspeed`
-//! runs with a deadline whose output is checked for the secrets.
+//! runs with a deadline whose output is checked for the secrets; tar
+//! shards made in memory and samples read back from a space.
 //!
 //! Uploads go through the object_store crate (the same crate kspeed's s3
 //! feature depends on, so nothing new to build): it signs with SigV4, runs
-//! 100,000 PUTs concurrently in seconds, and needs no Python at `cargo test`
+//! 100,000 PUTs concurrently in under a minute, and needs no Python at `cargo test`
 //! time (the venv with boto3 is made later in the test command). It is not an
 //! independent client; ffi/python/tests/test_s3.py reads the same kind of
 //! bucket with boto3 and checks what kspeed recorded.
@@ -29,7 +30,7 @@ use std::time::{Duration, Instant};
 use futures_util::StreamExt;
 use object_store::aws::{AmazonS3, AmazonS3Builder};
 use object_store::path::Path as ObjPath;
-use object_store::signer::Signer;
+use object_store::signer::{SignedUrlOptions, Signer};
 use object_store::ObjectStoreExt;
 
 pub const REGION: &str = "us-east-1";
@@ -295,6 +296,44 @@ impl S3Server {
                 .await
                 .unwrap_or_else(|_| panic!("uploads to {bucket} took over {limit:?}"));
         });
+    }
+
+    /// How long the server takes to answer one ListObjectsV2 page (1,000
+    /// keys) under `prefix`: the median of 3. s3s-fs walks and stats the
+    /// whole bucket for every page, so a listing's cost is pages × this.
+    pub fn list_page_time(&self, bucket: &str, prefix: &str) -> Duration {
+        let store = self.store(bucket);
+        self.rt.block_on(async {
+            let opts = SignedUrlOptions::new().with_query([("list-type", "2"), ("prefix", prefix)]);
+            let mut times = Vec::new();
+            for _ in 0..3 {
+                let url = store
+                    .signed_url_opts(
+                        reqwest::Method::GET,
+                        &ObjPath::from(""),
+                        Duration::from_secs(300),
+                        &opts,
+                    )
+                    .await
+                    .unwrap();
+                let t0 = Instant::now();
+                let r = reqwest::Client::new()
+                    .get(url.as_str())
+                    .timeout(Duration::from_secs(120))
+                    .send()
+                    .await
+                    .unwrap();
+                let st = r.status();
+                let body = r.text().await.unwrap_or_default();
+                assert!(
+                    st.is_success() && body.contains("<Key>"),
+                    "ListObjectsV2 {bucket}/{prefix}: {st} {body:.300}"
+                );
+                times.push(t0.elapsed());
+            }
+            times.sort();
+            times[1]
+        })
     }
 
     /// The object's ETag as the server gives it (HEAD), quotes removed.
@@ -656,4 +695,43 @@ fn proxy_one(
     }
     let _ = c.shutdown(Shutdown::Write);
     Ok(())
+}
+
+/// A WebDataset shard in memory: per key a .jpg (the sample), optionally a
+/// .cls label, and a .json that is not the sample.
+pub fn shard(first: u64, count: u64, labels: bool) -> (Vec<u8>, Vec<Vec<u8>>) {
+    let mut b = tar::Builder::new(Vec::new());
+    let mut datas = Vec::new();
+    let add = |b: &mut tar::Builder<Vec<u8>>, name: String, data: &[u8]| {
+        let mut h = tar::Header::new_gnu();
+        h.set_size(data.len() as u64);
+        h.set_mode(0o644);
+        h.set_cksum();
+        b.append_data(&mut h, name, data).unwrap();
+    };
+    for i in first..first + count {
+        let data = crate::common::bytes_for(i, (i as usize * 997) % 20_000);
+        add(&mut b, format!("{i:05}.jpg"), &data);
+        if labels {
+            add(
+                &mut b,
+                format!("{i:05}.cls"),
+                format!("{}\n", i % 5).as_bytes(),
+            );
+        }
+        add(&mut b, format!("{i:05}.json"), b"{}");
+        datas.push(data);
+    }
+    (b.into_inner().unwrap(), datas)
+}
+
+/// Sample `id`'s bytes read back from the space's extents.
+pub fn read_sample(space: &kspeed::dataset::Space, id: u64) -> Vec<u8> {
+    use std::os::unix::fs::FileExt;
+    let loc = space.location(id).expect("held here");
+    let len = space.catalog().sample(id).len as usize;
+    let f = std::fs::File::open(space.extent_path(loc.extent)).unwrap();
+    let mut buf = vec![0u8; len];
+    f.read_exact_at(&mut buf, loc.offset).unwrap();
+    buf
 }
