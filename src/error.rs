@@ -42,6 +42,16 @@ fn holders_text(holders: &[(u32, bool)]) -> String {
     format!(": held by {}", list.join(", "))
 }
 
+/// [`Error::EmptySource`]'s message: a bucket's says what was listed.
+fn empty_source(path: &std::path::Path) -> String {
+    let p = path.display();
+    if path.as_os_str().as_encoded_bytes().starts_with(b"s3://") {
+        format!("source {p} has no samples: no objects under {p} (keys ending in / and hidden names are not samples; a tar source needs .tar objects, a list needs lines)")
+    } else {
+        format!("source {p} has no samples (an ImageFolder tree needs files under class folders, a file list needs lines, tar shards need members)")
+    }
+}
+
 /// Every error kspeed reports.
 ///
 /// Errors are `Clone` (OS errors are shared behind an `Arc`), so a loader that
@@ -61,7 +71,7 @@ pub enum Error {
         source: Arc<io::Error>,
     },
     /// The source holds no samples.
-    #[error("source {path} has no samples (an ImageFolder tree needs files under class folders, a file list needs lines, tar shards need members)")]
+    #[error("{}", empty_source(path))]
     EmptySource {
         /// The source.
         path: PathBuf,

@@ -172,7 +172,8 @@ impl SpanReader {
     /// Streams `len` bytes at `offset` of file `file` (named `name`; `tag`:
     /// an object's ETag, read only while it is that version) to `sink` in
     /// pieces of at most 4 MiB. A file shorter than expected, or an object
-    /// replaced, is reported as a [`Error::SourceChanged`].
+    /// replaced, is reported as a [`Error::SourceChanged`]. Returns an
+    /// object's ETag as the store sent it with the bytes (empty for files).
     pub(crate) fn read(
         &mut self,
         file: u32,
@@ -181,7 +182,7 @@ impl SpanReader {
         offset: u64,
         len: u64,
         mut sink: impl FnMut(&[u8]) -> Result<()>,
-    ) -> Result<()> {
+    ) -> Result<String> {
         #[cfg(feature = "s3")]
         if let Some((url, store)) = &mut self.store {
             let store = match store {
@@ -189,6 +190,10 @@ impl SpanReader {
                 None => store.insert(super::store::Store::of(&url.bucket)?).clone(),
             };
             let key = format!("{}{}", url.key, name.to_string_lossy());
+            if len == 0 && tag.is_empty() {
+                // Nothing to GET, but the catalog records the version.
+                return Ok(store.head(&key)?.etag);
+            }
             let tag = String::from_utf8_lossy(tag);
             return store.read(&key, Some(&tag), offset..offset + len, sink);
         }
@@ -239,7 +244,7 @@ impl SpanReader {
             sink(&self.buf[..got])?;
             pos += got as u64;
         }
-        Ok(())
+        Ok(String::new())
     }
 }
 
@@ -271,7 +276,8 @@ pub fn build_with_notes(
         scan.classes.len(),
         t0.elapsed().as_secs_f64()
     );
-    let crcs = checksum_all(&scan, opts)?;
+    let mut scan = scan;
+    let crcs = checksum_all(&mut scan, opts)?;
     write(&scan, &crcs, out)?;
     Ok((Catalog::open(out)?, scan.notes))
 }
@@ -303,7 +309,10 @@ fn current_classes_any(spec: &SourceSpec) -> Result<Vec<std::ffi::OsString>> {
     source::current_classes(spec)
 }
 
-fn checksum_all(scan: &Scan, opts: &BuildOptions) -> Result<Vec<u32>> {
+/// Every sample's CRC32C (read from the source, unless the scan took them);
+/// for a source in a store, the ETags the reads saw fill those the listing
+/// left empty.
+fn checksum_all(scan: &mut Scan, opts: &BuildOptions) -> Result<Vec<u32>> {
     if let Some(c) = scan.crcs.as_ref().filter(|c| c.len() == scan.samples.len()) {
         // Taken while indexing (tar shards): no second read.
         return Ok(c.clone());
@@ -314,6 +323,14 @@ fn checksum_all(scan: &Scan, opts: &BuildOptions) -> Result<Vec<u32>> {
         .map(|_| std::sync::atomic::AtomicU32::new(0))
         .collect();
     let readers: Mutex<Vec<SpanReader>> = Mutex::new(Vec::new());
+    // ETags the GETs saw, for objects the listing gave none.
+    let seen: Vec<std::sync::OnceLock<String>> = if scan.spec.is_remote() {
+        (0..scan.files.len())
+            .map(|_| std::sync::OnceLock::new())
+            .collect()
+    } else {
+        Vec::new()
+    };
     let threads = if scan.spec.is_remote() {
         opts.requests.max(1)
     } else {
@@ -331,18 +348,36 @@ fn checksum_all(scan: &Scan, opts: &BuildOptions) -> Result<Vec<u32>> {
             let s = scan.samples[id as usize];
             let f = &scan.files[s.file as usize];
             let mut crc = 0u32;
-            reader.read(s.file, &f.name, &f.tag, s.offset, s.len as u64, |b| {
+            let tag = reader.read(s.file, &f.name, &f.tag, s.offset, s.len as u64, |b| {
                 crc = crc32c::crc32c_append(crc, b);
                 progress.add(b.len() as u64);
                 Ok(())
             })?;
+            if !tag.is_empty() {
+                let _ = seen[s.file as usize].set(tag);
+            }
             crcs[id as usize].store(crc, std::sync::atomic::Ordering::Relaxed);
         }
         readers.lock().expect("not poisoned").push(reader);
         Ok(())
     })?;
     progress.finish();
+    fill_tags(&mut scan.files, seen);
     Ok(crcs.into_iter().map(|c| c.into_inner()).collect())
+}
+
+/// Gives each file whose tag is empty the ETag a read of it saw.
+pub(crate) fn fill_tags(
+    files: &mut [super::scan::ScannedFile],
+    seen: Vec<std::sync::OnceLock<String>>,
+) {
+    for (f, t) in files.iter_mut().zip(seen) {
+        if f.tag.is_empty() {
+            if let Some(t) = t.into_inner() {
+                f.tag = t.into_bytes();
+            }
+        }
+    }
 }
 
 /// Writes a catalog for `scan` with the given per-sample CRCs.
@@ -984,11 +1019,14 @@ impl Catalog {
 
     /// How a file's (size, mtime) now differs from the catalog's, if at all.
     /// An object is compared by size and ETag (its last-modified time
-    /// changes on a rewrite of the same bytes, and only bytes matter).
+    /// changes on a rewrite of the same bytes, and only bytes matter), or by
+    /// size and Last-Modified when the listing gives no ETag.
     fn stat_change(f: &SourceFile<'_>, (size, mtime_ns, tag): (u64, i64, &[u8])) -> Option<String> {
         if size != f.size {
             Some(format!("size {} -> {} bytes", f.size, size))
-        } else if !f.etag.is_empty() {
+        } else if !f.etag.is_empty() && !tag.is_empty() {
+            // A listing without ETags (some S3-compatible servers) is
+            // compared by Last-Modified below.
             (tag != f.etag).then(|| {
                 format!(
                     "replaced (ETag {} -> {})",

@@ -712,6 +712,13 @@ pub fn preload(dir: &Path, opts: &PreloadOptions) -> Result<PreloadReport> {
     } else {
         Vec::new()
     };
+    let tags: Vec<std::sync::OnceLock<String>> = if one_pass {
+        (0..catalog.file_count())
+            .map(|_| std::sync::OnceLock::new())
+            .collect()
+    } else {
+        Vec::new()
+    };
     let start_id = if one_pass && start_id > 0 {
         match load_crcs(dir, &crcs[..start_id as usize]) {
             Ok(()) => start_id,
@@ -796,6 +803,7 @@ pub fn preload(dir: &Path, opts: &PreloadOptions) -> Result<PreloadReport> {
             crcs_synced: start_id,
         }),
         crcs: one_pass.then_some(&crcs[..]),
+        tags: &tags,
     };
     // Chunks of about 8 MiB of samples (less with a small checkpoint
     // interval), so the watermark moves between checkpoints even for large
@@ -845,8 +853,11 @@ pub fn preload(dir: &Path, opts: &PreloadOptions) -> Result<PreloadReport> {
         // names it.
         let crcs: Vec<u32> = crcs.into_iter().map(|c| c.into_inner()).collect();
         let cpath = dir.join(files::CATALOG);
-        catalog::write(&catalog.to_scan(), &crcs, &cpath)
-            .map_err(|e| catalog_write_error(e, dir))?;
+        let mut scan = catalog.to_scan();
+        // Objects copied by an earlier, interrupted run keep the listing's
+        // (possibly empty) ETag: their GETs' answers are gone.
+        catalog::fill_tags(&mut scan.files, tags);
+        catalog::write(&scan, &crcs, &cpath).map_err(|e| catalog_write_error(e, dir))?;
         chmod(&cpath, opts.file_mode)?;
         params = layout_params(&Catalog::open(&cpath)?, opts);
     }
@@ -886,6 +897,9 @@ struct Copier<'a> {
     /// A one-pass build: each copied sample's CRC32C goes here (there is
     /// none in the catalog yet to check it against).
     crcs: Option<&'a [AtomicU32]>,
+    /// A one-pass build: the ETags the GETs saw, for objects the listing
+    /// gave none (as the catalog's checksum pass records them).
+    tags: &'a [std::sync::OnceLock<String>],
 }
 
 impl Copier<'_> {
@@ -914,7 +928,7 @@ impl Copier<'_> {
             let src = self.catalog.file(s.file);
             let mut pos = 0u64;
             let mut crc = 0u32;
-            reader
+            let tag = reader
                 .read(
                     s.file,
                     src.name,
@@ -932,6 +946,9 @@ impl Copier<'_> {
                 .map_err(|e| self.source_error(s.file, e))?;
             if let Some(crcs) = self.crcs {
                 crcs[id as usize].store(crc, Ordering::Relaxed);
+                if src.etag.is_empty() && !tag.is_empty() {
+                    let _ = self.tags[s.file as usize].set(tag);
+                }
             } else if crc != s.crc32c {
                 return Err(Error::SourceChanged {
                     changes: vec![SourceChange {

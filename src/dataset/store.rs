@@ -33,7 +33,9 @@ use std::time::Duration;
 use futures_util::StreamExt;
 use object_store::aws::{AmazonS3, AmazonS3Builder, AmazonS3ConfigKey};
 use object_store::path::Path as ObjPath;
-use object_store::{ClientOptions, GetOptions, GetRange, ObjectStore, ObjectStoreExt, RetryConfig};
+use object_store::{
+    BackoffConfig, ClientOptions, GetOptions, GetRange, ObjectStore, ObjectStoreExt, RetryConfig,
+};
 
 use crate::error::{Error, Result, SourceChange};
 
@@ -358,9 +360,16 @@ impl Store {
             .with_bucket_name(bucket)
             .with_region(&r.region)
             .with_retry(RetryConfig {
+                // 0.1 s doubling to 5 s: about 25 s of retries, so a store
+                // restarting, or shedding load with 503 SlowDown, is ridden
+                // out (the default gives up on a refused connection in 2 s).
+                backoff: BackoffConfig {
+                    init_backoff: Duration::from_millis(100),
+                    max_backoff: Duration::from_secs(5),
+                    base: 2.0,
+                },
                 max_retries: 10,
                 retry_timeout: Duration::from_secs(180),
-                ..Default::default()
             })
             .with_client_options(
                 ClientOptions::new()
@@ -484,14 +493,16 @@ impl Store {
 
     /// Streams bytes `range` of `key` to `sink`; with `etag`, only from
     /// that version of the object (a replaced object is
-    /// [`Error::SourceChanged`], named by key).
+    /// [`Error::SourceChanged`], named by key). Returns the ETag of the
+    /// version read (empty if the store sent none, or nothing was read):
+    /// a catalog records it where the listing gave none.
     pub fn read(
         &self,
         key: &str,
         etag: Option<&str>,
         range: Range<u64>,
         sink: impl FnMut(&[u8]) -> Result<()>,
-    ) -> Result<()> {
+    ) -> Result<String> {
         self.read_within(key, etag, range, Duration::MAX, sink)
     }
 
@@ -504,9 +515,9 @@ impl Store {
         range: Range<u64>,
         timeout: Duration,
         mut sink: impl FnMut(&[u8]) -> Result<()>,
-    ) -> Result<()> {
+    ) -> Result<String> {
         if range.is_empty() {
-            return Ok(());
+            return Ok(String::new());
         }
         let want = range.end - range.start;
         let opts = GetOptions {
@@ -522,6 +533,7 @@ impl Store {
                 .get_opts(&path, opts)
                 .await
                 .map_err(|e| self.error(key, e))?;
+            let seen = r.meta.e_tag.clone().unwrap_or_default();
             let mut body = r.into_stream();
             while let Some(chunk) = body.next().await {
                 let chunk = chunk.map_err(|e| self.error(key, e))?;
@@ -531,9 +543,9 @@ impl Store {
                 }
                 sink(&chunk)?;
             }
-            Ok::<(), Error>(())
+            Ok::<String, Error>(seen)
         };
-        runtime().block_on(async {
+        let seen = runtime().block_on(async {
             if timeout == Duration::MAX {
                 return work.await;
             }
@@ -560,7 +572,7 @@ impl Store {
                 }],
             });
         }
-        Ok(())
+        Ok(seen)
     }
 
     /// The whole object `key` (a file list), with its size bound.

@@ -239,7 +239,8 @@ pub(crate) fn scan(scan: &mut Scan, opts: &ScanOptions) -> Result<()> {
                     name: PathBuf::from(o.name),
                     size: o.size,
                     mtime_ns: o.modified_ns,
-                    tag: o.etag.into_bytes(),
+                    // The listing's, else the one the index pass read.
+                    tag: reader.etag.into_inner().expect("not poisoned").into_bytes(),
                 });
             }
         }
@@ -323,7 +324,9 @@ pub(crate) fn current_classes(spec: &SourceSpec) -> Result<Vec<OsString>> {
 pub(crate) struct ObjectReader {
     store: Arc<Store>,
     key: String,
-    etag: String,
+    /// The listing's ETag, else the first GET's: every window is read from
+    /// that one version of the object.
+    etag: Mutex<String>,
     size: u64,
     window: Mutex<(u64, Vec<u8>)>,
 }
@@ -336,7 +339,7 @@ impl ObjectReader {
         ObjectReader {
             store,
             key,
-            etag,
+            etag: Mutex::new(etag),
             size,
             window: Mutex::new((0, Vec::new())),
         }
@@ -345,11 +348,17 @@ impl ObjectReader {
     fn fill(&self, pos: u64) -> std::io::Result<(u64, Vec<u8>)> {
         let end = (pos + WINDOW_BYTES).min(self.size);
         let mut buf = Vec::with_capacity((end - pos) as usize);
-        let r = self.store.read(&self.key, Some(&self.etag), pos..end, |b| {
-            buf.extend_from_slice(b);
-            Ok(())
-        });
-        r.map_err(std::io::Error::other)?;
+        let mut etag = self.etag.lock().expect("not poisoned");
+        let seen = self
+            .store
+            .read(&self.key, Some(&etag), pos..end, |b| {
+                buf.extend_from_slice(b);
+                Ok(())
+            })
+            .map_err(std::io::Error::other)?;
+        if etag.is_empty() {
+            *etag = seen;
+        }
         Ok((pos, buf))
     }
 }

@@ -144,7 +144,7 @@ fn get(store: &Store, objects: &ObjectOf, j: &Job) -> i32 {
         },
     );
     match r {
-        Ok(()) => j.len as i32,
+        Ok(_) => j.len as i32,
         Err(e) => {
             log::warn!("{e}");
             match e {

@@ -146,5 +146,6 @@ fn fetch(sh: &Shared, f: &Fetch) -> Result<(), String> {
                 Ok(())
             },
         )
+        .map(|_| ())
         .map_err(|e| format!("{}: {e}", url.child(&file.name.to_string_lossy())))
 }
