@@ -4,7 +4,8 @@
 //! slow or stalled source file system delays that sample and no other
 //! connection's receives, grants or timers.
 //!
-//! At most [`SOURCE_READS`] samples are read at once, each in a slot fixed
+//! At most [`SOURCE_READS`] samples are read at once ([`STORE_READS`] from
+//! a bucket, by GET workers: `store_fetch.rs`), each in a slot fixed
 //! at start (its grant-table index, its descriptor lease, how far it got);
 //! the slot index is the read's `user_data`. With every slot busy a sample
 //! waits in the re-grant queue (`place` answers "no room now"), the same
@@ -33,6 +34,12 @@ use crate::ring::{ReadOp, Target};
 /// node's grants, all falling back at once, put on the source's file
 /// system, and the GPU-ring bounce buffers (one per slot).
 pub(super) const SOURCE_READS: usize = 8;
+
+/// Samples read at once from a source in an object store: a GET waits on
+/// the store's latency, not on a disk, so it takes many in flight to keep
+/// up (8 gave 212 samples/s against a local store answering in ~40 ms,
+/// BENCHMARKS.md); each slot has its GET worker (`store_fetch.rs`).
+pub(super) const STORE_READS: usize = 64;
 
 /// Attempts for a read that came back short or was interrupted.
 const MAX_ATTEMPTS: u32 = 4;
@@ -77,7 +84,9 @@ pub(super) struct SourceReads {
 impl SourceReads {
     pub(super) fn new(remote: bool) -> Self {
         SourceReads {
-            slots: (0..SOURCE_READS).map(|_| SourceRead::default()).collect(),
+            slots: (0..if remote { STORE_READS } else { SOURCE_READS })
+                .map(|_| SourceRead::default())
+                .collect(),
             in_ring: 0,
             remote,
             #[cfg(feature = "s3")]
@@ -170,7 +179,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             if self.sources.store.is_none() {
                 // Once per loader: threads for the rare last resort.
                 self.stall.phase(crate::stall::Phase::Open);
-                match super::store_fetch::StorePool::start(&self.sh, SOURCE_READS) {
+                match super::store_fetch::StorePool::start(&self.sh, STORE_READS) {
                     Ok(p) => self.sources.store = Some(p),
                     Err(e) => {
                         return !self.finish_source(slot, Err(format!("starting GET workers: {e}")))
@@ -267,9 +276,10 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
     }
 
     /// Pushes the reads the ring had no room for (at most
-    /// [`SOURCE_READS`] slots to look at); while stopping, gives them up.
+    /// [`SOURCE_READS`] or [`STORE_READS`] slots to look at); while
+    /// stopping, gives them up.
     pub(super) fn push_queued_sources(&mut self) {
-        for slot in 0..SOURCE_READS {
+        for slot in 0..self.sources.slots.len() {
             if !self.sources.slots[slot].queued {
                 continue;
             }
