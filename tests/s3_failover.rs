@@ -86,7 +86,7 @@ fn setup(count: u64) -> Option<Setup> {
     let src = tmp.path().join("src");
     gen("imagenet", count, &src);
     let mut objects = Vec::new();
-    for e in walk(&src) {
+    for e in files_under(&src) {
         let rel = e.strip_prefix(&src).unwrap().to_string_lossy().into_owned();
         objects.push((format!("train/{rel}"), std::fs::read(&e).unwrap()));
     }
@@ -109,20 +109,6 @@ fn setup(count: u64) -> Option<Setup> {
         token,
         node,
     })
-}
-
-fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
-    let mut v = Vec::new();
-    for e in std::fs::read_dir(dir).unwrap() {
-        let p = e.unwrap().path();
-        if p.is_dir() {
-            v.extend(walk(&p));
-        } else {
-            v.push(p);
-        }
-    }
-    v.sort();
-    v
 }
 
 fn loader(st: &Setup) -> kspeed::loader::Loader {

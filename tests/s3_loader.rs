@@ -11,7 +11,6 @@ mod common;
 mod s3h;
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use common::*;
@@ -24,20 +23,6 @@ use s3h::*;
 
 const BUCKET: &str = "direct";
 const LIMIT: Duration = Duration::from_secs(240);
-
-fn walk(dir: &Path) -> Vec<PathBuf> {
-    let mut v = Vec::new();
-    for e in std::fs::read_dir(dir).unwrap() {
-        let p = e.unwrap().path();
-        if p.is_dir() {
-            v.extend(walk(&p));
-        } else {
-            v.push(p);
-        }
-    }
-    v.sort();
-    v
-}
 
 fn landing() -> LandingOptions {
     LandingOptions::default()
@@ -59,7 +44,7 @@ fn a_loader_reads_a_bucket_directly_in_order_and_byte_exact() {
     // The uploaded bytes by key, to check what the loader hands out
     // independently of kspeed's catalog.
     let mut uploaded: HashMap<String, Vec<u8>> = HashMap::new();
-    for p in walk(&src) {
+    for p in files_under(&src) {
         let rel = p.strip_prefix(&src).unwrap().to_string_lossy().into_owned();
         uploaded.insert(rel, std::fs::read(&p).unwrap());
     }

@@ -575,6 +575,26 @@ impl Store {
         Ok(seen)
     }
 
+    /// [`Store::read_within`] of `offset..offset + dst.len()` into `dst`
+    /// (a sample's slot: the loaders' reads).
+    pub fn read_into(
+        &self,
+        key: &str,
+        etag: Option<&str>,
+        offset: u64,
+        timeout: Duration,
+        dst: &mut [u8],
+    ) -> Result<String> {
+        let mut at = 0usize;
+        let range = offset..offset + dst.len() as u64;
+        self.read_within(key, etag, range, timeout, |piece| {
+            // read_within stops at the range's end: pieces fit.
+            dst[at..at + piece.len()].copy_from_slice(piece);
+            at += piece.len();
+            Ok(())
+        })
+    }
+
     /// The whole object `key` (a file list), with its size bound.
     pub fn read_all(&self, key: &str, max_bytes: u64) -> Result<Vec<u8>> {
         let path = obj_path(key);

@@ -131,19 +131,7 @@ fn get(store: &Store, objects: &ObjectOf, j: &Job) -> i32 {
     // SAFETY: push's contract: buf..buf+len is the caller's, untouched by
     // anyone else, until this read's completion is drained.
     let dst = unsafe { std::slice::from_raw_parts_mut(j.buf as *mut u8, j.len as usize) };
-    let mut at = 0usize;
-    let r = store.read_within(
-        &key,
-        Some(&etag),
-        j.offset..j.offset + j.len as u64,
-        READ_TIMEOUT,
-        |piece| {
-            dst[at..at + piece.len()].copy_from_slice(piece);
-            at += piece.len();
-            Ok(())
-        },
-    );
-    match r {
+    match store.read_into(&key, Some(&etag), j.offset, READ_TIMEOUT, dst) {
         Ok(_) => j.len as i32,
         Err(e) => {
             log::warn!("{e}");

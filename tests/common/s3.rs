@@ -735,3 +735,18 @@ pub fn read_sample(space: &kspeed::dataset::Space, id: u64) -> Vec<u8> {
     f.read_exact_at(&mut buf, loc.offset).unwrap();
     buf
 }
+
+/// Every file under `dir`, sorted (what a test uploads as objects).
+pub fn files_under(dir: &Path) -> Vec<PathBuf> {
+    let mut v = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            v.extend(files_under(&p));
+        } else {
+            v.push(p);
+        }
+    }
+    v.sort();
+    v
+}

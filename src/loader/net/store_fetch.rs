@@ -131,21 +131,9 @@ fn fetch(sh: &Shared, f: &Fetch) -> Result<(), String> {
     // slot's bounce buffer, not resized while the slot is in flight) and
     // touches it again only after taking this request's answer.
     let dst = unsafe { std::slice::from_raw_parts_mut(f.dst as *mut u8, f.len as usize) };
-    let mut at = 0usize;
     let etag = String::from_utf8_lossy(file.etag);
     store
-        .read_within(
-            &key,
-            Some(&etag),
-            s.offset..s.offset + f.len as u64,
-            FETCH_TIMEOUT,
-            |piece| {
-                // Store::read stops at the range's end; pieces fit.
-                dst[at..at + piece.len()].copy_from_slice(piece);
-                at += piece.len();
-                Ok(())
-            },
-        )
+        .read_into(&key, Some(&etag), s.offset, FETCH_TIMEOUT, dst)
         .map(|_| ())
         .map_err(|e| format!("{}: {e}", url.child(&file.name.to_string_lossy())))
 }
