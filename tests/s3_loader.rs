@@ -110,6 +110,52 @@ fn a_loader_reads_a_bucket_directly_in_order_and_byte_exact() {
         assert!(stats.disk_reads >= 2 * sampler.per_rank(), "{stats:?}");
     }
 
+    // A forked child (a DataLoader worker) builds its own loader on the
+    // bucket: it must get its own client and runtime, not wait forever on
+    // the parent's, whose threads it does not have.
+    // SAFETY: the child only builds a loader, reads and _exits.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork");
+    if pid == 0 {
+        let ok = (|| -> Result<u64, Error> {
+            let mut l = LoaderBuilder::source(&url)
+                .catalog(&cat_path)
+                .batch_size(8)
+                .pollers(1)
+                .pin(false)
+                .landing(landing())
+                .build()?;
+            l.set_epoch(0)?;
+            let mut n = 0;
+            while let Some(b) = l.next_batch()? {
+                n += b.iter().count() as u64;
+            }
+            Ok(n)
+        })();
+        // SAFETY: _exit ends the child without running the parent's atexit
+        // handlers or the test harness.
+        unsafe { libc::_exit(if matches!(ok, Ok(200)) { 0 } else { 1 }) };
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    let status = loop {
+        let mut st = 0;
+        // SAFETY: waits for our own child without blocking.
+        let r = unsafe { libc::waitpid(pid, &mut st, libc::WNOHANG) };
+        if r == pid {
+            break st;
+        }
+        if std::time::Instant::now() > deadline {
+            // SAFETY: our own child.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+            panic!("a forked child reading the bucket did not finish in 120 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(
+        libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+        "the forked child's epoch failed (status {status:#x})"
+    );
+
     // An object replaced after the catalog: its read fails, named.
     let victim = cat
         .file(cat.sample(0).file)

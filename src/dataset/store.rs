@@ -27,7 +27,7 @@
 use std::collections::HashMap;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures_util::StreamExt;
@@ -289,18 +289,36 @@ fn resolve(o: &StoreOverrides) -> Result<Resolved> {
 /// The runtime every request runs on: two threads drive the sockets of all
 /// callers (the callers block; the work per request is small).
 fn runtime() -> &'static tokio::runtime::Runtime {
-    static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
-    RT.get_or_init(|| {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .thread_name("kspeed-s3")
-            .enable_all()
-            .build()
-            .expect("a tokio runtime (threads and an epoll instance) could be made")
-    })
+    use std::sync::atomic::{AtomicPtr, AtomicU32, Ordering};
+    // One per process: a forked child (a DataLoader worker building its
+    // own loader) has none of its parent's runtime threads, so it makes its
+    // own. The parent's is leaked there: dropping it would wait for threads
+    // that do not exist in the child.
+    static RT: AtomicPtr<tokio::runtime::Runtime> = AtomicPtr::new(std::ptr::null_mut());
+    static PID: AtomicU32 = AtomicU32::new(0);
+    static MAKING: Mutex<()> = Mutex::new(());
+    let pid = std::process::id();
+    if PID.load(Ordering::Acquire) != pid {
+        let _g = MAKING.lock().unwrap_or_else(|e| e.into_inner());
+        if PID.load(Ordering::Acquire) != pid {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .thread_name("kspeed-s3")
+                .enable_all()
+                .build()
+                .expect("a tokio runtime (threads and an epoll instance) could be made");
+            RT.store(Box::into_raw(Box::new(rt)), Ordering::Release);
+            PID.store(pid, Ordering::Release);
+        }
+    }
+    // SAFETY: RT was set (and never freed) before PID became this
+    // process's id, which the Acquire loads above observed.
+    unsafe { &*RT.load(Ordering::Acquire) }
 }
 
-static CLIENTS: Mutex<Option<HashMap<String, Arc<Store>>>> = Mutex::new(None);
+/// The clients by bucket, of the process that made them (a forked child
+/// does not use its parent's connections).
+static CLIENTS: Mutex<Option<(u32, HashMap<String, Arc<Store>>)>> = Mutex::new(None);
 
 /// A client of one bucket.
 pub struct Store {
@@ -337,7 +355,14 @@ impl Store {
     /// in force then).
     pub fn of(bucket: &str) -> Result<Arc<Store>> {
         let mut g = CLIENTS.lock().expect("not poisoned");
-        let map = g.get_or_insert_with(HashMap::new);
+        let pid = std::process::id();
+        if g.as_ref().is_some_and(|(p, _)| *p != pid) {
+            // Forked: the parent's clients (and their pooled connections,
+            // tasks of the parent's runtime) are not this process's. Left
+            // alone, not dropped: dropping them could touch that runtime.
+            std::mem::forget(g.take());
+        }
+        let map = &mut g.get_or_insert_with(|| (pid, HashMap::new())).1;
         if let Some(s) = map.get(bucket) {
             return Ok(s.clone());
         }
