@@ -318,7 +318,10 @@ fn runtime() -> &'static tokio::runtime::Runtime {
 
 /// The clients by bucket, of the process that made them (a forked child
 /// does not use its parent's connections).
-static CLIENTS: Mutex<Option<(u32, HashMap<String, Arc<Store>>)>> = Mutex::new(None);
+static CLIENTS: Mutex<Option<(u32, Clients)>> = Mutex::new(None);
+
+/// Clients by bucket name.
+type Clients = HashMap<String, Arc<Store>>;
 
 /// A client of one bucket.
 pub struct Store {
