@@ -470,6 +470,7 @@ void ksp_config_free(ksp_config *cfg);
 // | `batch_size` | int | 1 to 1048576 | samples | 64 | samples per batch |
 // | `seed` | int | 0 and up |  | 0 | shuffle seed, the same on every rank |
 // | `shuffle` | bool |  |  | true | shuffle each epoch (`kspeed read --no-shuffle`) |
+// | `shuffle_block` | int | 0 to 16777215 | samples | 0 | shuffle within blocks of this many consecutive ids (0: the whole dataset); with tar shards in a bucket, a block's samples share ranged GETs |
 // | `drop_last` | bool |  |  | false | drop each epoch's last, partial batch |
 // | `rank` | int | 0 to 4294967295 |  | 0 | this rank |
 // | `world` | int | 1 to 4294967295 | ranks | 1 | the world size |

@@ -39,6 +39,7 @@ pub struct LoaderBuilder {
     batch_size: usize,
     seed: u64,
     shuffle: bool,
+    shuffle_block: u64,
     rank: u32,
     world: u32,
     drop_last: bool,
@@ -104,6 +105,7 @@ impl LoaderBuilder {
             batch_size: 64,
             seed: 0,
             shuffle: true,
+            shuffle_block: 0,
             rank: 0,
             world: 1,
             drop_last: false,
@@ -252,6 +254,16 @@ impl LoaderBuilder {
     /// Shuffle every epoch (default true).
     pub fn shuffle(mut self, on: bool) -> Self {
         self.shuffle = on;
+        self
+    }
+
+    /// Shuffle within blocks of this many consecutive sample ids (default
+    /// 0: one permutation of the whole dataset). The blocks are permuted
+    /// and each block's ids among themselves, as LitData and Mosaic
+    /// shuffle shards; reading a bucket's tar shards, neighbouring samples
+    /// of a block then share one ranged GET (docs/FORMAT.md, "Sampler").
+    pub fn shuffle_block(mut self, samples: u64) -> Self {
+        self.shuffle_block = samples;
         self
     }
 
@@ -606,6 +618,8 @@ impl LoaderBuilder {
     fn agent_refusal(&self) -> Option<&'static str> {
         if !self.mix.is_empty() {
             Some("a single space (mixtures through the agent are not built yet)")
+        } else if self.shuffle && self.shuffle_block > 1 {
+            Some("a whole-dataset shuffle (shuffle_block through the agent is not built yet)")
         } else if self.space.is_none() {
             Some("a space (the agent reads its node's space, not a source)")
         } else if self.tier_bytes > 0 {
@@ -768,8 +782,15 @@ impl LoaderBuilder {
             rank: self.rank,
             world: self.world,
             drop_last: self.drop_last,
+            shuffle_block: self.shuffle_block,
         };
         let sampler = match &input {
+            Input::Mix(_) if sampler_cfg.order_block() > 0 => {
+                return Err(Error::InvalidConfig(
+                    "shuffle_block: a mixture shuffles each dataset whole; block shuffles are for one dataset"
+                        .into(),
+                ))
+            }
             Input::Mix(m) => {
                 let lens: Vec<u64> = m.parts.iter().map(|p| p.len()).collect();
                 let weights: Vec<Weight> = self.mix.iter().map(|(_, w)| *w).collect();

@@ -196,6 +196,8 @@ pub static OPTIONS: &[OptionSpec] = &[
         "samples per batch"),
     opt!("seed", int(0, u64::MAX), "", "0", "seed", "shuffle seed, the same on every rank"),
     opt!("shuffle", OptionKind::Bool, "", "true", "", "shuffle each epoch (`kspeed read --no-shuffle`)"),
+    opt!("shuffle_block", int(0, crate::sampler::MAX_SHUFFLE_BLOCK), "samples", "0", "shuffle-block",
+        "shuffle within blocks of this many consecutive ids (0: the whole dataset); with tar shards in a bucket, a block's samples share ranged GETs"),
     opt!("drop_last", OptionKind::Bool, "", "false", "drop-last",
         "drop each epoch's last, partial batch"),
     opt!("rank", int(0, U32), "", "0", "rank", "this rank"),
@@ -608,6 +610,7 @@ impl LoaderOptions {
             "batch_size" => b.batch_size(n.unwrap_or(64) as usize),
             "seed" => b.seed(n.unwrap_or(0)),
             "shuffle" => b.shuffle(on),
+            "shuffle_block" => b.shuffle_block(n.unwrap_or(0)),
             "drop_last" => b.drop_last(on),
             "rank" | "world" => {
                 let (mut r, mut w) = b.rank_world();

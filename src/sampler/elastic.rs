@@ -70,10 +70,10 @@ const JOB_MAGIC: &[u8; 8] = b"KSPDJOB1";
 /// Bytes of a serialized [`JobPosition`].
 pub const JOB_POSITION_BYTES: usize = 40;
 
-/// The sampler settings a job position depends on: N, seed, shuffle and
-/// drop_last, but not rank or world.
+/// The sampler settings a job position depends on: N, seed, shuffle,
+/// drop_last and the shuffle block, but not rank or world.
 fn job_fingerprint(cfg: &SamplerConfig) -> u64 {
-    let flags = (cfg.shuffle as u64) | ((cfg.drop_last as u64) << 1);
+    let flags = cfg.order_flags();
     let mut h = mix64(cfg.len ^ 0x6b73_7065_6564_6a62); // "kspeedjb"
     for v in [cfg.seed, flags] {
         h = mix64(h ^ v);
@@ -194,8 +194,19 @@ impl JobPosition {
                     "shuffle {} and drop_last {} (this job has {} and {})",
                     !cfg.shuffle, !cfg.drop_last, cfg.shuffle, cfg.drop_last
                 )
+            } else if cfg.shuffle
+                && fp
+                    == job_fingerprint(&SamplerConfig {
+                        shuffle_block: 0,
+                        ..*cfg
+                    })
+            {
+                format!(
+                    "a whole-dataset shuffle (this job has shuffle_block {})",
+                    cfg.shuffle_block
+                )
             } else {
-                "another seed (or dataset length)".into()
+                "another seed, dataset length or shuffle_block".into()
             };
             return Err(Error::BadPosition(format!("saved by a job with {what}")));
         }

@@ -13,6 +13,7 @@ fn cfg(len: u64, seed: u64, shuffle: bool, drop_last: bool) -> SamplerConfig {
         rank: 0,
         world: 1,
         drop_last,
+        shuffle_block: 0,
     }
 }
 

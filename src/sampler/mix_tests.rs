@@ -14,6 +14,7 @@ fn cfg(seed: u64, rank: u32, world: u32, drop_last: bool) -> SamplerConfig {
         rank,
         world,
         drop_last,
+        shuffle_block: 0,
     }
 }
 

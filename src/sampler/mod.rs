@@ -42,11 +42,14 @@ pub use saved::{audit_positions, SavedPosition, POSITION_BYTES};
 
 const ROUNDS: usize = 6;
 const PERM_SALT: u64 = 0x6b73_7065_6564_7065; // "kspeedpe"
+const BLOCK_SALT: u64 = 0x6b73_7065_6564_626b; // "kspeedbk"
+/// The largest `shuffle_block` (it is saved in 24 bits of a position's
+/// flags).
+pub const MAX_SHUFFLE_BLOCK: u64 = (1 << 24) - 1;
 
-/// A keyed pseudo-random permutation of `0..n`.
+/// A Feistel network over `hi_bits + lo_bits` bits with its round keys.
 #[derive(Debug, Clone)]
-pub struct Permutation {
-    n: u64,
+struct Feistel {
     /// Bits of the left and right halves (they differ by at most one).
     hi_bits: u32,
     lo_bits: u32,
@@ -57,18 +60,15 @@ const fn low_mask(bits: u32) -> u64 {
     (1u64 << bits) - 1
 }
 
-impl Permutation {
-    /// The permutation of `0..n` for `(seed, epoch)`. `n` must be non-zero.
-    pub fn new(n: u64, seed: u64, epoch: u64) -> Self {
-        assert!(n > 0, "permutation of an empty set");
-        let bits = (64 - (n - 1).leading_zeros()).max(2);
-        let base = mix64(mix64(seed ^ PERM_SALT) ^ epoch);
+impl Feistel {
+    /// The network covering `0..n` (at least 2 bits) keyed by `base`.
+    fn new(n: u64, base: u64) -> Self {
+        let bits = (64 - (n.max(1) - 1).leading_zeros()).max(2);
         let mut keys = [0u64; ROUNDS];
         for (i, k) in keys.iter_mut().enumerate() {
             *k = mix64(base.wrapping_add(i as u64 + 1));
         }
-        Permutation {
-            n,
+        Feistel {
             hi_bits: bits / 2,
             lo_bits: bits - bits / 2,
             keys,
@@ -79,7 +79,7 @@ impl Permutation {
     /// `hi_bits + lo_bits` bits: each round maps (L, R) to (R, L ^ F(R)),
     /// the halves swapping widths, which is invertible whatever F is. An
     /// even number of rounds brings the widths back.
-    fn feistel(&self, x: u64) -> u64 {
+    fn pass(&self, x: u64) -> u64 {
         let (mut l_bits, mut r_bits) = (self.hi_bits, self.lo_bits);
         let (mut l, mut r) = (x >> r_bits, x & low_mask(r_bits));
         for k in &self.keys {
@@ -90,17 +90,80 @@ impl Permutation {
         (l << r_bits) | r
     }
 
+    /// The image of `i < n` in the permutation of `0..n`: passes until the
+    /// value falls below `n` (cycle walking). The domain is less than 2n,
+    /// so the expected walk is under 2 steps; it terminates because a
+    /// permutation's cycle through i < n returns to a value below n.
+    fn walk(&self, i: u64, n: u64) -> u64 {
+        let mut x = self.pass(i);
+        while x >= n {
+            x = self.pass(x);
+        }
+        x
+    }
+}
+
+/// A keyed pseudo-random permutation of `0..n`: over the whole range, or
+/// block-local ([`Permutation::blocked`]).
+#[derive(Debug, Clone)]
+pub struct Permutation {
+    n: u64,
+    /// Over `0..n`, or over the blocks when `block > 0`.
+    outer: Feistel,
+    /// Samples per block (0: the whole range is one permutation).
+    block: u64,
+    /// Keys each block's own permutation of `0..block`.
+    base: u64,
+}
+
+impl Permutation {
+    /// The permutation of `0..n` for `(seed, epoch)`. `n` must be non-zero.
+    pub fn new(n: u64, seed: u64, epoch: u64) -> Self {
+        Self::blocked(n, seed, epoch, 0)
+    }
+
+    /// A block-local permutation (`block > 1`; 0 or 1 give [`Self::new`]'s):
+    /// the ids are cut into blocks of `block` consecutive ids, the blocks
+    /// are permuted, and each block's ids are permuted among themselves, so
+    /// `block` consecutive positions hold the ids of one block. This is
+    /// the shuffle of loaders that read shards whole (LitData, Mosaic's
+    /// shuffle blocks): reads of neighbouring ids can become one request.
+    pub fn blocked(n: u64, seed: u64, epoch: u64, block: u64) -> Self {
+        assert!(n > 0, "permutation of an empty set");
+        let base = mix64(mix64(seed ^ PERM_SALT) ^ epoch);
+        let block = if block > 1 { block } else { 0 };
+        let outer_n = if block == 0 { n } else { n.div_ceil(block) };
+        Permutation {
+            n,
+            outer: Feistel::new(outer_n, base),
+            block,
+            base,
+        }
+    }
+
     /// The image of `i` (`i < n`).
     pub fn apply(&self, i: u64) -> u64 {
         debug_assert!(i < self.n);
-        let mut x = self.feistel(i);
-        // The domain is less than 2n, so the expected walk is under 2 steps;
-        // it terminates because a permutation's cycle through i < n returns
-        // to a value below n.
+        if self.block == 0 {
+            return self.outer.walk(i, self.n);
+        }
+        // A bijection of 0..blocks*block (blocks permuted, then the ids
+        // within the target block), walked back below n like the Feistel
+        // passes: the last block may be short.
+        let mut x = self.in_blocks(i);
         while x >= self.n {
-            x = self.feistel(x);
+            x = self.in_blocks(x);
         }
         x
+    }
+
+    /// Position `x` of the padded range: its block to a permuted block, its
+    /// place within the block by that block's own permutation.
+    fn in_blocks(&self, x: u64) -> u64 {
+        let blocks = self.n.div_ceil(self.block);
+        let b = self.outer.walk(x / self.block, blocks);
+        let inner = Feistel::new(self.block, mix64(self.base ^ mix64(b ^ BLOCK_SALT)));
+        b * self.block + inner.walk(x % self.block, self.block)
     }
 }
 
@@ -120,6 +183,9 @@ pub struct SamplerConfig {
     pub world: u32,
     /// Drop the tail that does not divide evenly instead of padding.
     pub drop_last: bool,
+    /// Shuffle within blocks of this many consecutive ids ([`Permutation::blocked`]);
+    /// 0 (the default) or 1: one permutation of the whole dataset.
+    pub shuffle_block: u64,
 }
 
 impl SamplerConfig {
@@ -132,11 +198,29 @@ impl SamplerConfig {
             rank: 0,
             world: 1,
             drop_last: false,
+            shuffle_block: 0,
         }
     }
 
+    /// The block of a block-local shuffle, 0 when the order is one
+    /// permutation of the whole dataset (or not shuffled).
+    pub fn order_block(&self) -> u64 {
+        if self.shuffle && self.shuffle_block > 1 {
+            self.shuffle_block
+        } else {
+            0
+        }
+    }
+
+    /// The order settings as one word, as positions hash and save them:
+    /// bit 0 shuffle, bit 1 drop_last, bits 8.. the shuffle block (0, as
+    /// before blocks existed, for a whole-dataset shuffle).
+    pub(crate) fn order_flags(&self) -> u64 {
+        (self.shuffle as u64) | ((self.drop_last as u64) << 1) | (self.order_block() << 8)
+    }
+
     fn fingerprint(&self) -> u64 {
-        let flags = (self.shuffle as u64) | ((self.drop_last as u64) << 1);
+        let flags = self.order_flags();
         let mut h = mix64(self.len ^ 0x6b73_7065_6564_6670);
         for v in [self.seed, flags, self.rank as u64, self.world as u64] {
             h = mix64(h ^ v);
@@ -150,6 +234,7 @@ setters!(SamplerConfig {
     seed: u64,
     shuffle: bool,
     drop_last: bool,
+    shuffle_block: u64,
 });
 
 impl SamplerConfig {
@@ -199,6 +284,12 @@ impl Sampler {
             return Err(Error::InvalidConfig(format!(
                 "rank {} is not below world size {}",
                 cfg.rank, cfg.world
+            )));
+        }
+        if cfg.shuffle_block > MAX_SHUFFLE_BLOCK {
+            return Err(Error::InvalidConfig(format!(
+                "shuffle_block {} is above the largest, {MAX_SHUFFLE_BLOCK}",
+                cfg.shuffle_block
             )));
         }
         let w = cfg.world as u64;
@@ -253,8 +344,9 @@ impl Sampler {
     /// The order of `epoch`, to look up many positions of it.
     pub fn epoch(&self, epoch: u64) -> EpochOrder {
         EpochOrder {
-            perm: (self.cfg.shuffle && self.mix.is_none())
-                .then(|| Permutation::new(self.cfg.len, self.cfg.seed, epoch)),
+            perm: (self.cfg.shuffle && self.mix.is_none()).then(|| {
+                Permutation::blocked(self.cfg.len, self.cfg.seed, epoch, self.cfg.shuffle_block)
+            }),
             cfg: self.cfg,
             per_rank: self.per_rank,
             mix: self.mix.as_ref().map(|m| m.epoch(epoch)),
@@ -409,6 +501,111 @@ mod tests {
     }
 
     #[test]
+    fn blocked_permutation_is_a_block_local_bijection() {
+        for (n, block) in [
+            (1u64, 2u64),
+            (5, 2),
+            (10, 3),
+            (100, 7),
+            (1000, 64),
+            (4097, 256),
+            (300, 1000),
+        ] {
+            let p = Permutation::blocked(n, 42, 3, block);
+            let mut seen = vec![false; n as usize];
+            let order: Vec<u64> = (0..n).map(|i| p.apply(i)).collect();
+            for &v in &order {
+                assert!(v < n);
+                assert!(!seen[v as usize], "n={n} block={block}: {v} twice");
+                seen[v as usize] = true;
+            }
+            // Every full block of positions holds the ids of one block,
+            // except where the short last block's walk lands (it moves at
+            // most block - 1 ids).
+            let whole = (n / block) as usize;
+            let mixed = order
+                .chunks(block as usize)
+                .take(whole)
+                .filter(|c| c.iter().any(|&v| v / block != c[0] / block))
+                .count();
+            assert!(
+                mixed <= 2,
+                "n={n} block={block}: {mixed} blocks of positions mix blocks"
+            );
+            if n >= 8 * block {
+                // Shuffled inside the blocks, and the blocks themselves.
+                assert!(order
+                    .chunks(block as usize)
+                    .any(|c| c.windows(2).any(|w| w[1] != w[0] + 1)));
+                let blocks: Vec<u64> = order.chunks(block as usize).map(|c| c[0] / block).collect();
+                assert!(
+                    blocks.windows(2).any(|w| w[1] < w[0]),
+                    "n={n} block={block}: blocks in order"
+                );
+            }
+        }
+        // 0 and 1 are the whole-dataset permutation.
+        for block in [0, 1] {
+            let (a, b) = (
+                Permutation::new(1000, 5, 2),
+                Permutation::blocked(1000, 5, 2, block),
+            );
+            assert!((0..1000).all(|i| a.apply(i) == b.apply(i)));
+        }
+    }
+
+    #[test]
+    fn blocked_jobs_resume_at_another_world_exactly_once() {
+        // 7 ranks take 5 steps of a blocked epoch, then 3 ranks deal the rest.
+        let n = 1000u64;
+        let cfg = SamplerConfig {
+            shuffle_block: 64,
+            ..SamplerConfig::single(n, 3)
+        };
+        let mut seen = vec![0u32; n as usize];
+        for rank in 0..7 {
+            let s = Sampler::new(cfg.rank_world(rank, 7)).unwrap();
+            for k in 0..5 {
+                seen[s.sample(2, k) as usize] += 1;
+            }
+        }
+        let start = JobPosition {
+            epoch: 2,
+            consumed: 35,
+        };
+        let saved = start.save(&cfg, 9);
+        assert!(JobPosition::restore(&saved, &cfg.rank_world(1, 3), 9).is_ok());
+        let whole = SamplerConfig {
+            shuffle_block: 0,
+            ..cfg
+        };
+        match JobPosition::restore(&saved, &whole, 9) {
+            Err(Error::BadPosition(m)) => assert!(m.contains("shuffle_block"), "{m}"),
+            r => panic!("{r:?}"),
+        }
+        for rank in 0..3 {
+            let e = ElasticSampler::new(cfg.rank_world(rank, 3), start).unwrap();
+            for k in 0..e.per_rank(2) {
+                seen[e.sample(2, k) as usize] += 1;
+            }
+        }
+        // Padding repeats at most the epoch's first two entries.
+        let twice = seen.iter().filter(|&&c| c == 2).count();
+        assert!(seen.iter().all(|&c| c >= 1) && twice <= 2, "{twice} twice");
+    }
+
+    #[test]
+    fn frozen_blocked_sequence() {
+        // docs/FORMAT.md's check value: N = 10, seed 1, epoch 0, blocks of 4.
+        let s = Sampler::new(SamplerConfig {
+            shuffle_block: 4,
+            ..SamplerConfig::single(10, 1)
+        })
+        .unwrap();
+        assert_eq!(seq(&s, 0), vec![5, 7, 6, 4, 1, 8, 9, 2, 0, 3]);
+    }
+
+    #[test]
     // Statistics over 100,000 draws of safe arithmetic: nothing for Miri
     // to check that the other tests do not, at hours of interpretation.
     #[cfg_attr(miri, ignore)]
@@ -451,6 +648,7 @@ mod tests {
             rank: 1,
             world: 3,
             drop_last: false,
+            shuffle_block: 0,
         };
         assert_eq!(seq(&Sampler::new(cfg).unwrap(), 5), vec![1, 4, 7, 0]);
         let s = Sampler::new(SamplerConfig { rank: 2, ..cfg }).unwrap();
@@ -472,6 +670,7 @@ mod tests {
             rank: 1,
             world: 4,
             drop_last: false,
+            shuffle_block: 0,
         };
         let s = Sampler::new(cfg).unwrap();
         let pos = Position {
@@ -543,12 +742,15 @@ mod tests {
             epoch in 0u64..1000,
             shuffle in any::<bool>(),
             drop_last in any::<bool>(),
+            shuffle_block in prop_oneof![Just(0u64), 2u64..300],
         ) {
             let mut counts = vec![0u32; n as usize];
             let mut total = 0u64;
             let mut first: Option<Sampler> = None;
             for rank in 0..world {
-                let s = Sampler::new(SamplerConfig { len: n, seed, shuffle, rank, world, drop_last }).unwrap();
+                let s = Sampler::new(SamplerConfig {
+                    len: n, seed, shuffle, rank, world, drop_last, shuffle_block,
+                }).unwrap();
                 if let Some(f) = &first {
                     prop_assert_eq!(s.per_rank(), f.per_rank());
                 }

@@ -40,9 +40,11 @@ impl SavedPosition {
     /// Serializes (layout in docs/FORMAT.md).
     pub fn save(&self) -> [u8; POSITION_BYTES] {
         let mut b = [0u8; POSITION_BYTES];
+        // Bits 8..32: the shuffle block (below 2^24, checked by the sampler).
         let flags = (self.cfg.shuffle as u32)
             | ((self.cfg.drop_last as u32) << 1)
-            | ((self.mixture as u32) << 2);
+            | ((self.mixture as u32) << 2)
+            | ((self.cfg.order_block() as u32) << 8);
         b[0..8].copy_from_slice(MAGIC);
         b[8..16].copy_from_slice(&self.cfg.len.to_le_bytes());
         b[16..24].copy_from_slice(&self.cfg.seed.to_le_bytes());
@@ -95,7 +97,7 @@ impl SavedPosition {
         let u64_at = |o: usize| u64::from_le_bytes(bytes[o..o + 8].try_into().expect("8 bytes"));
         let u32_at = |o: usize| u32::from_le_bytes(bytes[o..o + 4].try_into().expect("4 bytes"));
         let flags = u32_at(24);
-        if flags > 7 {
+        if flags & 0xf8 != 0 {
             return Err(Error::BadPosition(format!("unknown flags {flags:#x}")));
         }
         let (rank, world) = (u32_at(32), u32_at(36));
@@ -111,6 +113,7 @@ impl SavedPosition {
             rank,
             world,
             drop_last: flags & 2 != 0,
+            shuffle_block: u64::from(flags >> 8),
         };
         let at = |epoch, base, index| RankPosition {
             epoch,
@@ -169,6 +172,13 @@ impl SavedPosition {
         }
         if mine.shuffle != cfg.shuffle {
             return differs("shuffle", mine.shuffle.to_string(), cfg.shuffle.to_string());
+        }
+        if mine.order_block() != cfg.order_block() {
+            return differs(
+                "shuffle_block",
+                mine.order_block().to_string(),
+                cfg.order_block().to_string(),
+            );
         }
         if mine.drop_last != cfg.drop_last {
             return differs(
@@ -334,6 +344,7 @@ mod tests {
             (c.seed(2), 0, "seed"),
             (c.shuffle(false), 0, "shuffle"),
             (c.drop_last(true), 0, "drop_last"),
+            (c.shuffle_block(4), 0, "shuffle_block"),
             (c.len(11), 0, "length"),
             (c, 7, "another dataset"),
             (c.rank_world(0, 3), 0, "rank/world"),
@@ -345,6 +356,18 @@ mod tests {
         }
         // A job position resumes any rank and world.
         s.check_job(&c.rank_world(4, 5), 0, false).unwrap();
+        // The shuffle block is saved (flag bits 8..32) and checked.
+        let blocked = SavedPosition {
+            cfg: c.shuffle_block(300),
+            ..s
+        };
+        let back = SavedPosition::decode(&blocked.save()).unwrap();
+        assert_eq!(back.cfg.shuffle_block, 300);
+        back.check_job(&c.shuffle_block(300), 0, true).unwrap();
+        match back.check_job(&c, 0, true) {
+            Err(Error::BadPosition(m)) => assert!(m.contains("shuffle_block 300"), "{m}"),
+            r => panic!("{r:?}"),
+        }
     }
 
     /// Positions saved as the loader saves them: 3 ranks take 4 steps of

@@ -50,6 +50,11 @@ pub(crate) struct ReadArgs {
     /// Read in id order.
     #[arg(long)]
     no_shuffle: bool,
+    /// Shuffle within blocks of this many consecutive ids (0: the whole
+    /// dataset); reading tar shards in a bucket, a block's samples share
+    /// ranged GETs.
+    #[arg(long, default_value_t = 0, value_parser = crate::opt::<u64>("shuffle_block"))]
+    shuffle_block: u64,
     /// Drop the tail instead of padding.
     #[arg(long)]
     drop_last: bool,
@@ -270,6 +275,7 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
         .rank(a.rank, a.world)
         .seed(a.seed)
         .shuffle(!a.no_shuffle)
+        .shuffle_block(a.shuffle_block)
         .drop_last(a.drop_last)
         .landing(
             LandingOptions::default()

@@ -278,6 +278,7 @@ class Loader:
         batch_size=64,
         seed=0,
         shuffle=True,
+        shuffle_block=0,
         drop_last=False,
         rank=None,
         world=None,
@@ -357,6 +358,7 @@ class Loader:
             ("batch_size", batch_size),
             ("seed", seed),
             ("shuffle", shuffle),
+            ("shuffle_block", shuffle_block),
             ("drop_last", drop_last),
         ):
             cfg[name] = _opt(name, v)
