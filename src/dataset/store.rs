@@ -562,6 +562,21 @@ impl Store {
                 .await
                 .map_err(|e| self.error(key, e))?;
             let seen = r.meta.e_tag.clone().unwrap_or_default();
+            // The If-Match asked the store to refuse another version; a
+            // store that ignores it (some S3-compatible servers do) still
+            // names the version it sent: check that too.
+            if let Some(want) = etag.filter(|e| !e.is_empty() && !seen.is_empty()) {
+                if want != seen {
+                    return Err(Error::SourceChanged {
+                        changes: vec![SourceChange {
+                            path: PathBuf::from(self.url(key)),
+                            what: format!(
+                                "its ETag is {seen}, the catalog's {want} (the object was replaced since the catalog)"
+                            ),
+                        }],
+                    });
+                }
+            }
             let mut body = r.into_stream();
             while let Some(chunk) = body.next().await {
                 let chunk = chunk.map_err(|e| self.error(key, e))?;

@@ -1116,7 +1116,7 @@ impl LoaderBuilder {
         let mut ring = ring;
         if remote.is_some() {
             io_how = format!(
-                "object store: {} GETs in flight per poller into the ring",
+                "object store: {} reads in flight per poller into the ring",
                 cfg.queue_depth
             );
         }
@@ -1131,7 +1131,18 @@ impl LoaderBuilder {
             })
             .collect();
         if let Some(cat) = remote {
-            backends = store_backends(cat, cfg.pollers, cfg.queue_depth as usize, cfg.faults)?;
+            // Neighbouring samples of one object merge into one GET where
+            // the order visits them together: several samples per object
+            // (tar shards) read in id order or with a block shuffle.
+            let merge = cat.len() > cat.file_count()
+                && (!self.shuffle || sampler.config().order_block() > 0);
+            backends = store_backends(
+                cat,
+                cfg.pollers,
+                cfg.queue_depth as usize,
+                merge,
+                cfg.faults,
+            )?;
         }
         let batch_size = self.batch_size;
         let attach_settings = attach.map(|socket| super::attached::AttachSettings {
@@ -1272,6 +1283,7 @@ fn store_backends(
     cat: std::sync::Arc<crate::dataset::Catalog>,
     pollers: usize,
     depth: usize,
+    merge: bool,
     faults: Option<crate::ring::FaultConfig>,
 ) -> Result<Vec<Box<dyn IoBackend>>> {
     let spec = cat.source_spec();
@@ -1286,7 +1298,7 @@ fn store_backends(
     });
     (0..pollers)
         .map(|_| -> Result<Box<dyn IoBackend>> {
-            let ring = crate::ring::StoreRing::new(&url.bucket, objects.clone(), depth)?;
+            let ring = crate::ring::StoreRing::new(&url.bucket, objects.clone(), depth, merge)?;
             Ok(match faults {
                 Some(f) => Box::new(Faulty::new(ring, f, depth)),
                 None => Box::new(ring),
@@ -1301,6 +1313,7 @@ fn store_backends(
     _: std::sync::Arc<crate::dataset::Catalog>,
     _: usize,
     _: usize,
+    _: bool,
     _: Option<crate::ring::FaultConfig>,
 ) -> Result<Vec<Box<dyn IoBackend>>> {
     unreachable!("an s3:// source does not parse without the s3 feature")

@@ -31,6 +31,9 @@ use crate::stall::{Phase, Stall};
 /// Attempts for a part that came back short or was interrupted.
 const MAX_ATTEMPTS: u32 = 4;
 
+/// Consecutive samples one poller takes from an object store.
+const REMOTE_RUN: u64 = 64;
+
 /// One sample being read.
 struct Group {
     placed: Placed,
@@ -326,7 +329,12 @@ impl Poller {
                 self.pending = Some(p);
                 return started;
             }
-            if p.g % self.count != self.index || !self.shared.is_local(p.id) {
+            // Every P-th sample is this poller's; from a bucket, every P-th
+            // run of REMOTE_RUN, so that neighbouring samples a block
+            // shuffle puts together reach one backend and merge into one
+            // GET (ring/store.rs) instead of alternating between pollers.
+            let turn = if self.remote { p.g / REMOTE_RUN } else { p.g };
+            if turn % self.count != self.index || !self.shared.is_local(p.id) {
                 continue;
             }
             let dst = self.dst(&p);
