@@ -11,8 +11,10 @@ WORK/s3root, the tree uploaded under s3://bench/train/ (boto3, 16 threads),
 an MDS dataset (streaming.MDSWriter, columns data:bytes label:int, default
 64 MiB shards, no compression) uploaded under s3://bench/mosaic/, a LitData
 dataset (litdata.optimize, {"data": bytes, "label": int}, chunk_bytes 64MB,
-no compression) uploaded under s3://bench/litdata/, and two kspeed catalogs
-(one of the bucket, one of the local tree).
+no compression) uploaded under s3://bench/litdata/, WebDataset tar shards
+(Python's tarfile, `<key>.jpg` + `<key>.cls` per sample, shards of 512
+samples, about LitData's 64 MB chunks) uploaded under s3://bench/wds/, and
+kspeed catalogs (of the bucket's objects, of its shards, of the local tree).
 
 Timed contenders, each a fresh process, the page cache dropped before every
 run (root needed; the server then reads its files from disk), the order
@@ -22,6 +24,11 @@ rotated run by run:
                   --epochs 1 --pollers 2 --queue-depth 32 --touch
                   (64 ranged GETs in flight; --touch reads every byte);
                   timed from process start to exit
+  kspeed-tar    : kspeed read --source 's3://bench/wds/*.tar' --catalog
+                  wds.ksc --shuffle-block 512 --pollers 1 --queue-depth 1024
+                  (the shards' samples in blocks of 512 shuffled, then
+                  shuffled within: LitData's shuffle of 64 MB chunks;
+                  neighbouring members share one ranged GET)
   mosaic        : streaming.StreamingDataset(remote=s3://bench/mosaic,
                   local=<fresh dir>, shuffle=True, batch_size=64) in a torch
                   DataLoader(batch_size=64, num_workers=2); endpoint from
@@ -298,6 +305,9 @@ def main():
     ap.add_argument("--queue-depth", type=int, default=32)
     ap.add_argument("--workers", type=int, default=2, help="DataLoader workers for Mosaic and LitData")
     ap.add_argument("--no-failover", action="store_true")
+    ap.add_argument("--shuffle-block", type=int, default=SHARD_SAMPLES, help="kspeed-tar's --shuffle-block")
+    ap.add_argument("--tar-queue-depth", type=int, default=1024, help="kspeed-tar's --queue-depth")
+    ap.add_argument("--only", default=None, help="comma-separated contenders to run (default: all)")
     ap.add_argument("--no-build", action="store_true")
     ap.add_argument("--json", default=None, help="write every run's numbers here")
     ap.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
@@ -340,6 +350,7 @@ def main():
             except OSError:
                 time.sleep(0.05)
         prepare(a, src, s3root)
+        prepare_tar(a, src)
         run_bench(a, env, src, server.pid)
     finally:
         server.terminate()
@@ -376,12 +387,45 @@ def run_kspeed(env, args):
     return j["samples"], j["bytes"], wall, j
 
 
+SHARD_SAMPLES = 512
+
+
+def prepare_tar(a, src):
+    """WebDataset shards of the same files under s3://bench/wds/."""
+    stamp = os.path.join(a.work, "prepared-tar")
+    if os.path.exists(stamp):
+        return
+    import io
+    import tarfile
+
+    out = os.path.join(a.work, "wds")
+    shutil.rmtree(out, ignore_errors=True)
+    os.makedirs(out)
+    items = image_folder(src)
+    for s in range(0, len(items), SHARD_SAMPLES):
+        with tarfile.open(os.path.join(out, f"{s // SHARD_SAMPLES:05d}.tar"), "w") as t:
+            for i, (path, label) in enumerate(items[s:s + SHARD_SAMPLES]):
+                key = f"{s + i:07d}"
+                t.add(path, arcname=f"{key}.jpg")
+                cls = f"{label}\n".encode()
+                info = tarfile.TarInfo(f"{key}.cls")
+                info.size = len(cls)
+                t.addfile(info, io.BytesIO(cls))
+    upload_tree(out, "wds/")
+    with open(stamp, "w") as f:
+        f.write("ok\n")
+
+
 def run_bench(a, env, src, server_pid):
     s3cat = os.path.join(a.work, "s3.ksc")
     localcat = os.path.join(a.work, "local.ksc")
     if not os.path.exists(s3cat):
         sh([K, "--progress", "none", "catalog", "--source", f"s3://{BUCKET}/train/", "--out", s3cat], env=env,
            stdout=subprocess.DEVNULL)
+    wdscat = os.path.join(a.work, "wds.ksc")
+    if not os.path.exists(wdscat):
+        sh([K, "--progress", "none", "catalog", "--source", f"s3://{BUCKET}/wds/*.tar", "--out", wdscat],
+           env=env, stdout=subprocess.DEVNULL)
     if not os.path.exists(localcat):
         sh([K, "--progress", "none", "catalog", "--source", src, "--out", localcat], stdout=subprocess.DEVNULL)
     dead = os.path.join(a.work, "dead.txt")
@@ -398,6 +442,9 @@ def run_bench(a, env, src, server_pid):
     kq = ["--pollers", str(a.pollers), "--queue-depth", str(a.queue_depth)]
     contenders = {
         "kspeed": lambda: run_kspeed(env, ["--source", f"s3://{BUCKET}/train/", "--catalog", s3cat] + kq),
+        "kspeed-tar": lambda: run_kspeed(env, ["--source", f"s3://{BUCKET}/wds/*.tar", "--catalog", wdscat,
+                                               "--shuffle-block", str(a.shuffle_block), "--pollers", "1",
+                                               "--queue-depth", str(a.tar_queue_depth)]),
         "mosaic": lambda: run_child(a, env, "mosaic", a.workers, cache=cache_dir[0]),
         "mosaic-w0": lambda: run_child(a, env, "mosaic", 0, cache=cache_dir[0]),
         "litdata": lambda: run_child(a, env, "litdata", a.workers, cache=cache_dir[0]),
@@ -412,6 +459,9 @@ def run_bench(a, env, src, server_pid):
             env, ["--source", f"s3://{BUCKET}/train/", "--catalog", s3cat] + fo)
         contenders["failover-local"] = lambda: run_kspeed(env, ["--source", src, "--catalog", localcat] + fo)
 
+    if a.only:
+        keep = a.only.split(",")
+        contenders = {n: f for n, f in contenders.items() if n in keep}
     names = list(contenders)
     res = {n: [] for n in names}
     for run in range(a.runs):
@@ -478,16 +528,23 @@ def run_bench(a, env, src, server_pid):
         scpu = med([r["server_cpu"] for r in good])
         print(f"{name:16s} {med(v):10.0f} {mb:7.0f} {srv:10.0f} {scpu:12.2f}   " + fmt(v))
 
-    k = sps("kspeed")
-    rows = [sps(n) for n in ("mosaic", "mosaic-w0", "litdata", "litdata-w0")]
-    best = [max((x for x in v if x is not None), default=None) for v in zip(*rows)]
-    rr = ratio(k, best)
-    print(f"\nkspeed / fastest of the Mosaic and LitData rows, per run: {fmt(rr, '{:.2f}')}"
-          f"  (median {med(rr):.2f}x; goal >= 1.5x)")
-    for other in ("mosaic", "mosaic-w0", "litdata", "litdata-w0", "obstore-64"):
-        rr = ratio(k, sps(other))
-        print(f"kspeed / {other}, per run: {fmt(rr, '{:.2f}')}  (median {med(rr):.2f}x)")
-    if not a.no_failover:
+    def runs(name):
+        return sps(name) if name in res else [None] * a.runs
+
+    peers = [n for n in ("mosaic", "mosaic-w0", "litdata", "litdata-w0") if n in res]
+    best = [max((x for x in v if x is not None), default=None) for v in zip(*[runs(n) for n in peers])]
+    for mine in ("kspeed", "kspeed-tar"):
+        if mine not in res or not peers:
+            continue
+        k = runs(mine)
+        rr = ratio(k, best)
+        print(f"\n{mine} / fastest of the Mosaic and LitData rows, per run: {fmt(rr, '{:.2f}')}"
+              f"  (median {med(rr):.2f}x; goal >= 1.5x)")
+        for other in peers + ["obstore-64"]:
+            if other in res:
+                rr = ratio(k, runs(other))
+                print(f"{mine} / {other}, per run: {fmt(rr, '{:.2f}')}  (median {med(rr):.2f}x)")
+    if not a.no_failover and "failover-s3" in res and "failover-local" in res:
         rr = ratio(sps("failover-s3"), sps("failover-local"))
         print(f"failover from the bucket / from the local tree, per run: {fmt(rr, '{:.3f}')}"
               f"  (median {med(rr):.3f}x)")

@@ -22,8 +22,10 @@
 //! staged read of the same object within [`MAX_GAP_BYTES`] of it (up to
 //! [`MAX_PER_GET`] reads, [`MAX_GET_BYTES`]), streaming one ranged body
 //! into their slots and skipping the gaps (tar headers, members that are
-//! not the sample). A GET goes at once while fewer than [`BUSY_GETS`] are
-//! out, and otherwise only when full, up to `depth / MERGE_GETS` GETs.
+//! not the sample). A GET goes at once while fewer than half the GETs
+//! allowed (`depth / MERGE_GETS`, at most [`MAX_MERGE_GETS`]) are out, and
+//! otherwise only when full. Reads merge when the queue depth covers a
+//! block: make `queue_depth` at least `shuffle_block`.
 //! A rank of a W-rank world takes every W-th sample of a block, so its
 //! reads merge where W - 1 samples fit in the hole bound; the node agent,
 //! reading for all of a node's ranks, sees the denser union. A
@@ -61,9 +63,8 @@ pub const MAX_GET_BYTES: u64 = 16 << 20;
 /// (at least 2), so that reads pushed while they run wait and merge.
 pub const MERGE_GETS: usize = 4;
 
-/// With `merge`, GETs out that keep the store busy: beyond them a GET
-/// waits to be full.
-pub const BUSY_GETS: usize = 2;
+/// With `merge`, the most GETs out at once (and worker threads).
+pub const MAX_MERGE_GETS: usize = 64;
 
 /// The key and ETag of the catalog's file `i`.
 pub type ObjectOf = dyn Fn(u32) -> (String, String) + Send + Sync;
@@ -124,7 +125,7 @@ impl StoreRing {
     pub fn new(bucket: &str, objects: Arc<ObjectOf>, depth: usize, merge: bool) -> Result<Self> {
         let depth = depth.max(1);
         let max_gets = if merge {
-            (depth / MERGE_GETS).max(2).min(depth)
+            (depth / MERGE_GETS).clamp(2, MAX_MERGE_GETS).min(depth)
         } else {
             depth
         };
@@ -141,15 +142,21 @@ impl StoreRing {
                 .spawn(move || {
                     while let Ok(g) = rx.recv() {
                         let result = get(&store, &*objects, &g);
-                        // Capacity `depth` and at most `depth` reads out:
+                        // The GET's end first, then its reads': a poller
+                        // that holds staged reads while GETs are out
+                        // (dispatch) then always has a completion coming
+                        // for the wait it blocks in. The other way round it
+                        // could drain every completion, still count this
+                        // GET as out, and wait forever. Capacities
+                        // `max_gets` and `depth`, and at most that many out:
                         // never blocks.
+                        let _ = got.send(());
                         for j in &g.jobs[..g.count] {
                             let _ = tx.send(Completion {
                                 user_data: j.user_data,
                                 result: if result == 0 { j.len as i32 } else { result },
                             });
                         }
-                        let _ = got.send(());
                     }
                 })
                 .map_err(|e| Error::ThreadSpawn {
@@ -200,10 +207,11 @@ impl StoreRing {
 
     /// Hands staged reads to the workers while fewer than `max_gets` GETs
     /// are out: each GET takes the earliest-needed staged read and its
-    /// mergeable neighbours ([`gather`]). While [`BUSY_GETS`] are out, a
-    /// GET leaves only full (its neighbours may still be on their way: the
-    /// poller pushes a few reads per submission); below that, whatever is
-    /// staged goes, so the store is never idle while reads wait.
+    /// mergeable neighbours ([`gather`]). While half of `max_gets` are
+    /// out, a GET leaves only full (its neighbours may still be on their
+    /// way: the poller pushes a few reads per submission); below that,
+    /// whatever is staged goes, so the store stays busy while reads wait
+    /// even where they never merge.
     fn dispatch(&mut self) {
         self.reap_gets();
         while !self.staged.is_empty() && self.gets_out < self.max_gets {
@@ -211,7 +219,7 @@ impl StoreRing {
             let jobs = &g.jobs[..g.count];
             let full = g.count == MAX_PER_GET
                 || jobs[g.count - 1].end() - jobs[0].offset >= MAX_GET_BYTES / 2;
-            if !full && self.gets_out >= BUSY_GETS {
+            if !full && self.gets_out >= self.max_gets.div_ceil(2) {
                 // Back where they were (the array had room for them).
                 self.staged.extend_from_slice(jobs);
                 break;
