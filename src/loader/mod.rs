@@ -25,9 +25,9 @@
 //! sample crosses threads but that one atomic store.
 //!
 //! Why this file is over ~800 lines: the Loader's run state,
-//! `next_batch`/release, epoch handling and positions (rank and job
-//! positions, the exactly-once digest), which share the flow-control
-//! invariants and the restart; about 200 lines are documentation.
+//! `next_batch`/release, epoch handling and the exactly-once digest, which
+//! share the flow-control invariants and the restart; about 200 lines are
+//! documentation (saving and restoring positions is `positions.rs`).
 
 pub(crate) mod schedule;
 pub(crate) mod tier;
