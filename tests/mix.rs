@@ -402,18 +402,10 @@ fn a_mixture_resumes_under_new_weights_exactly_once() {
         if rank == 0 {
             // A rank position one batch into the rest under B.
             l.restore_job_position(&job).unwrap();
-            l.next_batch().unwrap().unwrap();
-            l.release_batch();
-            let after: Vec<(u32, u64)> = l
-                .next_batch()
-                .unwrap()
-                .unwrap()
-                .iter()
-                .map(|x| (x.dataset, x.id))
-                .collect();
+            next_ids(&mut l);
+            let after = next_ids(&mut l);
             l.restore_job_position(&job).unwrap();
-            l.next_batch().unwrap().unwrap();
-            l.release_batch();
+            next_ids(&mut l);
             mid_rank0 = Some((l.save_position(), after));
         }
     }
@@ -452,10 +444,7 @@ fn a_mixture_resumes_under_new_weights_exactly_once() {
     }
     fresh.restore_job_position(&job).unwrap();
     fresh.restore_position(&mid).unwrap();
-    let b = fresh.next_batch().unwrap().unwrap();
-    let again: Vec<(u32, u64)> = b.iter().map(|x| (x.dataset, x.id)).collect();
-    assert_eq!(again, after);
-    drop(b);
+    assert_eq!(next_ids(&mut fresh), after);
     // An ordinary epoch-1 position of B, in that loader (which had changed
     // weights): B's own order goes on.
     let mut plain = counts_builder(&space, &cat1, b0, b1)
@@ -463,18 +452,16 @@ fn a_mixture_resumes_under_new_weights_exactly_once() {
         .build()
         .unwrap();
     plain.set_epoch(epoch).unwrap();
-    plain.next_batch().unwrap().unwrap();
-    plain.release_batch();
+    next_ids(&mut plain);
     let ordinary = plain.save_position();
-    let want: Vec<(u32, u64)> = plain
-        .next_batch()
-        .unwrap()
-        .unwrap()
-        .iter()
-        .map(|x| (x.dataset, x.id))
-        .collect();
+    let want = next_ids(&mut plain);
     fresh.restore_position(&ordinary).unwrap();
-    let b = fresh.next_batch().unwrap().unwrap();
-    let got: Vec<(u32, u64)> = b.iter().map(|x| (x.dataset, x.id)).collect();
-    assert_eq!(got, want);
+    assert_eq!(next_ids(&mut fresh), want);
+}
+
+/// (dataset, id) of the next batch's samples (the loader holds the batch
+/// until its next call).
+fn next_ids(l: &mut Loader) -> Vec<(u32, u64)> {
+    let b = l.next_batch().unwrap().expect("a batch");
+    b.iter().map(|x| (x.dataset, x.id)).collect()
 }

@@ -7,7 +7,7 @@ use std::ffi::c_char;
 
 use super::errors::{guard, ksp_status, Fail};
 use super::ffi::{Handle, Out};
-use super::loader::ksp_loader;
+use super::loader::{ksp_loader, write_loader_bytes};
 use kspeed::sampler::{audit_positions, JobPosition, SavedPosition};
 
 /// Writes the job's position (`KSP_JOB_POSITION_BYTES` bytes, `KSPDJOB1`;
@@ -41,19 +41,15 @@ pub unsafe extern "C" fn ksp_loader_job_position(
     consumed: *mut u64,
 ) -> ksp_status {
     guard(|| {
-        // SAFETY: live loader; out_len writable (contract).
-        let (h, out_len) = unsafe { (ksp_loader::try_ref(l)?, Out::new(out_len, "out_len")?) };
-        if buf.is_null() {
-            return Err(Fail::Null("buf"));
-        }
-        let job = h.loader.job_position();
-        let bytes = h.loader.save_job_position();
-        out_len.set(bytes.len());
-        if buf_len < bytes.len() {
-            return Err(Fail::Small);
-        }
-        // SAFETY: buf has at least bytes.len() bytes (checked; contract).
-        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), buf, bytes.len()) };
+        let mut job = None;
+        // SAFETY: the contract above.
+        unsafe {
+            write_loader_bytes(l, buf, buf_len, out_len, |l| {
+                job = Some(l.job_position());
+                l.save_job_position()
+            })?
+        };
+        let job = job.expect("set on success");
         // SAFETY: NULL or writable (contract).
         unsafe {
             if let Some(e) = epoch.as_mut() {
@@ -92,21 +88,12 @@ pub unsafe extern "C" fn ksp_loader_job_position_at(
     out_len: *mut usize,
 ) -> ksp_status {
     guard(|| {
-        // SAFETY: live loader; out_len writable (contract).
-        let (h, out_len) = unsafe { (ksp_loader::try_ref(l)?, Out::new(out_len, "out_len")?) };
-        if buf.is_null() {
-            return Err(Fail::Null("buf"));
+        // SAFETY: the contract above.
+        unsafe {
+            write_loader_bytes(l, buf, buf_len, out_len, |l| {
+                l.encode_job_position(JobPosition { epoch, consumed })
+            })
         }
-        let bytes = h
-            .loader
-            .encode_job_position(JobPosition { epoch, consumed });
-        out_len.set(bytes.len());
-        if buf_len < bytes.len() {
-            return Err(Fail::Small);
-        }
-        // SAFETY: buf has at least bytes.len() bytes (checked; contract).
-        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), buf, bytes.len()) };
-        Ok(())
     })
 }
 
