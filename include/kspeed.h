@@ -736,15 +736,17 @@ ksp_status ksp_loader_catalog_sample(const ksp_loader *l, uint64_t id, ksp_catal
 // passed through untouched.
 ksp_status ksp_set_log_callback(ksp_log_callback cb, void *userdata, int max_level);
 
-// Writes the job's position (`KSP_JOB_POSITION_BYTES` bytes, `KSPDJOB1`)
-// to `buf` and its length to `*out_len`: what the whole job has consumed
-// of the epoch, from this rank's position, valid for any world size when
-// the job is in lock-step (every rank at the same step, as DDP training is
-// between steps). Restore it on any number of ranks with
+// Writes the job's position (`KSP_JOB_POSITION_BYTES` bytes, `KSPDJOB1`;
+// a loader reading a mixture writes a `KSPDMIX1` of `48 + 16·D` bytes for
+// D datasets, which resumes under other weights too) to `buf` and its
+// length to `*out_len`: what the whole job has consumed of the epoch,
+// from this rank's position, valid for any world size when the job is in
+// lock-step (every rank at the same step, as DDP training is between
+// steps). Restore it on any number of ranks with
 // [`ksp_loader_restore_job_position`]. `*epoch` and `*consumed` (either
 // may be NULL) get its epoch and the entries of the epoch's order
-// consumed. `KSP_ERR_BUFFER_TOO_SMALL` (with `*out_len` set) when
-// `buf_len` is less.
+// consumed. `KSP_ERR_BUFFER_TOO_SMALL` (with `*out_len` set: call again
+// with that much) when `buf_len` is less.
 //
 // Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_BUFFER_TOO_SMALL`.
 //
@@ -762,13 +764,38 @@ ksp_status ksp_loader_job_position(const ksp_loader *l,
                                    uint64_t *epoch,
                                    uint64_t *consumed);
 
+// Writes the job position `(epoch, consumed)` of this loader's job (the
+// job's place in the middle of a batch, say: `base + steps · world` from
+// this rank's [`super::ksp_loader_save_position`] layout) to `buf` as
+// [`ksp_loader_job_position`] does, its length to `*out_len`.
+// `KSP_ERR_BUFFER_TOO_SMALL` (with `*out_len` set) when `buf_len` is less.
+//
+// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_BUFFER_TOO_SMALL`.
+//
+// Thread safety: one call on `l` at a time, reads included (serialise
+// every call on one loader); other loaders may be used from other threads
+// at once.
+//
+// # Safety
+// `l` is a live loader; `buf` writable for `buf_len` bytes; `out_len`
+// writable.
+ksp_status ksp_loader_job_position_at(const ksp_loader *l,
+                                      uint64_t epoch,
+                                      uint64_t consumed,
+                                      uint8_t *buf,
+                                      size_t buf_len,
+                                      size_t *out_len);
+
 // Continues the job from a job position at this loader's rank and world
 // (any world size): the rest of the epoch, each sample not yet consumed
 // exactly once across the ranks, then ordinary epochs. `buf` holds a job
 // position ([`ksp_loader_job_position`]) or any rank's saved position
 // ([`super::ksp_loader_save_position`], whose job position is taken). A
 // position of another dataset, seed, shuffle or drop_last is
-// `KSP_ERR_INVALID_ARG`, naming what differs. A loader attached to the
+// `KSP_ERR_INVALID_ARG`, naming what differs. A mixture's `KSPDMIX1` may
+// come from other weights: the rest of the epoch then follows this
+// loader's, nothing the job delivered in the epoch coming again
+// (docs/FORMAT.md, "Mixing datasets"). A loader attached to the
 // node agent (`agent`) refuses a position whose epoch another world dealt
 // (`KSP_ERR_INVALID_ARG`: the agent deals ordinary epochs only; build it
 // with `agent = off`) and goes on where it was. Releases a held batch.

@@ -425,7 +425,7 @@ fn same_world_resume_keeps_the_digest_and_the_next_epoch_is_ordinary() {
     };
     for rank in 0..3 {
         let mut l = loader(&sp, rank, 3, false);
-        l.restore_job_position(&job.unwrap()).unwrap();
+        l.restore_job_position(job.as_ref().unwrap()).unwrap();
         let want = ElasticSampler::new(cfg.rank_world(rank, 3), start).unwrap();
         take(&mut l, cat, Some(2), &want);
         mids.push(l.save_position());

@@ -258,7 +258,7 @@ fn a_mixture_resumes_at_another_world_size_exactly_once() {
             placed[j as usize] = Some(got);
         }
     };
-    let mut job = None;
+    let (mut job, mut rank_file) = (None, None);
     for rank in 0..2 {
         let mut l = builder(&space, &cat1, w).rank(rank, 2).build().unwrap();
         l.set_epoch(1).unwrap();
@@ -277,6 +277,7 @@ fn a_mixture_resumes_at_another_world_size_exactly_once() {
             r => panic!("{r:?}"),
         }
         job = Some(l.save_job_position());
+        rank_file = Some(l.save_position());
     }
     let job = job.unwrap();
     let base = 96;
@@ -294,7 +295,8 @@ fn a_mixture_resumes_at_another_world_size_exactly_once() {
         .map(|p| p.expect("every index"))
         .collect();
     assert_eq!(placed, full);
-    // Other weights refuse the job position by name.
+    // A rank's file records the weights only as a hash: other weights
+    // refuse it by name (the job position, KSPDMIX1, resumes them: below).
     let mut other = builder(
         &space,
         &cat1,
@@ -302,8 +304,164 @@ fn a_mixture_resumes_at_another_world_size_exactly_once() {
     )
     .build()
     .unwrap();
-    match other.restore_job_position(&job) {
-        Err(Error::BadPosition(_)) => {}
+    match other.restore_job_position(&rank_file.unwrap()) {
+        Err(Error::BadPosition(m)) => assert!(m.contains("weights"), "{m}"),
         r => panic!("{r:?}"),
     }
+}
+
+/// Choose-count weights (no epoch size): `n0` of the space's 300 samples
+/// and `n1` of the odd tree's 13 per epoch, every count within its
+/// dataset's length, so no sample comes twice in an epoch.
+fn counts_builder(space: &Path, cat1: &Path, n0: u64, n1: u64) -> LoaderBuilder {
+    LoaderBuilder::mix([
+        (s(space), Weight::Choose(n0)),
+        (s(cat1), Weight::Choose(n1)),
+    ])
+    .batch_size(16)
+    .seed(5)
+    .landing(ring())
+    .pollers(2)
+}
+
+/// A job reads part of epoch 1 on 2 ranks with weights A (120 + 8 samples),
+/// and resumes its job position (`KSPDMIX1`) on 3 ranks with weights B
+/// (200 + 12): the rest of the epoch follows B. Checked independently of
+/// the loader's interleave: each dataset's ids over both worlds are the
+/// first `max(c_B, used under A)` entries of its stream (its keyed
+/// permutation, docs/FORMAT.md), each exactly once; the second world
+/// delivers B's counts less what A had used. `audit_mix` of every rank's
+/// digest of both worlds passes (and fails without the first world's). A
+/// rank position taken after the change is refused by a fresh loader of B
+/// until the job position is restored, then resumes exactly; and a B
+/// position of an ordinary epoch still resumes in a loader that had
+/// changed weights.
+#[test]
+fn a_mixture_resumes_under_new_weights_exactly_once() {
+    use kspeed::sampler::{audit_mix, dataset_seed, pass_key, MixPosition, Permutation};
+    let t = tempfile::tempdir().unwrap();
+    let (space, cat1, cats) = two_datasets(t.path());
+    let ids: Vec<u32> = cats.iter().map(|c| c.identity()).collect();
+    let (epoch, lens) = (1u64, [300u64, 13]);
+    // The stream entries of dataset d in epoch 1, as ids.
+    let stream = |d: usize, n: u64| -> Vec<u64> {
+        let p = Permutation::new(lens[d], dataset_seed(5, d as u64), pass_key(epoch, 0));
+        let offset = if d == 0 { 0 } else { lens[0] };
+        (0..n).map(|e| offset + p.apply(e)).collect()
+    };
+    let mut delivered: Vec<(u32, u64)> = Vec::new();
+    let mut digests = Vec::new();
+    // World 1: 2 ranks, weights A, 2 batches each (64 of 128 entries).
+    let mut job = None;
+    for rank in 0..2 {
+        let mut l = counts_builder(&space, &cat1, 120, 8)
+            .rank(rank, 2)
+            .build()
+            .unwrap();
+        l.set_epoch(epoch).unwrap();
+        for _ in 0..2 {
+            let b = l.next_batch().unwrap().unwrap();
+            delivered.extend(b.iter().map(|smp| (smp.dataset, smp.id)));
+        }
+        l.release_batch();
+        digests.push(l.digest().0);
+        job = Some(l.save_job_position());
+    }
+    let job = job.unwrap();
+    assert_eq!(job.len(), MixPosition::bytes_for(2), "a KSPDMIX1 position");
+    let used_a = [0u32, 1].map(|d| delivered.iter().filter(|x| x.0 == d).count() as u64);
+    assert_eq!(used_a.iter().sum::<u64>(), 64);
+    // World 2: 3 ranks, weights B.
+    let (b0, b1) = (200u64, 12u64);
+    let mut second: Vec<(u32, u64)> = Vec::new();
+    let mut end = None;
+    let mut mid_rank0 = None;
+    for rank in 0..3u32 {
+        let mut l = counts_builder(&space, &cat1, b0, b1)
+            .rank(rank, 3)
+            .build()
+            .unwrap();
+        l.restore_job_position(&job).unwrap();
+        let rest = (b0 - used_a[0]) + (b1 - used_a[1]);
+        let steps = l.epoch_steps(epoch);
+        assert_eq!(steps, rest.div_ceil(3), "the rest under B, padded");
+        let got = read_epoch(&mut l, epoch, &cats);
+        assert_eq!(got.len() as u64, steps);
+        for (k, &g) in got.iter().enumerate() {
+            // Rank r's step k is entry r + 3k of the rest; past it: padding.
+            if (rank as u64 + 3 * k as u64) < rest {
+                second.push(g);
+            }
+        }
+        digests.push(l.digest().0);
+        let at_end = kspeed::sampler::JobPosition {
+            epoch,
+            consumed: 3 * steps,
+        };
+        end = Some((l.encode_job_position(at_end), l.mixture().unwrap().clone()));
+        if rank == 0 {
+            // A rank position one batch into the rest under B.
+            l.restore_job_position(&job).unwrap();
+            next_ids(&mut l);
+            let after = next_ids(&mut l);
+            l.restore_job_position(&job).unwrap();
+            next_ids(&mut l);
+            mid_rank0 = Some((l.save_position(), after));
+        }
+    }
+    // The rest follows B: B's counts less what A had used.
+    for (d, want) in [(0u32, b0 - used_a[0]), (1, b1 - used_a[1])] {
+        assert_eq!(
+            second.iter().filter(|x| x.0 == d).count() as u64,
+            want,
+            "dataset {d} after the change"
+        );
+    }
+    // Both worlds: each dataset's first c_B stream entries, each once.
+    delivered.extend(&second);
+    for (d, n) in [(0u32, b0), (1, b1)] {
+        let mut got: Vec<u64> = delivered.iter().filter(|x| x.0 == d).map(|x| x.1).collect();
+        got.sort_unstable();
+        let mut want = stream(d as usize, n);
+        want.sort_unstable();
+        assert_eq!(got, want, "dataset {d}: its stream's first {n}, once each");
+    }
+    // The audit, from the digests of both worlds and the last position.
+    let (end, mix) = end.unwrap();
+    let end = MixPosition::restore(&end, &mix, &ids).unwrap();
+    let report = audit_mix(&mix, &end, &digests).unwrap();
+    assert_eq!(report.samples, b0 + b1);
+    assert!(audit_mix(&mix, &end, &digests[2..]).is_err());
+    // A rank position of the rest needs its job position first.
+    let (mid, after) = mid_rank0.unwrap();
+    let mut fresh = counts_builder(&space, &cat1, b0, b1)
+        .rank(0, 3)
+        .build()
+        .unwrap();
+    match fresh.restore_position(&mid) {
+        Err(Error::BadPosition(m)) => assert!(m.contains("KSPDMIX1"), "{m}"),
+        r => panic!("{r:?}"),
+    }
+    fresh.restore_job_position(&job).unwrap();
+    fresh.restore_position(&mid).unwrap();
+    assert_eq!(next_ids(&mut fresh), after);
+    // An ordinary epoch-1 position of B, in that loader (which had changed
+    // weights): B's own order goes on.
+    let mut plain = counts_builder(&space, &cat1, b0, b1)
+        .rank(0, 3)
+        .build()
+        .unwrap();
+    plain.set_epoch(epoch).unwrap();
+    next_ids(&mut plain);
+    let ordinary = plain.save_position();
+    let want = next_ids(&mut plain);
+    fresh.restore_position(&ordinary).unwrap();
+    assert_eq!(next_ids(&mut fresh), want);
+}
+
+/// (dataset, id) of the next batch's samples (the loader holds the batch
+/// until its next call).
+fn next_ids(l: &mut Loader) -> Vec<(u32, u64)> {
+    let b = l.next_batch().unwrap().expect("a batch");
+    b.iter().map(|x| (x.dataset, x.id)).collect()
 }

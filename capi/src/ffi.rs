@@ -125,6 +125,50 @@ impl<T> Out<T> {
     }
 }
 
+/// A caller's byte buffer and the out-parameter for the length written (a
+/// saved position, say), both checked for NULL up front.
+pub(super) struct OutBytes {
+    buf: NonNull<u8>,
+    buf_len: usize,
+    out_len: Out<usize>,
+}
+
+impl OutBytes {
+    /// [`Fail::Null`] naming `out_len` or `buf` when either is NULL.
+    ///
+    /// # Safety
+    /// `buf` is NULL or writable for `buf_len` bytes, and `out_len` NULL or
+    /// writable, for as long as the returned value lives.
+    pub(super) unsafe fn new(
+        buf: *mut u8,
+        buf_len: usize,
+        out_len: *mut usize,
+    ) -> Result<Self, Fail> {
+        // SAFETY: NULL or writable (this function's contract).
+        let out_len = unsafe { Out::new(out_len, "out_len")? };
+        let buf = NonNull::new(buf).ok_or(Fail::Null("buf"))?;
+        Ok(OutBytes {
+            buf,
+            buf_len,
+            out_len,
+        })
+    }
+
+    /// Writes `bytes` and sets the length to theirs; [`Fail::Small`], with
+    /// the length set and nothing written, when the buffer is shorter.
+    pub(super) fn write(self, bytes: &[u8]) -> Result<(), Fail> {
+        self.out_len.set(bytes.len());
+        if self.buf_len < bytes.len() {
+            return Err(Fail::Small);
+        }
+        // SAFETY: the buffer is writable for buf_len >= bytes.len() bytes
+        // (OutBytes::new's contract, checked above), and a caller's buffer
+        // does not overlap our own bytes.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.buf.as_ptr(), bytes.len()) };
+        Ok(())
+    }
+}
+
 /// An optional out-parameter: NULL means the caller does not want it.
 pub(super) struct OptOut<T>(Option<Out<T>>);
 

@@ -64,7 +64,9 @@ pub use loader::{
     KSP_STATS_MIN_SIZE,
 };
 pub use log::{ksp_log_callback, ksp_set_log_callback};
-pub use position::{ksp_audit, ksp_loader_job_position, ksp_loader_restore_job_position};
+pub use position::{
+    ksp_audit, ksp_loader_job_position, ksp_loader_job_position_at, ksp_loader_restore_job_position,
+};
 pub use service::{
     ksp_node_service, ksp_node_service_port, ksp_node_service_start, ksp_node_service_stop,
 };
@@ -99,7 +101,8 @@ pub const KSP_ABI_VERSION: u32 = 5;
 /// Bytes of a saved loader position.
 pub const KSP_POSITION_BYTES: usize = POSITION_BYTES;
 
-/// Bytes of a saved job position.
+/// Bytes of a saved job position (`KSPDJOB1`; a mixture's `KSPDMIX1` is
+/// `48 + 16·D` bytes for D datasets).
 pub const KSP_JOB_POSITION_BYTES: usize = JOB_POSITION_BYTES;
 
 /// The kspeed version, a static NUL-terminated string (never freed).

@@ -6,7 +6,7 @@ use std::mem::offset_of;
 
 use super::config::ksp_config;
 use super::errors::{guard, ksp_status, Fail};
-use super::ffi::{Handle, Out, SizedOut};
+use super::ffi::{Handle, Out, OutBytes, SizedOut};
 use kspeed::loader::Loader;
 
 /// A loader. Opaque; one thread at a time.
@@ -215,20 +215,34 @@ pub unsafe extern "C" fn ksp_loader_save_position(
     out_len: *mut usize,
 ) -> ksp_status {
     guard(|| {
-        // SAFETY: live loader; out_len writable (contract).
-        let (h, out_len) = unsafe { (ksp_loader::try_ref(l)?, Out::new(out_len, "out_len")?) };
-        if buf.is_null() {
-            return Err(Fail::Null("buf"));
-        }
-        let pos = h.loader.save_position();
-        out_len.set(pos.len());
-        if buf_len < pos.len() {
-            return Err(Fail::Small);
-        }
-        // SAFETY: buf has at least pos.len() bytes (checked; contract).
-        unsafe { std::ptr::copy_nonoverlapping(pos.as_ptr(), buf, pos.len()) };
-        Ok(())
+        // SAFETY: the contract above.
+        unsafe { write_loader_bytes(l, buf, buf_len, out_len, |l| l.save_position().to_vec()) }
     })
+}
+
+/// Writes `bytes(loader)` of the live loader `l` (a saved position, say)
+/// to the caller's buffer `buf` and its length to `*out_len`:
+/// `KSP_ERR_BUFFER_TOO_SMALL` (with `*out_len` set) when `buf_len` is less.
+///
+/// # Safety
+/// `l` is a live loader; `buf` writable for `buf_len` bytes; `out_len`
+/// writable.
+pub(super) unsafe fn write_loader_bytes(
+    l: *const ksp_loader,
+    buf: *mut u8,
+    buf_len: usize,
+    out_len: *mut usize,
+    bytes: impl FnOnce(&kspeed::loader::Loader) -> Vec<u8>,
+) -> Result<(), Fail> {
+    // SAFETY: live loader; buf writable for buf_len bytes, out_len writable
+    // (contract).
+    let (h, out) = unsafe {
+        (
+            ksp_loader::try_ref(l)?,
+            OutBytes::new(buf, buf_len, out_len)?,
+        )
+    };
+    out.write(&bytes(&h.loader))
 }
 
 /// Continues from a position saved by [`ksp_loader_save_position`] with

@@ -1,23 +1,26 @@
-//! Job positions (resume at another world size) and the exactly-once
-//! audit: `ksp_loader_job_position`, `ksp_loader_restore_job_position`,
+//! Job positions (resume at another world size; a mixture's also under
+//! new weights) and the exactly-once audit: `ksp_loader_job_position`,
+//! `ksp_loader_job_position_at`, `ksp_loader_restore_job_position`,
 //! `ksp_audit`. A rank's own position is in [`super::loader`].
 
 use std::ffi::c_char;
 
 use super::errors::{guard, ksp_status, Fail};
 use super::ffi::{Handle, Out};
-use super::loader::ksp_loader;
-use kspeed::sampler::{audit_positions, SavedPosition};
+use super::loader::{ksp_loader, write_loader_bytes};
+use kspeed::sampler::{audit_positions, JobPosition, SavedPosition};
 
-/// Writes the job's position (`KSP_JOB_POSITION_BYTES` bytes, `KSPDJOB1`)
-/// to `buf` and its length to `*out_len`: what the whole job has consumed
-/// of the epoch, from this rank's position, valid for any world size when
-/// the job is in lock-step (every rank at the same step, as DDP training is
-/// between steps). Restore it on any number of ranks with
+/// Writes the job's position (`KSP_JOB_POSITION_BYTES` bytes, `KSPDJOB1`;
+/// a loader reading a mixture writes a `KSPDMIX1` of `48 + 16·D` bytes for
+/// D datasets, which resumes under other weights too) to `buf` and its
+/// length to `*out_len`: what the whole job has consumed of the epoch,
+/// from this rank's position, valid for any world size when the job is in
+/// lock-step (every rank at the same step, as DDP training is between
+/// steps). Restore it on any number of ranks with
 /// [`ksp_loader_restore_job_position`]. `*epoch` and `*consumed` (either
 /// may be NULL) get its epoch and the entries of the epoch's order
-/// consumed. `KSP_ERR_BUFFER_TOO_SMALL` (with `*out_len` set) when
-/// `buf_len` is less.
+/// consumed. `KSP_ERR_BUFFER_TOO_SMALL` (with `*out_len` set: call again
+/// with that much) when `buf_len` is less.
 ///
 /// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_BUFFER_TOO_SMALL`.
 ///
@@ -38,19 +41,15 @@ pub unsafe extern "C" fn ksp_loader_job_position(
     consumed: *mut u64,
 ) -> ksp_status {
     guard(|| {
-        // SAFETY: live loader; out_len writable (contract).
-        let (h, out_len) = unsafe { (ksp_loader::try_ref(l)?, Out::new(out_len, "out_len")?) };
-        if buf.is_null() {
-            return Err(Fail::Null("buf"));
-        }
-        let job = h.loader.job_position();
-        let bytes = h.loader.save_job_position();
-        out_len.set(bytes.len());
-        if buf_len < bytes.len() {
-            return Err(Fail::Small);
-        }
-        // SAFETY: buf has at least bytes.len() bytes (checked; contract).
-        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), buf, bytes.len()) };
+        let mut job = None;
+        // SAFETY: the contract above.
+        unsafe {
+            write_loader_bytes(l, buf, buf_len, out_len, |l| {
+                job = Some(l.job_position());
+                l.save_job_position()
+            })?
+        };
+        let job = job.expect("set on success");
         // SAFETY: NULL or writable (contract).
         unsafe {
             if let Some(e) = epoch.as_mut() {
@@ -64,13 +63,50 @@ pub unsafe extern "C" fn ksp_loader_job_position(
     })
 }
 
+/// Writes the job position `(epoch, consumed)` of this loader's job (the
+/// job's place in the middle of a batch, say: `base + steps · world` from
+/// this rank's [`super::ksp_loader_save_position`] layout) to `buf` as
+/// [`ksp_loader_job_position`] does, its length to `*out_len`.
+/// `KSP_ERR_BUFFER_TOO_SMALL` (with `*out_len` set) when `buf_len` is less.
+///
+/// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_BUFFER_TOO_SMALL`.
+///
+/// Thread safety: one call on `l` at a time, reads included (serialise
+/// every call on one loader); other loaders may be used from other threads
+/// at once.
+///
+/// # Safety
+/// `l` is a live loader; `buf` writable for `buf_len` bytes; `out_len`
+/// writable.
+#[no_mangle]
+pub unsafe extern "C" fn ksp_loader_job_position_at(
+    l: *const ksp_loader,
+    epoch: u64,
+    consumed: u64,
+    buf: *mut u8,
+    buf_len: usize,
+    out_len: *mut usize,
+) -> ksp_status {
+    guard(|| {
+        // SAFETY: the contract above.
+        unsafe {
+            write_loader_bytes(l, buf, buf_len, out_len, |l| {
+                l.encode_job_position(JobPosition { epoch, consumed })
+            })
+        }
+    })
+}
+
 /// Continues the job from a job position at this loader's rank and world
 /// (any world size): the rest of the epoch, each sample not yet consumed
 /// exactly once across the ranks, then ordinary epochs. `buf` holds a job
 /// position ([`ksp_loader_job_position`]) or any rank's saved position
 /// ([`super::ksp_loader_save_position`], whose job position is taken). A
 /// position of another dataset, seed, shuffle or drop_last is
-/// `KSP_ERR_INVALID_ARG`, naming what differs. A loader attached to the
+/// `KSP_ERR_INVALID_ARG`, naming what differs. A mixture's `KSPDMIX1` may
+/// come from other weights: the rest of the epoch then follows this
+/// loader's, nothing the job delivered in the epoch coming again
+/// (docs/FORMAT.md, "Mixing datasets"). A loader attached to the
 /// node agent (`agent`) refuses a position whose epoch another world dealt
 /// (`KSP_ERR_INVALID_ARG`: the agent deals ordinary epochs only; build it
 /// with `agent = off`) and goes on where it was. Releases a held batch.

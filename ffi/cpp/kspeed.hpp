@@ -229,14 +229,20 @@ public:
     void restore_position(const std::vector<uint8_t>& pos) {
         check(ksp_loader_restore_position(p_.get(), pos.data(), pos.size()));
     }
-    /// The job's position (KSP_JOB_POSITION_BYTES bytes, KSPDJOB1), valid
-    /// for any world size when the job is in lock-step (DDP between steps).
+    /// The job's position (KSP_JOB_POSITION_BYTES bytes, KSPDJOB1; a
+    /// mixture's KSPDMIX1 is longer), valid for any world size when the job
+    /// is in lock-step (DDP between steps).
     std::vector<uint8_t> job_position() const {
-        std::vector<uint8_t> pos(KSP_JOB_POSITION_BYTES);
-        size_t n = 0;
-        check(ksp_loader_job_position(p_.get(), pos.data(), pos.size(), &n, nullptr, nullptr));
-        pos.resize(n);
-        return pos;
+        return sized([&](uint8_t* b, size_t len, size_t* n) {
+            return ksp_loader_job_position(p_.get(), b, len, n, nullptr, nullptr);
+        });
+    }
+    /// The job position (epoch, consumed) of this loader's job, encoded as
+    /// job_position() encodes its own.
+    std::vector<uint8_t> job_position_at(uint64_t epoch, uint64_t consumed) const {
+        return sized([&](uint8_t* b, size_t len, size_t* n) {
+            return ksp_loader_job_position_at(p_.get(), epoch, consumed, b, len, n);
+        });
     }
     /// Continues the job at this loader's rank and world from a job
     /// position or any rank's saved position: the rest of the epoch, each
@@ -261,6 +267,21 @@ public:
     }
 
 private:
+    // Calls `write(buf, len, &n)`, and again with n bytes when that was
+    // too small (a mixture's job position is longer than KSPDJOB1's).
+    template <class Write>
+    static std::vector<uint8_t> sized(Write write) {
+        std::vector<uint8_t> pos(KSP_JOB_POSITION_BYTES);
+        size_t n = 0;
+        ksp_status st = write(pos.data(), pos.size(), &n);
+        if (st == KSP_ERR_BUFFER_TOO_SMALL) {
+            pos.resize(n);
+            st = write(pos.data(), pos.size(), &n);
+        }
+        check(st);
+        pos.resize(n);
+        return pos;
+    }
     std::shared_ptr<ksp_loader> p_;
 };
 

@@ -111,6 +111,12 @@ public:
     // A checkpoint is the loader position from which the held kspeed batch
     // was taken plus how many of its samples DALI has consumed: restoring
     // takes the same batch again (the order is deterministic) and skips them.
+    // A pipeline of another shard (num_shards or shard_id) resumes the job
+    // from its job position instead: the rest of the epoch dealt to its
+    // shards, each sample not yet consumed exactly once (the Loader's
+    // restore_job_position; every shard consumed the same number of samples
+    // at a checkpoint, one batch per iteration, so the shards are in
+    // lock-step).
     void SaveState(dali::OpCheckpoint& cpt, dali::AccessOrder) override {
         std::vector<uint8_t> state = held_ ? held_start_ : loader_->save_position();
         const uint64_t skip = held_ ? held_pos_ : 0;
@@ -121,11 +127,29 @@ public:
     void RestoreState(const dali::OpCheckpoint& cpt) override {
         const auto& state = cpt.CheckpointState<std::vector<uint8_t>>();
         DALI_ENFORCE(state.size() == KSP_POSITION_BYTES + 8, "kspeed.reader: malformed checkpoint");
-        uint64_t skip = 0;
-        for (int i = 0; i < 8; ++i) skip |= uint64_t{state[KSP_POSITION_BYTES + i]} << (8 * i);
+        const uint64_t skip = le(state, KSP_POSITION_BYTES, 8);
         try {
             held_.reset();
             held_start_.assign(state.begin(), state.begin() + KSP_POSITION_BYTES);
+            // KSPDPOS3 (docs/FORMAT.md, "Saved positions"): rank u32 at 32,
+            // world u32 at 36, then the next step's epoch, base and index
+            // (u64 at 40, 48, 56), all little-endian.
+            const uint64_t rank = le(held_start_, 32, 4), world = le(held_start_, 36, 4);
+            if (rank != static_cast<uint64_t>(shard_id_) || world != static_cast<uint64_t>(num_shards_)) {
+                // The position's own job position (checking the checkpoint
+                // is of this dataset, seed and shuffle), then, inside the
+                // held batch, the job's at its exact sample: `skip` more
+                // steps of every one of the `world` shards.
+                loader_->restore_job_position(held_start_);
+                if (skip > 0) {
+                    const uint64_t epoch = le(held_start_, 40, 8), base = le(held_start_, 48, 8),
+                                   index = le(held_start_, 56, 8);
+                    loader_->restore_job_position(loader_->job_position_at(epoch, base + (index + skip) * world));
+                }
+                held_start_.clear();
+                epoch_ = loader_->position().first;
+                return;
+            }
             loader_->restore_position(held_start_);
             epoch_ = loader_->position().first;
             if (skip > 0) {
@@ -148,6 +172,13 @@ public:
     }
 
 protected:
+    // The little-endian unsigned integer of `bytes` bytes at `at` of `b`.
+    static uint64_t le(const std::vector<uint8_t>& b, size_t at, int bytes) {
+        uint64_t v = 0;
+        for (int i = 0; i < bytes; ++i) v |= uint64_t{b[at + i]} << (8 * i);
+        return v;
+    }
+
     // Whether the held kspeed batch has samples left, fetching the next one
     // (and returning the used one's ring space) when it has none; false at
     // the end of the epoch.

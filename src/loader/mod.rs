@@ -25,9 +25,9 @@
 //! sample crosses threads but that one atomic store.
 //!
 //! Why this file is over ~800 lines: the Loader's run state,
-//! `next_batch`/release, epoch handling and positions (rank and job
-//! positions, the exactly-once digest), which share the flow-control
-//! invariants and the restart; about 200 lines are documentation.
+//! `next_batch`/release, epoch handling and the exactly-once digest, which
+//! share the flow-control invariants and the restart; about 200 lines are
+//! documentation (saving and restoring positions is `positions.rs`).
 
 pub(crate) mod schedule;
 pub(crate) mod tier;
@@ -43,6 +43,7 @@ mod shared;
 mod stats;
 
 mod poller;
+mod positions;
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -55,10 +56,7 @@ use crate::dataset::Catalog;
 use crate::error::{Error, Result};
 use crate::landing::{LandingInfo, LandingRing};
 use crate::ring::IoBackend;
-use crate::sampler::{
-    EpochDigest, JobPosition, Position, RankPosition, Sampler, SavedPosition, JOB_POSITION_BYTES,
-    POSITION_BYTES,
-};
+use crate::sampler::{EpochDigest, Position, RankPosition};
 use schedule::{Cursor, Deal, Geometry, Placed};
 
 /// Fault injection for tests of the read path ([`LoaderBuilder::fault_injection`]).
@@ -867,145 +865,6 @@ impl Loader {
         }
     }
 
-    /// The current position, serialized ([`POSITION_BYTES`] bytes,
-    /// `KSPDPOS3`) for a checkpoint: where this rank resumes (its epoch,
-    /// step, and where the world it belongs to started dealing the epoch),
-    /// the exactly-once digest of what it delivered in the epoch
-    /// ([`Loader::digest`]), the sampler's settings and the catalog's
-    /// identity. [`Loader::restore_position`] resumes it on the same rank of
-    /// the same world; [`Loader::restore_job_position`] on any rank of any
-    /// world, when the job was in lock-step; `kspeed audit` checks every
-    /// rank's file of a job for exactly-once delivery.
-    pub fn save_position(&self) -> [u8; POSITION_BYTES] {
-        self.saved_position().save()
-    }
-
-    /// What [`Loader::save_position`] saves, decoded.
-    pub fn saved_position(&self) -> SavedPosition {
-        SavedPosition {
-            cfg: *self.deal.sampler().config(),
-            catalog_identity: self.identity(),
-            mixture: self.mixture().is_some(),
-            next: self.rank_position(),
-            digest: self.digest,
-            digest_at: self.digest_at,
-        }
-    }
-
-    /// Continues from a position saved by [`Loader::save_position`] with the
-    /// same dataset (catalog), seed, shuffle, rank, world and drop_last;
-    /// anything else is an [`Error::BadPosition`] naming what differs. The
-    /// exactly-once digest continues from the saved one. Positions of
-    /// earlier versions (`KSPDPOS2`, `KSPDPOS1`) are accepted; they carry no
-    /// digest, so the digest starts empty at their step.
-    pub fn restore_position(&mut self, bytes: &[u8]) -> Result<()> {
-        self.release_batch();
-        self.check_failed()?;
-        let cfg = *self.deal.sampler().config();
-        let identity = self.identity();
-        let (job, pos, digest) = if SavedPosition::is_v3(bytes) {
-            let s = SavedPosition::decode(bytes)?;
-            s.check_job(&cfg, identity, true)?;
-            let job = JobPosition {
-                epoch: s.next.epoch,
-                consumed: s.next.base,
-            };
-            let pos = Position {
-                epoch: s.next.epoch,
-                index: s.next.index,
-            };
-            (job, pos, Some((s.digest, s.digest_at)))
-        } else {
-            let pos = Sampler::new(cfg)?.restore(bytes, identity)?;
-            (
-                JobPosition {
-                    epoch: pos.epoch,
-                    consumed: 0,
-                },
-                pos,
-                None,
-            )
-        };
-        let deal = self.deal.resumed(job)?;
-        if pos.index > deal.steps(pos.epoch) {
-            return Err(Error::BadPosition(format!(
-                "step {} is past the epoch's {} steps",
-                pos.index,
-                deal.steps(pos.epoch)
-            )));
-        }
-        self.check_end(pos.epoch)?;
-        self.check_attached_deal(&deal, pos.epoch)?;
-        self.deal = deal;
-        self.restart(pos)?;
-        match digest {
-            Some((d, at)) => (self.digest, self.digest_at) = (d, at),
-            None => self.reset_digest(pos),
-        }
-        Ok(())
-    }
-
-    /// This rank's place: the epoch and step of the next sample it
-    /// delivers, where the world it belongs to started dealing that epoch
-    /// (`base`: entries of the epoch's global order consumed before; 0
-    /// unless the job resumed inside the epoch), its rank and world.
-    pub fn rank_position(&self) -> RankPosition {
-        self.deal.sampler().rank_position(self.position())
-    }
-
-    /// The job's position, from this rank's: `base + index * world` entries
-    /// of the epoch's global order consumed, valid for any world size
-    /// ([`JobPosition`]). It is the job's when the job is in lock-step:
-    /// every rank at the same step, which DDP training is at a step
-    /// boundary (every rank takes one batch per step; the batches of an
-    /// epoch are equal on every rank). To check rather than assume, gather
-    /// every rank's [`Loader::rank_position`] (or saved position) and call
-    /// [`JobPosition::from_ranks`], which refuses ranks out of lock-step
-    /// with [`Error::NotLockStep`] naming the first that differs.
-    pub fn job_position(&self) -> JobPosition {
-        self.rank_position().job_position()
-    }
-
-    /// The job position, serialized ([`JOB_POSITION_BYTES`] bytes,
-    /// `KSPDJOB1`) with the sampler's settings and the catalog's identity.
-    pub fn save_job_position(&self) -> [u8; JOB_POSITION_BYTES] {
-        self.job_position()
-            .save(self.deal.sampler().config(), self.identity())
-    }
-
-    /// Continues a job from a job position, at this loader's rank and world
-    /// (any world size): the rest of the epoch, each sample not yet
-    /// consumed exactly once across the ranks (docs/FORMAT.md, "Job
-    /// positions"), then ordinary epochs. `bytes` is a saved job position
-    /// ([`Loader::save_job_position`]) or any rank's saved position
-    /// ([`Loader::save_position`], whose job position it takes). A position
-    /// of another dataset, seed, shuffle or drop_last is an
-    /// [`Error::BadPosition`] naming it. The digest starts empty.
-    pub fn restore_job_position(&mut self, bytes: &[u8]) -> Result<()> {
-        self.release_batch();
-        self.check_failed()?;
-        let cfg = *self.deal.sampler().config();
-        let identity = self.identity();
-        let job = if SavedPosition::is_v3(bytes) {
-            let s = SavedPosition::decode(bytes)?;
-            s.check_job(&cfg, identity, false)?;
-            s.job_position()
-        } else {
-            JobPosition::restore(bytes, &cfg, identity)?
-        };
-        self.check_end(job.epoch)?;
-        let deal = self.deal.resumed(job)?;
-        self.check_attached_deal(&deal, job.epoch)?;
-        self.deal = deal;
-        let start = Position {
-            epoch: job.epoch,
-            index: 0,
-        };
-        self.restart(start)?;
-        self.reset_digest(start);
-        Ok(())
-    }
-
     /// The exactly-once digest of the ids this rank delivered in the epoch
     /// of its last delivered sample, and where in that epoch it stood: the
     /// digest `kspeed audit` adds up over every rank (docs/FORMAT.md,
@@ -1082,20 +941,6 @@ impl Loader {
     /// ([`LoaderBuilder::mix`]).
     pub fn mixture(&self) -> Option<&crate::sampler::MixSampler> {
         self.deal.sampler().inner().mixture()
-    }
-
-    /// The identity positions record: the catalog's; for a mixture, its
-    /// catalogs' and its per-epoch counts folded in, so a position of
-    /// another mixture or other weights is refused as another dataset.
-    fn identity(&self) -> u32 {
-        let id = self.parts().0.identity();
-        match self.mixture() {
-            None => id,
-            Some(m) => {
-                let h = crate::hash::mix64(id as u64 ^ crate::sampler::counts_hash(m.counts()));
-                (h ^ (h >> 32)) as u32
-            }
-        }
     }
 
     /// What the landing ring got (huge pages, lock, NUMA node, CUDA).

@@ -11,9 +11,7 @@
 //! io_uring registers): it moves to the boundary instead, leaving padding.
 
 use crate::dataset::Catalog;
-#[cfg(test)]
-use crate::sampler::Sampler;
-use crate::sampler::{ElasticSampler, JobPosition, Position, RemainderOrder};
+use crate::sampler::{ElasticSampler, JobPosition, Position, RemainderOrder, Sampler};
 
 /// Largest registered-buffer segment (io_uring limits one buffer to 1 GiB).
 pub const SEGMENT_BYTES: u64 = 1 << 30;
@@ -109,10 +107,11 @@ impl Deal {
         Deal { sampler, whole }
     }
 
-    /// The same job resumed at `start` (a job position: any world).
-    pub fn resumed(&self, start: JobPosition) -> crate::Result<Deal> {
+    /// The job of `inner` (this deal's sampler, or its mixture resumed
+    /// under other weights) resumed at `start` (a job position: any world).
+    pub fn over(&self, inner: Sampler, start: JobPosition) -> crate::Result<Deal> {
         Ok(Deal {
-            sampler: self.sampler.resumed(start)?,
+            sampler: ElasticSampler::over(inner, start)?,
             whole: self.whole,
         })
     }

@@ -10,7 +10,7 @@
 //! epoch `h` is a bijection of the id, so a skipped, repeated or foreign id
 //! changes the sum except with probability about 2^-64.
 
-use super::{JobPosition, Sampler, SamplerConfig};
+use super::{JobPosition, MixPosition, MixSampler, Sampler, SamplerConfig};
 use crate::error::{Error, Result};
 use crate::hash::mix64;
 use std::fmt;
@@ -129,6 +129,71 @@ pub fn audit(
     pos: JobPosition,
     digests: &[EpochDigest],
 ) -> Result<AuditReport> {
+    compare(&EpochDigest::expected(cfg, pos)?, digests)?;
+    Ok(AuditReport {
+        epoch: pos.epoch,
+        samples: pos.consumed.min(cfg.len),
+        padding: pos.consumed.saturating_sub(cfg.len),
+    })
+}
+
+/// [`audit`] of a mixture, across resumes under new weights: the digests
+/// of every rank of every world that dealt `pos.epoch` (under any weights)
+/// against what `mix` says the job consumed when it stood at `pos` (a
+/// [`MixPosition`] of `mix`'s datasets: the last world's, any weights).
+///
+/// Whatever the weights were, dataset `d`'s slots in an epoch take its
+/// stream's entries in order, each once, and a resume under new weights
+/// goes on from the first entry not used ([`MixSampler::resume`]). So the
+/// job delivered exactly stream entries `0..u_d` of every dataset, `u_d`
+/// being [`MixSampler::used`] at `pos` (the consumed prefix under the old
+/// weights and the rest under the new ones together), plus the padding of
+/// the last order (its entries past its end, which repeat its start). The
+/// report counts those entries (distinct samples while `u_d <= N_d`).
+/// Padding of an order that a resume under new weights then went on from
+/// is not counted (a loader never saves such a position: at an epoch's
+/// end its position is the next epoch's start).
+pub fn audit_mix(
+    mix: &MixSampler,
+    pos: &MixPosition,
+    digests: &[EpochDigest],
+) -> Result<AuditReport> {
+    let d = mix.counts().len();
+    if pos.counts.len() != d || pos.skip.len() != d {
+        return Err(Error::AuditMismatch(format!(
+            "a position of a mixture of {} datasets audited against one of {d}",
+            pos.counts.len()
+        )));
+    }
+    let used = mix.used(pos);
+    // An order whose dataset d has u_d slots from stream entry 0: every
+    // entry the epoch used, once.
+    let prefix = mix.order_of(&MixPosition {
+        epoch: pos.epoch,
+        consumed: 0,
+        counts: used.clone(),
+        skip: vec![0; d],
+    });
+    let last = mix.order_of(pos);
+    let padding = pos.consumed.saturating_sub(last.len());
+    let mut want = EpochDigest::new(pos.epoch);
+    for j in 0..prefix.len() {
+        want.add(prefix.sample(j).id);
+    }
+    for j in 0..padding {
+        want.add(last.sample(j % last.len()).id);
+    }
+    compare(&want, digests)?;
+    Ok(AuditReport {
+        epoch: pos.epoch,
+        samples: prefix.len(),
+        padding,
+    })
+}
+
+/// Checks the sum of `digests` against `want`, naming the first difference.
+fn compare(want: &EpochDigest, digests: &[EpochDigest]) -> Result<()> {
+    let pos = want;
     let mut got = EpochDigest::new(pos.epoch);
     for (i, d) in digests.iter().enumerate() {
         if d.epoch != pos.epoch {
@@ -139,7 +204,6 @@ pub fn audit(
         }
         got = got.merge(d)?;
     }
-    let want = EpochDigest::expected(cfg, pos)?;
     if got.count != want.count {
         return Err(Error::AuditMismatch(format!(
             "epoch {}: the ranks delivered {} samples, the sampler consumed {} ({})",
@@ -161,11 +225,7 @@ pub fn audit(
             pos.epoch, got.count, got.sum, want.sum
         )));
     }
-    Ok(AuditReport {
-        epoch: pos.epoch,
-        samples: pos.consumed.min(cfg.len),
-        padding: pos.consumed.saturating_sub(cfg.len),
-    })
+    Ok(())
 }
 
 #[cfg(test)]

@@ -147,6 +147,22 @@ impl JobPosition {
         b
     }
 
+    /// The epoch and catalog identity a saved job position claims, before
+    /// [`JobPosition::restore`] checks it (its size and magic only): which
+    /// of a loader's samplers to check it against.
+    pub fn claims(bytes: &[u8]) -> Result<(u64, u32)> {
+        if bytes.len() != JOB_POSITION_BYTES || &bytes[0..8] != JOB_MAGIC {
+            return Err(Error::BadPosition(format!(
+                "not a kspeed job position ({} bytes; a {JOB_POSITION_BYTES}-byte KSPDJOB1, a \
+                 rank's KSPDPOS3 or a mixture's KSPDMIX1 expected)",
+                bytes.len()
+            )));
+        }
+        let epoch = u64::from_le_bytes(bytes[8..16].try_into().expect("8 bytes"));
+        let identity = u32::from_le_bytes(bytes[32..36].try_into().expect("4 bytes"));
+        Ok((epoch, identity))
+    }
+
     /// Decodes a job position saved by [`JobPosition::save`] for a job with
     /// the same N, seed, shuffle, drop_last and catalog (any rank, any
     /// world); anything else is [`Error::BadPosition`] saying what differs.
@@ -243,11 +259,11 @@ impl ElasticSampler {
     /// [`ElasticSampler::new`] over a sampler already made: a mixture's
     /// ([`Sampler::mixed`]) deals the rest of its mixed epoch order.
     pub fn over(inner: Sampler, start: JobPosition) -> Result<Self> {
-        let cfg = *inner.config();
-        if start.consumed > cfg.len + u32::MAX as u64 {
+        let len = inner.order_len(start.epoch);
+        if start.consumed > len + u32::MAX as u64 {
             return Err(Error::BadPosition(format!(
-                "{} entries consumed of an epoch of {}",
-                start.consumed, cfg.len
+                "{} entries consumed of an epoch of {len}",
+                start.consumed
             )));
         }
         Ok(ElasticSampler { inner, start })
@@ -280,7 +296,7 @@ impl ElasticSampler {
     pub fn base(&self, epoch: u64) -> u64 {
         use std::cmp::Ordering::*;
         match epoch.cmp(&self.start.epoch) {
-            Less => self.config().len,
+            Less => self.inner.order_len(epoch),
             Equal => self.start.consumed,
             Greater => 0,
         }
@@ -288,9 +304,10 @@ impl ElasticSampler {
 
     /// Steps of `epoch` for this rank (the same on every rank): the
     /// remainder `R = N - min(base, N)` over the world, rounded up with
-    /// padding, down with drop_last.
+    /// padding, down with drop_last (`N`: the epoch's order's length,
+    /// [`Sampler::order_len`]).
     pub fn per_rank(&self, epoch: u64) -> u64 {
-        remainder_per_rank(self.config(), self.base(epoch))
+        remainder_per_rank(self.config(), self.inner.order_len(epoch), self.base(epoch))
     }
 
     /// The order of `epoch` for this rank, to look up many steps.
@@ -345,9 +362,9 @@ impl Sampler {
     }
 }
 
-/// Steps per rank when `base` entries of the epoch are consumed.
-fn remainder_per_rank(cfg: &SamplerConfig, base: u64) -> u64 {
-    let rest = cfg.len - base.min(cfg.len);
+/// Steps per rank when `base` of the epoch's `len` entries are consumed.
+fn remainder_per_rank(cfg: &SamplerConfig, len: u64, base: u64) -> u64 {
+    let rest = len - base.min(len);
     let w = cfg.world as u64;
     if cfg.drop_last {
         rest / w

@@ -38,6 +38,7 @@
 
 use std::sync::Arc;
 
+use super::mix_position::MixPosition;
 use super::{Permutation, SamplerConfig};
 use crate::error::{Error, Result};
 use crate::hash::mix64;
@@ -46,7 +47,6 @@ use crate::hash::mix64;
 pub const MAX_DATASETS: usize = 1 << 16;
 const DATASET_SALT: u64 = 0x6b73_7065_6564_6473; // "kspeedds"
 const PASS_SALT: u64 = 0x6b73_7065_6564_7073; // "kspeedps"
-const COUNTS_SALT: u64 = 0x6b73_7065_6564_636e; // "kspeedcn"
 const MIXFP_SALT: u64 = 0x6b73_7065_6564_6d66; // "kspeedmf"
 /// Fixed-point scale of a fractional weight: `round(w · 2^32)`.
 const FIXED_ONE: f64 = 4_294_967_296.0;
@@ -177,15 +177,6 @@ pub fn epoch_counts(weights: &[Weight], lens: &[u64], epoch_size: Option<u64>) -
         Some(0) => Err(Error::InvalidConfig("the mixture's epoch is empty".into())),
         Some(_) => Ok(counts),
     }
-}
-
-/// The hash of a mixture's per-epoch counts, recorded in positions.
-pub fn counts_hash(counts: &[u64]) -> u64 {
-    let mut h = mix64(counts.len() as u64 ^ COUNTS_SALT);
-    for &c in counts {
-        h = mix64(h ^ c);
-    }
-    h
 }
 
 /// The datasets of a mixture, shared by every order of a sampler.
@@ -589,18 +580,15 @@ impl MixSampler {
     /// has consumed `index` steps of `epoch`.
     pub fn position(&self, epoch: u64, index: u64) -> MixPosition {
         let e = self.epoch(epoch);
-        MixPosition {
-            epoch,
-            consumed: e.base + index * e.world,
-            counts: self.counts.to_vec(),
-            skip: e.order.skip.to_vec(),
-        }
+        self.job_position(epoch, e.base + index * e.world)
     }
 
     /// The sampler of this configuration resuming the job at `pos` (saved
     /// at any world size): with the same counts the epoch's order goes on
     /// after its consumed prefix; with other counts the rest of the epoch
-    /// is a new order over what each dataset has left of its new count.
+    /// is a new order over what each dataset has left of its new count,
+    /// unless the order was consumed to its end (`consumed >= ` its
+    /// length): that epoch is over, and the sampler starts the next.
     pub fn resume(&self, pos: &MixPosition) -> Result<MixSampler> {
         if pos.counts.len() != self.counts.len() || pos.skip.len() != self.counts.len() {
             return Err(Error::BadPosition(format!(
@@ -615,23 +603,18 @@ impl MixSampler {
                 skip: pos.skip.clone().into(),
                 consumed: pos.consumed,
             }
+        } else if pos.consumed >= self.order_of(pos).len() {
+            // The epoch's order was consumed to its end (padding
+            // included): the epoch is over, whatever the weights.
+            Start {
+                epoch: pos.epoch.saturating_add(1),
+                skip: vec![0; self.counts.len()].into(),
+                consumed: 0,
+            }
         } else {
-            // What each dataset used: before the saved order, and in its
-            // consumed prefix (the whole order past its end: padding).
-            let slots: Vec<u64> = pos
-                .counts
-                .iter()
-                .zip(&pos.skip)
-                .map(|(&c, &q)| c.saturating_sub(q))
-                .collect();
-            let old = MixOrder::new(pos.epoch, self.ds.clone(), &slots, pos.skip.clone().into());
-            let n = pos.consumed.min(old.len());
-            let used: Vec<u64> = (0..slots.len())
-                .map(|d| pos.skip[d] + old.count_before(d, n))
-                .collect();
             Start {
                 epoch: pos.epoch,
-                skip: used.into(),
+                skip: self.used(pos).into(),
                 consumed: 0,
             }
         };
@@ -639,6 +622,71 @@ impl MixSampler {
             start,
             ..self.clone()
         })
+    }
+
+    /// The order `pos` is in: the interleave of what each dataset has
+    /// left of `pos.counts` after `pos.skip`, from stream entry `skip` on.
+    pub fn order_of(&self, pos: &MixPosition) -> MixOrder {
+        let slots: Vec<u64> = pos
+            .counts
+            .iter()
+            .zip(&pos.skip)
+            .map(|(&c, &q)| c.saturating_sub(q))
+            .collect();
+        MixOrder::new(pos.epoch, self.ds.clone(), &slots, pos.skip.clone().into())
+    }
+
+    /// Stream entries each dataset has used in `pos.epoch` through `pos`:
+    /// before its order (`skip`), and in the order's consumed prefix (the
+    /// whole order when `consumed` is past its end: the rest is padding).
+    /// `pos` must have this mixture's number of datasets.
+    pub fn used(&self, pos: &MixPosition) -> Vec<u64> {
+        let old = self.order_of(pos);
+        let n = pos.consumed.min(old.len());
+        (0..pos.skip.len())
+            .map(|d| pos.skip[d] + old.count_before(d, n))
+            .collect()
+    }
+
+    /// Positions in `epoch`'s order (the rest's, for the epoch the
+    /// sampler resumed in with other weights): O(D), no allocation.
+    pub fn order_len(&self, epoch: u64) -> u64 {
+        if epoch == self.start.epoch {
+            self.counts
+                .iter()
+                .zip(self.start.skip.iter())
+                .map(|(&c, &q)| c.saturating_sub(q))
+                .sum()
+        } else {
+            self.counts.iter().sum()
+        }
+    }
+
+    /// Where this sampler resumed the job: the epoch, and the entries of
+    /// its order consumed (0 after new weights: their order starts there;
+    /// the next epoch's start after an order consumed to its end).
+    pub fn start_position(&self) -> super::JobPosition {
+        super::JobPosition {
+            epoch: self.start.epoch,
+            consumed: self.start.consumed,
+        }
+    }
+
+    /// The job's position when it has consumed `consumed` entries of
+    /// `epoch`'s order (the rest's, in the epoch resumed with other
+    /// weights), by all its ranks together: valid at any world size.
+    pub fn job_position(&self, epoch: u64, consumed: u64) -> MixPosition {
+        let skip = if epoch == self.start.epoch {
+            self.start.skip.to_vec()
+        } else {
+            vec![0; self.counts.len()]
+        };
+        MixPosition {
+            epoch,
+            consumed,
+            counts: self.counts.to_vec(),
+            skip,
+        }
     }
 
     /// The fingerprint a position checks: the datasets (lengths and each
@@ -691,107 +739,18 @@ impl MixEpoch {
     }
 }
 
-const MIX_MAGIC: &[u8; 8] = b"KSPDMIX1";
-const MIX_HEADER_BYTES: usize = 44;
-
-/// A job's place in a mixture, valid at any world size: which order the
-/// epoch is in (the counts it was made of and the stream entries each
-/// dataset had used before it) and how much of that order is consumed.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct MixPosition {
-    /// Epoch.
-    pub epoch: u64,
-    /// Entries of the order consumed (by all ranks together, in lock-step:
-    /// a rank's steps times the world, plus where this world started).
-    pub consumed: u64,
-    /// Each dataset's slots per epoch when the position was saved.
-    pub counts: Vec<u64>,
-    /// Stream entries of each dataset used in this epoch before the order
-    /// (0 unless the weights changed within the epoch).
-    pub skip: Vec<u64>,
-}
-
 impl MixPosition {
-    /// Bytes of a saved position of `datasets` datasets.
-    pub fn bytes_for(datasets: usize) -> usize {
-        MIX_HEADER_BYTES + 16 * datasets + 4
-    }
-
-    /// Serializes for the job of `sampler` over catalogs `identities`.
-    ///
-    /// Layout (little-endian): magic `KSPDMIX1`, epoch u64, consumed u64,
-    /// fingerprint u64 ([`MixSampler::fingerprint`]), counts hash u64
-    /// ([`counts_hash`]), datasets D u32, then per dataset count u64 and
-    /// skip u64, then CRC32C u32 of everything before it.
+    /// Serializes for the job of `sampler` over catalogs `identities`
+    /// (layout: [`MixPosition::encode`], the fingerprint
+    /// [`MixSampler::fingerprint`]).
     pub fn save(&self, sampler: &MixSampler, identities: &[u32]) -> Vec<u8> {
-        let mut b = Vec::with_capacity(Self::bytes_for(self.counts.len()));
-        b.extend_from_slice(MIX_MAGIC);
-        b.extend_from_slice(&self.epoch.to_le_bytes());
-        b.extend_from_slice(&self.consumed.to_le_bytes());
-        b.extend_from_slice(&sampler.fingerprint(identities).to_le_bytes());
-        b.extend_from_slice(&counts_hash(&self.counts).to_le_bytes());
-        b.extend_from_slice(&(self.counts.len() as u32).to_le_bytes());
-        for (c, q) in self.counts.iter().zip(&self.skip) {
-            b.extend_from_slice(&c.to_le_bytes());
-            b.extend_from_slice(&q.to_le_bytes());
-        }
-        let crc = crc32c::crc32c(&b);
-        b.extend_from_slice(&crc.to_le_bytes());
-        b
+        self.encode(sampler.fingerprint(identities))
     }
 
     /// Decodes a position saved by [`MixPosition::save`] for the same
     /// datasets, seed, shuffle and drop_last (any weights, rank, world).
     pub fn restore(bytes: &[u8], sampler: &MixSampler, identities: &[u32]) -> Result<Self> {
-        let bad = |m: String| Err(Error::BadPosition(m));
-        if bytes.len() < MIX_HEADER_BYTES + 4 || &bytes[0..8] != MIX_MAGIC {
-            return bad("not a kspeed mixture position (magic KSPDMIX1)".into());
-        }
-        let u64_at = |o: usize| u64::from_le_bytes(bytes[o..o + 8].try_into().expect("8 bytes"));
-        let d = u32::from_le_bytes(bytes[40..44].try_into().expect("4 bytes")) as usize;
-        if d > MAX_DATASETS || bytes.len() != Self::bytes_for(d) {
-            return bad(format!(
-                "{} bytes for a mixture of {d} datasets",
-                bytes.len()
-            ));
-        }
-        let body = bytes.len() - 4;
-        let crc = u32::from_le_bytes(bytes[body..].try_into().expect("4 bytes"));
-        if crc != crc32c::crc32c(&bytes[..body]) {
-            return bad("checksum mismatch (corrupt)".into());
-        }
-        if d != sampler.counts.len() {
-            return bad(format!(
-                "saved for a mixture of {d} datasets, this one has {}",
-                sampler.counts.len()
-            ));
-        }
-        if u64_at(24) != sampler.fingerprint(identities) {
-            return bad(
-                "saved on other datasets (lengths or catalogs) or with another seed, shuffle or drop_last"
-                    .into(),
-            );
-        }
-        let counts: Vec<u64> = (0..d).map(|i| u64_at(MIX_HEADER_BYTES + 16 * i)).collect();
-        let skip: Vec<u64> = (0..d)
-            .map(|i| u64_at(MIX_HEADER_BYTES + 16 * i + 8))
-            .collect();
-        if u64_at(32) != counts_hash(&counts) {
-            return bad("the counts do not match their hash".into());
-        }
-        if counts
-            .iter()
-            .try_fold(0u64, |a, &c| a.checked_add(c))
-            .is_none()
-        {
-            return bad("the saved counts overflow".into());
-        }
-        Ok(MixPosition {
-            epoch: u64_at(8),
-            consumed: u64_at(16),
-            counts,
-            skip,
-        })
+        Self::decode(bytes, sampler.counts.len(), sampler.fingerprint(identities))
     }
 }
 

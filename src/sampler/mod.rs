@@ -30,14 +30,16 @@ mod elastic;
 #[cfg(test)]
 mod elastic_tests;
 mod mix;
+mod mix_position;
 mod saved;
 
-pub use audit::{audit, AuditReport, EpochDigest};
+pub use audit::{audit, audit_mix, AuditReport, EpochDigest};
 pub use elastic::{ElasticSampler, JobPosition, RankPosition, RemainderOrder, JOB_POSITION_BYTES};
 pub use mix::{
-    counts_hash, dataset_seed, epoch_counts, pass_key, MixEpoch, MixOrder, MixPosition, MixSample,
-    MixSampler, Weight, MAX_DATASETS,
+    dataset_seed, epoch_counts, pass_key, MixEpoch, MixOrder, MixSample, MixSampler, Weight,
+    MAX_DATASETS,
 };
+pub use mix_position::{counts_hash, MixPosition};
 pub use saved::{audit_positions, SavedPosition, POSITION_BYTES};
 
 const ROUNDS: usize = 6;
@@ -305,9 +307,11 @@ impl Sampler {
         })
     }
 
-    /// The sampler of a mixture of datasets, from an ordinary epoch on (the
-    /// loader's: every epoch has the same steps). Its positions record the
-    /// mixture's counts: restoring one with other weights is refused.
+    /// The sampler of a mixture of datasets (the loader's). Its per-rank
+    /// positions record the mixture's counts: restoring one with other
+    /// weights is refused; a [`MixPosition`] resumes under new weights
+    /// ([`MixSampler::resume`]), and the epoch it resumed in then has
+    /// [`Sampler::order_len`] entries, not `cfg.len`.
     pub fn mixed(mix: MixSampler) -> Result<Self> {
         Ok(Sampler {
             mix: Some(mix.clone()),
@@ -336,7 +340,16 @@ impl Sampler {
         &self.cfg
     }
 
-    /// Steps per epoch for this rank (the same on every rank).
+    /// Entries of `epoch`'s global order: `cfg.len`, or a mixture's order
+    /// (the rest of it in an epoch resumed under new weights).
+    pub fn order_len(&self, epoch: u64) -> u64 {
+        match &self.mix {
+            Some(m) => m.order_len(epoch),
+            None => self.cfg.len,
+        }
+    }
+
+    /// Steps per ordinary epoch for this rank (the same on every rank).
     pub fn per_rank(&self) -> u64 {
         self.per_rank
     }
@@ -466,10 +479,10 @@ impl EpochOrder {
 
     /// Sample id of global step `j` (all ranks interleaved).
     pub fn global(&self, j: u64) -> u64 {
-        let j = j % self.cfg.len;
         if let Some(m) = &self.mix {
-            return m.order().sample(j).id;
+            return m.order().sample(j % m.order().len()).id;
         }
+        let j = j % self.cfg.len;
         match &self.perm {
             Some(p) => p.apply(j),
             None => j,

@@ -155,7 +155,8 @@ impl SavedPosition {
         };
         if self.catalog_identity != catalog_identity {
             let what = if self.mixture {
-                "another mixture of datasets or other weights"
+                "another mixture of datasets or other weights (or in an epoch resumed under other \
+                 weights: restore the job's KSPDMIX1 position first)"
             } else {
                 "another dataset"
             };

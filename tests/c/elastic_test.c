@@ -126,6 +126,11 @@ int main(int argc, char **argv) {
         CHECK(ksp_loader_job_position(l, job, sizeof job, &n, &e, &consumed) == KSP_OK, "%s", last_error());
         CHECK(e == 0 && consumed == 96, "job position %llu/%llu", (unsigned long long)e,
               (unsigned long long)consumed);
+        /* The same job position encoded from (epoch, consumed). */
+        uint8_t at[KSP_JOB_POSITION_BYTES];
+        CHECK(ksp_loader_job_position_at(l, 0, 96, at, sizeof at, &n) == KSP_OK && n == sizeof at &&
+                  memcmp(at, job, sizeof at) == 0,
+              "ksp_loader_job_position_at: %s", last_error());
         ksp_loader_free(l);
     }
 

@@ -1,5 +1,6 @@
 """fn.kspeed.reader on the CPU (device_id=None): sharded epochs, reader
-metadata, real JPEGs through fn.decoders.image, checkpoints, errors.
+metadata, real JPEGs through fn.decoders.image, checkpoints (also resumed
+at another shard count), errors.
 
 Environment: KSPEED_BIN (the kspeed binary), KSPEED_DALI_PLUGIN (the built
 plugin). Run by ffi/dali/build_and_test.sh.
@@ -165,6 +166,43 @@ class ReaderTest(unittest.TestCase):
             p2 = again(checkpoint=cpt)
             p2.build()
             self.assertEqual(self.read(p2, 12), want, f"pad_last_batch={pad}")
+
+    def test_checkpoint_resumes_at_another_shard_count_exactly_once(self):
+        # 3 shards checkpoint; 2 shards resume from those checkpoints (any
+        # old shard's: each gives the job's position) and read the rest of
+        # the epoch. Together: every sample of the epoch exactly once. With
+        # padding the checkpoint falls between kspeed batches; without it,
+        # past the epoch boundary, 12 samples into a held kspeed batch.
+        batch, n = 16, 300
+        for pad, before in ((True, 3), (False, 7)):
+            consumed = before * batch  # per old shard, in lock-step
+            epoch_start = 0 if pad else -(-n // 3)  # 100 of epoch 0 first without padding
+            firsts, cpts = [], []
+            for shard in range(3):
+                pipe = reader_pipeline(self.ds.space, batch, shard, 3, pad=pad, enable_checkpointing=True)
+                firsts += [d for d, _ in self.read(pipe, before)][epoch_start:consumed]
+                cpts.append(pipe.checkpoint())
+                del pipe
+            rest = n - len(firsts)
+            per_new = -(-rest // 2)
+            seconds = []
+            for shard, cpt in ((0, cpts[2]), (1, cpts[0])):
+                @pipeline_def(batch_size=batch, num_threads=2, device_id=None, enable_checkpointing=True)
+                def again():
+                    return tuple(fn.kspeed.reader(space=self.ds.space, shard_id=shard, num_shards=2,
+                                                  random_shuffle=True, seed=7, name="Reader", pad_last_batch=pad,
+                                                  mlock=False, ring_bytes="32MiB"))
+                p2 = again(checkpoint=cpt)
+                p2.build()
+                got = [d for d, _ in self.read(p2, -(-per_new // batch))]
+                # Rank r's step k is entry r + 2k of the rest; past it:
+                # the padding duplicate of the odd remainder.
+                seconds += [d for k, d in enumerate(got[:per_new]) if shard + 2 * k < rest]
+                del p2
+            together = firsts + seconds
+            self.assertEqual(len(together), n, f"pad_last_batch={pad}")
+            self.assertEqual(len(set(together)), n, f"pad_last_batch={pad}: a sample twice")
+            self.assertEqual(set(together), set(self.ds.by_digest), f"pad_last_batch={pad}")
 
     def test_errors_are_clear(self):
         cases = [

@@ -27,6 +27,7 @@ pub(crate) struct PyLoader {
     pub(crate) seed: u64,
     pub(crate) catalog_len: u64,
     pub(crate) catalog_identity: u32,
+    pub(crate) mix_counts: Option<Vec<u64>>,
 }
 
 impl PyLoader {
@@ -143,6 +144,7 @@ impl PyLoader {
         let epoch_len = loader.epoch_len();
         let catalog_len = loader.catalog().len();
         let catalog_identity = loader.catalog().identity();
+        let mix_counts = loader.mixture().map(|m| m.counts().to_vec());
         let shared = Arc::new(Shared {
             pid: std::process::id(),
             core: Mutex::new(Core {
@@ -177,6 +179,7 @@ impl PyLoader {
             seed,
             catalog_len,
             catalog_identity,
+            mix_counts,
         })
     }
 
@@ -287,8 +290,9 @@ impl PyLoader {
         .raise(py)
     }
 
-    /// The job position (KSPDJOB1 bytes) of `consumed` entries of `epoch`
-    /// (default: the job position from this rank's position).
+    /// The job position (KSPDJOB1 bytes; a mixture's KSPDMIX1) of
+    /// `consumed` entries of `epoch` (default: the job position from this
+    /// rank's position).
     #[pyo3(signature = (epoch=None, consumed=None))]
     pub(crate) fn save_job_position<'py>(
         &self,
@@ -300,16 +304,13 @@ impl PyLoader {
             .detach(|| {
                 let mut core = self.shared.lock();
                 let l = core.loader()?;
-                let mut job = l.job_position();
-                if let (Some(e), Some(c)) = (epoch, consumed) {
-                    job = kspeed::sampler::JobPosition {
-                        epoch: e,
-                        consumed: c,
-                    };
-                }
-                // The job fingerprint leaves rank and world out.
-                let saved = l.saved_position();
-                Ok::<_, Fail>(job.save(&saved.cfg, saved.catalog_identity))
+                let job = match (epoch, consumed) {
+                    (Some(epoch), Some(consumed)) => {
+                        kspeed::sampler::JobPosition { epoch, consumed }
+                    }
+                    _ => l.job_position(),
+                };
+                Ok::<_, Fail>(l.encode_job_position(job))
             })
             .raise(py)?;
         Ok(PyBytes::new(py, &b))
@@ -479,6 +480,13 @@ impl PyLoader {
     #[getter]
     pub(crate) fn catalog_identity(&self) -> u32 {
         self.catalog_identity
+    }
+
+    /// A mixture's samples per epoch from each dataset (its weights'
+    /// counts), or None for one dataset.
+    #[getter]
+    pub(crate) fn mix_counts(&self) -> Option<Vec<u64>> {
+        self.mix_counts.clone()
     }
 }
 

@@ -64,3 +64,51 @@ def test_mix_is_refused_with_space_and_names_a_bad_weight(space, second):
         kspeed.Loader(space, mix=[(cat2, 0.5)])
     with pytest.raises(Exception, match="mix"):
         kspeed.Loader(mix=[(space, "-1"), (cat2, 0.5)], mlock=False)
+
+
+def _take(loader, batches=None):
+    """(dataset, id) of the next `batches` batches (all of the epoch if None)."""
+    got = []
+    for i, b in enumerate(loader):
+        got += [(int(d), int(x)) for d, x in zip(b.dataset, b.ids)]
+        del b
+        if batches is not None and i + 1 == batches:
+            break
+    return got
+
+
+def test_mix_resumes_under_new_weights(space, second):
+    """A state saved with weights A (40 + 8 samples per epoch) loaded by a
+    loader with weights B (60 + 12): the rest of the epoch follows B (B's
+    counts less what A had delivered), no sample twice in the epoch; a
+    state taken in that rest resumes it exactly in a fresh loader of B."""
+    _, cat2 = second
+
+    def make(c0, c1):
+        return kspeed.Loader(mix=[(space, f"choose={c0}"), (cat2, f"choose={c1}")],
+                             batch_size=8, seed=3, mlock=False)
+
+    a = make(40, 8)
+    a.set_epoch(1)
+    first = _take(a, 3)
+    state = a.state_dict()
+    a.close()
+    assert state["mix_counts"] == [40, 8]
+    assert state["job_position"][:8] == b"KSPDMIX1"
+    used = [sum(1 for d, _ in first if d == k) for k in (0, 1)]
+    assert sum(used) == 24
+
+    b = make(60, 12)
+    b.load_state_dict(state)
+    one = _take(b, 1)
+    mid = b.state_dict()
+    rest = one + _take(b)
+    b.close()
+    assert [sum(1 for d, _ in rest if d == k) for k in (0, 1)] == [60 - used[0], 12 - used[1]]
+    ids = [x for _, x in first + rest]
+    assert len(ids) == len(set(ids)) == 72, "each sample at most once in the epoch"
+
+    c = make(60, 12)
+    c.load_state_dict(mid)
+    assert _take(c) == rest[len(one):]
+    c.close()

@@ -550,7 +550,8 @@ class Loader:
         """Where the next batch starts, as plain picklable values: this
         rank's position (``position``, with the exactly-once digest) and
         the job's (``job_position``, valid for any world size when the
-        ranks are in lock-step, as DDP steps are)."""
+        ranks are in lock-step, as DDP steps are; a mixture's also under
+        other weights, ``mix_counts`` being this loader's)."""
         _check_pid(self)
         epoch, index = self._l.position()
         return {
@@ -565,6 +566,7 @@ class Loader:
             "batch_size": self._l.batch_size,
             "catalog_samples": self._l.catalog_len,
             "catalog_identity": self._l.catalog_identity,
+            "mix_counts": self._l.mix_counts,
         }
 
     def load_state_dict(self, state):
@@ -572,14 +574,24 @@ class Loader:
         taken. A state of another rank or world size (a job resumed on
         another number of GPUs: load any rank's state on every rank)
         continues the job from its job position: the rest of the epoch,
-        each sample not yet consumed exactly once across the new ranks."""
+        each sample not yet consumed exactly once across the new ranks.
+        So does a mixture's state saved with other weights: the rest of the
+        epoch follows this loader's weights, and nothing the job delivered
+        in the epoch comes again."""
         _check_pid(self)
         if not isinstance(state, dict):
             raise TypeError(f"state must be a dict from Loader.state_dict(), not {type(state).__name__}")
         if state.get("kspeed_loader_state") != 1:
             raise ValueError("state is not a kspeed Loader state (no kspeed_loader_state: 1)")
-        elastic = (state.get("rank"), state.get("world")) != (self._l.rank, self._l.world)
-        if elastic and isinstance(state.get("job_position"), (bytes, bytearray)):
+        job = state.get("job_position")
+        # A mixture's job position (KSPDMIX1) carries its weights' counts
+        # and what each dataset had used before the epoch's order.
+        mix_job = isinstance(job, (bytes, bytearray)) and bytes(job[:8]) == b"KSPDMIX1"
+        saved_counts, mine_counts = state.get("mix_counts"), self._l.mix_counts
+        reweighted = (mix_job and saved_counts is not None and mine_counts is not None
+                      and list(saved_counts) != list(mine_counts))
+        elastic = reweighted or (state.get("rank"), state.get("world")) != (self._l.rank, self._l.world)
+        if elastic and isinstance(job, (bytes, bytearray)):
             keys = ("seed", "catalog_samples", "catalog_identity")
         else:
             keys = ("seed", "rank", "world", "catalog_samples", "catalog_identity")
@@ -602,6 +614,11 @@ class Loader:
         pos = state.get("position")
         if not isinstance(pos, (bytes, bytearray)):
             raise TypeError("state['position'] must be bytes")
+        if mix_job:
+            # The epoch may be the rest of one resumed under other weights,
+            # which the rank position records only as a hash: its job
+            # position first, then the rank's exact place and digest.
+            self._l.restore_job_position(bytes(job))
         self._l.restore_position(bytes(pos))
         self._epoch = self._l.position()[0]
 
