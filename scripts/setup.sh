@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Installs the system packages kspeed builds and tests with (Debian/Ubuntu).
 # Idempotent: does nothing when everything is already there. With
-# --test-tools (scripts/test.sh) also the S3 test tools: s3s-fs and, in the
-# Python venv, boto3 and the AWS CLI (below).
+# --test-tools (scripts/test.sh) also the S3 and HTTP test tools: s3s-fs,
+# nginx-light and, in the Python venv, boto3 and the AWS CLI (below).
 set -euo pipefail
 # systemd: systemd-analyze verifies packaging/systemd (tests/packaging.rs).
 pkgs=(libibverbs-dev librdmacm-dev ibverbs-providers libclang-dev pkg-config fio util-linux iproute2 procps gcc g++ cmake valgrind systemd)
@@ -36,6 +36,16 @@ if [ "${1:-}" = --test-tools ]; then
     echo "setup: cargo install s3s-fs $s3s_version into $cache/s3s (a few minutes, once)"
     cargo install s3s-fs --version "$s3s_version" --features binary --locked \
       --root "$cache/s3s" --quiet
+  fi
+  # A real web server for tests/http_source.rs (https:// and http://
+  # sources): Debian's nginx-light, started by the test on loopback ports
+  # with its own configuration (the package's service is not used).
+  if ! dpkg-query -W -f='${Status}' nginx-light 2>/dev/null | grep -q "install ok installed"; then
+    echo "setup: installing nginx-light"
+    SUDO=""
+    [ "$(id -u)" = 0 ] || SUDO="sudo"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq nginx-light openssl >/dev/null
   fi
   # boto3 and the AWS CLI, pinned, in the Python venv the suite uses
   # (scripts/test_python.sh; KSPEED_PY_VENV): the independent S3 client of

@@ -30,6 +30,14 @@ use super::scan::{check_len, ScannedFile, ScannedSample};
 pub use super::scan::{ScanNotes, ScanOptions, MAX_SAMPLE_BYTES, NO_LABEL};
 use crate::error::{Error, IoContext, Result};
 
+/// Whether `s` is a remote source's URL: `s3://`, or plain `https://` /
+/// `http://` (a web server's objects, read with ranged GETs).
+pub fn is_store_url(s: &[u8]) -> bool {
+    [&b"s3://"[..], b"https://", b"http://"]
+        .iter()
+        .any(|p| s.starts_with(p))
+}
+
 /// The layout of a source.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u32)]
@@ -93,7 +101,7 @@ impl SourceSpec {
         if raw.is_empty() {
             return Err(Error::InvalidConfig(format!("source {s:?} names no path")));
         }
-        if raw.as_bytes().starts_with(b"s3://") {
+        if is_store_url(raw.as_bytes()) {
             return Self::parse_store(kind, raw);
         }
         let path = fs::canonicalize(raw).ctx("open source", raw)?;
@@ -127,9 +135,9 @@ impl SourceSpec {
     /// `s3://bucket/shard.tar` or `s3://bucket/prefix/*.tar` (tar shards),
     /// `list:s3://bucket/files.txt`. Nothing is asked of the store here.
     fn parse_store(kind: Option<SourceKind>, raw: &std::ffi::OsStr) -> Result<Self> {
-        let text = raw.to_str().ok_or_else(|| {
-            Error::InvalidConfig(format!("source {raw:?}: an s3:// URL must be UTF-8"))
-        })?;
+        let text = raw
+            .to_str()
+            .ok_or_else(|| Error::InvalidConfig(format!("source {raw:?}: a URL must be UTF-8")))?;
         #[cfg(not(feature = "s3"))]
         {
             let _ = kind;
@@ -144,7 +152,7 @@ impl SourceSpec {
                 Some(t) => (t, true),
                 None => (text, false),
             };
-            let url = StoreUrl::parse(text).expect("starts with s3://")?;
+            let url = StoreUrl::parse(text).expect("starts with a store's scheme")?;
             let is_prefix = url.key.is_empty() || url.key.ends_with('/');
             let kind = match kind {
                 Some(k) => k,
@@ -183,7 +191,7 @@ impl SourceSpec {
 
     /// Whether the source is in an object store (`s3://`).
     pub fn is_remote(&self) -> bool {
-        self.path.as_os_str().as_bytes().starts_with(b"s3://")
+        is_store_url(self.path.as_os_str().as_bytes())
     }
 
     /// The canonical string, e.g. `dir:/data/imagenet`, for messages (a path

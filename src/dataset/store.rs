@@ -31,7 +31,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures_util::StreamExt;
-use object_store::aws::{AmazonS3, AmazonS3Builder, AmazonS3ConfigKey};
+use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
 use object_store::path::Path as ObjPath;
 use object_store::{
     BackoffConfig, ClientOptions, GetOptions, GetRange, ObjectStore, ObjectStoreExt, RetryConfig,
@@ -45,7 +45,8 @@ pub const S3_SCHEME: &str = "s3://";
 /// A location in an object store: a bucket and a key (or key prefix).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct StoreUrl {
-    /// The bucket.
+    /// The bucket; for an `https://` or `http://` URL its origin
+    /// (`https://host[:port]`), the server that holds the "keys" (paths).
     pub bucket: String,
     /// The key or prefix, without a leading `/` (a prefix ends in `/`, or
     /// is empty for the whole bucket).
@@ -53,8 +54,28 @@ pub struct StoreUrl {
 }
 
 impl StoreUrl {
-    /// Parses `s3://bucket/key`. None: not an `s3://` string.
+    /// Parses `s3://bucket/key`, or `https://host[:port]/path` (`http://`
+    /// too). None: not such a URL.
     pub fn parse(s: &str) -> Option<Result<StoreUrl>> {
+        for scheme in ["https://", "http://"] {
+            let Some(rest) = s.strip_prefix(scheme) else {
+                continue;
+            };
+            let (host, path) = rest.split_once('/').unwrap_or((rest, ""));
+            if host.is_empty()
+                || host
+                    .bytes()
+                    .any(|b| b.is_ascii_whitespace() || b"?#@".contains(&b))
+            {
+                return Some(Err(Error::InvalidConfig(format!(
+                    "source {s:?} names no host ({scheme}HOST[:PORT]/PATH)"
+                ))));
+            }
+            return Some(Ok(StoreUrl {
+                bucket: format!("{scheme}{host}"),
+                key: path.trim_start_matches('/').to_string(),
+            }));
+        }
         let rest = s.strip_prefix(S3_SCHEME)?;
         let (bucket, key) = rest.split_once('/').unwrap_or((rest, ""));
         if bucket.is_empty() {
@@ -78,17 +99,23 @@ impl StoreUrl {
         }))
     }
 
-    /// `s3://bucket/key`.
+    /// Whether this names a web server's path (`https://`, `http://`),
+    /// not an S3 bucket's key.
+    pub fn is_http(&self) -> bool {
+        is_http_origin(&self.bucket)
+    }
+
+    /// `s3://bucket/key`, or `https://host/path`.
     pub fn to_url(&self) -> String {
-        format!("{S3_SCHEME}{}/{}", self.bucket, self.key)
+        format!("{}/{}", base_url(&self.bucket), self.key)
     }
 
     /// The URL of `name` under this prefix (for messages and change reports).
     pub fn child(&self, name: &str) -> String {
         if self.key.is_empty() || self.key.ends_with('/') {
-            format!("{S3_SCHEME}{}/{}{}", self.bucket, self.key, name)
+            format!("{}/{}{}", base_url(&self.bucket), self.key, name)
         } else {
-            format!("{S3_SCHEME}{}/{}/{}", self.bucket, self.key, name)
+            format!("{}/{}/{}", base_url(&self.bucket), self.key, name)
         }
     }
 
@@ -107,6 +134,20 @@ impl StoreUrl {
             Some(i) => self.key[..=i].to_string(),
             None => String::new(),
         }
+    }
+}
+
+/// Whether a [`StoreUrl::bucket`] is a web server's origin.
+fn is_http_origin(bucket: &str) -> bool {
+    bucket.starts_with("https://") || bucket.starts_with("http://")
+}
+
+/// `s3://bucket`, or the origin itself.
+fn base_url(bucket: &str) -> String {
+    if is_http_origin(bucket) {
+        bucket.to_string()
+    } else {
+        format!("{S3_SCHEME}{bucket}")
     }
 }
 
@@ -286,6 +327,28 @@ fn resolve(o: &StoreOverrides) -> Result<Resolved> {
     Ok(r)
 }
 
+/// Retries with backoff and jitter: 0.1 s doubling to 5 s, about 25 s of
+/// them, so a store restarting, or shedding load with 503 SlowDown, is
+/// ridden out (the default gives up on a refused connection in 2 s).
+fn retry_config() -> RetryConfig {
+    RetryConfig {
+        backoff: BackoffConfig {
+            init_backoff: Duration::from_millis(100),
+            max_backoff: Duration::from_secs(5),
+            base: 2.0,
+        },
+        max_retries: 10,
+        retry_timeout: Duration::from_secs(180),
+    }
+}
+
+fn client_options() -> ClientOptions {
+    ClientOptions::new()
+        .with_connect_timeout(Duration::from_secs(10))
+        .with_timeout(Duration::from_secs(120))
+        .with_pool_max_idle_per_host(1024)
+}
+
 /// The runtime every request runs on: two threads drive the sockets of all
 /// callers (the callers block; the work per request is small).
 fn runtime() -> &'static tokio::runtime::Runtime {
@@ -326,7 +389,8 @@ type Clients = HashMap<String, Arc<Store>>;
 /// A client of one bucket.
 pub struct Store {
     bucket: String,
-    s3: AmazonS3,
+    /// S3's client, or a plain HTTP one for a web server's origin.
+    s3: Arc<dyn ObjectStore>,
     /// For messages: where the credentials came from and the endpoint.
     describe: String,
 }
@@ -378,6 +442,9 @@ impl Store {
         // rustls needs one crypto provider in the process; ring's is the
         // one this crate builds (a second install is refused, harmlessly).
         let _ = rustls::crypto::ring::default_provider().install_default();
+        if is_http_origin(bucket) {
+            return Self::web(bucket);
+        }
         let o = OVERRIDES
             .lock()
             .expect("not poisoned")
@@ -387,24 +454,8 @@ impl Store {
         let mut b = AmazonS3Builder::new()
             .with_bucket_name(bucket)
             .with_region(&r.region)
-            .with_retry(RetryConfig {
-                // 0.1 s doubling to 5 s: about 25 s of retries, so a store
-                // restarting, or shedding load with 503 SlowDown, is ridden
-                // out (the default gives up on a refused connection in 2 s).
-                backoff: BackoffConfig {
-                    init_backoff: Duration::from_millis(100),
-                    max_backoff: Duration::from_secs(5),
-                    base: 2.0,
-                },
-                max_retries: 10,
-                retry_timeout: Duration::from_secs(180),
-            })
-            .with_client_options(
-                ClientOptions::new()
-                    .with_connect_timeout(Duration::from_secs(10))
-                    .with_timeout(Duration::from_secs(120))
-                    .with_pool_max_idle_per_host(1024),
-            );
+            .with_retry(retry_config())
+            .with_client_options(client_options());
         if let Some(e) = &r.endpoint {
             b = b
                 .with_endpoint(e)
@@ -448,13 +499,31 @@ impl Store {
         log::debug!("s3 client for bucket {bucket}: {describe}");
         Ok(Store {
             bucket: bucket.to_string(),
-            s3,
+            s3: Arc::new(s3),
             describe,
         })
     }
 
+    /// The client of a web server's origin (`https://host[:port]`): plain
+    /// ranged GETs and HEADs, no credentials, no listing. Certificates are
+    /// checked against the system's roots (`SSL_CERT_FILE` /
+    /// `SSL_CERT_DIR` add others).
+    fn web(origin: &str) -> Result<Store> {
+        let http = object_store::http::HttpBuilder::new()
+            .with_url(origin)
+            .with_retry(retry_config())
+            .with_client_options(client_options().with_allow_http(origin.starts_with("http://")))
+            .build()
+            .map_err(|e| Error::InvalidConfig(format!("HTTP client for {origin}: {e}")))?;
+        Ok(Store {
+            bucket: origin.to_string(),
+            s3: Arc::new(http),
+            describe: format!("{origin}, no credentials"),
+        })
+    }
+
     fn url(&self, key: &str) -> String {
-        format!("{S3_SCHEME}{}/{key}", self.bucket)
+        format!("{}/{key}", base_url(&self.bucket))
     }
 
     /// Maps a client error on `key` to a named error.
@@ -496,6 +565,14 @@ impl Store {
     /// order, page by page (the store's pages: 1,000 keys each on S3), to
     /// `each` with the key made relative to the prefix.
     pub fn list(&self, prefix: &str, mut each: impl FnMut(Object) -> Result<()>) -> Result<()> {
+        if is_http_origin(&self.bucket) {
+            return Err(Error::InvalidConfig(format!(
+                "{}: a web server's paths cannot be listed; name its objects in a list \
+                 (list:{}/files.txt) or give one .tar",
+                self.url(prefix),
+                self.bucket
+            )));
+        }
         let p = if prefix.is_empty() {
             None
         } else {
