@@ -137,7 +137,10 @@ fn a_block_shuffle_merges_neighbouring_tar_members_into_one_get() {
     // A rank of a world takes every other sample of a block: its reads
     // are a tar member apart and still merge.
     let rank1 = epoch(&url, &cat, &cat_path, &datas, &proxy, (1, 2), 50);
-    assert!(rank1 * 4 <= whole / 2, "rank 1 of 2: {rank1} GETs");
+    assert!(
+        rank1 * 2 <= whole / 2,
+        "rank 1 of 2: {rank1} GETs (whole shuffle, all ranks: {whole})"
+    );
     // No shuffle: id order, the same merging.
     let mut l = LoaderBuilder::source(&url)
         .catalog(&cat_path)

@@ -222,7 +222,7 @@ impl JobPosition {
                     cfg.shuffle_block
                 )
             } else {
-                "another seed, dataset length or shuffle_block".into()
+                "another seed (or dataset length, or block size)".into()
             };
             return Err(Error::BadPosition(format!("saved by a job with {what}")));
         }

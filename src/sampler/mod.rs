@@ -593,7 +593,12 @@ mod tests {
             ..cfg
         };
         match JobPosition::restore(&saved, &whole, 9) {
-            Err(Error::BadPosition(m)) => assert!(m.contains("shuffle_block"), "{m}"),
+            Err(Error::BadPosition(m)) => assert!(m.contains("block size"), "{m}"),
+            r => panic!("{r:?}"),
+        }
+        // Saved by a whole-dataset shuffle, restored with blocks: named.
+        match JobPosition::restore(&start.save(&whole, 9), &cfg, 9) {
+            Err(Error::BadPosition(m)) => assert!(m.contains("shuffle_block 64"), "{m}"),
             r => panic!("{r:?}"),
         }
         for rank in 0..3 {
