@@ -65,6 +65,9 @@ fn line_interval() -> Duration {
 struct Counter {
     done: AtomicU64,
     total: u64,
+    /// Items (samples, objects) done and in all, when counted.
+    items: AtomicU64,
+    total_items: Option<u64>,
 }
 
 /// A progress reporter over a known number of bytes.
@@ -107,9 +110,21 @@ pub fn human_bytes(b: f64) -> String {
 impl Progress {
     /// Starts reporting `label` over `total_bytes`.
     pub fn new(label: &str, total_bytes: u64, mode: ProgressMode) -> Self {
+        Self::make(label, total_bytes, None, mode)
+    }
+
+    /// Starts reporting `label` over `total_bytes` in `total_items` items
+    /// (samples, objects), both shown; count them with [`Progress::add_item`].
+    pub fn with_items(label: &str, total_bytes: u64, total_items: u64, mode: ProgressMode) -> Self {
+        Self::make(label, total_bytes, Some(total_items), mode)
+    }
+
+    fn make(label: &str, total_bytes: u64, total_items: Option<u64>, mode: ProgressMode) -> Self {
         let counter = Arc::new(Counter {
             done: AtomicU64::new(0),
             total: total_bytes,
+            items: AtomicU64::new(0),
+            total_items,
         });
         let mode = match mode {
             ProgressMode::Auto if cfg!(feature = "cli") && std::io::stderr().is_terminal() => {
@@ -129,13 +144,18 @@ impl Progress {
             ProgressMode::Bar => {
                 let bar = ProgressBar::new(total_bytes);
                 bar.set_style(
-                    ProgressStyle::with_template(
-                        "{msg:>9} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} ETA {eta}",
-                    )
+                    ProgressStyle::with_template(if total_items.is_some() {
+                        "{msg:>9} [{bar:30}] {bytes}/{total_bytes} {prefix} {bytes_per_sec} ETA {eta}"
+                    } else {
+                        "{msg:>9} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} ETA {eta}"
+                    })
                     .expect("valid template")
                     .progress_chars("=> "),
                 );
                 bar.set_message(label.to_string());
+                if let Some(n) = total_items {
+                    bar.set_prefix(format!("0/{n}"));
+                }
                 p.bar = Some(bar);
             }
             ProgressMode::Lines => {
@@ -161,6 +181,19 @@ impl Progress {
         if let Some(b) = &self.bar {
             b.inc(bytes);
         }
+    }
+
+    /// Adds one item of `bytes` (a progress made by
+    /// [`Progress::with_items`]). The bar's item count is redrawn every 64
+    /// items, not formatted per item.
+    pub fn add_item(&self, bytes: u64) {
+        let n = self.counter.items.fetch_add(1, Ordering::Relaxed) + 1;
+        if let (Some(b), Some(total)) = (&self.bar, self.counter.total_items) {
+            if n % 64 == 0 || n == total {
+                b.set_prefix(format!("{n}/{total}"));
+            }
+        }
+        self.add(bytes);
     }
 
     /// Bytes done so far.
@@ -204,8 +237,12 @@ fn line(label: &str, c: &Counter, elapsed: Duration) -> String {
     } else {
         "unknown".into()
     };
+    let items = match c.total_items {
+        Some(n) => format!(", {} / {n} samples", c.items.load(Ordering::Relaxed)),
+        None => String::new(),
+    };
     format!(
-        "{label}: {} / {} ({pct:.1}%), {}/s, ETA {eta}",
+        "{label}: {} / {} ({pct:.1}%){items}, {}/s, ETA {eta}",
         human_bytes(done as f64),
         human_bytes(c.total as f64),
         human_bytes(rate)

@@ -867,6 +867,8 @@ fn progress_lines_when_not_a_terminal() {
         .find(|l| l.starts_with("preload: "))
         .unwrap_or_else(|| panic!("no progress line in {err}"));
     assert!(line.contains("/s, ETA ") && line.contains('%'), "{line}");
+    // Samples counted next to bytes ("…, 7 / 20 samples, …").
+    assert!(line.contains(" / 20 samples, "), "{line}");
 }
 
 /// `kspeed inspect` shows the catalog identity that a consumer's HELLO

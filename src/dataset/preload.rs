@@ -781,9 +781,9 @@ pub fn preload(dir: &Path, opts: &PreloadOptions) -> Result<PreloadReport> {
     }
 
     let t0 = Instant::now();
-    let to_copy: u64 = (start_id..catalog.len())
+    let (to_copy, samples_to_copy) = (start_id..catalog.len())
         .filter_map(|id| plan.location(id).map(|_| catalog.sample(id).len as u64))
-        .sum();
+        .fold((0u64, 0u64), |(b, n), len| (b + len, n + 1));
     let copier = Copier {
         dir,
         catalog: &catalog,
@@ -792,7 +792,7 @@ pub fn preload(dir: &Path, opts: &PreloadOptions) -> Result<PreloadReport> {
         extents: &extents,
         dirty: Mutex::new(BTreeSet::new()),
         opts,
-        progress: Progress::new("preload", to_copy, opts.progress),
+        progress: Progress::with_items("preload", to_copy, samples_to_copy, opts.progress),
         copied_samples: AtomicU64::new(0),
         copied_bytes: AtomicU64::new(0),
         started: Instant::now(),
@@ -962,7 +962,7 @@ impl Copier<'_> {
             }
             bytes += s.len as u64;
             self.copied_samples.fetch_add(1, Ordering::Relaxed);
-            self.progress.add(s.len as u64);
+            self.progress.add_item(s.len as u64);
             let total = self.copied_bytes.fetch_add(s.len as u64, Ordering::Relaxed) + s.len as u64;
             self.throttle(total);
         }
