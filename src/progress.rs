@@ -21,6 +21,7 @@ struct ProgressBar;
 #[cfg(not(feature = "cli"))]
 impl ProgressBar {
     fn inc(&self, _bytes: u64) {}
+    fn set_prefix(&self, _items: String) {}
     fn finish_and_clear(&self) {}
 }
 
@@ -189,7 +190,7 @@ impl Progress {
     pub fn add_item(&self, bytes: u64) {
         let n = self.counter.items.fetch_add(1, Ordering::Relaxed) + 1;
         if let (Some(b), Some(total)) = (&self.bar, self.counter.total_items) {
-            if n % 64 == 0 || n == total {
+            if n.is_multiple_of(64) || n == total {
                 b.set_prefix(format!("{n}/{total}"));
             }
         }

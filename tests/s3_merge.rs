@@ -129,9 +129,12 @@ fn a_block_shuffle_merges_neighbouring_tar_members_into_one_get() {
     );
     // (The proxy answers one request per connection, and the client
     // retries a request sent on a pooled connection the proxy closed: the
-    // counts are connections, up to about two per GET, alike in both.)
+    // counts are connections, up to about two per GET, alike in both.
+    // Quiet, blocks of 50 take about a twelfth of the whole shuffle's;
+    // with both cores busy a quarter: a GET leaves before it is full
+    // while fewer than half the allowed GETs are out.)
     assert!(
-        merged * 4 <= whole,
+        merged * 3 <= whole,
         "blocks of 50: {merged} GETs for {nonempty} samples (whole shuffle: {whole})"
     );
     // A rank of a world takes every other sample of a block: its reads
@@ -162,7 +165,7 @@ fn a_block_shuffle_merges_neighbouring_tar_members_into_one_get() {
         }
     }
     let in_order = proxy.requests.load(Ordering::Relaxed) - before;
-    assert!(in_order * 4 <= whole, "in id order: {in_order} GETs");
+    assert!(in_order * 3 <= whole, "in id order: {in_order} GETs");
     drop(l);
 
     // A shard replaced after the catalog: the merged GET fails, and the

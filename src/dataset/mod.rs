@@ -16,6 +16,8 @@ pub mod space;
 pub mod store;
 #[cfg(feature = "s3")]
 mod store_scan;
+#[cfg(feature = "s3")]
+mod store_url;
 
 pub use catalog::{BuildOptions, Catalog, Sample};
 pub use owner::{OwnerFn, Placement};
