@@ -104,52 +104,80 @@ impl Nginx {
                 ("-out", &cert),
             ],
         );
-        let (https, http) = (free_port(), free_port());
-        let conf = work.join("nginx.conf");
-        std::fs::write(
-            &conf,
-            format!(
-                "daemon off;\nmaster_process off;\nerror_log {err} warn;\npid {pid};\n\
-                 events {{ worker_connections 1024; }}\n\
-                 http {{\n  access_log off;\n  client_body_temp_path {tmp};\n\
-                   server {{\n    listen 127.0.0.1:{https} ssl;\n    listen 127.0.0.1:{http};\n\
-                     ssl_certificate {cert};\n    ssl_certificate_key {key};\n\
-                     root {root};\n    autoindex off;\n  }}\n}}\n",
-                err = work.join("error.log").display(),
-                pid = work.join("nginx.pid").display(),
-                tmp = work.display(),
-                cert = cert.display(),
-                key = key.display(),
-                root = root.display(),
-            ),
-        )
-        .unwrap();
-        let child = Command::new(bin)
-            .arg("-p")
-            .arg(work)
-            .arg("-c")
-            .arg(&conf)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("nginx starts");
-        let n = Nginx {
-            child,
-            https,
-            http,
-            ca,
-        };
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while std::net::TcpStream::connect(("127.0.0.1", https)).is_err()
-            || std::net::TcpStream::connect(("127.0.0.1", http)).is_err()
-        {
-            assert!(
-                Instant::now() < deadline,
-                "nginx did not listen within 30 s"
+        // A port picked here may be taken by another test's server before
+        // nginx binds it: nginx then exits, and is started again on others.
+        // It writes its pid file once its sockets are bound.
+        let pid_file = work.join("nginx.pid");
+        for attempt in 0..5 {
+            let https = free_port();
+            let http = loop {
+                let p = free_port();
+                if p != https {
+                    break p;
+                }
+            };
+            let conf = work.join("nginx.conf");
+            let _ = std::fs::remove_file(&pid_file);
+            std::fs::write(
+                &conf,
+                format!(
+                    "daemon off;\nmaster_process off;\nerror_log {err} warn;\npid {pid};\n\
+                     events {{ worker_connections 1024; }}\n\
+                     http {{\n  access_log off;\n  client_body_temp_path {tmp};\n\
+                       server {{\n    listen 127.0.0.1:{https} ssl;\n    listen 127.0.0.1:{http};\n\
+                         ssl_certificate {cert};\n    ssl_certificate_key {key};\n\
+                         root {root};\n    autoindex off;\n  }}\n}}\n",
+                    err = work.join("error.log").display(),
+                    pid = pid_file.display(),
+                    tmp = work.display(),
+                    cert = cert.display(),
+                    key = key.display(),
+                    root = root.display(),
+                ),
+            )
+            .unwrap();
+            let child = Command::new(&bin)
+                .arg("-p")
+                .arg(work)
+                .arg("-c")
+                .arg(&conf)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("nginx starts");
+            let mut n = Nginx {
+                child,
+                https,
+                http,
+                ca: ca.clone(),
+            };
+            let deadline = Instant::now() + Duration::from_secs(30);
+            let bound = loop {
+                if n.child.try_wait().unwrap().is_some() {
+                    break false;
+                }
+                if pid_file.exists()
+                    && std::net::TcpStream::connect(("127.0.0.1", https)).is_ok()
+                    && std::net::TcpStream::connect(("127.0.0.1", http)).is_ok()
+                {
+                    break true;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "nginx did not listen within 30 s: {}",
+                    std::fs::read_to_string(work.join("error.log")).unwrap_or_default()
+                );
+                std::thread::sleep(Duration::from_millis(20));
+            };
+            if bound {
+                return Some(n);
+            }
+            eprintln!(
+                "nginx exited (attempt {attempt}): {}",
+                std::fs::read_to_string(work.join("error.log")).unwrap_or_default()
             );
-            std::thread::sleep(Duration::from_millis(20));
         }
-        Some(n)
+        panic!("nginx did not start in 5 attempts (see above)");
     }
 
     fn https(&self, path: &str) -> String {
