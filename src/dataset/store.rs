@@ -396,8 +396,8 @@ impl Store {
 
     /// The client of a web server's origin (`https://host[:port]`): plain
     /// ranged GETs and HEADs, no credentials, no listing. Certificates are
-    /// checked against the system's roots (`SSL_CERT_FILE` /
-    /// `SSL_CERT_DIR` add others).
+    /// checked against the system's roots (`SSL_CERT_FILE` or
+    /// `SSL_CERT_DIR`, when set, are used instead).
     fn web(origin: &str) -> Result<Store> {
         let http = object_store::http::HttpBuilder::new()
             .with_url(origin)
