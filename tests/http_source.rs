@@ -19,9 +19,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use kspeed::dataset::Space;
-use kspeed::landing::{CudaMode, LandingOptions};
 use kspeed::loader::LoaderBuilder;
-use kspeed::Error;
 use s3h::*;
 
 const LIMIT: Duration = Duration::from_secs(240);
@@ -196,16 +194,6 @@ impl Nginx {
     }
 }
 
-fn landing() -> LandingOptions {
-    LandingOptions::default()
-        .ring_bytes(8 << 20)
-        .huge_pages(false)
-        .mlock(false)
-        .numa_node(None)
-        .gpu_pci(None)
-        .cuda(CudaMode::Off)
-}
-
 fn ok(o: &Output) -> String {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     String::from_utf8_lossy(&o.stdout).into_owned()
@@ -287,7 +275,7 @@ fn lists_and_shards_on_a_web_server() {
             .batch_size(8)
             .pollers(1)
             .pin(false)
-            .landing(landing())
+            .landing(small_landing())
             .build()
             .unwrap();
         l.set_epoch(0).unwrap();
@@ -318,19 +306,11 @@ fn lists_and_shards_on_a_web_server() {
         .batch_size(8)
         .pollers(1)
         .pin(false)
-        .landing(landing())
+        .landing(small_landing())
         .build()
         .unwrap();
-    let err = (|| -> Result<(), Error> {
-        l.set_epoch(0)?;
-        while l.next_batch()?.is_some() {}
-        Ok(())
-    })()
-    .expect_err("a replaced shard must fail its reads");
-    assert!(
-        err.to_string().contains(&web.https("shards/000.tar")),
-        "{err}"
-    );
+    let text = epoch_error(&mut l, "a replaced shard must fail its reads");
+    assert!(text.contains(&web.https("shards/000.tar")), "{text}");
 
     // Refused by name: a folder (a web server lists nothing), a missing
     // file in a list (its line), an untrusted certificate.

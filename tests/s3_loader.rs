@@ -15,7 +15,6 @@ use std::time::Duration;
 
 use common::*;
 use kspeed::dataset::Catalog;
-use kspeed::landing::{CudaMode, LandingOptions};
 use kspeed::loader::LoaderBuilder;
 use kspeed::sampler::{Sampler, SamplerConfig};
 use kspeed::Error;
@@ -23,16 +22,6 @@ use s3h::*;
 
 const BUCKET: &str = "direct";
 const LIMIT: Duration = Duration::from_secs(240);
-
-fn landing() -> LandingOptions {
-    LandingOptions::default()
-        .ring_bytes(8 << 20)
-        .huge_pages(false)
-        .mlock(false)
-        .numa_node(None)
-        .gpu_pci(None)
-        .cuda(CudaMode::Off)
-}
 
 #[test]
 fn a_loader_reads_a_bucket_directly_in_order_and_byte_exact() {
@@ -76,7 +65,7 @@ fn a_loader_reads_a_bucket_directly_in_order_and_byte_exact() {
             .pollers(2)
             .queue_depth(16)
             .pin(false)
-            .landing(landing())
+            .landing(small_landing())
             .build()
             .unwrap();
         let sampler = Sampler::new(
@@ -123,7 +112,7 @@ fn a_loader_reads_a_bucket_directly_in_order_and_byte_exact() {
                 .batch_size(8)
                 .pollers(1)
                 .pin(false)
-                .landing(landing())
+                .landing(small_landing())
                 .build()?;
             l.set_epoch(0)?;
             let mut n = 0;
@@ -168,16 +157,10 @@ fn a_loader_reads_a_bucket_directly_in_order_and_byte_exact() {
         .batch_size(8)
         .pollers(1)
         .pin(false)
-        .landing(landing())
+        .landing(small_landing())
         .build()
         .unwrap();
-    let err = (|| -> Result<(), Error> {
-        l.set_epoch(0)?;
-        while l.next_batch()?.is_some() {}
-        Ok(())
-    })()
-    .expect_err("a replaced object must fail its read");
-    let text = err.to_string();
+    let text = epoch_error(&mut l, "a replaced object must fail its read");
     assert!(
         text.contains(&format!("s3://{BUCKET}/train/{victim}")),
         "{text}"

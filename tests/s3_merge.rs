@@ -19,26 +19,14 @@ use std::time::Duration;
 
 use common::*;
 use kspeed::dataset::Catalog;
-use kspeed::landing::{CudaMode, LandingOptions};
 use kspeed::loader::LoaderBuilder;
 use kspeed::sampler::{Sampler, SamplerConfig};
-use kspeed::Error;
 use s3h::*;
 
 const BUCKET: &str = "merge";
 const LIMIT: Duration = Duration::from_secs(240);
 const SHARDS: u64 = 4;
 const PER_SHARD: u64 = 100;
-
-fn landing() -> LandingOptions {
-    LandingOptions::default()
-        .ring_bytes(8 << 20)
-        .huge_pages(false)
-        .mlock(false)
-        .numa_node(None)
-        .gpu_pci(None)
-        .cuda(CudaMode::Off)
-}
 
 /// One epoch of rank `rank` of `world` with `block`; checks order and
 /// bytes and returns the GETs the proxy counted.
@@ -60,7 +48,7 @@ fn epoch(
         .pollers(2)
         .queue_depth(64)
         .pin(false)
-        .landing(landing())
+        .landing(small_landing())
         .build()
         .unwrap();
     let sampler = Sampler::new(
@@ -152,7 +140,7 @@ fn a_block_shuffle_merges_neighbouring_tar_members_into_one_get() {
         .pollers(1)
         .queue_depth(64)
         .pin(false)
-        .landing(landing())
+        .landing(small_landing())
         .build()
         .unwrap();
     let before = proxy.requests.load(Ordering::Relaxed);
@@ -178,16 +166,10 @@ fn a_block_shuffle_merges_neighbouring_tar_members_into_one_get() {
         .batch_size(16)
         .pollers(1)
         .pin(false)
-        .landing(landing())
+        .landing(small_landing())
         .build()
         .unwrap();
-    let err = (|| -> Result<(), Error> {
-        l.set_epoch(0)?;
-        while l.next_batch()?.is_some() {}
-        Ok(())
-    })()
-    .expect_err("a replaced shard must fail its reads");
-    let text = err.to_string();
+    let text = epoch_error(&mut l, "a replaced shard must fail its reads");
     assert!(
         text.contains(&format!("s3://{BUCKET}/shards/002.tar")),
         "{text}"

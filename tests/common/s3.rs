@@ -750,3 +750,27 @@ pub fn files_under(dir: &Path) -> Vec<PathBuf> {
     v.sort();
     v
 }
+
+/// A small host ring (8 MiB, no huge pages, no mlock, no GPU) for loaders
+/// reading a bucket or a web server in these tests.
+pub fn small_landing() -> kspeed::landing::LandingOptions {
+    kspeed::landing::LandingOptions::default()
+        .ring_bytes(8 << 20)
+        .huge_pages(false)
+        .mlock(false)
+        .numa_node(None)
+        .gpu_pci(None)
+        .cuda(kspeed::landing::CudaMode::Off)
+}
+
+/// Reads epoch 0 of `l` to its end, which must be an error (`why` says
+/// which one, for the panic): its text.
+pub fn epoch_error(l: &mut kspeed::loader::Loader, why: &str) -> String {
+    (|| -> kspeed::Result<()> {
+        l.set_epoch(0)?;
+        while l.next_batch()?.is_some() {}
+        Ok(())
+    })()
+    .expect_err(why)
+    .to_string()
+}
