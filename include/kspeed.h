@@ -499,7 +499,7 @@ void ksp_config_free(ksp_config *cfg);
 // | `gpu_pci` | text |  |  | none | bind the ring to the NUMA node of this GPU (PCI address, e.g. 0000:3b:00.0) |
 // | `cuda` | choice | auto, off, require |  | auto | register the ring with CUDA: when possible, never, or fail if not possible |
 // | `gpu_ring` | int | 0 to 1023 |  | none: a host ring | CUDA device ordinal: the ring lives in that GPU's memory and RDMA writes land there (cluster mode over RDMA with a `source`) |
-// | `mix` | list |  |  | none: one dataset (`space` or `source`) | a mixture of datasets read side by side (single node): `PATH:WEIGHT` entries, PATH a space directory, a catalog (`.ksc`) or a source, WEIGHT a proportion (`0.7`), `repeat=R` or `choose=N` (none: `repeat=1`); ids follow the order given |
+// | `mix` | list |  |  | none: one dataset (`space` or `source`) | a mixture of datasets read side by side (in cluster mode the nodes serve the same spaces side by side: `kspeed serve --space A --space B`): `PATH:WEIGHT` entries, PATH a space directory, a catalog (`.ksc`) or a source, WEIGHT a proportion (`0.7`), `repeat=R` or `choose=N` (none: `repeat=1`); ids follow the order given |
 // | `mix_epoch_size` | int | 1 and up | samples | the datasets' total length | samples per epoch that a mixture's proportions divide |
 // | `start_epoch` | int | 0 and up |  | 0 | first epoch |
 // | `end_epoch` | int | 1 and up |  | none: read-ahead runs on into the next epoch | the job reads epochs below this one only: nothing is read ahead past its last sample (`kspeed read --epochs`) |

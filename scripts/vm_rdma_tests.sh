@@ -1,11 +1,12 @@
 #!/bin/bash
 # Runs inside the soft-RoCE VM (../shared/rdma-vm/run-in-vm.sh): the RDMA
 # test binary, then the cluster tests over RDMA. scripts/test.sh calls it:
-#   run-in-vm.sh -- scripts/vm_rdma_tests.sh RDMA_TEST_BIN CLUSTER_TEST_BIN [REBALANCE_TEST_BIN]
+#   run-in-vm.sh -- scripts/vm_rdma_tests.sh RDMA_TEST_BIN CLUSTER_TEST_BIN [REBALANCE_TEST_BIN [CLUSTER_MIX_TEST_BIN]]
 set -euo pipefail
 rdma_bin=$1
 cluster_bin=$2
 rebalance_bin=${3:-}
+cluster_mix_bin=${4:-}
 # Nodes 2 and 3 get their own addresses on the RDMA interface (rxe adds a
 # RoCE v2 GID for each), so every node has its own GID as on a real cluster.
 for ip in 10.77.0.2 10.77.0.3; do
@@ -25,4 +26,9 @@ if [ -n "$rebalance_bin" ]; then
   echo "== node services restarted mid-epoch over RDMA (KSPEED_TEST_RDMA=1)"
   KSPEED_TEST_RDMA=1 "$rebalance_bin" --test-threads 1 \
     node_killed_and_restarted a_node_that_comes_back_changed
+fi
+if [ -n "$cluster_mix_bin" ]; then
+  echo "== a mixture of two spaces served side by side, over RDMA (KSPEED_TEST_RDMA=1)"
+  KSPEED_TEST_RDMA=1 "$cluster_mix_bin" --test-threads 1 \
+    two_ranks_read_a_mixture a_node_killed_mid_epoch
 fi

@@ -17,10 +17,11 @@
 //! the file; split, each part would need all of it.)
 
 mod common;
+#[path = "common/nodes.rs"]
+mod nodes;
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -32,6 +33,7 @@ use kspeed::loader::{Loader, LoaderBuilder};
 use kspeed::sampler::{Sampler, SamplerConfig};
 use kspeed::transport::Cluster;
 use kspeed::Error;
+use nodes::{Netns, Serve};
 
 const TOKEN: &str = "job-29-token";
 
@@ -49,138 +51,6 @@ fn node_ip(i: usize) -> String {
         format!("10.77.0.{}", i + 1)
     } else {
         format!("127.0.0.{}", i + 1)
-    }
-}
-
-/// A `kspeed serve` process (in a namespace when given); killed on drop.
-struct Serve {
-    child: Child,
-    addr: String,
-}
-
-impl Serve {
-    fn start(space: &Path, listen: &str, token: &Path, netns: Option<&str>) -> Serve {
-        let mut cmd = match netns {
-            Some(ns) => {
-                let mut c = Command::new("ip");
-                c.args(["netns", "exec", ns, kspeed_bin()]);
-                c
-            }
-            None => Command::new(kspeed_bin()),
-        };
-        let mut child = cmd
-            .args(["serve", "--space", s(space), "--listen", listen])
-            .args(["--token-file", s(token), "--pollers", "1"])
-            .args(if rdma_mode() && netns.is_none() {
-                &["--rdma"][..]
-            } else {
-                &[]
-            })
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start kspeed serve");
-        let mut out = BufReader::new(child.stdout.take().unwrap());
-        let mut line = String::new();
-        loop {
-            line.clear();
-            out.read_line(&mut line).unwrap();
-            if line.is_empty() || line.starts_with("serving") {
-                break;
-            }
-        }
-        let addr = line
-            .trim()
-            .rsplit(' ')
-            .next()
-            .unwrap_or_default()
-            .to_string();
-        assert!(addr.contains(':'), "serve printed {line:?}");
-        Serve { child, addr }
-    }
-
-    fn kill9(mut self) {
-        let _ = Command::new("kill")
-            .args(["-KILL", &self.child.id().to_string()])
-            .status();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Serve {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// Network namespaces joined to this one by veth pairs (namespace i has
-/// 10.77.<i>.2); removed on drop. Holds /tmp/kspeed-netns.lock as
-/// tests/cluster.rs does: the addresses are fixed.
-struct Netns {
-    names: Vec<String>,
-    _lock: std::fs::File,
-}
-
-impl Netns {
-    fn create(n: usize) -> Option<Netns> {
-        let tag = std::process::id() % 100_000;
-        let path = "/tmp/kspeed-netns.lock";
-        let lock = std::fs::File::open(path)
-            .or_else(|_| {
-                std::os::unix::fs::OpenOptionsExt::mode(
-                    std::fs::OpenOptions::new()
-                        .create(true)
-                        .truncate(false)
-                        .write(true),
-                    0o666,
-                )
-                .open(path)
-            })
-            .ok()?;
-        lock.lock().ok()?;
-        let mut ns = Netns {
-            names: Vec::new(),
-            _lock: lock,
-        };
-        for i in 0..n {
-            let name = format!("ksr{tag}n{i}");
-            let host = format!("krh{tag}{i}");
-            let peer = format!("krp{tag}{i}");
-            let (a1, a2) = (format!("10.77.{i}.1/24"), format!("10.77.{i}.2/24"));
-            let cmds: Vec<Vec<&str>> = vec![
-                vec!["netns", "add", &name],
-                vec!["link", "add", &host, "type", "veth", "peer", "name", &peer],
-                vec!["link", "set", &peer, "netns", &name],
-                vec!["addr", "add", &a1, "dev", &host],
-                vec!["link", "set", &host, "up"],
-                vec!["-n", &name, "addr", "add", &a2, "dev", &peer],
-                vec!["-n", &name, "link", "set", &peer, "up"],
-                vec!["-n", &name, "link", "set", "lo", "up"],
-            ];
-            for (k, c) in cmds.iter().enumerate() {
-                let ok = Command::new("ip")
-                    .args(c)
-                    .status()
-                    .is_ok_and(|s| s.success());
-                if k == 0 && ok {
-                    ns.names.push(name.clone());
-                }
-                if !ok {
-                    skip(&format!("`ip {}` failed", c.join(" ")));
-                    return None;
-                }
-            }
-        }
-        Some(ns)
-    }
-}
-
-impl Drop for Netns {
-    fn drop(&mut self) {
-        for n in &self.names {
-            let _ = Command::new("ip").args(["netns", "del", n]).status();
-        }
     }
 }
 

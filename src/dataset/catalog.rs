@@ -1082,3 +1082,16 @@ impl Catalog {
         changes
     }
 }
+
+/// The identity of a mixture of datasets side by side in one id space, in
+/// the order given (`LoaderBuilder::mix`; a node service serving several
+/// spaces): a hash of the dataset count and every catalog's identity, so
+/// another dataset, order or count is another identity (docs/FORMAT.md,
+/// "Mixing datasets").
+pub fn mixture_identity(catalog_identities: &[u32]) -> u32 {
+    let mut h = crate::hash::mix64(catalog_identities.len() as u64);
+    for &c in catalog_identities {
+        h = crate::hash::mix64(h ^ c as u64);
+    }
+    (h ^ (h >> 32)) as u32
+}

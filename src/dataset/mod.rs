@@ -19,7 +19,7 @@ mod store_scan;
 #[cfg(feature = "s3")]
 mod store_url;
 
-pub use catalog::{BuildOptions, Catalog, Sample};
+pub use catalog::{mixture_identity, BuildOptions, Catalog, Sample};
 pub use owner::{OwnerFn, Placement};
 pub use preload::{preload, unload, PreloadOptions, PreloadReport, SpaceLock};
 pub use rebalance::{rebalance, Fetch, RebalanceOptions, RebalanceReport, SourceFetch};

@@ -197,8 +197,8 @@ impl LoaderBuilder {
         }
     }
 
-    /// Reads a mixture of datasets side by side in one id space (single
-    /// node): each a space directory, a catalog file (`.ksc`, read from
+    /// Reads a mixture of datasets side by side in one id space: each a
+    /// space directory, a catalog file (`.ksc`, read from
     /// the source it records) or a source (`DIR`, `list:FILE`, `tar:DIR`),
     /// with its [`Weight`]: every dataset a `Proportion` (of
     /// [`LoaderBuilder::mix_epoch_size`], default the datasets' total), or
@@ -206,7 +206,11 @@ impl LoaderBuilder {
     /// `offset_d + i` (the lengths of the datasets before it), and each
     /// sample says which dataset it came from
     /// ([`BatchSample::dataset`](super::BatchSample::dataset)). The order
-    /// is docs/FORMAT.md's mixing function.
+    /// is docs/FORMAT.md's mixing function. With a
+    /// [`cluster`](Self::cluster), a space may hold only this node's share
+    /// and a catalog stands for a dataset this node holds none of; the
+    /// nodes serve the same spaces in the same order (`kspeed serve
+    /// --space A --space B`), each placed alike.
     pub fn mix<S: AsRef<str>>(datasets: impl IntoIterator<Item = (S, Weight)>) -> Self {
         Self::new().set_mix(datasets)
     }
@@ -973,25 +977,19 @@ impl LoaderBuilder {
         let net = match self.cluster.clone() {
             None => None,
             Some(cluster) => {
-                let (placement, space_node) = match &input {
-                    Input::Space { space, .. } => (
-                        Some(space.params().placement),
-                        Some(space.params().node_index),
-                    ),
-                    // A mixture is refused with a cluster (input::open_mix).
-                    Input::Source { .. } | Input::Mix(_) => (None, None),
-                };
-                let cat = input.catalog();
+                let (placement, space_node) = input::cluster_placement(&input, &self.mix)?;
                 Some(net::NetSetup {
                     cluster,
                     token: self.token.clone(),
                     node_timeout: self.node_timeout,
                     connect_timeout: self.node_timeout.min(Duration::from_secs(5)),
                     hello: crate::transport::proto::Hello {
-                        catalog_identity: cat.identity(),
+                        // A mixture's: the nodes serve its spaces side by
+                        // side (`kspeed serve --space A --space B`).
+                        catalog_identity: input.identity(),
                         rank: self.rank,
                         world: self.world,
-                        catalog_samples: cat.len(),
+                        catalog_samples: input.len(),
                         seed: self.seed,
                         ring_addr: 0,
                         ring_len: ring.len() as u64,

@@ -87,7 +87,6 @@ pub(super) fn open_input(
             )
         }
         (None, Some(src)) => {
-            let spec = SourceSpec::parse(src)?;
             // A bucket is read by GETs from the pollers' object-store
             // backends (ring/store.rs); in cluster mode the nodes read and
             // the bucket is read only when every copy of a sample is lost
@@ -95,18 +94,29 @@ pub(super) fn open_input(
             let catalog = match catalog {
                 Some(c) => {
                     let cat = Catalog::open(c)?;
-                    // A catalog indexes one source: reading it "from"
-                    // another would silently read the catalog's source.
-                    if cat.source_spec() != spec {
-                        return Err(Error::CatalogOfAnotherSource {
-                            catalog: c.clone(),
-                            catalog_source: cat.source().into_owned(),
-                            given: spec.to_source_string(),
-                        });
+                    match SourceSpec::parse(src) {
+                        // A catalog indexes one source: reading it "from"
+                        // another would silently read the catalog's source.
+                        Ok(spec) if cat.source_spec() != spec => {
+                            return Err(Error::CatalogOfAnotherSource {
+                                catalog: c.clone(),
+                                catalog_source: cat.source().into_owned(),
+                                given: spec.to_source_string(),
+                            });
+                        }
+                        Ok(_) => {}
+                        // In cluster mode the source is the last resort:
+                        // a rank on a node without it still reads what the
+                        // nodes serve.
+                        Err(e @ Error::Io { .. }) if cluster => log::info!(
+                            "the source is not reachable here ({e}); every sample comes from the nodes, and one no node can serve fails"
+                        ),
+                        Err(e) => return Err(e),
                     }
                     cat
                 }
                 None => {
+                    let spec = SourceSpec::parse(src)?;
                     log::info!(
                         "no catalog given: building one of {src} (reads every file to checksum it)"
                     );
@@ -138,18 +148,15 @@ pub(super) fn open_input(
 /// Opens every dataset of the mixture ([`LoaderBuilder::mix`]) side by
 /// side: ids follow the order given, extents are registered in that
 /// order. Returns the mixture with the largest alignment (a multiple of
-/// every other: alignments are powers of two).
+/// every other: alignments are powers of two). In cluster mode a space
+/// may hold only this node's share (the rest comes from the nodes serving
+/// the same spaces side by side: `kspeed serve --space A --space B`), and a
+/// catalog stands for a dataset this node holds none of.
 pub(super) fn open_mix(
     mix: &[(String, Weight)],
     cluster: bool,
     direct_io: &mut bool,
 ) -> Result<(Input, u64)> {
-    if cluster {
-        return Err(Error::InvalidConfig(
-            "a mixture of datasets is read on a single node for now (cluster mode takes one space)"
-                .into(),
-        ));
-    }
     let mut parts = Vec::with_capacity(mix.len());
     let mut align = 4096u64;
     let mut any_space = false;
@@ -162,11 +169,12 @@ pub(super) fn open_mix(
         }
         let (input, a) = if path.join(crate::dataset::space::files::MANIFEST).is_file() {
             any_space = true;
-            open_input(Some(&path), None, None, false, direct_io)?
+            open_input(Some(&path), None, None, cluster, direct_io)?
         } else if what.ends_with(".ksc") && path.is_file() {
-            // A catalog: read from the source it records.
+            // A catalog: read from the source it records (in cluster
+            // mode, from the nodes serving its space).
             let source = Catalog::open(&path)?.source().into_owned();
-            open_input(None, Some(&source), Some(&path), false, direct_io)?
+            open_input(None, Some(&source), Some(&path), cluster, direct_io)?
         } else {
             open_input(None, Some(what), None, false, direct_io)?
         };
@@ -177,7 +185,6 @@ pub(super) fn open_mix(
     let mut offsets = Vec::with_capacity(parts.len());
     let (mut extent_base, mut file_base) = (Vec::new(), Vec::new());
     let (mut id, mut extents, mut files) = (0u64, 0u32, 0u32);
-    let mut identity = crate::hash::mix64(parts.len() as u64);
     for p in &parts {
         offsets.push(id);
         extent_base.push(extents);
@@ -191,16 +198,61 @@ pub(super) fn open_mix(
         files = files
             .checked_add(p.file_count() as u32)
             .ok_or_else(|| Error::InvalidConfig("the mixture has over 2^32 files".into()))?;
-        identity = crate::hash::mix64(identity ^ p.catalog().identity() as u64);
     }
+    let identity = crate::dataset::mixture_identity(
+        &parts
+            .iter()
+            .map(|p| p.catalog().identity())
+            .collect::<Vec<_>>(),
+    );
     Ok((
         Input::Mix(Box::new(MixInput {
             parts,
             offsets,
             extent_base,
             file_base,
-            identity: (identity ^ (identity >> 32)) as u32,
+            identity,
         })),
         align,
     ))
+}
+
+/// The placement and node index a cluster loader's local spaces give
+/// (none without a space: the nodes' WELCOMEs tell it). A mixture's spaces
+/// must agree, as the nodes serving them side by side require.
+pub(super) fn cluster_placement(
+    input: &Input,
+    mix: &[(String, Weight)],
+) -> Result<(Option<crate::dataset::Placement>, Option<u32>)> {
+    let parts: Vec<(&Input, &str)> = match input {
+        Input::Mix(m) => m
+            .parts
+            .iter()
+            .zip(mix.iter().map(|(w, _)| w.as_str()))
+            .collect(),
+        input => vec![(input, "")],
+    };
+    let mut found: Option<(crate::dataset::Placement, u32, &str)> = None;
+    for (p, what) in parts {
+        let Input::Space { space, .. } = p else {
+            continue;
+        };
+        let (pl, node) = (space.params().placement, space.params().node_index);
+        match found {
+            None => found = Some((pl, node, what)),
+            Some((fp, fnode, fwhat)) if fp != pl || fnode != node => {
+                return Err(Error::InvalidConfig(format!(
+                    "mix: {what} is node {node} of {} with {} copies ({}), but {fwhat} is node {fnode} of {} with {} copies ({}): the spaces of a mixture read in cluster mode are placed alike (preload them with the same --nodes, --node-index and --copies)",
+                    pl.nodes,
+                    pl.replicas,
+                    pl.owner_fn.name(),
+                    fp.nodes,
+                    fp.replicas,
+                    fp.owner_fn.name()
+                )))
+            }
+            Some(_) => {}
+        }
+    }
+    Ok((found.map(|f| f.0), found.map(|f| f.1)))
 }

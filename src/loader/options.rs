@@ -252,7 +252,7 @@ pub static OPTIONS: &[OptionSpec] = &[
     opt!("gpu_ring", int(0, 1023), "", "none: a host ring", "gpu-ring",
         "CUDA device ordinal: the ring lives in that GPU's memory and RDMA writes land there (cluster mode over RDMA with a `source`)"),
     opt!("mix", OptionKind::List, "", "none: one dataset (`space` or `source`)", "mix",
-        "a mixture of datasets read side by side (single node): `PATH:WEIGHT` entries, PATH a space directory, a catalog (`.ksc`) or a source, WEIGHT a proportion (`0.7`), `repeat=R` or `choose=N` (none: `repeat=1`); ids follow the order given"),
+        "a mixture of datasets read side by side (in cluster mode the nodes serve the same spaces side by side: `kspeed serve --space A --space B`): `PATH:WEIGHT` entries, PATH a space directory, a catalog (`.ksc`) or a source, WEIGHT a proportion (`0.7`), `repeat=R` or `choose=N` (none: `repeat=1`); ids follow the order given"),
     opt!("mix_epoch_size", int(1, u64::MAX), "samples", "the datasets' total length", "mix-epoch-size",
         "samples per epoch that a mixture's proportions divide"),
     opt!("start_epoch", int(0, u64::MAX), "", "0", "start-epoch", "first epoch"),

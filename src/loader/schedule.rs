@@ -10,6 +10,7 @@
 //! segment boundary (the ring's end, and every 1 GiB, the largest buffer
 //! io_uring registers): it moves to the boundary instead, leaving padding.
 
+#[cfg(test)]
 use crate::dataset::Catalog;
 use crate::sampler::{ElasticSampler, JobPosition, Position, RemainderOrder, Sampler};
 
@@ -184,6 +185,7 @@ impl Cursor {
     }
 
     /// Schedules the next sample.
+    #[cfg(test)]
     pub fn next(&mut self, catalog: &Catalog) -> Placed {
         self.next_with(|id| catalog.sample(id).len as u64)
     }

@@ -91,6 +91,35 @@ impl Input {
         input.catalog().sample(local)
     }
 
+    /// Sample `id`'s dataset's catalog, its entry there, and its file's key
+    /// among every dataset's files (a descriptor cache's key).
+    pub(crate) fn source_sample(&self, id: u64) -> (&Catalog, crate::dataset::Sample, u32) {
+        let (d, input, local) = self.part(id);
+        let base = match self {
+            Input::Mix(m) => m.file_base[d],
+            _ => 0,
+        };
+        let cat = input.catalog();
+        let s = cat.sample(local);
+        (cat, s, base + s.file)
+    }
+
+    /// The id sample `id` has in its own dataset: what its holders are
+    /// computed from (each space of a mixture was placed by its own ids).
+    pub(crate) fn placed_id(&self, id: u64) -> u64 {
+        self.part(id).2
+    }
+
+    /// Samples this node's spaces hold (every sample without a space:
+    /// sources are read whole).
+    pub(crate) fn held_samples(&self) -> u64 {
+        match self {
+            Input::Space { space, .. } => space.held_samples(),
+            Input::Source { .. } => 0,
+            Input::Mix(m) => m.parts.iter().map(|p| p.held_samples()).sum(),
+        }
+    }
+
     /// Samples in every dataset together.
     pub(crate) fn len(&self) -> u64 {
         match self {
@@ -251,10 +280,7 @@ impl Shared {
         if self.net.is_none() {
             return true;
         }
-        match &self.input {
-            Input::Space { space, .. } => space.held_samples() > 0,
-            Input::Source { .. } | Input::Mix(_) => false,
-        }
+        self.input.held_samples() > 0
     }
 
     /// Whether the local pollers read sample `id` (else the network thread
@@ -263,9 +289,9 @@ impl Shared {
         if self.net.is_none() {
             return true;
         }
-        match &self.input {
-            Input::Space { space, .. } => space.location(id).is_some(),
-            Input::Source { .. } | Input::Mix(_) => false,
+        match self.input.part(id) {
+            (_, Input::Space { space, .. }, local) => space.location(local).is_some(),
+            _ => false,
         }
     }
 

@@ -134,9 +134,13 @@ fn parse_octal_mode(s: &str) -> Result<u32, String> {
 
 #[derive(Args)]
 struct ServeArgs {
-    /// The preloaded space of this node.
-    #[arg(long)]
-    space: PathBuf,
+    /// The preloaded space of this node. Give it again to serve several
+    /// spaces side by side in one id space, for consumers reading them as
+    /// a mixture (`kspeed read --mix A --mix B …` or the `mix` option, the
+    /// same spaces in the same order; weights are the consumers' own): every
+    /// space must be preloaded for the same nodes and copies.
+    #[arg(long = "space", required = true)]
+    spaces: Vec<PathBuf>,
     /// Address to listen on, host:port.
     #[arg(long, default_value = "0.0.0.0:7400")]
     listen: String,
@@ -599,7 +603,8 @@ fn run(cli: Cli) -> kspeed::Result<ExitCode> {
         Cmd::Rebalance(a) => rebalance_cmd::run(a, progress)?,
         Cmd::Serve(a) => {
             let token = read_token(&a.token_file)?;
-            let mut cfg = kspeed::transport::ServeConfig::new(&a.space, &a.listen, &token);
+            let mut cfg = kspeed::transport::ServeConfig::new(&a.spaces[0], &a.listen, &token);
+            cfg.more_spaces = a.spaces[1..].to_vec();
             if let Some(p) = a.pollers {
                 cfg.pollers = p;
             }
@@ -631,7 +636,9 @@ fn run(cli: Cli) -> kspeed::Result<ExitCode> {
                     println!("metrics on http://{m}/metrics");
                 }
                 // Scripts wait for this line (and read the port from it).
-                println!("serving {} on {}", a.space.display(), svc.local_addr());
+                let spaces: Vec<String> =
+                    a.spaces.iter().map(|s| s.display().to_string()).collect();
+                println!("serving {} on {}", spaces.join(" + "), svc.local_addr());
                 use std::io::Write;
                 let _ = std::io::stdout().flush();
             })?;

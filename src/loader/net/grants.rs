@@ -219,8 +219,9 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             let idx = p.g as usize & self.mask;
             debug_assert!(!self.table[idx].live, "local failover onto a live entry");
             let mut tried = 0u64;
+            let placed = self.sh.input.placed_id(p.id);
             for r in 0..placement.replicas {
-                if Some(placement.holder(p.id, r)) == local {
+                if Some(placement.holder(placed, r)) == local {
                     tried |= 1 << r;
                 }
             }
@@ -291,7 +292,8 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             let p = match self.pending.take() {
                 Some(p) => p,
                 None => {
-                    let p = self.cursor.next(self.sh.input.catalog());
+                    let input = &self.sh.input;
+                    let p = self.cursor.next_with(|id| input.sample(id).len as u64);
                     self.new_epoch(p.pos.epoch);
                     p
                 }
@@ -383,11 +385,12 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         let s = self.table[idx];
         let placement = self.placement;
         let now = self.ring.now();
+        let placed = self.sh.input.placed_id(s.id);
         for r in 0..placement.replicas {
             if s.tried & (1 << r) != 0 {
                 continue;
             }
-            let node = placement.holder(s.id, r) as usize;
+            let node = placement.holder(placed, r) as usize;
             let Some(c) = self.conns.get_mut(node) else {
                 continue;
             };
@@ -442,8 +445,9 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         let placement = self.placement;
         let mut tried = String::new();
         let local_error = self.local_done(idx);
+        let placed = self.sh.input.placed_id(s.id);
         for r in 0..placement.replicas {
-            let node = placement.holder(s.id, r) as usize;
+            let node = placement.holder(placed, r) as usize;
             if let Some(c) = self.conns.get(node) {
                 let why = if let Some(e) = local_error
                     .as_deref()
@@ -516,7 +520,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
     pub(super) fn finish_sample(&mut self, i: usize, idx: usize) {
         let s = self.table[idx];
         if self.sh.cfg.verify_crc32c {
-            let want = self.sh.input.catalog().sample(s.id).crc32c;
+            let want = self.sh.input.sample(s.id).crc32c;
             // SAFETY: every byte of the slot was received and it is unpublished.
             let got = crc32c::crc32c(unsafe {
                 std::slice::from_raw_parts(self.ring_ptr(s.phys), s.len as usize)

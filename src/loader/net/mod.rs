@@ -796,7 +796,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             local_errors: Vec::new(),
             epoch: None,
             progress_slack: Duration::from_secs_f64(
-                sh.input.catalog().max_sample_bytes() as f64 / MIN_PROGRESS_BYTES_PER_SEC as f64,
+                sh.input.max_sample_bytes() as f64 / MIN_PROGRESS_BYTES_PER_SEC as f64,
             ),
             cursor,
             pending: None,

@@ -291,10 +291,12 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         // A new connection is a fresh try: the entries waiting for another
         // place (their tries of the old connection marked) may go to it.
         let placement = self.placement;
+        let input = &self.sh.input;
         for t in self.table.iter_mut() {
             if t.live && t.node == super::NONE {
+                let placed = input.placed_id(t.id);
                 for c in 0..placement.replicas {
-                    if placement.holder(t.id, c) == node {
+                    if placement.holder(placed, c) == node {
                         t.tried &= !(1u64 << c);
                     }
                 }

@@ -126,16 +126,15 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         );
         // No connection's failover may touch it now.
         self.table[idx].node = super::NONE;
-        let cat = self.sh.input.catalog();
-        let sample = cat.sample(s.id);
+        let (cat, sample, key) = self.sh.input.source_sample(s.id);
         if self.sources.remote {
             return self.start_store_read(slot, idx, tried);
         }
         // Opening is the one blocking call left (once per file and run).
         self.stall.phase(crate::stall::Phase::Open);
-        let lease = self.source_fds.acquire(sample.file, || {
-            std::fs::File::open(cat.file_path(sample.file))
-        });
+        let lease = self
+            .source_fds
+            .acquire(key, || std::fs::File::open(cat.file_path(sample.file)));
         let r = &mut self.sources.slots[slot];
         debug_assert!(r.idx.is_none() && !r.in_ring, "source slot {slot} taken");
         r.idx = Some(idx);
@@ -240,7 +239,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         let r = &self.sources.slots[slot];
         let idx = r.idx.expect("busy source slot");
         let s = self.table[idx];
-        let sample = self.sh.input.catalog().sample(s.id);
+        let sample = self.sh.input.sample(s.id);
         let done = r.done_bytes as usize;
         let base = if self.sh.ring.device().is_some() {
             r.bounce.as_ptr() as *mut u8
@@ -361,8 +360,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             self.source_fds.release(l);
         }
         let s = self.table[idx];
-        let cat = self.sh.input.catalog();
-        let sample = cat.sample(s.id);
+        let (cat, sample, _) = self.sh.input.source_sample(s.id);
         let device = self.sh.ring.device();
         let res = res.and_then(|()| {
             let r = &self.sources.slots[slot];
@@ -406,8 +404,9 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                 let placement = self.placement;
                 let mut back = 0u64;
                 let mut refused = None;
+                let placed = self.sh.input.placed_id(s.id);
                 for r in 0..placement.replicas {
-                    let node = placement.holder(s.id, r) as usize;
+                    let node = placement.holder(placed, r) as usize;
                     if !self.stopping && self.coming_back(node) {
                         back |= 1 << r;
                     } else if refused.is_none() {

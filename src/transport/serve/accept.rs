@@ -934,14 +934,21 @@ impl Acceptor {
         if let Err(m) = hello.check() {
             return Step::Refused(Refusal::Other, Some(Code::Violation), m);
         }
-        let cat = c.space.catalog();
-        if hello.catalog_identity != cat.identity() || hello.catalog_samples != cat.len() {
+        if !c.space.accepts(hello.catalog_identity) || hello.catalog_samples != c.space.len() {
             let m = format!(
-                "consumer's catalog (identity {:08x}, {} samples) is not this node's ({:08x}, {} samples)",
+                "consumer's catalog (identity {:08x}, {} samples) is not this node's ({:08x}, {} samples{})",
                 hello.catalog_identity,
                 hello.catalog_samples,
-                cat.identity(),
-                cat.len()
+                c.space.identity(),
+                c.space.len(),
+                if c.cfg.more_spaces.is_empty() {
+                    String::new()
+                } else {
+                    format!(
+                        "; the mixture of {} spaces, in this order",
+                        1 + c.cfg.more_spaces.len()
+                    )
+                }
             );
             return Step::Refused(Refusal::Other, Some(Code::WrongDataset), m);
         }

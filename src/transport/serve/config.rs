@@ -12,6 +12,12 @@ use crate::transport::proto;
 pub struct ServeConfig {
     /// The preloaded space this node serves.
     pub space: PathBuf,
+    /// Further spaces served after `space`, side by side in one id space:
+    /// the datasets of a mixture, in the order its consumers list them
+    /// (`--space A --space B`; dataset d's sample i is id i plus the
+    /// lengths of the datasets before it). Every one must be placed as
+    /// `space` is (nodes, copies, this node's index). Empty by default.
+    pub more_spaces: Vec<PathBuf>,
     /// Address to listen on (`host:port`; port 0 picks one).
     pub listen: String,
     /// Job token every consumer must present.
@@ -75,10 +81,18 @@ pub struct ServeConfig {
 }
 
 impl ServeConfig {
+    /// Every space served, `space` first.
+    pub fn spaces(&self) -> Vec<PathBuf> {
+        std::iter::once(self.space.clone())
+            .chain(self.more_spaces.iter().cloned())
+            .collect()
+    }
+
     /// Defaults for a space and listen address.
     pub fn new(space: impl Into<PathBuf>, listen: &str, token: &[u8]) -> Self {
         ServeConfig {
             space: space.into(),
+            more_spaces: Vec::new(),
             listen: listen.to_string(),
             token: token.to_vec(),
             pollers: crate::placement::default_pollers(),

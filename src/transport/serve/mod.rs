@@ -18,7 +18,8 @@
 //! starts, checked every tick never to have grown). Running out of staging
 //! slots is back-pressure: reads wait, grants stay queued.
 //!
-//! Files: `config` (settings and limits), `service` (start, stop,
+//! Files: `config` (settings and limits), `served` (the space, or
+//! several side by side in one id space), `service` (start, stop,
 //! signals), `accept` (the acceptor and the TCP handshake),
 //! `owner_rdma` (verbs resources, the staging slab's registration, the
 //! RDMA handshake and link; `no_rdma.rs` stands in for it without the
@@ -47,6 +48,7 @@ mod owner_rdma;
 mod poller;
 mod push;
 mod rx;
+mod served;
 mod service;
 #[cfg(test)]
 pub(crate) mod sim_node;
@@ -61,10 +63,10 @@ pub use config::{ServeConfig, MIN_IDLE_TIMEOUT};
 pub use service::{serve_until_signal, NodeService};
 
 use super::proto::{self, Code, Header, Hello};
-use crate::dataset::Space;
 use owner_rdma::OwnerRdma;
 #[cfg(feature = "rdma")]
 use owner_rdma::{rdma_handshake, RdmaAccepted};
+use served::Served;
 
 /// Counters of a running service.
 #[derive(Debug, Default)]
@@ -114,7 +116,8 @@ impl std::fmt::Debug for Common {
 }
 
 struct Common {
-    space: Space,
+    /// The space, or the spaces side by side (`more_spaces`).
+    space: Served,
     extents: Vec<std::fs::File>,
     /// With `page_cache`: the extents mapped read-only.
     maps: Vec<crate::sys::ReadOnlyMap>,

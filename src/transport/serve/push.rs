@@ -62,7 +62,7 @@ impl<R: IoBackend> ServePoller<R> {
         let e = w.e;
         let space = &self.c.space;
         let loc = space.location(e.sample);
-        let Some(loc) = loc else {
+        let Some((loc, align)) = loc else {
             // Not held here: an ERROR frame for this grant.
             c.grants.pop_front();
             let s = Slot::new(ci, e.grant, self.ring.now());
@@ -77,7 +77,7 @@ impl<R: IoBackend> ServePoller<R> {
             c.sendq.push_back(slot);
             return true;
         };
-        let align = space.params().align_bytes as u64;
+        let align = align as u64;
         let slot_len = (e.len as u64).next_multiple_of(align);
         let off = w.next;
         let payload = self.chunk.min(e.len as u64 - off) as u32;

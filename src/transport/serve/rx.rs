@@ -96,7 +96,6 @@ impl<R: IoBackend> ServePoller<R> {
                     self.close(ci, Some((Code::TooManyGrants, m)));
                     return;
                 }
-                let cat = self.c.space.catalog();
                 for i in 0..n {
                     let e = GrantEntry::decode(c.rx.body(&h), i);
                     let bad = if e.grant == proto::CONNECTION {
@@ -107,20 +106,20 @@ impl<R: IoBackend> ServePoller<R> {
                             "grant id {:#x} is reserved for the connection",
                             e.grant
                         ))
-                    } else if e.sample >= cat.len() {
+                    } else if e.sample >= self.c.space.len() {
                         Some(format!(
                             "grant {} names sample {}, past the catalog's {}",
                             e.grant,
                             e.sample,
-                            cat.len()
+                            self.c.space.len()
                         ))
-                    } else if cat.sample(e.sample).len != e.len {
+                    } else if self.c.space.sample_len(e.sample) != e.len {
                         Some(format!(
                             "grant {} says sample {} has {} bytes; the catalog says {}",
                             e.grant,
                             e.sample,
                             e.len,
-                            cat.sample(e.sample).len
+                            self.c.space.sample_len(e.sample)
                         ))
                     } else if e.offset.saturating_add(e.len as u64) > c.hello.ring_len {
                         Some(format!(

@@ -9,9 +9,9 @@ use std::thread::JoinHandle;
 
 use super::owner_rdma::open_owner_rdma;
 use super::poller::ServePoller;
+use super::served::Served;
 use super::staging::Staging;
 use super::{accept, metrics, Accepted, Common, ServeConfig, ServeStats};
-use crate::dataset::Space;
 use crate::error::{Error, Result};
 use crate::ring::{Uring, UringOptions};
 use crate::transport::proto;
@@ -23,7 +23,7 @@ pub struct NodeService {
     common: Arc<Common>,
     threads: Vec<JoinHandle<()>>,
     /// Held shared while serving: unload and preload --refresh refuse, naming this pid.
-    _space_lock: crate::dataset::preload::SpaceLock,
+    _space_locks: Vec<crate::dataset::preload::SpaceLock>,
 }
 
 impl NodeService {
@@ -42,10 +42,13 @@ impl NodeService {
     fn start_with(cfg: ServeConfig, signal_on_failure: bool) -> Result<NodeService> {
         cfg.validate()?;
         crate::sys::raise_open_files_limit();
-        let space_lock = crate::dataset::preload::SpaceLock::shared(&cfg.space)?;
-        let space = Space::open(&cfg.space)?;
-        space.check_extents()?;
-        let align = space.params().align_bytes;
+        let paths = cfg.spaces();
+        let space_locks = paths
+            .iter()
+            .map(|p| crate::dataset::preload::SpaceLock::shared(p))
+            .collect::<Result<Vec<_>>>()?;
+        let space = Served::open(&paths)?;
+        let align = space.align_bytes();
         let chunk = cfg
             .chunk_bytes
             .clamp(align, proto::MAX_DATA_BYTES)
@@ -63,10 +66,10 @@ impl NodeService {
         }
         let mut extents = Vec::new();
         let mut warned = false;
-        for i in 0..space.extent_lens().len() as u32 {
-            let path = space.extent_path(i);
+        let extent_paths = space.extent_paths();
+        for path in &extent_paths {
             let (f, direct) =
-                crate::sys::open_direct(&path).map_err(|e| Error::io("open", &path, e))?;
+                crate::sys::open_direct(path).map_err(|e| Error::io("open", path, e))?;
             if !direct && !cfg.page_cache && !std::mem::replace(&mut warned, true) {
                 // Not silent: every read then goes through the page cache.
                 log::warn!(
@@ -78,11 +81,10 @@ impl NodeService {
         }
         let mut maps = Vec::new();
         if cfg.page_cache {
-            for i in 0..space.extent_lens().len() as u32 {
-                let path = space.extent_path(i);
-                let f = std::fs::File::open(&path).map_err(|e| Error::io("open", &path, e))?;
+            for path in &extent_paths {
+                let f = std::fs::File::open(path).map_err(|e| Error::io("open", path, e))?;
                 maps.push(
-                    crate::sys::ReadOnlyMap::new(&f).map_err(|e| Error::io("mmap", &path, e))?,
+                    crate::sys::ReadOnlyMap::new(&f).map_err(|e| Error::io("mmap", path, e))?,
                 );
             }
         }
@@ -140,7 +142,7 @@ impl NodeService {
             metrics_addr,
             common: common.clone(),
             threads: Vec::new(),
-            _space_lock: space_lock,
+            _space_locks: space_locks,
         };
         let mut senders = Vec::new();
         for (i, (ring, staging)) in parts.into_iter().enumerate() {
@@ -210,9 +212,9 @@ impl NodeService {
         }
         log::info!(
             "serving {} ({} of {} samples, node {} of {}) on {addr}",
-            common.cfg.space.display(),
+            Served::describe(&common.cfg.spaces()),
             common.space.held_samples(),
-            common.space.catalog().len(),
+            common.space.len(),
             common.space.params().node_index,
             common.space.params().placement.nodes
         );

@@ -16,6 +16,7 @@ use crossbeam_channel::Sender;
 
 use super::conn::{UD_KIND, UD_READ};
 use super::poller::ServePoller;
+use super::served::Served;
 use super::staging::Staging;
 use super::{metrics, Accepted, Common, ServeConfig, ServeStats};
 use crate::dataset::Space;
@@ -36,6 +37,7 @@ impl<R: IoBackend> SimNode<R> {
     /// read through each ring's fixed files (`Target::Fixed(extent)`).
     pub(crate) fn new(space: Space, mut cfg: ServeConfig, rings: Vec<R>) -> Self {
         let align = space.params().align_bytes;
+        let space = Served::new(vec![space], &[cfg.space.clone()]).expect("one space");
         cfg.chunk_bytes = cfg
             .chunk_bytes
             .clamp(align, proto::MAX_DATA_BYTES)
