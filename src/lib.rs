@@ -56,6 +56,7 @@ macro_rules! setters {
 // the agent use it; public so tests/attach.rs drives it across processes.
 #[doc(hidden)]
 pub mod agent;
+pub mod cache;
 pub mod dataset;
 pub mod error;
 pub(crate) mod format;

@@ -21,6 +21,9 @@
 //!
 //! Several datasets mix into one epoch in fixed proportions
 //! ([`MixSampler`], [`Weight`], in `mix.rs`).
+//!
+//! The next read of any sample after any moment is computed, in O(1)
+//! epochs' work ([`NextUse`], in `next_use.rs`): a cache evicts by it.
 
 use crate::error::{Error, Result};
 use crate::hash::mix64;
@@ -31,6 +34,7 @@ mod elastic;
 mod elastic_tests;
 mod mix;
 mod mix_position;
+mod next_use;
 mod permutation;
 mod saved;
 
@@ -41,6 +45,7 @@ pub use mix::{
     MAX_DATASETS,
 };
 pub use mix_position::{counts_hash, MixPosition};
+pub use next_use::{NextUse, NEVER};
 pub use permutation::{Permutation, MAX_SHUFFLE_BLOCK};
 pub use saved::{audit_positions, SavedPosition, POSITION_BYTES};
 

@@ -54,6 +54,32 @@ impl Feistel {
         (l << r_bits) | r
     }
 
+    /// The inverse of [`Feistel::pass`]: the rounds backwards. A forward
+    /// round maps (L, R) to (R, L ^ F(R)) with F masked to L's width, so
+    /// from (l, r) the round before had (r ^ F(l), l), F masked to r's
+    /// width; after an even number of rounds the halves have their
+    /// starting widths.
+    fn unpass(&self, y: u64) -> u64 {
+        let (mut l_bits, mut r_bits) = (self.hi_bits, self.lo_bits);
+        let (mut l, mut r) = (y >> r_bits, y & low_mask(r_bits));
+        for k in self.keys.iter().rev() {
+            let f = mix64(l ^ k) & low_mask(r_bits);
+            (l, r) = (r ^ f, l);
+            (l_bits, r_bits) = (r_bits, l_bits);
+        }
+        (l << r_bits) | r
+    }
+
+    /// The preimage of `v < n` under [`Feistel::walk`]: cycle walking
+    /// backwards (the values a forward walk skips are at or above `n`).
+    fn unwalk(&self, v: u64, n: u64) -> u64 {
+        let mut x = self.unpass(v);
+        while x >= n {
+            x = self.unpass(x);
+        }
+        x
+    }
+
     /// The image of `i < n` in the permutation of `0..n`: passes until the
     /// value falls below `n` (cycle walking). The domain is less than 2n,
     /// so the expected walk is under 2 steps; it terminates because a
@@ -121,6 +147,31 @@ impl Permutation {
         x
     }
 
+    /// The `i` whose image is `v` (`v < n`): where sample `v` stands in the
+    /// order. O(1) like [`Self::apply`], so a sample's next use is known
+    /// without a list of the epoch (the cache's eviction by next use,
+    /// `crate::cache`).
+    pub fn invert(&self, v: u64) -> u64 {
+        debug_assert!(v < self.n);
+        if self.block == 0 {
+            return self.outer.unwalk(v, self.n);
+        }
+        let mut x = self.out_of_blocks(v);
+        while x >= self.n {
+            x = self.out_of_blocks(x);
+        }
+        x
+    }
+
+    /// The inverse of [`Self::in_blocks`]: the target block's own
+    /// permutation backwards, then the blocks'.
+    fn out_of_blocks(&self, y: u64) -> u64 {
+        let blocks = self.n.div_ceil(self.block);
+        let b = y / self.block;
+        let inner = Feistel::new(self.block, mix64(self.base ^ mix64(b ^ BLOCK_SALT)));
+        self.outer.unwalk(b, blocks) * self.block + inner.unwalk(y % self.block, self.block)
+    }
+
     /// Position `x` of the padded range: its block to a permuted block, its
     /// place within the block by that block's own permutation.
     fn in_blocks(&self, x: u64) -> u64 {
@@ -145,6 +196,18 @@ mod tests {
                 assert!(v < n);
                 assert!(!seen[v as usize], "n={n}: {v} twice");
                 seen[v as usize] = true;
+            }
+        }
+    }
+
+    #[test]
+    fn invert_undoes_apply() {
+        for n in [1u64, 2, 3, 5, 8, 9, 100, 1000, 4097] {
+            for block in [0u64, 2, 3, 7, 64, 5000] {
+                let p = Permutation::blocked(n, 42, 3, block);
+                for i in 0..n {
+                    assert_eq!(p.invert(p.apply(i)), i, "n={n} block={block} i={i}");
+                }
             }
         }
     }
