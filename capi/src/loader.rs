@@ -318,7 +318,8 @@ pub struct ksp_stats {
     pub remote_samples: u64,
     /// Grants moved to another node or the source.
     pub failovers: u64,
-    /// Samples read from the source because no node could serve them.
+    /// Samples read from the source: those a partial space does not hold,
+    /// and in cluster mode those no node could serve.
     pub source_reads: u64,
     /// Samples read ahead and waiting in the ring (counted in the read
     /// counters above, not yet in `samples`).
@@ -349,6 +350,8 @@ pub struct ksp_stats {
     pub digest_count: u64,
     /// Wrapping sum of the ids' keyed hashes.
     pub digest_sum: u64,
+    /// Bytes of the `source_reads` samples (appended in ABI 5).
+    pub source_bytes: u64,
 }
 
 impl Default for ksp_stats {
@@ -378,6 +381,7 @@ impl Default for ksp_stats {
             digest_epoch: 0,
             digest_count: 0,
             digest_sum: 0,
+            source_bytes: 0,
         }
     }
 }
@@ -433,6 +437,7 @@ pub unsafe extern "C" fn ksp_loader_stats(l: *const ksp_loader, out: *mut ksp_st
             digest_epoch: s.digest.epoch,
             digest_count: s.digest.count,
             digest_sum: s.digest.sum,
+            source_bytes: s.source_bytes,
         });
         Ok(())
     })

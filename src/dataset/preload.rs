@@ -45,8 +45,9 @@ const PENDING_CATALOG: &str = "catalog.pending.ksc";
 /// synced up to the journal's watermark.
 const PENDING_CRCS: &str = "crc.pending";
 /// Version 2: the owner function's code at field 64 (version 1 is the
-/// scaled function's journal, which builds that predate jump also resume).
-const JOURNAL_VERSION: u32 = 2;
+/// scaled function's journal, which builds that predate jump also resume);
+/// version 3, only for a partial space: its byte budget at field 72.
+const JOURNAL_VERSION: u32 = 3;
 
 /// Preload settings. `Default` is one node holding everything.
 #[derive(Debug, Clone)]
@@ -64,6 +65,11 @@ pub struct PreloadOptions {
     pub align_bytes: u32,
     /// Extent size cap.
     pub extent_bytes: u64,
+    /// A partial space (`--max-bytes`): hold at most this many bytes of
+    /// this node's share (each sample that still fits, in id order; the
+    /// rest stays in the source and is read from there, ahead of need, by
+    /// the loader). 0 (the default): the whole share.
+    pub max_held_bytes: u64,
     /// Copy threads.
     pub threads: usize,
     /// Object-store sources: ranged GETs in flight, one copy thread each
@@ -97,6 +103,7 @@ impl Default for PreloadOptions {
             node_index: 0,
             align_bytes: space::DEFAULT_ALIGN_BYTES,
             extent_bytes: space::DEFAULT_EXTENT_BYTES,
+            max_held_bytes: 0,
             threads: crate::par::default_threads(),
             requests: 64,
             progress: ProgressMode::Quiet,
@@ -117,6 +124,7 @@ setters!(PreloadOptions {
     node_index: u32,
     align_bytes: u32,
     extent_bytes: u64,
+    max_held_bytes: u64,
     threads: usize,
     requests: usize,
     progress: ProgressMode,
@@ -529,11 +537,14 @@ fn read_journal(dir: &Path) -> Result<Option<Journal>> {
             .and_then(OwnerFn::from_code),
     };
     let params = owner_fn.and_then(|f| LayoutParams::from_fields(parsed.fields, f));
-    let params = params.ok_or_else(|| Error::Corrupt {
+    let mut params = params.ok_or_else(|| Error::Corrupt {
         path: p.clone(),
         kind: "journal",
         detail: "layout parameters out of range".into(),
     })?;
+    if parsed.version >= 3 {
+        params.max_held_bytes = parsed.fields.u64(72);
+    }
     Ok(Some(Journal {
         params,
         watermark: parsed.fields.u64(56),
@@ -544,8 +555,14 @@ fn write_journal(dir: &Path, params: &LayoutParams, watermark: u64) -> Result<()
     let fields = params.to_fields().u64(watermark);
     let owner_fn = params.placement.owner_fn;
     let (version, fields) = match owner_fn {
+        _ if params.is_partial() => (
+            JOURNAL_VERSION,
+            fields
+                .u64(owner_fn.code() as u64)
+                .u64(params.max_held_bytes),
+        ),
         OwnerFn::Scaled => (1, fields),
-        OwnerFn::Jump => (JOURNAL_VERSION, fields.u64(owner_fn.code() as u64)),
+        OwnerFn::Jump => (2, fields.u64(owner_fn.code() as u64)),
     };
     let w = FileWriter::create(&dir.join(files::JOURNAL), JOURNAL_MAGIC, version, fields)?;
     w.commit()
@@ -585,6 +602,7 @@ fn layout_params(catalog: &Catalog, opts: &PreloadOptions) -> LayoutParams {
         node_index: opts.node_index,
         align_bytes: opts.align_bytes,
         extent_bytes: opts.extent_bytes,
+        max_held_bytes: opts.max_held_bytes,
     }
 }
 

@@ -406,6 +406,13 @@ pub fn rebalance(
 }
 
 fn target_params(catalog: &Catalog, old: &Old, opts: &RebalanceOptions) -> Result<LayoutParams> {
+    if let Some(s) = old.space.as_ref().filter(|s| s.params().is_partial()) {
+        return Err(Error::InvalidConfig(format!(
+            "{} is a partial space (--max-bytes {}): rebalancing one is not built yet; preload it again with the new --nodes",
+            s.dir().display(),
+            s.params().max_held_bytes
+        )));
+    }
     let (align_bytes, extent_bytes) = old.space.as_ref().map_or(
         (space::DEFAULT_ALIGN_BYTES, space::DEFAULT_EXTENT_BYTES),
         |s| (s.params().align_bytes, s.params().extent_bytes),
@@ -417,6 +424,7 @@ fn target_params(catalog: &Catalog, old: &Old, opts: &RebalanceOptions) -> Resul
         node_index: opts.node_index,
         align_bytes,
         extent_bytes,
+        max_held_bytes: 0,
     };
     if opts.node_index >= opts.placement.nodes {
         return Err(Error::InvalidConfig(format!(

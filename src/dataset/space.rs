@@ -35,10 +35,15 @@ pub const MANIFEST_MAGIC: [u8; 8] = *b"KSPDMAN\0";
 /// The newest manifest format version, which this build writes for a space
 /// placed by [`OwnerFn::Jump`]; a space placed by [`OwnerFn::Scaled`] keeps
 /// version 1 (so builds that predate jump still read it). This build reads
-/// both. Version 2 adds the owner function's code at field offset 88.
-pub const MANIFEST_VERSION: u32 = 2;
+/// both. Version 2 adds the owner function's code at field offset 88;
+/// version 3 (written only for a partial space, so every other space stays
+/// readable by older builds) the byte budget at 96
+/// ([`LayoutParams::max_held_bytes`]).
+pub const MANIFEST_VERSION: u32 = 3;
 /// Field offset of the owner function's code in a version-2 manifest.
 const OWNER_FN_FIELD: usize = 88;
+/// Field offset of the byte budget in a version-3 manifest.
+const BUDGET_FIELD: usize = 96;
 /// Default sample alignment inside extents.
 pub const DEFAULT_ALIGN_BYTES: u32 = 4096;
 /// Default extent file size cap.
@@ -91,6 +96,12 @@ pub struct LayoutParams {
     pub align_bytes: u32,
     /// Extent size cap.
     pub extent_bytes: u64,
+    /// A partial space's budget (`kspeed preload --max-bytes`): the node
+    /// holds, of the samples its placement gives it, each one that still
+    /// fits in this many bytes (slots padded to the alignment) in id order,
+    /// and the rest stay in the source, read from there ahead of need. 0:
+    /// every sample the placement gives it.
+    pub max_held_bytes: u64,
 }
 
 impl LayoutParams {
@@ -121,7 +132,14 @@ impl LayoutParams {
             node_index: u32::try_from(f.u64(24)).ok()?,
             align_bytes: u32::try_from(f.u64(40)).ok()?,
             extent_bytes: f.u64(48),
+            // Its own field, at another offset in a manifest and a journal.
+            max_held_bytes: 0,
         })
+    }
+
+    /// Whether this node holds only a budget's worth of its share.
+    pub fn is_partial(&self) -> bool {
+        self.max_held_bytes > 0
     }
 
     /// Checks alignment, extent size and node index.
@@ -180,14 +198,19 @@ impl Plan {
         let mut locs = Vec::with_capacity(n as usize * LOC_REC);
         let mut extent_lens: Vec<u64> = Vec::new();
         let (mut held_samples, mut held_bytes) = (0u64, 0u64);
+        let mut budget = match params.max_held_bytes {
+            0 => u64::MAX,
+            b => b,
+        };
         for id in 0..n {
-            if !params.placement.holds(params.node_index, id) {
+            let len = catalog.sample(id).len as u64;
+            let padded = len.next_multiple_of(align);
+            if !params.placement.holds(params.node_index, id) || padded > budget {
                 locs.extend_from_slice(&NOT_HERE.to_le_bytes());
                 locs.extend_from_slice(&0u64.to_le_bytes());
                 continue;
             }
-            let len = catalog.sample(id).len as u64;
-            let padded = len.next_multiple_of(align);
+            budget -= padded;
             let cur = extent_lens.last().copied();
             let (extent, offset) = match cur {
                 Some(end) if end == 0 || end + padded <= params.extent_bytes => {
@@ -247,10 +270,17 @@ pub(crate) fn create_manifest(
         .u64(created_ns);
     let owner_fn = params.placement.owner_fn;
     let (version, fields) = match owner_fn {
+        _ if params.is_partial() => (
+            MANIFEST_VERSION,
+            fields
+                .u64(owner_fn.code() as u64)
+                .u64(params.max_held_bytes),
+        ),
         OwnerFn::Scaled => (1, fields),
-        OwnerFn::Jump => (MANIFEST_VERSION, fields.u64(owner_fn.code() as u64)),
+        OwnerFn::Jump => (2, fields.u64(owner_fn.code() as u64)),
     };
     debug_assert_eq!(OWNER_FN_FIELD, LayoutParams::PARAM_FIELDS + 32);
+    debug_assert_eq!(BUDGET_FIELD, OWNER_FN_FIELD + 8);
     FileWriter::create(path, MANIFEST_MAGIC, version, fields)
 }
 
@@ -429,8 +459,11 @@ impl Space {
                     p.fields.u64(OWNER_FN_FIELD)
                 ))
             })?;
-            let params = LayoutParams::from_fields(p.fields, owner_fn)
+            let mut params = LayoutParams::from_fields(p.fields, owner_fn)
                 .ok_or_else(|| corrupt("layout parameters out of range".into()))?;
+            if p.version >= 3 {
+                params.max_held_bytes = p.fields.u64(BUDGET_FIELD);
+            }
             let f = LayoutParams::PARAM_FIELDS;
             (
                 params,

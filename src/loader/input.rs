@@ -51,7 +51,9 @@ pub(super) fn open_input(
             let space = Space::open(dir)?;
             space.check_extents()?;
             let p = space.params();
-            if !cluster && space.held_samples() != space.catalog().len() {
+            if p.is_partial() {
+                check_partial(&space, cluster)?;
+            } else if !cluster && space.held_samples() != space.catalog().len() {
                 return Err(Error::InvalidConfig(format!(
                     "space {} holds {} of {} samples (node {} of {}); reading a partial space needs the cluster transport",
                     dir.display(),
@@ -255,4 +257,35 @@ pub(super) fn cluster_placement(
         }
     }
     Ok((found.map(|f| f.0), found.map(|f| f.1)))
+}
+
+/// A partial space (`kspeed preload --max-bytes`) is read alone, its other
+/// samples from the source files its catalog records, which must be there.
+fn check_partial(space: &Space, cluster: bool) -> Result<()> {
+    let dir = space.dir().display();
+    if cluster {
+        return Err(Error::InvalidConfig(format!(
+            "space {dir} is partial (--max-bytes {}): a partial space is read on one node for now, not in cluster mode",
+            space.params().max_held_bytes
+        )));
+    }
+    let spec = space.catalog().source_spec();
+    if spec.is_remote() {
+        return Err(Error::InvalidConfig(format!(
+            "space {dir} is partial and its source {} is in an object store: a partial space reads the rest of its samples from source files for now",
+            spec.to_source_string()
+        )));
+    }
+    let root = spec.root();
+    if let Err(e) = std::fs::metadata(&root) {
+        return Err(Error::io("open source of the partial space", &root, e));
+    }
+    log::info!(
+        "space {dir} holds {} of {} samples; the other {} are read from {} ahead of need",
+        space.held_samples(),
+        space.catalog().len(),
+        space.catalog().len() - space.held_samples(),
+        root.display()
+    );
+    Ok(())
 }

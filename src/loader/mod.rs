@@ -241,6 +241,8 @@ impl Loader {
             stats: (0..n)
                 .map(|_| PollerStats {
                     disk_reads: AtomicU64::new(0),
+                    source_reads: AtomicU64::new(0),
+                    source_bytes: AtomicU64::new(0),
                     tier_hits: AtomicU64::new(0),
                     retries: AtomicU64::new(0),
                     loop_stalls: AtomicU64::new(0),
@@ -989,6 +991,7 @@ impl Loader {
             remote_samples: t.remote_samples,
             failovers: t.failovers,
             source_reads: t.source_reads,
+            source_bytes: t.source_bytes,
             read_ahead: ahead,
             read_ahead_discarded: t.discarded,
             placement: PlacementStats {

@@ -42,6 +42,11 @@ struct Group {
     file: u32,
     /// Its dataset in a mixture (0 otherwise), for messages.
     dataset: u32,
+    /// Read from the source files (a source, or a sample a partial space
+    /// does not hold): `file` is a source file, and the bytes are checked
+    /// against the catalog whatever `verify_crc32c` says when they come
+    /// from a partial space's source (it may have changed since).
+    from_source: bool,
     /// File offset of the sample's first byte.
     offset: u64,
     /// Bytes to read in all (the aligned slot from extents, the exact length
@@ -92,6 +97,9 @@ pub(crate) struct Poller {
     submit_error: Option<std::io::Error>,
     part_bytes: u64,
     path_buf: PathBuf,
+    /// Per dataset (one without a mixture): the source folder of a partial
+    /// space, whose samples it does not hold are read from there.
+    partial_roots: Vec<Option<PathBuf>>,
     /// The input is a source in an object store: reads name the object
     /// ([`Target::Object`]) and the backend GETs it (`ring/store.rs`).
     remote: bool,
@@ -128,6 +136,18 @@ impl Poller {
             submit_error: None,
             part_bytes: shared.cfg.max_read_bytes.next_multiple_of(align).max(align),
             path_buf: PathBuf::with_capacity(4096),
+            partial_roots: match &shared.input {
+                Input::Mix(m) => m.parts.iter().collect(),
+                input => vec![input],
+            }
+            .into_iter()
+            .map(|p| match p {
+                Input::Space { space, .. } if space.params().is_partial() => {
+                    Some(space.catalog().source_spec().root())
+                }
+                _ => None,
+            })
+            .collect(),
             remote: matches!(&shared.input, Input::Source { catalog, .. } if catalog.source_spec().is_remote()),
             fds: FdCache::new(if shared.input.has_source() {
                 super::fdcache::capacity(count + 1)
@@ -419,11 +439,13 @@ impl Poller {
             _ => (0, 0),
         };
         let cat = input.catalog();
+        let in_space = match input {
+            Input::Space { space, extents } => space.location(local).map(|loc| (loc, extents)),
+            _ => None,
+        };
         let (target, offset, want, file, lease) = match input {
-            Input::Space { space, extents } => {
-                let loc = space
-                    .location(local)
-                    .expect("pollers read only samples the space holds");
+            Input::Space { .. } if in_space.is_some() => {
+                let (loc, extents) = in_space.expect("checked");
                 let target = if sh.fixed_files {
                     Target::Fixed(extent_base + loc.extent)
                 } else {
@@ -437,10 +459,20 @@ impl Poller {
                 let target = Target::Object(file_base + s.file);
                 (target, s.offset, s.len as u64, s.file, None)
             }
-            Input::Source { root, .. } => {
+            // A source, or a sample a partial space leaves in its source
+            // (the pollers read only the samples a cluster's space holds:
+            // Shared::is_local): the file, through the descriptor cache.
+            Input::Source { .. } | Input::Space { .. } => {
                 let s = cat.sample(local);
                 self.path_buf.clear();
-                self.path_buf.push(root);
+                match input {
+                    Input::Source { root, .. } => self.path_buf.push(root),
+                    _ => self.path_buf.push(
+                        self.partial_roots[dataset]
+                            .as_ref()
+                            .expect("only a partial space leaves samples to its source"),
+                    ),
+                }
                 self.path_buf.push(cat.file(s.file).name);
                 let path = &self.path_buf;
                 let stall = &mut self.stall;
@@ -462,11 +494,13 @@ impl Poller {
                 (Target::Fd(fd), s.offset, s.len as u64, s.file, Some(lease))
             }
         };
+        let from_source = in_space.is_none();
         let gi = self.groups.insert(Group {
             placed: p,
             target,
             file,
             dataset: dataset as u32,
+            from_source,
             offset,
             want,
             parts: want.div_ceil(self.part_bytes) as u32,
@@ -628,7 +662,8 @@ impl Poller {
         let _ = self.hist.record(micros.max(1));
         let p = g.placed;
         let dst = self.dst(&p);
-        if self.shared.cfg.verify_crc32c {
+        let partial_source = g.from_source && matches!(self.input_of(&g), Input::Space { .. });
+        if self.shared.cfg.verify_crc32c || partial_source {
             let want = self.shared.input.sample(p.id).crc32c;
             // SAFETY: every part completed into this slot, which is still ours.
             let got = crc32c::crc32c(unsafe { std::slice::from_raw_parts(dst, p.len as usize) });
@@ -647,9 +682,13 @@ impl Poller {
             // SAFETY: the slot holds the sample's bytes and is still ours.
             unsafe { tier.fill(p.id, p.len as usize, dst) };
         }
-        self.shared.stats[self.index as usize]
-            .disk_reads
-            .fetch_add(1, Ordering::Relaxed);
+        let st = &self.shared.stats[self.index as usize];
+        if partial_source {
+            st.source_reads.fetch_add(1, Ordering::Relaxed);
+            st.source_bytes.fetch_add(p.len as u64, Ordering::Relaxed);
+        } else {
+            st.disk_reads.fetch_add(1, Ordering::Relaxed);
+        }
         self.shared.mark_ready(p.g, CODE_OK);
         self.unwoken = true;
     }
@@ -665,12 +704,17 @@ impl Poller {
         }
     }
 
-    fn file_path(&self, g: &Group) -> PathBuf {
-        let input = match &self.shared.input {
+    /// The input (a mixture's dataset) group `g` reads.
+    fn input_of(&self, g: &Group) -> &Input {
+        match &self.shared.input {
             Input::Mix(m) => &m.parts[g.dataset as usize],
             input => input,
-        };
-        match input {
+        }
+    }
+
+    fn file_path(&self, g: &Group) -> PathBuf {
+        match self.input_of(g) {
+            Input::Space { space, .. } if g.from_source => space.catalog().file_path(g.file),
             Input::Space { space, .. } => space.extent_path(g.file),
             Input::Source { catalog, root } => root.join(catalog.file(g.file).name),
             Input::Mix(_) => unreachable!("a mixture's parts are spaces or sources"),

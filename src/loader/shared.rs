@@ -149,10 +149,11 @@ impl Input {
         }
     }
 
-    /// Whether any dataset is read from its source files.
+    /// Whether any dataset is read from its source files (a partial
+    /// space's samples it does not hold included).
     pub(crate) fn has_source(&self) -> bool {
         match self {
-            Input::Space { .. } => false,
+            Input::Space { space, .. } => space.params().is_partial(),
             Input::Source { .. } => true,
             Input::Mix(m) => m.parts.iter().any(|p| p.has_source()),
         }
@@ -170,6 +171,10 @@ impl Input {
 /// Per-poller counters.
 pub(crate) struct PollerStats {
     pub(crate) disk_reads: AtomicU64,
+    /// Samples a partial space does not hold, read from its source, and
+    /// their bytes.
+    pub(crate) source_reads: AtomicU64,
+    pub(crate) source_bytes: AtomicU64,
     pub(crate) tier_hits: AtomicU64,
     pub(crate) retries: AtomicU64,
     /// Ticks longer than the stall threshold (`crate::stall`).

@@ -25,6 +25,7 @@ pub(super) struct Totals {
     pub(super) remote_samples: u64,
     pub(super) failovers: u64,
     pub(super) source_reads: u64,
+    pub(super) source_bytes: u64,
     /// Samples read ahead that a restart or the end threw away.
     pub(super) discarded: u64,
     pub(super) latency: Histogram<u64>,
@@ -40,6 +41,7 @@ impl Totals {
             remote_samples: 0,
             failovers: 0,
             source_reads: 0,
+            source_bytes: 0,
             discarded: 0,
             latency: Histogram::new_with_bounds(1, 60_000_000, 2).expect("valid bounds"),
         }
@@ -56,6 +58,8 @@ impl Totals {
     pub(super) fn add_counters(&mut self, sh: &Shared) {
         for s in &sh.stats {
             self.disk_reads += s.disk_reads.load(Ordering::Relaxed);
+            self.source_reads += s.source_reads.load(Ordering::Relaxed);
+            self.source_bytes += s.source_bytes.load(Ordering::Relaxed);
             self.tier_hits += s.tier_hits.load(Ordering::Relaxed);
             self.retries += s.retries.load(Ordering::Relaxed);
             self.loop_stalls += s.loop_stalls.load(Ordering::Relaxed);
@@ -67,6 +71,7 @@ impl Totals {
             self.remote_samples += n.remote_samples.load(Ordering::Relaxed);
             self.failovers += n.failovers.load(Ordering::Relaxed);
             self.source_reads += n.source_reads.load(Ordering::Relaxed);
+            self.source_bytes += n.source_bytes.load(Ordering::Relaxed);
             self.loop_stalls += n.loop_stalls.load(Ordering::Relaxed);
         }
     }
@@ -110,7 +115,8 @@ pub struct Stats {
     pub elapsed: Duration,
     /// Time the caller waited inside `next_batch`.
     pub stall: Duration,
-    /// Samples read from disk (or source files).
+    /// Samples read from disk: the space's extents, or a source read
+    /// directly (`source`); a partial space's others are `source_reads`.
     pub disk_reads: u64,
     /// Samples served from the memory tier.
     pub tier_hits: u64,
@@ -127,8 +133,12 @@ pub struct Stats {
     pub remote_samples: u64,
     /// Grants moved to another holder or the source after a node failed.
     pub failovers: u64,
-    /// Samples read from the source because no holder could serve them.
+    /// Samples read from the source: those a partial space does not hold
+    /// (`kspeed preload --max-bytes`), and in cluster mode those no holder
+    /// could serve.
     pub source_reads: u64,
+    /// Their bytes (what the source gave the loader).
+    pub source_bytes: u64,
     /// Samples read ahead of the consumer and waiting in the ring now
     /// (counted in `disk_reads`, `tier_hits` or `remote_samples`, not yet
     /// in `samples`).

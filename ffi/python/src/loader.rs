@@ -373,6 +373,7 @@ impl PyLoader {
         d.set_item("remote_samples", st.remote_samples)?;
         d.set_item("failovers", st.failovers)?;
         d.set_item("source_reads", st.source_reads)?;
+        d.set_item("source_bytes", st.source_bytes)?;
         d.set_item("read_ahead", st.read_ahead)?;
         d.set_item("read_ahead_discarded", st.read_ahead_discarded)?;
         // Where the pollers run (docs/LOCAL_PATH.md, "Placement on a node").

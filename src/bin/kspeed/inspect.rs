@@ -195,6 +195,7 @@ fn json_summary(cat: &Catalog, space: Option<&Space>, placement: Option<Placemen
             "owner_fn": p.placement.owner_fn.name(),
             "held_samples": s.held_samples(),
             "held_bytes": s.held_bytes(),
+            "max_held_bytes": p.max_held_bytes,
             "extents": s.extent_lens().len(),
             "extent_bytes_on_disk": on_disk,
             "align_bytes": p.align_bytes,
@@ -248,6 +249,12 @@ fn print_space(s: &Space) {
         HumanBytes(s.held_bytes()),
         100.0 * s.held_bytes() as f64 / s.catalog().total_bytes().max(1) as f64
     );
+    if p.is_partial() {
+        println!(
+            "partial:      at most {} held (--max-bytes); the node's other samples are read from the source ahead of need",
+            HumanBytes(p.max_held_bytes)
+        );
+    }
     println!(
         "extents:      {} files, {} on disk ({:.1}% alignment padding), align {} B, cap {}",
         s.extent_lens().len(),

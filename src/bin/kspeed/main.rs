@@ -378,6 +378,13 @@ struct PreloadArgs {
     /// Extent file size cap.
     #[arg(long, default_value = "1GiB", value_parser = parse_bytes)]
     extent_bytes: u64,
+    /// A partial space: hold at most this many bytes of this node's share
+    /// (e.g. 500GiB; each sample that still fits, in id order), leaving the
+    /// rest in the source, from where the loader reads it ahead of need
+    /// (a dataset larger than the node's NVMe; docs/CACHE.md). Default:
+    /// the whole share.
+    #[arg(long, value_parser = parse_bytes)]
+    max_bytes: Option<u64>,
     /// Copy threads.
     #[arg(long, default_value_t = kspeed::dataset::default_threads())]
     threads: usize,
@@ -543,6 +550,11 @@ fn run(cli: Cli) -> kspeed::Result<ExitCode> {
             );
         }
         Cmd::Preload(a) => {
+            if a.max_bytes == Some(0) {
+                return Err(kspeed::Error::InvalidConfig(
+                    "--max-bytes 0 would hold nothing: give a budget, or leave it out to hold the whole share".into(),
+                ));
+            }
             let placement = Placement::new(a.placement.nodes, a.placement.replicas)?;
             let align_bytes = u32::try_from(a.align_bytes)
                 .map_err(|_| kspeed::Error::InvalidConfig("--align-bytes is too large".into()))?;
@@ -553,6 +565,7 @@ fn run(cli: Cli) -> kspeed::Result<ExitCode> {
                 .node_index(a.placement.node_index)
                 .align_bytes(align_bytes)
                 .extent_bytes(a.extent_bytes)
+                .max_held_bytes(a.max_bytes.unwrap_or(0))
                 .threads(a.threads)
                 .requests(a.requests)
                 .progress(progress)
@@ -565,9 +578,16 @@ fn run(cli: Cli) -> kspeed::Result<ExitCode> {
             let t0 = Instant::now();
             let r = dataset::preload(&a.space, &opts)?;
             print_notes(&r.notes);
+            let partial = match a.max_bytes {
+                Some(b) => format!(
+                    " (a partial space: at most {} held, the rest read from the source)",
+                    HumanBytes(b)
+                ),
+                None => String::new(),
+            };
             if r.up_to_date {
                 println!(
-                    "space {} is up to date: nothing copied ({} samples, {} held by node {})",
+                    "space {} is up to date: nothing copied ({} samples, {} held by node {}){partial}",
                     a.space.display(),
                     r.held_samples,
                     HumanBytes(r.held_bytes),
@@ -582,7 +602,7 @@ fn run(cli: Cli) -> kspeed::Result<ExitCode> {
                     println!("catalog built in {:.2} s", r.catalog_time.as_secs_f64());
                 }
                 println!(
-                    "preloaded {} samples, {} into {} in {:.2} s ({}/s copy, {:.2} s total); node {} of {} holds {} samples",
+                    "preloaded {} samples, {} into {} in {:.2} s ({}/s copy, {:.2} s total); node {} of {} holds {} samples{partial}",
                     r.copied_samples,
                     HumanBytes(r.copied_bytes),
                     a.space.display(),

@@ -539,6 +539,13 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
         "delivered {} samples; read ahead and not consumed: {}",
         st.samples, st.read_ahead_discarded
     );
+    if !cluster_mode && st.source_reads > 0 {
+        println!(
+            "partial space: {} samples ({}) read from the source",
+            st.source_reads,
+            HumanBytes(st.source_bytes)
+        );
+    }
     if cluster_mode {
         println!(
             "cluster ({}): {} samples pushed by other nodes, {} failed over, {} read from the source",

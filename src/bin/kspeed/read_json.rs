@@ -36,6 +36,8 @@ pub(crate) fn print(st: &Stats, placement: &PollerPlacement, r: &Run) {
             "max": st.read_latency.max_us,
         },
         "disk_reads": st.disk_reads,
+        "source_reads": st.source_reads,
+        "source_bytes": st.source_bytes,
         "tier_hits": st.tier_hits,
         "retries": st.retries,
         "loop_stalls": st.loop_stalls,

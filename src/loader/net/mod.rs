@@ -171,6 +171,7 @@ pub(crate) struct NetShared {
     pub(crate) remote_samples: AtomicU64,
     pub(crate) failovers: AtomicU64,
     pub(crate) source_reads: AtomicU64,
+    pub(crate) source_bytes: AtomicU64,
     /// Ticks longer than the stall threshold (`crate::stall`).
     pub(crate) loop_stalls: AtomicU64,
     /// Local samples the pollers could not read (read error, short read,
@@ -260,6 +261,7 @@ impl NetShared {
             remote_samples: AtomicU64::new(0),
             failovers: AtomicU64::new(0),
             source_reads: AtomicU64::new(0),
+            source_bytes: AtomicU64::new(0),
             loop_stalls: AtomicU64::new(0),
             local_failed: crossbeam_channel::bounded(window_samples.max(1)),
             local_demoted_from: AtomicU64::new(u64::MAX),

@@ -391,6 +391,9 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         match res {
             Ok(()) => {
                 self.net().source_reads.fetch_add(1, Ordering::Relaxed);
+                self.net()
+                    .source_bytes
+                    .fetch_add(s.len as u64, Ordering::Relaxed);
                 log::info!("sample {} read from the source ({tried})", s.id);
                 self.sh.publish(s.g, CODE_OK);
                 false
