@@ -512,7 +512,8 @@ fn audit_cli(files: &[PathBuf]) -> std::process::Output {
 /// position after the first world's files (samples skipped) or before
 /// them (delivered twice), a rank's digest missing a sample or holding one
 /// twice, a rank's file missing; a mixture's older `KSPDPOS3` (no lengths
-/// or weights) exits 1 naming KSPDPOS4.
+/// or weights) exits 1 naming KSPDPOS4. A second-world file restored in a
+/// fresh loader saves the same bytes (the order of its digest's epoch kept).
 #[test]
 fn cli_audits_a_mixture_across_new_weights() {
     use kspeed::sampler::{EpochDigest, SavedPosition};
@@ -552,6 +553,17 @@ fn cli_audits_a_mixture_across_new_weights() {
         String::from_utf8_lossy(&o.stdout),
         "epoch 1: 212 samples, each exactly once, and 2 padding duplicates\n"
     );
+    // A second-world file restored in a fresh loader of B (its next
+    // sample is epoch 2's, an ordinary epoch) saves the same bytes: the
+    // order of its digest's epoch (what A had used) is kept from the file.
+    let end = std::fs::read(&second[0]).unwrap();
+    let saved_end = SavedPosition::decode(&end).unwrap();
+    assert_eq!((saved_end.next.epoch, saved_end.digest.epoch), (2, 1));
+    assert!(saved_end.mix.as_ref().unwrap().skip.iter().sum::<u64>() == 64);
+    let mut fresh = b().rank(0, 3).build().unwrap();
+    fresh.restore_position(&end).unwrap();
+    assert_eq!(fresh.save_position(), end);
+    drop(fresh);
     let fails = |files: &[PathBuf], what: &str| {
         let o = audit_cli(files);
         assert_eq!(o.status.code(), Some(3), "{what}: {}", text(&o));
