@@ -224,6 +224,12 @@ def test_dataset_mixture_resumes_under_new_weights(space, second, new_world):
     with pytest.raises(ValueError, match="num_workers=0"):
         ds.batches_per_epoch(num_workers=2)
     del dl, ds
+    from kspeed.torch import KSpeedImageFolder
+
+    with pytest.raises(ValueError, match="KSpeedDataset"):
+        KSpeedImageFolder(mix=[(space, 0.5), (cat2, 0.5)])
+    with pytest.raises(ValueError, match="not two"):
+        KSpeedDataset(space, mix=[(space, 0.5), (cat2, 0.5)])
 
 
 def _find(state, key):

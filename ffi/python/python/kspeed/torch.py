@@ -459,6 +459,9 @@ class KSpeedImageFolder(KSpeedDataset):
     ``transform``."""
 
     def __init__(self, space=None, *, transform=None, decode=False, **kw):
+        if kw.get("mix") is not None:
+            raise ValueError("KSpeedImageFolder reads one ImageFolder dataset (its classes); for a mixture use "
+                             "KSpeedDataset(mix=...), whose batches say each sample's dataset")
         if decode:
             from torchvision.io import decode_image
 
