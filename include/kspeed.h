@@ -208,7 +208,8 @@ typedef struct {
   uint64_t remote_samples;
   // Grants moved to another node or the source.
   uint64_t failovers;
-  // Samples read from the source because no node could serve them.
+  // Samples read from the source: those a partial space does not hold,
+  // and in cluster mode those no node could serve.
   uint64_t source_reads;
   // Samples read ahead and waiting in the ring (counted in the read
   // counters above, not yet in `samples`).
@@ -238,6 +239,8 @@ typedef struct {
   uint64_t digest_count;
   // Wrapping sum of the ids' keyed hashes.
   uint64_t digest_sum;
+  // Bytes of the `source_reads` samples (appended in ABI 5).
+  uint64_t source_bytes;
 } ksp_stats;
 
 // What the catalog says about one sample.
@@ -645,9 +648,11 @@ ksp_status ksp_loader_batches_per_epoch(const ksp_loader *l, uint64_t *out);
 // `l` is a live loader; `epoch` and `index` writable.
 ksp_status ksp_loader_position(const ksp_loader *l, uint64_t *epoch, uint64_t *index);
 
-// Writes the current position (`KSP_POSITION_BYTES` bytes) to `buf` and
+// Writes the current position (`KSP_POSITION_BYTES` bytes, `KSPDPOS3`; a
+// loader reading a mixture writes a `KSPDPOS4` of `120 + 24·D` bytes for
+// D datasets, which `ksp_audit` audits from the files alone) to `buf` and
 // its length to `*out_len`. `KSP_ERR_BUFFER_TOO_SMALL` (with `*out_len`
-// set) when `buf_len` is less.
+// set: call again with that much) when `buf_len` is less.
 //
 // Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_BUFFER_TOO_SMALL`.
 //
@@ -813,7 +818,8 @@ ksp_status ksp_loader_restore_job_position(ksp_loader *l, const uint8_t *buf, si
 // Audits a job from its ranks' saved positions (`count` buffers
 // `positions[i]` of `lens[i]` bytes, from `ksp_loader_save_position`: the
 // last one of every rank of every world that dealt the epochs, across
-// resumes at other world sizes), as `kspeed audit` does. On success the
+// resumes at other world sizes, and a mixture's across resumes under
+// other weights too), as `kspeed audit` does. On success the
 // report, one line per epoch ("epoch 3: 1,281,167 samples, each exactly
 // once"), NUL-terminated, goes to `report` and its length without the NUL
 // to `*out_len` (`KSP_ERR_BUFFER_TOO_SMALL`, with `*out_len` set and

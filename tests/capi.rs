@@ -171,7 +171,10 @@ fn forked_child_is_refused_and_the_parent_goes_on() {
 }
 
 /// A mixture from C (tests/c/mix_test.c): the `mix` key, each dataset's
-/// exact count, `ksp_sample.dataset` and bytes, under AddressSanitizer.
+/// exact count, `ksp_sample.dataset` and bytes, under AddressSanitizer;
+/// the rank's position is a `KSPDPOS4` (a `KSP_POSITION_BYTES` buffer is
+/// too small, naming the size) that `ksp_audit` audits alone, and a digest
+/// one sample short is `KSP_ERR_DATA` ("some skipped").
 #[test]
 fn c_mixture_counts_and_labels_datasets() {
     let d = data();

@@ -3,7 +3,8 @@
 //! each sample byte-exact, labelled with its dataset, in the mixing
 //! function's order with the weights' exact counts; positions resume the
 //! same mixture and refuse other weights by name; the CLI's order is the
-//! same in two processes.
+//! same in two processes; `kspeed audit` of the ranks' files alone proves a
+//! mixture's epoch exactly once across new weights.
 
 mod common;
 
@@ -259,6 +260,7 @@ fn a_mixture_resumes_at_another_world_size_exactly_once() {
         }
     };
     let (mut job, mut rank_file) = (None, None);
+    let mut rank_files = Vec::new();
     for rank in 0..2 {
         let mut l = builder(&space, &cat1, w).rank(rank, 2).build().unwrap();
         l.set_epoch(1).unwrap();
@@ -270,12 +272,10 @@ fn a_mixture_resumes_at_another_world_size_exactly_once() {
                 k += 1;
             }
         }
+        l.release_batch();
         let saved = kspeed::sampler::SavedPosition::decode(&l.save_position()).unwrap();
-        assert!(saved.mixture);
-        match kspeed::sampler::audit_positions(&[saved]) {
-            Err(Error::BadPosition(m)) => assert!(m.contains("mixture"), "{m}"),
-            r => panic!("{r:?}"),
-        }
+        assert!(saved.mixture && saved.mix.is_some());
+        rank_files.push(saved);
         job = Some(l.save_job_position());
         rank_file = Some(l.save_position());
     }
@@ -286,6 +286,7 @@ fn a_mixture_resumes_at_another_world_size_exactly_once() {
         l.restore_job_position(&job).unwrap();
         let got = read_epoch(&mut l, 1, &cats);
         assert_eq!(got.len(), 35, "rank {rank}: 104 left over 3 ranks, padded");
+        rank_files.push(kspeed::sampler::SavedPosition::decode(&l.save_position()).unwrap());
         for (k, &g) in got.iter().enumerate() {
             put(base + rank as u64 + 3 * k as u64, g);
         }
@@ -295,6 +296,14 @@ fn a_mixture_resumes_at_another_world_size_exactly_once() {
         .map(|p| p.expect("every index"))
         .collect();
     assert_eq!(placed, full);
+    // The 5 ranks' files alone audit the epoch (the same weights: the
+    // second world goes on in the first world's order).
+    let reports = kspeed::sampler::audit_positions(&rank_files).unwrap();
+    assert_eq!(
+        reports[0].to_string(),
+        "epoch 1: 200 samples, each exactly once, and 1 padding duplicates"
+    );
+    assert!(kspeed::sampler::audit_positions(&rank_files[1..]).is_err());
     // A rank's file records the weights only as a hash: other weights
     // refuse it by name (the job position, KSPDMIX1, resumes them: below).
     let mut other = builder(
@@ -464,4 +473,141 @@ fn a_mixture_resumes_under_new_weights_exactly_once() {
 fn next_ids(l: &mut Loader) -> Vec<(u32, u64)> {
     let b = l.next_batch().unwrap().expect("a batch");
     b.iter().map(|x| (x.dataset, x.id)).collect()
+}
+
+/// Runs ranks `0..world` of `b` from job position `job` to the end of
+/// epoch 1 and writes each rank's saved position (`KSPDPOS4`) to
+/// `dir/<name>.<rank>.pos`; returns the files.
+fn finish_epoch(
+    b: impl Fn() -> LoaderBuilder,
+    world: u32,
+    job: &[u8],
+    cats: &[Catalog],
+    dir: &Path,
+    name: &str,
+) -> Vec<PathBuf> {
+    (0..world)
+        .map(|rank| {
+            let mut l = b().rank(rank, world).build().unwrap();
+            l.restore_job_position(job).unwrap();
+            assert!(!read_epoch(&mut l, 1, cats).is_empty());
+            let f = dir.join(format!("{name}.{rank}.pos"));
+            std::fs::write(&f, l.save_position()).unwrap();
+            f
+        })
+        .collect()
+}
+
+fn audit_cli(files: &[PathBuf]) -> std::process::Output {
+    let args: Vec<&str> = files.iter().map(|f| s(f)).collect();
+    kspeed(&[&["audit"], &args[..]].concat())
+}
+
+/// `kspeed audit` of a mixture's rank files alone (`KSPDPOS4`), through
+/// the real binary: 2 ranks of weights A take 2 batches of epoch 1, then 3
+/// ranks of weights B resume the job position and finish the epoch (the
+/// rest follows B: 212 - 64 entries over 3 ranks, 2 padding duplicates).
+/// The 5 files pass; the failures exit 3 naming the first difference: the
+/// first world's files missing, the second world resumed from a job
+/// position after the first world's files (samples skipped) or before
+/// them (delivered twice), a rank's digest missing a sample or holding one
+/// twice, a rank's file missing; a mixture's older `KSPDPOS3` (no lengths
+/// or weights) exits 1 naming KSPDPOS4. A second-world file restored in a
+/// fresh loader saves the same bytes (the order of its digest's epoch kept).
+#[test]
+fn cli_audits_a_mixture_across_new_weights() {
+    use kspeed::sampler::{EpochDigest, SavedPosition};
+    let t = tempfile::tempdir().unwrap();
+    let (space, cat1, cats) = two_datasets(t.path());
+    let dir = t.path();
+    let a = || counts_builder(&space, &cat1, 120, 8);
+    let b = || counts_builder(&space, &cat1, 200, 12);
+    // World 1: each rank's file and the job position after 1 and 2 batches.
+    let (mut after1, mut after2) = (Vec::new(), Vec::new());
+    let (mut job1, mut job2) = (Vec::new(), Vec::new());
+    let mut first_ids = Vec::new();
+    for rank in 0..2 {
+        let mut l = a().rank(rank, 2).build().unwrap();
+        l.set_epoch(1).unwrap();
+        first_ids.push(next_ids(&mut l));
+        l.release_batch();
+        let f = dir.join(format!("a1.{rank}.pos"));
+        std::fs::write(&f, l.save_position()).unwrap();
+        after1.push(f);
+        job1 = l.save_job_position();
+        next_ids(&mut l);
+        l.release_batch();
+        let f = dir.join(format!("a2.{rank}.pos"));
+        std::fs::write(&f, l.save_position()).unwrap();
+        after2.push(f);
+        job2 = l.save_job_position();
+    }
+    let bytes = std::fs::read(&after2[0]).unwrap();
+    assert_eq!(&bytes[..8], b"KSPDPOS4");
+    assert_eq!(bytes.len(), SavedPosition::mix_bytes(2));
+    let second = finish_epoch(b, 3, &job2, &cats, dir, "b");
+    let good: Vec<PathBuf> = after2.iter().chain(&second).cloned().collect();
+    let o = audit_cli(&good);
+    assert!(o.status.success(), "{}", text(&o));
+    assert_eq!(
+        String::from_utf8_lossy(&o.stdout),
+        "epoch 1: 212 samples, each exactly once, and 2 padding duplicates\n"
+    );
+    // A second-world file restored in a fresh loader of B (its next
+    // sample is epoch 2's, an ordinary epoch) saves the same bytes: the
+    // order of its digest's epoch (what A had used) is kept from the file.
+    let end = std::fs::read(&second[0]).unwrap();
+    let saved_end = SavedPosition::decode(&end).unwrap();
+    assert_eq!((saved_end.next.epoch, saved_end.digest.epoch), (2, 1));
+    assert!(saved_end.mix.as_ref().unwrap().skip.iter().sum::<u64>() == 64);
+    let mut fresh = b().rank(0, 3).build().unwrap();
+    fresh.restore_position(&end).unwrap();
+    assert_eq!(fresh.save_position(), end);
+    drop(fresh);
+    let fails = |files: &[PathBuf], what: &str| {
+        let o = audit_cli(files);
+        assert_eq!(o.status.code(), Some(3), "{what}: {}", text(&o));
+        assert!(text(&o).contains(what), "{what}: {}", text(&o));
+    };
+    // The first world's files missing.
+    fails(&second, "the world that began the epoch are missing");
+    // The second world resumed from a job position past the first world's
+    // files: the first world's second batches were never delivered.
+    let skipped: Vec<PathBuf> = after1.iter().chain(&second).cloned().collect();
+    fails(&skipped, "samples were skipped");
+    // ... or from one before them: their samples came again.
+    let again = finish_epoch(b, 3, &job1, &cats, dir, "again");
+    let twice: Vec<PathBuf> = after2.iter().chain(&again).cloned().collect();
+    fails(&twice, "delivered twice");
+    // A rank's file missing.
+    fails(&good[1..], "1 rank positions for a world of 2");
+    // A rank's digest without one of its samples, or with one twice.
+    let f = &good[0];
+    let saved = SavedPosition::decode(&std::fs::read(f).unwrap()).unwrap();
+    let edit = |count: i64, id: u64| {
+        let mut e = saved.clone();
+        e.digest.count = e.digest.count.wrapping_add_signed(count);
+        let h = EpochDigest::hash(1, id);
+        e.digest.sum = if count < 0 {
+            e.digest.sum.wrapping_sub(h)
+        } else {
+            e.digest.sum.wrapping_add(h)
+        };
+        std::fs::write(f, e.save()).unwrap();
+    };
+    edit(-1, first_ids[0][3].1);
+    fails(&good, "some skipped");
+    edit(1, first_ids[1][0].1);
+    fails(&good, "some delivered twice");
+    std::fs::write(f, saved.save()).unwrap();
+    let o = audit_cli(&good);
+    assert!(o.status.success(), "{}", text(&o));
+    // A mixture's KSPDPOS3 (saved before positions recorded the mixture).
+    let old = dir.join("old.pos");
+    let legacy = SavedPosition { mix: None, ..saved };
+    std::fs::write(&old, legacy.save()).unwrap();
+    assert_eq!(std::fs::metadata(&old).unwrap().len(), 108);
+    let o = audit_cli(&[old]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("KSPDPOS4"), "{}", text(&o));
 }

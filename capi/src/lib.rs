@@ -98,7 +98,8 @@ use kspeed::sampler::{JOB_POSITION_BYTES, POSITION_BYTES};
 /// digest fields (appended).
 pub const KSP_ABI_VERSION: u32 = 5;
 
-/// Bytes of a saved loader position.
+/// Bytes of a saved loader position (`KSPDPOS3`; a mixture's `KSPDPOS4` is
+/// `120 + 24·D` bytes for D datasets).
 pub const KSP_POSITION_BYTES: usize = POSITION_BYTES;
 
 /// Bytes of a saved job position (`KSPDJOB1`; a mixture's `KSPDMIX1` is

@@ -195,9 +195,11 @@ pub unsafe extern "C" fn ksp_loader_position(
     })
 }
 
-/// Writes the current position (`KSP_POSITION_BYTES` bytes) to `buf` and
+/// Writes the current position (`KSP_POSITION_BYTES` bytes, `KSPDPOS3`; a
+/// loader reading a mixture writes a `KSPDPOS4` of `120 + 24·D` bytes for
+/// D datasets, which `ksp_audit` audits from the files alone) to `buf` and
 /// its length to `*out_len`. `KSP_ERR_BUFFER_TOO_SMALL` (with `*out_len`
-/// set) when `buf_len` is less.
+/// set: call again with that much) when `buf_len` is less.
 ///
 /// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_BUFFER_TOO_SMALL`.
 ///
@@ -216,7 +218,7 @@ pub unsafe extern "C" fn ksp_loader_save_position(
 ) -> ksp_status {
     guard(|| {
         // SAFETY: the contract above.
-        unsafe { write_loader_bytes(l, buf, buf_len, out_len, |l| l.save_position().to_vec()) }
+        unsafe { write_loader_bytes(l, buf, buf_len, out_len, |l| l.save_position()) }
     })
 }
 

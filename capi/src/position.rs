@@ -142,7 +142,8 @@ pub unsafe extern "C" fn ksp_loader_restore_job_position(
 /// Audits a job from its ranks' saved positions (`count` buffers
 /// `positions[i]` of `lens[i]` bytes, from `ksp_loader_save_position`: the
 /// last one of every rank of every world that dealt the epochs, across
-/// resumes at other world sizes), as `kspeed audit` does. On success the
+/// resumes at other world sizes, and a mixture's across resumes under
+/// other weights too), as `kspeed audit` does. On success the
 /// report, one line per epoch ("epoch 3: 1,281,167 samples, each exactly
 /// once"), NUL-terminated, goes to `report` and its length without the NUL
 /// to `*out_len` (`KSP_ERR_BUFFER_TOO_SMALL`, with `*out_len` set and

@@ -213,7 +213,8 @@ public:
         check(ksp_loader_position(p_.get(), &e, &i));
         return {e, i};
     }
-    /// The position to resume from (KSP_POSITION_BYTES bytes).
+    /// The position to resume from (KSP_POSITION_BYTES bytes; a mixture's
+    /// KSPDPOS4 is longer).
     std::vector<uint8_t> save_position() const {
         std::vector<uint8_t> pos;
         save_position(pos);
@@ -221,9 +222,14 @@ public:
     }
     /// The same into `pos`, reusing its storage (no allocation once sized).
     void save_position(std::vector<uint8_t>& pos) const {
-        pos.resize(KSP_POSITION_BYTES);
+        pos.resize(pos.capacity() > KSP_POSITION_BYTES ? pos.capacity() : KSP_POSITION_BYTES);
         size_t n = 0;
-        check(ksp_loader_save_position(p_.get(), pos.data(), pos.size(), &n));
+        ksp_status st = ksp_loader_save_position(p_.get(), pos.data(), pos.size(), &n);
+        if (st == KSP_ERR_BUFFER_TOO_SMALL) {
+            pos.resize(n);
+            st = ksp_loader_save_position(p_.get(), pos.data(), pos.size(), &n);
+        }
+        check(st);
         pos.resize(n);
     }
     void restore_position(const std::vector<uint8_t>& pos) {

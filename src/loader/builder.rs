@@ -1174,6 +1174,7 @@ impl LoaderBuilder {
             steps,
             digest: EpochDigest::new(start.epoch),
             digest_at,
+            digest_skip: None,
             epoch: start.epoch,
             end_epoch: self.end_epoch,
             cursor: None,

@@ -139,6 +139,11 @@ pub struct Loader {
     /// rank stood when it took it (`index` steps since `base`).
     digest: EpochDigest,
     digest_at: RankPosition,
+    /// A mixture's stream entries of each dataset used in `digest.epoch`
+    /// before the order the digest was taken in, when restored from a rank
+    /// position (`KSPDPOS4`) whose digest's epoch this loader no longer
+    /// deals from that order; `None`: the sampler's for `digest.epoch`.
+    digest_skip: Option<Vec<u64>>,
     /// The epoch the caller is in.
     epoch: u64,
     /// Nothing of this epoch or later is read ([`LoaderBuilder::end_epoch`]).
@@ -888,6 +893,7 @@ impl Loader {
     fn reset_digest(&mut self, pos: Position) {
         self.digest = EpochDigest::new(pos.epoch);
         self.digest_at = self.deal.sampler().rank_position(pos);
+        self.digest_skip = None;
     }
 
     /// Samples per batch (the last of an epoch may have fewer).

@@ -14,12 +14,13 @@ use super::Loader;
 use crate::error::{Error, Result};
 use crate::hash::mix64;
 use crate::sampler::{
-    counts_hash, JobPosition, MixPosition, MixSampler, Position, RankPosition, Sampler,
-    SavedPosition, POSITION_BYTES,
+    counts_hash, JobPosition, MixPosition, MixSampler, Position, RankPosition, Sampler, SavedMix,
+    SavedPosition,
 };
 
 impl Loader {
-    /// The current position, serialized ([`POSITION_BYTES`] bytes,
+    /// The current position, serialized
+    /// ([`POSITION_BYTES`](crate::sampler::POSITION_BYTES) bytes,
     /// `KSPDPOS3`) for a checkpoint: where this rank resumes (its epoch,
     /// step, and where the world it belongs to started dealing the epoch),
     /// the exactly-once digest of what it delivered in the epoch
@@ -28,17 +29,33 @@ impl Loader {
     /// the same world; [`Loader::restore_job_position`] on any rank of any
     /// world, when the job was in lock-step; `kspeed audit` checks every
     /// rank's file of a job for exactly-once delivery.
-    pub fn save_position(&self) -> [u8; POSITION_BYTES] {
+    ///
+    /// A loader reading a mixture saves a `KSPDPOS4`
+    /// ([`SavedPosition::mix_bytes`] of its datasets): the same fields, and
+    /// the datasets' lengths, the weights' counts and the order of the
+    /// digest's epoch, so that the audit covers mixtures from the files
+    /// alone, across resumes under other weights.
+    pub fn save_position(&self) -> Vec<u8> {
         self.saved_position().save()
     }
 
     /// What [`Loader::save_position`] saves, decoded.
     pub fn saved_position(&self) -> SavedPosition {
         let next = self.rank_position();
+        let mix = self.mixture().map(|m| SavedMix {
+            fingerprint: m.fingerprint(&self.dataset_identities()),
+            lens: m.lens().to_vec(),
+            counts: m.counts().to_vec(),
+            skip: self
+                .digest_skip
+                .clone()
+                .unwrap_or_else(|| m.job_position(self.digest.epoch, 0).skip),
+        });
         SavedPosition {
             cfg: *self.deal.sampler().config(),
             catalog_identity: self.identity_of(self.deal.sampler().inner(), next.epoch),
             mixture: self.mixture().is_some(),
+            mix,
             next,
             digest: self.digest,
             digest_at: self.digest_at,
@@ -60,7 +77,7 @@ impl Loader {
         self.release_batch();
         self.check_failed()?;
         let cfg = *self.deal.sampler().config();
-        let (inner, job, pos, digest) = if SavedPosition::is_v3(bytes) {
+        let (inner, job, pos, digest) = if SavedPosition::is_rank_position(bytes) {
             let s = SavedPosition::decode(bytes)?;
             let inner = self.sampler_for(s.next.epoch, s.catalog_identity);
             s.check_job(&cfg, self.identity_of(&inner, s.next.epoch), true)?;
@@ -72,7 +89,11 @@ impl Loader {
                 epoch: s.next.epoch,
                 index: s.next.index,
             };
-            (inner, job, pos, Some((s.digest, s.digest_at)))
+            // The order of the digest's epoch, when it is not the one this
+            // loader now deals (a world that resumed under other weights
+            // in an epoch it has since finished).
+            let skip = s.mix.map(|m| m.skip);
+            (inner, job, pos, Some((s.digest, s.digest_at, skip)))
         } else {
             // Older versions predate mixtures resumed under new weights.
             let inner = self.ordinary_sampler();
@@ -96,7 +117,10 @@ impl Loader {
         self.deal = deal;
         self.restart(pos)?;
         match digest {
-            Some((d, at)) => (self.digest, self.digest_at) = (d, at),
+            Some((d, at, skip)) => {
+                (self.digest, self.digest_at) = (d, at);
+                self.digest_skip = skip;
+            }
             None => self.reset_digest(pos),
         }
         Ok(())
@@ -179,7 +203,7 @@ impl Loader {
             let resumed = m.resume(&pos)?;
             let job = resumed.start_position();
             (Sampler::mixed(resumed)?, job)
-        } else if SavedPosition::is_v3(bytes) {
+        } else if SavedPosition::is_rank_position(bytes) {
             let s = SavedPosition::decode(bytes)?;
             let inner = self.sampler_for(s.next.epoch, s.catalog_identity);
             s.check_job(&cfg, self.identity_of(&inner, s.next.epoch), false)?;

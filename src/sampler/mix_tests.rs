@@ -513,7 +513,10 @@ proptest! {
     /// entries `0..u_d` exactly once (checked from the permutation alone),
     /// `u_d` being what the last position says it used; `audit_mix` of
     /// every rank's digest passes, and fails on a skipped, a repeated and
-    /// a foreign sample.
+    /// a foreign sample. The ranks' saved positions (`KSPDPOS4`, as the
+    /// loader saves them) audit the same from the files alone
+    /// (`audit_positions`: worlds chained across new weights), and fail
+    /// with a rank's file missing or a sample skipped.
     #[test]
     fn new_weights_through_the_elastic_sampler_audit_exactly_once(
         cuts in proptest::collection::vec((0u64..30, 1u32..6, any::<u64>()), 1..4),
@@ -521,7 +524,11 @@ proptest! {
         drop_last in any::<bool>(),
         first_world in 1u32..6,
     ) {
-        use crate::sampler::{audit_mix, ElasticSampler, EpochDigest, JobPosition};
+        use crate::sampler::{
+            audit_mix, audit_positions, ElasticSampler, EpochDigest, JobPosition, SavedMix,
+            SavedPosition,
+        };
+        let mut files: Vec<SavedPosition> = Vec::new();
         let (lens, ids) = ([120u64, 90, 60], [4u32, 5, 6]);
         let epoch = 1;
         let mut s = MixSampler::new(cfg(seed, 0, first_world, drop_last), &lens, &[40, 30, 20]).unwrap();
@@ -555,6 +562,26 @@ proptest! {
                         padding += 1;
                     }
                 }
+                if job.epoch <= epoch {
+                    // This rank's file, as the loader saves it.
+                    let at = es.rank_position(Position { epoch, index: steps });
+                    let saved = SavedPosition {
+                        cfg: *es.config(),
+                        catalog_identity: 0,
+                        mixture: true,
+                        mix: Some(SavedMix {
+                            fingerprint: own.fingerprint(&ids),
+                            lens: lens.to_vec(),
+                            counts: s.counts().to_vec(),
+                            skip: s.job_position(epoch, 0).skip,
+                        }),
+                        next: at,
+                        digest: dg,
+                        digest_at: at,
+                    };
+                    prop_assert_eq!(&SavedPosition::decode(&saved.save()).unwrap(), &saved);
+                    files.push(saved);
+                }
                 digests.push(dg);
                 rank_ids.push(own_ids);
             }
@@ -582,6 +609,12 @@ proptest! {
                 let report = audit_mix(&s, &pos, &digests).unwrap();
                 prop_assert_eq!(report.samples, want.len() as u64);
                 prop_assert_eq!(report.padding, padding);
+                prop_assert_eq!(audit_positions(&files).unwrap(), vec![report]);
+                if let Some(i) = (0..files.len()).find(|&i| files[i].cfg.world > 1) {
+                    let mut short = files.clone();
+                    short.remove(i);
+                    prop_assert!(audit_positions(&short).is_err());
+                }
                 // A skipped sample, a repeated one, a foreign one (the
                 // next entry of dataset 0's stream, not delivered).
                 let Some(first) = rank_ids.iter().position(|v| !v.is_empty()) else {
@@ -592,6 +625,13 @@ proptest! {
                 skipped[first].count -= 1;
                 skipped[first].sum = skipped[first].sum.wrapping_sub(EpochDigest::hash(epoch, one));
                 prop_assert!(audit_mix(&s, &pos, &skipped).is_err());
+                let mut skipped_file = files.clone();
+                let f = skipped_file.iter().position(|f| f.digest.count > 0).unwrap();
+                skipped_file[f].digest.count -= 1;
+                prop_assert!(matches!(
+                    audit_positions(&skipped_file),
+                    Err(Error::AuditMismatch(m)) if m.contains("skipped")
+                ));
                 let mut repeated = skipped.clone();
                 repeated[first].add(delivered[delivered.len() - 1]);
                 prop_assert!(audit_mix(&s, &pos, &repeated).is_err());

@@ -47,7 +47,7 @@ pub use mix::{
 pub use mix_position::{counts_hash, MixPosition};
 pub use next_use::{NextUse, NEVER};
 pub use permutation::{Permutation, MAX_SHUFFLE_BLOCK};
-pub use saved::{audit_positions, SavedPosition, POSITION_BYTES};
+pub use saved::{audit_positions, SavedMix, SavedPosition, POSITION_BYTES};
 
 /// What a rank's sequence depends on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

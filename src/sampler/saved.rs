@@ -1,19 +1,49 @@
-//! A rank's saved position (`KSPDPOS3`): where the rank resumes, the
-//! exactly-once digest of the epoch it last delivered from, and the job's
-//! settings in clear, so that `kspeed audit` checks a job from its ranks'
-//! files alone (no loader, no dataset) and a restore names what differs.
+//! A rank's saved position (`KSPDPOS3`; a mixture's `KSPDPOS4`, which adds
+//! the mixture's datasets, counts and the order its digest was taken in):
+//! where the rank resumes, the exactly-once digest of the epoch it last
+//! delivered from, and the job's settings in clear, so that `kspeed audit`
+//! checks a job from its ranks' files alone (no loader, no dataset) and a
+//! restore names what differs.
 //!
 //! The layout is frozen in docs/FORMAT.md ("Saved positions").
 
-use super::{audit, AuditReport, EpochDigest, JobPosition, RankPosition, SamplerConfig};
+use super::{
+    audit, audit_mix, AuditReport, EpochDigest, JobPosition, MixPosition, MixSampler, RankPosition,
+    SamplerConfig, MAX_DATASETS,
+};
 use crate::error::{Error, Result};
 
 const MAGIC: &[u8; 8] = b"KSPDPOS3";
-/// Bytes of a saved rank position ([`SavedPosition`], `KSPDPOS3`).
+const MAGIC_MIX: &[u8; 8] = b"KSPDPOS4";
+/// Bytes of a saved rank position ([`SavedPosition`], `KSPDPOS3`; a
+/// mixture's `KSPDPOS4` is [`SavedPosition::mix_bytes`] long).
 pub const POSITION_BYTES: usize = 108;
+/// Bytes of a `KSPDPOS4` before its per-dataset entries.
+const MIX_HEADER_BYTES: usize = 116;
+
+/// What a mixture's rank position (`KSPDPOS4`) records besides a
+/// `KSPDPOS3`'s fields, so that the audit rebuilds the mixed order of the
+/// digest's epoch from the files alone.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SavedMix {
+    /// The mixture's fingerprint ([`MixSampler::fingerprint`]: the
+    /// datasets' lengths and catalog identities, seed, shuffle, drop_last;
+    /// not the weights), the same in every file of a job.
+    pub fingerprint: u64,
+    /// Each dataset's length.
+    pub lens: Vec<u64>,
+    /// Each dataset's slots per epoch under the weights of the world this
+    /// rank belongs to.
+    pub counts: Vec<u64>,
+    /// Stream entries of each dataset used in the digest's epoch before
+    /// the order this world dealt it from (0 unless the job resumed in that
+    /// epoch under other weights): with `counts`, the order `digest_at.base`
+    /// and `digest_at.index` count in.
+    pub skip: Vec<u64>,
+}
 
 /// Everything a rank saves with its position.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SavedPosition {
     /// The job: dataset length, seed, shuffle, drop_last, this rank and the
     /// world size of the dealing it belongs to.
@@ -22,10 +52,13 @@ pub struct SavedPosition {
     /// catalogs' and per-epoch counts folded together).
     pub catalog_identity: u32,
     /// Saved by a loader reading a mixture of datasets (`cfg.len` is the
-    /// mixed epoch's length): [`audit_positions`] does not cover those yet
-    /// (the mixed order needs every dataset's length and count, which the
-    /// file does not hold) and refuses them by name.
+    /// mixed epoch's length).
     pub mixture: bool,
+    /// The mixture's datasets and the order of the digest's epoch
+    /// (`KSPDPOS4`); `None` in a `KSPDPOS3`, which a mixture's loader saved
+    /// before kspeed recorded them: [`audit_positions`] refuses such a
+    /// mixture's file by name (it lacks the lengths and counts).
+    pub mix: Option<SavedMix>,
     /// The next step this rank delivers (`rank` and `world` equal `cfg`'s).
     pub next: RankPosition,
     /// The ids this rank delivered in `digest.epoch` (the epoch of the last
@@ -37,9 +70,11 @@ pub struct SavedPosition {
 }
 
 impl SavedPosition {
-    /// Serializes (layout in docs/FORMAT.md).
-    pub fn save(&self) -> [u8; POSITION_BYTES] {
-        let mut b = [0u8; POSITION_BYTES];
+    /// Serializes (layout in docs/FORMAT.md): a `KSPDPOS3` of
+    /// [`POSITION_BYTES`], or with [`SavedPosition::mix`] a `KSPDPOS4` of
+    /// [`SavedPosition::mix_bytes`].
+    pub fn save(&self) -> Vec<u8> {
+        let mut b = vec![0u8; POSITION_BYTES];
         // Bits 8..32: the shuffle block (below 2^24, checked by the sampler).
         let flags = (self.cfg.shuffle as u32)
             | ((self.cfg.drop_last as u32) << 1)
@@ -65,41 +100,98 @@ impl SavedPosition {
         for (i, w) in words.iter().enumerate() {
             b[40 + 8 * i..48 + 8 * i].copy_from_slice(&w.to_le_bytes());
         }
-        let crc = crc32c::crc32c(&b[..104]);
-        b[104..108].copy_from_slice(&crc.to_le_bytes());
+        let Some(m) = &self.mix else {
+            let crc = crc32c::crc32c(&b[..104]);
+            b[104..108].copy_from_slice(&crc.to_le_bytes());
+            return b;
+        };
+        b[0..8].copy_from_slice(MAGIC_MIX);
+        b.truncate(104);
+        b.reserve(Self::mix_bytes(m.lens.len()) - 104);
+        b.extend_from_slice(&m.fingerprint.to_le_bytes());
+        b.extend_from_slice(&(m.lens.len() as u32).to_le_bytes());
+        for d in 0..m.lens.len() {
+            for v in [m.lens[d], m.counts[d], m.skip[d]] {
+                b.extend_from_slice(&v.to_le_bytes());
+            }
+        }
+        let crc = crc32c::crc32c(&b);
+        b.extend_from_slice(&crc.to_le_bytes());
         b
     }
 
-    /// Whether `bytes` claim to be a `KSPDPOS3` position (by their magic).
-    pub fn is_v3(bytes: &[u8]) -> bool {
-        bytes.len() >= 8 && &bytes[0..8] == MAGIC
+    /// Bytes of a mixture's rank position (`KSPDPOS4`) of `datasets`
+    /// datasets: `120 + 24·D`.
+    pub fn mix_bytes(datasets: usize) -> usize {
+        MIX_HEADER_BYTES + 24 * datasets + 4
     }
 
-    /// Decodes a position saved by [`SavedPosition::save`], checking its
-    /// size, magic and checksum only ([`SavedPosition::check_job`] checks
-    /// that it belongs to a job).
+    /// Whether `bytes` claim to be a loader's rank position (by their
+    /// magic): a `KSPDPOS3`, or a mixture's `KSPDPOS4`.
+    pub fn is_rank_position(bytes: &[u8]) -> bool {
+        bytes.len() >= 8 && (&bytes[0..8] == MAGIC || &bytes[0..8] == MAGIC_MIX)
+    }
+
+    /// Decodes a position saved by [`SavedPosition::save`] (`KSPDPOS3` or
+    /// `KSPDPOS4`), checking its size, magic and checksum only
+    /// ([`SavedPosition::check_job`] checks that it belongs to a job).
     pub fn decode(bytes: &[u8]) -> Result<Self> {
-        if bytes.len() != POSITION_BYTES {
-            return Err(Error::BadPosition(format!(
-                "{} bytes, expected a {POSITION_BYTES}-byte KSPDPOS3 position",
-                bytes.len()
-            )));
-        }
-        if !Self::is_v3(bytes) {
+        if !Self::is_rank_position(bytes) {
             return Err(Error::BadPosition(
                 "wrong magic (not a kspeed position)".into(),
             ));
         }
-        let crc = u32::from_le_bytes(bytes[104..108].try_into().expect("4 bytes"));
-        if crc != crc32c::crc32c(&bytes[..104]) {
-            return Err(Error::BadPosition("checksum mismatch (corrupt)".into()));
-        }
+        let mixed = &bytes[0..8] == MAGIC_MIX;
         let u64_at = |o: usize| u64::from_le_bytes(bytes[o..o + 8].try_into().expect("8 bytes"));
         let u32_at = |o: usize| u32::from_le_bytes(bytes[o..o + 4].try_into().expect("4 bytes"));
+        let body = if mixed {
+            let d = if bytes.len() >= MIX_HEADER_BYTES {
+                u32_at(112) as usize
+            } else {
+                0
+            };
+            if bytes.len() < MIX_HEADER_BYTES + 4
+                || d > MAX_DATASETS
+                || bytes.len() != Self::mix_bytes(d)
+            {
+                return Err(Error::BadPosition(format!(
+                    "{} bytes, not a KSPDPOS4 position (120 + 24 bytes per dataset)",
+                    bytes.len()
+                )));
+            }
+            bytes.len() - 4
+        } else {
+            if bytes.len() != POSITION_BYTES {
+                return Err(Error::BadPosition(format!(
+                    "{} bytes, expected a {POSITION_BYTES}-byte KSPDPOS3 position",
+                    bytes.len()
+                )));
+            }
+            104
+        };
+        let crc = u32_at(body);
+        if crc != crc32c::crc32c(&bytes[..body]) {
+            return Err(Error::BadPosition("checksum mismatch (corrupt)".into()));
+        }
         let flags = u32_at(24);
         if flags & 0xf8 != 0 {
             return Err(Error::BadPosition(format!("unknown flags {flags:#x}")));
         }
+        if mixed && flags & 4 == 0 {
+            return Err(Error::BadPosition(
+                "a KSPDPOS4 position without the mixture flag".into(),
+            ));
+        }
+        let mix = mixed.then(|| {
+            let d = u32_at(112) as usize;
+            let at = |i: usize, k: usize| u64_at(MIX_HEADER_BYTES + 24 * i + 8 * k);
+            SavedMix {
+                fingerprint: u64_at(104),
+                lens: (0..d).map(|i| at(i, 0)).collect(),
+                counts: (0..d).map(|i| at(i, 1)).collect(),
+                skip: (0..d).map(|i| at(i, 2)).collect(),
+            }
+        });
         let (rank, world) = (u32_at(32), u32_at(36));
         if world == 0 || rank >= world {
             return Err(Error::BadPosition(format!(
@@ -131,6 +223,7 @@ impl SavedPosition {
             cfg,
             catalog_identity: u32_at(28),
             mixture: flags & 4 != 0,
+            mix,
             next: at(u64_at(40), u64_at(48), u64_at(56)),
             digest,
             digest_at: at(digest.epoch, u64_at(72), u64_at(80)),
@@ -220,9 +313,13 @@ pub fn audit_positions(saved: &[SavedPosition]) -> Result<Vec<AuditReport>> {
     let first = saved
         .first()
         .ok_or_else(|| Error::AuditMismatch("no positions given".into()))?;
+    if first.mixture {
+        return audit_mixture(saved);
+    }
     if let Some(i) = saved.iter().position(|s| s.mixture) {
-        return Err(Error::BadPosition(format!(
-            "position {i} was saved by a loader reading a mixture of datasets: the audit does not cover mixtures yet"
+        return Err(Error::AuditMismatch(format!(
+            "position {i} was saved by a loader reading a mixture of datasets, position 0 by one \
+             reading one dataset: they are of other jobs"
         )));
     }
     for (i, s) in saved.iter().enumerate() {
@@ -276,6 +373,178 @@ pub fn audit_positions(saved: &[SavedPosition]) -> Result<Vec<AuditReport>> {
     Ok(reports)
 }
 
+/// One world's dealing of an epoch in a mixture job: the order it dealt
+/// (the counts and what each dataset had used before it), where it started
+/// in that order and where it stopped.
+struct MixWorld<'a> {
+    mix: &'a SavedMix,
+    world: u32,
+    base: u64,
+    end: u64,
+}
+
+/// [`audit_positions`] of a mixture's files (`KSPDPOS4`): per epoch, each
+/// world's files name the order it dealt; a world of the same order goes
+/// on where the one before stopped, a world of another order (a resume
+/// under other weights) starts that order at 0 with what the job had used
+/// of each dataset's stream. Then [`audit_mix`] checks every digest of the
+/// epoch against the last world's end.
+fn audit_mixture(saved: &[SavedPosition]) -> Result<Vec<AuditReport>> {
+    let mixes = saved
+        .iter()
+        .enumerate()
+        .map(|(i, s)| match (&s.mix, s.mixture) {
+            (Some(m), true) => Ok(m),
+            (None, true) => Err(Error::BadPosition(format!(
+                "position {i} is a mixture's KSPDPOS3, saved before kspeed recorded the mixture \
+                 in rank positions (KSPDPOS4): it lacks the datasets' lengths and weights, so \
+                 the audit cannot rebuild the mixed order; save the positions again with this \
+                 version (restore_position reads it), or audit in Rust with audit_mix"
+            ))),
+            (_, false) => Err(Error::AuditMismatch(format!(
+                "position {i} was saved by a loader reading one dataset, position 0 by one \
+                 reading a mixture: they are of other jobs"
+            ))),
+        })
+        .collect::<Result<Vec<&SavedMix>>>()?;
+    let (first, m0) = (&saved[0], mixes[0]);
+    for (i, (s, m)) in saved.iter().zip(&mixes).enumerate() {
+        let other = |what: String| {
+            Err(Error::AuditMismatch(format!(
+                "position {i} is of another job: {what}"
+            )))
+        };
+        if m.lens != m0.lens {
+            return other(format!(
+                "a mixture of datasets of lengths {:?}, position 0's {:?}",
+                m.lens, m0.lens
+            ));
+        }
+        let (a, b) = (&s.cfg, &first.cfg);
+        for (what, x, y) in [
+            ("seed", a.seed, b.seed),
+            ("shuffle", a.shuffle as u64, b.shuffle as u64),
+            ("drop_last", a.drop_last as u64, b.drop_last as u64),
+            ("shuffle_block", a.order_block(), b.order_block()),
+        ] {
+            if x != y {
+                return other(format!("{what} {x}, position 0's {y}"));
+            }
+        }
+        if m.fingerprint != m0.fingerprint {
+            return other("another mixture's datasets (catalogs)".into());
+        }
+    }
+    // Any counts: the audit reads each order from its position.
+    let sampler = MixSampler::new(first.cfg.rank_world(0, 1), &m0.lens, &m0.counts)
+        .map_err(|e| Error::BadPosition(format!("position 0: {e}")))?;
+    let mut epochs: Vec<u64> = saved.iter().map(|s| s.digest.epoch).collect();
+    epochs.sort_unstable();
+    epochs.dedup();
+    let mut reports = Vec::with_capacity(epochs.len());
+    for epoch in epochs {
+        let of_epoch: Vec<usize> = (0..saved.len())
+            .filter(|&i| saved[i].digest.epoch == epoch)
+            .collect();
+        // The worlds that dealt this epoch: (order, base, world) of each.
+        let mut worlds: Vec<MixWorld> = Vec::new();
+        for &i in &of_epoch {
+            let s = &saved[i];
+            let w = s.cfg.world;
+            if !worlds
+                .iter()
+                .any(|x| x.mix == mixes[i] && (x.base, x.world) == (s.digest_at.base, w))
+            {
+                let ranks: Vec<RankPosition> = of_epoch
+                    .iter()
+                    .filter(|&&j| {
+                        mixes[j] == mixes[i]
+                            && (saved[j].digest_at.base, saved[j].cfg.world)
+                                == (s.digest_at.base, w)
+                    })
+                    .map(|&j| saved[j].digest_at)
+                    .collect();
+                let end = JobPosition::from_ranks(&ranks)
+                    .map_err(|e| Error::AuditMismatch(format!("epoch {epoch}: {e}")))?
+                    .consumed;
+                worlds.push(MixWorld {
+                    mix: mixes[i],
+                    world: w,
+                    base: s.digest_at.base,
+                    end,
+                });
+            }
+        }
+        // Resumes use stream entries up: an order's skip only grows, and
+        // within one order the worlds follow each other.
+        worlds.sort_by_key(|x| (x.mix.skip.iter().sum::<u64>(), x.base, x.end));
+        let mut last: Option<MixPosition> = None;
+        for x in &worlds {
+            let here = |consumed| MixPosition {
+                epoch,
+                consumed,
+                counts: x.mix.counts.clone(),
+                skip: x.mix.skip.clone(),
+            };
+            let want = match &last {
+                // The epoch's first order: nothing used before it.
+                None => MixPosition {
+                    skip: vec![0; x.mix.skip.len()],
+                    ..here(0)
+                },
+                Some(p) if (&p.counts, &p.skip) == (&x.mix.counts, &x.mix.skip) => p.clone(),
+                // Other weights: their order starts at its 0, after what
+                // the job had used.
+                Some(p) => MixPosition {
+                    skip: sampler.used(p),
+                    ..here(0)
+                },
+            };
+            if want.skip != x.mix.skip {
+                let (had, used) = (
+                    x.mix.skip.iter().sum::<u64>(),
+                    want.skip.iter().sum::<u64>(),
+                );
+                return Err(Error::AuditMismatch(format!(
+                    "epoch {epoch}: a world of {} ranks dealt an order after stream entries {:?} \
+                     of each dataset, but the positions before it had used {:?}: {}",
+                    x.world,
+                    x.mix.skip,
+                    want.skip,
+                    if last.is_none() {
+                        "the positions of the world that began the epoch are missing"
+                    } else if had > used {
+                        "a world's positions are missing, or samples were skipped"
+                    } else if had < used {
+                        "some delivered twice (resumed from an earlier job position)"
+                    } else {
+                        "resumed from another job position"
+                    }
+                )));
+            }
+            if x.base != want.consumed {
+                return Err(Error::AuditMismatch(format!(
+                    "epoch {epoch}: a world of {} ranks started at entry {} of its order, but \
+                     the positions before it stop at {}: {}",
+                    x.world,
+                    x.base,
+                    want.consumed,
+                    if x.base > want.consumed {
+                        "a world's positions are missing, or samples were skipped"
+                    } else {
+                        "two worlds dealt the same entries"
+                    }
+                )));
+            }
+            last = Some(here(x.end));
+        }
+        let digests: Vec<EpochDigest> = of_epoch.iter().map(|&i| saved[i].digest).collect();
+        let end = last.expect("an epoch has a world");
+        reports.push(audit_mix(&sampler, &end, &digests)?);
+    }
+    Ok(reports)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -297,6 +566,7 @@ mod tests {
             cfg: cfg(),
             catalog_identity: 0,
             mixture: false,
+            mix: None,
             next: at,
             digest: EpochDigest {
                 epoch: 0,
@@ -326,7 +596,7 @@ mod tests {
             "{:#010x}",
             u32::from_le_bytes(b[104..108].try_into().unwrap())
         );
-        let mut bad = b;
+        let mut bad = b.clone();
         bad[50] ^= 1;
         assert!(
             matches!(SavedPosition::decode(&bad), Err(Error::BadPosition(m)) if m.contains("checksum"))
@@ -335,6 +605,48 @@ mod tests {
     }
 
     const CHECK_CRC: u32 = 0xaf8b_839d;
+
+    /// A mixture's position (`KSPDPOS4`): the example's fields, flag bit
+    /// 2, and two datasets (lengths 6 and 4, counts 6 and 4, skip 0 and 1,
+    /// fingerprint 7): docs/FORMAT.md's check value; the older `KSPDPOS3`
+    /// of a mixture still decodes, and the audit refuses it by name.
+    #[test]
+    fn a_mixture_round_trips_with_its_check_value() {
+        let s = SavedPosition {
+            mixture: true,
+            mix: Some(SavedMix {
+                fingerprint: 7,
+                lens: vec![6, 4],
+                counts: vec![6, 4],
+                skip: vec![0, 1],
+            }),
+            ..example()
+        };
+        let b = s.save();
+        assert_eq!(b.len(), SavedPosition::mix_bytes(2));
+        assert_eq!(b.len(), 120 + 48);
+        assert_eq!(&b[0..8], b"KSPDPOS4");
+        assert_eq!(SavedPosition::decode(&b).unwrap(), s);
+        let crc = u32::from_le_bytes(b[164..168].try_into().unwrap());
+        assert_eq!(crc, MIX_CHECK_CRC, "{crc:#010x}");
+        for bad in [&b[..167], &b[..120]] {
+            assert!(SavedPosition::decode(bad).is_err());
+        }
+        let mut flipped = b.clone();
+        flipped[130] ^= 1;
+        assert!(
+            matches!(SavedPosition::decode(&flipped), Err(Error::BadPosition(m)) if m.contains("checksum"))
+        );
+        let old = SavedPosition { mix: None, ..s };
+        let back = SavedPosition::decode(&old.save()).unwrap();
+        assert!(back.mixture && back.mix.is_none());
+        match audit_positions(&[back]) {
+            Err(Error::BadPosition(m)) => assert!(m.contains("KSPDPOS4"), "{m}"),
+            r => panic!("{r:?}"),
+        }
+    }
+
+    const MIX_CHECK_CRC: u32 = 0x8fae_b446;
 
     #[test]
     fn another_job_is_named() {
@@ -360,7 +672,7 @@ mod tests {
         // The shuffle block is saved (flag bits 8..32) and checked.
         let blocked = SavedPosition {
             cfg: c.shuffle_block(300),
-            ..s
+            ..s.clone()
         };
         let back = SavedPosition::decode(&blocked.save()).unwrap();
         assert_eq!(back.cfg.shuffle_block, 300);
@@ -391,6 +703,7 @@ mod tests {
                     cfg: c.rank_world(rank, world),
                     catalog_identity: 5,
                     mixture: false,
+                    mix: None,
                     next: at,
                     digest: d,
                     digest_at: at,

@@ -6,7 +6,8 @@
  * SPACE is a preloaded space and SOURCE its source directory: the mixture
  * reads them side by side (the space's samples first in the id space),
  * 3:1, in an epoch of 400. Checks each dataset's count, that every
- * sample's `dataset` matches its id's range, and every sample's bytes.
+ * sample's `dataset` matches its id's range, and every sample's bytes;
+ * then the rank's position (KSPDPOS4) and ksp_audit of it.
  * Prints one line per failed check and exits non-zero if any failed. */
 #include <kspeed.h>
 
@@ -94,6 +95,33 @@ int main(int argc, char **argv) {
     }
     CHECK(count[0] == 300 && count[1] == 100, "counts %llu and %llu", (unsigned long long)count[0],
           (unsigned long long)count[1]);
+    /* A mixture's rank position is a KSPDPOS4 of 120 + 24 bytes per
+     * dataset (a KSP_POSITION_BYTES buffer is too small, naming the size),
+     * and ksp_audit audits the epoch from it alone. */
+    uint8_t pos[256];
+    size_t n = 0;
+    CHECK(ksp_loader_save_position(l, pos, KSP_POSITION_BYTES, &n) == KSP_ERR_BUFFER_TOO_SMALL &&
+              n == 120 + 24 * 2,
+          "a mixture's position needs %zu bytes", n);
+    CHECK(ksp_loader_save_position(l, pos, sizeof pos, &n) == KSP_OK && n == 168 &&
+              memcmp(pos, "KSPDPOS4", 8) == 0,
+          "%s", last_error());
+    const uint8_t *ptrs[1] = {pos};
+    size_t lens[1] = {n};
+    char report[256];
+    size_t rn = 0;
+    CHECK(ksp_audit(ptrs, lens, 1, report, sizeof report, &rn) == KSP_OK, "%s", last_error());
+    CHECK(strcmp(report, "epoch 0: 400 samples, each exactly once\n") == 0, "report: %s", report);
+    /* The digest's count (u64 at offset 88) one short, the CRC32C (after
+     * the 164 bytes before it) redone: a sample skipped, KSP_ERR_DATA. */
+    pos[88]--;
+    uint32_t crc = crc32c(pos, 164);
+    for (int k = 0; k < 4; k++) pos[164 + k] = (uint8_t)(crc >> (8 * k));
+    CHECK(ksp_audit(ptrs, lens, 1, report, sizeof report, &rn) == KSP_ERR_DATA, "a sample skipped");
+    CHECK(strstr(last_error(), "some skipped") != NULL, "names it: %s", msg);
+    /* A byte flipped without its CRC: not a position. */
+    pos[90] ^= 1;
+    CHECK(ksp_audit(ptrs, lens, 1, report, sizeof report, &rn) == KSP_ERR_INVALID_ARG, "a corrupt position");
     ksp_loader_free(l);
     if (failures) {
         fprintf(stderr, "%d check(s) failed\n", failures);

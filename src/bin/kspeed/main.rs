@@ -73,7 +73,8 @@ enum Cmd {
     /// Serve this node's space to remote consumers (the cluster's node service).
     Serve(ServeArgs),
     /// Check from every rank's saved position that each sample of an epoch
-    /// was delivered exactly once, across resumes at other world sizes.
+    /// was delivered exactly once, across resumes at other world sizes (and
+    /// a mixture's under other weights).
     Audit(audit::AuditArgs),
     /// Run the node agent: the node's ranks attach (`agent = required` or
     /// `auto`) and its pollers read their samples into their rings

@@ -631,8 +631,9 @@ class Loader:
         return epoch, base + index * world
 
     def save_position(self):
-        """This rank's position (bytes, ``KSPDPOS3``), with the exactly-once
-        digest: what :func:`kspeed.audit` checks."""
+        """This rank's position (bytes, ``KSPDPOS3``; a mixture's
+        ``KSPDPOS4``), with the exactly-once digest: what
+        :func:`kspeed.audit` checks."""
         _check_pid(self)
         return bytes(self._l.save_position())
 
@@ -781,7 +782,8 @@ def catalog(source, out, *, threads=None, skip_special=False, follow_symlinks=Fa
 
 def audit(positions):
     """Checks that a job delivered each sample of an epoch exactly once,
-    across resumes at other world sizes, from its ranks' saved positions
+    across resumes at other world sizes (a mixture's also under other
+    weights), from its ranks' saved positions
     (``Loader.save_position()`` bytes, ``state_dict()`` dicts or files: the
     last one of every rank of every world that dealt the epochs). Returns
     one line per epoch ("epoch 3: 1,281,167 samples, each exactly once");

@@ -54,6 +54,13 @@ per worker under torchdata's ``StatefulDataLoader``, which calls them in
 each worker). With ``num_workers=0`` a state also resumes at another world
 size (load any rank's state on every rank of the new world): the rest of the
 epoch is dealt to the new ranks, each sample exactly once.
+
+Mixtures: ``mix=`` (as :class:`kspeed.Loader`; each dataset a space or a
+catalog file) reads several datasets side by side, with ``num_workers=0``.
+A state of a mixture also resumes under other weights (a dataset built with
+other ``mix=`` weights loads it): the rest of the epoch follows the new
+weights, nothing the job delivered in the epoch comes again, and the next
+epoch is the new weights' own.
 """
 
 import os
@@ -93,6 +100,9 @@ class KSpeedDataset(IterableDataset):
         self.return_id = _bool("return_id", return_id)
         if "source" in loader_kwargs and space is not None:
             raise ValueError("give space or source=, not both")
+        self._mix = loader_kwargs.get("mix") is not None
+        if self._mix and (space is not None or "source" in loader_kwargs):
+            raise ValueError("give space, source= or mix=, not two of them")
         self._kwargs = dict(loader_kwargs)
         # Resolve rank and world now (in the parent), so that workers agree.
         rank, world, _ = _rank_world(rank, world, ignore_launcher_env)
@@ -108,21 +118,52 @@ class KSpeedDataset(IterableDataset):
         self._cursor = None
         from ._loader import Catalog
 
+        self.rank, self.world = rank, world
+        self._epoch_len = None
+        if self._mix:
+            # The mixed epoch's length and the datasets' identity come from
+            # the loader (its weights' counts), built on first need.
+            self._catalog = None
+            return
         if space is not None:
             self._catalog = Catalog.open(space)
         elif loader_kwargs.get("catalog") is not None:
             self._catalog = Catalog.open(loader_kwargs["catalog"])
         else:
             raise ValueError(
-                "KSpeedDataset needs space= or, with source=, catalog= (build one with `kspeed catalog`) "
+                "KSpeedDataset needs space=, mix= or, with source=, catalog= (build one with `kspeed catalog`) "
                 "so that every worker reads the same catalog without checksumming the source again"
             )
-        self.rank, self.world = rank, world
-        n = len(self._catalog)
-        self.epoch_len = n // world if loader_kwargs.get("drop_last", False) else -(-n // world)
+        self._epoch_len = self._rank_len(len(self._catalog))
+
+    def _rank_len(self, n):
+        """Samples of an epoch of `n` for this rank (DistributedSampler's)."""
+        return n // self.world if self._kwargs.get("drop_last", False) else -(-n // self.world)
+
+    @property
+    def epoch_len(self):
+        """Samples per epoch for this rank (an ordinary epoch; a mixture's
+        under this dataset's weights)."""
+        if self._epoch_len is None:
+            self._epoch_len = self._rank_len(sum(self._mix_loader()._l.mix_counts))
+        return self._epoch_len
+
+    def _mix_loader(self):
+        """This process's loader of the mixture (num_workers=0 only)."""
+        w, n = self._worker()
+        self._refuse_mix_workers(n)
+        return self._get_loader(w, n)
+
+    def _refuse_mix_workers(self, n):
+        if self._mix and n > 1:
+            raise ValueError(
+                f"KSpeedDataset with mix= reads with num_workers=0 (asked for {n} workers): splitting a "
+                f"mixture's epoch between worker processes is not supported yet"
+            )
 
     @property
     def catalog(self):
+        """The dataset's :class:`kspeed.Catalog` (``None`` for a mixture)."""
         return self._catalog
 
     def set_epoch(self, epoch):
@@ -148,6 +189,7 @@ class KSpeedDataset(IterableDataset):
         else DataLoader batches. Each worker batches its own samples, so
         this is the sum over workers, not ``ceil(len(self) / batch_size)``."""
         n = max(1, _int("num_workers", num_workers, 0))
+        self._refuse_mix_workers(n)
         if num_workers > MAX_WORKERS:
             raise ValueError(f"num_workers {num_workers} is above {MAX_WORKERS}, the most KSpeedDataset supports")
         per_worker = [self._steps(w, n) for w in range(n)]
@@ -203,6 +245,7 @@ class KSpeedDataset(IterableDataset):
 
     def __iter__(self):
         w, n = self._worker()
+        self._refuse_mix_workers(n)
         loader = self._get_loader(w, n)
         state, self._state = self._state, None
         skip = 0
@@ -212,6 +255,12 @@ class KSpeedDataset(IterableDataset):
             loader._l.restore_job_position(state["job_position"])
             loader._epoch = loader.position()[0]
         elif state is not None:
+            job = state.get("job_position")
+            if self._mix and job is not None:
+                # The epoch may be the rest of one resumed under other
+                # weights, which the rank position checks only as a hash:
+                # its job position first, then the rank's exact place.
+                loader._l.restore_job_position(job)
             loader._l.restore_position(state["position"])
             loader._epoch = state["epoch"]
             skip = state["skip"]
@@ -279,9 +328,11 @@ class KSpeedDataset(IterableDataset):
 
     # Checkpoints.
     def _identity(self):
-        """What a state must match: the job (rank, world, seed) and the dataset."""
+        """What a state must match: the job (rank, world, seed) and the
+        dataset (a mixture's: its datasets, whatever the weights)."""
+        identity = self._mix_loader()._l.catalog_identity if self._mix else self._catalog.identity
         return {"rank": self.rank, "world": self.world, "seed": self._kwargs.get("seed", 0),
-                "catalog_identity": self._catalog.identity}
+                "catalog_identity": identity}
 
     def state_dict(self):
         """Position of this process's (or worker's) next sample: exact, also
@@ -298,8 +349,11 @@ class KSpeedDataset(IterableDataset):
                  "index": index + skip, "position": bytes(pos), "skip": skip}
         if n == 1 and not self._kwargs.get("drop_last", False):
             # The job's position at this exact sample (valid at any world
-            # size when the ranks are in lock-step, as DDP steps are).
+            # size when the ranks are in lock-step, as DDP steps are; a
+            # mixture's, KSPDMIX1, also under other weights).
             state["job_position"] = bytes(loader._l.save_job_position(epoch, base + (index + skip) * self.world))
+        if self._mix:
+            state["mix_counts"] = list(loader._l.mix_counts)
         return state
 
     def load_state_dict(self, state):
@@ -308,14 +362,24 @@ class KSpeedDataset(IterableDataset):
         rank or world size continues the job from its job position (a job
         resumed on another number of GPUs: load any rank's state on every
         rank): the rest of the epoch, each sample not yet consumed exactly
-        once across the new ranks. Otherwise a state of another job (world
-        size, rank, seed), dataset or worker count is refused here, naming
-        the field."""
+        once across the new ranks. So does a mixture's state saved under
+        other weights: the rest of the epoch follows this dataset's weights,
+        nothing the job delivered in the epoch coming again. Otherwise a
+        state of another job (world size, rank, seed), dataset or worker
+        count is refused here, naming the field."""
         if not isinstance(state, dict) or state.get("kspeed_dataset_state") != 1:
             raise ValueError("state is not a KSpeedDataset state (no kspeed_dataset_state: 1)")
         w, n = self._worker()
-        elastic = ((state.get("rank"), state.get("world")) != (self.rank, self.world)
-                   and "job_position" in state and n == 1 and state.get("num_workers") == 1
+        self._refuse_mix_workers(n)
+        job = state.get("job_position")
+        mix_job = isinstance(job, (bytes, bytearray)) and bytes(job[:8]) == b"KSPDMIX1"
+        if self._mix != mix_job and job is not None:
+            raise ValueError("state is of a mixture of datasets and this dataset reads one, or the other way "
+                             "round: the state belongs to another job or dataset")
+        reweighted = (mix_job and state.get("mix_counts") is not None
+                      and list(state["mix_counts"]) != list(self._mix_loader()._l.mix_counts))
+        elastic = (((state.get("rank"), state.get("world")) != (self.rank, self.world) or reweighted)
+                   and job is not None and n == 1 and state.get("num_workers") == 1
                    and not self._kwargs.get("drop_last", False))
         for key, mine in self._identity().items():
             if elastic and key in ("rank", "world"):
@@ -395,6 +459,9 @@ class KSpeedImageFolder(KSpeedDataset):
     ``transform``."""
 
     def __init__(self, space=None, *, transform=None, decode=False, **kw):
+        if kw.get("mix") is not None:
+            raise ValueError("KSpeedImageFolder reads one ImageFolder dataset (its classes); for a mixture use "
+                             "KSpeedDataset(mix=...), whose batches say each sample's dataset")
         if decode:
             from torchvision.io import decode_image
 
