@@ -685,7 +685,7 @@ impl Poller {
         let st = &self.shared.stats[self.index as usize];
         if partial_source {
             st.source_reads.fetch_add(1, Ordering::Relaxed);
-            st.source_bytes.fetch_add(p.len as u64, Ordering::Relaxed);
+            st.source_bytes.fetch_add(p.len, Ordering::Relaxed);
         } else {
             st.disk_reads.fetch_add(1, Ordering::Relaxed);
         }

@@ -1,0 +1,275 @@
+//! A dataset larger than the node's space (issue 31): `kspeed preload
+//! --max-bytes` holds a budget of it, and the loader reads the rest from
+//! the source files, in the known order and ahead of need.
+//!
+//! - four epochs, exact: every sample in the sampler's order and
+//!   byte-exact; the space's samples from disk, the others from the source,
+//!   the source's bytes per epoch exactly the model's (the bytes the space
+//!   does not hold);
+//! - a memory tier over a partial space serves source samples too;
+//! - a source file changed or removed after the preload is a named error
+//!   naming the file and the sample;
+//! - `kspeed read` killed mid-epoch (SIGKILL): the space verifies intact
+//!   and a rerun reads the epoch exactly;
+//! - what is not built yet is refused by name: serving a partial space,
+//!   reading one in cluster mode, rebalancing one, `--max-bytes 0`.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+use kspeed::dataset::{Catalog, Space};
+use kspeed::landing::{CudaMode, LandingOptions};
+use kspeed::loader::{Loader, LoaderBuilder};
+use kspeed::sampler::{Sampler, SamplerConfig};
+use kspeed::Error;
+
+const SEED: u64 = 7;
+
+fn ring() -> LandingOptions {
+    LandingOptions::default()
+        .ring_bytes(8 << 20)
+        .huge_pages(false)
+        .mlock(false)
+        .numa_node(None)
+        .gpu_pci(None)
+        .cuda(CudaMode::Off)
+}
+
+/// 240 `imagenet` samples preloaded into a space of about a third of them.
+struct Setup {
+    _tmp: tempfile::TempDir,
+    src: PathBuf,
+    space: PathBuf,
+    cat: Catalog,
+}
+
+fn setup() -> Setup {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("src");
+    gen("imagenet", 240, &src);
+    let space = tmp.path().join("space");
+    let out = ok(&[
+        "preload",
+        "--source",
+        s(&src),
+        "--space",
+        s(&space),
+        "--max-bytes",
+        "10MiB",
+    ]);
+    assert!(out.contains("a partial space"), "{out}");
+    let cat = Catalog::open(&space.join("catalog.ksc")).unwrap();
+    Setup {
+        _tmp: tmp,
+        src,
+        space,
+        cat,
+    }
+}
+
+fn builder(space: &Path) -> LoaderBuilder {
+    LoaderBuilder::space(space)
+        .seed(SEED)
+        .batch_size(8)
+        .pollers(2)
+        .pin(false)
+        .landing(ring())
+}
+
+/// Reads `epochs` epochs from the start and checks every sample against
+/// the sampler and the catalog.
+fn read_exact(l: &mut Loader, cat: &Catalog, epochs: u64) -> Result<(), Error> {
+    let sampler = Sampler::new(SamplerConfig::single(cat.len(), SEED)).unwrap();
+    for e in 0..epochs {
+        l.set_epoch(e)?;
+        let mut k = 0u64;
+        while let Some(b) = l.next_batch()? {
+            for smp in b.iter() {
+                assert_eq!(smp.id, sampler.sample(e, k), "epoch {e} step {k}");
+                let c = cat.sample(smp.id);
+                assert_eq!(smp.bytes.len(), c.len as usize, "sample {}", smp.id);
+                assert_eq!(crc32c::crc32c(smp.bytes), c.crc32c, "sample {}", smp.id);
+                k += 1;
+            }
+        }
+        assert_eq!(k, cat.len(), "every sample of epoch {e}, once");
+    }
+    Ok(())
+}
+
+#[test]
+fn four_epochs_exact_from_the_space_and_the_source() {
+    let st = setup();
+    let space = Space::open(&st.space).unwrap();
+    let (held, n) = (space.held_samples(), st.cat.len());
+    assert!(held > 0 && held < n / 2, "held {held} of {n}");
+    assert!(space.params().is_partial());
+    // The model: the source gives exactly the samples the space does not
+    // hold, once per epoch.
+    let source_bytes_per_epoch: u64 = (0..n)
+        .filter(|&id| space.location(id).is_none())
+        .map(|id| st.cat.sample(id).len as u64)
+        .sum();
+    let epochs = 4;
+    let mut l = builder(&st.space).end_epoch(Some(epochs)).build().unwrap();
+    read_exact(&mut l, &st.cat, epochs).unwrap();
+    let stats = l.stats();
+    assert_eq!(stats.disk_reads, held * epochs);
+    assert_eq!(stats.source_reads, (n - held) * epochs);
+    assert_eq!(stats.source_bytes, source_bytes_per_epoch * epochs);
+    assert_eq!(stats.samples, n * epochs);
+    // `kspeed verify` checks what the space holds and passes.
+    let out = ok(&["verify", "--space", s(&st.space)]);
+    assert!(!out.to_lowercase().contains("corrupt"), "{out}");
+}
+
+#[test]
+fn a_memory_tier_over_a_partial_space_keeps_source_samples_too() {
+    let st = setup();
+    let epochs = 3;
+    let mut l = builder(&st.space)
+        .tier_bytes(64 << 20)
+        .end_epoch(Some(epochs))
+        .build()
+        .unwrap();
+    read_exact(&mut l, &st.cat, epochs).unwrap();
+    let stats = l.stats();
+    let n = st.cat.len();
+    // Everything fits in the tier: after the first epoch, nothing is read
+    // from the space or the source again.
+    assert_eq!(stats.tier_hits, n * (epochs - 1), "{stats:?}");
+    assert_eq!(stats.disk_reads + stats.source_reads, n);
+    assert!(stats.source_reads > 0);
+}
+
+#[test]
+fn a_changed_or_missing_source_file_is_a_named_error() {
+    let st = setup();
+    let space = Space::open(&st.space).unwrap();
+    let outside = (0..st.cat.len())
+        .find(|&id| space.location(id).is_none())
+        .unwrap();
+    let path = st.cat.file_path(st.cat.sample(outside).file);
+    // Same length, other bytes: the catalog's CRC32C catches it, even
+    // without verify_crc32c.
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[0] ^= 0xff;
+    std::fs::write(&path, &bytes).unwrap();
+    let mut l = builder(&st.space).end_epoch(Some(1)).build().unwrap();
+    let e = read_exact(&mut l, &st.cat, 1).unwrap_err();
+    let msg = e.to_string();
+    assert!(
+        msg.contains(&outside.to_string()) && msg.contains(s(&path)),
+        "{msg}"
+    );
+    assert!(
+        matches!(&e, Error::SampleCorrupt { .. } | Error::LoaderFailed { .. }),
+        "{e:?}"
+    );
+    // Removed: the open fails, naming the file.
+    std::fs::remove_file(&path).unwrap();
+    let mut l = builder(&st.space).end_epoch(Some(1)).build().unwrap();
+    let msg = read_exact(&mut l, &st.cat, 1).unwrap_err().to_string();
+    assert!(msg.contains(s(&path)), "{msg}");
+    // The whole source gone: refused at build, naming it.
+    std::fs::rename(&st.src, st.src.with_extension("gone")).unwrap();
+    let msg = match builder(&st.space).build() {
+        Ok(_) => panic!("a partial space without its source must be refused"),
+        Err(e) => e.to_string(),
+    };
+    assert!(msg.contains(s(&st.src)), "{msg}");
+}
+
+#[test]
+fn a_read_killed_mid_epoch_leaves_the_space_intact_and_a_rerun_exact() {
+    let st = setup();
+    let mut child = Command::new(kspeed_bin())
+        .args(["read", "--space", s(&st.space), "--epochs", "1000"])
+        .args(["--no-huge-pages", "--no-mlock", "--progress", "none"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    // Killed once it has read from the source: its open descriptors show
+    // a source file (deadline: 60 s).
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let fd_dir = format!("/proc/{}/fd", child.id());
+    loop {
+        let reading_source = std::fs::read_dir(&fd_dir).is_ok_and(|d| {
+            d.flatten()
+                .any(|f| std::fs::read_link(f.path()).is_ok_and(|t| t.starts_with(&st.src)))
+        });
+        if reading_source {
+            break;
+        }
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "kspeed read ended before it was killed"
+        );
+        assert!(Instant::now() < deadline, "no source read within 60 s");
+        std::thread::yield_now();
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    ok(&["verify", "--space", s(&st.space)]);
+    let mut l = builder(&st.space).end_epoch(Some(1)).build().unwrap();
+    read_exact(&mut l, &st.cat, 1).unwrap();
+}
+
+#[test]
+fn what_is_not_built_yet_is_refused_by_name() {
+    let st = setup();
+    let tmp = tempfile::tempdir().unwrap();
+    let token = tmp.path().join("token");
+    std::fs::write(&token, "t\n").unwrap();
+    let out = fails(
+        &[
+            "serve",
+            "--space",
+            s(&st.space),
+            "--listen",
+            "127.0.0.1:0",
+            "--token-file",
+            s(&token),
+        ],
+        1,
+    );
+    assert!(out.contains("partial space"), "{out}");
+    let cluster = kspeed::transport::Cluster::parse("0 127.0.0.1:1\n", "test").unwrap();
+    let msg = match builder(&st.space).cluster(cluster).token(b"t").build() {
+        Ok(_) => panic!("cluster mode over a partial space"),
+        Err(e) => e.to_string(),
+    };
+    assert!(msg.contains("partial") && msg.contains("cluster"), "{msg}");
+    let out = fails(
+        &[
+            "preload",
+            "--source",
+            s(&st.src),
+            "--space",
+            s(&tmp.path().join("zero")),
+            "--max-bytes",
+            "0",
+        ],
+        1,
+    );
+    assert!(out.contains("--max-bytes 0"), "{out}");
+    let out = fails(
+        &[
+            "rebalance",
+            "--space",
+            s(&st.space),
+            "--nodes",
+            "2",
+            "--node-index",
+            "0",
+            "--from-source",
+        ],
+        1,
+    );
+    assert!(out.contains("partial space"), "{out}");
+}
