@@ -139,11 +139,14 @@ fn a_memory_tier_over_a_partial_space_keeps_source_samples_too() {
     read_exact(&mut l, &st.cat, epochs).unwrap();
     let stats = l.stats();
     let n = st.cat.len();
-    // Everything fits in the tier: after the first epoch, nothing is read
-    // from the space or the source again.
-    assert_eq!(stats.tier_hits, n * (epochs - 1), "{stats:?}");
-    assert_eq!(stats.disk_reads + stats.source_reads, n);
-    assert!(stats.source_reads > 0);
+    let held = Space::open(&st.space).unwrap().held_samples();
+    // Everything fits in the tier, filled as epoch 0 is read. Epoch 1's
+    // first reads may run ahead of epoch 0's last fills (read ahead), but
+    // by epoch 2 (the ring holds far less than an epoch) every sample is
+    // filled: at least an epoch of hits, none of them from the source.
+    assert_eq!(stats.tier_hits + stats.disk_reads + stats.source_reads, n * epochs);
+    assert!(stats.tier_hits >= n, "{stats:?}");
+    assert!(stats.source_reads >= n - held, "{stats:?}");
 }
 
 #[test]
