@@ -11,10 +11,17 @@
 //!   naming the file and the sample;
 //! - `kspeed read` killed mid-epoch (SIGKILL): the space verifies intact
 //!   and a rerun reads the epoch exactly;
-//! - what is not built yet is refused by name: serving a partial space,
-//!   reading one in cluster mode, rebalancing one, `--max-bytes 0`.
+//! - three nodes in network namespaces serving partial spaces (the dataset
+//!   3x what they hold together): a rank reads its node's samples from its
+//!   space, the other nodes' from them, and those no node holds from the
+//!   source, exactly, with no grant to a node that does not hold the
+//!   sample; a node killed mid-epoch fails over to the source;
+//! - what is not built yet is refused by name: rebalancing a partial space,
+//!   a mixture of partial spaces in cluster mode; and `--max-bytes 0`.
 
 mod common;
+#[path = "common/nodes.rs"]
+mod nodes;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -144,7 +151,10 @@ fn a_memory_tier_over_a_partial_space_keeps_source_samples_too() {
     // first reads may run ahead of epoch 0's last fills (read ahead), but
     // by epoch 2 (the ring holds far less than an epoch) every sample is
     // filled: at least an epoch of hits, none of them from the source.
-    assert_eq!(stats.tier_hits + stats.disk_reads + stats.source_reads, n * epochs);
+    assert_eq!(
+        stats.tier_hits + stats.disk_reads + stats.source_reads,
+        n * epochs
+    );
     assert!(stats.tier_hits >= n, "{stats:?}");
     assert!(stats.source_reads >= n - held, "{stats:?}");
 }
@@ -227,27 +237,20 @@ fn a_read_killed_mid_epoch_leaves_the_space_intact_and_a_rerun_exact() {
 fn what_is_not_built_yet_is_refused_by_name() {
     let st = setup();
     let tmp = tempfile::tempdir().unwrap();
-    let token = tmp.path().join("token");
-    std::fs::write(&token, "t\n").unwrap();
-    let out = fails(
-        &[
-            "serve",
-            "--space",
-            s(&st.space),
-            "--listen",
-            "127.0.0.1:0",
-            "--token-file",
-            s(&token),
-        ],
-        1,
-    );
-    assert!(out.contains("partial space"), "{out}");
     let cluster = kspeed::transport::Cluster::parse("0 127.0.0.1:1\n", "test").unwrap();
-    let msg = match builder(&st.space).cluster(cluster).token(b"t").build() {
-        Ok(_) => panic!("cluster mode over a partial space"),
+    let msg = match LoaderBuilder::mix([(s(&st.space), kspeed::sampler::Weight::Repeat(1.0))])
+        .cluster(cluster)
+        .token(b"t")
+        .landing(ring())
+        .build()
+    {
+        Ok(_) => panic!("a mixture of partial spaces in cluster mode"),
         Err(e) => e.to_string(),
     };
-    assert!(msg.contains("partial") && msg.contains("cluster"), "{msg}");
+    assert!(
+        msg.contains("partial space") && msg.contains("mixture"),
+        "{msg}"
+    );
     let out = fails(
         &[
             "preload",
@@ -275,4 +278,131 @@ fn what_is_not_built_yet_is_refused_by_name() {
         1,
     );
     assert!(out.contains("partial space"), "{out}");
+}
+
+#[test]
+fn three_nodes_of_partial_spaces_in_network_namespaces() {
+    const NODES: u32 = 3;
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("src");
+    gen("imagenet", 300, &src);
+    let catalog = tmp.path().join("cat.ksc");
+    ok(&["catalog", "--source", s(&src), "--out", s(&catalog)]);
+    let cat = Catalog::open(&catalog).unwrap();
+    // Two copies: each node's share is two thirds of the dataset, and it
+    // holds a ninth of the dataset (the start of its share, by id): the
+    // three hold a third of the dataset at most, some samples twice, so
+    // the dataset is at least 3x what they hold. A sample's second copy
+    // may be held where its first is not (near the nodes' cutoffs): a copy
+    // is asked for only where held, so no grant fails.
+    let budget = (cat.total_bytes() / 9).to_string();
+    let spaces: Vec<PathBuf> = (0..NODES)
+        .map(|i| {
+            let sp = tmp.path().join(format!("node{i}"));
+            ok(&[
+                "preload",
+                "--source",
+                s(&src),
+                "--catalog",
+                s(&catalog),
+                "--space",
+                s(&sp),
+                "--nodes",
+                "3",
+                "--node-index",
+                &i.to_string(),
+                "--replicas",
+                "2",
+                "--max-bytes",
+                &budget,
+            ]);
+            sp
+        })
+        .collect();
+    // The model, from the manifests alone: who holds what.
+    let opened: Vec<Space> = spaces.iter().map(|p| Space::open(p).unwrap()).collect();
+    let holders = |id: u64| -> Vec<usize> {
+        (0..NODES as usize)
+            .filter(|&n| opened[n].location(id).is_some())
+            .collect()
+    };
+    let held_total: u64 = opened.iter().map(|sp| sp.held_bytes()).sum();
+    assert!(
+        held_total * 2 < cat.total_bytes(),
+        "the nodes hold {held_total} of {} bytes",
+        cat.total_bytes()
+    );
+    let (mut local, mut remote, mut nobody) = (0u64, 0u64, 0u64);
+    for id in 0..cat.len() {
+        let h = holders(id);
+        match h.as_slice() {
+            [] => nobody += 1,
+            h if h.contains(&0) => local += 1,
+            _ => remote += 1,
+        }
+    }
+    assert!(local > 0 && remote > 0 && nobody > 0);
+    let Some(ns) = nodes::Netns::create(NODES as usize) else {
+        return;
+    };
+    let token = tmp.path().join("token");
+    std::fs::write(&token, "partial-token\n").unwrap();
+    let mut serves: Vec<Option<nodes::Serve>> = (0..NODES as usize)
+        .map(|i| {
+            Some(nodes::Serve::start(
+                &spaces[i],
+                &format!("10.77.{i}.2:0"),
+                &token,
+                Some(&ns.names[i]),
+            ))
+        })
+        .collect();
+    let text: String = serves
+        .iter()
+        .enumerate()
+        .map(|(i, sv)| format!("{i} {}\n", sv.as_ref().unwrap().addr))
+        .collect();
+    let cluster = kspeed::transport::Cluster::parse(&text, "test").unwrap();
+    let rank = |epochs: u64| {
+        builder(&spaces[0])
+            .cluster(cluster.clone())
+            .token(b"partial-token")
+            .end_epoch(Some(epochs))
+            .build()
+            .unwrap()
+    };
+    let mut l = rank(2);
+    read_exact(&mut l, &cat, 2).unwrap();
+    let stats = l.stats();
+    assert_eq!(
+        stats.failovers, 0,
+        "a grant went to a node without the sample"
+    );
+    assert_eq!(stats.disk_reads, local * 2, "{stats:?}");
+    assert_eq!(stats.remote_samples, remote * 2, "{stats:?}");
+    assert_eq!(stats.source_reads, nobody * 2, "{stats:?}");
+    // Node 1 killed mid-epoch: what it held goes to node 2 where node 2
+    // holds it, else to the source (the network thread's reads), and the
+    // epoch is exact.
+    let sampler = Sampler::new(SamplerConfig::single(cat.len(), SEED)).unwrap();
+    let mut l = rank(1);
+    l.set_epoch(0).unwrap();
+    let (mut k, mut batches) = (0u64, 0u64);
+    while let Some(b) = l.next_batch().unwrap() {
+        for smp in b.iter() {
+            assert_eq!(smp.id, sampler.sample(0, k), "step {k}");
+            let c = cat.sample(smp.id);
+            assert_eq!(crc32c::crc32c(smp.bytes), c.crc32c, "sample {}", smp.id);
+            k += 1;
+        }
+        drop(b);
+        batches += 1;
+        if batches == 3 {
+            serves[1].take().unwrap().kill9();
+        }
+    }
+    assert_eq!(k, cat.len());
+    assert!(serves[1].is_none(), "node 1 was killed mid-epoch");
+    let st = l.stats();
+    assert!(st.failovers > 0 && st.source_reads > nobody, "{st:?}");
 }

@@ -5,6 +5,7 @@ pub mod catalog;
 #[cfg(feature = "gen")]
 pub mod gen;
 pub mod owner;
+pub mod partial;
 pub mod preload;
 pub mod rebalance;
 pub mod repair;
@@ -21,6 +22,7 @@ mod store_url;
 
 pub use catalog::{mixture_identity, BuildOptions, Catalog, Sample};
 pub use owner::{OwnerFn, Placement};
+pub use partial::PartialHolders;
 pub use preload::{preload, unload, PreloadOptions, PreloadReport, SpaceLock};
 pub use rebalance::{rebalance, Fetch, RebalanceOptions, RebalanceReport, SourceFetch};
 pub use repair::{repair, repair_verified, RepairReport};

@@ -66,9 +66,10 @@ pub struct PreloadOptions {
     /// Extent size cap.
     pub extent_bytes: u64,
     /// A partial space (`--max-bytes`): hold at most this many bytes of
-    /// this node's share (each sample that still fits, in id order; the
-    /// rest stays in the source and is read from there, ahead of need, by
-    /// the loader). 0 (the default): the whole share.
+    /// this node's share (its start by id, while they last:
+    /// [`crate::dataset::partial`]; the rest stays in the source and is
+    /// read from there, ahead of need, by the loader). Every node of a
+    /// cluster uses the same value. 0 (the default): the whole share.
     pub max_held_bytes: u64,
     /// Copy threads.
     pub threads: usize,

@@ -97,10 +97,11 @@ pub struct LayoutParams {
     /// Extent size cap.
     pub extent_bytes: u64,
     /// A partial space's budget (`kspeed preload --max-bytes`): the node
-    /// holds, of the samples its placement gives it, each one that still
-    /// fits in this many bytes (slots padded to the alignment) in id order,
-    /// and the rest stay in the source, read from there ahead of need. 0:
-    /// every sample the placement gives it.
+    /// holds, of the samples its placement gives it, those in id order
+    /// while this many bytes last (slots padded to the alignment; the first
+    /// that does not fit ends it, `dataset::partial`), and the rest stay in
+    /// the source, read from there ahead of need. 0: every sample the
+    /// placement gives it.
     pub max_held_bytes: u64,
 }
 
@@ -198,19 +199,22 @@ impl Plan {
         let mut locs = Vec::with_capacity(n as usize * LOC_REC);
         let mut extent_lens: Vec<u64> = Vec::new();
         let (mut held_samples, mut held_bytes) = (0u64, 0u64);
-        let mut budget = match params.max_held_bytes {
-            0 => u64::MAX,
-            b => b,
-        };
+        // A partial space holds a prefix of the node's share (partial.rs).
+        let cutoff = super::partial::cutoff(
+            catalog,
+            params.placement,
+            params.node_index,
+            params.align_bytes,
+            params.max_held_bytes,
+        );
         for id in 0..n {
             let len = catalog.sample(id).len as u64;
             let padded = len.next_multiple_of(align);
-            if !params.placement.holds(params.node_index, id) || padded > budget {
+            if !params.placement.holds(params.node_index, id) || id >= cutoff {
                 locs.extend_from_slice(&NOT_HERE.to_le_bytes());
                 locs.extend_from_slice(&0u64.to_le_bytes());
                 continue;
             }
-            budget -= padded;
             let cur = extent_lens.last().copied();
             let (extent, offset) = match cur {
                 Some(end) if end == 0 || end + padded <= params.extent_bytes => {

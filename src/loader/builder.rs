@@ -978,6 +978,18 @@ impl LoaderBuilder {
             None => None,
             Some(cluster) => {
                 let (placement, space_node) = input::cluster_placement(&input, &self.mix)?;
+                let partial = match &input {
+                    Input::Space { space, .. } if space.params().is_partial() => {
+                        let p = space.params();
+                        Some(Arc::new(crate::dataset::PartialHolders::new(
+                            space.catalog(),
+                            p.placement,
+                            p.align_bytes,
+                            p.max_held_bytes,
+                        )))
+                    }
+                    _ => None,
+                };
                 Some(net::NetSetup {
                     cluster,
                     token: self.token.clone(),
@@ -999,6 +1011,7 @@ impl LoaderBuilder {
                     placement,
                     local_node: self.local_node.unwrap_or(space_node),
                     rdma: self.rdma.clone(),
+                    partial,
                 })
             }
         };

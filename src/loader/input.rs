@@ -171,7 +171,15 @@ pub(super) fn open_mix(
         }
         let (input, a) = if path.join(crate::dataset::space::files::MANIFEST).is_file() {
             any_space = true;
-            open_input(Some(&path), None, None, cluster, direct_io)?
+            let input = open_input(Some(&path), None, None, cluster, direct_io)?;
+            if let (true, Input::Space { space, .. }) = (cluster, &input.0) {
+                if space.params().is_partial() {
+                    return Err(Error::InvalidConfig(format!(
+                        "mix: {what} is a partial space (--max-bytes): a mixture of partial spaces is read on one node for now"
+                    )));
+                }
+            }
+            input
         } else if what.ends_with(".ksc") && path.is_file() {
             // A catalog: read from the source it records (in cluster
             // mode, from the nodes serving its space).
@@ -259,16 +267,12 @@ pub(super) fn cluster_placement(
     Ok((found.map(|f| f.0), found.map(|f| f.1)))
 }
 
-/// A partial space (`kspeed preload --max-bytes`) is read alone, its other
-/// samples from the source files its catalog records, which must be there.
+/// A partial space (`kspeed preload --max-bytes`): the samples it does not
+/// hold are read from the source files its catalog records, which must be
+/// there (in cluster mode, those no node's space holds, every node having
+/// the same budget: `dataset::partial`).
 fn check_partial(space: &Space, cluster: bool) -> Result<()> {
     let dir = space.dir().display();
-    if cluster {
-        return Err(Error::InvalidConfig(format!(
-            "space {dir} is partial (--max-bytes {}): a partial space is read on one node for now, not in cluster mode",
-            space.params().max_held_bytes
-        )));
-    }
     let spec = space.catalog().source_spec();
     if spec.is_remote() {
         return Err(Error::InvalidConfig(format!(
@@ -281,11 +285,16 @@ fn check_partial(space: &Space, cluster: bool) -> Result<()> {
         return Err(Error::io("open source of the partial space", &root, e));
     }
     log::info!(
-        "space {dir} holds {} of {} samples; the other {} are read from {} ahead of need",
+        "space {dir} holds {} of {} samples; the other {} are read from {} ahead of need{}",
         space.held_samples(),
         space.catalog().len(),
         space.catalog().len() - space.held_samples(),
-        root.display()
+        root.display(),
+        if cluster {
+            " (those no node holds; the others from their nodes)"
+        } else {
+            ""
+        }
     );
     Ok(())
 }

@@ -258,6 +258,7 @@ impl Loader {
                 .collect(),
             tier: spare.tier,
             net: net_shared,
+            partial: self.net.as_ref().and_then(|s| s.partial.clone()),
             dead: Mutex::new(None),
         });
         self.cursor = Some(Cursor::with_deal(self.deal.clone(), self.geo, start));

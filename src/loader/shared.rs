@@ -238,6 +238,8 @@ pub(crate) struct Shared {
     pub(crate) tier: Option<Tier>,
     /// Cluster mode: the network thread's side of things.
     pub(crate) net: Option<net::NetShared>,
+    /// Cluster mode over partial spaces: who holds what (`NetSetup::partial`).
+    pub(crate) partial: Option<Arc<crate::dataset::PartialHolders>>,
     /// Set when a poller or the network thread died (a panic, or a ring
     /// that stopped working), so the consumer fails with this instead of
     /// waiting for samples that will never come.
@@ -295,9 +297,20 @@ impl Shared {
             return true;
         }
         match self.input.part(id) {
-            (_, Input::Space { space, .. }, local) => space.location(local).is_some(),
+            (_, Input::Space { space, .. }, local) => {
+                // A sample no node's partial space holds: this node's
+                // pollers read it from the source.
+                space.location(local).is_some()
+                    || self.partial.as_ref().is_some_and(|p| !p.held_anywhere(id))
+            }
             _ => false,
         }
+    }
+
+    /// The copies of `id` not to ask for: their nodes' partial spaces do
+    /// not hold it (0 without partial spaces).
+    pub(crate) fn unheld_copies(&self, id: u64) -> u64 {
+        self.partial.as_ref().map_or(0, |p| p.unheld_copies(id))
     }
 
     /// Records that a thread of this run died with `e` (the first such
@@ -460,6 +473,7 @@ impl Shared {
             stats: Vec::new(),
             tier: None,
             net,
+            partial: None,
             dead: Mutex::new(None),
         }
     }

@@ -504,6 +504,7 @@ fn run(seed: u64, replicas_past_64: Option<u32>) {
         placement: Some(placement),
         local_node: None,
         rdma: None,
+        partial: None,
     };
     let conns = sim_connections(&fds, placement, max_grants, 1 << 20, now);
     // Faults on the thread's own reads (the source fallback): short reads

@@ -79,6 +79,7 @@ fn _preload<'py>(py: Python<'py>, cfg: &Bound<'py, PyDict>) -> PyResult<Bound<'p
     }
     o.refresh = get(cfg, "refresh")?.unwrap_or(false);
     o.max_bytes_per_sec = get(cfg, "max_bytes_per_sec")?;
+    o.max_held_bytes = get(cfg, "max_held_bytes")?.unwrap_or(0);
     let r = py
         .detach(|| kspeed::dataset::preload(space.as_ref(), &o))
         .raise(py)?;

@@ -1010,3 +1010,30 @@ def test_explicit_rank_world_against_the_launcher_is_refused(space, monkeypatch)
     monkeypatch.setenv("SLURM_NTASKS", "4")
     with pytest.raises(ValueError, match="SLURM_PROCID=1, SLURM_NTASKS=4"):
         kspeed.Loader(space, rank=0, world=4)
+
+
+def test_partial_space_reads_the_rest_from_the_source(tmp_path):
+    # A space holding about a third of the dataset (preload max_bytes): the
+    # loader reads the rest from the source, every sample exact, and says
+    # how much came from where.
+    src = make_tree(str(tmp_path / "src"), n=60, max_len=20000)
+    sp = str(tmp_path / "sp")
+    cat_all = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(src) for f in fs)
+    r = kspeed.preload(src, sp, max_bytes=cat_all // 3)
+    assert 0 < r["held_samples"] < 60
+    cat = kspeed.Catalog.open(sp)
+    loader = kspeed.Loader(sp, batch_size=4, ring_bytes="1MiB", end_epoch=2)
+    seen = 0
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        for b in loader:
+            for i, sid in enumerate(b.ids):
+                assert b.sample(i).tobytes() == cat.read_source(int(sid))
+                seen += 1
+    assert seen == 120
+    st = loader.stats()
+    assert st["disk_reads"] == 2 * r["held_samples"]
+    assert st["source_reads"] == 2 * (60 - r["held_samples"])
+    assert st["source_bytes"] > 0
+    with pytest.raises(ValueError):
+        kspeed.preload(src, str(tmp_path / "sp2"), max_bytes=0)

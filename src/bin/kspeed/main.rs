@@ -380,10 +380,10 @@ struct PreloadArgs {
     #[arg(long, default_value = "1GiB", value_parser = parse_bytes)]
     extent_bytes: u64,
     /// A partial space: hold at most this many bytes of this node's share
-    /// (e.g. 500GiB; each sample that still fits, in id order), leaving the
-    /// rest in the source, from where the loader reads it ahead of need
-    /// (a dataset larger than the node's NVMe; docs/CACHE.md). Default:
-    /// the whole share.
+    /// (e.g. 500GiB; the start of the share by id, while it lasts), leaving
+    /// the rest in the source, from where the loader reads it ahead of need
+    /// (a dataset larger than the node's NVMe; docs/CACHE.md). Every node
+    /// of a cluster gives the same value. Default: the whole share.
     #[arg(long, value_parser = parse_bytes)]
     max_bytes: Option<u64>,
     /// Copy threads.

@@ -218,7 +218,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         while let Ok((p, e)) = self.net().local_failed.1.try_recv() {
             let idx = p.g as usize & self.mask;
             debug_assert!(!self.table[idx].live, "local failover onto a live entry");
-            let mut tried = 0u64;
+            let mut tried = self.sh.unheld_copies(p.id);
             let placed = self.sh.input.placed_id(p.id);
             for r in 0..placement.replicas {
                 if Some(placement.holder(placed, r)) == local {
@@ -322,7 +322,9 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             }
             let idx = p.g as usize & self.mask;
             debug_assert!(!self.table[idx].live, "grant table entry reused while live");
-            self.table[idx] = GSlot::open(&p, &self.sh.geo, 0, false);
+            // Copies whose partial space does not hold it are not asked.
+            let unheld = self.sh.unheld_copies(p.id);
+            self.table[idx] = GSlot::open(&p, &self.sh.geo, unheld, false);
             if !self.place(idx) {
                 // The chosen node has no credit or frame space now.
                 self.table[idx].live = false;

@@ -669,6 +669,7 @@ mod tests {
             placement: None,
             local_node: None,
             rdma: None,
+            partial: None,
         }
     }
 

@@ -160,6 +160,11 @@ pub(crate) struct NetSetup {
     /// Data over RDMA (WRITE_WITH_IMM into the registered ring) on this
     /// device, instead of DATA frames on TCP.
     pub(crate) rdma: Option<crate::transport::RdmaOptions>,
+    /// The nodes' spaces are partial (this node's is, and every node has
+    /// its budget): who holds what, so that a sample goes only to a node
+    /// that holds it and one no node holds is read from the source by this
+    /// node's pollers.
+    pub(crate) partial: Option<Arc<crate::dataset::PartialHolders>>,
 }
 
 /// What the consumer thread and the network thread share.

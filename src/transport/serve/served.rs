@@ -38,13 +38,6 @@ impl Served {
         for p in paths {
             let s = Space::open(p)?;
             s.check_extents()?;
-            if s.params().is_partial() {
-                return Err(Error::InvalidConfig(format!(
-                    "{} is a partial space (--max-bytes {}): serving one in a cluster is not built yet (preload the node's whole share)",
-                    p.display(),
-                    s.params().max_held_bytes
-                )));
-            }
             spaces.push(s);
         }
         Self::new(spaces, paths)

@@ -729,9 +729,11 @@ class Catalog:
 
 
 def preload(source=None, space=None, *, catalog=None, nodes=1, node_index=0, replicas=1, align_bytes=None,
-            extent_bytes=None, threads=None, refresh=False, max_bytes_per_sec=None):
+            extent_bytes=None, threads=None, refresh=False, max_bytes_per_sec=None, max_bytes=None):
     """Copies the samples this node holds into ``space`` (``kspeed preload``).
-    Idempotent and resumable; returns the report as a dict."""
+    Idempotent and resumable; returns the report as a dict. ``max_bytes``
+    makes a partial space (``--max-bytes``): at most that many bytes of the
+    node's share are held, and loaders read the rest from the source."""
     if space is None:
         raise ValueError("space is required")
     cfg = {"space": _path("space", space, must_exist=False)}
@@ -749,6 +751,7 @@ def preload(source=None, space=None, *, catalog=None, nodes=1, node_index=0, rep
     cfg["threads"] = _opt_int("threads", threads, 1, 1024)
     cfg["refresh"] = _bool("refresh", refresh)
     cfg["max_bytes_per_sec"] = None if max_bytes_per_sec is None else _size("max_bytes_per_sec", max_bytes_per_sec, 1)
+    cfg["max_held_bytes"] = None if max_bytes is None else _size("max_bytes", max_bytes, 1)
     return _kspeed._preload(cfg)
 
 
