@@ -7,6 +7,7 @@ each peer in its own format written by its own writer.
   scripts/bench_peers.py --setup          # once: the venv with every peer and this checkout's kspeed
   scripts/bench_peers.py                  # root (drop_caches): the whole benchmark, Markdown tables
   scripts/bench_peers.py --images 1000 --runs 1   # a smoke run
+  scripts/bench_peers.py --report FILE    # the tables again from a --json FILE
 
 Data (cached under --data, made only when missing): an ImageFolder of
 --images real JPEG files written by Pillow (quality 90, 360-500 x 300-450 px,
@@ -49,7 +50,9 @@ in each, one fresh process per run (this script re-invoked with --one):
             flip + to float tensor (torchvision transforms v2), batches of 64
             stacked tensors: images/s, CPU ms per image. Decoder (--decode):
             torchvision.io.decode_jpeg (default) or PIL, the same for every
-            loader but FFCV (its own decoder and crop, as its users run it).
+            loader but FFCV (its own decoder and crop, as its users run it);
+            the process's torch uses --torch-threads intra-op threads
+            (default 1, as DataLoader workers do).
             kspeed: kspeed.torch.KSpeedImageFolder(decode=True) in a DataLoader.
   resume  : time to the first batch after restoring a mid-epoch state (at
             --resume-at of the epoch), bytes, in process (--resume-workers):
@@ -724,6 +727,12 @@ def child_main(o):
     lay = Layout(o["data"], o["n"])
     if o["kind"] != "convert":
         preimport(o["loader"], o.get("mode", "bytes"))
+        if o.get("torch_threads"):
+            # The process's own intra-op threads (the transforms' resize):
+            # one, as in DataLoader workers; more spin on a loaded machine.
+            import torch
+
+            torch.set_num_threads(o["torch_threads"])
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and o.get("dist"):
         import torch.distributed as dist
@@ -834,10 +843,15 @@ def main_bench(a):
     workers = [int(w) for w in a.workers.split(",")]
     caches = [c for c in a.cache.split(",") if c]
     rows = [r for r in a.rows.split(",") if r]
-    base = {"data": a.data, "n": a.images, "decode_kind": a.decode, "kspeed_opts": json.loads(a.kspeed_opts)}
+    base = {"data": a.data, "n": a.images, "decode_kind": a.decode, "kspeed_opts": json.loads(a.kspeed_opts),
+            "torch_threads": a.torch_threads}
     results = {"images": a.images, "dataset_bytes": dataset_bytes, "unavailable": unavailable, "runs": a.runs,
+               "decode": a.decode, "resume_at": a.resume_at, "resume_workers": a.resume_workers,
                "rows": {}, "host": {"cpus": os.cpu_count(), "load": os.getloadavg()}}
 
+    results["versions"] = versions()
+    results["commit"] = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                       text=True).stdout.strip()
     # Every peer's own format, once (kept), before anything is timed.
     for p in CONVERTERS:
         if p in loaders and not os.path.exists(lay.out(p)):
@@ -984,7 +998,7 @@ def main_bench(a):
                         errors.append(str(e))
                         record(row, cache, key, run, {"failed": f"not exactly once: {e}", "load1": load})
                         log(f"{cache} {row:8s} run {run + 1}: {ld:12s} w{w}  ERROR {e}")
-    report(a, results, lay)
+    report(results)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=1)
@@ -996,12 +1010,34 @@ def main_bench(a):
     return 0
 
 
-def report(a, res, lay):
+def versions():
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for p in ("kspeed", "mosaicml-streaming", "litdata", "webdataset", "ffcv", "torch", "torchvision", "torchdata",
+              "numpy", "pillow"):
+        try:
+            out[p] = version(p)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+def report(res):
+    """Prints the Markdown tables of a run's results (also --report FILE)."""
     n = res["images"]
     gb = res["dataset_bytes"] / 1e9
+    runs_n = res["runs"]
     print(f"\n{n:,} JPEG files, {res['dataset_bytes'] / 1e6:,.0f} MB (mean {res['dataset_bytes'] / n / 1e3:.0f} KB), "
-          f"batch {BATCH}, {a.runs} run(s) per row, one process per run, loaders alternating; "
-          f"{os.cpu_count()} CPUs; decoder {a.decode}\n")
+          f"batch {BATCH}, {runs_n} run(s) per row, one process per run, loaders rotated in each run; "
+          f"{res['host']['cpus']} CPUs, load average {res['host']['load'][0]:.1f} at the start; "
+          f"decoder {res['decode']}. Ratios: kspeed's (or a peer's) figure against the best peer's, "
+          f"> 1 when it is better (faster, or less time); paired: the median of per-run ratios against "
+          f"the best peer of the same run.")
+    if res.get("versions"):
+        print("Versions: " + ", ".join(f"{k} {v}" for k, v in res["versions"].items())
+              + (f"; kspeed from commit {res['commit']}" if res.get("commit") else "") + ".")
+    print()
 
     def med(xs):
         xs = [x for x in xs if x is not None]
@@ -1012,6 +1048,13 @@ def report(a, res, lay):
 
     def name(key, row):
         ld, w = key.split(":")
+        if row == "convert":
+            return {"mosaic": "Mosaic `MDSWriter`", "litdata": "LitData `optimize` (a worker per core)",
+                    "wds": "WebDataset `ShardWriter`", "ffcv": "FFCV `DatasetWriter` (bytes and image files)",
+                    "kspeed": "**kspeed preload**"}[ld]
+        if ld == "kspeed-tier":
+            return ("**kspeed, memory tier** (`tier_bytes` = the dataset; 2nd epoch of the process, which the "
+                    "ring may partly hold already: a hand-out rate)")
         if ld.startswith("kspeed") and row != "decoded":
             return f"**{LABEL[ld]}**" + (" (`Loader`, in process)" if ld == "kspeed" else "")
         if ld.startswith("kspeed"):
@@ -1038,7 +1081,7 @@ def report(a, res, lay):
                 return max(vals) if higher_better else min(vals)
 
             best_med = best_of([med(per[k]) for k in peers])
-            best_run = [best_of([per[k][r] for k in peers]) for r in range(a.runs)]
+            best_run = [best_of([per[k][r] for k in peers]) for r in range(runs_n)]
             for k, vs in per.items():
                 m = med(vs)
                 good = [v for v in keys[k] if v and "failed" not in v]
@@ -1055,8 +1098,8 @@ def report(a, res, lay):
                 print(f"| {cache} | {name(k, row)} | {mm} ({runs}) | " + " | ".join(extra) + f" | {ratio} | {paired} |")
             for k, why in res.get("excluded", {}).get(row, {}).get(cache, {}).items():
                 print(f"| {cache} | {name(k, row)} | {why} |" + " |" * (len(cols) + 2))
-            for ld, why in res["unavailable"].items():
-                print(f"| {cache} | {LABEL[ld]} | {why} |" + " |" * (len(cols) + 2))
+        for ld, why in res["unavailable"].items():
+            print(f"| – | {LABEL[ld]} | {why} |" + " |" * (len(cols) + 2))
         print()
 
     def mean_of(key, f="{:.2f}", scale=1.0):
@@ -1085,10 +1128,10 @@ def report(a, res, lay):
           [("GB/s", gbps), ("CPU s/GB", cpu_per_gb), ("first batch ms", mean_of("first_batch_s", "{:.0f}", 1e3))])
     table("bytes2", "Bytes only, one epoch, 2 ranks on the node (samples/s, both ranks)", lambda v: n / v["seconds"],
           "samples/s", True, [("GB/s", gbps), ("CPU s/GB", cpu_per_gb)])
-    table("decoded", f"Decoded: decode ({a.decode}) + RandomResizedCrop 224 + flip + float tensor (images/s)",
+    table("decoded", f"Decoded: decode ({res['decode']}) + RandomResizedCrop 224 + flip + float tensor (images/s)",
           lambda v: n / v["seconds"], "images/s", True, [("CPU ms/image", cpu_ms_per_image)])
-    table("resume", f"Resume: time to the first batch after restoring a state saved at {a.resume_at:.0%} of the "
-          f"epoch ({a.resume_workers} workers; ms, lower is better)", lambda v: v["first_batch_s"] * 1e3, "ms", False,
+    table("resume", f"Resume: time to the first batch after restoring a state saved at {res['resume_at']:.0%} of the "
+          f"epoch, from the loader's construction ({res['resume_workers']} workers; ms, lower is better)", lambda v: v["first_batch_s"] * 1e3, "ms", False,
           [("loader built, ms", mean_of("built_s", "{:.1f}", 1e3)),
            ("state loaded, ms", mean_of("loaded_s", "{:.1f}", 1e3)), ("state bytes", mean_of("state_bytes", "{:,.0f}"))])
     if "resume" in res["rows"]:
@@ -1162,7 +1205,9 @@ def setup(a):
         pip(py, "--force-reinstall", "--no-deps", a.wheel)
     else:
         pip(py, "maturin>=1.5,<2")
-        env = dict(os.environ, PATH=os.path.join(venv, "bin") + os.pathsep + os.environ.get("PATH", ""))
+        # maturin's command may be the base venv's (layered: pip found it there).
+        bins = [os.path.join(venv, "bin")] + ([os.path.join(a.base_venv, "bin")] if layered else [])
+        env = dict(os.environ, PATH=os.pathsep.join(bins + [os.environ.get("PATH", "")]))
         subprocess.run([py, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-build-isolation",
                         "--force-reinstall", "--no-deps", os.path.join(ROOT, "ffi", "python")], check=True, env=env)
     subprocess.run([py, "-c", "import kspeed, streaming, litdata, webdataset, torch, torchvision, torchdata;"
@@ -1192,10 +1237,13 @@ def main():
     ap.add_argument("--data", default="/var/tmp/kspeed-peers", help="where the files and every format are kept")
     ap.add_argument("--runs", type=int, default=5, help="repetitions of every row (default 5)")
     ap.add_argument("--cache", default="cold,warm", help="cold, warm or both (default cold,warm)")
-    ap.add_argument("--rows", default="convert,bytes,bytes2,decoded,resume")
+    ap.add_argument("--rows", default="convert,bytes,bytes2,decoded,resume",
+                    help="default: convert,bytes,bytes2,decoded,resume")
     ap.add_argument("--loaders", default=",".join(LOADERS), help="default: " + ",".join(LOADERS))
     ap.add_argument("--workers", default="0,2", help="worker counts tried for each peer (default 0,2)")
     ap.add_argument("--decode", choices=["torchvision", "pil"], default="torchvision")
+    ap.add_argument("--torch-threads", type=int, default=1,
+                    help="torch intra-op threads of each run's process (0: torch's default; workers use 1)")
     ap.add_argument("--resume-at", type=float, default=0.5, help="fraction of the epoch where the state is saved")
     ap.add_argument("--resume-workers", type=int, default=0)
     ap.add_argument("--kspeed-opts", default="{}",
@@ -1204,6 +1252,7 @@ def main():
     ap.add_argument("--no-verify", action="store_true", help="skip the untimed exactly-once passes")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds a run may take")
     ap.add_argument("--json", default=None, help="write every run's numbers here")
+    ap.add_argument("--report", default=None, metavar="JSON", help="print the tables of a --json file, run nothing")
     ap.add_argument("--setup", action="store_true", help="create/update the venv with the peers and kspeed, then exit")
     ap.add_argument("--venv", default=DEFAULT_VENV)
     ap.add_argument("--base-venv", default=DEFAULT_BASE, help="venv with torch to layer on ('' for none)")
@@ -1216,6 +1265,10 @@ def main():
         return child_main(json.loads(a.one))
     if a.setup:
         return setup(a)
+    if a.report:
+        with open(a.report) as f:
+            report(json.load(f))
+        return 0
     if not have_peers():
         py = os.path.join(a.venv, "bin", "python")
         if os.path.exists(py) and os.path.realpath(sys.prefix) != os.path.realpath(a.venv) \
