@@ -9,6 +9,11 @@ each peer in its own format written by its own writer.
   scripts/bench_peers.py --images 1000 --runs 1   # a smoke run
   scripts/bench_peers.py --report FILE    # the tables again from a --json FILE
 
+Why this file is over ~800 lines: one self-contained script (it re-runs
+itself per measurement with --one) that must hold every peer's writer and
+reader next to the harness that times and checks them alike; split, each
+part would need all of the harness.
+
 Data (cached under --data, made only when missing): an ImageFolder of
 --images real JPEG files written by Pillow (quality 90, 360-500 x 300-450 px,
 ~110 KB mean: gradients, octaves of smooth noise, shapes, per-pixel noise;
