@@ -14,8 +14,8 @@
 //! all for 0.3–4 s: the heartbeat clock fails its grants over), a dead node
 //! (the connection reset), nodes dead from the start, a thread not run for
 //! 1–3 s (all clocks jump), a submission queue too shallow for every
-//! operation (pushes refused); the network buffers,
-//! partial sends and held-back completions come from [`MemNetFaults`].
+//! operation (pushes refused); the network buffers, partial sends and
+//! held-back completions come from [`MemNetFaults`].
 //! Some nodes break the protocol (DATA at the wrong offset, for a grant
 //! they do not have, or longer than the grant): they must be dropped
 //! before a byte lands. Some seeds poison the errors lock.
