@@ -20,9 +20,8 @@
 //! they do not have, or longer than the grant): they must be dropped
 //! before a byte lands. Some seeds poison the errors lock.
 //!
-//! Not simulated: the handshakes and reconnects (`handshake.rs`,
-//! `redial.rs`, real sockets): the thread starts with its connections made
-//! (`sim_connections`) and redial off.
+//! Not simulated: handshakes and reconnects (real sockets): the thread
+//! starts with its connections made (`sim_connections`) and redial off.
 //!
 //! Checked after every step: every sample of the two epochs is published
 //! exactly once, in the rank's order, byte-exact at its slot (checked when
