@@ -28,7 +28,9 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
-use kspeed::dataset::{Catalog, Space};
+use kspeed::dataset::partial::{cutoff, cutoffs};
+use kspeed::dataset::space::{LayoutParams, Plan};
+use kspeed::dataset::{Catalog, OwnerFn, PartialHolders, Placement, Space};
 use kspeed::landing::{CudaMode, LandingOptions};
 use kspeed::loader::{Loader, LoaderBuilder};
 use kspeed::sampler::{Sampler, SamplerConfig};
@@ -406,4 +408,71 @@ fn three_nodes_of_partial_spaces_in_network_namespaces() {
     // How much node 1 still had to serve when it died depends on how far
     // the ring had read ahead: only the exact epoch is certain.
     assert!(l.stats().source_reads >= nobody);
+}
+
+/// The layout (`Plan::compute`) and the consumers' view
+/// (`PartialHolders`, `cutoffs`) agree on every node of every placement.
+#[test]
+fn every_node_s_layout_holds_exactly_what_the_cutoffs_say() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("src");
+    std::fs::create_dir(&src).unwrap();
+    for i in 0..300u64 {
+        let len = 1 + kspeed::hash::mix64(i) % 20_000;
+        std::fs::write(
+            src.join(format!("s{i:03}.bin")),
+            vec![i as u8; len as usize],
+        )
+        .unwrap();
+    }
+    let spec = kspeed::dataset::SourceSpec::parse(&format!("dir:{}", src.display())).unwrap();
+    let cat =
+        kspeed::dataset::catalog::build(&spec, &dir.path().join("c.ksc"), &Default::default())
+            .unwrap();
+    for (nodes, replicas) in [(1u32, 1u32), (3, 1), (3, 2), (5, 3)] {
+        let placement = Placement::with_fn(OwnerFn::Jump, nodes, replicas).unwrap();
+        for budget in [1u64, 4096, 64 << 10, 600 << 10, u64::MAX / 2] {
+            let holders = PartialHolders::new(&cat, placement, 4096, budget);
+            for node in 0..nodes {
+                let params = LayoutParams {
+                    catalog_identity: cat.identity(),
+                    catalog_samples: cat.len(),
+                    placement,
+                    node_index: node,
+                    align_bytes: 4096,
+                    extent_bytes: 1 << 30,
+                    max_held_bytes: budget,
+                };
+                let plan = Plan::compute(&cat, &params);
+                let mut held_bytes = 0;
+                for id in 0..cat.len() {
+                    assert_eq!(
+                        plan.location(id).is_some(),
+                        holders.holds(node, id),
+                        "{nodes} nodes x {replicas}, budget {budget}, node {node}, id {id}"
+                    );
+                    if holders.holds(node, id) {
+                        held_bytes += (cat.sample(id).len as u64).next_multiple_of(4096);
+                    }
+                }
+                assert!(held_bytes <= budget);
+                assert_eq!(
+                    cutoff(&cat, placement, node, 4096, budget),
+                    cutoffs(&cat, placement, 4096, budget)[node as usize]
+                );
+            }
+            for id in 0..cat.len() {
+                let any = (0..nodes).any(|n| holders.holds(n, id));
+                assert_eq!(holders.held_anywhere(id), any);
+                for r in 0..replicas {
+                    let node = placement.holder(id, r);
+                    assert_eq!(
+                        holders.unheld_copies(id) & (1 << r) != 0,
+                        !holders.holds(node, id),
+                        "copy {r} of {id}"
+                    );
+                }
+            }
+        }
+    }
 }
