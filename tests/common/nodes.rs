@@ -101,9 +101,11 @@ impl Drop for Serve {
 }
 
 /// Network namespaces joined to this one by veth pairs (namespace i has
-/// 10.77.<i>.2, this side 10.77.<i>.1); removed on drop. Holds
-/// /tmp/kspeed-netns.lock as tests/cluster.rs does: the addresses are
-/// fixed.
+/// 10.77.<i>.2, this side 10.77.<i>.1); removed on drop (deleting a
+/// namespace deletes its veth end and so the pair). Holds an exclusive
+/// flock on /tmp/kspeed-netns.lock until the namespaces are gone (fields
+/// drop after `Drop::drop`): the addresses are fixed, so two test runs on
+/// one machine would otherwise route into each other's namespaces.
 pub struct Netns {
     pub names: Vec<String>,
     _lock: std::fs::File,
@@ -114,20 +116,34 @@ impl Netns {
     /// made (not root, no `ip`).
     pub fn create(n: usize) -> Option<Netns> {
         let tag = std::process::id() % 100_000;
+        // flock works on a read-only descriptor, so a lock file another
+        // user created (0644; fs.protected_regular refuses create-opens of
+        // it in /tmp even for root) is opened as it is.
         let path = "/tmp/kspeed-netns.lock";
-        let lock = std::fs::File::open(path)
-            .or_else(|_| {
-                std::os::unix::fs::OpenOptionsExt::mode(
-                    std::fs::OpenOptions::new()
-                        .create(true)
-                        .truncate(false)
-                        .write(true),
-                    0o666,
-                )
-                .open(path)
-            })
-            .ok()?;
-        lock.lock().ok()?;
+        let lock = match std::fs::File::open(path).or_else(|_| {
+            std::os::unix::fs::OpenOptionsExt::mode(
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .truncate(false)
+                    .write(true),
+                0o666,
+            )
+            .open(path)
+        }) {
+            Ok(f) => f,
+            Err(e) => {
+                skip(&format!(
+                    "cannot open {path} to serialize namespace tests: {e}"
+                ));
+                return None;
+            }
+        };
+        // Blocking is what is wanted: another run's namespaces are
+        // short-lived.
+        if let Err(e) = lock.lock() {
+            skip(&format!("flock {path}: {e}"));
+            return None;
+        }
         let mut ns = Netns {
             names: Vec::new(),
             _lock: lock,
@@ -135,7 +151,7 @@ impl Netns {
         for i in 0..n {
             let name = format!("ksr{tag}n{i}");
             let host = format!("krh{tag}{i}");
-            let peer = format!("krp{tag}{i}");
+            let peer = Netns::peer(i);
             let (a1, a2) = (format!("10.77.{i}.1/24"), format!("10.77.{i}.2/24"));
             let cmds: Vec<Vec<&str>> = vec![
                 vec!["netns", "add", &name],
@@ -165,10 +181,55 @@ impl Netns {
     }
 }
 
+impl Netns {
+    /// Namespace `i`'s end of its veth pair.
+    fn peer(i: usize) -> String {
+        format!("krp{}{i}", std::process::id() % 100_000)
+    }
+
+    /// Cuts namespace `i` off as if its host had died: its veth end goes
+    /// down, so nothing more arrives from it (not even a FIN or RST when
+    /// its processes are then killed) and nothing sent to it is answered.
+    pub fn cut(&self, i: usize) {
+        let peer = Netns::peer(i);
+        let ok = Command::new("ip")
+            .args(["-n", &self.names[i], "link", "set", &peer, "down"])
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(ok, "could not take {peer} down");
+    }
+}
+
 impl Drop for Netns {
     fn drop(&mut self) {
-        for n in &self.names {
+        let tag = std::process::id() % 100_000;
+        for (i, n) in self.names.iter().enumerate() {
+            // The host end first: deleting it deletes the pair at once,
+            // while a deleted namespace is torn down later by the kernel
+            // (a deferred work item). Until then its veth would keep
+            // 10.77.<i>.1 here after the lock is released, and the next
+            // test's route to 10.77.<i>.0/24 could take the stale, down
+            // one ("No route to host").
+            let _ = Command::new("ip")
+                .args(["link", "del", &format!("krh{tag}{i}")])
+                .stderr(std::process::Stdio::null())
+                .status();
             let _ = Command::new("ip").args(["netns", "del", n]).status();
         }
     }
+}
+
+/// A cluster file's text for the nodes at `addrs` (`<index> <host:port>`
+/// per line, node i at `addrs[i]`).
+pub fn cluster_text<S: AsRef<str>>(addrs: &[S]) -> String {
+    addrs
+        .iter()
+        .enumerate()
+        .map(|(i, a)| format!("{i} {}\n", a.as_ref()))
+        .collect()
+}
+
+/// The [`kspeed::transport::Cluster`] of the nodes at `addrs`.
+pub fn cluster_of<S: AsRef<str>>(addrs: &[S]) -> kspeed::transport::Cluster {
+    kspeed::transport::Cluster::parse(&cluster_text(addrs), "test").unwrap()
 }
