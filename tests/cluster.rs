@@ -10,6 +10,8 @@
 //! spaces, services and consumers; one binary builds them once per process.
 
 mod common;
+#[path = "common/nodes.rs"]
+mod nodes;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -19,12 +21,12 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use kspeed::dataset::{Catalog, Space};
-use kspeed::landing::{CudaMode, LandingOptions};
 use kspeed::loader::{Loader, LoaderBuilder};
 use kspeed::sampler::{Sampler, SamplerConfig};
 use kspeed::transport::proto::{self, Code, GrantEntry, Header, Hello, Kind, Welcome};
 use kspeed::transport::Cluster;
 use kspeed::Error;
+use nodes::Netns;
 
 const TOKEN: &str = "job-42-token";
 
@@ -164,16 +166,6 @@ impl Drop for Serve {
     }
 }
 
-fn ring(bytes: u64) -> LandingOptions {
-    LandingOptions::default()
-        .ring_bytes(bytes)
-        .huge_pages(false)
-        .mlock(false)
-        .numa_node(None)
-        .gpu_pci(None)
-        .cuda(CudaMode::Off)
-}
-
 /// A generated dataset preloaded onto `nodes` spaces with `replicas` copies.
 struct Setup {
     _tmp: tempfile::TempDir,
@@ -302,7 +294,7 @@ fn builder_remote(st: &Setup, addrs: &[&str], ring_bytes: u64) -> LoaderBuilder 
         .batch_size(16)
         .pollers(1)
         .pin(false)
-        .landing(ring(ring_bytes))
+        .landing(test_ring(ring_bytes))
         .rdma(transport())
 }
 
@@ -314,7 +306,7 @@ fn builder_space(space: &Path, cluster: Cluster) -> LoaderBuilder {
         .batch_size(16)
         .pollers(1)
         .pin(false)
-        .landing(ring(8 << 20))
+        .landing(test_ring(8 << 20))
         .rdma(transport())
 }
 
@@ -327,7 +319,7 @@ fn consumer_dropped_mid_epoch_stops_cleanly() {
     let addrs: Vec<&str> = serves.iter().map(|s| s.addr.as_str()).collect();
     for _ in 0..3 {
         let mut l = builder_space(&st.spaces[0], cluster_of(&addrs))
-            .landing(ring(1 << 20))
+            .landing(test_ring(1 << 20))
             .build()
             .unwrap();
         let b = l.next_batch().unwrap().unwrap();
@@ -407,7 +399,7 @@ fn owner_trouble(
     }
     let mut l = builder_space(&st.spaces[0], cluster_of(&addrs))
         .node_timeout(timeout)
-        .landing(ring(8 << 20))
+        .landing(test_ring(8 << 20))
         .build()
         .unwrap();
     let sampler = Sampler::new(
@@ -549,7 +541,7 @@ fn hostile_consumers_are_refused_and_others_unaffected() {
         .catalog(&st.catalog)
         .cluster(cluster_of(&[&node.addr]))
         .token(b"wrong")
-        .landing(ring(1 << 20))
+        .landing(test_ring(1 << 20))
         .build()
         .err()
         .expect("refused");
@@ -1761,136 +1753,6 @@ fn hostile_nodes_are_dropped_and_nothing_lands_outside_grants() {
 
 // --- across network namespaces -------------------------------------------
 
-/// Network namespaces joined to this one by veth pairs; removed on drop.
-struct Netns {
-    names: Vec<String>,
-    /// An exclusive flock on /tmp/kspeed-netns.lock, held until the
-    /// namespaces are gone (fields drop after `Drop::drop`): the addresses
-    /// 10.77.<i>.0/24 are fixed, so two test runs on one machine (two
-    /// checkouts, or CI beside a developer) would otherwise route into each
-    /// other's namespaces.
-    _lock: std::fs::File,
-}
-
-impl Netns {
-    /// Namespace i gets 10.77.<i>.2, reachable from here through 10.77.<i>.1.
-    fn create(n: usize) -> Option<Netns> {
-        let tag = std::process::id() % 100_000;
-        // flock works on a read-only descriptor, so a lock file another
-        // user created (0644; fs.protected_regular refuses create-opens of
-        // it in /tmp even for root) is opened as it is.
-        let path = "/tmp/kspeed-netns.lock";
-        let lock = match std::fs::File::open(path).or_else(|_| {
-            std::os::unix::fs::OpenOptionsExt::mode(
-                std::fs::OpenOptions::new()
-                    .create(true)
-                    .truncate(false)
-                    .write(true),
-                0o666,
-            )
-            .open(path)
-        }) {
-            Ok(f) => f,
-            Err(e) => {
-                skip(&format!(
-                    "cannot open {path} to serialize namespace tests: {e}"
-                ));
-                return None;
-            }
-        };
-        // SAFETY: flock on a descriptor this function owns; blocking is
-        // what is wanted (another run's namespaces are short-lived).
-        let rc = unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&lock), libc::LOCK_EX) };
-        if rc != 0 {
-            skip(&format!(
-                "flock {path}: {}",
-                std::io::Error::last_os_error()
-            ));
-            return None;
-        }
-        let mut ns = Netns {
-            names: Vec::new(),
-            _lock: lock,
-        };
-        for i in 0..n {
-            let name = format!("ksp{tag}n{i}");
-            let host = format!("ksh{tag}{i}");
-            let peer = format!("ksp{tag}{i}");
-            let cmds: Vec<Vec<String>> = vec![
-                vec!["netns".into(), "add".into(), name.clone()],
-                vec!["link", "add", &host, "type", "veth", "peer", "name", &peer]
-                    .into_iter()
-                    .map(String::from)
-                    .collect(),
-                vec![
-                    "link".into(),
-                    "set".into(),
-                    peer.clone(),
-                    "netns".into(),
-                    name.clone(),
-                ],
-                vec![
-                    "addr".into(),
-                    "add".into(),
-                    format!("10.77.{i}.1/24"),
-                    "dev".into(),
-                    host.clone(),
-                ],
-                vec!["link".into(), "set".into(), host.clone(), "up".into()],
-                vec![
-                    "-n".into(),
-                    name.clone(),
-                    "addr".into(),
-                    "add".into(),
-                    format!("10.77.{i}.2/24"),
-                    "dev".into(),
-                    peer.clone(),
-                ],
-                vec![
-                    "-n".into(),
-                    name.clone(),
-                    "link".into(),
-                    "set".into(),
-                    peer.clone(),
-                    "up".into(),
-                ],
-                vec![
-                    "-n".into(),
-                    name.clone(),
-                    "link".into(),
-                    "set".into(),
-                    "lo".into(),
-                    "up".into(),
-                ],
-            ];
-            for (k, c) in cmds.iter().enumerate() {
-                let ok = Command::new("ip")
-                    .args(c)
-                    .status()
-                    .map(|s| s.success())
-                    .unwrap_or(false);
-                if k == 0 && ok {
-                    ns.names.push(name.clone());
-                }
-                if !ok {
-                    skip(&format!("`ip {}` failed", c.join(" ")));
-                    return None;
-                }
-            }
-        }
-        Some(ns)
-    }
-}
-
-impl Drop for Netns {
-    fn drop(&mut self) {
-        for n in &self.names {
-            // Deleting the namespace deletes its veth end and so the pair.
-            let _ = Command::new("ip").args(["netns", "del", n]).status();
-        }
-    }
-}
-
 #[test]
 fn three_nodes_in_network_namespaces() {
     if !is_root() || Command::new("ip").arg("-V").output().is_err() {
@@ -1950,7 +1812,7 @@ fn three_nodes_in_network_namespaces() {
                     .pollers(1)
                     .pin(false)
                     .rank(rank, 2)
-                    .landing(ring(8 << 20))
+                    .landing(test_ring(8 << 20))
                     .build()
                     .unwrap();
                 assert_eq!(check(&mut l, cat, rank, 2, 2), 200);
@@ -2018,7 +1880,7 @@ fn local_trouble(
     let addrs: Vec<&str> = serves.iter().map(|s| s.addr.as_str()).collect();
     let cat = Catalog::open(&st.catalog).unwrap();
     let mut b = builder_space(&st.spaces[0], cluster_of(&addrs))
-        .landing(ring(1 << 20))
+        .landing(test_ring(1 << 20))
         .verify_crc32c(corrupt);
     if eio_ppm > 0 {
         b = b.fault_injection(
@@ -3258,21 +3120,6 @@ fn hostile_wrong_tokens_and_a_full_handshake_table_rate_limit_then_admit() {
 
 // --- failure detection, read-ahead and failing extents (issue 26) --------
 
-impl Netns {
-    /// Cuts namespace `i` off as if its host had died: its veth end goes
-    /// down, so nothing more arrives from it (not even a FIN or RST when
-    /// its processes are then killed) and nothing sent to it is answered.
-    fn cut(&self, i: usize) {
-        let peer = format!("ksp{}{i}", std::process::id() % 100_000);
-        let ok = Command::new("ip")
-            .args(["-n", &self.names[i], "link", "set", &peer, "down"])
-            .status()
-            .map(|s| s.success())
-            .unwrap_or(false);
-        assert!(ok, "could not take {peer} down");
-    }
-}
-
 /// `kspeed serve -v` for space `space` inside namespace `ns`, on
 /// 10.77.`i`.2, logging to `log`.
 fn serve_in_netns(ns: &Netns, i: usize, space: &Path, token: &Path, log: &Path) -> Serve {
@@ -3355,7 +3202,7 @@ fn dead_owner_host_is_found_by_its_missing_heartbeats() {
             .pollers(1)
             .pin(false)
             .node_timeout(Duration::from_secs(60))
-            .landing(ring(3 << 20))
+            .landing(test_ring(3 << 20))
             .build()
             .unwrap();
         let sampler = Sampler::new(
@@ -3445,7 +3292,7 @@ fn read_ahead_stops_at_the_last_epoch_with_exact_counts() {
     // Rank 0 on node 0: its half local, the other half from node 1. The
     // 16 MiB ring holds about six epochs of these samples.
     let mut l = builder_space(&st.spaces[0], cluster_of(&[&n0.addr, &n1.addr]))
-        .landing(ring(16 << 20))
+        .landing(test_ring(16 << 20))
         .end_epoch(Some(3))
         .build()
         .unwrap();
@@ -3511,7 +3358,7 @@ fn failing_local_copies_are_demoted_for_the_epoch() {
     let cat = Catalog::open(&st.catalog).unwrap();
     let ring_bytes = 1u64 << 20;
     let mut l = builder_space(&st.spaces[0], cluster_of(&addrs))
-        .landing(ring(ring_bytes))
+        .landing(test_ring(ring_bytes))
         .end_epoch(Some(2))
         // Every local read fails.
         .fault_injection(

@@ -21,12 +21,10 @@ use std::path::PathBuf;
 
 use common::*;
 use kspeed::dataset::Catalog;
-use kspeed::landing::{CudaMode, LandingOptions};
 use kspeed::loader::{Loader, LoaderBuilder};
 use kspeed::sampler::{epoch_counts, MixSampler, SamplerConfig, Weight};
-use kspeed::transport::Cluster;
 use kspeed::Error;
-use nodes::{Netns, Serve};
+use nodes::{cluster_of, Netns, Serve};
 
 const TOKEN: &str = "job-mix-token";
 const SEED: u64 = 11;
@@ -160,7 +158,7 @@ impl Setup {
             .batch_size(8)
             .pollers(1)
             .pin(false)
-            .landing(ring())
+            .landing(test_ring(8 << 20))
             .rdma(rdma_mode().then(Default::default))
             .build()
             .unwrap()
@@ -177,25 +175,6 @@ impl Setup {
         )
         .unwrap()
     }
-}
-
-fn cluster_of(addrs: &[String]) -> Cluster {
-    let text: String = addrs
-        .iter()
-        .enumerate()
-        .map(|(i, a)| format!("{i} {a}\n"))
-        .collect();
-    Cluster::parse(&text, "test").unwrap()
-}
-
-fn ring() -> LandingOptions {
-    LandingOptions::default()
-        .ring_bytes(8 << 20)
-        .huge_pages(false)
-        .mlock(false)
-        .numa_node(None)
-        .gpu_pci(None)
-        .cuda(CudaMode::Off)
 }
 
 /// Reads epoch `e` and checks every sample against the mixing function's
@@ -353,7 +332,7 @@ fn spaces_placed_unlike_and_another_order_are_refused_and_the_cli_reads_the_mixt
         .batch_size(8)
         .pollers(1)
         .pin(false)
-        .landing(ring())
+        .landing(test_ring(8 << 20))
         .build();
     let e = match r {
         Ok(mut l) => {
@@ -378,12 +357,7 @@ fn spaces_placed_unlike_and_another_order_are_refused_and_the_cli_reads_the_mixt
     // The README's command: `kspeed read --mix` in cluster mode orders and
     // labels the epoch as the same mixture read from the sources alone.
     let nodes_file = st.tmp.path().join("nodes.txt");
-    let text: String = addrs
-        .iter()
-        .enumerate()
-        .map(|(i, a)| format!("{i} {a}\n"))
-        .collect();
-    std::fs::write(&nodes_file, text).unwrap();
+    std::fs::write(&nodes_file, nodes::cluster_text(&addrs)).unwrap();
     let mix = format!("{}:0.6,{}:0.4", s(&st.catalogs[0]), s(&st.catalogs[1]));
     let common_args = [
         "read",

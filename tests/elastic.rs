@@ -14,7 +14,6 @@ use std::path::{Path, PathBuf};
 
 use common::*;
 use kspeed::dataset::{Catalog, Space};
-use kspeed::landing::{CudaMode, LandingOptions};
 use kspeed::loader::{Loader, LoaderBuilder};
 use kspeed::sampler::{
     audit_positions, ElasticSampler, EpochDigest, JobPosition, Position, RankPosition, Sampler,
@@ -25,16 +24,6 @@ use kspeed::Error;
 const SEED: u64 = 17;
 const BATCH: usize = 4;
 const EPOCH: u64 = 2;
-
-fn ring() -> LandingOptions {
-    LandingOptions::default()
-        .ring_bytes(1 << 20)
-        .huge_pages(false)
-        .mlock(false)
-        .numa_node(None)
-        .gpu_pci(None)
-        .cuda(CudaMode::Off)
-}
 
 fn space(dir: &Path, count: u64) -> PathBuf {
     let src = dir.join("src");
@@ -52,7 +41,7 @@ fn loader(sp: &Path, rank: u32, world: u32, drop_last: bool) -> Loader {
         .drop_last(drop_last)
         .pollers(1)
         .pin(false)
-        .landing(ring())
+        .landing(test_ring(1 << 20))
         .start_at(Position {
             epoch: EPOCH,
             index: 0,
@@ -349,7 +338,7 @@ fn restores_of_another_job_are_refused_by_name() {
             .rank(0, 3)
             .pollers(1)
             .pin(false)
-            .landing(ring())
+            .landing(test_ring(1 << 20))
             .build()
             .unwrap()
     };
@@ -388,7 +377,7 @@ fn restores_of_another_job_are_refused_by_name() {
         .seed(SEED)
         .pollers(1)
         .pin(false)
-        .landing(ring())
+        .landing(test_ring(1 << 20))
         .build()
         .unwrap();
     match c.restore_job_position(&job) {
@@ -521,7 +510,7 @@ fn cluster_mode_resumes_at_another_world_size() {
             .rank(rank, world)
             .pollers(1)
             .pin(false)
-            .landing(ring())
+            .landing(test_ring(1 << 20))
             .start_at(Position {
                 epoch: EPOCH,
                 index: 0,
@@ -562,7 +551,7 @@ fn a_resumed_last_epoch_reads_nothing_past_its_end() {
             .rank(rank, world)
             .pollers(1)
             .pin(false)
-            .landing(ring())
+            .landing(test_ring(1 << 20))
             .start_at(Position {
                 epoch: EPOCH,
                 index: 0,

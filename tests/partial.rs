@@ -31,22 +31,11 @@ use common::*;
 use kspeed::dataset::partial::{cutoff, cutoffs};
 use kspeed::dataset::space::{LayoutParams, Plan};
 use kspeed::dataset::{Catalog, OwnerFn, PartialHolders, Placement, Space};
-use kspeed::landing::{CudaMode, LandingOptions};
 use kspeed::loader::{Loader, LoaderBuilder};
 use kspeed::sampler::{Sampler, SamplerConfig};
 use kspeed::Error;
 
 const SEED: u64 = 7;
-
-fn ring() -> LandingOptions {
-    LandingOptions::default()
-        .ring_bytes(8 << 20)
-        .huge_pages(false)
-        .mlock(false)
-        .numa_node(None)
-        .gpu_pci(None)
-        .cuda(CudaMode::Off)
-}
 
 /// 240 `imagenet` samples preloaded into a space of about a third of them.
 struct Setup {
@@ -86,7 +75,7 @@ fn builder(space: &Path) -> LoaderBuilder {
         .batch_size(8)
         .pollers(2)
         .pin(false)
-        .landing(ring())
+        .landing(test_ring(8 << 20))
 }
 
 /// Reads `epochs` epochs from the start and checks every sample against
@@ -243,7 +232,7 @@ fn what_is_not_built_yet_is_refused_by_name() {
     let msg = match LoaderBuilder::mix([(s(&st.space), kspeed::sampler::Weight::Repeat(1.0))])
         .cluster(cluster)
         .token(b"t")
-        .landing(ring())
+        .landing(test_ring(8 << 20))
         .build()
     {
         Ok(_) => panic!("a mixture of partial spaces in cluster mode"),
@@ -359,12 +348,11 @@ fn three_nodes_of_partial_spaces_in_network_namespaces() {
             ))
         })
         .collect();
-    let text: String = serves
+    let addrs: Vec<String> = serves
         .iter()
-        .enumerate()
-        .map(|(i, sv)| format!("{i} {}\n", sv.as_ref().unwrap().addr))
+        .map(|sv| sv.as_ref().unwrap().addr.clone())
         .collect();
-    let cluster = kspeed::transport::Cluster::parse(&text, "test").unwrap();
+    let cluster = nodes::cluster_of(&addrs);
     let rank = |epochs: u64| {
         builder(&spaces[0])
             .cluster(cluster.clone())

@@ -28,12 +28,10 @@ use common::*;
 use kspeed::dataset::{
     self, Catalog, Fetch, OwnerFn, Placement, PreloadOptions, RebalanceOptions, SourceFetch, Space,
 };
-use kspeed::landing::{CudaMode, LandingOptions};
 use kspeed::loader::{Loader, LoaderBuilder};
 use kspeed::sampler::{Sampler, SamplerConfig};
-use kspeed::transport::Cluster;
 use kspeed::Error;
-use nodes::{Netns, Serve};
+use nodes::{cluster_of, Netns, Serve};
 
 const TOKEN: &str = "job-29-token";
 
@@ -107,25 +105,6 @@ fn setup(profile: &str, count: u64, nodes: u32, replicas: u32) -> Setup {
     st
 }
 
-fn cluster_of(addrs: &[String]) -> Cluster {
-    let text: String = addrs
-        .iter()
-        .enumerate()
-        .map(|(i, a)| format!("{i} {a}\n"))
-        .collect();
-    Cluster::parse(&text, "test").unwrap()
-}
-
-fn ring(bytes: u64) -> LandingOptions {
-    LandingOptions::default()
-        .ring_bytes(bytes)
-        .huge_pages(false)
-        .mlock(false)
-        .numa_node(None)
-        .gpu_pci(None)
-        .cuda(CudaMode::Off)
-}
-
 fn consumer(space: &Path, addrs: &[String], ring_bytes: u64) -> Loader {
     LoaderBuilder::space(space)
         .cluster(cluster_of(addrs))
@@ -134,7 +113,7 @@ fn consumer(space: &Path, addrs: &[String], ring_bytes: u64) -> Loader {
         .batch_size(16)
         .pollers(1)
         .pin(false)
-        .landing(ring(ring_bytes))
+        .landing(test_ring(ring_bytes))
         .rdma(rdma_mode().then(Default::default))
         .build()
         .unwrap()

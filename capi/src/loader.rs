@@ -217,7 +217,9 @@ pub unsafe extern "C" fn ksp_loader_save_position(
     out_len: *mut usize,
 ) -> ksp_status {
     guard(|| {
-        // SAFETY: the contract above.
+        // SAFETY: write_loader_bytes needs a live loader, `buf` writable for
+        // `buf_len` bytes and `out_len` writable: this function's own
+        // contract, which its caller keeps.
         unsafe { write_loader_bytes(l, buf, buf_len, out_len, |l| l.save_position()) }
     })
 }

@@ -225,3 +225,15 @@ pub fn compile_with(
         }
     }
 }
+
+/// A landing ring of `bytes` for tests: no huge pages, no mlock, no NUMA
+/// binding, no GPU, no CUDA (what any test machine can give).
+pub fn test_ring(bytes: u64) -> kspeed::landing::LandingOptions {
+    kspeed::landing::LandingOptions::default()
+        .ring_bytes(bytes)
+        .huge_pages(false)
+        .mlock(false)
+        .numa_node(None)
+        .gpu_pci(None)
+        .cuda(kspeed::landing::CudaMode::Off)
+}

@@ -6,7 +6,7 @@
 //! them all; a consumer finds each sample's holders from its dataset's own
 //! id.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use crate::dataset::{LayoutParams, Location, Space};
 use crate::error::{Error, Result};
@@ -160,7 +160,7 @@ impl Served {
     pub(super) fn describe(paths: &[PathBuf]) -> String {
         paths
             .iter()
-            .map(|p: &PathBuf| Path::new(p).display().to_string())
+            .map(|p| p.display().to_string())
             .collect::<Vec<_>>()
             .join(" + ")
     }
