@@ -58,7 +58,15 @@ in each, one fresh process per run (this script re-invoked with --one):
             loader but FFCV (its own decoder and crop, as its users run it);
             the process's torch uses --torch-threads intra-op threads
             (default 1, as DataLoader workers do).
-            kspeed: kspeed.torch.KSpeedImageFolder(decode=True) in a DataLoader.
+            kspeed: kspeed.torch.KSpeedImageFolder(decode=True,
+            random_resized_crop=224) iterated in the process (its decode
+            threads, one per core, simplejpeg's reduced-size decode; the
+            same transform, see ffi/python/python/kspeed/_decode.py), and
+            for reference the same with decoder="torchvision" (kspeed-tv,
+            the peers' decoder in kspeed's threads) and the per-sample path
+            (kspeed-samples: decode=True + the peers' function as transform,
+            in a DataLoader with each --workers count). "per core": images/s
+            divided by the CPUs the machine has.
   resume  : time to the first batch after restoring a mid-epoch state (at
             --resume-at of the epoch), bytes, in process (--resume-workers):
             Mosaic StreamingDataLoader.state_dict, LitData
@@ -133,7 +141,12 @@ LABEL = {
     "dataloader": "PyTorch DataLoader",
     "kspeed": "kspeed",
     "kspeed-tier": "kspeed, memory tier",
+    "kspeed-tv": "kspeed",
+    "kspeed-samples": "kspeed",
 }
+# kspeed's decoded rows (the first is "kspeed" itself): the batched decode,
+# the same with the peers' decoder, the per-sample path in DataLoader workers.
+KSPEED_DECODED = ["kspeed", "kspeed-tv", "kspeed-samples"]
 CONVERTERS = ["mosaic", "litdata", "wds", "ffcv", "kspeed"]
 STATEFUL = ["mosaic", "litdata", "torchdata", "kspeed"]
 
@@ -290,7 +303,7 @@ class Layout:
         """What a loader reads (for the warm variant)."""
         if loader in ("dataloader", "torchdata"):
             return [self.jpeg]
-        if loader == "kspeed-tier":
+        if loader.startswith("kspeed"):
             loader = "kspeed"
         return [self.out(loader)]
 
@@ -568,9 +581,21 @@ def build_loader(o, lay, mode, decode=None, seed=1):
 
         pipes = {"jpg": [BytesDecoder()], "size": [IntDecoder()], "cls": [IntDecoder()], "id": [IntDecoder()]}
         return Loader(os.path.join(lay.out("ffcv"), "bytes.beton"), pipelines=pipes, **kw)
-    if loader in ("kspeed", "kspeed-tier"):
+    if loader.startswith("kspeed"):
         import kspeed
 
+        if decode and loader in ("kspeed", "kspeed-tv"):
+            from kspeed.torch import KSpeedImageFolder
+
+            # The batched decode: whole decoded batches from the process's
+            # decode threads (no DataLoader workers, nothing pickled).
+            kw = dict({"ring_bytes": "64MiB"}, **o.get("kspeed_opts", {}))
+            if loader == "kspeed-tv":
+                kw["decoder"] = "torchvision"
+            elif o.get("decode_kind") == "pil":
+                kw["decoder"] = "pil"
+            return KSpeedImageFolder(lay.out("kspeed"), decode=True, random_resized_crop=224, return_id=True,
+                                     batch_size=BATCH, seed=seed, rank=rank, world=world, **kw)
         if decode:
             from torch.utils.data import DataLoader
 
@@ -872,6 +897,8 @@ def main_bench(a):
         for ld in loaders:
             if ld == "kspeed" and mode != "decoded":
                 out.append((ld, 0))
+            elif ld == "kspeed":
+                out += [("kspeed", 0), ("kspeed-tv", 0)] + [("kspeed-samples", w) for w in workers]
             elif ld == "ffcv":
                 out += [(ld, max(w, 1)) for w in sorted({max(w, 1) for w in workers})]
             else:
@@ -1062,8 +1089,12 @@ def report(res):
                     "ring may partly hold already: a hand-out rate)")
         if ld.startswith("kspeed") and row != "decoded":
             return f"**{LABEL[ld]}**" + (" (`Loader`, in process)" if ld == "kspeed" else "")
+        if ld in ("kspeed", "kspeed-tv"):
+            dec = "the peers' torchvision decode" if ld == "kspeed-tv" else "simplejpeg"
+            return (f"**{LABEL[ld]}** (`KSpeedImageFolder(decode=True, random_resized_crop=224)`: batches from "
+                    f"its decode threads, {dec})")
         if ld.startswith("kspeed"):
-            return f"**{LABEL[ld]}** (`KSpeedImageFolder`, {w} workers)"
+            return f"kspeed, per sample (`KSpeedImageFolder(decode=True)` + the peers' crop, {w} DataLoader workers)"
         unit = "threads" if ld == "ffcv" else "workers"
         return f"{LABEL[ld]}, {w} {unit}"
 
@@ -1133,8 +1164,11 @@ def report(res):
           [("GB/s", gbps), ("CPU s/GB", cpu_per_gb), ("first batch ms", mean_of("first_batch_s", "{:.0f}", 1e3))])
     table("bytes2", "Bytes only, one epoch, 2 ranks on the node (samples/s, both ranks)", lambda v: n / v["seconds"],
           "samples/s", True, [("GB/s", gbps), ("CPU s/GB", cpu_per_gb)])
+    cpus = res["host"]["cpus"]
     table("decoded", f"Decoded: decode ({res['decode']}) + RandomResizedCrop 224 + flip + float tensor (images/s)",
-          lambda v: n / v["seconds"], "images/s", True, [("CPU ms/image", cpu_ms_per_image)])
+          lambda v: n / v["seconds"], "images/s", True,
+          [("images/s per core", lambda g: f"{statistics.median([n / v['seconds'] / cpus for v in g]):,.0f}"
+            if g else "–"), ("CPU ms/image", cpu_ms_per_image)])
     table("resume", f"Resume: time to the first batch after restoring a state saved at {res['resume_at']:.0%} of the "
           f"epoch, from the loader's construction ({res['resume_workers']} workers; ms, lower is better)", lambda v: v["first_batch_s"] * 1e3, "ms", False,
           [("loader built, ms", mean_of("built_s", "{:.1f}", 1e3)),

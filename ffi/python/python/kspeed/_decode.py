@@ -173,9 +173,12 @@ class Spec:
                               align_corners=False)[0].round_().clamp_(0, 255)
         if flip:
             r = r.flip(-1)
-        out.copy_(r)
-        if self.dtype != torch.uint8:
-            out.mul_(1.0 / 255)
+        if self.dtype == torch.uint8:
+            out.copy_(r)
+        else:
+            # One pass, the same values as torchvision's to_dtype(scale=True)
+            # (r.to(float).mul_(1 / 255)).
+            torch.mul(r, 1.0 / 255, out=out)
 
 
 def _crop_of(arr, box, full_hw):
