@@ -1047,7 +1047,7 @@ def versions():
 
     out = {}
     for p in ("kspeed", "mosaicml-streaming", "litdata", "webdataset", "ffcv", "torch", "torchvision", "torchdata",
-              "numpy", "pillow"):
+              "simplejpeg", "numpy", "pillow"):
         try:
             out[p] = version(p)
         except PackageNotFoundError:
@@ -1215,7 +1215,9 @@ def setup(a):
     else:
         log("setup: no base venv with torch: installing torch, torchvision, torchdata from PyPI (large)")
         pip(py, *TORCH_PKGS)
-    pip(py, *PEER_PINS, "pillow")
+    # simplejpeg: kspeed's decoder for KSpeedImageFolder(random_resized_crop=)
+    # (the torch extra's; kspeed itself is installed below without deps).
+    pip(py, *PEER_PINS, "pillow", "simplejpeg")
     # FFCV: an sdist that compiles against the system's OpenCV 4 and
     # libjpeg-turbo (found with pkg-config).
     note = os.path.join(venv, "ffcv-not-installable.txt")
