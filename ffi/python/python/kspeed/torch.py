@@ -55,6 +55,11 @@ each worker). With ``num_workers=0`` a state also resumes at another world
 size (load any rank's state on every rank of the new world): the rest of the
 epoch is dealt to the new ranks, each sample exactly once.
 
+Images: ``KSpeedImageFolder(space, decode=True, random_resized_crop=224)``
+yields whole decoded, cropped and flipped batches from threads in this
+process (pinned where CUDA is available; ``decode="cuda"``: nvJPEG), see
+:class:`KSpeedImageFolder` and :mod:`kspeed._decode`.
+
 Mixtures: ``mix=`` (as :class:`kspeed.Loader`; each dataset a space or a
 catalog file) reads several datasets side by side, with ``num_workers=0``.
 A state of a mixture also resumes under other weights (a dataset built with
