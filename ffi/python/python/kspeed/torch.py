@@ -352,10 +352,16 @@ class KSpeedDataset(IterableDataset):
     def _decoder(self, n):
         """This process's decoder of batches (worker processes: n)."""
         im = self._images
+        in_worker = get_worker_info() is not None
         if im["device"] is not None:
+            if in_worker:
+                raise ValueError("decode='cuda' decodes in the training process (CUDA cannot be used in forked "
+                                 "DataLoader workers): use num_workers=0")
             return _decode.CudaBatches(im["spec"], im["device"])
         threads = im["threads"] or _decode.default_threads(n)
-        return _decode.CpuBatches(im["spec"], im["decoder"], threads, im["pin_memory"])
+        # A forked worker cannot touch CUDA (page-locking memory would
+        # initialise it): there the DataLoader's own pin_memory=True pins.
+        return _decode.CpuBatches(im["spec"], im["decoder"], threads, im["pin_memory"] and not in_worker)
 
     def _batch(self, b, k, lo=0):
         offsets, lengths = b.offsets[lo:k], b.lengths[lo:k]
