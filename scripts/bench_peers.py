@@ -871,6 +871,10 @@ def main_bench(a):
             unavailable["ffcv"] = f"not installable: {reason}"
             loaders.remove("ffcv")
     workers = [int(w) for w in a.workers.split(",")]
+    # --workers-of mosaic=2,litdata=0: those loaders with those counts only
+    # (e.g. each peer's best count from an earlier run).
+    workers_of = {k: [int(x) for x in v.split("+")] for k, v in
+                  (kv.split("=") for kv in a.workers_of.split(",") if kv)}
     caches = [c for c in a.cache.split(",") if c]
     rows = [r for r in a.rows.split(",") if r]
     base = {"data": a.data, "n": a.images, "decode_kind": a.decode, "kspeed_opts": json.loads(a.kspeed_opts),
@@ -898,11 +902,12 @@ def main_bench(a):
             if ld == "kspeed" and mode != "decoded":
                 out.append((ld, 0))
             elif ld == "kspeed":
-                out += [("kspeed", 0), ("kspeed-tv", 0)] + [("kspeed-samples", w) for w in workers]
+                for k in a.kspeed_decoded.split(","):
+                    out += [(k, w) for w in workers_of.get(k, workers)] if k == "kspeed-samples" else [(k, 0)]
             elif ld == "ffcv":
                 out += [(ld, max(w, 1)) for w in sorted({max(w, 1) for w in workers})]
             else:
-                out += [(ld, w) for w in workers]
+                out += [(ld, w) for w in workers_of.get(ld, workers)]
         return out
 
     def record(row, cache, key, run, val):
@@ -1282,6 +1287,10 @@ def main():
                     help="default: convert,bytes,bytes2,decoded,resume")
     ap.add_argument("--loaders", default=",".join(LOADERS), help="default: " + ",".join(LOADERS))
     ap.add_argument("--workers", default="0,2", help="worker counts tried for each peer (default 0,2)")
+    ap.add_argument("--workers-of", default="", metavar="LOADER=N[+N],...",
+                    help="worker counts of some loaders instead of --workers, e.g. mosaic=2,litdata=0+2")
+    ap.add_argument("--kspeed-decoded", default="kspeed,kspeed-tv,kspeed-samples",
+                    help="kspeed's decoded rows (default: kspeed,kspeed-tv,kspeed-samples)")
     ap.add_argument("--decode", choices=["torchvision", "pil"], default="torchvision")
     ap.add_argument("--torch-threads", type=int, default=1,
                     help="torch intra-op threads of each run's process (0: torch's default; workers use 1)")
