@@ -221,6 +221,73 @@ fn attached_ranks_deliver_exactly_what_embedded_ranks_do() {
     );
 }
 
+/// A read's `--json` report: (samples, digest, disk reads, tier hits).
+fn report(child: Child) -> (u64, String, u64, u64) {
+    let o = wait_output(child, Duration::from_secs(120));
+    assert!(o.status.success(), "kspeed read failed:\n{}", text(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("json report");
+    let n = |k: &str| v[k].as_u64().unwrap_or_else(|| panic!("{k} in {v}"));
+    (
+        n("samples"),
+        v["digest"].as_str().expect("digest").to_string(),
+        n("disk_reads"),
+        n("tier_hits"),
+    )
+}
+
+/// Arguments for one epoch (`epoch`) of rank `rank` of `world`.
+fn one_epoch(args: Vec<String>, epoch: u64) -> Vec<String> {
+    let mut v = args;
+    let at = v.iter().position(|a| a == "--start-epoch").expect("flag") + 1;
+    v[at] = epoch.to_string();
+    v
+}
+
+/// The agent's node tier is one for all its ranks: after rank 0 and rank
+/// 1 of 2 each read their half in epoch 1 (filling the tier with the whole
+/// dataset), rank 0's epoch 2, which holds samples rank 1 read, comes from
+/// the tier alone (per-rank tiers would have read about half of it from
+/// disk), byte-exact; and the agent's read counts reach the rank's stats.
+#[test]
+fn the_node_tier_serves_every_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let count = 600u64;
+    let sp = space(dir.path(), count);
+    let sock = dir.path().join("agent.sock");
+    let _agent = Agent::start(&sp, &sock, &["--tier-bytes", "64MiB", "--no-mlock"]);
+    let share = count / 2;
+    for rank in 0..2u32 {
+        let args = one_epoch(attached_args(&sp, &sock, rank, 2, 1), 1);
+        let (n, digest, disk, tier) = report(spawn_read(&args));
+        let want = embedded_epoch(&sp, rank, 2, 1);
+        assert_eq!((n, digest), want, "rank {rank}, epoch 1");
+        // Every delivered sample was read for it, from disk in the main:
+        // no other rank had read any of this rank's epoch-1 samples.
+        assert!(
+            disk + tier >= share,
+            "rank {rank}: {disk} disk reads, {tier} tier hits"
+        );
+        assert!(
+            disk >= share / 2,
+            "rank {rank}: {disk} disk reads in epoch 1"
+        );
+    }
+    let args = one_epoch(attached_args(&sp, &sock, 0, 2, 1), 2);
+    let (n, digest, disk, tier) = report(spawn_read(&args));
+    assert_eq!((n, digest), embedded_epoch(&sp, 0, 2, 2), "rank 0, epoch 2");
+    assert_eq!(
+        disk, 0,
+        "epoch 2 of rank 0 read from disk although the node tier holds every sample"
+    );
+    assert!(tier >= share, "{tier} tier hits for {share} samples");
+}
+
+/// An embedded read of one epoch: (samples, digest).
+fn embedded_epoch(space: &Path, rank: u32, world: u32, epoch: u64) -> (u64, String) {
+    let args = one_epoch(read_args(space, rank, world, 1, &["--agent", "off"]), epoch);
+    finish(spawn_read(&args))
+}
+
 /// `agent = required` with no agent is a named error naming the socket.
 #[test]
 fn required_without_an_agent_is_a_named_error() {

@@ -27,7 +27,7 @@ use super::shm::RingMap;
 use crate::dataset::Space;
 use crate::error::{Error, Result};
 use crate::landing::{CudaMode, LandingOptions};
-use crate::loader::{Loader, LoaderBuilder};
+use crate::loader::{Loader, LoaderBuilder, Tier};
 use crate::sampler::Position;
 
 /// How the agent runs.
@@ -47,11 +47,16 @@ pub struct AgentConfig {
     pub heartbeat: Duration,
     /// The socket's mode, uid policy and I/O deadlines.
     pub listener: ListenerConfig,
+    /// The node's memory tier: one for every rank the agent serves, filled
+    /// from any rank's reads and served to all (0: none).
+    pub tier_bytes: u64,
+    /// Lock the tier in memory (needs RLIMIT_MEMLOCK of `tier_bytes`).
+    pub tier_mlock: bool,
 }
 
 impl AgentConfig {
     /// Defaults: 1 poller per rank, queue depth 32, registered buffers,
-    /// a 100 ms heartbeat.
+    /// a 100 ms heartbeat, no memory tier.
     pub fn new(space: impl Into<PathBuf>, socket: impl Into<PathBuf>) -> Self {
         AgentConfig {
             space: space.into(),
@@ -61,6 +66,8 @@ impl AgentConfig {
             registered_buffers: true,
             heartbeat: Duration::from_millis(100),
             listener: ListenerConfig::default(),
+            tier_bytes: 0,
+            tier_mlock: true,
         }
     }
 }
@@ -74,6 +81,9 @@ pub struct AgentSummary {
     pub refused: u64,
     /// Ranks that ended (detached, died or failed).
     pub ended: u64,
+    /// Node tier fills refused because a rank's ring changed while the
+    /// agent copied from it (see `Tier::new_checked`).
+    pub tier_fills_refused: u64,
 }
 
 /// The space, opened and checked once, shared by every rank's loader.
@@ -82,9 +92,12 @@ struct OpenSpace {
     extents: Arc<[File]>,
     direct_io: bool,
     identity: u64,
+    /// The node tier, shared by every rank's loader.
+    tier: Option<Arc<Tier>>,
 }
 
-fn open_space(dir: &Path) -> Result<OpenSpace> {
+fn open_space(cfg: &AgentConfig) -> Result<OpenSpace> {
+    let dir = &cfg.space;
     let space = Space::open(dir)?;
     space.check_extents()?;
     if space.held_samples() != space.catalog().len() {
@@ -113,11 +126,22 @@ fn open_space(dir: &Path) -> Result<OpenSpace> {
         );
     }
     let identity = u64::from(space.catalog().identity());
+    // Checked fills: a member is copied from one rank's ring (memory that
+    // rank can write) and served to every other rank.
+    let tier = Tier::new_checked(space.catalog(), cfg.tier_bytes, cfg.tier_mlock)?.map(Arc::new);
+    if let Some(t) = &tier {
+        log::info!(
+            "agent: node memory tier of {} samples, {} bytes, shared by every rank",
+            t.members(),
+            t.member_bytes()
+        );
+    }
     Ok(OpenSpace {
         space: Arc::new(space),
         extents: extents.into(),
         direct_io,
         identity,
+        tier,
     })
 }
 
@@ -156,7 +180,7 @@ pub fn run(
     on_ready: impl FnOnce(&Path),
 ) -> Result<AgentSummary> {
     crate::sys::raise_open_files_limit();
-    let open = Arc::new(open_space(&cfg.space)?);
+    let open = Arc::new(open_space(cfg)?);
     let listener = AttachListener::bind(&cfg.socket, cfg.listener)?;
     log::info!(
         "agent: serving {} ({} samples) on {}",
@@ -226,6 +250,7 @@ pub fn run(
     beat_stop.store(true, Ordering::Release);
     beater.thread().unpark();
     let _ = beater.join();
+    summary.tier_fills_refused = open.tier.as_ref().map_or(0, |t| t.fills_refused());
     Ok(summary)
 }
 
@@ -391,6 +416,7 @@ fn build_loader(cfg: &AgentConfig, open: &OpenSpace, incoming: &Incoming) -> Res
             extents: open.extents.clone(),
             direct_io: open.direct_io,
             ring: Arc::new(Mutex::new(Some(ring))),
+            tier: open.tier.clone(),
         })
         .batch_size(req.batch_size as usize)
         .seed(req.seed)
@@ -432,6 +458,10 @@ fn feed(
         silence_limit: Duration::from_secs(u32::MAX as u64),
     };
     let mut released = 0u64;
+    // The loader's read counters at the previous publish: each batch
+    // carries what was read since (its stats reach the rank that way).
+    // Zero at first: the pollers started reading when the loader was built.
+    let mut counted = crate::loader::ReadCounts::default();
     let result = loop {
         if halt.load(Ordering::Acquire)
             || att.conn.peer_closed()
@@ -488,7 +518,10 @@ fn feed(
                 }
             }
             Ok(_) => {
-                let desc = loader.held_desc().expect("a batch is held");
+                let mut desc = loader.held_desc().expect("a batch is held");
+                let now = loader.read_counts();
+                desc.reads = now.since(&counted);
+                counted = now;
                 if let Err(e) = att.side.publish(&desc) {
                     break Err(e);
                 }

@@ -76,6 +76,9 @@ pub(crate) struct AgentInput {
     pub(crate) direct_io: bool,
     /// Taken by the build (a builder is Clone; the ring is not).
     pub(crate) ring: Arc<Mutex<Option<RingMap>>>,
+    /// The node's memory tier, shared by every rank the agent serves
+    /// (a checked tier: [`super::tier::Tier::new_checked`]).
+    pub(crate) tier: Option<Arc<super::tier::Tier>>,
 }
 
 impl std::fmt::Debug for AgentInput {

@@ -894,9 +894,13 @@ impl LoaderBuilder {
                 ))
             }
             Input::Mix(_) => None,
-            _ => Tier::new(input.catalog(), self.tier_bytes, landing.mlock)?,
+            // The agent's node tier, one for all the ranks it serves.
+            _ if self.agent_input.as_ref().is_some_and(|a| a.tier.is_some()) => {
+                self.agent_input.as_ref().and_then(|a| a.tier.clone())
+            }
+            _ => Tier::new(input.catalog(), self.tier_bytes, landing.mlock)?.map(Arc::new),
         };
-        if let Some(t) = &tier {
+        if let Some(t) = tier.as_ref().filter(|_| self.agent_input.is_none()) {
             log::info!(
                 "memory tier: {} samples, {} bytes",
                 t.members(),

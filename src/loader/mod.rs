@@ -69,15 +69,16 @@ pub use builder::*;
 pub use input::parse_mix_entry;
 pub use options::LoaderOptions;
 pub(crate) use shared::*;
+pub(crate) use stats::ReadCounts;
 use stats::{Counters, Totals};
 pub use stats::{Latency, PlacementStats, Stats};
-use tier::Tier;
+pub(crate) use tier::Tier;
 
 /// Resources kept across restarts (set_epoch to another epoch, resume).
 struct Spare {
     input: Input,
     ring: LandingRing,
-    tier: Option<Tier>,
+    tier: Option<Arc<Tier>>,
     backends: Vec<Box<dyn IoBackend>>,
 }
 
@@ -404,8 +405,8 @@ impl Loader {
     /// them with the loader).
     fn parts(&self) -> (&Input, &LandingRing, Option<&Tier>) {
         match (&self.run, &self.spare) {
-            (Some(r), _) => (&r.shared.input, &r.shared.ring, r.shared.tier.as_ref()),
-            (None, Some(s)) => (&s.input, &s.ring, s.tier.as_ref()),
+            (Some(r), _) => (&r.shared.input, &r.shared.ring, r.shared.tier.as_deref()),
+            (None, Some(s)) => (&s.input, &s.ring, s.tier.as_deref()),
             (None, None) => unreachable!("a loader always holds its resources"),
         }
     }
@@ -524,6 +525,13 @@ impl Loader {
         }
         if let Some(d) = desc {
             self.check_desc(&d)?;
+            // Attached: the agent's reads for this rank, as its pollers
+            // would have counted them embedded.
+            let t = &mut self.totals;
+            t.disk_reads += u64::from(d.reads.disk_reads);
+            t.tier_hits += u64::from(d.reads.tier_hits);
+            t.remote_samples += u64::from(d.reads.remote_samples);
+            t.source_reads += u64::from(d.reads.source_reads);
         }
         self.held = !self.entries.is_empty();
         if self.held {
@@ -707,6 +715,8 @@ impl Loader {
             epoch: first.pos.epoch,
             batch_in_epoch: first.pos.index / self.batch_size as u64,
             samples: self.entries.len() as u64,
+            // The feeder fills in what was read since its last publish.
+            reads: Default::default(),
         })
     }
 
@@ -1013,6 +1023,23 @@ impl Loader {
             digest: self.digest,
             digest_at: self.digest_at,
         }
+    }
+
+    /// Where this loader's samples came from so far (O(pollers), no lock
+    /// or allocation, unlike [`Loader::stats`]): the node agent's feeder
+    /// reads it at every publish.
+    pub(crate) fn read_counts(&self) -> stats::ReadCounts {
+        let t = &self.totals;
+        let mut c = stats::ReadCounts {
+            disk_reads: t.disk_reads,
+            tier_hits: t.tier_hits,
+            remote_samples: t.remote_samples,
+            source_reads: t.source_reads,
+        };
+        if let Some(run) = &self.run {
+            c.add_run(&run.shared);
+        }
+        c
     }
 
     /// Where the pollers run: the local rank, the slice of cores planned

@@ -9,7 +9,7 @@
 //! poller reads it from disk (one copy from the landing ring), and served by
 //! a copy into the ring ever after.
 
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 
 use crate::dataset::Catalog;
 use crate::error::Result;
@@ -27,12 +27,34 @@ pub struct Tier {
     state: Vec<AtomicU8>,
     members: u64,
     member_bytes: u64,
+    /// Per sample id, its catalog CRC32C (members only; others 0), when
+    /// fills are checked ([`Tier::new_checked`]).
+    crcs: Option<Vec<u32>>,
+    /// Fills whose copy did not match the catalog's CRC (the member stays
+    /// empty and a later read fills it).
+    fills_refused: AtomicU64,
 }
 
 impl Tier {
     /// Chooses members of `catalog` for a budget of `budget_bytes`, and maps
     /// (and locks, if `mlock`) the memory.
     pub fn new(catalog: &Catalog, budget_bytes: u64, mlock: bool) -> Result<Option<Tier>> {
+        Self::build(catalog, budget_bytes, mlock, false)
+    }
+
+    /// As [`Tier::new`], for a tier shared by several ranks whose rings it
+    /// is filled from: each fill is checked against the catalog's CRC32C
+    /// before the member is published (4 bytes per member kept).
+    pub fn new_checked(catalog: &Catalog, budget_bytes: u64, mlock: bool) -> Result<Option<Tier>> {
+        Self::build(catalog, budget_bytes, mlock, true)
+    }
+
+    fn build(
+        catalog: &Catalog,
+        budget_bytes: u64,
+        mlock: bool,
+        checked: bool,
+    ) -> Result<Option<Tier>> {
         if budget_bytes == 0 {
             return Ok(None);
         }
@@ -61,12 +83,25 @@ impl Tier {
             cuda: CudaMode::Off,
         })?;
         let state = (0..catalog.len()).map(|_| AtomicU8::new(EMPTY)).collect();
+        let crcs = checked.then(|| {
+            (0..catalog.len())
+                .map(|id| {
+                    if offsets[id as usize] == NOT_MEMBER {
+                        0
+                    } else {
+                        catalog.sample(id).crc32c
+                    }
+                })
+                .collect()
+        });
         Ok(Some(Tier {
             mem,
             offsets,
             state,
             members,
             member_bytes,
+            crcs,
+            fills_refused: AtomicU64::new(0),
         }))
     }
 
@@ -78,6 +113,12 @@ impl Tier {
     /// Their bytes.
     pub fn member_bytes(&self) -> u64 {
         self.member_bytes
+    }
+
+    /// Fills refused because the copy did not match the catalog's CRC32C
+    /// (a checked tier only; see [`Tier::new_checked`]).
+    pub fn fills_refused(&self) -> u64 {
+        self.fills_refused.load(Ordering::Relaxed)
     }
 
     /// Whether `id` is a member.
@@ -148,6 +189,22 @@ impl Tier {
             unsafe {
                 std::ptr::copy_nonoverlapping(src, self.mem.as_mut_ptr().add(off as usize), len)
             };
+            if let Some(crcs) = &self.crcs {
+                // SAFETY: the member's bytes, just written by this thread
+                // (FILLING), inside the mapping.
+                let copy = unsafe { self.mem.slice(off as usize, len) };
+                if crc32c::crc32c(copy) != crcs[id as usize] {
+                    // Logged once: a rank that keeps scribbling must not
+                    // flood the agent's log (the count is in the stats).
+                    if self.fills_refused.fetch_add(1, Ordering::Relaxed) == 0 {
+                        log::warn!(
+                            "memory tier: sample {id} changed in a rank's ring while it was copied (crc32c differs from the catalog's); not kept (later ones are counted, not logged)"
+                        );
+                    }
+                    st.store(EMPTY, Ordering::Release);
+                    return;
+                }
+            }
             st.store(FULL, Ordering::Release);
         }
     }

@@ -410,13 +410,15 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
     };
     let t0 = Instant::now();
     let mut epoch_lines = Vec::new();
+    let mut epoch_reports = Vec::with_capacity(a.epochs.min(1 << 16) as usize);
     let mut host = Vec::new();
     let mut touched = 0u64;
     let mut digest = 0u32;
     for e in a.start_epoch..a.start_epoch + a.epochs {
         loader.set_epoch(e)?;
         let bar = Progress::new(&format!("epoch {e}"), per_epoch, progress);
-        let (te, s0, b0) = (Instant::now(), loader.stats().samples, loader.stats().bytes);
+        let (te, at_start) = (Instant::now(), loader.stats());
+        let (s0, b0) = (at_start.samples, at_start.bytes);
         let gpu = loader.landing_device().is_some();
         let mut per_dataset = vec![0u64; loader.dataset_offsets().len()];
         let mut order_digest = 0u64;
@@ -465,6 +467,9 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
         bar.finish();
         let st = loader.stats();
         let secs = te.elapsed().as_secs_f64();
+        epoch_reports.push(crate::read_json::EpochReport::between(
+            e, &at_start, &st, secs,
+        ));
         epoch_lines.push(format!(
             "epoch {e}: {} samples, {} in {:.2} s ({:.0} samples/s, {}/s)",
             st.samples - s0,
@@ -507,6 +512,7 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
                 idle_core_fraction,
                 cluster,
                 digest: a.digest.then_some(digest),
+                per_epoch: epoch_reports,
             },
         );
         return Ok(());
