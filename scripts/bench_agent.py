@@ -80,6 +80,18 @@ def later_epochs(reports):
     return samples / slowest, hits / samples
 
 
+def by_epoch(reports):
+    """Per epoch index: (node samples/s over the slowest rank's epoch time,
+    tier hit rate)."""
+    out = []
+    for i in range(len(reports[0]["per_epoch"])):
+        es = [r["per_epoch"][i] for r in reports]
+        samples = sum(e["samples"] for e in es)
+        out.append((samples / max(e["seconds"] for e in es),
+                    sum(e["tier_hits"] for e in es) / max(samples, 1)))
+    return out
+
+
 def summarise(name, wall, reports, extra_cpu, pollers, threads_note):
     later_rate, later_hits = later_epochs(reports)
     samples = sum(r["samples"] for r in reports)
@@ -94,6 +106,7 @@ def summarise(name, wall, reports, extra_cpu, pollers, threads_note):
         "poller_threads": pollers, "note": threads_note,
         "digests": [r["digest"] for r in reports],
         "later_samples_per_s": later_rate, "later_tier_hit_rate": later_hits,
+        "by_epoch": by_epoch(reports),
     }
 
 
@@ -171,6 +184,17 @@ def main():
         print(f"{'mode':10} {'samples/s':>10} {'tier hit rate':>14}")
         for r in rows:
             print(f"{r['mode']:10} {r['later_samples_per_s']:10.0f} {r['later_tier_hit_rate']:14.3f}")
+        print("per epoch, median over runs: samples/s (tier hit rate)")
+        print(f"{'epoch':>5} {'embedded':>18} {'attached':>18} {'speed ratio':>12}")
+        for i in range(a.epochs):
+            cell = {}
+            for mode in ("embedded", "attached"):
+                rs = [r["by_epoch"][i] for r in rows if r["mode"] == mode]
+                cell[mode] = (median([x[0] for x in rs]), median([x[1] for x in rs]))
+            ratio = median([att["by_epoch"][i][0] / emb["by_epoch"][i][0]
+                            for emb, att in zip(rows[0::2], rows[1::2])])
+            print(f"{i + 1:>5} {cell['embedded'][0]:10.0f} ({cell['embedded'][1]:.3f}) "
+                  f"{cell['attached'][0]:10.0f} ({cell['attached'][1]:.3f}) {ratio:12.2f}")
         pairs = [(rows[i], rows[i + 1]) for i in range(0, len(rows), 2)]
         speed = [att["later_samples_per_s"] / emb["later_samples_per_s"] for emb, att in pairs]
         print("attached / embedded, epochs >= 2, samples/s per run: "

@@ -254,11 +254,19 @@ fn the_node_tier_serves_every_rank() {
     let count = 600u64;
     let sp = space(dir.path(), count);
     let sock = dir.path().join("agent.sock");
-    let _agent = Agent::start(&sp, &sock, &["--tier-bytes", "64MiB", "--no-mlock"]);
+    let agent = Agent::start(&sp, &sock, &["--tier-bytes", "64MiB", "--no-mlock"]);
     let share = count / 2;
     for rank in 0..2u32 {
         let args = one_epoch(attached_args(&sp, &sock, rank, 2, 1), 1);
-        let (n, digest, disk, tier) = report(spawn_read(&args));
+        let child = spawn_read(&args);
+        let pid = child.id();
+        let (n, digest, disk, tier) = report(child);
+        // One epoch asked (ATTACH's end_epoch): the agent published its
+        // 19 batches (300 samples, 16 a batch) and read nothing past them.
+        agent.log.wait_for(
+            &[&format!("(pid {pid}) ended after 19 batches")],
+            Duration::from_secs(10),
+        );
         let want = embedded_epoch(&sp, rank, 2, 1);
         assert_eq!((n, digest), want, "rank {rank}, epoch 1");
         // Every delivered sample was read for it, from disk in the main:

@@ -86,6 +86,7 @@ fn request(seg: &Segment, ring: &RingMap) -> AttachRequest {
         ring_bytes: ring.len(),
         segment_bytes: segment_bytes(seg.slots()),
         flags: 0,
+        end_epoch: None,
     }
 }
 

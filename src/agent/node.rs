@@ -439,6 +439,7 @@ fn build_loader(cfg: &AgentConfig, open: &OpenSpace, incoming: &Incoming) -> Res
             epoch: req.start_epoch,
             index: req.start_index,
         })
+        .end_epoch(req.end_epoch)
         .build()
 }
 
@@ -462,6 +463,9 @@ fn feed(
     // carries what was read since (its stats reach the rank that way).
     // Zero at first: the pollers started reading when the loader was built.
     let mut counted = crate::loader::ReadCounts::default();
+    // The rank's last epoch is dealt (its ATTACH's end_epoch): nothing more
+    // to publish; wait for the rank to leave.
+    let mut dealt = false;
     let result = loop {
         if halt.load(Ordering::Acquire)
             || att.conn.peer_closed()
@@ -483,7 +487,7 @@ fn feed(
             Err(e) => break Err(e),
         }
         let room = match att.side.has_room() {
-            Ok(room) => room && loader.keep_bytes_needed().is_none(),
+            Ok(room) => room && !dealt && loader.keep_bytes_needed().is_none(),
             Err(e) => break Err(e),
         };
         if !room {
@@ -511,9 +515,12 @@ fn feed(
         }
         match loader.acquire_batch_keep() {
             Ok(0) => {
-                // The epoch's end: go on into the next, as the rank does.
+                // The epoch's end: go on into the next, as the rank does,
+                // unless that is the rank's end epoch.
                 let next = loader.position().epoch;
-                if let Err(e) = loader.set_epoch(next) {
+                if loader.end_epoch().is_some_and(|end| next >= end) {
+                    dealt = true;
+                } else if let Err(e) = loader.set_epoch(next) {
                     break Err(e);
                 }
             }

@@ -714,10 +714,15 @@ mod tests {
             Segment::open(dup(), 1 << 21),
             Err(Error::AttachSegment { .. })
         ));
-        seg.header().version.store(2, Ordering::Relaxed);
+        seg.header()
+            .version
+            .store(SEGMENT_VERSION + 1, Ordering::Relaxed);
         let e = Segment::open(dup(), 1 << 20).unwrap_err();
-        assert!(e.to_string().contains("layout version 2"), "{e}");
-        seg.header().version.store(1, Ordering::Relaxed);
+        let want = format!("layout version {}", SEGMENT_VERSION + 1);
+        assert!(e.to_string().contains(&want), "{e}");
+        seg.header()
+            .version
+            .store(SEGMENT_VERSION, Ordering::Relaxed);
         seg.header().magic.store(7, Ordering::Relaxed);
         let e = Segment::open(dup(), 1 << 20).unwrap_err();
         assert!(e.to_string().contains("magic"), "{e}");

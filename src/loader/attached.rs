@@ -104,6 +104,8 @@ pub(crate) struct AttachSettings {
     pub(crate) drop_last: bool,
     /// Batch slots of the segment: as many batches as the ring can hold.
     pub(crate) slots: u32,
+    /// The loader's end epoch: the agent reads nothing from it on.
+    pub(crate) end_epoch: Option<u64>,
 }
 
 /// Slots for a ring of `table_len` sample slots and batches of
@@ -162,6 +164,7 @@ impl RankAttach {
             segment_bytes: segment_bytes(s.slots),
             flags: if s.shuffle { FLAG_SHUFFLE } else { 0 }
                 | if s.drop_last { FLAG_DROP_LAST } else { 0 },
+            end_epoch: s.end_epoch,
         };
         let (conn, reply) =
             attach(&s.socket, &req, ring, side.segment(), ATTACH_TIMEOUT).map_err(no_agent)?;

@@ -1170,6 +1170,7 @@ impl LoaderBuilder {
             shuffle: self.shuffle,
             drop_last: self.drop_last,
             slots: super::attached::slots_for(geo.table_len(), batch_size),
+            end_epoch: self.end_epoch,
         });
         // Attached: the agent reads every sample; this process connects
         // to no node.

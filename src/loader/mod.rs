@@ -875,6 +875,11 @@ impl Loader {
         Ok(())
     }
 
+    /// The loader's end epoch ([`LoaderBuilder::end_epoch`]).
+    pub(crate) fn end_epoch(&self) -> Option<u64> {
+        self.end_epoch
+    }
+
     /// The position of the next sample `next_batch` will deliver.
     pub fn position(&self) -> Position {
         match &self.peeked {
