@@ -296,6 +296,80 @@ fn embedded_epoch(space: &Path, rank: u32, world: u32, epoch: u64) -> (u64, Stri
     finish(spawn_read(&args))
 }
 
+/// Reserves `pages` more 2 MiB huge pages for the test's life (root
+/// only): the count goes back to what it was when dropped.
+struct HugePages {
+    before: u64,
+}
+
+const NR_HUGEPAGES: &str = "/proc/sys/vm/nr_hugepages";
+
+impl HugePages {
+    fn reserve(pages: u64) -> Option<HugePages> {
+        let before: u64 = std::fs::read_to_string(NR_HUGEPAGES)
+            .ok()?
+            .trim()
+            .parse()
+            .ok()?;
+        std::fs::write(NR_HUGEPAGES, (before + pages).to_string()).ok()?;
+        let now: u64 = std::fs::read_to_string(NR_HUGEPAGES)
+            .ok()?
+            .trim()
+            .parse()
+            .ok()?;
+        let guard = HugePages { before };
+        // The kernel may find fewer free 2 MiB blocks than asked.
+        (now >= before + pages).then_some(guard)
+    }
+}
+
+impl Drop for HugePages {
+    fn drop(&mut self) {
+        let _ = std::fs::write(NR_HUGEPAGES, self.before.to_string());
+    }
+}
+
+/// With 2 MiB pages reserved, an attached rank's ring (a multiple of 2 MiB)
+/// is a hugetlb memfd, which the agent maps and reads into, byte-exact
+/// against an embedded read; the rank says which pages its ring got.
+#[test]
+fn an_attached_ring_in_huge_pages_is_exact() {
+    if !common::is_root() {
+        return common::skip("reserving huge pages needs root");
+    }
+    // 4 MiB rings: the rank's, and the one it replaces at a restart.
+    let Some(_pages) = HugePages::reserve(8) else {
+        return common::skip("the kernel could not reserve 8 more 2 MiB pages");
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let sp = space(dir.path(), 400);
+    let sock = dir.path().join("agent.sock");
+    let _agent = Agent::start(&sp, &sock, &[]);
+    let big_ring = |mut v: Vec<String>| {
+        let at = v.iter().position(|a| a == "--ring-bytes").expect("flag") + 1;
+        v[at] = "4MiB".into();
+        v
+    };
+    let mut args = big_ring(attached_args(&sp, &sock, 0, 1, 2));
+    args.push("-v".into());
+    let o = wait_output(spawn_read(&args), Duration::from_secs(120));
+    assert!(o.status.success(), "{}", text(&o));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("ring of 4194304 bytes in 2 MiB huge pages (hugetlb)"),
+        "{err}"
+    );
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("json report");
+    let embedded_args = big_ring(read_args(&sp, 0, 1, 2, &["--agent", "off"]));
+    assert_eq!(
+        (
+            v["samples"].as_u64().unwrap(),
+            v["digest"].as_str().unwrap().to_string()
+        ),
+        finish(spawn_read(&embedded_args))
+    );
+}
+
 /// `agent = required` with no agent is a named error naming the socket.
 #[test]
 fn required_without_an_agent_is_a_named_error() {

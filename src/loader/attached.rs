@@ -20,7 +20,7 @@ use crate::agent::msg::{AttachRequest, FLAG_DROP_LAST, FLAG_SHUFFLE};
 use crate::agent::segment::{
     segment_bytes, BatchDesc, Liveness, RankSide, Segment, Side, MAX_SLOTS,
 };
-use crate::agent::shm::RingMap;
+use crate::agent::shm::{RingMap, RingPages};
 use crate::dataset::Space;
 use crate::error::{Error, Result};
 use crate::sampler::Position;
@@ -170,11 +170,20 @@ impl RankAttach {
             attach(&s.socket, &req, ring, side.segment(), ATTACH_TIMEOUT).map_err(no_agent)?;
         let beat = Duration::from_millis(u64::from(reply.heartbeat_ms.max(1)));
         log::info!(
-            "attached to the kspeed agent at {} (pid {}, heartbeat {} ms)",
+            "attached to the kspeed agent at {} (pid {}, heartbeat {} ms); ring of {} bytes in {}",
             s.socket.display(),
             reply.agent_pid,
-            reply.heartbeat_ms
+            reply.heartbeat_ms,
+            ring.len(),
+            ring.pages().describe()
         );
+        if ring.pages() == RingPages::Normal {
+            log::info!(
+                "the agent reads into 4 KiB pages, which costs it CPU per read: reserve 2 MiB pages \
+                 (vm.nr_hugepages, a ring that is a multiple of 2 MiB) or set shared-memory THP to \
+                 advise (docs/DEPLOY.md, \"Huge pages for attached rings\")"
+            );
+        }
         Ok(RankAttach {
             socket: s.socket.clone(),
             conn,
