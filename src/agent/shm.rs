@@ -190,7 +190,7 @@ impl RingMap {
     /// never faults for want of one), else in shared memory with huge pages
     /// advised ([`RingPages`]).
     pub fn create(bytes: u64) -> Result<RingMap> {
-        if bytes % HUGE_PAGE_BYTES == 0 {
+        if bytes.is_multiple_of(HUGE_PAGE_BYTES) {
             match Self::create_hugetlb(bytes) {
                 Ok(r) => return Ok(r),
                 // No huge pages reserved (the usual case): ENOMEM at mmap.
