@@ -476,6 +476,76 @@ fn a_killed_agent_gives_agent_gone_in_time() {
     );
 }
 
+/// With `--agent-restart-wait-ms`, a rank whose agent is killed (SIGKILL)
+/// mid-read waits for a new agent at the same socket, attaches to it where
+/// it stood and finishes: the same samples in the same order, byte for
+/// byte, as an embedded read (each delivered exactly once).
+#[test]
+fn a_restarted_agent_takes_the_rank_back_exactly_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let sp = space(dir.path(), 600);
+    let sock = dir.path().join("agent.sock");
+    let mut agent = Agent::start(&sp, &sock, &[]);
+    // 3 epochs of 38 batches with 5 ms of "training" per batch: the rank
+    // needs the agent for far longer than the 256 KiB ring it reads ahead.
+    let mut args = attached_args(&sp, &sock, 0, 1, 3);
+    args.extend(["--agent-restart-wait-ms", "60000", "--compute-us", "5000"].map(String::from));
+    let rank = spawn_read(&args);
+    let pid = rank.id().to_string();
+    agent
+        .log
+        .wait_for(&["rank 0", &pid, "attached"], Duration::from_secs(30));
+    agent.child.kill().unwrap();
+    let _ = agent.child.wait();
+    // A new agent on the same socket (the dead one's file is replaced).
+    let again = Agent::start(&sp, &sock, &[]);
+    let o = wait_output(rank, Duration::from_secs(120));
+    assert!(o.status.success(), "{}", text(&o));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("is gone") && err.contains("attached again after"),
+        "{err}"
+    );
+    again
+        .log
+        .wait_for(&["rank 0", &pid, "attached"], Duration::from_secs(10));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("json report");
+    let got = (
+        v["samples"].as_u64().unwrap(),
+        v["digest"].as_str().unwrap().to_string(),
+    );
+    let mut emb = read_args(&sp, 0, 1, 3, &["--agent", "off"]);
+    emb.extend(["--compute-us", "0"].map(String::from));
+    assert_eq!(got, finish(spawn_read(&emb)));
+    assert_eq!(got.0, 3 * 600);
+}
+
+/// No agent back within `--agent-restart-wait-ms`: `AgentGone`, saying so.
+#[test]
+fn no_agent_back_in_time_is_agent_gone() {
+    let dir = tempfile::tempdir().unwrap();
+    let sp = space(dir.path(), 600);
+    let sock = dir.path().join("agent.sock");
+    let mut agent = Agent::start(&sp, &sock, &[]);
+    let mut args = attached_args(&sp, &sock, 0, 1, 1_000_000);
+    args.extend(["--agent-restart-wait-ms", "300"].map(String::from));
+    let rank = spawn_read(&args);
+    let pid = rank.id().to_string();
+    agent
+        .log
+        .wait_for(&["rank 0", &pid, "attached"], Duration::from_secs(30));
+    agent.child.kill().unwrap();
+    let _ = agent.child.wait();
+    let o = wait_output(rank, Duration::from_secs(30));
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("is gone")
+            && err.contains("no agent took the rank back within agent_restart_wait_ms (300 ms"),
+        "{err}"
+    );
+}
+
 /// What a loader delivers through a script of calls that restarts it
 /// (another epoch, a restored position) and keeps batches out: every
 /// sample's (id, bytes) in order.

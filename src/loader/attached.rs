@@ -106,6 +106,8 @@ pub(crate) struct AttachSettings {
     pub(crate) slots: u32,
     /// The loader's end epoch: the agent reads nothing from it on.
     pub(crate) end_epoch: Option<u64>,
+    /// How long to wait for a restarted agent (`agent_restart_wait_ms`).
+    pub(crate) restart_wait: Duration,
 }
 
 /// Slots for a ring of `table_len` sample slots and batches of

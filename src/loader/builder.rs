@@ -80,6 +80,7 @@ pub struct LoaderBuilder {
     mix_epoch_size: Option<u64>,
     agent: super::AgentMode,
     agent_socket: Option<PathBuf>,
+    agent_restart_wait: Duration,
     /// `s3_endpoint_url`, `s3_profile`.
     s3: (Option<String>, Option<String>),
     /// Inside the node agent: the space it opened once and the rank's ring.
@@ -141,6 +142,7 @@ impl LoaderBuilder {
             mix_epoch_size: None,
             agent: super::AgentMode::Auto,
             agent_socket: None,
+            agent_restart_wait: Duration::ZERO,
             s3: (None, None),
             agent_input: None,
         }
@@ -550,6 +552,17 @@ impl LoaderBuilder {
     /// `$KSPEED_AGENT_SOCKET`, else `/run/kspeed/agent.sock`).
     pub fn agent_socket(mut self, path: Option<PathBuf>) -> Self {
         self.agent_socket = path;
+        self
+    }
+
+    /// Attached: how long to wait for a restarted agent at the same socket
+    /// when the agent goes (default 0: [`Error::AgentGone`] at once). The
+    /// loader re-attaches where the rank stood (the first sample it has not
+    /// delivered), so every sample is still delivered exactly once; with
+    /// batches kept out ([`Loader::acquire_batch_keep`]), whose bytes are
+    /// in the old ring, it fails with `AgentGone` instead.
+    pub fn agent_restart_wait(mut self, wait: Duration) -> Self {
+        self.agent_restart_wait = wait;
         self
     }
 
@@ -1171,6 +1184,7 @@ impl LoaderBuilder {
             drop_last: self.drop_last,
             slots: super::attached::slots_for(geo.table_len(), batch_size),
             end_epoch: self.end_epoch,
+            restart_wait: self.agent_restart_wait,
         });
         // Attached: the agent reads every sample; this process connects
         // to no node.

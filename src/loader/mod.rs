@@ -495,6 +495,17 @@ impl Loader {
                         Ok(d) => desc = Some(d),
                         Err(e) => {
                             self.peeked = Some(p);
+                            if matches!(e, Error::AgentGone { .. }) && self.may_reattach() {
+                                // The batch's first sample is the first one
+                                // not delivered: attach again from there.
+                                match self.reattach(p.pos, e) {
+                                    Ok(()) => {
+                                        first_v = None;
+                                        continue;
+                                    }
+                                    Err(e) => return Err(self.fail(e)),
+                                }
+                            }
                             return Err(self.fail(e));
                         }
                     }
@@ -873,6 +884,79 @@ impl Loader {
             return Err(self.fail(e));
         }
         Ok(())
+    }
+
+    /// Whether an agent that went may be waited for: `agent_restart_wait`
+    /// set, and no batch kept out (its bytes are in the old ring, which a
+    /// new attach replaces).
+    fn may_reattach(&self) -> bool {
+        self.kept.is_empty()
+            && self
+                .attach_settings
+                .as_ref()
+                .is_some_and(|s| !s.restart_wait.is_zero())
+    }
+
+    /// The agent went (`gone`): waits up to `agent_restart_wait` for an
+    /// agent at the same socket and attaches to it at `pos` with a fresh
+    /// ring and segment. No agent in time gives `gone` with the wait in
+    /// its reason.
+    fn reattach(&mut self, pos: Position, gone: Error) -> Result<()> {
+        /// Between two connects to a socket no agent answers yet.
+        const RETRY: Duration = Duration::from_millis(50);
+        let wait = self
+            .attach_settings
+            .as_ref()
+            .expect("attached")
+            .restart_wait;
+        let started = Instant::now();
+        log::warn!(
+            "{gone}; waiting up to {} ms for an agent to attach to again at epoch {} sample {}",
+            wait.as_millis(),
+            pos.epoch,
+            pos.index
+        );
+        self.halt();
+        self.check_failed()?;
+        loop {
+            match self.launch(pos) {
+                Ok(()) => {
+                    log::warn!(
+                        "attached again after {} ms; continuing at epoch {} sample {}",
+                        started.elapsed().as_millis(),
+                        pos.epoch,
+                        pos.index
+                    );
+                    return Ok(());
+                }
+                Err(Error::NoAgent { reason, .. }) => {
+                    if started.elapsed() >= wait {
+                        return Err(match gone {
+                            Error::AgentGone {
+                                socket,
+                                pid,
+                                last_heartbeat_ms,
+                                why,
+                            } => Error::AgentGone {
+                                socket,
+                                pid,
+                                last_heartbeat_ms,
+                                why: format!(
+                                    "{why}; no agent took the rank back within agent_restart_wait_ms ({} ms; last try: {reason})",
+                                    wait.as_millis()
+                                ),
+                            },
+                            other => other,
+                        });
+                    }
+                    // A retry interval, not a wait for a condition this
+                    // process could be told of: the new agent is another
+                    // process that may not exist yet.
+                    std::thread::sleep(RETRY);
+                }
+                Err(e) => return Err(e),
+            }
+        }
     }
 
     /// The loader's end epoch ([`LoaderBuilder::end_epoch`]).

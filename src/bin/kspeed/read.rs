@@ -202,6 +202,10 @@ pub(crate) struct ReadArgs {
     /// /run/kspeed/agent.sock).
     #[arg(long)]
     agent_socket: Option<PathBuf>,
+    /// Attached: when the agent goes, wait this long (ms) for an agent at
+    /// the same socket and continue where this rank stood (0: fail).
+    #[arg(long, default_value_t = 0, value_parser = crate::opt::<u64>("agent_restart_wait_ms"))]
+    agent_restart_wait_ms: u64,
     /// Report an order-sensitive digest of every sample's id and bytes
     /// (CRC32C chained in delivery order) to compare two runs exactly.
     #[arg(long)]
@@ -307,7 +311,8 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
         // Nothing is read ahead past the last epoch asked for.
         .end_epoch(a.start_epoch.checked_add(a.epochs).filter(|_| a.epochs > 0))
         .agent(kspeed::loader::AgentMode::parse(&a.agent).expect("clap checked it"))
-        .agent_socket(a.agent_socket.clone());
+        .agent_socket(a.agent_socket.clone())
+        .agent_restart_wait(Duration::from_millis(a.agent_restart_wait_ms));
     if let Some(p) = a.pollers {
         b = b.pollers(p);
     }
