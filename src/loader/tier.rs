@@ -209,3 +209,51 @@ impl Tier {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dataset::catalog::{build, BuildOptions};
+    use crate::dataset::SourceSpec;
+
+    /// 8 files of distinct bytes and their catalog.
+    fn catalog(dir: &std::path::Path) -> (Catalog, Vec<Vec<u8>>) {
+        let src = dir.join("src");
+        std::fs::create_dir_all(&src).unwrap();
+        let files: Vec<Vec<u8>> = (0..8u8).map(|i| vec![i; 100 + i as usize]).collect();
+        for (i, f) in files.iter().enumerate() {
+            std::fs::write(src.join(format!("f{i}.bin")), f).unwrap();
+        }
+        let spec = SourceSpec::parse(&format!("dir:{}", src.display())).unwrap();
+        let cat = build(&spec, &dir.join("catalog"), &BuildOptions::default()).unwrap();
+        // The catalog's ids follow the sorted file names.
+        (cat, files)
+    }
+
+    /// A checked tier (the agent's, filled from rings ranks can write)
+    /// keeps a fill only when its copy matches the catalog's CRC32C; a
+    /// spoiled one stays empty, is counted, and a later good fill is kept.
+    #[test]
+    fn a_checked_tier_refuses_a_fill_that_is_not_the_sample() {
+        let t = tempfile::tempdir().unwrap();
+        let (cat, files) = catalog(t.path());
+        let tier = Tier::new_checked(&cat, 1 << 20, false).unwrap().unwrap();
+        assert_eq!(tier.members(), 8);
+        let mut spoiled = files[3].clone();
+        spoiled[7] ^= 0x40;
+        // SAFETY: the source buffers are live and as long as the sample.
+        unsafe { tier.fill(3, spoiled.len(), spoiled.as_ptr()) };
+        assert!(!tier.is_filled(3));
+        assert_eq!(tier.fills_refused(), 1);
+        // SAFETY: as above.
+        unsafe { tier.fill(3, files[3].len(), files[3].as_ptr()) };
+        assert_eq!(tier.view(3, files[3].len()), Some(files[3].as_slice()));
+        assert_eq!(tier.fills_refused(), 1);
+        // An unchecked tier keeps what it is given (its fills come from its
+        // own process's ring).
+        let plain = Tier::new(&cat, 1 << 20, false).unwrap().unwrap();
+        // SAFETY: as above.
+        unsafe { plain.fill(3, spoiled.len(), spoiled.as_ptr()) };
+        assert!(plain.is_filled(3));
+    }
+}
