@@ -290,6 +290,107 @@ fn the_node_tier_serves_every_rank() {
     assert!(tier >= share, "{tier} tier hits for {share} samples");
 }
 
+/// The node tier is shared by the ranks of one user only (a CRC does not
+/// stop a rank that forges the bytes it is filled from): after root's two
+/// ranks filled it, a rank of another user (`nobody`) finds it emptied for
+/// it and reads from disk; and a root rank that attaches while `nobody`'s
+/// rank holds the tier reads without it. Both byte-exact. Root only (the
+/// agent serves another uid only as root).
+#[test]
+fn the_node_tier_is_shared_by_one_user_at_a_time() {
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    if !common::is_root() {
+        return common::skip("running a rank as another user needs root");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    // `nobody` reads the catalog: the test's directory must be open to it.
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let count = 600u64;
+    let sp = space(dir.path(), count);
+    // A space is private to its preloader; this one is open to `nobody`.
+    let mut todo = vec![sp.clone()];
+    while let Some(p) = todo.pop() {
+        let dir = p.is_dir();
+        let mode = if dir { 0o755 } else { 0o644 };
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode)).unwrap();
+        if dir {
+            todo.extend(std::fs::read_dir(&p).unwrap().map(|e| e.unwrap().path()));
+        }
+    }
+    let sock = dir.path().join("agent.sock");
+    let agent = Agent::start(
+        &sp,
+        &sock,
+        &[
+            "--tier-bytes",
+            "64MiB",
+            "--no-mlock",
+            "--allow-other-uids",
+            "--socket-mode",
+            "666",
+        ],
+    );
+    for rank in 0..2u32 {
+        let args = one_epoch(attached_args(&sp, &sock, rank, 2, 1), 1);
+        let child = spawn_read(&args);
+        let pid = child.id();
+        report(child);
+        // Root's ranks hold the tier until the agent has seen them end.
+        agent.log.wait_for(
+            &[&format!("(pid {pid}) ended after")],
+            Duration::from_secs(10),
+        );
+    }
+    // nobody's rank 0, epoch 2: root's samples were dropped for it.
+    let mut args = one_epoch(attached_args(&sp, &sock, 0, 2, 1), 2);
+    args.extend(["--compute-us", "100000"].map(String::from));
+    let nobody = Command::new(kspeed_bin())
+        .args(&args)
+        .uid(65534)
+        .gid(65534)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn kspeed read as nobody");
+    let nobody_pid = nobody.id().to_string();
+    agent.log.wait_for(
+        &["rank 0", &nobody_pid, "attached"],
+        Duration::from_secs(30),
+    );
+    // Meanwhile root's rank 1, epoch 2: nobody's rank holds the tier.
+    let args = one_epoch(attached_args(&sp, &sock, 1, 2, 1), 2);
+    let root_rank = spawn_read(&args);
+    let root_pid = root_rank.id().to_string();
+    let (n, digest, disk, tier) = report(root_rank);
+    assert_eq!(
+        (n, digest),
+        embedded_epoch(&sp, 1, 2, 2),
+        "root's rank 1, epoch 2"
+    );
+    assert_eq!(
+        tier, 0,
+        "root's rank read from the tier nobody's rank holds"
+    );
+    assert!(disk >= count / 2, "{disk} disk reads");
+    agent.log.wait_for(
+        &[&root_pid, "uid 0", "reads without the node tier"],
+        Duration::from_secs(10),
+    );
+    let (n, digest, disk, _) = report(nobody);
+    assert_eq!(
+        (n, digest),
+        embedded_epoch(&sp, 0, 2, 2),
+        "nobody's rank 0, epoch 2"
+    );
+    // Root's ranks had filled every sample; emptied for nobody, so its
+    // epoch came from disk (the shared tier would have given 0 reads).
+    assert!(
+        disk >= count / 4,
+        "nobody's rank read {disk} samples from disk"
+    );
+}
+
 /// An embedded read of one epoch: (samples, digest).
 fn embedded_epoch(space: &Path, rank: u32, world: u32, epoch: u64) -> (u64, String) {
     let args = one_epoch(read_args(space, rank, world, 1, &["--agent", "off"]), epoch);

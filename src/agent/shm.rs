@@ -113,9 +113,10 @@ pub enum RingPages {
     /// reserved, or the pod requests `hugepages-2Mi`), reserved for the
     /// whole ring when it is mapped.
     Hugetlb,
-    /// Shared memory with transparent huge pages advised, which the
-    /// kernel honours when `/sys/kernel/mm/transparent_hugepage/shmem_enabled`
-    /// is `advise`, `within_size` or `always`.
+    /// Shared memory with transparent huge pages advised, where
+    /// `/sys/kernel/mm/transparent_hugepage/shmem_enabled` lets the kernel
+    /// honour the advice (`advise`, `within_size`, `always`); whether every
+    /// page got one is the kernel's to decide.
     ShmemThp,
     /// 4 KiB pages: no huge pages reserved and shared-memory THP off
     /// (`never`, the usual default).
@@ -127,7 +128,7 @@ impl RingPages {
     pub fn describe(self) -> &'static str {
         match self {
             RingPages::Hugetlb => "2 MiB huge pages (hugetlb)",
-            RingPages::ShmemThp => "shared memory with transparent huge pages",
+            RingPages::ShmemThp => "shared memory with transparent huge pages advised",
             RingPages::Normal => "normal 4 KiB pages",
         }
     }
@@ -149,6 +150,24 @@ fn shmem_thp_on() -> bool {
             ))
         })
         .unwrap_or(false)
+}
+
+/// Faults every page of a mapping in, writable, now (`MADV_POPULATE_WRITE`,
+/// Linux 5.14): in the rank, so that the ring's memory (hugetlb pages
+/// included) is charged to the rank's memory cgroup rather than to the
+/// agent's, which would otherwise touch it first, and so that a page the
+/// rank cannot have fails here, with a fallback, not in the agent. False
+/// when the kernel refused (an older kernel, no page to be had).
+fn populate(map: &MmapRaw) -> bool {
+    // SAFETY: madvise on a mapping we own, for its whole length; populating
+    // changes no contents (the pages are zero until written).
+    unsafe {
+        libc::madvise(
+            map.as_mut_ptr().cast(),
+            map.len(),
+            libc::MADV_POPULATE_WRITE,
+        ) == 0
+    }
 }
 
 /// Asks for transparent huge pages on a shared mapping (ignored where the
@@ -188,18 +207,34 @@ impl RingMap {
     /// in 2 MiB hugetlb pages when `bytes` is a multiple of 2 MiB and the
     /// node has them free (mapping it reserves them all, so a later touch
     /// never faults for want of one), else in shared memory with huge pages
-    /// advised ([`RingPages`]).
+    /// advised ([`RingPages`]). Its pages are faulted in here, by the rank
+    /// ([`populate`]).
     pub fn create(bytes: u64) -> Result<RingMap> {
         if bytes.is_multiple_of(HUGE_PAGE_BYTES) {
             match Self::create_hugetlb(bytes) {
                 Ok(r) => return Ok(r),
-                // No huge pages reserved (the usual case): ENOMEM at mmap.
-                Err(e) => log::debug!("attach ring: no hugetlb pages ({e}); shared memory"),
+                Err(e) => {
+                    // No huge pages reserved is the usual case: said only
+                    // where the node has some (then it is worth knowing).
+                    let reserved = std::fs::read_to_string("/proc/sys/vm/nr_hugepages")
+                        .ok()
+                        .and_then(|t| t.trim().parse::<u64>().ok())
+                        .unwrap_or(0);
+                    if reserved > 0 {
+                        log::info!(
+                            "attach ring: {bytes} bytes of 2 MiB pages not to be had ({e}; {reserved} reserved on the node, some in use); shared memory instead"
+                        );
+                    }
+                }
             }
         }
         let file = sealed_memfd(c"kspeed-attach-ring", bytes)?;
         let map = MmapRaw::map_raw(&file).map_err(|e| io_err("mmap", "attach ring", e))?;
         advise_huge(&map);
+        // Shared memory is charged to the memory cgroup of whoever touches
+        // it first (and, unlike hugetlb, a failure here leaves nothing to
+        // fall back to: the agent's touch would fail the same way).
+        populate(&map);
         let pages = if shmem_thp_on() {
             RingPages::ShmemThp
         } else {
@@ -216,6 +251,16 @@ impl RingMap {
             HUGE_PAGE_BYTES,
         )?;
         let map = MmapRaw::map_raw(&file).map_err(|e| io_err("mmap", "attach ring", e))?;
+        // The pages are charged to the cgroup that faults them: the rank's
+        // (whose hugetlb limit may be 0: then this fails, and the ring is
+        // shared memory instead).
+        if !populate(&map) {
+            return Err(io_err(
+                "madvise(MADV_POPULATE_WRITE)",
+                "attach ring in hugetlb pages",
+                std::io::Error::last_os_error(),
+            ));
+        }
         Ok(RingMap {
             map,
             file,

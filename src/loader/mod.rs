@@ -902,8 +902,10 @@ impl Loader {
     /// ring and segment. No agent in time gives `gone` with the wait in
     /// its reason.
     fn reattach(&mut self, pos: Position, gone: Error) -> Result<()> {
-        /// Between two connects to a socket no agent answers yet.
-        const RETRY: Duration = Duration::from_millis(50);
+        /// Between two tries at a socket no agent answers yet: doubling
+        /// from the first to the last (each try maps and populates a ring).
+        const FIRST_RETRY: Duration = Duration::from_millis(50);
+        const LAST_RETRY: Duration = Duration::from_secs(1);
         let wait = self
             .attach_settings
             .as_ref()
@@ -918,6 +920,7 @@ impl Loader {
         );
         self.halt();
         self.check_failed()?;
+        let mut pause = FIRST_RETRY;
         loop {
             match self.launch(pos) {
                 Ok(()) => {
@@ -952,7 +955,8 @@ impl Loader {
                     // A retry interval, not a wait for a condition this
                     // process could be told of: the new agent is another
                     // process that may not exist yet.
-                    std::thread::sleep(RETRY);
+                    std::thread::sleep(pause.min(wait.saturating_sub(started.elapsed())));
+                    pause = (pause * 2).min(LAST_RETRY);
                 }
                 Err(e) => return Err(e),
             }

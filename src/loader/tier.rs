@@ -8,6 +8,17 @@
 //! is its length rounded up to 64 bytes). A member is filled the first time a
 //! poller reads it from disk (one copy from the landing ring), and served by
 //! a copy into the ring ever after.
+//!
+//! The node agent shares one tier among the ranks it serves
+//! ([`Tier::new_checked`]): a member is then filled from one rank's ring,
+//! memory that rank can write, and served to the others. A CRC is no
+//! defence against a rank that forges bytes on purpose (four bytes fix any
+//! CRC32C), so the agent shares a tier only among ranks of one user, which
+//! trust each other (`agent::node`); the CRC check catches a ring spoiled
+//! by accident, and every copy between the tier and a ring goes through
+//! the kernel ([`crate::sys::copy_faultable`]), so a ring page the rank
+//! punched out of a hugetlb memfd fails that copy instead of killing the
+//! agent with SIGBUS.
 
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 
@@ -28,7 +39,8 @@ pub struct Tier {
     members: u64,
     member_bytes: u64,
     /// Per sample id, its catalog CRC32C (members only; others 0), when
-    /// fills are checked ([`Tier::new_checked`]).
+    /// fills are checked and copies made through the kernel
+    /// ([`Tier::new_checked`]): 4 bytes per sample of the catalog.
     crcs: Option<Vec<u32>>,
     /// Fills whose copy did not match the catalog's CRC (the member stays
     /// empty and a later read fills it).
@@ -43,8 +55,10 @@ impl Tier {
     }
 
     /// As [`Tier::new`], for a tier shared by several ranks whose rings it
-    /// is filled from: each fill is checked against the catalog's CRC32C
-    /// before the member is published (4 bytes per member kept).
+    /// is filled from and copied into: each fill is checked against the
+    /// catalog's CRC32C before the member is published (4 bytes per sample
+    /// of the catalog kept), and copies to and from rings go through the
+    /// kernel ([`crate::sys::copy_faultable`]).
     pub fn new_checked(catalog: &Catalog, budget_bytes: u64, mlock: bool) -> Result<Option<Tier>> {
         Self::build(catalog, budget_bytes, mlock, true)
     }
@@ -116,9 +130,28 @@ impl Tier {
     }
 
     /// Fills refused because the copy did not match the catalog's CRC32C
-    /// (a checked tier only; see [`Tier::new_checked`]).
+    /// or the ring's page could not be read (a checked tier only; see
+    /// [`Tier::new_checked`]).
     pub fn fills_refused(&self) -> u64 {
         self.fills_refused.load(Ordering::Relaxed)
+    }
+
+    /// Empties every member (for a new owner of a shared tier; `&mut`: no
+    /// loader holds the tier meanwhile).
+    pub fn reset(&mut self) {
+        for st in &mut self.state {
+            *st.get_mut() = EMPTY;
+        }
+    }
+
+    /// Counts a refused fill; logs the first only (a rank that keeps
+    /// spoiling its ring must not flood the agent's log).
+    fn refuse_fill(&self, id: u64, why: &str) {
+        if self.fills_refused.fetch_add(1, Ordering::Relaxed) == 0 {
+            log::warn!(
+                "memory tier: sample {id} not kept: {why} (later refusals are counted, not logged)"
+            );
+        }
     }
 
     /// Whether `id` is a member.
@@ -164,9 +197,19 @@ impl Tier {
         if off == NOT_MEMBER || self.state[id as usize].load(Ordering::Acquire) != FULL {
             return false;
         }
-        // SAFETY: the member's bytes were written before FULL was published
-        // (Acquire above) and are never written again; dst per the contract.
-        unsafe { std::ptr::copy_nonoverlapping(self.mem.as_mut_ptr().add(off as usize), dst, len) };
+        // SAFETY: inside the mapping (the member's offset).
+        let src = unsafe { self.mem.as_mut_ptr().add(off as usize) };
+        if self.crcs.is_some() {
+            // A rank's ring: through the kernel, so a page the rank took
+            // away fails this copy (the poller then reads from disk, where
+            // the same fault is that rank's error) instead of the agent.
+            // SAFETY: the member's bytes were written before FULL was
+            // published (Acquire above) and are never written again; dst
+            // per this function's contract.
+            return unsafe { crate::sys::copy_faultable(dst, src, len) };
+        }
+        // SAFETY: as above; dst per the contract.
+        unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
         true
     }
 
@@ -184,23 +227,31 @@ impl Tier {
             .compare_exchange(EMPTY, FILLING, Ordering::AcqRel, Ordering::Relaxed)
             .is_ok()
         {
-            // SAFETY: FILLING gives this thread exclusive write access to the
-            // member's bytes; readers wait for FULL.
-            unsafe {
-                std::ptr::copy_nonoverlapping(src, self.mem.as_mut_ptr().add(off as usize), len)
-            };
+            // SAFETY: inside the mapping (the member's offset).
+            let dst = unsafe { self.mem.as_mut_ptr().add(off as usize) };
+            if self.crcs.is_some() {
+                // From a rank's ring: through the kernel (see copy_out).
+                // SAFETY: FILLING gives this thread exclusive write access
+                // to the member's bytes; src per this function's contract.
+                if !unsafe { crate::sys::copy_faultable(dst, src, len) } {
+                    self.refuse_fill(id, "its page in the rank's ring could not be read");
+                    st.store(EMPTY, Ordering::Release);
+                    return;
+                }
+            } else {
+                // SAFETY: FILLING gives this thread exclusive write access
+                // to the member's bytes; readers wait for FULL.
+                unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
+            }
             if let Some(crcs) = &self.crcs {
                 // SAFETY: the member's bytes, just written by this thread
                 // (FILLING), inside the mapping.
                 let copy = unsafe { self.mem.slice(off as usize, len) };
                 if crc32c::crc32c(copy) != crcs[id as usize] {
-                    // Logged once: a rank that keeps scribbling must not
-                    // flood the agent's log (the count is in the stats).
-                    if self.fills_refused.fetch_add(1, Ordering::Relaxed) == 0 {
-                        log::warn!(
-                            "memory tier: sample {id} changed in a rank's ring while it was copied (crc32c differs from the catalog's); not kept (later ones are counted, not logged)"
-                        );
-                    }
+                    self.refuse_fill(
+                        id,
+                        "its bytes in the rank's ring differ from the catalog's CRC32C (the ring was written while the agent copied, or the read returned corrupt bytes: run kspeed verify)",
+                    );
                     st.store(EMPTY, Ordering::Release);
                     return;
                 }

@@ -132,6 +132,10 @@ struct AgentArgs {
     /// RLIMIT_MEMLOCK of at least --tier-bytes).
     #[arg(long)]
     no_mlock: bool,
+    /// The largest ring a rank may attach (the agent's memory grows with
+    /// it); a larger one is refused by name.
+    #[arg(long, default_value = "64GiB", value_parser = opt::<u64>("ring_bytes"))]
+    max_ring_bytes: u64,
 }
 
 fn parse_octal_mode(s: &str) -> Result<u32, String> {
@@ -714,6 +718,7 @@ fn run_agent(a: AgentArgs) -> kspeed::Result<()> {
     cfg.listener.mode = a.socket_mode;
     cfg.tier_bytes = a.tier_bytes;
     cfg.tier_mlock = !a.no_mlock;
+    cfg.max_ring_bytes = a.max_ring_bytes;
     let space = a.space.clone();
     let summary = kspeed::agent::node::run_until_signal(&cfg, move |sock| {
         // Scripts and tests wait for this line.
