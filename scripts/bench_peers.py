@@ -58,7 +58,15 @@ in each, one fresh process per run (this script re-invoked with --one):
             loader but FFCV (its own decoder and crop, as its users run it);
             the process's torch uses --torch-threads intra-op threads
             (default 1, as DataLoader workers do).
-            kspeed: kspeed.torch.KSpeedImageFolder(decode=True) in a DataLoader.
+            kspeed: kspeed.torch.KSpeedImageFolder(decode=True,
+            random_resized_crop=224) iterated in the process (its decode
+            threads, one per core, simplejpeg's reduced-size decode; the
+            same transform, see ffi/python/python/kspeed/_decode.py), and
+            for reference the same with decoder="torchvision" (kspeed-tv,
+            the peers' decoder in kspeed's threads) and the per-sample path
+            (kspeed-samples: decode=True + the peers' function as transform,
+            in a DataLoader with each --workers count). "per core": images/s
+            divided by the CPUs the machine has.
   resume  : time to the first batch after restoring a mid-epoch state (at
             --resume-at of the epoch), bytes, in process (--resume-workers):
             Mosaic StreamingDataLoader.state_dict, LitData
@@ -133,7 +141,12 @@ LABEL = {
     "dataloader": "PyTorch DataLoader",
     "kspeed": "kspeed",
     "kspeed-tier": "kspeed, memory tier",
+    "kspeed-tv": "kspeed",
+    "kspeed-samples": "kspeed",
 }
+# kspeed's decoded rows (the first is "kspeed" itself): the batched decode,
+# the same with the peers' decoder, the per-sample path in DataLoader workers.
+KSPEED_DECODED = ["kspeed", "kspeed-tv", "kspeed-samples"]
 CONVERTERS = ["mosaic", "litdata", "wds", "ffcv", "kspeed"]
 STATEFUL = ["mosaic", "litdata", "torchdata", "kspeed"]
 
@@ -290,7 +303,7 @@ class Layout:
         """What a loader reads (for the warm variant)."""
         if loader in ("dataloader", "torchdata"):
             return [self.jpeg]
-        if loader == "kspeed-tier":
+        if loader.startswith("kspeed"):
             loader = "kspeed"
         return [self.out(loader)]
 
@@ -568,9 +581,21 @@ def build_loader(o, lay, mode, decode=None, seed=1):
 
         pipes = {"jpg": [BytesDecoder()], "size": [IntDecoder()], "cls": [IntDecoder()], "id": [IntDecoder()]}
         return Loader(os.path.join(lay.out("ffcv"), "bytes.beton"), pipelines=pipes, **kw)
-    if loader in ("kspeed", "kspeed-tier"):
+    if loader.startswith("kspeed"):
         import kspeed
 
+        if decode and loader in ("kspeed", "kspeed-tv"):
+            from kspeed.torch import KSpeedImageFolder
+
+            # The batched decode: whole decoded batches from the process's
+            # decode threads (no DataLoader workers, nothing pickled).
+            kw = dict({"ring_bytes": "64MiB"}, **o.get("kspeed_opts", {}))
+            if loader == "kspeed-tv":
+                kw["decoder"] = "torchvision"
+            elif o.get("decode_kind") == "pil":
+                kw["decoder"] = "pil"
+            return KSpeedImageFolder(lay.out("kspeed"), decode=True, random_resized_crop=224, return_id=True,
+                                     batch_size=BATCH, seed=seed, rank=rank, world=world, **kw)
         if decode:
             from torch.utils.data import DataLoader
 
@@ -846,6 +871,10 @@ def main_bench(a):
             unavailable["ffcv"] = f"not installable: {reason}"
             loaders.remove("ffcv")
     workers = [int(w) for w in a.workers.split(",")]
+    # --workers-of mosaic=2,litdata=0: those loaders with those counts only
+    # (e.g. each peer's best count from an earlier run).
+    workers_of = {k: [int(x) for x in v.split("+")] for k, v in
+                  (kv.split("=") for kv in a.workers_of.split(",") if kv)}
     caches = [c for c in a.cache.split(",") if c]
     rows = [r for r in a.rows.split(",") if r]
     base = {"data": a.data, "n": a.images, "decode_kind": a.decode, "kspeed_opts": json.loads(a.kspeed_opts),
@@ -872,10 +901,13 @@ def main_bench(a):
         for ld in loaders:
             if ld == "kspeed" and mode != "decoded":
                 out.append((ld, 0))
+            elif ld == "kspeed":
+                for k in a.kspeed_decoded.split(","):
+                    out += [(k, w) for w in workers_of.get(k, workers)] if k == "kspeed-samples" else [(k, 0)]
             elif ld == "ffcv":
                 out += [(ld, max(w, 1)) for w in sorted({max(w, 1) for w in workers})]
             else:
-                out += [(ld, w) for w in workers]
+                out += [(ld, w) for w in workers_of.get(ld, workers)]
         return out
 
     def record(row, cache, key, run, val):
@@ -1020,7 +1052,7 @@ def versions():
 
     out = {}
     for p in ("kspeed", "mosaicml-streaming", "litdata", "webdataset", "ffcv", "torch", "torchvision", "torchdata",
-              "numpy", "pillow"):
+              "simplejpeg", "numpy", "pillow"):
         try:
             out[p] = version(p)
         except PackageNotFoundError:
@@ -1062,8 +1094,12 @@ def report(res):
                     "ring may partly hold already: a hand-out rate)")
         if ld.startswith("kspeed") and row != "decoded":
             return f"**{LABEL[ld]}**" + (" (`Loader`, in process)" if ld == "kspeed" else "")
+        if ld in ("kspeed", "kspeed-tv"):
+            dec = "the peers' torchvision decode" if ld == "kspeed-tv" else "simplejpeg"
+            return (f"**{LABEL[ld]}** (`KSpeedImageFolder(decode=True, random_resized_crop=224)`: batches from "
+                    f"its decode threads, {dec})")
         if ld.startswith("kspeed"):
-            return f"**{LABEL[ld]}** (`KSpeedImageFolder`, {w} workers)"
+            return f"kspeed, per sample (`KSpeedImageFolder(decode=True)` + the peers' crop, {w} DataLoader workers)"
         unit = "threads" if ld == "ffcv" else "workers"
         return f"{LABEL[ld]}, {w} {unit}"
 
@@ -1133,8 +1169,11 @@ def report(res):
           [("GB/s", gbps), ("CPU s/GB", cpu_per_gb), ("first batch ms", mean_of("first_batch_s", "{:.0f}", 1e3))])
     table("bytes2", "Bytes only, one epoch, 2 ranks on the node (samples/s, both ranks)", lambda v: n / v["seconds"],
           "samples/s", True, [("GB/s", gbps), ("CPU s/GB", cpu_per_gb)])
+    cpus = res["host"]["cpus"]
     table("decoded", f"Decoded: decode ({res['decode']}) + RandomResizedCrop 224 + flip + float tensor (images/s)",
-          lambda v: n / v["seconds"], "images/s", True, [("CPU ms/image", cpu_ms_per_image)])
+          lambda v: n / v["seconds"], "images/s", True,
+          [("images/s per core", lambda g: f"{statistics.median([n / v['seconds'] / cpus for v in g]):,.0f}"
+            if g else "–"), ("CPU ms/image", cpu_ms_per_image)])
     table("resume", f"Resume: time to the first batch after restoring a state saved at {res['resume_at']:.0%} of the "
           f"epoch, from the loader's construction ({res['resume_workers']} workers; ms, lower is better)", lambda v: v["first_batch_s"] * 1e3, "ms", False,
           [("loader built, ms", mean_of("built_s", "{:.1f}", 1e3)),
@@ -1181,7 +1220,9 @@ def setup(a):
     else:
         log("setup: no base venv with torch: installing torch, torchvision, torchdata from PyPI (large)")
         pip(py, *TORCH_PKGS)
-    pip(py, *PEER_PINS, "pillow")
+    # simplejpeg: kspeed's decoder for KSpeedImageFolder(random_resized_crop=)
+    # (the torch extra's; kspeed itself is installed below without deps).
+    pip(py, *PEER_PINS, "pillow", "simplejpeg")
     # FFCV: an sdist that compiles against the system's OpenCV 4 and
     # libjpeg-turbo (found with pkg-config).
     note = os.path.join(venv, "ffcv-not-installable.txt")
@@ -1246,6 +1287,10 @@ def main():
                     help="default: convert,bytes,bytes2,decoded,resume")
     ap.add_argument("--loaders", default=",".join(LOADERS), help="default: " + ",".join(LOADERS))
     ap.add_argument("--workers", default="0,2", help="worker counts tried for each peer (default 0,2)")
+    ap.add_argument("--workers-of", default="", metavar="LOADER=N[+N],...",
+                    help="worker counts of some loaders instead of --workers, e.g. mosaic=2,litdata=0+2")
+    ap.add_argument("--kspeed-decoded", default="kspeed,kspeed-tv,kspeed-samples",
+                    help="kspeed's decoded rows (default: kspeed,kspeed-tv,kspeed-samples)")
     ap.add_argument("--decode", choices=["torchvision", "pil"], default="torchvision")
     ap.add_argument("--torch-threads", type=int, default=1,
                     help="torch intra-op threads of each run's process (0: torch's default; workers use 1)")

@@ -3,7 +3,7 @@
 # (ffi/python/tests, pytest) in a cached virtual environment:
 #   1. the venv (KSPEED_PY_VENV, default ~/.cache/kspeed/py-venv, outside
 #      the checkout so a fresh clone on the same machine reuses it) with maturin, numpy,
-#      pytest, pytest-timeout, Pillow, and torch + torchvision + torchdata from PyPI (large: the venv is
+#      pytest, pytest-timeout, Pillow, simplejpeg, and torch + torchvision + torchdata from PyPI (large: the venv is
 #      kept between runs; KSPEED_PY_NO_TORCH=1 leaves them out, and their
 #      tests then skip, except under CI where a skip is a failure);
 #   2. fmt and clippy of the extension crate;
@@ -27,7 +27,7 @@ if [ ! -x "$venv/bin/python" ]; then
     python3 -m venv "$venv"
 fi
 pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
-"$venv/bin/python" -c 'import maturin, numpy, pytest, pytest_timeout, PIL' 2>/dev/null || "${pip[@]}" maturin numpy pytest pytest-timeout pillow
+"$venv/bin/python" -c 'import maturin, numpy, pytest, pytest_timeout, PIL, simplejpeg' 2>/dev/null || "${pip[@]}" maturin numpy pytest pytest-timeout pillow simplejpeg
 if [ "${KSPEED_PY_NO_TORCH:-0}" != 1 ]; then
     "$venv/bin/python" -c 'import torch, torchvision, torchdata' 2>/dev/null || "${pip[@]}" torch torchvision torchdata
 fi

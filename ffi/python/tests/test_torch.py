@@ -384,3 +384,19 @@ def test_explicit_rank_world_against_torchrun_is_refused(space, monkeypatch):
     ds = KSpeedDataset(space, rank=0, world=1, ignore_launcher_env=True)
     assert (ds.rank, ds.world) == (0, 1)
     assert (KSpeedDataset(space).rank, KSpeedDataset(space, rank=1, world=2).world) == (1, 2)
+
+
+def test_batch_output_resumes_after_the_last_batch_yielded(space):
+    """output="batch": a state taken after a yielded batch resumes at the
+    next one (the batch is not yielded again)."""
+    want = rank_sequence(space, 0, batch_size=8, seed=3)
+    ds = KSpeedDataset(space, output="batch", batch_size=8, seed=3, ring_bytes="256KiB")
+    it = iter(ds)
+    first = [next(it)[4].tolist() for _ in range(2)]
+    state = ds.state_dict()
+    del it
+    ds.close()
+    ds2 = KSpeedDataset(space, output="batch", batch_size=8, seed=3, ring_bytes="256KiB")
+    ds2.load_state_dict(state)
+    rest = [b[4].tolist() for b in ds2]
+    assert [i for b in first + rest for i in b] == want

@@ -55,6 +55,11 @@ each worker). With ``num_workers=0`` a state also resumes at another world
 size (load any rank's state on every rank of the new world): the rest of the
 epoch is dealt to the new ranks, each sample exactly once.
 
+Images: ``KSpeedImageFolder(space, decode=True, random_resized_crop=224)``
+yields whole decoded, cropped and flipped batches from threads in this
+process (pinned where CUDA is available; ``decode="cuda"``: nvJPEG), see
+:class:`KSpeedImageFolder` and :mod:`kspeed._decode`.
+
 Mixtures: ``mix=`` (as :class:`kspeed.Loader`; each dataset a space or a
 catalog file) reads several datasets side by side, with ``num_workers=0``.
 A state of a mixture also resumes under other weights (a dataset built with
@@ -71,7 +76,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from . import _decode
 from ._loader import Loader, _bool, _int, _rank_world
+from .errors import BatchInUseError
 
 #: Worker processes a dataset keeps an epoch for (DataLoader num_workers).
 MAX_WORKERS = 256
@@ -96,6 +103,8 @@ class KSpeedDataset(IterableDataset):
         self.transform = transform
         self.target_transform = target_transform
         self.output = output
+        # KSpeedImageFolder(random_resized_crop=...): decoded batches.
+        self._images = getattr(self, "_images", None)
         self.copy = (transform is None) if copy is None else bool(copy)
         self.return_id = _bool("return_id", return_id)
         if "source" in loader_kwargs and space is not None:
@@ -193,7 +202,7 @@ class KSpeedDataset(IterableDataset):
         if num_workers > MAX_WORKERS:
             raise ValueError(f"num_workers {num_workers} is above {MAX_WORKERS}, the most KSpeedDataset supports")
         per_worker = [self._steps(w, n) for w in range(n)]
-        if self.output == "batch":
+        if self.output == "batch" or self._images is not None:
             kb = self._kwargs.get("batch_size", 64)
             per_worker = [-(-s // kb) for s in per_worker]
         if batch_size is None:
@@ -212,9 +221,9 @@ class KSpeedDataset(IterableDataset):
             # The DataLoader divides by its batch size (rounding up, or down
             # with drop_last): hand it a length that gives `got` batches.
             return got if dl.batch_size is None else got * dl.batch_size
-        if self.output != "sample":
-            raise TypeError("len() is the sample count; with output='batch' it depends on the workers "
-                            "(batches_per_epoch(num_workers=N) gives it)")
+        if self.output != "sample" or self._images is not None:
+            raise TypeError("len() is the sample count; with output='batch' or random_resized_crop (batches) it "
+                            "depends on the workers (batches_per_epoch(num_workers=N) gives it)")
         return self.epoch_len
 
     def _worker(self):
@@ -276,36 +285,61 @@ class KSpeedDataset(IterableDataset):
             left = loader._l.epoch_steps(reading) - index
         else:
             left = self._steps(w, n) - index
+        if self._images is not None:
+            for images, labels, ids, start, k in _decode.pipelined(
+                    lambda room: self._kspeed_batches(loader, left, skip, w, room), self._decoder(n),
+                    self._images["prefetch_batches"]):
+                self._cursor = (start, k)
+                yield (images, labels, ids) if self.return_id else (images, labels)
+            return
+        for b, lo, k, start in self._kspeed_batches(loader, left, skip, w):
+            if self.output == "batch":
+                if lo < k:
+                    self._cursor = (start, k)
+                    yield self._batch(b, k, lo)
+                continue
+            labels, ids = b.labels, b.ids
+            for i in range(lo, k):
+                # A ring sample in place; a memory tier sample as a copy
+                # (sample_dlpack copies those: the tier is never
+                # rewritten, and a tensor cannot be read-only).
+                t = torch.from_dlpack(b.sample_dlpack(i))
+                if self.transform is not None:
+                    t = self.transform(t)
+                elif self.copy and not b.sample_in_tier(i):
+                    t = t.clone()
+                y = int(labels[i])
+                if self.target_transform is not None:
+                    y = self.target_transform(y)
+                self._cursor = (start, i + 1)
+                yield (t, y, int(ids[i])) if self.return_id else (t, y)
+
+    def _kspeed_batches(self, loader, left, skip, w, room=None):
+        """Yields (batch, lo, k, start) for the rest of the pass: the
+        batch's samples lo..k are this pass's (lo: the samples a restored
+        state had consumed in its first batch), ``start`` where the batch
+        starts (for :meth:`state_dict`). Then leaves the loader at the next
+        epoch's start. ``room()``: called when the batches still referenced
+        leave no room for the next one (BatchInUseError); True when it let
+        one go (then the batch is asked for again)."""
         while left > 0:
             # Where this batch starts, so that a state taken in the middle of
             # it resumes at the exact sample (restore there, skip the rest),
             # and where this world started dealing the epoch (for the job
             # position).
             start = (loader._l.save_position(), loader.position(), loader._l.rank_position()[1])
-            b = loader.next_batch()
+            while True:
+                try:
+                    b = loader.next_batch()
+                    break
+                except BatchInUseError:
+                    if room is None or not room():
+                        raise
             if b is None:
                 break
             k = min(len(b), left)
             left -= k
-            if self.output == "batch":
-                self._cursor = (start, k)
-                yield self._batch(b, k)
-            else:
-                labels, ids = b.labels, b.ids
-                for i in range(skip, k):
-                    # A ring sample in place; a memory tier sample as a copy
-                    # (sample_dlpack copies those: the tier is never
-                    # rewritten, and a tensor cannot be read-only).
-                    t = torch.from_dlpack(b.sample_dlpack(i))
-                    if self.transform is not None:
-                        t = self.transform(t)
-                    elif self.copy and not b.sample_in_tier(i):
-                        t = t.clone()
-                    y = int(labels[i])
-                    if self.target_transform is not None:
-                        y = self.target_transform(y)
-                    self._cursor = (start, i + 1)
-                    yield (t, y, int(ids[i])) if self.return_id else (t, y)
+            yield b, min(skip, k), k, start
             skip = 0
             del b
         self._cursor = None
@@ -315,16 +349,35 @@ class KSpeedDataset(IterableDataset):
         if loader.position() != (nxt, 0) or loader.epoch != nxt:
             loader.set_epoch(nxt)
 
-    def _batch(self, b, k):
-        offsets, lengths = b.offsets[:k], b.lengths[:k]
-        end = int(offsets[-1] + lengths[-1]) if k else 0
+    def _decoder(self, n):
+        """This process's decoder of batches (worker processes: n)."""
+        im = self._images
+        in_worker = get_worker_info() is not None
+        if im["device"] is not None:
+            if in_worker:
+                raise ValueError("decode='cuda' decodes in the training process (CUDA cannot be used in forked "
+                                 "DataLoader workers): use num_workers=0")
+            return _decode.CudaBatches(im["spec"], im["device"])
+        threads = im["threads"] or _decode.default_threads(n)
+        # A forked worker cannot touch CUDA (page-locking memory would
+        # initialise it): there the DataLoader's own pin_memory=True pins.
+        return _decode.CpuBatches(im["spec"], im["decoder"], threads, im["pin_memory"] and not in_worker)
+
+    def _batch(self, b, k, lo=0):
+        offsets, lengths = b.offsets[lo:k], b.lengths[lo:k]
+        begin = int(offsets[0]) if len(offsets) else 0
+        end = int(offsets[-1] + lengths[-1]) if len(offsets) else 0
         # Through DLPack: numpy views are read-only, which torch.from_numpy
         # warns about. The ring span in place (a batch with tier samples: its
         # packed copy, not the tier).
-        data = torch.from_dlpack(b)[:end]
+        data = torch.from_dlpack(b)[begin:end]
         if self.copy:
             data = data.clone()
-        return data, torch.from_numpy(offsets), torch.from_numpy(lengths), torch.from_numpy(b.labels[:k]), torch.from_numpy(b.ids[:k])
+        if begin:
+            # A batch resumed after its first samples: offsets into `data`.
+            offsets = offsets - begin
+        return (data, torch.from_numpy(offsets), torch.from_numpy(lengths), torch.from_numpy(b.labels[lo:k]),
+                torch.from_numpy(b.ids[lo:k]))
 
     # Checkpoints.
     def _identity(self):
@@ -455,14 +508,64 @@ _LEN_FRAMES = 12
 class KSpeedImageFolder(KSpeedDataset):
     """:class:`KSpeedDataset` over an ImageFolder tree, with torchvision's
     ``classes``, ``class_to_idx`` and ``targets`` (labels in catalog order).
-    ``decode=True`` decodes with ``torchvision.io.decode_image`` before the
-    ``transform``."""
 
-    def __init__(self, space=None, *, transform=None, decode=False, **kw):
+    Decoding, two ways:
+
+    - ``decode=True`` alone: each sample is decoded with
+      ``torchvision.io.decode_image`` (uint8, C x H x W, any format
+      torchvision reads) before the per-sample ``transform``.
+    - ``decode=True, random_resized_crop=224``: the training pipeline
+      decode + ``RandomResizedCrop(224, scale=crop_scale, ratio=crop_ratio)``
+      + horizontal flip (probability ``hflip``) + to ``dtype`` (float: in
+      [0, 1]; ``torch.uint8``: the pixel values) in kspeed, and the dataset
+      yields whole batches ``(images, labels)`` (``(images, labels, ids)``
+      with ``return_id=True``): ``images`` is ``[B, 3, 224, 224]``, ``labels``
+      and ``ids`` int64 ``[B]``, ``B`` the ``batch_size`` (the epoch's last
+      batch may be shorter). Use it with ``DataLoader(ds, batch_size=None,
+      num_workers=0)`` or iterate it directly: ``decode_threads`` threads
+      (default: one per CPU this process may use, divided between DataLoader
+      workers if there are any) decode in this process, from views over the
+      landing ring, with the GIL released, into one batch tensor, pinned
+      (``pin_memory``, default: when CUDA is available) so that
+      ``images.cuda(non_blocking=True)`` is an asynchronous DMA.
+      ``prefetch_batches`` batches decode ahead of the one yielded. The JPEG
+      decoder (``decoder``): ``"simplejpeg"`` where installed (the ``torch``
+      extra installs it), else ``"pil"``, else ``"torchvision"``; the first
+      two decode at a reduced DCT scale (1/2, 1/4, 1/8) where the crop
+      stays at least 224 px (see :mod:`kspeed._decode` for what that changes
+      in the pixels). The crop and flip of a sample depend only on
+      ``seed``, the epoch and the sample's id: the same for every run,
+      thread count, worker count and world size.
+    - ``decode="cuda"`` (or ``"cuda:N"``), with ``random_resized_crop``:
+      each batch goes whole to nvJPEG (``torchvision.io.decode_jpeg(list,
+      device="cuda")``) from the landing ring (pinned: registered with CUDA
+      by the loader), crop, resize and flip run on the GPU, and ``images``
+      is a CUDA tensor. Without a CUDA device it raises a RuntimeError that
+      says so; ``decode="auto"`` takes CUDA where there is one and the CPU
+      threads elsewhere.
+
+    State: ``state_dict()`` after a yielded batch resumes at the next batch
+    (batches decoding ahead are decoded again after a restore)."""
+
+    def __init__(self, space=None, *, transform=None, decode=False, random_resized_crop=None,
+                 crop_scale=(0.08, 1.0), crop_ratio=(3 / 4, 4 / 3), hflip=0.5, dtype=torch.float32, decoder=None,
+                 decode_threads=None, pin_memory=None, prefetch_batches=2, **kw):
         if kw.get("mix") is not None:
             raise ValueError("KSpeedImageFolder reads one ImageFolder dataset (its classes); for a mixture use "
                              "KSpeedDataset(mix=...), whose batches say each sample's dataset")
-        if decode:
+        if decode not in (False, True, "cpu", "auto") and not (isinstance(decode, str) and
+                                                               decode.split(":")[0] == "cuda"):
+            raise ValueError(f"decode must be False, True, 'cpu', 'cuda', 'cuda:N' or 'auto', not {decode!r}")
+        self._images = None
+        if random_resized_crop is not None:
+            self._images = self._images_setup(decode, random_resized_crop, crop_scale, crop_ratio, hflip, dtype,
+                                              decoder, decode_threads, pin_memory, prefetch_batches, transform, kw)
+            # The pipeline holds prefetch_batches + 1 batches' ring views.
+            kw.setdefault("batches_in_flight", self._images["prefetch_batches"] + 1)
+        elif decode not in (False, True):
+            raise ValueError(f"decode={decode!r} decodes whole batches into one tensor, so it needs "
+                             f"random_resized_crop= (the output size); decode=True decodes each sample")
+        elif decode:
             from torchvision.io import decode_image
 
             inner = transform
@@ -475,3 +578,43 @@ class KSpeedImageFolder(KSpeedDataset):
         self.classes = list(self.catalog.class_names)
         self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
         self.targets = np.asarray(self.catalog.labels).tolist()
+
+    @staticmethod
+    def _images_setup(decode, size, scale, ratio, hflip, dtype, decoder, threads, pin_memory, prefetch, transform,
+                      kw):
+        if not decode:
+            raise ValueError("random_resized_crop= decodes the images: give decode=True (CPU threads), "
+                             "decode='cuda' or decode='auto'")
+        if transform is not None:
+            raise ValueError("random_resized_crop= yields whole decoded batches, so it takes no per-sample "
+                             "transform (apply one to the batch tensor, e.g. normalisation on the GPU)")
+        if kw.get("output", "sample") != "sample":
+            raise ValueError("random_resized_crop= yields decoded batches; output= does not apply")
+        prefetch = _int("prefetch_batches", prefetch, 0, 64)
+        if threads is not None:
+            threads = _int("decode_threads", threads, 1, 1024)
+        spec = _decode.Spec(size, scale, ratio, hflip, dtype, kw.get("seed", 0))
+        device = None
+        if decode == "auto":
+            try:
+                device = _decode.cuda_device("cuda")
+            except (RuntimeError, ImportError):
+                device = None
+        elif isinstance(decode, str) and decode.startswith("cuda"):
+            device = _decode.cuda_device(decode)
+        if device is not None:
+            if decoder is not None:
+                raise ValueError(f"decoder={decoder!r} chooses a CPU decoder; decode={decode!r} decodes with nvJPEG")
+            if pin_memory:
+                raise ValueError("pin_memory=True: the batches are already in GPU memory with decode='cuda'")
+            return {"spec": spec, "device": device, "decoder": None, "threads": None, "pin_memory": False,
+                    "prefetch_batches": max(1, prefetch)}
+        decoder = _decode.pick_decoder(decoder)
+        if pin_memory is None:
+            pin_memory = torch.cuda.is_available()
+        elif pin_memory and not torch.cuda.is_available():
+            raise ValueError("pin_memory=True needs CUDA (page-locked memory for copies to a GPU), and "
+                             "torch.cuda.is_available() is False here; leave pin_memory=None (pinned where "
+                             "CUDA is available)")
+        return {"spec": spec, "device": None, "decoder": decoder, "threads": threads, "pin_memory": bool(pin_memory),
+                "prefetch_batches": prefetch}
