@@ -13,10 +13,17 @@ poller threads (embedded: the sum of each rank's pollers; attached: the
 agent's pollers per rank x N, and its N feeder threads besides).
 Every rank's order-sensitive digest is checked equal between the modes.
 
+With --tier-bytes T (issue 28's second row), embedded ranks get a memory
+tier of T/N each (every rank's tier holds the same first ids: a fixed
+subset) and the agent one node tier of T shared by all its ranks; the
+table adds each mode's tier hit rate and samples/s over epochs >= 2 (from
+every rank's per-epoch --json figures), and the attached/embedded ratios,
+per run and their median.
+
 The page cache is not dropped (that needs root); the extents are read with
 O_DIRECT either way.
 
-  scripts/bench_agent.py [--ranks 8] [--profile imagenet:2000] [--epochs 2] [--runs 1] [--agent-pollers 1]
+  scripts/bench_agent.py [--ranks 8] [--profile imagenet:2000] [--epochs 2] [--runs 1] [--agent-pollers 1] [--tier-bytes 1GiB]
 """
 
 import argparse
@@ -61,7 +68,32 @@ def ranks(space, n, epochs, extra):
     return time.monotonic() - t0, out
 
 
+def later_epochs(reports):
+    """(samples/s, tier hit rate) over epochs >= 2 of every rank: the node's
+    samples over the slowest rank's time for those epochs."""
+    later = [[e for e in r["per_epoch"][1:]] for r in reports]
+    samples = sum(e["samples"] for es in later for e in es)
+    if samples == 0:
+        return None, None
+    slowest = max(sum(e["seconds"] for e in es) for es in later)
+    hits = sum(e["tier_hits"] for es in later for e in es)
+    return samples / slowest, hits / samples
+
+
+def by_epoch(reports):
+    """Per epoch index: (node samples/s over the slowest rank's epoch time,
+    tier hit rate)."""
+    out = []
+    for i in range(len(reports[0]["per_epoch"])):
+        es = [r["per_epoch"][i] for r in reports]
+        samples = sum(e["samples"] for e in es)
+        out.append((samples / max(e["seconds"] for e in es),
+                    sum(e["tier_hits"] for e in es) / max(samples, 1)))
+    return out
+
+
 def summarise(name, wall, reports, extra_cpu, pollers, threads_note):
+    later_rate, later_hits = later_epochs(reports)
     samples = sum(r["samples"] for r in reports)
     gb = sum(r["bytes"] for r in reports) / 1e9
     cpu = sum(r["cpu_seconds"] + r["setup_cpu_seconds"] for r in reports) + extra_cpu
@@ -73,7 +105,23 @@ def summarise(name, wall, reports, extra_cpu, pollers, threads_note):
         "gb_per_s": gb / wall, "cpu_s_per_gb": cpu / gb, "cpu_s": cpu,
         "poller_threads": pollers, "note": threads_note,
         "digests": [r["digest"] for r in reports],
+        "later_samples_per_s": later_rate, "later_tier_hit_rate": later_hits,
+        "by_epoch": by_epoch(reports),
     }
+
+
+def parse_bytes(text):
+    units = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20,
+             "g": 1 << 30, "gib": 1 << 30}
+    t = text.strip().lower()
+    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
+    return int(float(num) * units[t[len(num):]])
+
+
+def median(xs):
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
 
 
 def main():
@@ -85,7 +133,12 @@ def main():
     ap.add_argument("--agent-pollers", type=int, default=1)
     ap.add_argument("--work", default=None)
     ap.add_argument("--ring-bytes", default="64MiB", help="every rank's ring, both modes")
+    ap.add_argument("--tier-bytes", default=None,
+                    help="memory for tiers on the node: T/N per embedded rank, T for the agent's node tier")
     a = ap.parse_args()
+    tier_total = parse_bytes(a.tier_bytes) if a.tier_bytes else 0
+    rank_tier = ["--tier-bytes", str(tier_total // a.ranks)] if tier_total else []
+    agent_tier = ["--tier-bytes", str(tier_total), "--no-mlock"] if tier_total else []
     work = a.work or tempfile.mkdtemp(prefix="kspeed-bench-agent-")
     prof, count = a.profile.split(":")
     src, space = os.path.join(work, f"{prof}-{count}"), os.path.join(work, f"space-{prof}-{count}")
@@ -96,11 +149,11 @@ def main():
     rows = []
     for run in range(a.runs):
         ring = ["--ring-bytes", a.ring_bytes]
-        wall, rep = ranks(space, a.ranks, a.epochs, ["--agent", "off"] + ring)
+        wall, rep = ranks(space, a.ranks, a.epochs, ["--agent", "off"] + ring + rank_tier)
         pollers = sum(r["placement"]["pollers"] for r in rep)
         rows.append(summarise("embedded", wall, rep, 0.0, pollers, f"{a.ranks} ranks' own pollers"))
         agent = subprocess.Popen([K, "agent", "--space", space, "--socket", sock,
-                                  "--pollers", str(a.agent_pollers)],
+                                  "--pollers", str(a.agent_pollers)] + agent_tier,
                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         line = agent.stdout.readline()
         if "agent serving" not in line:
@@ -115,7 +168,9 @@ def main():
                               f"agent: {a.agent_pollers} poller(s) + 1 feeder per rank; ranks: 0"))
         if rows[-1]["digests"] != rows[-2]["digests"]:
             sys.exit("attached and embedded ranks delivered different bytes")
-    print(f"{a.ranks} ranks, {a.profile}, {a.epochs} epochs, {a.runs} run(s); digests equal")
+    print(f"{a.ranks} ranks, {a.profile}, {a.epochs} epochs, {a.runs} run(s); digests equal"
+          + (f"; tiers: {tier_total // a.ranks} B per embedded rank, {tier_total} B node tier"
+             if tier_total else ""))
     print("samples/s: whole node over the wall time from spawn to the last exit; "
           "read: over the slowest rank's read loop; CPU includes setup (ring, catalog)")
     print(f"{'mode':10} {'samples/s':>10} {'read s/s':>9} {'GB/s':>7} {'CPU s/GB':>9} "
@@ -124,6 +179,31 @@ def main():
         print(f"{r['mode']:10} {r['samples_per_s']:10.0f} {r['read_samples_per_s']:9.0f} "
               f"{r['gb_per_s']:7.3f} {r['cpu_s_per_gb']:9.2f} {r['setup_cpu_s']:9.2f} "
               f"{r['poller_threads']:8d}  {r['note']}")
+    if a.epochs >= 2:
+        print("epochs >= 2 (per-epoch --json figures of every rank):")
+        print(f"{'mode':10} {'samples/s':>10} {'tier hit rate':>14}")
+        for r in rows:
+            print(f"{r['mode']:10} {r['later_samples_per_s']:10.0f} {r['later_tier_hit_rate']:14.3f}")
+        print("per epoch, median over runs: samples/s (tier hit rate)")
+        print(f"{'epoch':>5} {'embedded':>18} {'attached':>18} {'speed ratio':>12}")
+        for i in range(a.epochs):
+            cell = {}
+            for mode in ("embedded", "attached"):
+                rs = [r["by_epoch"][i] for r in rows if r["mode"] == mode]
+                cell[mode] = (median([x[0] for x in rs]), median([x[1] for x in rs]))
+            ratio = median([att["by_epoch"][i][0] / emb["by_epoch"][i][0]
+                            for emb, att in zip(rows[0::2], rows[1::2])])
+            print(f"{i + 1:>5} {cell['embedded'][0]:10.0f} ({cell['embedded'][1]:.3f}) "
+                  f"{cell['attached'][0]:10.0f} ({cell['attached'][1]:.3f}) {ratio:12.2f}")
+        pairs = [(rows[i], rows[i + 1]) for i in range(0, len(rows), 2)]
+        speed = [att["later_samples_per_s"] / emb["later_samples_per_s"] for emb, att in pairs]
+        print("attached / embedded, epochs >= 2, samples/s per run: "
+              + " ".join(f"{x:.2f}" for x in speed) + f"; median {median(speed):.2f}")
+        if tier_total:
+            hits = [att["later_tier_hit_rate"] / max(emb["later_tier_hit_rate"], 1e-9)
+                    for emb, att in pairs]
+            print("attached / embedded, epochs >= 2, tier hit rate per run: "
+                  + " ".join(f"{x:.2f}" for x in hits) + f"; median {median(hits):.2f}")
     print(json.dumps([{k: v for k, v in r.items() if k != "digests"} for r in rows]))
 
 

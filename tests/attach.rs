@@ -20,7 +20,7 @@ use kspeed::agent::attach::{attach, AttachConn, AttachListener, ListenerConfig};
 use kspeed::agent::msg::{decode_reply, AttachRequest, AttachedReply, ATTACH_BYTES};
 use kspeed::agent::segment::{
     decode_release, in_flight, is_ready, ready_word, release_mark, segment_bytes, AgentSide,
-    BatchDesc, Generation, Liveness, RankSide, Segment, SEQ_MASK,
+    BatchDesc, BatchReads, Generation, Liveness, RankSide, Segment, SEQ_MASK,
 };
 use kspeed::agent::shm::RingMap;
 use kspeed::Error;
@@ -86,6 +86,7 @@ fn request(seg: &Segment, ring: &RingMap) -> AttachRequest {
         ring_bytes: ring.len(),
         segment_bytes: segment_bytes(seg.slots()),
         flags: 0,
+        end_epoch: None,
     }
 }
 
@@ -188,6 +189,7 @@ fn agent_publish(
             epoch: seq / 1000,
             batch_in_epoch: seq % 1000,
             samples: 1,
+            reads: reads_of(seq),
         })?;
         if seq % 64 == 0 {
             a.beat();
@@ -197,6 +199,18 @@ fn agent_publish(
         }
     }
     Ok(())
+}
+
+/// The read counts the agent's loop sends with batch `seq` (distinct per
+/// field, so a swapped or dropped field shows).
+fn reads_of(seq: u64) -> BatchReads {
+    let base = (seq % 1_000_000) as u32 * 4;
+    BatchReads {
+        disk_reads: base,
+        tier_hits: base + 1,
+        remote_samples: base + 2,
+        source_reads: u32::MAX - base,
+    }
 }
 
 /// The rank's loop: take batches `0..count`, check every byte, release.
@@ -214,12 +228,13 @@ fn rank_take(
         let d = r.wait_take(live, deadline, &mut || Ok(()))?;
         fill(gen, seq, &mut want);
         assert_eq!(
-            (d.ring_offset, d.bytes, d.epoch, d.batch_in_epoch),
+            (d.ring_offset, d.bytes, d.epoch, d.batch_in_epoch, d.reads),
             (
                 (seq % u64::from(SLOTS)) * SLOT_BYTES,
                 want.len() as u64,
                 seq / 1000,
-                seq % 1000
+                seq % 1000,
+                reads_of(seq)
             ),
             "descriptor of batch {seq} in generation {}",
             gen.get()

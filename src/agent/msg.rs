@@ -11,7 +11,7 @@ pub const ATTACH_MAGIC: u32 = u32::from_le_bytes(*b"KSAT");
 /// The message layout version this build speaks. The first 12 bytes
 /// (magic, version, kind, length) are the same in every version, so a
 /// peer of another version is answered with a REFUSED it can read.
-pub const ATTACH_VERSION: u16 = 2;
+pub const ATTACH_VERSION: u16 = 3;
 /// Kind of an ATTACH message (rank to agent).
 pub const KIND_ATTACH: u16 = 1;
 /// Kind of an ATTACHED reply.
@@ -99,6 +99,10 @@ pub struct AttachRequest {
     pub segment_bytes: u64,
     /// Sampler flags (version 2): [`FLAG_SHUFFLE`], [`FLAG_DROP_LAST`].
     pub flags: u32,
+    /// The job's end (version 3): the agent reads nothing of this epoch or
+    /// later for the rank (`LoaderBuilder::end_epoch`); `None`: it reads on
+    /// into the next epochs as long as the rank is attached.
+    pub end_epoch: Option<u64>,
 }
 
 /// ATTACH flag: the sampler shuffles each epoch.
@@ -199,7 +203,9 @@ impl AttachRequest {
         b[64..72].copy_from_slice(&self.ring_bytes.to_le_bytes());
         b[72..80].copy_from_slice(&self.segment_bytes.to_le_bytes());
         b[80..84].copy_from_slice(&self.flags.to_le_bytes());
-        // 84..96: reserved, zero.
+        // 84..88: reserved, zero. 88..96: end_epoch, 0 for none (an end
+        // epoch is after the start epoch, so never 0).
+        b[88..96].copy_from_slice(&self.end_epoch.unwrap_or(0).to_le_bytes());
         b
     }
 
@@ -210,7 +216,7 @@ impl AttachRequest {
             return Err(proto(format!("expected ATTACH (kind 1), got kind {kind}")));
         }
         let flags = u32_at(b, 80);
-        if flags & !KNOWN_FLAGS != 0 || b[84..96].iter().any(|&x| x != 0) {
+        if flags & !KNOWN_FLAGS != 0 || b[84..88].iter().any(|&x| x != 0) {
             return Err(proto(format!(
                 "unknown flags {:#x} or reserved bytes set in a version {ATTACH_VERSION} ATTACH",
                 flags & !KNOWN_FLAGS
@@ -234,7 +240,14 @@ impl AttachRequest {
             ring_bytes: u64_at(b, 64),
             segment_bytes: u64_at(b, 72),
             flags,
+            end_epoch: Some(u64_at(b, 88)).filter(|&e| e != 0),
         };
+        if let Some(end) = r.end_epoch.filter(|&end| end <= r.start_epoch) {
+            return Err(proto(format!(
+                "end_epoch {end} is not after the start epoch {}",
+                r.start_epoch
+            )));
+        }
         if r.world == 0 || r.rank >= r.world || r.batch_size == 0 {
             return Err(proto(format!(
                 "rank {} of world {} with batch size {}",
@@ -318,6 +331,7 @@ mod tests {
             ring_bytes: 1 << 20,
             segment_bytes: segment_bytes(8),
             flags: FLAG_SHUFFLE | FLAG_DROP_LAST,
+            end_epoch: Some(5),
         }
     }
 
@@ -333,11 +347,31 @@ mod tests {
             .to_string()
             .contains("magic"));
         let mut bad = b;
-        bad[4] = 1;
+        bad[4] = 2;
         assert!(AttachRequest::decode(&bad)
             .unwrap_err()
             .to_string()
-            .contains("version 1"));
+            .contains("version 2"));
+        let open_ended = AttachRequest {
+            end_epoch: None,
+            ..r
+        };
+        assert_eq!(
+            AttachRequest::decode(&open_ended.encode()).unwrap(),
+            open_ended
+        );
+        let mut bad = b;
+        bad[88..96].copy_from_slice(&2u64.to_le_bytes());
+        assert!(AttachRequest::decode(&bad)
+            .unwrap_err()
+            .to_string()
+            .contains("end_epoch 2 is not after the start epoch 2"));
+        let mut bad = b;
+        bad[85] = 1;
+        assert!(AttachRequest::decode(&bad)
+            .unwrap_err()
+            .to_string()
+            .contains("reserved bytes"));
         let mut bad = b;
         bad[80] |= 4;
         assert!(AttachRequest::decode(&bad)

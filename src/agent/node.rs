@@ -27,7 +27,7 @@ use super::shm::RingMap;
 use crate::dataset::Space;
 use crate::error::{Error, Result};
 use crate::landing::{CudaMode, LandingOptions};
-use crate::loader::{Loader, LoaderBuilder};
+use crate::loader::{Loader, LoaderBuilder, Tier};
 use crate::sampler::Position;
 
 /// How the agent runs.
@@ -47,11 +47,20 @@ pub struct AgentConfig {
     pub heartbeat: Duration,
     /// The socket's mode, uid policy and I/O deadlines.
     pub listener: ListenerConfig,
+    /// The node's memory tier: one for every rank the agent serves, filled
+    /// from any rank's reads and served to all (0: none).
+    pub tier_bytes: u64,
+    /// Lock the tier in memory (needs RLIMIT_MEMLOCK of `tier_bytes`).
+    pub tier_mlock: bool,
+    /// The largest ring a rank may attach: the agent's own memory grows
+    /// with it (8 bytes of ready table per 4 KiB of ring, and the pages it
+    /// touches), so a rank cannot make the agent run out for every rank.
+    pub max_ring_bytes: u64,
 }
 
 impl AgentConfig {
     /// Defaults: 1 poller per rank, queue depth 32, registered buffers,
-    /// a 100 ms heartbeat.
+    /// a 100 ms heartbeat, no memory tier.
     pub fn new(space: impl Into<PathBuf>, socket: impl Into<PathBuf>) -> Self {
         AgentConfig {
             space: space.into(),
@@ -61,6 +70,9 @@ impl AgentConfig {
             registered_buffers: true,
             heartbeat: Duration::from_millis(100),
             listener: ListenerConfig::default(),
+            tier_bytes: 0,
+            tier_mlock: true,
+            max_ring_bytes: 64 << 30,
         }
     }
 }
@@ -74,6 +86,9 @@ pub struct AgentSummary {
     pub refused: u64,
     /// Ranks that ended (detached, died or failed).
     pub ended: u64,
+    /// Node tier fills refused because a rank's ring changed while the
+    /// agent copied from it (see `Tier::new_checked`).
+    pub tier_fills_refused: u64,
 }
 
 /// The space, opened and checked once, shared by every rank's loader.
@@ -82,9 +97,54 @@ struct OpenSpace {
     extents: Arc<[File]>,
     direct_io: bool,
     identity: u64,
+    /// The node tier and the user whose ranks share it now.
+    tier: Option<Mutex<NodeTier>>,
 }
 
-fn open_space(dir: &Path) -> Result<OpenSpace> {
+/// The node tier and whose it is. A member is filled from one rank's ring,
+/// memory that rank can write, and copied into other ranks' rings; a CRC
+/// does not stop a rank that forges bytes on purpose. So the tier is shared
+/// only among ranks of one user (uid), which trust each other; while ranks
+/// of one user hold it, a rank of another user reads without it, and when
+/// none does, the next user's first rank empties it and takes it over.
+struct NodeTier {
+    tier: Arc<Tier>,
+    /// The user whose samples it holds.
+    uid: Option<u32>,
+    /// Ranks of that user given the tier and not ended.
+    ranks: usize,
+}
+
+impl NodeTier {
+    /// The tier for a rank of `uid`, if that user may have it now.
+    fn take(&mut self, uid: u32) -> Option<Arc<Tier>> {
+        if self.uid != Some(uid) {
+            if self.ranks > 0 {
+                return None;
+            }
+            if self.uid.is_some() {
+                // Another user's samples: emptied first. `get_mut` is
+                // None only while a loader of theirs still holds the
+                // tier (it is dropped before its rank is counted ended).
+                Arc::get_mut(&mut self.tier)?.reset();
+            }
+            self.uid = Some(uid);
+        }
+        self.ranks += 1;
+        Some(self.tier.clone())
+    }
+
+    /// A rank given the tier ended (its loader is dropped).
+    fn give_back(&mut self) {
+        self.ranks = self
+            .ranks
+            .checked_sub(1)
+            .expect("a tier given back more often than taken");
+    }
+}
+
+fn open_space(cfg: &AgentConfig) -> Result<OpenSpace> {
+    let dir = &cfg.space;
     let space = Space::open(dir)?;
     space.check_extents()?;
     if space.held_samples() != space.catalog().len() {
@@ -113,11 +173,29 @@ fn open_space(dir: &Path) -> Result<OpenSpace> {
         );
     }
     let identity = u64::from(space.catalog().identity());
+    // Checked fills: a member is copied from one rank's ring (memory that
+    // rank can write) and served to every other rank.
+    let tier = Tier::new_checked(space.catalog(), cfg.tier_bytes, cfg.tier_mlock)?;
+    if let Some(t) = &tier {
+        log::info!(
+            "agent: node memory tier of {} samples, {} bytes, shared by the ranks of one user at a time",
+            t.members(),
+            t.member_bytes()
+        );
+    }
+    let tier = tier.map(|t| {
+        Mutex::new(NodeTier {
+            tier: Arc::new(t),
+            uid: None,
+            ranks: 0,
+        })
+    });
     Ok(OpenSpace {
         space: Arc::new(space),
         extents: extents.into(),
         direct_io,
         identity,
+        tier,
     })
 }
 
@@ -132,6 +210,12 @@ struct Rank {
     pid: u32,
     rank: u32,
     feeder: JoinHandle<Outcome>,
+    /// It was given the node tier (given back when it ends).
+    has_tier: bool,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// How a rank's feeder thread ended.
@@ -156,7 +240,7 @@ pub fn run(
     on_ready: impl FnOnce(&Path),
 ) -> Result<AgentSummary> {
     crate::sys::raise_open_files_limit();
-    let open = Arc::new(open_space(&cfg.space)?);
+    let open = Arc::new(open_space(cfg)?);
     let listener = AttachListener::bind(&cfg.socket, cfg.listener)?;
     log::info!(
         "agent: serving {} ({} samples) on {}",
@@ -213,7 +297,7 @@ pub fn run(
         while i < ranks.len() {
             if ranks[i].feeder.is_finished() {
                 let r = ranks.swap_remove(i);
-                end_rank(r, &beats, &mut summary);
+                end_rank(r, &open, &beats, &mut summary);
             } else {
                 i += 1;
             }
@@ -221,11 +305,15 @@ pub fn run(
     }
     halt.store(true, Ordering::Release);
     for r in ranks.drain(..) {
-        end_rank(r, &beats, &mut summary);
+        end_rank(r, &open, &beats, &mut summary);
     }
     beat_stop.store(true, Ordering::Release);
     beater.thread().unpark();
     let _ = beater.join();
+    summary.tier_fills_refused = open
+        .tier
+        .as_ref()
+        .map_or(0, |t| lock(t).tier.fills_refused());
     Ok(summary)
 }
 
@@ -264,9 +352,15 @@ pub fn run_until_signal(
 }
 
 /// Joins a rank's feeder (its pollers stopped and its reads landed when
-/// it returns) and stops beating its segment.
-fn end_rank(r: Rank, beats: &Beats, summary: &mut AgentSummary) {
+/// it returns, and its loader, with its hold on the node tier, is gone)
+/// and stops beating its segment.
+fn end_rank(r: Rank, open: &OpenSpace, beats: &Beats, summary: &mut AgentSummary) {
     let outcome = r.feeder.join();
+    if r.has_tier {
+        if let Some(t) = &open.tier {
+            lock(t).give_back();
+        }
+    }
     beats
         .lock()
         .unwrap_or_else(|p| p.into_inner())
@@ -313,6 +407,13 @@ fn start_rank(
         incoming.conn.refuse(RefuseCode::Agent, &e.to_string());
         e
     };
+    if req.ring_bytes > cfg.max_ring_bytes {
+        let e = Error::InvalidConfig(format!(
+            "the rank's ring of {} bytes is larger than this agent's limit of {} bytes (kspeed agent --max-ring-bytes)",
+            req.ring_bytes, cfg.max_ring_bytes
+        ));
+        return Err(refuse(&incoming, e));
+    }
     if req.dataset_id != open.identity {
         let e = Error::InvalidConfig(format!(
             "the rank reads dataset {:#x}; this agent serves {} (dataset {:#x})",
@@ -336,12 +437,26 @@ fn start_rank(
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .push((id, beat));
-    let pid = incoming.conn.peer().pid;
-    let (cfg, open, halt) = (cfg.clone(), open.clone(), halt.clone());
+    let (pid, uid) = (incoming.conn.peer().pid, incoming.conn.peer().uid);
+    let tier = open.tier.as_ref().and_then(|t| {
+        let mut t = lock(t);
+        let got = t.take(uid);
+        if got.is_none() {
+            log::info!(
+                "agent: rank {} (pid {pid}, uid {uid}) reads without the node tier: it holds samples read for uid {}'s ranks, {} still attached (ranks of one user share the tier)",
+                req.rank,
+                t.uid.map_or_else(|| "?".into(), |u| u.to_string()),
+                t.ranks
+            );
+        }
+        got
+    });
+    let has_tier = tier.is_some();
+    let (cfg, space, halt) = (cfg.clone(), open.clone(), halt.clone());
     let feeder = std::thread::Builder::new()
         .name(format!("kspeed-feed-{}", req.rank))
         .spawn(move || {
-            let loader = match build_loader(&cfg, &open, &incoming) {
+            let loader = match build_loader(&cfg, &space, &incoming, tier) {
                 Ok(l) => l,
                 Err(e) => return Outcome::Refused(refuse(&incoming, e)),
             };
@@ -363,8 +478,14 @@ fn start_rank(
             pid,
             rank: req.rank,
             feeder,
+            has_tier,
         }),
         Err(e) => {
+            if has_tier {
+                if let Some(t) = &open.tier {
+                    lock(t).give_back();
+                }
+            }
             beats
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
@@ -377,7 +498,12 @@ fn start_rank(
 /// The rank's loader: the agent's space (opened once), the rank's ring
 /// (mapped a second time: the attach keeps its own mapping, and each is
 /// unmapped by its owner), the rank's sampler and start position.
-fn build_loader(cfg: &AgentConfig, open: &OpenSpace, incoming: &Incoming) -> Result<Loader> {
+fn build_loader(
+    cfg: &AgentConfig,
+    open: &OpenSpace,
+    incoming: &Incoming,
+    tier: Option<Arc<Tier>>,
+) -> Result<Loader> {
     let req = &incoming.request;
     let ring = incoming
         .ring
@@ -391,6 +517,7 @@ fn build_loader(cfg: &AgentConfig, open: &OpenSpace, incoming: &Incoming) -> Res
             extents: open.extents.clone(),
             direct_io: open.direct_io,
             ring: Arc::new(Mutex::new(Some(ring))),
+            tier,
         })
         .batch_size(req.batch_size as usize)
         .seed(req.seed)
@@ -413,6 +540,7 @@ fn build_loader(cfg: &AgentConfig, open: &OpenSpace, incoming: &Incoming) -> Res
             epoch: req.start_epoch,
             index: req.start_index,
         })
+        .end_epoch(req.end_epoch)
         .build()
 }
 
@@ -432,6 +560,13 @@ fn feed(
         silence_limit: Duration::from_secs(u32::MAX as u64),
     };
     let mut released = 0u64;
+    // The loader's read counters at the previous publish: each batch
+    // carries what was read since (its stats reach the rank that way).
+    // Zero at first: the pollers started reading when the loader was built.
+    let mut counted = crate::loader::ReadCounts::default();
+    // The rank's last epoch is dealt (its ATTACH's end_epoch): nothing more
+    // to publish; wait for the rank to leave.
+    let mut dealt = false;
     let result = loop {
         if halt.load(Ordering::Acquire)
             || att.conn.peer_closed()
@@ -453,7 +588,7 @@ fn feed(
             Err(e) => break Err(e),
         }
         let room = match att.side.has_room() {
-            Ok(room) => room && loader.keep_bytes_needed().is_none(),
+            Ok(room) => room && !dealt && loader.keep_bytes_needed().is_none(),
             Err(e) => break Err(e),
         };
         if !room {
@@ -481,14 +616,20 @@ fn feed(
         }
         match loader.acquire_batch_keep() {
             Ok(0) => {
-                // The epoch's end: go on into the next, as the rank does.
+                // The epoch's end: go on into the next, as the rank does,
+                // unless that is the rank's end epoch.
                 let next = loader.position().epoch;
-                if let Err(e) = loader.set_epoch(next) {
+                if loader.end_epoch().is_some_and(|end| next >= end) {
+                    dealt = true;
+                } else if let Err(e) = loader.set_epoch(next) {
                     break Err(e);
                 }
             }
             Ok(_) => {
-                let desc = loader.held_desc().expect("a batch is held");
+                let mut desc = loader.held_desc().expect("a batch is held");
+                let now = loader.read_counts();
+                desc.reads = now.since(&counted);
+                counted = now;
                 if let Err(e) = att.side.publish(&desc) {
                     break Err(e);
                 }

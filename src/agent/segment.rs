@@ -47,7 +47,7 @@ compile_error!("the attach segment and messages are little-endian; kspeed builds
 pub const SEGMENT_MAGIC: u64 = u64::from_le_bytes(*b"KSPATSEG");
 /// The segment layout this build writes and reads (bump on any change of
 /// an offset or a meaning; the agent refuses another).
-pub const SEGMENT_VERSION: u32 = 1;
+pub const SEGMENT_VERSION: u32 = 2;
 /// Error slots in a segment: a side posts at most this many errors; later
 /// ones are counted, not stored.
 pub const ERROR_SLOTS: usize = 4;
@@ -234,7 +234,10 @@ struct Slot {
     epoch: AtomicU64,
     batch_in_epoch: AtomicU64,
     samples: AtomicU64,
-    _reserved: [AtomicU64; 2],
+    disk_reads: AtomicU32,
+    tier_hits: AtomicU32,
+    remote_samples: AtomicU32,
+    source_reads: AtomicU32,
 }
 
 const HEADER_OFFSET: usize = 0;
@@ -263,6 +266,7 @@ const _: () = {
     assert!(offset_of!(RankBlock, taken) == 32 && offset_of!(RankBlock, errors_dropped) == 56);
     assert!(offset_of!(ErrorSlot, kind) == 16 && offset_of!(ErrorSlot, message) == 48);
     assert!(offset_of!(Slot, samples) == 40);
+    assert!(offset_of!(Slot, disk_reads) == 48 && offset_of!(Slot, source_reads) == 60);
 };
 
 /// Bytes of a segment with `slots` batch slots (before page rounding).
@@ -284,6 +288,26 @@ pub struct BatchDesc {
     pub batch_in_epoch: u64,
     /// Samples in it.
     pub samples: u64,
+    /// What the agent read for this rank since the previous batch it
+    /// published (so the rank's stats can say where its samples came from).
+    pub reads: BatchReads,
+}
+
+/// Reads the agent made for one rank between two publishes, counted as the
+/// embedded loader's [`Stats`](crate::loader::Stats) counts them: a sample
+/// read ahead is counted with the batch published after its read, so the
+/// sums over a rank's batches are its loader's counters at the last
+/// publish (reads for batches the rank never took are not in them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct BatchReads {
+    /// Samples read from the node's disk.
+    pub disk_reads: u32,
+    /// Samples copied from the node's memory tier.
+    pub tier_hits: u32,
+    /// Samples another node pushed.
+    pub remote_samples: u32,
+    /// Samples read from the dataset's source.
+    pub source_reads: u32,
 }
 
 /// An error a side posted in the segment.
@@ -690,10 +714,15 @@ mod tests {
             Segment::open(dup(), 1 << 21),
             Err(Error::AttachSegment { .. })
         ));
-        seg.header().version.store(2, Ordering::Relaxed);
+        seg.header()
+            .version
+            .store(SEGMENT_VERSION + 1, Ordering::Relaxed);
         let e = Segment::open(dup(), 1 << 20).unwrap_err();
-        assert!(e.to_string().contains("layout version 2"), "{e}");
-        seg.header().version.store(1, Ordering::Relaxed);
+        let want = format!("layout version {}", SEGMENT_VERSION + 1);
+        assert!(e.to_string().contains(&want), "{e}");
+        seg.header()
+            .version
+            .store(SEGMENT_VERSION, Ordering::Relaxed);
         seg.header().magic.store(7, Ordering::Relaxed);
         let e = Segment::open(dup(), 1 << 20).unwrap_err();
         assert!(e.to_string().contains("magic"), "{e}");

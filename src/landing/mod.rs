@@ -313,7 +313,7 @@ impl LandingRing {
             len,
             info: LandingInfo {
                 bytes: len as u64,
-                huge_pages: false,
+                huge_pages: map.pages() == crate::agent::shm::RingPages::Hugetlb,
                 locked: false,
                 numa_node: None,
                 cuda: "CUDA registration off (a ring shared with the node agent)".into(),

@@ -20,7 +20,7 @@ use crate::agent::msg::{AttachRequest, FLAG_DROP_LAST, FLAG_SHUFFLE};
 use crate::agent::segment::{
     segment_bytes, BatchDesc, Liveness, RankSide, Segment, Side, MAX_SLOTS,
 };
-use crate::agent::shm::RingMap;
+use crate::agent::shm::{RingMap, RingPages};
 use crate::dataset::Space;
 use crate::error::{Error, Result};
 use crate::sampler::Position;
@@ -76,6 +76,9 @@ pub(crate) struct AgentInput {
     pub(crate) direct_io: bool,
     /// Taken by the build (a builder is Clone; the ring is not).
     pub(crate) ring: Arc<Mutex<Option<RingMap>>>,
+    /// The node's memory tier, shared by every rank the agent serves
+    /// (a checked tier: [`super::tier::Tier::new_checked`]).
+    pub(crate) tier: Option<Arc<super::tier::Tier>>,
 }
 
 impl std::fmt::Debug for AgentInput {
@@ -101,6 +104,10 @@ pub(crate) struct AttachSettings {
     pub(crate) drop_last: bool,
     /// Batch slots of the segment: as many batches as the ring can hold.
     pub(crate) slots: u32,
+    /// The loader's end epoch: the agent reads nothing from it on.
+    pub(crate) end_epoch: Option<u64>,
+    /// How long to wait for a restarted agent (`agent_restart_wait_ms`).
+    pub(crate) restart_wait: Duration,
 }
 
 /// Slots for a ring of `table_len` sample slots and batches of
@@ -159,16 +166,26 @@ impl RankAttach {
             segment_bytes: segment_bytes(s.slots),
             flags: if s.shuffle { FLAG_SHUFFLE } else { 0 }
                 | if s.drop_last { FLAG_DROP_LAST } else { 0 },
+            end_epoch: s.end_epoch,
         };
         let (conn, reply) =
             attach(&s.socket, &req, ring, side.segment(), ATTACH_TIMEOUT).map_err(no_agent)?;
         let beat = Duration::from_millis(u64::from(reply.heartbeat_ms.max(1)));
         log::info!(
-            "attached to the kspeed agent at {} (pid {}, heartbeat {} ms)",
+            "attached to the kspeed agent at {} (pid {}, heartbeat {} ms); ring of {} bytes in {}",
             s.socket.display(),
             reply.agent_pid,
-            reply.heartbeat_ms
+            reply.heartbeat_ms,
+            ring.len(),
+            ring.pages().describe()
         );
+        if ring.pages() == RingPages::Normal {
+            log::info!(
+                "the agent reads into 4 KiB pages, which costs it CPU per read: reserve 2 MiB pages \
+                 (vm.nr_hugepages, a ring that is a multiple of 2 MiB) or set shared-memory THP to \
+                 advise (docs/DEPLOY.md, \"Huge pages for attached rings\")"
+            );
+        }
         Ok(RankAttach {
             socket: s.socket.clone(),
             conn,

@@ -80,6 +80,7 @@ pub struct LoaderBuilder {
     mix_epoch_size: Option<u64>,
     agent: super::AgentMode,
     agent_socket: Option<PathBuf>,
+    agent_restart_wait: Duration,
     /// `s3_endpoint_url`, `s3_profile`.
     s3: (Option<String>, Option<String>),
     /// Inside the node agent: the space it opened once and the rank's ring.
@@ -141,6 +142,7 @@ impl LoaderBuilder {
             mix_epoch_size: None,
             agent: super::AgentMode::Auto,
             agent_socket: None,
+            agent_restart_wait: Duration::ZERO,
             s3: (None, None),
             agent_input: None,
         }
@@ -553,6 +555,17 @@ impl LoaderBuilder {
         self
     }
 
+    /// Attached: how long to wait for a restarted agent at the same socket
+    /// when the agent goes (default 0: [`Error::AgentGone`] at once). The
+    /// loader re-attaches where the rank stood (the first sample it has not
+    /// delivered), so every sample is still delivered exactly once; with
+    /// batches kept out ([`Loader::acquire_batch_keep`]), whose bytes are
+    /// in the old ring, it fails with `AgentGone` instead.
+    pub fn agent_restart_wait(mut self, wait: Duration) -> Self {
+        self.agent_restart_wait = wait;
+        self
+    }
+
     /// A source in an S3-compatible store: its endpoint (else the AWS
     /// variables' and the profile's). Process-wide: the store's settings
     /// are one per process (`dataset::store::set_overrides`), set by the
@@ -894,9 +907,13 @@ impl LoaderBuilder {
                 ))
             }
             Input::Mix(_) => None,
-            _ => Tier::new(input.catalog(), self.tier_bytes, landing.mlock)?,
+            // The agent's node tier, one for all the ranks it serves.
+            _ if self.agent_input.as_ref().is_some_and(|a| a.tier.is_some()) => {
+                self.agent_input.as_ref().and_then(|a| a.tier.clone())
+            }
+            _ => Tier::new(input.catalog(), self.tier_bytes, landing.mlock)?.map(Arc::new),
         };
-        if let Some(t) = &tier {
+        if let Some(t) = tier.as_ref().filter(|_| self.agent_input.is_none()) {
             log::info!(
                 "memory tier: {} samples, {} bytes",
                 t.members(),
@@ -1166,6 +1183,8 @@ impl LoaderBuilder {
             shuffle: self.shuffle,
             drop_last: self.drop_last,
             slots: super::attached::slots_for(geo.table_len(), batch_size),
+            end_epoch: self.end_epoch,
+            restart_wait: self.agent_restart_wait,
         });
         // Attached: the agent reads every sample; this process connects
         // to no node.

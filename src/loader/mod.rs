@@ -69,15 +69,16 @@ pub use builder::*;
 pub use input::parse_mix_entry;
 pub use options::LoaderOptions;
 pub(crate) use shared::*;
+pub(crate) use stats::ReadCounts;
 use stats::{Counters, Totals};
 pub use stats::{Latency, PlacementStats, Stats};
-use tier::Tier;
+pub(crate) use tier::Tier;
 
 /// Resources kept across restarts (set_epoch to another epoch, resume).
 struct Spare {
     input: Input,
     ring: LandingRing,
-    tier: Option<Tier>,
+    tier: Option<Arc<Tier>>,
     backends: Vec<Box<dyn IoBackend>>,
 }
 
@@ -404,8 +405,8 @@ impl Loader {
     /// them with the loader).
     fn parts(&self) -> (&Input, &LandingRing, Option<&Tier>) {
         match (&self.run, &self.spare) {
-            (Some(r), _) => (&r.shared.input, &r.shared.ring, r.shared.tier.as_ref()),
-            (None, Some(s)) => (&s.input, &s.ring, s.tier.as_ref()),
+            (Some(r), _) => (&r.shared.input, &r.shared.ring, r.shared.tier.as_deref()),
+            (None, Some(s)) => (&s.input, &s.ring, s.tier.as_deref()),
             (None, None) => unreachable!("a loader always holds its resources"),
         }
     }
@@ -494,6 +495,17 @@ impl Loader {
                         Ok(d) => desc = Some(d),
                         Err(e) => {
                             self.peeked = Some(p);
+                            if matches!(e, Error::AgentGone { .. }) && self.may_reattach() {
+                                // The batch's first sample is the first one
+                                // not delivered: attach again from there.
+                                match self.reattach(p.pos, e) {
+                                    Ok(()) => {
+                                        first_v = None;
+                                        continue;
+                                    }
+                                    Err(e) => return Err(self.fail(e)),
+                                }
+                            }
                             return Err(self.fail(e));
                         }
                     }
@@ -524,6 +536,13 @@ impl Loader {
         }
         if let Some(d) = desc {
             self.check_desc(&d)?;
+            // Attached: the agent's reads for this rank, as its pollers
+            // would have counted them embedded.
+            let t = &mut self.totals;
+            t.disk_reads += u64::from(d.reads.disk_reads);
+            t.tier_hits += u64::from(d.reads.tier_hits);
+            t.remote_samples += u64::from(d.reads.remote_samples);
+            t.source_reads += u64::from(d.reads.source_reads);
         }
         self.held = !self.entries.is_empty();
         if self.held {
@@ -707,6 +726,8 @@ impl Loader {
             epoch: first.pos.epoch,
             batch_in_epoch: first.pos.index / self.batch_size as u64,
             samples: self.entries.len() as u64,
+            // The feeder fills in what was read since its last publish.
+            reads: Default::default(),
         })
     }
 
@@ -865,6 +886,88 @@ impl Loader {
         Ok(())
     }
 
+    /// Whether an agent that went may be waited for: `agent_restart_wait`
+    /// set, and no batch kept out (its bytes are in the old ring, which a
+    /// new attach replaces).
+    fn may_reattach(&self) -> bool {
+        self.kept.is_empty()
+            && self
+                .attach_settings
+                .as_ref()
+                .is_some_and(|s| !s.restart_wait.is_zero())
+    }
+
+    /// The agent went (`gone`): waits up to `agent_restart_wait` for an
+    /// agent at the same socket and attaches to it at `pos` with a fresh
+    /// ring and segment. No agent in time gives `gone` with the wait in
+    /// its reason.
+    fn reattach(&mut self, pos: Position, gone: Error) -> Result<()> {
+        /// Between two tries at a socket no agent answers yet: doubling
+        /// from the first to the last (each try maps and populates a ring).
+        const FIRST_RETRY: Duration = Duration::from_millis(50);
+        const LAST_RETRY: Duration = Duration::from_secs(1);
+        let wait = self
+            .attach_settings
+            .as_ref()
+            .expect("attached")
+            .restart_wait;
+        let started = Instant::now();
+        log::warn!(
+            "{gone}; waiting up to {} ms for an agent to attach to again at epoch {} sample {}",
+            wait.as_millis(),
+            pos.epoch,
+            pos.index
+        );
+        self.halt();
+        self.check_failed()?;
+        let mut pause = FIRST_RETRY;
+        loop {
+            match self.launch(pos) {
+                Ok(()) => {
+                    log::warn!(
+                        "attached again after {} ms; continuing at epoch {} sample {}",
+                        started.elapsed().as_millis(),
+                        pos.epoch,
+                        pos.index
+                    );
+                    return Ok(());
+                }
+                Err(Error::NoAgent { reason, .. }) => {
+                    if started.elapsed() >= wait {
+                        return Err(match gone {
+                            Error::AgentGone {
+                                socket,
+                                pid,
+                                last_heartbeat_ms,
+                                why,
+                            } => Error::AgentGone {
+                                socket,
+                                pid,
+                                last_heartbeat_ms,
+                                why: format!(
+                                    "{why}; no agent took the rank back within agent_restart_wait_ms ({} ms; last try: {reason})",
+                                    wait.as_millis()
+                                ),
+                            },
+                            other => other,
+                        });
+                    }
+                    // A retry interval, not a wait for a condition this
+                    // process could be told of: the new agent is another
+                    // process that may not exist yet.
+                    std::thread::sleep(pause.min(wait.saturating_sub(started.elapsed())));
+                    pause = (pause * 2).min(LAST_RETRY);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// The loader's end epoch ([`LoaderBuilder::end_epoch`]).
+    pub(crate) fn end_epoch(&self) -> Option<u64> {
+        self.end_epoch
+    }
+
     /// The position of the next sample `next_batch` will deliver.
     pub fn position(&self) -> Position {
         match &self.peeked {
@@ -1013,6 +1116,23 @@ impl Loader {
             digest: self.digest,
             digest_at: self.digest_at,
         }
+    }
+
+    /// Where this loader's samples came from so far (O(pollers), no lock
+    /// or allocation, unlike [`Loader::stats`]): the node agent's feeder
+    /// reads it at every publish.
+    pub(crate) fn read_counts(&self) -> stats::ReadCounts {
+        let t = &self.totals;
+        let mut c = stats::ReadCounts {
+            disk_reads: t.disk_reads,
+            tier_hits: t.tier_hits,
+            remote_samples: t.remote_samples,
+            source_reads: t.source_reads,
+        };
+        if let Some(run) = &self.run {
+            c.add_run(&run.shared);
+        }
+        c
     }
 
     /// Where the pollers run: the local rank, the slice of cores planned

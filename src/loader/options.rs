@@ -289,6 +289,8 @@ pub static OPTIONS: &[OptionSpec] = &[
         "read through the node's `kspeed agent` (docs/DEPLOY.md): `required` always (no agent is a `NoAgent` error), `auto` in cluster mode where the agent can serve this loader (its socket exists, the whole space is on this node, no tier, GPU ring or mixture), `off` never (this process's own pollers)"),
     opt!("agent_socket", OptionKind::Path, "", "KSPEED_AGENT_SOCKET, else /run/kspeed/agent.sock", "agent-socket",
         "the node agent's attach socket"),
+    opt!("agent_restart_wait_ms", int(0, 86_400_000), "ms", "0: `AgentGone` at once", "agent-restart-wait-ms",
+        "attached: when the agent goes (`AgentGone`), wait this long for an agent at the same socket and attach to it where this rank stood, every sample still delivered once; not while batches are kept out (`acquire_batch_keep`)"),
     opt!("s3_endpoint_url", OptionKind::Text, "", "AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL, the profile's, else AWS", "endpoint-url",
         "a source in an S3-compatible store (`s3://`): its endpoint, e.g. http://minio:9000 (path-style requests); read only when a sample is read from the bucket. Process-wide: the last loader built with it sets it"),
     opt!("s3_profile", OptionKind::Text, "", "AWS_PROFILE, else default", "aws-profile",
@@ -698,6 +700,7 @@ impl LoaderOptions {
                     .unwrap_or_default(),
             ),
             "agent_socket" => b.agent_socket(text.map(PathBuf::from)),
+            "agent_restart_wait_ms" => b.agent_restart_wait(Duration::from_millis(n.unwrap_or(0))),
             "s3_endpoint_url" => b.s3_endpoint_url(text),
             "s3_profile" => b.s3_profile(text),
             "cluster_file" => {

@@ -235,7 +235,7 @@ pub(crate) struct Shared {
     /// consumer took, the read-ahead now, without scanning `ready`.
     pub(crate) published_ok: AtomicU64,
     pub(crate) stats: Vec<PollerStats>,
-    pub(crate) tier: Option<Tier>,
+    pub(crate) tier: Option<Arc<Tier>>,
     /// Cluster mode: the network thread's side of things.
     pub(crate) net: Option<net::NetShared>,
     /// Cluster mode over partial spaces: who holds what (`NetSetup::partial`).

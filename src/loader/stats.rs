@@ -193,3 +193,45 @@ impl Stats {
         self.stall.as_secs_f64() / self.elapsed.as_secs_f64().max(1e-9)
     }
 }
+
+/// Where a loader's samples came from so far, read without a lock or an
+/// allocation (O(pollers)): what the node agent's feeder sends a rank with
+/// each batch ([`crate::agent::segment::BatchReads`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct ReadCounts {
+    pub(crate) disk_reads: u64,
+    pub(crate) tier_hits: u64,
+    pub(crate) remote_samples: u64,
+    pub(crate) source_reads: u64,
+}
+
+impl ReadCounts {
+    /// Adds one run's live counters.
+    pub(super) fn add_run(&mut self, sh: &Shared) {
+        for s in &sh.stats {
+            self.disk_reads += s.disk_reads.load(Ordering::Relaxed);
+            self.source_reads += s.source_reads.load(Ordering::Relaxed);
+            self.tier_hits += s.tier_hits.load(Ordering::Relaxed);
+        }
+        if let Some(n) = &sh.net {
+            self.remote_samples += n.remote_samples.load(Ordering::Relaxed);
+            self.source_reads += n.source_reads.load(Ordering::Relaxed);
+        }
+    }
+
+    /// What was counted since `earlier`, per counter. Counters only grow;
+    /// between two of a feeder's publishes they grow by at most the
+    /// samples a ring holds, which fits a u32 by far (a larger step is a
+    /// bug, and panics rather than being cut).
+    pub(crate) fn since(&self, earlier: &ReadCounts) -> crate::agent::segment::BatchReads {
+        let step = |now: u64, then: u64| {
+            u32::try_from(now - then).expect("reads between two publishes fit a u32")
+        };
+        crate::agent::segment::BatchReads {
+            disk_reads: step(self.disk_reads, earlier.disk_reads),
+            tier_hits: step(self.tier_hits, earlier.tier_hits),
+            remote_samples: step(self.remote_samples, earlier.remote_samples),
+            source_reads: step(self.source_reads, earlier.source_reads),
+        }
+    }
+}

@@ -8,8 +8,19 @@
 //! is its length rounded up to 64 bytes). A member is filled the first time a
 //! poller reads it from disk (one copy from the landing ring), and served by
 //! a copy into the ring ever after.
+//!
+//! The node agent shares one tier among the ranks it serves
+//! ([`Tier::new_checked`]): a member is then filled from one rank's ring,
+//! memory that rank can write, and served to the others. A CRC is no
+//! defence against a rank that forges bytes on purpose (four bytes fix any
+//! CRC32C), so the agent shares a tier only among ranks of one user, which
+//! trust each other (`agent::node`); the CRC check catches a ring spoiled
+//! by accident, and every copy between the tier and a ring goes through
+//! the kernel ([`crate::sys::copy_faultable`]), so a ring page the rank
+//! punched out of a hugetlb memfd fails that copy instead of killing the
+//! agent with SIGBUS.
 
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 
 use crate::dataset::Catalog;
 use crate::error::Result;
@@ -27,12 +38,37 @@ pub struct Tier {
     state: Vec<AtomicU8>,
     members: u64,
     member_bytes: u64,
+    /// Per sample id, its catalog CRC32C (members only; others 0), when
+    /// fills are checked and copies made through the kernel
+    /// ([`Tier::new_checked`]): 4 bytes per sample of the catalog.
+    crcs: Option<Vec<u32>>,
+    /// Fills whose copy did not match the catalog's CRC (the member stays
+    /// empty and a later read fills it).
+    fills_refused: AtomicU64,
 }
 
 impl Tier {
     /// Chooses members of `catalog` for a budget of `budget_bytes`, and maps
     /// (and locks, if `mlock`) the memory.
     pub fn new(catalog: &Catalog, budget_bytes: u64, mlock: bool) -> Result<Option<Tier>> {
+        Self::build(catalog, budget_bytes, mlock, false)
+    }
+
+    /// As [`Tier::new`], for a tier shared by several ranks whose rings it
+    /// is filled from and copied into: each fill is checked against the
+    /// catalog's CRC32C before the member is published (4 bytes per sample
+    /// of the catalog kept), and copies to and from rings go through the
+    /// kernel ([`crate::sys::copy_faultable`]).
+    pub fn new_checked(catalog: &Catalog, budget_bytes: u64, mlock: bool) -> Result<Option<Tier>> {
+        Self::build(catalog, budget_bytes, mlock, true)
+    }
+
+    fn build(
+        catalog: &Catalog,
+        budget_bytes: u64,
+        mlock: bool,
+        checked: bool,
+    ) -> Result<Option<Tier>> {
         if budget_bytes == 0 {
             return Ok(None);
         }
@@ -61,12 +97,25 @@ impl Tier {
             cuda: CudaMode::Off,
         })?;
         let state = (0..catalog.len()).map(|_| AtomicU8::new(EMPTY)).collect();
+        let crcs = checked.then(|| {
+            (0..catalog.len())
+                .map(|id| {
+                    if offsets[id as usize] == NOT_MEMBER {
+                        0
+                    } else {
+                        catalog.sample(id).crc32c
+                    }
+                })
+                .collect()
+        });
         Ok(Some(Tier {
             mem,
             offsets,
             state,
             members,
             member_bytes,
+            crcs,
+            fills_refused: AtomicU64::new(0),
         }))
     }
 
@@ -78,6 +127,31 @@ impl Tier {
     /// Their bytes.
     pub fn member_bytes(&self) -> u64 {
         self.member_bytes
+    }
+
+    /// Fills refused because the copy did not match the catalog's CRC32C
+    /// or the ring's page could not be read (a checked tier only; see
+    /// [`Tier::new_checked`]).
+    pub fn fills_refused(&self) -> u64 {
+        self.fills_refused.load(Ordering::Relaxed)
+    }
+
+    /// Empties every member (for a new owner of a shared tier; `&mut`: no
+    /// loader holds the tier meanwhile).
+    pub fn reset(&mut self) {
+        for st in &mut self.state {
+            *st.get_mut() = EMPTY;
+        }
+    }
+
+    /// Counts a refused fill; logs the first only (a rank that keeps
+    /// spoiling its ring must not flood the agent's log).
+    fn refuse_fill(&self, id: u64, why: &str) {
+        if self.fills_refused.fetch_add(1, Ordering::Relaxed) == 0 {
+            log::warn!(
+                "memory tier: sample {id} not kept: {why} (later refusals are counted, not logged)"
+            );
+        }
     }
 
     /// Whether `id` is a member.
@@ -123,9 +197,19 @@ impl Tier {
         if off == NOT_MEMBER || self.state[id as usize].load(Ordering::Acquire) != FULL {
             return false;
         }
-        // SAFETY: the member's bytes were written before FULL was published
-        // (Acquire above) and are never written again; dst per the contract.
-        unsafe { std::ptr::copy_nonoverlapping(self.mem.as_mut_ptr().add(off as usize), dst, len) };
+        // SAFETY: inside the mapping (the member's offset).
+        let src = unsafe { self.mem.as_mut_ptr().add(off as usize) };
+        if self.crcs.is_some() {
+            // A rank's ring: through the kernel, so a page the rank took
+            // away fails this copy (the poller then reads from disk, where
+            // the same fault is that rank's error) instead of the agent.
+            // SAFETY: the member's bytes were written before FULL was
+            // published (Acquire above) and are never written again; dst
+            // per this function's contract.
+            return unsafe { crate::sys::copy_faultable(dst, src, len) };
+        }
+        // SAFETY: as above; dst per the contract.
+        unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
         true
     }
 
@@ -143,12 +227,84 @@ impl Tier {
             .compare_exchange(EMPTY, FILLING, Ordering::AcqRel, Ordering::Relaxed)
             .is_ok()
         {
-            // SAFETY: FILLING gives this thread exclusive write access to the
-            // member's bytes; readers wait for FULL.
-            unsafe {
-                std::ptr::copy_nonoverlapping(src, self.mem.as_mut_ptr().add(off as usize), len)
-            };
+            // SAFETY: inside the mapping (the member's offset).
+            let dst = unsafe { self.mem.as_mut_ptr().add(off as usize) };
+            if self.crcs.is_some() {
+                // From a rank's ring: through the kernel (see copy_out).
+                // SAFETY: FILLING gives this thread exclusive write access
+                // to the member's bytes; src per this function's contract.
+                if !unsafe { crate::sys::copy_faultable(dst, src, len) } {
+                    self.refuse_fill(id, "its page in the rank's ring could not be read");
+                    st.store(EMPTY, Ordering::Release);
+                    return;
+                }
+            } else {
+                // SAFETY: FILLING gives this thread exclusive write access
+                // to the member's bytes; readers wait for FULL.
+                unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
+            }
+            if let Some(crcs) = &self.crcs {
+                // SAFETY: the member's bytes, just written by this thread
+                // (FILLING), inside the mapping.
+                let copy = unsafe { self.mem.slice(off as usize, len) };
+                if crc32c::crc32c(copy) != crcs[id as usize] {
+                    self.refuse_fill(
+                        id,
+                        "its bytes in the rank's ring differ from the catalog's CRC32C (the ring was written while the agent copied, or the read returned corrupt bytes: run kspeed verify)",
+                    );
+                    st.store(EMPTY, Ordering::Release);
+                    return;
+                }
+            }
             st.store(FULL, Ordering::Release);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dataset::catalog::{build, BuildOptions};
+    use crate::dataset::SourceSpec;
+
+    /// 8 files of distinct bytes and their catalog.
+    fn catalog(dir: &std::path::Path) -> (Catalog, Vec<Vec<u8>>) {
+        let src = dir.join("src");
+        std::fs::create_dir_all(&src).unwrap();
+        let files: Vec<Vec<u8>> = (0..8u8).map(|i| vec![i; 100 + i as usize]).collect();
+        for (i, f) in files.iter().enumerate() {
+            std::fs::write(src.join(format!("f{i}.bin")), f).unwrap();
+        }
+        let spec = SourceSpec::parse(&format!("dir:{}", src.display())).unwrap();
+        let cat = build(&spec, &dir.join("catalog"), &BuildOptions::default()).unwrap();
+        // The catalog's ids follow the sorted file names.
+        (cat, files)
+    }
+
+    /// A checked tier (the agent's, filled from rings ranks can write)
+    /// keeps a fill only when its copy matches the catalog's CRC32C; a
+    /// spoiled one stays empty, is counted, and a later good fill is kept.
+    #[test]
+    fn a_checked_tier_refuses_a_fill_that_is_not_the_sample() {
+        let t = tempfile::tempdir().unwrap();
+        let (cat, files) = catalog(t.path());
+        let tier = Tier::new_checked(&cat, 1 << 20, false).unwrap().unwrap();
+        assert_eq!(tier.members(), 8);
+        let mut spoiled = files[3].clone();
+        spoiled[7] ^= 0x40;
+        // SAFETY: the source buffers are live and as long as the sample.
+        unsafe { tier.fill(3, spoiled.len(), spoiled.as_ptr()) };
+        assert!(!tier.is_filled(3));
+        assert_eq!(tier.fills_refused(), 1);
+        // SAFETY: as above.
+        unsafe { tier.fill(3, files[3].len(), files[3].as_ptr()) };
+        assert_eq!(tier.view(3, files[3].len()), Some(files[3].as_slice()));
+        assert_eq!(tier.fills_refused(), 1);
+        // An unchecked tier keeps what it is given (its fills come from its
+        // own process's ring).
+        let plain = Tier::new(&cat, 1 << 20, false).unwrap().unwrap();
+        // SAFETY: as above.
+        unsafe { plain.fill(3, spoiled.len(), spoiled.as_ptr()) };
+        assert!(plain.is_filled(3));
     }
 }

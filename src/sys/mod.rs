@@ -504,3 +504,34 @@ mod tests {
         }
     }
 }
+
+/// Copies `len` bytes from `src` to `dst` through the kernel
+/// (`process_vm_readv` on this process), so that a page that cannot be
+/// faulted in (a hugetlb page a peer punched out of a memfd both map, with
+/// no huge page left to replace it) fails the copy with `EFAULT` instead
+/// of killing the process with SIGBUS. Returns whether every byte was
+/// copied. For memory another process can change under us (an attached
+/// rank's ring); one system call per copy.
+///
+/// # Safety
+/// `dst..dst+len` must be writable memory of this process that nothing
+/// else reads or writes during the call; `src..src+len` must be mapped
+/// (its pages may fail to fault: that is what this function is for).
+pub unsafe fn copy_faultable(dst: *mut u8, src: *const u8, len: usize) -> bool {
+    if len == 0 {
+        return true;
+    }
+    let local = libc::iovec {
+        iov_base: dst.cast(),
+        iov_len: len,
+    };
+    let remote = libc::iovec {
+        iov_base: src as *mut libc::c_void,
+        iov_len: len,
+    };
+    // SAFETY: both iovecs describe memory of this process per the
+    // contract; the kernel copies through its own page walk and reports a
+    // fault as an error. The iovecs live for the call.
+    let n = unsafe { libc::process_vm_readv(libc::getpid(), &local, 1, &remote, 1, 0) };
+    n == len as isize
+}

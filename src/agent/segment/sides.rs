@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use super::super::shm::{futex_wait, futex_wake_all};
 use super::{
     decode_release, in_flight, is_ready, ready_word, release_mark, seg_err, side_state, BatchDesc,
-    Generation, Segment, Side,
+    BatchReads, Generation, Segment, Side,
 };
 use crate::error::{Error, Result};
 
@@ -299,6 +299,12 @@ impl AgentSide {
         s.batch_in_epoch
             .store(desc.batch_in_epoch, Ordering::Relaxed);
         s.samples.store(desc.samples, Ordering::Relaxed);
+        s.disk_reads.store(desc.reads.disk_reads, Ordering::Relaxed);
+        s.tier_hits.store(desc.reads.tier_hits, Ordering::Relaxed);
+        s.remote_samples
+            .store(desc.reads.remote_samples, Ordering::Relaxed);
+        s.source_reads
+            .store(desc.reads.source_reads, Ordering::Relaxed);
         s.ready.store(ready_word(self.gen, seq), Ordering::Release);
         self.published = seq + 1;
         let a = self.seg.agent();
@@ -399,6 +405,12 @@ impl RankSide {
             epoch: s.epoch.load(Ordering::Relaxed),
             batch_in_epoch: s.batch_in_epoch.load(Ordering::Relaxed),
             samples: s.samples.load(Ordering::Relaxed),
+            reads: BatchReads {
+                disk_reads: s.disk_reads.load(Ordering::Relaxed),
+                tier_hits: s.tier_hits.load(Ordering::Relaxed),
+                remote_samples: s.remote_samples.load(Ordering::Relaxed),
+                source_reads: s.source_reads.load(Ordering::Relaxed),
+            },
         };
         self.taken += 1;
         let r = self.seg.rank();

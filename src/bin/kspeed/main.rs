@@ -124,6 +124,18 @@ struct AgentArgs {
     /// The socket file's mode, octal (default 660: the agent's user and group).
     #[arg(long, default_value = "660", value_parser = parse_octal_mode)]
     socket_mode: u32,
+    /// The node's memory tier (e.g. 8GiB): one for every attached rank,
+    /// filled from any rank's reads and served to all; 0: none.
+    #[arg(long, default_value = "0", value_parser = opt::<u64>("tier_bytes"))]
+    tier_bytes: u64,
+    /// Do not lock the node tier in memory (locking it needs
+    /// RLIMIT_MEMLOCK of at least --tier-bytes).
+    #[arg(long)]
+    no_mlock: bool,
+    /// The largest ring a rank may attach (the agent's memory grows with
+    /// it); a larger one is refused by name.
+    #[arg(long, default_value = "64GiB", value_parser = opt::<u64>("ring_bytes"))]
+    max_ring_bytes: u64,
 }
 
 fn parse_octal_mode(s: &str) -> Result<u32, String> {
@@ -704,6 +716,9 @@ fn run_agent(a: AgentArgs) -> kspeed::Result<()> {
     cfg.heartbeat = std::time::Duration::from_millis(a.heartbeat_ms.max(1));
     cfg.listener.allow_other_uids = a.allow_other_uids;
     cfg.listener.mode = a.socket_mode;
+    cfg.tier_bytes = a.tier_bytes;
+    cfg.tier_mlock = !a.no_mlock;
+    cfg.max_ring_bytes = a.max_ring_bytes;
     let space = a.space.clone();
     let summary = kspeed::agent::node::run_until_signal(&cfg, move |sock| {
         // Scripts and tests wait for this line.
@@ -715,6 +730,12 @@ fn run_agent(a: AgentArgs) -> kspeed::Result<()> {
         "agent stopped: {} ranks attached, {} refused, {} ended",
         summary.attached, summary.refused, summary.ended
     );
+    if summary.tier_fills_refused > 0 {
+        eprintln!(
+            "agent: {} node tier fills refused (a rank's ring changed while the agent copied from it)",
+            summary.tier_fills_refused
+        );
+    }
     Ok(())
 }
 

@@ -202,6 +202,10 @@ pub(crate) struct ReadArgs {
     /// /run/kspeed/agent.sock).
     #[arg(long)]
     agent_socket: Option<PathBuf>,
+    /// Attached: when the agent goes, wait this long (ms) for an agent at
+    /// the same socket and continue where this rank stood (0: fail).
+    #[arg(long, default_value_t = 0, value_parser = crate::opt::<u64>("agent_restart_wait_ms"))]
+    agent_restart_wait_ms: u64,
     /// Report an order-sensitive digest of every sample's id and bytes
     /// (CRC32C chained in delivery order) to compare two runs exactly.
     #[arg(long)]
@@ -307,7 +311,8 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
         // Nothing is read ahead past the last epoch asked for.
         .end_epoch(a.start_epoch.checked_add(a.epochs).filter(|_| a.epochs > 0))
         .agent(kspeed::loader::AgentMode::parse(&a.agent).expect("clap checked it"))
-        .agent_socket(a.agent_socket.clone());
+        .agent_socket(a.agent_socket.clone())
+        .agent_restart_wait(Duration::from_millis(a.agent_restart_wait_ms));
     if let Some(p) = a.pollers {
         b = b.pollers(p);
     }
@@ -410,13 +415,15 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
     };
     let t0 = Instant::now();
     let mut epoch_lines = Vec::new();
+    let mut epoch_reports = Vec::with_capacity(a.epochs.min(1 << 16) as usize);
     let mut host = Vec::new();
     let mut touched = 0u64;
     let mut digest = 0u32;
     for e in a.start_epoch..a.start_epoch + a.epochs {
         loader.set_epoch(e)?;
         let bar = Progress::new(&format!("epoch {e}"), per_epoch, progress);
-        let (te, s0, b0) = (Instant::now(), loader.stats().samples, loader.stats().bytes);
+        let (te, at_start) = (Instant::now(), loader.stats());
+        let (s0, b0) = (at_start.samples, at_start.bytes);
         let gpu = loader.landing_device().is_some();
         let mut per_dataset = vec![0u64; loader.dataset_offsets().len()];
         let mut order_digest = 0u64;
@@ -465,6 +472,9 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
         bar.finish();
         let st = loader.stats();
         let secs = te.elapsed().as_secs_f64();
+        epoch_reports.push(crate::read_json::EpochReport::between(
+            e, &at_start, &st, secs,
+        ));
         epoch_lines.push(format!(
             "epoch {e}: {} samples, {} in {:.2} s ({:.0} samples/s, {}/s)",
             st.samples - s0,
@@ -507,6 +517,7 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
                 idle_core_fraction,
                 cluster,
                 digest: a.digest.then_some(digest),
+                per_epoch: epoch_reports,
             },
         );
         return Ok(());

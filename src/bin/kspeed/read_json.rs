@@ -16,6 +16,34 @@ pub(crate) struct Run {
     pub(crate) cluster: Option<&'static str>,
     /// `--digest`: CRC32C over every sample's id and bytes in order.
     pub(crate) digest: Option<u32>,
+    /// Each epoch's own figures, in order.
+    pub(crate) per_epoch: Vec<EpochReport>,
+}
+
+/// One epoch of a read: what it delivered, how long it took, and where its
+/// samples came from (the counters' growth over the epoch; read-ahead
+/// counts where it was read).
+pub(crate) struct EpochReport {
+    pub(crate) epoch: u64,
+    pub(crate) samples: u64,
+    pub(crate) bytes: u64,
+    pub(crate) seconds: f64,
+    pub(crate) disk_reads: u64,
+    pub(crate) tier_hits: u64,
+}
+
+impl EpochReport {
+    /// The epoch `epoch` between the stats at its start and at its end.
+    pub(crate) fn between(epoch: u64, start: &Stats, end: &Stats, seconds: f64) -> Self {
+        EpochReport {
+            epoch,
+            samples: end.samples - start.samples,
+            bytes: end.bytes - start.bytes,
+            seconds,
+            disk_reads: end.disk_reads - start.disk_reads,
+            tier_hits: end.tier_hits - start.tier_hits,
+        }
+    }
 }
 
 pub(crate) fn print(st: &Stats, placement: &PollerPlacement, r: &Run) {
@@ -57,6 +85,21 @@ pub(crate) fn print(st: &Stats, placement: &PollerPlacement, r: &Run) {
             "warnings": placement.plan.warnings,
         },
     });
+    v["per_epoch"] = r
+        .per_epoch
+        .iter()
+        .map(|e| {
+            json!({
+                "epoch": e.epoch,
+                "samples": e.samples,
+                "bytes": e.bytes,
+                "seconds": e.seconds,
+                "samples_per_sec": e.samples as f64 / e.seconds.max(1e-9),
+                "disk_reads": e.disk_reads,
+                "tier_hits": e.tier_hits,
+            })
+        })
+        .collect();
     if let Some(d) = r.digest {
         v["digest"] = json!(format!("{d:08x}"));
     }

@@ -324,6 +324,7 @@ class Loader:
         mix_epoch_size=None,
         agent="auto",
         agent_socket=None,
+        agent_restart_wait_ms=0,
         s3_endpoint_url=None,
         s3_profile=None,
         start_epoch=0,
@@ -467,6 +468,9 @@ class Loader:
         cfg["agent"] = _opt("agent", agent)
         if agent_socket is not None:
             cfg["agent_socket"] = _path("agent_socket", agent_socket, must_exist=False)
+        # Attached: wait this long for a restarted agent and continue where
+        # this rank stood (0: AgentGone at once).
+        cfg["agent_restart_wait_ms"] = _opt("agent_restart_wait_ms", agent_restart_wait_ms)
         # A source in an object store (s3://): where and as whom to read it
         # when a sample comes from the bucket (process-wide settings).
         for key, value in (("s3_endpoint_url", s3_endpoint_url), ("s3_profile", s3_profile)):

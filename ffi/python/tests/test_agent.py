@@ -1,0 +1,79 @@
+"""kspeed.Loader attached to a real `kspeed agent` process: the agent is
+killed (SIGKILL) while the loader reads, a new agent starts on the same
+socket, and with ``agent_restart_wait_ms`` the loader continues where it
+stood: every sample of the epoch once, in the embedded loader's order,
+byte for byte. Without the wait, the loss of the agent is a named error."""
+
+import subprocess
+
+import pytest
+
+import kspeed
+from conftest import CHILD_TIMEOUT_S, kspeed_bin, read_line, stop_and_stderr
+
+
+class Agent:
+    """A `kspeed agent` on a socket; SIGKILLed by `kill()` or at the end."""
+
+    def __init__(self, space, sock):
+        self.proc = subprocess.Popen(
+            [kspeed_bin(), "agent", "--space", space, "--socket", str(sock)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        line = read_line(self.proc)
+        assert "agent serving" in line, f"agent printed {line!r}: {stop_and_stderr(self.proc)}"
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=CHILD_TIMEOUT_S)
+
+
+def samples(loader, after_first=None):
+    """Every (id, bytes) of one epoch; `after_first()` runs once, after the
+    first batch is taken and released."""
+    got = []
+    for b in loader:
+        got.extend((int(b.ids[i]), b.sample(i).tobytes()) for i in range(len(b)))
+        if after_first is not None:
+            after_first()
+            after_first = None
+    return got
+
+
+def attached(space, sock, **kw):
+    # A 256 KiB ring holds a few batches: the agent cannot have read the
+    # epoch ahead before it is killed.
+    return kspeed.Loader(space, batch_size=4, seed=5, ring_bytes="256KiB", pin=False,
+                         agent="required", agent_socket=sock, **kw)
+
+
+def test_a_restarted_agent_takes_the_loader_back_exactly_once(space, tmp_path):
+    sock = tmp_path / "agent.sock"
+    agents = [Agent(space, sock)]
+
+    def restart():
+        agents[0].kill()
+        agents.append(Agent(space, sock))
+
+    try:
+        with attached(space, sock, agent_restart_wait_ms=60_000) as loader:
+            got = samples(loader, after_first=restart)
+    finally:
+        for a in agents:
+            a.kill()
+    with kspeed.Loader(space, batch_size=4, seed=5, ring_bytes="256KiB", pin=False, agent="off") as loader:
+        want = samples(loader)
+    assert len(agents) == 2
+    assert [i for i, _ in got] == [i for i, _ in want]
+    assert got == want
+
+
+def test_without_the_wait_a_dead_agent_is_a_named_error(space, tmp_path):
+    sock = tmp_path / "agent.sock"
+    agent = Agent(space, sock)
+    try:
+        with attached(space, sock) as loader:
+            with pytest.raises(kspeed.Error, match=r"kspeed agent at .*agent\.sock.* is gone"):
+                samples(loader, after_first=agent.kill)
+    finally:
+        agent.kill()
