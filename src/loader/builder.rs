@@ -1215,6 +1215,7 @@ impl LoaderBuilder {
             held: false,
             batch_seq: 0,
             kept: std::collections::VecDeque::new(),
+            keeping: false,
             failed: None,
             counters: Counters::default(),
             totals: Totals::new(),

@@ -163,6 +163,10 @@ pub struct Loader {
     /// released, oldest first: the first sample of each (the released mark
     /// moves to the next one's when the oldest goes).
     kept: std::collections::VecDeque<Placed>,
+    /// Inside `acquire_batch_keep`'s call of `acquire_batch`, which runs
+    /// with `kept` set aside: no re-attach then (kept batches live in the
+    /// old ring, and the batch's first sample was placed by the old run).
+    keeping: bool,
     /// The first error: every later call returns it (wrapped).
     failed: Option<Error>,
     counters: Counters,
@@ -677,7 +681,9 @@ impl Loader {
         // The held batch (if any) stays out: it is already in `kept`.
         self.held = false;
         let kept = std::mem::take(&mut self.kept);
+        self.keeping = true;
         let n = self.acquire_batch();
+        self.keeping = false;
         self.kept = kept;
         if let Ok(n) = n {
             if n > 0 {
@@ -891,6 +897,7 @@ impl Loader {
     /// new attach replaces).
     fn may_reattach(&self) -> bool {
         self.kept.is_empty()
+            && !self.keeping
             && self
                 .attach_settings
                 .as_ref()

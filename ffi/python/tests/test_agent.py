@@ -47,11 +47,12 @@ def attached(space, sock, **kw):
                          agent="required", agent_socket=sock, **kw)
 
 
-# Known open bug (2026-12-03): in 1 of 5 runs under load the ids matched the
-# embedded epoch's but one sample's bytes did not; the Rust test of the same
-# path (tests/agent.rs, 20/20 under load) has not shown it. Kept running,
-# not strict, until found (the session's closing note has the details).
-@pytest.mark.xfail(strict=False, reason="a byte mismatch once under load after a re-attach: under investigation")
+# Python reads with acquire_batch_keep, whose re-attach placed the batch's
+# first sample by the dead attach's run (a byte mismatch once in 5 runs
+# under load, ids exact); such a loader now fails with AgentGone instead of
+# re-attaching, so this test is expected to fail until keep-mode re-attach
+# is built (the session's closing note).
+@pytest.mark.xfail(strict=False, reason="re-attach is off for acquire_batch_keep loaders (Python's): AgentGone")
 def test_a_restarted_agent_takes_the_loader_back_exactly_once(space, tmp_path):
     sock = tmp_path / "agent.sock"
     agents = [Agent(space, sock)]
