@@ -481,30 +481,6 @@ pub fn raise_open_files_limit() -> u64 {
     cur
 }
 
-#[cfg(test)]
-mod tests {
-    use super::AlignedBuf;
-
-    /// Runs under Miri too (scripts/test.sh): the alignment slack, writes
-    /// through `as_mut_ptr` and reads through slices stay inside the
-    /// mapping and follow the pointer's provenance.
-    #[test]
-    fn aligned_buf_is_aligned_zeroed_and_writable_through_its_pointer() {
-        for (len, align) in [(1, 512), (4096, 4096), (10_000, 8192), (3, 1 << 16)] {
-            let mut b = AlignedBuf::new(len, align);
-            assert_eq!(b.as_mut_ptr() as usize % align, 0);
-            assert!(b.len() >= len.max(align));
-            assert!(b.as_slice().iter().all(|&x| x == 0));
-            let n = b.len();
-            // SAFETY: n bytes from the start are ours; no slice is alive.
-            unsafe { std::ptr::write_bytes(b.as_mut_ptr(), 0xa5, n) };
-            assert!(b.as_slice().iter().all(|&x| x == 0xa5));
-            b.as_mut_slice()[n - 1] = 1;
-            assert_eq!(b.as_slice()[n - 1], 1);
-        }
-    }
-}
-
 /// Copies `len` bytes from `src` to `dst` through the kernel
 /// (`process_vm_readv` on this process), so that a page that cannot be
 /// faulted in (a hugetlb page a peer punched out of a memfd both map, with
@@ -534,4 +510,28 @@ pub unsafe fn copy_faultable(dst: *mut u8, src: *const u8, len: usize) -> bool {
     // fault as an error. The iovecs live for the call.
     let n = unsafe { libc::process_vm_readv(libc::getpid(), &local, 1, &remote, 1, 0) };
     n == len as isize
+}
+
+#[cfg(test)]
+mod tests {
+    use super::AlignedBuf;
+
+    /// Runs under Miri too (scripts/test.sh): the alignment slack, writes
+    /// through `as_mut_ptr` and reads through slices stay inside the
+    /// mapping and follow the pointer's provenance.
+    #[test]
+    fn aligned_buf_is_aligned_zeroed_and_writable_through_its_pointer() {
+        for (len, align) in [(1, 512), (4096, 4096), (10_000, 8192), (3, 1 << 16)] {
+            let mut b = AlignedBuf::new(len, align);
+            assert_eq!(b.as_mut_ptr() as usize % align, 0);
+            assert!(b.len() >= len.max(align));
+            assert!(b.as_slice().iter().all(|&x| x == 0));
+            let n = b.len();
+            // SAFETY: n bytes from the start are ours; no slice is alive.
+            unsafe { std::ptr::write_bytes(b.as_mut_ptr(), 0xa5, n) };
+            assert!(b.as_slice().iter().all(|&x| x == 0xa5));
+            b.as_mut_slice()[n - 1] = 1;
+            assert_eq!(b.as_slice()[n - 1], 1);
+        }
+    }
 }
