@@ -15,6 +15,7 @@ use kspeed::dataset::gen::{self, GenOptions, Profile};
 use kspeed::dataset::{self, BuildOptions, Catalog, Placement, PreloadOptions, SourceSpec, Space};
 use kspeed::progress::ProgressMode;
 
+mod agent_cmd;
 mod audit;
 mod inspect;
 mod ls;
@@ -79,7 +80,7 @@ enum Cmd {
     /// Run the node agent: the node's ranks attach (`agent = required` or
     /// `auto`) and its pollers read their samples into their rings
     /// (docs/AGENT.md, docs/DEPLOY.md).
-    Agent(AgentArgs),
+    Agent(agent_cmd::AgentArgs),
     /// Write the completion script for SHELL to stdout (for packagers:
     /// packaging/README.md).
     #[command(hide = true)]
@@ -94,55 +95,6 @@ enum Cmd {
         /// Output directory (created if missing).
         dir: PathBuf,
     },
-}
-
-#[derive(Args)]
-struct AgentArgs {
-    /// The node's preloaded space.
-    #[arg(long)]
-    space: PathBuf,
-    /// The attach socket (default: $KSPEED_AGENT_SOCKET, else
-    /// /run/kspeed/agent.sock).
-    #[arg(long)]
-    socket: Option<PathBuf>,
-    /// Poller threads per attached rank.
-    #[arg(long, default_value_t = 1, value_parser = opt::<usize>("pollers"))]
-    pollers: usize,
-    /// Reads in flight per poller.
-    #[arg(long, default_value_t = 32, value_parser = opt::<u32>("queue_depth"))]
-    queue_depth: u32,
-    /// Plain reads instead of reads into io_uring registered buffers.
-    #[arg(long)]
-    no_registered_buffers: bool,
-    /// Heartbeat period in ms (a rank counts the agent gone after 3).
-    #[arg(long, default_value_t = 100)]
-    heartbeat_ms: u64,
-    /// A root agent also serves other users' ranks (a system service;
-    /// give the socket a mode they can connect with, e.g. --socket-mode 666).
-    #[arg(long)]
-    allow_other_uids: bool,
-    /// The socket file's mode, octal (default 660: the agent's user and group).
-    #[arg(long, default_value = "660", value_parser = parse_octal_mode)]
-    socket_mode: u32,
-    /// The node's memory tier (e.g. 8GiB): one for every attached rank,
-    /// filled from any rank's reads and served to all; 0: none.
-    #[arg(long, default_value = "0", value_parser = opt::<u64>("tier_bytes"))]
-    tier_bytes: u64,
-    /// Do not lock the node tier in memory (locking it needs
-    /// RLIMIT_MEMLOCK of at least --tier-bytes).
-    #[arg(long)]
-    no_mlock: bool,
-    /// The largest ring a rank may attach (the agent's memory grows with
-    /// it); a larger one is refused by name.
-    #[arg(long, default_value = "64GiB", value_parser = opt::<u64>("ring_bytes"))]
-    max_ring_bytes: u64,
-}
-
-fn parse_octal_mode(s: &str) -> Result<u32, String> {
-    u32::from_str_radix(s, 8)
-        .ok()
-        .filter(|m| *m <= 0o777)
-        .ok_or_else(|| format!("{s:?} is not an octal file mode (e.g. 660)"))
 }
 
 #[derive(Args)]
@@ -676,7 +628,7 @@ fn run(cli: Cli) -> kspeed::Result<ExitCode> {
                 let _ = std::io::stdout().flush();
             })?;
         }
-        Cmd::Agent(a) => run_agent(a)?,
+        Cmd::Agent(a) => agent_cmd::run_agent(a)?,
         Cmd::Ls(a) => ls::ls(a)?,
         Cmd::Cat(a) => ls::cat(a)?,
         Cmd::Inspect(a) => {
@@ -702,43 +654,6 @@ fn run(cli: Cli) -> kspeed::Result<ExitCode> {
 /// Reads a job token file (trailing whitespace dropped; empty or longer
 /// than the HELLO frame allows is an error; readable by every user is a
 /// warning).
-/// `kspeed agent`: serves until SIGINT or SIGTERM.
-fn run_agent(a: AgentArgs) -> kspeed::Result<()> {
-    let mut cfg = kspeed::agent::node::AgentConfig::new(
-        &a.space,
-        a.socket
-            .clone()
-            .unwrap_or_else(kspeed::loader::default_agent_socket),
-    );
-    cfg.pollers = a.pollers;
-    cfg.queue_depth = a.queue_depth;
-    cfg.registered_buffers = !a.no_registered_buffers;
-    cfg.heartbeat = std::time::Duration::from_millis(a.heartbeat_ms.max(1));
-    cfg.listener.allow_other_uids = a.allow_other_uids;
-    cfg.listener.mode = a.socket_mode;
-    cfg.tier_bytes = a.tier_bytes;
-    cfg.tier_mlock = !a.no_mlock;
-    cfg.max_ring_bytes = a.max_ring_bytes;
-    let space = a.space.clone();
-    let summary = kspeed::agent::node::run_until_signal(&cfg, move |sock| {
-        // Scripts and tests wait for this line.
-        println!("agent serving {} on {}", space.display(), sock.display());
-        use std::io::Write;
-        let _ = std::io::stdout().flush();
-    })?;
-    eprintln!(
-        "agent stopped: {} ranks attached, {} refused, {} ended",
-        summary.attached, summary.refused, summary.ended
-    );
-    if summary.tier_fills_refused > 0 {
-        eprintln!(
-            "agent: {} node tier fills refused (a rank's ring changed while the agent copied from it)",
-            summary.tier_fills_refused
-        );
-    }
-    Ok(())
-}
-
 pub(crate) fn read_token(path: &std::path::Path) -> kspeed::Result<Vec<u8>> {
     use kspeed::transport::proto::MAX_TOKEN_BYTES;
     use std::io::Read;
