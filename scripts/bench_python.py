@@ -4,13 +4,18 @@ fn.readers.file, on the same files, batch 64, one epoch per run, medians of
 --runs runs (alternating):
 
   cold : page cache dropped before every run (root needed). kspeed reads its
-         space (O_DIRECT, on the same disk as the source tree); DataLoader
+         space with its defaults (page_cache=auto: O_DIRECT, the space is
+         not cached; on the same disk as the source tree); DataLoader
          reads the ImageFolder tree as raw bytes (a map-style Dataset that
          opens and reads each file, shuffled, list collate) with 0, 2, 4 and
          8 workers; DALI fn.readers.file (CPU pipeline, 2 threads) when
          nvidia-dali is installed.
-  warm : kspeed with the whole set in its memory tier (epoch 0 fills it,
-         epoch 1 is timed) against the others over a warm page cache; twice:
+  warm : over a warm page cache (the tree and the space read once, untimed):
+         kspeed with its defaults (no tier; page_cache=auto sees the space
+         cached and reads through the page cache), the same with
+         page_cache="off" (O_DIRECT: what the default was before), and
+         kspeed with the whole set in its memory tier (epoch 0 fills it,
+         epoch 1 is timed) against the others; the tier twice:
          samples copied from the tier into the landing ring (the default;
          the loop takes the zero-copy array() of every batch), and with
          tier_views=True (samples handed out in place in the tier; the loop
@@ -81,13 +86,13 @@ class Timer:
         self.cpu = cpu() - self.c0
 
 
-def run_kspeed(space, tier_bytes=0, tier_views=False, timed_epochs=1):
+def run_kspeed(space, tier_bytes=0, tier_views=False, timed_epochs=1, page_cache="auto"):
     """One loader: with a tier, epoch 0 fills it untimed; then `timed_epochs`
     epochs are timed. Returns (samples in the timed epochs, Timer)."""
     import kspeed
 
     loader = kspeed.Loader(space, batch_size=BATCH, seed=1, ring_bytes="256MiB", tier_bytes=tier_bytes,
-                           tier_views=tier_views, batches_in_flight=2)
+                           tier_views=tier_views, batches_in_flight=2, page_cache=page_cache)
 
     def epoch(e):
         loader.set_epoch(e)
@@ -225,9 +230,14 @@ def main():
                 drop_caches()
                 n, t = fn_()
                 record("cold", name, n, t)
-    # Warm: the page cache holds the tree (one untimed pass), kspeed its tier.
+    # Warm: the page cache holds the tree and the space (one untimed pass
+    # each; page_cache="on" reads the space through the cache), kspeed its
+    # tier where it has one.
     run_dataloader(src, 2)
+    run_kspeed(space, page_cache="on")
     warm = [
+        ("kspeed Python loader, defaults (page_cache auto)", lambda: run_kspeed(space)),
+        ("kspeed Python loader, page_cache off (O_DIRECT)", lambda: run_kspeed(space, page_cache="off")),
         ("kspeed Python loader, memory tier", lambda: run_kspeed(space, tier)),
         ("kspeed Python loader, memory tier, tier_views", lambda: run_kspeed(space, tier, tier_views=True)),
     ] + readers[1:]

@@ -79,6 +79,7 @@ pub struct LoaderBuilder {
     /// The epoch size that mixture proportions divide.
     mix_epoch_size: Option<u64>,
     agent: super::AgentMode,
+    page_cache: super::PageCache,
     agent_socket: Option<PathBuf>,
     agent_restart_wait: Duration,
     /// `s3_endpoint_url`, `s3_profile`.
@@ -141,6 +142,7 @@ impl LoaderBuilder {
             mix: Vec::new(),
             mix_epoch_size: None,
             agent: super::AgentMode::Auto,
+            page_cache: super::PageCache::Auto,
             agent_socket: None,
             agent_restart_wait: Duration::ZERO,
             s3: (None, None),
@@ -538,6 +540,16 @@ impl LoaderBuilder {
         self
     }
 
+    /// How a preloaded space is read (default [`super::PageCache::Auto`]:
+    /// through the page cache when nearly all of the space is cached when
+    /// the loader is built, else O_DIRECT; `Off`: always O_DIRECT, `On`:
+    /// always the page cache). Not for a loader attached to the agent,
+    /// which reads for it.
+    pub fn page_cache(mut self, mode: super::PageCache) -> Self {
+        self.page_cache = mode;
+        self
+    }
+
     /// Reads through the node's `kspeed agent` ([`super::AgentMode`]):
     /// `Required` always, `Auto` (the default) in cluster mode where the
     /// agent can serve this loader (its socket exists, this node holds the
@@ -758,9 +770,13 @@ impl LoaderBuilder {
                 self.landing.ring_bytes
             )));
         }
-        let mut direct_io = self.space.is_some() || !self.mix.is_empty();
+        let mut space_io = super::page_cache::SpaceIo {
+            mode: self.page_cache,
+            direct_io: self.space.is_some() || !self.mix.is_empty(),
+            why: None,
+        };
         let (input, align) = if let Some(a) = self.agent_input.clone() {
-            direct_io = a.direct_io;
+            space_io.direct_io = a.direct_io;
             let align = a.space.params().align_bytes as u64;
             (
                 Input::Space {
@@ -787,11 +803,12 @@ impl LoaderBuilder {
                 self.source.as_ref(),
                 self.catalog.as_ref(),
                 self.cluster.is_some(),
-                &mut direct_io,
+                &mut space_io,
             )?
         } else {
-            input::open_mix(&self.mix, self.cluster.is_some(), &mut direct_io)?
+            input::open_mix(&self.mix, self.cluster.is_some(), &mut space_io)?
         };
+        let direct_io = space_io.direct_io;
         let sampler_cfg = SamplerConfig {
             len: input.len(),
             seed: self.seed,
@@ -1139,7 +1156,10 @@ impl LoaderBuilder {
             };
         }
         if !direct_io && matches!(input, Input::Space { .. } | Input::Mix(_)) {
-            io_how.push_str("; page cache (no O_DIRECT)");
+            match &space_io.why {
+                Some(why) => io_how.push_str(&format!("; page cache (no O_DIRECT: {why})")),
+                None => io_how.push_str("; page cache (no O_DIRECT)"),
+            }
         }
         let mut ring = ring;
         if remote.is_some() {

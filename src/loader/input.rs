@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+use super::page_cache::{self, PageCache, SpaceIo};
 use super::{Input, MixInput};
 use crate::dataset::{Catalog, SourceSpec, Space};
 use crate::error::{Error, Result};
@@ -37,14 +38,15 @@ pub fn parse_mix_entry(entry: &str) -> Result<(String, Weight)> {
 }
 
 /// Opens one input: a space (its extents, O_DIRECT where the file
-/// system allows; `direct_io` is cleared where it does not) or a
-/// source with its catalog. Returns it with its alignment.
+/// system allows and `io.mode` asks for it; `io.direct_io` is cleared
+/// where it is not) or a source with its catalog. Returns it with its
+/// alignment.
 pub(super) fn open_input(
     space: Option<&PathBuf>,
     source: Option<&String>,
     catalog: Option<&PathBuf>,
     cluster: bool,
-    direct_io: &mut bool,
+    io: &mut SpaceIo,
 ) -> Result<(Input, u64)> {
     Ok(match (space, source) {
         (Some(dir), _) => {
@@ -65,11 +67,12 @@ pub(super) fn open_input(
             }
             let align = p.align_bytes as u64;
             let mut extents = Vec::with_capacity(space.extent_lens().len());
+            let mut all_direct = true;
             for i in 0..space.extent_lens().len() as u32 {
                 let path = space.extent_path(i);
                 let (f, direct) =
                     crate::sys::open_direct(&path).map_err(|e| Error::io("open", &path, e))?;
-                if !direct && *direct_io {
+                if !direct && io.mode != PageCache::On {
                     // Not silent: every read then goes through (and
                     // evicts from) the page cache.
                     log::warn!(
@@ -77,9 +80,24 @@ pub(super) fn open_input(
                         path.display()
                     );
                 }
-                *direct_io &= direct;
+                all_direct &= direct;
                 extents.push(f);
             }
+            if all_direct {
+                let choice = page_cache::decide(io.mode, &extents, space.extent_lens(), |i| {
+                    space.extent_path(i as u32)
+                })?;
+                log::info!("{}: {}", dir.display(), choice.why);
+                if choice.buffered {
+                    for (i, f) in extents.iter_mut().enumerate() {
+                        let path = space.extent_path(i as u32);
+                        *f = std::fs::File::open(&path).map_err(|e| Error::io("open", &path, e))?;
+                    }
+                    all_direct = false;
+                    io.why.get_or_insert(choice.why);
+                }
+            }
+            io.direct_io &= all_direct;
             (
                 Input::Space {
                     space: Arc::new(space),
@@ -157,7 +175,7 @@ pub(super) fn open_input(
 pub(super) fn open_mix(
     mix: &[(String, Weight)],
     cluster: bool,
-    direct_io: &mut bool,
+    io: &mut SpaceIo,
 ) -> Result<(Input, u64)> {
     let mut parts = Vec::with_capacity(mix.len());
     let mut align = 4096u64;
@@ -171,7 +189,7 @@ pub(super) fn open_mix(
         }
         let (input, a) = if path.join(crate::dataset::space::files::MANIFEST).is_file() {
             any_space = true;
-            let input = open_input(Some(&path), None, None, cluster, direct_io)?;
+            let input = open_input(Some(&path), None, None, cluster, io)?;
             if let (true, Input::Space { space, .. }) = (cluster, &input.0) {
                 if space.params().is_partial() {
                     return Err(Error::InvalidConfig(format!(
@@ -184,14 +202,14 @@ pub(super) fn open_mix(
             // A catalog: read from the source it records (in cluster
             // mode, from the nodes serving its space).
             let source = Catalog::open(&path)?.source().into_owned();
-            open_input(None, Some(&source), Some(&path), cluster, direct_io)?
+            open_input(None, Some(&source), Some(&path), cluster, io)?
         } else {
-            open_input(None, Some(what), None, false, direct_io)?
+            open_input(None, Some(what), None, false, io)?
         };
         align = align.max(a);
         parts.push(input);
     }
-    *direct_io &= any_space;
+    io.direct_io &= any_space;
     let mut offsets = Vec::with_capacity(parts.len());
     let (mut extent_base, mut file_base) = (Vec::new(), Vec::new());
     let (mut id, mut extents, mut files) = (0u64, 0u32, 0u32);

@@ -39,6 +39,7 @@ mod fdcache;
 mod input;
 pub(crate) mod net;
 pub mod options;
+mod page_cache;
 mod shared;
 mod stats;
 
@@ -68,6 +69,7 @@ pub use batch::{Batch, BatchSample, DeviceSample};
 pub use builder::*;
 pub use input::parse_mix_entry;
 pub use options::LoaderOptions;
+pub use page_cache::PageCache;
 pub(crate) use shared::*;
 pub(crate) use stats::ReadCounts;
 use stats::{Counters, Totals};

@@ -239,6 +239,8 @@ pub static OPTIONS: &[OptionSpec] = &[
         "register the extent files with io_uring (`kspeed read --no-registered-files`)"),
     opt!("verify_crc32c", OptionKind::Bool, "", "false", "verify",
         "check the CRC32C of every sample read from disk against the catalog (a mismatch is a data error naming the sample and file)"),
+    opt!("page_cache", OptionKind::Choice(&["auto", "off", "on"]), "", "auto", "page-cache",
+        "how a preloaded space is read: `auto` through the page cache when at least 90% of a sample of its pages is cached as the loader is built (a warm machine; the loader's I/O description says which and why), else O_DIRECT; `off` always O_DIRECT; `on` always the page cache"),
     opt!("huge_pages", OptionKind::Bool, "", "true", "",
         "2 MiB pages for the ring when the system has them reserved (`kspeed read --no-huge-pages`)"),
     opt!("mlock", OptionKind::Bool, "", "true", "",
@@ -642,6 +644,11 @@ impl LoaderOptions {
             "registered_buffers" => b.registered_buffers(on),
             "registered_files" => b.registered_files(on),
             "verify_crc32c" => b.verify_crc32c(on),
+            "page_cache" => b.page_cache(
+                text.as_deref()
+                    .and_then(super::PageCache::parse)
+                    .unwrap_or_default(),
+            ),
             "huge_pages" | "mlock" | "numa_node" | "gpu_pci" | "cuda" => {
                 match spec.name {
                     "huge_pages" => landing.huge_pages = on,

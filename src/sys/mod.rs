@@ -512,9 +512,92 @@ pub unsafe fn copy_faultable(dst: *mut u8, src: *const u8, len: usize) -> bool {
     n == len as isize
 }
 
+/// How much of `file` (its first `len_bytes`) is in the page cache,
+/// sampled: `windows` evenly spaced runs of up to 16 pages each are
+/// checked with `mincore`, so the cost is bounded whatever the file's
+/// size (a few microseconds per window). Returns (resident pages, pages
+/// checked); (0, 0) for an empty file.
+pub fn sample_resident_pages(file: &File, len_bytes: u64, windows: u64) -> io::Result<(u64, u64)> {
+    const WINDOW_PAGES: u64 = 16;
+    // SAFETY: sysconf has no preconditions.
+    let page_bytes = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(4096) as u64;
+    let pages = len_bytes.div_ceil(page_bytes);
+    if pages == 0 || windows == 0 {
+        return Ok((0, 0));
+    }
+    let map_len = usize::try_from(pages * page_bytes)
+        .map_err(|_| io::Error::from_raw_os_error(libc::EOVERFLOW))?;
+    // SAFETY: a fresh read-only shared mapping of the file that nothing
+    // else refers to; its bytes are never read (mincore only asks the
+    // kernel which of its pages are cached), so a concurrent truncation
+    // cannot fault here. Unmapped below on every path.
+    let map = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            map_len,
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+            file.as_raw_fd(),
+            0,
+        )
+    };
+    if map == libc::MAP_FAILED {
+        return Err(io::Error::last_os_error());
+    }
+    let runs = windows.min(pages.div_ceil(WINDOW_PAGES));
+    let stride_pages = pages / runs;
+    let mut vec = [0u8; WINDOW_PAGES as usize];
+    let (mut resident, mut checked) = (0u64, 0u64);
+    let mut result = Ok(());
+    for w in 0..runs {
+        let first = w * stride_pages;
+        let n = WINDOW_PAGES.min(pages - first);
+        // SAFETY: [first, first + n) pages lie inside the mapping made
+        // above, and `vec` has room for one byte per page of the run.
+        let rc = unsafe {
+            libc::mincore(
+                map.cast::<u8>().add((first * page_bytes) as usize).cast(),
+                (n * page_bytes) as usize,
+                vec.as_mut_ptr(),
+            )
+        };
+        if rc != 0 {
+            result = Err(io::Error::last_os_error());
+            break;
+        }
+        resident += vec[..n as usize].iter().filter(|b| **b & 1 != 0).count() as u64;
+        checked += n;
+    }
+    // SAFETY: the mapping made above, exactly this long, unused from here.
+    unsafe { libc::munmap(map, map_len) };
+    result.map(|()| (resident, checked))
+}
+
 #[cfg(test)]
 mod tests {
     use super::AlignedBuf;
+
+    /// A file just written is in the page cache; after dropping its pages
+    /// (POSIX_FADV_DONTNEED, once flushed) it is not, and the sample says so.
+    #[test]
+    fn resident_pages_follow_the_page_cache() {
+        use std::io::Write;
+        // Beside the sources, on a disk: /tmp may be tmpfs, whose pages
+        // are always resident.
+        let mut f = tempfile::tempfile_in(env!("CARGO_MANIFEST_DIR")).unwrap();
+        f.write_all(&vec![7u8; 8 << 20]).unwrap();
+        let (resident, checked) = super::sample_resident_pages(&f, 8 << 20, 64).unwrap();
+        assert!(checked >= 64, "{checked} pages checked");
+        assert_eq!(resident, checked, "a file just written");
+        f.sync_all().unwrap();
+        super::drop_cache(&f, 0, 8 << 20);
+        let (after, _) = super::sample_resident_pages(&f, 8 << 20, 64).unwrap();
+        assert!(
+            after < checked / 2,
+            "{after} of {checked} pages still resident after DONTNEED"
+        );
+        assert_eq!(super::sample_resident_pages(&f, 0, 64).unwrap(), (0, 0));
+    }
 
     /// Runs under Miri too (scripts/test.sh): the alignment slack, writes
     /// through `as_mut_ptr` and reads through slices stay inside the

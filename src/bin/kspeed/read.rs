@@ -117,6 +117,11 @@ pub(crate) struct ReadArgs {
     /// Plain descriptors instead of io_uring registered files.
     #[arg(long)]
     no_registered_files: bool,
+    /// How the space is read: auto (through the page cache when nearly all
+    /// of it is cached, else O_DIRECT), off (always O_DIRECT), on (always
+    /// the page cache).
+    #[arg(long, default_value = "auto", value_parser = ["auto", "off", "on"])]
+    page_cache: String,
     /// Normal pages only (no huge pages, no THP advice).
     #[arg(long)]
     no_huge_pages: bool,
@@ -302,6 +307,7 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
         .gpu_ring(a.gpu_ring)
         .registered_buffers(!a.no_registered_buffers)
         .registered_files(!a.no_registered_files)
+        .page_cache(kspeed::loader::PageCache::parse(&a.page_cache).expect("clap checked it"))
         .pin(!a.no_pin)
         .poller_numa_node(a.poller_numa_node)
         .start_at(kspeed::sampler::Position {

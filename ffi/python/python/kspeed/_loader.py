@@ -301,6 +301,7 @@ class Loader:
         registered_buffers=True,
         registered_files=True,
         verify_crc32c=False,
+        page_cache="auto",
         huge_pages=True,
         mlock=True,
         numa_node=None,
@@ -387,6 +388,7 @@ class Loader:
             ("registered_buffers", registered_buffers),
             ("registered_files", registered_files),
             ("verify_crc32c", verify_crc32c),
+            ("page_cache", page_cache),
             ("huge_pages", huge_pages),
             ("mlock", mlock),
         ):
