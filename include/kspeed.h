@@ -241,6 +241,32 @@ typedef struct {
   uint64_t digest_sum;
   // Bytes of the `source_reads` samples (appended in ABI 5).
   uint64_t source_bytes;
+  // `stall_s` charged to its causes (appended after `source_bytes`):
+  // each wait goes to the sample waited for and how it came. Seconds
+  // waiting for samples read from this node's disk (the space's
+  // extents, or source files read directly).
+  double stall_disk_s;
+  // For samples copied from the memory tier.
+  double stall_tier_s;
+  // For samples read from the source (a partial space's, a bucket, or
+  // the last resort of cluster mode).
+  double stall_source_s;
+  // For samples other nodes served as their first holder.
+  double stall_peers_s;
+  // For samples that failed over from their first holder (or from this
+  // node's own read) to another replica or the source. The six causes
+  // are disjoint and add up to `stall_s`.
+  double stall_failover_s;
+  // An attached rank: waiting for the node agent's next batch.
+  double stall_agent_s;
+  // The nodes with the most stall (served as first holder, or failed
+  // over from), most first: node index, seconds and waits; entries
+  // with 0 waits are empty.
+  uint32_t slowest_peer_node[4];
+  // Seconds charged to `slowest_peer_node[i]`.
+  double slowest_peer_stall_s[4];
+  // Waits charged to `slowest_peer_node[i]`.
+  uint64_t slowest_peer_waits[4];
 } ksp_stats;
 
 // What the catalog says about one sample.

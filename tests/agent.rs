@@ -379,3 +379,32 @@ fn a_silent_connection_does_not_silence_the_heartbeat() {
     assert_eq!(finish(rank), embedded(&sp, 0, 2, 15));
     drop(silent);
 }
+
+/// An attached rank waits only for the agent's batches: its whole stall
+/// is charged to the agent (`stall_causes.agent_seconds`).
+#[test]
+fn an_attached_rank_s_stall_is_the_agent_s() {
+    let dir = tempfile::tempdir().unwrap();
+    let sp = space(dir.path(), 800);
+    let sock = dir.path().join("agent.sock");
+    let _agent = Agent::start(&sp, &sock, &[]);
+    let o = wait_output(
+        spawn_read(&attached_args(&sp, &sock, 0, 1, 2)),
+        Duration::from_secs(120),
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("json report");
+    let c = &v["stall_causes"];
+    let stall = v["stall_seconds"].as_f64().expect("stall_seconds");
+    let agent = c["agent_seconds"].as_f64().expect("agent_seconds");
+    assert!((agent - stall).abs() < 1e-6, "{c} against {stall}");
+    for k in [
+        "disk_seconds",
+        "tier_seconds",
+        "source_seconds",
+        "peers_seconds",
+        "failover_seconds",
+    ] {
+        assert_eq!(c[k].as_f64(), Some(0.0), "{k}: {c}");
+    }
+}

@@ -476,12 +476,28 @@ fn owner_killed_without_replica_or_source_is_a_named_error() {
     assert!(took < Duration::from_secs(20), "took {took:?}");
 }
 
+/// The stall is charged to its cause: node 1, stopped, made the consumer
+/// wait at least most of its timeout for a sample that then failed over,
+/// so `failover` holds that wait, node 1 leads the slowest nodes, and the
+/// causes add up to the whole stall.
 #[test]
 fn stalled_owner_times_out_and_fails_over() {
-    let (_st, r, took) = owner_trouble(2, false, false, Duration::from_millis(800));
+    let timeout = Duration::from_millis(800);
+    let (_st, r, took) = owner_trouble(2, false, false, timeout);
     let stats = r.unwrap();
     assert!(stats.failovers > 0, "{stats:?}");
     assert!(took < Duration::from_secs(20), "took {took:?}");
+    let c = stats.stall_causes;
+    assert_eq!(
+        c.disk + c.tier + c.source + c.peers + c.failover + c.agent,
+        stats.stall,
+        "{c:?}"
+    );
+    // The node is declared stalled after `timeout` without progress,
+    // counted from its last progress, which can precede the wait a little.
+    assert!(c.failover >= timeout / 2, "{c:?}");
+    assert_eq!(c.slowest_peers[0].node, 1, "{c:?}");
+    assert_eq!(c.agent, Duration::ZERO);
 }
 
 // --- hostile consumers against a real node -------------------------------

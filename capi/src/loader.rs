@@ -356,7 +356,36 @@ pub struct ksp_stats {
     pub digest_sum: u64,
     /// Bytes of the `source_reads` samples (appended in ABI 5).
     pub source_bytes: u64,
+    /// `stall_s` charged to its causes (appended after `source_bytes`):
+    /// each wait goes to the sample waited for and how it came. Seconds
+    /// waiting for samples read from this node's disk (the space's
+    /// extents, or source files read directly).
+    pub stall_disk_s: f64,
+    /// For samples copied from the memory tier.
+    pub stall_tier_s: f64,
+    /// For samples read from the source (a partial space's, a bucket, or
+    /// the last resort of cluster mode).
+    pub stall_source_s: f64,
+    /// For samples other nodes served as their first holder.
+    pub stall_peers_s: f64,
+    /// For samples that failed over from their first holder (or from this
+    /// node's own read) to another replica or the source. The six causes
+    /// are disjoint and add up to `stall_s`.
+    pub stall_failover_s: f64,
+    /// An attached rank: waiting for the node agent's next batch.
+    pub stall_agent_s: f64,
+    /// The nodes with the most stall (served as first holder, or failed
+    /// over from), most first: node index, seconds and waits; entries
+    /// with 0 waits are empty.
+    pub slowest_peer_node: [u32; 4],
+    /// Seconds charged to `slowest_peer_node[i]`.
+    pub slowest_peer_stall_s: [f64; 4],
+    /// Waits charged to `slowest_peer_node[i]`.
+    pub slowest_peer_waits: [u64; 4],
 }
+
+// The C layout names 4 slowest peers: the library's count must agree.
+const _: () = assert!(kspeed::loader::SLOWEST_PEERS == 4);
 
 impl Default for ksp_stats {
     /// Zeroes with this build's `struct_size` (`KSP_STATS_INIT`).
@@ -386,6 +415,15 @@ impl Default for ksp_stats {
             digest_count: 0,
             digest_sum: 0,
             source_bytes: 0,
+            stall_disk_s: 0.0,
+            stall_tier_s: 0.0,
+            stall_source_s: 0.0,
+            stall_peers_s: 0.0,
+            stall_failover_s: 0.0,
+            stall_agent_s: 0.0,
+            slowest_peer_node: [0; 4],
+            slowest_peer_stall_s: [0.0; 4],
+            slowest_peer_waits: [0; 4],
         }
     }
 }
@@ -417,6 +455,8 @@ pub unsafe extern "C" fn ksp_loader_stats(l: *const ksp_loader, out: *mut ksp_st
             )
         };
         let s = h.loader.stats();
+        let c = &s.stall_causes;
+        let top = &c.slowest_peers;
         out.set(ksp_stats {
             struct_size: 0, // not written: the caller's
             samples: s.samples,
@@ -442,6 +482,15 @@ pub unsafe extern "C" fn ksp_loader_stats(l: *const ksp_loader, out: *mut ksp_st
             digest_count: s.digest.count,
             digest_sum: s.digest.sum,
             source_bytes: s.source_bytes,
+            stall_disk_s: c.disk.as_secs_f64(),
+            stall_tier_s: c.tier.as_secs_f64(),
+            stall_source_s: c.source.as_secs_f64(),
+            stall_peers_s: c.peers.as_secs_f64(),
+            stall_failover_s: c.failover.as_secs_f64(),
+            stall_agent_s: c.agent.as_secs_f64(),
+            slowest_peer_node: std::array::from_fn(|i| top[i].node),
+            slowest_peer_stall_s: std::array::from_fn(|i| top[i].stall.as_secs_f64()),
+            slowest_peer_waits: std::array::from_fn(|i| top[i].waits),
         });
         Ok(())
     })

@@ -203,11 +203,14 @@ impl RankAttach {
 
     /// The next batch: its descriptor once the agent published it (no
     /// system call while batches are ahead); `first_g` is its first
-    /// sample's sequence number, kept until it is released.
-    pub(crate) fn take(&mut self, first_g: u64) -> Result<BatchDesc> {
+    /// sample's sequence number, kept until it is released. With the time
+    /// waited for it (zero when it was already there).
+    pub(crate) fn take(&mut self, first_g: u64) -> Result<(BatchDesc, Duration)> {
+        let mut waited = Duration::ZERO;
         let desc = match self.side.try_take() {
             Some(d) => d,
             None => {
+                let t0 = std::time::Instant::now();
                 let conn = &self.conn;
                 let socket = &self.socket;
                 let mut hung_up = false;
@@ -221,6 +224,7 @@ impl RankAttach {
                     }
                     Ok(())
                 });
+                waited = t0.elapsed();
                 match r {
                     Ok(d) => d,
                     Err(e) => return Err(self.gone(e, hung_up)),
@@ -235,7 +239,7 @@ impl RankAttach {
             self.slots
         );
         self.out.push_back(first_g);
-        Ok(desc)
+        Ok((desc, waited))
     }
 
     /// The agent-gone error for a failed wait.

@@ -1238,6 +1238,7 @@ impl LoaderBuilder {
             keeping: false,
             failed: None,
             counters: Counters::default(),
+            stall_ledger: Default::default(),
             totals: Totals::new(),
             started: Instant::now(),
             net: net.map(Arc::new),

@@ -41,6 +41,7 @@ pub(crate) mod net;
 pub mod options;
 mod page_cache;
 mod shared;
+mod stall_causes;
 mod stats;
 
 mod poller;
@@ -71,6 +72,7 @@ pub use input::parse_mix_entry;
 pub use options::LoaderOptions;
 pub use page_cache::PageCache;
 pub(crate) use shared::*;
+pub use stall_causes::{PeerStall, StallCauses, SLOWEST_PEERS};
 pub(crate) use stats::ReadCounts;
 use stats::{Counters, Totals};
 pub use stats::{Latency, PlacementStats, Stats};
@@ -172,6 +174,8 @@ pub struct Loader {
     /// The first error: every later call returns it (wrapped).
     failed: Option<Error>,
     counters: Counters,
+    /// `counters.stall` charged to its causes.
+    stall_ledger: stall_causes::StallLedger,
     /// Pollers' and network counters of earlier runs (before restarts).
     totals: Totals,
     started: Instant,
@@ -240,6 +244,9 @@ impl Loader {
             fixed_buffers: self.fixed_buffers,
             fixed_files: self.fixed_files,
             ready: (0..table).map(|_| AtomicU64::new(0)).collect(),
+            via: (0..table)
+                .map(|_| std::sync::atomic::AtomicU32::new(0))
+                .collect(),
             released_v: AtomicU64::new(0),
             released_g: AtomicU64::new(0),
             parked: (0..n)
@@ -498,7 +505,13 @@ impl Loader {
                     // Attached: the agent publishes whole batches; the
                     // one descriptor covers every sample of this one.
                     match a.take(p.g) {
-                        Ok(d) => desc = Some(d),
+                        Ok((d, waited)) => {
+                            desc = Some(d);
+                            if !waited.is_zero() {
+                                self.counters.stall += waited;
+                                self.stall_ledger.charge_agent(waited);
+                            }
+                        }
                         Err(e) => {
                             self.peeked = Some(p);
                             if matches!(e, Error::AgentGone { .. }) && self.may_reattach() {
@@ -612,7 +625,9 @@ impl Loader {
                 }
             }
             sh.waiting_for.store(0, Ordering::SeqCst);
-            self.counters.stall += t0.elapsed();
+            let waited = t0.elapsed();
+            self.counters.stall += waited;
+            self.stall_ledger.charge(sh.via(p.g), waited);
         }
         match state {
             Some(CODE_OK) => return Ok(CODE_OK),
@@ -1069,6 +1084,13 @@ impl Loader {
         self.parts().1.info()
     }
 
+    /// Every peer node the caller waited for, with its share of the stall
+    /// ([`StallCauses::slowest_peers`] holds the first few of them), by
+    /// node index; empty outside cluster mode.
+    pub fn stall_by_peer(&self) -> Vec<PeerStall> {
+        self.stall_ledger.by_peer()
+    }
+
     /// Statistics over the loader's life so far (cumulative across
     /// `set_epoch` and `restore_position` restarts).
     pub fn stats(&self) -> Stats {
@@ -1102,6 +1124,7 @@ impl Loader {
             bytes: self.counters.bytes,
             elapsed: self.started.elapsed(),
             stall: self.counters.stall,
+            stall_causes: self.stall_ledger.causes(),
             disk_reads: t.disk_reads,
             tier_hits: t.tier_hits,
             retries: t.retries,

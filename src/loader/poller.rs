@@ -22,6 +22,7 @@ use hdrhistogram::Histogram;
 
 use super::fdcache::{FdCache, Lease};
 use super::schedule::{Cursor, Placed};
+use super::shared::{VIA_DISK, VIA_SOURCE, VIA_TIER};
 use super::{Input, Shared, CODE_ERROR, CODE_OK, CODE_TIER};
 use crate::error::{errno_name, Error};
 use crate::pool::Pool;
@@ -359,7 +360,7 @@ impl Poller {
             }
             let dst = self.dst(&p);
             if p.len == 0 {
-                self.shared.publish(p.g, CODE_OK);
+                self.shared.publish(p.g, CODE_OK, VIA_DISK);
                 started += 1;
                 continue;
             }
@@ -371,7 +372,7 @@ impl Poller {
                 self.shared.stats[self.index as usize]
                     .tier_hits
                     .fetch_add(1, Ordering::Relaxed);
-                self.shared.publish(p.g, CODE_TIER);
+                self.shared.publish(p.g, CODE_TIER, VIA_TIER);
                 started += 1;
                 continue;
             }
@@ -390,7 +391,7 @@ impl Poller {
                     self.shared.stats[self.index as usize]
                         .tier_hits
                         .fetch_add(1, Ordering::Relaxed);
-                    self.shared.publish(p.g, CODE_OK);
+                    self.shared.publish(p.g, CODE_OK, VIA_TIER);
                     started += 1;
                     continue;
                 }
@@ -689,7 +690,14 @@ impl Poller {
         } else {
             st.disk_reads.fetch_add(1, Ordering::Relaxed);
         }
-        self.shared.mark_ready(p.g, CODE_OK);
+        // A bucket read directly is the source too (counted with disk
+        // reads, as every sample of a `source` loader is).
+        let via = if partial_source || self.remote {
+            VIA_SOURCE
+        } else {
+            VIA_DISK
+        };
+        self.shared.mark_ready(p.g, CODE_OK, via);
         self.unwoken = true;
     }
 
@@ -739,7 +747,7 @@ impl Poller {
 
     fn fail(&mut self, p: &Placed, e: Error) {
         super::shared::push_error(&self.shared.errors, p.g, e);
-        self.shared.mark_ready(p.g, CODE_ERROR);
+        self.shared.mark_ready(p.g, CODE_ERROR, VIA_DISK);
         self.unwoken = true;
     }
 

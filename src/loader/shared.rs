@@ -26,6 +26,27 @@ pub(crate) const CODE_ERROR: u64 = 1;
 /// (`tier_views`).
 pub(crate) const CODE_TIER: u64 = 2;
 
+/// How a published sample came (the `via` beside its ready word): what a
+/// wait for it is charged to ([`super::StallCauses`]).
+pub(crate) const VIA_DISK: u32 = 0;
+/// From the memory tier.
+pub(crate) const VIA_TIER: u32 = 1;
+/// From the source (a partial space's sample, a bucket, or the last
+/// resort in cluster mode).
+pub(crate) const VIA_SOURCE: u32 = 2;
+/// From peer node `n`, its first holder: `VIA_PEER + n`.
+pub(crate) const VIA_PEER: u32 = 4;
+/// With `VIA_PEER + n`: the sample failed over from node `n` (its first
+/// holder, or this node when its own read failed) to another replica or
+/// the source.
+pub(crate) const VIA_FAILOVER: u32 = 1 << 31;
+
+/// `VIA_PEER + node`, with the failover bit when `failover`.
+pub(crate) fn via_peer(node: u32, failover: bool) -> u32 {
+    debug_assert!(node < VIA_FAILOVER - VIA_PEER, "node index {node}");
+    (VIA_PEER + node) | if failover { VIA_FAILOVER } else { 0 }
+}
+
 /// Where samples are read from.
 pub(crate) enum Input {
     /// A preloaded space: packed, aligned extents (O_DIRECT).
@@ -218,6 +239,9 @@ pub(crate) struct Shared {
     pub(crate) fixed_files: bool,
     /// Indexed by g mod table length: ((g + 1) << 8) | code once g is ready.
     pub(super) ready: Box<[AtomicU64]>,
+    /// Beside `ready`: how the sample came (`VIA_*`), stored before its
+    /// ready word, so a consumer that sees the word sees this too.
+    pub(super) via: Box<[AtomicU32]>,
     /// Per poller: (slot end, g) of the sample it parked waiting for, or
     /// (0, _) when it is not parked on flow control. A release wakes only
     /// the pollers whose sample it made writable.
@@ -373,10 +397,10 @@ impl Shared {
         self.parked[poller].0.store(v, Ordering::SeqCst);
     }
 
-    /// Marks sample `g` done with `code` and wakes the consumer if it sleeps
-    /// on exactly that sample.
-    pub(crate) fn publish(&self, g: u64, code: u64) {
-        self.mark_ready(g, code);
+    /// Marks sample `g` done with `code`, having come `via` (`VIA_*`), and
+    /// wakes the consumer if it sleeps on exactly that sample.
+    pub(crate) fn publish(&self, g: u64, code: u64, via: u32) {
+        self.mark_ready(g, code, via);
         if self.waiting_for.load(Ordering::SeqCst) == g + 1 {
             self.wake();
         }
@@ -385,11 +409,14 @@ impl Shared {
     /// Marks sample `g` done with `code` without waking anyone: a poller
     /// that finishes several samples in one tick marks them all, starts its
     /// next reads, and then calls [`Shared::wake_if_ready`] once.
-    pub(crate) fn mark_ready(&self, g: u64, code: u64) {
+    pub(crate) fn mark_ready(&self, g: u64, code: u64, via: u32) {
         let idx = (g % self.ready.len() as u64) as usize;
         if code != super::CODE_ERROR {
             self.published_ok.fetch_add(1, Ordering::Relaxed);
         }
+        // Relaxed: the SeqCst store of the ready word below orders it
+        // before, for a consumer that loads that word.
+        self.via[idx].store(via, Ordering::Relaxed);
         self.ready[idx].store(((g + 1) << 8) | code, Ordering::SeqCst);
     }
 
@@ -430,6 +457,13 @@ impl Shared {
         let v = self.ready[(g % self.ready.len() as u64) as usize].load(Ordering::SeqCst);
         (v >> 8 == g + 1).then_some(v & 0xff)
     }
+
+    /// How sample `g` came (`VIA_*`); meaningful once [`Shared::state`]
+    /// returned its code (the table entry is g's until the consumer
+    /// releases it).
+    pub(super) fn via(&self, g: u64) -> u32 {
+        self.via[(g % self.via.len() as u64) as usize].load(Ordering::Relaxed)
+    }
 }
 
 /// The simulator's view (tests only): a run's shared state built without a
@@ -462,6 +496,7 @@ impl Shared {
             fixed_buffers: false,
             fixed_files: false,
             ready: (0..table).map(|_| AtomicU64::new(0)).collect(),
+            via: (0..table).map(|_| AtomicU32::new(0)).collect(),
             parked: Box::new([]),
             released_v: AtomicU64::new(0),
             released_g: AtomicU64::new(0),

@@ -115,6 +115,9 @@ pub struct Stats {
     pub elapsed: Duration,
     /// Time the caller waited inside `next_batch`.
     pub stall: Duration,
+    /// `stall` charged to its causes: the sample waited for and how it
+    /// came (disk, tier, source, which peer, failover; the agent).
+    pub stall_causes: super::StallCauses,
     /// Samples read from disk: the space's extents, or a source read
     /// directly (`source`); a partial space's others are `source_reads`.
     pub disk_reads: u64,

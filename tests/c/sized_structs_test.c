@@ -239,6 +239,14 @@ int main(int argc, char **argv) {
           (unsigned long long)full.p90_us, (unsigned long long)full.p99_us,
           (unsigned long long)full.p999_us, (unsigned long long)full.max_us);
 
+    /* The stall's causes (appended after source_bytes) add up to it. */
+    double causes = full.stall_disk_s + full.stall_tier_s + full.stall_source_s + full.stall_peers_s +
+                    full.stall_failover_s + full.stall_agent_s;
+    CHECK(causes >= full.stall_s - 1e-6 && causes <= full.stall_s + 1e-6 && full.stall_peers_s == 0.0 &&
+              full.slowest_peer_waits[0] == 0,
+          "stall %.9f s, causes %.9f s (disk %.9f, peers %.9f)", full.stall_s, causes, full.stall_disk_s,
+          full.stall_peers_s);
+
     /* loop_stalls is written (the struct was filled with FILL bytes
      * first) and counts the blocked ticks the hook made, if any. */
     ksp_stats filled;

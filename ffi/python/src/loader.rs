@@ -376,6 +376,25 @@ impl PyLoader {
         d.set_item("source_bytes", st.source_bytes)?;
         d.set_item("read_ahead", st.read_ahead)?;
         d.set_item("read_ahead_discarded", st.read_ahead_discarded)?;
+        // stall_s charged to its causes (README, "Stall charged to its cause").
+        let c = &st.stall_causes;
+        let causes = PyDict::new(py);
+        causes.set_item("disk_s", c.disk.as_secs_f64())?;
+        causes.set_item("tier_s", c.tier.as_secs_f64())?;
+        causes.set_item("source_s", c.source.as_secs_f64())?;
+        causes.set_item("peers_s", c.peers.as_secs_f64())?;
+        causes.set_item("failover_s", c.failover.as_secs_f64())?;
+        causes.set_item("agent_s", c.agent.as_secs_f64())?;
+        let peers = pyo3::types::PyList::empty(py);
+        for p in c.slowest_peers.iter().filter(|p| p.waits > 0) {
+            let e = PyDict::new(py);
+            e.set_item("node", p.node)?;
+            e.set_item("stall_s", p.stall.as_secs_f64())?;
+            e.set_item("waits", p.waits)?;
+            peers.append(e)?;
+        }
+        causes.set_item("slowest_peers", peers)?;
+        d.set_item("stall_causes", causes)?;
         // Where the pollers run (docs/LOCAL_PATH.md, "Placement on a node").
         let p = PyDict::new(py);
         p.set_item("local_rank", placement.plan.local.rank)?;

@@ -578,6 +578,27 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
         cpu / (st.bytes as f64 / 1e9).max(1e-9),
         setup_cpu
     );
+    let c = &st.stall_causes;
+    if !st.stall.is_zero() {
+        let mut line = format!(
+            "stall by cause: disk {:.2} s, tier {:.2} s, source {:.2} s, peers {:.2} s, agent {:.2} s (failover {:.2} s)",
+            c.disk.as_secs_f64(),
+            c.tier.as_secs_f64(),
+            c.source.as_secs_f64(),
+            c.peers.as_secs_f64(),
+            c.agent.as_secs_f64(),
+            c.failover.as_secs_f64()
+        );
+        for p in c.slowest_peers.iter().filter(|p| p.waits > 0) {
+            line.push_str(&format!(
+                "; node {}: {:.2} s over {} waits",
+                p.node,
+                p.stall.as_secs_f64(),
+                p.waits
+            ));
+        }
+        println!("{line}");
+    }
     Ok(())
 }
 

@@ -46,6 +46,25 @@ impl EpochReport {
     }
 }
 
+/// `Stats::stall_causes` in seconds; the slowest peers without the empty
+/// entries.
+fn stall_causes_json(c: &kspeed::loader::StallCauses) -> serde_json::Value {
+    json!({
+        "disk_seconds": c.disk.as_secs_f64(),
+        "tier_seconds": c.tier.as_secs_f64(),
+        "source_seconds": c.source.as_secs_f64(),
+        "peers_seconds": c.peers.as_secs_f64(),
+        "failover_seconds": c.failover.as_secs_f64(),
+        "agent_seconds": c.agent.as_secs_f64(),
+        "slowest_peers": c
+            .slowest_peers
+            .iter()
+            .filter(|p| p.waits > 0)
+            .map(|p| json!({"node": p.node, "seconds": p.stall.as_secs_f64(), "waits": p.waits}))
+            .collect::<Vec<_>>(),
+    })
+}
+
 pub(crate) fn print(st: &Stats, placement: &PollerPlacement, r: &Run) {
     let wall = r.wall_secs.max(1e-9);
     let mut v = json!({
@@ -71,6 +90,7 @@ pub(crate) fn print(st: &Stats, placement: &PollerPlacement, r: &Run) {
         "loop_stalls": st.loop_stalls,
         "stall_seconds": st.stall.as_secs_f64(),
         "stall_fraction": st.stall.as_secs_f64() / wall,
+        "stall_causes": stall_causes_json(&st.stall_causes),
         "cpu_seconds": r.cpu_secs,
         "setup_cpu_seconds": r.setup_cpu_secs,
         "placement": {

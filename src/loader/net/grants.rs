@@ -7,6 +7,7 @@
 use std::sync::atomic::Ordering;
 
 use super::super::schedule::{Geometry, Placed};
+use super::super::shared::{via_peer, VIA_DISK, VIA_SOURCE};
 use super::super::CODE_OK;
 use super::{Landed, Receive, State, Thread, DEMOTE_AFTER_ERRORS, DEMOTE_WINDOW};
 use crate::error::Error;
@@ -317,7 +318,8 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                 continue; // the local pollers read it
             }
             if p.len == 0 {
-                self.sh.publish(p.g, CODE_OK);
+                // Nothing to wait for: charged to no peer.
+                self.sh.publish(p.g, CODE_OK, VIA_DISK);
                 continue;
             }
             let idx = p.g as usize & self.mask;
@@ -501,6 +503,26 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         self.grant_over(i, idx, AfterInv::FailOver);
     }
 
+    /// How sample `s` came, for the stall it caused (`VIA_*`), served by
+    /// node `served_by` (None: the source). A failover (the local pollers
+    /// handed it over, or it came from other than its first holder that
+    /// holds it) is charged to the holder that failed: this node for a
+    /// hand-over, else the first holder.
+    pub(super) fn via_of(&self, s: &GSlot, served_by: Option<u32>) -> u32 {
+        let unheld = self.sh.unheld_copies(s.id);
+        let placed = self.sh.input.placed_id(s.id);
+        let first = (0..self.placement.replicas)
+            .find(|r| unheld & (1 << r) == 0)
+            .map(|r| self.placement.holder(placed, r));
+        match (s.local, self.setup.local_node, first) {
+            (true, Some(me), _) => via_peer(me, true),
+            (_, _, Some(f)) if Some(f) != served_by => via_peer(f, true),
+            (_, _, Some(f)) => via_peer(f, false),
+            // No node holds it: the source is its path, not a failover.
+            (_, _, None) => VIA_SOURCE,
+        }
+    }
+
     /// Grant `idx` failed on connection `i`: it goes back in line for its
     /// next holder (or the source), and the node's failure is counted.
     pub(super) fn fail_over(&mut self, i: usize, idx: usize) {
@@ -544,7 +566,8 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         self.local_done(idx);
         self.conns[i].last_done = self.ring.now();
         self.net().remote_samples.fetch_add(1, Ordering::Relaxed);
-        self.sh.publish(s.g, CODE_OK);
+        let via = self.via_of(&s, Some(s.node));
+        self.sh.publish(s.g, CODE_OK, via);
     }
 }
 

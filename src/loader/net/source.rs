@@ -25,7 +25,7 @@ use std::sync::atomic::Ordering;
 use super::{IoBackend, Receive, Thread, UD_SOURCE};
 use crate::error::{errno_name, Error};
 use crate::loader::fdcache::Lease;
-use crate::loader::shared::push_error;
+use crate::loader::shared::{push_error, VIA_SOURCE};
 use crate::loader::{CODE_ERROR, CODE_OK};
 use crate::ring::{ReadOp, Target};
 
@@ -395,7 +395,9 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                     .source_bytes
                     .fetch_add(s.len as u64, Ordering::Relaxed);
                 log::info!("sample {} read from the source ({tried})", s.id);
-                self.sh.publish(s.g, CODE_OK);
+                // A failover unless no node holds it (a partial space's).
+                let via = self.via_of(&s, None);
+                self.sh.publish(s.g, CODE_OK, via);
                 false
             }
             Err(why) => {
@@ -427,7 +429,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                     tried: format!("{tried}source {}: {why}", path.display()),
                 });
                 push_error(&self.sh.errors, s.g, e);
-                self.sh.publish(s.g, CODE_ERROR);
+                self.sh.publish(s.g, CODE_ERROR, VIA_SOURCE);
                 false
             }
         }
