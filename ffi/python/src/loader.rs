@@ -435,6 +435,11 @@ impl PyLoader {
         d.set_item("locked", info.locked)?;
         d.set_item("numa_node", info.numa_node)?;
         d.set_item("cuda", &info.cuda)?;
+        // How the pollers read: registered buffers, O_DIRECT or the page
+        // cache and why (`page_cache`).
+        d.set_item("io", &info.io)?;
+        d.set_item("io_registered", info.io_registered)?;
+        d.set_item("direct_io", info.direct_io)?;
         d.set_item("tier_samples", tier.map(|t| t.0))?;
         d.set_item("tier_bytes", tier.map(|t| t.1))?;
         Ok(d)

@@ -90,6 +90,35 @@ def test_stats_has_loop_stalls(space):
     assert type(st["loop_stalls"]) is int and st["loop_stalls"] >= 0, st
 
 
+def test_stats_charge_the_stall_to_its_causes(space):
+    # stall_s split by the path of the sample waited for (Rust's
+    # Stats::stall_causes, C's ksp_stats.stall_*_s): one node, a space read
+    # with O_DIRECT, so every wait is the disk's; the causes add up.
+    cat = kspeed.Catalog.open(space)
+    with kspeed.Loader(space, batch_size=8, seed=3, ring_bytes="256KiB", page_cache="off") as loader:
+        read_epoch(loader, cat, check_bytes=False)
+        st = loader.stats()
+    c = st["stall_causes"]
+    causes = ("disk_s", "tier_s", "source_s", "peers_s", "failover_s", "agent_s")
+    assert abs(sum(c[k] for k in causes) - st["stall_s"]) < 1e-6, (c, st["stall_s"])
+    assert abs(c["disk_s"] - st["stall_s"]) < 1e-6, c
+    assert c["slowest_peers"] == [], c
+
+
+@pytest.mark.parametrize("mode", ["auto", "off", "on"])
+def test_page_cache_modes_read_the_same(space, mode):
+    # page_cache: 'on' reads through the page cache, 'off' with O_DIRECT
+    # where the file system allows; every mode delivers the same epoch.
+    cat = kspeed.Catalog.open(space)
+    with kspeed.Loader(space, batch_size=8, seed=3, ring_bytes="256KiB", page_cache=mode) as loader:
+        assert sorted(read_epoch(loader, cat)) == list(range(len(cat)))
+        info = loader.landing_info()
+    if mode == "on":
+        assert info["direct_io"] is False and "page_cache on" in info["io"], info
+    with pytest.raises(ValueError, match="page_cache"):
+        kspeed.Loader(space, page_cache="sometimes")
+
+
 @pytest.mark.parametrize("drop_last", [False, True])
 @pytest.mark.parametrize("world", [2, 3])
 def test_order_is_distributed_samplers_without_shuffle(space, drop_last, world):
