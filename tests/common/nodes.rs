@@ -200,6 +200,48 @@ impl Netns {
     }
 }
 
+impl Netns {
+    /// Limits what namespace `i` sends to `rate` (a `tc` rate such as
+    /// `4mbit`: a token bucket on its veth end, the `tbf` qdisc): a slow
+    /// link from that node. False (with a skip message) where the kernel
+    /// has no `tbf`.
+    pub fn throttle(&self, i: usize, rate: &str) -> bool {
+        let peer = Netns::peer(i);
+        let out = Command::new("tc")
+            .args([
+                "-n",
+                &self.names[i],
+                "qdisc",
+                "add",
+                "dev",
+                &peer,
+                "root",
+                "tbf",
+                "rate",
+                rate,
+                "burst",
+                "16kb",
+                "latency",
+                "2s",
+            ])
+            .output();
+        match out {
+            Ok(o) if o.status.success() => true,
+            Ok(o) => {
+                skip(&format!(
+                    "tc tbf on {peer}: {}",
+                    String::from_utf8_lossy(&o.stderr).trim()
+                ));
+                false
+            }
+            Err(e) => {
+                skip(&format!("tc: {e}"));
+                false
+            }
+        }
+    }
+}
+
 impl Drop for Netns {
     fn drop(&mut self) {
         let tag = std::process::id() % 100_000;
