@@ -59,7 +59,7 @@ fn a_local_loader_charges_its_waits_to_the_disk_then_the_tier() {
         assert_eq!(c1.disk, c.disk, "epoch 1 read nothing from disk: {c1:?}");
         assert_eq!(c1.tier, st1.stall - st.stall, "{c1:?}");
     }
-    assert!(st1.tier_hits >= 2000 - new_reads, "{st1:?}");
+    assert!(st1.tier_hits >= 1900, "{st1:?}");
     assert!(c1.slowest_peers.iter().all(|p| p.waits == 0));
     assert!(loader.stall_by_peer().is_empty());
 }
