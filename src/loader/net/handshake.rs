@@ -71,6 +71,10 @@ struct Handshake<R: Receive> {
     deadline: Instant,
     /// Tries that failed and were retried.
     attempt: u32,
+    /// The last try's NODE_FULL refusal: a deadline that then passes
+    /// during a try (a slow answer under load) still ends in that named
+    /// refusal, not in "unreachable" (which would read from the source).
+    refused_full: Option<Error>,
     phase: Phase<R>,
     sock: Option<Socket>,
     /// Bytes going out and how many went.
@@ -104,6 +108,7 @@ pub(crate) fn handshake_all<R: Receive>(
             started: now,
             deadline: now,
             attempt: 0,
+            refused_full: None,
             phase: Phase::Queued,
             sock: None,
             out: Vec::new(),
@@ -342,6 +347,10 @@ impl<R: Receive> Handshake<R> {
         if !retry {
             return self.finish(Err(e));
         }
+        self.refused_full = match &e {
+            ConnectError::Refused(r) if full => Some(r.clone()),
+            _ => None,
+        };
         let wait = retry_backoff(self.attempt, jitter(self.node, self.attempt));
         self.attempt += 1;
         let now = Instant::now();
@@ -381,6 +390,27 @@ impl<R: Receive> Handshake<R> {
 
     /// The node's deadline passed during a try.
     fn timed_out(&mut self) {
+        if let Some(Error::Refused {
+            node,
+            addr,
+            code,
+            message,
+        }) = self.refused_full.take()
+        {
+            // Full at the last answer: the job is misconfigured, however
+            // the last try went.
+            let message = format!(
+                "{message} (still so after {} tries over {} ms, the node timeout)",
+                self.attempt,
+                self.started.elapsed().as_millis()
+            );
+            return self.finish(Err(ConnectError::Refused(Error::Refused {
+                node,
+                addr,
+                code,
+                message,
+            })));
+        }
         let waited = self.sent_at.elapsed().as_millis();
         let why = match self.phase {
             Phase::ReadWelcome if self.header.is_none() => {
