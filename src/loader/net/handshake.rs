@@ -71,9 +71,8 @@ struct Handshake<R: Receive> {
     deadline: Instant,
     /// Tries that failed and were retried.
     attempt: u32,
-    /// The last try's NODE_FULL refusal: a deadline that then passes
-    /// during a try (a slow answer under load) still ends in that named
-    /// refusal, not in "unreachable" (which would read from the source).
+    /// The last try's NODE_FULL refusal: a deadline passing during a later
+    /// try still ends in it, not in "unreachable" (reads from the source).
     refused_full: Option<Error>,
     phase: Phase<R>,
     sock: Option<Socket>,
@@ -364,11 +363,7 @@ impl<R: Receive> Handshake<R> {
             self.phase = Phase::Backoff(now + wait);
             return;
         }
-        let still = format!(
-            "(still so after {} tries over {} ms, the node timeout)",
-            self.attempt,
-            self.started.elapsed().as_millis()
-        );
+        let still = self.still();
         let out = match e {
             // More consumers than the nodes are configured for: the job
             // is misconfigured.
@@ -388,28 +383,23 @@ impl<R: Receive> Handshake<R> {
         self.finish(Err(out));
     }
 
+    /// "(still so after N tries over M ms, the node timeout)".
+    fn still(&self) -> String {
+        let ms = self.started.elapsed().as_millis();
+        format!(
+            "(still so after {} tries over {ms} ms, the node timeout)",
+            self.attempt
+        )
+    }
+
     /// The node's deadline passed during a try.
     fn timed_out(&mut self) {
-        if let Some(Error::Refused {
-            node,
-            addr,
-            code,
-            message,
-        }) = self.refused_full.take()
-        {
-            // Full at the last answer: the job is misconfigured, however
-            // the last try went.
-            let message = format!(
-                "{message} (still so after {} tries over {} ms, the node timeout)",
-                self.attempt,
-                self.started.elapsed().as_millis()
-            );
-            return self.finish(Err(ConnectError::Refused(Error::Refused {
-                node,
-                addr,
-                code,
-                message,
-            })));
+        // Full at the last answer: misconfigured, however the last try went.
+        if let Some(mut e) = self.refused_full.take() {
+            if let Error::Refused { message, .. } = &mut e {
+                *message = format!("{message} {}", self.still());
+            }
+            return self.finish(Err(ConnectError::Refused(e)));
         }
         let waited = self.sent_at.elapsed().as_millis();
         let why = match self.phase {
