@@ -408,3 +408,114 @@ fn an_attached_rank_s_stall_is_the_agent_s() {
         assert_eq!(c[k].as_f64(), Some(0.0), "{k}: {c}");
     }
 }
+
+/// Batches kept out (`acquire_batch_keep`, the Python binding's way) across
+/// an agent killed with SIGKILL and a new one on the same socket: the
+/// loader re-attaches inside `acquire_batch_keep` with two batches out,
+/// those batches' bytes stay where they were until released (the dead
+/// attach's ring is retired, not unmapped, and their releases move no mark
+/// of the new attach), and the epoch is what an embedded read delivers.
+#[test]
+fn kept_batches_survive_a_restarted_agent() {
+    use kspeed::loader::{AgentMode, Loader, LoaderBuilder};
+    let dir = tempfile::tempdir().unwrap();
+    let sp = space(dir.path(), 400);
+    let sock = dir.path().join("agent.sock");
+    let mut agent = Agent::start(&sp, &sock, &["--heartbeat-ms", "100"]);
+    // A 256 KiB ring holds about 7 batches of 8 tiny samples: the agent
+    // cannot have read the epoch's 50 batches ahead when it is killed.
+    let build = |mode| {
+        LoaderBuilder::space(&sp)
+            .batch_size(8)
+            .seed(11)
+            .ring_bytes(256 << 10)
+            .pin(false)
+            .agent(mode)
+            .agent_socket(Some(sock.clone()))
+            .agent_restart_wait(Duration::from_secs(60))
+            .build()
+            .unwrap()
+    };
+    /// A kept batch: what it held when handed out, and where its bytes are.
+    struct Out {
+        samples: Vec<(u64, Vec<u8>)>,
+        at: Vec<(usize, usize)>,
+    }
+    fn acquire(l: &mut Loader) -> Option<Out> {
+        if l.acquire_batch_keep().unwrap() == 0 {
+            return None;
+        }
+        let n = l.held_len();
+        Some(Out {
+            samples: (0..n)
+                .map(|i| (l.held_sample(i).id, l.held_sample(i).bytes.to_vec()))
+                .collect(),
+            at: (0..n)
+                .map(|i| {
+                    let b = l.held_sample(i).bytes;
+                    (b.as_ptr() as usize, b.len())
+                })
+                .collect(),
+        })
+    }
+    /// Releases the oldest batch out after checking its bytes are still
+    /// the ones handed out.
+    fn release(
+        l: &mut Loader,
+        out: &mut std::collections::VecDeque<Out>,
+        got: &mut Vec<(u64, Vec<u8>)>,
+    ) {
+        let b = out.pop_front().unwrap();
+        for ((id, want), &(ptr, len)) in b.samples.iter().zip(&b.at) {
+            // SAFETY: the batch is kept out (not released yet), and the
+            // loader keeps a kept batch's bytes mapped and unchanged until
+            // it is released: the contract this test checks.
+            let now = unsafe { std::slice::from_raw_parts(ptr as *const u8, len) };
+            assert!(
+                now == &want[..],
+                "sample {id} of a kept batch changed while out"
+            );
+        }
+        got.extend(b.samples);
+        assert!(l.release_oldest_batch());
+    }
+    let mut l = build(AgentMode::Required);
+    let mut out = std::collections::VecDeque::new();
+    let mut got = Vec::new();
+    let mut batches = 0;
+    let mut again = None;
+    while let Some(b) = acquire(&mut l) {
+        out.push_back(b);
+        batches += 1;
+        if out.len() > 2 {
+            release(&mut l, &mut out, &mut got);
+        }
+        if batches == 3 {
+            // Two batches out from here on, across the restart.
+            agent.child.kill().unwrap();
+            let _ = agent.child.wait();
+            again = Some(Agent::start(&sp, &sock, &["--heartbeat-ms", "100"]));
+        }
+    }
+    while !out.is_empty() {
+        release(&mut l, &mut out, &mut got);
+    }
+    let again = again.expect("the agent was restarted");
+    again.log.wait_for(
+        &["rank 0", &std::process::id().to_string(), "attached"],
+        Duration::from_secs(10),
+    );
+    assert_eq!(l.batches_out(), 0);
+    drop(l);
+    let mut want = Vec::new();
+    let mut e = build(AgentMode::Off);
+    while let Some(b) = e.next_batch().unwrap() {
+        want.extend(b.iter().map(|s| (s.id, s.bytes.to_vec())));
+    }
+    assert_eq!(got.len(), 400);
+    assert_eq!(
+        got.iter().map(|(id, _)| *id).collect::<Vec<_>>(),
+        want.iter().map(|(id, _)| *id).collect::<Vec<_>>()
+    );
+    assert!(got == want, "bytes differ from an embedded read");
+}

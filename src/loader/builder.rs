@@ -570,9 +570,9 @@ impl LoaderBuilder {
     /// Attached: how long to wait for a restarted agent at the same socket
     /// when the agent goes (default 0: [`Error::AgentGone`] at once). The
     /// loader re-attaches where the rank stood (the first sample it has not
-    /// delivered), so every sample is still delivered exactly once; with
-    /// batches kept out ([`Loader::acquire_batch_keep`]), whose bytes are
-    /// in the old ring, it fails with `AgentGone` instead.
+    /// delivered), so every sample is still delivered exactly once.
+    /// Batches kept out ([`Loader::acquire_batch_keep`]) stay valid: the
+    /// old ring stays mapped until the last of them is released.
     pub fn agent_restart_wait(mut self, wait: Duration) -> Self {
         self.agent_restart_wait = wait;
         self
@@ -1235,7 +1235,9 @@ impl LoaderBuilder {
             held: false,
             batch_seq: 0,
             kept: std::collections::VecDeque::new(),
-            keeping: false,
+            held_first: None,
+            run_no: 0,
+            retired: Vec::new(),
             failed: None,
             counters: Counters::default(),
             stall_ledger: Default::default(),

@@ -78,6 +78,14 @@ use stats::{Counters, Totals};
 pub use stats::{Latency, PlacementStats, Stats};
 pub(crate) use tier::Tier;
 
+/// A batch kept out by [`Loader::acquire_batch_keep`]: its first sample,
+/// placed by run `run` (sequence numbers and ring offsets are per run).
+#[derive(Debug, Clone, Copy)]
+struct Kept {
+    first: Placed,
+    run: u64,
+}
+
 /// Resources kept across restarts (set_epoch to another epoch, resume).
 struct Spare {
     input: Input,
@@ -164,13 +172,20 @@ pub struct Loader {
     /// the first): a batch's identity, so a binding releases only its own.
     batch_seq: u64,
     /// Batches handed out by [`Loader::acquire_batch_keep`] and not yet
-    /// released, oldest first: the first sample of each (the released mark
-    /// moves to the next one's when the oldest goes).
-    kept: std::collections::VecDeque<Placed>,
-    /// Inside `acquire_batch_keep`'s call of `acquire_batch`, which runs
-    /// with `kept` set aside: no re-attach then (kept batches live in the
-    /// old ring, and the batch's first sample was placed by the old run).
-    keeping: bool,
+    /// released, oldest first: the first sample of each and the run that
+    /// placed it (the released mark moves to the next one's when the
+    /// oldest goes, within one run).
+    kept: std::collections::VecDeque<Kept>,
+    /// The first sample of the batch last handed out, as its run placed it.
+    held_first: Option<Placed>,
+    /// Launches so far: the number of the current run (kept batches of an
+    /// earlier one live in a ring of `retired`).
+    run_no: u64,
+    /// Attached: rings of earlier attaches that batches kept out still
+    /// point into, with their run's number; each goes when its last kept
+    /// batch is released (a re-attach maps a fresh ring, and the caller's
+    /// views into the old one must stay valid).
+    retired: Vec<(u64, LandingRing)>,
     /// The first error: every later call returns it (wrapped).
     failed: Option<Error>,
     counters: Counters,
@@ -199,7 +214,12 @@ impl Loader {
                 let map = crate::agent::shm::RingMap::create(self.geo.ring_bytes)?;
                 let a = attached::RankAttach::connect(settings, &map, start)?;
                 let spare = self.spare.as_mut().expect("resources available");
-                spare.ring = LandingRing::shared(map);
+                let old = std::mem::replace(&mut spare.ring, LandingRing::shared(map));
+                // Batches still kept out point into the old ring: it stays
+                // mapped until the last of them is released.
+                if self.kept.iter().any(|k| k.run == self.run_no) {
+                    self.retired.push((self.run_no, old));
+                }
                 Some(a)
             }
             None => None,
@@ -277,6 +297,7 @@ impl Loader {
         });
         self.cursor = Some(Cursor::with_deal(self.deal.clone(), self.geo, start));
         self.peeked = None;
+        self.run_no += 1;
         self.epoch = start.epoch;
         self.run = Some(Run {
             shared,
@@ -466,6 +487,11 @@ impl Loader {
     /// A batch still held is released first: its views must be gone.
     pub fn acquire_batch(&mut self) -> Result<usize> {
         self.release_batch();
+        self.acquire_next()
+    }
+
+    /// The next batch, the batches out left as they are.
+    fn acquire_next(&mut self) -> Result<usize> {
         self.check_failed()?;
         self.entries.clear();
         let mut first_v = None;
@@ -501,6 +527,7 @@ impl Loader {
                 return Err(self.fail(e));
             }
             if self.entries.is_empty() {
+                self.held_first = Some(p);
                 if let Some(a) = self.run.as_mut().and_then(|r| r.attach.as_mut()) {
                     // Attached: the agent publishes whole batches; the
                     // one descriptor covers every sample of this one.
@@ -650,6 +677,7 @@ impl Loader {
     pub fn release_batch(&mut self) {
         let kept = !self.kept.is_empty();
         self.kept.clear();
+        self.retired.clear();
         if std::mem::take(&mut self.held) || kept {
             self.release();
         }
@@ -686,7 +714,6 @@ impl Loader {
     /// caller releases them.
     pub fn acquire_batch_keep(&mut self) -> Result<usize> {
         self.check_failed()?;
-        let first = self.peek_next();
         if let Some(need) = self.keep_bytes_needed() {
             return Err(Error::InvalidConfig(format!(
                 "the {}-byte landing ring cannot hold another batch beside the {} \
@@ -697,17 +724,17 @@ impl Loader {
         }
         // The held batch (if any) stays out: it is already in `kept`.
         self.held = false;
-        let kept = std::mem::take(&mut self.kept);
-        self.keeping = true;
-        let n = self.acquire_batch();
-        self.keeping = false;
-        self.kept = kept;
-        if let Ok(n) = n {
-            if n > 0 {
-                self.kept.push_back(first);
-            }
+        let n = self.acquire_next()?;
+        if n > 0 {
+            // Its first sample as the run that delivered it placed it: a
+            // re-attach inside acquire_next starts a run of its own.
+            let first = self.held_first.expect("a batch was handed out");
+            self.kept.push_back(Kept {
+                first,
+                run: self.run_no,
+            });
         }
-        n
+        Ok(n)
     }
 
     /// The ring bytes the next batch would need beside the batches kept
@@ -715,7 +742,9 @@ impl Loader {
     /// would refuse); `None` when it fits.
     pub(crate) fn keep_bytes_needed(&mut self) -> Option<u64> {
         let first = self.peek_next();
-        let oldest = self.kept.front()?;
+        // Only this run's batches share its ring (an earlier attach's are
+        // in a retired ring of their own).
+        let oldest = self.kept.iter().find(|k| k.run == self.run_no)?.first;
         if first.pos.epoch != self.epoch {
             return None;
         }
@@ -757,15 +786,21 @@ impl Loader {
     /// Returns the ring space of the oldest batch kept out by
     /// [`Loader::acquire_batch_keep`]; false when none is out.
     pub fn release_oldest_batch(&mut self) -> bool {
-        if self.kept.pop_front().is_none() {
+        let Some(gone) = self.kept.pop_front() else {
             return false;
-        }
+        };
         match self.kept.front() {
-            Some(&next) => self.mark_released(next),
+            Some(&next) if next.run == self.run_no => self.mark_released(next.first),
+            // The next one out is an earlier run's too: this run's ring
+            // holds nothing released yet.
+            Some(_) => {}
             None => {
                 self.held = false;
                 self.release();
             }
+        }
+        if gone.run != self.run_no && !self.kept.iter().any(|k| k.run == gone.run) {
+            self.retired.retain(|(run, _)| *run != gone.run);
         }
         true
     }
@@ -910,15 +945,12 @@ impl Loader {
     }
 
     /// Whether an agent that went may be waited for: `agent_restart_wait`
-    /// set, and no batch kept out (its bytes are in the old ring, which a
-    /// new attach replaces).
+    /// set. Batches kept out stay valid across it (their ring is retired,
+    /// not unmapped).
     fn may_reattach(&self) -> bool {
-        self.kept.is_empty()
-            && !self.keeping
-            && self
-                .attach_settings
-                .as_ref()
-                .is_some_and(|s| !s.restart_wait.is_zero())
+        self.attach_settings
+            .as_ref()
+            .is_some_and(|s| !s.restart_wait.is_zero())
     }
 
     /// The agent went (`gone`): waits up to `agent_restart_wait` for an

@@ -292,7 +292,7 @@ pub static OPTIONS: &[OptionSpec] = &[
     opt!("agent_socket", OptionKind::Path, "", "KSPEED_AGENT_SOCKET, else /run/kspeed/agent.sock", "agent-socket",
         "the node agent's attach socket"),
     opt!("agent_restart_wait_ms", int(0, 86_400_000), "ms", "0: `AgentGone` at once", "agent-restart-wait-ms",
-        "attached: when the agent goes (`AgentGone`), wait this long for an agent at the same socket and attach to it where this rank stood, every sample still delivered once; not for a loader read with `acquire_batch_keep` (the C ABI's and Python's batches: `AgentGone` then)"),
+        "attached: when the agent goes (`AgentGone`), wait this long for an agent at the same socket and attach to it where this rank stood, every sample still delivered once; batches kept out stay valid (their ring stays mapped until they are released)"),
     opt!("s3_endpoint_url", OptionKind::Text, "", "AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL, the profile's, else AWS", "endpoint-url",
         "a source in an S3-compatible store (`s3://`): its endpoint, e.g. http://minio:9000 (path-style requests); read only when a sample is read from the bucket. Process-wide: the last loader built with it sets it"),
     opt!("s3_profile", OptionKind::Text, "", "AWS_PROFILE, else default", "aws-profile",

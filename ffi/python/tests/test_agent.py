@@ -47,12 +47,36 @@ def attached(space, sock, **kw):
                          agent="required", agent_socket=sock, **kw)
 
 
-# Python reads with acquire_batch_keep, whose re-attach placed the batch's
-# first sample by the dead attach's run (a byte mismatch once in 5 runs
-# under load, ids exact); such a loader now fails with AgentGone instead of
-# re-attaching, so this test is expected to fail until keep-mode re-attach
-# is built (the session's closing note).
-@pytest.mark.xfail(strict=False, reason="re-attach is off for acquire_batch_keep loaders (Python's): AgentGone")
+def held_samples(loader, after_fn, after=3, hold=2):
+    """Every (id, bytes) of one epoch, holding the last `hold` batches with
+    live numpy views while the next one is read; `after_fn()` runs once,
+    after batch `after` was taken. Each batch's views are checked against
+    the bytes it was handed out with when it is let go."""
+    got, out = [], []
+    for n, b in enumerate(loader, 1):
+        views = b.samples()
+        out.append((b, views, [(int(b.ids[i]), views[i].tobytes()) for i in range(len(b))]))
+        if len(out) > hold:
+            let_go(out.pop(0), got)
+        if n == after:
+            after_fn()
+    while out:
+        let_go(out.pop(0), got)
+    return got
+
+
+def let_go(held, got):
+    b, views, first = held
+    now = [(i, v.tobytes()) for (i, _), v in zip(first, views)]
+    assert now == first, "a batch held across the agent's restart changed while out"
+    views.clear()  # the list held the batch's only views
+    b.release()
+    got.extend(first)
+
+
+# Python reads with acquire_batch_keep: batches held by the caller (with
+# views) stay valid across the re-attach, the dead attach's ring retired
+# until they are released.
 def test_a_restarted_agent_takes_the_loader_back_exactly_once(space, tmp_path):
     sock = tmp_path / "agent.sock"
     agents = [Agent(space, sock)]
@@ -62,8 +86,29 @@ def test_a_restarted_agent_takes_the_loader_back_exactly_once(space, tmp_path):
         agents.append(Agent(space, sock))
 
     try:
-        with attached(space, sock, agent_restart_wait_ms=60_000) as loader:
+        with attached(space, sock, agent_restart_wait_ms=60_000, batches_in_flight=3) as loader:
             got = samples(loader, after_first=restart)
+    finally:
+        for a in agents:
+            a.kill()
+    with kspeed.Loader(space, batch_size=4, seed=5, ring_bytes="256KiB", pin=False, agent="off") as loader:
+        want = samples(loader)
+    assert len(agents) == 2
+    assert [i for i, _ in got] == [i for i, _ in want]
+    assert got == want
+
+
+def test_batches_held_across_a_restarted_agent_stay_valid(space, tmp_path):
+    sock = tmp_path / "agent.sock"
+    agents = [Agent(space, sock)]
+
+    def restart():
+        agents[0].kill()
+        agents.append(Agent(space, sock))
+
+    try:
+        with attached(space, sock, agent_restart_wait_ms=60_000, batches_in_flight=3) as loader:
+            got = held_samples(loader, restart)
     finally:
         for a in agents:
             a.kill()
