@@ -207,6 +207,13 @@ impl Loader {
     /// Starts a run at `start`. On error the loader keeps its resources
     /// (catalog, ring) and no thread of the run is left behind.
     fn launch(&mut self, start: Position) -> Result<()> {
+        // Only a re-attach starts a run with batches out (in a ring it
+        // retires); every other restart returns them first, since an
+        // embedded run reuses the ring they live in.
+        debug_assert!(
+            self.attach_settings.is_some() || self.kept.is_empty(),
+            "an embedded restart with batches kept out"
+        );
         // Attached: a fresh ring per attach, so no read of an earlier
         // attach (still landing in the agent) can touch this one's bytes.
         let attach = match &self.attach_settings {

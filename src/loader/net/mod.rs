@@ -421,8 +421,18 @@ pub(crate) trait Receive: Sized + Send + 'static {
     /// A flush is in progress (the GRANT frame waits).
     fn flushing(&self) -> bool;
 
-    /// Closes `window` of a grant that is over; [`Event::Closed`] follows.
+    /// Closes `window` of a grant that is over (queued until the next
+    /// [`Receive::flush_closes`]); [`Event::Closed`] follows.
     fn close(&mut self, window: u32) -> Result<()>;
+
+    /// Starts the closes queued since the last call (RDMA: one chain of
+    /// invalidations per tick, only its last request signalled). Called
+    /// every tick before the thread may sleep.
+    fn flush_closes(&mut self) -> Result<()>;
+
+    /// After [`Event::Closed`]: the windows it closed, oldest first, each
+    /// with the grant-table entry it opened (`NONE` if none).
+    fn take_closed(&mut self) -> Option<(u32, u32)>;
 
     /// The connection is being shut: accept nothing more from the node.
     fn shut(&mut self) -> Result<()>;
@@ -452,13 +462,8 @@ pub(crate) enum Event {
     Failed(String),
     /// The last flush is in force: its GRANT frame can go.
     Flushed,
-    /// `window`, which opened grant-table entry `entry`, is closed.
-    Closed {
-        /// The window.
-        window: u32,
-        /// The entry it opened (`NONE` if none).
-        entry: u32,
-    },
+    /// Windows are closed: read them with [`Receive::take_closed`].
+    Closed,
     /// A receive completed (the node is alive), carrying this.
     Received(Landed),
 }
@@ -864,6 +869,9 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                 self.stall.phase(Phase::Connect);
                 self.redial();
             }
+            // Closes queued this tick go before any sleep (a close queued
+            // later in it leaves the tick with progress, so no sleep).
+            self.flush_closes();
             // About to sleep: arm the CQs, then look once more (a
             // completion that came in before arming raises no event).
             let progressed = progressed || (self.arm_data() && self.poll_data());
@@ -949,6 +957,21 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             || self.conns.iter().any(|c| c.rx.inflight() || c.tx_inflight)
     }
 
+    /// Posts every live connection's queued closes (RDMA invalidations).
+    fn flush_closes(&mut self) {
+        if R::FRAMED {
+            return;
+        }
+        for i in 0..self.conns.len() {
+            if self.conns[i].state != State::Live {
+                continue;
+            }
+            if let Some(Err(e)) = self.conns[i].data.as_mut().map(|d| d.flush_closes()) {
+                self.kill(i, e.to_string());
+            }
+        }
+    }
+
     /// Polls every connection's data path (RDMA: its CQ) and acts on what
     /// completed; re-posts the receives used. True when anything completed.
     fn poll_data(&mut self) -> bool {
@@ -982,7 +1005,13 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                         Event::Flushed => {
                             Self::post_send(&mut self.ring, &mut self.conns[i]);
                         }
-                        Event::Closed { window, entry } => self.on_window_closed(i, window, entry),
+                        Event::Closed => {
+                            while let Some((window, entry)) =
+                                self.conns[i].data.as_mut().and_then(|d| d.take_closed())
+                            {
+                                self.on_window_closed(i, window, entry);
+                            }
+                        }
                         Event::Received(what) => {
                             self.conns[i].last_rx = self.ring.now();
                             self.beats[i].last_heard = self.conns[i].last_rx;

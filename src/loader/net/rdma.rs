@@ -40,7 +40,8 @@ const RDMA_WINDOWS: usize = 256;
 const WR_SEND: u64 = 1 << 63;
 /// A bind chain's last request (the GRANT frame waits for it).
 const WR_BIND: u64 = WR_SEND | 1 << 62;
-/// An invalidation: the low 32 bits name the window.
+/// An invalidation: the low 32 bits name the window. They go in chains,
+/// one per network-thread tick, only the last signalled (as the binds).
 const WR_INV: u64 = WR_SEND | 1 << 61;
 
 /// A loader's verbs resources for one launch: the device, a protection
@@ -223,8 +224,18 @@ pub(crate) struct RdmaRx<Q: WorkQueue = VerbsQueue> {
     binds: Vec<MwWr>,
     /// A bind chain is posted; the frame in `flight` waits for it.
     bind_pending: bool,
-    /// Invalidations posted and not completed.
+    /// Invalidations queued or posted, not completed.
     invs_pending: usize,
+    /// Invalidations queued by `close` since the last `flush_closes`.
+    invs: Vec<MwWr>,
+    /// Windows of the invalidation chains posted, oldest first, and each
+    /// chain's length: the send queue runs them in order, so a chain's
+    /// (signalled) last completion closes its whole chain.
+    inv_posted: std::collections::VecDeque<u32>,
+    inv_chains: std::collections::VecDeque<u32>,
+    /// Windows of the chain that completed last, with the entries they
+    /// opened: read by `take_closed` after [`Event::Closed`].
+    closed: Vec<(u32, u32)>,
     /// The last poll's completions.
     wc: [WorkCompletion; 32],
     /// The real queue's: the buffers' registration and the launch's verbs
@@ -269,6 +280,10 @@ impl<Q: WorkQueue> RdmaRx<Q> {
             binds: Vec::with_capacity(n),
             bind_pending: false,
             invs_pending: 0,
+            invs: Vec::with_capacity(n),
+            inv_posted: std::collections::VecDeque::with_capacity(n),
+            inv_chains: std::collections::VecDeque::with_capacity(n),
+            closed: Vec::with_capacity(n),
             wc: [WorkCompletion::default(); 32],
             _verbs: None,
             bufs,
@@ -292,13 +307,17 @@ impl<Q: WorkQueue> RdmaRx<Q> {
 
     /// The capacities of its pools, which never grow.
     #[cfg(test)]
-    pub(crate) fn capacities(&self) -> [usize; 5] {
+    pub(crate) fn capacities(&self) -> [usize; 9] {
         [
             self.rwrs.capacity(),
             self.mw_rkey.capacity(),
             self.mw_entry.capacity(),
             self.free_mws.capacity(),
             self.binds.capacity(),
+            self.invs.capacity(),
+            self.inv_posted.capacity(),
+            self.inv_chains.capacity(),
+            self.closed.capacity(),
         ]
     }
 
@@ -537,22 +556,49 @@ impl<Q: WorkQueue> RdmaRx<Q> {
         self.bind_pending
     }
 
-    /// [`Receive::close`]: invalidates window `m`; [`Event::Closed`] once
-    /// done (only then is it free to bind again).
+    /// [`Receive::close`]: queues the invalidation of window `m` (posted
+    /// by the next [`RdmaRx::flush_closes`]); [`Event::Closed`] once done
+    /// (only then is it free to bind again).
     pub(crate) fn close(&mut self, m: u32) -> Result<()> {
-        let inv = MwWr {
+        // Each window has at most one request queued or on the send queue.
+        assert!(
+            self.invs.len() + self.inv_posted.len() < self.mw_rkey.len(),
+            "more invalidations of window {m} and others than windows"
+        );
+        self.invs.push(MwWr {
             wr_id: WR_INV | m as u64,
             op: MwOp::Invalidate {
                 rkey: self.mw_rkey[m as usize],
             },
-            signaled: true,
-        };
-        self.queue.post_mw(&[inv]).map_err(|e| Error::Rdma {
-            op: "post a memory-window invalidation",
-            detail: e.error.to_string(),
-        })?;
+            signaled: false,
+        });
         self.invs_pending += 1;
         Ok(())
+    }
+
+    /// [`Receive::flush_closes`]: posts the invalidations queued since the
+    /// last call as one chain, only its last request signalled (every
+    /// request carries `WR_INV` and its window, so a failed one is named).
+    pub(crate) fn flush_closes(&mut self) -> Result<()> {
+        let Some(last) = self.invs.last_mut() else {
+            return Ok(());
+        };
+        last.signaled = true;
+        let res = self.queue.post_mw(&self.invs);
+        let n = self.invs.len();
+        self.inv_posted
+            .extend(self.invs.iter().map(|w| (w.wr_id & 0xffff_ffff) as u32));
+        self.inv_chains.push_back(n as u32);
+        self.invs.clear();
+        res.map_err(|e| Error::Rdma {
+            op: "post memory-window invalidations",
+            detail: format!("{} of {n} posted: {}", e.posted, e.error),
+        })
+    }
+
+    /// [`Receive::take_closed`].
+    pub(crate) fn take_closed(&mut self) -> Option<(u32, u32)> {
+        self.closed.pop()
     }
 
     /// [`Receive::shut`]: the QP goes to the error state: it accepts no
@@ -598,14 +644,27 @@ impl<Q: WorkQueue> RdmaRx<Q> {
                 self.bind_pending = false;
                 return Event::Flushed;
             }
-            let m = (w.wr_id & 0xffff_ffff) as usize;
-            let entry = std::mem::replace(&mut self.mw_entry[m], NONE);
-            self.free_mws.push(m as u32);
-            self.invs_pending -= 1;
-            return Event::Closed {
-                window: m as u32,
-                entry,
-            };
+            // The signalled last of a chain: every window of it is free.
+            let n = self
+                .inv_chains
+                .pop_front()
+                .expect("an invalidation chain was posted");
+            self.closed.clear();
+            for _ in 0..n {
+                let m = self.inv_posted.pop_front().expect("chain windows") as usize;
+                let entry = std::mem::replace(&mut self.mw_entry[m], NONE);
+                self.free_mws.push(m as u32);
+                self.closed.push((m as u32, entry));
+            }
+            assert_eq!(
+                self.closed.last().map(|c| c.0 as u64),
+                Some(w.wr_id & 0xffff_ffff),
+                "an invalidation chain completed out of order"
+            );
+            self.invs_pending -= n as usize;
+            // Oldest first for take_closed (it pops from the end).
+            self.closed.reverse();
+            return Event::Closed;
         }
         Event::Received(self.landed(&w))
     }
@@ -674,6 +733,14 @@ impl Receive for RdmaRx {
 
     fn close(&mut self, m: u32) -> Result<()> {
         RdmaRx::close(self, m)
+    }
+
+    fn flush_closes(&mut self) -> Result<()> {
+        RdmaRx::flush_closes(self)
+    }
+
+    fn take_closed(&mut self) -> Option<(u32, u32)> {
+        RdmaRx::take_closed(self)
     }
 
     fn shut(&mut self) -> Result<()> {

@@ -68,6 +68,14 @@ impl Receive for TcpRx {
         Ok(())
     }
 
+    fn flush_closes(&mut self) -> Result<()> {
+        Ok(())
+    }
+
+    fn take_closed(&mut self) -> Option<(u32, u32)> {
+        None
+    }
+
     fn shut(&mut self) -> Result<()> {
         Ok(())
     }

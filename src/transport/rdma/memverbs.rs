@@ -100,6 +100,9 @@ pub(crate) struct MemStats {
     /// Window requests the device refused (`IBV_WC_MW_BIND_ERR`,
     /// `IBV_WC_LOC_QP_OP_ERR`).
     pub window_errors: u64,
+    /// Invalidations posted unsignalled, in a chain whose last request
+    /// is signalled (the consumer's per-tick chains).
+    pub unsignalled_invalidations: u64,
 }
 
 impl MemStats {
@@ -115,6 +118,7 @@ impl MemStats {
         self.window_ops += o.window_ops;
         self.window_races += o.window_races;
         self.window_errors += o.window_errors;
+        self.unsignalled_invalidations += o.unsignalled_invalidations;
     }
 }
 
@@ -760,6 +764,9 @@ impl MemNic {
     fn post_mw(&mut self, side: usize, chain: &[MwWr]) -> std::result::Result<(), PostError> {
         let e = &mut self.ends[side];
         for (i, w) in chain.iter().enumerate() {
+            if !w.signaled && matches!(w.op, MwOp::Invalidate { .. }) {
+                self.stats.unsignalled_invalidations += 1;
+            }
             if e.next_seq - e.retired >= e.sq_depth {
                 return Err(PostError {
                     posted: i,
