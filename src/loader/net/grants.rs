@@ -144,7 +144,14 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                 .as_mut()
                 .expect("a window means a data path");
             match d.close(m) {
-                Ok(()) => self.table[idx].after_inv = then,
+                Ok(()) => {
+                    self.table[idx].after_inv = then;
+                    let c = &mut self.conns[i];
+                    if !c.closing {
+                        c.closing = true;
+                        self.closing.push(i);
+                    }
+                }
                 // The connection goes; its grants (this one too) fail over
                 // once its QP is gone.
                 Err(e) => self.kill(i, e.to_string()),

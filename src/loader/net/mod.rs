@@ -526,6 +526,9 @@ pub(crate) struct Conn<R> {
     flight: Vec<u8>,
     flight_sent: usize,
     tx_inflight: bool,
+    /// Closes are queued on its data path and it is in the thread's
+    /// `closing` list.
+    closing: bool,
     outstanding: u64,
     max_grants: u64,
     max_data: u32,
@@ -591,6 +594,7 @@ impl<R: Receive> Conn<R> {
             flight: Vec::with_capacity(frame),
             flight_sent: 0,
             tx_inflight: false,
+            closing: false,
             outstanding: 0,
             max_grants: max_grants.max(1),
             max_data: max_data.min(crate::transport::proto::MAX_DATA_BYTES),
@@ -620,6 +624,7 @@ impl<R: Receive> Conn<R> {
             flight: Vec::new(),
             flight_sent: 0,
             tx_inflight: false,
+            closing: false,
             outstanding: 0,
             max_grants: 0,
             max_data: 0,
@@ -688,6 +693,10 @@ pub(crate) struct Thread<R: Receive, I: IoBackend = Uring> {
     wake_buf: Box<u64>,
     wake_inflight: bool,
     completions: Vec<Completion>,
+    /// Connections with closes queued since the last `flush_closes`
+    /// (sized for every connection once), so a tick's flush costs what was
+    /// closed, not one look per node.
+    closing: Vec<usize>,
     /// The source fallback's reads (`source.rs`).
     sources: source::SourceReads,
     /// Source files the fallback read from, kept open across samples.
@@ -765,6 +774,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         redial: bool,
     ) -> Self {
         let conns = connected.conns;
+        let conns_len = conns.len();
         let user_timeout = setup.node_timeout.clamp(USER_TIMEOUT_MIN, USER_TIMEOUT_MAX);
         for c in &conns {
             if c.state == State::Live {
@@ -818,6 +828,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             wake_buf: Box::new(0),
             wake_inflight: false,
             completions: vec![Completion::default(); 256],
+            closing: Vec::with_capacity(conns_len),
             beats,
             last_check: now,
             stall: Stall::new("network thread", 0),
@@ -957,19 +968,21 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             || self.conns.iter().any(|c| c.rx.inflight() || c.tx_inflight)
     }
 
-    /// Posts every live connection's queued closes (RDMA invalidations).
+    /// Posts the queued closes (RDMA invalidations) of the connections
+    /// that have any.
     fn flush_closes(&mut self) {
-        if R::FRAMED {
-            return;
-        }
-        for i in 0..self.conns.len() {
-            if self.conns[i].state != State::Live {
+        let mut closing = std::mem::take(&mut self.closing);
+        for &i in &closing {
+            let c = &mut self.conns[i];
+            if !std::mem::take(&mut c.closing) || c.state != State::Live {
                 continue;
             }
-            if let Some(Err(e)) = self.conns[i].data.as_mut().map(|d| d.flush_closes()) {
+            if let Some(Err(e)) = c.data.as_mut().map(|d| d.flush_closes()) {
                 self.kill(i, e.to_string());
             }
         }
+        closing.clear();
+        self.closing = closing;
     }
 
     /// Polls every connection's data path (RDMA: its CQ) and acts on what
