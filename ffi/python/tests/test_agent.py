@@ -74,49 +74,39 @@ def let_go(held, got):
     got.extend(first)
 
 
+def check_read_across_a_restart(space, tmp_path, read):
+    """`read(loader, restart)` over an attached loader whose agent is
+    killed and replaced once (when `read` calls `restart()`) delivers the
+    embedded loader's epoch, byte for byte."""
+    sock = tmp_path / "agent.sock"
+    agents = [Agent(space, sock)]
+
+    def restart():
+        agents[0].kill()
+        agents.append(Agent(space, sock))
+
+    try:
+        with attached(space, sock, agent_restart_wait_ms=60_000, batches_in_flight=3) as loader:
+            got = read(loader, restart)
+    finally:
+        for a in agents:
+            a.kill()
+    with kspeed.Loader(space, batch_size=4, seed=5, ring_bytes="256KiB", pin=False, agent="off") as loader:
+        want = samples(loader)
+    assert len(agents) == 2
+    assert [i for i, _ in got] == [i for i, _ in want]
+    assert got == want
+
+
 # Python reads with acquire_batch_keep: batches held by the caller (with
 # views) stay valid across the re-attach, the dead attach's ring retired
 # until they are released.
 def test_a_restarted_agent_takes_the_loader_back_exactly_once(space, tmp_path):
-    sock = tmp_path / "agent.sock"
-    agents = [Agent(space, sock)]
-
-    def restart():
-        agents[0].kill()
-        agents.append(Agent(space, sock))
-
-    try:
-        with attached(space, sock, agent_restart_wait_ms=60_000, batches_in_flight=3) as loader:
-            got = samples(loader, after_first=restart)
-    finally:
-        for a in agents:
-            a.kill()
-    with kspeed.Loader(space, batch_size=4, seed=5, ring_bytes="256KiB", pin=False, agent="off") as loader:
-        want = samples(loader)
-    assert len(agents) == 2
-    assert [i for i, _ in got] == [i for i, _ in want]
-    assert got == want
+    check_read_across_a_restart(space, tmp_path, lambda l, r: samples(l, after_first=r))
 
 
 def test_batches_held_across_a_restarted_agent_stay_valid(space, tmp_path):
-    sock = tmp_path / "agent.sock"
-    agents = [Agent(space, sock)]
-
-    def restart():
-        agents[0].kill()
-        agents.append(Agent(space, sock))
-
-    try:
-        with attached(space, sock, agent_restart_wait_ms=60_000, batches_in_flight=3) as loader:
-            got = held_samples(loader, restart)
-    finally:
-        for a in agents:
-            a.kill()
-    with kspeed.Loader(space, batch_size=4, seed=5, ring_bytes="256KiB", pin=False, agent="off") as loader:
-        want = samples(loader)
-    assert len(agents) == 2
-    assert [i for i, _ in got] == [i for i, _ in want]
-    assert got == want
+    check_read_across_a_restart(space, tmp_path, held_samples)
 
 
 def test_without_the_wait_a_dead_agent_is_a_named_error(space, tmp_path):
