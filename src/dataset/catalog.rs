@@ -505,6 +505,13 @@ fn write_body(
     w.commit()
 }
 
+/// For code that takes "something holding a catalog" (a catalog, a space).
+impl AsRef<Catalog> for Catalog {
+    fn as_ref(&self) -> &Catalog {
+        self
+    }
+}
+
 impl Catalog {
     /// Opens and validates a catalog: envelope checksums, then every record's
     /// references (file indices, string ranges, labels, offsets within files).

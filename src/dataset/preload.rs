@@ -333,12 +333,14 @@ fn check_members(cat: &Catalog, opts: &PreloadOptions) -> Result<()> {
 
 /// Whether this preload reads its source once (module comment): a source
 /// in an object store, no catalog given or in the space yet (or a
-/// refresh), and this node holds every sample.
+/// refresh), and this node holds every sample (not a partial space: the
+/// catalog needs the CRC of every sample, the copy reads only some).
 fn one_pass_eligible(dir: &Path, opts: &PreloadOptions) -> bool {
     opts.source.as_ref().is_some_and(|s| s.is_remote())
         && opts.catalog.is_none()
         && (opts.refresh || !dir.join(files::CATALOG).exists())
         && opts.placement.replicas >= opts.placement.nodes
+        && opts.max_held_bytes == 0
 }
 
 /// The pending catalog of a one-pass build: the one an interrupted run

@@ -409,6 +409,13 @@ impl VerifyReport {
     }
 }
 
+/// A space's catalog (the one it was preloaded from).
+impl AsRef<Catalog> for Space {
+    fn as_ref(&self) -> &Catalog {
+        &self.catalog
+    }
+}
+
 impl Space {
     /// Opens a complete space: catalog, then manifest (which must belong to
     /// that catalog). Extent files are checked by [`Space::check_extents`] and

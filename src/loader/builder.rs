@@ -1169,29 +1169,28 @@ impl LoaderBuilder {
             );
         }
         ring.set_io_info(fixed_buffers, io_how, direct_io);
-        let mut backends: Vec<Box<dyn IoBackend>> = backends
-            .into_iter()
-            .map(|uring| -> Box<dyn IoBackend> {
-                match cfg.faults {
-                    Some(f) => Box::new(Faulty::new(uring, f, cfg.queue_depth as usize)),
-                    None => Box::new(uring),
-                }
-            })
-            .collect();
-        if let Some(cat) = remote {
-            // Neighbouring samples of one object merge into one GET where
-            // the order visits them together: several samples per object
-            // (tar shards) read in id order or with a block shuffle.
-            let merge = cat.len() > cat.file_count()
-                && (!self.shuffle || sampler.config().order_block() > 0);
-            backends = store_backends(
-                cat,
-                cfg.pollers,
-                cfg.queue_depth as usize,
-                merge,
-                cfg.faults,
-            )?;
-        }
+        // A partial space over a bucket: what the space holds from the
+        // NVMe, the rest by GETs, one loop per poller (ring/split.rs).
+        let partial_bucket = match &input {
+            Input::Space { space, .. }
+                if space.params().is_partial() && space.catalog().source_spec().is_remote() =>
+            {
+                Some(space.clone())
+            }
+            _ => None,
+        };
+        // Neighbouring samples of one object merge into one GET where the
+        // order visits them together: several samples per object (tar
+        // shards) read in id order or with a block shuffle.
+        let merge = |cat: &crate::dataset::Catalog| {
+            cat.len() > cat.file_count() && (!self.shuffle || sampler.config().order_block() > 0)
+        };
+        let merge = match (&remote, &partial_bucket) {
+            (Some(cat), _) => merge(cat),
+            (None, Some(space)) => merge(space.catalog()),
+            (None, None) => false,
+        };
+        let backends = poller_backends(backends, remote, partial_bucket, &cfg, merge)?;
         let batch_size = self.batch_size;
         let attach_settings = attach.map(|socket| super::attached::AttachSettings {
             socket,
@@ -1331,47 +1330,81 @@ fn largest_slots(catalog: &Catalog, geo: Geometry, n: usize) -> u64 {
     heap.into_iter().map(|Reverse(s)| s).sum()
 }
 
-/// One object-store backend per poller for a source in a bucket
-/// (`ring/store.rs`), wrapped in the fault injector when one is asked for.
+/// `backend`, wrapped in the fault injector when one is asked for.
+fn faulty<B: IoBackend + 'static>(
+    backend: B,
+    cfg: &super::shared::PollerConfig,
+) -> Box<dyn IoBackend> {
+    match cfg.faults {
+        Some(f) => Box::new(Faulty::new(backend, f, cfg.queue_depth as usize)),
+        None => Box::new(backend),
+    }
+}
+
+/// The pollers' backends: `urings` (a space, a source on files); one
+/// object-store backend per poller for a source in a bucket (`remote`:
+/// ring/store.rs, `queue_depth` GETs in flight); for a partial space over a
+/// bucket (`partial_bucket`), each io_uring paired with one
+/// (ring/split.rs). With `merge`, neighbouring reads of an object share a
+/// GET.
 #[cfg(feature = "s3")]
-fn store_backends(
-    cat: std::sync::Arc<crate::dataset::Catalog>,
+fn poller_backends(
+    urings: Vec<Uring>,
+    remote: Option<std::sync::Arc<crate::dataset::Catalog>>,
+    partial_bucket: Option<std::sync::Arc<crate::dataset::Space>>,
+    cfg: &super::shared::PollerConfig,
+    merge: bool,
+) -> Result<Vec<Box<dyn IoBackend>>> {
+    use crate::ring::{Split, StoreRing};
+    let depth = cfg.queue_depth as usize;
+    Ok(match (remote, partial_bucket) {
+        (Some(cat), _) => store_backends(cat, cfg.pollers, depth, merge)?
+            .into_iter()
+            .map(|store| faulty(store, cfg))
+            .collect(),
+        (None, Some(space)) => urings
+            .into_iter()
+            .zip(store_backends(space, cfg.pollers, depth, merge)?)
+            .map(|(uring, store): (Uring, StoreRing)| faulty(Split::new(uring, store), cfg))
+            .collect(),
+        (None, None) => urings.into_iter().map(|uring| faulty(uring, cfg)).collect(),
+    })
+}
+
+/// Without the s3 feature no source is remote (parsing refuses `s3://`).
+#[cfg(not(feature = "s3"))]
+fn poller_backends(
+    urings: Vec<Uring>,
+    _: Option<std::sync::Arc<crate::dataset::Catalog>>,
+    _: Option<std::sync::Arc<crate::dataset::Space>>,
+    cfg: &super::shared::PollerConfig,
+    _: bool,
+) -> Result<Vec<Box<dyn IoBackend>>> {
+    Ok(urings.into_iter().map(|uring| faulty(uring, cfg)).collect())
+}
+
+/// One object-store backend per poller reading the bucket that `cat`'s
+/// source is in (`ring/store.rs`), `depth` reads in flight each.
+#[cfg(feature = "s3")]
+fn store_backends<C: AsRef<crate::dataset::Catalog> + Send + Sync + 'static>(
+    cat: std::sync::Arc<C>,
     pollers: usize,
     depth: usize,
     merge: bool,
-    faults: Option<crate::ring::FaultConfig>,
-) -> Result<Vec<Box<dyn IoBackend>>> {
-    let spec = cat.source_spec();
+) -> Result<Vec<crate::ring::StoreRing>> {
+    let spec = (*cat).as_ref().source_spec();
     let url = spec.store_url().expect("a remote source has a URL");
     let prefix = url.dir_prefix_or_parent();
     let objects: std::sync::Arc<crate::ring::ObjectOf> = std::sync::Arc::new(move |i: u32| {
-        let f = cat.file(i);
+        let f = (*cat).as_ref().file(i);
         (
             format!("{prefix}{}", f.name.to_string_lossy()),
             String::from_utf8_lossy(f.etag).into_owned(),
         )
     });
     (0..pollers)
-        .map(|_| -> Result<Box<dyn IoBackend>> {
-            let ring = crate::ring::StoreRing::new(&url.bucket, objects.clone(), depth, merge)?;
-            Ok(match faults {
-                Some(f) => Box::new(Faulty::new(ring, f, depth)),
-                None => Box::new(ring),
-            })
-        })
+        .map(|_| crate::ring::StoreRing::new(&url.bucket, objects.clone(), depth, merge))
         .collect()
-}
-
-/// Without the s3 feature no source is remote (parsing refuses `s3://`).
-#[cfg(not(feature = "s3"))]
-fn store_backends(
-    _: std::sync::Arc<crate::dataset::Catalog>,
-    _: usize,
-    _: usize,
-    _: bool,
-    _: Option<crate::ring::FaultConfig>,
-) -> Result<Vec<Box<dyn IoBackend>>> {
-    unreachable!("an s3:// source does not parse without the s3 feature")
 }
 
 #[cfg(test)]

@@ -197,6 +197,15 @@ pub(super) fn open_mix(
                     )));
                 }
             }
+            if let Input::Space { space, .. } = &input.0 {
+                let spec = space.catalog().source_spec();
+                if space.params().is_partial() && spec.is_remote() {
+                    return Err(Error::InvalidConfig(format!(
+                        "mix: {what} is a partial space over a bucket ({}): a mixture reads partial spaces over source files for now (read it alone, or preload it whole)",
+                        spec.to_source_string()
+                    )));
+                }
+            }
             input
         } else if what.ends_with(".ksc") && path.is_file() {
             // A catalog: read from the source it records (in cluster
@@ -286,21 +295,19 @@ pub(super) fn cluster_placement(
 }
 
 /// A partial space (`kspeed preload --max-bytes`): the samples it does not
-/// hold are read from the source files its catalog records, which must be
-/// there (in cluster mode, those no node's space holds, every node having
+/// hold are read from the source its catalog records (files, which must be
+/// there, or a bucket) (in cluster mode, those no node's space holds, every node having
 /// the same budget: `dataset::partial`).
 fn check_partial(space: &Space, cluster: bool) -> Result<()> {
     let dir = space.dir().display();
     let spec = space.catalog().source_spec();
-    if spec.is_remote() {
-        return Err(Error::InvalidConfig(format!(
-            "space {dir} is partial and its source {} is in an object store: a partial space reads the rest of its samples from source files for now",
-            spec.to_source_string()
-        )));
-    }
     let root = spec.root();
-    if let Err(e) = std::fs::metadata(&root) {
-        return Err(Error::io("open source of the partial space", &root, e));
+    // A bucket is not looked at here: its first GET names what is wrong
+    // (credentials, endpoint, a missing or replaced object) with the sample.
+    if !spec.is_remote() {
+        if let Err(e) = std::fs::metadata(&root) {
+            return Err(Error::io("open source of the partial space", &root, e));
+        }
     }
     log::info!(
         "space {dir} holds {} of {} samples; the other {} are read from {} ahead of need{}",

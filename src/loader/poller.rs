@@ -98,15 +98,23 @@ pub(crate) struct Poller {
     submit_error: Option<std::io::Error>,
     part_bytes: u64,
     path_buf: PathBuf,
-    /// Per dataset (one without a mixture): the source folder of a partial
-    /// space, whose samples it does not hold are read from there.
-    partial_roots: Vec<Option<PathBuf>>,
+    /// Per dataset (one without a mixture): where a partial space's
+    /// samples it does not hold are read from.
+    partial_roots: Vec<Option<PartialSource>>,
     /// The input is a source in an object store: reads name the object
     /// ([`Target::Object`]) and the backend GETs it (`ring/store.rs`).
     remote: bool,
     /// Source files kept open across samples (source mode).
     fds: FdCache,
     stall: Stall,
+}
+
+/// Where a partial space's samples it does not hold are read from.
+enum PartialSource {
+    /// The source folder, through the descriptor cache.
+    Files(PathBuf),
+    /// Objects in a bucket: [`Target::Object`] reads, GETs by the backend.
+    Bucket,
 }
 
 impl Poller {
@@ -144,7 +152,12 @@ impl Poller {
             .into_iter()
             .map(|p| match p {
                 Input::Space { space, .. } if space.params().is_partial() => {
-                    Some(space.catalog().source_spec().root())
+                    let spec = space.catalog().source_spec();
+                    Some(if spec.is_remote() {
+                        PartialSource::Bucket
+                    } else {
+                        PartialSource::Files(spec.root())
+                    })
                 }
                 _ => None,
             })
@@ -460,6 +473,14 @@ impl Poller {
                 let target = Target::Object(file_base + s.file);
                 (target, s.offset, s.len as u64, s.file, None)
             }
+            // A partial space over a bucket: the backend GETs it
+            // (ring/split.rs; a mixture of such is refused: input.rs).
+            Input::Space { .. }
+                if matches!(self.partial_roots[dataset], Some(PartialSource::Bucket)) =>
+            {
+                let s = cat.sample(local);
+                (Target::Object(s.file), s.offset, s.len as u64, s.file, None)
+            }
             // A source, or a sample a partial space leaves in its source
             // (the pollers read only the samples a cluster's space holds:
             // Shared::is_local): the file, through the descriptor cache.
@@ -468,11 +489,10 @@ impl Poller {
                 self.path_buf.clear();
                 match input {
                     Input::Source { root, .. } => self.path_buf.push(root),
-                    _ => self.path_buf.push(
-                        self.partial_roots[dataset]
-                            .as_ref()
-                            .expect("only a partial space leaves samples to its source"),
-                    ),
+                    _ => match &self.partial_roots[dataset] {
+                        Some(PartialSource::Files(root)) => self.path_buf.push(root),
+                        _ => unreachable!("only a partial space leaves samples to its source"),
+                    },
                 }
                 self.path_buf.push(cat.file(s.file).name);
                 let path = &self.path_buf;

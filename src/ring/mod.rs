@@ -5,6 +5,10 @@
 //!
 //! - [`Uring`] (`uring.rs`): io_uring (registered buffers and files,
 //!   batched submission, optional SQPOLL), the production backend;
+//! - [`StoreRing`] (`store.rs`): ranged GETs from an object store by
+//!   worker threads, for a source in a bucket; [`Split`] (`split.rs`)
+//!   routes a poller's object reads to one and the rest to io_uring (a
+//!   partial space over a bucket);
 //! - [`Faulty`] (`faulty.rs`): wraps any backend and injects seeded faults
 //!   (EIO, short reads and sends, EAGAIN, EINTR, connection resets, delayed
 //!   completions), so the error paths of every loop run everywhere;
@@ -30,6 +34,8 @@ mod mem;
 #[cfg(test)]
 pub(crate) mod memnet;
 #[cfg(feature = "s3")]
+mod split;
+#[cfg(feature = "s3")]
 mod store;
 mod uring;
 
@@ -38,6 +44,8 @@ pub(crate) use faulty::NetFaults;
 pub use faulty::{FaultConfig, Faulty};
 #[cfg(test)]
 pub(crate) use mem::MemBackend;
+#[cfg(feature = "s3")]
+pub use split::Split;
 #[cfg(feature = "s3")]
 pub use store::{ObjectOf, StoreRing};
 pub use uring::{Uring, UringOptions};
@@ -50,7 +58,8 @@ pub enum Target {
     /// A plain descriptor.
     Fd(RawFd),
     /// An object of a source in an object store: the catalog's file index.
-    /// Only [`StoreRing`] reads these; other backends complete such a read
+    /// Only [`StoreRing`] (and [`Split`], through one) reads these; other
+    /// backends complete such a read
     /// with `-EBADF`.
     Object(u32),
 }

@@ -45,6 +45,7 @@ use crossbeam_channel::{bounded, Receiver, Sender};
 use super::{Completion, IoBackend, ReadOp, Target, Timespec};
 use crate::dataset::store::Store;
 use crate::error::{Error, Result};
+use crate::sys::EventFd;
 
 /// How long one GET may take, the client's retries included: a store that
 /// stays down fails the read (named) rather than hold the loader, whose
@@ -99,6 +100,9 @@ struct Get {
 /// Reads from one bucket through worker threads.
 pub struct StoreRing {
     jobs: Option<Sender<Get>>,
+    /// Bumped by a worker after each GET's completions: a loop that also
+    /// waits on an io_uring (`ring/split.rs`) sleeps on a read of it there.
+    wake: Arc<EventFd>,
     done: Receiver<Completion>,
     /// One message per GET finished (after its reads' completions).
     gets_done: Receiver<()>,
@@ -133,10 +137,12 @@ impl StoreRing {
         let (jobs, rx) = bounded::<Get>(max_gets);
         let (tx, done) = bounded::<Completion>(depth);
         let (got, gets_done) = bounded::<()>(max_gets);
+        let wake =
+            Arc::new(EventFd::new().map_err(|e| Error::io("eventfd", "object-store reader", e))?);
         let mut workers = Vec::with_capacity(max_gets);
         for i in 0..max_gets {
             let (rx, tx, got) = (rx.clone(), tx.clone(), got.clone());
-            let (store, objects) = (store.clone(), objects.clone());
+            let (store, objects, wake) = (store.clone(), objects.clone(), wake.clone());
             let w = std::thread::Builder::new()
                 .name(format!("kspeed-get-{i}"))
                 .spawn(move || {
@@ -157,6 +163,9 @@ impl StoreRing {
                                 result: if result == 0 { j.len as i32 } else { result },
                             });
                         }
+                        // After the completions: a waiter woken by it
+                        // finds them.
+                        wake.notify();
                     }
                 })
                 .map_err(|e| Error::ThreadSpawn {
@@ -167,6 +176,7 @@ impl StoreRing {
         }
         Ok(StoreRing {
             jobs: Some(jobs),
+            wake,
             done,
             gets_done,
             ready: Vec::with_capacity(depth),
@@ -179,6 +189,18 @@ impl StoreRing {
             seq: 0,
             workers,
         })
+    }
+
+    /// The eventfd a worker bumps after each GET's completions (once per
+    /// GET; a read of it may also find a wake-up for completions already
+    /// drained).
+    pub fn wake_fd(&self) -> RawFd {
+        self.wake.raw()
+    }
+
+    /// Whether a completion is ready to drain now.
+    pub fn has_completions(&self) -> bool {
+        !self.ready.is_empty() || !self.done.is_empty()
     }
 
     /// An operation this backend has no use for: it completes with

@@ -30,6 +30,9 @@ pub(crate) struct EpochReport {
     pub(crate) seconds: f64,
     pub(crate) disk_reads: u64,
     pub(crate) tier_hits: u64,
+    /// A partial space's samples read from its source, and their bytes.
+    pub(crate) source_reads: u64,
+    pub(crate) source_bytes: u64,
 }
 
 impl EpochReport {
@@ -42,6 +45,8 @@ impl EpochReport {
             seconds,
             disk_reads: end.disk_reads - start.disk_reads,
             tier_hits: end.tier_hits - start.tier_hits,
+            source_reads: end.source_reads - start.source_reads,
+            source_bytes: end.source_bytes - start.source_bytes,
         }
     }
 }
@@ -117,6 +122,8 @@ pub(crate) fn print(st: &Stats, placement: &PollerPlacement, r: &Run) {
                 "samples_per_sec": e.samples as f64 / e.seconds.max(1e-9),
                 "disk_reads": e.disk_reads,
                 "tier_hits": e.tier_hits,
+                "source_reads": e.source_reads,
+                "source_bytes": e.source_bytes,
             })
         })
         .collect();
