@@ -11,6 +11,12 @@
 //! in-flight part occupies an op slot (its index is the io_uring user_data);
 //! each sample being read occupies a group record until its last part lands.
 //! Both pools are sized once from the queue depth.
+//!
+//! Why this file is over ~800 lines: one loop and the one record (a group
+//! of parts) it keeps per sample, with every path a sample's bytes take
+//! (a space's extent, a source file, an object in a bucket, a tier copy)
+//! and every way a read ends (done, short, failed, corrupt, cancelled);
+//! split, each piece would reach into the same pools and counters.
 
 use std::os::fd::AsRawFd;
 use std::path::PathBuf;
