@@ -33,10 +33,22 @@ before every run (root needed), the order rotated run by run:
                    from the dataset's construction (epoch 1) and from the
                    previous epoch's end
   mosaic-cache-w0: the same in the main process (num_workers=0)
+  mosaic-py1s    : mosaic-cache with shuffle_algo="py1s" and
+                   num_canonical_nodes=1 (the shards in a shuffled order,
+                   one at a time, the samples shuffled within each; by
+                   default 64 canonical nodes interleave spans of every
+                   shard): what a user tunes to make a cache smaller than
+                   the dataset work, at the cost of a weaker shuffle
+  mosaic-py1s-w0 : the same in the main process
 
-Mosaic shuffles within blocks of shards (its default py1e), which keeps its
-reads local to a few shards at a time; kspeed shuffles the whole dataset
-every epoch. Run with the project's venv plus mosaicml-streaming (the same
+A Mosaic run that takes over --deadline seconds (default 300) is cut there
+and its rate reported over what it read, with the bytes it had fetched.
+
+Mosaic's default shuffle (py1e) spreads each shard's samples over a block
+of shuffle_block_size samples (262,144 by default: the whole of a small
+dataset), so with a cache smaller than the dataset a sample's shard is
+often gone and is downloaded again (64 MiB for a 131 KB sample); kspeed
+shuffles the whole dataset every epoch and reads samples, not shards. Run with the project's venv plus mosaicml-streaming (the same
 venv as scripts/bench_s3_read.py):
   python -m venv ~/.cache/kspeed/s3bench-venv  (+ a .pth to the project's
   site-packages), pip install mosaicml-streaming==0.13.0 boto3
@@ -66,19 +78,29 @@ def child_mosaic(a):
 
     clean_stale_shared_memory()
     t0 = time.perf_counter()
+    # Tuned: the shards in a shuffled order, one canonical node (so one
+    # shard at a time, not 64 interleaved spans across every shard).
+    kw = {"shuffle_algo": a.shuffle_algo, "num_canonical_nodes": 1} if a.shuffle_algo else {}
     ds = StreamingDataset(remote=f"s3://{BUCKET}/mosaic", local=a.cache, shuffle=True, shuffle_seed=1,
-                          batch_size=b3.BATCH, cache_limit=a.cache_limit)
+                          batch_size=b3.BATCH, cache_limit=a.cache_limit, **kw)
     dl = DataLoader(ds, batch_size=b3.BATCH, num_workers=a.workers, collate_fn=b3.as_list)
     epochs = []
     r0 = b3.rchar(a.server_pid)
+    start = t0
     for e in range(EPOCHS):
         n = nb = 0
+        cut = False
         for b in dl:
             n += len(b)
             nb += sum(len(s["data"]) for s in b)
+            if time.perf_counter() - start > a.deadline:
+                cut = True
+                break
         t1, r1 = time.perf_counter(), b3.rchar(a.server_pid)
-        epochs.append({"samples": n, "bytes": nb, "seconds": t1 - t0, "served_bytes": r1 - r0})
+        epochs.append({"samples": n, "bytes": nb, "seconds": t1 - t0, "served_bytes": r1 - r0, "cut": cut})
         t0, r0 = t1, r1
+        if cut:
+            break
     return epochs
 
 
@@ -116,9 +138,12 @@ def run_kspeed(env, args, server_pid):
     return epochs
 
 
-def run_mosaic(a, env, workers, cache, server_pid):
+def run_mosaic(a, env, workers, cache, server_pid, shuffle_algo=None):
     cmd = [sys.executable, os.path.abspath(__file__), "--work", a.work, "--child", "--workers", str(workers),
-           "--cache", cache, "--cache-limit", str(a.half_bytes), "--server-pid", str(server_pid)]
+           "--cache", cache, "--cache-limit", str(a.half_bytes), "--server-pid", str(server_pid),
+           "--deadline", str(a.deadline)]
+    if shuffle_algo:
+        cmd += ["--shuffle-algo", shuffle_algo]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if p.returncode != 0:
         err = [line for line in p.stderr.strip().splitlines() if line and not line.startswith(" ")]
@@ -141,6 +166,9 @@ def main():
     ap.add_argument("--cache", help=argparse.SUPPRESS)
     ap.add_argument("--cache-limit", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--server-pid", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--shuffle-algo", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--deadline", type=float, default=300, help="seconds a Mosaic run may take for its 3 epochs; "
+                    "one that takes longer is cut there and its rate reported over what it read")
     a = ap.parse_args()
     if a.child:
         print(json.dumps(child_mosaic(a)), flush=True)
@@ -202,6 +230,8 @@ def bench(a, env, size, server_pid):
                                             server_pid),
         "mosaic-cache": lambda: run_mosaic(a, env, a.workers, cache[0], server_pid),
         "mosaic-cache-w0": lambda: run_mosaic(a, env, 0, cache[0], server_pid),
+        "mosaic-py1s": lambda: run_mosaic(a, env, a.workers, cache[0], server_pid, "py1s"),
+        "mosaic-py1s-w0": lambda: run_mosaic(a, env, 0, cache[0], server_pid, "py1s"),
     }
     if a.only:
         keep = a.only.split(",")
@@ -224,11 +254,15 @@ def bench(a, env, size, server_pid):
             finally:
                 shutil.rmtree(cache[0], ignore_errors=True)
             res[name].append(epochs)
-            line = "  ".join(f"e{i + 1} {e['samples'] / e['seconds']:6.0f}/s" for i, e in enumerate(epochs))
+            line = "  ".join(f"e{i + 1} {e['samples'] / e['seconds']:6.0f}/s"
+                             + (f" (cut after {e['samples']} samples, {e['served_bytes'] / 1e9:.1f} GB served)"
+                                if e.get("cut") else "") for i, e in enumerate(epochs))
             print(f"run {run + 1}: {name:16s} {line}  load {load:.1f}", file=sys.stderr)
 
     def sps(name, e):
-        return [r[e]["samples"] / r[e]["seconds"] if r else None for r in res[name]]
+        # A run cut by the deadline counts over what it read; the epochs it
+        # never reached are missing (None).
+        return [r[e]["samples"] / r[e]["seconds"] if r and e < len(r) else None for r in res[name]]
 
     def med(xs):
         xs = [x for x in xs if x is not None]
@@ -245,7 +279,7 @@ def bench(a, env, size, server_pid):
         served = []
         for e in range(EPOCHS):
             if name.startswith("mosaic"):
-                served.append(med([r[e]["served_bytes"] if r else None for r in res[name]]) / 1e6)
+                served.append(med([r[e]["served_bytes"] if r and e < len(r) else None for r in res[name]]) / 1e6)
             else:
                 served.append(med([r[e]["source_bytes"] if r else None for r in res[name]]) / 1e6
                               if name == "kspeed-partial" else size / 1e6)
