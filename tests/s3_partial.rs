@@ -13,6 +13,8 @@
 //! - `kspeed read` on it, from the command line;
 //! - an object replaced or deleted after the preload: a named error that
 //!   names the sample and the object's URL, and nothing delivered wrong;
+//! - `kspeed read` killed (SIGKILL) while its GETs are out: the space
+//!   verifies intact and a rerun reads the epoch exactly;
 //! - three nodes (real `kspeed serve` processes) serving partial spaces
 //!   preloaded from the bucket, together a third of it: a rank reads its
 //!   node's samples from its space, the others' from them, and those no
@@ -28,7 +30,8 @@ mod nodes;
 mod s3h;
 
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
 
 use common::*;
 use kspeed::dataset::{Catalog, Space};
@@ -185,6 +188,7 @@ fn a_partial_space_over_a_bucket_reads_the_rest_from_it_exactly() {
         "{out}"
     );
 
+    killed_mid_epoch_then_verified_and_rerun(&srv, &space_dir, &cat, &src);
     three_nodes_over_the_bucket(&srv, &url, &src, tmp.path());
 
     // A mixture holding it is refused by name.
@@ -326,4 +330,44 @@ fn three_nodes_over_the_bucket(srv: &S3Server, url: &str, src: &Path, tmp: &Path
     assert_eq!(k, cat.len());
     assert!(serves[1].is_none(), "node 1 was killed mid-epoch");
     assert!(l.stats().source_reads >= nobody);
+}
+
+/// `kspeed read` on the partial space, SIGKILLed once it talks to the
+/// bucket (a socket among its descriptors: the GETs have started); then
+/// `kspeed verify` passes and a rerun reads an epoch exactly.
+fn killed_mid_epoch_then_verified_and_rerun(
+    srv: &S3Server,
+    space: &Path,
+    cat: &Catalog,
+    src: &Path,
+) {
+    let mut cmd = srv.kspeed_cmd(&["read", "--space", s(space), "--epochs", "1000"]);
+    cmd.args(["--no-huge-pages", "--no-mlock"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    let mut child = cmd.spawn().unwrap();
+    let fd_dir = format!("/proc/{}/fd", child.id());
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let talking = std::fs::read_dir(&fd_dir).is_ok_and(|d| {
+            d.flatten().any(|f| {
+                std::fs::read_link(f.path())
+                    .is_ok_and(|t| t.to_string_lossy().starts_with("socket:"))
+            })
+        });
+        if talking {
+            break;
+        }
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "kspeed read ended before it was killed"
+        );
+        assert!(Instant::now() < deadline, "no GET within 60 s");
+        std::thread::yield_now();
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    srv.ok(&["verify", "--space", s(space)], LIMIT);
+    let mut l = builder(space).end_epoch(Some(1)).build().unwrap();
+    read_exact(&mut l, cat, src, 1).unwrap();
 }
