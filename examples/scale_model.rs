@@ -514,7 +514,12 @@ fn main() {
         (std::mem::size_of::<proto::GrantEntry>() + std::mem::size_of::<u64>()) as u64;
     let per_consumer_grants = cfg.max_grants as u64 * grant_bytes;
     let staging = pollers * cfg.staging_bytes;
-    let max_consumers = pollers * cfg.max_conns_per_poller as u64;
+    // The service's limit (`ServeConfig::consumers_per_poller`, resolved
+    // at start from the placement), evaluated for the modelled node's
+    // pollers.
+    let mut cfg_on_node = cfg.clone();
+    cfg_on_node.pollers = pollers as usize;
+    let max_consumers = |nodes: u32| pollers * cfg_on_node.consumers_per_poller(nodes) as u64;
     // The verbs objects of one connection, as the code creates them
     // (src/transport/serve/owner_rdma.rs and src/loader/net/rdma.rs), in
     // the host memory mlx5 pins for them.
@@ -535,8 +540,8 @@ fn main() {
         "\n## Connections, queue pairs and memory per node (today: every rank connects to every node service)\n\n\
          Node service defaults (`ServeConfig::new`): {pollers} pollers on a {NODE_CORES}-core node, \
          staging {} per poller ({} per node, {}-KiB slots), max_grants {} per consumer \
-         ({grant_bytes} B each: {} reserved per consumer), at most {} consumers per poller \
-         ({max_consumers} per node).\n\n\
+         ({grant_bytes} B each: {} reserved per consumer), consumers per poller sized from \
+         the cluster (8 x nodes over the pollers, {} to {}).\n\n\
          Verbs memory per connection, as mlx5 sizes it (send WQE: 16 B control + 176 B reserved \
          for a memory-window bind + data or inline, in 64-B blocks; queues rounded up to powers \
          of two; 64-B CQEs): the node's side {} (QP {} with {owner_wr} WRs and {OWNER_INLINE_BYTES} B \
@@ -548,7 +553,8 @@ fn main() {
         cfg.chunk_bytes / 1024,
         cfg.max_grants,
         gib(per_consumer_grants as f64),
-        cfg.max_conns_per_poller,
+        cfg_on_node.consumers_per_poller(1),
+        cfg_on_node.consumers_per_poller(u32::MAX),
         gib(owner.pinned() as f64),
         gib(owner.qp as f64),
         gib(owner.cq as f64),
@@ -570,8 +576,8 @@ fn main() {
             outbound * rank.windows,
             gib((consumers * owner.pinned() + outbound * rank.pinned()) as f64),
             gib((consumers * per_consumer_grants) as f64),
-            if consumers > max_consumers {
-                format!("yes: {} refused", consumers - max_consumers)
+            if consumers > max_consumers(nodes) {
+                format!("yes: {} refused", consumers - max_consumers(nodes))
             } else {
                 "no".into()
             },

@@ -1521,8 +1521,8 @@ fn serve_and_read_check_the_token_and_every_limit_at_start() {
         ("--max-grants", "4294967295", "max grants is 4294967295"),
         (
             "--max-consumers-per-poller",
-            "0",
-            "max consumers per poller is 0",
+            "4097",
+            "max consumers per poller is 4097",
         ),
         ("--max-handshakes", "100000", "max handshakes is 100000"),
         ("--staging-bytes", "64GiB", "staging bytes is"),

@@ -127,8 +127,9 @@ struct ServeArgs {
     #[arg(long, default_value_t = 8192)]
     max_grants: u32,
     /// Consumers one poller serves; a HELLO beyond pollers x this is
-    /// refused with the named error "node full" (1 to 4096).
-    #[arg(long, default_value_t = 256)]
+    /// refused with the named error "node full" (0 to 4096). 0: 8 x nodes
+    /// of the space's placement over the pollers, at least 256.
+    #[arg(long, default_value_t = 0)]
     max_consumers_per_poller: usize,
     /// Handshakes not yet past HELLO pending at once; a connection beyond
     /// that makes room (a late wrong-token answer is sent now, else the

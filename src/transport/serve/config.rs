@@ -38,7 +38,11 @@ pub struct ServeConfig {
     pub max_grants: u32,
     /// Consumers one poller serves at once (`--max-consumers-per-poller`);
     /// a HELLO beyond `pollers` times this is refused with
-    /// [`Code::NodeFull`](crate::transport::proto::Code::NodeFull).
+    /// [`Code::NodeFull`](crate::transport::proto::Code::NodeFull). 0 (the
+    /// default): sized from the space's placement when the service starts,
+    /// 8 consumers per node of the cluster over the pollers, at least 256
+    /// and at most [`MAX_CONNS_PER_POLLER`] (connection tables and rings
+    /// are sized from it at start).
     pub max_conns_per_poller: usize,
     /// Time a peer has to complete its whole handshake (HELLO, and the
     /// RDMA endpoint swap), however it paces its bytes.
@@ -99,7 +103,7 @@ impl ServeConfig {
             staging_bytes: 64 << 20,
             chunk_bytes: 256 << 10,
             max_grants: 8192,
-            max_conns_per_poller: 256,
+            max_conns_per_poller: 0,
             handshake_timeout: Duration::from_secs(5),
             max_handshakes: 0,
             stall_timeout: Duration::from_secs(10),
@@ -109,6 +113,22 @@ impl ServeConfig {
             rdma: None,
             rdma_spin: crate::placement::default_spin(),
         }
+    }
+
+    /// The consumers one poller admits for a space placed over `nodes`
+    /// nodes: `max_conns_per_poller` when set, else (0) every rank of
+    /// every node (8 ranks a node, the common case, its own node's
+    /// included for margin) spread over the pollers, at least 256 (the
+    /// fixed default before, which small clusters keep) and at most
+    /// [`MAX_CONNS_PER_POLLER`]. The service resolves it once at start.
+    pub fn consumers_per_poller(&self, nodes: u32) -> usize {
+        if self.max_conns_per_poller > 0 {
+            return self.max_conns_per_poller;
+        }
+        let consumers = 8 * nodes.max(1) as u64;
+        consumers
+            .div_ceil(self.pollers.max(1) as u64)
+            .clamp(256, MAX_CONNS_PER_POLLER) as usize
     }
 
     /// Checks every limit against what the service can allocate and encode
@@ -128,7 +148,7 @@ impl ServeConfig {
             (
                 "max consumers per poller",
                 self.max_conns_per_poller as u64,
-                1,
+                0,
                 MAX_CONNS_PER_POLLER,
             ),
             (
@@ -216,6 +236,35 @@ pub const MIN_IDLE_TIMEOUT: Duration = Duration::from_secs(3);
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_consumer_limit_is_sized_from_the_cluster() {
+        let limit = |nodes: u32, pollers: usize| {
+            ServeConfig {
+                pollers,
+                ..ServeConfig::new("/x", "127.0.0.1:0", b"t")
+            }
+            .consumers_per_poller(nodes)
+        };
+        // Small clusters keep the old fixed 256.
+        assert_eq!(limit(1, 8), 256);
+        assert_eq!(limit(257, 8), 257);
+        // 512 nodes of 8 ranks on 8 pollers: every rank of the other
+        // nodes admitted (the fixed 256 refused 2,040 of them).
+        assert_eq!(limit(512, 8), 512);
+        assert!(limit(512, 8) * 8 >= 8 * 511);
+        // 4,096 nodes: 32,768 on 8 pollers; fewer pollers reach the
+        // ceiling sooner.
+        assert_eq!(limit(4096, 8), 4096);
+        assert_eq!(limit(4096, 2), MAX_CONNS_PER_POLLER as usize);
+        assert_eq!(limit(0, 1), 256);
+        // A number given is kept.
+        let fixed = ServeConfig {
+            max_conns_per_poller: 3,
+            ..ServeConfig::new("/x", "127.0.0.1:0", b"t")
+        };
+        assert_eq!(fixed.consumers_per_poller(4096), 3);
+    }
 
     /// The ring holds every operation a poller may have in flight: a read
     /// per slot, a receive and a send per connection, the channel's poll.

@@ -58,6 +58,7 @@ impl NodeService {
         if cfg.max_handshakes == 0 {
             cfg.max_handshakes = auto_max_handshakes(space.params().placement.nodes);
         }
+        cfg.max_conns_per_poller = cfg.consumers_per_poller(space.params().placement.nodes);
         if cfg.staging_bytes < chunk as u64 {
             return Err(Error::InvalidConfig(format!(
                 "staging bytes {} hold no whole {chunk}-byte chunk (chunk bytes rounded up to the space's {align}-byte alignment)",
