@@ -267,6 +267,16 @@ typedef struct {
   double slowest_peer_stall_s[4];
   // Waits charged to `slowest_peer_node[i]`.
   uint64_t slowest_peer_waits[4];
+  // Samples from the source (a partial space's others, a bucket, the
+  // source after a failover) handed out so far, and how long before
+  // they were asked for they were in the ring: the prefetch's lead.
+  uint64_t source_lead_count;
+  // Of them, those the caller waited for (no lead).
+  uint64_t source_lead_late;
+  // The lead's 10th percentile, in seconds (the short-lead tail).
+  double source_lead_p10_s;
+  // The lead's median, in seconds.
+  double source_lead_p50_s;
 } ksp_stats;
 
 // What the catalog says about one sample.

@@ -120,6 +120,11 @@ fn four_epochs_exact_from_the_space_and_the_source() {
     assert_eq!(stats.source_reads, (n - held) * epochs);
     assert_eq!(stats.source_bytes, source_bytes_per_epoch * epochs);
     assert_eq!(stats.samples, n * epochs);
+    // Every source sample's lead over the need is counted once, the late
+    // ones (waited for) among them.
+    let lead = stats.source_lead;
+    assert_eq!(lead.count, (n - held) * epochs, "{lead:?}");
+    assert!(lead.late <= lead.count && lead.p10 <= lead.p50, "{lead:?}");
     // `kspeed verify` checks what the space holds and passes.
     let out = ok(&["verify", "--space", s(&st.space)]);
     assert!(!out.to_lowercase().contains("corrupt"), "{out}");

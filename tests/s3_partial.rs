@@ -140,6 +140,7 @@ fn a_partial_space_over_a_bucket_reads_the_rest_from_it_exactly() {
     assert_eq!(st.disk_reads, held * epochs, "{st:?}");
     assert_eq!(st.source_reads, (n - held) * epochs, "{st:?}");
     assert_eq!(st.source_bytes, bucket_bytes_per_epoch * epochs, "{st:?}");
+    assert_eq!(st.source_lead.count, (n - held) * epochs, "{st:?}");
     drop(l);
 
     // Short reads and late completions on both sides of the split: a
@@ -182,6 +183,10 @@ fn a_partial_space_over_a_bucket_reads_the_rest_from_it_exactly() {
             "--no-mlock",
         ],
         LIMIT,
+    );
+    assert!(
+        out.contains("source samples ready before they were asked for"),
+        "{out}"
     );
     assert!(
         out.contains(&format!("partial space: {} samples (", (n - held) * 2)),

@@ -382,6 +382,16 @@ pub struct ksp_stats {
     pub slowest_peer_stall_s: [f64; 4],
     /// Waits charged to `slowest_peer_node[i]`.
     pub slowest_peer_waits: [u64; 4],
+    /// Samples from the source (a partial space's others, a bucket, the
+    /// source after a failover) handed out so far, and how long before
+    /// they were asked for they were in the ring: the prefetch's lead.
+    pub source_lead_count: u64,
+    /// Of them, those the caller waited for (no lead).
+    pub source_lead_late: u64,
+    /// The lead's 10th percentile, in seconds (the short-lead tail).
+    pub source_lead_p10_s: f64,
+    /// The lead's median, in seconds.
+    pub source_lead_p50_s: f64,
 }
 
 // The C layout names 4 slowest peers: the library's count must agree.
@@ -424,6 +434,10 @@ impl Default for ksp_stats {
             slowest_peer_node: [0; 4],
             slowest_peer_stall_s: [0.0; 4],
             slowest_peer_waits: [0; 4],
+            source_lead_count: 0,
+            source_lead_late: 0,
+            source_lead_p10_s: 0.0,
+            source_lead_p50_s: 0.0,
         }
     }
 }
@@ -491,6 +505,10 @@ pub unsafe extern "C" fn ksp_loader_stats(l: *const ksp_loader, out: *mut ksp_st
             slowest_peer_node: std::array::from_fn(|i| top[i].node),
             slowest_peer_stall_s: std::array::from_fn(|i| top[i].stall.as_secs_f64()),
             slowest_peer_waits: std::array::from_fn(|i| top[i].waits),
+            source_lead_count: s.source_lead.count,
+            source_lead_late: s.source_lead.late,
+            source_lead_p10_s: s.source_lead.p10.as_secs_f64(),
+            source_lead_p50_s: s.source_lead.p50.as_secs_f64(),
         });
         Ok(())
     })

@@ -1240,6 +1240,7 @@ impl LoaderBuilder {
             failed: None,
             counters: Counters::default(),
             stall_ledger: Default::default(),
+            source_lead: Default::default(),
             totals: Totals::new(),
             started: Instant::now(),
             net: net.map(Arc::new),

@@ -75,7 +75,7 @@ pub(crate) use shared::*;
 pub use stall_causes::{PeerStall, StallCauses, SLOWEST_PEERS};
 pub(crate) use stats::ReadCounts;
 use stats::{Counters, Totals};
-pub use stats::{Latency, PlacementStats, Stats};
+pub use stats::{Latency, LeadTime, PlacementStats, Stats};
 pub(crate) use tier::Tier;
 
 /// A batch kept out by [`Loader::acquire_batch_keep`]: its first sample,
@@ -191,6 +191,9 @@ pub struct Loader {
     counters: Counters,
     /// `counters.stall` charged to its causes.
     stall_ledger: stall_causes::StallLedger,
+    /// How long before the caller asked for it each source sample was in
+    /// the ring (0 for one it waited for).
+    source_lead: stats::LeadTimes,
     /// Pollers' and network counters of earlier runs (before restarts).
     totals: Totals,
     started: Instant,
@@ -274,6 +277,8 @@ impl Loader {
             via: (0..table)
                 .map(|_| std::sync::atomic::AtomicU32::new(0))
                 .collect(),
+            ready_us: (0..table).map(|_| AtomicU64::new(0)).collect(),
+            clock0: Instant::now(),
             released_v: AtomicU64::new(0),
             released_g: AtomicU64::new(0),
             parked: (0..n)
@@ -661,7 +666,14 @@ impl Loader {
             sh.waiting_for.store(0, Ordering::SeqCst);
             let waited = t0.elapsed();
             self.counters.stall += waited;
-            self.stall_ledger.charge(sh.via(p.g), waited);
+            let via = sh.via(p.g);
+            self.stall_ledger.charge(via, waited);
+            if via & !shared::VIA_FAILOVER == shared::VIA_SOURCE {
+                // Late: no lead at all.
+                self.source_lead.record(Duration::ZERO);
+            }
+        } else if sh.via(p.g) & !shared::VIA_FAILOVER == shared::VIA_SOURCE {
+            self.source_lead.record(sh.published_ago(p.g));
         }
         match state {
             Some(CODE_OK) => return Ok(CODE_OK),
@@ -1164,6 +1176,7 @@ impl Loader {
             elapsed: self.started.elapsed(),
             stall: self.counters.stall,
             stall_causes: self.stall_ledger.causes(),
+            source_lead: self.source_lead.summary(),
             disk_reads: t.disk_reads,
             tier_hits: t.tier_hits,
             retries: t.retries,

@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
 
@@ -242,6 +242,12 @@ pub(crate) struct Shared {
     /// Beside `ready`: how the sample came (`VIA_*`), stored before its
     /// ready word, so a consumer that sees the word sees this too.
     pub(super) via: Box<[AtomicU32]>,
+    /// Beside `ready`, for samples that came from the source only: when
+    /// the sample was published, in microseconds since `clock0` (the
+    /// consumer's prefetch lead time, [`super::Stats::source_lead`]).
+    pub(super) ready_us: Box<[AtomicU64]>,
+    /// The run's clock origin for `ready_us`.
+    pub(super) clock0: Instant,
     /// Per poller: (slot end, g) of the sample it parked waiting for, or
     /// (0, _) when it is not parked on flow control. A release wakes only
     /// the pollers whose sample it made writable.
@@ -417,6 +423,11 @@ impl Shared {
         // Relaxed: the SeqCst store of the ready word below orders it
         // before, for a consumer that loads that word.
         self.via[idx].store(via, Ordering::Relaxed);
+        if via & !VIA_FAILOVER == VIA_SOURCE {
+            // One clock read per source sample: its lead over the need.
+            let us = self.clock0.elapsed().as_micros() as u64;
+            self.ready_us[idx].store(us, Ordering::Relaxed);
+        }
         self.ready[idx].store(((g + 1) << 8) | code, Ordering::SeqCst);
     }
 
@@ -464,6 +475,15 @@ impl Shared {
     pub(super) fn via(&self, g: u64) -> u32 {
         self.via[(g % self.via.len() as u64) as usize].load(Ordering::Relaxed)
     }
+
+    /// How long ago source sample `g` was published (meaningful once
+    /// [`Shared::state`] returned its code and [`Shared::via`] says the
+    /// source).
+    pub(super) fn published_ago(&self, g: u64) -> Duration {
+        let at = self.ready_us[(g % self.ready_us.len() as u64) as usize].load(Ordering::Relaxed);
+        let now = self.clock0.elapsed().as_micros() as u64;
+        Duration::from_micros(now.saturating_sub(at))
+    }
 }
 
 /// The simulator's view (tests only): a run's shared state built without a
@@ -497,6 +517,8 @@ impl Shared {
             fixed_files: false,
             ready: (0..table).map(|_| AtomicU64::new(0)).collect(),
             via: (0..table).map(|_| AtomicU32::new(0)).collect(),
+            ready_us: (0..table).map(|_| AtomicU64::new(0)).collect(),
+            clock0: Instant::now(),
             parked: Box::new([]),
             released_v: AtomicU64::new(0),
             released_g: AtomicU64::new(0),

@@ -118,6 +118,11 @@ pub struct Stats {
     /// `stall` charged to its causes: the sample waited for and how it
     /// came (disk, tier, source, which peer, failover; the agent).
     pub stall_causes: super::StallCauses,
+    /// How long before the caller asked for them the samples that came
+    /// from the source (a partial space's others, a bucket read directly,
+    /// the source after a failover) were in the ring: the prefetch's lead
+    /// over the need (0 for a sample the caller waited for).
+    pub source_lead: LeadTime,
     /// Samples read from disk: the space's extents, or a source read
     /// directly (`source`); a partial space's others are `source_reads`.
     pub disk_reads: u64,
@@ -235,6 +240,63 @@ impl ReadCounts {
             tier_hits: step(self.tier_hits, earlier.tier_hits),
             remote_samples: step(self.remote_samples, earlier.remote_samples),
             source_reads: step(self.source_reads, earlier.source_reads),
+        }
+    }
+}
+
+/// A summary of prefetch lead times ([`Stats::source_lead`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct LeadTime {
+    /// Samples counted.
+    pub count: u64,
+    /// Of them, those the caller waited for (no lead).
+    pub late: u64,
+    /// The 10th percentile (the short-lead tail: samples that nearly
+    /// stalled).
+    pub p10: Duration,
+    /// The median.
+    pub p50: Duration,
+}
+
+/// The consumer's record of lead times (microseconds, 3 significant
+/// digits; allocated once, nothing per sample).
+#[derive(Debug, Clone)]
+pub(super) struct LeadTimes {
+    hist: Histogram<u64>,
+    late: u64,
+}
+
+impl Default for LeadTimes {
+    fn default() -> Self {
+        LeadTimes {
+            hist: Histogram::new_with_bounds(1, 3_600_000_000, 3).expect("valid bounds"),
+            late: 0,
+        }
+    }
+}
+
+impl LeadTimes {
+    pub(super) fn record(&mut self, lead: Duration) {
+        if lead.is_zero() {
+            self.late += 1;
+        }
+        // 0 is below the histogram's lowest bound: counted as 1 µs; a lead
+        // past an hour saturates.
+        self.hist
+            .saturating_record((lead.as_micros() as u64).max(1));
+    }
+
+    pub(super) fn summary(&self) -> LeadTime {
+        if self.hist.is_empty() {
+            return LeadTime::default();
+        }
+        let at = |q: f64| Duration::from_micros(self.hist.value_at_quantile(q));
+        LeadTime {
+            count: self.hist.len(),
+            late: self.late,
+            p10: at(0.1),
+            p50: at(0.5),
         }
     }
 }

@@ -246,6 +246,10 @@ int main(int argc, char **argv) {
               full.slowest_peer_waits[0] == 0,
           "stall %.9f s, causes %.9f s (disk %.9f, peers %.9f)", full.stall_s, causes, full.stall_disk_s,
           full.stall_peers_s);
+    /* The source's lead (appended after slowest_peer_waits): a space
+     * read whole has no source samples. */
+    CHECK(full.source_lead_count == 0 && full.source_lead_late == 0 && full.source_lead_p50_s == 0.0,
+          "source lead of %llu samples", (unsigned long long)full.source_lead_count);
 
     /* loop_stalls is written (the struct was filled with FILL bytes
      * first) and counts the blocked ticks the hook made, if any. */

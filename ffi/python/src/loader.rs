@@ -374,6 +374,13 @@ impl PyLoader {
         d.set_item("failovers", st.failovers)?;
         d.set_item("source_reads", st.source_reads)?;
         d.set_item("source_bytes", st.source_bytes)?;
+        // How long before it was asked for each source sample was ready.
+        let lead = PyDict::new(py);
+        lead.set_item("count", st.source_lead.count)?;
+        lead.set_item("late", st.source_lead.late)?;
+        lead.set_item("p10_s", st.source_lead.p10.as_secs_f64())?;
+        lead.set_item("p50_s", st.source_lead.p50.as_secs_f64())?;
+        d.set_item("source_lead", lead)?;
         d.set_item("read_ahead", st.read_ahead)?;
         d.set_item("read_ahead_discarded", st.read_ahead_discarded)?;
         // stall_s charged to its causes (README, "Stall charged to its cause").

@@ -563,6 +563,16 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
             HumanBytes(st.source_bytes)
         );
     }
+    let lead = st.source_lead;
+    if lead.count > 0 {
+        println!(
+            "source samples ready before they were asked for: p10 {:.1} ms, median {:.1} ms ahead; {} of {} late (waited for)",
+            lead.p10.as_secs_f64() * 1e3,
+            lead.p50.as_secs_f64() * 1e3,
+            lead.late,
+            lead.count
+        );
+    }
     if cluster_mode {
         println!(
             "cluster ({}): {} samples pushed by other nodes, {} failed over, {} read from the source",

@@ -90,6 +90,12 @@ pub(crate) fn print(st: &Stats, placement: &PollerPlacement, r: &Run) {
         "disk_reads": st.disk_reads,
         "source_reads": st.source_reads,
         "source_bytes": st.source_bytes,
+        "source_lead": {
+            "count": st.source_lead.count,
+            "late": st.source_lead.late,
+            "p10_ms": st.source_lead.p10.as_secs_f64() * 1e3,
+            "p50_ms": st.source_lead.p50.as_secs_f64() * 1e3,
+        },
         "tier_hits": st.tier_hits,
         "retries": st.retries,
         "loop_stalls": st.loop_stalls,

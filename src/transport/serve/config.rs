@@ -41,7 +41,7 @@ pub struct ServeConfig {
     /// [`Code::NodeFull`](crate::transport::proto::Code::NodeFull). 0 (the
     /// default): sized from the space's placement when the service starts,
     /// 8 consumers per node of the cluster over the pollers, at least 256
-    /// and at most [`MAX_CONNS_PER_POLLER`] (connection tables and rings
+    /// and at most 4,096 (connection tables and rings
     /// are sized from it at start).
     pub max_conns_per_poller: usize,
     /// Time a peer has to complete its whole handshake (HELLO, and the
@@ -120,7 +120,7 @@ impl ServeConfig {
     /// every node (8 ranks a node, the common case, its own node's
     /// included for margin) spread over the pollers, at least 256 (the
     /// fixed default before, which small clusters keep) and at most
-    /// [`MAX_CONNS_PER_POLLER`]. The service resolves it once at start.
+    /// 4,096 (`MAX_CONNS_PER_POLLER`). The service resolves it once at start.
     pub fn consumers_per_poller(&self, nodes: u32) -> usize {
         if self.max_conns_per_poller > 0 {
             return self.max_conns_per_poller;
