@@ -536,6 +536,8 @@ def test_cluster_mode_over_tcp_with_kspeed_serve(tree, space, serve, token_file)
         # transfer; the counter also includes read-ahead past the epoch).
         assert st["remote_samples"] >= sum(1 for i in ids if cat.lengths[i] > 0), st
         assert st["source_reads"] == 0, st
+        # Nothing came from the source: no lead to report.
+        assert st["source_lead"] == {"count": 0, "late": 0, "p10_s": 0.0, "p50_s": 0.0}, st
         loader.close()
 
 
@@ -1066,5 +1068,7 @@ def test_partial_space_reads_the_rest_from_the_source(tmp_path):
     assert st["disk_reads"] + st["source_reads"] == 2 * nonempty
     assert st["disk_reads"] <= 2 * r["held_samples"] and st["disk_reads"] > 0
     assert st["source_reads"] > 0 and st["source_bytes"] > 0
+    lead = st["source_lead"]
+    assert lead["count"] > 0 and lead["late"] <= lead["count"] and lead["p10_s"] <= lead["p50_s"], lead
     with pytest.raises(ValueError):
         kspeed.preload(src, str(tmp_path / "sp2"), max_bytes=0)
