@@ -1058,8 +1058,9 @@ impl LoaderBuilder {
             _ => None,
         };
         let mut backends: Vec<Uring> = Vec::with_capacity(cfg.pollers);
-        let mut fixed_buffers =
-            self.registered_buffers && ring.device().is_none() && remote.is_none();
+        // The pollers register the ring once they have written it all
+        // (registration.rs), so building costs no faults of the whole ring.
+        let fixed_buffers = self.registered_buffers && ring.device().is_none() && remote.is_none();
         let mut io_how = if ring.device().is_some() {
             "GPU memory: written by the NIC only".to_string()
         } else if !self.registered_buffers {
@@ -1067,7 +1068,6 @@ impl LoaderBuilder {
         } else {
             String::new()
         };
-        let mut shared_regs = 0;
         for _ in 0..if remote.is_some() { 0 } else { cfg.pollers } {
             let opts = UringOptions {
                 entries: cfg.queue_depth * 2,
@@ -1100,60 +1100,7 @@ impl LoaderBuilder {
                     uring.register_files(&fds)?;
                 }
             }
-            if fixed_buffers {
-                // Once for all pollers where the kernel can share a ring's
-                // buffer table (6.12+): the ring is then pinned and charged
-                // to RLIMIT_MEMLOCK once, not once per poller.
-                let cloned = match backends.first() {
-                    Some(first) => match uring.register_buffers_from(first) {
-                        Ok(()) => true,
-                        Err(e) => {
-                            log::info!("{e}; registering the ring per poller");
-                            false
-                        }
-                    },
-                    None => false,
-                };
-                shared_regs += cloned as usize;
-                if !cloned {
-                    let seg = geo.segment() as usize;
-                    let regions: Vec<(*mut u8, usize)> = (0..ring.len())
-                        .step_by(seg)
-                        .map(|off| {
-                            (
-                                // SAFETY: off < ring.len(), inside the mapping.
-                                unsafe { ring.as_mut_ptr().add(off) },
-                                seg.min(ring.len() - off),
-                            )
-                        })
-                        .collect();
-                    // SAFETY: the ring outlives every backend: backends are
-                    // dropped by the Loader before its Shared (and so the ring).
-                    if let Err(e) = unsafe { uring.register_buffers(&regions) } {
-                        // Not silent: reads then pin pages one by one.
-                        log::warn!(
-                            "the landing ring cannot be registered with io_uring ({e}); reading \
-                             without fixed buffers. With {} pollers not sharing one registration \
-                             the ring is pinned {} times against RLIMIT_MEMLOCK: raise the limit \
-                             (ulimit -l) or use a kernel of 6.12 or later",
-                            cfg.pollers,
-                            cfg.pollers
-                        );
-                        io_how = format!("not registered: {e}");
-                        fixed_buffers = false;
-                    }
-                }
-            }
             backends.push(uring);
-        }
-        if fixed_buffers {
-            io_how = if shared_regs + 1 == cfg.pollers && cfg.pollers > 1 {
-                format!("registered once, shared by {} pollers", cfg.pollers)
-            } else if cfg.pollers > 1 {
-                format!("registered by each of {} pollers", cfg.pollers)
-            } else {
-                "registered (1 poller)".to_string()
-            };
         }
         if !direct_io && matches!(input, Input::Space { .. } | Input::Mix(_)) {
             match &space_io.why {
@@ -1168,7 +1115,11 @@ impl LoaderBuilder {
                 cfg.queue_depth
             );
         }
-        ring.set_io_info(fixed_buffers, io_how, direct_io);
+        ring.set_io_info(false, io_how, direct_io);
+        let registration = Arc::new(super::registration::RingRegistration::new(
+            fixed_buffers,
+            cfg.pollers,
+        ));
         // A partial space over a bucket: what the space holds from the
         // NVMe, the rest by GETs, one loop per poller (ring/split.rs).
         let partial_bucket = match &input {
@@ -1190,7 +1141,10 @@ impl LoaderBuilder {
             (None, Some(space)) => merge(space.catalog()),
             (None, None) => false,
         };
-        let backends = poller_backends(backends, remote, partial_bucket, &cfg, merge)?;
+        let backends = poller_backends(backends, remote, partial_bucket, &cfg, merge)?
+            .into_iter()
+            .map(super::registration::PollerIo::new)
+            .collect();
         let batch_size = self.batch_size;
         let attach_settings = attach.map(|socket| super::attached::AttachSettings {
             socket,
@@ -1219,7 +1173,7 @@ impl LoaderBuilder {
             geo,
             deal,
             cfg,
-            fixed_buffers,
+            registration,
             fixed_files: self.registered_files,
             batch_size,
             steps,

@@ -40,6 +40,7 @@ mod input;
 pub(crate) mod net;
 pub mod options;
 mod page_cache;
+mod registration;
 mod shared;
 mod stall_causes;
 mod stats;
@@ -57,8 +58,8 @@ use hdrhistogram::Histogram;
 use crate::dataset::Catalog;
 use crate::error::{Error, Result};
 use crate::landing::{LandingInfo, LandingRing};
-use crate::ring::IoBackend;
 use crate::sampler::{EpochDigest, Position, RankPosition};
+use registration::{PollerIo, RingRegistration};
 use schedule::{Cursor, Deal, Geometry, Placed};
 
 /// Fault injection for tests of the read path ([`LoaderBuilder::fault_injection`]).
@@ -91,15 +92,15 @@ struct Spare {
     input: Input,
     ring: LandingRing,
     tier: Option<Arc<Tier>>,
-    backends: Vec<Box<dyn IoBackend>>,
+    backends: Vec<PollerIo>,
 }
 
 struct Run {
     shared: Arc<Shared>,
-    threads: Vec<JoinHandle<Box<dyn IoBackend>>>,
+    threads: Vec<JoinHandle<PollerIo>>,
     net_thread: Option<JoinHandle<()>>,
     /// Backends of pollers already joined (by `finish`).
-    joined: Vec<Box<dyn IoBackend>>,
+    joined: Vec<PollerIo>,
     /// Samples delivered before this run started (`counters.samples`).
     samples_at_start: u64,
     /// Attached mode: this run's attach to the node agent (no pollers).
@@ -141,7 +142,8 @@ pub struct Loader {
     /// and each epoch's steps.
     deal: Deal,
     cfg: PollerConfig,
-    fixed_buffers: bool,
+    /// The pollers' registrations of the ring (registration.rs).
+    registration: Arc<RingRegistration>,
     fixed_files: bool,
     batch_size: usize,
     /// Steps of an ordinary (not resumed) epoch for this rank (see
@@ -271,7 +273,7 @@ impl Loader {
                 None => u64::MAX,
             },
             cfg: self.cfg.clone(),
-            fixed_buffers: self.fixed_buffers,
+            registration: self.registration.clone(),
             fixed_files: self.fixed_files,
             ready: (0..table).map(|_| AtomicU64::new(0)).collect(),
             via: (0..table)
@@ -329,11 +331,7 @@ impl Loader {
 
     /// Starts the network thread (cluster mode) and one poller per backend
     /// for the run just set up.
-    fn spawn(
-        &mut self,
-        backends: Vec<Box<dyn IoBackend>>,
-        conns: Option<net::Connected>,
-    ) -> Result<()> {
+    fn spawn(&mut self, backends: Vec<PollerIo>, conns: Option<net::Connected>) -> Result<()> {
         let run = self.run.as_mut().expect("set up by launch");
         let shared = &run.shared;
         if let (Some(conns), Some(setup)) = (conns, &self.net) {
@@ -1131,8 +1129,18 @@ impl Loader {
     }
 
     /// What the landing ring got (huge pages, lock, NUMA node, CUDA).
-    pub fn landing_info(&self) -> &LandingInfo {
-        self.parts().1.info()
+    ///
+    /// `io` and `io_registered` say how the pollers read into the ring
+    /// now: they register it with io_uring once they have written all of
+    /// it (plain reads until then), so a loader that has not read a
+    /// ring's worth yet reports it not yet registered.
+    pub fn landing_info(&self) -> LandingInfo {
+        let mut info = self.parts().1.info().clone();
+        if self.registration.wanted() {
+            info.io = format!("{}{}", self.registration.describe(), info.io);
+            info.io_registered = self.registration.any();
+        }
+        info
     }
 
     /// Every peer node the caller waited for, with its share of the stall
@@ -1238,6 +1246,7 @@ impl Drop for Loader {
         self.halt();
         if let Some(spare) = self.spare.take() {
             drop(spare.backends);
+            self.registration.release();
             drop(spare.tier);
             drop(spare.ring);
             drop(spare.input);

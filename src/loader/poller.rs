@@ -27,6 +27,7 @@ use std::time::{Duration, Instant};
 use hdrhistogram::Histogram;
 
 use super::fdcache::{FdCache, Lease};
+use super::registration::PollerIo;
 use super::schedule::{Cursor, Placed};
 use super::shared::{VIA_DISK, VIA_SOURCE, VIA_TIER};
 use super::{Input, Shared, CODE_ERROR, CODE_OK, CODE_TIER};
@@ -82,6 +83,11 @@ pub(crate) struct Poller {
     index: u64,
     count: u64,
     backend: Box<dyn IoBackend>,
+    /// The ring is the backend's fixed buffers: reads name a `buf_index`.
+    fixed: bool,
+    /// Registration was tried in this run (it is once a backend's life,
+    /// or once a run where it failed; registration.rs).
+    registration_tried: bool,
     cursor: Cursor,
     pending: Option<Placed>,
     /// Reads in flight and samples being read: `queue_depth` each,
@@ -124,19 +130,16 @@ enum PartialSource {
 }
 
 impl Poller {
-    pub(crate) fn new(
-        shared: Arc<Shared>,
-        index: usize,
-        count: usize,
-        backend: Box<dyn IoBackend>,
-    ) -> Self {
+    pub(crate) fn new(shared: Arc<Shared>, index: usize, count: usize, io: PollerIo) -> Self {
         let qd = shared.cfg.queue_depth as usize;
         let cursor = shared.cursor();
         let align = shared.geo.align;
         Poller {
             index: index as u64,
             count: count as u64,
-            backend,
+            backend: io.io,
+            fixed: io.registered,
+            registration_tried: io.registered,
             cursor,
             pending: None,
             ops: Pool::with_limit(qd),
@@ -181,14 +184,14 @@ impl Poller {
 
     /// Runs until the loader stops, then waits for in-flight reads (they
     /// write into the ring) and hands the backend back for reuse.
-    pub(crate) fn run(mut self) -> Box<dyn IoBackend> {
+    pub(crate) fn run(mut self) -> PollerIo {
         if !self.shared.has_local() {
             // Cluster mode with nothing local: every sample comes over the
             // network, and the schedule has nothing for this poller.
             while !self.shared.stop.load(Ordering::Acquire) {
                 std::thread::park_timeout(Duration::from_millis(100));
             }
-            return self.backend;
+            return self.into_io();
         }
         let spin = self.shared.cfg.spin;
         let mut last_progress = Instant::now();
@@ -277,7 +280,15 @@ impl Poller {
         );
         self.shared.wake_if_ready();
         self.publish_stats();
-        self.backend
+        self.into_io()
+    }
+
+    /// The backend and its registration, kept for the loader's next run.
+    fn into_io(self) -> PollerIo {
+        PollerIo {
+            io: self.backend,
+            registered: self.fixed,
+        }
     }
 
     /// The pools' invariants (debug builds, every tick): every op slot is
@@ -368,6 +379,15 @@ impl Poller {
             if !self.shared.writable(&p) {
                 self.pending = Some(p);
                 return started;
+            }
+            if p.v >= self.shared.geo.ring_bytes && !self.registration_tried {
+                // The ring's second lap: its pages have all been written
+                // (or are being), so pinning them costs no faults now.
+                self.registration_tried = true;
+                let sh = &self.shared;
+                self.fixed = sh
+                    .registration
+                    .register(&mut *self.backend, &sh.ring, &sh.geo);
             }
             // Every P-th sample is this poller's; from a bucket, every P-th
             // run of REMOTE_RUN, so that neighbouring samples a block
@@ -595,8 +615,7 @@ impl Poller {
             len: len as u32,
             offset: g.offset + start,
             buf_index: self
-                .shared
-                .fixed_buffers
+                .fixed
                 .then(|| (g.placed.phys(&self.shared.geo) / seg) as u16),
         }
     }

@@ -235,7 +235,8 @@ pub(crate) struct Shared {
     /// an epoch nobody asks for.
     pub(crate) end_g: u64,
     pub(crate) cfg: PollerConfig,
-    pub(crate) fixed_buffers: bool,
+    /// The pollers' registrations of the ring (registration.rs).
+    pub(crate) registration: Arc<super::registration::RingRegistration>,
     pub(crate) fixed_files: bool,
     /// Indexed by g mod table length: ((g + 1) << 8) | code once g is ready.
     pub(super) ready: Box<[AtomicU64]>,
@@ -513,7 +514,7 @@ impl Shared {
             start: Position { epoch: 0, index: 0 },
             end_g,
             cfg,
-            fixed_buffers: false,
+            registration: Arc::new(super::registration::RingRegistration::new(false, 1)),
             fixed_files: false,
             ready: (0..table).map(|_| AtomicU64::new(0)).collect(),
             via: (0..table).map(|_| AtomicU32::new(0)).collect(),

@@ -424,6 +424,14 @@ impl<B: IoBackend> IoBackend for Faulty<B> {
         unsafe { self.inner.register_buffers(regions) }
     }
 
+    fn uring_fd(&self) -> Option<std::os::fd::OwnedFd> {
+        self.inner.uring_fd()
+    }
+
+    fn share_buffers(&mut self, from: std::os::fd::BorrowedFd<'_>) -> Result<()> {
+        self.inner.share_buffers(from)
+    }
+
     fn now(&self) -> Instant {
         self.inner.now()
     }

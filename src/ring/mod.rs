@@ -23,7 +23,7 @@
 //! (the loader's pollers, whose fault wrapper is chosen at run time).
 
 use std::io;
-use std::os::fd::RawFd;
+use std::os::fd::{BorrowedFd, OwnedFd, RawFd};
 use std::time::{Duration, Instant};
 
 use crate::error::Result;
@@ -219,6 +219,25 @@ pub trait IoBackend: Send {
     /// Each region must stay mapped and valid for as long as the backend
     /// exists.
     unsafe fn register_buffers(&mut self, regions: &[(*mut u8, usize)]) -> Result<()>;
+
+    /// A descriptor of this backend's io_uring (a duplicate the caller
+    /// owns), from which other backends share its registered buffers
+    /// ([`IoBackend::share_buffers`]); `None` where there is no io_uring.
+    fn uring_fd(&self) -> Option<OwnedFd> {
+        None
+    }
+
+    /// Shares the registered buffers of the io_uring `from` (Linux 6.12+,
+    /// `IORING_REGISTER_CLONE_BUFFERS`): the memory is pinned and charged
+    /// to `RLIMIT_MEMLOCK` once, not once per backend. An error where the
+    /// kernel or the backend cannot; the caller then registers its own.
+    fn share_buffers(&mut self, from: BorrowedFd<'_>) -> Result<()> {
+        let _ = from;
+        Err(crate::error::Error::Uring {
+            what: "share registered buffers (not an io_uring backend)",
+            source: io::Error::from_raw_os_error(libc::EOPNOTSUPP).into(),
+        })
+    }
 
     /// The loop's clock: `Instant::now()` on real backends, the
     /// simulator's virtual time on `MemNet`. Loops read time only here, so

@@ -198,6 +198,14 @@ impl<L: IoBackend> IoBackend for Split<L> {
         unsafe { self.local.register_buffers(regions) }
     }
 
+    fn uring_fd(&self) -> Option<std::os::fd::OwnedFd> {
+        self.local.uring_fd()
+    }
+
+    fn share_buffers(&mut self, from: std::os::fd::BorrowedFd<'_>) -> Result<()> {
+        self.local.share_buffers(from)
+    }
+
     fn now(&self) -> Instant {
         self.local.now()
     }

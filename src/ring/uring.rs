@@ -3,7 +3,7 @@
 //! instance and is one of the few modules allowed `unsafe`.
 
 use std::io;
-use std::os::fd::RawFd;
+use std::os::fd::{BorrowedFd, OwnedFd, RawFd};
 use std::time::{Duration, Instant};
 
 use io_uring::{opcode, types, IoUring};
@@ -147,20 +147,6 @@ impl Uring {
             what: "register buffers",
             source: e.into(),
         })
-    }
-
-    /// Shares `other`'s registered buffers with this ring (Linux 6.12+):
-    /// the memory is pinned and charged to RLIMIT_MEMLOCK once, not once
-    /// per ring.
-    pub fn register_buffers_from(&self, other: &Uring) -> Result<()> {
-        use std::os::fd::AsRawFd;
-        self.ring
-            .submitter()
-            .register_buffers_clone(other.ring.as_raw_fd())
-            .map_err(|e| Error::Uring {
-                what: "share registered buffers (register_buffers_clone)",
-                source: e.into(),
-            })
     }
 
     /// Registers files (index = position).
@@ -384,6 +370,25 @@ impl IoBackend for Uring {
     unsafe fn register_buffers(&mut self, regions: &[(*mut u8, usize)]) -> Result<()> {
         // SAFETY: the same contract.
         unsafe { Uring::register_buffers(self, regions) }
+    }
+
+    fn uring_fd(&self) -> Option<OwnedFd> {
+        use std::os::fd::AsRawFd;
+        // SAFETY: the ring's descriptor is open for as long as `self`,
+        // which outlives this borrow; the duplicate is the caller's.
+        let fd = unsafe { BorrowedFd::borrow_raw(self.ring.as_raw_fd()) };
+        fd.try_clone_to_owned().ok()
+    }
+
+    fn share_buffers(&mut self, from: BorrowedFd<'_>) -> Result<()> {
+        use std::os::fd::AsRawFd;
+        self.ring
+            .submitter()
+            .register_buffers_clone(from.as_raw_fd())
+            .map_err(|e| Error::Uring {
+                what: "share registered buffers (register_buffers_clone)",
+                source: e.into(),
+            })
     }
 
     fn now(&self) -> Instant {

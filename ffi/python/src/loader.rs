@@ -434,7 +434,7 @@ impl PyLoader {
     pub(crate) fn landing_info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let mut core = self.shared.lock();
         let l = core.loader().raise(py)?;
-        let info = l.landing_info().clone();
+        let info = l.landing_info();
         let tier = l.tier();
         let d = PyDict::new(py);
         d.set_item("bytes", info.bytes)?;

@@ -374,7 +374,7 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
     let mut loader = b.build()?;
     let cpu0 = process_cpu_seconds();
     let setup_cpu = cpu0 - setup0;
-    let info = loader.landing_info().clone();
+    let info = loader.landing_info();
     eprintln!(
         "landing ring: {} ({}, {}locked{}); {}; io_uring: {}",
         HumanBytes(info.bytes),
@@ -504,6 +504,9 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
     let wall = t0.elapsed().as_secs_f64();
     std::hint::black_box(touched);
     let placement = loader.placement().clone();
+    // The pollers register the ring once they have written it all: say
+    // how they read into it by the end.
+    let io_at_end = loader.landing_info().io;
     let st = loader.finish();
     let cpu = process_cpu_seconds() - cpu0;
     if a.json {
@@ -528,6 +531,7 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
         );
         return Ok(());
     }
+    eprintln!("landing ring at the end: io_uring: {io_at_end}");
     for l in epoch_lines {
         println!("{l}");
     }
