@@ -397,6 +397,11 @@ impl Poller {
             if turn % self.count != self.index || !self.shared.is_local(p.id) {
                 continue;
             }
+            if p.v < self.shared.geo.ring_bytes {
+                // The first lap: the sample's pages exist before its read
+                // is queued (landing/mod.rs `populate_to`).
+                self.shared.ring.populate_to(p.v_end);
+            }
             let dst = self.dst(&p);
             if p.len == 0 {
                 self.shared.publish(p.g, CODE_OK, VIA_DISK);
