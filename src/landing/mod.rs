@@ -216,6 +216,8 @@ impl LandingRing {
         // the time to the first batch of every start and resume. The
         // pollers register the ring with io_uring once they have written
         // it all (`loader/registration.rs`), when pinning costs no faults.
+        // CUDA's registration below pins (and so faults in) the whole
+        // ring now, where a CUDA library and a device are present.
         match opts.cuda {
             CudaMode::Off => ring.info.cuda = "CUDA registration off".into(),
             mode => match cuda::Registration::register(ptr.as_ptr(), len) {
@@ -385,10 +387,19 @@ impl LandingRing {
             upto
         };
         if rc != 0 {
-            log::debug!(
-                "landing ring: MADV_POPULATE_WRITE refused ({}); the first lap's reads fault its pages",
-                std::io::Error::last_os_error()
-            );
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::EINVAL) {
+                // A kernel before 5.14: the reads fault the pages.
+                log::debug!("landing ring: no MADV_POPULATE_WRITE ({e}); the first lap's reads fault its pages");
+            } else {
+                // No memory to be had (a cgroup's memory.max, a full NUMA
+                // node under the binding): the reads will meet it too.
+                log::warn!(
+                    "landing ring: faulting in bytes {done}..{upto} of {len} failed ({e}); \
+                     reads into them may fail or the process be killed for memory: \
+                     lower ring_bytes or raise the memory limit"
+                );
+            }
         }
         self.populated.fetch_max(next, Ordering::Relaxed);
     }
@@ -564,14 +575,18 @@ mod tests {
     fn pages_are_faulted_in_ahead_of_reads_not_at_construction() {
         use std::sync::atomic::Ordering;
         let ring_bytes = 16 << 20;
-        let r = LandingRing::new(&LandingOptions {
+        let opts = |mlock| LandingOptions {
             ring_bytes,
             huge_pages: false,
-            mlock: memlock_limit() >= ring_bytes,
+            mlock,
             cuda: CudaMode::Off,
             ..Default::default()
-        })
-        .unwrap();
+        };
+        // Locked where the limit (or CAP_IPC_LOCK, as root in CI) allows:
+        // locking must fault nothing in either.
+        let r = LandingRing::new(&opts(true))
+            .or_else(|_| LandingRing::new(&opts(false)))
+            .unwrap();
         assert_eq!(resident_pages(&r), 0);
         r.populate_to(3 << 20);
         if r.populated.load(Ordering::Relaxed) == u64::MAX {
@@ -584,10 +599,12 @@ mod tests {
             eprintln!("skipped: MADV_POPULATE_WRITE refused");
             return;
         }
-        // Up to the next 2 MiB boundary.
-        assert_eq!(resident_pages(&r), 1024);
+        // Up to the next 2 MiB boundary (and, where the kernel gives
+        // transparent huge pages to every mapping, up to one more).
+        let n = resident_pages(&r);
+        assert!((1024..=1536).contains(&n), "{n} pages resident");
         r.populate_to(1 << 20);
-        assert_eq!(resident_pages(&r), 1024);
+        assert_eq!(resident_pages(&r), n);
         r.populate_to(ring_bytes);
         assert_eq!(resident_pages(&r), 4096);
         assert_eq!(r.populated.load(Ordering::Relaxed), u64::MAX);

@@ -1060,7 +1060,13 @@ impl LoaderBuilder {
         let mut backends: Vec<Uring> = Vec::with_capacity(cfg.pollers);
         // The pollers register the ring once they have written it all
         // (registration.rs), so building costs no faults of the whole ring.
-        let fixed_buffers = self.registered_buffers && ring.device().is_none() && remote.is_none();
+        // Attached: the agent reads (and registers); this process has no
+        // pollers.
+        let fixed_buffers = self.registered_buffers
+            && ring.device().is_none()
+            && remote.is_none()
+            && attach.is_none()
+            && cfg.pollers > 0;
         let mut io_how = if ring.device().is_some() {
             "GPU memory: written by the NIC only".to_string()
         } else if !self.registered_buffers {
