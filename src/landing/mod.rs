@@ -344,8 +344,9 @@ impl LandingRing {
     }
 
     /// Records how the loader reads into the ring (see [`LandingInfo`]).
-    pub(crate) fn set_io_info(&mut self, registered: bool, how: String, direct_io: bool) {
-        self.info.io_registered = registered;
+    /// (Whether the ring is registered with io_uring is the loader's to
+    /// say: `Loader::landing_info`.)
+    pub(crate) fn set_io_info(&mut self, how: String, direct_io: bool) {
         self.info.io = how;
         self.info.direct_io = direct_io;
     }

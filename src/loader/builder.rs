@@ -1121,7 +1121,7 @@ impl LoaderBuilder {
                 cfg.queue_depth
             );
         }
-        ring.set_io_info(false, io_how, direct_io);
+        ring.set_io_info(io_how, direct_io);
         let registration = Arc::new(super::registration::RingRegistration::new(
             fixed_buffers,
             cfg.pollers,
