@@ -186,6 +186,28 @@ impl<B: IoBackend> Faulty<B> {
     }
 }
 
+/// Cuts the iovecs of `msg` to half their total length (at least one byte),
+/// from the tail: a receive the kernel returns short.
+///
+/// # Safety
+/// `msg` and its `msg_iovlen` iovecs must be valid and writable.
+unsafe fn halve_iovecs(msg: *mut libc::msghdr) {
+    // SAFETY: per this function's contract.
+    let (iov, k) = unsafe { ((*msg).msg_iov, (*msg).msg_iovlen) };
+    let mut total = 0usize;
+    for i in 0..k {
+        // SAFETY: i < msg_iovlen.
+        total += unsafe { (*iov.add(i)).iov_len };
+    }
+    let mut keep = (total / 2).max(1);
+    for i in 0..k {
+        // SAFETY: i < msg_iovlen.
+        let v = unsafe { &mut *iov.add(i) };
+        v.iov_len = v.iov_len.min(keep);
+        keep -= v.iov_len;
+    }
+}
+
 impl<B: IoBackend> IoBackend for Faulty<B> {
     /// # Safety
     /// As for [`IoBackend::push`].
@@ -373,6 +395,27 @@ impl<B: IoBackend> IoBackend for Faulty<B> {
                 };
                 // SAFETY: forwarded with the same contract.
                 let ok = unsafe { self.inner.push_recv(user_data, fd, buf, len) };
+                self.net_pushed(user_data, ok)
+            }
+        }
+    }
+
+    /// # Safety
+    /// As for [`IoBackend::push_recvmsg`].
+    unsafe fn push_recvmsg(&mut self, user_data: u64, fd: RawFd, msg: *mut libc::msghdr) -> bool {
+        match self.net_fault(user_data) {
+            None => false,
+            Some(Err(_)) => true,
+            Some(Ok(())) => {
+                if self.roll(self.net.short_recv_ppm) {
+                    // SAFETY: the contract lets the backend change the
+                    // msghdr and its iovec array (not the memory they
+                    // describe) until the completion; shorter iovecs cover
+                    // less of the caller's memory.
+                    unsafe { halve_iovecs(msg) };
+                }
+                // SAFETY: forwarded with the same contract.
+                let ok = unsafe { self.inner.push_recvmsg(user_data, fd, msg) };
                 self.net_pushed(user_data, ok)
             }
         }

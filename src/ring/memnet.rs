@@ -82,6 +82,8 @@ enum Kind {
     Send(*const u8, u32),
     SendMsg(*const libc::msghdr),
     Recv(*mut u8, u32),
+    /// Without MSG_WAITALL: what has arrived, into the iovecs in order.
+    RecvMsg(*mut libc::msghdr),
     PollIn,
     /// Completes once the virtual clock reaches this time.
     Timeout(Duration),
@@ -397,6 +399,31 @@ impl MemNet {
                 self.pending[at].got = got as u32;
                 None
             }
+            Kind::RecvMsg(m) => {
+                let e = &mut w.eps[op.fd];
+                if e.rx.is_empty() && !e.eof && !shut {
+                    return None;
+                }
+                // SAFETY: the recvmsg contract: msg and its iovecs are
+                // valid until the completion.
+                let (iov, k) = unsafe { ((*m).msg_iov, (*m).msg_iovlen) };
+                let mut got = 0usize;
+                for i in 0..k {
+                    // SAFETY: as above, i < msg_iovlen.
+                    let v = unsafe { *iov.add(i) };
+                    let n = if shut { 0 } else { e.rx.len().min(v.iov_len) };
+                    for (j, b) in e.rx.drain(..n).enumerate() {
+                        // SAFETY: the iovec is the caller's until the
+                        // completion; j < iov_len.
+                        unsafe { *(v.iov_base as *mut u8).add(j) = b };
+                    }
+                    got += n;
+                    if n < v.iov_len {
+                        break;
+                    }
+                }
+                Some(got as i32)
+            }
             Kind::PollIn => {
                 let e = &w.eps[op.fd];
                 (!e.rx.is_empty() || e.eof || shut).then_some(libc::POLLIN as i32)
@@ -455,6 +482,16 @@ impl MemNet {
             match o.kind {
                 Kind::Read(r) => f(o.user_data, fd, true, r.buf, r.len as usize),
                 Kind::Recv(b, len) => f(o.user_data, fd, true, b, len as usize),
+                Kind::RecvMsg(m) => {
+                    // SAFETY: the recvmsg contract: msg and its iovecs are
+                    // valid until the completion.
+                    let (iov, k) = unsafe { ((*m).msg_iov, (*m).msg_iovlen) };
+                    for i in 0..k {
+                        // SAFETY: as above, i < msg_iovlen.
+                        let v = unsafe { *iov.add(i) };
+                        f(o.user_data, fd, true, v.iov_base as *const u8, v.iov_len);
+                    }
+                }
                 Kind::Send(p, len) => f(o.user_data, fd, false, p, len as usize),
                 Kind::SendMsg(m) => {
                     // SAFETY: the sendmsg contract: msg and its iovecs are
@@ -559,6 +596,12 @@ impl IoBackend for MemNet {
     /// As for [`IoBackend::push_recv`].
     unsafe fn push_recv(&mut self, ud: u64, fd: RawFd, buf: *mut u8, len: u32) -> bool {
         self.queue(ud, fd, Kind::Recv(buf, len))
+    }
+
+    /// # Safety
+    /// As for [`IoBackend::push_recvmsg`].
+    unsafe fn push_recvmsg(&mut self, ud: u64, fd: RawFd, msg: *mut libc::msghdr) -> bool {
+        self.queue(ud, fd, Kind::RecvMsg(msg))
     }
 
     /// # Safety

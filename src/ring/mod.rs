@@ -174,6 +174,20 @@ pub trait IoBackend: Send {
     /// completion is drained.
     unsafe fn push_recv(&mut self, user_data: u64, fd: RawFd, buf: *mut u8, len: u32) -> bool;
 
+    /// Queues a `recvmsg` into `msg`'s iovecs without MSG_WAITALL: the
+    /// completion carries the bytes that had arrived (at least one, at
+    /// most the iovecs' total; 0 at end of stream) or -errno. One receive
+    /// can so take a frame's payload and the next frame's header when both
+    /// are there, without waiting for a header that may not come.
+    ///
+    /// # Safety
+    /// `msg`, its iovecs and the memory they describe must stay valid and
+    /// unused by anyone else until the completion is drained. The backend
+    /// may change the msghdr and its iovec array (the kernel writes
+    /// `msg_flags`; a fault wrapper shortens the iovecs), so the caller
+    /// builds them anew for every receive.
+    unsafe fn push_recvmsg(&mut self, user_data: u64, fd: RawFd, msg: *mut libc::msghdr) -> bool;
+
     /// Queues a read of 8 bytes from an eventfd (a wake-up).
     ///
     /// # Safety

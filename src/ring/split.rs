@@ -152,6 +152,13 @@ impl<L: IoBackend> IoBackend for Split<L> {
     }
 
     /// # Safety
+    /// As for [`IoBackend::push_recvmsg`].
+    unsafe fn push_recvmsg(&mut self, ud: u64, fd: RawFd, msg: *mut libc::msghdr) -> bool {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.local.push_recvmsg(ud, fd, msg) }
+    }
+
+    /// # Safety
     /// As for [`IoBackend::push_eventfd_read`].
     unsafe fn push_eventfd_read(&mut self, ud: u64, fd: RawFd, buf: *mut u64) -> bool {
         // SAFETY: the caller's contract, passed on.

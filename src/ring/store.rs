@@ -493,6 +493,12 @@ impl IoBackend for StoreRing {
 
     /// # Safety
     /// Nothing is touched.
+    unsafe fn push_recvmsg(&mut self, ud: u64, _: RawFd, _: *mut libc::msghdr) -> bool {
+        self.refuse(ud)
+    }
+
+    /// # Safety
+    /// Nothing is touched.
     unsafe fn push_eventfd_read(&mut self, ud: u64, _: RawFd, _: *mut u64) -> bool {
         self.refuse(ud)
     }

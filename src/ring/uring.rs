@@ -296,6 +296,17 @@ impl IoBackend for Uring {
     }
 
     /// # Safety
+    /// As for [`IoBackend::push_recvmsg`].
+    unsafe fn push_recvmsg(&mut self, user_data: u64, fd: RawFd, msg: *mut libc::msghdr) -> bool {
+        let e = opcode::RecvMsg::new(types::Fd(fd), msg)
+            .build()
+            .user_data(user_data);
+        // SAFETY: the caller keeps the msghdr, its iovecs and their memory
+        // valid until completion.
+        unsafe { self.push_entry(&e) }
+    }
+
+    /// # Safety
     /// As for [`IoBackend::push_eventfd_read`].
     unsafe fn push_eventfd_read(&mut self, user_data: u64, fd: RawFd, buf: *mut u64) -> bool {
         let e = opcode::Read::new(types::Fd(fd), buf.cast(), 8)

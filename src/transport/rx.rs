@@ -2,8 +2,13 @@
 //! push protocol: a 24-byte header into a fixed buffer, then its body into
 //! the connection's body buffer (GRANT entries, an ERROR message) or, once
 //! the caller has checked a DATA header against its grant, straight into the
-//! landing ring. One receive (`MSG_WAITALL`) is in flight at a time, on the
-//! caller's io_uring.
+//! landing ring. One receive is in flight at a time, on the caller's
+//! io_uring: `MSG_WAITALL` for a header or a body; for a payload of at most
+//! the look-ahead size ([`FrameRx::with_lookahead`]), one `recvmsg` into
+//! the payload and the next header's buffer, which takes whatever has
+//! arrived. A busy stream so costs one receive per small frame instead of
+//! two (header, then payload), and a quiet one never waits for a header
+//! that may not come: the payload's bytes are handed on as they land.
 //!
 //! The state machine decides nothing about the protocol: it says what the
 //! next receive fills, turns a completion into what arrived (or why the
@@ -44,7 +49,9 @@ pub(crate) enum Received<T> {
     Header(Header),
     /// The whole body of frame `Header` (read it with [`FrameRx::body`]).
     Body(Header),
-    /// `len` payload bytes landed at `to`.
+    /// `len` more payload bytes landed at `to`, after those that landed
+    /// before: all of the frame's payload, or (a look-ahead receive) the
+    /// part that had arrived, the rest coming with the next receive.
     Payload {
         /// Where they went.
         to: T,
@@ -71,24 +78,65 @@ pub(crate) enum RxError {
     BadHeader(FrameError),
 }
 
+/// The `recvmsg` of a look-ahead receive: a payload, then a header.
+struct Msg {
+    hdr: libc::msghdr,
+    iov: [libc::iovec; 2],
+}
+
+// SAFETY: the pointers are into memory the owning FrameRx describes for
+// the receive in flight (its boxed header buffer, the caller's payload
+// target); they are rebuilt for every receive and never dereferenced here.
+unsafe impl Send for Msg {}
+
 /// One connection's receive state machine and buffers.
 pub(crate) struct FrameRx<T> {
     hdr: Box<[u8; HEADER_BYTES]>,
+    /// Bytes of the next header already in `hdr` (a look-ahead receive's
+    /// tail).
+    hdr_got: u32,
     body: Box<[u8]>,
     state: RxState<T>,
     inflight: bool,
+    /// Largest payload received with the next header (0: none).
+    lookahead_bytes: u32,
+    /// The receive in flight is a look-ahead `recvmsg`.
+    posted_lookahead: bool,
+    msg: Box<Msg>,
 }
 
 impl<T: Copy> FrameRx<T> {
     /// Waiting for a header, with a body buffer of `body_bytes` (the
     /// largest body of the kinds this end accepts into it).
     pub(crate) fn new(body_bytes: usize) -> Self {
+        let empty = libc::iovec {
+            iov_base: std::ptr::null_mut(),
+            iov_len: 0,
+        };
         FrameRx {
             hdr: Box::new([0; HEADER_BYTES]),
+            hdr_got: 0,
             body: vec![0u8; body_bytes].into_boxed_slice(),
             state: RxState::Header,
             inflight: false,
+            lookahead_bytes: 0,
+            posted_lookahead: false,
+            msg: Box::new(Msg {
+                // SAFETY: msghdr is plain data; all-zero is its empty value.
+                hdr: unsafe { std::mem::zeroed() },
+                iov: [empty; 2],
+            }),
         }
+    }
+
+    /// Receives a payload of at most `bytes` together with the next
+    /// frame's header (one `recvmsg` without `MSG_WAITALL`; see the
+    /// module's documentation). Larger payloads keep one `MSG_WAITALL`
+    /// receive each: taken in pieces as they arrive, they would cost more
+    /// completions than the header's receive saves.
+    pub(crate) fn with_lookahead(mut self, bytes: u32) -> Self {
+        self.lookahead_bytes = bytes;
+        self
     }
 
     /// Whether a receive is posted and has not returned.
@@ -99,7 +147,7 @@ impl<T: Copy> FrameRx<T> {
     /// Bytes the current state's receive asks for.
     pub(crate) fn want(&self) -> u32 {
         match self.state {
-            RxState::Header => HEADER_BYTES as u32,
+            RxState::Header => HEADER_BYTES as u32 - self.hdr_got,
             RxState::Body(h) => h.body_len,
             RxState::Payload { len, .. } => len,
         }
@@ -123,8 +171,47 @@ impl<T: Copy> FrameRx<T> {
         payload: impl FnOnce(T) -> *mut u8,
     ) -> bool {
         debug_assert!(!self.inflight, "one receive at a time");
+        debug_assert!(
+            self.hdr_got < HEADER_BYTES as u32,
+            "a whole header is buffered: take it first (FrameRx::buffered)"
+        );
+        if let RxState::Payload { to, len } = self.state {
+            if len > 0 && len <= self.lookahead_bytes {
+                debug_assert_eq!(self.hdr_got, 0, "a payload follows its header");
+                let m = &mut *self.msg;
+                m.iov = [
+                    libc::iovec {
+                        iov_base: payload(to).cast(),
+                        iov_len: len as usize,
+                    },
+                    libc::iovec {
+                        iov_base: self.hdr.as_mut_ptr().cast(),
+                        iov_len: HEADER_BYTES,
+                    },
+                ];
+                // SAFETY: msghdr is plain data; all-zero is its empty value.
+                m.hdr = unsafe { std::mem::zeroed() };
+                m.hdr.msg_iov = m.iov.as_mut_ptr();
+                m.hdr.msg_iovlen = 2;
+                // SAFETY: the msghdr, its iovecs and the header buffer are
+                // boxed (they do not move with `self`) and outlive the
+                // receive per this function's contract, as does the
+                // payload target; nothing reads the header buffer until
+                // the completion.
+                if unsafe { ring.push_recvmsg(user_data, fd, &mut m.hdr) } {
+                    self.inflight = true;
+                    self.posted_lookahead = true;
+                }
+                return self.inflight;
+            }
+        }
         let (buf, len) = match self.state {
-            RxState::Header => (self.hdr.as_mut_ptr(), HEADER_BYTES as u32),
+            RxState::Header => (
+                // SAFETY: hdr_got < HEADER_BYTES (asserted above: the
+                // caller takes a whole buffered header before posting).
+                unsafe { self.hdr.as_mut_ptr().add(self.hdr_got as usize) },
+                HEADER_BYTES as u32 - self.hdr_got,
+            ),
             RxState::Body(h) => (self.body.as_mut_ptr(), h.body_len),
             RxState::Payload { to, len } => (payload(to), len),
         };
@@ -134,6 +221,7 @@ impl<T: Copy> FrameRx<T> {
         // longer than the buffer (`expect_body`).
         if unsafe { ring.push_recv(user_data, fd, buf, len) } {
             self.inflight = true;
+            self.posted_lookahead = false;
         }
         self.inflight
     }
@@ -151,20 +239,44 @@ impl<T: Copy> FrameRx<T> {
         if res < 0 {
             return Err(RxError::Failed(-res));
         }
-        if (res as u32) < want {
-            return Err(if res == 0 && matches!(self.state, RxState::Header) {
-                RxError::Closed
-            } else {
-                RxError::Truncated {
-                    got: res as u32,
-                    want,
-                }
-            });
+        let got = res as u32;
+        if std::mem::take(&mut self.posted_lookahead) {
+            let RxState::Payload { to, len } = self.state else {
+                unreachable!("a look-ahead receive is posted for a payload only")
+            };
+            if got == 0 {
+                return Err(RxError::Truncated { got: 0, want: len });
+            }
+            if got < len {
+                self.state = RxState::Payload { to, len: len - got };
+                return Ok(Received::Payload { to, len: got });
+            }
+            debug_assert!(got - len <= HEADER_BYTES as u32, "{got} of {len} + a header");
+            self.hdr_got = got - len;
+            self.state = RxState::Header;
+            return Ok(Received::Payload { to, len });
+        }
+        if got < want {
+            return Err(
+                if got == 0 && self.hdr_got == 0 && matches!(self.state, RxState::Header) {
+                    RxError::Closed
+                } else if matches!(self.state, RxState::Header) {
+                    RxError::Truncated {
+                        got: self.hdr_got + got,
+                        want: HEADER_BYTES as u32,
+                    }
+                } else {
+                    RxError::Truncated { got, want }
+                },
+            );
         }
         match self.state {
-            RxState::Header => Header::decode(&self.hdr, max_data)
-                .map(Received::Header)
-                .map_err(RxError::BadHeader),
+            RxState::Header => {
+                self.hdr_got = 0;
+                Header::decode(&self.hdr, max_data)
+                    .map(Received::Header)
+                    .map_err(RxError::BadHeader)
+            }
             RxState::Body(h) => {
                 self.state = RxState::Header;
                 Ok(Received::Body(h))
@@ -174,6 +286,22 @@ impl<T: Copy> FrameRx<T> {
                 Ok(Received::Payload { to, len })
             }
         }
+    }
+
+    /// A whole header that a look-ahead receive brought after its payload
+    /// (decoded as [`FrameRx::received`] does, `max_data` the DATA limit),
+    /// or None. Called after acting on what `received` returned, before
+    /// the next receive is posted.
+    pub(crate) fn buffered(&mut self, max_data: u32) -> Option<Result<Received<T>, RxError>> {
+        if !matches!(self.state, RxState::Header) || self.hdr_got < HEADER_BYTES as u32 {
+            return None;
+        }
+        self.hdr_got = 0;
+        Some(
+            Header::decode(&self.hdr, max_data)
+                .map(Received::Header)
+                .map_err(RxError::BadHeader),
+        )
     }
 
     /// The next receive takes the body of frame `h` into the body buffer.
@@ -285,6 +413,190 @@ mod tests {
                 ..
             }))
         ));
+    }
+
+    /// A look-ahead receive that brought `got` bytes (as post would have
+    /// set it up).
+    fn lookahead_received(rx: &mut FrameRx<u32>, got: i32) -> Result<Received<u32>, RxError> {
+        rx.posted_lookahead = true;
+        rx.received(got, 1 << 20)
+    }
+
+    #[test]
+    fn a_lookahead_receive_takes_the_payload_and_the_next_header() {
+        let next = Header::data(4, 8192, 50);
+        let mut rx: FrameRx<u32> = FrameRx::new(8).with_lookahead(1000);
+        rx.expect_payload(7, 100);
+        *rx.hdr = next.encode();
+        let got = lookahead_received(&mut rx, 100 + HEADER_BYTES as i32).unwrap();
+        assert_eq!(got, Received::Payload { to: 7, len: 100 });
+        assert_eq!(rx.buffered(1 << 20).unwrap().unwrap(), Received::Header(next));
+        assert!(rx.buffered(1 << 20).is_none(), "taken once");
+        assert_eq!(rx.want(), HEADER_BYTES as u32);
+    }
+
+    #[test]
+    fn a_lookahead_receive_hands_on_a_partial_payload() {
+        let mut rx: FrameRx<u32> = FrameRx::new(8).with_lookahead(1000);
+        rx.expect_payload(3, 100);
+        let got = lookahead_received(&mut rx, 30).unwrap();
+        assert_eq!(got, Received::Payload { to: 3, len: 30 });
+        assert!(rx.buffered(1 << 20).is_none());
+        assert_eq!(rx.state, RxState::Payload { to: 3, len: 70 });
+        // Then the rest and part of the next header: the header's receive
+        // asks for what is missing, and ends in the header.
+        let got = lookahead_received(&mut rx, 70 + 10).unwrap();
+        assert_eq!(got, Received::Payload { to: 3, len: 70 });
+        assert!(rx.buffered(1 << 20).is_none(), "10 of 24 header bytes");
+        assert_eq!(rx.want(), HEADER_BYTES as u32 - 10);
+        let h = Header::keepalive(false);
+        *rx.hdr = h.encode();
+        assert_eq!(
+            rx.received(HEADER_BYTES as i32 - 10, 0).unwrap(),
+            Received::Header(h)
+        );
+        assert_eq!(rx.want(), HEADER_BYTES as u32);
+    }
+
+    #[test]
+    fn a_stream_that_ends_inside_a_lookahead_frame_is_truncated() {
+        let mut rx: FrameRx<u32> = FrameRx::new(8).with_lookahead(1000);
+        rx.expect_payload(3, 100);
+        assert!(matches!(
+            lookahead_received(&mut rx, 0),
+            Err(RxError::Truncated { got: 0, want: 100 })
+        ));
+        // Ended inside the next header: truncated, not a clean close.
+        let mut rx: FrameRx<u32> = FrameRx::new(8).with_lookahead(1000);
+        rx.expect_payload(3, 100);
+        lookahead_received(&mut rx, 105).unwrap();
+        assert!(matches!(
+            rx.received(0, 0),
+            Err(RxError::Truncated { got: 5, want: 24 })
+        ));
+        // A bad header brought by a look-ahead is refused as any other.
+        let mut rx: FrameRx<u32> = FrameRx::new(8).with_lookahead(1000);
+        rx.expect_payload(3, 10);
+        rx.hdr[0] = 0xee;
+        lookahead_received(&mut rx, 10 + HEADER_BYTES as i32).unwrap();
+        assert!(matches!(
+            rx.buffered(1 << 20),
+            Some(Err(RxError::BadHeader(FrameError::BadMagic(_))))
+        ));
+    }
+
+    /// Frames of random sizes written in random pieces over a real socket
+    /// pair, received on io_uring with look-ahead: every payload byte lands
+    /// where its header said and every header decodes, with fewer receives
+    /// than two per frame.
+    #[test]
+    fn lookahead_receives_on_io_uring_take_a_stream_whole() {
+        use crate::ring::{Uring, UringOptions};
+        use crate::ring::Completion;
+        use std::io::Write;
+        use std::os::fd::AsRawFd;
+        use std::os::unix::net::UnixStream;
+
+        let (mut tx, rxs) = UnixStream::pair().unwrap();
+        const FRAMES: usize = 2000;
+        let mut state = 0x1234_5678_u64;
+        let mut next = || {
+            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            crate::hash::mix64(state)
+        };
+        let mut stream = Vec::new();
+        let mut want = Vec::new();
+        let mut offset = 0u64;
+        for i in 0..FRAMES {
+            let len = 1 + (next() % 3000) as u32;
+            stream.extend_from_slice(&Header::data(i as u32, offset, len).encode());
+            for j in 0..len {
+                stream.push((i as u32 * 7 + j) as u8);
+            }
+            want.push((offset, len));
+            offset += len as u64;
+        }
+        let cuts: Vec<usize> = (0..400).map(|_| (next() % 9000) as usize + 1).collect();
+        let writer = std::thread::spawn(move || {
+            let mut at = 0;
+            for c in cuts.iter().cycle() {
+                if at == stream.len() {
+                    break;
+                }
+                let end = (at + c).min(stream.len());
+                tx.write_all(&stream[at..end]).unwrap();
+                at = end;
+            }
+        });
+        let mut ring = Uring::new(UringOptions {
+            entries: 8,
+            sqpoll_idle_ms: None,
+        })
+        .unwrap();
+        let mut land = vec![0u8; offset as usize];
+        let mut rx: FrameRx<u32> = FrameRx::new(0).with_lookahead(4096);
+        let (mut frames, mut receives, mut landed) = (0usize, 0usize, 0u64);
+        let mut out = [Completion::default(); 4];
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        let on = |rx: &mut FrameRx<u32>,
+                  got: Received<u32>,
+                  frames: &mut usize,
+                  landed: &mut u64| match got {
+            Received::Header(h) => {
+                assert_eq!(h.a as usize, *frames, "frames in order");
+                assert_eq!((h.c, h.body_len), want[*frames]);
+                rx.expect_payload(h.a, h.body_len);
+                *landed = 0;
+            }
+            Received::Payload { to, len } => {
+                *landed += len as u64;
+                if *landed == want[to as usize].1 as u64 {
+                    *frames += 1;
+                }
+            }
+            Received::Body(_) => panic!("no bodies here"),
+        };
+        let mut cursor = 0u64;
+        while frames < FRAMES {
+            assert!(std::time::Instant::now() < deadline, "{frames} frames");
+            let base = land.as_mut_ptr();
+            // SAFETY: `land` outlives the receive (reaped below before the
+            // next post); a payload goes to its frame's own range.
+            let posted = unsafe {
+                rx.post(&mut ring, 1, rxs.as_raw_fd(), |i| {
+                    base.add((want[i as usize].0 + landed) as usize)
+                })
+            };
+            assert!(posted);
+            receives += 1;
+            ring.submit_wait_timeout(std::time::Duration::from_millis(100)).unwrap();
+            let n = loop {
+                let n = ring.drain(&mut out);
+                if n > 0 {
+                    break n;
+                }
+                assert!(std::time::Instant::now() < deadline, "no completion");
+                ring.submit_wait_timeout(std::time::Duration::from_millis(100)).unwrap();
+            };
+            assert_eq!(n, 1);
+            rx.returned();
+            let got = rx.received(out[0].result, 1 << 20).unwrap();
+            on(&mut rx, got, &mut frames, &mut landed);
+            if let Some(got) = rx.buffered(1 << 20) {
+                on(&mut rx, got.unwrap(), &mut frames, &mut landed);
+            }
+            cursor += 1;
+        }
+        writer.join().unwrap();
+        for (i, &(off, len)) in want.iter().enumerate() {
+            for j in 0..len {
+                assert_eq!(land[(off + j as u64) as usize], (i as u32 * 7 + j) as u8);
+            }
+        }
+        assert!(
+            receives < 2 * FRAMES,
+            "{receives} receives for {FRAMES} frames ({cursor} completions)"
+        );
     }
 
     #[test]

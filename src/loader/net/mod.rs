@@ -137,6 +137,33 @@ pub(crate) const USER_TIMEOUT_MIN: Duration = Duration::from_secs(1);
 /// moved on by the gap, so nodes are not blamed for it.
 const NOT_RUNNING: Duration = Duration::from_secs(1);
 
+/// Over TCP, a DATA payload of at most this many bytes is received with the
+/// next frame's header in one `recvmsg` (one io_uring round trip per frame
+/// where it took two); larger ones keep one `MSG_WAITALL` receive, which
+/// the kernel fills as the bytes come with no completion per piece.
+/// `KSPEED_TCP_LOOKAHEAD_BYTES` in the consumer's environment sets another
+/// limit (0: every payload alone, as before), for measuring it.
+const TCP_LOOKAHEAD_BYTES: u32 = 256 << 10;
+
+/// [`TCP_LOOKAHEAD_BYTES`], or the environment's setting.
+fn tcp_lookahead_bytes() -> u32 {
+    static BYTES: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *BYTES.get_or_init(|| {
+        let v = std::env::var("KSPEED_TCP_LOOKAHEAD_BYTES").ok();
+        match v.as_deref().map(str::parse::<u32>) {
+            None => TCP_LOOKAHEAD_BYTES,
+            Some(Ok(n)) => n,
+            Some(Err(_)) => {
+                log::warn!(
+                    "KSPEED_TCP_LOOKAHEAD_BYTES={:?} is not a byte count; using {TCP_LOOKAHEAD_BYTES}",
+                    v.unwrap_or_default()
+                );
+                TCP_LOOKAHEAD_BYTES
+            }
+        }
+    })
+}
+
 /// A silence clock `t` moved on by a gap of `gap` in which the thread did
 /// not run, but never past `now`: frames drained right after the pause set
 /// the clock to about `now`, and adding the gap to that would put it in
@@ -587,7 +614,8 @@ impl<R: Receive> Conn<R> {
             state: State::Live,
             reason: String::new(),
             last_error: String::new(),
-            rx: FrameRx::new(crate::transport::proto::MAX_MESSAGE_BYTES),
+            rx: FrameRx::new(crate::transport::proto::MAX_MESSAGE_BYTES)
+                .with_lookahead(tcp_lookahead_bytes()),
             fill,
             fill_entries: 0,
             fill_max_entries: entries as u32,

@@ -102,9 +102,22 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
     }
 
     pub(super) fn on_recv(&mut self, i: usize, res: i32) {
+        let max_data = self.conns[i].max_data;
+        let got = self.conns[i].rx.received(res, max_data);
+        self.on_received(i, got);
+        // A look-ahead receive may have brought the next frame's header
+        // after its payload: act on it before the next receive is posted.
+        if self.conns[i].state == State::Live {
+            if let Some(got) = self.conns[i].rx.buffered(max_data) {
+                self.on_received(i, got);
+            }
+        }
+    }
+
+    fn on_received(&mut self, i: usize, got: Result<Received<usize>, RxError>) {
         let now = self.ring.now();
         let c = &mut self.conns[i];
-        let got = match c.rx.received(res, c.max_data) {
+        let got = match got {
             Ok(got) => got,
             Err(RxError::BadHeader(e)) => {
                 c.last_rx = now;
