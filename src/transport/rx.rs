@@ -251,7 +251,10 @@ impl<T: Copy> FrameRx<T> {
                 self.state = RxState::Payload { to, len: len - got };
                 return Ok(Received::Payload { to, len: got });
             }
-            debug_assert!(got - len <= HEADER_BYTES as u32, "{got} of {len} + a header");
+            debug_assert!(
+                got - len <= HEADER_BYTES as u32,
+                "{got} of {len} + a header"
+            );
             self.hdr_got = got - len;
             self.state = RxState::Header;
             return Ok(Received::Payload { to, len });
@@ -430,7 +433,10 @@ mod tests {
         *rx.hdr = next.encode();
         let got = lookahead_received(&mut rx, 100 + HEADER_BYTES as i32).unwrap();
         assert_eq!(got, Received::Payload { to: 7, len: 100 });
-        assert_eq!(rx.buffered(1 << 20).unwrap().unwrap(), Received::Header(next));
+        assert_eq!(
+            rx.buffered(1 << 20).unwrap().unwrap(),
+            Received::Header(next)
+        );
         assert!(rx.buffered(1 << 20).is_none(), "taken once");
         assert_eq!(rx.want(), HEADER_BYTES as u32);
     }
@@ -491,8 +497,8 @@ mod tests {
     /// than two per frame.
     #[test]
     fn lookahead_receives_on_io_uring_take_a_stream_whole() {
-        use crate::ring::{Uring, UringOptions};
         use crate::ring::Completion;
+        use crate::ring::{Uring, UringOptions};
         use std::io::Write;
         use std::os::fd::AsRawFd;
         use std::os::unix::net::UnixStream;
@@ -569,14 +575,16 @@ mod tests {
             };
             assert!(posted);
             receives += 1;
-            ring.submit_wait_timeout(std::time::Duration::from_millis(100)).unwrap();
+            ring.submit_wait_timeout(std::time::Duration::from_millis(100))
+                .unwrap();
             let n = loop {
                 let n = ring.drain(&mut out);
                 if n > 0 {
                     break n;
                 }
                 assert!(std::time::Instant::now() < deadline, "no completion");
-                ring.submit_wait_timeout(std::time::Duration::from_millis(100)).unwrap();
+                ring.submit_wait_timeout(std::time::Duration::from_millis(100))
+                    .unwrap();
             };
             assert_eq!(n, 1);
             rx.returned();

@@ -137,13 +137,18 @@ pub(crate) const USER_TIMEOUT_MIN: Duration = Duration::from_secs(1);
 /// moved on by the gap, so nodes are not blamed for it.
 const NOT_RUNNING: Duration = Duration::from_secs(1);
 
-/// Over TCP, a DATA payload of at most this many bytes is received with the
-/// next frame's header in one `recvmsg` (one io_uring round trip per frame
-/// where it took two); larger ones keep one `MSG_WAITALL` receive, which
-/// the kernel fills as the bytes come with no completion per piece.
+/// Over TCP, a DATA payload of at most this many bytes is received with
+/// the next frame's header in one `recvmsg` (one io_uring round trip per
+/// frame where it took two); larger ones keep one `MSG_WAITALL` receive,
+/// which the kernel fills as the bytes come with no completion per piece.
+/// 64 KiB: on 200,000 tiny samples the look-ahead halves the network
+/// thread's system calls, while on imagenet-sized payloads (~127 KiB) a
+/// 256 KiB limit cut completions by 40% but did not read faster, one
+/// sender to one consumer (BENCHMARKS.md, "One receive per small DATA
+/// frame").
 /// `KSPEED_TCP_LOOKAHEAD_BYTES` in the consumer's environment sets another
 /// limit (0: every payload alone, as before), for measuring it.
-const TCP_LOOKAHEAD_BYTES: u32 = 256 << 10;
+const TCP_LOOKAHEAD_BYTES: u32 = 64 << 10;
 
 /// [`TCP_LOOKAHEAD_BYTES`], or the environment's setting.
 fn tcp_lookahead_bytes() -> u32 {
