@@ -568,7 +568,9 @@ def build_loader(o, lay, mode, decode=None, seed=1):
 
         kw = {"batch_size": BATCH, "num_workers": max(w, 1), "order": OrderOption.RANDOM, "seed": seed,
               "drop_last": False, "distributed": world > 1}
-        if decode:
+        # FFCV decodes with its own pipeline: one_epoch passes it no decode
+        # function, so the mode says which file to read.
+        if mode == "decoded":
             import torch
             from ffcv.fields.rgb_image import RandomResizedCropRGBImageDecoder
             from ffcv.transforms import Convert, RandomHorizontalFlip, ToTensor, ToTorchImage
