@@ -1240,10 +1240,13 @@ def setup(a):
     else:
         lines = (p.stdout + p.stderr).splitlines()
         errs = [ln.strip() for ln in lines if "Error" in ln and ln.strip()]
-        reason = (f"`pip install {FFCV_PIN}` fails: FFCV ships only a source archive, whose setup.py needs the "
-                  "system's OpenCV 4 and libjpeg-turbo through pkg-config: "
-                  + (errs[0] if errs else lines[-1] if lines else "failed")
-                  + " (`--setup --ffcv-system-deps` installs them with apt-get)")
+        why = errs[0] if errs else lines[-1] if lines else "failed"
+        if "opencv" in why.lower() or "turbojpeg" in why.lower() or "pkg-config" in why.lower():
+            reason = (f"`pip install {FFCV_PIN}` fails: FFCV ships only a source archive, whose setup.py needs the "
+                      f"system's OpenCV 4 and libjpeg-turbo through pkg-config: {why}"
+                      " (`--setup --ffcv-system-deps` installs them with apt-get)")
+        else:
+            reason = f"`pip install {FFCV_PIN}` fails: {why} (the whole output: {venv}/ffcv-install.log)"
         with open(note, "w") as f:
             f.write(reason + "\n")
         with open(os.path.join(venv, "ffcv-install.log"), "w") as f:
