@@ -85,6 +85,9 @@ pub struct Faulty<B> {
 pub(crate) struct NetFaults {
     pub(crate) short_send_ppm: u32,
     pub(crate) short_recv_ppm: u32,
+    /// A `recvmsg` (taken without MSG_WAITALL, so its caller takes any
+    /// count) asks for half its iovecs' length.
+    pub(crate) short_recvmsg_ppm: u32,
     pub(crate) eagain_ppm: u32,
     pub(crate) eintr_ppm: u32,
     pub(crate) reset_ppm: u32,
@@ -407,7 +410,7 @@ impl<B: IoBackend> IoBackend for Faulty<B> {
             None => false,
             Some(Err(_)) => true,
             Some(Ok(())) => {
-                if self.roll(self.net.short_recv_ppm) {
+                if self.roll(self.net.short_recvmsg_ppm) {
                     // SAFETY: the contract lets the backend change the
                     // msghdr and its iovec array (not the memory they
                     // describe) until the completion; shorter iovecs cover
@@ -496,6 +499,37 @@ impl<B: IoBackend> IoBackend for Faulty<B> {
 mod tests {
     use super::super::{transient_submit_error, MemBackend, Target, Uring, UringOptions};
     use super::*;
+
+    /// A short `recvmsg` covers the first half of its iovecs, in order, so
+    /// a later iovec (the consumer's next header) gets bytes only once the
+    /// earlier ones (the payload) are full.
+    #[test]
+    fn a_short_recvmsg_keeps_the_head_of_its_iovecs() {
+        let mut a = [0u8; 64];
+        let mut b = [0u8; 24];
+        let cut = |la: usize, lb: usize, a: &mut [u8], b: &mut [u8]| {
+            let mut iov = [
+                libc::iovec {
+                    iov_base: a.as_mut_ptr().cast(),
+                    iov_len: la,
+                },
+                libc::iovec {
+                    iov_base: b.as_mut_ptr().cast(),
+                    iov_len: lb,
+                },
+            ];
+            // SAFETY: msghdr is plain data; zero is its empty value.
+            let mut m: libc::msghdr = unsafe { std::mem::zeroed() };
+            m.msg_iov = iov.as_mut_ptr();
+            m.msg_iovlen = 2;
+            // SAFETY: m and its iovecs are valid and writable.
+            unsafe { halve_iovecs(&mut m) };
+            (iov[0].iov_len, iov[1].iov_len)
+        };
+        assert_eq!(cut(10, 24, &mut a, &mut b), (10, 7));
+        assert_eq!(cut(64, 24, &mut a, &mut b), (44, 0));
+        assert_eq!(cut(1, 0, &mut a, &mut b), (1, 0));
+    }
     use std::io::Write;
     use std::os::fd::AsRawFd;
     /// Injected submission failures: EAGAIN is transient (the entries stay
@@ -646,6 +680,7 @@ mod tests {
         let net = NetFaults {
             short_send_ppm: 200_000,
             short_recv_ppm: 200_000,
+            short_recvmsg_ppm: 0,
             eagain_ppm: 50_000,
             eintr_ppm: 50_000,
             reset_ppm: 50_000,

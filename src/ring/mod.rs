@@ -166,8 +166,9 @@ pub trait IoBackend: Send {
     unsafe fn push_sendmsg(&mut self, user_data: u64, fd: RawFd, msg: *const libc::msghdr) -> bool;
 
     /// Queues a `recv` of exactly `len` bytes into `buf` (MSG_WAITALL: the
-    /// completion is short only at end of stream, on error, or when a
-    /// fault wrapper cuts it; callers post the rest again).
+    /// completion is short only at end of stream or on error; `FrameRx`
+    /// takes a short one as the stream's end. A fault wrapper's
+    /// `short_recv_ppm` cuts it too, for callers that post the rest again).
     ///
     /// # Safety
     /// `buf..buf+len` must stay valid and unused by anyone else until the

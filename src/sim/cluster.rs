@@ -224,12 +224,14 @@ pub(crate) fn cluster(seed: u64) {
     let buffer = 512usize << rng.below(6);
     let mut net = MemNet::new(seed, 2 * nranks * nnodes, buffer, 1, faults);
     // Sends cut short (a send returns part of its length), on both
-    // sides. (Not receives: the loops receive with MSG_WAITALL, which
-    // io_uring completes short only at the end of the stream or an error,
-    // as a short receive is taken; nor EAGAIN/EINTR, which io_uring
+    // sides, and the consumers' look-ahead receives (a `recvmsg` without
+    // MSG_WAITALL may return any count). (Not the MSG_WAITALL receives,
+    // which io_uring completes short only at the end of the stream or an
+    // error, as a short one is taken; nor EAGAIN/EINTR, which io_uring
     // retries itself for a socket operation.)
     let net_faults = NetFaults {
         short_send_ppm: rng.below(300_000) as u32,
+        short_recvmsg_ppm: rng.below(300_000) as u32,
         ..Default::default()
     };
 

@@ -233,14 +233,18 @@ impl<T: Copy> FrameRx<T> {
 
     /// Interprets the result `res` (bytes, or -errno) of the receive that
     /// returned; a header is decoded with `max_data` as the DATA limit. A
-    /// body or payload puts the machine back to waiting for a header.
+    /// body or a whole payload puts the machine back to waiting for a
+    /// header (part of which a look-ahead receive may have brought:
+    /// [`FrameRx::buffered`]); a look-ahead receive that brought part of
+    /// the payload stays on the payload, for the rest.
     pub(crate) fn received(&mut self, res: i32, max_data: u32) -> Result<Received<T>, RxError> {
         let want = self.want();
+        let lookahead = std::mem::take(&mut self.posted_lookahead);
         if res < 0 {
             return Err(RxError::Failed(-res));
         }
         let got = res as u32;
-        if std::mem::take(&mut self.posted_lookahead) {
+        if lookahead {
             let RxState::Payload { to, len } = self.state else {
                 unreachable!("a look-ahead receive is posted for a payload only")
             };

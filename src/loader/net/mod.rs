@@ -7,7 +7,9 @@
 //! node into GRANT frames. One io_uring carries every socket: per connection
 //! one receive is always posted, either a 24-byte header or, once a DATA
 //! header has been checked against its outstanding grant (id, node, offset,
-//! length), the payload straight into the ring at the granted offset. A frame
+//! length), the payload straight into the ring at the granted offset (a
+//! payload of at most 64 KiB (`TCP_LOOKAHEAD_BYTES`) together with the next
+//! frame's header, which is checked in turn before its payload). A frame
 //! that matches no grant drops the connection with a named error before a
 //! byte of its payload is read, so a peer writes only where it was granted.
 //!
@@ -141,8 +143,8 @@ const NOT_RUNNING: Duration = Duration::from_secs(1);
 /// the next frame's header in one `recvmsg` (one io_uring round trip per
 /// frame where it took two); larger ones keep one `MSG_WAITALL` receive,
 /// which the kernel fills as the bytes come with no completion per piece.
-/// 64 KiB: on 200,000 tiny samples the look-ahead halves the network
-/// thread's system calls, while on imagenet-sized payloads (~127 KiB) a
+/// 64 KiB: on tiny samples (4.5 KiB, 2 epochs of 200,000) the look-ahead
+/// halves the network thread's system calls, while on imagenet-sized payloads (~127 KiB) a
 /// 256 KiB limit cut completions by 40% but did not read faster, one
 /// sender to one consumer (BENCHMARKS.md, "One receive per small DATA
 /// frame").
