@@ -764,10 +764,8 @@ mod tests {
     /// back-off until the node timeout, then unreachable, saying so.
     #[test]
     fn a_refused_connect_is_retried_until_the_node_timeout() {
-        // A socket bound but not listening: connects to its port are
-        // refused, and no other test can listen there while it is held (a
-        // port merely freed could be taken by a concurrent test's server,
-        // which then accepts and never answers HELLO).
+        // Bound, not listening: refused, and no concurrent test's server
+        // can take the port (and accept, never answering HELLO).
         let held =
             socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
         held.bind(&std::net::SocketAddr::from(([127, 0, 0, 1], 0)).into())
