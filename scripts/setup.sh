@@ -8,7 +8,7 @@ set -euo pipefail
 pkgs=(libibverbs-dev librdmacm-dev ibverbs-providers libclang-dev pkg-config fio util-linux iproute2 procps gcc g++ cmake valgrind systemd)
 missing=()
 for p in "${pkgs[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep "install ok installed" >/dev/null || missing+=("$p")
 done
 if ((${#missing[@]})); then
   echo "setup: installing ${missing[*]}"
@@ -32,7 +32,7 @@ if [ "${1:-}" = --test-tools ]; then
   # this toolchain is 1.95; --locked builds its own tested dependency set.
   s3s_version=0.14.1
   s3s=$cache/s3s/bin/s3s-fs
-  if ! { [ -x "$s3s" ] && "$s3s" --version 2>/dev/null | grep -qF " $s3s_version"; }; then
+  if ! { [ -x "$s3s" ] && "$s3s" --version 2>/dev/null | grep -F " $s3s_version" >/dev/null; }; then
     echo "setup: cargo install s3s-fs $s3s_version into $cache/s3s (a few minutes, once)"
     cargo install s3s-fs --version "$s3s_version" --features binary --locked \
       --root "$cache/s3s" --quiet
@@ -40,7 +40,7 @@ if [ "${1:-}" = --test-tools ]; then
   # A real web server for tests/http_source.rs (https:// and http://
   # sources): Debian's nginx-light, started by the test on loopback ports
   # with its own configuration (the package's service is not used).
-  if ! dpkg-query -W -f='${Status}' nginx-light 2>/dev/null | grep -q "install ok installed"; then
+  if ! dpkg-query -W -f='${Status}' nginx-light 2>/dev/null | grep "install ok installed" >/dev/null; then
     echo "setup: installing nginx-light"
     SUDO=""
     [ "$(id -u)" = 0 ] || SUDO="sudo"
