@@ -68,19 +68,29 @@ fn cases(o: &OptionSpec) -> Vec<(String, bool)> {
     match o.kind {
         OptionKind::Int { min, max }
         | OptionKind::IntOrAuto { min, max }
-        | OptionKind::Bytes { min, max } => {
+        | OptionKind::Bytes { min, max }
+        | OptionKind::BytesOrAuto { min, max } => {
             v.push((min.to_string(), true));
             v.push((max.to_string(), true));
             if min > 0 {
                 v.push(((min - 1).to_string(), false));
             }
             // A size above u64::MAX is no size at all: nothing to test.
-            if max < u64::MAX || !matches!(o.kind, OptionKind::Bytes { .. }) {
+            if max < u64::MAX
+                || !matches!(
+                    o.kind,
+                    OptionKind::Bytes { .. } | OptionKind::BytesOrAuto { .. }
+                )
+            {
                 v.push(((max as u128 + 1).to_string(), false));
             }
             v.push(("x".into(), false));
-            if matches!(o.kind, OptionKind::IntOrAuto { .. }) {
+            if matches!(
+                o.kind,
+                OptionKind::IntOrAuto { .. } | OptionKind::BytesOrAuto { .. }
+            ) {
                 v.push(("auto".into(), true));
+                v.push(("autox".into(), false));
             }
         }
         OptionKind::Seconds { min_ms, max_ms } => {
@@ -119,8 +129,10 @@ fn rust_and_the_c_abi_accept_and_refuse_the_same_values_with_the_same_message() 
                 );
             }
             // The typed path (Python's) words a range error the same way.
-            if let (Ok(n), OptionKind::Int { .. } | OptionKind::Bytes { .. }) =
-                (v.parse::<i128>(), o.kind)
+            if let (
+                Ok(n),
+                OptionKind::Int { .. } | OptionKind::Bytes { .. } | OptionKind::BytesOrAuto { .. },
+            ) = (v.parse::<i128>(), o.kind)
             {
                 let t = LoaderOptions::new()
                     .set_value(o.name, OptionValue::Int(n))
@@ -146,7 +158,10 @@ fn kspeed_read_flags_take_the_table_s_ranges_and_messages() {
     for o in OPTIONS.iter().filter(|o| !o.cli.is_empty()) {
         if !matches!(
             o.kind,
-            OptionKind::Int { .. } | OptionKind::Bytes { .. } | OptionKind::IntOrAuto { .. }
+            OptionKind::Int { .. }
+                | OptionKind::Bytes { .. }
+                | OptionKind::BytesOrAuto { .. }
+                | OptionKind::IntOrAuto { .. }
         ) {
             continue;
         }

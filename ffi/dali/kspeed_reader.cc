@@ -352,7 +352,7 @@ Pass the same `seed` to every shard (without one, 0 is used, not a random seed).
                     false)
     .AddOptionalArg("prefetch_samples",
                     "Most samples read ahead of the consumer (0: as many as the ring holds).", 0)
-    .AddOptionalArg("ring_bytes", "Landing ring size, e.g. \"256MiB\".", std::string("256MiB"))
+    .AddOptionalArg("ring_bytes", "Landing ring size, e.g. \"256MiB\", or \"auto\" (sized from the batch).", std::string("auto"))
     .AddOptionalArg("tier_bytes", "Memory tier budget, e.g. \"8GiB\" (0: none).", std::string("0"))
     .AddOptionalArg("tier_views",
                     "Copy samples held in the memory tier straight from it into the output, not "

@@ -38,7 +38,10 @@ pub enum CudaMode {
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct LandingOptions {
-    /// Size in bytes (rounded up to whole pages).
+    /// Size in bytes (rounded up to whole pages). 0 (the default): the
+    /// loader sizes it from the batch and the dataset
+    /// ([`LoaderBuilder::ring_bytes`](crate::loader::LoaderBuilder::ring_bytes));
+    /// a ring made directly needs a size.
     pub ring_bytes: u64,
     /// Try 2 MiB huge pages first.
     pub huge_pages: bool,
@@ -55,7 +58,7 @@ pub struct LandingOptions {
 impl Default for LandingOptions {
     fn default() -> Self {
         LandingOptions {
-            ring_bytes: 256 << 20,
+            ring_bytes: 0,
             huge_pages: true,
             mlock: true,
             numa_node: None,
@@ -164,7 +167,10 @@ impl LandingRing {
     /// Maps, locks, binds and registers the ring as `opts` says.
     pub fn new(opts: &LandingOptions) -> Result<Self> {
         if opts.ring_bytes == 0 {
-            return Err(Error::InvalidConfig("ring_bytes must be positive".into()));
+            return Err(Error::InvalidConfig(
+                "ring_bytes 0 (sized from the batch) is for a loader; a ring made on its own needs a size"
+                    .into(),
+            ));
         }
         let numa_node = match (&opts.gpu_pci, opts.numa_node) {
             (_, Some(n)) => Some(n),
@@ -276,7 +282,10 @@ impl LandingRing {
     /// bytes only through [`LandingRing::device`]'s copies.
     pub fn new_gpu(ordinal: u32, ring_bytes: u64) -> Result<Self> {
         if ring_bytes == 0 {
-            return Err(Error::InvalidConfig("ring_bytes must be positive".into()));
+            return Err(Error::InvalidConfig(
+                "ring_bytes 0 (sized from the batch) is for a loader; a ring made on its own needs a size"
+                    .into(),
+            ));
         }
         let mem = cuda::DeviceMemory::alloc(ordinal, ring_bytes as usize)
             .map_err(|e| Error::InvalidConfig(format!("GPU ring on device {ordinal}: {e}")))?;

@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 use super::schedule::{Deal, Geometry};
 use super::stats::{Counters, Totals};
 use super::tier::Tier;
-use super::{input, net, schedule, Input, Loader, PollerConfig, Spare};
-use crate::dataset::{Catalog, Space};
+use super::{input, net, ring_size, Input, Loader, PollerConfig, Spare};
+use crate::dataset::Space;
 use crate::error::{Error, Result};
 use crate::landing::{LandingOptions, LandingRing};
 use crate::ring::{FaultConfig, Faulty, IoBackend, Uring, UringOptions};
@@ -288,7 +288,12 @@ impl LoaderBuilder {
         self
     }
 
-    /// Landing ring size (default 256 MiB).
+    /// Landing ring size; 0 (the default) sizes it from the batch and the
+    /// dataset: four batches of the mean sample, 64 to 256 MiB (256 MiB in
+    /// cluster mode), at most twice the dataset, and always enough for a
+    /// batch of the largest samples plus two more read ahead (the build
+    /// logs the size chosen). A size given here that cannot hold a whole
+    /// batch is refused ([`Error::RingTooSmallForBatch`]).
     pub fn ring_bytes(mut self, bytes: u64) -> Self {
         self.landing.ring_bytes = bytes;
         self
@@ -764,9 +769,9 @@ impl LoaderBuilder {
                 .clone()
                 .unwrap_or_else(crate::placement::sysfs_root),
         )?;
-        if self.landing.ring_bytes < 4096 {
+        if (1..4096).contains(&self.landing.ring_bytes) {
             return Err(Error::InvalidConfig(format!(
-                "ring_bytes must be at least 4096, not {}",
+                "ring_bytes must be at least 4096 (or 0: sized from the batch), not {}",
                 self.landing.ring_bytes
             )));
         }
@@ -850,6 +855,16 @@ impl LoaderBuilder {
             )));
         }
         let mut landing = self.landing.clone();
+        let ring_auto = landing.ring_bytes == 0;
+        if ring_auto {
+            landing.ring_bytes = ring_size::auto_ring_bytes(
+                &input,
+                &sampler,
+                align,
+                self.batch_size,
+                self.cluster.is_some(),
+            );
+        }
         landing.ring_bytes = landing.ring_bytes.next_multiple_of(align.max(4096));
         let geo = Geometry {
             ring_bytes: landing.ring_bytes,
@@ -871,7 +886,7 @@ impl LoaderBuilder {
                 ring_bytes: geo.ring_bytes,
             });
         }
-        check_batch_fits(&input, &sampler, geo, self.batch_size)?;
+        ring_size::check_batch_fits(&input, &sampler, geo, self.batch_size)?;
         let ring = match self.gpu_ring {
             None if self.agent_input.is_some() => {
                 let a = self.agent_input.as_ref().expect("checked");
@@ -1215,12 +1230,17 @@ impl LoaderBuilder {
         loader.launch(start)?;
         log::info!("poller placement: {}", loader.placement.describe());
         log::info!(
-            "loader: {} samples per epoch for rank {} of {}, batch {}, ring {} bytes, {} pollers{}",
+            "loader: {} samples per epoch for rank {} of {}, batch {}, ring {} bytes{}, {} pollers{}",
             loader.steps,
             self.rank,
             self.world,
             batch_size,
             loader.geo.ring_bytes,
+            if ring_auto {
+                " (auto: sized from the batch)"
+            } else {
+                ""
+            },
             loader.cfg.pollers,
             if loader.net.is_some() {
                 ", cluster mode"
@@ -1230,65 +1250,6 @@ impl LoaderBuilder {
         );
         Ok(loader)
     }
-}
-
-/// Refuses a ring that some batch might not fit in whole
-/// ([`Error::RingTooSmallForBatch`]): a batch is held whole while it is out,
-/// so a batch larger than the ring could only be delivered cut short, and
-/// where it is cut would depend on each rank's own sample sizes.
-///
-/// O(1) in the common case (from the catalog's largest sample); only when
-/// `batch` times that does not fit does it find the catalog's `batch`
-/// largest samples (one pass) before refusing.
-fn check_batch_fits(input: &Input, sampler: &Sampler, geo: Geometry, batch: usize) -> Result<()> {
-    let max_slot = geo.slot(input.max_sample_bytes() as u64);
-    let quick = (batch as u64).saturating_mul(max_slot);
-    if geo.span_bound(quick, max_slot) <= geo.ring_bytes {
-        return Ok(());
-    }
-    // Within one epoch a rank's sequence repeats no sample unless the
-    // padding to equal ranks is a whole dataset or more (j and j + len fall
-    // on one rank only when len is a multiple of world, i.e. no padding),
-    // so a batch holds distinct samples and the largest ones bound it.
-    let cfg = sampler.config();
-    // A mixture may take a dataset more than once per epoch.
-    let distinct = sampler.mixture().is_none()
-        && (cfg.drop_last || sampler.per_rank() * (cfg.world as u64) < 2 * cfg.len);
-    let slots = if distinct {
-        largest_slots(input.catalog(), geo, batch)
-    } else {
-        quick
-    };
-    if geo.span_bound(slots, max_slot) <= geo.ring_bytes {
-        return Ok(());
-    }
-    let needed = schedule::ring_bytes_needed(geo.align, geo.align.max(4096), slots, max_slot);
-    Err(Error::RingTooSmallForBatch {
-        batch_size: batch,
-        batch_bytes: geo.span_bound(slots, max_slot),
-        align_bytes: geo.align,
-        ring_bytes: geo.ring_bytes,
-        needed_bytes: needed,
-        needed_human: crate::progress::human_bytes(needed as f64),
-    })
-}
-
-/// The sum of the `n` largest slots of the catalog (of all, if fewer).
-fn largest_slots(catalog: &Catalog, geo: Geometry, n: usize) -> u64 {
-    use std::cmp::Reverse;
-    use std::collections::BinaryHeap;
-    let n = n.min(catalog.len() as usize);
-    let mut heap: BinaryHeap<Reverse<u64>> = BinaryHeap::with_capacity(n + 1);
-    for id in 0..catalog.len() {
-        let slot = geo.slot(catalog.sample(id).len as u64);
-        if heap.len() < n {
-            heap.push(Reverse(slot));
-        } else if heap.peek().is_some_and(|Reverse(min)| slot > *min) {
-            heap.pop();
-            heap.push(Reverse(slot));
-        }
-    }
-    heap.into_iter().map(|Reverse(s)| s).sum()
 }
 
 /// `backend`, wrapped in the fault injector when one is asked for.

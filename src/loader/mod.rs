@@ -41,6 +41,7 @@ pub(crate) mod net;
 pub mod options;
 mod page_cache;
 mod registration;
+mod ring_size;
 mod shared;
 mod stall_causes;
 mod stats;

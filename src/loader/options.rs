@@ -55,6 +55,13 @@ pub enum OptionKind {
         /// Largest value, in milliseconds.
         max_ms: u64,
     },
+    /// `auto`, or a size in bytes from `min` to `max` (as [`Bytes`](Self::Bytes)).
+    BytesOrAuto {
+        /// Smallest value.
+        min: u64,
+        /// Largest value.
+        max: u64,
+    },
     /// `auto`, or an integer from `min` to `max`.
     IntOrAuto {
         /// Smallest value.
@@ -89,6 +96,10 @@ impl OptionKind {
                 "a size in bytes {} (e.g. 4096, 64KiB, 256MiB, 1GB)",
                 range(min, max)
             ),
+            OptionKind::BytesOrAuto { min, max } => format!(
+                "auto or a size in bytes {} (e.g. 4096, 64KiB, 256MiB, 1GB)",
+                range(min, max)
+            ),
             OptionKind::Seconds { min_ms, max_ms } => format!(
                 "a number of seconds from {} to {}",
                 min_ms as f64 / 1000.0,
@@ -110,6 +121,7 @@ impl OptionKind {
             OptionKind::Bool => "bool",
             OptionKind::Int { .. } => "int",
             OptionKind::Bytes { .. } => "size",
+            OptionKind::BytesOrAuto { .. } => "size or auto",
             OptionKind::Seconds { .. } => "seconds",
             OptionKind::IntOrAuto { .. } => "int or auto",
             OptionKind::Choice(_) => "choice",
@@ -125,6 +137,7 @@ impl OptionKind {
         match *self {
             OptionKind::Int { min, max }
             | OptionKind::Bytes { min, max }
+            | OptionKind::BytesOrAuto { min, max }
             | OptionKind::IntOrAuto { min, max } => Some((min, max)),
             OptionKind::Seconds { min_ms, max_ms } => Some((min_ms, max_ms)),
             _ => None,
@@ -202,8 +215,9 @@ pub static OPTIONS: &[OptionSpec] = &[
         "drop each epoch's last, partial batch"),
     opt!("rank", int(0, U32), "", "0", "rank", "this rank"),
     opt!("world", int(1, U32), "ranks", "1", "world", "the world size"),
-    opt!("ring_bytes", OptionKind::Bytes { min: 4096, max: u64::MAX }, "bytes", "256MiB", "ring-bytes",
-        "landing ring size (refused if it cannot hold a whole batch)"),
+    opt!("ring_bytes", OptionKind::BytesOrAuto { min: 4096, max: u64::MAX }, "bytes",
+        "auto: four batches of the mean sample, 64 to 256 MiB (cluster mode: 256 MiB), at most twice the dataset, and at least a batch of the largest samples plus two read ahead", "ring-bytes",
+        "landing ring size (locked memory the reads land in); a size given is refused if it cannot hold a whole batch"),
     opt!("tier_bytes", OptionKind::Bytes { min: 0, max: u64::MAX }, "bytes", "0: no tier", "tier-bytes",
         "memory tier budget: samples read once are kept in memory and served from there"),
     opt!("tier_views", OptionKind::Bool, "", "false", "tier-views",
@@ -454,6 +468,20 @@ impl OptionSpec {
                 Err(_) => Err(bad(self, &v, "not a size", false)),
             },
             (OptionKind::Bytes { .. }, _) => wrong("not a size"),
+            (OptionKind::BytesOrAuto { min, max }, V::Int(n)) => {
+                in_range(self, n, min, max).map(Parsed::Num)
+            }
+            (OptionKind::BytesOrAuto { min, max }, V::Str(s)) => {
+                if s.trim() == "auto" {
+                    Ok(Parsed::Auto)
+                } else {
+                    match crate::progress::parse_bytes(s) {
+                        Ok(n) => in_range(self, n as i128, min, max).map(Parsed::Num),
+                        Err(_) => Err(bad(self, &v, "not a size or auto", false)),
+                    }
+                }
+            }
+            (OptionKind::BytesOrAuto { .. }, _) => wrong("not a size or auto"),
             (OptionKind::Seconds { min_ms, max_ms }, V::Int(_) | V::Float(_) | V::Str(_)) => {
                 let secs = match v {
                     V::Int(n) => n as f64,
@@ -625,7 +653,8 @@ impl LoaderOptions {
                 }
                 b.rank(r, w)
             }
-            "ring_bytes" => b.ring_bytes(n.unwrap_or(256 << 20)),
+            // Auto is 0: the build sizes the ring from the batch.
+            "ring_bytes" => b.ring_bytes(n.unwrap_or(0)),
             "tier_bytes" => b.tier_bytes(n.unwrap_or(0)),
             "tier_views" => b.tier_views(on),
             "pollers" => b.pollers(n.unwrap_or(1) as usize),

@@ -1072,3 +1072,20 @@ def test_partial_space_reads_the_rest_from_the_source(tmp_path):
     assert lead["count"] > 0 and lead["late"] <= lead["count"] and lead["p10_s"] <= lead["p50_s"], lead
     with pytest.raises(ValueError):
         kspeed.preload(src, str(tmp_path / "sp2"), max_bytes=0)
+
+
+def test_the_default_ring_is_sized_from_the_batch(space):
+    # ring_bytes="auto" (the default): four batches of the mean sample from
+    # 64 MiB, at most twice the dataset, at least a batch of the largest.
+    # The fixture's dataset is small, so twice its slots bound the ring.
+    cat = kspeed.Catalog.open(space)
+    with kspeed.Loader(space, batch_size=8, seed=3, mlock=False) as default, \
+            kspeed.Loader(space, batch_size=8, seed=3, mlock=False, ring_bytes="auto") as auto:
+        ring = default.landing_info()["bytes"]
+        assert auto.landing_info()["bytes"] == ring
+        read_epoch(default, cat, check_bytes=True)
+    assert 0 < ring <= 64 << 20, ring
+    with pytest.raises(ValueError, match="option ring_bytes: 0 is below the minimum"):
+        kspeed.Loader(space, ring_bytes=0)
+    with pytest.raises(ValueError, match='option ring_bytes: "autos" is not a size or auto'):
+        kspeed.Loader(space, ring_bytes="autos")

@@ -32,14 +32,16 @@ def c_message(name, text):
 def cases(o):
     """(Python value, the same value as a C string, accepted)."""
     t = o["type"]
-    if t in ("int", "size", "int or auto"):
+    if t in ("int", "size", "int or auto", "size or auto"):
         lo, hi = o["min"], o["max"]
         out = [(lo, str(lo), True), (hi, str(hi), True)]
         if lo > 0:
             out.append((lo - 1, str(lo - 1), False))
-        if hi < 2**64 - 1 or t != "size":
+        if hi < 2**64 - 1 or t not in ("size", "size or auto"):
             out.append((hi + 1, str(hi + 1), False))
         out.append(("x", "x", False))
+        if t.endswith("or auto"):
+            out.append(("auto", "auto", True))
         return out
     if t == "seconds":
         lo, hi = o["min"] / 1000, o["max"] / 1000
@@ -94,7 +96,7 @@ def test_every_key_takes_the_same_range_and_message_as_the_c_abi(tmp_path):
             if not ok and name in LOADER_ARGS and name not in PAIRED:
                 if name.startswith("rdma_") and not kspeed.HAS_RDMA:
                     continue
-                if o["type"] == "size" and isinstance(v, str):
+                if o["type"] in ("size", "size or auto") and isinstance(v, str):
                     # Loader reads size strings by the Python package's own
                     # unit rule ('256M' is binary) before the table's range
                     # check; the typed path above is the table's.

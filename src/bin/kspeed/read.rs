@@ -58,9 +58,11 @@ pub(crate) struct ReadArgs {
     /// Drop the tail instead of padding.
     #[arg(long)]
     drop_last: bool,
-    /// Landing ring size.
-    #[arg(long, default_value = "256MiB", value_parser = crate::opt::<u64>("ring_bytes"))]
-    ring_bytes: u64,
+    /// Landing ring size, or auto: four batches of the mean sample, 64 to
+    /// 256 MiB (256 MiB with --cluster), at least what a batch of the
+    /// largest samples needs.
+    #[arg(long, default_value = "auto", value_parser = crate::opt_or_auto::<u64>("ring_bytes"))]
+    ring_bytes: crate::OrAuto<u64>,
     /// Poller threads (default: a quarter of this rank's slice of cores, at
     /// least 1, at most 8).
     #[arg(long, value_parser = crate::opt::<usize>("pollers"))]
@@ -288,7 +290,7 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
         .drop_last(a.drop_last)
         .landing(
             LandingOptions::default()
-                .ring_bytes(a.ring_bytes)
+                .ring_bytes(a.ring_bytes.0.unwrap_or(0))
                 .huge_pages(!a.no_huge_pages)
                 .mlock(!a.no_mlock)
                 .numa_node(a.numa_node)
@@ -376,8 +378,13 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
     let setup_cpu = cpu0 - setup0;
     let info = loader.landing_info();
     eprintln!(
-        "landing ring: {} ({}, {}locked{}); {}; io_uring: {}",
+        "landing ring: {}{} ({}, {}locked{}); {}; io_uring: {}",
         HumanBytes(info.bytes),
+        if a.ring_bytes.0.is_none() {
+            " sized from the batch (--ring-bytes sets it)"
+        } else {
+            ""
+        },
         if info.huge_pages {
             "2 MiB huge pages"
         } else {

@@ -25,11 +25,13 @@ def _size(name, v, lo=0):
 
 def _size_str(name, v):
     """A size string as bytes by the Python package's rule; anything else
-    as it is (the options table checks it)."""
+    (``"auto"``, a bad string, an int) as it is (the options table checks it)."""
     if isinstance(v, str):
         m = _SIZE.match(v)
         if not m:
-            raise ValueError(f"{name}: {v!r} is not a size (use bytes, or e.g. '256MiB', '4GB')")
+            # Not a size by this rule: the table words the error, as in
+            # every front end.
+            return v
         n, unit, i, b = m.groups()
         base = 1000 if (unit and not i and b) else 1024
         return int(n) * base ** _UNITS[unit.lower()]
@@ -282,7 +284,7 @@ class Loader:
         drop_last=False,
         rank=None,
         world=None,
-        ring_bytes="256MiB",
+        ring_bytes="auto",
         tier_bytes=0,
         tier_views=False,
         pollers=None,
