@@ -277,6 +277,11 @@ typedef struct {
   double source_lead_p10_s;
   // The lead's median, in seconds.
   double source_lead_p50_s;
+  // Times the caller waited for a sample (or an attached rank's batch)
+  // not yet in: with `stall_s`, the mean wait (appended after
+  // `source_lead_p50_s`). Where every sample comes from this node's
+  // disk a wait lasts until the rest of its batch is in.
+  uint64_t stall_waits;
 } ksp_stats;
 
 // What the catalog says about one sample.

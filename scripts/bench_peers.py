@@ -591,7 +591,7 @@ def build_loader(o, lay, mode, decode=None, seed=1):
 
             # The batched decode: whole decoded batches from the process's
             # decode threads (no DataLoader workers, nothing pickled).
-            kw = dict({"ring_bytes": "64MiB"}, **o.get("kspeed_opts", {}))
+            kw = dict(o.get("kspeed_opts", {}))
             if loader == "kspeed-tv":
                 kw["decoder"] = "torchvision"
             elif o.get("decode_kind") == "pil":
@@ -603,7 +603,7 @@ def build_loader(o, lay, mode, decode=None, seed=1):
 
             from kspeed.torch import KSpeedImageFolder
 
-            kw = dict({"ring_bytes": "64MiB"}, **o.get("kspeed_opts", {}))
+            kw = dict(o.get("kspeed_opts", {}))
             if o.get("decode_kind") == "torchvision":
                 ds = KSpeedImageFolder(lay.out("kspeed"), decode=True, transform=decode.crop_only, return_id=True,
                                        batch_size=BATCH, seed=seed, rank=rank, world=world, **kw)
@@ -612,7 +612,9 @@ def build_loader(o, lay, mode, decode=None, seed=1):
                                        seed=seed, rank=rank, world=world, **kw)
             return DataLoader(ds, batch_size=BATCH, num_workers=w)
         tier = tree_bytes(lay.out("kspeed")) + (64 << 20) if loader == "kspeed-tier" else 0
-        kw = dict({"ring_bytes": "256MiB"}, **o.get("kspeed_opts", {}))
+        # kspeed's defaults, as a user gets them (the ring sized from the
+        # batch); --kspeed-opts adds to or overrides them.
+        kw = dict(o.get("kspeed_opts", {}))
         return kspeed.Loader(lay.out("kspeed"), batch_size=BATCH, seed=seed, tier_bytes=tier, rank=rank, world=world,
                              **kw)
     raise ValueError(loader)
@@ -1303,7 +1305,7 @@ def main():
     ap.add_argument("--resume-workers", type=int, default=0)
     ap.add_argument("--kspeed-opts", default="{}",
                     help='extra kspeed.Loader/KSpeedImageFolder arguments as JSON, e.g. \'{"mlock": false}\' '
-                         '(default: none; the Loader gets ring_bytes 256MiB, KSpeedImageFolder 64MiB per worker)')
+                         '(default: none: kspeed\'s defaults, the ring sized from the batch)')
     ap.add_argument("--no-verify", action="store_true", help="skip the untimed exactly-once passes")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds a run may take")
     ap.add_argument("--json", default=None, help="write every run's numbers here")

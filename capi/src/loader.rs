@@ -392,6 +392,11 @@ pub struct ksp_stats {
     pub source_lead_p10_s: f64,
     /// The lead's median, in seconds.
     pub source_lead_p50_s: f64,
+    /// Times the caller waited for a sample (or an attached rank's batch)
+    /// not yet in: with `stall_s`, the mean wait (appended after
+    /// `source_lead_p50_s`). Where every sample comes from this node's
+    /// disk a wait lasts until the rest of its batch is in.
+    pub stall_waits: u64,
 }
 
 // The C layout names 4 slowest peers: the library's count must agree.
@@ -438,6 +443,7 @@ impl Default for ksp_stats {
             source_lead_late: 0,
             source_lead_p10_s: 0.0,
             source_lead_p50_s: 0.0,
+            stall_waits: 0,
         }
     }
 }
@@ -509,6 +515,7 @@ pub unsafe extern "C" fn ksp_loader_stats(l: *const ksp_loader, out: *mut ksp_st
             source_lead_late: s.source_lead.late,
             source_lead_p10_s: s.source_lead.p10.as_secs_f64(),
             source_lead_p50_s: s.source_lead.p50.as_secs_f64(),
+            stall_waits: s.stall_waits,
         });
         Ok(())
     })

@@ -1183,6 +1183,13 @@ impl LoaderBuilder {
         // Attached: the agent reads every sample; this process connects
         // to no node.
         let net = if attach_settings.is_some() { None } else { net };
+        // Every sample read from this node's disk, one way: the consumer
+        // may sleep until a batch's last sample instead of each one (the
+        // stall is charged to the same path either way).
+        let wake_per_batch = net.is_none()
+            && tier.is_none()
+            && matches!(input, Input::Space { .. })
+            && input.held_samples() == input.len();
         let mut loader = Loader {
             run: None,
             spare: Some(Spare {
@@ -1226,6 +1233,8 @@ impl LoaderBuilder {
                 plan,
             },
             attach_settings,
+            wake_per_batch,
+            batch_last_g: 0,
         };
         loader.launch(start)?;
         log::info!("poller placement: {}", loader.placement.describe());

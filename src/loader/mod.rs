@@ -207,6 +207,16 @@ pub struct Loader {
     /// Attached mode: what every launch sends the node agent (each launch
     /// attaches anew, with a fresh ring, at its start position).
     attach_settings: Option<attached::AttachSettings>,
+    /// Every sample comes one way (this node's disk): a consumer that
+    /// catches up with the pollers sleeps until the batch's last sample is
+    /// in, one wake-up per batch, instead of one per sample
+    /// ([`Loader::wait_ready`]). Elsewhere (peers, a tier, a bucket) it
+    /// waits sample by sample, so that each wait is charged to the path of
+    /// the sample it waited for.
+    wake_per_batch: bool,
+    /// The global sequence number of the last sample of the batch being
+    /// assembled (its epoch may end it early).
+    batch_last_g: u64,
 }
 
 impl Loader {
@@ -538,6 +548,8 @@ impl Loader {
                 return Err(self.fail(e));
             }
             if self.entries.is_empty() {
+                let left_in_epoch = self.deal.steps(p.pos.epoch).saturating_sub(p.pos.index);
+                self.batch_last_g = p.g + (self.batch_size as u64).min(left_in_epoch).max(1) - 1;
                 self.held_first = Some(p);
                 if let Some(a) = self.run.as_mut().and_then(|r| r.attach.as_mut()) {
                     // Attached: the agent publishes whole batches; the
@@ -547,6 +559,7 @@ impl Loader {
                             desc = Some(d);
                             if !waited.is_zero() {
                                 self.counters.stall += waited;
+                                self.counters.stall_waits += 1;
                                 self.stall_ledger.charge_agent(waited);
                             }
                         }
@@ -649,9 +662,24 @@ impl Loader {
             }
             while state.is_none() {
                 let seq = sh.wake_seq.load(Ordering::SeqCst);
-                sh.waiting_for.store(p.g + 1, Ordering::SeqCst);
+                // One wake-up per batch where every sample comes one way:
+                // sleep until the batch's last sample not yet in is in
+                // (pollers finish their shares of the batch at their own
+                // pace: each further wait is for a slower poller's part).
+                let target = if self.wake_per_batch {
+                    (p.g + 1..=self.batch_last_g)
+                        .rev()
+                        .find(|&g| sh.state(g).is_none())
+                        .unwrap_or(p.g)
+                } else {
+                    p.g
+                };
+                sh.waiting_for.store(target + 1, Ordering::SeqCst);
                 state = sh.state(p.g);
-                if state.is_none() {
+                // The target's word is loaded after the store too: a
+                // poller that marked it before seeing `waiting_for` does
+                // not wake us, so we must see its mark here.
+                if state.is_none() && (target == p.g || sh.state(target).is_none()) {
                     crate::sys::futex_wait(&sh.wake_seq, seq, Duration::from_millis(10));
                     state = sh.state(p.g);
                     if state.is_none() {
@@ -665,6 +693,7 @@ impl Loader {
             sh.waiting_for.store(0, Ordering::SeqCst);
             let waited = t0.elapsed();
             self.counters.stall += waited;
+            self.counters.stall_waits += 1;
             let via = sh.via(p.g);
             self.stall_ledger.charge(via, waited);
             if via & !shared::VIA_FAILOVER == shared::VIA_SOURCE {
@@ -1184,6 +1213,7 @@ impl Loader {
             bytes: self.counters.bytes,
             elapsed: self.started.elapsed(),
             stall: self.counters.stall,
+            stall_waits: self.counters.stall_waits,
             stall_causes: self.stall_ledger.causes(),
             source_lead: self.source_lead.summary(),
             disk_reads: t.disk_reads,

@@ -13,6 +13,7 @@ pub(super) struct Counters {
     pub(super) samples: u64,
     pub(super) bytes: u64,
     pub(super) stall: Duration,
+    pub(super) stall_waits: u64,
 }
 
 /// What the pollers and the network thread counted, summed over runs.
@@ -115,6 +116,12 @@ pub struct Stats {
     pub elapsed: Duration,
     /// Time the caller waited inside `next_batch`.
     pub stall: Duration,
+    /// Times the caller waited inside `next_batch` (for a sample, or an
+    /// attached rank's batch, not yet in): with `stall`, the mean wait.
+    /// Where every sample comes from this node's disk a wait lasts until
+    /// the rest of its batch is in, about one per batch at most; elsewhere
+    /// each wait is for one sample, charged to its path (`stall_causes`).
+    pub stall_waits: u64,
     /// `stall` charged to its causes: the sample waited for and how it
     /// came (disk, tier, source, which peer, failover; the agent).
     pub stall_causes: super::StallCauses,

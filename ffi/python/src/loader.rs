@@ -355,6 +355,7 @@ impl PyLoader {
         d.set_item("bytes", st.bytes)?;
         d.set_item("elapsed_s", st.elapsed.as_secs_f64())?;
         d.set_item("stall_s", st.stall.as_secs_f64())?;
+        d.set_item("stall_waits", st.stall_waits)?;
         d.set_item("samples_per_s", st.samples_per_sec())?;
         d.set_item("bytes_per_s", st.bytes_per_sec())?;
         d.set_item("stall_fraction", st.stall_fraction())?;

@@ -100,6 +100,7 @@ pub(crate) fn print(st: &Stats, placement: &PollerPlacement, r: &Run) {
         "retries": st.retries,
         "loop_stalls": st.loop_stalls,
         "stall_seconds": st.stall.as_secs_f64(),
+        "stall_waits": st.stall_waits,
         "stall_fraction": st.stall.as_secs_f64() / wall,
         "stall_causes": stall_causes_json(&st.stall_causes),
         "cpu_seconds": r.cpu_secs,
