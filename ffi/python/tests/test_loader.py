@@ -88,6 +88,7 @@ def test_stats_has_loop_stalls(space):
         read_epoch(loader, cat, check_bytes=False)
         st = loader.stats()
     assert type(st["loop_stalls"]) is int and st["loop_stalls"] >= 0, st
+    assert type(st["stall_waits"]) is int and st["stall_waits"] >= 0, st
 
 
 def test_stats_charge_the_stall_to_its_causes(space):
