@@ -6,17 +6,25 @@
 mod common;
 
 use common::*;
+use std::time::Duration;
+
 use kspeed::loader::{LoaderBuilder, PageCache};
 
 /// Reads one epoch with O_DIRECT (the disk, not the page cache, paces the
 /// pollers, so the consumer catches up) and returns (samples, batches,
 /// stall_waits), checking every sample against the catalog's CRC32C.
-fn read_direct(sp: &std::path::Path, pollers: usize, queue_depth: u32) -> (u64, u64, u64) {
+fn read_direct(
+    sp: &std::path::Path,
+    pollers: usize,
+    queue_depth: u32,
+    spin_us: u64,
+) -> (u64, u64, u64) {
     let mut l = LoaderBuilder::space(sp)
         .batch_size(64)
         .seed(5)
         .pollers(pollers)
         .queue_depth(queue_depth)
+        .spin(Duration::from_micros(spin_us))
         .page_cache(PageCache::Off)
         .landing(test_ring(8 << 20))
         .pin(false)
@@ -48,19 +56,19 @@ fn a_consumer_reading_from_disk_sleeps_about_once_per_batch() {
     gen("tiny", 3000, &src);
     let sp = t.path().join("space");
     ok(&["preload", "--source", s(&src), "--space", s(&sp)]);
-    for (pollers, depth) in [(1, 1), (1, 4), (2, 2)] {
-        let (samples, batches, waits) = read_direct(&sp, pollers, depth);
+    // Asleep at once (spin 0, the default on up to 4 cores), and spinning
+    // first (20 us, the default on more): a wait spins for the batch too.
+    for (pollers, depth, spin_us) in [(1, 1, 0), (1, 4, 0), (2, 2, 0), (1, 4, 20), (2, 2, 200)] {
+        let (samples, batches, waits) = read_direct(&sp, pollers, depth, spin_us);
         assert_eq!(samples, 3000);
         // O_DIRECT reads of a few KiB at a time are far slower than
         // handing a sample out, so the consumer does wait; one wait per
         // sample would be ~3,000.
-        assert!(
-            waits >= 1,
-            "pollers {pollers} depth {depth}: the consumer never waited"
-        );
+        let what = format!("pollers {pollers} depth {depth} spin {spin_us} us");
+        assert!(waits >= 1, "{what}: the consumer never waited");
         assert!(
             waits <= 3 * batches,
-            "pollers {pollers} depth {depth}: {waits} waits for {batches} batches"
+            "{what}: {waits} waits for {batches} batches"
         );
     }
 }

@@ -88,7 +88,7 @@ pub unsafe extern "C" fn ksp_config_free(cfg: *mut ksp_config) {
 /// | `drop_last` | bool |  |  | false | drop each epoch's last, partial batch |
 /// | `rank` | int | 0 to 4294967295 |  | 0 | this rank |
 /// | `world` | int | 1 to 4294967295 | ranks | 1 | the world size |
-/// | `ring_bytes` | size or auto | 4096 and up | bytes | auto: four batches of the mean sample, 64 to 256 MiB (cluster mode: 256 MiB), at most twice the dataset, and at least a batch of the largest samples plus two read ahead | landing ring size (locked memory the reads land in); a size given is refused if it cannot hold a whole batch |
+/// | `ring_bytes` | size or auto | 4096 and up | bytes | auto: six batches of the mean sample, 64 to 256 MiB (cluster mode: 256 MiB), at most twice the dataset, and at least a batch of the largest samples plus two read ahead (up to 4 GiB; a batch needing more is refused) | landing ring size (locked memory the reads land in); a size given is refused if it cannot hold a whole batch |
 /// | `tier_bytes` | size | 0 and up | bytes | 0: no tier | memory tier budget: samples read once are kept in memory and served from there |
 /// | `tier_views` | bool |  |  | false | a sample served from the memory tier is handed out in place (no copy into the ring); a batch holding one is not one ring span |
 /// | `pollers` | int | 1 to 1024 | threads | a quarter of this rank's core slice, 1 to 8 | poller threads |

@@ -289,11 +289,12 @@ impl LoaderBuilder {
     }
 
     /// Landing ring size; 0 (the default) sizes it from the batch and the
-    /// dataset: four batches of the mean sample, 64 to 256 MiB (256 MiB in
+    /// dataset: six batches of the mean sample, 64 to 256 MiB (256 MiB in
     /// cluster mode), at most twice the dataset, and always enough for a
-    /// batch of the largest samples plus two more read ahead (the build
-    /// logs the size chosen). A size given here that cannot hold a whole
-    /// batch is refused ([`Error::RingTooSmallForBatch`]).
+    /// batch of the largest samples plus two more read ahead, up to 4 GiB
+    /// (the build logs the size chosen). A size given here, or a batch
+    /// that needs more than 4 GiB by default, that cannot hold a whole
+    /// batch is refused ([`Error::RingTooSmallForBatch`], naming the size).
     pub fn ring_bytes(mut self, bytes: u64) -> Self {
         self.landing.ring_bytes = bytes;
         self

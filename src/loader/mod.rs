@@ -656,33 +656,49 @@ impl Loader {
         let mut state = sh.state(p.g);
         if state.is_none() {
             let t0 = Instant::now();
-            while state.is_none() && t0.elapsed() < spin {
-                std::hint::spin_loop();
-                state = sh.state(p.g);
-            }
-            while state.is_none() {
-                let seq = sh.wake_seq.load(Ordering::SeqCst);
-                // One wake-up per batch where every sample comes one way:
-                // sleep until the batch's last sample not yet in is in
-                // (pollers finish their shares of the batch at their own
-                // pace: each further wait is for a slower poller's part).
-                let target = if self.wake_per_batch {
-                    (p.g + 1..=self.batch_last_g)
+            // One wait per batch where every sample comes one way: wait
+            // until the batch's last sample not yet in is in (pollers
+            // finish their shares of the batch at their own pace: each
+            // further wait is for a slower poller's part), spinning first
+            // as for one sample, then asleep. Elsewhere the target is
+            // this sample.
+            let (per_batch, last) = (self.wake_per_batch, self.batch_last_g);
+            let target_of = |sh: &Shared| {
+                if per_batch {
+                    (p.g + 1..=last)
                         .rev()
                         .find(|&g| sh.state(g).is_none())
                         .unwrap_or(p.g)
                 } else {
                     p.g
-                };
-                sh.waiting_for.store(target + 1, Ordering::SeqCst);
+                }
+            };
+            // Once a sleep has ended with this sample in, it is handed on
+            // whatever the target: a target that cannot come (which would
+            // be a bug) costs one timeout, never a hang.
+            let mut slept = false;
+            loop {
+                let target = target_of(sh);
                 state = sh.state(p.g);
-                // The target's word is loaded after the store too: a
-                // poller that marked it before seeing `waiting_for` does
-                // not wake us, so we must see its mark here.
-                if state.is_none() && (target == p.g || sh.state(target).is_none()) {
+                if state.is_some() && (target == p.g || slept) {
+                    break;
+                }
+                if sh.state(target).is_some() {
+                    continue; // it just came in: the next one not in
+                }
+                if t0.elapsed() < spin {
+                    std::hint::spin_loop();
+                    continue;
+                }
+                let seq = sh.wake_seq.load(Ordering::SeqCst);
+                sh.waiting_for.store(target + 1, Ordering::SeqCst);
+                // The target's word is loaded after the store: a poller
+                // that marked it before seeing `waiting_for` does not wake
+                // us, so we must see its mark here (Shared::state).
+                if sh.state(target).is_none() {
                     crate::sys::futex_wait(&sh.wake_seq, seq, Duration::from_millis(10));
-                    state = sh.state(p.g);
-                    if state.is_none() {
+                    slept = true;
+                    if sh.state(p.g).is_none() {
                         if let Some(e) = sh.dead() {
                             sh.waiting_for.store(0, Ordering::SeqCst);
                             return Err(e);

@@ -10,7 +10,7 @@
 //! 0.59x a plain DataLoader's where a 64 MiB one made it 1.61x
 //! (BENCHMARKS.md, "The 20,000-file run"), with cold epochs equal. A fixed
 //! size also refused batches of large samples that did not fit it; the
-//! default now always holds one.
+//! default now holds one of up to 4 GiB.
 
 use super::schedule::{self, Geometry};
 use super::Input;
@@ -23,7 +23,7 @@ use crate::sampler::Sampler;
 /// (BENCHMARKS.md), and leaves read-ahead of tens of milliseconds at
 /// device speed.
 pub(super) const AUTO_RING_MIN_BYTES: u64 = 64 << 20;
-/// The default ring's size before the batch's own needs: four batches of
+/// The default ring's size before the batch's own needs: six batches of
 /// the dataset's mean sample are read ahead at most this far.
 pub(super) const AUTO_RING_MAX_BYTES: u64 = 256 << 20;
 /// The default ring in cluster mode: the ring is the window the nodes write
@@ -33,18 +33,26 @@ pub(super) const AUTO_RING_CLUSTER_BYTES: u64 = 256 << 20;
 /// A default ring this large or larger is whole 2 MiB pages.
 const HUGE_ROUND_FROM_BYTES: u64 = 8 << 20;
 const HUGE_PAGE_BYTES: u64 = 2 << 20;
-/// Batches of the mean sample the default ring holds.
-const AUTO_RING_BATCHES: u64 = 4;
+/// Batches of the mean sample the default ring holds: the batch being
+/// filled, two a caller keeps out (Python's `batches_in_flight` default)
+/// and three read ahead.
+const AUTO_RING_BATCHES: u64 = 6;
+/// The most the default ring grows to for a batch of the largest samples;
+/// a batch that needs more is refused (`RingTooSmallForBatch`, naming the
+/// size) rather than locking that much memory unasked.
+pub(super) const AUTO_RING_LIMIT_BYTES: u64 = 4 << 30;
 /// Samples read for the mean sample size (spread evenly over the ids).
 const MEAN_PROBES: u64 = 65_536;
 
 /// The ring size `ring_bytes = 0` ("auto") stands for:
-/// - four batches of the dataset's mean sample, from
+/// - six batches of the dataset's mean sample, from
 ///   [`AUTO_RING_MIN_BYTES`] (cluster mode: [`AUTO_RING_CLUSTER_BYTES`]) to
 ///   [`AUTO_RING_MAX_BYTES`], and no more than twice the whole dataset;
 /// - and never less than the batch of the largest samples needs plus two
 ///   batches of the mean sample read ahead, so the default never refuses a
-///   batch (a ring set by hand still may: it is what the caller asked for).
+///   batch (a ring set by hand still may: it is what the caller asked for)
+///   unless that is more than [`AUTO_RING_LIMIT_BYTES`]: then the limit, which
+///   the build refuses with the size needed.
 ///
 /// A multiple of the space's alignment and of 4096 bytes; from 8 MiB up,
 /// of 2 MiB too (hugetlb pages).
@@ -126,12 +134,13 @@ impl Sizes {
         };
         // Whole 2 MiB pages (hugetlb takes only those), but a ring for a
         // few small samples stays small.
-        if ring >= HUGE_ROUND_FROM_BYTES {
+        let ring = if ring >= HUGE_ROUND_FROM_BYTES {
             ring.next_multiple_of(HUGE_PAGE_BYTES)
                 .next_multiple_of(unit)
         } else {
             ring
-        }
+        };
+        ring.min(AUTO_RING_LIMIT_BYTES.max(unit))
     }
 }
 
@@ -230,13 +239,13 @@ mod tests {
     }
 
     #[test]
-    fn four_batches_of_the_mean_from_64_to_256_mib() {
-        // 64 ImageNet-sized samples: four batches are 28 MiB, so the floor.
+    fn six_batches_of_the_mean_from_64_to_256_mib() {
+        // 64 ImageNet-sized samples: six batches are 42 MiB, so the floor.
         let s = sizes(1_281_167, 112 << 10, 400 << 10, 64);
         assert_eq!(s.ring_bytes(never), 64 * MIB);
-        // 256 of them: four batches, 112 MiB.
+        // 256 of them: six batches, 168 MiB.
         let s = sizes(1_281_167, 112 << 10, 200 << 10, 256);
-        assert_eq!(s.ring_bytes(never), 112 * MIB);
+        assert_eq!(s.ring_bytes(never), 168 * MIB);
         // Unless the batch's largest 256 (plus two batches of the mean)
         // need more.
         let s = sizes(1_281_167, 112 << 10, 400 << 10, 256);
@@ -247,10 +256,15 @@ mod tests {
         let s = sizes(1_281_167, 112 << 10, 400 << 10, 1024);
         let r = s.ring_bytes(|| 1024 * (400 << 10));
         assert!(r >= 1024 * (400 << 10) + 2 * 1024 * (112 << 10), "{r}");
-        // 640 of 112 KiB: four batches are 280 MiB, capped at 256 MiB,
-        // which holds the batch (70 MiB) and two read ahead.
-        let s = sizes(1_281_167, 112 << 10, 112 << 10, 640);
+        // 512 of 112 KiB: six batches are 336 MiB, capped at 256 MiB,
+        // which holds the batch (56 MiB) and two read ahead.
+        let s = sizes(1_281_167, 112 << 10, 112 << 10, 512);
         assert_eq!(s.ring_bytes(never), 256 * MIB);
+        // A batch of 256 samples of up to 200 MiB (a mixture's, not known
+        // to be distinct): not 50 GiB of locked memory, the limit (which
+        // the build's check then refuses, naming the size needed).
+        let s = sizes(1_281_167, 112 << 10, 200 * MIB, 256);
+        assert_eq!(s.ring_bytes(|| 256 * 200 * MIB), AUTO_RING_LIMIT_BYTES);
         // Cluster mode keeps 256 MiB.
         let s = Sizes {
             cluster: true,

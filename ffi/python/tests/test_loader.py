@@ -1088,5 +1088,5 @@ def test_the_default_ring_is_sized_from_the_batch(space):
     assert 0 < ring <= 64 << 20, ring
     with pytest.raises(ValueError, match="option ring_bytes: 0 is below the minimum"):
         kspeed.Loader(space, ring_bytes=0)
-    with pytest.raises(ValueError, match='option ring_bytes: "autos" is not a size or auto'):
+    with pytest.raises(ValueError, match="ring_bytes: 'autos' is not a size .*or 'auto'"):
         kspeed.Loader(space, ring_bytes="autos")

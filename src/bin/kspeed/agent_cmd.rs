@@ -42,7 +42,7 @@ pub(crate) struct AgentArgs {
     no_mlock: bool,
     /// The largest ring a rank may attach (the agent's memory grows with
     /// it); a larger one is refused by name.
-    #[arg(long, default_value = "64GiB", value_parser = crate::opt::<u64>("ring_bytes"))]
+    #[arg(long, default_value = "64GiB", value_parser = crate::parse_bytes)]
     max_ring_bytes: u64,
 }
 

@@ -58,7 +58,7 @@ pub(crate) struct ReadArgs {
     /// Drop the tail instead of padding.
     #[arg(long)]
     drop_last: bool,
-    /// Landing ring size, or auto: four batches of the mean sample, 64 to
+    /// Landing ring size, or auto: six batches of the mean sample, 64 to
     /// 256 MiB (256 MiB with --cluster), at least what a batch of the
     /// largest samples needs.
     #[arg(long, default_value = "auto", value_parser = crate::opt_or_auto::<u64>("ring_bytes"))]

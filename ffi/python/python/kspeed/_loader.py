@@ -24,14 +24,13 @@ def _size(name, v, lo=0):
 
 
 def _size_str(name, v):
-    """A size string as bytes by the Python package's rule; anything else
-    (``"auto"``, a bad string, an int) as it is (the options table checks it)."""
-    if isinstance(v, str):
+    """A size string as bytes by the Python package's rule; ``"auto"`` and
+    anything not a string as it is (the options table checks it)."""
+    if isinstance(v, str) and v.strip() != "auto":
         m = _SIZE.match(v)
         if not m:
-            # Not a size by this rule: the table words the error, as in
-            # every front end.
-            return v
+            also = " or 'auto'" if name == "ring_bytes" else ""
+            raise ValueError(f"{name}: {v!r} is not a size (use bytes, or e.g. '256MiB', '4GB'{also})")
         n, unit, i, b = m.groups()
         base = 1000 if (unit and not i and b) else 1024
         return int(n) * base ** _UNITS[unit.lower()]
