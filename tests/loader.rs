@@ -1664,3 +1664,42 @@ fn a_tar_shard_is_opened_once_per_run_not_per_member() {
     assert_eq!(n, 200);
     assert_eq!(l.stats().disk_reads, 200);
 }
+
+/// A batch that `lookahead` cannot reach beside the batches kept out (the
+/// pollers read no further than `lookahead` samples past the oldest of
+/// them) is a named error, not a wait that never ends; released, it comes.
+#[test]
+fn a_kept_batch_beyond_the_lookahead_is_refused_not_waited_for() {
+    let t = tempfile::tempdir().unwrap();
+    let (_, sp) = tiny_space(t.path(), 300);
+    let mut loader = LoaderBuilder::space(&sp)
+        .batch_size(4)
+        .lookahead(6)
+        .landing(small_ring(8 << 20))
+        .seed(2)
+        .build()
+        .unwrap();
+    // On a thread, with a deadline: a regression would wait forever.
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let first = loader.acquire_batch_keep();
+        // Samples 0-3 are out; 4-7 would need a lookahead of 8.
+        let second = loader.acquire_batch_keep();
+        let after_release = loader
+            .release_oldest_batch()
+            .then(|| loader.acquire_batch_keep());
+        tx.send((first, second, after_release)).unwrap();
+    });
+    let (first, second, after_release) = rx
+        .recv_timeout(std::time::Duration::from_secs(60))
+        .expect("acquire_batch_keep answered within 60 s");
+    assert_eq!(first.unwrap(), 4);
+    match second {
+        Err(Error::InvalidConfig(m)) => assert!(
+            m.contains("lookahead 6") && m.contains("another batch needs 8"),
+            "{m}"
+        ),
+        other => panic!("a batch beyond the lookahead was not refused: {other:?}"),
+    }
+    assert_eq!(after_release.expect("the oldest batch was out").unwrap(), 4);
+}

@@ -588,7 +588,11 @@ fn feed(
             Err(e) => break Err(e),
         }
         let room = match att.side.has_room() {
-            Ok(room) => room && !dealt && loader.keep_bytes_needed().is_none(),
+            Ok(room) => {
+                room && !dealt
+                    && loader.keep_bytes_needed().is_none()
+                    && loader.keep_lookahead_needed().is_none()
+            }
             Err(e) => break Err(e),
         };
         if !room {

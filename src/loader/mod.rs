@@ -772,9 +772,10 @@ impl Loader {
     /// package). The new batch is the held one ([`Loader::held_sample`]).
     ///
     /// Fails with [`Error::InvalidConfig`], keeping everything as it was,
-    /// when the ring cannot hold the whole new batch beside the batches out:
-    /// waiting would never end, since their space comes back only when the
-    /// caller releases them.
+    /// when the ring cannot hold the whole new batch beside the batches out,
+    /// or `lookahead` does not let the pollers read that far past the
+    /// oldest of them: waiting would never end, since their space comes
+    /// back only when the caller releases them.
     pub fn acquire_batch_keep(&mut self) -> Result<usize> {
         self.check_failed()?;
         if let Some(need) = self.keep_bytes_needed() {
@@ -782,6 +783,16 @@ impl Loader {
                 "the {}-byte landing ring cannot hold another batch beside the {} \
                  still out ({need} bytes needed); release one first or raise ring_bytes",
                 self.geo.ring_bytes,
+                self.kept.len(),
+            )));
+        }
+        if let Some(need) = self.keep_lookahead_needed() {
+            return Err(Error::InvalidConfig(format!(
+                "lookahead {} lets the pollers read no further than {} samples past the \
+                 oldest of the {} batches still out, and another batch needs {need}; \
+                 release one first or raise lookahead",
+                self.cfg.lookahead,
+                self.cfg.lookahead,
                 self.kept.len(),
             )));
         }
@@ -824,6 +835,29 @@ impl Loader {
             end = p.v_end;
         }
         (end - oldest.v > self.geo.ring_bytes).then_some(end - oldest.v)
+    }
+
+    /// Samples from the oldest batch kept out to the end of the next batch,
+    /// when that is more than `lookahead` (the pollers read no sample that
+    /// far past the released mark, which the oldest batch out holds back,
+    /// so [`Loader::acquire_batch_keep`] would wait forever and refuses);
+    /// `None` when it is within it. Attached, the agent reads: `None`.
+    pub(crate) fn keep_lookahead_needed(&mut self) -> Option<u64> {
+        if self.run.as_ref().is_some_and(|r| r.attach.is_some()) {
+            return None;
+        }
+        let first = self.peek_next();
+        let oldest = self.kept.iter().find(|k| k.run == self.run_no)?.first;
+        if first.pos.epoch != self.epoch {
+            return None;
+        }
+        let left_in_epoch = self
+            .deal
+            .steps(first.pos.epoch)
+            .saturating_sub(first.pos.index);
+        let last_g = first.g + (self.batch_size as u64).min(left_in_epoch).max(1) - 1;
+        let need = last_g + 1 - oldest.g;
+        (need > self.cfg.lookahead).then_some(need)
     }
 
     /// The held batch as the agent publishes it: its first byte's ring
