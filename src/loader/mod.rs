@@ -548,8 +548,7 @@ impl Loader {
                 return Err(self.fail(e));
             }
             if self.entries.is_empty() {
-                let left_in_epoch = self.deal.steps(p.pos.epoch).saturating_sub(p.pos.index);
-                self.batch_last_g = p.g + (self.batch_size as u64).min(left_in_epoch).max(1) - 1;
+                self.batch_last_g = self.last_g_of_batch_from(&p);
                 self.held_first = Some(p);
                 if let Some(a) = self.run.as_mut().and_then(|r| r.attach.as_mut()) {
                     // Attached: the agent publishes whole batches; the
@@ -788,10 +787,9 @@ impl Loader {
         }
         if let Some(need) = self.keep_lookahead_needed() {
             return Err(Error::InvalidConfig(format!(
-                "lookahead {} lets the pollers read no further than {} samples past the \
-                 oldest of the {} batches still out, and another batch needs {need}; \
+                "lookahead {}: the pollers read no further than that many samples past \
+                 the oldest of the {} batches still out, and another batch needs {need}; \
                  release one first or raise lookahead",
-                self.cfg.lookahead,
                 self.cfg.lookahead,
                 self.kept.len(),
             )));
@@ -851,13 +849,18 @@ impl Loader {
         if first.pos.epoch != self.epoch {
             return None;
         }
+        let need = self.last_g_of_batch_from(&first) + 1 - oldest.g;
+        (need > self.cfg.lookahead).then_some(need)
+    }
+
+    /// The global sequence number of the last sample of the batch whose
+    /// first sample is `first` (its epoch's end may cut it short).
+    fn last_g_of_batch_from(&self, first: &Placed) -> u64 {
         let left_in_epoch = self
             .deal
             .steps(first.pos.epoch)
             .saturating_sub(first.pos.index);
-        let last_g = first.g + (self.batch_size as u64).min(left_in_epoch).max(1) - 1;
-        let need = last_g + 1 - oldest.g;
-        (need > self.cfg.lookahead).then_some(need)
+        first.g + (self.batch_size as u64).min(left_in_epoch).max(1) - 1
     }
 
     /// The held batch as the agent publishes it: its first byte's ring
