@@ -282,6 +282,25 @@ typedef struct {
   // `source_lead_p50_s`). Where every sample comes from this node's
   // disk a wait lasts until the rest of its batch is in.
   uint64_t stall_waits;
+  // `stall_peers_s` by where each waited-for sample's grant spent its
+  // time (appended after `stall_waits`): the node reading it (queued
+  // for a staging slot or its disk), the node sending it (read, behind
+  // the connection's earlier frames), the link (the grant's way there
+  // and the data's way back). Each wait is split in its grant's
+  // proportions; only nodes that report their times (TCP) are split,
+  // so the three add up to at most `stall_peers_s`.
+  double stall_peer_read_s;
+  // See `stall_peer_read_s`: the node was slow to send.
+  double stall_peer_send_s;
+  // See `stall_peer_read_s`: the link was slow.
+  double stall_peer_link_s;
+  // `slowest_peer_stall_s[i]` split as `stall_peer_read_s`, `_send_s`
+  // and `_link_s` split `stall_peers_s`.
+  double slowest_peer_read_s[4];
+  // See `slowest_peer_read_s`.
+  double slowest_peer_send_s[4];
+  // See `slowest_peer_read_s`.
+  double slowest_peer_link_s[4];
 } ksp_stats;
 
 // What the catalog says about one sample.

@@ -1325,6 +1325,26 @@ fn metrics_endpoint_counts_a_consumer_and_sigusr1_logs_statistics() {
         "{text}"
     );
     assert_eq!(metric(&text, "kspeed_serve_consumers "), Some(1.0));
+    // A grant's other phases at the node, one observation per chunk sent
+    // (one chunk per tiny sample), and its link among the slowest.
+    for phase in ["grant_wait", "send_wait", "send"] {
+        let n = metric(
+            &text,
+            &format!("kspeed_serve_{phase}_seconds_count{{poller=\"0\"}}"),
+        )
+        .unwrap_or(0.0);
+        assert!(n >= cat.len() as f64, "{phase}: {n}: {text}");
+    }
+    let slow = metric(&text, "kspeed_serve_slowest_consumer_send_seconds{")
+        .unwrap_or_else(|| panic!("no slowest consumer: {text}"));
+    assert!(slow > 0.0 && slow < 10.0, "{slow}");
+    assert!(
+        text.lines().any(
+            |l| l.starts_with("kspeed_serve_slowest_consumer_send_seconds{")
+                && l.contains("rank=\"0\"")
+        ),
+        "{text}"
+    );
     assert!(http_get(&maddr, "/nothing").0.contains("404"));
     // SIGUSR1: the statistics in the log, the node still serving.
     node.signal("-USR1");

@@ -194,4 +194,185 @@ fn the_node_behind_a_slow_link_is_charged_the_wait() {
     // Node 2 serves about 300 samples of ~4.5 KiB at 4 Mbit/s: over 2 s.
     assert!(of(2) > Duration::from_secs(1), "{c:?}");
     assert_eq!(of(2) + of(1), c.peers, "{by:?}");
+    // Its DATA frames carry its times (TCP): the wait is split, and most
+    // of it is the link's, not its disk's or its sending.
+    let p2 = by.iter().find(|p| p.node == 2).unwrap();
+    assert!(p2.link > 2 * (p2.read + p2.send), "{p2:?}");
+    assert!(
+        p2.read + p2.send + p2.link > p2.stall * 9 / 10,
+        "split: {p2:?}"
+    );
+    assert_eq!(c.peer_link + c.peer_read + c.peer_send, split_sum(&by));
+}
+
+fn split_sum(by: &[kspeed::loader::PeerStall]) -> Duration {
+    by.iter().map(|p| p.read + p.send + p.link).sum()
+}
+
+/// A blkio/io cgroup that throttles reads of one block device to `iops`,
+/// removed on drop. None (and a skip) where the device or the controller
+/// is not there.
+struct Throttle {
+    dir: std::path::PathBuf,
+}
+
+impl Throttle {
+    fn reads(of: &std::path::Path, iops: u32) -> Option<Throttle> {
+        use std::os::unix::fs::MetadataExt;
+        let dev = std::fs::metadata(of).unwrap().dev();
+        let (maj, min) = (libc::major(dev), libc::minor(dev));
+        let sys = std::path::PathBuf::from(format!("/sys/dev/block/{maj}:{min}"));
+        if !sys.exists() {
+            skip(&format!(
+                "{} is on device {maj}:{min}, not a block device: no disk to throttle",
+                of.display()
+            ));
+            return None;
+        }
+        // Throttling applies to whole disks: a partition's parent.
+        let disk = if sys.join("partition").exists() {
+            std::fs::read_to_string(sys.join("../dev"))
+                .unwrap()
+                .trim()
+                .to_string()
+        } else {
+            format!("{maj}:{min}")
+        };
+        let name = format!("kspeed-test-{}", std::process::id());
+        let v1 = std::path::Path::new("/sys/fs/cgroup/blkio");
+        let v2 = std::path::Path::new("/sys/fs/cgroup");
+        let (dir, file, rule) = if v1.join("blkio.throttle.read_iops_device").exists() {
+            (
+                v1.join(&name),
+                "blkio.throttle.read_iops_device",
+                format!("{disk} {iops}"),
+            )
+        } else if std::fs::read_to_string(v2.join("cgroup.controllers"))
+            .is_ok_and(|c| c.split_whitespace().any(|w| w == "io"))
+        {
+            let _ = std::fs::write(v2.join("cgroup.subtree_control"), "+io");
+            (v2.join(&name), "io.max", format!("{disk} riops={iops}"))
+        } else {
+            skip("no blkio (cgroup v1) or io (cgroup v2) controller to throttle a disk with");
+            return None;
+        };
+        if let Err(e) = std::fs::create_dir(&dir) {
+            skip(&format!("creating cgroup {}: {e}", dir.display()));
+            return None;
+        }
+        let t = Throttle { dir };
+        if let Err(e) = std::fs::write(t.dir.join(file), &rule) {
+            skip(&format!("{} < {rule}: {e}", t.dir.join(file).display()));
+            return None;
+        }
+        Some(t)
+    }
+
+    /// Moves process `pid`, every thread of it, into the cgroup.
+    fn add(&self, pid: u32) {
+        std::fs::write(self.dir.join("cgroup.procs"), pid.to_string()).unwrap();
+    }
+}
+
+impl Drop for Throttle {
+    fn drop(&mut self) {
+        // Its processes have exited (or are killed) by now; a cgroup with
+        // none left is removed with rmdir, retried while the last exits.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while std::fs::remove_dir(&self.dir).is_err() && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+/// Three nodes in network namespaces, one copy of each sample; node 2's
+/// disk is throttled to 100 reads a second (a blkio cgroup around its
+/// `kspeed serve`, a real throttle in the kernel's block layer). The
+/// rank on node 0 charges node 2 the most stall, and node 2's DATA frames
+/// say it went to reading: its share is mostly `read`, not its link.
+#[test]
+fn the_node_with_a_slow_disk_is_charged_for_reading() {
+    const NODES: usize = 3;
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("src");
+    gen("tiny", 600, &src);
+    let catalog = tmp.path().join("cat.ksc");
+    ok(&["catalog", "--source", s(&src), "--out", s(&catalog)]);
+    let spaces: Vec<std::path::PathBuf> = (0..NODES)
+        .map(|i| {
+            let sp = tmp.path().join(format!("node{i}"));
+            ok(&[
+                "preload",
+                "--source",
+                s(&src),
+                "--catalog",
+                s(&catalog),
+                "--space",
+                s(&sp),
+                "--nodes",
+                "3",
+                "--node-index",
+                &i.to_string(),
+            ]);
+            sp
+        })
+        .collect();
+    let Some(ns) = nodes::Netns::create(NODES) else {
+        return;
+    };
+    let Some(throttle) = Throttle::reads(&spaces[2], 100) else {
+        return;
+    };
+    let token = tmp.path().join("token");
+    std::fs::write(&token, "stall-token\n").unwrap();
+    // The node reads into staging with O_DIRECT (no `--page-cache`):
+    // every read goes to the throttled disk.
+    let serves: Vec<nodes::Serve> = (0..NODES)
+        .map(|i| {
+            nodes::Serve::start(
+                &spaces[i],
+                &format!("10.77.{i}.2:0"),
+                &token,
+                Some(&ns.names[i]),
+            )
+        })
+        .collect();
+    throttle.add(serves[2].child.id());
+    let addrs: Vec<String> = serves.iter().map(|sv| sv.addr.clone()).collect();
+    let cat = kspeed::dataset::Catalog::open(&catalog).unwrap();
+    let mut l = LoaderBuilder::space(&spaces[0])
+        .cluster(nodes::cluster_of(&addrs))
+        .token(b"stall-token")
+        .seed(4)
+        .batch_size(8)
+        .landing(test_ring(1 << 20))
+        .end_epoch(Some(1))
+        .build()
+        .unwrap();
+    l.set_epoch(0).unwrap();
+    let mut k = 0u64;
+    while let Some(b) = l.next_batch().unwrap() {
+        for smp in b.iter() {
+            assert_eq!(crc32c::crc32c(smp.bytes), cat.sample(smp.id).crc32c);
+            k += 1;
+        }
+    }
+    assert_eq!(k, cat.len());
+    let st = l.stats();
+    let c = st.stall_causes;
+    let by = l.stall_by_peer();
+    eprintln!("stall {:?}: {c:?}; by peer {by:?}", st.stall);
+    assert_eq!(sum(&st), st.stall, "{c:?}");
+    assert_eq!(st.failovers, 0, "{st:?}");
+    assert_eq!(c.slowest_peers[0].node, 2, "{c:?}");
+    let p2 = by.iter().find(|p| p.node == 2).unwrap();
+    // About 200 reads at 100 a second: well over a second, nearly all of
+    // it reading.
+    assert!(p2.stall > Duration::from_secs(1), "{p2:?}");
+    assert!(p2.read > 2 * (p2.send + p2.link), "{p2:?}");
+    assert!(
+        p2.read + p2.send + p2.link > p2.stall * 9 / 10,
+        "split: {p2:?}"
+    );
+    assert_eq!(c.peer_link + c.peer_read + c.peer_send, split_sum(&by));
 }

@@ -397,6 +397,25 @@ pub struct ksp_stats {
     /// `source_lead_p50_s`). Where every sample comes from this node's
     /// disk a wait lasts until the rest of its batch is in.
     pub stall_waits: u64,
+    /// `stall_peers_s` by where each waited-for sample's grant spent its
+    /// time (appended after `stall_waits`): the node reading it (queued
+    /// for a staging slot or its disk), the node sending it (read, behind
+    /// the connection's earlier frames), the link (the grant's way there
+    /// and the data's way back). Each wait is split in its grant's
+    /// proportions; only nodes that report their times (TCP) are split,
+    /// so the three add up to at most `stall_peers_s`.
+    pub stall_peer_read_s: f64,
+    /// See `stall_peer_read_s`: the node was slow to send.
+    pub stall_peer_send_s: f64,
+    /// See `stall_peer_read_s`: the link was slow.
+    pub stall_peer_link_s: f64,
+    /// `slowest_peer_stall_s[i]` split as `stall_peer_read_s`, `_send_s`
+    /// and `_link_s` split `stall_peers_s`.
+    pub slowest_peer_read_s: [f64; 4],
+    /// See `slowest_peer_read_s`.
+    pub slowest_peer_send_s: [f64; 4],
+    /// See `slowest_peer_read_s`.
+    pub slowest_peer_link_s: [f64; 4],
 }
 
 // The C layout names 4 slowest peers: the library's count must agree.
@@ -444,6 +463,12 @@ impl Default for ksp_stats {
             source_lead_p10_s: 0.0,
             source_lead_p50_s: 0.0,
             stall_waits: 0,
+            stall_peer_read_s: 0.0,
+            stall_peer_send_s: 0.0,
+            stall_peer_link_s: 0.0,
+            slowest_peer_read_s: [0.0; 4],
+            slowest_peer_send_s: [0.0; 4],
+            slowest_peer_link_s: [0.0; 4],
         }
     }
 }
@@ -516,6 +541,12 @@ pub unsafe extern "C" fn ksp_loader_stats(l: *const ksp_loader, out: *mut ksp_st
             source_lead_p10_s: s.source_lead.p10.as_secs_f64(),
             source_lead_p50_s: s.source_lead.p50.as_secs_f64(),
             stall_waits: s.stall_waits,
+            stall_peer_read_s: c.peer_read.as_secs_f64(),
+            stall_peer_send_s: c.peer_send.as_secs_f64(),
+            stall_peer_link_s: c.peer_link.as_secs_f64(),
+            slowest_peer_read_s: std::array::from_fn(|i| top[i].read.as_secs_f64()),
+            slowest_peer_send_s: std::array::from_fn(|i| top[i].send.as_secs_f64()),
+            slowest_peer_link_s: std::array::from_fn(|i| top[i].link.as_secs_f64()),
         });
         Ok(())
     })

@@ -290,6 +290,9 @@ impl Loader {
             via: (0..table)
                 .map(|_| std::sync::atomic::AtomicU32::new(0))
                 .collect(),
+            split: (0..table)
+                .map(|_| std::sync::atomic::AtomicU32::new(shared::SPLIT_NONE))
+                .collect(),
             ready_us: (0..table).map(|_| AtomicU64::new(0)).collect(),
             clock0: Instant::now(),
             released_v: AtomicU64::new(0),
@@ -710,7 +713,7 @@ impl Loader {
             self.counters.stall += waited;
             self.counters.stall_waits += 1;
             let via = sh.via(p.g);
-            self.stall_ledger.charge(via, waited);
+            self.stall_ledger.charge(via, sh.split(p.g), waited);
             if via & !shared::VIA_FAILOVER == shared::VIA_SOURCE {
                 // Late: no lead at all.
                 self.source_lead.record(Duration::ZERO);

@@ -41,6 +41,10 @@ pub(crate) const VIA_PEER: u32 = 4;
 /// the source.
 pub(crate) const VIA_FAILOVER: u32 = 1 << 31;
 
+/// A sample's split word (beside `via`) when its node reported no times
+/// (`stall_causes::phase_split` never makes it).
+pub(crate) const SPLIT_NONE: u32 = u32::MAX;
+
 /// `VIA_PEER + node`, with the failover bit when `failover`.
 pub(crate) fn via_peer(node: u32, failover: bool) -> u32 {
     debug_assert!(node < VIA_FAILOVER - VIA_PEER, "node index {node}");
@@ -243,6 +247,11 @@ pub(crate) struct Shared {
     /// Beside `ready`: how the sample came (`VIA_*`), stored before its
     /// ready word, so a consumer that sees the word sees this too.
     pub(super) via: Box<[AtomicU32]>,
+    /// Beside `ready`, for samples a peer served: the shares of its grant's
+    /// time the node spent reading and sending, the rest the link's
+    /// (`stall_causes::phase_split`; `SPLIT_NONE` when the node reported
+    /// no times). Stored before the ready word, as `via`.
+    pub(super) split: Box<[AtomicU32]>,
     /// Beside `ready`, for samples that came from the source only: when
     /// the sample was published, in microseconds since `clock0` (the
     /// consumer's prefetch lead time, [`super::Stats::source_lead`]).
@@ -470,6 +479,16 @@ impl Shared {
         (v >> 8 == g + 1).then_some(v & 0xff)
     }
 
+    /// Sets sample `g`'s grant's split (before it is published).
+    pub(crate) fn set_split(&self, g: u64, split: u32) {
+        self.split[(g % self.split.len() as u64) as usize].store(split, Ordering::Relaxed);
+    }
+
+    /// Sample `g`'s grant's split, as [`Shared::via`].
+    pub(super) fn split(&self, g: u64) -> u32 {
+        self.split[(g % self.split.len() as u64) as usize].load(Ordering::Relaxed)
+    }
+
     /// How sample `g` came (`VIA_*`); meaningful once [`Shared::state`]
     /// returned its code (the table entry is g's until the consumer
     /// releases it).
@@ -518,6 +537,7 @@ impl Shared {
             fixed_files: false,
             ready: (0..table).map(|_| AtomicU64::new(0)).collect(),
             via: (0..table).map(|_| AtomicU32::new(0)).collect(),
+            split: (0..table).map(|_| AtomicU32::new(SPLIT_NONE)).collect(),
             ready_us: (0..table).map(|_| AtomicU64::new(0)).collect(),
             clock0: Instant::now(),
             parked: Box::new([]),

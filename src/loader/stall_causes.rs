@@ -10,10 +10,40 @@
 
 use std::time::Duration;
 
-use super::shared::{VIA_DISK, VIA_FAILOVER, VIA_PEER, VIA_SOURCE, VIA_TIER};
+use super::shared::{SPLIT_NONE, VIA_DISK, VIA_FAILOVER, VIA_PEER, VIA_SOURCE, VIA_TIER};
 
 /// How many of the slowest peers [`StallCauses`] names.
 pub const SLOWEST_PEERS: usize = 4;
+
+/// The shares of a grant's time `total` (granted to arrived, the
+/// consumer's clock) that its node spent reading (`read_us`) and sending
+/// (the rest of `node_us`, its time at the node until its last frame was
+/// posted), as 16-bit fractions in one word (read low, send high); the
+/// rest of `total` is the link's (the GRANT's way there and the data's
+/// back, socket buffers included). Node times are clamped to `total`:
+/// the two clocks are different machines' and the node's round down.
+pub(crate) fn phase_split(total: Duration, read_us: u64, node_us: u64) -> u32 {
+    let total_us = total.as_micros() as u64;
+    if total_us == 0 {
+        return SPLIT_NONE;
+    }
+    let node = node_us.min(total_us);
+    let read = read_us.min(node);
+    let send = node - read;
+    // Each share is at most 0xFFFF and the two together too: never
+    // SPLIT_NONE.
+    let rf = (read * 0xFFFF / total_us) as u32;
+    let sf = (send * 0xFFFF / total_us) as u32;
+    rf | (sf << 16)
+}
+
+/// A wait's shares (read, send, link) by its sample's split word.
+fn shares(waited: Duration, split: u32) -> (Duration, Duration, Duration) {
+    let read = waited.mul_f64((split & 0xFFFF) as f64 / 65535.0);
+    let send = waited.mul_f64((split >> 16) as f64 / 65535.0);
+    let link = waited.saturating_sub(read + send);
+    (read, send, link)
+}
 
 /// One node's share of the stall: samples it served as their first holder,
 /// and samples that failed over from it.
@@ -27,6 +57,14 @@ pub struct PeerStall {
     pub stall: Duration,
     /// Waits charged to it (a sample waited for; 0: an empty entry).
     pub waits: u64,
+    /// Its share of `stall` for samples it served as first holder, split
+    /// by where each grant's time went, as [`StallCauses::peer_read`],
+    /// `peer_send` and `peer_link` split `peers`.
+    pub read: Duration,
+    /// As `read`: the node was slow to send.
+    pub send: Duration,
+    /// As `read`: the link was slow.
+    pub link: Duration,
 }
 
 /// Where the time the caller waited ([`super::Stats::stall`]) went, each
@@ -55,6 +93,19 @@ pub struct StallCauses {
     pub failover: Duration,
     /// An attached rank: batches the node agent had not published yet.
     pub agent: Duration,
+    /// `peers` by where each waited-for sample's grant spent its time: the
+    /// node reading it (queued for a staging slot or the disk), the node
+    /// sending it (its read done, behind the connection's earlier frames),
+    /// and the link (the grant's way there and the data's way back). Each
+    /// wait is split in the proportions of its sample's grant. Only nodes
+    /// that report their times in DATA frames (TCP; docs/PROTOCOL.md) are
+    /// split: `peer_read + peer_send + peer_link <= peers`, the rest came
+    /// over RDMA or from nodes that report none.
+    pub peer_read: Duration,
+    /// See `peer_read`: the node was slow to send.
+    pub peer_send: Duration,
+    /// See `peer_read`: the link was slow.
+    pub peer_link: Duration,
     /// The nodes with the most stall (`peers` and `failover` by node), most
     /// first; entries with `waits == 0` are empty.
     pub slowest_peers: [PeerStall; SLOWEST_PEERS],
@@ -66,30 +117,41 @@ pub(super) struct StallLedger {
     causes: StallCauses,
     /// Indexed by node: grown once the first time a node is charged
     /// (bounded by the cluster's node count), never per wait after that.
-    per_node: Vec<(Duration, u64)>,
+    per_node: Vec<PeerStall>,
 }
 
 impl StallLedger {
-    /// Charges a wait of `waited` for a sample that came `via`.
-    pub(super) fn charge(&mut self, via: u32, waited: Duration) {
+    /// Charges a wait of `waited` for a sample that came `via`, a peer's
+    /// by its grant's `split` ([`phase_split`]).
+    pub(super) fn charge(&mut self, via: u32, split: u32, waited: Duration) {
         let c = &mut self.causes;
         match via & !VIA_FAILOVER {
             VIA_DISK => c.disk += waited,
             VIA_TIER => c.tier += waited,
             VIA_SOURCE => c.source += waited,
             v if v >= VIA_PEER => {
+                let node = (v - VIA_PEER) as usize;
+                if node >= self.per_node.len() {
+                    let n = self.per_node.len();
+                    self.per_node.extend((n..=node).map(|k| PeerStall {
+                        node: k as u32,
+                        ..PeerStall::default()
+                    }));
+                }
+                let e = &mut self.per_node[node];
+                e.stall += waited;
+                e.waits += 1;
                 if via & VIA_FAILOVER != 0 {
                     c.failover += waited;
                 } else {
                     c.peers += waited;
+                    if split != SPLIT_NONE {
+                        let (r, s, l) = shares(waited, split);
+                        (c.peer_read, c.peer_send, c.peer_link) =
+                            (c.peer_read + r, c.peer_send + s, c.peer_link + l);
+                        (e.read, e.send, e.link) = (e.read + r, e.send + s, e.link + l);
+                    }
                 }
-                let node = (v - VIA_PEER) as usize;
-                if node >= self.per_node.len() {
-                    self.per_node.resize(node + 1, (Duration::ZERO, 0));
-                }
-                let e = &mut self.per_node[node];
-                e.0 += waited;
-                e.1 += 1;
             }
             v => unreachable!("via {v} is no path"),
         }
@@ -104,15 +166,10 @@ impl StallLedger {
     /// `stats()`, not per batch).
     pub(super) fn causes(&self) -> StallCauses {
         let mut c = self.causes;
-        for (node, &(stall, waits)) in self.per_node.iter().enumerate() {
-            if waits == 0 {
+        for &e in &self.per_node {
+            if e.waits == 0 {
                 continue;
             }
-            let e = PeerStall {
-                node: node as u32,
-                stall,
-                waits,
-            };
             // Insertion into a sorted array of SLOWEST_PEERS.
             if let Some(at) = c
                 .slowest_peers
@@ -130,13 +187,8 @@ impl StallLedger {
     pub(super) fn by_peer(&self) -> Vec<PeerStall> {
         self.per_node
             .iter()
-            .enumerate()
-            .filter(|(_, e)| e.1 > 0)
-            .map(|(node, &(stall, waits))| PeerStall {
-                node: node as u32,
-                stall,
-                waits,
-            })
+            .filter(|e| e.waits > 0)
+            .copied()
             .collect()
     }
 }
@@ -151,11 +203,11 @@ mod tests {
     #[test]
     fn every_wait_lands_in_one_cause_and_the_slowest_peers_are_sorted() {
         let mut l = StallLedger::default();
-        l.charge(VIA_DISK, 3 * MS);
-        l.charge(VIA_TIER, MS);
-        l.charge(VIA_SOURCE, 5 * MS);
+        l.charge(VIA_DISK, SPLIT_NONE, 3 * MS);
+        l.charge(VIA_TIER, SPLIT_NONE, MS);
+        l.charge(VIA_SOURCE, SPLIT_NONE, 5 * MS);
         for (node, ms) in [(7u32, 2u32), (2, 9), (7, 4), (11, 1), (3, 6), (5, 5)] {
-            l.charge(via_peer(node, node == 3), ms * MS);
+            l.charge(via_peer(node, node == 3), SPLIT_NONE, ms * MS);
         }
         l.charge_agent(2 * MS);
         let c = l.causes();
@@ -188,9 +240,44 @@ mod tests {
     }
 
     #[test]
+    fn a_peer_wait_is_split_as_its_grant_spent_its_time() {
+        // 100 ms granted to arrived: 60 reading, 10 more at the node, the
+        // rest (30) on the link.
+        let split = phase_split(100 * MS, 60_000, 70_000);
+        let mut l = StallLedger::default();
+        l.charge(via_peer(2, false), split, 20 * MS);
+        // A node that reports nothing: in `peers`, not split.
+        l.charge(via_peer(2, false), SPLIT_NONE, 5 * MS);
+        // A failover is not a peer's phase.
+        l.charge(via_peer(2, true), split, 7 * MS);
+        let c = l.causes();
+        let near = |d: Duration, ms: f64| (d.as_secs_f64() * 1e3 - ms).abs() < 0.01;
+        assert!(near(c.peer_read, 12.0), "{c:?}");
+        assert!(near(c.peer_send, 2.0), "{c:?}");
+        assert!(near(c.peer_link, 6.0), "{c:?}");
+        assert_eq!(c.peer_read + c.peer_send + c.peer_link, 20 * MS);
+        assert_eq!((c.peers, c.failover), (25 * MS, 7 * MS));
+        let p = c.slowest_peers[0];
+        assert_eq!((p.node, p.stall, p.waits), (2, 32 * MS, 3));
+        assert_eq!(
+            (p.read, p.send, p.link),
+            (c.peer_read, c.peer_send, c.peer_link)
+        );
+        // Node times past the consumer's (another clock) are clamped: the
+        // whole wait is the node's, the link gets none.
+        let (r, s, k) = shares(10 * MS, phase_split(MS, 5_000, 9_000));
+        assert!(
+            r + s <= 10 * MS && k < Duration::from_micros(2),
+            "{r:?} {s:?} {k:?}"
+        );
+        assert_eq!(phase_split(Duration::ZERO, 1, 1), SPLIT_NONE);
+        assert_ne!(phase_split(MS, 1000, 1000), SPLIT_NONE);
+    }
+
+    #[test]
     fn fewer_peers_than_slots_leave_empty_entries() {
         let mut l = StallLedger::default();
-        l.charge(via_peer(1, false), MS);
+        l.charge(via_peer(1, false), SPLIT_NONE, MS);
         let c = l.causes();
         assert_eq!(c.slowest_peers[0].node, 1);
         assert!(c.slowest_peers[1..].iter().all(|p| p.waits == 0));

@@ -57,6 +57,43 @@ pub const MAX_DATA_BYTES: u32 = 64 << 20;
 /// Grant id meaning "the whole connection" in an ERROR frame.
 pub const CONNECTION: u32 = u32::MAX;
 
+/// DATA header `b`, bit 31: the owner reports its times for the grant in
+/// the other bits (docs/PROTOCOL.md, "DATA"); 0 reports none.
+pub const DATA_TIMES: u32 = 1 << 31;
+
+/// Largest time [`data_times`] carries, in microseconds (2047 << 15,
+/// about 67 s); longer ones are carried as this.
+pub const DATA_TIME_MAX_US: u64 = 2047 << 15;
+
+/// A time in microseconds as 15 bits: an 11-bit mantissa `m` and a 4-bit
+/// exponent `e` for `m << e` (rounded down, so at most 1/1024 short;
+/// exact below 2048 µs), saturating at [`DATA_TIME_MAX_US`].
+fn us15(us: u64) -> u32 {
+    let us = us.min(DATA_TIME_MAX_US);
+    let e = (64 - us.leading_zeros()).saturating_sub(11);
+    ((e << 11) | (us >> e) as u32) & 0x7FFF
+}
+
+fn from_us15(v: u32) -> u64 {
+    ((v & 0x7FF) as u64) << ((v >> 11) & 0xF)
+}
+
+/// DATA header `b` carrying the owner's times for the grant, both from
+/// when it read the GRANT frame: `read_us`, until this frame's bytes were
+/// ready to send (waiting for a staging slot, then the read; about 0 from
+/// a mapped page cache), and `node_us`, until this frame was posted to
+/// the socket. Bits 0-14 and 16-30, bit 31 set.
+pub fn data_times(read_us: u64, node_us: u64) -> u32 {
+    DATA_TIMES | us15(read_us) | (us15(node_us) << 16)
+}
+
+/// The owner's times in a DATA header's `b`, (read, at the node) in
+/// microseconds; None when it reports none (bit 31 clear: an owner that
+/// predates them, which sends 0).
+pub fn parse_data_times(b: u32) -> Option<(u64, u64)> {
+    (b & DATA_TIMES != 0).then(|| (from_us15(b), from_us15(b >> 16)))
+}
+
 /// Header `c` of a consumer's keepalive (an empty ERROR frame for the
 /// connection, code 0): bit 0 asks the owner for heartbeats. An owner that
 /// predates heartbeats ignores `c` (and every keepalive), so asking is
@@ -331,6 +368,14 @@ impl Header {
             });
         }
         Ok(h)
+    }
+
+    /// A DATA header with the owner's times in `b` ([`data_times`]).
+    pub fn data_timed(grant: u32, offset: u64, len: u32, times: u32) -> Header {
+        Header {
+            b: times,
+            ..Header::data(grant, offset, len)
+        }
     }
 
     /// A DATA header: `len` bytes for grant `grant` at ring offset `offset`.
@@ -719,6 +764,34 @@ pub fn decode_stream(mut bytes: &[u8]) -> (usize, Option<FrameError>) {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn data_times_round_trip_within_a_thousandth() {
+        assert_eq!(parse_data_times(0), None, "an older owner's 0");
+        for (r, n) in [
+            (0u64, 0u64),
+            (1, 2047),
+            (2048, 4095),
+            (4096, 123_456),
+            (999_999, 5_000_000),
+            (DATA_TIME_MAX_US, DATA_TIME_MAX_US),
+        ] {
+            let (r2, n2) = parse_data_times(data_times(r, n)).unwrap();
+            for (want, got) in [(r, r2), (n, n2)] {
+                assert!(got <= want && want - got <= want / 1024, "{want} -> {got}");
+                if want < 2048 {
+                    assert_eq!(got, want);
+                }
+            }
+        }
+        let (r, n) = parse_data_times(data_times(u64::MAX, 1 << 40)).unwrap();
+        assert_eq!((r, n), (DATA_TIME_MAX_US, DATA_TIME_MAX_US), "saturates");
+        let h = Header::data_timed(7, 4096, 100, data_times(5, 9));
+        let mut hb = h.encode();
+        assert_eq!(Header::decode(&hb, MAX_DATA_BYTES), Ok(h));
+        hb[12..16].copy_from_slice(&0u32.to_le_bytes());
+        assert_eq!(Header::decode(&hb, MAX_DATA_BYTES).unwrap().b, 0);
+    }
+
     use super::*;
 
     #[test]

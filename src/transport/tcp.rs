@@ -177,6 +177,29 @@ impl TcpLink {
         }
     }
 
+    /// A DATA frame as [`Link::post_write`] posts one, with the owner's
+    /// times for the grant in its header's `b` ([`proto::data_times`]).
+    ///
+    /// # Safety
+    /// As for [`super::Link::post_write`].
+    pub(crate) unsafe fn post_write_timed(
+        &mut self,
+        wr_id: u64,
+        src: *const u8,
+        len: u32,
+        remote_offset: u64,
+        grant: u32,
+        times: u32,
+    ) -> bool {
+        self.post(Wr {
+            wr_id,
+            hdr: Header::data_timed(grant, remote_offset, len, times).encode(),
+            src,
+            len,
+            sent: 0,
+        })
+    }
+
     fn post(&mut self, wr: Wr) -> bool {
         if self.broken || self.queue.len() == self.capacity {
             return false;

@@ -250,7 +250,6 @@ int main(int argc, char **argv) {
      * read whole has no source samples. */
     CHECK(full.source_lead_count == 0 && full.source_lead_late == 0 && full.source_lead_p50_s == 0.0,
           "source lead of %llu samples", (unsigned long long)full.source_lead_count);
-
     /* loop_stalls is written (the struct was filled with FILL bytes
      * first) and counts the blocked ticks the hook made, if any. */
     ksp_stats filled;
@@ -260,6 +259,13 @@ int main(int argc, char **argv) {
     CHECK(filled.loop_stalls >= min_loop_stalls && filled.loop_stalls < (1ull << 32),
           "loop_stalls %llu (at least %llu)", (unsigned long long)filled.loop_stalls,
           (unsigned long long)min_loop_stalls);
+    /* The peers' split (appended after stall_waits) is written too (the
+     * struct held FILL bytes): no peers here, nothing split. */
+    CHECK(filled.stall_peer_read_s == 0.0 && filled.stall_peer_send_s == 0.0 &&
+              filled.stall_peer_link_s == 0.0 && filled.slowest_peer_read_s[0] == 0.0 &&
+              filled.slowest_peer_link_s[3] == 0.0,
+          "peer split %.9f %.9f %.9f", filled.stall_peer_read_s, filled.stall_peer_send_s,
+          filled.stall_peer_link_s);
 
     /* The second layout (up to latency_reads): filled, and loop_stalls,
      * which lies past it, not written. */

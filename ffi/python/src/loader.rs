@@ -393,12 +393,18 @@ impl PyLoader {
         causes.set_item("peers_s", c.peers.as_secs_f64())?;
         causes.set_item("failover_s", c.failover.as_secs_f64())?;
         causes.set_item("agent_s", c.agent.as_secs_f64())?;
+        causes.set_item("peer_read_s", c.peer_read.as_secs_f64())?;
+        causes.set_item("peer_send_s", c.peer_send.as_secs_f64())?;
+        causes.set_item("peer_link_s", c.peer_link.as_secs_f64())?;
         let peers = pyo3::types::PyList::empty(py);
         for p in c.slowest_peers.iter().filter(|p| p.waits > 0) {
             let e = PyDict::new(py);
             e.set_item("node", p.node)?;
             e.set_item("stall_s", p.stall.as_secs_f64())?;
             e.set_item("waits", p.waits)?;
+            e.set_item("read_s", p.read.as_secs_f64())?;
+            e.set_item("send_s", p.send.as_secs_f64())?;
+            e.set_item("link_s", p.link.as_secs_f64())?;
             peers.append(e)?;
         }
         causes.set_item("slowest_peers", peers)?;

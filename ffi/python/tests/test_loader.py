@@ -104,6 +104,8 @@ def test_stats_charge_the_stall_to_its_causes(space):
     assert abs(sum(c[k] for k in causes) - st["stall_s"]) < 1e-6, (c, st["stall_s"])
     assert abs(c["disk_s"] - st["stall_s"]) < 1e-6, c
     assert c["slowest_peers"] == [], c
+    # peers_s split by where the grants' time went: no peers here.
+    assert (c["peer_read_s"], c["peer_send_s"], c["peer_link_s"]) == (0.0, 0.0, 0.0), c
 
 
 @pytest.mark.parametrize("mode", ["auto", "off", "on"])

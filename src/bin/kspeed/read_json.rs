@@ -61,11 +61,21 @@ fn stall_causes_json(c: &kspeed::loader::StallCauses) -> serde_json::Value {
         "peers_seconds": c.peers.as_secs_f64(),
         "failover_seconds": c.failover.as_secs_f64(),
         "agent_seconds": c.agent.as_secs_f64(),
+        "peer_read_seconds": c.peer_read.as_secs_f64(),
+        "peer_send_seconds": c.peer_send.as_secs_f64(),
+        "peer_link_seconds": c.peer_link.as_secs_f64(),
         "slowest_peers": c
             .slowest_peers
             .iter()
             .filter(|p| p.waits > 0)
-            .map(|p| json!({"node": p.node, "seconds": p.stall.as_secs_f64(), "waits": p.waits}))
+            .map(|p| json!({
+                "node": p.node,
+                "seconds": p.stall.as_secs_f64(),
+                "waits": p.waits,
+                "read_seconds": p.read.as_secs_f64(),
+                "send_seconds": p.send.as_secs_f64(),
+                "link_seconds": p.link.as_secs_f64(),
+            }))
             .collect::<Vec<_>>(),
     })
 }

@@ -7,7 +7,8 @@
 use std::sync::atomic::Ordering;
 
 use super::super::schedule::{Geometry, Placed};
-use super::super::shared::{via_peer, VIA_DISK, VIA_SOURCE};
+use super::super::shared::{via_peer, SPLIT_NONE, VIA_DISK, VIA_FAILOVER, VIA_SOURCE};
+use super::super::stall_causes::phase_split;
 use super::super::CODE_OK;
 use super::{Landed, Receive, State, Thread, DEMOTE_AFTER_ERRORS, DEMOTE_WINDOW};
 use crate::error::Error;
@@ -46,6 +47,15 @@ pub(super) struct GSlot {
     /// Done with its node (all bytes in, or ERROR): waiting for its window's
     /// invalidation before it is published (or checked) or failed over.
     pub(super) after_inv: AfterInv,
+    /// When it was granted to `node` (put in a GRANT frame).
+    pub(super) granted_at: Option<std::time::Instant>,
+    /// The node's times from its DATA headers (`proto::parse_data_times`),
+    /// in microseconds: the slowest chunk's read, and how long the grant
+    /// had been at the node when its latest frame was posted. `timed`:
+    /// some frame carried them (not over RDMA, nor from older nodes).
+    pub(super) node_read_us: u32,
+    pub(super) node_us: u32,
+    pub(super) timed: bool,
 }
 
 /// The GRANT id of the sample at sequence number `g`: its low 31 bits, so
@@ -73,8 +83,7 @@ impl GSlot {
             received: 0,
             tried,
             local,
-            mw: NONE,
-            after_inv: AfterInv::Nothing,
+            ..GSlot::FREE
         }
     }
 
@@ -113,6 +122,10 @@ impl GSlot {
         local: false,
         mw: NONE,
         after_inv: AfterInv::Nothing,
+        granted_at: None,
+        node_read_us: 0,
+        node_us: 0,
+        timed: false,
     };
 }
 
@@ -439,6 +452,10 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             t.node = node as u32;
             t.tried |= 1 << r;
             t.received = 0;
+            t.granted_at = Some(now);
+            t.timed = false;
+            t.node_read_us = 0;
+            t.node_us = 0;
             return true;
         }
         self.read_from_source(idx)
@@ -574,6 +591,15 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         self.conns[i].last_done = self.ring.now();
         self.net().remote_samples.fetch_add(1, Ordering::Relaxed);
         let via = self.via_of(&s, Some(s.node));
+        let split = match s.granted_at {
+            Some(at) if s.timed && via & VIA_FAILOVER == 0 => phase_split(
+                self.ring.now().saturating_duration_since(at),
+                s.node_read_us as u64,
+                s.node_us as u64,
+            ),
+            _ => SPLIT_NONE,
+        };
+        self.sh.set_split(s.g, split);
         self.sh.publish(s.g, CODE_OK, via);
     }
 }

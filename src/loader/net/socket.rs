@@ -222,6 +222,13 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                 ),
             );
         }
+        if let Some((read_us, node_us)) = proto::parse_data_times(h.b) {
+            // At most 67 s each (DATA_TIME_MAX_US): they fit.
+            let t = &mut self.table[idx];
+            t.node_read_us = t.node_read_us.max(read_us as u32);
+            t.node_us = node_us as u32;
+            t.timed = true;
+        }
         self.conns[i].rx.expect_payload(idx, h.body_len);
     }
 }

@@ -47,6 +47,8 @@ pub(super) fn ud_slot(user_data: u64) -> u32 {
 pub(super) struct Work {
     pub(super) e: GrantEntry,
     pub(super) next: u64,
+    /// When its GRANT frame was read.
+    pub(super) at: std::time::Instant,
 }
 
 pub(super) struct SConn {

@@ -27,9 +27,15 @@ macro_rules! each_link {
 }
 
 impl ConnLink {
+    /// A chunk of a grant with the node's times for it
+    /// ([`crate::transport::proto::data_times`]):
+    /// in the DATA header over TCP; an RDMA write's immediate data is the
+    /// grant id alone, so there they go only to the node's metrics.
+    ///
     /// # Safety
     /// As for [`Link::post_write`].
-    pub(super) unsafe fn post_write(
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn post_data(
         &mut self,
         id: u64,
         src: *const u8,
@@ -37,9 +43,22 @@ impl ConnLink {
         off: u64,
         g: u32,
         rkey: u32,
+        times: u32,
     ) -> bool {
         // SAFETY: forwarded contract.
-        unsafe { each_link!(self, l => l.post_write(id, src, len, off, g, rkey)) }
+        unsafe {
+            match self {
+                ConnLink::Tcp(l) => {
+                    let _ = rkey;
+                    l.post_write_timed(id, src, len, off, g, times)
+                }
+                #[cfg(feature = "rdma")]
+                ConnLink::Rdma(l) => {
+                    let _ = times;
+                    l.post_write(id, src, len, off, g, rkey)
+                }
+            }
+        }
     }
 
     /// # Safety

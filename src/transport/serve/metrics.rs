@@ -36,6 +36,10 @@ pub(crate) struct ConnMetrics {
     pub(crate) errors: AtomicU64,
     /// Staging slots it holds now.
     pub(crate) staging_slots: AtomicU64,
+    /// Its frames' time from their post to the link's completion, in
+    /// microseconds, and the frames: the slowest links by mean.
+    pub(crate) send_us: AtomicU64,
+    pub(crate) sends: AtomicU64,
 }
 
 impl ConnMetrics {
@@ -51,6 +55,8 @@ impl ConnMetrics {
             grants: AtomicU64::new(0),
             errors: AtomicU64::new(0),
             staging_slots: AtomicU64::new(0),
+            send_us: AtomicU64::new(0),
+            sends: AtomicU64::new(0),
         }
     }
 
@@ -66,6 +72,9 @@ impl ConnMetrics {
         )
     }
 }
+
+/// How many of the consumers with the slowest links a scrape names.
+pub(crate) const SLOWEST_CONSUMERS: usize = 4;
 
 /// Upper bounds (seconds) of the read-latency histogram's buckets.
 pub(crate) const LATENCY_BOUNDS_S: [f64; 14] = [
@@ -118,6 +127,15 @@ pub(crate) struct Metrics {
     pub(crate) conns: Mutex<Vec<Arc<ConnMetrics>>>,
     /// Per poller.
     pub(crate) read_latency: Box<[LatencyHist]>,
+    /// Per poller, a grant's other phases at this node (each chunk's):
+    /// from its GRANT frame to its staging slot (waiting for a slot or the
+    /// consumer's share of them), from its bytes being there to its post
+    /// to the link (behind the connection's earlier frames), and from the
+    /// post to the link's completion (the socket took the bytes; over
+    /// RDMA, the write was acknowledged).
+    pub(crate) grant_wait: Box<[LatencyHist]>,
+    pub(crate) send_wait: Box<[LatencyHist]>,
+    pub(crate) send: Box<[LatencyHist]>,
     /// Per poller: staging slots in all.
     pub(crate) staging_slots: u64,
 }
@@ -127,6 +145,9 @@ impl Metrics {
         Metrics {
             conns: Mutex::new(Vec::new()),
             read_latency: (0..pollers).map(|_| LatencyHist::default()).collect(),
+            grant_wait: (0..pollers).map(|_| LatencyHist::default()).collect(),
+            send_wait: (0..pollers).map(|_| LatencyHist::default()).collect(),
+            send: (0..pollers).map(|_| LatencyHist::default()).collect(),
             staging_slots,
         }
     }
@@ -311,19 +332,64 @@ impl Collector for ServeCollector {
             }
         }
 
+        // The slowest links: the consumers whose frames took longest from
+        // their post to the link's completion, by mean (a few series
+        // whatever the number of consumers).
+        let mut slow: Vec<(f64, &Arc<ConnMetrics>)> = conns
+            .iter()
+            .filter_map(|m| {
+                let n = m.sends.load(Ordering::Relaxed);
+                (n > 0).then(|| (m.send_us.load(Ordering::Relaxed) as f64 / n as f64 / 1e6, m))
+            })
+            .collect();
+        slow.sort_by(|a, b| b.0.total_cmp(&a.0));
         let mut fam = e.encode_descriptor(
-            "kspeed_serve_read_latency_seconds",
-            "time from submitting an O_DIRECT read of a chunk to its completion, per poller",
+            "kspeed_serve_slowest_consumer_send_seconds",
+            "mean time from posting a frame to the link's completion, for the consumers with the slowest links (at most 4)",
             None,
-            MetricType::Histogram,
+            MetricType::Gauge,
         )?;
-        for (i, h) in c.metrics.read_latency.iter().enumerate() {
-            let (sum, count, buckets) = h.snapshot();
-            let labels = [("poller", i.to_string())];
-            fam.encode_family(&labels)?
-                .encode_histogram::<prometheus_client::encoding::NoLabelSet>(
-                    sum, count, &buckets, None,
-                )?;
+        for (mean_s, m) in slow.iter().take(SLOWEST_CONSUMERS) {
+            let labels = [
+                ("peer", m.peer.clone()),
+                ("rank", m.rank.to_string()),
+                ("world", m.world.to_string()),
+            ];
+            ConstGauge::new(*mean_s).encode(fam.encode_family(&labels)?)?;
+        }
+
+        let phases: [(&str, &str, &[LatencyHist]); 4] = [
+            (
+                "kspeed_serve_read_latency_seconds",
+                "time from submitting an O_DIRECT read of a chunk to its completion, per poller",
+                &c.metrics.read_latency,
+            ),
+            (
+                "kspeed_serve_grant_wait_seconds",
+                "time from reading a grant to taking a staging slot for its chunk (slots busy, or the consumer's share of them held), per poller",
+                &c.metrics.grant_wait,
+            ),
+            (
+                "kspeed_serve_send_wait_seconds",
+                "time from a chunk's bytes being there to posting it to the link (behind the connection's earlier frames), per poller",
+                &c.metrics.send_wait,
+            ),
+            (
+                "kspeed_serve_send_seconds",
+                "time from posting a chunk to the link's completion (the socket took it; over RDMA, the write was acknowledged), per poller",
+                &c.metrics.send,
+            ),
+        ];
+        for (name, help, hists) in phases {
+            let mut fam = e.encode_descriptor(name, help, None, MetricType::Histogram)?;
+            for (i, h) in hists.iter().enumerate() {
+                let (sum, count, buckets) = h.snapshot();
+                let labels = [("poller", i.to_string())];
+                fam.encode_family(&labels)?
+                    .encode_histogram::<prometheus_client::encoding::NoLabelSet>(
+                        sum, count, &buckets, None,
+                    )?;
+            }
         }
         Ok(())
     }

@@ -65,7 +65,7 @@ impl<R: IoBackend> ServePoller<R> {
         let Some((loc, align)) = loc else {
             // Not held here: an ERROR frame for this grant.
             c.grants.pop_front();
-            let s = Slot::new(ci, e.grant, self.ring.now());
+            let s = Slot::new(ci, e.grant, self.ring.now()).granted(w.at);
             take_slot(&mut self.staging, &mut self.conns, ci, slot, s);
             let msg = format!(
                 "node {} does not hold sample {}",
@@ -98,7 +98,7 @@ impl<R: IoBackend> ServePoller<R> {
                     .metadata()
                     .is_ok_and(|m| m.len() < end);
             if cut || at + payload as usize > bytes.len() {
-                let s = Slot::new(ci, e.grant, self.ring.now());
+                let s = Slot::new(ci, e.grant, self.ring.now()).granted(w.at);
                 take_slot(&mut self.staging, &mut self.conns, ci, slot, s);
                 let msg = format!(
                     "node {}: extent {} is shorter than its manifest says (sample {} needs bytes up to {end}; truncated?)",
@@ -115,7 +115,7 @@ impl<R: IoBackend> ServePoller<R> {
                 self.conns.get_mut(ci).expect("live").sendq.push_back(slot);
                 return true;
             }
-            let s = Slot::new(ci, e.grant, self.ring.now());
+            let s = Slot::new(ci, e.grant, self.ring.now()).granted(w.at);
             take_slot(&mut self.staging, &mut self.conns, ci, slot, s);
             self.queue_chunk(ci, slot, &e, off, payload, Some(bytes[at..].as_ptr()));
             return true;
@@ -140,7 +140,7 @@ impl<R: IoBackend> ServePoller<R> {
         if !unsafe { self.ring.push(&op) } {
             return false;
         }
-        let mut s = Slot::new(ci, e.grant, self.ring.now());
+        let mut s = Slot::new(ci, e.grant, self.ring.now()).granted(w.at);
         s.read_extent = loc.extent;
         s.read_offset = loc.offset + off;
         s.read_len = read_len;
@@ -239,6 +239,13 @@ impl<R: IoBackend> ServePoller<R> {
                 } else {
                     s.src
                 };
+                let now = self.ring.now();
+                // Reading: from the GRANT frame to the bytes in staging
+                // (waiting for a slot, then the disk); the rest of its time
+                // here, until this post, is sending.
+                let read = s.ready_at.saturating_duration_since(s.granted_at);
+                let at_node = now.saturating_duration_since(s.granted_at);
+                let times = proto::data_times(read.as_micros() as u64, at_node.as_micros() as u64);
                 // SAFETY: the slot's bytes (staging or mapped extent) stay
                 // untouched until the link reports this wr_id done.
                 let posted = unsafe {
@@ -246,13 +253,28 @@ impl<R: IoBackend> ServePoller<R> {
                         c.link
                             .post_error(slot as u64, s.grant, s.code, src, s.payload)
                     } else {
-                        c.link
-                            .post_write(slot as u64, src, s.payload, s.offset, s.grant, s.rkey)
+                        c.link.post_data(
+                            slot as u64,
+                            src,
+                            s.payload,
+                            s.offset,
+                            s.grant,
+                            s.rkey,
+                            times,
+                        )
                     }
                 };
                 if !posted {
                     break;
                 }
+                if !s.error {
+                    let m = &self.c.metrics;
+                    m.grant_wait[self.index]
+                        .record(s.issued.saturating_duration_since(s.granted_at));
+                    m.send_wait[self.index].record(now.saturating_duration_since(s.ready_at));
+                }
+                self.staging[slot].posted_at = now;
+                let s = &self.staging[slot];
                 if s.error {
                     c.failed_grant = Some(s.grant);
                 }
@@ -288,7 +310,8 @@ impl<R: IoBackend> ServePoller<R> {
             if n == 0 {
                 return;
             }
-            let (mut bytes, mut samples) = (0, 0);
+            let (mut bytes, mut samples, mut send_us, mut sends) = (0, 0, 0, 0);
+            let now = self.ring.now();
             for d in &done[..n] {
                 if d.wr_id == HEARTBEAT_WR {
                     continue;
@@ -297,6 +320,10 @@ impl<R: IoBackend> ServePoller<R> {
                 if d.ok && !s.error {
                     bytes += s.payload as u64;
                     samples += s.last as u64;
+                    let took = now.saturating_duration_since(s.posted_at);
+                    self.c.metrics.send[self.index].record(took);
+                    send_us += took.as_micros() as u64;
+                    sends += 1;
                 }
                 self.free_slot(d.wr_id as u32);
             }
@@ -307,6 +334,8 @@ impl<R: IoBackend> ServePoller<R> {
             st.samples.fetch_add(samples, Ordering::Relaxed);
             c.metrics.bytes.fetch_add(bytes, Ordering::Relaxed);
             c.metrics.samples.fetch_add(samples, Ordering::Relaxed);
+            c.metrics.send_us.fetch_add(send_us, Ordering::Relaxed);
+            c.metrics.sends.fetch_add(sends, Ordering::Relaxed);
         }
     }
 
@@ -364,7 +393,10 @@ impl<R: IoBackend> ServePoller<R> {
             self.fill_error(slot, grant, Code::ReadFailed, &msg);
             return;
         }
-        self.staging[slot].ready = true;
+        let now = self.ring.now();
+        let s = &mut self.staging[slot];
+        s.ready = true;
+        s.ready_at = now;
     }
 
     /// Submits `slot`'s read again, as it was issued; false when the

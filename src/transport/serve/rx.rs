@@ -134,7 +134,10 @@ impl<R: IoBackend> ServePoller<R> {
                         return;
                     }
                     if e.len > 0 {
-                        c.grants.push_back(Work { e, next: 0 });
+                        // Read now (`last_rx`): the start of the grant's
+                        // time at this node, which its DATA frames report.
+                        let at = c.last_rx;
+                        c.grants.push_back(Work { e, next: 0, at });
                     }
                 }
             }

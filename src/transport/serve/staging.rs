@@ -156,8 +156,16 @@ pub(super) struct Slot {
     pub(super) src: *const u8,
     pub(super) ready: bool,
     pub(super) error: bool,
-    /// When its read was submitted (read-latency histogram).
+    /// When its read was submitted (read-latency histogram), or when the
+    /// slot was taken for a chunk that needs no read.
     pub(super) issued: std::time::Instant,
+    /// When its grant's GRANT frame was read (`Work::at`).
+    pub(super) granted_at: std::time::Instant,
+    /// When its bytes were there to send (its read completed; `issued`
+    /// for a chunk that needs no read).
+    pub(super) ready_at: std::time::Instant,
+    /// When it was posted to the link (the node's send histograms).
+    pub(super) posted_at: std::time::Instant,
     /// Its read (extent, file offset, length), kept so that a transient
     /// failure (EAGAIN, EINTR, a short read) is retried as it was issued.
     pub(super) read_extent: u32,
@@ -175,6 +183,12 @@ pub(super) struct Slot {
 unsafe impl Send for Slot {}
 
 impl Slot {
+    /// With its grant's GRANT frame read at `at`.
+    pub(super) fn granted(mut self, at: std::time::Instant) -> Slot {
+        self.granted_at = at;
+        self
+    }
+
     /// A slot taken for a chunk of connection `conn`'s grant `grant`;
     /// `queue_chunk` or `fill_error` says what it holds.
     pub(super) fn new(conn: u32, grant: u32, issued: std::time::Instant) -> Slot {
@@ -190,6 +204,9 @@ impl Slot {
             ready: false,
             error: false,
             issued,
+            granted_at: issued,
+            ready_at: issued,
+            posted_at: issued,
             read_extent: 0,
             read_offset: 0,
             read_len: 0,
