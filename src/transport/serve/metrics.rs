@@ -82,6 +82,24 @@ pub(crate) const LATENCY_BOUNDS_S: [f64; 14] = [
     1.0,
 ];
 
+/// [`LATENCY_BOUNDS_S`] in nanoseconds.
+const LATENCY_BOUNDS_NS: [u64; 14] = [
+    25_000,
+    50_000,
+    100_000,
+    250_000,
+    500_000,
+    1_000_000,
+    2_500_000,
+    5_000_000,
+    10_000_000,
+    25_000_000,
+    50_000_000,
+    100_000_000,
+    250_000_000,
+    1_000_000_000,
+];
+
 /// A poller's read latencies (submission to completion of each O_DIRECT
 /// read of a chunk), in fixed buckets of atomics.
 #[derive(Debug, Default)]
@@ -93,11 +111,13 @@ pub(crate) struct LatencyHist {
 
 impl LatencyHist {
     pub(crate) fn record(&self, d: Duration) {
-        let s = d.as_secs_f64();
-        let i = LATENCY_BOUNDS_S
+        // Integer compares against the bounds in nanoseconds: a poller
+        // records a few of these per frame.
+        let ns = d.as_nanos() as u64;
+        let i = LATENCY_BOUNDS_NS
             .iter()
-            .position(|&b| s <= b)
-            .unwrap_or(LATENCY_BOUNDS_S.len());
+            .position(|&b| ns <= b)
+            .unwrap_or(LATENCY_BOUNDS_NS.len());
         self.buckets[i].fetch_add(1, Ordering::Relaxed);
         self.sum_ns
             .fetch_add(d.as_nanos() as u64, Ordering::Relaxed);
@@ -757,5 +777,15 @@ pub(crate) fn log_stats(c: &Common, why: &str) {
             m.totals(),
             m.staging_slots.load(Ordering::Relaxed)
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_bounds_in_nanoseconds_are_the_bounds_in_seconds() {
+        for (s, ns) in super::LATENCY_BOUNDS_S.iter().zip(super::LATENCY_BOUNDS_NS) {
+            assert_eq!((s * 1e9).round() as u64, ns);
+        }
     }
 }

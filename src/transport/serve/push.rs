@@ -211,6 +211,9 @@ impl<R: IoBackend> ServePoller<R> {
     /// Per connection: posts the ready frames at the front of its queue, in
     /// order, to its link, then flushes the link (one `sendmsg` for many).
     pub(super) fn issue_sends(&mut self) {
+        // One clock read per call, not per frame: the frames' times (for
+        // the DATA headers and the histograms) need a tick's precision.
+        let now = self.ring.now();
         for k in 0..self.conns.live_len() {
             let ci = self.conns.live(k);
             let Some(c) = self.conns.get_mut(ci) else {
@@ -239,7 +242,6 @@ impl<R: IoBackend> ServePoller<R> {
                 } else {
                     s.src
                 };
-                let now = self.ring.now();
                 // Reading: from the GRANT frame to the bytes in staging
                 // (waiting for a slot, then the disk); the rest of its time
                 // here, until this post, is sending.
