@@ -541,6 +541,13 @@ def test_cluster_mode_over_tcp_with_kspeed_serve(tree, space, serve, token_file)
         assert st["source_reads"] == 0, st
         # Nothing came from the source: no lead to report.
         assert st["source_lead"] == {"count": 0, "late": 0, "p10_s": 0.0, "p50_s": 0.0}, st
+        # kspeed serve reports its times over TCP: every wait for a peer's
+        # sample is split into its reading, its sending and the link.
+        c = st["stall_causes"]
+        split = c["peer_read_s"] + c["peer_send_s"] + c["peer_link_s"]
+        assert abs(split - c["peers_s"]) < 1e-6, c
+        for p in c["slowest_peers"]:
+            assert abs(p["read_s"] + p["send_s"] + p["link_s"] - p["stall_s"]) < 1e-6, c
         loader.close()
 
 
