@@ -10,6 +10,7 @@ mod common;
 #[path = "common/nodes.rs"]
 mod nodes;
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use common::*;
@@ -103,22 +104,19 @@ fn kspeed_read_json_reports_the_causes() {
     assert_eq!(c["slowest_peers"].as_array().unwrap().len(), 0, "{c}");
 }
 
-/// Three nodes in network namespaces, one copy of each sample; node 2's
-/// link is throttled (a token bucket, 4 Mbit/s). A rank on node 0 waits
-/// mostly for node 2's samples: node 2 leads the slowest peers with more
-/// stall than node 1, `peers` holds it, nothing fails over, and the
-/// causes add up to the whole stall. Every sample arrives, byte-exact.
-#[test]
-fn the_node_behind_a_slow_link_is_charged_the_wait() {
-    const NODES: usize = 3;
-    let tmp = tempfile::tempdir().unwrap();
-    let src = tmp.path().join("src");
-    gen("tiny", 900, &src);
-    let catalog = tmp.path().join("cat.ksc");
+const NODES: usize = 3;
+
+/// `samples` tiny samples, their catalog, and the spaces of `NODES` nodes
+/// that hold one copy of each.
+fn three_spaces(tmp: &std::path::Path, samples: u64) -> (PathBuf, Vec<PathBuf>) {
+    let src = tmp.join("src");
+    gen("tiny", samples, &src);
+    let catalog = tmp.join("cat.ksc");
     ok(&["catalog", "--source", s(&src), "--out", s(&catalog)]);
-    let spaces: Vec<std::path::PathBuf> = (0..NODES)
+    let spaces = (0..NODES)
         .map(|i| {
-            let sp = tmp.path().join(format!("node{i}"));
+            let sp = tmp.join(format!("node{i}"));
+            let i = i.to_string();
             ok(&[
                 "preload",
                 "--source",
@@ -130,20 +128,19 @@ fn the_node_behind_a_slow_link_is_charged_the_wait() {
                 "--nodes",
                 "3",
                 "--node-index",
-                &i.to_string(),
+                &i,
             ]);
             sp
         })
         .collect();
-    let Some(ns) = nodes::Netns::create(NODES) else {
-        return;
-    };
-    if !ns.throttle(2, "4mbit") {
-        return;
-    }
-    let token = tmp.path().join("token");
+    (catalog, spaces)
+}
+
+/// A `kspeed serve` per space, each in its node's namespace.
+fn serve_all(tmp: &std::path::Path, spaces: &[PathBuf], ns: &nodes::Netns) -> Vec<nodes::Serve> {
+    let token = tmp.join("token");
     std::fs::write(&token, "stall-token\n").unwrap();
-    let serves: Vec<nodes::Serve> = (0..NODES)
+    (0..NODES)
         .map(|i| {
             nodes::Serve::start(
                 &spaces[i],
@@ -152,18 +149,41 @@ fn the_node_behind_a_slow_link_is_charged_the_wait() {
                 Some(&ns.names[i]),
             )
         })
-        .collect();
-    let addrs: Vec<String> = serves.iter().map(|sv| sv.addr.clone()).collect();
-    let cat = kspeed::dataset::Catalog::open(&catalog).unwrap();
-    let mut l = LoaderBuilder::space(&spaces[0])
-        .cluster(nodes::cluster_of(&addrs))
+        .collect()
+}
+
+/// Rank 0 of 1 on node 0 (holding `space`), its epoch 0 alone.
+fn rank_on_node_0(space: &std::path::Path, addrs: &[String]) -> kspeed::loader::Loader {
+    LoaderBuilder::space(space)
+        .cluster(nodes::cluster_of(addrs))
         .token(b"stall-token")
         .seed(4)
         .batch_size(8)
         .landing(test_ring(1 << 20))
         .end_epoch(Some(1))
         .build()
-        .unwrap();
+        .unwrap()
+}
+
+/// Three nodes in network namespaces, one copy of each sample; node 2's
+/// link is throttled (a token bucket, 4 Mbit/s). A rank on node 0 waits
+/// mostly for node 2's samples: node 2 leads the slowest peers with more
+/// stall than node 1, `peers` holds it, nothing fails over, and the
+/// causes add up to the whole stall. Every sample arrives, byte-exact.
+#[test]
+fn the_node_behind_a_slow_link_is_charged_the_wait() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (catalog, spaces) = three_spaces(tmp.path(), 900);
+    let Some(ns) = nodes::Netns::create(NODES) else {
+        return;
+    };
+    if !ns.throttle(2, "4mbit") {
+        return;
+    }
+    let serves = serve_all(tmp.path(), &spaces, &ns);
+    let addrs: Vec<String> = serves.iter().map(|sv| sv.addr.clone()).collect();
+    let cat = kspeed::dataset::Catalog::open(&catalog).unwrap();
+    let mut l = rank_on_node_0(&spaces[0], &addrs);
     let sampler =
         kspeed::sampler::Sampler::new(kspeed::sampler::SamplerConfig::single(cat.len(), 4))
             .unwrap();
@@ -292,63 +312,21 @@ impl Drop for Throttle {
 /// say it went to reading: its share is mostly `read`, not its link.
 #[test]
 fn the_node_with_a_slow_disk_is_charged_for_reading() {
-    const NODES: usize = 3;
     let tmp = tempfile::tempdir().unwrap();
-    let src = tmp.path().join("src");
-    gen("tiny", 600, &src);
-    let catalog = tmp.path().join("cat.ksc");
-    ok(&["catalog", "--source", s(&src), "--out", s(&catalog)]);
-    let spaces: Vec<std::path::PathBuf> = (0..NODES)
-        .map(|i| {
-            let sp = tmp.path().join(format!("node{i}"));
-            ok(&[
-                "preload",
-                "--source",
-                s(&src),
-                "--catalog",
-                s(&catalog),
-                "--space",
-                s(&sp),
-                "--nodes",
-                "3",
-                "--node-index",
-                &i.to_string(),
-            ]);
-            sp
-        })
-        .collect();
+    let (catalog, spaces) = three_spaces(tmp.path(), 600);
     let Some(ns) = nodes::Netns::create(NODES) else {
         return;
     };
     let Some(throttle) = Throttle::reads(&spaces[2], 100) else {
         return;
     };
-    let token = tmp.path().join("token");
-    std::fs::write(&token, "stall-token\n").unwrap();
     // The node reads into staging with O_DIRECT (no `--page-cache`):
     // every read goes to the throttled disk.
-    let serves: Vec<nodes::Serve> = (0..NODES)
-        .map(|i| {
-            nodes::Serve::start(
-                &spaces[i],
-                &format!("10.77.{i}.2:0"),
-                &token,
-                Some(&ns.names[i]),
-            )
-        })
-        .collect();
+    let serves = serve_all(tmp.path(), &spaces, &ns);
     throttle.add(serves[2].child.id());
     let addrs: Vec<String> = serves.iter().map(|sv| sv.addr.clone()).collect();
     let cat = kspeed::dataset::Catalog::open(&catalog).unwrap();
-    let mut l = LoaderBuilder::space(&spaces[0])
-        .cluster(nodes::cluster_of(&addrs))
-        .token(b"stall-token")
-        .seed(4)
-        .batch_size(8)
-        .landing(test_ring(1 << 20))
-        .end_epoch(Some(1))
-        .build()
-        .unwrap();
+    let mut l = rank_on_node_0(&spaces[0], &addrs);
     l.set_epoch(0).unwrap();
     let mut k = 0u64;
     while let Some(b) = l.next_batch().unwrap() {

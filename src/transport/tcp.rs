@@ -223,13 +223,8 @@ impl Link for TcpLink {
         grant: u32,
         _rkey: u32,
     ) -> bool {
-        self.post(Wr {
-            wr_id,
-            hdr: Header::data(grant, remote_offset, len).encode(),
-            src,
-            len,
-            sent: 0,
-        })
+        // SAFETY: forwarded contract; times 0 report none.
+        unsafe { self.post_write_timed(wr_id, src, len, remote_offset, grant, 0) }
     }
 
     /// # Safety
