@@ -398,19 +398,25 @@ pub struct ksp_stats {
     /// disk a wait lasts until the rest of its batch is in.
     pub stall_waits: u64,
     /// `stall_peers_s` by where each waited-for sample's grant spent its
-    /// time (appended after `stall_waits`): the node reading it (queued
-    /// for a staging slot or its disk), the node sending it (read, behind
-    /// the connection's earlier frames), the link (the grant's way there
-    /// and the data's way back). Each wait is split in its grant's
-    /// proportions; only nodes that report their times (TCP) are split,
-    /// so the three add up to at most `stall_peers_s`.
+    /// time (appended after `stall_waits`): at the node until the bytes
+    /// were ready (a staging slot, then the read), at the node after that
+    /// (behind the connection's earlier frames), the link (the grant's way
+    /// there and the data's way back). Each wait is split in its grant's
+    /// proportions. Only waits for samples from nodes that report their
+    /// times are split (over TCP, from this release on; not over RDMA), so
+    /// the three add up to at most `stall_peers_s`.
     pub stall_peer_read_s: f64,
-    /// See `stall_peer_read_s`: the node was slow to send.
+    /// See `stall_peer_read_s`: at the node after the read (behind the
+    /// connection's earlier frames; a link slower than the node backs up
+    /// into this and into `stall_peer_read_s`, docs/PROTOCOL.md "DATA").
     pub stall_peer_send_s: f64,
-    /// See `stall_peer_read_s`: the link was slow.
+    /// See `stall_peer_read_s`: the link (the rest of the grant's time).
     pub stall_peer_link_s: f64,
-    /// `slowest_peer_stall_s[i]` split as `stall_peer_read_s`, `_send_s`
-    /// and `_link_s` split `stall_peers_s`.
+    /// The share of `slowest_peer_stall_s[i]` for samples node
+    /// `slowest_peer_node[i]` served as first holder, split as
+    /// `stall_peer_read_s`, `_send_s` and `_link_s` split
+    /// `stall_peers_s`; failovers charged to the node are not split, so
+    /// the three add up to at most `slowest_peer_stall_s[i]`.
     pub slowest_peer_read_s: [f64; 4],
     /// See `slowest_peer_read_s`.
     pub slowest_peer_send_s: [f64; 4],

@@ -61,9 +61,9 @@ pub struct PeerStall {
     /// by where each grant's time went, as [`StallCauses::peer_read`],
     /// `peer_send` and `peer_link` split `peers`.
     pub read: Duration,
-    /// As `read`: the node was slow to send.
+    /// As `read`: at the node after the read.
     pub send: Duration,
-    /// As `read`: the link was slow.
+    /// As `read`: the link.
     pub link: Duration,
 }
 
@@ -102,9 +102,11 @@ pub struct StallCauses {
     /// split: `peer_read + peer_send + peer_link <= peers`, the rest came
     /// over RDMA or from nodes that report none.
     pub peer_read: Duration,
-    /// See `peer_read`: the node was slow to send.
+    /// See `peer_read`: at the node after the read, behind the
+    /// connection's earlier frames (a link slower than the node backs up
+    /// into this and into `peer_read`; docs/PROTOCOL.md, "DATA").
     pub peer_send: Duration,
-    /// See `peer_read`: the link was slow.
+    /// See `peer_read`: the link.
     pub peer_link: Duration,
     /// The nodes with the most stall (`peers` and `failover` by node), most
     /// first; entries with `waits == 0` are empty.

@@ -619,7 +619,7 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
             ));
             if !(p.read + p.send + p.link).is_zero() {
                 line.push_str(&format!(
-                    " (its disk {:.2} s, sending {:.2} s, link {:.2} s)",
+                    " (at the node reading {:.2} s, sending {:.2} s; link {:.2} s)",
                     p.read.as_secs_f64(),
                     p.send.as_secs_f64(),
                     p.link.as_secs_f64()
