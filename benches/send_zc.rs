@@ -81,9 +81,10 @@ fn parse() -> Opts {
 /// the process, the kernel's io_uring workers for it included;
 /// `RUSAGE_THREAD`: the calling thread).
 fn cpu_s(who: libc::c_int) -> f64 {
-    // SAFETY: getrusage writes one rusage into the zeroed struct.
+    // SAFETY: rusage is plain integers (timevals and longs), for which
+    // all zero bytes is a valid value; getrusage then fills it.
     let mut r: libc::rusage = unsafe { std::mem::zeroed() };
-    // SAFETY: valid pointer to a rusage.
+    // SAFETY: `r` is a live, writable rusage for the call's duration.
     assert_eq!(unsafe { libc::getrusage(who, &mut r) }, 0);
     let t = |v: libc::timeval| v.tv_sec as f64 + v.tv_usec as f64 / 1e6;
     t(r.ru_utime) + t(r.ru_stime)

@@ -588,12 +588,13 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         }
         self.table[idx].live = false;
         self.local_done(idx);
-        self.conns[i].last_done = self.ring.now();
+        let now = self.ring.now();
+        self.conns[i].last_done = now;
         self.net().remote_samples.fetch_add(1, Ordering::Relaxed);
         let via = self.via_of(&s, Some(s.node));
         let split = match s.granted_at {
             Some(at) if s.timed && via & VIA_FAILOVER == 0 => phase_split(
-                self.ring.now().saturating_duration_since(at),
+                now.saturating_duration_since(at),
                 s.node_read_us as u64,
                 s.node_us as u64,
             ),

@@ -356,7 +356,8 @@ impl<R: IoBackend> ServePoller<R> {
             return;
         }
         let s = &self.staging[slot];
-        let latency = self.ring.now().saturating_duration_since(s.issued);
+        let now = self.ring.now();
+        let latency = now.saturating_duration_since(s.issued);
         self.c.metrics.read_latency[self.index].record(latency);
         if res < 0 || (res as u32) < s.payload {
             let (ring_offset, grant) = (s.offset, s.grant);
@@ -395,7 +396,6 @@ impl<R: IoBackend> ServePoller<R> {
             self.fill_error(slot, grant, Code::ReadFailed, &msg);
             return;
         }
-        let now = self.ring.now();
         let s = &mut self.staging[slot];
         s.ready = true;
         s.ready_at = now;
