@@ -256,6 +256,15 @@ pub enum Error {
         /// Bytes free (for unprivileged users) when checked, 0 when the write itself failed.
         available: u64,
     },
+    /// A cache area (`cache_dir`) cannot be used as it is: held by another
+    /// process, another dataset's, another version's, or cut short.
+    #[error("cache area {path}: {reason}")]
+    CacheArea {
+        /// The area's folder.
+        path: PathBuf,
+        /// What is wrong and what to do.
+        reason: String,
+    },
     /// Another process holds the space's lock.
     #[error(
         "space {path} is locked by another kspeed process{}",
@@ -733,6 +742,7 @@ impl Error {
             Error::ShortRead { .. } => ("ShortRead", Io),
             Error::DiskFull { .. } => ("DiskFull", Io),
             Error::SpaceLocked { .. } => ("SpaceLocked", Io),
+            Error::CacheArea { .. } => ("CacheArea", Io),
             Error::EmptySource { .. } => ("EmptySource", Data),
             Error::SymlinkLoop { .. } => ("SymlinkLoop", Data),
             Error::NotRegularFile { .. } => ("NotRegularFile", Data),

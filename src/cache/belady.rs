@@ -151,6 +151,39 @@ impl Belady {
         self.entries[self.heap[b] as usize].heap_at = b as u32;
     }
 
+    /// Holds `id` (`bytes` long, next read at `next`) without a read: what
+    /// a cache kept from before starts with. False, and nothing held, when
+    /// it is held already or does not fit beside what is.
+    pub fn insert(&mut self, id: u64, bytes: u64, next: u64) -> bool {
+        if self.by_id.contains_key(&id)
+            || self.used_bytes + bytes > self.capacity_bytes
+            || (self.free.is_empty() && self.entries.len() == self.max_entries)
+        {
+            return false;
+        }
+        let e = Entry {
+            id,
+            next,
+            bytes,
+            heap_at: self.heap.len() as u32,
+        };
+        let idx = match self.free.pop() {
+            Some(i) => {
+                self.entries[i as usize] = e;
+                i
+            }
+            None => {
+                self.entries.push(e);
+                (self.entries.len() - 1) as u32
+            }
+        };
+        self.heap.push(idx);
+        self.by_id.insert(id, idx);
+        self.used_bytes += bytes;
+        self.sift_up(self.heap.len() - 1);
+        true
+    }
+
     fn sift_up(&mut self, mut at: usize) {
         while at > 0 {
             let parent = (at - 1) / 2;

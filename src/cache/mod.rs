@@ -4,10 +4,16 @@
 //! (Belady's MIN, [`Belady`]) where LRU ([`Lru`], the reference) keeps what
 //! was read last, which under a fresh shuffle every epoch is about the
 //! worst choice. docs/CACHE.md has the model and its figures.
+//!
+//! [`CacheArea`] is the NVMe cache area a loader keeps what it read from
+//! the source in, deciding by either policy (`loader/cache_plan.rs`).
 
+mod area;
 mod belady;
 mod lru;
+mod writer;
 
+pub use area::{AreaSpec, CacheArea, CachePolicy, CacheStats, DATA_FILE, JOURNAL_FILE, META_FILE};
 pub use belady::{Belady, Decision};
 pub use lru::Lru;
 

@@ -63,6 +63,9 @@ pub struct LoaderBuilder {
     verify_crc32c: bool,
     tier_bytes: u64,
     tier_views: bool,
+    cache_dir: Option<PathBuf>,
+    cache_bytes: u64,
+    cache_policy: crate::cache::CachePolicy,
     coop_taskrun: bool,
     gpu_ring: Option<u32>,
     faults: Option<FaultConfig>,
@@ -129,6 +132,9 @@ impl LoaderBuilder {
             verify_crc32c: false,
             tier_bytes: 0,
             tier_views: false,
+            cache_dir: None,
+            cache_bytes: 0,
+            cache_policy: crate::cache::CachePolicy::NextUse,
             coop_taskrun: false,
             gpu_ring: None,
             faults: None,
@@ -432,6 +438,32 @@ impl LoaderBuilder {
         self
     }
 
+    /// An NVMe cache area (docs/CACHE.md, "The cache area"): samples read
+    /// from the source (a source, or those a partial space does not hold)
+    /// are kept in `dir` (rank N's in `dir/rank<N>`) for their next read,
+    /// by [`cache_policy`](Self::cache_policy), within
+    /// [`cache_bytes`](Self::cache_bytes). What one run keeps, the next
+    /// finds (checked against the catalog's CRC on every read). None: no
+    /// cache area (the default).
+    pub fn cache_dir(mut self, dir: Option<PathBuf>) -> Self {
+        self.cache_dir = dir;
+        self
+    }
+
+    /// The cache area's budget in bytes: slots of the catalog's 99th
+    /// percentile sample length, rounded up to 4 KiB, while they fit
+    /// (larger samples are not kept).
+    pub fn cache_bytes(mut self, bytes: u64) -> Self {
+        self.cache_bytes = bytes;
+        self
+    }
+
+    /// What the cache area keeps (default: by next use).
+    pub fn cache_policy(mut self, policy: crate::cache::CachePolicy) -> Self {
+        self.cache_policy = policy;
+        self
+    }
+
     /// Memory tier budget in bytes (default 0: no tier).
     pub fn tier_bytes(mut self, bytes: u64) -> Self {
         self.tier_bytes = bytes;
@@ -700,6 +732,73 @@ impl LoaderBuilder {
     }
 
     /// The build, attached to the agent at `attach` or embedded.
+    /// The cache area, if one is asked for and this loader reads from a
+    /// source (refused by name where it would have nothing to keep or is
+    /// not supported yet).
+    fn open_cache(
+        &self,
+        input: &Input,
+        sampler: &Sampler,
+        attached: bool,
+    ) -> Result<Option<super::cache_plan::CacheSetup>> {
+        let Some(dir) = &self.cache_dir else {
+            if self.cache_bytes > 0 {
+                return Err(Error::InvalidConfig(
+                    "cache_bytes is set but cache_dir is not".into(),
+                ));
+            }
+            return Ok(None);
+        };
+        let refuse = |why: &str| Err(Error::InvalidConfig(format!("cache_dir: {why}")));
+        if self.cache_bytes == 0 {
+            return refuse("cache_bytes must be set too (the area's budget)");
+        }
+        match input {
+            Input::Mix(_) => return refuse("a mixture of datasets has no cache area yet"),
+            Input::Space { space, .. } if !space.params().is_partial() => {
+                return refuse(
+                    "this space holds every sample, so nothing comes from the source to keep",
+                )
+            }
+            _ => {}
+        }
+        if self.cluster.is_some() {
+            return refuse("cluster mode has no cache area yet (a partial space's nodes hold their share)");
+        }
+        if attached {
+            return refuse("a rank attached to the node agent has no cache area of its own");
+        }
+        let area = crate::cache::CacheArea::open(&crate::cache::AreaSpec {
+            dir: &dir.join(format!("rank{}", self.rank)),
+            catalog: input.catalog(),
+            cache_bytes: self.cache_bytes,
+        })?;
+        let next = match self.cache_policy {
+            crate::cache::CachePolicy::NextUse => Some(crate::sampler::NextUse::new(
+                sampler,
+                Some(self.rank..self.rank + 1),
+                self.end_epoch,
+            )?),
+            crate::cache::CachePolicy::Lru => None,
+        };
+        log::info!(
+            "cache area {}: {} slots of {} bytes, {} held, policy {}{}",
+            area.dir().display(),
+            area.slots(),
+            area.slot_bytes(),
+            area.held().len(),
+            self.cache_policy.name(),
+            if area.direct() { "" } else { " (no O_DIRECT on this file system)" }
+        );
+        Ok(Some(super::cache_plan::CacheSetup {
+            area: Arc::new(area),
+            policy: self.cache_policy,
+            next,
+            rank: self.rank as u64,
+            world: self.world as u64,
+        }))
+    }
+
     fn build_with(self, attach: Option<PathBuf>) -> Result<Loader> {
         if attach.is_some() {
             if let Some(why) = self.agent_refusal() {
@@ -953,6 +1052,7 @@ impl LoaderBuilder {
                 t.member_bytes()
             );
         }
+        let cache = self.open_cache(&input, &sampler, attach.is_some())?;
         let mask = crate::placement::affinity();
         let plan = crate::placement::plan(
             &topology,
@@ -1090,7 +1190,13 @@ impl LoaderBuilder {
         } else {
             String::new()
         };
-        for _ in 0..if remote.is_some() { 0 } else { cfg.pollers } {
+        // A bucket is read by GETs alone, unless a cache area's slots are
+        // read too (ring/split.rs pairs the two).
+        for _ in 0..if remote.is_some() && cache.is_none() {
+            0
+        } else {
+            cfg.pollers
+        } {
             let opts = UringOptions {
                 entries: cfg.queue_depth * 2,
                 sqpoll_idle_ms: cfg.sqpoll_idle_ms,
@@ -1236,6 +1342,7 @@ impl LoaderBuilder {
             attach_settings,
             wake_per_batch,
             batch_last_g: 0,
+            cache,
         };
         loader.launch(start)?;
         log::info!("poller placement: {}", loader.placement.describe());
@@ -1276,8 +1383,8 @@ fn faulty<B: IoBackend + 'static>(
 /// The pollers' backends: `urings` (a space, a source on files); one
 /// object-store backend per poller for a source in a bucket (`remote`:
 /// ring/store.rs, `queue_depth` GETs in flight); for a partial space over a
-/// bucket (`partial_bucket`), each io_uring paired with one
-/// (ring/split.rs). With `merge`, neighbouring reads of an object share a
+/// bucket (`partial_bucket`), or a bucket with a cache area (`urings` not
+/// empty), each io_uring paired with one (ring/split.rs). With `merge`, neighbouring reads of an object share a
 /// GET.
 #[cfg(feature = "s3")]
 fn poller_backends(
@@ -1290,6 +1397,12 @@ fn poller_backends(
     use crate::ring::{Split, StoreRing};
     let depth = cfg.queue_depth as usize;
     Ok(match (remote, partial_bucket) {
+        // A bucket with a cache area: its slots through the io_uring.
+        (Some(cat), _) if !urings.is_empty() => urings
+            .into_iter()
+            .zip(store_backends(cat, cfg.pollers, depth, merge)?)
+            .map(|(uring, store): (Uring, StoreRing)| faulty(Split::new(uring, store), cfg))
+            .collect(),
         (Some(cat), _) => store_backends(cat, cfg.pollers, depth, merge)?
             .into_iter()
             .map(|store| faulty(store, cfg))

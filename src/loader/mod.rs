@@ -35,6 +35,7 @@ pub(crate) mod tier;
 mod attached;
 mod batch;
 mod builder;
+mod cache_plan;
 mod fdcache;
 mod input;
 pub(crate) mod net;
@@ -207,6 +208,8 @@ pub struct Loader {
     /// Attached mode: what every launch sends the node agent (each launch
     /// attaches anew, with a fresh ring, at its start position).
     attach_settings: Option<attached::AttachSettings>,
+    /// The NVMe cache area and its policy (`cache_dir`), kept across runs.
+    cache: Option<cache_plan::CacheSetup>,
     /// Every sample comes one way (this node's disk): a consumer that
     /// catches up with the pollers sleeps until the batch's last sample is
     /// in, one wake-up per batch, instead of one per sample
@@ -321,6 +324,12 @@ impl Loader {
             tier: spare.tier,
             net: net_shared,
             partial: self.net.as_ref().and_then(|s| s.partial.clone()),
+            cache: self.cache.as_ref().map(|c| {
+                c.run(
+                    Cursor::with_deal(self.deal.clone(), self.geo, start),
+                    table,
+                )
+            }),
             dead: Mutex::new(None),
         });
         self.cursor = Some(Cursor::with_deal(self.deal.clone(), self.geo, start));
@@ -1281,6 +1290,11 @@ impl Loader {
             failovers: t.failovers,
             source_reads: t.source_reads,
             source_bytes: t.source_bytes,
+            cache: self
+                .cache
+                .as_ref()
+                .map(|c| c.area.stats())
+                .unwrap_or_default(),
             read_ahead: ahead,
             read_ahead_discarded: t.discarded,
             placement: PlacementStats {

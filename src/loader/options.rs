@@ -220,6 +220,12 @@ pub static OPTIONS: &[OptionSpec] = &[
         "landing ring size (locked memory the reads land in); a size given is refused if it cannot hold a whole batch"),
     opt!("tier_bytes", OptionKind::Bytes { min: 0, max: u64::MAX }, "bytes", "0: no tier", "tier-bytes",
         "memory tier budget: samples read once are kept in memory and served from there"),
+    opt!("cache_dir", OptionKind::Path, "", "none: no cache area", "cache-dir",
+        "an NVMe cache area (docs/CACHE.md): samples read from the source (a source, or what a partial space does not hold) are kept here for their next read, by `cache_policy`, within `cache_bytes`; each rank uses `rank<N>` under this folder; what a run kept is used by the next"),
+    opt!("cache_bytes", OptionKind::Bytes { min: 0, max: u64::MAX }, "bytes", "0: no cache area", "cache-bytes",
+        "the cache area's budget: slots of the catalog's 99th percentile sample length (rounded up to 4 KiB; larger samples are not kept) while they fit"),
+    opt!("cache_policy", OptionKind::Choice(&["next-use", "lru"]), "", "next-use", "cache-policy",
+        "what the cache area keeps: `next-use` what this rank reads soonest (Belady's MIN over the known order), `lru` what it read last (the page cache's policy, for comparison)"),
     opt!("tier_views", OptionKind::Bool, "", "false", "tier-views",
         "a sample served from the memory tier is handed out in place (no copy into the ring); a batch holding one is not one ring span"),
     opt!("pollers", int(1, MAX_POLLERS), "threads", "a quarter of this rank's core slice, 1 to 8", "pollers",
@@ -656,6 +662,13 @@ impl LoaderOptions {
             // Auto is 0: the build sizes the ring from the batch.
             "ring_bytes" => b.ring_bytes(n.unwrap_or(0)),
             "tier_bytes" => b.tier_bytes(n.unwrap_or(0)),
+            "cache_dir" => b.cache_dir(text.map(PathBuf::from)),
+            "cache_bytes" => b.cache_bytes(n.unwrap_or(0)),
+            "cache_policy" => b.cache_policy(
+                text.as_deref()
+                    .and_then(crate::cache::CachePolicy::parse)
+                    .unwrap_or(crate::cache::CachePolicy::NextUse),
+            ),
             "tier_views" => b.tier_views(on),
             "pollers" => b.pollers(n.unwrap_or(1) as usize),
             "queue_depth" => b.queue_depth(n32.unwrap_or(32)),

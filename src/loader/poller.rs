@@ -28,6 +28,7 @@ use hdrhistogram::Histogram;
 
 use super::fdcache::{FdCache, Lease};
 use super::registration::PollerIo;
+use super::cache_plan::Plan;
 use super::schedule::{Cursor, Placed};
 use super::shared::{VIA_DISK, VIA_SOURCE, VIA_TIER};
 use super::{Input, Shared, CODE_ERROR, CODE_OK, CODE_TIER};
@@ -68,6 +69,12 @@ struct Group {
     lease: Option<Lease>,
     error: Option<Error>,
     submitted: Instant,
+    /// Read from this slot of the cache area (`cache_dir`): `file` is the
+    /// slot; the bytes are checked against the catalog, and a slot that
+    /// fails is emptied and the sample read from the source instead.
+    cache_read: Option<u32>,
+    /// Read from the source and then kept in this slot of the cache area.
+    cache_admit: Option<u32>,
 }
 
 /// One read in flight.
@@ -96,6 +103,9 @@ pub(crate) struct Poller {
     groups: Pool<Group>,
     /// A group whose parts are not all issued yet (issued before new samples).
     partial: Option<u32>,
+    /// Samples whose read from the cache area failed its check, to be read
+    /// from the source (at most one per group: sized at start).
+    retry: Vec<Placed>,
     completions: Vec<Completion>,
     hist: Histogram<u64>,
     last_publish: Instant,
@@ -145,6 +155,7 @@ impl Poller {
             ops: Pool::with_limit(qd),
             groups: Pool::with_limit(qd),
             partial: None,
+            retry: Vec::with_capacity(qd),
             completions: vec![Completion::default(); qd],
             hist: Histogram::new_with_bounds(1, 60_000_000, 2).expect("valid bounds"),
             last_publish: Instant::now(),
@@ -365,6 +376,18 @@ impl Poller {
             if self.ops.is_full() || self.groups.is_full() {
                 return started;
             }
+            if let Some(p) = self.retry.pop() {
+                // Its slot in the ring is writable still (it was when its
+                // cache read was queued, and nothing was published since).
+                match self.open_group(p, false) {
+                    Ok(gi) => self.partial = Some(gi),
+                    Err(e) => {
+                        self.fail(&p, e);
+                        started += 1;
+                    }
+                }
+                continue;
+            }
             let p = match self.pending.take() {
                 Some(p) => p,
                 None => {
@@ -453,7 +476,7 @@ impl Poller {
                 started += 1;
                 continue;
             }
-            match self.open_group(p) {
+            match self.open_group(p, true) {
                 Ok(gi) => self.partial = Some(gi),
                 Err(e) => {
                     self.fail(&p, e);
@@ -473,8 +496,10 @@ impl Poller {
         }
     }
 
-    /// Takes a group record for `p` (the caller checked one is free).
-    fn open_group(&mut self, p: Placed) -> Result<u32, Error> {
+    /// Takes a group record for `p` (the caller checked one is free). With
+    /// `use_cache`, a sample that goes to the source is read from the cache
+    /// area where the planner says it is there (and is), or kept there.
+    fn open_group(&mut self, p: Placed, use_cache: bool) -> Result<u32, Error> {
         let sh = &self.shared;
         let (dataset, input, local) = sh.input.part(p.id);
         // A mixture's extents are registered after the parts before it;
@@ -488,6 +513,43 @@ impl Poller {
             Input::Space { space, extents } => space.location(local).map(|loc| (loc, extents)),
             _ => None,
         };
+        let mut cache_admit = None;
+        if let Some(rc) = sh.cache.as_ref().filter(|_| use_cache && in_space.is_none()) {
+            let plan = rc.plan.lock().unwrap_or_else(|e| e.into_inner()).decide(
+                p.g,
+                &|id| sh.input.sample(id).len as u64,
+                &|q| sh.goes_to_source(q),
+            );
+            match plan {
+                Plan::Hit(slot) if rc.area.begin_read(slot, p.id) => {
+                    let want = sh.geo.slot(p.len);
+                    let gi = self.groups.insert(Group {
+                        placed: p,
+                        target: Target::Fd(rc.area.data_fd()),
+                        file: slot,
+                        dataset: dataset as u32,
+                        from_source: true,
+                        offset: slot as u64 * rc.area.slot_bytes(),
+                        want,
+                        parts: want.div_ceil(self.part_bytes) as u32,
+                        issued: 0,
+                        done: 0,
+                        lease: None,
+                        error: None,
+                        submitted: Instant::now(),
+                        cache_read: Some(slot),
+                        cache_admit: None,
+                    });
+                    let gi = gi.unwrap_or_else(|_| panic!("caller checked a free group"));
+                    return Ok(gi as u32);
+                }
+                // Planned as held but not there (its write was skipped or
+                // failed): the slot is still this sample's, so fill it.
+                Plan::Hit(slot) if rc.area.slot_empty(slot) => cache_admit = Some(slot),
+                Plan::Admit(slot) => cache_admit = Some(slot),
+                Plan::Hit(_) | Plan::Source => {}
+            }
+        }
         let (target, offset, want, file, lease) = match input {
             Input::Space { .. } if in_space.is_some() => {
                 let (loc, extents) = in_space.expect("checked");
@@ -561,6 +623,8 @@ impl Poller {
             lease,
             error: None,
             submitted: Instant::now(),
+            cache_read: None,
+            cache_admit,
         });
         let gi = gi.unwrap_or_else(|_| panic!("caller checked a free group"));
         Ok(gi as u32)
@@ -705,6 +769,10 @@ impl Poller {
             // Its reads are done: the descriptor may be closed or reused.
             self.fds.release(lease);
         }
+        if let Some(slot) = g.cache_read {
+            self.cache_read_done(&g, slot);
+            return;
+        }
         if let Some(e) = g.error {
             self.local_failed(&g.placed, e);
             return;
@@ -733,6 +801,17 @@ impl Poller {
             // SAFETY: the slot holds the sample's bytes and is still ours.
             unsafe { tier.fill(p.id, p.len as usize, dst) };
         }
+        if let (Some(slot), Some(rc)) = (g.cache_admit, &self.shared.cache) {
+            let want = self.shared.input.sample(p.id).crc32c;
+            // SAFETY: every part completed into this slot, which is still
+            // ours until it is marked ready below.
+            let bytes = unsafe { std::slice::from_raw_parts(dst, p.len as usize) };
+            // Checked above when verifying; else now: only the catalog's
+            // bytes are kept.
+            if self.shared.cfg.verify_crc32c || partial_source || crc32c::crc32c(bytes) == want {
+                rc.area.admit(slot, p.id, want, bytes);
+            }
+        }
         let st = &self.shared.stats[self.index as usize];
         if partial_source {
             st.source_reads.fetch_add(1, Ordering::Relaxed);
@@ -748,6 +827,39 @@ impl Poller {
             VIA_DISK
         };
         self.shared.mark_ready(p.g, CODE_OK, via);
+        self.unwoken = true;
+    }
+
+    /// A read from the cache area is in: delivered if its bytes are the
+    /// catalog's, else (an I/O error, a short read, rot on the disk) the
+    /// slot is emptied and the sample read from the source instead.
+    fn cache_read_done(&mut self, g: &Group, slot: u32) {
+        let p = g.placed;
+        let rc = self.shared.cache.as_ref().expect("a cache read has an area");
+        let ok = g.error.is_none() && {
+            let want = self.shared.input.sample(p.id).crc32c;
+            // SAFETY: every part completed into this sample's ring slot,
+            // which is still ours.
+            let bytes = unsafe { std::slice::from_raw_parts(self.dst(&p), p.len as usize) };
+            crc32c::crc32c(bytes) == want
+        };
+        rc.area.end_read(slot, p.len, !ok);
+        if !ok {
+            log::warn!(
+                "cache area {}: slot {slot} did not give sample {}'s bytes ({}); emptied, \
+                 reading the source",
+                rc.area.dir().display(),
+                p.id,
+                g.error
+                    .as_ref()
+                    .map_or("CRC32C mismatch".to_string(), |e| e.to_string())
+            );
+            self.retry.push(p);
+            return;
+        }
+        let micros = g.submitted.elapsed().as_micros() as u64;
+        let _ = self.hist.record(micros.max(1));
+        self.shared.mark_ready(p.g, CODE_OK, VIA_DISK);
         self.unwoken = true;
     }
 
@@ -772,6 +884,11 @@ impl Poller {
 
     fn file_path(&self, g: &Group) -> PathBuf {
         match self.input_of(g) {
+            _ if g.cache_read.is_some() => self
+                .shared
+                .cache
+                .as_ref()
+                .map_or_else(PathBuf::new, |c| c.area.dir().join(crate::cache::DATA_FILE)),
             Input::Space { space, .. } if g.from_source => space.catalog().file_path(g.file),
             Input::Space { space, .. } => space.extent_path(g.file),
             Input::Source { catalog, root } => root.join(catalog.file(g.file).name),
@@ -814,6 +931,9 @@ impl Poller {
             what: "submit reads",
             source: std::sync::Arc::new(e),
         };
+        while let Some(p) = self.retry.pop() {
+            self.fail(&p, err.clone());
+        }
         for gi in 0..self.groups.limit() {
             if let Some(g) = self.groups.try_remove(gi) {
                 if let Some(lease) = g.lease {

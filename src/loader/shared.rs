@@ -280,6 +280,8 @@ pub(crate) struct Shared {
     pub(crate) net: Option<net::NetShared>,
     /// Cluster mode over partial spaces: who holds what (`NetSetup::partial`).
     pub(crate) partial: Option<Arc<crate::dataset::PartialHolders>>,
+    /// The NVMe cache area and this run's planner (`cache_dir`).
+    pub(crate) cache: Option<super::cache_plan::RunCache>,
     /// Set when a poller or the network thread died (a panic, or a ring
     /// that stopped working), so the consumer fails with this instead of
     /// waiting for samples that will never come.
@@ -332,6 +334,20 @@ impl Shared {
 
     /// Whether the local pollers read sample `id` (else the network thread
     /// gets it from its owner).
+    /// Whether this process's pollers read scheduled sample `p` from the
+    /// source (a source input, or a sample a partial space does not hold),
+    /// not from the memory tier: what the cache area plans for.
+    pub(crate) fn goes_to_source(&self, p: &super::schedule::Placed) -> bool {
+        if p.len == 0 || !self.is_local(p.id) || self.tier.as_ref().is_some_and(|t| t.is_member(p.id)) {
+            return false;
+        }
+        match &self.input {
+            Input::Source { .. } => true,
+            Input::Space { space, .. } => space.location(p.id).is_none(),
+            Input::Mix(_) => false,
+        }
+    }
+
     pub(crate) fn is_local(&self, id: u64) -> bool {
         if self.net.is_none() {
             return true;
@@ -552,6 +568,7 @@ impl Shared {
             tier: None,
             net,
             partial: None,
+            cache: None,
             dead: Mutex::new(None),
         }
     }

@@ -98,7 +98,7 @@ pub struct Latency {
 /// Loader statistics since it was built, cumulative over its life
 /// (restarts by `set_epoch` or `restore_position` included). `samples` and
 /// `bytes` count what was delivered; the read counters (`disk_reads`,
-/// `tier_hits`, `remote_samples`, `source_reads`) also count samples read
+/// `tier_hits`, `remote_samples`, `source_reads`, `cache.hits`) also count samples read
 /// ahead, which are either still waiting (`read_ahead`) or were thrown away
 /// (`read_ahead_discarded`): their sum is `samples + read_ahead +
 /// read_ahead_discarded` (empty and failed samples aside). With
@@ -154,6 +154,10 @@ pub struct Stats {
     pub source_reads: u64,
     /// Their bytes (what the source gave the loader).
     pub source_bytes: u64,
+    /// The NVMe cache area (`cache_dir`; all 0 without one): its hits are
+    /// samples that would have come from the source (they are not in
+    /// `disk_reads` or `source_reads`, and join the read counters' sum).
+    pub cache: crate::cache::CacheStats,
     /// Samples read ahead of the consumer and waiting in the ring now
     /// (counted in `disk_reads`, `tier_hits` or `remote_samples`, not yet
     /// in `samples`).

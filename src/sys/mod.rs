@@ -73,6 +73,45 @@ pub fn punch_hole(file: &File, offset: u64, len: u64) -> io::Result<()> {
     Ok(())
 }
 
+/// Reserves `len` bytes of blocks for `file` from its start
+/// (`posix_fallocate`), so that running out of disk shows now, named,
+/// instead of as a failed write later. A file system that cannot
+/// preallocate answers `EOPNOTSUPP` (the caller may go on sparse).
+pub fn allocate(file: &File, len: u64) -> io::Result<()> {
+    let Ok(n) = libc::off_t::try_from(len) else {
+        return Err(io::Error::from(io::ErrorKind::InvalidInput));
+    };
+    // SAFETY: posix_fallocate only reads its integer arguments and acts on
+    // the descriptor `file` owns for the duration of the call.
+    let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, n) };
+    if rc != 0 {
+        // posix_fallocate returns the error instead of setting errno.
+        return Err(io::Error::from_raw_os_error(rc));
+    }
+    Ok(())
+}
+
+/// Opens (creating it, mode 0600) a file for reading and writing with
+/// `O_DIRECT`; where the file system refuses `O_DIRECT`, buffered, which
+/// the returned flag says (as [`open_direct`]).
+pub fn open_direct_rw(path: &Path) -> io::Result<(File, bool)> {
+    let open = |flags| {
+        std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o600)
+            .custom_flags(flags)
+            .open(path)
+    };
+    match open(libc::O_DIRECT) {
+        Ok(f) => Ok((f, true)),
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok((open(0)?, false)),
+        Err(e) => Err(e),
+    }
+}
+
 /// Tells the kernel we will not read `len` bytes at `offset` again soon, so
 /// a preload does not push the trainer's own page cache out. Advisory only.
 pub fn drop_cache(file: &File, offset: u64, len: u64) {

@@ -90,6 +90,16 @@ pub(crate) struct ReadArgs {
     /// Memory tier budget (e.g. 8GiB); samples in it are served from RAM.
     #[arg(long, default_value = "0", value_parser = crate::opt::<u64>("tier_bytes"))]
     tier_bytes: u64,
+    /// An NVMe cache area: samples read from the source are kept in this
+    /// folder (rank N's in `rank<N>`) for their next read (docs/CACHE.md).
+    #[arg(long)]
+    cache_dir: Option<PathBuf>,
+    /// The cache area's budget (e.g. 400GiB).
+    #[arg(long, default_value = "0", value_parser = crate::opt::<u64>("cache_bytes"))]
+    cache_bytes: u64,
+    /// What the cache area keeps: next-use (what is read soonest) or lru.
+    #[arg(long, default_value = "next-use", value_parser = ["next-use", "lru"])]
+    cache_policy: String,
     /// Hand out samples that sit in the memory tier in place instead of
     /// copying them into the landing ring (a batch is then not one span).
     #[arg(long)]
@@ -303,6 +313,11 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
         .sqpoll(a.sqpoll_idle_ms)
         .tier_bytes(a.tier_bytes)
         .tier_views(a.tier_views)
+        .cache_dir(a.cache_dir.clone())
+        .cache_bytes(a.cache_bytes)
+        .cache_policy(
+            kspeed::cache::CachePolicy::parse(&a.cache_policy).expect("clap checked it"),
+        )
         .coop_taskrun(a.coop_taskrun)
         // A GPU ring cannot be read by the CPU: --verify copies back below.
         .verify_crc32c(a.verify && a.gpu_ring.is_none())
@@ -572,6 +587,21 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
             "partial space: {} samples ({}) read from the source",
             st.source_reads,
             HumanBytes(st.source_bytes)
+        );
+    }
+    if st.cache.slots > 0 {
+        let c = &st.cache;
+        println!(
+            "cache area: {} hits ({}), {} samples kept ({}), {} not kept (writer behind), {} corrupt, {} write errors; holds {} of {} slots",
+            c.hits,
+            HumanBytes(c.hit_bytes),
+            c.writes,
+            HumanBytes(c.write_bytes),
+            c.skipped,
+            c.corrupt,
+            c.write_errors,
+            c.held,
+            c.slots
         );
     }
     let lead = st.source_lead;

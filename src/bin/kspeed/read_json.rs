@@ -33,6 +33,9 @@ pub(crate) struct EpochReport {
     /// A partial space's samples read from its source, and their bytes.
     pub(crate) source_reads: u64,
     pub(crate) source_bytes: u64,
+    /// The cache area's hits and writes (`--cache-dir`).
+    pub(crate) cache_hits: u64,
+    pub(crate) cache_writes: u64,
 }
 
 impl EpochReport {
@@ -47,6 +50,8 @@ impl EpochReport {
             tier_hits: end.tier_hits - start.tier_hits,
             source_reads: end.source_reads - start.source_reads,
             source_bytes: end.source_bytes - start.source_bytes,
+            cache_hits: end.cache.hits - start.cache.hits,
+            cache_writes: end.cache.writes - start.cache.writes,
         }
     }
 }
@@ -141,9 +146,26 @@ pub(crate) fn print(st: &Stats, placement: &PollerPlacement, r: &Run) {
                 "tier_hits": e.tier_hits,
                 "source_reads": e.source_reads,
                 "source_bytes": e.source_bytes,
+                "cache_hits": e.cache_hits,
+                "cache_writes": e.cache_writes,
             })
         })
         .collect();
+    if st.cache.slots > 0 {
+        let c = &st.cache;
+        v["cache"] = json!({
+            "hits": c.hits,
+            "hit_bytes": c.hit_bytes,
+            "writes": c.writes,
+            "write_bytes": c.write_bytes,
+            "skipped": c.skipped,
+            "corrupt": c.corrupt,
+            "write_errors": c.write_errors,
+            "held": c.held,
+            "slots": c.slots,
+            "slot_bytes": c.slot_bytes,
+        });
+    }
     if let Some(d) = r.digest {
         v["digest"] = json!(format!("{d:08x}"));
     }

@@ -1,0 +1,629 @@
+//! The NVMe cache area: samples that came from the source, kept on this
+//! node's disk for their next read, in a folder of three files:
+//!
+//! - `cache.meta`: what the area holds (the dataset's identity, the slot
+//!   size, the slot count), text, written once (a new size starts empty);
+//! - `cache.data`: `slots` fixed slots of `slot_bytes` (the catalog's 99th
+//!   percentile sample length rounded up to 4 KiB, [`slot_bytes_for`];
+//!   larger samples are not kept), preallocated, read and written with
+//!   `O_DIRECT`;
+//! - `cache.journal`: 32-byte records, each with its own CRC32C: slot `s`
+//!   holds sample `id` (its length and CRC from the catalog), or slot `s` is
+//!   empty. The last record of a slot says what it holds.
+//!
+//! Crash safety: a slot is journalled empty (and the journal synced) before
+//! its bytes are overwritten, and journalled full only after its new bytes
+//! are synced; so after a `kill -9` or a power cut every slot the journal
+//! calls full holds the bytes it names. Replay stops at the first torn
+//! record and drops it. Every read from the area is still checked against
+//! the catalog's CRC (a disk can rot), and a slot that fails is emptied.
+//!
+//! Who holds what at run time is one atomic word per slot ([`SlotWord`]),
+//! which the pollers read before they read a slot and the writer thread
+//! (`writer.rs`) changes; the decision of what to keep is the planner's
+//! (`plan.rs`), made along the rank's known order. The planner and the words
+//! can disagree (a write not yet landed, a write skipped for want of a
+//! buffer): a poller then reads the source, never wrong bytes.
+
+use std::fs::File;
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, RawFd};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use crate::dataset::Catalog;
+use crate::error::{Error, Result, IoContext};
+
+/// The metadata file's name.
+pub const META_FILE: &str = "cache.meta";
+/// The slots' file.
+pub const DATA_FILE: &str = "cache.data";
+/// The journal's file.
+pub const JOURNAL_FILE: &str = "cache.journal";
+const LOCK_FILE: &str = "cache.lock";
+const META_VERSION: &str = "kspeed-cache 1";
+
+/// Slot sizes are multiples of this (O_DIRECT's alignment on any device).
+pub const SLOT_ALIGN: u64 = 4096;
+
+/// A journal record's size.
+pub(crate) const RECORD_BYTES: usize = 32;
+const RECORD_MAGIC: u32 = 0x4A43_534B; // "KSCJ" little-endian
+pub(crate) const REC_FULL: u32 = 1;
+pub(crate) const REC_EMPTY: u32 = 2;
+
+/// Which samples the area keeps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CachePolicy {
+    /// Keep what this rank reads soonest (Belady's MIN with bypass over the
+    /// known order): the default.
+    NextUse,
+    /// Keep what was read last, admitting every sample (the page cache's
+    /// and the peers' policy), for comparison.
+    Lru,
+}
+
+impl CachePolicy {
+    /// Parses `next-use` or `lru`.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "next-use" | "next_use" => Some(CachePolicy::NextUse),
+            "lru" => Some(CachePolicy::Lru),
+            _ => None,
+        }
+    }
+
+    /// The name [`CachePolicy::parse`] takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            CachePolicy::NextUse => "next-use",
+            CachePolicy::Lru => "lru",
+        }
+    }
+}
+
+/// One journal record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Record {
+    pub kind: u32,
+    pub slot: u32,
+    pub id: u64,
+    pub len: u32,
+    pub crc: u32,
+}
+
+impl Record {
+    pub(crate) fn encode(&self) -> [u8; RECORD_BYTES] {
+        let mut b = [0u8; RECORD_BYTES];
+        b[0..4].copy_from_slice(&RECORD_MAGIC.to_le_bytes());
+        b[4..8].copy_from_slice(&self.kind.to_le_bytes());
+        b[8..12].copy_from_slice(&self.slot.to_le_bytes());
+        b[12..16].copy_from_slice(&self.len.to_le_bytes());
+        b[16..24].copy_from_slice(&self.id.to_le_bytes());
+        b[24..28].copy_from_slice(&self.crc.to_le_bytes());
+        let c = crc32c::crc32c(&b[..28]);
+        b[28..32].copy_from_slice(&c.to_le_bytes());
+        b
+    }
+
+    /// The record in `b`, or None when it is torn or not a record.
+    pub(crate) fn decode(b: &[u8]) -> Option<Record> {
+        let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));
+        if b.len() < RECORD_BYTES
+            || u32_at(0) != RECORD_MAGIC
+            || crc32c::crc32c(&b[..28]) != u32_at(28)
+        {
+            return None;
+        }
+        let kind = u32_at(4);
+        if kind != REC_FULL && kind != REC_EMPTY {
+            return None;
+        }
+        Some(Record {
+            kind,
+            slot: u32_at(8),
+            len: u32_at(12),
+            id: u64::from_le_bytes(b[16..24].try_into().expect("8 bytes")),
+            crc: u32_at(24),
+        })
+    }
+}
+
+/// A slot's state in one word: bits 0-39 the sample id + 1 (0: none),
+/// bits 40-41 the state, bits 42-63 the pollers reading it now.
+pub(crate) struct SlotWord;
+
+const ID_MASK: u64 = (1 << 40) - 1;
+const STATE_SHIFT: u32 = 40;
+const READER_SHIFT: u32 = 42;
+const READER_ONE: u64 = 1 << READER_SHIFT;
+pub(crate) const S_EMPTY: u64 = 0;
+pub(crate) const S_WRITING: u64 = 1;
+pub(crate) const S_FULL: u64 = 2;
+
+/// Sample ids the area can name (40 bits, minus the "none").
+pub const MAX_CACHED_ID: u64 = ID_MASK - 1;
+
+impl SlotWord {
+    pub(crate) fn pack(id: Option<u64>, state: u64) -> u64 {
+        id.map_or(0, |i| i + 1) | (state << STATE_SHIFT)
+    }
+    pub(crate) fn id(w: u64) -> Option<u64> {
+        (w & ID_MASK).checked_sub(1)
+    }
+    pub(crate) fn state(w: u64) -> u64 {
+        (w >> STATE_SHIFT) & 3
+    }
+    pub(crate) fn readers(w: u64) -> u64 {
+        w >> READER_SHIFT
+    }
+}
+
+/// What the area counts (cumulative over the loader's life).
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    pub hits: AtomicU64,
+    pub hit_bytes: AtomicU64,
+    pub writes: AtomicU64,
+    pub write_bytes: AtomicU64,
+    pub skipped: AtomicU64,
+    pub corrupt: AtomicU64,
+    pub write_errors: AtomicU64,
+}
+
+/// The cache area's counters, for [`Stats`](crate::Stats).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct CacheStats {
+    /// Samples read from the area instead of the source.
+    pub hits: u64,
+    /// Their bytes.
+    pub hit_bytes: u64,
+    /// Samples written into the area (durable and journalled).
+    pub writes: u64,
+    /// Their bytes.
+    pub write_bytes: u64,
+    /// Samples the policy chose to keep but that were not written: no
+    /// write buffer was free (the writer behind), or the slot's old
+    /// contents were still being read. Back-pressure, not an error.
+    pub skipped: u64,
+    /// Reads from the area whose bytes did not match the catalog's CRC:
+    /// the slot is emptied and the sample read from the source.
+    pub corrupt: u64,
+    /// Writes that failed (logged with the errno): the slot stays empty.
+    pub write_errors: u64,
+    /// Samples held now.
+    pub held: u64,
+    /// Slots in the area.
+    pub slots: u64,
+    /// Bytes per slot.
+    pub slot_bytes: u64,
+}
+
+/// State shared by the pollers, the planner and the writer thread.
+pub(crate) struct AreaShared {
+    pub dir: PathBuf,
+    pub data: File,
+    pub direct: bool,
+    pub slot_bytes: u64,
+    pub words: Box<[AtomicU64]>,
+    pub counters: Counters,
+}
+
+
+/// An open cache area (module doc). One process at a time (a lock file);
+/// a loader's several ranks each have their own (`rank<N>` under the
+/// folder the user names).
+pub struct CacheArea {
+    pub(crate) shared: Arc<AreaShared>,
+    pub(crate) writer: super::writer::Writer,
+    /// The lock file, held (flock) while the area is open.
+    _lock: File,
+}
+
+/// The facts a cache area is opened with.
+pub struct AreaSpec<'a> {
+    /// The folder (created if missing).
+    pub dir: &'a Path,
+    /// The catalog whose samples it holds.
+    pub catalog: &'a Catalog,
+    /// Its budget: slots of `slot_bytes` while they fit.
+    pub cache_bytes: u64,
+}
+
+impl CacheArea {
+    /// Opens (or creates) the area in `spec.dir` for `spec.catalog`,
+    /// replaying its journal: what a previous run kept is kept, checked
+    /// against the catalog. A folder that holds another dataset's area is
+    /// refused by name; a new budget starts the area empty.
+    pub fn open(spec: &AreaSpec<'_>) -> Result<CacheArea> {
+        let dir = spec.dir;
+        let cat = spec.catalog;
+        std::fs::create_dir_all(dir).ctx("create", dir)?;
+        let lock_path = dir.join(LOCK_FILE);
+        let lock = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&lock_path)
+            .ctx("open", &lock_path)?;
+        match lock.try_lock() {
+            Ok(()) => {}
+            Err(std::fs::TryLockError::WouldBlock) => {
+                return Err(Error::CacheArea {
+                    path: dir.to_path_buf(),
+                    reason: "in use by another process (each rank needs its own cache area: \
+                             kspeed puts rank N's under `rank<N>` of cache_dir)"
+                        .into(),
+                })
+            }
+            Err(std::fs::TryLockError::Error(e)) => return Err(Error::io("lock", &lock_path, e)),
+        }
+        let slot_bytes = slot_bytes_for(cat);
+        let slots = spec.cache_bytes / slot_bytes;
+        if slots == 0 {
+            return Err(Error::InvalidConfig(format!(
+                "cache_bytes {} holds no slot: the largest sample needs {slot_bytes} bytes",
+                spec.cache_bytes
+            )));
+        }
+        if slots >= 1 << 30 {
+            return Err(Error::InvalidConfig(format!(
+                "cache_bytes {} makes {slots} slots, more than the area can index",
+                spec.cache_bytes
+            )));
+        }
+        if cat.len() > MAX_CACHED_ID {
+            return Err(Error::InvalidConfig(format!(
+                "a cache area names samples by 40 bits; the catalog has {}",
+                cat.len()
+            )));
+        }
+        let identity = u64::from(cat.identity());
+        let meta = format!(
+            "{META_VERSION}\ndataset {identity:08x}\nslot_bytes {slot_bytes}\nslots {slots}\n"
+        );
+        let meta_path = dir.join(META_FILE);
+        let fresh = match std::fs::read_to_string(&meta_path) {
+            Ok(old) if old == meta => false,
+            Ok(old) => {
+                let mut lines = old.lines();
+                if lines.next() != Some(META_VERSION) {
+                    return Err(Error::CacheArea {
+                        path: dir.to_path_buf(),
+                        reason: format!(
+                            "{META_FILE} is not a kspeed cache area of this version \
+                             (first line {:?}, expected {META_VERSION:?}); remove the folder \
+                             or name another cache_dir",
+                            old.lines().next().unwrap_or("")
+                        ),
+                    });
+                }
+                let theirs = lines.next().unwrap_or("");
+                if theirs != format!("dataset {identity:08x}") {
+                    return Err(Error::CacheArea {
+                        path: dir.to_path_buf(),
+                        reason: format!(
+                            "it holds another dataset ({theirs}; this loader reads dataset \
+                             {identity:08x}): remove the folder or name another cache_dir"
+                        ),
+                    });
+                }
+                log::info!(
+                    "cache area {}: a new size ({slots} slots of {slot_bytes} bytes); starting empty",
+                    dir.display()
+                );
+                true
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => true,
+            Err(e) => return Err(Error::io("read", &meta_path, e)),
+        };
+        let data_path = dir.join(DATA_FILE);
+        let journal_path = dir.join(JOURNAL_FILE);
+        if fresh {
+            // The journal first: a crash between these steps leaves an
+            // area with no journal (empty), never records over new slots.
+            match std::fs::remove_file(&journal_path) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(Error::io("remove", &journal_path, e)),
+            }
+            sync_dir(dir)?;
+        }
+        let (data, direct) = crate::sys::open_direct_rw(&data_path).ctx("open", &data_path)?;
+        let data_bytes = slots * slot_bytes;
+        if fresh {
+            data.set_len(0).ctx("truncate", &data_path)?;
+            match crate::sys::allocate(&data, data_bytes) {
+                Ok(()) => {}
+                Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => {
+                    data.set_len(data_bytes).ctx("truncate", &data_path)?
+                }
+                Err(e) => {
+                    let _ = data.set_len(0);
+                    return Err(Error::io("preallocate", &data_path, e));
+                }
+            }
+            data.sync_all().ctx("fsync", &data_path)?;
+            write_atomically(&meta_path, meta.as_bytes())?;
+            sync_dir(dir)?;
+        } else {
+            let len = data.metadata().ctx("stat", &data_path)?.len();
+            if len < data_bytes {
+                return Err(Error::CacheArea {
+                    path: dir.to_path_buf(),
+                    reason: format!(
+                        "{DATA_FILE} is {len} bytes, its metadata says {data_bytes}: \
+                         remove the folder"
+                    ),
+                });
+            }
+        }
+        let held = replay(&journal_path, cat, slots as u32)?;
+        let words: Box<[AtomicU64]> = (0..slots).map(|_| AtomicU64::new(0)).collect();
+        for (slot, rec) in held.iter().enumerate() {
+            if let Some(r) = rec {
+                words[slot].store(SlotWord::pack(Some(r.id), S_FULL), Ordering::Relaxed);
+            }
+        }
+        let shared = Arc::new(AreaShared {
+            dir: dir.to_path_buf(),
+            data,
+            direct,
+            slot_bytes,
+            words,
+            counters: Counters::default(),
+        });
+        let writer = super::writer::Writer::start(shared.clone(), &journal_path, held)?;
+        Ok(CacheArea {
+            shared,
+            writer,
+            _lock: lock,
+        })
+    }
+
+    /// The folder.
+    pub fn dir(&self) -> &Path {
+        &self.shared.dir
+    }
+
+    /// Bytes per slot.
+    pub fn slot_bytes(&self) -> u64 {
+        self.shared.slot_bytes
+    }
+
+    /// Slots.
+    pub fn slots(&self) -> u32 {
+        self.shared.words.len() as u32
+    }
+
+    /// Whether the slots are read and written with O_DIRECT.
+    pub fn direct(&self) -> bool {
+        self.shared.direct
+    }
+
+    /// The slots' descriptor (pollers read slots through it).
+    pub(crate) fn data_fd(&self) -> RawFd {
+        self.shared.data.as_raw_fd()
+    }
+
+    /// (slot, sample) of every slot held now.
+    pub(crate) fn held(&self) -> Vec<(u32, u64)> {
+        self.shared
+            .words
+            .iter()
+            .enumerate()
+            .filter_map(|(s, w)| {
+                let w = w.load(Ordering::Acquire);
+                (SlotWord::state(w) != S_EMPTY)
+                    .then(|| SlotWord::id(w).map(|id| (s as u32, id)))
+                    .flatten()
+            })
+            .collect()
+    }
+
+    /// Whether `slot` holds nothing and is not being written.
+    pub(crate) fn slot_empty(&self, slot: u32) -> bool {
+        SlotWord::state(self.shared.words[slot as usize].load(Ordering::Acquire)) == S_EMPTY
+    }
+
+    /// A poller is about to read `slot` for sample `id`: whether the slot
+    /// holds it, durably; if so the slot is not rewritten until
+    /// [`CacheArea::end_read`].
+    pub(crate) fn begin_read(&self, slot: u32, id: u64) -> bool {
+        let w = &self.shared.words[slot as usize];
+        let mut cur = w.load(Ordering::Acquire);
+        loop {
+            if SlotWord::state(cur) != S_FULL || SlotWord::id(cur) != Some(id) {
+                return false;
+            }
+            assert!(
+                SlotWord::readers(cur) < (1 << 21),
+                "cache slot {slot}: reader count out of range (a begin_read without end_read)"
+            );
+            match w.compare_exchange_weak(cur, cur + READER_ONE, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => return true,
+                Err(now) => cur = now,
+            }
+        }
+    }
+
+    /// The read [`CacheArea::begin_read`] allowed is over. With `corrupt`,
+    /// its bytes did not match the catalog: the slot is emptied (the writer
+    /// journals it) and counted.
+    pub(crate) fn end_read(&self, slot: u32, len: u64, corrupt: bool) {
+        let w = &self.shared.words[slot as usize];
+        let before = w.fetch_sub(READER_ONE, Ordering::AcqRel);
+        assert!(
+            SlotWord::readers(before) > 0,
+            "cache slot {slot}: end_read without begin_read"
+        );
+        let c = &self.shared.counters;
+        if corrupt {
+            c.corrupt.fetch_add(1, Ordering::Relaxed);
+            self.writer.evict(slot);
+        } else {
+            c.hits.fetch_add(1, Ordering::Relaxed);
+            c.hit_bytes.fetch_add(len, Ordering::Relaxed);
+        }
+    }
+
+    /// Sample `id`, whose bytes (`bytes`, checked against the catalog's
+    /// CRC `crc` by the caller) are in the ring now, should be kept in
+    /// `slot`: copies them to a write buffer for the writer thread. False
+    /// (counted as skipped) when no buffer is free.
+    pub(crate) fn admit(&self, slot: u32, id: u64, crc: u32, bytes: &[u8]) -> bool {
+        let ok = self.writer.admit(slot, id, crc, bytes);
+        if !ok {
+            self.shared.counters.skipped.fetch_add(1, Ordering::Relaxed);
+        }
+        ok
+    }
+
+    /// Waits until every admitted sample is written or given up (tests and
+    /// a loader's drop: what a run kept is durable when it returns).
+    pub fn flush(&self) {
+        self.writer.flush();
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> CacheStats {
+        let c = &self.shared.counters;
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        CacheStats {
+            hits: l(&c.hits),
+            hit_bytes: l(&c.hit_bytes),
+            writes: l(&c.writes),
+            write_bytes: l(&c.write_bytes),
+            skipped: l(&c.skipped),
+            corrupt: l(&c.corrupt),
+            write_errors: l(&c.write_errors),
+            held: self.held().len() as u64,
+            slots: self.slots() as u64,
+            slot_bytes: self.slot_bytes(),
+        }
+    }
+}
+
+/// The slot size for `cat`: its 99th percentile sample length rounded up
+/// to 4 KiB. Slots of the largest sample would waste most of the area on a
+/// dataset with a long tail of sizes (a JPEG set's largest is several times
+/// its mean); the 1 % of samples larger than a slot are always read from
+/// the source.
+pub fn slot_bytes_for(cat: &Catalog) -> u64 {
+    let mut lens: Vec<u32> = (0..cat.len()).map(|id| cat.sample(id).len).collect();
+    if lens.is_empty() {
+        return SLOT_ALIGN;
+    }
+    let k = ((lens.len() as u64 * 99).div_ceil(100) as usize).clamp(1, lens.len()) - 1;
+    let (_, p99, _) = lens.select_nth_unstable(k);
+    (*p99 as u64).max(1).next_multiple_of(SLOT_ALIGN)
+}
+
+/// What each slot holds after replaying the journal at `path` (records that
+/// do not match the catalog are dropped; a torn tail is cut off).
+fn replay(path: &Path, cat: &Catalog, slots: u32) -> Result<Vec<Option<Record>>> {
+    let mut held: Vec<Option<Record>> = vec![None; slots as usize];
+    let mut buf = Vec::new();
+    match File::open(path) {
+        Ok(mut f) => {
+            f.read_to_end(&mut buf).ctx("read", path)?;
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(held),
+        Err(e) => return Err(Error::io("open", path, e)),
+    }
+    let mut good = 0;
+    for chunk in buf.chunks(RECORD_BYTES) {
+        let Some(r) = Record::decode(chunk) else {
+            break;
+        };
+        good += RECORD_BYTES;
+        if r.slot >= slots {
+            continue;
+        }
+        held[r.slot as usize] = (r.kind == REC_FULL).then_some(r);
+    }
+    if good < buf.len() {
+        log::warn!(
+            "cache area journal {}: {} bytes after the last whole record dropped (a write \
+             cut short)",
+            path.display(),
+            buf.len() - good
+        );
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(path)
+            .ctx("open", path)?;
+        f.set_len(good as u64).ctx("truncate", path)?;
+        f.sync_all().ctx("fsync", path)?;
+    }
+    // A record that does not match the catalog, or a sample named by two
+    // slots (the later wins), is not held.
+    let mut seen = std::collections::HashMap::new();
+    for slot in 0..slots as usize {
+        let Some(r) = held[slot] else { continue };
+        let ok = r.id < cat.len() && {
+            let s = cat.sample(r.id);
+            s.len == r.len && s.crc32c == r.crc
+        };
+        if !ok {
+            held[slot] = None;
+            continue;
+        }
+        if let Some(other) = seen.insert(r.id, slot) {
+            held[other] = None;
+        }
+    }
+    Ok(held)
+}
+
+/// Writes `bytes` to `path` through a temporary file and a rename, synced.
+fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
+    let tmp = path.with_extension("tmp");
+    let mut f = File::create(&tmp).ctx("create", &tmp)?;
+    f.write_all(bytes).ctx("write", &tmp)?;
+    f.sync_all().ctx("fsync", &tmp)?;
+    std::fs::rename(&tmp, path).ctx("rename", path)
+}
+
+/// Makes a folder's entries (a rename, a removal) durable.
+pub(crate) fn sync_dir(dir: &Path) -> Result<()> {
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .ctx("fsync", dir)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn records_round_trip_and_torn_ones_are_refused() {
+        let r = Record {
+            kind: REC_FULL,
+            slot: 7,
+            id: 123_456_789,
+            len: 4096,
+            crc: 0xDEAD_BEEF,
+        };
+        let b = r.encode();
+        assert_eq!(Record::decode(&b), Some(r));
+        for i in 0..RECORD_BYTES {
+            let mut t = b;
+            t[i] ^= 1;
+            assert_eq!(Record::decode(&t), None, "byte {i} flipped");
+        }
+        assert_eq!(Record::decode(&b[..31]), None);
+    }
+
+    #[test]
+    fn slot_words_pack_ids_states_and_readers() {
+        let w = SlotWord::pack(Some(MAX_CACHED_ID), S_FULL);
+        assert_eq!(SlotWord::id(w), Some(MAX_CACHED_ID));
+        assert_eq!(SlotWord::state(w), S_FULL);
+        assert_eq!(SlotWord::readers(w + 3 * READER_ONE), 3);
+        assert_eq!(SlotWord::id(SlotWord::pack(None, S_EMPTY)), None);
+    }
+}

@@ -1,0 +1,527 @@
+//! The cache area's writer thread: puts the samples the planner keeps into
+//! their slots, durably, off the pollers' loops.
+//!
+//! A poller that read a sample the planner admits copies its bytes from the
+//! ring into one of a fixed set of write buffers (allocated at start; none
+//! free means the sample is not kept this time: back-pressure, never an
+//! allocation) and queues it. The writer takes what is queued as a batch:
+//!
+//! 1. claims each slot (its word goes to WRITING, so no poller starts a
+//!    read of it; a poller still reading the old sample is waited for);
+//! 2. journals the claimed slots that held a sample as empty, and syncs;
+//! 3. writes the new bytes (O_DIRECT where the file system allows) and
+//!    syncs the data file;
+//! 4. journals the slots as full (id, length, CRC) and syncs;
+//! 5. marks the words FULL, so pollers read them from now on.
+//!
+//! A crash anywhere leaves each slot either journalled empty or holding
+//! the bytes its last record names (area.rs, "crash safety"). Three syncs
+//! per batch, not per sample; the source's reads set the pace anyway.
+
+use std::fs::File;
+use std::io::Write;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, Sender};
+
+use super::area::{
+    sync_dir, AreaShared, Record, SlotWord, RECORD_BYTES, REC_EMPTY, REC_FULL, SLOT_ALIGN,
+    S_EMPTY, S_FULL, S_WRITING,
+};
+use crate::error::{errno_name, Result, IoContext};
+use crate::sys::AlignedBuf;
+
+/// Write buffers: as many as fit in this many bytes (at least 2, at most
+/// [`MAX_BUFFERS`]).
+const BUFFER_BUDGET_BYTES: u64 = 64 << 20;
+const MAX_BUFFERS: u64 = 64;
+/// Samples written per batch at most.
+const BATCH: usize = 64;
+/// How long the writer waits for a poller to finish reading a slot's old
+/// sample before it gives the new one up (a read takes milliseconds).
+const CLAIM_WAIT: Duration = Duration::from_secs(5);
+/// The journal is rewritten with only live records once it holds more
+/// than this many records per slot.
+const COMPACT_RECORDS_PER_SLOT: u64 = 4;
+
+enum Job {
+    Admit {
+        slot: u32,
+        id: u64,
+        len: u32,
+        crc: u32,
+        buf: u32,
+    },
+    Evict {
+        slot: u32,
+    },
+    Flush(Sender<()>),
+}
+
+/// The writer thread and its buffers (module doc).
+pub(crate) struct Writer {
+    jobs: Option<Sender<Job>>,
+    free: Receiver<u32>,
+    bufs: Arc<AlignedBuf>,
+    slot_bytes: u64,
+    shared: Arc<AreaShared>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Writer {
+    /// Starts the thread over the journal at `journal_path`, whose replay
+    /// gave `held` (per slot).
+    pub(crate) fn start(
+        shared: Arc<AreaShared>,
+        journal_path: &Path,
+        held: Vec<Option<Record>>,
+    ) -> Result<Writer> {
+        let slot_bytes = shared.slot_bytes;
+        let n = (BUFFER_BUDGET_BYTES / slot_bytes).clamp(2, MAX_BUFFERS);
+        let bufs = Arc::new(AlignedBuf::new(
+            (n * slot_bytes) as usize,
+            SLOT_ALIGN as usize,
+        ));
+        let (free_tx, free) = crossbeam_channel::bounded(n as usize);
+        for i in 0..n as u32 {
+            free_tx.send(i).expect("sized for every buffer");
+        }
+        // Admits are bounded by the buffers; evictions and flushes fit in
+        // the rest (an eviction that does not is dropped: the word is
+        // already empty, and a later read checks the CRC again).
+        let (jobs, rx) = crossbeam_channel::bounded(n as usize + 1024);
+        let journal = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(journal_path)
+            .ctx("open", journal_path)?;
+        let records = journal.metadata().ctx("stat", journal_path)?.len() / RECORD_BYTES as u64;
+        let mut state = WriterState {
+            shared: shared.clone(),
+            bufs: bufs.clone(),
+            free: free_tx,
+            journal,
+            journal_path: journal_path.to_path_buf(),
+            records,
+            durable: held,
+            warned: false,
+        };
+        state.compact_if_long();
+        let thread = std::thread::Builder::new()
+            .name("kspeed-cache-w".into())
+            .spawn(move || state.run(rx))
+            .map_err(|e| crate::Error::ThreadSpawn {
+                thread: "cache writer",
+                source: Arc::new(e),
+            })?;
+        Ok(Writer {
+            jobs: Some(jobs),
+            free,
+            bufs,
+            slot_bytes,
+            shared,
+            thread: Some(thread),
+        })
+    }
+
+    /// Queues sample `id` (`bytes`, CRC `crc`) for `slot`; false when no
+    /// write buffer is free.
+    pub(crate) fn admit(&self, slot: u32, id: u64, crc: u32, bytes: &[u8]) -> bool {
+        assert!(
+            bytes.len() as u64 <= self.slot_bytes,
+            "a sample larger than the cache area's slot"
+        );
+        let Ok(buf) = self.free.try_recv() else {
+            return false;
+        };
+        let at = buf as usize * self.slot_bytes as usize;
+        // SAFETY: buffer `buf` came off the free list, so no other thread
+        // uses its `slot_bytes` at `at` (inside the mapping: `buf` < the
+        // buffer count) until the writer hands it back; `bytes` is the
+        // caller's memory, which does not overlap our mapping.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                bytes.as_ptr(),
+                self.bufs.as_mut_ptr().add(at),
+                bytes.len(),
+            )
+        };
+        let job = Job::Admit {
+            slot,
+            id,
+            len: bytes.len() as u32,
+            crc,
+            buf,
+        };
+        let sent = self.jobs.as_ref().is_some_and(|j| j.try_send(job).is_ok());
+        assert!(sent, "the cache writer's queue holds every buffer's job");
+        true
+    }
+
+    /// Slot `slot`'s bytes were found corrupt: no poller reads it from now
+    /// on, and the writer journals it empty.
+    pub(crate) fn evict(&self, slot: u32) {
+        let w = &self.shared.words[slot as usize];
+        // The state bits to EMPTY, readers and id kept.
+        w.fetch_and(!(3u64 << 40), Ordering::AcqRel);
+        if let Some(j) = &self.jobs {
+            let _ = j.try_send(Job::Evict { slot });
+        }
+    }
+
+    /// Waits until everything queued so far is written (or given up).
+    pub(crate) fn flush(&self) {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        if let Some(j) = &self.jobs {
+            if j.send(Job::Flush(tx)).is_ok() {
+                if rx.recv_timeout(Duration::from_secs(120)).is_err() {
+                    log::warn!(
+                        "cache area {}: the writer did not finish within 120 s",
+                        self.shared.dir.display()
+                    );
+                }
+            }
+        }
+    }
+}
+
+impl Drop for Writer {
+    fn drop(&mut self) {
+        // Closing the queue ends the thread once it has written what was
+        // queued: what a run kept is durable when its loader is gone.
+        self.jobs = None;
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+struct WriterState {
+    shared: Arc<AreaShared>,
+    bufs: Arc<AlignedBuf>,
+    free: Sender<u32>,
+    journal: File,
+    journal_path: PathBuf,
+    records: u64,
+    /// What each slot holds as far as the journal on disk says.
+    durable: Vec<Option<Record>>,
+    warned: bool,
+}
+
+struct Claimed {
+    slot: u32,
+    id: u64,
+    len: u32,
+    crc: u32,
+    buf: u32,
+}
+
+impl WriterState {
+    fn run(mut self, rx: Receiver<Job>) {
+        let mut batch = Vec::with_capacity(BATCH);
+        let mut flushes = Vec::new();
+        while let Ok(first) = rx.recv() {
+            let mut next = Some(first);
+            while let Some(job) = next.take() {
+                match job {
+                    Job::Flush(tx) => flushes.push(tx),
+                    Job::Evict { slot } => self.evicted(slot),
+                    Job::Admit {
+                        slot,
+                        id,
+                        len,
+                        crc,
+                        buf,
+                    } => batch.push(Claimed {
+                        slot,
+                        id,
+                        len,
+                        crc,
+                        buf,
+                    }),
+                }
+                if batch.len() < BATCH {
+                    next = rx.try_recv().ok();
+                }
+            }
+            self.write_batch(&mut batch);
+            for tx in flushes.drain(..) {
+                let _ = tx.send(());
+            }
+        }
+    }
+
+    /// A corrupt slot: journal it empty (its word is already empty).
+    fn evicted(&mut self, slot: u32) {
+        if self.durable[slot as usize].is_none() {
+            return;
+        }
+        let rec = Record {
+            kind: REC_EMPTY,
+            slot,
+            id: 0,
+            len: 0,
+            crc: 0,
+        };
+        if self.append(&[rec]) {
+            self.durable[slot as usize] = None;
+        }
+    }
+
+    fn write_batch(&mut self, batch: &mut Vec<Claimed>) {
+        if batch.is_empty() {
+            return;
+        }
+        let shared = self.shared.clone();
+        let c = &shared.counters;
+        // A slot named twice keeps the later sample: the planner moved on.
+        let mut keep = Vec::with_capacity(batch.len());
+        for (i, job) in batch.iter().enumerate() {
+            if batch[i + 1..].iter().any(|j| j.slot == job.slot) {
+                c.skipped.fetch_add(1, Ordering::Relaxed);
+                let _ = self.free.send(job.buf);
+            } else {
+                keep.push(i);
+            }
+        }
+        // 1. Claim.
+        let mut claimed = Vec::with_capacity(keep.len());
+        for i in keep {
+            let job = &batch[i];
+            if self.claim(job.slot, job.id) {
+                claimed.push(i);
+            } else {
+                c.skipped.fetch_add(1, Ordering::Relaxed);
+                let _ = self.free.send(job.buf);
+            }
+        }
+        // 2. Journal the old contents gone.
+        let empties: Vec<Record> = claimed
+            .iter()
+            .map(|&i| batch[i].slot)
+            .filter(|&s| self.durable[s as usize].is_some())
+            .map(|slot| Record {
+                kind: REC_EMPTY,
+                slot,
+                id: 0,
+                len: 0,
+                crc: 0,
+            })
+            .collect();
+        if !empties.is_empty() && !self.append(&empties) {
+            for &i in &claimed {
+                self.give_up(&batch[i]);
+            }
+            batch.clear();
+            return;
+        }
+        for r in &empties {
+            self.durable[r.slot as usize] = None;
+        }
+        // 3. Write the bytes.
+        let mut written = Vec::with_capacity(claimed.len());
+        for &i in &claimed {
+            let job = &batch[i];
+            match self.write_slot(job) {
+                Ok(()) => written.push(i),
+                Err(e) => {
+                    self.warn_write(job.slot, &e);
+                    self.give_up(job);
+                }
+            }
+        }
+        if !written.is_empty() {
+            if let Err(e) = self.shared.data.sync_data() {
+                self.warn_write(u32::MAX, &e);
+                for &i in &written {
+                    self.give_up(&batch[i]);
+                }
+                batch.clear();
+                return;
+            }
+        }
+        // 4. Journal them full.
+        let fulls: Vec<Record> = written
+            .iter()
+            .map(|&i| {
+                let j = &batch[i];
+                Record {
+                    kind: REC_FULL,
+                    slot: j.slot,
+                    id: j.id,
+                    len: j.len,
+                    crc: j.crc,
+                }
+            })
+            .collect();
+        if !self.append(&fulls) {
+            for &i in &written {
+                self.give_up(&batch[i]);
+            }
+            batch.clear();
+            return;
+        }
+        // 5. Publish.
+        for (&i, r) in written.iter().zip(&fulls) {
+            let j = &batch[i];
+            self.durable[j.slot as usize] = Some(*r);
+            self.shared.words[j.slot as usize]
+                .store(SlotWord::pack(Some(j.id), S_FULL), Ordering::Release);
+            c.writes.fetch_add(1, Ordering::Relaxed);
+            c.write_bytes.fetch_add(j.len as u64, Ordering::Relaxed);
+            let _ = self.free.send(j.buf);
+        }
+        batch.clear();
+        self.compact_if_long();
+    }
+
+    /// Takes `slot` for sample `id` once no poller reads it.
+    fn claim(&self, slot: u32, id: u64) -> bool {
+        let w = &self.shared.words[slot as usize];
+        let deadline = Instant::now() + CLAIM_WAIT;
+        let mut cur = w.load(Ordering::Acquire);
+        loop {
+            if SlotWord::readers(cur) == 0 {
+                match w.compare_exchange(
+                    cur,
+                    SlotWord::pack(Some(id), S_WRITING),
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                ) {
+                    Ok(_) => return true,
+                    Err(now) => {
+                        cur = now;
+                        continue;
+                    }
+                }
+            }
+            if Instant::now() >= deadline {
+                log::warn!(
+                    "cache area {}: slot {slot} still being read after {CLAIM_WAIT:?}; \
+                     sample {id} not kept",
+                    self.shared.dir.display()
+                );
+                return false;
+            }
+            // A poller's read of the slot's old sample takes a disk read's
+            // time: yield rather than spin on a core the pollers need.
+            std::thread::sleep(Duration::from_micros(200));
+            cur = w.load(Ordering::Acquire);
+        }
+    }
+
+    /// A claimed slot that could not be written: empty, buffer back.
+    fn give_up(&self, job: &Claimed) {
+        self.shared.words[job.slot as usize].store(SlotWord::pack(None, S_EMPTY), Ordering::Release);
+        self.shared
+            .counters
+            .write_errors
+            .fetch_add(1, Ordering::Relaxed);
+        let _ = self.free.send(job.buf);
+    }
+
+    fn write_slot(&self, job: &Claimed) -> std::io::Result<()> {
+        let sb = self.shared.slot_bytes as usize;
+        let at = job.buf as usize * sb;
+        let n = (job.len as u64).next_multiple_of(SLOT_ALIGN).max(SLOT_ALIGN) as usize;
+        // The tail past the sample is zeroed: the slot's padding is not
+        // another sample's leftovers.
+        // SAFETY: this thread owns buffer `job.buf` until it sends the
+        // index back; bytes len..n of it belong to no one else either.
+        unsafe {
+            std::ptr::write_bytes(
+                self.bufs.as_mut_ptr().add(at + job.len as usize),
+                0,
+                n - job.len as usize,
+            )
+        };
+        let buf = &self.bufs.as_slice()[at..at + n];
+        let got = crc32c::crc32c(&buf[..job.len as usize]);
+        if got != job.crc {
+            // The copy into the buffer went wrong: a bug, but not one to
+            // put on disk.
+            return Err(std::io::Error::other(format!(
+                "write buffer CRC {got:08x}, the catalog's {:08x}",
+                job.crc
+            )));
+        }
+        self.shared
+            .data
+            .write_all_at(buf, job.slot as u64 * self.shared.slot_bytes)
+    }
+
+    /// Appends records and syncs the journal; false (logged) on failure.
+    fn append(&mut self, recs: &[Record]) -> bool {
+        let mut bytes = Vec::with_capacity(recs.len() * RECORD_BYTES);
+        for r in recs {
+            bytes.extend_from_slice(&r.encode());
+        }
+        let r = self
+            .journal
+            .write_all(&bytes)
+            .and_then(|()| self.journal.sync_data());
+        match r {
+            Ok(()) => {
+                self.records += recs.len() as u64;
+                true
+            }
+            Err(e) => {
+                self.warn_write(u32::MAX, &e);
+                false
+            }
+        }
+    }
+
+    fn warn_write(&mut self, slot: u32, e: &std::io::Error) {
+        if self.warned {
+            return;
+        }
+        self.warned = true;
+        let what = if slot == u32::MAX {
+            String::new()
+        } else {
+            format!(" slot {slot}:")
+        };
+        log::warn!(
+            "cache area {}:{what} write failed: {} ({e}); the samples are still delivered from \
+             the source, but not kept (further failures are counted, not logged)",
+            self.shared.dir.display(),
+            errno_name(e.raw_os_error().unwrap_or(0)),
+        );
+    }
+
+    /// Rewrites the journal with one record per held slot when it has
+    /// grown long (temporary file, sync, rename: a crash keeps one whole).
+    fn compact_if_long(&mut self) {
+        let slots = self.durable.len() as u64;
+        if self.records <= COMPACT_RECORDS_PER_SLOT * slots + 1024 {
+            return;
+        }
+        let r = (|| -> Result<()> {
+            let tmp = self.journal_path.with_extension("tmp");
+            let mut f = File::create(&tmp).ctx("create", &tmp)?;
+            let mut bytes = Vec::new();
+            for r in self.durable.iter().flatten() {
+                bytes.extend_from_slice(&r.encode());
+            }
+            f.write_all(&bytes).ctx("write", &tmp)?;
+            f.sync_all().ctx("fsync", &tmp)?;
+            std::fs::rename(&tmp, &self.journal_path).ctx("rename", &self.journal_path)?;
+            sync_dir(self.journal_path.parent().unwrap_or(Path::new(".")))?;
+            self.journal = std::fs::OpenOptions::new()
+                .append(true)
+                .open(&self.journal_path)
+                .ctx("open", &self.journal_path)?;
+            self.records = bytes.len() as u64 / RECORD_BYTES as u64;
+            Ok(())
+        })();
+        if let Err(e) = r {
+            log::warn!("cache area journal not compacted: {e}");
+        }
+    }
+}

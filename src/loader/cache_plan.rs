@@ -1,0 +1,314 @@
+//! The cache area's planner: walks the rank's known order one sample ahead
+//! of the pollers that need it and decides, for each sample that goes to
+//! the source, whether it is read from a slot of the area (a hit), read
+//! from the source and kept in a slot (admitted, evicting what the policy
+//! chooses), or read from the source and not kept (bypass).
+//!
+//! The decisions are a pure function of the order and of what the area
+//! held when the run started, so they do not depend on which poller reads
+//! what or when. They are kept in a ring indexed by the sample's sequence
+//! number; the pollers of one run share the planner behind a mutex, taken
+//! once per sample that goes to the source (a GET or a source read, which
+//! costs a thousand times the lock). A poller that finds its entry already
+//! overwritten (it fell a whole ring behind) reads the source: the
+//! planner's state and the area's slot words may disagree, and every
+//! disagreement ends in a source read, never in wrong bytes (area.rs).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use crate::cache::{Belady, CachePolicy, Decision};
+use super::schedule::{Cursor, Placed};
+use crate::sampler::NextUse;
+
+/// What a poller does with a sample that goes to the source.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Plan {
+    /// Read the source; do not keep it.
+    Source,
+    /// Read it from this slot (if the slot holds it; else the source).
+    Hit(u32),
+    /// Read the source, then keep it in this slot.
+    Admit(u32),
+}
+
+const HIT: u32 = 1 << 31;
+const ADMIT: u32 = 1 << 30;
+/// Slots the planner can name (codes keep two bits for the kind).
+pub(crate) const MAX_SLOTS: u64 = 1 << 30;
+
+/// LRU over fixed slots: a doubly linked list of slots, most recent first;
+/// O(1) per read and nothing allocated after start.
+struct SlotLru {
+    prev: Vec<u32>,
+    next: Vec<u32>,
+    head: u32,
+    tail: u32,
+}
+
+const NIL: u32 = u32::MAX;
+
+impl SlotLru {
+    fn new(slots: u32) -> Self {
+        SlotLru {
+            prev: vec![NIL; slots as usize],
+            next: vec![NIL; slots as usize],
+            head: NIL,
+            tail: NIL,
+        }
+    }
+
+    fn unlink(&mut self, s: u32) {
+        let (p, n) = (self.prev[s as usize], self.next[s as usize]);
+        if p != NIL {
+            self.next[p as usize] = n;
+        } else {
+            self.head = n;
+        }
+        if n != NIL {
+            self.prev[n as usize] = p;
+        } else {
+            self.tail = p;
+        }
+        self.prev[s as usize] = NIL;
+        self.next[s as usize] = NIL;
+    }
+
+    fn push_front(&mut self, s: u32) {
+        self.next[s as usize] = self.head;
+        self.prev[s as usize] = NIL;
+        if self.head != NIL {
+            self.prev[self.head as usize] = s;
+        } else {
+            self.tail = s;
+        }
+        self.head = s;
+    }
+}
+
+enum Policy {
+    NextUse {
+        min: Belady,
+        next: NextUse,
+        rank: u64,
+        world: u64,
+    },
+    Lru {
+        list: SlotLru,
+        id_of: Vec<u64>,
+    },
+}
+
+/// The planner of one run (module doc).
+pub(crate) struct Planner {
+    policy: Policy,
+    slot_bytes: u64,
+    slot_of: HashMap<u64, u32>,
+    free: Vec<u32>,
+    cursor: Cursor,
+    /// The next sequence number to plan.
+    planned: u64,
+    /// Per sequence number mod the ring's length: (g + 1, code).
+    ring: Box<[(u64, u32)]>,
+}
+
+/// What a run's planner starts from.
+pub(crate) struct PlanSpec {
+    pub policy: CachePolicy,
+    /// The rank's next reads (next-use policy).
+    pub next: Option<NextUse>,
+    pub rank: u64,
+    pub world: u64,
+    pub slots: u32,
+    pub slot_bytes: u64,
+    /// (slot, sample) held at the run's start.
+    pub held: Vec<(u32, u64)>,
+    /// The run's schedule from its start, as the pollers walk it.
+    pub cursor: Cursor,
+    /// Decisions kept (at least the most samples the ring holds at once).
+    pub ring_len: usize,
+}
+
+impl Planner {
+    pub(crate) fn new(spec: PlanSpec) -> Self {
+        let slots = spec.slots;
+        assert!((slots as u64) < MAX_SLOTS, "too many cache slots");
+        let start = spec.cursor.next_g();
+        let mut p = Planner {
+            policy: match (spec.policy, spec.next) {
+                (CachePolicy::NextUse, Some(next)) => Policy::NextUse {
+                    min: Belady::new(slots as u64 * spec.slot_bytes, slots as usize),
+                    next,
+                    rank: spec.rank,
+                    world: spec.world,
+                },
+                _ => Policy::Lru {
+                    list: SlotLru::new(slots),
+                    id_of: vec![u64::MAX; slots as usize],
+                },
+            },
+            slot_bytes: spec.slot_bytes,
+            slot_of: HashMap::with_capacity(slots as usize),
+            free: Vec::with_capacity(slots as usize),
+            cursor: spec.cursor,
+            planned: start,
+            ring: vec![(0, 0); spec.ring_len.max(1)].into_boxed_slice(),
+        };
+        let mut used = vec![false; slots as usize];
+        // The time just before the run's first sample: what is held is
+        // ranked by its next read from there.
+        let t0 = p.cursor.position();
+        for (slot, id) in spec.held {
+            if used[slot as usize] || p.slot_of.contains_key(&id) {
+                continue;
+            }
+            let kept = match &mut p.policy {
+                Policy::NextUse {
+                    min,
+                    next,
+                    rank,
+                    world,
+                } => {
+                    let t = next.time(t0.epoch, t0.index * *world + *rank);
+                    let n = next.after(id, t.saturating_sub(1));
+                    min.insert(id, spec.slot_bytes, n)
+                }
+                Policy::Lru { list, id_of } => {
+                    list.push_front(slot);
+                    id_of[slot as usize] = id;
+                    true
+                }
+            };
+            if kept {
+                used[slot as usize] = true;
+                p.slot_of.insert(id, slot);
+            }
+        }
+        p.free
+            .extend((0..slots).rev().filter(|&s| !used[s as usize]));
+        p
+    }
+
+    /// The plan for sample `g`, planning every sample up to it first.
+    /// `len_of` gives a sample's length (the schedule's), `wants` whether a
+    /// scheduled sample goes to the source from this process's pollers.
+    pub(crate) fn decide(
+        &mut self,
+        g: u64,
+        len_of: &dyn Fn(u64) -> u64,
+        wants: &dyn Fn(&Placed) -> bool,
+    ) -> Plan {
+        let n = self.ring.len() as u64;
+        while self.planned <= g {
+            let p = self.cursor.next_with(len_of);
+            debug_assert_eq!(p.g, self.planned, "the planner's cursor and its count");
+            let code = if wants(&p) { self.plan(&p) } else { 0 };
+            self.ring[(p.g % n) as usize] = (p.g + 1, code);
+            self.planned += 1;
+        }
+        match self.ring[(g % n) as usize] {
+            (tag, code) if tag == g + 1 => decode(code),
+            _ => Plan::Source,
+        }
+    }
+
+    fn plan(&mut self, p: &Placed) -> u32 {
+        let id = p.id;
+        if p.len > self.slot_bytes {
+            // Larger than a slot (the top 1 % of sizes): not kept.
+            return 0;
+        }
+        match &mut self.policy {
+            Policy::NextUse {
+                min,
+                next,
+                rank,
+                world,
+            } => {
+                let t = next.time(p.pos.epoch, p.pos.index * *world + *rank);
+                let n = next.after(id, t);
+                let (slot_of, free) = (&mut self.slot_of, &mut self.free);
+                match min.read(id, self.slot_bytes, n, |gone| {
+                    let s = slot_of.remove(&gone).expect("a held sample has a slot");
+                    free.push(s);
+                }) {
+                    Decision::Hit => HIT | self.slot_of[&id],
+                    Decision::Bypass => 0,
+                    Decision::Admit => {
+                        let s = self.free.pop().expect("MIN admits only with a slot free");
+                        self.slot_of.insert(id, s);
+                        ADMIT | s
+                    }
+                }
+            }
+            Policy::Lru { list, id_of } => {
+                if let Some(&s) = self.slot_of.get(&id) {
+                    list.unlink(s);
+                    list.push_front(s);
+                    return HIT | s;
+                }
+                let s = match self.free.pop() {
+                    Some(s) => s,
+                    None => {
+                        let s = list.tail;
+                        list.unlink(s);
+                        self.slot_of.remove(&id_of[s as usize]);
+                        s
+                    }
+                };
+                list.push_front(s);
+                id_of[s as usize] = id;
+                self.slot_of.insert(id, s);
+                ADMIT | s
+            }
+        }
+    }
+}
+
+fn decode(code: u32) -> Plan {
+    if code & HIT != 0 {
+        Plan::Hit(code & !HIT)
+    } else if code & ADMIT != 0 {
+        Plan::Admit(code & !ADMIT)
+    } else {
+        Plan::Source
+    }
+}
+
+/// A loader's cache area and how its runs plan for it.
+pub(crate) struct CacheSetup {
+    pub area: Arc<crate::cache::CacheArea>,
+    pub policy: CachePolicy,
+    pub next: Option<NextUse>,
+    pub rank: u64,
+    pub world: u64,
+}
+
+/// The cache area as one run's pollers see it.
+pub(crate) struct RunCache {
+    pub area: Arc<crate::cache::CacheArea>,
+    pub plan: Mutex<Planner>,
+}
+
+impl CacheSetup {
+    /// The run starting with `cursor`'s schedule, its planner starting
+    /// from what the area holds now; `ring_len`: the most samples the
+    /// landing ring holds at once.
+    pub(crate) fn run(&self, cursor: Cursor, ring_len: usize) -> RunCache {
+        let area = &self.area;
+        RunCache {
+            area: area.clone(),
+            plan: Mutex::new(Planner::new(PlanSpec {
+                policy: self.policy,
+                next: self.next.clone(),
+                rank: self.rank,
+                world: self.world,
+                slots: area.slots(),
+                slot_bytes: area.slot_bytes(),
+                held: area.held(),
+                cursor,
+                ring_len: ring_len.saturating_mul(2),
+            })),
+        }
+    }
+}

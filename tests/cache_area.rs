@@ -1,0 +1,441 @@
+//! The NVMe cache area (`cache_dir`, issue 31): samples read from the
+//! source kept on the local disk for their next read, by next use or LRU,
+//! crash-safe.
+//!
+//! - four epochs of a source 3x the area, exact; the area never above its
+//!   bound; its hits never above MIN's on the same order; what it holds
+//!   (the journal, parsed as docs/CACHE.md describes it) is byte-exact;
+//!   a second loader finds it and hits;
+//! - a partial space's source samples are kept too;
+//! - `kspeed read` killed (SIGKILL) while it writes the area: the journal
+//!   names only whole, correct slots, and a rerun is exact and hits;
+//! - slots rotted on disk: every sample still exact, the bad slots counted,
+//!   emptied and journalled so;
+//! - LRU on the same order hits less than next use's bound;
+//! - what is wrong is refused by name: another dataset's area, an area in
+//!   use, no budget, nothing to keep.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+use kspeed::cache::{Belady, CachePolicy, Decision};
+use kspeed::dataset::Catalog;
+use kspeed::loader::{Loader, LoaderBuilder};
+use kspeed::sampler::{NextUse, Sampler, SamplerConfig, NEVER};
+use kspeed::Error;
+
+const SEED: u64 = 11;
+const N: u64 = 240;
+
+struct Setup {
+    tmp: tempfile::TempDir,
+    src: PathBuf,
+    catalog: PathBuf,
+    cat: Catalog,
+    /// A third of the dataset's bytes.
+    third: u64,
+}
+
+fn setup() -> Setup {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("src");
+    gen("imagenet", N, &src);
+    let catalog = tmp.path().join("src.ksc");
+    ok(&["catalog", "--source", s(&src), "--out", s(&catalog)]);
+    let cat = Catalog::open(&catalog).unwrap();
+    let total: u64 = (0..cat.len()).map(|i| cat.sample(i).len as u64).sum();
+    Setup {
+        tmp,
+        src,
+        catalog,
+        cat,
+        third: total / 3,
+    }
+}
+
+impl Setup {
+    fn cache(&self) -> PathBuf {
+        self.tmp.path().join("cache")
+    }
+
+    fn builder(&self, policy: CachePolicy) -> LoaderBuilder {
+        LoaderBuilder::source(s(&self.src))
+            .catalog(&self.catalog)
+            .seed(SEED)
+            .batch_size(8)
+            .pollers(2)
+            .pin(false)
+            .landing(test_ring(8 << 20))
+            .cache_dir(Some(self.cache()))
+            .cache_bytes(self.third)
+            .cache_policy(policy)
+    }
+}
+
+/// Reads epochs `from..to`, checking order and bytes.
+fn read_exact(l: &mut Loader, cat: &Catalog, from: u64, to: u64) -> Result<(), Error> {
+    let sampler = Sampler::new(SamplerConfig::single(cat.len(), SEED)).unwrap();
+    for e in from..to {
+        l.set_epoch(e)?;
+        let mut k = 0u64;
+        while let Some(b) = l.next_batch()? {
+            for smp in b.iter() {
+                assert_eq!(smp.id, sampler.sample(e, k), "epoch {e} step {k}");
+                let c = cat.sample(smp.id);
+                assert_eq!(smp.bytes.len(), c.len as usize, "sample {}", smp.id);
+                assert_eq!(crc32c::crc32c(smp.bytes), c.crc32c, "sample {}", smp.id);
+                k += 1;
+            }
+        }
+        assert_eq!(k, cat.len(), "every sample of epoch {e}, once");
+    }
+    Ok(())
+}
+
+/// The journal as docs/CACHE.md describes it: 32-byte little-endian
+/// records (magic "KSCJ", kind 1 full / 2 empty, slot, length, id, CRC32C
+/// of the sample, CRC32C of the first 28 bytes); the last whole record of
+/// a slot says what it holds. Returns slot -> (id, len, crc) and the count
+/// of whole records.
+fn parse_journal(dir: &Path) -> (std::collections::BTreeMap<u32, (u64, u32, u32)>, usize) {
+    let b = std::fs::read(dir.join("cache.journal")).unwrap_or_default();
+    let mut held = std::collections::BTreeMap::new();
+    let mut whole = 0;
+    for r in b.chunks(32) {
+        let u = |i: usize| u32::from_le_bytes(r[i..i + 4].try_into().unwrap());
+        if r.len() < 32 || &r[0..4] != b"KSCJ" || crc32c::crc32c(&r[..28]) != u(28) {
+            break;
+        }
+        whole += 1;
+        let (kind, slot, len) = (u(4), u(8), u(12));
+        let id = u64::from_le_bytes(r[16..24].try_into().unwrap());
+        match kind {
+            1 => held.insert(slot, (id, len, u(24))),
+            2 => held.remove(&slot),
+            k => panic!("record kind {k}"),
+        };
+    }
+    (held, whole)
+}
+
+/// `cache.meta`'s slot size and count.
+fn meta(dir: &Path) -> (u64, u64) {
+    let m = std::fs::read_to_string(dir.join("cache.meta")).unwrap();
+    let field = |k: &str| {
+        m.lines()
+            .find_map(|l| l.strip_prefix(k))
+            .unwrap()
+            .trim()
+            .parse::<u64>()
+            .unwrap()
+    };
+    (field("slot_bytes "), field("slots "))
+}
+
+/// Every slot the journal calls full holds its sample's bytes (the
+/// catalog's length and CRC). Returns how many it holds.
+fn check_held(dir: &Path, cat: &Catalog) -> usize {
+    let (slot_bytes, slots) = meta(dir);
+    let data = std::fs::read(dir.join("cache.data")).unwrap();
+    assert_eq!(data.len() as u64, slot_bytes * slots, "the area's size");
+    let (held, _) = parse_journal(dir);
+    let mut ids = std::collections::HashSet::new();
+    for (&slot, &(id, len, crc)) in &held {
+        assert!((slot as u64) < slots, "slot {slot} of {slots}");
+        let c = cat.sample(id);
+        assert_eq!((len, crc), (c.len, c.crc32c), "slot {slot} names sample {id}");
+        let at = slot as usize * slot_bytes as usize;
+        assert_eq!(
+            crc32c::crc32c(&data[at..at + len as usize]),
+            crc,
+            "slot {slot}'s bytes are sample {id}'s"
+        );
+        assert!(ids.insert(id), "sample {id} in two slots");
+    }
+    held.len()
+}
+
+/// MIN's hits (Belady with bypass over the rank's whole order, samples of
+/// one slot each, those larger than a slot never kept), epochs `0..epochs`.
+fn min_hits(cat: &Catalog, slots: u64, slot_bytes: u64, epochs: u64) -> u64 {
+    let sampler = Sampler::new(SamplerConfig::single(cat.len(), SEED)).unwrap();
+    let next = NextUse::new(&sampler, Some(0..1), Some(epochs)).unwrap();
+    let mut min = Belady::new(slots * slot_bytes, slots as usize);
+    let mut hits = 0;
+    for e in 0..epochs {
+        for j in 0..cat.len() {
+            let id = sampler.sample(e, j);
+            if cat.sample(id).len as u64 > slot_bytes {
+                continue;
+            }
+            let t = next.time(e, j);
+            let n = next.after(id, t);
+            if min.read(id, slot_bytes, n, |_| {}) == Decision::Hit {
+                hits += 1;
+            }
+        }
+    }
+    let _ = NEVER;
+    hits
+}
+
+#[test]
+fn four_epochs_exact_within_the_bound_and_a_second_loader_hits() {
+    let st = setup();
+    let epochs = 4;
+    let mut l = st
+        .builder(CachePolicy::NextUse)
+        .end_epoch(Some(epochs))
+        .build()
+        .unwrap();
+    read_exact(&mut l, &st.cat, 0, epochs).unwrap();
+    let stats = l.stats();
+    drop(l); // the writer finishes what was queued
+    let c = stats.cache;
+    let dir = st.cache().join("rank0");
+    let (slot_bytes, slots) = meta(&dir);
+    assert_eq!((c.slots, c.slot_bytes), (slots, slot_bytes));
+    assert!(slots * slot_bytes <= st.third, "{slots} x {slot_bytes}");
+    assert!(slots >= 2 && slots < N / 2, "{slots} slots");
+    // Every read is a hit or went to the source (read from its files:
+    // `disk_reads` of a source loader).
+    assert_eq!(c.hits + stats.disk_reads, N * epochs, "{stats:?}");
+    assert_eq!(c.corrupt + c.write_errors, 0, "{c:?}");
+    // Hits happen only where MIN has them (a write still queued or
+    // skipped costs a hit, never adds one).
+    let bound = min_hits(&st.cat, slots, slot_bytes, epochs);
+    eprintln!(
+        "{} hits of MIN's {bound} ({slots} slots); {} kept, {} not kept (writer behind)",
+        c.hits, c.writes, c.skipped
+    );
+    assert!(c.hits <= bound, "{} hits, MIN {bound}", c.hits);
+    assert!(bound > 0);
+    let held = check_held(&dir, &st.cat);
+    assert!(held as u64 <= slots && held > 0, "{held} held of {slots}");
+    // A second loader (another process would do the same) finds what the
+    // first kept, and reads exactly.
+    let mut l = st
+        .builder(CachePolicy::NextUse)
+        .end_epoch(Some(epochs + 1))
+        .start_at(kspeed::sampler::Position {
+            epoch: epochs,
+            index: 0,
+        })
+        .build()
+        .unwrap();
+    read_exact(&mut l, &st.cat, epochs, epochs + 1).unwrap();
+    let c2 = l.stats().cache;
+    assert!(c2.hits > 0, "{c2:?}");
+    assert_eq!(c2.corrupt, 0, "{c2:?}");
+    drop(l);
+    check_held(&dir, &st.cat);
+}
+
+#[test]
+fn lru_on_the_same_order_is_exact_and_hits_less_than_min() {
+    let st = setup();
+    let epochs = 3;
+    let mut l = st
+        .builder(CachePolicy::Lru)
+        .end_epoch(Some(epochs))
+        .build()
+        .unwrap();
+    read_exact(&mut l, &st.cat, 0, epochs).unwrap();
+    let stats = l.stats();
+    drop(l);
+    let dir = st.cache().join("rank0");
+    let (slot_bytes, slots) = meta(&dir);
+    assert_eq!(stats.cache.hits + stats.disk_reads, N * epochs);
+    assert!(stats.cache.hits <= min_hits(&st.cat, slots, slot_bytes, epochs));
+    check_held(&dir, &st.cat);
+}
+
+#[test]
+fn a_partial_space_keeps_its_source_samples_in_the_area() {
+    let st = setup();
+    let space = st.tmp.path().join("space");
+    ok(&[
+        "preload",
+        "--source",
+        s(&st.src),
+        "--space",
+        s(&space),
+        "--max-bytes",
+        "8MiB",
+    ]);
+    let held_in_space = kspeed::dataset::Space::open(&space).unwrap().held_samples();
+    let epochs = 3;
+    let mk = || {
+        LoaderBuilder::space(&space)
+            .seed(SEED)
+            .batch_size(8)
+            .pollers(2)
+            .pin(false)
+            .landing(test_ring(8 << 20))
+            .cache_dir(Some(st.cache()))
+            .cache_bytes(st.third)
+            .end_epoch(Some(epochs))
+    };
+    let mut l = mk().build().unwrap();
+    read_exact(&mut l, &st.cat, 0, epochs).unwrap();
+    let stats = l.stats();
+    drop(l);
+    assert_eq!(stats.disk_reads, held_in_space * epochs);
+    assert_eq!(
+        stats.source_reads + stats.cache.hits,
+        (N - held_in_space) * epochs,
+        "{stats:?}"
+    );
+    let dir = st.cache().join("rank0");
+    let held = check_held(&dir, &st.cat);
+    assert!(held > 0);
+    // The area keeps only what the space does not hold.
+    let sp = kspeed::dataset::Space::open(&space).unwrap();
+    for (_, (id, _, _)) in parse_journal(&dir).0 {
+        assert!(sp.location(id).is_none(), "sample {id} is in the space");
+    }
+}
+
+#[test]
+fn a_read_killed_while_writing_leaves_whole_slots_and_a_rerun_exact() {
+    let st = setup();
+    let dir = st.cache().join("rank0");
+    let mut child = Command::new(kspeed_bin())
+        .args(["read", "--source", s(&st.src), "--catalog", s(&st.catalog)])
+        .args(["--seed", &SEED.to_string(), "--epochs", "100000"])
+        .args(["--cache-dir", s(&st.cache())])
+        .args(["--cache-bytes", &st.third.to_string()])
+        .args(["--no-huge-pages", "--no-mlock", "--progress", "none"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    // Killed once the writer has journalled a few dozen records (deadline
+    // 60 s): it is writing all the time (next use rewrites slots every
+    // epoch).
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if parse_journal(&dir).1 >= 40 {
+            break;
+        }
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "kspeed read ended before it was killed"
+        );
+        assert!(Instant::now() < deadline, "no journal records within 60 s");
+        std::thread::yield_now();
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let held = check_held(&dir, &st.cat);
+    assert!(held > 0);
+    let mut l = st
+        .builder(CachePolicy::NextUse)
+        .end_epoch(Some(2))
+        .build()
+        .unwrap();
+    read_exact(&mut l, &st.cat, 0, 2).unwrap();
+    let c = l.stats().cache;
+    assert!(c.hits > 0 && c.corrupt == 0, "{c:?}");
+    drop(l);
+    check_held(&dir, &st.cat);
+}
+
+#[test]
+fn rotten_slots_are_read_from_the_source_and_emptied() {
+    let st = setup();
+    let mut l = st
+        .builder(CachePolicy::NextUse)
+        .end_epoch(Some(2))
+        .build()
+        .unwrap();
+    read_exact(&mut l, &st.cat, 0, 2).unwrap();
+    drop(l);
+    let dir = st.cache().join("rank0");
+    let (slot_bytes, _) = meta(&dir);
+    let (held, _) = parse_journal(&dir);
+    assert!(!held.is_empty());
+    // One byte of every held sample flipped, as a disk that rots would.
+    let mut data = std::fs::read(dir.join("cache.data")).unwrap();
+    for &slot in held.keys() {
+        data[slot as usize * slot_bytes as usize] ^= 0x5a;
+    }
+    std::fs::write(dir.join("cache.data"), &data).unwrap();
+    let mut l = st
+        .builder(CachePolicy::NextUse)
+        .end_epoch(Some(3))
+        .start_at(kspeed::sampler::Position { epoch: 2, index: 0 })
+        .build()
+        .unwrap();
+    read_exact(&mut l, &st.cat, 2, 3).unwrap();
+    let c = l.stats().cache;
+    drop(l);
+    assert!(c.corrupt >= 1, "{c:?}");
+    // What the journal holds now is whole again: the rotten slots were
+    // journalled empty (or rewritten with good bytes).
+    check_held(&dir, &st.cat);
+}
+
+#[test]
+fn what_is_wrong_is_refused_by_name() {
+    let st = setup();
+    // No budget.
+    let e = st.builder(CachePolicy::NextUse).cache_bytes(0).build().err().unwrap();
+    assert!(e.to_string().contains("cache_bytes"), "{e}");
+    // A budget smaller than one slot.
+    let e = st.builder(CachePolicy::NextUse).cache_bytes(4096).build().err().unwrap();
+    assert!(e.to_string().contains("holds no slot"), "{e}");
+    // In use by another loader of the same rank.
+    let l = st.builder(CachePolicy::NextUse).build().unwrap();
+    let e = st.builder(CachePolicy::NextUse).build().err().unwrap();
+    assert!(matches!(e, Error::CacheArea { .. }), "{e:?}");
+    assert!(e.to_string().contains("in use"), "{e}");
+    drop(l);
+    // Another dataset's area.
+    let other = st.tmp.path().join("other");
+    gen("tiny", 50, &other);
+    let e = LoaderBuilder::source(s(&other))
+        .pin(false)
+        .landing(test_ring(8 << 20))
+        .cache_dir(Some(st.cache()))
+        .cache_bytes(1 << 20)
+        .build()
+        .err()
+        .unwrap();
+    assert!(matches!(e, Error::CacheArea { .. }), "{e:?}");
+    let msg = e.to_string();
+    assert!(msg.contains("another dataset") && msg.contains(s(&st.cache())), "{msg}");
+    // The command line says the same and exits non-zero.
+    let out = fails(
+        &[
+            "read",
+            "--source",
+            s(&other),
+            "--cache-dir",
+            s(&st.cache()),
+            "--cache-bytes",
+            "1MiB",
+            "--no-huge-pages",
+            "--no-mlock",
+        ],
+        1,
+    );
+    assert!(out.contains("another dataset"), "{out}");
+    // A space that holds everything has nothing to keep.
+    let space = st.tmp.path().join("whole");
+    ok(&["preload", "--source", s(&st.src), "--space", s(&space)]);
+    let e = LoaderBuilder::space(&space)
+        .batch_size(8)
+        .pin(false)
+        .landing(test_ring(8 << 20))
+        .cache_dir(Some(st.tmp.path().join("c2")))
+        .cache_bytes(1 << 30)
+        .build()
+        .err()
+        .unwrap();
+    assert!(e.to_string().contains("nothing comes from the source"), "{e}");
+}
