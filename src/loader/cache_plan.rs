@@ -312,3 +312,200 @@ impl CacheSetup {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::loader::schedule::Geometry;
+    use crate::sampler::{Position, Sampler, SamplerConfig, NEVER};
+
+    fn cursor(sampler: &Sampler, steps: u64) -> Cursor {
+        let geo = Geometry {
+            ring_bytes: 1 << 20,
+            align: 4096,
+        };
+        Cursor::new(sampler.clone(), geo, Position { epoch: 0, index: 0 }, steps)
+    }
+
+    /// The planner's decisions over `epochs` of rank `rank` of `world`,
+    /// every sample one slot, with `held` at the start.
+    fn plans(
+        policy: CachePolicy,
+        len: u64,
+        world: u32,
+        rank: u32,
+        slots: u32,
+        epochs: u64,
+        held: Vec<(u32, u64)>,
+    ) -> Vec<(u64, Plan)> {
+        let cfg = SamplerConfig {
+            world,
+            rank,
+            ..SamplerConfig::single(len, 5)
+        };
+        let sampler = Sampler::new(cfg).unwrap();
+        let steps = sampler.per_rank();
+        let next = NextUse::new(&sampler, Some(rank..rank + 1), Some(epochs)).unwrap();
+        let mut p = Planner::new(PlanSpec {
+            policy,
+            next: Some(next),
+            rank: rank as u64,
+            world: world as u64,
+            slots,
+            slot_bytes: 4096,
+            held,
+            cursor: cursor(&sampler, steps),
+            ring_len: 64,
+        });
+        let mut ids = cursor(&sampler, steps);
+        (0..epochs * steps)
+            .map(|g| {
+                let id = ids.next_with(|_| 100).id;
+                (id, p.decide(g, &|_| 100, &|_| true))
+            })
+            .collect()
+    }
+
+    /// MIN with bypass by brute force over the read sequence: on a miss,
+    /// keep the sample if something held is read later (evict the
+    /// farthest; "never again" is farthest, ties by the larger id).
+    fn brute_min(seq: &[u64], slots: usize, held: &[u64]) -> Vec<Decision> {
+        let next_of = |id: u64, t: usize| {
+            seq[t + 1..]
+                .iter()
+                .position(|&x| x == id)
+                .map_or(NEVER, |k| (t + 1 + k) as u64)
+        };
+        let mut cache: Vec<u64> = held.to_vec();
+        let mut out = Vec::new();
+        for (t, &id) in seq.iter().enumerate() {
+            if cache.contains(&id) {
+                out.push(Decision::Hit);
+                continue;
+            }
+            let n = next_of(id, t);
+            if n == NEVER {
+                out.push(Decision::Bypass);
+                continue;
+            }
+            if cache.len() < slots {
+                cache.push(id);
+                out.push(Decision::Admit);
+                continue;
+            }
+            let (k, far) = cache
+                .iter()
+                .enumerate()
+                .map(|(k, &h)| (k, (next_of(h, t), h)))
+                .max_by_key(|&(_, key)| key)
+                .unwrap();
+            if far < (n, id) {
+                out.push(Decision::Bypass);
+            } else {
+                cache[k] = id;
+                out.push(Decision::Admit);
+            }
+        }
+        out
+    }
+
+    /// Checks that hits name the slot the sample was put in and admits a
+    /// slot no one else holds.
+    fn check_slots(plans: &[(u64, Plan)], slots: u32, held: &[(u32, u64)]) {
+        let mut slot_id: Vec<Option<u64>> = vec![None; slots as usize];
+        for &(s, id) in held {
+            slot_id[s as usize] = Some(id);
+        }
+        for &(id, plan) in plans {
+            match plan {
+                Plan::Hit(s) => assert_eq!(slot_id[s as usize], Some(id), "hit in slot {s}"),
+                Plan::Admit(s) => {
+                    assert!(!slot_id.contains(&Some(id)), "sample {id} admitted twice");
+                    slot_id[s as usize] = Some(id);
+                }
+                Plan::Source => {}
+            }
+        }
+    }
+
+    #[test]
+    fn next_use_plans_are_min_s_decisions_with_consistent_slots() {
+        for (len, world, rank, slots, epochs) in
+            [(60u64, 1u32, 0u32, 12u32, 4u64), (90, 3, 1, 7, 5), (40, 1, 0, 39, 3)]
+        {
+            let got = plans(CachePolicy::NextUse, len, world, rank, slots, epochs, vec![]);
+            let seq: Vec<u64> = got.iter().map(|&(id, _)| id).collect();
+            let want = brute_min(&seq, slots as usize, &[]);
+            for (t, (&(id, plan), w)) in got.iter().zip(&want).enumerate() {
+                let as_decision = match plan {
+                    Plan::Hit(_) => Decision::Hit,
+                    Plan::Admit(_) => Decision::Admit,
+                    Plan::Source => Decision::Bypass,
+                };
+                assert_eq!(as_decision, *w, "read {t} (sample {id}), {len}/{world}/{slots}");
+            }
+            check_slots(&got, slots, &[]);
+        }
+    }
+
+    #[test]
+    fn a_planner_starts_from_what_the_area_held() {
+        // Held at start: three samples in slots 4, 1, 7; the plans hit them
+        // where MIN starting with them does.
+        let held = vec![(4u32, 3u64), (1, 10), (7, 22)];
+        let got = plans(CachePolicy::NextUse, 30, 1, 0, 8, 3, held.clone());
+        let seq: Vec<u64> = got.iter().map(|&(id, _)| id).collect();
+        let want = brute_min(&seq, 8, &[3, 10, 22]);
+        let as_d: Vec<Decision> = got
+            .iter()
+            .map(|&(_, p)| match p {
+                Plan::Hit(_) => Decision::Hit,
+                Plan::Admit(_) => Decision::Admit,
+                Plan::Source => Decision::Bypass,
+            })
+            .collect();
+        assert_eq!(as_d, want);
+        check_slots(&got, 8, &held);
+    }
+
+    #[test]
+    fn lru_plans_hit_where_the_reference_lru_does() {
+        let got = plans(CachePolicy::Lru, 50, 1, 0, 10, 6, vec![]);
+        let mut reference = crate::cache::Lru::new(10);
+        for (t, &(id, plan)) in got.iter().enumerate() {
+            let hit = reference.read(id, 1);
+            assert_eq!(matches!(plan, Plan::Hit(_)), hit, "read {t}");
+            assert!(!matches!(plan, Plan::Source), "LRU keeps every sample");
+        }
+        check_slots(&got, 10, &[]);
+        // Side by side on the same order: next use's hits are several
+        // times LRU's.
+        let min_hits = plans(CachePolicy::NextUse, 50, 1, 0, 10, 6, vec![])
+            .iter()
+            .filter(|(_, p)| matches!(p, Plan::Hit(_)))
+            .count();
+        let lru_hits = got.iter().filter(|(_, p)| matches!(p, Plan::Hit(_))).count();
+        assert!(min_hits >= 3 * lru_hits.max(1), "MIN {min_hits}, LRU {lru_hits}");
+    }
+
+    #[test]
+    fn a_poller_a_whole_ring_behind_reads_the_source() {
+        let sampler = Sampler::new(SamplerConfig::single(100, 1)).unwrap();
+        let mut p = Planner::new(PlanSpec {
+            policy: CachePolicy::Lru,
+            next: None,
+            rank: 0,
+            world: 1,
+            slots: 50,
+            slot_bytes: 4096,
+            held: vec![],
+            cursor: cursor(&sampler, 100),
+            ring_len: 8,
+        });
+        assert!(matches!(p.decide(20, &|_| 100, &|_| true), Plan::Admit(_)));
+        // Sample 3's entry was overwritten by sample 19's (ring of 8).
+        assert_eq!(p.decide(3, &|_| 100, &|_| true), Plan::Source);
+        // A sample that is not the source's is never planned.
+        assert_eq!(p.decide(21, &|_| 100, &|q| q.g != 21), Plan::Source);
+    }
+}
