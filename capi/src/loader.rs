@@ -422,6 +422,23 @@ pub struct ksp_stats {
     pub slowest_peer_send_s: [f64; 4],
     /// See `slowest_peer_read_s`.
     pub slowest_peer_link_s: [f64; 4],
+    /// The NVMe cache area (`cache_dir`; appended after
+    /// `slowest_peer_link_s`; all 0 without one): samples read from the
+    /// area instead of the source (not in `disk_reads` or `source_reads`).
+    pub cache_hits: u64,
+    /// Their bytes.
+    pub cache_hit_bytes: u64,
+    /// Samples written into the area (durable and journalled).
+    pub cache_writes: u64,
+    /// Samples the policy kept but the writer could not take (behind).
+    pub cache_skipped: u64,
+    /// Reads from the area that failed the catalog's CRC (read from the
+    /// source instead; the slot emptied).
+    pub cache_corrupt: u64,
+    /// Samples the area holds now.
+    pub cache_held: u64,
+    /// Slots in the area.
+    pub cache_slots: u64,
 }
 
 // The C layout names 4 slowest peers: the library's count must agree.
@@ -475,6 +492,13 @@ impl Default for ksp_stats {
             slowest_peer_read_s: [0.0; 4],
             slowest_peer_send_s: [0.0; 4],
             slowest_peer_link_s: [0.0; 4],
+            cache_hits: 0,
+            cache_hit_bytes: 0,
+            cache_writes: 0,
+            cache_skipped: 0,
+            cache_corrupt: 0,
+            cache_held: 0,
+            cache_slots: 0,
         }
     }
 }
@@ -553,6 +577,13 @@ pub unsafe extern "C" fn ksp_loader_stats(l: *const ksp_loader, out: *mut ksp_st
             slowest_peer_read_s: std::array::from_fn(|i| top[i].read.as_secs_f64()),
             slowest_peer_send_s: std::array::from_fn(|i| top[i].send.as_secs_f64()),
             slowest_peer_link_s: std::array::from_fn(|i| top[i].link.as_secs_f64()),
+            cache_hits: s.cache.hits,
+            cache_hit_bytes: s.cache.hit_bytes,
+            cache_writes: s.cache.writes,
+            cache_skipped: s.cache.skipped,
+            cache_corrupt: s.cache.corrupt,
+            cache_held: s.cache.held,
+            cache_slots: s.cache.slots,
         });
         Ok(())
     })

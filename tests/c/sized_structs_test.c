@@ -266,6 +266,12 @@ int main(int argc, char **argv) {
               filled.slowest_peer_link_s[3] == 0.0,
           "peer split %.9f %.9f %.9f", filled.stall_peer_read_s, filled.stall_peer_send_s,
           filled.stall_peer_link_s);
+    /* The cache area's counters (appended after slowest_peer_link_s) are
+     * written too: no cache_dir, all 0. */
+    CHECK(filled.cache_hits == 0 && filled.cache_writes == 0 && filled.cache_corrupt == 0 &&
+              filled.cache_held == 0 && filled.cache_slots == 0,
+          "cache hits %llu slots %llu", (unsigned long long)filled.cache_hits,
+          (unsigned long long)filled.cache_slots);
 
     /* The second layout (up to latency_reads): filled, and loop_stalls,
      * which lies past it, not written. */

@@ -375,6 +375,19 @@ impl PyLoader {
         d.set_item("failovers", st.failovers)?;
         d.set_item("source_reads", st.source_reads)?;
         d.set_item("source_bytes", st.source_bytes)?;
+        // The NVMe cache area (cache_dir); all 0 without one.
+        let cache = PyDict::new(py);
+        cache.set_item("hits", st.cache.hits)?;
+        cache.set_item("hit_bytes", st.cache.hit_bytes)?;
+        cache.set_item("writes", st.cache.writes)?;
+        cache.set_item("write_bytes", st.cache.write_bytes)?;
+        cache.set_item("skipped", st.cache.skipped)?;
+        cache.set_item("corrupt", st.cache.corrupt)?;
+        cache.set_item("write_errors", st.cache.write_errors)?;
+        cache.set_item("held", st.cache.held)?;
+        cache.set_item("slots", st.cache.slots)?;
+        cache.set_item("slot_bytes", st.cache.slot_bytes)?;
+        d.set_item("cache", cache)?;
         // How long before it was asked for each source sample was ready.
         let lead = PyDict::new(py);
         lead.set_item("count", st.source_lead.count)?;
