@@ -286,6 +286,9 @@ class Loader:
         ring_bytes="auto",
         tier_bytes=0,
         tier_views=False,
+        cache_dir=None,
+        cache_bytes=0,
+        cache_policy="next-use",
         pollers=None,
         queue_depth=None,
         submit_batch=None,
@@ -372,11 +375,14 @@ class Loader:
         # bare 'M' as decimal): converted here, then range-checked by the table.
         ring_bytes = _size_str("ring_bytes", ring_bytes)
         tier_bytes = _size_str("tier_bytes", tier_bytes)
+        cache_bytes = _size_str("cache_bytes", cache_bytes)
         max_read_bytes = _size_str("max_read_bytes", max_read_bytes)
         for name, v in (
             ("ring_bytes", ring_bytes),
             ("tier_bytes", tier_bytes),
             ("tier_views", tier_views),
+            ("cache_bytes", cache_bytes),
+            ("cache_policy", cache_policy),
             ("pollers", pollers),
             ("queue_depth", queue_depth),
             ("submit_batch", submit_batch),
@@ -469,6 +475,8 @@ class Loader:
         # only where the agent can serve this loader, 'off' never,
         # 'required' or a named error.
         cfg["agent"] = _opt("agent", agent)
+        if cache_dir is not None:
+            cfg["cache_dir"] = _path("cache_dir", cache_dir, must_exist=False)
         if agent_socket is not None:
             cfg["agent_socket"] = _path("agent_socket", agent_socket, must_exist=False)
         # Attached: wait this long for a restarted agent and continue where
