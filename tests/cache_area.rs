@@ -12,10 +12,17 @@
 //! - slots rotted on disk: every sample still exact, the bad slots counted,
 //!   emptied and journalled so;
 //! - LRU on the same order hits less than next use's bound;
+//! - three nodes in network namespaces serving partial spaces that hold a
+//!   third of the dataset: the rank keeps the samples no node holds in its
+//!   area (and only those), 4 epochs exact with no grant to a node without
+//!   the sample; a node killed mid-epoch, the epoch still exact; a rerun
+//!   finds the area intact and hits;
 //! - what is wrong is refused by name: another dataset's area, an area in
-//!   use, no budget, nothing to keep.
+//!   use, no budget, nothing to keep, a source in cluster mode.
 
 mod common;
+#[path = "common/nodes.rs"]
+mod nodes;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -147,7 +154,11 @@ fn check_held(dir: &Path, cat: &Catalog) -> usize {
     for (&slot, &(id, len, crc)) in &held {
         assert!((slot as u64) < slots, "slot {slot} of {slots}");
         let c = cat.sample(id);
-        assert_eq!((len, crc), (c.len, c.crc32c), "slot {slot} names sample {id}");
+        assert_eq!(
+            (len, crc),
+            (c.len, c.crc32c),
+            "slot {slot} names sample {id}"
+        );
         let at = slot as usize * slot_bytes as usize;
         assert_eq!(
             crc32c::crc32c(&data[at..at + len as usize]),
@@ -384,10 +395,20 @@ fn rotten_slots_are_read_from_the_source_and_emptied() {
 fn what_is_wrong_is_refused_by_name() {
     let st = setup();
     // No budget.
-    let e = st.builder(CachePolicy::NextUse).cache_bytes(0).build().err().unwrap();
+    let e = st
+        .builder(CachePolicy::NextUse)
+        .cache_bytes(0)
+        .build()
+        .err()
+        .unwrap();
     assert!(e.to_string().contains("cache_bytes"), "{e}");
     // A budget smaller than one slot.
-    let e = st.builder(CachePolicy::NextUse).cache_bytes(4096).build().err().unwrap();
+    let e = st
+        .builder(CachePolicy::NextUse)
+        .cache_bytes(4096)
+        .build()
+        .err()
+        .unwrap();
     assert!(e.to_string().contains("holds no slot"), "{e}");
     // In use by another loader of the same rank.
     let l = st.builder(CachePolicy::NextUse).build().unwrap();
@@ -408,7 +429,10 @@ fn what_is_wrong_is_refused_by_name() {
         .unwrap();
     assert!(matches!(e, Error::CacheArea { .. }), "{e:?}");
     let msg = e.to_string();
-    assert!(msg.contains("another dataset") && msg.contains(s(&st.cache())), "{msg}");
+    assert!(
+        msg.contains("another dataset") && msg.contains(s(&st.cache())),
+        "{msg}"
+    );
     // The command line says the same and exits non-zero.
     let out = fails(
         &[
@@ -437,5 +461,176 @@ fn what_is_wrong_is_refused_by_name() {
         .build()
         .err()
         .unwrap();
-    assert!(e.to_string().contains("nothing comes from the source"), "{e}");
+    assert!(
+        e.to_string().contains("nothing comes from the source"),
+        "{e}"
+    );
+}
+
+#[test]
+fn three_nodes_of_partial_spaces_and_the_rank_s_cache_area() {
+    const NODES: usize = 3;
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("src");
+    gen("imagenet", 300, &src);
+    let catalog = tmp.path().join("cat.ksc");
+    ok(&["catalog", "--source", s(&src), "--out", s(&catalog)]);
+    let cat = Catalog::open(&catalog).unwrap();
+    // Two copies, each node holding a ninth of the dataset: the three hold
+    // a third at most; the rest is read from the source by the rank.
+    let budget = (cat.total_bytes() / 9).to_string();
+    let spaces: Vec<PathBuf> = (0..NODES)
+        .map(|i| {
+            let sp = tmp.path().join(format!("node{i}"));
+            ok(&[
+                "preload",
+                "--source",
+                s(&src),
+                "--catalog",
+                s(&catalog),
+                "--space",
+                s(&sp),
+                "--nodes",
+                "3",
+                "--node-index",
+                &i.to_string(),
+                "--replicas",
+                "2",
+                "--max-bytes",
+                &budget,
+            ]);
+            sp
+        })
+        .collect();
+    let opened: Vec<kspeed::dataset::Space> = spaces
+        .iter()
+        .map(|p| kspeed::dataset::Space::open(p).unwrap())
+        .collect();
+    let held_by = |id: u64| {
+        (0..NODES)
+            .filter(|&n| opened[n].location(id).is_some())
+            .collect::<Vec<_>>()
+    };
+    let (mut local, mut remote, mut nobody) = (0u64, 0u64, Vec::new());
+    for id in 0..cat.len() {
+        match held_by(id).as_slice() {
+            [] => nobody.push(id),
+            h if h.contains(&0) => local += 1,
+            _ => remote += 1,
+        }
+    }
+    assert!(local > 0 && remote > 0 && nobody.len() > 30);
+    let nobody_bytes: u64 = nobody.iter().map(|&id| cat.sample(id).len as u64).sum();
+    let Some(ns) = nodes::Netns::create(NODES) else {
+        return;
+    };
+    let token = tmp.path().join("token");
+    std::fs::write(&token, "cache-token\n").unwrap();
+    let mut serves: Vec<Option<nodes::Serve>> = (0..NODES)
+        .map(|i| {
+            Some(nodes::Serve::start(
+                &spaces[i],
+                &format!("10.77.{i}.2:0"),
+                &token,
+                Some(&ns.names[i]),
+            ))
+        })
+        .collect();
+    let addrs: Vec<String> = serves
+        .iter()
+        .map(|sv| sv.as_ref().unwrap().addr.clone())
+        .collect();
+    let cluster = nodes::cluster_of(&addrs);
+    let area = tmp.path().join("cache");
+    let rank = |from: u64, to: u64| {
+        LoaderBuilder::space(&spaces[0])
+            .seed(SEED)
+            .batch_size(8)
+            .pollers(2)
+            .pin(false)
+            .landing(test_ring(8 << 20))
+            .cluster(cluster.clone())
+            .token(b"cache-token")
+            .cache_dir(Some(area.clone()))
+            .cache_bytes(nobody_bytes / 3)
+            .start_at(kspeed::sampler::Position {
+                epoch: from,
+                index: 0,
+            })
+            .end_epoch(Some(to))
+            .build()
+            .unwrap()
+    };
+    let epochs = 4;
+    let mut l = rank(0, epochs);
+    read_exact(&mut l, &cat, 0, epochs).unwrap();
+    let st = l.stats();
+    drop(l);
+    assert_eq!(st.failovers, 0, "a grant went to a node without the sample");
+    assert_eq!(st.disk_reads, local * epochs, "{st:?}");
+    assert_eq!(st.remote_samples, remote * epochs, "{st:?}");
+    // The samples no node holds: from the source or the area, once each
+    // per epoch.
+    assert_eq!(
+        st.source_reads + st.cache.hits,
+        nobody.len() as u64 * epochs,
+        "{st:?}"
+    );
+    let dir = area.join("rank0");
+    let (slot_bytes, slots) = meta(&dir);
+    assert!(slots * slot_bytes <= nobody_bytes / 3);
+    let held = check_held(&dir, &cat);
+    assert!(held > 0);
+    for (_, (id, _, _)) in parse_journal(&dir).0 {
+        assert!(
+            nobody.contains(&id),
+            "sample {id} is held by a node, not the area's to keep"
+        );
+    }
+    // Node 1 killed mid-epoch: the epoch is still exact (its samples from
+    // node 2 or the source), and the area stays whole.
+    let sampler = Sampler::new(SamplerConfig::single(cat.len(), SEED)).unwrap();
+    let mut l = rank(epochs, epochs + 1);
+    l.set_epoch(epochs).unwrap();
+    let (mut k, mut batches) = (0u64, 0u64);
+    while let Some(b) = l.next_batch().unwrap() {
+        for smp in b.iter() {
+            assert_eq!(smp.id, sampler.sample(epochs, k), "step {k}");
+            assert_eq!(
+                crc32c::crc32c(smp.bytes),
+                cat.sample(smp.id).crc32c,
+                "sample {}",
+                smp.id
+            );
+            k += 1;
+        }
+        drop(b);
+        batches += 1;
+        if batches == 3 {
+            serves[1].take().unwrap().kill9();
+        }
+    }
+    assert_eq!(k, cat.len());
+    let c = l.stats().cache;
+    drop(l);
+    assert!(c.hits > 0 && c.corrupt == 0, "{c:?}");
+    check_held(&dir, &cat);
+    // A source in cluster mode: every sample comes from the nodes, so a
+    // cache area is refused by name.
+    let e = LoaderBuilder::source(s(&src))
+        .catalog(&catalog)
+        .batch_size(8)
+        .pin(false)
+        .landing(test_ring(8 << 20))
+        .cluster(cluster.clone())
+        .token(b"cache-token")
+        .cache_dir(Some(tmp.path().join("c3")))
+        .cache_bytes(1 << 30)
+        .build()
+        .err()
+        .unwrap();
+    assert!(
+        e.to_string().contains("no node's partial space holds"),
+        "{e}"
+    );
 }

@@ -33,7 +33,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use crate::dataset::Catalog;
-use crate::error::{Error, Result, IoContext};
+use crate::error::{Error, IoContext, Result};
 
 /// The metadata file's name.
 pub const META_FILE: &str = "cache.meta";
@@ -210,7 +210,6 @@ pub(crate) struct AreaShared {
     pub words: Box<[AtomicU64]>,
     pub counters: Counters,
 }
-
 
 /// An open cache area (module doc). One process at a time (a lock file);
 /// a loader's several ranks each have their own (`rank<N>` under the
@@ -442,8 +441,12 @@ impl CacheArea {
                 SlotWord::readers(cur) < (1 << 21),
                 "cache slot {slot}: reader count out of range (a begin_read without end_read)"
             );
-            match w.compare_exchange_weak(cur, cur + READER_ONE, Ordering::AcqRel, Ordering::Acquire)
-            {
+            match w.compare_exchange_weak(
+                cur,
+                cur + READER_ONE,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
                 Ok(_) => return true,
                 Err(now) => cur = now,
             }
@@ -590,9 +593,7 @@ fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
 
 /// Makes a folder's entries (a rename, a removal) durable.
 pub(crate) fn sync_dir(dir: &Path) -> Result<()> {
-    File::open(dir)
-        .and_then(|d| d.sync_all())
-        .ctx("fsync", dir)
+    File::open(dir).and_then(|d| d.sync_all()).ctx("fsync", dir)
 }
 
 #[cfg(test)]

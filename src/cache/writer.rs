@@ -30,10 +30,10 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender};
 
 use super::area::{
-    sync_dir, AreaShared, Record, SlotWord, RECORD_BYTES, REC_EMPTY, REC_FULL, SLOT_ALIGN,
-    S_EMPTY, S_FULL, S_WRITING,
+    sync_dir, AreaShared, Record, SlotWord, RECORD_BYTES, REC_EMPTY, REC_FULL, SLOT_ALIGN, S_EMPTY,
+    S_FULL, S_WRITING,
 };
-use crate::error::{errno_name, Result, IoContext};
+use crate::error::{errno_name, IoContext, Result};
 use crate::sys::AlignedBuf;
 
 /// Write buffers: as many as fit in this many bytes (at least 2, at most
@@ -417,7 +417,8 @@ impl WriterState {
 
     /// A claimed slot that could not be written: empty, buffer back.
     fn give_up(&self, job: &Claimed) {
-        self.shared.words[job.slot as usize].store(SlotWord::pack(None, S_EMPTY), Ordering::Release);
+        self.shared.words[job.slot as usize]
+            .store(SlotWord::pack(None, S_EMPTY), Ordering::Release);
         self.shared
             .counters
             .write_errors
@@ -428,7 +429,9 @@ impl WriterState {
     fn write_slot(&self, job: &Claimed) -> std::io::Result<()> {
         let sb = self.shared.slot_bytes as usize;
         let at = job.buf as usize * sb;
-        let n = (job.len as u64).next_multiple_of(SLOT_ALIGN).max(SLOT_ALIGN) as usize;
+        let n = (job.len as u64)
+            .next_multiple_of(SLOT_ALIGN)
+            .max(SLOT_ALIGN) as usize;
         // The tail past the sample is zeroed: the slot's padding is not
         // another sample's leftovers.
         // SAFETY: this thread owns buffer `job.buf` until it sends the

@@ -762,8 +762,13 @@ impl LoaderBuilder {
             }
             _ => {}
         }
-        if self.cluster.is_some() {
-            return refuse("cluster mode has no cache area yet (a partial space's nodes hold their share)");
+        if self.cluster.is_some() && !matches!(input, Input::Space { .. }) {
+            // Every sample then comes from the nodes: nothing from the
+            // source to keep.
+            return refuse(
+                "in cluster mode a cache area keeps the samples no node's partial space holds; \
+                 give the rank its node's space (space=), not a source",
+            );
         }
         if attached {
             return refuse("a rank attached to the node agent has no cache area of its own");
@@ -788,7 +793,11 @@ impl LoaderBuilder {
             area.slot_bytes(),
             area.held().len(),
             self.cache_policy.name(),
-            if area.direct() { "" } else { " (no O_DIRECT on this file system)" }
+            if area.direct() {
+                ""
+            } else {
+                " (no O_DIRECT on this file system)"
+            }
         );
         Ok(Some(super::cache_plan::CacheSetup {
             area: Arc::new(area),

@@ -17,8 +17,8 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use crate::cache::{Belady, CachePolicy, Decision};
 use super::schedule::{Cursor, Placed};
+use crate::cache::{Belady, CachePolicy, Decision};
 use crate::sampler::NextUse;
 
 /// What a poller does with a sample that goes to the source.
@@ -430,10 +430,20 @@ mod tests {
 
     #[test]
     fn next_use_plans_are_min_s_decisions_with_consistent_slots() {
-        for (len, world, rank, slots, epochs) in
-            [(60u64, 1u32, 0u32, 12u32, 4u64), (90, 3, 1, 7, 5), (40, 1, 0, 39, 3)]
-        {
-            let got = plans(CachePolicy::NextUse, len, world, rank, slots, epochs, vec![]);
+        for (len, world, rank, slots, epochs) in [
+            (60u64, 1u32, 0u32, 12u32, 4u64),
+            (90, 3, 1, 7, 5),
+            (40, 1, 0, 39, 3),
+        ] {
+            let got = plans(
+                CachePolicy::NextUse,
+                len,
+                world,
+                rank,
+                slots,
+                epochs,
+                vec![],
+            );
             let seq: Vec<u64> = got.iter().map(|&(id, _)| id).collect();
             let want = brute_min(&seq, slots as usize, &[]);
             for (t, (&(id, plan), w)) in got.iter().zip(&want).enumerate() {
@@ -442,7 +452,10 @@ mod tests {
                     Plan::Admit(_) => Decision::Admit,
                     Plan::Source => Decision::Bypass,
                 };
-                assert_eq!(as_decision, *w, "read {t} (sample {id}), {len}/{world}/{slots}");
+                assert_eq!(
+                    as_decision, *w,
+                    "read {t} (sample {id}), {len}/{world}/{slots}"
+                );
             }
             check_slots(&got, slots, &[]);
         }
@@ -484,8 +497,14 @@ mod tests {
             .iter()
             .filter(|(_, p)| matches!(p, Plan::Hit(_)))
             .count();
-        let lru_hits = got.iter().filter(|(_, p)| matches!(p, Plan::Hit(_))).count();
-        assert!(min_hits >= 3 * lru_hits.max(1), "MIN {min_hits}, LRU {lru_hits}");
+        let lru_hits = got
+            .iter()
+            .filter(|(_, p)| matches!(p, Plan::Hit(_)))
+            .count();
+        assert!(
+            min_hits >= 3 * lru_hits.max(1),
+            "MIN {min_hits}, LRU {lru_hits}"
+        );
     }
 
     #[test]

@@ -324,12 +324,10 @@ impl Loader {
             tier: spare.tier,
             net: net_shared,
             partial: self.net.as_ref().and_then(|s| s.partial.clone()),
-            cache: self.cache.as_ref().map(|c| {
-                c.run(
-                    Cursor::with_deal(self.deal.clone(), self.geo, start),
-                    table,
-                )
-            }),
+            cache: self
+                .cache
+                .as_ref()
+                .map(|c| c.run(Cursor::with_deal(self.deal.clone(), self.geo, start), table)),
             dead: Mutex::new(None),
         });
         self.cursor = Some(Cursor::with_deal(self.deal.clone(), self.geo, start));

@@ -26,9 +26,9 @@ use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
 
+use super::cache_plan::Plan;
 use super::fdcache::{FdCache, Lease};
 use super::registration::PollerIo;
-use super::cache_plan::Plan;
 use super::schedule::{Cursor, Placed};
 use super::shared::{VIA_DISK, VIA_SOURCE, VIA_TIER};
 use super::{Input, Shared, CODE_ERROR, CODE_OK, CODE_TIER};
@@ -514,7 +514,11 @@ impl Poller {
             _ => None,
         };
         let mut cache_admit = None;
-        if let Some(rc) = sh.cache.as_ref().filter(|_| use_cache && in_space.is_none()) {
+        if let Some(rc) = sh
+            .cache
+            .as_ref()
+            .filter(|_| use_cache && in_space.is_none())
+        {
             let plan = rc.plan.lock().unwrap_or_else(|e| e.into_inner()).decide(
                 p.g,
                 &|id| sh.input.sample(id).len as u64,
@@ -835,7 +839,11 @@ impl Poller {
     /// slot is emptied and the sample read from the source instead.
     fn cache_read_done(&mut self, g: &Group, slot: u32) {
         let p = g.placed;
-        let rc = self.shared.cache.as_ref().expect("a cache read has an area");
+        let rc = self
+            .shared
+            .cache
+            .as_ref()
+            .expect("a cache read has an area");
         let ok = g.error.is_none() && {
             let want = self.shared.input.sample(p.id).crc32c;
             // SAFETY: every part completed into this sample's ring slot,

@@ -332,13 +332,14 @@ impl Shared {
         self.input.held_samples() > 0
     }
 
-    /// Whether the local pollers read sample `id` (else the network thread
-    /// gets it from its owner).
     /// Whether this process's pollers read scheduled sample `p` from the
     /// source (a source input, or a sample a partial space does not hold),
     /// not from the memory tier: what the cache area plans for.
     pub(crate) fn goes_to_source(&self, p: &super::schedule::Placed) -> bool {
-        if p.len == 0 || !self.is_local(p.id) || self.tier.as_ref().is_some_and(|t| t.is_member(p.id)) {
+        if p.len == 0
+            || !self.is_local(p.id)
+            || self.tier.as_ref().is_some_and(|t| t.is_member(p.id))
+        {
             return false;
         }
         match &self.input {
@@ -348,6 +349,8 @@ impl Shared {
         }
     }
 
+    /// Whether the local pollers read sample `id` (else the network thread
+    /// gets it from its owner).
     pub(crate) fn is_local(&self, id: u64) -> bool {
         if self.net.is_none() {
             return true;

@@ -315,9 +315,7 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
         .tier_views(a.tier_views)
         .cache_dir(a.cache_dir.clone())
         .cache_bytes(a.cache_bytes)
-        .cache_policy(
-            kspeed::cache::CachePolicy::parse(&a.cache_policy).expect("clap checked it"),
-        )
+        .cache_policy(kspeed::cache::CachePolicy::parse(&a.cache_policy).expect("clap checked it"))
         .coop_taskrun(a.coop_taskrun)
         // A GPU ring cannot be read by the CPU: --verify copies back below.
         .verify_crc32c(a.verify && a.gpu_ring.is_none())
