@@ -1,0 +1,73 @@
+//! Reading a cache area from outside, as docs/CACHE.md describes its
+//! files: what tests check a cache area against.
+
+use std::path::Path;
+
+use kspeed::dataset::Catalog;
+
+/// The journal as docs/CACHE.md describes it: 32-byte little-endian
+/// records (magic "KSCJ", kind 1 full / 2 empty, slot, length, id, CRC32C
+/// of the sample, CRC32C of the first 28 bytes); the last whole record of
+/// a slot says what it holds. Returns slot -> (id, len, crc) and the count
+/// of whole records.
+pub fn parse_journal(dir: &Path) -> (std::collections::BTreeMap<u32, (u64, u32, u32)>, usize) {
+    let b = std::fs::read(dir.join("cache.journal")).unwrap_or_default();
+    let mut held = std::collections::BTreeMap::new();
+    let mut whole = 0;
+    for r in b.chunks(32) {
+        let u = |i: usize| u32::from_le_bytes(r[i..i + 4].try_into().unwrap());
+        if r.len() < 32 || &r[0..4] != b"KSCJ" || crc32c::crc32c(&r[..28]) != u(28) {
+            break;
+        }
+        whole += 1;
+        let (kind, slot, len) = (u(4), u(8), u(12));
+        let id = u64::from_le_bytes(r[16..24].try_into().unwrap());
+        match kind {
+            1 => held.insert(slot, (id, len, u(24))),
+            2 => held.remove(&slot),
+            k => panic!("record kind {k}"),
+        };
+    }
+    (held, whole)
+}
+
+/// `cache.meta`'s slot size and count.
+pub fn meta(dir: &Path) -> (u64, u64) {
+    let m = std::fs::read_to_string(dir.join("cache.meta")).unwrap();
+    let field = |k: &str| {
+        m.lines()
+            .find_map(|l| l.strip_prefix(k))
+            .unwrap()
+            .trim()
+            .parse::<u64>()
+            .unwrap()
+    };
+    (field("slot_bytes "), field("slots "))
+}
+
+/// Every slot the journal calls full holds its sample's bytes (the
+/// catalog's length and CRC). Returns how many it holds.
+pub fn check_held(dir: &Path, cat: &Catalog) -> usize {
+    let (slot_bytes, slots) = meta(dir);
+    let data = std::fs::read(dir.join("cache.data")).unwrap();
+    assert_eq!(data.len() as u64, slot_bytes * slots, "the area's size");
+    let (held, _) = parse_journal(dir);
+    let mut ids = std::collections::HashSet::new();
+    for (&slot, &(id, len, crc)) in &held {
+        assert!((slot as u64) < slots, "slot {slot} of {slots}");
+        let c = cat.sample(id);
+        assert_eq!(
+            (len, crc),
+            (c.len, c.crc32c),
+            "slot {slot} names sample {id}"
+        );
+        let at = slot as usize * slot_bytes as usize;
+        assert_eq!(
+            crc32c::crc32c(&data[at..at + len as usize]),
+            crc,
+            "slot {slot}'s bytes are sample {id}'s"
+        );
+        assert!(ids.insert(id), "sample {id} in two slots");
+    }
+    held.len()
+}
