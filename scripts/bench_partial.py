@@ -131,7 +131,10 @@ def run_kspeed(env, args, server_pid):
                        check=True, capture_output=True, text=True, env=env)
     j = json.loads(p.stdout.strip().splitlines()[-1])
     epochs = [{"samples": e["samples"], "bytes": e["bytes"], "seconds": e["seconds"],
-               "source_bytes": e.get("source_bytes", 0)} for e in j["per_epoch"]]
+               "source_bytes": e.get("source_bytes", 0), "cache_hits": e.get("cache_hits", 0),
+               "cache_writes": e.get("cache_writes", 0)} for e in j["per_epoch"]]
+    if "cache" in j:
+        epochs[-1]["cache"] = j["cache"]
     # The server's bytes for the whole run (kspeed reads the same samples
     # from the bucket every epoch: source_bytes per epoch says which).
     epochs[-1]["run_served_bytes"] = b3.rchar(server_pid) - r0
@@ -228,6 +231,14 @@ def bench(a, env, size, server_pid):
         "kspeed-partial": lambda: run_kspeed(env, ["--space", space] + kq, server_pid),
         "kspeed-bucket": lambda: run_kspeed(env, ["--source", f"s3://{BUCKET}/train/", "--catalog", s3cat] + kq,
                                             server_pid),
+        # The NVMe cache area written during training (no preload): a fresh
+        # one per run, of the same bytes, by next use or by LRU.
+        "kspeed-cache-next": lambda: run_kspeed(
+            env, ["--source", f"s3://{BUCKET}/train/", "--catalog", s3cat, "--cache-dir", cache[0],
+                  "--cache-bytes", str(a.half_bytes), "--cache-policy", "next-use"] + kq, server_pid),
+        "kspeed-cache-lru": lambda: run_kspeed(
+            env, ["--source", f"s3://{BUCKET}/train/", "--catalog", s3cat, "--cache-dir", cache[0],
+                  "--cache-bytes", str(a.half_bytes), "--cache-policy", "lru"] + kq, server_pid),
         "mosaic-cache": lambda: run_mosaic(a, env, a.workers, cache[0], server_pid),
         "mosaic-cache-w0": lambda: run_mosaic(a, env, 0, cache[0], server_pid),
         "mosaic-py1s": lambda: run_mosaic(a, env, a.workers, cache[0], server_pid, "py1s"),
@@ -255,6 +266,7 @@ def bench(a, env, size, server_pid):
                 shutil.rmtree(cache[0], ignore_errors=True)
             res[name].append(epochs)
             line = "  ".join(f"e{i + 1} {e['samples'] / e['seconds']:6.0f}/s"
+                             + (f" ({e['cache_hits']} hits)" if name.startswith("kspeed-cache") else "")
                              + (f" (cut after {e['samples']} samples, {e['served_bytes'] / 1e9:.1f} GB served)"
                                 if e.get("cut") else "") for i, e in enumerate(epochs))
             print(f"run {run + 1}: {name:16s} {line}  load {load:.1f}", file=sys.stderr)
@@ -285,6 +297,15 @@ def bench(a, env, size, server_pid):
                               if name == "kspeed-partial" else size / 1e6)
         print(f"{name:16s} " + " ".join(f"{med(sps(name, e)):10.0f}" for e in range(EPOCHS))
               + "   " + " ".join(f"{x:.0f}" for x in served))
+    for name in [n for n in names if n.startswith("kspeed-cache")]:
+        hits = [med([r[e]["cache_hits"] if r else None for r in res[name]]) for e in range(EPOCHS)]
+        print(f"{name}: cache hits per epoch (median) " + " ".join(f"{h:.0f}" for h in hits))
+    if "kspeed-cache-next" in res and "kspeed-cache-lru" in res:
+        for e in range(EPOCHS):
+            rr = [x / y if x and y else None
+                  for x, y in zip(sps("kspeed-cache-next", e), sps("kspeed-cache-lru", e))]
+            print(f"kspeed-cache-next / kspeed-cache-lru, epoch {e + 1}, per run: {fmt(rr, '{:.2f}')}"
+                  f"  (median {med(rr):.2f}x)")
     mine = "kspeed-partial"
     if mine in res:
         for other in [n for n in names if n != mine]:
