@@ -26,7 +26,7 @@ mod common;
 #[path = "common/nodes.rs"]
 mod nodes;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -35,7 +35,7 @@ use common::*;
 use kspeed::cache::{Belady, CachePolicy, Decision};
 use kspeed::dataset::Catalog;
 use kspeed::loader::{Loader, LoaderBuilder};
-use kspeed::sampler::{NextUse, Sampler, SamplerConfig, NEVER};
+use kspeed::sampler::{NextUse, Sampler, SamplerConfig};
 use kspeed::Error;
 
 const SEED: u64 = 11;
@@ -126,7 +126,6 @@ fn min_hits(cat: &Catalog, slots: u64, slot_bytes: u64, epochs: u64) -> u64 {
             }
         }
     }
-    let _ = NEVER;
     hits
 }
 
@@ -147,7 +146,7 @@ fn four_epochs_exact_within_the_bound_and_a_second_loader_hits() {
     let (slot_bytes, slots) = meta(&dir);
     assert_eq!((c.slots, c.slot_bytes), (slots, slot_bytes));
     assert!(slots * slot_bytes <= st.third, "{slots} x {slot_bytes}");
-    assert!(slots >= 2 && slots < N / 2, "{slots} slots");
+    assert!((2..N / 2).contains(&slots), "{slots} slots");
     // Every read is a hit or went to the source (read from its files:
     // `disk_reads` of a source loader).
     assert_eq!(c.hits + stats.disk_reads, N * epochs, "{stats:?}");

@@ -104,9 +104,8 @@ fn a_bucket_read_directly_keeps_its_samples_in_the_cache_area() {
     let second = read("next-use");
     let c2 = &second["cache"];
     assert!(c2["hits"].as_u64().unwrap() > 0, "{c2}");
-    assert_eq!(
+    assert!(
         second["per_epoch"][0]["cache_hits"].as_u64().unwrap() > 0,
-        true,
         "{second}"
     );
     assert_eq!(

@@ -21,17 +21,21 @@
 //! Who holds what at run time is one atomic word per slot ([`SlotWord`]),
 //! which the pollers read before they read a slot and the writer thread
 //! (`writer.rs`) changes; the decision of what to keep is the planner's
-//! (`plan.rs`), made along the rank's known order. The planner and the words
+//! (`loader/cache_plan.rs`), made along the rank's known order. The planner and the words
 //! can disagree (a write not yet landed, a write skipped for want of a
 //! buffer): a poller then reads the source, never wrong bytes.
 
 use std::fs::File;
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, RawFd};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+use super::slots::{
+    sync_dir, AreaShared, Counters, Record, SlotWord, MAX_CACHED_ID, READER_ONE, RECORD_BYTES,
+    REC_FULL, SLOT_ALIGN, S_EMPTY, S_FULL,
+};
 use crate::dataset::Catalog;
 use crate::error::{Error, IoContext, Result};
 
@@ -43,15 +47,6 @@ pub const DATA_FILE: &str = "cache.data";
 pub const JOURNAL_FILE: &str = "cache.journal";
 const LOCK_FILE: &str = "cache.lock";
 const META_VERSION: &str = "kspeed-cache 1";
-
-/// Slot sizes are multiples of this (O_DIRECT's alignment on any device).
-pub const SLOT_ALIGN: u64 = 4096;
-
-/// A journal record's size.
-pub(crate) const RECORD_BYTES: usize = 32;
-const RECORD_MAGIC: u32 = 0x4A43_534B; // "KSCJ" little-endian
-pub(crate) const REC_FULL: u32 = 1;
-pub(crate) const REC_EMPTY: u32 = 2;
 
 /// Which samples the area keeps.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -83,96 +78,7 @@ impl CachePolicy {
     }
 }
 
-/// One journal record.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Record {
-    pub kind: u32,
-    pub slot: u32,
-    pub id: u64,
-    pub len: u32,
-    pub crc: u32,
-}
-
-impl Record {
-    pub(crate) fn encode(&self) -> [u8; RECORD_BYTES] {
-        let mut b = [0u8; RECORD_BYTES];
-        b[0..4].copy_from_slice(&RECORD_MAGIC.to_le_bytes());
-        b[4..8].copy_from_slice(&self.kind.to_le_bytes());
-        b[8..12].copy_from_slice(&self.slot.to_le_bytes());
-        b[12..16].copy_from_slice(&self.len.to_le_bytes());
-        b[16..24].copy_from_slice(&self.id.to_le_bytes());
-        b[24..28].copy_from_slice(&self.crc.to_le_bytes());
-        let c = crc32c::crc32c(&b[..28]);
-        b[28..32].copy_from_slice(&c.to_le_bytes());
-        b
-    }
-
-    /// The record in `b`, or None when it is torn or not a record.
-    pub(crate) fn decode(b: &[u8]) -> Option<Record> {
-        let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));
-        if b.len() < RECORD_BYTES
-            || u32_at(0) != RECORD_MAGIC
-            || crc32c::crc32c(&b[..28]) != u32_at(28)
-        {
-            return None;
-        }
-        let kind = u32_at(4);
-        if kind != REC_FULL && kind != REC_EMPTY {
-            return None;
-        }
-        Some(Record {
-            kind,
-            slot: u32_at(8),
-            len: u32_at(12),
-            id: u64::from_le_bytes(b[16..24].try_into().expect("8 bytes")),
-            crc: u32_at(24),
-        })
-    }
-}
-
-/// A slot's state in one word: bits 0-39 the sample id + 1 (0: none),
-/// bits 40-41 the state, bits 42-63 the pollers reading it now.
-pub(crate) struct SlotWord;
-
-const ID_MASK: u64 = (1 << 40) - 1;
-const STATE_SHIFT: u32 = 40;
-const READER_SHIFT: u32 = 42;
-const READER_ONE: u64 = 1 << READER_SHIFT;
-pub(crate) const S_EMPTY: u64 = 0;
-pub(crate) const S_WRITING: u64 = 1;
-pub(crate) const S_FULL: u64 = 2;
-
-/// Sample ids the area can name (40 bits, minus the "none").
-pub const MAX_CACHED_ID: u64 = ID_MASK - 1;
-
-impl SlotWord {
-    pub(crate) fn pack(id: Option<u64>, state: u64) -> u64 {
-        id.map_or(0, |i| i + 1) | (state << STATE_SHIFT)
-    }
-    pub(crate) fn id(w: u64) -> Option<u64> {
-        (w & ID_MASK).checked_sub(1)
-    }
-    pub(crate) fn state(w: u64) -> u64 {
-        (w >> STATE_SHIFT) & 3
-    }
-    pub(crate) fn readers(w: u64) -> u64 {
-        w >> READER_SHIFT
-    }
-}
-
-/// What the area counts (cumulative over the loader's life).
-#[derive(Debug, Default)]
-pub(crate) struct Counters {
-    pub hits: AtomicU64,
-    pub hit_bytes: AtomicU64,
-    pub writes: AtomicU64,
-    pub write_bytes: AtomicU64,
-    pub skipped: AtomicU64,
-    pub corrupt: AtomicU64,
-    pub write_errors: AtomicU64,
-}
-
-/// The cache area's counters, for [`Stats`](crate::Stats).
+/// The cache area's counters, for [`Stats`](crate::loader::Stats).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct CacheStats {
@@ -199,16 +105,6 @@ pub struct CacheStats {
     pub slots: u64,
     /// Bytes per slot.
     pub slot_bytes: u64,
-}
-
-/// State shared by the pollers, the planner and the writer thread.
-pub(crate) struct AreaShared {
-    pub dir: PathBuf,
-    pub data: File,
-    pub direct: bool,
-    pub slot_bytes: u64,
-    pub words: Box<[AtomicU64]>,
-    pub counters: Counters,
 }
 
 /// An open cache area (module doc). One process at a time (a lock file);
@@ -589,42 +485,4 @@ fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
     f.write_all(bytes).ctx("write", &tmp)?;
     f.sync_all().ctx("fsync", &tmp)?;
     std::fs::rename(&tmp, path).ctx("rename", path)
-}
-
-/// Makes a folder's entries (a rename, a removal) durable.
-pub(crate) fn sync_dir(dir: &Path) -> Result<()> {
-    File::open(dir).and_then(|d| d.sync_all()).ctx("fsync", dir)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn records_round_trip_and_torn_ones_are_refused() {
-        let r = Record {
-            kind: REC_FULL,
-            slot: 7,
-            id: 123_456_789,
-            len: 4096,
-            crc: 0xDEAD_BEEF,
-        };
-        let b = r.encode();
-        assert_eq!(Record::decode(&b), Some(r));
-        for i in 0..RECORD_BYTES {
-            let mut t = b;
-            t[i] ^= 1;
-            assert_eq!(Record::decode(&t), None, "byte {i} flipped");
-        }
-        assert_eq!(Record::decode(&b[..31]), None);
-    }
-
-    #[test]
-    fn slot_words_pack_ids_states_and_readers() {
-        let w = SlotWord::pack(Some(MAX_CACHED_ID), S_FULL);
-        assert_eq!(SlotWord::id(w), Some(MAX_CACHED_ID));
-        assert_eq!(SlotWord::state(w), S_FULL);
-        assert_eq!(SlotWord::readers(w + 3 * READER_ONE), 3);
-        assert_eq!(SlotWord::id(SlotWord::pack(None, S_EMPTY)), None);
-    }
 }

@@ -11,11 +11,16 @@
 mod area;
 mod belady;
 mod lru;
+mod slots;
 mod writer;
 
-pub use area::{AreaSpec, CacheArea, CachePolicy, CacheStats, DATA_FILE, JOURNAL_FILE, META_FILE};
+pub use area::{
+    slot_bytes_for, AreaSpec, CacheArea, CachePolicy, CacheStats, DATA_FILE, JOURNAL_FILE,
+    META_FILE,
+};
 pub use belady::{Belady, Decision};
 pub use lru::Lru;
+pub use slots::{MAX_CACHED_ID, SLOT_ALIGN};
 
 #[cfg(test)]
 mod tests {

@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
 
-use super::area::{
+use super::slots::{
     sync_dir, AreaShared, Record, SlotWord, RECORD_BYTES, REC_EMPTY, REC_FULL, SLOT_ALIGN, S_EMPTY,
     S_FULL, S_WRITING,
 };
@@ -178,13 +178,12 @@ impl Writer {
     pub(crate) fn flush(&self) {
         let (tx, rx) = crossbeam_channel::bounded(1);
         if let Some(j) = &self.jobs {
-            if j.send(Job::Flush(tx)).is_ok() {
-                if rx.recv_timeout(Duration::from_secs(120)).is_err() {
-                    log::warn!(
-                        "cache area {}: the writer did not finish within 120 s",
-                        self.shared.dir.display()
-                    );
-                }
+            if j.send(Job::Flush(tx)).is_ok() && rx.recv_timeout(Duration::from_secs(120)).is_err()
+            {
+                log::warn!(
+                    "cache area {}: the writer did not finish within 120 s",
+                    self.shared.dir.display()
+                );
             }
         }
     }
