@@ -354,6 +354,13 @@ impl CacheArea {
     /// journals it) and counted.
     pub(crate) fn end_read(&self, slot: u32, len: u64, corrupt: bool) {
         let w = &self.shared.words[slot as usize];
+        if corrupt {
+            // Before this reader goes: the slot cannot be claimed for
+            // another sample in between.
+            if let Some(id) = SlotWord::id(w.load(Ordering::Acquire)) {
+                self.writer.evict(slot, id);
+            }
+        }
         let before = w.fetch_sub(READER_ONE, Ordering::AcqRel);
         assert!(
             SlotWord::readers(before) > 0,
@@ -362,7 +369,6 @@ impl CacheArea {
         let c = &self.shared.counters;
         if corrupt {
             c.corrupt.fetch_add(1, Ordering::Relaxed);
-            self.writer.evict(slot);
         } else {
             c.hits.fetch_add(1, Ordering::Relaxed);
             c.hit_bytes.fetch_add(len, Ordering::Relaxed);

@@ -45,6 +45,8 @@ const BATCH: usize = 64;
 /// How long the writer waits for a poller to finish reading a slot's old
 /// sample before it gives the new one up (a read takes milliseconds).
 const CLAIM_WAIT: Duration = Duration::from_secs(5);
+/// Evictions queued at most (module doc of `Writer::start`).
+const EVICTS_QUEUED: usize = 1024;
 /// The journal is rewritten with only live records once it holds more
 /// than this many records per slot.
 const COMPACT_RECORDS_PER_SLOT: u64 = 4;
@@ -59,6 +61,7 @@ enum Job {
     },
     Evict {
         slot: u32,
+        id: u64,
     },
     Flush(Sender<()>),
 }
@@ -91,10 +94,11 @@ impl Writer {
         for i in 0..n as u32 {
             free_tx.send(i).expect("sized for every buffer");
         }
-        // Admits are bounded by the buffers; evictions and flushes fit in
-        // the rest (an eviction that does not is dropped: the word is
-        // already empty, and a later read checks the CRC again).
-        let (jobs, rx) = crossbeam_channel::bounded(n as usize + 1024);
+        // Admits are bounded by the buffers; evictions are queued only while
+        // fewer than EVICTS_QUEUED jobs wait (one that is not is dropped:
+        // the word is already empty, and a later read checks the CRC
+        // again), flushes block: room for every admit is always left.
+        let (jobs, rx) = crossbeam_channel::bounded(n as usize + 2 * EVICTS_QUEUED);
         let journal = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -163,14 +167,16 @@ impl Writer {
         true
     }
 
-    /// Slot `slot`'s bytes were found corrupt: no poller reads it from now
-    /// on, and the writer journals it empty.
-    pub(crate) fn evict(&self, slot: u32) {
+    /// Slot `slot`'s bytes (sample `id`'s) were found corrupt: no poller
+    /// starts a read of it from now on, and the writer journals it empty
+    /// (unless it was given to another sample since). The caller still
+    /// counts as a reader, so the slot cannot have been claimed meanwhile.
+    pub(crate) fn evict(&self, slot: u32, id: u64) {
         let w = &self.shared.words[slot as usize];
         // The state bits to EMPTY, readers and id kept.
         w.fetch_and(!(3u64 << 40), Ordering::AcqRel);
-        if let Some(j) = &self.jobs {
-            let _ = j.try_send(Job::Evict { slot });
+        if let Some(j) = self.jobs.as_ref().filter(|j| j.len() < EVICTS_QUEUED) {
+            let _ = j.try_send(Job::Evict { slot, id });
         }
     }
 
@@ -229,7 +235,7 @@ impl WriterState {
             while let Some(job) = next.take() {
                 match job {
                     Job::Flush(tx) => flushes.push(tx),
-                    Job::Evict { slot } => self.evicted(slot),
+                    Job::Evict { slot, id } => self.evicted(slot, id),
                     Job::Admit {
                         slot,
                         id,
@@ -255,9 +261,10 @@ impl WriterState {
         }
     }
 
-    /// A corrupt slot: journal it empty (its word is already empty).
-    fn evicted(&mut self, slot: u32) {
-        if self.durable[slot as usize].is_none() {
+    /// A corrupt slot: journal it empty (its word is already empty), if
+    /// the journal still says it holds that sample.
+    fn evicted(&mut self, slot: u32, id: u64) {
+        if self.durable[slot as usize].is_none_or(|r| r.id != id) {
             return;
         }
         let rec = Record {
