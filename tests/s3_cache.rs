@@ -85,10 +85,10 @@ fn a_bucket_read_directly_keeps_its_samples_in_the_cache_area() {
     let n = cat.len();
     assert_eq!(first["samples"], 3 * n);
     let c = &first["cache"];
-    let (hits, slots, slot_bytes) = (
+    let (hits, slots, area_bytes) = (
         c["hits"].as_u64().unwrap(),
         c["slots"].as_u64().unwrap(),
-        c["slot_bytes"].as_u64().unwrap(),
+        c["area_bytes"].as_u64().unwrap(),
     );
     // Every read is a GET or a hit.
     assert_eq!(
@@ -96,7 +96,7 @@ fn a_bucket_read_directly_keeps_its_samples_in_the_cache_area() {
         3 * n,
         "{first}"
     );
-    assert!(slots * slot_bytes <= third && slots > 0, "{c}");
+    assert!(area_bytes <= third && slots > 0, "{c}");
     assert_eq!(c["corrupt"], 0, "{c}");
     let dir = cache.join("rank0");
     assert!(area::check_held(&dir, &cat) > 0);

@@ -2,11 +2,10 @@
 //! node's disk for their next read, in a folder of three files:
 //!
 //! - `cache.meta`: what the area holds (the dataset's identity, the slot
-//!   size, the slot count), text, written once (a new size starts empty);
-//! - `cache.data`: `slots` fixed slots of `slot_bytes` (the catalog's 99th
-//!   percentile sample length rounded up to 4 KiB, [`slot_bytes_for`];
-//!   larger samples are not kept), preallocated, read and written with
-//!   `O_DIRECT`;
+//!   classes), text, written once (new classes start it empty);
+//! - `cache.data`: fixed slots in size classes from 4 KiB to the catalog's
+//!   99th percentile sample length (classes.rs; larger samples are not
+//!   kept), preallocated, read and written with `O_DIRECT`;
 //! - `cache.journal`: 32-byte records, each with its own CRC32C: slot `s`
 //!   holds sample `id` (its length and CRC from the catalog), or slot `s` is
 //!   empty. The last record of a slot says what it holds.
@@ -34,8 +33,9 @@ use std::sync::Arc;
 
 use super::slots::{
     sync_dir, AreaShared, Counters, Record, SlotWord, MAX_CACHED_ID, READER_ONE, RECORD_BYTES,
-    REC_FULL, SLOT_ALIGN, S_EMPTY, S_FULL,
+    REC_FULL, S_EMPTY, S_FULL,
 };
+use super::{SlotClasses, MAX_SLOTS, SLOT_ALIGN};
 use crate::dataset::Catalog;
 use crate::error::{Error, IoContext, Result};
 
@@ -101,10 +101,10 @@ pub struct CacheStats {
     pub write_errors: u64,
     /// Samples held now.
     pub held: u64,
-    /// Slots in the area.
+    /// Slots in the area (of every size class).
     pub slots: u64,
-    /// Bytes per slot.
-    pub slot_bytes: u64,
+    /// The area's bytes (`cache.data`, within `cache_bytes`).
+    pub area_bytes: u64,
 }
 
 /// An open cache area (module doc). One process at a time (a lock file);
@@ -123,7 +123,7 @@ pub struct AreaSpec<'a> {
     pub dir: &'a Path,
     /// The catalog whose samples it holds.
     pub catalog: &'a Catalog,
-    /// Its budget: slots of `slot_bytes` while they fit.
+    /// Its budget (classes.rs shares it among the slot sizes).
     pub cache_bytes: u64,
 }
 
@@ -155,15 +155,21 @@ impl CacheArea {
             }
             Err(std::fs::TryLockError::Error(e)) => return Err(Error::io("lock", &lock_path, e)),
         }
-        let slot_bytes = slot_bytes_for(cat);
-        let slots = spec.cache_bytes / slot_bytes;
+        let classes = SlotClasses::for_catalog(cat, spec.cache_bytes);
+        let slots = classes.slots();
         if slots == 0 {
             return Err(Error::InvalidConfig(format!(
-                "cache_bytes {} holds no slot: the largest sample needs {slot_bytes} bytes",
-                spec.cache_bytes
+                "cache_bytes {} holds no slot: the smallest sample needs {} bytes",
+                spec.cache_bytes,
+                (0..cat.len())
+                    .map(|id| cat.sample(id).len as u64)
+                    .min()
+                    .unwrap_or(0)
+                    .max(1)
+                    .next_multiple_of(SLOT_ALIGN)
             )));
         }
-        if slots >= 1 << 30 {
+        if slots >= MAX_SLOTS {
             return Err(Error::InvalidConfig(format!(
                 "cache_bytes {} makes {slots} slots, more than the area can index",
                 spec.cache_bytes
@@ -177,7 +183,8 @@ impl CacheArea {
         }
         let identity = u64::from(cat.identity());
         let meta = format!(
-            "{META_VERSION}\ndataset {identity:08x}\nslot_bytes {slot_bytes}\nslots {slots}\n"
+            "{META_VERSION}\ndataset {identity:08x}\nclasses {}\nslots {slots}\n",
+            classes.to_meta()
         );
         let meta_path = dir.join(META_FILE);
         let fresh = match std::fs::read_to_string(&meta_path) {
@@ -206,8 +213,9 @@ impl CacheArea {
                     });
                 }
                 log::info!(
-                    "cache area {}: a new size ({slots} slots of {slot_bytes} bytes); starting empty",
-                    dir.display()
+                    "cache area {}: new slot classes ({slots} slots, {} bytes); starting empty",
+                    dir.display(),
+                    classes.area_bytes()
                 );
                 true
             }
@@ -227,7 +235,7 @@ impl CacheArea {
             sync_dir(dir)?;
         }
         let (data, direct) = crate::sys::open_direct_rw(&data_path).ctx("open", &data_path)?;
-        let data_bytes = slots * slot_bytes;
+        let data_bytes = classes.area_bytes();
         if fresh {
             data.set_len(0).ctx("truncate", &data_path)?;
             match crate::sys::allocate(&data, data_bytes) {
@@ -255,7 +263,7 @@ impl CacheArea {
                 });
             }
         }
-        let held = replay(&journal_path, cat, slots as u32)?;
+        let held = replay(&journal_path, cat, &classes)?;
         let words: Box<[AtomicU64]> = (0..slots).map(|_| AtomicU64::new(0)).collect();
         for (slot, rec) in held.iter().enumerate() {
             if let Some(r) = rec {
@@ -266,7 +274,7 @@ impl CacheArea {
             dir: dir.to_path_buf(),
             data,
             direct,
-            slot_bytes,
+            classes,
             words,
             counters: Counters::default(),
         });
@@ -283,9 +291,14 @@ impl CacheArea {
         &self.shared.dir
     }
 
-    /// Bytes per slot.
-    pub fn slot_bytes(&self) -> u64 {
-        self.shared.slot_bytes
+    /// The slot size classes.
+    pub fn classes(&self) -> &SlotClasses {
+        &self.shared.classes
+    }
+
+    /// Where slot `slot` starts in `cache.data`, and its bytes.
+    pub fn slot(&self, slot: u32) -> (u64, u64) {
+        self.shared.classes.slot(slot)
     }
 
     /// Slots.
@@ -407,29 +420,16 @@ impl CacheArea {
             write_errors: l(&c.write_errors),
             held: self.held().len() as u64,
             slots: self.slots() as u64,
-            slot_bytes: self.slot_bytes(),
+            area_bytes: self.shared.classes.area_bytes(),
         }
     }
 }
 
-/// The slot size for `cat`: its 99th percentile sample length rounded up
-/// to 4 KiB. Slots of the largest sample would waste most of the area on a
-/// dataset with a long tail of sizes (a JPEG set's largest is several times
-/// its mean); the 1 % of samples larger than a slot are always read from
-/// the source.
-pub fn slot_bytes_for(cat: &Catalog) -> u64 {
-    let mut lens: Vec<u32> = (0..cat.len()).map(|id| cat.sample(id).len).collect();
-    if lens.is_empty() {
-        return SLOT_ALIGN;
-    }
-    let k = ((lens.len() as u64 * 99).div_ceil(100) as usize).clamp(1, lens.len()) - 1;
-    let (_, p99, _) = lens.select_nth_unstable(k);
-    (*p99 as u64).max(1).next_multiple_of(SLOT_ALIGN)
-}
-
 /// What each slot holds after replaying the journal at `path` (records that
-/// do not match the catalog are dropped; a torn tail is cut off).
-fn replay(path: &Path, cat: &Catalog, slots: u32) -> Result<Vec<Option<Record>>> {
+/// do not match the catalog or their slot are dropped; a torn tail is cut
+/// off).
+fn replay(path: &Path, cat: &Catalog, classes: &SlotClasses) -> Result<Vec<Option<Record>>> {
+    let slots = classes.slots() as u32;
     let mut held: Vec<Option<Record>> = vec![None; slots as usize];
     let mut buf = Vec::new();
     match File::open(path) {
@@ -440,7 +440,10 @@ fn replay(path: &Path, cat: &Catalog, slots: u32) -> Result<Vec<Option<Record>>>
         Err(e) => return Err(Error::io("open", path, e)),
     }
     let mut good = 0;
-    for chunk in buf.chunks(RECORD_BYTES) {
+    // Per slot, the index of its last record: of two slots naming one
+    // sample, the later record wins.
+    let mut last = vec![0usize; slots as usize];
+    for (k, chunk) in buf.chunks(RECORD_BYTES).enumerate() {
         let Some(r) = Record::decode(chunk) else {
             break;
         };
@@ -449,6 +452,7 @@ fn replay(path: &Path, cat: &Catalog, slots: u32) -> Result<Vec<Option<Record>>>
             continue;
         }
         held[r.slot as usize] = (r.kind == REC_FULL).then_some(r);
+        last[r.slot as usize] = k;
     }
     if good < buf.len() {
         log::warn!(
@@ -465,11 +469,12 @@ fn replay(path: &Path, cat: &Catalog, slots: u32) -> Result<Vec<Option<Record>>>
         f.sync_all().ctx("fsync", path)?;
     }
     // A record that does not match the catalog, or a sample named by two
-    // slots (the later wins), is not held.
+    // slots (the later record wins; the writer journals the older copy
+    // empty, but a crash may come between), is not held.
     let mut seen = std::collections::HashMap::new();
     for slot in 0..slots as usize {
         let Some(r) = held[slot] else { continue };
-        let ok = r.id < cat.len() && {
+        let ok = r.id < cat.len() && r.len as u64 <= classes.slot(r.slot).1 && {
             let s = cat.sample(r.id);
             s.len == r.len && s.crc32c == r.crc
         };
@@ -477,8 +482,16 @@ fn replay(path: &Path, cat: &Catalog, slots: u32) -> Result<Vec<Option<Record>>>
             held[slot] = None;
             continue;
         }
-        if let Some(other) = seen.insert(r.id, slot) {
-            held[other] = None;
+        if let Some(&other) = seen.get(&r.id) {
+            let (older, newer) = if last[other] < last[slot] {
+                (other, slot)
+            } else {
+                (slot, other)
+            };
+            held[older] = None;
+            seen.insert(r.id, newer);
+        } else {
+            seen.insert(r.id, slot);
         }
     }
     Ok(held)

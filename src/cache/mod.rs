@@ -10,17 +10,16 @@
 
 mod area;
 mod belady;
+mod classes;
 mod lru;
 mod slots;
 mod writer;
 
-pub use area::{
-    slot_bytes_for, AreaSpec, CacheArea, CachePolicy, CacheStats, DATA_FILE, JOURNAL_FILE,
-    META_FILE,
-};
+pub use area::{AreaSpec, CacheArea, CachePolicy, CacheStats, DATA_FILE, JOURNAL_FILE, META_FILE};
 pub use belady::{Belady, Decision};
+pub use classes::{SlotClass, SlotClasses, MAX_SLOTS, SLOT_ALIGN};
 pub use lru::Lru;
-pub use slots::{MAX_CACHED_ID, SLOT_ALIGN};
+pub use slots::MAX_CACHED_ID;
 
 #[cfg(test)]
 mod tests {

@@ -9,9 +9,6 @@ use std::sync::atomic::AtomicU64;
 
 use crate::error::{IoContext, Result};
 
-/// Slot sizes are multiples of this (O_DIRECT's alignment on any device).
-pub const SLOT_ALIGN: u64 = 4096;
-
 /// A journal record's size.
 pub(crate) const RECORD_BYTES: usize = 32;
 const RECORD_MAGIC: u32 = 0x4A43_534B; // "KSCJ" little-endian
@@ -112,7 +109,7 @@ pub(crate) struct AreaShared {
     pub dir: PathBuf,
     pub data: File,
     pub direct: bool,
-    pub slot_bytes: u64,
+    pub classes: super::SlotClasses,
     pub words: Box<[AtomicU64]>,
     pub counters: Counters,
 }

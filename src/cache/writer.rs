@@ -30,9 +30,10 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender};
 
 use super::slots::{
-    sync_dir, AreaShared, Record, SlotWord, RECORD_BYTES, REC_EMPTY, REC_FULL, SLOT_ALIGN, S_EMPTY,
-    S_FULL, S_WRITING,
+    sync_dir, AreaShared, Record, SlotWord, RECORD_BYTES, REC_EMPTY, REC_FULL, S_EMPTY, S_FULL,
+    S_WRITING,
 };
+use super::SLOT_ALIGN;
 use crate::error::{errno_name, IoContext, Result};
 use crate::sys::AlignedBuf;
 
@@ -84,7 +85,8 @@ impl Writer {
         journal_path: &Path,
         held: Vec<Option<Record>>,
     ) -> Result<Writer> {
-        let slot_bytes = shared.slot_bytes;
+        // Every buffer holds the largest slot.
+        let slot_bytes = shared.classes.largest();
         let n = (BUFFER_BUDGET_BYTES / slot_bytes).clamp(2, MAX_BUFFERS);
         let bufs = Arc::new(AlignedBuf::new(
             (n * slot_bytes) as usize,
@@ -112,6 +114,7 @@ impl Writer {
             journal,
             journal_path: journal_path.to_path_buf(),
             records,
+            slot_of_id: held.iter().flatten().map(|r| (r.id, r.slot)).collect(),
             durable: held,
             warned: false,
         };
@@ -137,8 +140,8 @@ impl Writer {
     /// write buffer is free.
     pub(crate) fn admit(&self, slot: u32, id: u64, crc: u32, bytes: &[u8]) -> bool {
         assert!(
-            bytes.len() as u64 <= self.slot_bytes,
-            "a sample larger than the cache area's slot"
+            bytes.len() as u64 <= self.shared.classes.slot(slot).1,
+            "a sample larger than its cache area slot"
         );
         let Ok(buf) = self.free.try_recv() else {
             return false;
@@ -213,8 +216,10 @@ struct WriterState {
     journal: File,
     journal_path: PathBuf,
     records: u64,
-    /// What each slot holds as far as the journal on disk says.
+    /// What each slot holds as far as the journal on disk says, and the
+    /// slot of each sample held (changed only through `set_durable`).
     durable: Vec<Option<Record>>,
+    slot_of_id: std::collections::HashMap<u64, u32>,
     warned: bool,
 }
 
@@ -275,7 +280,7 @@ impl WriterState {
             crc: 0,
         };
         if self.append(&[rec]) {
-            self.durable[slot as usize] = None;
+            self.set_durable(slot, None);
         }
     }
 
@@ -306,12 +311,31 @@ impl WriterState {
                 let _ = self.free.send(job.buf);
             }
         }
-        // 2. Journal the old contents gone.
-        let empties: Vec<Record> = claimed
+        // 2. Journal the old contents gone: the claimed slots' samples,
+        // and another slot still holding a sample now written anew (the
+        // planner evicted it from there and admits it here: one sample is
+        // never in two slots).
+        let mut gone: Vec<u32> = Vec::with_capacity(claimed.len());
+        for &i in &claimed {
+            let job = &batch[i];
+            if self.durable[job.slot as usize].is_some() {
+                gone.push(job.slot);
+            }
+            if let Some(&other) = self.slot_of_id.get(&job.id).filter(|&&o| o != job.slot) {
+                if !gone.contains(&other) {
+                    gone.push(other);
+                }
+                // No poller starts a read of the old copy from now on.
+                let w = &self.shared.words[other as usize];
+                let _ = w.fetch_update(Ordering::AcqRel, Ordering::Acquire, |cur| {
+                    (SlotWord::id(cur) == Some(job.id) && SlotWord::state(cur) == S_FULL)
+                        .then_some(cur & !(3u64 << 40))
+                });
+            }
+        }
+        let empties: Vec<Record> = gone
             .iter()
-            .map(|&i| batch[i].slot)
-            .filter(|&s| self.durable[s as usize].is_some())
-            .map(|slot| Record {
+            .map(|&slot| Record {
                 kind: REC_EMPTY,
                 slot,
                 id: 0,
@@ -327,7 +351,7 @@ impl WriterState {
             return;
         }
         for r in &empties {
-            self.durable[r.slot as usize] = None;
+            self.set_durable(r.slot, None);
         }
         // 3. Write the bytes.
         let mut written = Vec::with_capacity(claimed.len());
@@ -375,7 +399,7 @@ impl WriterState {
         // 5. Publish.
         for (&i, r) in written.iter().zip(&fulls) {
             let j = &batch[i];
-            self.durable[j.slot as usize] = Some(*r);
+            self.set_durable(j.slot, Some(*r));
             self.shared.words[j.slot as usize]
                 .store(SlotWord::pack(Some(j.id), S_FULL), Ordering::Release);
             c.writes.fetch_add(1, Ordering::Relaxed);
@@ -384,6 +408,19 @@ impl WriterState {
         }
         batch.clear();
         self.compact_if_long();
+    }
+
+    /// Records what the journal now says `slot` holds.
+    fn set_durable(&mut self, slot: u32, rec: Option<Record>) {
+        if let Some(old) = self.durable[slot as usize].take() {
+            if self.slot_of_id.get(&old.id) == Some(&slot) {
+                self.slot_of_id.remove(&old.id);
+            }
+        }
+        if let Some(r) = rec {
+            self.slot_of_id.insert(r.id, slot);
+        }
+        self.durable[slot as usize] = rec;
     }
 
     /// Takes `slot` for sample `id` once no poller reads it.
@@ -433,11 +470,11 @@ impl WriterState {
     }
 
     fn write_slot(&self, job: &Claimed) -> std::io::Result<()> {
-        let sb = self.shared.slot_bytes as usize;
-        let at = job.buf as usize * sb;
+        let at = job.buf as usize * self.shared.classes.largest() as usize;
+        let (slot_at, slot_bytes) = self.shared.classes.slot(job.slot);
         let n = (job.len as u64)
             .next_multiple_of(SLOT_ALIGN)
-            .max(SLOT_ALIGN) as usize;
+            .clamp(SLOT_ALIGN, slot_bytes) as usize;
         // The tail past the sample is zeroed: the slot's padding is not
         // another sample's leftovers.
         // SAFETY: this thread owns buffer `job.buf` until it sends the
@@ -459,9 +496,7 @@ impl WriterState {
                 job.crc
             )));
         }
-        self.shared
-            .data
-            .write_all_at(buf, job.slot as u64 * self.shared.slot_bytes)
+        self.shared.data.write_all_at(buf, slot_at)
     }
 
     /// Appends records and syncs the journal; false (logged) on failure.

@@ -787,10 +787,11 @@ impl LoaderBuilder {
             crate::cache::CachePolicy::Lru => None,
         };
         log::info!(
-            "cache area {}: {} slots of {} bytes, {} held, policy {}{}",
+            "cache area {}: {} slots in {} size classes, {} bytes, {} held, policy {}{}",
             area.dir().display(),
             area.slots(),
-            area.slot_bytes(),
+            area.classes().classes().len(),
+            area.classes().area_bytes(),
             area.held().len(),
             self.cache_policy.name(),
             if area.direct() {

@@ -18,7 +18,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use super::schedule::{Cursor, Placed};
-use crate::cache::{Belady, CachePolicy, Decision};
+use crate::cache::{Belady, CachePolicy, Decision, SlotClasses, MAX_SLOTS};
 use crate::sampler::NextUse;
 
 /// What a poller does with a sample that goes to the source.
@@ -34,67 +34,67 @@ pub(crate) enum Plan {
 
 const HIT: u32 = 1 << 31;
 const ADMIT: u32 = 1 << 30;
-/// Slots the planner can name (codes keep two bits for the kind).
-pub(crate) const MAX_SLOTS: u64 = 1 << 30;
 
-/// LRU over fixed slots: a doubly linked list of slots, most recent first;
-/// O(1) per read and nothing allocated after start.
+/// LRU over fixed slots, one list per size class: doubly linked lists of
+/// slots, most recent first; O(1) per read and nothing allocated after
+/// start.
 struct SlotLru {
     prev: Vec<u32>,
     next: Vec<u32>,
-    head: u32,
-    tail: u32,
+    /// Per class: (most recent, least recent).
+    ends: Vec<(u32, u32)>,
 }
 
 const NIL: u32 = u32::MAX;
 
 impl SlotLru {
-    fn new(slots: u32) -> Self {
+    fn new(slots: u32, classes: usize) -> Self {
         SlotLru {
             prev: vec![NIL; slots as usize],
             next: vec![NIL; slots as usize],
-            head: NIL,
-            tail: NIL,
+            ends: vec![(NIL, NIL); classes],
         }
     }
 
-    fn unlink(&mut self, s: u32) {
+    fn unlink(&mut self, c: usize, s: u32) {
         let (p, n) = (self.prev[s as usize], self.next[s as usize]);
         if p != NIL {
             self.next[p as usize] = n;
         } else {
-            self.head = n;
+            self.ends[c].0 = n;
         }
         if n != NIL {
             self.prev[n as usize] = p;
         } else {
-            self.tail = p;
+            self.ends[c].1 = p;
         }
         self.prev[s as usize] = NIL;
         self.next[s as usize] = NIL;
     }
 
-    fn push_front(&mut self, s: u32) {
-        self.next[s as usize] = self.head;
+    fn push_front(&mut self, c: usize, s: u32) {
+        let head = self.ends[c].0;
+        self.next[s as usize] = head;
         self.prev[s as usize] = NIL;
-        if self.head != NIL {
-            self.prev[self.head as usize] = s;
+        if head != NIL {
+            self.prev[head as usize] = s;
         } else {
-            self.tail = s;
+            self.ends[c].1 = s;
         }
-        self.head = s;
+        self.ends[c].0 = s;
     }
 }
 
 enum Policy {
+    /// One MIN per size class, each over its class's slots.
     NextUse {
-        min: Belady,
+        mins: Vec<Belady>,
         next: NextUse,
         rank: u64,
         world: u64,
     },
     Lru {
-        list: SlotLru,
+        lists: SlotLru,
         id_of: Vec<u64>,
     },
 }
@@ -102,9 +102,10 @@ enum Policy {
 /// The planner of one run (module doc).
 pub(crate) struct Planner {
     policy: Policy,
-    slot_bytes: u64,
+    classes: SlotClasses,
     slot_of: HashMap<u64, u32>,
-    free: Vec<u32>,
+    /// Per class, its free slots.
+    free: Vec<Vec<u32>>,
     cursor: Cursor,
     /// The next sequence number to plan.
     planned: u64,
@@ -119,8 +120,8 @@ pub(crate) struct PlanSpec {
     pub next: Option<NextUse>,
     pub rank: u64,
     pub world: u64,
-    pub slots: u32,
-    pub slot_bytes: u64,
+    /// The area's slots.
+    pub classes: SlotClasses,
     /// (slot, sample) held at the run's start.
     pub held: Vec<(u32, u64)>,
     /// The run's schedule from its start, as the pollers walk it.
@@ -131,25 +132,37 @@ pub(crate) struct PlanSpec {
 
 impl Planner {
     pub(crate) fn new(spec: PlanSpec) -> Self {
-        let slots = spec.slots;
-        assert!((slots as u64) < MAX_SLOTS, "too many cache slots");
+        let classes = spec.classes;
+        let slots = classes.slots();
+        assert!(slots < MAX_SLOTS, "too many cache slots");
+        let slots = slots as u32;
+        let n_classes = classes.classes().len();
         let start = spec.cursor.next_g();
         let mut p = Planner {
             policy: match (spec.policy, spec.next) {
                 (CachePolicy::NextUse, Some(next)) => Policy::NextUse {
-                    min: Belady::new(slots as u64 * spec.slot_bytes, slots as usize),
+                    // Every slot of a class counts as one unit of its MIN.
+                    mins: classes
+                        .classes()
+                        .iter()
+                        .map(|c| Belady::new(c.slots as u64, c.slots as usize))
+                        .collect(),
                     next,
                     rank: spec.rank,
                     world: spec.world,
                 },
                 _ => Policy::Lru {
-                    list: SlotLru::new(slots),
+                    lists: SlotLru::new(slots, n_classes),
                     id_of: vec![u64::MAX; slots as usize],
                 },
             },
-            slot_bytes: spec.slot_bytes,
             slot_of: HashMap::with_capacity(slots as usize),
-            free: Vec::with_capacity(slots as usize),
+            free: classes
+                .classes()
+                .iter()
+                .map(|c| Vec::with_capacity(c.slots as usize))
+                .collect(),
+            classes,
             cursor: spec.cursor,
             planned: start,
             ring: vec![(0, 0); spec.ring_len.max(1)].into_boxed_slice(),
@@ -159,22 +172,23 @@ impl Planner {
         // ranked by its next read from there.
         let t0 = p.cursor.position();
         for (slot, id) in spec.held {
-            if used[slot as usize] || p.slot_of.contains_key(&id) {
+            if slot >= slots || used[slot as usize] || p.slot_of.contains_key(&id) {
                 continue;
             }
+            let c = p.classes.class_of_slot(slot);
             let kept = match &mut p.policy {
                 Policy::NextUse {
-                    min,
+                    mins,
                     next,
                     rank,
                     world,
                 } => {
                     let t = next.time(t0.epoch, t0.index * *world + *rank);
                     let n = next.after(id, t.saturating_sub(1));
-                    min.insert(id, spec.slot_bytes, n)
+                    mins[c].insert(id, 1, n)
                 }
-                Policy::Lru { list, id_of } => {
-                    list.push_front(slot);
+                Policy::Lru { lists, id_of } => {
+                    lists.push_front(c, slot);
                     id_of[slot as usize] = id;
                     true
                 }
@@ -184,8 +198,10 @@ impl Planner {
                 p.slot_of.insert(id, slot);
             }
         }
-        p.free
-            .extend((0..slots).rev().filter(|&s| !used[s as usize]));
+        for (c, class) in p.classes.classes().iter().enumerate() {
+            let range = class.first..class.first + class.slots;
+            p.free[c].extend(range.rev().filter(|&s| !used[s as usize]));
+        }
         p
     }
 
@@ -214,49 +230,56 @@ impl Planner {
 
     fn plan(&mut self, p: &Placed) -> u32 {
         let id = p.id;
-        if p.len > self.slot_bytes {
-            // Larger than a slot (the top 1 % of sizes): not kept.
+        // Larger than every slot (the top 1 % of sizes), or a class the
+        // budget gave no slot: not kept.
+        let Some(c) = self
+            .classes
+            .class_for(p.len)
+            .filter(|&c| self.classes.classes()[c].slots > 0)
+        else {
             return 0;
-        }
+        };
         match &mut self.policy {
             Policy::NextUse {
-                min,
+                mins,
                 next,
                 rank,
                 world,
             } => {
                 let t = next.time(p.pos.epoch, p.pos.index * *world + *rank);
                 let n = next.after(id, t);
-                let (slot_of, free) = (&mut self.slot_of, &mut self.free);
-                match min.read(id, self.slot_bytes, n, |gone| {
+                let (slot_of, free) = (&mut self.slot_of, &mut self.free[c]);
+                match mins[c].read(id, 1, n, |gone| {
                     let s = slot_of.remove(&gone).expect("a held sample has a slot");
                     free.push(s);
                 }) {
                     Decision::Hit => HIT | self.slot_of[&id],
                     Decision::Bypass => 0,
                     Decision::Admit => {
-                        let s = self.free.pop().expect("MIN admits only with a slot free");
+                        let s = self.free[c]
+                            .pop()
+                            .expect("MIN admits only with a slot free");
                         self.slot_of.insert(id, s);
                         ADMIT | s
                     }
                 }
             }
-            Policy::Lru { list, id_of } => {
+            Policy::Lru { lists, id_of } => {
                 if let Some(&s) = self.slot_of.get(&id) {
-                    list.unlink(s);
-                    list.push_front(s);
+                    lists.unlink(c, s);
+                    lists.push_front(c, s);
                     return HIT | s;
                 }
-                let s = match self.free.pop() {
+                let s = match self.free[c].pop() {
                     Some(s) => s,
                     None => {
-                        let s = list.tail;
-                        list.unlink(s);
+                        let s = lists.ends[c].1;
+                        lists.unlink(c, s);
                         self.slot_of.remove(&id_of[s as usize]);
                         s
                     }
                 };
-                list.push_front(s);
+                lists.push_front(c, s);
                 id_of[s as usize] = id;
                 self.slot_of.insert(id, s);
                 ADMIT | s
@@ -303,8 +326,7 @@ impl CacheSetup {
                 next: self.next.clone(),
                 rank: self.rank,
                 world: self.world,
-                slots: area.slots(),
-                slot_bytes: area.slot_bytes(),
+                classes: area.classes().clone(),
                 held: area.held(),
                 cursor,
                 ring_len: ring_len.saturating_mul(2),
@@ -351,8 +373,7 @@ mod tests {
             next: Some(next),
             rank: rank as u64,
             world: world as u64,
-            slots,
-            slot_bytes: 4096,
+            classes: SlotClasses::uniform(4096, slots),
             held,
             cursor: cursor(&sampler, steps),
             ring_len: 64,
@@ -515,8 +536,7 @@ mod tests {
             next: None,
             rank: 0,
             world: 1,
-            slots: 50,
-            slot_bytes: 4096,
+            classes: SlotClasses::uniform(4096, 50),
             held: vec![],
             cursor: cursor(&sampler, 100),
             ring_len: 8,

@@ -526,14 +526,17 @@ impl Poller {
             );
             match plan {
                 Plan::Hit(slot) if rc.area.begin_read(slot, p.id) => {
-                    let want = sh.geo.slot(p.len);
+                    let (at, slot_bytes) = rc.area.slot(slot);
+                    // Whole blocks for O_DIRECT, within the ring's slot for
+                    // the sample and the area's.
+                    let want = sh.geo.slot(p.len).min(slot_bytes);
                     let gi = self.groups.insert(Group {
                         placed: p,
                         target: Target::Fd(rc.area.data_fd()),
                         file: slot,
                         dataset: dataset as u32,
                         from_source: true,
-                        offset: slot as u64 * rc.area.slot_bytes(),
+                        offset: at,
                         want,
                         parts: want.div_ceil(self.part_bytes) as u32,
                         issued: 0,

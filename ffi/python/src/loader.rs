@@ -386,7 +386,7 @@ impl PyLoader {
         cache.set_item("write_errors", st.cache.write_errors)?;
         cache.set_item("held", st.cache.held)?;
         cache.set_item("slots", st.cache.slots)?;
-        cache.set_item("slot_bytes", st.cache.slot_bytes)?;
+        cache.set_item("area_bytes", st.cache.area_bytes)?;
         d.set_item("cache", cache)?;
         // How long before it was asked for each source sample was ready.
         let lead = PyDict::new(py);

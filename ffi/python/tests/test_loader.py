@@ -1115,8 +1115,8 @@ def test_cache_area_keeps_source_samples_for_the_next_loader(tree, space, tmp_pa
         for _ in range(3):
             assert sorted(read_epoch(loader, cat)) == list(range(len(cat)))
         c = loader.stats()["cache"]
-        assert c["slots"] > 0 and c["slot_bytes"] % 4096 == 0 and c["corrupt"] == 0, c
-        assert c["held"] <= c["slots"] and c["slots"] * c["slot_bytes"] <= budget, c
+        assert c["slots"] > 0 and c["area_bytes"] % 4096 == 0 and c["corrupt"] == 0, c
+        assert c["held"] <= c["slots"] and c["area_bytes"] <= budget, c
     assert os.path.isfile(tmp_path / "cache" / "rank0" / "cache.journal")
     with kspeed.Loader(**kw) as loader:
         assert sorted(read_epoch(loader, cat)) == list(range(len(cat)))

@@ -163,7 +163,7 @@ pub(crate) fn print(st: &Stats, placement: &PollerPlacement, r: &Run) {
             "write_errors": c.write_errors,
             "held": c.held,
             "slots": c.slots,
-            "slot_bytes": c.slot_bytes,
+            "area_bytes": c.area_bytes,
         });
     }
     if let Some(d) = r.digest {
