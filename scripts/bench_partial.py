@@ -132,6 +132,7 @@ def run_kspeed(env, args, server_pid):
     j = json.loads(p.stdout.strip().splitlines()[-1])
     epochs = [{"samples": e["samples"], "bytes": e["bytes"], "seconds": e["seconds"],
                "source_bytes": e.get("source_bytes", 0), "cache_hits": e.get("cache_hits", 0),
+               "cache_planned_hits": e.get("cache_planned_hits", 0),
                "cache_writes": e.get("cache_writes", 0)} for e in j["per_epoch"]]
     if "cache" in j:
         epochs[-1]["cache"] = j["cache"]
@@ -164,6 +165,9 @@ def main():
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--only", default=None)
     ap.add_argument("--no-build", action="store_true")
+    ap.add_argument("--throttle-mbit", type=int, default=0,
+                    help="hold loopback (the S3 server's replies) to this rate with a tbf qdisc on lo, as a remote "
+                    "bucket would be (root; removed at the end)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--cache", help=argparse.SUPPRESS)
@@ -207,8 +211,14 @@ def main():
             except OSError:
                 time.sleep(0.05)
         prepare(a, src)
+        if a.throttle_mbit:
+            b3.sh(["tc", "qdisc", "replace", "dev", "lo", "root", "tbf", "rate", f"{a.throttle_mbit}mbit",
+                   "burst", "256kb", "latency", "200ms"])
+            print(f"loopback held to {a.throttle_mbit} Mbit/s (tbf)", file=sys.stderr)
         bench(a, env, size, server.pid)
     finally:
+        if a.throttle_mbit:
+            subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], check=False)
         server.terminate()
         server.wait()
 
@@ -299,7 +309,12 @@ def bench(a, env, size, server_pid):
               + "   " + " ".join(f"{x:.0f}" for x in served))
     for name in [n for n in names if n.startswith("kspeed-cache")]:
         hits = [med([r[e]["cache_hits"] if r else None for r in res[name]]) for e in range(EPOCHS)]
-        print(f"{name}: cache hits per epoch (median) " + " ".join(f"{h:.0f}" for h in hits))
+        planned = [med([r[e]["cache_planned_hits"] if r else None for r in res[name]]) for e in range(EPOCHS)]
+        tot = [sum(e["cache_hits"] for e in r) / max(1, sum(e["cache_planned_hits"] for e in r))
+               for r in res[name] if r]
+        print(f"{name}: cache hits per epoch (median) " + " ".join(f"{h:.0f}" for h in hits)
+              + "; planned (the policy's own, MIN's for next use) " + " ".join(f"{h:.0f}" for h in planned)
+              + f"; hits / planned over the run, per run: {fmt(tot, '{:.3f}')}")
     if "kspeed-cache-next" in res and "kspeed-cache-lru" in res:
         for e in range(EPOCHS):
             rr = [x / y if x and y else None

@@ -86,6 +86,11 @@ pub struct CacheStats {
     pub hits: u64,
     /// Their bytes.
     pub hit_bytes: u64,
+    /// Reads the policy planned as hits (with `next-use`, Belady's MIN's
+    /// hits on this rank's order): `hits` falls short of it where a write
+    /// had not landed by the read (or was skipped), or a slot failed its
+    /// check.
+    pub planned_hits: u64,
     /// Samples written into the area (durable and journalled).
     pub writes: u64,
     /// Their bytes.
@@ -331,6 +336,15 @@ impl CacheArea {
             .collect()
     }
 
+    /// The planner decided a read of a sample is a hit (counted whether or
+    /// not the slot has it by then).
+    pub(crate) fn planned_hit(&self) {
+        self.shared
+            .counters
+            .planned_hits
+            .fetch_add(1, Ordering::Relaxed);
+    }
+
     /// Whether `slot` holds nothing and is not being written.
     pub(crate) fn slot_empty(&self, slot: u32) -> bool {
         SlotWord::state(self.shared.words[slot as usize].load(Ordering::Acquire)) == S_EMPTY
@@ -413,6 +427,7 @@ impl CacheArea {
         CacheStats {
             hits: l(&c.hits),
             hit_bytes: l(&c.hit_bytes),
+            planned_hits: l(&c.planned_hits),
             writes: l(&c.writes),
             write_bytes: l(&c.write_bytes),
             skipped: l(&c.skipped),

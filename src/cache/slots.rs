@@ -96,6 +96,7 @@ impl SlotWord {
 #[derive(Debug, Default)]
 pub(crate) struct Counters {
     pub hits: AtomicU64,
+    pub planned_hits: AtomicU64,
     pub hit_bytes: AtomicU64,
     pub writes: AtomicU64,
     pub write_bytes: AtomicU64,

@@ -450,9 +450,9 @@ impl LoaderBuilder {
         self
     }
 
-    /// The cache area's budget in bytes: slots of the catalog's 99th
-    /// percentile sample length, rounded up to 4 KiB, while they fit
-    /// (larger samples are not kept).
+    /// The cache area's budget in bytes, shared among slot size classes
+    /// from 4 KiB to the catalog's 99th percentile sample length (larger
+    /// samples are not kept; docs/CACHE.md, "The cache area").
     pub fn cache_bytes(mut self, bytes: u64) -> Self {
         self.cache_bytes = bytes;
         self

@@ -223,7 +223,7 @@ pub static OPTIONS: &[OptionSpec] = &[
     opt!("cache_dir", OptionKind::Path, "", "none: no cache area", "cache-dir",
         "an NVMe cache area (docs/CACHE.md): samples read from the source (a source, or what a partial space does not hold) are kept here for their next read, by `cache_policy`, within `cache_bytes`; each rank uses `rank<N>` under this folder; what a run kept is used by the next"),
     opt!("cache_bytes", OptionKind::Bytes { min: 0, max: u64::MAX }, "bytes", "0: no cache area", "cache-bytes",
-        "the cache area's budget: slots of the catalog's 99th percentile sample length (rounded up to 4 KiB; larger samples are not kept) while they fit"),
+        "the cache area's budget, shared among slot size classes from 4 KiB to the catalog's 99th percentile sample length (larger samples are not kept; docs/CACHE.md)"),
     opt!("cache_policy", OptionKind::Choice(&["next-use", "lru"]), "", "next-use", "cache-policy",
         "what the cache area keeps: `next-use` what this rank reads soonest (Belady's MIN over the known order), `lru` what it read last (the page cache's policy, for comparison)"),
     opt!("tier_views", OptionKind::Bool, "", "false", "tier-views",

@@ -524,6 +524,9 @@ impl Poller {
                 &|id| sh.input.sample(id).len as u64,
                 &|q| sh.goes_to_source(q),
             );
+            if matches!(plan, Plan::Hit(_)) {
+                rc.area.planned_hit();
+            }
             match plan {
                 Plan::Hit(slot) if rc.area.begin_read(slot, p.id) => {
                     let (at, slot_bytes) = rc.area.slot(slot);

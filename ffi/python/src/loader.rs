@@ -379,6 +379,7 @@ impl PyLoader {
         let cache = PyDict::new(py);
         cache.set_item("hits", st.cache.hits)?;
         cache.set_item("hit_bytes", st.cache.hit_bytes)?;
+        cache.set_item("planned_hits", st.cache.planned_hits)?;
         cache.set_item("writes", st.cache.writes)?;
         cache.set_item("write_bytes", st.cache.write_bytes)?;
         cache.set_item("skipped", st.cache.skipped)?;

@@ -590,9 +590,10 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
     if st.cache.slots > 0 {
         let c = &st.cache;
         println!(
-            "cache area: {} hits ({}), {} samples kept ({}), {} not kept (writer behind), {} corrupt, {} write errors; holds {} of {} slots",
+            "cache area: {} hits ({}; the policy planned {}), {} samples kept ({}), {} not kept (writer behind), {} corrupt, {} write errors; holds {} of {} slots",
             c.hits,
             HumanBytes(c.hit_bytes),
+            c.planned_hits,
             c.writes,
             HumanBytes(c.write_bytes),
             c.skipped,

@@ -35,6 +35,7 @@ pub(crate) struct EpochReport {
     pub(crate) source_bytes: u64,
     /// The cache area's hits and writes (`--cache-dir`).
     pub(crate) cache_hits: u64,
+    pub(crate) cache_planned_hits: u64,
     pub(crate) cache_writes: u64,
 }
 
@@ -51,6 +52,7 @@ impl EpochReport {
             source_reads: end.source_reads - start.source_reads,
             source_bytes: end.source_bytes - start.source_bytes,
             cache_hits: end.cache.hits - start.cache.hits,
+            cache_planned_hits: end.cache.planned_hits - start.cache.planned_hits,
             cache_writes: end.cache.writes - start.cache.writes,
         }
     }
@@ -147,6 +149,7 @@ pub(crate) fn print(st: &Stats, placement: &PollerPlacement, r: &Run) {
                 "source_reads": e.source_reads,
                 "source_bytes": e.source_bytes,
                 "cache_hits": e.cache_hits,
+                "cache_planned_hits": e.cache_planned_hits,
                 "cache_writes": e.cache_writes,
             })
         })
@@ -156,6 +159,7 @@ pub(crate) fn print(st: &Stats, placement: &PollerPlacement, r: &Run) {
         v["cache"] = json!({
             "hits": c.hits,
             "hit_bytes": c.hit_bytes,
+            "planned_hits": c.planned_hits,
             "writes": c.writes,
             "write_bytes": c.write_bytes,
             "skipped": c.skipped,
