@@ -4,7 +4,9 @@ benchmark row): kspeed's partial space (`kspeed preload --max-bytes` from
 the bucket, the rest read from the bucket ahead of need every epoch)
 against Mosaic StreamingDataset with `cache_limit` set to the same bytes
 (its shards downloaded into a local cache, the least recently used evicted),
-and against kspeed reading the bucket with no space at all. Epochs 1-3 in
+against kspeed reading the bucket with no space at all, and against
+kspeed's NVMe cache area written during training (no preload), by next
+use and by LRU (`--cache-dir`, a fresh one per run, of the same bytes). Epochs 1-3 in
 one process per run, samples/s per epoch, and the bytes each read from the
 server per epoch (s3s-fs's /proc/PID/io rchar at the epoch boundaries).
 
@@ -302,9 +304,14 @@ def bench(a, env, size, server_pid):
         for e in range(EPOCHS):
             if name.startswith("mosaic"):
                 served.append(med([r[e]["served_bytes"] if r and e < len(r) else None for r in res[name]]) / 1e6)
+            elif name == "kspeed-partial":
+                served.append(med([r[e]["source_bytes"] if r else None for r in res[name]]) / 1e6)
+            elif name.startswith("kspeed-cache"):
+                # A cache area's GETs per epoch are not counted apart: the
+                # server's bytes over the run, spread evenly.
+                served.append(med([r[-1]["run_served_bytes"] if r else None for r in res[name]]) / EPOCHS / 1e6)
             else:
-                served.append(med([r[e]["source_bytes"] if r else None for r in res[name]]) / 1e6
-                              if name == "kspeed-partial" else size / 1e6)
+                served.append(size / 1e6)
         print(f"{name:16s} " + " ".join(f"{med(sps(name, e)):10.0f}" for e in range(EPOCHS))
               + "   " + " ".join(f"{x:.0f}" for x in served))
     for name in [n for n in names if n.startswith("kspeed-cache")]:
@@ -321,6 +328,12 @@ def bench(a, env, size, server_pid):
                   for x, y in zip(sps("kspeed-cache-next", e), sps("kspeed-cache-lru", e))]
             print(f"kspeed-cache-next / kspeed-cache-lru, epoch {e + 1}, per run: {fmt(rr, '{:.2f}')}"
                   f"  (median {med(rr):.2f}x)")
+    if "kspeed-cache-next" in res:
+        for other in [n for n in names if n.startswith("mosaic")]:
+            for e in range(EPOCHS):
+                rr = [x / y if x and y else None for x, y in zip(sps("kspeed-cache-next", e), sps(other, e))]
+                print(f"kspeed-cache-next / {other}, epoch {e + 1}, per run: {fmt(rr, '{:.2f}')}"
+                      f"  (median {med(rr):.2f}x)")
     mine = "kspeed-partial"
     if mine in res:
         for other in [n for n in names if n != mine]:

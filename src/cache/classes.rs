@@ -79,11 +79,9 @@ impl SlotClasses {
             .zip(&demand)
             .zip(&count)
             .map(|((&size, &d), &n)| {
-                let share = if total == 0 {
-                    0
-                } else {
-                    (budget_bytes as u128 * d as u128 / total) as u64
-                };
+                let share = (budget_bytes as u128 * d as u128)
+                    .checked_div(total)
+                    .unwrap_or(0) as u64;
                 (size, (share / size).min(n))
             })
             .collect();

@@ -14,7 +14,8 @@
 //!
 //! Why this file is over ~800 lines: one loop and the one record (a group
 //! of parts) it keeps per sample, with every path a sample's bytes take
-//! (a space's extent, a source file, an object in a bucket, a tier copy)
+//! (a space's extent, a source file, an object in a bucket, a tier copy,
+//! a slot of the cache area)
 //! and every way a read ends (done, short, failed, corrupt, cancelled);
 //! split, each piece would reach into the same pools and counters.
 
