@@ -416,29 +416,13 @@ fn three_nodes_of_partial_spaces_and_the_rank_s_cache_area() {
     // Two copies, each node holding a ninth of the dataset: the three hold
     // a third at most; the rest is read from the source by the rank.
     let budget = (cat.total_bytes() / 9).to_string();
-    let spaces: Vec<PathBuf> = (0..NODES)
-        .map(|i| {
-            let sp = tmp.path().join(format!("node{i}"));
-            ok(&[
-                "preload",
-                "--source",
-                s(&src),
-                "--catalog",
-                s(&catalog),
-                "--space",
-                s(&sp),
-                "--nodes",
-                "3",
-                "--node-index",
-                &i.to_string(),
-                "--replicas",
-                "2",
-                "--max-bytes",
-                &budget,
-            ]);
-            sp
-        })
-        .collect();
+    let spaces = nodes::preload_nodes(
+        &src,
+        &catalog,
+        tmp.path(),
+        NODES,
+        &["--replicas", "2", "--max-bytes", &budget],
+    );
     let opened: Vec<kspeed::dataset::Space> = spaces
         .iter()
         .map(|p| kspeed::dataset::Space::open(p).unwrap())
@@ -463,20 +447,7 @@ fn three_nodes_of_partial_spaces_and_the_rank_s_cache_area() {
     };
     let token = tmp.path().join("token");
     std::fs::write(&token, "cache-token\n").unwrap();
-    let mut serves: Vec<Option<nodes::Serve>> = (0..NODES)
-        .map(|i| {
-            Some(nodes::Serve::start(
-                &spaces[i],
-                &format!("10.77.{i}.2:0"),
-                &token,
-                Some(&ns.names[i]),
-            ))
-        })
-        .collect();
-    let addrs: Vec<String> = serves
-        .iter()
-        .map(|sv| sv.as_ref().unwrap().addr.clone())
-        .collect();
+    let (mut serves, addrs) = nodes::serve_in_namespaces(&spaces, &ns, &token);
     let cluster = nodes::cluster_of(&addrs);
     let area = tmp.path().join("cache");
     let rank = |from: u64, to: u64| {

@@ -292,29 +292,13 @@ fn three_nodes_of_partial_spaces_in_network_namespaces() {
     // may be held where its first is not (near the nodes' cutoffs): a copy
     // is asked for only where held, so no grant fails.
     let budget = (cat.total_bytes() / 9).to_string();
-    let spaces: Vec<PathBuf> = (0..NODES)
-        .map(|i| {
-            let sp = tmp.path().join(format!("node{i}"));
-            ok(&[
-                "preload",
-                "--source",
-                s(&src),
-                "--catalog",
-                s(&catalog),
-                "--space",
-                s(&sp),
-                "--nodes",
-                "3",
-                "--node-index",
-                &i.to_string(),
-                "--replicas",
-                "2",
-                "--max-bytes",
-                &budget,
-            ]);
-            sp
-        })
-        .collect();
+    let spaces = nodes::preload_nodes(
+        &src,
+        &catalog,
+        tmp.path(),
+        NODES as usize,
+        &["--replicas", "2", "--max-bytes", &budget],
+    );
     // The model, from the manifests alone: who holds what.
     let opened: Vec<Space> = spaces.iter().map(|p| Space::open(p).unwrap()).collect();
     let holders = |id: u64| -> Vec<usize> {
@@ -343,20 +327,7 @@ fn three_nodes_of_partial_spaces_in_network_namespaces() {
     };
     let token = tmp.path().join("token");
     std::fs::write(&token, "partial-token\n").unwrap();
-    let mut serves: Vec<Option<nodes::Serve>> = (0..NODES as usize)
-        .map(|i| {
-            Some(nodes::Serve::start(
-                &spaces[i],
-                &format!("10.77.{i}.2:0"),
-                &token,
-                Some(&ns.names[i]),
-            ))
-        })
-        .collect();
-    let addrs: Vec<String> = serves
-        .iter()
-        .map(|sv| sv.as_ref().unwrap().addr.clone())
-        .collect();
+    let (mut serves, addrs) = nodes::serve_in_namespaces(&spaces, &ns, &token);
     let cluster = nodes::cluster_of(&addrs);
     let rank = |epochs: u64| {
         builder(&spaces[0])

@@ -117,6 +117,13 @@ impl Belady {
             self.remove_top();
             evicted(top.id);
         }
+        self.hold(id, bytes, next);
+        Decision::Admit
+    }
+
+    /// Holds `id` (the caller checked it fits): an entry from the pool, in
+    /// the heap by its next read.
+    fn hold(&mut self, id: u64, bytes: u64, next: u64) {
         let e = Entry {
             id,
             next,
@@ -137,7 +144,6 @@ impl Belady {
         self.by_id.insert(id, idx);
         self.used_bytes += bytes;
         self.sift_up(self.heap.len() - 1);
-        Decision::Admit
     }
 
     fn key(&self, heap_at: usize) -> (u64, u64) {
@@ -161,26 +167,7 @@ impl Belady {
         {
             return false;
         }
-        let e = Entry {
-            id,
-            next,
-            bytes,
-            heap_at: self.heap.len() as u32,
-        };
-        let idx = match self.free.pop() {
-            Some(i) => {
-                self.entries[i as usize] = e;
-                i
-            }
-            None => {
-                self.entries.push(e);
-                (self.entries.len() - 1) as u32
-            }
-        };
-        self.heap.push(idx);
-        self.by_id.insert(id, idx);
-        self.used_bytes += bytes;
-        self.sift_up(self.heap.len() - 1);
+        self.hold(id, bytes, next);
         true
     }
 

@@ -275,3 +275,52 @@ pub fn cluster_text<S: AsRef<str>>(addrs: &[S]) -> String {
 pub fn cluster_of<S: AsRef<str>>(addrs: &[S]) -> kspeed::transport::Cluster {
     kspeed::transport::Cluster::parse(&cluster_text(addrs), "test").unwrap()
 }
+
+/// `kspeed preload` of `src` (catalog `catalog`) into `nodes` spaces
+/// `dir/node<i>`, node `i` of `nodes`, with `extra` arguments (copies,
+/// `--max-bytes`).
+pub fn preload_nodes(
+    src: &Path,
+    catalog: &Path,
+    dir: &Path,
+    nodes: usize,
+    extra: &[&str],
+) -> Vec<std::path::PathBuf> {
+    (0..nodes)
+        .map(|i| {
+            let sp = dir.join(format!("node{i}"));
+            let (n, i) = (nodes.to_string(), i.to_string());
+            let mut args = vec!["preload", "--source", s(src), "--catalog", s(catalog)];
+            args.extend(["--space", s(&sp), "--nodes", &n, "--node-index", &i]);
+            args.extend(extra);
+            super::common::ok(&args);
+            sp
+        })
+        .collect()
+}
+
+/// A `kspeed serve` of `spaces[i]` in namespace `ns.names[i]` at
+/// 10.77.`i`.2 for each space; their addresses.
+pub fn serve_in_namespaces(
+    spaces: &[std::path::PathBuf],
+    ns: &Netns,
+    token: &Path,
+) -> (Vec<Option<Serve>>, Vec<String>) {
+    let serves: Vec<Option<Serve>> = spaces
+        .iter()
+        .enumerate()
+        .map(|(i, sp)| {
+            Some(Serve::start(
+                sp,
+                &format!("10.77.{i}.2:0"),
+                token,
+                Some(&ns.names[i]),
+            ))
+        })
+        .collect();
+    let addrs = serves
+        .iter()
+        .map(|sv| sv.as_ref().expect("just started").addr.clone())
+        .collect();
+    (serves, addrs)
+}
