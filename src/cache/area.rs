@@ -229,6 +229,22 @@ impl CacheArea {
         };
         let data_path = dir.join(DATA_FILE);
         let journal_path = dir.join(JOURNAL_FILE);
+        let (data, direct) = crate::sys::open_direct_rw(&data_path).ctx("open", &data_path)?;
+        let data_bytes = classes.area_bytes();
+        let mut fresh = fresh;
+        if !fresh {
+            let len = data.metadata().ctx("stat", &data_path)?.len();
+            if len < data_bytes {
+                // A crash while an area was being made (its data file cut,
+                // its metadata not yet rewritten): make it again.
+                log::warn!(
+                    "cache area {}: {DATA_FILE} is {len} bytes, its metadata says {data_bytes} \
+                     (an area left half made); starting empty",
+                    dir.display()
+                );
+                fresh = true;
+            }
+        }
         if fresh {
             // The journal first: a crash between these steps leaves an
             // area with no journal (empty), never records over new slots.
@@ -238,10 +254,6 @@ impl CacheArea {
                 Err(e) => return Err(Error::io("remove", &journal_path, e)),
             }
             sync_dir(dir)?;
-        }
-        let (data, direct) = crate::sys::open_direct_rw(&data_path).ctx("open", &data_path)?;
-        let data_bytes = classes.area_bytes();
-        if fresh {
             data.set_len(0).ctx("truncate", &data_path)?;
             match crate::sys::allocate(&data, data_bytes) {
                 Ok(()) => {}
@@ -256,19 +268,18 @@ impl CacheArea {
             data.sync_all().ctx("fsync", &data_path)?;
             write_atomically(&meta_path, meta.as_bytes())?;
             sync_dir(dir)?;
-        } else {
-            let len = data.metadata().ctx("stat", &data_path)?.len();
-            if len < data_bytes {
-                return Err(Error::CacheArea {
-                    path: dir.to_path_buf(),
-                    reason: format!(
-                        "{DATA_FILE} is {len} bytes, its metadata says {data_bytes}: \
-                         remove the folder"
-                    ),
-                });
-            }
         }
-        let held = replay(&journal_path, cat, &classes)?;
+        let (held, dropped) = replay(&journal_path, cat, &classes)?;
+        if dropped {
+            // The journal named slots that are not held (a record that
+            // does not match the catalog or its slot, a sample in two
+            // slots): rewritten with what is, so that the writer's view of
+            // the journal (what a slot must be journalled empty from
+            // before it is overwritten) is the journal's own.
+            let recs: Vec<Record> = held.iter().flatten().copied().collect();
+            drop(super::slots::write_journal(&journal_path, &recs)?);
+            sync_dir(dir)?;
+        }
         let words: Box<[AtomicU64]> = (0..slots).map(|_| AtomicU64::new(0)).collect();
         for (slot, rec) in held.iter().enumerate() {
             if let Some(r) = rec {
@@ -376,6 +387,27 @@ impl CacheArea {
         }
     }
 
+    /// Reads of slots in progress, over every slot (O(slots): for checks
+    /// when no poller runs).
+    pub(crate) fn readers(&self) -> u64 {
+        self.shared
+            .words
+            .iter()
+            .map(|w| SlotWord::readers(w.load(Ordering::Acquire)))
+            .sum()
+    }
+
+    /// A read [`CacheArea::begin_read`] allowed was never finished (its
+    /// poller failed or stopped with it open): the reader goes, nothing is
+    /// counted.
+    pub(crate) fn abandon_read(&self, slot: u32) {
+        let before = self.shared.words[slot as usize].fetch_sub(READER_ONE, Ordering::AcqRel);
+        assert!(
+            SlotWord::readers(before) > 0,
+            "cache slot {slot}: abandon_read without begin_read"
+        );
+    }
+
     /// The read [`CacheArea::begin_read`] allowed is over. With `corrupt`,
     /// its bytes did not match the catalog: the slot is emptied (the writer
     /// journals it) and counted.
@@ -443,7 +475,11 @@ impl CacheArea {
 /// What each slot holds after replaying the journal at `path` (records that
 /// do not match the catalog or their slot are dropped; a torn tail is cut
 /// off).
-fn replay(path: &Path, cat: &Catalog, classes: &SlotClasses) -> Result<Vec<Option<Record>>> {
+fn replay(
+    path: &Path,
+    cat: &Catalog,
+    classes: &SlotClasses,
+) -> Result<(Vec<Option<Record>>, bool)> {
     let slots = classes.slots() as u32;
     let mut held: Vec<Option<Record>> = vec![None; slots as usize];
     let mut buf = Vec::new();
@@ -451,7 +487,7 @@ fn replay(path: &Path, cat: &Catalog, classes: &SlotClasses) -> Result<Vec<Optio
         Ok(mut f) => {
             f.read_to_end(&mut buf).ctx("read", path)?;
         }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(held),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok((held, false)),
         Err(e) => return Err(Error::io("open", path, e)),
     }
     let mut good = 0;
@@ -487,14 +523,20 @@ fn replay(path: &Path, cat: &Catalog, classes: &SlotClasses) -> Result<Vec<Optio
     // slots (the later record wins; the writer journals the older copy
     // empty, but a crash may come between), is not held.
     let mut seen = std::collections::HashMap::new();
+    let mut dropped = false;
     for slot in 0..slots as usize {
         let Some(r) = held[slot] else { continue };
-        let ok = r.id < cat.len() && r.len as u64 <= classes.slot(r.slot).1 && {
-            let s = cat.sample(r.id);
-            s.len == r.len && s.crc32c == r.crc
-        };
+        // The sample's own class (a slot of another class would put it in
+        // two classes' policies).
+        let ok = r.id < cat.len()
+            && classes.class_for(r.len as u64) == Some(classes.class_of_slot(r.slot))
+            && {
+                let s = cat.sample(r.id);
+                s.len == r.len && s.crc32c == r.crc
+            };
         if !ok {
             held[slot] = None;
+            dropped = true;
             continue;
         }
         if let Some(&other) = seen.get(&r.id) {
@@ -504,17 +546,18 @@ fn replay(path: &Path, cat: &Catalog, classes: &SlotClasses) -> Result<Vec<Optio
                 (slot, other)
             };
             held[older] = None;
+            dropped = true;
             seen.insert(r.id, newer);
         } else {
             seen.insert(r.id, slot);
         }
     }
-    Ok(held)
+    Ok((held, dropped))
 }
 
 /// Writes `bytes` to `path` through a temporary file and a rename, synced.
 fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
-    let tmp = path.with_extension("tmp");
+    let tmp = path.with_extension("meta.tmp");
     let mut f = File::create(&tmp).ctx("create", &tmp)?;
     f.write_all(bytes).ctx("write", &tmp)?;
     f.sync_all().ctx("fsync", &tmp)?;

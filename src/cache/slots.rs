@@ -115,6 +115,34 @@ pub(crate) struct AreaShared {
     pub counters: Counters,
 }
 
+/// Writes `recs` as a whole journal at `path`: a temporary file beside it
+/// (`cache.journal.tmp`), synced, renamed over it. Returns the new
+/// journal, open for appending. The folder's sync after the rename is the
+/// caller's (until then a crash may leave the old journal, which is whole
+/// too).
+pub(crate) fn write_journal(path: &Path, recs: &[Record]) -> Result<File> {
+    use std::io::Write;
+    let tmp = path.with_extension("journal.tmp");
+    match std::fs::remove_file(&tmp) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(crate::Error::io("remove", &tmp, e)),
+    }
+    let mut f = std::fs::OpenOptions::new()
+        .append(true)
+        .create_new(true)
+        .open(&tmp)
+        .ctx("create", &tmp)?;
+    let mut bytes = Vec::with_capacity(recs.len() * RECORD_BYTES);
+    for r in recs {
+        bytes.extend_from_slice(&r.encode());
+    }
+    f.write_all(&bytes).ctx("write", &tmp)?;
+    f.sync_all().ctx("fsync", &tmp)?;
+    std::fs::rename(&tmp, path).ctx("rename", path)?;
+    Ok(f)
+}
+
 /// Makes a folder's entries (a rename, a removal) durable.
 pub(crate) fn sync_dir(dir: &Path) -> Result<()> {
     File::open(dir).and_then(|d| d.sync_all()).ctx("fsync", dir)

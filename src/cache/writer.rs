@@ -30,8 +30,8 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender};
 
 use super::slots::{
-    sync_dir, AreaShared, Record, SlotWord, RECORD_BYTES, REC_EMPTY, REC_FULL, S_EMPTY, S_FULL,
-    S_WRITING,
+    sync_dir, write_journal, AreaShared, Record, SlotWord, RECORD_BYTES, REC_EMPTY, REC_FULL,
+    S_EMPTY, S_FULL, S_WRITING,
 };
 use super::SLOT_ALIGN;
 use crate::error::{errno_name, IoContext, Result};
@@ -117,6 +117,7 @@ impl Writer {
             slot_of_id: held.iter().flatten().map(|r| (r.id, r.slot)).collect(),
             durable: held,
             warned: false,
+            broken: false,
         };
         state.compact_if_long();
         let thread = std::thread::Builder::new()
@@ -220,6 +221,10 @@ struct WriterState {
     /// slot of each sample held (changed only through `set_durable`).
     durable: Vec<Option<Record>>,
     slot_of_id: std::collections::HashMap<u64, u32>,
+    /// The journal could not be written nor cut back to its last whole
+    /// record: nothing more is written to the area (every admit is given
+    /// up), so the journal never names bytes it does not hold.
+    broken: bool,
     warned: bool,
 }
 
@@ -269,7 +274,7 @@ impl WriterState {
     /// A corrupt slot: journal it empty (its word is already empty), if
     /// the journal still says it holds that sample.
     fn evicted(&mut self, slot: u32, id: u64) {
-        if self.durable[slot as usize].is_none_or(|r| r.id != id) {
+        if self.broken || self.durable[slot as usize].is_none_or(|r| r.id != id) {
             return;
         }
         let rec = Record {
@@ -290,10 +295,22 @@ impl WriterState {
         }
         let shared = self.shared.clone();
         let c = &shared.counters;
-        // A slot named twice keeps the later sample: the planner moved on.
+        if self.broken {
+            for job in batch.iter() {
+                self.give_up(job);
+            }
+            batch.clear();
+            return;
+        }
+        // A slot named twice keeps the later sample (the planner moved
+        // on), and so does a sample named twice (evicted from one slot and
+        // admitted to another): one sample is never written to two slots.
         let mut keep = Vec::with_capacity(batch.len());
         for (i, job) in batch.iter().enumerate() {
-            if batch[i + 1..].iter().any(|j| j.slot == job.slot) {
+            if batch[i + 1..]
+                .iter()
+                .any(|j| j.slot == job.slot || j.id == job.id)
+            {
                 c.skipped.fetch_add(1, Ordering::Relaxed);
                 let _ = self.free.send(job.buf);
             } else {
@@ -516,6 +533,24 @@ impl WriterState {
             }
             Err(e) => {
                 self.warn_write(u32::MAX, &e);
+                // Cut back to the last whole record this writer knows is
+                // there: a record written in part (a full disk) would end
+                // the replay early and drop every later record, and one
+                // written whole but not synced must not outlive what
+                // `durable` says.
+                let good = self.records * RECORD_BYTES as u64;
+                let cut = self
+                    .journal
+                    .set_len(good)
+                    .and_then(|()| self.journal.sync_data());
+                if let Err(e2) = cut {
+                    log::warn!(
+                        "cache area {}: the journal could not be cut back after a failed write \
+                         ({e2}); nothing more is kept in the area this run",
+                        self.shared.dir.display()
+                    );
+                    self.broken = true;
+                }
                 false
             }
         }
@@ -546,24 +581,18 @@ impl WriterState {
         if self.records <= COMPACT_RECORDS_PER_SLOT * slots + 1024 {
             return;
         }
-        let r = (|| -> Result<()> {
-            let tmp = self.journal_path.with_extension("tmp");
-            let mut f = File::create(&tmp).ctx("create", &tmp)?;
-            let mut bytes = Vec::new();
-            for r in self.durable.iter().flatten() {
-                bytes.extend_from_slice(&r.encode());
+        let recs: Vec<Record> = self.durable.iter().flatten().copied().collect();
+        let r = match write_journal(&self.journal_path, &recs) {
+            Ok(f) => {
+                // The renamed file is the journal now, whatever the
+                // folder's sync says (a crash before it keeps the old
+                // journal, also whole).
+                self.journal = f;
+                self.records = recs.len() as u64;
+                sync_dir(self.journal_path.parent().unwrap_or(Path::new(".")))
             }
-            f.write_all(&bytes).ctx("write", &tmp)?;
-            f.sync_all().ctx("fsync", &tmp)?;
-            std::fs::rename(&tmp, &self.journal_path).ctx("rename", &self.journal_path)?;
-            sync_dir(self.journal_path.parent().unwrap_or(Path::new(".")))?;
-            self.journal = std::fs::OpenOptions::new()
-                .append(true)
-                .open(&self.journal_path)
-                .ctx("open", &self.journal_path)?;
-            self.records = bytes.len() as u64 / RECORD_BYTES as u64;
-            Ok(())
-        })();
+            Err(e) => Err(e),
+        };
         if let Err(e) = r {
             log::warn!("cache area journal not compacted: {e}");
         }

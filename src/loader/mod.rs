@@ -131,6 +131,15 @@ impl Run {
                 Err(_) => failed = Some(Error::ThreadPanicked { thread: "poller" }),
             }
         }
+        if let (None, Some(c)) = (&failed, &self.shared.cache) {
+            // Every poller gave back the cache slots it was reading: one
+            // left would never be rewritten (the area outlives the run).
+            assert_eq!(
+                c.area.readers(),
+                0,
+                "cache area readers left after the run's pollers stopped"
+            );
+        }
         failed
     }
 }

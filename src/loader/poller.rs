@@ -282,6 +282,7 @@ impl Poller {
                 std::hint::spin_loop();
             }
         }
+        self.close_open_groups();
         // Every exit hands the backend back with nothing in flight: it is
         // reused by the next run or dropped, and the ring freed, after this.
         assert_eq!(
@@ -933,6 +934,25 @@ impl Poller {
         self.unwoken = true;
     }
 
+    /// At a stop with nothing in flight, the samples still open (a stop
+    /// comes between a sample's parts): their descriptors and cache slots
+    /// go back (a slot with a reader left would never be rewritten: the
+    /// area lives across runs). Their ring slots are the run's, which ends.
+    fn close_open_groups(&mut self) {
+        for gi in 0..self.groups.limit() {
+            if let Some(g) = self.groups.try_remove(gi) {
+                if let Some(lease) = g.lease {
+                    self.fds.release(lease);
+                }
+                if let (Some(slot), Some(rc)) = (g.cache_read, &self.shared.cache) {
+                    rc.area.abandon_read(slot);
+                }
+            }
+        }
+        self.partial = None;
+        self.retry.clear();
+    }
+
     /// The ring failed for good: cancels and reaps every read in flight
     /// (their completions are dropped), fails every open sample with the
     /// named submission error, and records it so the consumer never waits
@@ -954,6 +974,9 @@ impl Poller {
                 if let Some(lease) = g.lease {
                     // Its reads were reaped above.
                     self.fds.release(lease);
+                }
+                if let (Some(slot), Some(rc)) = (g.cache_read, &self.shared.cache) {
+                    rc.area.abandon_read(slot);
                 }
                 self.fail(&g.placed, err.clone());
             }
