@@ -106,6 +106,41 @@ fn read_exact(l: &mut Loader, cat: &Catalog, from: u64, to: u64) -> Result<(), E
     Ok(())
 }
 
+/// tests/independent/cache_reader.py (written from docs/CACHE.md alone)
+/// checks the area at `dir` against the source files under `src`; skips
+/// (by name) without python3.
+fn independent_reader(dir: &std::path::Path, src: &std::path::Path) {
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/independent/cache_reader.py"
+    );
+    // `timeout`: the read of its output has a deadline (300 s; it takes
+    // seconds).
+    let out = match Command::new("timeout")
+        .args(["300", "python3", script, s(dir), s(src)])
+        .output()
+    {
+        Ok(o) => o,
+        Err(e) => {
+            skip(&format!("python3 not runnable: {e}"));
+            return;
+        }
+    };
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    if out.status.code() == Some(127) {
+        skip("python3 is not installed");
+        return;
+    }
+    assert!(
+        out.status.success(),
+        "the independent reader disagrees:\n{text}"
+    );
+}
+
 /// MIN's hits (Belady with bypass over the rank's whole order, one MIN
 /// per slot class as the area's planner runs them, those larger than every
 /// slot never kept), epochs `0..epochs`.
@@ -166,6 +201,8 @@ fn four_epochs_exact_within_the_bound_and_a_second_loader_hits() {
     assert!(bound > 0);
     let held = check_held(&dir, &st.cat);
     assert!(held as u64 <= slots && held > 0, "{held} held of {slots}");
+    // A reader written from docs/CACHE.md alone agrees.
+    independent_reader(&dir, &st.src);
     // A second loader (another process would do the same) finds what the
     // first kept, and reads exactly.
     let mut l = st
