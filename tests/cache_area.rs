@@ -84,6 +84,18 @@ impl Setup {
             .cache_bytes(self.third)
             .cache_policy(policy)
     }
+
+    /// A loader reading epochs `from..to` by `policy`.
+    fn loader(&self, policy: CachePolicy, from: u64, to: u64) -> Loader {
+        self.builder(policy)
+            .start_at(kspeed::sampler::Position {
+                epoch: from,
+                index: 0,
+            })
+            .end_epoch(Some(to))
+            .build()
+            .unwrap()
+    }
 }
 
 /// Reads epochs `from..to`, checking order and bytes.
@@ -171,11 +183,7 @@ fn min_hits(cat: &Catalog, cl: &area::Classes, epochs: u64) -> u64 {
 fn four_epochs_exact_within_the_bound_and_a_second_loader_hits() {
     let st = setup();
     let epochs = 4;
-    let mut l = st
-        .builder(CachePolicy::NextUse)
-        .end_epoch(Some(epochs))
-        .build()
-        .unwrap();
+    let mut l = st.loader(CachePolicy::NextUse, 0, epochs);
     read_exact(&mut l, &st.cat, 0, epochs).unwrap();
     let stats = l.stats();
     drop(l); // the writer finishes what was queued
@@ -205,15 +213,7 @@ fn four_epochs_exact_within_the_bound_and_a_second_loader_hits() {
     independent_reader(&dir, &st.src);
     // A second loader (another process would do the same) finds what the
     // first kept, and reads exactly.
-    let mut l = st
-        .builder(CachePolicy::NextUse)
-        .end_epoch(Some(epochs + 1))
-        .start_at(kspeed::sampler::Position {
-            epoch: epochs,
-            index: 0,
-        })
-        .build()
-        .unwrap();
+    let mut l = st.loader(CachePolicy::NextUse, epochs, epochs + 1);
     read_exact(&mut l, &st.cat, epochs, epochs + 1).unwrap();
     let c2 = l.stats().cache;
     assert!(c2.hits > 0, "{c2:?}");
@@ -226,11 +226,7 @@ fn four_epochs_exact_within_the_bound_and_a_second_loader_hits() {
 fn lru_on_the_same_order_is_exact_and_hits_less_than_min() {
     let st = setup();
     let epochs = 3;
-    let mut l = st
-        .builder(CachePolicy::Lru)
-        .end_epoch(Some(epochs))
-        .build()
-        .unwrap();
+    let mut l = st.loader(CachePolicy::Lru, 0, epochs);
     read_exact(&mut l, &st.cat, 0, epochs).unwrap();
     let stats = l.stats();
     drop(l);
@@ -318,11 +314,7 @@ fn a_read_killed_while_writing_leaves_whole_slots_and_a_rerun_exact() {
     child.wait().unwrap();
     let held = check_held(&dir, &st.cat);
     assert!(held > 0);
-    let mut l = st
-        .builder(CachePolicy::NextUse)
-        .end_epoch(Some(2))
-        .build()
-        .unwrap();
+    let mut l = st.loader(CachePolicy::NextUse, 0, 2);
     read_exact(&mut l, &st.cat, 0, 2).unwrap();
     let c = l.stats().cache;
     assert!(c.hits > 0 && c.corrupt == 0, "{c:?}");
@@ -333,11 +325,7 @@ fn a_read_killed_while_writing_leaves_whole_slots_and_a_rerun_exact() {
 #[test]
 fn rotten_slots_are_read_from_the_source_and_emptied() {
     let st = setup();
-    let mut l = st
-        .builder(CachePolicy::NextUse)
-        .end_epoch(Some(2))
-        .build()
-        .unwrap();
+    let mut l = st.loader(CachePolicy::NextUse, 0, 2);
     read_exact(&mut l, &st.cat, 0, 2).unwrap();
     drop(l);
     let dir = st.cache().join("rank0");
@@ -350,12 +338,7 @@ fn rotten_slots_are_read_from_the_source_and_emptied() {
         data[cl.slot(slot as u64).0 as usize] ^= 0x5a;
     }
     std::fs::write(dir.join("cache.data"), &data).unwrap();
-    let mut l = st
-        .builder(CachePolicy::NextUse)
-        .end_epoch(Some(3))
-        .start_at(kspeed::sampler::Position { epoch: 2, index: 0 })
-        .build()
-        .unwrap();
+    let mut l = st.loader(CachePolicy::NextUse, 2, 3);
     read_exact(&mut l, &st.cat, 2, 3).unwrap();
     let c = l.stats().cache;
     drop(l);
@@ -588,11 +571,7 @@ fn restarts_mid_epoch_with_reads_of_the_area_in_flight_give_every_slot_back() {
     // (a slot left with a reader would never be rewritten) and reads
     // exactly.
     let st = setup();
-    let mut l = st
-        .builder(CachePolicy::NextUse)
-        .end_epoch(Some(2))
-        .build()
-        .unwrap();
+    let mut l = st.loader(CachePolicy::NextUse, 0, 2);
     read_exact(&mut l, &st.cat, 0, 2).unwrap();
     drop(l);
     // Reads of 8 KiB, two in flight per poller: a sample is many parts,
@@ -654,11 +633,7 @@ fn a_full_disk_under_the_journal_loses_nothing_and_leaves_it_whole() {
     }
     let _m = Mount(mnt.clone());
     let epochs = 4;
-    let mut l = st
-        .builder(CachePolicy::NextUse)
-        .end_epoch(Some(epochs))
-        .build()
-        .unwrap();
+    let mut l = st.loader(CachePolicy::NextUse, 0, epochs);
     read_exact(&mut l, &st.cat, 0, epochs).unwrap();
     let c = l.stats().cache;
     drop(l);
@@ -674,15 +649,7 @@ fn a_full_disk_under_the_journal_loses_nothing_and_leaves_it_whole() {
     );
     let held = check_held(&dir, &st.cat);
     assert!(held > 0);
-    let mut l = st
-        .builder(CachePolicy::NextUse)
-        .end_epoch(Some(epochs + 1))
-        .start_at(kspeed::sampler::Position {
-            epoch: epochs,
-            index: 0,
-        })
-        .build()
-        .unwrap();
+    let mut l = st.loader(CachePolicy::NextUse, epochs, epochs + 1);
     read_exact(&mut l, &st.cat, epochs, epochs + 1).unwrap();
     assert!(l.stats().cache.hits > 0);
     drop(l);

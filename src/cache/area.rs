@@ -32,12 +32,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use super::slots::{
-    sync_dir, AreaShared, Counters, Record, SlotWord, MAX_CACHED_ID, READER_ONE, RECORD_BYTES,
-    REC_FULL, S_EMPTY, S_FULL,
+    AreaShared, Counters, Record, SlotWord, MAX_CACHED_ID, READER_ONE, RECORD_BYTES, REC_FULL,
+    S_EMPTY, S_FULL,
 };
 use super::{SlotClasses, MAX_SLOTS, SLOT_ALIGN};
 use crate::dataset::Catalog;
 use crate::error::{Error, IoContext, Result};
+use crate::format::sync_parent;
 
 /// The metadata file's name.
 pub const META_FILE: &str = "cache.meta";
@@ -253,7 +254,7 @@ impl CacheArea {
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
                 Err(e) => return Err(Error::io("remove", &journal_path, e)),
             }
-            sync_dir(dir)?;
+            sync_parent(&journal_path)?;
             data.set_len(0).ctx("truncate", &data_path)?;
             match crate::sys::allocate(&data, data_bytes) {
                 Ok(()) => {}
@@ -267,7 +268,7 @@ impl CacheArea {
             }
             data.sync_all().ctx("fsync", &data_path)?;
             write_atomically(&meta_path, meta.as_bytes())?;
-            sync_dir(dir)?;
+            sync_parent(&meta_path)?;
         }
         let (held, dropped) = replay(&journal_path, cat, &classes)?;
         if dropped {
@@ -278,7 +279,7 @@ impl CacheArea {
             // before it is overwritten) is the journal's own.
             let recs: Vec<Record> = held.iter().flatten().copied().collect();
             drop(super::slots::write_journal(&journal_path, &recs)?);
-            sync_dir(dir)?;
+            sync_parent(&journal_path)?;
         }
         let words: Box<[AtomicU64]> = (0..slots).map(|_| AtomicU64::new(0)).collect();
         for (slot, rec) in held.iter().enumerate() {
@@ -446,12 +447,6 @@ impl CacheArea {
         ok
     }
 
-    /// Waits until every admitted sample is written or given up (tests and
-    /// a loader's drop: what a run kept is durable when it returns).
-    pub fn flush(&self) {
-        self.writer.flush();
-    }
-
     /// The counters.
     pub fn stats(&self) -> CacheStats {
         let c = &self.shared.counters;
@@ -465,7 +460,12 @@ impl CacheArea {
             skipped: l(&c.skipped),
             corrupt: l(&c.corrupt),
             write_errors: l(&c.write_errors),
-            held: self.held().len() as u64,
+            held: self
+                .shared
+                .words
+                .iter()
+                .filter(|w| SlotWord::state(w.load(Ordering::Relaxed)) != S_EMPTY)
+                .count() as u64,
             slots: self.slots() as u64,
             area_bytes: self.shared.classes.area_bytes(),
         }

@@ -143,11 +143,6 @@ pub(crate) fn write_journal(path: &Path, recs: &[Record]) -> Result<File> {
     Ok(f)
 }
 
-/// Makes a folder's entries (a rename, a removal) durable.
-pub(crate) fn sync_dir(dir: &Path) -> Result<()> {
-    File::open(dir).and_then(|d| d.sync_all()).ctx("fsync", dir)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -30,8 +30,8 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender};
 
 use super::slots::{
-    sync_dir, write_journal, AreaShared, Record, SlotWord, RECORD_BYTES, REC_EMPTY, REC_FULL,
-    S_EMPTY, S_FULL, S_WRITING,
+    write_journal, AreaShared, Record, SlotWord, RECORD_BYTES, REC_EMPTY, REC_FULL, S_EMPTY,
+    S_FULL, S_WRITING,
 };
 use super::SLOT_ALIGN;
 use crate::error::{errno_name, IoContext, Result};
@@ -64,7 +64,6 @@ enum Job {
         slot: u32,
         id: u64,
     },
-    Flush(Sender<()>),
 }
 
 /// The writer thread and its buffers (module doc).
@@ -99,7 +98,7 @@ impl Writer {
         // Admits are bounded by the buffers; evictions are queued only while
         // fewer than EVICTS_QUEUED jobs wait (one that is not is dropped:
         // the word is already empty, and a later read checks the CRC
-        // again), flushes block: room for every admit is always left.
+        // again): room for every admit is always left.
         let (jobs, rx) = crossbeam_channel::bounded(n as usize + 2 * EVICTS_QUEUED);
         let journal = std::fs::OpenOptions::new()
             .create(true)
@@ -183,20 +182,6 @@ impl Writer {
             let _ = j.try_send(Job::Evict { slot, id });
         }
     }
-
-    /// Waits until everything queued so far is written (or given up).
-    pub(crate) fn flush(&self) {
-        let (tx, rx) = crossbeam_channel::bounded(1);
-        if let Some(j) = &self.jobs {
-            if j.send(Job::Flush(tx)).is_ok() && rx.recv_timeout(Duration::from_secs(120)).is_err()
-            {
-                log::warn!(
-                    "cache area {}: the writer did not finish within 120 s",
-                    self.shared.dir.display()
-                );
-            }
-        }
-    }
 }
 
 impl Drop for Writer {
@@ -239,12 +224,10 @@ struct Claimed {
 impl WriterState {
     fn run(mut self, rx: Receiver<Job>) {
         let mut batch = Vec::with_capacity(BATCH);
-        let mut flushes = Vec::new();
         while let Ok(first) = rx.recv() {
             let mut next = Some(first);
             while let Some(job) = next.take() {
                 match job {
-                    Job::Flush(tx) => flushes.push(tx),
                     Job::Evict { slot, id } => self.evicted(slot, id),
                     Job::Admit {
                         slot,
@@ -265,9 +248,6 @@ impl WriterState {
                 }
             }
             self.write_batch(&mut batch);
-            for tx in flushes.drain(..) {
-                let _ = tx.send(());
-            }
         }
     }
 
@@ -589,7 +569,7 @@ impl WriterState {
                 // journal, also whole).
                 self.journal = f;
                 self.records = recs.len() as u64;
-                sync_dir(self.journal_path.parent().unwrap_or(Path::new(".")))
+                crate::format::sync_parent(&self.journal_path)
             }
             Err(e) => Err(e),
         };

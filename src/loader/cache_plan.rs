@@ -183,7 +183,7 @@ impl Planner {
                     rank,
                     world,
                 } => {
-                    let t = next.time(t0.epoch, t0.index * *world + *rank);
+                    let t = rank_time(next, *rank, *world, t0);
                     let n = next.after(id, t.saturating_sub(1));
                     mins[c].insert(id, 1, n)
                 }
@@ -246,8 +246,7 @@ impl Planner {
                 rank,
                 world,
             } => {
-                let t = next.time(p.pos.epoch, p.pos.index * *world + *rank);
-                let n = next.after(id, t);
+                let n = next.after(id, rank_time(next, *rank, *world, p.pos));
                 let (slot_of, free) = (&mut self.slot_of, &mut self.free[c]);
                 match mins[c].read(id, 1, n, |gone| {
                     let s = slot_of.remove(&gone).expect("a held sample has a slot");
@@ -286,6 +285,12 @@ impl Planner {
             }
         }
     }
+}
+
+/// The time (`NextUse`'s global step) of this rank's step `pos`: ranks
+/// interleave, `DistributedSampler`'s way.
+fn rank_time(next: &NextUse, rank: u64, world: u64, pos: crate::sampler::Position) -> u64 {
+    next.time(pos.epoch, pos.index * world + rank)
 }
 
 fn decode(code: u32) -> Plan {

@@ -515,7 +515,7 @@ impl Poller {
             Input::Space { space, extents } => space.location(local).map(|loc| (loc, extents)),
             _ => None,
         };
-        let mut cache_admit = None;
+        let (mut cache_admit, mut cache_hit) = (None, None);
         if let Some(rc) = sh
             .cache
             .as_ref()
@@ -535,25 +535,7 @@ impl Poller {
                     // Whole blocks for O_DIRECT, within the ring's slot for
                     // the sample and the area's.
                     let want = sh.geo.slot(p.len).min(slot_bytes);
-                    let gi = self.groups.insert(Group {
-                        placed: p,
-                        target: Target::Fd(rc.area.data_fd()),
-                        file: slot,
-                        dataset: dataset as u32,
-                        from_source: true,
-                        offset: at,
-                        want,
-                        parts: want.div_ceil(self.part_bytes) as u32,
-                        issued: 0,
-                        done: 0,
-                        lease: None,
-                        error: None,
-                        submitted: Instant::now(),
-                        cache_read: Some(slot),
-                        cache_admit: None,
-                    });
-                    let gi = gi.unwrap_or_else(|_| panic!("caller checked a free group"));
-                    return Ok(gi as u32);
+                    cache_hit = Some((Target::Fd(rc.area.data_fd()), at, want, slot));
                 }
                 // Planned as held but not there (its write was skipped or
                 // failed): the slot is still this sample's, so fill it.
@@ -563,6 +545,11 @@ impl Poller {
             }
         }
         let (target, offset, want, file, lease) = match input {
+            // From a slot of the cache area: `file` names the slot.
+            _ if cache_hit.is_some() => {
+                let (target, at, want, slot) = cache_hit.expect("checked");
+                (target, at, want, slot, None)
+            }
             Input::Space { .. } if in_space.is_some() => {
                 let (loc, extents) = in_space.expect("checked");
                 let target = if sh.fixed_files {
@@ -635,7 +622,7 @@ impl Poller {
             lease,
             error: None,
             submitted: Instant::now(),
-            cache_read: None,
+            cache_read: cache_hit.map(|h| h.3),
             cache_admit,
         });
         let gi = gi.unwrap_or_else(|_| panic!("caller checked a free group"));
