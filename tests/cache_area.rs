@@ -17,6 +17,8 @@
 //!   area (and only those), 4 epochs exact with no grant to a node without
 //!   the sample; a node killed mid-epoch, the epoch still exact; a rerun
 //!   finds the area intact and hits;
+//! - two ranks given one cache_dir (as a launcher gives every rank the same
+//!   options), alive at once: each its own area, exact, hitting next time;
 //! - what is wrong is refused by name: another dataset's area, an area in
 //!   use, no budget, nothing to keep, a source in cluster mode.
 
@@ -654,4 +656,44 @@ fn a_full_disk_under_the_journal_loses_nothing_and_leaves_it_whole() {
     assert!(l.stats().cache.hits > 0);
     drop(l);
     check_held(&dir, &st.cat);
+}
+
+#[test]
+fn ranks_of_a_node_given_one_cache_dir_each_keep_their_own_area() {
+    // torchrun gives every rank the same options: ranks 0 and 1 of 2, alive
+    // at once with one cache_dir, each get `rank<N>` and read exactly; a
+    // second pair finds both areas and hits.
+    let st = setup();
+    let rank = |r: u32| {
+        st.builder(CachePolicy::NextUse)
+            .rank(r, 2)
+            .end_epoch(Some(2))
+            .build()
+            .unwrap()
+    };
+    for pass in 0..2 {
+        let mut ls = [rank(0), rank(1)];
+        for e in 0..2u64 {
+            let mut ids = Vec::new();
+            for l in ls.iter_mut() {
+                l.set_epoch(e).unwrap();
+                while let Some(b) = l.next_batch().unwrap() {
+                    for smp in b.iter() {
+                        assert_eq!(crc32c::crc32c(smp.bytes), st.cat.sample(smp.id).crc32c);
+                        ids.push(smp.id);
+                    }
+                }
+            }
+            ids.sort_unstable();
+            assert_eq!(ids, (0..N).collect::<Vec<_>>(), "pass {pass} epoch {e}");
+        }
+        let hits: Vec<u64> = ls.iter().map(|l| l.stats().cache.hits).collect();
+        drop(ls);
+        if pass == 1 {
+            assert!(hits.iter().all(|&h| h > 0), "{hits:?}");
+        }
+    }
+    for r in 0..2 {
+        assert!(check_held(&st.cache().join(format!("rank{r}")), &st.cat) > 0);
+    }
 }
