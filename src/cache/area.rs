@@ -48,6 +48,9 @@ pub const DATA_FILE: &str = "cache.data";
 pub const JOURNAL_FILE: &str = "cache.journal";
 const LOCK_FILE: &str = "cache.lock";
 const META_VERSION: &str = "kspeed-cache 1";
+/// How long an area held by someone else is waited for before it is
+/// refused as in use (area.rs, `CacheArea::open`).
+const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(3);
 
 /// Which samples the area keeps.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -149,17 +152,30 @@ impl CacheArea {
             .write(true)
             .open(&lock_path)
             .ctx("open", &lock_path)?;
-        match lock.try_lock() {
-            Ok(()) => {}
-            Err(std::fs::TryLockError::WouldBlock) => {
-                return Err(Error::CacheArea {
-                    path: dir.to_path_buf(),
-                    reason: "in use by another process (each rank needs its own cache area: \
-                             kspeed puts rank N's under `rank<N>` of cache_dir)"
-                        .into(),
-                })
+        // A flock belongs to the open file, which a process forked from
+        // ours shares until it execs: a lock another thread's child holds
+        // for that moment (or one a loader of this process is just
+        // releasing) is waited out, up to LOCK_WAIT, before the area is
+        // called in use.
+        let deadline = std::time::Instant::now() + LOCK_WAIT;
+        loop {
+            match lock.try_lock() {
+                Ok(()) => break,
+                Err(std::fs::TryLockError::WouldBlock) if std::time::Instant::now() < deadline => {
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                }
+                Err(std::fs::TryLockError::WouldBlock) => {
+                    return Err(Error::CacheArea {
+                        path: dir.to_path_buf(),
+                        reason: "in use by another process (each rank needs its own cache \
+                                 area: kspeed puts rank N's under `rank<N>` of cache_dir)"
+                            .into(),
+                    })
+                }
+                Err(std::fs::TryLockError::Error(e)) => {
+                    return Err(Error::io("lock", &lock_path, e))
+                }
             }
-            Err(std::fs::TryLockError::Error(e)) => return Err(Error::io("lock", &lock_path, e)),
         }
         let classes = SlotClasses::for_catalog(cat, spec.cache_bytes);
         let slots = classes.slots();
