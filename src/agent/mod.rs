@@ -22,6 +22,7 @@
 //! Hidden from the documented API while the agent is one slice.
 
 pub mod attach;
+pub mod cluster;
 pub mod msg;
 pub mod node;
 pub mod segment;

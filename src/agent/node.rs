@@ -1,10 +1,12 @@
-//! `kspeed agent`: the node's one kspeed process (issue 28, docs/AGENT.md),
-//! first slice: one node, a local space, no peers. It opens and checks the
-//! space once, binds the attach socket and serves every rank that
-//! attaches: per rank a loader's producer half (its pollers, io_uring,
+//! `kspeed agent`: the node's one kspeed process (issue 28, docs/AGENT.md).
+//! It opens and checks the space once, binds the attach socket and serves
+//! every rank that attaches: per rank a loader's producer half (its pollers, io_uring,
 //! schedule) reading into the rank's own ring, and a feeder thread that
 //! takes the loader's batches and publishes them through the rank's
-//! attach segment, honouring the rank's release marks.
+//! attach segment, honouring the rank's release marks. In a cluster
+//! ([`AgentConfig::cluster`], `super::cluster`) each rank's loader reads
+//! what this node does not hold from the other nodes, and the agent also
+//! runs this node's node service for them ([`AgentConfig::serve`]).
 //!
 //! Threads: the main loop (accepts, beats every rank's heartbeat, reaps
 //! ranks that ended); per rank one feeder and `pollers` pollers.
@@ -21,6 +23,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::attach::{AttachListener, Attached, Incoming, ListenerConfig};
+use super::cluster::{AgentCluster, OwnerRole};
 use super::msg::{RefuseCode, FLAG_DROP_LAST, FLAG_SHUFFLE};
 use super::segment::{side_state, Liveness, Segment, Side};
 use super::shm::RingMap;
@@ -56,6 +59,13 @@ pub struct AgentConfig {
     /// with it (8 bytes of ready table per 4 KiB of ring, and the pages it
     /// touches), so a rank cannot make the agent run out for every rank.
     pub max_ring_bytes: u64,
+    /// The cluster: attached ranks read the samples this node's space
+    /// does not hold from the other nodes (None: the space must hold
+    /// every sample).
+    pub cluster: Option<AgentCluster>,
+    /// The node service for the other nodes' consumers, run inside the
+    /// agent (None: none, or a separate `kspeed serve`).
+    pub serve: Option<crate::transport::ServeConfig>,
 }
 
 impl AgentConfig {
@@ -73,6 +83,8 @@ impl AgentConfig {
             tier_bytes: 0,
             tier_mlock: true,
             max_ring_bytes: 64 << 30,
+            cluster: None,
+            serve: None,
         }
     }
 }
@@ -147,11 +159,10 @@ fn open_space(cfg: &AgentConfig) -> Result<OpenSpace> {
     let dir = &cfg.space;
     let space = Space::open(dir)?;
     space.check_extents()?;
-    if space.held_samples() != space.catalog().len() {
-        // Peers (remote samples through other nodes' agents) are a later
-        // step of issue 28.
+    if space.held_samples() != space.catalog().len() && cfg.cluster.is_none() {
         return Err(Error::InvalidConfig(format!(
-            "space {} holds {} of {} samples: this agent serves a whole local space only (peers are not built yet)",
+            "space {} holds {} of {} samples: give the agent the cluster (--cluster, --nodelist or \
+             --nodes-dns, with --token-file) so its ranks read the rest from the other nodes",
             dir.display(),
             space.held_samples(),
             space.catalog().len()
@@ -174,8 +185,11 @@ fn open_space(cfg: &AgentConfig) -> Result<OpenSpace> {
     }
     let identity = u64::from(space.catalog().identity());
     // Checked fills: a member is copied from one rank's ring (memory that
-    // rank can write) and served to every other rank.
-    let tier = Tier::new_checked(space.catalog(), cfg.tier_bytes, cfg.tier_mlock)?;
+    // rank can write) and served to every other rank. Members among the
+    // samples this node holds: its pollers read (and fill) only those.
+    let tier = Tier::new_checked(space.catalog(), cfg.tier_bytes, cfg.tier_mlock, |id| {
+        space.location(id).is_some()
+    })?;
     if let Some(t) = &tier {
         log::info!(
             "agent: node memory tier of {} samples, {} bytes, shared by the ranks of one user at a time",
@@ -226,21 +240,27 @@ enum Outcome {
     Served(Result<u64>),
 }
 
-/// Runs the agent until `stop` is set: binds the socket, calls
-/// `on_ready(socket)` once it accepts, then serves ranks. On return every
-/// rank's pollers have stopped (their reads landed) and its ring is
-/// unmapped.
+/// Runs the agent until `stop` is set: starts the node service (with
+/// [`AgentConfig::serve`]), binds the socket, calls `on_ready(socket,
+/// node service address)` once it accepts, then serves ranks. On return
+/// every rank's pollers have stopped (their reads landed) and its ring is
+/// unmapped. A node service that stops by itself (a poller panicked) stops
+/// the agent with the reason.
 ///
 /// Threads: this loop (accepts; reaps ranks that ended), one heartbeat
-/// thread, and per rank a feeder (which builds the rank's loader, answers,
-/// then feeds) and its loader's pollers.
+/// thread, per rank a feeder (which builds the rank's loader, answers,
+/// then feeds), its loader's pollers and, in a cluster, its network
+/// thread; the node service's threads.
 pub fn run(
     cfg: &AgentConfig,
     stop: &AtomicBool,
-    on_ready: impl FnOnce(&Path),
+    on_ready: impl FnOnce(&Path, Option<std::net::SocketAddr>),
 ) -> Result<AgentSummary> {
     crate::sys::raise_open_files_limit();
     let open = Arc::new(open_space(cfg)?);
+    // The node service first: a port that is taken fails the start before
+    // the socket invites ranks.
+    let owner = cfg.serve.clone().map(OwnerRole::start).transpose()?;
     let listener = AttachListener::bind(&cfg.socket, cfg.listener)?;
     log::info!(
         "agent: serving {} ({} samples) on {}",
@@ -270,11 +290,20 @@ pub fn run(
                 source: e.into(),
             })?
     };
-    on_ready(listener.path());
+    on_ready(listener.path(), owner.as_ref().map(OwnerRole::addr));
     let mut ranks: Vec<Rank> = Vec::new();
     let mut summary = AgentSummary::default();
     let mut next_id = 0u64;
+    let mut failed = None;
     while !stop.load(Ordering::Acquire) {
+        if let Some(why) = owner.as_ref().and_then(OwnerRole::failure) {
+            // The other nodes' samples would fail over for the rest of the
+            // job without a word: stop, naming why.
+            failed = Some(Error::InvalidConfig(format!(
+                "the agent's node service stopped: {why}"
+            )));
+            break;
+        }
         match listener.accept_attach(cfg.heartbeat) {
             Ok(Some(incoming)) => {
                 next_id += 1;
@@ -314,7 +343,13 @@ pub fn run(
         .tier
         .as_ref()
         .map_or(0, |t| lock(t).tier.fills_refused());
-    Ok(summary)
+    if let Some(o) = owner {
+        o.stop();
+    }
+    match failed {
+        Some(e) => Err(e),
+        None => Ok(summary),
+    }
 }
 
 /// [`run`] until SIGINT or SIGTERM (`kspeed agent`): the signals are
@@ -323,7 +358,7 @@ pub fn run(
 /// space, the socket) ends the wait at once.
 pub fn run_until_signal(
     cfg: &AgentConfig,
-    on_ready: impl FnOnce(&Path) + Send + 'static,
+    on_ready: impl FnOnce(&Path, Option<std::net::SocketAddr>) + Send + 'static,
 ) -> Result<AgentSummary> {
     let signals = crate::sys::TermSignals::block();
     let stop = Arc::new(AtomicBool::new(false));
@@ -511,37 +546,41 @@ fn build_loader(
         .try_clone_to_owned()
         .map_err(|e| Error::io("dup", "attach ring", e))
         .and_then(|fd| RingMap::open(fd, req.ring_bytes))?;
-    LoaderBuilder::space(&cfg.space)
-        .agent_input(crate::loader::AgentInput {
-            space: open.space.clone(),
-            extents: open.extents.clone(),
-            direct_io: open.direct_io,
-            ring: Arc::new(Mutex::new(Some(ring))),
-            tier,
-        })
-        .batch_size(req.batch_size as usize)
-        .seed(req.seed)
-        .shuffle(req.flags & FLAG_SHUFFLE != 0)
-        .drop_last(req.flags & FLAG_DROP_LAST != 0)
-        .rank(req.rank, req.world)
-        .landing(
-            LandingOptions::default()
-                .ring_bytes(req.ring_bytes)
-                .huge_pages(false)
-                .mlock(false)
-                .cuda(CudaMode::Off),
-        )
-        .pollers(cfg.pollers)
-        .queue_depth(cfg.queue_depth)
-        .registered_buffers(cfg.registered_buffers)
-        .pin(false)
-        .local_rank(0, 1)
-        .start_at(Position {
-            epoch: req.start_epoch,
-            index: req.start_index,
-        })
-        .end_epoch(req.end_epoch)
-        .build()
+    let b = LoaderBuilder::space(&cfg.space);
+    let b = match &cfg.cluster {
+        Some(c) => c.apply(b),
+        None => b,
+    };
+    b.agent_input(crate::loader::AgentInput {
+        space: open.space.clone(),
+        extents: open.extents.clone(),
+        direct_io: open.direct_io,
+        ring: Arc::new(Mutex::new(Some(ring))),
+        tier,
+    })
+    .batch_size(req.batch_size as usize)
+    .seed(req.seed)
+    .shuffle(req.flags & FLAG_SHUFFLE != 0)
+    .drop_last(req.flags & FLAG_DROP_LAST != 0)
+    .rank(req.rank, req.world)
+    .landing(
+        LandingOptions::default()
+            .ring_bytes(req.ring_bytes)
+            .huge_pages(false)
+            .mlock(false)
+            .cuda(CudaMode::Off),
+    )
+    .pollers(cfg.pollers)
+    .queue_depth(cfg.queue_depth)
+    .registered_buffers(cfg.registered_buffers)
+    .pin(false)
+    .local_rank(0, 1)
+    .start_at(Position {
+        epoch: req.start_epoch,
+        index: req.start_index,
+    })
+    .end_epoch(req.end_epoch)
+    .build()
 }
 
 /// Moves one rank's batches from its loader to its segment until the

@@ -590,9 +590,9 @@ impl LoaderBuilder {
 
     /// Reads through the node's `kspeed agent` ([`super::AgentMode`]):
     /// `Required` always, `Auto` (the default) in cluster mode where the
-    /// agent can serve this loader (its socket exists, this node holds the
-    /// whole space, nothing the agent lacks is asked for; falling back to
-    /// embedded pollers with a WARN when the attach fails), `Off` never.
+    /// agent can serve this loader (its socket exists and nothing the agent
+    /// lacks is asked for; falling back to embedded pollers with a WARN
+    /// when the attach fails or the agent refuses it), `Off` never.
     pub fn agent(mut self, mode: super::AgentMode) -> Self {
         self.agent = mode;
         self
@@ -702,33 +702,24 @@ impl LoaderBuilder {
 
     /// `agent = auto` in cluster mode: whether the agent at `socket` can
     /// serve this loader. It can when one listens there (the socket
-    /// exists), the loader needs nothing it lacks, and this node holds the
-    /// whole space: the agent has no links to other nodes yet, so a rank
-    /// whose samples are partly remote reads with its own pollers and
-    /// connections. Each "no" is logged at info with its reason.
+    /// exists) and the loader needs nothing it lacks; whether it holds the
+    /// dataset and knows the cluster is its to say (a refusal falls back
+    /// to this process's own pollers with a WARN). A "no" here is logged
+    /// at info with its reason.
     fn agent_serves(&self, socket: &Path) -> bool {
         if !socket.exists() {
             return false;
         }
-        let why = match (self.agent_refusal(), &self.space) {
-            (Some(why), _) => format!("it needs {why}"),
-            (None, Some(dir)) => match Space::open(dir) {
-                Ok(sp) if sp.held_samples() == sp.catalog().len() => return true,
-                Ok(sp) => format!(
-                    "this node holds {} of the space's {} samples and the agent has no links to other nodes yet",
-                    sp.held_samples(),
-                    sp.catalog().len()
-                ),
-                // The embedded build names what is wrong with the space.
-                Err(_) => return false,
-            },
-            (None, None) => unreachable!("agent_refusal asks for a space"),
-        };
-        log::info!(
-            "agent = auto: not attaching to the node agent at {}: {why}; reading with this process's own pollers",
-            socket.display()
-        );
-        false
+        match self.agent_refusal() {
+            None => true,
+            Some(why) => {
+                log::info!(
+                    "agent = auto: not attaching to the node agent at {}: it needs {why}; reading with this process's own pollers",
+                    socket.display()
+                );
+                false
+            }
+        }
     }
 
     /// The build, attached to the agent at `attach` or embedded.
@@ -1469,8 +1460,9 @@ mod tests {
     use crate::sampler::Weight;
 
     /// `agent = auto` in cluster mode attaches only where the agent can
-    /// serve the loader: a socket there, nothing the agent lacks, and the
-    /// whole space on this node (no links to other nodes yet).
+    /// serve the loader: a socket there and nothing the agent lacks; a
+    /// node holding part of the space attaches too (the agent reads the
+    /// rest from the other nodes).
     #[test]
     fn auto_attaches_only_where_the_agent_can_serve() {
         let t = tempfile::tempdir().unwrap();
@@ -1504,9 +1496,9 @@ mod tests {
         assert!(!b(&whole).agent_serves(&socket));
         std::fs::write(&socket, b"").unwrap();
         assert!(b(&whole).agent_serves(&socket));
-        // Part of the space here: the rest is on nodes the agent has no
-        // link to.
-        assert!(!b(&part).agent_serves(&socket));
+        // Part of the space here: the agent reads the rest from the other
+        // nodes.
+        assert!(b(&part).agent_serves(&socket));
         // Something the agent lacks.
         assert!(!b(&whole).tier_bytes(1 << 20).agent_serves(&socket));
         let mix = LoaderBuilder::mix([

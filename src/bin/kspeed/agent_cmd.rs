@@ -44,6 +44,30 @@ pub(crate) struct AgentArgs {
     /// it); a larger one is refused by name.
     #[arg(long, default_value = "64GiB", value_parser = crate::parse_bytes)]
     max_ring_bytes: u64,
+    /// In a cluster (the space holds this node's share): the node list.
+    /// Attached ranks then read the rest from the other nodes.
+    #[command(flatten)]
+    nodes: crate::node_args::NodeListArgs,
+    /// Job token file for the node services (needed with a node list, and
+    /// with --listen).
+    #[arg(long)]
+    token_file: Option<PathBuf>,
+    /// How long a node may stay silent with grants outstanding before its
+    /// samples fail over, in ms.
+    #[arg(long, default_value_t = 10_000, value_parser = crate::opt::<u64>("node_timeout_ms"))]
+    node_timeout_ms: u64,
+    /// Also serve this node's space to the other nodes' consumers, as
+    /// `kspeed serve --listen` would, from this process (host:port; the
+    /// node list's address of this node). Its other settings are serve's
+    /// defaults.
+    #[arg(long)]
+    listen: Option<String>,
+    /// With --listen: Prometheus metrics of the node service on this
+    /// address (host:port, port 0 picks one).
+    #[arg(long, requires = "listen")]
+    metrics: Option<String>,
+    #[command(flatten)]
+    rdma: crate::read::RdmaArgs,
 }
 
 fn parse_octal_mode(s: &str) -> Result<u32, String> {
@@ -70,8 +94,42 @@ pub(crate) fn run_agent(a: AgentArgs) -> kspeed::Result<()> {
     cfg.tier_bytes = a.tier_bytes;
     cfg.tier_mlock = !a.no_mlock;
     cfg.max_ring_bytes = a.max_ring_bytes;
+    let spec = a.nodes.spec(false);
+    let token = match (&a.token_file, spec.is_set() || a.listen.is_some()) {
+        (Some(f), _) => Some(crate::read_token(f)?),
+        (None, true) => return Err(kspeed::Error::InvalidConfig(
+            "a node list or --listen needs --token-file (the job token the node services check)"
+                .into(),
+        )),
+        (None, false) => None,
+    };
+    if let Some((cluster, _)) = spec.resolve()? {
+        cfg.cluster = Some(kspeed::agent::cluster::AgentCluster {
+            cluster,
+            token: token.clone().expect("checked above"),
+            node_timeout: std::time::Duration::from_millis(a.node_timeout_ms),
+            rdma: a.rdma.options(),
+        });
+    } else if a.rdma.rdma && a.listen.is_none() {
+        return Err(kspeed::Error::InvalidConfig(
+            "--rdma is for a cluster (a node list) or the node service (--listen)".into(),
+        ));
+    }
+    if let Some(listen) = &a.listen {
+        let mut serve = kspeed::transport::ServeConfig::new(
+            &a.space,
+            listen,
+            token.as_deref().expect("checked above"),
+        );
+        serve.metrics = a.metrics.clone();
+        serve.rdma = a.rdma.options();
+        cfg.serve = Some(serve);
+    }
     let space = a.space.clone();
-    let summary = kspeed::agent::node::run_until_signal(&cfg, move |sock| {
+    let summary = kspeed::agent::node::run_until_signal(&cfg, move |sock, node_service| {
+        if let Some(addr) = node_service {
+            println!("node service on {addr}");
+        }
         // Scripts and tests wait for this line.
         println!("agent serving {} on {}", space.display(), sock.display());
         use std::io::Write;

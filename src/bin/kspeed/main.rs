@@ -19,6 +19,7 @@ mod agent_cmd;
 mod audit;
 mod inspect;
 mod ls;
+mod node_args;
 mod read;
 mod read_json;
 mod rebalance_cmd;

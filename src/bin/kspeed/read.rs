@@ -169,26 +169,8 @@ pub(crate) struct ReadArgs {
     /// Simulated compute per batch, in microseconds (to see stalls).
     #[arg(long, default_value_t = 0)]
     compute_us: u64,
-    /// Cluster mode: a file listing the node services (`<index> <host:port>` per line).
-    #[arg(long, conflicts_with_all = ["nodelist", "nodes_dns"])]
-    cluster: Option<PathBuf>,
-    /// Cluster mode: the node services' hosts as a SLURM hostlist
-    /// (`gpu[01-04,07]`), node i = the i-th host, each at --node-port.
-    #[arg(long, conflicts_with = "nodes_dns")]
-    nodelist: Option<String>,
-    /// Cluster mode: the node services' names, `{i}` standing for the node
-    /// index 0..N-1 (a Kubernetes headless service:
-    /// `kspeed-{i}.kspeed.ns.svc:7400`); N from --nodes (or, with
-    /// --cluster-env, WORLD_SIZE / LOCAL_WORLD_SIZE).
-    #[arg(long)]
-    nodes_dns: Option<String>,
-    /// Node count for --nodes-dns.
-    #[arg(long, requires = "nodes_dns", value_parser = crate::opt::<u32>("cluster_node_count"))]
-    nodes: Option<u32>,
-    /// Port of the node services for --nodelist and a --nodes-dns pattern
-    /// without one (default: KSPEED_PORT, else 7400).
-    #[arg(long, value_parser = crate::opt::<u16>("cluster_port"))]
-    node_port: Option<u16>,
+    #[command(flatten)]
+    pub(crate) nodes: crate::node_args::NodeListArgs,
     /// Cluster mode from the launcher's environment: rank and world from
     /// torchrun (RANK, WORLD_SIZE, LOCAL_WORLD_SIZE), Open MPI
     /// (OMPI_COMM_WORLD_RANK, ...), MPICH (PMI_RANK, ...) or srun
@@ -343,15 +325,7 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
     if let (Some(r), Some(w)) = (a.local_rank, a.local_world_size) {
         b = b.local_rank(r, w);
     }
-    let spec = kspeed::transport::ClusterSpec {
-        file: a.cluster.clone(),
-        addrs: None,
-        hostlist: a.nodelist.clone(),
-        dns: a.nodes_dns.clone(),
-        nodes: a.nodes,
-        port: a.node_port,
-        env: a.cluster_env,
-    };
+    let spec = a.nodes.spec(a.cluster_env);
     let cluster_mode = spec.is_set();
     let cluster = match spec.resolve()? {
         Some((c, env)) => {
@@ -530,11 +504,7 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
     let st = loader.finish();
     let cpu = process_cpu_seconds() - cpu0;
     if a.json {
-        let cluster = (a.cluster.is_some() || a.cluster_env).then_some(if a.rdma.rdma {
-            "rdma"
-        } else {
-            "tcp"
-        });
+        let cluster = cluster_mode.then_some(if a.rdma.rdma { "rdma" } else { "tcp" });
         crate::read_json::print(
             &st,
             &placement,

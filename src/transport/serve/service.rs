@@ -228,7 +228,7 @@ impl NodeService {
     }
 
     /// Why the service stopped by itself (a poller panicked), if it did.
-    fn failure(&self) -> Option<String> {
+    pub(crate) fn failure(&self) -> Option<String> {
         self.common
             .failure
             .lock()

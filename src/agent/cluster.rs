@@ -1,0 +1,78 @@
+//! The agent in a cluster (issue 28, docs/AGENT.md "The agent in a
+//! cluster"): the node's space holds its share of the dataset, the rest is
+//! on the other nodes. Two roles, in the agent's one process:
+//!
+//! - **consumer** for the ranks attached to it: each rank's loader is built
+//!   in cluster mode ([`AgentCluster::apply`]), so its pollers read what
+//!   this node holds and its network thread asks the owners of the rest,
+//!   which push it into the rank's ring (TCP frames or RDMA WRITE);
+//! - **owner** for every other node's consumers (agents and embedded
+//!   ranks alike): the node service (`kspeed serve`'s, `NodeService`),
+//!   started by the agent when given an address to listen on.
+//!
+//! Not yet (issue 28): one link per pair of nodes shared by the node's
+//! ranks; each attached rank's loader still opens its own connection to
+//! every other node, from the agent's process instead of the rank's.
+
+use std::time::Duration;
+
+use crate::loader::LoaderBuilder;
+use crate::transport::{Cluster, RdmaOptions, ServeConfig};
+
+/// The cluster an agent's attached ranks read from.
+#[derive(Debug, Clone)]
+pub struct AgentCluster {
+    /// Every node's service address, by node index (this node's too).
+    pub cluster: Cluster,
+    /// The job token the node services check.
+    pub token: Vec<u8>,
+    /// How long a node may stay silent with grants outstanding before its
+    /// samples fail over to another copy (or the source).
+    pub node_timeout: Duration,
+    /// Samples move by RDMA WRITE (every node must offer it), else TCP.
+    pub rdma: Option<RdmaOptions>,
+}
+
+impl AgentCluster {
+    /// A rank's loader reads from the cluster: the local space's samples
+    /// by its pollers, the rest from their owners.
+    pub(super) fn apply(&self, b: LoaderBuilder) -> LoaderBuilder {
+        b.cluster(self.cluster.clone())
+            .token(&self.token)
+            .node_timeout(self.node_timeout)
+            .rdma(self.rdma.clone())
+    }
+}
+
+/// The agent's owner role: the node service over the agent's space, for
+/// the other nodes' consumers.
+pub(super) struct OwnerRole {
+    svc: crate::transport::NodeService,
+}
+
+impl OwnerRole {
+    /// Starts the node service (its own pollers, staging and listener).
+    pub(super) fn start(cfg: ServeConfig) -> crate::Result<OwnerRole> {
+        let svc = crate::transport::NodeService::start(cfg)?;
+        log::info!(
+            "agent: node service for the other nodes on {}",
+            svc.local_addr()
+        );
+        Ok(OwnerRole { svc })
+    }
+
+    /// Where it listens.
+    pub(super) fn addr(&self) -> std::net::SocketAddr {
+        self.svc.local_addr()
+    }
+
+    /// Why it stopped by itself (a poller panicked), if it did.
+    pub(super) fn failure(&self) -> Option<String> {
+        self.svc.failure()
+    }
+
+    /// Stops accepting, closes its connections and logs its totals.
+    pub(super) fn stop(self) {
+        self.svc.stop_with_stats();
+    }
+}

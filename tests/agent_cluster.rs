@@ -1,0 +1,288 @@
+//! `kspeed agent` in a cluster (issue 28): three nodes, each one agent
+//! process that is both its node's consumer (for the ranks attached to it:
+//! the node's own samples from its space, the rest pushed by the other
+//! nodes) and its node service (`--listen`: the owner the other nodes ask).
+//! Real processes on loopback: each node on its own 127.x.y.z address at
+//! one port, so the node list is known before the agents start. Every wait
+//! is on a condition with a deadline.
+
+mod agent_support;
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Child;
+use std::time::Duration;
+
+use agent_support::*;
+use common::{gen, ok, s, text};
+
+/// One test's cluster: the spaces, the node list, the token.
+struct Nodes {
+    dir: tempfile::TempDir,
+    spaces: Vec<PathBuf>,
+    cluster: PathBuf,
+    token: PathBuf,
+    addrs: Vec<String>,
+}
+
+impl Nodes {
+    /// `count` tiny samples preloaded for `nodes` nodes with `copies`
+    /// copies; node `i` listens at 127.`a`.`b`.`i+1`:`port`, `a`, `b` and
+    /// the port taken from this process's id and `tag` so concurrent test
+    /// binaries and tests do not meet.
+    fn new(count: u64, nodes: usize, copies: u32, tag: u8) -> Nodes {
+        let dir = tempfile::tempdir().unwrap();
+        let src = dir.path().join("src");
+        gen("tiny", count, &src);
+        let catalog = dir.path().join("catalog");
+        ok(&["catalog", "--source", s(&src), "--out", s(&catalog)]);
+        let pid = std::process::id();
+        let (a, b) = (10 + (pid % 200) as u8, tag);
+        let port = 20_000 + (pid % 20_000) as u16;
+        let addrs: Vec<String> = (0..nodes)
+            .map(|i| format!("127.{a}.{b}.{}:{port}", i + 1))
+            .collect();
+        let cluster = dir.path().join("cluster");
+        let text: String = addrs
+            .iter()
+            .enumerate()
+            .map(|(i, a)| format!("{i} {a}\n"))
+            .collect();
+        std::fs::write(&cluster, text).unwrap();
+        let token = dir.path().join("token");
+        std::fs::write(&token, "agent-cluster-token\n").unwrap();
+        let (n, c) = (nodes.to_string(), copies.to_string());
+        let spaces = (0..nodes)
+            .map(|i| {
+                let sp = dir.path().join(format!("node{i}"));
+                let i = i.to_string();
+                ok(&[
+                    "preload",
+                    "--source",
+                    s(&src),
+                    "--catalog",
+                    s(&catalog),
+                    "--space",
+                    s(&sp),
+                    "--nodes",
+                    &n,
+                    "--node-index",
+                    &i,
+                    "--replicas",
+                    &c,
+                ]);
+                sp
+            })
+            .collect();
+        Nodes {
+            dir,
+            spaces,
+            cluster,
+            token,
+            addrs,
+        }
+    }
+
+    fn socket(&self, node: usize) -> PathBuf {
+        self.dir.path().join(format!("agent{node}.sock"))
+    }
+
+    /// Node `node`'s agent: its space, its socket, the node list, and its
+    /// node service at its address.
+    fn agent(&self, node: usize) -> Agent {
+        Agent::start(
+            &self.spaces[node],
+            &self.socket(node),
+            &[
+                "--cluster",
+                s(&self.cluster),
+                "--token-file",
+                s(&self.token),
+                "--listen",
+                &self.addrs[node],
+                "--node-timeout-ms",
+                "2000",
+            ],
+        )
+    }
+
+    /// `kspeed read` of rank `rank` of `world` on node `node`, in cluster
+    /// mode, with `agent` (`required`, `auto` or `off`) and `extra`.
+    fn read(&self, node: usize, rank: u32, world: u32, agent: &str, extra: &[&str]) -> Vec<String> {
+        let sock = self.socket(node);
+        let mut more = vec![
+            "--cluster",
+            s(&self.cluster),
+            "--token-file",
+            s(&self.token),
+            "--agent",
+            agent,
+            "--agent-socket",
+            s(&sock),
+        ];
+        more.extend(extra);
+        read_args(&self.spaces[node], rank, world, 2, &more)
+    }
+}
+
+/// The `--json` report of a read: (samples, digest, remote samples, failovers).
+fn cluster_report(child: Child) -> (u64, String, u64, u64) {
+    let o = wait_output(child, Duration::from_secs(120));
+    assert!(o.status.success(), "kspeed read failed:\n{}", text(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("json report");
+    let n = |x: &serde_json::Value, k: &str| x[k].as_u64().unwrap_or_else(|| panic!("{k} in {v}"));
+    (
+        n(&v, "samples"),
+        v["digest"].as_str().expect("digest").to_string(),
+        n(&v["cluster"], "remote_samples"),
+        n(&v["cluster"], "failovers"),
+    )
+}
+
+/// Three nodes holding a third each, two ranks per node attached to their
+/// node's agent (one `required`, one `auto`): each rank's two epochs are
+/// byte for byte and in order what the same rank reads embedded from the
+/// same three node services, two thirds of its samples pushed by the other
+/// nodes' agents; every rank attached, none fell back.
+#[test]
+fn attached_ranks_in_a_cluster_deliver_what_embedded_ranks_do() {
+    let nodes = Nodes::new(1200, 3, 1, 1);
+    let agents: Vec<Agent> = (0..3).map(|i| nodes.agent(i)).collect();
+    let world = 6u32;
+    let node_of = |r: u32| (r / 2) as usize;
+    let attached: Vec<Child> = (0..world)
+        .map(|r| {
+            let mode = if r % 2 == 0 { "required" } else { "auto" };
+            spawn_read(&nodes.read(node_of(r), r, world, mode, &[]))
+        })
+        .collect();
+    let attached: Vec<_> = attached.into_iter().map(cluster_report).collect();
+    for r in 0..world {
+        let node = node_of(r);
+        let embedded = cluster_report(spawn_read(&nodes.read(node, r, world, "off", &[])));
+        let got = &attached[r as usize];
+        assert_eq!(
+            (got.0, &got.1),
+            (embedded.0, &embedded.1),
+            "rank {r} on node {node}: attached against embedded"
+        );
+        assert_eq!(got.0, 2 * 1200 / world as u64);
+        // About two thirds come from the other nodes (the placement is a
+        // hash: well inside a third to nine tenths).
+        assert!(
+            got.2 * 3 > got.0 && got.2 * 10 < got.0 * 9,
+            "rank {r}: {} of {} samples pushed by other nodes",
+            got.2,
+            got.0
+        );
+        assert_eq!(got.3, 0, "rank {r}: no failover with every node up");
+        agents[node].log.wait_for(
+            &[&format!("rank {r} "), "attached"],
+            Duration::from_secs(10),
+        );
+    }
+    for a in &agents {
+        let log = a.log.all();
+        assert!(
+            !log.contains("refused") && !log.contains("panicked"),
+            "{log}"
+        );
+    }
+}
+
+/// Two copies of every sample. Node 2's agent is killed with SIGKILL while
+/// ranks on nodes 0 and 1 are mid-epoch: their agents' loaders fail the
+/// samples node 2 owed over to the other copy and the ranks finish, byte
+/// for byte what they read with every node up; the rank attached to node
+/// 2 fails with `AgentGone` (its agent is gone: no restart wait asked for).
+#[test]
+fn a_killed_node_s_samples_fail_over_and_its_rank_is_told() {
+    let nodes = Nodes::new(1200, 3, 2, 2);
+    let world = 3u32;
+    let mut agents: Vec<Option<Agent>> = (0..3).map(|i| Some(nodes.agent(i))).collect();
+    let want: Vec<(u64, String, u64, u64)> = (0..world)
+        .map(|r| cluster_report(spawn_read(&nodes.read(r as usize, r, world, "off", &[]))))
+        .collect();
+    // 10 ms per batch of 16: each epoch of 400 samples takes 250 ms or more.
+    let slow = ["--compute-us", "10000"];
+    let ranks: Vec<Child> = (0..world)
+        .map(|r| spawn_read(&nodes.read(r as usize, r, world, "required", &slow)))
+        .collect();
+    for (r, a) in agents.iter().enumerate() {
+        a.as_ref().unwrap().log.wait_for(
+            &[&format!("rank {r} "), "attached"],
+            Duration::from_secs(30),
+        );
+    }
+    // SIGKILL and reaped (what dropping the agent does).
+    drop(agents[2].take());
+    let mut ranks = ranks.into_iter();
+    for r in 0..2u32 {
+        let got = cluster_report(ranks.next().unwrap());
+        assert_eq!(
+            (got.0, &got.1),
+            (want[r as usize].0, &want[r as usize].1),
+            "rank {r}: exact after node 2 died"
+        );
+        // The kill came mid-read (a ring of 256 KiB holds about 56 of the
+        // rank's 800 samples ahead): the agent's loader saw node 2 go and
+        // sent what it owed to the other copies. An attached rank's own
+        // `failovers` stays 0 (the segment carries no such count yet).
+        agents[r as usize]
+            .as_ref()
+            .unwrap()
+            .log
+            .wait_for(&["node 2", "is gone"], Duration::from_secs(10));
+    }
+    let o = wait_output(ranks.next().unwrap(), Duration::from_secs(60));
+    assert_eq!(o.status.code(), Some(1), "rank 2:\n{}", text(&o));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("agent") && err.contains(s(&nodes.socket(2))),
+        "rank 2 names its agent's socket: {err}"
+    );
+}
+
+/// What an agent cannot do is refused at start, by name: a space holding
+/// part of the dataset with no node list to read the rest from; a node
+/// list or a node service with no token.
+#[test]
+fn an_agent_without_what_it_needs_is_refused_by_name() {
+    let nodes = Nodes::new(60, 2, 1, 3);
+    let sock = nodes.socket(0);
+    // An agent that started would serve until killed: each run has a
+    // deadline.
+    let refused = |args: &[&str]| {
+        let child = std::process::Command::new(common::kspeed_bin())
+            .args(args)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let o = wait_output(child, Duration::from_secs(30));
+        assert_eq!(o.status.code(), Some(1), "kspeed {args:?}:\n{}", text(&o));
+        text(&o)
+    };
+    let err = refused(&[
+        "agent",
+        "--space",
+        s(&nodes.spaces[0]),
+        "--socket",
+        s(&sock),
+    ]);
+    assert!(
+        err.contains("holds") && err.contains("--cluster") && err.contains("node0"),
+        "{err}"
+    );
+    let err = refused(&[
+        "agent",
+        "--space",
+        s(&nodes.spaces[0]),
+        "--socket",
+        s(&sock),
+        "--cluster",
+        s(&nodes.cluster),
+    ]);
+    assert!(err.contains("--token-file"), "{err}");
+    assert!(!Path::new(&sock).exists(), "no socket left behind");
+}
