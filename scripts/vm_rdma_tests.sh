@@ -1,12 +1,13 @@
 #!/bin/bash
 # Runs inside the soft-RoCE VM (../shared/rdma-vm/run-in-vm.sh): the RDMA
 # test binary, then the cluster tests over RDMA. scripts/test.sh calls it:
-#   run-in-vm.sh -- scripts/vm_rdma_tests.sh RDMA_TEST_BIN CLUSTER_TEST_BIN [REBALANCE_TEST_BIN [CLUSTER_MIX_TEST_BIN]]
+#   run-in-vm.sh -- scripts/vm_rdma_tests.sh RDMA_TEST_BIN CLUSTER_TEST_BIN [REBALANCE_TEST_BIN [CLUSTER_MIX_TEST_BIN [AGENT_CLUSTER_TEST_BIN]]]
 set -euo pipefail
 rdma_bin=$1
 cluster_bin=$2
 rebalance_bin=${3:-}
 cluster_mix_bin=${4:-}
+agent_cluster_bin=${5:-}
 # Nodes 2 and 3 get their own addresses on the RDMA interface (rxe adds a
 # RoCE v2 GID for each), so every node has its own GID as on a real cluster.
 for ip in 10.77.0.2 10.77.0.3; do
@@ -31,4 +32,8 @@ if [ -n "$cluster_mix_bin" ]; then
   echo "== a mixture of two spaces served side by side, over RDMA (KSPEED_TEST_RDMA=1)"
   KSPEED_TEST_RDMA=1 "$cluster_mix_bin" --test-threads 1 \
     two_ranks_read_a_mixture a_node_killed_mid_epoch
+fi
+if [ -n "$agent_cluster_bin" ]; then
+  echo "== node agents in a cluster, samples pushed by RDMA WRITE into the ranks' shared rings (KSPEED_TEST_RDMA=1)"
+  KSPEED_TEST_RDMA=1 "$agent_cluster_bin" --test-threads 1
 fi

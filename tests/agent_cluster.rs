@@ -3,8 +3,11 @@
 //! the node's own samples from its space, the rest pushed by the other
 //! nodes) and its node service (`--listen`: the owner the other nodes ask).
 //! Real processes on loopback: each node on its own 127.x.y.z address at
-//! one port, so the node list is known before the agents start. Every wait
-//! is on a condition with a deadline.
+//! one port, so the node list is known before the agents start. In the
+//! soft-RoCE VM (`KSPEED_TEST_RDMA`, scripts/vm_rdma_tests.sh) the nodes
+//! are 10.77.0.1-3, each with its own RoCE GID, and samples move by RDMA
+//! WRITE into the ranks' shared rings. Every wait is on a condition with a
+//! deadline.
 
 mod agent_support;
 mod common;
@@ -29,7 +32,7 @@ impl Nodes {
     /// `count` tiny samples preloaded for `nodes` nodes with `copies`
     /// copies; node `i` listens at 127.`a`.`b`.`i+1`:`port`, `a`, `b` and
     /// the port taken from this process's id and `tag` so concurrent test
-    /// binaries and tests do not meet.
+    /// binaries and tests do not meet (over RDMA: 10.77.0.`i+1`).
     fn new(count: u64, nodes: usize, copies: u32, tag: u8) -> Nodes {
         let dir = tempfile::tempdir().unwrap();
         let src = dir.path().join("src");
@@ -40,7 +43,13 @@ impl Nodes {
         let (a, b) = (10 + (pid % 200) as u8, tag);
         let port = 20_000 + (pid % 20_000) as u16;
         let addrs: Vec<String> = (0..nodes)
-            .map(|i| format!("127.{a}.{b}.{}:{port}", i + 1))
+            .map(|i| {
+                if rdma() {
+                    format!("10.77.0.{}:{}", i + 1, port + tag as u16)
+                } else {
+                    format!("127.{a}.{b}.{}:{port}", i + 1)
+                }
+            })
             .collect();
         let cluster = dir.path().join("cluster");
         let text: String = addrs
@@ -90,20 +99,20 @@ impl Nodes {
     /// Node `node`'s agent: its space, its socket, the node list, and its
     /// node service at its address.
     fn agent(&self, node: usize) -> Agent {
-        Agent::start(
-            &self.spaces[node],
-            &self.socket(node),
-            &[
-                "--cluster",
-                s(&self.cluster),
-                "--token-file",
-                s(&self.token),
-                "--listen",
-                &self.addrs[node],
-                "--node-timeout-ms",
-                "2000",
-            ],
-        )
+        let mut args = vec![
+            "--cluster",
+            s(&self.cluster),
+            "--token-file",
+            s(&self.token),
+            "--listen",
+            &self.addrs[node],
+            "--node-timeout-ms",
+            "2000",
+        ];
+        if rdma() {
+            args.push("--rdma");
+        }
+        Agent::start(&self.spaces[node], &self.socket(node), &args)
     }
 
     /// `kspeed read` of rank `rank` of `world` on node `node`, in cluster
@@ -120,9 +129,17 @@ impl Nodes {
             "--agent-socket",
             s(&sock),
         ];
+        if rdma() {
+            more.push("--rdma");
+        }
         more.extend(extra);
         read_args(&self.spaces[node], rank, world, 2, &more)
     }
+}
+
+/// In the soft-RoCE VM: every node offers RDMA and every consumer uses it.
+fn rdma() -> bool {
+    std::env::var_os("KSPEED_TEST_RDMA").is_some()
 }
 
 /// The `--json` report of a read: (samples, digest, remote samples, failovers).
