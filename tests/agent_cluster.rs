@@ -99,6 +99,11 @@ impl Nodes {
     /// Node `node`'s agent: its space, its socket, the node list, and its
     /// node service at its address.
     fn agent(&self, node: usize) -> Agent {
+        self.agent_with(node, &[])
+    }
+
+    /// [`Nodes::agent`] with `extra` arguments.
+    fn agent_with(&self, node: usize, extra: &[&str]) -> Agent {
         let mut args = vec![
             "--cluster",
             s(&self.cluster),
@@ -112,12 +117,27 @@ impl Nodes {
         if rdma() {
             args.push("--rdma");
         }
+        args.extend(extra);
         Agent::start(&self.spaces[node], &self.socket(node), &args)
     }
 
     /// `kspeed read` of rank `rank` of `world` on node `node`, in cluster
-    /// mode, with `agent` (`required`, `auto` or `off`) and `extra`.
+    /// mode, two epochs from epoch 1, with `agent` (`required`, `auto` or
+    /// `off`) and `extra`.
     fn read(&self, node: usize, rank: u32, world: u32, agent: &str, extra: &[&str]) -> Vec<String> {
+        self.read_epochs(node, rank, world, agent, 2, extra)
+    }
+
+    /// [`Nodes::read`] of `epochs` epochs.
+    fn read_epochs(
+        &self,
+        node: usize,
+        rank: u32,
+        world: u32,
+        agent: &str,
+        epochs: u64,
+        extra: &[&str],
+    ) -> Vec<String> {
         let sock = self.socket(node);
         let mut more = vec![
             "--cluster",
@@ -133,7 +153,7 @@ impl Nodes {
             more.push("--rdma");
         }
         more.extend(extra);
-        read_args(&self.spaces[node], rank, world, 2, &more)
+        read_args(&self.spaces[node], rank, world, epochs, &more)
     }
 }
 
@@ -258,6 +278,51 @@ fn a_killed_node_s_samples_fail_over_and_its_rank_is_told() {
         err.contains("agent") && err.contains(s(&nodes.socket(2))),
         "rank 2 names its agent's socket: {err}"
     );
+}
+
+/// The node tier in a cluster keeps what the other nodes pushed as well as
+/// what the node's disk gave: two ranks attached to node 0's agent (with a
+/// tier for the whole dataset) read epoch 1, two thirds of it pushed by
+/// nodes 1 and 2; their epoch 2 (other samples for each rank: a fresh
+/// shuffle) comes wholly from the tier, no disk read and no push, byte for
+/// byte what the same ranks read embedded.
+#[test]
+fn the_node_tier_keeps_what_other_nodes_pushed() {
+    let nodes = Nodes::new(600, 3, 1, 4);
+    let _agents: Vec<Agent> = (0..3)
+        .map(|i| nodes.agent_with(i, &["--tier-bytes", "64MiB", "--no-mlock"]))
+        .collect();
+    let world = 2u32;
+    let epoch = |e: u64, agent: &str| -> Vec<Child> {
+        (0..world)
+            .map(|r| spawn_read(&one_epoch(nodes.read_epochs(0, r, world, agent, 1, &[]), e)))
+            .collect()
+    };
+    let first: Vec<_> = epoch(1, "required").into_iter().map(full_report).collect();
+    for (r, v) in first.iter().enumerate() {
+        let remote = v["cluster"]["remote_samples"].as_u64().unwrap();
+        assert!(remote > 100, "rank {r}, epoch 1: {remote} pushed: {v}");
+    }
+    let second: Vec<_> = epoch(2, "required").into_iter().map(full_report).collect();
+    let embedded: Vec<_> = epoch(2, "off").into_iter().map(full_report).collect();
+    for r in 0..world as usize {
+        let (got, want) = (&second[r], &embedded[r]);
+        assert_eq!(got["digest"], want["digest"], "rank {r}, epoch 2");
+        assert_eq!(got["samples"], 300);
+        assert_eq!(
+            got["tier_hits"], 300,
+            "rank {r}, epoch 2 from the tier: {got}"
+        );
+        assert_eq!(got["disk_reads"], 0, "{got}");
+        assert_eq!(got["cluster"]["remote_samples"], 0, "{got}");
+    }
+}
+
+/// A read's whole `--json` report.
+fn full_report(child: Child) -> serde_json::Value {
+    let o = wait_output(child, Duration::from_secs(120));
+    assert!(o.status.success(), "kspeed read failed:\n{}", text(&o));
+    serde_json::from_slice(&o.stdout).expect("json report")
 }
 
 /// What an agent cannot do is refused at start, by name: a space holding

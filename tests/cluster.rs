@@ -380,6 +380,43 @@ fn three_nodes_two_ranks_byte_exact_in_order() {
     });
 }
 
+/// A memory tier in cluster mode keeps what the owners pushed as well as
+/// what the local disk gave: a rank reading the whole dataset (world 1) on
+/// node 0 of 2 gets epoch 0 half from its disk and half pushed by node 1,
+/// and epochs 1 and 2 from the tier (no grant, no read) but for samples
+/// asked for again before their first copy landed, every sample byte-exact
+/// and in order.
+#[test]
+fn a_tier_keeps_pushed_samples_for_later_epochs() {
+    let st = setup("tiny", 300, 2, 1);
+    let serves: Vec<Serve> = (0..2)
+        .map(|i| Serve::start(&st.spaces[i], &node_ip(i), &st.token, &[]))
+        .collect();
+    let addrs: Vec<&str> = serves.iter().map(|s| s.addr.as_str()).collect();
+    let cat = Catalog::open(&st.catalog).unwrap();
+    // A ring of 256 KiB holds about 56 samples ahead: what epoch 1 needs
+    // is asked for after epoch 0 pushed it.
+    let mut l = builder_space(&st.spaces[0], cluster_of(&addrs))
+        .landing(test_ring(256 << 10))
+        .tier_bytes(8 << 20)
+        .build()
+        .unwrap();
+    assert_eq!(check(&mut l, &cat, 0, 1, 3), 900);
+    let stats = l.finish();
+    // Epoch 0 reads each sample once; only a sample asked for again
+    // within the ring's lookahead (about 56 samples) of its first copy,
+    // before that copy landed, is read twice. Without the pushes in the
+    // tier, epochs 1 and 2 would ask node 1 again: about 450 pushes.
+    let lookahead = 56;
+    assert!(
+        stats.disk_reads + stats.remote_samples <= 300 + lookahead,
+        "{stats:?}"
+    );
+    assert!(stats.remote_samples > 50, "{stats:?}");
+    assert!(stats.tier_hits >= 600 - lookahead, "{stats:?}");
+    assert_eq!(stats.failovers, 0, "{stats:?}");
+}
+
 /// Reads with node 1 SIGSTOPped after the first batch and then handled by
 /// `then` (SIGKILL, or nothing: a stall), from node 0's space.
 fn owner_trouble(

@@ -185,11 +185,10 @@ fn open_space(cfg: &AgentConfig) -> Result<OpenSpace> {
     }
     let identity = u64::from(space.catalog().identity());
     // Checked fills: a member is copied from one rank's ring (memory that
-    // rank can write) and served to every other rank. Members among the
-    // samples this node holds: its pollers read (and fill) only those.
-    let tier = Tier::new_checked(space.catalog(), cfg.tier_bytes, cfg.tier_mlock, |id| {
-        space.location(id).is_some()
-    })?;
+    // rank can write) and served to every other rank. In a cluster,
+    // members this node does not hold are filled when their owners push
+    // them (the network thread) and then served from memory.
+    let tier = Tier::new_checked(space.catalog(), cfg.tier_bytes, cfg.tier_mlock)?;
     if let Some(t) = &tier {
         log::info!(
             "agent: node memory tier of {} samples, {} bytes, shared by the ranks of one user at a time",

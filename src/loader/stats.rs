@@ -70,6 +70,7 @@ impl Totals {
         }
         if let Some(n) = &sh.net {
             self.remote_samples += n.remote_samples.load(Ordering::Relaxed);
+            self.tier_hits += n.tier_hits.load(Ordering::Relaxed);
             self.failovers += n.failovers.load(Ordering::Relaxed);
             self.source_reads += n.source_reads.load(Ordering::Relaxed);
             self.source_bytes += n.source_bytes.load(Ordering::Relaxed);
@@ -234,6 +235,7 @@ impl ReadCounts {
         }
         if let Some(n) = &sh.net {
             self.remote_samples += n.remote_samples.load(Ordering::Relaxed);
+            self.tier_hits += n.tier_hits.load(Ordering::Relaxed);
             self.source_reads += n.source_reads.load(Ordering::Relaxed);
         }
     }

@@ -6,8 +6,10 @@
 //!
 //! Membership: samples in id order until the budget is used (a sample's slot
 //! is its length rounded up to 64 bytes). A member is filled the first time a
-//! poller reads it from disk (one copy from the landing ring), and served by
-//! a copy into the ring ever after.
+//! poller reads it from disk or, in cluster mode, its owner pushes it (one
+//! copy from the landing ring), and served by a copy into the ring ever
+//! after: by a poller when this node holds it, else by the network thread
+//! in place of a grant.
 //!
 //! The node agent shares one tier among the ranks it serves
 //! ([`Tier::new_checked`]): a member is then filled from one rank's ring,
@@ -51,23 +53,16 @@ impl Tier {
     /// Chooses members of `catalog` for a budget of `budget_bytes`, and maps
     /// (and locks, if `mlock`) the memory.
     pub fn new(catalog: &Catalog, budget_bytes: u64, mlock: bool) -> Result<Option<Tier>> {
-        Self::build(catalog, budget_bytes, mlock, false, |_| true)
+        Self::build(catalog, budget_bytes, mlock, false)
     }
 
     /// As [`Tier::new`], for a tier shared by several ranks whose rings it
     /// is filled from and copied into: each fill is checked against the
     /// catalog's CRC32C before the member is published (4 bytes per sample
     /// of the catalog kept), and copies to and from rings go through the
-    /// kernel ([`crate::sys::copy_faultable`]). Members are chosen among
-    /// the ids `may_hold` accepts (the agent in a cluster: the samples its
-    /// node's space holds, the only ones its pollers read and so fill).
-    pub fn new_checked(
-        catalog: &Catalog,
-        budget_bytes: u64,
-        mlock: bool,
-        may_hold: impl Fn(u64) -> bool,
-    ) -> Result<Option<Tier>> {
-        Self::build(catalog, budget_bytes, mlock, true, may_hold)
+    /// kernel ([`crate::sys::copy_faultable`]).
+    pub fn new_checked(catalog: &Catalog, budget_bytes: u64, mlock: bool) -> Result<Option<Tier>> {
+        Self::build(catalog, budget_bytes, mlock, true)
     }
 
     fn build(
@@ -75,7 +70,6 @@ impl Tier {
         budget_bytes: u64,
         mlock: bool,
         checked: bool,
-        may_hold: impl Fn(u64) -> bool,
     ) -> Result<Option<Tier>> {
         if budget_bytes == 0 {
             return Ok(None);
@@ -85,7 +79,7 @@ impl Tier {
         for id in 0..catalog.len() {
             let len = catalog.sample(id).len as u64;
             let slot = len.next_multiple_of(64);
-            if used + slot > budget_bytes || !may_hold(id) {
+            if used + slot > budget_bytes {
                 continue;
             }
             offsets[id as usize] = used;
@@ -296,9 +290,7 @@ mod tests {
     fn a_checked_tier_refuses_a_fill_that_is_not_the_sample() {
         let t = tempfile::tempdir().unwrap();
         let (cat, files) = catalog(t.path());
-        let tier = Tier::new_checked(&cat, 1 << 20, false, |_| true)
-            .unwrap()
-            .unwrap();
+        let tier = Tier::new_checked(&cat, 1 << 20, false).unwrap().unwrap();
         assert_eq!(tier.members(), 8);
         let mut spoiled = files[3].clone();
         spoiled[7] ^= 0x40;
@@ -316,24 +308,5 @@ mod tests {
         // SAFETY: as above.
         unsafe { plain.fill(3, spoiled.len(), spoiled.as_ptr()) };
         assert!(plain.is_filled(3));
-    }
-
-    /// The agent in a cluster gives members only among the samples its
-    /// node holds (`may_hold`): the budget goes to the next held ids, never
-    /// to one its pollers would not read.
-    #[test]
-    fn a_checked_tier_takes_members_only_where_asked() {
-        let t = tempfile::tempdir().unwrap();
-        let (cat, _) = catalog(t.path());
-        // Room for about three of the 8 samples (100-107 bytes, 128-byte slots).
-        let tier = Tier::new_checked(&cat, 3 * 128, false, |id| id % 2 == 1)
-            .unwrap()
-            .unwrap();
-        assert_eq!(tier.members(), 3);
-        let members: Vec<u64> = (0..8).filter(|&id| tier.is_member(id)).collect();
-        assert_eq!(members, [1, 3, 5]);
-        assert!(Tier::new_checked(&cat, 1 << 20, false, |_| false)
-            .unwrap()
-            .is_none());
     }
 }

@@ -7,7 +7,9 @@
 use std::sync::atomic::Ordering;
 
 use super::super::schedule::{Geometry, Placed};
-use super::super::shared::{via_peer, SPLIT_NONE, VIA_DISK, VIA_FAILOVER, VIA_SOURCE};
+use super::super::shared::{
+    via_peer, CODE_TIER, SPLIT_NONE, VIA_DISK, VIA_FAILOVER, VIA_SOURCE, VIA_TIER,
+};
 use super::super::stall_causes::phase_split;
 use super::super::CODE_OK;
 use super::{Landed, Receive, State, Thread, DEMOTE_AFTER_ERRORS, DEMOTE_WINDOW};
@@ -342,6 +344,9 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                 self.sh.publish(p.g, CODE_OK, VIA_DISK);
                 continue;
             }
+            if self.serve_from_tier(&p) {
+                continue;
+            }
             let idx = p.g as usize & self.mask;
             debug_assert!(!self.table[idx].live, "grant table entry reused while live");
             // Copies whose partial space does not hold it are not asked.
@@ -354,6 +359,35 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                 return;
             }
         }
+    }
+
+    /// A remote sample the memory tier holds (an earlier push filled it) is
+    /// served from there, with no grant: this thread alone decides where a
+    /// remote sample comes from, so a member filled meanwhile can never be
+    /// both granted and copied. False (grant it) when it is not in the tier
+    /// or the copy fails (a rank's ring page gone, in the agent).
+    fn serve_from_tier(&mut self, p: &Placed) -> bool {
+        let Some(tier) = self.sh.tier.as_ref().filter(|t| t.is_filled(p.id)) else {
+            return false;
+        };
+        if self.sh.cfg.tier_views {
+            // Handed out in place (the consumer reads the tier).
+            self.net().tier_hits.fetch_add(1, Ordering::Relaxed);
+            self.sh.publish(p.g, CODE_TIER, VIA_TIER);
+            return true;
+        }
+        if p.v < self.sh.geo.ring_bytes {
+            self.sh.ring.populate_to(p.v_end);
+        }
+        let dst = self.ring_ptr(p.phys(&self.sh.geo));
+        // SAFETY: dst..dst+len is this sample's slot, inside the ring and
+        // outside the consumer's window (flow control checked by the caller).
+        if !unsafe { tier.copy_out(p.id, p.len as usize, dst) } {
+            return false;
+        }
+        self.net().tier_hits.fetch_add(1, Ordering::Relaxed);
+        self.sh.publish(p.g, CODE_OK, VIA_TIER);
+        true
     }
 
     /// A new epoch's first sample: demoted nodes get grants again.
@@ -588,6 +622,14 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         }
         self.table[idx].live = false;
         self.local_done(idx);
+        if let Some(tier) = &self.sh.tier {
+            // A member pushed by its owner fills the tier as a local read
+            // would, so the next rank or epoch that needs it copies it
+            // from memory instead of asking again.
+            // SAFETY: every byte of the slot was received, nothing more
+            // lands there, and it is unpublished.
+            unsafe { tier.fill(s.id, s.len as usize, self.ring_ptr(s.phys)) };
+        }
         let now = self.ring.now();
         self.conns[i].last_done = now;
         self.net().remote_samples.fetch_add(1, Ordering::Relaxed);

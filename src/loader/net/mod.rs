@@ -208,6 +208,9 @@ pub(crate) struct NetShared {
     /// consumer's release clears it and wakes the thread.
     pub(crate) sleeping: AtomicBool,
     pub(crate) remote_samples: AtomicU64,
+    /// Remote samples served from the memory tier (filled by an earlier
+    /// push) instead of a grant.
+    pub(crate) tier_hits: AtomicU64,
     pub(crate) failovers: AtomicU64,
     pub(crate) source_reads: AtomicU64,
     pub(crate) source_bytes: AtomicU64,
@@ -298,6 +301,7 @@ impl NetShared {
             wake: EventFd::new().map_err(|e| Error::Serve(format!("eventfd: {e}")))?,
             sleeping: AtomicBool::new(false),
             remote_samples: AtomicU64::new(0),
+            tier_hits: AtomicU64::new(0),
             failovers: AtomicU64::new(0),
             source_reads: AtomicU64::new(0),
             source_bytes: AtomicU64::new(0),
