@@ -20,10 +20,19 @@ table adds each mode's tier hit rate and samples/s over epochs >= 2 (from
 every rank's per-epoch --json figures), and the attached/embedded ratios,
 per run and their median.
 
+With --nodes M (> 1), a cluster on this machine: M spaces holding a share
+each (`preload --nodes M --node-index i`), node i at 127.0.0.(i+1):PORT,
+--ranks per node (world M x ranks, rank r on node r // ranks). Embedded:
+M `kspeed serve` node services and every rank its own pollers and its own
+connection to every other node; attached: M `kspeed agent --cluster ...
+--listen ...` (each its node's node service too) and the ranks attached to
+their node's agent. The tier figures are per node as above; the node tier
+keeps what other nodes pushed as well as what the disk gave.
+
 The page cache is not dropped (that needs root); the extents are read with
 O_DIRECT either way.
 
-  scripts/bench_agent.py [--ranks 8] [--profile imagenet:2000] [--epochs 2] [--runs 1] [--agent-pollers 1] [--tier-bytes 1GiB]
+  scripts/bench_agent.py [--ranks 8] [--nodes 1] [--profile imagenet:2000] [--epochs 2] [--runs 1] [--agent-pollers 1] [--tier-bytes 1GiB]
 """
 
 import argparse
@@ -49,14 +58,18 @@ def proc_cpu_seconds(pid):
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def ranks(space, n, epochs, extra):
+def ranks(spaces, n, epochs, extra, node_extra=lambda node: []):
+    """`n` ranks per node of `spaces` (world len(spaces) x n), rank r on
+    node r // n, with `extra` and `node_extra(node)` arguments."""
+    world = n * len(spaces)
     procs = [
         subprocess.Popen(
-            [K, "read", "--progress=none", "--json", "--digest", "--space", space,
-             "--rank", str(r), "--world", str(n), "--epochs", str(epochs),
-             "--local-rank", str(r), "--local-world-size", str(n)] + extra,
+            [K, "read", "--progress=none", "--json", "--digest", "--space", spaces[r // n],
+             "--rank", str(r), "--world", str(world), "--epochs", str(epochs),
+             "--local-rank", str(r % n), "--local-world-size", str(n)]
+            + extra + node_extra(r // n),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for r in range(n)
+        for r in range(world)
     ]
     t0 = time.monotonic()
     out = []
@@ -66,6 +79,22 @@ def ranks(space, n, epochs, extra):
             sys.exit(f"kspeed read failed: {e}")
         out.append(json.loads(o))
     return time.monotonic() - t0, out
+
+
+def start(cmd, ready):
+    """A node process, returned once it printed a line containing `ready`."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    for line in p.stdout:
+        if ready in line:
+            return p
+    sys.exit(f"{cmd[1]} did not start")
+
+
+def stop(procs):
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        p.wait(timeout=60)
 
 
 def later_epochs(reports):
@@ -126,7 +155,9 @@ def median(xs):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--ranks", type=int, default=8)
+    ap.add_argument("--ranks", type=int, default=8, help="ranks per node")
+    ap.add_argument("--nodes", type=int, default=1, help="> 1: a cluster on loopback")
+    ap.add_argument("--port", type=int, default=7471, help="the nodes' port (--nodes > 1)")
     ap.add_argument("--profile", default="imagenet:2000")
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--runs", type=int, default=1)
@@ -141,34 +172,56 @@ def main():
     agent_tier = ["--tier-bytes", str(tier_total), "--no-mlock"] if tier_total else []
     work = a.work or tempfile.mkdtemp(prefix="kspeed-bench-agent-")
     prof, count = a.profile.split(":")
-    src, space = os.path.join(work, f"{prof}-{count}"), os.path.join(work, f"space-{prof}-{count}")
-    if not os.path.exists(space):
+    src = os.path.join(work, f"{prof}-{count}")
+    if not os.path.exists(src):
         sh([K, "gen", "--profile", prof, "--count", count, "--out", src, "--progress", "none"])
-        sh([K, "preload", "--source", src, "--space", space, "--progress", "none"])
-    sock = os.path.join(work, "agent.sock")
+    m = a.nodes
+    catalog = os.path.join(work, f"catalog-{prof}-{count}")
+    if m > 1 and not os.path.exists(catalog):
+        sh([K, "catalog", "--source", src, "--out", catalog, "--progress", "none"])
+    spaces = []
+    for i in range(m):
+        space = os.path.join(work, f"space-{prof}-{count}" + (f"-node{i}-of-{m}" if m > 1 else ""))
+        if not os.path.exists(space):
+            share = ["--catalog", catalog, "--nodes", str(m), "--node-index", str(i)] if m > 1 else []
+            sh([K, "preload", "--source", src, "--space", space, "--progress", "none"] + share)
+        spaces.append(space)
+    socks = [os.path.join(work, f"agent{i}.sock") for i in range(m)]
+    addrs = [f"127.0.0.{i + 1}:{a.port}" for i in range(m)]
+    net = []
+    if m > 1:
+        cluster, token = os.path.join(work, "cluster"), os.path.join(work, "token")
+        with open(cluster, "w") as f:
+            f.writelines(f"{i} {addr}\n" for i, addr in enumerate(addrs))
+        with open(token, "w") as f:
+            f.write("bench-agent-token\n")
+        os.chmod(token, 0o600)
+        net = ["--cluster", cluster, "--token-file", token]
     rows = []
     for run in range(a.runs):
         ring = ["--ring-bytes", a.ring_bytes]
-        wall, rep = ranks(space, a.ranks, a.epochs, ["--agent", "off"] + ring + rank_tier)
+        serves = [start([K, "serve", "--space", spaces[i], "--listen", addrs[i], "--token-file",
+                         token, "--progress=none"], "serving") for i in range(m)] if m > 1 else []
+        wall, rep = ranks(spaces, a.ranks, a.epochs, ["--agent", "off"] + ring + rank_tier + net)
+        stop(serves)
         pollers = sum(r["placement"]["pollers"] for r in rep)
-        rows.append(summarise("embedded", wall, rep, 0.0, pollers, f"{a.ranks} ranks' own pollers"))
-        agent = subprocess.Popen([K, "agent", "--space", space, "--socket", sock,
-                                  "--pollers", str(a.agent_pollers)] + agent_tier,
-                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        line = agent.stdout.readline()
-        if "agent serving" not in line:
-            sys.exit(f"the agent did not start: {line!r}")
-        c0 = proc_cpu_seconds(agent.pid)
-        wall, rep = ranks(space, a.ranks, a.epochs,
-                          ["--agent", "required", "--agent-socket", sock] + ring)
-        agent_cpu = proc_cpu_seconds(agent.pid) - c0
-        agent.terminate()
-        agent.wait(timeout=60)
-        rows.append(summarise("attached", wall, rep, agent_cpu, a.agent_pollers * a.ranks,
+        rows.append(summarise("embedded", wall, rep, 0.0, pollers,
+                              f"{a.ranks} ranks' own pollers per node"
+                              + (f" and {m - 1} connections each" if m > 1 else "")))
+        agents = [start([K, "agent", "--space", spaces[i], "--socket", socks[i],
+                         "--pollers", str(a.agent_pollers), "--progress=none"] + agent_tier
+                        + (net + ["--listen", addrs[i]] if m > 1 else []), "agent serving")
+                  for i in range(m)]
+        c0 = sum(proc_cpu_seconds(p.pid) for p in agents)
+        wall, rep = ranks(spaces, a.ranks, a.epochs, ["--agent", "required"] + ring + net,
+                          lambda node: ["--agent-socket", socks[node]])
+        agent_cpu = sum(proc_cpu_seconds(p.pid) for p in agents) - c0
+        stop(agents)
+        rows.append(summarise("attached", wall, rep, agent_cpu, a.agent_pollers * a.ranks * m,
                               f"agent: {a.agent_pollers} poller(s) + 1 feeder per rank; ranks: 0"))
         if rows[-1]["digests"] != rows[-2]["digests"]:
             sys.exit("attached and embedded ranks delivered different bytes")
-    print(f"{a.ranks} ranks, {a.profile}, {a.epochs} epochs, {a.runs} run(s); digests equal"
+    print(f"{m} node(s) x {a.ranks} ranks, {a.profile}, {a.epochs} epochs, {a.runs} run(s); digests equal"
           + (f"; tiers: {tier_total // a.ranks} B per embedded rank, {tier_total} B node tier"
              if tier_total else ""))
     print("samples/s: whole node over the wall time from spawn to the last exit; "
