@@ -8,7 +8,8 @@ Per round, interleaved:
   attached : one `kspeed agent --pollers P`, N x `kspeed read --agent required`
 Reported per mode: samples/s over the whole node (samples of every rank /
 wall time of the slowest), CPU seconds per GB (ranks' own CPU from their
---json reports, plus the agent's from /proc in attached mode), and the
+--json reports, plus the agent's from /proc in attached mode, and in a
+cluster the node services' in embedded mode), and the
 poller threads (embedded: the sum of each rank's pollers; attached: the
 agent's pollers per rank x N, and its N feeder threads besides).
 Every rank's order-sensitive digest is checked equal between the modes.
@@ -36,6 +37,7 @@ O_DIRECT either way.
 """
 
 import argparse
+import atexit
 import json
 import os
 import subprocess
@@ -81,9 +83,15 @@ def ranks(spaces, n, epochs, extra, node_extra=lambda node: []):
     return time.monotonic() - t0, out
 
 
+# Node processes still running: killed at exit, whatever ends the script.
+STARTED = []
+atexit.register(lambda: [p.kill() for p in STARTED if p.poll() is None])
+
+
 def start(cmd, ready):
     """A node process, returned once it printed a line containing `ready`."""
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    STARTED.append(p)
     for line in p.stdout:
         if ready in line:
             return p
@@ -202,10 +210,13 @@ def main():
         ring = ["--ring-bytes", a.ring_bytes]
         serves = [start([K, "serve", "--space", spaces[i], "--listen", addrs[i], "--token-file",
                          token, "--progress=none"], "serving") for i in range(m)] if m > 1 else []
+        s0 = sum(proc_cpu_seconds(p.pid) for p in serves)
         wall, rep = ranks(spaces, a.ranks, a.epochs, ["--agent", "off"] + ring + rank_tier + net)
+        # The node services' CPU counts, as the agents' (which serve too) does.
+        serve_cpu = sum(proc_cpu_seconds(p.pid) for p in serves) - s0
         stop(serves)
         pollers = sum(r["placement"]["pollers"] for r in rep)
-        rows.append(summarise("embedded", wall, rep, 0.0, pollers,
+        rows.append(summarise("embedded", wall, rep, serve_cpu, pollers,
                               f"{a.ranks} ranks' own pollers per node"
                               + (f" and {m - 1} connections each" if m > 1 else "")))
         agents = [start([K, "agent", "--space", spaces[i], "--socket", socks[i],
