@@ -889,9 +889,8 @@ ksp_status ksp_loader_job_position_at(const ksp_loader *l,
 // come from other weights: the rest of the epoch then follows this
 // loader's, nothing the job delivered in the epoch coming again
 // (docs/FORMAT.md, "Mixing datasets"). A loader attached to the
-// node agent (`agent`) refuses a position whose epoch another world dealt
-// (`KSP_ERR_INVALID_ARG`: the agent deals ordinary epochs only; build it
-// with `agent = off`) and goes on where it was. Releases a held batch.
+// node agent (`agent`) resumes the same way (the agent deals the rest of
+// the epoch from the job position). Releases a held batch.
 //
 // Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_INVALID_ARG`; a loader
 // that failed earlier returns its first error's status.

@@ -285,13 +285,16 @@ fn restarts_and_kept_batches_match_embedded() {
     assert!(got == want, "attached and embedded differ");
 }
 
-/// An attached rank resumes its own position (same world) as an embedded
-/// one does, but an epoch dealt from another world's job position is
-/// refused by name before anything changes (the agent deals ordinary
-/// epochs only), and the loader goes on from where it was.
+/// A job resumed inside an epoch at another world size reads through the
+/// agent exactly as embedded: world 2 takes 3 batches, its job position is
+/// restored by 3 attached ranks and by 3 embedded ones, and each attached
+/// rank delivers the rest of that epoch and the next, sample for sample
+/// and byte for byte, what its embedded twin does (the agent deals the
+/// epoch from the job position ATTACH carries). A position an attached
+/// rank saves inside that epoch resumes attached exactly too.
 #[test]
-fn attached_resume_at_another_world_is_refused_by_name() {
-    use kspeed::loader::{AgentMode, LoaderBuilder};
+fn an_attached_world_resumes_inside_an_epoch_at_another_size() {
+    use kspeed::loader::{AgentMode, Loader, LoaderBuilder};
     let dir = tempfile::tempdir().unwrap();
     let sp = space(dir.path(), 400);
     let sock = dir.path().join("agent.sock");
@@ -308,52 +311,57 @@ fn attached_resume_at_another_world_is_refused_by_name() {
             .build()
             .unwrap()
     };
+    // (id, CRC32C of the bytes) of `batches` batches, or of the rest of
+    // the epoch and then the next one when `batches` is None.
+    let take = |l: &mut Loader, batches: Option<usize>| {
+        let mut out = Vec::new();
+        let mut epochs = 0;
+        loop {
+            let got = l.next_batch().unwrap().map(|b| {
+                b.iter()
+                    .map(|s| (s.id, crc32c::crc32c(s.bytes)))
+                    .collect::<Vec<_>>()
+            });
+            match got {
+                Some(b) => out.extend(b),
+                None => {
+                    epochs += 1;
+                    if epochs == 2 {
+                        break;
+                    }
+                    let next = l.position().epoch;
+                    l.set_epoch(next).unwrap();
+                    continue;
+                }
+            }
+            if batches.is_some_and(|n| out.len() >= n * 8) {
+                break;
+            }
+        }
+        out
+    };
     let mut two = build(AgentMode::Off, 0, 2);
-    for _ in 0..3 {
-        two.next_batch().unwrap().unwrap();
-    }
+    take(&mut two, Some(3));
     let job = two.save_job_position();
-    let own = two.save_position();
-    let mut three = build(AgentMode::Required, 0, 3);
-    match three.restore_job_position(&job) {
-        Err(kspeed::Error::InvalidConfig(m)) => assert!(m.contains("agent = off"), "{m}"),
-        r => panic!("{r:?}"),
+    let mut saved = Vec::new();
+    for r in 0..3 {
+        let mut attached = build(AgentMode::Required, r, 3);
+        attached.restore_job_position(&job).unwrap();
+        let mut embedded = build(AgentMode::Off, r, 3);
+        embedded.restore_job_position(&job).unwrap();
+        let head = take(&mut attached, Some(2));
+        assert_eq!(head, take(&mut embedded, Some(2)), "rank {r} of 3");
+        saved.push(attached.save_position());
+        let rest = take(&mut attached, None);
+        assert!(!rest.is_empty());
+        assert_eq!(rest, take(&mut embedded, None), "rank {r} of 3");
     }
-    let first = three
-        .next_batch()
-        .unwrap()
-        .unwrap()
-        .iter()
-        .map(|b| b.id)
-        .collect::<Vec<_>>();
-    let mut plain = build(AgentMode::Off, 0, 3);
-    let want = plain
-        .next_batch()
-        .unwrap()
-        .unwrap()
-        .iter()
-        .map(|b| b.id)
-        .collect::<Vec<_>>();
-    assert_eq!(first, want, "the refused restore changed nothing");
-    // The same world resumes attached exactly as embedded.
-    let mut again = build(AgentMode::Required, 0, 2);
-    again.restore_position(&own).unwrap();
-    let got = again
-        .next_batch()
-        .unwrap()
-        .unwrap()
-        .iter()
-        .map(|b| b.id)
-        .collect::<Vec<_>>();
-    two.restore_position(&own).unwrap();
-    let want = two
-        .next_batch()
-        .unwrap()
-        .unwrap()
-        .iter()
-        .map(|b| b.id)
-        .collect::<Vec<_>>();
-    assert_eq!(got, want);
+    // Rank 1's own position inside the resumed epoch, restored attached.
+    let mut again = build(AgentMode::Required, 1, 3);
+    again.restore_position(&saved[1]).unwrap();
+    let mut twin = build(AgentMode::Off, 1, 3);
+    twin.restore_position(&saved[1]).unwrap();
+    assert_eq!(take(&mut again, None), take(&mut twin, None));
 }
 
 /// A peer that connects and never sends its ATTACH holds the agent's

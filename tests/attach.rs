@@ -87,6 +87,7 @@ fn request(seg: &Segment, ring: &RingMap) -> AttachRequest {
         segment_bytes: segment_bytes(seg.slots()),
         flags: 0,
         end_epoch: None,
+        job: None,
     }
 }
 

@@ -11,15 +11,15 @@ pub const ATTACH_MAGIC: u32 = u32::from_le_bytes(*b"KSAT");
 /// The message layout version this build speaks. The first 12 bytes
 /// (magic, version, kind, length) are the same in every version, so a
 /// peer of another version is answered with a REFUSED it can read.
-pub const ATTACH_VERSION: u16 = 3;
+pub const ATTACH_VERSION: u16 = 4;
 /// Kind of an ATTACH message (rank to agent).
 pub const KIND_ATTACH: u16 = 1;
 /// Kind of an ATTACHED reply.
 pub const KIND_ATTACHED: u16 = 2;
 /// Kind of a REFUSED reply.
 pub const KIND_REFUSED: u16 = 3;
-/// Bytes of an ATTACH message (version 1).
-pub const ATTACH_BYTES: usize = 96;
+/// Bytes of an ATTACH message (version 4; 96 in versions 1 to 3).
+pub const ATTACH_BYTES: usize = 112;
 /// Bytes of an ATTACHED reply (version 1).
 pub const ATTACHED_BYTES: usize = 32;
 /// Bytes of a REFUSED reply (version 1).
@@ -103,6 +103,11 @@ pub struct AttachRequest {
     /// later for the rank (`LoaderBuilder::end_epoch`); `None`: it reads on
     /// into the next epochs as long as the rank is attached.
     pub end_epoch: Option<u64>,
+    /// The epoch the rank's world resumed inside, from a job position
+    /// (version 4): its rest is dealt to this world from entry `consumed`
+    /// of its global order (`Loader::restore_job_position`); later epochs
+    /// are ordinary. `None`: every epoch ordinary.
+    pub job: Option<crate::sampler::JobPosition>,
 }
 
 /// ATTACH flag: the sampler shuffles each epoch.
@@ -206,6 +211,15 @@ impl AttachRequest {
         // 84..88: reserved, zero. 88..96: end_epoch, 0 for none (an end
         // epoch is after the start epoch, so never 0).
         b[88..96].copy_from_slice(&self.end_epoch.unwrap_or(0).to_le_bytes());
+        // 96..112 (version 4): the job position the world resumed at, its
+        // epoch and the entries consumed; both 0 for ordinary epochs (a
+        // resume with nothing consumed deals an ordinary epoch).
+        let job = self.job.unwrap_or(crate::sampler::JobPosition {
+            epoch: 0,
+            consumed: 0,
+        });
+        b[96..104].copy_from_slice(&job.epoch.to_le_bytes());
+        b[104..112].copy_from_slice(&job.consumed.to_le_bytes());
         b
     }
 
@@ -241,6 +255,26 @@ impl AttachRequest {
             segment_bytes: u64_at(b, 72),
             flags,
             end_epoch: Some(u64_at(b, 88)).filter(|&e| e != 0),
+            job: None,
+        };
+        let (job_epoch, consumed) = (u64_at(b, 96), u64_at(b, 104));
+        let r = match (job_epoch, consumed) {
+            (0, 0) => r,
+            (_, 0) => {
+                return Err(proto(format!(
+                    "job epoch {job_epoch} with no entry consumed (0 0 for ordinary epochs)"
+                )))
+            }
+            (epoch, consumed) if epoch > r.start_epoch => {
+                return Err(proto(format!(
+                    "job position in epoch {epoch} ({consumed} consumed), after the start epoch {}",
+                    r.start_epoch
+                )))
+            }
+            (epoch, consumed) => AttachRequest {
+                job: Some(crate::sampler::JobPosition { epoch, consumed }),
+                ..r
+            },
         };
         if let Some(end) = r.end_epoch.filter(|&end| end <= r.start_epoch) {
             return Err(proto(format!(
@@ -332,6 +366,10 @@ mod tests {
             segment_bytes: segment_bytes(8),
             flags: FLAG_SHUFFLE | FLAG_DROP_LAST,
             end_epoch: Some(5),
+            job: Some(crate::sampler::JobPosition {
+                epoch: 2,
+                consumed: 1000,
+            }),
         }
     }
 
@@ -347,11 +385,27 @@ mod tests {
             .to_string()
             .contains("magic"));
         let mut bad = b;
-        bad[4] = 2;
+        bad[4] = 3;
         assert!(AttachRequest::decode(&bad)
             .unwrap_err()
             .to_string()
-            .contains("version 2"));
+            .contains("version 3"));
+        let ordinary = AttachRequest { job: None, ..r };
+        let enc = ordinary.encode();
+        assert!(enc[96..112].iter().all(|&x| x == 0));
+        assert_eq!(AttachRequest::decode(&enc).unwrap(), ordinary);
+        let mut bad = b;
+        bad[96..104].copy_from_slice(&3u64.to_le_bytes());
+        assert!(AttachRequest::decode(&bad)
+            .unwrap_err()
+            .to_string()
+            .contains("after the start epoch 2"));
+        let mut bad = enc;
+        bad[96..104].copy_from_slice(&1u64.to_le_bytes());
+        assert!(AttachRequest::decode(&bad)
+            .unwrap_err()
+            .to_string()
+            .contains("no entry consumed"));
         let open_ended = AttachRequest {
             end_epoch: None,
             ..r
@@ -378,10 +432,10 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("unknown flags 0x4"));
-        assert!(AttachRequest::decode(&b[..95])
+        assert!(AttachRequest::decode(&b[..111])
             .unwrap_err()
             .to_string()
-            .contains("received 95"));
+            .contains("received 111"));
         let mut bad = b;
         bad[8] = 97;
         assert!(AttachRequest::decode(&bad)

@@ -579,6 +579,7 @@ fn build_loader(
         index: req.start_index,
     })
     .end_epoch(req.end_epoch)
+    .job_deal(req.job)
     .build()
 }
 

@@ -145,7 +145,12 @@ impl std::fmt::Debug for RankAttach {
 impl RankAttach {
     /// Attaches `ring` at `start`: a fresh segment, the ATTACH, the reply.
     /// Any failure is [`Error::NoAgent`] naming the socket.
-    pub(crate) fn connect(s: &AttachSettings, ring: &RingMap, start: Position) -> Result<Self> {
+    pub(crate) fn connect(
+        s: &AttachSettings,
+        ring: &RingMap,
+        start: Position,
+        job: Option<crate::sampler::JobPosition>,
+    ) -> Result<Self> {
         let no_agent = |e: Error| Error::NoAgent {
             socket: s.socket.clone(),
             reason: e.to_string(),
@@ -167,6 +172,7 @@ impl RankAttach {
             flags: if s.shuffle { FLAG_SHUFFLE } else { 0 }
                 | if s.drop_last { FLAG_DROP_LAST } else { 0 },
             end_epoch: s.end_epoch,
+            job,
         };
         let (conn, reply) =
             attach(&s.socket, &req, ring, side.segment(), ATTACH_TIMEOUT).map_err(no_agent)?;

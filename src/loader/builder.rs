@@ -89,6 +89,8 @@ pub struct LoaderBuilder {
     s3: (Option<String>, Option<String>),
     /// Inside the node agent: the space it opened once and the rank's ring.
     agent_input: Option<super::attached::AgentInput>,
+    /// Inside the node agent: the job position the rank's world resumed at.
+    job_deal: Option<crate::sampler::JobPosition>,
 }
 
 pub use crate::placement::{default_pollers, default_spin};
@@ -153,6 +155,7 @@ impl LoaderBuilder {
             agent_restart_wait: Duration::ZERO,
             s3: (None, None),
             agent_input: None,
+            job_deal: None,
         }
     }
 
@@ -633,6 +636,14 @@ impl LoaderBuilder {
         self
     }
 
+    /// Inside the agent: deal the rest of `job.epoch` from the job position
+    /// the rank's world resumed at (the rank's `restore_job_position`),
+    /// then ordinary epochs, as the rank's own schedule does.
+    pub(crate) fn job_deal(mut self, job: Option<crate::sampler::JobPosition>) -> Self {
+        self.job_deal = job;
+        self
+    }
+
     /// Inside the agent: read `input.space` (opened and checked by the
     /// agent) into the rank's ring `input.ring`.
     pub(crate) fn agent_input(mut self, input: super::attached::AgentInput) -> Self {
@@ -1091,11 +1102,28 @@ impl LoaderBuilder {
             faults: self.faults,
             tier_views: self.tier_views && tier.is_some(),
         };
+        // Ordinary epochs, or (inside the agent) the rest of an epoch a
+        // rank's world resumed from a job position, then ordinary ones.
+        let deal = Deal::new(
+            ElasticSampler::over(
+                sampler.clone(),
+                self.job_deal.unwrap_or(JobPosition {
+                    epoch: 0,
+                    consumed: 0,
+                }),
+            )?,
+            if self.drop_last {
+                self.batch_size as u64
+            } else {
+                1
+            },
+        );
         let start = match self.start {
-            Some(p) if p.index > steps => {
+            Some(p) if p.index > deal.steps(p.epoch) => {
                 return Err(Error::BadPosition(format!(
-                    "step {} is past the epoch's {steps} steps",
-                    p.index
+                    "step {} is past the epoch's {} steps",
+                    p.index,
+                    deal.steps(p.epoch)
                 )))
             }
             Some(p) => p,
@@ -1107,23 +1135,6 @@ impl LoaderBuilder {
                 start.epoch
             )));
         }
-        // Every epoch ordinary: a job position is restored on the loader
-        // (Loader::restore_job_position).
-        let deal = Deal::new(
-            ElasticSampler::over(
-                sampler.clone(),
-                JobPosition {
-                    epoch: 0,
-                    consumed: 0,
-                },
-            )?,
-            if self.drop_last {
-                self.batch_size as u64
-            } else {
-                1
-            },
-        );
-        debug_assert_eq!(deal.steps(start.epoch), steps);
         let digest_at = deal.sampler().rank_position(start);
         let net = match self.cluster.clone() {
             None => None,

@@ -247,7 +247,10 @@ impl Loader {
         let attach = match &self.attach_settings {
             Some(settings) => {
                 let map = crate::agent::shm::RingMap::create(self.geo.ring_bytes)?;
-                let a = attached::RankAttach::connect(settings, &map, start)?;
+                // The agent deals the rest of an epoch resumed from a job
+                // position as this loader's own schedule does.
+                let job = Some(self.deal.sampler().start()).filter(|j| j.consumed > 0);
+                let a = attached::RankAttach::connect(settings, &map, start, job)?;
                 let spare = self.spare.as_mut().expect("resources available");
                 let old = std::mem::replace(&mut spare.ring, LandingRing::shared(map));
                 // Batches still kept out point into the old ring: it stays
@@ -1044,12 +1047,15 @@ impl Loader {
     /// world's job position is not something it can deal yet. Refused
     /// before anything changes, so the loader goes on where it was.
     fn check_attached_deal(&self, deal: &schedule::Deal, epoch: u64) -> Result<()> {
-        if self.attach_settings.is_some() && deal.sampler().base(epoch) != 0 {
-            return Err(Error::InvalidConfig(
-                "resuming an epoch from a job position (the rest of an epoch dealt to a new world) \
-                 through the node agent is not built yet (docs/AGENT.md); build this loader with agent = off"
-                    .into(),
-            ));
+        let job = deal.sampler().start();
+        if self.attach_settings.is_some() && job.consumed > 0 && epoch < job.epoch {
+            // The agent is told the job position with a start at or after
+            // its epoch (ATTACH); an epoch before the one resumed has
+            // nothing left to deal anyway.
+            return Err(Error::InvalidConfig(format!(
+                "epoch {epoch} is before epoch {} this job resumed inside: nothing of it is left to read",
+                job.epoch
+            )));
         }
         Ok(())
     }

@@ -118,3 +118,31 @@ def test_without_the_wait_a_dead_agent_is_a_named_error(space, tmp_path):
                 samples(loader, after_first=agent.kill)
     finally:
         agent.kill()
+
+
+def test_a_state_from_another_world_resumes_attached(space, tmp_path):
+    """A job resumed on another number of GPUs through the agent: world 2
+    takes 3 batches, its state is loaded by 3 attached ranks, and each
+    delivers the rest of the epoch as an embedded rank of 3 does, byte for
+    byte (the agent deals the epoch from the job position)."""
+    sock = tmp_path / "agent.sock"
+    agent = Agent(space, sock)
+    try:
+        def loader(rank, world, mode):
+            return kspeed.Loader(space, batch_size=4, seed=5, ring_bytes="256KiB", pin=False,
+                                 rank=rank, world=world, agent=mode, agent_socket=sock)
+
+        with loader(0, 2, "off") as two:
+            it = iter(two)
+            for _ in range(3):
+                next(it).release()
+            state = two.state_dict()
+        for rank in range(3):
+            with loader(rank, 3, "required") as a, loader(rank, 3, "off") as e:
+                a.load_state_dict(state)
+                e.load_state_dict(state)
+                got, want = samples(a), samples(e)
+                assert got, f"rank {rank}: nothing left of the epoch"
+                assert got == want, f"rank {rank} of 3"
+    finally:
+        agent.kill()
