@@ -211,6 +211,7 @@ fn reads_of(seq: u64) -> BatchReads {
         tier_hits: base + 1,
         remote_samples: base + 2,
         source_reads: u32::MAX - base,
+        failovers: base + 3,
     }
 }
 

@@ -47,7 +47,7 @@ compile_error!("the attach segment and messages are little-endian; kspeed builds
 pub const SEGMENT_MAGIC: u64 = u64::from_le_bytes(*b"KSPATSEG");
 /// The segment layout this build writes and reads (bump on any change of
 /// an offset or a meaning; the agent refuses another).
-pub const SEGMENT_VERSION: u32 = 2;
+pub const SEGMENT_VERSION: u32 = 3;
 /// Error slots in a segment: a side posts at most this many errors; later
 /// ones are counted, not stored.
 pub const ERROR_SLOTS: usize = 4;
@@ -233,7 +233,8 @@ struct Slot {
     bytes: AtomicU64,
     epoch: AtomicU64,
     batch_in_epoch: AtomicU64,
-    samples: AtomicU64,
+    samples: AtomicU32,
+    failovers: AtomicU32,
     disk_reads: AtomicU32,
     tier_hits: AtomicU32,
     remote_samples: AtomicU32,
@@ -265,7 +266,7 @@ const _: () = {
     assert!(offset_of!(RankBlock, room_futex) == 24 && offset_of!(RankBlock, ready_waiters) == 28);
     assert!(offset_of!(RankBlock, taken) == 32 && offset_of!(RankBlock, errors_dropped) == 56);
     assert!(offset_of!(ErrorSlot, kind) == 16 && offset_of!(ErrorSlot, message) == 48);
-    assert!(offset_of!(Slot, samples) == 40);
+    assert!(offset_of!(Slot, samples) == 40 && offset_of!(Slot, failovers) == 44);
     assert!(offset_of!(Slot, disk_reads) == 48 && offset_of!(Slot, source_reads) == 60);
 };
 
@@ -308,6 +309,9 @@ pub struct BatchReads {
     pub remote_samples: u32,
     /// Samples read from the dataset's source.
     pub source_reads: u32,
+    /// Samples whose holder failed (a read, a node) and that were served
+    /// by another copy or the source (layout version 3).
+    pub failovers: u32,
 }
 
 /// An error a side posted in the segment.

@@ -634,6 +634,7 @@ impl Loader {
             t.tier_hits += u64::from(d.reads.tier_hits);
             t.remote_samples += u64::from(d.reads.remote_samples);
             t.source_reads += u64::from(d.reads.source_reads);
+            t.failovers += u64::from(d.reads.failovers);
         }
         self.held = !self.entries.is_empty();
         if self.held {
@@ -1334,6 +1335,7 @@ impl Loader {
             tier_hits: t.tier_hits,
             remote_samples: t.remote_samples,
             source_reads: t.source_reads,
+            failovers: t.failovers,
         };
         if let Some(run) = &self.run {
             c.add_run(&run.shared);

@@ -223,6 +223,7 @@ pub(crate) struct ReadCounts {
     pub(crate) tier_hits: u64,
     pub(crate) remote_samples: u64,
     pub(crate) source_reads: u64,
+    pub(crate) failovers: u64,
 }
 
 impl ReadCounts {
@@ -237,6 +238,7 @@ impl ReadCounts {
             self.remote_samples += n.remote_samples.load(Ordering::Relaxed);
             self.tier_hits += n.tier_hits.load(Ordering::Relaxed);
             self.source_reads += n.source_reads.load(Ordering::Relaxed);
+            self.failovers += n.failovers.load(Ordering::Relaxed);
         }
     }
 
@@ -253,6 +255,7 @@ impl ReadCounts {
             tier_hits: step(self.tier_hits, earlier.tier_hits),
             remote_samples: step(self.remote_samples, earlier.remote_samples),
             source_reads: step(self.source_reads, earlier.source_reads),
+            failovers: step(self.failovers, earlier.failovers),
         }
     }
 }

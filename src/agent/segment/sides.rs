@@ -298,7 +298,10 @@ impl AgentSide {
         s.epoch.store(desc.epoch, Ordering::Relaxed);
         s.batch_in_epoch
             .store(desc.batch_in_epoch, Ordering::Relaxed);
-        s.samples.store(desc.samples, Ordering::Relaxed);
+        // A batch holds at most MAX_BATCH_SIZE samples (a u32 in the slot).
+        let samples = u32::try_from(desc.samples).expect("a batch's sample count fits a u32");
+        s.samples.store(samples, Ordering::Relaxed);
+        s.failovers.store(desc.reads.failovers, Ordering::Relaxed);
         s.disk_reads.store(desc.reads.disk_reads, Ordering::Relaxed);
         s.tier_hits.store(desc.reads.tier_hits, Ordering::Relaxed);
         s.remote_samples
@@ -404,8 +407,9 @@ impl RankSide {
             bytes: s.bytes.load(Ordering::Relaxed),
             epoch: s.epoch.load(Ordering::Relaxed),
             batch_in_epoch: s.batch_in_epoch.load(Ordering::Relaxed),
-            samples: s.samples.load(Ordering::Relaxed),
+            samples: u64::from(s.samples.load(Ordering::Relaxed)),
             reads: BatchReads {
+                failovers: s.failovers.load(Ordering::Relaxed),
                 disk_reads: s.disk_reads.load(Ordering::Relaxed),
                 tier_hits: s.tier_hits.load(Ordering::Relaxed),
                 remote_samples: s.remote_samples.load(Ordering::Relaxed),
