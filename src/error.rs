@@ -651,13 +651,30 @@ pub enum Error {
     },
     /// `agent = required` (or `auto` where the agent could serve) and no
     /// agent could be attached to.
-    #[error("no kspeed agent at {}: {reason} (start one with `kspeed agent --space DIR`, docs/DEPLOY.md; or set agent = off)", socket.display())]
+    #[error("{}", no_agent_message(socket, reason))]
     NoAgent {
         /// The socket tried.
         socket: PathBuf,
         /// Why it failed (no such socket, refused, timed out...).
         reason: String,
     },
+}
+
+/// [`Error::NoAgent`]'s text: an agent that answered and refused the rank
+/// is named as such (starting one would not help), anything else as no
+/// agent at the socket.
+fn no_agent_message(socket: &std::path::Path, reason: &str) -> String {
+    if reason.starts_with("attach refused") {
+        format!(
+            "the kspeed agent at {} did not take this rank: {reason} (a rank and its agent must be of one kspeed release and read one dataset, docs/DEPLOY.md; or set agent = off)",
+            socket.display()
+        )
+    } else {
+        format!(
+            "no kspeed agent at {}: {reason} (start one with `kspeed agent --space DIR`, docs/DEPLOY.md; or set agent = off)",
+            socket.display()
+        )
+    }
 }
 
 impl Error {

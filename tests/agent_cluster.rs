@@ -227,11 +227,13 @@ fn attached_ranks_in_a_cluster_deliver_what_embedded_ranks_do() {
     }
 }
 
-/// Two copies of every sample. Node 2's agent is killed with SIGKILL while
-/// ranks on nodes 0 and 1 are mid-epoch: their agents' loaders fail the
-/// samples node 2 owed over to the other copy and the ranks finish, byte
-/// for byte what they read with every node up; the rank attached to node
-/// 2 fails with `AgentGone` (its agent is gone: no restart wait asked for).
+/// Two copies of every sample. Node 2's agent hangs (SIGSTOP) and is then
+/// killed (SIGKILL) while ranks on nodes 0 and 1 are mid-epoch: their
+/// agents' loaders fail the samples node 2 owed over to the other copy,
+/// count those failovers into the ranks' stats, and the ranks finish,
+/// byte for byte what they read with every node up; the rank attached to
+/// node 2 fails with `AgentGone` (its agent is gone: no restart wait asked
+/// for).
 #[test]
 fn a_killed_node_s_samples_fail_over_and_its_rank_is_told() {
     let nodes = Nodes::new(1200, 3, 2, 2);
@@ -240,8 +242,9 @@ fn a_killed_node_s_samples_fail_over_and_its_rank_is_told() {
     let want: Vec<(u64, String, u64, u64)> = (0..world)
         .map(|r| cluster_report(spawn_read(&nodes.read(r as usize, r, world, "off", &[]))))
         .collect();
-    // 10 ms per batch of 16: each epoch of 400 samples takes 250 ms or more.
-    let slow = ["--compute-us", "10000"];
+    // 50 ms per batch of 16: each epoch of 400 samples takes 1.25 s or
+    // more, so node 2 stops while every rank still needs samples from it.
+    let slow = ["--compute-us", "50000"];
     let ranks: Vec<Child> = (0..world)
         .map(|r| spawn_read(&nodes.read(r as usize, r, world, "required", &slow)))
         .collect();
@@ -251,7 +254,30 @@ fn a_killed_node_s_samples_fail_over_and_its_rank_is_told() {
             Duration::from_secs(30),
         );
     }
-    // SIGKILL and reaped (what dropping the agent does).
+    // Node 2 first goes silent (SIGSTOP: a host that hangs), so the
+    // grants the other agents' loaders send it stay unanswered until they
+    // judge it gone (no frame for 2 s with grants outstanding) and move
+    // those grants to the other copy; then it dies for good (SIGKILL,
+    // reaped when dropped).
+    let stopped = std::process::Command::new("kill")
+        .args(["-STOP", &agents[2].as_ref().unwrap().pid().to_string()])
+        .status()
+        .unwrap();
+    assert!(stopped.success());
+    // Which of nodes 0 and 1 asks node 2 first depends on the placement
+    // (the other holds those samples itself): wait until one judged it.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !agents[..2].iter().any(|a| {
+        let log = a.as_ref().unwrap().log.all();
+        log.lines()
+            .any(|l| l.contains("node 2") && l.contains("is gone"))
+    }) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "neither agent judged node 2 gone within 30 s"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
     drop(agents[2].take());
     let mut ranks = ranks.into_iter();
     let mut failovers = 0;
@@ -262,14 +288,6 @@ fn a_killed_node_s_samples_fail_over_and_its_rank_is_told() {
             (want[r as usize].0, &want[r as usize].1),
             "rank {r}: exact after node 2 died"
         );
-        // The kill came mid-read (a ring of 256 KiB holds about 32 of the
-        // rank's 800 samples ahead): the agent's loader saw node 2 go and
-        // sent what it owed to the other copies.
-        agents[r as usize]
-            .as_ref()
-            .unwrap()
-            .log
-            .wait_for(&["node 2", "is gone"], Duration::from_secs(10));
         failovers += got.3;
     }
     // The agents' failovers reach their ranks' stats (the batch slots'

@@ -71,8 +71,9 @@ impl OwnerRole {
         self.svc.failure()
     }
 
-    /// Stops accepting, closes its connections and logs its totals.
+    /// Stops accepting and closes its connections (its totals are in its
+    /// metrics, `--metrics`, while it runs).
     pub(super) fn stop(self) {
-        self.svc.stop_with_stats();
+        self.svc.stop();
     }
 }

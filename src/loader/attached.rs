@@ -253,9 +253,7 @@ impl RankAttach {
         let (_, pid, silent_ns) = self.side.segment().side_status(Side::Agent);
         let why = match e {
             Error::AttachPeerGone { closed: true, .. } => "it detached".to_string(),
-            Error::AttachPeerGone { silent_ms, .. } => {
-                format!("no heartbeat for {silent_ms} ms")
-            }
+            Error::AttachPeerGone { .. } => "its heartbeat stopped".to_string(),
             _ if hung_up => "its socket hung up".to_string(),
             other => return other,
         };

@@ -701,7 +701,7 @@ impl LoaderBuilder {
         } else if self.space.is_none() {
             Some("a space (the agent reads its node's space, not a source)")
         } else if self.tier_bytes > 0 {
-            Some("no memory tier (the node tier is the agent's, not built yet)")
+            Some("no memory tier of its own (the node's memory is the agent's: `kspeed agent --tier-bytes`)")
         } else if self.gpu_ring.is_some() {
             Some("a host ring (GPU rings through the agent are not built yet)")
         } else if self.faults.is_some() {

@@ -194,7 +194,10 @@ impl PollerPlacement {
             },
             self.pollers,
             if self.pollers == 1 { "" } else { "s" },
-            if n_pinned == 0 {
+            if self.pollers == 0 {
+                // Attached to the node agent: its pollers read for this rank.
+                "none in this process (the node agent reads)".to_string()
+            } else if n_pinned == 0 {
                 format!(
                     "not pinned ({})",
                     if !self.pin {

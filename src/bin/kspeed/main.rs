@@ -508,7 +508,7 @@ fn run(cli: Cli) -> kspeed::Result<ExitCode> {
                     .map_err(|e| kspeed::Error::io("chmod", &a.out, e))?;
             }
             println!(
-                "catalog {}: {} samples, {}, {:.1} bytes/sample, built in {:.2} s",
+                "catalog {}: {} samples, {}, {:.1} catalog bytes per sample, built in {:.2} s",
                 a.out.display(),
                 cat.len(),
                 HumanBytes(cat.total_bytes()),
