@@ -3,7 +3,7 @@
 //! on the other nodes. Two roles, in the agent's one process:
 //!
 //! - **consumer** for the ranks attached to it: each rank's loader is built
-//!   in cluster mode ([`AgentCluster::apply`]), so its pollers read what
+//!   in cluster mode (`AgentCluster::apply`), so its pollers read what
 //!   this node holds and its network thread asks the owners of the rest,
 //!   which push it into the rank's ring (TCP frames or RDMA WRITE);
 //! - **owner** for every other node's consumers (agents and embedded
