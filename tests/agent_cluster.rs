@@ -11,6 +11,8 @@
 
 mod agent_support;
 mod common;
+#[path = "common/nodes.rs"]
+mod nodes;
 
 use std::path::{Path, PathBuf};
 use std::process::Child;
@@ -60,29 +62,8 @@ impl Nodes {
         std::fs::write(&cluster, text).unwrap();
         let token = dir.path().join("token");
         std::fs::write(&token, "agent-cluster-token\n").unwrap();
-        let (n, c) = (nodes.to_string(), copies.to_string());
-        let spaces = (0..nodes)
-            .map(|i| {
-                let sp = dir.path().join(format!("node{i}"));
-                let i = i.to_string();
-                ok(&[
-                    "preload",
-                    "--source",
-                    s(&src),
-                    "--catalog",
-                    s(&catalog),
-                    "--space",
-                    s(&sp),
-                    "--nodes",
-                    &n,
-                    "--node-index",
-                    &i,
-                    "--replicas",
-                    &c,
-                ]);
-                sp
-            })
-            .collect();
+        let c = copies.to_string();
+        let spaces = nodes::preload_nodes(&src, &catalog, dir.path(), nodes, &["--replicas", &c]);
         Nodes {
             dir,
             spaces,
@@ -104,21 +85,25 @@ impl Nodes {
 
     /// [`Nodes::agent`] with `extra` arguments.
     fn agent_with(&self, node: usize, extra: &[&str]) -> Agent {
-        let mut args = vec![
+        let mut args = self.net_args();
+        args.extend(["--listen", &self.addrs[node], "--node-timeout-ms", "2000"]);
+        args.extend(extra);
+        Agent::start(&self.spaces[node], &self.socket(node), &args)
+    }
+
+    /// The node list and the token, and `--rdma` in the soft-RoCE VM: what
+    /// the agents and the ranks both take.
+    fn net_args(&self) -> Vec<&str> {
+        let mut v = vec![
             "--cluster",
             s(&self.cluster),
             "--token-file",
             s(&self.token),
-            "--listen",
-            &self.addrs[node],
-            "--node-timeout-ms",
-            "2000",
         ];
         if rdma() {
-            args.push("--rdma");
+            v.push("--rdma");
         }
-        args.extend(extra);
-        Agent::start(&self.spaces[node], &self.socket(node), &args)
+        v
     }
 
     /// `kspeed read` of rank `rank` of `world` on node `node`, in cluster
@@ -139,19 +124,8 @@ impl Nodes {
         extra: &[&str],
     ) -> Vec<String> {
         let sock = self.socket(node);
-        let mut more = vec![
-            "--cluster",
-            s(&self.cluster),
-            "--token-file",
-            s(&self.token),
-            "--agent",
-            agent,
-            "--agent-socket",
-            s(&sock),
-        ];
-        if rdma() {
-            more.push("--rdma");
-        }
+        let mut more = self.net_args();
+        more.extend(["--agent", agent, "--agent-socket", s(&sock)]);
         more.extend(extra);
         read_args(&self.spaces[node], rank, world, epochs, &more)
     }
@@ -368,26 +342,19 @@ fn an_agent_without_what_it_needs_is_refused_by_name() {
         assert_eq!(o.status.code(), Some(1), "kspeed {args:?}:\n{}", text(&o));
         text(&o)
     };
-    let err = refused(&[
+    let agent = [
         "agent",
         "--space",
         s(&nodes.spaces[0]),
         "--socket",
         s(&sock),
-    ]);
+    ];
+    let err = refused(&agent);
     assert!(
         err.contains("holds") && err.contains("--cluster") && err.contains("node0"),
         "{err}"
     );
-    let err = refused(&[
-        "agent",
-        "--space",
-        s(&nodes.spaces[0]),
-        "--socket",
-        s(&sock),
-        "--cluster",
-        s(&nodes.cluster),
-    ]);
+    let err = refused(&[&agent[..], &["--cluster", s(&nodes.cluster)]].concat());
     assert!(err.contains("--token-file"), "{err}");
     assert!(!Path::new(&sock).exists(), "no socket left behind");
 }
