@@ -85,21 +85,19 @@ impl Nodes {
 
     /// [`Nodes::agent`] with `extra` arguments.
     fn agent_with(&self, node: usize, extra: &[&str]) -> Agent {
-        let mut args = self.net_args();
+        let mut args = self.net_args(true);
         args.extend(["--listen", &self.addrs[node], "--node-timeout-ms", "2000"]);
         args.extend(extra);
         Agent::start(&self.spaces[node], &self.socket(node), &args)
     }
 
-    /// The node list and the token, and `--rdma` in the soft-RoCE VM: what
-    /// the agents and the ranks both take.
-    fn net_args(&self) -> Vec<&str> {
-        let mut v = vec![
-            "--cluster",
-            s(&self.cluster),
-            "--token-file",
-            s(&self.token),
-        ];
+    /// The node list, the token (`with_token`), and `--rdma` in the
+    /// soft-RoCE VM: what the agents and the ranks take.
+    fn net_args(&self, with_token: bool) -> Vec<&str> {
+        let mut v = vec!["--cluster", s(&self.cluster)];
+        if with_token {
+            v.extend(["--token-file", s(&self.token)]);
+        }
         if rdma() {
             v.push("--rdma");
         }
@@ -124,7 +122,9 @@ impl Nodes {
         extra: &[&str],
     ) -> Vec<String> {
         let sock = self.socket(node);
-        let mut more = self.net_args();
+        // A rank attached with `required` connects to no node: it is not
+        // given the token (the agents hold it).
+        let mut more = self.net_args(agent != "required");
         more.extend(["--agent", agent, "--agent-socket", s(&sock)]);
         more.extend(extra);
         read_args(&self.spaces[node], rank, world, epochs, &more)

@@ -181,7 +181,8 @@ pub(crate) struct ReadArgs {
     /// else MASTER_ADDR (one node). docs/DEPLOY.md.
     #[arg(long)]
     cluster_env: bool,
-    /// Job token file for the node services.
+    /// Job token file for the node services (not needed with --agent
+    /// required: the node agent holds it).
     #[arg(long)]
     token_file: Option<PathBuf>,
     /// How long a node may stay silent with grants outstanding before its
@@ -339,9 +340,13 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
     if let Some(c) = cluster {
         let token = match &a.token_file {
             Some(f) => crate::read_token(f)?,
+            // Attached, the rank connects to no node: the agent holds the
+            // token, which then need not be readable by the job at all.
+            None if a.agent == "required" => Vec::new(),
             None => {
                 return Err(kspeed::Error::InvalidConfig(
-                    "cluster mode needs --token-file".into(),
+                    "cluster mode needs --token-file (or --agent required: the node agent then holds it)"
+                        .into(),
                 ))
             }
         };
