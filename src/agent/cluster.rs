@@ -8,7 +8,7 @@
 //!   which push it into the rank's ring (TCP frames or RDMA WRITE);
 //! - **owner** for every other node's consumers (agents and embedded
 //!   ranks alike): the node service (`kspeed serve`'s, `NodeService`),
-//!   started by the agent when given an address to listen on.
+//!   started by `super::node::run` when given an address to listen on.
 //!
 //! Not yet (issue 28): one link per pair of nodes shared by the node's
 //! ranks; each attached rank's loader still opens its own connection to
@@ -17,7 +17,7 @@
 use std::time::Duration;
 
 use crate::loader::LoaderBuilder;
-use crate::transport::{Cluster, RdmaOptions, ServeConfig};
+use crate::transport::{Cluster, RdmaOptions};
 
 /// The cluster an agent's attached ranks read from.
 #[derive(Debug, Clone)]
@@ -41,39 +41,5 @@ impl AgentCluster {
             .token(&self.token)
             .node_timeout(self.node_timeout)
             .rdma(self.rdma.clone())
-    }
-}
-
-/// The agent's owner role: the node service over the agent's space, for
-/// the other nodes' consumers.
-pub(super) struct OwnerRole {
-    svc: crate::transport::NodeService,
-}
-
-impl OwnerRole {
-    /// Starts the node service (its own pollers, staging and listener).
-    pub(super) fn start(cfg: ServeConfig) -> crate::Result<OwnerRole> {
-        let svc = crate::transport::NodeService::start(cfg)?;
-        log::info!(
-            "agent: node service for the other nodes on {}",
-            svc.local_addr()
-        );
-        Ok(OwnerRole { svc })
-    }
-
-    /// Where it listens.
-    pub(super) fn addr(&self) -> std::net::SocketAddr {
-        self.svc.local_addr()
-    }
-
-    /// Why it stopped by itself (a poller panicked), if it did.
-    pub(super) fn failure(&self) -> Option<String> {
-        self.svc.failure()
-    }
-
-    /// Stops accepting and closes its connections (its totals are in its
-    /// metrics, `--metrics`, while it runs).
-    pub(super) fn stop(self) {
-        self.svc.stop();
     }
 }

@@ -23,7 +23,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::attach::{AttachListener, Attached, Incoming, ListenerConfig};
-use super::cluster::{AgentCluster, OwnerRole};
+use super::cluster::AgentCluster;
 use super::msg::{RefuseCode, FLAG_DROP_LAST, FLAG_SHUFFLE};
 use super::segment::{side_state, Liveness, Segment, Side};
 use super::shm::RingMap;
@@ -259,7 +259,17 @@ pub fn run(
     let open = Arc::new(open_space(cfg)?);
     // The node service first: a port that is taken fails the start before
     // the socket invites ranks.
-    let owner = cfg.serve.clone().map(OwnerRole::start).transpose()?;
+    let owner = cfg
+        .serve
+        .clone()
+        .map(crate::transport::NodeService::start)
+        .transpose()?;
+    if let Some(svc) = &owner {
+        log::info!(
+            "agent: node service for the other nodes on {}",
+            svc.local_addr()
+        );
+    }
     let listener = AttachListener::bind(&cfg.socket, cfg.listener)?;
     log::info!(
         "agent: serving {} ({} samples) on {}",
@@ -289,13 +299,13 @@ pub fn run(
                 source: e.into(),
             })?
     };
-    on_ready(listener.path(), owner.as_ref().map(OwnerRole::addr));
+    on_ready(listener.path(), owner.as_ref().map(|svc| svc.local_addr()));
     let mut ranks: Vec<Rank> = Vec::new();
     let mut summary = AgentSummary::default();
     let mut next_id = 0u64;
     let mut failed = None;
     while !stop.load(Ordering::Acquire) {
-        if let Some(why) = owner.as_ref().and_then(OwnerRole::failure) {
+        if let Some(why) = owner.as_ref().and_then(|svc| svc.failure()) {
             // The other nodes' samples would fail over for the rest of the
             // job without a word: stop, naming why.
             failed = Some(Error::InvalidConfig(format!(
@@ -342,8 +352,9 @@ pub fn run(
         .tier
         .as_ref()
         .map_or(0, |t| lock(t).tier.fills_refused());
-    if let Some(o) = owner {
-        o.stop();
+    // Its totals are in its metrics (`--metrics`) while it runs.
+    if let Some(svc) = owner {
+        svc.stop();
     }
     match failed {
         Some(e) => Err(e),
