@@ -136,15 +136,15 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
     /// (invalidated): its grant is over now.
     pub(super) fn on_window_closed(&mut self, i: usize, m: u32, idx: u32) {
         let node = self.conns[i].node;
-        let Some(s) = self.table.get(idx as usize).copied() else {
+        let Some(s) = self.l.table.get(idx as usize).copied() else {
             return;
         };
         if !s.live || s.mw != m || s.node != node {
             return;
         }
         let idx = idx as usize;
-        self.table[idx].mw = NONE;
-        let then = std::mem::replace(&mut self.table[idx].after_inv, AfterInv::Nothing);
+        self.l.table[idx].mw = NONE;
+        let then = std::mem::replace(&mut self.l.table[idx].after_inv, AfterInv::Nothing);
         self.grant_closed(i, idx, then);
     }
 
@@ -152,15 +152,15 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
     /// window, invalidate it first and act once that completes (nothing the
     /// node writes after can land); else act now.
     pub(super) fn grant_over(&mut self, i: usize, idx: usize, then: AfterInv) {
-        if self.table[idx].mw != NONE {
-            let m = self.table[idx].mw;
+        if self.l.table[idx].mw != NONE {
+            let m = self.l.table[idx].mw;
             let d = self.conns[i]
                 .data
                 .as_mut()
                 .expect("a window means a data path");
             match d.close(m) {
                 Ok(()) => {
-                    self.table[idx].after_inv = then;
+                    self.l.table[idx].after_inv = then;
                     let c = &mut self.conns[i];
                     if !c.closing {
                         c.closing = true;
@@ -196,8 +196,8 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         match what {
             Landed::Violation(why) => self.violation(i, why),
             Landed::Wrote { grant, bytes } => {
-                let idx = grant as usize & self.mask;
-                let s = self.table[idx];
+                let idx = grant as usize & self.l.mask;
+                let s = self.l.table[idx];
                 if !s.outstanding_with(grant, self.conns[i].node) {
                     return self.violation(
                         i,
@@ -217,8 +217,8 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                         ),
                     );
                 }
-                self.table[idx].received += bytes;
-                if self.table[idx].received == s.len {
+                self.l.table[idx].received += bytes;
+                if self.l.table[idx].received == s.len {
                     self.sample_done(i, idx);
                 }
             }
@@ -239,16 +239,16 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         let local = self.setup.local_node;
         let placement = self.placement;
         while let Ok((p, e)) = self.net().local_failed.1.try_recv() {
-            let idx = p.g as usize & self.mask;
-            debug_assert!(!self.table[idx].live, "local failover onto a live entry");
-            let mut tried = self.sh.unheld_copies(p.id);
-            let placed = self.sh.input.placed_id(p.id);
+            let idx = p.g as usize & self.l.mask;
+            debug_assert!(!self.l.table[idx].live, "local failover onto a live entry");
+            let mut tried = self.l.sh.unheld_copies(p.id);
+            let placed = self.l.sh.input.placed_id(p.id);
             for r in 0..placement.replicas {
                 if Some(placement.holder(placed, r)) == local {
                     tried |= 1 << r;
                 }
             }
-            self.table[idx] = GSlot::open(&p, &self.sh.geo, tried, true);
+            self.l.table[idx] = GSlot::open(&p, &self.l.sh.geo, tried, true);
             let demoted = self.net().local_demoted(p.pos.epoch).is_some();
             if !demoted {
                 // A failed read (a demoted sample was not read: it goes to
@@ -260,11 +260,12 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                 self.net().failovers.fetch_add(1, Ordering::Relaxed);
                 self.local_failed_once(p.pos.epoch, &e);
             }
-            self.local_errors
+            self.l
+                .local_errors
                 .push((p.g, format!("this node's own copy: {e}")));
-            let table = &self.table;
-            let at = self.regrant.partition_point(|&i| table[i].g < p.g);
-            self.regrant.insert(at, idx);
+            let table = &self.l.table;
+            let at = self.l.regrant.partition_point(|&i| table[i].g < p.g);
+            self.l.regrant.insert(at, idx);
         }
     }
 
@@ -274,13 +275,13 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
     /// over unread, to the next holder or the source, said once.
     fn local_failed_once(&mut self, epoch: u64, e: &Error) {
         let now = self.ring.now();
-        if now.saturating_duration_since(self.local_errors_since) > DEMOTE_WINDOW {
-            self.local_error_count = 0;
-            self.local_errors_since = now;
+        if now.saturating_duration_since(self.l.local_errors_since) > DEMOTE_WINDOW {
+            self.l.local_error_count = 0;
+            self.l.local_errors_since = now;
         }
-        self.local_error_count += 1;
-        if self.local_error_count >= DEMOTE_AFTER_ERRORS {
-            self.local_error_count = 0;
+        self.l.local_error_count += 1;
+        if self.l.local_error_count >= DEMOTE_AFTER_ERRORS {
+            self.l.local_error_count = 0;
             log::warn!(
                 "this node's own copies failed {DEMOTE_AFTER_ERRORS} times within {} s (latest: {e}); \
                  no more local reads in epoch {epoch}, its samples go to replicas or the source",
@@ -292,31 +293,31 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
 
     /// Forgets the local error of entry `idx` once it is served or failed.
     pub(super) fn local_done(&mut self, idx: usize) -> Option<String> {
-        let s = &mut self.table[idx];
+        let s = &mut self.l.table[idx];
         if !s.local {
             return None;
         }
         s.local = false;
         let g = s.g;
-        let at = self.local_errors.iter().position(|e| e.0 == g)?;
-        Some(self.local_errors.swap_remove(at).1)
+        let at = self.l.local_errors.iter().position(|e| e.0 == g)?;
+        Some(self.l.local_errors.swap_remove(at).1)
     }
 
     /// Grants what flow control allows: re-grants first, then new samples.
     pub(super) fn fill(&mut self) {
         self.take_local_failures();
-        while let Some(&idx) = self.regrant.front() {
+        while let Some(&idx) = self.l.regrant.front() {
             if !self.place(idx) {
                 return;
             }
-            self.regrant.pop_front();
+            self.l.regrant.pop_front();
         }
         loop {
-            let p = match self.pending.take() {
+            let p = match self.l.pending.take() {
                 Some(p) => p,
                 None => {
-                    let input = &self.sh.input;
-                    let p = self.cursor.next_with(|id| input.sample(id).len as u64);
+                    let input = &self.l.sh.input;
+                    let p = self.l.cursor.next_with(|id| input.sample(id).len as u64);
                     self.new_epoch(p.pos.epoch);
                     p
                 }
@@ -324,38 +325,41 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             // Flow control bounds the walk over local samples too: with
             // every sample local (one node, replicas = nodes) the thread
             // must sleep here, not walk the endless schedule.
-            if !self.sh.writable(&p) {
-                self.pending = Some(p);
+            if !self.l.sh.writable(&p) {
+                self.l.pending = Some(p);
                 let net = self.net();
                 net.sleeping.store(true, Ordering::SeqCst);
                 // Re-check after announcing: a release in between would
                 // otherwise find `sleeping` unset and not wake us.
-                if self.sh.writable(&p) {
+                if self.l.sh.writable(&p) {
                     net.sleeping.store(false, Ordering::SeqCst);
                     continue;
                 }
                 return;
             }
-            if self.sh.is_local(p.id) {
+            if self.l.sh.is_local(p.id) {
                 continue; // the local pollers read it
             }
             if p.len == 0 {
                 // Nothing to wait for: charged to no peer.
-                self.sh.publish(p.g, CODE_OK, VIA_DISK);
+                self.l.sh.publish(p.g, CODE_OK, VIA_DISK);
                 continue;
             }
             if self.serve_from_tier(&p) {
                 continue;
             }
-            let idx = p.g as usize & self.mask;
-            debug_assert!(!self.table[idx].live, "grant table entry reused while live");
+            let idx = p.g as usize & self.l.mask;
+            debug_assert!(
+                !self.l.table[idx].live,
+                "grant table entry reused while live"
+            );
             // Copies whose partial space does not hold it are not asked.
-            let unheld = self.sh.unheld_copies(p.id);
-            self.table[idx] = GSlot::open(&p, &self.sh.geo, unheld, false);
+            let unheld = self.l.sh.unheld_copies(p.id);
+            self.l.table[idx] = GSlot::open(&p, &self.l.sh.geo, unheld, false);
             if !self.place(idx) {
                 // The chosen node has no credit or frame space now.
-                self.table[idx].live = false;
-                self.pending = Some(p);
+                self.l.table[idx].live = false;
+                self.l.pending = Some(p);
                 return;
             }
         }
@@ -367,35 +371,35 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
     /// both granted and copied. False (grant it) when it is not in the tier
     /// or the copy fails (a rank's ring page gone, in the agent).
     fn serve_from_tier(&mut self, p: &Placed) -> bool {
-        let Some(tier) = self.sh.tier.as_ref().filter(|t| t.is_filled(p.id)) else {
+        let Some(tier) = self.l.sh.tier.as_ref().filter(|t| t.is_filled(p.id)) else {
             return false;
         };
-        if self.sh.cfg.tier_views {
+        if self.l.sh.cfg.tier_views {
             // Handed out in place (the consumer reads the tier).
             self.net().tier_hits.fetch_add(1, Ordering::Relaxed);
-            self.sh.publish(p.g, CODE_TIER, VIA_TIER);
+            self.l.sh.publish(p.g, CODE_TIER, VIA_TIER);
             return true;
         }
-        if p.v < self.sh.geo.ring_bytes {
-            self.sh.ring.populate_to(p.v_end);
+        if p.v < self.l.sh.geo.ring_bytes {
+            self.l.sh.ring.populate_to(p.v_end);
         }
-        let dst = self.ring_ptr(p.phys(&self.sh.geo));
+        let dst = self.ring_ptr(p.phys(&self.l.sh.geo));
         // SAFETY: dst..dst+len is this sample's slot, inside the ring and
         // outside the consumer's window (flow control checked by the caller).
         if !unsafe { tier.copy_out(p.id, p.len as usize, dst) } {
             return false;
         }
         self.net().tier_hits.fetch_add(1, Ordering::Relaxed);
-        self.sh.publish(p.g, CODE_OK, VIA_TIER);
+        self.l.sh.publish(p.g, CODE_OK, VIA_TIER);
         true
     }
 
     /// A new epoch's first sample: demoted nodes get grants again.
     pub(super) fn new_epoch(&mut self, epoch: u64) {
-        if self.epoch == Some(epoch) {
+        if self.l.epoch == Some(epoch) {
             return;
         }
-        self.epoch = Some(epoch);
+        self.l.epoch = Some(epoch);
         for c in &mut self.conns {
             if c.demoted {
                 c.demoted = false;
@@ -412,7 +416,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
     /// A grant of connection `i` failed (ERROR, CRC mismatch): counts it
     /// and demotes the node after [`DEMOTE_AFTER_ERRORS`] in a window.
     pub(super) fn grant_failed(&mut self, i: usize) {
-        let epoch = self.epoch;
+        let epoch = self.l.epoch;
         let now = self.ring.now();
         let c = &mut self.conns[i];
         c.last_done = now;
@@ -440,10 +444,10 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
     /// every holder is gone and one of them is being dialled again (the
     /// entry waits for it: `redial.rs`).
     pub(super) fn place(&mut self, idx: usize) -> bool {
-        let s = self.table[idx];
+        let s = self.l.table[idx];
         let placement = self.placement;
         let now = self.ring.now();
-        let placed = self.sh.input.placed_id(s.id);
+        let placed = self.l.sh.input.placed_id(s.id);
         for r in 0..placement.replicas {
             if s.tried & (1 << r) != 0 {
                 continue;
@@ -464,7 +468,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                 return false;
             };
             if mw != NONE {
-                self.table[idx].mw = mw;
+                self.l.table[idx].mw = mw;
             }
             let mut e = [0u8; proto::GRANT_ENTRY_BYTES];
             GrantEntry {
@@ -482,7 +486,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                 c.last_done = now;
             }
             c.outstanding += 1;
-            let t = &mut self.table[idx];
+            let t = &mut self.l.table[idx];
             t.node = node as u32;
             t.tried |= 1 << r;
             t.received = 0;
@@ -500,14 +504,14 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
     /// source cannot be opened while a holder that went away is being
     /// dialled again (the entry waits for it: `redial.rs`).
     pub(super) fn read_from_source(&mut self, idx: usize) -> bool {
-        let Some(slot) = self.sources.free_slot() else {
+        let Some(slot) = self.l.sources.free_slot() else {
             return false;
         };
-        let s = self.table[idx];
+        let s = self.l.table[idx];
         let placement = self.placement;
         let mut tried = String::new();
         let local_error = self.local_done(idx);
-        let placed = self.sh.input.placed_id(s.id);
+        let placed = self.l.sh.input.placed_id(s.id);
         for r in 0..placement.replicas {
             let node = placement.holder(placed, r) as usize;
             if let Some(c) = self.conns.get(node) {
@@ -538,8 +542,8 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             let why = format!("{}: {msg}", code.name());
             return self.kill(i, why);
         }
-        let idx = h.a as usize & self.mask;
-        let s = self.table[idx];
+        let idx = h.a as usize & self.l.mask;
+        let s = self.l.table[idx];
         if !s.outstanding_with(h.a, self.conns[i].node) {
             return self.violation(
                 i,
@@ -567,8 +571,8 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
     /// holds it) is charged to the holder that failed: this node for a
     /// hand-over, else the first holder.
     pub(super) fn via_of(&self, s: &GSlot, served_by: Option<u32>) -> u32 {
-        let unheld = self.sh.unheld_copies(s.id);
-        let placed = self.sh.input.placed_id(s.id);
+        let unheld = self.l.sh.unheld_copies(s.id);
+        let placed = self.l.sh.input.placed_id(s.id);
         let first = (0..self.placement.replicas)
             .find(|r| unheld & (1 << r) == 0)
             .map(|r| self.placement.holder(placed, r));
@@ -585,10 +589,10 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
     /// next holder (or the source), and the node's failure is counted.
     pub(super) fn fail_over(&mut self, i: usize, idx: usize) {
         self.net().failovers.fetch_add(1, Ordering::Relaxed);
-        let t = &mut self.table[idx];
+        let t = &mut self.l.table[idx];
         t.node = NONE;
         t.received = 0;
-        self.regrant.push_back(idx);
+        self.l.regrant.push_back(idx);
         self.grant_failed(i);
     }
 
@@ -600,9 +604,9 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
     /// All of grant `idx`'s bytes are in and nothing more can land there:
     /// checks them (`verify_crc32c`) and publishes the sample.
     pub(super) fn finish_sample(&mut self, i: usize, idx: usize) {
-        let s = self.table[idx];
-        if self.sh.cfg.verify_crc32c {
-            let want = self.sh.input.sample(s.id).crc32c;
+        let s = self.l.table[idx];
+        if self.l.sh.cfg.verify_crc32c {
+            let want = self.l.sh.input.sample(s.id).crc32c;
             // SAFETY: every byte of the slot was received and it is unpublished.
             let got = crc32c::crc32c(unsafe {
                 std::slice::from_raw_parts(self.ring_ptr(s.phys), s.len as usize)
@@ -620,9 +624,9 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                 return;
             }
         }
-        self.table[idx].live = false;
+        self.l.table[idx].live = false;
         self.local_done(idx);
-        if let Some(tier) = &self.sh.tier {
+        if let Some(tier) = &self.l.sh.tier {
             // A member pushed by its owner fills the tier as a local read
             // would, so the next rank or epoch that needs it copies it
             // from memory instead of asking again.
@@ -642,8 +646,8 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             ),
             _ => SPLIT_NONE,
         };
-        self.sh.set_split(s.g, split);
-        self.sh.publish(s.g, CODE_OK, via);
+        self.l.sh.set_split(s.g, split);
+        self.l.sh.publish(s.g, CODE_OK, via);
     }
 }
 

@@ -723,12 +723,9 @@ pub(crate) struct Thread<R: Receive, I: IoBackend = Uring> {
     common: R::Common,
     /// A poll on the data path's wake descriptor is in the ring.
     chan_inflight: bool,
-    cursor: Cursor,
-    pending: Option<Placed>,
-    table: Box<[GSlot]>,
-    mask: usize,
-    /// Grants to place again (table indices), oldest first.
-    regrant: std::collections::VecDeque<usize>,
+    /// The ring being filled (a loader's run): its schedule, flow control
+    /// and grant table.
+    l: Lane,
     wake_buf: Box<u64>,
     wake_inflight: bool,
     completions: Vec<Completion>,
@@ -736,15 +733,6 @@ pub(crate) struct Thread<R: Receive, I: IoBackend = Uring> {
     /// (sized for every connection once), so a tick's flush costs what was
     /// closed, not one look per node.
     closing: Vec<usize>,
-    /// The source fallback's reads (`source.rs`).
-    sources: source::SourceReads,
-    /// Source files the fallback read from, kept open across samples.
-    source_fds: super::fdcache::FdCache,
-    /// (g, why) of the handed-over local samples not yet served: why this
-    /// node's own copy failed, for the error if no other copy can serve it.
-    local_errors: Vec<(u64, String)>,
-    /// The epoch of the newest sample granted (demotions end with it).
-    epoch: Option<u64>,
     /// The minimum-progress allowance per grant beyond `node_timeout`.
     progress_slack: Duration,
     /// Per connection (same index): heartbeats asked for, and heard.
@@ -755,14 +743,58 @@ pub(crate) struct Thread<R: Receive, I: IoBackend = Uring> {
     last_check: Instant,
     /// Ticks longer than the stall threshold (`crate::stall`).
     stall: Stall,
+    /// The loader stopped: live connections are shut, and the thread ends
+    /// once nothing of its memory is in flight.
+    stopping: bool,
+}
+
+/// One ring the network thread fills: a loader's run, with its schedule,
+/// flow control, grant table and source reads.
+pub(crate) struct Lane {
+    sh: Arc<Shared>,
+    cursor: Cursor,
+    pending: Option<Placed>,
+    table: Box<[GSlot]>,
+    mask: usize,
+    /// Grants to place again (table indices), oldest first.
+    regrant: std::collections::VecDeque<usize>,
+    /// The source fallback's reads (`source.rs`).
+    sources: source::SourceReads,
+    /// Source files the fallback read from, kept open across samples.
+    source_fds: super::fdcache::FdCache,
+    /// (g, why) of the handed-over local samples not yet served: why this
+    /// node's own copy failed, for the error if no other copy can serve it.
+    local_errors: Vec<(u64, String)>,
+    /// The epoch of the newest sample granted (demotions end with it).
+    epoch: Option<u64>,
     /// This node's own failed reads in the window that began at
     /// `local_errors_since` (demotion, as for a node).
     local_error_count: u32,
     local_errors_since: Instant,
-    /// The loader stopped: live connections are shut, and the thread ends
-    /// once nothing of its memory is in flight.
-    stopping: bool,
-    sh: Arc<Shared>,
+}
+
+impl Lane {
+    /// The lane of a loader's run `sh`, its clocks at `now`.
+    fn new(sh: Arc<Shared>, now: Instant) -> Self {
+        let size = (sh.geo.table_len() as usize).next_power_of_two();
+        // Grant ids keep the low 31 bits of a sequence number (grants::grant_id):
+        // the table index must fit in them.
+        assert!(size <= 1 << 31, "grant table of {size} entries");
+        Lane {
+            cursor: sh.cursor(),
+            pending: None,
+            table: vec![GSlot::FREE; size].into_boxed_slice(),
+            mask: size - 1,
+            regrant: std::collections::VecDeque::with_capacity(size),
+            sources: source::SourceReads::new(sh.input.catalog().source_spec().is_remote()),
+            source_fds: super::fdcache::FdCache::new(16),
+            local_errors: Vec::new(),
+            epoch: None,
+            local_error_count: 0,
+            local_errors_since: now,
+            sh,
+        }
+    }
 }
 
 /// A connection's heartbeat state (kept beside `conns`).
@@ -831,11 +863,6 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             };
             conns.len()
         ];
-        let size = (sh.geo.table_len() as usize).next_power_of_two();
-        // Grant ids keep the low 31 bits of a sequence number (grants::grant_id):
-        // the table index must fit in them.
-        assert!(size <= 1 << 31, "grant table of {size} entries");
-        let cursor = sh.cursor();
         let mut redials = redial::Redials::new(conns.len(), redial);
         let redial = redial && R::redial_common(&connected.common).is_some();
         for (c, r) in conns.iter().zip(&mut redials.state) {
@@ -852,18 +879,10 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             conns,
             common: connected.common,
             chan_inflight: false,
-            sources: source::SourceReads::new(sh.input.catalog().source_spec().is_remote()),
-            source_fds: super::fdcache::FdCache::new(16),
-            local_errors: Vec::new(),
-            epoch: None,
             progress_slack: Duration::from_secs_f64(
                 sh.input.max_sample_bytes() as f64 / MIN_PROGRESS_BYTES_PER_SEC as f64,
             ),
-            cursor,
-            pending: None,
-            table: vec![GSlot::FREE; size].into_boxed_slice(),
-            mask: size - 1,
-            regrant: std::collections::VecDeque::with_capacity(size),
+            l: Lane::new(sh, now),
             wake_buf: Box::new(0),
             wake_inflight: false,
             completions: vec![Completion::default(); 256],
@@ -871,16 +890,13 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             beats,
             last_check: now,
             stall: Stall::new("network thread", 0),
-            local_error_count: 0,
-            local_errors_since: now,
             stopping: false,
-            sh,
             setup,
         }
     }
 
     fn net(&self) -> &NetShared {
-        self.sh.net.as_ref().expect("cluster mode")
+        self.l.sh.net.as_ref().expect("cluster mode")
     }
 
     pub(crate) fn run(mut self) {
@@ -892,7 +908,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
     /// with nothing of its memory in flight). The simulator steps it.
     pub(crate) fn tick(&mut self) -> bool {
         {
-            if !self.stopping && self.sh.stop.load(Ordering::Acquire) {
+            if !self.stopping && self.l.sh.stop.load(Ordering::Acquire) {
                 self.stopping = true;
                 for i in 0..self.conns.len() {
                     if self.conns[i].state == State::Live {
@@ -935,7 +951,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                 }
             }
             self.stall
-                .lap(&self.sh.net.as_ref().expect("cluster mode").loop_stalls);
+                .lap(&self.l.sh.net.as_ref().expect("cluster mode").loop_stalls);
             let res = if progressed && !stopping {
                 // RDMA work came in: look again at once, no system call
                 // unless something is queued.
@@ -982,8 +998,8 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             &self.ring,
             self.busy(),
             [
-                self.table.len(),
-                self.regrant.capacity(),
+                self.l.table.len(),
+                self.l.regrant.capacity(),
                 self.completions.len(),
                 fill,
                 flight,
@@ -995,7 +1011,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
     /// thread has ended.
     #[cfg(test)]
     pub(crate) fn sim_source_reads(&self) -> usize {
-        self.sources.in_use()
+        self.l.sources.in_use()
     }
 
     /// Whether ring operations that reference this thread's memory are in
@@ -1003,7 +1019,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
     /// dropped before the channel).
     fn busy(&self) -> bool {
         self.wake_inflight
-            || self.sources.busy()
+            || self.l.sources.busy()
             || self.conns.iter().any(|c| c.rx.inflight() || c.tx_inflight)
     }
 
@@ -1113,7 +1129,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
     }
 
     fn ring_ptr(&self, phys: u64) -> *mut u8 {
-        ring_ptr(&self.sh.ring, phys)
+        ring_ptr(&self.l.sh.ring, phys)
     }
 
     fn check_timeouts(&mut self) {
@@ -1209,26 +1225,29 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         c.outstanding = 0;
         c.data = None; // RDMA: destroys the QP, then its CQ
         let node = c.node;
-        if self.sh.stop.load(Ordering::Acquire) {
+        if self.l.sh.stop.load(Ordering::Acquire) {
             return;
         }
         self.went_dead(i);
         let mut moved = 0;
-        for idx in 0..self.table.len() {
-            let s = &mut self.table[idx];
+        for idx in 0..self.l.table.len() {
+            let s = &mut self.l.table[idx];
             if s.live && s.node == node {
                 s.node = NONE;
                 s.received = 0;
                 // Its window went with the QP.
                 s.mw = NONE;
                 s.after_inv = AfterInv::Nothing;
-                self.regrant.push_back(idx);
+                self.l.regrant.push_back(idx);
                 moved += 1;
             }
         }
         // Keep sequence order: the consumer waits on the oldest first.
-        let table = &self.table;
-        self.regrant.make_contiguous().sort_by_key(|&i| table[i].g);
+        let table = &self.l.table;
+        self.l
+            .regrant
+            .make_contiguous()
+            .sort_by_key(|&i| table[i].g);
         self.net().failovers.fetch_add(moved, Ordering::Relaxed);
         log::warn!(
             "node {node} ({}) is gone ({}): {moved} outstanding grants fail over; its later samples go to replicas",

@@ -291,9 +291,9 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         // A new connection is a fresh try: the entries waiting for another
         // place (their tries of the old connection marked) may go to it.
         let placement = self.placement;
-        let input = &self.sh.input;
-        let partial = &self.sh.partial;
-        for t in self.table.iter_mut() {
+        let input = &self.l.sh.input;
+        let partial = &self.l.sh.partial;
+        for t in self.l.table.iter_mut() {
             if t.live && t.node == super::NONE {
                 let placed = input.placed_id(t.id);
                 let unheld = partial.as_ref().map_or(0, |p| p.unheld_copies(t.id));

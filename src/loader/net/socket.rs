@@ -86,7 +86,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                 continue;
             }
             let fd = c.fd();
-            let (table, ring) = (&self.table, &self.sh.ring);
+            let (table, ring) = (&self.l.table, &self.l.sh.ring);
             // SAFETY: the connection (and its boxed header/message buffers)
             // stays in `conns` until run() returns, which waits for this
             // receive (busy()); a payload goes to the granted, unpublished
@@ -172,7 +172,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                 }
             }
             Received::Payload { to: idx, len } => {
-                let s = &mut self.table[idx];
+                let s = &mut self.l.table[idx];
                 s.received += len;
                 if s.received == s.len {
                     self.sample_done(i, idx);
@@ -188,8 +188,8 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
     /// Checks a DATA header against the outstanding grant before any of its
     /// payload is read.
     pub(super) fn on_data_header(&mut self, i: usize, h: Header) {
-        let idx = h.a as usize & self.mask;
-        let s = self.table[idx];
+        let idx = h.a as usize & self.l.mask;
+        let s = self.l.table[idx];
         let node = self.conns[i].node;
         if !s.outstanding_with(h.a, node) {
             return self.violation(
@@ -224,7 +224,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         }
         if let Some((read_us, node_us)) = proto::parse_data_times(h.b) {
             // At most 67 s each (DATA_TIME_MAX_US): they fit.
-            let t = &mut self.table[idx];
+            let t = &mut self.l.table[idx];
             t.node_read_us = t.node_read_us.max(read_us as u32);
             t.node_us = node_us as u32;
             t.timed = true;

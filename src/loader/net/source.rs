@@ -119,23 +119,24 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
     /// is being dialled again: the entry waits for it (the caller leaves
     /// it in line; its next try comes on a later tick, not in this one).
     pub(super) fn start_source_read(&mut self, slot: usize, idx: usize, tried: String) -> bool {
-        let s = self.table[idx];
+        let s = self.l.table[idx];
         debug_assert!(
             s.live && s.mw == super::NONE,
             "source read of a granted entry"
         );
         // No connection's failover may touch it now.
-        self.table[idx].node = super::NONE;
-        let (cat, sample, key) = self.sh.input.source_sample(s.id);
-        if self.sources.remote {
+        self.l.table[idx].node = super::NONE;
+        let (cat, sample, key) = self.l.sh.input.source_sample(s.id);
+        if self.l.sources.remote {
             return self.start_store_read(slot, idx, tried);
         }
         // Opening is the one blocking call left (once per file and run).
         self.stall.phase(crate::stall::Phase::Open);
         let lease = self
+            .l
             .source_fds
             .acquire(key, || std::fs::File::open(cat.file_path(sample.file)));
-        let r = &mut self.sources.slots[slot];
+        let r = &mut self.l.sources.slots[slot];
         debug_assert!(r.idx.is_none() && !r.in_ring, "source slot {slot} taken");
         r.idx = Some(idx);
         r.done_bytes = 0;
@@ -144,7 +145,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         match lease {
             Ok(l) => {
                 r.lease = Some(l);
-                if self.sh.ring.device().is_some() {
+                if self.l.sh.ring.device().is_some() {
                     r.bounce.resize(s.len as usize, 0);
                 }
                 self.push_source(slot);
@@ -163,36 +164,37 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
     /// [`Self::start_source_read`] for a source in an object store: the
     /// sample goes to a GET worker (`store_fetch.rs`).
     fn start_store_read(&mut self, slot: usize, idx: usize, tried: String) -> bool {
-        let s = self.table[idx];
-        let r = &mut self.sources.slots[slot];
+        let s = self.l.table[idx];
+        let r = &mut self.l.sources.slots[slot];
         debug_assert!(r.idx.is_none() && !r.in_ring, "source slot {slot} taken");
         r.idx = Some(idx);
         r.done_bytes = 0;
         r.attempts = 1;
         r.tried = tried;
-        if self.sh.ring.device().is_some() {
+        if self.l.sh.ring.device().is_some() {
             r.bounce.resize(s.len as usize, 0);
         }
         #[cfg(feature = "s3")]
         {
-            if self.sources.store.is_none() {
+            if self.l.sources.store.is_none() {
                 // Once per loader: threads for the rare last resort.
                 self.stall.phase(crate::stall::Phase::Open);
-                match super::store_fetch::StorePool::start(&self.sh, STORE_READS) {
-                    Ok(p) => self.sources.store = Some(p),
+                match super::store_fetch::StorePool::start(&self.l.sh, STORE_READS) {
+                    Ok(p) => self.l.sources.store = Some(p),
                     Err(e) => {
                         return !self.finish_source(slot, Err(format!("starting GET workers: {e}")))
                     }
                 }
             }
-            let dst = if self.sh.ring.device().is_some() {
-                self.sources.slots[slot].bounce.as_mut_ptr()
+            let dst = if self.l.sh.ring.device().is_some() {
+                self.l.sources.slots[slot].bounce.as_mut_ptr()
             } else {
                 self.ring_ptr(s.phys)
             };
-            self.sources.slots[slot].in_ring = true;
-            self.sources.in_ring += 1;
-            self.sources
+            self.l.sources.slots[slot].in_ring = true;
+            self.l.sources.in_ring += 1;
+            self.l
+                .sources
                 .store
                 .as_ref()
                 .expect("started")
@@ -216,15 +218,16 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
     /// Takes the GET workers' answers (object-store sources).
     pub(super) fn drain_store_reads(&mut self) {
         #[cfg(feature = "s3")]
-        while let Some(f) = self.sources.store.as_ref().and_then(|p| p.try_done()) {
-            let r = &mut self.sources.slots[f.slot];
+        while let Some(f) = self.l.sources.store.as_ref().and_then(|p| p.try_done()) {
+            let r = &mut self.l.sources.slots[f.slot];
             assert!(
                 r.in_ring,
                 "network thread: GET answer for idle slot {}",
                 f.slot
             );
             r.in_ring = false;
-            self.sources.in_ring = self
+            self.l.sources.in_ring = self
+                .l
                 .sources
                 .in_ring
                 .checked_sub(1)
@@ -236,19 +239,19 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
     /// Puts slot `slot`'s next read (the rest of its sample) in the ring,
     /// or marks it queued when the ring has no room.
     fn push_source(&mut self, slot: usize) {
-        let r = &self.sources.slots[slot];
+        let r = &self.l.sources.slots[slot];
         let idx = r.idx.expect("busy source slot");
-        let s = self.table[idx];
-        let sample = self.sh.input.sample(s.id);
+        let s = self.l.table[idx];
+        let sample = self.l.sh.input.sample(s.id);
         let done = r.done_bytes as usize;
-        let base = if self.sh.ring.device().is_some() {
+        let base = if self.l.sh.ring.device().is_some() {
             r.bounce.as_ptr() as *mut u8
         } else {
             self.ring_ptr(s.phys)
         };
         let op = ReadOp {
             user_data: UD_SOURCE | slot as u64,
-            target: Target::Fd(self.source_fds.fd(r.lease.as_ref().expect("leased"))),
+            target: Target::Fd(self.l.source_fds.fd(r.lease.as_ref().expect("leased"))),
             // SAFETY: done < len, and base..base+len is the sample's slot of
             // the ring (unpublished, written by no connection: every holder
             // was tried and none has a grant for it) or this slot's bounce
@@ -263,12 +266,12 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         // bounce buffer is not resized while `in_ring` (busy() keeps the
         // thread, and so both, alive until then).
         let pushed = unsafe { self.ring.push(&op) };
-        let r = &mut self.sources.slots[slot];
+        let r = &mut self.l.sources.slots[slot];
         if pushed {
             r.attempts += 1;
             r.in_ring = true;
             r.queued = false;
-            self.sources.in_ring += 1;
+            self.l.sources.in_ring += 1;
         } else {
             r.queued = true;
         }
@@ -278,12 +281,12 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
     /// [`SOURCE_READS`] or [`STORE_READS`] slots to look at); while
     /// stopping, gives them up.
     pub(super) fn push_queued_sources(&mut self) {
-        for slot in 0..self.sources.slots.len() {
-            if !self.sources.slots[slot].queued {
+        for slot in 0..self.l.sources.slots.len() {
+            if !self.l.sources.slots[slot].queued {
                 continue;
             }
             if self.stopping {
-                self.sources.slots[slot].queued = false;
+                self.l.sources.slots[slot].queued = false;
                 let waits = self.finish_source(slot, Err("the loader stopped".into()));
                 debug_assert!(!waits, "a stopping thread put a source read back in line");
             } else {
@@ -294,7 +297,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
 
     /// A read of slot `slot` completed with `result` (bytes, or -errno).
     pub(super) fn source_completed(&mut self, slot: usize, result: i32) {
-        let Some(r) = self.sources.slots.get_mut(slot).filter(|r| r.in_ring) else {
+        let Some(r) = self.l.sources.slots.get_mut(slot).filter(|r| r.in_ring) else {
             // The ring and this thread disagree about what the kernel
             // writes: stop rather than guess (as the pollers do).
             panic!("network thread: source completion for idle slot {slot}");
@@ -304,12 +307,13 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             r.done_bytes += result as u32;
         }
         let (idx, done, attempts) = (r.idx.expect("busy source slot"), r.done_bytes, r.attempts);
-        self.sources.in_ring = self
+        self.l.sources.in_ring = self
+            .l
             .sources
             .in_ring
             .checked_sub(1)
             .expect("source reads in the ring undercounted");
-        let len = self.table[idx].len;
+        let len = self.l.table[idx].len;
         assert!(done <= len, "read past the sample's {len} bytes");
         let retry = attempts < MAX_ATTEMPTS && !self.stopping;
         let errno = -result;
@@ -337,12 +341,12 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
     /// Slot `slot`'s read ended with `res`: [`Self::finish_source`], and
     /// back in the re-grant line when it is to wait for a holder.
     fn source_done(&mut self, slot: usize, res: Result<(), String>) {
-        let idx = self.sources.slots[slot].idx.expect("busy source slot");
+        let idx = self.l.sources.slots[slot].idx.expect("busy source slot");
         if self.finish_source(slot, res) {
-            let g = self.table[idx].g;
-            let table = &self.table;
-            let at = self.regrant.partition_point(|&i| table[i].g < g);
-            self.regrant.insert(at, idx);
+            let g = self.l.table[idx].g;
+            let table = &self.l.table;
+            let at = self.l.regrant.partition_point(|&i| table[i].g < g);
+            self.l.regrant.insert(at, idx);
         }
     }
 
@@ -352,18 +356,18 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
     /// is neither published nor failed: the entry (live, that holder's
     /// copy marked untried) is to wait for it in the re-grant line.
     fn finish_source(&mut self, slot: usize, res: Result<(), String>) -> bool {
-        let r = &mut self.sources.slots[slot];
+        let r = &mut self.l.sources.slots[slot];
         debug_assert!(!r.in_ring, "finishing a source read still in the ring");
         let idx = r.idx.take().expect("busy source slot");
         r.queued = false;
         if let Some(l) = r.lease.take() {
-            self.source_fds.release(l);
+            self.l.source_fds.release(l);
         }
-        let s = self.table[idx];
-        let (cat, sample, _) = self.sh.input.source_sample(s.id);
-        let device = self.sh.ring.device();
+        let s = self.l.table[idx];
+        let (cat, sample, _) = self.l.sh.input.source_sample(s.id);
+        let device = self.l.sh.ring.device();
         let res = res.and_then(|()| {
-            let r = &self.sources.slots[slot];
+            let r = &self.l.sources.slots[slot];
             let bytes: &[u8] = if device.is_some() {
                 &r.bounce[..s.len as usize]
             } else {
@@ -385,8 +389,8 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                 None => Ok(()),
             }
         });
-        self.table[idx].live = false;
-        let r = &mut self.sources.slots[slot];
+        self.l.table[idx].live = false;
+        let r = &mut self.l.sources.slots[slot];
         let tried = std::mem::take(&mut r.tried);
         match res {
             Ok(()) => {
@@ -397,7 +401,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                 log::info!("sample {} read from the source ({tried})", s.id);
                 // A failover unless no node holds it (a partial space's).
                 let via = self.via_of(&s, None);
-                self.sh.publish(s.g, CODE_OK, via);
+                self.l.sh.publish(s.g, CODE_OK, via);
                 false
             }
             Err(why) => {
@@ -409,7 +413,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                 let placement = self.placement;
                 let mut back = 0u64;
                 let mut refused = None;
-                let placed = self.sh.input.placed_id(s.id);
+                let placed = self.l.sh.input.placed_id(s.id);
                 for r in 0..placement.replicas {
                     let node = placement.holder(placed, r) as usize;
                     if !self.stopping && self.coming_back(node) {
@@ -419,7 +423,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                     }
                 }
                 if back != 0 {
-                    let t = &mut self.table[idx];
+                    let t = &mut self.l.table[idx];
                     t.live = true;
                     t.tried &= !back;
                     return true;
@@ -428,8 +432,8 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                     sample: s.id,
                     tried: format!("{tried}source {}: {why}", path.display()),
                 });
-                push_error(&self.sh.errors, s.g, e);
-                self.sh.publish(s.g, CODE_ERROR, VIA_SOURCE);
+                push_error(&self.l.sh.errors, s.g, e);
+                self.l.sh.publish(s.g, CODE_ERROR, VIA_SOURCE);
                 false
             }
         }
