@@ -168,6 +168,32 @@ fn attached_ranks_in_a_cluster_deliver_what_embedded_ranks_do() {
         })
         .collect();
     let attached: Vec<_> = attached.into_iter().map(cluster_report).collect();
+    if !rdma() {
+        // Over TCP an agent's ranks share one network thread, which
+        // connects once to each other node: every connection a node
+        // service took came from another agent's thread starting, none
+        // from a rank (per-rank links would make 2 per other node).
+        let count = |a: &Agent, what: &str| a.log.all().matches(what).count();
+        let starts: Vec<usize> = agents
+            .iter()
+            .map(|a| {
+                count(
+                    a,
+                    "agent: one network thread, one link to each of the other 2 nodes",
+                )
+            })
+            .collect();
+        for (j, a) in agents.iter().enumerate() {
+            let others: usize = (0..3).filter(|&i| i != j).map(|i| starts[i]).sum();
+            assert!(starts[j] >= 1, "agent {j} started no network thread");
+            assert_eq!(
+                count(a, ") connected"),
+                others,
+                "agent {j}: links taken against other agents' thread starts {starts:?}\n{}",
+                a.log.all()
+            );
+        }
+    }
     for r in 0..world {
         let node = node_of(r);
         let embedded = cluster_report(spawn_read(&nodes.read(node, r, world, "off", &[])));

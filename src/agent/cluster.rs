@@ -10,9 +10,10 @@
 //!   ranks alike): the node service (`kspeed serve`'s, `NodeService`),
 //!   started by `super::node::run` when given an address to listen on.
 //!
-//! Not yet (issue 28): one link per pair of nodes shared by the node's
-//! ranks; each attached rank's loader still opens its own connection to
-//! every other node, from the agent's process instead of the rank's.
+//! Over TCP the ranks' loaders share one network thread and one link to
+//! each other node (`crate::loader::net::NetHub`); over RDMA each rank's
+//! loader still opens its own connection (and queue pair) to every other
+//! node, from the agent's process.
 
 use std::time::Duration;
 
@@ -34,6 +35,25 @@ pub struct AgentCluster {
 }
 
 impl AgentCluster {
+    /// Whether the ranks share one link per other node: over TCP, unless
+    /// `KSPEED_AGENT_LINKS=per-rank` asks for a connection per rank (for
+    /// measuring the two side by side).
+    pub(super) fn shared_links(&self) -> bool {
+        if self.rdma.is_some() {
+            return false;
+        }
+        match std::env::var("KSPEED_AGENT_LINKS").as_deref() {
+            Ok("per-rank") => false,
+            Ok("shared") | Err(_) => true,
+            Ok(other) => {
+                log::warn!(
+                    "KSPEED_AGENT_LINKS={other:?} is neither shared nor per-rank; sharing links"
+                );
+                true
+            }
+        }
+    }
+
     /// A rank's loader reads from the cluster: the local space's samples
     /// by its pollers, the rest from their owners.
     pub(super) fn apply(&self, b: LoaderBuilder) -> LoaderBuilder {

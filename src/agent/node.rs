@@ -111,6 +111,9 @@ struct OpenSpace {
     identity: u64,
     /// The node tier and the user whose ranks share it now.
     tier: Option<Mutex<NodeTier>>,
+    /// In a cluster over TCP: the one network thread every rank's loader
+    /// joins (one link per other node, started with the first rank).
+    net_hub: Option<Arc<crate::loader::net::NetHub>>,
 }
 
 /// The node tier and whose it is. A member is filled from one rank's ring,
@@ -209,6 +212,10 @@ fn open_space(cfg: &AgentConfig) -> Result<OpenSpace> {
         direct_io,
         identity,
         tier,
+        net_hub: match &cfg.cluster {
+            Some(c) if c.shared_links() => Some(crate::loader::net::NetHub::new()?),
+            _ => None,
+        },
     })
 }
 
@@ -567,6 +574,7 @@ fn build_loader(
         direct_io: open.direct_io,
         ring: Arc::new(Mutex::new(Some(ring))),
         tier,
+        net_hub: open.net_hub.clone(),
     })
     .batch_size(req.batch_size as usize)
     .seed(req.seed)

@@ -79,6 +79,10 @@ pub(crate) struct AgentInput {
     /// The node's memory tier, shared by every rank the agent serves
     /// (a checked tier: [`super::tier::Tier::new_checked`]).
     pub(crate) tier: Option<Arc<super::tier::Tier>>,
+    /// In a cluster over TCP: the agent's one network thread, which the
+    /// loader joins as a lane instead of connecting to every node itself
+    /// (one link per pair of nodes, `net/hub.rs`).
+    pub(crate) net_hub: Option<Arc<super::net::NetHub>>,
 }
 
 impl std::fmt::Debug for AgentInput {

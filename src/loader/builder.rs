@@ -1345,6 +1345,7 @@ impl LoaderBuilder {
             totals: Totals::new(),
             started: Instant::now(),
             net: net.map(Arc::new),
+            net_hub: self.agent_input.as_ref().and_then(|a| a.net_hub.clone()),
             placement: crate::placement::PollerPlacement {
                 pin: self.pin,
                 pollers,

@@ -101,6 +101,9 @@ struct Run {
     shared: Arc<Shared>,
     threads: Vec<JoinHandle<PollerIo>>,
     net_thread: Option<JoinHandle<()>>,
+    /// A lane of a shared network thread: its channel closes once the
+    /// lane has left (its grants are over; `net/lanes.rs`).
+    lane_left: Option<crossbeam_channel::Receiver<()>>,
     /// Backends of pollers already joined (by `finish`).
     joined: Vec<PollerIo>,
     /// Samples delivered before this run started (`counters.samples`).
@@ -120,6 +123,12 @@ impl Run {
             net.wake.notify();
         }
         let mut failed = None;
+        if let Some(left) = self.lane_left.take() {
+            // Closed, never sent on: the lane dropped its run state. The
+            // thread lets a stopped lane go once its grants are over (each
+            // bounded by the node timeout), as a loader's own thread ends.
+            let _ = left.recv();
+        }
         if let Some(t) = self.net_thread.take() {
             if t.join().is_err() {
                 failed = Some(Error::ThreadPanicked { thread: "network" });
@@ -212,6 +221,9 @@ pub struct Loader {
     started: Instant,
     /// Cluster mode settings (connections are made at every launch).
     net: Option<Arc<net::NetSetup>>,
+    /// In an agent: the shared network thread this loader's runs join
+    /// (`net/hub.rs`) instead of connecting and running their own.
+    net_hub: Option<Arc<net::NetHub>>,
     /// The pollers' cores, and where the last launch pinned them.
     placement: crate::placement::PollerPlacement,
     /// Attached mode: what every launch sends the node agent (each launch
@@ -264,6 +276,7 @@ impl Loader {
         };
         // Connect first: a refusal leaves the loader as it was.
         let conns = match &mut self.net {
+            Some(_) if self.net_hub.is_some() => None,
             Some(setup) => {
                 let mut s = (**setup).clone();
                 let ring = &self.spare.as_ref().expect("resources available").ring;
@@ -273,9 +286,13 @@ impl Loader {
             }
             None => None,
         };
-        let net_shared = match conns {
-            Some(_) => Some(net::NetShared::new(self.geo.table_len() as usize)?),
-            None => None,
+        let net_shared = match (&conns, &self.net_hub) {
+            (Some(_), _) => Some(net::NetShared::new(self.geo.table_len() as usize)?),
+            (None, Some(hub)) if self.net.is_some() => Some(net::NetShared::with_wake(
+                self.geo.table_len() as usize,
+                hub.wake(),
+            )),
+            (None, _) => None,
         };
         let spare = self.spare.take().expect("resources available");
         let n = spare.backends.len();
@@ -350,6 +367,7 @@ impl Loader {
             shared,
             threads: Vec::with_capacity(n),
             net_thread: None,
+            lane_left: None,
             joined: Vec::new(),
             samples_at_start: self.counters.samples,
             attach,
@@ -384,6 +402,8 @@ impl Loader {
                     source: e.into(),
                 })?;
             run.net_thread = Some(h);
+        } else if let (Some(hub), Some(setup)) = (&self.net_hub, &self.net) {
+            run.lane_left = Some(hub.join(setup, shared.clone())?);
         }
         let n = backends.len();
         // Each poller reports whether the kernel took its pinning before it

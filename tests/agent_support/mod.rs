@@ -93,6 +93,23 @@ impl Drop for Agent {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        if std::thread::panicking() {
+            // The test failed: what the agent said is part of why.
+            eprintln!(
+                "--- kspeed agent {} log (last 40 lines)\n{}",
+                self.child.id(),
+                self.log
+                    .all()
+                    .lines()
+                    .rev()
+                    .take(40)
+                    .collect::<Vec<_>>()
+                    .into_iter()
+                    .rev()
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            );
+        }
     }
 }
 

@@ -92,11 +92,8 @@ impl GSlot {
     /// Whether it is grant `grant`, outstanding with `node`: live, given to
     /// that node, and not over (a grant waiting for its window's
     /// invalidation takes nothing more from the node).
-    pub(super) fn outstanding_with(&self, grant: u32, node: u32) -> bool {
-        self.live
-            && grant_id(self.g) == grant
-            && self.node == node
-            && self.after_inv == AfterInv::Nothing
+    pub(super) fn outstanding_with(&self, node: u32) -> bool {
+        self.live && self.node == node && self.after_inv == AfterInv::Nothing
     }
 }
 
@@ -136,13 +133,16 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
     /// (invalidated): its grant is over now.
     pub(super) fn on_window_closed(&mut self, i: usize, m: u32, idx: u32) {
         let node = self.conns[i].node;
-        let Some(s) = self.l.table.get(idx as usize).copied() else {
+        if idx == NONE {
+            return;
+        }
+        let idx = self.activate_entry(idx as usize);
+        let Some(s) = self.l.table.get(idx).copied() else {
             return;
         };
         if !s.live || s.mw != m || s.node != node {
             return;
         }
-        let idx = idx as usize;
         self.l.table[idx].mw = NONE;
         let then = std::mem::replace(&mut self.l.table[idx].after_inv, AfterInv::Nothing);
         self.grant_closed(i, idx, then);
@@ -196,9 +196,13 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         match what {
             Landed::Violation(why) => self.violation(i, why),
             Landed::Wrote { grant, bytes } => {
+                let lane_ok = self.activate(self.lane_of(grant));
                 let idx = grant as usize & self.l.mask;
                 let s = self.l.table[idx];
-                if !s.outstanding_with(grant, self.conns[i].node) {
+                if !lane_ok
+                    || self.grant_id(s.g) != grant
+                    || !s.outstanding_with(self.conns[i].node)
+                {
                     return self.violation(
                         i,
                         format!(
@@ -303,8 +307,18 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         Some(self.l.local_errors.swap_remove(at).1)
     }
 
-    /// Grants what flow control allows: re-grants first, then new samples.
+    /// Grants what flow control allows, lane by lane.
     pub(super) fn fill(&mut self) {
+        for k in 0..self.lane_places() {
+            if self.activate(k) && !self.l.leaving {
+                self.fill_lane();
+            }
+        }
+    }
+
+    /// Grants what flow control allows the active lane: re-grants first,
+    /// then new samples.
+    fn fill_lane(&mut self) {
         self.take_local_failures();
         while let Some(&idx) = self.l.regrant.front() {
             if !self.place(idx) {
@@ -448,6 +462,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         let placement = self.placement;
         let now = self.ring.now();
         let placed = self.l.sh.input.placed_id(s.id);
+        let (entry, grant) = (self.entry(idx), self.grant_id(s.g));
         for r in 0..placement.replicas {
             if s.tried & (1 << r) != 0 {
                 continue;
@@ -464,7 +479,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             }
             // RDMA windows mode: a window for exactly this range, bound
             // (with the rest of the frame's) before the frame goes out.
-            let Some((rkey, mw)) = c.data.as_mut().expect("live").open(idx, s.phys, s.len) else {
+            let Some((rkey, mw)) = c.data.as_mut().expect("live").open(entry, s.phys, s.len) else {
                 return false;
             };
             if mw != NONE {
@@ -472,7 +487,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             }
             let mut e = [0u8; proto::GRANT_ENTRY_BYTES];
             GrantEntry {
-                grant: grant_id(s.g),
+                grant,
                 len: s.len,
                 sample: s.id,
                 offset: s.phys,
@@ -542,9 +557,10 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             let why = format!("{}: {msg}", code.name());
             return self.kill(i, why);
         }
+        let lane_ok = self.activate(self.lane_of(h.a));
         let idx = h.a as usize & self.l.mask;
         let s = self.l.table[idx];
-        if !s.outstanding_with(h.a, self.conns[i].node) {
+        if !lane_ok || self.grant_id(s.g) != h.a || !s.outstanding_with(self.conns[i].node) {
             return self.violation(
                 i,
                 format!(

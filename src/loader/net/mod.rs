@@ -68,7 +68,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::schedule::{Cursor, Placed};
+use super::schedule::Placed;
 use super::Shared;
 use crate::dataset::Placement;
 use crate::error::{errno_name, Error, Result};
@@ -83,6 +83,8 @@ use crate::transport::Cluster;
 mod connect;
 mod grants;
 mod handshake;
+mod hub;
+mod lanes;
 #[cfg(feature = "rdma")]
 pub(crate) mod rdma;
 mod redial;
@@ -98,8 +100,10 @@ pub(crate) use connect::connect_with_for_tests;
 #[cfg(test)]
 pub(crate) use connect::sim_connections;
 pub(crate) use connect::{connect_all, Connected, Connections};
+use grants::AfterInv;
 pub(crate) use grants::NONE;
-use grants::{AfterInv, GSlot};
+pub(crate) use hub::NetHub;
+use lanes::Lane;
 pub(crate) use retry::ConnectError;
 #[cfg(test)]
 pub(crate) use tcp::TcpRx as SimRx;
@@ -203,7 +207,9 @@ pub(crate) struct NetSetup {
 
 /// What the consumer thread and the network thread share.
 pub(crate) struct NetShared {
-    pub(crate) wake: EventFd,
+    /// The network thread's wake-up (one for every lane of a shared
+    /// thread, `hub.rs`).
+    pub(crate) wake: Arc<EventFd>,
     /// Set by the network thread while flow control holds it back; the
     /// consumer's release clears it and wakes the thread.
     pub(crate) sleeping: AtomicBool,
@@ -297,8 +303,15 @@ impl NetShared {
     /// `window_samples`: the most samples the ring holds at once (the
     /// ready table's length).
     pub(crate) fn new(window_samples: usize) -> Result<Self> {
-        Ok(NetShared {
-            wake: EventFd::new().map_err(|e| Error::Serve(format!("eventfd: {e}")))?,
+        let wake = EventFd::new().map_err(|e| Error::Serve(format!("eventfd: {e}")))?;
+        Ok(Self::with_wake(window_samples, Arc::new(wake)))
+    }
+
+    /// The same, woken through `wake` (a shared network thread's, which
+    /// every lane's releases and hand-overs notify).
+    pub(crate) fn with_wake(window_samples: usize, wake: Arc<EventFd>) -> Self {
+        NetShared {
+            wake,
             sleeping: AtomicBool::new(false),
             remote_samples: AtomicU64::new(0),
             tier_hits: AtomicU64::new(0),
@@ -310,7 +323,7 @@ impl NetShared {
             local_demoted_from: AtomicU64::new(u64::MAX),
             local_demoted_to: AtomicU64::new(0),
             local_demoted_set: std::sync::Mutex::new(DemotedEpochs::default()),
-        })
+        }
     }
 
     /// A poller hands over local sample `p`, whose read failed with `e`:
@@ -723,9 +736,19 @@ pub(crate) struct Thread<R: Receive, I: IoBackend = Uring> {
     common: R::Common,
     /// A poll on the data path's wake descriptor is in the ring.
     chan_inflight: bool,
-    /// The ring being filled (a loader's run): its schedule, flow control
-    /// and grant table.
+    /// The lane being worked on (a loader's run: its schedule, flow
+    /// control and grant table); a shared thread's others wait in `lanes`
+    /// (`lanes.rs`).
     l: Lane,
+    /// A shared thread's lanes by index, the active one's place empty;
+    /// empty for a loader's own thread.
+    lanes: Vec<Option<Lane>>,
+    /// `l`'s index.
+    active: usize,
+    /// Grant ids carry the lane index from this bit up (31: one lane).
+    lane_shift: u32,
+    /// A shared thread's link to its hub (new lanes come from it).
+    hub: Option<hub::HubSide>,
     wake_buf: Box<u64>,
     wake_inflight: bool,
     completions: Vec<Completion>,
@@ -746,55 +769,6 @@ pub(crate) struct Thread<R: Receive, I: IoBackend = Uring> {
     /// The loader stopped: live connections are shut, and the thread ends
     /// once nothing of its memory is in flight.
     stopping: bool,
-}
-
-/// One ring the network thread fills: a loader's run, with its schedule,
-/// flow control, grant table and source reads.
-pub(crate) struct Lane {
-    sh: Arc<Shared>,
-    cursor: Cursor,
-    pending: Option<Placed>,
-    table: Box<[GSlot]>,
-    mask: usize,
-    /// Grants to place again (table indices), oldest first.
-    regrant: std::collections::VecDeque<usize>,
-    /// The source fallback's reads (`source.rs`).
-    sources: source::SourceReads,
-    /// Source files the fallback read from, kept open across samples.
-    source_fds: super::fdcache::FdCache,
-    /// (g, why) of the handed-over local samples not yet served: why this
-    /// node's own copy failed, for the error if no other copy can serve it.
-    local_errors: Vec<(u64, String)>,
-    /// The epoch of the newest sample granted (demotions end with it).
-    epoch: Option<u64>,
-    /// This node's own failed reads in the window that began at
-    /// `local_errors_since` (demotion, as for a node).
-    local_error_count: u32,
-    local_errors_since: Instant,
-}
-
-impl Lane {
-    /// The lane of a loader's run `sh`, its clocks at `now`.
-    fn new(sh: Arc<Shared>, now: Instant) -> Self {
-        let size = (sh.geo.table_len() as usize).next_power_of_two();
-        // Grant ids keep the low 31 bits of a sequence number (grants::grant_id):
-        // the table index must fit in them.
-        assert!(size <= 1 << 31, "grant table of {size} entries");
-        Lane {
-            cursor: sh.cursor(),
-            pending: None,
-            table: vec![GSlot::FREE; size].into_boxed_slice(),
-            mask: size - 1,
-            regrant: std::collections::VecDeque::with_capacity(size),
-            sources: source::SourceReads::new(sh.input.catalog().source_spec().is_remote()),
-            source_fds: super::fdcache::FdCache::new(16),
-            local_errors: Vec::new(),
-            epoch: None,
-            local_error_count: 0,
-            local_errors_since: now,
-            sh,
-        }
-    }
 }
 
 /// A connection's heartbeat state (kept beside `conns`).
@@ -882,7 +856,11 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             progress_slack: Duration::from_secs_f64(
                 sh.input.max_sample_bytes() as f64 / MIN_PROGRESS_BYTES_PER_SEC as f64,
             ),
-            l: Lane::new(sh, now),
+            l: Lane::new(sh, now, None),
+            lanes: Vec::new(),
+            active: 0,
+            lane_shift: 31,
+            hub: None,
             wake_buf: Box::new(0),
             wake_inflight: false,
             completions: vec![Completion::default(); 256],
@@ -908,7 +886,14 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
     /// with nothing of its memory in flight). The simulator steps it.
     pub(crate) fn tick(&mut self) -> bool {
         {
-            if !self.stopping && self.l.sh.stop.load(Ordering::Acquire) {
+            // A loader's own thread stops with its loader; a shared one
+            // once its last lane left (`lanes.rs`).
+            let stop = if self.hub.is_some() {
+                self.lanes_tick()
+            } else {
+                self.lane_stopped()
+            };
+            if !self.stopping && stop {
                 self.stopping = true;
                 for i in 0..self.conns.len() {
                     if self.conns[i].state == State::Live {
@@ -1020,6 +1005,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
     fn busy(&self) -> bool {
         self.wake_inflight
             || self.l.sources.busy()
+            || self.lanes.iter().flatten().any(|l| l.sources.busy())
             || self.conns.iter().any(|c| c.rx.inflight() || c.tx_inflight)
     }
 
@@ -1225,10 +1211,27 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         c.outstanding = 0;
         c.data = None; // RDMA: destroys the QP, then its CQ
         let node = c.node;
-        if self.l.sh.stop.load(Ordering::Acquire) {
+        if self.stopping || (self.hub.is_none() && self.lane_stopped()) {
             return;
         }
         self.went_dead(i);
+        let mut moved = 0;
+        for k in 0..self.lane_places() {
+            if self.activate(k) {
+                moved += self.fail_over_lane(node);
+            }
+        }
+        log::warn!(
+            "node {node} ({}) is gone ({}): {moved} outstanding grants fail over; its later samples go to replicas",
+            self.conns[i].addr,
+            self.conns[i].reason
+        );
+    }
+
+    /// The active lane's grants with `node`, which is gone: placed again
+    /// (a lane leaving drops them); how many.
+    fn fail_over_lane(&mut self, node: u32) -> u64 {
+        let leaving = self.l.leaving || self.lane_stopped();
         let mut moved = 0;
         for idx in 0..self.l.table.len() {
             let s = &mut self.l.table[idx];
@@ -1238,6 +1241,10 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                 // Its window went with the QP.
                 s.mw = NONE;
                 s.after_inv = AfterInv::Nothing;
+                if leaving {
+                    s.live = false;
+                    continue;
+                }
                 self.l.regrant.push_back(idx);
                 moved += 1;
             }
@@ -1249,11 +1256,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             .make_contiguous()
             .sort_by_key(|&i| table[i].g);
         self.net().failovers.fetch_add(moved, Ordering::Relaxed);
-        log::warn!(
-            "node {node} ({}) is gone ({}): {moved} outstanding grants fail over; its later samples go to replicas",
-            self.conns[i].addr,
-            self.conns[i].reason
-        );
+        moved
     }
 
     fn complete(&mut self, comp: Completion) {
@@ -1287,7 +1290,12 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                 }
                 self.maybe_dead(i);
             }
-            UD_SOURCE => self.source_completed(i, comp.result),
+            UD_SOURCE => {
+                // The lane above bit 16, the slot below (`source.rs`).
+                let ok = self.activate(i >> 16);
+                assert!(ok, "network thread: source read of a lane that left");
+                self.source_completed(i & 0xffff, comp.result)
+            }
             _ => log::error!("network thread: unknown completion {:#x}", comp.user_data),
         }
     }

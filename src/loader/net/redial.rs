@@ -291,15 +291,20 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         // A new connection is a fresh try: the entries waiting for another
         // place (their tries of the old connection marked) may go to it.
         let placement = self.placement;
-        let input = &self.l.sh.input;
-        let partial = &self.l.sh.partial;
-        for t in self.l.table.iter_mut() {
-            if t.live && t.node == super::NONE {
-                let placed = input.placed_id(t.id);
-                let unheld = partial.as_ref().map_or(0, |p| p.unheld_copies(t.id));
-                for c in 0..placement.replicas {
-                    if placement.holder(placed, c) == node && unheld & (1 << c) == 0 {
-                        t.tried &= !(1u64 << c);
+        for k in 0..self.lane_places() {
+            if !self.activate(k) {
+                continue;
+            }
+            let input = &self.l.sh.input;
+            let partial = &self.l.sh.partial;
+            for t in self.l.table.iter_mut() {
+                if t.live && t.node == super::NONE {
+                    let placed = input.placed_id(t.id);
+                    let unheld = partial.as_ref().map_or(0, |p| p.unheld_copies(t.id));
+                    for c in 0..placement.replicas {
+                        if placement.holder(placed, c) == node && unheld & (1 << c) == 0 {
+                            t.tried &= !(1u64 << c);
+                        }
                     }
                 }
             }

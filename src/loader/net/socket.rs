@@ -5,7 +5,8 @@
 //! TCP, a DATA payload straight into the ring once its header was checked
 //! against the outstanding grant (id, node, offset, length).
 
-use super::{ring_ptr, Conn, Receive, State, Thread, KEEPALIVE, UD_RECV, UD_SEND};
+use super::lanes::entry_ptr;
+use super::{Conn, Receive, State, Thread, KEEPALIVE, UD_RECV, UD_SEND};
 use crate::error::errno_name;
 use crate::ring::IoBackend;
 use crate::transport::proto::{self, Header, Kind};
@@ -86,16 +87,15 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                 continue;
             }
             let fd = c.fd();
-            let (table, ring) = (&self.l.table, &self.l.sh.ring);
+            let (l, lanes, active) = (&self.l, &self.lanes, self.active);
             // SAFETY: the connection (and its boxed header/message buffers)
             // stays in `conns` until run() returns, which waits for this
             // receive (busy()); a payload goes to the granted, unpublished
             // part of a sample's slot, checked against the grant before this
             // receive is posted.
             unsafe {
-                c.rx.post(&mut self.ring, UD_RECV | i as u64, fd, |idx| {
-                    let s = &table[idx];
-                    ring_ptr(ring, s.phys + s.received as u64)
+                c.rx.post(&mut self.ring, UD_RECV | i as u64, fd, |entry| {
+                    entry_ptr(l, lanes, active, entry)
                 })
             };
         }
@@ -171,7 +171,8 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                     k => self.violation(i, format!("unexpected {k:?} frame")),
                 }
             }
-            Received::Payload { to: idx, len } => {
+            Received::Payload { to, len } => {
+                let idx = self.activate_entry(to);
                 let s = &mut self.l.table[idx];
                 s.received += len;
                 if s.received == s.len {
@@ -188,10 +189,11 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
     /// Checks a DATA header against the outstanding grant before any of its
     /// payload is read.
     pub(super) fn on_data_header(&mut self, i: usize, h: Header) {
+        let lane_ok = self.activate(self.lane_of(h.a));
         let idx = h.a as usize & self.l.mask;
         let s = self.l.table[idx];
         let node = self.conns[i].node;
-        if !s.outstanding_with(h.a, node) {
+        if !lane_ok || self.grant_id(s.g) != h.a || !s.outstanding_with(node) {
             return self.violation(
                 i,
                 format!(
@@ -229,6 +231,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             t.node_us = node_us as u32;
             t.timed = true;
         }
-        self.conns[i].rx.expect_payload(idx, h.body_len);
+        let entry = self.entry(idx);
+        self.conns[i].rx.expect_payload(entry, h.body_len);
     }
 }

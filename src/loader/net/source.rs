@@ -105,6 +105,11 @@ impl SourceReads {
         self.in_ring > 0
     }
 
+    /// Whether table entry `idx` is being read from the source.
+    pub(super) fn reading(&self, idx: usize) -> bool {
+        self.slots.iter().any(|r| r.idx == Some(idx))
+    }
+
     /// Samples being read (tests).
     #[cfg(test)]
     pub(super) fn in_use(&self) -> usize {
@@ -215,8 +220,16 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         }
     }
 
-    /// Takes the GET workers' answers (object-store sources).
+    /// Takes the GET workers' answers (object-store sources) of every lane.
     pub(super) fn drain_store_reads(&mut self) {
+        for k in 0..self.lane_places() {
+            if self.activate(k) {
+                self.drain_lane_store_reads();
+            }
+        }
+    }
+
+    fn drain_lane_store_reads(&mut self) {
         #[cfg(feature = "s3")]
         while let Some(f) = self.l.sources.store.as_ref().and_then(|p| p.try_done()) {
             let r = &mut self.l.sources.slots[f.slot];
@@ -250,7 +263,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             self.ring_ptr(s.phys)
         };
         let op = ReadOp {
-            user_data: UD_SOURCE | slot as u64,
+            user_data: UD_SOURCE | ((self.active as u64) << 16) | slot as u64,
             target: Target::Fd(self.l.source_fds.fd(r.lease.as_ref().expect("leased"))),
             // SAFETY: done < len, and base..base+len is the sample's slot of
             // the ring (unpublished, written by no connection: every holder
@@ -281,11 +294,19 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
     /// [`SOURCE_READS`] or [`STORE_READS`] slots to look at); while
     /// stopping, gives them up.
     pub(super) fn push_queued_sources(&mut self) {
+        for k in 0..self.lane_places() {
+            if self.activate(k) {
+                self.push_lane_queued_sources();
+            }
+        }
+    }
+
+    fn push_lane_queued_sources(&mut self) {
         for slot in 0..self.l.sources.slots.len() {
             if !self.l.sources.slots[slot].queued {
                 continue;
             }
-            if self.stopping {
+            if self.stopping || self.l.leaving {
                 self.l.sources.slots[slot].queued = false;
                 let waits = self.finish_source(slot, Err("the loader stopped".into()));
                 debug_assert!(!waits, "a stopping thread put a source read back in line");

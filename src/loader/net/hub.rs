@@ -1,0 +1,172 @@
+//! One network thread for a node agent's attached ranks: one link to each
+//! other node, whatever the number of ranks (issue 28). Each rank's loader,
+//! built in the agent, joins it as a lane (`lanes.rs`) instead of
+//! connecting to every node and running a network thread of its own; its
+//! pollers still read the node's own samples.
+//!
+//! The thread is started, and connects to every other node, when the first
+//! lane joins; it ends, closing its links, when its last lane has left and
+//! none is joining (decided under the hub's lock, so a join either reaches
+//! the running thread or starts a new one). Over TCP only: a DATA frame is
+//! placed by its grant id, which carries the lane, and the owner checks
+//! offsets against the HELLO's `ring_len`, which the link announces as
+//! [`SHARED_RING_LEN`]. Over RDMA each rank's loader keeps its own links
+//! (a grant would have to name its ring's registration: docs/SCALE.md).
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use crossbeam_channel::{Receiver, Sender, TrySendError};
+
+use super::super::Shared;
+use super::connect::{connect_all, Connected};
+use super::lanes::{MAX_LANES, SHARED_LANE_SHIFT};
+use super::tcp::TcpRx;
+use super::{Lane, NetSetup, Thread};
+use crate::error::{Error, Result};
+use crate::sys::EventFd;
+
+/// The ring length a shared link announces in its HELLO: every lane's
+/// offsets lie below it (each lane's own ring is checked by the lane,
+/// against its grants, before a payload byte lands).
+pub(crate) const SHARED_RING_LEN: u64 = 1 << 48;
+
+/// A lane joining: its loader's run, and what tells the loader it left.
+type Join = (Arc<Shared>, LaneLeft);
+
+/// Held by a lane of a shared thread; dropped with it. The loader waits
+/// for the channel to close; the hub counts the lanes.
+pub(crate) struct LaneLeft {
+    _left: Sender<()>,
+    lanes: Arc<AtomicUsize>,
+}
+
+impl Drop for LaneLeft {
+    fn drop(&mut self) {
+        self.lanes.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// The agent's shared network thread, started on demand.
+pub(crate) struct NetHub {
+    /// Every lane's loader notifies it (releases, hand-overs, stops).
+    wake: Arc<EventFd>,
+    /// Where a joining lane goes while the thread runs.
+    running: Mutex<Option<Sender<Join>>>,
+    /// Lanes joined and not yet dropped.
+    lanes: Arc<AtomicUsize>,
+}
+
+/// The thread's side of its hub.
+pub(super) struct HubSide {
+    hub: Arc<NetHub>,
+    joins: Receiver<Join>,
+}
+
+impl HubSide {
+    /// A lane that joined, if any.
+    pub(super) fn try_join(&self) -> Option<Join> {
+        self.joins.try_recv().ok()
+    }
+
+    /// The last lane left: true (the thread stops) unless one is joining.
+    pub(super) fn try_close(&self) -> bool {
+        let mut running = self.hub.running.lock().unwrap_or_else(|p| p.into_inner());
+        if !self.joins.is_empty() {
+            return false;
+        }
+        *running = None;
+        true
+    }
+}
+
+impl NetHub {
+    pub(crate) fn new() -> Result<Arc<Self>> {
+        let wake = EventFd::new().map_err(|e| Error::Serve(format!("eventfd: {e}")))?;
+        Ok(Arc::new(NetHub {
+            wake: Arc::new(wake),
+            running: Mutex::new(None),
+            lanes: Arc::new(AtomicUsize::new(0)),
+        }))
+    }
+
+    /// The wake-up every lane's `NetShared` uses.
+    pub(crate) fn wake(&self) -> Arc<EventFd> {
+        self.wake.clone()
+    }
+
+    /// Adds run `sh` (a loader in cluster mode over TCP, its `NetShared`
+    /// woken by [`NetHub::wake`]) as a lane of the shared thread, starting
+    /// it (and connecting to every other node with `setup`) if none runs.
+    /// The receiver's channel closes once the lane has left, after its
+    /// loader stopped (`sh.stop`) and its grants are over.
+    pub(crate) fn join(
+        self: &Arc<Self>,
+        setup: &NetSetup,
+        sh: Arc<Shared>,
+    ) -> Result<Receiver<()>> {
+        if setup.rdma.is_some() {
+            return Err(Error::InvalidConfig(
+                "a shared network thread carries TCP links only".into(),
+            ));
+        }
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        // Counted before the check, so two joins cannot both pass it.
+        let n = self.lanes.fetch_add(1, Ordering::AcqRel);
+        let left = LaneLeft {
+            _left: tx,
+            lanes: self.lanes.clone(),
+        };
+        if n >= MAX_LANES {
+            return Err(Error::InvalidConfig(format!(
+                "the agent's network thread fills at most {MAX_LANES} rank rings at once"
+            )));
+        }
+        let mut running = self.running.lock().unwrap_or_else(|p| p.into_inner());
+        let (sh, left) = match running.as_ref() {
+            None => (sh, left),
+            Some(joins) => match joins.try_send((sh, left)) {
+                Ok(()) => {
+                    self.wake.notify();
+                    return Ok(rx);
+                }
+                // Full cannot happen (at most MAX_LANES lanes exist);
+                // disconnected: the thread ended without closing (a panic).
+                Err(TrySendError::Full(j) | TrySendError::Disconnected(j)) => j,
+            },
+        };
+        *running = None;
+        let mut s = setup.clone();
+        s.hello.ring_len = SHARED_RING_LEN;
+        let Connected::Tcp(conns) = connect_all(&mut s, &sh.ring)? else {
+            unreachable!("no RDMA options");
+        };
+        let (jtx, jrx) = crossbeam_channel::bounded(MAX_LANES);
+        let peers = s.cluster.nodes.len().saturating_sub(1);
+        let mut t = Thread::<TcpRx>::new(sh, Arc::new(s), conns)?;
+        assert!(
+            t.l.table.len() <= 1 << SHARED_LANE_SHIFT,
+            "grant table of {} entries on a shared thread",
+            t.l.table.len()
+        );
+        t.l.left = Some(left);
+        t.lanes = (0..MAX_LANES).map(|_| None::<Lane>).collect();
+        t.lane_shift = SHARED_LANE_SHIFT;
+        t.hub = Some(HubSide {
+            hub: self.clone(),
+            joins: jrx,
+        });
+        std::thread::Builder::new()
+            .name("kspeed-net-agent".into())
+            .spawn(move || t.run())
+            .map_err(|e| Error::ThreadSpawn {
+                thread: "network",
+                source: e.into(),
+            })?;
+        log::info!(
+            "agent: one network thread, one link to each of the other {peers} nodes, for every attached rank"
+        );
+        *running = Some(jtx);
+        Ok(rx)
+    }
+}
