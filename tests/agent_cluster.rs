@@ -384,3 +384,55 @@ fn an_agent_without_what_it_needs_is_refused_by_name() {
     assert!(err.contains("--token-file"), "{err}");
     assert!(!Path::new(&sock).exists(), "no socket left behind");
 }
+
+/// Over TCP the ranks of a node share its agent's network thread and links
+/// (`loader/net/hub.rs`): a rank killed mid-epoch leaves its lane (its
+/// grants already given finish into its ring, which the agent still maps)
+/// while the other rank of its node reads on over the same links, exact;
+/// a rank attaching afterwards joins again and reads exact too.
+#[test]
+fn a_killed_rank_leaves_the_shared_links_to_the_others() {
+    let nodes = Nodes::new(1200, 3, 1, 5);
+    let agents: Vec<Agent> = (0..3).map(|i| nodes.agent(i)).collect();
+    let world = 6u32;
+    let node_of = |r: u32| (r / 2) as usize;
+    // Rank 0 computes 100 ms per batch: its 26 batches take seconds.
+    let mut victim = spawn_read(&nodes.read(0, 0, world, "required", &["--compute-us", "100000"]));
+    let pid = victim.id().to_string();
+    agents[0]
+        .log
+        .wait_for(&["rank 0", &pid, "attached"], Duration::from_secs(30));
+    let others: Vec<(u32, Child)> = (1..world)
+        .map(|r| {
+            (
+                r,
+                spawn_read(&nodes.read(node_of(r), r, world, "required", &[])),
+            )
+        })
+        .collect();
+    victim.kill().unwrap();
+    let status = victim.wait().unwrap();
+    assert_eq!(status.code(), None, "rank 0 ended before it was killed");
+    agents[0]
+        .log
+        .wait_for(&["rank 0", &pid, "ended"], Duration::from_secs(30));
+    let embedded =
+        |r: u32| cluster_report(spawn_read(&nodes.read(node_of(r), r, world, "off", &[])));
+    for (r, child) in others {
+        let got = cluster_report(child);
+        let want = embedded(r);
+        assert_eq!((got.0, &got.1), (want.0, &want.1), "rank {r}");
+        assert_eq!(got.3, 0, "rank {r}: no failover");
+    }
+    // Node 0's agent serves rank 0 again, exact.
+    let again = cluster_report(spawn_read(&nodes.read(0, 0, world, "required", &[])));
+    let want = embedded(0);
+    assert_eq!((again.0, &again.1), (want.0, &want.1), "rank 0 again");
+    for a in &agents {
+        let log = a.log.all();
+        assert!(
+            !log.contains("panicked") && !log.contains("refused"),
+            "{log}"
+        );
+    }
+}

@@ -20,7 +20,7 @@ use crossbeam_channel::{Receiver, Sender, TrySendError};
 
 use super::super::Shared;
 use super::connect::{connect_all, Connected};
-use super::lanes::{MAX_LANES, SHARED_LANE_SHIFT};
+use super::lanes::{LaneLeft, MAX_LANES, SHARED_LANE_SHIFT};
 use super::tcp::TcpRx;
 use super::{Lane, NetSetup, Thread};
 use crate::error::{Error, Result};
@@ -33,19 +33,6 @@ pub(crate) const SHARED_RING_LEN: u64 = 1 << 48;
 
 /// A lane joining: its loader's run, and what tells the loader it left.
 type Join = (Arc<Shared>, LaneLeft);
-
-/// Held by a lane of a shared thread; dropped with it. The loader waits
-/// for the channel to close; the hub counts the lanes.
-pub(crate) struct LaneLeft {
-    _left: Sender<()>,
-    lanes: Arc<AtomicUsize>,
-}
-
-impl Drop for LaneLeft {
-    fn drop(&mut self) {
-        self.lanes.fetch_sub(1, Ordering::AcqRel);
-    }
-}
 
 /// The agent's shared network thread, started on demand.
 pub(crate) struct NetHub {
@@ -113,10 +100,7 @@ impl NetHub {
         let (tx, rx) = crossbeam_channel::bounded(1);
         // Counted before the check, so two joins cannot both pass it.
         let n = self.lanes.fetch_add(1, Ordering::AcqRel);
-        let left = LaneLeft {
-            _left: tx,
-            lanes: self.lanes.clone(),
-        };
+        let left = LaneLeft::new(tx, self.lanes.clone());
         if n >= MAX_LANES {
             return Err(Error::InvalidConfig(format!(
                 "the agent's network thread fills at most {MAX_LANES} rank rings at once"
@@ -138,8 +122,12 @@ impl NetHub {
         *running = None;
         let mut s = setup.clone();
         s.hello.ring_len = SHARED_RING_LEN;
-        let Connected::Tcp(conns) = connect_all(&mut s, &sh.ring)? else {
-            unreachable!("no RDMA options");
+        // One arm without the `rdma` feature.
+        #[allow(clippy::infallible_destructuring_match)]
+        let conns = match connect_all(&mut s, &sh.ring)? {
+            Connected::Tcp(c) => c,
+            #[cfg(feature = "rdma")]
+            Connected::Rdma(_) => unreachable!("no RDMA options"),
         };
         let (jtx, jrx) = crossbeam_channel::bounded(MAX_LANES);
         let peers = s.cluster.nodes.len().saturating_sub(1);

@@ -34,6 +34,29 @@ pub(crate) const MAX_LANES: usize = 64;
 /// Where a shared thread's grant ids put the lane index.
 pub(super) const SHARED_LANE_SHIFT: u32 = 25;
 
+/// Held by a lane of a shared thread; dropped with it. The loader waits
+/// for the channel to close; the hub counts the lanes.
+pub(crate) struct LaneLeft {
+    _left: crossbeam_channel::Sender<()>,
+    lanes: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl LaneLeft {
+    /// Closes `left` and takes one from `lanes` when dropped.
+    pub(super) fn new(
+        left: crossbeam_channel::Sender<()>,
+        lanes: Arc<std::sync::atomic::AtomicUsize>,
+    ) -> Self {
+        LaneLeft { _left: left, lanes }
+    }
+}
+
+impl Drop for LaneLeft {
+    fn drop(&mut self) {
+        self.lanes.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    }
+}
+
 /// One ring the network thread fills: a loader's run, with its schedule,
 /// flow control, grant table and source reads.
 pub(crate) struct Lane {
@@ -61,13 +84,13 @@ pub(crate) struct Lane {
     pub(super) leaving: bool,
     /// A shared thread's lane: dropped with it, which the loader waits
     /// for (the receiver sees the channel close), and the hub's count.
-    pub(super) left: Option<super::hub::LaneLeft>,
+    pub(super) left: Option<LaneLeft>,
 }
 
 impl Lane {
     /// The lane of a loader's run `sh`, its clocks at `now`; `left`: a
     /// shared thread's.
-    pub(super) fn new(sh: Arc<Shared>, now: Instant, left: Option<super::hub::LaneLeft>) -> Self {
+    pub(super) fn new(sh: Arc<Shared>, now: Instant, left: Option<LaneLeft>) -> Self {
         let size = (sh.geo.table_len() as usize).next_power_of_two();
         // Grant ids keep the low 31 bits of a sequence number (grants::grant_id),
         // a shared thread's the low 25: the table index must fit in them.
