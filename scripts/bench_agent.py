@@ -29,11 +29,15 @@ connection to every other node; attached: M `kspeed agent --cluster ...
 --listen ...` (each its node's node service too) and the ranks attached to
 their node's agent. The tier figures are per node as above; the node tier
 keeps what other nodes pushed as well as what the disk gave.
+`--compare-links` (with --nodes > 1) compares instead attached ranks whose
+agents give each rank its own connection to every other node
+(KSPEED_AGENT_LINKS=per-rank) against the agents' one shared link per other
+node, and counts the connections to the node services (`ss`).
 
 The page cache is not dropped (that needs root); the extents are read with
 O_DIRECT either way.
 
-  scripts/bench_agent.py [--ranks 8] [--nodes 1] [--profile imagenet:2000] [--epochs 2] [--runs 1] [--agent-pollers 1] [--tier-bytes 1GiB]
+  scripts/bench_agent.py [--ranks 8] [--nodes 1] [--profile imagenet:2000] [--epochs 2] [--runs 1] [--agent-pollers 1] [--tier-bytes 1GiB] [--compare-links]
 """
 
 import argparse
@@ -43,6 +47,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -58,6 +63,30 @@ def proc_cpu_seconds(pid):
         fields = f.read().rsplit(")", 1)[1].split()
     # utime, stime: fields 14 and 15 (1-based), here 11 and 12 after the name.
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class ConnCount:
+    """The most TCP connections to the nodes' port seen at once (`ss`,
+    every 0.2 s) while it runs: what the consumers hold toward the node
+    services, counted once (the side whose peer is the port)."""
+
+    def __init__(self, port):
+        self.port, self.most, self.done = port, 0, threading.Event()
+        self.t = threading.Thread(target=self.run, daemon=True)
+        self.t.start()
+
+    def run(self):
+        while not self.done.wait(0.2):
+            out = subprocess.run(["ss", "-Htn", "state", "established"], capture_output=True,
+                                 text=True).stdout
+            n = sum(1 for line in out.splitlines()
+                    if line.split() and line.split()[-1].endswith(f":{self.port}"))
+            self.most = max(self.most, n)
+
+    def stop(self):
+        self.done.set()
+        self.t.join()
+        return self.most
 
 
 def ranks(spaces, n, epochs, extra, node_extra=lambda node: []):
@@ -172,6 +201,9 @@ def main():
     ap.add_argument("--agent-pollers", type=int, default=1)
     ap.add_argument("--work", default=None)
     ap.add_argument("--ring-bytes", default="64MiB", help="every rank's ring, both modes")
+    ap.add_argument("--compare-links", action="store_true",
+                    help="cluster: attached ranks over one link per rank (KSPEED_AGENT_LINKS=per-rank) "
+                         "against the shared links, in place of embedded against attached")
     ap.add_argument("--tier-bytes", default=None,
                     help="memory for tiers on the node: T/N per embedded rank, T for the agent's node tier")
     a = ap.parse_args()
@@ -208,6 +240,25 @@ def main():
     rows = []
     for run in range(a.runs):
         ring = ["--ring-bytes", a.ring_bytes]
+        if a.compare_links:
+            for links in ("per-rank", "shared"):
+                os.environ["KSPEED_AGENT_LINKS"] = links
+                agents = [start([K, "agent", "--space", spaces[i], "--socket", socks[i],
+                                 "--pollers", str(a.agent_pollers), "--progress=none"] + agent_tier
+                                + net + ["--listen", addrs[i]], "agent serving") for i in range(m)]
+                c0 = sum(proc_cpu_seconds(p.pid) for p in agents)
+                conns = ConnCount(a.port)
+                wall, rep = ranks(spaces, a.ranks, a.epochs, ["--agent", "required"] + ring + net,
+                                  lambda node: ["--agent-socket", socks[node]])
+                most = conns.stop()
+                agent_cpu = sum(proc_cpu_seconds(p.pid) for p in agents) - c0
+                stop(agents)
+                rows.append(summarise(links, wall, rep, agent_cpu, a.agent_pollers * a.ranks * m,
+                                      f"{most} connections to node services at most ({m} nodes)"))
+            del os.environ["KSPEED_AGENT_LINKS"]
+            if rows[-1]["digests"] != rows[-2]["digests"]:
+                sys.exit("shared and per-rank links delivered different bytes")
+            continue
         serves = [start([K, "serve", "--space", spaces[i], "--listen", addrs[i], "--token-file",
                          token, "--progress=none"], "serving") for i in range(m)] if m > 1 else []
         s0 = sum(proc_cpu_seconds(p.pid) for p in serves)
@@ -249,24 +300,25 @@ def main():
         for r in rows:
             print(f"{r['mode']:10} {r['later_samples_per_s']:10.0f} {r['later_tier_hit_rate']:14.3f}")
         print("per epoch, median over runs: samples/s (tier hit rate)")
-        print(f"{'epoch':>5} {'embedded':>18} {'attached':>18} {'speed ratio':>12}")
+        modes = (rows[0]["mode"], rows[1]["mode"])
+        print(f"{'epoch':>5} {modes[0]:>18} {modes[1]:>18} {'speed ratio':>12}")
         for i in range(a.epochs):
             cell = {}
-            for mode in ("embedded", "attached"):
+            for mode in modes:
                 rs = [r["by_epoch"][i] for r in rows if r["mode"] == mode]
                 cell[mode] = (median([x[0] for x in rs]), median([x[1] for x in rs]))
             ratio = median([att["by_epoch"][i][0] / emb["by_epoch"][i][0]
                             for emb, att in zip(rows[0::2], rows[1::2])])
-            print(f"{i + 1:>5} {cell['embedded'][0]:10.0f} ({cell['embedded'][1]:.3f}) "
-                  f"{cell['attached'][0]:10.0f} ({cell['attached'][1]:.3f}) {ratio:12.2f}")
+            print(f"{i + 1:>5} {cell[modes[0]][0]:10.0f} ({cell[modes[0]][1]:.3f}) "
+                  f"{cell[modes[1]][0]:10.0f} ({cell[modes[1]][1]:.3f}) {ratio:12.2f}")
         pairs = [(rows[i], rows[i + 1]) for i in range(0, len(rows), 2)]
         speed = [att["later_samples_per_s"] / emb["later_samples_per_s"] for emb, att in pairs]
-        print("attached / embedded, epochs >= 2, samples/s per run: "
+        print(f"{modes[1]} / {modes[0]}, epochs >= 2, samples/s per run: "
               + " ".join(f"{x:.2f}" for x in speed) + f"; median {median(speed):.2f}")
         if tier_total:
             hits = [att["later_tier_hit_rate"] / max(emb["later_tier_hit_rate"], 1e-9)
                     for emb, att in pairs]
-            print("attached / embedded, epochs >= 2, tier hit rate per run: "
+            print(f"{modes[1]} / {modes[0]}, epochs >= 2, tier hit rate per run: "
                   + " ".join(f"{x:.2f}" for x in hits) + f"; median {median(hits):.2f}")
     print(json.dumps([{k: v for k, v in r.items() if k != "digests"} for r in rows]))
 
