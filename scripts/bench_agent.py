@@ -199,6 +199,7 @@ def main():
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument("--agent-pollers", type=int, default=1)
+    ap.add_argument("--net-threads", type=int, default=1, help="the agents' --net-threads (cluster)")
     ap.add_argument("--work", default=None)
     ap.add_argument("--ring-bytes", default="64MiB", help="every rank's ring, both modes")
     ap.add_argument("--compare-links", action="store_true",
@@ -245,7 +246,8 @@ def main():
                 os.environ["KSPEED_AGENT_LINKS"] = links
                 agents = [start([K, "agent", "--space", spaces[i], "--socket", socks[i],
                                  "--pollers", str(a.agent_pollers), "--progress=none"] + agent_tier
-                                + net + ["--listen", addrs[i]], "agent serving") for i in range(m)]
+                                + net + ["--listen", addrs[i], "--net-threads", str(a.net_threads)],
+                                "agent serving") for i in range(m)]
                 c0 = sum(proc_cpu_seconds(p.pid) for p in agents)
                 conns = ConnCount(a.port)
                 wall, rep = ranks(spaces, a.ranks, a.epochs, ["--agent", "required"] + ring + net,
@@ -272,7 +274,8 @@ def main():
                               + (f" and {m - 1} connections each" if m > 1 else "")))
         agents = [start([K, "agent", "--space", spaces[i], "--socket", socks[i],
                          "--pollers", str(a.agent_pollers), "--progress=none"] + agent_tier
-                        + (net + ["--listen", addrs[i]] if m > 1 else []), "agent serving")
+                        + (net + ["--listen", addrs[i], "--net-threads", str(a.net_threads)]
+                           if m > 1 else []), "agent serving")
                   for i in range(m)]
         c0 = sum(proc_cpu_seconds(p.pid) for p in agents)
         wall, rep = ranks(spaces, a.ranks, a.epochs, ["--agent", "required"] + ring + net,

@@ -158,7 +158,14 @@ fn cluster_report(child: Child) -> (u64, String, u64, u64) {
 #[test]
 fn attached_ranks_in_a_cluster_deliver_what_embedded_ranks_do() {
     let nodes = Nodes::new(1200, 3, 1, 1);
-    let agents: Vec<Agent> = (0..3).map(|i| nodes.agent(i)).collect();
+    // Node 0's agent runs two shared network threads (its two ranks go
+    // one to each), the others one (their ranks share it).
+    let agents: Vec<Agent> = (0..3)
+        .map(|i| match i {
+            0 => nodes.agent_with(0, &["--net-threads", "2"]),
+            _ => nodes.agent(i),
+        })
+        .collect();
     let world = 6u32;
     let node_of = |r: u32| (r / 2) as usize;
     let attached: Vec<Child> = (0..world)
@@ -169,23 +176,28 @@ fn attached_ranks_in_a_cluster_deliver_what_embedded_ranks_do() {
         .collect();
     let attached: Vec<_> = attached.into_iter().map(cluster_report).collect();
     if !rdma() {
-        // Over TCP an agent's ranks share one network thread, which
-        // connects once to each other node: every connection a node
+        // Over TCP an agent's ranks share its network threads, each of
+        // which connects once to each other node: every connection a node
         // service took came from another agent's thread starting, none
-        // from a rank (per-rank links would make 2 per other node).
+        // from a rank.
         let count = |a: &Agent, what: &str| a.log.all().matches(what).count();
         let starts: Vec<usize> = agents
             .iter()
             .map(|a| {
                 count(
                     a,
-                    "agent: one network thread, one link to each of the other 2 nodes",
+                    "agent: a network thread with one link to each of the other 2 nodes",
                 )
             })
             .collect();
         for (j, a) in agents.iter().enumerate() {
             let others: usize = (0..3).filter(|&i| i != j).map(|i| starts[i]).sum();
             assert!(starts[j] >= 1, "agent {j} started no network thread");
+            assert!(
+                starts[j] <= 2,
+                "agent {j} started {} network threads",
+                starts[j]
+            );
             assert_eq!(
                 count(a, ") connected"),
                 others,

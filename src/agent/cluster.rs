@@ -32,6 +32,12 @@ pub struct AgentCluster {
     pub node_timeout: Duration,
     /// Samples move by RDMA WRITE (every node must offer it), else TCP.
     pub rdma: Option<RdmaOptions>,
+    /// Over TCP: network threads shared by the attached ranks, each with
+    /// one link to every other node (a rank joins the one with the fewest
+    /// ranks). 1: N−1 links per node; more read more at once over TCP,
+    /// where a network thread receives every byte, at that many times the
+    /// links.
+    pub net_threads: usize,
 }
 
 impl AgentCluster {

@@ -213,7 +213,7 @@ fn open_space(cfg: &AgentConfig) -> Result<OpenSpace> {
         identity,
         tier,
         net_hub: match &cfg.cluster {
-            Some(c) if c.shared_links() => Some(crate::loader::net::NetHub::new()?),
+            Some(c) if c.shared_links() => Some(crate::loader::net::NetHub::new(c.net_threads)?),
             _ => None,
         },
     })

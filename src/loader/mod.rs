@@ -286,12 +286,16 @@ impl Loader {
             }
             None => None,
         };
+        // In an agent: the shared network thread this run joins.
+        let mut hub_slot = None;
         let net_shared = match (&conns, &self.net_hub) {
             (Some(_), _) => Some(net::NetShared::new(self.geo.table_len() as usize)?),
-            (None, Some(hub)) if self.net.is_some() => Some(net::NetShared::with_wake(
-                self.geo.table_len() as usize,
-                hub.wake(),
-            )),
+            (None, Some(_)) if self.net.is_some() => {
+                let slot = self.net_hub.as_ref().expect("matched").slot();
+                let net = net::NetShared::with_wake(self.geo.table_len() as usize, slot.wake());
+                hub_slot = Some(slot);
+                Some(net)
+            }
             (None, _) => None,
         };
         let spare = self.spare.take().expect("resources available");
@@ -372,7 +376,7 @@ impl Loader {
             samples_at_start: self.counters.samples,
             attach,
         });
-        if let Err(e) = self.spawn(spare.backends, conns) {
+        if let Err(e) = self.spawn(spare.backends, conns, hub_slot) {
             // Stop what started and take the resources back.
             self.halt();
             return Err(e);
@@ -382,7 +386,12 @@ impl Loader {
 
     /// Starts the network thread (cluster mode) and one poller per backend
     /// for the run just set up.
-    fn spawn(&mut self, backends: Vec<PollerIo>, conns: Option<net::Connected>) -> Result<()> {
+    fn spawn(
+        &mut self,
+        backends: Vec<PollerIo>,
+        conns: Option<net::Connected>,
+        hub_slot: Option<Arc<net::HubSlot>>,
+    ) -> Result<()> {
         let run = self.run.as_mut().expect("set up by launch");
         let shared = &run.shared;
         if let (Some(conns), Some(setup)) = (conns, &self.net) {
@@ -402,8 +411,8 @@ impl Loader {
                     source: e.into(),
                 })?;
             run.net_thread = Some(h);
-        } else if let (Some(hub), Some(setup)) = (&self.net_hub, &self.net) {
-            run.lane_left = Some(hub.join(setup, shared.clone())?);
+        } else if let (Some(slot), Some(setup)) = (hub_slot, &self.net) {
+            run.lane_left = Some(slot.join(setup, shared.clone())?);
         }
         let n = backends.len();
         // Each poller reports whether the kernel took its pinning before it

@@ -20,10 +20,22 @@
 //! they do not have, or longer than the grant): they must be dropped
 //! before a byte lands. Some seeds poison the errors lock.
 //!
+//! A third of the seeds run a node agent's shared thread
+//! (`loader/net/hub.rs`): 2–3 lanes, each a rank's ring with its own
+//! schedule and consumer, over the same connections, their grants in the
+//! same GRANT frames; in half of those one lane's loader stops at a seeded
+//! step and must leave (its grants over) within a bounded number of steps
+//! while the others deliver everything, exactly.
+//!
 //! Not simulated: handshakes and reconnects (real sockets): the thread
 //! starts with its connections made (`sim_connections`) and redial off.
 //!
-//! Checked after every step: every sample of the two epochs is published
+//! Why this file is over ~800 lines: the scripted node and the consumers
+//! are one world checked after every step; splitting them would spread one
+//! set of invariants over files.
+//!
+//! Checked after every step: every sample of the two epochs (of every lane
+//! that did not stop) is published
 //! exactly once, in the rank's order, byte-exact at its slot (checked when
 //! first seen ready and again when taken), or fails with
 //! `SampleUnavailable` only when no holder could serve it (each was gone,
@@ -377,52 +389,76 @@ fn run(seed: u64, replicas_past_64: Option<u32>) {
     };
     let world_size = 1 + rng.below(3) as u32;
     let rank = rng.below(world_size as u64) as u32;
-    let sampler = Sampler::new(
-        SamplerConfig::single(samples, rng.below(1 << 20)).rank_world(rank, world_size),
-    )
-    .expect("sim: sampler");
-    let steps = sampler.per_rank();
-    let end_g = 2 * steps;
     let ring_bytes = 4096 * (1 + rng.below(7));
     let geo = Geometry {
         ring_bytes,
         align: ALIGN,
     };
-    let ring = LandingRing::new(&LandingOptions {
-        ring_bytes,
-        huge_pages: false,
-        mlock: false,
-        numa_node: None,
-        gpu_pci: None,
-        cuda: CudaMode::Off,
-    })
-    .expect("sim: landing ring");
-    let cfg = PollerConfig {
-        pollers: 0,
-        queue_depth: 1,
-        submit_batch: 1,
-        max_read_bytes: 1 << 20,
-        lookahead: u64::MAX,
-        spin: Duration::ZERO,
-        sqpoll_idle_ms: None,
-        verify_crc32c: true,
-        faults: None,
-        tier_views: false,
+    // Some seeds run a node agent's shared thread (`loader/net/hub.rs`):
+    // 2-3 lanes (rank rings) over the same connections, one of which may
+    // stop mid-run and must leave while the others go on.
+    let lanes_n = if replicas_past_64.is_none() && rng.below(3) == 0 {
+        2 + rng.below(2) as usize
+    } else {
+        1
     };
-    let net = NetShared::new(geo.table_len() as usize).expect("sim: eventfd");
-    let sh = Arc::new(Shared::for_sim(
-        Input::Source {
-            catalog: Arc::new(catalog),
-            root: PathBuf::new(),
-        },
-        ring,
-        geo,
-        sampler.clone(),
-        steps,
-        end_g,
-        cfg,
-        Some(net),
-    ));
+    let slot = (lanes_n > 1).then(|| {
+        crate::loader::net::NetHub::new(1)
+            .expect("sim: eventfd")
+            .slot()
+    });
+    let catalog = Arc::new(catalog);
+    let shuffle_seed = rng.below(1 << 20);
+    let make_lane = |k: usize| {
+        let sampler = Sampler::new(
+            SamplerConfig::single(samples, shuffle_seed + k as u64)
+                .rank_world((rank + k as u32) % world_size, world_size),
+        )
+        .expect("sim: sampler");
+        let steps = sampler.per_rank();
+        let end_g = 2 * steps;
+        let ring = LandingRing::new(&LandingOptions {
+            ring_bytes,
+            huge_pages: false,
+            mlock: false,
+            numa_node: None,
+            gpu_pci: None,
+            cuda: CudaMode::Off,
+        })
+        .expect("sim: landing ring");
+        let cfg = PollerConfig {
+            pollers: 0,
+            queue_depth: 1,
+            submit_batch: 1,
+            max_read_bytes: 1 << 20,
+            lookahead: u64::MAX,
+            spin: Duration::ZERO,
+            sqpoll_idle_ms: None,
+            verify_crc32c: true,
+            faults: None,
+            tier_views: false,
+        };
+        let net = match &slot {
+            Some(slot) => NetShared::with_wake(geo.table_len() as usize, slot.wake()),
+            None => NetShared::new(geo.table_len() as usize).expect("sim: eventfd"),
+        };
+        let sh = Arc::new(Shared::for_sim(
+            Input::Source {
+                catalog: catalog.clone(),
+                root: PathBuf::new(),
+            },
+            ring,
+            geo,
+            sampler.clone(),
+            steps,
+            end_g,
+            cfg,
+            Some(net),
+        ));
+        (sh, sampler, steps, end_g)
+    };
+    let built: Vec<_> = (0..lanes_n).map(make_lane).collect();
+    let sh = built[0].0.clone();
     let faults = MemNetFaults {
         partial_send_ppm: rng.below(300_000) as u32,
         delay_ppm: rng.below(300_000) as u32,
@@ -517,9 +553,24 @@ fn run(seed: u64, replicas_past_64: Option<u32>) {
     };
     let ring = Faulty::new(mem, read_faults, depth + 8)
         .with_transient_read_faults(rng.below(300_000) as u32);
+    let setup = Arc::new(setup);
     let mut thread: Thread<SimRx, Faulty<MemNet>> =
-        Thread::with_ring(sh.clone(), Arc::new(setup), conns, ring, false);
+        Thread::with_ring(sh.clone(), setup.clone(), conns, ring, false);
+    // The shared thread's lanes: each one's channel closes once it left.
+    let mut lefts: Vec<Option<crossbeam_channel::Receiver<()>>> = vec![None; lanes_n];
+    if let Some(slot) = &slot {
+        lefts[0] = Some(slot.sim_adopt(&mut thread));
+        for k in 1..lanes_n {
+            let left = slot.join(&setup, built[k].0.clone());
+            lefts[k] = Some(left.expect("sim: a lane joins the running thread"));
+        }
+    }
     let pools = thread.sim_view().2;
+    // One lane (not the only one) stops at a seeded step: it must leave
+    // (its grants over) within a bounded number of steps, the others
+    // unaffected.
+    let lane_stop_at = (lanes_n > 1 && rng.below(2) == 0)
+        .then(|| (rng.below(lanes_n as u64) as usize, rng.below(3000)));
     // Seeded faults at seeded steps: a node reset, a node stalled, the
     // errors lock poisoned.
     let kill_at = (faults_on && rng.below(3) == 0).then(|| {
@@ -547,23 +598,49 @@ fn run(seed: u64, replicas_past_64: Option<u32>) {
         faulted: HashSet::new(),
         fail_all_but_last: replicas_past_64.is_some(),
     };
-    let mut cursor = Cursor::new(sampler, geo, Position { epoch: 0, index: 0 }, steps);
-    let mut next: Placed = cursor.next(w.catalog);
-    let mut taken_ok = 0u64;
-    let mut seen = HashSet::new();
-    let ring_at = |p: &Placed| -> &[u8] {
+    // Each lane's consumer: its cursor, the next sample it takes, what it
+    // took, what it saw published; `stopped`: the step its loader stopped.
+    struct Consumer {
+        sh: Arc<Shared>,
+        cursor: Cursor,
+        next: Placed,
+        end_g: u64,
+        taken_ok: u64,
+        seen: HashSet<u64>,
+        stopped: Option<u64>,
+    }
+    let mut consumers: Vec<Consumer> = built
+        .iter()
+        .map(|(sh, sampler, steps, end_g)| {
+            let mut cursor = Cursor::new(
+                sampler.clone(),
+                geo,
+                Position { epoch: 0, index: 0 },
+                *steps,
+            );
+            let next = cursor.next(w.catalog);
+            Consumer {
+                sh: sh.clone(),
+                cursor,
+                next,
+                end_g: *end_g,
+                taken_ok: 0,
+                seen: HashSet::new(),
+                stopped: None,
+            }
+        })
+        .collect();
+    drop(built);
+    let check_bytes = |sh: &Shared, p: &Placed, when: &str| {
         // SAFETY: a published sample's slot is not written until the
         // consumer releases it (flow control), and the simulation runs
         // the thread on this thread: nothing writes it now.
-        unsafe {
+        let got = unsafe {
             std::slice::from_raw_parts(
                 sh.ring.as_mut_ptr().add(p.phys(&geo) as usize),
                 p.len as usize,
             )
-        }
-    };
-    let check_bytes = |p: &Placed, when: &str| {
-        let got = ring_at(p);
+        };
         let want = &d.bytes[p.id as usize];
         if let Some(k) = (0..want.len()).find(|&k| got[k] != want[k]) {
             panic!(
@@ -572,16 +649,26 @@ fn run(seed: u64, replicas_past_64: Option<u32>) {
             );
         }
     };
+    // A stopped lane leaves once its grants are over: the node timeout
+    // (at most 4 s) and a stall (at most 4 s) at 20 ms a step on average.
+    const LEAVE_STEPS: u64 = 2_000;
     const MAX_STEPS: u64 = 200_000;
     let mut step = 0u64;
-    while next.g < end_g {
+    while consumers
+        .iter()
+        .any(|c| c.stopped.is_none() && c.next.g < c.end_g)
+    {
         step += 1;
+        let waiting = consumers
+            .iter()
+            .find(|c| c.stopped.is_none() && c.next.g < c.end_g)
+            .expect("one is waiting");
         assert!(
             step < MAX_STEPS,
-            "seed {seed}: no progress after {MAX_STEPS} steps: the consumer waits for g={} (sample {}), {} of {end_g} taken",
-            next.g,
-            next.id,
-            next.g
+            "seed {seed}: no progress after {MAX_STEPS} steps: a consumer waits for g={} (sample {}) of {}",
+            waiting.next.g,
+            waiting.next.id,
+            waiting.end_g
         );
         assert!(thread.tick(), "seed {seed}: the thread ended unasked");
         for n in scripted.iter_mut() {
@@ -611,32 +698,58 @@ fn run(seed: u64, replicas_past_64: Option<u32>) {
             })
             .join();
         }
-        // Every sample published in the window is already byte-exact.
-        let mut look = cursor.clone();
-        let mut p = next;
-        while p.g < end_g && p.v_end <= next.v + ring_bytes {
-            if !seen.contains(&p.g) && sh.sim_state(p.g) == Some(CODE_OK) {
-                check_bytes(&p, "when published");
-                seen.insert(p.g);
+        if let Some((k, at)) = lane_stop_at {
+            if at == step {
+                // As `Run::stop` does: the flag, then the thread's wake-up.
+                let c = &mut consumers[k];
+                c.sh.stop.store(true, Ordering::Release);
+                c.sh.net.as_ref().expect("cluster").wake.notify();
+                c.stopped = Some(step);
             }
-            p = look.next(w.catalog);
         }
-        // The consumer.
-        if rng.below(4) != 0 {
-            if let Some(code) = sh.sim_state(next.g) {
-                match code {
-                    CODE_OK => {
-                        check_bytes(&next, "when taken");
-                        taken_ok += 1;
-                    }
-                    CODE_ERROR => check_failed(&w, &sh, &next, &scripted, source_kept),
-                    c => panic!("seed {seed}: sample g={} published with code {c}", next.g),
+        for (k, c) in consumers.iter_mut().enumerate() {
+            if let Some(at) = c.stopped {
+                let left = lefts[k].as_ref().expect("a shared thread's lane");
+                let gone = matches!(
+                    left.try_recv(),
+                    Err(crossbeam_channel::TryRecvError::Disconnected)
+                );
+                assert!(
+                    gone || step - at < LEAVE_STEPS,
+                    "seed {seed}: lane {k} stopped at step {at} and has not left after {LEAVE_STEPS} steps"
+                );
+                continue;
+            }
+            // Every sample published in the window is already byte-exact.
+            let mut look = c.cursor.clone();
+            let mut p = c.next;
+            while p.g < c.end_g && p.v_end <= c.next.v + ring_bytes {
+                if !c.seen.contains(&p.g) && c.sh.sim_state(p.g) == Some(CODE_OK) {
+                    check_bytes(&c.sh, &p, "when published");
+                    c.seen.insert(p.g);
                 }
-                seen.remove(&next.g);
-                next = cursor.next(w.catalog);
-                sh.released_v.store(next.v, Ordering::SeqCst);
-                sh.released_g.store(next.g, Ordering::SeqCst);
-                sh.net.as_ref().expect("cluster").released();
+                p = look.next(w.catalog);
+            }
+            // The consumer.
+            if c.next.g < c.end_g && rng.below(4) != 0 {
+                if let Some(code) = c.sh.sim_state(c.next.g) {
+                    match code {
+                        CODE_OK => {
+                            check_bytes(&c.sh, &c.next, "when taken");
+                            c.taken_ok += 1;
+                        }
+                        CODE_ERROR => check_failed(&w, &c.sh, &c.next, &scripted, source_kept),
+                        code => panic!(
+                            "seed {seed}: sample g={} published with code {code}",
+                            c.next.g
+                        ),
+                    }
+                    c.seen.remove(&c.next.g);
+                    c.next = c.cursor.next(w.catalog);
+                    c.sh.released_v.store(c.next.v, Ordering::SeqCst);
+                    c.sh.released_g.store(c.next.g, Ordering::SeqCst);
+                    c.sh.net.as_ref().expect("cluster").released();
+                }
             }
         }
         let (ring, _, now_pools) = thread.sim_view();
@@ -651,21 +764,23 @@ fn run(seed: u64, replicas_past_64: Option<u32>) {
         };
         ctl.advance(Duration::from_millis(rng.below(40) + pause));
     }
-    let net = sh.net.as_ref().expect("cluster");
-    for (t, v) in TOTALS.iter().zip([
-        step,
-        taken_ok,
-        end_g - taken_ok,
-        net.failovers.load(Ordering::Relaxed),
-        net.source_reads.load(Ordering::Relaxed),
-    ]) {
-        t.fetch_add(v, Ordering::Relaxed);
+    for c in consumers.iter().filter(|c| c.stopped.is_none()) {
+        let net = c.sh.net.as_ref().expect("cluster");
+        for (t, v) in TOTALS.iter().zip([
+            step,
+            c.taken_ok,
+            c.end_g - c.taken_ok,
+            net.failovers.load(Ordering::Relaxed),
+            net.source_reads.load(Ordering::Relaxed),
+        ]) {
+            t.fetch_add(v, Ordering::Relaxed);
+        }
+        assert_eq!(
+            c.sh.published_ok.load(Ordering::Relaxed),
+            c.taken_ok,
+            "seed {seed}: samples published OK that the consumer did not take (published twice, or past the end)"
+        );
     }
-    assert_eq!(
-        sh.published_ok.load(Ordering::Relaxed),
-        taken_ok,
-        "seed {seed}: samples published OK that the consumer did not take (published twice, or past the end)"
-    );
     for (n, fd) in scripted.iter().zip(&fds) {
         let dropped = thread.sim_dropped(n.index as usize);
         assert!(
@@ -688,8 +803,12 @@ fn run(seed: u64, replicas_past_64: Option<u32>) {
             dropped.unwrap_or_default()
         );
     }
-    // Teardown: stop, and the thread ends with nothing in flight.
-    sh.stop.store(true, Ordering::Release);
+    // Teardown: stop (a shared thread ends once its last lane left), and
+    // the thread ends with nothing in flight.
+    for c in &consumers {
+        c.sh.stop.store(true, Ordering::Release);
+        c.sh.net.as_ref().expect("cluster").wake.notify();
+    }
     let mut steps_left = 10_000;
     while thread.tick() {
         for n in scripted.iter_mut() {
@@ -702,12 +821,14 @@ fn run(seed: u64, replicas_past_64: Option<u32>) {
             "seed {seed}: the thread does not end when stopped"
         );
     }
-    let failed = sh.errors.lock().unwrap_or_else(|e| e.into_inner()).len() as u64;
-    assert_eq!(
-        failed,
-        end_g - taken_ok,
-        "seed {seed}: errors recorded for samples not failed"
-    );
+    for c in consumers.iter().filter(|c| c.stopped.is_none()) {
+        let failed = c.sh.errors.lock().unwrap_or_else(|e| e.into_inner()).len() as u64;
+        assert_eq!(
+            failed,
+            c.end_g - c.taken_ok,
+            "seed {seed}: errors recorded for samples not failed"
+        );
+    }
     let (ring, busy, _) = thread.sim_view();
     assert!(
         !busy,
@@ -723,6 +844,19 @@ fn run(seed: u64, replicas_past_64: Option<u32>) {
         0,
         "seed {seed}: operations in flight at teardown"
     );
+    // Every lane of a shared thread is let go with the thread at last.
+    drop(thread);
+    for (k, left) in lefts.iter().enumerate() {
+        if let Some(left) = left {
+            assert!(
+                matches!(
+                    left.try_recv(),
+                    Err(crossbeam_channel::TryRecvError::Disconnected)
+                ),
+                "seed {seed}: lane {k} still held after the thread ended"
+            );
+        }
+    }
 }
 
 /// Sample `p` was published as failed: it must carry `SampleUnavailable`,

@@ -56,6 +56,12 @@ pub(crate) struct AgentArgs {
     /// samples fail over, in ms.
     #[arg(long, default_value_t = 10_000, value_parser = crate::opt::<u64>("node_timeout_ms"))]
     node_timeout_ms: u64,
+    /// In a cluster over TCP: network threads shared by the attached
+    /// ranks, each with one connection to every other node (a rank joins
+    /// the one with the fewest). Raise it when one thread cannot receive
+    /// what the node's ranks read (it receives every byte over TCP).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
+    net_threads: u16,
     /// Also serve this node's space to the other nodes' consumers, as
     /// `kspeed serve --listen` would, from this process (host:port; the
     /// node list's address of this node). Its other settings are serve's
@@ -109,6 +115,7 @@ pub(crate) fn run_agent(a: AgentArgs) -> kspeed::Result<()> {
             token: token.clone().expect("checked above"),
             node_timeout: std::time::Duration::from_millis(a.node_timeout_ms),
             rdma: a.rdma.options(),
+            net_threads: a.net_threads.into(),
         });
     } else if a.rdma.rdma && a.listen.is_none() {
         return Err(kspeed::Error::InvalidConfig(

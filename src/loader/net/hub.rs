@@ -22,8 +22,9 @@ use super::super::Shared;
 use super::connect::{connect_all, Connected};
 use super::lanes::{LaneLeft, MAX_LANES, SHARED_LANE_SHIFT};
 use super::tcp::TcpRx;
-use super::{Lane, NetSetup, Thread};
+use super::{Lane, NetSetup, Receive, Thread};
 use crate::error::{Error, Result};
+use crate::ring::IoBackend;
 use crate::sys::EventFd;
 
 /// The ring length a shared link announces in its HELLO: every lane's
@@ -34,8 +35,17 @@ pub(crate) const SHARED_RING_LEN: u64 = 1 << 48;
 /// A lane joining: its loader's run, and what tells the loader it left.
 type Join = (Arc<Shared>, LaneLeft);
 
-/// The agent's shared network thread, started on demand.
+/// The agent's shared network threads: `threads` of them, each started on
+/// demand with its own links; a joining lane goes to the one with the
+/// fewest lanes. One thread gives N−1 links per node; over TCP, where a
+/// thread receives every byte, more threads read more at once, at
+/// `threads` × (N−1) links.
 pub(crate) struct NetHub {
+    slots: Vec<Arc<HubSlot>>,
+}
+
+/// One shared network thread, started on demand.
+pub(crate) struct HubSlot {
     /// Every lane's loader notifies it (releases, hand-overs, stops).
     wake: Arc<EventFd>,
     /// Where a joining lane goes while the thread runs.
@@ -44,9 +54,9 @@ pub(crate) struct NetHub {
     lanes: Arc<AtomicUsize>,
 }
 
-/// The thread's side of its hub.
+/// The thread's side of its hub slot.
 pub(super) struct HubSide {
-    hub: Arc<NetHub>,
+    slot: Arc<HubSlot>,
     joins: Receiver<Join>,
 }
 
@@ -58,7 +68,7 @@ impl HubSide {
 
     /// The last lane left: true (the thread stops) unless one is joining.
     pub(super) fn try_close(&self) -> bool {
-        let mut running = self.hub.running.lock().unwrap_or_else(|p| p.into_inner());
+        let mut running = self.slot.running.lock().unwrap_or_else(|p| p.into_inner());
         if !self.joins.is_empty() {
             return false;
         }
@@ -68,25 +78,42 @@ impl HubSide {
 }
 
 impl NetHub {
-    pub(crate) fn new() -> Result<Arc<Self>> {
-        let wake = EventFd::new().map_err(|e| Error::Serve(format!("eventfd: {e}")))?;
-        Ok(Arc::new(NetHub {
-            wake: Arc::new(wake),
-            running: Mutex::new(None),
-            lanes: Arc::new(AtomicUsize::new(0)),
-        }))
+    /// `threads` shared network threads (at least 1), none started yet.
+    pub(crate) fn new(threads: usize) -> Result<Arc<Self>> {
+        let slots = (0..threads.max(1))
+            .map(|_| {
+                let wake = EventFd::new().map_err(|e| Error::Serve(format!("eventfd: {e}")))?;
+                Ok(Arc::new(HubSlot {
+                    wake: Arc::new(wake),
+                    running: Mutex::new(None),
+                    lanes: Arc::new(AtomicUsize::new(0)),
+                }))
+            })
+            .collect::<Result<_>>()?;
+        Ok(Arc::new(NetHub { slots }))
     }
 
+    /// The thread a new lane joins: the one with the fewest lanes.
+    pub(crate) fn slot(&self) -> Arc<HubSlot> {
+        self.slots
+            .iter()
+            .min_by_key(|s| s.lanes.load(Ordering::Acquire))
+            .expect("at least one thread")
+            .clone()
+    }
+}
+
+impl HubSlot {
     /// The wake-up every lane's `NetShared` uses.
     pub(crate) fn wake(&self) -> Arc<EventFd> {
         self.wake.clone()
     }
 
     /// Adds run `sh` (a loader in cluster mode over TCP, its `NetShared`
-    /// woken by [`NetHub::wake`]) as a lane of the shared thread, starting
-    /// it (and connecting to every other node with `setup`) if none runs.
-    /// The receiver's channel closes once the lane has left, after its
-    /// loader stopped (`sh.stop`) and its grants are over.
+    /// woken by [`HubSlot::wake`]) as a lane of this shared thread,
+    /// starting it (and connecting to every other node with `setup`) if it
+    /// does not run. The receiver's channel closes once the lane has left,
+    /// after its loader stopped (`sh.stop`) and its grants are over.
     pub(crate) fn join(
         self: &Arc<Self>,
         setup: &NetSetup,
@@ -103,7 +130,8 @@ impl NetHub {
         let left = LaneLeft::new(tx, self.lanes.clone());
         if n >= MAX_LANES {
             return Err(Error::InvalidConfig(format!(
-                "the agent's network thread fills at most {MAX_LANES} rank rings at once"
+                "an agent's network thread fills at most {MAX_LANES} rank rings at once \
+                 (kspeed agent --net-threads adds threads)"
             )));
         }
         let mut running = self.running.lock().unwrap_or_else(|p| p.into_inner());
@@ -129,21 +157,9 @@ impl NetHub {
             #[cfg(feature = "rdma")]
             Connected::Rdma(_) => unreachable!("no RDMA options"),
         };
-        let (jtx, jrx) = crossbeam_channel::bounded(MAX_LANES);
         let peers = s.cluster.nodes.len().saturating_sub(1);
         let mut t = Thread::<TcpRx>::new(sh, Arc::new(s), conns)?;
-        assert!(
-            t.l.table.len() <= 1 << SHARED_LANE_SHIFT,
-            "grant table of {} entries on a shared thread",
-            t.l.table.len()
-        );
-        t.l.left = Some(left);
-        t.lanes = (0..MAX_LANES).map(|_| None::<Lane>).collect();
-        t.lane_shift = SHARED_LANE_SHIFT;
-        t.hub = Some(HubSide {
-            hub: self.clone(),
-            joins: jrx,
-        });
+        let jtx = self.share(&mut t, left);
         std::thread::Builder::new()
             .name("kspeed-net-agent".into())
             .spawn(move || t.run())
@@ -152,9 +168,49 @@ impl NetHub {
                 source: e.into(),
             })?;
         log::info!(
-            "agent: one network thread, one link to each of the other {peers} nodes, for every attached rank"
+            "agent: a network thread with one link to each of the other {peers} nodes, shared by its attached ranks"
         );
         *running = Some(jtx);
         Ok(rx)
+    }
+
+    /// Makes `t` (a thread over its first lane, whose `left` this is) this
+    /// slot's shared thread; where later lanes are to be sent.
+    fn share<R: Receive, I: IoBackend>(
+        self: &Arc<Self>,
+        t: &mut Thread<R, I>,
+        left: LaneLeft,
+    ) -> Sender<Join> {
+        assert!(
+            t.l.table.len() <= 1 << SHARED_LANE_SHIFT,
+            "grant table of {} entries on a shared thread",
+            t.l.table.len()
+        );
+        let (jtx, jrx) = crossbeam_channel::bounded(MAX_LANES);
+        t.l.left = Some(left);
+        t.lanes = (0..MAX_LANES).map(|_| None::<Lane>).collect();
+        t.lane_shift = SHARED_LANE_SHIFT;
+        t.hub = Some(HubSide {
+            slot: self.clone(),
+            joins: jrx,
+        });
+        jtx
+    }
+
+    /// The simulator's shared thread: `t`, built over its first lane by
+    /// `Thread::with_ring`, becomes this slot's running thread (as a
+    /// connecting [`HubSlot::join`] makes it); the receiver closes once
+    /// that lane has left. Later lanes [`HubSlot::join`] it.
+    #[cfg(test)]
+    pub(crate) fn sim_adopt<R: Receive, I: IoBackend>(
+        self: &Arc<Self>,
+        t: &mut Thread<R, I>,
+    ) -> Receiver<()> {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        self.lanes.fetch_add(1, Ordering::AcqRel);
+        let left = LaneLeft::new(tx, self.lanes.clone());
+        let jtx = self.share(t, left);
+        *self.running.lock().unwrap_or_else(|p| p.into_inner()) = Some(jtx);
+        rx
     }
 }

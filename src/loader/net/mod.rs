@@ -102,7 +102,7 @@ pub(crate) use connect::sim_connections;
 pub(crate) use connect::{connect_all, Connected, Connections};
 use grants::AfterInv;
 pub(crate) use grants::NONE;
-pub(crate) use hub::NetHub;
+pub(crate) use hub::{HubSlot, NetHub};
 use lanes::Lane;
 pub(crate) use retry::ConnectError;
 #[cfg(test)]
