@@ -29,15 +29,19 @@ connection to every other node; attached: M `kspeed agent --cluster ...
 --listen ...` (each its node's node service too) and the ranks attached to
 their node's agent. The tier figures are per node as above; the node tier
 keeps what other nodes pushed as well as what the disk gave.
-`--compare-links` (with --nodes > 1) compares instead attached ranks whose
-agents give each rank its own connection to every other node
-(KSPEED_AGENT_LINKS=per-rank) against the agents' one shared link per other
-node, and counts the connections to the node services (`ss`).
+`--compare-env VAR=A,B` (with --nodes > 1) compares instead attached ranks
+under agents started with VAR=A against agents started with VAR=B, and
+counts the connections to the node services (`ss`): e.g.
+KSPEED_AGENT_LINKS=per-rank,shared (a connection per rank against the
+agents' shared links) or KSPEED_TIER_MEMBERS=ids,remote-first (the node
+tier's members in id order against the samples other nodes hold first).
+Per epoch it also gives the fraction of samples pushed by other nodes
+(neither read from the local disk, nor the tier, nor the source).
 
 The page cache is not dropped (that needs root); the extents are read with
 O_DIRECT either way.
 
-  scripts/bench_agent.py [--ranks 8] [--nodes 1] [--profile imagenet:2000] [--epochs 2] [--runs 1] [--agent-pollers 1] [--tier-bytes 1GiB] [--compare-links]
+  scripts/bench_agent.py [--ranks 8] [--nodes 1] [--profile imagenet:2000] [--epochs 2] [--runs 1] [--agent-pollers 1] [--tier-bytes 1GiB] [--compare-env VAR=A,B]
 """
 
 import argparse
@@ -140,10 +144,18 @@ def later_epochs(reports):
     later = [[e for e in r["per_epoch"][1:]] for r in reports]
     samples = sum(e["samples"] for es in later for e in es)
     if samples == 0:
-        return None, None
+        return None, None, None
     slowest = max(sum(e["seconds"] for e in es) for es in later)
     hits = sum(e["tier_hits"] for es in later for e in es)
-    return samples / slowest, hits / samples
+    return samples / slowest, hits / samples, pushed_fraction([e for es in later for e in es])
+
+
+def pushed_fraction(epochs):
+    """The fraction of the samples of `epochs` (per-epoch reports) that
+    other nodes pushed: neither disk reads, tier hits nor source reads."""
+    samples = sum(e["samples"] for e in epochs)
+    local = sum(e["disk_reads"] + e["tier_hits"] + e["source_reads"] for e in epochs)
+    return max(samples - local, 0) / max(samples, 1)
 
 
 def by_epoch(reports):
@@ -154,12 +166,12 @@ def by_epoch(reports):
         es = [r["per_epoch"][i] for r in reports]
         samples = sum(e["samples"] for e in es)
         out.append((samples / max(e["seconds"] for e in es),
-                    sum(e["tier_hits"] for e in es) / max(samples, 1)))
+                    sum(e["tier_hits"] for e in es) / max(samples, 1), pushed_fraction(es)))
     return out
 
 
 def summarise(name, wall, reports, extra_cpu, pollers, threads_note):
-    later_rate, later_hits = later_epochs(reports)
+    later_rate, later_hits, later_pushed = later_epochs(reports)
     samples = sum(r["samples"] for r in reports)
     gb = sum(r["bytes"] for r in reports) / 1e9
     cpu = sum(r["cpu_seconds"] + r["setup_cpu_seconds"] for r in reports) + extra_cpu
@@ -172,6 +184,7 @@ def summarise(name, wall, reports, extra_cpu, pollers, threads_note):
         "poller_threads": pollers, "note": threads_note,
         "digests": [r["digest"] for r in reports],
         "later_samples_per_s": later_rate, "later_tier_hit_rate": later_hits,
+        "later_pushed": later_pushed,
         "by_epoch": by_epoch(reports),
     }
 
@@ -202,9 +215,9 @@ def main():
     ap.add_argument("--net-threads", type=int, default=1, help="the agents' --net-threads (cluster)")
     ap.add_argument("--work", default=None)
     ap.add_argument("--ring-bytes", default="64MiB", help="every rank's ring, both modes")
-    ap.add_argument("--compare-links", action="store_true",
-                    help="cluster: attached ranks over one link per rank (KSPEED_AGENT_LINKS=per-rank) "
-                         "against the shared links, in place of embedded against attached")
+    ap.add_argument("--compare-env", default=None, metavar="VAR=A,B",
+                    help="cluster: attached ranks under agents with VAR=A against VAR=B, "
+                         "in place of embedded against attached")
     ap.add_argument("--tier-bytes", default=None,
                     help="memory for tiers on the node: T/N per embedded rank, T for the agent's node tier")
     a = ap.parse_args()
@@ -241,9 +254,10 @@ def main():
     rows = []
     for run in range(a.runs):
         ring = ["--ring-bytes", a.ring_bytes]
-        if a.compare_links:
-            for links in ("per-rank", "shared"):
-                os.environ["KSPEED_AGENT_LINKS"] = links
+        if a.compare_env:
+            var, values = a.compare_env.split("=", 1)
+            for value in values.split(","):
+                os.environ[var] = value
                 agents = [start([K, "agent", "--space", spaces[i], "--socket", socks[i],
                                  "--pollers", str(a.agent_pollers), "--progress=none"] + agent_tier
                                 + net + ["--listen", addrs[i], "--net-threads", str(a.net_threads)],
@@ -255,11 +269,11 @@ def main():
                 most = conns.stop()
                 agent_cpu = sum(proc_cpu_seconds(p.pid) for p in agents) - c0
                 stop(agents)
-                rows.append(summarise(links, wall, rep, agent_cpu, a.agent_pollers * a.ranks * m,
+                rows.append(summarise(value, wall, rep, agent_cpu, a.agent_pollers * a.ranks * m,
                                       f"{most} connections to node services at most ({m} nodes)"))
-            del os.environ["KSPEED_AGENT_LINKS"]
+            del os.environ[var]
             if rows[-1]["digests"] != rows[-2]["digests"]:
-                sys.exit("shared and per-rank links delivered different bytes")
+                sys.exit(f"{var}={values} delivered different bytes")
             continue
         serves = [start([K, "serve", "--space", spaces[i], "--listen", addrs[i], "--token-file",
                          token, "--progress=none"], "serving") for i in range(m)] if m > 1 else []
@@ -299,25 +313,29 @@ def main():
               f"{r['poller_threads']:8d}  {r['note']}")
     if a.epochs >= 2:
         print("epochs >= 2 (per-epoch --json figures of every rank):")
-        print(f"{'mode':10} {'samples/s':>10} {'tier hit rate':>14}")
+        print(f"{'mode':10} {'samples/s':>10} {'tier hit rate':>14} {'pushed':>7}")
         for r in rows:
-            print(f"{r['mode']:10} {r['later_samples_per_s']:10.0f} {r['later_tier_hit_rate']:14.3f}")
-        print("per epoch, median over runs: samples/s (tier hit rate)")
+            print(f"{r['mode']:10} {r['later_samples_per_s']:10.0f} {r['later_tier_hit_rate']:14.3f} "
+                  f"{r['later_pushed']:7.3f}")
+        print("per epoch, median over runs: samples/s (tier hit rate, pushed)")
         modes = (rows[0]["mode"], rows[1]["mode"])
-        print(f"{'epoch':>5} {modes[0]:>18} {modes[1]:>18} {'speed ratio':>12}")
+        print(f"{'epoch':>5} {modes[0]:>24} {modes[1]:>24} {'speed ratio':>12}")
         for i in range(a.epochs):
             cell = {}
             for mode in modes:
                 rs = [r["by_epoch"][i] for r in rows if r["mode"] == mode]
-                cell[mode] = (median([x[0] for x in rs]), median([x[1] for x in rs]))
+                cell[mode] = tuple(median([x[k] for x in rs]) for k in range(3))
             ratio = median([att["by_epoch"][i][0] / emb["by_epoch"][i][0]
                             for emb, att in zip(rows[0::2], rows[1::2])])
-            print(f"{i + 1:>5} {cell[modes[0]][0]:10.0f} ({cell[modes[0]][1]:.3f}) "
-                  f"{cell[modes[1]][0]:10.0f} ({cell[modes[1]][1]:.3f}) {ratio:12.2f}")
+            print(f"{i + 1:>5} {cell[modes[0]][0]:10.0f} ({cell[modes[0]][1]:.3f}, {cell[modes[0]][2]:.3f}) "
+                  f"{cell[modes[1]][0]:10.0f} ({cell[modes[1]][1]:.3f}, {cell[modes[1]][2]:.3f}) {ratio:12.2f}")
         pairs = [(rows[i], rows[i + 1]) for i in range(0, len(rows), 2)]
         speed = [att["later_samples_per_s"] / emb["later_samples_per_s"] for emb, att in pairs]
         print(f"{modes[1]} / {modes[0]}, epochs >= 2, samples/s per run: "
               + " ".join(f"{x:.2f}" for x in speed) + f"; median {median(speed):.2f}")
+        pushed = [(emb["later_pushed"], att["later_pushed"]) for emb, att in pairs]
+        print(f"pushed by other nodes, epochs >= 2, {modes[0]} -> {modes[1]} per run: "
+              + " ".join(f"{x:.3f}->{y:.3f}" for x, y in pushed))
         if tier_total:
             hits = [att["later_tier_hit_rate"] / max(emb["later_tier_hit_rate"], 1e-9)
                     for emb, att in pairs]

@@ -191,7 +191,19 @@ fn open_space(cfg: &AgentConfig) -> Result<OpenSpace> {
     // rank can write) and served to every other rank. In a cluster,
     // members this node does not hold are filled when their owners push
     // them (the network thread) and then served from memory.
-    let tier = Tier::new_checked(space.catalog(), cfg.tier_bytes, cfg.tier_mlock)?;
+    // In a cluster the samples other nodes hold come first: a hit on one
+    // saves a push, a hit on a local one only an NVMe read.
+    let tier = if cfg.cluster.is_some() {
+        Tier::preferring(
+            space.catalog(),
+            cfg.tier_bytes,
+            cfg.tier_mlock,
+            true,
+            &|id| space.location(id).is_none(),
+        )?
+    } else {
+        Tier::new_checked(space.catalog(), cfg.tier_bytes, cfg.tier_mlock)?
+    };
     if let Some(t) = &tier {
         log::info!(
             "agent: node memory tier of {} samples, {} bytes, shared by the ranks of one user at a time",

@@ -1055,6 +1055,15 @@ impl LoaderBuilder {
             _ if self.agent_input.as_ref().is_some_and(|a| a.tier.is_some()) => {
                 self.agent_input.as_ref().and_then(|a| a.tier.clone())
             }
+            // In cluster mode the samples other nodes hold come first.
+            Input::Space { space, .. } if self.cluster.is_some() => Tier::preferring(
+                input.catalog(),
+                self.tier_bytes,
+                landing.mlock,
+                false,
+                &|id| space.location(id).is_none(),
+            )?
+            .map(Arc::new),
             _ => Tier::new(input.catalog(), self.tier_bytes, landing.mlock)?.map(Arc::new),
         };
         if let Some(t) = tier.as_ref().filter(|_| self.agent_input.is_none()) {

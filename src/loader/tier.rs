@@ -5,7 +5,10 @@
 //! gives a hit rate equal to the fraction that fits.
 //!
 //! Membership: samples in id order until the budget is used (a sample's slot
-//! is its length rounded up to 64 bytes). A member is filled the first time a
+//! is its length rounded up to 64 bytes). In cluster mode the samples this
+//! node does not hold come first ([`Tier::preferring`]): a hit on one of them
+//! saves a push from another node, a hit on a local one only a read of the
+//! local NVMe. A member is filled the first time a
 //! poller reads it from disk or, in cluster mode, its owner pushes it (one
 //! copy from the landing ring), and served by a copy into the ring ever
 //! after: by a poller when this node holds it, else by the network thread
@@ -53,7 +56,33 @@ impl Tier {
     /// Chooses members of `catalog` for a budget of `budget_bytes`, and maps
     /// (and locks, if `mlock`) the memory.
     pub fn new(catalog: &Catalog, budget_bytes: u64, mlock: bool) -> Result<Option<Tier>> {
-        Self::build(catalog, budget_bytes, mlock, false)
+        Self::build(catalog, budget_bytes, mlock, false, None)
+    }
+
+    /// As [`Tier::new`] (`checked`: [`Tier::new_checked`]), the samples for
+    /// which `first` is true chosen before the others (each group in id
+    /// order): in cluster mode, those this node does not hold. Unless
+    /// `KSPEED_TIER_MEMBERS=ids` asks for plain id order (for measuring the
+    /// two side by side).
+    pub(crate) fn preferring(
+        catalog: &Catalog,
+        budget_bytes: u64,
+        mlock: bool,
+        checked: bool,
+        first: &dyn Fn(u64) -> bool,
+    ) -> Result<Option<Tier>> {
+        let ids_only = match std::env::var("KSPEED_TIER_MEMBERS").as_deref() {
+            Ok("ids") => true,
+            Ok("remote-first") | Err(_) => false,
+            Ok(other) => {
+                log::warn!(
+                    "KSPEED_TIER_MEMBERS={other:?} is neither ids nor remote-first; using remote-first"
+                );
+                false
+            }
+        };
+        let first = (!ids_only).then_some(first);
+        Self::build(catalog, budget_bytes, mlock, checked, first)
     }
 
     /// As [`Tier::new`], for a tier shared by several ranks whose rings it
@@ -62,7 +91,7 @@ impl Tier {
     /// of the catalog kept), and copies to and from rings go through the
     /// kernel ([`crate::sys::copy_faultable`]).
     pub fn new_checked(catalog: &Catalog, budget_bytes: u64, mlock: bool) -> Result<Option<Tier>> {
-        Self::build(catalog, budget_bytes, mlock, true)
+        Self::build(catalog, budget_bytes, mlock, true, None)
     }
 
     fn build(
@@ -70,22 +99,36 @@ impl Tier {
         budget_bytes: u64,
         mlock: bool,
         checked: bool,
+        first: Option<&dyn Fn(u64) -> bool>,
     ) -> Result<Option<Tier>> {
         if budget_bytes == 0 {
             return Ok(None);
         }
         let mut offsets = vec![NOT_MEMBER; catalog.len() as usize];
         let (mut used, mut members, mut member_bytes) = (0u64, 0u64, 0u64);
-        for id in 0..catalog.len() {
-            let len = catalog.sample(id).len as u64;
-            let slot = len.next_multiple_of(64);
-            if used + slot > budget_bytes {
-                continue;
+        // With `first`: its samples in a first pass, the rest in a second.
+        let passes: &[Option<bool>] = if first.is_some() {
+            &[Some(true), Some(false)]
+        } else {
+            &[None]
+        };
+        for &pass in passes {
+            for id in 0..catalog.len() {
+                if let (Some(want), Some(f)) = (pass, first) {
+                    if f(id) != want {
+                        continue;
+                    }
+                }
+                let len = catalog.sample(id).len as u64;
+                let slot = len.next_multiple_of(64);
+                if used + slot > budget_bytes {
+                    continue;
+                }
+                offsets[id as usize] = used;
+                used += slot;
+                members += 1;
+                member_bytes += len;
             }
-            offsets[id as usize] = used;
-            used += slot;
-            members += 1;
-            member_bytes += len;
         }
         if used == 0 {
             return Ok(None);
@@ -281,6 +324,31 @@ mod tests {
         let cat = build(&spec, &dir.join("catalog"), &BuildOptions::default()).unwrap();
         // The catalog's ids follow the sorted file names.
         (cat, files)
+    }
+
+    /// In cluster mode the samples this node does not hold are members
+    /// first: with room for three of the eight, the three are the first of
+    /// those `first` picks, whatever comes before them in id order.
+    #[test]
+    fn members_the_node_does_not_hold_come_first() {
+        let t = tempfile::tempdir().unwrap();
+        let (cat, _) = catalog(t.path());
+        // Slots of 128 bytes (100-107 rounded up to 64): 3 fit in 384.
+        let remote = |id: u64| !id.is_multiple_of(3);
+        let tier = Tier::preferring(&cat, 384, false, true, &remote)
+            .unwrap()
+            .unwrap();
+        let members: Vec<u64> = (0..8).filter(|&id| tier.is_member(id)).collect();
+        assert_eq!(members, vec![1, 2, 4]);
+        // With room for all, the others follow.
+        let all = Tier::preferring(&cat, 1 << 20, false, true, &remote)
+            .unwrap()
+            .unwrap();
+        assert_eq!(all.members(), 8);
+        // Plain id order picks 0, 1, 2.
+        let plain = Tier::new_checked(&cat, 384, false).unwrap().unwrap();
+        let members: Vec<u64> = (0..8).filter(|&id| plain.is_member(id)).collect();
+        assert_eq!(members, vec![0, 1, 2]);
     }
 
     /// A checked tier (the agent's, filled from rings ranks can write)
