@@ -175,9 +175,10 @@ fn attached_ranks_in_a_cluster_deliver_what_embedded_ranks_do() {
         })
         .collect();
     let attached: Vec<_> = attached.into_iter().map(cluster_report).collect();
-    if !rdma() {
-        // Over TCP an agent's ranks share its network threads, each of
-        // which connects once to each other node: every connection a node
+    {
+        // An agent's ranks share its network threads (over TCP, and over
+        // RDMA with memory windows, as soft-RoCE has), each of which
+        // connects once to each other node: every connection a node
         // service took came from another agent's thread starting, none
         // from a rank.
         let count = |a: &Agent, what: &str| a.log.all().matches(what).count();

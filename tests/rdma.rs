@@ -667,6 +667,7 @@ fn memory_window_requests_through_the_work_queue_and_their_faults() {
     let bind = |wr_id, len, rkey| MwWr {
         wr_id,
         op: MwOp::Bind {
+            region: 0,
             window: 0,
             addr: rmr.addr() + 8192,
             len,
@@ -735,6 +736,7 @@ fn memory_window_requests_through_the_work_queue_and_their_faults() {
             inv(4, k2),
             MwWr {
                 op: MwOp::Bind {
+                    region: 0,
                     window: 1,
                     addr: rmr.addr(),
                     len: 64,

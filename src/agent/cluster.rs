@@ -10,10 +10,11 @@
 //!   ranks alike): the node service (`kspeed serve`'s, `NodeService`),
 //!   started by `super::node::run` when given an address to listen on.
 //!
-//! Over TCP the ranks' loaders share one network thread and one link to
-//! each other node (`crate::loader::net::NetHub`); over RDMA each rank's
-//! loader still opens its own connection (and queue pair) to every other
-//! node, from the agent's process.
+//! The ranks' loaders share the agent's network threads (`--net-threads`,
+//! default 1), each with one link to each other node
+//! (`crate::loader::net::NetHub`), over TCP, and over RDMA where the device
+//! has memory windows (else each rank's loader opens its own connection and
+//! queue pair to every other node, from the agent's process).
 
 use std::time::Duration;
 
@@ -41,22 +42,33 @@ pub struct AgentCluster {
 }
 
 impl AgentCluster {
-    /// Whether the ranks share one link per other node: over TCP, unless
-    /// `KSPEED_AGENT_LINKS=per-rank` asks for a connection per rank (for
-    /// measuring the two side by side).
+    /// Whether the ranks share the agent's links (one per other node per
+    /// network thread): unless `KSPEED_AGENT_LINKS=per-rank` asks for a
+    /// connection per rank (for measuring the two side by side), or the
+    /// RDMA device has no memory windows (one key per ring cannot open
+    /// several rings to one link: said at WARN).
     pub(super) fn shared_links(&self) -> bool {
-        if self.rdma.is_some() {
-            return false;
-        }
         match std::env::var("KSPEED_AGENT_LINKS").as_deref() {
-            Ok("per-rank") => false,
-            Ok("shared") | Err(_) => true,
-            Ok(other) => {
-                log::warn!(
-                    "KSPEED_AGENT_LINKS={other:?} is neither shared nor per-rank; sharing links"
-                );
-                true
-            }
+            Ok("per-rank") => return false,
+            Ok("shared") | Err(_) => {}
+            Ok(other) => log::warn!(
+                "KSPEED_AGENT_LINKS={other:?} is neither shared nor per-rank; sharing links"
+            ),
+        }
+        match &self.rdma {
+            None => true,
+            #[cfg(feature = "rdma")]
+            Some(opts) => match crate::loader::net::shared_links_usable(opts) {
+                Ok(()) => true,
+                Err(why) => {
+                    log::warn!(
+                        "agent: each rank gets its own RDMA links (no memory windows: {why})"
+                    );
+                    false
+                }
+            },
+            #[cfg(not(feature = "rdma"))]
+            Some(_) => false,
         }
     }
 

@@ -495,7 +495,7 @@ impl Run {
             }
             let len = self.samples[i].len as u32;
             let phys = (slot * self.chunk) as u64;
-            let Some((rkey, window)) = self.rx.open_range(slot, phys, len) else {
+            let Some((rkey, window)) = self.rx.open_range(slot, 0, phys, len) else {
                 break; // every window in use
             };
             assert_eq!(window == NONE, !self.windows);

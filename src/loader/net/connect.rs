@@ -40,13 +40,7 @@ pub(crate) struct Connections<R: Receive> {
 /// Over RDMA the landing ring `ring` (address, length) is registered for
 /// remote write first, and every connection gets its queue pair.
 pub(crate) fn connect_all(setup: &mut NetSetup, ring: &LandingRing) -> Result<Connected> {
-    if setup.token.is_empty() || setup.token.len() > proto::MAX_TOKEN_BYTES {
-        return Err(Error::InvalidConfig(format!(
-            "the job token has {} bytes; it must have 1 to {} (the HELLO frame's limit)",
-            setup.token.len(),
-            proto::MAX_TOKEN_BYTES
-        )));
-    }
+    check_token(setup)?;
     match setup.rdma.clone() {
         None => Ok(Connected::Tcp(connect_with::<TcpRx>(setup, ())?)),
         #[cfg(feature = "rdma")]
@@ -62,6 +56,38 @@ pub(crate) fn connect_all(setup: &mut NetSetup, ring: &LandingRing) -> Result<Co
             ))
         }
     }
+}
+
+/// [`connect_all`] for a node agent's shared links (`hub.rs`): no ring yet
+/// (each rank's joins as a lane); the HELLO announces
+/// [`super::lanes::SHARED_RING_BASE`] and [`super::lanes::SHARED_RING_LEN`].
+pub(crate) fn connect_shared(setup: &mut NetSetup) -> Result<Connected> {
+    check_token(setup)?;
+    setup.hello.ring_len = super::lanes::SHARED_RING_LEN;
+    match setup.rdma.clone() {
+        None => Ok(Connected::Tcp(connect_with::<TcpRx>(setup, ())?)),
+        #[cfg(feature = "rdma")]
+        Some(opts) => {
+            let common = RdmaRx::open_shared(&opts, &mut setup.hello)?;
+            Ok(Connected::Rdma(connect_with::<RdmaRx>(setup, common)?))
+        }
+        #[cfg(not(feature = "rdma"))]
+        Some(_) => Err(Error::InvalidConfig(
+            "this kspeed was built without the `rdma` feature: no RDMA transport".into(),
+        )),
+    }
+}
+
+/// The job token fits a HELLO.
+fn check_token(setup: &NetSetup) -> Result<()> {
+    if setup.token.is_empty() || setup.token.len() > proto::MAX_TOKEN_BYTES {
+        return Err(Error::InvalidConfig(format!(
+            "the job token has {} bytes; it must have 1 to {} (the HELLO frame's limit)",
+            setup.token.len(),
+            proto::MAX_TOKEN_BYTES
+        )));
+    }
+    Ok(())
 }
 
 /// One node's connection and its WELCOME, or why there is none.

@@ -133,7 +133,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
     /// (invalidated): its grant is over now.
     pub(super) fn on_window_closed(&mut self, i: usize, m: u32, idx: u32) {
         let node = self.conns[i].node;
-        if idx == NONE {
+        if idx == NONE || !self.activate(idx as usize >> self.lane_shift) {
             return;
         }
         let idx = self.activate_entry(idx as usize);
@@ -462,7 +462,11 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         let placement = self.placement;
         let now = self.ring.now();
         let placed = self.l.sh.input.placed_id(s.id);
-        let (entry, grant) = (self.entry(idx), self.grant_id(s.g));
+        let (entry, grant, lane) = (self.entry(idx), self.grant_id(s.g), self.active);
+        let offset = match self.lane_regs.get(lane).and_then(Option::as_ref) {
+            Some(reg) => R::wire_offset(reg, s.phys),
+            None => s.phys,
+        };
         for r in 0..placement.replicas {
             if s.tried & (1 << r) != 0 {
                 continue;
@@ -479,7 +483,12 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             }
             // RDMA windows mode: a window for exactly this range, bound
             // (with the rest of the frame's) before the frame goes out.
-            let Some((rkey, mw)) = c.data.as_mut().expect("live").open(entry, s.phys, s.len) else {
+            let Some((rkey, mw)) = c
+                .data
+                .as_mut()
+                .expect("live")
+                .open(entry, lane, s.phys, s.len)
+            else {
                 return false;
             };
             if mw != NONE {
@@ -490,7 +499,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                 grant,
                 len: s.len,
                 sample: s.id,
-                offset: s.phys,
+                offset,
                 rkey,
             }
             .encode_into(&mut e);

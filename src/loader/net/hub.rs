@@ -19,18 +19,13 @@ use std::sync::{Arc, Mutex};
 use crossbeam_channel::{Receiver, Sender, TrySendError};
 
 use super::super::Shared;
-use super::connect::{connect_all, Connected};
+use super::connect::{connect_shared, Connected};
 use super::lanes::{LaneLeft, MAX_LANES, SHARED_LANE_SHIFT};
 use super::tcp::TcpRx;
 use super::{Lane, NetSetup, Receive, Thread};
 use crate::error::{Error, Result};
 use crate::ring::IoBackend;
 use crate::sys::EventFd;
-
-/// The ring length a shared link announces in its HELLO: every lane's
-/// offsets lie below it (each lane's own ring is checked by the lane,
-/// against its grants, before a payload byte lands).
-pub(crate) const SHARED_RING_LEN: u64 = 1 << 48;
 
 /// A lane joining: its loader's run, and what tells the loader it left.
 type Join = (Arc<Shared>, LaneLeft);
@@ -119,11 +114,6 @@ impl HubSlot {
         setup: &NetSetup,
         sh: Arc<Shared>,
     ) -> Result<Receiver<()>> {
-        if setup.rdma.is_some() {
-            return Err(Error::InvalidConfig(
-                "a shared network thread carries TCP links only".into(),
-            ));
-        }
         let (tx, rx) = crossbeam_channel::bounded(1);
         // Counted before the check, so two joins cannot both pass it.
         let n = self.lanes.fetch_add(1, Ordering::AcqRel);
@@ -149,20 +139,25 @@ impl HubSlot {
         };
         *running = None;
         let mut s = setup.clone();
-        s.hello.ring_len = SHARED_RING_LEN;
-        // One arm without the `rdma` feature.
-        #[allow(clippy::infallible_destructuring_match)]
-        let conns = match connect_all(&mut s, &sh.ring)? {
-            Connected::Tcp(c) => c,
-            #[cfg(feature = "rdma")]
-            Connected::Rdma(_) => unreachable!("no RDMA options"),
-        };
+        let connected = connect_shared(&mut s)?;
         let peers = s.cluster.nodes.len().saturating_sub(1);
-        let mut t = Thread::<TcpRx>::new(sh, Arc::new(s), conns)?;
-        let jtx = self.share(&mut t, left);
+        let s = Arc::new(s);
+        let (run, jtx): (Box<dyn FnOnce() + Send>, _) = match connected {
+            Connected::Tcp(c) => {
+                let mut t = Thread::<TcpRx>::new(sh, s, c)?;
+                let jtx = self.share(&mut t, left)?;
+                (Box::new(move || t.run()), jtx)
+            }
+            #[cfg(feature = "rdma")]
+            Connected::Rdma(c) => {
+                let mut t = Thread::<super::rdma::RdmaRx>::new(sh, s, c)?;
+                let jtx = self.share(&mut t, left)?;
+                (Box::new(move || t.run()), jtx)
+            }
+        };
         std::thread::Builder::new()
             .name("kspeed-net-agent".into())
-            .spawn(move || t.run())
+            .spawn(run)
             .map_err(|e| Error::ThreadSpawn {
                 thread: "network",
                 source: e.into(),
@@ -180,7 +175,7 @@ impl HubSlot {
         self: &Arc<Self>,
         t: &mut Thread<R, I>,
         left: LaneLeft,
-    ) -> Sender<Join> {
+    ) -> Result<Sender<Join>> {
         assert!(
             t.l.table.len() <= 1 << SHARED_LANE_SHIFT,
             "grant table of {} entries on a shared thread",
@@ -194,7 +189,9 @@ impl HubSlot {
             slot: self.clone(),
             joins: jrx,
         });
-        jtx
+        t.lane_regs = (0..MAX_LANES).map(|_| None).collect();
+        t.admit_ring()?;
+        Ok(jtx)
     }
 
     /// The simulator's shared thread: `t`, built over its first lane by
@@ -209,7 +206,9 @@ impl HubSlot {
         let (tx, rx) = crossbeam_channel::bounded(1);
         self.lanes.fetch_add(1, Ordering::AcqRel);
         let left = LaneLeft::new(tx, self.lanes.clone());
-        let jtx = self.share(t, left);
+        let jtx = self
+            .share(t, left)
+            .expect("sim: a TCP lane needs no registration");
         *self.running.lock().unwrap_or_else(|p| p.into_inner()) = Some(jtx);
         rx
     }

@@ -33,6 +33,16 @@ use crate::ring::IoBackend;
 pub(crate) const MAX_LANES: usize = 64;
 /// Where a shared thread's grant ids put the lane index.
 pub(super) const SHARED_LANE_SHIFT: u32 = 25;
+/// The ring a shared link announces in its HELLO: at this address, this
+/// long (the whole user address space above its first page, where no ring
+/// can be). Over TCP a DATA frame is placed by its grant, the offset only
+/// checked against the lane's; over RDMA a grant's offset is its ring's
+/// address minus this plus the sample's place, and the window bound to
+/// exactly that range is what opens it.
+#[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+pub(crate) const SHARED_RING_BASE: u64 = 4096;
+/// See [`SHARED_RING_BASE`].
+pub(crate) const SHARED_RING_LEN: u64 = 1 << 57;
 
 /// Held by a lane of a shared thread; dropped with it. The loader waits
 /// for the channel to close; the hub counts the lanes.
@@ -150,11 +160,17 @@ impl Drop for Lane {
     }
 }
 
-/// Ring address of `entry` (lane and table index, [`Thread::entry`]) plus
-/// `plus` bytes, `l` being the active lane `active` and `lanes` the others:
-/// where a DATA payload for it is received.
-pub(super) fn entry_ptr(l: &Lane, lanes: &[Option<Lane>], active: usize, entry: usize) -> *mut u8 {
-    let lane = entry >> 32;
+/// Ring address of `entry` (lane and table index, [`Thread::entry`], the
+/// lane from bit `lane_shift` up), `l` being the active lane `active` and
+/// `lanes` the others: where the rest of a DATA payload for it is received.
+pub(super) fn entry_ptr(
+    l: &Lane,
+    lanes: &[Option<Lane>],
+    active: usize,
+    lane_shift: u32,
+    entry: usize,
+) -> *mut u8 {
+    let lane = entry >> lane_shift;
     let lane = if lane == active {
         l
     } else {
@@ -162,7 +178,7 @@ pub(super) fn entry_ptr(l: &Lane, lanes: &[Option<Lane>], active: usize, entry: 
             .as_ref()
             .expect("a payload for a lane that left")
     };
-    let s = &lane.table[entry & 0xffff_ffff];
+    let s = &lane.table[entry & ((1 << lane_shift) - 1)];
     super::ring_ptr(&lane.sh.ring, s.phys + s.received as u64)
 }
 
@@ -203,16 +219,18 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         ((self.active as u32) << self.lane_shift) | (g as u32 & low)
     }
 
-    /// Table index `idx` of the active lane as an entry naming its lane.
+    /// Table index `idx` of the active lane as an entry naming its lane
+    /// (the lane from bit `lane_shift` up, as in grant ids: below 2^31, so
+    /// it fits the u32 an RDMA window keeps).
     pub(super) fn entry(&self, idx: usize) -> usize {
-        (self.active << 32) | idx
+        (self.active << self.lane_shift) | idx
     }
 
     /// Makes `entry`'s lane active; its table index.
     pub(super) fn activate_entry(&mut self, entry: usize) -> usize {
-        let ok = self.activate(entry >> 32);
+        let ok = self.activate(entry >> self.lane_shift);
         debug_assert!(ok, "an entry of a lane that left");
-        entry & 0xffff_ffff
+        entry & ((1 << self.lane_shift) - 1)
     }
 
     /// A shared thread: takes the lanes that joined and lets go of those
@@ -220,13 +238,22 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
     /// thread is to stop (no lane left and none joining).
     pub(super) fn lanes_tick(&mut self) -> bool {
         let now = self.ring.now();
-        let Some(hub) = &self.hub else {
+        if self.hub.is_none() {
             return false;
-        };
-        while let Some((sh, left)) = hub.try_join() {
+        }
+        while let Some((sh, left)) = self.hub.as_ref().and_then(|h| h.try_join()) {
             let free = (0..self.lanes.len()).find(|&k| k != self.active && self.lanes[k].is_none());
             let free = free.expect("the hub admits at most MAX_LANES lanes");
             self.lanes[free] = Some(Lane::new(sh, now, Some(left)));
+            let ok = self.activate(free);
+            debug_assert!(ok, "the lane just placed");
+            if let Err(e) = self.admit_ring() {
+                // Its loader fails with why; the lane leaves at once (it
+                // granted nothing) below.
+                log::error!("agent network thread: a rank's ring cannot join: {e}");
+                self.l.sh.fail_run(e);
+                self.l.leave();
+            }
         }
         for k in 0..self.lanes.len() {
             if !self.activate(k) {
@@ -238,7 +265,9 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             if !self.l.leaving || !self.l.drained() {
                 continue;
             }
-            // Drop it: swap another lane in, or stop with none left.
+            // Drop it (its ring's registration first: no window of its is
+            // bound any more): swap another lane in, or stop with none left.
+            self.release_ring(k);
             match (0..self.lanes.len()).find(|&j| self.lanes[j].is_some()) {
                 Some(j) => {
                     let next = self.lanes[j].take().expect("found");
@@ -254,6 +283,44 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             }
         }
         false
+    }
+
+    /// A shared thread: gives every connection the active lane's ring
+    /// (RDMA: registers it, for windows to bind over).
+    pub(super) fn admit_ring(&mut self) -> crate::error::Result<()> {
+        let reg = R::register_ring(&self.common, &self.l.sh.ring)?;
+        for c in &mut self.conns {
+            if let Some(d) = c.data.as_mut() {
+                d.set_ring(self.active, Some(&reg));
+            }
+        }
+        self.lane_regs[self.active] = Some(reg);
+        Ok(())
+    }
+
+    /// Takes lane `k`'s ring back from every connection and drops its
+    /// registration (no window of it is bound: its grants are over).
+    fn release_ring(&mut self, k: usize) {
+        for c in &mut self.conns {
+            if let Some(d) = c.data.as_mut() {
+                d.set_ring(k, None);
+            }
+        }
+        if let Some(r) = self.lane_regs.get_mut(k) {
+            *r = None;
+        }
+    }
+
+    /// A new connection (redialled) gets every lane's ring.
+    pub(super) fn give_rings(&mut self, i: usize) {
+        let Some(d) = self.conns[i].data.as_mut() else {
+            return;
+        };
+        for (k, reg) in self.lane_regs.iter().enumerate() {
+            if let Some(reg) = reg {
+                d.set_ring(k, Some(reg));
+            }
+        }
     }
 
     /// Whether the active lane's loader stopped (a loader's own thread

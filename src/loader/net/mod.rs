@@ -104,6 +104,8 @@ use grants::AfterInv;
 pub(crate) use grants::NONE;
 pub(crate) use hub::{HubSlot, NetHub};
 use lanes::Lane;
+#[cfg(feature = "rdma")]
+pub(crate) use rdma::shared_links_usable;
 pub(crate) use retry::ConnectError;
 #[cfg(test)]
 pub(crate) use tcp::TcpRx as SimRx;
@@ -459,10 +461,26 @@ pub(crate) trait Receive: Sized + Send + 'static {
     /// [`Receive::wake_fd`] became readable: takes its events.
     fn woke(common: &Self::Common);
 
-    /// Opens ring range `[phys, phys + len)` for grant-table entry `entry`:
-    /// the remote key its GRANT entry carries and the window it holds
-    /// (`NONE`: none). `None`: no room now (all windows in use).
-    fn open(&mut self, entry: usize, phys: u64, len: u32) -> Option<(u32, u32)>;
+    /// Opens ring range `[phys, phys + len)` of lane `lane`'s ring for
+    /// grant-table entry `entry`: the remote key its GRANT entry carries
+    /// and the window it holds (`NONE`: none). `None`: no room now (all
+    /// windows in use).
+    fn open(&mut self, entry: usize, lane: usize, phys: u64, len: u32) -> Option<(u32, u32)>;
+
+    /// What a shared thread (`hub.rs`) keeps of each lane's ring for its
+    /// links (RDMA: its registration, which windows bind over).
+    type RingReg: Send;
+
+    /// Registers a joining lane's `ring` with the thread's `common`.
+    fn register_ring(common: &Self::Common, ring: &LandingRing) -> Result<Self::RingReg>;
+
+    /// The GRANT entry offset of `phys` in the ring of `reg`, on a shared
+    /// link: where the owner writes is the HELLO's ring address plus it.
+    fn wire_offset(reg: &Self::RingReg, phys: u64) -> u64;
+
+    /// Gives this connection lane `lane`'s ring (`None`: takes it back,
+    /// once no window of its is bound).
+    fn set_ring(&mut self, lane: usize, reg: Option<&Self::RingReg>);
 
     /// Makes the ranges opened since the last call usable before their
     /// GRANT frame goes out: true when the frame must wait for
@@ -736,6 +754,10 @@ pub(crate) struct Thread<R: Receive, I: IoBackend = Uring> {
     common: R::Common,
     /// A poll on the data path's wake descriptor is in the ring.
     chan_inflight: bool,
+    /// A shared thread's lanes' rings as its links know them (RDMA: their
+    /// registrations), by lane index: dropped before the lanes and their
+    /// rings, after the connections.
+    lane_regs: Vec<Option<R::RingReg>>,
     /// The lane being worked on (a loader's run: its schedule, flow
     /// control and grant table); a shared thread's others wait in `lanes`
     /// (`lanes.rs`).
@@ -856,6 +878,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             progress_slack: Duration::from_secs_f64(
                 sh.input.max_sample_bytes() as f64 / MIN_PROGRESS_BYTES_PER_SEC as f64,
             ),
+            lane_regs: Vec::new(),
             l: Lane::new(sh, now, None),
             lanes: Vec::new(),
             active: 0,

@@ -58,8 +58,13 @@ const WR_INV: u64 = WR_SEND | 1 << 61;
 /// that rkey: said once at WARN.
 pub(crate) struct ConsumerRdma {
     opts: crate::transport::RdmaOptions,
-    /// Shared with each connection's queue, whose windows bind over it.
+    /// Shared with each connection's queue, whose windows bind over it (a
+    /// node agent's shared links: a page of `_placeholder`, over which
+    /// nothing is bound; each rank's ring is registered as it joins).
     ring_mr: Arc<rdma::Mr>,
+    /// The page a shared link's `ring_mr` registers (after it: freed
+    /// after the registration).
+    _placeholder: Option<Box<[u8]>>,
     /// Per-grant memory windows (see above).
     windows: bool,
     /// A GPU ring's dma-buf, kept open while it is registered.
@@ -74,7 +79,7 @@ impl ConsumerRdma {
         let ctx = Context::open(opts.device.as_deref(), opts.port, opts.gid_index)?;
         let pd = Pd::new(&ctx)?;
         let channel = CompChannel::new(&ctx)?;
-        let windows = match windows_usable(&ctx, &pd, ring) {
+        let windows = match windows_usable(&ctx, &pd, Some(ring)) {
             Ok(()) => true,
             Err(why) => {
                 log::warn!(
@@ -110,6 +115,7 @@ impl ConsumerRdma {
         Ok(ConsumerRdma {
             opts: opts.clone(),
             ring_mr: Arc::new(ring_mr),
+            _placeholder: None,
             windows,
             _dmabuf: dmabuf,
             channel,
@@ -117,6 +123,54 @@ impl ConsumerRdma {
             ctx,
         })
     }
+}
+
+impl ConsumerRdma {
+    /// A node agent's shared links (`hub.rs`): the device, a protection
+    /// domain and the completion channel, no ring yet (each joining rank's
+    /// is registered as a lane, [`Receive::register_ring`]). Needs memory
+    /// windows: one key per ring cannot open several rings to one link.
+    fn open_shared(opts: &crate::transport::RdmaOptions) -> Result<Self> {
+        let ctx = Context::open(opts.device.as_deref(), opts.port, opts.gid_index)?;
+        let pd = Pd::new(&ctx)?;
+        let channel = CompChannel::new(&ctx)?;
+        if let Err(why) = windows_usable(&ctx, &pd, None) {
+            return Err(Error::Rdma {
+                op: "share the agent's links",
+                detail: format!(
+                    "no memory windows ({why}); give each rank its own links \
+                     (KSPEED_AGENT_LINKS=per-rank)"
+                ),
+            });
+        }
+        let mut page = vec![0u8; 4096].into_boxed_slice();
+        // SAFETY: the page lives in this struct, freed after the
+        // registration (field order); it is registered for binding only
+        // and no window is ever bound over it.
+        let ring_mr =
+            unsafe { Mr::register(&pd, page.as_mut_ptr(), page.len(), Access::WindowsOnly) }?;
+        Ok(ConsumerRdma {
+            opts: opts.clone(),
+            ring_mr: Arc::new(ring_mr),
+            _placeholder: Some(page),
+            windows: true,
+            _dmabuf: None,
+            channel,
+            pd,
+            ctx,
+        })
+    }
+}
+
+/// Whether a node agent can share its RDMA links among its ranks: the
+/// device `opts` names has memory windows (`Err`: why not).
+pub(crate) fn shared_links_usable(
+    opts: &crate::transport::RdmaOptions,
+) -> std::result::Result<(), String> {
+    let ctx = Context::open(opts.device.as_deref(), opts.port, opts.gid_index)
+        .map_err(|e| e.to_string())?;
+    let pd = Pd::new(&ctx).map_err(|e| e.to_string())?;
+    windows_usable(&ctx, &pd, None)
 }
 
 /// Whether grants get memory windows: the device offers type 2B windows
@@ -127,12 +181,12 @@ impl ConsumerRdma {
 fn windows_usable(
     ctx: &rdma::Context,
     pd: &Arc<rdma::Pd>,
-    ring: &LandingRing,
+    ring: Option<&LandingRing>,
 ) -> std::result::Result<(), String> {
     if std::env::var_os("KSPEED_RDMA_WINDOWS").is_some_and(|v| v == "0") {
         return Err("KSPEED_RDMA_WINDOWS=0".into());
     }
-    if ring.device().is_some() {
+    if ring.is_some_and(|r| r.device().is_some()) {
         return Err("the landing ring is GPU memory".into());
     }
     ctx.windows_supported(RDMA_WINDOWS)?;
@@ -213,6 +267,10 @@ pub(crate) struct RdmaRx<Q: WorkQueue = VerbsQueue> {
     /// no windows.
     ring_addr: u64,
     ring_rkey: u32,
+    /// A node agent's shared link: each lane's ring address by lane index
+    /// (0: none), its windows bound over region `lane + 1` of the queue
+    /// ([`Receive::set_ring`]); empty on a loader's own link.
+    lane_addrs: Vec<u64>,
     /// Windows mode: the rkey each window was last bound under, the table
     /// entry each opens (`NONE` when free), the free ones. Empty: no
     /// windows.
@@ -274,6 +332,7 @@ impl<Q: WorkQueue> RdmaRx<Q> {
             rwrs: Vec::with_capacity(RDMA_RECVS),
             ring_addr,
             ring_rkey,
+            lane_addrs: Vec::new(),
             mw_rkey: window_rkeys.to_vec(),
             mw_entry: vec![NONE; n],
             free_mws: (0..n as u32).rev().collect(),
@@ -460,6 +519,22 @@ impl RdmaRx {
     /// Opens the verbs resources of a launch (see [`ConsumerRdma`]) and
     /// puts the ring's address, key (none in windows mode: each GRANT entry
     /// carries its window's) and the RDMA transport in `hello`.
+    /// A node agent's shared links (see [`ConsumerRdma::open_shared`]):
+    /// `hello` announces a ring at [`super::lanes::SHARED_RING_BASE`] as long
+    /// as the address space, each grant's offset placing it in its rank's
+    /// ring, whose window is what opens it.
+    pub(super) fn open_shared(
+        opts: &crate::transport::RdmaOptions,
+        hello: &mut Hello,
+    ) -> Result<Arc<ConsumerRdma>> {
+        let r = Arc::new(ConsumerRdma::open_shared(opts)?);
+        hello.ring_addr = super::lanes::SHARED_RING_BASE;
+        hello.ring_len = super::lanes::SHARED_RING_LEN;
+        hello.rkey = 0;
+        hello.transport = proto::TRANSPORT_RDMA;
+        Ok(r)
+    }
+
     pub(super) fn open(
         opts: &crate::transport::RdmaOptions,
         ring: &LandingRing,
@@ -506,10 +581,26 @@ impl<Q: WorkQueue> RdmaRx<Q> {
     }
 
     /// [`Receive::open`].
-    pub(crate) fn open_range(&mut self, entry: usize, phys: u64, len: u32) -> Option<(u32, u32)> {
+    pub(crate) fn open_range(
+        &mut self,
+        entry: usize,
+        lane: usize,
+        phys: u64,
+        len: u32,
+    ) -> Option<(u32, u32)> {
         if self.mw_rkey.is_empty() {
             return Some((self.ring_rkey, NONE));
         }
+        let (region, base) = if self.lane_addrs.is_empty() {
+            (0, self.ring_addr)
+        } else {
+            let base = self.lane_addrs.get(lane).copied().unwrap_or(0);
+            debug_assert!(base != 0, "a grant of lane {lane}, which has no ring here");
+            if base == 0 {
+                return None;
+            }
+            (lane as u32 + 1, base)
+        };
         // A window for exactly this range, bound (with the rest of the
         // frame's) before the frame goes out, under a key no earlier grant
         // had (the window is free: its invalidation completed).
@@ -521,7 +612,8 @@ impl<Q: WorkQueue> RdmaRx<Q> {
             wr_id: WR_BIND,
             op: MwOp::Bind {
                 window: m,
-                addr: self.ring_addr + phys,
+                region,
+                addr: base + phys,
                 len: len as u64,
                 rkey: k,
             },
@@ -719,8 +811,43 @@ impl Receive for RdmaRx {
         common.channel.drain();
     }
 
-    fn open(&mut self, entry: usize, phys: u64, len: u32) -> Option<(u32, u32)> {
-        self.open_range(entry, phys, len)
+    fn open(&mut self, entry: usize, lane: usize, phys: u64, len: u32) -> Option<(u32, u32)> {
+        self.open_range(entry, lane, phys, len)
+    }
+
+    type RingReg = Arc<rdma::Mr>;
+
+    fn register_ring(common: &Arc<ConsumerRdma>, ring: &LandingRing) -> Result<Arc<rdma::Mr>> {
+        if !common.windows || ring.device().is_some() {
+            return Err(Error::InvalidConfig(
+                "a shared RDMA link fills host rings through memory windows only".into(),
+            ));
+        }
+        // SAFETY: the ring outlives this registration: the thread drops a
+        // lane's registration (and every queue's reference to it, once no
+        // window is bound over it) before the lane and its ring; peers
+        // write it only through windows bound to granted ranges.
+        let mr = unsafe {
+            Mr::register(
+                &common.pd,
+                ring.as_mut_ptr(),
+                ring.len(),
+                Access::WindowsOnly,
+            )
+        }?;
+        Ok(Arc::new(mr))
+    }
+
+    fn wire_offset(reg: &Arc<rdma::Mr>, phys: u64) -> u64 {
+        reg.addr() - super::lanes::SHARED_RING_BASE + phys
+    }
+
+    fn set_ring(&mut self, lane: usize, reg: Option<&Arc<rdma::Mr>>) {
+        if self.lane_addrs.len() <= lane {
+            self.lane_addrs.resize(lane + 1, 0);
+        }
+        self.lane_addrs[lane] = reg.map_or(0, |r| r.addr());
+        self.queue.set_region(lane as u32 + 1, reg.cloned());
     }
 
     fn flush(&mut self) -> Result<bool> {

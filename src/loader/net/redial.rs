@@ -278,6 +278,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         // receive and send are back) and its grants were failed over.
         debug_assert!(!self.conns[i].rx.inflight() && !self.conns[i].tx_inflight);
         let was = std::mem::replace(&mut self.conns[i], conn);
+        self.give_rings(i);
         let now = self.ring.now();
         self.beats[i] = Beats {
             asked: false,

@@ -87,7 +87,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                 continue;
             }
             let fd = c.fd();
-            let (l, lanes, active) = (&self.l, &self.lanes, self.active);
+            let (l, lanes, active, shift) = (&self.l, &self.lanes, self.active, self.lane_shift);
             // SAFETY: the connection (and its boxed header/message buffers)
             // stays in `conns` until run() returns, which waits for this
             // receive (busy()); a payload goes to the granted, unpublished
@@ -95,7 +95,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             // receive is posted.
             unsafe {
                 c.rx.post(&mut self.ring, UD_RECV | i as u64, fd, |entry| {
-                    entry_ptr(l, lanes, active, entry)
+                    entry_ptr(l, lanes, active, shift, entry)
                 })
             };
         }

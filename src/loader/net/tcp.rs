@@ -52,9 +52,22 @@ impl Receive for TcpRx {
     fn woke(_: &()) {}
 
     /// Every grant's remote key is 0 (a DATA frame names its grant).
-    fn open(&mut self, _: usize, _: u64, _: u32) -> Option<(u32, u32)> {
+    fn open(&mut self, _: usize, _: usize, _: u64, _: u32) -> Option<(u32, u32)> {
         Some((0, NONE))
     }
+
+    /// A DATA frame names its grant: nothing to register.
+    type RingReg = ();
+
+    fn register_ring(_: &(), _: &crate::landing::LandingRing) -> Result<()> {
+        Ok(())
+    }
+
+    fn wire_offset(_: &(), phys: u64) -> u64 {
+        phys
+    }
+
+    fn set_ring(&mut self, _: usize, _: Option<&()>) {}
 
     fn flush(&mut self) -> Result<bool> {
         Ok(false)

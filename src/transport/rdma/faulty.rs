@@ -200,9 +200,14 @@ impl<Q: WorkQueue> WorkQueue for FaultyQueue<Q> {
             let op = match chain[j].op {
                 // Longer than any region: the device refuses the bind.
                 MwOp::Bind {
-                    window, addr, rkey, ..
+                    window,
+                    region,
+                    addr,
+                    rkey,
+                    ..
                 } => MwOp::Bind {
                     window,
+                    region,
                     addr,
                     len: 1 << 62,
                     rkey,

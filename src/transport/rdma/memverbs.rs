@@ -605,6 +605,7 @@ impl MemNic {
         let (j, ok) = match op {
             MwOp::Bind {
                 window,
+                region: index,
                 addr,
                 len,
                 rkey,
@@ -612,7 +613,9 @@ impl MemNic {
                 let e = &self.ends[side];
                 let j = window as usize;
                 let region = e.window_region;
-                let ok = j < e.windows.len()
+                // One region per end here (the windows' own).
+                let ok = index == 0
+                    && j < e.windows.len()
                     && !e.windows[j].valid
                     && rkey >> 8 == e.windows[j].rkey >> 8
                     && len <= u32::MAX as u64
@@ -988,6 +991,7 @@ mod tests {
             wr_id,
             op: MwOp::Bind {
                 window,
+                region: 0,
                 addr,
                 len,
                 rkey,

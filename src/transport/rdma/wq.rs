@@ -96,6 +96,10 @@ pub enum MwOp {
     Bind {
         /// The window.
         window: u32,
+        /// The region it binds over: an index among the queue's regions
+        /// (0: the one [`VerbsQueue::with_windows`] gave; others from
+        /// [`VerbsQueue::set_region`]).
+        region: u32,
         /// First byte.
         addr: u64,
         /// Bytes.
@@ -203,7 +207,7 @@ pub struct VerbsQueue {
     /// thread.
     mws: Vec<Mw>,
     /// The region the windows bind over (kept registered while they live).
-    mw_region: Option<Arc<Mr>>,
+    mw_regions: Vec<Option<Arc<Mr>>>,
     qp: Qp,
     cq: Arc<Cq>,
     sges: Vec<ibv_sge>,
@@ -222,7 +226,7 @@ impl VerbsQueue {
     pub fn new(qp: Qp, cq: Arc<Cq>, max_wr: usize) -> Self {
         VerbsQueue {
             mws: Vec::new(),
-            mw_region: None,
+            mw_regions: Vec::new(),
             qp,
             cq,
             sges: Vec::with_capacity(max_wr),
@@ -237,8 +241,19 @@ impl VerbsQueue {
     /// are [`Mw::rkey`].
     pub fn with_windows(mut self, region: Arc<Mr>, windows: Vec<Mw>) -> Self {
         self.mws = windows;
-        self.mw_region = Some(region);
+        self.mw_regions = vec![Some(region)];
         self
+    }
+
+    /// Sets region `k` that binds name ([`MwOp::Bind`]'s `region`), or
+    /// clears it (`None`) once no window is bound over it: a node agent's
+    /// shared link binds its windows over each attached rank's ring.
+    pub fn set_region(&mut self, k: u32, region: Option<Arc<Mr>>) {
+        let k = k as usize;
+        if self.mw_regions.len() <= k {
+            self.mw_regions.resize(k + 1, None);
+        }
+        self.mw_regions[k] = region;
     }
 }
 
@@ -305,12 +320,16 @@ impl WorkQueue for VerbsQueue {
             let mut wr = match w.op {
                 MwOp::Bind {
                     window,
+                    region,
                     addr,
                     len,
                     rkey,
                 } => {
-                    let (Some(mw), Some(mr)) = (self.mws.get(window as usize), &self.mw_region)
-                    else {
+                    let region = self
+                        .mw_regions
+                        .get(region as usize)
+                        .and_then(Option::as_ref);
+                    let (Some(mw), Some(mr)) = (self.mws.get(window as usize), region) else {
                         // A caller bug: nothing of the chain is posted.
                         return Err(PostError {
                             posted: 0,
