@@ -47,10 +47,9 @@ use std::time::Duration;
 use super::run_seeds;
 use crate::dataset::{Catalog, Placement, PreloadOptions, SourceSpec, Space};
 use crate::error::Error;
-use crate::landing::{CudaMode, LandingOptions, LandingRing};
 use crate::loader::net::{sim_connections, NetSetup, NetShared, SimRx, Thread};
 use crate::loader::schedule::{Cursor, Geometry, Placed};
-use crate::loader::{Input, PollerConfig, Shared, CODE_ERROR, CODE_OK};
+use crate::loader::{Shared, CODE_ERROR, CODE_OK};
 use crate::ring::memnet::{MemNet, MemNetFaults};
 use crate::ring::NetFaults;
 use crate::ring::{FaultConfig, Faulty, IoBackend};
@@ -320,41 +319,8 @@ pub(crate) fn cluster(seed: u64) {
             ring_bytes,
             align: ALIGN,
         };
-        let ring = LandingRing::new(&LandingOptions {
-            ring_bytes,
-            huge_pages: false,
-            mlock: false,
-            numa_node: None,
-            gpu_pci: None,
-            cuda: CudaMode::Off,
-        })
-        .expect("sim: landing ring");
-        let cfg = PollerConfig {
-            pollers: 0,
-            queue_depth: 1,
-            submit_batch: 1,
-            max_read_bytes: 1 << 20,
-            lookahead: u64::MAX,
-            spin: Duration::ZERO,
-            sqpoll_idle_ms: None,
-            verify_crc32c: true,
-            faults: None,
-            tier_views: false,
-        };
         let netsh = NetShared::new(geo.table_len() as usize).expect("sim: eventfd");
-        let sh = Arc::new(Shared::for_sim(
-            Input::Source {
-                catalog: Arc::new(catalog),
-                root: PathBuf::new(),
-            },
-            ring,
-            geo,
-            sampler.clone(),
-            steps,
-            end_g,
-            cfg,
-            Some(netsh),
-        ));
+        let sh = super::net_consumer(Arc::new(catalog), geo, sampler.clone(), steps, end_g, netsh);
         let hello = Hello {
             catalog_identity: identity,
             rank: r as u32,

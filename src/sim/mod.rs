@@ -409,6 +409,53 @@ fn streams(seed: u64) {
     net.check_pools();
 }
 
+/// A simulated consumer's run: `catalog` read from its source files, a host
+/// ring of `geo`, no pollers (its network thread fills the ring), every
+/// sample's CRC32C checked, `net` its network side.
+pub(crate) fn net_consumer(
+    catalog: std::sync::Arc<crate::dataset::Catalog>,
+    geo: crate::loader::schedule::Geometry,
+    sampler: crate::sampler::Sampler,
+    steps: u64,
+    end_g: u64,
+    net: crate::loader::net::NetShared,
+) -> std::sync::Arc<crate::loader::Shared> {
+    let ring = crate::landing::LandingRing::new(&crate::landing::LandingOptions {
+        ring_bytes: geo.ring_bytes,
+        huge_pages: false,
+        mlock: false,
+        numa_node: None,
+        gpu_pci: None,
+        cuda: crate::landing::CudaMode::Off,
+    })
+    .expect("sim: landing ring");
+    let cfg = crate::loader::PollerConfig {
+        pollers: 0,
+        queue_depth: 1,
+        submit_batch: 1,
+        max_read_bytes: 1 << 20,
+        lookahead: u64::MAX,
+        spin: std::time::Duration::ZERO,
+        sqpoll_idle_ms: None,
+        verify_crc32c: true,
+        faults: None,
+        tier_views: false,
+    };
+    std::sync::Arc::new(crate::loader::Shared::for_sim(
+        crate::loader::Input::Source {
+            catalog,
+            root: std::path::PathBuf::new(),
+        },
+        ring,
+        geo,
+        sampler,
+        steps,
+        end_g,
+        cfg,
+        Some(net),
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

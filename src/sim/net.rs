@@ -56,10 +56,9 @@ use std::time::{Duration, Instant};
 
 use crate::dataset::{Catalog, Placement};
 use crate::error::Error;
-use crate::landing::{CudaMode, LandingOptions, LandingRing};
 use crate::loader::net::{sim_connections, NetSetup, NetShared, SimRx, Thread};
 use crate::loader::schedule::{Cursor, Geometry, Placed};
-use crate::loader::{Input, PollerConfig, Shared, CODE_ERROR, CODE_OK};
+use crate::loader::{Shared, CODE_ERROR, CODE_OK};
 use crate::ring::memnet::{MemNet, MemNetFaults};
 use crate::ring::{Completion, FaultConfig, Faulty, IoBackend};
 use crate::sampler::{Position, Sampler, SamplerConfig};
@@ -417,44 +416,11 @@ fn run(seed: u64, replicas_past_64: Option<u32>) {
         .expect("sim: sampler");
         let steps = sampler.per_rank();
         let end_g = 2 * steps;
-        let ring = LandingRing::new(&LandingOptions {
-            ring_bytes,
-            huge_pages: false,
-            mlock: false,
-            numa_node: None,
-            gpu_pci: None,
-            cuda: CudaMode::Off,
-        })
-        .expect("sim: landing ring");
-        let cfg = PollerConfig {
-            pollers: 0,
-            queue_depth: 1,
-            submit_batch: 1,
-            max_read_bytes: 1 << 20,
-            lookahead: u64::MAX,
-            spin: Duration::ZERO,
-            sqpoll_idle_ms: None,
-            verify_crc32c: true,
-            faults: None,
-            tier_views: false,
-        };
         let net = match &slot {
             Some(slot) => NetShared::with_wake(geo.table_len() as usize, slot.wake()),
             None => NetShared::new(geo.table_len() as usize).expect("sim: eventfd"),
         };
-        let sh = Arc::new(Shared::for_sim(
-            Input::Source {
-                catalog: catalog.clone(),
-                root: PathBuf::new(),
-            },
-            ring,
-            geo,
-            sampler.clone(),
-            steps,
-            end_g,
-            cfg,
-            Some(net),
-        ));
+        let sh = super::net_consumer(catalog.clone(), geo, sampler.clone(), steps, end_g, net);
         (sh, sampler, steps, end_g)
     };
     let built: Vec<_> = (0..lanes_n).map(make_lane).collect();

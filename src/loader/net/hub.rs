@@ -7,11 +7,12 @@
 //! The thread is started, and connects to every other node, when the first
 //! lane joins; it ends, closing its links, when its last lane has left and
 //! none is joining (decided under the hub's lock, so a join either reaches
-//! the running thread or starts a new one). Over TCP only: a DATA frame is
-//! placed by its grant id, which carries the lane, and the owner checks
-//! offsets against the HELLO's `ring_len`, which the link announces as
-//! [`SHARED_RING_LEN`]. Over RDMA each rank's loader keeps its own links
-//! (a grant would have to name its ring's registration: docs/SCALE.md).
+//! the running thread or starts a new one). The HELLO announces a ring at
+//! [`super::lanes::SHARED_RING_BASE`] of [`super::lanes::SHARED_RING_LEN`]
+//! bytes: over TCP a DATA frame is placed by its grant id, which carries
+//! the lane; over RDMA each lane's ring is registered as it joins and each
+//! grant's window is bound over it, the grant's offset placing it there
+//! (docs/PROTOCOL.md, HELLO).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
