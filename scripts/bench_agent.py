@@ -22,7 +22,11 @@ every rank's per-epoch --json figures), and the attached/embedded ratios,
 per run and their median.
 
 With --nodes M (> 1), a cluster on this machine: M spaces holding a share
-each (`preload --nodes M --node-index i`), node i at 127.0.0.(i+1):PORT,
+each (`preload --nodes M --node-index i`), node i at HOSTS.(i+1):PORT
+(--hosts, default 127.0.0; with --rdma every node service, agent and
+rank moves samples over RDMA: in the soft-RoCE VM, --hosts 10.77.0 with
+those addresses on the RDMA interface; RC queue pairs are then counted
+with `rdma res show qp` as connections are with `ss`),
 --ranks per node (world M x ranks, rank r on node r // ranks). Embedded:
 M `kspeed serve` node services and every rank its own pollers and its own
 connection to every other node; attached: M `kspeed agent --cluster ...
@@ -91,6 +95,19 @@ class ConnCount:
         self.done.set()
         self.t.join()
         return self.most
+
+
+class QpCount(ConnCount):
+    """The most RC queue pairs alive at once (`rdma res show qp`)."""
+
+    def __init__(self):
+        super().__init__(0)
+
+    def run(self):
+        while not self.done.wait(0.2):
+            out = subprocess.run(["rdma", "res", "show", "qp"], capture_output=True,
+                                 text=True).stdout
+            self.most = max(self.most, sum(1 for line in out.splitlines() if "type RC" in line))
 
 
 def ranks(spaces, n, epochs, extra, node_extra=lambda node: []):
@@ -215,6 +232,8 @@ def main():
     ap.add_argument("--net-threads", type=int, default=1, help="the agents' --net-threads (cluster)")
     ap.add_argument("--work", default=None)
     ap.add_argument("--ring-bytes", default="64MiB", help="every rank's ring, both modes")
+    ap.add_argument("--hosts", default="127.0.0", help="node i at HOSTS.(i+1) (--nodes > 1)")
+    ap.add_argument("--rdma", action="store_true", help="samples over RDMA (--nodes > 1)")
     ap.add_argument("--compare-env", default=None, metavar="VAR=A,B",
                     help="cluster: attached ranks under agents with VAR=A against VAR=B, "
                          "in place of embedded against attached")
@@ -241,7 +260,7 @@ def main():
             sh([K, "preload", "--source", src, "--space", space, "--progress", "none"] + share)
         spaces.append(space)
     socks = [os.path.join(work, f"agent{i}.sock") for i in range(m)]
-    addrs = [f"127.0.0.{i + 1}:{a.port}" for i in range(m)]
+    addrs = [f"{a.hosts}.{i + 1}:{a.port}" for i in range(m)]
     net = []
     if m > 1:
         cluster, token = os.path.join(work, "cluster"), os.path.join(work, "token")
@@ -250,7 +269,7 @@ def main():
         with open(token, "w") as f:
             f.write("bench-agent-token\n")
         os.chmod(token, 0o600)
-        net = ["--cluster", cluster, "--token-file", token]
+        net = ["--cluster", cluster, "--token-file", token] + (["--rdma"] if a.rdma else [])
     rows = []
     for run in range(a.runs):
         ring = ["--ring-bytes", a.ring_bytes]
@@ -264,9 +283,12 @@ def main():
                                 "agent serving") for i in range(m)]
                 c0 = sum(proc_cpu_seconds(p.pid) for p in agents)
                 conns = ConnCount(a.port)
+                qps = QpCount() if a.rdma else None
                 wall, rep = ranks(spaces, a.ranks, a.epochs, ["--agent", "required"] + ring + net,
                                   lambda node: ["--agent-socket", socks[node]])
                 most = conns.stop()
+                if qps:
+                    most = f"{most} (RC QPs: {qps.stop()})"
                 agent_cpu = sum(proc_cpu_seconds(p.pid) for p in agents) - c0
                 stop(agents)
                 rows.append(summarise(value, wall, rep, agent_cpu, a.agent_pollers * a.ranks * m,
@@ -276,7 +298,8 @@ def main():
                 sys.exit(f"{var}={values} delivered different bytes")
             continue
         serves = [start([K, "serve", "--space", spaces[i], "--listen", addrs[i], "--token-file",
-                         token, "--progress=none"], "serving") for i in range(m)] if m > 1 else []
+                         token, "--progress=none"] + (["--rdma"] if a.rdma else []), "serving")
+                  for i in range(m)] if m > 1 else []
         s0 = sum(proc_cpu_seconds(p.pid) for p in serves)
         wall, rep = ranks(spaces, a.ranks, a.epochs, ["--agent", "off"] + ring + rank_tier + net)
         # The node services' CPU counts, as the agents' (which serve too) does.
