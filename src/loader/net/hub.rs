@@ -115,6 +115,17 @@ impl HubSlot {
         setup: &NetSetup,
         sh: Arc<Shared>,
     ) -> Result<Receiver<()>> {
+        let table = (sh.geo.table_len() as usize).next_power_of_two();
+        if table > 1 << SHARED_LANE_SHIFT {
+            return Err(Error::InvalidConfig(format!(
+                "a ring of {} bytes holds up to {} samples; an agent's shared network \
+                 thread takes rings of at most {} (a smaller ring_bytes, or \
+                 KSPEED_AGENT_LINKS=per-rank on the agent)",
+                sh.geo.ring_bytes,
+                sh.geo.table_len(),
+                1u64 << SHARED_LANE_SHIFT
+            )));
+        }
         let (tx, rx) = crossbeam_channel::bounded(1);
         // Counted before the check, so two joins cannot both pass it.
         let n = self.lanes.fetch_add(1, Ordering::AcqRel);

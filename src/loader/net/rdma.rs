@@ -11,6 +11,16 @@
 //! owner's QP to exactly the granted range, its rkey goes in the GRANT
 //! entry, and the window is invalidated once the grant is done (or failed)
 //! and before the sample is published or granted again.
+//!
+//! A node agent's shared link (`hub.rs`, `lanes.rs`) carries several rank
+//! rings: each is registered as its lane joins ([`Receive::register_ring`]),
+//! its windows bind over that registration (the queue's region `lane + 1`),
+//! and its grants' offsets are absolute (`lanes::SHARED_RING_BASE`).
+//!
+//! Why this file is over ~800 lines: the verbs resources of a launch, a
+//! connection's setup and its data path (windows, receives, completions)
+//! are one lifecycle, kept in order of teardown; the queue itself is in
+//! `transport::rdma`.
 
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::Arc;
