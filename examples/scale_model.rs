@@ -21,9 +21,11 @@
 //! - a rank reads a sample from its own node's space when that node holds a
 //!   copy (owner or replica: `Space::location`), else it grants the owner
 //!   (copy 0), which pushes it;
-//! - when a node service fails, the rank grants the next live holder in copy
-//!   order (`holder(id, 1)`, `holder(id, 2)`, ...) and with no copy left
-//!   reads the source (the loader's `place`).
+//! - when a node service fails, the rank grants the next live holder in the
+//!   failover order (`Placement::try_copy`: the owner, then the replicas in
+//!   an order drawn from the id) and with no copy left reads the source (the
+//!   loader's `place`); the copy order the loader used before is modelled
+//!   beside it.
 //!
 //! Connections, queue pairs and memory follow from the node service's code:
 //! every remote rank holds one connection (one RC queue pair over RDMA) to
@@ -36,6 +38,7 @@ use std::time::Instant;
 use kspeed::dataset::gen::{sample_size, Profile};
 use kspeed::dataset::{OwnerFn, Placement};
 use kspeed::hash::mix64;
+use kspeed::model;
 use kspeed::sampler::{EpochOrder, Sampler, SamplerConfig};
 use kspeed::transport::proto;
 use kspeed::transport::ServeConfig;
@@ -53,12 +56,10 @@ const SEED: u64 = 7;
 const NODE_COUNTS: [u32; 4] = [8, 64, 512, 4096];
 const SAMPLE_COUNTS: [u64; 2] = [1_000_000, 1_000_000_000];
 const MAX_REPLICAS: usize = 3;
-/// The ceiling of `--max-handshakes` (`MAX_HANDSHAKES` in
-/// src/transport/serve/config.rs, not exported).
-const MAX_HANDSHAKES: u64 = 4096;
-/// Handshakes a rank runs at once at start, all from one thread
-/// (`HANDSHAKES_IN_FLIGHT` in src/loader/net/handshake.rs).
-const HANDSHAKES_IN_FLIGHT: u64 = 128;
+/// The ceiling of `--max-handshakes`.
+const MAX_HANDSHAKES: u64 = model::MAX_HANDSHAKES;
+/// Handshakes a rank runs at once at start, all from one thread.
+const HANDSHAKES_IN_FLIGHT: u64 = model::HANDSHAKES_IN_FLIGHT as u64;
 /// mlx5's send-queue building block (`MLX5_SEND_WQE_BB`): a send WQE is a
 /// whole number of them.
 const WQE_BB_BYTES: u64 = 64;
@@ -74,17 +75,16 @@ const CQE_BYTES: u64 = 64;
 /// Inline bytes the node's QPs ask for (`4 + RDMA_ERROR_BYTES`: an ERROR
 /// goes inline as a SEND).
 const OWNER_INLINE_BYTES: u64 = RECV_BUF_BYTES;
-/// Memory windows a rank keeps per RDMA connection (`RDMA_WINDOWS` in
-/// src/loader/net/rdma.rs: one per grant in flight to that node).
-const WINDOWS_PER_CONN: u64 = 256;
-/// Receives a rank keeps posted on each RDMA connection (`RDMA_RECVS` in
-/// src/loader/net/rdma.rs: every WRITE_WITH_IMM consumes one) and the bytes of
-/// each one's buffer (`4 + RDMA_ERROR_BYTES`, room for an ERROR message).
-const RECVS_PER_CONN: u64 = 1024;
-#[cfg(feature = "rdma")]
-const RECV_BUF_BYTES: u64 = 4 + kspeed::transport::rdma::RDMA_ERROR_BYTES as u64;
-#[cfg(not(feature = "rdma"))]
-const RECV_BUF_BYTES: u64 = 4 + 128;
+/// Memory windows a rank keeps per RDMA connection (one per grant in
+/// flight to that node).
+const WINDOWS_PER_CONN: u64 = model::RDMA_WINDOWS as u64;
+/// Receives a rank keeps posted on each RDMA connection (every
+/// WRITE_WITH_IMM consumes one) and the bytes of each one's buffer (room
+/// for an ERROR message).
+const RECVS_PER_CONN: u64 = model::RDMA_RECVS as u64;
+const RECV_BUF_BYTES: u64 = model::RDMA_RECV_BYTES as u64;
+/// Entries of a rank's CQ per connection.
+const RANK_CQ_ENTRIES: u64 = model::CONSUMER_CQ_ENTRIES as u64;
 /// Receives one shared receive queue per node would keep posted: the
 /// completions of a node's 8 rings in flight at once, with margin.
 const SRQ_RECVS: u64 = 8192;
@@ -147,11 +147,12 @@ struct Traffic {
     push_max_bytes: [u64; MAX_REPLICAS],
     push_mean_bytes: [f64; MAX_REPLICAS],
     push_max_samples: [u64; MAX_REPLICAS],
-    /// Node 0's service failed: the most any survivor pushes in a step, and
+    /// Node 0's service failed: the most any survivor pushes in a step
+    /// with failover in copy order (the loader before 2026-12-05), and
     /// the bytes read from the source per step (no copy left).
     fail_max_bytes: [u64; MAX_REPLICAS],
-    /// The same if the loader spread a failed owner's samples over all the
-    /// surviving copies (by a hash of the id) instead of copy order.
+    /// The same with the loader's failover order (`Placement::try_copy`),
+    /// which spreads a failed owner's samples over all surviving copies.
     spread_max_bytes: [u64; MAX_REPLICAS],
     fail_source_bytes: [f64; MAX_REPLICAS],
     /// Fraction of consumed samples that cross the network.
@@ -247,8 +248,8 @@ fn tally_step(
                 t.remote[ri] += 1;
                 t.push[ri][owner] += len;
                 t.push_n[ri][owner] += 1;
-                // Node `failed`'s service is down: the next live holder in
-                // copy order, else the source.
+                // Node `failed`'s service is down: before, the next live
+                // holder in copy order, else the source.
                 let server = (0..p.replicas)
                     .map(|r| p.holder(id, r))
                     .find(|&h| h != failed);
@@ -256,12 +257,14 @@ fn tally_step(
                     Some(h) => t.fail[ri][h as usize] += len,
                     None => t.source[ri] += len,
                 }
-                // The alternative: any surviving copy, chosen by the id.
-                if owner as u32 == failed && p.replicas > 1 {
-                    let r = 1 + (mix64(id) % (p.replicas as u64 - 1)) as u32;
-                    t.spread[ri][p.holder(id, r) as usize] += len;
-                } else if owner as u32 != failed {
-                    t.spread[ri][owner] += len;
+                // The loader now: the next live holder in the failover
+                // order (`Placement::try_copy`: the owner, then the
+                // replicas in an order drawn from the id).
+                let spread = (0..p.replicas)
+                    .map(|k| p.holder(id, p.try_copy(id, k)))
+                    .find(|&h| h != failed);
+                if let Some(h) = spread {
+                    t.spread[ri][h as usize] += len;
                 }
             }
         }
@@ -442,7 +445,7 @@ fn main() {
 
     println!("## Traffic per node per training step\n");
     println!(
-        "| profile | samples | nodes | steps/epoch | R | remote | push/step mean | push/step max | max/mean | samples/step max | push rate needed | one node down: busiest survivor | same, spread over copies | from the source |"
+        "| profile | samples | nodes | steps/epoch | R | remote | push/step mean | push/step max | max/mean | samples/step max | push rate needed | one node down: busiest survivor, copies in order (before) | same, failover order by id (the loader) | from the source |"
     );
     println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     let profiles: &[Profile] = if connections_only {
@@ -504,7 +507,16 @@ fn main() {
         print_resize(threads);
     }
 
-    // --- connections, queue pairs and memory (independent of sizes) --------
+    print!("\n{}", connection_tables());
+    eprintln!("model done in {:.1} s", t0.elapsed().as_secs_f64());
+}
+
+/// The tables of connections, queue pairs and memory per node (independent
+/// of sample sizes: no sampling), as docs/SCALE.md shows them; the test
+/// below checks that the doc holds exactly this text.
+fn connection_tables() -> String {
+    use std::fmt::Write;
+    let mut out = String::new();
     let cfg = ServeConfig::new("/space", "0.0.0.0:7400", b"t");
     // loader::default_pollers() on the modelled node: a quarter of its
     // cores, at most 8 (the formula of src/loader/mod.rs, evaluated for
@@ -523,21 +535,23 @@ fn main() {
     // The verbs objects of one connection, as the code creates them
     // (src/transport/serve/owner_rdma.rs and src/loader/net/rdma.rs), in
     // the host memory mlx5 pins for them.
-    let owner_wr = (cfg.staging_bytes / cfg.chunk_bytes as u64).clamp(16, 4096);
+    let owner_wr = (cfg.staging_bytes / cfg.chunk_bytes as u64)
+        .clamp(model::OWNER_WRS.0 as u64, model::OWNER_WRS.1 as u64);
     let owner = Verbs {
         qp: mlx5_rc_qp_bytes(owner_wr, owner_wr, 1, OWNER_INLINE_BYTES),
-        cq: mlx5_cq_bytes(owner_wr + 16),
+        cq: mlx5_cq_bytes(owner_wr + model::OWNER_CQ_SPARE as u64),
         recv_bufs: 0,
         windows: 0,
     };
     let rank = Verbs {
         qp: mlx5_rc_qp_bytes(RECVS_PER_CONN, RECVS_PER_CONN, 1, 0),
-        cq: mlx5_cq_bytes(RECVS_PER_CONN + WINDOWS_PER_CONN + 64),
+        cq: mlx5_cq_bytes(RANK_CQ_ENTRIES),
         recv_bufs: RECVS_PER_CONN * RECV_BUF_BYTES,
         windows: WINDOWS_PER_CONN,
     };
-    println!(
-        "\n## Connections, queue pairs and memory per node (today: every rank connects to every node service)\n\n\
+    writeln!(
+        out,
+        "### Connections, queue pairs and memory per node (today: every rank connects to every node service)\n\n\
          Node service defaults (`ServeConfig::new`): {pollers} pollers on a {NODE_CORES}-core node, \
          staging {} per poller ({} per node, {}-KiB slots), max_grants {} per consumer \
          ({grant_bytes} B each: {} reserved per consumer), consumers per poller sized from \
@@ -562,16 +576,18 @@ fn main() {
         gib(rank.qp as f64),
         gib(rank.cq as f64),
         gib(rank.recv_bufs as f64),
-    );
-    println!(
+    ).unwrap();
+    writeln!(
+        out,
         "| nodes | consumers served per node | RC QPs per node (serve + ranks) | memory windows per node | pinned verbs memory per node | grant tables per node | node full? | per (node, rank) pair rate | at start: HELLOs per service | pending-handshake limit (`--max-handshakes` auto) | a rank's handshakes in flight at start (one thread) |"
-    );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    ).unwrap();
+    writeln!(out, "|---|---|---|---|---|---|---|---|---|---|---|").unwrap();
     for nodes in NODE_COUNTS {
         let consumers = (nodes as u64 - 1) * RANKS_PER_NODE as u64;
         let outbound = consumers; // 8 local ranks x (nodes-1) services
         let qps = consumers + outbound;
-        println!(
+        writeln!(
+        out,
             "| {nodes} | {consumers} | {qps} | {} | {} | {} | {} | {:.2} samples/s | {consumers} | {} | {} |",
             outbound * rank.windows,
             gib((consumers * owner.pinned() + outbound * rank.pinned()) as f64),
@@ -591,31 +607,125 @@ fn main() {
                 cfg.max_handshakes as u64
             },
             (nodes as u64 - 1).min(HANDSHAKES_IN_FLIGHT),
-        );
+        ).unwrap();
     }
-    println!(
-        "\n## The same with a node's ranks aggregated behind its node service\n\n\
+    writeln!(
+        out,
+        "\n### The same with a node's ranks aggregated behind its node service\n\n\
          One connection (one RC QP, or one DC initiator shared by all) between each pair of node \
          services; the local ranks' landing rings are shared memory the node service registers; \
          grants are batched per peer node, so a peer's queue holds 8 ranks' worth.\n"
-    );
+    )
+    .unwrap();
     // The grants a node must hold are what its peers' ranks have granted it
     // and not yet received: their lookahead, not a reservation per peer.
     let lookahead = 2 * BATCH;
-    println!(
+    writeln!(
+        out,
         "| nodes | connections per node | RC QPs per node | with DC transport (16 DCIs + 1 DCT) | grant pool per node (8 ranks x {lookahead} samples lookahead) | per (node, node) pair rate | posted receives with one SRQ ({SRQ_RECVS}) |"
-    );
-    println!("|---|---|---|---|---|---|---|");
+    ).unwrap();
+    writeln!(out, "|---|---|---|---|---|---|---|").unwrap();
     for nodes in NODE_COUNTS {
         let peers = nodes as u64 - 1;
-        println!(
+        writeln!(
+            out,
             "| {nodes} | {} | {} | 17 | {:.0} KiB | {:.0} samples/s | {} |",
             2 * peers,
             2 * peers,
             (RANKS_PER_NODE as u64 * lookahead * grant_bytes) as f64 / 1024.0,
             RANKS_PER_NODE as f64 * TARGET_PER_GPU / nodes as f64,
             gib((SRQ_RECVS * RECV_BUF_BYTES) as f64),
+        )
+        .unwrap();
+    }
+    agent_table(&mut out, &cfg, pollers, &owner, &rank, grant_bytes);
+    out
+}
+
+/// The agent as built: one network thread per agent (`--net-threads 1`)
+/// with one link to each other node's service, and that service serving
+/// the other agents' links; then, on paper, the same with one shared
+/// receive queue and shared CQs, and with DC transport.
+fn agent_table(
+    out: &mut String,
+    cfg: &ServeConfig,
+    pollers: u64,
+    owner: &Verbs,
+    rank: &Verbs,
+    grant_bytes: u64,
+) {
+    use std::fmt::Write;
+    let per_link_grants = cfg.max_grants as u64 * grant_bytes;
+    let owner_wr = (cfg.staging_bytes / cfg.chunk_bytes as u64)
+        .clamp(model::OWNER_WRS.0 as u64, model::OWNER_WRS.1 as u64);
+    // With an SRQ: the agent's side of a link has no receive queue of its
+    // own; its receives (SRQ_RECVS buffers) and one CQ are the agent's,
+    // sized for the receives and a window per grant the node's ranks have
+    // in flight (their lookahead); the node's side keeps its QPs and
+    // shares one CQ per poller.
+    let window_pool = RANKS_PER_NODE as u64 * 2 * BATCH;
+    let rank_qp_srq = mlx5_rc_qp_bytes(RECVS_PER_CONN, 0, 1, 0);
+    let srq_bytes = SRQ_RECVS * RECV_BUF_BYTES
+        + (SRQ_RECVS.next_power_of_two() * DATA_SEG_BYTES)
+        + mlx5_cq_bytes(SRQ_RECVS + window_pool + 64);
+    writeln!(
+        out,
+        "\n### The agent as built: one link per pair of nodes\n\n\
+         One `kspeed agent` per node (AGENT.md, \"One link per pair of nodes\"): its network thread \
+         keeps one link (one RC QP) to each other node's service, and its own node service serves \
+         the other agents' links, so a node holds 2 x (nodes - 1) connections whatever its rank \
+         count. Each link is a consumer to the service (max_grants {} x {grant_bytes} B reserved), \
+         each link's consumer side keeps {RECVS_PER_CONN} receives, its CQ ({RANK_CQ_ENTRIES} \
+         entries) and {WINDOWS_PER_CONN} windows as a rank's connection did, and a thread takes at \
+         most {} ranks (lanes) with grant tables of at most 2^{} entries. `--net-threads K` \
+         multiplies the links by K. Not built (on paper): one shared receive queue per agent \
+         ({SRQ_RECVS} receives of {RECV_BUF_BYTES} B and one CQ for them and a pool of {window_pool} \
+         windows, the node's ranks' lookahead), the node's side sharing one CQ per poller; and DC \
+         transport (16 DCIs + 1 DCT per node).\n",
+        cfg.max_grants,
+        model::MAX_LANES,
+        model::SHARED_LANE_SHIFT,
+    )
+    .unwrap();
+    writeln!(
+        out,
+        "| nodes | connections (RC QPs) per node | consumers each service serves | memory windows per node | pinned verbs memory per node | grant queues per node | per link rate | with one SRQ and shared CQs: windows | same: pinned verbs memory | with DC: QP contexts |"
+    )
+    .unwrap();
+    writeln!(out, "|---|---|---|---|---|---|---|---|---|---|").unwrap();
+    for nodes in NODE_COUNTS {
+        let peers = nodes as u64 - 1;
+        let shared_cqs = pollers
+            * mlx5_cq_bytes(peers.div_ceil(pollers) * owner_wr + model::OWNER_CQ_SPARE as u64);
+        writeln!(
+            out,
+            "| {nodes} | {} | {peers} | {} | {} | {} | {:.0} samples/s | {window_pool} | {} | 17 |",
+            2 * peers,
+            peers * rank.windows,
+            gib((peers * (owner.pinned() + rank.pinned())) as f64),
+            gib((peers * per_link_grants) as f64),
+            RANKS_PER_NODE as f64 * TARGET_PER_GPU / nodes as f64,
+            gib((peers * (owner.qp + rank_qp_srq) + shared_cqs + srq_bytes) as f64),
+        )
+        .unwrap();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// docs/SCALE.md holds the connection tables exactly as the model
+    /// prints them from the code's constants (`kspeed::model`): a constant
+    /// changed without regenerating the doc fails here.
+    #[test]
+    fn scale_md_holds_the_models_connection_tables() {
+        let doc = include_str!("../docs/SCALE.md");
+        let tables = super::connection_tables();
+        assert!(
+            doc.contains(&tables),
+            "docs/SCALE.md's connection tables differ from what examples/scale_model.rs computes \
+             from the code's constants now; regenerate them (cargo run --release --example \
+             scale_model -- --connections) and replace the section from \"### Connections\" \
+             to the end of \"### The agent as built\". The model prints:\n{tables}"
         );
     }
-    eprintln!("model done in {:.1} s", t0.elapsed().as_secs_f64());
 }

@@ -8,9 +8,9 @@ cluster_bin=$2
 rebalance_bin=${3:-}
 cluster_mix_bin=${4:-}
 agent_cluster_bin=${5:-}
-# Nodes 2 and 3 get their own addresses on the RDMA interface (rxe adds a
+# Nodes 2 to 4 get their own addresses on the RDMA interface (rxe adds a
 # RoCE v2 GID for each), so every node has its own GID as on a real cluster.
-for ip in 10.77.0.2 10.77.0.3; do
+for ip in 10.77.0.2 10.77.0.3 10.77.0.4; do
   ip addr add "$ip/24" dev "${RDMA_VM_NETDEV:-dummy0}" 2>/dev/null || true
 done
 echo "== verbs layer and RDMA end-to-end tests"

@@ -66,6 +66,10 @@ pub mod hash;
 pub mod landing;
 pub mod launcher;
 pub mod loader;
+// The constants the scale model computes with (examples/scale_model.rs):
+// hidden, not an API.
+#[doc(hidden)]
+pub mod model;
 pub(crate) mod par;
 pub mod placement;
 mod pool;

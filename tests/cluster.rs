@@ -493,6 +493,81 @@ fn owner_killed_mid_epoch_with_a_replica() {
     assert_eq!(stats.source_reads, 0);
 }
 
+/// A dead node's samples fail over to their other copies in an order drawn
+/// from each id (`Placement::try_copy`): at 3 copies each survivor serves
+/// about half of them. (In copy order the next node served them all and
+/// the third copy none: the busiest survivor pushed twice its load.)
+#[test]
+fn a_dead_owners_samples_spread_over_its_surviving_copies() {
+    let st = setup("tiny", 1200, 4, 3);
+    let serves: Vec<Serve> = (0..4)
+        .map(|i| {
+            let metrics = format!("{}:0", node_ip(i));
+            Serve::start(
+                &st.spaces[i],
+                &node_ip(i),
+                &st.token,
+                &["--metrics", &metrics],
+            )
+        })
+        .collect();
+    let maddr: Vec<String> = serves
+        .iter()
+        .map(|n| {
+            n.before
+                .iter()
+                .find_map(|l| l.strip_prefix("metrics on http://"))
+                .and_then(|l| l.strip_suffix("/metrics"))
+                .unwrap_or_else(|| panic!("no metrics line: {:?}", n.before))
+                .to_string()
+        })
+        .collect();
+    let addrs: Vec<&str> = serves.iter().map(|s| s.addr.as_str()).collect();
+    let cat = Catalog::open(&st.catalog).unwrap();
+    // Node 1 is killed before the consumer (on node 0, which holds every
+    // sample but node 1's own) starts: all its samples fail over.
+    let pid = serves[1].child.id();
+    Command::new("kill")
+        .args(["-KILL", &pid.to_string()])
+        .status()
+        .unwrap();
+    let mut l = builder_space(&st.spaces[0], cluster_of(&addrs))
+        .node_timeout(Duration::from_secs(5))
+        .end_epoch(Some(1))
+        .build()
+        .unwrap();
+    assert_eq!(check(&mut l, &cat, 0, 1, 1), 1200);
+    let stats = l.stats();
+    drop(l);
+    let placement = kspeed::dataset::Placement::new(4, 3).unwrap();
+    let node1: u64 = (0..1200).filter(|&i| placement.owner(i) == 1).count() as u64;
+    assert_eq!(stats.remote_samples, node1, "{stats:?}");
+    // What nodes 2 and 3 pushed (a node counts a push when it reaps its
+    // completion, which can come after the consumer has the bytes: wait
+    // for the sum, with a deadline).
+    let pushed = |i: usize| {
+        let (_, text) = http_get(&maddr[i], "/metrics");
+        metric(&text, "kspeed_serve_samples_total ").unwrap_or(0.0) as u64
+    };
+    let t0 = Instant::now();
+    let (two, three) = loop {
+        let (two, three) = (pushed(2), pushed(3));
+        if two + three >= node1 || t0.elapsed() > Duration::from_secs(20) {
+            break (two, three);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(two + three, node1, "nodes 2 and 3 pushed {two} + {three}");
+    eprintln!("node 1's {node1} samples: node 2 served {two}, node 3 {three}");
+    for (n, got) in [(2, two), (3, three)] {
+        assert!(
+            got * 10 >= node1 * 3 && got * 10 <= node1 * 7,
+            "node {n} served {got} of node 1's {node1} samples (2: {two}, 3: {three}): \
+             the failover is not spread over the copies"
+        );
+    }
+}
+
 #[test]
 fn owner_killed_without_replica_reads_the_source() {
     let (_st, r, _) = owner_trouble(1, true, false, Duration::from_secs(30));

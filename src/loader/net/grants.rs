@@ -453,7 +453,8 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         }
     }
 
-    /// Gives table entry `idx` to its next untried live holder, or reads it
+    /// Gives table entry `idx` to its next untried live holder (in the
+    /// failover order, `Placement::try_copy`), or reads it
     /// from the source, or fails it. False: the holder has no room now, or
     /// every holder is gone and one of them is being dialled again (the
     /// entry waits for it: `redial.rs`).
@@ -467,7 +468,11 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             Some(reg) => R::wire_offset(reg, s.phys),
             None => s.phys,
         };
-        for r in 0..placement.replicas {
+        // Copies in the failover order: the owner, then the replicas in
+        // an order drawn from the id, so a dead node's samples spread over
+        // all its surviving copies (`Placement::try_copy`).
+        for k in 0..placement.replicas {
+            let r = placement.try_copy(placed, k);
             if s.tried & (1 << r) != 0 {
                 continue;
             }

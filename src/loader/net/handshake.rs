@@ -31,7 +31,7 @@ use crate::error::Error;
 use crate::transport::proto::{self, Code, Header, Kind, Welcome};
 
 /// Handshakes in progress at once (counting those waiting out a back-off).
-pub(crate) const HANDSHAKES_IN_FLIGHT: usize = 128;
+pub const HANDSHAKES_IN_FLIGHT: usize = 128;
 
 /// Threads that resolve names in addresses, at most.
 const RESOLVERS: usize = 16;

@@ -30,9 +30,9 @@ use crate::ring::IoBackend;
 
 /// Lanes one shared thread fills at once: grant ids carry the index in 6
 /// bits (`SHARED_LANE_SHIFT`), leaving 25 for the table index.
-pub(crate) const MAX_LANES: usize = 64;
+pub const MAX_LANES: usize = 64;
 /// Where a shared thread's grant ids put the lane index.
-pub(super) const SHARED_LANE_SHIFT: u32 = 25;
+pub const SHARED_LANE_SHIFT: u32 = 25;
 /// The ring a shared link announces in its HELLO: at this address, this
 /// long (the whole user address space above its first page, where no ring
 /// can be). Over TCP a DATA frame is placed by its grant, the offset only

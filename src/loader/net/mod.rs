@@ -82,9 +82,9 @@ use crate::transport::Cluster;
 
 mod connect;
 mod grants;
-mod handshake;
+pub(crate) mod handshake;
 mod hub;
-mod lanes;
+pub(crate) mod lanes;
 #[cfg(feature = "rdma")]
 pub(crate) mod rdma;
 mod redial;

@@ -36,15 +36,18 @@ use crate::transport::rdma::{
 
 /// How many receives an RDMA connection keeps posted: every WRITE_WITH_IMM
 /// consumes one (too few only slows the owner down: it retries on RNR).
-pub(crate) const RDMA_RECVS: usize = 1024;
+pub const RDMA_RECVS: usize = 1024;
 /// Receive buffer size: an ERROR message (code + up to 128 bytes).
-pub(crate) const RDMA_RECV_BYTES: usize = 4 + crate::transport::rdma::RDMA_ERROR_BYTES;
+pub const RDMA_RECV_BYTES: usize = 4 + crate::transport::rdma::RDMA_ERROR_BYTES;
 /// Memory windows per RDMA connection (windows mode): one per grant
 /// outstanding with that node, so also the most grants it has outstanding.
 /// Each window has at most one request (a bind or an invalidation) on the
 /// QP's send queue at a time, so the send queue (`RDMA_RECVS` deep) never
 /// fills.
-const RDMA_WINDOWS: usize = 256;
+pub const RDMA_WINDOWS: usize = 256;
+/// Entries of a connection's one CQ: a completion for every posted
+/// receive and every window's one request, and room for SENDs.
+pub const CONSUMER_CQ_ENTRIES: usize = RDMA_RECVS + RDMA_WINDOWS + 64;
 /// Send-queue completions carry this bit in their wr_id (receives carry
 /// their buffer slot, below `RDMA_RECVS`).
 const WR_SEND: u64 = 1 << 63;
@@ -454,8 +457,7 @@ fn begin(
     local: std::net::IpAddr,
 ) -> Result<(PendingQp, Option<Vec<u8>>), ConnectError> {
     let failed = |e: Error| ConnectError::Refused(e);
-    let cq = Cq::with_channel(&r.ctx, (RDMA_RECVS + RDMA_WINDOWS + 64) as i32, &r.channel)
-        .map_err(failed)?;
+    let cq = Cq::with_channel(&r.ctx, CONSUMER_CQ_ENTRIES as i32, &r.channel).map_err(failed)?;
     let mut qp = Qp::new(&r.pd, &cq, &cq, RDMA_RECVS as u32, 0).map_err(failed)?;
     let (index, gid) = r.ctx.choose_gid(r.opts.gid_index, local).map_err(failed)?;
     qp.use_gid(index, gid);

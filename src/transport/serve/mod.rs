@@ -35,13 +35,13 @@
 //! (`scripts/import_cycles.py`).
 
 mod accept;
-mod config;
+pub(crate) mod config;
 mod conn;
 mod conns;
 mod link;
 mod metrics;
 #[cfg(feature = "rdma")]
-mod owner_rdma;
+pub(crate) mod owner_rdma;
 #[cfg(not(feature = "rdma"))]
 #[path = "no_rdma.rs"]
 mod owner_rdma;

@@ -16,6 +16,12 @@ use crate::sys::AlignedBuf;
 use crate::transport::proto::{self, Code, Header, Kind};
 use crate::transport::rdma::{Access, CompChannel, Mr, SendRegions};
 
+/// Work requests of a consumer's QP on the node's side: one per staging
+/// slot (a slot is written at most once at a time), within these bounds.
+pub const OWNER_WRS: (usize, usize) = (16, 4096);
+/// CQ entries beyond the QP's work requests (its SENDs of ERRORs).
+pub const OWNER_CQ_SPARE: usize = 16;
+
 /// The verbs resources of a node service: one device context and protection
 /// domain; the staging slabs and (page-cache mode) the mapped extents are
 /// registered in it, local access only.
@@ -114,8 +120,13 @@ pub(super) fn rdma_handshake(
         )));
     }
     let theirs = proto::RdmaEndpoint::decode(&h, body).map_err(|e| violation(e.to_string()))?;
-    let max_wr = c.cfg.slots().clamp(16, 4096) as u32;
-    let cq = Cq::with_channel(&r.ctx, max_wr as i32 + 16, &r.channels[poller]).map_err(failed)?;
+    let max_wr = c.cfg.slots().clamp(OWNER_WRS.0, OWNER_WRS.1) as u32;
+    let cq = Cq::with_channel(
+        &r.ctx,
+        (max_wr as usize + OWNER_CQ_SPARE) as i32,
+        &r.channels[poller],
+    )
+    .map_err(failed)?;
     let mut qp = Qp::new(&r.pd, &cq, &cq, max_wr, (4 + RDMA_ERROR_BYTES) as u32).map_err(failed)?;
     let ip = sock
         .local_addr()
@@ -204,7 +215,7 @@ impl Accepted {
                 r.cq,
                 staging.regions.clone(),
                 self.hello.ring_addr,
-                slots.clamp(16, 4096),
+                slots.clamp(OWNER_WRS.0, OWNER_WRS.1),
             ),
         )))
     }
