@@ -350,16 +350,33 @@ impl Node {
 
 /// One seed: see the module's documentation.
 pub(crate) fn network_thread(seed: u64) {
-    run(seed, None);
+    run(seed, Shape::Seeded);
 }
 
-/// `replicas_past_64`: a placement of that many nodes and copies, where
-/// every node fails every sample but those it holds the last copy of (so
-/// each sample goes to its last replica), the source gone.
-fn run(seed: u64, replicas_past_64: Option<u32>) {
+/// What a run looks like.
+#[derive(Clone, Copy, PartialEq)]
+enum Shape {
+    /// Everything drawn from the seed, faults included.
+    Seeded,
+    /// A placement of that many nodes and copies, where every node fails
+    /// every sample but those it holds the last copy of (so each sample
+    /// goes to its last replica), the source gone.
+    ReplicasPast64(u32),
+    /// That many nodes, one copy, one lane, no faults: the per-tick work
+    /// of a wide cluster.
+    Wide(u32),
+}
+
+/// Runs one seed; returns the steps it took and the connections the
+/// thread looked at in them (`Thread::conn_visits`).
+fn run(seed: u64, shape: Shape) -> (u64, u64) {
+    let replicas_past_64 = match shape {
+        Shape::ReplicasPast64(n) => Some(n),
+        _ => None,
+    };
     let mut rng = Rng(crate::hash::mix64(seed ^ 0x6e65_7477));
     let d = data();
-    let source_kept = rng.below(2) == 0 && replicas_past_64.is_none();
+    let source_kept = rng.below(2) == 0 && shape == Shape::Seeded;
     let catalog = Catalog::open(if source_kept {
         &d.with_source
     } else {
@@ -367,9 +384,10 @@ fn run(seed: u64, replicas_past_64: Option<u32>) {
     })
     .expect("sim: open the catalog");
     let samples = catalog.len();
-    let (nodes, replicas) = match replicas_past_64 {
-        Some(n) => (n, n),
-        None => {
+    let (nodes, replicas) = match shape {
+        Shape::ReplicasPast64(n) => (n, n),
+        Shape::Wide(n) => (n, 1),
+        Shape::Seeded => {
             let n = 1 + rng.below(4) as u32;
             (n, 1 + rng.below(n as u64) as u32)
         }
@@ -383,7 +401,7 @@ fn run(seed: u64, replicas_past_64: Option<u32>) {
             );
             // Refused with a named error: the tried mask cannot overflow.
             assert!(matches!(e, Error::InvalidConfig(_)), "{e}");
-            return;
+            return (0, 0);
         }
     };
     let world_size = 1 + rng.below(3) as u32;
@@ -396,7 +414,7 @@ fn run(seed: u64, replicas_past_64: Option<u32>) {
     // Some seeds run a node agent's shared thread (`loader/net/hub.rs`):
     // 2-3 lanes (rank rings) over the same connections, one of which may
     // stop mid-run and must leave while the others go on.
-    let lanes_n = if replicas_past_64.is_none() && rng.below(3) == 0 {
+    let lanes_n = if shape == Shape::Seeded && rng.below(3) == 0 {
         2 + rng.below(2) as usize
     } else {
         1
@@ -447,13 +465,13 @@ fn run(seed: u64, replicas_past_64: Option<u32>) {
     let now = mem.now();
     let mut fds = Vec::new();
     let mut scripted = Vec::new();
-    let faults_on = replicas_past_64.is_none();
+    let faults_on = shape == Shape::Seeded;
     for i in 0..nodes {
         let (a, b) = mem.pair();
-        let dead_at_start = replicas_past_64.is_none() && rng.below(8) == 0;
+        let dead_at_start = faults_on && rng.below(8) == 0;
         fds.push((!dead_at_start).then_some(a));
         let (error_ppm, corrupt_ppm) = match rng.below(4) {
-            _ if replicas_past_64.is_some() => (0, 0),
+            _ if !faults_on => (0, 0),
             0 => (0, 0),
             1 => (rng.below(100_000), 0),
             2 => (0, rng.below(100_000)),
@@ -795,6 +813,7 @@ fn run(seed: u64, replicas_past_64: Option<u32>) {
             "seed {seed}: errors recorded for samples not failed"
         );
     }
+    let visits = thread.conn_visits;
     let (ring, busy, _) = thread.sim_view();
     assert!(
         !busy,
@@ -823,6 +842,7 @@ fn run(seed: u64, replicas_past_64: Option<u32>) {
             );
         }
     }
+    (step, visits)
 }
 
 /// Sample `p` was published as failed: it must carry `SampleUnavailable`,
@@ -892,9 +912,30 @@ mod tests {
     /// named error; without that cap the mask's `1 << 64` overflows.
     #[test]
     fn sim_network_thread_with_65_replicas() {
-        run(1, Some(65));
+        run(1, Shape::ReplicasPast64(65));
         // At the cap, every sample goes through 63 failovers to its last
         // copy (bit 63 of the mask).
-        run(2, Some(64));
+        run(2, Shape::ReplicasPast64(64));
+    }
+
+    /// A tick looks at the connections that have something to do, not at
+    /// every node. Seed 3 (deterministic): 1.2 connections looked at per
+    /// step at 4 nodes, 27.2 at 192, which is the frames that came and
+    /// went (each node's heartbeat every 250 ms of silence and the
+    /// thread's keepalive every second, at 20 ms a step: about 24 a step
+    /// at 192 nodes); a look at every node each tick made it at least 192.
+    #[test]
+    fn sim_network_thread_tick_work_follows_the_frames_not_the_node_count() {
+        let per_step = |nodes: u32| {
+            let (steps, visits) = run(3, Shape::Wide(nodes));
+            assert!(steps > 0);
+            visits as f64 / steps as f64
+        };
+        let (few, many) = (per_step(4), per_step(192));
+        eprintln!("connections looked at per step: {few:.1} at 4 nodes, {many:.1} at 192");
+        assert!(
+            many < 48.0,
+            "{many:.1} connections a step at 192 nodes ({few:.1} at 4)"
+        );
     }
 }

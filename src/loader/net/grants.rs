@@ -523,6 +523,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             t.timed = false;
             t.node_read_us = 0;
             t.node_us = 0;
+            self.mark_ready(node);
             return true;
         }
         self.read_from_source(idx)

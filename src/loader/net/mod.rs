@@ -144,6 +144,13 @@ pub(crate) const USER_TIMEOUT_MIN: Duration = Duration::from_secs(1);
 /// not run (the process was stopped, or starved): the silence clocks are
 /// moved on by the gap, so nodes are not blamed for it.
 const NOT_RUNNING: Duration = Duration::from_secs(1);
+/// How often the network thread looks at every connection: timeouts,
+/// keepalives due, dead nodes due for a redial. Between sweeps a tick
+/// looks only at the connections marked ready (`Thread::ready`), so with
+/// thousands of nodes its cost follows what happened, not the node count.
+/// Well under every clock it serves (keepalives 1 s, heartbeat silence
+/// 2 s, node timeout 10 s).
+const SWEEP: Duration = Duration::from_millis(10);
 
 /// Over TCP, a DATA payload of at most this many bytes is received with
 /// the next frame's header in one `recvmsg` (one io_uring round trip per
@@ -778,6 +785,20 @@ pub(crate) struct Thread<R: Receive, I: IoBackend = Uring> {
     /// (sized for every connection once), so a tick's flush costs what was
     /// closed, not one look per node.
     closing: Vec<usize>,
+    /// Connections with something to do next tick (a GRANT frame filled,
+    /// a send or a receive to post again, a keepalive due), each once
+    /// (`queued`); sized for every connection once, so marking never
+    /// allocates. A tick looks at these, not at every node.
+    ready: Vec<usize>,
+    /// `ready` as a tick works through it (the two are swapped).
+    ready_now: Vec<usize>,
+    /// Per connection: in `ready`.
+    queued: Vec<bool>,
+    /// When the next sweep over every connection is due ([`SWEEP`]).
+    next_sweep: Instant,
+    /// Connections looked at by `service_ready` (tests: the per-tick work).
+    #[cfg(test)]
+    pub(crate) conn_visits: u64,
     /// The minimum-progress allowance per grant beyond `node_timeout`.
     progress_slack: Duration,
     /// Per connection (same index): heartbeats asked for, and heard.
@@ -888,6 +909,14 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             wake_inflight: false,
             completions: vec![Completion::default(); 256],
             closing: Vec::with_capacity(conns_len),
+            // Every connection starts ready: its first frame asks for
+            // heartbeats, and its receive is posted.
+            ready: (0..conns_len).collect(),
+            ready_now: Vec::with_capacity(conns_len),
+            queued: vec![true; conns_len],
+            next_sweep: now,
+            #[cfg(test)]
+            conn_visits: 0,
             beats,
             last_check: now,
             stall: Stall::new("network thread", 0),
@@ -935,13 +964,17 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             if !stopping {
                 self.stall.phase(Phase::Submit);
                 self.fill();
-                self.flush_grants();
-                self.stall.phase(Phase::Recv);
-                self.post_recvs();
-                self.stall.phase(Phase::Timers);
-                self.check_timeouts();
-                self.stall.phase(Phase::Connect);
-                self.redial();
+                let now = self.ring.now();
+                if now >= self.next_sweep {
+                    self.next_sweep = now + SWEEP;
+                    self.stall.phase(Phase::Timers);
+                    self.check_timeouts();
+                    self.keepalives_due(now);
+                    self.stall.phase(Phase::Connect);
+                    self.redial();
+                    self.stall.phase(Phase::Submit);
+                }
+                self.service_ready();
             }
             // Closes queued this tick go before any sleep (a close queued
             // later in it leaves the tick with progress, so no sleep).
@@ -1081,6 +1114,8 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                         }
                         Event::Flushed => {
                             Self::post_send(&mut self.ring, &mut self.conns[i]);
+                            // Not posted (the queue was full): again next tick.
+                            self.mark_ready(i);
                         }
                         Event::Closed => {
                             while let Some((window, entry)) =
@@ -1304,12 +1339,18 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                         }
                     }
                 }
+                // Grants filled while it was out go next.
+                if self.conns[i].state == State::Live {
+                    self.mark_ready(i);
+                }
                 self.maybe_dead(i);
             }
             UD_RECV => {
                 self.conns[i].rx.returned();
                 if self.conns[i].state == State::Live {
                     self.on_recv(i, comp.result);
+                    // Its next receive is posted this tick.
+                    self.mark_ready(i);
                 }
                 self.maybe_dead(i);
             }

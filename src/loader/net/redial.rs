@@ -279,6 +279,8 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         debug_assert!(!self.conns[i].rx.inflight() && !self.conns[i].tx_inflight);
         let was = std::mem::replace(&mut self.conns[i], conn);
         self.give_rings(i);
+        // Its first frame (asking for heartbeats) and receive go next.
+        self.mark_ready(i);
         let now = self.ring.now();
         self.beats[i] = Beats {
             asked: false,

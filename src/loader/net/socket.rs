@@ -9,58 +9,112 @@ use super::lanes::entry_ptr;
 use super::{Conn, Receive, State, Thread, KEEPALIVE, UD_RECV, UD_SEND};
 use crate::error::errno_name;
 use crate::ring::IoBackend;
+use crate::stall::Phase;
 use crate::transport::proto::{self, Header, Kind};
 use crate::transport::rx::{Received, RxError};
 
 impl<R: Receive, I: IoBackend> Thread<R, I> {
-    pub(super) fn flush_grants(&mut self) {
-        let now = self.ring.now();
-        for i in 0..self.conns.len() {
-            let c = &mut self.conns[i];
-            if c.state != State::Live || c.tx_inflight || c.flushing() {
-                continue;
-            }
-            if c.flight_sent < c.flight.len() {
-                // Its frame did not go (the submission queue was full):
-                // send it before anything else, never overwrite it.
-                Self::post_send(&mut self.ring, c);
-                continue;
-            }
-            // The first frame asks for heartbeats (an older node ignores
-            // it as a keepalive); so do the later keepalives, harmlessly.
-            let ask = !self.beats[i].asked;
-            if c.fill_entries == 0 || ask {
-                if now.saturating_duration_since(c.last_tx) >= KEEPALIVE || ask {
-                    self.beats[i].asked = true;
-                    let h = Header::keepalive(true).encode();
-                    c.flight.clear();
-                    c.flight.extend_from_slice(&h);
-                    c.flight_sent = 0;
-                    c.last_tx = now;
-                    Self::post_send(&mut self.ring, c);
-                }
-                continue;
-            }
-            c.last_tx = now;
-            let h = Header::grant(c.fill_entries).encode();
-            c.fill[..proto::HEADER_BYTES].copy_from_slice(&h);
-            std::mem::swap(&mut c.fill, &mut c.flight);
-            c.fill.clear();
-            c.fill.resize(proto::HEADER_BYTES, 0);
-            c.fill_entries = 0;
-            c.flight_sent = 0;
-            // RDMA windows: the frame goes once they are bound (their
-            // chain's completion), so no write can arrive before its window.
-            match c.data.as_mut().map(|d| d.flush()) {
-                Some(Ok(true)) => continue,
-                Some(Err(e)) => {
-                    self.kill(i, e.to_string());
-                    continue;
-                }
-                _ => {}
-            }
-            Self::post_send(&mut self.ring, c);
+    /// Puts connection `i` in the next `service_ready`'s list (once).
+    pub(super) fn mark_ready(&mut self, i: usize) {
+        if !self.queued[i] {
+            self.queued[i] = true;
+            self.ready.push(i);
         }
+    }
+
+    /// The connections marked ready since the last call: their GRANT
+    /// frames (or keepalives) go out, then their receives are posted. A
+    /// tick looks at these only, not at every node, so its cost grows with
+    /// what completed and what was granted (the sweep, `sweep_due`, looks
+    /// at all of them every [`SWEEP`]). One that could not post (the
+    /// submission queue was full) is marked again for the next tick.
+    pub(super) fn service_ready(&mut self) {
+        std::mem::swap(&mut self.ready, &mut self.ready_now);
+        let now = self.ring.now();
+        for k in 0..self.ready_now.len() {
+            let i = self.ready_now[k];
+            self.queued[i] = false;
+            self.flush_one(i, now);
+        }
+        self.stall.phase(Phase::Recv);
+        for k in 0..self.ready_now.len() {
+            let i = self.ready_now[k];
+            let posted = self.post_recv_one(i);
+            let c = &self.conns[i];
+            let unsent = !c.tx_inflight && c.flight_sent < c.flight.len();
+            if c.state == State::Live && (!posted || unsent) {
+                self.mark_ready(i);
+            }
+        }
+        self.ready_now.clear();
+    }
+
+    /// Marks the live connections that owe their node a keepalive (or
+    /// the first frame, which asks for heartbeats); part of the sweep.
+    pub(super) fn keepalives_due(&mut self, now: std::time::Instant) {
+        for i in 0..self.conns.len() {
+            let c = &self.conns[i];
+            if c.state == State::Live
+                && (!self.beats[i].asked || now.saturating_duration_since(c.last_tx) >= KEEPALIVE)
+            {
+                self.mark_ready(i);
+            }
+        }
+    }
+
+    /// Sends connection `i`'s GRANT frame, or a keepalive when it has
+    /// none and one is due.
+    fn flush_one(&mut self, i: usize, now: std::time::Instant) {
+        #[cfg(test)]
+        {
+            self.conn_visits += 1;
+        }
+        let c = &mut self.conns[i];
+        if c.state != State::Live || c.tx_inflight || c.flushing() {
+            return;
+        }
+        if c.flight_sent < c.flight.len() {
+            // Its frame did not go (the submission queue was full):
+            // send it before anything else, never overwrite it.
+            Self::post_send(&mut self.ring, c);
+            return;
+        }
+        // The first frame asks for heartbeats (an older node ignores
+        // it as a keepalive); so do the later keepalives, harmlessly.
+        let ask = !self.beats[i].asked;
+        if c.fill_entries == 0 || ask {
+            if now.saturating_duration_since(c.last_tx) >= KEEPALIVE || ask {
+                self.beats[i].asked = true;
+                let h = Header::keepalive(true).encode();
+                c.flight.clear();
+                c.flight.extend_from_slice(&h);
+                c.flight_sent = 0;
+                c.last_tx = now;
+                Self::post_send(&mut self.ring, c);
+            }
+            // Grants filled meanwhile go once the keepalive's send is
+            // back (its completion marks the connection ready).
+            return;
+        }
+        c.last_tx = now;
+        let h = Header::grant(c.fill_entries).encode();
+        c.fill[..proto::HEADER_BYTES].copy_from_slice(&h);
+        std::mem::swap(&mut c.fill, &mut c.flight);
+        c.fill.clear();
+        c.fill.resize(proto::HEADER_BYTES, 0);
+        c.fill_entries = 0;
+        c.flight_sent = 0;
+        // RDMA windows: the frame goes once they are bound (their
+        // chain's completion), so no write can arrive before its window.
+        match c.data.as_mut().map(|d| d.flush()) {
+            Some(Ok(true)) => return,
+            Some(Err(e)) => {
+                self.kill(i, e.to_string());
+                return;
+            }
+            _ => {}
+        }
+        Self::post_send(&mut self.ring, c);
     }
 
     pub(super) fn post_send(ring: &mut I, c: &mut Conn<R>) {
@@ -80,24 +134,25 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         }
     }
 
-    pub(super) fn post_recvs(&mut self) {
-        for i in 0..self.conns.len() {
-            let c = &mut self.conns[i];
-            if c.state != State::Live || c.rx.inflight() {
-                continue;
-            }
-            let fd = c.fd();
-            let (l, lanes, active, shift) = (&self.l, &self.lanes, self.active, self.lane_shift);
-            // SAFETY: the connection (and its boxed header/message buffers)
-            // stays in `conns` until run() returns, which waits for this
-            // receive (busy()); a payload goes to the granted, unpublished
-            // part of a sample's slot, checked against the grant before this
-            // receive is posted.
-            unsafe {
-                c.rx.post(&mut self.ring, UD_RECV | i as u64, fd, |entry| {
-                    entry_ptr(l, lanes, active, shift, entry)
-                })
-            };
+    /// Posts connection `i`'s receive unless one is in flight: false
+    /// when it is live and could not be posted (the submission queue was
+    /// full).
+    fn post_recv_one(&mut self, i: usize) -> bool {
+        let c = &mut self.conns[i];
+        if c.state != State::Live || c.rx.inflight() {
+            return true;
+        }
+        let fd = c.fd();
+        let (l, lanes, active, shift) = (&self.l, &self.lanes, self.active, self.lane_shift);
+        // SAFETY: the connection (and its boxed header/message buffers)
+        // stays in `conns` until run() returns, which waits for this
+        // receive (busy()); a payload goes to the granted, unpublished
+        // part of a sample's slot, checked against the grant before this
+        // receive is posted.
+        unsafe {
+            c.rx.post(&mut self.ring, UD_RECV | i as u64, fd, |entry| {
+                entry_ptr(l, lanes, active, shift, entry)
+            })
         }
     }
 
