@@ -179,9 +179,11 @@ impl Placement {
     ///
     /// so the samples of a node that failed spread evenly over their
     /// surviving copies: in copy order they all went to the next node,
-    /// which then pushed 1.85-1.94x its normal load while the other copies
+    /// which then pushed 1.83-1.96x its normal load while the other copies
     /// idled (examples/scale_model.rs: the busiest survivor at 3 copies is
-    /// 1.40-1.48x with this order). It is the consumer's choice, not part
+    /// 1.42-1.50x with this order). With two nodes down the rotation is
+    /// not even (at 4 copies, owner and copy 1 down, copy 2 gets two
+    /// thirds); one node down is the case it is for. It is the consumer's choice, not part
     /// of the placement: nodes never depend on it.
     #[inline]
     pub fn try_copy(&self, id: u64, k: u32) -> u32 {

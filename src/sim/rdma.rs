@@ -514,7 +514,8 @@ impl Run {
             self.fill.push(i);
             self.next_grant += 1;
         }
-        // The frame goes when none waits for its binds (as flush_grants).
+        // The frame goes when none waits for its binds (as the network
+        // thread's flush_one).
         if !self.rx.flushing() && self.flight.is_empty() && !self.fill.is_empty() {
             std::mem::swap(&mut self.fill, &mut self.flight);
             match self.rx.flush() {

@@ -600,11 +600,13 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
     /// node `served_by` (None: the source). A failover (the local pollers
     /// handed it over, or it came from other than its first holder that
     /// holds it) is charged to the holder that failed: this node for a
-    /// hand-over, else the first holder.
+    /// hand-over, else the first holder, the first copy that holds it in
+    /// the order `place` tries them (`Placement::try_copy`).
     pub(super) fn via_of(&self, s: &GSlot, served_by: Option<u32>) -> u32 {
         let unheld = self.l.sh.unheld_copies(s.id);
         let placed = self.l.sh.input.placed_id(s.id);
         let first = (0..self.placement.replicas)
+            .map(|k| self.placement.try_copy(placed, k))
             .find(|r| unheld & (1 << r) == 0)
             .map(|r| self.placement.holder(placed, r));
         match (s.local, self.setup.local_node, first) {

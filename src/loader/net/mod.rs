@@ -937,6 +937,8 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
     /// One iteration of the loop: false once the thread is done (stopped,
     /// with nothing of its memory in flight). The simulator steps it.
     pub(crate) fn tick(&mut self) -> bool {
+        #[cfg(test)]
+        self.check_ready();
         {
             // A loader's own thread stops with its loader; a shared one
             // once its last lane left (`lanes.rs`).
@@ -1019,6 +1021,47 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             }
         }
         true
+    }
+
+    /// Tests: every live connection that is not in `ready` has nothing
+    /// waiting on it: its receive is posted and, unless a send is out or
+    /// its windows are being bound (both mark it when done), nothing is
+    /// unsent, no grant is filled and its first frame went. A missed mark
+    /// would otherwise only delay a frame to the next keepalive, which no
+    /// other check notices. `ready` holds each index once, within its
+    /// capacity.
+    #[cfg(test)]
+    fn check_ready(&self) {
+        let n = self.conns.len();
+        assert!(self.ready.len() <= n && self.ready_now.is_empty());
+        let mut seen = vec![false; n];
+        for &i in &self.ready {
+            assert!(
+                !seen[i] && self.queued[i],
+                "connection {i} in ready twice or unflagged"
+            );
+            seen[i] = true;
+        }
+        for (i, c) in self.conns.iter().enumerate() {
+            if c.state != State::Live || self.queued[i] {
+                continue;
+            }
+            assert!(
+                c.rx.inflight(),
+                "live connection {i} without a receive, not ready"
+            );
+            if c.tx_inflight || c.flushing() {
+                continue;
+            }
+            assert!(
+                c.flight_sent >= c.flight.len() && c.fill_entries == 0 && self.beats[i].asked,
+                "live connection {i} with a frame to send ({} of {} sent, {} grants filled, asked {}), not ready",
+                c.flight_sent,
+                c.flight.len(),
+                c.fill_entries,
+                self.beats[i].asked
+            );
+        }
     }
 
     /// Why connection `i` was shut (tests only), if it was.

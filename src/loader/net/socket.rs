@@ -25,8 +25,8 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
     /// The connections marked ready since the last call: their GRANT
     /// frames (or keepalives) go out, then their receives are posted. A
     /// tick looks at these only, not at every node, so its cost grows with
-    /// what completed and what was granted (the sweep, `sweep_due`, looks
-    /// at all of them every [`SWEEP`]). One that could not post (the
+    /// what completed and what was granted (the sweep in `tick` looks at
+    /// all of them every [`SWEEP`](super::SWEEP)). One that could not post (the
     /// submission queue was full) is marked again for the next tick.
     pub(super) fn service_ready(&mut self) {
         std::mem::swap(&mut self.ready, &mut self.ready_now);
@@ -41,7 +41,9 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             let i = self.ready_now[k];
             let posted = self.post_recv_one(i);
             let c = &self.conns[i];
-            let unsent = !c.tx_inflight && c.flight_sent < c.flight.len();
+            // (A frame waiting for its windows' binds goes when they are
+            // bound: `Event::Flushed` marks it.)
+            let unsent = !c.tx_inflight && !c.flushing() && c.flight_sent < c.flight.len();
             if c.state == State::Live && (!posted || unsent) {
                 self.mark_ready(i);
             }
