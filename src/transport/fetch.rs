@@ -409,8 +409,9 @@ impl Fetch for PeerFetch {
         put: &mut dyn FnMut(u64, &[u8]) -> Result<()>,
     ) -> Result<()> {
         let placement = self.placement()?;
-        // Copy r of every sample first from its holder r; what failed goes
-        // to copy r + 1, then to the source.
+        // Every sample first from its owner; what failed goes to its next
+        // copy in the failover order (`Placement::try_copy`: a dead
+        // owner's samples spread over its replicas), then to the source.
         let mut todo: Vec<(u64, u32)> = want.to_vec();
         let mut per_node: Vec<Vec<(u64, u32)>> = vec![Vec::new(); self.peers.len()];
         for r in 0..placement.replicas {
@@ -421,7 +422,8 @@ impl Fetch for PeerFetch {
                 v.clear();
             }
             for &(id, len) in &todo {
-                per_node[placement.holder(id, r) as usize].push((id, len));
+                let copy = placement.try_copy(id, r);
+                per_node[placement.holder(id, copy) as usize].push((id, len));
             }
             todo.clear();
             for (i, batch) in per_node.iter().enumerate() {
