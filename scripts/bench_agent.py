@@ -128,6 +128,7 @@ def ranks(spaces, n, epochs, extra, node_extra=lambda node: []):
     for p in procs:
         o, e = p.communicate(timeout=600)
         if p.returncode != 0:
+            show_logs()
             sys.exit(f"kspeed read failed: {e}")
         out.append(json.loads(o))
     return time.monotonic() - t0, out
@@ -136,15 +137,35 @@ def ranks(spaces, n, epochs, extra, node_extra=lambda node: []):
 # Node processes still running: killed at exit, whatever ends the script.
 STARTED = []
 atexit.register(lambda: [p.kill() for p in STARTED if p.poll() is None])
+# Where node processes' stderr goes (the work folder; set in main), one
+# file per process started, so a failed run says why.
+LOGS = {"dir": None, "files": []}
+
+
+def show_logs(lines=30):
+    """The last lines of every node process's log, and how it ended."""
+    for p, path in zip(STARTED, LOGS["files"]):
+        rc = p.poll()
+        with open(path, errors="replace") as f:
+            tail = f.readlines()[-lines:]
+        print(f"--- {path} ({'running' if rc is None else f'exit {rc}'}):", file=sys.stderr)
+        sys.stderr.writelines(tail)
 
 
 def start(cmd, ready):
-    """A node process, returned once it printed a line containing `ready`."""
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    """A node process, returned once it printed a line containing `ready`;
+    its stderr in a log file of the work folder."""
+    path = os.path.join(LOGS["dir"] or tempfile.gettempdir(),
+                        f"{cmd[1]}-{len(LOGS['files'])}.log")
+    log = open(path, "w")
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
+    log.close()
     STARTED.append(p)
+    LOGS["files"].append(path)
     for line in p.stdout:
         if ready in line:
             return p
+    show_logs()
     sys.exit(f"{cmd[1]} did not start")
 
 
@@ -244,6 +265,7 @@ def main():
     rank_tier = ["--tier-bytes", str(tier_total // a.ranks)] if tier_total else []
     agent_tier = ["--tier-bytes", str(tier_total), "--no-mlock"] if tier_total else []
     work = a.work or tempfile.mkdtemp(prefix="kspeed-bench-agent-")
+    LOGS["dir"] = work
     prof, count = a.profile.split(":")
     src = os.path.join(work, f"{prof}-{count}")
     if not os.path.exists(src):

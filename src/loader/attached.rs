@@ -114,6 +114,12 @@ pub(crate) struct AttachSettings {
     pub(crate) restart_wait: Duration,
 }
 
+/// How long an attached rank waits for an agent whose heartbeat stopped
+/// while its socket stays open (stopped, hung, or starved of CPU) before
+/// it is `AgentGone`: a dead agent's socket hangs up, which ends the wait
+/// at once; a silent one that is alive may only be slow.
+const STALLED_AGENT: Duration = Duration::from_secs(10);
+
 /// Slots for a ring of `table_len` sample slots and batches of
 /// `batch_size`: the most batches the ring can hold at once (a power of
 /// two, at most [`MAX_SLOTS`]).
@@ -224,7 +230,7 @@ impl RankAttach {
                 let conn = &self.conn;
                 let socket = &self.socket;
                 let mut hung_up = false;
-                let r = self.side.wait_take(&self.live, None, &mut || {
+                let mut check = || {
                     if conn.peer_closed() {
                         hung_up = true;
                         return Err(Error::AttachSocket {
@@ -233,7 +239,34 @@ impl RankAttach {
                         });
                     }
                     Ok(())
-                });
+                };
+                let mut r = self.side.wait_take(&self.live, None, &mut check);
+                if let Err(Error::AttachPeerGone {
+                    closed: false,
+                    silent_ms,
+                    ..
+                }) = r
+                {
+                    if !conn.peer_closed() {
+                        // Silent for 3 heartbeats, but its socket is open:
+                        // the agent process is alive, stopped or starved
+                        // of CPU (a loaded node, a throttled cgroup), not
+                        // dead (a dead one's socket hangs up at once). It
+                        // gets STALLED_AGENT_MS in all before it is gone.
+                        log::warn!(
+                            "the kspeed agent at {}: its heartbeat has been silent for \
+                             {silent_ms} ms but its socket is open (stopped or starved of \
+                             CPU?): waiting up to {} s for it",
+                            socket.display(),
+                            STALLED_AGENT.as_secs()
+                        );
+                        let stalled = Liveness {
+                            slice: self.live.slice,
+                            silence_limit: STALLED_AGENT,
+                        };
+                        r = self.side.wait_take(&stalled, None, &mut check);
+                    }
+                }
                 waited = t0.elapsed();
                 match r {
                     Ok(d) => d,
