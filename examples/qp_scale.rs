@@ -74,10 +74,8 @@ fn make(
         // SAFETY: `bufs` is moved into the same `Conn` as the region and
         // its heap allocation does not move with it; nothing writes it
         // (local write only, no receive is ever posted).
-        mr = Some(
-            unsafe { Mr::register(pd, bufs.as_mut_ptr(), bufs.len(), Access::Local) }
-                .map_err(|e| e.to_string())?,
-        );
+        let registered = unsafe { Mr::register(pd, bufs.as_mut_ptr(), bufs.len(), Access::Local) };
+        mr = Some(registered.map_err(|e| e.to_string())?);
     }
     let windows = (0..windows)
         .map(|_| Mw::new(pd).map_err(|e| e.to_string()))

@@ -638,7 +638,15 @@ fn connection_tables() -> String {
         )
         .unwrap();
     }
-    agent_table(&mut out, &cfg, pollers, &owner, &rank, grant_bytes);
+    agent_table(
+        &mut out,
+        &cfg,
+        pollers,
+        owner_wr,
+        &owner,
+        &rank,
+        grant_bytes,
+    );
     out
 }
 
@@ -650,14 +658,13 @@ fn agent_table(
     out: &mut String,
     cfg: &ServeConfig,
     pollers: u64,
+    owner_wr: u64,
     owner: &Verbs,
     rank: &Verbs,
     grant_bytes: u64,
 ) {
     use std::fmt::Write;
     let per_link_grants = cfg.max_grants as u64 * grant_bytes;
-    let owner_wr = (cfg.staging_bytes / cfg.chunk_bytes as u64)
-        .clamp(model::OWNER_WRS.0 as u64, model::OWNER_WRS.1 as u64);
     // With an SRQ: the agent's side of a link has no receive queue of its
     // own; its receives (SRQ_RECVS buffers) and one CQ are the agent's,
     // sized for the receives and a window per grant the node's ranks have
