@@ -248,6 +248,9 @@ def bench(a, env, size, server_pid):
         "kspeed-cache-next": lambda: run_kspeed(
             env, ["--source", f"s3://{BUCKET}/train/", "--catalog", s3cat, "--cache-dir", cache[0],
                   "--cache-bytes", str(a.half_bytes), "--cache-policy", "next-use"] + kq, server_pid),
+        "kspeed-cache-min": lambda: run_kspeed(
+            env, ["--source", f"s3://{BUCKET}/train/", "--catalog", s3cat, "--cache-dir", cache[0],
+                  "--cache-bytes", str(a.half_bytes), "--cache-policy", "min"] + kq, server_pid),
         "kspeed-cache-lru": lambda: run_kspeed(
             env, ["--source", f"s3://{BUCKET}/train/", "--catalog", s3cat, "--cache-dir", cache[0],
                   "--cache-bytes", str(a.half_bytes), "--cache-policy", "lru"] + kq, server_pid),
@@ -319,14 +322,24 @@ def bench(a, env, size, server_pid):
         planned = [med([r[e]["cache_planned_hits"] if r else None for r in res[name]]) for e in range(EPOCHS)]
         tot = [sum(e["cache_hits"] for e in r) / max(1, sum(e["cache_planned_hits"] for e in r))
                for r in res[name] if r]
+        writes = [med([r[e]["cache_writes"] if r else None for r in res[name]]) for e in range(EPOCHS)]
         print(f"{name}: cache hits per epoch (median) " + " ".join(f"{h:.0f}" for h in hits)
-              + "; planned (the policy's own, MIN's for next use) " + " ".join(f"{h:.0f}" for h in planned)
-              + f"; hits / planned over the run, per run: {fmt(tot, '{:.3f}')}")
-    if "kspeed-cache-next" in res and "kspeed-cache-lru" in res:
+              + "; planned (the policy's own) " + " ".join(f"{h:.0f}" for h in planned)
+              + f"; hits / planned over the run, per run: {fmt(tot, '{:.3f}')}"
+              + "; writes per epoch (median) " + " ".join(f"{w:.0f}" for w in writes))
+    if "kspeed-cache-next" in res and "kspeed-cache-min" in res:
+        # The planned hits are a pure function of the order: MIN's are
+        # Belady's optimum for this rank's order and slots.
+        tot = lambda name: [sum(e["cache_planned_hits"] for e in r) if r else None for r in res[name]]
+        rr = [x / y if x and y else None for x, y in zip(tot("kspeed-cache-next"), tot("kspeed-cache-min"))]
+        print(f"kspeed-cache-next planned hits / MIN's over the run, per run: {fmt(rr, '{:.3f}')}")
+    for mine, other in [("kspeed-cache-next", "kspeed-cache-lru"), ("kspeed-cache-min", "kspeed-cache-lru"),
+                        ("kspeed-cache-next", "kspeed-cache-min")]:
+        if mine not in res or other not in res:
+            continue
         for e in range(EPOCHS):
-            rr = [x / y if x and y else None
-                  for x, y in zip(sps("kspeed-cache-next", e), sps("kspeed-cache-lru", e))]
-            print(f"kspeed-cache-next / kspeed-cache-lru, epoch {e + 1}, per run: {fmt(rr, '{:.2f}')}"
+            rr = [x / y if x and y else None for x, y in zip(sps(mine, e), sps(other, e))]
+            print(f"{mine} / {other}, epoch {e + 1}, per run: {fmt(rr, '{:.2f}')}"
                   f"  (median {med(rr):.2f}x)")
     if "kspeed-cache-next" in res:
         for other in [n for n in names if n.startswith("mosaic")]:

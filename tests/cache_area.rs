@@ -635,7 +635,7 @@ fn a_full_disk_under_the_journal_loses_nothing_and_leaves_it_whole() {
     }
     let _m = Mount(mnt.clone());
     let epochs = 4;
-    let mut l = st.loader(CachePolicy::NextUse, 0, epochs);
+    let mut l = st.loader(CachePolicy::Min, 0, epochs);
     read_exact(&mut l, &st.cat, 0, epochs).unwrap();
     let c = l.stats().cache;
     drop(l);

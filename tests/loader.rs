@@ -538,6 +538,71 @@ fn memory_tier_serves_what_it_holds() {
     );
 }
 
+/// A rank of several reads another share of the dataset each epoch: its
+/// tier holds the samples it reads most often in the coming epochs (the
+/// rule of docs/CACHE.md, "The memory tier", recomputed here from the
+/// rank's own sampler), and hits what those counts promise, where a fixed
+/// subset by id would hold many samples the rank does not read again.
+#[test]
+fn a_rank_of_several_keeps_in_its_tier_what_it_reads_most() {
+    let t = tempfile::tempdir().unwrap();
+    let (_, sp) = tiny_space(t.path(), 400);
+    let space = Space::open(&sp).unwrap();
+    let cat = space.catalog();
+    let (rank, world, epochs) = (1u32, 4u32, 8u64);
+    let budget = cat.total_bytes() / 4;
+    let sampler =
+        Sampler::new(SamplerConfig::single(cat.len(), 8).rank_world(rank, world)).unwrap();
+    let mut reads = vec![0u64; cat.len() as usize];
+    for e in 0..epochs {
+        for k in 0..sampler.per_rank() {
+            reads[sampler.sample(e, k) as usize] += 1;
+        }
+    }
+    // Members as the rule says: most reads first, then by id, while they
+    // fit (a slot is the length rounded up to 64 bytes); hits: a member
+    // read k times hits k - 1 times.
+    let fit = |order: &mut dyn Iterator<Item = u64>| {
+        let (mut used, mut members, mut hits) = (0u64, 0u64, 0u64);
+        for id in order {
+            let slot = (cat.sample(id).len as u64).next_multiple_of(64);
+            if used + slot <= budget {
+                used += slot;
+                members += 1;
+                hits += reads[id as usize].saturating_sub(1);
+            }
+        }
+        (members, hits)
+    };
+    let mut by_reads: Vec<u64> = (0..cat.len()).collect();
+    by_reads.sort_by_key(|&id| (std::cmp::Reverse(reads[id as usize]), id));
+    let (members, promised) = fit(&mut by_reads.into_iter());
+    let (_, by_id) = fit(&mut (0..cat.len()));
+    assert!(
+        promised >= 2 * by_id,
+        "the counts promise {promised} hits, id order {by_id}"
+    );
+    let mut loader = LoaderBuilder::space(&sp)
+        .rank(rank, world)
+        .seed(8)
+        .end_epoch(Some(epochs))
+        .tier_bytes(budget)
+        .landing(small_ring(1 << 20))
+        .build()
+        .unwrap();
+    assert_eq!(loader.tier().unwrap().0, members);
+    check_epochs(&mut loader, cat, &sampler, 0..epochs, 64);
+    let hits = loader.stats().tier_hits;
+    // A member's first read fills it; a read planned while that fill was
+    // still in flight (at most the ring's lookahead, across an epoch's
+    // end) goes to disk instead.
+    assert!(
+        hits <= promised && hits * 10 >= promised * 9,
+        "{hits} tier hits, the counts promise {promised} (id order: {by_id})"
+    );
+    eprintln!("{hits} tier hits of {promised} promised; id order would give {by_id}");
+}
+
 /// `tier_views`: samples in the tier are handed out in place (no copy into
 /// the ring), in order and byte-identical over several epochs, while other
 /// members are still being filled (rank 0 of 2 reads half the set each

@@ -55,19 +55,28 @@ const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(3);
 /// Which samples the area keeps.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CachePolicy {
-    /// Keep what this rank reads soonest (Belady's MIN with bypass over the
-    /// known order): the default.
+    /// Keep what this rank reads soonest, weighing each write: Belady's MIN
+    /// with bypass over the known order, except that a sample replaces a
+    /// held one only if that gains a hit for its write (it is read again
+    /// before the held one's next read, or the held one's next read is more
+    /// than an epoch after its own, or never). Under a reshuffle every epoch
+    /// it hits as MIN does and writes only to fill the area; MIN replaces a
+    /// third or more of the area every epoch for no hit. The default.
     NextUse,
+    /// Belady's MIN with bypass: the fewest source reads, whatever they
+    /// cost in writes to the area.
+    Min,
     /// Keep what was read last, admitting every sample (the page cache's
     /// and the peers' policy), for comparison.
     Lru,
 }
 
 impl CachePolicy {
-    /// Parses `next-use` or `lru`.
+    /// Parses `next-use`, `min` or `lru`.
     pub fn parse(s: &str) -> Option<Self> {
         match s {
             "next-use" | "next_use" => Some(CachePolicy::NextUse),
+            "min" => Some(CachePolicy::Min),
             "lru" => Some(CachePolicy::Lru),
             _ => None,
         }
@@ -77,6 +86,7 @@ impl CachePolicy {
     pub fn name(self) -> &'static str {
         match self {
             CachePolicy::NextUse => "next-use",
+            CachePolicy::Min => "min",
             CachePolicy::Lru => "lru",
         }
     }

@@ -121,6 +121,42 @@ impl Belady {
         Decision::Admit
     }
 
+    /// A read as [`read`](Self::read), except that a sample not held
+    /// replaces a held one only when the write gains a hit (docs/CACHE.md,
+    /// "Writes"). MIN replaces whenever the new sample is read sooner than
+    /// the farthest held (at `far`), trading that one's hit at `far` for
+    /// the new one's at `next`: the same count, one write more, and another
+    /// when the evicted one is read and kept again. The trade gains only if
+    /// the slot's time it frees, `next..far`, is used again: surely when
+    /// the held one is never read again (`far` is [`NEVER`]) or the new one
+    /// is read twice before it (`second`, the read after `next`, is before
+    /// `far`), likely when `far - next` exceeds `horizon`
+    /// ([`NextUse::swap_horizon`](crate::sampler::NextUse::swap_horizon)).
+    /// Otherwise it is a bypass. With free room this is `read`.
+    pub fn read_weighing_writes(
+        &mut self,
+        id: u64,
+        bytes: u64,
+        next: u64,
+        second: impl FnOnce() -> u64,
+        horizon: u64,
+        evicted: impl FnMut(u64),
+    ) -> Decision {
+        let full = self.used_bytes + bytes > self.capacity_bytes
+            || (self.free.is_empty() && self.entries.len() == self.max_entries);
+        if full && !self.by_id.contains_key(&id) && next != NEVER {
+            if let Some(&top) = self.heap.first() {
+                let far = self.entries[top as usize].next;
+                let gains = far == NEVER
+                    || (next < far && (next.saturating_add(horizon) < far || second() < far));
+                if !gains {
+                    return Decision::Bypass;
+                }
+            }
+        }
+        self.read(id, bytes, next, evicted)
+    }
+
     /// Holds `id` (the caller checked it fits): an entry from the pool, in
     /// the heap by its next read.
     fn hold(&mut self, id: u64, bytes: u64, next: u64) {

@@ -781,11 +781,13 @@ impl LoaderBuilder {
             cache_bytes: self.cache_bytes,
         })?;
         let next = match self.cache_policy {
-            crate::cache::CachePolicy::NextUse => Some(crate::sampler::NextUse::new(
-                sampler,
-                Some(self.rank..self.rank + 1),
-                self.end_epoch,
-            )?),
+            crate::cache::CachePolicy::NextUse | crate::cache::CachePolicy::Min => {
+                Some(crate::sampler::NextUse::new(
+                    sampler,
+                    Some(self.rank..self.rank + 1),
+                    self.end_epoch,
+                )?)
+            }
             crate::cache::CachePolicy::Lru => None,
         };
         log::info!(
@@ -1055,16 +1057,28 @@ impl LoaderBuilder {
             _ if self.agent_input.as_ref().is_some_and(|a| a.tier.is_some()) => {
                 self.agent_input.as_ref().and_then(|a| a.tier.clone())
             }
-            // In cluster mode the samples other nodes hold come first.
-            Input::Space { space, .. } if self.cluster.is_some() => Tier::preferring(
-                input.catalog(),
-                self.tier_bytes,
-                landing.mlock,
-                false,
-                &|id| space.location(id).is_none(),
-            )?
-            .map(Arc::new),
-            _ => Tier::new(input.catalog(), self.tier_bytes, landing.mlock)?.map(Arc::new),
+            _ if self.tier_bytes == 0 => None,
+            // A rank of several: the samples it reads most in the coming
+            // epochs (tier.rs); in cluster mode, among equals, those other
+            // nodes hold.
+            _ => {
+                let from = self.start.map_or(0, |p| p.epoch);
+                let remote = |id| match &input {
+                    Input::Space { space, .. } if self.cluster.is_some() => {
+                        space.location(id).is_none()
+                    }
+                    _ => false,
+                };
+                let (catalog, budget, mlock) = (input.catalog(), self.tier_bytes, landing.mlock);
+                match super::tier::future_reads(&sampler, from, self.end_epoch) {
+                    Some(reads) => Tier::by_reads(catalog, budget, mlock, &reads, Some(&remote))?,
+                    None if self.cluster.is_some() => {
+                        Tier::preferring(catalog, budget, mlock, false, &remote)?
+                    }
+                    None => Tier::new(catalog, budget, mlock)?,
+                }
+                .map(Arc::new)
+            }
         };
         if let Some(t) = tier.as_ref().filter(|_| self.agent_input.is_none()) {
             log::info!(

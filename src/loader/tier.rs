@@ -8,7 +8,12 @@
 //! is its length rounded up to 64 bytes). In cluster mode the samples this
 //! node does not hold come first ([`Tier::preferring`]): a hit on one of them
 //! saves a push from another node, a hit on a local one only a read of the
-//! local NVMe. A member is filled the first time a
+//! local NVMe. A rank of several reads a different share of the dataset each
+//! epoch, so a fixed subset by id holds many samples it will not read again
+//! for epochs: its tier is chosen by its known future instead
+//! ([`Tier::by_reads`], [`future_reads`]: the samples it reads most often in
+//! the coming epochs first; NoPFS's clairvoyant counts). A member is filled
+//! the first time a
 //! poller reads it from disk or, in cluster mode, its owner pushes it (one
 //! copy from the landing ring), and served by a copy into the ring ever
 //! after: by a poller when this node holds it, else by the network thread
@@ -56,7 +61,7 @@ impl Tier {
     /// Chooses members of `catalog` for a budget of `budget_bytes`, and maps
     /// (and locks, if `mlock`) the memory.
     pub fn new(catalog: &Catalog, budget_bytes: u64, mlock: bool) -> Result<Option<Tier>> {
-        Self::build(catalog, budget_bytes, mlock, false, None)
+        Self::build(catalog, budget_bytes, mlock, false, &mut (0..catalog.len()))
     }
 
     /// As [`Tier::new`] (`checked`: [`Tier::new_checked`]), the samples for
@@ -71,18 +76,48 @@ impl Tier {
         checked: bool,
         first: &dyn Fn(u64) -> bool,
     ) -> Result<Option<Tier>> {
-        let ids_only = match std::env::var("KSPEED_TIER_MEMBERS").as_deref() {
-            Ok("ids") => true,
-            Ok("remote-first") | Err(_) => false,
-            Ok(other) => {
-                log::warn!(
-                    "KSPEED_TIER_MEMBERS={other:?} is neither ids nor remote-first; using remote-first"
-                );
-                false
+        let n = catalog.len();
+        if members_env() == Members::Ids {
+            return Self::build(catalog, budget_bytes, mlock, checked, &mut (0..n));
+        }
+        let mut order = (0..n)
+            .filter(|&id| first(id))
+            .chain((0..n).filter(|&id| !first(id)));
+        Self::build(catalog, budget_bytes, mlock, checked, &mut order)
+    }
+
+    /// As [`Tier::preferring`] (`first`: None for none), members chosen by
+    /// `reads` ([`future_reads`]: how often the ranks it serves read each
+    /// sample in the coming epochs): the samples read most often first,
+    /// among equals those `first` prefers, then by id; samples not read in
+    /// those epochs only after every one that is. A member read `k` times
+    /// gives `k - 1` hits (the first read fills it); a fixed subset by id
+    /// gives a rank of `W` about `1/W` of its budget's worth each epoch.
+    /// `KSPEED_TIER_MEMBERS=ids` or `remote-first` ignore `reads`, to
+    /// measure side by side.
+    pub(crate) fn by_reads(
+        catalog: &Catalog,
+        budget_bytes: u64,
+        mlock: bool,
+        reads: &[u16],
+        first: Option<&dyn Fn(u64) -> bool>,
+    ) -> Result<Option<Tier>> {
+        let n = catalog.len();
+        assert_eq!(reads.len() as u64, n, "a count per sample");
+        let prefer = |id: u64| first.is_some_and(|f| f(id));
+        match members_env() {
+            Members::Ids => return Self::build(catalog, budget_bytes, mlock, false, &mut (0..n)),
+            Members::RemoteFirst => {
+                return Self::preferring(catalog, budget_bytes, mlock, false, &prefer);
             }
-        };
-        let first = (!ids_only).then_some(first);
-        Self::build(catalog, budget_bytes, mlock, checked, first)
+            Members::Reads => {}
+        }
+        let mut read: Vec<u64> = (0..n).filter(|&id| reads[id as usize] > 0).collect();
+        read.sort_unstable_by_key(|&id| (std::cmp::Reverse(reads[id as usize]), !prefer(id), id));
+        let unread =
+            |want: bool| (0..n).filter(move |&id| reads[id as usize] == 0 && prefer(id) == want);
+        let mut order = read.into_iter().chain(unread(true)).chain(unread(false));
+        Self::build(catalog, budget_bytes, mlock, false, &mut order)
     }
 
     /// As [`Tier::new`], for a tier shared by several ranks whose rings it
@@ -91,44 +126,37 @@ impl Tier {
     /// of the catalog kept), and copies to and from rings go through the
     /// kernel ([`crate::sys::copy_faultable`]).
     pub fn new_checked(catalog: &Catalog, budget_bytes: u64, mlock: bool) -> Result<Option<Tier>> {
-        Self::build(catalog, budget_bytes, mlock, true, None)
+        Self::build(catalog, budget_bytes, mlock, true, &mut (0..catalog.len()))
     }
 
+    /// Members: the samples of `order` (each id once) that fit, in that
+    /// order.
     fn build(
         catalog: &Catalog,
         budget_bytes: u64,
         mlock: bool,
         checked: bool,
-        first: Option<&dyn Fn(u64) -> bool>,
+        order: &mut dyn Iterator<Item = u64>,
     ) -> Result<Option<Tier>> {
         if budget_bytes == 0 {
             return Ok(None);
         }
         let mut offsets = vec![NOT_MEMBER; catalog.len() as usize];
         let (mut used, mut members, mut member_bytes) = (0u64, 0u64, 0u64);
-        // With `first`: its samples in a first pass, the rest in a second.
-        let passes: &[Option<bool>] = if first.is_some() {
-            &[Some(true), Some(false)]
-        } else {
-            &[None]
-        };
-        for &pass in passes {
-            for id in 0..catalog.len() {
-                if let (Some(want), Some(f)) = (pass, first) {
-                    if f(id) != want {
-                        continue;
-                    }
-                }
-                let len = catalog.sample(id).len as u64;
-                let slot = len.next_multiple_of(64);
-                if used + slot > budget_bytes {
-                    continue;
-                }
-                offsets[id as usize] = used;
-                used += slot;
-                members += 1;
-                member_bytes += len;
+        for id in order {
+            let len = catalog.sample(id).len as u64;
+            let slot = len.next_multiple_of(64);
+            if used + slot > budget_bytes {
+                continue;
             }
+            debug_assert_eq!(
+                offsets[id as usize], NOT_MEMBER,
+                "sample {id} offered twice"
+            );
+            offsets[id as usize] = used;
+            used += slot;
+            members += 1;
+            member_bytes += len;
         }
         if used == 0 {
             return Ok(None);
@@ -304,6 +332,68 @@ impl Tier {
             st.store(FULL, Ordering::Release);
         }
     }
+}
+
+/// How members are chosen, for measuring side by side
+/// (`KSPEED_TIER_MEMBERS`): by id, remote first then by id, or (the
+/// default) by the known future where there is one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Members {
+    Ids,
+    RemoteFirst,
+    Reads,
+}
+
+fn members_env() -> Members {
+    match std::env::var("KSPEED_TIER_MEMBERS").as_deref() {
+        Ok("ids") => Members::Ids,
+        Ok("remote-first") => Members::RemoteFirst,
+        Ok("reads") | Err(_) => Members::Reads,
+        Ok(other) => {
+            log::warn!(
+                "KSPEED_TIER_MEMBERS={other:?} is none of ids, remote-first, reads; using reads"
+            );
+            Members::Reads
+        }
+    }
+}
+
+/// Epochs [`future_reads`] looks ahead at most.
+const READS_EPOCHS: u64 = 16;
+/// Reads it counts at most (about a second of sampler lookups at build).
+const READS_COUNTED: u64 = 1 << 24;
+
+/// How often `sampler`'s rank reads each sample in the epochs from `from`
+/// to `end` (at most [`READS_EPOCHS`] of them, and no more whole epochs
+/// than [`READS_COUNTED`] reads allow; at least one): what
+/// [`Tier::by_reads`] chooses members by. None where counting tells
+/// nothing: a rank of one reads every sample once an epoch, so every
+/// count is the same and id order is as good (and free), and a mixture
+/// has no memory tier.
+pub(crate) fn future_reads(
+    sampler: &crate::sampler::Sampler,
+    from: u64,
+    end: Option<u64>,
+) -> Option<Vec<u16>> {
+    let cfg = sampler.config();
+    if cfg.world <= 1 || sampler.mixture().is_some() {
+        return None;
+    }
+    let per_rank = sampler.per_rank().max(1);
+    let epochs = end
+        .map_or(READS_EPOCHS, |e| e.saturating_sub(from))
+        .min(READS_EPOCHS)
+        .min(READS_COUNTED / per_rank)
+        .max(1);
+    let mut reads = vec![0u16; cfg.len as usize];
+    for e in from..from + epochs {
+        let order = sampler.epoch(e);
+        for k in 0..sampler.per_rank() {
+            let c = &mut reads[order.sample(k) as usize];
+            *c = c.saturating_add(1);
+        }
+    }
+    Some(reads)
 }
 
 #[cfg(test)]

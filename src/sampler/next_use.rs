@@ -84,6 +84,28 @@ impl NextUse {
         self.steps
     }
 
+    /// Reads per epoch by the ranks counted (all of `P` for every rank).
+    pub fn reads_per_epoch(&self) -> u64 {
+        match &self.ranks {
+            Some(r) => self.steps / self.world * (r.end - r.start),
+            None => self.steps,
+        }
+    }
+
+    /// The gap past which replacing a kept sample by one read sooner is
+    /// taken to gain a hit ([`Belady::read_weighing_writes`]): an epoch
+    /// times the share of the dataset the counted ranks read in one (one
+    /// epoch for a rank that reads every sample each epoch, `1/W` of one
+    /// for a rank of `W`). Chosen by simulation (docs/CACHE.md, "Writes";
+    /// `examples/cache_model.rs`): a whole epoch for a rank of 2 or more
+    /// lost up to 2 % of MIN's hits, this gap at most 1.6 %.
+    ///
+    /// [`Belady::read_weighing_writes`]: crate::cache::Belady::read_weighing_writes
+    pub fn swap_horizon(&self) -> u64 {
+        let p = self.steps as u128;
+        (p * self.reads_per_epoch() as u128 / self.len.max(1) as u128).min(p) as u64
+    }
+
     /// The time of global position `j` of `epoch`.
     pub fn time(&self, epoch: u64, j: u64) -> u64 {
         epoch * self.steps + j

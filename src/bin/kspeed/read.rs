@@ -97,8 +97,9 @@ pub(crate) struct ReadArgs {
     /// The cache area's budget (e.g. 400GiB).
     #[arg(long, default_value = "0", value_parser = crate::opt::<u64>("cache_bytes"))]
     cache_bytes: u64,
-    /// What the cache area keeps: next-use (what is read soonest) or lru.
-    #[arg(long, default_value = "next-use", value_parser = ["next-use", "lru"])]
+    /// What the cache area keeps: next-use (what is read soonest, each
+    /// write weighed), min (Belady's MIN: the fewest source reads) or lru.
+    #[arg(long, default_value = "next-use", value_parser = ["next-use", "min", "lru"])]
     cache_policy: String,
     /// Hand out samples that sit in the memory tier in place instead of
     /// copying them into the landing ring (a batch is then not one span).
