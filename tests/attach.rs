@@ -88,6 +88,7 @@ fn request(seg: &Segment, ring: &RingMap) -> AttachRequest {
         flags: 0,
         end_epoch: None,
         job: None,
+        local: None,
     }
 }
 

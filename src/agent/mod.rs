@@ -25,5 +25,6 @@ pub mod attach;
 pub mod cluster;
 pub mod msg;
 pub mod node;
+mod node_tier;
 pub mod segment;
 pub mod shm;

@@ -11,7 +11,7 @@ pub const ATTACH_MAGIC: u32 = u32::from_le_bytes(*b"KSAT");
 /// The message layout version this build speaks. The first 12 bytes
 /// (magic, version, kind, length) are the same in every version, so a
 /// peer of another version is answered with a REFUSED it can read.
-pub const ATTACH_VERSION: u16 = 4;
+pub const ATTACH_VERSION: u16 = 5;
 /// Kind of an ATTACH message (rank to agent).
 pub const KIND_ATTACH: u16 = 1;
 /// Kind of an ATTACHED reply.
@@ -108,6 +108,12 @@ pub struct AttachRequest {
     /// of its global order (`Loader::restore_job_position`); later epochs
     /// are ordinary. `None`: every epoch ordinary.
     pub job: Option<crate::sampler::JobPosition>,
+    /// The rank's place on its node (version 5): its local rank and the
+    /// node's ranks (`LOCAL_RANK`, `LOCAL_WORLD_SIZE`); `None`: not known.
+    /// The agent takes the node's ranks to be `rank - local_rank` and the
+    /// `local_world - 1` after it (torchrun's and SLURM's block layout) to
+    /// choose the node tier's members by their reads.
+    pub local: Option<(u16, u16)>,
 }
 
 /// ATTACH flag: the sampler shuffles each epoch.
@@ -208,8 +214,12 @@ impl AttachRequest {
         b[64..72].copy_from_slice(&self.ring_bytes.to_le_bytes());
         b[72..80].copy_from_slice(&self.segment_bytes.to_le_bytes());
         b[80..84].copy_from_slice(&self.flags.to_le_bytes());
-        // 84..88: reserved, zero. 88..96: end_epoch, 0 for none (an end
-        // epoch is after the start epoch, so never 0).
+        // 84..88 (version 5): local rank u16, local world u16; both 0
+        // when not known. 88..96: end_epoch, 0 for none (an end epoch is
+        // after the start epoch, so never 0).
+        let (local_rank, local_world) = self.local.unwrap_or((0, 0));
+        b[84..86].copy_from_slice(&local_rank.to_le_bytes());
+        b[86..88].copy_from_slice(&local_world.to_le_bytes());
         b[88..96].copy_from_slice(&self.end_epoch.unwrap_or(0).to_le_bytes());
         // 96..112 (version 4): the job position the world resumed at, its
         // epoch and the entries consumed; both 0 for ordinary epochs (a
@@ -230,12 +240,21 @@ impl AttachRequest {
             return Err(proto(format!("expected ATTACH (kind 1), got kind {kind}")));
         }
         let flags = u32_at(b, 80);
-        if flags & !KNOWN_FLAGS != 0 || b[84..88].iter().any(|&x| x != 0) {
+        if flags & !KNOWN_FLAGS != 0 {
             return Err(proto(format!(
-                "unknown flags {:#x} or reserved bytes set in a version {ATTACH_VERSION} ATTACH",
+                "unknown flags {:#x} in a version {ATTACH_VERSION} ATTACH",
                 flags & !KNOWN_FLAGS
             )));
         }
+        let local = match (u16_at(b, 84), u16_at(b, 86)) {
+            (0, 0) => None,
+            (r, w) if r < w => Some((r, w)),
+            (r, w) => {
+                return Err(proto(format!(
+                    "local rank {r} of {w} ranks on the node (0 0 when not known)"
+                )))
+            }
+        };
         let gen = u32_at(b, 12);
         let generation = u16::try_from(gen)
             .ok()
@@ -256,6 +275,7 @@ impl AttachRequest {
             flags,
             end_epoch: Some(u64_at(b, 88)).filter(|&e| e != 0),
             job: None,
+            local,
         };
         let (job_epoch, consumed) = (u64_at(b, 96), u64_at(b, 104));
         let r = match (job_epoch, consumed) {
@@ -280,6 +300,15 @@ impl AttachRequest {
             return Err(proto(format!(
                 "end_epoch {end} is not after the start epoch {}",
                 r.start_epoch
+            )));
+        }
+        if let Some((lr, lw)) = r
+            .local
+            .filter(|&(lr, lw)| u32::from(lr) > r.rank || u32::from(lw) > r.world)
+        {
+            return Err(proto(format!(
+                "local rank {lr} of {lw} on the node does not fit rank {} of world {}",
+                r.rank, r.world
             )));
         }
         if r.world == 0 || r.rank >= r.world || r.batch_size == 0 {
@@ -370,6 +399,7 @@ mod tests {
                 epoch: 2,
                 consumed: 1000,
             }),
+            local: Some((1, 2)),
         }
     }
 
@@ -420,12 +450,22 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("end_epoch 2 is not after the start epoch 2"));
+        let unknown = AttachRequest { local: None, ..r };
+        let enc = unknown.encode();
+        assert!(enc[84..88].iter().all(|&x| x == 0));
+        assert_eq!(AttachRequest::decode(&enc).unwrap(), unknown);
         let mut bad = b;
-        bad[85] = 1;
+        bad[84] = 2; // local rank 2 of 2
         assert!(AttachRequest::decode(&bad)
             .unwrap_err()
             .to_string()
-            .contains("reserved bytes"));
+            .contains("local rank 2 of 2"));
+        let mut bad = b;
+        bad[86] = 5; // 5 ranks on the node, world 4
+        assert!(AttachRequest::decode(&bad)
+            .unwrap_err()
+            .to_string()
+            .contains("does not fit rank 1 of world 4"));
         let mut bad = b;
         bad[80] |= 4;
         assert!(AttachRequest::decode(&bad)

@@ -25,6 +25,7 @@ use std::time::{Duration, Instant};
 use super::attach::{AttachListener, Attached, Incoming, ListenerConfig};
 use super::cluster::AgentCluster;
 use super::msg::{RefuseCode, FLAG_DROP_LAST, FLAG_SHUFFLE};
+use super::node_tier::{NodeTier, TierLayout};
 use super::segment::{side_state, Liveness, Segment, Side};
 use super::shm::RingMap;
 use crate::dataset::Space;
@@ -116,48 +117,6 @@ struct OpenSpace {
     net_hub: Option<Arc<crate::loader::net::NetHub>>,
 }
 
-/// The node tier and whose it is. A member is filled from one rank's ring,
-/// memory that rank can write, and copied into other ranks' rings; a CRC
-/// does not stop a rank that forges bytes on purpose. So the tier is shared
-/// only among ranks of one user (uid), which trust each other; while ranks
-/// of one user hold it, a rank of another user reads without it, and when
-/// none does, the next user's first rank empties it and takes it over.
-struct NodeTier {
-    tier: Arc<Tier>,
-    /// The user whose samples it holds.
-    uid: Option<u32>,
-    /// Ranks of that user given the tier and not ended.
-    ranks: usize,
-}
-
-impl NodeTier {
-    /// The tier for a rank of `uid`, if that user may have it now.
-    fn take(&mut self, uid: u32) -> Option<Arc<Tier>> {
-        if self.uid != Some(uid) {
-            if self.ranks > 0 {
-                return None;
-            }
-            if self.uid.is_some() {
-                // Another user's samples: emptied first. `get_mut` is
-                // None only while a loader of theirs still holds the
-                // tier (it is dropped before its rank is counted ended).
-                Arc::get_mut(&mut self.tier)?.reset();
-            }
-            self.uid = Some(uid);
-        }
-        self.ranks += 1;
-        Some(self.tier.clone())
-    }
-
-    /// A rank given the tier ended (its loader is dropped).
-    fn give_back(&mut self) {
-        self.ranks = self
-            .ranks
-            .checked_sub(1)
-            .expect("a tier given back more often than taken");
-    }
-}
-
 fn open_space(cfg: &AgentConfig) -> Result<OpenSpace> {
     let dir = &cfg.space;
     let space = Space::open(dir)?;
@@ -216,6 +175,7 @@ fn open_space(cfg: &AgentConfig) -> Result<OpenSpace> {
             tier: Arc::new(t),
             uid: None,
             ranks: 0,
+            layout: None,
         })
     });
     Ok(OpenSpace {
@@ -504,7 +464,8 @@ fn start_rank(
     let (pid, uid) = (incoming.conn.peer().pid, incoming.conn.peer().uid);
     let tier = open.tier.as_ref().and_then(|t| {
         let mut t = lock(t);
-        let got = t.take(uid);
+        let in_cluster = cfg.cluster.is_some();
+        let got = t.take(uid, TierLayout::of(&req), &open.space, in_cluster);
         if got.is_none() {
             log::info!(
                 "agent: rank {} (pid {pid}, uid {uid}) reads without the node tier: it holds samples read for uid {}'s ranks, {} still attached (ranks of one user share the tier)",

@@ -110,6 +110,10 @@ pub(crate) struct AttachSettings {
     pub(crate) slots: u32,
     /// The loader's end epoch: the agent reads nothing from it on.
     pub(crate) end_epoch: Option<u64>,
+    /// Local rank and ranks on the node, when a launcher or the options
+    /// said (the agent chooses the node tier's members by the node's
+    /// reads).
+    pub(crate) local: Option<(u16, u16)>,
     /// How long to wait for a restarted agent (`agent_restart_wait_ms`).
     pub(crate) restart_wait: Duration,
 }
@@ -183,6 +187,7 @@ impl RankAttach {
                 | if s.drop_last { FLAG_DROP_LAST } else { 0 },
             end_epoch: s.end_epoch,
             job,
+            local: s.local,
         };
         let (conn, reply) =
             attach(&s.socket, &req, ring, side.segment(), ATTACH_TIMEOUT).map_err(no_agent)?;

@@ -1070,7 +1070,8 @@ impl LoaderBuilder {
                     _ => false,
                 };
                 let (catalog, budget, mlock) = (input.catalog(), self.tier_bytes, landing.mlock);
-                match super::tier::future_reads(&sampler, from, self.end_epoch) {
+                let me = self.rank..self.rank + 1;
+                match super::tier::future_reads(&sampler, me, from, self.end_epoch) {
                     Some(reads) => Tier::by_reads(catalog, budget, mlock, &reads, Some(&remote))?,
                     None if self.cluster.is_some() => {
                         Tier::preferring(catalog, budget, mlock, false, &remote)?
@@ -1321,6 +1322,16 @@ impl LoaderBuilder {
             slots: super::attached::slots_for(geo.table_len(), batch_size),
             end_epoch: self.end_epoch,
             restart_wait: self.agent_restart_wait,
+            // Known when a launcher or the options said; a node of more
+            // than 65,535 ranks is not one the agent can count for.
+            local: (local.origin != crate::launcher::NO_LAUNCHER)
+                .then(|| {
+                    Some((
+                        u16::try_from(local.rank).ok()?,
+                        u16::try_from(local.size).ok()?,
+                    ))
+                })
+                .flatten(),
         });
         // Attached: the agent reads every sample; this process connects
         // to no node.

@@ -48,6 +48,9 @@ pub struct Tier {
     state: Vec<AtomicU8>,
     members: u64,
     member_bytes: u64,
+    /// The slots' bytes at build (within the budget): what a
+    /// [`Tier::relayout`] may use.
+    capacity_bytes: u64,
     /// Per sample id, its catalog CRC32C (members only; others 0), when
     /// fills are checked and copies made through the kernel
     /// ([`Tier::new_checked`]): 4 bytes per sample of the catalog.
@@ -112,12 +115,47 @@ impl Tier {
             }
             Members::Reads => {}
         }
-        let mut read: Vec<u64> = (0..n).filter(|&id| reads[id as usize] > 0).collect();
-        read.sort_unstable_by_key(|&id| (std::cmp::Reverse(reads[id as usize]), !prefer(id), id));
-        let unread =
-            |want: bool| (0..n).filter(move |&id| reads[id as usize] == 0 && prefer(id) == want);
-        let mut order = read.into_iter().chain(unread(true)).chain(unread(false));
+        let mut order = reads_order(reads, &prefer);
         Self::build(catalog, budget_bytes, mlock, false, &mut order)
+    }
+
+    /// Chooses the members again, by `reads` as [`Tier::by_reads`] does,
+    /// within the slots' bytes at build: every member is emptied first
+    /// (`&mut`: no loader holds the tier). The agent's node tier, when the
+    /// first rank of a job tells which ranks the node serves.
+    pub(crate) fn relayout(
+        &mut self,
+        catalog: &Catalog,
+        reads: &[u16],
+        first: &dyn Fn(u64) -> bool,
+    ) {
+        assert_eq!(reads.len(), self.offsets.len(), "a count per sample");
+        self.reset();
+        self.offsets.fill(NOT_MEMBER);
+        let budget = self.capacity_bytes;
+        let (mut used, mut members, mut member_bytes) = (0u64, 0u64, 0u64);
+        for id in reads_order(reads, first) {
+            let len = catalog.sample(id).len as u64;
+            let slot = len.next_multiple_of(64);
+            if used + slot > budget {
+                continue;
+            }
+            self.offsets[id as usize] = used;
+            used += slot;
+            members += 1;
+            member_bytes += len;
+        }
+        if let Some(crcs) = &mut self.crcs {
+            for (id, c) in crcs.iter_mut().enumerate() {
+                *c = if self.offsets[id] == NOT_MEMBER {
+                    0
+                } else {
+                    catalog.sample(id as u64).crc32c
+                };
+            }
+        }
+        self.members = members;
+        self.member_bytes = member_bytes;
     }
 
     /// As [`Tier::new`], for a tier shared by several ranks whose rings it
@@ -187,6 +225,7 @@ impl Tier {
             state,
             members,
             member_bytes,
+            capacity_bytes: used,
             crcs,
             fills_refused: AtomicU64::new(0),
         }))
@@ -334,6 +373,20 @@ impl Tier {
     }
 }
 
+/// Ids by `reads`: most read first, among equals those `prefer` picks,
+/// then by id; the samples not read after all of those (preferred first).
+fn reads_order<'a>(
+    reads: &'a [u16],
+    prefer: &'a dyn Fn(u64) -> bool,
+) -> impl Iterator<Item = u64> + 'a {
+    let n = reads.len() as u64;
+    let mut read: Vec<u64> = (0..n).filter(|&id| reads[id as usize] > 0).collect();
+    read.sort_unstable_by_key(|&id| (std::cmp::Reverse(reads[id as usize]), !prefer(id), id));
+    let unread =
+        move |want: bool| (0..n).filter(move |&id| reads[id as usize] == 0 && prefer(id) == want);
+    read.into_iter().chain(unread(true)).chain(unread(false))
+}
+
 /// How members are chosen, for measuring side by side
 /// (`KSPEED_TIER_MEMBERS`): by id, remote first then by id, or (the
 /// default) by the known future where there is one.
@@ -342,6 +395,12 @@ enum Members {
     Ids,
     RemoteFirst,
     Reads,
+}
+
+/// Whether members may be chosen by reads (`KSPEED_TIER_MEMBERS` unset or
+/// `reads`): the agent's node tier asks before [`Tier::relayout`].
+pub(crate) fn by_reads_allowed() -> bool {
+    members_env() == Members::Reads
 }
 
 fn members_env() -> Members {
@@ -363,34 +422,40 @@ const READS_EPOCHS: u64 = 16;
 /// Reads it counts at most (about a second of sampler lookups at build).
 const READS_COUNTED: u64 = 1 << 24;
 
-/// How often `sampler`'s rank reads each sample in the epochs from `from`
-/// to `end` (at most [`READS_EPOCHS`] of them, and no more whole epochs
-/// than [`READS_COUNTED`] reads allow; at least one): what
-/// [`Tier::by_reads`] chooses members by. None where counting tells
-/// nothing: a rank of one reads every sample once an epoch, so every
-/// count is the same and id order is as good (and free), and a mixture
-/// has no memory tier.
+/// How often `ranks` of `sampler`'s world read each sample in the epochs
+/// from `from` to `end` (at most [`READS_EPOCHS`] of them, and no more
+/// whole epochs than [`READS_COUNTED`] reads allow; at least one): what
+/// [`Tier::by_reads`] chooses members by (one rank's tier: its own rank;
+/// the agent's node tier: the node's ranks). None where counting tells
+/// nothing: ranks that are the whole world read every sample once an
+/// epoch, so every count is the same and id order is as good (and free);
+/// and a mixture has no memory tier.
 pub(crate) fn future_reads(
     sampler: &crate::sampler::Sampler,
+    ranks: std::ops::Range<u32>,
     from: u64,
     end: Option<u64>,
 ) -> Option<Vec<u16>> {
     let cfg = sampler.config();
-    if cfg.world <= 1 || sampler.mixture().is_some() {
+    let ranks = ranks.start.min(cfg.world)..ranks.end.min(cfg.world);
+    if ranks.len() as u32 >= cfg.world || ranks.is_empty() || sampler.mixture().is_some() {
         return None;
     }
-    let per_rank = sampler.per_rank().max(1);
+    let per_epoch = (sampler.per_rank() * ranks.len() as u64).max(1);
     let epochs = end
         .map_or(READS_EPOCHS, |e| e.saturating_sub(from))
         .min(READS_EPOCHS)
-        .min(READS_COUNTED / per_rank)
+        .min(READS_COUNTED / per_epoch)
         .max(1);
+    let world = u64::from(cfg.world);
     let mut reads = vec![0u16; cfg.len as usize];
     for e in from..from + epochs {
         let order = sampler.epoch(e);
         for k in 0..sampler.per_rank() {
-            let c = &mut reads[order.sample(k) as usize];
-            *c = c.saturating_add(1);
+            for r in ranks.clone() {
+                let c = &mut reads[order.global(k * world + u64::from(r)) as usize];
+                *c = c.saturating_add(1);
+            }
         }
     }
     Some(reads)
@@ -414,6 +479,36 @@ mod tests {
         let cat = build(&spec, &dir.join("catalog"), &BuildOptions::default()).unwrap();
         // The catalog's ids follow the sorted file names.
         (cat, files)
+    }
+
+    /// The counts: every read of the ranks counted once, over the epochs
+    /// from the start to the end (at most 16); none for the whole world.
+    #[test]
+    fn future_reads_count_the_ranks_reads() {
+        use crate::sampler::{Sampler, SamplerConfig};
+        let s = Sampler::new(SamplerConfig::single(100, 3).rank_world(0, 4)).unwrap();
+        assert!(future_reads(&s, 0..4, 0, None).is_none(), "the whole world");
+        let two = future_reads(&s, 1..3, 2, Some(5)).unwrap();
+        let total: u64 = two.iter().map(|&c| c as u64).sum();
+        assert_eq!(total, 3 * 2 * s.per_rank());
+        // By the sampler's own ranks.
+        let mut want = vec![0u16; 100];
+        for r in 1..3 {
+            let sr = Sampler::new(SamplerConfig::single(100, 3).rank_world(r, 4)).unwrap();
+            for e in 2..5 {
+                for k in 0..sr.per_rank() {
+                    want[sr.sample(e, k) as usize] += 1;
+                }
+            }
+        }
+        assert_eq!(two, want);
+        let open = future_reads(&s, 0..1, 7, None).unwrap();
+        let total: u64 = open.iter().map(|&c| c as u64).sum();
+        assert_eq!(
+            total,
+            READS_EPOCHS * s.per_rank(),
+            "16 epochs without an end"
+        );
     }
 
     /// In cluster mode the samples this node does not hold are members

@@ -1101,7 +1101,7 @@ def test_the_default_ring_is_sized_from_the_batch(space):
         kspeed.Loader(space, ring_bytes="autos")
 
 
-@pytest.mark.parametrize("policy", ["next-use", "lru"])
+@pytest.mark.parametrize("policy", ["next-use", "min", "lru"])
 def test_cache_area_keeps_source_samples_for_the_next_loader(tree, space, tmp_path, policy):
     # A source read directly, with an NVMe cache area of about a third of
     # it: every sample exact; the stats say what the area did; a second
@@ -1121,7 +1121,7 @@ def test_cache_area_keeps_source_samples_for_the_next_loader(tree, space, tmp_pa
     with kspeed.Loader(**kw) as loader:
         assert sorted(read_epoch(loader, cat)) == list(range(len(cat)))
         c = loader.stats()["cache"]
-        if policy == "next-use":
+        if policy != "lru":
             assert c["hits"] > 0, c
     with pytest.raises(kspeed.ConfigError, match="cache_bytes"):
         kspeed.Loader(**{**kw, "cache_bytes": 0})
