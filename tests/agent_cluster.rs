@@ -433,6 +433,52 @@ fn the_node_tier_holds_what_the_node_s_ranks_read_most() {
     );
 }
 
+/// An attached rank's waits are charged to what its loader inside the
+/// agent waited for, not all to the agent: node 2's agent stopped for a
+/// second (SIGSTOP, shorter than the 2 s node timeout: no failover) while
+/// node 0's rank reads, and the rank's stall lands in `peers` (node 0's
+/// agent waited for node 2's samples), far above `agent`.
+#[test]
+fn an_attached_rank_s_wait_for_a_stopped_node_is_charged_to_peers() {
+    let nodes = Nodes::new(1200, 3, 1, 7);
+    let agents: Vec<Agent> = (0..3).map(|i| nodes.agent(i)).collect();
+    // 20 ms per batch of 16: two epochs take 3 s or more, and the small
+    // ring keeps the agent only a few batches ahead of the rank.
+    let slow = ["--compute-us", "20000"];
+    let rank = spawn_read(&nodes.read_epochs(0, 0, 1, "required", 2, &slow));
+    agents[0]
+        .log
+        .wait_for(&["rank 0 ", "attached"], Duration::from_secs(30));
+    let signal = |sig: &str| {
+        let ok = std::process::Command::new("kill")
+            .args([sig, &agents[2].pid().to_string()])
+            .status()
+            .unwrap();
+        assert!(ok.success(), "kill {sig}");
+    };
+    signal("-STOP");
+    // The fault's length, not a wait for a condition: node 2 silent for
+    // 1 s, then back before the other nodes would judge it gone.
+    std::thread::sleep(Duration::from_secs(1));
+    signal("-CONT");
+    let v = full_report(rank);
+    assert_eq!(v["samples"], 2400, "{v}");
+    let c = &v["stall_causes"];
+    let secs = |k: &str| c[k].as_f64().unwrap();
+    let (peers, agent) = (
+        secs("peers_seconds") + secs("failover_seconds"),
+        secs("agent_seconds"),
+    );
+    eprintln!(
+        "rank 0 stalled {} s: peers {peers:.3} s, agent {agent:.3} s ({c})",
+        v["stall_seconds"]
+    );
+    assert!(
+        peers >= 0.5 && peers > 2.0 * agent,
+        "the wait for node 2 is charged to peers: {c}"
+    );
+}
+
 /// A read's whole `--json` report.
 fn full_report(child: Child) -> serde_json::Value {
     let o = wait_output(child, Duration::from_secs(120));

@@ -213,6 +213,13 @@ fn reads_of(seq: u64) -> BatchReads {
         remote_samples: base + 2,
         source_reads: u32::MAX - base,
         failovers: base + 3,
+        waits: kspeed::agent::segment::BatchWaits {
+            disk_us: base + 4,
+            tier_us: base + 5,
+            source_us: base + 6,
+            peers_us: u32::MAX - base - 1,
+            failover_us: base + 7,
+        },
     }
 }
 

@@ -595,6 +595,9 @@ fn feed(
     // carries what was read since (its stats reach the rank that way).
     // Zero at first: the pollers started reading when the loader was built.
     let mut counted = crate::loader::ReadCounts::default();
+    // Likewise the loader's waits by cause (sent with each batch, so the
+    // rank can charge its own waits to them rather than to the agent).
+    let mut waited = [Duration::ZERO; 5];
     // The rank's last epoch is dealt (its ATTACH's end_epoch): nothing more
     // to publish; wait for the rank to leave.
     let mut dealt = false;
@@ -665,6 +668,13 @@ fn feed(
                 let now = loader.read_counts();
                 desc.reads = now.since(&counted);
                 counted = now;
+                let waits = loader.waits_by_cause();
+                desc.reads.waits =
+                    crate::agent::segment::BatchWaits::from_array(std::array::from_fn(|i| {
+                        let us = waits[i].saturating_sub(waited[i]).as_micros();
+                        u32::try_from(us).unwrap_or(u32::MAX)
+                    }));
+                waited = waits;
                 if let Err(e) = att.side.publish(&desc) {
                     break Err(e);
                 }

@@ -47,7 +47,7 @@ compile_error!("the attach segment and messages are little-endian; kspeed builds
 pub const SEGMENT_MAGIC: u64 = u64::from_le_bytes(*b"KSPATSEG");
 /// The segment layout this build writes and reads (bump on any change of
 /// an offset or a meaning; the agent refuses another).
-pub const SEGMENT_VERSION: u32 = 3;
+pub const SEGMENT_VERSION: u32 = 4;
 /// Error slots in a segment: a side posts at most this many errors; later
 /// ones are counted, not stored.
 pub const ERROR_SLOTS: usize = 4;
@@ -239,6 +239,10 @@ struct Slot {
     tier_hits: AtomicU32,
     remote_samples: AtomicU32,
     source_reads: AtomicU32,
+    /// Layout version 4: the agent's waits for this rank since the
+    /// previous publish, in µs, by cause ([`BatchWaits`]): disk, tier,
+    /// source, peers, failover. 84..128 reserved, zero.
+    waits_us: [AtomicU32; 5],
 }
 
 const HEADER_OFFSET: usize = 0;
@@ -253,7 +257,7 @@ const _: () = {
     assert!(std::mem::size_of::<AgentBlock>() == 64);
     assert!(std::mem::size_of::<RankBlock>() == 64);
     assert!(std::mem::size_of::<ErrorSlot>() == 256);
-    assert!(std::mem::size_of::<Slot>() == 64);
+    assert!(std::mem::size_of::<Slot>() == 128);
     assert!(SLOTS_OFFSET == 192 + 1024);
     use std::mem::offset_of;
     assert!(offset_of!(Header, generation) == 40 && offset_of!(Header, rank_pid) == 44);
@@ -268,6 +272,7 @@ const _: () = {
     assert!(offset_of!(ErrorSlot, kind) == 16 && offset_of!(ErrorSlot, message) == 48);
     assert!(offset_of!(Slot, samples) == 40 && offset_of!(Slot, failovers) == 44);
     assert!(offset_of!(Slot, disk_reads) == 48 && offset_of!(Slot, source_reads) == 60);
+    assert!(offset_of!(Slot, waits_us) == 64);
 };
 
 /// Bytes of a segment with `slots` batch slots (before page rounding).
@@ -312,6 +317,52 @@ pub struct BatchReads {
     /// Samples whose holder failed (a read, a node) and that were served
     /// by another copy or the source (layout version 3).
     pub failovers: u32,
+    /// How long the rank's loader in the agent waited for its samples
+    /// since the previous publish, by cause (layout version 4).
+    pub waits: BatchWaits,
+}
+
+/// What the rank's loader inside the agent waited for between two
+/// publishes, in µs, by the causes of
+/// [`StallCauses`](crate::loader::StallCauses) (each saturating at
+/// `u32::MAX`, 71 minutes): the rank charges its own wait for the batch to
+/// them, and only the rest to the agent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct BatchWaits {
+    /// Samples read from the node's disk.
+    pub disk_us: u32,
+    /// Samples copied from the node tier.
+    pub tier_us: u32,
+    /// Samples read from the source.
+    pub source_us: u32,
+    /// Samples other nodes served as their first holder.
+    pub peers_us: u32,
+    /// Samples that failed over from their holder.
+    pub failover_us: u32,
+}
+
+impl BatchWaits {
+    /// The five waits in slot order.
+    pub(crate) fn to_array(self) -> [u32; 5] {
+        [
+            self.disk_us,
+            self.tier_us,
+            self.source_us,
+            self.peers_us,
+            self.failover_us,
+        ]
+    }
+
+    /// From the slot order.
+    pub(crate) fn from_array(a: [u32; 5]) -> Self {
+        BatchWaits {
+            disk_us: a[0],
+            tier_us: a[1],
+            source_us: a[2],
+            peers_us: a[3],
+            failover_us: a[4],
+        }
+    }
 }
 
 /// An error a side posted in the segment.

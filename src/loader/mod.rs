@@ -610,7 +610,8 @@ impl Loader {
                             if !waited.is_zero() {
                                 self.counters.stall += waited;
                                 self.counters.stall_waits += 1;
-                                self.stall_ledger.charge_agent(waited);
+                                self.stall_ledger
+                                    .charge_agent(waited, d.reads.waits.to_array());
                             }
                         }
                         Err(e) => {
@@ -1370,6 +1371,13 @@ impl Loader {
             c.add_run(&run.shared);
         }
         c
+    }
+
+    /// The waits charged so far to disk, tier, source, peers and failover
+    /// (O(1)): the node agent's feeder sends their growth with every batch
+    /// it publishes.
+    pub(crate) fn waits_by_cause(&self) -> [Duration; 5] {
+        self.stall_ledger.by_cause()
     }
 
     /// Where the pollers run: the local rank, the slice of cores planned

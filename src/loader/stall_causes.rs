@@ -91,7 +91,11 @@ pub struct StallCauses {
     /// or the source served them. Charged by node to the holder that
     /// failed, in `slowest_peers` and `stall_by_peer` too.
     pub failover: Duration,
-    /// An attached rank: batches the node agent had not published yet.
+    /// An attached rank: waits for batches the node agent had not
+    /// published yet, beyond what the rank's loader inside the agent was
+    /// itself waiting for (that part is charged to the causes above, from
+    /// the batch slot's waits: docs/AGENT.md, "Batch slots"): the agent
+    /// slow to publish, busy, or starved of CPU.
     pub agent: Duration,
     /// `peers` by where each waited-for sample's grant spent its time: the
     /// node reading it (queued for a staging slot or the disk), the node
@@ -159,9 +163,45 @@ impl StallLedger {
         }
     }
 
-    /// Charges a wait for the node agent's next batch.
-    pub(super) fn charge_agent(&mut self, waited: Duration) {
-        self.causes.agent += waited;
+    /// Charges a wait for the node agent's next batch to what the rank's
+    /// loader inside the agent waited for while it made that batch
+    /// (`agent`: its waits by cause since the previous batch, from the
+    /// batch slot): each cause its share, scaled down when the agent
+    /// waited longer than the rank did; what the agent did not wait for
+    /// (it was slow to publish, or busy) is the agent's.
+    pub(super) fn charge_agent(&mut self, waited: Duration, agent: [u32; 5]) {
+        let total_us: u64 = agent.iter().map(|&w| u64::from(w)).sum();
+        let waited_us = waited.as_micros().min(u128::from(u64::MAX)) as u64;
+        let c = &mut self.causes;
+        if total_us == 0 {
+            c.agent += waited;
+            return;
+        }
+        // Shares of the rank's wait: at most the agent's own waits.
+        let charged_us = total_us.min(waited_us);
+        let mut given = Duration::ZERO;
+        let causes = [
+            &mut c.disk,
+            &mut c.tier,
+            &mut c.source,
+            &mut c.peers,
+            &mut c.failover,
+        ];
+        for (cause, &w) in causes.into_iter().zip(&agent) {
+            let share = Duration::from_micros(
+                (u128::from(w) * u128::from(charged_us) / u128::from(total_us)) as u64,
+            );
+            *cause += share;
+            given += share;
+        }
+        c.agent += waited.saturating_sub(given);
+    }
+
+    /// The waits charged so far to disk, tier, source, peers and failover
+    /// (O(1): the node agent's feeder reads it at every publish).
+    pub(super) fn by_cause(&self) -> [Duration; 5] {
+        let c = &self.causes;
+        [c.disk, c.tier, c.source, c.peers, c.failover]
     }
 
     /// The causes, with the slowest peers filled in (O(nodes): for
@@ -211,7 +251,7 @@ mod tests {
         for (node, ms) in [(7u32, 2u32), (2, 9), (7, 4), (11, 1), (3, 6), (5, 5)] {
             l.charge(via_peer(node, node == 3), SPLIT_NONE, ms * MS);
         }
-        l.charge_agent(2 * MS);
+        l.charge_agent(2 * MS, [0; 5]);
         let c = l.causes();
         assert_eq!(
             (c.disk, c.tier, c.source, c.agent),
@@ -239,6 +279,31 @@ mod tests {
             l.by_peer().iter().map(|p| p.stall).sum::<Duration>(),
             c.peers + c.failover
         );
+    }
+
+    /// An attached rank's wait goes to what the agent's loader waited for
+    /// while it made the batch (scaled down to the rank's wait), the rest
+    /// to the agent.
+    #[test]
+    fn an_attached_wait_is_charged_to_what_the_agent_waited_for() {
+        let mut l = StallLedger::default();
+        // The agent waited 6 ms on peers and 2 on disk; the rank 10 ms.
+        l.charge_agent(10 * MS, [2_000, 0, 0, 6_000, 0]);
+        let c = l.causes();
+        assert_eq!((c.disk, c.peers, c.agent), (2 * MS, 6 * MS, 2 * MS));
+        // The agent waited longer than the rank (it was ahead): the rank's
+        // 4 ms split in the same proportions, none to the agent.
+        let mut l = StallLedger::default();
+        l.charge_agent(4 * MS, [0, 0, 3_000, 0, 9_000]);
+        let c = l.causes();
+        assert_eq!(
+            (c.source, c.failover, c.agent),
+            (MS, 3 * MS, Duration::ZERO)
+        );
+        // Nothing waited for inside the agent: all the agent's.
+        l.charge_agent(5 * MS, [0; 5]);
+        assert_eq!(l.causes().agent, 5 * MS);
+        assert_eq!(l.by_cause()[4], 3 * MS);
     }
 
     #[test]

@@ -256,6 +256,7 @@ impl ReadCounts {
             remote_samples: step(self.remote_samples, earlier.remote_samples),
             source_reads: step(self.source_reads, earlier.source_reads),
             failovers: step(self.failovers, earlier.failovers),
+            waits: Default::default(),
         }
     }
 }

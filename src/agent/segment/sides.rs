@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use super::super::shm::{futex_wait, futex_wake_all};
 use super::{
     decode_release, in_flight, is_ready, ready_word, release_mark, seg_err, side_state, BatchDesc,
-    BatchReads, Generation, Segment, Side,
+    BatchReads, BatchWaits, Generation, Segment, Side,
 };
 use crate::error::{Error, Result};
 
@@ -308,6 +308,9 @@ impl AgentSide {
             .store(desc.reads.remote_samples, Ordering::Relaxed);
         s.source_reads
             .store(desc.reads.source_reads, Ordering::Relaxed);
+        for (w, v) in s.waits_us.iter().zip(desc.reads.waits.to_array()) {
+            w.store(v, Ordering::Relaxed);
+        }
         s.ready.store(ready_word(self.gen, seq), Ordering::Release);
         self.published = seq + 1;
         let a = self.seg.agent();
@@ -414,6 +417,9 @@ impl RankSide {
                 tier_hits: s.tier_hits.load(Ordering::Relaxed),
                 remote_samples: s.remote_samples.load(Ordering::Relaxed),
                 source_reads: s.source_reads.load(Ordering::Relaxed),
+                waits: BatchWaits::from_array(std::array::from_fn(|i| {
+                    s.waits_us[i].load(Ordering::Relaxed)
+                })),
             },
         };
         self.taken += 1;
