@@ -1,4 +1,4 @@
-//! The attach protocol's messages (version 1): ATTACH, ATTACHED and
+//! The attach protocol's messages (version 5): ATTACH, ATTACHED and
 //! REFUSED, fixed little-endian layouts behind a 12-byte header that every
 //! version shares (docs/AGENT.md, "The attach protocol"). Pure encoding and
 //! checking; the socket that carries them is `super::attach`.
@@ -18,7 +18,7 @@ pub const KIND_ATTACH: u16 = 1;
 pub const KIND_ATTACHED: u16 = 2;
 /// Kind of a REFUSED reply.
 pub const KIND_REFUSED: u16 = 3;
-/// Bytes of an ATTACH message (version 4; 96 in versions 1 to 3).
+/// Bytes of an ATTACH message (versions 4 and 5; 96 in versions 1 to 3).
 pub const ATTACH_BYTES: usize = 112;
 /// Bytes of an ATTACHED reply (version 1).
 pub const ATTACHED_BYTES: usize = 32;
@@ -302,15 +302,15 @@ impl AttachRequest {
                 r.start_epoch
             )));
         }
-        if let Some((lr, lw)) = r
-            .local
-            .filter(|&(lr, lw)| u32::from(lr) > r.rank || u32::from(lw) > r.world)
-        {
-            return Err(proto(format!(
-                "local rank {lr} of {lw} on the node does not fit rank {} of world {}",
-                r.rank, r.world
-            )));
-        }
+        // A hint: a place on the node that cannot be this rank's (local
+        // rank above its rank, more ranks on the node than in the world)
+        // is ignored, as if not known.
+        let r = AttachRequest {
+            local: r
+                .local
+                .filter(|&(lr, lw)| u32::from(lr) <= r.rank && u32::from(lw) <= r.world),
+            ..r
+        };
         if r.world == 0 || r.rank >= r.world || r.batch_size == 0 {
             return Err(proto(format!(
                 "rank {} of world {} with batch size {}",
@@ -460,12 +460,9 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("local rank 2 of 2"));
-        let mut bad = b;
-        bad[86] = 5; // 5 ranks on the node, world 4
-        assert!(AttachRequest::decode(&bad)
-            .unwrap_err()
-            .to_string()
-            .contains("does not fit rank 1 of world 4"));
+        let mut odd = b;
+        odd[86] = 5; // 5 ranks on the node, world 4: ignored
+        assert_eq!(AttachRequest::decode(&odd).unwrap().local, None);
         let mut bad = b;
         bad[80] |= 4;
         assert!(AttachRequest::decode(&bad)

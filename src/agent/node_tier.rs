@@ -52,7 +52,7 @@ impl TierLayout {
             seed: req.seed,
             world: req.world,
             flags: req.flags,
-            ranks: first..(first + u32::from(local_world)).min(req.world),
+            ranks: first..first.saturating_add(u32::from(local_world)).min(req.world),
             from: req.start_epoch,
             end: req.end_epoch,
         })
@@ -150,5 +150,106 @@ impl NodeTier {
             .ranks
             .checked_sub(1)
             .expect("a tier given back more often than taken");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dataset::{PreloadOptions, SourceSpec};
+
+    /// A space of 300 samples (node 0 of 1) and a node tier of a quarter.
+    fn node_tier(dir: &std::path::Path) -> (Space, NodeTier) {
+        let src = dir.join("src");
+        std::fs::create_dir_all(&src).unwrap();
+        for i in 0..300u32 {
+            let len = 100 + (i % 7) as usize * 40;
+            std::fs::write(src.join(format!("f{i:03}.bin")), vec![i as u8; len]).unwrap();
+        }
+        let spec = SourceSpec::parse(&format!("dir:{}", src.display())).unwrap();
+        let sp = dir.join("space");
+        let opts = PreloadOptions::default()
+            .source(Some(spec))
+            .threads(1)
+            .check_free_space(false);
+        crate::dataset::preload(&sp, &opts).unwrap();
+        let space = Space::open(&sp).unwrap();
+        let bytes: u64 = (0..300)
+            .map(|id| space.catalog().sample(id).len as u64)
+            .sum();
+        let tier = Tier::new_checked(space.catalog(), bytes / 4, false)
+            .unwrap()
+            .unwrap();
+        let t = NodeTier {
+            tier: Arc::new(tier),
+            uid: None,
+            ranks: 0,
+            layout: None,
+        };
+        (space, t)
+    }
+
+    fn job(seed: u64, first: u32, from: u64) -> TierLayout {
+        TierLayout {
+            seed,
+            world: 6,
+            flags: FLAG_SHUFFLE,
+            ranks: first..first + 2,
+            from,
+            end: Some(12),
+        }
+    }
+
+    fn members(t: &NodeTier) -> Vec<u64> {
+        (0..300).filter(|&id| t.tier.is_member(id)).collect()
+    }
+
+    /// The members are chosen again only by the first rank of a job while
+    /// no rank holds the tier, and only where the counts tell something.
+    #[test]
+    fn the_members_are_chosen_again_only_for_a_new_job_on_a_free_tier() {
+        let dir = tempfile::tempdir().unwrap();
+        let (space, mut t) = node_tier(dir.path());
+        let at_start = members(&t);
+        // The node runs every rank of the job: the counts are all equal,
+        // the members chosen at start stay.
+        let whole = TierLayout {
+            ranks: 0..6,
+            ..job(1, 0, 0)
+        };
+        let got = t.take(7, Some(whole), &space, false).unwrap();
+        drop(got);
+        t.give_back();
+        assert_eq!(members(&t), at_start);
+        assert!(t.layout.is_none());
+        // A job on ranks 2-3 of 6: chosen by their reads.
+        let got = t.take(7, Some(job(1, 2, 0)), &space, false).unwrap();
+        let chosen = members(&t);
+        assert_ne!(chosen, at_start);
+        // Held: a rank of another job attaching meanwhile changes nothing.
+        let held = t.take(7, Some(job(2, 0, 0)), &space, false).unwrap();
+        assert_eq!(members(&t), chosen);
+        drop((got, held));
+        t.give_back();
+        t.give_back();
+        // The same job restarted at a later epoch keeps its members.
+        let got = t.take(7, Some(job(1, 2, 3)), &space, false).unwrap();
+        assert_eq!(members(&t), chosen);
+        drop(got);
+        t.give_back();
+        // A rank that says nothing keeps them too.
+        let got = t.take(7, None, &space, false).unwrap();
+        assert_eq!(members(&t), chosen);
+        drop(got);
+        t.give_back();
+        // Another job, the tier free: chosen again.
+        let got = t.take(7, Some(job(2, 2, 0)), &space, false).unwrap();
+        assert_ne!(members(&t), chosen);
+        drop(got);
+        t.give_back();
+        // Another user's job while this user's rank holds it: no tier.
+        let mine = t.take(7, None, &space, false).unwrap();
+        assert!(t.take(8, Some(job(3, 0, 0)), &space, false).is_none());
+        drop(mine);
     }
 }

@@ -58,8 +58,9 @@ pub enum CachePolicy {
     /// Keep what this rank reads soonest, weighing each write: Belady's MIN
     /// with bypass over the known order, except that a sample replaces a
     /// held one only if that gains a hit for its write (it is read again
-    /// before the held one's next read, or the held one's next read is more
-    /// than an epoch after its own, or never). Under a reshuffle every epoch
+    /// before the held one's next read, or the held one's next read is
+    /// never, or later than its own by more than an epoch times the share
+    /// of the dataset the rank reads in one: `NextUse::swap_horizon`). Under a reshuffle every epoch
     /// it hits as MIN does and writes only to fill the area; MIN replaces a
     /// third or more of the area every epoch for no hit. The default.
     NextUse,
@@ -100,8 +101,8 @@ pub struct CacheStats {
     pub hits: u64,
     /// Their bytes.
     pub hit_bytes: u64,
-    /// Reads the policy planned as hits (with `next-use`, Belady's MIN's
-    /// hits on this rank's order): `hits` falls short of it where a write
+    /// Reads the policy planned as hits (with `min`, Belady's MIN's hits on
+    /// this rank's order; with `next-use`, those of MIN weighing writes): `hits` falls short of it where a write
     /// had not landed by the read (or was skipped), or a slot failed its
     /// check.
     pub planned_hits: u64,

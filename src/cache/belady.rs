@@ -132,7 +132,10 @@ impl Belady {
     /// is read twice before it (`second`, the read after `next`, is before
     /// `far`), likely when `far - next` exceeds `horizon`
     /// ([`NextUse::swap_horizon`](crate::sampler::NextUse::swap_horizon)).
-    /// Otherwise it is a bypass. With free room this is `read`.
+    /// Otherwise it is a bypass. With free room this is `read`. Only the
+    /// first (farthest) eviction is weighed: a sample larger than that
+    /// one may evict more after it, as `read` does (the cache area's
+    /// planner counts every slot as one unit, so evicts one).
     pub fn read_weighing_writes(
         &mut self,
         id: u64,

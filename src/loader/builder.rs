@@ -1322,9 +1322,14 @@ impl LoaderBuilder {
             slots: super::attached::slots_for(geo.table_len(), batch_size),
             end_epoch: self.end_epoch,
             restart_wait: self.agent_restart_wait,
-            // Known when a launcher or the options said; a node of more
-            // than 65,535 ranks is not one the agent can count for.
-            local: (local.origin != crate::launcher::NO_LAUNCHER)
+            // Known when a launcher or the options said, and only a hint:
+            // not sent when it cannot describe this rank's place (a
+            // data-parallel rank of a smaller world than the launcher's,
+            // under tensor parallelism), nor for a node of more than
+            // 65,535 ranks.
+            local: (local.origin != crate::launcher::NO_LAUNCHER
+                && local.rank <= self.rank
+                && local.size <= self.world)
                 .then(|| {
                     Some((
                         u16::try_from(local.rank).ok()?,
