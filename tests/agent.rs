@@ -597,3 +597,77 @@ fn kept_batches_survive_a_restarted_agent() {
     );
     assert!(got == want, "bytes differ from an embedded read");
 }
+
+/// The agent over a partial space (a third held, the rest read from its
+/// source) with an NVMe cache area for its ranks (`--cache-dir`): an
+/// attached rank's three epochs are exactly what an embedded read of the
+/// same space delivers; from the second epoch part of what the first read
+/// from the source comes from the rank's area in the agent, and the rank's
+/// stats count those hits (the batch slots carry them) and fewer source
+/// reads; the area is the rank's own folder under the agent's.
+#[test]
+fn an_agent_over_a_partial_space_keeps_its_ranks_source_reads_in_a_cache_area() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("src");
+    common::gen("tiny", 600, &src);
+    let sp = dir.path().join("space");
+    fn tree_bytes(p: &std::path::Path) -> u64 {
+        std::fs::read_dir(p)
+            .unwrap()
+            .map(|e| {
+                let e = e.unwrap();
+                match e.file_type().unwrap().is_dir() {
+                    true => tree_bytes(&e.path()),
+                    false => e.metadata().unwrap().len(),
+                }
+            })
+            .sum()
+    }
+    let bytes = tree_bytes(&src);
+    let third = (bytes / 3).to_string();
+    common::ok(&[
+        "preload",
+        "--source",
+        s(&src),
+        "--space",
+        s(&sp),
+        "--max-bytes",
+        &third,
+    ]);
+    let sock = dir.path().join("agent.sock");
+    let cache = dir.path().join("cache");
+    let _agent = Agent::start(
+        &sp,
+        &sock,
+        &["--cache-dir", s(&cache), "--cache-bytes", &third],
+    );
+    let o = wait_output(
+        spawn_read(&attached_args(&sp, &sock, 0, 1, 3)),
+        Duration::from_secs(120),
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("json report");
+    assert_eq!(
+        (
+            v["samples"].as_u64().unwrap(),
+            v["digest"].as_str().unwrap().to_string()
+        ),
+        embedded(&sp, 0, 1, 3),
+        "attached over a partial space and a cache area: exact"
+    );
+    let epochs = v["per_epoch"].as_array().expect("per_epoch");
+    let n = |e: usize, k: &str| {
+        epochs[e][k]
+            .as_u64()
+            .unwrap_or_else(|| panic!("{k} in {v}"))
+    };
+    let hits: u64 = (0..3).map(|e| n(e, "cache_hits")).sum();
+    eprintln!(
+        "source reads per epoch {:?}, cache hits {:?}",
+        (0..3).map(|e| n(e, "source_reads")).collect::<Vec<_>>(),
+        (0..3).map(|e| n(e, "cache_hits")).collect::<Vec<_>>()
+    );
+    assert!(hits > 0, "no cache hit counted: {v}");
+    assert!(n(1, "source_reads") < n(0, "source_reads"), "{v}");
+    assert!(cache.join("rank0").join("cache.journal").is_file());
+}

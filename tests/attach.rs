@@ -213,6 +213,7 @@ fn reads_of(seq: u64) -> BatchReads {
         remote_samples: base + 2,
         source_reads: u32::MAX - base,
         failovers: base + 3,
+        cache_hits: base + 8,
         waits: kspeed::agent::segment::BatchWaits {
             disk_us: base + 4,
             tier_us: base + 5,

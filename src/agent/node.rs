@@ -56,6 +56,9 @@ pub struct AgentConfig {
     pub tier_bytes: u64,
     /// Lock the tier in memory (needs RLIMIT_MEMLOCK of `tier_bytes`).
     pub tier_mlock: bool,
+    /// The attached ranks' NVMe cache areas (None: none): each rank's
+    /// loader in the agent keeps its own under `dir/rank<N>`.
+    pub cache: Option<AgentCache>,
     /// The largest ring a rank may attach: the agent's own memory grows
     /// with it (8 bytes of ready table per 4 KiB of ring, and the pages it
     /// touches), so a rank cannot make the agent run out for every rank.
@@ -83,11 +86,25 @@ impl AgentConfig {
             listener: ListenerConfig::default(),
             tier_bytes: 0,
             tier_mlock: true,
+            cache: None,
             max_ring_bytes: 64 << 30,
             cluster: None,
             serve: None,
         }
     }
+}
+
+/// The cache areas the agent keeps for its ranks (`kspeed agent
+/// --cache-dir`): what an embedded loader's `cache_dir`, `cache_bytes` and
+/// `cache_policy` give it.
+#[derive(Debug, Clone)]
+pub struct AgentCache {
+    /// The folder: rank N's area is `dir/rank<N>`.
+    pub dir: PathBuf,
+    /// Each area's budget.
+    pub bytes: u64,
+    /// What the areas keep.
+    pub policy: crate::cache::CachePolicy,
 }
 
 /// What a run of the agent did.
@@ -121,7 +138,12 @@ fn open_space(cfg: &AgentConfig) -> Result<OpenSpace> {
     let dir = &cfg.space;
     let space = Space::open(dir)?;
     space.check_extents()?;
-    if space.held_samples() != space.catalog().len() && cfg.cluster.is_none() {
+    // A node's share of a cluster needs the cluster; a partial space reads
+    // the rest from its source.
+    if space.held_samples() != space.catalog().len()
+        && cfg.cluster.is_none()
+        && !space.params().is_partial()
+    {
         return Err(Error::InvalidConfig(format!(
             "space {} holds {} of {} samples: give the agent the cluster (--cluster, --nodelist or \
              --nodes-dns, with --token-file) so its ranks read the rest from the other nodes",
@@ -541,38 +563,46 @@ fn build_loader(
         Some(c) => c.apply(b),
         None => b,
     };
-    b.agent_input(crate::loader::AgentInput {
-        space: open.space.clone(),
-        extents: open.extents.clone(),
-        direct_io: open.direct_io,
-        ring: Arc::new(Mutex::new(Some(ring))),
-        tier,
-        net_hub: open.net_hub.clone(),
-    })
-    .batch_size(req.batch_size as usize)
-    .seed(req.seed)
-    .shuffle(req.flags & FLAG_SHUFFLE != 0)
-    .drop_last(req.flags & FLAG_DROP_LAST != 0)
-    .rank(req.rank, req.world)
-    .landing(
-        LandingOptions::default()
-            .ring_bytes(req.ring_bytes)
-            .huge_pages(false)
-            .mlock(false)
-            .cuda(CudaMode::Off),
-    )
-    .pollers(cfg.pollers)
-    .queue_depth(cfg.queue_depth)
-    .registered_buffers(cfg.registered_buffers)
-    .pin(false)
-    .local_rank(0, 1)
-    .start_at(Position {
-        epoch: req.start_epoch,
-        index: req.start_index,
-    })
-    .end_epoch(req.end_epoch)
-    .job_deal(req.job)
-    .build()
+    let b = b
+        .agent_input(crate::loader::AgentInput {
+            space: open.space.clone(),
+            extents: open.extents.clone(),
+            direct_io: open.direct_io,
+            ring: Arc::new(Mutex::new(Some(ring))),
+            tier,
+            net_hub: open.net_hub.clone(),
+        })
+        .batch_size(req.batch_size as usize)
+        .seed(req.seed)
+        .shuffle(req.flags & FLAG_SHUFFLE != 0)
+        .drop_last(req.flags & FLAG_DROP_LAST != 0)
+        .rank(req.rank, req.world)
+        .landing(
+            LandingOptions::default()
+                .ring_bytes(req.ring_bytes)
+                .huge_pages(false)
+                .mlock(false)
+                .cuda(CudaMode::Off),
+        )
+        .pollers(cfg.pollers)
+        .queue_depth(cfg.queue_depth)
+        .registered_buffers(cfg.registered_buffers)
+        .pin(false)
+        .local_rank(0, 1)
+        .start_at(Position {
+            epoch: req.start_epoch,
+            index: req.start_index,
+        })
+        .end_epoch(req.end_epoch)
+        .job_deal(req.job);
+    let b = match &cfg.cache {
+        Some(c) => b
+            .cache_dir(Some(c.dir.clone()))
+            .cache_bytes(c.bytes)
+            .cache_policy(c.policy),
+        None => b,
+    };
+    b.build()
 }
 
 /// Moves one rank's batches from its loader to its segment until the

@@ -241,8 +241,11 @@ struct Slot {
     source_reads: AtomicU32,
     /// Layout version 4: the agent's waits for this rank since the
     /// previous publish, in µs, by cause ([`BatchWaits`]): disk, tier,
-    /// source, peers, failover. 84..128 reserved, zero.
+    /// source, peers, failover.
     waits_us: [AtomicU32; 5],
+    /// Layout version 4: samples read from the rank's cache area in the
+    /// agent since the previous publish. 88..128 reserved, zero.
+    cache_hits: AtomicU32,
 }
 
 const HEADER_OFFSET: usize = 0;
@@ -272,7 +275,7 @@ const _: () = {
     assert!(offset_of!(ErrorSlot, kind) == 16 && offset_of!(ErrorSlot, message) == 48);
     assert!(offset_of!(Slot, samples) == 40 && offset_of!(Slot, failovers) == 44);
     assert!(offset_of!(Slot, disk_reads) == 48 && offset_of!(Slot, source_reads) == 60);
-    assert!(offset_of!(Slot, waits_us) == 64);
+    assert!(offset_of!(Slot, waits_us) == 64 && offset_of!(Slot, cache_hits) == 84);
 };
 
 /// Bytes of a segment with `slots` batch slots (before page rounding).
@@ -320,6 +323,9 @@ pub struct BatchReads {
     /// How long the rank's loader in the agent waited for its samples
     /// since the previous publish, by cause (layout version 4).
     pub waits: BatchWaits,
+    /// Samples read from the rank's NVMe cache area in the agent
+    /// (`kspeed agent --cache-dir`; layout version 4).
+    pub cache_hits: u32,
 }
 
 /// What the rank's loader inside the agent waited for between two
@@ -756,8 +762,8 @@ mod tests {
 
     #[test]
     fn layout_offsets_are_the_documented_ones() {
-        assert_eq!(segment_bytes(1), 1216 + 64);
-        assert_eq!(segment_bytes(16), 1216 + 16 * 64);
+        assert_eq!(segment_bytes(1), 1216 + 128);
+        assert_eq!(segment_bytes(16), 1216 + 16 * 128);
     }
 
     #[test]

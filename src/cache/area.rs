@@ -474,6 +474,11 @@ impl CacheArea {
         ok
     }
 
+    /// Samples read from the area so far (O(1), unlike [`stats`](Self::stats)).
+    pub fn hits(&self) -> u64 {
+        self.shared.counters.hits.load(Ordering::Relaxed)
+    }
+
     /// The counters.
     pub fn stats(&self) -> CacheStats {
         let c = &self.shared.counters;

@@ -665,6 +665,7 @@ impl Loader {
             t.remote_samples += u64::from(d.reads.remote_samples);
             t.source_reads += u64::from(d.reads.source_reads);
             t.failovers += u64::from(d.reads.failovers);
+            t.agent_cache_hits += u64::from(d.reads.cache_hits);
         }
         self.held = !self.entries.is_empty();
         if self.held {
@@ -1334,11 +1335,14 @@ impl Loader {
             failovers: t.failovers,
             source_reads: t.source_reads,
             source_bytes: t.source_bytes,
-            cache: self
-                .cache
-                .as_ref()
-                .map(|c| c.area.stats())
-                .unwrap_or_default(),
+            // Attached: the agent's area's hits for this rank, from the
+            // batch slots (its other counters stay the agent's).
+            cache: self.cache.as_ref().map(|c| c.area.stats()).unwrap_or(
+                crate::cache::CacheStats {
+                    hits: t.agent_cache_hits,
+                    ..Default::default()
+                },
+            ),
             read_ahead: ahead,
             read_ahead_discarded: t.discarded,
             placement: PlacementStats {
@@ -1366,6 +1370,7 @@ impl Loader {
             remote_samples: t.remote_samples,
             source_reads: t.source_reads,
             failovers: t.failovers,
+            cache_hits: self.cache.as_ref().map_or(0, |c| c.area.hits()),
         };
         if let Some(run) = &self.run {
             c.add_run(&run.shared);

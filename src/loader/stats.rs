@@ -29,6 +29,8 @@ pub(super) struct Totals {
     pub(super) source_bytes: u64,
     /// Samples read ahead that a restart or the end threw away.
     pub(super) discarded: u64,
+    /// An attached rank: samples the agent read from its cache area.
+    pub(super) agent_cache_hits: u64,
     pub(super) latency: Histogram<u64>,
 }
 
@@ -44,6 +46,7 @@ impl Totals {
             source_reads: 0,
             source_bytes: 0,
             discarded: 0,
+            agent_cache_hits: 0,
             latency: Histogram::new_with_bounds(1, 60_000_000, 2).expect("valid bounds"),
         }
     }
@@ -224,6 +227,7 @@ pub(crate) struct ReadCounts {
     pub(crate) remote_samples: u64,
     pub(crate) source_reads: u64,
     pub(crate) failovers: u64,
+    pub(crate) cache_hits: u64,
 }
 
 impl ReadCounts {
@@ -256,6 +260,7 @@ impl ReadCounts {
             remote_samples: step(self.remote_samples, earlier.remote_samples),
             source_reads: step(self.source_reads, earlier.source_reads),
             failovers: step(self.failovers, earlier.failovers),
+            cache_hits: step(self.cache_hits, earlier.cache_hits),
             waits: Default::default(),
         }
     }

@@ -308,6 +308,7 @@ impl AgentSide {
             .store(desc.reads.remote_samples, Ordering::Relaxed);
         s.source_reads
             .store(desc.reads.source_reads, Ordering::Relaxed);
+        s.cache_hits.store(desc.reads.cache_hits, Ordering::Relaxed);
         for (w, v) in s.waits_us.iter().zip(desc.reads.waits.to_array()) {
             w.store(v, Ordering::Relaxed);
         }
@@ -417,6 +418,7 @@ impl RankSide {
                 tier_hits: s.tier_hits.load(Ordering::Relaxed),
                 remote_samples: s.remote_samples.load(Ordering::Relaxed),
                 source_reads: s.source_reads.load(Ordering::Relaxed),
+                cache_hits: s.cache_hits.load(Ordering::Relaxed),
                 waits: BatchWaits::from_array(std::array::from_fn(|i| {
                     s.waits_us[i].load(Ordering::Relaxed)
                 })),

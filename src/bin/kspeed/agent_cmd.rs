@@ -40,6 +40,20 @@ pub(crate) struct AgentArgs {
     /// RLIMIT_MEMLOCK of at least --tier-bytes).
     #[arg(long)]
     no_mlock: bool,
+    /// An NVMe cache area for what the attached ranks read from the
+    /// source (a partial space's others, in a cluster those no node holds):
+    /// each rank's loader in the agent keeps its own under DIR/rank<N>, as
+    /// an embedded loader's `--cache-dir` (docs/CACHE.md, "The cache
+    /// area"). Needs --cache-bytes.
+    #[arg(long, requires = "cache_bytes")]
+    cache_dir: Option<PathBuf>,
+    /// Each rank's cache area's budget (e.g. 400GiB).
+    #[arg(long, requires = "cache_dir", value_parser = crate::opt::<u64>("cache_bytes"))]
+    cache_bytes: Option<u64>,
+    /// What the cache areas keep: next-use (what is read soonest, each
+    /// write weighed), min (Belady's MIN: the fewest source reads) or lru.
+    #[arg(long, default_value = "next-use", value_parser = ["next-use", "min", "lru"])]
+    cache_policy: String,
     /// The largest ring a rank may attach (the agent's memory grows with
     /// it); a larger one is refused by name.
     #[arg(long, default_value = "64GiB", value_parser = crate::parse_bytes)]
@@ -100,6 +114,14 @@ pub(crate) fn run_agent(a: AgentArgs) -> kspeed::Result<()> {
     cfg.tier_bytes = a.tier_bytes;
     cfg.tier_mlock = !a.no_mlock;
     cfg.max_ring_bytes = a.max_ring_bytes;
+    cfg.cache = a
+        .cache_dir
+        .clone()
+        .map(|dir| kspeed::agent::node::AgentCache {
+            dir,
+            bytes: a.cache_bytes.expect("clap requires it"),
+            policy: kspeed::cache::CachePolicy::parse(&a.cache_policy).expect("clap checked it"),
+        });
     let spec = a.nodes.spec(false);
     let token = match (&a.token_file, spec.is_set() || a.listen.is_some()) {
         (Some(f), _) => Some(crate::read_token(f)?),
