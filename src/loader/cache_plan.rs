@@ -555,24 +555,8 @@ mod tests {
             (300, 3, 2, 30, 8),
             (500, 2, 1, 225, 4),
         ] {
-            let ours = as_decisions(&plans(
-                CachePolicy::NextUse,
-                len,
-                world,
-                rank,
-                slots,
-                epochs,
-                vec![],
-            ));
-            let min = as_decisions(&plans(
-                CachePolicy::Min,
-                len,
-                world,
-                rank,
-                slots,
-                epochs,
-                vec![],
-            ));
+            let run = |p| as_decisions(&plans(p, len, world, rank, slots, epochs, vec![]));
+            let (ours, min) = (run(CachePolicy::NextUse), run(CachePolicy::Min));
             let (h, hm) = (count(&ours, Decision::Hit), count(&min, Decision::Hit));
             let (w, wm) = (count(&ours, Decision::Admit), count(&min, Decision::Admit));
             assert!(
