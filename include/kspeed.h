@@ -257,7 +257,9 @@ typedef struct {
   // node's own read) to another replica or the source. The six causes
   // are disjoint and add up to `stall_s`.
   double stall_failover_s;
-  // An attached rank: waiting for the node agent's next batch.
+  // An attached rank: waiting for the node agent's next batch beyond
+  // what the rank's loader inside the agent was itself waiting for
+  // (that part is charged to the causes above).
   double stall_agent_s;
   // The nodes with the most stall (served as first holder, or failed
   // over from), most first: node index, seconds and waits; entries

@@ -670,4 +670,25 @@ fn an_agent_over_a_partial_space_keeps_its_ranks_source_reads_in_a_cache_area() 
     assert!(hits > 0, "no cache hit counted: {v}");
     assert!(n(1, "source_reads") < n(0, "source_reads"), "{v}");
     assert!(cache.join("rank0").join("cache.journal").is_file());
+    // Over a space that holds every sample nothing comes from a source:
+    // refused at start, by name, not rank by rank at attach.
+    let whole = space(&dir.path().join("whole"), 50);
+    let e = common::fails(
+        &[
+            "agent",
+            "--space",
+            s(&whole),
+            "--socket",
+            s(&dir.path().join("b.sock")),
+            "--cache-dir",
+            s(&cache),
+            "--cache-bytes",
+            "1MB",
+        ],
+        1,
+    );
+    assert!(
+        e.contains("--cache-dir") && e.contains("holds every sample"),
+        "{e}"
+    );
 }

@@ -372,7 +372,9 @@ pub struct ksp_stats {
     /// node's own read) to another replica or the source. The six causes
     /// are disjoint and add up to `stall_s`.
     pub stall_failover_s: f64,
-    /// An attached rank: waiting for the node agent's next batch.
+    /// An attached rank: waiting for the node agent's next batch beyond
+    /// what the rank's loader inside the agent was itself waiting for
+    /// (that part is charged to the causes above).
     pub stall_agent_s: f64,
     /// The nodes with the most stall (served as first holder, or failed
     /// over from), most first: node index, seconds and waits; entries

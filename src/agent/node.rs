@@ -138,6 +138,15 @@ fn open_space(cfg: &AgentConfig) -> Result<OpenSpace> {
     let dir = &cfg.space;
     let space = Space::open(dir)?;
     space.check_extents()?;
+    if cfg.cache.is_some() && !space.params().is_partial() {
+        // Every rank's loader would refuse it at attach: say it once, here.
+        return Err(Error::InvalidConfig(format!(
+            "--cache-dir: space {} holds every sample of its share, so nothing comes from a \
+             source to keep (a partial space, `kspeed preload --max-bytes`, reads the rest from \
+             its source)",
+            dir.display()
+        )));
+    }
     // A node's share of a cluster needs the cluster; a partial space reads
     // the rest from its source.
     if space.held_samples() != space.catalog().len()

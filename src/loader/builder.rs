@@ -702,6 +702,8 @@ impl LoaderBuilder {
             Some("a space (the agent reads its node's space, not a source)")
         } else if self.tier_bytes > 0 {
             Some("no memory tier of its own (the node's memory is the agent's: `kspeed agent --tier-bytes`)")
+        } else if self.cache_dir.is_some() {
+            Some("no cache area of its own (the agent keeps one per rank: `kspeed agent --cache-dir`)")
         } else if self.gpu_ring.is_some() {
             Some("a host ring (GPU rings through the agent are not built yet)")
         } else if self.faults.is_some() {
@@ -1552,6 +1554,12 @@ mod tests {
         assert!(b(&part).agent_serves(&socket));
         // Something the agent lacks.
         assert!(!b(&whole).tier_bytes(1 << 20).agent_serves(&socket));
+        // A cache area of its own: the agent keeps one per rank instead.
+        let cached = b(&whole)
+            .cache_dir(Some(t.path().join("c")))
+            .cache_bytes(1 << 20);
+        assert!(!cached.agent_serves(&socket));
+        assert!(cached.agent_refusal().unwrap().contains("--cache-dir"));
         let mix = LoaderBuilder::mix([
             (whole.to_str().unwrap(), Weight::Repeat(1.0)),
             (whole.to_str().unwrap(), Weight::Repeat(1.0)),
