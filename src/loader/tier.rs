@@ -132,27 +132,11 @@ impl Tier {
         assert_eq!(reads.len(), self.offsets.len(), "a count per sample");
         self.reset();
         self.offsets.fill(NOT_MEMBER);
-        let budget = self.capacity_bytes;
-        let (mut used, mut members, mut member_bytes) = (0u64, 0u64, 0u64);
-        for id in reads_order(reads, first) {
-            let len = catalog.sample(id).len as u64;
-            let slot = len.next_multiple_of(64);
-            if used + slot > budget {
-                continue;
-            }
-            self.offsets[id as usize] = used;
-            used += slot;
-            members += 1;
-            member_bytes += len;
-        }
+        let mut order = reads_order(reads, first);
+        let (_, members, member_bytes) =
+            place(catalog, self.capacity_bytes, &mut order, &mut self.offsets);
         if let Some(crcs) = &mut self.crcs {
-            for (id, c) in crcs.iter_mut().enumerate() {
-                *c = if self.offsets[id] == NOT_MEMBER {
-                    0
-                } else {
-                    catalog.sample(id as u64).crc32c
-                };
-            }
+            member_crcs(catalog, &self.offsets, crcs);
         }
         self.members = members;
         self.member_bytes = member_bytes;
@@ -180,22 +164,7 @@ impl Tier {
             return Ok(None);
         }
         let mut offsets = vec![NOT_MEMBER; catalog.len() as usize];
-        let (mut used, mut members, mut member_bytes) = (0u64, 0u64, 0u64);
-        for id in order {
-            let len = catalog.sample(id).len as u64;
-            let slot = len.next_multiple_of(64);
-            if used + slot > budget_bytes {
-                continue;
-            }
-            debug_assert_eq!(
-                offsets[id as usize], NOT_MEMBER,
-                "sample {id} offered twice"
-            );
-            offsets[id as usize] = used;
-            used += slot;
-            members += 1;
-            member_bytes += len;
-        }
+        let (used, members, member_bytes) = place(catalog, budget_bytes, order, &mut offsets);
         if used == 0 {
             return Ok(None);
         }
@@ -209,15 +178,9 @@ impl Tier {
         })?;
         let state = (0..catalog.len()).map(|_| AtomicU8::new(EMPTY)).collect();
         let crcs = checked.then(|| {
-            (0..catalog.len())
-                .map(|id| {
-                    if offsets[id as usize] == NOT_MEMBER {
-                        0
-                    } else {
-                        catalog.sample(id).crc32c
-                    }
-                })
-                .collect()
+            let mut c = vec![0; catalog.len() as usize];
+            member_crcs(catalog, &offsets, &mut c);
+            c
         });
         Ok(Some(Tier {
             mem,
@@ -370,6 +333,45 @@ impl Tier {
             }
             st.store(FULL, Ordering::Release);
         }
+    }
+}
+
+/// Gives the samples of `order` (each id once) that fit in `budget_bytes`
+/// their offsets, in that order (a slot is the length rounded up to 64
+/// bytes): (bytes used, members, their bytes).
+fn place(
+    catalog: &Catalog,
+    budget_bytes: u64,
+    order: &mut dyn Iterator<Item = u64>,
+    offsets: &mut [u64],
+) -> (u64, u64, u64) {
+    let (mut used, mut members, mut member_bytes) = (0u64, 0u64, 0u64);
+    for id in order {
+        let len = catalog.sample(id).len as u64;
+        let slot = len.next_multiple_of(64);
+        if used + slot > budget_bytes {
+            continue;
+        }
+        debug_assert_eq!(
+            offsets[id as usize], NOT_MEMBER,
+            "sample {id} offered twice"
+        );
+        offsets[id as usize] = used;
+        used += slot;
+        members += 1;
+        member_bytes += len;
+    }
+    (used, members, member_bytes)
+}
+
+/// Each member's catalog CRC32C, 0 for the others.
+fn member_crcs(catalog: &Catalog, offsets: &[u64], crcs: &mut [u32]) {
+    for (id, c) in crcs.iter_mut().enumerate() {
+        *c = if offsets[id] == NOT_MEMBER {
+            0
+        } else {
+            catalog.sample(id as u64).crc32c
+        };
     }
 }
 
