@@ -673,8 +673,8 @@ fn an_agent_over_a_partial_space_keeps_its_ranks_source_reads_in_a_cache_area() 
     // Over a space that holds every sample nothing comes from a source:
     // refused at start, by name, not rank by rank at attach.
     let whole = space(&dir.path().join("whole"), 50);
-    let e = common::fails(
-        &[
+    let refused = Command::new(kspeed_bin())
+        .args([
             "agent",
             "--space",
             s(&whole),
@@ -684,9 +684,15 @@ fn an_agent_over_a_partial_space_keeps_its_ranks_source_reads_in_a_cache_area() 
             s(&cache),
             "--cache-bytes",
             "1MB",
-        ],
-        1,
-    );
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // A deadline: an agent that took the flags would serve until killed.
+    let o = wait_output(refused, Duration::from_secs(30));
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    let e = text(&o);
     assert!(
         e.contains("--cache-dir") && e.contains("holds every sample"),
         "{e}"
