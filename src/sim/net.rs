@@ -127,8 +127,12 @@ static TOTALS: [std::sync::atomic::AtomicU64; 5] =
 
 const UD_RECV: u64 = 1;
 const UD_SEND: u64 = 2;
-/// A node with nothing else to send sends a heartbeat after this long.
-const HEARTBEAT_EVERY: Duration = Duration::from_millis(250);
+/// A node with nothing to send (no grant queued: it answers grants in
+/// order, so with one queued it sends DATA) sends a heartbeat after this
+/// long, as a real node does on an idle connection; its heartbeats say an
+/// idle timeout of a minute, so the thread keeps alive every 15 s.
+const HEARTBEAT_EVERY: Duration = proto::IDLE_HEARTBEAT_INTERVAL;
+const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// A scripted node service on its own port.
 struct Node {
@@ -295,7 +299,7 @@ impl Node {
         let Some(e) = self.queue.pop_front() else {
             if self.asked && now.saturating_duration_since(self.last_sent) >= HEARTBEAT_EVERY {
                 self.out
-                    .extend_from_slice(&Header::keepalive(false).encode());
+                    .extend_from_slice(&Header::heartbeat(IDLE_TIMEOUT).encode());
             }
             return;
         };

@@ -107,6 +107,22 @@ pub(crate) const ASK_HEARTBEATS: u64 = 1;
 /// from a quiet one in a few intervals instead of a node timeout.
 pub(crate) const HEARTBEAT_INTERVAL: std::time::Duration = std::time::Duration::from_millis(250);
 
+/// The heartbeat interval on a connection the owner has nothing for (no
+/// grant queued, read or being sent): an idle consumer judges an owner's
+/// silence by its node timeout (at least [`IDLE_HEARTBEAT_INTERVAL`] x 3),
+/// so one beat in this many suffices, and an owner tending thousands of
+/// idle consumers sends 8x fewer frames. A consumer that grants after a
+/// silence restarts its heartbeat clock at the grant, and the owner, now
+/// busy, beats every [`HEARTBEAT_INTERVAL`] again.
+pub(crate) const IDLE_HEARTBEAT_INTERVAL: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// In a heartbeat's `c`, bits 32..63: the owner's idle timeout in
+/// milliseconds (`--idle-timeout-ms`; 0: not said, as owners before this
+/// field sent). A consumer that reads it may send its keepalives on an
+/// idle connection as rarely as a quarter of it; one that ignores it
+/// keeps its one per second.
+pub(crate) const HEARTBEAT_IDLE_TIMEOUT_SHIFT: u32 = 32;
+
 /// Frame types.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
@@ -411,6 +427,22 @@ impl Header {
             b: Code::Unknown as u32,
             c: if ask_heartbeats { ASK_HEARTBEATS } else { 0 },
         }
+    }
+
+    /// An owner's heartbeat: a keepalive whose `c` carries the owner's idle
+    /// timeout (see [`HEARTBEAT_IDLE_TIMEOUT_SHIFT`]).
+    pub(crate) fn heartbeat(idle_timeout: std::time::Duration) -> Header {
+        let ms = idle_timeout.as_millis().min(u32::MAX as u128) as u64;
+        Header {
+            c: ms << HEARTBEAT_IDLE_TIMEOUT_SHIFT,
+            ..Header::keepalive(false)
+        }
+    }
+
+    /// The idle timeout an owner's heartbeat says, if it says one.
+    pub(crate) fn heartbeat_idle_timeout(&self) -> Option<std::time::Duration> {
+        let ms = self.c >> HEARTBEAT_IDLE_TIMEOUT_SHIFT;
+        (ms > 0).then(|| std::time::Duration::from_millis(ms))
     }
 
     /// Whether this is a keepalive (from a consumer) or heartbeat (from an

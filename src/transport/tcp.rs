@@ -200,6 +200,18 @@ impl TcpLink {
         })
     }
 
+    /// Queues a frame that is only a header (a heartbeat); false when the
+    /// queue is full or the link broken, as a post is.
+    pub(crate) fn post_header(&mut self, wr_id: u64, hdr: proto::Header) -> bool {
+        self.post(Wr {
+            wr_id,
+            hdr: hdr.encode(),
+            src: std::ptr::null(),
+            len: 0,
+            sent: 0,
+        })
+    }
+
     fn post(&mut self, wr: Wr) -> bool {
         if self.broken || self.queue.len() == self.capacity {
             return false;

@@ -66,6 +66,8 @@ impl Lines {
 /// A running `kspeed agent`; killed with SIGKILL when dropped.
 pub struct Agent {
     pub child: Child,
+    /// Its stdout (the "node service on ADDR" and "agent serving" lines).
+    pub out: Lines,
     pub log: Lines,
 }
 
@@ -81,7 +83,7 @@ impl Agent {
         let out = Lines::follow(child.stdout.take().unwrap());
         let log = Lines::follow(child.stderr.take().unwrap());
         out.wait_for(&["agent serving"], Duration::from_secs(30));
-        Agent { child, log }
+        Agent { child, out, log }
     }
 
     pub fn pid(&self) -> u32 {

@@ -78,14 +78,16 @@ pub(crate) struct AgentArgs {
     net_threads: u16,
     /// Also serve this node's space to the other nodes' consumers, as
     /// `kspeed serve --listen` would, from this process (host:port; the
-    /// node list's address of this node). Its other settings are serve's
-    /// defaults.
+    /// node list's address of this node). The service's tuning flags below
+    /// (--staging-bytes ... --rdma-spin-us) are serve's and need --listen.
     #[arg(long)]
     listen: Option<String>,
     /// With --listen: Prometheus metrics of the node service on this
     /// address (host:port, port 0 picks one).
     #[arg(long, requires = "listen")]
     metrics: Option<String>,
+    #[command(flatten)]
+    service: crate::serve_args::NodeServiceArgs,
     #[command(flatten)]
     rdma: crate::read::RdmaArgs,
 }
@@ -144,12 +146,18 @@ pub(crate) fn run_agent(a: AgentArgs) -> kspeed::Result<()> {
             "--rdma is for a cluster (a node list) or the node service (--listen)".into(),
         ));
     }
+    if let (None, Some(flag)) = (&a.listen, a.service.first_given()) {
+        return Err(kspeed::Error::InvalidConfig(format!(
+            "{flag} tunes the node service, which the agent runs only with --listen"
+        )));
+    }
     if let Some(listen) = &a.listen {
         let mut serve = kspeed::transport::ServeConfig::new(
             &a.space,
             listen,
             token.as_deref().expect("checked above"),
         );
+        a.service.apply(&mut serve);
         serve.metrics = a.metrics.clone();
         serve.rdma = a.rdma.options();
         cfg.serve = Some(serve);

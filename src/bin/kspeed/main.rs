@@ -23,6 +23,7 @@ mod node_args;
 mod read;
 mod read_json;
 mod rebalance_cmd;
+mod serve_args;
 mod verify_cmd;
 
 #[derive(Parser)]
@@ -116,56 +117,14 @@ struct ServeArgs {
     /// Poller threads (default: a quarter of the cores, at least 1, at most 8).
     #[arg(long)]
     pollers: Option<usize>,
-    /// Staging memory per poller.
-    #[arg(long, default_value = "64MiB", value_parser = parse_bytes)]
-    staging_bytes: u64,
-    /// Largest DATA frame or RDMA write, and the size of a staging slot
-    /// (bigger samples go in several); staging-bytes / chunk-bytes reads
-    /// and sends are in flight per poller.
-    #[arg(long, default_value = "256KiB", value_parser = parse_bytes)]
-    chunk_bytes: u64,
-    /// Grants one consumer may have outstanding (1 to 1048576).
-    #[arg(long, default_value_t = 8192)]
-    max_grants: u32,
-    /// Consumers one poller serves; a HELLO beyond pollers x this is
-    /// refused with the named error "node full" (0 to 4096). 0: 8 x nodes
-    /// of the space's placement over the pollers, at least 256.
-    #[arg(long, default_value_t = 0)]
-    max_consumers_per_poller: usize,
-    /// Handshakes not yet past HELLO pending at once; a connection beyond
-    /// that makes room (a late wrong-token answer is sent now, else the
-    /// oldest unfinished HELLO is told "node busy" and retries). 0: 64 +
-    /// 8 x (nodes - 1) of the space's placement (0 to 4096).
-    #[arg(long, default_value_t = 0)]
-    max_handshakes: usize,
-    /// Milliseconds a peer has for its whole handshake (HELLO and, over
-    /// RDMA, the queue-pair swap), however it paces its bytes.
-    #[arg(long, default_value_t = 5000)]
-    handshake_timeout_ms: u64,
-    /// Milliseconds a consumer may take no data (TCP) or complete no write
-    /// (RDMA) while the node has some in flight for it before it is dropped
-    /// (until then it holds at most its fair share of staging).
-    #[arg(long, default_value_t = 10000)]
-    stall_timeout_ms: u64,
-    /// Milliseconds a consumer connection may send nothing (kspeed's
-    /// consumer sends a keepalive every second) with nothing queued for it
-    /// before it is closed (at least 3000).
-    #[arg(long, default_value_t = 60000)]
-    idle_timeout_ms: u64,
+    #[command(flatten)]
+    service: serve_args::NodeServiceArgs,
     /// Serve Prometheus metrics (GET /metrics) on this address, host:port
     /// (port 0 picks one; the address is printed before the "serving" line).
     #[arg(long)]
     metrics: Option<String>,
-    /// Send straight from the page cache (a mapping of the extents) instead
-    /// of O_DIRECT reads into staging: for spaces on tmpfs or kept warm.
-    #[arg(long)]
-    page_cache: bool,
     #[command(flatten)]
     rdma: read::RdmaArgs,
-    /// With RDMA writes in flight, microseconds a poller keeps polling after
-    /// the last completion before it sleeps on its completion channel.
-    #[arg(long, requires = "rdma")]
-    rdma_spin_us: Option<u64>,
 }
 
 #[derive(Args)]
@@ -595,20 +554,9 @@ fn run(cli: Cli) -> kspeed::Result<ExitCode> {
             if let Some(p) = a.pollers {
                 cfg.pollers = p;
             }
-            cfg.staging_bytes = a.staging_bytes;
-            cfg.chunk_bytes = a.chunk_bytes.min(u32::MAX as u64) as u32;
-            cfg.max_grants = a.max_grants;
-            cfg.max_conns_per_poller = a.max_consumers_per_poller;
-            cfg.max_handshakes = a.max_handshakes;
-            cfg.handshake_timeout = std::time::Duration::from_millis(a.handshake_timeout_ms);
-            cfg.stall_timeout = std::time::Duration::from_millis(a.stall_timeout_ms);
+            a.service.apply(&mut cfg);
             cfg.metrics = a.metrics.clone();
-            cfg.idle_timeout = std::time::Duration::from_millis(a.idle_timeout_ms);
-            cfg.page_cache = a.page_cache;
             cfg.rdma = a.rdma.options();
-            if let Some(us) = a.rdma_spin_us {
-                cfg.rdma_spin = std::time::Duration::from_micros(us);
-            }
             if let Ok(mut addrs) = std::net::ToSocketAddrs::to_socket_addrs(&a.listen) {
                 if addrs.any(|sa| sa.ip().is_unspecified()) {
                     log::warn!(

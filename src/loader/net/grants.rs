@@ -513,6 +513,9 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             if c.outstanding == 0 {
                 c.last_rx = now;
                 c.last_done = now;
+                // A node with nothing granted beats only every 2 s: its
+                // silence with grants outstanding counts from here.
+                self.beats[node].last_heard = now;
             }
             c.outstanding += 1;
             let t = &mut self.l.table[idx];

@@ -122,8 +122,20 @@ pub(crate) const DEMOTE_WINDOW: Duration = Duration::from_secs(10);
 /// A connection that sent nothing for this long sends a keepalive (an
 /// empty ERROR frame for the connection, which a node ignores), so the
 /// node's idle timeout (`kspeed serve --idle-timeout-ms`, at least 3 s)
-/// closes only peers that are gone.
+/// closes only peers that are gone. Once the node's heartbeats say its
+/// idle timeout, a quarter of it (at most [`KEEPALIVE_MAX`]) instead: a
+/// node of a 4,096-node cluster then receives a few hundred keepalives a
+/// second, not 4,095.
 pub(crate) const KEEPALIVE: Duration = Duration::from_secs(1);
+/// The longest keepalive interval (see [`KEEPALIVE`]): keepalives also
+/// keep NAT and firewall state along the path, which may expire after
+/// 30 s or more.
+pub(crate) const KEEPALIVE_MAX: Duration = Duration::from_secs(15);
+/// The shortest silence after which a node with nothing granted is taken
+/// for dead (else `node_timeout`, when longer): three of a node's idle
+/// heartbeats ([`proto::IDLE_HEARTBEAT_INTERVAL`]), so a live idle node
+/// is never lost to a short `node_timeout`.
+const IDLE_SILENCE: Duration = Duration::from_secs(6);
 /// A node that sends heartbeats (it answered the first keepalive, which
 /// asks for them, with one) and sent nothing at all for this long is
 /// taken for dead when grants are outstanding on it (idle: after
@@ -148,8 +160,8 @@ const NOT_RUNNING: Duration = Duration::from_secs(1);
 /// keepalives due, dead nodes due for a redial. Between sweeps a tick
 /// looks only at the connections marked ready (`Thread::ready`), so with
 /// thousands of nodes its cost follows what happened, not the node count.
-/// Well under every clock it serves (keepalives 1 s, heartbeat silence
-/// 2 s, node timeout 10 s).
+/// Well under every clock it serves (keepalives 1-15 s, heartbeat
+/// silence 2 s, node timeout 10 s).
 const SWEEP: Duration = Duration::from_millis(10);
 
 /// Over TCP, a DATA payload of at most this many bytes is received with
@@ -822,9 +834,35 @@ struct Beats {
     /// A heartbeat came: the node sends them, so its silence is judged by
     /// [`HEARTBEAT_SILENCE`].
     heard: bool,
-    /// When anything last came from the node (unlike `Conn::last_rx`,
-    /// not reset when a grant is placed).
+    /// When anything last came from the node, or (the heartbeat clock
+    /// restarted) when a grant went to it with none outstanding: a node
+    /// with nothing granted may beat only every
+    /// [`proto::IDLE_HEARTBEAT_INTERVAL`]. Unlike `Conn::last_rx`, not
+    /// reset by later grants.
     last_heard: Instant,
+    /// This connection's keepalive interval: [`KEEPALIVE`], or a quarter
+    /// of the idle timeout the node's heartbeats say (at most
+    /// [`KEEPALIVE_MAX`]).
+    keepalive: Duration,
+}
+
+impl Beats {
+    fn new(now: Instant) -> Beats {
+        Beats {
+            asked: false,
+            heard: false,
+            last_heard: now,
+            keepalive: KEEPALIVE,
+        }
+    }
+
+    /// A heartbeat came, saying the node's idle timeout or not.
+    fn heartbeat(&mut self, idle_timeout: Option<Duration>) {
+        self.heard = true;
+        if let Some(t) = idle_timeout {
+            self.keepalive = (t / 4).clamp(KEEPALIVE, KEEPALIVE_MAX);
+        }
+    }
 }
 
 /// Address of ring offset `phys`.
@@ -872,14 +910,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             }
         }
         let now = ring.now();
-        let beats = vec![
-            Beats {
-                asked: false,
-                heard: false,
-                last_heard: now,
-            };
-            conns.len()
-        ];
+        let beats = vec![Beats::new(now); conns.len()];
         let mut redials = redial::Redials::new(conns.len(), redial);
         let redial = redial && R::redial_common(&connected.common).is_some();
         for (c, r) in conns.iter().zip(&mut redials.state) {
@@ -1246,7 +1277,11 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             // throttling, a VM pause) keeps its connection (a reconnect
             // costs a handshake, over RDMA a new queue pair). An idle one
             // gets the node timeout.
-            let limit = if c.outstanding > 0 { silence } else { t };
+            let limit = if c.outstanding > 0 {
+                silence
+            } else {
+                t.max(IDLE_SILENCE)
+            };
             if b.heard && now.saturating_duration_since(b.last_heard) > limit {
                 let why = format!(
                     "no heartbeat for {} ms ({} grants outstanding)",

@@ -282,11 +282,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         // Its first frame (asking for heartbeats) and receive go next.
         self.mark_ready(i);
         let now = self.ring.now();
-        self.beats[i] = Beats {
-            asked: false,
-            heard: false,
-            last_heard: now,
-        };
+        self.beats[i] = Beats::new(now);
         let r = &mut self.redials.state[i];
         r.next = None;
         r.back_since = Some(now);

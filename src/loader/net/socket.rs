@@ -6,7 +6,7 @@
 //! against the outstanding grant (id, node, offset, length).
 
 use super::lanes::entry_ptr;
-use super::{Conn, Receive, State, Thread, KEEPALIVE, UD_RECV, UD_SEND};
+use super::{Conn, Receive, State, Thread, UD_RECV, UD_SEND};
 use crate::error::errno_name;
 use crate::ring::IoBackend;
 use crate::stall::Phase;
@@ -57,7 +57,8 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         for i in 0..self.conns.len() {
             let c = &self.conns[i];
             if c.state == State::Live
-                && (!self.beats[i].asked || now.saturating_duration_since(c.last_tx) >= KEEPALIVE)
+                && (!self.beats[i].asked
+                    || now.saturating_duration_since(c.last_tx) >= self.beats[i].keepalive)
             {
                 self.mark_ready(i);
             }
@@ -85,7 +86,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         // it as a keepalive); so do the later keepalives, harmlessly.
         let ask = !self.beats[i].asked;
         if c.fill_entries == 0 || ask {
-            if now.saturating_duration_since(c.last_tx) >= KEEPALIVE || ask {
+            if now.saturating_duration_since(c.last_tx) >= self.beats[i].keepalive || ask {
                 self.beats[i].asked = true;
                 let h = Header::keepalive(true).encode();
                 c.flight.clear();
@@ -218,7 +219,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                 if h.is_keepalive() {
                     // A heartbeat: the node is alive (last_rx, above) and
                     // sends them, so its silence now counts.
-                    self.beats[i].heard = true;
+                    self.beats[i].heartbeat(h.heartbeat_idle_timeout());
                     return;
                 }
                 match h.kind {

@@ -75,6 +75,16 @@ impl ConnLink {
         unsafe { each_link!(self, l => l.post_error(id, g, code, msg, len)) }
     }
 
+    /// Queues a heartbeat on a TCP link (over RDMA the node writes them on
+    /// the control socket instead); false when it cannot go now.
+    pub(super) fn post_heartbeat(&mut self, id: u64, hdr: crate::transport::proto::Header) -> bool {
+        match self {
+            ConnLink::Tcp(l) => l.post_header(id, hdr),
+            #[cfg(feature = "rdma")]
+            ConnLink::Rdma(_) => false,
+        }
+    }
+
     pub(super) fn flush<R: IoBackend>(&mut self, ring: &mut R) -> std::io::Result<()> {
         match self {
             ConnLink::Tcp(l) => l.flush_on(ring),

@@ -358,21 +358,28 @@ impl<R: IoBackend> ServePoller<R> {
 
     /// Sends a heartbeat to each consumer that asked for them and was sent
     /// nothing (no frame finished, no heartbeat) for
-    /// [`proto::HEARTBEAT_INTERVAL`]. Per tick this is one comparison with
-    /// `next_beat`; the connections are walked only when a pass is due
-    /// (every half interval), so a consumer hears from a live node at
-    /// least every 1.5 intervals, and nothing is added per sample: a
-    /// connection that is sending needs no heartbeat. Over TCP the frame
-    /// goes in the link's queue, between DATA frames, only while no
-    /// `sendmsg` is in flight (one was then finished recently); over RDMA
-    /// it is written on the control socket, where the node sends nothing
-    /// else after the handshake.
+    /// [`proto::HEARTBEAT_INTERVAL`], or for
+    /// [`proto::IDLE_HEARTBEAT_INTERVAL`] when the node has nothing for it
+    /// (no grant queued, no staging slot held, no send in flight): a
+    /// consumer with nothing granted judges the node's silence by its node
+    /// timeout, so thousands of idle consumers cost a frame each every 2 s,
+    /// not 4 a second. Each heartbeat carries the node's idle timeout, so a
+    /// consumer that reads it may keep alive as rarely as a quarter of it.
+    /// Per tick this is one comparison with `next_beat`; the connections
+    /// are walked only when a pass is due (every half busy interval), so a
+    /// busy consumer hears from a live node at least every 1.5 intervals,
+    /// and nothing is added per sample: a connection that is sending needs
+    /// no heartbeat. Over TCP the frame goes in the link's queue, between
+    /// DATA frames, only while no `sendmsg` is in flight (one was then
+    /// finished recently); over RDMA it is written on the control socket,
+    /// where the node sends nothing else after the handshake.
     pub(super) fn heartbeats(&mut self) {
         let now = self.ring.now();
         if now < self.next_beat {
             return;
         }
         self.next_beat = now + proto::HEARTBEAT_INTERVAL / 2;
+        let beat = proto::Header::heartbeat(self.c.cfg.idle_timeout);
         for k in 0..self.conns.live_len() {
             let ci = self.conns.live(k);
             let Some(c) = self.conns.get_mut(ci) else {
@@ -381,8 +388,14 @@ impl<R: IoBackend> ServePoller<R> {
             if c.closing || !c.heartbeats {
                 continue;
             }
-            if let Some(beat) = c.last_beat {
-                if now.duration_since(beat.max(c.last_drained)) < proto::HEARTBEAT_INTERVAL {
+            if let Some(last) = c.last_beat {
+                let idle = c.grants.is_empty() && c.held == 0 && !c.link.busy();
+                let every = if idle {
+                    proto::IDLE_HEARTBEAT_INTERVAL
+                } else {
+                    proto::HEARTBEAT_INTERVAL
+                };
+                if now.duration_since(last.max(c.last_drained)) < every {
                     continue;
                 }
             }
@@ -390,24 +403,13 @@ impl<R: IoBackend> ServePoller<R> {
                 if c.link.busy() {
                     continue;
                 }
-                // SAFETY: the frame has no payload (length 0), so no memory
-                // has to outlive the post.
-                let posted = unsafe {
-                    c.link.post_error(
-                        HEARTBEAT_WR,
-                        proto::CONNECTION,
-                        Code::Unknown,
-                        std::ptr::null(),
-                        0,
-                    )
-                };
-                if !posted {
+                if !c.link.post_heartbeat(HEARTBEAT_WR, beat) {
                     continue;
                 }
                 c.last_beat = Some(now);
                 continue;
             }
-            let h = proto::Header::keepalive(false).encode();
+            let h = beat.encode();
             match self.ring.send_now(c.fd, &h) {
                 Ok(n) if n == h.len() => c.last_beat = Some(now),
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
