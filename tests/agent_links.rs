@@ -4,7 +4,7 @@
 //! `tests/common/fake_peers.rs`, which speaks the wire protocol as
 //! kspeed's consumer does over one io_uring. What is checked is counted,
 //! not timed: every handshake of the burst admitted (none evicted or
-//! refused), an idle link beaten every 2 s (not 4 times a second) with the
+//! refused), an idle link beaten every 5-6 s (not 4 times a second) with the
 //! node's idle timeout in each heartbeat, so it keeps alive every quarter of
 //! it, and every grant of a load phase answered byte-exact. The CPU these
 //! cost is measured by `benches/fake_peers.rs` (BENCHMARKS.md). Every wait
@@ -73,15 +73,16 @@ fn an_agent_admits_a_burst_of_links_and_beats_idle_ones_every_two_seconds() {
     assert_eq!(hs.welcomed, LINKS, "refused: {:?}", hs.refused);
     let mut peers = peers.unwrap();
 
-    // Idle: 6 s of keepalives only. The first heartbeat answers each
-    // link's first keepalive at once, then one every 2 s: 3 or 4 per link
-    // (at 250 ms it was about 24).
-    let idle = peers.run(6.0, 0.0, Some(agent.pid()));
+    // Idle: 12 s of keepalives only. The first heartbeat answers each
+    // link's first keepalive at once, then one every 5-6 s (an idle
+    // connection is looked at once a second): 2 or 3 per link (at 250 ms
+    // it was about 48).
+    let idle = peers.run(12.0, 0.0, Some(agent.pid()));
     eprintln!("idle: {idle:?}");
     let per_link = idle.heartbeats as f64 / LINKS as f64;
     assert!(
-        (2.0..=5.0).contains(&per_link),
-        "{per_link:.2} heartbeats per idle link in 6 s (2 to 5 expected: one every 2 s)"
+        (2.0..=4.0).contains(&per_link),
+        "{per_link:.2} heartbeats per idle link in 12 s (2 to 4 expected: one every 5-6 s)"
     );
     assert_eq!(
         idle.beat_idle_timeouts_ms
@@ -91,16 +92,16 @@ fn an_agent_admits_a_burst_of_links_and_beats_idle_ones_every_two_seconds() {
         vec![20_000],
         "every heartbeat says the node's idle timeout"
     );
-    // Each link's first keepalive asks for heartbeats; the next is due
-    // 5 s later (a quarter of 20 s), not every second.
+    // Each link's first keepalive asks for heartbeats; the next ones are
+    // due every 5 s (a quarter of 20 s), not every second.
     let keepalives = idle.keepalives as f64 / LINKS as f64;
     assert!(
-        keepalives <= 2.0,
-        "{keepalives:.2} keepalives per idle link in 6 s (at most 2 expected: every 5 s)"
+        keepalives <= 3.0,
+        "{keepalives:.2} keepalives per idle link in 12 s (at most 3 expected: every 5 s)"
     );
     assert!(
-        idle.longest_silence_ms < 6_000,
-        "an idle link heard nothing for {} ms (a consumer gives up on an idle node after 6 s at the least)",
+        idle.longest_silence_ms < 15_000,
+        "an idle link heard nothing for {} ms (a consumer gives up on an idle node after 15 s at the least)",
         idle.longest_silence_ms
     );
     assert_eq!((idle.closed, idle.violations), (0, 0), "{idle:?}");

@@ -923,11 +923,12 @@ mod tests {
     }
 
     /// A tick looks at the connections that have something to do, not at
-    /// every node. Seed 3 (deterministic): 1.2 connections looked at per
-    /// step at 4 nodes, 27.2 at 192, which is the frames that came and
-    /// went (each node's heartbeat every 250 ms of silence and the
-    /// thread's keepalive every second, at 20 ms a step: about 24 a step
-    /// at 192 nodes); a look at every node each tick made it at least 192.
+    /// every node. Seed 3 (deterministic): 1.1 connections looked at per
+    /// step at 4 nodes, 15.3 at 192, which is the frames that came and
+    /// went and the sweeps (each idle node's heartbeat every 5 s and the
+    /// thread's keepalive every 15 s; with heartbeats every 250 ms and
+    /// keepalives every second it was 27.2); a look at every node each
+    /// tick made it at least 192.
     #[test]
     fn sim_network_thread_tick_work_follows_the_frames_not_the_node_count() {
         let per_step = |nodes: u32| {

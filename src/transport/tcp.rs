@@ -83,6 +83,12 @@ impl TcpLink {
         self.in_flight > 0
     }
 
+    /// Whether frames are queued or in flight (a flush or a completion is
+    /// still to come).
+    pub(crate) fn pending(&self) -> bool {
+        self.in_flight > 0 || !self.queue.is_empty()
+    }
+
     /// Whether the stream is inside a frame: a `sendmsg` is in flight, or
     /// one took part of the first frame and the rest is not sent yet.
     /// Bytes written on the socket by anyone else now (an ERROR before

@@ -314,7 +314,9 @@ impl Peers {
                         continue;
                     }
                     if !l.asked || now.duration_since(l.last_tx) >= l.keepalive {
-                        let c = if l.asked { 0 } else { 1 };
+                        // The first asks for heartbeats, slow ones while
+                        // idle (bits 0 and 1), as kspeed's consumer does.
+                        let c = if l.asked { 0 } else { 3 };
                         l.asked = true;
                         let h = Header {
                             kind: Kind::Error,

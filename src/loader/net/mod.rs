@@ -133,9 +133,9 @@ pub(crate) const KEEPALIVE: Duration = Duration::from_secs(1);
 pub(crate) const KEEPALIVE_MAX: Duration = Duration::from_secs(15);
 /// The shortest silence after which a node with nothing granted is taken
 /// for dead (else `node_timeout`, when longer): three of a node's idle
-/// heartbeats ([`proto::IDLE_HEARTBEAT_INTERVAL`]), so a live idle node
+/// heartbeat intervals ([`proto::IDLE_HEARTBEAT_INTERVAL`]), so a live idle node
 /// is never lost to a short `node_timeout`.
-const IDLE_SILENCE: Duration = Duration::from_secs(6);
+const IDLE_SILENCE: Duration = Duration::from_secs(15);
 /// A node that sends heartbeats (it answered the first keepalive, which
 /// asks for them, with one) and sent nothing at all for this long is
 /// taken for dead when grants are outstanding on it (idle: after

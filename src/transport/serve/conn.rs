@@ -85,13 +85,31 @@ pub(super) struct SConn {
     pub(super) last_rx: std::time::Instant,
     /// It asked for heartbeats (a keepalive with `proto::ASK_HEARTBEATS`).
     pub(super) heartbeats: bool,
+    /// It may be beaten slowly while idle (`proto::SLOW_IDLE_HEARTBEATS`).
+    pub(super) slow_idle: bool,
     /// When this poller last sent it a heartbeat (None: never).
     pub(super) last_beat: Option<std::time::Instant>,
     /// The last grant whose read error was logged (one line per grant).
     pub(super) warned_grant: Option<u32>,
+    /// It is in the poller's work list ([`super::conns::Conns::mark`]).
+    pub(super) in_work: bool,
 }
 
 impl SConn {
+    /// Whether a tick has something to do for it: a receive to post,
+    /// grants to read, slots held (reads, frames to send or in flight), or
+    /// frames queued on its link. A connection that is none of these is
+    /// left out of the per-tick loops until an event (a completion, a
+    /// heartbeat queued) marks it again. A closing one stays while its
+    /// link has frames or writes in flight: RDMA completions are polled
+    /// from the work list, not delivered by the ring.
+    pub(super) fn active(&self) -> bool {
+        if self.closing {
+            return self.link.pending();
+        }
+        !self.rx.inflight() || !self.grants.is_empty() || self.held > 0 || self.link.pending()
+    }
+
     /// It took one more staging slot.
     pub(super) fn hold(&mut self) {
         self.held += 1;

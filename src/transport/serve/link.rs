@@ -101,6 +101,15 @@ impl ConnLink {
         each_link!(self, l => l.busy())
     }
 
+    /// Whether it has frames queued (TCP: not yet flushed) or in flight.
+    pub(super) fn pending(&self) -> bool {
+        match self {
+            ConnLink::Tcp(l) => l.pending(),
+            #[cfg(feature = "rdma")]
+            ConnLink::Rdma(l) => l.busy(),
+        }
+    }
+
     pub(super) fn close(&mut self) {
         each_link!(self, l => l.close())
     }

@@ -26,6 +26,10 @@ use crate::transport::proto::{self, Code};
 use crate::transport::rx::FrameRx;
 use crate::transport::tcp::TcpLink;
 
+/// A sweep looks at this fraction of all connections (besides those with
+/// work): each is looked at every 8 sweeps of 125 ms, once a second.
+const SWEEP_SLICES: usize = 8;
+
 /// The shortest stall timeout the node's TCP_USER_TIMEOUT on a consumer's
 /// connection is built on (it is the stall timeout, at least this, plus
 /// [`USER_TIMEOUT_MARGIN`]): below it ordinary retransmissions on a busy
@@ -55,8 +59,8 @@ pub(super) struct ServePoller<R: IoBackend = Uring> {
     pub(super) rr: usize,
     /// Staging slots one connection may hold now (fair share).
     pub(super) quota: usize,
-    /// When the stalled-consumer check last ran.
-    pub(super) last_stall_check: std::time::Instant,
+    /// Where the next sweep's slice of the live list starts.
+    pub(super) sweep_at: usize,
     /// This poller's number (its entry in `Common::load`).
     pub(super) index: usize,
     /// Ticks longer than the stall threshold (`crate::stall`).
@@ -66,8 +70,8 @@ pub(super) struct ServePoller<R: IoBackend = Uring> {
     pub(super) channel: PollerChannel,
     pub(super) chan_inflight: bool,
     pub(super) spin_since: Option<std::time::Instant>,
-    /// When the heartbeat pass runs next: each tick compares this one
-    /// time, and only a due pass walks the connections.
+    /// When the next sweep runs ([`ServePoller::sweep`]): each tick
+    /// compares this one time.
     pub(super) next_beat: std::time::Instant,
     /// Rate limit of read-error WARN lines.
     pub(super) warns: WarnLimit,
@@ -116,7 +120,7 @@ impl<R: IoBackend> ServePoller<R> {
             completions: vec![Completion::default(); 1024],
             rr: 0,
             quota: n,
-            last_stall_check: now,
+            sweep_at: 0,
             index,
             stall: crate::stall::Stall::new("node service poller", index),
             channel: PollerChannel::new(&c, index),
@@ -201,6 +205,7 @@ impl<R: IoBackend> ServePoller<R> {
         // Drop the reaped from the dense list before anyone is adopted
         // (a reaped index may be reused right after).
         self.conns.prune();
+        self.conns.settle_work();
         let stopping = self.c.stop.load(Ordering::Acquire);
         if stopping {
             // Consumers handed over but not adopted (welcomed just before
@@ -238,8 +243,7 @@ impl<R: IoBackend> ServePoller<R> {
         }
         self.stall.phase(Phase::Conns);
         self.post_recvs();
-        self.heartbeats();
-        self.drop_stalled();
+        self.sweep();
         self.stall.phase(Phase::Submit);
         self.issue_reads();
         // Start the reads before posting sends: posting RDMA writes can
@@ -350,118 +354,141 @@ impl<R: IoBackend> ServePoller<R> {
                 metrics: m,
                 last_rx: now,
                 heartbeats: false,
+                slow_idle: false,
                 last_beat: None,
                 warned_grant: None,
+                in_work: false,
             },
         );
+        // Its first receive goes at this tick.
+        self.conns.mark(ci);
     }
 
-    /// Sends a heartbeat to each consumer that asked for them and was sent
-    /// nothing (no frame finished, no heartbeat) for
-    /// [`proto::HEARTBEAT_INTERVAL`], or for
-    /// [`proto::IDLE_HEARTBEAT_INTERVAL`] when the node has nothing for it
-    /// (no grant queued, no staging slot held, no send in flight): a
-    /// consumer with nothing granted judges the node's silence by its node
-    /// timeout, so thousands of idle consumers cost a frame each every 2 s,
-    /// not 4 a second. Each heartbeat carries the node's idle timeout, so a
-    /// consumer that reads it may keep alive as rarely as a quarter of it.
-    /// Per tick this is one comparison with `next_beat`; the connections
-    /// are walked only when a pass is due (every half busy interval), so a
-    /// busy consumer hears from a live node at least every 1.5 intervals,
-    /// and nothing is added per sample: a connection that is sending needs
-    /// no heartbeat. Over TCP the frame goes in the link's queue, between
-    /// DATA frames, only while no `sendmsg` is in flight (one was then
-    /// finished recently); over RDMA it is written on the control socket,
-    /// where the node sends nothing else after the handshake.
-    pub(super) fn heartbeats(&mut self) {
+    /// Every half busy heartbeat interval (125 ms): looks at the work
+    /// list's connections (heartbeats after [`proto::HEARTBEAT_INTERVAL`]
+    /// of silence, the stall check) and at one [`SWEEP_SLICES`]th of all
+    /// connections (idle ones: a heartbeat after
+    /// [`proto::IDLE_HEARTBEAT_INTERVAL`], the idle timeout, an idle RDMA
+    /// link's failure), so every connection is looked at at least once a
+    /// second and a sweep costs the connections with work plus an eighth
+    /// of the others, not all of them. Per tick it is one comparison with
+    /// `next_beat`.
+    pub(super) fn sweep(&mut self) {
         let now = self.ring.now();
         if now < self.next_beat {
             return;
         }
         self.next_beat = now + proto::HEARTBEAT_INTERVAL / 2;
-        let beat = proto::Header::heartbeat(self.c.cfg.idle_timeout);
-        for k in 0..self.conns.live_len() {
-            let ci = self.conns.live(k);
-            let Some(c) = self.conns.get_mut(ci) else {
-                continue;
-            };
-            if c.closing || !c.heartbeats {
-                continue;
-            }
-            if let Some(last) = c.last_beat {
-                let idle = c.grants.is_empty() && c.held == 0 && !c.link.busy();
-                let every = if idle {
-                    proto::IDLE_HEARTBEAT_INTERVAL
-                } else {
-                    proto::HEARTBEAT_INTERVAL
-                };
-                if now.duration_since(last.max(c.last_drained)) < every {
-                    continue;
-                }
-            }
-            if !c.link.is_rdma() {
-                if c.link.busy() {
-                    continue;
-                }
-                if !c.link.post_heartbeat(HEARTBEAT_WR, beat) {
-                    continue;
-                }
-                c.last_beat = Some(now);
-                continue;
-            }
-            let h = beat.encode();
-            match self.ring.send_now(c.fd, &h) {
-                Ok(n) if n == h.len() => c.last_beat = Some(now),
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                // A frame cut short cannot be finished later: the consumer
-                // left its control socket unread for thousands of them.
-                Ok(_) | Err(_) => self.close(ci, None),
-            }
+        self.warns.roll(now);
+        for k in 0..self.conns.work_len() {
+            let ci = self.conns.work(k);
+            self.look_at(ci, now);
+        }
+        let n = self.conns.live_len();
+        for _ in 0..n.div_ceil(SWEEP_SLICES) {
+            let ci = self.conns.live(self.sweep_at % n);
+            self.sweep_at = self.sweep_at.wrapping_add(1);
+            self.look_at(ci, now);
         }
     }
 
-    /// Drops the consumers whose link finished nothing for `stall_timeout`
-    /// while a send was in flight (over TCP a socket that takes no bytes;
-    /// over RDMA writes that do not complete, e.g. a stopped consumer that
-    /// reposts no receives for its WRITE_WITH_IMMs): their staging slots go
-    /// back to the others. Until then their fair share bounds what they
-    /// hold.
-    pub(super) fn drop_stalled(&mut self) {
-        let now = self.ring.now();
-        if now.duration_since(self.last_stall_check) < Duration::from_millis(100) {
+    /// One connection in a sweep: dropped when it stalled or idled too
+    /// long; else a heartbeat when one is due.
+    ///
+    /// Stalled: its link finished nothing for `stall_timeout` while a send
+    /// was in flight (over TCP a socket that takes no bytes; over RDMA
+    /// writes that do not complete, e.g. a stopped consumer that reposts
+    /// no receives for its WRITE_WITH_IMMs): its staging slots go back to
+    /// the others. Until then its fair share bounds what it holds. Idle:
+    /// it sent nothing for `idle_timeout` with nothing queued for it.
+    ///
+    /// Heartbeats go to a consumer that asked for them and was sent
+    /// nothing (no frame finished, no heartbeat) for
+    /// [`proto::HEARTBEAT_INTERVAL`], or for
+    /// [`proto::IDLE_HEARTBEAT_INTERVAL`] when the node has nothing for it
+    /// (no grant queued, no staging slot held, no send in flight) and it
+    /// said it restarts its clock at a grant (`SLOW_IDLE_HEARTBEATS`): a
+    /// consumer with nothing granted judges the node's silence by its node
+    /// timeout (at least 15 s), so thousands of idle consumers cost a frame
+    /// each every 5-6 s, not 4 a second. Each heartbeat carries the node's
+    /// idle timeout, so a consumer that reads it may keep alive as rarely
+    /// as a quarter of it. A busy consumer hears from a live node at least
+    /// every 1.5 busy intervals, and nothing is added per sample: a
+    /// connection that is sending needs no heartbeat. Over TCP the frame
+    /// goes in the link's queue, between DATA frames, only while no
+    /// `sendmsg` is in flight (one was then finished recently); over RDMA
+    /// it is written on the control socket, where the node sends nothing
+    /// else after the handshake.
+    fn look_at(&mut self, ci: u32, now: std::time::Instant) {
+        let Some(c) = self.conns.get(ci) else {
+            return;
+        };
+        if c.closing {
             return;
         }
-        self.last_stall_check = now;
-        self.warns.roll(now);
-        let limit = self.c.cfg.stall_timeout;
-        for k in 0..self.conns.live_len() {
-            let ci = self.conns.live(k);
-            let Some(c) = self.conns.get(ci) else {
-                continue;
-            };
-            if c.closing {
-                continue;
+        if c.link.is_rdma() {
+            // An idle link's queue pair failing is seen here (a busy one's
+            // at every tick, `reap_rdma`).
+            self.reap_link(ci);
+            let c = self.conns.get(ci).expect("live");
+            if let Some(why) = c.link.failure() {
+                log::warn!("{}: RDMA link failed: {why}", c.peer);
+                self.close(ci, Some((Code::TransportFailed, why)));
+                return;
             }
-            let idle = self.c.cfg.idle_timeout;
-            if !c.link.busy() {
-                if c.grants.is_empty() && c.held == 0 && now.duration_since(c.last_rx) > idle {
-                    let m = format!(
-                        "idle: no frame for {} ms with nothing to send (--idle-timeout-ms)",
-                        idle.as_millis()
-                    );
-                    self.close(ci, Some((Code::ShuttingDown, m)));
-                }
-                continue;
-            }
-            if now.duration_since(c.last_drained) > limit {
+        }
+        let c = self.conns.get(ci).expect("live");
+        let idle_timeout = self.c.cfg.idle_timeout;
+        if !c.link.busy() {
+            if c.grants.is_empty() && c.held == 0 && now.duration_since(c.last_rx) > idle_timeout {
                 let m = format!(
-                    "took no data for {} ms with {} staging slots held (--stall-timeout-ms)",
-                    limit.as_millis(),
-                    c.held
+                    "idle: no frame for {} ms with nothing to send (--idle-timeout-ms)",
+                    idle_timeout.as_millis()
                 );
-                self.c.stats.stalled.fetch_add(1, Ordering::Relaxed);
-                self.close(ci, Some((Code::Violation, m)));
+                self.close(ci, Some((Code::ShuttingDown, m)));
+                return;
             }
+        } else if now.duration_since(c.last_drained) > self.c.cfg.stall_timeout {
+            let m = format!(
+                "took no data for {} ms with {} staging slots held (--stall-timeout-ms)",
+                self.c.cfg.stall_timeout.as_millis(),
+                c.held
+            );
+            self.c.stats.stalled.fetch_add(1, Ordering::Relaxed);
+            self.close(ci, Some((Code::Violation, m)));
+            return;
+        }
+        if !c.heartbeats {
+            return;
+        }
+        if let Some(last) = c.last_beat {
+            let idle = c.slow_idle && c.grants.is_empty() && c.held == 0 && !c.link.busy();
+            let every = if idle {
+                proto::IDLE_HEARTBEAT_INTERVAL
+            } else {
+                proto::HEARTBEAT_INTERVAL
+            };
+            if now.duration_since(last.max(c.last_drained)) < every {
+                return;
+            }
+        }
+        let beat = proto::Header::heartbeat(idle_timeout);
+        let c = self.conns.get_mut(ci).expect("live");
+        if !c.link.is_rdma() {
+            if c.link.busy() || !c.link.post_heartbeat(HEARTBEAT_WR, beat) {
+                return;
+            }
+            c.last_beat = Some(now);
+            // Queued on its link: the tick's sends flush it.
+            self.conns.mark(ci);
+            return;
+        }
+        match self.ring.send_now(c.fd, &beat.encode()) {
+            Ok(n) if n == proto::HEADER_BYTES => c.last_beat = Some(now),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            // A frame cut short cannot be finished later: the consumer
+            // left its control socket unread for thousands of them.
+            Ok(_) | Err(_) => self.close(ci, None),
         }
     }
 
@@ -488,8 +515,8 @@ impl<R: IoBackend> ServePoller<R> {
         let Some(fd) = self.channel_fd() else {
             return true;
         };
-        for k in 0..self.conns.live_len() {
-            let ci = self.conns.live(k);
+        for k in 0..self.conns.work_len() {
+            let ci = self.conns.work(k);
             let Some(c) = self.conns.get(ci) else {
                 continue;
             };
@@ -516,8 +543,8 @@ impl<R: IoBackend> ServePoller<R> {
     /// True while any has writes in flight.
     pub(super) fn reap_rdma(&mut self) -> bool {
         let mut busy = false;
-        for k in 0..self.conns.live_len() {
-            let ci = self.conns.live(k);
+        for k in 0..self.conns.work_len() {
+            let ci = self.conns.work(k);
             let Some(c) = self.conns.get(ci) else {
                 continue;
             };
@@ -548,6 +575,9 @@ impl<R: IoBackend> ServePoller<R> {
         }
         let ci = ud_conn(comp.user_data);
         let slot = ud_slot(comp.user_data);
+        // Whatever completed, the next tick has something to do for it
+        // (a receive to post again, a frame to send, slots to reap).
+        self.conns.mark(ci);
         let Some(c) = self.conns.get_mut(ci) else {
             log::error!("node service: completion for a closed connection");
             return;
@@ -633,6 +663,8 @@ impl<R: IoBackend> ServePoller<R> {
         }
         self.reap_link(ci);
         self.maybe_reap(ci);
+        // What it still has in flight is reaped from the work list.
+        self.conns.mark(ci);
     }
 
     pub(super) fn maybe_reap(&mut self, ci: u32) {

@@ -24,18 +24,19 @@ impl<R: IoBackend> ServePoller<R> {
         // slots held), rounded up; and never more than 3/4 of the slots, so
         // a consumer that arrives while another has stopped reading still
         // finds some (slots held in a send cannot be taken back).
+        // (Every such connection is in the work list: `SConn::active`.)
         let busy = self
             .conns
-            .iter_live()
+            .iter_work()
             .filter(|(_, c)| !c.closing && (c.held > 0 || !c.grants.is_empty()))
             .count()
             .max(1);
         let n = self.staging.limit();
         self.quota = n.div_ceil(busy).min(n - n / 4).max(1);
-        let n = self.conns.live_len();
+        let n = self.conns.work_len();
         let mut idle_rounds = 0;
         while !self.staging.is_full() && idle_rounds < n {
-            let ci = self.conns.live(self.rr % n);
+            let ci = self.conns.work(self.rr % n);
             self.rr = self.rr.wrapping_add(1);
             let progressed = self.issue_one(ci);
             idle_rounds = if progressed { 0 } else { idle_rounds + 1 };
@@ -214,8 +215,8 @@ impl<R: IoBackend> ServePoller<R> {
         // One clock read per call, not per frame: the frames' times (for
         // the DATA headers and the histograms) need a tick's precision.
         let now = self.ring.now();
-        for k in 0..self.conns.live_len() {
-            let ci = self.conns.live(k);
+        for k in 0..self.conns.work_len() {
+            let ci = self.conns.work(k);
             let Some(c) = self.conns.get_mut(ci) else {
                 continue;
             };

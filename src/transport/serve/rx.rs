@@ -17,8 +17,8 @@ use crate::transport::rx::{Received, RxError};
 
 impl<R: IoBackend> ServePoller<R> {
     pub(super) fn post_recvs(&mut self) {
-        for k in 0..self.conns.live_len() {
-            let ci = self.conns.live(k);
+        for k in 0..self.conns.work_len() {
+            let ci = self.conns.work(k);
             let Some(c) = self.conns.get_mut(ci) else {
                 continue;
             };
@@ -71,6 +71,7 @@ impl<R: IoBackend> ServePoller<R> {
             Received::Header(h) if h.kind == Kind::Error && h.body_len == 0 => {
                 if h.c & proto::ASK_HEARTBEATS != 0 && !c.heartbeats {
                     c.heartbeats = true;
+                    c.slow_idle = h.c & proto::SLOW_IDLE_HEARTBEATS != 0;
                     self.next_beat = self.ring.now();
                 }
             }
