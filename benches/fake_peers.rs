@@ -1,7 +1,7 @@
 //! One node service (a `kspeed agent --listen` or `kspeed serve`) against
 //! thousands of consumer links from this one process (issue 28, "one agent
-//! + 4,095 fake peers"): the node's CPU while the links are idle and while
-//! they grant, and the handshake burst. The links speak the protocol as
+//! and 4,095 fake peers"): the node's CPU while the links are idle and
+//! while they grant, and the handshake burst. The links speak the protocol as
 //! kspeed's consumer does (`tests/common/fake_peers.rs`).
 //!
 //! ```text

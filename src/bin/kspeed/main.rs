@@ -82,7 +82,7 @@ enum Cmd {
     /// Run the node agent: the node's ranks attach (`agent = required` or
     /// `auto`) and its pollers read their samples into their rings
     /// (docs/AGENT.md, docs/DEPLOY.md).
-    Agent(agent_cmd::AgentArgs),
+    Agent(Box<agent_cmd::AgentArgs>),
     /// Write the completion script for SHELL to stdout (for packagers:
     /// packaging/README.md).
     #[command(hide = true)]
@@ -578,7 +578,7 @@ fn run(cli: Cli) -> kspeed::Result<ExitCode> {
                 let _ = std::io::stdout().flush();
             })?;
         }
-        Cmd::Agent(a) => agent_cmd::run_agent(a)?,
+        Cmd::Agent(a) => agent_cmd::run_agent(*a)?,
         Cmd::Ls(a) => ls::ls(a)?,
         Cmd::Cat(a) => ls::cat(a)?,
         Cmd::Inspect(a) => {
