@@ -141,9 +141,11 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
     }
 
     /// Starts the tries that are due and takes the results that came in.
-    pub(super) fn redial(&mut self) {
+    /// Starts the redials due among the sweep's window of connections from
+    /// `start`, then takes the finished ones.
+    pub(super) fn redial(&mut self, start: usize) {
         let now = self.ring.now();
-        for i in 0..self.conns.len() {
+        for i in super::sweep_window(start, self.conns.len()) {
             let r = &self.redials.state[i];
             if r.inflight || r.next.is_none_or(|t| t > now) || self.conns[i].state != State::Dead {
                 continue;
