@@ -7,13 +7,15 @@
 //! ```text
 //! cargo bench --bench fake_peers -- --addr 127.0.0.1:7400 --catalog CAT \
 //!     --token-file TOKEN --links 4095 --pid AGENT_PID [--idle-secs 20] \
-//!     [--grants-per-sec 24000] [--load-secs 10] [--json]
+//!     [--grants-per-sec 24000] [--load-secs 10] [--metrics HOST:PORT] [--json]
 //! ```
 //!
 //! `scripts/bench_fake_peers.py` starts the agents (two builds side by
 //! side), runs this for several link counts and prints the table in
 //! BENCHMARKS.md. The node's CPU is the sum over its threads of
-//! /proc/PID/task/*/schedstat (ns) across each phase.
+//! /proc/PID/task/*/schedstat (ns) across each phase; with `--metrics`
+//! (the node's `--metrics` address) its pollers' ticks and their busy
+//! time too (`kspeed_serve_poller_ticks`, `..._busy_seconds`).
 
 #[path = "../tests/common/fake_peers.rs"]
 mod fake_peers;
@@ -30,6 +32,7 @@ fn main() {
     let mut grants_per_sec = 24_000.0f64;
     let mut load_secs = 10.0f64;
     let mut json = false;
+    let mut metrics: Option<String> = None;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         let mut val = || args.next().unwrap_or_else(|| panic!("{a} needs a value"));
@@ -43,13 +46,14 @@ fn main() {
             "--grants-per-sec" => grants_per_sec = val().parse().expect("--grants-per-sec R"),
             "--load-secs" => load_secs = val().parse().expect("--load-secs S"),
             "--json" => json = true,
+            "--metrics" => metrics = Some(val()),
             // `cargo bench` passes --bench.
             "--bench" => {}
             other => panic!("unknown argument {other}"),
         }
     }
     let (Some(addr), Some(catalog), Some(token_file)) = (addr, catalog, token_file) else {
-        eprintln!("usage: fake_peers --addr HOST:PORT --catalog FILE --token-file FILE [--links N] [--pid PID] [--idle-secs S] [--grants-per-sec R] [--load-secs S] [--json]");
+        eprintln!("usage: fake_peers --addr HOST:PORT --catalog FILE --token-file FILE [--links N] [--pid PID] [--idle-secs S] [--grants-per-sec R] [--load-secs S] [--metrics HOST:PORT] [--json]");
         std::process::exit(2);
     };
     let limit = fake_peers::raise_nofile();
@@ -68,11 +72,12 @@ fn main() {
     };
     // The first heartbeats and keepalives of every link (the burst's
     // answers) are not part of the idle figure.
-    let _settle = peers.run(3.0, 0.0, None);
-    let idle = peers.run(idle_secs, 0.0, pid);
+    let m = metrics.as_deref();
+    let _settle = peers.run(3.0, 0.0, None, None);
+    let idle = peers.run(idle_secs, 0.0, pid, m);
     let load = if grants_per_sec > 0.0 && load_secs > 0.0 {
-        let l = peers.run(load_secs, grants_per_sec, pid);
-        let _drain = peers.run(1.0, 0.0, None);
+        let l = peers.run(load_secs, grants_per_sec, pid, m);
+        let _drain = peers.run(1.0, 0.0, None, None);
         Some(l)
     } else {
         None
@@ -81,7 +86,7 @@ fn main() {
     if json {
         let phase = |p: &fake_peers::Phase| {
             format!(
-                "{{\"secs\":{:.3},\"node_cpu_pct\":{},\"own_cpu_pct\":{:.3},\"heartbeats\":{},\"keepalives\":{},\"grants\":{},\"grants_done\":{},\"data_bytes\":{},\"errors\":{},\"violations\":{},\"closed\":{},\"longest_silence_ms\":{}}}",
+                "{{\"secs\":{:.3},\"node_cpu_pct\":{},\"own_cpu_pct\":{:.3},\"heartbeats\":{},\"keepalives\":{},\"grants\":{},\"grants_done\":{},\"data_bytes\":{},\"errors\":{},\"violations\":{},\"closed\":{},\"longest_silence_ms\":{},\"node_ticks\":{},\"node_tick_busy_ns\":{}}}",
                 p.secs,
                 pct(p).map_or("null".into(), |v| format!("{v:.4}")),
                 p.own_cpu_ns as f64 / 1e7 / p.secs,
@@ -93,7 +98,9 @@ fn main() {
                 p.errors.values().sum::<u64>(),
                 p.violations,
                 p.closed,
-                p.longest_silence_ms
+                p.longest_silence_ms,
+                p.node_ticks.map_or("null".into(), |v| v.to_string()),
+                p.node_tick_busy_ns.map_or("null".into(), |v| v.to_string())
             )
         };
         println!(
@@ -119,6 +126,18 @@ fn main() {
         idle.keepalives as f64 / peers.len() as f64 / idle.secs,
         idle.longest_silence_ms
     );
+    let ticks = |p: &fake_peers::Phase| match (p.node_ticks, p.node_tick_busy_ns) {
+        (Some(t), Some(b)) if t > 0 => format!(
+            "; {:.0} poller ticks/s, {:.1} us busy per tick",
+            t as f64 / p.secs,
+            b as f64 / 1e3 / t as f64
+        ),
+        _ => String::new(),
+    };
+    println!("idle ticks{}", ticks(&idle));
+    if let Some(l) = &load {
+        println!("load ticks{}", ticks(l));
+    }
     if let Some(l) = load {
         let per_grant_us = l
             .node_cpu_ns

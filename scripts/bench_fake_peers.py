@@ -13,7 +13,9 @@ memory), one poller, and runs `benches/fake_peers.rs` against it: the
 links' handshake burst, 3 s to settle, --idle-secs of idle links
 (keepalives only) and --load-secs of --grants-per-sec grants spread over
 every link. The node's CPU is the sum of its threads' schedstat over each
-phase. It prints each run, then per link count and build the medians of
+phase; its pollers' ticks and their busy time come from its metrics
+(`kspeed_serve_poller_ticks`, `kspeed_serve_poller_busy_seconds`; a build
+without them shows nan). It prints each run, then per link count and build the medians of
 idle CPU (% of a core), heartbeats and keepalives per link per second and
 node CPU per grant (us), and the paired ratios b/a.
 
@@ -64,7 +66,7 @@ def make_space(kspeed, d, count):
 
 def start_node(kspeed, space, token, agent, sock_dir):
     flags = ["--listen", "127.0.0.1:0", "--token-file", token, "--max-consumers-per-poller", "4096",
-             "--max-handshakes", "4096", "--max-grants", "64"]
+             "--max-handshakes", "4096", "--max-grants", "64", "--metrics", "127.0.0.1:0"]
     if agent:
         cmd = [kspeed, "agent", "--space", space, "--socket", os.path.join(sock_dir, "agent.sock")] + flags
         want = "node service on"
@@ -76,6 +78,8 @@ def start_node(kspeed, space, token, agent, sock_dir):
 
     def read():
         for line in p.stdout:
+            if line.startswith("metrics on http://"):
+                found["metrics"] = line.split("http://")[1].split("/")[0]
             if line.startswith(want) and "addr" not in found:
                 found["addr"] = line.split()[-1]
     t = threading.Thread(target=read, daemon=True)
@@ -86,7 +90,7 @@ def start_node(kspeed, space, token, agent, sock_dir):
             p.kill()
             sys.exit(f"{cmd[0]} did not start: {cmd}")
         time.sleep(0.05)
-    return p, found["addr"]
+    return p, found["addr"], found.get("metrics")
 
 
 def main():
@@ -114,12 +118,13 @@ def main():
         for links in [int(x) for x in a.links.split(",")]:
             for b in order:
                 with tempfile.TemporaryDirectory() as sd:
-                    p, addr = start_node(builds[b], space, token, a.agent, sd)
+                    p, addr, maddr = start_node(builds[b], space, token, a.agent, sd)
                     try:
                         out = subprocess.run(
                             [exe, "--addr", addr, "--catalog", catalog, "--token-file", token, "--links",
                              str(links), "--pid", str(p.pid), "--idle-secs", str(a.idle_secs),
-                             "--grants-per-sec", str(a.grants_per_sec), "--load-secs", str(a.load_secs), "--json"],
+                             "--grants-per-sec", str(a.grants_per_sec), "--load-secs", str(a.load_secs), "--json"]
+                            + (["--metrics", maddr] if maddr else []),
                             check=True, capture_output=True, text=True, timeout=600).stdout
                     finally:
                         p.kill()
@@ -138,7 +143,14 @@ def main():
     def fig(run):
         idle, load = run["idle"], run["load"]
         n = run["welcomed"]
+        def tick_us(ph):
+            t, b = ph.get("node_ticks"), ph.get("node_tick_busy_ns")
+            return b / 1e3 / t if t else float("nan")
         return {
+            "idle_ticks_per_sec": (idle.get("node_ticks") or float("nan")) / idle["secs"],
+            "idle_tick_us": tick_us(idle),
+            "load_ticks_per_sec": (load.get("node_ticks") or float("nan")) / load["secs"],
+            "load_tick_us": tick_us(load),
             "idle_cpu_pct": idle["node_cpu_pct"],
             "beats": idle["heartbeats"] / n / idle["secs"],
             "keepalives": idle["keepalives"] / n / idle["secs"],
@@ -147,9 +159,11 @@ def main():
         }
 
     print("| links | build | idle node CPU, % of a core | heartbeats per link per s | keepalives per link per s "
-          "| grants/s answered | node CPU per grant, us |")
-    print("|---:|---|---:|---:|---:|---:|---:|")
-    keys = ["idle_cpu_pct", "beats", "keepalives", "grants_per_sec", "us_per_grant"]
+          "| grants/s answered | node CPU per grant, us | idle: ticks/s | idle: us per tick | load: ticks/s "
+          "| load: us per tick |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    keys = ["idle_cpu_pct", "beats", "keepalives", "grants_per_sec", "us_per_grant", "idle_ticks_per_sec",
+            "idle_tick_us", "load_ticks_per_sec", "load_tick_us"]
     for links in [int(x) for x in a.links.split(",")]:
         for b in ["a", "b"]:
             figs = [fig(x) for x in res[(links, b)]]

@@ -87,6 +87,8 @@ pub(crate) struct Stall {
     worst: Duration,
     worst_phases: u16,
     last_log: Option<Instant>,
+    /// How long the last tick's busy part took (zero while off).
+    last_busy: Duration,
     /// Test hook (`test-panic` feature): the first tick takes this long.
     #[cfg(feature = "test-panic")]
     inject: Option<Duration>,
@@ -132,6 +134,7 @@ impl Stall {
             worst: Duration::ZERO,
             worst_phases: 0,
             last_log: None,
+            last_busy: Duration::ZERO,
             #[cfg(feature = "test-panic")]
             inject: std::env::var("KSPEED_TEST_STALL_MS")
                 .ok()
@@ -172,6 +175,12 @@ impl Stall {
         self.lap_at(Instant::now(), counter).is_some()
     }
 
+    /// How long the busy part of the tick the last [`lap`](Self::lap) ended
+    /// took (zero when the detector is off: `KSPEED_STALL_MS=0`).
+    pub(crate) fn last_busy(&self) -> Duration {
+        self.last_busy
+    }
+
     /// [`lap`](Self::lap) at time `now`; returns the log line's text when
     /// one is due (unit tests drive time through this).
     fn lap_at(&mut self, now: Instant, counter: &AtomicU64) -> Option<String> {
@@ -179,6 +188,7 @@ impl Stall {
         let took = now.saturating_duration_since(self.mark);
         let phases = std::mem::take(&mut self.phases);
         self.mark = now;
+        self.last_busy = took;
         if took <= threshold {
             return None;
         }

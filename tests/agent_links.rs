@@ -77,7 +77,7 @@ fn an_agent_admits_a_burst_of_links_and_beats_idle_ones_every_two_seconds() {
     // link's first keepalive at once, then one every 5-6 s (an idle
     // connection is looked at once a second): 2 or 3 per link (at 250 ms
     // it was about 48).
-    let idle = peers.run(12.0, 0.0, Some(agent.pid()));
+    let idle = peers.run(12.0, 0.0, Some(agent.pid()), None);
     eprintln!("idle: {idle:?}");
     let per_link = idle.heartbeats as f64 / LINKS as f64;
     assert!(
@@ -108,8 +108,8 @@ fn an_agent_admits_a_burst_of_links_and_beats_idle_ones_every_two_seconds() {
 
     // Load: grants over every link, then a quiet second for the last
     // answers; every one answered whole, none refused.
-    let load = peers.run(3.0, 2000.0, Some(agent.pid()));
-    let drain = peers.run(2.0, 0.0, None);
+    let load = peers.run(3.0, 2000.0, Some(agent.pid()), None);
+    let drain = peers.run(2.0, 0.0, None, None);
     eprintln!("load: {load:?}\ndrain: {drain:?}");
     assert!(load.grants >= 1000, "{load:?}");
     assert_eq!(

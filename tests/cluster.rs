@@ -1423,6 +1423,14 @@ fn metrics_endpoint_counts_a_consumer_and_sigusr1_logs_statistics() {
     assert!(samples >= cat.len() as f64, "{text}");
     assert_eq!(Some(samples), metric(&text, "kspeed_serve_samples_total "));
     assert_eq!(metric(&text, "kspeed_consumer_errors_total{"), Some(0.0));
+    // The pollers ticked and were busy for some of it (the mean tick:
+    // their ratio).
+    let ticks = metric(&text, "kspeed_serve_poller_ticks_total ").unwrap_or(0.0);
+    let busy = metric(&text, "kspeed_serve_poller_busy_seconds_total ").unwrap_or(0.0);
+    assert!(
+        ticks > 0.0 && busy > 0.0,
+        "ticks {ticks}, busy {busy} s: {text}"
+    );
     let reads = metric(
         &text,
         "kspeed_serve_read_latency_seconds_count{poller=\"0\"}",

@@ -66,6 +66,28 @@ pub struct Phase {
     pub node_cpu_ns: Option<u64>,
     /// This process's CPU time over the phase.
     pub own_cpu_ns: u64,
+    /// The node's poller ticks and their busy time (ns) over the phase,
+    /// from its Prometheus metrics when their address was given.
+    pub node_ticks: Option<u64>,
+    pub node_tick_busy_ns: Option<u64>,
+}
+
+/// The node's poller ticks and busy nanoseconds from `GET /metrics` at
+/// `addr` (host:port).
+pub fn scrape_ticks(addr: &str) -> Option<(u64, u64)> {
+    let mut s = TcpStream::connect(addr).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(s, "GET /metrics HTTP/1.0\r\nHost: {addr}\r\n\r\n").ok()?;
+    let mut body = String::new();
+    s.read_to_string(&mut body).ok()?;
+    let value = |name: &str| {
+        body.lines()
+            .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
+            .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
+    };
+    let ticks = value("kspeed_serve_poller_ticks_total")?;
+    let busy = value("kspeed_serve_poller_busy_seconds_total")?;
+    Some((ticks as u64, (busy * 1e9) as u64))
 }
 
 struct Out {
@@ -287,9 +309,17 @@ impl Peers {
     }
 
     /// Runs for `secs`, granting `grants_per_sec` in all (0: idle), and
-    /// measures `node_pid`'s CPU when given.
-    pub fn run(&mut self, secs: f64, grants_per_sec: f64, node_pid: Option<u32>) -> Phase {
+    /// measures `node_pid`'s CPU when given, and its ticks from its
+    /// metrics at `metrics` (host:port) when given.
+    pub fn run(
+        &mut self,
+        secs: f64,
+        grants_per_sec: f64,
+        node_pid: Option<u32>,
+        metrics: Option<&str>,
+    ) -> Phase {
         let mut ph = Phase::default();
+        let ticks0 = metrics.and_then(scrape_ticks);
         let t0 = Instant::now();
         let cpu0 = node_pid.map(cpu_ns);
         let own0 = own_cpu_ns();
@@ -437,6 +467,10 @@ impl Peers {
             .zip(cpu0)
             .map(|(p, c0)| cpu_ns(p).saturating_sub(c0));
         ph.own_cpu_ns = own_cpu_ns().saturating_sub(own0);
+        if let (Some((t0, b0)), Some((t1, b1))) = (ticks0, metrics.and_then(scrape_ticks)) {
+            ph.node_ticks = Some(t1.saturating_sub(t0));
+            ph.node_tick_busy_ns = Some(b1.saturating_sub(b0));
+        }
         ph
     }
 }

@@ -279,6 +279,19 @@ impl Collector for ServeCollector {
             "poller and acceptor ticks longer than the stall threshold (KSPEED_STALL_MS)",
             r(&s.loop_stalls),
         )?;
+        counter(
+            &mut e,
+            "kspeed_serve_poller_ticks",
+            "ticks of the pollers' loops",
+            r(&s.poller_ticks),
+        )?;
+        let busy = ConstCounter::new(r(&s.poller_busy_ns) as f64 / 1e9);
+        busy.encode(e.encode_descriptor(
+            "kspeed_serve_poller_busy_seconds",
+            "time the pollers' ticks spent busy, from waking to the next wait (0 with KSPEED_STALL_MS=0)",
+            None,
+            busy.metric_type(),
+        )?)?;
         gauge(
             &mut e,
             "kspeed_serve_handshakes_pending",

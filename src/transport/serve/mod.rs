@@ -105,6 +105,13 @@ pub struct ServeStats {
     /// than the stall threshold (`KSPEED_STALL_MS`, default 50 ms; each is
     /// logged, at most once per 10 s per loop, with what the tick did).
     pub loop_stalls: AtomicU64,
+    /// Ticks of the pollers' loops, and the time they spent busy (ns: from
+    /// waking to the next wait; 0 with the stall detector off,
+    /// `KSPEED_STALL_MS=0`): their ratio is the mean tick, which follows
+    /// what completed, not how many consumers are connected.
+    pub poller_ticks: AtomicU64,
+    /// See [`ServeStats::poller_ticks`].
+    pub poller_busy_ns: AtomicU64,
 }
 
 impl std::fmt::Debug for Common {

@@ -259,6 +259,10 @@ impl<R: IoBackend> ServePoller<R> {
         // (Polling without a system call: io_uring completions are
         // read from the shared ring either way.)
         self.stall.lap(&self.c.stats.loop_stalls);
+        let st = &self.c.stats;
+        st.poller_ticks.fetch_add(1, Ordering::Relaxed);
+        let busy = self.stall.last_busy().as_nanos().min(u64::MAX as u128) as u64;
+        st.poller_busy_ns.fetch_add(busy, Ordering::Relaxed);
         let res = if self.rdma_should_spin() {
             self.ring.submit_pending()
         } else {
