@@ -10,6 +10,8 @@
 //! spaces, services and consumers; one binary builds them once per process.
 
 mod common;
+#[path = "common/fake_peers.rs"]
+mod fake_peers;
 #[path = "common/nodes.rs"]
 mod nodes;
 
@@ -618,19 +620,7 @@ fn stalled_owner_times_out_and_fails_over() {
 // --- hostile consumers against a real node -------------------------------
 
 fn hello_frame(cat: &Catalog, version: u32, token: &[u8], ring_len: u64) -> Vec<u8> {
-    let mut out = Vec::new();
-    Hello {
-        catalog_identity: cat.identity(),
-        rank: 0,
-        world: 1,
-        catalog_samples: cat.len(),
-        seed: 0,
-        ring_addr: 0,
-        ring_len,
-        rkey: 0,
-        transport: proto::TRANSPORT_TCP,
-    }
-    .encode(token, &mut out);
+    let mut out = fake_peers::hello_for(cat, token, ring_len);
     out[8..12].copy_from_slice(&version.to_le_bytes());
     out
 }
@@ -2920,17 +2910,7 @@ fn hello_with_impossible_fields_is_refused_naming_the_field() {
     let st = setup("tiny", 50, 1, 1);
     let node = Serve::start(&st.spaces[0], &node_ip(0), &st.token, &[]);
     let cat = Catalog::open(&st.catalog).unwrap();
-    let base = Hello {
-        catalog_identity: cat.identity(),
-        rank: 0,
-        world: 1,
-        catalog_samples: cat.len(),
-        seed: 0,
-        ring_addr: 0,
-        ring_len: 1 << 20,
-        rkey: 0,
-        transport: proto::TRANSPORT_TCP,
-    };
+    let base = fake_peers::hello_fields(&cat, 1 << 20);
     let cases: [(Hello, &str); 4] = [
         (Hello { world: 0, ..base }, "field world is 0"),
         (

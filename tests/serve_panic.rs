@@ -4,6 +4,8 @@
 //! would make every other in-process service's poller panic.
 
 mod common;
+#[path = "common/fake_peers.rs"]
+mod fake_peers;
 
 use std::io::Write;
 use std::net::TcpStream;
@@ -11,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use kspeed::dataset::Catalog;
-use kspeed::transport::proto::{self, Hello, Kind};
+use kspeed::transport::proto::Kind;
 use kspeed::transport::{NodeService, ServeConfig};
 
 #[test]
@@ -23,19 +25,7 @@ fn consumers_connecting_around_a_poller_panic_are_answered_not_stranded() {
     let space = tmp.path().join("space");
     ok(&["preload", "--source", s(&src), "--space", s(&space)]);
     let cat = Catalog::open(&space.join("catalog.ksc")).unwrap();
-    let mut hello = Vec::new();
-    Hello {
-        catalog_identity: cat.identity(),
-        rank: 0,
-        world: 1,
-        catalog_samples: cat.len(),
-        seed: 0,
-        ring_addr: 0,
-        ring_len: 1 << 20,
-        rkey: 0,
-        transport: proto::TRANSPORT_TCP,
-    }
-    .encode(b"token", &mut hello);
+    let hello = fake_peers::hello_for(&cat, b"token", 1 << 20);
     let mut cfg = ServeConfig::new(&space, "127.0.0.1:0", b"token");
     cfg.pollers = 1;
     cfg.staging_bytes = 1 << 20;

@@ -125,9 +125,21 @@ pub struct Peers {
     lens: Vec<u32>,
 }
 
-/// A HELLO for the catalog at `catalog` (rank 0 of 1, TCP).
+/// A HELLO for catalog `cat` (rank 0 of 1, TCP) with a ring of 1 GiB.
 pub fn hello(cat: &kspeed::dataset::Catalog, token: &[u8]) -> Vec<u8> {
+    hello_for(cat, token, RING_BYTES)
+}
+
+/// A HELLO for catalog `cat` (rank 0 of 1, TCP, seed 0) announcing a ring
+/// of `ring_len` bytes: what the tests' hand-written consumers send.
+pub fn hello_for(cat: &kspeed::dataset::Catalog, token: &[u8], ring_len: u64) -> Vec<u8> {
     let mut out = Vec::new();
+    hello_fields(cat, ring_len).encode(token, &mut out);
+    out
+}
+
+/// The fields of [`hello_for`]'s HELLO.
+pub fn hello_fields(cat: &kspeed::dataset::Catalog, ring_len: u64) -> Hello {
     Hello {
         catalog_identity: cat.identity(),
         rank: 0,
@@ -135,12 +147,10 @@ pub fn hello(cat: &kspeed::dataset::Catalog, token: &[u8]) -> Vec<u8> {
         catalog_samples: cat.len(),
         seed: 0,
         ring_addr: 0,
-        ring_len: RING_BYTES,
+        ring_len,
         rkey: 0,
         transport: proto::TRANSPORT_TCP,
     }
-    .encode(token, &mut out);
-    out
 }
 
 /// Raises this process's open-file limit to its hard limit; returns it.
