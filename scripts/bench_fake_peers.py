@@ -23,7 +23,8 @@ node CPU per grant (us), and the paired ratios b/a.
 
 The space is made once under --dir (default /var/tmp/kspeed-fake-peers)
 with the --b binary. The bench binary is built with `cargo bench --bench
-fake_peers --no-run` (release).
+fake_peers --no-run` (release). With --agent the node service has
+serve's default pollers (the agent's --pollers is per attached rank).
 """
 
 import argparse
@@ -130,6 +131,9 @@ def main():
                         p.kill()
                         p.wait()
                 run = json.loads(out.strip().splitlines()[-1])
+                if run["load"] is None:
+                    # --load-secs 0: an idle-only run.
+                    run["load"] = {"secs": 1, "grants_done": 0, "node_cpu_pct": 0.0, "errors": 0, "violations": 0}
                 res.setdefault((links, b), []).append(run)
                 idle, load = run["idle"], run["load"]
                 print(f"round {r + 1} links {links} build {b}: admitted {run['welcomed']}/{run['links']} "

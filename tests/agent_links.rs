@@ -2,13 +2,13 @@
 //! (issue 28, "scale without hardware"): the other agents of a large
 //! cluster as one node sees them. A real `kspeed agent --listen` and
 //! `tests/common/fake_peers.rs`, which speaks the wire protocol as
-//! kspeed's consumer does over one io_uring. What is checked is counted,
-//! not timed: every handshake of the burst admitted (none evicted or
-//! refused), an idle link beaten every 5-6 s (not 4 times a second) with the
-//! node's idle timeout in each heartbeat, so it keeps alive every quarter of
-//! it, and every grant of a load phase answered byte-exact. The CPU these
-//! cost is measured by `benches/fake_peers.rs` (BENCHMARKS.md). Every wait
-//! has a deadline.
+//! kspeed's consumer does over one io_uring. What is checked is counted:
+//! every handshake of the burst admitted (none evicted or refused), every
+//! idle link beaten every 5-6 s (not 4 times a second: none left out of
+//! the node's sweeps) with the node's idle timeout in each heartbeat, and
+//! every grant of a load phase answered whole, each DATA frame at its
+//! granted ring offset. The CPU these cost is measured by
+//! `benches/fake_peers.rs` (BENCHMARKS.md). Every wait has a deadline.
 
 mod agent_support;
 mod common;
@@ -23,7 +23,7 @@ use common::{ok, s, skip};
 const LINKS: usize = 2000;
 
 #[test]
-fn an_agent_admits_a_burst_of_links_and_beats_idle_ones_every_two_seconds() {
+fn an_agent_admits_a_burst_of_links_and_beats_idle_ones_every_five_seconds() {
     if fake_peers::raise_nofile() < LINKS as u64 + 256 {
         skip("the open-file limit is below 2,256: cannot hold 2,000 links");
         return;
@@ -81,8 +81,13 @@ fn an_agent_admits_a_burst_of_links_and_beats_idle_ones_every_two_seconds() {
     eprintln!("idle: {idle:?}");
     let per_link = idle.heartbeats as f64 / LINKS as f64;
     assert!(
-        (2.0..=4.0).contains(&per_link),
-        "{per_link:.2} heartbeats per idle link in 12 s (2 to 4 expected: one every 5-6 s)"
+        per_link <= 4.0,
+        "{per_link:.2} heartbeats per idle link in 12 s (at most 4 expected: one every 5-6 s)"
+    );
+    assert!(
+        idle.min_heartbeats_per_link >= 2,
+        "a link heard {} heartbeats in 12 s (at least 2 expected: the answer to its first keepalive, then one every 5-6 s)",
+        idle.min_heartbeats_per_link
     );
     assert_eq!(
         idle.beat_idle_timeouts_ms
@@ -92,22 +97,18 @@ fn an_agent_admits_a_burst_of_links_and_beats_idle_ones_every_two_seconds() {
         vec![20_000],
         "every heartbeat says the node's idle timeout"
     );
-    // Each link's first keepalive asks for heartbeats; the next ones are
-    // due every 5 s (a quarter of 20 s), not every second.
-    let keepalives = idle.keepalives as f64 / LINKS as f64;
+    // The idle interval (5 s), the node's once-a-second look at idle
+    // connections and 2 s of margin for a loaded machine: a link left out
+    // of the sweeps would go the whole 12 s without one.
     assert!(
-        keepalives <= 3.0,
-        "{keepalives:.2} keepalives per idle link in 12 s (at most 3 expected: every 5 s)"
-    );
-    assert!(
-        idle.longest_silence_ms < 15_000,
-        "an idle link heard nothing for {} ms (a consumer gives up on an idle node after 15 s at the least)",
+        idle.longest_silence_ms < 8_000,
+        "an idle link heard nothing for {} ms (one heartbeat every 5-6 s expected)",
         idle.longest_silence_ms
     );
     assert_eq!((idle.closed, idle.violations), (0, 0), "{idle:?}");
 
     // Load: grants over every link, then a quiet second for the last
-    // answers; every one answered whole, none refused.
+    // answers; every one answered whole at its offset, none refused.
     let load = peers.run(3.0, 2000.0, Some(agent.pid()), None);
     let drain = peers.run(2.0, 0.0, None, None);
     eprintln!("load: {load:?}\ndrain: {drain:?}");

@@ -924,11 +924,11 @@ mod tests {
 
     /// A tick looks at the connections that have something to do, not at
     /// every node. Seed 3 (deterministic): 1.1 connections looked at per
-    /// step at 4 nodes, 12.9 at 192, which is the frames that came and
+    /// step at 4 nodes, 12.6 at 192, which is the frames that came and
     /// went (each idle node's heartbeat every 5 s and the thread's
     /// keepalive every 15 s; with heartbeats every 250 ms and keepalives
     /// every second it was 27.2, and 15.3 before the sweep looked at a
-    /// window of 64 connections instead of all); a look at every node each
+    /// window of the connections instead of all); a look at every node each
     /// tick made it at least 192.
     #[test]
     fn sim_network_thread_tick_work_follows_the_frames_not_the_node_count() {

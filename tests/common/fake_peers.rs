@@ -52,8 +52,11 @@ pub struct Phase {
     pub heartbeats: u64,
     /// The idle timeouts the heartbeats said (ms; 0: none said).
     pub beat_idle_timeouts_ms: BTreeMap<u64, u64>,
-    /// The longest silence of any link between two frames from the node.
+    /// The longest time any link went without a frame from the node in
+    /// the phase (from its start, between frames, to its end).
     pub longest_silence_ms: u64,
+    /// The fewest heartbeats any open link heard in the phase.
+    pub min_heartbeats_per_link: u64,
     pub keepalives: u64,
     pub grants: u64,
     pub grants_done: u64,
@@ -94,6 +97,8 @@ struct Out {
     grant: u32,
     len: u32,
     got: u32,
+    /// The granted ring offset: each DATA frame must land at `offset + got`.
+    offset: u64,
 }
 
 struct Link {
@@ -116,13 +121,38 @@ struct Link {
     last_rx: Instant,
     keepalive: Duration,
     closed: bool,
+    /// Heartbeats heard in the current phase.
+    beats: u64,
 }
 
-/// The links, once admitted.
+/// The links, once admitted. Dropped, it shuts every socket and waits for
+/// its receives and sends to come back before their buffers go.
 pub struct Peers {
-    links: Vec<Link>,
     ring: IoUring,
+    links: Vec<Link>,
     lens: Vec<u32>,
+    /// Operations in the ring not yet completed.
+    inflight: usize,
+}
+
+impl Drop for Peers {
+    fn drop(&mut self) {
+        for l in &self.links {
+            // SAFETY: shutting a socket this struct owns.
+            unsafe { libc::shutdown(l.sock.as_raw_fd(), libc::SHUT_RDWR) };
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while self.inflight > 0 && Instant::now() < deadline {
+            let ts = types::Timespec::new().nsec(10_000_000);
+            let args = types::SubmitArgs::new().timespec(&ts);
+            let _ = self.ring.submitter().submit_with_args(1, &args);
+            self.inflight -= self.ring.completion().count().min(self.inflight);
+        }
+        if self.inflight > 0 {
+            // Never free memory the kernel may still write into.
+            std::mem::forget(std::mem::take(&mut self.links));
+        }
+    }
 }
 
 /// A HELLO for catalog `cat` (rank 0 of 1, TCP) with a ring of 1 GiB.
@@ -255,6 +285,7 @@ pub fn connect(
                     last_rx: now,
                     keepalive: KEEPALIVE,
                     closed: false,
+                    beats: 0,
                 });
             }
             Kind::Error => {
@@ -272,7 +303,12 @@ pub fn connect(
     let entries = (2 * links.len()).next_power_of_two().max(8) as u32;
     let ring = IoUring::new(entries).expect("io_uring");
     let lens = (0..cat.len()).map(|id| cat.sample(id).len).collect();
-    let mut p = Peers { links, ring, lens };
+    let mut p = Peers {
+        ring,
+        links,
+        lens,
+        inflight: 0,
+    };
     for i in 0..p.links.len() {
         p.post_recv(i);
     }
@@ -294,11 +330,12 @@ impl Peers {
         )
         .build()
         .user_data(UD_RECV | i as u64);
-        // SAFETY: the buffer lives in `links` as long as `self`, and one
-        // receive at a time is posted per link.
+        // SAFETY: the buffer lives in `links` as long as `self` (whose
+        // drop waits for it), and one receive at a time is posted per link.
         while unsafe { self.ring.submission().push(&e) }.is_err() {
             self.ring.submit().expect("submit");
         }
+        self.inflight += 1;
     }
 
     fn post_send(&mut self, i: usize) {
@@ -312,10 +349,12 @@ impl Peers {
         .build()
         .user_data(UD_SEND | i as u64);
         l.sending = true;
-        // SAFETY: `tx` is not touched until this send completes.
+        // SAFETY: `tx` is not touched until this send completes (and the
+        // drop waits for it).
         while unsafe { self.ring.submission().push(&e) }.is_err() {
             self.ring.submit().expect("submit");
         }
+        self.inflight += 1;
     }
 
     /// Runs for `secs`, granting `grants_per_sec` in all (0: idle), and
@@ -340,6 +379,7 @@ impl Peers {
         let mut next_sweep = t0;
         for l in &mut self.links {
             l.last_rx = t0;
+            l.beats = 0;
         }
         loop {
             let now = Instant::now();
@@ -406,7 +446,12 @@ impl Peers {
                     l.tx_len = l.tx.len();
                     l.tx_sent = 0;
                     l.last_tx = now;
-                    l.out.push_back(Out { grant, len, got: 0 });
+                    l.out.push_back(Out {
+                        grant,
+                        len,
+                        got: 0,
+                        offset: l.cursor - len as u64,
+                    });
                     ph.grants += 1;
                     credit -= 1.0;
                     self.post_send(rr);
@@ -426,6 +471,7 @@ impl Peers {
                 .completion()
                 .map(|c| (c.user_data(), c.result()))
                 .collect();
+            self.inflight -= done.len();
             for (ud, res) in done {
                 let i = (ud & 0xffff_ffff) as usize;
                 if ud & UD_SEND != 0 {
@@ -433,7 +479,10 @@ impl Peers {
                     l.sending = false;
                     if res <= 0 {
                         if res != -libc::EAGAIN && res != -libc::EINTR {
-                            l.closed = true;
+                            if !l.closed {
+                                l.closed = true;
+                                ph.closed += 1;
+                            }
                             continue;
                         }
                     } else {
@@ -442,6 +491,9 @@ impl Peers {
                     if l.tx_sent < l.tx_len {
                         self.post_send(i);
                     }
+                    continue;
+                }
+                if self.links[i].closed {
                     continue;
                 }
                 if res == -libc::EAGAIN || res == -libc::EINTR {
@@ -462,15 +514,19 @@ impl Peers {
                 l.last_rx = now;
                 l.have += res as usize;
                 parse(l, &mut ph);
-                self.post_recv(i);
+                if l.closed {
+                    ph.closed += 1;
+                } else {
+                    self.post_recv(i);
+                }
             }
         }
         let now = Instant::now();
-        for l in &self.links {
-            if !l.closed {
-                let gap = now.duration_since(l.last_rx).as_millis() as u64;
-                ph.longest_silence_ms = ph.longest_silence_ms.max(gap);
-            }
+        ph.min_heartbeats_per_link = u64::MAX;
+        for l in self.links.iter().filter(|l| !l.closed) {
+            let gap = now.duration_since(l.last_rx).as_millis() as u64;
+            ph.longest_silence_ms = ph.longest_silence_ms.max(gap);
+            ph.min_heartbeats_per_link = ph.min_heartbeats_per_link.min(l.beats);
         }
         ph.secs = t0.elapsed().as_secs_f64();
         ph.node_cpu_ns = node_pid
@@ -528,6 +584,7 @@ fn parse(l: &mut Link, ph: &mut Phase) {
         match h.kind {
             Kind::Error if h.a == proto::CONNECTION && h.b == 0 && h.body_len == 0 => {
                 ph.heartbeats += 1;
+                l.beats += 1;
                 let ms = h.c >> 32;
                 *ph.beat_idle_timeouts_ms.entry(ms).or_default() += 1;
                 if ms > 0 {
@@ -535,11 +592,12 @@ fn parse(l: &mut Link, ph: &mut Phase) {
                 }
             }
             Kind::Data => {
-                let fits = l
-                    .out
-                    .iter()
-                    .find(|o| o.grant == h.a)
-                    .is_some_and(|o| o.got + h.body_len <= o.len);
+                // DATA's `c` is the ring offset its bytes go to: the
+                // grant's, past what came already.
+                let fits =
+                    l.out.iter().find(|o| o.grant == h.a).is_some_and(|o| {
+                        o.got + h.body_len <= o.len && h.c == o.offset + o.got as u64
+                    });
                 if !fits {
                     ph.violations += 1;
                 }

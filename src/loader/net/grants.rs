@@ -513,9 +513,10 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             if c.outstanding == 0 {
                 c.last_rx = now;
                 c.last_done = now;
-                // A node with nothing granted beats only every 2 s: its
-                // silence with grants outstanding counts from here.
-                self.beats[node].last_heard = now;
+                // A slow-beating node with nothing granted beats only
+                // every 5 s: its silence with grants outstanding counts
+                // from here (unless it was silent for long already).
+                self.beats[node].granted_after_idle(now);
             }
             c.outstanding += 1;
             let t = &mut self.l.table[idx];

@@ -14,11 +14,14 @@
 //! byte of its payload is read, so a peer writes only where it was granted.
 //!
 //! Heartbeats: the first frame to each node is a keepalive asking for
-//! heartbeats; a node that sends them (an empty connection ERROR, code 0,
-//! whenever it sent nothing for 250 ms) and then goes silent for
-//! [`HEARTBEAT_SILENCE`] with grants outstanding (`node_timeout` with none)
-//! is taken for dead, so a dead host costs about 2 s, not `node_timeout`,
-//! and an idle node paused for a few seconds keeps its connection. A dead
+//! heartbeats, slow ones while idle; a node that sends them (an empty
+//! connection ERROR, code 0, whenever it sent nothing for 250 ms while it
+//! has grants of ours, and, a node that says its idle timeout in them, every
+//! 5 s while it has none) and then goes silent for [`HEARTBEAT_SILENCE`]
+//! with grants outstanding (`node_timeout` with none, at least
+//! [`IDLE_SILENCE`] for a slow-beating node) is taken for dead, so a dead
+//! host costs about 2 s, not `node_timeout`, and an idle node paused for a
+//! few seconds keeps its connection. A dead
 //! node is reconnected later over TCP (`redial.rs`). TCP_USER_TIMEOUT bounds
 //! unacknowledged bytes on every control connection.
 //!
@@ -131,11 +134,19 @@ pub(crate) const KEEPALIVE: Duration = Duration::from_secs(1);
 /// keep NAT and firewall state along the path, which may expire after
 /// 30 s or more.
 pub(crate) const KEEPALIVE_MAX: Duration = Duration::from_secs(15);
-/// The shortest silence after which a node with nothing granted is taken
-/// for dead (else `node_timeout`, when longer): three of a node's idle
-/// heartbeat intervals ([`proto::IDLE_HEARTBEAT_INTERVAL`]), so a live idle node
-/// is never lost to a short `node_timeout`.
+/// The shortest silence after which a slow-beating node (one whose
+/// heartbeats say its idle timeout: it beats an idle connection only every
+/// [`proto::IDLE_HEARTBEAT_INTERVAL`]) with nothing granted is taken for
+/// dead (else `node_timeout`, when longer): three of its idle intervals, so
+/// a live idle node is never lost to a short `node_timeout`. A node that
+/// beats every 250 ms (an older build) keeps `node_timeout`.
 const IDLE_SILENCE: Duration = Duration::from_secs(15);
+/// A grant to a slow-beating node restarts the silence clock (its idle
+/// silence says nothing), unless the node was already silent this long
+/// (its idle interval, the node's once-a-second look at idle connections
+/// and 2 s of margin): then the silence counts, and a node dead for long
+/// is shut at the next check, as with a fast-beating one.
+const SLOW_BEAT_STALE: Duration = Duration::from_secs(8);
 /// A node that sends heartbeats (it answered the first keepalive, which
 /// asks for them, with one) and sent nothing at all for this long is
 /// taken for dead when grants are outstanding on it (idle: after
@@ -163,19 +174,26 @@ const NOT_RUNNING: Duration = Duration::from_secs(1);
 /// Well under every clock it serves (keepalives 1-15 s, heartbeat
 /// silence 2 s, node timeout 10 s).
 const SWEEP: Duration = Duration::from_millis(10);
-/// A sweep looks at a tenth of the connections (each is looked at every
-/// 100 ms), at least this many (so up to 640 every sweep): with 4,095
-/// nodes a sweep looked at all of them 100 times a second (1.2 M looks a
-/// second over its three walks), now 410 per sweep.
+/// A sweep looks at a window of the connections, sized so each is looked
+/// at every [`SWEEP_ALL`] whatever the time between sweeps (10 ms busy, up
+/// to a tick's 50 ms wait idle), at least this many (so up to 64 nodes are
+/// looked at whole every sweep): with 4,095 nodes a sweep looked at all of
+/// them 100 times a second (1.2 M looks a second over its three walks), now
+/// about 410 per 10 ms.
 const SWEEP_MIN_CONNS: usize = 64;
 /// See [`SWEEP_MIN_CONNS`].
-const SWEEP_SLICES: usize = 10;
+const SWEEP_ALL: Duration = Duration::from_millis(100);
 
-/// The connections a sweep starting at `start` looks at, of `n`: a window
-/// of at least [`SWEEP_MIN_CONNS`] and a [`SWEEP_SLICES`]th, wrapping.
-fn sweep_window(start: usize, n: usize) -> impl Iterator<Item = usize> {
-    let m = n.min(SWEEP_MIN_CONNS.max(n.div_ceil(SWEEP_SLICES)));
-    (0..m).map(move |j| (start + j) % n.max(1))
+/// How many of `n` connections a sweep `since` the previous one looks at.
+fn sweep_count(n: usize, since: Duration) -> usize {
+    let share = (n as u128 * since.as_nanos()).div_ceil(SWEEP_ALL.as_nanos().max(1));
+    n.min(SWEEP_MIN_CONNS.max(share.min(n as u128) as usize))
+}
+
+/// The `m` connections of `n` a sweep starting at `start` looks at,
+/// wrapping.
+fn sweep_window(start: usize, m: usize, n: usize) -> impl Iterator<Item = usize> {
+    (0..m.min(n)).map(move |j| (start + j) % n.max(1))
 }
 
 /// Over TCP, a DATA payload of at most this many bytes is received with
@@ -820,9 +838,10 @@ pub(crate) struct Thread<R: Receive, I: IoBackend = Uring> {
     ready_now: Vec<usize>,
     /// Per connection: in `ready`.
     queued: Vec<bool>,
-    /// When the next sweep is due ([`SWEEP`]), and the connection it starts
-    /// at ([`sweep_window`]).
+    /// When the next sweep is due ([`SWEEP`]), when the last one ran, and
+    /// the connection the next starts at ([`sweep_window`]).
     next_sweep: Instant,
+    last_sweep: Instant,
     sweep_at: usize,
     /// Connections looked at by `service_ready` (tests: the per-tick work).
     #[cfg(test)]
@@ -860,6 +879,9 @@ struct Beats {
     /// of the idle timeout the node's heartbeats say (at most
     /// [`KEEPALIVE_MAX`]).
     keepalive: Duration,
+    /// The node's heartbeats say its idle timeout: it beats this
+    /// connection only every 5 s while it has nothing of ours.
+    slow: bool,
 }
 
 impl Beats {
@@ -869,6 +891,7 @@ impl Beats {
             heard: false,
             last_heard: now,
             keepalive: KEEPALIVE,
+            slow: false,
         }
     }
 
@@ -876,7 +899,29 @@ impl Beats {
     fn heartbeat(&mut self, idle_timeout: Option<Duration>) {
         self.heard = true;
         if let Some(t) = idle_timeout {
+            self.slow = true;
             self.keepalive = (t / 4).clamp(KEEPALIVE, KEEPALIVE_MAX);
+        }
+    }
+
+    /// A grant went to the node with none outstanding, at `now`: a
+    /// slow-beating node's silence counts from here, unless it was already
+    /// silent for [`SLOW_BEAT_STALE`].
+    fn granted_after_idle(&mut self, now: Instant) {
+        if self.slow && now.saturating_duration_since(self.last_heard) <= SLOW_BEAT_STALE {
+            self.last_heard = now;
+        }
+    }
+
+    /// How long the node may be silent before it is taken for dead, with
+    /// or without grants outstanding on it.
+    fn silence_limit(&self, outstanding: bool, node_timeout: Duration) -> Duration {
+        if outstanding {
+            HEARTBEAT_SILENCE.min(node_timeout)
+        } else if self.slow {
+            node_timeout.max(IDLE_SILENCE)
+        } else {
+            node_timeout
         }
     }
 }
@@ -962,6 +1007,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             ready_now: Vec::with_capacity(conns_len),
             queued: vec![true; conns_len],
             next_sweep: now,
+            last_sweep: now,
             sweep_at: 0,
             #[cfg(test)]
             conn_visits: 0,
@@ -1018,12 +1064,14 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                 if now >= self.next_sweep {
                     self.next_sweep = now + SWEEP;
                     let (start, n) = (self.sweep_at, self.conns.len());
-                    self.sweep_at = sweep_window(start, n).last().map_or(0, |i| i + 1);
+                    let m = sweep_count(n, now.saturating_duration_since(self.last_sweep));
+                    self.last_sweep = now;
+                    self.sweep_at = (start + m) % n.max(1);
                     self.stall.phase(Phase::Timers);
-                    self.check_timeouts(start);
-                    self.keepalives_due(now, start);
+                    self.check_timeouts(start, m);
+                    self.keepalives_due(now, start, m);
                     self.stall.phase(Phase::Connect);
-                    self.redial(start);
+                    self.redial(start, m);
                     self.stall.phase(Phase::Submit);
                 }
                 self.service_ready();
@@ -1269,11 +1317,10 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         ring_ptr(&self.l.sh.ring, phys)
     }
 
-    /// The timeouts of the sweep's window of connections from `start`.
-    fn check_timeouts(&mut self, start: usize) {
+    /// The timeouts of the sweep's window of `m` connections from `start`.
+    fn check_timeouts(&mut self, start: usize, m: usize) {
         let t = self.setup.node_timeout;
         let progress = t + self.progress_slack;
-        let silence = HEARTBEAT_SILENCE.min(t);
         let now = self.ring.now();
         let gap = now.duration_since(self.last_check);
         self.last_check = now;
@@ -1286,7 +1333,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                 b.last_heard = shift_for_pause(b.last_heard, gap, now);
             }
         }
-        for i in sweep_window(start, self.conns.len()) {
+        for i in sweep_window(start, m, self.conns.len()) {
             let c = &self.conns[i];
             if c.state != State::Live {
                 continue;
@@ -1297,11 +1344,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             // throttling, a VM pause) keeps its connection (a reconnect
             // costs a handshake, over RDMA a new queue pair). An idle one
             // gets the node timeout.
-            let limit = if c.outstanding > 0 {
-                silence
-            } else {
-                t.max(IDLE_SILENCE)
-            };
+            let limit = b.silence_limit(c.outstanding > 0, t);
             if b.heard && now.saturating_duration_since(b.last_heard) > limit {
                 let why = format!(
                     "no heartbeat for {} ms ({} grants outstanding)",
@@ -1510,5 +1553,86 @@ mod tests {
         // Heard before the pause: moved on by the whole gap.
         let before = now - Duration::from_secs(30);
         assert_eq!(shift_for_pause(before, gap, now), before + gap);
+    }
+
+    /// A node that says its idle timeout beats slowly: it gets keepalives
+    /// every quarter of it (1-15 s), at least 15 s of idle silence, and a
+    /// grant after an idle silence restarts its clock, unless the silence
+    /// was already long; a node that does not (an older build, beating
+    /// every 250 ms) keeps the node timeout and the silence before a grant.
+    #[test]
+    fn a_slow_beating_node_is_judged_by_its_idle_interval() {
+        let t0 = Instant::now();
+        let node_timeout = Duration::from_secs(3);
+        let mut old = Beats::new(t0);
+        old.heartbeat(None);
+        assert_eq!(old.keepalive, KEEPALIVE);
+        assert_eq!(old.silence_limit(false, node_timeout), node_timeout);
+        assert_eq!(old.silence_limit(true, node_timeout), HEARTBEAT_SILENCE);
+        old.granted_after_idle(t0 + Duration::from_secs(4));
+        assert_eq!(
+            old.last_heard, t0,
+            "an old node's silence before a grant counts"
+        );
+
+        let mut new = Beats::new(t0);
+        new.heartbeat(Some(Duration::from_secs(60)));
+        assert_eq!(new.keepalive, KEEPALIVE_MAX);
+        new.heartbeat(Some(Duration::from_secs(3)));
+        assert_eq!(new.keepalive, KEEPALIVE, "a quarter of 3 s, raised to 1 s");
+        new.heartbeat(Some(Duration::from_secs(20)));
+        assert_eq!(new.keepalive, Duration::from_secs(5));
+        assert_eq!(new.silence_limit(false, node_timeout), IDLE_SILENCE);
+        assert_eq!(
+            new.silence_limit(false, Duration::from_secs(30)),
+            Duration::from_secs(30)
+        );
+        assert_eq!(new.silence_limit(true, node_timeout), HEARTBEAT_SILENCE);
+        let granted = t0 + Duration::from_secs(6);
+        new.granted_after_idle(granted);
+        assert_eq!(
+            new.last_heard, granted,
+            "6 s of idle silence: the clock restarts"
+        );
+        let later = granted + SLOW_BEAT_STALE + Duration::from_millis(1);
+        new.granted_after_idle(later);
+        assert_eq!(
+            new.last_heard, granted,
+            "silent past the stale bound: it counts"
+        );
+    }
+
+    /// Each connection is looked at within [`SWEEP_ALL`] whatever the time
+    /// between sweeps, and a small cluster whole at every sweep.
+    #[test]
+    fn sweeps_cover_every_connection_within_their_period() {
+        assert_eq!(sweep_count(0, SWEEP), 0);
+        assert_eq!(sweep_count(40, SWEEP), 40);
+        assert_eq!(sweep_count(4095, SWEEP), 410);
+        assert_eq!(sweep_count(4095, Duration::from_millis(50)), 2048);
+        assert_eq!(sweep_count(4095, Duration::from_secs(2)), 4095);
+        assert_eq!(sweep_count(4095, Duration::ZERO), SWEEP_MIN_CONNS);
+        for (n, gap_ms) in [
+            (1usize, 10u64),
+            (100, 10),
+            (4095, 10),
+            (4095, 50),
+            (777, 37),
+        ] {
+            let mut seen = vec![0u32; n];
+            let (mut at, mut elapsed) = (0usize, Duration::ZERO);
+            while elapsed < SWEEP_ALL {
+                let m = sweep_count(n, Duration::from_millis(gap_ms));
+                for i in sweep_window(at, m, n) {
+                    seen[i] += 1;
+                }
+                at = (at + m) % n;
+                elapsed += Duration::from_millis(gap_ms);
+            }
+            assert!(
+                seen.iter().all(|&k| k >= 1),
+                "{n} connections, a sweep every {gap_ms} ms: some not looked at within 100 ms"
+            );
+        }
     }
 }

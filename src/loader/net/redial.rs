@@ -141,11 +141,11 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
     }
 
     /// Starts the tries that are due and takes the results that came in.
-    /// Starts the redials due among the sweep's window of connections from
-    /// `start`, then takes the finished ones.
-    pub(super) fn redial(&mut self, start: usize) {
+    /// Starts the redials due among the sweep's window of `m` connections
+    /// from `start`, then takes the finished ones.
+    pub(super) fn redial(&mut self, start: usize, m: usize) {
         let now = self.ring.now();
-        for i in super::sweep_window(start, self.conns.len()) {
+        for i in super::sweep_window(start, m, self.conns.len()) {
             let r = &self.redials.state[i];
             if r.inflight || r.next.is_none_or(|t| t > now) || self.conns[i].state != State::Dead {
                 continue;

@@ -102,12 +102,19 @@ impl SConn {
     /// left out of the per-tick loops until an event (a completion, a
     /// heartbeat queued) marks it again. A closing one stays while its
     /// link has frames or writes in flight: RDMA completions are polled
-    /// from the work list, not delivered by the ring.
+    /// from the work list, not delivered by the ring. So does a consumer
+    /// that asked for heartbeats without `SLOW_IDLE_HEARTBEATS` (an older
+    /// build): it is beaten every 250 ms idle or not, so every sweep looks
+    /// at it.
     pub(super) fn active(&self) -> bool {
         if self.closing {
             return self.link.pending();
         }
-        !self.rx.inflight() || !self.grants.is_empty() || self.held > 0 || self.link.pending()
+        !self.rx.inflight()
+            || !self.grants.is_empty()
+            || self.held > 0
+            || self.link.pending()
+            || (self.heartbeats && !self.slow_idle)
     }
 
     /// It took one more staging slot.

@@ -99,8 +99,9 @@ impl Conns {
     }
 
     /// Entries of the work list: per-tick loops walk `0..work_len()` with
-    /// [`Conns::work`] (a connection may be removed or marked meanwhile:
-    /// look it up with `get`; one marked during the loop is visited too).
+    /// [`Conns::work`], its length read once (a connection may be removed
+    /// meanwhile: look it up with `get`; one marked during the loop waits
+    /// for the next loop that walks the list).
     pub(super) fn work_len(&self) -> usize {
         self.work.len()
     }
