@@ -125,3 +125,59 @@ fn an_agent_admits_a_burst_of_links_and_beats_idle_ones_every_five_seconds() {
     assert_eq!(load.violations + drain.violations, 0);
     assert_eq!(load.closed + drain.closed, 0);
 }
+
+/// A consumer from before slow idle heartbeats (its first keepalive asks
+/// with bit 0 only) judges a node silent for 2 s with grants outstanding
+/// dead, counting the silence before its grant: the node must keep
+/// beating its idle connection every 250 ms.
+#[test]
+fn an_older_consumer_is_still_beaten_every_quarter_second() {
+    let dir = tempfile::tempdir().unwrap();
+    let sp = space(dir.path(), 50);
+    let catalog = dir.path().join("catalog");
+    ok(&[
+        "catalog",
+        "--source",
+        s(&dir.path().join("src")),
+        "--out",
+        s(&catalog),
+    ]);
+    let token = dir.path().join("token");
+    std::fs::write(&token, "links-token\n").unwrap();
+    let agent = Agent::start(
+        &sp,
+        &dir.path().join("agent.sock"),
+        &["--listen", "127.0.0.1:0", "--token-file", s(&token)],
+    );
+    let line = agent
+        .out
+        .wait_for(&["node service on"], Duration::from_secs(5));
+    let addr = line.rsplit(' ').next().unwrap().to_string();
+    let cat = kspeed::dataset::Catalog::open(&catalog).unwrap();
+    let hello = fake_peers::hello(&cat, b"links-token");
+    let (peers, hs) = fake_peers::connect(&addr, &hello, &cat, 20, Duration::from_secs(30));
+    assert_eq!(hs.welcomed, 20, "refused: {:?}", hs.refused);
+    let mut peers = peers.unwrap();
+    peers.ask_bits = 1;
+    let idle = peers.run(3.0, 0.0, None, None);
+    eprintln!("idle: {idle:?}");
+    // About 12 in 3 s (a beat after 250-375 ms of silence).
+    assert!(
+        idle.min_heartbeats_per_link >= 5,
+        "an older consumer's idle link heard {} heartbeats in 3 s (one every 250-375 ms expected)",
+        idle.min_heartbeats_per_link
+    );
+    assert!(
+        idle.longest_silence_ms < 2_000,
+        "an older consumer's idle link heard nothing for {} ms: it would shut the node at its next grant",
+        idle.longest_silence_ms
+    );
+    assert_eq!(
+        idle.beat_idle_timeouts_ms
+            .keys()
+            .copied()
+            .collect::<Vec<_>>(),
+        vec![60_000],
+        "the heartbeats still say the idle timeout (older consumers ignore it)"
+    );
+}

@@ -133,6 +133,9 @@ pub struct Peers {
     lens: Vec<u32>,
     /// Operations in the ring not yet completed.
     inflight: usize,
+    /// `c` of each link's first keepalive: 3 (heartbeats, slow ones while
+    /// idle) as kspeed's consumer asks, or 1 as builds before 2026-12-05.
+    pub ask_bits: u64,
 }
 
 impl Drop for Peers {
@@ -308,6 +311,7 @@ pub fn connect(
         links,
         lens,
         inflight: 0,
+        ask_bits: 3,
     };
     for i in 0..p.links.len() {
         p.post_recv(i);
@@ -394,9 +398,9 @@ impl Peers {
                         continue;
                     }
                     if !l.asked || now.duration_since(l.last_tx) >= l.keepalive {
-                        // The first asks for heartbeats, slow ones while
-                        // idle (bits 0 and 1), as kspeed's consumer does.
-                        let c = if l.asked { 0 } else { 3 };
+                        // The first asks for heartbeats (and with bit 1,
+                        // slow ones while idle, as kspeed's consumer does).
+                        let c = if l.asked { 0 } else { self.ask_bits };
                         l.asked = true;
                         let h = Header {
                             kind: Kind::Error,
