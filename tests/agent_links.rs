@@ -18,9 +18,56 @@ mod fake_peers;
 use std::time::Duration;
 
 use agent_support::*;
-use common::{ok, s, skip};
+use common::{s, skip};
 
 const LINKS: usize = 2000;
+
+/// A `kspeed agent --listen` (with `extra` node-service flags) over a
+/// space of `samples` tiny samples, and the HELLO its links send.
+struct LinkNode {
+    // Dropped in this order: the agent (killed) before its space.
+    agent: Agent,
+    addr: String,
+    cat: kspeed::dataset::Catalog,
+    hello: Vec<u8>,
+    _dir: tempfile::TempDir,
+}
+
+impl LinkNode {
+    fn start(samples: u64, extra: &[&str]) -> LinkNode {
+        let dir = tempfile::tempdir().unwrap();
+        let sp = space(dir.path(), samples);
+        let token = dir.path().join("token");
+        std::fs::write(&token, "links-token\n").unwrap();
+        let mut args = vec!["--listen", "127.0.0.1:0", "--token-file", s(&token)];
+        args.extend(extra);
+        let agent = Agent::start(&sp, &dir.path().join("agent.sock"), &args);
+        let line = agent
+            .out
+            .wait_for(&["node service on"], Duration::from_secs(5));
+        let addr = line.rsplit(' ').next().unwrap().to_string();
+        // The catalog the space was preloaded with (the agent checks
+        // HELLOs against it).
+        let cat = kspeed::dataset::Catalog::open(&sp.join("catalog.ksc")).unwrap();
+        let hello = fake_peers::hello(&cat, b"links-token");
+        LinkNode {
+            agent,
+            addr,
+            cat,
+            hello,
+            _dir: dir,
+        }
+    }
+
+    /// `links` links at once, each answered within `deadline`.
+    fn connect(
+        &self,
+        links: usize,
+        deadline: Duration,
+    ) -> (Option<fake_peers::Peers>, fake_peers::Handshakes) {
+        fake_peers::connect(&self.addr, &self.hello, &self.cat, links, deadline)
+    }
+}
 
 #[test]
 fn an_agent_admits_a_burst_of_links_and_beats_idle_ones_every_five_seconds() {
@@ -28,29 +75,12 @@ fn an_agent_admits_a_burst_of_links_and_beats_idle_ones_every_five_seconds() {
         skip("the open-file limit is below 2,256: cannot hold 2,000 links");
         return;
     }
-    let dir = tempfile::tempdir().unwrap();
-    let sp = space(dir.path(), 200);
-    let catalog = dir.path().join("catalog");
-    ok(&[
-        "catalog",
-        "--source",
-        s(&dir.path().join("src")),
-        "--out",
-        s(&catalog),
-    ]);
-    let token = dir.path().join("token");
-    std::fs::write(&token, "links-token\n").unwrap();
     // The node service sized as a 2,000-node cluster's would be (consumer
     // limit and pending handshakes from its placement); a minute-long idle
     // timeout's quarter would outlast the test, so 20 s.
-    let agent = Agent::start(
-        &sp,
-        &dir.path().join("agent.sock"),
+    let node = LinkNode::start(
+        200,
         &[
-            "--listen",
-            "127.0.0.1:0",
-            "--token-file",
-            s(&token),
             "--max-consumers-per-poller",
             "4096",
             "--max-handshakes",
@@ -61,14 +91,7 @@ fn an_agent_admits_a_burst_of_links_and_beats_idle_ones_every_five_seconds() {
             "20000",
         ],
     );
-    let line = agent
-        .out
-        .wait_for(&["node service on"], Duration::from_secs(5));
-    let addr = line.rsplit(' ').next().unwrap().to_string();
-    let cat = kspeed::dataset::Catalog::open(&catalog).unwrap();
-    let hello = fake_peers::hello(&cat, b"links-token");
-
-    let (peers, hs) = fake_peers::connect(&addr, &hello, &cat, LINKS, Duration::from_secs(60));
+    let (peers, hs) = node.connect(LINKS, Duration::from_secs(60));
     eprintln!("handshakes: {hs:?}");
     assert_eq!(hs.welcomed, LINKS, "refused: {:?}", hs.refused);
     let mut peers = peers.unwrap();
@@ -77,7 +100,7 @@ fn an_agent_admits_a_burst_of_links_and_beats_idle_ones_every_five_seconds() {
     // link's first keepalive at once, then one every 5-6 s (an idle
     // connection is looked at once a second): 2 or 3 per link (at 250 ms
     // it was about 48).
-    let idle = peers.run(12.0, 0.0, Some(agent.pid()), None);
+    let idle = peers.run(12.0, 0.0, Some(node.agent.pid()), None);
     eprintln!("idle: {idle:?}");
     let per_link = idle.heartbeats as f64 / LINKS as f64;
     assert!(
@@ -109,7 +132,7 @@ fn an_agent_admits_a_burst_of_links_and_beats_idle_ones_every_five_seconds() {
 
     // Load: grants over every link, then a quiet second for the last
     // answers; every one answered whole at its offset, none refused.
-    let load = peers.run(3.0, 2000.0, Some(agent.pid()), None);
+    let load = peers.run(3.0, 2000.0, Some(node.agent.pid()), None);
     let drain = peers.run(2.0, 0.0, None, None);
     eprintln!("load: {load:?}\ndrain: {drain:?}");
     assert!(load.grants >= 1000, "{load:?}");
@@ -132,30 +155,8 @@ fn an_agent_admits_a_burst_of_links_and_beats_idle_ones_every_five_seconds() {
 /// beating its idle connection every 250 ms.
 #[test]
 fn an_older_consumer_is_still_beaten_every_quarter_second() {
-    let dir = tempfile::tempdir().unwrap();
-    let sp = space(dir.path(), 50);
-    let catalog = dir.path().join("catalog");
-    ok(&[
-        "catalog",
-        "--source",
-        s(&dir.path().join("src")),
-        "--out",
-        s(&catalog),
-    ]);
-    let token = dir.path().join("token");
-    std::fs::write(&token, "links-token\n").unwrap();
-    let agent = Agent::start(
-        &sp,
-        &dir.path().join("agent.sock"),
-        &["--listen", "127.0.0.1:0", "--token-file", s(&token)],
-    );
-    let line = agent
-        .out
-        .wait_for(&["node service on"], Duration::from_secs(5));
-    let addr = line.rsplit(' ').next().unwrap().to_string();
-    let cat = kspeed::dataset::Catalog::open(&catalog).unwrap();
-    let hello = fake_peers::hello(&cat, b"links-token");
-    let (peers, hs) = fake_peers::connect(&addr, &hello, &cat, 20, Duration::from_secs(30));
+    let node = LinkNode::start(50, &[]);
+    let (peers, hs) = node.connect(20, Duration::from_secs(30));
     assert_eq!(hs.welcomed, 20, "refused: {:?}", hs.refused);
     let mut peers = peers.unwrap();
     peers.ask_bits = 1;

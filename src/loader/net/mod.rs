@@ -133,7 +133,7 @@ pub(crate) const KEEPALIVE: Duration = Duration::from_secs(1);
 /// The longest keepalive interval (see [`KEEPALIVE`]): keepalives also
 /// keep NAT and firewall state along the path, which may expire after
 /// 30 s or more.
-pub(crate) const KEEPALIVE_MAX: Duration = Duration::from_secs(15);
+const KEEPALIVE_MAX: Duration = Duration::from_secs(15);
 /// The shortest silence after which a slow-beating node (one whose
 /// heartbeats say its idle timeout: it beats an idle connection only every
 /// [`proto::IDLE_HEARTBEAT_INTERVAL`]) with nothing granted is taken for
@@ -186,14 +186,14 @@ const SWEEP_ALL: Duration = Duration::from_millis(100);
 
 /// How many of `n` connections a sweep `since` the previous one looks at.
 fn sweep_count(n: usize, since: Duration) -> usize {
-    let share = (n as u128 * since.as_nanos()).div_ceil(SWEEP_ALL.as_nanos().max(1));
+    let share = (n as u128 * since.as_nanos()).div_ceil(SWEEP_ALL.as_nanos());
     n.min(SWEEP_MIN_CONNS.max(share.min(n as u128) as usize))
 }
 
 /// The `m` connections of `n` a sweep starting at `start` looks at,
 /// wrapping.
 fn sweep_window(start: usize, m: usize, n: usize) -> impl Iterator<Item = usize> {
-    (0..m.min(n)).map(move |j| (start + j) % n.max(1))
+    (0..m.min(n)).map(move |j| (start + j) % n)
 }
 
 /// Over TCP, a DATA payload of at most this many bytes is received with

@@ -96,6 +96,13 @@ pub(super) struct SConn {
 }
 
 impl SConn {
+    /// Whether the node has nothing for it: no grant queued, no staging
+    /// slot held, no send in flight (its idle timeout runs, and a consumer
+    /// that asked for slow idle heartbeats is beaten every 5 s).
+    pub(super) fn nothing_queued(&self) -> bool {
+        self.grants.is_empty() && self.held == 0 && !self.link.busy()
+    }
+
     /// Whether a tick has something to do for it: a receive to post,
     /// grants to read, slots held (reads, frames to send or in flight), or
     /// frames queued on its link. A connection that is none of these is

@@ -444,7 +444,7 @@ impl<R: IoBackend> ServePoller<R> {
         let c = self.conns.get(ci).expect("live");
         let idle_timeout = self.c.cfg.idle_timeout;
         if !c.link.busy() {
-            if c.grants.is_empty() && c.held == 0 && now.duration_since(c.last_rx) > idle_timeout {
+            if c.nothing_queued() && now.duration_since(c.last_rx) > idle_timeout {
                 let m = format!(
                     "idle: no frame for {} ms with nothing to send (--idle-timeout-ms)",
                     idle_timeout.as_millis()
@@ -466,7 +466,7 @@ impl<R: IoBackend> ServePoller<R> {
             return;
         }
         if let Some(last) = c.last_beat {
-            let idle = c.slow_idle && c.grants.is_empty() && c.held == 0 && !c.link.busy();
+            let idle = c.slow_idle && c.nothing_queued();
             let every = if idle {
                 proto::IDLE_HEARTBEAT_INTERVAL
             } else {
