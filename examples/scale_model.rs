@@ -524,7 +524,10 @@ fn connection_tables() -> String {
     let pollers = (NODE_CORES / 4).clamp(1, 8) as u64;
     let grant_bytes =
         (std::mem::size_of::<proto::GrantEntry>() + std::mem::size_of::<u64>()) as u64;
-    let per_consumer_grants = cfg.max_grants as u64 * grant_bytes;
+    // What the service reserves per consumer at connect (its grant queue
+    // and GRANT body buffer), with `max_grants` resolved from the
+    // placement as the service does at start.
+    let per_consumer_grants = |nodes: u32| cfg.grant_bytes_per_consumer(nodes);
     let staging = pollers * cfg.staging_bytes;
     // The service's limit (`ServeConfig::consumers_per_poller`, resolved
     // at start from the placement), evaluated for the modelled node's
@@ -553,8 +556,9 @@ fn connection_tables() -> String {
         out,
         "### Connections, queue pairs and memory per node (today: every rank connects to every node service)\n\n\
          Node service defaults (`ServeConfig::new`): {pollers} pollers on a {NODE_CORES}-core node, \
-         staging {} per poller ({} per node, {}-KiB slots), max_grants {} per consumer \
-         ({grant_bytes} B each: {} reserved per consumer), consumers per poller sized from \
+         staging {} per poller ({} per node, {}-KiB slots), max_grants per consumer sized from \
+         the cluster (131,072 over the nodes, {} to {}: {} reserved per consumer up to 16 nodes, \
+         {} from 512, its grant queue and GRANT buffer), consumers per poller sized from \
          the cluster (8 x nodes over the pollers, {} to {}).\n\n\
          Verbs memory per connection, as mlx5 sizes it (send WQE: 16 B control + 176 B reserved \
          for a memory-window bind + data or inline, in 64-B blocks; queues rounded up to powers \
@@ -565,8 +569,10 @@ fn connection_tables() -> String {
         gib(cfg.staging_bytes as f64),
         gib(staging as f64),
         cfg.chunk_bytes / 1024,
-        cfg.max_grants,
-        gib(per_consumer_grants as f64),
+        cfg.grants_per_consumer(u32::MAX),
+        cfg.grants_per_consumer(1),
+        gib(per_consumer_grants(1) as f64),
+        gib(per_consumer_grants(512) as f64),
         cfg_on_node.consumers_per_poller(1),
         cfg_on_node.consumers_per_poller(u32::MAX),
         gib(owner.pinned() as f64),
@@ -591,7 +597,7 @@ fn connection_tables() -> String {
             "| {nodes} | {consumers} | {qps} | {} | {} | {} | {} | {:.2} samples/s | {consumers} | {} | {} |",
             outbound * rank.windows,
             gib((consumers * owner.pinned() + outbound * rank.pinned()) as f64),
-            gib((consumers * per_consumer_grants) as f64),
+            gib((consumers * per_consumer_grants(nodes)) as f64),
             if consumers > max_consumers(nodes) {
                 format!("yes: {} refused", consumers - max_consumers(nodes))
             } else {
@@ -638,15 +644,7 @@ fn connection_tables() -> String {
         )
         .unwrap();
     }
-    agent_table(
-        &mut out,
-        &cfg,
-        pollers,
-        owner_wr,
-        &owner,
-        &rank,
-        grant_bytes,
-    );
+    agent_table(&mut out, &cfg, pollers, owner_wr, &owner, &rank);
     out
 }
 
@@ -661,10 +659,8 @@ fn agent_table(
     owner_wr: u64,
     owner: &Verbs,
     rank: &Verbs,
-    grant_bytes: u64,
 ) {
     use std::fmt::Write;
-    let per_link_grants = cfg.max_grants as u64 * grant_bytes;
     // With an SRQ: the agent's side of a link has no receive queue of its
     // own; its receives (SRQ_RECVS buffers) and one CQ are the agent's,
     // sized for the receives and a window per grant the node's ranks have
@@ -681,7 +677,7 @@ fn agent_table(
          One `kspeed agent` per node (AGENT.md, \"One link per pair of nodes\"): its network thread \
          keeps one link (one RC QP) to each other node's service, and its own node service serves \
          the other agents' links, so a node holds 2 x (nodes - 1) connections whatever its rank \
-         count. Each link is a consumer to the service (max_grants {} x {grant_bytes} B reserved), \
+         count. Each link is a consumer to the service (its grant queue sized from the cluster as a rank's), \
          each link's consumer side keeps {RECVS_PER_CONN} receives, its CQ ({RANK_CQ_ENTRIES} \
          entries) and {WINDOWS_PER_CONN} windows as a rank's connection did, and a thread takes at \
          most {} ranks (lanes) with grant tables of at most 2^{} entries. `--net-threads K` \
@@ -689,7 +685,6 @@ fn agent_table(
          ({SRQ_RECVS} receives of {RECV_BUF_BYTES} B and one CQ for them and a pool of {window_pool} \
          windows, the node's ranks' lookahead), the node's side sharing one CQ per poller; and DC \
          transport (16 DCIs + 1 DCT per node).\n",
-        cfg.max_grants,
         model::MAX_LANES,
         model::SHARED_LANE_SHIFT,
     )
@@ -710,7 +705,7 @@ fn agent_table(
             2 * peers,
             peers * rank.windows,
             gib((peers * (owner.pinned() + rank.pinned())) as f64),
-            gib((peers * per_link_grants) as f64),
+            gib((peers * cfg.grant_bytes_per_consumer(nodes)) as f64),
             RANKS_PER_NODE as f64 * TARGET_PER_GPU / nodes as f64,
             gib((peers * (owner.qp + rank_qp_srq) + shared_cqs + srq_bytes) as f64),
         )

@@ -1631,7 +1631,7 @@ fn serve_and_read_check_the_token_and_every_limit_at_start() {
             "{cmd}: {out}"
         );
     }
-    let (code, out) = serve(&longest, "127.0.0.1:0", &["--max-grants", "0"]);
+    let (code, out) = serve(&longest, "127.0.0.1:0", &["--max-grants", "1048577"]);
     assert_eq!(code, Some(1), "{out}");
     assert!(!out.contains("token"), "the token is fine: {out}");
     let file = dir.join("cluster.txt");
@@ -1674,10 +1674,66 @@ fn serve_and_read_check_the_token_and_every_limit_at_start() {
     }
     // A world-readable token file and every interface: warnings (this
     // one then stops at its bad limit).
-    let (code, out) = serve(&loose, "0.0.0.0:0", &["--max-grants", "0"]);
+    let (code, out) = serve(&loose, "0.0.0.0:0", &["--max-grants", "1048577"]);
     assert_eq!(code, Some(1), "{out}");
     assert!(out.contains("readable by every user"), "{out}");
     assert!(out.contains("listening on every interface"), "{out}");
+}
+
+/// A node of a 64-node placement says 131,072 / 64 = 2,048 grants per
+/// consumer in its WELCOME (the default, `--max-grants` 0: its grant
+/// queues stay the same size whatever the cluster's), and refuses a GRANT
+/// frame of more at its header, before any of its body is sent.
+#[test]
+fn a_node_sizes_its_grant_limit_from_the_placement() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("src");
+    gen("tiny", 200, &src);
+    let catalog = tmp.path().join("cat.ksc");
+    ok(&["catalog", "--source", s(&src), "--out", s(&catalog)]);
+    let space = tmp.path().join("node0");
+    ok(&[
+        "preload",
+        "--source",
+        s(&src),
+        "--catalog",
+        s(&catalog),
+        "--space",
+        s(&space),
+        "--nodes",
+        "64",
+        "--node-index",
+        "0",
+    ]);
+    let token = tmp.path().join("token");
+    std::fs::write(&token, format!("{TOKEN}\n")).unwrap();
+    let node = Serve::start(&space, "127.0.0.1", &token, &[]);
+    let cat = Catalog::open(&catalog).unwrap();
+    let mut c = TcpStream::connect(&node.addr).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    c.write_all(&hello_frame(
+        &cat,
+        proto::VERSION,
+        TOKEN.as_bytes(),
+        1 << 20,
+    ))
+    .unwrap();
+    let mut w = [0u8; proto::HEADER_BYTES + proto::WELCOME_BYTES];
+    c.read_exact(&mut w).unwrap();
+    let mut hb = [0u8; proto::HEADER_BYTES];
+    hb.copy_from_slice(&w[..proto::HEADER_BYTES]);
+    let h = Header::decode(&hb, 0).unwrap();
+    let welcome = Welcome::decode(&h, &w[proto::HEADER_BYTES..]).unwrap();
+    assert_eq!(welcome.max_grants, 2048);
+    // The header of a 2,049-entry GRANT, and no body: the node answers
+    // without waiting for it.
+    c.write_all(&Header::grant(2049).encode()).unwrap();
+    let (code, msg) = read_error(&mut c);
+    assert_eq!(code, Code::TooManyGrants, "{msg}");
+    assert!(
+        msg.contains("2049 grants outstanding, more than the 2048 allowed"),
+        "{msg}"
+    );
 }
 
 #[test]

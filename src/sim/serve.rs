@@ -37,7 +37,7 @@ use std::time::Duration;
 use super::run_seeds;
 use crate::dataset::{Placement, PreloadOptions, SourceSpec, Space};
 use crate::ring::memnet::{MemNet, MemNetFaults};
-use crate::ring::{Completion, FaultConfig, Faulty, IoBackend};
+use crate::ring::{Completion, FaultConfig, Faulty, IoBackend, NetFaults};
 use crate::transport::proto::{self, Code, GrantEntry, Header, Hello, Kind};
 use crate::transport::rx::{FrameRx, Received, RxError};
 use crate::transport::serve::sim_node::SimNode;
@@ -588,6 +588,12 @@ fn serve_shape(seed: u64, many_slots: bool) {
     let short_ppm = rng.below(150_000) as u32;
     let transient_ppm = rng.below(150_000) as u32;
     let read_delay_ppm = rng.below(200_000) as u32;
+    // The node's receives (a `recvmsg` of whatever arrived) cut short
+    // too, so frames also split where no send split them.
+    let net_faults = NetFaults {
+        short_recvmsg_ppm: rng.below(300_000) as u32,
+        ..Default::default()
+    };
     let slots = cfg.slots();
     let rings: Vec<Ring> = (0..npollers)
         .map(|p| {
@@ -605,6 +611,7 @@ fn serve_shape(seed: u64, many_slots: bool) {
             let port = net.port(depth).with_cq_limit(cq as usize);
             Faulty::new(port, fc, slots + 2 * cfg.max_conns_per_poller + 8)
                 .with_transient_read_faults(transient_ppm)
+                .with_net_faults(net_faults)
         })
         .collect();
     let mut node = SimNode::new(Space::open(&w.dir).unwrap(), cfg, rings);

@@ -25,6 +25,7 @@ pub mod proto;
 pub mod rdma;
 pub(crate) mod rx;
 pub(crate) mod serve;
+pub(crate) mod stream_rx;
 pub(crate) mod tcp;
 
 use std::io;

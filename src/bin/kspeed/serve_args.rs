@@ -18,8 +18,9 @@ pub(crate) struct NodeServiceArgs {
     /// and sends are in flight per poller [default: 256KiB].
     #[arg(long, value_parser = crate::parse_bytes)]
     chunk_bytes: Option<u64>,
-    /// Grants one consumer may have outstanding (1 to 1048576) [default:
-    /// 8192].
+    /// Grants one consumer may have outstanding, each queue reserved when
+    /// the consumer connects (0 to 1048576). 0 (the default): 131072 over
+    /// the nodes of the space's placement, 256 to 8192.
     #[arg(long)]
     max_grants: Option<u32>,
     /// Consumers one poller serves; a HELLO beyond pollers x this is

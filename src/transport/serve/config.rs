@@ -34,7 +34,13 @@ pub struct ServeConfig {
     /// node then waited on its reads (kspeed over RDMA 0.81x ib_write_bw
     /// with 1 MiB, 0.85-0.90x with 128-256 KiB; BENCHMARKS.md).
     pub chunk_bytes: u32,
-    /// Grants one consumer may have outstanding.
+    /// Grants one consumer may have outstanding (`--max-grants`, said in
+    /// WELCOME). The node reserves each consumer's queue of this many
+    /// grants, and a GRANT body buffer of up to this many entries, when
+    /// the consumer connects. 0 (the default): sized from the space's
+    /// placement when the service starts ([`ServeConfig::grants_per_consumer`]):
+    /// 131,072 over the nodes, at least 256 and at most 8,192, so a node's
+    /// grant queues stay the same size whatever the cluster's.
     pub max_grants: u32,
     /// Consumers one poller serves at once (`--max-consumers-per-poller`);
     /// a HELLO beyond `pollers` times this is refused with
@@ -102,7 +108,7 @@ impl ServeConfig {
             pollers: crate::placement::default_pollers(),
             staging_bytes: 64 << 20,
             chunk_bytes: 256 << 10,
-            max_grants: 8192,
+            max_grants: 0,
             max_conns_per_poller: 0,
             handshake_timeout: Duration::from_secs(5),
             max_handshakes: 0,
@@ -131,6 +137,34 @@ impl ServeConfig {
             .clamp(256, MAX_CONNS_PER_POLLER) as usize
     }
 
+    /// The grants one consumer may have outstanding for a space placed
+    /// over `nodes` nodes: `max_grants` when set, else (0) 131,072 over
+    /// the nodes, at least 256 and at most 8,192. A consumer
+    /// spreads its lookahead over every node, so it asks one node for about
+    /// a `nodes`-th of it; the node's grant memory (one queue per consumer,
+    /// about 8 consumers per node of the cluster) then stays near
+    /// `8 x AUTO_GRANTS_PER_NODE` entries whatever the cluster's size,
+    /// where a fixed 8,192 reserved 10 GiB per node at 4,096 nodes. The
+    /// service resolves it once at start.
+    pub fn grants_per_consumer(&self, nodes: u32) -> u32 {
+        if self.max_grants > 0 {
+            return self.max_grants;
+        }
+        (AUTO_GRANTS_PER_NODE / nodes.max(1) as u64).clamp(AUTO_MIN_GRANTS, AUTO_MAX_GRANTS) as u32
+    }
+
+    /// Bytes the node reserves for each consumer's grants when it
+    /// connects, for a space placed over `nodes` nodes: its queue of
+    /// [`ServeConfig::grants_per_consumer`] grants and its GRANT body
+    /// buffer (a frame holds at most that many entries, and at most
+    /// [`proto::MAX_GRANT_ENTRIES`]). docs/SCALE.md's grant columns are
+    /// this times the consumers.
+    pub fn grant_bytes_per_consumer(&self, nodes: u32) -> u64 {
+        let grants = self.grants_per_consumer(nodes) as u64;
+        let body = grants.min(proto::MAX_GRANT_ENTRIES as u64) * proto::GRANT_ENTRY_BYTES as u64;
+        grants * std::mem::size_of::<super::conn::Work>() as u64 + body
+    }
+
     /// Checks every limit against what the service can allocate and encode
     /// (each bound is documented in docs/PROTOCOL.md, "Limits").
     pub fn validate(&self) -> Result<()> {
@@ -144,7 +178,7 @@ impl ServeConfig {
         }
         let ranges: [(&str, u64, u64, u64); 6] = [
             ("pollers", self.pollers as u64, 1, MAX_POLLERS),
-            ("max grants", self.max_grants as u64, 1, MAX_GRANTS),
+            ("max grants", self.max_grants as u64, 0, MAX_GRANTS),
             (
                 "max consumers per poller",
                 self.max_conns_per_poller as u64,
@@ -216,9 +250,25 @@ const MAX_RING_CQ: usize = 2 * MAX_RING_SQ;
 /// Most poller threads.
 pub const MAX_POLLERS: u64 = 256;
 
-/// Most grants one consumer may have outstanding (each queued grant costs
-/// the node 32 bytes, reserved when the consumer connects).
+/// Most grants one consumer may have outstanding (the node reserves each
+/// consumer's queue when it connects:
+/// [`ServeConfig::grant_bytes_per_consumer`]).
 pub const MAX_GRANTS: u64 = 1 << 20;
+
+/// Grants per consumer a node's automatic limit spreads over the cluster's
+/// nodes ([`ServeConfig::grants_per_consumer`]): 131,072 samples of
+/// lookahead per consumer, a ring of 16 GiB of 128-KiB samples.
+const AUTO_GRANTS_PER_NODE: u64 = 1 << 17;
+
+/// Least grants per consumer of the automatic limit: the memory windows a
+/// consumer keeps per RDMA connection (the most grants it has in flight to
+/// one node over RDMA), so a large cluster never holds a consumer below
+/// what its RDMA path allows.
+const AUTO_MIN_GRANTS: u64 = 256;
+
+/// Most grants per consumer of the automatic limit (the fixed default
+/// before it, which clusters of up to 16 nodes keep).
+const AUTO_MAX_GRANTS: u64 = 8192;
 
 /// Most consumers per poller.
 pub const MAX_CONNS_PER_POLLER: u64 = 4096;
@@ -258,6 +308,57 @@ mod tests {
         assert_eq!(limit(4096, 8), 4096);
         assert_eq!(limit(4096, 2), MAX_CONNS_PER_POLLER as usize);
         assert_eq!(limit(0, 1), 256);
+    }
+
+    #[test]
+    fn the_grant_limit_is_sized_from_the_cluster() {
+        let cfg = ServeConfig::new("/x", "127.0.0.1:0", b"t");
+        let grants = |nodes: u32| cfg.grants_per_consumer(nodes);
+        // Up to 16 nodes keep the fixed 8,192 of before.
+        for n in [0, 1, 2, 16] {
+            assert_eq!(grants(n), 8192, "{n} nodes");
+        }
+        assert_eq!(grants(64), 2048);
+        // Large clusters stop at the windows a consumer keeps per RDMA
+        // connection, the most it has in flight to one node over RDMA.
+        assert_eq!(grants(512), 256);
+        assert_eq!(grants(4096), 256);
+        #[cfg(feature = "rdma")]
+        assert_eq!(
+            AUTO_MIN_GRANTS,
+            crate::loader::net::rdma::RDMA_WINDOWS as u64
+        );
+        // What a node reserves for its consumers' grants stays bounded:
+        // with a consumer per rank (8 ranks a node) under 1 GiB at any
+        // size, with one agent link per node under 128 MiB; the fixed
+        // 8,192 reserved 19 GiB at 4,096 nodes.
+        for n in [8u32, 64, 512, 4096] {
+            let ranks = 8 * n as u64 * cfg.grant_bytes_per_consumer(n);
+            assert!(ranks < 1 << 30, "{n} nodes: {ranks} bytes");
+            let links = (n as u64 - 1) * cfg.grant_bytes_per_consumer(n);
+            assert!(links < 128 << 20, "{n} nodes: {links} bytes");
+        }
+        let fixed = ServeConfig {
+            max_grants: 8192,
+            ..cfg.clone()
+        };
+        assert_eq!(fixed.grants_per_consumer(4096), 8192);
+        assert!(8 * 4096 * fixed.grant_bytes_per_consumer(4096) > 10 << 30);
+        // A given limit is kept, and the body buffer never exceeds one
+        // frame's largest.
+        let one = ServeConfig {
+            max_grants: 1,
+            ..cfg.clone()
+        };
+        assert_eq!(one.grants_per_consumer(4096), 1);
+        let big = ServeConfig {
+            max_grants: MAX_GRANTS as u32,
+            ..cfg
+        };
+        assert!(
+            big.grant_bytes_per_consumer(1)
+                < MAX_GRANTS * 64 + (proto::MAX_GRANT_ENTRIES * proto::GRANT_ENTRY_BYTES) as u64
+        );
         // A number given is kept.
         let fixed = ServeConfig {
             max_conns_per_poller: 3,

@@ -4,7 +4,6 @@
 //! encoding: kind, connection, staging slot).
 
 use std::collections::VecDeque;
-use std::convert::Infallible;
 use std::net::{SocketAddr, TcpStream};
 use std::os::fd::RawFd;
 use std::sync::atomic::Ordering;
@@ -13,7 +12,7 @@ use std::sync::Arc;
 use super::link::ConnLink;
 use super::metrics;
 use crate::transport::proto::{GrantEntry, Hello};
-use crate::transport::rx::FrameRx;
+use crate::transport::stream_rx::StreamRx;
 
 // user_data: kind in the top byte, connection index, slot index.
 pub(super) const UD_RECV: u64 = 1 << 56;
@@ -61,7 +60,7 @@ pub(super) struct SConn {
     pub(super) hello: Hello,
     /// The receive side: a header, then a GRANT body (never a payload:
     /// consumers send no DATA).
-    pub(super) rx: FrameRx<Infallible>,
+    pub(super) rx: StreamRx,
     pub(super) grants: VecDeque<Work>,
     /// Staging slots in send order.
     pub(super) sendq: VecDeque<u32>,

@@ -23,7 +23,7 @@ use crate::error::errno_name;
 use crate::ring::{Completion, IoBackend, Uring};
 use crate::stall::Phase;
 use crate::transport::proto::{self, Code};
-use crate::transport::rx::FrameRx;
+use crate::transport::stream_rx::StreamRx;
 use crate::transport::tcp::TcpLink;
 
 /// A sweep looks at this fraction of all connections (besides those with
@@ -346,7 +346,10 @@ impl<R: IoBackend> ServePoller<R> {
                 _sock: acc.sock,
                 peer: acc.peer,
                 hello: acc.hello,
-                rx: FrameRx::new(proto::MAX_GRANT_ENTRIES * proto::GRANT_ENTRY_BYTES),
+                // A GRANT frame holds at most `max_grants` entries (more
+                // is refused at its header), so its body buffer is no
+                // larger: 8 KiB per consumer at 256 grants, not 128 KiB.
+                rx: StreamRx::new(max.min(proto::MAX_GRANT_ENTRIES) * proto::GRANT_ENTRY_BYTES),
                 grants: VecDeque::with_capacity(max),
                 sendq: VecDeque::with_capacity(self.staging.limit()),
                 link,

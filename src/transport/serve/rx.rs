@@ -1,9 +1,10 @@
-//! Receiving a consumer's frames (GRANTs and keepalives): a header, then a
-//! body, each one receive of the poller's io_uring, checked against the
-//! catalog and the consumer's ring before any grant is queued.
+//! Receiving a consumer's frames (GRANTs and keepalives): whatever arrived
+//! with one receive of the poller's io_uring, taken frame by frame, each
+//! GRANT checked against the catalog and the consumer's ring before any of
+//! its grants is queued.
 //!
-//! The framing itself (which receive comes next, short reads, bad headers)
-//! is `transport::rx::FrameRx`, shared with the consumer's network thread.
+//! The framing itself (frames cut across receives, bad headers) is
+//! `transport::stream_rx::StreamRx`.
 
 use std::convert::Infallible;
 use std::sync::atomic::Ordering;
@@ -26,17 +27,9 @@ impl<R: IoBackend> ServePoller<R> {
                 continue;
             }
             let fd = c.fd;
-            // SAFETY: the header and body buffers are boxed in the
-            // connection's FrameRx, which is kept until its last op completes
-            // (ops counter); a node never receives a payload into a ring.
-            if unsafe {
-                c.rx.post(
-                    &mut self.ring,
-                    ud(UD_RECV, ci, 0),
-                    fd,
-                    |n: Infallible| match n {},
-                )
-            } {
+            // SAFETY: the buffer is boxed in the connection's StreamRx,
+            // which is kept until its last op completes (ops counter).
+            if unsafe { c.rx.post(&mut self.ring, ud(UD_RECV, ci, 0), fd) } {
                 c.ops += 1;
             }
         }
@@ -47,25 +40,56 @@ impl<R: IoBackend> ServePoller<R> {
         if c.closing {
             return;
         }
-        let got = match c.rx.received(res, 0) {
-            Ok(got) => got,
-            Err(RxError::BadHeader(e)) => {
-                self.close(ci, Some((Code::Violation, e.to_string())));
-                return;
-            }
-            Err(e) => {
-                let why = match e {
-                    RxError::Failed(n) => format!("receive failed: {}", errno_name(n)),
-                    _ => "consumer closed the connection".to_string(),
-                };
-                log::info!("{}: {why}", c.peer);
-                self.close(ci, None);
-                return;
-            }
-        };
+        if let Err(e) = c.rx.received(res) {
+            let why = match e {
+                RxError::Failed(n) => format!("receive failed: {}", errno_name(n)),
+                RxError::Truncated { got, want } => {
+                    format!("consumer closed the connection inside a frame ({got} of {want} bytes)")
+                }
+                _ => "consumer closed the connection".to_string(),
+            };
+            log::info!("{}: {why}", c.peer);
+            self.close(ci, None);
+            return;
+        }
         c.last_rx = self.ring.now();
+        // Every whole frame the receive completed, in order (one receive
+        // takes a GRANT's header and body, and any frames behind them).
+        while let Some(r) = self.conns.get_mut(ci).expect("live").rx.next(0) {
+            match r {
+                Ok(got) => {
+                    if !self.on_frame(ci, got) {
+                        return;
+                    }
+                }
+                Err(e) => {
+                    self.close(ci, Some((Code::Violation, e.to_string())));
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Acts on one part of a frame from connection `ci`; false when it
+    /// closed the connection.
+    fn on_frame(&mut self, ci: u32, got: Received<Infallible>) -> bool {
+        let c = self.conns.get_mut(ci).expect("live");
         match got {
-            Received::Header(h) if h.kind == Kind::Grant => c.rx.expect_body(h),
+            Received::Header(h) if h.kind == Kind::Grant => {
+                // Refused at the header, before its body is read: the
+                // buffer holds at most `max_grants` entries.
+                let n = h.a as usize;
+                if c.grants.len() + n > self.c.cfg.max_grants as usize {
+                    let m = format!(
+                        "{} grants outstanding, more than the {} allowed",
+                        c.grants.len() + n,
+                        self.c.cfg.max_grants
+                    );
+                    self.close(ci, Some((Code::TooManyGrants, m)));
+                    return false;
+                }
+                c.rx.expect_body(h)
+            }
             // An empty ERROR is a keepalive; one with `ASK_HEARTBEATS`
             // asks for heartbeats (the first goes at the next tick).
             Received::Header(h) if h.kind == Kind::Error && h.body_len == 0 => {
@@ -78,6 +102,7 @@ impl<R: IoBackend> ServePoller<R> {
             Received::Header(h) => {
                 let m = format!("unexpected {:?} frame from a consumer", h.kind);
                 self.close(ci, Some((Code::Violation, m)));
+                return false;
             }
             Received::Payload { to, .. } => match to {},
             Received::Body(h) => {
@@ -88,15 +113,9 @@ impl<R: IoBackend> ServePoller<R> {
                     c.peer,
                     c.grants.len()
                 );
-                if c.grants.len() + n > self.c.cfg.max_grants as usize {
-                    let m = format!(
-                        "{} grants outstanding, more than the {} allowed",
-                        c.grants.len() + n,
-                        self.c.cfg.max_grants
-                    );
-                    self.close(ci, Some((Code::TooManyGrants, m)));
-                    return;
-                }
+                // Checked at its header; the queue has not changed since
+                // (only this connection's receives add to it).
+                debug_assert!(c.grants.len() + n <= self.c.cfg.max_grants as usize);
                 for i in 0..n {
                     let e = GrantEntry::decode(c.rx.body(&h), i);
                     let bad = if e.grant == proto::CONNECTION {
@@ -132,7 +151,7 @@ impl<R: IoBackend> ServePoller<R> {
                     };
                     if let Some(m) = bad {
                         self.close(ci, Some((Code::Violation, m)));
-                        return;
+                        return false;
                     }
                     if e.len > 0 {
                         // Read now (`last_rx`): the start of the grant's
@@ -143,5 +162,6 @@ impl<R: IoBackend> ServePoller<R> {
                 }
             }
         }
+        true
     }
 }

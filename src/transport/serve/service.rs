@@ -59,6 +59,7 @@ impl NodeService {
             cfg.max_handshakes = auto_max_handshakes(space.params().placement.nodes);
         }
         cfg.max_conns_per_poller = cfg.consumers_per_poller(space.params().placement.nodes);
+        cfg.max_grants = cfg.grants_per_consumer(space.params().placement.nodes);
         if cfg.staging_bytes < chunk as u64 {
             return Err(Error::InvalidConfig(format!(
                 "staging bytes {} hold no whole {chunk}-byte chunk (chunk bytes rounded up to the space's {align}-byte alignment)",
@@ -218,6 +219,19 @@ impl NodeService {
             common.space.len(),
             common.space.params().node_index,
             common.space.params().placement.nodes
+        );
+        // The limits resolved from the placement, which an operator sizing
+        // a node's memory (or reading a refusal) needs to see.
+        log::info!(
+            "{} pollers x {} consumers, {} grants outstanding per consumer ({} KiB reserved each), {} handshakes pending at most",
+            common.cfg.pollers,
+            common.cfg.max_conns_per_poller,
+            common.cfg.max_grants,
+            common
+                .cfg
+                .grant_bytes_per_consumer(common.space.params().placement.nodes)
+                / 1024,
+            common.cfg.max_handshakes
         );
         Ok(svc)
     }

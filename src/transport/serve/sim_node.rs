@@ -37,6 +37,8 @@ impl<R: IoBackend> SimNode<R> {
     /// read through each ring's fixed files (`Target::Fixed(extent)`).
     pub(crate) fn new(space: Space, mut cfg: ServeConfig, rings: Vec<R>) -> Self {
         let align = space.params().align_bytes;
+        // Resolved as `NodeService::start` does (0: from the placement).
+        cfg.max_grants = cfg.grants_per_consumer(space.params().placement.nodes);
         let space = Served::new(vec![space], &[cfg.space.clone()]).expect("one space");
         cfg.chunk_bytes = cfg
             .chunk_bytes
