@@ -522,8 +522,13 @@ fn connection_tables() -> String {
     // cores, at most 8 (the formula of src/loader/mod.rs, evaluated for
     // NODE_CORES rather than for the machine running the model).
     let pollers = (NODE_CORES / 4).clamp(1, 8) as u64;
-    let grant_bytes =
-        (std::mem::size_of::<proto::GrantEntry>() + std::mem::size_of::<u64>()) as u64;
+    // One queued grant, as the service stores it: what a consumer allowed
+    // one grant reserves, less its one-entry GRANT buffer.
+    let grant_bytes = {
+        let mut one = cfg.clone();
+        one.max_grants = 1;
+        one.grant_bytes_per_consumer(1) - proto::GRANT_ENTRY_BYTES as u64
+    };
     // What the service reserves per consumer at connect (its grant queue
     // and GRANT body buffer), with `max_grants` resolved from the
     // placement as the service does at start.

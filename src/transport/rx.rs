@@ -1,5 +1,6 @@
-//! The receive side of one framed stream socket, shared by both ends of the
-//! push protocol: a 24-byte header into a fixed buffer, then its body into
+//! The consumer's receive side of one framed stream socket (the node takes
+//! a consumer's small frames with `transport::stream_rx` instead, several
+//! to a receive): a 24-byte header into a fixed buffer, then its body into
 //! the connection's body buffer (GRANT entries, an ERROR message) or, once
 //! the caller has checked a DATA header against its grant, straight into the
 //! landing ring. One receive is in flight at a time, on the caller's

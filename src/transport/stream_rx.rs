@@ -335,6 +335,7 @@ mod tests {
             take(&mut rx, &mut got, &mut ka);
         }
         assert_eq!(got, want);
+        assert_eq!(ka, 3);
     }
 
     #[test]

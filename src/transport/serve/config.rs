@@ -143,9 +143,13 @@ impl ServeConfig {
     /// spreads its lookahead over every node, so it asks one node for about
     /// a `nodes`-th of it; the node's grant memory (one queue per consumer,
     /// about 8 consumers per node of the cluster) then stays near
-    /// `8 x AUTO_GRANTS_PER_NODE` entries whatever the cluster's size,
-    /// where a fixed 8,192 reserved 10 GiB per node at 4,096 nodes. The
-    /// service resolves it once at start.
+    /// `8 x AUTO_GRANTS_PER_NODE` entries up to 512 nodes and grows with
+    /// the floor past it (704 MiB per node at 4,096 nodes of 8 ranks, 88
+    /// MiB with one agent link per node), where a fixed 8,192 reserved 18
+    /// GiB at 4,096 nodes. The limit also bounds what one consumer has in
+    /// flight towards all nodes at about 131,072 samples (a consumer that
+    /// meets a node's limit waits there), seconds of data at any rate a
+    /// rank consumes. The service resolves it once at start.
     pub fn grants_per_consumer(&self, nodes: u32) -> u32 {
         if self.max_grants > 0 {
             return self.max_grants;
@@ -160,9 +164,9 @@ impl ServeConfig {
     /// [`proto::MAX_GRANT_ENTRIES`]). docs/SCALE.md's grant columns are
     /// this times the consumers.
     pub fn grant_bytes_per_consumer(&self, nodes: u32) -> u64 {
-        let grants = self.grants_per_consumer(nodes) as u64;
-        let body = grants.min(proto::MAX_GRANT_ENTRIES as u64) * proto::GRANT_ENTRY_BYTES as u64;
-        grants * std::mem::size_of::<super::conn::Work>() as u64 + body
+        let grants = self.grants_per_consumer(nodes);
+        grants as u64 * std::mem::size_of::<super::conn::Work>() as u64
+            + grant_body_bytes(grants) as u64
     }
 
     /// Checks every limit against what the service can allocate and encode
@@ -242,6 +246,13 @@ impl ServeConfig {
     }
 }
 
+/// The largest GRANT body a consumer allowed `max_grants` grants may send
+/// (a frame of more is refused at its header): the node's receive buffer
+/// beyond one header.
+pub(crate) fn grant_body_bytes(max_grants: u32) -> usize {
+    (max_grants as usize).min(proto::MAX_GRANT_ENTRIES) * proto::GRANT_ENTRY_BYTES
+}
+
 /// Largest io_uring submission queue (the kernel's IORING_MAX_ENTRIES).
 const MAX_RING_SQ: usize = 32768;
 /// Largest io_uring completion queue (the kernel's IORING_MAX_CQ_ENTRIES).
@@ -308,6 +319,12 @@ mod tests {
         assert_eq!(limit(4096, 8), 4096);
         assert_eq!(limit(4096, 2), MAX_CONNS_PER_POLLER as usize);
         assert_eq!(limit(0, 1), 256);
+        // A number given is kept.
+        let fixed = ServeConfig {
+            max_conns_per_poller: 3,
+            ..ServeConfig::new("/x", "127.0.0.1:0", b"t")
+        };
+        assert_eq!(fixed.consumers_per_poller(4096), 3);
     }
 
     #[test]
@@ -331,7 +348,7 @@ mod tests {
         // What a node reserves for its consumers' grants stays bounded:
         // with a consumer per rank (8 ranks a node) under 1 GiB at any
         // size, with one agent link per node under 128 MiB; the fixed
-        // 8,192 reserved 19 GiB at 4,096 nodes.
+        // 8,192 reserved 18 GiB at 4,096 nodes.
         for n in [8u32, 64, 512, 4096] {
             let ranks = 8 * n as u64 * cfg.grant_bytes_per_consumer(n);
             assert!(ranks < 1 << 30, "{n} nodes: {ranks} bytes");
@@ -343,7 +360,7 @@ mod tests {
             ..cfg.clone()
         };
         assert_eq!(fixed.grants_per_consumer(4096), 8192);
-        assert!(8 * 4096 * fixed.grant_bytes_per_consumer(4096) > 10 << 30);
+        assert!(8 * 4096 * fixed.grant_bytes_per_consumer(4096) > 17 << 30);
         // A given limit is kept, and the body buffer never exceeds one
         // frame's largest.
         let one = ServeConfig {
@@ -359,12 +376,6 @@ mod tests {
             big.grant_bytes_per_consumer(1)
                 < MAX_GRANTS * 64 + (proto::MAX_GRANT_ENTRIES * proto::GRANT_ENTRY_BYTES) as u64
         );
-        // A number given is kept.
-        let fixed = ServeConfig {
-            max_conns_per_poller: 3,
-            ..ServeConfig::new("/x", "127.0.0.1:0", b"t")
-        };
-        assert_eq!(fixed.consumers_per_poller(4096), 3);
     }
 
     /// The ring holds every operation a poller may have in flight: a read

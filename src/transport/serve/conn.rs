@@ -58,8 +58,8 @@ pub(super) struct SConn {
     pub(super) _sock: Option<TcpStream>,
     pub(super) peer: SocketAddr,
     pub(super) hello: Hello,
-    /// The receive side: a header, then a GRANT body (never a payload:
-    /// consumers send no DATA).
+    /// The receive side: whatever arrived, taken as whole frames (GRANTs
+    /// and keepalives; consumers send no DATA).
     pub(super) rx: StreamRx,
     pub(super) grants: VecDeque<Work>,
     /// Staging slots in send order.

@@ -30,7 +30,7 @@
 //! (a connection's send side, TCP or RDMA), `poller` (the serve poller's
 //! loop: adopting, closing, heartbeats, completions), `push` (reads into
 //! staging and sends in grant order), `rx` (receiving frames from a
-//! consumer: a header, then a body), `warn_limit` (the WARN-line rate
+//! consumer: whole frames out of each receive, `transport::stream_rx`), `warn_limit` (the WARN-line rate
 //! limit), `metrics`. No two of them use each other
 //! (`scripts/import_cycles.py`).
 

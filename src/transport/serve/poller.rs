@@ -347,9 +347,9 @@ impl<R: IoBackend> ServePoller<R> {
                 peer: acc.peer,
                 hello: acc.hello,
                 // A GRANT frame holds at most `max_grants` entries (more
-                // is refused at its header), so its body buffer is no
-                // larger: 8 KiB per consumer at 256 grants, not 128 KiB.
-                rx: StreamRx::new(max.min(proto::MAX_GRANT_ENTRIES) * proto::GRANT_ENTRY_BYTES),
+                // is refused at its header), so its buffer holds no more:
+                // 8 KiB per consumer at 256 grants, not 128 KiB.
+                rx: StreamRx::new(super::config::grant_body_bytes(max as u32)),
                 grants: VecDeque::with_capacity(max),
                 sendq: VecDeque::with_capacity(self.staging.limit()),
                 link,

@@ -52,12 +52,16 @@ impl<R: IoBackend> ServePoller<R> {
             self.close(ci, None);
             return;
         }
-        c.last_rx = self.ring.now();
         // Every whole frame the receive completed, in order (one receive
         // takes a GRANT's header and body, and any frames behind them).
+        let now = self.ring.now();
         while let Some(r) = self.conns.get_mut(ci).expect("live").rx.next(0) {
             match r {
                 Ok(got) => {
+                    // A frame's part, not any byte, keeps the connection
+                    // from idling out (a peer that trickles a header a
+                    // byte at a time is still idle).
+                    self.conns.get_mut(ci).expect("live").last_rx = now;
                     if !self.on_frame(ci, got) {
                         return;
                     }
