@@ -517,7 +517,10 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                 // every 5 s: its silence with grants outstanding counts
                 // from here (unless it was silent for long already).
                 self.beats[node].granted_after_idle(now);
+                // Its clocks are short now: looked at every 100 ms.
+                self.sweep.mark_busy(node);
             }
+            let c = &mut self.conns[node];
             c.outstanding += 1;
             let t = &mut self.l.table[idx];
             t.node = node as u32;

@@ -57,7 +57,8 @@
 //! failover, publishing); `source.rs` the source fallback's reads (through
 //! this thread's ring); `socket.rs` the control
 //! connection (GRANT frames out, frames in through
-//! [`crate::transport::rx::FrameRx`]); `connect.rs` the handshakes;
+//! [`crate::transport::rx::FrameRx`]); `sweep.rs` which connections a
+//! sweep looks at for timeouts, keepalives and redials; `connect.rs` the handshakes;
 //! `tcp.rs` and `rdma.rs` the two implementations of [`Receive`].
 //!
 //! Why this file is over ~800 lines: the thread's loop, each connection's
@@ -96,6 +97,7 @@ mod socket;
 mod source;
 #[cfg(feature = "s3")]
 mod store_fetch;
+mod sweep;
 mod tcp;
 
 #[cfg(test)]
@@ -167,35 +169,6 @@ pub(crate) const USER_TIMEOUT_MIN: Duration = Duration::from_secs(1);
 /// not run (the process was stopped, or starved): the silence clocks are
 /// moved on by the gap, so nodes are not blamed for it.
 const NOT_RUNNING: Duration = Duration::from_secs(1);
-/// How often the network thread looks at every connection: timeouts,
-/// keepalives due, dead nodes due for a redial. Between sweeps a tick
-/// looks only at the connections marked ready (`Thread::ready`), so with
-/// thousands of nodes its cost follows what happened, not the node count.
-/// Well under every clock it serves (keepalives 1-15 s, heartbeat
-/// silence 2 s, node timeout 10 s).
-const SWEEP: Duration = Duration::from_millis(10);
-/// A sweep looks at a window of the connections, sized so each is looked
-/// at every [`SWEEP_ALL`] whatever the time between sweeps (10 ms busy, up
-/// to a tick's 50 ms wait idle), at least this many (so up to 64 nodes are
-/// looked at whole every sweep): with 4,095 nodes a sweep looked at all of
-/// them 100 times a second (1.2 M looks a second over its three walks), now
-/// about 410 per 10 ms.
-const SWEEP_MIN_CONNS: usize = 64;
-/// See [`SWEEP_MIN_CONNS`].
-const SWEEP_ALL: Duration = Duration::from_millis(100);
-
-/// How many of `n` connections a sweep `since` the previous one looks at.
-fn sweep_count(n: usize, since: Duration) -> usize {
-    let share = (n as u128 * since.as_nanos()).div_ceil(SWEEP_ALL.as_nanos());
-    n.min(SWEEP_MIN_CONNS.max(share.min(n as u128) as usize))
-}
-
-/// The `m` connections of `n` a sweep starting at `start` looks at,
-/// wrapping.
-fn sweep_window(start: usize, m: usize, n: usize) -> impl Iterator<Item = usize> {
-    (0..m.min(n)).map(move |j| (start + j) % n)
-}
-
 /// Over TCP, a DATA payload of at most this many bytes is received with
 /// the next frame's header in one `recvmsg` (one io_uring round trip per
 /// frame where it took two); larger ones keep one `MSG_WAITALL` receive,
@@ -838,11 +811,8 @@ pub(crate) struct Thread<R: Receive, I: IoBackend = Uring> {
     ready_now: Vec<usize>,
     /// Per connection: in `ready`.
     queued: Vec<bool>,
-    /// When the next sweep is due ([`SWEEP`]), when the last one ran, and
-    /// the connection the next starts at ([`sweep_window`]).
-    next_sweep: Instant,
-    last_sweep: Instant,
-    sweep_at: usize,
+    /// Which connections each sweep looks at (`sweep.rs`).
+    sweep: sweep::Sweep,
     /// Connections looked at by `service_ready` (tests: the per-tick work).
     #[cfg(test)]
     pub(crate) conn_visits: u64,
@@ -974,11 +944,15 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         let beats = vec![Beats::new(now); conns.len()];
         let mut redials = redial::Redials::new(conns.len(), redial);
         let redial = redial && R::redial_common(&connected.common).is_some();
-        for (c, r) in conns.iter().zip(&mut redials.state) {
+        let mut sweep = sweep::Sweep::new(conns.len(), now, setup.node_timeout);
+        for (i, (c, r)) in conns.iter().zip(&mut redials.state).enumerate() {
             // Unreachable at start: tried again like one that died later
             // (not the local node's place).
             if redial && c.state == State::Dead && Some(c.node) != setup.local_node {
                 r.schedule_first(c.node, now);
+            }
+            if c.state != State::Live {
+                sweep.mark_busy(i);
             }
         }
         Thread {
@@ -1006,9 +980,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             ready: (0..conns_len).collect(),
             ready_now: Vec::with_capacity(conns_len),
             queued: vec![true; conns_len],
-            next_sweep: now,
-            last_sweep: now,
-            sweep_at: 0,
+            sweep,
             #[cfg(test)]
             conn_visits: 0,
             beats,
@@ -1061,18 +1033,17 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                 self.stall.phase(Phase::Submit);
                 self.fill();
                 let now = self.ring.now();
-                if now >= self.next_sweep {
-                    self.next_sweep = now + SWEEP;
-                    let (start, n) = (self.sweep_at, self.conns.len());
-                    let m = sweep_count(n, now.saturating_duration_since(self.last_sweep));
-                    self.last_sweep = now;
-                    self.sweep_at = (start + m) % n.max(1);
+                if let Some(looks) = self.sweep.due(now) {
                     self.stall.phase(Phase::Timers);
-                    self.check_timeouts(start, m);
-                    self.keepalives_due(now, start, m);
+                    self.check_timeouts(&looks);
+                    self.keepalives_due(now, &looks);
                     self.stall.phase(Phase::Connect);
-                    self.redial(start, m);
+                    self.redial(&looks);
                     self.stall.phase(Phase::Submit);
+                    let conns = &self.conns;
+                    self.sweep.done(looks, |i| {
+                        conns[i].state != State::Live || conns[i].outstanding > 0
+                    });
                 }
                 self.service_ready();
             }
@@ -1121,7 +1092,8 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         true
     }
 
-    /// Tests: every live connection that is not in `ready` has nothing
+    /// Tests: every connection with grants outstanding or not live is in
+    /// the sweep's busy list; every live connection that is not in `ready` has nothing
     /// waiting on it: its receive is posted and, unless a send is out or
     /// its windows are being bound (both mark it when done), nothing is
     /// unsent, no grant is filled and its first frame went. A missed mark
@@ -1141,6 +1113,13 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             seen[i] = true;
         }
         for (i, c) in self.conns.iter().enumerate() {
+            // Short clocks are looked at every 100 ms (`sweep.rs`).
+            assert!(
+                self.sweep.is_busy(i) || (c.state == State::Live && c.outstanding == 0),
+                "connection {i} ({:?}, {} outstanding) is not in the sweep's busy list",
+                c.state,
+                c.outstanding
+            );
             if c.state != State::Live || self.queued[i] {
                 continue;
             }
@@ -1317,8 +1296,8 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         ring_ptr(&self.l.sh.ring, phys)
     }
 
-    /// The timeouts of the sweep's window of `m` connections from `start`.
-    fn check_timeouts(&mut self, start: usize, m: usize) {
+    /// The timeouts of the connections a sweep looks at.
+    fn check_timeouts(&mut self, looks: &[usize]) {
         let t = self.setup.node_timeout;
         let progress = t + self.progress_slack;
         let now = self.ring.now();
@@ -1333,7 +1312,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                 b.last_heard = shift_for_pause(b.last_heard, gap, now);
             }
         }
-        for i in sweep_window(start, m, self.conns.len()) {
+        for &i in looks {
             let c = &self.conns[i];
             if c.state != State::Live {
                 continue;
@@ -1386,6 +1365,9 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         }
         c.reason = reason;
         c.state = State::Closing;
+        // Looked at every 100 ms while not live (its redial's time).
+        self.sweep.mark_busy(i);
+        let c = &mut self.conns[i];
         // The socket stays open (owned by `sock`) until the connection
         // is dead: its receive and send in flight name its descriptor.
         self.ring.shutdown(c.fd());
@@ -1600,39 +1582,5 @@ mod tests {
             new.last_heard, granted,
             "silent past the stale bound: it counts"
         );
-    }
-
-    /// Each connection is looked at within [`SWEEP_ALL`] whatever the time
-    /// between sweeps, and a small cluster whole at every sweep.
-    #[test]
-    fn sweeps_cover_every_connection_within_their_period() {
-        assert_eq!(sweep_count(0, SWEEP), 0);
-        assert_eq!(sweep_count(40, SWEEP), 40);
-        assert_eq!(sweep_count(4095, SWEEP), 410);
-        assert_eq!(sweep_count(4095, Duration::from_millis(50)), 2048);
-        assert_eq!(sweep_count(4095, Duration::from_secs(2)), 4095);
-        assert_eq!(sweep_count(4095, Duration::ZERO), SWEEP_MIN_CONNS);
-        for (n, gap_ms) in [
-            (1usize, 10u64),
-            (100, 10),
-            (4095, 10),
-            (4095, 50),
-            (777, 37),
-        ] {
-            let mut seen = vec![0u32; n];
-            let (mut at, mut elapsed) = (0usize, Duration::ZERO);
-            while elapsed < SWEEP_ALL {
-                let m = sweep_count(n, Duration::from_millis(gap_ms));
-                for i in sweep_window(at, m, n) {
-                    seen[i] += 1;
-                }
-                at = (at + m) % n;
-                elapsed += Duration::from_millis(gap_ms);
-            }
-            assert!(
-                seen.iter().all(|&k| k >= 1),
-                "{n} connections, a sweep every {gap_ms} ms: some not looked at within 100 ms"
-            );
-        }
     }
 }

@@ -140,12 +140,12 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         r.next = Some(now + wait);
     }
 
-    /// Starts the tries that are due and takes the results that came in.
-    /// Starts the redials due among the sweep's window of `m` connections
-    /// from `start`, then takes the finished ones.
-    pub(super) fn redial(&mut self, start: usize, m: usize) {
+    /// Starts the redials due among a sweep's `looks` (a dead connection
+    /// is in the sweep's busy list, looked at every 100 ms), then takes the
+    /// finished ones.
+    pub(super) fn redial(&mut self, looks: &[usize]) {
         let now = self.ring.now();
-        for i in super::sweep_window(start, m, self.conns.len()) {
+        for &i in looks {
             let r = &self.redials.state[i];
             if r.inflight || r.next.is_none_or(|t| t > now) || self.conns[i].state != State::Dead {
                 continue;

@@ -26,7 +26,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
     /// frames (or keepalives) go out, then their receives are posted. A
     /// tick looks at these only, not at every node, so its cost grows with
     /// what completed and what was granted (the sweep in `tick` looks at
-    /// each of them every 100 ms, a window every [`SWEEP`](super::SWEEP)). One that could not post (the
+    /// a busy one every 100 ms, an idle one every second, `sweep.rs`). One that could not post (the
     /// submission queue was full) is marked again for the next tick.
     pub(super) fn service_ready(&mut self) {
         std::mem::swap(&mut self.ready, &mut self.ready_now);
@@ -51,10 +51,10 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         self.ready_now.clear();
     }
 
-    /// Marks the live connections that owe their node a keepalive (or
-    /// the first frame, which asks for heartbeats); part of the sweep.
-    pub(super) fn keepalives_due(&mut self, now: std::time::Instant, start: usize, m: usize) {
-        for i in super::sweep_window(start, m, self.conns.len()) {
+    /// Marks the live connections among a sweep's `looks` that owe their
+    /// node a keepalive (or the first frame, which asks for heartbeats).
+    pub(super) fn keepalives_due(&mut self, now: std::time::Instant, looks: &[usize]) {
+        for &i in looks {
             let c = &self.conns[i];
             if c.state == State::Live
                 && (!self.beats[i].asked
