@@ -51,6 +51,10 @@ pub struct Seen {
     pub grants: u64,
     pub heartbeats: u64,
     pub closed: u64,
+    /// Connections whose consumer asked for heartbeats.
+    pub asked: u64,
+    /// GRANT entries for a sample this node does not own.
+    pub misrouted: u64,
 }
 
 struct Conn {
@@ -79,7 +83,10 @@ pub struct FakeNodes {
     token: Vec<u8>,
     dataset: u32,
     samples: Vec<Vec<u8>>,
+    placement: kspeed::dataset::Placement,
     conns: Vec<Conn>,
+    /// io_uring operations pushed and not yet completed.
+    inflight: usize,
     pub seen: Seen,
 }
 
@@ -105,12 +112,18 @@ impl FakeNodes {
                 use std::os::unix::fs::FileExt;
                 let s = cat.sample(id);
                 let f = std::fs::File::open(cat.file_path(s.file)).expect("source file");
+                assert!(
+                    s.len <= proto::MAX_DATA_BYTES,
+                    "sample {id}: {} bytes; a fake node sends a sample as one DATA frame",
+                    s.len
+                );
                 let mut b = vec![0u8; s.len as usize];
                 f.read_exact_at(&mut b, s.offset).expect("sample bytes");
                 b
             })
             .collect();
-        let entries = (4 * count).next_power_of_two().clamp(64, 32768) as u32;
+        // The completion queue (4x) within the kernel's 65,536.
+        let entries = (4 * count).next_power_of_two().clamp(64, 16384) as u32;
         let ring = IoUring::builder()
             .setup_cqsize(4 * entries)
             .build(entries)
@@ -123,7 +136,9 @@ impl FakeNodes {
             token: token.to_vec(),
             dataset: cat.identity(),
             samples,
+            placement: kspeed::dataset::Placement::new(nodes, 1).expect("placement"),
             conns: Vec::with_capacity(count),
+            inflight: 0,
             seen: Seen::default(),
         };
         for i in 0..f.listeners.len() {
@@ -141,6 +156,7 @@ impl FakeNodes {
     }
 
     fn push(&mut self, e: io_uring::squeue::Entry) {
+        self.inflight += 1;
         loop {
             // SAFETY: every buffer an entry names lives in `self.conns`
             // (a boxed slice, or a Vec not touched while its send is in
@@ -261,7 +277,7 @@ impl FakeNodes {
                         nodes: self.nodes,
                         replicas: 1,
                         owner_fn: 1,
-                        max_data_bytes: proto::MAX_DATA_BYTES.min(256 << 10),
+                        max_data_bytes: proto::MAX_DATA_BYTES,
                         max_grants: MAX_GRANTS,
                         transport: proto::TRANSPORT_TCP,
                     };
@@ -273,6 +289,7 @@ impl FakeNodes {
                 Kind::Error if conn.welcomed && h.body_len == 0 => {
                     self.seen.keepalives += 1;
                     if h.c & 1 != 0 && conn.beats.is_none() {
+                        self.seen.asked += 1;
                         let slow = h.c & 2 != 0;
                         self.conns[c].beats = Some(if slow { BEAT_SLOW } else { BEAT_FAST });
                     }
@@ -282,6 +299,10 @@ impl FakeNodes {
                     for i in 0..h.a as usize {
                         let e = GrantEntry::decode(&self.conns[c].rx[body.clone()], i);
                         self.seen.grants += 1;
+                        let node = self.first + self.conns[c].node;
+                        if self.placement.owner(e.sample) != node {
+                            self.seen.misrouted += 1;
+                        }
                         let bytes = &self.samples[e.sample as usize];
                         let conn = &mut self.conns[c];
                         conn.pending
@@ -339,6 +360,7 @@ impl FakeNodes {
                 .map(|e| (e.user_data(), e.result()))
                 .collect();
             for (ud, res) in done {
+                self.inflight -= 1;
                 let i = (ud & 0xffff_ffff) as usize;
                 match ud & !0xffff_ffff {
                     UD_ACCEPT => {
@@ -405,6 +427,33 @@ impl FakeNodes {
                     _ => unreachable!("user_data {ud:#x}"),
                 }
             }
+        }
+        self.drain();
+    }
+
+    /// Ends every operation in flight (the kernel writes into this
+    /// struct's buffers until they complete): shuts every socket and
+    /// listener, then reaps completions until none is in flight (10 s at
+    /// most; what is left then is leaked, never freed under the kernel).
+    fn drain(&mut self) {
+        for c in &self.conns {
+            // SAFETY: sockets this process owns.
+            unsafe { libc::shutdown(c.fd.as_raw_fd(), libc::SHUT_RDWR) };
+        }
+        for l in &self.listeners {
+            // SAFETY: as above; a shut listener fails its accept.
+            unsafe { libc::shutdown(l.as_raw_fd(), libc::SHUT_RDWR) };
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while self.inflight > 0 && Instant::now() < deadline {
+            let ts = types::Timespec::new().nsec(10_000_000);
+            let args = types::SubmitArgs::new().timespec(&ts);
+            let _ = self.ring.submitter().submit_with_args(1, &args);
+            let n = self.ring.completion().count();
+            self.inflight -= n;
+        }
+        if self.inflight > 0 {
+            std::mem::forget(std::mem::take(&mut self.conns));
         }
     }
 }

@@ -896,6 +896,13 @@ impl Beats {
     }
 }
 
+/// Whether a connection's clocks are short (grants outstanding, not live,
+/// a keepalive interval under `short`): the sweep's busy list, looked at
+/// every 100 ms (`sweep.rs`).
+fn needs_busy<R>(c: &Conn<R>, b: &Beats, short: Duration) -> bool {
+    c.state != State::Live || c.outstanding > 0 || b.keepalive < short
+}
+
 /// Address of ring offset `phys`.
 fn ring_ptr(ring: &LandingRing, phys: u64) -> *mut u8 {
     // SAFETY: phys < ring length (schedule construction).
@@ -951,7 +958,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             if redial && c.state == State::Dead && Some(c.node) != setup.local_node {
                 r.schedule_first(c.node, now);
             }
-            if c.state != State::Live {
+            if needs_busy(c, &beats[i], sweep.short_keepalive()) {
                 sweep.mark_busy(i);
             }
         }
@@ -1040,10 +1047,10 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                     self.stall.phase(Phase::Connect);
                     self.redial(&looks);
                     self.stall.phase(Phase::Submit);
-                    let conns = &self.conns;
-                    self.sweep.done(looks, |i| {
-                        conns[i].state != State::Live || conns[i].outstanding > 0
-                    });
+                    let (conns, beats) = (&self.conns, &self.beats);
+                    let short = self.sweep.short_keepalive();
+                    self.sweep
+                        .done(looks, |i| needs_busy(&conns[i], &beats[i], short));
                 }
                 self.service_ready();
             }
@@ -1115,10 +1122,12 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         for (i, c) in self.conns.iter().enumerate() {
             // Short clocks are looked at every 100 ms (`sweep.rs`).
             assert!(
-                self.sweep.is_busy(i) || (c.state == State::Live && c.outstanding == 0),
-                "connection {i} ({:?}, {} outstanding) is not in the sweep's busy list",
+                self.sweep.is_busy(i)
+                    || !needs_busy(c, &self.beats[i], self.sweep.short_keepalive()),
+                "connection {i} ({:?}, {} outstanding, keepalive {:?}) is not in the sweep's busy list",
                 c.state,
-                c.outstanding
+                c.outstanding,
+                self.beats[i].keepalive
             );
             if c.state != State::Live || self.queued[i] {
                 continue;

@@ -220,6 +220,11 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                     // A heartbeat: the node is alive (last_rx, above) and
                     // sends them, so its silence now counts.
                     self.beats[i].heartbeat(h.heartbeat_idle_timeout());
+                    if self.beats[i].keepalive < self.sweep.short_keepalive() {
+                        // A short idle timeout: its keepalives are looked
+                        // at every 100 ms.
+                        self.sweep.mark_busy(i);
+                    }
                     return;
                 }
                 match h.kind {

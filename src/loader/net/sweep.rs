@@ -1,19 +1,23 @@
 //! Which connections the network thread's sweep looks at (timeouts,
 //! keepalives due, dead nodes due for a redial).
 //!
-//! Two speeds. A connection with grants outstanding, or not live (closing,
-//! dead, waiting for a redial), is in the *busy* list, looked at whole
-//! every [`BUSY_ALL`] (100 ms: its clocks are the 2 s heartbeat silence
-//! and the node timeout). An idle live connection waits only on slow
-//! clocks (a keepalive every 1-15 s, a silence of at least the node
-//! timeout before it is judged dead), so a window of them sized by the
-//! time since the last sweep covers every connection once per
-//! `idle_all`: an eighth of the node timeout, 100 ms to 1 s. With 4,095
-//! idle nodes a sweep looked at each of them every 100 ms, 41,000 looks a
-//! second each missing the cache; now every second (BENCHMARKS.md, "One
-//! consumer against 4,096 nodes"). A connection joins the busy list when
-//! it is given a grant with none outstanding or stops being live, and
-//! leaves it at a busy walk that finds it live with none outstanding.
+//! Two speeds. A connection with grants outstanding, not live (closing,
+//! dead, waiting for a redial, or dead for good: it then stays), or with
+//! a short keepalive interval (under four times `idle_all`: the 1 s of a
+//! node that has not said its idle timeout, or one with a short idle
+//! timeout) is in the *busy* list, looked at whole every [`BUSY_ALL`]
+//! (100 ms: its clocks are the 2 s heartbeat silence, the node timeout, a
+//! keepalive every second). Any other connection waits only on slow
+//! clocks (a keepalive every 4-15 s, a silence of at least the node
+//! timeout before it is judged dead), so a window sized by the time since
+//! the last sweep covers every connection once per `idle_all`: an eighth
+//! of the node timeout, 100 ms to 1 s, at most a quarter of such a
+//! keepalive interval late. With 4,095 idle nodes a sweep looked at each
+//! of them every 100 ms, 41,000 looks a second each missing the cache;
+//! now every second (BENCHMARKS.md, "One consumer against 4,096 nodes").
+//! A connection joins the busy list when it is given a grant with none
+//! outstanding, stops being live, or hears a short idle timeout, and
+//! leaves it at a busy walk that finds none of these.
 //!
 //! The lists are sized at start (one place per connection); a sweep's
 //! looks are written into a vector of that size, never grown.
@@ -93,6 +97,12 @@ impl Sweep {
         }
     }
 
+    /// A keepalive interval under this keeps its connection in the busy
+    /// list: looked at every [`BUSY_ALL`], not every `idle_all`.
+    pub(super) fn short_keepalive(&self) -> Duration {
+        4 * self.idle_all
+    }
+
     /// Whether connection `i` is in the busy list.
     #[cfg(test)]
     pub(super) fn is_busy(&self, i: usize) -> bool {
@@ -117,7 +127,11 @@ impl Sweep {
         self.at = (self.at + m) % n.max(1);
         self.walked_busy = now >= self.next_busy;
         if self.walked_busy {
-            self.next_busy = now + BUSY_ALL;
+            // Every 100 ms on the clock, not 100 ms after a late sweep.
+            self.next_busy += BUSY_ALL;
+            if self.next_busy <= now {
+                self.next_busy = now + BUSY_ALL;
+            }
             looks.extend_from_slice(&self.busy);
         }
         debug_assert!(looks.len() <= 2 * n, "a sweep's looks outgrew their pool");
