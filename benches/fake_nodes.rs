@@ -83,6 +83,11 @@ fn child(catalog: &str, nodes: u32) {
     );
 }
 
+/// Descriptors this process has open.
+fn open_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count())
+}
+
 /// Consumes `rate` samples/s for `secs` (0: none); samples taken.
 fn consume(l: &mut kspeed::loader::Loader, rate: f64, secs: f64, epoch: &mut u64) -> u64 {
     let t0 = Instant::now();
@@ -215,7 +220,10 @@ fn main() {
     let idle_wall = t.elapsed().as_secs_f64();
     let (a3, n3) = cpu_ns();
     let stats = loader.stats();
+    let fds_before_drop = open_fds();
     drop(loader);
+    // The loader's sockets are closed once it is dropped.
+    let fds_after_drop = open_fds();
     drop(kid.stdin.take());
     let mut seen = String::new();
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -240,6 +248,8 @@ fn main() {
         "idle_cpu_pct": pct(a3 - a2, idle_wall),
         "idle_net_cpu_pct": pct(n3 - n2, idle_wall),
         "failovers": stats.failovers,
+        "fds_before_drop": fds_before_drop,
+        "fds_after_drop": fds_after_drop,
         "seen": seen,
     });
     if json {

@@ -108,6 +108,8 @@ fn a_consumer_reads_an_epoch_from_a_thousand_nodes_byte_exact() {
     // the sample's owner.
     assert_eq!(seen.asked, NODES as u64, "{seen:?}");
     assert_eq!(seen.misrouted, 0, "{seen:?}");
+    // A dropped loader closes every link.
+    assert_eq!(seen.closed, NODES as u64, "{seen:?}");
     assert_eq!(
         seen.grants,
         cat.len(),

@@ -37,6 +37,9 @@ const RX_BYTES: usize = 64 << 10;
 pub const MAX_GRANTS: u64 = 256;
 const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 const BEAT_SLOW: Duration = Duration::from_secs(5);
+/// How long the nodes wait, once stopped, for the closes of the links
+/// still open.
+const LINGER: Duration = Duration::from_secs(20);
 const BEAT_FAST: Duration = Duration::from_millis(250);
 
 /// What the fake nodes saw.
@@ -321,12 +324,22 @@ impl FakeNodes {
         conn.have -= at;
     }
 
-    /// Serves until `stop` is set.
+    /// Serves until `stop` is set and then until every connection it
+    /// accepted has been closed (the consumer is dropped before `stop`
+    /// is set, so its closes are on their way), at most `LINGER` more:
+    /// `Seen::closed` counts the links the consumer closed.
     pub fn run(&mut self, stop: &AtomicBool) {
         let mut next_sweep = Instant::now();
         let idle_ms = IDLE_TIMEOUT.as_millis() as u64;
-        while !stop.load(Ordering::Relaxed) {
+        let mut linger_until = None;
+        loop {
             let now = Instant::now();
+            if stop.load(Ordering::Relaxed) {
+                let until = *linger_until.get_or_insert(now + LINGER);
+                if self.seen.closed == self.seen.accepted || now >= until {
+                    break;
+                }
+            }
             if now >= next_sweep {
                 next_sweep = now + Duration::from_millis(50);
                 for c in 0..self.conns.len() {
