@@ -26,8 +26,9 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
     /// frames (or keepalives) go out, then their receives are posted. A
     /// tick looks at these only, not at every node, so its cost grows with
     /// what completed and what was granted (the sweep in `tick` looks at
-    /// a busy one every 100 ms, an idle one every second, `sweep.rs`). One that could not post (the
-    /// submission queue was full) is marked again for the next tick.
+    /// a busy one every 100 ms, an idle one every `idle_all`, 1 s by
+    /// default: `sweep.rs`). One that could not post (the submission queue
+    /// was full) is marked again for the next tick.
     pub(super) fn service_ready(&mut self) {
         std::mem::swap(&mut self.ready, &mut self.ready_now);
         let now = self.ring.now();

@@ -88,8 +88,9 @@ impl Sweep {
         }
     }
 
-    /// Connection `i` has grants outstanding or is not live: looked at
-    /// every [`BUSY_ALL`] until a busy walk finds it idle.
+    /// Connection `i` has grants outstanding, is not live, or has a short
+    /// keepalive interval: looked at every [`BUSY_ALL`] until a busy walk
+    /// finds none of these.
     pub(super) fn mark_busy(&mut self, i: usize) {
         if !self.in_busy[i] {
             self.in_busy[i] = true;
