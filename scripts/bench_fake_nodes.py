@@ -29,18 +29,9 @@ import statistics
 import subprocess
 import sys
 
+from bench_fake_peers import bench_binary
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def bench_binary():
-    out = subprocess.run(
-        ["cargo", "bench", "--bench", "fake_nodes", "--no-run", "--message-format=json"],
-        cwd=ROOT, check=True, capture_output=True, text=True).stdout
-    for line in out.splitlines():
-        m = json.loads(line)
-        if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "fake_nodes" and m.get("executable"):
-            return m["executable"]
-    sys.exit("cannot find the fake_nodes bench binary")
 
 
 def make_catalog(d, count):
@@ -71,7 +62,7 @@ def main():
     catalog = make_catalog(a.dir, 20000)
     if bool(a.a) != bool(a.b):
         sys.exit("give both --a and --b, or neither")
-    builds = {"a": a.a, "b": a.b} if a.a else {"b": bench_binary()}
+    builds = {"a": a.a, "b": a.b} if a.a else {"b": bench_binary("fake_nodes")}
     res = {}
     counts = [int(x) for x in a.nodes.split(",")]
     for r in range(a.runs):

@@ -40,15 +40,16 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def bench_binary():
+def bench_binary(name="fake_peers"):
+    """Builds the bench target `name` (benches/NAME.rs) and returns its binary."""
     out = subprocess.run(
-        ["cargo", "bench", "--bench", "fake_peers", "--no-run", "--message-format=json"],
+        ["cargo", "bench", "--bench", name, "--no-run", "--message-format=json"],
         cwd=ROOT, check=True, capture_output=True, text=True).stdout
     for line in out.splitlines():
         m = json.loads(line)
-        if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "fake_peers" and m.get("executable"):
+        if m.get("reason") == "compiler-artifact" and m["target"]["name"] == name and m.get("executable"):
             return m["executable"]
-    sys.exit("cannot find the fake_peers bench binary")
+    sys.exit(f"cannot find the {name} bench binary")
 
 
 def make_space(kspeed, d, count):

@@ -79,16 +79,44 @@ pub(crate) enum RxError {
     BadHeader(FrameError),
 }
 
-/// The `recvmsg` of a look-ahead receive: a payload, then a header.
-struct Msg {
+/// The `recvmsg` of one receive: its msghdr and `N` iovecs, boxed by
+/// their owner so the pointers the kernel holds stay valid when the owner
+/// moves. A look-ahead receive here has two (a payload, then a header);
+/// `transport::stream_rx` has one.
+pub(super) struct RecvMsg<const N: usize> {
     hdr: libc::msghdr,
-    iov: [libc::iovec; 2],
+    iov: [libc::iovec; N],
 }
 
-// SAFETY: the pointers are into memory the owning FrameRx describes for
-// the receive in flight (its boxed header buffer, the caller's payload
-// target); they are rebuilt for every receive and never dereferenced here.
-unsafe impl Send for Msg {}
+// SAFETY: the pointers are into memory the owner describes for the
+// receive in flight (its boxed buffers, the caller's payload target); they
+// are rebuilt for every receive and never dereferenced here.
+unsafe impl<const N: usize> Send for RecvMsg<N> {}
+
+impl<const N: usize> RecvMsg<N> {
+    /// Empty: no receive described yet.
+    pub(super) fn new() -> Box<Self> {
+        let empty = libc::iovec {
+            iov_base: std::ptr::null_mut(),
+            iov_len: 0,
+        };
+        Box::new(RecvMsg {
+            // SAFETY: msghdr is plain data; all-zero is its empty value.
+            hdr: unsafe { std::mem::zeroed() },
+            iov: [empty; N],
+        })
+    }
+
+    /// Describes a receive into `iov`, in order; the msghdr to post.
+    pub(super) fn set(&mut self, iov: [libc::iovec; N]) -> &mut libc::msghdr {
+        self.iov = iov;
+        // SAFETY: msghdr is plain data; all-zero is its empty value.
+        self.hdr = unsafe { std::mem::zeroed() };
+        self.hdr.msg_iov = self.iov.as_mut_ptr();
+        self.hdr.msg_iovlen = N as _;
+        &mut self.hdr
+    }
+}
 
 /// One connection's receive state machine and buffers.
 pub(crate) struct FrameRx<T> {
@@ -103,17 +131,13 @@ pub(crate) struct FrameRx<T> {
     lookahead_bytes: u32,
     /// The receive in flight is a look-ahead `recvmsg`.
     posted_lookahead: bool,
-    msg: Box<Msg>,
+    msg: Box<RecvMsg<2>>,
 }
 
 impl<T: Copy> FrameRx<T> {
     /// Waiting for a header, with a body buffer of `body_bytes` (the
     /// largest body of the kinds this end accepts into it).
     pub(crate) fn new(body_bytes: usize) -> Self {
-        let empty = libc::iovec {
-            iov_base: std::ptr::null_mut(),
-            iov_len: 0,
-        };
         FrameRx {
             hdr: Box::new([0; HEADER_BYTES]),
             hdr_got: 0,
@@ -122,11 +146,7 @@ impl<T: Copy> FrameRx<T> {
             inflight: false,
             lookahead_bytes: 0,
             posted_lookahead: false,
-            msg: Box::new(Msg {
-                // SAFETY: msghdr is plain data; all-zero is its empty value.
-                hdr: unsafe { std::mem::zeroed() },
-                iov: [empty; 2],
-            }),
+            msg: RecvMsg::new(),
         }
     }
 
@@ -179,8 +199,7 @@ impl<T: Copy> FrameRx<T> {
         if let RxState::Payload { to, len } = self.state {
             if len > 0 && len <= self.lookahead_bytes {
                 debug_assert_eq!(self.hdr_got, 0, "a payload follows its header");
-                let m = &mut *self.msg;
-                m.iov = [
+                let msg = self.msg.set([
                     libc::iovec {
                         iov_base: payload(to).cast(),
                         iov_len: len as usize,
@@ -189,17 +208,13 @@ impl<T: Copy> FrameRx<T> {
                         iov_base: self.hdr.as_mut_ptr().cast(),
                         iov_len: HEADER_BYTES,
                     },
-                ];
-                // SAFETY: msghdr is plain data; all-zero is its empty value.
-                m.hdr = unsafe { std::mem::zeroed() };
-                m.hdr.msg_iov = m.iov.as_mut_ptr();
-                m.hdr.msg_iovlen = 2;
+                ]);
                 // SAFETY: the msghdr, its iovecs and the header buffer are
                 // boxed (they do not move with `self`) and outlive the
                 // receive per this function's contract, as does the
                 // payload target; nothing reads the header buffer until
                 // the completion.
-                if unsafe { ring.push_recvmsg(user_data, fd, &mut m.hdr) } {
+                if unsafe { ring.push_recvmsg(user_data, fd, msg) } {
                     self.inflight = true;
                     self.posted_lookahead = true;
                 }

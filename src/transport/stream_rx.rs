@@ -24,18 +24,8 @@ use std::convert::Infallible;
 use std::os::fd::RawFd;
 
 use super::proto::{FrameError, Header, HEADER_BYTES};
-use super::rx::{Received, RxError};
+use super::rx::{Received, RecvMsg, RxError};
 use crate::ring::IoBackend;
-
-/// The `recvmsg` of a receive: one iovec, the buffer's free end.
-struct Msg {
-    hdr: libc::msghdr,
-    iov: libc::iovec,
-}
-
-// SAFETY: the pointers are into the owning StreamRx's boxed buffer, rebuilt
-// for every receive and never dereferenced here.
-unsafe impl Send for Msg {}
 
 /// One connection's receive buffer and framing state.
 pub(crate) struct StreamRx {
@@ -49,7 +39,8 @@ pub(crate) struct StreamRx {
     /// Where the last body handed out lies in `buf` (offset, bytes).
     last_body: (usize, usize),
     inflight: bool,
-    msg: Box<Msg>,
+    /// The `recvmsg` of a receive: one iovec, the buffer's free end.
+    msg: Box<RecvMsg<1>>,
 }
 
 impl StreamRx {
@@ -62,14 +53,7 @@ impl StreamRx {
             body: None,
             last_body: (0, 0),
             inflight: false,
-            msg: Box::new(Msg {
-                // SAFETY: msghdr is plain data; all-zero is its empty value.
-                hdr: unsafe { std::mem::zeroed() },
-                iov: libc::iovec {
-                    iov_base: std::ptr::null_mut(),
-                    iov_len: 0,
-                },
-            }),
+            msg: RecvMsg::new(),
         }
     }
 
@@ -104,22 +88,17 @@ impl StreamRx {
         debug_assert!(!self.inflight, "one receive at a time");
         self.compact();
         debug_assert!(self.end < self.buf.len(), "a whole frame always fits");
-        let m = &mut *self.msg;
-        m.iov = libc::iovec {
+        let msg = self.msg.set([libc::iovec {
             // SAFETY: end < buf.len() (a frame not yet whole is shorter
             // than the buffer: `expect_body` checks the body's length).
             iov_base: unsafe { self.buf.as_mut_ptr().add(self.end) }.cast(),
             iov_len: self.buf.len() - self.end,
-        };
-        // SAFETY: msghdr is plain data; all-zero is its empty value.
-        m.hdr = unsafe { std::mem::zeroed() };
-        m.hdr.msg_iov = &mut m.iov;
-        m.hdr.msg_iovlen = 1;
+        }]);
         // SAFETY: the msghdr, its iovec and the buffer are boxed (they do
         // not move with `self`) and outlive the receive per this
         // function's contract; nothing reads past `end` until the
         // completion.
-        if unsafe { ring.push_recvmsg(user_data, fd, &mut m.hdr) } {
+        if unsafe { ring.push_recvmsg(user_data, fd, msg) } {
             self.inflight = true;
         }
         self.inflight
