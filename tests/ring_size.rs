@@ -62,14 +62,22 @@ fn read_epoch_exact(sp: &Path, batch: usize, len: usize) -> (u64, u64) {
 }
 
 #[test]
-fn the_default_ring_is_six_batches_of_the_mean_sample_from_64_mib() {
+fn the_default_ring_is_six_batches_of_the_mean_sample_from_4_mib() {
     let t = tempfile::tempdir().unwrap();
-    // 40 samples of 1 MiB, batches of 4: six batches are 24 MiB and twice
-    // the dataset is 80 MiB, so the 64 MiB floor.
+    // 40 samples of 1 MiB, batches of 4: six batches are 24 MiB (twice
+    // the dataset is 80 MiB).
     let sp = space(t.path(), 40, 1 << 20);
     let (ring, n) = read_epoch_exact(&sp, 4, 1 << 20);
-    assert_eq!(ring, 64 * MIB);
+    assert_eq!(ring, 24 * MIB);
     assert_eq!(n, 40);
+    // 600 samples of 4,000 bytes (one 4 KiB slot each), batches of 8:
+    // six batches are 192 KiB, so the 4 MiB floor (twice the dataset is
+    // 4.7 MiB).
+    let t = tempfile::tempdir().unwrap();
+    let sp = space(t.path(), 600, 4_000);
+    let (ring, n) = read_epoch_exact(&sp, 8, 4_000);
+    assert_eq!(ring, 4 * MIB);
+    assert_eq!(n, 600);
 }
 
 #[test]

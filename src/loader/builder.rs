@@ -298,7 +298,7 @@ impl LoaderBuilder {
     }
 
     /// Landing ring size; 0 (the default) sizes it from the batch and the
-    /// dataset: six batches of the mean sample, 64 to 256 MiB (256 MiB in
+    /// dataset: six batches of the mean sample, 4 to 256 MiB (256 MiB in
     /// cluster mode), at most twice the dataset, and always enough for a
     /// batch of the largest samples plus two more read ahead, up to 4 GiB
     /// (the build logs the size chosen). A size given here, or a batch

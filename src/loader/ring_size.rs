@@ -11,6 +11,17 @@
 //! (BENCHMARKS.md, "The 20,000-file run"), with cold epochs equal. A fixed
 //! size also refused batches of large samples that did not fit it; the
 //! default now holds one of up to 4 GiB.
+//!
+//! Why the floor is small (4 MiB, it was 64 MiB): every read lands at
+//! another place of the ring, and where the device's emulation pays per
+//! page it writes to (this VM's virtio disk: a Firecracker guest under
+//! nested virtualization), the ring's footprint sets the read latency.
+//! 4.5 KiB samples read from a cold disk at 0.64x fio's 4 KiB IOPS into
+//! a 64 MiB ring and faster the smaller the ring, down to about 2 MiB
+//! (BENCHMARKS.md, "tiny: the ring's footprint"); fio reads into 32
+//! buffers it reuses. On a host with its own NVMe the smaller ring costs
+//! nothing either: the read-ahead is counted in batches (six), which is
+//! what a training step's jitter needs, not in bytes.
 
 use super::schedule::{self, Geometry};
 use super::Input;
@@ -18,11 +29,11 @@ use crate::dataset::Catalog;
 use crate::error::{Error, Result};
 use crate::sampler::Sampler;
 
-/// The default ring's floor on one node: 64 MiB reads as fast as 256 MiB
-/// from a cold disk for both ImageNet-sized and 4 KiB samples
-/// (BENCHMARKS.md), and leaves read-ahead of tens of milliseconds at
-/// device speed.
-pub(super) const AUTO_RING_MIN_BYTES: u64 = 64 << 20;
+/// The default ring's floor on one node: six batches of 4 KiB samples
+/// are 1.5 MiB, and more than a few MiB only spreads the reads (see the
+/// module's comment); 4 MiB keeps ten batches of them and a queue of
+/// reads in flight.
+pub(super) const AUTO_RING_MIN_BYTES: u64 = 4 << 20;
 /// The default ring's size before the batch's own needs: six batches of
 /// the dataset's mean sample are read ahead at most this far.
 pub(super) const AUTO_RING_MAX_BYTES: u64 = 256 << 20;
@@ -239,10 +250,13 @@ mod tests {
     }
 
     #[test]
-    fn six_batches_of_the_mean_from_64_to_256_mib() {
-        // 64 ImageNet-sized samples: six batches are 42 MiB, so the floor.
+    fn six_batches_of_the_mean_from_4_to_256_mib() {
+        // 64 ImageNet-sized samples: six batches, 42 MiB.
         let s = sizes(1_281_167, 112 << 10, 400 << 10, 64);
-        assert_eq!(s.ring_bytes(never), 64 * MIB);
+        assert_eq!(s.ring_bytes(never), 42 * MIB);
+        // 64 samples of 4 KiB: six batches are 1.5 MiB, so the floor.
+        let s = sizes(200_000, 4 << 10, 8 << 10, 64);
+        assert_eq!(s.ring_bytes(never), 4 * MIB);
         // 256 of them: six batches, 168 MiB.
         let s = sizes(1_281_167, 112 << 10, 200 << 10, 256);
         assert_eq!(s.ring_bytes(never), 168 * MIB);
@@ -278,9 +292,14 @@ mod tests {
         // 100 samples of 8 KiB: 1.6 MiB, twice the dataset.
         let s = sizes(100, 8 << 10, 8 << 10, 4);
         assert_eq!(s.ring_bytes(never), 1600 << 10);
-        // From 8 MiB up, whole 2 MiB pages: 60 x 100 KiB twice is 11.7 MiB.
+        // From 8 MiB up, whole 2 MiB pages: six batches of 16 x 100 KiB
+        // are 9.4 MiB (twice the dataset, 11.7 MiB).
+        let s = sizes(60, 100 << 10, 100 << 10, 16);
+        assert_eq!(s.ring_bytes(never), 10 * MIB);
+        // Under 8 MiB, whole 4 KiB pages: batches of 4 of them take the
+        // 4 MiB floor.
         let s = sizes(60, 100 << 10, 100 << 10, 4);
-        assert_eq!(s.ring_bytes(never), 12 * MIB);
+        assert_eq!(s.ring_bytes(never), 4 * MIB);
         // Six 4 MiB samples in batches of six: twice the dataset (48 MiB)
         // is less than the batch (24 MiB) and two read ahead (48 MiB).
         let s = sizes(6, 4 * MIB, 4 * MIB, 6);
@@ -300,6 +319,15 @@ mod tests {
             10 * (200 << 10)
         });
         assert!(asked);
-        assert_eq!(r, 64 * MIB);
+        // Sized for those: 2 MiB of them, two batches of the mean read
+        // ahead and the padding an 8 MiB slot may leave at the ring's end
+        // (12 MiB, more than six batches of the mean, 5.9 MiB), not for
+        // ten of the largest (80 MiB).
+        assert_eq!(r, 12 * MIB);
+        let geo = Geometry {
+            ring_bytes: r,
+            align: 4096,
+        };
+        assert!(geo.span_bound(10 * (200 << 10), 8 * MIB) <= r);
     }
 }

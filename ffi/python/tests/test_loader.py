@@ -1085,8 +1085,8 @@ def test_partial_space_reads_the_rest_from_the_source(tmp_path):
 
 
 def test_the_default_ring_is_sized_from_the_batch(space):
-    # ring_bytes="auto" (the default): four batches of the mean sample from
-    # 64 MiB, at most twice the dataset, at least a batch of the largest.
+    # ring_bytes="auto" (the default): six batches of the mean sample from
+    # 4 MiB, at most twice the dataset, at least a batch of the largest.
     # The fixture's dataset is small, so twice its slots bound the ring.
     cat = kspeed.Catalog.open(space)
     with kspeed.Loader(space, batch_size=8, seed=3, mlock=False) as default, \
