@@ -108,14 +108,59 @@ impl Drop for Serve {
 /// one machine would otherwise route into each other's namespaces.
 pub struct Netns {
     pub names: Vec<String>,
+    /// What the names carry: this process's id mod 100,000.
+    tag: u32,
     _lock: std::fs::File,
+}
+
+/// Removes every kspeed test namespace (`ksr*`) and host-side veth end
+/// (`krh*`) there is. Called with the lock held, when no test of any run
+/// holds namespaces, so whatever is there was left by a run killed before
+/// its `Drop` (a CI run stopped mid-test): its veth ends would keep
+/// 10.77.<i>.1/24 routes and make this run's nodes unreachable.
+fn remove_stale() {
+    let names = |args: &[&str]| -> Vec<String> {
+        Command::new("ip")
+            .args(args)
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| {
+                // `ip -o link show`: "12: krh123450@if11: <...>";
+                // `ip netns list`: "ksr12345n0 (id: 3)".
+                let name = if args[0] == "-o" {
+                    l.split(": ").nth(1)?.split('@').next()?
+                } else {
+                    l.split_whitespace().next()?
+                };
+                Some(name.to_string())
+            })
+            .collect()
+    };
+    for link in names(&["-o", "link", "show"]) {
+        if link.starts_with("krh") {
+            eprintln!("removing {link}, a veth end a killed test run left");
+            let _ = Command::new("ip").args(["link", "del", &link]).status();
+        }
+    }
+    for ns in names(&["netns", "list"]) {
+        if ns.starts_with("ksr") {
+            eprintln!("removing namespace {ns}, which a killed test run left");
+            let _ = Command::new("ip").args(["netns", "del", &ns]).status();
+        }
+    }
 }
 
 impl Netns {
     /// `n` namespaces, or None (with a skip message) where they cannot be
     /// made (not root, no `ip`).
     pub fn create(n: usize) -> Option<Netns> {
-        let tag = std::process::id() % 100_000;
+        Netns::create_tagged(n, std::process::id() % 100_000)
+    }
+
+    /// [`Netns::create`] with names tagged `tag` instead of this process's.
+    pub fn create_tagged(n: usize, tag: u32) -> Option<Netns> {
         // flock works on a read-only descriptor, so a lock file another
         // user created (0644; fs.protected_regular refuses create-opens of
         // it in /tmp even for root) is opened as it is.
@@ -144,14 +189,16 @@ impl Netns {
             skip(&format!("flock {path}: {e}"));
             return None;
         }
+        remove_stale();
         let mut ns = Netns {
             names: Vec::new(),
+            tag,
             _lock: lock,
         };
         for i in 0..n {
             let name = format!("ksr{tag}n{i}");
-            let host = format!("krh{tag}{i}");
-            let peer = Netns::peer(i);
+            let host = ns.host_end(i);
+            let peer = ns.peer(i);
             let (a1, a2) = (format!("10.77.{i}.1/24"), format!("10.77.{i}.2/24"));
             let cmds: Vec<Vec<&str>> = vec![
                 vec!["netns", "add", &name],
@@ -183,15 +230,27 @@ impl Netns {
 
 impl Netns {
     /// Namespace `i`'s end of its veth pair.
-    fn peer(i: usize) -> String {
-        format!("krp{}{i}", std::process::id() % 100_000)
+    fn peer(&self, i: usize) -> String {
+        format!("krp{}{i}", self.tag)
+    }
+
+    /// The host-side end of namespace `i`'s veth pair.
+    pub fn host_end(&self, i: usize) -> String {
+        format!("krh{}{i}", self.tag)
+    }
+
+    /// Releases the lock and leaves the namespaces and veth pairs in
+    /// place, as a run killed mid-test does (its `Drop` never runs); their
+    /// names.
+    pub fn abandon(mut self) -> Vec<String> {
+        std::mem::take(&mut self.names)
     }
 
     /// Cuts namespace `i` off as if its host had died: its veth end goes
     /// down, so nothing more arrives from it (not even a FIN or RST when
     /// its processes are then killed) and nothing sent to it is answered.
     pub fn cut(&self, i: usize) {
-        let peer = Netns::peer(i);
+        let peer = self.peer(i);
         let ok = Command::new("ip")
             .args(["-n", &self.names[i], "link", "set", &peer, "down"])
             .status()
@@ -206,7 +265,7 @@ impl Netns {
     /// link from that node. False (with a skip message) where the kernel
     /// has no `tbf`.
     pub fn throttle(&self, i: usize, rate: &str) -> bool {
-        let peer = Netns::peer(i);
+        let peer = self.peer(i);
         let out = Command::new("tc")
             .args([
                 "-n",
@@ -244,7 +303,6 @@ impl Netns {
 
 impl Drop for Netns {
     fn drop(&mut self) {
-        let tag = std::process::id() % 100_000;
         for (i, n) in self.names.iter().enumerate() {
             // The host end first: deleting it deletes the pair at once,
             // while a deleted namespace is torn down later by the kernel
@@ -253,7 +311,7 @@ impl Drop for Netns {
             // test's route to 10.77.<i>.0/24 could take the stale, down
             // one ("No route to host").
             let _ = Command::new("ip")
-                .args(["link", "del", &format!("krh{tag}{i}")])
+                .args(["link", "del", &self.host_end(i)])
                 .stderr(std::process::Stdio::null())
                 .status();
             let _ = Command::new("ip").args(["netns", "del", n]).status();
