@@ -94,7 +94,7 @@ pub unsafe extern "C" fn ksp_config_free(cfg: *mut ksp_config) {
 /// | `cache_bytes` | size | 0 and up | bytes | 0: no cache area | the cache area's budget, shared among slot size classes from 4 KiB to the catalog's 99th percentile sample length (larger samples are not kept; docs/CACHE.md) |
 /// | `cache_policy` | choice | next-use, min, lru |  | next-use | what the cache area keeps: `next-use` what this rank reads soonest (Belady's MIN over the known order, replacing a kept sample only when the write gains a hit), `min` MIN itself (the fewest source reads, more writes), `lru` what it read last (the page cache's policy, for comparison) |
 /// | `tier_views` | bool |  |  | false | a sample served from the memory tier is handed out in place (no copy into the ring); a batch holding one is not one ring span |
-/// | `pollers` | int | 1 to 1024 | threads | a quarter of this rank's core slice, 1 to 8 | poller threads |
+/// | `pollers` | int | 1 to 1024 | threads | a quarter of this rank's core slice, 1 to 8 (twice that, at most the slice, when the space is read through the page cache) | poller threads |
 /// | `queue_depth` | int | 1 to 16384 | reads | 32 | reads in flight per poller (io_uring holds at most 32768 entries, two per read) |
 /// | `submit_batch` | int | 1 to 16384 | reads | 8 | reads a poller queues before it submits them (one system call per batch) |
 /// | `max_read_bytes` | size | 4096 and up | bytes | 4MiB | largest single read: bigger samples are read in parts |

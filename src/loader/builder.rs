@@ -1101,11 +1101,20 @@ impl LoaderBuilder {
         for w in &plan.warnings {
             log::warn!("poller placement: {w}");
         }
+        // A space read through the page cache (`page_cache` found it
+        // cached, or on) is copied by the pollers, not waited for:
+        // twice the pollers (BENCHMARKS.md, "Warm reads: the pollers copy").
+        let page_cache_reads = !direct_io && matches!(input, Input::Space { .. } | Input::Mix(_));
         let pollers = if attach.is_some() {
             0 // the agent's pollers read for this rank
         } else {
-            self.pollers
-                .unwrap_or_else(|| plan.default_pollers(mask.len()))
+            self.pollers.unwrap_or_else(|| {
+                if page_cache_reads {
+                    plan.copying_pollers(mask.len())
+                } else {
+                    plan.default_pollers(mask.len())
+                }
+            })
         };
         let spin = self.spin.unwrap_or_else(|| {
             if plan.shared {
