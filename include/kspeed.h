@@ -562,7 +562,7 @@ void ksp_config_free(ksp_config *cfg);
 // | `drop_last` | bool |  |  | false | drop each epoch's last, partial batch |
 // | `rank` | int | 0 to 4294967295 |  | 0 | this rank |
 // | `world` | int | 1 to 4294967295 | ranks | 1 | the world size |
-// | `ring_bytes` | size or auto | 4096 and up | bytes | auto: six batches of the mean sample, 4 to 256 MiB (cluster mode: 256 MiB), at most twice the dataset, and at least a batch of the largest samples plus two read ahead (up to 4 GiB; a batch needing more is refused) | landing ring size (locked memory the reads land in); a size given is refused if it cannot hold a whole batch |
+// | `ring_bytes` | size or auto | 4096 and up | bytes | auto: six batches of the mean sample, 4 to 256 MiB (a mixture: from 64 MiB; cluster mode: 256 MiB), at most twice the dataset, and at least a batch of the largest samples plus two read ahead (up to 4 GiB; a batch needing more is refused) | landing ring size (locked memory the reads land in); a size given is refused if it cannot hold a whole batch |
 // | `tier_bytes` | size | 0 and up | bytes | 0: no tier | memory tier budget: samples read once are kept in memory and served from there |
 // | `cache_dir` | path |  |  | none: no cache area | an NVMe cache area (docs/CACHE.md): samples read from the source (a source, or what a partial space does not hold) are kept here for their next read, by `cache_policy`, within `cache_bytes`; each rank uses `rank<N>` under this folder; what a run kept is used by the next |
 // | `cache_bytes` | size | 0 and up | bytes | 0: no cache area | the cache area's budget, shared among slot size classes from 4 KiB to the catalog's 99th percentile sample length (larger samples are not kept; docs/CACHE.md) |

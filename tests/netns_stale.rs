@@ -32,15 +32,18 @@ fn exists(args: &[&str], name: &str) -> bool {
 #[test]
 fn namespaces_a_killed_run_left_behind_are_removed_before_new_ones() {
     // A killed run's two namespaces: made as every run makes them, then
-    // left in place without their Drop (tag 99999: no real run's, which
-    // would be this process's id mod 100,000).
-    let Some(stale) = Netns::create_tagged(2, 99_999) else {
+    // left in place without their Drop, under a tag that is not this
+    // process's (whose names the new set takes).
+    let tag = (std::process::id() % 100_000 + 1) % 100_000;
+    let Some(stale) = Netns::create_tagged(2, tag) else {
         return;
     };
     let stale_hosts = [stale.host_end(0), stale.host_end(1)];
-    let stale_names = stale.abandon();
-    assert!(exists(&["netns", "list"], &stale_names[1]));
+    // Checked while the lock is still held: once it is released, another
+    // test binary waiting for it may clean them up first.
+    assert!(exists(&["netns", "list"], &stale.names[1]));
     assert_eq!(route_dev("10.77.1.2"), stale_hosts[1]);
+    let stale_names = stale.abandon();
 
     let ns = Netns::create(2).expect("namespaces were made a moment ago");
     for (name, host) in stale_names.iter().zip(&stale_hosts) {

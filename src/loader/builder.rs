@@ -316,7 +316,8 @@ impl LoaderBuilder {
     }
 
     /// Poller threads (default: a quarter of this rank's core slice, at
-    /// least 1, at most 8; see [`crate::placement`]).
+    /// least 1, at most 8; twice that, at most the slice, where a whole
+    /// space is read through the page cache; see [`crate::placement`]).
     pub fn pollers(mut self, n: usize) -> Self {
         self.pollers = Some(n);
         self
@@ -1101,10 +1102,14 @@ impl LoaderBuilder {
         for w in &plan.warnings {
             log::warn!("poller placement: {w}");
         }
-        // A space read through the page cache (`page_cache` found it
-        // cached, or on) is copied by the pollers, not waited for:
-        // twice the pollers (BENCHMARKS.md, "Warm reads: the pollers copy").
-        let page_cache_reads = !direct_io && matches!(input, Input::Space { .. } | Input::Mix(_));
+        // A whole space read through the page cache (`page_cache` found it
+        // cached, or on) is copied by the pollers, not waited for: twice
+        // the pollers (BENCHMARKS.md, "Warm reads: the pollers copy"). Not
+        // a partial space (each poller also keeps its GETs in flight to
+        // the source) nor a mixture (its inputs may be sources nobody
+        // found cached).
+        let page_cache_reads = !direct_io
+            && matches!(&input, Input::Space { space, .. } if !space.params().is_partial());
         let pollers = if attach.is_some() {
             0 // the agent's pollers read for this rank
         } else {

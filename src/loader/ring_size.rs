@@ -31,9 +31,14 @@ use crate::sampler::Sampler;
 
 /// The default ring's floor on one node: six batches of 4 KiB samples
 /// are 1.5 MiB, and more than a few MiB only spreads the reads (see the
-/// module's comment); 4 MiB keeps ten batches of them and a queue of
+/// module's comment); 4 MiB keeps sixteen batches of them and a queue of
 /// reads in flight.
 pub(super) const AUTO_RING_MIN_BYTES: u64 = 4 << 20;
+/// The floor for a mixture of datasets: its mean sample is taken over the
+/// ids, not weighted by how often each dataset is drawn, so a mixture of
+/// many small samples drawn rarely and few large ones drawn often would get
+/// a ring of a few batches of the small ones; the former floor keeps room.
+pub(super) const AUTO_RING_MIX_MIN_BYTES: u64 = 64 << 20;
 /// The default ring's size before the batch's own needs: six batches of
 /// the dataset's mean sample are read ahead at most this far.
 pub(super) const AUTO_RING_MAX_BYTES: u64 = 256 << 20;
@@ -91,6 +96,7 @@ pub(super) fn auto_ring_bytes(
         max_slot: geo.slot(input.max_sample_bytes() as u64),
         batch: batch as u64,
         cluster,
+        mix: matches!(input, Input::Mix(_)),
     };
     sizes.ring_bytes(|| batch_slots(input, sampler, geo, batch))
 }
@@ -105,6 +111,8 @@ struct Sizes {
     max_slot: u64,
     batch: u64,
     cluster: bool,
+    /// A mixture of datasets ([`AUTO_RING_MIX_MIN_BYTES`]).
+    mix: bool,
 }
 
 impl Sizes {
@@ -115,6 +123,8 @@ impl Sizes {
         let batch_mean = self.batch.saturating_mul(self.mean_slot);
         let floor = if self.cluster {
             AUTO_RING_CLUSTER_BYTES
+        } else if self.mix {
+            AUTO_RING_MIX_MIN_BYTES
         } else {
             AUTO_RING_MIN_BYTES
         };
@@ -242,6 +252,7 @@ mod tests {
             max_slot,
             batch,
             cluster: false,
+            mix: false,
         }
     }
 
@@ -279,6 +290,12 @@ mod tests {
         // the build's check then refuses, naming the size needed).
         let s = sizes(1_281_167, 112 << 10, 200 * MIB, 256);
         assert_eq!(s.ring_bytes(|| 256 * 200 * MIB), AUTO_RING_LIMIT_BYTES);
+        // A mixture keeps the 64 MiB floor.
+        let s = Sizes {
+            mix: true,
+            ..sizes(200_000, 4 << 10, 8 << 10, 64)
+        };
+        assert_eq!(s.ring_bytes(never), 64 * MIB);
         // Cluster mode keeps 256 MiB.
         let s = Sizes {
             cluster: true,

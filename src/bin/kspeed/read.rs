@@ -58,13 +58,14 @@ pub(crate) struct ReadArgs {
     /// Drop the tail instead of padding.
     #[arg(long)]
     drop_last: bool,
-    /// Landing ring size, or auto: six batches of the mean sample, 64 to
-    /// 256 MiB (256 MiB with --cluster), at least what a batch of the
-    /// largest samples needs.
+    /// Landing ring size, or auto: six batches of the mean sample, 4 to
+    /// 256 MiB (64 MiB up for a mixture, 256 MiB with --cluster), at least
+    /// what a batch of the largest samples needs.
     #[arg(long, default_value = "auto", value_parser = crate::opt_or_auto::<u64>("ring_bytes"))]
     ring_bytes: crate::OrAuto<u64>,
     /// Poller threads (default: a quarter of this rank's slice of cores, at
-    /// least 1, at most 8).
+    /// least 1, at most 8; twice that, at most the slice, where a whole
+    /// space is read through the page cache).
     #[arg(long, value_parser = crate::opt::<usize>("pollers"))]
     pollers: Option<usize>,
     /// Reads in flight per poller.
