@@ -34,10 +34,8 @@ impl CorePlan {
     pub fn default_pollers(&self, usable_cores: usize) -> usize {
         if self.shared {
             1
-        } else if self.slice.is_empty() {
-            pollers_for(usable_cores / self.local.size.max(1) as usize)
         } else {
-            pollers_for(self.slice.len())
+            pollers_for(self.cores(usable_cores))
         }
     }
 
@@ -51,14 +49,20 @@ impl CorePlan {
     /// full, so the second costs the trainer nothing while it is ahead.
     pub fn copying_pollers(&self, usable_cores: usize) -> usize {
         if self.shared {
-            return 1;
+            1
+        } else {
+            (2 * pollers_for(self.cores(usable_cores))).min(self.cores(usable_cores).max(1))
         }
-        let cores = if self.slice.is_empty() {
+    }
+
+    /// The cores the rank's pollers size from: its slice, or without one
+    /// its share of the usable cores.
+    fn cores(&self, usable_cores: usize) -> usize {
+        if self.slice.is_empty() {
             usable_cores / self.local.size.max(1) as usize
         } else {
             self.slice.len()
-        };
-        (2 * self.default_pollers(usable_cores)).min(cores.max(1))
+        }
     }
 
     /// The core poller `i` is pinned to (slice order, wrapping), if any.
