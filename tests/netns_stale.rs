@@ -6,16 +6,11 @@ mod common;
 #[path = "common/nodes.rs"]
 mod nodes;
 
-use std::process::Command;
-
 use nodes::Netns;
 
 /// The device `ip route get` says a packet to `addr` leaves by.
 fn route_dev(addr: &str) -> String {
-    let out = Command::new("ip")
-        .args(["-o", "route", "get", addr])
-        .output()
-        .expect("ip route get");
+    let out = nodes::ip_output(&["-o", "route", "get", addr]).expect("ip route get");
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     text.split_whitespace()
         .skip_while(|w| *w != "dev")
@@ -25,7 +20,7 @@ fn route_dev(addr: &str) -> String {
 }
 
 fn exists(args: &[&str], name: &str) -> bool {
-    let out = Command::new("ip").args(args).output().expect("ip");
+    let out = nodes::ip_output(args).expect("ip");
     String::from_utf8_lossy(&out.stdout).contains(name)
 }
 
@@ -56,9 +51,7 @@ fn namespaces_a_killed_run_left_behind_are_removed_before_new_ones() {
     // This run's routes are its own.
     assert_eq!(route_dev("10.77.0.2"), ns.host_end(0));
     assert_eq!(route_dev("10.77.1.2"), ns.host_end(1));
-    let ok = Command::new("ip")
-        .args(["netns", "exec", &ns.names[1], "ip", "-o", "addr", "show"])
-        .output()
+    let ok = nodes::ip_output(&["netns", "exec", &ns.names[1], "ip", "-o", "addr", "show"])
         .expect("ip netns exec");
     assert!(String::from_utf8_lossy(&ok.stdout).contains("10.77.1.2/24"));
 }

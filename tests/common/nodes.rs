@@ -113,6 +113,16 @@ pub struct Netns {
     _lock: std::fs::File,
 }
 
+/// `ip ARGS`, its output read with a deadline (`timeout 30`: a wedged
+/// netlink call fails the read instead of hanging the test).
+pub fn ip_output(args: &[&str]) -> std::io::Result<std::process::Output> {
+    Command::new("timeout")
+        .arg("30")
+        .arg("ip")
+        .args(args)
+        .output()
+}
+
 /// Removes every kspeed test namespace (`ksr*`) and host-side veth end
 /// (`krh*`) there is. Called with the lock held, when no test of any run
 /// holds namespaces, so whatever is there was left by a run killed before
@@ -120,9 +130,7 @@ pub struct Netns {
 /// 10.77.<i>.1/24 routes and make this run's nodes unreachable.
 fn remove_stale() {
     let names = |args: &[&str]| -> Vec<String> {
-        Command::new("ip")
-            .args(args)
-            .output()
+        ip_output(args)
             .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
             .unwrap_or_default()
             .lines()
