@@ -1159,6 +1159,44 @@ fn stats_read_ahead_is_what_was_read_and_not_delivered() {
     assert_eq!(l.stats().read_ahead, 0);
 }
 
+/// A loader restored right after its build reads nothing for the old
+/// start: its pollers wait for the first batch (docs/LOCAL_PATH.md,
+/// "Pollers"), so the restore throws no read away and waits for none.
+/// Exact counts: the disk reads of the rest of the epoch, each once.
+/// Pollers that began at the build would have read from step 0 until the
+/// restore stopped them, and those reads would be in `disk_reads` too.
+#[test]
+fn a_restore_right_after_the_build_reads_only_from_the_restored_step() {
+    let t = tempfile::tempdir().unwrap();
+    let (_, sp) = tiny_space(t.path(), 300);
+    let build = || {
+        LoaderBuilder::space(&sp)
+            .batch_size(10)
+            .end_epoch(Some(1))
+            .landing(small_ring(64 << 20))
+            .build()
+            .unwrap()
+    };
+    let saved = {
+        let mut a = build();
+        for _ in 0..12 {
+            a.next_batch().unwrap().unwrap();
+        }
+        a.save_position()
+    };
+    let mut l = build();
+    l.restore_position(&saved).unwrap();
+    assert_eq!(l.stats().disk_reads, 0, "{:?}", l.stats());
+    let mut delivered = 0u64;
+    while let Some(b) = l.next_batch().unwrap() {
+        delivered += b.len() as u64;
+    }
+    assert_eq!(delivered, 300 - 120);
+    let st = l.finish();
+    assert_eq!(st.disk_reads, 300 - 120, "{st:?}");
+    assert_eq!(st.read_ahead_discarded, 0, "{st:?}");
+}
+
 /// Statistics add up over the loader's life: restarts do not reset them,
 /// and what was read ahead is counted apart from what was delivered.
 #[test]

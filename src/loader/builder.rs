@@ -652,7 +652,11 @@ impl LoaderBuilder {
         self
     }
 
-    /// Opens the input, maps the ring, starts the pollers.
+    /// Opens the input, maps the ring, starts the pollers. A local
+    /// loader's pollers wait until the first batch is asked for, so a
+    /// [`Loader::restore_position`] right after the build costs no reads
+    /// (docs/LOCAL_PATH.md, "Pollers"); in cluster mode and attached to
+    /// the node agent they read at once.
     pub fn build(self) -> Result<Loader> {
         if self.s3.0.is_some() || self.s3.1.is_some() {
             #[cfg(feature = "s3")]
@@ -1364,8 +1368,13 @@ impl LoaderBuilder {
             && tier.is_none()
             && matches!(input, Input::Space { .. })
             && input.held_samples() == input.len();
+        // A local loader's pollers wait for the first batch (Loader's
+        // `asked`); a cluster, agent or attached run reads at once (its
+        // connections, grants and the agent's feeder start with it).
+        let asked = net.is_some() || attach_settings.is_some() || self.agent_input.is_some();
         let mut loader = Loader {
             run: None,
+            asked,
             spare: Some(Spare {
                 input,
                 ring,

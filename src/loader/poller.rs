@@ -197,6 +197,16 @@ impl Poller {
     /// Runs until the loader stops, then waits for in-flight reads (they
     /// write into the ring) and hands the backend back for reuse.
     pub(crate) fn run(mut self) -> PollerIo {
+        // Parked until the consumer asks for its first batch (or stops the
+        // run): a restore right after the build then starts the next run
+        // where it should, with nothing of this one's in flight to wait
+        // for. An unpark before the park makes it return at once.
+        while !self.shared.go.load(Ordering::Acquire) {
+            if self.shared.stop.load(Ordering::Acquire) {
+                return self.into_io();
+            }
+            std::thread::park();
+        }
         if !self.shared.has_local() {
             // Cluster mode with nothing local: every sample comes over the
             // network, and the schedule has nothing for this poller.

@@ -265,6 +265,11 @@ pub(crate) struct Shared {
     pub(crate) released_v: AtomicU64,
     pub(crate) released_g: AtomicU64,
     pub(crate) stop: AtomicBool,
+    /// Whether the pollers may read: false from a local loader's build
+    /// until its first batch is asked for ([`super::Loader`]'s `asked`),
+    /// so a restore right after the build moves where they start instead
+    /// of waiting for reads begun at the old start; they wait parked.
+    pub(crate) go: AtomicBool,
     /// Bumped by a poller that publishes the sample the consumer sleeps on;
     /// the consumer futex-waits on it (no lock, no thread handle, so the
     /// loader may move between threads).
@@ -563,6 +568,7 @@ impl Shared {
             released_v: AtomicU64::new(0),
             released_g: AtomicU64::new(0),
             stop: AtomicBool::new(false),
+            go: AtomicBool::new(true),
             wake_seq: AtomicU32::new(0),
             waiting_for: AtomicU64::new(0),
             errors: Mutex::new(Vec::new()),

@@ -551,13 +551,22 @@ pub unsafe fn copy_faultable(dst: *mut u8, src: *const u8, len: usize) -> bool {
     n == len as isize
 }
 
+/// Pages per window [`sample_resident_pages`] checks with one `mincore`.
+pub const RESIDENT_WINDOW_PAGES: u64 = 16;
+
 /// How much of `file` (its first `len_bytes`) is in the page cache,
 /// sampled: `windows` evenly spaced runs of up to 16 pages each are
 /// checked with `mincore`, so the cost is bounded whatever the file's
-/// size (a few microseconds per window). Returns (resident pages, pages
-/// checked); (0, 0) for an empty file.
-pub fn sample_resident_pages(file: &File, len_bytes: u64, windows: u64) -> io::Result<(u64, u64)> {
-    const WINDOW_PAGES: u64 = 16;
+/// size (about a microsecond per window). The check stops early once
+/// more than `max_missing` of the pages checked are not cached (a caller
+/// that wants a share cached knows its answer by then). Returns
+/// (resident pages, pages checked); (0, 0) for an empty file.
+pub fn sample_resident_pages(
+    file: &File,
+    len_bytes: u64,
+    windows: u64,
+    max_missing: u64,
+) -> io::Result<(u64, u64)> {
     // SAFETY: sysconf has no preconditions.
     let page_bytes = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(4096) as u64;
     let pages = len_bytes.div_ceil(page_bytes);
@@ -583,14 +592,14 @@ pub fn sample_resident_pages(file: &File, len_bytes: u64, windows: u64) -> io::R
     if map == libc::MAP_FAILED {
         return Err(io::Error::last_os_error());
     }
-    let runs = windows.min(pages.div_ceil(WINDOW_PAGES));
+    let runs = windows.min(pages.div_ceil(RESIDENT_WINDOW_PAGES));
     let stride_pages = pages / runs;
-    let mut vec = [0u8; WINDOW_PAGES as usize];
+    let mut vec = [0u8; RESIDENT_WINDOW_PAGES as usize];
     let (mut resident, mut checked) = (0u64, 0u64);
     let mut result = Ok(());
     for w in 0..runs {
         let first = w * stride_pages;
-        let n = WINDOW_PAGES.min(pages - first);
+        let n = RESIDENT_WINDOW_PAGES.min(pages - first);
         // SAFETY: [first, first + n) pages lie inside the mapping made
         // above, and `vec` has room for one byte per page of the run.
         let rc = unsafe {
@@ -606,6 +615,9 @@ pub fn sample_resident_pages(file: &File, len_bytes: u64, windows: u64) -> io::R
         }
         resident += vec[..n as usize].iter().filter(|b| **b & 1 != 0).count() as u64;
         checked += n;
+        if checked - resident > max_missing {
+            break;
+        }
     }
     // SAFETY: the mapping made above, exactly this long, unused from here.
     unsafe { libc::munmap(map, map_len) };
@@ -625,17 +637,24 @@ mod tests {
         // are always resident.
         let mut f = tempfile::tempfile_in(env!("CARGO_MANIFEST_DIR")).unwrap();
         f.write_all(&vec![7u8; 8 << 20]).unwrap();
-        let (resident, checked) = super::sample_resident_pages(&f, 8 << 20, 64).unwrap();
+        let (resident, checked) = super::sample_resident_pages(&f, 8 << 20, 64, u64::MAX).unwrap();
         assert!(checked >= 64, "{checked} pages checked");
         assert_eq!(resident, checked, "a file just written");
         f.sync_all().unwrap();
         super::drop_cache(&f, 0, 8 << 20);
-        let (after, _) = super::sample_resident_pages(&f, 8 << 20, 64).unwrap();
+        let (after, _) = super::sample_resident_pages(&f, 8 << 20, 64, u64::MAX).unwrap();
         assert!(
             after < checked / 2,
             "{after} of {checked} pages still resident after DONTNEED"
         );
-        assert_eq!(super::sample_resident_pages(&f, 0, 64).unwrap(), (0, 0));
+        // Told that 16 missing pages settle it, the check stops within
+        // the window that passes them, not after all 64.
+        let (_, stopped_at) = super::sample_resident_pages(&f, 8 << 20, 64, 16).unwrap();
+        assert!(
+            stopped_at < checked / 2,
+            "{stopped_at} of {checked} pages checked with max_missing 16"
+        );
+        assert_eq!(super::sample_resident_pages(&f, 0, 64, 0).unwrap(), (0, 0));
     }
 
     /// Runs under Miri too (scripts/test.sh): the alignment slack, writes
