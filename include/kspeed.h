@@ -698,6 +698,23 @@ void ksp_loader_free(ksp_loader *l);
 // `l` is a live loader.
 ksp_status ksp_loader_set_epoch(ksp_loader *l, uint64_t epoch);
 
+// Starts reading now rather than at the first batch. A local loader's
+// pollers wait for the first `ksp_loader_next_batch`, so that a
+// `ksp_loader_restore_position` right after `ksp_loader_new` throws no
+// read away; call this (after restoring, if you restore) to have the ring
+// filled while the program does other work first. A no-op once reading,
+// and in cluster mode and attached, where reading starts with the loader.
+//
+// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_FORKED` (a forked
+// child's copy of the handle).
+//
+// Thread safety: one call on `l` at a time (serialise every call on one
+// loader); other loaders may be used from other threads at once.
+//
+// # Safety
+// `l` is a live loader.
+ksp_status ksp_loader_start_reading(ksp_loader *l);
+
 // Samples per epoch for this rank, in `*out` (the same on every rank;
 // with `drop_last`, whole batches only).
 //

@@ -196,6 +196,9 @@ public:
         return Batch(p_, b);
     }
     void set_epoch(uint64_t epoch) { check(ksp_loader_set_epoch(p_.get(), epoch)); }
+    // Reading starts at the first next_batch(); this starts it now (after
+    // restore_position(), if the program restores).
+    void start_reading() { check(ksp_loader_start_reading(p_.get())); }
     uint64_t epoch_len() const {
         uint64_t n = 0;
         check(ksp_loader_epoch_len(p_.get(), &n));

@@ -472,9 +472,20 @@ impl Loader {
         Ok(())
     }
 
-    /// The first batch is asked for: the pollers of a local loader, parked
-    /// since the build ([`Shared::go`]), start reading; every later run
-    /// starts at once.
+    /// Starts a local loader's pollers now rather than at the first batch
+    /// (they wait for it so that a restore right after the build throws
+    /// no read away; docs/LOCAL_PATH.md, "Pollers"): for a caller that
+    /// wants the ring filled while it does other work first, such as
+    /// building its model. Restore first if it restores. A no-op once
+    /// reading, and for cluster, agent and attached loaders, which read
+    /// from the build.
+    pub fn start_reading(&mut self) {
+        self.go();
+    }
+
+    /// The first batch is asked for (or [`Loader::start_reading`]): the
+    /// pollers of a local loader, parked since the build ([`Shared::go`]),
+    /// start reading; every later run starts at once.
     fn go(&mut self) {
         if self.asked {
             return;

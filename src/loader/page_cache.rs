@@ -42,6 +42,22 @@ pub(crate) const RESIDENT_FRACTION: f64 = 0.9;
 /// costs more per window than a cold one), with no better decision.
 const WINDOWS_PER_SPACE: u64 = 256;
 
+/// The most pages of `planned` that may be missing with the rest still
+/// counted cached by [`decide`]'s own comparison (`resident / checked >=
+/// RESIDENT_FRACTION`), found with that comparison rather than from
+/// `1.0 - 0.9`, which is 0.0999... in floating point and would settle on
+/// O_DIRECT with exactly 90% cached.
+fn max_missing_of(planned: u64) -> u64 {
+    let cached = |missing: u64| {
+        planned == 0 || (planned - missing) as f64 / planned as f64 >= RESIDENT_FRACTION
+    };
+    let mut m = (((1.0 - RESIDENT_FRACTION) * planned as f64) as u64 + 1).min(planned);
+    while m > 0 && !cached(m) {
+        m -= 1;
+    }
+    m
+}
+
 /// The windows extent `i` of `lens` gets of [`WINDOWS_PER_SPACE`]: its
 /// share by length, at least one for a non-empty file.
 fn windows_for(lens: &[u64], i: usize) -> u64 {
@@ -112,7 +128,7 @@ pub(crate) fn decide(
             let planned: u64 = (0..lens.len())
                 .map(|i| windows_for(lens, i) * crate::sys::RESIDENT_WINDOW_PAGES)
                 .sum();
-            let max_missing = ((1.0 - RESIDENT_FRACTION) * planned as f64) as u64;
+            let max_missing = max_missing_of(planned);
             let (mut resident, mut checked) = (0u64, 0u64);
             for (i, (f, &len)) in extents.iter().zip(lens).enumerate() {
                 let missing = checked - resident;
@@ -176,5 +192,22 @@ mod tests {
             "{w:?}"
         );
         assert_eq!(windows_for(&[7 << 30], 0), WINDOWS_PER_SPACE);
+    }
+
+    /// The early exit agrees with the final comparison at its edge:
+    /// exactly 90% cached is cached, one page fewer is not.
+    #[test]
+    fn max_missing_is_the_edge_of_the_final_comparison() {
+        for planned in [0u64, 1, 7, 10, 16, 4080, 4096, 4095, 100_000] {
+            let m = super::max_missing_of(planned);
+            let share = |missing: u64| (planned - missing) as f64 / planned as f64;
+            if planned > 0 {
+                assert!(share(m) >= super::RESIDENT_FRACTION, "{planned}: {m}");
+            }
+            if m < planned {
+                assert!(share(m + 1) < super::RESIDENT_FRACTION, "{planned}: {m}");
+            }
+        }
+        assert_eq!(super::max_missing_of(4080), 408);
     }
 }

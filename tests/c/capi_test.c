@@ -6,11 +6,13 @@
  * SPACE is a preloaded space, SOURCE its source directory, WORKDIR a
  * scratch directory. Prints one line per failed check and exits non-zero if
  * any failed. */
+#define _POSIX_C_SOURCE 200809L /* nanosleep */
 #include <kspeed.h>
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 static int failures = 0;
 
@@ -202,6 +204,24 @@ int main(int argc, char **argv) {
     CHECK(ksp_loader_new(cfg, &l) == KSP_OK, "%s", last_error());
     ksp_config_free(cfg); /* the loader does not need it any more */
     CHECK(log_calls > calls_before, "kspeed logged through the callback");
+    /* Reading starts at the first batch, or at ksp_loader_start_reading:
+     * then the ring fills with nobody consuming (60 s deadline). */
+    ksp_stats st0 = KSP_STATS_INIT;
+    CHECK(ksp_loader_stats(l, &st0) == KSP_OK && st0.disk_reads == 0, "read before the first batch: %llu",
+          (unsigned long long)st0.disk_reads);
+    CHECK(ksp_loader_start_reading(NULL) == KSP_ERR_NULL_ARG, "null loader");
+    CHECK(ksp_loader_start_reading(l) == KSP_OK, "%s", last_error());
+    for (time_t until = time(NULL) + 60;;) {
+        CHECK(ksp_loader_stats(l, &st0) == KSP_OK, "%s", last_error());
+        if (st0.read_ahead > 0) break;
+        if (time(NULL) >= until) {
+            CHECK(0, "no read ahead within 60 s of ksp_loader_start_reading");
+            break;
+        }
+        struct timespec pause = {0, 1000000};
+        nanosleep(&pause, NULL);
+    }
+    CHECK(st0.samples == 0, "samples %llu", (unsigned long long)st0.samples);
     uint64_t per_epoch = 0, total = 0;
     CHECK(ksp_loader_epoch_len(l, &per_epoch) == KSP_OK && per_epoch > 0, "%s", last_error());
     CHECK(ksp_loader_catalog_len(l, &total) == KSP_OK && total == per_epoch, "%s", last_error());

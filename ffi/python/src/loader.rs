@@ -242,6 +242,17 @@ impl PyLoader {
         .raise(py)
     }
 
+    /// Starts the pollers now rather than at the first batch (Rust's
+    /// `Loader::start_reading`).
+    pub(crate) fn start_reading(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| {
+            let mut core = self.shared.lock();
+            core.loader()?.start_reading();
+            Ok::<_, Fail>(())
+        })
+        .raise(py)
+    }
+
     /// (epoch, index) of the next sample to be delivered.
     pub(crate) fn position(&self, py: Python<'_>) -> PyResult<(u64, u64)> {
         py.detach(|| {

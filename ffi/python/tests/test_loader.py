@@ -6,6 +6,7 @@ import os
 import pickle
 import subprocess
 import sys
+import time
 import zlib
 
 import numpy as np
@@ -204,6 +205,35 @@ print(ids)
     assert out.returncode == 0, out.stderr
     rest = eval(out.stdout.strip())
     assert taken == full[:24] and rest == full[24:]
+
+
+def test_reading_starts_at_the_first_batch_or_start_reading(space):
+    """A local loader reads nothing until its first batch is asked for
+    (a restore right after construction throws no read away), unless
+    start_reading() starts it earlier: the ring then fills from the
+    restored step with nobody consuming."""
+    args = dict(batch_size=4, seed=5, ring_bytes="256KiB", end_epoch=1)
+    a = kspeed.Loader(space, **args)
+    for _ in range(2):
+        a.next_batch()
+    state = a.state_dict()
+    a.close()
+    with kspeed.Loader(space, **args) as b:
+        b.load_state_dict(state)
+        assert b.stats()["disk_reads"] == 0, b.stats()
+        assert b.position() == (0, 8)
+        b.start_reading()
+        deadline = time.monotonic() + 60
+        while b.stats()["read_ahead"] == 0:
+            assert time.monotonic() < deadline, ("no read ahead within 60 s", b.stats())
+            time.sleep(0.01)
+        st = b.stats()
+        assert st["samples"] == 0 and st["disk_reads"] > 0, st
+        assert b.position() == (0, 8)
+        n = sum(len(x) for x in b)
+        assert n == b.epoch_len - 8
+        # Every read was for the restored step onwards, each once.
+        assert b.stats()["disk_reads"] <= b.epoch_len - 8, b.stats()
 
 
 def test_state_dict_refuses_another_job(space):

@@ -401,7 +401,9 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
     };
     let mut idle_core_fraction = None;
     if a.idle_ms > 0 {
-        // Fill: the pollers read ahead until the ring is full.
+        // Fill: the pollers (which otherwise wait for the first batch)
+        // read ahead until the ring is full.
+        loader.start_reading();
         std::thread::sleep(Duration::from_millis(a.idle_ms / 2 + 500));
         let (c0, w0) = (process_cpu_seconds(), Instant::now());
         std::thread::sleep(Duration::from_millis(a.idle_ms));

@@ -522,6 +522,17 @@ class Loader:
         _check_pid(self)
         return self._l.next_batch()
 
+    def start_reading(self):
+        """Starts reading now rather than at the first batch. A local
+        loader's pollers wait for the first batch, so that a
+        :meth:`load_state_dict` right after construction throws no read
+        away; call this (after restoring, if you restore) to have the ring
+        filled while you do other work first, such as building the model.
+        A no-op once reading, and in cluster mode and attached, where
+        reading starts with the loader."""
+        _check_pid(self)
+        self._l.start_reading()
+
     def set_epoch(self, epoch):
         """Moves to ``epoch`` (as ``DistributedSampler.set_epoch``)."""
         _check_pid(self)
