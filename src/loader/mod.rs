@@ -479,14 +479,10 @@ impl Loader {
     /// building its model. Restore first if it restores. A no-op once
     /// reading, and for cluster, agent and attached loaders, which read
     /// from the build.
+    ///
+    /// The first batch calls it too: the pollers, parked since the build
+    /// (`Shared::go`), start reading; every later run starts at once.
     pub fn start_reading(&mut self) {
-        self.go();
-    }
-
-    /// The first batch is asked for (or [`Loader::start_reading`]): the
-    /// pollers of a local loader, parked since the build ([`Shared::go`]),
-    /// start reading; every later run starts at once.
-    fn go(&mut self) {
         if self.asked {
             return;
         }
@@ -600,7 +596,7 @@ impl Loader {
     /// The next batch, the batches out left as they are.
     fn acquire_next(&mut self) -> Result<usize> {
         self.check_failed()?;
-        self.go();
+        self.start_reading();
         self.entries.clear();
         let mut first_v = None;
         let mut desc = None;

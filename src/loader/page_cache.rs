@@ -18,7 +18,7 @@ use crate::error::{Error, Result};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum PageCache {
     /// The default: through the page cache when at least
-    /// `RESIDENT_FRACTION` (90%) of a sample of the space's pages is cached when
+    /// `RESIDENT_PERCENT` (90%) of a sample of the space's pages is cached when
     /// the loader is built, else O_DIRECT.
     #[default]
     Auto,
@@ -32,7 +32,14 @@ pub enum PageCache {
 /// through the page cache. High on purpose: a dataset that is half cached
 /// gains little from buffered reads of the cached half and pays page cache
 /// churn (and memory taken from the trainer) for the other half.
-pub(crate) const RESIDENT_FRACTION: f64 = 0.9;
+pub(crate) const RESIDENT_PERCENT: u64 = 90;
+
+/// Whether `resident` of `checked` sampled pages are enough to read
+/// through the page cache (in integers: `1.0 - 0.9` is 0.0999... in
+/// floating point, and the early exit must agree with this exactly).
+fn cached(resident: u64, checked: u64) -> bool {
+    checked > 0 && resident * 100 >= checked * RESIDENT_PERCENT
+}
 
 /// Windows of 16 pages checked over the whole space (`mincore`), shared
 /// among its extent files by length (at least one each): 4,096 pages, a
@@ -43,29 +50,24 @@ pub(crate) const RESIDENT_FRACTION: f64 = 0.9;
 const WINDOWS_PER_SPACE: u64 = 256;
 
 /// The most pages of `planned` that may be missing with the rest still
-/// counted cached by [`decide`]'s own comparison (`resident / checked >=
-/// RESIDENT_FRACTION`), found with that comparison rather than from
-/// `1.0 - 0.9`, which is 0.0999... in floating point and would settle on
-/// O_DIRECT with exactly 90% cached.
+/// [`cached`].
 fn max_missing_of(planned: u64) -> u64 {
-    let cached = |missing: u64| {
-        planned == 0 || (planned - missing) as f64 / planned as f64 >= RESIDENT_FRACTION
-    };
-    let mut m = (((1.0 - RESIDENT_FRACTION) * planned as f64) as u64 + 1).min(planned);
-    while m > 0 && !cached(m) {
-        m -= 1;
-    }
-    m
+    planned - (planned * RESIDENT_PERCENT).div_ceil(100)
 }
 
-/// The windows extent `i` of `lens` gets of [`WINDOWS_PER_SPACE`]: its
+/// The windows each extent of `lens` gets of [`WINDOWS_PER_SPACE`]: its
 /// share by length, at least one for a non-empty file.
-fn windows_for(lens: &[u64], i: usize) -> u64 {
-    let total: u64 = lens.iter().sum();
-    if lens[i] == 0 || total == 0 {
-        return 0;
-    }
-    ((u128::from(WINDOWS_PER_SPACE) * u128::from(lens[i]) / u128::from(total)) as u64).max(1)
+fn windows_for(lens: &[u64]) -> Vec<u64> {
+    let total: u128 = lens.iter().map(|&l| u128::from(l)).sum();
+    lens.iter()
+        .map(|&len| {
+            if len == 0 {
+                0
+            } else {
+                ((u128::from(WINDOWS_PER_SPACE) * u128::from(len) / total) as u64).max(1)
+            }
+        })
+        .collect()
 }
 
 impl PageCache {
@@ -125,20 +127,17 @@ pub(crate) fn decide(
             // may be shorter): once more than the uncached share allows
             // are missing, the answer is O_DIRECT and the rest of the
             // sample cannot change it (a cold space costs a few windows).
-            let planned: u64 = (0..lens.len())
-                .map(|i| windows_for(lens, i) * crate::sys::RESIDENT_WINDOW_PAGES)
-                .sum();
+            let windows = windows_for(lens);
+            let planned = windows.iter().sum::<u64>() * crate::sys::RESIDENT_WINDOW_PAGES;
             let max_missing = max_missing_of(planned);
             let (mut resident, mut checked) = (0u64, 0u64);
             for (i, (f, &len)) in extents.iter().zip(lens).enumerate() {
                 let missing = checked - resident;
-                let (r, c) = crate::sys::sample_resident_pages(
-                    f,
-                    len,
-                    windows_for(lens, i),
-                    max_missing - missing,
-                )
-                .map_err(|e| Error::io("check the page cache (mincore) of", path_of(i), e))?;
+                let (r, c) =
+                    crate::sys::sample_resident_pages(f, len, windows[i], max_missing - missing)
+                        .map_err(|e| {
+                            Error::io("check the page cache (mincore) of", path_of(i), e)
+                        })?;
                 resident += r;
                 checked += c;
                 if checked - resident > max_missing {
@@ -151,20 +150,20 @@ pub(crate) fn decide(
                 resident as f64 / checked as f64
             };
             let settled_early = checked - resident > max_missing;
-            let buffered = checked > 0 && !settled_early && fraction >= RESIDENT_FRACTION;
+            let buffered = cached(resident, checked);
             let why = if settled_early {
                 format!(
                     "page_cache auto: {} of the first {checked} sampled pages not cached, \
-                     more than {:.0}% of the {planned} sampled",
+                     more than {}% of the {planned} sampled",
                     checked - resident,
-                    (1.0 - RESIDENT_FRACTION) * 100.0
+                    100 - RESIDENT_PERCENT
                 )
             } else {
                 format!(
-                    "page_cache auto: {:.0}% of {checked} sampled pages cached, {} {:.0}%",
+                    "page_cache auto: {:.0}% of {checked} sampled pages cached, {} {}%",
                     fraction * 100.0,
                     if buffered { "at least" } else { "under" },
-                    RESIDENT_FRACTION * 100.0
+                    RESIDENT_PERCENT
                 )
             };
             Ok(Choice { buffered, why })
@@ -174,14 +173,14 @@ pub(crate) fn decide(
 
 #[cfg(test)]
 mod tests {
-    use super::{windows_for, WINDOWS_PER_SPACE};
+    use super::{cached, windows_for, WINDOWS_PER_SPACE};
 
     /// The budget is shared by length, every non-empty extent gets at least
     /// one window, and the whole stays within the budget plus those minima.
     #[test]
     fn windows_are_shared_by_length() {
         let lens = [1 << 30, 1 << 30, 150 << 20, 0, 4096];
-        let w: Vec<u64> = (0..lens.len()).map(|i| windows_for(&lens, i)).collect();
+        let w = windows_for(&lens);
         assert_eq!(w[0], w[1], "{w:?}");
         assert!(w[0] > 6 * w[2] && w[2] > 0, "{w:?}");
         assert_eq!(w[3], 0, "an empty extent: {w:?}");
@@ -191,7 +190,7 @@ mod tests {
             total <= WINDOWS_PER_SPACE + lens.len() as u64 && total + 3 >= WINDOWS_PER_SPACE,
             "{w:?}"
         );
-        assert_eq!(windows_for(&[7 << 30], 0), WINDOWS_PER_SPACE);
+        assert_eq!(windows_for(&[7 << 30]), [WINDOWS_PER_SPACE]);
     }
 
     /// The early exit agrees with the final comparison at its edge:
@@ -200,12 +199,11 @@ mod tests {
     fn max_missing_is_the_edge_of_the_final_comparison() {
         for planned in [0u64, 1, 7, 10, 16, 4080, 4096, 4095, 100_000] {
             let m = super::max_missing_of(planned);
-            let share = |missing: u64| (planned - missing) as f64 / planned as f64;
             if planned > 0 {
-                assert!(share(m) >= super::RESIDENT_FRACTION, "{planned}: {m}");
+                assert!(cached(planned - m, planned), "{planned}: {m}");
             }
             if m < planned {
-                assert!(share(m + 1) < super::RESIDENT_FRACTION, "{planned}: {m}");
+                assert!(!cached(planned - m - 1, planned), "{planned}: {m}");
             }
         }
         assert_eq!(super::max_missing_of(4080), 408);
