@@ -698,3 +698,82 @@ fn an_agent_over_a_partial_space_keeps_its_ranks_source_reads_in_a_cache_area() 
         "{e}"
     );
 }
+
+/// The agent's threads named `prefix` (their comm, which the kernel cuts
+/// at 15 bytes).
+fn agent_threads(pid: u32, prefix: &str) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .filter(|c| c.trim_end().starts_with(prefix))
+        .count()
+}
+
+/// The node's poller threads take turns for every attached rank's pollers
+/// (`--node-pollers`): 4 ranks of 2 pollers each are served by 2 threads,
+/// no thread of a rank's own, and deliver exactly what embedded ranks do;
+/// `--node-pollers 0` runs a thread per poller instead, as exactly.
+#[test]
+fn the_node_s_poller_threads_serve_every_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let sp = space(dir.path(), 1200);
+    let world = 4u32;
+    let want: Vec<_> = (0..world).map(|r| embedded(&sp, r, world, 2)).collect();
+    for (node_pollers, shared_threads, own_threads) in [("2", 2, 0), ("0", 0, 8)] {
+        let sock = dir.path().join(format!("agent{node_pollers}.sock"));
+        let agent = Agent::start(
+            &sp,
+            &sock,
+            &["--pollers", "2", "--node-pollers", node_pollers],
+        );
+        // Counted with every rank attached: each is stopped (SIGSTOP) as
+        // soon as it is (100 ms per batch: seconds before it could end),
+        // so none ends and takes its own pollers' threads with it.
+        let mut held = Vec::new();
+        for r in 0..world {
+            let mut a = attached_args(&sp, &sock, r, world, 2);
+            a.extend(["--compute-us".to_string(), "100000".to_string()]);
+            let child = spawn_read(&a);
+            let pid = child.id().to_string();
+            agent.log.wait_for(
+                &[&format!("rank {r} "), &pid, "attached"],
+                Duration::from_secs(30),
+            );
+            assert!(Command::new("kill")
+                .args(["-STOP", &pid])
+                .status()
+                .unwrap()
+                .success());
+            held.push(child);
+        }
+        let (shared, own) = (
+            agent_threads(agent.pid(), "kspeed-node-pol"),
+            agent_threads(agent.pid(), "kspeed-poller-"),
+        );
+        assert_eq!(
+            (shared, own),
+            (shared_threads, own_threads),
+            "node poller threads and a rank's own poller threads, --node-pollers {node_pollers}"
+        );
+        for mut child in held {
+            let pid = child.id().to_string();
+            child.kill().unwrap();
+            let _ = child.wait();
+            agent
+                .log
+                .wait_for(&[&pid, "ended"], Duration::from_secs(30));
+        }
+        // The same agent, fresh ranks at full speed: exact.
+        let ranks: Vec<Child> = (0..world)
+            .map(|r| spawn_read(&attached_args(&sp, &sock, r, world, 2)))
+            .collect();
+        for (r, child) in ranks.into_iter().enumerate() {
+            assert_eq!(
+                finish(child),
+                want[r],
+                "rank {r}, --node-pollers {node_pollers}"
+            );
+        }
+        assert!(!agent.log.all().contains("panicked"), "{}", agent.log.all());
+    }
+}

@@ -9,7 +9,9 @@
 //! runs this node's node service for them ([`AgentConfig::serve`]).
 //!
 //! Threads: the main loop (accepts, beats every rank's heartbeat, reaps
-//! ranks that ended); per rank one feeder and `pollers` pollers.
+//! ranks that ended); the node's poller threads ([`AgentConfig::node_pollers`]),
+//! which take turns for every rank's `pollers` pollers; per rank one
+//! feeder.
 //!
 //! A rank is judged by its socket (the kernel's hang-up when it dies) and
 //! its segment's state word (a clean detach), never by its heartbeat: a
@@ -31,6 +33,7 @@ use super::shm::RingMap;
 use crate::dataset::Space;
 use crate::error::{Error, Result};
 use crate::landing::{CudaMode, LandingOptions};
+use crate::loader::node_pollers::NodePollers;
 use crate::loader::{Loader, LoaderBuilder, Tier};
 use crate::sampler::Position;
 
@@ -41,8 +44,13 @@ pub struct AgentConfig {
     pub space: PathBuf,
     /// The attach socket.
     pub socket: PathBuf,
-    /// Poller threads per attached rank.
+    /// Pollers per attached rank (each its own io_uring and share of the
+    /// rank's schedule).
     pub pollers: usize,
+    /// The node's poller threads, which take turns for every attached
+    /// rank's pollers; 0: a thread per poller, as an embedded loader
+    /// runs them (to compare).
+    pub node_pollers: usize,
     /// Reads in flight per poller.
     pub queue_depth: u32,
     /// Register each rank's ring with the pollers' io_urings.
@@ -73,13 +81,15 @@ pub struct AgentConfig {
 }
 
 impl AgentConfig {
-    /// Defaults: 1 poller per rank, queue depth 32, registered buffers,
-    /// a 100 ms heartbeat, no memory tier.
+    /// Defaults: 1 poller per rank, the node's poller threads a quarter of
+    /// the agent's cores (1 to 8, `placement::default_pollers`), queue
+    /// depth 32, registered buffers, a 100 ms heartbeat, no memory tier.
     pub fn new(space: impl Into<PathBuf>, socket: impl Into<PathBuf>) -> Self {
         AgentConfig {
             space: space.into(),
             socket: socket.into(),
             pollers: 1,
+            node_pollers: crate::placement::default_pollers(),
             queue_depth: 32,
             registered_buffers: true,
             heartbeat: Duration::from_millis(100),
@@ -132,6 +142,8 @@ struct OpenSpace {
     /// In a cluster over TCP: the one network thread every rank's loader
     /// joins (one link per other node, started with the first rank).
     net_hub: Option<Arc<crate::loader::net::NetHub>>,
+    /// The node's poller threads (None: a thread per poller).
+    node_pollers: Option<Arc<NodePollers>>,
 }
 
 fn open_space(cfg: &AgentConfig) -> Result<OpenSpace> {
@@ -218,6 +230,15 @@ fn open_space(cfg: &AgentConfig) -> Result<OpenSpace> {
         net_hub: match &cfg.cluster {
             Some(c) if c.shared_links() => Some(crate::loader::net::NetHub::new(c.net_threads)?),
             _ => None,
+        },
+        node_pollers: match cfg.node_pollers {
+            0 => None,
+            n => {
+                log::info!(
+                    "agent: {n} node poller threads take turns for every attached rank's pollers"
+                );
+                Some(Arc::new(NodePollers::new(n, &[])?))
+            }
         },
     })
 }
@@ -580,6 +601,7 @@ fn build_loader(
             ring: Arc::new(Mutex::new(Some(ring))),
             tier,
             net_hub: open.net_hub.clone(),
+            node_pollers: open.node_pollers.clone(),
         })
         .batch_size(req.batch_size as usize)
         .seed(req.seed)

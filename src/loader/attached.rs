@@ -83,6 +83,9 @@ pub(crate) struct AgentInput {
     /// loader joins as a lane instead of connecting to every node itself
     /// (one link per pair of nodes, `net/hub.rs`).
     pub(crate) net_hub: Option<Arc<super::net::NetHub>>,
+    /// The node's poller threads, which take turns for this rank's
+    /// pollers (None: a thread per poller, `kspeed agent --node-pollers 0`).
+    pub(crate) node_pollers: Option<Arc<super::node_pollers::NodePollers>>,
 }
 
 impl std::fmt::Debug for AgentInput {

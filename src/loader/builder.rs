@@ -1374,6 +1374,10 @@ impl LoaderBuilder {
         let asked = net.is_some() || attach_settings.is_some() || self.agent_input.is_some();
         let mut loader = Loader {
             run: None,
+            node_pollers: self
+                .agent_input
+                .as_ref()
+                .and_then(|a| a.node_pollers.clone()),
             asked,
             spare: Some(Spare {
                 input,

@@ -39,6 +39,7 @@ mod cache_plan;
 mod fdcache;
 mod input;
 pub(crate) mod net;
+pub(crate) mod node_pollers;
 pub mod options;
 mod page_cache;
 mod registration;
@@ -99,7 +100,7 @@ struct Spare {
 
 struct Run {
     shared: Arc<Shared>,
-    threads: Vec<JoinHandle<PollerIo>>,
+    threads: Vec<node_pollers::PollerThread>,
     net_thread: Option<JoinHandle<()>>,
     /// A lane of a shared network thread: its channel closes once the
     /// lane has left (its grants are over; `net/lanes.rs`).
@@ -117,7 +118,7 @@ impl Run {
     fn stop(&mut self) -> Option<Error> {
         self.shared.stop.store(true, Ordering::Release);
         for t in &self.threads {
-            t.thread().unpark();
+            t.unpark();
         }
         if let Some(net) = &self.shared.net {
             net.wake.notify();
@@ -136,8 +137,8 @@ impl Run {
         }
         for t in self.threads.drain(..) {
             match t.join() {
-                Ok(b) => self.joined.push(b),
-                Err(_) => failed = Some(Error::ThreadPanicked { thread: "poller" }),
+                Some(b) => self.joined.push(b),
+                None => failed = Some(Error::ThreadPanicked { thread: "poller" }),
             }
         }
         if let (None, Some(c)) = (&failed, &self.shared.cache) {
@@ -156,6 +157,9 @@ impl Run {
 /// Reads a rank's samples in sampler order. See the module docs.
 pub struct Loader {
     run: Option<Run>,
+    /// Inside the node agent: the node's poller threads, which take turns
+    /// for this loader's pollers instead of a thread each.
+    node_pollers: Option<Arc<node_pollers::NodePollers>>,
     spare: Option<Spare>,
     geo: Geometry,
     /// The rank's sequence: the sampler (resumed at a job position or not)
@@ -429,6 +433,14 @@ impl Loader {
         let mut spawned = 0;
         for (i, backend) in backends.into_iter().enumerate() {
             let sh = shared.clone();
+            if let Some(node) = &self.node_pollers {
+                // The node agent: a turn on one of the node's threads
+                // (node_pollers.rs), placed by the agent, not pinned here.
+                run.threads.push(node.adopt(sh, i, n, backend)?);
+                pin_tx.send((i, None)).expect("sized for every poller");
+                spawned += 1;
+                continue;
+            }
             let core = if self.placement.pin {
                 self.placement.plan.core_for(i)
             } else {
@@ -456,7 +468,7 @@ impl Loader {
                     thread: "poller",
                     source: e.into(),
                 })?;
-            run.threads.push(h);
+            run.threads.push(node_pollers::PollerThread::Own(h));
             spawned += 1;
         }
         drop(pin_tx);
@@ -490,7 +502,7 @@ impl Loader {
         if let Some(run) = &self.run {
             run.shared.go.store(true, Ordering::Release);
             for t in &run.threads {
-                t.thread().unpark();
+                t.unpark();
             }
         }
     }
@@ -1051,7 +1063,7 @@ impl Loader {
                     sh.cfg.lookahead,
                 )
             {
-                t.thread().unpark();
+                t.unpark();
             }
         }
         if let Some(net) = &sh.net {

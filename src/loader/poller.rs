@@ -130,6 +130,28 @@ pub(crate) struct Poller {
     /// Source files kept open across samples (source mode).
     fds: FdCache,
     stall: Stall,
+    /// When the loop last drained a completion (busy-polling for `spin`
+    /// after it).
+    last_progress: Instant,
+    /// A node thread's poller began reading (`node_turn`).
+    started: bool,
+    /// A node thread's poller announced the sample it waits for
+    /// ([`Shared::park_for`]); cleared at its next turn.
+    parked: bool,
+}
+
+/// What a turn of the loop left.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Turn {
+    /// It queued or finished something: take another turn.
+    Busy,
+    /// Reads in flight, none finished: wait for a completion.
+    InFlight,
+    /// Nothing in flight and nothing allowed (the ring is full, or the
+    /// run has not started): wait for the loader.
+    Idle,
+    /// The run stopped and nothing is in flight.
+    Done,
 }
 
 /// Where a partial space's samples it does not hold are read from.
@@ -190,12 +212,16 @@ impl Poller {
                 1
             }),
             stall: Stall::new("loader poller", index),
+            last_progress: Instant::now(),
+            started: false,
+            parked: false,
             shared,
         }
     }
 
     /// Runs until the loader stops, then waits for in-flight reads (they
-    /// write into the ring) and hands the backend back for reuse.
+    /// write into the ring) and hands the backend back for reuse: the
+    /// poller's own thread.
     pub(crate) fn run(mut self) -> PollerIo {
         // Parked until the consumer asks for its first batch (or stops the
         // run): a restore right after the build then starts the next run
@@ -215,86 +241,135 @@ impl Poller {
             }
             return self.into_io();
         }
-        let spin = self.shared.cfg.spin;
-        let mut last_progress = Instant::now();
+        self.last_progress = Instant::now();
         self.stall.resume();
-        loop {
-            let stopping = self.shared.stop.load(Ordering::Acquire);
-            if stopping && self.in_flight == 0 {
-                break;
+        while self.turn(true) != Turn::Done {}
+        self.finish()
+    }
+
+    /// One turn on a thread that takes turns for several pollers (the node
+    /// agent's poller set, `node_pollers.rs`): never blocks. `Idle` and
+    /// `InFlight` ask the thread to wait until this poller's ring has a
+    /// completion or its loader wakes it ([`super::node_pollers::NodeWake`],
+    /// which a release, a stop or the first batch notify in place of an
+    /// unpark). After `Done`, [`Poller::finish`] hands the backend back.
+    pub(crate) fn node_turn(&mut self) -> Turn {
+        if !self.started {
+            let stop = self.shared.stop.load(Ordering::Acquire);
+            // Before the first batch, or in cluster mode with nothing local
+            // (see `run`): nothing to do until the run stops.
+            if !self.shared.go.load(Ordering::Acquire) || !self.shared.has_local() {
+                return if stop { Turn::Done } else { Turn::Idle };
             }
-            let queued = if stopping { 0 } else { self.fill() };
-            if self.unwoken {
-                // The last drain finished samples: fill() queued the reads
-                // that replace them; get those onto the device, then wake.
-                self.flush();
-            }
-            let result = self.submit_error.take().map_or(Ok(()), Err);
-            // fill() stops only when nothing more can be queued until a read
-            // completes or the consumer releases space, so with reads in
-            // flight, submitting and waiting in one io_uring_enter loses
-            // nothing (after busy-polling for `spin`, if configured).
-            let wait = self.in_flight > 0 && last_progress.elapsed() >= spin;
-            self.unsubmitted = 0;
-            self.stall
-                .lap(&self.shared.stats[self.index as usize].loop_stalls);
-            let submitted = result.and_then(|()| self.backend.submit(wait));
-            if wait {
-                self.stall.resume();
-            }
-            match submitted {
-                Ok(()) => {}
-                // EAGAIN/EBUSY/EINTR: the reads stay queued; drain what
-                // completed and submit again next tick.
-                Err(e) if transient_submit_error(&e) => {}
-                Err(e) => {
-                    // The ring stopped working: fail every sample in
-                    // flight, cancel and reap their reads (they target the
-                    // ring, which may be freed or reused after we return)
-                    // and stop.
-                    log::error!("poller {}: io_uring submit failed: {e}", self.index);
-                    self.fail_all(e);
-                    break;
-                }
-            }
-            let n = self.backend.drain(&mut self.completions);
-            self.stall.phase(Phase::Reap);
-            for i in 0..n {
-                let c = self.completions[i];
-                self.complete(c);
-            }
-            if n > 0 {
-                last_progress = Instant::now();
-                if self.last_publish.elapsed() >= Duration::from_millis(100) {
-                    self.publish_stats();
-                }
-            }
-            #[cfg(debug_assertions)]
-            self.check_pools();
-            if queued > 0 || n > 0 || self.in_flight > 0 {
-                continue;
-            }
-            if !stopping && last_progress.elapsed() >= spin {
-                // Nothing in flight and nothing allowed: the ring is full.
-                // Say what we wait for, look once more, then sleep; the
-                // release that makes it writable unparks us (the timeout
-                // only bounds a stop).
-                self.publish_stats();
-                let i = self.index as usize;
-                self.stall.lap(&self.shared.stats[i].loop_stalls);
-                self.shared.park_for(i, self.pending.as_ref());
-                if !self.pending.is_some_and(|p| self.shared.writable(&p)) {
-                    std::thread::park_timeout(Duration::from_millis(50));
-                }
-                self.shared.park_for(i, None);
-                self.stall.resume();
-            } else {
-                std::hint::spin_loop();
+            self.started = true;
+            self.last_progress = Instant::now();
+        }
+        if self.parked {
+            self.shared.park_for(self.index as usize, None);
+            self.parked = false;
+        }
+        self.stall.resume();
+        let turn = self.turn(false);
+        self.stall
+            .lap(&self.shared.stats[self.index as usize].loop_stalls);
+        turn
+    }
+
+    /// One turn of the loop: queue what flow control allows, submit once,
+    /// drain completions and act on them. `own_thread`: the poller's own
+    /// thread, which waits inside the submission for a completion when
+    /// reads are in flight and parks when nothing is allowed; otherwise
+    /// the caller waits (`node_turn`).
+    fn turn(&mut self, own_thread: bool) -> Turn {
+        let spin = self.shared.cfg.spin;
+        let stopping = self.shared.stop.load(Ordering::Acquire);
+        if stopping && self.in_flight == 0 {
+            return Turn::Done;
+        }
+        let queued = if stopping { 0 } else { self.fill() };
+        if self.unwoken {
+            // The last drain finished samples: fill() queued the reads
+            // that replace them; get those onto the device, then wake.
+            self.flush();
+        }
+        let result = self.submit_error.take().map_or(Ok(()), Err);
+        // fill() stops only when nothing more can be queued until a read
+        // completes or the consumer releases space, so with reads in
+        // flight, submitting and waiting in one io_uring_enter loses
+        // nothing (after busy-polling for `spin`, if configured).
+        let wait = own_thread && self.in_flight > 0 && self.last_progress.elapsed() >= spin;
+        self.unsubmitted = 0;
+        self.stall
+            .lap(&self.shared.stats[self.index as usize].loop_stalls);
+        let submitted = result.and_then(|()| self.backend.submit(wait));
+        if wait {
+            self.stall.resume();
+        }
+        match submitted {
+            Ok(()) => {}
+            // EAGAIN/EBUSY/EINTR: the reads stay queued; drain what
+            // completed and submit again next tick.
+            Err(e) if transient_submit_error(&e) => {}
+            Err(e) => {
+                // The ring stopped working: fail every sample in
+                // flight, cancel and reap their reads (they target the
+                // ring, which may be freed or reused after we return)
+                // and stop.
+                log::error!("poller {}: io_uring submit failed: {e}", self.index);
+                self.fail_all(e);
+                return Turn::Done;
             }
         }
+        let n = self.backend.drain(&mut self.completions);
+        self.stall.phase(Phase::Reap);
+        for i in 0..n {
+            let c = self.completions[i];
+            self.complete(c);
+        }
+        if n > 0 {
+            self.last_progress = Instant::now();
+            if self.last_publish.elapsed() >= Duration::from_millis(100) {
+                self.publish_stats();
+            }
+        }
+        #[cfg(debug_assertions)]
+        self.check_pools();
+        if queued > 0 || n > 0 {
+            return Turn::Busy;
+        }
+        if self.in_flight > 0 {
+            return Turn::InFlight;
+        }
+        if stopping || self.last_progress.elapsed() < spin {
+            std::hint::spin_loop();
+            return Turn::Busy;
+        }
+        // Nothing in flight and nothing allowed: the ring is full. Say
+        // what we wait for, look once more, then sleep; the release that
+        // makes it writable wakes us (the timeout only bounds a stop).
+        self.publish_stats();
+        let i = self.index as usize;
+        self.stall.lap(&self.shared.stats[i].loop_stalls);
+        self.shared.park_for(i, self.pending.as_ref());
+        let writable = self.pending.is_some_and(|p| self.shared.writable(&p));
+        if !own_thread {
+            // Cleared at this poller's next turn (`node_turn`).
+            self.parked = true;
+            return if writable { Turn::Busy } else { Turn::Idle };
+        }
+        if !writable {
+            std::thread::park_timeout(Duration::from_millis(50));
+        }
+        self.shared.park_for(i, None);
+        self.stall.resume();
+        Turn::Busy
+    }
+
+    /// After the last turn: gives back what the open samples held, and
+    /// hands the backend back with nothing in flight (it is reused by the
+    /// next run or dropped, and the ring freed, after this).
+    pub(crate) fn finish(mut self) -> PollerIo {
         self.close_open_groups();
-        // Every exit hands the backend back with nothing in flight: it is
-        // reused by the next run or dropped, and the ring freed, after this.
         assert_eq!(
             self.backend.in_flight(),
             0,

@@ -210,6 +210,14 @@ impl EventFd {
         // counter (EAGAIN) means a wake-up is already pending: fine.
         unsafe { libc::write(self.raw(), (&one as *const u64).cast(), 8) };
     }
+
+    /// Resets the counter (the descriptor is non-blocking: nothing to read
+    /// is no wait).
+    pub fn drain(&self) {
+        let mut n: u64 = 0;
+        // SAFETY: reads at most 8 bytes into a live u64 from our descriptor.
+        unsafe { libc::read(self.raw(), (&mut n as *mut u64).cast(), 8) };
+    }
 }
 
 /// Waits until one of `fds` is ready or `timeout_ms` passes (`poll(2)`);

@@ -13,9 +13,15 @@ pub(crate) struct AgentArgs {
     /// /run/kspeed/agent.sock).
     #[arg(long)]
     socket: Option<PathBuf>,
-    /// Poller threads per attached rank.
+    /// Pollers per attached rank (each its own io_uring and share of the
+    /// rank's schedule), run by the node's poller threads.
     #[arg(long, default_value_t = 1, value_parser = crate::opt::<usize>("pollers"))]
     pollers: usize,
+    /// The node's poller threads, which take turns for every attached
+    /// rank's pollers (default: a quarter of the agent's cores, 1 to 8);
+    /// 0: a thread per poller, as embedded loaders run them.
+    #[arg(long, value_parser = clap::value_parser!(u8).range(0..=64))]
+    node_pollers: Option<u8>,
     /// Reads in flight per poller.
     #[arg(long, default_value_t = 32, value_parser = crate::opt::<u32>("queue_depth"))]
     queue_depth: u32,
@@ -108,6 +114,9 @@ pub(crate) fn run_agent(a: AgentArgs) -> kspeed::Result<()> {
             .unwrap_or_else(kspeed::loader::default_agent_socket),
     );
     cfg.pollers = a.pollers;
+    if let Some(n) = a.node_pollers {
+        cfg.node_pollers = usize::from(n);
+    }
     cfg.queue_depth = a.queue_depth;
     cfg.registered_buffers = !a.no_registered_buffers;
     cfg.heartbeat = std::time::Duration::from_millis(a.heartbeat_ms.max(1));

@@ -1,0 +1,323 @@
+//! The node agent's poller set: a few threads, each taking turns for the
+//! pollers of several attached ranks, instead of a thread per rank's
+//! poller (issue 28: the agent owns the node's pollers; 8 ranks on a node
+//! need 8 rings served, not 8 threads).
+//!
+//! A rank's loader inside the agent hands each of its pollers (its own
+//! io_uring, its share of that rank's schedule) to one of the node's
+//! threads, the least loaded, instead of spawning a thread for it. A
+//! thread turns every poller it holds ([`Poller::node_turn`]: queue, submit
+//! once, drain, act; it never blocks) and, when none made progress, waits
+//! in one `poll(2)` on its pollers' io_uring descriptors (readable once a
+//! completion is posted) and one eventfd ([`NodeWake`]) that the loaders
+//! notify where a thread of their own would be unparked: a release that
+//! makes room in a ring, a stop, the first batch. Per wait: one system
+//! call for all the thread's rings. The work per turn of a thread grows
+//! with the pollers it holds (the node's ranks times `--pollers`), which a
+//! node bounds (its GPUs), not with peers or samples.
+//!
+//! A poller that panics fails its own rank's run (as its own thread's
+//! crash guard would) and is dropped, its reads cancelled and reaped by the
+//! backend's drop; the thread goes on for the other ranks.
+
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use crossbeam_channel::{Receiver, Sender, TryRecvError};
+
+use super::poller::{Poller, Turn};
+use super::registration::PollerIo;
+use super::Shared;
+use crate::error::{Error, Result};
+use crate::sys::EventFd;
+
+/// How long a thread waits at most when every poller it holds waits
+/// (bounds nothing that matters: every wake is notified; a guard against a
+/// lost one).
+const IDLE_WAIT_MS: i32 = 100;
+
+/// How long it waits when a poller with reads in flight has no descriptor
+/// to poll (a simulated backend): it looks again this soon.
+const BLIND_WAIT_MS: i32 = 1;
+
+/// The eventfd a node thread waits on besides its rings: notified in
+/// place of an unpark.
+pub(crate) struct NodeWake {
+    fd: EventFd,
+}
+
+impl NodeWake {
+    /// Wakes the thread (or makes its next wait return at once).
+    pub(crate) fn notify(&self) {
+        self.fd.notify();
+    }
+}
+
+/// One poller handed to a node thread, and where its backend goes back
+/// when its run ends.
+struct Job {
+    shared: Arc<Shared>,
+    index: usize,
+    count: usize,
+    io: PollerIo,
+    back: Sender<PollerIo>,
+}
+
+/// A poller a node thread holds.
+struct Held {
+    poller: Poller,
+    /// The backend's io_uring (a duplicate), polled for completions; None
+    /// for a backend without one.
+    ring: Option<OwnedFd>,
+    back: Sender<PollerIo>,
+    shared: Arc<Shared>,
+}
+
+struct NodeThread {
+    jobs: Option<Sender<Job>>,
+    wake: Arc<NodeWake>,
+    /// Pollers it holds (the least loaded takes the next).
+    load: Arc<AtomicUsize>,
+    handle: Option<JoinHandle<()>>,
+}
+
+/// The node's poller threads (`kspeed agent --node-pollers`). Dropped
+/// after every loader that handed it pollers (each holds it): the threads
+/// end once their last poller has.
+pub(crate) struct NodePollers {
+    threads: Vec<NodeThread>,
+}
+
+impl std::fmt::Debug for NodePollers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NodePollers")
+            .field("threads", &self.threads.len())
+            .finish()
+    }
+}
+
+/// A run's poller: its own thread, or a turn on a node thread.
+pub(super) enum PollerThread {
+    Own(JoinHandle<PollerIo>),
+    Node {
+        wake: Arc<NodeWake>,
+        back: Receiver<PollerIo>,
+    },
+}
+
+impl PollerThread {
+    /// Wakes the poller to look at its loader's state again.
+    pub(super) fn unpark(&self) {
+        match self {
+            PollerThread::Own(t) => t.thread().unpark(),
+            PollerThread::Node { wake, .. } => wake.notify(),
+        }
+    }
+
+    /// Waits until the poller's run ended (the run was stopped first):
+    /// its backend, or None if it panicked.
+    pub(super) fn join(self) -> Option<PollerIo> {
+        match self {
+            PollerThread::Own(t) => t.join().ok(),
+            PollerThread::Node { back, .. } => back.recv().ok(),
+        }
+    }
+}
+
+impl NodePollers {
+    /// Starts `threads` poller threads, the k-th pinned to `cores[k]` if
+    /// given.
+    pub(crate) fn new(threads: usize, cores: &[u32]) -> Result<NodePollers> {
+        assert!(threads > 0, "a node poller set has a thread");
+        let mut set = NodePollers {
+            threads: Vec::with_capacity(threads),
+        };
+        for k in 0..threads {
+            let wake = Arc::new(NodeWake {
+                fd: EventFd::new().map_err(|e| Error::io("eventfd", "node poller", e))?,
+            });
+            let (tx, rx) = crossbeam_channel::unbounded::<Job>();
+            let load = Arc::new(AtomicUsize::new(0));
+            let core = cores.get(k).copied();
+            let (w, l) = (wake.clone(), load.clone());
+            let handle = std::thread::Builder::new()
+                .name(format!("kspeed-node-poller-{k}"))
+                .spawn(move || {
+                    if let Some(c) = core {
+                        if !core_affinity::set_for_current(core_affinity::CoreId { id: c as usize })
+                        {
+                            log::warn!("node poller {k}: the kernel refused pinning to core {c}");
+                        }
+                    }
+                    node_loop(&rx, &w, &l);
+                })
+                .map_err(|e| Error::ThreadSpawn {
+                    thread: "node poller",
+                    source: e.into(),
+                })?;
+            set.threads.push(NodeThread {
+                jobs: Some(tx),
+                wake,
+                load,
+                handle: Some(handle),
+            });
+        }
+        Ok(set)
+    }
+
+    /// Hands poller `index` of `count` of a run (`shared`) with backend
+    /// `io` to the least loaded thread.
+    pub(super) fn adopt(
+        &self,
+        shared: Arc<Shared>,
+        index: usize,
+        count: usize,
+        io: PollerIo,
+    ) -> Result<PollerThread> {
+        let t = self
+            .threads
+            .iter()
+            .min_by_key(|t| t.load.load(Ordering::Relaxed))
+            .expect("a node poller set has a thread");
+        let (back, rx) = crossbeam_channel::bounded(1);
+        t.load.fetch_add(1, Ordering::Relaxed);
+        let job = Job {
+            shared,
+            index,
+            count,
+            io,
+            back,
+        };
+        let sent = t.jobs.as_ref().is_some_and(|tx| tx.send(job).is_ok());
+        if !sent {
+            // Its thread is gone (it panicked outside any poller's turn).
+            t.load.fetch_sub(1, Ordering::Relaxed);
+            return Err(Error::ThreadPanicked {
+                thread: "node poller",
+            });
+        }
+        t.wake.notify();
+        Ok(PollerThread::Node {
+            wake: t.wake.clone(),
+            back: rx,
+        })
+    }
+}
+
+impl Drop for NodePollers {
+    fn drop(&mut self) {
+        for t in &mut self.threads {
+            // Closed: the thread ends once it holds no poller.
+            t.jobs = None;
+            t.wake.notify();
+        }
+        for t in &mut self.threads {
+            if let Some(h) = t.handle.take() {
+                let _ = h.join();
+            }
+        }
+    }
+}
+
+/// A node thread: takes turns for every poller it holds until its set is
+/// dropped and its last poller's run ended.
+fn node_loop(jobs: &Receiver<Job>, wake: &NodeWake, load: &AtomicUsize) {
+    let mut held: Vec<Held> = Vec::new();
+    // The eventfd first, then each held poller's ring (rebuilt when the
+    // list changes, not per turn).
+    let mut fds: Vec<libc::pollfd> = Vec::new();
+    let mut changed = true;
+    let mut open = true;
+    loop {
+        // Cleared before the turns: a notify after this makes the wait
+        // below return at once.
+        wake.fd.drain();
+        loop {
+            match jobs.try_recv() {
+                Ok(j) => {
+                    let ring = j.io.io.uring_fd();
+                    held.push(Held {
+                        poller: Poller::new(j.shared.clone(), j.index, j.count, j.io),
+                        ring,
+                        back: j.back,
+                        shared: j.shared,
+                    });
+                    changed = true;
+                }
+                Err(TryRecvError::Empty) => break,
+                Err(TryRecvError::Disconnected) => {
+                    open = false;
+                    break;
+                }
+            }
+        }
+        if !open && held.is_empty() {
+            return;
+        }
+        let (mut busy, mut blind) = (false, false);
+        let mut i = 0;
+        while i < held.len() {
+            let turn = catch_unwind(AssertUnwindSafe(|| held[i].poller.node_turn()));
+            match turn {
+                Ok(Turn::Busy) => busy = true,
+                Ok(Turn::InFlight) => blind |= held[i].ring.is_none(),
+                Ok(Turn::Idle) => {}
+                Ok(Turn::Done) | Err(_) => {
+                    let h = held.swap_remove(i);
+                    load.fetch_sub(1, Ordering::Relaxed);
+                    changed = true;
+                    let io = match turn {
+                        Ok(_) => catch_unwind(AssertUnwindSafe(|| h.poller.finish())).ok(),
+                        Err(_) => {
+                            // Dropped below with the rest: its backend's
+                            // drop cancels and reaps its reads.
+                            drop(h.poller);
+                            None
+                        }
+                    };
+                    match io {
+                        Some(io) => {
+                            let _ = h.back.send(io);
+                        }
+                        None => h
+                            .shared
+                            .fail_run(Error::ThreadPanicked { thread: "poller" }),
+                    }
+                    continue;
+                }
+            }
+            i += 1;
+        }
+        if changed {
+            fds.clear();
+            fds.push(pollin(wake.fd.raw()));
+            fds.extend(
+                held.iter()
+                    .filter_map(|h| h.ring.as_ref())
+                    .map(|r| pollin(r.as_raw_fd())),
+            );
+            changed = false;
+        }
+        if busy {
+            continue;
+        }
+        let wait_ms = if blind { BLIND_WAIT_MS } else { IDLE_WAIT_MS };
+        if let Err(e) = crate::sys::poll_fds(&mut fds, wait_ms) {
+            // EINVAL/ENOMEM: nothing to wait on; turn again after a pause
+            // rather than spin.
+            log::warn!("node poller: poll failed: {e}");
+            std::thread::sleep(std::time::Duration::from_millis(BLIND_WAIT_MS as u64));
+        }
+    }
+}
+
+fn pollin(fd: std::os::fd::RawFd) -> libc::pollfd {
+    libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    }
+}
