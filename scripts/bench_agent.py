@@ -11,7 +11,9 @@ wall time of the slowest), CPU seconds per GB (ranks' own CPU from their
 --json reports, plus the agent's from /proc in attached mode, and in a
 cluster the node services' in embedded mode), and the
 poller threads (embedded: the sum of each rank's pollers; attached: the
-agent's pollers per rank x N, and its N feeder threads besides).
+most poller threads seen in the agents at once, /proc/PID/task: the
+node's poller threads, which take turns for every rank's pollers, or
+with --node-pollers 0 a thread per poller; N feeder threads besides).
 Every rank's order-sensitive digest is checked equal between the modes.
 
 With --tier-bytes T (issue 28's second row), embedded ranks get a memory
@@ -45,7 +47,7 @@ Per epoch it also gives the fraction of samples pushed by other nodes
 The page cache is not dropped (that needs root); the extents are read with
 O_DIRECT either way.
 
-  scripts/bench_agent.py [--ranks 8] [--nodes 1] [--profile imagenet:2000] [--epochs 2] [--runs 1] [--agent-pollers 1] [--tier-bytes 1GiB] [--compare-env VAR=A,B]
+  scripts/bench_agent.py [--ranks 8] [--nodes 1] [--profile imagenet:2000] [--epochs 2] [--runs 1] [--agent-pollers 1] [--node-pollers K] [--tier-bytes 1GiB] [--compare-env VAR=A,B]
 """
 
 import argparse
@@ -95,6 +97,29 @@ class ConnCount:
         self.done.set()
         self.t.join()
         return self.most
+
+
+class PollerThreads(ConnCount):
+    """The most poller threads alive at once in the processes `pids`
+    (their /proc/PID/task/*/comm, every 0.2 s): a rank's own pollers
+    (`kspeed-poller-N`) and the node's (`kspeed-node-poller-N`, cut by
+    the kernel at 15 bytes)."""
+
+    def __init__(self, pids):
+        self.pids = pids
+        super().__init__(0)
+
+    def run(self):
+        while not self.done.wait(0.2):
+            n = 0
+            for pid in self.pids:
+                try:
+                    for t in os.listdir(f"/proc/{pid}/task"):
+                        with open(f"/proc/{pid}/task/{t}/comm") as f:
+                            n += f.read().startswith(("kspeed-poller-", "kspeed-node-pol"))
+                except OSError:
+                    pass
+            self.most = max(self.most, n)
 
 
 class QpCount(ConnCount):
@@ -249,7 +274,9 @@ def main():
     ap.add_argument("--profile", default="imagenet:2000")
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--runs", type=int, default=1)
-    ap.add_argument("--agent-pollers", type=int, default=1)
+    ap.add_argument("--agent-pollers", type=int, default=1, help="the agents' --pollers (per rank)")
+    ap.add_argument("--node-pollers", type=int, default=None,
+                    help="the agents' --node-pollers (default: the agent's own; 0: a thread per poller)")
     ap.add_argument("--net-threads", type=int, default=1, help="the agents' --net-threads (cluster)")
     ap.add_argument("--work", default=None)
     ap.add_argument("--ring-bytes", default="64MiB", help="every rank's ring, both modes")
@@ -292,6 +319,7 @@ def main():
             f.write("bench-agent-token\n")
         os.chmod(token, 0o600)
         net = ["--cluster", cluster, "--token-file", token] + (["--rdma"] if a.rdma else [])
+    node_pollers = [] if a.node_pollers is None else ["--node-pollers", str(a.node_pollers)]
     rows = []
     for run in range(a.runs):
         ring = ["--ring-bytes", a.ring_bytes]
@@ -333,16 +361,20 @@ def main():
                               + (f" and {m - 1} connections each" if m > 1 else "")))
         agents = [start([K, "agent", "--space", spaces[i], "--socket", socks[i],
                          "--pollers", str(a.agent_pollers), "--progress=none"] + agent_tier
+                        + node_pollers
                         + (net + ["--listen", addrs[i], "--net-threads", str(a.net_threads)]
                            if m > 1 else []), "agent serving")
                   for i in range(m)]
         c0 = sum(proc_cpu_seconds(p.pid) for p in agents)
+        counted = PollerThreads([p.pid for p in agents])
         wall, rep = ranks(spaces, a.ranks, a.epochs, ["--agent", "required"] + ring + net,
                           lambda node: ["--agent-socket", socks[node]])
+        threads = counted.stop()
         agent_cpu = sum(proc_cpu_seconds(p.pid) for p in agents) - c0
         stop(agents)
-        rows.append(summarise("attached", wall, rep, agent_cpu, a.agent_pollers * a.ranks * m,
-                              f"agent: {a.agent_pollers} poller(s) + 1 feeder per rank; ranks: 0"))
+        rows.append(summarise("attached", wall, rep, agent_cpu, threads,
+                              f"agent: {a.agent_pollers} poller(s) per rank on the poller threads "
+                              f"counted, 1 feeder per rank; ranks: 0"))
         if rows[-1]["digests"] != rows[-2]["digests"]:
             sys.exit("attached and embedded ranks delivered different bytes")
     print(f"{m} node(s) x {a.ranks} ranks, {a.profile}, {a.epochs} epochs, {a.runs} run(s); digests equal"
