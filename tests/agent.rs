@@ -726,12 +726,12 @@ fn the_node_s_poller_threads_serve_every_rank() {
             &sock,
             &["--pollers", "2", "--node-pollers", node_pollers],
         );
-        // Counted with every rank attached: each is stopped (SIGSTOP) as
-        // soon as it is (100 ms per batch: seconds before it could end),
-        // so none ends and takes its own pollers' threads with it.
+        // Counted with every rank attached: each reads 100 epochs at 100
+        // ms a batch (minutes) and is stopped (SIGSTOP) as soon as it is
+        // attached, so none ends and takes its own pollers' threads with it.
         let mut held = Vec::new();
         for r in 0..world {
-            let mut a = attached_args(&sp, &sock, r, world, 2);
+            let mut a = attached_args(&sp, &sock, r, world, 100);
             a.extend(["--compute-us".to_string(), "100000".to_string()]);
             let child = spawn_read(&a);
             let pid = child.id().to_string();

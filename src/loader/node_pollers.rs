@@ -7,7 +7,7 @@
 //! io_uring, its share of that rank's schedule) to one of the node's
 //! threads, the least loaded, instead of spawning a thread for it. A
 //! thread turns every poller it holds ([`Poller::node_turn`]: queue, submit
-//! once, drain, act; it never blocks) and, when none made progress, waits
+//! once, drain, act; it never waits for I/O) and, when none made progress, waits
 //! in one `poll(2)` on its pollers' io_uring descriptors (readable once a
 //! completion is posted) and one eventfd ([`NodeWake`]) that the loaders
 //! notify where a thread of their own would be unparked: a release that
@@ -16,9 +16,15 @@
 //! with the pollers it holds (the node's ranks times `--pollers`), which a
 //! node bounds (its GPUs), not with peers or samples.
 //!
+//! A turn does block where an embedded poller's does (registering a ring's
+//! buffers at a run's first read, faulting in the ring's first lap, a tier
+//! copy, opening a source file), and then every poller on that thread waits
+//! for it, not only its rank's.
+//!
 //! A poller that panics fails its own rank's run (as its own thread's
 //! crash guard would) and is dropped, its reads cancelled and reaped by the
-//! backend's drop; the thread goes on for the other ranks.
+//! backend's drop; the thread goes on for the other ranks. If the thread
+//! itself unwinds, every poller it holds fails its rank the same way.
 
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -32,6 +38,7 @@ use super::poller::{Poller, Turn};
 use super::registration::PollerIo;
 use super::Shared;
 use crate::error::{Error, Result};
+use crate::ring::PollWait;
 use crate::sys::EventFd;
 
 /// How long a thread waits at most when every poller it holds waits
@@ -68,12 +75,30 @@ struct Job {
 
 /// A poller a node thread holds.
 struct Held {
-    poller: Poller,
+    /// Taken when its run ends ([`Poller::finish`]); dropped here with it
+    /// still in, the thread unwound or its turn panicked.
+    poller: Option<Poller>,
     /// The backend's io_uring (a duplicate), polled for completions; None
     /// for a backend without one.
     ring: Option<OwnedFd>,
     back: Sender<PollerIo>,
     shared: Arc<Shared>,
+    /// Test builds only (`test-panic`): its first turn panics.
+    #[cfg(feature = "test-panic")]
+    panics: bool,
+}
+
+impl Drop for Held {
+    /// A poller whose run did not end: its reads are cancelled and reaped
+    /// (the backend's drop) before its rank's run is failed and its
+    /// loader's `join` returns (`back` closes after this).
+    fn drop(&mut self) {
+        if let Some(p) = self.poller.take() {
+            drop(p);
+            self.shared
+                .fail_run(Error::ThreadPanicked { thread: "poller" });
+        }
+    }
 }
 
 struct NodeThread {
@@ -231,6 +256,15 @@ fn node_loop(jobs: &Receiver<Job>, wake: &NodeWake, load: &AtomicUsize) {
     let mut fds: Vec<libc::pollfd> = Vec::new();
     let mut changed = true;
     let mut open = true;
+    // Test builds only: the N-th poller this thread takes panics on its
+    // first turn (`KSPEED_TEST_NODE_POLLER_PANIC=N`; tests/agent_panic.rs).
+    #[cfg(feature = "test-panic")]
+    let (mut taken, panic_at) = (
+        0u64,
+        std::env::var("KSPEED_TEST_NODE_POLLER_PANIC")
+            .ok()
+            .and_then(|v| v.parse::<u64>().ok()),
+    );
     loop {
         // Cleared before the turns: a notify after this makes the wait
         // below return at once.
@@ -239,12 +273,27 @@ fn node_loop(jobs: &Receiver<Job>, wake: &NodeWake, load: &AtomicUsize) {
             match jobs.try_recv() {
                 Ok(j) => {
                     let ring = j.io.io.uring_fd();
-                    held.push(Held {
-                        poller: Poller::new(j.shared.clone(), j.index, j.count, j.io),
-                        ring,
-                        back: j.back,
-                        shared: j.shared,
-                    });
+                    let (shared, back) = (j.shared.clone(), j.back);
+                    let poller = catch_unwind(AssertUnwindSafe(|| {
+                        Poller::new(j.shared, j.index, j.count, j.io)
+                    }));
+                    match poller {
+                        Ok(p) => held.push(Held {
+                            poller: Some(p),
+                            ring,
+                            back,
+                            shared,
+                            #[cfg(feature = "test-panic")]
+                            panics: {
+                                taken += 1;
+                                panic_at == Some(taken)
+                            },
+                        }),
+                        Err(_) => {
+                            load.fetch_sub(1, Ordering::Relaxed);
+                            shared.fail_run(Error::ThreadPanicked { thread: "poller" });
+                        }
+                    }
                     changed = true;
                 }
                 Err(TryRecvError::Empty) => break,
@@ -260,32 +309,53 @@ fn node_loop(jobs: &Receiver<Job>, wake: &NodeWake, load: &AtomicUsize) {
         let (mut busy, mut blind) = (false, false);
         let mut i = 0;
         while i < held.len() {
-            let turn = catch_unwind(AssertUnwindSafe(|| held[i].poller.node_turn()));
+            let h = &mut held[i];
+            let p = h.poller.as_mut().expect("held until its run ends");
+            #[cfg(feature = "test-panic")]
+            let panics = std::mem::take(&mut h.panics);
+            let turn = catch_unwind(AssertUnwindSafe(|| {
+                #[cfg(feature = "test-panic")]
+                if panics {
+                    panic!("KSPEED_TEST_NODE_POLLER_PANIC: this node poller's turn panics");
+                }
+                match p.node_turn() {
+                    // About to wait: can its ring's descriptor end the wait?
+                    Turn::InFlight => match p.prepare_poll() {
+                        PollWait::Now => Turn::Busy,
+                        PollWait::Ring if h.ring.is_some() => Turn::InFlight,
+                        PollWait::Ring | PollWait::Soon => {
+                            blind = true;
+                            Turn::InFlight
+                        }
+                    },
+                    t => t,
+                }
+            }));
             match turn {
                 Ok(Turn::Busy) => busy = true,
-                Ok(Turn::InFlight) => blind |= held[i].ring.is_none(),
-                Ok(Turn::Idle) => {}
-                Ok(Turn::Done) | Err(_) => {
-                    let h = held.swap_remove(i);
+                Ok(Turn::InFlight | Turn::Idle) => {}
+                Ok(Turn::Done) => {
+                    let mut h = held.swap_remove(i);
                     load.fetch_sub(1, Ordering::Relaxed);
                     changed = true;
-                    let io = match turn {
-                        Ok(_) => catch_unwind(AssertUnwindSafe(|| h.poller.finish())).ok(),
-                        Err(_) => {
-                            // Dropped below with the rest: its backend's
-                            // drop cancels and reaps its reads.
-                            drop(h.poller);
-                            None
-                        }
-                    };
-                    match io {
-                        Some(io) => {
+                    let p = h.poller.take().expect("held until its run ends");
+                    match catch_unwind(AssertUnwindSafe(|| p.finish())) {
+                        Ok(io) => {
                             let _ = h.back.send(io);
                         }
-                        None => h
+                        // Its backend went with the unwinding: its reads
+                        // were reaped.
+                        Err(_) => h
                             .shared
                             .fail_run(Error::ThreadPanicked { thread: "poller" }),
                     }
+                    continue;
+                }
+                Err(_) => {
+                    // Held's drop reaps its reads, then fails its run.
+                    drop(held.swap_remove(i));
+                    load.fetch_sub(1, Ordering::Relaxed);
+                    changed = true;
                     continue;
                 }
             }

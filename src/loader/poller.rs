@@ -248,7 +248,7 @@ impl Poller {
     }
 
     /// One turn on a thread that takes turns for several pollers (the node
-    /// agent's poller set, `node_pollers.rs`): never blocks. `Idle` and
+    /// agent's poller set, `node_pollers.rs`): never waits for I/O. `Idle` and
     /// `InFlight` ask the thread to wait until this poller's ring has a
     /// completion or its loader wakes it ([`super::node_pollers::NodeWake`],
     /// which a release, a stop or the first batch notify in place of an
@@ -273,6 +273,15 @@ impl Poller {
         self.stall
             .lap(&self.shared.stats[self.index as usize].loop_stalls);
         turn
+    }
+
+    /// Before its node thread waits in `poll(2)` with this poller's reads
+    /// in flight ([`crate::ring::IoBackend::prepare_poll`]); an error is
+    /// left to the next turn's submission, which fails the run with it.
+    pub(crate) fn prepare_poll(&mut self) -> crate::ring::PollWait {
+        self.backend
+            .prepare_poll()
+            .unwrap_or(crate::ring::PollWait::Soon)
     }
 
     /// One turn of the loop: queue what flow control allows, submit once,

@@ -474,6 +474,15 @@ impl<B: IoBackend> IoBackend for Faulty<B> {
         self.inner.uring_fd()
     }
 
+    fn prepare_poll(&mut self) -> io::Result<super::PollWait> {
+        if !self.held.is_empty() {
+            // Released by later drains, not by the kernel.
+            self.inner.submit_pending()?;
+            return Ok(super::PollWait::Soon);
+        }
+        self.inner.prepare_poll()
+    }
+
     fn share_buffers(&mut self, from: std::os::fd::BorrowedFd<'_>) -> Result<()> {
         self.inner.share_buffers(from)
     }

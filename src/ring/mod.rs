@@ -237,9 +237,20 @@ pub trait IoBackend: Send {
 
     /// A descriptor of this backend's io_uring (a duplicate the caller
     /// owns), from which other backends share its registered buffers
-    /// ([`IoBackend::share_buffers`]); `None` where there is no io_uring.
+    /// ([`IoBackend::share_buffers`]) and on which a thread serving several
+    /// backends waits in `poll(2)` ([`IoBackend::prepare_poll`]); `None`
+    /// where there is no io_uring.
     fn uring_fd(&self) -> Option<OwnedFd> {
         None
+    }
+
+    /// Before the caller waits for this backend's completions in `poll(2)`
+    /// on [`IoBackend::uring_fd`] rather than in [`IoBackend::submit`]
+    /// (the node agent's poller threads): gets what is queued into the
+    /// kernel and makes every operation in flight able to end that wait.
+    /// The default, for a backend without an io_uring: [`PollWait::Soon`].
+    fn prepare_poll(&mut self) -> io::Result<PollWait> {
+        Ok(PollWait::Soon)
     }
 
     /// Shares the registered buffers of the io_uring `from` (Linux 6.12+,
@@ -275,6 +286,19 @@ pub trait IoBackend: Send {
     /// Sets `TCP_USER_TIMEOUT` on socket `fd`: unacknowledged data older
     /// than `timeout` ends the connection.
     fn set_user_timeout(&mut self, fd: RawFd, timeout: Duration) -> io::Result<()>;
+}
+
+/// What a caller about to wait in `poll(2)` on a backend's io_uring may do
+/// ([`IoBackend::prepare_poll`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PollWait {
+    /// A completion is ready now: drain, do not wait.
+    Now,
+    /// Every operation in flight ends such a wait when it completes.
+    Ring,
+    /// Some cannot (held back, or still queued after a transient
+    /// submission error): wait briefly and look again.
+    Soon,
 }
 
 /// Whether a submission error is transient: the kernel is short of memory

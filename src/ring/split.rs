@@ -209,6 +209,15 @@ impl<L: IoBackend> IoBackend for Split<L> {
         self.local.uring_fd()
     }
 
+    /// The store's GETs end a wait on the local ring through the eventfd
+    /// read `arm` queues there, as a wait inside `submit` does.
+    fn prepare_poll(&mut self) -> io::Result<super::PollWait> {
+        if !self.arm()? {
+            return Ok(super::PollWait::Now);
+        }
+        self.local.prepare_poll()
+    }
+
     fn share_buffers(&mut self, from: std::os::fd::BorrowedFd<'_>) -> Result<()> {
         self.local.share_buffers(from)
     }

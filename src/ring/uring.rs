@@ -383,6 +383,19 @@ impl IoBackend for Uring {
         unsafe { Uring::register_buffers(self, regions) }
     }
 
+    fn prepare_poll(&mut self) -> io::Result<super::PollWait> {
+        if self.ring.submission().is_empty() {
+            return Ok(super::PollWait::Ring);
+        }
+        // Entries left queued (a transient error last time): in the kernel
+        // now, or looked at again soon.
+        match self.ring.submit() {
+            Ok(_) => Ok(super::PollWait::Ring),
+            Err(e) if transient_submit_error(&e) => Ok(super::PollWait::Soon),
+            Err(e) => Err(e),
+        }
+    }
+
     fn uring_fd(&self) -> Option<OwnedFd> {
         use std::os::fd::AsRawFd;
         // SAFETY: the ring's descriptor is open for as long as `self`,
@@ -509,6 +522,74 @@ mod tests {
         let wrote = unsafe { libc::write(w, [0x55u8; 64].as_ptr().cast(), 64) };
         assert_eq!(wrote, 64);
         assert!(buf2.iter().all(|&b| b == 0xaa), "a read outlived its ring");
+        // SAFETY: our descriptors, closed once.
+        unsafe {
+            libc::close(r);
+            libc::close(w);
+        }
+    }
+
+    /// A thread that waits in poll(2) on a cooperative ring's descriptor
+    /// (the node agent's poller threads, `loader/node_pollers.rs`) is woken
+    /// when a read it submitted completes: the completion is task work of
+    /// that thread, run when the wait is interrupted, and then makes the
+    /// descriptor readable. The read from a pipe is completed by another
+    /// thread's write; each wait has a 10 s deadline.
+    #[test]
+    fn a_cooperative_ring_s_descriptor_wakes_poll() {
+        let mut fds = [0; 2];
+        // SAFETY: pipe writes two new descriptors into fds.
+        assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+        let (r, w) = (fds[0], fds[1]);
+        let mut ring = Uring::new_cooperative(UringOptions {
+            entries: 8,
+            sqpoll_idle_ms: None,
+        })
+        .unwrap();
+        let ring_fd = ring.uring_fd().expect("an io_uring has a descriptor");
+        for round in 0..3u8 {
+            let mut buf = vec![0u8; 16];
+            let op = ReadOp {
+                user_data: round as u64,
+                target: Target::Fd(r),
+                buf: buf.as_mut_ptr(),
+                len: 16,
+                offset: u64::MAX,
+                buf_index: None,
+            };
+            // SAFETY: buf outlives the read: it is reaped below (or by the
+            // ring's drop on a failed assertion).
+            assert!(unsafe { ring.push(&op) });
+            assert_eq!(ring.prepare_poll().unwrap(), super::super::PollWait::Ring);
+            let writer = std::thread::spawn(move || {
+                // SAFETY: writes 16 bytes from a live buffer to our pipe.
+                let n = unsafe { libc::write(w, [round + 1; 16].as_ptr().cast(), 16) };
+                assert_eq!(n, 16);
+            });
+            let deadline = Instant::now() + Duration::from_secs(10);
+            let mut out = [Completion::default(); 4];
+            let mut got = 0;
+            while got == 0 {
+                let left = deadline.saturating_duration_since(Instant::now());
+                assert!(
+                    !left.is_zero(),
+                    "round {round}: poll never saw the completion"
+                );
+                let mut pfd = [libc::pollfd {
+                    fd: std::os::fd::AsRawFd::as_raw_fd(&ring_fd),
+                    events: libc::POLLIN,
+                    revents: 0,
+                }];
+                crate::sys::poll_fds(&mut pfd, left.as_millis() as i32).unwrap();
+                got = ring.drain(&mut out);
+            }
+            writer.join().unwrap();
+            assert_eq!(
+                (got, out[0].user_data, out[0].result),
+                (1, round as u64, 16)
+            );
+            assert!(buf.iter().all(|&b| b == round + 1));
+        }
         // SAFETY: our descriptors, closed once.
         unsafe {
             libc::close(r);

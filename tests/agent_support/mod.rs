@@ -73,9 +73,15 @@ pub struct Agent {
 
 impl Agent {
     pub fn start(space: &Path, socket: &Path, extra: &[&str]) -> Agent {
+        Self::start_env(space, socket, extra, &[])
+    }
+
+    /// As [`Agent::start`], with `env` set in the agent's environment.
+    pub fn start_env(space: &Path, socket: &Path, extra: &[&str], env: &[(&str, &str)]) -> Agent {
         let mut child = Command::new(kspeed_bin())
             .args(["agent", "-v", "--space", s(space), "--socket", s(socket)])
             .args(extra)
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
