@@ -23,6 +23,8 @@
 //! - a mixture holding it is refused by name.
 #![cfg(all(feature = "cli", feature = "s3"))]
 
+#[path = "agent_support/mod.rs"]
+mod agent_support;
 mod common;
 #[path = "common/nodes.rs"]
 mod nodes;
@@ -195,6 +197,7 @@ fn a_partial_space_over_a_bucket_reads_the_rest_from_it_exactly() {
 
     killed_mid_epoch_then_verified_and_rerun(&srv, &space_dir, &cat, &src);
     three_nodes_over_the_bucket(&srv, &url, &src, tmp.path());
+    agent_over_the_bucket(&space_dir, tmp.path());
 
     // A mixture holding it is refused by name.
     let msg = match LoaderBuilder::mix([(s(&space_dir), Weight::Repeat(1.0))])
@@ -235,6 +238,38 @@ fn a_partial_space_over_a_bucket_reads_the_rest_from_it_exactly() {
         msg.contains(&format!("sample {outside}")) && msg.contains(&name),
         "{msg}"
     );
+}
+
+/// The node agent over the partial space (the AWS variables set above):
+/// its one node poller thread reads the held samples from the NVMe and the
+/// others from the bucket for two attached ranks (a split backend, whose
+/// GETs end the thread's `poll(2)` through a read of their eventfd queued on
+/// the ring), exactly what the same ranks read embedded, over two epochs.
+fn agent_over_the_bucket(space: &Path, tmp: &Path) {
+    use agent_support::{finish, read_args, spawn_read, Agent};
+    let sock = tmp.join("agent.sock");
+    let agent = Agent::start(space, &sock, &["--node-pollers", "1", "--no-mlock"]);
+    // Rings that hold the largest imagenet-profile sample.
+    let args = |r: u32, mode: &[&str]| {
+        let mut a = read_args(space, r, 2, 2, mode);
+        let at = a.iter().position(|x| x == "--ring-bytes").expect("flag") + 1;
+        a[at] = "16MiB".into();
+        a.push("--no-mlock".into());
+        a
+    };
+    let ranks: Vec<_> = (0..2)
+        .map(|r| {
+            spawn_read(&args(
+                r,
+                &["--agent", "required", "--agent-socket", s(&sock)],
+            ))
+        })
+        .collect();
+    for (r, child) in ranks.into_iter().enumerate() {
+        let want = finish(spawn_read(&args(r as u32, &["--agent", "off"])));
+        assert_eq!(finish(child), want, "rank {r} attached");
+    }
+    assert!(!agent.log.all().contains("panicked"), "{}", agent.log.all());
 }
 
 /// Three nodes serving partial spaces from the bucket (two copies, each
