@@ -529,79 +529,10 @@ mod tests {
         }
     }
 
-    /// A thread that waits in poll(2) on a cooperative ring's descriptor
-    /// (the node agent's poller threads, `loader/node_pollers.rs`) is woken
-    /// when a read it submitted completes: the completion is task work of
-    /// that thread, run when the wait is interrupted, and then makes the
-    /// descriptor readable. The read from a pipe is completed by another
-    /// thread's write; each wait has a 10 s deadline.
-    #[test]
-    fn a_cooperative_ring_s_descriptor_wakes_poll() {
-        let mut fds = [0; 2];
-        // SAFETY: pipe writes two new descriptors into fds.
-        assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
-        let (r, w) = (fds[0], fds[1]);
-        let mut ring = Uring::new_cooperative(UringOptions {
-            entries: 8,
-            sqpoll_idle_ms: None,
-        })
-        .unwrap();
-        let ring_fd = ring.uring_fd().expect("an io_uring has a descriptor");
-        for round in 0..3u8 {
-            let mut buf = vec![0u8; 16];
-            let op = ReadOp {
-                user_data: round as u64,
-                target: Target::Fd(r),
-                buf: buf.as_mut_ptr(),
-                len: 16,
-                offset: u64::MAX,
-                buf_index: None,
-            };
-            // SAFETY: buf outlives the read: it is reaped below (or by the
-            // ring's drop on a failed assertion).
-            assert!(unsafe { ring.push(&op) });
-            assert_eq!(ring.prepare_poll().unwrap(), super::super::PollWait::Ring);
-            let writer = std::thread::spawn(move || {
-                // SAFETY: writes 16 bytes from a live buffer to our pipe.
-                let n = unsafe { libc::write(w, [round + 1; 16].as_ptr().cast(), 16) };
-                assert_eq!(n, 16);
-            });
-            let deadline = Instant::now() + Duration::from_secs(10);
-            let mut out = [Completion::default(); 4];
-            let mut got = 0;
-            while got == 0 {
-                let left = deadline.saturating_duration_since(Instant::now());
-                assert!(
-                    !left.is_zero(),
-                    "round {round}: poll never saw the completion"
-                );
-                let mut pfd = [libc::pollfd {
-                    fd: std::os::fd::AsRawFd::as_raw_fd(&ring_fd),
-                    events: libc::POLLIN,
-                    revents: 0,
-                }];
-                crate::sys::poll_fds(&mut pfd, left.as_millis() as i32).unwrap();
-                got = ring.drain(&mut out);
-            }
-            writer.join().unwrap();
-            assert_eq!(
-                (got, out[0].user_data, out[0].result),
-                (1, round as u64, 16)
-            );
-            assert!(buf.iter().all(|&b| b == round + 1));
-        }
-        // SAFETY: our descriptors, closed once.
-        unsafe {
-            libc::close(r);
-            libc::close(w);
-        }
-    }
-
-    /// A cooperative ring (COOP_TASKRUN) still wakes a thread blocked in
-    /// io_uring_enter when its read completes: the read from a pipe is
-    /// completed by another thread's write while this one waits.
-    #[test]
-    fn cooperative_ring_wakes_a_waiting_thread() {
+    /// Three rounds of a read from a pipe on a cooperative ring (COOP_TASKRUN)
+    /// that another thread's write completes while this one waits with
+    /// `wait` (which returns the completions it drained, 0 to wait again).
+    fn pipe_read_rounds(mut wait: impl FnMut(&mut Uring, u8, &mut [Completion]) -> usize) {
         let mut fds = [0; 2];
         // SAFETY: pipe writes two new descriptors into fds.
         assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
@@ -633,8 +564,7 @@ mod tests {
             let mut out = [Completion::default(); 4];
             let mut got = 0;
             while got == 0 {
-                ring.submit(true).unwrap();
-                got = ring.drain(&mut out);
+                got = wait(&mut ring, round, &mut out);
             }
             writer.join().unwrap();
             assert_eq!(
@@ -648,6 +578,47 @@ mod tests {
             libc::close(r);
             libc::close(w);
         }
+    }
+
+    /// A thread that waits in poll(2) on a cooperative ring's descriptor
+    /// (the node agent's poller threads, `loader/node_pollers.rs`) is woken
+    /// when a read it submitted completes: the completion is task work of
+    /// that thread, run when the wait is interrupted, and then makes the
+    /// descriptor readable. Each round has a 10 s deadline.
+    #[test]
+    fn a_cooperative_ring_s_descriptor_wakes_poll() {
+        let mut deadline = None;
+        pipe_read_rounds(|ring, round, out| {
+            let until = *deadline.get_or_insert_with(|| Instant::now() + Duration::from_secs(10));
+            assert_eq!(ring.prepare_poll().unwrap(), super::super::PollWait::Ring);
+            let left = until.saturating_duration_since(Instant::now());
+            assert!(
+                !left.is_zero(),
+                "round {round}: poll never saw the completion"
+            );
+            let fd = ring.uring_fd().expect("an io_uring has a descriptor");
+            let mut pfd = [libc::pollfd {
+                fd: fd.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            }];
+            crate::sys::poll_fds(&mut pfd, left.as_millis() as i32).unwrap();
+            let got = ring.drain(out);
+            if got > 0 {
+                deadline = None;
+            }
+            got
+        });
+    }
+
+    /// A cooperative ring (COOP_TASKRUN) still wakes a thread blocked in
+    /// io_uring_enter when its read completes.
+    #[test]
+    fn cooperative_ring_wakes_a_waiting_thread() {
+        pipe_read_rounds(|ring, _, out| {
+            ring.submit(true).unwrap();
+            ring.drain(out)
+        });
     }
 
     #[test]
