@@ -16,6 +16,12 @@ node's poller threads, which take turns for every rank's pollers, or
 with --node-pollers 0 a thread per poller; N feeder threads besides).
 Every rank's order-sensitive digest is checked equal between the modes.
 
+With --idle-s S (issue 28, "idle"): no throughput rows; per round the
+agent with its node poller threads and then with a thread per poller
+(--node-pollers 0), its ranks attached with `kspeed read --idle-ms`, each
+ring filled and nothing consumed: the agent's CPU over 0.8 S seconds of
+that, in % of a core, and its poller threads.
+
 With --tier-bytes T (issue 28's second row), embedded ranks get a memory
 tier of T/N each (every rank's tier holds the same first ids: a fixed
 subset) and the agent one node tier of T shared by all its ranks; the
@@ -47,7 +53,7 @@ Per epoch it also gives the fraction of samples pushed by other nodes
 The page cache is not dropped (that needs root); the extents are read with
 O_DIRECT either way.
 
-  scripts/bench_agent.py [--ranks 8] [--nodes 1] [--profile imagenet:2000] [--epochs 2] [--runs 1] [--agent-pollers 1] [--node-pollers K] [--tier-bytes 1GiB] [--compare-env VAR=A,B]
+  scripts/bench_agent.py [--ranks 8] [--nodes 1] [--profile imagenet:2000] [--epochs 2] [--runs 1] [--agent-pollers 1] [--node-pollers K] [--idle-s 20] [--tier-bytes 1GiB] [--compare-env VAR=A,B]
 """
 
 import argparse
@@ -252,6 +258,46 @@ def summarise(name, wall, reports, extra_cpu, pollers, threads_note):
     }
 
 
+def idle_rows(a, space, sock, runs):
+    """The agent's CPU while its ranks read nothing: `a.ranks` ranks
+    attached with `kspeed read --idle-ms` fill their rings, then consume
+    nothing; the agent's CPU time (/proc/PID/stat) over most of that idle
+    window, with the node's poller threads (--node-pollers as given, or
+    the agent's default) against a thread per poller (--node-pollers 0),
+    alternating. Returns the rows printed."""
+    idle_s = a.idle_s
+    rows = []
+    settings = [([] if a.node_pollers is None else ["--node-pollers", str(a.node_pollers)],
+                  "node poller threads" + ("" if a.node_pollers is None else f" ({a.node_pollers})")),
+                (["--node-pollers", "0"], "a thread per poller")]
+    for run in range(runs):
+        for extra, name in settings:
+            agent = start([K, "agent", "--space", space, "--socket", sock, "--no-mlock",
+                           "--pollers", str(a.agent_pollers), "--progress=none"] + extra,
+                          "agent serving")
+            procs = [subprocess.Popen(
+                [K, "read", "--progress=none", "--space", space, "--rank", str(r),
+                 "--world", str(a.ranks), "--epochs", "1", "--ring-bytes", a.ring_bytes,
+                 "--agent", "required", "--agent-socket", sock, "--idle-ms", str(int(idle_s * 1000))],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for r in range(a.ranks)]
+            # kspeed read fills its ring for idle/2 + 0.5 s, then idles for
+            # idle seconds: measured from a second into the idle part.
+            time.sleep(idle_s / 2 + 1.5)
+            c0, t0 = proc_cpu_seconds(agent.pid), time.monotonic()
+            threads = PollerThreads([agent.pid])
+            time.sleep(idle_s * 0.8)
+            n = threads.stop()
+            c1, t1 = proc_cpu_seconds(agent.pid), time.monotonic()
+            for p in procs:
+                p.kill()
+                p.wait()
+            stop([agent])
+            rows.append((run, name, 100 * (c1 - c0) / (t1 - t0), n))
+            print(f"round {run + 1}: {name}: agent {rows[-1][2]:.2f} % of a core idle with "
+                  f"{a.ranks} full rings, {n} poller threads", flush=True)
+    return rows
+
+
 def parse_bytes(text):
     units = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20,
              "g": 1 << 30, "gib": 1 << 30}
@@ -285,6 +331,9 @@ def main():
     ap.add_argument("--compare-env", default=None, metavar="VAR=A,B",
                     help="cluster: attached ranks under agents with VAR=A against VAR=B, "
                          "in place of embedded against attached")
+    ap.add_argument("--idle-s", type=float, default=None,
+                    help="instead: the agent's CPU over about this many seconds while its "
+                         "ranks' rings are full (node poller threads against a thread per poller)")
     ap.add_argument("--tier-bytes", default=None,
                     help="memory for tiers on the node: T/N per embedded rank, T for the agent's node tier")
     a = ap.parse_args()
@@ -309,6 +358,11 @@ def main():
             sh([K, "preload", "--source", src, "--space", space, "--progress", "none"] + share)
         spaces.append(space)
     socks = [os.path.join(work, f"agent{i}.sock") for i in range(m)]
+    if a.idle_s:
+        if m > 1:
+            sys.exit("--idle-s measures one node")
+        idle_rows(a, spaces[0], socks[0], a.runs)
+        return
     addrs = [f"{a.hosts}.{i + 1}:{a.port}" for i in range(m)]
     net = []
     if m > 1:
