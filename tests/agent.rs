@@ -777,3 +777,53 @@ fn the_node_s_poller_threads_serve_every_rank() {
         assert!(!agent.log.all().contains("panicked"), "{}", agent.log.all());
     }
 }
+
+/// `--node-poller-cores` pins the node's poller threads (one per core
+/// listed) where asked, each to its own core; a core the agent may not run
+/// on is refused by name.
+#[test]
+fn node_poller_threads_are_pinned_where_asked() {
+    let dir = tempfile::tempdir().unwrap();
+    let sp = space(dir.path(), 50);
+    let sock = dir.path().join("agent.sock");
+    let allowed = kspeed::placement::affinity();
+    let cores: Vec<u32> = allowed.iter().copied().take(2).collect();
+    let list = cores
+        .iter()
+        .map(|c| c.to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    let agent = Agent::start(&sp, &sock, &["--node-poller-cores", &list]);
+    let mut pinned: Vec<String> = std::fs::read_dir(format!("/proc/{}/task", agent.pid()))
+        .unwrap()
+        .filter_map(|t| {
+            let t = t.ok()?.path();
+            let comm = std::fs::read_to_string(t.join("comm")).ok()?;
+            if !comm.starts_with("kspeed-node-pol") {
+                return None;
+            }
+            let status = std::fs::read_to_string(t.join("status")).ok()?;
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+                .map(|v| v.trim().to_string())
+        })
+        .collect();
+    pinned.sort();
+    let mut want: Vec<String> = cores.iter().map(|c| c.to_string()).collect();
+    want.sort();
+    assert_eq!(pinned, want, "the node poller threads' cores");
+    drop(agent);
+    // A core outside the agent's mask: refused, naming it.
+    let o = Command::new(kspeed_bin())
+        .args(["agent", "--space", s(&sp), "--socket", s(&sock)])
+        .args(["--node-poller-cores", "4095"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("--node-poller-cores: core 4095 is not one this agent may run on"),
+        "{err}"
+    );
+}

@@ -51,6 +51,10 @@ pub struct AgentConfig {
     /// rank's pollers; 0: a thread per poller, as an embedded loader
     /// runs them (to compare).
     pub node_pollers: usize,
+    /// Cores for the node's poller threads: thread k pinned to
+    /// `node_poller_cores[k % len]` (empty: not pinned). Each must be in
+    /// the agent's affinity mask.
+    pub node_poller_cores: Vec<u32>,
     /// Reads in flight per poller.
     pub queue_depth: u32,
     /// Register each rank's ring with the pollers' io_urings.
@@ -90,6 +94,7 @@ impl AgentConfig {
             socket: socket.into(),
             pollers: 1,
             node_pollers: crate::placement::default_pollers(),
+            node_poller_cores: Vec::new(),
             queue_depth: 32,
             registered_buffers: true,
             heartbeat: Duration::from_millis(100),
@@ -234,10 +239,28 @@ fn open_space(cfg: &AgentConfig) -> Result<OpenSpace> {
         node_pollers: match cfg.node_pollers {
             0 => None,
             n => {
+                let allowed = crate::placement::affinity();
+                if let Some(c) = cfg.node_poller_cores.iter().find(|c| !allowed.contains(c)) {
+                    return Err(Error::InvalidConfig(format!(
+                        "--node-poller-cores: core {c} is not one this agent may run on ({})",
+                        crate::placement::format_cpulist(&allowed)
+                    )));
+                }
+                let all = &cfg.node_poller_cores;
+                let cores: Vec<u32> = if all.is_empty() {
+                    Vec::new()
+                } else {
+                    (0..n).map(|k| all[k % all.len()]).collect()
+                };
                 log::info!(
-                    "agent: {n} node poller threads take turns for every attached rank's pollers"
+                    "agent: {n} node poller threads take turns for every attached rank's pollers{}",
+                    if cores.is_empty() {
+                        String::new()
+                    } else {
+                        format!(", pinned to cores {cores:?}")
+                    }
                 );
-                Some(Arc::new(NodePollers::new(n, &[])?))
+                Some(Arc::new(NodePollers::new(n, &cores)?))
             }
         },
     })

@@ -154,12 +154,14 @@ impl PollerThread {
 
 impl NodePollers {
     /// Starts `threads` poller threads, the k-th pinned to `cores[k]` if
-    /// given.
+    /// given; returns once each has pinned itself (or said the kernel
+    /// refused).
     pub(crate) fn new(threads: usize, cores: &[u32]) -> Result<NodePollers> {
         assert!(threads > 0, "a node poller set has a thread");
         let mut set = NodePollers {
             threads: Vec::with_capacity(threads),
         };
+        let (pinned_tx, pinned_rx) = crossbeam_channel::bounded::<()>(threads);
         for k in 0..threads {
             let wake = Arc::new(NodeWake {
                 fd: EventFd::new().map_err(|e| Error::io("eventfd", "node poller", e))?,
@@ -167,7 +169,7 @@ impl NodePollers {
             let (tx, rx) = crossbeam_channel::unbounded::<Job>();
             let load = Arc::new(AtomicUsize::new(0));
             let core = cores.get(k).copied();
-            let (w, l) = (wake.clone(), load.clone());
+            let (w, l, pinned) = (wake.clone(), load.clone(), pinned_tx.clone());
             let handle = std::thread::Builder::new()
                 .name(format!("kspeed-node-poller-{k}"))
                 .spawn(move || {
@@ -177,6 +179,8 @@ impl NodePollers {
                             log::warn!("node poller {k}: the kernel refused pinning to core {c}");
                         }
                     }
+                    let _ = pinned.send(());
+                    drop(pinned);
                     node_loop(&rx, &w, &l);
                 })
                 .map_err(|e| Error::ThreadSpawn {
@@ -189,6 +193,14 @@ impl NodePollers {
                 load,
                 handle: Some(handle),
             });
+        }
+        drop(pinned_tx);
+        // Each thread sends once, first thing; an error: every sender is
+        // gone (a thread died before it sent).
+        for _ in 0..threads {
+            if pinned_rx.recv().is_err() {
+                break;
+            }
         }
         Ok(set)
     }

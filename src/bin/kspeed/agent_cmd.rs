@@ -22,6 +22,12 @@ pub(crate) struct AgentArgs {
     /// 0: a thread per poller, as embedded loaders run them.
     #[arg(long, value_parser = clap::value_parser!(u8).range(0..=64))]
     node_pollers: Option<u8>,
+    /// Pin the node's poller threads to these cores (a CPU list such as
+    /// 0-3 or 0,2: thread k to the k-th, round robin; with no
+    /// --node-pollers, one thread per core listed). Each must be one the
+    /// agent may run on. Default: not pinned.
+    #[arg(long, value_parser = parse_cores)]
+    node_poller_cores: Option<CoreList>,
     /// Reads in flight per poller.
     #[arg(long, default_value_t = 32, value_parser = crate::opt::<u32>("queue_depth"))]
     queue_depth: u32,
@@ -98,6 +104,18 @@ pub(crate) struct AgentArgs {
     rdma: crate::read::RdmaArgs,
 }
 
+/// A CPU list as one argument (clap would take a `Vec` for many).
+#[derive(Clone, Debug)]
+struct CoreList(Vec<u32>);
+
+fn parse_cores(s: &str) -> Result<CoreList, String> {
+    let cores = kspeed::placement::parse_cpulist(s)?;
+    if cores.is_empty() || cores.len() > 64 {
+        return Err(format!("{s:?}: give 1 to 64 cores (e.g. 0-3)"));
+    }
+    Ok(CoreList(cores))
+}
+
 fn parse_octal_mode(s: &str) -> Result<u32, String> {
     u32::from_str_radix(s, 8)
         .ok()
@@ -114,6 +132,10 @@ pub(crate) fn run_agent(a: AgentArgs) -> kspeed::Result<()> {
             .unwrap_or_else(kspeed::loader::default_agent_socket),
     );
     cfg.pollers = a.pollers;
+    if let Some(CoreList(cores)) = &a.node_poller_cores {
+        cfg.node_pollers = cores.len();
+        cfg.node_poller_cores = cores.clone();
+    }
     if let Some(n) = a.node_pollers {
         cfg.node_pollers = usize::from(n);
     }
