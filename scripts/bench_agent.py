@@ -108,8 +108,7 @@ class ConnCount:
 class PollerThreads(ConnCount):
     """The most poller threads alive at once in the processes `pids`
     (their /proc/PID/task/*/comm, every 0.2 s): a rank's own pollers
-    (`kspeed-poller-N`) and the node's (`kspeed-node-poller-N`, cut by
-    the kernel at 15 bytes)."""
+    (`kspeed-poller-N`) and the node's (`kspeed-npoll-N`)."""
 
     def __init__(self, pids):
         self.pids = pids
@@ -122,7 +121,7 @@ class PollerThreads(ConnCount):
                 try:
                     for t in os.listdir(f"/proc/{pid}/task"):
                         with open(f"/proc/{pid}/task/{t}/comm") as f:
-                            n += f.read().startswith(("kspeed-poller-", "kspeed-node-pol"))
+                            n += f.read().startswith(("kspeed-poller-", "kspeed-npoll-"))
                 except OSError:
                     pass
             self.most = max(self.most, n)

@@ -747,7 +747,7 @@ fn the_node_s_poller_threads_serve_every_rank() {
             held.push(child);
         }
         let (shared, own) = (
-            agent_threads(agent.pid(), "kspeed-node-pol"),
+            agent_threads(agent.pid(), "kspeed-npoll-"),
             agent_threads(agent.pid(), "kspeed-poller-"),
         );
         assert_eq!(
@@ -799,7 +799,7 @@ fn node_poller_threads_are_pinned_where_asked() {
         .filter_map(|t| {
             let t = t.ok()?.path();
             let comm = std::fs::read_to_string(t.join("comm")).ok()?;
-            if !comm.starts_with("kspeed-node-pol") {
+            if !comm.starts_with("kspeed-npoll-") {
                 return None;
             }
             let status = std::fs::read_to_string(t.join("status")).ok()?;
@@ -826,4 +826,13 @@ fn node_poller_threads_are_pinned_where_asked() {
         err.contains("--node-poller-cores: core 4095 is not one this agent may run on"),
         "{err}"
     );
+    // With --node-pollers 0 there is no node thread to pin: refused.
+    let o = Command::new(kspeed_bin())
+        .args(["agent", "--space", s(&sp), "--socket", s(&sock)])
+        .args(["--node-pollers", "0", "--node-poller-cores", &list])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("--node-pollers 0 runs none"), "{err}");
 }

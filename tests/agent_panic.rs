@@ -43,10 +43,9 @@ fn a_panicking_poller_fails_its_own_rank_only() {
         err.contains("poller") && err.contains("panicked"),
         "rank 1: {err}"
     );
-    agent.log.wait_for(
-        &["kspeed-node-poller-0", "panicked at"],
-        Duration::from_secs(10),
-    );
+    agent
+        .log
+        .wait_for(&["kspeed-npoll-0", "panicked at"], Duration::from_secs(10));
     // The rank on the same thread: exact.
     assert_eq!(finish(first), want[0], "rank 0");
     // The agent still serves, on the same thread: rank 1 again, exact.

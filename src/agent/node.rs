@@ -237,6 +237,12 @@ fn open_space(cfg: &AgentConfig) -> Result<OpenSpace> {
             _ => None,
         },
         node_pollers: match cfg.node_pollers {
+            0 if !cfg.node_poller_cores.is_empty() => {
+                return Err(Error::InvalidConfig(
+                    "--node-poller-cores pins the node's poller threads, and --node-pollers 0 runs none (a thread per poller, unpinned): give one or the other"
+                        .into(),
+                ))
+            }
             0 => None,
             n => {
                 let allowed = crate::placement::affinity();
@@ -252,8 +258,14 @@ fn open_space(cfg: &AgentConfig) -> Result<OpenSpace> {
                 } else {
                     (0..n).map(|k| all[k % all.len()]).collect()
                 };
+                if n > allowed.len() {
+                    log::warn!(
+                        "agent: {n} node poller threads for {} cores it may run on: they take turns on the cores (a quarter of them is the default)",
+                        allowed.len()
+                    );
+                }
                 log::info!(
-                    "agent: {n} node poller threads take turns for every attached rank's pollers{}",
+                    "agent: node poller threads: {n}, taking turns for every attached rank's pollers{}",
                     if cores.is_empty() {
                         String::new()
                     } else {

@@ -171,7 +171,7 @@ impl NodePollers {
             let core = cores.get(k).copied();
             let (w, l, pinned) = (wake.clone(), load.clone(), pinned_tx.clone());
             let handle = std::thread::Builder::new()
-                .name(format!("kspeed-node-poller-{k}"))
+                .name(format!("kspeed-npoll-{k}"))
                 .spawn(move || {
                     if let Some(c) = core {
                         if !core_affinity::set_for_current(core_affinity::CoreId { id: c as usize })

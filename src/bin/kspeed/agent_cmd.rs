@@ -18,15 +18,15 @@ pub(crate) struct AgentArgs {
     #[arg(long, default_value_t = 1, value_parser = crate::opt::<usize>("pollers"))]
     pollers: usize,
     /// The node's poller threads, which take turns for every attached
-    /// rank's pollers (default: a quarter of the agent's cores, 1 to 8);
-    /// 0: a thread per poller, as embedded loaders run them.
+    /// rank's pollers (default: a quarter of the agent's cores, 1 to 8;
+    /// 0 to 64); 0: a thread per poller, as embedded loaders run them.
     #[arg(long, value_parser = clap::value_parser!(u8).range(0..=64))]
     node_pollers: Option<u8>,
     /// Pin the node's poller threads to these cores (a CPU list such as
-    /// 0-3 or 0,2: thread k to the k-th, round robin; with no
-    /// --node-pollers, one thread per core listed). Each must be one the
-    /// agent may run on. Default: not pinned.
-    #[arg(long, value_parser = parse_cores)]
+    /// 0-3 or 0,2, 1 to 64 distinct cores: thread k to the k-th, round
+    /// robin; with no --node-pollers, one thread per distinct core listed).
+    /// Each must be one the agent may run on. Default: not pinned.
+    #[arg(long, value_parser = parse_cores, allow_hyphen_values = true)]
     node_poller_cores: Option<CoreList>,
     /// Reads in flight per poller.
     #[arg(long, default_value_t = 32, value_parser = crate::opt::<u32>("queue_depth"))]
@@ -109,9 +109,15 @@ pub(crate) struct AgentArgs {
 struct CoreList(Vec<u32>);
 
 fn parse_cores(s: &str) -> Result<CoreList, String> {
+    if s.trim_start().starts_with('-') {
+        return Err(format!("{s:?}: core numbers are 0 or more (e.g. 0-3)"));
+    }
     let cores = kspeed::placement::parse_cpulist(s)?;
     if cores.is_empty() || cores.len() > 64 {
-        return Err(format!("{s:?}: give 1 to 64 cores (e.g. 0-3)"));
+        return Err(format!(
+            "{s:?} lists {} cores: give 1 to 64 distinct cores the agent may run on (e.g. 0-3)",
+            cores.len()
+        ));
     }
     Ok(CoreList(cores))
 }
