@@ -574,3 +574,98 @@ fn a_killed_rank_leaves_the_shared_links_to_the_others() {
         );
     }
 }
+
+/// The agents' links are made when they start and kept across jobs: each
+/// agent's node service takes one connection from each other agent before
+/// any rank attaches, and none more through two jobs (another seed, another
+/// world) whose ranks read exactly what embedded ones do. With
+/// `KSPEED_AGENT_LINKS=per-job` (a thread per job, as before) the counts
+/// grow with each job and this fails.
+#[test]
+fn the_agents_links_are_made_at_start_and_kept_across_jobs() {
+    let nodes = Nodes::new(600, 3, 1, 8);
+    let agents: Vec<Agent> = (0..3).map(|i| nodes.agent(i)).collect();
+    let links = |a: &Agent| {
+        // One connection from each other agent's network thread, and its
+        // own thread started once.
+        a.log.wait_count(") connected", 2, Duration::from_secs(60));
+        a.log.wait_count(
+            "agent: a network thread with one link to each of the other 2 nodes",
+            1,
+            Duration::from_secs(60),
+        );
+    };
+    for a in &agents {
+        links(a);
+        assert!(
+            !a.log.all().contains(") attached"),
+            "no rank attached yet:\n{}",
+            a.log.all()
+        );
+    }
+    // Job 1: a rank per node, two epochs; job 2: two ranks per node, one.
+    let jobs: [(u32, u64); 2] = [(3, 2), (6, 1)];
+    let mut results = Vec::new();
+    let mut ended = 0;
+    for (world, epochs) in jobs {
+        let per_node = world / 3;
+        let node_of = |r: u32| (r / per_node) as usize;
+        let ranks: Vec<Child> = (0..world)
+            .map(|r| spawn_read(&nodes.read_epochs(node_of(r), r, world, "required", epochs, &[])))
+            .collect();
+        let got: Vec<_> = ranks.into_iter().map(cluster_report).collect();
+        // Its ranks left their lanes: without kept links, their threads
+        // would close and the next job connect again.
+        ended += per_node as usize;
+        for a in &agents {
+            a.log.wait_count(") ended", ended, Duration::from_secs(30));
+            links(a);
+        }
+        results.push((world, epochs, got));
+    }
+    // Embedded ranks (connecting to the node services themselves) last.
+    for (world, epochs, got) in results {
+        let node_of = |r: u32| (r / (world / 3)) as usize;
+        for r in 0..world {
+            let off = nodes.read_epochs(node_of(r), r, world, "off", epochs, &[]);
+            let want = cluster_report(spawn_read(&off));
+            let got = &got[r as usize];
+            assert_eq!((got.0, &got.1), (want.0, &want.1), "rank {r} of {world}");
+            assert_eq!(got.3, 0, "rank {r} of {world}: no failover");
+        }
+    }
+}
+
+/// An agent whose links were made while the other nodes were not up yet
+/// (each such link dead from its start, dialled again with a back-off of
+/// up to 30 s) dials them again at once when a rank attaches, and the
+/// rank's samples that only those nodes hold wait for them: the rank reads
+/// exactly what an embedded one does, with no failover, right after the
+/// other agents start.
+#[test]
+fn links_down_at_the_agent_s_start_are_dialled_when_a_rank_attaches() {
+    let nodes = Nodes::new(600, 3, 1, 9);
+    // No source to read a sample from instead: one whose holder is taken
+    // for gone fails (SampleUnavailable) unless the rank waits for it.
+    let src = nodes.dir.path().join("src");
+    std::fs::rename(&src, src.with_extension("gone")).unwrap();
+    let first = nodes.agent(0);
+    // Its links are made (the other two refused, dead) before they start.
+    first.log.wait_count(
+        "agent: network thread 0's links kept while the agent runs",
+        1,
+        Duration::from_secs(60),
+    );
+    assert!(!first.log.all().contains(") connected"));
+    let _others: Vec<Agent> = (1..3).map(|i| nodes.agent(i)).collect();
+    let got = full_report(spawn_read(&nodes.read(0, 0, 3, "required", &[])));
+    let want = full_report(spawn_read(&nodes.read(0, 0, 3, "off", &[])));
+    assert_eq!(
+        (&got["samples"], &got["digest"]),
+        (&want["samples"], &want["digest"])
+    );
+    let c = &got["cluster"];
+    assert!(c["remote_samples"].as_u64().unwrap() > 0, "{got}");
+    assert_eq!(c["source_reads"].as_u64(), Some(0), "{got}");
+    assert_eq!(c["failovers"].as_u64(), Some(0), "{got}");
+}

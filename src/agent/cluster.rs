@@ -16,9 +16,15 @@
 //! has memory windows (else each rank's loader opens its own connection and
 //! queue pair to every other node, from the agent's process).
 
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
 use std::time::Duration;
 
-use crate::loader::LoaderBuilder;
+use super::shm::RingMap;
+use crate::error::{Error, Result};
+use crate::landing::{CudaMode, LandingOptions};
+use crate::loader::{AgentInput, Loader, LoaderBuilder};
 use crate::transport::{Cluster, RdmaOptions};
 
 /// The cluster an agent's attached ranks read from.
@@ -50,9 +56,9 @@ impl AgentCluster {
     pub(super) fn shared_links(&self) -> bool {
         match std::env::var("KSPEED_AGENT_LINKS").as_deref() {
             Ok("per-rank") => return false,
-            Ok("shared") | Err(_) => {}
+            Ok("shared" | "per-job") | Err(_) => {}
             Ok(other) => log::warn!(
-                "KSPEED_AGENT_LINKS={other:?} is neither shared nor per-rank; sharing links"
+                "KSPEED_AGENT_LINKS={other:?} is none of shared, per-job and per-rank; sharing links"
             ),
         }
         match &self.rdma {
@@ -72,6 +78,14 @@ impl AgentCluster {
         }
     }
 
+    /// Whether shared links are made at the agent's start and kept across
+    /// jobs ([`KeptLinks`]): unless `KSPEED_AGENT_LINKS=per-job` asks for
+    /// a thread made with its first rank and closed after its last (for
+    /// measuring the two side by side).
+    pub(super) fn kept_links(&self) -> bool {
+        std::env::var("KSPEED_AGENT_LINKS").as_deref() != Ok("per-job")
+    }
+
     /// A rank's loader reads from the cluster: the local space's samples
     /// by its pollers, the rest from their owners.
     pub(super) fn apply(&self, b: LoaderBuilder) -> LoaderBuilder {
@@ -80,4 +94,118 @@ impl AgentCluster {
             .node_timeout(self.node_timeout)
             .rdma(self.rdma.clone())
     }
+}
+
+/// The agent's links to the other nodes, set up at its start and kept
+/// across jobs (issue 28): each shared network thread gets one lane of the
+/// agent's own, a run with nothing to read, from the start until the agent
+/// stops. A thread ends with its last lane, so with this one it outlives
+/// every job: a job's ranks attach to links already up (no handshakes at
+/// a job's start, no links closed at its end), and a node's service sees
+/// one connection per other agent's thread for the agent's whole life.
+///
+/// The links are made on a thread of their own (a node not up yet costs
+/// its handshake deadline, `--node-timeout-ms`): the agent takes ranks
+/// meanwhile, and a rank's loader joining a thread that is still connecting
+/// waits for it. A node that was not up is dialled again with the usual
+/// back-off (1 s doubling to 30 s), and at once when a rank joins: its
+/// samples wait for it as for a node that went away (docs/AGENT.md, "One
+/// link per pair of nodes").
+pub(super) struct KeptLinks {
+    making: Option<JoinHandle<Vec<Loader>>>,
+}
+
+/// The ring of the agent's own lane: it never takes a sample, but the
+/// build checks that a ring holds a batch (one of the largest samples).
+fn anchor_ring_bytes(max_sample_bytes: u64) -> u64 {
+    const TWO_MIB: u64 = 2 << 20;
+    (2 * (max_sample_bytes + 4096)).div_ceil(TWO_MIB) * TWO_MIB
+}
+
+impl KeptLinks {
+    /// Starts making `threads` lanes of the agent's own (one per shared
+    /// network thread) from `input` (the space and the hub), in the
+    /// cluster `c`.
+    pub(super) fn start(
+        c: &AgentCluster,
+        space_dir: &Path,
+        input: AgentInput,
+        threads: usize,
+    ) -> Result<KeptLinks> {
+        let (c, dir) = (c.clone(), space_dir.to_path_buf());
+        let making = std::thread::Builder::new()
+            .name("kspeed-links".into())
+            .spawn(move || {
+                let mut kept = Vec::with_capacity(threads);
+                for k in 0..threads {
+                    match anchor(&c, &dir, &input) {
+                        Ok(l) => {
+                            log::info!(
+                                "agent: network thread {k}'s links kept while the agent runs, across jobs"
+                            );
+                            kept.push(l)
+                        }
+                        // The thread starts with the first rank instead
+                        // (and ends with its last), as without this.
+                        Err(e) => log::warn!(
+                            "agent: links to the other nodes not made at start (network thread {k}): {e}; they are made when a rank attaches"
+                        ),
+                    }
+                }
+                kept
+            })
+            .map_err(|e| Error::ThreadSpawn {
+                thread: "agent links",
+                source: e.into(),
+            })?;
+        Ok(KeptLinks {
+            making: Some(making),
+        })
+    }
+
+    /// Closes the links (once the lanes' threads have no rank left).
+    pub(super) fn close(&mut self) {
+        if let Some(h) = self.making.take() {
+            // A panic there left no lane: nothing to drop.
+            drop(h.join().unwrap_or_default());
+        }
+    }
+}
+
+impl Drop for KeptLinks {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+/// One lane of the agent's own: a loader in cluster mode over the agent's
+/// space whose run ends where it starts (epoch 0 of 0), so its pollers
+/// read nothing and its lane grants nothing. Its HELLO names this node as
+/// the consumer's rank (node index of the node count).
+fn anchor(c: &AgentCluster, dir: &Path, input: &AgentInput) -> Result<Loader> {
+    let p = input.space.params();
+    let ring_bytes = anchor_ring_bytes(u64::from(input.space.catalog().max_sample_bytes()));
+    let ring = RingMap::create(ring_bytes)?;
+    let b = c.apply(LoaderBuilder::space(dir)).agent_input(AgentInput {
+        ring: Arc::new(Mutex::new(Some(ring))),
+        tier: None,
+        links_only: true,
+        ..input.clone()
+    });
+    b.batch_size(1)
+        .seed(0)
+        .shuffle(false)
+        .rank(p.node_index, p.placement.nodes.max(1))
+        .landing(
+            LandingOptions::default()
+                .ring_bytes(ring_bytes)
+                .huge_pages(false)
+                .mlock(false)
+                .cuda(CudaMode::Off),
+        )
+        .pollers(1)
+        .pin(false)
+        .local_rank(0, 1)
+        .end_epoch(Some(0))
+        .build()
 }

@@ -25,7 +25,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::attach::{AttachListener, Attached, Incoming, ListenerConfig};
-use super::cluster::AgentCluster;
+use super::cluster::{AgentCluster, KeptLinks};
 use super::msg::{RefuseCode, FLAG_DROP_LAST, FLAG_SHUFFLE};
 use super::node_tier::{NodeTier, TierLayout};
 use super::segment::{side_state, Liveness, Segment, Side};
@@ -236,45 +236,7 @@ fn open_space(cfg: &AgentConfig) -> Result<OpenSpace> {
             Some(c) if c.shared_links() => Some(crate::loader::net::NetHub::new(c.net_threads)?),
             _ => None,
         },
-        node_pollers: match cfg.node_pollers {
-            0 if !cfg.node_poller_cores.is_empty() => {
-                return Err(Error::InvalidConfig(
-                    "--node-poller-cores pins the node's poller threads, and --node-pollers 0 runs none (a thread per poller, unpinned): give one or the other"
-                        .into(),
-                ))
-            }
-            0 => None,
-            n => {
-                let allowed = crate::placement::affinity();
-                if let Some(c) = cfg.node_poller_cores.iter().find(|c| !allowed.contains(c)) {
-                    return Err(Error::InvalidConfig(format!(
-                        "--node-poller-cores: core {c} is not one this agent may run on ({})",
-                        crate::placement::format_cpulist(&allowed)
-                    )));
-                }
-                let all = &cfg.node_poller_cores;
-                let cores: Vec<u32> = if all.is_empty() {
-                    Vec::new()
-                } else {
-                    (0..n).map(|k| all[k % all.len()]).collect()
-                };
-                if n > allowed.len() {
-                    log::warn!(
-                        "agent: {n} node poller threads for {} cores it may run on: they take turns on the cores (a quarter of them is the default)",
-                        allowed.len()
-                    );
-                }
-                log::info!(
-                    "agent: node poller threads: {n}, taking turns for every attached rank's pollers{}",
-                    if cores.is_empty() {
-                        String::new()
-                    } else {
-                        format!(", pinned to cores {cores:?}")
-                    }
-                );
-                Some(Arc::new(NodePollers::new(n, &cores)?))
-            }
-        },
+        node_pollers: NodePollers::for_agent(cfg.node_pollers, &cfg.node_poller_cores)?,
     })
 }
 
@@ -365,6 +327,23 @@ pub fn run(
                 source: e.into(),
             })?
     };
+    // In a cluster over shared links: made now, kept until the agent stops.
+    let mut kept_links = match (&cfg.cluster, &open.net_hub) {
+        (Some(c), Some(hub)) if c.kept_links() => {
+            let input = crate::loader::AgentInput {
+                space: open.space.clone(),
+                extents: open.extents.clone(),
+                direct_io: open.direct_io,
+                ring: Arc::new(Mutex::new(None)),
+                tier: None,
+                net_hub: Some(hub.clone()),
+                node_pollers: open.node_pollers.clone(),
+                links_only: true,
+            };
+            Some(KeptLinks::start(c, &cfg.space, input, hub.threads())?)
+        }
+        _ => None,
+    };
     on_ready(listener.path(), owner.as_ref().map(|svc| svc.local_addr()));
     let mut ranks: Vec<Rank> = Vec::new();
     let mut summary = AgentSummary::default();
@@ -418,6 +397,9 @@ pub fn run(
         .tier
         .as_ref()
         .map_or(0, |t| lock(t).tier.fills_refused());
+    if let Some(k) = kept_links.as_mut() {
+        k.close();
+    }
     // Its totals are in its metrics (`--metrics`) while it runs.
     if let Some(svc) = owner {
         svc.stop();
@@ -637,6 +619,7 @@ fn build_loader(
             tier,
             net_hub: open.net_hub.clone(),
             node_pollers: open.node_pollers.clone(),
+            links_only: false,
         })
         .batch_size(req.batch_size as usize)
         .seed(req.seed)

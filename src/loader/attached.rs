@@ -86,6 +86,11 @@ pub(crate) struct AgentInput {
     /// The node's poller threads, which take turns for this rank's
     /// pollers (None: a thread per poller, `kspeed agent --node-pollers 0`).
     pub(crate) node_pollers: Option<Arc<super::node_pollers::NodePollers>>,
+    /// The agent's own lane of a shared network thread, which keeps the
+    /// thread and its links up while the agent runs (`agent/cluster.rs`,
+    /// `KeptLinks`): a run with nothing to read (its end epoch is its
+    /// start epoch), so it grants nothing and its pollers read nothing.
+    pub(crate) links_only: bool,
 }
 
 impl std::fmt::Debug for AgentInput {

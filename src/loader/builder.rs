@@ -1173,7 +1173,11 @@ impl LoaderBuilder {
             Some(p) => p,
             None => Position { epoch: 0, index: 0 },
         };
-        if let Some(end) = self.end_epoch.filter(|&end| start.epoch >= end) {
+        let links_only = self.agent_input.as_ref().is_some_and(|a| a.links_only);
+        if let Some(end) = self
+            .end_epoch
+            .filter(|&end| start.epoch >= end && !links_only)
+        {
             return Err(Error::InvalidConfig(format!(
                 "end_epoch {end} is not after the start epoch {}: there is nothing to read",
                 start.epoch
@@ -1426,8 +1430,16 @@ impl LoaderBuilder {
             cache,
         };
         loader.launch(start)?;
-        log::info!("poller placement: {}", loader.placement.describe());
-        log::info!(
+        // The agent's own lane (agent/cluster.rs) reads nothing: its
+        // settings would only mislead in the agent's log.
+        let level = if links_only {
+            log::Level::Debug
+        } else {
+            log::Level::Info
+        };
+        log::log!(level, "poller placement: {}", loader.placement.describe());
+        log::log!(
+            level,
             "loader: {} samples per epoch for rank {} of {}, batch {}, ring {} bytes{}, {} pollers{}",
             loader.steps,
             self.rank,

@@ -153,6 +153,52 @@ impl PollerThread {
 }
 
 impl NodePollers {
+    /// The agent's node poller threads (`kspeed agent --node-pollers N
+    /// --node-poller-cores LIST`): None for 0 (a thread per poller);
+    /// thread k pinned to `cores_listed[k % len]`, each core checked
+    /// against the agent's affinity.
+    pub(crate) fn for_agent(n: usize, cores_listed: &[u32]) -> Result<Option<Arc<NodePollers>>> {
+        Ok(match n {
+                0 if !cores_listed.is_empty() => {
+                    return Err(Error::InvalidConfig(
+                        "--node-poller-cores pins the node's poller threads, and --node-pollers 0 runs none (a thread per poller, unpinned): give one or the other"
+                            .into(),
+                    ))
+                }
+                0 => None,
+                n => {
+                    let allowed = crate::placement::affinity();
+                    if let Some(c) = cores_listed.iter().find(|c| !allowed.contains(c)) {
+                        return Err(Error::InvalidConfig(format!(
+                            "--node-poller-cores: core {c} is not one this agent may run on ({})",
+                            crate::placement::format_cpulist(&allowed)
+                        )));
+                    }
+                    let all = &cores_listed;
+                    let cores: Vec<u32> = if all.is_empty() {
+                        Vec::new()
+                    } else {
+                        (0..n).map(|k| all[k % all.len()]).collect()
+                    };
+                    if n > allowed.len() {
+                        log::warn!(
+                            "agent: {n} node poller threads for {} cores it may run on: they take turns on the cores (a quarter of them is the default)",
+                            allowed.len()
+                        );
+                    }
+                    log::info!(
+                        "agent: node poller threads: {n}, taking turns for every attached rank's pollers{}",
+                        if cores.is_empty() {
+                            String::new()
+                        } else {
+                            format!(", pinned to cores {cores:?}")
+                        }
+                    );
+                    Some(Arc::new(NodePollers::new(n, &cores)?))
+                }
+            })
+    }
+
     /// Starts `threads` poller threads, the k-th pinned to `cores[k]` if
     /// given; returns once each has pinned itself (or said the kernel
     /// refused).

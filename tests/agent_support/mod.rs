@@ -58,8 +58,36 @@ impl Lines {
         }
     }
 
+    /// Waits until exactly `n` lines contain `needle` (fails on more, or
+    /// on fewer at the deadline).
+    pub fn wait_count(&self, needle: &str, n: usize, within: Duration) {
+        let deadline = Instant::now() + within;
+        let (m, cv) = &*self.0;
+        let mut g = m.lock().unwrap();
+        loop {
+            let got = g.iter().filter(|l| l.contains(needle)).count();
+            assert!(
+                got <= n,
+                "{got} lines with {needle:?}, not {n}:\n{}",
+                g.join("\n")
+            );
+            if got == n {
+                return;
+            }
+            let now = Instant::now();
+            assert!(
+                now < deadline,
+                "{got} lines with {needle:?} within {within:?}, not {n}; got:\n{}",
+                g.join("\n")
+            );
+            g = cv.wait_timeout(g, deadline - now).unwrap().0;
+        }
+    }
+
     pub fn all(&self) -> String {
-        self.0 .0.lock().unwrap().join("\n")
+        // A failed wait panics holding the lock: the log is still wanted.
+        let g = self.0 .0.lock().unwrap_or_else(|p| p.into_inner());
+        g.join("\n")
     }
 }
 

@@ -7,7 +7,9 @@
 //! The thread is started, and connects to every other node, when the first
 //! lane joins; it ends, closing its links, when its last lane has left and
 //! none is joining (decided under the hub's lock, so a join either reaches
-//! the running thread or starts a new one). The HELLO announces a ring at
+//! the running thread or starts a new one). The agent joins a lane of its
+//! own at its start and keeps it until it stops (`agent/cluster.rs`,
+//! `KeptLinks`), so its links are made at start and kept across jobs. The HELLO announces a ring at
 //! [`super::lanes::SHARED_RING_BASE`] of [`super::lanes::SHARED_RING_LEN`]
 //! bytes: over TCP a DATA frame is placed by its grant id, which carries
 //! the lane; over RDMA each lane's ring is registered as it joins and each
@@ -87,6 +89,11 @@ impl NetHub {
             })
             .collect::<Result<_>>()?;
         Ok(Arc::new(NetHub { slots }))
+    }
+
+    /// How many shared threads there are.
+    pub(crate) fn threads(&self) -> usize {
+        self.slots.len()
     }
 
     /// The thread a new lane joins: the one with the fewest lanes.

@@ -241,7 +241,9 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         if self.hub.is_none() {
             return false;
         }
+        let mut joined = false;
         while let Some((sh, left)) = self.hub.as_ref().and_then(|h| h.try_join()) {
+            joined = true;
             let free = (0..self.lanes.len()).find(|&k| k != self.active && self.lanes[k].is_none());
             let free = free.expect("the hub admits at most MAX_LANES lanes");
             self.lanes[free] = Some(Lane::new(sh, now, Some(left)));
@@ -254,6 +256,9 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                 self.l.sh.fail_run(e);
                 self.l.leave();
             }
+        }
+        if joined {
+            self.dial_dead_now();
         }
         for k in 0..self.lanes.len() {
             if !self.activate(k) {

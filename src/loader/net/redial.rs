@@ -178,6 +178,36 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         }
     }
 
+    /// A rank's lane joined a shared thread (`lanes.rs`): its dead links
+    /// are dialled again now rather than after their back-off, and the
+    /// samples only they hold wait for them (up to [`REDIAL_WAIT`] from
+    /// now) as for a node that just went away. An agent's links are kept
+    /// across jobs (`agent/cluster.rs`): one may be down since before that
+    /// node was up, or since it restarted, and a new job should find it
+    /// back, as a job that connected at its start would.
+    pub(super) fn dial_dead_now(&mut self) {
+        if !self.redials.enabled || R::redial_common(&self.common).is_none() {
+            return;
+        }
+        let now = self.ring.now();
+        for i in 0..self.conns.len() {
+            if self.conns[i].state != State::Dead
+                || Some(self.conns[i].node) == self.setup.local_node
+            {
+                continue;
+            }
+            let r = &mut self.redials.state[i];
+            if r.refused.is_some() {
+                continue;
+            }
+            r.dead_since = Some(now);
+            if !r.inflight {
+                r.attempt = 0;
+                r.next = Some(now);
+            }
+        }
+    }
+
     /// Connection `i` was live and is dead now: samples only it holds
     /// wait for it from now on, up to [`REDIAL_WAIT`].
     pub(super) fn went_dead(&mut self, i: usize) {
