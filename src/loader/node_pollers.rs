@@ -81,8 +81,11 @@ struct Held {
     /// The backend's io_uring (a duplicate), polled for completions; None
     /// for a backend without one.
     ring: Option<OwnedFd>,
-    back: Sender<PollerIo>,
+    /// Declared before `back`, so dropped first: the loader's `join`
+    /// returns when `back` sends or closes, and then takes its run's
+    /// state back whole (no clone of it may be left here).
     shared: Arc<Shared>,
+    back: Sender<PollerIo>,
     /// Test builds only (`test-panic`): its first turn panics.
     #[cfg(feature = "test-panic")]
     panics: bool,
@@ -350,6 +353,10 @@ fn node_loop(jobs: &Receiver<Job>, wake: &NodeWake, load: &AtomicUsize) {
                         Err(_) => {
                             load.fetch_sub(1, Ordering::Relaxed);
                             shared.fail_run(Error::ThreadPanicked { thread: "poller" });
+                            // The run's state before `back`, which the
+                            // loader's join waits on (see Held).
+                            drop(shared);
+                            drop(back);
                         }
                     }
                     changed = true;
@@ -397,15 +404,20 @@ fn node_loop(jobs: &Receiver<Job>, wake: &NodeWake, load: &AtomicUsize) {
                     load.fetch_sub(1, Ordering::Relaxed);
                     changed = true;
                     let p = h.poller.take().expect("held until its run ends");
-                    match catch_unwind(AssertUnwindSafe(|| p.finish())) {
-                        Ok(io) => {
-                            let _ = h.back.send(io);
-                        }
+                    let finished = catch_unwind(AssertUnwindSafe(|| p.finish()));
+                    if finished.is_err() {
                         // Its backend went with the unwinding: its reads
                         // were reaped.
-                        Err(_) => h
-                            .shared
-                            .fail_run(Error::ThreadPanicked { thread: "poller" }),
+                        h.shared
+                            .fail_run(Error::ThreadPanicked { thread: "poller" });
+                    }
+                    // Its hold on the run's state goes before the backend
+                    // does: the loader's join returns on `back` and then
+                    // takes that state back whole.
+                    let back = h.back.clone();
+                    drop(h);
+                    if let Ok(io) = finished {
+                        let _ = back.send(io);
                     }
                     continue;
                 }
