@@ -1437,7 +1437,18 @@ impl LoaderBuilder {
         } else {
             log::Level::Info
         };
-        log::log!(level, "poller placement: {}", loader.placement.describe());
+        // Inside the agent the placement is the node's (`--node-pollers`),
+        // not this loader's local rank, which the agent sets to 0 of 1.
+        let placement_level = if self.agent_input.is_some() {
+            log::Level::Debug
+        } else {
+            level
+        };
+        log::log!(
+            placement_level,
+            "poller placement: {}",
+            loader.placement.describe()
+        );
         log::log!(
             level,
             "loader: {} samples per epoch for rank {} of {}, batch {}, ring {} bytes{}, {} pollers{}",

@@ -58,6 +58,23 @@ impl Lines {
         }
     }
 
+    /// Waits until `cond` holds for the lines so far (`what` names it in
+    /// the failure).
+    pub fn wait_until(&self, what: &str, within: Duration, cond: impl Fn(&[String]) -> bool) {
+        let deadline = Instant::now() + within;
+        let (m, cv) = &*self.0;
+        let mut g = m.lock().unwrap();
+        while !cond(&g) {
+            let now = Instant::now();
+            if now >= deadline {
+                let all = g.join("\n");
+                drop(g);
+                panic!("not {what} within {within:?}; got:\n{all}");
+            }
+            g = cv.wait_timeout(g, deadline - now).unwrap().0;
+        }
+    }
+
     /// Waits until exactly `n` lines contain `needle` (fails on more, or
     /// on fewer at the deadline).
     pub fn wait_count(&self, needle: &str, n: usize, within: Duration) {
