@@ -662,9 +662,10 @@ fn the_agents_links_are_made_at_start_and_kept_across_jobs() {
 /// An agent whose links were made while the other nodes were not up yet
 /// (each such link dead from its start, dialled again with a back-off of
 /// up to 30 s) dials them again at once when a rank attaches, and the
-/// rank's samples that only those nodes hold wait for them: the rank reads
-/// exactly what an embedded one does, with no failover, right after the
-/// other agents start.
+/// rank's samples that only those nodes hold (no source to read them from)
+/// wait for them: a rank attached while they are down reads, once they
+/// start, exactly what an embedded one does, with no failover. Without the
+/// redial at the join, those samples fail at once (`SampleUnavailable`).
 #[test]
 fn links_down_at_the_agent_s_start_are_dialled_when_a_rank_attaches() {
     let nodes = Nodes::new(600, 3, 1, 9);
@@ -680,8 +681,14 @@ fn links_down_at_the_agent_s_start_are_dialled_when_a_rank_attaches() {
         Duration::from_secs(60),
     );
     assert!(!first.log.all().contains(") connected"));
+    // The rank attaches with nodes 1 and 2 still down; they start after.
+    let rank = spawn_read(&nodes.read(0, 0, 3, "required", &[]));
+    let pid = rank.id().to_string();
+    first
+        .log
+        .wait_for(&["rank 0", &pid, "attached"], Duration::from_secs(30));
     let _others: Vec<Agent> = (1..3).map(|i| nodes.agent(i)).collect();
-    let got = full_report(spawn_read(&nodes.read(0, 0, 3, "required", &[])));
+    let got = full_report(rank);
     let want = full_report(spawn_read(&nodes.read(0, 0, 3, "off", &[])));
     assert_eq!(
         (&got["samples"], &got["digest"]),

@@ -17,6 +17,7 @@
 //! queue pair to every other node, from the agent's process).
 
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -113,13 +114,14 @@ impl AgentCluster {
 /// link per pair of nodes").
 pub(super) struct KeptLinks {
     making: Option<JoinHandle<Vec<Loader>>>,
+    /// Set when the agent stops: no more lanes made.
+    stop: Arc<AtomicBool>,
 }
 
 /// The ring of the agent's own lane: it never takes a sample, but the
 /// build checks that a ring holds a batch (one of the largest samples).
 fn anchor_ring_bytes(max_sample_bytes: u64) -> u64 {
-    const TWO_MIB: u64 = 2 << 20;
-    (2 * (max_sample_bytes + 4096)).div_ceil(TWO_MIB) * TWO_MIB
+    (2 * (max_sample_bytes + 4096)).next_multiple_of(4096)
 }
 
 impl KeptLinks {
@@ -133,11 +135,24 @@ impl KeptLinks {
         threads: usize,
     ) -> Result<KeptLinks> {
         let (c, dir) = (c.clone(), space_dir.to_path_buf());
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopping = stop.clone();
         let making = std::thread::Builder::new()
             .name("kspeed-links".into())
             .spawn(move || {
                 let mut kept = Vec::with_capacity(threads);
                 for k in 0..threads {
+                    // The agent stopping while a node's handshake waits out
+                    // its deadline: the other threads' links are not made.
+                    if stopping.load(Ordering::Acquire) {
+                        break;
+                    }
+                    // Thread k's own: not the one with the fewest lanes, which
+                    // a rank attaching meanwhile may have taken.
+                    let input = AgentInput {
+                        net_hub_slot: Some(k),
+                        ..input.clone()
+                    };
                     match anchor(&c, &dir, &input) {
                         Ok(l) => {
                             log::info!(
@@ -160,11 +175,13 @@ impl KeptLinks {
             })?;
         Ok(KeptLinks {
             making: Some(making),
+            stop,
         })
     }
 
     /// Closes the links (once the lanes' threads have no rank left).
     pub(super) fn close(&mut self) {
+        self.stop.store(true, Ordering::Release);
         if let Some(h) = self.making.take() {
             // A panic there left no lane: nothing to drop.
             drop(h.join().unwrap_or_default());
@@ -185,7 +202,7 @@ impl Drop for KeptLinks {
 fn anchor(c: &AgentCluster, dir: &Path, input: &AgentInput) -> Result<Loader> {
     let p = input.space.params();
     let ring_bytes = anchor_ring_bytes(u64::from(input.space.catalog().max_sample_bytes()));
-    let ring = RingMap::create(ring_bytes)?;
+    let ring = RingMap::create_untouched(ring_bytes)?;
     let b = c.apply(LoaderBuilder::space(dir)).agent_input(AgentInput {
         ring: Arc::new(Mutex::new(Some(ring))),
         tier: None,
@@ -204,6 +221,8 @@ fn anchor(c: &AgentCluster, dir: &Path, input: &AgentInput) -> Result<Loader> {
                 .cuda(CudaMode::Off),
         )
         .pollers(1)
+        // Its ring is never read into: not pinned for the poller's io_uring.
+        .registered_buffers(false)
         .pin(false)
         .local_rank(0, 1)
         .end_epoch(Some(0))

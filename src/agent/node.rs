@@ -305,6 +305,24 @@ pub fn run(
         open.space.catalog().len(),
         cfg.socket.display()
     );
+    // In a cluster over shared links: made now, kept until the agent stops.
+    let mut kept_links = match (&cfg.cluster, &open.net_hub) {
+        (Some(c), Some(hub)) if c.kept_links() => {
+            let input = crate::loader::AgentInput {
+                space: open.space.clone(),
+                extents: open.extents.clone(),
+                direct_io: open.direct_io,
+                ring: Arc::new(Mutex::new(None)),
+                tier: None,
+                net_hub: Some(hub.clone()),
+                node_pollers: open.node_pollers.clone(),
+                links_only: true,
+                net_hub_slot: None,
+            };
+            Some(KeptLinks::start(c, &cfg.space, input, hub.threads())?)
+        }
+        _ => None,
+    };
     let halt = Arc::new(AtomicBool::new(false));
     let beats: Beats = Arc::new(Mutex::new(Vec::new()));
     let beat_stop = Arc::new(AtomicBool::new(false));
@@ -326,23 +344,6 @@ pub fn run(
                 thread: "agent heartbeat",
                 source: e.into(),
             })?
-    };
-    // In a cluster over shared links: made now, kept until the agent stops.
-    let mut kept_links = match (&cfg.cluster, &open.net_hub) {
-        (Some(c), Some(hub)) if c.kept_links() => {
-            let input = crate::loader::AgentInput {
-                space: open.space.clone(),
-                extents: open.extents.clone(),
-                direct_io: open.direct_io,
-                ring: Arc::new(Mutex::new(None)),
-                tier: None,
-                net_hub: Some(hub.clone()),
-                node_pollers: open.node_pollers.clone(),
-                links_only: true,
-            };
-            Some(KeptLinks::start(c, &cfg.space, input, hub.threads())?)
-        }
-        _ => None,
     };
     on_ready(listener.path(), owner.as_ref().map(|svc| svc.local_addr()));
     let mut ranks: Vec<Rank> = Vec::new();
@@ -620,6 +621,7 @@ fn build_loader(
             net_hub: open.net_hub.clone(),
             node_pollers: open.node_pollers.clone(),
             links_only: false,
+            net_hub_slot: None,
         })
         .batch_size(req.batch_size as usize)
         .seed(req.seed)

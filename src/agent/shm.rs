@@ -243,6 +243,19 @@ impl RingMap {
         Ok(RingMap { map, file, pages })
     }
 
+    /// A ring in shared memory that nothing faults in here: the agent's
+    /// own lane (`agent/cluster.rs`), whose ring never takes a sample, so
+    /// it takes no huge page and no memory beyond its page tables.
+    pub(crate) fn create_untouched(bytes: u64) -> Result<RingMap> {
+        let file = sealed_memfd(c"kspeed-agent-lane", bytes)?;
+        let map = MmapRaw::map_raw(&file).map_err(|e| io_err("mmap", "agent lane ring", e))?;
+        Ok(RingMap {
+            map,
+            file,
+            pages: RingPages::Normal,
+        })
+    }
+
     fn create_hugetlb(bytes: u64) -> Result<RingMap> {
         let file = sealed_memfd_with(
             c"kspeed-attach-ring",

@@ -91,6 +91,9 @@ pub(crate) struct AgentInput {
     /// `KeptLinks`): a run with nothing to read (its end epoch is its
     /// start epoch), so it grants nothing and its pollers read nothing.
     pub(crate) links_only: bool,
+    /// The shared network thread to join (None: the one with the fewest
+    /// lanes): each of the agent's own lanes goes to its own thread.
+    pub(crate) net_hub_slot: Option<usize>,
 }
 
 impl std::fmt::Debug for AgentInput {

@@ -1418,6 +1418,7 @@ impl LoaderBuilder {
             started: Instant::now(),
             net: net.map(Arc::new),
             net_hub: self.agent_input.as_ref().and_then(|a| a.net_hub.clone()),
+            net_hub_slot: self.agent_input.as_ref().and_then(|a| a.net_hub_slot),
             placement: crate::placement::PollerPlacement {
                 pin: self.pin,
                 pollers,

@@ -235,6 +235,8 @@ pub struct Loader {
     /// In an agent: the shared network thread this loader's runs join
     /// (`net/hub.rs`) instead of connecting and running their own.
     net_hub: Option<Arc<net::NetHub>>,
+    /// The shared thread to join (None: the one with the fewest lanes).
+    net_hub_slot: Option<usize>,
     /// The pollers' cores, and where the last launch pinned them.
     placement: crate::placement::PollerPlacement,
     /// Attached mode: what every launch sends the node agent (each launch
@@ -302,7 +304,11 @@ impl Loader {
         let net_shared = match (&conns, &self.net_hub) {
             (Some(_), _) => Some(net::NetShared::new(self.geo.table_len() as usize)?),
             (None, Some(_)) if self.net.is_some() => {
-                let slot = self.net_hub.as_ref().expect("matched").slot();
+                let hub = self.net_hub.as_ref().expect("matched");
+                let slot = match self.net_hub_slot {
+                    Some(k) => hub.slot_at(k),
+                    None => hub.slot(),
+                };
                 let net = net::NetShared::with_wake(self.geo.table_len() as usize, slot.wake());
                 hub_slot = Some(slot);
                 Some(net)

@@ -96,6 +96,11 @@ impl NetHub {
         self.slots.len()
     }
 
+    /// Thread `k` (modulo the thread count).
+    pub(crate) fn slot_at(&self, k: usize) -> Arc<HubSlot> {
+        self.slots[k % self.slots.len()].clone()
+    }
+
     /// The thread a new lane joins: the one with the fewest lanes.
     pub(crate) fn slot(&self) -> Arc<HubSlot> {
         self.slots

@@ -179,12 +179,14 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
     }
 
     /// A rank's lane joined a shared thread (`lanes.rs`): its dead links
-    /// are dialled again now rather than after their back-off, and the
-    /// samples only they hold wait for them (up to [`REDIAL_WAIT`] from
-    /// now) as for a node that just went away. An agent's links are kept
-    /// across jobs (`agent/cluster.rs`): one may be down since before that
-    /// node was up, or since it restarted, and a new job should find it
-    /// back, as a job that connected at its start would.
+    /// are dialled again now rather than after their back-off, and are
+    /// treated as nodes that just went away (a sample only they hold and
+    /// the source cannot serve waits up to [`REDIAL_WAIT`] from now). An
+    /// agent's links are kept across jobs (`agent/cluster.rs`): one may be
+    /// down since before that node was up, since it restarted, or since it
+    /// refused us (it was full, or served another dataset then), and a new
+    /// job should find it as a job that connected at its start would: a
+    /// refusal is forgotten too, and the node asked again.
     pub(super) fn dial_dead_now(&mut self) {
         if !self.redials.enabled || R::redial_common(&self.common).is_none() {
             return;
@@ -197,9 +199,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                 continue;
             }
             let r = &mut self.redials.state[i];
-            if r.refused.is_some() {
-                continue;
-            }
+            r.refused = None;
             r.dead_since = Some(now);
             if !r.inflight {
                 r.attempt = 0;
