@@ -184,6 +184,18 @@ fn attached_ranks_in_a_cluster_deliver_what_embedded_ranks_do() {
             _ => nodes.agent(i),
         })
         .collect();
+    // Every thread's links made before a rank attaches: a rank attaching
+    // earlier may start a thread whose agent lane is not made yet, and that
+    // thread closes after the rank if the lane is still not there (a thread
+    // more, and its links made twice, while an agent is starting).
+    for (i, a) in agents.iter().enumerate() {
+        let threads = if i == 0 { 2 } else { 1 };
+        a.log.wait_count(
+            "links kept while the agent runs",
+            threads,
+            Duration::from_secs(60),
+        );
+    }
     let world = 6u32;
     let node_of = |r: u32| (r / 2) as usize;
     let attached: Vec<Child> = (0..world)

@@ -109,9 +109,10 @@ impl AgentCluster {
 /// its handshake deadline, `--node-timeout-ms`): the agent takes ranks
 /// meanwhile, and a rank's loader joining a thread that is still connecting
 /// waits for it. A node that was not up is dialled again with the usual
-/// back-off (1 s doubling to 30 s), and at once when a rank joins: its
-/// samples wait for it as for a node that went away (docs/AGENT.md, "One
-/// link per pair of nodes").
+/// back-off (1 s doubling to 30 s), and at once when a rank joins, taken
+/// for a node that just went away: its samples come from the source where
+/// there is one, else wait for it (docs/AGENT.md, "One link per pair of
+/// nodes").
 pub(super) struct KeptLinks {
     making: Option<JoinHandle<Vec<Loader>>>,
     /// Set when the agent stops: no more lanes made.

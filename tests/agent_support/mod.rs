@@ -78,27 +78,12 @@ impl Lines {
     /// Waits until exactly `n` lines contain `needle` (fails on more, or
     /// on fewer at the deadline).
     pub fn wait_count(&self, needle: &str, n: usize, within: Duration) {
-        let deadline = Instant::now() + within;
-        let (m, cv) = &*self.0;
-        let mut g = m.lock().unwrap();
-        loop {
-            let got = g.iter().filter(|l| l.contains(needle)).count();
-            assert!(
-                got <= n,
-                "{got} lines with {needle:?}, not {n}:\n{}",
-                g.join("\n")
-            );
-            if got == n {
-                return;
-            }
-            let now = Instant::now();
-            assert!(
-                now < deadline,
-                "{got} lines with {needle:?} within {within:?}, not {n}; got:\n{}",
-                g.join("\n")
-            );
-            g = cv.wait_timeout(g, deadline - now).unwrap().0;
-        }
+        let count = |lines: &[String]| lines.iter().filter(|l| l.contains(needle)).count();
+        self.wait_until(&format!("{n} lines with {needle:?}"), within, |l| {
+            count(l) >= n
+        });
+        let got = count(&self.0 .0.lock().unwrap_or_else(|p| p.into_inner()));
+        assert_eq!(got, n, "lines with {needle:?}:\n{}", self.all());
     }
 
     pub fn all(&self) -> String {

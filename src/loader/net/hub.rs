@@ -9,9 +9,9 @@
 //! none is joining (decided under the hub's lock, so a join either reaches
 //! the running thread or starts a new one). The agent joins a lane of its
 //! own at its start and keeps it until it stops (`agent/cluster.rs`,
-//! `KeptLinks`), so its links are made at start and kept across jobs. The HELLO announces a ring at
-//! [`super::lanes::SHARED_RING_BASE`] of [`super::lanes::SHARED_RING_LEN`]
-//! bytes: over TCP a DATA frame is placed by its grant id, which carries
+//! `KeptLinks`), so its links are made at start and kept across jobs.
+//! The HELLO announces a ring at [`super::lanes::SHARED_RING_BASE`] of
+//! [`super::lanes::SHARED_RING_LEN`] bytes: over TCP a DATA frame is placed by its grant id, which carries
 //! the lane; over RDMA each lane's ring is registered as it joins and each
 //! grant's window is bound over it, the grant's offset placing it there
 //! (docs/PROTOCOL.md, HELLO).
