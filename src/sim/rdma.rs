@@ -45,13 +45,15 @@ use std::collections::VecDeque;
 use std::rc::Rc;
 use std::time::Duration;
 
+use crate::loader::net::cqs;
 use crate::loader::net::rdma::{RdmaRx, RDMA_RECVS, RDMA_RECV_BYTES};
 use crate::loader::net::{Event, Landed, NONE};
 use crate::sim::Rng;
 use crate::transport::proto::Code;
 use crate::transport::rdma::memverbs::{MemFaults, MemNic, MemQp, MemStats};
 use crate::transport::rdma::{
-    FaultyQueue, QueueFaultStats, QueueFaults, RdmaLink, SendRegions, RDMA_ERROR_BYTES,
+    FaultyQueue, QueueFaultStats, QueueFaults, RdmaLink, SendRegions, WorkCompletion,
+    RDMA_ERROR_BYTES,
 };
 use crate::transport::{Done, Link};
 
@@ -145,6 +147,8 @@ struct Run {
     close_at: Option<u64>,
     // The consumer.
     rx: RdmaRx<Queue>,
+    /// Its completions are taken as a shared CQ's (by their tag).
+    tagged: bool,
     rx_caps: [usize; 9],
     windows: bool,
     ring: Vec<u8>,
@@ -278,8 +282,17 @@ impl Run {
             ring.as_ptr() as u64,
             max_wr,
         );
+        // Odd seeds tag the consumer's requests as a link on a shared CQ
+        // does (`cqs.rs`), and take its completions by that route.
+        let tagged = seed & 1 == 1;
+        let tag = if tagged {
+            cqs::tag((seed >> 1) as u32 & 0xffff, (seed >> 17) as u32)
+        } else {
+            0
+        };
         let rx = RdmaRx::on(
             FaultyQueue::new(rx_qp, QueueFaults::default()),
+            tag,
             bufs,
             bufs_lkey,
             ring.as_ptr() as u64,
@@ -287,6 +300,19 @@ impl Run {
             &rkeys,
         );
         let mut rx = rx.unwrap_or_else(|e| panic!("connect: {e}"));
+        if tagged {
+            // A completion of the queue pair the link had before is not
+            // this one's.
+            let before = cqs::tag((seed >> 1) as u32 & 0xffff, (seed >> 17) as u32 ^ 1);
+            let stale = WorkCompletion {
+                wr_id: before | 3,
+                ..WorkCompletion::default()
+            };
+            assert!(
+                rx.take_tagged(&stale).is_none(),
+                "a stale completion was taken"
+            );
+        }
         // The consumer's faults from the first completion on (a receive
         // chain refused at connect fails the connection before any grant:
         // tested over the real verbs).
@@ -311,6 +337,7 @@ impl Run {
             closed: false,
             close_at,
             rx,
+            tagged,
             rx_caps,
             windows,
             ring,
@@ -564,7 +591,17 @@ impl Run {
                 if self.dead.is_some() {
                     break; // flushed requests of a connection being shut
                 }
-                match self.rx.take(k) {
+                let event = if self.tagged {
+                    self.rx.take_polled_as_shared(k).unwrap_or_else(|| {
+                        panic!(
+                            "completion {:?} is not of this data path's tag",
+                            self.rx.polled(k)
+                        )
+                    })
+                } else {
+                    self.rx.take(k)
+                };
+                match event {
                     Event::Failed(why) => self.kill(why),
                     Event::Flushed => self.send_frame(),
                     Event::Closed => {

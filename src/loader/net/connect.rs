@@ -45,7 +45,7 @@ pub(crate) fn connect_all(setup: &mut NetSetup, ring: &LandingRing) -> Result<Co
         None => Ok(Connected::Tcp(connect_with::<TcpRx>(setup, ())?)),
         #[cfg(feature = "rdma")]
         Some(opts) => {
-            let common = RdmaRx::open(&opts, ring, &mut setup.hello)?;
+            let common = RdmaRx::open(&opts, ring, &mut setup.hello, setup.cluster.nodes.len())?;
             Ok(Connected::Rdma(connect_with::<RdmaRx>(setup, common)?))
         }
         #[cfg(not(feature = "rdma"))]
@@ -68,7 +68,7 @@ pub(crate) fn connect_shared(setup: &mut NetSetup) -> Result<Connected> {
         None => Ok(Connected::Tcp(connect_with::<TcpRx>(setup, ())?)),
         #[cfg(feature = "rdma")]
         Some(opts) => {
-            let common = RdmaRx::open_shared(&opts, &mut setup.hello)?;
+            let common = RdmaRx::open_shared(&opts, &mut setup.hello, setup.cluster.nodes.len())?;
             Ok(Connected::Rdma(connect_with::<RdmaRx>(setup, common)?))
         }
         #[cfg(not(feature = "rdma"))]

@@ -85,6 +85,9 @@ use crate::transport::rx::FrameRx;
 use crate::transport::Cluster;
 
 mod connect;
+#[cfg(feature = "rdma")]
+pub(crate) mod cqs;
+mod data_poll;
 mod grants;
 pub(crate) mod handshake;
 mod hub;
@@ -537,8 +540,28 @@ pub(crate) trait Receive: Sized + Send + 'static {
     fn arm(&self) -> Result<()>;
 
     /// Takes a batch of completions; returns how many, to be read with
-    /// [`Receive::take`] in order.
+    /// [`Receive::take`] in order (a connection whose completions are its
+    /// own: [`Receive::poll_shared`] gave `None`).
     fn poll(&mut self) -> Result<usize>;
+
+    /// A completion of the CQs a thread's connections share.
+    type Wc: Copy + Default;
+
+    /// Moves up to `out.len()` completions of the CQs `common`'s
+    /// connections share into `out`: how many (`cqs.rs`). `None`: each
+    /// connection polls its own ([`Receive::poll`]).
+    fn poll_shared(common: &Self::Common, out: &mut [Self::Wc]) -> Option<Result<usize>>;
+
+    /// The node whose connection shared completion `w` is of.
+    fn wc_node(w: &Self::Wc) -> usize;
+
+    /// Shared completion `w`, if it is this data path's (`None`: a data
+    /// path's this connection had before, gone since).
+    fn take_shared(&mut self, w: &Self::Wc) -> Option<Event>;
+
+    /// Arms the shared CQs (false: there are none, each connection arms
+    /// its own with [`Receive::arm`]).
+    fn arm_shared(common: &Self::Common) -> Result<bool>;
 
     /// The `k`-th completion of the last poll.
     fn take(&mut self, k: usize) -> Event;
@@ -778,6 +801,10 @@ pub(crate) struct Thread<R: Receive, I: IoBackend = Uring> {
     common: R::Common,
     /// A poll on the data path's wake descriptor is in the ring.
     chan_inflight: bool,
+    /// A poll of the shared CQs (`data_poll.rs`), sized once.
+    shared_wc: Vec<R::Wc>,
+    /// The connections whose receives that poll used (to re-post).
+    refills: Vec<usize>,
     /// A shared thread's lanes' rings as its links know them (RDMA: their
     /// registrations), by lane index: dropped before the lanes and their
     /// rings, after the connections.
@@ -969,6 +996,8 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             conns,
             common: connected.common,
             chan_inflight: false,
+            shared_wc: vec![R::Wc::default(); 32],
+            refills: Vec::with_capacity(32),
             progress_slack: Duration::from_secs_f64(
                 sh.input.max_sample_bytes() as f64 / MIN_PROGRESS_BYTES_PER_SEC as f64,
             ),
@@ -1209,96 +1238,6 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         }
         closing.clear();
         self.closing = closing;
-    }
-
-    /// Polls every connection's data path (RDMA: its CQ) and acts on what
-    /// completed; re-posts the receives used. True when anything completed.
-    fn poll_data(&mut self) -> bool {
-        if R::FRAMED {
-            return false;
-        }
-        let mut any = false;
-        for i in 0..self.conns.len() {
-            while let Some(d) = self.conns[i].data.as_mut() {
-                let n = match d.poll() {
-                    Ok(n) => n,
-                    Err(e) => {
-                        self.kill(i, e.to_string());
-                        break;
-                    }
-                };
-                if n == 0 {
-                    break;
-                }
-                any = true;
-                for k in 0..n {
-                    if self.conns[i].state != State::Live {
-                        break; // flushed requests of a connection being shut
-                    }
-                    let d = self.conns[i].data.as_mut().expect("live");
-                    match d.take(k) {
-                        Event::Failed(why) => {
-                            self.kill(i, why);
-                            break;
-                        }
-                        Event::Flushed => {
-                            Self::post_send(&mut self.ring, &mut self.conns[i]);
-                            // Not posted (the queue was full): again next tick.
-                            self.mark_ready(i);
-                        }
-                        Event::Closed => {
-                            while let Some((window, entry)) =
-                                self.conns[i].data.as_mut().and_then(|d| d.take_closed())
-                            {
-                                self.on_window_closed(i, window, entry);
-                            }
-                        }
-                        Event::Received(what) => {
-                            self.conns[i].last_rx = self.ring.now();
-                            self.beats[i].last_heard = self.conns[i].last_rx;
-                            self.on_landed(i, what);
-                        }
-                    }
-                }
-                if self.conns[i].state == State::Live {
-                    let d = self.conns[i].data.as_mut().expect("live");
-                    if let Err(e) = d.refill() {
-                        self.kill(i, format!("re-posting receives: {e}"));
-                    }
-                }
-            }
-        }
-        any
-    }
-
-    /// Before sleeping with grants outstanding on a data path that
-    /// completes on its own (RDMA): arms the connections' CQs and puts a
-    /// poll of the wake descriptor in the ring, so the first completion
-    /// wakes the thread. True when anything was armed.
-    fn arm_data(&mut self) -> bool {
-        let Some(fd) = R::wake_fd(&self.common) else {
-            return false;
-        };
-        let mut armed = false;
-        for i in 0..self.conns.len() {
-            let c = &self.conns[i];
-            let Some(d) = c.data.as_ref() else { continue };
-            if c.state != State::Live || (c.outstanding == 0 && d.idle()) {
-                continue;
-            }
-            if let Err(e) = d.arm() {
-                self.kill(i, e.to_string());
-                continue;
-            }
-            armed = true;
-        }
-        if !armed {
-            return false;
-        }
-        if !self.chan_inflight && self.ring.push_poll_in(UD_CHAN, fd) {
-            self.chan_inflight = true;
-        }
-        true
     }
 
     fn ring_ptr(&self, phys: u64) -> *mut u8 {

@@ -25,6 +25,7 @@
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::Arc;
 
+use super::cqs::{SharedCqs, TAG_MASK};
 use super::{ConnectError, Event, Landed, Receive, NONE};
 use crate::error::{Error, Result};
 use crate::landing::LandingRing;
@@ -83,15 +84,22 @@ pub(crate) struct ConsumerRdma {
     /// A GPU ring's dma-buf, kept open while it is registered.
     _dmabuf: Option<std::os::fd::OwnedFd>,
     channel: Arc<rdma::CompChannel>,
+    /// The CQs the links share (`cqs.rs`); `None`: each link has its own.
+    cqs: Option<SharedCqs>,
     pd: Arc<rdma::Pd>,
     ctx: Arc<rdma::Context>,
 }
 
 impl ConsumerRdma {
-    fn open(opts: &crate::transport::RdmaOptions, ring: &LandingRing) -> Result<Self> {
+    fn open(
+        opts: &crate::transport::RdmaOptions,
+        ring: &LandingRing,
+        nodes: usize,
+    ) -> Result<Self> {
         let ctx = Context::open(opts.device.as_deref(), opts.port, opts.gid_index)?;
         let pd = Pd::new(&ctx)?;
         let channel = CompChannel::new(&ctx)?;
+        let cqs = SharedCqs::new(&ctx, &channel, nodes, CONSUMER_CQ_ENTRIES)?;
         let windows = match windows_usable(&ctx, &pd, Some(ring)) {
             Ok(()) => true,
             Err(why) => {
@@ -132,6 +140,7 @@ impl ConsumerRdma {
             windows,
             _dmabuf: dmabuf,
             channel,
+            cqs,
             pd,
             ctx,
         })
@@ -143,10 +152,11 @@ impl ConsumerRdma {
     /// domain and the completion channel, no ring yet (each joining rank's
     /// is registered as a lane, [`Receive::register_ring`]). Needs memory
     /// windows: one key per ring cannot open several rings to one link.
-    fn open_shared(opts: &crate::transport::RdmaOptions) -> Result<Self> {
+    fn open_shared(opts: &crate::transport::RdmaOptions, nodes: usize) -> Result<Self> {
         let ctx = Context::open(opts.device.as_deref(), opts.port, opts.gid_index)?;
         let pd = Pd::new(&ctx)?;
         let channel = CompChannel::new(&ctx)?;
+        let cqs = SharedCqs::new(&ctx, &channel, nodes, CONSUMER_CQ_ENTRIES)?;
         if let Err(why) = windows_usable(&ctx, &pd, None) {
             return Err(Error::Rdma {
                 op: "share the agent's links",
@@ -169,6 +179,7 @@ impl ConsumerRdma {
             windows: true,
             _dmabuf: None,
             channel,
+            cqs,
             pd,
             ctx,
         })
@@ -271,6 +282,10 @@ fn register_gpu_ring(
 pub(crate) struct RdmaRx<Q: WorkQueue = VerbsQueue> {
     /// First: the QP is destroyed before the memory it receives into.
     queue: Q,
+    /// ORed into the wr_id of every request it posts (0: its queue has a
+    /// CQ of its own): its link on a CQ the thread's links share
+    /// (`cqs.rs`).
+    tag: u64,
     /// Receives completed and not re-posted yet, and the slot of the first.
     consumed: usize,
     next_slot: usize,
@@ -325,21 +340,26 @@ impl<Q: WorkQueue> RdmaRx<Q> {
     /// `RDMA_RECV_BYTES`, registered under `bufs_lkey`) receive ERROR
     /// messages; the ring is at `ring_addr`. Windows mode when
     /// `window_rkeys` holds the current keys of the queue's windows (at
-    /// most `RDMA_WINDOWS`); else every grant carries `ring_rkey`. Posts
-    /// the receives.
+    /// most `RDMA_WINDOWS`); else every grant carries `ring_rkey`. `tag`
+    /// goes in every request's wr_id (0: none; `cqs.rs`). Posts the
+    /// receives.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn on(
         queue: Q,
+        tag: u64,
         bufs: Vec<u8>,
         bufs_lkey: u32,
         ring_addr: u64,
         ring_rkey: u32,
         window_rkeys: &[u32],
     ) -> Result<Self> {
+        assert_eq!(tag & !TAG_MASK, 0, "tag {tag:#x}");
         assert_eq!(bufs.len(), RDMA_RECVS * RDMA_RECV_BYTES, "receive buffers");
         let n = window_rkeys.len();
         assert!(n <= RDMA_WINDOWS, "{n} windows");
         let mut c = RdmaRx {
             queue,
+            tag,
             consumed: RDMA_RECVS,
             next_slot: 0,
             rwrs: Vec::with_capacity(RDMA_RECVS),
@@ -407,6 +427,7 @@ impl<Q: WorkQueue> RdmaRx<Q> {
                 n,
                 self.bufs.as_ptr() as u64,
                 self.bufs_lkey,
+                self.tag,
             );
             self.consumed -= posted.as_ref().map_or_else(|(k, _)| *k, |()| n);
             posted.map_err(|(_, error)| Error::Rdma {
@@ -419,9 +440,9 @@ impl<Q: WorkQueue> RdmaRx<Q> {
 }
 
 /// Posts receives for buffer slots `first..first + n` of the buffers at
-/// `base` (`RDMA_RECV_BYTES` each, under `lkey`), each slot its wr_id, as
-/// one chain built in `rwrs`; `Err` says how many were posted before the
-/// queue refused one.
+/// `base` (`RDMA_RECV_BYTES` each, under `lkey`), each slot (with `tag`)
+/// its wr_id, as one chain built in `rwrs`; `Err` says how many were
+/// posted before the queue refused one.
 fn post_recv_slots<Q: WorkQueue>(
     queue: &mut Q,
     rwrs: &mut Vec<RecvWr>,
@@ -429,10 +450,11 @@ fn post_recv_slots<Q: WorkQueue>(
     n: usize,
     base: u64,
     lkey: u32,
+    tag: u64,
 ) -> std::result::Result<(), (usize, std::io::Error)> {
     rwrs.clear();
     rwrs.extend((first..first + n).map(|slot| RecvWr {
-        wr_id: slot as u64,
+        wr_id: tag | slot as u64,
         addr: base + (slot * RDMA_RECV_BYTES) as u64,
         len: RDMA_RECV_BYTES as u32,
         lkey,
@@ -455,9 +477,13 @@ pub(crate) struct PendingQp {
 fn begin(
     r: &Arc<ConsumerRdma>,
     local: std::net::IpAddr,
+    node: u32,
 ) -> Result<(PendingQp, Option<Vec<u8>>), ConnectError> {
     let failed = |e: Error| ConnectError::Refused(e);
-    let cq = Cq::with_channel(&r.ctx, CONSUMER_CQ_ENTRIES as i32, &r.channel).map_err(failed)?;
+    let cq = match &r.cqs {
+        Some(cqs) => cqs.for_node(node).clone(),
+        None => Cq::with_channel(&r.ctx, CONSUMER_CQ_ENTRIES as i32, &r.channel).map_err(failed)?,
+    };
     let mut qp = Qp::new(&r.pd, &cq, &cq, RDMA_RECVS as u32, 0).map_err(failed)?;
     let (index, gid) = r.ctx.choose_gid(r.opts.gid_index, local).map_err(failed)?;
     qp.use_gid(index, gid);
@@ -513,8 +539,10 @@ fn finish(
         queue = queue.with_windows(r.ring_mr.clone(), mws);
     }
     let bufs_lkey = bufs_mr.lkey();
+    let tag = r.cqs.as_ref().map_or(0, |cqs| cqs.next_tag(node));
     let mut c = RdmaRx::on(
         queue,
+        tag,
         bufs,
         bufs_lkey,
         r.ring_mr.addr(),
@@ -538,8 +566,9 @@ impl RdmaRx {
     pub(super) fn open_shared(
         opts: &crate::transport::RdmaOptions,
         hello: &mut Hello,
+        nodes: usize,
     ) -> Result<Arc<ConsumerRdma>> {
-        let r = Arc::new(ConsumerRdma::open_shared(opts)?);
+        let r = Arc::new(ConsumerRdma::open_shared(opts, nodes)?);
         hello.ring_addr = super::lanes::SHARED_RING_BASE;
         hello.ring_len = super::lanes::SHARED_RING_LEN;
         hello.rkey = 0;
@@ -551,8 +580,9 @@ impl RdmaRx {
         opts: &crate::transport::RdmaOptions,
         ring: &LandingRing,
         hello: &mut Hello,
+        nodes: usize,
     ) -> Result<Arc<ConsumerRdma>> {
-        let r = Arc::new(ConsumerRdma::open(opts, ring)?);
+        let r = Arc::new(ConsumerRdma::open(opts, ring, nodes)?);
         hello.ring_addr = r.ring_mr.addr();
         // Windows mode: no key for the whole ring; each GRANT entry
         // carries its window's.
@@ -621,7 +651,7 @@ impl<Q: WorkQueue> RdmaRx<Q> {
         self.mw_rkey[m as usize] = k;
         self.mw_entry[m as usize] = entry as u32;
         self.binds.push(MwWr {
-            wr_id: WR_BIND,
+            wr_id: self.tag | WR_BIND,
             op: MwOp::Bind {
                 window: m,
                 region,
@@ -670,7 +700,7 @@ impl<Q: WorkQueue> RdmaRx<Q> {
             "more invalidations of window {m} and others than windows"
         );
         self.invs.push(MwWr {
-            wr_id: WR_INV | m as u64,
+            wr_id: self.tag | WR_INV | m as u64,
             op: MwOp::Invalidate {
                 rkey: self.mw_rkey[m as usize],
             },
@@ -716,21 +746,45 @@ impl<Q: WorkQueue> RdmaRx<Q> {
         !self.bind_pending && self.invs_pending == 0
     }
 
-    /// [`Receive::poll`].
+    /// [`Receive::poll`] (a queue with a CQ of its own).
     pub(crate) fn poll(&mut self) -> Result<usize> {
-        let n = self.queue.poll(&mut self.wc)?;
-        let recvs = self.wc[..n]
-            .iter()
-            .filter(|w| w.wr_id & WR_SEND == 0)
-            .count();
-        self.consumed += recvs;
-        self.next_slot = (self.next_slot + recvs) % RDMA_RECVS;
-        Ok(n)
+        self.queue.poll(&mut self.wc)
     }
 
     /// [`Receive::take`].
     pub(crate) fn take(&mut self, k: usize) -> Event {
+        self.take_wc(self.wc[k])
+    }
+
+    /// [`Receive::take_shared`]: completion `w` of a shared CQ, if it is
+    /// this data path's (its tag; `None`: a queue pair's before this one).
+    pub(crate) fn take_tagged(&mut self, w: &WorkCompletion) -> Option<Event> {
+        (self.tag != 0 && w.wr_id & TAG_MASK == self.tag).then(|| self.take_wc(*w))
+    }
+
+    /// The `k`-th completion of the last poll, taken as a shared CQ's
+    /// (the simulation runs both routes).
+    #[cfg(test)]
+    pub(crate) fn take_polled_as_shared(&mut self, k: usize) -> Option<Event> {
         let w = self.wc[k];
+        self.take_tagged(&w)
+    }
+
+    /// The `k`-th completion of the last poll.
+    #[cfg(test)]
+    pub(crate) fn polled(&self, k: usize) -> WorkCompletion {
+        self.wc[k]
+    }
+
+    /// What completion `w` (this data path's) means; a receive's slot is
+    /// counted as used, to be re-posted by [`RdmaRx::refill`] (receives
+    /// complete in the order they were posted).
+    fn take_wc(&mut self, mut w: WorkCompletion) -> Event {
+        w.wr_id &= !TAG_MASK;
+        if w.wr_id & WR_SEND == 0 {
+            self.consumed += 1;
+            self.next_slot = (self.next_slot + 1) % RDMA_RECVS;
+        }
         if w.status != 0 {
             let e = completion_error(&w);
             let what = match w.wr_id {
@@ -799,10 +853,10 @@ impl Receive for RdmaRx {
     fn begin(
         common: &Arc<ConsumerRdma>,
         local: std::net::IpAddr,
-        _node: u32,
+        node: u32,
         _addr: &str,
     ) -> Result<(PendingQp, Option<Vec<u8>>), ConnectError> {
-        begin(common, local)
+        begin(common, local, node)
     }
 
     fn finish(
@@ -817,6 +871,30 @@ impl Receive for RdmaRx {
 
     fn wake_fd(common: &Arc<ConsumerRdma>) -> Option<RawFd> {
         Some(common.channel.fd())
+    }
+
+    type Wc = WorkCompletion;
+
+    fn poll_shared(
+        common: &Arc<ConsumerRdma>,
+        out: &mut [WorkCompletion],
+    ) -> Option<Result<usize>> {
+        common.cqs.as_ref().map(|c| c.poll(out))
+    }
+
+    fn wc_node(w: &WorkCompletion) -> usize {
+        super::cqs::tag_node(w.wr_id)
+    }
+
+    fn take_shared(&mut self, w: &WorkCompletion) -> Option<Event> {
+        self.take_tagged(w)
+    }
+
+    fn arm_shared(common: &Arc<ConsumerRdma>) -> Result<bool> {
+        match &common.cqs {
+            Some(c) => c.arm().map(|()| true),
+            None => Ok(false),
+        }
     }
 
     fn woke(common: &Arc<ConsumerRdma>) {

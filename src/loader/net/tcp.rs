@@ -49,6 +49,25 @@ impl Receive for TcpRx {
         None
     }
 
+    /// Nothing completes besides the ring's operations.
+    type Wc = ();
+
+    fn poll_shared(_: &(), _: &mut [()]) -> Option<Result<usize>> {
+        None
+    }
+
+    fn wc_node(_: &()) -> usize {
+        0
+    }
+
+    fn take_shared(&mut self, _: &()) -> Option<Event> {
+        None
+    }
+
+    fn arm_shared(_: &()) -> Result<bool> {
+        Ok(false)
+    }
+
     fn woke(_: &()) {}
 
     /// Every grant's remote key is 0 (a DATA frame names its grant).

@@ -205,6 +205,16 @@ impl Context {
         Ok(())
     }
 
+    /// The most entries one completion queue may have on this device
+    /// (`max_cqe`), or `None` where the query fails.
+    pub fn max_cqe(&self) -> Option<usize> {
+        // SAFETY: plain data; the call fills it.
+        let mut dev: ibv_device_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: live context, valid out-pointer.
+        let rc = unsafe { ibv_query_device(self.ctx, &mut dev) };
+        (rc == 0 && dev.max_cqe > 0).then_some(dev.max_cqe as usize)
+    }
+
     /// Every port of the device with its state, MTU and GID table: what a
     /// user needs to choose `--listen` and `--rdma-gid-index`.
     pub fn ports(&self) -> Vec<PortInfo> {
