@@ -1,9 +1,11 @@
 //! What one network-thread tick's CQ polls cost at a node count, with a CQ
 //! per link (as before 2026-12-06) against the CQs a thread's links share
-//! (`src/loader/net/cqs.rs`: as many links on one CQ as the device's
-//! `max_cqe` allows, one link's entries spare). A tick polls every CQ once
-//! at least; this times that round with the CQs empty (the cost a tick pays
-//! whatever completed), sized as the code sizes them (`kspeed::model`).
+//! (`src/loader/net/cqs.rs`, with the thread's shared receive queue,
+//! `recvs.rs`: a link's send entries each, one link's spare and the SRQ's
+//! depth, as many links on one CQ as the device's `max_cqe` allows). A
+//! tick polls every CQ once at least; this times that round with the CQs
+//! empty (the cost a tick pays whatever completed), sized as the code sizes
+//! them (`kspeed::model`).
 //!
 //! ```sh
 //! cargo run --release --example cq_poll -- [--device rxe0] [--links 64,512,1000]
@@ -16,7 +18,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use kspeed::model::CONSUMER_CQ_ENTRIES;
+use kspeed::model::{CONSUMER_CQ_ENTRIES, LINK_SEND_CQ_ENTRIES, RDMA_RECVS, SRQ_RECVS_MAX};
 use kspeed::transport::rdma::{CompChannel, Context, Cq, WorkCompletion};
 
 fn arg(args: &[String], name: &str) -> Option<String> {
@@ -60,9 +62,11 @@ fn main() {
     });
     let ch = CompChannel::new(&ctx).expect("completion channel");
     let max_cqe = ctx.max_cqe().expect("the device's max_cqe");
-    let per_cq = (max_cqe / CONSUMER_CQ_ENTRIES).saturating_sub(1).max(1);
+    let max_srq_wr = ctx
+        .max_srq_wr()
+        .expect("a device with shared receive queues");
     println!(
-        "device {} (max_cqe {max_cqe}: {per_cq} links a shared CQ), {ticks} ticks x {runs} runs",
+        "device {} (max_cqe {max_cqe}, max_srq_wr {max_srq_wr}), {ticks} ticks x {runs} runs",
         ctx.name()
     );
     println!("links | CQ per link: CQs, us/tick | shared: CQs, us/tick | shared/per-link");
@@ -72,11 +76,14 @@ fn main() {
             .collect();
         let own_us = tick_us(&own, ticks, runs);
         drop(own);
+        let depth = (n * RDMA_RECVS).min(SRQ_RECVS_MAX).min(max_srq_wr);
+        let per = LINK_SEND_CQ_ENTRIES;
+        let per_cq = ((max_cqe - depth) / per).saturating_sub(1).max(1);
         let groups = n.div_ceil(per_cq);
         let shared: Vec<Arc<Cq>> = (0..groups)
             .map(|g| {
                 let k = per_cq.min(n - g * per_cq);
-                let entries = ((k + 1) * CONSUMER_CQ_ENTRIES).min(max_cqe);
+                let entries = ((k + 1) * per + depth).min(max_cqe);
                 Cq::with_channel(&ctx, entries as i32, &ch).expect("create CQ")
             })
             .collect();

@@ -9,14 +9,19 @@
 //!
 //! ```sh
 //! cargo run --release --example qp_scale -- [--device mlx5_0] [--qps 1000]
-//!     [--threads 1,8] [--side link|node] [--windows N]
+//!     [--threads 1,8] [--side link|shared-link|node] [--windows N]
 //! ```
 //!
 //! `--side link`: a consumer's side of a link (a rank's connection, or an
 //! agent's shared link): a CQ of `CONSUMER_CQ_ENTRIES`, a QP of
 //! `RDMA_RECVS` work requests, `RDMA_RECVS` receive buffers of
 //! `RDMA_RECV_BYTES` registered, and `RDMA_WINDOWS` memory windows (or
-//! `--windows N`). `--side node`: the node service's side: a CQ of its
+//! `--windows N`). `--side shared-link`: a link as a network thread makes
+//! it now (`src/loader/net/cqs.rs`, `recvs.rs`): its QP on the thread's
+//! shared receive queue (`SRQ_RECVS_MAX` receives at most, their buffers
+//! registered once) and a shared CQ (`LINK_SEND_CQ_ENTRIES` a link plus
+//! the SRQ's depth, as many links a CQ as `max_cqe` holds), made once per
+//! run and counted in its figures, and its windows. `--side node`: the node service's side: a CQ of its
 //! work requests plus `OWNER_CQ_SPARE`, a QP of 256 work requests (64 MiB
 //! of staging in 256 KiB slots, within `OWNER_WRS`) with an inline ERROR.
 //! Every constant comes from the code (`kspeed::model`).
@@ -25,7 +30,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kspeed::model;
-use kspeed::transport::rdma::{Access, Context, Cq, Mr, Mw, Pd, Qp, RDMA_ERROR_BYTES};
+use kspeed::transport::rdma::{Access, Context, Cq, Mr, Mw, Pd, Qp, Srq, RDMA_ERROR_BYTES};
 
 /// One connection's verbs objects, kept alive until the figures are read.
 struct Conn {
@@ -39,7 +44,52 @@ struct Conn {
 #[derive(Clone, Copy, PartialEq)]
 enum Side {
     Link,
+    SharedLink,
     Node,
+}
+
+/// What a run's shared links share: the SRQ (its buffers registered, no
+/// receive posted) and the CQs.
+struct Shared {
+    srq: Arc<Srq>,
+    cqs: Vec<Arc<Cq>>,
+    links_per_cq: usize,
+    _mr: Mr,
+    _bufs: Vec<u8>,
+}
+
+impl Shared {
+    /// For `links` links, sized as the code sizes them.
+    fn new(ctx: &Arc<Context>, pd: &Arc<Pd>, links: usize) -> Shared {
+        let max_cqe = ctx.max_cqe().expect("the device's max_cqe");
+        let max_srq_wr = ctx
+            .max_srq_wr()
+            .expect("a device with shared receive queues");
+        let depth = (links * model::RDMA_RECVS)
+            .min(model::SRQ_RECVS_MAX)
+            .min(max_srq_wr);
+        let srq = Srq::new(pd, depth as u32).expect("create SRQ");
+        let per = model::LINK_SEND_CQ_ENTRIES;
+        let links_per_cq = ((max_cqe - depth) / per - 1).max(1);
+        let cqs = (0..links.div_ceil(links_per_cq))
+            .map(|g| {
+                let n = links_per_cq.min(links - g * links_per_cq);
+                Cq::new(ctx, ((n + 1) * per + depth).min(max_cqe) as i32).expect("create CQ")
+            })
+            .collect();
+        let mut bufs = vec![0u8; depth * model::RDMA_RECV_BYTES];
+        // SAFETY: `bufs` lives in the same struct as the region, its heap
+        // allocation does not move; no receive is ever posted.
+        let mr = unsafe { Mr::register(pd, bufs.as_mut_ptr(), bufs.len(), Access::Local) }
+            .expect("register the SRQ's buffers");
+        Shared {
+            srq,
+            cqs,
+            links_per_cq,
+            _mr: mr,
+            _bufs: bufs,
+        }
+    }
 }
 
 /// The node service's work requests per connection with its defaults
@@ -55,18 +105,29 @@ fn make(
     ctx: &Arc<Context>,
     side: Side,
     windows: usize,
+    shared: Option<(&Shared, usize)>,
 ) -> Result<(Conn, Duration), String> {
     let t0 = Instant::now();
     let (entries, wrs, inline) = match side {
-        Side::Link => (model::CONSUMER_CQ_ENTRIES, model::RDMA_RECVS, 0),
+        Side::Link | Side::SharedLink => (model::CONSUMER_CQ_ENTRIES, model::RDMA_RECVS, 0),
         Side::Node => (
             node_wrs() + model::OWNER_CQ_SPARE,
             node_wrs(),
             4 + RDMA_ERROR_BYTES,
         ),
     };
-    let cq = Cq::new(ctx, entries as i32).map_err(|e| e.to_string())?;
-    let qp = Qp::new(pd, &cq, &cq, wrs as u32, inline as u32).map_err(|e| e.to_string())?;
+    let (cq, qp) = match shared {
+        Some((s, i)) => {
+            let cq = s.cqs[(i / s.links_per_cq).min(s.cqs.len() - 1)].clone();
+            let qp = Qp::new_on_srq(pd, &cq, &s.srq, wrs as u32, 0).map_err(|e| e.to_string())?;
+            (cq, qp)
+        }
+        None => {
+            let cq = Cq::new(ctx, entries as i32).map_err(|e| e.to_string())?;
+            let qp = Qp::new(pd, &cq, &cq, wrs as u32, inline as u32).map_err(|e| e.to_string())?;
+            (cq, qp)
+        }
+    };
     let took = t0.elapsed();
     let (mut bufs, mut mr) = (Vec::new(), None);
     if side == Side::Link {
@@ -137,11 +198,12 @@ fn main() {
         .collect();
     let side = match arg("--side").as_deref() {
         None | Some("link") => Side::Link,
+        Some("shared-link") => Side::SharedLink,
         Some("node") => Side::Node,
-        Some(other) => panic!("--side link|node, not {other}"),
+        Some(other) => panic!("--side link|shared-link|node, not {other}"),
     };
     let windows = match side {
-        Side::Link => {
+        Side::Link | Side::SharedLink => {
             arg("--windows").map_or(model::RDMA_WINDOWS, |v| v.parse().expect("--windows N"))
         }
         Side::Node => 0,
@@ -154,10 +216,10 @@ fn main() {
         }
     };
     let pd = Pd::new(&ctx).expect("protection domain");
-    let side_name = if side == Side::Link {
-        "link (consumer side)"
-    } else {
-        "node side"
+    let side_name = match side {
+        Side::Link => "link (consumer side, a CQ and receives per link)",
+        Side::SharedLink => "shared link (consumer side, one SRQ and shared CQs)",
+        Side::Node => "node side",
     };
     println!(
         "qp_scale: device {}, {qps} RC QPs per run, {side_name}, {windows} windows each",
@@ -166,6 +228,9 @@ fn main() {
     for &t in &threads {
         let (before, avail) = (vm(), mem_available_kib());
         let t0 = Instant::now();
+        // Made in the run, and dropped after its links (end of the loop).
+        let shared_made = (side == Side::SharedLink).then(|| Shared::new(&ctx, &pd, qps));
+        let shared = shared_made.as_ref();
         let per = qps.div_ceil(t);
         let made: Vec<Result<Vec<(Conn, Duration)>, String>> = std::thread::scope(|s| {
             let hs: Vec<_> = (0..t)
@@ -173,7 +238,11 @@ fn main() {
                     let (pd, ctx) = (pd.clone(), ctx.clone());
                     s.spawn(move || {
                         let n = per.min(qps.saturating_sub(k * per));
-                        (0..n).map(|_| make(&pd, &ctx, side, windows)).collect()
+                        (0..n)
+                            .map(|i| {
+                                make(&pd, &ctx, side, windows, shared.map(|s| (s, k * per + i)))
+                            })
+                            .collect()
                     })
                 })
                 .collect();

@@ -83,11 +83,24 @@ const WINDOWS_PER_CONN: u64 = model::RDMA_WINDOWS as u64;
 /// for an ERROR message).
 const RECVS_PER_CONN: u64 = model::RDMA_RECVS as u64;
 const RECV_BUF_BYTES: u64 = model::RDMA_RECV_BYTES as u64;
-/// Entries of a rank's CQ per connection.
-const RANK_CQ_ENTRIES: u64 = model::CONSUMER_CQ_ENTRIES as u64;
-/// Receives one shared receive queue per node would keep posted: the
-/// completions of a node's 8 rings in flight at once, with margin.
-const SRQ_RECVS: u64 = 8192;
+/// Entries a link takes of its network thread's shared CQ (its send
+/// queue's: a request per window, and some room); the thread's CQ takes
+/// the SRQ's depth once more.
+const LINK_CQ_ENTRIES: u64 = model::LINK_SEND_CQ_ENTRIES as u64;
+/// Receives a network thread's shared receive queue holds at most (1,024
+/// a link up to this).
+const SRQ_RECVS: u64 = model::SRQ_RECVS_MAX as u64;
+
+/// What a network thread's links share as built (2026-12-06): the SRQ
+/// (receives, their WQEs and buffers) and the CQ (each link's send entries,
+/// one link's spare and the SRQ's depth; one CQ on a ConnectX up to about
+/// 13,000 links).
+fn thread_shared_bytes(links: u64) -> u64 {
+    let depth = (links * RECVS_PER_CONN).min(SRQ_RECVS);
+    depth * RECV_BUF_BYTES
+        + depth.next_power_of_two() * DATA_SEG_BYTES
+        + mlx5_cq_bytes((links + 1) * LINK_CQ_ENTRIES + depth)
+}
 
 /// Host memory one connection's verbs objects pin.
 struct Verbs {
@@ -551,10 +564,12 @@ fn connection_tables() -> String {
         recv_bufs: 0,
         windows: 0,
     };
+    // A link's own: its QP's send queue (its receives are its thread's
+    // SRQ's, its completions on its thread's CQ: `thread_shared_bytes`).
     let rank = Verbs {
-        qp: mlx5_rc_qp_bytes(RECVS_PER_CONN, RECVS_PER_CONN, 1, 0),
-        cq: mlx5_cq_bytes(RANK_CQ_ENTRIES),
-        recv_bufs: RECVS_PER_CONN * RECV_BUF_BYTES,
+        qp: mlx5_rc_qp_bytes(RECVS_PER_CONN, 0, 1, 0),
+        cq: 0,
+        recv_bufs: 0,
         windows: WINDOWS_PER_CONN,
     };
     writeln!(
@@ -568,9 +583,11 @@ fn connection_tables() -> String {
          Verbs memory per connection, as mlx5 sizes it (send WQE: 16 B control + 176 B reserved \
          for a memory-window bind + data or inline, in 64-B blocks; queues rounded up to powers \
          of two; 64-B CQEs): the node's side {} (QP {} with {owner_wr} WRs and {OWNER_INLINE_BYTES} B \
-         inline, CQ {}), a rank's side {} (QP {} with {RECVS_PER_CONN} WRs, CQ {}, \
-         {RECVS_PER_CONN} posted receives of {RECV_BUF_BYTES} B: {}) and {WINDOWS_PER_CONN} \
-         memory windows (NIC memory keys, not host memory).\n",
+         inline, CQ {}), a rank's side {} (QP {} with {RECVS_PER_CONN} send WRs and no receive \
+         queue) and {WINDOWS_PER_CONN} memory windows (NIC memory keys, not host memory), and \
+         once per rank (its network thread) a shared receive queue of 1,024 receives a link, at \
+         most {SRQ_RECVS}, of {RECV_BUF_BYTES} B, and a CQ shared by its links \
+         ({LINK_CQ_ENTRIES} entries a link and the SRQ's depth): {} at 512 nodes.\n",
         gib(cfg.staging_bytes as f64),
         gib(staging as f64),
         cfg.chunk_bytes / 1024,
@@ -585,8 +602,7 @@ fn connection_tables() -> String {
         gib(owner.cq as f64),
         gib(rank.pinned() as f64),
         gib(rank.qp as f64),
-        gib(rank.cq as f64),
-        gib(rank.recv_bufs as f64),
+        gib(thread_shared_bytes(511) as f64),
     ).unwrap();
     writeln!(
         out,
@@ -601,7 +617,9 @@ fn connection_tables() -> String {
         out,
             "| {nodes} | {consumers} | {qps} | {} | {} | {} | {} | {:.2} samples/s | {consumers} | {} | {} |",
             outbound * rank.windows,
-            gib((consumers * owner.pinned() + outbound * rank.pinned()) as f64),
+            gib((consumers * owner.pinned()
+                + outbound * rank.pinned()
+                + RANKS_PER_NODE as u64 * thread_shared_bytes(nodes as u64 - 1)) as f64),
             gib((consumers * per_consumer_grants(nodes)) as f64),
             if consumers > max_consumers(nodes) {
                 format!("yes: {} refused", consumers - max_consumers(nodes))
@@ -655,8 +673,9 @@ fn connection_tables() -> String {
 
 /// The agent as built: one network thread per agent (`--net-threads 1`)
 /// with one link to each other node's service, and that service serving
-/// the other agents' links; then, on paper, the same with one shared
-/// receive queue and shared CQs, and with DC transport.
+/// the other agents' links; then, on paper, the same with a window pool
+/// sized per node and the node's side sharing a CQ per poller, and with DC
+/// transport.
 fn agent_table(
     out: &mut String,
     cfg: &ServeConfig,
@@ -666,16 +685,10 @@ fn agent_table(
     rank: &Verbs,
 ) {
     use std::fmt::Write;
-    // With an SRQ: the agent's side of a link has no receive queue of its
-    // own; its receives (SRQ_RECVS buffers) and one CQ are the agent's,
-    // sized for the receives and a window per grant the node's ranks have
-    // in flight (their lookahead); the node's side keeps its QPs and
-    // shares one CQ per poller.
+    // On paper: a window per grant the node's ranks have in flight (their
+    // lookahead) instead of 256 a link, and the node's side sharing one CQ
+    // per poller.
     let window_pool = RANKS_PER_NODE as u64 * 2 * BATCH;
-    let rank_qp_srq = mlx5_rc_qp_bytes(RECVS_PER_CONN, 0, 1, 0);
-    let srq_bytes = SRQ_RECVS * RECV_BUF_BYTES
-        + (SRQ_RECVS.next_power_of_two() * DATA_SEG_BYTES)
-        + mlx5_cq_bytes(SRQ_RECVS + window_pool + 64);
     writeln!(
         out,
         "\n### The agent as built: one link per pair of nodes\n\n\
@@ -683,20 +696,21 @@ fn agent_table(
          keeps one link (one RC QP) to each other node's service, and its own node service serves \
          the other agents' links, so a node holds 2 x (nodes - 1) connections whatever its rank \
          count. Each link is a consumer to the service (its grant queue sized from the cluster as a rank's), \
-         each link's consumer side keeps {RECVS_PER_CONN} receives, its CQ ({RANK_CQ_ENTRIES} \
-         entries) and {WINDOWS_PER_CONN} windows as a rank's connection did, and a thread takes at \
-         most {} ranks (lanes) with grant tables of at most 2^{} entries. `--net-threads K` \
-         multiplies the links by K. Not built (on paper): one shared receive queue per agent \
-         ({SRQ_RECVS} receives of {RECV_BUF_BYTES} B and one CQ for them and a pool of {window_pool} \
-         windows, the node's ranks' lookahead), the node's side sharing one CQ per poller; and DC \
-         transport (16 DCIs + 1 DCT per node).\n",
+         each link's consumer side has its QP (no receive queue) and {WINDOWS_PER_CONN} windows as \
+         a rank's connection has, its receives from the thread's shared receive queue (at most \
+         {SRQ_RECVS} of {RECV_BUF_BYTES} B) and its completions on the thread's shared CQ, and a \
+         thread takes at most {} ranks (lanes) with grant tables of at most 2^{} entries. \
+         `--net-threads K` multiplies the links by K. Not built (on paper): a pool of \
+         {window_pool} windows per node (the node's ranks' lookahead) instead of \
+         {WINDOWS_PER_CONN} a link, the node's side sharing one CQ per poller; and DC transport \
+         (16 DCIs + 1 DCT per node).\n",
         model::MAX_LANES,
         model::SHARED_LANE_SHIFT,
     )
     .unwrap();
     writeln!(
         out,
-        "| nodes | connections (RC QPs) per node | consumers each service serves | memory windows per node | pinned verbs memory per node | grant queues per node | per link rate | with one SRQ and shared CQs: windows | same: pinned verbs memory | with DC: QP contexts |"
+        "| nodes | connections (RC QPs) per node | consumers each service serves | memory windows per node | pinned verbs memory per node | grant queues per node | per link rate | with a window pool and the node's CQs shared: windows | same: pinned verbs memory | with DC: QP contexts |"
     )
     .unwrap();
     writeln!(out, "|---|---|---|---|---|---|---|---|---|---|").unwrap();
@@ -709,10 +723,10 @@ fn agent_table(
             "| {nodes} | {} | {peers} | {} | {} | {} | {:.0} samples/s | {window_pool} | {} | 17 |",
             2 * peers,
             peers * rank.windows,
-            gib((peers * (owner.pinned() + rank.pinned())) as f64),
+            gib((peers * (owner.pinned() + rank.pinned()) + thread_shared_bytes(peers)) as f64),
             gib((peers * cfg.grant_bytes_per_consumer(nodes)) as f64),
             RANKS_PER_NODE as f64 * TARGET_PER_GPU / nodes as f64,
-            gib((peers * (owner.qp + rank_qp_srq) + shared_cqs + srq_bytes) as f64),
+            gib((peers * (owner.qp + rank.qp) + shared_cqs + thread_shared_bytes(peers)) as f64),
         )
         .unwrap();
     }

@@ -10,7 +10,8 @@ pub use crate::loader::net::handshake::HANDSHAKES_IN_FLIGHT;
 pub use crate::loader::net::lanes::{MAX_LANES, SHARED_LANE_SHIFT};
 #[cfg(feature = "rdma")]
 pub use crate::loader::net::rdma::{
-    CONSUMER_CQ_ENTRIES, RDMA_RECVS, RDMA_RECV_BYTES, RDMA_WINDOWS,
+    CONSUMER_CQ_ENTRIES, LINK_SEND_CQ_ENTRIES, RDMA_RECVS, RDMA_RECV_BYTES, RDMA_WINDOWS,
+    SRQ_RECVS_MAX,
 };
 pub use crate::transport::serve::config::MAX_HANDSHAKES;
 #[cfg(feature = "rdma")]

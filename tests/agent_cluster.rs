@@ -196,6 +196,21 @@ fn attached_ranks_in_a_cluster_deliver_what_embedded_ranks_do() {
             Duration::from_secs(60),
         );
     }
+    if rdma() {
+        // Over RDMA each network thread's links share its CQ and one SRQ
+        // (soft-RoCE has SRQs): a link's 1,024 receives for each of the 3
+        // nodes' places.
+        for (i, a) in agents.iter().enumerate() {
+            let threads = if i == 0 { 2 } else { 1 };
+            a.log.wait_count(
+                "links to 3 nodes share 1 CQ(s) (",
+                threads,
+                Duration::from_secs(10),
+            );
+            let srq = "and one shared receive queue of 3072 receives";
+            assert_eq!(a.log.all().matches(srq).count(), threads, "agent {i}");
+        }
+    }
     let world = 6u32;
     let node_of = |r: u32| (r / 2) as usize;
     let attached: Vec<Child> = (0..world)

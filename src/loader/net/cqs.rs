@@ -60,7 +60,9 @@ pub(crate) struct SharedCqs {
 
 impl SharedCqs {
     /// The CQs of links to `nodes` nodes (the local one's place included),
-    /// `per_link` entries each, on `ctx`, waking `channel`; `None` where the device's CQs are too
+    /// `per_link` entries each and `extra` more each (the SRQ's receives,
+    /// which may all complete on one CQ), on `ctx`, waking `channel`;
+    /// `None` where the device's CQs are too
     /// small to share (each link then has its own) or
     /// `KSPEED_RDMA_SHARED_CQ=0` asks for a CQ per link (to measure one
     /// against the other).
@@ -69,6 +71,7 @@ impl SharedCqs {
         channel: &Arc<CompChannel>,
         nodes: usize,
         per_link: usize,
+        extra: usize,
     ) -> Result<Option<SharedCqs>> {
         if std::env::var_os("KSPEED_RDMA_SHARED_CQ").is_some_and(|v| v == "0") {
             log::info!("RDMA: a CQ per link (KSPEED_RDMA_SHARED_CQ=0)");
@@ -78,9 +81,10 @@ impl SharedCqs {
             log::debug!("RDMA: the device's CQ size is unknown; a CQ per link");
             return Ok(None);
         };
-        let Some(links_per_cq) = links_per_cq(max_cqe, per_link) else {
+        let Some(links_per_cq) = links_per_cq(max_cqe.saturating_sub(extra), per_link) else {
             log::info!(
-                "RDMA: the device's CQs hold {max_cqe} entries, under two links' {}; a CQ per link",
+                "RDMA: the device's CQs hold {max_cqe} entries, under two links' {} and {extra} \
+                 shared receives; a CQ per link",
                 2 * per_link
             );
             return Ok(None);
@@ -90,12 +94,9 @@ impl SharedCqs {
         let mut cqs = Vec::with_capacity(groups);
         for g in 0..groups {
             let n = links_per_cq.min(links - g * links_per_cq);
-            let entries = ((n + 1) * per_link).min(max_cqe);
+            let entries = ((n + 1) * per_link + extra).min(max_cqe);
             cqs.push(Cq::with_channel(ctx, entries as i32, channel)?);
         }
-        log::debug!(
-            "RDMA: {groups} shared CQ(s) for {links} links ({links_per_cq} per CQ, device limit {max_cqe} entries)"
-        );
         Ok(Some(SharedCqs {
             cqs,
             links_per_cq,
@@ -108,6 +109,11 @@ impl SharedCqs {
     pub(crate) fn for_node(&self, node: u32) -> &Arc<Cq> {
         let g = (node as usize / self.links_per_cq).min(self.cqs.len() - 1);
         &self.cqs[g]
+    }
+
+    /// How many CQs, and links a CQ.
+    pub(crate) fn shape(&self) -> (usize, usize) {
+        (self.cqs.len(), self.links_per_cq)
     }
 
     /// A tag for a new data path of node `node`.

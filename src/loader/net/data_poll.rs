@@ -37,11 +37,16 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                 }
             };
             any = true;
+            R::route_shared(
+                &self.common,
+                &self.shared_wc[..n],
+                &mut self.shared_nodes[..n],
+            );
             for k in 0..n {
                 let w = self.shared_wc[k];
-                let i = R::wc_node(&w);
+                let i = self.shared_nodes[k] as usize;
+                // None: a queue pair no link has now (gone since).
                 let Some(c) = self.conns.get_mut(i) else {
-                    debug_assert!(false, "a completion names node {i}, past the cluster");
                     continue;
                 };
                 if c.state != State::Live {
@@ -60,6 +65,14 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                 self.refill(self.refills[j]);
             }
             self.refills.clear();
+            // The shared receives used, once their messages were read.
+            if let Err(e) = R::refill_shared(&self.common, &self.shared_wc[..n]) {
+                let why = format!("re-posting the shared receives: {e}");
+                for i in 0..self.conns.len() {
+                    self.kill(i, why.clone());
+                }
+                return true;
+            }
         }
         any
     }

@@ -94,6 +94,8 @@ mod hub;
 pub(crate) mod lanes;
 #[cfg(feature = "rdma")]
 pub(crate) mod rdma;
+#[cfg(feature = "rdma")]
+mod recvs;
 mod redial;
 mod retry;
 mod socket;
@@ -552,8 +554,13 @@ pub(crate) trait Receive: Sized + Send + 'static {
     /// connection polls its own ([`Receive::poll`]).
     fn poll_shared(common: &Self::Common, out: &mut [Self::Wc]) -> Option<Result<usize>>;
 
-    /// The node whose connection shared completion `w` is of.
-    fn wc_node(w: &Self::Wc) -> usize;
+    /// The node whose connection each shared completion of `ws` is of,
+    /// into `nodes` (`u32::MAX`: none now).
+    fn route_shared(common: &Self::Common, ws: &[Self::Wc], nodes: &mut [u32]);
+
+    /// After shared completions `ws` were handled: re-posts the shared
+    /// receives they used (RDMA: the thread's SRQ's, `recvs.rs`).
+    fn refill_shared(common: &Self::Common, ws: &[Self::Wc]) -> Result<()>;
 
     /// Shared completion `w`, if it is this data path's (`None`: a data
     /// path's this connection had before, gone since).
@@ -801,8 +808,10 @@ pub(crate) struct Thread<R: Receive, I: IoBackend = Uring> {
     common: R::Common,
     /// A poll on the data path's wake descriptor is in the ring.
     chan_inflight: bool,
-    /// A poll of the shared CQs (`data_poll.rs`), sized once.
+    /// A poll of the shared CQs (`data_poll.rs`), sized once, and each
+    /// one's node.
     shared_wc: Vec<R::Wc>,
+    shared_nodes: Vec<u32>,
     /// The connections whose receives that poll used (to re-post).
     refills: Vec<usize>,
     /// A shared thread's lanes' rings as its links know them (RDMA: their
@@ -997,6 +1006,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             common: connected.common,
             chan_inflight: false,
             shared_wc: vec![R::Wc::default(); 32],
+            shared_nodes: vec![u32::MAX; 32],
             refills: Vec::with_capacity(32),
             progress_slack: Duration::from_secs_f64(
                 sh.input.max_sample_bytes() as f64 / MIN_PROGRESS_BYTES_PER_SEC as f64,

@@ -26,6 +26,7 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::sync::Arc;
 
 use super::cqs::{SharedCqs, TAG_MASK};
+use super::recvs::SharedRecvs;
 use super::{ConnectError, Event, Landed, Receive, NONE};
 use crate::error::{Error, Result};
 use crate::landing::LandingRing;
@@ -35,11 +36,7 @@ use crate::transport::rdma::{
     Qp, RecvWr, VerbsQueue, WorkCompletion, WorkQueue,
 };
 
-/// How many receives an RDMA connection keeps posted: every WRITE_WITH_IMM
-/// consumes one (too few only slows the owner down: it retries on RNR).
-pub const RDMA_RECVS: usize = 1024;
-/// Receive buffer size: an ERROR message (code + up to 128 bytes).
-pub const RDMA_RECV_BYTES: usize = 4 + crate::transport::rdma::RDMA_ERROR_BYTES;
+pub use super::recvs::{RDMA_RECVS, RDMA_RECV_BYTES, SRQ_RECVS_MAX};
 /// Memory windows per RDMA connection (windows mode): one per grant
 /// outstanding with that node, so also the most grants it has outstanding.
 /// Each window has at most one request (a bind or an invalidation) on the
@@ -49,6 +46,9 @@ pub const RDMA_WINDOWS: usize = 256;
 /// Entries of a connection's one CQ: a completion for every posted
 /// receive and every window's one request, and room for SENDs.
 pub const CONSUMER_CQ_ENTRIES: usize = RDMA_RECVS + RDMA_WINDOWS + 64;
+/// A link's entries of a shared CQ where the receives are the thread's
+/// SRQ's: its send queue's (a request per window) and some room.
+pub const LINK_SEND_CQ_ENTRIES: usize = RDMA_WINDOWS + 64;
 /// Send-queue completions carry this bit in their wr_id (receives carry
 /// their buffer slot, below `RDMA_RECVS`).
 const WR_SEND: u64 = 1 << 63;
@@ -86,6 +86,9 @@ pub(crate) struct ConsumerRdma {
     channel: Arc<rdma::CompChannel>,
     /// The CQs the links share (`cqs.rs`); `None`: each link has its own.
     cqs: Option<SharedCqs>,
+    /// The receives the links share (`recvs.rs`; only with shared CQs);
+    /// `None`: each link posts its own.
+    recvs: Option<SharedRecvs>,
     pd: Arc<rdma::Pd>,
     ctx: Arc<rdma::Context>,
 }
@@ -99,7 +102,7 @@ impl ConsumerRdma {
         let ctx = Context::open(opts.device.as_deref(), opts.port, opts.gid_index)?;
         let pd = Pd::new(&ctx)?;
         let channel = CompChannel::new(&ctx)?;
-        let cqs = SharedCqs::new(&ctx, &channel, nodes, CONSUMER_CQ_ENTRIES)?;
+        let (cqs, recvs) = shared_queues(&ctx, &pd, &channel, nodes)?;
         let windows = match windows_usable(&ctx, &pd, Some(ring)) {
             Ok(()) => true,
             Err(why) => {
@@ -141,6 +144,7 @@ impl ConsumerRdma {
             _dmabuf: dmabuf,
             channel,
             cqs,
+            recvs,
             pd,
             ctx,
         })
@@ -156,7 +160,7 @@ impl ConsumerRdma {
         let ctx = Context::open(opts.device.as_deref(), opts.port, opts.gid_index)?;
         let pd = Pd::new(&ctx)?;
         let channel = CompChannel::new(&ctx)?;
-        let cqs = SharedCqs::new(&ctx, &channel, nodes, CONSUMER_CQ_ENTRIES)?;
+        let (cqs, recvs) = shared_queues(&ctx, &pd, &channel, nodes)?;
         if let Err(why) = windows_usable(&ctx, &pd, None) {
             return Err(Error::Rdma {
                 op: "share the agent's links",
@@ -180,10 +184,57 @@ impl ConsumerRdma {
             _dmabuf: None,
             channel,
             cqs,
+            recvs,
             pd,
             ctx,
         })
     }
+}
+
+/// The CQs and receives a thread's links to `nodes` nodes share: CQs
+/// unless the device's are too small or `KSPEED_RDMA_SHARED_CQ=0`
+/// (`cqs.rs`), and with them one SRQ unless the device has none or
+/// `KSPEED_RDMA_SRQ=0` (`recvs.rs`). With the SRQ a link's CQ entries are
+/// its send queue's (a request per window, and some more) and the CQ
+/// takes the SRQ's depth once, since any of its links may take every
+/// receive.
+fn shared_queues(
+    ctx: &Arc<Context>,
+    pd: &Arc<Pd>,
+    channel: &Arc<CompChannel>,
+    nodes: usize,
+) -> Result<(Option<SharedCqs>, Option<SharedRecvs>)> {
+    let srq_off = std::env::var_os("KSPEED_RDMA_SRQ").is_some_and(|v| v == "0");
+    let depth = match ctx.max_srq_wr() {
+        _ if srq_off => None,
+        Some(max) => Some(super::recvs::srq_depth(nodes, max)),
+        None => {
+            log::info!("RDMA: the device has no shared receive queues; each link posts its own");
+            None
+        }
+    };
+    let per_link = if depth.is_some() {
+        LINK_SEND_CQ_ENTRIES
+    } else {
+        CONSUMER_CQ_ENTRIES
+    };
+    let Some(cqs) = SharedCqs::new(ctx, channel, nodes, per_link, depth.unwrap_or(0))? else {
+        // Each link's own CQ takes its own receives' completions.
+        return Ok((None, None));
+    };
+    let recvs = depth.map(|d| SharedRecvs::new(pd, d)).transpose()?;
+    let (n, per) = cqs.shape();
+    log::info!(
+        "RDMA: the network thread's links to {nodes} nodes share {n} CQ(s) ({per} links a CQ) \
+         and {}",
+        recvs
+            .as_ref()
+            .map_or("post their own receives".to_string(), |r| format!(
+                "one shared receive queue of {} receives",
+                r.depth()
+            ))
+    );
+    Ok((Some(cqs), recvs))
 }
 
 /// Whether a node agent can share its RDMA links among its ranks: the
@@ -286,6 +337,10 @@ pub(crate) struct RdmaRx<Q: WorkQueue = VerbsQueue> {
     /// CQ of its own): its link on a CQ the thread's links share
     /// (`cqs.rs`).
     tag: u64,
+    /// Its QP's number where it receives from the thread's SRQ (whose
+    /// completions name it: `recvs.rs`; no buffers of its own then); 0:
+    /// it posts its own receives.
+    qpn: u32,
     /// Receives completed and not re-posted yet, and the slot of the first.
     consumed: usize,
     next_slot: usize,
@@ -327,7 +382,7 @@ pub(crate) struct RdmaRx<Q: WorkQueue = VerbsQueue> {
     /// The real queue's: the buffers' registration and the launch's verbs
     /// resources, dropped after the queue and before the buffers (None in
     /// the simulation, whose device registers the buffers itself).
-    _verbs: Option<(rdma::Mr, Arc<ConsumerRdma>)>,
+    _verbs: Option<(Option<rdma::Mr>, Arc<ConsumerRdma>)>,
     /// The receive buffers and their key (a Vec, not a Box: the device
     /// writes them through the addresses posted, and a Box is retagged as
     /// unique whenever it moves, which Miri counts against those writes).
@@ -354,13 +409,19 @@ impl<Q: WorkQueue> RdmaRx<Q> {
         window_rkeys: &[u32],
     ) -> Result<Self> {
         assert_eq!(tag & !TAG_MASK, 0, "tag {tag:#x}");
-        assert_eq!(bufs.len(), RDMA_RECVS * RDMA_RECV_BYTES, "receive buffers");
+        // No buffers: it receives from the thread's SRQ (`recvs.rs`).
+        assert!(
+            bufs.is_empty() || bufs.len() == RDMA_RECVS * RDMA_RECV_BYTES,
+            "receive buffers"
+        );
+        let own_recvs = if bufs.is_empty() { 0 } else { RDMA_RECVS };
         let n = window_rkeys.len();
         assert!(n <= RDMA_WINDOWS, "{n} windows");
         let mut c = RdmaRx {
             queue,
             tag,
-            consumed: RDMA_RECVS,
+            qpn: 0,
+            consumed: own_recvs,
             next_slot: 0,
             rwrs: Vec::with_capacity(RDMA_RECVS),
             ring_addr,
@@ -469,6 +530,9 @@ fn post_recv_slots<Q: WorkQueue>(
 pub(crate) struct PendingQp {
     cq: Arc<Cq>,
     qp: Qp,
+    /// What its QP may receive into (the thread's SRQ buffers) lives as
+    /// long as it.
+    _common: Arc<ConsumerRdma>,
 }
 
 /// After WELCOME over RDMA: creates this connection's QP (on the GID of the
@@ -484,11 +548,22 @@ fn begin(
         Some(cqs) => cqs.for_node(node).clone(),
         None => Cq::with_channel(&r.ctx, CONSUMER_CQ_ENTRIES as i32, &r.channel).map_err(failed)?,
     };
-    let mut qp = Qp::new(&r.pd, &cq, &cq, RDMA_RECVS as u32, 0).map_err(failed)?;
+    let mut qp = match &r.recvs {
+        Some(recvs) => Qp::new_on_srq(&r.pd, &cq, recvs.srq(), RDMA_RECVS as u32, 0),
+        None => Qp::new(&r.pd, &cq, &cq, RDMA_RECVS as u32, 0),
+    }
+    .map_err(failed)?;
     let (index, gid) = r.ctx.choose_gid(r.opts.gid_index, local).map_err(failed)?;
     qp.use_gid(index, gid);
     let message = qp.endpoint().encode().to_vec();
-    Ok((PendingQp { cq, qp }, Some(message)))
+    Ok((
+        PendingQp {
+            cq,
+            qp,
+            _common: r.clone(),
+        },
+        Some(message),
+    ))
 }
 
 /// The owner's answer to RDMA_ENDPOINT is in: connects the QP to its
@@ -520,13 +595,19 @@ fn finish(
         }));
     }
     let theirs = proto::RdmaEndpoint::decode(h, body).map_err(|e| violation(e.to_string()))?;
-    let PendingQp { cq, qp } = pending;
+    let PendingQp { cq, qp, .. } = pending;
     qp.connect(&theirs).map_err(failed)?;
-    let mut bufs = vec![0u8; RDMA_RECVS * RDMA_RECV_BYTES];
-    // SAFETY: the buffers live in the RdmaRx next to (and are freed after)
-    // the QP that receives into them and this registration.
-    let bufs_mr = unsafe { Mr::register(&r.pd, bufs.as_mut_ptr(), bufs.len(), Access::Local) }
-        .map_err(failed)?;
+    let qpn = qp.qp_num();
+    let (bufs, bufs_mr) = if r.recvs.is_some() {
+        (Vec::new(), None)
+    } else {
+        let mut bufs = vec![0u8; RDMA_RECVS * RDMA_RECV_BYTES];
+        // SAFETY: the buffers live in the RdmaRx next to (and are freed
+        // after) the QP that receives into them and this registration.
+        let mr = unsafe { Mr::register(&r.pd, bufs.as_mut_ptr(), bufs.len(), Access::Local) }
+            .map_err(failed)?;
+        (bufs, Some(mr))
+    };
     let mut queue = VerbsQueue::new(qp, cq, RDMA_RECVS);
     let mut rkeys = Vec::new();
     if r.windows {
@@ -538,7 +619,7 @@ fn finish(
         }
         queue = queue.with_windows(r.ring_mr.clone(), mws);
     }
-    let bufs_lkey = bufs_mr.lkey();
+    let bufs_lkey = bufs_mr.as_ref().map_or(0, |m| m.lkey());
     let tag = r.cqs.as_ref().map_or(0, |cqs| cqs.next_tag(node));
     let mut c = RdmaRx::on(
         queue,
@@ -551,6 +632,10 @@ fn finish(
     )
     .map_err(failed)?;
     c._verbs = Some((bufs_mr, r.clone()));
+    if let Some(recvs) = &r.recvs {
+        recvs.name(qpn, node);
+        c.qpn = qpn;
+    }
     c.queue.arm().map_err(failed)?;
     Ok(c)
 }
@@ -592,6 +677,17 @@ impl RdmaRx {
     }
 }
 
+impl<Q: WorkQueue> Drop for RdmaRx<Q> {
+    /// Its QP's number no longer names it on the thread's SRQ.
+    fn drop(&mut self) {
+        if self.qpn != 0 {
+            if let Some(recvs) = self._verbs.as_ref().and_then(|(_, c)| c.recvs.as_ref()) {
+                recvs.forget(self.qpn);
+            }
+        }
+    }
+}
+
 /// The data path, over any [`WorkQueue`]: what [`Receive`] calls (the
 /// implementation below forwards), and what the simulation drives.
 impl<Q: WorkQueue> RdmaRx<Q> {
@@ -608,12 +704,21 @@ impl<Q: WorkQueue> RdmaRx<Q> {
                 bytes: w.byte_len,
             },
             IBV_WC_RECV => {
-                let at = w.wr_id as usize * RDMA_RECV_BYTES;
                 let n = (w.byte_len as usize).min(RDMA_RECV_BYTES);
-                if n < 4 || at + n > self.bufs.len() {
+                let mut copy = [0u8; RDMA_RECV_BYTES];
+                let b = if self.qpn != 0 {
+                    // The thread's SRQ's buffer (re-posted after this).
+                    let recvs = self._verbs.as_ref().and_then(|(_, c)| c.recvs.as_ref());
+                    let recvs = recvs.expect("a data path on the SRQ has its thread's receives");
+                    let got = recvs.read(w.wr_id, n, &mut copy);
+                    &copy[..got]
+                } else {
+                    let at = w.wr_id as usize * RDMA_RECV_BYTES;
+                    &self.bufs[at.min(self.bufs.len())..(at + n).min(self.bufs.len())]
+                };
+                if n < 4 || b.len() < n {
                     return Landed::Violation(format!("an RDMA ERROR message of {n} bytes"));
                 }
-                let b = &self.bufs[at..at + n];
                 let code = u32::from_le_bytes(b[..4].try_into().expect("4 bytes"));
                 let msg = String::from_utf8_lossy(&b[4..]).into_owned();
                 Landed::Error { grant, code, msg }
@@ -759,7 +864,13 @@ impl<Q: WorkQueue> RdmaRx<Q> {
     /// [`Receive::take_shared`]: completion `w` of a shared CQ, if it is
     /// this data path's (its tag; `None`: a queue pair's before this one).
     pub(crate) fn take_tagged(&mut self, w: &WorkCompletion) -> Option<Event> {
-        (self.tag != 0 && w.wr_id & TAG_MASK == self.tag).then(|| self.take_wc(*w))
+        let mine = if w.wr_id & TAG_MASK != 0 {
+            self.tag != 0 && w.wr_id & TAG_MASK == self.tag
+        } else {
+            // A receive from the thread's SRQ: its QP names it.
+            self.qpn != 0 && w.qp_num == self.qpn && w.wr_id & WR_SEND == 0
+        };
+        mine.then(|| self.take_wc(*w))
     }
 
     /// The `k`-th completion of the last poll, taken as a shared CQ's
@@ -781,7 +892,7 @@ impl<Q: WorkQueue> RdmaRx<Q> {
     /// complete in the order they were posted).
     fn take_wc(&mut self, mut w: WorkCompletion) -> Event {
         w.wr_id &= !TAG_MASK;
-        if w.wr_id & WR_SEND == 0 {
+        if w.wr_id & WR_SEND == 0 && self.qpn == 0 {
             self.consumed += 1;
             self.next_slot = (self.next_slot + 1) % RDMA_RECVS;
         }
@@ -882,8 +993,40 @@ impl Receive for RdmaRx {
         common.cqs.as_ref().map(|c| c.poll(out))
     }
 
-    fn wc_node(w: &WorkCompletion) -> usize {
-        super::cqs::tag_node(w.wr_id)
+    fn route_shared(common: &Arc<ConsumerRdma>, ws: &[WorkCompletion], nodes: &mut [u32]) {
+        for (n, w) in nodes.iter_mut().zip(ws) {
+            *n = if w.wr_id & TAG_MASK != 0 {
+                super::cqs::tag_node(w.wr_id) as u32
+            } else {
+                u32::MAX
+            };
+        }
+        if let Some(recvs) = &common.recvs {
+            // The SRQ's receives: their QP names the link (one lock).
+            let srq = |w: &WorkCompletion| w.wr_id & (TAG_MASK | WR_SEND) == 0;
+            if ws.iter().any(srq) {
+                let mut k = 0;
+                let mut found = [u32::MAX; 32];
+                recvs.nodes_of(ws.iter().filter(|w| srq(w)).map(|w| w.qp_num), &mut found);
+                for (n, w) in nodes.iter_mut().zip(ws) {
+                    if srq(w) {
+                        *n = found.get(k).copied().unwrap_or(u32::MAX);
+                        k += 1;
+                    }
+                }
+            }
+        }
+    }
+
+    fn refill_shared(common: &Arc<ConsumerRdma>, ws: &[WorkCompletion]) -> Result<()> {
+        let Some(recvs) = &common.recvs else {
+            return Ok(());
+        };
+        recvs.post(
+            ws.iter()
+                .filter(|w| w.wr_id & (TAG_MASK | WR_SEND) == 0)
+                .map(|w| w.wr_id),
+        )
     }
 
     fn take_shared(&mut self, w: &WorkCompletion) -> Option<Event> {

@@ -56,8 +56,10 @@ impl Receive for TcpRx {
         None
     }
 
-    fn wc_node(_: &()) -> usize {
-        0
+    fn route_shared(_: &(), _: &[()], _: &mut [u32]) {}
+
+    fn refill_shared(_: &(), _: &[()]) -> Result<()> {
+        Ok(())
     }
 
     fn take_shared(&mut self, _: &()) -> Option<Event> {

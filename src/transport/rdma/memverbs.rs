@@ -261,6 +261,7 @@ pub(crate) struct MemQp {
 
 fn wc(wr_id: u64, status: u32, opcode: u32, byte_len: u32, imm: Option<u32>) -> WorkCompletion {
     WorkCompletion {
+        qp_num: 0,
         wr_id,
         status,
         opcode,

@@ -1,7 +1,7 @@
 //! RDMA verbs (rdma-sys): the device probe, and RAII owners of the verbs
 //! resources the RDMA transport is built from — device context, protection
 //! domain, memory region and window (`verbs.rs`), completion queues and the RC
-//! queue pair (`qp.rs`) — with the one-sided WRITE_WITH_IMM the push protocol uses
+//! queue pair (`qp.rs`), the shared receive queue (`srq.rs`) — with the one-sided WRITE_WITH_IMM the push protocol uses
 //! (immediate = grant id); the verbs-shaped interface work requests
 //! (sends, memory-window binds and invalidations, receives) are
 //! posted and polled through ([`WorkQueue`], `wq.rs`, with the real QP's
@@ -22,12 +22,14 @@ pub(crate) mod memverbs;
 mod qp;
 #[cfg(test)]
 mod sim;
+mod srq;
 mod verbs;
 mod wq;
 
 pub use faulty::{FaultyQueue, QueueFaultStats, QueueFaults};
 pub use link::{RdmaLink, RDMA_ERROR_BYTES, SIGNAL_EVERY};
 pub use qp::{completion_error, wc_status_name, CompChannel, Cq, Endpoint, Qp, WorkCompletion};
+pub use srq::{Srq, SRQ_CHAIN_MAX};
 pub use verbs::{
     device_names, next_rkey, Access, Context, Mr, Mw, Pd, PortInfo, SendRegions, WindowOp,
 };

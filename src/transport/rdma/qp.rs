@@ -215,6 +215,7 @@ impl Cq {
                 imm: with_imm
                     .then(|| u32::from_be(unsafe { w.imm_data_invalidated_rkey_union.imm_data })),
                 vendor_err: w.vendor_err,
+                qp_num: w.qp_num,
             };
         }
         Ok(n as usize)
@@ -237,6 +238,9 @@ pub struct Qp {
     _pd: Arc<Pd>,
     _send_cq: Arc<Cq>,
     _recv_cq: Arc<Cq>,
+    /// The shared receive queue it receives from, if any (kept alive:
+    /// `srq.rs`, which makes such QPs).
+    _srq: Option<Arc<dyn Send + Sync>>,
     psn: u32,
     sgid_index: u8,
     sgid: [u8; 16],
@@ -254,14 +258,30 @@ impl Qp {
         max_wr: u32,
         max_inline: u32,
     ) -> Result<Qp> {
+        Self::create(pd, send_cq, recv_cq, None, max_wr, max_inline)
+    }
+
+    /// Creates an RC QP (state RESET → INIT); with `srq` (the SRQ and
+    /// what keeps it alive as long as the QP) it has no receive queue of
+    /// its own.
+    pub(super) fn create(
+        pd: &Arc<Pd>,
+        send_cq: &Arc<Cq>,
+        recv_cq: &Arc<Cq>,
+        srq: Option<(*mut ibv_srq, Arc<dyn Send + Sync>)>,
+        max_wr: u32,
+        max_inline: u32,
+    ) -> Result<Qp> {
         // SAFETY: plain data.
         let mut init: ibv_qp_init_attr = unsafe { std::mem::zeroed() };
         init.send_cq = send_cq.cq;
         init.recv_cq = recv_cq.cq;
+        init.srq = srq.as_ref().map_or(ptr::null_mut(), |s| s.0);
         init.qp_type = ibv_qp_type::IBV_QPT_RC;
         init.sq_sig_all = 0;
         init.cap.max_send_wr = max_wr;
-        init.cap.max_recv_wr = max_wr;
+        init.cap.max_recv_wr = if srq.is_some() { 0 } else { max_wr };
+        let keep_srq = srq.map(|s| s.1);
         init.cap.max_send_sge = 1;
         init.cap.max_recv_sge = 1;
         init.cap.max_inline_data = max_inline;
@@ -276,6 +296,7 @@ impl Qp {
             _pd: pd.clone(),
             _send_cq: send_cq.clone(),
             _recv_cq: recv_cq.clone(),
+            _srq: keep_srq,
             // SAFETY: qp is live. Any 24-bit value is a valid PSN.
             psn: (unsafe { (*qp).qp_num }).wrapping_mul(2_654_435_761) & 0xff_ffff,
             sgid_index: pd.ctx.gid_index,
@@ -315,6 +336,12 @@ impl Qp {
     pub fn use_gid(&mut self, index: u8, gid: [u8; 16]) {
         self.sgid_index = index;
         self.sgid = gid;
+    }
+
+    /// Its number (what its completions' `qp_num` says).
+    pub fn qp_num(&self) -> u32 {
+        // SAFETY: live QP.
+        unsafe { (*self.qp).qp_num }
     }
 
     /// This end, to send to the peer.
@@ -639,7 +666,7 @@ pub(super) fn local_inv_wr(wr_id: u64, rkey: u32) -> ibv_send_wr {
 /// refused): those were posted. A `bad` that is null or outside the chain
 /// (a provider that does not set it) counts as the whole chain posted: the
 /// safe side, since memory wrongly thought posted is only held longer.
-fn accepted_before<T>(wrs: &[T], bad: *const T) -> usize {
+pub(super) fn accepted_before<T>(wrs: &[T], bad: *const T) -> usize {
     let base = wrs.as_ptr() as usize;
     let at = bad as usize;
     let size = std::mem::size_of::<T>();
@@ -672,6 +699,9 @@ pub struct WorkCompletion {
     pub imm: Option<u32>,
     /// Vendor error code.
     pub vendor_err: u32,
+    /// The queue pair it completed for (what names the link of a receive
+    /// from a shared receive queue).
+    pub qp_num: u32,
 }
 
 impl WorkCompletion {

@@ -205,6 +205,17 @@ impl Context {
         Ok(())
     }
 
+    /// The receives one shared receive queue may hold on this device
+    /// (`max_srq_wr`), or `None` where it has none (`max_srq` 0) or the
+    /// query fails.
+    pub fn max_srq_wr(&self) -> Option<usize> {
+        // SAFETY: plain data; the call fills it.
+        let mut dev: ibv_device_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: live context, valid out-pointer.
+        let rc = unsafe { ibv_query_device(self.ctx, &mut dev) };
+        (rc == 0 && dev.max_srq > 0 && dev.max_srq_wr > 0).then_some(dev.max_srq_wr as usize)
+    }
+
     /// The most entries one completion queue may have on this device
     /// (`max_cqe`), or `None` where the query fails.
     pub fn max_cqe(&self) -> Option<usize> {
