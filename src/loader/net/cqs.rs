@@ -52,8 +52,10 @@ pub(crate) fn tag_node(wr_id: u64) -> usize {
 pub(crate) struct SharedCqs {
     cqs: Vec<Arc<Cq>>,
     links_per_cq: usize,
-    /// The next queue pair's generation.
-    next_gen: AtomicU32,
+    /// Each node's next queue pair's generation (per node: two of one
+    /// node's queue pairs get the same tag only 8,191 of its redials
+    /// apart).
+    next_gen: Vec<AtomicU32>,
     /// The CQ the next poll starts at (so none is starved by a busy one).
     next_cq: AtomicUsize,
 }
@@ -100,7 +102,7 @@ impl SharedCqs {
         Ok(Some(SharedCqs {
             cqs,
             links_per_cq,
-            next_gen: AtomicU32::new(1),
+            next_gen: (0..links).map(|_| AtomicU32::new(0)).collect(),
             next_cq: AtomicUsize::new(0),
         }))
     }
@@ -118,7 +120,11 @@ impl SharedCqs {
 
     /// A tag for a new data path of node `node`.
     pub(crate) fn next_tag(&self, node: u32) -> u64 {
-        tag(node, self.next_gen.fetch_add(1, Ordering::Relaxed))
+        let gen = self
+            .next_gen
+            .get(node as usize)
+            .map_or(0, |g| g.fetch_add(1, Ordering::Relaxed));
+        tag(node, gen)
     }
 
     /// Moves up to `out.len()` completions of any of the CQs into `out`;

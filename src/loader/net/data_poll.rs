@@ -4,8 +4,19 @@
 //! polls those, each completion naming its connection, so its work follows
 //! the completions; otherwise it polls every connection's own CQ.
 
+use std::time::{Duration, Instant};
+
 use super::{Event, Receive, State, Thread, UD_CHAN};
 use crate::ring::IoBackend;
+
+/// How long a dead connection's data path on the thread's SRQ is kept
+/// before its QP is destroyed. Its QP went to the error state when the
+/// connection was shut (it accepts no write), and what it still completes
+/// (flushed sends, a receive in progress) comes within microseconds; a
+/// driver may drop a destroyed QP's completions still in the CQ, and the
+/// SRQ receives they used would never be posted again. So it goes once
+/// the CQs were polled empty this long after it died.
+const RETIRE_WAIT: Duration = Duration::from_millis(500);
 
 /// Shared-CQ batches one tick takes at most (32 completions each); the
 /// rest wait for the next tick, which comes at once (this one
@@ -21,10 +32,15 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             return false;
         }
         let mut any = false;
+        let started = self.ring.now();
         for _ in 0..SHARED_POLLS_PER_TICK {
             let n = match R::poll_shared(&self.common, &mut self.shared_wc) {
                 None => return self.poll_each(),
-                Some(Ok(0)) => break,
+                Some(Ok(0)) => {
+                    // Drained: every completion made before `started` is out.
+                    self.reap_retired(started);
+                    break;
+                }
                 Some(Ok(n)) => n,
                 Some(Err(e)) => {
                     // A CQ that cannot be polled fails every link on it:
@@ -75,6 +91,24 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             }
         }
         any
+    }
+
+    /// A dead connection's data path: destroyed now, or kept until its
+    /// completions are out of the shared CQs ([`Receive::retire_when_dead`]).
+    pub(super) fn retire(&mut self, d: R) {
+        if R::retire_when_dead(&self.common) {
+            let now = self.ring.now();
+            self.retired.push((d, now));
+        }
+    }
+
+    /// Destroys the kept data paths that died `RETIRE_WAIT` before
+    /// `drained`, a time before which every completion was polled.
+    fn reap_retired(&mut self, drained: Instant) {
+        if !self.retired.is_empty() {
+            self.retired
+                .retain(|(_, died)| *died + RETIRE_WAIT > drained);
+        }
     }
 
     /// [`Thread::poll_data`] where each connection has its own CQ: polls

@@ -570,6 +570,12 @@ pub(crate) trait Receive: Sized + Send + 'static {
     /// its own with [`Receive::arm`]).
     fn arm_shared(common: &Self::Common) -> Result<bool>;
 
+    /// A dead connection's data path must outlive its completions still
+    /// in the shared CQs (RDMA with the thread's SRQ: destroying its QP
+    /// would let a driver drop them, and the receives they used with
+    /// them, never to be posted again).
+    fn retire_when_dead(common: &Self::Common) -> bool;
+
     /// The `k`-th completion of the last poll.
     fn take(&mut self, k: usize) -> Event;
 
@@ -805,6 +811,9 @@ pub(crate) struct Thread<R: Receive, I: IoBackend = Uring> {
     /// Before `common` and `sh`: the QPs go before the registrations and
     /// the ring memory they write.
     conns: Vec<Conn<R>>,
+    /// Dead connections' data paths kept until their completions are out
+    /// of the shared CQs, each with when it died (`data_poll.rs`).
+    retired: Vec<(R, Instant)>,
     common: R::Common,
     /// A poll on the data path's wake descriptor is in the ring.
     chan_inflight: bool,
@@ -1021,6 +1030,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             wake_inflight: false,
             completions: vec![Completion::default(); 256],
             closing: Vec::with_capacity(conns_len),
+            retired: Vec::with_capacity(conns_len),
             // Every connection starts ready: its first frame asks for
             // heartbeats, and its receive is posted.
             ready: (0..conns_len).collect(),
@@ -1348,8 +1358,13 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         c.sock = None;
         c.fd = -1;
         c.outstanding = 0;
-        c.data = None; // RDMA: destroys the QP, then its CQ
+        // RDMA: destroys the QP (in the error state since `kill`: it
+        // accepts no write), then its CQ; a QP on the thread's SRQ is
+        // kept a while (`data_poll.rs`, `retire`).
         let node = c.node;
+        if let Some(d) = c.data.take() {
+            self.retire(d);
+        }
         if self.stopping || (self.hub.is_none() && self.lane_stopped()) {
             return;
         }

@@ -222,7 +222,15 @@ fn shared_queues(
         // Each link's own CQ takes its own receives' completions.
         return Ok((None, None));
     };
-    let recvs = depth.map(|d| SharedRecvs::new(pd, d)).transpose()?;
+    let recvs = match depth.map(|d| SharedRecvs::new(pd, d)).transpose() {
+        Ok(r) => r,
+        Err(e) => {
+            // Each link posts its own, on CQs sized for them.
+            log::warn!("RDMA: no shared receive queue ({e}); each link posts its own receives");
+            let cqs = SharedCqs::new(ctx, channel, nodes, CONSUMER_CQ_ENTRIES, 0)?;
+            return Ok((cqs, None));
+        }
+    };
     let (n, per) = cqs.shape();
     log::info!(
         "RDMA: the network thread's links to {nodes} nodes share {n} CQ(s) ({per} links a CQ) \
@@ -621,6 +629,7 @@ fn finish(
     }
     let bufs_lkey = bufs_mr.as_ref().map_or(0, |m| m.lkey());
     let tag = r.cqs.as_ref().map_or(0, |cqs| cqs.next_tag(node));
+    // Shared CQs: armed by the thread (`data_poll.rs`), which polls them.
     let mut c = RdmaRx::on(
         queue,
         tag,
@@ -636,7 +645,9 @@ fn finish(
         recvs.name(qpn, node);
         c.qpn = qpn;
     }
-    c.queue.arm().map_err(failed)?;
+    if r.cqs.is_none() {
+        c.queue.arm().map_err(failed)?;
+    }
     Ok(c)
 }
 
@@ -994,6 +1005,11 @@ impl Receive for RdmaRx {
     }
 
     fn route_shared(common: &Arc<ConsumerRdma>, ws: &[WorkCompletion], nodes: &mut [u32]) {
+        assert!(
+            ws.len() <= 32 && nodes.len() >= ws.len(),
+            "a batch of {}",
+            ws.len()
+        );
         for (n, w) in nodes.iter_mut().zip(ws) {
             *n = if w.wr_id & TAG_MASK != 0 {
                 super::cqs::tag_node(w.wr_id) as u32
@@ -1031,6 +1047,10 @@ impl Receive for RdmaRx {
 
     fn take_shared(&mut self, w: &WorkCompletion) -> Option<Event> {
         self.take_tagged(w)
+    }
+
+    fn retire_when_dead(common: &Arc<ConsumerRdma>) -> bool {
+        common.recvs.is_some()
     }
 
     fn arm_shared(common: &Arc<ConsumerRdma>) -> Result<bool> {

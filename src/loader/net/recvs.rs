@@ -149,7 +149,11 @@ impl SharedRecvs {
         while slots.peek().is_some() {
             chain.clear();
             chain.extend(slots.by_ref().take(SRQ_CHAIN_MAX).map(|s| {
-                debug_assert!((s as usize) < self.slots);
+                assert!(
+                    (s as usize) < self.slots,
+                    "receive slot {s} of {}",
+                    self.slots
+                );
                 RecvWr {
                     wr_id: s,
                     addr: base + s * RDMA_RECV_BYTES as u64,

@@ -70,6 +70,10 @@ impl Receive for TcpRx {
         Ok(false)
     }
 
+    fn retire_when_dead(_: &()) -> bool {
+        false
+    }
+
     fn woke(_: &()) {}
 
     /// Every grant's remote key is 0 (a DATA frame names its grant).

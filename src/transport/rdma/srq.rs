@@ -23,7 +23,6 @@ pub const SRQ_CHAIN_MAX: usize = 64;
 /// once: a post allocates nothing).
 pub struct Srq {
     pub(super) srq: *mut ibv_srq,
-    max_wr: usize,
     scratch: std::sync::Mutex<(Vec<ibv_sge>, Vec<ibv_recv_wr>)>,
     _pd: Arc<Pd>,
 }
@@ -48,18 +47,12 @@ impl Srq {
         }
         Ok(Arc::new(Srq {
             srq,
-            max_wr: max_wr as usize,
             scratch: std::sync::Mutex::new((
                 Vec::with_capacity(SRQ_CHAIN_MAX),
                 Vec::with_capacity(SRQ_CHAIN_MAX),
             )),
             _pd: pd.clone(),
         }))
-    }
-
-    /// Receives it holds at most.
-    pub fn max_wr(&self) -> usize {
-        self.max_wr
     }
 
     /// Posts `chain` (at most [`SRQ_CHAIN_MAX`]) as one chain of
