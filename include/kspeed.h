@@ -583,7 +583,7 @@ void ksp_config_free(ksp_config *cfg);
 // | `sysfs_root` | path |  |  | KSPEED_SYSFS_ROOT, else /sys | read the CPU topology from this directory shaped like /sys |
 // | `registered_buffers` | bool |  |  | true | register the ring with io_uring as fixed buffers (`kspeed read --no-registered-buffers`) |
 // | `registered_files` | bool |  |  | true | register the extent files with io_uring (`kspeed read --no-registered-files`) |
-// | `verify_crc32c` | bool |  |  | false | check the CRC32C of every sample read from disk against the catalog (a mismatch is a data error naming the sample and file) |
+// | `verify_crc32c` | bool |  |  | false | check the CRC32C of every sample read from disk or pushed by another node against the catalog (a mismatch is a data error naming the sample and file, or in a cluster a failover to the next copy); attached to the node agent, the agent checks |
 // | `page_cache` | choice | auto, off, on |  | auto | how a preloaded space is read: `auto` through the page cache when at least 90% of a sample of its pages is cached as the loader is built (a warm machine; the loader's I/O description says which and why), else O_DIRECT; `off` always O_DIRECT; `on` always the page cache |
 // | `huge_pages` | bool |  |  | true | 2 MiB pages for the ring when the system has them reserved (`kspeed read --no-huge-pages`) |
 // | `mlock` | bool |  |  | true | lock the ring in memory (needs RLIMIT_MEMLOCK of at least `ring_bytes`; `kspeed read --no-mlock`) |

@@ -698,3 +698,55 @@ fn an_agent_over_a_partial_space_keeps_its_ranks_source_reads_in_a_cache_area() 
         "{e}"
     );
 }
+
+/// An attached rank's `verify_crc32c` (`kspeed read --verify`) is done by
+/// the agent, which reads into the rank's ring: a byte flipped on disk is
+/// the named `SampleCorrupt` naming the sample and its extent, as an
+/// embedded rank's is, while a rank that does not ask reads the epoch
+/// (the flag reaches the agent; before, it was dropped on the way).
+#[test]
+fn an_attached_rank_s_crc_check_is_done_by_the_agent() {
+    let dir = tempfile::tempdir().unwrap();
+    let sp = space(dir.path(), 300);
+    let space = kspeed::dataset::Space::open(&sp).unwrap();
+    let victim = 137;
+    let loc = space.location(victim).unwrap();
+    let ext = space.extent_path(loc.extent);
+    drop(space);
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&ext)
+        .unwrap();
+    let mut b = [0u8; 1];
+    std::os::unix::fs::FileExt::read_exact_at(&f, &mut b, loc.offset + 10).unwrap();
+    b[0] ^= 0x40;
+    std::os::unix::fs::FileExt::write_all_at(&f, &b, loc.offset + 10).unwrap();
+    f.sync_all().unwrap();
+    drop(f);
+    let sock = dir.path().join("agent.sock");
+    let _agent = Agent::start(&sp, &sock, &[]);
+    let named = |o: &std::process::Output, how: &str| {
+        assert_eq!(o.status.code(), Some(1), "{how}: {}", text(o));
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            err.contains(&format!("sample {victim} from {}", ext.display()))
+                && err.contains("does not match the catalog's"),
+            "{how}: {err}"
+        );
+        err.to_string()
+    };
+    let verify = |mut args: Vec<String>| {
+        args.push("--verify".into());
+        wait_output(spawn_read(&args), Duration::from_secs(60))
+    };
+    let err = named(&verify(attached_args(&sp, &sock, 0, 1, 1)), "attached");
+    assert!(err.contains("SampleCorrupt"), "{err}");
+    named(
+        &verify(read_args(&sp, 0, 1, 1, &["--agent", "off"])),
+        "embedded",
+    );
+    // Without --verify the agent does not check: the epoch is read whole.
+    let (n, _) = finish(spawn_read(&attached_args(&sp, &sock, 0, 1, 1)));
+    assert_eq!(n, 300);
+}

@@ -216,7 +216,10 @@ fn attached_ranks_in_a_cluster_deliver_what_embedded_ranks_do() {
     let attached: Vec<Child> = (0..world)
         .map(|r| {
             let mode = if r % 2 == 0 { "required" } else { "auto" };
-            spawn_read(&nodes.read(node_of(r), r, world, mode, &[]))
+            // Ranks 1 and 4 have the agent check every sample's CRC32C,
+            // the other nodes' pushes into their rings included.
+            let verify: &[&str] = if r % 3 == 1 { &["--verify"] } else { &[] };
+            spawn_read(&nodes.read(node_of(r), r, world, mode, verify))
         })
         .collect();
     let attached: Vec<_> = attached.into_iter().map(cluster_report).collect();

@@ -97,7 +97,8 @@ pub struct AttachRequest {
     /// Bytes of the segment (its layout's size, not the page-rounded
     /// memfd's).
     pub segment_bytes: u64,
-    /// Sampler flags (version 2): [`FLAG_SHUFFLE`], [`FLAG_DROP_LAST`].
+    /// Flags: the sampler's (version 2), [`FLAG_SHUFFLE`] and
+    /// [`FLAG_DROP_LAST`], and [`FLAG_VERIFY_CRC32C`].
     pub flags: u32,
     /// The job's end (version 3): the agent reads nothing of this epoch or
     /// later for the rank (`LoaderBuilder::end_epoch`); `None`: it reads on
@@ -120,8 +121,13 @@ pub struct AttachRequest {
 pub const FLAG_SHUFFLE: u32 = 1;
 /// ATTACH flag: the sampler drops each epoch's last partial batch.
 pub const FLAG_DROP_LAST: u32 = 2;
-/// Every flag version 2 knows; another bit is refused.
-const KNOWN_FLAGS: u32 = FLAG_SHUFFLE | FLAG_DROP_LAST;
+/// ATTACH flag: the agent checks every sample it puts in the rank's ring
+/// against the catalog's CRC32C (the rank's `verify_crc32c`). An agent
+/// that predates the flag refuses the attach (an unknown bit), so a rank
+/// that asks for it never reads unchecked bytes.
+pub const FLAG_VERIFY_CRC32C: u32 = 4;
+/// Every flag this version knows; another bit is refused.
+const KNOWN_FLAGS: u32 = FLAG_SHUFFLE | FLAG_DROP_LAST | FLAG_VERIFY_CRC32C;
 
 /// The agent's answer to an accepted ATTACH.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -393,7 +399,7 @@ mod tests {
             start_index: 96,
             ring_bytes: 1 << 20,
             segment_bytes: segment_bytes(8),
-            flags: FLAG_SHUFFLE | FLAG_DROP_LAST,
+            flags: FLAG_SHUFFLE | FLAG_DROP_LAST | FLAG_VERIFY_CRC32C,
             end_epoch: Some(5),
             job: Some(crate::sampler::JobPosition {
                 epoch: 2,
@@ -464,11 +470,11 @@ mod tests {
         odd[86] = 5; // 5 ranks on the node, world 4: ignored
         assert_eq!(AttachRequest::decode(&odd).unwrap().local, None);
         let mut bad = b;
-        bad[80] |= 4;
+        bad[80] |= 8;
         assert!(AttachRequest::decode(&bad)
             .unwrap_err()
             .to_string()
-            .contains("unknown flags 0x4"));
+            .contains("unknown flags 0x8"));
         assert!(AttachRequest::decode(&b[..111])
             .unwrap_err()
             .to_string()

@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use super::attach::{AttachListener, Attached, Incoming, ListenerConfig};
 use super::cluster::{AgentCluster, KeptLinks};
-use super::msg::{RefuseCode, FLAG_DROP_LAST, FLAG_SHUFFLE};
+use super::msg::{RefuseCode, FLAG_DROP_LAST, FLAG_SHUFFLE, FLAG_VERIFY_CRC32C};
 use super::node_tier::{NodeTier, TierLayout};
 use super::segment::{side_state, Liveness, Segment, Side};
 use super::shm::RingMap;
@@ -627,6 +627,7 @@ fn build_loader(
         .seed(req.seed)
         .shuffle(req.flags & FLAG_SHUFFLE != 0)
         .drop_last(req.flags & FLAG_DROP_LAST != 0)
+        .verify_crc32c(req.flags & FLAG_VERIFY_CRC32C != 0)
         .rank(req.rank, req.world)
         .landing(
             LandingOptions::default()

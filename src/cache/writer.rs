@@ -70,6 +70,9 @@ enum Job {
 pub(crate) struct Writer {
     jobs: Option<Sender<Job>>,
     free: Receiver<u32>,
+    /// Where a buffer whose copy faulted goes back (the writer thread
+    /// returns the others).
+    unused: Sender<u32>,
     bufs: Arc<AlignedBuf>,
     slot_bytes: u64,
     shared: Arc<AreaShared>,
@@ -109,7 +112,7 @@ impl Writer {
         let mut state = WriterState {
             shared: shared.clone(),
             bufs: bufs.clone(),
-            free: free_tx,
+            free: free_tx.clone(),
             journal,
             journal_path: journal_path.to_path_buf(),
             records,
@@ -129,6 +132,7 @@ impl Writer {
         Ok(Writer {
             jobs: Some(jobs),
             free,
+            unused: free_tx,
             bufs,
             slot_bytes,
             shared,
@@ -150,14 +154,23 @@ impl Writer {
         // SAFETY: buffer `buf` came off the free list, so no other thread
         // uses its `slot_bytes` at `at` (inside the mapping: `buf` < the
         // buffer count) until the writer hands it back; `bytes` is the
-        // caller's memory, which does not overlap our mapping.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                bytes.as_ptr(),
+        // caller's memory, which does not overlap our mapping. Copied
+        // through the kernel: in the node agent `bytes` is a rank's ring,
+        // whose hugetlb page the rank may have taken away (a fault there
+        // keeps nothing instead of killing the agent with SIGBUS).
+        let copied = unsafe {
+            crate::sys::copy_faultable(
                 self.bufs.as_mut_ptr().add(at),
+                bytes.as_ptr(),
                 bytes.len(),
             )
         };
+        if !copied {
+            self.unused
+                .try_send(buf)
+                .expect("the free list has room for every buffer");
+            return false;
+        }
         let job = Job::Admit {
             slot,
             id,

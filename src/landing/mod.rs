@@ -438,6 +438,64 @@ impl LandingRing {
     }
 }
 
+/// Bytes [`LandingRing::crc32c`] copies through the kernel at a time (on
+/// the caller's stack) where reading the ring directly could fault.
+const FAULTABLE_CRC_CHUNK: usize = 32 << 10;
+
+impl LandingRing {
+    /// The CRC32C of the `len` bytes at offset `off`, or `None` when
+    /// reading them faulted. A ring this process maps from another's memfd
+    /// in hugetlb pages (the node agent's view of a rank's ring) is read
+    /// through the kernel ([`crate::sys::copy_faultable`], a chunk at a
+    /// time): a page the rank punched out with no huge page left to
+    /// replace it fails the read there instead of killing the agent with
+    /// SIGBUS. Any other ring is read in place.
+    ///
+    /// # Safety
+    /// `off + len <= self.len()`, the ring is host memory, and nothing
+    /// writes those bytes during the call.
+    pub(crate) unsafe fn crc32c(&self, off: usize, len: usize) -> Option<u32> {
+        debug_assert!(self.device.is_none() && off + len <= self.len);
+        // SAFETY: in bounds per the contract.
+        let at = unsafe { self.ptr.as_ptr().add(off) };
+        if self.shared.is_none() || !self.info.huge_pages {
+            // SAFETY: in bounds and not written meanwhile, per the
+            // contract; memory this process owns or a shmem page that a
+            // hole refills.
+            return Some(crc32c::crc32c(unsafe {
+                std::slice::from_raw_parts(at, len)
+            }));
+        }
+        // SAFETY: in bounds per the contract.
+        unsafe { crc32c_faultable(at, len) }
+    }
+}
+
+/// The CRC32C of the `len` bytes at `at`, read through the kernel a chunk
+/// at a time; `None` when a page of them faults.
+///
+/// # Safety
+/// `at..at + len` is an address range of this process (its pages may be
+/// missing or inaccessible: that is the point), not written meanwhile.
+unsafe fn crc32c_faultable(at: *const u8, len: usize) -> Option<u32> {
+    let mut chunk = std::mem::MaybeUninit::<[u8; FAULTABLE_CRC_CHUNK]>::uninit();
+    let buf = chunk.as_mut_ptr().cast::<u8>();
+    let mut crc = 0;
+    let mut done = 0;
+    while done < len {
+        let n = (len - done).min(FAULTABLE_CRC_CHUNK);
+        // SAFETY: `buf` has room for n bytes; the source range is this
+        // process's per the contract; a fault is reported, not raised.
+        if !unsafe { crate::sys::copy_faultable(buf, at.add(done), n) } {
+            return None;
+        }
+        // SAFETY: copy_faultable wrote all n bytes at `buf`.
+        crc = crc32c::crc32c_append(crc, unsafe { std::slice::from_raw_parts(buf, n) });
+        done += n;
+    }
+    Some(crc)
+}
+
 /// Locks `len` bytes at `ptr` as their pages are first faulted in
 /// (`mlock2(MLOCK_ONFAULT)`, Linux 4.4+), or at once with `mlock` where the
 /// kernel has no `mlock2`. `RLIMIT_MEMLOCK` is checked against the whole
@@ -630,6 +688,45 @@ mod tests {
         std::fs::write(dev.join("numa_node"), "-1\n").unwrap();
         assert_eq!(pci_numa_node(d.path(), "0000:3b:00.0").unwrap(), None);
         assert!(pci_numa_node(d.path(), "0000:00:00.0").is_err());
+    }
+
+    /// The CRC read through the kernel matches the plain one over several
+    /// chunks and a ragged end, and a page that faults gives `None`
+    /// instead of a signal.
+    #[test]
+    fn crc32c_through_the_kernel_matches_and_survives_a_fault() {
+        let bytes: Vec<u8> = (0..3 * FAULTABLE_CRC_CHUNK + 1234)
+            .map(|i| (i * 31 % 251) as u8)
+            .collect();
+        for len in [0, 1, FAULTABLE_CRC_CHUNK, bytes.len()] {
+            // SAFETY: a live slice of this process.
+            let got = unsafe { crc32c_faultable(bytes.as_ptr(), len) };
+            assert_eq!(got, Some(crc32c::crc32c(&bytes[..len])), "{len} bytes");
+        }
+        // Two pages, the second inaccessible: reading across it faults.
+        // SAFETY: a fresh anonymous mapping of our own.
+        let map = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                8192,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(map, libc::MAP_FAILED);
+        // SAFETY: the mapping's second page; the first stays readable.
+        let rc =
+            unsafe { libc::mprotect(map.cast::<u8>().add(4096).cast(), 4096, libc::PROT_NONE) };
+        assert_eq!(rc, 0);
+        let at = map.cast::<u8>().cast_const();
+        // SAFETY: our mapping; the fault is the case under test.
+        unsafe {
+            assert_eq!(crc32c_faultable(at, 4096), Some(crc32c::crc32c(&[0; 4096])));
+            assert_eq!(crc32c_faultable(at, 8192), None);
+            libc::munmap(map, 8192);
+        }
     }
 
     #[test]

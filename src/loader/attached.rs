@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::agent::attach::{attach, AttachConn};
-use crate::agent::msg::{AttachRequest, FLAG_DROP_LAST, FLAG_SHUFFLE};
+use crate::agent::msg::{AttachRequest, FLAG_DROP_LAST, FLAG_SHUFFLE, FLAG_VERIFY_CRC32C};
 use crate::agent::segment::{
     segment_bytes, BatchDesc, Liveness, RankSide, Segment, Side, MAX_SLOTS,
 };
@@ -117,6 +117,8 @@ pub(crate) struct AttachSettings {
     pub(crate) batch_size: u32,
     pub(crate) shuffle: bool,
     pub(crate) drop_last: bool,
+    /// The agent checks each sample's CRC32C (`verify_crc32c`).
+    pub(crate) verify_crc32c: bool,
     /// Batch slots of the segment: as many batches as the ring can hold.
     pub(crate) slots: u32,
     /// The loader's end epoch: the agent reads nothing from it on.
@@ -195,7 +197,12 @@ impl RankAttach {
             ring_bytes: ring.len(),
             segment_bytes: segment_bytes(s.slots),
             flags: if s.shuffle { FLAG_SHUFFLE } else { 0 }
-                | if s.drop_last { FLAG_DROP_LAST } else { 0 },
+                | if s.drop_last { FLAG_DROP_LAST } else { 0 }
+                | if s.verify_crc32c {
+                    FLAG_VERIFY_CRC32C
+                } else {
+                    0
+                },
             end_epoch: s.end_epoch,
             job,
             local: s.local,

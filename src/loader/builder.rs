@@ -1343,6 +1343,7 @@ impl LoaderBuilder {
             batch_size: batch_size as u32,
             shuffle: self.shuffle,
             drop_last: self.drop_last,
+            verify_crc32c: self.verify_crc32c,
             slots: super::attached::slots_for(geo.table_len(), batch_size),
             end_epoch: self.end_epoch,
             restart_wait: self.agent_restart_wait,

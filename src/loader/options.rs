@@ -258,7 +258,7 @@ pub static OPTIONS: &[OptionSpec] = &[
     opt!("registered_files", OptionKind::Bool, "", "true", "",
         "register the extent files with io_uring (`kspeed read --no-registered-files`)"),
     opt!("verify_crc32c", OptionKind::Bool, "", "false", "verify",
-        "check the CRC32C of every sample read from disk against the catalog (a mismatch is a data error naming the sample and file)"),
+        "check the CRC32C of every sample read from disk or pushed by another node against the catalog (a mismatch is a data error naming the sample and file, or in a cluster a failover to the next copy); attached to the node agent, the agent checks"),
     opt!("page_cache", OptionKind::Choice(&["auto", "off", "on"]), "", "auto", "page-cache",
         "how a preloaded space is read: `auto` through the page cache when at least 90% of a sample of its pages is cached as the loader is built (a warm machine; the loader's I/O description says which and why), else O_DIRECT; `off` always O_DIRECT; `on` always the page cache"),
     opt!("huge_pages", OptionKind::Bool, "", "true", "",

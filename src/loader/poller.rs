@@ -877,8 +877,17 @@ impl Poller {
         let partial_source = g.from_source && matches!(self.input_of(&g), Input::Space { .. });
         if self.shared.cfg.verify_crc32c || partial_source {
             let want = self.shared.input.sample(p.id).crc32c;
-            // SAFETY: every part completed into this slot, which is still ours.
-            let got = crc32c::crc32c(unsafe { std::slice::from_raw_parts(dst, p.len as usize) });
+            let off = p.phys(&self.shared.geo) as usize;
+            // SAFETY: every part completed into this slot, which is still
+            // ours (in the ring, host memory: a GPU ring has no space).
+            let Some(got) = (unsafe { self.shared.ring.crc32c(off, p.len as usize) }) else {
+                // The agent's view of a rank's ring faulted (the rank took
+                // the page away): that rank's error, as a read into the
+                // page would have been.
+                let e = self.read_failed(&g, 0, libc::EFAULT);
+                self.local_failed(&p, e);
+                return;
+            };
             if got != want {
                 let e = Error::SampleCorrupt {
                     sample: p.id,
@@ -901,7 +910,12 @@ impl Poller {
             let bytes = unsafe { std::slice::from_raw_parts(dst, p.len as usize) };
             // Checked above when verifying; else now: only the catalog's
             // bytes are kept.
-            if self.shared.cfg.verify_crc32c || partial_source || crc32c::crc32c(bytes) == want {
+            let off = p.phys(&self.shared.geo) as usize;
+            if self.shared.cfg.verify_crc32c
+                || partial_source
+                // SAFETY: as `bytes`.
+                || unsafe { self.shared.ring.crc32c(off, p.len as usize) } == Some(want)
+            {
                 rc.area.admit(slot, p.id, want, bytes);
             }
         }
@@ -935,10 +949,12 @@ impl Poller {
             .expect("a cache read has an area");
         let ok = g.error.is_none() && {
             let want = self.shared.input.sample(p.id).crc32c;
+            let off = p.phys(&self.shared.geo) as usize;
             // SAFETY: every part completed into this sample's ring slot,
-            // which is still ours.
-            let bytes = unsafe { std::slice::from_raw_parts(self.dst(&p), p.len as usize) };
-            crc32c::crc32c(bytes) == want
+            // which is still ours (a faulting page: not the catalog's
+            // bytes, so read from the source instead, where it faults again
+            // as that rank's error).
+            (unsafe { self.shared.ring.crc32c(off, p.len as usize) }) == Some(want)
         };
         rc.area.end_read(slot, p.len, !ok);
         if !ok {

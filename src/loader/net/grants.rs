@@ -647,18 +647,24 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         let s = self.l.table[idx];
         if self.l.sh.cfg.verify_crc32c {
             let want = self.l.sh.input.sample(s.id).crc32c;
-            // SAFETY: every byte of the slot was received and it is unpublished.
-            let got = crc32c::crc32c(unsafe {
-                std::slice::from_raw_parts(self.ring_ptr(s.phys), s.len as usize)
-            });
-            if got != want {
+            // SAFETY: every byte of the slot was received and it is
+            // unpublished (a ring the CPU reads: `verify_crc32c` is
+            // refused with a GPU ring).
+            let got = unsafe { self.l.sh.ring.crc32c(s.phys as usize, s.len as usize) };
+            if got != Some(want) {
                 // Like an ERROR for the grant: the next holder, then the
                 // source (which is checked too) serve it again in full.
                 let c = &mut self.conns[i];
-                c.last_error = format!(
-                    "sample {} arrived with CRC32C {got:08x}, the catalog says {want:08x}",
-                    s.id
-                );
+                c.last_error = match got {
+                    Some(got) => format!(
+                        "sample {} arrived with CRC32C {got:08x}, the catalog says {want:08x}",
+                        s.id
+                    ),
+                    None => format!(
+                        "sample {} arrived in ring bytes that fault when read (the rank took their pages away)",
+                        s.id
+                    ),
+                };
                 log::warn!("node {} ({}): {}", c.node, c.addr, c.last_error);
                 self.fail_over(i, idx);
                 return;

@@ -389,14 +389,15 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         let device = self.l.sh.ring.device();
         let res = res.and_then(|()| {
             let r = &self.l.sources.slots[slot];
-            let bytes: &[u8] = if device.is_some() {
-                &r.bounce[..s.len as usize]
+            let got = if device.is_some() {
+                crc32c::crc32c(&r.bounce[..s.len as usize])
             } else {
                 // SAFETY: every byte of the sample's unpublished slot was
                 // read and no read of it is in the ring any more.
-                unsafe { std::slice::from_raw_parts(self.ring_ptr(s.phys), s.len as usize) }
+                unsafe { self.l.sh.ring.crc32c(s.phys as usize, s.len as usize) }.ok_or_else(|| {
+                    "its ring bytes fault when read (the rank took their pages away)".to_string()
+                })?
             };
-            let got = crc32c::crc32c(bytes);
             if got != sample.crc32c {
                 return Err(format!(
                     "CRC32C {got:08x}, the catalog says {:08x} (changed since the catalog was built)",
@@ -405,7 +406,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             }
             match device {
                 Some(d) => d
-                    .copy_from_host(s.phys as usize, bytes)
+                    .copy_from_host(s.phys as usize, &r.bounce[..s.len as usize])
                     .map_err(|e| format!("copying it into the GPU ring: {e}")),
                 None => Ok(()),
             }
