@@ -750,3 +750,56 @@ fn an_attached_rank_s_crc_check_is_done_by_the_agent() {
     let (n, _) = finish(spawn_read(&attached_args(&sp, &sock, 0, 1, 1)));
     assert_eq!(n, 300);
 }
+
+/// An attached rank's ring is bound to its NUMA node (`numa_node`, or the
+/// GPU's at `gpu_pci`) as an embedded ring is: the rank binds the memfd's
+/// mapping before it faults the pages in, so they come from that node
+/// (`/proc/self/numa_maps` says `bind:0` for the ring's memfd), and reads
+/// stay exact; a node that cannot be bound is the named `Numa` error.
+#[test]
+fn an_attached_rank_s_ring_is_on_its_numa_node() {
+    let dir = tempfile::tempdir().unwrap();
+    let sp = space(dir.path(), 400);
+    let sock = dir.path().join("agent.sock");
+    let _agent = Agent::start(&sp, &sock, &[]);
+    let mut l = kspeed::loader::LoaderBuilder::space(&sp)
+        .agent(kspeed::loader::AgentMode::Required)
+        .agent_socket(Some(sock.clone()))
+        .batch_size(16)
+        .landing(common::test_ring(1 << 20).numa_node(Some(0)))
+        .build()
+        .unwrap();
+    assert!(l.next_batch().unwrap().is_some());
+    let maps = std::fs::read_to_string("/proc/self/numa_maps").unwrap();
+    let ring: Vec<&str> = maps
+        .lines()
+        .filter(|m| m.contains("kspeed-attach-ring"))
+        .collect();
+    assert!(!ring.is_empty(), "no attach ring mapped:\n{maps}");
+    assert!(ring.iter().all(|m| m.contains("bind:0")), "{ring:?}");
+    drop(l);
+    let mut args = attached_args(&sp, &sock, 0, 1, 1);
+    args.extend(["--numa-node".into(), "0".into(), "-v".into()]);
+    let o = wait_output(spawn_read(&args), Duration::from_secs(60));
+    assert!(o.status.success(), "{}", text(&o));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("bound to NUMA node 0"), "{err}");
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("json report");
+    assert_eq!(
+        (
+            v["samples"].as_u64().unwrap(),
+            v["digest"].as_str().unwrap().to_string()
+        ),
+        embedded(&sp, 0, 1, 1)
+    );
+    // A node the machine does not have.
+    let mut args = attached_args(&sp, &sock, 0, 1, 1);
+    args.extend(["--numa-node".into(), "1000".into()]);
+    let o = wait_output(spawn_read(&args), Duration::from_secs(60));
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("cannot bind the landing ring to NUMA node 1000"),
+        "{err}"
+    );
+}

@@ -170,6 +170,17 @@ fn populate(map: &MmapRaw) -> bool {
     }
 }
 
+/// Binds a mapping's pages to `node` before they are faulted in (nothing
+/// for None).
+fn bind(map: &MmapRaw, node: Option<u32>) -> Result<()> {
+    let Some(node) = node else { return Ok(()) };
+    // SAFETY: our own mapping, for its whole length.
+    unsafe { crate::sys::bind_numa(map.as_mut_ptr(), map.len(), node) }.map_err(|e| Error::Numa {
+        node,
+        reason: e.to_string(),
+    })
+}
+
 /// Asks for transparent huge pages on a shared mapping (ignored where the
 /// kernel does not give them; see [`RingPages::ShmemThp`]).
 fn advise_huge(map: &MmapRaw) {
@@ -185,6 +196,9 @@ pub struct RingMap {
     map: MmapRaw,
     file: File,
     pages: RingPages,
+    /// The NUMA node this process bound the pages to before faulting them
+    /// in ([`RingMap::create_on`]).
+    numa_node: Option<u32>,
 }
 
 // SAFETY: the mapping is plain shared memory reached through raw-pointer
@@ -210,8 +224,17 @@ impl RingMap {
     /// advised ([`RingPages`]). Its pages are faulted in here, by the rank
     /// ([`populate`]).
     pub fn create(bytes: u64) -> Result<RingMap> {
+        Self::create_on(bytes, None)
+    }
+
+    /// As [`RingMap::create`], the pages bound to NUMA node `numa_node`
+    /// (`mbind` before they are faulted in, so they come from that node:
+    /// the rank's GPU's, as an embedded ring's are). A node that cannot be
+    /// bound is [`Error::Numa`].
+    pub fn create_on(bytes: u64, numa_node: Option<u32>) -> Result<RingMap> {
         if bytes.is_multiple_of(HUGE_PAGE_BYTES) {
-            match Self::create_hugetlb(bytes) {
+            match Self::create_hugetlb(bytes, numa_node) {
+                Err(e @ Error::Numa { .. }) => return Err(e),
                 Ok(r) => return Ok(r),
                 Err(e) => {
                     // No huge pages reserved is the usual case: said only
@@ -231,6 +254,7 @@ impl RingMap {
         let file = sealed_memfd(c"kspeed-attach-ring", bytes)?;
         let map = MmapRaw::map_raw(&file).map_err(|e| io_err("mmap", "attach ring", e))?;
         advise_huge(&map);
+        bind(&map, numa_node)?;
         // Shared memory is charged to the memory cgroup of whoever touches
         // it first (and, unlike hugetlb, a failure here leaves nothing to
         // fall back to: the agent's touch would fail the same way).
@@ -240,7 +264,12 @@ impl RingMap {
         } else {
             RingPages::Normal
         };
-        Ok(RingMap { map, file, pages })
+        Ok(RingMap {
+            map,
+            file,
+            pages,
+            numa_node,
+        })
     }
 
     /// A ring in shared memory that nothing faults in here: the agent's
@@ -253,10 +282,11 @@ impl RingMap {
             map,
             file,
             pages: RingPages::Normal,
+            numa_node: None,
         })
     }
 
-    fn create_hugetlb(bytes: u64) -> Result<RingMap> {
+    fn create_hugetlb(bytes: u64, numa_node: Option<u32>) -> Result<RingMap> {
         let file = sealed_memfd_with(
             c"kspeed-attach-ring",
             bytes,
@@ -264,6 +294,7 @@ impl RingMap {
             HUGE_PAGE_BYTES,
         )?;
         let map = MmapRaw::map_raw(&file).map_err(|e| io_err("mmap", "attach ring", e))?;
+        bind(&map, numa_node)?;
         // The pages are charged to the cgroup that faults them: the rank's
         // (whose hugetlb limit may be 0: then this fails, and the ring is
         // shared memory instead).
@@ -278,6 +309,7 @@ impl RingMap {
             map,
             file,
             pages: RingPages::Hugetlb,
+            numa_node,
         })
     }
 
@@ -312,12 +344,23 @@ impl RingMap {
         // failure (a page the rank punched out, no huge page left) is the
         // fault the read into it would meet anyway, named there.
         populate(&map);
-        Ok(RingMap { map, file, pages })
+        Ok(RingMap {
+            map,
+            file,
+            pages,
+            numa_node: None,
+        })
     }
 
     /// What pages back the ring.
     pub fn pages(&self) -> RingPages {
         self.pages
+    }
+
+    /// The NUMA node its pages were bound to, where this process made it
+    /// bound ([`RingMap::create_on`]); None otherwise.
+    pub fn numa_node(&self) -> Option<u32> {
+        self.numa_node
     }
 
     /// The memfd, to pass to the agent.

@@ -159,11 +159,7 @@ impl Writer {
         // whose hugetlb page the rank may have taken away (a fault there
         // keeps nothing instead of killing the agent with SIGBUS).
         let copied = unsafe {
-            crate::sys::copy_faultable(
-                self.bufs.as_mut_ptr().add(at),
-                bytes.as_ptr(),
-                bytes.len(),
-            )
+            crate::sys::copy_faultable(self.bufs.as_mut_ptr().add(at), bytes.as_ptr(), bytes.len())
         };
         if !copied {
             self.unused

@@ -55,6 +55,29 @@ pub struct LandingOptions {
     pub cuda: CudaMode,
 }
 
+impl LandingOptions {
+    /// The NUMA node the ring's memory is bound to: `numa_node`, else the
+    /// node of the GPU at `gpu_pci` (None where sysfs reports none: a
+    /// single-node machine), else none.
+    pub(crate) fn bind_node(&self) -> Result<Option<u32>> {
+        Ok(match (&self.gpu_pci, self.numa_node) {
+            (_, Some(n)) => Some(n),
+            (Some(pci), None) => {
+                // The same sysfs tree the placement reads (KSPEED_SYSFS_ROOT
+                // in tests and containers that mount sysfs elsewhere).
+                let n = pci_numa_node(&crate::placement::sysfs_root(), pci)?;
+                if n.is_none() {
+                    log::info!(
+                        "GPU {pci}: no NUMA node reported (single-node machine); not binding"
+                    );
+                }
+                n
+            }
+            (None, None) => None,
+        })
+    }
+}
+
 impl Default for LandingOptions {
     fn default() -> Self {
         LandingOptions {
@@ -172,21 +195,7 @@ impl LandingRing {
                     .into(),
             ));
         }
-        let numa_node = match (&opts.gpu_pci, opts.numa_node) {
-            (_, Some(n)) => Some(n),
-            (Some(pci), None) => {
-                // The same sysfs tree the placement reads (KSPEED_SYSFS_ROOT
-                // in tests and containers that mount sysfs elsewhere).
-                let n = pci_numa_node(&crate::placement::sysfs_root(), pci)?;
-                if n.is_none() {
-                    log::info!(
-                        "GPU {pci}: no NUMA node reported (single-node machine); not binding"
-                    );
-                }
-                n
-            }
-            (None, None) => None,
-        };
+        let numa_node = opts.bind_node()?;
         let (ptr, len, huge) = map(opts.ring_bytes, opts.huge_pages)?;
         let mut ring = LandingRing {
             ptr,
@@ -244,35 +253,13 @@ impl LandingRing {
     }
 
     fn bind(&self, node: u32) -> Result<()> {
-        const MPOL_BIND: libc::c_long = 2;
-        const MPOL_MF_MOVE: libc::c_ulong = 2;
-        if node >= 1024 {
-            return Err(Error::InvalidConfig(format!(
-                "NUMA node {node} is out of range"
-            )));
-        }
-        let mut mask = [0u64; 16];
-        mask[(node / 64) as usize] |= 1 << (node % 64);
-        // SAFETY: mbind reads `mask` (1024 bits, maxnode 1025) and applies a
-        // policy to our own mapping; no memory is written by the call.
-        let rc = unsafe {
-            libc::syscall(
-                libc::SYS_mbind,
-                self.ptr.as_ptr(),
-                self.len,
-                MPOL_BIND,
-                mask.as_ptr(),
-                1025 as libc::c_ulong,
-                MPOL_MF_MOVE,
-            )
-        };
-        if rc != 0 {
-            return Err(Error::Numa {
+        // SAFETY: our own live mapping, page-aligned.
+        unsafe { crate::sys::bind_numa(self.ptr.as_ptr(), self.len, node) }.map_err(|e| {
+            Error::Numa {
                 node,
-                reason: std::io::Error::last_os_error().to_string(),
-            });
-        }
-        Ok(())
+                reason: e.to_string(),
+            }
+        })
     }
 
     /// A ring in the memory of GPU `ordinal` (CUDA driver, loaded at run
@@ -328,7 +315,7 @@ impl LandingRing {
                 bytes: len as u64,
                 huge_pages: map.pages() == crate::agent::shm::RingPages::Hugetlb,
                 locked: false,
-                numa_node: None,
+                numa_node: map.numa_node(),
                 cuda: "CUDA registration off (a ring shared with the node agent)".into(),
                 io_registered: false,
                 io: "shared with the node agent (a sealed memfd)".into(),

@@ -119,6 +119,9 @@ pub(crate) struct AttachSettings {
     pub(crate) drop_last: bool,
     /// The agent checks each sample's CRC32C (`verify_crc32c`).
     pub(crate) verify_crc32c: bool,
+    /// The NUMA node each attach's ring is bound to (`numa_node`, or the
+    /// GPU's at `gpu_pci`), as an embedded ring would be.
+    pub(crate) numa_node: Option<u32>,
     /// Batch slots of the segment: as many batches as the ring can hold.
     pub(crate) slots: u32,
     /// The loader's end epoch: the agent reads nothing from it on.
@@ -211,12 +214,16 @@ impl RankAttach {
             attach(&s.socket, &req, ring, side.segment(), ATTACH_TIMEOUT).map_err(no_agent)?;
         let beat = Duration::from_millis(u64::from(reply.heartbeat_ms.max(1)));
         log::info!(
-            "attached to the kspeed agent at {} (pid {}, heartbeat {} ms); ring of {} bytes in {}",
+            "attached to the kspeed agent at {} (pid {}, heartbeat {} ms); ring of {} bytes in {}{}",
             s.socket.display(),
             reply.agent_pid,
             reply.heartbeat_ms,
             ring.len(),
-            ring.pages().describe()
+            ring.pages().describe(),
+            match ring.numa_node() {
+                Some(n) => format!(", bound to NUMA node {n}"),
+                None => String::new(),
+            }
         );
         if ring.pages() == RingPages::Normal {
             log::info!(

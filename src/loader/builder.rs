@@ -1334,6 +1334,10 @@ impl LoaderBuilder {
             .map(super::registration::PollerIo::new)
             .collect();
         let batch_size = self.batch_size;
+        let attach_numa_node = match attach {
+            Some(_) => self.landing.bind_node()?,
+            None => None,
+        };
         let attach_settings = attach.map(|socket| super::attached::AttachSettings {
             socket,
             dataset_id: u64::from(input.catalog().identity()),
@@ -1344,6 +1348,7 @@ impl LoaderBuilder {
             shuffle: self.shuffle,
             drop_last: self.drop_last,
             verify_crc32c: self.verify_crc32c,
+            numa_node: attach_numa_node,
             slots: super::attached::slots_for(geo.table_len(), batch_size),
             end_epoch: self.end_epoch,
             restart_wait: self.agent_restart_wait,

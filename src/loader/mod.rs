@@ -271,7 +271,8 @@ impl Loader {
         // attach (still landing in the agent) can touch this one's bytes.
         let attach = match &self.attach_settings {
             Some(settings) => {
-                let map = crate::agent::shm::RingMap::create(self.geo.ring_bytes)?;
+                let map =
+                    crate::agent::shm::RingMap::create_on(self.geo.ring_bytes, settings.numa_node)?;
                 // The agent deals the rest of an epoch resumed from a job
                 // position as this loader's own schedule does.
                 let job = Some(self.deal.sampler().start()).filter(|j| j.consumed > 0);

@@ -559,6 +559,45 @@ pub unsafe fn copy_faultable(dst: *mut u8, src: *const u8, len: usize) -> bool {
     n == len as isize
 }
 
+/// Binds the `len` bytes at `ptr` to NUMA node `node` (`mbind`,
+/// `MPOL_BIND`, moving pages already faulted in): pages faulted from now on
+/// come from that node. On a shared mapping (a memfd) the policy is the
+/// mapping's, so the process that faults the pages in must be the one that
+/// bound them.
+///
+/// # Safety
+/// `ptr..ptr + len` is a mapping of this process (page-aligned `ptr`).
+pub unsafe fn bind_numa(ptr: *mut u8, len: usize, node: u32) -> io::Result<()> {
+    const MPOL_BIND: libc::c_long = 2;
+    const MPOL_MF_MOVE: libc::c_ulong = 2;
+    const MAX_NODES: u32 = 1024;
+    if node >= MAX_NODES {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("NUMA node {node} is out of range (at most {MAX_NODES} nodes)"),
+        ));
+    }
+    let mut mask = [0u64; MAX_NODES as usize / 64];
+    mask[(node / 64) as usize] |= 1 << (node % 64);
+    // SAFETY: mbind reads `mask` (1024 bits, maxnode 1025) and applies a
+    // policy to the caller's mapping per the contract; no memory is written.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_mbind,
+            ptr,
+            len,
+            MPOL_BIND,
+            mask.as_ptr(),
+            libc::c_ulong::from(MAX_NODES + 1),
+            MPOL_MF_MOVE,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// Pages per window [`sample_resident_pages`] checks with one `mincore`.
 pub const RESIDENT_WINDOW_PAGES: u64 = 16;
 
