@@ -214,6 +214,7 @@ fn reads_of(seq: u64) -> BatchReads {
         source_reads: u32::MAX - base,
         failovers: base + 3,
         cache_hits: base + 8,
+        read_latency: std::array::from_fn(|k| (base as u16).wrapping_add(9 + k as u16)),
         waits: kspeed::agent::segment::BatchWaits {
             disk_us: base + 4,
             tier_us: base + 5,

@@ -490,9 +490,11 @@ impl AttachListener {
             {
                 return Err(Error::AttachSegment {
                     what: format!(
-                        "the segment has {} slots in generation {:?}; ATTACH says {} in {}",
+                        "the segment has {} slots in generation {}; ATTACH says {} in {}",
                         segment.slots(),
-                        segment.generation().map(|g| g.get()),
+                        segment
+                            .generation()
+                            .map_or("none (0)".to_string(), |g| g.get().to_string()),
                         request.slots,
                         request.generation.get()
                     ),

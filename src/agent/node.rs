@@ -748,8 +748,7 @@ fn feed(
             Ok(_) => {
                 let mut desc = loader.held_desc().expect("a batch is held");
                 let now = loader.read_counts();
-                desc.reads = now.since(&counted);
-                counted = now;
+                desc.reads = now.since(&mut counted);
                 let waits = loader.waits_by_cause();
                 desc.reads.waits =
                     crate::agent::segment::BatchWaits::from_array(std::array::from_fn(|i| {

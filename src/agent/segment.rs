@@ -30,7 +30,7 @@
 
 use std::fs::File;
 use std::os::fd::{AsFd, OwnedFd};
-use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU16, AtomicU32, AtomicU64, AtomicU8, Ordering};
 
 use memmap2::MmapRaw;
 
@@ -47,7 +47,7 @@ compile_error!("the attach segment and messages are little-endian; kspeed builds
 pub const SEGMENT_MAGIC: u64 = u64::from_le_bytes(*b"KSPATSEG");
 /// The segment layout this build writes and reads (bump on any change of
 /// an offset or a meaning; the agent refuses another).
-pub const SEGMENT_VERSION: u32 = 4;
+pub const SEGMENT_VERSION: u32 = 5;
 /// Error slots in a segment: a side posts at most this many errors; later
 /// ones are counted, not stored.
 pub const ERROR_SLOTS: usize = 4;
@@ -244,8 +244,33 @@ struct Slot {
     /// source, peers, failover.
     waits_us: [AtomicU32; 5],
     /// Layout version 4: samples read from the rank's cache area in the
-    /// agent since the previous publish. 88..128 reserved, zero.
+    /// agent since the previous publish.
     cache_hits: AtomicU32,
+    /// Layout version 5: the agent's disk reads for this rank since the
+    /// previous publish by latency, a count per power of two of µs
+    /// ([`latency_bucket`]), 16 bits each.
+    read_latency: [AtomicU16; LATENCY_BUCKETS],
+}
+
+/// Buckets of an attached rank's read latencies in a batch slot: bucket
+/// `k` counts reads of `2^k` to `2^(k+1) - 1` µs (bucket 0 also 0 µs),
+/// the last everything from `2^19` µs (0.52 s) on.
+pub const LATENCY_BUCKETS: usize = 20;
+
+/// The bucket of a read of `micros` µs ([`LATENCY_BUCKETS`]).
+pub fn latency_bucket(micros: u64) -> usize {
+    ((63 - micros.max(1).leading_zeros()) as usize).min(LATENCY_BUCKETS - 1)
+}
+
+/// The latency a read counted in bucket `k` is taken to have: the middle
+/// of the bucket (`1.5 × 2^k` µs, 1 µs for bucket 0), so percentiles made
+/// from the buckets are within a third of the reads' own.
+pub fn latency_of_bucket(k: usize) -> u64 {
+    if k == 0 {
+        1
+    } else {
+        3 << (k - 1)
+    }
 }
 
 const HEADER_OFFSET: usize = 0;
@@ -276,6 +301,7 @@ const _: () = {
     assert!(offset_of!(Slot, samples) == 40 && offset_of!(Slot, failovers) == 44);
     assert!(offset_of!(Slot, disk_reads) == 48 && offset_of!(Slot, source_reads) == 60);
     assert!(offset_of!(Slot, waits_us) == 64 && offset_of!(Slot, cache_hits) == 84);
+    assert!(offset_of!(Slot, read_latency) == 88 && LATENCY_BUCKETS * 2 == 40);
 };
 
 /// Bytes of a segment with `slots` batch slots (before page rounding).
@@ -326,6 +352,10 @@ pub struct BatchReads {
     /// Samples read from the rank's NVMe cache area in the agent
     /// (`kspeed agent --cache-dir`; layout version 4).
     pub cache_hits: u32,
+    /// The agent's disk reads for the rank by latency, a count per
+    /// [`latency_bucket`] (layout version 5; a count over 65,535 is sent
+    /// in later batches).
+    pub read_latency: [u16; LATENCY_BUCKETS],
 }
 
 /// What the rank's loader inside the agent waited for between two

@@ -466,8 +466,15 @@ impl CacheArea {
     /// CRC `crc` by the caller) are in the ring now, should be kept in
     /// `slot`: copies them to a write buffer for the writer thread. False
     /// (counted as skipped) when no buffer is free.
-    pub(crate) fn admit(&self, slot: u32, id: u64, crc: u32, bytes: &[u8]) -> bool {
-        let ok = self.writer.admit(slot, id, crc, bytes);
+    pub(crate) fn admit(
+        &self,
+        slot: u32,
+        id: u64,
+        crc: u32,
+        bytes: &[u8],
+        faultable: bool,
+    ) -> bool {
+        let ok = self.writer.admit(slot, id, crc, bytes, faultable);
         if !ok {
             self.shared.counters.skipped.fetch_add(1, Ordering::Relaxed);
         }

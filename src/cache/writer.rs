@@ -142,7 +142,16 @@ impl Writer {
 
     /// Queues sample `id` (`bytes`, CRC `crc`) for `slot`; false when no
     /// write buffer is free.
-    pub(crate) fn admit(&self, slot: u32, id: u64, crc: u32, bytes: &[u8]) -> bool {
+    /// With `faultable`, `bytes` is another process's memory (a rank's
+    /// hugetlb ring, in the node agent) and is copied through the kernel.
+    pub(crate) fn admit(
+        &self,
+        slot: u32,
+        id: u64,
+        crc: u32,
+        bytes: &[u8],
+        faultable: bool,
+    ) -> bool {
         assert!(
             bytes.len() as u64 <= self.shared.classes.slot(slot).1,
             "a sample larger than its cache area slot"
@@ -154,12 +163,18 @@ impl Writer {
         // SAFETY: buffer `buf` came off the free list, so no other thread
         // uses its `slot_bytes` at `at` (inside the mapping: `buf` < the
         // buffer count) until the writer hands it back; `bytes` is the
-        // caller's memory, which does not overlap our mapping. Copied
-        // through the kernel: in the node agent `bytes` is a rank's ring,
-        // whose hugetlb page the rank may have taken away (a fault there
-        // keeps nothing instead of killing the agent with SIGBUS).
-        let copied = unsafe {
-            crate::sys::copy_faultable(self.bufs.as_mut_ptr().add(at), bytes.as_ptr(), bytes.len())
+        // caller's memory, which does not overlap our mapping. Through
+        // the kernel where `bytes` is a rank's hugetlb ring whose page the
+        // rank may have taken away (a fault there keeps nothing instead of
+        // killing the agent with SIGBUS).
+        let dst = unsafe { self.bufs.as_mut_ptr().add(at) };
+        let copied = if faultable {
+            // SAFETY: as above.
+            unsafe { crate::sys::copy_faultable(dst, bytes.as_ptr(), bytes.len()) }
+        } else {
+            // SAFETY: as above.
+            unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst, bytes.len()) };
+            true
         };
         if !copied {
             self.unused

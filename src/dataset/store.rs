@@ -598,8 +598,16 @@ impl Store {
         let mut at = 0usize;
         let range = offset..offset + dst.len() as u64;
         self.read_within(key, etag, range, timeout, |piece| {
-            // read_within stops at the range's end: pieces fit.
-            dst[at..at + piece.len()].copy_from_slice(piece);
+            // read_within stops at the range's end: pieces fit. Through
+            // the kernel: `dst` may be a rank's ring in the node agent,
+            // whose hugetlb page the rank may take away.
+            if !crate::sys::copy_slice_faultable(&mut dst[at..at + piece.len()], piece) {
+                return Err(Error::io(
+                    "copy a GET's body into",
+                    "<the ring>",
+                    std::io::Error::from_raw_os_error(libc::EFAULT),
+                ));
+            }
             at += piece.len();
             Ok(())
         })

@@ -425,6 +425,16 @@ impl LandingRing {
     }
 }
 
+impl LandingRing {
+    /// Whether this process reads the ring's bytes through the kernel
+    /// ([`crate::sys::copy_faultable`]): a ring mapped from another
+    /// process's hugetlb memfd (the node agent's view of a rank's ring),
+    /// whose pages that process can take away.
+    pub(crate) fn reads_through_kernel(&self) -> bool {
+        self.shared.is_some() && self.info.huge_pages
+    }
+}
+
 /// Bytes [`LandingRing::crc32c`] copies through the kernel at a time (on
 /// the caller's stack) where reading the ring directly could fault.
 const FAULTABLE_CRC_CHUNK: usize = 32 << 10;
@@ -442,10 +452,11 @@ impl LandingRing {
     /// `off + len <= self.len()`, the ring is host memory, and nothing
     /// writes those bytes during the call.
     pub(crate) unsafe fn crc32c(&self, off: usize, len: usize) -> Option<u32> {
+        assert!(self.device.is_none(), "the landing ring is GPU memory");
         debug_assert!(self.device.is_none() && off + len <= self.len);
         // SAFETY: in bounds per the contract.
         let at = unsafe { self.ptr.as_ptr().add(off) };
-        if self.shared.is_none() || !self.info.huge_pages {
+        if !self.reads_through_kernel() {
             // SAFETY: in bounds and not written meanwhile, per the
             // contract; memory this process owns or a shmem page that a
             // hole refills.

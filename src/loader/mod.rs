@@ -371,6 +371,7 @@ impl Loader {
                     latency: Mutex::new(
                         Histogram::new_with_bounds(1, 60_000_000, 2).expect("valid bounds"),
                     ),
+                    latency_buckets: Default::default(),
                 })
                 .collect(),
             tier: spare.tier,
@@ -717,6 +718,14 @@ impl Loader {
             t.source_reads += u64::from(d.reads.source_reads);
             t.failovers += u64::from(d.reads.failovers);
             t.agent_cache_hits += u64::from(d.reads.cache_hits);
+            // Its disk reads' latencies, to the middle of their power of
+            // two (all an attached rank has of them).
+            for (k, &n) in d.reads.read_latency.iter().enumerate() {
+                if n > 0 {
+                    let v = crate::agent::segment::latency_of_bucket(k);
+                    let _ = t.latency.record_n(v, u64::from(n));
+                }
+            }
         }
         self.held = !self.entries.is_empty();
         if self.held {
@@ -1264,6 +1273,14 @@ impl Loader {
         self.digest_skip = None;
     }
 
+    /// Whether the node agent reads for this loader (attached mode,
+    /// `agent = required`, or `auto` that found an agent): its
+    /// [`Stats`]' read counts and latencies are then the agent's reads for
+    /// it, the latencies to the middle of their power of two of µs.
+    pub fn attached(&self) -> bool {
+        self.attach_settings.is_some()
+    }
+
     /// Samples per batch (the last of an epoch may have fewer).
     pub fn batch_size(&self) -> usize {
         self.batch_size
@@ -1422,6 +1439,7 @@ impl Loader {
             source_reads: t.source_reads,
             failovers: t.failovers,
             cache_hits: self.cache.as_ref().map_or(0, |c| c.area.hits()),
+            read_latency: t.latency_buckets,
         };
         if let Some(run) = &self.run {
             c.add_run(&run.shared);

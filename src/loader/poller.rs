@@ -872,6 +872,9 @@ impl Poller {
         }
         let micros = g.submitted.elapsed().as_micros() as u64;
         let _ = self.hist.record(micros.max(1));
+        self.shared.stats[self.index as usize].latency_buckets
+            [crate::agent::segment::latency_bucket(micros)]
+        .fetch_add(1, Ordering::Relaxed);
         let p = g.placed;
         let dst = self.dst(&p);
         let partial_source = g.from_source && matches!(self.input_of(&g), Input::Space { .. });
@@ -916,7 +919,8 @@ impl Poller {
                 // SAFETY: as `bytes`.
                 || unsafe { self.shared.ring.crc32c(off, p.len as usize) } == Some(want)
             {
-                rc.area.admit(slot, p.id, want, bytes);
+                let faultable = self.shared.ring.reads_through_kernel();
+                rc.area.admit(slot, p.id, want, bytes, faultable);
             }
         }
         let st = &self.shared.stats[self.index as usize];
@@ -951,10 +955,17 @@ impl Poller {
             let want = self.shared.input.sample(p.id).crc32c;
             let off = p.phys(&self.shared.geo) as usize;
             // SAFETY: every part completed into this sample's ring slot,
-            // which is still ours (a faulting page: not the catalog's
-            // bytes, so read from the source instead, where it faults again
-            // as that rank's error).
-            (unsafe { self.shared.ring.crc32c(off, p.len as usize) }) == Some(want)
+            // which is still ours.
+            let Some(got) = (unsafe { self.shared.ring.crc32c(off, p.len as usize) }) else {
+                // The agent's view of a rank's ring faulted (the rank took
+                // the page away): that rank's error; the slot's bytes are
+                // not in question.
+                rc.area.end_read(slot, p.len, false);
+                let e = self.read_failed(g, 0, libc::EFAULT);
+                self.local_failed(&p, e);
+                return;
+            };
+            got == want
         };
         rc.area.end_read(slot, p.len, !ok);
         if !ok {
@@ -972,6 +983,9 @@ impl Poller {
         }
         let micros = g.submitted.elapsed().as_micros() as u64;
         let _ = self.hist.record(micros.max(1));
+        self.shared.stats[self.index as usize].latency_buckets
+            [crate::agent::segment::latency_bucket(micros)]
+        .fetch_add(1, Ordering::Relaxed);
         self.shared.mark_ready(p.g, CODE_OK, VIA_DISK);
         self.unwoken = true;
     }

@@ -205,6 +205,10 @@ pub(crate) struct PollerStats {
     /// Ticks longer than the stall threshold (`crate::stall`).
     pub(crate) loop_stalls: AtomicU64,
     pub(crate) latency: Mutex<Histogram<u64>>,
+    /// The same reads by [`crate::agent::segment::latency_bucket`], counted
+    /// as they complete: what the node agent's feeder sends an attached
+    /// rank with each batch (`latency` is published only every 100 ms).
+    pub(crate) latency_buckets: [AtomicU64; crate::agent::segment::LATENCY_BUCKETS],
 }
 
 #[derive(Debug, Clone)]

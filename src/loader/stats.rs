@@ -32,6 +32,8 @@ pub(super) struct Totals {
     /// An attached rank: samples the agent read from its cache area.
     pub(super) agent_cache_hits: u64,
     pub(super) latency: Histogram<u64>,
+    /// Disk reads by latency bucket, as `PollerStats::latency_buckets`.
+    pub(super) latency_buckets: [u64; crate::agent::segment::LATENCY_BUCKETS],
 }
 
 impl Totals {
@@ -48,6 +50,7 @@ impl Totals {
             discarded: 0,
             agent_cache_hits: 0,
             latency: Histogram::new_with_bounds(1, 60_000_000, 2).expect("valid bounds"),
+            latency_buckets: Default::default(),
         }
     }
 
@@ -70,6 +73,9 @@ impl Totals {
             let _ = self
                 .latency
                 .add(&*s.latency.lock().unwrap_or_else(|e| e.into_inner()));
+            for (t, b) in self.latency_buckets.iter_mut().zip(&s.latency_buckets) {
+                *t += b.load(Ordering::Relaxed);
+            }
         }
         if let Some(n) = &sh.net {
             self.remote_samples += n.remote_samples.load(Ordering::Relaxed);
@@ -228,6 +234,8 @@ pub(crate) struct ReadCounts {
     pub(crate) source_reads: u64,
     pub(crate) failovers: u64,
     pub(crate) cache_hits: u64,
+    /// Disk reads by latency bucket (`agent::segment::latency_bucket`).
+    pub(crate) read_latency: [u64; crate::agent::segment::LATENCY_BUCKETS],
 }
 
 impl ReadCounts {
@@ -237,6 +245,9 @@ impl ReadCounts {
             self.disk_reads += s.disk_reads.load(Ordering::Relaxed);
             self.source_reads += s.source_reads.load(Ordering::Relaxed);
             self.tier_hits += s.tier_hits.load(Ordering::Relaxed);
+            for (t, b) in self.read_latency.iter_mut().zip(&s.latency_buckets) {
+                *t += b.load(Ordering::Relaxed);
+            }
         }
         if let Some(n) = &sh.net {
             self.remote_samples += n.remote_samples.load(Ordering::Relaxed);
@@ -246,23 +257,43 @@ impl ReadCounts {
         }
     }
 
-    /// What was counted since `earlier`, per counter. Counters only grow;
+    /// What was counted since `earlier`, per counter, and `earlier`
+    /// moved on by it. Counters only grow;
     /// between two of a feeder's publishes they grow by at most the
     /// samples a ring holds, which fits a u32 by far (a larger step is a
-    /// bug, and panics rather than being cut).
-    pub(crate) fn since(&self, earlier: &ReadCounts) -> crate::agent::segment::BatchReads {
+    /// bug, and panics rather than being cut). A latency bucket's 16 bits
+    /// take at most 65,535 reads: the rest stays in `earlier`, sent with
+    /// a later batch.
+    pub(crate) fn since(&self, earlier: &mut ReadCounts) -> crate::agent::segment::BatchReads {
+        let mut read_latency = [0u16; crate::agent::segment::LATENCY_BUCKETS];
+        for ((out, &now), then) in read_latency
+            .iter_mut()
+            .zip(&self.read_latency)
+            .zip(&mut earlier.read_latency)
+        {
+            let sent = (now - *then).min(u64::from(u16::MAX));
+            *out = sent as u16;
+            *then += sent;
+        }
         let step = |now: u64, then: u64| {
             u32::try_from(now - then).expect("reads between two publishes fit a u32")
         };
-        crate::agent::segment::BatchReads {
+        let reads = crate::agent::segment::BatchReads {
             disk_reads: step(self.disk_reads, earlier.disk_reads),
             tier_hits: step(self.tier_hits, earlier.tier_hits),
             remote_samples: step(self.remote_samples, earlier.remote_samples),
             source_reads: step(self.source_reads, earlier.source_reads),
             failovers: step(self.failovers, earlier.failovers),
             cache_hits: step(self.cache_hits, earlier.cache_hits),
+            read_latency,
             waits: Default::default(),
-        }
+        };
+        let latency = earlier.read_latency;
+        *earlier = ReadCounts {
+            read_latency: latency,
+            ..*self
+        };
+        reads
     }
 }
 
@@ -320,5 +351,39 @@ impl LeadTimes {
             p10: at(0.1),
             p50: at(0.5),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ReadCounts;
+
+    /// A latency bucket's 16 bits carry at most 65,535 reads a batch; the
+    /// rest goes with the next ones, none lost, and the other counters
+    /// step as usual.
+    #[test]
+    fn latency_counts_over_16_bits_are_carried() {
+        let mut sent = ReadCounts::default();
+        let mut now = ReadCounts {
+            disk_reads: 70_000,
+            ..Default::default()
+        };
+        now.read_latency[3] = 70_000;
+        now.read_latency[5] = 7;
+        let a = now.since(&mut sent);
+        assert_eq!(
+            (a.disk_reads, a.read_latency[3], a.read_latency[5]),
+            (70_000, 65_535, 7)
+        );
+        let b = now.since(&mut sent);
+        assert_eq!(
+            (b.disk_reads, b.read_latency[3], b.read_latency[5]),
+            (0, 4_465, 0)
+        );
+        now.read_latency[3] += 10;
+        now.disk_reads += 10;
+        let c = now.since(&mut sent);
+        assert_eq!((c.disk_reads, c.read_latency[3]), (10, 10));
+        assert_eq!(sent, now);
     }
 }

@@ -340,13 +340,23 @@ fn get(store: &Store, objects: &ObjectOf, g: &Get) -> i32 {
             // SAFETY: push's contract: buf..buf+len is the caller's,
             // untouched by anyone else, until this read's completion is
             // drained; at - offset + take <= len by the bound above.
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    piece.as_ptr(),
+            // Through the kernel: in the node agent the buffer is a rank's
+            // ring, whose hugetlb page the rank may take away (the read then
+            // fails, EFAULT, instead of the agent dying of SIGBUS).
+            let copied = unsafe {
+                crate::sys::copy_faultable(
                     (j.buf as *mut u8).add((at - j.offset) as usize),
+                    piece.as_ptr(),
                     take,
                 )
             };
+            if !copied {
+                return Err(crate::Error::io(
+                    "copy a GET's body into",
+                    "<the ring>",
+                    std::io::Error::from_raw_os_error(libc::EFAULT),
+                ));
+            }
             (at, piece) = (at + take as u64, &piece[take..]);
             if at == j.end() {
                 next += 1;

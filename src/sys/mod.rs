@@ -534,7 +534,10 @@ pub fn raise_open_files_limit() -> u64 {
 /// no huge page left to replace it) fails the copy with `EFAULT` instead
 /// of killing the process with SIGBUS. Returns whether every byte was
 /// copied. For memory another process can change under us (an attached
-/// rank's ring); one system call per copy.
+/// rank's ring); one system call per copy. Where the call is not allowed
+/// (`EPERM` or `ENOSYS`: a seccomp profile without `process_vm_readv`)
+/// the bytes are copied in place instead, said once at WARN: that
+/// process is then open to the SIGBUS this function guards against.
 ///
 /// # Safety
 /// `dst..dst+len` must be writable memory of this process that nothing
@@ -556,14 +559,44 @@ pub unsafe fn copy_faultable(dst: *mut u8, src: *const u8, len: usize) -> bool {
     // contract; the kernel copies through its own page walk and reports a
     // fault as an error. The iovecs live for the call.
     let n = unsafe { libc::process_vm_readv(libc::getpid(), &local, 1, &remote, 1, 0) };
-    n == len as isize
+    if n == len as isize {
+        return true;
+    }
+    let errno = io::Error::last_os_error().raw_os_error();
+    if n < 0 && matches!(errno, Some(libc::EPERM) | Some(libc::ENOSYS)) {
+        static SAID: std::sync::Once = std::sync::Once::new();
+        SAID.call_once(|| {
+            log::warn!(
+                "process_vm_readv is not allowed here ({}): copies out of memory another \
+                 process maps (an attached rank's ring) are made in place, and a page it \
+                 takes away can kill this process with SIGBUS",
+                io::Error::from_raw_os_error(errno.unwrap_or(0))
+            )
+        });
+        // SAFETY: per the contract; the one risk is the fault above.
+        unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
+        return true;
+    }
+    false
+}
+
+/// [`copy_faultable`] between two slices: `dst` gets `src`'s bytes, or
+/// false when a page of either faulted (`dst` is then partly written).
+/// Lengths must match.
+#[cfg(feature = "s3")]
+pub fn copy_slice_faultable(dst: &mut [u8], src: &[u8]) -> bool {
+    assert_eq!(dst.len(), src.len(), "copy_slice_faultable lengths");
+    // SAFETY: two live slices of this process, `dst` exclusively ours.
+    unsafe { copy_faultable(dst.as_mut_ptr(), src.as_ptr(), src.len()) }
 }
 
 /// Binds the `len` bytes at `ptr` to NUMA node `node` (`mbind`,
-/// `MPOL_BIND`, moving pages already faulted in): pages faulted from now on
-/// come from that node. On a shared mapping (a memfd) the policy is the
-/// mapping's, so the process that faults the pages in must be the one that
-/// bound them.
+/// `MPOL_BIND`; private pages already faulted in move): pages faulted from
+/// now on come from that node. On a shared memory memfd the policy is the
+/// file's (every process that maps it faults from that node); on a
+/// hugetlb memfd only this mapping's, so the process that binds must be
+/// the one that faults the pages in (the attached rank, which populates
+/// its ring).
 ///
 /// # Safety
 /// `ptr..ptr + len` is a mapping of this process (page-aligned `ptr`).

@@ -309,6 +309,9 @@ impl AgentSide {
         s.source_reads
             .store(desc.reads.source_reads, Ordering::Relaxed);
         s.cache_hits.store(desc.reads.cache_hits, Ordering::Relaxed);
+        for (w, &v) in s.read_latency.iter().zip(&desc.reads.read_latency) {
+            w.store(v, Ordering::Relaxed);
+        }
         for (w, v) in s.waits_us.iter().zip(desc.reads.waits.to_array()) {
             w.store(v, Ordering::Relaxed);
         }
@@ -419,6 +422,7 @@ impl RankSide {
                 remote_samples: s.remote_samples.load(Ordering::Relaxed),
                 source_reads: s.source_reads.load(Ordering::Relaxed),
                 cache_hits: s.cache_hits.load(Ordering::Relaxed),
+                read_latency: std::array::from_fn(|i| s.read_latency[i].load(Ordering::Relaxed)),
                 waits: BatchWaits::from_array(std::array::from_fn(|i| {
                     s.waits_us[i].load(Ordering::Relaxed)
                 })),

@@ -510,6 +510,7 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
     // The pollers register the ring once they have written it all: say
     // how they read into it by the end.
     let io_at_end = loader.landing_info().io;
+    let attached = loader.attached();
     let st = loader.finish();
     let cpu = process_cpu_seconds() - cpu0;
     if a.json {
@@ -546,7 +547,12 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
         st.bytes as f64 / wall / 1e9
     );
     println!(
-        "read latency: p50 {} us, p99 {} us, max {} us ({} disk reads, {} tier hits, {} retries, {} loop stalls)",
+        "read latency{}: p50 {} us, p99 {} us, max {} us ({} disk reads, {} tier hits, {} retries, {} loop stalls)",
+        if attached {
+            " (the node agent's reads, to a power of two)"
+        } else {
+            ""
+        },
         st.read_latency.p50_us,
         st.read_latency.p99_us,
         st.read_latency.max_us,

@@ -628,12 +628,18 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
     /// Grant `idx` failed on connection `i`: it goes back in line for its
     /// next holder (or the source), and the node's failure is counted.
     pub(super) fn fail_over(&mut self, i: usize, idx: usize) {
+        self.requeue(idx);
+        self.grant_failed(i);
+    }
+
+    /// Grant `idx` goes back in line for its next holder (or the source),
+    /// counted as a failover.
+    pub(super) fn requeue(&mut self, idx: usize) {
         self.net().failovers.fetch_add(1, Ordering::Relaxed);
         let t = &mut self.l.table[idx];
         t.node = NONE;
         t.received = 0;
         self.l.regrant.push_back(idx);
-        self.grant_failed(i);
     }
 
     pub(super) fn sample_done(&mut self, i: usize, idx: usize) {
@@ -666,7 +672,13 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                     ),
                 };
                 log::warn!("node {} ({}): {}", c.node, c.addr, c.last_error);
-                self.fail_over(i, idx);
+                if got.is_none() {
+                    // The rank's own ring, not the node: not counted
+                    // against a link other ranks share.
+                    self.requeue(idx);
+                } else {
+                    self.fail_over(i, idx);
+                }
                 return;
             }
         }
