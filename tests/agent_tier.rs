@@ -236,6 +236,17 @@ fn an_attached_ring_in_huge_pages_is_exact() {
     // through the kernel (a page the rank took away fails that read, not
     // the agent): exact too.
     let mut args = big_ring(attached_args(&sp, &sock, 0, 1, 2));
-    args.push("--verify".into());
-    assert_eq!(finish(spawn_read(&args)), want);
+    args.extend(["--verify".into(), "-v".into()]);
+    let o = wait_output(spawn_read(&args), Duration::from_secs(120));
+    assert!(o.status.success(), "{}", text(&o));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("(hugetlb)"), "{err}");
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("json report");
+    assert_eq!(
+        (
+            v["samples"].as_u64().unwrap(),
+            v["digest"].as_str().unwrap().to_string()
+        ),
+        want
+    );
 }

@@ -314,8 +314,9 @@ pub fn segment_bytes(slots: u32) -> u64 {
 pub struct BatchDesc {
     /// Offset of the batch's first byte in the ring.
     pub ring_offset: u64,
-    /// The batch's bytes (its samples and their offset table, as the
-    /// agent lays them out).
+    /// The batch's span in the ring: from `ring_offset` to the end of its
+    /// last sample, the padding between samples and any skip to the
+    /// ring's start included (docs/AGENT.md, "A batch in the ring").
     pub bytes: u64,
     /// The sampler epoch it belongs to.
     pub epoch: u64,

@@ -244,8 +244,18 @@ impl RingMap {
                         .and_then(|t| t.trim().parse::<u64>().ok())
                         .unwrap_or(0);
                     if reserved > 0 {
+                        // Bound to a NUMA node, only that node's pool counts.
+                        let on_node = numa_node.map_or(String::new(), |n| {
+                            let free = std::fs::read_to_string(format!(
+                                "/sys/devices/system/node/node{n}/hugepages/hugepages-2048kB/free_hugepages"
+                            ));
+                            match free.ok().and_then(|t| t.trim().parse::<u64>().ok()) {
+                                Some(f) => format!(", {f} free on NUMA node {n}, where the ring is bound"),
+                                None => format!(", the ring bound to NUMA node {n}"),
+                            }
+                        });
                         log::info!(
-                            "attach ring: {bytes} bytes of 2 MiB pages not to be had ({e}; {reserved} reserved on the node, some in use); shared memory instead"
+                            "attach ring: {bytes} bytes of 2 MiB pages not to be had ({e}; {reserved} reserved on the machine, some in use{on_node}); shared memory instead"
                         );
                     }
                 }

@@ -210,8 +210,21 @@ impl RankAttach {
             job,
             local: s.local,
         };
-        let (conn, reply) =
-            attach(&s.socket, &req, ring, side.segment(), ATTACH_TIMEOUT).map_err(no_agent)?;
+        let (conn, reply) = attach(&s.socket, &req, ring, side.segment(), ATTACH_TIMEOUT)
+            .map_err(|e| match e {
+                // An agent from before the flag refuses the bit: say which.
+                Error::AttachRefused { ref reason, .. }
+                    if s.verify_crc32c && reason.contains("unknown flags 0x4") =>
+                {
+                    Error::NoAgent {
+                        socket: s.socket.clone(),
+                        reason: format!(
+                            "{e} (this agent predates verify_crc32c in the agent: upgrade it, or read with verify_crc32c off or agent = off)"
+                        ),
+                    }
+                }
+                e => no_agent(e),
+            })?;
         let beat = Duration::from_millis(u64::from(reply.heartbeat_ms.max(1)));
         log::info!(
             "attached to the kspeed agent at {} (pid {}, heartbeat {} ms); ring of {} bytes in {}{}",
