@@ -864,3 +864,47 @@ fn an_attached_rank_reports_the_agent_s_read_latencies() {
         assert!(middle(n(k)), "{k} {} is no bucket's middle: {v}", n(k));
     }
 }
+
+/// A rank written from docs/AGENT.md alone, in Python with the standard
+/// library (tests/foreign/attach_rank.py: its own memfds, seals, segment,
+/// ready words, release marks and futexes, its own sampler from
+/// docs/FORMAT.md), attaches to the agent and reads two epochs whose
+/// batches wrap a small ring: every sample's bytes are the catalog's, in
+/// the sampler's order, each once, and its digest is `kspeed read`'s
+/// embedded one. A layout or a rule the docs do not say fails here.
+#[test]
+fn a_rank_written_from_the_docs_alone_reads_exactly() {
+    if Command::new("python3").arg("--version").output().is_err() {
+        return common::skip("python3 is not installed");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let sp = space(dir.path(), 300);
+    let sock = dir.path().join("agent.sock");
+    let _agent = Agent::start(&sp, &sock, &[]);
+    let script =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/foreign/attach_rank.py");
+    let child = std::process::Command::new("python3")
+        .arg(&script)
+        .args(["--socket", s(&sock), "--space", s(&sp)])
+        .args([
+            "--rank", "1", "--world", "2", "--batch", "7", "--seed", "11",
+        ])
+        .args(["--ring-bytes", "256KiB", "--epoch", "1", "--epochs", "2"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn python3");
+    let o = wait_output(child, Duration::from_secs(120));
+    let out = String::from_utf8_lossy(&o.stdout);
+    let last = out.lines().last().unwrap_or_default();
+    let r: serde_json::Value =
+        serde_json::from_str(last).unwrap_or_else(|e| panic!("{e}: {}", text(&o)));
+    assert!(o.status.success() && r["ok"] == true, "{r}\n{}", text(&o));
+    assert_eq!(r["samples"], 300, "{r}");
+    let mut args = read_args(&sp, 1, 2, 2, &["--agent", "off"]);
+    let at = args.iter().position(|a| a == "--batch-size").unwrap() + 1;
+    args[at] = "7".into();
+    let (n, digest) = finish(spawn_read(&args));
+    assert_eq!(n, 300);
+    assert_eq!(r["digest_candidates"]["u64"], digest.as_str(), "{r}");
+}
