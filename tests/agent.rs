@@ -908,3 +908,62 @@ fn a_rank_written_from_the_docs_alone_reads_exactly() {
     assert_eq!(n, 300);
     assert_eq!(r["digest_candidates"]["u64"], digest.as_str(), "{r}");
 }
+
+/// The agent reads a rank's samples through the page cache when the space
+/// is cached as the rank attaches (`--read-page-cache auto`, the default, as an
+/// embedded loader's `page_cache`), with O_DIRECT when it is not, and
+/// always with O_DIRECT under `--read-page-cache off`; byte-exact each way.
+#[test]
+fn the_agent_reads_a_cached_space_through_the_page_cache() {
+    let dir = tempfile::tempdir().unwrap();
+    let sp = space(dir.path(), 400);
+    let extents: Vec<std::fs::File> = std::fs::read_dir(sp.join("extents"))
+        .unwrap()
+        .map(|e| std::fs::File::open(e.unwrap().path()).unwrap())
+        .collect();
+    let cache = |keep: bool| {
+        for f in &extents {
+            if keep {
+                std::io::copy(&mut &*f, &mut std::io::sink()).unwrap();
+            } else {
+                use std::os::fd::AsRawFd;
+                // SAFETY: a valid descriptor; advice only.
+                let rc =
+                    unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+                assert_eq!(rc, 0);
+            }
+        }
+    };
+    let want = embedded(&sp, 0, 1, 1);
+    let sock = dir.path().join("agent.sock");
+    let agent = Agent::start(&sp, &sock, &[]);
+    cache(true);
+    assert_eq!(
+        finish(spawn_read(&attached_args(&sp, &sock, 0, 1, 1))),
+        want
+    );
+    agent.log.wait_for(
+        &["agent: rank 0 reads through the page cache (page_cache auto: 100% of"],
+        Duration::from_secs(10),
+    );
+    cache(false);
+    assert_eq!(
+        finish(spawn_read(&attached_args(&sp, &sock, 0, 1, 1))),
+        want
+    );
+    agent.log.wait_for(
+        &["agent: rank 0 reads with O_DIRECT (page_cache auto:"],
+        Duration::from_secs(10),
+    );
+    drop(agent);
+    let agent = Agent::start(&sp, &sock, &["--read-page-cache", "off"]);
+    cache(true);
+    assert_eq!(
+        finish(spawn_read(&attached_args(&sp, &sock, 0, 1, 1))),
+        want
+    );
+    agent.log.wait_for(
+        &["agent: rank 0 reads with O_DIRECT (page_cache off)"],
+        Duration::from_secs(10),
+    );
+}

@@ -75,6 +75,12 @@ pub struct AgentConfig {
     /// with it (8 bytes of ready table per 4 KiB of ring, and the pages it
     /// touches), so a rank cannot make the agent run out for every rank.
     pub max_ring_bytes: u64,
+    /// How the space is read for each rank (`--read-page-cache`): `auto` (the
+    /// default) samples at each attach which of the space's pages are
+    /// cached and reads through the page cache when nearly all are, else
+    /// O_DIRECT, as an embedded loader's `page_cache` does; `off` always
+    /// O_DIRECT; `on` always the page cache.
+    pub page_cache: crate::loader::PageCache,
     /// The cluster: attached ranks read the samples this node's space
     /// does not hold from the other nodes (None: the space must hold
     /// every sample).
@@ -103,6 +109,7 @@ impl AgentConfig {
             tier_mlock: true,
             cache: None,
             max_ring_bytes: 64 << 30,
+            page_cache: crate::loader::PageCache::Auto,
             cluster: None,
             serve: None,
         }
@@ -141,6 +148,9 @@ struct OpenSpace {
     space: Arc<Space>,
     extents: Arc<[File]>,
     direct_io: bool,
+    /// The extents opened without O_DIRECT, for ranks whose reads go
+    /// through the page cache (`page_cache`; empty with `off`).
+    buffered: Arc<[File]>,
     identity: u64,
     /// The node tier and the user whose ranks share it now.
     tier: Option<Mutex<NodeTier>>,
@@ -193,6 +203,16 @@ fn open_space(cfg: &AgentConfig) -> Result<OpenSpace> {
             dir.display()
         );
     }
+    let buffered = if cfg.page_cache == crate::loader::PageCache::Off || !direct_io {
+        Vec::new()
+    } else {
+        (0..space.extent_lens().len() as u32)
+            .map(|i| {
+                let path = space.extent_path(i);
+                File::open(&path).map_err(|e| Error::io("open", &path, e))
+            })
+            .collect::<Result<Vec<File>>>()?
+    };
     let identity = u64::from(space.catalog().identity());
     // Checked fills: a member is copied from one rank's ring (memory that
     // rank can write) and served to every other rank. In a cluster,
@@ -230,6 +250,7 @@ fn open_space(cfg: &AgentConfig) -> Result<OpenSpace> {
         space: Arc::new(space),
         extents: extents.into(),
         direct_io,
+        buffered: buffered.into(),
         identity,
         tier,
         net_hub: match &cfg.cluster {
@@ -606,6 +627,26 @@ fn build_loader(
         .try_clone_to_owned()
         .map_err(|e| Error::io("dup", "attach ring", e))
         .and_then(|fd| RingMap::open(fd, req.ring_bytes))?;
+    // Through the page cache where the space is cached now (a warm node:
+    // O_DIRECT would read from the device what sits in memory), as an
+    // embedded loader decides at its build.
+    let choice = crate::loader::page_cache::decide(
+        cfg.page_cache,
+        &open.extents,
+        open.space.extent_lens(),
+        |i| open.space.extent_path(i as u32),
+    )?;
+    let buffered = choice.buffered && !open.buffered.is_empty();
+    log::info!(
+        "agent: rank {} reads {} ({})",
+        req.rank,
+        if buffered {
+            "through the page cache"
+        } else {
+            "with O_DIRECT"
+        },
+        choice.why
+    );
     let b = LoaderBuilder::space(&cfg.space);
     let b = match &cfg.cluster {
         Some(c) => c.apply(b),
@@ -614,8 +655,12 @@ fn build_loader(
     let b = b
         .agent_input(crate::loader::AgentInput {
             space: open.space.clone(),
-            extents: open.extents.clone(),
-            direct_io: open.direct_io,
+            extents: if buffered {
+                open.buffered.clone()
+            } else {
+                open.extents.clone()
+            },
+            direct_io: open.direct_io && !buffered,
             ring: Arc::new(Mutex::new(Some(ring))),
             tier,
             net_hub: open.net_hub.clone(),

@@ -41,7 +41,7 @@ mod input;
 pub(crate) mod net;
 pub(crate) mod node_pollers;
 pub mod options;
-mod page_cache;
+pub(crate) mod page_cache;
 mod registration;
 mod ring_size;
 mod shared;

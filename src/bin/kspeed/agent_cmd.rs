@@ -70,6 +70,13 @@ pub(crate) struct AgentArgs {
     /// it); a larger one is refused by name.
     #[arg(long, default_value = "64GiB", value_parser = crate::parse_bytes)]
     max_ring_bytes: u64,
+    /// How the space is read for the attached ranks: auto (through the
+    /// page cache when nearly all of it is cached as a rank attaches, else
+    /// O_DIRECT), off (always O_DIRECT), on (always the page cache), as a
+    /// loader's `page_cache`. (`--page-cache`, a node service flag, is how
+    /// the agent sends to other nodes' consumers.)
+    #[arg(long, default_value = "auto", value_parser = ["auto", "off", "on"])]
+    read_page_cache: String,
     /// In a cluster (the space holds this node's share): the node list.
     /// Attached ranks then read the rest from the other nodes.
     #[command(flatten)]
@@ -153,6 +160,7 @@ pub(crate) fn run_agent(a: AgentArgs) -> kspeed::Result<()> {
     cfg.tier_bytes = a.tier_bytes;
     cfg.tier_mlock = !a.no_mlock;
     cfg.max_ring_bytes = a.max_ring_bytes;
+    cfg.page_cache = kspeed::loader::PageCache::parse(&a.read_page_cache).expect("clap checked it");
     cfg.cache = a
         .cache_dir
         .clone()
