@@ -464,8 +464,10 @@ impl CacheArea {
 
     /// Sample `id`, whose bytes (`bytes`, checked against the catalog's
     /// CRC `crc` by the caller) are in the ring now, should be kept in
-    /// `slot`: copies them to a write buffer for the writer thread. False
-    /// (counted as skipped) when no buffer is free.
+    /// `slot`: copies them to a write buffer for the writer thread (through
+    /// the kernel with `faultable`: `bytes` is then a rank's hugetlb ring
+    /// in the node agent, `Writer::admit`). False (counted as skipped) when
+    /// no buffer is free or the copy faulted.
     pub(crate) fn admit(
         &self,
         slot: u32,
