@@ -8,6 +8,11 @@
 //! what this node does not hold from the other nodes, and the agent also
 //! runs this node's node service for them ([`AgentConfig::serve`]).
 //!
+//! Why this file is over ~800 lines: it is the agent's one lifecycle, from
+//! opening the space to the last rank's end (config, the main loop, a
+//! rank's loader built from its ATTACH, its feeder); the attach socket,
+//! the segment, the node tier and the cluster are their own files.
+//!
 //! Threads: the main loop (accepts, beats every rank's heartbeat, reaps
 //! ranks that ended); the node's poller threads ([`AgentConfig::node_pollers`]),
 //! which take turns for every rank's `pollers` pollers; per rank one

@@ -24,6 +24,11 @@
 //! load. A futex call happens only to sleep (nothing ready / no room) or
 //! to wake a side that said it sleeps.
 //!
+//! Why this file is over ~800 lines: the layout, its compile-time offset
+//! checks and the segment's whole life (create, open and check, errors,
+//! heartbeats, generations) belong together with the unit tests that pin
+//! the documented bytes; the two sides' protocol is `segment/sides.rs`.
+//!
 //! This module forms references to the atomics of a shared mapping, so
 //! it is one of the few allowed `unsafe`; the mapping, memfds and futexes
 //! themselves are `super::shm`'s.

@@ -1,0 +1,284 @@
+//! What an attached rank gets from `kspeed agent` beyond its samples,
+//! with real rank processes: `verify_crc32c` done by the agent, its ring on
+//! its NUMA node, the agent's read latencies in its stats, the agent's
+//! reads through the page cache on a warm node, and a rank written from
+//! docs/AGENT.md alone (tests/foreign/attach_rank.py) reading exactly.
+//! Every wait is on a condition with a deadline.
+
+mod agent_support;
+mod common;
+
+use std::process::Command;
+use std::time::Duration;
+
+use agent_support::*;
+use common::{s, text};
+
+/// An attached rank's `verify_crc32c` (`kspeed read --verify`) is done by
+/// the agent, which reads into the rank's ring: a byte flipped on disk is
+/// the named `SampleCorrupt` naming the sample and its extent, as an
+/// embedded rank's is, while a rank that does not ask reads the epoch
+/// (the flag reaches the agent; before, it was dropped on the way).
+#[test]
+fn an_attached_rank_s_crc_check_is_done_by_the_agent() {
+    let dir = tempfile::tempdir().unwrap();
+    let sp = space(dir.path(), 300);
+    let space = kspeed::dataset::Space::open(&sp).unwrap();
+    let victim = 137;
+    let loc = space.location(victim).unwrap();
+    let ext = space.extent_path(loc.extent);
+    drop(space);
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&ext)
+        .unwrap();
+    let mut b = [0u8; 1];
+    std::os::unix::fs::FileExt::read_exact_at(&f, &mut b, loc.offset + 10).unwrap();
+    b[0] ^= 0x40;
+    std::os::unix::fs::FileExt::write_all_at(&f, &b, loc.offset + 10).unwrap();
+    f.sync_all().unwrap();
+    drop(f);
+    let sock = dir.path().join("agent.sock");
+    let _agent = Agent::start(&sp, &sock, &[]);
+    let named = |o: &std::process::Output, how: &str| {
+        assert_eq!(o.status.code(), Some(1), "{how}: {}", text(o));
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            err.contains(&format!("sample {victim} from {}", ext.display()))
+                && err.contains("does not match the catalog's"),
+            "{how}: {err}"
+        );
+        err.to_string()
+    };
+    let verify = |mut args: Vec<String>| {
+        args.push("--verify".into());
+        wait_output(spawn_read(&args), Duration::from_secs(60))
+    };
+    let err = named(&verify(attached_args(&sp, &sock, 0, 1, 1)), "attached");
+    assert!(err.contains("SampleCorrupt"), "{err}");
+    named(
+        &verify(read_args(&sp, 0, 1, 1, &["--agent", "off"])),
+        "embedded",
+    );
+    // Without --verify the agent does not check: the epoch is read whole.
+    let (n, _) = finish(spawn_read(&attached_args(&sp, &sock, 0, 1, 1)));
+    assert_eq!(n, 300);
+}
+
+/// An attached rank's ring is bound to its NUMA node (`numa_node`, or the
+/// GPU's at `gpu_pci`) as an embedded ring is: the rank binds the memfd's
+/// mapping before it faults the pages in, so they come from that node
+/// (`/proc/self/numa_maps` says `bind:0` for the ring's memfd), and reads
+/// stay exact; a node that cannot be bound is the named `Numa` error.
+#[test]
+fn an_attached_rank_s_ring_is_on_its_numa_node() {
+    let dir = tempfile::tempdir().unwrap();
+    let sp = space(dir.path(), 400);
+    let sock = dir.path().join("agent.sock");
+    let _agent = Agent::start(&sp, &sock, &[]);
+    let built = kspeed::loader::LoaderBuilder::space(&sp)
+        .agent(kspeed::loader::AgentMode::Required)
+        .agent_socket(Some(sock.clone()))
+        .batch_size(16)
+        .landing(common::test_ring(1 << 20).numa_node(Some(0)))
+        .build();
+    let mut l = match built {
+        Err(kspeed::Error::Numa { reason, .. }) if reason.contains("not permitted") => {
+            return common::skip(&format!("mbind is not allowed here: {reason}"));
+        }
+        r => r.unwrap(),
+    };
+    // The ring's mapping: the one holding the first batch's bytes (other
+    // tests in this process map attach rings of their own).
+    let at = {
+        let b = l.next_batch().unwrap().expect("a batch");
+        b.get(0).bytes.as_ptr() as usize
+    };
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    let start = maps
+        .lines()
+        .find_map(|m| {
+            let (lo, hi) = m.split_whitespace().next()?.split_once('-')?;
+            let (lo, hi) = (
+                usize::from_str_radix(lo, 16).ok()?,
+                usize::from_str_radix(hi, 16).ok()?,
+            );
+            (lo <= at && at < hi).then_some(lo)
+        })
+        .expect("the batch's mapping");
+    let numa = std::fs::read_to_string("/proc/self/numa_maps").unwrap();
+    let ring = numa
+        .lines()
+        .find(|m| m.starts_with(&format!("{start:x} ")))
+        .expect("the ring in numa_maps");
+    assert!(
+        ring.contains("kspeed-attach-ring") && ring.contains("bind:0"),
+        "{ring}"
+    );
+    drop(l);
+    let mut args = attached_args(&sp, &sock, 0, 1, 1);
+    args.extend(["--numa-node".into(), "0".into(), "-v".into()]);
+    let o = wait_output(spawn_read(&args), Duration::from_secs(60));
+    assert!(o.status.success(), "{}", text(&o));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("bound to NUMA node 0"), "{err}");
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("json report");
+    assert_eq!(
+        (
+            v["samples"].as_u64().unwrap(),
+            v["digest"].as_str().unwrap().to_string()
+        ),
+        embedded(&sp, 0, 1, 1)
+    );
+    // A node the machine does not have.
+    let mut args = attached_args(&sp, &sock, 0, 1, 1);
+    args.extend(["--numa-node".into(), "1000".into()]);
+    let o = wait_output(spawn_read(&args), Duration::from_secs(60));
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("cannot bind the landing ring to NUMA node 1000"),
+        "{err}"
+    );
+}
+
+/// An attached rank's read latencies are the agent's disk reads for it,
+/// sent with each batch by power of two of µs (segment layout version 5):
+/// as many as its disk reads, each at the middle of its power of two, in
+/// order; they were all 0 before.
+#[test]
+fn an_attached_rank_reports_the_agent_s_read_latencies() {
+    let dir = tempfile::tempdir().unwrap();
+    let sp = space(dir.path(), 600);
+    let sock = dir.path().join("agent.sock");
+    let _agent = Agent::start(&sp, &sock, &[]);
+    let o = wait_output(
+        spawn_read(&attached_args(&sp, &sock, 0, 1, 2)),
+        Duration::from_secs(60),
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("json report");
+    let lat = &v["read_latency_us"];
+    let n = |k: &str| lat[k].as_u64().unwrap_or_else(|| panic!("{k} in {v}"));
+    assert_eq!(n("count"), v["disk_reads"].as_u64().unwrap(), "{v}");
+    assert_eq!(n("count"), 1200, "{v}");
+    assert!(
+        n("p50") >= 1 && n("p50") <= n("p99") && n("p99") <= n("max"),
+        "{v}"
+    );
+    // A bucket's middle: 1, or 3 x 2^j (to the histogram's 2 digits).
+    let middle = |x: u64| {
+        x == 1
+            || (0..20).any(|j| {
+                let m = 3u64 << j;
+                x.abs_diff(m) * 100 <= m
+            })
+    };
+    for k in ["p50", "p99", "max"] {
+        assert!(middle(n(k)), "{k} {} is no bucket's middle: {v}", n(k));
+    }
+}
+
+/// A rank written from docs/AGENT.md alone, in Python with the standard
+/// library (tests/foreign/attach_rank.py: its own memfds, seals, segment,
+/// ready words, release marks and futexes, its own sampler from
+/// docs/FORMAT.md), attaches to the agent and reads two epochs whose
+/// batches wrap a small ring: every sample's bytes are the catalog's, in
+/// the sampler's order, each once, and its digest is `kspeed read`'s
+/// embedded one. A layout or a rule the docs do not say fails here.
+#[test]
+fn a_rank_written_from_the_docs_alone_reads_exactly() {
+    if Command::new("python3").arg("--version").output().is_err() {
+        return common::skip("python3 is not installed");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let sp = space(dir.path(), 300);
+    let sock = dir.path().join("agent.sock");
+    let _agent = Agent::start(&sp, &sock, &[]);
+    let script =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/foreign/attach_rank.py");
+    let child = std::process::Command::new("python3")
+        .arg(&script)
+        .args(["--socket", s(&sock), "--space", s(&sp)])
+        .args([
+            "--rank", "1", "--world", "2", "--batch", "7", "--seed", "11",
+        ])
+        .args(["--ring-bytes", "256KiB", "--epoch", "1", "--epochs", "2"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn python3");
+    let o = wait_output(child, Duration::from_secs(120));
+    let out = String::from_utf8_lossy(&o.stdout);
+    let last = out.lines().last().unwrap_or_default();
+    let r: serde_json::Value =
+        serde_json::from_str(last).unwrap_or_else(|e| panic!("{e}: {}", text(&o)));
+    assert!(o.status.success() && r["ok"] == true, "{r}\n{}", text(&o));
+    assert_eq!(r["samples"], 300, "{r}");
+    let mut args = read_args(&sp, 1, 2, 2, &["--agent", "off"]);
+    let at = args.iter().position(|a| a == "--batch-size").unwrap() + 1;
+    args[at] = "7".into();
+    let (n, digest) = finish(spawn_read(&args));
+    assert_eq!(n, 300);
+    assert_eq!(r["digest_candidates"]["u64"], digest.as_str(), "{r}");
+}
+
+/// The agent reads a rank's samples through the page cache when the space
+/// is cached as the rank attaches (`--read-page-cache auto`, the default, as an
+/// embedded loader's `page_cache`), with O_DIRECT when it is not, and
+/// always with O_DIRECT under `--read-page-cache off`; byte-exact each way.
+#[test]
+fn the_agent_reads_a_cached_space_through_the_page_cache() {
+    let dir = tempfile::tempdir().unwrap();
+    let sp = space(dir.path(), 400);
+    let extents: Vec<std::fs::File> = std::fs::read_dir(sp.join("extents"))
+        .unwrap()
+        .map(|e| std::fs::File::open(e.unwrap().path()).unwrap())
+        .collect();
+    let cache = |keep: bool| {
+        for f in &extents {
+            if keep {
+                std::io::copy(&mut &*f, &mut std::io::sink()).unwrap();
+            } else {
+                use std::os::fd::AsRawFd;
+                // SAFETY: a valid descriptor; advice only.
+                let rc =
+                    unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+                assert_eq!(rc, 0);
+            }
+        }
+    };
+    let want = embedded(&sp, 0, 1, 1);
+    let sock = dir.path().join("agent.sock");
+    let agent = Agent::start(&sp, &sock, &[]);
+    cache(true);
+    assert_eq!(
+        finish(spawn_read(&attached_args(&sp, &sock, 0, 1, 1))),
+        want
+    );
+    agent.log.wait_for(
+        &["agent: rank 0 reads through the page cache (page_cache auto: 100% of"],
+        Duration::from_secs(10),
+    );
+    cache(false);
+    assert_eq!(
+        finish(spawn_read(&attached_args(&sp, &sock, 0, 1, 1))),
+        want
+    );
+    agent.log.wait_for(
+        &["agent: rank 0 reads with O_DIRECT (page_cache auto:"],
+        Duration::from_secs(10),
+    );
+    drop(agent);
+    let agent = Agent::start(&sp, &sock, &["--read-page-cache", "off"]);
+    cache(true);
+    assert_eq!(
+        finish(spawn_read(&attached_args(&sp, &sock, 0, 1, 1))),
+        want
+    );
+    agent.log.wait_for(
+        &["agent: rank 0 reads with O_DIRECT (page_cache off)"],
+        Duration::from_secs(10),
+    );
+}
