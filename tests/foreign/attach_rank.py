@@ -6,7 +6,7 @@ Written on 2026-12-06 by a reader who had the docs and the `kspeed` binary
 but not src/: a second implementation of the attach protocol (memfds and
 seals, SCM_RIGHTS, the segment, ready words, release marks, futexes) and of
 the sampler, kept so that the docs and the agent cannot drift apart
-(tests/agent.rs `a_rank_written_from_the_docs_alone_reads_exactly`). Its
+(tests/agent_rank.rs `a_rank_written_from_the_docs_alone_reads_exactly`). Its
 report's `digest_candidates.u64` is `kspeed read --digest` (README).
 
 Usage: foreign_rank.py --socket S --space SPACE [--rank r --world w --batch 16
