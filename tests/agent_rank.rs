@@ -251,34 +251,27 @@ fn the_agent_reads_a_cached_space_through_the_page_cache() {
     };
     let want = embedded(&sp, 0, 1, 1);
     let sock = dir.path().join("agent.sock");
+    // One epoch attached, exact, and the agent's line on how it read it.
+    let read_saying = |agent: &Agent, line: &str| {
+        assert_eq!(
+            finish(spawn_read(&attached_args(&sp, &sock, 0, 1, 1))),
+            want
+        );
+        agent.log.wait_for(&[line], Duration::from_secs(10));
+    };
     let agent = Agent::start(&sp, &sock, &[]);
     cache(true);
-    assert_eq!(
-        finish(spawn_read(&attached_args(&sp, &sock, 0, 1, 1))),
-        want
-    );
-    agent.log.wait_for(
-        &["agent: rank 0 reads through the page cache (page_cache auto: 100% of"],
-        Duration::from_secs(10),
+    read_saying(
+        &agent,
+        "agent: rank 0 reads through the page cache (page_cache auto: 100% of",
     );
     cache(false);
-    assert_eq!(
-        finish(spawn_read(&attached_args(&sp, &sock, 0, 1, 1))),
-        want
-    );
-    agent.log.wait_for(
-        &["agent: rank 0 reads with O_DIRECT (page_cache auto:"],
-        Duration::from_secs(10),
+    read_saying(
+        &agent,
+        "agent: rank 0 reads with O_DIRECT (page_cache auto:",
     );
     drop(agent);
     let agent = Agent::start(&sp, &sock, &["--read-page-cache", "off"]);
     cache(true);
-    assert_eq!(
-        finish(spawn_read(&attached_args(&sp, &sock, 0, 1, 1))),
-        want
-    );
-    agent.log.wait_for(
-        &["agent: rank 0 reads with O_DIRECT (page_cache off)"],
-        Duration::from_secs(10),
-    );
+    read_saying(&agent, "agent: rank 0 reads with O_DIRECT (page_cache off)");
 }

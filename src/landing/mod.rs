@@ -425,6 +425,10 @@ impl LandingRing {
     }
 }
 
+/// Bytes [`LandingRing::crc32c`] copies through the kernel at a time (on
+/// the caller's stack) where reading the ring directly could fault.
+const FAULTABLE_CRC_CHUNK: usize = 32 << 10;
+
 impl LandingRing {
     /// Whether this process reads the ring's bytes through the kernel
     /// ([`crate::sys::copy_faultable`]): a ring mapped from another
@@ -433,13 +437,7 @@ impl LandingRing {
     pub(crate) fn reads_through_kernel(&self) -> bool {
         self.shared.is_some() && self.info.huge_pages
     }
-}
 
-/// Bytes [`LandingRing::crc32c`] copies through the kernel at a time (on
-/// the caller's stack) where reading the ring directly could fault.
-const FAULTABLE_CRC_CHUNK: usize = 32 << 10;
-
-impl LandingRing {
     /// The CRC32C of the `len` bytes at offset `off`, or `None` when
     /// reading them faulted. A ring this process maps from another's memfd
     /// in hugetlb pages (the node agent's view of a rank's ring) is read
@@ -453,7 +451,7 @@ impl LandingRing {
     /// writes those bytes during the call.
     pub(crate) unsafe fn crc32c(&self, off: usize, len: usize) -> Option<u32> {
         assert!(self.device.is_none(), "the landing ring is GPU memory");
-        debug_assert!(self.device.is_none() && off + len <= self.len);
+        debug_assert!(off + len <= self.len);
         // SAFETY: in bounds per the contract.
         let at = unsafe { self.ptr.as_ptr().add(off) };
         if !self.reads_through_kernel() {
