@@ -1,7 +1,7 @@
 //! What an attached rank gets from `kspeed agent` beyond its samples,
 //! with real rank processes: `verify_crc32c` done by the agent, its ring on
 //! its NUMA node, the agent's read latencies in its stats, the agent's
-//! reads through the page cache on a warm node, and a rank written from
+//! reads through the page cache on a warm node, a block shuffle, and a rank written from
 //! docs/AGENT.md alone (tests/foreign/attach_rank.py) reading exactly.
 //! Every wait is on a condition with a deadline.
 
@@ -177,6 +177,91 @@ fn an_attached_rank_reports_the_agent_s_read_latencies() {
     };
     for k in ["p50", "p99", "max"] {
         assert!(middle(n(k)), "{k} {} is no bucket's middle: {v}", n(k));
+    }
+}
+
+/// A rank that shuffles in blocks (`shuffle_block`) is served by the agent
+/// (before, `auto` kept it embedded and `required` refused it): its ATTACH
+/// is version 6, which carries the block, and the two ranks of a world of
+/// 2 read, over two epochs and through the node tier, exactly what embedded
+/// ranks do, which is not the whole-dataset shuffle's order.
+#[test]
+fn an_attached_rank_shuffles_in_blocks() {
+    let dir = tempfile::tempdir().unwrap();
+    let sp = space(dir.path(), 600);
+    let sock = dir.path().join("agent.sock");
+    let _agent = Agent::start(&sp, &sock, &["--tier-bytes", "64MiB", "--no-mlock"]);
+    let block = |mut args: Vec<String>| {
+        args.extend(["--shuffle-block".into(), "32".into()]);
+        args
+    };
+    for rank in 0..2 {
+        let (n, digest) = finish(spawn_read(&block(attached_args(&sp, &sock, rank, 2, 2))));
+        let embedded_blocks = finish(spawn_read(&block(read_args(
+            &sp,
+            rank,
+            2,
+            2,
+            &["--agent", "off"],
+        ))));
+        assert_eq!((n, digest.clone()), embedded_blocks, "rank {rank}");
+        assert_eq!(n, 600, "rank {rank}");
+        let (_, whole) = embedded(&sp, rank, 2, 2);
+        assert_ne!(
+            digest, whole,
+            "rank {rank}: the block shuffle was not applied"
+        );
+    }
+}
+
+/// An agent that speaks version 5 only (one from before the block
+/// shuffle) refuses a block-shuffling rank's version 6 ATTACH by its
+/// version; the rank's `NoAgent` says the agent predates it and what to do.
+/// A version 5 agent is played by a socket that answers as one does.
+#[test]
+fn an_agent_that_predates_block_shuffles_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let sp = space(dir.path(), 100);
+    let sock = dir.path().join("old-agent.sock");
+    let l = socket2::Socket::new(
+        socket2::Domain::UNIX,
+        socket2::Type::from(libc::SOCK_SEQPACKET),
+        None,
+    )
+    .unwrap();
+    l.bind(&socket2::SockAddr::unix(&sock).unwrap()).unwrap();
+    l.listen(4).unwrap();
+    let old = std::thread::spawn(move || {
+        let (c, _) = l.accept().unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        let mut buf = [std::mem::MaybeUninit::<u8>::uninit(); 512];
+        let n = c.recv(&mut buf).unwrap();
+        // SAFETY: recv initialised the first n bytes.
+        let got: Vec<u8> = buf[..n]
+            .iter()
+            .map(|b| unsafe { b.assume_init() })
+            .collect();
+        let version = u16::from_le_bytes([got[4], got[5]]);
+        let reason = format!("message version {version}, this build speaks version 5");
+        let reply =
+            kspeed::agent::msg::encode_refused(5, kspeed::agent::msg::RefuseCode::Version, &reason);
+        c.send(&reply).unwrap();
+        (version, n)
+    });
+    let built = kspeed::loader::LoaderBuilder::space(&sp)
+        .agent(kspeed::loader::AgentMode::Required)
+        .agent_socket(Some(sock.clone()))
+        .shuffle_block(16)
+        .batch_size(8)
+        .build();
+    assert_eq!(old.join().unwrap(), (6, 120));
+    match built {
+        Err(kspeed::Error::NoAgent { reason, .. }) => assert!(
+            reason.contains("refused (version)")
+                && reason.contains("predates shuffle_block in the agent"),
+            "{reason}"
+        ),
+        r => panic!("{:?}", r.map(|_| ())),
     }
 }
 

@@ -17,7 +17,7 @@ use std::process::{Child, Command, ExitStatus};
 use std::time::{Duration, Instant};
 
 use kspeed::agent::attach::{attach, AttachConn, AttachListener, ListenerConfig};
-use kspeed::agent::msg::{decode_reply, AttachRequest, AttachedReply, ATTACH_BYTES};
+use kspeed::agent::msg::{decode_reply, AttachRequest, AttachedReply};
 use kspeed::agent::segment::{
     decode_release, in_flight, is_ready, ready_word, release_mark, segment_bytes, AgentSide,
     BatchDesc, BatchReads, Generation, Liveness, RankSide, Segment, SEQ_MASK,
@@ -89,6 +89,7 @@ fn request(seg: &Segment, ring: &RingMap) -> AttachRequest {
         end_epoch: None,
         job: None,
         local: None,
+        shuffle_block: 0,
     }
 }
 
@@ -659,8 +660,7 @@ fn wrong_version_magic_and_descriptor_count_are_refused() {
         let (ring, seg) = new_rank();
         let b = request(&seg, &ring).encode();
         let c = AttachConn::connect(&sock, Duration::from_secs(5)).unwrap();
-        c.send(&b[..ATTACH_BYTES - 8], &[ring.fd(), seg.fd()])
-            .unwrap();
+        c.send(&b[..b.len() - 8], &[ring.fd(), seg.fd()]).unwrap();
         let _ = c.recv("reply");
     });
     assert!(matches!(got, Err(Error::AttachProtocol { .. })));

@@ -23,13 +23,14 @@ use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::{DirBuilderExt, FileTypeExt, PermissionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU16, Ordering};
 use std::time::{Duration, Instant};
 
 use socket2::{Domain, SockAddr, Socket, Type};
 
 use super::msg::{
     decode_reply, encode_refused, proto, u16_at, AttachRequest, AttachedReply, RefuseCode,
-    ATTACH_FDS, ATTACH_VERSION,
+    ATTACH_FDS, ATTACH_OLDEST_VERSION, ATTACH_VERSION,
 };
 use super::segment::{segment_bytes, AgentSide, Segment};
 use super::shm::RingMap;
@@ -60,6 +61,10 @@ pub struct AttachConn {
     peer: PeerCred,
     /// The send and receive timeout (for the errors' text).
     timeout: Duration,
+    /// The version the agent answers in: the request's, once one in a
+    /// version this build speaks arrived (an older rank reads only its
+    /// own), else the newest.
+    reply_version: AtomicU16,
 }
 
 fn timeout_err(what: &'static str, timeout: Duration) -> Error {
@@ -90,6 +95,7 @@ impl AttachConn {
             sock,
             peer,
             timeout,
+            reply_version: AtomicU16::new(ATTACH_VERSION),
         })
     }
 
@@ -177,9 +183,11 @@ impl AttachConn {
         n > 0 && p.revents & (libc::POLLHUP | libc::POLLRDHUP | libc::POLLERR) != 0
     }
 
-    /// Sends REFUSED (best effort: the peer may be gone already).
+    /// Sends REFUSED (best effort: the peer may be gone already), in the
+    /// version the peer's request came in.
     pub fn refuse(&self, code: RefuseCode, reason: &str) {
-        let _ = self.send(&encode_refused(code, reason), &[]);
+        let version = self.reply_version.load(Ordering::Relaxed);
+        let _ = self.send(&encode_refused(version, code, reason), &[]);
     }
 }
 
@@ -270,7 +278,7 @@ impl Incoming {
             agent_pid: std::process::id(),
             heartbeat_ms,
         };
-        self.conn.send(&reply.encode(), &[])?;
+        self.conn.send(&reply.encode(self.request.version()), &[])?;
         Ok(Attached {
             conn: self.conn,
             request: self.request,
@@ -434,6 +442,12 @@ impl AttachListener {
             Err(e @ Error::AttachTimeout { .. }) => return Err(e),
             Err(e) => return Err(refuse(&conn, RefuseCode::Protocol, e)),
         };
+        if bytes.len() >= 12 {
+            let version = u16_at(&bytes, 4);
+            if (ATTACH_OLDEST_VERSION..=ATTACH_VERSION).contains(&version) {
+                conn.reply_version.store(version, Ordering::Relaxed);
+            }
+        }
         // The uid is checked after the ATTACH is read, not before: closing
         // a connection with a message still unread resets it, and the rank
         // would read ECONNRESET instead of the REFUSED that says why. What
@@ -456,7 +470,9 @@ impl AttachListener {
                 // Close what came before answering, so the rank sees no
                 // descriptor of its own left here once it reads REFUSED.
                 drop(fds);
-                let code = if bytes.len() >= 12 && u16_at(&bytes, 4) != ATTACH_VERSION {
+                let code = if bytes.len() >= 12
+                    && !(ATTACH_OLDEST_VERSION..=ATTACH_VERSION).contains(&u16_at(&bytes, 4))
+                {
                     RefuseCode::Version
                 } else {
                     RefuseCode::Protocol

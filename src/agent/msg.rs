@@ -1,25 +1,35 @@
-//! The attach protocol's messages (version 5): ATTACH, ATTACHED and
+//! The attach protocol's messages (versions 5 and 6): ATTACH, ATTACHED and
 //! REFUSED, fixed little-endian layouts behind a 12-byte header that every
 //! version shares (docs/AGENT.md, "The attach protocol"). Pure encoding and
 //! checking; the socket that carries them is `super::attach`.
+//!
+//! Version 6 only adds the block shuffle to ATTACH, so a rank sends
+//! version 5 unless it shuffles in blocks (an agent of either version
+//! serves it) and the agent answers in the version it was asked in.
 
 use super::segment::Generation;
 use crate::error::{Error, Result};
 
 /// The messages' magic: the bytes `KSAT` read as a little-endian u32.
 pub const ATTACH_MAGIC: u32 = u32::from_le_bytes(*b"KSAT");
-/// The message layout version this build speaks. The first 12 bytes
-/// (magic, version, kind, length) are the same in every version, so a
-/// peer of another version is answered with a REFUSED it can read.
-pub const ATTACH_VERSION: u16 = 5;
+/// The newest message layout version this build speaks. The first 12
+/// bytes (magic, version, kind, length) are the same in every version, so
+/// a peer of another version is answered with a REFUSED it can read.
+pub const ATTACH_VERSION: u16 = 6;
+/// The oldest version this build still speaks (and sends, when a request
+/// needs nothing newer): ATTACHED and REFUSED are the same in both.
+pub const ATTACH_OLDEST_VERSION: u16 = 5;
 /// Kind of an ATTACH message (rank to agent).
 pub const KIND_ATTACH: u16 = 1;
 /// Kind of an ATTACHED reply.
 pub const KIND_ATTACHED: u16 = 2;
 /// Kind of a REFUSED reply.
 pub const KIND_REFUSED: u16 = 3;
-/// Bytes of an ATTACH message (versions 4 and 5; 96 in versions 1 to 3).
-pub const ATTACH_BYTES: usize = 112;
+/// Bytes of a version 6 ATTACH message.
+pub const ATTACH_BYTES: usize = 120;
+/// Bytes of a version 5 ATTACH message (as version 4's; 96 in versions 1
+/// to 3).
+pub const ATTACH_V5_BYTES: usize = 112;
 /// Bytes of an ATTACHED reply (version 1).
 pub const ATTACHED_BYTES: usize = 32;
 /// Bytes of a REFUSED reply (version 1).
@@ -115,6 +125,10 @@ pub struct AttachRequest {
     /// `local_world - 1` after it (torchrun's and SLURM's block layout) to
     /// choose the node tier's members by their reads.
     pub local: Option<(u16, u16)>,
+    /// The sampler's block shuffle (version 6; `LoaderBuilder::shuffle_block`):
+    /// 0 or 1, one permutation of the whole dataset (what a version 5
+    /// ATTACH means).
+    pub shuffle_block: u64,
 }
 
 /// ATTACH flag: the sampler shuffles each epoch.
@@ -144,10 +158,11 @@ pub(super) fn proto(what: impl Into<String>) -> Error {
     Error::AttachProtocol { what: what.into() }
 }
 
-fn put_header(b: &mut [u8], kind: u16) {
+fn put_header(b: &mut [u8], kind: u16, version: u16) {
+    debug_assert!((ATTACH_OLDEST_VERSION..=ATTACH_VERSION).contains(&version));
     let len = b.len() as u32;
     b[0..4].copy_from_slice(&ATTACH_MAGIC.to_le_bytes());
-    b[4..6].copy_from_slice(&ATTACH_VERSION.to_le_bytes());
+    b[4..6].copy_from_slice(&version.to_le_bytes());
     b[6..8].copy_from_slice(&kind.to_le_bytes());
     b[8..12].copy_from_slice(&len.to_le_bytes());
 }
@@ -162,10 +177,11 @@ fn u64_at(b: &[u8], o: usize) -> u64 {
     u64::from_le_bytes(b[o..o + 8].try_into().expect("8 bytes"))
 }
 
-/// Checks the 12-byte header every version shares and returns the kind:
-/// magic, then version, then that the length field is both what arrived
-/// and what the kind has.
-pub fn check_header(b: &[u8]) -> Result<u16> {
+/// Checks the 12-byte header every version shares and returns the kind
+/// and the version: magic, then version (one this build speaks), then
+/// that the length field is both what arrived and what the kind has in
+/// that version.
+pub fn check_header(b: &[u8]) -> Result<(u16, u16)> {
     if b.len() < 12 {
         return Err(proto(format!(
             "a message of {} bytes is shorter than the 12-byte header",
@@ -181,13 +197,14 @@ pub fn check_header(b: &[u8]) -> Result<u16> {
         )));
     }
     let version = u16_at(b, 4);
-    if version != ATTACH_VERSION {
+    if !(ATTACH_OLDEST_VERSION..=ATTACH_VERSION).contains(&version) {
         return Err(proto(format!(
-            "message version {version}, this build speaks version {ATTACH_VERSION}"
+            "message version {version}, this build speaks versions {ATTACH_OLDEST_VERSION} to {ATTACH_VERSION}"
         )));
     }
     let kind = u16_at(b, 6);
     let want = match kind {
+        KIND_ATTACH if version == 5 => ATTACH_V5_BYTES,
         KIND_ATTACH => ATTACH_BYTES,
         KIND_ATTACHED => ATTACHED_BYTES,
         KIND_REFUSED => REFUSED_BYTES,
@@ -196,18 +213,37 @@ pub fn check_header(b: &[u8]) -> Result<u16> {
     let len = u32_at(b, 8) as usize;
     if len != want || b.len() != want {
         return Err(proto(format!(
-            "kind {kind}: length field {len}, received {} bytes; version {ATTACH_VERSION} has {want}",
+            "kind {kind}: length field {len}, received {} bytes; version {version} has {want}",
             b.len()
         )));
     }
-    Ok(kind)
+    Ok((kind, version))
 }
 
 impl AttachRequest {
-    /// The message's bytes (little-endian).
-    pub fn encode(&self) -> [u8; ATTACH_BYTES] {
-        let mut b = [0u8; ATTACH_BYTES];
-        put_header(&mut b, KIND_ATTACH);
+    /// The version the request is sent in: 6 with a block shuffle, else
+    /// 5 (which every agent since version 5 reads).
+    pub fn version(&self) -> u16 {
+        if self.shuffle_block > 1 {
+            6
+        } else {
+            ATTACH_OLDEST_VERSION
+        }
+    }
+
+    /// The message's bytes (little-endian), in [`AttachRequest::version`]:
+    /// 112 bytes in version 5, 120 in version 6.
+    pub fn encode(&self) -> Vec<u8> {
+        let version = self.version();
+        let mut b = vec![
+            0u8;
+            if version == 5 {
+                ATTACH_V5_BYTES
+            } else {
+                ATTACH_BYTES
+            }
+        ];
+        put_header(&mut b, KIND_ATTACH, version);
         b[12..16].copy_from_slice(&u32::from(self.generation.get()).to_le_bytes());
         b[16..24].copy_from_slice(&self.dataset_id.to_le_bytes());
         b[24..32].copy_from_slice(&self.seed.to_le_bytes());
@@ -236,19 +272,22 @@ impl AttachRequest {
         });
         b[96..104].copy_from_slice(&job.epoch.to_le_bytes());
         b[104..112].copy_from_slice(&job.consumed.to_le_bytes());
+        if version >= 6 {
+            b[112..120].copy_from_slice(&self.shuffle_block.to_le_bytes());
+        }
         b
     }
 
     /// Decodes and checks an ATTACH message.
     pub fn decode(b: &[u8]) -> Result<AttachRequest> {
-        let kind = check_header(b)?;
+        let (kind, version) = check_header(b)?;
         if kind != KIND_ATTACH {
             return Err(proto(format!("expected ATTACH (kind 1), got kind {kind}")));
         }
         let flags = u32_at(b, 80);
         if flags & !KNOWN_FLAGS != 0 {
             return Err(proto(format!(
-                "unknown flags {:#x} in a version {ATTACH_VERSION} ATTACH",
+                "unknown flags {:#x} in a version {version} ATTACH",
                 flags & !KNOWN_FLAGS
             )));
         }
@@ -282,6 +321,7 @@ impl AttachRequest {
             end_epoch: Some(u64_at(b, 88)).filter(|&e| e != 0),
             job: None,
             local,
+            shuffle_block: if version >= 6 { u64_at(b, 112) } else { 0 },
         };
         let (job_epoch, consumed) = (u64_at(b, 96), u64_at(b, 104));
         let r = match (job_epoch, consumed) {
@@ -328,10 +368,11 @@ impl AttachRequest {
 }
 
 impl AttachedReply {
-    /// The reply's bytes.
-    pub fn encode(&self) -> [u8; ATTACHED_BYTES] {
+    /// The reply's bytes in `version` (the request's: the layout is the
+    /// same in every version this build speaks).
+    pub fn encode(&self, version: u16) -> [u8; ATTACHED_BYTES] {
         let mut b = [0u8; ATTACHED_BYTES];
-        put_header(&mut b, KIND_ATTACHED);
+        put_header(&mut b, KIND_ATTACHED, version);
         b[12..16].copy_from_slice(&u32::from(self.generation.get()).to_le_bytes());
         b[16..20].copy_from_slice(&self.agent_pid.to_le_bytes());
         b[20..24].copy_from_slice(&self.heartbeat_ms.to_le_bytes());
@@ -339,10 +380,11 @@ impl AttachedReply {
     }
 }
 
-/// Encodes a REFUSED reply.
-pub fn encode_refused(code: RefuseCode, reason: &str) -> [u8; REFUSED_BYTES] {
+/// Encodes a REFUSED reply in `version` (the request's, where it was one
+/// this build speaks; else [`ATTACH_VERSION`]).
+pub fn encode_refused(version: u16, code: RefuseCode, reason: &str) -> [u8; REFUSED_BYTES] {
     let mut b = [0u8; REFUSED_BYTES];
-    put_header(&mut b, KIND_REFUSED);
+    put_header(&mut b, KIND_REFUSED, version);
     let mut n = reason.len().min(REFUSED_REASON_BYTES);
     while !reason.is_char_boundary(n) {
         n -= 1;
@@ -356,7 +398,7 @@ pub fn encode_refused(code: RefuseCode, reason: &str) -> [u8; REFUSED_BYTES] {
 /// Decodes the agent's reply: the ATTACHED reply, or the refusal as
 /// [`Error::AttachRefused`].
 pub fn decode_reply(b: &[u8]) -> Result<AttachedReply> {
-    match check_header(b)? {
+    match check_header(b)?.0 {
         KIND_ATTACHED => {
             let gen = u32_at(b, 12);
             let generation = u16::try_from(gen)
@@ -406,6 +448,7 @@ mod tests {
                 consumed: 1000,
             }),
             local: Some((1, 2)),
+            shuffle_block: 0,
         }
     }
 
@@ -414,13 +457,14 @@ mod tests {
         let r = req();
         let b = r.encode();
         assert_eq!(AttachRequest::decode(&b).unwrap(), r);
-        let mut bad = b;
+        assert_eq!((b.len(), u16_at(&b, 4)), (ATTACH_V5_BYTES, 5));
+        let mut bad = b.clone();
         bad[0] ^= 1;
         assert!(AttachRequest::decode(&bad)
             .unwrap_err()
             .to_string()
             .contains("magic"));
-        let mut bad = b;
+        let mut bad = b.clone();
         bad[4] = 3;
         assert!(AttachRequest::decode(&bad)
             .unwrap_err()
@@ -430,7 +474,7 @@ mod tests {
         let enc = ordinary.encode();
         assert!(enc[96..112].iter().all(|&x| x == 0));
         assert_eq!(AttachRequest::decode(&enc).unwrap(), ordinary);
-        let mut bad = b;
+        let mut bad = b.clone();
         bad[96..104].copy_from_slice(&3u64.to_le_bytes());
         assert!(AttachRequest::decode(&bad)
             .unwrap_err()
@@ -450,7 +494,7 @@ mod tests {
             AttachRequest::decode(&open_ended.encode()).unwrap(),
             open_ended
         );
-        let mut bad = b;
+        let mut bad = b.clone();
         bad[88..96].copy_from_slice(&2u64.to_le_bytes());
         assert!(AttachRequest::decode(&bad)
             .unwrap_err()
@@ -460,16 +504,16 @@ mod tests {
         let enc = unknown.encode();
         assert!(enc[84..88].iter().all(|&x| x == 0));
         assert_eq!(AttachRequest::decode(&enc).unwrap(), unknown);
-        let mut bad = b;
+        let mut bad = b.clone();
         bad[84] = 2; // local rank 2 of 2
         assert!(AttachRequest::decode(&bad)
             .unwrap_err()
             .to_string()
             .contains("local rank 2 of 2"));
-        let mut odd = b;
+        let mut odd = b.clone();
         odd[86] = 5; // 5 ranks on the node, world 4: ignored
         assert_eq!(AttachRequest::decode(&odd).unwrap().local, None);
-        let mut bad = b;
+        let mut bad = b.clone();
         bad[80] |= 8;
         assert!(AttachRequest::decode(&bad)
             .unwrap_err()
@@ -479,7 +523,7 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("received 111"));
-        let mut bad = b;
+        let mut bad = b.clone();
         bad[8] = 97;
         assert!(AttachRequest::decode(&bad)
             .unwrap_err()
@@ -488,8 +532,68 @@ mod tests {
     }
 
     #[test]
+    fn a_block_shuffle_is_sent_in_version_6_and_only_then() {
+        let r = AttachRequest {
+            shuffle_block: 4096,
+            ..req()
+        };
+        let b = r.encode();
+        assert_eq!((b.len(), u16_at(&b, 4), r.version()), (ATTACH_BYTES, 6, 6));
+        assert_eq!(AttachRequest::decode(&b).unwrap(), r);
+        // A whole-dataset shuffle (0 or 1) needs nothing newer than 5.
+        for whole in [0, 1] {
+            let w = AttachRequest {
+                shuffle_block: whole,
+                ..req()
+            };
+            assert_eq!(w.version(), 5);
+            assert_eq!(w.encode().len(), ATTACH_V5_BYTES);
+        }
+        // Each version has its own length: a version 6 header on version
+        // 5's 112 bytes (and the reverse) is refused.
+        let mut short = r.encode()[..ATTACH_V5_BYTES].to_vec();
+        short[8..12].copy_from_slice(&(ATTACH_V5_BYTES as u32).to_le_bytes());
+        assert!(AttachRequest::decode(&short)
+            .unwrap_err()
+            .to_string()
+            .contains("version 6 has 120"));
+        let mut long = req().encode();
+        long.extend_from_slice(&[0; 8]);
+        long[8..12].copy_from_slice(&(ATTACH_BYTES as u32).to_le_bytes());
+        assert!(AttachRequest::decode(&long)
+            .unwrap_err()
+            .to_string()
+            .contains("version 5 has 112"));
+        let mut v7 = b;
+        v7[4] = 7;
+        assert!(AttachRequest::decode(&v7)
+            .unwrap_err()
+            .to_string()
+            .contains("message version 7, this build speaks versions 5 to 6"));
+    }
+
+    #[test]
+    fn replies_are_read_in_either_version() {
+        for version in [5, 6] {
+            let ok = AttachedReply {
+                generation: Generation::FIRST,
+                agent_pid: 9,
+                heartbeat_ms: 100,
+            };
+            let b = ok.encode(version);
+            assert_eq!(u16_at(&b, 4), version);
+            assert_eq!(decode_reply(&b).unwrap(), ok);
+            let b = encode_refused(version, RefuseCode::Agent, "why");
+            assert!(matches!(
+                decode_reply(&b),
+                Err(Error::AttachRefused { code: "agent", .. })
+            ));
+        }
+    }
+
+    #[test]
     fn refused_carries_code_and_reason() {
-        let b = encode_refused(RefuseCode::PeerUid, "no");
+        let b = encode_refused(ATTACH_VERSION, RefuseCode::PeerUid, "no");
         match decode_reply(&b) {
             Err(Error::AttachRefused { code, reason }) => {
                 assert_eq!((code, reason.as_str()), ("peer_uid", "no"))

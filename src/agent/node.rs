@@ -676,6 +676,7 @@ fn build_loader(
         .batch_size(req.batch_size as usize)
         .seed(req.seed)
         .shuffle(req.flags & FLAG_SHUFFLE != 0)
+        .shuffle_block(req.shuffle_block)
         .drop_last(req.flags & FLAG_DROP_LAST != 0)
         .verify_crc32c(req.flags & FLAG_VERIFY_CRC32C != 0)
         .rank(req.rank, req.world)

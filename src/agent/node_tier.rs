@@ -40,6 +40,7 @@ pub(super) struct TierLayout {
     ranks: std::ops::Range<u32>,
     from: u64,
     end: Option<u64>,
+    shuffle_block: u64,
 }
 
 impl TierLayout {
@@ -55,20 +56,28 @@ impl TierLayout {
             ranks: first..first.saturating_add(u32::from(local_world)).min(req.world),
             from: req.start_epoch,
             end: req.end_epoch,
+            shuffle_block: req.shuffle_block,
         })
     }
 
     /// Whether `other` is the same job on the same ranks of this node,
     /// whatever epoch it starts at (a restart keeps what its tier holds).
     fn same_job(&self, other: &TierLayout) -> bool {
-        (self.seed, self.world, self.flags, &self.ranks, self.end)
-            == (
-                other.seed,
-                other.world,
-                other.flags,
-                &other.ranks,
-                other.end,
-            )
+        (
+            self.seed,
+            self.world,
+            self.flags,
+            &self.ranks,
+            self.end,
+            self.shuffle_block,
+        ) == (
+            other.seed,
+            other.world,
+            other.flags,
+            &other.ranks,
+            other.end,
+            other.shuffle_block,
+        )
     }
 
     /// How often the node's ranks read each sample of a dataset of `len`
@@ -82,7 +91,7 @@ impl TierLayout {
             rank: 0,
             world: self.world,
             drop_last: self.flags & FLAG_DROP_LAST != 0,
-            shuffle_block: 0,
+            shuffle_block: self.shuffle_block,
         })
         .ok()?;
         crate::loader::tier::future_reads(&sampler, self.ranks.clone(), self.from, self.end)
@@ -197,6 +206,7 @@ mod tests {
             ranks: first..first + 2,
             from,
             end: Some(12),
+            shuffle_block: 0,
         }
     }
 

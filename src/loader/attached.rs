@@ -116,6 +116,9 @@ pub(crate) struct AttachSettings {
     pub(crate) world: u32,
     pub(crate) batch_size: u32,
     pub(crate) shuffle: bool,
+    /// The sampler's shuffle block (0: the whole dataset; sent only when it
+    /// shuffles in blocks, in an ATTACH of version 6).
+    pub(crate) shuffle_block: u64,
     pub(crate) drop_last: bool,
     /// The agent checks each sample's CRC32C (`verify_crc32c`).
     pub(crate) verify_crc32c: bool,
@@ -209,6 +212,7 @@ impl RankAttach {
             end_epoch: s.end_epoch,
             job,
             local: s.local,
+            shuffle_block: if s.shuffle { s.shuffle_block } else { 0 },
         };
         let (conn, reply) = attach(&s.socket, &req, ring, side.segment(), ATTACH_TIMEOUT)
             .map_err(|e| match e {
@@ -220,6 +224,17 @@ impl RankAttach {
                         socket: s.socket.clone(),
                         reason: format!(
                             "{e} (this agent predates verify_crc32c in the agent: upgrade it, or read with verify_crc32c off or agent = off)"
+                        ),
+                    }
+                }
+                // An agent from before version 6 refuses a block shuffle's
+                // ATTACH by its version: say why.
+                Error::AttachRefused { code, .. } if code == "version" && req.version() > 5 => {
+                    Error::NoAgent {
+                        socket: s.socket.clone(),
+                        reason: format!(
+                            "{e} (this agent predates shuffle_block in the agent, ATTACH version {}: upgrade it, or read with shuffle_block 0 or agent = off)",
+                            req.version()
                         ),
                     }
                 }

@@ -701,8 +701,6 @@ impl LoaderBuilder {
     fn agent_refusal(&self) -> Option<&'static str> {
         if !self.mix.is_empty() {
             Some("a single space (mixtures through the agent are not built yet)")
-        } else if self.shuffle && self.shuffle_block > 1 {
-            Some("a whole-dataset shuffle (shuffle_block through the agent is not built yet)")
         } else if self.space.is_none() {
             Some("a space (the agent reads its node's space, not a source)")
         } else if self.tier_bytes > 0 {
@@ -1346,6 +1344,7 @@ impl LoaderBuilder {
             world: self.world,
             batch_size: batch_size as u32,
             shuffle: self.shuffle,
+            shuffle_block: self.shuffle_block,
             drop_last: self.drop_last,
             verify_crc32c: self.verify_crc32c,
             numa_node: attach_numa_node,
