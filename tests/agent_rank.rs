@@ -254,7 +254,7 @@ fn an_agent_that_predates_block_shuffles_is_named() {
         .shuffle_block(16)
         .batch_size(8)
         .build();
-    assert_eq!(old.join().unwrap(), (6, 120));
+    assert_eq!(old.join().unwrap(), (6, 144));
     match built {
         Err(kspeed::Error::NoAgent { reason, .. }) => assert!(
             reason.contains("refused (version)")

@@ -90,6 +90,7 @@ fn request(seg: &Segment, ring: &RingMap) -> AttachRequest {
         job: None,
         local: None,
         shuffle_block: 0,
+        mix: None,
     }
 }
 

@@ -39,8 +39,9 @@ use crate::error::{Error, Result};
 /// Most descriptors a received message may carry before the control
 /// buffer is cut (the kernel closes those that do not fit).
 const MAX_RECV_FDS: usize = 8;
-/// The largest message read (bigger ones arrive cut: MSG_TRUNC).
-const RECV_BYTES: usize = 512;
+/// The largest message read (bigger ones arrive cut: MSG_TRUNC): an
+/// ATTACH of the largest mixture.
+const RECV_BYTES: usize = super::msg::ATTACH_MAX_BYTES;
 
 /// The peer's credentials, from `SO_PEERCRED` (taken by the kernel at
 /// connect, so the peer cannot lie about them).

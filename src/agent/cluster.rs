@@ -202,9 +202,27 @@ impl Drop for KeptLinks {
 /// the consumer's rank (node index of the node count).
 fn anchor(c: &AgentCluster, dir: &Path, input: &AgentInput) -> Result<Loader> {
     let p = input.space.params();
-    let ring_bytes = anchor_ring_bytes(u64::from(input.space.catalog().max_sample_bytes()));
+    let max_sample_bytes = input
+        .mix_parts
+        .iter()
+        .map(|(sp, _)| sp.catalog().max_sample_bytes())
+        .fold(input.space.catalog().max_sample_bytes(), u32::max);
+    let ring_bytes = anchor_ring_bytes(u64::from(max_sample_bytes));
     let ring = RingMap::create_untouched(ring_bytes)?;
-    let b = c.apply(LoaderBuilder::space(dir)).agent_input(AgentInput {
+    // An agent serving a mixture's spaces links as a consumer of that
+    // mixture (the other nodes serve the same spaces side by side); the
+    // weights do not matter to a run that reads nothing.
+    let b = if input.mix_parts.is_empty() {
+        LoaderBuilder::space(dir)
+    } else {
+        LoaderBuilder::mix(input.mix_parts.iter().map(|(sp, _)| {
+            (
+                sp.dir().display().to_string(),
+                crate::sampler::Weight::Repeat(1.0),
+            )
+        }))
+    };
+    let b = c.apply(b).agent_input(AgentInput {
         ring: Arc::new(Mutex::new(Some(ring))),
         tier: None,
         links_only: true,

@@ -3,9 +3,9 @@
 //! version shares (docs/AGENT.md, "The attach protocol"). Pure encoding and
 //! checking; the socket that carries them is `super::attach`.
 //!
-//! Version 6 only adds the block shuffle to ATTACH, so a rank sends
-//! version 5 unless it shuffles in blocks (an agent of either version
-//! serves it) and the agent answers in the version it was asked in.
+//! Version 6 adds the block shuffle and a mixture's datasets to ATTACH, so
+//! a rank sends version 5 unless it needs one of them (an agent of either
+//! version serves it) and the agent answers in the version it was asked in.
 
 use super::segment::Generation;
 use crate::error::{Error, Result};
@@ -25,8 +25,15 @@ pub const KIND_ATTACH: u16 = 1;
 pub const KIND_ATTACHED: u16 = 2;
 /// Kind of a REFUSED reply.
 pub const KIND_REFUSED: u16 = 3;
-/// Bytes of a version 6 ATTACH message.
-pub const ATTACH_BYTES: usize = 120;
+/// Bytes of a version 6 ATTACH message before its datasets (a mixture's
+/// 16 bytes each follow).
+pub const ATTACH_BYTES: usize = 144;
+/// Bytes of each dataset of a mixture in a version 6 ATTACH.
+pub const ATTACH_DATASET_BYTES: usize = 16;
+/// The most datasets a mixture read through the agent has.
+pub const MAX_ATTACH_DATASETS: usize = 1024;
+/// The largest ATTACH: a mixture of [`MAX_ATTACH_DATASETS`].
+pub const ATTACH_MAX_BYTES: usize = ATTACH_BYTES + MAX_ATTACH_DATASETS * ATTACH_DATASET_BYTES;
 /// Bytes of a version 5 ATTACH message (as version 4's; 96 in versions 1
 /// to 3).
 pub const ATTACH_V5_BYTES: usize = 112;
@@ -78,10 +85,29 @@ impl RefuseCode {
     }
 }
 
+/// A mixture's datasets as a rank's schedule deals them (version 6): what
+/// the agent needs, besides the datasets themselves (the spaces it serves,
+/// in order, named by the request's `dataset_id`: the mixture's identity),
+/// to compute the same schedule.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MixAttach {
+    /// Each dataset's samples per epoch (the rank's weights' counts,
+    /// `sampler::epoch_counts`).
+    pub counts: Vec<u64>,
+    /// Each dataset's stream entries used before `start_epoch`'s order (a
+    /// job resumed inside an epoch under other weights,
+    /// `Loader::restore_job_position`); all 0 otherwise.
+    pub skip: Vec<u64>,
+    /// The epoch the mixed order starts in (resumed, or 0).
+    pub start_epoch: u64,
+    /// Entries of that epoch's order the job consumed before.
+    pub start_consumed: u64,
+}
+
 /// What a rank asks for: enough for the agent to compute the rank's
 /// schedule itself (the sampler's inputs and the start position) and to
 /// check the ring and segment it was given.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AttachRequest {
     /// The segment's generation (bumped per re-attach).
     pub generation: Generation,
@@ -129,6 +155,8 @@ pub struct AttachRequest {
     /// 0 or 1, one permutation of the whole dataset (what a version 5
     /// ATTACH means).
     pub shuffle_block: u64,
+    /// A mixture's datasets (version 6); `None`: one dataset.
+    pub mix: Option<MixAttach>,
 }
 
 /// ATTACH flag: the sampler shuffles each epoch.
@@ -205,6 +233,15 @@ pub fn check_header(b: &[u8]) -> Result<(u16, u16)> {
     let kind = u16_at(b, 6);
     let want = match kind {
         KIND_ATTACH if version == 5 => ATTACH_V5_BYTES,
+        KIND_ATTACH if b.len() >= 124 => {
+            let datasets = u32_at(b, 120) as usize;
+            if datasets > MAX_ATTACH_DATASETS {
+                return Err(proto(format!(
+                    "an ATTACH for a mixture of {datasets} datasets; the agent reads at most {MAX_ATTACH_DATASETS}"
+                )));
+            }
+            ATTACH_BYTES + datasets * ATTACH_DATASET_BYTES
+        }
         KIND_ATTACH => ATTACH_BYTES,
         KIND_ATTACHED => ATTACHED_BYTES,
         KIND_REFUSED => REFUSED_BYTES,
@@ -221,10 +258,10 @@ pub fn check_header(b: &[u8]) -> Result<(u16, u16)> {
 }
 
 impl AttachRequest {
-    /// The version the request is sent in: 6 with a block shuffle, else
-    /// 5 (which every agent since version 5 reads).
+    /// The version the request is sent in: 6 with a block shuffle or a
+    /// mixture, else 5 (which every agent since version 5 reads).
     pub fn version(&self) -> u16 {
-        if self.shuffle_block > 1 {
+        if self.shuffle_block > 1 || self.mix.is_some() {
             6
         } else {
             ATTACH_OLDEST_VERSION
@@ -232,15 +269,16 @@ impl AttachRequest {
     }
 
     /// The message's bytes (little-endian), in [`AttachRequest::version`]:
-    /// 112 bytes in version 5, 120 in version 6.
+    /// 112 bytes in version 5, 144 and 16 per mixed dataset in version 6.
     pub fn encode(&self) -> Vec<u8> {
         let version = self.version();
+        let datasets = self.mix.as_ref().map_or(0, |m| m.counts.len());
         let mut b = vec![
             0u8;
             if version == 5 {
                 ATTACH_V5_BYTES
             } else {
-                ATTACH_BYTES
+                ATTACH_BYTES + datasets * ATTACH_DATASET_BYTES
             }
         ];
         put_header(&mut b, KIND_ATTACH, version);
@@ -273,7 +311,20 @@ impl AttachRequest {
         b[96..104].copy_from_slice(&job.epoch.to_le_bytes());
         b[104..112].copy_from_slice(&job.consumed.to_le_bytes());
         if version >= 6 {
+            // 112..144 (version 6): the block shuffle, the datasets of a
+            // mixture (0: one dataset), 4 reserved bytes, where the mixed
+            // order starts; then each dataset's count and skip.
             b[112..120].copy_from_slice(&self.shuffle_block.to_le_bytes());
+            b[120..124].copy_from_slice(&(datasets as u32).to_le_bytes());
+            if let Some(m) = &self.mix {
+                b[128..136].copy_from_slice(&m.start_epoch.to_le_bytes());
+                b[136..144].copy_from_slice(&m.start_consumed.to_le_bytes());
+                for (d, (c, k)) in m.counts.iter().zip(&m.skip).enumerate() {
+                    let o = ATTACH_BYTES + d * ATTACH_DATASET_BYTES;
+                    b[o..o + 8].copy_from_slice(&c.to_le_bytes());
+                    b[o + 8..o + 16].copy_from_slice(&k.to_le_bytes());
+                }
+            }
         }
         b
     }
@@ -322,6 +373,42 @@ impl AttachRequest {
             job: None,
             local,
             shuffle_block: if version >= 6 { u64_at(b, 112) } else { 0 },
+            mix: None,
+        };
+        let datasets = if version >= 6 {
+            u32_at(b, 120) as usize
+        } else {
+            0
+        };
+        let r = match (version, datasets) {
+            (6, datasets) if datasets > 0 => {
+                if u32_at(b, 124) != 0 {
+                    return Err(proto("reserved ATTACH bytes 124..128 are not 0"));
+                }
+                let at =
+                    |d: usize, k: usize| u64_at(b, ATTACH_BYTES + d * ATTACH_DATASET_BYTES + k);
+                let mix = MixAttach {
+                    counts: (0..datasets).map(|d| at(d, 0)).collect(),
+                    skip: (0..datasets).map(|d| at(d, 8)).collect(),
+                    start_epoch: u64_at(b, 128),
+                    start_consumed: u64_at(b, 136),
+                };
+                if mix.counts.iter().all(|&c| c == 0) {
+                    return Err(proto(
+                        "a mixture whose every dataset has 0 samples per epoch",
+                    ));
+                }
+                AttachRequest {
+                    mix: Some(mix),
+                    ..r
+                }
+            }
+            (6, _) if b[124..144].iter().any(|&x| x != 0) => {
+                return Err(proto(
+                    "ATTACH bytes 124..144 are not 0 without a mixture (they describe one)",
+                ))
+            }
+            _ => r,
         };
         let (job_epoch, consumed) = (u64_at(b, 96), u64_at(b, 104));
         let r = match (job_epoch, consumed) {
@@ -342,6 +429,20 @@ impl AttachRequest {
                 ..r
             },
         };
+        if let Some(m) = r.mix.as_ref().filter(|m| m.start_consumed > 0) {
+            // The rank's world resumed inside the mixed order's start
+            // epoch: the job position says the same.
+            let want = crate::sampler::JobPosition {
+                epoch: m.start_epoch,
+                consumed: m.start_consumed,
+            };
+            if r.job != Some(want) {
+                return Err(proto(format!(
+                    "the mixture starts in epoch {} after {} entries, the job position says {:?}",
+                    m.start_epoch, m.start_consumed, r.job
+                )));
+            }
+        }
         if let Some(end) = r.end_epoch.filter(|&end| end <= r.start_epoch) {
             return Err(proto(format!(
                 "end_epoch {end} is not after the start epoch {}",
@@ -449,6 +550,7 @@ mod tests {
             }),
             local: Some((1, 2)),
             shuffle_block: 0,
+            mix: None,
         }
     }
 
@@ -470,7 +572,10 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("version 3"));
-        let ordinary = AttachRequest { job: None, ..r };
+        let ordinary = AttachRequest {
+            job: None,
+            ..r.clone()
+        };
         let enc = ordinary.encode();
         assert!(enc[96..112].iter().all(|&x| x == 0));
         assert_eq!(AttachRequest::decode(&enc).unwrap(), ordinary);
@@ -488,7 +593,7 @@ mod tests {
             .contains("no entry consumed"));
         let open_ended = AttachRequest {
             end_epoch: None,
-            ..r
+            ..r.clone()
         };
         assert_eq!(
             AttachRequest::decode(&open_ended.encode()).unwrap(),
@@ -556,7 +661,7 @@ mod tests {
         assert!(AttachRequest::decode(&short)
             .unwrap_err()
             .to_string()
-            .contains("version 6 has 120"));
+            .contains("version 6 has 144"));
         let mut long = req().encode();
         long.extend_from_slice(&[0; 8]);
         long[8..12].copy_from_slice(&(ATTACH_BYTES as u32).to_le_bytes());
@@ -570,6 +675,83 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("message version 7, this build speaks versions 5 to 6"));
+    }
+
+    #[test]
+    fn a_mixture_is_sent_in_version_6_with_its_datasets() {
+        let mix = MixAttach {
+            counts: vec![120, 60, 5],
+            skip: vec![40, 0, 3],
+            start_epoch: 2,
+            start_consumed: 1000,
+        };
+        let r = AttachRequest {
+            mix: Some(mix.clone()),
+            ..req()
+        };
+        let b = r.encode();
+        assert_eq!(r.version(), 6);
+        assert_eq!(b.len(), ATTACH_BYTES + 3 * ATTACH_DATASET_BYTES);
+        assert_eq!(AttachRequest::decode(&b).unwrap(), r);
+        // The job position must say where the mixed order starts.
+        let other_job = AttachRequest {
+            job: Some(crate::sampler::JobPosition {
+                epoch: 2,
+                consumed: 999,
+            }),
+            ..r.clone()
+        };
+        assert!(AttachRequest::decode(&other_job.encode())
+            .unwrap_err()
+            .to_string()
+            .contains("the mixture starts in epoch 2 after 1000 entries"));
+        // A count of datasets the message does not hold, too many, every
+        // count 0, reserved bytes set: refused by name.
+        let mut short = b.clone();
+        short.truncate(b.len() - ATTACH_DATASET_BYTES);
+        let n = short.len() as u32;
+        short[8..12].copy_from_slice(&n.to_le_bytes());
+        assert!(AttachRequest::decode(&short)
+            .unwrap_err()
+            .to_string()
+            .contains(&format!("version 6 has {}", b.len())));
+        let mut many = b.clone();
+        many[120..124].copy_from_slice(&(MAX_ATTACH_DATASETS as u32 + 1).to_le_bytes());
+        assert!(AttachRequest::decode(&many)
+            .unwrap_err()
+            .to_string()
+            .contains("a mixture of 1025 datasets"));
+        let zero = AttachRequest {
+            mix: Some(MixAttach {
+                counts: vec![0, 0],
+                skip: vec![0, 0],
+                start_epoch: 0,
+                start_consumed: 0,
+            }),
+            job: None,
+            ..req()
+        };
+        assert!(AttachRequest::decode(&zero.encode())
+            .unwrap_err()
+            .to_string()
+            .contains("0 samples per epoch"));
+        let mut reserved = b.clone();
+        reserved[124] = 1;
+        assert!(AttachRequest::decode(&reserved)
+            .unwrap_err()
+            .to_string()
+            .contains("reserved"));
+        let mut stray = AttachRequest {
+            shuffle_block: 8,
+            ..req()
+        }
+        .encode();
+        stray[130] = 1;
+        assert!(AttachRequest::decode(&stray)
+            .unwrap_err()
+            .to_string()
+            .contains("without a mixture"));
+        assert!(ATTACH_MAX_BYTES >= b.len());
     }
 
     #[test]

@@ -40,13 +40,19 @@ use crate::error::{Error, Result};
 use crate::landing::{CudaMode, LandingOptions};
 use crate::loader::node_pollers::NodePollers;
 use crate::loader::{Loader, LoaderBuilder, Tier};
-use crate::sampler::Position;
+use crate::sampler::{MixPosition, Position, Weight};
 
 /// How the agent runs.
 #[derive(Debug, Clone)]
 pub struct AgentConfig {
     /// The node's space.
     pub space: PathBuf,
+    /// Further spaces served after `space`, side by side in one id space:
+    /// the agent then serves ranks reading a mixture of exactly these
+    /// spaces in this order (`kspeed agent --space A --space B`; any
+    /// weights), as `kspeed serve --space A --space B` serves them to
+    /// other nodes. Empty by default (one space).
+    pub more_spaces: Vec<PathBuf>,
     /// The attach socket.
     pub socket: PathBuf,
     /// Pollers per attached rank (each its own io_uring and share of the
@@ -102,6 +108,7 @@ impl AgentConfig {
     pub fn new(space: impl Into<PathBuf>, socket: impl Into<PathBuf>) -> Self {
         AgentConfig {
             space: space.into(),
+            more_spaces: Vec::new(),
             socket: socket.into(),
             pollers: 1,
             node_pollers: crate::placement::default_pollers(),
@@ -148,7 +155,18 @@ pub struct AgentSummary {
     pub tier_fills_refused: u64,
 }
 
-/// The space, opened and checked once, shared by every rank's loader.
+/// One space the agent serves, opened and checked once.
+struct OpenPart {
+    space: Arc<Space>,
+    extents: Arc<[File]>,
+    direct_io: bool,
+    /// The extents opened without O_DIRECT, for ranks whose reads go
+    /// through the page cache (`page_cache`; empty with `off`).
+    buffered: Arc<[File]>,
+}
+
+/// The space (or a mixture's spaces), opened and checked once, shared by
+/// every rank's loader.
 struct OpenSpace {
     space: Arc<Space>,
     extents: Arc<[File]>,
@@ -156,6 +174,9 @@ struct OpenSpace {
     /// The extents opened without O_DIRECT, for ranks whose reads go
     /// through the page cache (`page_cache`; empty with `off`).
     buffered: Arc<[File]>,
+    /// A mixture's spaces after the first (`AgentConfig::more_spaces`).
+    more: Vec<OpenPart>,
+    /// The catalog's identity, or the mixture's.
     identity: u64,
     /// The node tier and the user whose ranks share it now.
     tier: Option<Mutex<NodeTier>>,
@@ -166,8 +187,128 @@ struct OpenSpace {
     node_pollers: Option<Arc<NodePollers>>,
 }
 
+impl OpenSpace {
+    /// Every space served, in order (one without a mixture).
+    fn parts(&self) -> impl Iterator<Item = OpenPartRef<'_>> {
+        std::iter::once(OpenPartRef {
+            space: &self.space,
+            extents: &self.extents,
+            buffered: &self.buffered,
+        })
+        .chain(self.more.iter().map(|p| OpenPartRef {
+            space: &p.space,
+            extents: &p.extents,
+            buffered: &p.buffered,
+        }))
+    }
+
+    /// A mixture's spaces with the extents a rank reads them by (through
+    /// the page cache, or O_DIRECT); empty for one space.
+    fn mix_parts(&self, buffered: bool) -> Vec<(Arc<Space>, Arc<[File]>)> {
+        if self.more.is_empty() {
+            return Vec::new();
+        }
+        self.parts()
+            .map(|p| {
+                let files = if buffered { p.buffered } else { p.extents };
+                (p.space.clone(), files.clone())
+            })
+            .collect()
+    }
+}
+
+/// One of [`OpenSpace::parts`].
+struct OpenPartRef<'a> {
+    space: &'a Arc<Space>,
+    extents: &'a Arc<[File]>,
+    buffered: &'a Arc<[File]>,
+}
+
 fn open_space(cfg: &AgentConfig) -> Result<OpenSpace> {
-    let dir = &cfg.space;
+    if !cfg.more_spaces.is_empty() {
+        // Neither is built for a mixture yet: say so at the start, not at
+        // every rank's attach.
+        if cfg.tier_bytes > 0 {
+            return Err(Error::InvalidConfig(
+                "--tier-bytes: the node tier holds one space's samples; an agent serving a mixture's spaces (several --space) has none yet".into(),
+            ));
+        }
+        if cfg.cache.is_some() {
+            return Err(Error::InvalidConfig(
+                "--cache-dir: an agent serving a mixture's spaces (several --space) keeps no cache area yet".into(),
+            ));
+        }
+    }
+    let first = open_part(cfg, &cfg.space)?;
+    let more = cfg
+        .more_spaces
+        .iter()
+        .map(|dir| open_part(cfg, dir))
+        .collect::<Result<Vec<_>>>()?;
+    let identity = if more.is_empty() {
+        u64::from(first.space.catalog().identity())
+    } else {
+        let ids: Vec<u32> = std::iter::once(&first)
+            .chain(&more)
+            .map(|p| p.space.catalog().identity())
+            .collect();
+        u64::from(crate::dataset::mixture_identity(&ids))
+    };
+    let space = &first.space;
+    // Checked fills: a member is copied from one rank's ring (memory that
+    // rank can write) and served to every other rank. In a cluster,
+    // members this node does not hold are filled when their owners push
+    // them (the network thread) and then served from memory.
+    // In a cluster the samples other nodes hold come first: a hit on one
+    // saves a push, a hit on a local one only an NVMe read.
+    let tier = if cfg.cluster.is_some() {
+        Tier::preferring(
+            space.catalog(),
+            cfg.tier_bytes,
+            cfg.tier_mlock,
+            true,
+            &|id| space.location(id).is_none(),
+        )?
+    } else {
+        Tier::new_checked(space.catalog(), cfg.tier_bytes, cfg.tier_mlock)?
+    };
+    if let Some(t) = &tier {
+        log::info!(
+            "agent: node memory tier of {} samples, {} bytes, shared by the ranks of one user at a time",
+            t.members(),
+            t.member_bytes()
+        );
+    }
+    let tier = tier.map(|t| {
+        Mutex::new(NodeTier {
+            tier: Arc::new(t),
+            uid: None,
+            ranks: 0,
+            layout: None,
+        })
+    });
+    Ok(OpenSpace {
+        space: first.space,
+        extents: first.extents,
+        // One setting for a mixture's reads: O_DIRECT only where every
+        // space takes it.
+        direct_io: first.direct_io && more.iter().all(|p| p.direct_io),
+        buffered: first.buffered,
+        more,
+        identity,
+        tier,
+        net_hub: match &cfg.cluster {
+            Some(c) if c.shared_links() => Some(crate::loader::net::NetHub::new(c.net_threads)?),
+            _ => None,
+        },
+        node_pollers: NodePollers::for_agent(cfg.node_pollers, &cfg.node_poller_cores)?,
+    })
+}
+
+/// Opens and checks one of the agent's spaces: its extents with O_DIRECT
+/// where the file system allows, and again without for reads through the
+/// page cache.
+fn open_part(cfg: &AgentConfig, dir: &Path) -> Result<OpenPart> {
     let space = Space::open(dir)?;
     space.check_extents()?;
     if cfg.cache.is_some() && !space.params().is_partial() {
@@ -218,51 +359,11 @@ fn open_space(cfg: &AgentConfig) -> Result<OpenSpace> {
             })
             .collect::<Result<Vec<File>>>()?
     };
-    let identity = u64::from(space.catalog().identity());
-    // Checked fills: a member is copied from one rank's ring (memory that
-    // rank can write) and served to every other rank. In a cluster,
-    // members this node does not hold are filled when their owners push
-    // them (the network thread) and then served from memory.
-    // In a cluster the samples other nodes hold come first: a hit on one
-    // saves a push, a hit on a local one only an NVMe read.
-    let tier = if cfg.cluster.is_some() {
-        Tier::preferring(
-            space.catalog(),
-            cfg.tier_bytes,
-            cfg.tier_mlock,
-            true,
-            &|id| space.location(id).is_none(),
-        )?
-    } else {
-        Tier::new_checked(space.catalog(), cfg.tier_bytes, cfg.tier_mlock)?
-    };
-    if let Some(t) = &tier {
-        log::info!(
-            "agent: node memory tier of {} samples, {} bytes, shared by the ranks of one user at a time",
-            t.members(),
-            t.member_bytes()
-        );
-    }
-    let tier = tier.map(|t| {
-        Mutex::new(NodeTier {
-            tier: Arc::new(t),
-            uid: None,
-            ranks: 0,
-            layout: None,
-        })
-    });
-    Ok(OpenSpace {
+    Ok(OpenPart {
         space: Arc::new(space),
         extents: extents.into(),
         direct_io,
         buffered: buffered.into(),
-        identity,
-        tier,
-        net_hub: match &cfg.cluster {
-            Some(c) if c.shared_links() => Some(crate::loader::net::NetHub::new(c.net_threads)?),
-            _ => None,
-        },
-        node_pollers: NodePollers::for_agent(cfg.node_pollers, &cfg.node_poller_cores)?,
     })
 }
 
@@ -344,6 +445,7 @@ pub fn run(
                 node_pollers: open.node_pollers.clone(),
                 links_only: true,
                 net_hub_slot: None,
+                mix_parts: open.mix_parts(false),
             };
             Some(KeptLinks::start(c, &cfg.space, input, hub.threads())?)
         }
@@ -522,7 +624,7 @@ fn start_rank(
     halt: &Arc<AtomicBool>,
     beats: &Beats,
 ) -> Result<Rank> {
-    let req = incoming.request;
+    let req = incoming.request.clone();
     let refuse = |incoming: &Incoming, e: Error| {
         incoming.conn.refuse(RefuseCode::Agent, &e.to_string());
         e
@@ -535,11 +637,21 @@ fn start_rank(
         return Err(refuse(&incoming, e));
     }
     if req.dataset_id != open.identity {
+        let served = if open.more.is_empty() {
+            cfg.space.display().to_string()
+        } else {
+            format!(
+                "a mixture of {} spaces in this order: {}",
+                open.more.len() + 1,
+                open.parts()
+                    .map(|p| p.space.dir().display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )
+        };
         let e = Error::InvalidConfig(format!(
-            "the rank reads dataset {:#x}; this agent serves {} (dataset {:#x})",
-            req.dataset_id,
-            cfg.space.display(),
-            open.identity
+            "the rank reads dataset {:#x}; this agent serves {served} (dataset {:#x})",
+            req.dataset_id, open.identity
         ));
         return Err(refuse(&incoming, e));
     }
@@ -632,16 +744,38 @@ fn build_loader(
         .try_clone_to_owned()
         .map_err(|e| Error::io("dup", "attach ring", e))
         .and_then(|fd| RingMap::open(fd, req.ring_bytes))?;
+    // A mixture's rank mixes exactly the spaces this agent serves (its
+    // dataset id, checked before, is their mixture's identity).
+    if let Some(m) = &req.mix {
+        if m.counts.len() != open.more.len() + 1 {
+            return Err(Error::InvalidConfig(format!(
+                "the rank mixes {} datasets; this agent serves {} spaces",
+                m.counts.len(),
+                open.more.len() + 1
+            )));
+        }
+    } else if !open.more.is_empty() {
+        return Err(Error::InvalidConfig(format!(
+            "the rank reads one dataset; this agent serves a mixture of {} spaces",
+            open.more.len() + 1
+        )));
+    }
     // Through the page cache where the space is cached now (a warm node:
     // O_DIRECT would read from the device what sits in memory), as an
-    // embedded loader decides at its build.
-    let choice = crate::loader::page_cache::decide(
-        cfg.page_cache,
-        &open.extents,
-        open.space.extent_lens(),
-        |i| open.space.extent_path(i as u32),
-    )?;
-    let buffered = choice.buffered && !open.buffered.is_empty();
+    // embedded loader decides at its build; a mixture's spaces only when
+    // every one is.
+    let mut buffered = true;
+    let mut why = Vec::new();
+    for p in open.parts() {
+        let choice = crate::loader::page_cache::decide(
+            cfg.page_cache,
+            p.extents,
+            p.space.extent_lens(),
+            |i| p.space.extent_path(i as u32),
+        )?;
+        buffered &= choice.buffered && !p.buffered.is_empty();
+        why.push(choice.why);
+    }
     log::info!(
         "agent: rank {} reads {} ({})",
         req.rank,
@@ -650,9 +784,23 @@ fn build_loader(
         } else {
             "with O_DIRECT"
         },
-        choice.why
+        why.join("; ")
     );
-    let b = LoaderBuilder::space(&cfg.space);
+    let b = match &req.mix {
+        None => LoaderBuilder::space(&cfg.space),
+        // The rank's weights as their counts: `Choose` gives each exactly.
+        Some(m) => LoaderBuilder::mix(
+            open.parts()
+                .zip(&m.counts)
+                .map(|(p, &c)| (p.space.dir().display().to_string(), Weight::Choose(c))),
+        )
+        .mix_start(Some(MixPosition {
+            epoch: m.start_epoch,
+            consumed: m.start_consumed,
+            counts: m.counts.clone(),
+            skip: m.skip.clone(),
+        })),
+    };
     let b = match &cfg.cluster {
         Some(c) => c.apply(b),
         None => b,
@@ -672,6 +820,7 @@ fn build_loader(
             node_pollers: open.node_pollers.clone(),
             links_only: false,
             net_hub_slot: None,
+            mix_parts: open.mix_parts(buffered),
         })
         .batch_size(req.batch_size as usize)
         .seed(req.seed)
@@ -697,7 +846,15 @@ fn build_loader(
             index: req.start_index,
         })
         .end_epoch(req.end_epoch)
-        .job_deal(req.job);
+        // A mixture's deal starts where its mixed order does (its
+        // ATTACH's job position, when it has one, says the same).
+        .job_deal(match &req.mix {
+            Some(m) => Some(crate::sampler::JobPosition {
+                epoch: m.start_epoch,
+                consumed: m.start_consumed,
+            }),
+            None => req.job,
+        });
     let b = match &cfg.cache {
         Some(c) => b
             .cache_dir(Some(c.dir.clone()))

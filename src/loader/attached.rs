@@ -94,6 +94,10 @@ pub(crate) struct AgentInput {
     /// The shared network thread to join (None: the one with the fewest
     /// lanes): each of the agent's own lanes goes to its own thread.
     pub(crate) net_hub_slot: Option<usize>,
+    /// An agent serving a mixture's spaces side by side (`kspeed agent
+    /// --space A --space B`): every space with its extents, in order,
+    /// `space` and `extents` being the first's; empty for one space.
+    pub(crate) mix_parts: Vec<(Arc<Space>, Arc<[std::fs::File]>)>,
 }
 
 impl std::fmt::Debug for AgentInput {
@@ -183,6 +187,7 @@ impl RankAttach {
         ring: &RingMap,
         start: Position,
         job: Option<crate::sampler::JobPosition>,
+        mix: Option<crate::agent::msg::MixAttach>,
     ) -> Result<Self> {
         let no_agent = |e: Error| Error::NoAgent {
             socket: s.socket.clone(),
@@ -213,6 +218,7 @@ impl RankAttach {
             job,
             local: s.local,
             shuffle_block: if s.shuffle { s.shuffle_block } else { 0 },
+            mix,
         };
         let (conn, reply) = attach(&s.socket, &req, ring, side.segment(), ATTACH_TIMEOUT)
             .map_err(|e| match e {
@@ -228,12 +234,17 @@ impl RankAttach {
                     }
                 }
                 // An agent from before version 6 refuses a block shuffle's
-                // ATTACH by its version: say why.
+                // or a mixture's ATTACH by its version: say why.
                 Error::AttachRefused { code, .. } if code == "version" && req.version() > 5 => {
                     Error::NoAgent {
                         socket: s.socket.clone(),
                         reason: format!(
-                            "{e} (this agent predates shuffle_block in the agent, ATTACH version {}: upgrade it, or read with shuffle_block 0 or agent = off)",
+                            "{e} (this agent predates {} in the agent, ATTACH version {}: upgrade it, or read with agent = off)",
+                            if req.mix.is_some() {
+                                "mixtures"
+                            } else {
+                                "shuffle_block"
+                            },
                             req.version()
                         ),
                     }

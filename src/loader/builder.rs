@@ -91,6 +91,9 @@ pub struct LoaderBuilder {
     agent_input: Option<super::attached::AgentInput>,
     /// Inside the node agent: the job position the rank's world resumed at.
     job_deal: Option<crate::sampler::JobPosition>,
+    /// Inside the node agent: where a rank's mixed order starts (an epoch
+    /// resumed under other weights: what each dataset used before).
+    mix_start: Option<crate::sampler::MixPosition>,
 }
 
 pub use crate::placement::{default_pollers, default_spin};
@@ -156,6 +159,7 @@ impl LoaderBuilder {
             s3: (None, None),
             agent_input: None,
             job_deal: None,
+            mix_start: None,
         }
     }
 
@@ -645,6 +649,13 @@ impl LoaderBuilder {
         self
     }
 
+    /// Inside the agent: a rank's mixed order starts here (its ATTACH's
+    /// counts are the mixture's weights, `Weight::Choose`).
+    pub(crate) fn mix_start(mut self, start: Option<crate::sampler::MixPosition>) -> Self {
+        self.mix_start = start;
+        self
+    }
+
     /// Inside the agent: read `input.space` (opened and checked by the
     /// agent) into the rank's ring `input.ring`.
     pub(crate) fn agent_input(mut self, input: super::attached::AgentInput) -> Self {
@@ -699,9 +710,14 @@ impl LoaderBuilder {
     /// What this loader needs that the node agent cannot give yet, if
     /// anything (attached mode refuses it; `auto` stays embedded).
     fn agent_refusal(&self) -> Option<&'static str> {
-        if !self.mix.is_empty() {
-            Some("a single space (mixtures through the agent are not built yet)")
-        } else if self.space.is_none() {
+        let not_a_space = |(what, _): &(String, Weight)| {
+            !Path::new(what)
+                .join(crate::dataset::space::files::MANIFEST)
+                .is_file()
+        };
+        if self.mix.iter().any(not_a_space) {
+            Some("a mixture of spaces (a catalog or a source in a mixture is read embedded)")
+        } else if self.space.is_none() && self.mix.is_empty() {
             Some("a space (the agent reads its node's space, not a source)")
         } else if self.tier_bytes > 0 {
             Some("no memory tier of its own (the node's memory is the agent's: `kspeed agent --tier-bytes`)")
@@ -901,14 +917,46 @@ impl LoaderBuilder {
         };
         let (input, align) = if let Some(a) = self.agent_input.clone() {
             space_io.direct_io = a.direct_io;
-            let align = a.space.params().align_bytes as u64;
-            (
-                Input::Space {
-                    space: a.space,
-                    extents: a.extents,
-                },
-                align,
-            )
+            if a.mix_parts.is_empty() {
+                let align = a.space.params().align_bytes as u64;
+                (
+                    Input::Space {
+                        space: a.space,
+                        extents: a.extents,
+                    },
+                    align,
+                )
+            } else {
+                let align = a
+                    .mix_parts
+                    .iter()
+                    .map(|(sp, _)| sp.params().align_bytes as u64)
+                    .fold(4096, u64::max);
+                let parts = a
+                    .mix_parts
+                    .into_iter()
+                    .map(|(space, extents)| Input::Space { space, extents })
+                    .collect();
+                (input::assemble_mix(parts)?, align)
+            }
+        } else if let (false, true) = (self.mix.is_empty(), attach.is_some()) {
+            // Attached to an agent serving a mixture's spaces: their
+            // catalogs for the schedule and the labels (the agent checked
+            // the extents and reads them).
+            let mut align = 4096u64;
+            let parts = self
+                .mix
+                .iter()
+                .map(|(dir, _)| {
+                    let space = Space::open(Path::new(dir))?;
+                    align = align.max(space.params().align_bytes as u64);
+                    Ok(Input::Space {
+                        space: Arc::new(space),
+                        extents: Arc::new([]),
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            (input::assemble_mix(parts)?, align)
         } else if let (Some(dir), true) = (&self.space, attach.is_some()) {
             // Attached: the catalog for the schedule and the labels; the
             // agent checked the extents and reads them.
@@ -953,7 +1001,11 @@ impl LoaderBuilder {
                 let lens: Vec<u64> = m.parts.iter().map(|p| p.len()).collect();
                 let weights: Vec<Weight> = self.mix.iter().map(|(_, w)| *w).collect();
                 let counts = epoch_counts(&weights, &lens, self.mix_epoch_size)?;
-                Sampler::mixed(MixSampler::new(sampler_cfg, &lens, &counts)?)?
+                let m = MixSampler::new(sampler_cfg, &lens, &counts)?;
+                match &self.mix_start {
+                    Some(start) => Sampler::mixed(m.resume(start)?)?,
+                    None => Sampler::mixed(m)?,
+                }
             }
             _ => Sampler::new(sampler_cfg)?,
         };
@@ -1338,7 +1390,7 @@ impl LoaderBuilder {
         };
         let attach_settings = attach.map(|socket| super::attached::AttachSettings {
             socket,
-            dataset_id: u64::from(input.catalog().identity()),
+            dataset_id: u64::from(input.identity()),
             seed: self.seed,
             rank: self.rank,
             world: self.world,
@@ -1616,11 +1668,24 @@ mod tests {
             .cache_bytes(1 << 20);
         assert!(!cached.agent_serves(&socket));
         assert!(cached.agent_refusal().unwrap().contains("--cache-dir"));
+        // A mixture of spaces: served (by an agent serving those spaces,
+        // `kspeed agent --space A --space B`); with a catalog: not.
         let mix = LoaderBuilder::mix([
             (whole.to_str().unwrap(), Weight::Repeat(1.0)),
+            (part.to_str().unwrap(), Weight::Repeat(1.0)),
+        ])
+        .cluster(cluster.clone());
+        assert!(mix.agent_serves(&socket));
+        let catalog = whole.join(crate::dataset::space::files::CATALOG);
+        let with_catalog = LoaderBuilder::mix([
             (whole.to_str().unwrap(), Weight::Repeat(1.0)),
-        ]);
-        assert!(!mix.agent_serves(&socket));
-        assert!(mix.agent_refusal().unwrap().contains("mixtures"));
+            (catalog.to_str().unwrap(), Weight::Repeat(1.0)),
+        ])
+        .cluster(cluster.clone());
+        assert!(!with_catalog.agent_serves(&socket));
+        assert!(with_catalog
+            .agent_refusal()
+            .unwrap()
+            .contains("a mixture of spaces"));
     }
 }

@@ -219,6 +219,13 @@ pub(super) fn open_mix(
         parts.push(input);
     }
     io.direct_io &= any_space;
+    Ok((assemble_mix(parts)?, align))
+}
+
+/// The mixture of `parts` (each a space or a source, opened), side by
+/// side in one id space in the order given: its ids, extents and files
+/// numbered part after part, and its identity (a hash of every catalog's).
+pub(super) fn assemble_mix(parts: Vec<Input>) -> Result<Input> {
     let mut offsets = Vec::with_capacity(parts.len());
     let (mut extent_base, mut file_base) = (Vec::new(), Vec::new());
     let (mut id, mut extents, mut files) = (0u64, 0u32, 0u32);
@@ -242,16 +249,13 @@ pub(super) fn open_mix(
             .map(|p| p.catalog().identity())
             .collect::<Vec<_>>(),
     );
-    Ok((
-        Input::Mix(Box::new(MixInput {
-            parts,
-            offsets,
-            extent_base,
-            file_base,
-            identity,
-        })),
-        align,
-    ))
+    Ok(Input::Mix(Box::new(MixInput {
+        parts,
+        offsets,
+        extent_base,
+        file_base,
+        identity,
+    })))
 }
 
 /// The placement and node index a cluster loader's local spaces give

@@ -276,7 +276,18 @@ impl Loader {
                 // The agent deals the rest of an epoch resumed from a job
                 // position as this loader's own schedule does.
                 let job = Some(self.deal.sampler().start()).filter(|j| j.consumed > 0);
-                let a = attached::RankAttach::connect(settings, &map, start, job)?;
+                // A mixture: its counts and where its order starts (the
+                // rest of an epoch resumed under other weights included).
+                let mix = self.deal.sampler().inner().mixture().map(|m| {
+                    let p = m.job_position(m.start_epoch(), m.start_position().consumed);
+                    crate::agent::msg::MixAttach {
+                        counts: p.counts,
+                        skip: p.skip,
+                        start_epoch: p.epoch,
+                        start_consumed: p.consumed,
+                    }
+                });
+                let a = attached::RankAttach::connect(settings, &map, start, job, mix)?;
                 let spare = self.spare.as_mut().expect("resources available");
                 let old = std::mem::replace(&mut spare.ring, LandingRing::shared(map));
                 // Batches still kept out point into the old ring: it stays

@@ -6,9 +6,12 @@ use clap::Args;
 
 #[derive(Args)]
 pub(crate) struct AgentArgs {
-    /// The node's preloaded space.
-    #[arg(long)]
-    space: PathBuf,
+    /// The node's preloaded space. Given more than once (`--space A
+    /// --space B`): a mixture's spaces, served side by side in one id space
+    /// in this order to ranks that mix exactly these datasets (any weights),
+    /// as `kspeed serve --space A --space B` serves them to other nodes.
+    #[arg(long, required = true)]
+    space: Vec<PathBuf>,
     /// The attach socket (default: $KSPEED_AGENT_SOCKET, else
     /// /run/kspeed/agent.sock).
     #[arg(long)]
@@ -139,11 +142,12 @@ fn parse_octal_mode(s: &str) -> Result<u32, String> {
 /// `kspeed agent`: serves until SIGINT or SIGTERM.
 pub(crate) fn run_agent(a: AgentArgs) -> kspeed::Result<()> {
     let mut cfg = kspeed::agent::node::AgentConfig::new(
-        &a.space,
+        &a.space[0],
         a.socket
             .clone()
             .unwrap_or_else(kspeed::loader::default_agent_socket),
     );
+    cfg.more_spaces = a.space[1..].to_vec();
     cfg.pollers = a.pollers;
     if let Some(CoreList(cores)) = &a.node_poller_cores {
         cfg.node_pollers = cores.len();
@@ -198,22 +202,28 @@ pub(crate) fn run_agent(a: AgentArgs) -> kspeed::Result<()> {
     }
     if let Some(listen) = &a.listen {
         let mut serve = kspeed::transport::ServeConfig::new(
-            &a.space,
+            &a.space[0],
             listen,
             token.as_deref().expect("checked above"),
         );
+        serve.more_spaces = a.space[1..].to_vec();
         a.service.apply(&mut serve);
         serve.metrics = a.metrics.clone();
         serve.rdma = a.rdma.options();
         cfg.serve = Some(serve);
     }
-    let space = a.space.clone();
+    let space = a
+        .space
+        .iter()
+        .map(|p| p.display().to_string())
+        .collect::<Vec<_>>()
+        .join(", ");
     let summary = kspeed::agent::node::run_until_signal(&cfg, move |sock, node_service| {
         if let Some(addr) = node_service {
             println!("node service on {addr}");
         }
         // Scripts and tests wait for this line.
-        println!("agent serving {} on {}", space.display(), sock.display());
+        println!("agent serving {space} on {}", sock.display());
         use std::io::Write;
         let _ = std::io::stdout().flush();
     })?;
