@@ -189,7 +189,7 @@ for l in sys.stdin:
   # One VM start for all of them (about 4 s of boot).
   # The VM allows 30 min by default; the two sets take 13-18 min on 2 busy
   # cores (soft-RoCE is emulated), so leave room.
-  "$VM" --timeout 3000 -- scripts/vm_rdma_tests.sh "$(exe rdma)" "$(exe cluster)" "$(exe rebalance)" "$(exe cluster_mix)" "$(exe agent_cluster)"
+  "$VM" --timeout 3000 -- scripts/vm_rdma_tests.sh "$(exe rdma)" "$(exe cluster)" "$(exe rebalance)" "$(exe cluster_mix)" "$(exe agent_cluster)" "$(exe agent_cluster_mix)"
 else
   skipped "$VM not found (it lives in the shared folder beside the checkout)"
 fi

@@ -1,13 +1,14 @@
 #!/bin/bash
 # Runs inside the soft-RoCE VM (../shared/rdma-vm/run-in-vm.sh): the RDMA
 # test binary, then the cluster tests over RDMA. scripts/test.sh calls it:
-#   run-in-vm.sh -- scripts/vm_rdma_tests.sh RDMA_TEST_BIN CLUSTER_TEST_BIN [REBALANCE_TEST_BIN [CLUSTER_MIX_TEST_BIN [AGENT_CLUSTER_TEST_BIN]]]
+#   run-in-vm.sh -- scripts/vm_rdma_tests.sh RDMA_TEST_BIN CLUSTER_TEST_BIN [REBALANCE_TEST_BIN [CLUSTER_MIX_TEST_BIN [AGENT_CLUSTER_TEST_BIN [AGENT_CLUSTER_MIX_TEST_BIN]]]]
 set -euo pipefail
 rdma_bin=$1
 cluster_bin=$2
 rebalance_bin=${3:-}
 cluster_mix_bin=${4:-}
 agent_cluster_bin=${5:-}
+agent_cluster_mix_bin=${6:-}
 # Nodes 2 to 4 get their own addresses on the RDMA interface (rxe adds a
 # RoCE v2 GID for each), so every node has its own GID as on a real cluster.
 for ip in 10.77.0.2 10.77.0.3 10.77.0.4; do
@@ -36,4 +37,8 @@ fi
 if [ -n "$agent_cluster_bin" ]; then
   echo "== node agents in a cluster, samples pushed by RDMA WRITE into the ranks' shared rings (KSPEED_TEST_RDMA=1)"
   KSPEED_TEST_RDMA=1 "$agent_cluster_bin" --test-threads 1
+fi
+if [ -n "$agent_cluster_mix_bin" ]; then
+  echo "== node agents serving a mixture's spaces in a cluster, over RDMA (KSPEED_TEST_RDMA=1)"
+  KSPEED_TEST_RDMA=1 "$agent_cluster_mix_bin" --test-threads 1
 fi

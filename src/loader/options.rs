@@ -308,7 +308,7 @@ pub static OPTIONS: &[OptionSpec] = &[
     opt!("rdma_gid_index", OptionKind::IntOrAuto { min: 0, max: 255 }, "", "auto", "rdma-gid-index",
         "GID index (`auto`: the RoCE v2 GID of the connection's address); implies `rdma`"),
     opt!("agent", OptionKind::Choice(&["auto", "off", "required"]), "", "auto", "agent",
-        "read through the node's `kspeed agent` (docs/DEPLOY.md): `required` always (no agent is a `NoAgent` error), `auto` in cluster mode where the agent can serve this loader (its socket exists; no tier, GPU ring or mixture; a refusal falls back to embedded with a WARN), `off` never (this process's own pollers)"),
+        "read through the node's `kspeed agent` (docs/DEPLOY.md): `required` always (no agent is a `NoAgent` error), `auto` in cluster mode where the agent can serve this loader (its socket exists; no tier or GPU ring of its own, a mixture only of spaces, served by an agent given them: `kspeed agent --space A --space B`; a refusal falls back to embedded with a WARN), `off` never (this process's own pollers)"),
     opt!("agent_socket", OptionKind::Path, "", "KSPEED_AGENT_SOCKET, else /run/kspeed/agent.sock", "agent-socket",
         "the node agent's attach socket"),
     opt!("agent_restart_wait_ms", int(0, 86_400_000), "ms", "0: `AgentGone` at once", "agent-restart-wait-ms",
