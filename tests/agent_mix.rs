@@ -19,12 +19,26 @@ use kspeed::sampler::Weight;
 
 /// Two spaces of other sizes (so other catalogs): 300 and 130 samples.
 fn two_spaces(dir: &Path) -> (PathBuf, PathBuf, Vec<Catalog>) {
+    spaces_aligned(dir, [4096, 4096])
+}
+
+/// [`two_spaces`] with these `align_bytes`.
+fn spaces_aligned(dir: &Path, align: [u32; 2]) -> (PathBuf, PathBuf, Vec<Catalog>) {
     let mut out = Vec::new();
-    for (name, n) in [("a", 300u64), ("b", 130)] {
+    for ((name, n), a) in [("a", 300u64), ("b", 130)].into_iter().zip(align) {
         let src = dir.join(format!("src-{name}"));
         gen("tiny", n, &src);
         let sp = dir.join(format!("space-{name}"));
-        ok(&["preload", "--source", s(&src), "--space", s(&sp)]);
+        let a = a.to_string();
+        ok(&[
+            "preload",
+            "--source",
+            s(&src),
+            "--space",
+            s(&sp),
+            "--align-bytes",
+            &a,
+        ]);
         out.push(sp);
     }
     let cats = out
@@ -119,6 +133,34 @@ fn a_mixture_is_read_through_the_agent_exactly() {
     drop(agent);
 }
 
+/// Spaces of other alignments (4096 and 512 bytes) mixed, in either
+/// order: the ring's slots take the largest, and each space is read in
+/// blocks of its own, so its last sample is not read past its extent's
+/// end (it was: `ShortRead` on the 512-byte space's last sample, embedded
+/// as attached); every sample of two epochs byte-exact, attached as
+/// embedded.
+#[test]
+fn spaces_of_other_alignments_mix() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b, _) = spaces_aligned(dir.path(), [4096, 512]);
+    let cat = |sp: &Path| Catalog::open(&sp.join("catalog.ksc")).unwrap();
+    let sock = dir.path().join("agent.sock");
+    let _agent = Agent::start(&a, &sock, &["--space", s(&b)]);
+    let sock2 = dir.path().join("agent2.sock");
+    let _agent2 = Agent::start(&b, &sock2, &["--space", s(&a)]);
+    let w = [Weight::Repeat(1.0), Weight::Repeat(2.0)];
+    for (first, second, sock) in [(&a, &b, &sock), (&b, &a, &sock2)] {
+        let cats = [cat(first), cat(second)];
+        let mut attached = mix(first, second, w, Some(sock)).build().unwrap();
+        let got = epochs(&mut attached, 1, 2, &cats);
+        let mut embedded = mix(first, second, w, None).build().unwrap();
+        let want = epochs(&mut embedded, 1, 2, &cats);
+        assert_eq!(got, want);
+        let per_epoch = if first == &a { 300 + 260 } else { 130 + 600 };
+        assert_eq!(got.len(), 2 * per_epoch);
+    }
+}
+
 /// A job that read part of epoch 1 with weights A on 2 ranks resumes its
 /// job position (`KSPDMIX1`) on 3 ranks with weights B: attached ranks
 /// deal the rest of the epoch as embedded ones (each dataset going on from
@@ -178,6 +220,175 @@ fn a_mixture_resumed_under_new_weights_through_the_agent() {
     assert!(!got.is_empty());
 }
 
+/// Rank positions around a job resumed inside an epoch under the same
+/// weights: the rank's deal starts at its job position while the mixed
+/// order keeps the epoch it resumed in, and the agent deals the same (it
+/// took the mixed order's start for the job position: a fresh loader's
+/// `restore_position` got the epoch from its first entry, and a later
+/// epoch's position was refused). Each case attached against embedded:
+/// a fresh loader restoring a rank position, a fresh loader restoring it
+/// as a job position, and a resumed loader restoring a position of the
+/// next epoch.
+#[test]
+fn rank_positions_of_a_resumed_mixture_through_the_agent() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b, cats) = two_spaces(dir.path());
+    let sock = dir.path().join("agent.sock");
+    let _agent = Agent::start(&a, &sock, &["--space", s(&b)]);
+    let w = [Weight::Choose(120), Weight::Choose(60)];
+    let mut job = None;
+    for rank in 0..2 {
+        let mut l = mix(&a, &b, w, None).rank(rank, 2).build().unwrap();
+        l.set_epoch(1).unwrap();
+        for _ in 0..2 {
+            assert!(l.next_batch().unwrap().is_some());
+        }
+        l.release_batch();
+        job = Some(l.save_job_position());
+    }
+    let job = job.unwrap();
+    // Rank 1 of 3 one batch into the rest of epoch 1, and one batch into
+    // epoch 2.
+    let (in_epoch_1, in_epoch_2) = {
+        let mut l = mix(&a, &b, w, None).rank(1, 3).build().unwrap();
+        l.restore_job_position(&job).unwrap();
+        assert!(l.next_batch().unwrap().is_some());
+        l.release_batch();
+        let one = l.save_position();
+        rest_of_epoch(&mut l, &cats);
+        l.set_epoch(2).unwrap();
+        assert!(l.next_batch().unwrap().is_some());
+        l.release_batch();
+        (one, l.save_position())
+    };
+    type Case<'a> = (&'a str, &'a dyn Fn(&mut Loader));
+    let cases: [Case; 3] = [
+        ("restore_position", &|l| {
+            l.restore_position(&in_epoch_1).unwrap()
+        }),
+        ("a rank position as the job's", &|l| {
+            l.restore_job_position(&in_epoch_1).unwrap()
+        }),
+        ("the next epoch's position after a resume", &|l| {
+            l.restore_job_position(&job).unwrap();
+            l.restore_position(&in_epoch_2).unwrap();
+        }),
+    ];
+    for (what, restore) in cases {
+        let run = |agent: Option<&Path>| {
+            let mut l = mix(&a, &b, w, agent).rank(1, 3).build().unwrap();
+            restore(&mut l);
+            let e = l.position().epoch;
+            let mut got = rest_of_epoch(&mut l, &cats);
+            got.extend(epochs(&mut l, e + 1, 1, &cats));
+            got
+        };
+        let (got, want) = (run(Some(&sock)), run(None));
+        assert!(!want.is_empty(), "{what}");
+        assert_eq!(got, want, "{what}");
+    }
+}
+
+/// A rank written from docs/AGENT.md and docs/FORMAT.md alone, in Python
+/// with the standard library (tests/foreign/attach_mix_rank.py: its own
+/// version 6 ATTACH, mixture identity and mixing function), reads a
+/// mixture through the agent over two epochs that wrap a small ring, each
+/// rank of 2 with two kinds of weights: every sample's bytes are its
+/// catalog's, in the mixing function's order, and its digest is `kspeed
+/// read --mix`'s embedded one. It checks FORMAT.md's check values first.
+#[test]
+fn a_mixture_rank_written_from_the_docs_alone_reads_exactly() {
+    if Command::new("python3").arg("--version").output().is_err() {
+        return common::skip("python3 is not installed");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b, _) = two_spaces(dir.path());
+    let sock = dir.path().join("agent.sock");
+    let _agent = Agent::start(&a, &sock, &["--space", s(&b)]);
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/foreign/attach_mix_rank.py");
+    let run = |args: &[&str]| {
+        let child = Command::new("python3")
+            .arg(&script)
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn python3");
+        let o = wait_output(child, Duration::from_secs(120));
+        let out = String::from_utf8_lossy(&o.stdout);
+        let last = out.lines().last().unwrap_or_default().to_string();
+        (o, last)
+    };
+    let (o, _) = run(&["--selftest"]);
+    assert!(o.status.success(), "selftest: {}", text(&o));
+    for (weights, mix) in [
+        (
+            "choose=50,choose=40",
+            format!("{}:choose=50,{}:choose=40", s(&a), s(&b)),
+        ),
+        (
+            "repeat=1,repeat=2",
+            format!("{}:repeat=1,{}:repeat=2", s(&a), s(&b)),
+        ),
+    ] {
+        for rank in ["0", "1"] {
+            let (o, last) = run(&[
+                "--socket",
+                s(&sock),
+                "--space",
+                s(&a),
+                "--space",
+                s(&b),
+                "--weights",
+                weights,
+                "--rank",
+                rank,
+                "--world",
+                "2",
+                "--batch",
+                "8",
+                "--seed",
+                "11",
+                "--ring-bytes",
+                "256KiB",
+                "--epoch",
+                "1",
+                "--epochs",
+                "2",
+            ]);
+            let r: serde_json::Value =
+                serde_json::from_str(&last).unwrap_or_else(|e| panic!("{e}: {}", text(&o)));
+            assert!(o.status.success() && r["ok"] == true, "{r}\n{}", text(&o));
+            let read = Command::new(common::kspeed_bin())
+                .args([
+                    "read",
+                    "--progress=none",
+                    "--json",
+                    "--digest",
+                    "--agent",
+                    "off",
+                ])
+                .args([
+                    "--mix", &mix, "--rank", rank, "--world", "2", "--seed", "11",
+                ])
+                .args(["--batch-size", "8", "--ring-bytes", "256KiB"])
+                .args(["--epochs", "2", "--start-epoch", "1"])
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap();
+            let e = wait_output(read, Duration::from_secs(60));
+            assert!(e.status.success(), "{}", text(&e));
+            let v: serde_json::Value = serde_json::from_slice(&e.stdout).unwrap();
+            assert_eq!(r["samples"], v["samples"], "{weights} rank {rank}: {r}");
+            assert_eq!(
+                r["digest_candidates"]["u64"], v["digest"],
+                "{weights} rank {rank}: {r}"
+            );
+        }
+    }
+}
+
 /// What an agent serving a mixture cannot do is named: a rank of one of
 /// its spaces alone, or of its spaces in another order, is refused by the
 /// agent (the dataset it reads is not the one served); a mixture with a
@@ -225,9 +436,22 @@ fn what_an_agent_serving_a_mixture_refuses_is_named() {
         }
         r => panic!("{:?}", r.map(|_| ())),
     }
+    // A partial space (the rest in its source) among them.
+    let partial = dir.path().join("partial");
+    ok(&[
+        "preload",
+        "--source",
+        s(&dir.path().join("src-b")),
+        "--space",
+        s(&partial),
+        "--max-bytes",
+        "64KiB",
+    ]);
+    let p = s(&partial);
     for (flag, needle) in [
         (["--tier-bytes", "1MiB"], "--tier-bytes"),
         (["--cache-bytes", "1MiB"], "--cache-dir"),
+        (["--space", p], "a partial space"),
     ] {
         let mut cmd = Command::new(common::kspeed_bin());
         cmd.args(["agent", "--space", s(&a), "--space", s(&b)])
@@ -249,4 +473,14 @@ fn what_an_agent_serving_a_mixture_refuses_is_named() {
             "{needle}: {err}"
         );
     }
+}
+
+/// docs/FORMAT.md's check value for a mixture's identity (a rank written
+/// from the docs sends it as its ATTACH's dataset_id).
+#[test]
+fn the_mixture_identity_check_value_is_the_docs() {
+    assert_eq!(
+        kspeed::dataset::mixture_identity(&[0x1111_1111, 0x2222_2222]),
+        0x5f6a_1ee6
+    );
 }

@@ -279,7 +279,9 @@ impl Incoming {
             agent_pid: std::process::id(),
             heartbeat_ms,
         };
-        self.conn.send(&reply.encode(self.request.version()), &[])?;
+        // In the version the request came in (what the rank reads).
+        let version = self.conn.reply_version.load(Ordering::Relaxed);
+        self.conn.send(&reply.encode(version), &[])?;
         Ok(Attached {
             conn: self.conn,
             request: self.request,

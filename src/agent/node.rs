@@ -9,9 +9,10 @@
 //! runs this node's node service for them ([`AgentConfig::serve`]).
 //!
 //! Why this file is over ~800 lines: it is the agent's one lifecycle, from
-//! opening the space to the last rank's end (config, the main loop, a
-//! rank's loader built from its ATTACH, its feeder); the attach socket,
-//! the segment, the node tier and the cluster are their own files.
+//! opening the space (or a mixture's spaces) to the last rank's end
+//! (config, the main loop, a rank's loader built from its ATTACH, its
+//! feeder); the attach socket, the messages, the segment, the node tier
+//! and the cluster are their own files.
 //!
 //! Threads: the main loop (accepts, beats every rank's heartbeat, reaps
 //! ranks that ended); the node's poller threads ([`AgentConfig::node_pollers`]),
@@ -176,6 +177,9 @@ struct OpenSpace {
     buffered: Arc<[File]>,
     /// A mixture's spaces after the first (`AgentConfig::more_spaces`).
     more: Vec<OpenPart>,
+    /// Whether the first space's extents are O_DIRECT (`direct_io` is
+    /// every space's).
+    first_direct_io: bool,
     /// The catalog's identity, or the mixture's.
     identity: u64,
     /// The node tier and the user whose ranks share it now.
@@ -194,11 +198,13 @@ impl OpenSpace {
             space: &self.space,
             extents: &self.extents,
             buffered: &self.buffered,
+            direct_io: self.first_direct_io,
         })
         .chain(self.more.iter().map(|p| OpenPartRef {
             space: &p.space,
             extents: &p.extents,
             buffered: &p.buffered,
+            direct_io: p.direct_io,
         }))
     }
 
@@ -222,6 +228,7 @@ struct OpenPartRef<'a> {
     space: &'a Arc<Space>,
     extents: &'a Arc<[File]>,
     buffered: &'a Arc<[File]>,
+    direct_io: bool,
 }
 
 fn open_space(cfg: &AgentConfig) -> Result<OpenSpace> {
@@ -238,6 +245,13 @@ fn open_space(cfg: &AgentConfig) -> Result<OpenSpace> {
                 "--cache-dir: an agent serving a mixture's spaces (several --space) keeps no cache area yet".into(),
             ));
         }
+        let spaces = cfg.more_spaces.len() + 1;
+        if spaces > super::msg::MAX_ATTACH_DATASETS {
+            return Err(Error::InvalidConfig(format!(
+                "{spaces} spaces: an agent serves a mixture of at most {} (--space)",
+                super::msg::MAX_ATTACH_DATASETS
+            )));
+        }
     }
     let first = open_part(cfg, &cfg.space)?;
     let more = cfg
@@ -245,6 +259,20 @@ fn open_space(cfg: &AgentConfig) -> Result<OpenSpace> {
         .iter()
         .map(|dir| open_part(cfg, dir))
         .collect::<Result<Vec<_>>>()?;
+    if !more.is_empty() {
+        // A mixture of partial spaces is read on one node only, embedded
+        // (`loader/input.rs`); the agent's loaders read a mixture's
+        // spaces as held whole or shared by the nodes.
+        if let Some(p) = std::iter::once(&first)
+            .chain(&more)
+            .find(|p| p.space.params().is_partial())
+        {
+            return Err(Error::InvalidConfig(format!(
+                "--space {}: a partial space (kspeed preload --max-bytes) in a mixture is not served by the agent (read that mixture embedded: agent = off)",
+                p.space.dir().display()
+            )));
+        }
+    }
     let identity = if more.is_empty() {
         u64::from(first.space.catalog().identity())
     } else {
@@ -293,6 +321,7 @@ fn open_space(cfg: &AgentConfig) -> Result<OpenSpace> {
         // One setting for a mixture's reads: O_DIRECT only where every
         // space takes it.
         direct_io: first.direct_io && more.iter().all(|p| p.direct_io),
+        first_direct_io: first.direct_io,
         buffered: first.buffered,
         more,
         identity,
@@ -427,9 +456,15 @@ pub fn run(
     }
     let listener = AttachListener::bind(&cfg.socket, cfg.listener)?;
     log::info!(
-        "agent: serving {} ({} samples) on {}",
-        cfg.space.display(),
-        open.space.catalog().len(),
+        "agent: serving {} on {}",
+        open.parts()
+            .map(|p| format!(
+                "{} ({} samples)",
+                p.space.dir().display(),
+                p.space.catalog().len()
+            ))
+            .collect::<Vec<_>>()
+            .join(", "),
         cfg.socket.display()
     );
     // In a cluster over shared links: made now, kept until the agent stops.
@@ -773,7 +808,9 @@ fn build_loader(
             p.space.extent_lens(),
             |i| p.space.extent_path(i as u32),
         )?;
-        buffered &= choice.buffered && !p.buffered.is_empty();
+        // A part on a file system that refuses O_DIRECT is read through
+        // the page cache whatever is chosen (its extents are buffered).
+        buffered &= choice.buffered && (!p.buffered.is_empty() || !p.direct_io);
         why.push(choice.why);
     }
     log::info!(
@@ -846,15 +883,15 @@ fn build_loader(
             index: req.start_index,
         })
         .end_epoch(req.end_epoch)
-        // A mixture's deal starts where its mixed order does (its
-        // ATTACH's job position, when it has one, says the same).
-        .job_deal(match &req.mix {
-            Some(m) => Some(crate::sampler::JobPosition {
+        // The rank's deal: its job position; without one, a mixture's
+        // starts with the epoch its mixed order starts in (epochs before
+        // it have nothing left, as on the rank).
+        .job_deal(req.job.or_else(|| {
+            req.mix.as_ref().map(|m| crate::sampler::JobPosition {
                 epoch: m.start_epoch,
-                consumed: m.start_consumed,
-            }),
-            None => req.job,
-        });
+                consumed: 0,
+            })
+        }));
     let b = match &cfg.cache {
         Some(c) => b
             .cache_dir(Some(c.dir.clone()))

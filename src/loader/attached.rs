@@ -234,16 +234,24 @@ impl RankAttach {
                     }
                 }
                 // An agent from before version 6 refuses a block shuffle's
-                // or a mixture's ATTACH by its version: say why.
-                Error::AttachRefused { code, .. } if code == "version" && req.version() > 5 => {
+                // or a mixture's ATTACH by its version (or, a large
+                // mixture's, as longer than it reads): say why.
+                Error::AttachRefused { code, .. }
+                    if (code == "version" || code == "protocol") && req.version() > 5 =>
+                {
+                    let what = if req.mix.is_some() {
+                        "mixtures"
+                    } else {
+                        "shuffle_block"
+                    };
                     Error::NoAgent {
                         socket: s.socket.clone(),
                         reason: format!(
-                            "{e} (this agent predates {} in the agent, ATTACH version {}: upgrade it, or read with agent = off)",
-                            if req.mix.is_some() {
-                                "mixtures"
+                            "{e} ({} {what} in the agent, ATTACH version {}: upgrade it, or read with agent = off)",
+                            if code == "version" {
+                                "this agent predates"
                             } else {
-                                "shuffle_block"
+                                "if this agent is older than"
                             },
                             req.version()
                         ),

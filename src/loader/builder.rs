@@ -717,6 +717,8 @@ impl LoaderBuilder {
         };
         if self.mix.iter().any(not_a_space) {
             Some("a mixture of spaces (a catalog or a source in a mixture is read embedded)")
+        } else if self.mix.len() > crate::agent::msg::MAX_ATTACH_DATASETS {
+            Some("a mixture of at most 1,024 datasets")
         } else if self.space.is_none() && self.mix.is_empty() {
             Some("a space (the agent reads its node's space, not a source)")
         } else if self.tier_bytes > 0 {

@@ -644,14 +644,24 @@ impl Poller {
                 let (target, at, want, slot) = cache_hit.expect("checked");
                 (target, at, want, slot, None)
             }
-            Input::Space { .. } if in_space.is_some() => {
+            Input::Space { space, .. } if in_space.is_some() => {
                 let (loc, extents) = in_space.expect("checked");
                 let target = if sh.fixed_files {
                     Target::Fixed(extent_base + loc.extent)
                 } else {
                     Target::Fd(extents[loc.extent as usize].as_raw_fd())
                 };
-                (target, loc.offset, sh.geo.slot(p.len), loc.extent, None)
+                // Whole blocks of its own space's alignment: a mixture's
+                // ring slots are aligned to the largest of its spaces',
+                // and a space's extent ends at its own (its last sample's
+                // slot rounded to the ring's would read past the end).
+                let align = u64::from(space.params().align_bytes);
+                let want = p.len.next_multiple_of(align).max(align);
+                debug_assert!(
+                    want <= sh.geo.slot(p.len),
+                    "a space's alignment divides the ring's"
+                );
+                (target, loc.offset, want, loc.extent, None)
             }
             Input::Mix(_) => unreachable!("a mixture's parts are spaces or sources"),
             Input::Source { .. } if self.remote => {

@@ -9,15 +9,16 @@ import subprocess
 import pytest
 
 import kspeed
-from conftest import CHILD_TIMEOUT_S, kspeed_bin, read_line, stop_and_stderr
+from conftest import CHILD_TIMEOUT_S, cli, kspeed_bin, make_tree, read_line, stop_and_stderr
 
 
 class Agent:
     """A `kspeed agent` on a socket; SIGKILLed by `kill()` or at the end."""
 
-    def __init__(self, space, sock):
+    def __init__(self, space, sock, more_spaces=()):
+        more = [a for sp in more_spaces for a in ("--space", sp)]
         self.proc = subprocess.Popen(
-            [kspeed_bin(), "agent", "--space", space, "--socket", str(sock)],
+            [kspeed_bin(), "agent", "--space", space, *more, "--socket", str(sock)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         line = read_line(self.proc)
         assert "agent serving" in line, f"agent printed {line!r}: {stop_and_stderr(self.proc)}"
@@ -144,5 +145,36 @@ def test_a_state_from_another_world_resumes_attached(space, tmp_path):
                 got, want = samples(a), samples(e)
                 assert got, f"rank {rank}: nothing left of the epoch"
                 assert got == want, f"rank {rank} of 3"
+    finally:
+        agent.kill()
+
+
+def test_a_mixture_reads_through_an_agent_serving_its_spaces(space, tmp_path):
+    """``Loader(mix=...)`` of two spaces through an agent given both
+    (``kspeed agent --space A --space B``): each rank of 2 reads what an
+    embedded rank reads, in order and byte for byte, over two epochs."""
+    second = str(tmp_path / "second")
+    cli("preload", "--source", make_tree(str(tmp_path / "src2"), n=17, classes=("x", "y")),
+        "--space", second)
+    sock = tmp_path / "agent.sock"
+    agent = Agent(space, sock, more_spaces=[second])
+    try:
+        def loader(rank, mode):
+            return kspeed.Loader(mix=[(space, 0.7), (second, 0.3)], mix_epoch_size=60, batch_size=4,
+                                 seed=5, ring_bytes="256KiB", pin=False, rank=rank, world=2,
+                                 agent=mode, agent_socket=sock)
+
+        for rank in range(2):
+            with loader(rank, "required") as a, loader(rank, "off") as e:
+                got, want = [], []
+                for epoch in (1, 2):
+                    a.set_epoch(epoch)
+                    e.set_epoch(epoch)
+                    got += samples(a)
+                    want += samples(e)
+                assert len(got) == 60, f"rank {rank}: {len(got)} samples"
+                assert got == want, f"rank {rank} of 2"
+                assert {i for i, _ in got if i >= len(kspeed.Catalog.open(space + "/catalog.ksc"))}, \
+                    "no sample of the second space"
     finally:
         agent.kill()
