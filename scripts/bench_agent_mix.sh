@@ -8,7 +8,8 @@
 # and the CPU seconds of the ranks and the agent.
 #   scripts/bench_agent_mix.sh SPACE_A SPACE_B [MIX] [RANKS] [KSPEED_BIN]
 # MIX is kspeed read's --mix weights in the order A,B (default
-# repeat=1,choose=N_A: as many samples of B as A has); RANKS default 2.
+# repeat=1,choose=N_A: as many samples of B as A has); RANKS default 2;
+# $AGENT_ARGS are added to the agent's arguments (e.g. --node-pollers 2).
 set -e
 A=${1:?usage: $0 SPACE_A SPACE_B [MIX] [RANKS] [KSPEED_BIN]}
 B=${2:?usage: $0 SPACE_A SPACE_B [MIX] [RANKS] [KSPEED_BIN]}
@@ -21,7 +22,8 @@ WB=${W#*,}
 MIX="$A:$WA,$B:$WB"
 T=$(mktemp -d)
 trap 'kill $AG 2>/dev/null; rm -rf "$T"' EXIT
-$K agent -v --space "$A" --space "$B" --socket "$T/agent.sock" 2> "$T/agent.log" > /dev/null &
+# shellcheck disable=SC2086 # AGENT_ARGS are words
+$K agent -v --space "$A" --space "$B" --socket "$T/agent.sock" ${AGENT_ARGS:-} 2> "$T/agent.log" > /dev/null &
 AG=$!
 for i in $(seq 100); do [ -S "$T/agent.sock" ] && break; sleep 0.1; done
 [ -S "$T/agent.sock" ] || { cat "$T/agent.log"; exit 1; }
