@@ -161,6 +161,22 @@ fn spaces_of_other_alignments_mix() {
     }
 }
 
+/// The job position (`KSPDMIX1`) of a world of 2 embedded ranks that
+/// each took two batches of epoch 1 with weights `w`.
+fn two_batches_of_epoch_1(a: &Path, b: &Path, w: [Weight; 2]) -> Vec<u8> {
+    let mut job = None;
+    for rank in 0..2 {
+        let mut l = mix(a, b, w, None).rank(rank, 2).build().unwrap();
+        l.set_epoch(1).unwrap();
+        for _ in 0..2 {
+            assert!(l.next_batch().unwrap().is_some());
+        }
+        l.release_batch();
+        job = Some(l.save_job_position());
+    }
+    job.unwrap()
+}
+
 /// A job that read part of epoch 1 with weights A on 2 ranks resumes its
 /// job position (`KSPDMIX1`) on 3 ranks with weights B: attached ranks
 /// deal the rest of the epoch as embedded ones (each dataset going on from
@@ -175,17 +191,7 @@ fn a_mixture_resumed_under_new_weights_through_the_agent() {
     let _agent = Agent::start(&a, &sock, &["--space", s(&b)]);
     let weights_a = [Weight::Choose(120), Weight::Choose(60)];
     let weights_b = [Weight::Choose(200), Weight::Choose(100)];
-    let mut job = None;
-    for rank in 0..2 {
-        let mut l = mix(&a, &b, weights_a, None).rank(rank, 2).build().unwrap();
-        l.set_epoch(1).unwrap();
-        for _ in 0..2 {
-            assert!(l.next_batch().unwrap().is_some());
-        }
-        l.release_batch();
-        job = Some(l.save_job_position());
-    }
-    let job = job.unwrap();
+    let job = two_batches_of_epoch_1(&a, &b, weights_a);
     for rank in 0..3 {
         let run = |agent: Option<&Path>| {
             let mut l = mix(&a, &b, weights_b, agent).rank(rank, 3).build().unwrap();
@@ -236,17 +242,7 @@ fn rank_positions_of_a_resumed_mixture_through_the_agent() {
     let sock = dir.path().join("agent.sock");
     let _agent = Agent::start(&a, &sock, &["--space", s(&b)]);
     let w = [Weight::Choose(120), Weight::Choose(60)];
-    let mut job = None;
-    for rank in 0..2 {
-        let mut l = mix(&a, &b, w, None).rank(rank, 2).build().unwrap();
-        l.set_epoch(1).unwrap();
-        for _ in 0..2 {
-            assert!(l.next_batch().unwrap().is_some());
-        }
-        l.release_batch();
-        job = Some(l.save_job_position());
-    }
-    let job = job.unwrap();
+    let job = two_batches_of_epoch_1(&a, &b, w);
     // Rank 1 of 3 one batch into the rest of epoch 1, and one batch into
     // epoch 2.
     let (in_epoch_1, in_epoch_2) = {

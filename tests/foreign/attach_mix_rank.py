@@ -3,7 +3,8 @@
 `kspeed agent --space A --space B`, written from docs/AGENT.md ("The attach
 protocol", ATTACH version 6; "A mixture through the agent") and docs/FORMAT.md
 ("Sampler", "Mixing datasets", the catalog and manifest). Standard library
-only. Derived from tests/foreign/attach_rank.py (the one-dataset rank).
+only. Derived from tests/foreign/attach_rank.py (the one-dataset rank), whose
+unchanged pieces it imports.
 
 Usage: attach_mix_rank.py --socket S --space A --space B
            --weights choose=50,choose=40 | repeat=1,repeat=2 | 0.7,0.3 [--epoch-size N]
@@ -18,61 +19,17 @@ taken to be its global id, `u64_local` is the same with the dataset's own id).
 import argparse, array, ctypes, errno, fcntl, json, mmap, os, select, socket
 import struct, sys, time
 
+# The one-dataset rank's pieces that a mixture's rank uses unchanged: the
+# CRC, the sampler's permutation, the catalog, the segment, futexes and the
+# batch wait.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from attach_rank import (  # noqa: E402
+    SEG_MAGIC, SEG_VERSION, PeerError, SPIN, Segment, Timespec, crc32c, digest_h, fence,
+    futex_wait, futex_wake, mix64, mono_ns, parse_reply, parse_size, perm_fn, read_catalog,
+    wait_take)
+
 PAGE = mmap.PAGESIZE
 M64 = (1 << 64) - 1
-
-# ---------------------------------------------------------------- CRC32C
-_T = []
-for i in range(256):
-    c = i
-    for _ in range(8):
-        c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
-    _T.append(c)
-
-
-def crc32c(data, crc=0):
-    crc ^= 0xFFFFFFFF
-    t = _T
-    for b in data:
-        crc = t[(crc ^ b) & 0xFF] ^ (crc >> 8)
-    return crc ^ 0xFFFFFFFF
-
-
-# ---------------------------------------------------------------- FORMAT.md: mix64, sampler
-def mix64(z):
-    z &= M64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
-    return z ^ (z >> 31)
-
-
-def perm_fn(n, seed, epoch):
-    b = max(2, (n - 1).bit_length())
-    hi = b // 2
-    lo = b - hi
-    base = mix64(mix64(seed ^ 0x6B73706565647065) ^ epoch)
-    keys = [mix64((base + i + 1) & M64) for i in range(6)]
-
-    def F(x):
-        wl, wr = hi, lo
-        L, R = x >> lo, x & ((1 << lo) - 1)
-        for k in keys:
-            f = mix64(R ^ k) & ((1 << wl) - 1)
-            L, R = R, L ^ f
-            wl, wr = wr, wl
-        return (L << wr) | R
-
-    def p(j):
-        x = F(j)
-        while x >= n:
-            x = F(x)
-        return x
-    return p
-
-
-def digest_h(e, i):
-    return mix64(mix64(e ^ 0x6B73706565646467) ^ i)
-
 
 # ---------------------------------------------------------------- FORMAT.md: "Mixing datasets"
 def mixture_identity(identities):
@@ -204,28 +161,6 @@ def selftest():
 
 
 # ---------------------------------------------------------------- FORMAT.md: catalog
-def read_catalog(path):
-    d = open(path, "rb").read()
-    magic, ver, hlen, blen, bcrc, hcrc = struct.unpack_from("<8sIIQII", d, 0)
-    assert magic == b"KSPDCAT\0", magic
-    body = d[hlen:hlen + blen]
-    assert crc32c(body) == bcrc, "body crc"
-    f = struct.unpack_from("<18Q", d, 32)
-    kind, n, nfiles, ncls, total = f[0], f[1], f[2], f[3], f[4]
-    off_samples, off_files, off_cls, off_str, str_len = f[5], f[6], f[7], f[8], f[9]
-    src_off, src_len = f[10], f[11]
-    strings = body[off_str:off_str + str_len]
-    source = strings[src_off:src_off + src_len].decode()
-    samples = []
-    for i in range(n):
-        fi, label, ln, crc, off = struct.unpack_from("<IIIIQ", body, off_samples + 24 * i)
-        samples.append(dict(file=fi, label=label, len=ln, crc=crc, offset=off))
-    files = []
-    for i in range(nfiles):
-        no, size, mt, nl, tl = struct.unpack_from("<QQqII", body, off_files + 32 * i)
-        files.append(strings[no:no + nl].decode())
-    return dict(identity=bcrc, n=n, samples=samples, files=files, source=source,
-                max_len=f[13])
 
 
 def read_manifest_align(space):
@@ -242,195 +177,7 @@ SYS_getpid = 39
 FUTEX_WAIT, FUTEX_WAKE = 0, 1  # no FUTEX_PRIVATE_FLAG (AGENT.md "Orderings")
 
 
-class Timespec(ctypes.Structure):
-    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
-
-
-def futex_wait(addr, seen, timeout_s):
-    ts = Timespec(int(timeout_s), int((timeout_s % 1) * 1e9))
-    r = libc.syscall(ctypes.c_long(SYS_futex), ctypes.c_void_p(addr), ctypes.c_int(FUTEX_WAIT),
-                     ctypes.c_uint32(seen), ctypes.byref(ts), None, ctypes.c_int(0))
-    return r, ctypes.get_errno()
-
-
-def futex_wake(addr, n=0x7FFFFFFF):
-    return libc.syscall(ctypes.c_long(SYS_futex), ctypes.c_void_p(addr), ctypes.c_int(FUTEX_WAKE),
-                        ctypes.c_int(n), None, None, ctypes.c_int(0))
-
-
-def fence():
-    # No mfence in pure Python: a system call is a full barrier on x86 (and the
-    # interpreter's own locked ops around it). Plain aligned 8-byte loads/stores
-    # via ctypes are single moves, which x86-TSO makes acquire/release.
-    libc.syscall(ctypes.c_long(SYS_getpid))
-
-
-def mono_ns():
-    return time.clock_gettime_ns(time.CLOCK_MONOTONIC)
-
-
 # ---------------------------------------------------------------- the segment (AGENT.md "The attach segment")
-SEG_MAGIC = b"KSPATSEG"
-SEG_VERSION = 5
-
-
-class Segment:
-    def __init__(self, slots, ring_bytes, generation=1):
-        assert slots & (slots - 1) == 0 and 1 <= slots <= 65536
-        self.slots = slots
-        self.total = 1216 + 128 * slots
-        self.mapped = -(-self.total // PAGE) * PAGE
-        self.fd = os.memfd_create("kspeed-foreign-seg", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        os.ftruncate(self.fd, self.mapped)
-        fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS,
-                    fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
-        self.mm = mmap.mmap(self.fd, self.mapped, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        self.base = ctypes.addressof(ctypes.c_char.from_buffer(self.mm))
-        self.generation = generation
-        # header: written before the magic, magic last ("Before ATTACH")
-        struct.pack_into("<IIQIIQII16s", self.mm, 8, SEG_VERSION, 64, self.total, slots, 4,
-                         ring_bytes, generation, os.getpid(), b"\0" * 16)
-        # rank block
-        self.st64(136, mono_ns())
-        self.st32(144, os.getpid())
-        self.st32(148, 1)  # running
-        self.st64(128, generation << 48)  # nothing released
-        self.mm[0:8] = SEG_MAGIC  # "stored last, with Release"
-
-    def u64(self, off):
-        return ctypes.c_uint64.from_address(self.base + off)
-
-    def u32(self, off):
-        return ctypes.c_uint32.from_address(self.base + off)
-
-    def ld64(self, off):
-        return self.u64(off).value
-
-    def ld32(self, off):
-        return self.u32(off).value
-
-    def st64(self, off, v):
-        self.u64(off).value = v
-
-    def st32(self, off, v):
-        self.u32(off).value = v
-
-    # agent block
-    def agent(self):
-        return dict(heartbeat_ns=self.ld64(64), pid=self.ld32(72), state=self.ld32(76),
-                    ready_futex=self.ld32(80), room_waiters=self.ld32(84), published=self.ld64(88),
-                    published_bytes=self.ld64(96), wakes=self.ld64(104), sleeps=self.ld64(112),
-                    errors_dropped=self.ld64(120))
-
-    def rank(self):
-        return dict(release=self.ld64(128), heartbeat_ns=self.ld64(136), pid=self.ld32(144),
-                    state=self.ld32(148), room_futex=self.ld32(152), ready_waiters=self.ld32(156),
-                    taken=self.ld64(160), wakes=self.ld64(168), sleeps=self.ld64(176))
-
-    def errors(self):
-        out = []
-        for i in range(4):
-            o = 192 + 256 * i
-            st, side, cls, mlen = struct.unpack_from("<IIII", self.mm, o)
-            if st:
-                kind = bytes(self.mm[o + 16:o + 48]).rstrip(b"\0").decode(errors="replace")
-                msg = bytes(self.mm[o + 48:o + 48 + min(mlen, 208)]).decode(errors="replace")
-                out.append(dict(slot=i, state=st, side=side, cls=cls, kind=kind, message=msg))
-        return out
-
-    def slot_off(self, seq):
-        return 1216 + 128 * (seq % self.slots)
-
-    def ready_word(self, seq):
-        return (self.generation << 48) | (seq % (1 << 48))
-
-    def try_take(self, seq):
-        o = self.slot_off(seq)
-        if self.ld64(o) != self.ready_word(seq):  # Acquire (x86: plain load)
-            return None
-        ring_off, nbytes, epoch, bie, samples, failovers = struct.unpack_from("<QQQQII", self.mm, o + 8)
-        counts = struct.unpack_from("<4I6I", self.mm, o + 48)
-        self.st64(160, self.ld64(160) + 1)  # taken (stats)
-        return dict(seq=seq, ring_offset=ring_off, bytes=nbytes, epoch=epoch, batch_in_epoch=bie,
-                    samples=samples, failovers=failovers,
-                    disk_reads=counts[0], tier_hits=counts[1], remote_samples=counts[2],
-                    source_reads=counts[3], disk_wait_us=counts[4], tier_wait_us=counts[5],
-                    source_wait_us=counts[6], peers_wait_us=counts[7], failover_wait_us=counts[8],
-                    cache_hits=counts[9])
-
-    def release(self, released):
-        """released = batches released so far (a count)."""
-        self.st64(128, (self.generation << 48) | (released % (1 << 48)))  # Release
-        fence()
-        if self.ld32(84) > 0:  # room_waiters
-            self.st32(152, (self.ld32(152) + 1) & 0xFFFFFFFF)
-            futex_wake(self.base + 152)
-            self.st64(168, self.ld64(168) + 1)
-
-    def close(self):
-        self.st32(148, 2)  # closed
-        for off in (80, 152):  # both futex words, from either side ("Who owns what")
-            self.st32(off, (self.ld32(off) + 1) & 0xFFFFFFFF)
-            futex_wake(self.base + off)
-
-
-class PeerError(Exception):
-    pass
-
-
-SPIN = 200
-
-
-def wait_take(seg, seq, sock, deadline_s, silence_ms=300, stopped_wait_s=10.0, log=None):
-    """Spin, then sleep on ready_futex with 100 ms slices, checking the agent between sleeps."""
-    t_end = time.monotonic() + deadline_s
-    b = seg.try_take(seq)
-    if b:
-        return b
-    for _ in range(SPIN):
-        b = seg.try_take(seq)
-        if b:
-            return b
-    silent_since = None
-    while True:
-        seg.st32(156, seg.ld32(156) + 1)  # ready_waiters += 1
-        seen = seg.ld32(80)
-        fence()
-        b = seg.try_take(seq)
-        if b is None:
-            seg.st64(176, seg.ld64(176) + 1)
-            futex_wait(seg.base + 80, seen, 0.1)
-        seg.st32(156, seg.ld32(156) - 1)
-        seg.st64(136, mono_ns())  # beat at every wake-up
-        if b is None:
-            b = seg.try_take(seq)
-        if b:
-            return b
-        a = seg.agent()
-        if a["state"] == 3:
-            raise PeerError("agent failed: %r" % seg.errors())
-        if a["state"] == 2:
-            raise PeerError("agent closed the segment")
-        age_ms = (mono_ns() - a["heartbeat_ns"]) / 1e6
-        if age_ms > silence_ms:
-            silent_since = silent_since or time.monotonic()
-            if time.monotonic() - silent_since > stopped_wait_s:
-                raise PeerError("agent heartbeat silent %.0f ms" % age_ms)
-        else:
-            silent_since = None
-        r, _, _ = select.select([sock], [], [], 0)
-        if r:
-            try:
-                data = sock.recv(512, socket.MSG_DONTWAIT | socket.MSG_PEEK)
-            except BlockingIOError:
-                data = b"x"
-            except OSError as e:
-                raise PeerError("socket error %r" % e)
-            if data == b"":
-                raise PeerError("agent hung up the socket")
-        if time.monotonic() > t_end:
-            raise TimeoutError("no batch seq %d within %.1fs; agent=%r rank=%r errors=%r"
-                               % (seq, deadline_s, a, seg.rank(), seg.errors()))
 
 
 # ---------------------------------------------------------------- the attach protocol (AGENT.md, versions 5 and 6)
@@ -456,23 +203,6 @@ def build_attach6(generation, dataset_id, seed, rank, world, batch, slots, start
     return m
 
 
-def parse_reply(m):
-    if len(m) < 12:
-        return dict(kind="short", raw=m.hex())
-    magic, ver, kind, ln = struct.unpack_from("<4sHHI", m)
-    r = dict(magic=magic.decode(errors="replace"), version=ver, kind_code=kind, length=ln, got=len(m))
-    if kind == 2:
-        g, pid, hb, _ = struct.unpack_from("<IIIQ", m, 12)
-        r.update(kind="ATTACHED", generation=g, agent_pid=pid, heartbeat_ms=hb)
-    elif kind == 3:
-        code, rl = struct.unpack_from("<II", m, 12)
-        r.update(kind="REFUSED", code=code,
-                 reason=m[20:20 + min(rl, 236)].decode(errors="replace"))
-    else:
-        r.update(kind="?")
-    return r
-
-
 def attach(sock_path, msg, fds, timeout=5.0):
     s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     s.settimeout(timeout)  # connect, send and the reply all bounded
@@ -494,14 +224,6 @@ def make_ring(ring_bytes):
     for o in range(0, ring_bytes, PAGE):  # the rank faults its ring's pages in itself
         mm[o] = 0
     return fd, mm
-
-
-def parse_size(s):
-    s = s.strip()
-    for suf, mul in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if s.endswith(suf):
-            return int(float(s[:-len(suf)]) * mul)
-    return int(s)
 
 
 class Placer:
