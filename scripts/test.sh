@@ -29,9 +29,13 @@ fi
 tmp_dir=${TMPDIR:-/tmp}
 free_mib() { df -Pm "$1" | awk 'NR == 2 { print $4 }'; }
 # Each step says how much disk is left, so a run that fills the disk shows
-# which step did it.
+# which step did it, and how long the one before it took, so a run that
+# grows slower shows which step grew (.ci/run is kept under 45 minutes).
+step_started_s=$SECONDS
 step() {
   echo
+  echo "   (that step took $((SECONDS - step_started_s)) s; $((SECONDS / 60)) min since the start)"
+  step_started_s=$SECONDS
   echo "== $*"
   echo "   (free: $(free_mib .) MiB here, $(free_mib "$tmp_dir") MiB in $tmp_dir)"
 }
@@ -188,8 +192,11 @@ for l in sys.stdin:
   need_disk 2048 "$tmp_dir" "the RDMA VM"
   # One VM start for all of them (about 4 s of boot).
   # The VM allows 30 min by default; the two sets take 13-18 min on 2 busy
-  # cores (soft-RoCE is emulated), so leave room.
-  "$VM" --timeout 3000 -- scripts/vm_rdma_tests.sh "$(exe rdma)" "$(exe cluster)" "$(exe rebalance)" "$(exe cluster_mix)" "$(exe agent_cluster)" "$(exe agent_cluster_mix)"
+  # cores (soft-RoCE is emulated), so leave room. 4G: the cluster tests run
+  # two at a time in there (scripts/vm_rdma_tests.sh), each with its nodes'
+  # registered rings.
+  "$VM" --timeout 3000 --mem 4G -- scripts/vm_rdma_tests.sh "$(exe rdma)" "$(exe cluster)" "$(exe rebalance)" "$(exe cluster_mix)" "$(exe agent_cluster)" "$(exe agent_cluster_mix)"
 else
   skipped "$VM not found (it lives in the shared folder beside the checkout)"
 fi
+echo "   (that step took $((SECONDS - step_started_s)) s; the whole suite took $((SECONDS / 60)) min $((SECONDS % 60)) s)"

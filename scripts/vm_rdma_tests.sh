@@ -14,6 +14,44 @@ agent_cluster_mix_bin=${6:-}
 for ip in 10.77.0.2 10.77.0.3 10.77.0.4; do
   ip addr add "$ip/24" dev "${RDMA_VM_NETDEV:-dummy0}" 2>/dev/null || true
 done
+# sharded BIN FILTER_ARGS...: BIN's tests (a libtest binary; FILTER_ARGS
+# are --skip and name filters) in two processes at once, each one test at a
+# time, each process's output shown when both have ended. Most of these
+# tests wait out deadlines (failover, restarts, timeouts), which two at a
+# time overlap; outside the VM nextest runs them two at a time as well. Run
+# one at a time they took over 10 of CI's minutes.
+sharded() {
+  local bin=$1
+  shift
+  local names=() shard0=() shard1=() i logs
+  logs=$(mktemp -d)
+  # A file, not a process substitution: the VM has no /dev/fd.
+  "$bin" --list --format terse "$@" | sed -n 's/: test$//p' >"$logs/names"
+  mapfile -t names <"$logs/names"
+  if [ "${#names[@]}" = 0 ]; then
+    echo "FAILED: $bin lists no test for: $*" >&2
+    return 1
+  fi
+  for i in "${!names[@]}"; do
+    if [ $((i % 2)) = 0 ]; then shard0+=("${names[$i]}"); else shard1+=("${names[$i]}"); fi
+  done
+  "$bin" --exact --test-threads 1 "${shard0[@]}" >"$logs/0" 2>&1 &
+  local pid0=$!
+  local rc1=0 rc0=0
+  if [ "${#shard1[@]}" != 0 ]; then
+    "$bin" --exact --test-threads 1 "${shard1[@]}" >"$logs/1" 2>&1 || rc1=$?
+  fi
+  wait "$pid0" || rc0=$?
+  for i in 0 1; do
+    [ -f "$logs/$i" ] || continue
+    echo "-- shard $i of $bin"
+    cat "$logs/$i"
+  done
+  if [ "$rc0" != 0 ] || [ "$rc1" != 0 ]; then
+    echo "FAILED: $bin (shard exits $rc0 and $rc1)" >&2
+    return 1
+  fi
+}
 echo "== verbs layer and RDMA end-to-end tests"
 # One test at a time: the leak tests count the process's descriptors.
 "$rdma_bin" --include-ignored --test-threads 1
@@ -21,7 +59,7 @@ echo "== the cluster tests over RDMA (KSPEED_TEST_RDMA=1)"
 # Not the ones whose peer is a hand-written TCP node or consumer, nor the
 # network-namespace ones (TCP plumbing; a fresh namespace has no RDMA
 # netdev): tests/rdma.rs has RDMA's hostile peers.
-KSPEED_TEST_RDMA=1 "$cluster_bin" --test-threads 1 \
+KSPEED_TEST_RDMA=1 sharded "$cluster_bin" \
   --skip hostile_ --skip network_namespaces --skip launcher_node_lists \
   --skip dead_owner_host
 if [ -n "$rebalance_bin" ]; then
@@ -36,7 +74,7 @@ if [ -n "$cluster_mix_bin" ]; then
 fi
 if [ -n "$agent_cluster_bin" ]; then
   echo "== node agents in a cluster, samples pushed by RDMA WRITE into the ranks' shared rings (KSPEED_TEST_RDMA=1)"
-  KSPEED_TEST_RDMA=1 "$agent_cluster_bin" --test-threads 1
+  KSPEED_TEST_RDMA=1 sharded "$agent_cluster_bin"
 fi
 if [ -n "$agent_cluster_mix_bin" ]; then
   echo "== node agents serving a mixture's spaces in a cluster, over RDMA (KSPEED_TEST_RDMA=1)"

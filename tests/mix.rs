@@ -118,6 +118,74 @@ fn a_space_and_a_source_mixed_in_order_and_byte_exact() {
     }
 }
 
+/// A memory tier over a mixture holds what the mixture reads again: the
+/// 13-sample tree drawn 60 times an epoch is the tier (its members chosen
+/// by the mixture's known reads, in its ids after the space's), so after
+/// its first reads every one of its draws is a tier hit and only the space
+/// is read from disk; byte-exact and in the mixing function's order, with
+/// the tier's bytes copied into the ring and, with `tier_views`, handed out
+/// in place. (Counted over the job, `end_epoch` 3: a read ahead into the
+/// next epoch counts in the epoch it was read in.)
+#[test]
+fn a_memory_tier_keeps_what_a_mixture_draws_again() {
+    let t = tempfile::tempdir().unwrap();
+    let (space, cat1, cats) = two_datasets(t.path());
+    let lens = [cats[0].len(), cats[1].len()];
+    let w = [Weight::Proportion(0.7), Weight::Proportion(0.3)];
+    let counts = epoch_counts(&w, &lens, Some(200)).unwrap();
+    // Exactly the tree's slots (each length rounded up to 64 bytes).
+    let tree_bytes: u64 = (0..lens[1])
+        .map(|i| u64::from(cats[1].sample(i).len).next_multiple_of(64))
+        .sum();
+    let epochs = 3;
+    for views in [false, true] {
+        let mut l = builder(&space, &cat1, w)
+            .tier_bytes(tree_bytes)
+            .tier_views(views)
+            .end_epoch(Some(epochs))
+            .build()
+            .unwrap();
+        let want = MixSampler::new(SamplerConfig::single(0, 5), &lens, &counts).unwrap();
+        // Draws of the tree's samples with bytes (an empty one is neither
+        // read nor a hit), in epoch 0 and in all; draws of the space.
+        let (mut tree_first, mut tree_all, mut space_all) = (0u64, 0u64, 0u64);
+        for e in 0..epochs {
+            let got = read_epoch(&mut l, e, &cats);
+            let order = want.epoch(e);
+            assert_eq!(got.len() as u64, order.per_rank(), "epoch {e}");
+            for (k, &(d, id)) in got.iter().enumerate() {
+                let m = order.sample(k as u64);
+                assert_eq!(
+                    (d, id),
+                    (m.dataset, m.id),
+                    "views {views} epoch {e} step {k}"
+                );
+            }
+            let tree = got
+                .iter()
+                .filter(|&&(d, id)| d == 1 && cats[1].sample(id - lens[0]).len > 0)
+                .count() as u64;
+            tree_first += if e == 0 { tree } else { 0 };
+            tree_all += tree;
+            space_all += got.iter().filter(|g| g.0 == 0).count() as u64;
+        }
+        let st = l.stats();
+        // A tree draw is a hit or a read (its first fills the member; a
+        // draw read again before its fill landed is read too).
+        let tree_reads = tree_all - st.tier_hits;
+        assert_eq!(
+            st.disk_reads,
+            space_all + tree_reads,
+            "views {views}: only the space's samples and the tree's misses read"
+        );
+        assert!(
+            (12..=tree_first).contains(&tree_reads),
+            "views {views}: {} tier hits of {tree_all} tree draws ({tree_first} in epoch 0)",
+            st.tier_hits
+        );
+    }
+}
+
 #[test]
 fn positions_resume_the_mixture_and_refuse_other_weights() {
     let t = tempfile::tempdir().unwrap();
@@ -155,7 +223,7 @@ fn positions_resume_the_mixture_and_refuse_other_weights() {
 fn mixture_options_are_checked_by_name() {
     let t = tempfile::tempdir().unwrap();
     let (space, cat1, _) = two_datasets(t.path());
-    // A mixture of proportions and counts; a memory tier; an empty epoch.
+    // A mixture of proportions and counts; an empty epoch.
     let r = LoaderBuilder::mix([
         (s(&space), Weight::Proportion(0.5)),
         (s(&cat1), Weight::Choose(3)),
@@ -195,35 +263,44 @@ fn mixture_options_are_checked_by_name() {
 }
 
 /// `kspeed read --mix` in two processes: the same per-dataset counts and
-/// the same order digest; another seed, another order.
+/// the same order digest; another seed, another order; the flag once per
+/// dataset is the comma list.
 #[test]
 fn cli_mixture_is_the_same_in_two_processes() {
     let t = tempfile::tempdir().unwrap();
     let (space, cat1, _) = two_datasets(t.path());
-    let mix = format!("{}:0.7,{}:0.3", s(&space), s(&cat1));
-    let run = |seed: &str| -> Vec<String> {
+    let first = format!("{}:0.7", s(&space));
+    let second = format!("{}:0.3", s(&cat1));
+    let mix = format!("{first},{second}");
+    let run_with = |mix_args: &[&str], seed: &str| -> Vec<String> {
+        let mut args = vec!["read"];
+        for m in mix_args {
+            args.extend(["--mix", m]);
+        }
         let out = ok(&[
-            "read",
-            "--mix",
-            &mix,
-            "--mix-epoch-size",
-            "200",
-            "--epochs",
-            "2",
-            "--seed",
-            seed,
-            "--ring-bytes",
-            "8MiB",
-            "--no-mlock",
-            "--no-huge-pages",
-            "--batch-size",
-            "16",
-        ]);
+            &args[..],
+            &[
+                "--mix-epoch-size",
+                "200",
+                "--epochs",
+                "2",
+                "--seed",
+                seed,
+                "--ring-bytes",
+                "8MiB",
+                "--no-mlock",
+                "--no-huge-pages",
+                "--batch-size",
+                "16",
+            ],
+        ]
+        .concat());
         out.lines()
             .filter(|l| l.contains("mixture"))
             .map(String::from)
             .collect()
     };
+    let run = |seed: &str| run_with(&[&mix], seed);
     let a = run("3");
     assert_eq!(a.len(), 2, "{a:?}");
     assert!(
@@ -232,6 +309,9 @@ fn cli_mixture_is_the_same_in_two_processes() {
     );
     assert_eq!(a, run("3"));
     assert_ne!(a, run("4"));
+    assert_eq!(a, run_with(&[&first, &second], "3"));
+    // The order given is the mixture's: the other order is another one.
+    assert_ne!(a, run_with(&[&second, &first], "3"));
     // A bad entry is refused by the options table's message.
     let err = fails(&["read", "--mix", &format!("{}:-1", s(&space))], 2);
     assert!(err.contains("mix"), "{err}");

@@ -1106,36 +1106,33 @@ impl LoaderBuilder {
             }
         };
         let tier = match &input {
-            Input::Mix(_) if self.tier_bytes > 0 => {
-                return Err(Error::InvalidConfig(
-                    "a mixture of datasets has no memory tier yet (tier_bytes must be 0)".into(),
-                ))
-            }
-            Input::Mix(_) => None,
             // The agent's node tier, one for all the ranks it serves.
             _ if self.agent_input.as_ref().is_some_and(|a| a.tier.is_some()) => {
                 self.agent_input.as_ref().and_then(|a| a.tier.clone())
             }
             _ if self.tier_bytes == 0 => None,
-            // A rank of several: the samples it reads most in the coming
-            // epochs (tier.rs); in cluster mode, among equals, those other
-            // nodes hold.
+            // A rank of several, or a mixture: the samples it reads most in
+            // the coming epochs (tier.rs); in cluster mode, among equals,
+            // those other nodes hold. A mixture's tier holds ids of its
+            // datasets side by side.
             _ => {
                 let from = self.start.map_or(0, |p| p.epoch);
-                let remote = |id| match &input {
-                    Input::Space { space, .. } if self.cluster.is_some() => {
-                        space.location(id).is_none()
+                let remote = |id| match input.part(id) {
+                    (_, Input::Space { space, .. }, local) if self.cluster.is_some() => {
+                        space.location(local).is_none()
                     }
                     _ => false,
                 };
-                let (catalog, budget, mlock) = (input.catalog(), self.tier_bytes, landing.mlock);
+                let (catalog, budget, mlock): (&dyn super::tier::TierSamples, _, _) =
+                    (&input, self.tier_bytes, landing.mlock);
                 let me = self.rank..self.rank + 1;
                 match super::tier::future_reads(&sampler, me, from, self.end_epoch) {
                     Some(reads) => Tier::by_reads(catalog, budget, mlock, &reads, Some(&remote))?,
                     None if self.cluster.is_some() => {
                         Tier::preferring(catalog, budget, mlock, false, &remote)?
                     }
-                    None => Tier::new(catalog, budget, mlock)?,
+                    // One dataset (a mixture is always counted).
+                    None => Tier::new(input.catalog(), budget, mlock)?,
                 }
                 .map(Arc::new)
             }

@@ -87,6 +87,18 @@ pub(crate) struct MixInput {
     pub(crate) identity: u32,
 }
 
+/// A mixture's tier holds ids of its datasets side by side.
+impl super::tier::TierSamples for Input {
+    fn ids(&self) -> u64 {
+        self.len()
+    }
+
+    fn len_crc(&self, id: u64) -> (u32, u32) {
+        let s = self.sample(id);
+        (s.len, s.crc32c)
+    }
+}
+
 impl Input {
     /// The catalog (a mixture's first dataset's: per-id lookups go
     /// through [`Input::sample`]).

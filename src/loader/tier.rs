@@ -12,7 +12,9 @@
 //! epoch, so a fixed subset by id holds many samples it will not read again
 //! for epochs: its tier is chosen by its known future instead
 //! ([`Tier::by_reads`], [`future_reads`]: the samples it reads most often in
-//! the coming epochs first; NoPFS's clairvoyant counts). A member is filled
+//! the coming epochs first; NoPFS's clairvoyant counts). So is a mixture's,
+//! over the ids of its datasets side by side ([`TierSamples`]): its weights
+//! draw some samples several times an epoch and others not at all. A member is filled
 //! the first time a
 //! poller reads it from disk or, in cluster mode, its owner pushes it (one
 //! copy from the landing ring), and served by a copy into the ring ever
@@ -35,6 +37,27 @@ use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use crate::dataset::Catalog;
 use crate::error::Result;
 use crate::landing::{CudaMode, LandingOptions, LandingRing};
+
+/// What a tier needs of the samples it may hold: how many ids there are,
+/// and each one's length and CRC32C. One catalog, or a mixture's datasets
+/// side by side in one id space (`shared::Input`).
+pub(crate) trait TierSamples {
+    /// Ids `0..ids()`.
+    fn ids(&self) -> u64;
+    /// Sample `id`'s length in bytes and its catalog CRC32C.
+    fn len_crc(&self, id: u64) -> (u32, u32);
+}
+
+impl TierSamples for Catalog {
+    fn ids(&self) -> u64 {
+        self.len()
+    }
+
+    fn len_crc(&self, id: u64) -> (u32, u32) {
+        let s = self.sample(id);
+        (s.len, s.crc32c)
+    }
+}
 
 const EMPTY: u8 = 0;
 const FILLING: u8 = 1;
@@ -73,13 +96,13 @@ impl Tier {
     /// `KSPEED_TIER_MEMBERS=ids` asks for plain id order (for measuring the
     /// two side by side).
     pub(crate) fn preferring(
-        catalog: &Catalog,
+        catalog: &dyn TierSamples,
         budget_bytes: u64,
         mlock: bool,
         checked: bool,
         first: &dyn Fn(u64) -> bool,
     ) -> Result<Option<Tier>> {
-        let n = catalog.len();
+        let n = catalog.ids();
         if members_env() == Members::Ids {
             return Self::build(catalog, budget_bytes, mlock, checked, &mut (0..n));
         }
@@ -99,13 +122,13 @@ impl Tier {
     /// `KSPEED_TIER_MEMBERS=ids` or `remote-first` ignore `reads`, to
     /// measure side by side.
     pub(crate) fn by_reads(
-        catalog: &Catalog,
+        catalog: &dyn TierSamples,
         budget_bytes: u64,
         mlock: bool,
         reads: &[u16],
         first: Option<&dyn Fn(u64) -> bool>,
     ) -> Result<Option<Tier>> {
-        let n = catalog.len();
+        let n = catalog.ids();
         assert_eq!(reads.len() as u64, n, "a count per sample");
         let prefer = |id: u64| first.is_some_and(|f| f(id));
         match members_env() {
@@ -125,7 +148,7 @@ impl Tier {
     /// first rank of a job tells which ranks the node serves.
     pub(crate) fn relayout(
         &mut self,
-        catalog: &Catalog,
+        catalog: &dyn TierSamples,
         reads: &[u16],
         first: &dyn Fn(u64) -> bool,
     ) {
@@ -154,7 +177,7 @@ impl Tier {
     /// Members: the samples of `order` (each id once) that fit, in that
     /// order.
     fn build(
-        catalog: &Catalog,
+        catalog: &dyn TierSamples,
         budget_bytes: u64,
         mlock: bool,
         checked: bool,
@@ -163,7 +186,7 @@ impl Tier {
         if budget_bytes == 0 {
             return Ok(None);
         }
-        let mut offsets = vec![NOT_MEMBER; catalog.len() as usize];
+        let mut offsets = vec![NOT_MEMBER; catalog.ids() as usize];
         let (used, members, member_bytes) = place(catalog, budget_bytes, order, &mut offsets);
         if used == 0 {
             return Ok(None);
@@ -176,9 +199,9 @@ impl Tier {
             gpu_pci: None,
             cuda: CudaMode::Off,
         })?;
-        let state = (0..catalog.len()).map(|_| AtomicU8::new(EMPTY)).collect();
+        let state = (0..catalog.ids()).map(|_| AtomicU8::new(EMPTY)).collect();
         let crcs = checked.then(|| {
-            let mut c = vec![0; catalog.len() as usize];
+            let mut c = vec![0; catalog.ids() as usize];
             member_crcs(catalog, &offsets, &mut c);
             c
         });
@@ -340,14 +363,14 @@ impl Tier {
 /// their offsets, in that order (a slot is the length rounded up to 64
 /// bytes): (bytes used, members, their bytes).
 fn place(
-    catalog: &Catalog,
+    catalog: &dyn TierSamples,
     budget_bytes: u64,
     order: &mut dyn Iterator<Item = u64>,
     offsets: &mut [u64],
 ) -> (u64, u64, u64) {
     let (mut used, mut members, mut member_bytes) = (0u64, 0u64, 0u64);
     for id in order {
-        let len = catalog.sample(id).len as u64;
+        let len = u64::from(catalog.len_crc(id).0);
         let slot = len.next_multiple_of(64);
         if used + slot > budget_bytes {
             continue;
@@ -365,12 +388,12 @@ fn place(
 }
 
 /// Each member's catalog CRC32C, 0 for the others.
-fn member_crcs(catalog: &Catalog, offsets: &[u64], crcs: &mut [u32]) {
+fn member_crcs(catalog: &dyn TierSamples, offsets: &[u64], crcs: &mut [u32]) {
     for (id, c) in crcs.iter_mut().enumerate() {
         *c = if offsets[id] == NOT_MEMBER {
             0
         } else {
-            catalog.sample(id as u64).crc32c
+            catalog.len_crc(id as u64).1
         };
     }
 }
@@ -446,10 +469,13 @@ const READS_COUNTED: u64 = 1 << 24;
 /// from `from` to `end` (at most [`READS_EPOCHS`] of them, and no more
 /// whole epochs than [`READS_COUNTED`] reads allow; at least one): what
 /// [`Tier::by_reads`] chooses members by (one rank's tier: its own rank;
-/// the agent's node tier: the node's ranks). None where counting tells
-/// nothing: ranks that are the whole world read every sample once an
-/// epoch, so every count is the same and id order is as good (and free);
-/// and a mixture has no memory tier. A job resumed inside an epoch on
+/// the agent's node tier: the node's ranks), a count per id (a mixture's:
+/// per id of its datasets side by side). None where counting tells
+/// nothing: ranks that are the whole world of one dataset read every
+/// sample once an epoch, so every count is the same and id order is as
+/// good (and free). A mixture is counted even then: its weights read some
+/// samples several times an epoch (`repeat`, a proportion above the
+/// dataset's share) and others not at all (`choose`). A job resumed inside an epoch on
 /// another number of ranks deals that epoch's rest differently
 /// (`ElasticSampler`); the counts read the plain order, so for that epoch
 /// they are an estimate: members chosen a little worse, never a wrong
@@ -462,7 +488,10 @@ pub(crate) fn future_reads(
 ) -> Option<Vec<u16>> {
     let cfg = sampler.config();
     let ranks = ranks.start.min(cfg.world)..ranks.end.min(cfg.world);
-    if ranks.len() as u32 >= cfg.world || ranks.is_empty() || sampler.mixture().is_some() {
+    if let Some(m) = sampler.mixture() {
+        return (!ranks.is_empty()).then(|| mixture_reads(m, ranks, from, end));
+    }
+    if ranks.len() as u32 >= cfg.world || ranks.is_empty() {
         return None;
     }
     let per_epoch = (sampler.per_rank() * ranks.len() as u64).max(1);
@@ -483,6 +512,40 @@ pub(crate) fn future_reads(
         }
     }
     Some(reads)
+}
+
+/// [`future_reads`] of a mixture: rank `r`'s step `k` of an epoch is the
+/// mixed order's entry `base + r + k·world` (wrapped: padding repeats the
+/// order's start).
+fn mixture_reads(
+    m: &crate::sampler::MixSampler,
+    ranks: std::ops::Range<u32>,
+    from: u64,
+    end: Option<u64>,
+) -> Vec<u16> {
+    let world = u64::from(m.config().world);
+    let per_epoch = (m.per_rank(from) * ranks.len() as u64).max(1);
+    let epochs = end
+        .map_or(READS_EPOCHS, |e| e.saturating_sub(from))
+        .min(READS_EPOCHS)
+        .min(READS_COUNTED / per_epoch)
+        .max(1);
+    let mut reads = vec![0u16; m.lens().iter().sum::<u64>() as usize];
+    for e in from..from.saturating_add(epochs) {
+        let epoch = m.epoch(e);
+        let order = epoch.order();
+        if order.is_empty() {
+            continue;
+        }
+        for k in 0..epoch.per_rank() {
+            for r in ranks.clone() {
+                let j = (epoch.base() + u64::from(r) + k * world) % order.len();
+                let c = &mut reads[order.sample(j).id as usize];
+                *c = c.saturating_add(1);
+            }
+        }
+    }
+    reads
 }
 
 #[cfg(test)]
@@ -545,6 +608,46 @@ mod tests {
             READS_EPOCHS * s.per_rank(),
             "16 epochs without an end"
         );
+    }
+
+    /// A mixture's counts are each rank's own draws, per id of its datasets
+    /// side by side (repeats included), for the whole world too, and for a
+    /// job resumed inside an epoch (its order's entries after those
+    /// consumed).
+    #[test]
+    fn future_reads_count_a_mixture_s_draws() {
+        use crate::sampler::{MixSampler, Sampler, SamplerConfig};
+        let (lens, counts) = ([50u64, 7], [40u64, 21]);
+        let mix = |r: u32| {
+            let m = MixSampler::new(SamplerConfig::single(0, 9).rank_world(r, 3), &lens, &counts);
+            m.unwrap()
+        };
+        let resumed = |r: u32| mix(r).resume(&mix(0).job_position(1, 17)).unwrap();
+        for (name, make) in [
+            ("from the start", &mix as &dyn Fn(u32) -> MixSampler),
+            ("resumed", &resumed),
+        ] {
+            let s = Sampler::mixed(make(0)).unwrap();
+            for ranks in [0..3, 1..3] {
+                let got = future_reads(&s, ranks.clone(), 1, Some(4)).unwrap();
+                let mut want = vec![0u16; 57];
+                for r in ranks.clone() {
+                    let sr = Sampler::mixed(make(r)).unwrap();
+                    for e in 1..4 {
+                        let order = sr.epoch(e);
+                        for k in 0..sr.mixture().unwrap().per_rank(e) {
+                            want[order.sample(k) as usize] += 1;
+                        }
+                    }
+                }
+                assert_eq!(got, want, "{name}, ranks {ranks:?}");
+                // The 7-sample dataset is drawn 3 times an epoch each (and
+                // again where the padding repeats the order's start).
+                if ranks.len() == 3 && name == "from the start" {
+                    assert!(got[50..].iter().all(|&c| c >= 9), "{got:?}");
+                }
+            }
+        }
     }
 
     /// In cluster mode the samples this node does not hold are members

@@ -726,6 +726,12 @@ impl MixEpoch {
         &self.order
     }
 
+    /// The order's position where rank 0's step 0 is (after the entries
+    /// consumed before a resume in this epoch).
+    pub(crate) fn base(&self) -> u64 {
+        self.base
+    }
+
     /// The order's position of this rank's step `k` (before wrapping: past
     /// the order's end is padding, which repeats its start).
     pub fn global_index(&self, k: u64) -> u64 {

@@ -16,10 +16,11 @@ pub(crate) struct ReadArgs {
     space: Option<PathBuf>,
     /// Or a mixture of datasets read side by side: PATH:WEIGHT,... (PATH a
     /// space, a catalog .ksc or a source; WEIGHT a proportion 0.7,
-    /// repeat=R or choose=N). Each epoch's line then counts the samples of
-    /// each dataset and gives a digest of the order delivered.
+    /// repeat=R or choose=N), or the flag once per dataset (--mix A:0.7
+    /// --mix B:0.3), in the order given. Each epoch's line then counts the
+    /// samples of each dataset and gives a digest of the order delivered.
     #[arg(long, conflicts_with_all = ["space", "source"], value_parser = crate::opt_list("mix"))]
-    mix: Option<String>,
+    mix: Vec<String>,
     /// Samples per epoch that the mixture's proportions divide.
     #[arg(long, value_parser = crate::opt::<u64>("mix_epoch_size"))]
     mix_epoch_size: Option<u64>,
@@ -246,8 +247,8 @@ impl RdmaArgs {
 
 pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
     let mut b = match (&a.space, &a.source) {
-        _ if a.mix.is_some() => {
-            let entries = a.mix.as_deref().unwrap_or_default().split(',');
+        _ if !a.mix.is_empty() => {
+            let entries = a.mix.iter().flat_map(|m| m.split(','));
             let b = LoaderBuilder::mix(
                 entries
                     .map(kspeed::loader::parse_mix_entry)
@@ -439,7 +440,7 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
         while loader.acquire_batch()? > 0 {
             let mut bytes = 0;
             for i in 0..loader.held_len() {
-                if a.mix.is_some() {
+                if !a.mix.is_empty() {
                     // The order, not just the set: each id folded after
                     // the ones before it.
                     let s = loader.held_sample(i);
@@ -492,7 +493,7 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
             (st.samples - s0) as f64 / secs,
             HumanBytes(((st.bytes - b0) as f64 / secs) as u64)
         ));
-        if a.mix.is_some() {
+        if !a.mix.is_empty() {
             let counts: Vec<String> = per_dataset
                 .iter()
                 .enumerate()
