@@ -133,6 +133,82 @@ fn a_mixture_is_read_through_the_agent_exactly() {
     drop(agent);
 }
 
+/// The node tier over a mixture's spaces (`kspeed agent --space A --space
+/// B --tier-bytes`; it was refused at the agent's start): a job whose
+/// weights draw the 130-sample space 4 times an epoch on 2 ranks of this
+/// node has the tier chosen by the node's draws (that space first: the
+/// tier holds it and about one more sample), so after rank 0's three
+/// epochs rank 1 reads only the other space from disk and every draw of
+/// the upsampled one comes from the tier; both ranks byte-exact and in
+/// order against embedded ranks.
+#[test]
+fn the_node_tier_holds_what_a_mixture_draws_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b, cats) = two_spaces(dir.path());
+    let b_bytes: u64 = (0..cats[1].len())
+        .map(|i| u64::from(cats[1].sample(i).len).next_multiple_of(64))
+        .sum();
+    // The members chosen again fit in the slots' bytes taken at the start
+    // (in id order: A's samples, which may leave up to a slot unused).
+    let a_largest = (0..cats[0].len())
+        .map(|i| u64::from(cats[0].sample(i).len))
+        .max();
+    let sock = dir.path().join("agent.sock");
+    let tier = (b_bytes + a_largest.unwrap().next_multiple_of(64)).to_string();
+    let agent = Agent::start(
+        &a,
+        &sock,
+        &["--space", s(&b), "--tier-bytes", &tier, "--no-mlock"],
+    );
+    let w = [Weight::Choose(50), Weight::Repeat(4.0)];
+    for rank in 0..2 {
+        let build = |agent: Option<&Path>| {
+            mix(&a, &b, w, agent)
+                .rank(rank, 2)
+                .local_rank(rank, 2)
+                .end_epoch(Some(3))
+                .build()
+                .unwrap()
+        };
+        let mut attached = build(Some(&sock));
+        assert!(attached.attached());
+        let got = epochs(&mut attached, 0, 3, &cats);
+        let st = attached.stats();
+        drop(attached);
+        let want = epochs(&mut build(None), 0, 3, &cats);
+        assert_eq!(got, want, "rank {rank}");
+        let drawn_b = got.iter().filter(|x| x.0 == 1).count() as u64;
+        let drawn_a = got.len() as u64 - drawn_b;
+        assert_eq!(
+            st.disk_reads + st.tier_hits,
+            got.len() as u64,
+            "rank {rank}: every sample read or a tier hit"
+        );
+        if rank == 0 {
+            // Each of B's samples is read once to fill its member (or a
+            // few times, while its first read is in flight).
+            assert!(
+                st.tier_hits >= drawn_b - 2 * cats[1].len(),
+                "rank 0: {} tier hits of {drawn_b} draws of B",
+                st.tier_hits
+            );
+        } else {
+            assert!(
+                st.disk_reads <= drawn_a && st.disk_reads >= drawn_a / 2,
+                "rank 1: {} disk reads, {} tier hits: only A ({drawn_a} draws) from disk, \
+                 every draw of B ({drawn_b}) from the tier",
+                st.disk_reads,
+                st.tier_hits
+            );
+        }
+    }
+    agent.log.wait_for(
+        &["node memory tier chosen by the reads of ranks 0..2 of 2"],
+        Duration::from_secs(10),
+    );
+    drop(agent);
+}
+
 /// Spaces of other alignments (4096 and 512 bytes) mixed, in either
 /// order: the ring's slots take the largest, and each space is read in
 /// blocks of its own, so its last sample is not read past its extent's
@@ -389,7 +465,7 @@ fn a_mixture_rank_written_from_the_docs_alone_reads_exactly() {
 /// its spaces alone, or of its spaces in another order, is refused by the
 /// agent (the dataset it reads is not the one served); a mixture with a
 /// catalog is refused by the rank (`agent = required`); an agent given
-/// several spaces with a node tier or a cache area does not start.
+/// several spaces with a cache area or a partial space does not start.
 #[test]
 fn what_an_agent_serving_a_mixture_refuses_is_named() {
     let dir = tempfile::tempdir().unwrap();
@@ -445,7 +521,6 @@ fn what_an_agent_serving_a_mixture_refuses_is_named() {
     ]);
     let p = s(&partial);
     for (flag, needle) in [
-        (["--tier-bytes", "1MiB"], "--tier-bytes"),
         (["--cache-bytes", "1MiB"], "--cache-dir"),
         (["--space", p], "a partial space"),
     ] {

@@ -33,7 +33,7 @@ use std::time::{Duration, Instant};
 use super::attach::{AttachListener, Attached, Incoming, ListenerConfig};
 use super::cluster::{AgentCluster, KeptLinks};
 use super::msg::{RefuseCode, FLAG_DROP_LAST, FLAG_SHUFFLE, FLAG_VERIFY_CRC32C};
-use super::node_tier::{NodeTier, TierLayout};
+use super::node_tier::{NodeSamples, NodeTier, TierLayout};
 use super::segment::{side_state, Liveness, Segment, Side};
 use super::shm::RingMap;
 use crate::dataset::Space;
@@ -233,13 +233,8 @@ struct OpenPartRef<'a> {
 
 fn open_space(cfg: &AgentConfig) -> Result<OpenSpace> {
     if !cfg.more_spaces.is_empty() {
-        // Neither is built for a mixture yet: say so at the start, not at
-        // every rank's attach.
-        if cfg.tier_bytes > 0 {
-            return Err(Error::InvalidConfig(
-                "--tier-bytes: the node tier holds one space's samples; an agent serving a mixture's spaces (several --space) has none yet".into(),
-            ));
-        }
+        // Not built for a mixture yet: say so at the start, not at every
+        // rank's attach.
         if cfg.cache.is_some() {
             return Err(Error::InvalidConfig(
                 "--cache-dir: an agent serving a mixture's spaces (several --space) keeps no cache area yet".into(),
@@ -282,23 +277,20 @@ fn open_space(cfg: &AgentConfig) -> Result<OpenSpace> {
             .collect();
         u64::from(crate::dataset::mixture_identity(&ids))
     };
-    let space = &first.space;
     // Checked fills: a member is copied from one rank's ring (memory that
     // rank can write) and served to every other rank. In a cluster,
     // members this node does not hold are filled when their owners push
     // them (the network thread) and then served from memory.
     // In a cluster the samples other nodes hold come first: a hit on one
-    // saves a push, a hit on a local one only an NVMe read.
+    // saves a push, a hit on a local one only an NVMe read. A mixture's
+    // spaces are one id space, as its ranks' loaders number them.
+    let samples = NodeSamples::new(std::iter::once(&first).chain(&more).map(|p| &*p.space));
     let tier = if cfg.cluster.is_some() {
-        Tier::preferring(
-            space.catalog(),
-            cfg.tier_bytes,
-            cfg.tier_mlock,
-            true,
-            &|id| space.location(id).is_none(),
-        )?
+        Tier::preferring(&samples, cfg.tier_bytes, cfg.tier_mlock, true, &|id| {
+            samples.remote(id)
+        })?
     } else {
-        Tier::new_checked(space.catalog(), cfg.tier_bytes, cfg.tier_mlock)?
+        Tier::new_checked(&samples, cfg.tier_bytes, cfg.tier_mlock)?
     };
     if let Some(t) = &tier {
         log::info!(
@@ -708,7 +700,8 @@ fn start_rank(
     let tier = open.tier.as_ref().and_then(|t| {
         let mut t = lock(t);
         let in_cluster = cfg.cluster.is_some();
-        let got = t.take(uid, TierLayout::of(&req), &open.space, in_cluster);
+        let samples = NodeSamples::new(open.parts().map(|p| &**p.space));
+        let got = t.take(uid, TierLayout::of(&req), &samples, in_cluster);
         if got.is_none() {
             log::info!(
                 "agent: rank {} (pid {pid}, uid {uid}) reads without the node tier: it holds samples read for uid {}'s ranks, {} still attached (ranks of one user share the tier)",

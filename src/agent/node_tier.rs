@@ -5,9 +5,63 @@
 
 use std::sync::Arc;
 
-use super::msg::{AttachRequest, FLAG_DROP_LAST, FLAG_SHUFFLE};
+use super::msg::{AttachRequest, MixAttach, FLAG_DROP_LAST, FLAG_SHUFFLE};
 use crate::dataset::Space;
+use crate::loader::tier::TierSamples;
 use crate::loader::Tier;
+
+/// The samples the node tier may hold: the agent's space, or a mixture's
+/// spaces side by side in one id space (space `d`'s sample `i` is id
+/// `offsets[d] + i`, as a mixture's loader numbers them).
+pub(super) struct NodeSamples<'a> {
+    spaces: Vec<&'a Space>,
+    offsets: Vec<u64>,
+}
+
+impl<'a> NodeSamples<'a> {
+    /// The spaces served, in order.
+    pub(super) fn new(spaces: impl IntoIterator<Item = &'a Space>) -> Self {
+        let spaces: Vec<&Space> = spaces.into_iter().collect();
+        let mut offsets = Vec::with_capacity(spaces.len());
+        let mut next = 0;
+        for sp in &spaces {
+            offsets.push(next);
+            next += sp.catalog().len();
+        }
+        NodeSamples { spaces, offsets }
+    }
+
+    /// Id `id`'s space and its id there.
+    fn part(&self, id: u64) -> (&Space, u64) {
+        let d = self.offsets.partition_point(|&o| o <= id) - 1;
+        (self.spaces[d], id - self.offsets[d])
+    }
+
+    /// Whether this node does not hold sample `id` (in a cluster: another
+    /// node pushes it).
+    pub(super) fn remote(&self, id: u64) -> bool {
+        let (space, local) = self.part(id);
+        space.location(local).is_none()
+    }
+
+    /// Each space's sample count.
+    fn lens(&self) -> Vec<u64> {
+        self.spaces.iter().map(|sp| sp.catalog().len()).collect()
+    }
+}
+
+impl TierSamples for NodeSamples<'_> {
+    fn ids(&self) -> u64 {
+        self.offsets.last().copied().unwrap_or(0)
+            + self.spaces.last().map_or(0, |sp| sp.catalog().len())
+    }
+
+    fn len_crc(&self, id: u64) -> (u32, u32) {
+        let (space, local) = self.part(id);
+        let smp = space.catalog().sample(local);
+        (smp.len, smp.crc32c)
+    }
+}
 
 /// The node tier and whose it is. A member is filled from one rank's ring,
 /// memory that rank can write, and copied into other ranks' rings; a CRC
@@ -41,6 +95,8 @@ pub(super) struct TierLayout {
     from: u64,
     end: Option<u64>,
     shuffle_block: u64,
+    /// A mixture's counts and where its order starts (version 6).
+    mix: Option<MixAttach>,
 }
 
 impl TierLayout {
@@ -57,6 +113,7 @@ impl TierLayout {
             from: req.start_epoch,
             end: req.end_epoch,
             shuffle_block: req.shuffle_block,
+            mix: req.mix.clone(),
         })
     }
 
@@ -70,6 +127,7 @@ impl TierLayout {
             &self.ranks,
             self.end,
             self.shuffle_block,
+            &self.mix,
         ) == (
             other.seed,
             other.world,
@@ -77,23 +135,44 @@ impl TierLayout {
             &other.ranks,
             other.end,
             other.shuffle_block,
+            &other.mix,
         )
     }
 
-    /// How often the node's ranks read each sample of a dataset of `len`
-    /// in the coming epochs; None where every count is the same (the node
-    /// holds every rank of the job).
-    fn reads(&self, len: u64) -> Option<Vec<u16>> {
-        let sampler = crate::sampler::Sampler::new(crate::sampler::SamplerConfig {
-            len,
+    /// How often the node's ranks read each sample of datasets of `lens`
+    /// (one, or a mixture's side by side) in the coming epochs; None where
+    /// every count is the same (the node holds every rank of a job of one
+    /// dataset) or the job's schedule cannot be made (its loaders are
+    /// refused by name).
+    fn reads(&self, lens: &[u64]) -> Option<Vec<u16>> {
+        use crate::sampler::{MixPosition, MixSampler, Sampler, SamplerConfig};
+        let cfg = SamplerConfig {
+            len: lens.iter().sum(),
             seed: self.seed,
             shuffle: self.flags & FLAG_SHUFFLE != 0,
             rank: 0,
             world: self.world,
             drop_last: self.flags & FLAG_DROP_LAST != 0,
             shuffle_block: self.shuffle_block,
-        })
-        .ok()?;
+        };
+        let sampler = match &self.mix {
+            None => Sampler::new(cfg).ok()?,
+            // As the agent builds the rank's loader (`Weight::Choose` of
+            // each count, resumed where the mixed order starts).
+            Some(m) => {
+                let start = MixPosition {
+                    epoch: m.start_epoch,
+                    consumed: m.start_consumed,
+                    counts: m.counts.clone(),
+                    skip: m.skip.clone(),
+                };
+                let mix = MixSampler::new(cfg, lens, &m.counts)
+                    .ok()?
+                    .resume(&start)
+                    .ok()?;
+                Sampler::mixed(mix).ok()?
+            }
+        };
         crate::loader::tier::future_reads(&sampler, self.ranks.clone(), self.from, self.end)
     }
 }
@@ -108,7 +187,7 @@ impl NodeTier {
         &mut self,
         uid: u32,
         want: Option<TierLayout>,
-        space: &Space,
+        samples: &NodeSamples<'_>,
         in_cluster: bool,
     ) -> Option<Arc<Tier>> {
         if self.uid != Some(uid) {
@@ -127,11 +206,11 @@ impl NodeTier {
         let allowed = crate::loader::tier::by_reads_allowed();
         if let Some(want) = want.filter(|w| allowed && self.ranks == 0 && !chosen(w)) {
             let t0 = std::time::Instant::now();
-            let reads = want.reads(space.catalog().len());
+            let reads = want.reads(&samples.lens());
             match (Arc::get_mut(&mut self.tier), reads) {
                 (Some(tier), Some(reads)) => {
-                    let remote = |id| in_cluster && space.location(id).is_none();
-                    tier.relayout(space.catalog(), &reads, &remote);
+                    let remote = |id| in_cluster && samples.remote(id);
+                    tier.relayout(samples, &reads, &remote);
                     log::info!(
                         "agent: node memory tier chosen by the reads of ranks {:?} of {} from epoch {}: {} samples, {} bytes ({} ms)",
                         want.ranks,
@@ -207,6 +286,7 @@ mod tests {
             from,
             end: Some(12),
             shuffle_block: 0,
+            mix: None,
         }
     }
 
@@ -227,39 +307,51 @@ mod tests {
             ranks: 0..6,
             ..job(1, 0, 0)
         };
-        let got = t.take(7, Some(whole), &space, false).unwrap();
+        let got = t
+            .take(7, Some(whole), &NodeSamples::new([&space]), false)
+            .unwrap();
         drop(got);
         t.give_back();
         assert_eq!(members(&t), at_start);
         assert!(t.layout.is_none());
         // A job on ranks 2-3 of 6: chosen by their reads.
-        let got = t.take(7, Some(job(1, 2, 0)), &space, false).unwrap();
+        let got = t
+            .take(7, Some(job(1, 2, 0)), &NodeSamples::new([&space]), false)
+            .unwrap();
         let chosen = members(&t);
         assert_ne!(chosen, at_start);
         // Held: a rank of another job attaching meanwhile changes nothing.
-        let held = t.take(7, Some(job(2, 0, 0)), &space, false).unwrap();
+        let held = t
+            .take(7, Some(job(2, 0, 0)), &NodeSamples::new([&space]), false)
+            .unwrap();
         assert_eq!(members(&t), chosen);
         drop((got, held));
         t.give_back();
         t.give_back();
         // The same job restarted at a later epoch keeps its members.
-        let got = t.take(7, Some(job(1, 2, 3)), &space, false).unwrap();
+        let got = t
+            .take(7, Some(job(1, 2, 3)), &NodeSamples::new([&space]), false)
+            .unwrap();
         assert_eq!(members(&t), chosen);
         drop(got);
         t.give_back();
         // A rank that says nothing keeps them too.
-        let got = t.take(7, None, &space, false).unwrap();
+        let got = t.take(7, None, &NodeSamples::new([&space]), false).unwrap();
         assert_eq!(members(&t), chosen);
         drop(got);
         t.give_back();
         // Another job, the tier free: chosen again.
-        let got = t.take(7, Some(job(2, 2, 0)), &space, false).unwrap();
+        let got = t
+            .take(7, Some(job(2, 2, 0)), &NodeSamples::new([&space]), false)
+            .unwrap();
         assert_ne!(members(&t), chosen);
         drop(got);
         t.give_back();
         // Another user's job while this user's rank holds it: no tier.
-        let mine = t.take(7, None, &space, false).unwrap();
-        assert!(t.take(8, Some(job(3, 0, 0)), &space, false).is_none());
+        let mine = t.take(7, None, &NodeSamples::new([&space]), false).unwrap();
+        assert!(t
+            .take(8, Some(job(3, 0, 0)), &NodeSamples::new([&space]), false)
+            .is_none());
         drop(mine);
     }
 }

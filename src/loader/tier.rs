@@ -170,8 +170,12 @@ impl Tier {
     /// catalog's CRC32C before the member is published (4 bytes per sample
     /// of the catalog kept), and copies to and from rings go through the
     /// kernel ([`crate::sys::copy_faultable`]).
-    pub fn new_checked(catalog: &Catalog, budget_bytes: u64, mlock: bool) -> Result<Option<Tier>> {
-        Self::build(catalog, budget_bytes, mlock, true, &mut (0..catalog.len()))
+    pub(crate) fn new_checked(
+        catalog: &dyn TierSamples,
+        budget_bytes: u64,
+        mlock: bool,
+    ) -> Result<Option<Tier>> {
+        Self::build(catalog, budget_bytes, mlock, true, &mut (0..catalog.ids()))
     }
 
     /// Members: the samples of `order` (each id once) that fit, in that
