@@ -139,6 +139,20 @@ impl Setup {
     /// A rank reading the mixture: from node 0's spaces (`local`) or from
     /// the catalogs alone.
     fn consumer(&self, serves: &[Option<Serve>], local: bool, rank: u32, world: u32) -> Loader {
+        self.consumer_with_tier(serves, local, rank, world, 0, None)
+    }
+
+    /// [`Setup::consumer`] with a memory tier of `tier_bytes`, reading
+    /// epochs below `end_epoch`.
+    fn consumer_with_tier(
+        &self,
+        serves: &[Option<Serve>],
+        local: bool,
+        rank: u32,
+        world: u32,
+        tier_bytes: u64,
+        end_epoch: Option<u64>,
+    ) -> Loader {
         let parts: Vec<PathBuf> = if local {
             vec![self.space(0, 0), self.space(1, 0)]
         } else {
@@ -160,6 +174,8 @@ impl Setup {
             .pin(false)
             .landing(test_ring(8 << 20))
             .rdma(rdma_mode().then(Default::default))
+            .tier_bytes(tier_bytes)
+            .end_epoch(end_epoch)
             .build()
             .unwrap()
     }
@@ -247,6 +263,31 @@ fn two_ranks_read_a_mixture_from_nodes_serving_two_spaces() {
             assert_eq!(stats.disk_reads, 0, "rank 1 holds nothing");
         }
     }
+    // With a memory tier over the mixture that holds both datasets, a
+    // sample read or pushed once is served from memory when it is drawn
+    // again: pushed samples in place of a grant (the network thread),
+    // local ones in place of a read; byte-exact, in order.
+    let mut l = st.consumer_with_tier(&serves, true, 0, 2, 64 << 20, Some(3));
+    let want = st.order(0, 2);
+    let mut seen = std::collections::HashSet::new();
+    let mut again = 0u64;
+    for e in 0..3 {
+        read_epoch(&mut l, &st, &want, e, |_| {}).unwrap();
+        let order = want.epoch(e);
+        for k in 0..order.per_rank() {
+            again += u64::from(!seen.insert(order.sample(k).id));
+        }
+    }
+    let stats = l.stats();
+    assert_eq!(stats.failovers, 0);
+    // A draw read or granted ahead before its first copy landed is read
+    // (or pushed) again: 81-87 % of them were hits here. Node 0 holds a
+    // third of the samples, so local fills alone would give about that.
+    assert!(
+        stats.tier_hits <= again && stats.tier_hits >= again / 2,
+        "{} tier hits of {again} draws of a sample drawn before",
+        stats.tier_hits
+    );
 }
 
 #[test]
