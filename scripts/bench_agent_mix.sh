@@ -55,5 +55,8 @@ EOF
 echo "mixture $MIX, $RANKS ranks"
 for round in $(seq 1 "${ROUNDS:-3}"); do
   if [ $((round % 2)) = 1 ]; then order="attached embedded"; else order="embedded attached"; fi
-  for mode in $order; do echo "round $round $(run $mode)"; done
+  for mode in $order; do
+    line=$(run "$mode") || { echo "$line"; exit 1; }
+    echo "round $round $line"
+  done
 done

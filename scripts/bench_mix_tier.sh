@@ -51,5 +51,8 @@ EOF
 echo "mixture $MIX, $EPOCHS epochs, tier $TIER bytes"
 for round in $(seq 1 "${ROUNDS:-3}"); do
   if [ $((round % 2)) = 1 ]; then order="none tier"; else order="tier none"; fi
-  for mode in $order; do echo "round $round $(run $mode)"; done
+  for mode in $order; do
+    line=$(run "$mode") || { echo "$line"; exit 1; }
+    echo "round $round $line"
+  done
 done

@@ -16,18 +16,20 @@ for ip in 10.77.0.2 10.77.0.3 10.77.0.4; do
 done
 # sharded BIN FILTER_ARGS...: BIN's tests (a libtest binary; FILTER_ARGS
 # are --skip and name filters) in two processes at once, each one test at a
-# time, each process's output shown when both have ended. Most of these
-# tests wait out deadlines (failover, restarts, timeouts), which two at a
-# time overlap; outside the VM nextest runs them two at a time as well. Run
-# one at a time they took over 10 of CI's minutes.
+# time, each line of their output as it comes, marked with its shard (a
+# hung test shows which). Most of these tests wait out deadlines
+# (failover, restarts, timeouts), which two at a time overlap; outside the
+# VM nextest runs them two at a time as well. Run one at a time they took
+# over 12 of CI's minutes.
 sharded() {
   local bin=$1
   shift
-  local names=() shard0=() shard1=() i logs
-  logs=$(mktemp -d)
+  local names=() shard0=() shard1=() i list
+  list=$(mktemp)
   # A file, not a process substitution: the VM has no /dev/fd.
-  "$bin" --list --format terse "$@" | sed -n 's/: test$//p' >"$logs/names"
-  mapfile -t names <"$logs/names"
+  "$bin" --list --format terse "$@" | sed -n 's/: test$//p' >"$list"
+  mapfile -t names <"$list"
+  rm -f "$list"
   if [ "${#names[@]}" = 0 ]; then
     echo "FAILED: $bin lists no test for: $*" >&2
     return 1
@@ -35,18 +37,13 @@ sharded() {
   for i in "${!names[@]}"; do
     if [ $((i % 2)) = 0 ]; then shard0+=("${names[$i]}"); else shard1+=("${names[$i]}"); fi
   done
-  "$bin" --exact --test-threads 1 "${shard0[@]}" >"$logs/0" 2>&1 &
-  local pid0=$!
-  local rc1=0 rc0=0
+  # pipefail (set above): a shard's status is its test binary's.
+  ("$bin" --exact --test-threads 1 "${shard0[@]}" 2>&1 | sed -u 's/^/[shard 0] /') &
+  local pid0=$! rc0=0 rc1=0
   if [ "${#shard1[@]}" != 0 ]; then
-    "$bin" --exact --test-threads 1 "${shard1[@]}" >"$logs/1" 2>&1 || rc1=$?
+    "$bin" --exact --test-threads 1 "${shard1[@]}" 2>&1 | sed -u 's/^/[shard 1] /' || rc1=$?
   fi
   wait "$pid0" || rc0=$?
-  for i in 0 1; do
-    [ -f "$logs/$i" ] || continue
-    echo "-- shard $i of $bin"
-    cat "$logs/$i"
-  done
   if [ "$rc0" != 0 ] || [ "$rc1" != 0 ]; then
     echo "FAILED: $bin (shard exits $rc0 and $rc1)" >&2
     return 1

@@ -43,7 +43,10 @@ impl Nodes {
         ok(&["catalog", "--source", s(&src), "--out", s(&catalog)]);
         let pid = std::process::id();
         let (a, b) = (10 + (pid % 200) as u8, tag);
-        let port = 20_000 + (pid % 20_000) as u16;
+        // Over RDMA all on the same addresses: 16 ports per process
+        // (tags 1-9), so two test processes started together (the VM runs
+        // this binary in two shards at once) never take the same port.
+        let port = 20_000 + (pid % 2_000) as u16 * 16;
         let addrs: Vec<String> = (0..nodes)
             .map(|i| {
                 if rdma() {

@@ -118,7 +118,9 @@ impl TierLayout {
     }
 
     /// Whether `other` is the same job on the same ranks of this node,
-    /// whatever epoch it starts at (a restart keeps what its tier holds).
+    /// whatever epoch it starts at (a restart keeps what its tier holds);
+    /// a mixture's with the same weights' counts, wherever its order
+    /// resumed (new weights draw other samples: chosen again).
     fn same_job(&self, other: &TierLayout) -> bool {
         (
             self.seed,
@@ -127,7 +129,7 @@ impl TierLayout {
             &self.ranks,
             self.end,
             self.shuffle_block,
-            &self.mix,
+            self.mix.as_ref().map(|m| &m.counts),
         ) == (
             other.seed,
             other.world,
@@ -135,7 +137,7 @@ impl TierLayout {
             &other.ranks,
             other.end,
             other.shuffle_block,
-            &other.mix,
+            other.mix.as_ref().map(|m| &m.counts),
         )
     }
 
@@ -345,6 +347,36 @@ mod tests {
             .take(7, Some(job(2, 2, 0)), &NodeSamples::new([&space]), false)
             .unwrap();
         assert_ne!(members(&t), chosen);
+        drop(got);
+        t.give_back();
+        // A mixture's job (here of the one space, drawn 400 times an
+        // epoch): chosen by its draws; the same weights resumed elsewhere
+        // in the order keep the members, new weights choose again.
+        let mixed = |count: u64, start_epoch: u64, start_consumed: u64| TierLayout {
+            mix: Some(MixAttach {
+                counts: vec![count],
+                skip: vec![0],
+                start_epoch,
+                start_consumed,
+            }),
+            ..job(4, 2, start_epoch)
+        };
+        let samples = NodeSamples::new([&space]);
+        let got = t.take(7, Some(mixed(400, 0, 0)), &samples, false).unwrap();
+        let by_draws = members(&t);
+        assert_ne!(by_draws, chosen);
+        drop(got);
+        t.give_back();
+        let got = t
+            .take(7, Some(mixed(400, 2, 150)), &samples, false)
+            .unwrap();
+        assert_eq!(members(&t), by_draws, "the same weights, resumed");
+        drop(got);
+        t.give_back();
+        let got = t
+            .take(7, Some(mixed(100, 2, 150)), &samples, false)
+            .unwrap();
+        assert_ne!(members(&t), by_draws, "new weights");
         drop(got);
         t.give_back();
         // Another user's job while this user's rank holds it: no tier.

@@ -31,7 +31,8 @@ pub enum AgentMode {
     /// Never: the loader runs its own pollers (embedded).
     Off,
     /// The default. In cluster mode where the agent can serve the loader
-    /// (its socket exists; no tier, GPU ring or mixture): attached;
+    /// (its socket exists; no tier or GPU ring of its own, a mixture only
+    /// of the spaces the agent serves): attached;
     /// otherwise (or when the attach fails or the agent refuses the rank,
     /// with one WARN) embedded. The README's single-node first command is
     /// therefore unchanged.

@@ -528,7 +528,10 @@ fn mixture_reads(
     end: Option<u64>,
 ) -> Vec<u16> {
     let world = u64::from(m.config().world);
-    let per_epoch = (m.per_rank(from) * ranks.len() as u64).max(1);
+    // An ordinary epoch's (the one `from` resumed in may be nearly over,
+    // and epochs before the mixed order's start deal nothing).
+    let ordinary = from.max(m.start_epoch()).saturating_add(1);
+    let per_epoch = (m.per_rank(ordinary) * ranks.len() as u64).max(1);
     let epochs = end
         .map_or(READS_EPOCHS, |e| e.saturating_sub(from))
         .min(READS_EPOCHS)

@@ -58,6 +58,41 @@ def test_mix_counts_datasets_and_bytes(space, second, weights):
     loader.close()
 
 
+@pytest.mark.parametrize("views", [False, True])
+def test_mix_with_a_memory_tier_reads_a_repeated_dataset_from_memory(space, second, views):
+    """A memory tier over a mixture: the 17-sample dataset drawn 3 times an
+    epoch is what the tier holds (its members chosen by the mixture's
+    draws), so after its first reads its draws are tier hits; every sample
+    byte-exact, copied into the ring or handed out in place."""
+    root2, cat2 = second
+    cats = [kspeed.Catalog.open(os.path.join(space, "catalog.ksc")), kspeed.Catalog.open(cat2)]
+    n0 = len(cats[0])
+    loader = kspeed.Loader(
+        mix=[(space, "choose=20"), (cat2, "repeat=3")],
+        batch_size=8,
+        seed=3,
+        mlock=False,
+        tier_bytes="4MiB",
+        tier_views=views,
+        end_epoch=2,
+    )
+    drawn = 0
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        for b in loader:
+            ids = b.ids
+            for i in range(len(b)):
+                d = int(b.dataset[i])
+                local = int(ids[i]) - (n0 if d else 0)
+                assert b.sample(i).tobytes() == cats[d].read_source(local), (d, local)
+                drawn += d == 1 and cats[1].lengths[local] > 0
+    stats = loader.stats()
+    # Each of the repeated dataset's samples is read once (or again while
+    # that read is in flight); the rest of its draws are hits.
+    assert drawn - 2 * len(cats[1]) <= stats["tier_hits"] <= drawn + 2 * 20, (stats["tier_hits"], drawn)
+    loader.close()
+
+
 def test_mix_is_refused_with_space_and_names_a_bad_weight(space, second):
     _, cat2 = second
     with pytest.raises(ValueError, match="exactly one of"):
