@@ -174,7 +174,9 @@ fn forked_child_is_refused_and_the_parent_goes_on() {
 /// exact count, `ksp_sample.dataset` and bytes, under AddressSanitizer;
 /// the rank's position is a `KSPDPOS4` (a `KSP_POSITION_BYTES` buffer is
 /// too small, naming the size) that `ksp_audit` audits alone, and a digest
-/// one sample short is `KSP_ERR_DATA` ("some skipped").
+/// one sample short is `KSP_ERR_DATA` ("some skipped"); with a memory tier
+/// over the mixture (`tier_bytes`), the second epoch's repeats come from
+/// it (`ksp_stats.tier_hits`).
 #[test]
 fn c_mixture_counts_and_labels_datasets() {
     let d = data();

@@ -5,9 +5,11 @@
  *
  * SPACE is a preloaded space and SOURCE its source directory: the mixture
  * reads them side by side (the space's samples first in the id space),
- * 3:1, in an epoch of 400. Checks each dataset's count, that every
- * sample's `dataset` matches its id's range, and every sample's bytes;
- * then the rank's position (KSPDPOS4) and ksp_audit of it.
+ * 3:1, in an epoch of 400, with a memory tier over both. Checks each
+ * dataset's count, that every sample's `dataset` matches its id's range,
+ * and every sample's bytes; then the rank's position (KSPDPOS4) and
+ * ksp_audit of it; then a second epoch, whose samples drawn in the first
+ * come from the tier.
  * Prints one line per failed check and exits non-zero if any failed. */
 #include <kspeed.h>
 
@@ -45,35 +47,10 @@ static uint32_t crc32c(const uint8_t *p, size_t n) {
     return ~c;
 }
 
-int main(int argc, char **argv) {
-    if (argc != 4) {
-        fprintf(stderr, "usage: mix_test SPACE SOURCE WORKDIR\n");
-        return 2;
-    }
-    char mix[8192];
-    snprintf(mix, sizeof mix, "%s:0.75,%s:0.25", argv[1], argv[2]);
-    ksp_config *cfg = NULL;
-    CHECK(ksp_config_new(&cfg) == KSP_OK, "%s", last_error());
-    const char *kv[][2] = {
-        {"mix", mix}, {"mix_epoch_size", "400"}, {"batch_size", "16"}, {"seed", "9"},
-        {"ring_bytes", "4MiB"}, {"pollers", "1"}, {"pin", "false"}, {"mlock", "false"},
-        {"huge_pages", "false"},
-    };
-    for (size_t i = 0; i < sizeof kv / sizeof kv[0]; i++)
-        CHECK(ksp_config_set(cfg, kv[i][0], kv[i][1]) == KSP_OK, "%s: %s", kv[i][0], last_error());
-    /* A bad weight is refused by the options table, naming the key. */
-    CHECK(ksp_config_set(cfg, "mix", "a:0.5,b:-2") == KSP_ERR_INVALID_ARG, "negative weight");
-    CHECK(strstr(last_error(), "mix") != NULL, "message names the key: %s", msg);
-    ksp_loader *l = NULL;
-    CHECK(ksp_loader_new(cfg, &l) == KSP_OK, "%s", last_error());
-    ksp_config_free(cfg);
-    if (!l) return 1;
-    /* The space's catalog is the first dataset's; the source holds the
-     * same samples, so dataset 1's local id has the same catalog entry. */
-    uint64_t n0 = 0;
-    CHECK(ksp_loader_catalog_len(l, &n0) == KSP_OK, "%s", last_error());
-    uint64_t count[2] = {0, 0};
-    CHECK(ksp_loader_set_epoch(l, 0) == KSP_OK, "%s", last_error());
+/* Reads epoch `e` to its end, checking every sample; counts each
+ * dataset's samples into `count`. */
+static void read_epoch(ksp_loader *l, uint64_t e, uint64_t n0, uint64_t count[2]) {
+    CHECK(ksp_loader_set_epoch(l, e) == KSP_OK, "%s", last_error());
     for (;;) {
         ksp_batch b = KSP_BATCH_INIT;
         CHECK(ksp_loader_next_batch(l, &b) == KSP_OK, "%s", last_error());
@@ -93,6 +70,37 @@ int main(int argc, char **argv) {
         }
         CHECK(ksp_loader_release_batch(l, b.seq) == KSP_OK, "%s", last_error());
     }
+}
+
+int main(int argc, char **argv) {
+    if (argc != 4) {
+        fprintf(stderr, "usage: mix_test SPACE SOURCE WORKDIR\n");
+        return 2;
+    }
+    char mix[8192];
+    snprintf(mix, sizeof mix, "%s:0.75,%s:0.25", argv[1], argv[2]);
+    ksp_config *cfg = NULL;
+    CHECK(ksp_config_new(&cfg) == KSP_OK, "%s", last_error());
+    const char *kv[][2] = {
+        {"mix", mix}, {"mix_epoch_size", "400"}, {"batch_size", "16"}, {"seed", "9"},
+        {"ring_bytes", "4MiB"}, {"pollers", "1"}, {"pin", "false"}, {"mlock", "false"},
+        {"huge_pages", "false"}, {"tier_bytes", "16MiB"},
+    };
+    for (size_t i = 0; i < sizeof kv / sizeof kv[0]; i++)
+        CHECK(ksp_config_set(cfg, kv[i][0], kv[i][1]) == KSP_OK, "%s: %s", kv[i][0], last_error());
+    /* A bad weight is refused by the options table, naming the key. */
+    CHECK(ksp_config_set(cfg, "mix", "a:0.5,b:-2") == KSP_ERR_INVALID_ARG, "negative weight");
+    CHECK(strstr(last_error(), "mix") != NULL, "message names the key: %s", msg);
+    ksp_loader *l = NULL;
+    CHECK(ksp_loader_new(cfg, &l) == KSP_OK, "%s", last_error());
+    ksp_config_free(cfg);
+    if (!l) return 1;
+    /* The space's catalog is the first dataset's; the source holds the
+     * same samples, so dataset 1's local id has the same catalog entry. */
+    uint64_t n0 = 0;
+    CHECK(ksp_loader_catalog_len(l, &n0) == KSP_OK, "%s", last_error());
+    uint64_t count[2] = {0, 0};
+    read_epoch(l, 0, n0, count);
     CHECK(count[0] == 300 && count[1] == 100, "counts %llu and %llu", (unsigned long long)count[0],
           (unsigned long long)count[1]);
     /* A mixture's rank position is a KSPDPOS4 of 120 + 24 bytes per
@@ -122,6 +130,17 @@ int main(int argc, char **argv) {
     /* A byte flipped without its CRC: not a position. */
     pos[90] ^= 1;
     CHECK(ksp_audit(ptrs, lens, 1, report, sizeof report, &rn) == KSP_ERR_INVALID_ARG, "a corrupt position");
+    /* The tier holds both datasets: epoch 1's draws of samples epoch 0
+     * read are copies from memory. */
+    ksp_stats before = KSP_STATS_INIT, after = KSP_STATS_INIT;
+    CHECK(ksp_loader_stats(l, &before) == KSP_OK, "%s", last_error());
+    uint64_t again[2] = {0, 0};
+    read_epoch(l, 1, n0, again);
+    CHECK(again[0] == 300 && again[1] == 100, "epoch 1 counts %llu and %llu",
+          (unsigned long long)again[0], (unsigned long long)again[1]);
+    CHECK(ksp_loader_stats(l, &after) == KSP_OK, "%s", last_error());
+    CHECK(after.tier_hits > before.tier_hits + 100, "epoch 1: %llu tier hits",
+          (unsigned long long)(after.tier_hits - before.tier_hits));
     ksp_loader_free(l);
     if (failures) {
         fprintf(stderr, "%d check(s) failed\n", failures);
