@@ -109,6 +109,8 @@ impl Setup {
             s(&self.token),
         ]);
         args.extend(["--listen", &self.addrs[node], "--node-timeout-ms", "2000"]);
+        // A node tier over both spaces that holds them whole.
+        args.extend(["--tier-bytes", "32MiB", "--no-mlock"]);
         if rdma() {
             args.push("--rdma");
         }
@@ -167,7 +169,10 @@ fn epochs(l: &mut Loader, from: u64, n: u64, cats: &[Catalog]) -> Vec<(u32, u64)
 /// Two ranks on each of three nodes read a mixture of two spaces through
 /// their node's agent: each rank's two epochs are, in order and byte for
 /// byte, what the same rank reads embedded from the same three node
-/// services, with samples of both datasets from every node.
+/// services, with samples of both datasets from every node; the node
+/// tier over both spaces keeps what the node's first rank read or was
+/// pushed, so its second rank's draws of those (the 90-sample dataset is
+/// drawn 120 times an epoch) are tier hits.
 #[test]
 fn attached_ranks_read_a_mixture_across_the_cluster() {
     let st = Setup::new();
@@ -185,7 +190,18 @@ fn attached_ranks_read_a_mixture_across_the_cluster() {
         let mut attached = st.rank(node, r, world, true);
         assert!(attached.attached());
         let got = epochs(&mut attached, 1, 2, &st.cats);
+        let tier_hits = attached.stats().tier_hits;
         drop(attached);
+        if r % 2 == 1 {
+            // 103-115 here (with what is read ahead past epoch 2); from
+            // the node's own third of the samples alone, about a third.
+            assert!(
+                tier_hits >= got.len() as u64 / 2,
+                "rank {r}: {tier_hits} tier hits for {} samples after rank {}",
+                got.len(),
+                r - 1
+            );
+        }
         let mut embedded = st.rank(node, r, world, false);
         let want = epochs(&mut embedded, 1, 2, &st.cats);
         assert_eq!(got, want, "rank {r}");
