@@ -106,6 +106,19 @@ pub struct MixAttach {
     pub start_consumed: u64,
 }
 
+impl MixAttach {
+    /// Where the mixed order starts, as the rank's sampler resumes it
+    /// (`MixSampler::resume`).
+    pub fn start(&self) -> crate::sampler::MixPosition {
+        crate::sampler::MixPosition {
+            epoch: self.start_epoch,
+            consumed: self.start_consumed,
+            counts: self.counts.clone(),
+            skip: self.skip.clone(),
+        }
+    }
+}
+
 /// What a rank asks for: enough for the agent to compute the rank's
 /// schedule itself (the sampler's inputs and the start position) and to
 /// check the ring and segment it was given.

@@ -41,7 +41,7 @@ use crate::error::{Error, Result};
 use crate::landing::{CudaMode, LandingOptions};
 use crate::loader::node_pollers::NodePollers;
 use crate::loader::{Loader, LoaderBuilder, Tier};
-use crate::sampler::{MixPosition, Position, Weight};
+use crate::sampler::{Position, Weight};
 
 /// How the agent runs.
 #[derive(Debug, Clone)]
@@ -824,12 +824,7 @@ fn build_loader(
                 .zip(&m.counts)
                 .map(|(p, &c)| (p.space.dir().display().to_string(), Weight::Choose(c))),
         )
-        .mix_start(Some(MixPosition {
-            epoch: m.start_epoch,
-            consumed: m.start_consumed,
-            counts: m.counts.clone(),
-            skip: m.skip.clone(),
-        })),
+        .mix_start(Some(m.start())),
     };
     let b = match &cfg.cluster {
         Some(c) => c.apply(b),

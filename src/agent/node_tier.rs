@@ -147,7 +147,7 @@ impl TierLayout {
     /// dataset) or the job's schedule cannot be made (its loaders are
     /// refused by name).
     fn reads(&self, lens: &[u64]) -> Option<Vec<u16>> {
-        use crate::sampler::{MixPosition, MixSampler, Sampler, SamplerConfig};
+        use crate::sampler::{MixSampler, Sampler, SamplerConfig};
         let cfg = SamplerConfig {
             len: lens.iter().sum(),
             seed: self.seed,
@@ -162,15 +162,9 @@ impl TierLayout {
             // As the agent builds the rank's loader (`Weight::Choose` of
             // each count, resumed where the mixed order starts).
             Some(m) => {
-                let start = MixPosition {
-                    epoch: m.start_epoch,
-                    consumed: m.start_consumed,
-                    counts: m.counts.clone(),
-                    skip: m.skip.clone(),
-                };
                 let mix = MixSampler::new(cfg, lens, &m.counts)
                     .ok()?
-                    .resume(&start)
+                    .resume(&m.start())
                     .ok()?;
                 Sampler::mixed(mix).ok()?
             }
@@ -302,6 +296,7 @@ mod tests {
     fn the_members_are_chosen_again_only_for_a_new_job_on_a_free_tier() {
         let dir = tempfile::tempdir().unwrap();
         let (space, mut t) = node_tier(dir.path());
+        let samples = NodeSamples::new([&space]);
         let at_start = members(&t);
         // The node runs every rank of the job: the counts are all equal,
         // the members chosen at start stay.
@@ -309,43 +304,33 @@ mod tests {
             ranks: 0..6,
             ..job(1, 0, 0)
         };
-        let got = t
-            .take(7, Some(whole), &NodeSamples::new([&space]), false)
-            .unwrap();
+        let got = t.take(7, Some(whole), &samples, false).unwrap();
         drop(got);
         t.give_back();
         assert_eq!(members(&t), at_start);
         assert!(t.layout.is_none());
         // A job on ranks 2-3 of 6: chosen by their reads.
-        let got = t
-            .take(7, Some(job(1, 2, 0)), &NodeSamples::new([&space]), false)
-            .unwrap();
+        let got = t.take(7, Some(job(1, 2, 0)), &samples, false).unwrap();
         let chosen = members(&t);
         assert_ne!(chosen, at_start);
         // Held: a rank of another job attaching meanwhile changes nothing.
-        let held = t
-            .take(7, Some(job(2, 0, 0)), &NodeSamples::new([&space]), false)
-            .unwrap();
+        let held = t.take(7, Some(job(2, 0, 0)), &samples, false).unwrap();
         assert_eq!(members(&t), chosen);
         drop((got, held));
         t.give_back();
         t.give_back();
         // The same job restarted at a later epoch keeps its members.
-        let got = t
-            .take(7, Some(job(1, 2, 3)), &NodeSamples::new([&space]), false)
-            .unwrap();
+        let got = t.take(7, Some(job(1, 2, 3)), &samples, false).unwrap();
         assert_eq!(members(&t), chosen);
         drop(got);
         t.give_back();
         // A rank that says nothing keeps them too.
-        let got = t.take(7, None, &NodeSamples::new([&space]), false).unwrap();
+        let got = t.take(7, None, &samples, false).unwrap();
         assert_eq!(members(&t), chosen);
         drop(got);
         t.give_back();
         // Another job, the tier free: chosen again.
-        let got = t
-            .take(7, Some(job(2, 2, 0)), &NodeSamples::new([&space]), false)
-            .unwrap();
+        let got = t.take(7, Some(job(2, 2, 0)), &samples, false).unwrap();
         assert_ne!(members(&t), chosen);
         drop(got);
         t.give_back();
@@ -361,7 +346,6 @@ mod tests {
             }),
             ..job(4, 2, start_epoch)
         };
-        let samples = NodeSamples::new([&space]);
         let got = t.take(7, Some(mixed(400, 0, 0)), &samples, false).unwrap();
         let by_draws = members(&t);
         assert_ne!(by_draws, chosen);
@@ -380,10 +364,8 @@ mod tests {
         drop(got);
         t.give_back();
         // Another user's job while this user's rank holds it: no tier.
-        let mine = t.take(7, None, &NodeSamples::new([&space]), false).unwrap();
-        assert!(t
-            .take(8, Some(job(3, 0, 0)), &NodeSamples::new([&space]), false)
-            .is_none());
+        let mine = t.take(7, None, &samples, false).unwrap();
+        assert!(t.take(8, Some(job(3, 0, 0)), &samples, false).is_none());
         drop(mine);
     }
 }

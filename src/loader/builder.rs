@@ -1123,13 +1123,12 @@ impl LoaderBuilder {
                     }
                     _ => false,
                 };
-                let (catalog, budget, mlock): (&dyn super::tier::TierSamples, _, _) =
-                    (&input, self.tier_bytes, landing.mlock);
+                let (budget, mlock) = (self.tier_bytes, landing.mlock);
                 let me = self.rank..self.rank + 1;
                 match super::tier::future_reads(&sampler, me, from, self.end_epoch) {
-                    Some(reads) => Tier::by_reads(catalog, budget, mlock, &reads, Some(&remote))?,
+                    Some(reads) => Tier::by_reads(&input, budget, mlock, &reads, Some(&remote))?,
                     None if self.cluster.is_some() => {
-                        Tier::preferring(catalog, budget, mlock, false, &remote)?
+                        Tier::preferring(&input, budget, mlock, false, &remote)?
                     }
                     // One dataset (a mixture is always counted).
                     None => Tier::new(input.catalog(), budget, mlock)?,

@@ -498,12 +498,7 @@ pub(crate) fn future_reads(
     if ranks.len() as u32 >= cfg.world || ranks.is_empty() {
         return None;
     }
-    let per_epoch = (sampler.per_rank() * ranks.len() as u64).max(1);
-    let epochs = end
-        .map_or(READS_EPOCHS, |e| e.saturating_sub(from))
-        .min(READS_EPOCHS)
-        .min(READS_COUNTED / per_epoch)
-        .max(1);
+    let epochs = epochs_counted(sampler.per_rank() * ranks.len() as u64, from, end);
     let world = u64::from(cfg.world);
     let mut reads = vec![0u16; cfg.len as usize];
     for e in from..from.saturating_add(epochs) {
@@ -516,6 +511,16 @@ pub(crate) fn future_reads(
         }
     }
     Some(reads)
+}
+
+/// Epochs [`future_reads`] counts from `from`: to `end`, at most
+/// [`READS_EPOCHS`], and no more whole epochs of `per_epoch` reads than
+/// [`READS_COUNTED`] allows; at least one.
+fn epochs_counted(per_epoch: u64, from: u64, end: Option<u64>) -> u64 {
+    end.map_or(READS_EPOCHS, |e| e.saturating_sub(from))
+        .min(READS_EPOCHS)
+        .min(READS_COUNTED / per_epoch.max(1))
+        .max(1)
 }
 
 /// [`future_reads`] of a mixture: rank `r`'s step `k` of an epoch is the
@@ -531,12 +536,7 @@ fn mixture_reads(
     // An ordinary epoch's (the one `from` resumed in may be nearly over,
     // and epochs before the mixed order's start deal nothing).
     let ordinary = from.max(m.start_epoch()).saturating_add(1);
-    let per_epoch = (m.per_rank(ordinary) * ranks.len() as u64).max(1);
-    let epochs = end
-        .map_or(READS_EPOCHS, |e| e.saturating_sub(from))
-        .min(READS_EPOCHS)
-        .min(READS_COUNTED / per_epoch)
-        .max(1);
+    let epochs = epochs_counted(m.per_rank(ordinary) * ranks.len() as u64, from, end);
     let mut reads = vec![0u16; m.lens().iter().sum::<u64>() as usize];
     for e in from..from.saturating_add(epochs) {
         let epoch = m.epoch(e);
