@@ -58,6 +58,146 @@ fn the_node_tier_serves_every_rank() {
     assert!(tier >= share, "{tier} tier hits for {share} samples");
 }
 
+/// Tier views through the agent (`--tier-views`, an attached rank's
+/// `tier_views`): the agent hands the node tier's samples out in place,
+/// as read-only views of the tier's memfd, instead of copying them into
+/// the rank's ring. After ranks 0 and 1 of 2 fill the tier in epoch 1,
+/// rank 0's epoch 2 is every sample a view (0 disk reads), byte-exact
+/// against an embedded read; the same epoch without views, copies,
+/// delivers the same digest.
+#[test]
+fn tier_views_hand_out_the_node_tier_in_place() {
+    let dir = tempfile::tempdir().unwrap();
+    let count = 600u64;
+    let sp = space(dir.path(), count);
+    let sock = dir.path().join("agent.sock");
+    let agent = Agent::start(&sp, &sock, &["--tier-bytes", "64MiB", "--no-mlock"]);
+    let with_views = |rank: u32, epoch: u64| {
+        let mut args = one_epoch(attached_args(&sp, &sock, rank, 2, 1), epoch);
+        args.push("--tier-views".into());
+        args
+    };
+    let json = |child| -> serde_json::Value {
+        let o = wait_output(child, Duration::from_secs(120));
+        assert!(o.status.success(), "kspeed read failed:\n{}", text(&o));
+        serde_json::from_slice(&o.stdout).expect("json report")
+    };
+    let sums = |v: &serde_json::Value| {
+        (
+            v["samples"].as_u64().unwrap(),
+            v["digest"].as_str().unwrap().to_string(),
+        )
+    };
+    for rank in 0..2u32 {
+        let child = spawn_read(&with_views(rank, 1));
+        let pid = child.id();
+        let v = json(child);
+        agent.log.wait_for(
+            &[&format!("(pid {pid}) ended after 19 batches")],
+            Duration::from_secs(10),
+        );
+        assert_eq!(
+            sums(&v),
+            embedded_epoch(&sp, rank, 2, 1),
+            "rank {rank}, epoch 1"
+        );
+    }
+    let child = spawn_read(&with_views(0, 2));
+    let pid = child.id().to_string();
+    let v = json(child);
+    let want = embedded_epoch(&sp, 0, 2, 2);
+    assert_eq!(sums(&v), want, "rank 0, epoch 2, tier views");
+    assert_eq!(v["disk_reads"].as_u64(), Some(0), "{v}");
+    assert_eq!(
+        v["tier_views"].as_u64(),
+        Some(count / 2),
+        "every sample of epoch 2 is in the node tier: each one a view\n{v}"
+    );
+    agent.log.wait_for(
+        &[&format!("(pid {pid}) ended after 19 batches")],
+        Duration::from_secs(10),
+    );
+    // The same epoch with copies into the ring: the same bytes in order.
+    let v = json(spawn_read(&one_epoch(
+        attached_args(&sp, &sock, 0, 2, 1),
+        2,
+    )));
+    assert_eq!(sums(&v), want, "rank 0, epoch 2, copies");
+    assert!(v.get("tier_views").is_none(), "{v}");
+}
+
+/// An attached rank's tier views are the node tier itself, mapped
+/// read-only: a sample handed out in place cannot be made writable
+/// (`mprotect(PROT_WRITE)` fails with EACCES: the agent passed the memfd
+/// opened `O_RDONLY`), so no rank can spoil the tier its node's other
+/// ranks read; and every sample, view or copy, is the embedded read's.
+#[test]
+fn a_rank_s_tier_views_are_read_only() {
+    use kspeed::loader::{AgentMode, LoaderBuilder};
+    let dir = tempfile::tempdir().unwrap();
+    let sp = space(dir.path(), 400);
+    let sock = dir.path().join("agent.sock");
+    let _agent = Agent::start(&sp, &sock, &["--tier-bytes", "64MiB", "--no-mlock"]);
+    let build = |mode: AgentMode| {
+        LoaderBuilder::space(&sp)
+            .agent(mode)
+            .agent_socket(Some(sock.clone()))
+            .batch_size(16)
+            .seed(5)
+            .end_epoch(Some(2))
+            .tier_views(true)
+            .landing(common::test_ring(1 << 20))
+            .build()
+            .unwrap()
+    };
+    let epoch = |l: &mut kspeed::loader::Loader, e: u64, probe: bool| {
+        l.set_epoch(e).unwrap();
+        let (mut got, mut views, mut probed) = (Vec::new(), 0u64, false);
+        while let Some(b) = l.next_batch().unwrap() {
+            for s in b.iter() {
+                got.push((s.id, s.bytes.to_vec()));
+                if !s.in_tier {
+                    continue;
+                }
+                views += 1;
+                if probe && !probed {
+                    probed = true;
+                    let page = (s.bytes.as_ptr() as usize) & !4095;
+                    // SAFETY: mprotect on a page of a live mapping; it fails
+                    // (the point of the test) or changes only its protection.
+                    let rc = unsafe {
+                        libc::mprotect(
+                            page as *mut libc::c_void,
+                            4096,
+                            libc::PROT_READ | libc::PROT_WRITE,
+                        )
+                    };
+                    let errno = std::io::Error::last_os_error().raw_os_error();
+                    assert_eq!(
+                        (rc, errno),
+                        (-1, Some(libc::EACCES)),
+                        "a tier view's page could be made writable"
+                    );
+                }
+            }
+        }
+        (got, views)
+    };
+    let mut attached = build(AgentMode::Required);
+    assert!(attached.attached());
+    let (first, _) = epoch(&mut attached, 0, false);
+    let (second, views) = epoch(&mut attached, 1, true);
+    drop(attached);
+    let mut embedded = build(AgentMode::Off);
+    let (want0, _) = epoch(&mut embedded, 0, false);
+    let (want1, _) = epoch(&mut embedded, 1, false);
+    assert!(first == want0, "epoch 0 differs from the embedded read");
+    assert!(second == want1, "epoch 1 differs from the embedded read");
+    // Epoch 0 filled the tier with every sample; epoch 1's are views but
+    // for those read ahead while epoch 0 was still filling it.
+    assert!(views >= 300, "{views} of 400 samples of epoch 1 were views");
+}
+
 /// The node tier is shared by the ranks of one user only (a CRC does not
 /// stop a rank that forges the bytes it is filled from): after root's two
 /// ranks filled it, a rank of another user (`nobody`) finds it emptied for

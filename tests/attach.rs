@@ -145,7 +145,7 @@ fn attach_when_up(sock: &Path, ring: &RingMap, seg: &Segment) -> (AttachConn, At
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         match attach(sock, &request(seg, ring), ring, seg, Duration::from_secs(5)) {
-            Ok(r) => return r,
+            Ok((conn, reply, _)) => return (conn, reply),
             Err(Error::Io { op: "connect", .. }) if Instant::now() < deadline => {
                 std::thread::sleep(Duration::from_millis(5))
             }
@@ -310,7 +310,7 @@ fn batches_cross_processes_and_generations() {
                 None,
                 "a ready word of the last generation was taken"
             );
-            let (conn, reply) = attach(
+            let (conn, reply, _) = attach(
                 &sock,
                 &request(r.segment(), &ring),
                 &ring,
@@ -335,7 +335,7 @@ fn batches_cross_processes_and_generations() {
     let (mut agent_sleeps, mut rank_sleeps, mut wakes) = (0, 0, 0);
     let mut gens = Vec::new();
     for &count in &ROUND_BATCHES {
-        let mut inc = accept_one(&l, &mut child).accept(20).unwrap();
+        let mut inc = accept_one(&l, &mut child).accept(20, None).unwrap();
         assert_eq!(inc.conn.peer().pid, child.id());
         gens.push(inc.request.generation.get());
         let a = &mut inc.side;
@@ -380,7 +380,7 @@ fn killed_agent_is_noticed_by_the_rank() {
             }
             assert!(t.elapsed() < CHILD_LIFE);
         };
-        let mut inc = inc.accept(20).unwrap();
+        let mut inc = inc.accept(20, None).unwrap();
         let e = agent_publish(
             &live(),
             &mut inc.side,
@@ -435,7 +435,7 @@ fn killed_rank_is_noticed_by_the_agent() {
     if let Some((_, sock)) = role() {
         let (ring, seg) = new_rank();
         let mut r = RankSide::new(seg).unwrap();
-        let (_conn, _) = attach(
+        let (_conn, _, _) = attach(
             &sock,
             &request(r.segment(), &ring),
             &ring,
@@ -449,7 +449,7 @@ fn killed_rank_is_noticed_by_the_agent() {
     let (_dir, sock) = temp_socket();
     let l = AttachListener::bind(&sock, ListenerConfig::default()).unwrap();
     let mut child = spawn(NAME, "rank", &sock);
-    let mut inc = accept_one(&l, &mut child).accept(20).unwrap();
+    let mut inc = accept_one(&l, &mut child).accept(20, None).unwrap();
     agent_publish(&live(), &mut inc.side, &inc.ring, None, 200, 0).unwrap();
     child.kill().unwrap();
     let killed = Instant::now();
@@ -547,7 +547,7 @@ fn another_uid_is_refused_unless_a_root_agent_allows_it() {
             }
             (true, Ok(Some(inc))) => {
                 assert_eq!(inc.conn.peer().uid, 65534);
-                inc.accept(20).unwrap();
+                inc.accept(20, None).unwrap();
             }
             (_, r) => panic!("allow {allow}: {:?}", r.map(|_| ())),
         }

@@ -30,9 +30,9 @@ use socket2::{Domain, SockAddr, Socket, Type};
 
 use super::msg::{
     decode_reply, encode_refused, proto, u16_at, AttachRequest, AttachedReply, RefuseCode,
-    ATTACH_FDS, ATTACH_OLDEST_VERSION, ATTACH_VERSION,
+    ATTACH_FDS, ATTACH_OLDEST_VERSION, ATTACH_VERSION, FLAG_TIER_VIEWS,
 };
-use super::segment::{segment_bytes, AgentSide, Segment};
+use super::segment::{segment_bytes_with_views, AgentSide, Segment};
 use super::shm::RingMap;
 use crate::error::{Error, Result};
 
@@ -196,13 +196,17 @@ impl AttachConn {
 /// ATTACH with the ring's and the segment's memfds, and wait for the reply
 /// (each step within `timeout`). Keep the returned connection open for the
 /// attach's life: closing it is how the agent learns the rank is gone.
+///
+/// With the reply comes the node tier's read-only memfd when the reply's
+/// `tier_bytes` is not 0 (the rank asked for tier views and may share the
+/// tier).
 pub fn attach(
     path: &Path,
     req: &AttachRequest,
     ring: &RingMap,
     seg: &Segment,
     timeout: Duration,
-) -> Result<(AttachConn, AttachedReply)> {
+) -> Result<(AttachConn, AttachedReply, Option<OwnedFd>)> {
     let conn = AttachConn::connect(path, timeout)?;
     if let Err(sent) = conn.send(&req.encode(), &[ring.fd(), seg.fd()]) {
         // An agent that answered and closed before reading (one that gave
@@ -214,7 +218,7 @@ pub fn attach(
             },
         );
     }
-    let (bytes, _fds) = conn.recv("ATTACHED reply")?;
+    let (bytes, mut fds) = conn.recv("ATTACHED reply")?;
     let reply = decode_reply(&bytes)?;
     if reply.generation != req.generation {
         return Err(proto(format!(
@@ -223,7 +227,22 @@ pub fn attach(
             req.generation.get()
         )));
     }
-    Ok((conn, reply))
+    // The node tier's memfd comes with a reply that says its size, only
+    // to a rank that asked for tier views; nothing else carries one.
+    let want = usize::from(reply.tier_bytes > 0);
+    if fds.len() != want || (want == 1 && req.flags & FLAG_TIER_VIEWS == 0) {
+        return Err(proto(format!(
+            "ATTACHED with tier_bytes {} carried {} descriptors (the rank {} tier views)",
+            reply.tier_bytes,
+            fds.len(),
+            if req.flags & FLAG_TIER_VIEWS == 0 {
+                "did not ask for"
+            } else {
+                "asked for"
+            }
+        )));
+    }
+    Ok((conn, reply, fds.pop()))
 }
 
 /// How the agent's listener behaves.
@@ -272,16 +291,26 @@ impl Incoming {
     /// beaten yet), then sends ATTACHED. Returns the connection (keep it
     /// open: its hang-up is the rank's death), the request, the agent's
     /// side of the segment and the ring.
-    pub fn accept(self, heartbeat_ms: u32) -> Result<Attached> {
+    ///
+    /// `tier`: the node tier's read-only memfd and its bytes, sent with
+    /// ATTACHED to a rank that asked for tier views ([`FLAG_TIER_VIEWS`])
+    /// and may share the tier; None for any other.
+    pub fn accept(
+        self,
+        heartbeat_ms: u32,
+        tier: Option<(BorrowedFd<'_>, u64)>,
+    ) -> Result<Attached> {
         let side = AgentSide::new(self.segment, self.request.generation)?;
         let reply = AttachedReply {
             generation: self.request.generation,
             agent_pid: std::process::id(),
             heartbeat_ms,
+            tier_bytes: tier.map_or(0, |(_, bytes)| bytes),
         };
         // In the version the request came in (what the rank reads).
         let version = self.conn.reply_version.load(Ordering::Relaxed);
-        self.conn.send(&reply.encode(version), &[])?;
+        let fds: Vec<BorrowedFd<'_>> = tier.map(|(fd, _)| fd).into_iter().collect();
+        self.conn.send(&reply.encode(version), &fds)?;
         Ok(Attached {
             conn: self.conn,
             request: self.request,
@@ -494,17 +523,37 @@ impl AttachListener {
         let seg_fd = fds.pop().expect("two descriptors");
         let ring_fd = fds.pop().expect("two descriptors");
         let checked = (|| {
-            if request.segment_bytes != segment_bytes(request.slots) {
+            // A rank asking for tier views has a view table of one word
+            // per sample of a batch (layout version 6).
+            let views = if request.flags & FLAG_TIER_VIEWS != 0 {
+                request.batch_size
+            } else {
+                0
+            };
+            let need = segment_bytes_with_views(request.slots, views);
+            if request.segment_bytes != need {
                 return Err(Error::AttachSegment {
                     what: format!(
-                        "ATTACH says {} bytes for {} slots; the layout needs {}",
+                        "ATTACH says {} bytes for {} slots{}; the layout needs {need}",
                         request.segment_bytes,
                         request.slots,
-                        segment_bytes(request.slots)
+                        if views > 0 {
+                            format!(" and tier views for batches of {views}")
+                        } else {
+                            String::new()
+                        },
                     ),
                 });
             }
             let segment = Segment::open(seg_fd, request.ring_bytes)?;
+            if segment.views_per_slot() != views {
+                return Err(Error::AttachSegment {
+                    what: format!(
+                        "the segment has {} view words per slot; ATTACH asks for {views} (tier views: the batch size; else 0)",
+                        segment.views_per_slot()
+                    ),
+                });
+            }
             if segment.slots() != request.slots || segment.generation() != Some(request.generation)
             {
                 return Err(Error::AttachSegment {

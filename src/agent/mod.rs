@@ -12,7 +12,9 @@
 //! - [`msg`]: the ATTACH / ATTACHED / REFUSED messages (fixed
 //!   little-endian layouts);
 //! - [`attach`]: the agent's Unix socket (`SOCK_SEQPACKET`,
-//!   `SO_PEERCRED`, the two memfds passed with `SCM_RIGHTS`).
+//!   `SO_PEERCRED`, the two memfds passed with `SCM_RIGHTS`);
+//! - [`tier_map`]: the rank's read-only mapping of the node tier (tier
+//!   views through the agent).
 //!
 //! - [`node`]: `kspeed agent` itself (first slice: one node, a local
 //!   space): the socket, one loader producer per attached rank reading
@@ -28,3 +30,4 @@ pub mod node;
 mod node_tier;
 pub mod segment;
 pub mod shm;
+pub mod tier_map;

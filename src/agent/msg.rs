@@ -183,8 +183,15 @@ pub const FLAG_DROP_LAST: u32 = 2;
 /// that predates the flag refuses the attach (an unknown bit), so a rank
 /// that asks for it never reads unchecked bytes.
 pub const FLAG_VERIFY_CRC32C: u32 = 4;
+/// ATTACH flag: the rank takes samples the agent serves from its node
+/// tier in place, as read-only views of the tier's memory, instead of
+/// copies into its ring (the rank's `tier_views`). Its segment is layout
+/// version 6 with a view table of one word per sample of a batch
+/// (`views_per_slot` = batch_size). An agent that predates the flag
+/// refuses the attach (an unknown bit).
+pub const FLAG_TIER_VIEWS: u32 = 8;
 /// Every flag this version knows; another bit is refused.
-const KNOWN_FLAGS: u32 = FLAG_SHUFFLE | FLAG_DROP_LAST | FLAG_VERIFY_CRC32C;
+const KNOWN_FLAGS: u32 = FLAG_SHUFFLE | FLAG_DROP_LAST | FLAG_VERIFY_CRC32C | FLAG_TIER_VIEWS;
 
 /// The agent's answer to an accepted ATTACH.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -195,6 +202,11 @@ pub struct AttachedReply {
     pub agent_pid: u32,
     /// The agent's heartbeat period in ms (the rank's silence limit is 3 of them).
     pub heartbeat_ms: u32,
+    /// Bytes of the node tier whose read-only memfd comes with the reply
+    /// (one descriptor), for a rank that asked for tier views
+    /// ([`FLAG_TIER_VIEWS`]) and may share the tier; 0 with no descriptor:
+    /// every sample comes in the ring.
+    pub tier_bytes: u64,
 }
 
 pub(super) fn proto(what: impl Into<String>) -> Error {
@@ -478,6 +490,7 @@ impl AttachedReply {
         b[12..16].copy_from_slice(&u32::from(self.generation.get()).to_le_bytes());
         b[16..20].copy_from_slice(&self.agent_pid.to_le_bytes());
         b[20..24].copy_from_slice(&self.heartbeat_ms.to_le_bytes());
+        b[24..32].copy_from_slice(&self.tier_bytes.to_le_bytes());
         b
     }
 }
@@ -511,6 +524,7 @@ pub fn decode_reply(b: &[u8]) -> Result<AttachedReply> {
                 generation,
                 agent_pid: u32_at(b, 16),
                 heartbeat_ms: u32_at(b, 20),
+                tier_bytes: u64_at(b, 24),
             })
         }
         KIND_REFUSED => {
@@ -619,12 +633,18 @@ mod tests {
         let mut odd = b.clone();
         odd[86] = 5; // 5 ranks on the node, world 4: ignored
         assert_eq!(AttachRequest::decode(&odd).unwrap().local, None);
+        let mut views = b.clone();
+        views[80] |= 8; // tier views
+        assert_eq!(
+            AttachRequest::decode(&views).unwrap().flags & FLAG_TIER_VIEWS,
+            8
+        );
         let mut bad = b.clone();
-        bad[80] |= 8;
+        bad[80] |= 16;
         assert!(AttachRequest::decode(&bad)
             .unwrap_err()
             .to_string()
-            .contains("unknown flags 0x8"));
+            .contains("unknown flags 0x10"));
         assert!(AttachRequest::decode(&b[..111])
             .unwrap_err()
             .to_string()
@@ -763,9 +783,17 @@ mod tests {
                 generation: Generation::FIRST,
                 agent_pid: 9,
                 heartbeat_ms: 100,
+                tier_bytes: 0,
             };
             let b = ok.encode(version);
             assert_eq!(u16_at(&b, 4), version);
+            assert_eq!(decode_reply(&b).unwrap(), ok);
+            let shared = AttachedReply {
+                tier_bytes: 1 << 30,
+                ..ok
+            };
+            assert_eq!(u64_at(&shared.encode(version), 24), 1 << 30);
+            assert_eq!(decode_reply(&shared.encode(version)).unwrap(), shared);
             assert_eq!(decode_reply(&b).unwrap(), ok);
             let b = encode_refused(version, RefuseCode::Agent, "why");
             assert!(matches!(

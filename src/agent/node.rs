@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 
 use super::attach::{AttachListener, Attached, Incoming, ListenerConfig};
 use super::cluster::{AgentCluster, KeptLinks};
-use super::msg::{RefuseCode, FLAG_DROP_LAST, FLAG_SHUFFLE, FLAG_VERIFY_CRC32C};
+use super::msg::{RefuseCode, FLAG_DROP_LAST, FLAG_SHUFFLE, FLAG_TIER_VIEWS, FLAG_VERIFY_CRC32C};
 use super::node_tier::{NodeSamples, NodeTier, TierLayout};
 use super::segment::{side_state, Liveness, Segment, Side};
 use super::shm::RingMap;
@@ -713,19 +713,47 @@ fn start_rank(
         got
     });
     let has_tier = tier.is_some();
+    // Tier views: the rank asked, and it shares the tier; it gets the
+    // tier's memfd read-only with ATTACHED.
+    let share = tier
+        .as_ref()
+        .filter(|_| req.flags & FLAG_TIER_VIEWS != 0)
+        .and_then(|t| t.shared_memory_map())
+        .and_then(|m| match m.read_only_fd() {
+            Ok(fd) => Some((fd, m.len())),
+            Err(e) => {
+                log::warn!(
+                    "agent: rank {} asked for tier views; the tier's memory cannot be shared ({e}): its tier samples are copied into its ring",
+                    req.rank
+                );
+                None
+            }
+        });
+    if req.flags & FLAG_TIER_VIEWS != 0 && share.is_none() && tier.is_none() {
+        log::info!(
+            "agent: rank {} asked for tier views; it reads without the node tier, so every sample comes in its ring",
+            req.rank
+        );
+    }
     let (cfg, space, halt) = (cfg.clone(), open.clone(), halt.clone());
     let feeder = std::thread::Builder::new()
         .name(format!("kspeed-feed-{}", req.rank))
         .spawn(move || {
-            let loader = match build_loader(&cfg, &space, &incoming, tier) {
+            let views = share.is_some();
+            let loader = match build_loader(&cfg, &space, &incoming, tier, views) {
                 Ok(l) => l,
                 Err(e) => return Outcome::Refused(refuse(&incoming, e)),
             };
             let heartbeat_ms = cfg.heartbeat.as_millis().clamp(1, u32::MAX as u128) as u32;
-            let attached = match incoming.accept(heartbeat_ms) {
+            use std::os::fd::AsFd;
+            let attached = match incoming
+                .accept(heartbeat_ms, share.as_ref().map(|(fd, b)| (fd.as_fd(), *b)))
+            {
                 Ok(a) => a,
                 Err(e) => return Outcome::Refused(e),
             };
+            // The rank holds its own descriptor now.
+            drop(share);
             log::info!("agent: rank {} (pid {pid}) attached", req.rank);
             Outcome::Served(feed(attached, loader, &halt, cfg.heartbeat))
         })
@@ -759,11 +787,16 @@ fn start_rank(
 /// The rank's loader: the agent's space (opened once), the rank's ring
 /// (mapped a second time: the attach keeps its own mapping, and each is
 /// unmapped by its owner), the rank's sampler and start position.
+///
+/// `views`: the rank takes tier samples in place (tier views through the
+/// agent): its loader here leaves them out of the ring, and the feeder
+/// names them in the batch's view words.
 fn build_loader(
     cfg: &AgentConfig,
     open: &OpenSpace,
     incoming: &Incoming,
     tier: Option<Arc<Tier>>,
+    views: bool,
 ) -> Result<Loader> {
     let req = &incoming.request;
     let ring = incoming
@@ -853,6 +886,7 @@ fn build_loader(
         .shuffle_block(req.shuffle_block)
         .drop_last(req.flags & FLAG_DROP_LAST != 0)
         .verify_crc32c(req.flags & FLAG_VERIFY_CRC32C != 0)
+        .tier_views(views)
         .rank(req.rank, req.world)
         .landing(
             LandingOptions::default()
@@ -916,6 +950,8 @@ fn feed(
     // The rank's last epoch is dealt (its ATTACH's end_epoch): nothing more
     // to publish; wait for the rank to leave.
     let mut dealt = false;
+    // Tier views: a view word per sample of each batch (allocated once).
+    let mut views = vec![0u64; att.side.segment().views_per_slot() as usize];
     let result = loop {
         if halt.load(Ordering::Acquire)
             || att.conn.peer_closed()
@@ -989,6 +1025,10 @@ fn feed(
                         u32::try_from(us).unwrap_or(u32::MAX)
                     }));
                 waited = waits;
+                if !views.is_empty() {
+                    let n = loader.held_view_words(&mut views);
+                    att.side.set_views(&views[..n]);
+                }
                 if let Err(e) = att.side.publish(&desc) {
                     break Err(e);
                 }

@@ -194,7 +194,12 @@ impl NodeTier {
                 // Another user's samples: emptied first. `get_mut` is
                 // None only while a loader of theirs still holds the
                 // tier (it is dropped before its rank is counted ended).
-                Arc::get_mut(&mut self.tier)?.reset();
+                if let Err(e) = Arc::get_mut(&mut self.tier)?.reset() {
+                    log::warn!(
+                        "agent: the node tier could not be given to uid {uid} ({e}); its ranks read without it"
+                    );
+                    return None;
+                }
             }
             self.uid = Some(uid);
         }

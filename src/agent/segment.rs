@@ -50,9 +50,20 @@ compile_error!("the attach segment and messages are little-endian; kspeed builds
 
 /// The segment's magic: the bytes `KSPATSEG` read as a little-endian u64.
 pub const SEGMENT_MAGIC: u64 = u64::from_le_bytes(*b"KSPATSEG");
-/// The segment layout this build writes and reads (bump on any change of
-/// an offset or a meaning; the agent refuses another).
-pub const SEGMENT_VERSION: u32 = 5;
+/// The newest segment layout this build writes and reads (bump on any
+/// change of an offset or a meaning; the agent refuses another). Version 6
+/// adds the tier views: `views_per_slot` in the header and a view table
+/// after the slots; a rank that does not ask for views writes version 5
+/// (the same layout with no table), which every agent since 5 reads.
+pub const SEGMENT_VERSION: u32 = 6;
+/// The oldest layout this build still reads (and writes, without views).
+pub const SEGMENT_OLDEST_VERSION: u32 = 5;
+/// Most view words per slot (the largest batch a rank asking for tier
+/// views may have).
+pub const MAX_VIEWS_PER_SLOT: u32 = 1 << 16;
+/// A view word's flag: the sample is in the node tier at the offset in the
+/// low 63 bits, not in the ring ([`view_word`]).
+pub const VIEW_IN_TIER: u64 = 1 << 63;
 /// Error slots in a segment: a side posts at most this many errors; later
 /// ones are counted, not stored.
 pub const ERROR_SLOTS: usize = 4;
@@ -181,7 +192,10 @@ struct Header {
     ring_bytes: AtomicU64,
     generation: AtomicU32,
     rank_pid: AtomicU32,
-    _reserved: [AtomicU64; 2],
+    /// Layout version 6: view words per batch slot (the batch size when
+    /// the rank asked for tier views, else 0); 0 in version 5.
+    views_per_slot: AtomicU32,
+    _reserved: [AtomicU32; 3],
 }
 
 /// Line 1: written by the agent only.
@@ -294,6 +308,7 @@ const _: () = {
     assert!(SLOTS_OFFSET == 192 + 1024);
     use std::mem::offset_of;
     assert!(offset_of!(Header, generation) == 40 && offset_of!(Header, rank_pid) == 44);
+    assert!(offset_of!(Header, views_per_slot) == 48);
     assert!(
         offset_of!(AgentBlock, ready_futex) == 16 && offset_of!(AgentBlock, room_waiters) == 20
     );
@@ -309,9 +324,34 @@ const _: () = {
     assert!(offset_of!(Slot, read_latency) == 88 && LATENCY_BUCKETS * 2 == 40);
 };
 
-/// Bytes of a segment with `slots` batch slots (before page rounding).
+/// Bytes of a segment with `slots` batch slots and no view table (before
+/// page rounding).
 pub fn segment_bytes(slots: u32) -> u64 {
-    (SLOTS_OFFSET + slots as usize * std::mem::size_of::<Slot>()) as u64
+    segment_bytes_with_views(slots, 0)
+}
+
+/// Bytes of a segment with `slots` batch slots and `views_per_slot` view
+/// words per slot (layout version 6; 0: version 5's size).
+pub fn segment_bytes_with_views(slots: u32, views_per_slot: u32) -> u64 {
+    views_offset(slots) as u64 + 8 * u64::from(slots) * u64::from(views_per_slot)
+}
+
+/// Where the view table starts: right after the slots.
+fn views_offset(slots: u32) -> usize {
+    SLOTS_OFFSET + slots as usize * std::mem::size_of::<Slot>()
+}
+
+/// The view word of a sample in the node tier at `tier_offset`; a sample
+/// in the ring has the word 0.
+pub fn view_word(tier_offset: u64) -> u64 {
+    debug_assert!(tier_offset < VIEW_IN_TIER);
+    VIEW_IN_TIER | tier_offset
+}
+
+/// The node tier offset a view word names, or `None` for a sample in the
+/// ring.
+pub fn view_tier_offset(word: u64) -> Option<u64> {
+    (word & VIEW_IN_TIER != 0).then_some(word & !VIEW_IN_TIER)
 }
 
 /// Where one published batch lies in the ring, and what it is.
@@ -449,6 +489,7 @@ pub struct Segment {
     file: File,
     slots: u32,
     ring_bytes: u64,
+    views_per_slot: u32,
 }
 
 // SAFETY: the mapping holds only atomics and is reached only through
@@ -473,12 +514,24 @@ impl Segment {
     /// `ring_bytes`, in generation [`Generation::FIRST`]. The magic is
     /// stored last (Release), so a peer never accepts a half-written header.
     pub fn create(slots: u32, ring_bytes: u64) -> Result<Segment> {
+        Self::create_with_views(slots, ring_bytes, 0)
+    }
+
+    /// As [`Segment::create`], with a view table of `views_per_slot` words
+    /// per slot (the batch size) for a rank that asks for tier views:
+    /// layout version 6 (version 5 when 0).
+    pub fn create_with_views(slots: u32, ring_bytes: u64, views_per_slot: u32) -> Result<Segment> {
         if slots == 0 || slots > MAX_SLOTS || !slots.is_power_of_two() {
             return Err(Error::InvalidConfig(format!(
                 "attach segment slots {slots}: must be a power of two from 1 to {MAX_SLOTS}"
             )));
         }
-        let total = segment_bytes(slots);
+        if views_per_slot > MAX_VIEWS_PER_SLOT {
+            return Err(Error::InvalidConfig(format!(
+                "tier views for batches of {views_per_slot} samples: at most {MAX_VIEWS_PER_SLOT} (leave tier_views off)"
+            )));
+        }
+        let total = segment_bytes_with_views(slots, views_per_slot);
         let file = sealed_memfd(c"kspeed-attach-segment", total)?;
         let map = MmapRaw::map_raw(&file).map_err(|e| io_err("mmap", "attach segment", e))?;
         let seg = Segment {
@@ -486,9 +539,18 @@ impl Segment {
             file,
             slots,
             ring_bytes,
+            views_per_slot,
         };
         let h = seg.header();
-        h.version.store(SEGMENT_VERSION, Ordering::Relaxed);
+        h.version.store(
+            if views_per_slot > 0 {
+                SEGMENT_VERSION
+            } else {
+                SEGMENT_OLDEST_VERSION
+            },
+            Ordering::Relaxed,
+        );
+        h.views_per_slot.store(views_per_slot, Ordering::Relaxed);
         h.header_bytes.store(64, Ordering::Relaxed);
         h.total_bytes.store(total, Ordering::Relaxed);
         h.slots.store(slots, Ordering::Relaxed);
@@ -519,6 +581,7 @@ impl Segment {
             file,
             slots: 1,
             ring_bytes: 0,
+            views_per_slot: 0,
         };
         let h = seg.header();
         let magic = h.magic.load(Ordering::Acquire);
@@ -530,9 +593,9 @@ impl Segment {
             )));
         }
         let version = h.version.load(Ordering::Relaxed);
-        if version != SEGMENT_VERSION {
+        if !(SEGMENT_OLDEST_VERSION..=SEGMENT_VERSION).contains(&version) {
             return Err(seg_err(format!(
-                "layout version {version}, this build reads version {SEGMENT_VERSION}"
+                "layout version {version}, this build reads versions {SEGMENT_OLDEST_VERSION} and {SEGMENT_VERSION}"
             )));
         }
         let header_bytes = h.header_bytes.load(Ordering::Relaxed);
@@ -548,11 +611,21 @@ impl Segment {
                 "{slots} slots: must be a power of two from 1 to {MAX_SLOTS}"
             )));
         }
-        let total = h.total_bytes.load(Ordering::Relaxed);
-        if total != segment_bytes(slots) || mapped < total {
+        // Version 5's bytes 48..63 are reserved (zero); version 6 has a
+        // view table only where the rank asked for tier views.
+        let views_per_slot = h.views_per_slot.load(Ordering::Relaxed);
+        if (version == SEGMENT_OLDEST_VERSION && views_per_slot != 0)
+            || (version == SEGMENT_VERSION && !(1..=MAX_VIEWS_PER_SLOT).contains(&views_per_slot))
+        {
             return Err(seg_err(format!(
-                "total size {total} bytes (mapped {mapped}); {slots} slots need {}",
-                segment_bytes(slots)
+                "views_per_slot {views_per_slot} in a layout version {version} header (version 5: 0; version 6: 1 to {MAX_VIEWS_PER_SLOT})"
+            )));
+        }
+        let need = segment_bytes_with_views(slots, views_per_slot);
+        let total = h.total_bytes.load(Ordering::Relaxed);
+        if total != need || mapped < total {
+            return Err(seg_err(format!(
+                "total size {total} bytes (mapped {mapped}); {slots} slots and {views_per_slot} views per slot need {need}"
             )));
         }
         let ring_bytes = h.ring_bytes.load(Ordering::Relaxed);
@@ -564,8 +637,15 @@ impl Segment {
         Ok(Segment {
             slots,
             ring_bytes,
+            views_per_slot,
             ..seg
         })
+    }
+
+    /// View words per slot: the batch size where the rank asked for tier
+    /// views, else 0 (layout version 5).
+    pub fn views_per_slot(&self) -> u32 {
+        self.views_per_slot
     }
 
     /// The memfd, to pass to the agent.
@@ -728,6 +808,22 @@ impl Segment {
         let i = (seq & u64::from(self.slots - 1)) as usize;
         self.word(SLOTS_OFFSET + i * std::mem::size_of::<Slot>())
     }
+    /// The view words of batch `seq`'s slot (empty without a view table).
+    fn views(&self, seq: u64) -> &[AtomicU64] {
+        let n = self.views_per_slot as usize;
+        if n == 0 {
+            return &[];
+        }
+        let i = (seq & u64::from(self.slots - 1)) as usize;
+        let offset = views_offset(self.slots) + i * n * 8;
+        assert!(offset + n * 8 <= self.map.len());
+        // SAFETY: in bounds (checked above: open checked the mapping holds
+        // total_bytes, which covers every slot's row), 8-aligned (the
+        // table starts at a multiple of 64 and each word is 8 bytes); the
+        // memory holds only atomics, valid for any bit pattern, shared
+        // through `&` for the mapping's life, which `&self` bounds.
+        unsafe { std::slice::from_raw_parts(self.map.as_ptr().add(offset) as *const AtomicU64, n) }
+    }
 
     /// How long a peer has been silent and what state it says it is in.
     fn peer(&self, peer: Side) -> (u32, u32, u64) {
@@ -800,6 +896,47 @@ mod tests {
     fn layout_offsets_are_the_documented_ones() {
         assert_eq!(segment_bytes(1), 1216 + 128);
         assert_eq!(segment_bytes(16), 1216 + 16 * 128);
+    }
+
+    #[test]
+    fn a_view_table_follows_the_slots_in_version_6() {
+        assert_eq!(segment_bytes_with_views(8, 0), segment_bytes(8));
+        assert_eq!(segment_bytes_with_views(8, 16), 1216 + 8 * 128 + 8 * 16 * 8);
+        let plain = Segment::create(8, 1 << 20).unwrap();
+        assert_eq!(plain.header().version.load(Ordering::Relaxed), 5);
+        let seg = Segment::create_with_views(8, 1 << 20, 16).unwrap();
+        assert_eq!(seg.header().version.load(Ordering::Relaxed), 6);
+        let dup = || seg.fd().try_clone_to_owned().unwrap();
+        assert_eq!(Segment::open(dup(), 1 << 20).unwrap().views_per_slot(), 16);
+        // The agent writes a batch's words before its ready word; the rank
+        // reads those of the batch it took last.
+        let rank = RankSide::new(Segment::open(dup(), 1 << 20).unwrap()).unwrap();
+        let gen = rank.generation();
+        let mut agent = AgentSide::new(Segment::open(dup(), 1 << 20).unwrap(), gen).unwrap();
+        let mut rank = rank;
+        let desc = BatchDesc {
+            samples: 3,
+            ..Default::default()
+        };
+        agent.set_views(&[0, view_word(4096), 0]);
+        agent.publish(&desc).unwrap();
+        rank.try_take().expect("published");
+        let words: Vec<u64> = (0..3).map(|i| rank.taken_view(i)).collect();
+        assert_eq!(
+            words
+                .iter()
+                .map(|&w| view_tier_offset(w))
+                .collect::<Vec<_>>(),
+            [None, Some(4096), None]
+        );
+        // A version 5 header with views, or version 6 without, is refused.
+        seg.header().version.store(5, Ordering::Relaxed);
+        let e = Segment::open(dup(), 1 << 20).unwrap_err();
+        assert!(e.to_string().contains("views_per_slot 16"), "{e}");
+        seg.header().version.store(6, Ordering::Relaxed);
+        seg.header().views_per_slot.store(0, Ordering::Relaxed);
+        assert!(Segment::open(dup(), 1 << 20).is_err());
+        assert!(Segment::create_with_views(8, 1 << 20, MAX_VIEWS_PER_SLOT + 1).is_err());
     }
 
     #[test]

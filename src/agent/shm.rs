@@ -48,7 +48,7 @@ pub(super) fn sealed_memfd(name: &std::ffi::CStr, bytes: u64) -> Result<File> {
 
 /// [`sealed_memfd`] with extra `memfd_create` flags (`MFD_HUGETLB`...) and
 /// the page size the length is rounded up to.
-fn sealed_memfd_with(
+pub(super) fn sealed_memfd_with(
     name: &std::ffi::CStr,
     bytes: u64,
     flags: libc::c_uint,
@@ -294,6 +294,62 @@ impl RingMap {
             pages: RingPages::Normal,
             numa_node: None,
         })
+    }
+
+    /// The agent's node tier as a sealed memfd, so that ranks asking for
+    /// tier views can map it read-only ([`RingMap::read_only_fd`]): in
+    /// 2 MiB hugetlb pages where the node has enough free (`bytes` rounded
+    /// up to 2 MiB; a shared hugetlb mapping reserves them all at `mmap`,
+    /// so no later touch faults for want of one), else in shared memory
+    /// with huge pages advised. Nothing is faulted in here: a member's
+    /// pages are when it is first filled, charged to the agent.
+    pub(crate) fn create_node_tier(bytes: u64) -> Result<RingMap> {
+        let huge = sealed_memfd_with(
+            c"kspeed-node-tier",
+            bytes,
+            libc::MFD_HUGETLB | libc::MFD_HUGE_2MB,
+            HUGE_PAGE_BYTES,
+        )
+        .and_then(|file| {
+            let map = MmapRaw::map_raw(&file)
+                .map_err(|e| io_err("mmap", "node tier in hugetlb pages", e))?;
+            Ok((file, map))
+        });
+        let (file, map, pages) = match huge {
+            Ok((file, map)) => (file, map, RingPages::Hugetlb),
+            Err(e) => {
+                log::debug!("node tier: no 2 MiB pages ({e}); shared memory instead");
+                let file = sealed_memfd(c"kspeed-node-tier", bytes)?;
+                let map = MmapRaw::map_raw(&file).map_err(|e| io_err("mmap", "node tier", e))?;
+                advise_huge(&map);
+                let pages = if shmem_thp_on() {
+                    RingPages::ShmemThp
+                } else {
+                    RingPages::Normal
+                };
+                (file, map, pages)
+            }
+        };
+        Ok(RingMap {
+            map,
+            file,
+            pages,
+            numa_node: None,
+        })
+    }
+
+    /// A read-only descriptor of the same memfd (a new open file
+    /// description, `O_RDONLY`, through `/proc/self/fd`): what the agent
+    /// passes a rank for its tier views. A mapping of it cannot be made
+    /// writable (`mmap` or `mprotect` with `PROT_WRITE` fail with EACCES),
+    /// so a rank can read the tier but never spoil it for the others.
+    pub(crate) fn read_only_fd(&self) -> Result<OwnedFd> {
+        let path = format!("/proc/self/fd/{}", self.file.as_raw_fd());
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .open(&path)
+            .map_err(|e| io_err("open O_RDONLY", "node tier memfd", e))?;
+        Ok(OwnedFd::from(f))
     }
 
     fn create_hugetlb(bytes: u64, numa_node: Option<u32>) -> Result<RingMap> {

@@ -301,6 +301,26 @@ impl LandingRing {
         })
     }
 
+    /// The node agent's memory tier in a shared mapping (a sealed memfd
+    /// that ranks asking for tier views map read-only), locked as its
+    /// pages are first written where `mlock` (`RLIMIT_MEMLOCK` checked for
+    /// the whole mapping, [`Error::Memlock`] naming it).
+    pub(crate) fn shared_tier(map: crate::agent::shm::RingMap, mlock: bool) -> Result<Self> {
+        let mut r = Self::shared(map);
+        if mlock {
+            lock_on_fault(r.ptr, r.len)?;
+            r.info.locked = true;
+        }
+        r.info.io = "the node tier (a sealed memfd ranks may map read-only)".into();
+        Ok(r)
+    }
+
+    /// The shared mapping under a ring made by [`LandingRing::shared`] or
+    /// [`LandingRing::shared_tier`].
+    pub(crate) fn shared_map(&self) -> Option<&crate::agent::shm::RingMap> {
+        self.shared.as_ref()
+    }
+
     /// A ring in a shared mapping (a sealed memfd): the attached loader's
     /// ring, written by the node agent's pollers, or the agent's view of a
     /// rank's ring. Not locked, bound or registered with CUDA here (the

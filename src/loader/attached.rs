@@ -16,11 +16,14 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::agent::attach::{attach, AttachConn};
-use crate::agent::msg::{AttachRequest, FLAG_DROP_LAST, FLAG_SHUFFLE, FLAG_VERIFY_CRC32C};
+use crate::agent::msg::{
+    AttachRequest, FLAG_DROP_LAST, FLAG_SHUFFLE, FLAG_TIER_VIEWS, FLAG_VERIFY_CRC32C,
+};
 use crate::agent::segment::{
-    segment_bytes, BatchDesc, Liveness, RankSide, Segment, Side, MAX_SLOTS,
+    segment_bytes_with_views, BatchDesc, Liveness, RankSide, Segment, Side, MAX_SLOTS,
 };
 use crate::agent::shm::{RingMap, RingPages};
+use crate::agent::tier_map::TierMap;
 use crate::dataset::Space;
 use crate::error::{Error, Result};
 use crate::sampler::Position;
@@ -127,6 +130,9 @@ pub(crate) struct AttachSettings {
     pub(crate) drop_last: bool,
     /// The agent checks each sample's CRC32C (`verify_crc32c`).
     pub(crate) verify_crc32c: bool,
+    /// Samples the agent serves from its node tier come as read-only
+    /// views of the tier, not copies in the ring (`tier_views`).
+    pub(crate) tier_views: bool,
     /// The NUMA node each attach's ring is bound to (`numa_node`, or the
     /// GPU's at `gpu_pci`), as an embedded ring would be.
     pub(crate) numa_node: Option<u32>,
@@ -170,6 +176,9 @@ pub(crate) struct RankAttach {
     /// Batches released (the release mark).
     released: u64,
     slots: u32,
+    /// The node tier, mapped read-only, when the agent shared it (tier
+    /// views).
+    tier: Option<Arc<TierMap>>,
 }
 
 impl std::fmt::Debug for RankAttach {
@@ -194,7 +203,8 @@ impl RankAttach {
             socket: s.socket.clone(),
             reason: e.to_string(),
         };
-        let seg = Segment::create(s.slots, ring.len()).map_err(no_agent)?;
+        let views = if s.tier_views { s.batch_size } else { 0 };
+        let seg = Segment::create_with_views(s.slots, ring.len(), views).map_err(no_agent)?;
         let side = RankSide::new(seg).map_err(no_agent)?;
         let req = AttachRequest {
             generation: side.generation(),
@@ -207,31 +217,35 @@ impl RankAttach {
             start_epoch: start.epoch,
             start_index: start.index,
             ring_bytes: ring.len(),
-            segment_bytes: segment_bytes(s.slots),
+            segment_bytes: segment_bytes_with_views(s.slots, views),
             flags: if s.shuffle { FLAG_SHUFFLE } else { 0 }
                 | if s.drop_last { FLAG_DROP_LAST } else { 0 }
                 | if s.verify_crc32c {
                     FLAG_VERIFY_CRC32C
                 } else {
                     0
-                },
+                }
+                | if s.tier_views { FLAG_TIER_VIEWS } else { 0 },
             end_epoch: s.end_epoch,
             job,
             local: s.local,
             shuffle_block: if s.shuffle { s.shuffle_block } else { 0 },
             mix,
         };
-        let (conn, reply) = attach(&s.socket, &req, ring, side.segment(), ATTACH_TIMEOUT)
+        let (conn, reply, tier_fd) = attach(&s.socket, &req, ring, side.segment(), ATTACH_TIMEOUT)
             .map_err(|e| match e {
-                // An agent from before the flag refuses the bit: say which.
-                Error::AttachRefused { ref reason, .. }
-                    if s.verify_crc32c && reason.contains("unknown flags 0x4") =>
-                {
+                // An agent from before a flag refuses the bit: say which.
+                Error::AttachRefused { ref reason, .. } if reason.contains("unknown flags") => {
+                    let what = if reason.contains("unknown flags 0x4") {
+                        "verify_crc32c in the agent: upgrade it, or read with verify_crc32c off or agent = off"
+                    } else if reason.contains("unknown flags 0x8") {
+                        "tier views through the agent: upgrade it, or read with tier_views off"
+                    } else {
+                        "verify_crc32c and tier views in the agent: upgrade it, or read with both off or agent = off"
+                    };
                     Error::NoAgent {
                         socket: s.socket.clone(),
-                        reason: format!(
-                            "{e} (this agent predates verify_crc32c in the agent: upgrade it, or read with verify_crc32c off or agent = off)"
-                        ),
+                        reason: format!("{e} (this agent predates {what})"),
                     }
                 }
                 // An agent from before version 6 refuses a block shuffle's
@@ -260,6 +274,23 @@ impl RankAttach {
                 }
                 e => no_agent(e),
             })?;
+        let tier = match tier_fd {
+            Some(fd) => Some(Arc::new(
+                TierMap::open(fd, reply.tier_bytes).map_err(no_agent)?,
+            )),
+            None => None,
+        };
+        if s.tier_views {
+            match &tier {
+                Some(t) => log::info!(
+                    "tier views: the agent's node tier ({} bytes) is mapped read-only; samples served from it are not copied into the ring",
+                    t.len()
+                ),
+                None => log::info!(
+                    "tier views: the agent gave no node tier (it has none, or holds another user's samples); every sample comes in the ring"
+                ),
+            }
+        }
         let beat = Duration::from_millis(u64::from(reply.heartbeat_ms.max(1)));
         log::info!(
             "attached to the kspeed agent at {} (pid {}, heartbeat {} ms); ring of {} bytes in {}{}",
@@ -292,7 +323,18 @@ impl RankAttach {
             out: VecDeque::with_capacity(s.slots as usize),
             released: 0,
             slots: s.slots,
+            tier,
         })
+    }
+
+    /// The node tier this attach mapped for views, if the agent shared it.
+    pub(crate) fn tier(&self) -> Option<Arc<TierMap>> {
+        self.tier.clone()
+    }
+
+    /// View word `i` of the batch taken last (0: in the ring).
+    pub(crate) fn view(&self, i: usize) -> u64 {
+        self.side.taken_view(i)
     }
 
     /// The next batch: its descriptor once the agent published it (no

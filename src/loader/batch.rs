@@ -53,6 +53,8 @@ pub(super) struct Entry {
     /// Its bytes are in the memory tier, not at `phys` in the ring
     /// (`tier_views`).
     pub(super) in_tier: bool,
+    /// Attached with tier views: its offset in the node tier's mapping.
+    pub(super) tier_off: u64,
     pub(super) phys: u64,
     pub(super) len: u64,
     pub(super) pos: Position,
@@ -142,16 +144,24 @@ impl Loader {
         let e = self.entries[i];
         let shared = &self.run.as_ref().expect("running").shared;
         if e.in_tier {
-            let tier = shared.tier.as_ref().expect("CODE_TIER comes with a tier");
+            let bytes = match &self.attach_tier {
+                // Attached: the node tier the agent shared, read-only (the
+                // view word was checked against its size).
+                Some(t) => t.slice(e.tier_off, e.len as usize),
+                // A filled member is never written again and the tier
+                // lives as long as the loader this batch borrows.
+                None => shared
+                    .tier
+                    .as_ref()
+                    .expect("CODE_TIER comes with a tier")
+                    .view(e.id, e.len as usize)
+                    .expect("a sample published as CODE_TIER is filled"),
+            };
             return BatchSample {
                 id: e.id,
                 label: e.label,
                 dataset: e.dataset,
-                // A filled member is never written again and the tier
-                // lives as long as the loader this batch borrows.
-                bytes: tier
-                    .view(e.id, e.len as usize)
-                    .expect("a sample published as CODE_TIER is filled"),
+                bytes,
                 position: e.pos,
                 in_tier: true,
             };
@@ -226,6 +236,14 @@ impl Loader {
             self.held_in_ring(),
             "the held batch has samples in the memory tier (tier_views): it has no span"
         );
+        self.held_reserved_ranges()
+    }
+
+    /// The ring range(s) the held batch's schedule reserves, as
+    /// [`Loader::held_span_ranges`], samples handed out in the tier
+    /// included (their slots stay unwritten): what the agent publishes.
+    pub(super) fn held_reserved_ranges(&self) -> ((u64, usize), Option<(u64, usize)>) {
+        assert!(self.held, "no batch is held");
         let first = self.entries[0];
         let last = *self.entries.last().expect("non-empty");
         let end = last.phys + last.len;

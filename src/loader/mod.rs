@@ -211,7 +211,15 @@ pub struct Loader {
     /// point into, with their run's number; each goes when its last kept
     /// batch is released (a re-attach maps a fresh ring, and the caller's
     /// views into the old one must stay valid).
-    retired: Vec<(u64, LandingRing)>,
+    /// ... with the node tier each mapped for views (`tier_views`).
+    retired: Vec<(
+        u64,
+        LandingRing,
+        Option<Arc<crate::agent::tier_map::TierMap>>,
+    )>,
+    /// Attached with tier views: the node tier as this attach mapped it
+    /// read-only (None: every sample comes in the ring).
+    attach_tier: Option<Arc<crate::agent::tier_map::TierMap>>,
     /// Whether a batch was asked for. A local loader's pollers start
     /// parked and read from the first batch on, not from the build: the
     /// usual resume builds and then restores, and reads begun at the
@@ -290,10 +298,12 @@ impl Loader {
                 let a = attached::RankAttach::connect(settings, &map, start, job, mix)?;
                 let spare = self.spare.as_mut().expect("resources available");
                 let old = std::mem::replace(&mut spare.ring, LandingRing::shared(map));
-                // Batches still kept out point into the old ring: it stays
-                // mapped until the last of them is released.
+                let old_tier = std::mem::replace(&mut self.attach_tier, a.tier());
+                // Batches still kept out point into the old ring (and the
+                // old attach's tier): it stays mapped until the last of
+                // them is released.
                 if self.kept.iter().any(|k| k.run == self.run_no) {
-                    self.retired.push((self.run_no, old));
+                    self.retired.push((self.run_no, old, old_tier));
                 }
                 Some(a)
             }
@@ -695,13 +705,43 @@ impl Loader {
                     }
                 }
             }
-            let in_tier = match self.wait_ready(&p) {
+            let mut in_tier = match self.wait_ready(&p) {
                 Ok(code) => code == CODE_TIER,
                 Err(e) => {
                     self.entries.clear();
                     return Err(self.fail(e));
                 }
             };
+            // Attached with tier views: the agent's view word says whether
+            // the sample is in the node tier, and where.
+            let mut tier_off = 0;
+            let word = self
+                .run
+                .as_ref()
+                .and_then(|r| r.attach.as_ref())
+                .map_or(0, |a| a.view(self.entries.len()));
+            if let Some(off) = crate::agent::segment::view_tier_offset(word) {
+                if !self
+                    .attach_tier
+                    .as_ref()
+                    .is_some_and(|t| t.holds(off, p.len))
+                {
+                    self.entries.clear();
+                    let e = Error::AttachProtocol {
+                        what: format!(
+                            "the agent handed out sample {} ({} bytes) at node tier offset {off}, {}",
+                            p.id,
+                            p.len,
+                            match &self.attach_tier {
+                                Some(t) => format!("past the tier's {} bytes", t.len()),
+                                None => "but gave this rank no tier".into(),
+                            }
+                        ),
+                    };
+                    return Err(self.fail(e));
+                }
+                (in_tier, tier_off) = (true, off);
+            }
             let input = &self.shared().input;
             let label = input.sample(p.id).label;
             let dataset = input.part(p.id).0 as u32;
@@ -710,6 +750,7 @@ impl Loader {
                 label,
                 dataset,
                 in_tier,
+                tier_off,
                 phys: p.phys(&self.geo),
                 len: p.len,
                 pos: p.pos,
@@ -995,7 +1036,7 @@ impl Loader {
         if !self.held {
             return None;
         }
-        let ((off, len), wrap) = self.held_span_ranges();
+        let ((off, len), wrap) = self.held_reserved_ranges();
         let first = self.entries[0];
         Some(crate::agent::segment::BatchDesc {
             ring_offset: off,
@@ -1006,6 +1047,34 @@ impl Loader {
             // The feeder fills in what was read since its last publish.
             reads: Default::default(),
         })
+    }
+
+    /// Inside the agent, for a rank that takes tier views: the held
+    /// batch's view words into `out` (a sample handed out in place in the
+    /// node tier: [`view_word`](crate::agent::segment::view_word) of its
+    /// offset there; one in the ring: 0). Returns the samples written.
+    pub(crate) fn held_view_words(&self, out: &mut [u64]) -> usize {
+        if !self.held {
+            return 0;
+        }
+        let tier = self.parts().2;
+        for (w, e) in out.iter_mut().zip(&self.entries) {
+            *w = if e.in_tier {
+                let off = tier
+                    .and_then(|t| t.view_offset(e.id))
+                    .expect("a sample published as CODE_TIER is a filled member");
+                crate::agent::segment::view_word(off)
+            } else {
+                0
+            };
+        }
+        assert!(
+            self.entries.len() <= out.len(),
+            "a batch of {} samples for {} view words",
+            self.entries.len(),
+            out.len()
+        );
+        self.entries.len()
     }
 
     /// Returns the ring space of the oldest batch kept out by
@@ -1025,7 +1094,7 @@ impl Loader {
             }
         }
         if gone.run != self.run_no && !self.kept.iter().any(|k| k.run == gone.run) {
-            self.retired.retain(|(run, _)| *run != gone.run);
+            self.retired.retain(|(run, ..)| *run != gone.run);
         }
         true
     }

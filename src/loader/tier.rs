@@ -153,7 +153,9 @@ impl Tier {
         first: &dyn Fn(u64) -> bool,
     ) {
         assert_eq!(reads.len(), self.offsets.len(), "a count per sample");
-        self.reset();
+        // The same user's new job (no rank of it attached): the memory is
+        // kept, its members emptied.
+        self.empty();
         self.offsets.fill(NOT_MEMBER);
         let mut order = reads_order(reads, first);
         let (_, members, member_bytes) =
@@ -195,14 +197,20 @@ impl Tier {
         if used == 0 {
             return Ok(None);
         }
-        let mem = LandingRing::new(&LandingOptions {
-            ring_bytes: used,
-            huge_pages: true,
-            mlock,
-            numa_node: None,
-            gpu_pci: None,
-            cuda: CudaMode::Off,
-        })?;
+        let mem = if checked {
+            // The agent's node tier: shared, so a rank asking for tier
+            // views can map it read-only (`agent::tier_map`).
+            Self::shared_memory(used, mlock)?
+        } else {
+            LandingRing::new(&LandingOptions {
+                ring_bytes: used,
+                huge_pages: true,
+                mlock,
+                numa_node: None,
+                gpu_pci: None,
+                cuda: CudaMode::Off,
+            })?
+        };
         let state = (0..catalog.ids()).map(|_| AtomicU8::new(EMPTY)).collect();
         let crcs = checked.then(|| {
             let mut c = vec![0; catalog.ids() as usize];
@@ -238,12 +246,40 @@ impl Tier {
         self.fills_refused.load(Ordering::Relaxed)
     }
 
+    /// The agent's node tier memory: a sealed memfd mapping.
+    fn shared_memory(bytes: u64, mlock: bool) -> Result<LandingRing> {
+        LandingRing::shared_tier(crate::agent::shm::RingMap::create_node_tier(bytes)?, mlock)
+    }
+
     /// Empties every member (for a new owner of a shared tier; `&mut`: no
-    /// loader holds the tier meanwhile).
-    pub fn reset(&mut self) {
+    /// loader holds the tier meanwhile). A tier in shared memory (the
+    /// agent's) gets fresh memory: a rank of the previous owner may still
+    /// map the old memfd (tier views), and must never read the new
+    /// owner's samples through it.
+    pub fn reset(&mut self) -> Result<()> {
+        if self.mem.shared_map().is_some() {
+            self.mem = Self::shared_memory(self.capacity_bytes, self.mem.info().locked)?;
+        }
+        self.empty();
+        Ok(())
+    }
+
+    fn empty(&mut self) {
         for st in &mut self.state {
             *st.get_mut() = EMPTY;
         }
+    }
+
+    /// The tier's shared memory, where it is the agent's node tier: what a
+    /// rank asking for tier views maps read-only.
+    pub(crate) fn shared_memory_map(&self) -> Option<&crate::agent::shm::RingMap> {
+        self.mem.shared_map()
+    }
+
+    /// Where member `id`'s bytes lie in the tier's memory, if it is filled
+    /// (a view word for an attached rank; `Tier::view` in this process).
+    pub(crate) fn view_offset(&self, id: u64) -> Option<u64> {
+        self.is_filled(id).then(|| self.offsets[id as usize])
     }
 
     /// Counts a refused fill; logs the first only (a rank that keeps

@@ -284,6 +284,26 @@ impl AgentSide {
         err.map_or(Ok(()), Err)
     }
 
+    /// Writes the view words of the next batch to publish (one per
+    /// sample, [`super::view_word`] or 0 for a sample in the ring) into its
+    /// slot's row; the publish's Release store makes them visible with
+    /// it. Call before [`AgentSide::publish`], with room for the batch.
+    ///
+    /// # Panics
+    /// When the segment has no view table or `words` is longer than a row.
+    pub fn set_views(&self, words: &[u64]) {
+        let row = self.seg.views(self.published);
+        assert!(
+            words.len() <= row.len(),
+            "{} view words for a row of {}",
+            words.len(),
+            row.len()
+        );
+        for (w, &v) in row.iter().zip(words) {
+            w.store(v, Ordering::Relaxed);
+        }
+    }
+
     /// Publishes the next batch: its descriptor (Relaxed), then its ready
     /// word (Release: the ring bytes and the descriptor are visible to a
     /// rank that Acquires the word), then wakes the rank if it sleeps.
@@ -400,6 +420,14 @@ impl RankSide {
     /// (the peer was slower than a slice, or a wake was lost).
     pub fn sleep_timeouts(&self) -> u64 {
         self.sleep_timeouts.get()
+    }
+
+    /// View word `i` of the batch taken last (0 where the segment has no
+    /// view table): stable until that batch is released, since the agent
+    /// rewrites a slot's row only for a batch published into it after.
+    pub fn taken_view(&self, i: usize) -> u64 {
+        let row = self.seg.views(self.taken.wrapping_sub(1));
+        row.get(i).map_or(0, |w| w.load(Ordering::Relaxed))
     }
 
     /// The next batch's descriptor if it is ready (one Acquire load; no

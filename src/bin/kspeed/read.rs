@@ -429,6 +429,8 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
     let mut host = Vec::new();
     let mut touched = 0u64;
     let mut digest = 0u32;
+    // Samples handed out in place in the memory tier (`--tier-views`).
+    let mut views = 0u64;
     for e in a.start_epoch..a.start_epoch + a.epochs {
         loader.set_epoch(e)?;
         let bar = Progress::new(&format!("epoch {e}"), per_epoch, progress);
@@ -459,6 +461,7 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
                     let sample = loader.held_sample(i);
                     let s = sample.bytes;
                     bytes += s.len();
+                    views += u64::from(sample.in_tier);
                     if a.digest {
                         digest = crc32c::crc32c_append(digest, &sample.id.to_le_bytes());
                         digest = crc32c::crc32c_append(digest, s);
@@ -527,6 +530,7 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
                 idle_core_fraction,
                 cluster,
                 digest: a.digest.then_some(digest),
+                tier_views: a.tier_views.then_some(views),
                 per_epoch: epoch_reports,
             },
         );
@@ -538,6 +542,9 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
     }
     if a.digest {
         println!("digest: {digest:08x}");
+    }
+    if a.tier_views {
+        println!("tier views: {views} samples handed out in place in the memory tier");
     }
     println!(
         "read {} samples, {} in {:.2} s: {:.0} samples/s, {:.3} GB/s",

@@ -16,6 +16,9 @@ pub(crate) struct Run {
     pub(crate) cluster: Option<&'static str>,
     /// `--digest`: CRC32C over every sample's id and bytes in order.
     pub(crate) digest: Option<u32>,
+    /// `--tier-views`: samples handed out in place in the memory tier (the
+    /// node tier, attached), not copied into the ring.
+    pub(crate) tier_views: Option<u64>,
     /// Each epoch's own figures, in order.
     pub(crate) per_epoch: Vec<EpochReport>,
 }
@@ -172,6 +175,9 @@ pub(crate) fn print(st: &Stats, placement: &PollerPlacement, r: &Run) {
     }
     if let Some(d) = r.digest {
         v["digest"] = json!(format!("{d:08x}"));
+    }
+    if let Some(n) = r.tier_views {
+        v["tier_views"] = json!(n);
     }
     if let Some(f) = r.idle_core_fraction {
         v["idle_core_fraction"] = json!(f);
