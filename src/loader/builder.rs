@@ -493,6 +493,14 @@ impl LoaderBuilder {
     /// callers that copy a batch as one span (to a GPU, the C ABI's and
     /// Python's spans) should leave this off. The views stay valid while the
     /// batch is held (tier members are never evicted or rewritten).
+    ///
+    /// Attached to the node agent (no `tier_bytes` of its own), this asks
+    /// the agent for views of its node tier: the agent passes the tier's
+    /// memfd read-only with the attach, and names each sample it serves
+    /// from the tier instead of copying it into the ring (docs/AGENT.md,
+    /// "Tier views"). The views are read-only (the mapping cannot be made
+    /// writable); an agent without a tier, or holding another user's
+    /// samples, gives none, and every sample comes in the ring.
     pub fn tier_views(mut self, on: bool) -> Self {
         self.tier_views = on;
         self

@@ -227,7 +227,7 @@ pub static OPTIONS: &[OptionSpec] = &[
     opt!("cache_policy", OptionKind::Choice(&["next-use", "min", "lru"]), "", "next-use", "cache-policy",
         "what the cache area keeps: `next-use` what this rank reads soonest (Belady's MIN over the known order, replacing a kept sample only when the write gains a hit), `min` MIN itself (the fewest source reads, more writes), `lru` what it read last (the page cache's policy, for comparison)"),
     opt!("tier_views", OptionKind::Bool, "", "false", "tier-views",
-        "a sample served from the memory tier is handed out in place (no copy into the ring); a batch holding one is not one ring span"),
+        "a sample served from the memory tier (attached: the agent's node tier, mapped read-only) is handed out in place (no copy into the ring); a batch holding one is not one ring span"),
     opt!("pollers", int(1, MAX_POLLERS), "threads", "a quarter of this rank's core slice, 1 to 8 (twice that, at most the slice, when the space is read through the page cache)", "pollers",
         "poller threads"),
     opt!("queue_depth", int(1, MAX_QUEUE_DEPTH), "reads", "32", "queue-depth",

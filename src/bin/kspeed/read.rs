@@ -104,7 +104,9 @@ pub(crate) struct ReadArgs {
     #[arg(long, default_value = "next-use", value_parser = ["next-use", "min", "lru"])]
     cache_policy: String,
     /// Hand out samples that sit in the memory tier in place instead of
-    /// copying them into the landing ring (a batch is then not one span).
+    /// copying them into the landing ring (a batch is then not one span);
+    /// attached to an agent with a node tier (`--agent`), read-only views
+    /// of that tier. `--json` counts them (`tier_views`).
     #[arg(long)]
     tier_views: bool,
     /// Read every byte of every sample (fold them into a checksum) as a

@@ -258,8 +258,9 @@ class Loader:
     the catalog must have been built from that source.
 
     Memory tier views (``tier_views=True``, only useful with ``tier_bytes >
-    0``; refused with ``gpu_ring``): a sample served from the memory tier is
-    not copied into the landing ring. Its per-sample views (``sample(i)``,
+    0``, or attached to a node agent with a node tier, whose tier is then
+    mapped read-only; refused with ``gpu_ring``): a sample served from the
+    memory tier is not copied into the landing ring. Its per-sample views (``sample(i)``,
     ``samples()``, ``memoryview(i)``, ``batch[i]``, ``sample_dlpack(i)``)
     point into the tier without any copy and keep the batch (and so the tier)
     alive like any other view. A batch with tier samples is not one ring
