@@ -265,6 +265,65 @@ fn an_agent_that_predates_block_shuffles_is_named() {
     }
 }
 
+/// An agent from before tier views refuses a rank that asks for them by
+/// the unknown ATTACH flag (protocol); the rank's `NoAgent` says the agent
+/// predates tier views through the agent and what to do. The old agent is
+/// played by a socket that answers as one does; the ATTACH it receives is
+/// version 5 with flag 8 and two descriptors.
+#[test]
+fn an_agent_that_predates_tier_views_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let sp = space(dir.path(), 100);
+    let sock = dir.path().join("old-agent.sock");
+    let l = socket2::Socket::new(
+        socket2::Domain::UNIX,
+        socket2::Type::from(libc::SOCK_SEQPACKET),
+        None,
+    )
+    .unwrap();
+    l.bind(&socket2::SockAddr::unix(&sock).unwrap()).unwrap();
+    l.listen(4).unwrap();
+    let old = std::thread::spawn(move || {
+        let (c, _) = l.accept().unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        let mut buf = [std::mem::MaybeUninit::<u8>::uninit(); 512];
+        let n = c.recv(&mut buf).unwrap();
+        // SAFETY: recv initialised the first n bytes.
+        let got: Vec<u8> = buf[..n]
+            .iter()
+            .map(|b| unsafe { b.assume_init() })
+            .collect();
+        let version = u16::from_le_bytes([got[4], got[5]]);
+        let flags = u32::from_le_bytes(got[80..84].try_into().unwrap());
+        let reason = format!(
+            "unknown flags {:#x} in a version {version} ATTACH",
+            flags & !7
+        );
+        let reply = kspeed::agent::msg::encode_refused(
+            version,
+            kspeed::agent::msg::RefuseCode::Protocol,
+            &reason,
+        );
+        c.send(&reply).unwrap();
+        (version, flags & 8)
+    });
+    let built = kspeed::loader::LoaderBuilder::space(&sp)
+        .agent(kspeed::loader::AgentMode::Required)
+        .agent_socket(Some(sock.clone()))
+        .tier_views(true)
+        .batch_size(8)
+        .build();
+    assert_eq!(old.join().unwrap(), (5, 8));
+    match built {
+        Err(kspeed::Error::NoAgent { reason, .. }) => assert!(
+            reason.contains("unknown flags 0x8")
+                && reason.contains("predates tier views through the agent"),
+            "{reason}"
+        ),
+        r => panic!("{:?}", r.map(|_| ())),
+    }
+}
+
 /// A rank written from docs/AGENT.md alone, in Python with the standard
 /// library (tests/foreign/attach_rank.py: its own memfds, seals, segment,
 /// ready words, release marks and futexes, its own sampler from

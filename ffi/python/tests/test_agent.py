@@ -15,10 +15,10 @@ from conftest import CHILD_TIMEOUT_S, cli, kspeed_bin, make_tree, read_line, sto
 class Agent:
     """A `kspeed agent` on a socket; SIGKILLed by `kill()` or at the end."""
 
-    def __init__(self, space, sock, more_spaces=()):
+    def __init__(self, space, sock, more_spaces=(), extra=()):
         more = [a for sp in more_spaces for a in ("--space", sp)]
         self.proc = subprocess.Popen(
-            [kspeed_bin(), "agent", "--space", space, *more, "--socket", str(sock)],
+            [kspeed_bin(), "agent", "--space", space, *more, "--socket", str(sock), *extra],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         line = read_line(self.proc)
         assert "agent serving" in line, f"agent printed {line!r}: {stop_and_stderr(self.proc)}"
@@ -176,5 +176,41 @@ def test_a_mixture_reads_through_an_agent_serving_its_spaces(space, tmp_path):
                 assert got == want, f"rank {rank} of 2"
                 assert {i for i, _ in got if i >= len(kspeed.Catalog.open(space + "/catalog.ksc"))}, \
                     "no sample of the second space"
+    finally:
+        agent.kill()
+
+
+def test_tier_views_through_the_agent_are_read_only_views_of_the_node_tier(space, tmp_path):
+    """``tier_views=True`` attached to an agent with a node tier
+    (``kspeed agent --tier-bytes``): once epoch 0 filled the tier, epoch 1's
+    samples come as views of it (``sample_in_tier``), read-only numpy
+    arrays (writing one raises), byte for byte what an embedded loader
+    reads; a batch holding one is not ``in_ring``."""
+    sock = tmp_path / "agent.sock"
+    agent = Agent(space, sock, extra=("--tier-bytes", "16MiB", "--no-mlock"))
+    try:
+        kw = dict(batch_size=4, seed=5, ring_bytes="256KiB", pin=False, tier_views=True,
+                  agent_socket=sock)
+        with kspeed.Loader(space, agent="required", **kw) as a, kspeed.Loader(space, agent="off", **kw) as e:
+            a.set_epoch(0)
+            samples(a)
+            a.set_epoch(1)
+            got, views, out_of_ring = [], 0, 0
+            for b in a:
+                for i in range(len(b)):
+                    v = b.sample(i)
+                    got.append((int(b.ids[i]), v.tobytes()))
+                    if b.sample_in_tier(i):
+                        views += 1
+                        assert not v.flags.writeable
+                        with pytest.raises(ValueError):
+                            v[0] = 0
+                out_of_ring += not b.in_ring
+            e.set_epoch(1)
+            assert got == samples(e)
+            # Epoch 0 filled the tier; only samples read ahead while it was
+            # still filling come in the ring.
+            assert views >= len(got) // 2, f"{views} views of {len(got)} samples"
+            assert out_of_ring > 0
     finally:
         agent.kill()
