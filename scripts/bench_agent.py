@@ -53,7 +53,13 @@ Per epoch it also gives the fraction of samples pushed by other nodes
 The page cache is not dropped (that needs root); the extents are read with
 O_DIRECT either way.
 
-  scripts/bench_agent.py [--ranks 8] [--nodes 1] [--profile imagenet:2000] [--epochs 2] [--runs 1] [--agent-pollers 1] [--node-pollers K] [--idle-s 20] [--tier-bytes 1GiB] [--compare-env VAR=A,B]
+With --compare-tier-views (one node, --tier-bytes T): attached ranks
+under an agent with a node tier of T, taking its samples as copies into
+their rings against taking them as read-only views of the tier
+(`kspeed read --tier-views`, docs/AGENT.md "Tier views"), alternating;
+CPU per GB counts the agent's and the ranks' CPU.
+
+  scripts/bench_agent.py [--ranks 8] [--nodes 1] [--profile imagenet:2000] [--epochs 2] [--runs 1] [--agent-pollers 1] [--node-pollers K] [--idle-s 20] [--tier-bytes 1GiB] [--compare-env VAR=A,B] [--compare-tier-views]
 """
 
 import argparse
@@ -335,7 +341,16 @@ def main():
                          "ranks' rings are full (node poller threads against a thread per poller)")
     ap.add_argument("--tier-bytes", default=None,
                     help="memory for tiers on the node: T/N per embedded rank, T for the agent's node tier")
+    ap.add_argument("--compare-tier-views", action="store_true",
+                    help="one node with --tier-bytes: attached ranks that take the node tier's samples "
+                         "as copies into their rings against ranks that take them as views (--tier-views), "
+                         "in place of embedded against attached")
+    ap.add_argument("--touch", action="store_true",
+                    help="every rank reads every byte of its samples (kspeed read --touch), as a "
+                         "consumer that looks at its data")
     a = ap.parse_args()
+    if a.compare_tier_views and (a.nodes > 1 or not a.tier_bytes):
+        sys.exit("--compare-tier-views: one node (--nodes 1) with --tier-bytes")
     tier_total = parse_bytes(a.tier_bytes) if a.tier_bytes else 0
     rank_tier = ["--tier-bytes", str(tier_total // a.ranks)] if tier_total else []
     agent_tier = ["--tier-bytes", str(tier_total), "--no-mlock"] if tier_total else []
@@ -375,7 +390,7 @@ def main():
     node_pollers = [] if a.node_pollers is None else ["--node-pollers", str(a.node_pollers)]
     rows = []
     for run in range(a.runs):
-        ring = ["--ring-bytes", a.ring_bytes]
+        ring = ["--ring-bytes", a.ring_bytes] + (["--touch"] if a.touch else [])
         if a.compare_env:
             var, values = a.compare_env.split("=", 1)
             for value in values.split(","):
@@ -399,6 +414,22 @@ def main():
             del os.environ[var]
             if rows[-1]["digests"] != rows[-2]["digests"]:
                 sys.exit(f"{var}={values} delivered different bytes")
+            continue
+        if a.compare_tier_views:
+            for name, views in (("copies", []), ("views", ["--tier-views"])):
+                agent = start([K, "agent", "--space", spaces[0], "--socket", socks[0],
+                               "--pollers", str(a.agent_pollers), "--progress=none"] + agent_tier
+                              + node_pollers, "agent serving")
+                c0 = proc_cpu_seconds(agent.pid)
+                wall, rep = ranks(spaces, a.ranks, a.epochs,
+                                  ["--agent", "required", "--agent-socket", socks[0]] + ring + views)
+                agent_cpu = proc_cpu_seconds(agent.pid) - c0
+                stop([agent])
+                handed = sum(r.get("tier_views", 0) for r in rep)
+                rows.append(summarise(name, wall, rep, agent_cpu, a.agent_pollers * a.ranks,
+                                      f"agent and ranks' CPU; {handed} samples handed out as views"))
+            if rows[-1]["digests"] != rows[-2]["digests"]:
+                sys.exit("copies and views delivered different bytes")
             continue
         serves = [start([K, "serve", "--space", spaces[i], "--listen", addrs[i], "--token-file",
                          token, "--progress=none"] + (["--rdma"] if a.rdma else []), "serving")
@@ -463,6 +494,9 @@ def main():
         speed = [att["later_samples_per_s"] / emb["later_samples_per_s"] for emb, att in pairs]
         print(f"{modes[1]} / {modes[0]}, epochs >= 2, samples/s per run: "
               + " ".join(f"{x:.2f}" for x in speed) + f"; median {median(speed):.2f}")
+        cpu = [att["cpu_s_per_gb"] / emb["cpu_s_per_gb"] for emb, att in pairs]
+        print(f"{modes[1]} / {modes[0]}, CPU s/GB (every epoch) per run: "
+              + " ".join(f"{x:.2f}" for x in cpu) + f"; median {median(cpu):.2f}")
         pushed = [(emb["later_pushed"], att["later_pushed"]) for emb, att in pairs]
         print(f"pushed by other nodes, epochs >= 2, {modes[0]} -> {modes[1]} per run: "
               + " ".join(f"{x:.3f}->{y:.3f}" for x, y in pushed))

@@ -192,7 +192,37 @@ impl std::fmt::Debug for RankAttach {
 impl RankAttach {
     /// Attaches `ring` at `start`: a fresh segment, the ATTACH, the reply.
     /// Any failure is [`Error::NoAgent`] naming the socket.
+    ///
+    /// An agent that predates tier views refuses a rank asking for them
+    /// (ATTACH flag 8): the rank attaches again without them, with one
+    /// WARN, and takes every sample in its ring (DALI asks for views by
+    /// default; a mixed-version node must not cost it the agent).
     pub(crate) fn connect(
+        s: &AttachSettings,
+        ring: &RingMap,
+        start: Position,
+        job: Option<crate::sampler::JobPosition>,
+        mix: Option<crate::agent::msg::MixAttach>,
+    ) -> Result<Self> {
+        match Self::connect_once(s, ring, start, job, mix.clone()) {
+            Err(Error::NoAgent { reason, .. })
+                if s.tier_views && reason.contains("predates tier views through the agent") =>
+            {
+                log::warn!(
+                    "the kspeed agent at {} predates tier views ({reason}); taking every sample in the ring",
+                    s.socket.display()
+                );
+                let plain = AttachSettings {
+                    tier_views: false,
+                    ..s.clone()
+                };
+                Self::connect_once(&plain, ring, start, job, mix)
+            }
+            r => r,
+        }
+    }
+
+    fn connect_once(
         s: &AttachSettings,
         ring: &RingMap,
         start: Position,
