@@ -294,9 +294,11 @@ fn open_space(cfg: &AgentConfig) -> Result<OpenSpace> {
     };
     if let Some(t) = &tier {
         log::info!(
-            "agent: node memory tier of {} samples, {} bytes, shared by the ranks of one user at a time",
+            "agent: node memory tier of {} samples, {} bytes in {}, shared by the ranks of one user at a time (read-only to those that ask for tier views)",
             t.members(),
-            t.member_bytes()
+            t.member_bytes(),
+            t.shared_memory_map()
+                .map_or("private memory", |m| m.pages().describe())
         );
     }
     let tier = tier.map(|t| {

@@ -11,7 +11,14 @@ report's `digest_candidates.u64` is `kspeed read --digest` (README).
 
 Usage: foreign_rank.py --socket S --space SPACE [--rank r --world w --batch 16
                         --seed 42 --slots 8 --ring-bytes 4MiB --epoch 0]
+                        [--tier-views]
 Prints a JSON report on the last line.
+
+--tier-views (added 2026-12-07, from AGENT.md "Tier views" and "View table"
+alone): ATTACH flag 8, a layout 6 segment with a view table, the node tier's
+memfd taken with ATTACHED and mapped read-only; each sample is read from the
+ring or the tier as its view word says, and the report adds `tier_bytes`
+(ATTACHED's) and `tier_views` (samples read from the tier).
 """
 import argparse, array, ctypes, errno, fcntl, json, mmap, os, select, socket
 import struct, sys, time
@@ -140,13 +147,18 @@ def mono_ns():
 # ---------------------------------------------------------------- the segment (AGENT.md lines 61-155)
 SEG_MAGIC = b"KSPATSEG"
 SEG_VERSION = 5
+SEG_VERSION_VIEWS = 6  # with a view table ("View table")
+VIEW_IN_TIER = 1 << 63
 
 
 class Segment:
-    def __init__(self, slots, ring_bytes, generation=1):
+    def __init__(self, slots, ring_bytes, generation=1, views_per_slot=0):
         assert slots & (slots - 1) == 0 and 1 <= slots <= 65536
+        assert 0 <= views_per_slot <= 65536
         self.slots = slots
-        self.total = 1216 + 128 * slots
+        self.views = views_per_slot  # 0: version 5, no table
+        self.table = 1216 + 128 * slots  # the view table's first byte (version 6)
+        self.total = 1216 + 128 * slots + 8 * slots * views_per_slot
         self.mapped = -(-self.total // PAGE) * PAGE
         self.fd = os.memfd_create("kspeed-foreign-seg", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         os.ftruncate(self.fd, self.mapped)
@@ -156,8 +168,9 @@ class Segment:
         self.base = ctypes.addressof(ctypes.c_char.from_buffer(self.mm))
         self.generation = generation
         # header: written before the magic, magic last (line 74)
-        struct.pack_into("<IIQIIQII16s", self.mm, 8, SEG_VERSION, 64, self.total, slots, 4,
-                         ring_bytes, generation, os.getpid(), b"\0" * 16)
+        struct.pack_into("<IIQIIQIII12s", self.mm, 8,
+                         SEG_VERSION_VIEWS if views_per_slot else SEG_VERSION, 64, self.total,
+                         slots, 4, ring_bytes, generation, os.getpid(), views_per_slot, b"\0" * 12)
         # rank block
         self.st64(136, mono_ns())
         self.st32(144, os.getpid())
@@ -219,12 +232,18 @@ class Segment:
         ring_off, nbytes, epoch, bie, samples, failovers = struct.unpack_from("<QQQQII", self.mm, o + 8)
         counts = struct.unpack_from("<4I6I", self.mm, o + 48)
         self.st64(160, self.ld64(160) + 1)  # taken (stats)
-        return dict(seq=seq, ring_offset=ring_off, bytes=nbytes, epoch=epoch, batch_in_epoch=bie,
-                    samples=samples, failovers=failovers,
-                    disk_reads=counts[0], tier_hits=counts[1], remote_samples=counts[2],
-                    source_reads=counts[3], disk_wait_us=counts[4], tier_wait_us=counts[5],
-                    source_wait_us=counts[6], peers_wait_us=counts[7], failover_wait_us=counts[8],
-                    cache_hits=counts[9])
+        b = dict(seq=seq, ring_offset=ring_off, bytes=nbytes, epoch=epoch, batch_in_epoch=bie,
+                 samples=samples, failovers=failovers,
+                 disk_reads=counts[0], tier_hits=counts[1], remote_samples=counts[2],
+                 source_reads=counts[3], disk_wait_us=counts[4], tier_wait_us=counts[5],
+                 source_wait_us=counts[6], peers_wait_us=counts[7], failover_wait_us=counts[8],
+                 cache_hits=counts[9])
+        if self.views:
+            # the batch's row, read after the ready word (Acquire), valid until
+            # its release; words past `samples` are not the batch's
+            row = self.table + 8 * self.views * (seq % self.slots)
+            b["views"] = list(struct.unpack_from("<%dQ" % min(samples, self.views), self.mm, row))
+        return b
 
     def release(self, released):
         """released = batches released so far (a count)."""
@@ -243,6 +262,10 @@ class Segment:
 
 
 class PeerError(Exception):
+    pass
+
+
+class AttachProtocol(Exception):
     pass
 
 
@@ -317,6 +340,41 @@ def build_attach(generation, dataset_id, seed, rank, world, batch, slots, start_
     return m
 
 
+def attached_tier(m, fds, asked):
+    """ATTACHED bytes 24..31 and its descriptors ("Tier views"): (tier_bytes, fd or None).
+    A descriptor not asked for, or a count that does not match, is AttachProtocol."""
+    tier_bytes = struct.unpack_from("<Q", m, 24)[0]
+    want = 1 if asked and tier_bytes else 0
+    if len(fds) != want or (tier_bytes and not asked):
+        for fd in fds:
+            os.close(fd)
+        raise AttachProtocol("ATTACHED: tier_bytes %d with %d descriptors (tier views %s)"
+                             % (tier_bytes, len(fds), "asked" if asked else "not asked"))
+    return tier_bytes, (fds[0] if fds else None)
+
+
+def map_tier(fd, tier_bytes):
+    """The node tier, PROT_READ, MAP_SHARED: a memfd sealed against shrinking, at least
+    tier_bytes long, else the attach fails. Returns (mapping, read_only_checks)."""
+    seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    if not seals & fcntl.F_SEAL_SHRINK:
+        raise AttachProtocol("the node tier's memfd is not sealed against shrinking (seals 0x%x)"
+                             % seals)
+    size = os.fstat(fd).st_size
+    if size < tier_bytes:
+        raise AttachProtocol("the node tier's memfd is %d bytes, ATTACHED says %d" % (size, tier_bytes))
+    mm = mmap.mmap(fd, tier_bytes, mmap.MAP_SHARED, mmap.PROT_READ)
+    checks = dict(memfd_bytes=size, seals=seals,
+                  o_rdonly=(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE) == os.O_RDONLY)
+    try:  # "The mapping cannot be made writable" (EACCES)
+        mmap.mmap(fd, min(tier_bytes, PAGE), mmap.MAP_SHARED,
+                  mmap.PROT_READ | mmap.PROT_WRITE).close()
+        checks["writable_mmap"] = "allowed"
+    except OSError as e:
+        checks["writable_mmap"] = errno.errorcode.get(e.errno, str(e.errno))
+    return mm, checks
+
+
 def parse_reply(m):
     if len(m) < 12:
         return dict(kind="short", raw=m.hex())
@@ -339,8 +397,16 @@ def attach(sock_path, msg, fds, timeout=5.0):
     s.settimeout(timeout)
     s.connect(sock_path)
     s.sendmsg([msg], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else [])
-    data, anc, flags, _ = s.recvmsg(512, socket.CMSG_SPACE(8 * 4))
-    return s, data
+    data, anc, flags, _ = s.recvmsg(512, socket.CMSG_SPACE(8 * 4), socket.MSG_CMSG_CLOEXEC)
+    got = array.array("i")
+    for level, typ, d in anc:  # ATTACHED's descriptor, if any ("Tier views")
+        if level == socket.SOL_SOCKET and typ == socket.SCM_RIGHTS:
+            got.frombytes(d[:len(d) - len(d) % got.itemsize])
+    if flags & socket.MSG_CTRUNC:
+        for fd in got:
+            os.close(fd)
+        raise AttachProtocol("ATTACHED's descriptors were cut (MSG_CTRUNC)")
+    return s, data, list(got)
 
 
 def make_ring(ring_bytes, seal=True):
@@ -382,14 +448,16 @@ def main():
     ap.add_argument("--align", type=int, default=4096)
     ap.add_argument("--dump", action="store_true")
     ap.add_argument("--cat", default=None, help="kspeed binary: also compare with `kspeed cat`")
+    ap.add_argument("--tier-views", action="store_true",
+                    help="ATTACH flag 8: take the node tier's samples in place (segment layout 6)")
     a = ap.parse_args()
 
     cat = read_catalog(os.path.join(a.space, "catalog.ksc"))
     ring_bytes = parse_size(a.ring_bytes)
-    seg = Segment(a.slots, ring_bytes, generation=1)
+    seg = Segment(a.slots, ring_bytes, generation=1, views_per_slot=a.batch if a.tier_views else 0)
     ring_fd, ring = make_ring(ring_bytes)
     shuffle = not a.no_shuffle
-    flags = 1 if shuffle else 0
+    flags = (1 if shuffle else 0) | (8 if a.tier_views else 0)
     global SPIN
     SPIN = a.spin
     end_epoch = a.epoch + a.epochs if a.end_epoch is None else a.end_epoch
@@ -397,13 +465,25 @@ def main():
                        a.epoch, 0, ring_bytes, seg.total, flags, end_epoch=end_epoch)
     report = dict(ok=False)
     sock = None
+    tier_fd, tier = None, None
     try:
-        sock, reply = attach(a.socket, msg, [ring_fd, seg.fd])
+        sock, reply, fds = attach(a.socket, msg, [ring_fd, seg.fd])
         rep = parse_reply(reply)
         report["reply"] = rep
         print("reply:", rep, file=sys.stderr)
         if rep.get("kind") != "ATTACHED":
+            for fd in fds:
+                os.close(fd)
             return report
+        tier_bytes, tier_fd = attached_tier(reply, fds, a.tier_views)
+        if a.tier_views:
+            report["tier_bytes"] = tier_bytes
+            if tier_fd is not None:
+                tier, report["tier_checks"] = map_tier(tier_fd, tier_bytes)
+            else:
+                print("the agent gives no tier views (tier_bytes 0): every sample in the ring",
+                      file=sys.stderr)
+        tier_views = {}  # epoch -> samples read from the tier
         sock.settimeout(0.5)
 
         delivered = []
@@ -430,19 +510,38 @@ def main():
                 # last sample's last byte, along the ring, wrap included.
                 cur = b["ring_offset"]
                 spanned = 0
-                for sid in ids:
+                for j, sid in enumerate(ids):
                     s = cat["samples"][sid]
                     pad = -(-s["len"] // a.align) * a.align
                     if cur + pad > ring_bytes:
                         spanned += ring_bytes - cur
                         cur = 0
                         layout_notes.add("wrapped")
-                    got = bytes(ring[cur:cur + s["len"]])
+                    # "View table": 0, in the ring at its scheduled place; bit 63,
+                    # in the node tier at word & (2^63 - 1). A tier sample keeps
+                    # its (unwritten) place in the ring, so `cur` moves on alike.
+                    view = b["views"][j] if a.tier_views and j < len(b["views"]) else 0
+                    where = cur
+                    if view == 0:
+                        got = bytes(ring[cur:cur + s["len"]])
+                    elif view & VIEW_IN_TIER:
+                        t_off = view & (VIEW_IN_TIER - 1)
+                        if tier is None or t_off + s["len"] > tier_bytes:
+                            raise AttachProtocol(
+                                "batch %d sample %d (id %d, %d bytes): tier offset %d past the "
+                                "tier's %d bytes" % (seq, j, sid, s["len"], t_off,
+                                                     tier_bytes if tier is not None else 0))
+                        got = bytes(tier[t_off:t_off + s["len"]])
+                        where = "tier+%d" % t_off
+                        tier_views[ep] = tier_views.get(ep, 0) + 1
+                    else:
+                        raise AttachProtocol("batch %d sample %d (id %d): view word 0x%x is neither 0 "
+                                             "nor in the tier" % (seq, j, sid, view))
                     if crc32c(got) != s["crc"]:
-                        mismatches.append(("crc", seq, sid, cur))
+                        mismatches.append(("crc", seq, sid, where))
                     want = open(os.path.join(src_root, cat["files"][s["file"]]), "rb").read()
                     if got != want:
-                        mismatches.append(("source", seq, sid, cur))
+                        mismatches.append(("source", seq, sid, where))
                     delivered.append((ep, sid, got))
                     last_len = s["len"]
                     spanned += pad
@@ -457,6 +556,9 @@ def main():
         nb = seq
         order = [i for ep in sorted(orders) for i in orders[ep]]
         report.update(batches=seq, expected_batches=nb, samples=len(delivered))
+        if a.tier_views:
+            report["tier_views"] = sum(tier_views.values())
+            report["tier_views_per_epoch"] = {ep: tier_views.get(ep, 0) for ep in sorted(orders)}
         ids = [d[1] for d in delivered]
         report["order_equals_sampler"] = ids == order
         report["per_epoch"] = {}
@@ -508,6 +610,10 @@ def main():
         seg.close()
         if sock:
             sock.close()
+        if tier is not None:
+            tier.close()
+        if tier_fd is not None:
+            os.close(tier_fd)
 
 
 if __name__ == "__main__":
