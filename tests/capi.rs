@@ -3,6 +3,7 @@
 //! and the freshly built libkspeed.so, run plainly, under AddressSanitizer
 //! and under valgrind (each skipped with a message when the tool is missing).
 
+mod agent_support;
 mod common;
 
 use std::path::{Path, PathBuf};
@@ -200,6 +201,38 @@ fn c_mixture_counts_and_labels_datasets() {
     );
     assert_passed(&o, "mix");
     assert!(String::from_utf8_lossy(&o.stdout).contains("mix: all checks passed"));
+}
+
+/// Tier views through the node agent from C (tests/c/agent_views_test.c):
+/// the `agent`, `agent_socket` and `tier_views` keys against a real
+/// `kspeed agent --tier-bytes`; epoch 1's samples come as read-only views
+/// of the agent's node tier (batches without a span, pages that refuse
+/// `PROT_WRITE`), every sample's bytes the catalog's; under AddressSanitizer.
+#[test]
+fn c_tier_views_through_the_agent() {
+    let d = data();
+    let Some(bin) = compile_with(
+        "gcc",
+        "-std=c11",
+        "tests/c/agent_views_test.c",
+        &d.work.join("agent_views_test"),
+        &["-fsanitize=address,undefined", "-fno-omit-frame-pointer"],
+    ) else {
+        return;
+    };
+    let sock = d.work.join("agent.sock");
+    let _agent =
+        agent_support::Agent::start(&d.space, &sock, &["--tier-bytes", "16MiB", "--no-mlock"]);
+    let o = Command::new(&bin)
+        .arg(&d.space)
+        .arg(&sock)
+        .env(
+            "ASAN_OPTIONS",
+            "detect_leaks=1:abort_on_error=0:exitcode=23",
+        )
+        .output()
+        .expect("run the C test");
+    assert_passed(&o, "agent views");
 }
 
 #[test]
