@@ -376,6 +376,53 @@ fn a_rank_written_from_the_docs_alone_reads_exactly() {
     assert_eq!(r["digest_candidates"]["u64"], digest.as_str(), "{r}");
 }
 
+/// The same rank written from the docs alone, with tier views
+/// (tests/foreign/attach_rank.py `--tier-views`: ATTACH flag 8, a version 6
+/// segment with a view table, the node tier's read-only memfd taken with
+/// ATTACHED and mapped, each sample read from the ring or the tier as its
+/// view word says): against an agent with a node tier, two epochs, every
+/// sample's bytes the catalog's, the second epoch mostly from the tier,
+/// and the digest the embedded read's.
+#[test]
+fn a_rank_written_from_the_docs_alone_takes_tier_views() {
+    if Command::new("python3").arg("--version").output().is_err() {
+        return common::skip("python3 is not installed");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let sp = space(dir.path(), 300);
+    let sock = dir.path().join("agent.sock");
+    let _agent = Agent::start(&sp, &sock, &["--tier-bytes", "64MiB", "--no-mlock"]);
+    let script =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/foreign/attach_rank.py");
+    let child = std::process::Command::new("python3")
+        .arg(&script)
+        .args(["--socket", s(&sock), "--space", s(&sp), "--tier-views"])
+        .args([
+            "--rank", "0", "--world", "1", "--batch", "16", "--seed", "11",
+        ])
+        .args(["--ring-bytes", "256KiB", "--epoch", "1", "--epochs", "2"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn python3");
+    let o = wait_output(child, Duration::from_secs(120));
+    let out = String::from_utf8_lossy(&o.stdout);
+    let last = out.lines().last().unwrap_or_default();
+    let r: serde_json::Value =
+        serde_json::from_str(last).unwrap_or_else(|e| panic!("{e}: {}", text(&o)));
+    assert!(o.status.success() && r["ok"] == true, "{r}\n{}", text(&o));
+    assert_eq!(r["samples"], 600, "{r}");
+    assert!(r["tier_bytes"].as_u64().unwrap_or(0) > 0, "{r}");
+    // Epoch 1 filled the tier: epoch 2 is views but for what was read
+    // ahead before its member was filled.
+    let views = r["tier_views"].as_u64().unwrap_or(0);
+    assert!(views >= 250, "{views} views in {r}");
+    let args = read_args(&sp, 0, 1, 2, &["--agent", "off"]);
+    let (n, digest) = finish(spawn_read(&args));
+    assert_eq!(n, 600);
+    assert_eq!(r["digest_candidates"]["u64"], digest.as_str(), "{r}");
+}
+
 /// The agent reads a rank's samples through the page cache when the space
 /// is cached as the rank attaches (`--read-page-cache auto`, the default, as an
 /// embedded loader's `page_cache`), with O_DIRECT when it is not, and

@@ -720,6 +720,16 @@ impl Loader {
                 .as_ref()
                 .and_then(|r| r.attach.as_ref())
                 .map_or(0, |a| a.view(self.entries.len()));
+            if word != 0 && crate::agent::segment::view_tier_offset(word).is_none() {
+                self.entries.clear();
+                let e = Error::AttachProtocol {
+                    what: format!(
+                        "the agent's view word {word:#x} for sample {} is reserved (0: in the ring; bit 63: in the node tier)",
+                        p.id
+                    ),
+                };
+                return Err(self.fail(e));
+            }
             if let Some(off) = crate::agent::segment::view_tier_offset(word) {
                 if !self
                     .attach_tier

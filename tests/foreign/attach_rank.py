@@ -503,7 +503,7 @@ def main():
                 ids = order[b["batch_in_epoch"] * a.batch:(b["batch_in_epoch"] + 1) * a.batch]
                 if b["epoch"] != ep or b["samples"] != len(ids) or b["batch_in_epoch"] != k:
                     mismatches.append(("descriptor", b, len(ids)))
-                # Layout (not in AGENT.md; inferred): samples in order from
+                # Layout (docs/AGENT.md, "A batch in the ring"): samples in order from
                 # ring_offset, each taking round_up(len, align); a sample that
                 # would run past the ring's end starts at 0 instead (the skipped
                 # tail counts in `bytes`). `bytes` = from the first byte to the
