@@ -187,6 +187,48 @@ fn a_rank_s_tier_views_are_read_only() {
     assert!(attached.attached());
     let (first, _) = epoch(&mut attached, 0, false);
     let (second, views) = epoch(&mut attached, 1, true);
+    // Nor can the memfd, opened again read-write through /proc (its mode
+    // allows it), be mapped writable: the agent sealed it against future
+    // writes (F_SEAL_FUTURE_WRITE, EPERM) once it had mapped it itself.
+    let tier_fds: Vec<_> = std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|e| {
+            let p = e.ok()?.path();
+            let to = std::fs::read_link(&p).ok()?;
+            to.to_string_lossy()
+                .contains("memfd:kspeed-node-tier")
+                .then_some(p)
+        })
+        .collect();
+    assert!(!tier_fds.is_empty(), "the rank holds the node tier's memfd");
+    for p in &tier_fds {
+        let Ok(f) = std::fs::OpenOptions::new().read(true).write(true).open(p) else {
+            continue; // not even opened read-write: as good
+        };
+        use std::os::fd::AsRawFd;
+        // SAFETY: asks for a new shared mapping of a file we hold; it is
+        // unmapped at once if the kernel grants it (the test then fails).
+        let m = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                4096,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                f.as_raw_fd(),
+                0,
+            )
+        };
+        let errno = std::io::Error::last_os_error().raw_os_error();
+        if m != libc::MAP_FAILED {
+            // SAFETY: the mapping just made, 4096 bytes.
+            unsafe { libc::munmap(m, 4096) };
+        }
+        assert_eq!(
+            (m == libc::MAP_FAILED, errno),
+            (true, Some(libc::EPERM)),
+            "the node tier reopened read-write could be mapped writable"
+        );
+    }
     drop(attached);
     let mut embedded = build(AgentMode::Off);
     let (want0, _) = epoch(&mut embedded, 0, false);

@@ -108,7 +108,9 @@ impl TierLayout {
         Some(TierLayout {
             seed: req.seed,
             world: req.world,
-            flags: req.flags,
+            // The sampler's flags only: whether a rank checks CRCs or
+            // takes tier views does not change what the node reads.
+            flags: req.flags & (FLAG_SHUFFLE | FLAG_DROP_LAST),
             ranks: first..first.saturating_add(u32::from(local_world)).min(req.world),
             from: req.start_epoch,
             end: req.end_epoch,
@@ -186,15 +188,19 @@ impl NodeTier {
         samples: &NodeSamples<'_>,
         in_cluster: bool,
     ) -> Option<Arc<Tier>> {
-        if self.uid != Some(uid) {
+        let usable = self.tier.has_memory();
+        if self.uid != Some(uid) || !usable {
             if self.ranks > 0 {
                 return None;
             }
-            if self.uid.is_some() {
-                // Another user's samples: emptied first. `get_mut` is
-                // None only while a loader of theirs still holds the
-                // tier (it is dropped before its rank is counted ended).
+            if self.uid.is_some() || !usable {
+                // Another user's samples: emptied first, in fresh memory
+                // (or memory a failed renewal left the tier without).
+                // `get_mut` is None only while a loader of theirs still
+                // holds the tier (it is dropped before its rank is counted
+                // ended).
                 if let Err(e) = Arc::get_mut(&mut self.tier)?.reset() {
+                    self.uid = None;
                     log::warn!(
                         "agent: the node tier could not be given to uid {uid} ({e}); its ranks read without it"
                     );
@@ -211,7 +217,15 @@ impl NodeTier {
             match (Arc::get_mut(&mut self.tier), reads) {
                 (Some(tier), Some(reads)) => {
                     let remote = |id| in_cluster && samples.remote(id);
-                    tier.relayout(samples, &reads, &remote);
+                    if let Err(e) = tier.relayout(samples, &reads, &remote) {
+                        // Without memory until a later rank's reset.
+                        self.uid = None;
+                        self.layout = None;
+                        log::warn!(
+                            "agent: the node tier's fresh memory for a new job could not be had ({e}); ranks read without it"
+                        );
+                        return None;
+                    }
                     log::info!(
                         "agent: node memory tier chosen by the reads of ranks {:?} of {} from epoch {}: {} samples, {} bytes ({} ms)",
                         want.ranks,

@@ -333,7 +333,12 @@ pub fn segment_bytes(slots: u32) -> u64 {
 /// Bytes of a segment with `slots` batch slots and `views_per_slot` view
 /// words per slot (layout version 6; 0: version 5's size).
 pub fn segment_bytes_with_views(slots: u32, views_per_slot: u32) -> u64 {
-    views_offset(slots) as u64 + 8 * u64::from(slots) * u64::from(views_per_slot)
+    // Saturating: the agent sizes a peer's unchecked fields with this, and
+    // a sum that does not fit is then refused as the wrong size.
+    (views_offset(slots) as u64).saturating_add(
+        8u64.saturating_mul(u64::from(slots))
+            .saturating_mul(u64::from(views_per_slot)),
+    )
 }
 
 /// Where the view table starts: right after the slots.

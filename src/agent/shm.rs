@@ -43,16 +43,18 @@ pub(super) fn io_err(op: &'static str, what: &str, e: std::io::Error) -> Error {
 /// Creates a sealed memfd of `bytes` (rounded up to a page): it can grow
 /// no more and never shrink, so a peer mapping it can trust its size.
 pub(super) fn sealed_memfd(name: &std::ffi::CStr, bytes: u64) -> Result<File> {
-    sealed_memfd_with(name, bytes, 0, 4096)
+    sealed_memfd_with(name, bytes, 0, 4096, true)
 }
 
 /// [`sealed_memfd`] with extra `memfd_create` flags (`MFD_HUGETLB`...) and
-/// the page size the length is rounded up to.
+/// the page size the length is rounded up to; `last` adds `F_SEAL_SEAL`
+/// (no seal after these), else the caller adds more first.
 pub(super) fn sealed_memfd_with(
     name: &std::ffi::CStr,
     bytes: u64,
     flags: libc::c_uint,
     page_bytes: u64,
+    last: bool,
 ) -> Result<File> {
     // SAFETY: memfd_create reads the NUL-terminated name and returns a new
     // descriptor or -1; it touches no memory of ours otherwise.
@@ -74,7 +76,7 @@ pub(super) fn sealed_memfd_with(
     let len = bytes.div_ceil(page_bytes) * page_bytes;
     file.set_len(len)
         .map_err(|e| io_err("ftruncate", "attach memfd", e))?;
-    let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+    let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | if last { libc::F_SEAL_SEAL } else { 0 };
     // SAFETY: fcntl on a descriptor we own with an integer argument.
     if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
         return Err(io_err(
@@ -309,6 +311,7 @@ impl RingMap {
             bytes,
             libc::MFD_HUGETLB | libc::MFD_HUGE_2MB,
             HUGE_PAGE_BYTES,
+            false,
         )
         .and_then(|file| {
             let map = MmapRaw::map_raw(&file)
@@ -319,7 +322,7 @@ impl RingMap {
             Ok((file, map)) => (file, map, RingPages::Hugetlb),
             Err(e) => {
                 log::debug!("node tier: no 2 MiB pages ({e}); shared memory instead");
-                let file = sealed_memfd(c"kspeed-node-tier", bytes)?;
+                let file = sealed_memfd_with(c"kspeed-node-tier", bytes, 0, 4096, false)?;
                 let map = MmapRaw::map_raw(&file).map_err(|e| io_err("mmap", "node tier", e))?;
                 advise_huge(&map);
                 let pages = if shmem_thp_on() {
@@ -330,6 +333,28 @@ impl RingMap {
                 (file, map, pages)
             }
         };
+        // The agent's mapping is the only writable one there will ever be:
+        // F_SEAL_FUTURE_WRITE (Linux 5.1) refuses any later writable shared
+        // mapping or write(), whoever opens the memfd (a rank could open
+        // its descriptor again O_RDWR through /proc). Older kernels: the
+        // O_RDONLY descriptor alone keeps honest ranks out.
+        let seal = |seals: libc::c_int| {
+            // SAFETY: fcntl on a descriptor we own with an integer argument.
+            unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, seals) }
+        };
+        if seal(libc::F_SEAL_FUTURE_WRITE | libc::F_SEAL_SEAL) != 0 {
+            let e = std::io::Error::last_os_error();
+            log::info!(
+                "node tier: this kernel refuses F_SEAL_FUTURE_WRITE ({e}); ranks get it through a read-only descriptor only"
+            );
+            if seal(libc::F_SEAL_SEAL) != 0 {
+                return Err(io_err(
+                    "F_ADD_SEALS",
+                    "node tier memfd",
+                    std::io::Error::last_os_error(),
+                ));
+            }
+        }
         Ok(RingMap {
             map,
             file,
@@ -340,9 +365,11 @@ impl RingMap {
 
     /// A read-only descriptor of the same memfd (a new open file
     /// description, `O_RDONLY`, through `/proc/self/fd`): what the agent
-    /// passes a rank for its tier views. A mapping of it cannot be made
-    /// writable (`mmap` or `mprotect` with `PROT_WRITE` fail with EACCES),
-    /// so a rank can read the tier but never spoil it for the others.
+    /// passes a rank for its tier views. A shared mapping of it cannot be
+    /// made writable (`mmap` or `mprotect` with `PROT_WRITE` fail with
+    /// EACCES), nor, with the future-write seal, one of the memfd opened
+    /// again read-write (EPERM), so a rank can read the tier but never
+    /// spoil it for the others.
     pub(crate) fn read_only_fd(&self) -> Result<OwnedFd> {
         let path = format!("/proc/self/fd/{}", self.file.as_raw_fd());
         let f = std::fs::OpenOptions::new()
@@ -358,6 +385,7 @@ impl RingMap {
             bytes,
             libc::MFD_HUGETLB | libc::MFD_HUGE_2MB,
             HUGE_PAGE_BYTES,
+            true,
         )?;
         let map = MmapRaw::map_raw(&file).map_err(|e| io_err("mmap", "attach ring", e))?;
         bind(&map, numa_node)?;

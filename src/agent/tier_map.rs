@@ -6,10 +6,11 @@
 //!
 //! Why this is safe to hold as `&[u8]`: a member's bytes are written once,
 //! when it is filled, and its view word is published only after that
-//! (the batch's ready word, Release); the agent rewrites members only when
-//! no rank of the tier's user is attached (a new job's members, `Tier::relayout`)
-//! and gives another user a fresh memfd (`Tier::reset`), so bytes a rank
-//! holds do not change while it is attached. Offsets are checked against
+//! (the batch's ready word, Release); and the agent never writes a filled
+//! member again in the same memfd: a new job's members (`Tier::relayout`)
+//! and another user's (`Tier::reset`) get a fresh memfd, so the bytes a
+//! rank holds in this mapping do not change for as long as it is mapped,
+//! attached or not (batches kept out across a re-attach included). Offsets are checked against
 //! the mapping's size here, so a wrong view word is a named error, never
 //! a read outside the mapping. The memfd is sealed against shrinking
 //! (checked), so the agent cannot truncate it under the mapping.
@@ -29,12 +30,6 @@ pub struct TierMap {
     map: MmapRaw,
     _file: File,
 }
-
-// SAFETY: a read-only mapping reached through bounds-checked shared slices
-// of bytes the agent no longer writes (module docs).
-unsafe impl Send for TierMap {}
-// SAFETY: as above.
-unsafe impl Sync for TierMap {}
 
 impl std::fmt::Debug for TierMap {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -88,9 +83,9 @@ impl TierMap {
             "a tier view {offset}+{len} past the node tier's {} bytes",
             self.len()
         );
-        // SAFETY: in bounds (checked); the agent does not write a member a
-        // view word named while this rank is attached (module docs); the
-        // mapping lives as long as `&self`.
+        // SAFETY: in bounds (checked); the agent never writes a member a
+        // view word named again in this memfd (module docs); the mapping
+        // lives as long as `&self`.
         unsafe { std::slice::from_raw_parts(self.map.as_ptr().add(offset as usize), len) }
     }
 }

@@ -66,6 +66,9 @@ pub fn default_agent_socket() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("/run/kspeed/agent.sock"))
 }
 
+/// How a `NoAgent` for a node tier this rank could not map starts.
+const TIER_MAP_FAILED: &str = "mapping the agent's node tier for tier views: ";
+
 /// How long the rank waits for the agent to answer its ATTACH.
 const ATTACH_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -206,10 +209,12 @@ impl RankAttach {
     ) -> Result<Self> {
         match Self::connect_once(s, ring, start, job, mix.clone()) {
             Err(Error::NoAgent { reason, .. })
-                if s.tier_views && reason.contains("predates tier views through the agent") =>
+                if s.tier_views
+                    && (reason.contains("predates tier views through the agent")
+                        || reason.starts_with(TIER_MAP_FAILED)) =>
             {
                 log::warn!(
-                    "the kspeed agent at {} predates tier views ({reason}); taking every sample in the ring",
+                    "the kspeed agent at {}: no tier views ({reason}); taking every sample in the ring",
                     s.socket.display()
                 );
                 let plain = AttachSettings {
@@ -305,9 +310,14 @@ impl RankAttach {
                 e => no_agent(e),
             })?;
         let tier = match tier_fd {
-            Some(fd) => Some(Arc::new(
-                TierMap::open(fd, reply.tier_bytes).map_err(no_agent)?,
-            )),
+            // Not mapped (ENOMEM, the map count): attached again without
+            // views by `connect`.
+            Some(fd) => Some(Arc::new(TierMap::open(fd, reply.tier_bytes).map_err(
+                |e| Error::NoAgent {
+                    socket: s.socket.clone(),
+                    reason: format!("{TIER_MAP_FAILED}{e}"),
+                },
+            )?)),
             None => None,
         };
         if s.tier_views {

@@ -66,7 +66,15 @@ const NOT_MEMBER: u64 = u64::MAX;
 
 /// The tier's memory and membership.
 pub struct Tier {
-    mem: LandingRing,
+    /// None only while the agent's shared tier is between two memfds (its
+    /// old memory dropped before the new is made: [`Tier::renew_memory`])
+    /// and the new could not be had; such a tier is given to no loader.
+    mem: Option<LandingRing>,
+    /// The agent's node tier lives in a shared memfd (and gets fresh
+    /// memory for a new user or job); others in private memory.
+    shared: bool,
+    /// Lock the memory (`mlock`): kept for fresh memory.
+    mlock: bool,
     offsets: Vec<u64>,
     state: Vec<AtomicU8>,
     members: u64,
@@ -151,10 +159,12 @@ impl Tier {
         catalog: &dyn TierSamples,
         reads: &[u16],
         first: &dyn Fn(u64) -> bool,
-    ) {
+    ) -> Result<()> {
         assert_eq!(reads.len(), self.offsets.len(), "a count per sample");
-        // The same user's new job (no rank of it attached): the memory is
-        // kept, its members emptied.
+        // The agent's tier: fresh memory, since a rank of the previous job
+        // may still hold views of the old (batches kept out across a
+        // re-attach), which must never change under it.
+        self.renew_memory()?;
         self.empty();
         self.offsets.fill(NOT_MEMBER);
         let mut order = reads_order(reads, first);
@@ -165,6 +175,7 @@ impl Tier {
         }
         self.members = members;
         self.member_bytes = member_bytes;
+        Ok(())
     }
 
     /// As [`Tier::new`], for a tier shared by several ranks whose rings it
@@ -218,7 +229,9 @@ impl Tier {
             c
         });
         Ok(Some(Tier {
-            mem,
+            mem: Some(mem),
+            shared: checked,
+            mlock,
             offsets,
             state,
             members,
@@ -257,11 +270,35 @@ impl Tier {
     /// map the old memfd (tier views), and must never read the new
     /// owner's samples through it.
     pub fn reset(&mut self) -> Result<()> {
-        if self.mem.shared_map().is_some() {
-            self.mem = Self::shared_memory(self.capacity_bytes, self.mem.info().locked)?;
-        }
+        self.renew_memory()?;
         self.empty();
         Ok(())
+    }
+
+    /// The agent's shared tier gets a fresh memfd (others keep theirs):
+    /// the old is dropped first, so its huge pages and locked bytes are
+    /// free for the new one. On failure the tier has no memory and must
+    /// not be given to a loader ([`Tier::has_memory`]) until a later call
+    /// succeeds.
+    fn renew_memory(&mut self) -> Result<()> {
+        if !self.shared {
+            return Ok(());
+        }
+        drop(self.mem.take());
+        self.mem = Some(Self::shared_memory(self.capacity_bytes, self.mlock)?);
+        Ok(())
+    }
+
+    /// Whether the tier has its memory (always, but for an agent's shared
+    /// tier whose fresh memory could not be had: [`Tier::reset`]).
+    pub(crate) fn has_memory(&self) -> bool {
+        self.mem.is_some()
+    }
+
+    fn mem(&self) -> &LandingRing {
+        self.mem
+            .as_ref()
+            .expect("a tier without memory is given to no loader")
     }
 
     fn empty(&mut self) {
@@ -273,7 +310,7 @@ impl Tier {
     /// The tier's shared memory, where it is the agent's node tier: what a
     /// rank asking for tier views maps read-only.
     pub(crate) fn shared_memory_map(&self) -> Option<&crate::agent::shm::RingMap> {
-        self.mem.shared_map()
+        self.mem.as_ref().and_then(|m| m.shared_map())
     }
 
     /// Where member `id`'s bytes lie in the tier's memory, if it is filled
@@ -317,13 +354,13 @@ impl Tier {
         }
         let off = self.offsets[id as usize] as usize;
         assert!(
-            off + len <= self.mem.len(),
+            off + len <= self.mem().len(),
             "a tier view lies inside the tier"
         );
         // SAFETY: the range is inside the mapping (checked above); the
         // member is FULL (Acquire in is_filled), so its bytes were written
         // before and are never written again.
-        Some(unsafe { self.mem.slice(off, len) })
+        Some(unsafe { self.mem().slice(off, len) })
     }
 
     /// Copies member `id` (`len` bytes) into `dst` if it is filled.
@@ -336,7 +373,7 @@ impl Tier {
             return false;
         }
         // SAFETY: inside the mapping (the member's offset).
-        let src = unsafe { self.mem.as_mut_ptr().add(off as usize) };
+        let src = unsafe { self.mem().as_mut_ptr().add(off as usize) };
         if self.crcs.is_some() {
             // A rank's ring: through the kernel, so a page the rank took
             // away fails this copy (the poller then reads from disk, where
@@ -366,7 +403,7 @@ impl Tier {
             .is_ok()
         {
             // SAFETY: inside the mapping (the member's offset).
-            let dst = unsafe { self.mem.as_mut_ptr().add(off as usize) };
+            let dst = unsafe { self.mem().as_mut_ptr().add(off as usize) };
             if self.crcs.is_some() {
                 // From a rank's ring: through the kernel (see copy_out).
                 // SAFETY: FILLING gives this thread exclusive write access
@@ -384,7 +421,7 @@ impl Tier {
             if let Some(crcs) = &self.crcs {
                 // SAFETY: the member's bytes, just written by this thread
                 // (FILLING), inside the mapping.
-                let copy = unsafe { self.mem.slice(off as usize, len) };
+                let copy = unsafe { self.mem().slice(off as usize, len) };
                 if crc32c::crc32c(copy) != crcs[id as usize] {
                     self.refuse_fill(
                         id,
