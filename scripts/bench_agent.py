@@ -56,7 +56,8 @@ O_DIRECT either way.
 With --compare-tier-views (one node, --tier-bytes T): attached ranks
 under an agent with a node tier of T, taking its samples as copies into
 their rings against taking them as read-only views of the tier
-(`kspeed read --tier-views`, docs/AGENT.md "Tier views"), alternating;
+(`kspeed read --tier-views`, docs/AGENT.md "Tier views"), a fresh agent
+each, which one goes first alternating by round (use an even --runs);
 CPU per GB counts the agent's and the ranks' CPU.
 
   scripts/bench_agent.py [--ranks 8] [--nodes 1] [--profile imagenet:2000] [--epochs 2] [--runs 1] [--agent-pollers 1] [--node-pollers K] [--idle-s 20] [--tier-bytes 1GiB] [--compare-env VAR=A,B] [--compare-tier-views]
@@ -416,7 +417,12 @@ def main():
                 sys.exit(f"{var}={values} delivered different bytes")
             continue
         if a.compare_tier_views:
-            for name, views in (("copies", []), ("views", ["--tier-views"])):
+            # The order alternates by round (the first of a pair ran slower
+            # here whatever it was: 1.4-2.4x with the same binary and mode
+            # twice); the rows stay (copies, views) for the pairing.
+            modes = [("copies", []), ("views", ["--tier-views"])]
+            pair = {}
+            for name, views in (modes if run % 2 == 0 else modes[::-1]):
                 agent = start([K, "agent", "--space", spaces[0], "--socket", socks[0],
                                "--pollers", str(a.agent_pollers), "--progress=none"] + agent_tier
                               + node_pollers, "agent serving")
@@ -426,8 +432,10 @@ def main():
                 agent_cpu = proc_cpu_seconds(agent.pid) - c0
                 stop([agent])
                 handed = sum(r.get("tier_views", 0) for r in rep)
-                rows.append(summarise(name, wall, rep, agent_cpu, a.agent_pollers * a.ranks,
-                                      f"agent and ranks' CPU; {handed} samples handed out as views"))
+                pair[name] = summarise(name, wall, rep, agent_cpu, a.agent_pollers * a.ranks,
+                                       f"agent and ranks' CPU; {handed} samples handed out as views"
+                                       f" ({'first' if len(pair) == 0 else 'second'} of the round)")
+            rows += [pair["copies"], pair["views"]]
             if rows[-1]["digests"] != rows[-2]["digests"]:
                 sys.exit("copies and views delivered different bytes")
             continue
