@@ -119,6 +119,9 @@ impl Setup {
 
     /// Rank `rank` of `world` on node `node`, attached to its agent or
     /// embedded (its own links to the three node services).
+    ///
+    /// An attached node's second rank (odd) asks for tier views: the node
+    /// tier's samples, pushed or read, come as read-only views of it.
     fn rank(&self, node: usize, rank: u32, world: u32, attached: bool) -> Loader {
         let b = LoaderBuilder::mix([
             (s(&self.space(0, node)), Weight::Proportion(0.6)),
@@ -133,6 +136,7 @@ impl Setup {
         let b = if attached {
             b.agent(AgentMode::Required)
                 .agent_socket(Some(self.socket(node)))
+                .tier_views(rank % 2 == 1)
         } else {
             b.agent(AgentMode::Off)
                 .token(TOKEN.as_bytes())
@@ -143,10 +147,11 @@ impl Setup {
 }
 
 /// (dataset, id) of epochs `from..from + n`, every sample checked byte for
-/// byte against its dataset's catalog.
-fn epochs(l: &mut Loader, from: u64, n: u64, cats: &[Catalog]) -> Vec<(u32, u64)> {
+/// byte against its dataset's catalog; and how many were tier views.
+fn epochs(l: &mut Loader, from: u64, n: u64, cats: &[Catalog]) -> (Vec<(u32, u64)>, u64) {
     let offsets = l.dataset_offsets().to_vec();
     let mut got = Vec::new();
+    let mut views = 0;
     for e in from..from + n {
         l.set_epoch(e).unwrap();
         while let Some(b) = l.next_batch().unwrap() {
@@ -160,10 +165,11 @@ fn epochs(l: &mut Loader, from: u64, n: u64, cats: &[Catalog]) -> Vec<(u32, u64)
                     smp.id
                 );
                 got.push((smp.dataset, smp.id));
+                views += u64::from(smp.in_tier);
             }
         }
     }
-    got
+    (got, views)
 }
 
 /// Two ranks on each of three nodes read a mixture of two spaces through
@@ -172,7 +178,8 @@ fn epochs(l: &mut Loader, from: u64, n: u64, cats: &[Catalog]) -> Vec<(u32, u64)
 /// services, with samples of both datasets from every node; the node
 /// tier over both spaces keeps what the node's first rank read or was
 /// pushed, so its second rank's draws of those (the 90-sample dataset is
-/// drawn 120 times an epoch) are tier hits.
+/// drawn 120 times an epoch) are tier hits, which that rank, asking for
+/// tier views, takes as views of the node tier.
 #[test]
 fn attached_ranks_read_a_mixture_across_the_cluster() {
     let st = Setup::new();
@@ -189,7 +196,7 @@ fn attached_ranks_read_a_mixture_across_the_cluster() {
         let node = (r / 2) as usize;
         let mut attached = st.rank(node, r, world, true);
         assert!(attached.attached());
-        let got = epochs(&mut attached, 1, 2, &st.cats);
+        let (got, views) = epochs(&mut attached, 1, 2, &st.cats);
         let tier_hits = attached.stats().tier_hits;
         drop(attached);
         if r % 2 == 1 {
@@ -201,9 +208,18 @@ fn attached_ranks_read_a_mixture_across_the_cluster() {
                 got.len(),
                 r - 1
             );
+            // This rank asked for tier views: its tier hits, read from the
+            // node's disk or pushed by another node, come as views.
+            assert!(
+                views >= got.len() as u64 / 3,
+                "rank {r}: {views} tier views, {tier_hits} tier hits for {} samples",
+                got.len()
+            );
+        } else {
+            assert_eq!(views, 0, "rank {r} did not ask for tier views");
         }
         let mut embedded = st.rank(node, r, world, false);
-        let want = epochs(&mut embedded, 1, 2, &st.cats);
+        let (want, _) = epochs(&mut embedded, 1, 2, &st.cats);
         assert_eq!(got, want, "rank {r}");
         assert_eq!(got.len(), 2 * 300 / world as usize, "rank {r}");
         assert!(
