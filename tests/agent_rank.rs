@@ -332,6 +332,30 @@ fn an_agent_that_predates_tier_views_is_attached_without_them() {
     }
 }
 
+/// Runs tests/foreign/attach_rank.py (a rank written from docs/AGENT.md
+/// alone) against the agent at `sock` with seed 11, a 256 KiB ring and
+/// epochs 1 and 2, plus `more`; returns its JSON report, checked `ok`.
+fn foreign_rank(sock: &std::path::Path, sp: &std::path::Path, more: &[&str]) -> serde_json::Value {
+    let script =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/foreign/attach_rank.py");
+    let child = std::process::Command::new("python3")
+        .arg(&script)
+        .args(["--socket", s(sock), "--space", s(sp), "--seed", "11"])
+        .args(["--ring-bytes", "256KiB", "--epoch", "1", "--epochs", "2"])
+        .args(more)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn python3");
+    let o = wait_output(child, Duration::from_secs(120));
+    let out = String::from_utf8_lossy(&o.stdout);
+    let last = out.lines().last().unwrap_or_default();
+    let r: serde_json::Value =
+        serde_json::from_str(last).unwrap_or_else(|e| panic!("{e}: {}", text(&o)));
+    assert!(o.status.success() && r["ok"] == true, "{r}\n{}", text(&o));
+    r
+}
+
 /// A rank written from docs/AGENT.md alone, in Python with the standard
 /// library (tests/foreign/attach_rank.py: its own memfds, seals, segment,
 /// ready words, release marks and futexes, its own sampler from
@@ -348,25 +372,7 @@ fn a_rank_written_from_the_docs_alone_reads_exactly() {
     let sp = space(dir.path(), 300);
     let sock = dir.path().join("agent.sock");
     let _agent = Agent::start(&sp, &sock, &[]);
-    let script =
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/foreign/attach_rank.py");
-    let child = std::process::Command::new("python3")
-        .arg(&script)
-        .args(["--socket", s(&sock), "--space", s(&sp)])
-        .args([
-            "--rank", "1", "--world", "2", "--batch", "7", "--seed", "11",
-        ])
-        .args(["--ring-bytes", "256KiB", "--epoch", "1", "--epochs", "2"])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("spawn python3");
-    let o = wait_output(child, Duration::from_secs(120));
-    let out = String::from_utf8_lossy(&o.stdout);
-    let last = out.lines().last().unwrap_or_default();
-    let r: serde_json::Value =
-        serde_json::from_str(last).unwrap_or_else(|e| panic!("{e}: {}", text(&o)));
-    assert!(o.status.success() && r["ok"] == true, "{r}\n{}", text(&o));
+    let r = foreign_rank(&sock, &sp, &["--rank", "1", "--world", "2", "--batch", "7"]);
     assert_eq!(r["samples"], 300, "{r}");
     let mut args = read_args(&sp, 1, 2, 2, &["--agent", "off"]);
     let at = args.iter().position(|a| a == "--batch-size").unwrap() + 1;
@@ -392,25 +398,19 @@ fn a_rank_written_from_the_docs_alone_takes_tier_views() {
     let sp = space(dir.path(), 300);
     let sock = dir.path().join("agent.sock");
     let _agent = Agent::start(&sp, &sock, &["--tier-bytes", "64MiB", "--no-mlock"]);
-    let script =
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/foreign/attach_rank.py");
-    let child = std::process::Command::new("python3")
-        .arg(&script)
-        .args(["--socket", s(&sock), "--space", s(&sp), "--tier-views"])
-        .args([
-            "--rank", "0", "--world", "1", "--batch", "16", "--seed", "11",
-        ])
-        .args(["--ring-bytes", "256KiB", "--epoch", "1", "--epochs", "2"])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("spawn python3");
-    let o = wait_output(child, Duration::from_secs(120));
-    let out = String::from_utf8_lossy(&o.stdout);
-    let last = out.lines().last().unwrap_or_default();
-    let r: serde_json::Value =
-        serde_json::from_str(last).unwrap_or_else(|e| panic!("{e}: {}", text(&o)));
-    assert!(o.status.success() && r["ok"] == true, "{r}\n{}", text(&o));
+    let r = foreign_rank(
+        &sock,
+        &sp,
+        &[
+            "--rank",
+            "0",
+            "--world",
+            "1",
+            "--batch",
+            "16",
+            "--tier-views",
+        ],
+    );
     assert_eq!(r["samples"], 600, "{r}");
     assert!(r["tier_bytes"].as_u64().unwrap_or(0) > 0, "{r}");
     // Epoch 1 filled the tier: epoch 2 is views but for what was read
