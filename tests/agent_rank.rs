@@ -214,6 +214,50 @@ fn an_attached_rank_shuffles_in_blocks() {
     }
 }
 
+/// An agent from before a feature, played by a socket at `sock` that
+/// takes `conns` attaches one after the other, reads each ATTACH (within
+/// 30 s) and answers it with `answer(message)` (a REFUSED as that agent
+/// would send it). Returns the messages it read.
+fn play_old_agent(
+    sock: &std::path::Path,
+    conns: usize,
+    answer: fn(&[u8]) -> Vec<u8>,
+) -> std::thread::JoinHandle<Vec<Vec<u8>>> {
+    let l = socket2::Socket::new(
+        socket2::Domain::UNIX,
+        socket2::Type::from(libc::SOCK_SEQPACKET),
+        None,
+    )
+    .unwrap();
+    l.bind(&socket2::SockAddr::unix(sock).unwrap()).unwrap();
+    l.listen(4).unwrap();
+    std::thread::spawn(move || {
+        (0..conns)
+            .map(|_| {
+                let (c, _) = l.accept().unwrap();
+                c.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+                let mut buf = [std::mem::MaybeUninit::<u8>::uninit(); 512];
+                let n = c.recv(&mut buf).unwrap();
+                // SAFETY: recv initialised the first n bytes.
+                let got: Vec<u8> = buf[..n]
+                    .iter()
+                    .map(|b| unsafe { b.assume_init() })
+                    .collect();
+                c.send(&answer(&got)).unwrap();
+                got
+            })
+            .collect()
+    })
+}
+
+/// A message's version (bytes 4-5) and an ATTACH's flags (bytes 80-83).
+fn version_and_flags(m: &[u8]) -> (u16, u32) {
+    (
+        u16::from_le_bytes([m[4], m[5]]),
+        u32::from_le_bytes(m[80..84].try_into().unwrap()),
+    )
+}
+
 /// An agent that speaks version 5 only (one from before the block
 /// shuffle) refuses a block-shuffling rank's version 6 ATTACH by its
 /// version; the rank's `NoAgent` says the agent predates it and what to do.
@@ -223,30 +267,11 @@ fn an_agent_that_predates_block_shuffles_is_named() {
     let dir = tempfile::tempdir().unwrap();
     let sp = space(dir.path(), 100);
     let sock = dir.path().join("old-agent.sock");
-    let l = socket2::Socket::new(
-        socket2::Domain::UNIX,
-        socket2::Type::from(libc::SOCK_SEQPACKET),
-        None,
-    )
-    .unwrap();
-    l.bind(&socket2::SockAddr::unix(&sock).unwrap()).unwrap();
-    l.listen(4).unwrap();
-    let old = std::thread::spawn(move || {
-        let (c, _) = l.accept().unwrap();
-        c.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-        let mut buf = [std::mem::MaybeUninit::<u8>::uninit(); 512];
-        let n = c.recv(&mut buf).unwrap();
-        // SAFETY: recv initialised the first n bytes.
-        let got: Vec<u8> = buf[..n]
-            .iter()
-            .map(|b| unsafe { b.assume_init() })
-            .collect();
-        let version = u16::from_le_bytes([got[4], got[5]]);
+    let old = play_old_agent(&sock, 1, |m| {
+        let version = version_and_flags(m).0;
         let reason = format!("message version {version}, this build speaks version 5");
-        let reply =
-            kspeed::agent::msg::encode_refused(5, kspeed::agent::msg::RefuseCode::Version, &reason);
-        c.send(&reply).unwrap();
-        (version, n)
+        kspeed::agent::msg::encode_refused(5, kspeed::agent::msg::RefuseCode::Version, &reason)
+            .to_vec()
     });
     let built = kspeed::loader::LoaderBuilder::space(&sp)
         .agent(kspeed::loader::AgentMode::Required)
@@ -254,7 +279,8 @@ fn an_agent_that_predates_block_shuffles_is_named() {
         .shuffle_block(16)
         .batch_size(8)
         .build();
-    assert_eq!(old.join().unwrap(), (6, 144));
+    let seen = old.join().unwrap();
+    assert_eq!((version_and_flags(&seen[0]).0, seen[0].len()), (6, 144));
     match built {
         Err(kspeed::Error::NoAgent { reason, .. }) => assert!(
             reason.contains("refused (version)")
@@ -277,45 +303,21 @@ fn an_agent_that_predates_tier_views_is_attached_without_them() {
     let dir = tempfile::tempdir().unwrap();
     let sp = space(dir.path(), 100);
     let sock = dir.path().join("old-agent.sock");
-    let l = socket2::Socket::new(
-        socket2::Domain::UNIX,
-        socket2::Type::from(libc::SOCK_SEQPACKET),
-        None,
-    )
-    .unwrap();
-    l.bind(&socket2::SockAddr::unix(&sock).unwrap()).unwrap();
-    l.listen(4).unwrap();
-    let old = std::thread::spawn(move || {
-        let mut seen = Vec::new();
-        for _ in 0..2 {
-            let (c, _) = l.accept().unwrap();
-            c.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-            let mut buf = [std::mem::MaybeUninit::<u8>::uninit(); 512];
-            let n = c.recv(&mut buf).unwrap();
-            // SAFETY: recv initialised the first n bytes.
-            let got: Vec<u8> = buf[..n]
-                .iter()
-                .map(|b| unsafe { b.assume_init() })
-                .collect();
-            let version = u16::from_le_bytes([got[4], got[5]]);
-            let flags = u32::from_le_bytes(got[80..84].try_into().unwrap());
-            let (code, reason) = if flags & !7 != 0 {
-                let r = format!(
-                    "unknown flags {:#x} in a version {version} ATTACH",
-                    flags & !7
-                );
-                (kspeed::agent::msg::RefuseCode::Protocol, r)
-            } else {
-                (
-                    kspeed::agent::msg::RefuseCode::Agent,
-                    "test agent: busy".to_string(),
-                )
-            };
-            let reply = kspeed::agent::msg::encode_refused(version, code, &reason);
-            c.send(&reply).unwrap();
-            seen.push((version, flags & 8));
-        }
-        seen
+    let old = play_old_agent(&sock, 2, |m| {
+        let (version, flags) = version_and_flags(m);
+        let (code, reason) = if flags & !7 != 0 {
+            let r = format!(
+                "unknown flags {:#x} in a version {version} ATTACH",
+                flags & !7
+            );
+            (kspeed::agent::msg::RefuseCode::Protocol, r)
+        } else {
+            (
+                kspeed::agent::msg::RefuseCode::Agent,
+                "test agent: busy".to_string(),
+            )
+        };
+        kspeed::agent::msg::encode_refused(version, code, &reason).to_vec()
     });
     let built = kspeed::loader::LoaderBuilder::space(&sp)
         .agent(kspeed::loader::AgentMode::Required)
@@ -323,7 +325,16 @@ fn an_agent_that_predates_tier_views_is_attached_without_them() {
         .tier_views(true)
         .batch_size(8)
         .build();
-    assert_eq!(old.join().unwrap(), [(5, 8), (5, 0)]);
+    let seen: Vec<(u16, u32)> = old
+        .join()
+        .unwrap()
+        .iter()
+        .map(|m| {
+            let (v, f) = version_and_flags(m);
+            (v, f & 8)
+        })
+        .collect();
+    assert_eq!(seen, [(5, 8), (5, 0)]);
     match built {
         Err(kspeed::Error::NoAgent { reason, .. }) => {
             assert!(reason.contains("test agent: busy"), "{reason}")

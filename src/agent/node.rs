@@ -24,6 +24,7 @@
 //! rank in a long training step does not call into the loader.
 
 use std::fs::File;
+use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -747,7 +748,6 @@ fn start_rank(
                 Err(e) => return Outcome::Refused(refuse(&incoming, e)),
             };
             let heartbeat_ms = cfg.heartbeat.as_millis().clamp(1, u32::MAX as u128) as u32;
-            use std::os::fd::AsFd;
             let attached = match incoming
                 .accept(heartbeat_ms, share.as_ref().map(|(fd, b)| (fd.as_fd(), *b)))
             {

@@ -1394,6 +1394,16 @@ impl LoaderBuilder {
             Some(_) => self.landing.bind_node()?,
             None => None,
         };
+        // A view word per sample of a batch: at most 65,536 (larger
+        // batches take every sample in the ring).
+        let max_views = crate::agent::segment::MAX_VIEWS_PER_SLOT;
+        let attach_views =
+            self.tier_views && attach.is_some() && batch_size as u64 <= u64::from(max_views);
+        if self.tier_views && attach.is_some() && !attach_views {
+            log::warn!(
+                "tier_views: batches of {batch_size} samples are over the {max_views} an attach can name; every sample comes in the ring"
+            );
+        }
         let attach_settings = attach.map(|socket| super::attached::AttachSettings {
             socket,
             dataset_id: u64::from(input.identity()),
@@ -1405,16 +1415,7 @@ impl LoaderBuilder {
             shuffle_block: self.shuffle_block,
             drop_last: self.drop_last,
             verify_crc32c: self.verify_crc32c,
-            // A view word per sample of a batch: at most 65,536 (larger
-            // batches take every sample in the ring, said at build).
-            tier_views: self.tier_views
-                && (batch_size as u64 <= u64::from(crate::agent::segment::MAX_VIEWS_PER_SLOT) || {
-                    log::warn!(
-                        "tier_views: batches of {batch_size} samples are over the {} an attach can name; every sample comes in the ring",
-                        crate::agent::segment::MAX_VIEWS_PER_SLOT
-                    );
-                    false
-                }),
+            tier_views: attach_views,
             numa_node: attach_numa_node,
             slots: super::attached::slots_for(geo.table_len(), batch_size),
             end_epoch: self.end_epoch,

@@ -70,9 +70,6 @@ pub struct Tier {
     /// old memory dropped before the new is made: [`Tier::renew_memory`])
     /// and the new could not be had; such a tier is given to no loader.
     mem: Option<LandingRing>,
-    /// The agent's node tier lives in a shared memfd (and gets fresh
-    /// memory for a new user or job); others in private memory.
-    shared: bool,
     /// Lock the memory (`mlock`): kept for fresh memory.
     mlock: bool,
     offsets: Vec<u64>,
@@ -230,7 +227,6 @@ impl Tier {
         });
         Ok(Some(Tier {
             mem: Some(mem),
-            shared: checked,
             mlock,
             offsets,
             state,
@@ -281,7 +277,8 @@ impl Tier {
     /// not be given to a loader ([`Tier::has_memory`]) until a later call
     /// succeeds.
     fn renew_memory(&mut self) -> Result<()> {
-        if !self.shared {
+        // A checked tier is the agent's, in a shared memfd (`build`).
+        if self.crcs.is_none() {
             return Ok(());
         }
         drop(self.mem.take());

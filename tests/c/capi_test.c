@@ -14,36 +14,7 @@
 #include <string.h>
 #include <time.h>
 
-static int failures = 0;
-
-#define CHECK(cond, ...)                                                        \
-    do {                                                                        \
-        if (!(cond)) {                                                          \
-            failures++;                                                         \
-            fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);     \
-            fprintf(stderr, __VA_ARGS__);                                       \
-            fprintf(stderr, "\n");                                              \
-        }                                                                       \
-    } while (0)
-
-static char msg[4096];
-
-static const char *last_error(void) {
-    size_t n = 0;
-    ksp_status st = ksp_last_error(msg, sizeof msg, &n);
-    if (st != KSP_OK && st != KSP_ERR_BUFFER_TOO_SMALL) return "(no message)";
-    return msg;
-}
-
-/* CRC32C (Castagnoli), bitwise: slow and obviously right. */
-static uint32_t crc32c(const uint8_t *p, size_t n) {
-    uint32_t c = 0xffffffffu;
-    for (size_t i = 0; i < n; i++) {
-        c ^= p[i];
-        for (int k = 0; k < 8; k++) c = (c >> 1) ^ (0x82f63b78u & (0u - (c & 1u)));
-    }
-    return ~c;
-}
+#include "check.h"
 
 static ksp_config *config(const char *space, const char *ring) {
     ksp_config *cfg = NULL;
