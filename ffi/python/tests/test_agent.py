@@ -214,3 +214,41 @@ def test_tier_views_through_the_agent_are_read_only_views_of_the_node_tier(space
             assert out_of_ring > 0
     finally:
         agent.kill()
+
+
+def test_tier_views_held_across_a_restarted_agent_stay_valid(space, tmp_path):
+    """Batches held with live views of the node tier (``tier_views=True``)
+    while the agent is SIGKILLed and a new one takes the loader back
+    (``agent_restart_wait_ms``): the held views keep their bytes (the dead
+    agent's tier stays mapped until they are released), and the epoch is
+    the embedded loader's, byte for byte, each sample once."""
+    sock = tmp_path / "agent.sock"
+    extra = ("--tier-bytes", "16MiB", "--no-mlock")
+    agents = [Agent(space, sock, extra=extra)]
+    got, out, views_at_restart = [], [], 0
+    try:
+        with attached(space, sock, agent_restart_wait_ms=60_000, batches_in_flight=3,
+                      tier_views=True) as loader:
+            loader.set_epoch(0)
+            samples(loader)  # fills the node tier
+            loader.set_epoch(1)
+            for n, b in enumerate(loader, 1):
+                views = b.samples()
+                out.append((b, views, [(int(b.ids[i]), views[i].tobytes()) for i in range(len(b))]))
+                if len(out) > 2:
+                    let_go(out.pop(0), got)
+                if n == 3:
+                    views_at_restart = sum(h.sample_in_tier(i) for h, _, _ in out for i in range(len(h)))
+                    agents[0].kill()
+                    agents.append(Agent(space, sock, extra=extra))
+            while out:
+                let_go(out.pop(0), got)
+    finally:
+        for a in agents:
+            a.kill()
+    assert views_at_restart > 0, "no tier view was held across the restart"
+    with kspeed.Loader(space, batch_size=4, seed=5, ring_bytes="256KiB", pin=False, agent="off") as e:
+        e.set_epoch(1)
+        want = samples(e)
+    assert len(agents) == 2
+    assert got == want
