@@ -490,7 +490,21 @@ fn the_node_tier_holds_what_the_node_s_ranks_read_most() {
 #[test]
 fn an_attached_rank_s_wait_for_a_stopped_node_is_charged_to_peers() {
     let nodes = Nodes::new(1200, 3, 1, 7);
-    let agents: Vec<Agent> = (0..3).map(|i| nodes.agent(i)).collect();
+    // Node 0's agent serves its metrics too: its waits for node 2 show there.
+    let agents: Vec<Agent> = (0..3)
+        .map(|i| match i {
+            0 => nodes.agent_with(0, &["--metrics", "127.0.0.1:0"]),
+            _ => nodes.agent(i),
+        })
+        .collect();
+    let metrics_addr = agents[0]
+        .out
+        .wait_for(&["metrics on http://"], Duration::from_secs(5))
+        .trim()
+        .strip_prefix("metrics on http://")
+        .and_then(|l| l.strip_suffix("/metrics"))
+        .expect("the agent prints its metrics address")
+        .to_string();
     // 20 ms per batch of 16: two epochs take 3 s or more, and the small
     // ring keeps the agent only a few batches ahead of the rank.
     let slow = ["--compute-us", "20000"];
@@ -526,6 +540,64 @@ fn an_attached_rank_s_wait_for_a_stopped_node_is_charged_to_peers() {
         peers >= 0.5 && peers > 2.0 * agent,
         "the wait for node 2 is charged to peers: {c}"
     );
+    // The node's view (its Prometheus metrics): node 2 is the node its
+    // agent waited for longest, for about the time it was stopped, with
+    // node 2's address as the cluster file gives it; the waits by cause
+    // hold it too.
+    // The rank has exited: the agent counts it ended once its loop reaps
+    // the feeder (within a heartbeat); scrape until then, with a deadline.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let text = loop {
+        let text = http_get(&metrics_addr);
+        if text.contains("kspeed_agent_ranks_ended_total 1") {
+            break text;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the rank is not counted ended within 20 s:\n{text}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let value = |prefix: &str| {
+        text.lines()
+            .find(|l| l.starts_with(prefix))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or_else(|| panic!("no {prefix} in:\n{text}"))
+    };
+    let slowest = text
+        .lines()
+        .find(|l| l.starts_with("kspeed_agent_slowest_node_wait_seconds{"))
+        .unwrap_or_else(|| panic!("no slowest node in:\n{text}"));
+    let node2 = format!("node=\"2\",addr=\"{}\"", nodes.addrs[2]);
+    assert!(slowest.contains(&node2), "{slowest}");
+    let node2_s = value(&format!(
+        "kspeed_agent_slowest_node_wait_seconds{{{node2}}}"
+    ));
+    let peers_s = value("kspeed_agent_wait_seconds_total{cause=\"peers\"}")
+        + value("kspeed_agent_wait_seconds_total{cause=\"failover\"}");
+    eprintln!("node 0's agent waited {node2_s:.3} s for node 2, {peers_s:.3} s for peers");
+    for l in text.lines().filter(|l| l.starts_with("kspeed_agent_")) {
+        eprintln!("  {l}");
+    }
+    assert!(
+        node2_s >= 0.5 && peers_s >= node2_s * 0.99,
+        "node 2 is the node waited for: {text}"
+    );
+    assert_eq!(value("kspeed_agent_ranks "), 0.0, "{text}");
+}
+
+/// The body of `GET /metrics` from `addr` (a deadline on every read).
+fn http_get(addr: &str) -> String {
+    use std::io::{Read, Write};
+    let mut c = std::net::TcpStream::connect(addr).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(c, "GET /metrics HTTP/1.0\r\nHost: {addr}\r\n\r\n").unwrap();
+    let mut all = String::new();
+    c.read_to_string(&mut all).unwrap();
+    let (head, body) = all.split_once("\r\n\r\n").unwrap_or((&all, ""));
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    body.to_string()
 }
 
 /// A read's whole `--json` report.

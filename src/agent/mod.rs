@@ -16,6 +16,8 @@
 //! - [`tier_map`]: the rank's read-only mapping of the node tier (tier
 //!   views through the agent).
 //!
+//! - `metrics`: the agent's own series in its node service's Prometheus
+//!   scrape (its ranks, and what its loaders waited for);
 //! - [`node`]: `kspeed agent` itself (first slice: one node, a local
 //!   space): the socket, one loader producer per attached rank reading
 //!   into the rank's ring, a feeder publishing its batches.
@@ -25,6 +27,7 @@
 
 pub mod attach;
 pub mod cluster;
+mod metrics;
 pub mod msg;
 pub mod node;
 mod node_tier;

@@ -33,6 +33,7 @@ use std::time::{Duration, Instant};
 
 use super::attach::{AttachListener, Attached, Incoming, ListenerConfig};
 use super::cluster::{AgentCluster, KeptLinks};
+use super::metrics::AgentMetrics;
 use super::msg::{RefuseCode, FLAG_DROP_LAST, FLAG_SHUFFLE, FLAG_TIER_VIEWS, FLAG_VERIFY_CRC32C};
 use super::node_tier::{NodeSamples, NodeTier, TierLayout};
 use super::segment::{side_state, Liveness, Segment, Side};
@@ -41,6 +42,7 @@ use crate::dataset::Space;
 use crate::error::{Error, Result};
 use crate::landing::{CudaMode, LandingOptions};
 use crate::loader::node_pollers::NodePollers;
+use crate::loader::stall_totals::StallTotals;
 use crate::loader::{Loader, LoaderBuilder, Tier};
 use crate::sampler::{Position, Weight};
 
@@ -190,6 +192,9 @@ struct OpenSpace {
     net_hub: Option<Arc<crate::loader::net::NetHub>>,
     /// The node's poller threads (None: a thread per poller).
     node_pollers: Option<Arc<NodePollers>>,
+    /// With metrics (`--listen` and `--metrics`): what every rank's loader
+    /// waited for, summed (`super::metrics`).
+    stall_totals: Option<Arc<StallTotals>>,
 }
 
 impl OpenSpace {
@@ -326,6 +331,15 @@ fn open_space(cfg: &AgentConfig) -> Result<OpenSpace> {
             _ => None,
         },
         node_pollers: NodePollers::for_agent(cfg.node_pollers, &cfg.node_poller_cores)?,
+        stall_totals: cfg
+            .serve
+            .as_ref()
+            .is_some_and(|s| s.metrics.is_some())
+            .then(|| {
+                Arc::new(StallTotals::new(
+                    cfg.cluster.as_ref().map_or(0, |c| c.cluster.nodes.len()),
+                ))
+            }),
     })
 }
 
@@ -432,7 +446,7 @@ enum Outcome {
 pub fn run(
     cfg: &AgentConfig,
     stop: &AtomicBool,
-    on_ready: impl FnOnce(&Path, Option<std::net::SocketAddr>),
+    on_ready: impl FnOnce(&Path, Option<std::net::SocketAddr>, Option<std::net::SocketAddr>),
 ) -> Result<AgentSummary> {
     crate::sys::raise_open_files_limit();
     let open = Arc::new(open_space(cfg)?);
@@ -449,6 +463,20 @@ pub fn run(
             svc.local_addr()
         );
     }
+    // The agent's own series, in the node service's scrape.
+    let metrics = match (&owner, &open.stall_totals) {
+        (Some(svc), Some(totals)) if svc.metrics_addr().is_some() => {
+            let m = Arc::new(AgentMetrics::new(
+                totals.clone(),
+                cfg.cluster.as_ref().map_or_else(Vec::new, |c| {
+                    c.cluster.nodes.iter().map(|n| n.addr.clone()).collect()
+                }),
+            ));
+            svc.add_metrics(m.clone());
+            Some(m)
+        }
+        _ => None,
+    };
     let listener = AttachListener::bind(&cfg.socket, cfg.listener)?;
     log::info!(
         "agent: serving {} on {}",
@@ -476,6 +504,7 @@ pub fn run(
                 links_only: true,
                 net_hub_slot: None,
                 mix_parts: open.mix_parts(false),
+                stall_totals: None,
             };
             Some(KeptLinks::start(c, &cfg.space, input, hub.threads())?)
         }
@@ -503,7 +532,11 @@ pub fn run(
                 source: e.into(),
             })?
     };
-    on_ready(listener.path(), owner.as_ref().map(|svc| svc.local_addr()));
+    on_ready(
+        listener.path(),
+        owner.as_ref().map(|svc| svc.local_addr()),
+        owner.as_ref().and_then(|svc| svc.metrics_addr()),
+    );
     let mut ranks: Vec<Rank> = Vec::new();
     let mut summary = AgentSummary::default();
     let mut next_id = 0u64;
@@ -544,6 +577,9 @@ pub fn run(
                 i += 1;
             }
         }
+        if let Some(m) = &metrics {
+            m.set(ranks.len(), summary.ended, summary.refused);
+        }
     }
     halt.store(true, Ordering::Release);
     for r in ranks.drain(..) {
@@ -575,7 +611,9 @@ pub fn run(
 /// space, the socket) ends the wait at once.
 pub fn run_until_signal(
     cfg: &AgentConfig,
-    on_ready: impl FnOnce(&Path, Option<std::net::SocketAddr>) + Send + 'static,
+    on_ready: impl FnOnce(&Path, Option<std::net::SocketAddr>, Option<std::net::SocketAddr>)
+        + Send
+        + 'static,
 ) -> Result<AgentSummary> {
     let signals = crate::sys::TermSignals::block();
     let stop = Arc::new(AtomicBool::new(false));
@@ -881,6 +919,7 @@ fn build_loader(
             links_only: false,
             net_hub_slot: None,
             mix_parts: open.mix_parts(buffered),
+            stall_totals: open.stall_totals.clone(),
         })
         .batch_size(req.batch_size as usize)
         .seed(req.seed)

@@ -105,6 +105,9 @@ pub(crate) struct AgentInput {
     /// --space A --space B`): every space with its extents, in order,
     /// `space` and `extents` being the first's; empty for one space.
     pub(crate) mix_parts: Vec<(Arc<Space>, Arc<[std::fs::File]>)>,
+    /// The agent's waits over every rank it serves (its metrics): the
+    /// loader adds each of its waits there too.
+    pub(crate) stall_totals: Option<Arc<super::stall_totals::StallTotals>>,
 }
 
 impl std::fmt::Debug for AgentInput {

@@ -1487,7 +1487,11 @@ impl LoaderBuilder {
             attach_tier: None,
             failed: None,
             counters: Counters::default(),
-            stall_ledger: Default::default(),
+            stall_ledger: super::stall_causes::StallLedger::with_totals(
+                self.agent_input
+                    .as_ref()
+                    .and_then(|a| a.stall_totals.clone()),
+            ),
             source_lead: Default::default(),
             totals: Totals::new(),
             started: Instant::now(),

@@ -46,6 +46,7 @@ mod registration;
 mod ring_size;
 mod shared;
 mod stall_causes;
+pub(crate) mod stall_totals;
 mod stats;
 
 mod poller;

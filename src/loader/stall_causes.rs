@@ -124,6 +124,9 @@ pub(super) struct StallLedger {
     /// Indexed by node: grown once the first time a node is charged
     /// (bounded by the cluster's node count), never per wait after that.
     per_node: Vec<PeerStall>,
+    /// A loader inside the node agent: the agent's totals over every rank
+    /// it serves, for its metrics (each wait added there too).
+    totals: Option<std::sync::Arc<super::stall_totals::StallTotals>>,
 }
 
 impl StallLedger {
@@ -131,10 +134,20 @@ impl StallLedger {
     /// by its grant's `split` ([`phase_split`]).
     pub(super) fn charge(&mut self, via: u32, split: u32, waited: Duration) {
         let c = &mut self.causes;
-        match via & !VIA_FAILOVER {
-            VIA_DISK => c.disk += waited,
-            VIA_TIER => c.tier += waited,
-            VIA_SOURCE => c.source += waited,
+        // The cause's index in `stall_totals::CAUSES`, and the node.
+        let (cause, node) = match via & !VIA_FAILOVER {
+            VIA_DISK => {
+                c.disk += waited;
+                (0, None)
+            }
+            VIA_TIER => {
+                c.tier += waited;
+                (1, None)
+            }
+            VIA_SOURCE => {
+                c.source += waited;
+                (2, None)
+            }
             v if v >= VIA_PEER => {
                 let node = (v - VIA_PEER) as usize;
                 if node >= self.per_node.len() {
@@ -149,6 +162,7 @@ impl StallLedger {
                 e.waits += 1;
                 if via & VIA_FAILOVER != 0 {
                     c.failover += waited;
+                    (4, Some(node))
                 } else {
                     c.peers += waited;
                     if split != SPLIT_NONE {
@@ -157,9 +171,23 @@ impl StallLedger {
                             (c.peer_read + r, c.peer_send + s, c.peer_link + l);
                         (e.read, e.send, e.link) = (e.read + r, e.send + s, e.link + l);
                     }
+                    (3, Some(node))
                 }
             }
             v => unreachable!("via {v} is no path"),
+        };
+        if let Some(t) = &self.totals {
+            t.add(cause, node, waited);
+        }
+    }
+
+    /// Adds every later wait to `totals` too (the node agent's metrics).
+    pub(super) fn with_totals(
+        totals: Option<std::sync::Arc<super::stall_totals::StallTotals>>,
+    ) -> Self {
+        StallLedger {
+            totals,
+            ..StallLedger::default()
         }
     }
 

@@ -104,8 +104,10 @@ pub(crate) struct AgentArgs {
     /// (--staging-bytes ... --rdma-spin-us) are serve's and need --listen.
     #[arg(long)]
     listen: Option<String>,
-    /// With --listen: Prometheus metrics of the node service on this
-    /// address (host:port, port 0 picks one).
+    /// With --listen: Prometheus metrics on this address (host:port, port
+    /// 0 picks one; printed as `metrics on http://ADDR/metrics`): the node
+    /// service's, and the agent's ranks and what it waited for (by cause,
+    /// and the 4 peer nodes waited for longest).
     #[arg(long, requires = "listen")]
     metrics: Option<String>,
     #[command(flatten)]
@@ -218,15 +220,19 @@ pub(crate) fn run_agent(a: AgentArgs) -> kspeed::Result<()> {
         .map(|p| p.display().to_string())
         .collect::<Vec<_>>()
         .join(", ");
-    let summary = kspeed::agent::node::run_until_signal(&cfg, move |sock, node_service| {
-        if let Some(addr) = node_service {
-            println!("node service on {addr}");
-        }
-        // Scripts and tests wait for this line.
-        println!("agent serving {space} on {}", sock.display());
-        use std::io::Write;
-        let _ = std::io::stdout().flush();
-    })?;
+    let summary =
+        kspeed::agent::node::run_until_signal(&cfg, move |sock, node_service, metrics| {
+            if let Some(addr) = node_service {
+                println!("node service on {addr}");
+            }
+            if let Some(m) = metrics {
+                println!("metrics on http://{m}/metrics");
+            }
+            // Scripts and tests wait for this line.
+            println!("agent serving {space} on {}", sock.display());
+            use std::io::Write;
+            let _ = std::io::stdout().flush();
+        })?;
     eprintln!(
         "agent stopped: {} ranks attached, {} refused, {} ended",
         summary.attached, summary.refused, summary.ended

@@ -154,6 +154,9 @@ pub(crate) struct Metrics {
     pub(crate) send: Box<[LatencyHist]>,
     /// Per poller: staging slots in all.
     pub(crate) staging_slots: u64,
+    /// More series from the process the service runs in, served in the
+    /// same scrape: the node agent's (`agent/metrics.rs`).
+    pub(crate) extra: std::sync::OnceLock<Arc<dyn Collector>>,
 }
 
 impl Metrics {
@@ -165,6 +168,7 @@ impl Metrics {
             send_wait: (0..pollers).map(|_| LatencyHist::default()).collect(),
             send: (0..pollers).map(|_| LatencyHist::default()).collect(),
             staging_slots,
+            extra: std::sync::OnceLock::new(),
         }
     }
 
@@ -424,10 +428,23 @@ impl Collector for ServeCollector {
     }
 }
 
+/// [`Metrics::extra`] registered for one scrape.
+#[derive(Debug)]
+struct Extra(Arc<dyn Collector>);
+
+impl Collector for Extra {
+    fn encode(&self, e: DescriptorEncoder) -> std::fmt::Result {
+        self.0.encode(e)
+    }
+}
+
 /// The text a scrape returns.
 pub(crate) fn render(c: &Arc<Common>) -> String {
     let mut reg = Registry::default();
     reg.register_collector(Box::new(ServeCollector(c.clone())));
+    if let Some(x) = c.metrics.extra.get() {
+        reg.register_collector(Box::new(Extra(x.clone())));
+    }
     let mut out = String::new();
     if let Err(e) = prometheus_client::encoding::text::encode(&mut out, &reg) {
         log::error!("encoding metrics: {e}");

@@ -260,6 +260,12 @@ impl NodeService {
         self.metrics_addr
     }
 
+    /// Adds `series` to every later scrape (once; a second call is
+    /// ignored): the node agent's own, next to the service's.
+    pub(crate) fn add_metrics(&self, series: Arc<dyn prometheus_client::collector::Collector>) {
+        let _ = self.common.metrics.extra.set(series);
+    }
+
     /// The metrics as Prometheus text (what `GET /metrics` returns).
     pub fn metrics_text(&self) -> String {
         metrics::render(&self.common)
