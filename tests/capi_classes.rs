@@ -1,6 +1,8 @@
-//! Class names through the C ABI: tests/c/classes_test.c, compiled against
-//! include/kspeed.h and the freshly built libkspeed.so, over a real
-//! ImageFolder space whose class folders include one that is not UTF-8.
+//! Class names and sample members through the C ABI and the C++ wrapper:
+//! tests/c/classes_test.c and tests/c/classes_cpp.cpp, compiled against
+//! include/kspeed.h (ffi/cpp/kspeed.hpp) and the freshly built
+//! libkspeed.so, over a real ImageFolder space whose class folders include
+//! one that is not UTF-8, and tar shards of three members a sample.
 
 mod common;
 
@@ -22,8 +24,33 @@ fn compile(dir: &Path) -> Option<PathBuf> {
     )
 }
 
+/// Compiles tests/c/classes_cpp.cpp (the same checks through the C++
+/// wrapper) into `dir`; None (with a message) without g++.
+fn compile_cpp(dir: &Path) -> Option<PathBuf> {
+    compile_with(
+        "g++",
+        "-std=c++17",
+        "tests/c/classes_cpp.cpp",
+        &dir.join("classes_cpp"),
+        &[],
+    )
+}
+
+/// Runs each of `bins` with `args` and checks it passed.
+fn passes(bins: &[PathBuf], args: &[&OsStr]) {
+    for bin in bins {
+        let o = Command::new(bin).args(args).output().unwrap();
+        assert!(
+            o.status.success() && String::from_utf8_lossy(&o.stdout).contains("all checks passed"),
+            "{}: {}",
+            bin.display(),
+            text(&o)
+        );
+    }
+}
+
 #[test]
-fn class_names_through_the_c_abi() {
+fn class_names_through_the_c_abi_and_the_cpp_wrapper() {
     let t = tempfile::tempdir().unwrap();
     let src = t.path().join("src");
     odd_tree(&src); // classes cat, dog, eel
@@ -33,24 +60,29 @@ fn class_names_through_the_c_abi() {
     let sp = t.path().join("space");
     ok(&["preload", "--source", s(&src), "--space", s(&sp)]);
 
-    let Some(bin) = compile(t.path()) else {
+    let (Some(c), Some(cpp)) = (compile(t.path()), compile_cpp(t.path())) else {
         return;
     };
-    let o = Command::new(&bin)
-        .arg(&sp)
-        .args(["cat", "dog", "eel"])
-        .arg(OsStr::from_bytes(b"fish\xff"))
-        .output()
-        .unwrap();
-    assert!(
-        o.status.success() && String::from_utf8_lossy(&o.stdout).contains("all checks passed"),
-        "{}",
-        text(&o)
+    // A name longer than the C++ wrapper's first buffer (64 bytes) too.
+    let long = "l".repeat(100);
+    std::fs::create_dir_all(src.join(&long)).unwrap();
+    std::fs::write(src.join(&long).join("l.bin"), b"long").unwrap();
+    let sp2 = t.path().join("space2");
+    ok(&["preload", "--source", s(&src), "--space", s(&sp2)]);
+    let fish = OsStr::from_bytes(b"fish\xff");
+    let names = ["cat", "dog", "eel"].map(OsStr::new);
+    passes(
+        &[c.clone(), cpp.clone()],
+        &[&[sp.as_os_str()], &names[..], &[fish]].concat(),
+    );
+    passes(
+        &[c, cpp],
+        &[&[sp2.as_os_str()], &names[..], &[fish, OsStr::new(&long)]].concat(),
     );
 }
 
 #[test]
-fn sample_members_through_the_c_abi() {
+fn sample_members_through_the_c_abi_and_the_cpp_wrapper() {
     let t = tempfile::tempdir().unwrap();
     let m = t.path().join("m");
     std::fs::create_dir_all(&m).unwrap();
@@ -85,18 +117,15 @@ fn sample_members_through_the_c_abi() {
         "--members",
         "jpg,txt,json",
     ]);
-    let Some(bin) = compile(t.path()) else {
+    let (Some(c), Some(cpp)) = (compile(t.path()), compile_cpp(t.path())) else {
         return;
     };
-    let o = Command::new(&bin)
-        .arg(&sp)
-        .args(["--members", "jpg", "txt", "json"])
-        .output()
-        .unwrap();
-    assert!(
-        o.status.success() && String::from_utf8_lossy(&o.stdout).contains("all checks passed"),
-        "{}",
-        text(&o)
+    passes(
+        &[c, cpp],
+        &[sp.as_os_str()]
+            .into_iter()
+            .chain(["--members", "jpg", "txt", "json"].map(OsStr::new))
+            .collect::<Vec<_>>(),
     );
 }
 

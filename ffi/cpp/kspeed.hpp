@@ -274,8 +274,60 @@ public:
         check(ksp_loader_catalog_sample(p_.get(), id, &c));
         return c;
     }
+    /// Classes of an ImageFolder dataset (labels are 0 .. class_count()-1;
+    /// 0 for a dataset without classes).
+    uint64_t class_count() const {
+        uint64_t n = 0;
+        check(ksp_loader_class_count(p_.get(), &n));
+        return n;
+    }
+    /// The class folder's name of `label`, as its bytes (a folder name
+    /// need not be UTF-8). Throws KSP_ERR_INVALID_ARG past class_count().
+    std::string class_name(uint64_t label) const {
+        return text([&](char* b, size_t len, size_t* n) {
+            return ksp_loader_class_name(p_.get(), label, b, len, n);
+        });
+    }
+    /// How many tar members make each sample (`--members jpg,json,txt`);
+    /// 0 when a sample is a single member or file.
+    uint64_t member_count() const {
+        uint64_t n = 0;
+        check(ksp_loader_member_count(p_.get(), &n));
+        return n;
+    }
+    /// The extension of member `index` (e.g. "json"). Throws
+    /// KSP_ERR_INVALID_ARG when `index` is not below member_count().
+    std::string member_name(uint64_t index) const {
+        return text([&](char* b, size_t len, size_t* n) {
+            return ksp_loader_member_name(p_.get(), index, b, len, n);
+        });
+    }
+    /// Member `index` of sample `s` (a sample of a batch this loader
+    /// handed out): a view into the sample's bytes, valid while they are
+    /// (until the batch is released). Throws KSP_ERR_INVALID_ARG when
+    /// `index` is not below member_count().
+    std::pair<const uint8_t*, size_t> member(const ksp_sample& s, uint64_t index) const {
+        uint32_t off = 0, len = 0;
+        check(ksp_loader_sample_member(p_.get(), s.id, index, &off, &len));
+        return {s.data + off, len};
+    }
 
 private:
+    // Calls `write(buf, len, &n)` for a NUL-terminated string, and again
+    // with n + 1 bytes when that was too small.
+    template <class Write>
+    static std::string text(Write write) {
+        std::string out(64, '\0');
+        size_t n = 0;
+        ksp_status st = write(out.data(), out.size(), &n);
+        if (st == KSP_ERR_BUFFER_TOO_SMALL) {
+            out.assign(n + 1, '\0');
+            st = write(out.data(), out.size(), &n);
+        }
+        check(st);
+        out.resize(n);
+        return out;
+    }
     // Calls `write(buf, len, &n)`, and again with n bytes when that was
     // too small (a mixture's job position is longer than KSPDJOB1's).
     template <class Write>
