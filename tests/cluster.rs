@@ -3970,6 +3970,19 @@ fn metrics_head_gets_the_get_headers_and_no_body() {
         header(&head, "Content-Type"),
         header(&get_head, "Content-Type")
     );
+    // The body is OpenMetrics text (prometheus-client's), ending in `# EOF`,
+    // and says so.
+    assert_eq!(
+        header(&get_head, "Content-Type"),
+        Some("application/openmetrics-text; version=1.0.0; charset=utf-8")
+    );
+    assert!(
+        String::from_utf8_lossy(&get_body)
+            .trim_end()
+            .ends_with("# EOF"),
+        "{}",
+        String::from_utf8_lossy(&get_body)
+    );
     let len: usize = header(&head, "Content-Length").unwrap().parse().unwrap();
     // The text changes between scrapes only in values: the same order of
     // size as GET's body.

@@ -1,8 +1,8 @@
 //! The node agent's own series in its Prometheus metrics (`kspeed agent
 //! --listen ADDR --metrics ADDR`, docs/AGENT.md "Metrics"), next to its
 //! node service's: the ranks it serves, and what its loaders for them
-//! waited for, by cause and for the few peer nodes waited for longest (a
-//! few series per node, whatever the number of ranks or nodes).
+//! waited for, by cause and for the few nodes waited for longest (a few
+//! series per node, whatever the number of ranks or nodes).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -48,14 +48,17 @@ impl AgentMetrics {
     /// now, ranks ended and attaches refused so far.
     pub(crate) fn set(&self, ranks: usize, ended: u64, refused: u64) {
         self.ranks.store(ranks as u64, Ordering::Relaxed);
-        self.ended.store(ended, Ordering::Relaxed);
         self.refused.store(refused, Ordering::Relaxed);
+        // Last, with Release: a scrape that reads `ended` (Acquire) first
+        // sees at least the `ranks` stored with it.
+        self.ended.store(ended, Ordering::Release);
     }
 }
 
 impl Collector for AgentMetrics {
     fn encode(&self, mut e: DescriptorEncoder) -> std::fmt::Result {
         let r = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let ended = self.ended.load(Ordering::Acquire);
         let g = ConstGauge::new(r(&self.ranks) as i64);
         g.encode(e.encode_descriptor(
             "kspeed_agent_ranks",
@@ -63,7 +66,7 @@ impl Collector for AgentMetrics {
             None,
             g.metric_type(),
         )?)?;
-        let c = ConstCounter::new(r(&self.ended));
+        let c = ConstCounter::new(ended);
         c.encode(e.encode_descriptor(
             "kspeed_agent_ranks_ended",
             "ranks served and gone (detached, exited or killed)",
@@ -107,13 +110,13 @@ impl Collector for AgentMetrics {
                 ("node", n.to_string()),
                 (
                     "addr",
-                    self.node_addrs.get(n as usize).cloned().unwrap_or_default(),
+                    escape_label(self.node_addrs.get(n as usize).map_or("", |a| a)),
                 ),
             ]
         };
         let mut fam = e.encode_descriptor(
             "kspeed_agent_slowest_node_wait_seconds",
-            "time the agent's loaders waited for samples a peer node served or that failed over from it, for the 4 nodes waited for longest",
+            "time the agent's loaders waited for samples a node served or that failed over from it (this node too, for its own reads that failed over), for the 4 nodes waited for longest",
             None,
             MetricType::Gauge,
         )?;
@@ -130,5 +133,30 @@ impl Collector for AgentMetrics {
             ConstGauge::new(w.waits as i64).encode(fam.encode_family(&label(w.node))?)?;
         }
         Ok(())
+    }
+}
+
+/// `v` as a label value of the text format: a backslash, a double quote
+/// and a line feed escaped (prometheus-client writes label values as
+/// given, and a node list's address may hold any of them).
+fn escape_label(v: &str) -> String {
+    let mut out = String::with_capacity(v.len());
+    for c in v.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '"' => out.push_str("\\\""),
+            '\n' => out.push_str("\\n"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn label_values_are_escaped() {
+        assert_eq!(super::escape_label("10.0.0.1:7400"), "10.0.0.1:7400");
+        assert_eq!(super::escape_label("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
     }
 }

@@ -434,7 +434,8 @@ enum Outcome {
 
 /// Runs the agent until `stop` is set: starts the node service (with
 /// [`AgentConfig::serve`]), binds the socket, calls `on_ready(socket,
-/// node service address)` once it accepts, then serves ranks. On return
+/// node service address, metrics address)` once it accepts, then serves
+/// ranks. On return
 /// every rank's pollers have stopped (their reads landed) and its ring is
 /// unmapped. A node service that stops by itself (a poller panicked) stops
 /// the agent with the reason.
@@ -676,7 +677,11 @@ fn end_rank(r: Rank, open: &OpenSpace, beats: &Beats, summary: &mut AgentSummary
                 Err(e) => log::warn!("agent: rank {} (pid {}) ended: {e}", r.rank, r.pid),
             }
         }
-        Err(_) => log::error!("agent: the feeder of rank {} panicked", r.rank),
+        Err(_) => {
+            // The rank sees the agent fail its batches: it ended too.
+            summary.ended += 1;
+            log::error!("agent: the feeder of rank {} panicked", r.rank)
+        }
     }
 }
 

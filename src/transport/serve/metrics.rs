@@ -534,7 +534,9 @@ fn answer(c: &Arc<Common>, head: &[u8]) -> Vec<u8> {
     } else if (method == "GET" || head_only) && (path == "/metrics" || path == "/") {
         (
             "200 OK",
-            "text/plain; version=0.0.4; charset=utf-8",
+            // What prometheus-client writes: OpenMetrics text (counters'
+            // samples named `_total`, a final `# EOF`), so labelled as such.
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
             render(c),
         )
     } else {
