@@ -307,9 +307,16 @@ public:
     /// (until the batch is released). Throws KSP_ERR_INVALID_ARG when
     /// `index` is not below member_count().
     std::pair<const uint8_t*, size_t> member(const ksp_sample& s, uint64_t index) const {
-        uint32_t off = 0, len = 0;
-        check(ksp_loader_sample_member(p_.get(), s.id, index, &off, &len));
+        auto [off, len] = member_range(s.id, index);
         return {s.data + off, len};
+    }
+    /// Where member `index` of sample `id` lies inside the sample's bytes:
+    /// {offset, length}. Throws KSP_ERR_INVALID_ARG when `id` is past the
+    /// catalog or `index` not below member_count().
+    std::pair<uint32_t, uint32_t> member_range(uint64_t id, uint64_t index) const {
+        uint32_t off = 0, len = 0;
+        check(ksp_loader_sample_member(p_.get(), id, index, &off, &len));
+        return {off, len};
     }
 
 private:

@@ -2,7 +2,9 @@
 //
 // Each iteration takes max_batch_size samples from a kspeed loader (whose
 // pollers read ahead into its landing ring), copies them into DALI's output
-// buffers (uint8 bytes, int32 label), and returns the ring space. Epochs
+// buffers (uint8 bytes, int32 label), and returns the ring space. With
+// `members` (a space of tar samples preloaded with --members), each listed
+// member of a sample is an output of its own, before the label. Epochs
 // follow DALI's reader conventions: with pad_last_batch the last batch of an
 // epoch is filled by repeating its last sample and the next epoch starts
 // fresh; without it the batch is filled from the next epoch, which then goes
@@ -89,10 +91,34 @@ public:
             loader_ = std::make_unique<kspeed::Loader>(cfg);
             epoch_len_ = loader_->epoch_len();
             catalog_len_ = loader_->catalog_len();
+            members_ = member_indices(spec.GetRepeatedArgument<std::string>("members"), space);
             loader_->set_epoch(0);
         } catch (const kspeed::Error& e) {
             DALI_FAIL(dali::make_string("kspeed.reader: ", e.what()));
         }
+    }
+
+    // The space's member index of each name in `names`, in that order;
+    // every name must be one of the space's members.
+    std::vector<uint64_t> member_indices(const std::vector<std::string>& names,
+                                         const std::string& space) const {
+        std::vector<uint64_t> out;
+        if (names.empty()) return out;
+        const uint64_t m = loader_->member_count();
+        std::string have;
+        for (uint64_t j = 0; j < m; ++j) have += (j ? "," : "") + loader_->member_name(j);
+        DALI_ENFORCE(m > 0, dali::make_string("kspeed.reader: `members` given, but the samples of ",
+                                              space, " are single files (preload tar shards with "
+                                              "--members EXT,EXT,... to keep their members)"));
+        for (const std::string& name : names) {
+            uint64_t j = 0;
+            while (j < m && loader_->member_name(j) != name) ++j;
+            DALI_ENFORCE(j < m, dali::make_string("kspeed.reader: member \"", name,
+                                                  "\" is not one of the space's members (", have,
+                                                  ")"));
+            out.push_back(j);
+        }
+        return out;
     }
 
     bool HasContiguousOutputs() const override { return true; }
@@ -201,6 +227,7 @@ protected:
         stage_.clear();
         off_.clear();
         len_.clear();
+        ids_.clear();
         labels_.clear();
         direct_ = false;
         try {
@@ -212,6 +239,7 @@ protected:
                         while (static_cast<int>(len_.size()) < n) {
                             off_.push_back(off_.back());
                             len_.push_back(len_.back());
+                            ids_.push_back(ids_.back());
                             labels_.push_back(labels_.back());
                         }
                         break;
@@ -224,6 +252,7 @@ protected:
                     // RunImpl copies straight from the ring (one copy).
                     for (const ksp_sample& s : *held_) {
                         len_.push_back(s.len);
+                        ids_.push_back(s.id);
                         labels_.push_back(static_cast<int32_t>(s.label));
                     }
                     held_pos_ = held_->size();
@@ -237,6 +266,7 @@ protected:
                     const ksp_sample& s = (*held_)[held_pos_++];
                     off_.push_back(stage_.size());
                     len_.push_back(s.len);
+                    ids_.push_back(s.id);
                     labels_.push_back(static_cast<int32_t>(s.label));
                     stage_.insert(stage_.end(), s.data, s.data + s.len);
                 }
@@ -244,44 +274,72 @@ protected:
         } catch (const kspeed::Error& e) {
             DALI_FAIL(dali::make_string("kspeed.reader: ", e.what()));
         }
-        out.resize(2);
-        TensorListShape<> data_shape(n, 1), label_shape(n, 1);
-        for (int i = 0; i < n; ++i) {
-            data_shape.set_tensor_shape(i, {static_cast<int64_t>(len_[i])});
-            label_shape.set_tensor_shape(i, {1});
+        // Each byte output's pieces: the whole sample, or each member.
+        const size_t outs = members_.empty() ? 1 : members_.size();
+        piece_off_.assign(outs * n, 0);
+        piece_len_.assign(outs * n, 0);
+        try {
+            for (int i = 0; i < n; ++i) {
+                if (members_.empty()) {
+                    piece_len_[i] = len_[i];
+                    continue;
+                }
+                const uint64_t id = ids_[i];
+                for (size_t k = 0; k < outs; ++k) {
+                    auto [off, len] = loader_->member_range(id, members_[k]);
+                    piece_off_[k * n + i] = off;
+                    piece_len_[k * n + i] = len;
+                }
+            }
+        } catch (const kspeed::Error& e) {
+            DALI_FAIL(dali::make_string("kspeed.reader: ", e.what()));
         }
-        out[0] = {data_shape, DALI_UINT8};
-        out[1] = {label_shape, DALI_INT32};
+        out.resize(outs + 1);
+        for (size_t k = 0; k < outs; ++k) {
+            TensorListShape<> shape(n, 1);
+            for (int i = 0; i < n; ++i)
+                shape.set_tensor_shape(i, {static_cast<int64_t>(piece_len_[k * n + i])});
+            out[k] = {shape, DALI_UINT8};
+        }
+        TensorListShape<> label_shape(n, 1);
+        for (int i = 0; i < n; ++i) label_shape.set_tensor_shape(i, {1});
+        out[outs] = {label_shape, DALI_INT32};
         return true;
     }
 
     void RunImpl(Workspace& ws) override {
-        auto& data = ws.Output<CPUBackend>(0);
-        auto& labels = ws.Output<CPUBackend>(1);
         const size_t n = len_.size();
-        src_.resize(n);
-        dst_.resize(n);
+        const size_t outs = piece_len_.size() / n;
+        auto& labels = ws.Output<CPUBackend>(static_cast<int>(outs));
+        // One copy per piece: output k's sample i is piece k * n + i.
+        src_.resize(outs * n);
+        dst_.resize(outs * n);
         size_t total = 0;
-        for (size_t i = 0; i < n; ++i) {
-            src_[i] = direct_ ? (*held_)[i].data : stage_.data() + off_[i];
-            dst_[i] = data.mutable_tensor<uint8_t>(i);
-            labels.mutable_tensor<int32_t>(i)[0] = labels_[i];
-            total += len_[i];
+        for (size_t k = 0; k < outs; ++k) {
+            auto& data = ws.Output<CPUBackend>(static_cast<int>(k));
+            for (size_t i = 0; i < n; ++i) {
+                const uint8_t* sample = direct_ ? (*held_)[i].data : stage_.data() + off_[i];
+                src_[k * n + i] = sample + piece_off_[k * n + i];
+                dst_[k * n + i] = data.mutable_tensor<uint8_t>(static_cast<int>(i));
+                total += piece_len_[k * n + i];
+            }
         }
+        for (size_t i = 0; i < n; ++i) labels.mutable_tensor<int32_t>(static_cast<int>(i))[0] = labels_[i];
         // The copy is this operator's whole cost when the samples come from
         // the memory tier: spread it over the pipeline's threads, in runs of
-        // consecutive samples of about equal bytes (one run per thread).
+        // consecutive pieces of about equal bytes (one run per thread).
+        const size_t pieces = outs * n;
         const int threads = ws.HasThreadPool() ? ws.GetThreadPool().NumThreads() : 1;
         if (threads <= 1 || total < kParallelCopyBytes) {
-            copy(0, n);
+            copy(0, pieces);
             return;
         }
         auto& pool = ws.GetThreadPool();
         const size_t share = total / threads + 1;
         size_t begin = 0, run = 0;
-        for (size_t i = 0; i < n; ++i) {
-            run += len_[i];
-            if (run >= share || i + 1 == n) {
+        for (size_t i = 0; i < pieces; ++i) {
+            run += piece_len_[i];
+            if (run >= share || i + 1 == pieces) {
                 const size_t b = begin, e = i + 1;
                 pool.AddWork([this, b, e](int) { copy(b, e); });
                 begin = e;
@@ -291,10 +349,10 @@ protected:
         pool.RunAll();
     }
 
-    // Copies samples [b, e) to their outputs.
+    // Copies pieces [b, e) to their outputs.
     void copy(size_t b, size_t e) const {
         for (size_t i = b; i < e; ++i)
-            if (len_[i] > 0) std::memcpy(dst_[i], src_[i], len_[i]);
+            if (piece_len_[i] > 0) std::memcpy(dst_[i], src_[i], piece_len_[i]);
     }
 
     // Below this many bytes a batch is copied on the calling thread (waking
@@ -320,7 +378,13 @@ private:
     // Reused across iterations: no allocation per sample once warm.
     std::vector<uint8_t> stage_;
     std::vector<size_t> off_, len_;
+    std::vector<uint64_t> ids_;
     std::vector<int32_t> labels_;
+    // The space's member index of each byte output (empty: one output, the
+    // whole sample), and this iteration's pieces (output k, sample i at
+    // k * n + i): where each lies in its sample, and its length.
+    std::vector<uint64_t> members_;
+    std::vector<size_t> piece_off_, piece_len_;
 };
 
 }  // namespace kspeed_dali
@@ -334,10 +398,16 @@ DALI_SCHEMA(kspeed__Reader)
 libkspeed: io_uring pollers read ahead, in the shard's sampler order, into a landing ring;
 in cluster mode the samples other nodes hold are pushed by their node services.
 
-Outputs the sample bytes (uint8, 1-D) and the label (int32, shape [1]; -1 when unlabeled).
+Outputs the sample bytes (uint8, 1-D) and the label (int32, shape [1]; -1 when unlabeled);
+with `members`, one uint8 output per listed member of each sample, then the label.
 Pass the same `seed` to every shard (without one, 0 is used, not a random seed).)")
     .NumInput(0)
     .NumOutput(2)
+    .OutputFn([](const OpSpec& spec) {
+        // The listed members, then the label; without members the sample, then the label.
+        const auto members = spec.GetRepeatedArgument<std::string>("members");
+        return members.empty() ? 2 : static_cast<int>(members.size()) + 1;
+    })
     .MakeStateful()
     .AddRandomSeedArg()
     .AddArg("space", "The kspeed space directory (this node's, in cluster mode).",
@@ -358,6 +428,11 @@ Pass the same `seed` to every shard (without one, 0 is used, not a random seed).
                     "Copy samples held in the memory tier straight from it into the output, not "
                     "through the landing ring first.",
                     true)
+    .AddOptionalArg("members",
+                    "A space of tar samples preloaded with `--members` (e.g. jpg,json): output "
+                    "these members of each sample, each as an output of its own in this order, "
+                    "then the label (empty: the whole sample as one output).",
+                    std::vector<std::string>())
     .AddOptionalArg("pollers", "kspeed poller threads (0: kspeed's default).", 0)
     .AddOptionalArg("mlock", "Lock the landing ring in memory.", true)
     .AddOptionalArg("cluster_file",

@@ -242,6 +242,102 @@ class ReaderTest(unittest.TestCase):
             dali.__version__ = real
 
 
+class MembersTest(unittest.TestCase):
+    """A space of tar samples of three members each (`--members
+    jpg,txt,json`): `members` outputs the listed ones, in the order given,
+    each byte-exact, before the label; names the space does not have, or a
+    space of single files, are refused by name."""
+
+    @classmethod
+    def setUpClass(cls):
+        import tarfile
+        cls.tmp = tempfile.mkdtemp(prefix="kspeed-dali-members-")
+        cls.n = 40
+        rng = np.random.default_rng(3)
+        cls.jpg = {}
+        shard = os.path.join(cls.tmp, "s.tar")
+        with tarfile.open(shard, "w") as t:
+            for i in range(cls.n):
+                members = {
+                    "jpg": rng.integers(0, 256, int(rng.integers(100, 5000)), dtype=np.uint8).tobytes(),
+                    "txt": f"txt of {i}".encode(),
+                    "json": f'{{"id": {i}}}'.encode(),
+                }
+                cls.jpg[i] = members["jpg"]
+                for ext, data in members.items():
+                    info = tarfile.TarInfo(f"{i:05}.{ext}")
+                    info.size = len(data)
+                    t.addfile(info, __import__("io").BytesIO(data))
+        cls.space = os.path.join(cls.tmp, "space")
+        sh(K, "--progress", "none", "preload", "--source", "tar:" + shard, "--space", cls.space,
+           "--members", "jpg,txt,json")
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.tmp, ignore_errors=True)
+
+    def pipe(self, space, members, batch=8, pad=True):
+        @pipeline_def(batch_size=batch, num_threads=2, device_id=None)
+        def p():
+            return tuple(fn.kspeed.reader(space=space, members=members, random_shuffle=True, seed=5,
+                                          pad_last_batch=pad, name="Reader", mlock=False,
+                                          ring_bytes="8MiB"))
+        pipe = p()
+        pipe.build()
+        return pipe
+
+    def test_members_are_outputs_of_their_own_byte_exact(self):
+        # 40 samples in batches of 7: a short last batch (padded) and,
+        # without padding, batches across the epoch boundary (staged).
+        for pad in (True, False):
+            p = self.pipe(self.space, ["txt", "jpg"], batch=7, pad=pad)
+            seen = []
+            for _ in range(12):
+                outs = p.run()
+                self.assertEqual(len(outs), 3, "txt, jpg, label")
+                txt, jpg, label = outs
+                for i in range(len(txt)):
+                    t = bytes(np.array(txt.at(i)))
+                    self.assertTrue(t.startswith(b"txt of "), t)
+                    sid = int(t[len("txt of "):])
+                    self.assertEqual(bytes(np.array(jpg.at(i))), self.jpg[sid], f"sample {sid}")
+                    self.assertEqual(int(label.at(i)[0]), -1)
+                    seen.append(sid)
+            del p
+            # The first epoch: every sample once (then the padding or the
+            # next epoch).
+            self.assertEqual(sorted(set(seen[:self.n])), list(range(self.n)), f"pad_last_batch={pad}")
+
+    def test_one_member_and_the_whole_sample(self):
+        p = self.pipe(self.space, ["json"])
+        json_out, label = p.run()
+        for i in range(len(json_out)):
+            self.assertRegex(bytes(np.array(json_out.at(i))).decode(), r'^\{"id": \d+\}$')
+        del p
+        # Without `members`: the sample's bytes, members back to back.
+        p = self.pipe(self.space, [])
+        data, label = p.run()
+        for i in range(len(data)):
+            b = bytes(np.array(data.at(i)))
+            self.assertIn(b"txt of ", b)
+            self.assertIn(b'{"id": ', b)
+
+    def test_members_the_space_lacks_are_refused_by_name(self):
+        ds_tmp = tempfile.mkdtemp(prefix="kspeed-dali-single-")
+        try:
+            single = Dataset(ds_tmp, profile="tiny", count=20)
+            for space, members, needles in (
+                (self.space, ["png"], ['member "png"', "jpg,txt,json"]),
+                (single.space, ["jpg"], ["single files", "--members"]),
+            ):
+                with self.assertRaises(RuntimeError) as cm:
+                    self.pipe(space, members).run()
+                for needle in needles:
+                    self.assertIn(needle, str(cm.exception))
+        finally:
+            shutil.rmtree(ds_tmp, ignore_errors=True)
+
+
 class JpegTest(unittest.TestCase):
     def test_decoded_images_equal_the_files_decoded_directly(self):
         from PIL import Image
