@@ -335,6 +335,12 @@ const DALI_ARGUMENTS: &[(&str, Option<&str>)] = &[
     ("rdma", Some("rdma")),
     ("s3_endpoint_url", Some("s3_endpoint_url")),
     ("s3_profile", Some("s3_profile")),
+    // Which members of a tar sample are outputs: the operator's, from the
+    // catalog (no loader option).
+    ("members", None),
+    ("cache_dir", Some("cache_dir")),
+    ("cache_bytes", Some("cache_bytes")),
+    ("cache_policy", Some("cache_policy")),
 ];
 
 /// The double-quoted word after each `needle` in `text`.

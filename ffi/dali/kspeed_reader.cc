@@ -88,6 +88,13 @@ public:
             const std::string s3_profile = spec.GetArgument<std::string>("s3_profile");
             if (!s3_endpoint.empty()) cfg.set("s3_endpoint_url", s3_endpoint);
             if (!s3_profile.empty()) cfg.set("s3_profile", s3_profile);
+            // A partial space's source samples kept on the NVMe for their
+            // next read (docs/CACHE.md, "The cache area").
+            const std::string cache_dir = spec.GetArgument<std::string>("cache_dir");
+            if (!cache_dir.empty())
+                cfg.set("cache_dir", cache_dir)
+                    .set("cache_bytes", spec.GetArgument<std::string>("cache_bytes"))
+                    .set("cache_policy", spec.GetArgument<std::string>("cache_policy"));
             loader_ = std::make_unique<kspeed::Loader>(cfg);
             epoch_len_ = loader_->epoch_len();
             catalog_len_ = loader_->catalog_len();
@@ -445,6 +452,16 @@ Pass the same `seed` to every shard (without one, 0 is used, not a random seed).
                     "A space preloaded from an S3-compatible store: its endpoint, for samples read "
                     "from the bucket when every node lost them (empty: the AWS variables').",
                     std::string(""))
+    .AddOptionalArg("cache_dir",
+                    "A partial space (`kspeed preload --max-bytes`): keep the samples read from "
+                    "its source in this NVMe folder for their next read (the shard's area is "
+                    "CACHE_DIR/rank<shard_id>; empty: none).",
+                    std::string(""))
+    .AddOptionalArg("cache_bytes", "The cache area's budget, e.g. \"100GiB\" (with cache_dir).",
+                    std::string("0"))
+    .AddOptionalArg("cache_policy",
+                    "What the cache area keeps: next-use (the default), min or lru.",
+                    std::string("next-use"))
     .AddOptionalArg("s3_profile",
                     "A space preloaded from an object store: the AWS profile to read it as "
                     "(empty: AWS_PROFILE, else default).",

@@ -242,6 +242,47 @@ class ReaderTest(unittest.TestCase):
             dali.__version__ = real
 
 
+class CacheAreaTest(unittest.TestCase):
+    def test_a_partial_space_keeps_its_source_samples_in_the_cache_area(self):
+        """A space holding part of the dataset (`--max-bytes`): the rest is
+        read from the source files, byte-exact, and kept in the cache area
+        (`cache_dir`), whose journal names what it holds."""
+        tmp = tempfile.mkdtemp(prefix="kspeed-dali-cache-")
+        try:
+            src = os.path.join(tmp, "src")
+            sh(K, "gen", "--profile", "tiny", "--count", "200", "--out", src, "--seed", "2")
+            want = {}
+            for root, _dirs, files in os.walk(src):
+                for f in files:
+                    with open(os.path.join(root, f), "rb") as fh:
+                        want[digest(fh.read())] = f
+            space = os.path.join(tmp, "space")
+            sh(K, "--progress", "none", "preload", "--source", src, "--space", space, "--max-bytes", "256KiB")
+            cache = os.path.join(tmp, "cache")
+
+            @pipeline_def(batch_size=16, num_threads=2, device_id=None)
+            def p():
+                data, label = fn.kspeed.reader(space=space, random_shuffle=True, seed=3, pad_last_batch=True,
+                                               name="Reader", mlock=False, ring_bytes="8MiB",
+                                               cache_dir=cache, cache_bytes="1MiB")
+                return data, label
+            pipe = p()
+            pipe.build()
+            seen = set()
+            for _ in range(2 * 13):  # two epochs of 200 in batches of 16, padded
+                data, _label = pipe.run()
+                for i in range(len(data)):
+                    d = digest(data.at(i))
+                    self.assertIn(d, want, "a sample that is no file of the source")
+                    seen.add(d)
+            del pipe
+            self.assertEqual(seen, set(want))
+            journal = os.path.join(cache, "rank0", "cache.journal")
+            self.assertTrue(os.path.getsize(journal) > 0, "the cache area kept nothing")
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 class MembersTest(unittest.TestCase):
     """A space of tar samples of three members each (`--members
     jpg,txt,json`): `members` outputs the listed ones, in the order given,
