@@ -8,6 +8,10 @@
 //! are 10.77.0.1-3, each with its own RoCE GID, and samples move by RDMA
 //! WRITE into the ranks' shared rings. Every wait is on a condition with a
 //! deadline.
+//!
+//! Why this file is over ~800 lines: each test here needs the same three
+//! agent processes on their own addresses (`Nodes`); one binary sets them
+//! up once per test instead of every file repeating it.
 
 mod agent_support;
 mod common;
@@ -539,6 +543,15 @@ fn an_attached_rank_s_wait_for_a_stopped_node_is_charged_to_peers() {
     assert!(
         peers >= 0.5 && peers > 2.0 * agent,
         "the wait for node 2 is charged to peers: {c}"
+    );
+    // And to node 2 by name: the agent names, with each batch, the nodes
+    // it waited for (segment layout 7), and the rank splits its own wait
+    // over them.
+    let slowest = &c["slowest_peers"][0];
+    assert_eq!(slowest["node"], 2, "{c}");
+    assert!(
+        slowest["seconds"].as_f64().unwrap() >= 0.5 * peers,
+        "node 2 holds most of the rank's wait for peers: {c}"
     );
     // The node's view (its Prometheus metrics): node 2 is the node its
     // agent waited for longest, for about the time it was stopped, with

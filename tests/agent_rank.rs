@@ -291,50 +291,82 @@ fn an_agent_that_predates_block_shuffles_is_named() {
     }
 }
 
-/// An agent from before tier views refuses a rank that asks for them by
-/// the unknown ATTACH flag (protocol); the rank attaches again at once
-/// without them (the samples then come in its ring). The old agent is
-/// played by a socket that answers as one does: the first ATTACH it
-/// receives is version 5 with flag 8, the second without it, which this
-/// one refuses as busy (so the test needs no real agent); the rank's
-/// error is that second refusal.
+/// An old agent played by [`play_old_agent`]: it knows the ATTACH flags
+/// in `known` and refuses any other bit as such an agent does (protocol,
+/// "unknown flags"); an ATTACH it would take it refuses as busy, so the
+/// test needs no real agent.
+fn refuse_unknown(m: &[u8], known: u32) -> Vec<u8> {
+    let (version, flags) = version_and_flags(m);
+    let (code, reason) = if flags & !known != 0 {
+        let r = format!(
+            "unknown flags {:#x} in a version {version} ATTACH",
+            flags & !known
+        );
+        (kspeed::agent::msg::RefuseCode::Protocol, r)
+    } else {
+        (
+            kspeed::agent::msg::RefuseCode::Agent,
+            "test agent: busy".to_string(),
+        )
+    };
+    kspeed::agent::msg::encode_refused(version, code, &reason).to_vec()
+}
+
+/// The ATTACHes an old agent read: (version, flags 8 and 16).
+fn versions_and_new_flags(seen: Vec<Vec<u8>>) -> Vec<(u16, u32)> {
+    seen.iter()
+        .map(|m| {
+            let (v, f) = version_and_flags(m);
+            (v, f & 24)
+        })
+        .collect()
+}
+
+/// An agent from before tier views (and peer waits) refuses a rank that
+/// asks for them by the unknown ATTACH flags (protocol); the rank attaches
+/// again at once without peer waits, then without views (the samples then
+/// come in its ring): the first ATTACH the old agent receives is version
+/// 5 with flags 8 and 16, the second with 8, the third with neither, which
+/// this one refuses as busy; the rank's error is that last refusal.
 #[test]
 fn an_agent_that_predates_tier_views_is_attached_without_them() {
     let dir = tempfile::tempdir().unwrap();
     let sp = space(dir.path(), 100);
     let sock = dir.path().join("old-agent.sock");
-    let old = play_old_agent(&sock, 2, |m| {
-        let (version, flags) = version_and_flags(m);
-        let (code, reason) = if flags & !7 != 0 {
-            let r = format!(
-                "unknown flags {:#x} in a version {version} ATTACH",
-                flags & !7
-            );
-            (kspeed::agent::msg::RefuseCode::Protocol, r)
-        } else {
-            (
-                kspeed::agent::msg::RefuseCode::Agent,
-                "test agent: busy".to_string(),
-            )
-        };
-        kspeed::agent::msg::encode_refused(version, code, &reason).to_vec()
-    });
+    let old = play_old_agent(&sock, 3, |m| refuse_unknown(m, 7));
     let built = kspeed::loader::LoaderBuilder::space(&sp)
         .agent(kspeed::loader::AgentMode::Required)
         .agent_socket(Some(sock.clone()))
         .tier_views(true)
         .batch_size(8)
         .build();
-    let seen: Vec<(u16, u32)> = old
-        .join()
-        .unwrap()
-        .iter()
-        .map(|m| {
-            let (v, f) = version_and_flags(m);
-            (v, f & 8)
-        })
-        .collect();
-    assert_eq!(seen, [(5, 8), (5, 0)]);
+    let seen = versions_and_new_flags(old.join().unwrap());
+    assert_eq!(seen, [(5, 24), (5, 8), (5, 0)]);
+    match built {
+        Err(kspeed::Error::NoAgent { reason, .. }) => {
+            assert!(reason.contains("test agent: busy"), "{reason}")
+        }
+        r => panic!("{:?}", r.map(|_| ())),
+    }
+}
+
+/// An agent that knows tier views but not peer waits (ATTACH flag 16,
+/// segment layout 7): the rank attaches again without them, keeping its
+/// views (the second ATTACH has flag 8 and not 16).
+#[test]
+fn an_agent_that_predates_peer_waits_is_attached_without_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let sp = space(dir.path(), 100);
+    let sock = dir.path().join("old-agent.sock");
+    let old = play_old_agent(&sock, 2, |m| refuse_unknown(m, 15));
+    let built = kspeed::loader::LoaderBuilder::space(&sp)
+        .agent(kspeed::loader::AgentMode::Required)
+        .agent_socket(Some(sock.clone()))
+        .tier_views(true)
+        .batch_size(8)
+        .build();
+    let seen = versions_and_new_flags(old.join().unwrap());
+    assert_eq!(seen, [(5, 24), (5, 8)]);
     match built {
         Err(kspeed::Error::NoAgent { reason, .. }) => {
             assert!(reason.contains("test agent: busy"), "{reason}")

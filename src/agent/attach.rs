@@ -30,9 +30,9 @@ use socket2::{Domain, SockAddr, Socket, Type};
 
 use super::msg::{
     decode_reply, encode_refused, proto, u16_at, AttachRequest, AttachedReply, RefuseCode,
-    ATTACH_FDS, ATTACH_OLDEST_VERSION, ATTACH_VERSION, FLAG_TIER_VIEWS,
+    ATTACH_FDS, ATTACH_OLDEST_VERSION, ATTACH_VERSION, FLAG_PEER_WAITS, FLAG_TIER_VIEWS,
 };
-use super::segment::{segment_bytes_with_views, AgentSide, Segment};
+use super::segment::{segment_bytes_for, AgentSide, Segment, PEER_WAITS_PER_SLOT};
 use super::shm::RingMap;
 use crate::error::{Error, Result};
 
@@ -530,17 +530,28 @@ impl AttachListener {
             } else {
                 0
             };
-            let need = segment_bytes_with_views(request.slots, views);
+            // And one asking for peer waits a peer-wait table (version 7).
+            let peer_waits = if request.flags & FLAG_PEER_WAITS != 0 {
+                PEER_WAITS_PER_SLOT
+            } else {
+                0
+            };
+            let need = segment_bytes_for(request.slots, views, peer_waits);
             if request.segment_bytes != need {
                 return Err(Error::AttachSegment {
                     what: format!(
-                        "ATTACH says {} bytes for {} slots{}; the layout needs {need}",
+                        "ATTACH says {} bytes for {} slots{}{}; the layout needs {need}",
                         request.segment_bytes,
                         request.slots,
                         if views > 0 {
                             format!(" and tier views for batches of {views}")
                         } else {
                             String::new()
+                        },
+                        if peer_waits > 0 {
+                            " and peer waits"
+                        } else {
+                            ""
                         },
                     ),
                 });
@@ -551,6 +562,14 @@ impl AttachListener {
                     what: format!(
                         "the segment has {} view words per slot; ATTACH asks for {views} (tier views: the batch size; else 0)",
                         segment.views_per_slot()
+                    ),
+                });
+            }
+            if segment.peer_waits_per_slot() != peer_waits {
+                return Err(Error::AttachSegment {
+                    what: format!(
+                        "the segment has {} peer-wait words per slot; ATTACH asks for {peer_waits} (flag 16: {PEER_WAITS_PER_SLOT}; else 0)",
+                        segment.peer_waits_per_slot()
                     ),
                 });
             }

@@ -195,8 +195,16 @@ pub const FLAG_VERIFY_CRC32C: u32 = 4;
 /// (`views_per_slot` = batch_size). An agent that predates the flag
 /// refuses the attach (an unknown bit).
 pub const FLAG_TIER_VIEWS: u32 = 8;
+/// ATTACH flag: the rank's segment is layout version 7, with a peer-wait
+/// table: per batch, the nodes the rank's loader inside the agent waited
+/// for longest while it made the batch, so the rank charges its own wait
+/// to them (`Stats::stall_causes`' slowest peers). An agent that predates
+/// the flag refuses the attach (an unknown bit); the rank then attaches
+/// again without it.
+pub const FLAG_PEER_WAITS: u32 = 16;
 /// Every flag this version knows; another bit is refused.
-const KNOWN_FLAGS: u32 = FLAG_SHUFFLE | FLAG_DROP_LAST | FLAG_VERIFY_CRC32C | FLAG_TIER_VIEWS;
+const KNOWN_FLAGS: u32 =
+    FLAG_SHUFFLE | FLAG_DROP_LAST | FLAG_VERIFY_CRC32C | FLAG_TIER_VIEWS | FLAG_PEER_WAITS;
 
 /// The agent's answer to an accepted ATTACH.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -644,12 +652,18 @@ mod tests {
             AttachRequest::decode(&views).unwrap().flags & FLAG_TIER_VIEWS,
             8
         );
+        let mut peers = b.clone();
+        peers[80] |= 16; // peer waits
+        assert_eq!(
+            AttachRequest::decode(&peers).unwrap().flags & FLAG_PEER_WAITS,
+            16
+        );
         let mut bad = b.clone();
-        bad[80] |= 16;
+        bad[80] |= 32;
         assert!(AttachRequest::decode(&bad)
             .unwrap_err()
             .to_string()
-            .contains("unknown flags 0x10"));
+            .contains("unknown flags 0x20"));
         assert!(AttachRequest::decode(&b[..111])
             .unwrap_err()
             .to_string()

@@ -998,6 +998,8 @@ fn feed(
     let mut dealt = false;
     // Tier views: a view word per sample of each batch (allocated once).
     let mut views = vec![0u64; att.side.segment().views_per_slot() as usize];
+    // Peer waits: the rank's segment has a table for them (layout 7).
+    let peer_waits = att.side.segment().peer_waits_per_slot() > 0;
     let result = loop {
         if halt.load(Ordering::Acquire)
             || att.conn.peer_closed()
@@ -1074,6 +1076,11 @@ fn feed(
                 if !views.is_empty() {
                     let n = loader.held_view_words(&mut views);
                     att.side.set_views(&views[..n]);
+                }
+                if peer_waits {
+                    // The nodes waited for while this batch was made, for
+                    // the rank's stall by node.
+                    att.side.set_peer_waits(&loader.take_peer_wait_words());
                 }
                 if let Err(e) = att.side.publish(&desc) {
                     break Err(e);

@@ -55,7 +55,19 @@ pub const SEGMENT_MAGIC: u64 = u64::from_le_bytes(*b"KSPATSEG");
 /// adds the tier views: `views_per_slot` in the header and a view table
 /// after the slots; a rank that does not ask for views writes version 5
 /// (the same layout with no table), which every agent since 5 reads.
-pub const SEGMENT_VERSION: u32 = 6;
+/// Version 7 adds the peer waits: `peer_waits_per_slot` in the header
+/// ([`PEER_WAITS_PER_SLOT`]) and a peer-wait table after the view table
+/// (which it may have or not: `views_per_slot` 0 is no table).
+pub const SEGMENT_VERSION: u32 = 7;
+/// The layout with tier views and no peer waits.
+pub const SEGMENT_VIEWS_VERSION: u32 = 6;
+/// Peer-wait words per slot in a layout version 7 segment: the nodes the
+/// rank's loader inside the agent waited for longest while it made the
+/// batch ([`peer_wait_word`]).
+pub const PEER_WAITS_PER_SLOT: u32 = 4;
+/// The largest node index a peer-wait word may name (a node list of more
+/// is refused by the rank's loader long before).
+pub const MAX_PEER_WAIT_NODE: u32 = (1 << 20) - 1;
 /// The oldest layout this build still reads (and writes, without views).
 pub const SEGMENT_OLDEST_VERSION: u32 = 5;
 /// Most view words per slot (the largest batch a rank asking for tier
@@ -195,7 +207,10 @@ struct Header {
     /// Layout version 6: view words per batch slot (the batch size when
     /// the rank asked for tier views, else 0); 0 in version 5.
     views_per_slot: AtomicU32,
-    _reserved: [AtomicU32; 3],
+    /// Layout version 7: peer-wait words per slot ([`PEER_WAITS_PER_SLOT`]);
+    /// 0 (reserved) before.
+    peer_waits_per_slot: AtomicU32,
+    _reserved: [AtomicU32; 2],
 }
 
 /// Line 1: written by the agent only.
@@ -309,6 +324,7 @@ const _: () = {
     use std::mem::offset_of;
     assert!(offset_of!(Header, generation) == 40 && offset_of!(Header, rank_pid) == 44);
     assert!(offset_of!(Header, views_per_slot) == 48);
+    assert!(offset_of!(Header, peer_waits_per_slot) == 52);
     assert!(
         offset_of!(AgentBlock, ready_futex) == 16 && offset_of!(AgentBlock, room_waiters) == 20
     );
@@ -333,12 +349,43 @@ pub fn segment_bytes(slots: u32) -> u64 {
 /// Bytes of a segment with `slots` batch slots and `views_per_slot` view
 /// words per slot (layout version 6; 0: version 5's size).
 pub fn segment_bytes_with_views(slots: u32, views_per_slot: u32) -> u64 {
+    segment_bytes_for(slots, views_per_slot, 0)
+}
+
+/// Bytes of a segment with `slots` batch slots, `views_per_slot` view
+/// words and `peer_waits_per_slot` peer-wait words per slot (layout
+/// version 7 when the last is [`PEER_WAITS_PER_SLOT`]).
+pub fn segment_bytes_for(slots: u32, views_per_slot: u32, peer_waits_per_slot: u32) -> u64 {
     // Saturating: the agent sizes a peer's unchecked fields with this, and
     // a sum that does not fit is then refused as the wrong size.
     (views_offset(slots) as u64).saturating_add(
-        8u64.saturating_mul(u64::from(slots))
-            .saturating_mul(u64::from(views_per_slot)),
+        8u64.saturating_mul(u64::from(slots)).saturating_mul(
+            u64::from(views_per_slot).saturating_add(u64::from(peer_waits_per_slot)),
+        ),
     )
+}
+
+/// A peer-wait word: `(node + 1) << 32 | µs` (µs saturating at 2^32 − 1);
+/// 0 is an empty entry.
+pub fn peer_wait_word(node: u32, wait_us: u64) -> u64 {
+    debug_assert!(node <= MAX_PEER_WAIT_NODE);
+    (u64::from(node) + 1) << 32 | wait_us.min(u64::from(u32::MAX))
+}
+
+/// A peer-wait word's (node, µs), None for an empty word; an error names a
+/// word whose node is beyond [`MAX_PEER_WAIT_NODE`].
+pub fn decode_peer_wait(word: u64) -> std::result::Result<Option<(u32, u32)>, String> {
+    if word == 0 {
+        return Ok(None);
+    }
+    let node = (word >> 32) as u32;
+    if node == 0 || node - 1 > MAX_PEER_WAIT_NODE {
+        return Err(format!(
+            "peer-wait word {word:#x}: its node field {node} is not 1 to {}",
+            MAX_PEER_WAIT_NODE + 1
+        ));
+    }
+    Ok(Some((node - 1, word as u32)))
 }
 
 /// Where the view table starts: right after the slots.
@@ -495,6 +542,7 @@ pub struct Segment {
     slots: u32,
     ring_bytes: u64,
     views_per_slot: u32,
+    peer_waits_per_slot: u32,
 }
 
 // SAFETY: the mapping holds only atomics and is reached only through
@@ -526,6 +574,18 @@ impl Segment {
     /// per slot (the batch size) for a rank that asks for tier views:
     /// layout version 6 (version 5 when 0).
     pub fn create_with_views(slots: u32, ring_bytes: u64, views_per_slot: u32) -> Result<Segment> {
+        Self::create_for(slots, ring_bytes, views_per_slot, false)
+    }
+
+    /// As [`Segment::create_with_views`], and with `peer_waits` a
+    /// peer-wait table of [`PEER_WAITS_PER_SLOT`] words per slot: layout
+    /// version 7 (else 6 with views, 5 without).
+    pub fn create_for(
+        slots: u32,
+        ring_bytes: u64,
+        views_per_slot: u32,
+        peer_waits: bool,
+    ) -> Result<Segment> {
         if slots == 0 || slots > MAX_SLOTS || !slots.is_power_of_two() {
             return Err(Error::InvalidConfig(format!(
                 "attach segment slots {slots}: must be a power of two from 1 to {MAX_SLOTS}"
@@ -536,7 +596,8 @@ impl Segment {
                 "tier views for batches of {views_per_slot} samples: at most {MAX_VIEWS_PER_SLOT} (leave tier_views off)"
             )));
         }
-        let total = segment_bytes_with_views(slots, views_per_slot);
+        let peer_waits_per_slot = if peer_waits { PEER_WAITS_PER_SLOT } else { 0 };
+        let total = segment_bytes_for(slots, views_per_slot, peer_waits_per_slot);
         let file = sealed_memfd(c"kspeed-attach-segment", total)?;
         let map = MmapRaw::map_raw(&file).map_err(|e| io_err("mmap", "attach segment", e))?;
         let seg = Segment {
@@ -545,17 +606,22 @@ impl Segment {
             slots,
             ring_bytes,
             views_per_slot,
+            peer_waits_per_slot,
         };
         let h = seg.header();
         h.version.store(
-            if views_per_slot > 0 {
+            if peer_waits {
                 SEGMENT_VERSION
+            } else if views_per_slot > 0 {
+                SEGMENT_VIEWS_VERSION
             } else {
                 SEGMENT_OLDEST_VERSION
             },
             Ordering::Relaxed,
         );
         h.views_per_slot.store(views_per_slot, Ordering::Relaxed);
+        h.peer_waits_per_slot
+            .store(peer_waits_per_slot, Ordering::Relaxed);
         h.header_bytes.store(64, Ordering::Relaxed);
         h.total_bytes.store(total, Ordering::Relaxed);
         h.slots.store(slots, Ordering::Relaxed);
@@ -587,6 +653,7 @@ impl Segment {
             slots: 1,
             ring_bytes: 0,
             views_per_slot: 0,
+            peer_waits_per_slot: 0,
         };
         let h = seg.header();
         let magic = h.magic.load(Ordering::Acquire);
@@ -600,7 +667,7 @@ impl Segment {
         let version = h.version.load(Ordering::Relaxed);
         if !(SEGMENT_OLDEST_VERSION..=SEGMENT_VERSION).contains(&version) {
             return Err(seg_err(format!(
-                "layout version {version}, this build reads versions {SEGMENT_OLDEST_VERSION} and {SEGMENT_VERSION}"
+                "layout version {version}, this build reads versions {SEGMENT_OLDEST_VERSION} to {SEGMENT_VERSION}"
             )));
         }
         let header_bytes = h.header_bytes.load(Ordering::Relaxed);
@@ -617,20 +684,35 @@ impl Segment {
             )));
         }
         // Version 5's bytes 48..63 are reserved (zero); version 6 has a
-        // view table only where the rank asked for tier views.
+        // view table only where the rank asked for tier views; version 7
+        // a peer-wait table, and a view table or not.
         let views_per_slot = h.views_per_slot.load(Ordering::Relaxed);
-        if (version == SEGMENT_OLDEST_VERSION && views_per_slot != 0)
-            || (version == SEGMENT_VERSION && !(1..=MAX_VIEWS_PER_SLOT).contains(&views_per_slot))
-        {
+        let views_ok = match version {
+            SEGMENT_OLDEST_VERSION => views_per_slot == 0,
+            SEGMENT_VIEWS_VERSION => (1..=MAX_VIEWS_PER_SLOT).contains(&views_per_slot),
+            _ => views_per_slot <= MAX_VIEWS_PER_SLOT,
+        };
+        if !views_ok {
             return Err(seg_err(format!(
-                "views_per_slot {views_per_slot} in a layout version {version} header (version 5: 0; version 6: 1 to {MAX_VIEWS_PER_SLOT})"
+                "views_per_slot {views_per_slot} in a layout version {version} header (version 5: 0; version 6: 1 to {MAX_VIEWS_PER_SLOT}; version 7: 0 to {MAX_VIEWS_PER_SLOT})"
             )));
         }
-        let need = segment_bytes_with_views(slots, views_per_slot);
+        let peer_waits_per_slot = h.peer_waits_per_slot.load(Ordering::Relaxed);
+        let want_peer_waits = if version == SEGMENT_VERSION {
+            PEER_WAITS_PER_SLOT
+        } else {
+            0
+        };
+        if peer_waits_per_slot != want_peer_waits {
+            return Err(seg_err(format!(
+                "peer_waits_per_slot {peer_waits_per_slot} in a layout version {version} header (version 7: {PEER_WAITS_PER_SLOT}; before: 0)"
+            )));
+        }
+        let need = segment_bytes_for(slots, views_per_slot, peer_waits_per_slot);
         let total = h.total_bytes.load(Ordering::Relaxed);
         if total != need || mapped < total {
             return Err(seg_err(format!(
-                "total size {total} bytes (mapped {mapped}); {slots} slots and {views_per_slot} views per slot need {need}"
+                "total size {total} bytes (mapped {mapped}); {slots} slots, {views_per_slot} views and {peer_waits_per_slot} peer waits per slot need {need}"
             )));
         }
         let ring_bytes = h.ring_bytes.load(Ordering::Relaxed);
@@ -643,8 +725,15 @@ impl Segment {
             slots,
             ring_bytes,
             views_per_slot,
+            peer_waits_per_slot,
             ..seg
         })
+    }
+
+    /// Peer-wait words per slot: [`PEER_WAITS_PER_SLOT`] in layout version
+    /// 7, else 0.
+    pub fn peer_waits_per_slot(&self) -> u32 {
+        self.peer_waits_per_slot
     }
 
     /// View words per slot: the batch size where the rank asked for tier
@@ -815,16 +904,29 @@ impl Segment {
     }
     /// The view words of batch `seq`'s slot (empty without a view table).
     fn views(&self, seq: u64) -> &[AtomicU64] {
-        let n = self.views_per_slot as usize;
+        self.row(seq, 0, self.views_per_slot as usize)
+    }
+
+    /// The peer-wait words of batch `seq`'s slot (empty without a
+    /// peer-wait table): after the view table.
+    fn peer_waits(&self, seq: u64) -> &[AtomicU64] {
+        let table = self.slots as usize * self.views_per_slot as usize * 8;
+        self.row(seq, table, self.peer_waits_per_slot as usize)
+    }
+
+    /// Batch `seq`'s row of `n` words in the table that starts `table`
+    /// bytes after the slots (empty when `n` is 0).
+    fn row(&self, seq: u64, table: usize, n: usize) -> &[AtomicU64] {
         if n == 0 {
             return &[];
         }
         let i = (seq & u64::from(self.slots - 1)) as usize;
-        let offset = views_offset(self.slots) + i * n * 8;
+        let offset = views_offset(self.slots) + table + i * n * 8;
         assert!(offset + n * 8 <= self.map.len());
         // SAFETY: in bounds (checked above: open checked the mapping holds
-        // total_bytes, which covers every slot's row), 8-aligned (the
-        // table starts at a multiple of 64 and each word is 8 bytes); the
+        // total_bytes, which covers every slot's row of either table),
+        // 8-aligned (the tables start where the slots end, a multiple of
+        // 64, plus whole words, and each word is 8 bytes); the
         // memory holds only atomics, valid for any bit pattern, shared
         // through `&` for the mapping's life, which `&self` bounds.
         unsafe { std::slice::from_raw_parts(self.map.as_ptr().add(offset) as *const AtomicU64, n) }
@@ -942,6 +1044,70 @@ mod tests {
         seg.header().views_per_slot.store(0, Ordering::Relaxed);
         assert!(Segment::open(dup(), 1 << 20).is_err());
         assert!(Segment::create_with_views(8, 1 << 20, MAX_VIEWS_PER_SLOT + 1).is_err());
+    }
+
+    #[test]
+    fn a_peer_wait_table_follows_the_view_table_in_version_7() {
+        assert_eq!(
+            segment_bytes_for(8, 16, PEER_WAITS_PER_SLOT),
+            1216 + 8 * 128 + 8 * 16 * 8 + 8 * 4 * 8
+        );
+        for views in [0, 16] {
+            let seg = Segment::create_for(8, 1 << 20, views, true).unwrap();
+            assert_eq!(seg.header().version.load(Ordering::Relaxed), 7);
+            let dup = || seg.fd().try_clone_to_owned().unwrap();
+            let opened = Segment::open(dup(), 1 << 20).unwrap();
+            assert_eq!(
+                (opened.views_per_slot(), opened.peer_waits_per_slot()),
+                (views, PEER_WAITS_PER_SLOT)
+            );
+            let rank = RankSide::new(Segment::open(dup(), 1 << 20).unwrap()).unwrap();
+            let gen = rank.generation();
+            let mut agent = AgentSide::new(Segment::open(dup(), 1 << 20).unwrap(), gen).unwrap();
+            let mut rank = rank;
+            // Nine batches through 8 slots: each row is the last batch's.
+            for k in 0..9u64 {
+                if views > 0 {
+                    agent.set_views(&[view_word(64 * k)]);
+                }
+                agent.set_peer_waits(&[peer_wait_word(3, 1000 + k), peer_wait_word(0, k)]);
+                agent.publish(&BatchDesc::default()).unwrap();
+                rank.try_take().expect("published");
+                assert_eq!(
+                    decode_peer_wait(rank.taken_peer_wait(0)),
+                    Ok(Some((3, 1000 + k as u32)))
+                );
+                // Node 0 with 0 µs is an entry (node + 1 in the high half).
+                assert_eq!(
+                    decode_peer_wait(rank.taken_peer_wait(1)),
+                    Ok(Some((0, k as u32)))
+                );
+                assert_eq!(rank.taken_peer_wait(2), 0);
+                if views > 0 {
+                    assert_eq!(view_tier_offset(rank.taken_view(0)), Some(64 * k));
+                }
+                rank.release(k + 1);
+            }
+            // Peer waits in another version, or another count, are refused.
+            seg.header().peer_waits_per_slot.store(3, Ordering::Relaxed);
+            let e = Segment::open(dup(), 1 << 20).unwrap_err();
+            assert!(e.to_string().contains("peer_waits_per_slot 3"), "{e}");
+            seg.header()
+                .peer_waits_per_slot
+                .store(PEER_WAITS_PER_SLOT, Ordering::Relaxed);
+            seg.header()
+                .version
+                .store(if views > 0 { 6 } else { 5 }, Ordering::Relaxed);
+            assert!(Segment::open(dup(), 1 << 20).is_err());
+        }
+        // Words: empty, a node, µs saturating, a node field out of range.
+        assert_eq!(decode_peer_wait(0), Ok(None));
+        assert_eq!(
+            decode_peer_wait(peer_wait_word(7, u64::MAX)),
+            Ok(Some((7, u32::MAX)))
+        );
+        assert!(decode_peer_wait(5).is_err(), "node field 0 with a time");
+        assert!(decode_peer_wait(u64::MAX).is_err());
     }
 
     #[test]

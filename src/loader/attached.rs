@@ -15,12 +15,15 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use super::stall_causes::BATCH_PEERS;
 use crate::agent::attach::{attach, AttachConn};
 use crate::agent::msg::{
-    AttachRequest, FLAG_DROP_LAST, FLAG_SHUFFLE, FLAG_TIER_VIEWS, FLAG_VERIFY_CRC32C,
+    AttachRequest, FLAG_DROP_LAST, FLAG_PEER_WAITS, FLAG_SHUFFLE, FLAG_TIER_VIEWS,
+    FLAG_VERIFY_CRC32C,
 };
 use crate::agent::segment::{
-    segment_bytes_with_views, BatchDesc, Liveness, RankSide, Segment, Side, MAX_SLOTS,
+    decode_peer_wait, segment_bytes_for, BatchDesc, Liveness, RankSide, Segment, Side, MAX_SLOTS,
+    PEER_WAITS_PER_SLOT,
 };
 use crate::agent::shm::{RingMap, RingPages};
 use crate::agent::tier_map::TierMap;
@@ -139,6 +142,10 @@ pub(crate) struct AttachSettings {
     /// Samples the agent serves from its node tier come as read-only
     /// views of the tier, not copies in the ring (`tier_views`).
     pub(crate) tier_views: bool,
+    /// The agent names, with each batch, the nodes it waited for longest
+    /// (ATTACH flag 16, segment layout 7), so the rank's stall is split by
+    /// node too.
+    pub(crate) peer_waits: bool,
     /// The NUMA node each attach's ring is bound to (`numa_node`, or the
     /// GPU's at `gpu_pci`), as an embedded ring would be.
     pub(crate) numa_node: Option<u32>,
@@ -152,6 +159,24 @@ pub(crate) struct AttachSettings {
     pub(crate) local: Option<(u16, u16)>,
     /// How long to wait for a restarted agent (`agent_restart_wait_ms`).
     pub(crate) restart_wait: Duration,
+}
+
+/// What a refusal of ATTACH flag 16 turns into (the start of
+/// [`Error::NoAgent`]'s reason), for [`RankAttach::connect`] to attach
+/// again without peer waits.
+const PEER_WAITS_UNKNOWN: &str = "the agent predates peer waits";
+
+/// The bits of an agent's "unknown flags 0x…" refusal (0 when the reason
+/// names none).
+fn unknown_flags(reason: &str) -> u32 {
+    reason
+        .split("unknown flags 0x")
+        .nth(1)
+        .and_then(|rest| {
+            let hex: String = rest.chars().take_while(|c| c.is_ascii_hexdigit()).collect();
+            u32::from_str_radix(&hex, 16).ok()
+        })
+        .unwrap_or(0)
 }
 
 /// How long an attached rank waits for an agent whose heartbeat stopped
@@ -203,7 +228,38 @@ impl RankAttach {
     /// (ATTACH flag 8): the rank attaches again without them, with one
     /// WARN, and takes every sample in its ring (DALI asks for views by
     /// default; a mixed-version node must not cost it the agent).
+    ///
+    /// Likewise an agent that predates peer waits (ATTACH flag 16): the
+    /// rank attaches again without them (one INFO line), and its stall is
+    /// split by cause but not by node.
     pub(crate) fn connect(
+        s: &AttachSettings,
+        ring: &RingMap,
+        start: Position,
+        job: Option<crate::sampler::JobPosition>,
+        mix: Option<crate::agent::msg::MixAttach>,
+    ) -> Result<Self> {
+        match Self::connect_views(s, ring, start, job, mix.clone()) {
+            Err(Error::NoAgent { reason, .. })
+                if s.peer_waits && reason.starts_with(PEER_WAITS_UNKNOWN) =>
+            {
+                log::info!(
+                    "the kspeed agent at {} predates peer waits: this rank's stall is split by cause, not by node",
+                    s.socket.display()
+                );
+                let plain = AttachSettings {
+                    peer_waits: false,
+                    ..s.clone()
+                };
+                Self::connect_views(&plain, ring, start, job, mix)
+            }
+            r => r,
+        }
+    }
+
+    /// [`RankAttach::connect`] with `s`'s peer waits, retrying without
+    /// tier views where the agent cannot give them.
+    fn connect_views(
         s: &AttachSettings,
         ring: &RingMap,
         start: Position,
@@ -242,7 +298,9 @@ impl RankAttach {
             reason: e.to_string(),
         };
         let views = if s.tier_views { s.batch_size } else { 0 };
-        let seg = Segment::create_with_views(s.slots, ring.len(), views).map_err(no_agent)?;
+        let peer_waits = if s.peer_waits { PEER_WAITS_PER_SLOT } else { 0 };
+        let seg =
+            Segment::create_for(s.slots, ring.len(), views, s.peer_waits).map_err(no_agent)?;
         let side = RankSide::new(seg).map_err(no_agent)?;
         let req = AttachRequest {
             generation: side.generation(),
@@ -255,7 +313,7 @@ impl RankAttach {
             start_epoch: start.epoch,
             start_index: start.index,
             ring_bytes: ring.len(),
-            segment_bytes: segment_bytes_with_views(s.slots, views),
+            segment_bytes: segment_bytes_for(s.slots, views, peer_waits),
             flags: if s.shuffle { FLAG_SHUFFLE } else { 0 }
                 | if s.drop_last { FLAG_DROP_LAST } else { 0 }
                 | if s.verify_crc32c {
@@ -263,7 +321,8 @@ impl RankAttach {
                 } else {
                     0
                 }
-                | if s.tier_views { FLAG_TIER_VIEWS } else { 0 },
+                | if s.tier_views { FLAG_TIER_VIEWS } else { 0 }
+                | if s.peer_waits { FLAG_PEER_WAITS } else { 0 },
             end_epoch: s.end_epoch,
             job,
             local: s.local,
@@ -272,6 +331,16 @@ impl RankAttach {
         };
         let (conn, reply, tier_fd) = attach(&s.socket, &req, ring, side.segment(), ATTACH_TIMEOUT)
             .map_err(|e| match e {
+                // An agent from before peer waits refuses flag 16 (with
+                // any other it does not know): attached again without it.
+                Error::AttachRefused { ref reason, .. }
+                    if s.peer_waits && unknown_flags(reason) & FLAG_PEER_WAITS != 0 =>
+                {
+                    Error::NoAgent {
+                        socket: s.socket.clone(),
+                        reason: format!("{PEER_WAITS_UNKNOWN}: {e}"),
+                    }
+                }
                 // An agent from before a flag refuses the bit: say which.
                 Error::AttachRefused { ref reason, .. } if reason.contains("unknown flags") => {
                     let what = if reason.contains("unknown flags 0x4") {
@@ -378,6 +447,26 @@ impl RankAttach {
     /// View word `i` of the batch taken last (0: in the ring).
     pub(crate) fn view(&self, i: usize) -> u64 {
         self.side.taken_view(i)
+    }
+
+    /// The batch taken last's peer waits: (node, µs), (0, 0) for an empty
+    /// entry (all empty without a peer-wait table); a word naming no node
+    /// is [`Error::AttachProtocol`].
+    pub(crate) fn peer_waits(&self) -> Result<[(u32, u32); BATCH_PEERS]> {
+        let mut out = [(0, 0); BATCH_PEERS];
+        for (i, e) in out.iter_mut().enumerate() {
+            let word = self.side.taken_peer_wait(i);
+            match decode_peer_wait(word) {
+                Ok(Some(w)) => *e = w,
+                Ok(None) => {}
+                Err(what) => {
+                    return Err(Error::AttachProtocol {
+                        what: format!("the agent's {what}"),
+                    })
+                }
+            }
+        }
+        Ok(out)
     }
 
     /// The next batch: its descriptor once the agent published it (no

@@ -1416,6 +1416,9 @@ impl LoaderBuilder {
             drop_last: self.drop_last,
             verify_crc32c: self.verify_crc32c,
             tier_views: attach_views,
+            // The nodes the agent waited for, with each batch (falls back
+            // to none with an agent from before).
+            peer_waits: true,
             numa_node: attach_numa_node,
             slots: super::attached::slots_for(geo.table_len(), batch_size),
             end_epoch: self.end_epoch,

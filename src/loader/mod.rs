@@ -682,10 +682,20 @@ impl Loader {
                         Ok((d, waited)) => {
                             desc = Some(d);
                             if !waited.is_zero() {
+                                let peers = match a.peer_waits() {
+                                    Ok(p) => p,
+                                    Err(e) => {
+                                        self.peeked = Some(p);
+                                        return Err(self.fail(e));
+                                    }
+                                };
                                 self.counters.stall += waited;
                                 self.counters.stall_waits += 1;
-                                self.stall_ledger
-                                    .charge_agent(waited, d.reads.waits.to_array());
+                                self.stall_ledger.charge_agent(
+                                    waited,
+                                    d.reads.waits.to_array(),
+                                    peers,
+                                );
                             }
                         }
                         Err(e) => {
@@ -1543,6 +1553,20 @@ impl Loader {
     /// it publishes.
     pub(crate) fn waits_by_cause(&self) -> [Duration; 5] {
         self.stall_ledger.by_cause()
+    }
+
+    /// The nodes this loader waited for longest since the last call,
+    /// longest first, as peer-wait words ([`crate::agent::segment::peer_wait_word`];
+    /// 0: an empty entry): what the node agent's feeder sends with each
+    /// batch.
+    pub(crate) fn take_peer_wait_words(&mut self) -> [u64; stall_causes::BATCH_PEERS] {
+        self.stall_ledger.take_batch_peers().map(|(node, d)| {
+            if d.is_zero() || node > crate::agent::segment::MAX_PEER_WAIT_NODE {
+                0
+            } else {
+                crate::agent::segment::peer_wait_word(node, d.as_micros() as u64)
+            }
+        })
     }
 
     /// Where the pollers run: the local rank, the slice of cores planned

@@ -127,7 +127,28 @@ pub(super) struct StallLedger {
     /// A loader inside the node agent: the agent's totals over every rank
     /// it serves, for its metrics (each wait added there too).
     totals: Option<std::sync::Arc<super::stall_totals::StallTotals>>,
+    /// The nodes waited for since the last [`StallLedger::take_batch_peers`]
+    /// (a loader inside the node agent sends them with each batch): at
+    /// most [`BATCH_PEERS`] (node, time), a new node replacing the one
+    /// waited for least when it waited longer.
+    batch_peers: [(u32, Duration); BATCH_PEERS],
 }
+
+/// Node `node`'s entry of `per_node`, the table grown to hold it.
+fn node_entry(per_node: &mut Vec<PeerStall>, node: usize) -> &mut PeerStall {
+    if node >= per_node.len() {
+        let n = per_node.len();
+        per_node.extend((n..=node).map(|k| PeerStall {
+            node: k as u32,
+            ..PeerStall::default()
+        }));
+    }
+    &mut per_node[node]
+}
+
+/// How many nodes a batch's peer waits name (the segment's
+/// `PEER_WAITS_PER_SLOT`).
+pub(crate) const BATCH_PEERS: usize = 4;
 
 impl StallLedger {
     /// Charges a wait of `waited` for a sample that came `via`, a peer's
@@ -150,14 +171,7 @@ impl StallLedger {
             }
             v if v >= VIA_PEER => {
                 let node = (v - VIA_PEER) as usize;
-                if node >= self.per_node.len() {
-                    let n = self.per_node.len();
-                    self.per_node.extend((n..=node).map(|k| PeerStall {
-                        node: k as u32,
-                        ..PeerStall::default()
-                    }));
-                }
-                let e = &mut self.per_node[node];
+                let e = node_entry(&mut self.per_node, node);
                 e.stall += waited;
                 e.waits += 1;
                 if via & VIA_FAILOVER != 0 {
@@ -179,6 +193,37 @@ impl StallLedger {
         if let Some(t) = &self.totals {
             t.add(cause, node, waited);
         }
+        if let Some(n) = node {
+            self.note_batch_peer(n as u32, waited);
+        }
+    }
+
+    /// Adds `waited` for node `node` to the batch's peer waits: O(4).
+    fn note_batch_peer(&mut self, node: u32, waited: Duration) {
+        let w = &mut self.batch_peers;
+        if let Some(e) = w.iter_mut().find(|e| e.0 == node && !e.1.is_zero()) {
+            e.1 += waited;
+            return;
+        }
+        // An empty entry, else the least waited for if this wait is longer
+        // (what it held stays in the causes, unnamed by node).
+        let (i, least) = w
+            .iter()
+            .enumerate()
+            .min_by_key(|(_, e)| e.1)
+            .map(|(i, e)| (i, e.1))
+            .expect("BATCH_PEERS > 0");
+        if least < waited {
+            w[i] = (node, waited);
+        }
+    }
+
+    /// The nodes waited for since the last call, longest first (time 0:
+    /// empty), and starts over.
+    pub(super) fn take_batch_peers(&mut self) -> [(u32, Duration); BATCH_PEERS] {
+        let mut w = std::mem::take(&mut self.batch_peers);
+        w.sort_by_key(|e| std::cmp::Reverse(e.1));
+        w
     }
 
     /// Adds every later wait to `totals` too (the node agent's metrics).
@@ -197,7 +242,18 @@ impl StallLedger {
     /// batch slot): each cause its share, scaled down when the agent
     /// waited longer than the rank did; what the agent did not wait for
     /// (it was slow to publish, or busy) is the agent's.
-    pub(super) fn charge_agent(&mut self, waited: Duration, agent: [u32; 5]) {
+    ///
+    /// `peers`: the nodes the agent's loader waited for longest while it
+    /// made the batch, (node, µs) with 0 µs for an empty entry (layout
+    /// version 7; all empty before): the share charged to `peers` and
+    /// `failover` is split over them in proportion, into the slowest peers
+    /// (what the agent's waits name no node for stays unsplit).
+    pub(super) fn charge_agent(
+        &mut self,
+        waited: Duration,
+        agent: [u32; 5],
+        peers: [(u32, u32); BATCH_PEERS],
+    ) {
         let total_us: u64 = agent.iter().map(|&w| u64::from(w)).sum();
         let waited_us = waited.as_micros().min(u128::from(u64::MAX)) as u64;
         let c = &mut self.causes;
@@ -215,14 +271,34 @@ impl StallLedger {
             &mut c.peers,
             &mut c.failover,
         ];
-        for (cause, &w) in causes.into_iter().zip(&agent) {
-            let share = Duration::from_micros(
+        let mut shares = [Duration::ZERO; 5];
+        for ((cause, &w), share) in causes.into_iter().zip(&agent).zip(&mut shares) {
+            *share = Duration::from_micros(
                 (u128::from(w) * u128::from(charged_us) / u128::from(total_us)) as u64,
             );
-            *cause += share;
-            given += share;
+            *cause += *share;
+            given += *share;
         }
         c.agent += waited.saturating_sub(given);
+        // The peers' and failovers' share, by node: each named node its
+        // part of what the agent waited for the two together.
+        let by_node = shares[3] + shares[4];
+        let agent_us = u64::from(agent[3]) + u64::from(agent[4]);
+        if by_node.is_zero() || agent_us == 0 {
+            return;
+        }
+        for &(node, us) in peers.iter().filter(|e| e.1 > 0) {
+            let part = by_node.mul_f64((u64::from(us).min(agent_us)) as f64 / agent_us as f64);
+            let e = self.node_entry(node as usize);
+            e.stall += part;
+            e.waits += 1;
+        }
+    }
+
+    /// Node `node`'s entry, the table grown to hold it (bounded by the
+    /// cluster's node count, or by the segment's largest node index).
+    fn node_entry(&mut self, node: usize) -> &mut PeerStall {
+        node_entry(&mut self.per_node, node)
     }
 
     /// The waits charged so far to disk, tier, source, peers and failover
@@ -269,6 +345,7 @@ mod tests {
     use crate::loader::shared::via_peer;
 
     const MS: Duration = Duration::from_millis(1);
+    const NO_PEERS: [(u32, u32); BATCH_PEERS] = [(0, 0); BATCH_PEERS];
 
     #[test]
     fn every_wait_lands_in_one_cause_and_the_slowest_peers_are_sorted() {
@@ -279,7 +356,7 @@ mod tests {
         for (node, ms) in [(7u32, 2u32), (2, 9), (7, 4), (11, 1), (3, 6), (5, 5)] {
             l.charge(via_peer(node, node == 3), SPLIT_NONE, ms * MS);
         }
-        l.charge_agent(2 * MS, [0; 5]);
+        l.charge_agent(2 * MS, [0; 5], NO_PEERS);
         let c = l.causes();
         assert_eq!(
             (c.disk, c.tier, c.source, c.agent),
@@ -316,20 +393,20 @@ mod tests {
     fn an_attached_wait_is_charged_to_what_the_agent_waited_for() {
         let mut l = StallLedger::default();
         // The agent waited 6 ms on peers and 2 on disk; the rank 10 ms.
-        l.charge_agent(10 * MS, [2_000, 0, 0, 6_000, 0]);
+        l.charge_agent(10 * MS, [2_000, 0, 0, 6_000, 0], NO_PEERS);
         let c = l.causes();
         assert_eq!((c.disk, c.peers, c.agent), (2 * MS, 6 * MS, 2 * MS));
         // The agent waited longer than the rank (it was ahead): the rank's
         // 4 ms split in the same proportions, none to the agent.
         let mut l = StallLedger::default();
-        l.charge_agent(4 * MS, [0, 0, 3_000, 0, 9_000]);
+        l.charge_agent(4 * MS, [0, 0, 3_000, 0, 9_000], NO_PEERS);
         let c = l.causes();
         assert_eq!(
             (c.source, c.failover, c.agent),
             (MS, 3 * MS, Duration::ZERO)
         );
         // Nothing waited for inside the agent: all the agent's.
-        l.charge_agent(5 * MS, [0; 5]);
+        l.charge_agent(5 * MS, [0; 5], NO_PEERS);
         assert_eq!(l.causes().agent, 5 * MS);
         assert_eq!(l.by_cause()[4], 3 * MS);
     }
@@ -367,6 +444,53 @@ mod tests {
         );
         assert_eq!(phase_split(Duration::ZERO, 1, 1), SPLIT_NONE);
         assert_ne!(phase_split(MS, 1000, 1000), SPLIT_NONE);
+    }
+
+    /// The nodes a batch's waits name: the 4 waited for longest, longest
+    /// first; the rank splits its peers' share over them.
+    #[test]
+    fn a_batch_names_the_nodes_waited_for_longest_and_the_rank_splits_by_them() {
+        let mut a = StallLedger::default();
+        for (node, ms) in [
+            (5u32, 1u32),
+            (2, 9),
+            (7, 3),
+            (5, 2),
+            (9, 4),
+            (11, 1),
+            (4, 8),
+        ] {
+            a.charge(via_peer(node, node == 9), SPLIT_NONE, ms * MS);
+        }
+        a.charge(VIA_DISK, SPLIT_NONE, 50 * MS);
+        let w = a.take_batch_peers();
+        // Full at 5, 2, 7, 9: 11 (1 ms) waited less than any, so stays out;
+        // 4 (8 ms) replaces the first of the least (5 and 7, 3 ms each).
+        assert_eq!(w, [(2, 9 * MS), (4, 8 * MS), (9, 4 * MS), (7, 3 * MS)]);
+        assert_eq!(
+            a.take_batch_peers(),
+            [(0, Duration::ZERO); BATCH_PEERS],
+            "taken"
+        );
+
+        // The rank waited 12 ms; the agent 24 ms on peers and failovers
+        // together and 0 elsewhere: the rank's 12 ms split 9:8:4:3 over
+        // those nodes (the agent's 3 ms for 7 and 11 unnamed).
+        let mut r = StallLedger::default();
+        let peers = [(2, 9_000), (4, 8_000), (9, 4_000), (5, 3_000)];
+        r.charge_agent(12 * MS, [0, 0, 0, 20_000, 4_000], peers);
+        let c = r.causes();
+        assert_eq!(
+            (c.peers, c.failover, c.agent),
+            (10 * MS, 2 * MS, Duration::ZERO)
+        );
+        let top: Vec<(u32, u64)> = c
+            .slowest_peers
+            .iter()
+            .map(|p| (p.node, p.stall.as_micros() as u64))
+            .collect();
+        assert_eq!(top, [(2, 4_500), (4, 4_000), (9, 2_000), (5, 1_500)]);
+        assert!(c.slowest_peers.iter().all(|p| p.waits == 1));
     }
 
     #[test]

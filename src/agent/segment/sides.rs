@@ -304,6 +304,18 @@ impl AgentSide {
         }
     }
 
+    /// Writes the peer-wait words of the batch about to be published
+    /// ([`super::peer_wait_word`], 0 for an empty entry; a shorter `words`
+    /// leaves the rest 0). Does nothing where the segment has no
+    /// peer-wait table. Call before [`AgentSide::publish`], with room for
+    /// the batch.
+    pub fn set_peer_waits(&self, words: &[u64]) {
+        let row = self.seg.peer_waits(self.published);
+        for (i, w) in row.iter().enumerate() {
+            w.store(words.get(i).copied().unwrap_or(0), Ordering::Relaxed);
+        }
+    }
+
     /// Publishes the next batch: its descriptor (Relaxed), then its ready
     /// word (Release: the ring bytes and the descriptor are visible to a
     /// rank that Acquires the word), then wakes the rank if it sleeps.
@@ -427,6 +439,13 @@ impl RankSide {
     /// rewrites a slot's row only for a batch published into it after.
     pub fn taken_view(&self, i: usize) -> u64 {
         let row = self.seg.views(self.taken.wrapping_sub(1));
+        row.get(i).map_or(0, |w| w.load(Ordering::Relaxed))
+    }
+
+    /// Peer-wait word `i` of the batch taken last (0 where the segment
+    /// has no peer-wait table), stable as [`RankSide::taken_view`]'s.
+    pub fn taken_peer_wait(&self, i: usize) -> u64 {
+        let row = self.seg.peer_waits(self.taken.wrapping_sub(1));
         row.get(i).map_or(0, |w| w.load(Ordering::Relaxed))
     }
 

@@ -4,6 +4,11 @@
 //! small HTTP/1.1 server on one thread (`--metrics ADDR`, `GET /metrics`;
 //! bounded connections, each with a deadline: see [`serve_http`]); the same
 //! numbers go to the log on SIGUSR1 and at exit.
+//!
+//! Why this file is over ~800 lines: the series and the small server that
+//! answers for them are one idea, what a scrape sees and how it is served
+//! within its bounds (tests/cluster.rs drives both through real
+//! processes); split, each half would need the other's internals.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
