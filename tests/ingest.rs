@@ -1064,7 +1064,9 @@ fn members_make_multi_member_samples() {
     ]);
     assert!(o.status.success(), "{}", text(&o));
     assert!(
-        text(&o).contains("6 tar member(s) are not part of any sample (.txt: 6)"),
+        text(&o).contains(
+            "6 tar member(s) are not part of any sample (.txt: 6): a sample is its key's .jpg, .json members (--members)"
+        ),
         "{}",
         text(&o)
     );

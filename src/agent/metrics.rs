@@ -69,7 +69,7 @@ impl Collector for AgentMetrics {
         let c = ConstCounter::new(ended);
         c.encode(e.encode_descriptor(
             "kspeed_agent_ranks_ended",
-            "ranks served and gone (detached, exited or killed)",
+            "ranks served and gone (detached, exited, killed, or failed by the agent)",
             None,
             c.metric_type(),
         )?)?;

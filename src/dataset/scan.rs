@@ -64,6 +64,9 @@ pub struct ScanNotes {
     /// Tar members that belong to a sample's key but are not its data member
     /// (captions, metadata, ...), counted by extension.
     pub dropped_members: std::collections::BTreeMap<String, u64>,
+    /// The members that make a sample (`--members`), if they were given:
+    /// what the dropped ones' note says a sample is.
+    pub sample_members: Vec<String>,
 }
 
 impl ScanNotes {
@@ -81,8 +84,20 @@ impl ScanNotes {
                 .iter()
                 .map(|(e, n)| format!(".{e}: {n}"))
                 .collect();
+            let rule = if self.sample_members.is_empty() {
+                "the first member of its key that is not .cls".to_string()
+            } else {
+                format!(
+                    "its key's {} members (--members)",
+                    self.sample_members
+                        .iter()
+                        .map(|m| format!(".{m}"))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )
+            };
             v.push(format!(
-                "{} tar member(s) are not part of any sample ({}): a sample is the first member of its key that is not .cls",
+                "{} tar member(s) are not part of any sample ({}): a sample is {rule}",
                 self.dropped_member_count(),
                 by_ext.join(", ")
             ));

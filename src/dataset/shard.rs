@@ -306,6 +306,9 @@ fn flush(out: &mut Out<'_>, g: Option<Group>) -> Result<()> {
         let ext = String::from_utf8_lossy(ext).into_owned();
         *notes.dropped_members.entry(ext).or_insert(0) += 1;
     };
+    if !out.members.is_empty() && out.notes.sample_members.is_empty() {
+        out.notes.sample_members = out.members.to_vec();
+    }
     if out.members.is_empty() {
         // One member per sample: the first; the rest are counted.
         let (_, offset, len, name, crc) = &g.members[0];

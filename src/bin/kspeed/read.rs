@@ -60,8 +60,9 @@ pub(crate) struct ReadArgs {
     #[arg(long)]
     drop_last: bool,
     /// Landing ring size, or auto: six batches of the mean sample, 4 to
-    /// 256 MiB (64 MiB up for a mixture, 256 MiB with --cluster), at least
-    /// what a batch of the largest samples needs.
+    /// 256 MiB (64 MiB up for a mixture, 256 MiB with --cluster), at most
+    /// twice the dataset, at least what a batch of the largest samples
+    /// needs.
     #[arg(long, default_value = "auto", value_parser = crate::opt_or_auto::<u64>("ring_bytes"))]
     ring_bytes: crate::OrAuto<u64>,
     /// Poller threads (default: a quarter of this rank's slice of cores, at
