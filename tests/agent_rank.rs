@@ -312,11 +312,23 @@ fn refuse_unknown(m: &[u8], known: u32) -> Vec<u8> {
     kspeed::agent::msg::encode_refused(version, code, &reason).to_vec()
 }
 
-/// The ATTACHes an old agent read: (version, flags 8 and 16).
+/// The ATTACHes an old agent read: (version, flags 8 and 16), each
+/// checked to announce the segment those flags make (layout 7 with flag
+/// 16, else 6 with flag 8, else 5): a fallback attach sends a fresh one.
 fn versions_and_new_flags(seen: Vec<Vec<u8>>) -> Vec<(u16, u32)> {
+    let u32_at = |m: &[u8], at: usize| u32::from_le_bytes(m[at..at + 4].try_into().unwrap());
     seen.iter()
         .map(|m| {
             let (v, f) = version_and_flags(m);
+            let (batch, slots) = (u32_at(m, 40), u32_at(m, 44));
+            let segment_bytes = u64::from_le_bytes(m[72..80].try_into().unwrap());
+            let views = if f & 8 != 0 { batch } else { 0 };
+            let peer_waits = if f & 16 != 0 { 4 } else { 0 };
+            assert_eq!(
+                segment_bytes,
+                kspeed::agent::segment::segment_bytes_for(slots, views, peer_waits),
+                "flags {f:#x}"
+            );
             (v, f & 24)
         })
         .collect()

@@ -154,7 +154,8 @@ pub struct AttachRequest {
     /// memfd's).
     pub segment_bytes: u64,
     /// Flags: the sampler's (version 2), [`FLAG_SHUFFLE`] and
-    /// [`FLAG_DROP_LAST`], and [`FLAG_VERIFY_CRC32C`].
+    /// [`FLAG_DROP_LAST`], and [`FLAG_VERIFY_CRC32C`], [`FLAG_TIER_VIEWS`],
+    /// [`FLAG_PEER_WAITS`].
     pub flags: u32,
     /// The job's end (version 3): the agent reads nothing of this epoch or
     /// later for the rank (`LoaderBuilder::end_epoch`); `None`: it reads on
@@ -192,8 +193,8 @@ pub const FLAG_VERIFY_CRC32C: u32 = 4;
 /// tier in place, as read-only views of the tier's memory, instead of
 /// copies into its ring (the rank's `tier_views`). Its segment is layout
 /// version 6 with a view table of one word per sample of a batch
-/// (`views_per_slot` = batch_size). An agent that predates the flag
-/// refuses the attach (an unknown bit).
+/// (`views_per_slot` = batch_size), or 7 with [`FLAG_PEER_WAITS`]. An
+/// agent that predates the flag refuses the attach (an unknown bit).
 pub const FLAG_TIER_VIEWS: u32 = 8;
 /// ATTACH flag: the rank's segment is layout version 7, with a peer-wait
 /// table: per batch, the nodes the rank's loader inside the agent waited

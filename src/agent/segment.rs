@@ -65,9 +65,10 @@ pub const SEGMENT_VIEWS_VERSION: u32 = 6;
 /// rank's loader inside the agent waited for longest while it made the
 /// batch ([`peer_wait_word`]).
 pub const PEER_WAITS_PER_SLOT: u32 = 4;
-/// The largest node index a peer-wait word may name (a node list of more
-/// is refused by the rank's loader long before).
-pub const MAX_PEER_WAIT_NODE: u32 = (1 << 20) - 1;
+/// The largest node index a peer-wait word may name: a cluster has at
+/// most 65,536 nodes (`transport::cluster`), so a rank's table of nodes
+/// stays small whatever an agent writes.
+pub const MAX_PEER_WAIT_NODE: u32 = (1 << 16) - 1;
 /// The oldest layout this build still reads (and writes, without views).
 pub const SEGMENT_OLDEST_VERSION: u32 = 5;
 /// Most view words per slot (the largest batch a rank asking for tier

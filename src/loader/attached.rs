@@ -210,6 +210,8 @@ pub(crate) struct RankAttach {
     /// The node tier, mapped read-only, when the agent shared it (tier
     /// views).
     tier: Option<Arc<TierMap>>,
+    /// A peer-wait word naming no node was logged.
+    bad_peer_wait_said: std::cell::Cell<bool>,
 }
 
 impl std::fmt::Debug for RankAttach {
@@ -436,6 +438,7 @@ impl RankAttach {
             released: 0,
             slots: s.slots,
             tier,
+            bad_peer_wait_said: std::cell::Cell::new(false),
         })
     }
 
@@ -450,23 +453,27 @@ impl RankAttach {
     }
 
     /// The batch taken last's peer waits: (node, µs), (0, 0) for an empty
-    /// entry (all empty without a peer-wait table); a word naming no node
-    /// is [`Error::AttachProtocol`].
-    pub(crate) fn peer_waits(&self) -> Result<[(u32, u32); BATCH_PEERS]> {
+    /// entry (all empty without a peer-wait table). They are statistics:
+    /// a row with a word that names no node is taken as empty, with one
+    /// WARN for the attach (its stall is then split by cause only).
+    pub(crate) fn peer_waits(&self) -> [(u32, u32); BATCH_PEERS] {
         let mut out = [(0, 0); BATCH_PEERS];
         for (i, e) in out.iter_mut().enumerate() {
-            let word = self.side.taken_peer_wait(i);
-            match decode_peer_wait(word) {
+            match decode_peer_wait(self.side.taken_peer_wait(i)) {
                 Ok(Some(w)) => *e = w,
                 Ok(None) => {}
                 Err(what) => {
-                    return Err(Error::AttachProtocol {
-                        what: format!("the agent's {what}"),
-                    })
+                    if !self.bad_peer_wait_said.replace(true) {
+                        log::warn!(
+                            "the kspeed agent at {}: {what}; this batch's wait is not split by node",
+                            self.socket.display()
+                        );
+                    }
+                    return [(0, 0); BATCH_PEERS];
                 }
             }
         }
-        Ok(out)
+        out
     }
 
     /// The next batch: its descriptor once the agent published it (no

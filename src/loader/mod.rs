@@ -682,13 +682,7 @@ impl Loader {
                         Ok((d, waited)) => {
                             desc = Some(d);
                             if !waited.is_zero() {
-                                let peers = match a.peer_waits() {
-                                    Ok(p) => p,
-                                    Err(e) => {
-                                        self.peeked = Some(p);
-                                        return Err(self.fail(e));
-                                    }
-                                };
+                                let peers = a.peer_waits();
                                 self.counters.stall += waited;
                                 self.counters.stall_waits += 1;
                                 self.stall_ledger.charge_agent(

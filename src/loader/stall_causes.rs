@@ -55,7 +55,9 @@ pub struct PeerStall {
     /// Time the caller waited for samples this node served, or that
     /// failed over from it.
     pub stall: Duration,
-    /// Waits charged to it (a sample waited for; 0: an empty entry).
+    /// Waits charged to it (0: an empty entry): a sample waited for; for a
+    /// rank attached to the node agent, a batch waited for in which the
+    /// agent named this node.
     pub waits: u64,
     /// Its share of `stall` for samples it served as first holder, split
     /// by where each grant's time went, as [`StallCauses::peer_read`],
@@ -149,6 +151,7 @@ fn node_entry(per_node: &mut Vec<PeerStall>, node: usize) -> &mut PeerStall {
 /// How many nodes a batch's peer waits name (the segment's
 /// `PEER_WAITS_PER_SLOT`).
 pub(crate) const BATCH_PEERS: usize = 4;
+const _: () = assert!(BATCH_PEERS == crate::agent::segment::PEER_WAITS_PER_SLOT as usize);
 
 impl StallLedger {
     /// Charges a wait of `waited` for a sample that came `via`, a peer's
@@ -283,12 +286,15 @@ impl StallLedger {
         // The peers' and failovers' share, by node: each named node its
         // part of what the agent waited for the two together.
         let by_node = shares[3] + shares[4];
-        let agent_us = u64::from(agent[3]) + u64::from(agent[4]);
+        // Over the larger of the two: the parts never sum past the share
+        // (µs rounding, or an agent whose words say more than its waits).
+        let named_us: u64 = peers.iter().map(|e| u64::from(e.1)).sum();
+        let agent_us = (u64::from(agent[3]) + u64::from(agent[4])).max(named_us);
         if by_node.is_zero() || agent_us == 0 {
             return;
         }
         for &(node, us) in peers.iter().filter(|e| e.1 > 0) {
-            let part = by_node.mul_f64((u64::from(us).min(agent_us)) as f64 / agent_us as f64);
+            let part = by_node.mul_f64(u64::from(us) as f64 / agent_us as f64);
             let e = self.node_entry(node as usize);
             e.stall += part;
             e.waits += 1;
