@@ -342,10 +342,19 @@ fn versions_and_new_flags(seen: Vec<Vec<u8>>) -> Vec<(u16, u32)> {
 /// this one refuses as busy; the rank's error is that last refusal.
 #[test]
 fn an_agent_that_predates_tier_views_is_attached_without_them() {
+    let seen = attach_to_an_old_agent(3, |m| refuse_unknown(m, 7));
+    assert_eq!(seen, [(5, 24), (5, 8), (5, 0)]);
+}
+
+/// A rank asking for tier views attaches to an old agent that reads
+/// `conns` attaches and answers each with `answer` (the last: busy); the
+/// ATTACHes it read ([`versions_and_new_flags`]), the rank's error checked
+/// to be that last refusal.
+fn attach_to_an_old_agent(conns: usize, answer: fn(&[u8]) -> Vec<u8>) -> Vec<(u16, u32)> {
     let dir = tempfile::tempdir().unwrap();
     let sp = space(dir.path(), 100);
     let sock = dir.path().join("old-agent.sock");
-    let old = play_old_agent(&sock, 3, |m| refuse_unknown(m, 7));
+    let old = play_old_agent(&sock, conns, answer);
     let built = kspeed::loader::LoaderBuilder::space(&sp)
         .agent(kspeed::loader::AgentMode::Required)
         .agent_socket(Some(sock.clone()))
@@ -353,13 +362,13 @@ fn an_agent_that_predates_tier_views_is_attached_without_them() {
         .batch_size(8)
         .build();
     let seen = versions_and_new_flags(old.join().unwrap());
-    assert_eq!(seen, [(5, 24), (5, 8), (5, 0)]);
     match built {
         Err(kspeed::Error::NoAgent { reason, .. }) => {
             assert!(reason.contains("test agent: busy"), "{reason}")
         }
         r => panic!("{:?}", r.map(|_| ())),
     }
+    seen
 }
 
 /// An agent that knows tier views but not peer waits (ATTACH flag 16,
@@ -367,24 +376,8 @@ fn an_agent_that_predates_tier_views_is_attached_without_them() {
 /// views (the second ATTACH has flag 8 and not 16).
 #[test]
 fn an_agent_that_predates_peer_waits_is_attached_without_them() {
-    let dir = tempfile::tempdir().unwrap();
-    let sp = space(dir.path(), 100);
-    let sock = dir.path().join("old-agent.sock");
-    let old = play_old_agent(&sock, 2, |m| refuse_unknown(m, 15));
-    let built = kspeed::loader::LoaderBuilder::space(&sp)
-        .agent(kspeed::loader::AgentMode::Required)
-        .agent_socket(Some(sock.clone()))
-        .tier_views(true)
-        .batch_size(8)
-        .build();
-    let seen = versions_and_new_flags(old.join().unwrap());
+    let seen = attach_to_an_old_agent(2, |m| refuse_unknown(m, 15));
     assert_eq!(seen, [(5, 24), (5, 8)]);
-    match built {
-        Err(kspeed::Error::NoAgent { reason, .. }) => {
-            assert!(reason.contains("test agent: busy"), "{reason}")
-        }
-        r => panic!("{:?}", r.map(|_| ())),
-    }
 }
 
 /// Runs tests/foreign/attach_rank.py (a rank written from docs/AGENT.md
