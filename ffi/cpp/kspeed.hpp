@@ -320,35 +320,31 @@ public:
     }
 
 private:
-    // Calls `write(buf, len, &n)` for a NUL-terminated string, and again
-    // with n + 1 bytes when that was too small.
+    // A NUL-terminated string from `write(buf, len, &n)` (fetch).
     template <class Write>
     static std::string text(Write write) {
-        std::string out(64, '\0');
+        return fetch<std::string>(write, 64, 1);
+    }
+    // Job position bytes from `write(buf, len, &n)` (fetch; a mixture's
+    // is longer than KSPDJOB1's).
+    template <class Write>
+    static std::vector<uint8_t> sized(Write write) {
+        return fetch<std::vector<uint8_t>>(write, KSP_JOB_POSITION_BYTES, 0);
+    }
+    // Calls `write(buf, len, &n)` with `first` bytes, and again with
+    // n + `nul` when that was too small; the first n bytes.
+    template <class Buf, class Write>
+    static Buf fetch(Write write, size_t first, size_t nul) {
+        Buf out(first, typename Buf::value_type{});
         size_t n = 0;
         ksp_status st = write(out.data(), out.size(), &n);
         if (st == KSP_ERR_BUFFER_TOO_SMALL) {
-            out.assign(n + 1, '\0');
+            out.assign(n + nul, typename Buf::value_type{});
             st = write(out.data(), out.size(), &n);
         }
         check(st);
         out.resize(n);
         return out;
-    }
-    // Calls `write(buf, len, &n)`, and again with n bytes when that was
-    // too small (a mixture's job position is longer than KSPDJOB1's).
-    template <class Write>
-    static std::vector<uint8_t> sized(Write write) {
-        std::vector<uint8_t> pos(KSP_JOB_POSITION_BYTES);
-        size_t n = 0;
-        ksp_status st = write(pos.data(), pos.size(), &n);
-        if (st == KSP_ERR_BUFFER_TOO_SMALL) {
-            pos.resize(n);
-            st = write(pos.data(), pos.size(), &n);
-        }
-        check(st);
-        pos.resize(n);
-        return pos;
     }
     std::shared_ptr<ksp_loader> p_;
 };

@@ -241,50 +241,32 @@ impl RankAttach {
         job: Option<crate::sampler::JobPosition>,
         mix: Option<crate::agent::msg::MixAttach>,
     ) -> Result<Self> {
-        match Self::connect_views(s, ring, start, job, mix.clone()) {
-            Err(Error::NoAgent { reason, .. })
-                if s.peer_waits && reason.starts_with(PEER_WAITS_UNKNOWN) =>
-            {
-                log::info!(
-                    "the kspeed agent at {} predates peer waits: this rank's stall is split by cause, not by node",
-                    s.socket.display()
-                );
-                let plain = AttachSettings {
-                    peer_waits: false,
-                    ..s.clone()
-                };
-                Self::connect_views(&plain, ring, start, job, mix)
+        // Each retry turns one feature off: at most three attaches.
+        let mut s = s.clone();
+        loop {
+            match Self::connect_once(&s, ring, start, job, mix.clone()) {
+                Err(Error::NoAgent { reason, .. })
+                    if s.peer_waits && reason.starts_with(PEER_WAITS_UNKNOWN) =>
+                {
+                    log::info!(
+                        "the kspeed agent at {} predates peer waits: this rank's stall is split by cause, not by node",
+                        s.socket.display()
+                    );
+                    s.peer_waits = false;
+                }
+                Err(Error::NoAgent { reason, .. })
+                    if s.tier_views
+                        && (reason.contains("predates tier views through the agent")
+                            || reason.starts_with(TIER_MAP_FAILED)) =>
+                {
+                    log::warn!(
+                        "the kspeed agent at {}: no tier views ({reason}); taking every sample in the ring",
+                        s.socket.display()
+                    );
+                    s.tier_views = false;
+                }
+                r => return r,
             }
-            r => r,
-        }
-    }
-
-    /// [`RankAttach::connect`] with `s`'s peer waits, retrying without
-    /// tier views where the agent cannot give them.
-    fn connect_views(
-        s: &AttachSettings,
-        ring: &RingMap,
-        start: Position,
-        job: Option<crate::sampler::JobPosition>,
-        mix: Option<crate::agent::msg::MixAttach>,
-    ) -> Result<Self> {
-        match Self::connect_once(s, ring, start, job, mix.clone()) {
-            Err(Error::NoAgent { reason, .. })
-                if s.tier_views
-                    && (reason.contains("predates tier views through the agent")
-                        || reason.starts_with(TIER_MAP_FAILED)) =>
-            {
-                log::warn!(
-                    "the kspeed agent at {}: no tier views ({reason}); taking every sample in the ring",
-                    s.socket.display()
-                );
-                let plain = AttachSettings {
-                    tier_views: false,
-                    ..s.clone()
-                };
-                Self::connect_once(&plain, ring, start, job, mix)
-            }
-            r => r,
         }
     }
 

@@ -295,16 +295,10 @@ impl StallLedger {
         }
         for &(node, us) in peers.iter().filter(|e| e.1 > 0) {
             let part = by_node.mul_f64(u64::from(us) as f64 / agent_us as f64);
-            let e = self.node_entry(node as usize);
+            let e = node_entry(&mut self.per_node, node as usize);
             e.stall += part;
             e.waits += 1;
         }
-    }
-
-    /// Node `node`'s entry, the table grown to hold it (bounded by the
-    /// cluster's node count, or by the segment's largest node index).
-    fn node_entry(&mut self, node: usize) -> &mut PeerStall {
-        node_entry(&mut self.per_node, node)
     }
 
     /// The waits charged so far to disk, tier, source, peers and failover
