@@ -4,6 +4,7 @@
 //! libkspeed.so, over a real ImageFolder space whose class folders include
 //! one that is not UTF-8, and tar shards of three members a sample.
 
+mod agent_support;
 mod common;
 
 use std::ffi::OsStr;
@@ -36,10 +37,17 @@ fn compile_cpp(dir: &Path) -> Option<PathBuf> {
     )
 }
 
-/// Runs each of `bins` with `args` and checks it passed.
+/// Runs each of `bins` with `args` and checks it passed (each within
+/// 60 s).
 fn passes(bins: &[PathBuf], args: &[&OsStr]) {
     for bin in bins {
-        let o = Command::new(bin).args(args).output().unwrap();
+        let child = Command::new(bin)
+            .args(args)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let o = agent_support::wait_output(child, std::time::Duration::from_secs(60));
         assert!(
             o.status.success() && String::from_utf8_lossy(&o.stdout).contains("all checks passed"),
             "{}: {}",

@@ -27,7 +27,8 @@ K = os.environ.get("KSPEED_BIN", "kspeed")
 
 
 def sh(*args):
-    return subprocess.run(args, check=True, capture_output=True, text=True).stdout
+    # Every kspeed command here takes seconds; a hang fails the test.
+    return subprocess.run(args, check=True, capture_output=True, text=True, timeout=300).stdout
 
 
 def digest(b):
