@@ -48,7 +48,7 @@ impl Nodes {
         let pid = std::process::id();
         let (a, b) = (10 + (pid % 200) as u8, tag);
         // Over RDMA all on the same addresses: 16 ports per process
-        // (tags 1-9), so two test processes started together (the VM runs
+        // (tags 1-10), so two test processes started together (the VM runs
         // this binary in two shards at once) never take the same port.
         let port = 20_000 + (pid % 2_000) as u16 * 16;
         let addrs: Vec<String> = (0..nodes)
@@ -598,6 +598,127 @@ fn an_attached_rank_s_wait_for_a_stopped_node_is_charged_to_peers() {
     assert!(
         node2_s >= 0.5 && peers_s >= node2_s * 0.99,
         "node 2 is the node waited for: {text}"
+    );
+}
+
+/// A node that dies is announced: node 2's agent hangs (SIGSTOP: a host
+/// that dies sends nothing) while a rank on node 0 reads from it, so node
+/// 0's agent judges it dead by its own clock (2 s of silence with grants
+/// outstanding) and its node service sends a node-down notice to the
+/// consumers connected to it. Node 1's agent, whose link to node 2 is idle
+/// (no rank attached to it: it hears from node 2 only every 5 s, and would
+/// judge it dead by its own clock only after 15 s of silence), probes node
+/// 2 on the notice and shuts the link when no answer comes; its log names
+/// the notice. Node 0's metrics count the notices sent. The rank reads
+/// every sample (one copy: node 2's are read from the source files).
+#[test]
+fn a_node_judged_dead_is_announced_to_the_other_agents() {
+    let nodes = Nodes::new(1200, 3, 1, 10);
+    let agents: Vec<Agent> = (0..3)
+        .map(|i| match i {
+            0 => nodes.agent_with(0, &["--metrics", "127.0.0.1:0"]),
+            _ => nodes.agent(i),
+        })
+        .collect();
+    let metrics_addr = agents[0]
+        .out
+        .wait_for(&["metrics on http://"], Duration::from_secs(5))
+        .trim()
+        .strip_prefix("metrics on http://")
+        .and_then(|l| l.strip_suffix("/metrics"))
+        .expect("the agent prints its metrics address")
+        .to_string();
+    // Node 1's link to node 2 (and node 0's to node 1) made before node 2
+    // stops: the agents make them at start.
+    for a in &agents {
+        wait_open_links(a, 2);
+    }
+    let want = cluster_report(spawn_read(&nodes.read(0, 0, 1, "off", &[])));
+    let slow = ["--compute-us", "20000"];
+    let rank = spawn_read(&nodes.read(0, 0, 1, "required", &slow));
+    agents[0]
+        .log
+        .wait_for(&["rank 0 ", "attached"], Duration::from_secs(30));
+    let stopped = std::process::Command::new("kill")
+        .args(["-STOP", &agents[2].pid().to_string()])
+        .status()
+        .unwrap();
+    assert!(stopped.success());
+    let judged = agents[0]
+        .log
+        .wait_for(&["node 2 (", "is gone (no "], Duration::from_secs(30));
+    let told = agents[1].log.wait_for(
+        &["node 2 (", "is gone (node 0 reported it down"],
+        Duration::from_secs(30),
+    );
+    eprintln!("node 0: {judged}\nnode 1: {told}");
+    let got = cluster_report(rank);
+    assert_eq!(
+        (got.0, &got.1),
+        (want.0, &want.1),
+        "rank 0: exact after node 2 stopped"
+    );
+    let text = http_get(&metrics_addr);
+    let sent = text
+        .lines()
+        .find(|l| l.starts_with("kspeed_serve_node_notices_sent_total"))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse::<u64>().ok())
+        .unwrap_or_else(|| panic!("no notices counted in:\n{text}"));
+    assert!(sent >= 1, "node 0 sent no notice:\n{text}");
+}
+
+/// A notice is a hint, not a verdict: node 2 hangs long enough for node
+/// 0, which has grants outstanding on it, to judge it dead and tell node
+/// 1, then comes back (SIGCONT) as soon as node 1 has probed it. Node 1's
+/// idle link to node 2 hears the answer and stays up; node 1 never shuts
+/// it. The rank on node 0 reads every sample.
+#[test]
+fn a_node_reported_down_that_answers_keeps_its_links() {
+    let nodes = Nodes::new(1200, 3, 1, 11);
+    let agents: Vec<Agent> = (0..3).map(|i| nodes.agent(i)).collect();
+    for a in &agents {
+        wait_open_links(a, 2);
+    }
+    let want = cluster_report(spawn_read(&nodes.read(0, 0, 1, "off", &[])));
+    let slow = ["--compute-us", "20000"];
+    let rank = spawn_read(&nodes.read(0, 0, 1, "required", &slow));
+    agents[0]
+        .log
+        .wait_for(&["rank 0 ", "attached"], Duration::from_secs(30));
+    let signal = |sig: &str| {
+        let ok = std::process::Command::new("kill")
+            .args([sig, &agents[2].pid().to_string()])
+            .status()
+            .unwrap();
+        assert!(ok.success(), "kill {sig}");
+    };
+    signal("-STOP");
+    agents[1].log.wait_for(
+        &[
+            "node 2 (",
+            "node 0 reported it down",
+            "asking it for a heartbeat",
+        ],
+        Duration::from_secs(30),
+    );
+    signal("-CONT");
+    let kept = agents[1].log.wait_for(
+        &["node 2 (", "answered after node 0's notice; kept"],
+        Duration::from_secs(30),
+    );
+    eprintln!("node 1: {kept}");
+    let got = cluster_report(rank);
+    assert_eq!(
+        (got.0, &got.1),
+        (want.0, &want.1),
+        "rank 0: exact after node 2 came back"
+    );
+    let log = agents[1].log.all();
+    assert!(
+        !log.lines()
+            .any(|l| l.contains("node 2 (") && l.contains("is gone")),
+        "node 1 kept its link to node 2:\n{log}"
     );
 }
 

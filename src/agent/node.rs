@@ -195,6 +195,10 @@ struct OpenSpace {
     /// With metrics (`--listen` and `--metrics`): what every rank's loader
     /// waited for, summed (`super::metrics`).
     stall_totals: Option<Arc<StallTotals>>,
+    /// With a node service (`--listen`): where its consumer side posts the
+    /// nodes it judges dead, for the service to tell the other nodes'
+    /// consumers (docs/PROTOCOL.md, "Node-down notices").
+    node_notices: Option<Arc<crate::transport::notices::NodeNotices>>,
 }
 
 impl OpenSpace {
@@ -340,6 +344,8 @@ fn open_space(cfg: &AgentConfig) -> Result<OpenSpace> {
                     cfg.cluster.as_ref().map_or(0, |c| c.cluster.nodes.len()),
                 ))
             }),
+        // Set by `run` once the node service is up.
+        node_notices: None,
     })
 }
 
@@ -450,7 +456,7 @@ pub fn run(
     on_ready: impl FnOnce(&Path, Option<std::net::SocketAddr>, Option<std::net::SocketAddr>),
 ) -> Result<AgentSummary> {
     crate::sys::raise_open_files_limit();
-    let open = Arc::new(open_space(cfg)?);
+    let mut open = open_space(cfg)?;
     // The node service first: a port that is taken fails the start before
     // the socket invites ranks.
     let owner = cfg
@@ -458,6 +464,8 @@ pub fn run(
         .clone()
         .map(crate::transport::NodeService::start)
         .transpose()?;
+    open.node_notices = owner.as_ref().map(|s| s.notices());
+    let open = Arc::new(open);
     if let Some(svc) = &owner {
         log::info!(
             "agent: node service for the other nodes on {}",
@@ -506,6 +514,7 @@ pub fn run(
                 net_hub_slot: None,
                 mix_parts: open.mix_parts(false),
                 stall_totals: None,
+                node_notices: open.node_notices.clone(),
             };
             Some(KeptLinks::start(c, &cfg.space, input, hub.threads())?)
         }
@@ -925,6 +934,7 @@ fn build_loader(
             net_hub_slot: None,
             mix_parts: open.mix_parts(buffered),
             stall_totals: open.stall_totals.clone(),
+            node_notices: open.node_notices.clone(),
         })
         .batch_size(req.batch_size as usize)
         .seed(req.seed)

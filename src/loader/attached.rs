@@ -111,6 +111,9 @@ pub(crate) struct AgentInput {
     /// The agent's waits over every rank it serves (its metrics): the
     /// loader adds each of its waits there too.
     pub(crate) stall_totals: Option<Arc<super::stall_totals::StallTotals>>,
+    /// The agent's node-down notices (with a node service): its network
+    /// threads post there the nodes they judge dead.
+    pub(crate) node_notices: Option<Arc<crate::transport::notices::NodeNotices>>,
 }
 
 impl std::fmt::Debug for AgentInput {

@@ -1278,6 +1278,10 @@ impl LoaderBuilder {
                     local_node: self.local_node.unwrap_or(space_node),
                     rdma: self.rdma.clone(),
                     partial,
+                    notices: self
+                        .agent_input
+                        .as_ref()
+                        .and_then(|a| a.node_notices.clone()),
                 })
             }
         };

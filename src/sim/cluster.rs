@@ -352,6 +352,7 @@ pub(crate) fn cluster(seed: u64) {
             local_node: None,
             rdma: None,
             partial: None,
+            notices: None,
         };
         let conns = sim_connections(&fds, placement, max_grants, chunk, net.now());
         let depth = (nnodes * 2 + 8).next_power_of_two();

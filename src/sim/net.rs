@@ -18,7 +18,10 @@
 //! held-back completions come from [`MemNetFaults`].
 //! Some nodes break the protocol (DATA at the wrong offset, for a grant
 //! they do not have, or longer than the grant): they must be dropped
-//! before a byte lands. Some seeds poison the errors lock.
+//! before a byte lands. Some send node-down notices about seeded nodes
+//! (another, themselves, one outside the list; alive, stalled or gone),
+//! and every node answers a probe: a node never hurt keeps its connection
+//! through them. Some seeds poison the errors lock.
 //!
 //! A third of the seeds run a node agent's shared thread
 //! (`loader/net/hub.rs`): 2–3 lanes, each a rank's ring with its own
@@ -121,9 +124,10 @@ fn data() -> &'static Data {
 
 /// What all seeds of this process did (printed by the test, so a run
 /// shows the faults were reached): steps, samples delivered, samples
-/// failed, failovers, source reads.
-static TOTALS: [std::sync::atomic::AtomicU64; 5] =
-    [const { std::sync::atomic::AtomicU64::new(0) }; 5];
+/// failed, failovers, source reads, node-down notices sent by the nodes,
+/// nodes shut on a notice.
+static TOTALS: [std::sync::atomic::AtomicU64; 7] =
+    [const { std::sync::atomic::AtomicU64::new(0) }; 7];
 
 const UD_RECV: u64 = 1;
 const UD_SEND: u64 = 2;
@@ -161,6 +165,13 @@ struct Node {
     /// Shutting down gracefully: 1, a connection ERROR (`ShuttingDown`)
     /// goes after the frame being sent; 2, it went: the node closes.
     closing: u8,
+    /// The consumer asked for node-down notices; this node sends one (about
+    /// a seeded node: another, itself, or one outside the list, alive or
+    /// not) with this chance per frame, per million.
+    notices: bool,
+    notice_ppm: u64,
+    /// The consumer probed it: a heartbeat goes at its next idle frame.
+    probed: bool,
     completions: [Completion; 8],
 }
 
@@ -255,8 +266,10 @@ impl Node {
         let (seed, i) = (w.seed, self.index);
         match self.rx.received(res, 0) {
             Ok(Received::Header(h)) if h.is_keepalive() => {
-                if h.c & 1 != 0 {
+                if h.c & proto::ASK_HEARTBEATS != 0 {
                     self.asked = true;
+                    self.notices |= h.c & proto::ASK_NODE_NOTICES != 0;
+                    self.probed |= h.c & proto::PROBE != 0;
                 }
             }
             Ok(Received::Header(h)) if h.kind == Kind::Grant => self.rx.expect_body(h),
@@ -296,8 +309,18 @@ impl Node {
     /// The next frame: DATA (or a seeded ERROR or corruption) for the
     /// oldest grant, else a heartbeat when one is due.
     fn next_frame(&mut self, now: Instant, w: &mut World, rng: &mut Rng) {
+        if self.notices && rng.ppm(self.notice_ppm) {
+            let about = rng.below(w.placement.nodes as u64 + 2) as u32;
+            let silent_ms = rng.below(20_000) as u32;
+            self.out
+                .extend_from_slice(&Header::node_down(about, silent_ms).encode());
+            TOTALS[5].fetch_add(1, Ordering::Relaxed);
+            return;
+        }
         let Some(e) = self.queue.pop_front() else {
-            if self.asked && now.saturating_duration_since(self.last_sent) >= HEARTBEAT_EVERY {
+            let due = now.saturating_duration_since(self.last_sent) >= HEARTBEAT_EVERY;
+            if self.asked && (due || self.probed) {
+                self.probed = false;
                 self.out
                     .extend_from_slice(&Header::heartbeat(IDLE_TIMEOUT).encode());
             }
@@ -504,6 +527,13 @@ fn run(seed: u64, shape: Shape) -> (u64, u64) {
             },
             rogue: false,
             closing: 0,
+            notices: false,
+            notice_ppm: if faults_on && rng.below(4) == 0 {
+                rng.below(20_000)
+            } else {
+                0
+            },
+            probed: false,
             completions: [Completion::default(); 8],
         });
     }
@@ -528,6 +558,7 @@ fn run(seed: u64, shape: Shape) -> (u64, u64) {
         local_node: None,
         rdma: None,
         partial: None,
+        notices: None,
     };
     let conns = sim_connections(&fds, placement, max_grants, 1 << 20, now);
     // Faults on the thread's own reads (the source fallback): short reads
@@ -771,6 +802,9 @@ fn run(seed: u64, shape: Shape) -> (u64, u64) {
     }
     for (n, fd) in scripted.iter().zip(&fds) {
         let dropped = thread.sim_dropped(n.index as usize);
+        if dropped.is_some_and(|d| d.contains("reported it down")) {
+            TOTALS[6].fetch_add(1, Ordering::Relaxed);
+        }
         assert!(
             !n.rogue || dropped.is_some(),
             "seed {seed}: node {} broke the protocol and is still connected",
@@ -904,8 +938,8 @@ mod tests {
         );
         let t: Vec<u64> = TOTALS.iter().map(|t| t.load(Ordering::Relaxed)).collect();
         eprintln!(
-            "sim_network_thread: {} steps, {} samples delivered, {} failed (named), {} failovers, {} read from the source",
-            t[0], t[1], t[2], t[3], t[4]
+            "sim_network_thread: {} steps, {} samples delivered, {} failed (named), {} failovers, {} read from the source, {} node-down notices ({} nodes shut on one)",
+            t[0], t[1], t[2], t[3], t[4], t[5], t[6]
         );
         assert!(ran > 0);
     }

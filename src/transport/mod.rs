@@ -20,6 +20,7 @@ pub mod proto;
 // or api/kspeed.txt); public only because tests/rdma.rs drives the verbs
 // in the soft-RoCE VM and `kspeed inspect` lists devices. Moving those
 // tests into unit tests would let this become pub(crate).
+pub(crate) mod notices;
 #[cfg(feature = "rdma")]
 #[doc(hidden)]
 pub mod rdma;

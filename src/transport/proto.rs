@@ -109,6 +109,35 @@ pub(crate) const ASK_HEARTBEATS: u64 = 1;
 /// before its grant, and gets heartbeats every [`HEARTBEAT_INTERVAL`].
 pub(crate) const SLOW_IDLE_HEARTBEATS: u64 = 2;
 
+/// Header `c` of a consumer's keepalive, bit 2 (with bit 0): send me
+/// node-down notices ([`Code::NodeDown`]). An owner that does not know it
+/// sends none; a consumer that does not set it (one from before, which
+/// would take an unknown connection ERROR for the end of the connection)
+/// gets none.
+pub(crate) const ASK_NODE_NOTICES: u64 = 4;
+
+/// Header `c` of a consumer's keepalive, bit 3 (with bit 0): answer with a
+/// heartbeat at your next pass, idle or not. Sent after a node-down notice
+/// about this owner, when the consumer's own silence clock says nothing
+/// (an idle connection is beaten only every [`IDLE_HEARTBEAT_INTERVAL`]).
+/// An owner that does not know it beats as before, so a consumer takes
+/// its silence for the notice's confirmation only after
+/// [`PROBE_SILENCE`].
+pub(crate) const PROBE: u64 = 8;
+
+/// How long a consumer that probed an owner after a node-down notice waits
+/// for any frame from it before it takes the notice as confirmed: an
+/// owner answers a probe at its next pass (within 125 ms), so a live one
+/// is heard well within it even on a loaded machine.
+pub(crate) const PROBE_SILENCE: std::time::Duration = std::time::Duration::from_millis(1500);
+
+/// A node-down notice about an owner the consumer has grants outstanding
+/// on (or one that beats every [`HEARTBEAT_INTERVAL`] idle or not) is
+/// confirmed at once by the consumer's own silence clock when the owner
+/// was silent this long: a live owner busy with the consumer is heard at
+/// least every 375 ms.
+pub(crate) const NOTICE_SILENCE: std::time::Duration = std::time::Duration::from_millis(750);
+
 /// An owner sends a heartbeat (the keepalive frame: an empty ERROR for the
 /// connection, code 0) to a consumer that asked for them when it sent that
 /// consumer nothing for this long, so a consumer can tell a dead owner
@@ -201,6 +230,13 @@ pub enum Code {
     /// room for another handshake from it. Retry after a back-off; a
     /// correct token is never refused for its address once read.
     RateLimited = 12,
+    /// Owner → consumer, about another node: the owner's own consumer
+    /// side judged that node dead (a node-down notice, sent only to a
+    /// consumer that asked with bit 2 of its keepalive's `c`; `c` holds
+    /// the node's index in bits 0..31 and its silence in ms in bits
+    /// 32..63; docs/PROTOCOL.md, "Node-down notices"). Not an end of the
+    /// connection it comes on.
+    NodeDown = 13,
     /// A code this build does not know.
     Unknown = 0,
 }
@@ -221,6 +257,7 @@ impl Code {
             10 => Code::NodeFull,
             11 => Code::Busy,
             12 => Code::RateLimited,
+            13 => Code::NodeDown,
             _ => Code::Unknown,
         }
     }
@@ -240,6 +277,7 @@ impl Code {
             Code::NodeFull => "node full",
             Code::Busy => "node busy",
             Code::RateLimited => "rate-limited",
+            Code::NodeDown => "node down",
             Code::Unknown => "unknown error",
         }
     }
@@ -435,11 +473,43 @@ impl Header {
             a: CONNECTION,
             b: Code::Unknown as u32,
             c: if ask_heartbeats {
-                ASK_HEARTBEATS | SLOW_IDLE_HEARTBEATS
+                ASK_HEARTBEATS | SLOW_IDLE_HEARTBEATS | ASK_NODE_NOTICES
             } else {
                 0
             },
         }
+    }
+
+    /// A consumer's probe: an asking keepalive with [`PROBE`] set.
+    pub(crate) fn probe() -> Header {
+        let k = Header::keepalive(true);
+        Header {
+            c: k.c | PROBE,
+            ..k
+        }
+    }
+
+    /// An owner's node-down notice: an empty ERROR for the connection with
+    /// code [`Code::NodeDown`]; `c` holds the dead node's index (bits
+    /// 0..31) and how long the owner's consumer side had heard nothing
+    /// from it, in milliseconds (bits 32..63).
+    pub(crate) fn node_down(node: u32, silent_ms: u32) -> Header {
+        Header {
+            kind: Kind::Error,
+            body_len: 0,
+            a: CONNECTION,
+            b: Code::NodeDown as u32,
+            c: (silent_ms as u64) << 32 | node as u64,
+        }
+    }
+
+    /// The node and silence (ms) of a node-down notice, if this is one.
+    pub(crate) fn node_down_notice(&self) -> Option<(u32, u32)> {
+        (self.kind == Kind::Error
+            && self.a == CONNECTION
+            && self.b == Code::NodeDown as u32
+            && self.body_len == 0)
+            .then_some((self.c as u32, (self.c >> 32) as u32))
     }
 
     /// An owner's heartbeat: a keepalive whose `c` carries the owner's idle

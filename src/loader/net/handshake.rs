@@ -690,6 +690,7 @@ mod tests {
             local_node: None,
             rdma: None,
             partial: None,
+            notices: None,
         }
     }
 

@@ -92,6 +92,7 @@ mod grants;
 pub(crate) mod handshake;
 mod hub;
 pub(crate) mod lanes;
+mod notice;
 #[cfg(feature = "rdma")]
 pub(crate) mod rdma;
 #[cfg(feature = "rdma")]
@@ -234,6 +235,10 @@ pub(crate) struct NetSetup {
     /// that holds it and one no node holds is read from the source by this
     /// node's pollers.
     pub(crate) partial: Option<Arc<crate::dataset::PartialHolders>>,
+    /// In an agent with a node service: where a node judged dead by this
+    /// thread's own clocks is posted, for the service to tell the other
+    /// nodes' consumers (`notice.rs`).
+    pub(crate) notices: Option<Arc<crate::transport::notices::NodeNotices>>,
 }
 
 /// What the consumer thread and the network thread share.
@@ -897,6 +902,13 @@ struct Beats {
     /// The node's heartbeats say its idle timeout: it beats this
     /// connection only every 5 s while it has nothing of ours.
     slow: bool,
+    /// Another node reported this one down and this thread's own clocks
+    /// did not confirm it at once: when (a probe asks the node for a
+    /// heartbeat; nothing from it within [`proto::PROBE_SILENCE`] confirms
+    /// the notice), with the reporter and its silence (`notice.rs`).
+    probed: Option<(Instant, u32, u32)>,
+    /// The probe is still to be sent (`socket.rs`, `flush_one`).
+    probe_due: bool,
 }
 
 impl Beats {
@@ -907,6 +919,8 @@ impl Beats {
             last_heard: now,
             keepalive: KEEPALIVE,
             slow: false,
+            probed: None,
+            probe_due: false,
         }
     }
 
@@ -945,7 +959,7 @@ impl Beats {
 /// a keepalive interval under `short`): the sweep's busy list, looked at
 /// every 100 ms (`sweep.rs`).
 fn needs_busy<R>(c: &Conn<R>, b: &Beats, short: Duration) -> bool {
-    c.state != State::Live || c.outstanding > 0 || b.keepalive < short
+    c.state != State::Live || c.outstanding > 0 || b.keepalive < short || b.probed.is_some()
 }
 
 /// Address of ring offset `phys`.
@@ -1281,10 +1295,10 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             }
         }
         for &i in looks {
-            let c = &self.conns[i];
-            if c.state != State::Live {
+            if self.conns[i].state != State::Live || self.probe_unanswered(i, now) {
                 continue;
             }
+            let c = &self.conns[i];
             let b = &self.beats[i];
             // The short silence rule holds only while grants wait on the
             // node: an idle node paused for a few seconds (cgroup
@@ -1299,6 +1313,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                     c.outstanding
                 );
                 log::warn!("node {} ({}): {why}", c.node, c.addr);
+                self.post_node_down(i, now.saturating_duration_since(b.last_heard));
                 self.kill(i, why);
                 continue;
             }
@@ -1306,6 +1321,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                 continue;
             }
             let why = if now.saturating_duration_since(c.last_rx) > t {
+                self.post_node_down(i, now.saturating_duration_since(c.last_rx));
                 format!(
                     "no data for {} ms with {} grants outstanding",
                     t.as_millis(),

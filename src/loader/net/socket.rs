@@ -84,12 +84,21 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             return;
         }
         // The first frame asks for heartbeats (an older node ignores
-        // it as a keepalive); so do the later keepalives, harmlessly.
-        let ask = !self.beats[i].asked;
+        // it as a keepalive); so do the later keepalives, harmlessly. A
+        // probe after a node-down notice about this node goes before any
+        // grant (`notice.rs`).
+        let probe = self.beats[i].probe_due;
+        let ask = !self.beats[i].asked || probe;
         if c.fill_entries == 0 || ask {
             if now.saturating_duration_since(c.last_tx) >= self.beats[i].keepalive || ask {
                 self.beats[i].asked = true;
-                let h = Header::keepalive(true).encode();
+                self.beats[i].probe_due = false;
+                let h = if probe {
+                    Header::probe()
+                } else {
+                    Header::keepalive(true)
+                }
+                .encode();
                 c.flight.clear();
                 c.flight.extend_from_slice(&h);
                 c.flight_sent = 0;
@@ -216,6 +225,12 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                             h.kind
                         ),
                     );
+                }
+                if let Some((node, silent_ms)) = h.node_down_notice() {
+                    // Not about this connection: the node says another
+                    // one is dead (`notice.rs`).
+                    self.on_node_down(i, node, silent_ms);
+                    return;
                 }
                 if h.is_keepalive() {
                     // A heartbeat: the node is alive (last_rx, above) and

@@ -86,8 +86,12 @@ pub(super) struct SConn {
     pub(super) heartbeats: bool,
     /// It may be beaten slowly while idle (`proto::SLOW_IDLE_HEARTBEATS`).
     pub(super) slow_idle: bool,
-    /// When this poller last sent it a heartbeat (None: never).
+    /// When this poller last sent it a heartbeat (None: never, or it
+    /// probed: one goes at the next sweep).
     pub(super) last_beat: Option<std::time::Instant>,
+    /// It asked for node-down notices (`proto::ASK_NODE_NOTICES`): the
+    /// sequence number of the next one it is to be sent (`notify.rs`).
+    pub(super) notices_from: Option<u64>,
     /// The last grant whose read error was logged (one line per grant).
     pub(super) warned_grant: Option<u32>,
     /// It is in the poller's work list ([`super::conns::Conns::mark`]).

@@ -260,6 +260,12 @@ impl Collector for ServeCollector {
         )?;
         counter(
             &mut e,
+            "kspeed_serve_node_notices_sent",
+            "node-down notices sent to consumers (the agent's consumer side judged a node dead)",
+            r(&s.node_notices_sent),
+        )?;
+        counter(
+            &mut e,
             "kspeed_serve_samples",
             "samples pushed whole",
             r(&s.samples),

@@ -40,6 +40,7 @@ mod conn;
 mod conns;
 mod link;
 mod metrics;
+mod notify;
 #[cfg(feature = "rdma")]
 pub(crate) mod owner_rdma;
 #[cfg(not(feature = "rdma"))]
@@ -112,6 +113,9 @@ pub struct ServeStats {
     pub poller_ticks: AtomicU64,
     /// See [`ServeStats::poller_ticks`].
     pub poller_busy_ns: AtomicU64,
+    /// Node-down notices sent to consumers (one per notice per consumer
+    /// that asked for them; docs/PROTOCOL.md, "Node-down notices").
+    pub node_notices_sent: AtomicU64,
 }
 
 impl std::fmt::Debug for Common {
@@ -141,6 +145,10 @@ struct Common {
     /// Under `serve_until_signal`: a failure sends the process SIGTERM so
     /// its signal wait ends.
     signal_on_failure: bool,
+    /// Node-down notices for the consumers that ask for them: posted by
+    /// the agent's own consumer side (`NodeService::notices`), sent by the
+    /// pollers' sweeps (`notify.rs`). A node service alone posts none.
+    notices: std::sync::Arc<crate::transport::notices::NodeNotices>,
 }
 
 impl Common {

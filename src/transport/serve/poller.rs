@@ -75,6 +75,12 @@ pub(super) struct ServePoller<R: IoBackend = Uring> {
     pub(super) next_beat: std::time::Instant,
     /// Rate limit of read-error WARN lines.
     pub(super) warns: WarnLimit,
+    /// The node-down notices posted when the last sweep looked
+    /// (`notify.rs`).
+    pub(super) notices_seen: u64,
+    /// Connections with notices still to send, sized for every
+    /// connection the poller may hold.
+    pub(super) notice_due: Vec<u32>,
     /// Test builds only (`test-panic`): read completions still to be turned
     /// into a transient failure (`KSPEED_TEST_SERVE_READ_FAULTS`), cycling
     /// through EAGAIN, a short read and EINTR.
@@ -110,6 +116,7 @@ impl<R: IoBackend> ServePoller<R> {
         // are allocated whole at start and never grow (check_pools): a
         // full one is back-pressure.
         let conns = Conns::with_limit(c.cfg.max_conns_per_poller);
+        let notice_due = Vec::with_capacity(c.cfg.max_conns_per_poller);
         let now = ring.now();
         ServePoller {
             incoming,
@@ -128,6 +135,8 @@ impl<R: IoBackend> ServePoller<R> {
             spin_since: None,
             next_beat: now,
             warns: WarnLimit::new(now),
+            notices_seen: c.notices.posted(),
+            notice_due,
             #[cfg(feature = "test-panic")]
             read_faults: std::env::var("KSPEED_TEST_SERVE_READ_FAULTS")
                 .ok()
@@ -363,6 +372,7 @@ impl<R: IoBackend> ServePoller<R> {
                 heartbeats: false,
                 slow_idle: false,
                 last_beat: None,
+                notices_from: None,
                 warned_grant: None,
                 in_work: false,
             },
@@ -397,6 +407,7 @@ impl<R: IoBackend> ServePoller<R> {
             self.sweep_at = self.sweep_at.wrapping_add(1);
             self.look_at(ci, now);
         }
+        self.send_notices();
     }
 
     /// One connection in a sweep: dropped when it stalled or idled too

@@ -95,12 +95,25 @@ impl<R: IoBackend> ServePoller<R> {
                 c.rx.expect_body(h)
             }
             // An empty ERROR is a keepalive; one with `ASK_HEARTBEATS`
-            // asks for heartbeats (the first goes at the next tick).
+            // asks for heartbeats (the first goes at the next tick), with
+            // `ASK_NODE_NOTICES` for the node-down notices posted from now
+            // on, and with `PROBE` for a heartbeat at the next tick, idle
+            // or not (the connection, its receive done, is in the work
+            // list the next sweep walks).
             Received::Header(h) if h.kind == Kind::Error && h.body_len == 0 => {
-                if h.c & proto::ASK_HEARTBEATS != 0 && !c.heartbeats {
-                    c.heartbeats = true;
-                    c.slow_idle = h.c & proto::SLOW_IDLE_HEARTBEATS != 0;
-                    self.next_beat = self.ring.now();
+                if h.c & proto::ASK_HEARTBEATS != 0 {
+                    if !c.heartbeats {
+                        c.heartbeats = true;
+                        c.slow_idle = h.c & proto::SLOW_IDLE_HEARTBEATS != 0;
+                        self.next_beat = self.ring.now();
+                    }
+                    if h.c & proto::ASK_NODE_NOTICES != 0 && c.notices_from.is_none() {
+                        c.notices_from = Some(self.c.notices.posted());
+                    }
+                    if h.c & proto::PROBE != 0 {
+                        c.last_beat = None;
+                        self.next_beat = self.ring.now();
+                    }
                 }
             }
             Received::Header(h) => {

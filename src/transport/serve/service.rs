@@ -113,6 +113,7 @@ impl NodeService {
             metrics: metrics::Metrics::new(cfg.pollers, cfg.slots() as u64),
             failure: std::sync::Mutex::new(None),
             signal_on_failure,
+            notices: Arc::new(crate::transport::notices::NodeNotices::new()),
             cfg,
         });
         let metrics_server = match &common.cfg.metrics {
@@ -264,6 +265,12 @@ impl NodeService {
     /// ignored): the node agent's own, next to the service's.
     pub(crate) fn add_metrics(&self, series: Arc<dyn prometheus_client::collector::Collector>) {
         let _ = self.common.metrics.extra.set(series);
+    }
+
+    /// Where the agent's consumer side posts node-down notices for this
+    /// service to send to the consumers that ask for them.
+    pub(crate) fn notices(&self) -> Arc<crate::transport::notices::NodeNotices> {
+        self.common.notices.clone()
     }
 
     /// The metrics as Prometheus text (what `GET /metrics` returns).

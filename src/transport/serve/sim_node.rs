@@ -58,6 +58,7 @@ impl<R: IoBackend> SimNode<R> {
             metrics: metrics::Metrics::new(cfg.pollers, cfg.slots() as u64),
             failure: std::sync::Mutex::new(None),
             signal_on_failure: false,
+            notices: Arc::new(crate::transport::notices::NodeNotices::new()),
             cfg,
         });
         let mut pollers = Vec::new();
