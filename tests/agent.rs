@@ -487,6 +487,60 @@ fn an_attached_rank_s_stall_is_split_by_what_the_agent_waited_for() {
     }
 }
 
+/// A single-node agent (no node list, no node service) serves its own
+/// metrics with `--metrics`: the ranks it served and what its loaders
+/// waited for, by cause, as OpenMetrics text; none of a node service's
+/// series.
+#[test]
+fn a_single_node_agent_serves_its_metrics() {
+    let dir = tempfile::tempdir().unwrap();
+    let sp = space(dir.path(), 400);
+    let sock = dir.path().join("agent.sock");
+    let agent = Agent::start(&sp, &sock, &["--metrics", "127.0.0.1:0"]);
+    let addr = metrics_addr_of(&agent);
+    let before = http_get(&addr);
+    assert!(before.contains("kspeed_agent_ranks 0"), "{before}");
+    let (n, _) = finish(spawn_read(&attached_args(&sp, &sock, 0, 1, 1)));
+    assert_eq!(n, 400);
+    // The rank has exited: the agent counts it ended once its loop reaps
+    // the feeder (within a heartbeat); scrape until then, with a deadline.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let text = loop {
+        let text = http_get(&addr);
+        if sample_value(&text, "kspeed_agent_ranks_ended_total") == 1.0 {
+            break text;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the rank is not counted ended:\n{text}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(sample_value(&text, "kspeed_agent_ranks"), 0.0, "{text}");
+    assert_eq!(
+        sample_value(&text, "kspeed_agent_attaches_refused_total"),
+        0.0,
+        "{text}"
+    );
+    for cause in ["disk", "tier", "source", "peers", "failover"] {
+        let w = sample_value(
+            &text,
+            &format!("kspeed_agent_wait_seconds_total{{cause=\"{cause}\"}}"),
+        );
+        assert!(w >= 0.0, "{cause}: {text}");
+    }
+    assert_eq!(
+        sample_value(&text, "kspeed_agent_wait_seconds_total{cause=\"peers\"}"),
+        0.0,
+        "no peers on one node: {text}"
+    );
+    assert!(
+        !text.contains("kspeed_serve_"),
+        "no node service here: {text}"
+    );
+    assert!(text.trim_end().ends_with("# EOF"), "{text}");
+}
+
 /// Batches kept out (`acquire_batch_keep`, the Python binding's way) across
 /// an agent killed with SIGKILL and a new one on the same socket: the
 /// loader re-attaches inside `acquire_batch_keep` with two batches out,

@@ -103,6 +103,11 @@ pub struct AgentConfig {
     /// The node service for the other nodes' consumers, run inside the
     /// agent (None: none, or a separate `kspeed serve`).
     pub serve: Option<crate::transport::ServeConfig>,
+    /// Prometheus metrics on this address (`HOST:PORT`, port 0 picks one):
+    /// the agent's series (ranks, what its loaders waited for); with a
+    /// node service, served by it next to the service's own, at its
+    /// `serve.metrics` address if that is set, else at this one.
+    pub metrics: Option<String>,
 }
 
 impl AgentConfig {
@@ -128,6 +133,7 @@ impl AgentConfig {
             page_cache: crate::loader::PageCache::Auto,
             cluster: None,
             serve: None,
+            metrics: None,
         }
     }
 }
@@ -335,15 +341,13 @@ fn open_space(cfg: &AgentConfig) -> Result<OpenSpace> {
             _ => None,
         },
         node_pollers: NodePollers::for_agent(cfg.node_pollers, &cfg.node_poller_cores)?,
-        stall_totals: cfg
-            .serve
-            .as_ref()
-            .is_some_and(|s| s.metrics.is_some())
-            .then(|| {
-                Arc::new(StallTotals::new(
-                    cfg.cluster.as_ref().map_or(0, |c| c.cluster.nodes.len()),
-                ))
-            }),
+        stall_totals: (cfg.metrics.is_some()
+            || cfg.serve.as_ref().is_some_and(|s| s.metrics.is_some()))
+        .then(|| {
+            Arc::new(StallTotals::new(
+                cfg.cluster.as_ref().map_or(0, |c| c.cluster.nodes.len()),
+            ))
+        }),
         // Set by `run` once the node service is up.
         node_notices: None,
     })
@@ -462,7 +466,12 @@ pub fn run(
     let owner = cfg
         .serve
         .clone()
-        .map(crate::transport::NodeService::start)
+        .map(|mut s| {
+            if s.metrics.is_none() {
+                s.metrics = cfg.metrics.clone();
+            }
+            crate::transport::NodeService::start(s)
+        })
         .transpose()?;
     open.node_notices = owner.as_ref().map(|s| s.notices());
     let open = Arc::new(open);
@@ -472,20 +481,25 @@ pub fn run(
             svc.local_addr()
         );
     }
-    // The agent's own series, in the node service's scrape.
-    let metrics = match (&owner, &open.stall_totals) {
-        (Some(svc), Some(totals)) if svc.metrics_addr().is_some() => {
-            let m = Arc::new(AgentMetrics::new(
-                totals.clone(),
-                cfg.cluster.as_ref().map_or_else(Vec::new, |c| {
-                    c.cluster.nodes.iter().map(|n| n.addr.clone()).collect()
-                }),
-            ));
-            svc.add_metrics(m.clone());
-            Some(m)
+    // The agent's own series, in the node service's scrape, or on a port
+    // of their own without a node service.
+    let series = open.stall_totals.as_ref().map(|totals| {
+        Arc::new(AgentMetrics::new(
+            totals.clone(),
+            cfg.cluster.as_ref().map_or_else(Vec::new, |c| {
+                c.cluster.nodes.iter().map(|n| n.addr.clone()).collect()
+            }),
+        ))
+    });
+    let mut own_metrics = None;
+    if let Some(m) = &series {
+        match (&owner, &cfg.metrics) {
+            (Some(svc), _) => svc.add_metrics(m.clone()),
+            (None, Some(addr)) => own_metrics = Some(OwnMetrics::start(addr, m.clone())?),
+            (None, None) => {}
         }
-        _ => None,
-    };
+    }
+    let metrics = series;
     let listener = AttachListener::bind(&cfg.socket, cfg.listener)?;
     log::info!(
         "agent: serving {} on {}",
@@ -545,7 +559,10 @@ pub fn run(
     on_ready(
         listener.path(),
         owner.as_ref().map(|svc| svc.local_addr()),
-        owner.as_ref().and_then(|svc| svc.metrics_addr()),
+        owner
+            .as_ref()
+            .and_then(|svc| svc.metrics_addr())
+            .or(own_metrics.as_ref().map(|m| m.addr)),
     );
     let mut ranks: Vec<Rank> = Vec::new();
     let mut summary = AgentSummary::default();
@@ -609,9 +626,52 @@ pub fn run(
     if let Some(svc) = owner {
         svc.stop();
     }
+    drop(own_metrics);
     match failed {
         Some(e) => Err(e),
         None => Ok(summary),
+    }
+}
+
+/// The agent's metrics port without a node service: its series alone, on
+/// a thread of its own, stopped and joined when dropped (also when the
+/// agent's start fails after it).
+struct OwnMetrics {
+    addr: std::net::SocketAddr,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl OwnMetrics {
+    fn start(addr: &str, series: Arc<AgentMetrics>) -> Result<OwnMetrics> {
+        let server = crate::transport::serve::MetricsListener::bind(addr)?;
+        let addr = server.local_addr();
+        let stop = Arc::new(AtomicBool::new(false));
+        let source = crate::transport::serve::SeriesOnly {
+            series,
+            stop: stop.clone(),
+        };
+        let thread = std::thread::Builder::new()
+            .name("kspeed-metrics".into())
+            .spawn(move || crate::transport::serve::serve_http(source, server))
+            .map_err(|e| Error::ThreadSpawn {
+                thread: "metrics",
+                source: e.into(),
+            })?;
+        Ok(OwnMetrics {
+            addr,
+            stop,
+            thread: Some(thread),
+        })
+    }
+}
+
+impl Drop for OwnMetrics {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
     }
 }
 

@@ -11,6 +11,11 @@
 //! connection with grants outstanding, or lose it. The virtual clock moves a seeded amount each step, so the
 //! node's timers fire as they would.
 //!
+//! Some seeds post node-down notices to the node's board (as an agent's
+//! network threads do); consumers that asked for heartbeats ask for them
+//! too, and some keepalives are probes; some consumers pause their grants
+//! for a few seconds (idle: only heartbeats come).
+//!
 //! Checked every step: each DATA payload is byte-exact against the
 //! extent image at its sample's location, for a granted sample, at the
 //! next offset of the oldest grant not yet answered (grant order, each
@@ -23,7 +28,9 @@
 //! well-behaved consumer got every grant answered exactly once and was
 //! never dropped; one that misbehaved was dropped (or survived its
 //! stall); after the stop every connection is reaped, no slot is taken,
-//! nothing is in flight and no completion was lost.
+//! nothing is in flight and no completion was lost. A notice reaches only
+//! a consumer that asked, in the order posted, each once; a probe is
+//! answered (by any frame) within the consumer's 1.5 s while it reads.
 //!
 //! (Why this file is over ~800 lines: one scenario, whose consumer script, per-frame checks
 //! and end-of-run checks share the same expectations and read together.)
@@ -148,6 +155,13 @@ struct Consumer {
     left: bool,
     /// ERRORs about the connection it received.
     conn_errors: Vec<String>,
+    /// Node-down notices received (node, silence), in order.
+    notices: Vec<(u32, u32)>,
+    /// When it sent a probe not answered yet (any frame answers it).
+    probe_sent_ms: Option<u64>,
+    /// It grants nothing before this (an idle pause).
+    idle_until_ms: u64,
+    probes_answered: u64,
 }
 
 const UD_RECV: u64 = 1;
@@ -242,7 +256,18 @@ impl Consumer {
         }
         self.skip_empty();
         // Grants while the script lasts (not after breaking the protocol).
-        if !self.must_end && self.batches_left > 0 && !self.silent(step) && rng.chance(3) {
+        // Now and then, with nothing outstanding, it pauses its grants for
+        // 2-6 s (a trainer between epochs): the node has nothing for it,
+        // so only heartbeats (every 5 s) and probes' answers come.
+        if self.outstanding() == 0 && now_ms >= self.idle_until_ms && rng.chance(40) {
+            self.idle_until_ms = now_ms + 2000 + rng.below(4000);
+        }
+        if !self.must_end
+            && self.batches_left > 0
+            && !self.silent(step)
+            && now_ms >= self.idle_until_ms
+            && rng.chance(3)
+        {
             let room = node.max_grants as usize - self.outstanding();
             if room > 0 {
                 let n = if self.bulk {
@@ -298,14 +323,21 @@ impl Consumer {
                 self.left = true;
             }
         }
-        // A keepalive each second with nothing sent (as the real consumer).
+        // A keepalive each second with nothing sent (as the real consumer);
+        // some are probes (as after a node-down notice about this node).
         if !self.left
             && !self.silent(step)
             && now_ms >= self.last_sent_ms + 1000
             && self.out.is_empty()
         {
             let ask = self.heartbeats;
-            self.out.extend_from_slice(&Header::keepalive(ask).encode());
+            let h = if ask && self.probe_sent_ms.is_none() && rng.chance(3) {
+                self.probe_sent_ms = Some(now_ms);
+                Header::probe()
+            } else {
+                Header::keepalive(ask)
+            };
+            self.out.extend_from_slice(&h.encode());
         }
         self.io(step, now_ms)
     }
@@ -371,8 +403,19 @@ impl Consumer {
         };
         self.skip_empty();
         let shape = SHAPE.with(|s| s.get()).expect("shape");
+        // Any frame from the node answers a probe.
+        if self.probe_sent_ms.take().is_some() {
+            self.probes_answered += 1;
+        }
         match got {
             Received::Header(h) if h.is_keepalive() => {}
+            Received::Header(h) if h.node_down_notice().is_some() => {
+                assert!(
+                    self.heartbeats,
+                    "{who}: a node-down notice, though it never asked for them"
+                );
+                self.notices.push(h.node_down_notice().expect("a notice"));
+            }
             Received::Header(h) if h.kind == Kind::Data => {
                 assert!(
                     self.cursor < self.granted.len(),
@@ -697,8 +740,16 @@ fn serve_shape(seed: u64, many_slots: bool) {
             ended: None,
             left: false,
             conn_errors: Vec::new(),
+            notices: Vec::new(),
+            probe_sent_ms: None,
+            idle_until_ms: 0,
+            probes_answered: 0,
         });
     }
+    // Node-down notices posted to the node's board (as an agent's network
+    // threads post them), in order: a third of the seeds post some.
+    let notice_chance = if rng.chance(3) { 1 + rng.below(300) } else { 0 };
+    let mut posted: Vec<(u32, u32)> = Vec::new();
     let mut now_ms = 0u64;
     let mut step = 0u64;
     const MAX_STEPS: u64 = 200_000;
@@ -719,7 +770,32 @@ fn serve_shape(seed: u64, many_slots: bool) {
         };
         net.advance(Duration::from_millis(dt));
         now_ms += dt;
+        if notice_chance > 0 && rng.chance(notice_chance) {
+            let n = (rng.below(64) as u32, rng.below(20_000) as u32);
+            node.notices().post(n.0, n.1, net.now());
+            // A node posted again within 2 s is not (the board's rule).
+            if node.notices().posted() as usize > posted.len() {
+                posted.push(n);
+            }
+        }
         for c in &mut consumers {
+            // A probe is answered within the consumer's 1.5 s (its
+            // `PROBE_SILENCE`) while it reads and the node runs: a jump of
+            // the clock (the consumer's own pause, which its real clocks
+            // shift away) or a stall restarts the count.
+            if let Some(t) = c.probe_sent_ms {
+                if dt >= 100 || c.stalled(step) || stopping || c.ended.is_some() {
+                    c.probe_sent_ms = Some(now_ms);
+                } else {
+                    assert!(
+                        now_ms - t <= proto::PROBE_SILENCE.as_millis() as u64
+                            || c.must_end
+                            || c.may_drop,
+                        "seed {seed}: consumer {}: a probe sent at {t} ms unanswered at {now_ms} ms",
+                        c.id
+                    );
+                }
+            }
             c.step(&mut net, &mut rng, step, now_ms, &shape);
         }
         // The pollers run in a seeded order each step.
@@ -822,8 +898,24 @@ fn serve_shape(seed: u64, many_slots: bool) {
         if c.must_end {
             assert!(c.ended.is_some(), "{who}: the node did not end it");
         }
+        // The notices it got are posted ones, in order, each once: a
+        // subsequence of `posted` (it asked after some, may have left
+        // before the last, and skips the oldest when it falls more than
+        // the board keeps behind).
+        let got = &c.notices;
+        let mut rest = posted.iter();
+        assert!(
+            got.iter().all(|g| rest.any(|p| p == g)),
+            "{who}: notices {got:?} are not in the order posted {posted:?}"
+        );
+        NOTICE_TOTALS[0].fetch_add(got.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        NOTICE_TOTALS[1].fetch_add(c.probes_answered, std::sync::atomic::Ordering::Relaxed);
     }
 }
+
+/// Node-down notices received and probes answered, over every seed.
+static NOTICE_TOTALS: [std::sync::atomic::AtomicU64; 2] =
+    [const { std::sync::atomic::AtomicU64::new(0) }; 2];
 
 #[cfg(test)]
 mod tests {
@@ -843,10 +935,22 @@ mod tests {
             "sim_serve totals: samples {}, errors {}, read retries {}, stalled drops {}, violations {}",
             t[0], t[1], t[2], t[3], t[4]
         );
+        let n: Vec<u64> = NOTICE_TOTALS
+            .iter()
+            .map(|t| t.load(std::sync::atomic::Ordering::Relaxed))
+            .collect();
+        eprintln!(
+            "sim_serve totals: node-down notices received {}, probes answered {}",
+            n[0], n[1]
+        );
         if ran >= 100 && std::env::var_os("KSPEED_SIM_SEED").is_none() {
             // A simulation that stopped exercising the node would pass
             // vacuously: each path ran.
             assert!(t.iter().all(|&v| v > 0), "a path never ran: {t:?}");
+            assert!(
+                n.iter().all(|&v| v > 0),
+                "notices or probes never ran: {n:?}"
+            );
         }
     }
 

@@ -56,13 +56,12 @@ impl NodeNotices {
     }
 
     /// Posts a notice that `node` is dead after `silent_ms` of silence,
-    /// unless it was posted less than [`REPEAT_WITHIN`] ago; whether it was
-    /// posted.
-    pub(crate) fn post(&self, node: u32, silent_ms: u32) -> bool {
-        let now = Instant::now();
+    /// unless it was posted less than [`REPEAT_WITHIN`] before `now` (the
+    /// poster's clock: virtual in the simulator); whether it was posted.
+    pub(crate) fn post(&self, node: u32, silent_ms: u32, now: Instant) -> bool {
         let mut ring = self.ring.lock().unwrap_or_else(|p| p.into_inner());
         let repeat = ring.iter().any(|&(_, n, at)| {
-            at.is_some_and(|at| n.node == node && now.duration_since(at) < REPEAT_WITHIN)
+            at.is_some_and(|at| n.node == node && now.saturating_duration_since(at) < REPEAT_WITHIN)
         });
         if repeat {
             return false;
@@ -102,12 +101,13 @@ mod tests {
     #[test]
     fn notices_come_back_in_order_and_a_late_reader_skips_to_the_oldest_kept() {
         let b = NodeNotices::new();
+        let t0 = Instant::now();
         assert_eq!(b.posted(), 0);
         assert_eq!(b.get(0), None);
-        assert!(b.post(3, 2000));
-        assert!(b.post(5, 2100));
+        assert!(b.post(3, 2000, t0));
+        assert!(b.post(5, 2100, t0));
         // The same death judged by another of the agent's threads.
-        assert!(!b.post(3, 2050));
+        assert!(!b.post(3, 2050, t0));
         assert_eq!(b.posted(), 2);
         assert_eq!(
             b.get(0),
@@ -121,12 +121,14 @@ mod tests {
         );
         assert_eq!(b.get(1).map(|(_, n)| n.node), Some(5));
         assert_eq!(b.get(2), None);
+        // The same node after the window: posted again.
+        assert!(b.post(3, 2000, t0 + REPEAT_WITHIN));
         for k in 0..NOTICES_KEPT as u32 {
-            assert!(b.post(100 + k, 1));
+            assert!(b.post(100 + k, 1, t0));
         }
-        // Sequence 0 and 1 were overwritten: the oldest kept is 2.
+        // Sequences 0 to 2 were overwritten: the oldest kept is 3.
         let (seq, n) = b.get(0).expect("kept");
-        assert_eq!((seq, n.node), (2, 100));
+        assert_eq!((seq, n.node), (3, 100));
         let last = b.posted() - 1;
         assert_eq!(b.get(last).map(|(_, n)| n.node), Some(163));
     }

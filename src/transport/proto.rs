@@ -909,6 +909,33 @@ mod tests {
 
     use super::*;
 
+    /// A notice round-trips its node and silence, is neither a keepalive
+    /// nor an error with a body, and a probe is an asking keepalive with
+    /// every bit a consumer of this build sets.
+    #[test]
+    fn node_down_notices_and_probes_encode_what_the_protocol_says() {
+        let h = Header::node_down(4095, 2003);
+        let d = Header::decode(&h.encode(), MAX_DATA_BYTES).unwrap();
+        assert_eq!(d.node_down_notice(), Some((4095, 2003)));
+        assert_eq!((d.a, d.b, d.body_len), (CONNECTION, 13, 0));
+        assert_eq!(d.c, 2003 << 32 | 4095);
+        assert!(!d.is_keepalive());
+        assert_eq!(Code::from_u32(d.b), Code::NodeDown);
+        assert_eq!(Header::keepalive(true).node_down_notice(), None);
+        assert_eq!(
+            Header::error(CONNECTION, Code::NodeDown, 5).node_down_notice(),
+            None
+        );
+        let p = Header::decode(&Header::probe().encode(), MAX_DATA_BYTES).unwrap();
+        assert!(p.is_keepalive());
+        assert_eq!(
+            p.c,
+            ASK_HEARTBEATS | SLOW_IDLE_HEARTBEATS | ASK_NODE_NOTICES | PROBE
+        );
+        assert_eq!(Header::keepalive(true).c, 0b0111);
+        assert_eq!(Header::keepalive(false).c, 0);
+    }
+
     #[test]
     fn header_round_trips_and_rejects_garbage() {
         let h = Header::data(7, 4096, 1000);

@@ -265,3 +265,38 @@ pub fn embedded_epoch(space: &Path, rank: u32, world: u32, epoch: u64) -> (u64, 
     let args = one_epoch(read_args(space, rank, world, 1, &["--agent", "off"]), epoch);
     finish(spawn_read(&args))
 }
+
+/// The body of `GET /metrics` from `addr` (a deadline on every read),
+/// after checking the answer is 200 with OpenMetrics text.
+pub fn http_get(addr: &str) -> String {
+    use std::io::{Read, Write};
+    let mut c = std::net::TcpStream::connect(addr).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(c, "GET /metrics HTTP/1.0\r\nHost: {addr}\r\n\r\n").unwrap();
+    let mut all = String::new();
+    c.read_to_string(&mut all).unwrap();
+    let (head, body) = all.split_once("\r\n\r\n").unwrap_or((&all, ""));
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    body.to_string()
+}
+
+/// The address an agent started with `--metrics` prints.
+pub fn metrics_addr_of(a: &Agent) -> String {
+    a.out
+        .wait_for(&["metrics on http://"], Duration::from_secs(5))
+        .trim()
+        .strip_prefix("metrics on http://")
+        .and_then(|l| l.strip_suffix("/metrics"))
+        .expect("the agent prints its metrics address")
+        .to_string()
+}
+
+/// The value of the sample `name` (its labels included, if any) in a
+/// scrape.
+pub fn sample_value(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find(|l| l.rsplit_once(' ').is_some_and(|(n, _)| n == name))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse::<f64>().ok())
+        .unwrap_or_else(|| panic!("no {name} in:\n{text}"))
+}

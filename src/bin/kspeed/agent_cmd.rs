@@ -104,11 +104,11 @@ pub(crate) struct AgentArgs {
     /// (--staging-bytes ... --rdma-spin-us) are serve's and need --listen.
     #[arg(long)]
     listen: Option<String>,
-    /// With --listen: Prometheus metrics on this address (host:port, port
-    /// 0 picks one; printed as `metrics on http://ADDR/metrics`): the node
-    /// service's, and the agent's ranks and what it waited for (by cause,
-    /// and the 4 peer nodes waited for longest).
-    #[arg(long, requires = "listen")]
+    /// Prometheus metrics on this address (host:port, port 0 picks one;
+    /// printed as `metrics on http://ADDR/metrics`): the agent's ranks and
+    /// what its loaders waited for (by cause, and in a cluster the 4 peer
+    /// nodes waited for longest); with --listen, the node service's too.
+    #[arg(long)]
     metrics: Option<String>,
     #[command(flatten)]
     service: crate::serve_args::NodeServiceArgs,
@@ -210,10 +210,10 @@ pub(crate) fn run_agent(a: AgentArgs) -> kspeed::Result<()> {
         );
         serve.more_spaces = a.space[1..].to_vec();
         a.service.apply(&mut serve);
-        serve.metrics = a.metrics.clone();
         serve.rdma = a.rdma.options();
         cfg.serve = Some(serve);
     }
+    cfg.metrics = a.metrics.clone();
     let space = a
         .space
         .iter()

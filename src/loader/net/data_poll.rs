@@ -159,7 +159,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             }
             Event::Received(what) => {
                 self.conns[i].last_rx = self.ring.now();
-                self.beats[i].last_heard = self.conns[i].last_rx;
+                self.beats[i].heard_at(self.conns[i].last_rx);
                 self.on_landed(i, what);
             }
         }

@@ -902,6 +902,9 @@ struct Beats {
     /// The node's heartbeats say its idle timeout: it beats this
     /// connection only every 5 s while it has nothing of ours.
     slow: bool,
+    /// When a frame last came from the node (unlike `last_heard`, never
+    /// moved by a grant): what answers a probe.
+    last_frame: Instant,
     /// Another node reported this one down and this thread's own clocks
     /// did not confirm it at once: when (a probe asks the node for a
     /// heartbeat; nothing from it within [`proto::PROBE_SILENCE`] confirms
@@ -919,9 +922,16 @@ impl Beats {
             last_heard: now,
             keepalive: KEEPALIVE,
             slow: false,
+            last_frame: now,
             probed: None,
             probe_due: false,
         }
+    }
+
+    /// A frame came from the node at `at`.
+    fn heard_at(&mut self, at: Instant) {
+        self.last_heard = at;
+        self.last_frame = at;
     }
 
     /// A heartbeat came, saying the node's idle timeout or not.
@@ -1292,6 +1302,10 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                 c.last_rx = shift_for_pause(c.last_rx, gap, now);
                 c.last_done = shift_for_pause(c.last_done, gap, now);
                 b.last_heard = shift_for_pause(b.last_heard, gap, now);
+                b.last_frame = shift_for_pause(b.last_frame, gap, now);
+                if let Some((at, ..)) = &mut b.probed {
+                    *at = shift_for_pause(*at, gap, now);
+                }
             }
         }
         for &i in looks {

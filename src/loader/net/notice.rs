@@ -22,7 +22,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::{Receive, State, Thread};
+use super::{Receive, State, Thread, NOT_RUNNING};
 use crate::ring::IoBackend;
 use crate::transport::proto;
 
@@ -34,7 +34,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             return;
         };
         let ms = silent.as_millis().min(u32::MAX as u128) as u32;
-        if board.post(self.conns[i].node, ms) {
+        if board.post(self.conns[i].node, ms, self.ring.now()) {
             log::info!(
                 "node {}: posted as down for the node service to tell the other nodes",
                 self.conns[i].node
@@ -63,7 +63,10 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         // outstanding, or a node that beats fast idle or not) and was
         // silent this long agrees with the notice.
         let beats_fast = b.heard && (c.outstanding > 0 || !b.slow);
-        if beats_fast && silent >= proto::NOTICE_SILENCE {
+        // A thread that did not run for a while has not yet moved its
+        // clocks past the gap (`check_timeouts`): its silence says nothing.
+        let ran = now.saturating_duration_since(self.last_check) <= NOT_RUNNING;
+        if beats_fast && ran && silent >= proto::NOTICE_SILENCE {
             let why = format!(
                 "node {by} reported it down ({silent_ms} ms silent there), {} ms silent here",
                 silent.as_millis()
@@ -93,7 +96,9 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         let Some((at, by, silent_ms)) = b.probed else {
             return false;
         };
-        if b.last_heard >= at {
+        // A frame from the node, not a grant to it (which moves
+        // `last_heard` on a slow-beating node).
+        if b.last_frame >= at {
             b.probed = None;
             log::info!(
                 "node {} ({}): answered after node {by}'s notice; kept",

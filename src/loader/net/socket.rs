@@ -189,7 +189,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             Ok(got) => got,
             Err(RxError::BadHeader(e)) => {
                 c.last_rx = now;
-                self.beats[i].last_heard = c.last_rx;
+                self.beats[i].heard_at(now);
                 return self.violation(i, e.to_string());
             }
             Err(e) => {
@@ -210,7 +210,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             }
         };
         c.last_rx = now;
-        self.beats[i].last_heard = c.last_rx;
+        self.beats[i].heard_at(now);
         match got {
             Received::Header(h) => {
                 if !R::FRAMED

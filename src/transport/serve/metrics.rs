@@ -266,6 +266,12 @@ impl Collector for ServeCollector {
         )?;
         counter(
             &mut e,
+            "kspeed_serve_probes",
+            "probes from consumers told this node is down, each answered with a heartbeat",
+            r(&s.probes),
+        )?;
+        counter(
+            &mut e,
             "kspeed_serve_samples",
             "samples pushed whole",
             r(&s.samples),
@@ -456,11 +462,54 @@ pub(crate) fn render(c: &Arc<Common>) -> String {
     if let Some(x) = c.metrics.extra.get() {
         reg.register_collector(Box::new(Extra(x.clone())));
     }
+    encode(&reg)
+}
+
+/// `reg` as OpenMetrics text.
+fn encode(reg: &Registry) -> String {
     let mut out = String::new();
-    if let Err(e) = prometheus_client::encoding::text::encode(&mut out, &reg) {
+    if let Err(e) = prometheus_client::encoding::text::encode(&mut out, reg) {
         log::error!("encoding metrics: {e}");
     }
     out
+}
+
+/// What a metrics port serves ([`serve_http`]): the node service's series
+/// (with the agent's, when it runs one), or an agent's alone (`kspeed
+/// agent --metrics` without `--listen`).
+pub(crate) trait MetricsSource {
+    /// The text a scrape returns.
+    fn render(&self) -> String;
+    /// The server stops once this is true.
+    fn stopping(&self) -> bool;
+}
+
+impl MetricsSource for Arc<Common> {
+    fn render(&self) -> String {
+        render(self)
+    }
+
+    fn stopping(&self) -> bool {
+        self.stop.load(Ordering::Acquire)
+    }
+}
+
+/// An agent's series alone, served until `stop` (no node service).
+pub(crate) struct SeriesOnly {
+    pub(crate) series: Arc<dyn Collector>,
+    pub(crate) stop: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl MetricsSource for SeriesOnly {
+    fn render(&self) -> String {
+        let mut reg = Registry::default();
+        reg.register_collector(Box::new(Extra(self.series.clone())));
+        encode(&reg)
+    }
+
+    fn stopping(&self) -> bool {
+        self.stop.load(Ordering::Acquire)
+    }
 }
 
 /// Metrics connections served at once. A scraper needs one; a newer
@@ -529,7 +578,7 @@ struct HttpConn {
 
 /// The answer to a request head: status line, content type, body (HEAD:
 /// the same status and headers, no body).
-fn answer(c: &Arc<Common>, head: &[u8]) -> Vec<u8> {
+fn answer(c: &impl MetricsSource, head: &[u8]) -> Vec<u8> {
     let line = head.split(|&b| b == b'\n').next().unwrap_or_default();
     let line = std::str::from_utf8(line).unwrap_or("").trim_end();
     let mut parts = line.split(' ');
@@ -548,7 +597,7 @@ fn answer(c: &Arc<Common>, head: &[u8]) -> Vec<u8> {
             // What prometheus-client writes: OpenMetrics text (counters'
             // samples named `_total`, a final `# EOF`), so labelled as such.
             "application/openmetrics-text; version=1.0.0; charset=utf-8",
-            render(c),
+            c.render(),
         )
     } else {
         (
@@ -578,7 +627,7 @@ fn http_response(status: &str, ctype: &str, body: &str) -> Vec<u8> {
 impl HttpConn {
     /// Moves the connection on as far as it goes without blocking; true
     /// when it is finished (answered and closed by the client, or failed).
-    fn step(&mut self, c: &Arc<Common>) -> bool {
+    fn step(&mut self, c: &impl MetricsSource) -> bool {
         use std::io::Read;
         use std::os::fd::AsRawFd;
         loop {
@@ -655,7 +704,7 @@ impl HttpConn {
 /// [`METRICS_CONN_TIMEOUT`] after its accept, one answer per connection.
 /// The port costs this one thread and at most that many descriptors,
 /// however many connections arrive.
-pub(crate) fn serve_http(c: Arc<Common>, server: MetricsListener) {
+pub(crate) fn serve_http(c: impl MetricsSource, server: MetricsListener) {
     use std::os::fd::AsRawFd;
     let mut conns: Vec<HttpConn> = Vec::with_capacity(METRICS_MAX_CONNS);
     let mut spare: Vec<Box<[u8]>> = (0..METRICS_MAX_CONNS)
@@ -665,7 +714,7 @@ pub(crate) fn serve_http(c: Arc<Common>, server: MetricsListener) {
     // After an accept failure for lack of descriptors: no accepting before this.
     let mut paused_until: Option<Instant> = None;
     let mut evicted = 0u64;
-    while !c.stop.load(Ordering::Acquire) {
+    while !c.stopping() {
         let now = Instant::now();
         // Expired connections close (their buffers go back to the pool).
         conns.retain_mut(|h| {

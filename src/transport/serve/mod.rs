@@ -61,6 +61,7 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 pub use config::{ServeConfig, MIN_IDLE_TIMEOUT};
+pub(crate) use metrics::{serve_http, MetricsListener, SeriesOnly};
 pub use service::{serve_until_signal, NodeService};
 
 use super::proto::{self, Code, Header, Hello};
@@ -116,6 +117,10 @@ pub struct ServeStats {
     /// Node-down notices sent to consumers (one per notice per consumer
     /// that asked for them; docs/PROTOCOL.md, "Node-down notices").
     pub node_notices_sent: AtomicU64,
+    /// Probes received: keepalives asking for a heartbeat at once (a
+    /// consumer told this node is down checks it), each answered at the
+    /// next sweep.
+    pub probes: AtomicU64,
 }
 
 impl std::fmt::Debug for Common {

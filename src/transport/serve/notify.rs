@@ -21,6 +21,7 @@ impl<R: IoBackend> ServePoller<R> {
     pub(super) fn send_notices(&mut self) {
         let posted = self.c.notices.posted();
         if posted != self.notices_seen {
+            let new = posted - self.notices_seen;
             self.notices_seen = posted;
             self.notice_due.clear();
             for k in 0..self.conns.live_len() {
@@ -34,6 +35,20 @@ impl<R: IoBackend> ServePoller<R> {
                     debug_assert!(self.notice_due.len() < self.notice_due.capacity());
                     self.notice_due.push(ci);
                 }
+            }
+            let last = self.c.notices.get(posted - 1);
+            if let (Some((_, n)), false) = (last, self.notice_due.is_empty()) {
+                log::info!(
+                    "node service poller {}: telling {} consumers that node {} is down{}",
+                    self.index,
+                    self.notice_due.len(),
+                    n.node,
+                    if new > 1 {
+                        format!(" ({} notices since the last sweep)", new)
+                    } else {
+                        String::new()
+                    }
+                );
             }
         }
         let mut k = 0;
@@ -85,7 +100,10 @@ impl<R: IoBackend> ServePoller<R> {
                 .stats
                 .node_notices_sent
                 .fetch_add(1, Ordering::Relaxed);
-            log::info!(
+            // One line per consumer would be thousands per death in a
+            // large cluster: the count is in the metrics, one INFO line
+            // per poller and notice in `send_notices`.
+            log::debug!(
                 "node service: told {} that node {} is down ({} ms silent here)",
                 c.peer,
                 n.node,

@@ -111,6 +111,7 @@ impl<R: IoBackend> ServePoller<R> {
                         c.notices_from = Some(self.c.notices.posted());
                     }
                     if h.c & proto::PROBE != 0 {
+                        self.c.stats.probes.fetch_add(1, Ordering::Relaxed);
                         c.last_beat = None;
                         self.next_beat = self.ring.now();
                     }

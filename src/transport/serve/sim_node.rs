@@ -87,6 +87,12 @@ impl<R: IoBackend> SimNode<R> {
         &self.c.stats
     }
 
+    /// The node-down notices its pollers send (the simulation posts them,
+    /// as an agent's network threads do).
+    pub(crate) fn notices(&self) -> &crate::transport::notices::NodeNotices {
+        &self.c.notices
+    }
+
     /// Hands poller `p` a consumer whose connection is `fd`, as the
     /// acceptor does after WELCOME (its place reserved in `Common::load`);
     /// false when the poller is full (the acceptor would refuse at HELLO).
