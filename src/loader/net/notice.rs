@@ -26,6 +26,28 @@ use super::{Receive, State, Thread, NOT_RUNNING};
 use crate::ring::IoBackend;
 use crate::transport::proto;
 
+/// Whether this process's consumers ask for node-down notices: yes, unless
+/// `KSPEED_NODE_NOTICES=off` (for measuring a cluster without them,
+/// scripts/bench_node_down.py).
+pub(super) fn ask_notices() -> bool {
+    static ASK: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ASK.get_or_init(|| std::env::var("KSPEED_NODE_NOTICES").as_deref() != Ok("off"))
+}
+
+/// A consumer's keepalive: asking for heartbeats (and for notices, see
+/// [`ask_notices`]), a probe when `probe`.
+pub(super) fn keepalive(probe: bool) -> proto::Header {
+    let mut h = if probe {
+        proto::Header::probe()
+    } else {
+        proto::Header::keepalive(true)
+    };
+    if !ask_notices() {
+        h.c &= !proto::ASK_NODE_NOTICES;
+    }
+    h
+}
+
 impl<R: Receive, I: IoBackend> Thread<R, I> {
     /// Posts connection `i`'s node as dead after `silent` (judged by this
     /// thread's own clocks), when this thread has a board to post to.

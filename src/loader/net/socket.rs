@@ -93,12 +93,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             if now.saturating_duration_since(c.last_tx) >= self.beats[i].keepalive || ask {
                 self.beats[i].asked = true;
                 self.beats[i].probe_due = false;
-                let h = if probe {
-                    Header::probe()
-                } else {
-                    Header::keepalive(true)
-                }
-                .encode();
+                let h = super::notice::keepalive(probe).encode();
                 c.flight.clear();
                 c.flight.extend_from_slice(&h);
                 c.flight_sent = 0;
