@@ -23,57 +23,21 @@ with target/release/kspeed (built if missing).
 
 import argparse
 import os
-import signal
 import statistics
 import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KSPEED = os.path.join(ROOT, "target", "release", "kspeed")
+from agent_bench import KSPEED, ensure_built, make_spaces as make_node_spaces, stop_agents, wait_line
+
 PORT = 29_311
-
-
-def run(args):
-    subprocess.run(args, check=True, stdout=subprocess.DEVNULL)
 
 
 def make_spaces(d, nodes, count):
     """Spaces for `nodes` nodes of `count` tiny samples, the cluster file
     and the token; made once per (nodes, count)."""
-    base = os.path.join(d, f"n{nodes}-c{count}")
-    cluster = os.path.join(base, "cluster")
-    if os.path.exists(cluster):
-        return base
-    os.makedirs(base, exist_ok=True)
-    src, cat = os.path.join(base, "src"), os.path.join(base, "catalog")
-    run([KSPEED, "gen", "--profile", "tiny", "--count", str(count), "--out", src, "--seed", "7"])
-    run([KSPEED, "catalog", "--source", src, "--out", cat])
-    for i in range(nodes):
-        run([KSPEED, "preload", "--source", src, "--catalog", cat, "--space", os.path.join(base, f"space{i}"),
-             "--nodes", str(nodes), "--node-index", str(i)])
-    token = os.path.join(base, "token")
-    with open(token, "w") as f:
-        f.write("bench-kept-links\n")
-    os.chmod(token, 0o600)
-    with open(cluster + ".tmp", "w") as f:
-        for i in range(nodes):
-            f.write(f"{i} 127.78.0.{i + 1}:{PORT}\n")
-    os.rename(cluster + ".tmp", cluster)
-    return base
-
-
-def wait_line(path, needle, deadline):
-    """Waits (polling the log file, until `deadline`) for a line with `needle`."""
-    while time.monotonic() < deadline:
-        try:
-            with open(path) as f:
-                if needle in f.read():
-                    return True
-        except FileNotFoundError:
-            pass
-        time.sleep(0.02)
-    return False
+    return make_node_spaces(os.path.join(d, f"n{nodes}-c{count}"), nodes, count, "127.78.0.{}", PORT,
+                            "bench-kept-links")
 
 
 def start_agents(base, nodes, mode, logs):
@@ -100,17 +64,6 @@ def start_agents(base, nodes, mode, logs):
     return agents
 
 
-def stop_agents(agents):
-    for p in agents:
-        p.send_signal(signal.SIGTERM)
-    for p in agents:
-        try:
-            p.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-
 def job(base, nodes, logs):
     args = [KSPEED, "read", "--progress=none", "--space", os.path.join(base, "space0"),
             "--cluster", os.path.join(base, "cluster"), "--agent", "required",
@@ -132,8 +85,7 @@ def main():
     ap.add_argument("--count", type=int, default=8000)
     ap.add_argument("--dir", default="/var/tmp/kspeed-bench-links")
     a = ap.parse_args()
-    if not os.path.exists(KSPEED):
-        subprocess.run(["cargo", "build", "--release", "--bin", "kspeed"], cwd=ROOT, check=True)
+    ensure_built()
     base = make_spaces(a.dir, a.nodes, a.count)
     logs = os.path.join(a.dir, "logs")
     os.makedirs(logs, exist_ok=True)

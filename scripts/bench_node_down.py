@@ -37,53 +37,16 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KSPEED = os.path.join(ROOT, "target", "release", "kspeed")
+from agent_bench import KSPEED, ensure_built, make_spaces as make_node_spaces, stop_agents, wait_line
+
 PORT = 29_411
 NODES = 3
-
-
-def run(args):
-    subprocess.run(args, check=True, stdout=subprocess.DEVNULL)
 
 
 def make_spaces(d, count):
     """Spaces for 3 nodes of `count` tiny samples, the cluster file and
     the token; made once per count."""
-    base = os.path.join(d, f"c{count}")
-    cluster = os.path.join(base, "cluster")
-    if os.path.exists(cluster):
-        return base
-    os.makedirs(base, exist_ok=True)
-    src, cat = os.path.join(base, "src"), os.path.join(base, "catalog")
-    run([KSPEED, "gen", "--profile", "tiny", "--count", str(count), "--out", src, "--seed", "7"])
-    run([KSPEED, "catalog", "--source", src, "--out", cat])
-    for i in range(NODES):
-        run([KSPEED, "preload", "--source", src, "--catalog", cat, "--space", os.path.join(base, f"space{i}"),
-             "--nodes", str(NODES), "--node-index", str(i)])
-    token = os.path.join(base, "token")
-    with open(token, "w") as f:
-        f.write("bench-node-down\n")
-    os.chmod(token, 0o600)
-    with open(cluster + ".tmp", "w") as f:
-        for i in range(NODES):
-            f.write(f"{i} 127.79.0.{i + 1}:{PORT}\n")
-    os.rename(cluster + ".tmp", cluster)
-    return base
-
-
-def wait_line(path, needles, deadline):
-    """Waits (polling the log file, until `deadline`) for a line holding
-    every one of `needles`."""
-    while time.monotonic() < deadline:
-        try:
-            with open(path) as f:
-                if any(all(n in l for n in needles) for l in f):
-                    return True
-        except FileNotFoundError:
-            pass
-        time.sleep(0.01)
-    return False
+    return make_node_spaces(os.path.join(d, f"c{count}"), NODES, count, "127.79.0.{}", PORT, "bench-node-down")
 
 
 def start_agents(base, notices, logs):
@@ -110,19 +73,6 @@ def start_agents(base, notices, logs):
     # Each node service took a link from each other agent.
     time.sleep(0.5)
     return agents
-
-
-def stop_agents(agents):
-    for p in agents:
-        # Node 2 was stopped: let it take the SIGTERM.
-        p.send_signal(signal.SIGCONT)
-        p.send_signal(signal.SIGTERM)
-    for p in agents:
-        try:
-            p.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
 
 
 def read_args(base, logs, node, epochs, extra):
@@ -168,8 +118,7 @@ def main():
     ap.add_argument("--count", type=int, default=6000)
     ap.add_argument("--dir", default="/var/tmp/kspeed-bench-down")
     a = ap.parse_args()
-    if not os.path.exists(KSPEED):
-        subprocess.run(["cargo", "build", "--release", "--bin", "kspeed"], cwd=ROOT, check=True)
+    ensure_built()
     base = make_spaces(a.dir, a.count)
     logs = os.path.join(a.dir, "logs")
     os.makedirs(logs, exist_ok=True)

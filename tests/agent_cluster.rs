@@ -325,11 +325,7 @@ fn a_killed_node_s_samples_fail_over_and_its_rank_is_told() {
     // judge it gone (no frame for 2 s with grants outstanding) and move
     // those grants to the other copy; then it dies for good (SIGKILL,
     // reaped when dropped).
-    let stopped = std::process::Command::new("kill")
-        .args(["-STOP", &agents[2].as_ref().unwrap().pid().to_string()])
-        .status()
-        .unwrap();
-    assert!(stopped.success());
+    signal(agents[2].as_ref().unwrap(), "-STOP");
     // Which of nodes 0 and 1 asks node 2 first depends on the placement
     // (the other holds those samples itself): wait until one judged it.
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
@@ -509,18 +505,11 @@ fn an_attached_rank_s_wait_for_a_stopped_node_is_charged_to_peers() {
     agents[0]
         .log
         .wait_for(&["rank 0 ", "attached"], Duration::from_secs(30));
-    let signal = |sig: &str| {
-        let ok = std::process::Command::new("kill")
-            .args([sig, &agents[2].pid().to_string()])
-            .status()
-            .unwrap();
-        assert!(ok.success(), "kill {sig}");
-    };
-    signal("-STOP");
+    signal(&agents[2], "-STOP");
     // The fault's length, not a wait for a condition: node 2 silent for
     // 1 s, then back before the other nodes would judge it gone.
     std::thread::sleep(Duration::from_secs(1));
-    signal("-CONT");
+    signal(&agents[2], "-CONT");
     let v = full_report(rank);
     assert_eq!(v["samples"], 2400, "{v}");
     let c = &v["stall_causes"];
@@ -594,6 +583,59 @@ fn an_attached_rank_s_wait_for_a_stopped_node_is_charged_to_peers() {
     );
 }
 
+/// Three agents (node `metrics_on`'s with `--metrics`) with their links
+/// made, a slow rank on node 0 attached and reading two epochs, and node
+/// 2's agent then stopped (SIGSTOP): the start of the node-down tests.
+struct StoppedNode {
+    agents: Vec<Agent>,
+    metrics_addr: String,
+    /// What the rank reads embedded with every node up.
+    want: (u64, String, u64, u64),
+    rank: Child,
+}
+
+impl StoppedNode {
+    fn start(nodes: &Nodes, metrics_on: usize) -> StoppedNode {
+        let agents: Vec<Agent> = (0..3)
+            .map(|i| {
+                if i == metrics_on {
+                    nodes.agent_with(i, &["--metrics", "127.0.0.1:0"])
+                } else {
+                    nodes.agent(i)
+                }
+            })
+            .collect();
+        let metrics_addr = metrics_addr_of(&agents[metrics_on]);
+        // Every link (node 1's to node 2 too) made before node 2 stops:
+        // the agents make them at start.
+        for a in &agents {
+            wait_open_links(a, 2);
+        }
+        let want = cluster_report(spawn_read(&nodes.read(0, 0, 1, "off", &[])));
+        let slow = ["--compute-us", "20000"];
+        let rank = spawn_read(&nodes.read(0, 0, 1, "required", &slow));
+        agents[0]
+            .log
+            .wait_for(&["rank 0 ", "attached"], Duration::from_secs(30));
+        signal(&agents[2], "-STOP");
+        StoppedNode {
+            agents,
+            metrics_addr,
+            want,
+            rank,
+        }
+    }
+}
+
+/// Sends `sig` (`-STOP`, `-CONT`) to agent `a`.
+fn signal(a: &Agent, sig: &str) {
+    let ok = std::process::Command::new("kill")
+        .args([sig, &a.pid().to_string()])
+        .status()
+        .unwrap();
+    assert!(ok.success(), "kill {sig}");
+}
+
 /// A node that dies is announced: node 2's agent hangs (SIGSTOP: a host
 /// that dies sends nothing) while a rank on node 0 reads from it, so node
 /// 0's agent judges it dead by its own clock (2 s of silence with grants
@@ -607,29 +649,8 @@ fn an_attached_rank_s_wait_for_a_stopped_node_is_charged_to_peers() {
 #[test]
 fn a_node_judged_dead_is_announced_to_the_other_agents() {
     let nodes = Nodes::new(1200, 3, 1, 10);
-    let agents: Vec<Agent> = (0..3)
-        .map(|i| match i {
-            0 => nodes.agent_with(0, &["--metrics", "127.0.0.1:0"]),
-            _ => nodes.agent(i),
-        })
-        .collect();
-    let metrics_addr = metrics_addr_of(&agents[0]);
-    // Node 1's link to node 2 (and node 0's to node 1) made before node 2
-    // stops: the agents make them at start.
-    for a in &agents {
-        wait_open_links(a, 2);
-    }
-    let want = cluster_report(spawn_read(&nodes.read(0, 0, 1, "off", &[])));
-    let slow = ["--compute-us", "20000"];
-    let rank = spawn_read(&nodes.read(0, 0, 1, "required", &slow));
-    agents[0]
-        .log
-        .wait_for(&["rank 0 ", "attached"], Duration::from_secs(30));
-    let stopped = std::process::Command::new("kill")
-        .args(["-STOP", &agents[2].pid().to_string()])
-        .status()
-        .unwrap();
-    assert!(stopped.success());
+    let s = StoppedNode::start(&nodes, 0);
+    let (agents, metrics_addr, want, rank) = (&s.agents, &s.metrics_addr, &s.want, s.rank);
     let judged = agents[0]
         .log
         .wait_for(&["node 2 (", "is gone (no "], Duration::from_secs(30));
@@ -644,7 +665,7 @@ fn a_node_judged_dead_is_announced_to_the_other_agents() {
         (want.0, &want.1),
         "rank 0: exact after node 2 stopped"
     );
-    let text = http_get(&metrics_addr);
+    let text = http_get(metrics_addr);
     assert!(
         sample_value(&text, "kspeed_serve_node_notices_sent_total") >= 1.0,
         "node 0 sent no notice:\n{text}"
@@ -660,30 +681,8 @@ fn a_node_judged_dead_is_announced_to_the_other_agents() {
 #[test]
 fn a_node_reported_down_that_answers_keeps_its_links() {
     let nodes = Nodes::new(1200, 3, 1, 11);
-    let agents: Vec<Agent> = (0..3)
-        .map(|i| match i {
-            2 => nodes.agent_with(2, &["--metrics", "127.0.0.1:0"]),
-            _ => nodes.agent(i),
-        })
-        .collect();
-    let metrics_addr = metrics_addr_of(&agents[2]);
-    for a in &agents {
-        wait_open_links(a, 2);
-    }
-    let want = cluster_report(spawn_read(&nodes.read(0, 0, 1, "off", &[])));
-    let slow = ["--compute-us", "20000"];
-    let rank = spawn_read(&nodes.read(0, 0, 1, "required", &slow));
-    agents[0]
-        .log
-        .wait_for(&["rank 0 ", "attached"], Duration::from_secs(30));
-    let signal = |sig: &str| {
-        let ok = std::process::Command::new("kill")
-            .args([sig, &agents[2].pid().to_string()])
-            .status()
-            .unwrap();
-        assert!(ok.success(), "kill {sig}");
-    };
-    signal("-STOP");
+    let s = StoppedNode::start(&nodes, 2);
+    let (agents, metrics_addr, want, rank) = (&s.agents, &s.metrics_addr, &s.want, s.rank);
     agents[1].log.wait_for(
         &[
             "node 2 (",
@@ -692,7 +691,7 @@ fn a_node_reported_down_that_answers_keeps_its_links() {
         ],
         Duration::from_secs(30),
     );
-    signal("-CONT");
+    signal(&agents[2], "-CONT");
     let kept = agents[1].log.wait_for(
         &["node 2 (", "answered after node 0's notice; kept"],
         Duration::from_secs(30),
@@ -712,7 +711,7 @@ fn a_node_reported_down_that_answers_keeps_its_links() {
     );
     // Node 2 was asked (and, its link kept, answered): not merely heard
     // beating by chance within the probe's 1.5 s.
-    let text = http_get(&metrics_addr);
+    let text = http_get(metrics_addr);
     assert!(
         sample_value(&text, "kspeed_serve_probes_total") >= 1.0,
         "node 2 got no probe:\n{text}"
