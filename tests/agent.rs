@@ -693,7 +693,14 @@ fn an_agent_over_a_partial_space_keeps_its_ranks_source_reads_in_a_cache_area() 
     let _agent = Agent::start(
         &sp,
         &sock,
-        &["--cache-dir", s(&cache), "--cache-bytes", &third],
+        &[
+            "--cache-dir",
+            s(&cache),
+            "--cache-bytes",
+            &third,
+            "--cache-scope",
+            "rank",
+        ],
     );
     let o = wait_output(
         spawn_read(&attached_args(&sp, &sock, 0, 1, 3)),

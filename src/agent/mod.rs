@@ -30,6 +30,7 @@ pub mod cluster;
 mod metrics;
 pub mod msg;
 pub mod node;
+mod node_cache;
 mod node_tier;
 pub mod segment;
 pub mod shm;

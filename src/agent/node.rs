@@ -35,6 +35,7 @@ use super::attach::{AttachListener, Attached, Incoming, ListenerConfig};
 use super::cluster::{AgentCluster, KeptLinks};
 use super::metrics::AgentMetrics;
 use super::msg::{RefuseCode, FLAG_DROP_LAST, FLAG_SHUFFLE, FLAG_TIER_VIEWS, FLAG_VERIFY_CRC32C};
+use super::node_cache::NodeCache;
 use super::node_tier::{NodeSamples, NodeTier, TierLayout};
 use super::segment::{side_state, Liveness, Segment, Side};
 use super::shm::RingMap;
@@ -83,8 +84,9 @@ pub struct AgentConfig {
     pub tier_bytes: u64,
     /// Lock the tier in memory (needs RLIMIT_MEMLOCK of `tier_bytes`).
     pub tier_mlock: bool,
-    /// The attached ranks' NVMe cache areas (None: none): each rank's
-    /// loader in the agent keeps its own under `dir/rank<N>`.
+    /// The NVMe cache area for what the attached ranks read from the
+    /// source (None: none): the node's, shared by the ranks of one job
+    /// (`dir/node`), or one per rank (`dir/rank<N>`), by its `scope`.
     pub cache: Option<AgentCache>,
     /// The largest ring a rank may attach: the agent's own memory grows
     /// with it (8 bytes of ready table per 4 KiB of ring, and the pages it
@@ -138,17 +140,43 @@ impl AgentConfig {
     }
 }
 
-/// The cache areas the agent keeps for its ranks (`kspeed agent
+/// The cache area the agent keeps for its ranks (`kspeed agent
 /// --cache-dir`): what an embedded loader's `cache_dir`, `cache_bytes` and
 /// `cache_policy` give it.
 #[derive(Debug, Clone)]
 pub struct AgentCache {
-    /// The folder: rank N's area is `dir/rank<N>`.
+    /// The folder: the node's area is `dir/node`, rank N's `dir/rank<N>`.
     pub dir: PathBuf,
-    /// Each area's budget.
+    /// The area's budget (each rank's, with [`CacheScope::Rank`]).
     pub bytes: u64,
-    /// What the areas keep.
+    /// What the area keeps.
     pub policy: crate::cache::CachePolicy,
+    /// One area for the node, or one per rank.
+    pub scope: CacheScope,
+}
+
+/// Whose cache area a rank's source reads go to (`kspeed agent
+/// --cache-scope`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CacheScope {
+    /// One area for the node's ranks of one job, planned over all their
+    /// reads: a sample one rank fetched is a hit for the others (the
+    /// default).
+    Node,
+    /// An area per rank, each planned along its rank's reads alone (as an
+    /// embedded loader's `cache_dir`).
+    Rank,
+}
+
+impl CacheScope {
+    /// Parses `node` or `rank`.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "node" => Some(CacheScope::Node),
+            "rank" => Some(CacheScope::Rank),
+            _ => None,
+        }
+    }
 }
 
 /// What a run of the agent did.
@@ -193,6 +221,9 @@ struct OpenSpace {
     identity: u64,
     /// The node tier and the user whose ranks share it now.
     tier: Option<Mutex<NodeTier>>,
+    /// The node's cache area (`--cache-scope node`) and the job whose
+    /// ranks share it now.
+    node_cache: Option<Mutex<NodeCache>>,
     /// In a cluster over TCP: the one network thread every rank's loader
     /// joins (one link per other node, started with the first rank).
     net_hub: Option<Arc<crate::loader::net::NetHub>>,
@@ -325,7 +356,17 @@ fn open_space(cfg: &AgentConfig) -> Result<OpenSpace> {
             layout: None,
         })
     });
+    let node_cache = match &cfg.cache {
+        Some(c) if c.scope == CacheScope::Node => Some(Mutex::new(NodeCache::open(
+            &c.dir,
+            c.bytes,
+            c.policy,
+            first.space.catalog(),
+        )?)),
+        _ => None,
+    };
     Ok(OpenSpace {
+        node_cache,
         space: first.space,
         extents: first.extents,
         // One setting for a mixture's reads: O_DIRECT only where every
@@ -428,6 +469,8 @@ struct Rank {
     feeder: JoinHandle<Outcome>,
     /// It was given the node tier (given back when it ends).
     has_tier: bool,
+    /// It was given a lane of the node's cache area (likewise).
+    has_cache: bool,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -529,6 +572,7 @@ pub fn run(
                 mix_parts: open.mix_parts(false),
                 stall_totals: None,
                 node_notices: open.node_notices.clone(),
+                node_cache: None,
             };
             Some(KeptLinks::start(c, &cfg.space, input, hub.threads())?)
         }
@@ -721,6 +765,11 @@ fn end_rank(r: Rank, open: &OpenSpace, beats: &Beats, summary: &mut AgentSummary
             lock(t).give_back();
         }
     }
+    if r.has_cache {
+        if let Some(c) = &open.node_cache {
+            lock(c).give_back();
+        }
+    }
     beats
         .lock()
         .unwrap_or_else(|p| p.into_inner())
@@ -828,6 +877,19 @@ fn start_rank(
         got
     });
     let has_tier = tier.is_some();
+    let node_cache = open.node_cache.as_ref().and_then(|c| {
+        match lock(c).take(uid, &req, open.space.catalog()) {
+            Ok(lease) => Some(lease),
+            Err(why) => {
+                log::info!(
+                    "agent: rank {} (pid {pid}, uid {uid}) reads from the source without the node's cache area: {why}",
+                    req.rank
+                );
+                None
+            }
+        }
+    });
+    let has_cache = node_cache.is_some();
     // Tier views: the rank asked, and it shares the tier; it gets the
     // tier's memfd read-only with ATTACHED.
     let share = tier
@@ -855,7 +917,7 @@ fn start_rank(
         .name(format!("kspeed-feed-{}", req.rank))
         .spawn(move || {
             let views = share.is_some();
-            let loader = match build_loader(&cfg, &space, &incoming, tier, views) {
+            let loader = match build_loader(&cfg, &space, &incoming, tier, views, node_cache) {
                 Ok(l) => l,
                 Err(e) => return Outcome::Refused(refuse(&incoming, e)),
             };
@@ -882,11 +944,17 @@ fn start_rank(
             rank: req.rank,
             feeder,
             has_tier,
+            has_cache,
         }),
         Err(e) => {
             if has_tier {
                 if let Some(t) = &open.tier {
                     lock(t).give_back();
+                }
+            }
+            if has_cache {
+                if let Some(c) = &open.node_cache {
+                    lock(c).give_back();
                 }
             }
             beats
@@ -911,6 +979,7 @@ fn build_loader(
     incoming: &Incoming,
     tier: Option<Arc<Tier>>,
     views: bool,
+    node_cache: Option<crate::loader::cache_node::NodeCacheLease>,
 ) -> Result<Loader> {
     let req = &incoming.request;
     let ring = incoming
@@ -995,6 +1064,7 @@ fn build_loader(
             mix_parts: open.mix_parts(buffered),
             stall_totals: open.stall_totals.clone(),
             node_notices: open.node_notices.clone(),
+            node_cache,
         })
         .batch_size(req.batch_size as usize)
         .seed(req.seed)
@@ -1030,7 +1100,7 @@ fn build_loader(
                 consumed: 0,
             })
         }));
-    let b = match &cfg.cache {
+    let b = match cfg.cache.as_ref().filter(|c| c.scope == CacheScope::Rank) {
         Some(c) => b
             .cache_dir(Some(c.dir.clone()))
             .cache_bytes(c.bytes)

@@ -40,7 +40,7 @@ use crate::sys::AlignedBuf;
 /// Write buffers: as many as fit in this many bytes (at least 2, at most
 /// [`MAX_BUFFERS`]).
 const BUFFER_BUDGET_BYTES: u64 = 64 << 20;
-const MAX_BUFFERS: u64 = 64;
+const MAX_BUFFERS: u64 = 256;
 /// Samples written per batch at most.
 const BATCH: usize = 64;
 /// How long the writer waits for a poller to finish reading a slot's old

@@ -114,6 +114,9 @@ pub(crate) struct AgentInput {
     /// The agent's node-down notices (with a node service): its network
     /// threads post there the nodes they judge dead.
     pub(crate) node_notices: Option<Arc<crate::transport::notices::NodeNotices>>,
+    /// The node's cache area and its planner for the node's ranks
+    /// (`kspeed agent --cache-scope node`), this rank's lane of it.
+    pub(crate) node_cache: Option<super::cache_node::NodeCacheLease>,
 }
 
 impl std::fmt::Debug for AgentInput {

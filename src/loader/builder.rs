@@ -774,6 +774,18 @@ impl LoaderBuilder {
         sampler: &Sampler,
         attached: bool,
     ) -> Result<Option<super::cache_plan::CacheSetup>> {
+        // Inside the node agent, the node's area and planner, shared by
+        // the node's ranks (`kspeed agent --cache-scope node`).
+        if let Some(lease) = self.agent_input.as_ref().and_then(|a| a.node_cache.clone()) {
+            return Ok(Some(super::cache_plan::CacheSetup {
+                area: lease.area,
+                planning: super::cache_plan::Planning::Node {
+                    plan: lease.plan,
+                    lane: lease.lane,
+                },
+                hits: Default::default(),
+            }));
+        }
         let Some(dir) = &self.cache_dir else {
             if self.cache_bytes > 0 {
                 return Err(Error::InvalidConfig(
@@ -837,10 +849,13 @@ impl LoaderBuilder {
         );
         Ok(Some(super::cache_plan::CacheSetup {
             area: Arc::new(area),
-            policy: self.cache_policy,
-            next,
-            rank: self.rank as u64,
-            world: self.world as u64,
+            planning: super::cache_plan::Planning::Own {
+                policy: self.cache_policy,
+                next,
+                rank: self.rank as u64,
+                world: self.world as u64,
+            },
+            hits: Default::default(),
         }))
     }
 

@@ -15,6 +15,7 @@
 //! disagreement ends in a source read, never in wrong bytes (area.rs).
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::schedule::{Cursor, Placed};
@@ -90,7 +91,6 @@ enum Policy {
     NextUse {
         mins: Vec<Belady>,
         next: NextUse,
-        rank: u64,
         world: u64,
         /// Replace a held sample only when the write gains a hit
         /// (`Belady::read_weighing_writes` with this horizon); None: MIN's
@@ -103,13 +103,22 @@ enum Policy {
     },
 }
 
-/// The planner of one run (module doc).
-pub(crate) struct Planner {
+/// The decisions themselves, over one order of reads: which slot holds
+/// what, which is free, and the policy's state. A rank's planner feeds it
+/// that rank's reads; the node's (`cache_node.rs`) its ranks' reads in
+/// the order of the sampler's global steps.
+pub(crate) struct PlanCore {
     policy: Policy,
     classes: SlotClasses,
     slot_of: HashMap<u64, u32>,
     /// Per class, its free slots.
     free: Vec<Vec<u32>>,
+}
+
+/// The planner of one run (module doc).
+pub(crate) struct Planner {
+    core: PlanCore,
+    rank: u64,
     cursor: Cursor,
     /// The next sequence number to plan.
     planned: u64,
@@ -134,16 +143,24 @@ pub(crate) struct PlanSpec {
     pub ring_len: usize,
 }
 
-impl Planner {
-    pub(crate) fn new(spec: PlanSpec) -> Self {
-        let classes = spec.classes;
+impl PlanCore {
+    /// The policy's state over `classes`, starting from `held` (slot,
+    /// sample) ranked by their next reads after rank `rank`'s step at
+    /// `t0` (the first read planned).
+    pub(crate) fn new(
+        policy: CachePolicy,
+        next: Option<NextUse>,
+        (rank, world): (u64, u64),
+        classes: SlotClasses,
+        held: Vec<(u32, u64)>,
+        t0: crate::sampler::Position,
+    ) -> Self {
         let slots = classes.slots();
         assert!(slots < MAX_SLOTS, "too many cache slots");
         let slots = slots as u32;
         let n_classes = classes.classes().len();
-        let start = spec.cursor.next_g();
-        let mut p = Planner {
-            policy: match (spec.policy, spec.next) {
+        let mut p = PlanCore {
+            policy: match (policy, next) {
                 (CachePolicy::NextUse | CachePolicy::Min, Some(next)) => Policy::NextUse {
                     // Every slot of a class counts as one unit of its MIN.
                     mins: classes
@@ -151,10 +168,8 @@ impl Planner {
                         .iter()
                         .map(|c| Belady::new(c.slots as u64, c.slots as usize))
                         .collect(),
-                    rank: spec.rank,
-                    world: spec.world,
-                    weigh_writes: (spec.policy == CachePolicy::NextUse)
-                        .then(|| next.swap_horizon()),
+                    world,
+                    weigh_writes: (policy == CachePolicy::NextUse).then(|| next.swap_horizon()),
                     next,
                 },
                 _ => Policy::Lru {
@@ -169,28 +184,20 @@ impl Planner {
                 .map(|c| Vec::with_capacity(c.slots as usize))
                 .collect(),
             classes,
-            cursor: spec.cursor,
-            planned: start,
-            ring: vec![(0, 0); spec.ring_len.max(1)].into_boxed_slice(),
         };
         let mut used = vec![false; slots as usize];
-        // The time just before the run's first sample: what is held is
+        // The time just before the first sample planned: what is held is
         // ranked by its next read from there.
-        let t0 = p.cursor.position();
-        for (slot, id) in spec.held {
+        for (slot, id) in held {
             if slot >= slots || used[slot as usize] || p.slot_of.contains_key(&id) {
                 continue;
             }
             let c = p.classes.class_of_slot(slot);
             let kept = match &mut p.policy {
                 Policy::NextUse {
-                    mins,
-                    next,
-                    rank,
-                    world,
-                    ..
+                    mins, next, world, ..
                 } => {
-                    let t = rank_time(next, *rank, *world, t0);
+                    let t = rank_time(next, rank, *world, t0);
                     let n = next.after(id, t.saturating_sub(1));
                     mins[c].insert(id, 1, n)
                 }
@@ -211,6 +218,27 @@ impl Planner {
         }
         p
     }
+}
+
+impl Planner {
+    pub(crate) fn new(spec: PlanSpec) -> Self {
+        let start = spec.cursor.next_g();
+        let core = PlanCore::new(
+            spec.policy,
+            spec.next,
+            (spec.rank, spec.world),
+            spec.classes,
+            spec.held,
+            spec.cursor.position(),
+        );
+        Planner {
+            core,
+            rank: spec.rank,
+            cursor: spec.cursor,
+            planned: start,
+            ring: vec![(0, 0); spec.ring_len.max(1)].into_boxed_slice(),
+        }
+    }
 
     /// The plan for sample `g`, planning every sample up to it first.
     /// `len_of` gives a sample's length (the schedule's), `wants` whether a
@@ -225,7 +253,11 @@ impl Planner {
         while self.planned <= g {
             let p = self.cursor.next_with(len_of);
             debug_assert_eq!(p.g, self.planned, "the planner's cursor and its count");
-            let code = if wants(&p) { self.plan(&p) } else { 0 };
+            let code = if wants(&p) {
+                self.core.plan(&p, self.rank)
+            } else {
+                0
+            };
             self.ring[(p.g % n) as usize] = (p.g + 1, code);
             self.planned += 1;
         }
@@ -235,7 +267,11 @@ impl Planner {
         }
     }
 
-    fn plan(&mut self, p: &Placed) -> u32 {
+}
+
+impl PlanCore {
+    /// The decision for `p`, read by rank `rank`, as a code (`decode`).
+    pub(crate) fn plan(&mut self, p: &Placed, rank: u64) -> u32 {
         let id = p.id;
         // Larger than every slot (the top 1 % of sizes), or a class the
         // budget gave no slot: not kept.
@@ -250,11 +286,10 @@ impl Planner {
             Policy::NextUse {
                 mins,
                 next,
-                rank,
                 world,
                 weigh_writes,
             } => {
-                let n = next.after(id, rank_time(next, *rank, *world, p.pos));
+                let n = next.after(id, rank_time(next, rank, *world, p.pos));
                 let (slot_of, free) = (&mut self.slot_of, &mut self.free[c]);
                 let evicted = |gone| {
                     let s = slot_of.remove(&gone).expect("a held sample has a slot");
@@ -313,7 +348,7 @@ fn rank_time(next: &NextUse, rank: u64, world: u64, pos: crate::sampler::Positio
     next.time(pos.epoch, pos.index * world + rank)
 }
 
-fn decode(code: u32) -> Plan {
+pub(crate) fn decode(code: u32) -> Plan {
     if code & HIT != 0 {
         Plan::Hit(code & !HIT)
     } else if code & ADMIT != 0 {
@@ -326,16 +361,46 @@ fn decode(code: u32) -> Plan {
 /// A loader's cache area and how its runs plan for it.
 pub(crate) struct CacheSetup {
     pub area: Arc<crate::cache::CacheArea>,
-    pub policy: CachePolicy,
-    pub next: Option<NextUse>,
-    pub rank: u64,
-    pub world: u64,
+    pub planning: Planning,
+    /// Samples this loader's pollers read from the area (the area's own
+    /// count is every loader's that shares it).
+    pub hits: Arc<AtomicU64>,
+}
+
+/// Who decides what the area keeps.
+pub(crate) enum Planning {
+    /// This loader alone, along its rank's order (a planner per run).
+    Own {
+        policy: CachePolicy,
+        next: Option<NextUse>,
+        rank: u64,
+        world: u64,
+    },
+    /// The node agent's planner for the node's ranks, shared by their
+    /// loaders (`kspeed agent --cache-scope node`): this loader reads
+    /// lane `lane`'s decisions.
+    Node {
+        plan: Arc<Mutex<super::cache_node::NodePlan>>,
+        lane: usize,
+    },
+}
+
+enum RunPlan {
+    Own(Mutex<Planner>),
+    Node {
+        plan: Arc<Mutex<super::cache_node::NodePlan>>,
+        lane: usize,
+    },
 }
 
 /// The cache area as one run's pollers see it.
 pub(crate) struct RunCache {
     pub area: Arc<crate::cache::CacheArea>,
-    pub plan: Mutex<Planner>,
+    plan: RunPlan,
+    hits: Arc<AtomicU64>,
+    /// This run's reads of the area's slots begun and not ended (the
+    /// area's own count includes other loaders' that share it).
+    open_reads: AtomicU64,
 }
 
 impl CacheSetup {
@@ -344,19 +409,92 @@ impl CacheSetup {
     /// landing ring holds at once.
     pub(crate) fn run(&self, cursor: Cursor, ring_len: usize) -> RunCache {
         let area = &self.area;
-        RunCache {
-            area: area.clone(),
-            plan: Mutex::new(Planner::new(PlanSpec {
-                policy: self.policy,
-                next: self.next.clone(),
-                rank: self.rank,
-                world: self.world,
+        let plan = match &self.planning {
+            Planning::Own {
+                policy,
+                next,
+                rank,
+                world,
+            } => RunPlan::Own(Mutex::new(Planner::new(PlanSpec {
+                policy: *policy,
+                next: next.clone(),
+                rank: *rank,
+                world: *world,
                 classes: area.classes().clone(),
                 held: area.held(),
                 cursor,
                 ring_len: ring_len.saturating_mul(2),
-            })),
+            }))),
+            Planning::Node { plan, lane } => {
+                lock(plan).lane_starts(*lane, cursor.position());
+                RunPlan::Node {
+                    plan: plan.clone(),
+                    lane: *lane,
+                }
+            }
+        };
+        RunCache {
+            area: area.clone(),
+            plan,
+            hits: self.hits.clone(),
+            open_reads: AtomicU64::new(0),
         }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl RunCache {
+    /// The plan for `p`, a sample that goes to the source (module doc).
+    pub(crate) fn decide(
+        &self,
+        p: &Placed,
+        len_of: &dyn Fn(u64) -> u64,
+        wants: &dyn Fn(&Placed) -> bool,
+    ) -> Plan {
+        match &self.plan {
+            RunPlan::Own(m) => lock(m).decide(p.g, len_of, wants),
+            RunPlan::Node { plan, lane } => lock(plan).decide(*lane, p, len_of, wants),
+        }
+    }
+
+    /// [`CacheArea::begin_read`](crate::cache::CacheArea::begin_read),
+    /// counted for this run.
+    pub(crate) fn begin_read(&self, slot: u32, id: u64) -> bool {
+        let began = self.area.begin_read(slot, id);
+        if began {
+            self.open_reads.fetch_add(1, Ordering::Relaxed);
+        }
+        began
+    }
+
+    /// [`CacheArea::end_read`](crate::cache::CacheArea::end_read), counted
+    /// for this run and its loader.
+    pub(crate) fn end_read(&self, slot: u32, len: u64, corrupt: bool) {
+        self.area.end_read(slot, len, corrupt);
+        self.close_read();
+        if !corrupt {
+            self.hits.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// [`CacheArea::abandon_read`](crate::cache::CacheArea::abandon_read),
+    /// counted for this run.
+    pub(crate) fn abandon_read(&self, slot: u32) {
+        self.area.abandon_read(slot);
+        self.close_read();
+    }
+
+    fn close_read(&self) {
+        let before = self.open_reads.fetch_sub(1, Ordering::Relaxed);
+        assert!(before > 0, "a cache read ended that this run did not begin");
+    }
+
+    /// Reads of the area's slots this run began and did not end.
+    pub(crate) fn open_reads(&self) -> u64 {
+        self.open_reads.load(Ordering::Relaxed)
     }
 }
 

@@ -35,6 +35,7 @@ pub(crate) mod tier;
 mod attached;
 mod batch;
 mod builder;
+pub(crate) mod cache_node;
 mod cache_plan;
 mod fdcache;
 mod input;
@@ -144,9 +145,10 @@ impl Run {
         }
         if let (None, Some(c)) = (&failed, &self.shared.cache) {
             // Every poller gave back the cache slots it was reading: one
-            // left would never be rewritten (the area outlives the run).
+            // left would never be rewritten (the area outlives the run;
+            // other loaders may share it, so this run's own count).
             assert_eq!(
-                c.area.readers(),
+                c.open_reads(),
                 0,
                 "cache area readers left after the run's pollers stopped"
             );
@@ -1533,7 +1535,10 @@ impl Loader {
             remote_samples: t.remote_samples,
             source_reads: t.source_reads,
             failovers: t.failovers,
-            cache_hits: self.cache.as_ref().map_or(0, |c| c.area.hits()),
+            cache_hits: self
+                .cache
+                .as_ref()
+                .map_or(0, |c| c.hits.load(std::sync::atomic::Ordering::Relaxed)),
             read_latency: t.latency_buckets,
         };
         if let Some(run) = &self.run {

@@ -615,8 +615,8 @@ impl Poller {
             .as_ref()
             .filter(|_| use_cache && in_space.is_none())
         {
-            let plan = rc.plan.lock().unwrap_or_else(|e| e.into_inner()).decide(
-                p.g,
+            let plan = rc.decide(
+                &p,
                 &|id| sh.input.sample(id).len as u64,
                 &|q| sh.goes_to_source(q),
             );
@@ -624,7 +624,10 @@ impl Poller {
                 rc.area.planned_hit();
             }
             match plan {
-                Plan::Hit(slot) if rc.area.begin_read(slot, p.id) => {
+                // An admit into a slot that holds the sample already (in
+                // the node's area, another rank read it first, ahead of
+                // the order the plan assumed): read it from there.
+                Plan::Hit(slot) | Plan::Admit(slot) if rc.begin_read(slot, p.id) => {
                     let (at, slot_bytes) = rc.area.slot(slot);
                     // Whole blocks for O_DIRECT, within the ring's slot for
                     // the sample and the area's.
@@ -970,14 +973,14 @@ impl Poller {
                 // The agent's view of a rank's ring faulted (the rank took
                 // the page away): that rank's error; the slot's bytes are
                 // not in question.
-                rc.area.end_read(slot, p.len, false);
+                rc.end_read(slot, p.len, false);
                 let e = self.read_failed(g, 0, libc::EFAULT);
                 self.local_failed(&p, e);
                 return;
             };
             got == want
         };
-        rc.area.end_read(slot, p.len, !ok);
+        rc.end_read(slot, p.len, !ok);
         if !ok {
             log::warn!(
                 "cache area {}: slot {slot} did not give sample {}'s bytes ({}); emptied, \
@@ -1066,7 +1069,7 @@ impl Poller {
                     self.fds.release(lease);
                 }
                 if let (Some(slot), Some(rc)) = (g.cache_read, &self.shared.cache) {
-                    rc.area.abandon_read(slot);
+                    rc.abandon_read(slot);
                 }
             }
         }
@@ -1097,7 +1100,7 @@ impl Poller {
                     self.fds.release(lease);
                 }
                 if let (Some(slot), Some(rc)) = (g.cache_read, &self.shared.cache) {
-                    rc.area.abandon_read(slot);
+                    rc.abandon_read(slot);
                 }
                 self.fail(&g.placed, err.clone());
             }

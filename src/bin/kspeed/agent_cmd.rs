@@ -56,19 +56,26 @@ pub(crate) struct AgentArgs {
     #[arg(long)]
     no_mlock: bool,
     /// An NVMe cache area for what the attached ranks read from the
-    /// source (a partial space's others, in a cluster those no node holds):
-    /// each rank's loader in the agent keeps its own under DIR/rank<N>, as
-    /// an embedded loader's `--cache-dir` (docs/CACHE.md, "The cache
-    /// area"). Needs --cache-bytes.
+    /// source (a partial space's others, in a cluster those no node holds),
+    /// kept across agent restarts (docs/CACHE.md, "The cache area";
+    /// docs/AGENT.md, "The node's cache area"). With --cache-scope node
+    /// (the default) one area, DIR/node, for the node's ranks of one job:
+    /// what one rank fetched is a hit for the others. Needs --cache-bytes.
     #[arg(long, requires = "cache_bytes")]
     cache_dir: Option<PathBuf>,
-    /// Each rank's cache area's budget (e.g. 400GiB).
+    /// The cache area's budget (e.g. 400GiB; each rank's with
+    /// --cache-scope rank).
     #[arg(long, requires = "cache_dir", value_parser = crate::opt::<u64>("cache_bytes"))]
     cache_bytes: Option<u64>,
-    /// What the cache areas keep: next-use (what is read soonest, each
+    /// What the cache area keeps: next-use (what is read soonest, each
     /// write weighed), min (Belady's MIN: the fewest source reads) or lru.
     #[arg(long, default_value = "next-use", value_parser = ["next-use", "min", "lru"])]
     cache_policy: String,
+    /// node: one cache area for the node's ranks, planned over all their
+    /// reads (the default); rank: one per rank under DIR/rank<N>, each
+    /// planned along its rank's reads, as an embedded loader's.
+    #[arg(long, default_value = "node", value_parser = ["node", "rank"])]
+    cache_scope: String,
     /// The largest ring a rank may attach (the agent's memory grows with
     /// it); a larger one is refused by name.
     #[arg(long, default_value = "64GiB", value_parser = crate::parse_bytes)]
@@ -174,6 +181,8 @@ pub(crate) fn run_agent(a: AgentArgs) -> kspeed::Result<()> {
             dir,
             bytes: a.cache_bytes.expect("clap requires it"),
             policy: kspeed::cache::CachePolicy::parse(&a.cache_policy).expect("clap checked it"),
+            scope: kspeed::agent::node::CacheScope::parse(&a.cache_scope)
+                .expect("clap checked it"),
         });
     let spec = a.nodes.spec(false);
     let token = match (&a.token_file, spec.is_set() || a.listen.is_some()) {
