@@ -38,11 +38,15 @@ use crate::error::{errno_name, IoContext, Result};
 use crate::sys::AlignedBuf;
 
 /// Write buffers: as many as fit in this many bytes (at least 2, at most
-/// [`MAX_BUFFERS`]).
+/// [`MAX_BUFFERS`]). 256 small slots: a node's area takes the admits of
+/// all its ranks (with 64, four ranks of 4 KiB samples skipped a third of
+/// their writes for want of a buffer: BENCHMARKS.md, "The node's cache
+/// area").
 const BUFFER_BUDGET_BYTES: u64 = 64 << 20;
 const MAX_BUFFERS: u64 = 256;
-/// Samples written per batch at most.
-const BATCH: usize = 64;
+/// Samples written per batch at most: half the buffers, so pollers find
+/// buffers free while a batch is written and synced.
+const BATCH: usize = 128;
 /// How long the writer waits for a poller to finish reading a slot's old
 /// sample before it gives the new one up (a read takes milliseconds).
 const CLAIM_WAIT: Duration = Duration::from_secs(5);
