@@ -157,10 +157,7 @@ impl NodeCache {
             job: req.job,
             end_epoch: req.end_epoch,
         };
-        let same = self
-            .plan
-            .as_ref()
-            .is_some_and(|p| *lock(p).job() == job);
+        let same = self.plan.as_ref().is_some_and(|p| *lock(p).job() == job);
         if !same {
             if self.ranks > 0 {
                 return Err(NoArea::OtherJob(self.ranks));
@@ -199,7 +196,11 @@ impl NodeCache {
             // a read of a slot left open would keep that slot from ever
             // being written again.
             if let Some(a) = &self.area {
-                assert_eq!(a.readers(), 0, "node cache area readers left after its ranks ended");
+                assert_eq!(
+                    a.readers(),
+                    0,
+                    "node cache area readers left after its ranks ended"
+                );
                 let st = a.stats();
                 log::info!(
                     "agent: node cache area {}: {} hits ({} planned), {} writes, {} skipped, {} corrupt, {} failed writes so far; no rank attached",

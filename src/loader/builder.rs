@@ -773,13 +773,13 @@ impl LoaderBuilder {
         input: &Input,
         sampler: &Sampler,
         attached: bool,
-    ) -> Result<Option<super::cache_plan::CacheSetup>> {
+    ) -> Result<Option<super::cache_run::CacheSetup>> {
         // Inside the node agent, the node's area and planner, shared by
         // the node's ranks (`kspeed agent --cache-scope node`).
         if let Some(lease) = self.agent_input.as_ref().and_then(|a| a.node_cache.clone()) {
-            return Ok(Some(super::cache_plan::CacheSetup {
+            return Ok(Some(super::cache_run::CacheSetup {
                 area: lease.area,
-                planning: super::cache_plan::Planning::Node {
+                planning: super::cache_run::Planning::Node {
                     plan: lease.plan,
                     lane: lease.lane,
                 },
@@ -847,9 +847,9 @@ impl LoaderBuilder {
                 " (no O_DIRECT on this file system)"
             }
         );
-        Ok(Some(super::cache_plan::CacheSetup {
+        Ok(Some(super::cache_run::CacheSetup {
             area: Arc::new(area),
-            planning: super::cache_plan::Planning::Own {
+            planning: super::cache_run::Planning::Own {
                 policy: self.cache_policy,
                 next,
                 rank: self.rank as u64,

@@ -259,7 +259,10 @@ impl NodePlan {
         // Consecutive positions take consecutive entries (an epoch has at
         // most `key_steps`), so the last LANE_DECISIONS planned never
         // collide; an older one's entry may be taken (its tag then fails).
-        let k = pos.epoch.wrapping_mul(self.key_steps).wrapping_add(pos.index);
+        let k = pos
+            .epoch
+            .wrapping_mul(self.key_steps)
+            .wrapping_add(pos.index);
         lane * LANE_DECISIONS + (k % LANE_DECISIONS as u64) as usize
     }
 
@@ -376,8 +379,13 @@ mod tests {
         let slots = a.slots() as usize;
         assert!(slots >= 20, "{slots} slots");
         let j = job(120, 4, 0..2, 3);
-        let mut plan = NodePlan::new(j.clone(), a.clone(), CachePolicy::Min, Position { epoch: 0, index: 0 })
-            .unwrap();
+        let mut plan = NodePlan::new(
+            j.clone(),
+            a.clone(),
+            CachePolicy::Min,
+            Position { epoch: 0, index: 0 },
+        )
+        .unwrap();
         let (s0, s1) = (schedule(&j, 0, 3), schedule(&j, 1, 3));
         assert_eq!(s0.len(), s1.len());
         let len_of = |_| 100;
@@ -499,7 +507,10 @@ mod tests {
             plan.decide(0, &p, &len_of, &wants);
         }
         assert_eq!(plan.restarts(), 0);
-        assert_eq!(plan.decide(1, &at(&s1, 1, 1), &len_of, &wants), Plan::Source);
+        assert_eq!(
+            plan.decide(1, &at(&s1, 1, 1), &len_of, &wants),
+            Plan::Source
+        );
         // A jump far ahead starts again there, and plans on from it.
         let far = at(&s1, 1900, 5);
         assert!(!matches!(

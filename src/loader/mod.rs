@@ -37,6 +37,7 @@ mod batch;
 mod builder;
 pub(crate) mod cache_node;
 mod cache_plan;
+mod cache_run;
 mod fdcache;
 mod input;
 pub(crate) mod net;
@@ -254,7 +255,7 @@ pub struct Loader {
     /// attaches anew, with a fresh ring, at its start position).
     attach_settings: Option<attached::AttachSettings>,
     /// The NVMe cache area and its policy (`cache_dir`), kept across runs.
-    cache: Option<cache_plan::CacheSetup>,
+    cache: Option<cache_run::CacheSetup>,
     /// Every sample comes one way (this node's disk): a consumer that
     /// catches up with the pollers sleeps until the batch's last sample is
     /// in, one wake-up per batch, instead of one per sample

@@ -615,11 +615,9 @@ impl Poller {
             .as_ref()
             .filter(|_| use_cache && in_space.is_none())
         {
-            let plan = rc.decide(
-                &p,
-                &|id| sh.input.sample(id).len as u64,
-                &|q| sh.goes_to_source(q),
-            );
+            let plan = rc.decide(&p, &|id| sh.input.sample(id).len as u64, &|q| {
+                sh.goes_to_source(q)
+            });
             if matches!(plan, Plan::Hit(_)) {
                 rc.area.planned_hit();
             }

@@ -302,7 +302,7 @@ pub(crate) struct Shared {
     /// Cluster mode over partial spaces: who holds what (`NetSetup::partial`).
     pub(crate) partial: Option<Arc<crate::dataset::PartialHolders>>,
     /// The NVMe cache area and this run's planner (`cache_dir`).
-    pub(crate) cache: Option<super::cache_plan::RunCache>,
+    pub(crate) cache: Option<super::cache_run::RunCache>,
     /// Set when a poller or the network thread died (a panic, or a ring
     /// that stopped working), so the consumer fails with this instead of
     /// waiting for samples that will never come.

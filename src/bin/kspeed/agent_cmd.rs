@@ -181,8 +181,7 @@ pub(crate) fn run_agent(a: AgentArgs) -> kspeed::Result<()> {
             dir,
             bytes: a.cache_bytes.expect("clap requires it"),
             policy: kspeed::cache::CachePolicy::parse(&a.cache_policy).expect("clap checked it"),
-            scope: kspeed::agent::node::CacheScope::parse(&a.cache_scope)
-                .expect("clap checked it"),
+            scope: kspeed::agent::node::CacheScope::parse(&a.cache_scope).expect("clap checked it"),
         });
     let spec = a.nodes.spec(false);
     let token = match (&a.token_file, spec.is_set() || a.listen.is_some()) {
