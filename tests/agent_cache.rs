@@ -124,7 +124,7 @@ fn one_rank_s_source_reads_are_hits_for_another_rank_of_the_node() {
             assert!(cache.join("node").join("cache.journal").is_file());
             assert!(!cache.join("rank0").exists());
             agent.log.wait_for(
-                &["node cache area planned for ranks 0..4 of 8 from epoch 1 step 0"],
+                &["node cache area planned for node ranks 0-3 of 8 from epoch 1 step 0"],
                 Duration::from_secs(5),
             );
         } else {
@@ -170,4 +170,68 @@ fn four_ranks_share_the_node_s_area_and_a_restarted_agent_finds_it() {
         h[0] > 0,
         "a restarted agent found nothing in the node's area: {h:?}"
     );
+}
+
+/// The node's area holds one user's samples (filled from their ranks'
+/// rings): another user's first rank finds it emptied, and so does the
+/// first user's next rank after that; `DIR/node.uid` names the user.
+#[test]
+fn another_user_s_first_rank_finds_the_node_s_area_emptied() {
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    if !common::is_root() {
+        return common::skip("running a rank as another user needs root");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (sp, third) = partial_space(dir.path());
+    // `nobody` reads the space's catalog: the test's tree is open to it.
+    let mut todo = vec![dir.path().to_path_buf()];
+    while let Some(p) = todo.pop() {
+        let is_dir = p.is_dir();
+        let mode = if is_dir { 0o755 } else { 0o644 };
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode)).unwrap();
+        if is_dir {
+            todo.extend(std::fs::read_dir(&p).unwrap().map(|e| e.unwrap().path()));
+        }
+    }
+    let cache = dir.path().join("cache");
+    let sock = dir.path().join("agent.sock");
+    let budget = third.to_string();
+    let mut args: Vec<&str> = agent_args(&cache, &budget, "node").to_vec();
+    args.extend(["--allow-other-uids", "--socket-mode", "666"]);
+    let agent = Agent::start(&sp, &sock, &args);
+    // Each read waits for the agent to see its rank end (the area is
+    // held until then).
+    let read = |args: Vec<String>, uid: Option<u32>| {
+        let mut c = std::process::Command::new(common::kspeed_bin());
+        c.args(&args)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
+        if let Some(u) = uid {
+            c.uid(u).gid(u);
+        }
+        let child = c.spawn().expect("spawn kspeed read");
+        let pid = child.id();
+        let (got, hits) = read_report(child);
+        agent.log.wait_for(
+            &[&format!("(pid {pid}) ended after")],
+            Duration::from_secs(10),
+        );
+        (got, hits)
+    };
+    let owner = || std::fs::read_to_string(cache.join("node.uid")).unwrap();
+    let epoch2 = embedded_from(&sp, 0, 2, 1);
+    read(rank_args(&sp, &sock, 0, 1, 2), None);
+    let (got, hits) = read(rank_args(&sp, &sock, 0, 2, 1), None);
+    assert_eq!(got, epoch2);
+    assert!(hits[0] > 0, "root's area held nothing for root: {hits:?}");
+    assert_eq!(owner().trim(), "0");
+    let (got, hits) = read(rank_args(&sp, &sock, 0, 2, 1), Some(65534));
+    assert_eq!(got, epoch2, "nobody's rank: exact");
+    assert_eq!(hits, [0], "nobody's rank was served root's samples");
+    assert_eq!(owner().trim(), "65534");
+    let (got, hits) = read(rank_args(&sp, &sock, 0, 2, 1), None);
+    assert_eq!(got, epoch2);
+    assert_eq!(hits, [0], "root's rank was served nobody's samples");
+    assert_eq!(owner().trim(), "0");
 }

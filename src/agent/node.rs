@@ -881,7 +881,16 @@ fn start_rank(
         match lock(c).take(uid, &req, open.space.catalog()) {
             Ok(lease) => Some(lease),
             Err(why) => {
-                log::info!(
+                // A rank that did not say its node's ranks is most likely
+                // a launcher without LOCAL_RANK / LOCAL_WORLD_SIZE: worth
+                // a warning, the rest is the area being busy.
+                let level = if req.local.is_none() {
+                    log::Level::Warn
+                } else {
+                    log::Level::Info
+                };
+                log::log!(
+                    level,
                     "agent: rank {} (pid {pid}, uid {uid}) reads from the source without the node's cache area: {why}",
                     req.rank
                 );

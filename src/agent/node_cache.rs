@@ -33,16 +33,21 @@ pub(super) const NODE_AREA: &str = "node";
 /// ranks share it now.
 pub(super) struct NodeCache {
     dir: PathBuf,
-    bytes: u64,
+    /// `DIR/node.uid`: the user whose ranks filled the area, kept across
+    /// agent restarts (another user's first rank empties the area).
+    owner_file: PathBuf,
+    budget_bytes: u64,
     policy: CachePolicy,
-    /// None after it could not be opened again for a new user (until the
-    /// next user's first rank tries again).
+    /// None after it could not be opened again (until the next rank's
+    /// attach tries again).
     area: Option<Arc<CacheArea>>,
-    /// The user whose ranks' reads filled it.
+    /// The user whose ranks' reads filled it; None: not known (no owner
+    /// file: emptied before a rank uses it).
     uid: Option<u32>,
     /// Ranks given a lane and not ended.
     ranks: usize,
-    plan: Option<Arc<Mutex<NodePlan>>>,
+    /// The job whose ranks hold it now (a copy of the plan's), and its plan.
+    plan: Option<(NodeJob, Arc<Mutex<NodePlan>>)>,
 }
 
 /// Why a rank reads without the node's area (logged by the caller).
@@ -50,11 +55,12 @@ pub(super) struct NodeCache {
 pub(super) enum NoArea {
     /// Another user's ranks hold it.
     OtherUser(u32, usize),
-    /// Another job's ranks hold it.
-    OtherJob(usize),
+    /// Another job's ranks hold it: how many, and what differs.
+    OtherJob(usize, String),
     /// More node ranks than a plan walks.
     TooManyRanks(u32),
-    /// It could not be opened again empty (the error).
+    /// It could not be opened again empty, or the rank's schedule not
+    /// planned (the error).
     Broken(String),
 }
 
@@ -65,15 +71,14 @@ impl std::fmt::Display for NoArea {
                 f,
                 "it holds samples read for uid {uid}'s ranks, {n} still attached (ranks of one user share it)"
             ),
-            NoArea::OtherJob(n) => write!(
-                f,
-                "{n} ranks of another job (another seed, world, node ranks, end or resume point) share it now"
-            ),
+            NoArea::OtherJob(n, what) => {
+                write!(f, "{n} ranks of another job share it now ({what})")
+            }
             NoArea::TooManyRanks(n) => write!(
                 f,
                 "the rank says its node has {n} ranks; one plan walks at most {MAX_LANES}"
             ),
-            NoArea::Broken(e) => write!(f, "it could not be opened ({e})"),
+            NoArea::Broken(e) => write!(f, "it could not be opened or planned ({e})"),
         }
     }
 }
@@ -82,33 +87,40 @@ impl NodeCache {
     /// Opens (or finds, after a restart) the node's area under `dir`.
     pub(super) fn open(
         dir: &std::path::Path,
-        bytes: u64,
+        budget_bytes: u64,
         policy: CachePolicy,
         catalog: &Catalog,
     ) -> Result<NodeCache> {
+        let owner_file = dir.join(format!("{NODE_AREA}.uid"));
         let dir = dir.join(NODE_AREA);
-        let area = open_area(&dir, bytes, catalog)?;
+        let area = open_area(&dir, budget_bytes, catalog)?;
+        let uid = std::fs::read_to_string(&owner_file)
+            .ok()
+            .and_then(|t| t.trim().parse::<u32>().ok());
         log::info!(
-            "agent: node cache area {}: {} slots, {} bytes, {} held, policy {}, shared by the node's ranks of one job",
+            "agent: node cache area {}: {} slots, {} bytes, {} held{}, policy {}, shared by the node's ranks of one job",
             dir.display(),
             area.slots(),
             area.classes().area_bytes(),
             area.held().len(),
+            uid.map_or_else(String::new, |u| format!(" for uid {u}")),
             policy.name()
         );
         Ok(NodeCache {
             dir,
-            bytes,
+            owner_file,
+            budget_bytes,
             policy,
             area: Some(Arc::new(area)),
-            uid: None,
+            uid,
             ranks: 0,
             plan: None,
         })
     }
 
     /// A lane for a rank of `uid` attaching with `req`, if it may share
-    /// the area now.
+    /// the area now. The first rank of a job (none holding a lane) plans
+    /// it afresh from what the area holds, from its start position.
     pub(super) fn take(
         &mut self,
         uid: u32,
@@ -123,18 +135,13 @@ impl NodeCache {
             if self.ranks > 0 {
                 return Err(NoArea::OtherUser(self.uid.unwrap_or(u32::MAX), self.ranks));
             }
-            if self.uid.is_some() || self.area.is_none() {
-                // Another user's samples: emptied first. No loader holds
-                // the area now (each is dropped before its rank ends).
-                self.plan = None;
+            // No loader holds the area now (each is dropped before its
+            // rank is counted ended).
+            self.plan = None;
+            let other = self.uid != Some(uid);
+            if other || self.area.is_none() {
                 self.area = None;
-                let fresh = std::fs::remove_dir_all(&self.dir)
-                    .or_else(|e| match e.kind() {
-                        std::io::ErrorKind::NotFound => Ok(()),
-                        _ => Err(crate::Error::io("remove", &self.dir, e)),
-                    })
-                    .and_then(|()| open_area(&self.dir, self.bytes, catalog));
-                match fresh {
+                match self.reopen(uid, other, catalog) {
                     Ok(a) => self.area = Some(Arc::new(a)),
                     Err(e) => {
                         self.uid = None;
@@ -146,7 +153,7 @@ impl NodeCache {
         }
         let area = self.area.clone().expect("opened above");
         let job = NodeJob {
-            len: catalog.len(),
+            samples: catalog.len(),
             seed: req.seed,
             shuffle: req.flags & FLAG_SHUFFLE != 0,
             drop_last: req.flags & FLAG_DROP_LAST != 0,
@@ -157,32 +164,57 @@ impl NodeCache {
             job: req.job,
             end_epoch: req.end_epoch,
         };
-        let same = self.plan.as_ref().is_some_and(|p| *lock(p).job() == job);
-        if !same {
-            if self.ranks > 0 {
-                return Err(NoArea::OtherJob(self.ranks));
+        match &self.plan {
+            Some((held, _)) if self.ranks > 0 && *held != job => {
+                return Err(NoArea::OtherJob(self.ranks, held.differs(&job)));
             }
-            let start = Position {
-                epoch: req.start_epoch,
-                index: req.start_index,
-            };
-            let plan = NodePlan::new(job, area.clone(), self.policy, start)
-                .map_err(|e| NoArea::Broken(e.to_string()))?;
-            log::info!(
-                "agent: node cache area planned for ranks {:?} of {} from epoch {} step {}",
-                ranks,
-                req.world,
-                req.start_epoch,
-                req.start_index
-            );
-            self.plan = Some(Arc::new(Mutex::new(plan)));
+            Some(_) if self.ranks > 0 => {}
+            // The job's first rank: planned afresh from what the area
+            // holds now (a plan left by an earlier run of the same job
+            // is ahead of where a restarted job resumes).
+            _ => {
+                let start = Position {
+                    epoch: req.start_epoch,
+                    index: req.start_index,
+                };
+                let plan = NodePlan::new(job.clone(), area.clone(), self.policy, start)
+                    .map_err(|e| NoArea::Broken(e.to_string()))?;
+                log::info!(
+                    "agent: node cache area planned for node ranks {}-{} of {} from epoch {} step {}",
+                    ranks.start,
+                    ranks.end - 1,
+                    req.world,
+                    req.start_epoch,
+                    req.start_index
+                );
+                self.plan = Some((job, Arc::new(Mutex::new(plan))));
+            }
         }
         self.ranks += 1;
         Ok(NodeCacheLease {
             area,
-            plan: self.plan.clone().expect("set above"),
+            plan: self.plan.as_ref().expect("set above").1.clone(),
             lane: (req.rank - ranks.start) as usize,
         })
+    }
+
+    /// Opens the area again: emptied first (the folder removed) when
+    /// `empty` (another or an unknown user's samples), then owned by `uid`.
+    fn reopen(&self, uid: u32, empty: bool, catalog: &Catalog) -> Result<CacheArea> {
+        if empty {
+            match std::fs::remove_dir_all(&self.dir) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(crate::Error::io("remove", &self.dir, e)),
+            }
+        }
+        let area = open_area(&self.dir, self.budget_bytes, catalog)?;
+        if empty {
+            // Written after the area is empty: a crash in between leaves
+            // the old owner named over an empty area, which is harmless.
+            crate::format::write_file_atomic(&self.owner_file, format!("{uid}\n").as_bytes())?;
+        }
+        Ok(area)
     }
 
     /// A rank given a lane ended (its loader is dropped).
@@ -191,34 +223,35 @@ impl NodeCache {
             .ranks
             .checked_sub(1)
             .expect("a node cache lane given back more often than taken");
-        if self.ranks == 0 {
-            // Every loader that shared it is gone, its pollers stopped:
-            // a read of a slot left open would keep that slot from ever
-            // being written again.
-            if let Some(a) = &self.area {
-                assert_eq!(
-                    a.readers(),
-                    0,
-                    "node cache area readers left after its ranks ended"
-                );
-                let st = a.stats();
-                log::info!(
-                    "agent: node cache area {}: {} hits ({} planned), {} writes, {} skipped, {} corrupt, {} failed writes so far; no rank attached",
-                    self.dir.display(),
-                    st.hits,
-                    st.planned_hits,
-                    st.writes,
-                    st.skipped,
-                    st.corrupt,
-                    st.write_errors
-                );
-            }
+        if self.ranks > 0 {
+            return;
+        }
+        let Some(a) = &self.area else { return };
+        let st = a.stats();
+        log::info!(
+            "agent: node cache area {}: {} hits ({} planned), {} writes, {} skipped, {} corrupt, {} failed writes since the agent started; no rank attached",
+            self.dir.display(),
+            st.hits,
+            st.planned_hits,
+            st.writes,
+            st.skipped,
+            st.corrupt,
+            st.write_errors
+        );
+        // Every loader that shared it is gone. A read of a slot left open
+        // (a poller that panicked mid-read) would keep that slot from ever
+        // being written again: the area is opened again from its journal
+        // at the next rank's attach, that rank's alone to fail.
+        let open_reads = a.readers();
+        if open_reads > 0 {
+            log::warn!(
+                "agent: node cache area {}: {open_reads} slot reads left open by ranks that failed; opened again at the next attach",
+                self.dir.display()
+            );
+            self.area = None;
+            self.plan = None;
         }
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 fn open_area(dir: &std::path::Path, bytes: u64, catalog: &Catalog) -> Result<CacheArea> {

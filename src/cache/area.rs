@@ -25,7 +25,7 @@
 //! buffer): a poller then reads the source, never wrong bytes.
 
 use std::fs::File;
-use std::io::{Read, Write};
+use std::io::Read;
 use std::os::fd::{AsRawFd, RawFd};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -294,7 +294,7 @@ impl CacheArea {
                 }
             }
             data.sync_all().ctx("fsync", &data_path)?;
-            write_atomically(&meta_path, meta.as_bytes())?;
+            crate::format::write_file_atomic(&meta_path, meta.as_bytes())?;
             sync_parent(&meta_path)?;
         }
         let (held, dropped) = replay(&journal_path, cat, &classes)?;
@@ -594,13 +594,4 @@ fn replay(
         }
     }
     Ok((held, dropped))
-}
-
-/// Writes `bytes` to `path` through a temporary file and a rename, synced.
-fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
-    let tmp = path.with_extension("meta.tmp");
-    let mut f = File::create(&tmp).ctx("create", &tmp)?;
-    f.write_all(bytes).ctx("write", &tmp)?;
-    f.sync_all().ctx("fsync", &tmp)?;
-    std::fs::rename(&tmp, path).ctx("rename", path)
 }

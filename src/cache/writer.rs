@@ -44,8 +44,9 @@ use crate::sys::AlignedBuf;
 /// area").
 const BUFFER_BUDGET_BYTES: u64 = 64 << 20;
 const MAX_BUFFERS: u64 = 256;
-/// Samples written per batch at most: half the buffers, so pollers find
-/// buffers free while a batch is written and synced.
+/// Samples written per batch at most: half of [`MAX_BUFFERS`], so with
+/// small slots the pollers find buffers free while a batch is written and
+/// synced (with fewer, larger buffers a batch may take them all).
 const BATCH: usize = 128;
 /// How long the writer waits for a poller to finish reading a slot's old
 /// sample before it gives the new one up (a read takes milliseconds).

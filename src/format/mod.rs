@@ -308,6 +308,20 @@ pub fn sync_parent(path: &Path) -> Result<()> {
     File::open(dir).and_then(|d| d.sync_all()).ctx("fsync", dir)
 }
 
+/// Writes `bytes` to `path` through a temporary file beside it (`path` +
+/// `.tmp`) and a rename, the file and its directory synced: after a crash
+/// `path` holds the old bytes or the new, never a part.
+pub(crate) fn write_file_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = std::path::PathBuf::from(tmp);
+    let mut f = File::create(&tmp).ctx("create", &tmp)?;
+    f.write_all(bytes).ctx("write", &tmp)?;
+    f.sync_all().ctx("fsync", &tmp)?;
+    std::fs::rename(&tmp, path).ctx("rename", path)?;
+    sync_parent(path)
+}
+
 /// Reads a whole small file (journal) into memory.
 pub fn read_small(path: &Path) -> Result<Vec<u8>> {
     std::fs::read(path).ctx("read", path)

@@ -732,7 +732,7 @@ impl LoaderBuilder {
         } else if self.tier_bytes > 0 {
             Some("no memory tier of its own (the node's memory is the agent's: `kspeed agent --tier-bytes`)")
         } else if self.cache_dir.is_some() {
-            Some("no cache area of its own (the agent keeps one per rank: `kspeed agent --cache-dir`)")
+            Some("no cache area of its own (the agent keeps the node's, or one per rank: `kspeed agent --cache-dir`)")
         } else if self.gpu_ring.is_some() {
             Some("a host ring (GPU rings through the agent are not built yet)")
         } else if self.faults.is_some() {
@@ -1706,7 +1706,7 @@ mod tests {
         assert!(b(&part).agent_serves(&socket));
         // Something the agent lacks.
         assert!(!b(&whole).tier_bytes(1 << 20).agent_serves(&socket));
-        // A cache area of its own: the agent keeps one per rank instead.
+        // A cache area of its own: the agent keeps the node's instead.
         let cached = b(&whole)
             .cache_dir(Some(t.path().join("c")))
             .cache_bytes(1 << 20);

@@ -22,9 +22,14 @@
 //! source read: planning and the slots' words may disagree, and every
 //! disagreement ends in a source read, never in wrong bytes (area.rs).
 //!
-//! Planning never allocates after the start: the rings are sized once,
-//! and a rank far ahead (a restore to a later epoch) starts the plan
-//! again at its position from what the area holds then.
+//! Planning allocates nothing per sample: the rings are sized once. A rank
+//! far ahead (a restore to a later epoch), or one whose run starts inside
+//! what was planned, starts the plan again at its position from what the
+//! area holds then (that allocates, once per restart).
+//!
+//! Every lane of the node's ranks is planned, whether its rank attached
+//! or not: a node rank that never attaches leaves its planned admits
+//! undone, and the hits planned on them for other ranks are source reads.
 
 use std::sync::Arc;
 
@@ -52,7 +57,7 @@ pub(crate) struct NodeCacheLease {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct NodeJob {
     /// Samples in the dataset.
-    pub(crate) len: u64,
+    pub(crate) samples: u64,
     pub(crate) seed: u64,
     pub(crate) shuffle: bool,
     pub(crate) drop_last: bool,
@@ -67,10 +72,66 @@ pub(crate) struct NodeJob {
 }
 
 impl NodeJob {
+    /// What differs between this job and `other`, for a log line (the
+    /// first field that does; empty when none).
+    pub(crate) fn differs(&self, other: &NodeJob) -> String {
+        let (a, b) = (self, other);
+        if a.ranks != b.ranks {
+            return format!(
+                "its node ranks are {}-{}, the attaching rank's {}-{}: a rank that does not say its local rank and local world size is a node of one",
+                a.ranks.start,
+                a.ranks.end.saturating_sub(1),
+                b.ranks.start,
+                b.ranks.end.saturating_sub(1)
+            );
+        }
+        let fields: [(&str, String, String); 9] = [
+            (
+                "dataset length",
+                a.samples.to_string(),
+                b.samples.to_string(),
+            ),
+            ("seed", a.seed.to_string(), b.seed.to_string()),
+            ("shuffle", a.shuffle.to_string(), b.shuffle.to_string()),
+            (
+                "drop_last",
+                a.drop_last.to_string(),
+                b.drop_last.to_string(),
+            ),
+            (
+                "shuffle block",
+                a.shuffle_block.to_string(),
+                b.shuffle_block.to_string(),
+            ),
+            ("world", a.world.to_string(), b.world.to_string()),
+            (
+                "batch size",
+                a.batch_size.to_string(),
+                b.batch_size.to_string(),
+            ),
+            (
+                "resume point",
+                format!("{:?}", a.job),
+                format!("{:?}", b.job),
+            ),
+            (
+                "end epoch",
+                format!("{:?}", a.end_epoch),
+                format!("{:?}", b.end_epoch),
+            ),
+        ];
+        fields
+            .iter()
+            .find(|(_, x, y)| x != y)
+            .map_or_else(String::new, |(name, x, y)| {
+                format!("its {name} is {x}, the attaching rank's {y}")
+            })
+    }
+
     /// Rank `rank`'s sampler.
     fn sampler(&self, rank: u32) -> Result<Sampler> {
         Sampler::new(SamplerConfig {
-            len: self.len,
+            len: self.samples,
             seed: self.seed,
             shuffle: self.shuffle,
             rank,
@@ -97,6 +158,9 @@ impl NodeJob {
     }
 }
 
+/// One lane's decision for the sample at `pos`: kept with its position
+/// and sample so a loader asking for another (a lane behind by a ring, a
+/// schedule that differs) is told "source", never another's decision.
 #[derive(Clone, Copy)]
 struct Entry {
     pos: Position,
@@ -104,6 +168,7 @@ struct Entry {
     code: u32,
 }
 
+/// No decision: a position no schedule reaches.
 const UNSET: Entry = Entry {
     pos: Position {
         epoch: u64::MAX,
@@ -155,6 +220,15 @@ impl NodePlan {
             .clone()
             .map(|r| job.deal(r))
             .collect::<Result<Vec<_>>>()?;
+        // As the rank's loader checks it (its build refuses the same).
+        if start.index > deals[0].steps(start.epoch) {
+            return Err(crate::Error::BadPosition(format!(
+                "step {} is past epoch {}'s {} steps",
+                start.index,
+                start.epoch,
+                deals[0].steps(start.epoch)
+            )));
+        }
         let next_use = match policy {
             CachePolicy::NextUse | CachePolicy::Min => Some(NextUse::new(
                 &job.sampler(job.ranks.start)?,
@@ -195,11 +269,6 @@ impl NodePlan {
         Ok(p)
     }
 
-    /// The job it plans for.
-    pub(crate) fn job(&self) -> &NodeJob {
-        &self.job
-    }
-
     /// Times it started again at another position.
     #[cfg(test)]
     pub(crate) fn restarts(&self) -> u64 {
@@ -226,25 +295,30 @@ impl NodePlan {
         self.restarts += 1;
     }
 
-    /// Lane `lane`'s loader starts a run at `at` (its build, or a restore):
-    /// a position before the plan's start starts the plan again there (a
-    /// job resumed from a checkpoint: its ranks all go back).
+    /// Lane `lane`'s loader starts a run at `at` (its build, or a restore).
+    /// At the plan's start (the job's ranks starting together) nothing
+    /// changes; before it, or inside what was planned (a restore: the
+    /// job's ranks all go there), the plan starts again at `at`, so the
+    /// decisions follow the order the ranks read from now on.
     pub(crate) fn lane_starts(&mut self, lane: usize, at: Position) {
         debug_assert!(lane < self.lanes.len());
-        if at < self.start {
+        if at < self.start || (at > self.start && at < self.next) {
             self.restart(at);
         }
     }
 
-    /// Whether `to` is more than a lane's decisions past the next position
-    /// to plan (planning up to it would drop every decision kept).
+    /// Whether `to` is more than a quarter of a lane's decisions past the
+    /// next position to plan: planning up to it would hold the planner's
+    /// lock (every source read of the node waits on it) for thousands of
+    /// steps of every lane, and drop most decisions kept anyway.
     fn far_ahead(&self, to: Position) -> bool {
+        const FAR_STEPS: u64 = LANE_DECISIONS as u64 / 4;
         let d = &self.deals[0];
         let mut steps = 0u64;
         let mut at = self.next;
         while at.epoch < to.epoch {
             steps += d.steps(at.epoch).saturating_sub(at.index);
-            if steps > LANE_DECISIONS as u64 {
+            if steps > FAR_STEPS {
                 return true;
             }
             at = Position {
@@ -252,7 +326,7 @@ impl NodePlan {
                 index: 0,
             };
         }
-        steps + to.index.saturating_sub(at.index) > LANE_DECISIONS as u64
+        steps + to.index.saturating_sub(at.index) > FAR_STEPS
     }
 
     fn slot(&self, lane: usize, pos: Position) -> usize {
@@ -346,7 +420,7 @@ mod tests {
 
     fn job(len: u64, world: u32, ranks: std::ops::Range<u32>, epochs: u64) -> NodeJob {
         NodeJob {
-            len,
+            samples: len,
             seed: 7,
             shuffle: true,
             drop_last: false,
@@ -524,6 +598,26 @@ mod tests {
         assert!(!matches!(
             plan.decide(0, &at(&s0, 2, 0), &len_of, &wants),
             Plan::Source
+        ));
+        // Another rank of the job starting at the plan's start: kept.
+        plan.lane_starts(1, Position { epoch: 2, index: 0 });
+        assert_eq!(plan.restarts(), 2);
+        // A run starting inside what was planned (a restore): again.
+        plan.decide(0, &at(&s0, 2, 9), &len_of, &wants);
+        plan.lane_starts(1, Position { epoch: 2, index: 4 });
+        assert_eq!(plan.restarts(), 3);
+        // A start past an epoch's steps is refused by name.
+        assert!(matches!(
+            NodePlan::new(
+                j.clone(),
+                plan.area.clone(),
+                CachePolicy::Lru,
+                Position {
+                    epoch: 0,
+                    index: 33
+                }
+            ),
+            Err(crate::Error::BadPosition(_))
         ));
     }
 }

@@ -970,8 +970,8 @@ impl Poller {
             let Some(got) = (unsafe { self.shared.ring.crc32c(off, p.len as usize) }) else {
                 // The agent's view of a rank's ring faulted (the rank took
                 // the page away): that rank's error; the slot's bytes are
-                // not in question.
-                rc.end_read(slot, p.len, false);
+                // not in question (and no sample came of the read).
+                rc.abandon_read(slot);
                 let e = self.read_failed(g, 0, libc::EFAULT);
                 self.local_failed(&p, e);
                 return;

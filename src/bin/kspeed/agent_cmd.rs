@@ -74,7 +74,7 @@ pub(crate) struct AgentArgs {
     /// node: one cache area for the node's ranks, planned over all their
     /// reads (the default); rank: one per rank under DIR/rank<N>, each
     /// planned along its rank's reads, as an embedded loader's.
-    #[arg(long, default_value = "node", value_parser = ["node", "rank"])]
+    #[arg(long, default_value = "node", requires = "cache_dir", value_parser = ["node", "rank"])]
     cache_scope: String,
     /// The largest ring a rank may attach (the agent's memory grows with
     /// it); a larger one is refused by name.

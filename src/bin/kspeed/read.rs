@@ -583,6 +583,14 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
             HumanBytes(st.source_bytes)
         );
     }
+    if st.cache.slots == 0 && st.cache.hits > 0 {
+        // Attached: the agent's area (its other counters stay the
+        // agent's, logged there).
+        println!(
+            "cache area (the node agent's): {} hits for this rank",
+            st.cache.hits
+        );
+    }
     if st.cache.slots > 0 {
         let c = &st.cache;
         println!(

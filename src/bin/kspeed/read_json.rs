@@ -157,6 +157,11 @@ pub(crate) fn print(st: &Stats, placement: &PollerPlacement, r: &Run) {
             })
         })
         .collect();
+    if st.cache.slots == 0 && st.cache.hits > 0 {
+        // Attached: the hits of the node agent's area for this rank
+        // (its other counters are the agent's, in its log).
+        v["cache"] = json!({ "hits": st.cache.hits, "in_agent": true });
+    }
     if st.cache.slots > 0 {
         let c = &st.cache;
         v["cache"] = json!({
