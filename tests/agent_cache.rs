@@ -114,13 +114,24 @@ fn one_rank_s_source_reads_are_hits_for_another_rank_of_the_node() {
         let cache = dir.path().join(format!("cache-{scope}"));
         let sock = dir.path().join(format!("{scope}.sock"));
         let agent = Agent::start(&sp, &sock, &agent_args(&cache, &budget, scope));
-        let (got0, h0) = read_report(spawn_read(&rank_args(&sp, &sock, 0, 1, 2)));
+        let rank0 = spawn_read(&rank_args(&sp, &sock, 0, 1, 2));
+        let pid0 = rank0.id();
+        let (got0, h0) = read_report(rank0);
         assert_eq!(got0, want0, "rank 0, cache scope {scope}: exact");
+        // Rank 1 comes after the agent saw rank 0 end: a job's next run.
+        agent.log.wait_for(
+            &[&format!("(pid {pid0}) ended after")],
+            Duration::from_secs(10),
+        );
         let (got1, h1) = read_report(spawn_read(&rank_args(&sp, &sock, 1, 2, 1)));
         assert_eq!(got1, want1, "rank 1, cache scope {scope}: exact");
         eprintln!("scope {scope}: rank 0 cache hits per epoch {h0:?}, then rank 1 {h1:?}");
         hits1.push(h1.iter().sum::<u64>());
         if scope == "node" {
+            assert!(
+                h1.iter().sum::<u64>() > 0,
+                "rank 1 found none of rank 0's fetches in the node's area"
+            );
             assert!(cache.join("node").join("cache.journal").is_file());
             assert!(!cache.join("rank0").exists());
             agent.log.wait_for(
@@ -132,10 +143,6 @@ fn one_rank_s_source_reads_are_hits_for_another_rank_of_the_node() {
         }
     }
     assert_eq!(hits1[0], 0, "rank 1's own area held nothing for it");
-    assert!(
-        hits1[1] > 0,
-        "rank 1 found none of rank 0's fetches in the node's area"
-    );
 }
 
 /// The node's four ranks at once, 3 epochs: byte-exact, one area for all.

@@ -26,6 +26,9 @@ use crate::sampler::Position;
 /// ranks of a node that says it has more read without the area (logged).
 const MAX_LANES: u32 = 64;
 
+/// How long a job's end waits for its admitted samples to be written.
+const FLUSH_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// The folder under `--cache-dir` the node's area is in.
 pub(super) const NODE_AREA: &str = "node";
 
@@ -227,6 +230,14 @@ impl NodeCache {
             return;
         }
         let Some(a) = &self.area else { return };
+        // What the job admitted is written before the next job plans from
+        // what the area holds (a batch: tens of milliseconds).
+        if !a.flush(FLUSH_WAIT) {
+            log::warn!(
+                "agent: node cache area {}: writes still queued after {FLUSH_WAIT:?}; the next job plans without them",
+                self.dir.display()
+            );
+        }
         let st = a.stats();
         log::info!(
             "agent: node cache area {}: {} hits ({} planned), {} writes, {} skipped, {} corrupt, {} failed writes since the agent started; no rank attached",

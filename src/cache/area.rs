@@ -483,6 +483,12 @@ impl CacheArea {
         ok
     }
 
+    /// Waits, at most `within`, until every sample admitted before is
+    /// written (durable and published) or given up: whether it was.
+    pub(crate) fn flush(&self, within: std::time::Duration) -> bool {
+        self.writer.flush(within)
+    }
+
     /// Samples read from the area so far (O(1), unlike [`stats`](Self::stats)).
     pub fn hits(&self) -> u64 {
         self.shared.counters.hits.load(Ordering::Relaxed)

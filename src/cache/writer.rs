@@ -69,6 +69,8 @@ enum Job {
         slot: u32,
         id: u64,
     },
+    /// Answer once every job queued before is done (`Writer::flush`).
+    Flush(Sender<()>),
 }
 
 /// The writer thread and its buffers (module doc).
@@ -199,6 +201,19 @@ impl Writer {
         true
     }
 
+    /// Waits, at most `within`, until every sample queued before is
+    /// written (or given up): whether it was. Once per job's end in the
+    /// node agent, not per sample (the one allocation is the answer's
+    /// channel).
+    pub(crate) fn flush(&self, within: Duration) -> bool {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        let sent = self
+            .jobs
+            .as_ref()
+            .is_some_and(|j| j.send_timeout(Job::Flush(tx), within).is_ok());
+        sent && rx.recv_timeout(within).is_ok()
+    }
+
     /// Slot `slot`'s bytes (sample `id`'s) were found corrupt: no poller
     /// starts a read of it from now on, and the writer journals it empty
     /// (unless it was given to another sample since). The caller still
@@ -258,6 +273,11 @@ impl WriterState {
             while let Some(job) = next.take() {
                 match job {
                     Job::Evict { slot, id } => self.evicted(slot, id),
+                    Job::Flush(done) => {
+                        self.write_batch(&mut batch);
+                        // The caller may have given up waiting.
+                        let _ = done.try_send(());
+                    }
                     Job::Admit {
                         slot,
                         id,
