@@ -662,32 +662,8 @@ fn kept_batches_survive_a_restarted_agent() {
 #[test]
 fn an_agent_over_a_partial_space_keeps_its_ranks_source_reads_in_a_cache_area() {
     let dir = tempfile::tempdir().unwrap();
-    let src = dir.path().join("src");
-    common::gen("tiny", 600, &src);
-    let sp = dir.path().join("space");
-    fn tree_bytes(p: &std::path::Path) -> u64 {
-        std::fs::read_dir(p)
-            .unwrap()
-            .map(|e| {
-                let e = e.unwrap();
-                match e.file_type().unwrap().is_dir() {
-                    true => tree_bytes(&e.path()),
-                    false => e.metadata().unwrap().len(),
-                }
-            })
-            .sum()
-    }
-    let bytes = tree_bytes(&src);
-    let third = (bytes / 3).to_string();
-    common::ok(&[
-        "preload",
-        "--source",
-        s(&src),
-        "--space",
-        s(&sp),
-        "--max-bytes",
-        &third,
-    ]);
+    let (sp, third) = partial_space(dir.path());
+    let third = third.to_string();
     let sock = dir.path().join("agent.sock");
     let cache = dir.path().join("cache");
     let _agent = Agent::start(

@@ -15,38 +15,6 @@ use std::time::Duration;
 use agent_support::*;
 use common::s;
 
-/// A partial space holding a third of 600 samples (the rest stays in its
-/// source) and that third's bytes.
-fn partial_space(dir: &Path) -> (std::path::PathBuf, u64) {
-    let src = dir.join("src");
-    common::gen("tiny", 600, &src);
-    fn tree_bytes(p: &Path) -> u64 {
-        std::fs::read_dir(p)
-            .unwrap()
-            .map(|e| {
-                let e = e.unwrap();
-                match e.file_type().unwrap().is_dir() {
-                    true => tree_bytes(&e.path()),
-                    false => e.metadata().unwrap().len(),
-                }
-            })
-            .sum()
-    }
-    let bytes = tree_bytes(&src);
-    let sp = dir.join("space");
-    let third = (bytes / 3).to_string();
-    common::ok(&[
-        "preload",
-        "--source",
-        s(&src),
-        "--space",
-        s(&sp),
-        "--max-bytes",
-        &third,
-    ]);
-    (sp, bytes / 3)
-}
-
 /// Ranks of a job of `WORLD` on this node.
 const LOCAL: u32 = 4;
 const WORLD: u32 = 8;

@@ -475,7 +475,7 @@ mod tests {
             got[2 * i] = Some(plan.decide(0, p, &len_of, &wants));
         }
         let merged: Vec<u64> = s0.iter().zip(&s1).flat_map(|(a, b)| [a.id, b.id]).collect();
-        let want = brute_min(&merged, slots);
+        let want = crate::loader::cache_plan::tests::brute_min(&merged, slots, &[]);
         let got: Vec<Decision> = got
             .iter()
             .map(|d| match d.expect("every read decided") {
@@ -500,46 +500,6 @@ mod tests {
         }
         assert!(across > 0, "no hit across the node's ranks");
         assert_eq!(plan.restarts(), 0);
-    }
-
-    /// MIN with bypass by brute force (farthest next read evicted; never
-    /// read again is farthest; ties by the larger id).
-    fn brute_min(seq: &[u64], slots: usize) -> Vec<Decision> {
-        let next_of = |id: u64, t: usize| {
-            seq[t + 1..]
-                .iter()
-                .position(|&x| x == id)
-                .map_or(crate::sampler::NEVER, |k| (t + 1 + k) as u64)
-        };
-        let mut cache: Vec<u64> = Vec::new();
-        let mut out = Vec::new();
-        for (t, &id) in seq.iter().enumerate() {
-            if cache.contains(&id) {
-                out.push(Decision::Hit);
-                continue;
-            }
-            let n = next_of(id, t);
-            if n == crate::sampler::NEVER {
-                out.push(Decision::Bypass);
-            } else if cache.len() < slots {
-                cache.push(id);
-                out.push(Decision::Admit);
-            } else {
-                let (k, far) = cache
-                    .iter()
-                    .enumerate()
-                    .map(|(k, &h)| (k, (next_of(h, t), h)))
-                    .max_by_key(|&(_, key)| key)
-                    .unwrap();
-                if far > (n, id) {
-                    cache[k] = id;
-                    out.push(Decision::Admit);
-                } else {
-                    out.push(Decision::Bypass);
-                }
-            }
-        }
-        out
     }
 
     /// A lane more than its ring behind, a position before the start, or

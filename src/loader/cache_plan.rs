@@ -356,7 +356,7 @@ pub(crate) fn decode(code: u32) -> Plan {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use crate::loader::schedule::Geometry;
     use crate::sampler::{Position, Sampler, SamplerConfig, NEVER};
@@ -410,7 +410,7 @@ mod tests {
     /// MIN with bypass by brute force over the read sequence: on a miss,
     /// keep the sample if something held is read later (evict the
     /// farthest; "never again" is farthest, ties by the larger id).
-    fn brute_min(seq: &[u64], slots: usize, held: &[u64]) -> Vec<Decision> {
+    pub(in crate::loader) fn brute_min(seq: &[u64], slots: usize, held: &[u64]) -> Vec<Decision> {
         brute(seq, slots, held, None)
     }
 

@@ -300,3 +300,36 @@ pub fn sample_value(text: &str, name: &str) -> f64 {
         .and_then(|v| v.parse::<f64>().ok())
         .unwrap_or_else(|| panic!("no {name} in:\n{text}"))
 }
+
+/// The bytes of every file under `p`.
+pub fn tree_bytes(p: &Path) -> u64 {
+    std::fs::read_dir(p)
+        .unwrap()
+        .map(|e| {
+            let e = e.unwrap();
+            match e.file_type().unwrap().is_dir() {
+                true => tree_bytes(&e.path()),
+                false => e.metadata().unwrap().len(),
+            }
+        })
+        .sum()
+}
+
+/// A partial space under `dir` holding a third of 600 tiny samples'
+/// bytes (the rest stays in its source, `dir/src`), and that third.
+pub fn partial_space(dir: &Path) -> (PathBuf, u64) {
+    let src = dir.join("src");
+    gen("tiny", 600, &src);
+    let third = tree_bytes(&src) / 3;
+    let sp = dir.join("space");
+    ok(&[
+        "preload",
+        "--source",
+        s(&src),
+        "--space",
+        s(&sp),
+        "--max-bytes",
+        &third.to_string(),
+    ]);
+    (sp, third)
+}
