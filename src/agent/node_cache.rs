@@ -141,15 +141,12 @@ impl NodeCache {
             // No loader holds the area now (each is dropped before its
             // rank is counted ended).
             self.plan = None;
-            let other = self.uid != Some(uid);
-            if other || self.area.is_none() {
-                self.area = None;
-                match self.reopen(uid, other, catalog) {
-                    Ok(a) => self.area = Some(Arc::new(a)),
-                    Err(e) => {
-                        self.uid = None;
-                        return Err(NoArea::Broken(e.to_string()));
-                    }
+            self.area = None;
+            match self.reopen(uid, self.uid != Some(uid), catalog) {
+                Ok(a) => self.area = Some(Arc::new(a)),
+                Err(e) => {
+                    self.uid = None;
+                    return Err(NoArea::Broken(e.to_string()));
                 }
             }
             self.uid = Some(uid);
@@ -230,6 +227,28 @@ impl NodeCache {
             return;
         }
         let Some(a) = &self.area else { return };
+        // Every loader that shared it is gone. A read of a slot left open
+        // (a poller that panicked mid-read) would keep that slot from ever
+        // being written again, and the writer waits for it before each
+        // write to it: the area is opened again from its journal at the
+        // next rank's attach, the old one dropped off this loop (its
+        // writer finishes its queue first).
+        let open_reads = a.readers();
+        if open_reads > 0 {
+            log::warn!(
+                "agent: node cache area {}: {open_reads} slot reads left open by ranks that failed; opened again at the next attach",
+                self.dir.display()
+            );
+            self.plan = None;
+            let old = self.area.take();
+            let spawned = std::thread::Builder::new()
+                .name("kspeed-cache-drop".into())
+                .spawn(move || drop(old));
+            if let Err(e) = spawned {
+                log::warn!("agent: could not start a thread to close the node cache area ({e}); closing it here");
+            }
+            return;
+        }
         // What the job admitted is written before the next job plans from
         // what the area holds (a batch: tens of milliseconds).
         if !a.flush(FLUSH_WAIT) {
@@ -249,19 +268,6 @@ impl NodeCache {
             st.corrupt,
             st.write_errors
         );
-        // Every loader that shared it is gone. A read of a slot left open
-        // (a poller that panicked mid-read) would keep that slot from ever
-        // being written again: the area is opened again from its journal
-        // at the next rank's attach, that rank's alone to fail.
-        let open_reads = a.readers();
-        if open_reads > 0 {
-            log::warn!(
-                "agent: node cache area {}: {open_reads} slot reads left open by ranks that failed; opened again at the next attach",
-                self.dir.display()
-            );
-            self.area = None;
-            self.plan = None;
-        }
     }
 }
 

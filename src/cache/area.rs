@@ -294,8 +294,8 @@ impl CacheArea {
                 }
             }
             data.sync_all().ctx("fsync", &data_path)?;
+            // Synced, and its directory too.
             crate::format::write_file_atomic(&meta_path, meta.as_bytes())?;
-            sync_parent(&meta_path)?;
         }
         let (held, dropped) = replay(&journal_path, cat, &classes)?;
         if dropped {

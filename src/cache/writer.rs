@@ -206,12 +206,14 @@ impl Writer {
     /// node agent, not per sample (the one allocation is the answer's
     /// channel).
     pub(crate) fn flush(&self, within: Duration) -> bool {
+        // One deadline for the queueing and the answer together.
+        let deadline = Instant::now() + within;
         let (tx, rx) = crossbeam_channel::bounded(1);
         let sent = self
             .jobs
             .as_ref()
-            .is_some_and(|j| j.send_timeout(Job::Flush(tx), within).is_ok());
-        sent && rx.recv_timeout(within).is_ok()
+            .is_some_and(|j| j.send_deadline(Job::Flush(tx), deadline).is_ok());
+        sent && rx.recv_deadline(deadline).is_ok()
     }
 
     /// Slot `slot`'s bytes (sample `id`'s) were found corrupt: no poller
