@@ -150,7 +150,9 @@ else
 fi
 
 step "Python package (ffi/python): pip install, pytest (torch in a cached venv, ~/.cache/kspeed/py-venv)"
-quiet target/ci-logs/python.log scripts/test_python.sh
+# The release CLI the C++ step's install built (default features): no
+# second, debug build of the crate for the Python tests.
+KSPEED_BIN="$PWD/target/release/kspeed" quiet target/ci-logs/python.log scripts/test_python.sh
 if [ -n "${CI:-}" ]; then rm -rf ffi/python/target; fi
 
 step "fuzz the frame decoder (${KSPEED_FUZZ_SECS:-45} s)"

@@ -14,7 +14,8 @@
 #      lives in the kspeed-capi crate, which the extension does not link;
 #      when it was part of the kspeed crate every cdylib built on kspeed
 #      exported all of it);
-#   5. pytest, with the repository's `kspeed` CLI for making spaces and
+#   5. pytest, with the repository's `kspeed` CLI ($KSPEED_BIN, else a debug
+#      build) for making spaces and
 #      running `kspeed serve`, and a limit per test (pytest-timeout,
 #      KSPEED_PY_TEST_TIMEOUT_S, default 600 s): a test that hangs fails
 #      with its stack instead of holding the run until CI's limit.
@@ -41,8 +42,16 @@ if [ -n "$exported" ]; then
     exit 1
 fi
 echo "the Python extension ($(basename "$ext")) exports no ksp_* symbol"
-cargo build --quiet --bin kspeed
-export KSPEED_BIN="$root/target/debug/kspeed"
+# The CLI the tests run: $KSPEED_BIN when given (scripts/test.sh passes
+# the release build its test steps made, so CI does not build the whole
+# crate again in debug), else this checkout's debug build.
+if [ -z "${KSPEED_BIN:-}" ]; then
+    cargo build --quiet --bin kspeed
+    export KSPEED_BIN="$root/target/debug/kspeed"
+elif [ ! -x "$KSPEED_BIN" ]; then
+    echo "KSPEED_BIN=$KSPEED_BIN is not an executable" >&2
+    exit 1
+fi
 if [ -n "${CI:-}" ]; then
     export KSPEED_PY_REQUIRE_ALL=1
 fi

@@ -744,8 +744,16 @@ fn stale_socket_is_replaced_and_a_live_one_is_not() {
         Err(Error::AttachSocket { what, .. }) => assert!(what.contains("another agent"), "{what}"),
         r => panic!("{r:?}"),
     }
+    let lock = sock.with_extension("sock.lock");
+    assert!(lock.exists(), "{} while the agent runs", lock.display());
     drop(l);
     assert!(!sock.exists());
+    assert!(!lock.exists(), "{} after the agent stopped", lock.display());
+    // A lock file a killed agent left (nobody holds its flock): locked again.
+    std::fs::write(&lock, b"").unwrap();
+    let l = AttachListener::bind(&sock, ListenerConfig::default()).unwrap();
+    drop(l);
+    assert!(!lock.exists() && !sock.exists());
     // A live listener that holds no lock (another program): it answers,
     // so its socket is not removed.
     let s = socket2::Socket::new(
