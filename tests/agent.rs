@@ -706,6 +706,22 @@ fn an_agent_over_a_partial_space_keeps_its_ranks_source_reads_in_a_cache_area() 
     );
     assert!(hits > 0, "no cache hit counted: {v}");
     assert!(n(1, "source_reads") < n(0, "source_reads"), "{v}");
+    // The bytes read from the source cross too (the batch slots' extra
+    // words, layout 8): each source read's bytes within the files' sizes.
+    let (reads, bytes) = (
+        v["source_reads"].as_u64().unwrap(),
+        v["source_bytes"].as_u64().unwrap(),
+    );
+    let sizes: Vec<u64> = std::fs::read_dir(dir.path().join("src"))
+        .unwrap()
+        .flat_map(|class| std::fs::read_dir(class.unwrap().path()).unwrap())
+        .map(|e| e.unwrap().metadata().unwrap().len())
+        .collect();
+    let (least, most) = (*sizes.iter().min().unwrap(), *sizes.iter().max().unwrap());
+    assert!(
+        reads > 0 && (reads * least..=reads * most).contains(&bytes),
+        "{reads} source reads of {bytes} bytes; files of {least} to {most} bytes"
+    );
     assert!(cache.join("rank0").join("cache.journal").is_file());
     // Over a space that holds every sample nothing comes from a source:
     // refused at start, by name, not rank by rank at attach.

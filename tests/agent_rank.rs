@@ -312,9 +312,10 @@ fn refuse_unknown(m: &[u8], known: u32) -> Vec<u8> {
     kspeed::agent::msg::encode_refused(version, code, &reason).to_vec()
 }
 
-/// The ATTACHes an old agent read: (version, flags 8 and 16), each
-/// checked to announce the segment those flags make (layout 7 with flag
-/// 16, else 6 with flag 8, else 5): a fallback attach sends a fresh one.
+/// The ATTACHes an old agent read: (version, flags 8, 16 and 32), each
+/// checked to announce the segment those flags make (layout 8 with flag
+/// 32, else 7 with flag 16, else 6 with flag 8, else 5): a fallback
+/// attach sends a fresh one.
 fn versions_and_new_flags(seen: Vec<Vec<u8>>) -> Vec<(u16, u32)> {
     let u32_at = |m: &[u8], at: usize| u32::from_le_bytes(m[at..at + 4].try_into().unwrap());
     seen.iter()
@@ -324,26 +325,28 @@ fn versions_and_new_flags(seen: Vec<Vec<u8>>) -> Vec<(u16, u32)> {
             let segment_bytes = u64::from_le_bytes(m[72..80].try_into().unwrap());
             let views = if f & 8 != 0 { batch } else { 0 };
             let peer_waits = if f & 16 != 0 { 4 } else { 0 };
+            let extras = if f & 32 != 0 { 12 } else { 0 };
             assert_eq!(
                 segment_bytes,
-                kspeed::agent::segment::segment_bytes_for(slots, views, peer_waits),
+                kspeed::agent::segment::segment_bytes_with(slots, views, peer_waits, extras),
                 "flags {f:#x}"
             );
-            (v, f & 24)
+            (v, f & 56)
         })
         .collect()
 }
 
 /// An agent from before tier views (and peer waits) refuses a rank that
 /// asks for them by the unknown ATTACH flags (protocol); the rank attaches
-/// again at once without peer waits, then without views (the samples then
-/// come in its ring): the first ATTACH the old agent receives is version
-/// 5 with flags 8 and 16, the second with 8, the third with neither, which
-/// this one refuses as busy; the rank's error is that last refusal.
+/// again at once without peer waits (and the extra words, which need
+/// them), then without views (the samples then come in its ring): the
+/// first ATTACH the old agent receives is version 5 with flags 8, 16 and
+/// 32, the second with 8, the third with none, which this one refuses as
+/// busy; the rank's error is that last refusal.
 #[test]
 fn an_agent_that_predates_tier_views_is_attached_without_them() {
     let seen = attach_to_an_old_agent(3, |m| refuse_unknown(m, 7));
-    assert_eq!(seen, [(5, 24), (5, 8), (5, 0)]);
+    assert_eq!(seen, [(5, 56), (5, 8), (5, 0)]);
 }
 
 /// A rank asking for tier views attaches to an old agent that reads
@@ -372,12 +375,21 @@ fn attach_to_an_old_agent(conns: usize, answer: fn(&[u8]) -> Vec<u8>) -> Vec<(u1
 }
 
 /// An agent that knows tier views but not peer waits (ATTACH flag 16,
-/// segment layout 7): the rank attaches again without them, keeping its
-/// views (the second ATTACH has flag 8 and not 16).
+/// segment layout 7): the rank attaches again without them and the extra
+/// words, keeping its views (the second ATTACH has flag 8 alone).
 #[test]
 fn an_agent_that_predates_peer_waits_is_attached_without_them() {
     let seen = attach_to_an_old_agent(2, |m| refuse_unknown(m, 15));
-    assert_eq!(seen, [(5, 24), (5, 8)]);
+    assert_eq!(seen, [(5, 56), (5, 8)]);
+}
+
+/// An agent that knows peer waits but not the extra words (ATTACH flag
+/// 32, segment layout 8): the rank attaches again with layout 7, keeping
+/// its views and peer waits (the second ATTACH has flags 8 and 16).
+#[test]
+fn an_agent_that_predates_extra_words_is_attached_without_them() {
+    let seen = attach_to_an_old_agent(2, |m| refuse_unknown(m, 31));
+    assert_eq!(seen, [(5, 56), (5, 24)]);
 }
 
 /// Runs tests/foreign/attach_rank.py (a rank written from docs/AGENT.md

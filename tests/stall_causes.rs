@@ -6,6 +6,7 @@
 //! share: tests/cluster.rs, `stalled_owner_times_out_and_fails_over`; the
 //! agent's: tests/agent.rs.)
 
+mod agent_support;
 mod common;
 #[path = "common/nodes.rs"]
 mod nodes;
@@ -223,6 +224,104 @@ fn the_node_behind_a_slow_link_is_charged_the_wait() {
         "split: {p2:?}"
     );
     assert_eq!(c.peer_link + c.peer_read + c.peer_send, split_sum(&by));
+}
+
+/// The same slow link, the rank attached to its node's agent: node 0 is
+/// a `kspeed agent` (its consumer side only), nodes 1 and 2 `kspeed
+/// serve` in namespaces, node 2's link throttled to 4 Mbit/s. The rank's
+/// epoch is the embedded rank's byte for byte, and its stall is split as
+/// an embedded rank's is: charged to node 2 by name, and, from the times
+/// node 2 reports in its DATA headers (which the agent's loader splits and
+/// sends with each batch: segment layout 8's extra words), mostly to the
+/// link; the phases never sum past the peers' share.
+#[test]
+fn an_attached_rank_behind_a_slow_link_charges_the_link() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (_catalog, spaces) = three_spaces(tmp.path(), 900);
+    let Some(ns) = nodes::Netns::create(NODES) else {
+        return;
+    };
+    if !ns.throttle(2, "4mbit") {
+        return;
+    }
+    let token = tmp.path().join("token");
+    std::fs::write(&token, "stall-token\n").unwrap();
+    let serves: Vec<nodes::Serve> = (1..NODES)
+        .map(|i| {
+            nodes::Serve::start(
+                &spaces[i],
+                &format!("10.77.{i}.2:0"),
+                &token,
+                Some(&ns.names[i]),
+            )
+        })
+        .collect();
+    // Node 0 is the agent, which listens nowhere: nobody dials it.
+    let mut addrs = vec!["127.0.0.1:9".to_string()];
+    addrs.extend(serves.iter().map(|sv| sv.addr.clone()));
+    let cluster = tmp.path().join("cluster");
+    std::fs::write(&cluster, nodes::cluster_text(&addrs)).unwrap();
+    let sock = tmp.path().join("agent.sock");
+    let _agent = agent_support::Agent::start(
+        &spaces[0],
+        &sock,
+        &["--cluster", s(&cluster), "--token-file", s(&token)],
+    );
+    let read = |more: &[&str]| {
+        let mut args = vec![
+            "read",
+            "--json",
+            "--digest",
+            "--progress=none",
+            "--space",
+            s(&spaces[0]),
+            "--seed",
+            "4",
+            "--batch-size",
+            "8",
+            "--ring-bytes",
+            "1MiB",
+            "--epochs",
+            "1",
+            "--cluster",
+            s(&cluster),
+        ];
+        args.extend(more);
+        let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+        let o =
+            agent_support::wait_output(agent_support::spawn_read(&args), Duration::from_secs(120));
+        assert!(o.status.success(), "{}", text(&o));
+        serde_json::from_slice::<serde_json::Value>(&o.stdout).expect("json report")
+    };
+    let v = read(&["--agent", "required", "--agent-socket", s(&sock)]);
+    let embedded = read(&["--agent", "off", "--token-file", s(&token)]);
+    assert_eq!(v["samples"], 900, "{v}");
+    assert_eq!(v["digest"], embedded["digest"], "attached against embedded");
+    let c = &v["stall_causes"];
+    let secs =
+        |o: &serde_json::Value, k: &str| o[k].as_f64().unwrap_or_else(|| panic!("{k} in {o}"));
+    eprintln!("attached rank: {c}");
+    let top = &c["slowest_peers"][0];
+    assert_eq!(top["node"], 2, "{c}");
+    let (stall, read_s, send_s, link_s) = (
+        secs(top, "seconds"),
+        secs(top, "read_seconds"),
+        secs(top, "send_seconds"),
+        secs(top, "link_seconds"),
+    );
+    // About 300 samples of ~4.5 KiB at 4 Mbit/s: over 2 s from node 2.
+    assert!(stall > 1.0, "{c}");
+    assert!(link_s > 2.0 * (read_s + send_s), "node 2: {top}");
+    assert!(
+        read_s + send_s + link_s > 0.8 * stall,
+        "node 2 split: {top}"
+    );
+    let phases =
+        secs(c, "peer_read_seconds") + secs(c, "peer_send_seconds") + secs(c, "peer_link_seconds");
+    assert!(
+        phases >= read_s + send_s + link_s - 1e-3 && phases <= secs(c, "peers_seconds") + 1e-6,
+        "the phases within the peers' share: {c}"
+    );
 }
 
 fn split_sum(by: &[kspeed::loader::PeerStall]) -> Duration {

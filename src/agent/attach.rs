@@ -30,9 +30,12 @@ use socket2::{Domain, SockAddr, Socket, Type};
 
 use super::msg::{
     decode_reply, encode_refused, proto, u16_at, AttachRequest, AttachedReply, RefuseCode,
-    ATTACH_FDS, ATTACH_OLDEST_VERSION, ATTACH_VERSION, FLAG_PEER_WAITS, FLAG_TIER_VIEWS,
+    ATTACH_FDS, ATTACH_OLDEST_VERSION, ATTACH_VERSION, FLAG_PEER_WAITS, FLAG_SLOT_EXTRAS,
+    FLAG_TIER_VIEWS,
 };
-use super::segment::{segment_bytes_for, AgentSide, Segment, PEER_WAITS_PER_SLOT};
+use super::segment::{
+    segment_bytes_with, AgentSide, Segment, EXTRAS_PER_SLOT, PEER_WAITS_PER_SLOT,
+};
 use super::shm::RingMap;
 use crate::error::{Error, Result};
 
@@ -565,11 +568,17 @@ impl AttachListener {
             } else {
                 0
             };
-            let need = segment_bytes_for(request.slots, views, peer_waits);
+            // And one asking for extra words an extras table (version 8).
+            let extras = if request.flags & FLAG_SLOT_EXTRAS != 0 {
+                EXTRAS_PER_SLOT
+            } else {
+                0
+            };
+            let need = segment_bytes_with(request.slots, views, peer_waits, extras);
             if request.segment_bytes != need {
                 return Err(Error::AttachSegment {
                     what: format!(
-                        "ATTACH says {} bytes for {} slots{}{}; the layout needs {need}",
+                        "ATTACH says {} bytes for {} slots{}{}{}; the layout needs {need}",
                         request.segment_bytes,
                         request.slots,
                         if views > 0 {
@@ -582,6 +591,7 @@ impl AttachListener {
                         } else {
                             ""
                         },
+                        if extras > 0 { " and extra words" } else { "" },
                     ),
                 });
             }
@@ -599,6 +609,14 @@ impl AttachListener {
                     what: format!(
                         "the segment has {} peer-wait words per slot; ATTACH asks for {peer_waits} (flag 16: {PEER_WAITS_PER_SLOT}; else 0)",
                         segment.peer_waits_per_slot()
+                    ),
+                });
+            }
+            if segment.extras_per_slot() != extras {
+                return Err(Error::AttachSegment {
+                    what: format!(
+                        "the segment has {} extra words per slot; ATTACH asks for {extras} (flag 32: {EXTRAS_PER_SLOT}; else 0)",
+                        segment.extras_per_slot()
                     ),
                 });
             }

@@ -155,7 +155,7 @@ pub struct AttachRequest {
     pub segment_bytes: u64,
     /// Flags: the sampler's (version 2), [`FLAG_SHUFFLE`] and
     /// [`FLAG_DROP_LAST`], and [`FLAG_VERIFY_CRC32C`], [`FLAG_TIER_VIEWS`],
-    /// [`FLAG_PEER_WAITS`].
+    /// [`FLAG_PEER_WAITS`], [`FLAG_SLOT_EXTRAS`].
     pub flags: u32,
     /// The job's end (version 3): the agent reads nothing of this epoch or
     /// later for the rank (`LoaderBuilder::end_epoch`); `None`: it reads on
@@ -203,9 +203,22 @@ pub const FLAG_TIER_VIEWS: u32 = 8;
 /// the flag refuses the attach (an unknown bit); the rank then attaches
 /// again without it.
 pub const FLAG_PEER_WAITS: u32 = 16;
+/// ATTACH flag (with [`FLAG_PEER_WAITS`]): the rank's segment is layout
+/// version 8, with an extras table after the peer-wait table: per batch,
+/// the bytes the rank's loader inside the agent read from the source and
+/// where its waits for peers went (the node reading, the node sending,
+/// the link; in total and per peer-wait entry), so the rank's
+/// `source_bytes` and `peer_read`/`peer_send`/`peer_link` are what an
+/// embedded loader's would be. An agent that predates the flag refuses
+/// the attach (an unknown bit); the rank then attaches again without it.
+pub const FLAG_SLOT_EXTRAS: u32 = 32;
 /// Every flag this version knows; another bit is refused.
-const KNOWN_FLAGS: u32 =
-    FLAG_SHUFFLE | FLAG_DROP_LAST | FLAG_VERIFY_CRC32C | FLAG_TIER_VIEWS | FLAG_PEER_WAITS;
+const KNOWN_FLAGS: u32 = FLAG_SHUFFLE
+    | FLAG_DROP_LAST
+    | FLAG_VERIFY_CRC32C
+    | FLAG_TIER_VIEWS
+    | FLAG_PEER_WAITS
+    | FLAG_SLOT_EXTRAS;
 
 /// The agent's answer to an accepted ATTACH.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -381,6 +394,11 @@ impl AttachRequest {
             return Err(proto(format!(
                 "unknown flags {:#x} in a version {version} ATTACH",
                 flags & !KNOWN_FLAGS
+            )));
+        }
+        if flags & FLAG_SLOT_EXTRAS != 0 && flags & FLAG_PEER_WAITS == 0 {
+            return Err(proto(format!(
+                "flags {flags:#x} in a version {version} ATTACH: flag 32 (extra words) needs flag 16 (peer waits)"
             )));
         }
         let local = match (u16_at(b, 84), u16_at(b, 86)) {

@@ -1147,8 +1147,10 @@ fn feed(
     let mut dealt = false;
     // Tier views: a view word per sample of each batch (allocated once).
     let mut views = vec![0u64; att.side.segment().views_per_slot() as usize];
-    // Peer waits: the rank's segment has a table for them (layout 7).
+    // Peer waits: the rank's segment has a table for them (layout 7), and
+    // extra words (layout 8): source bytes and the peers' phases.
     let peer_waits = att.side.segment().peer_waits_per_slot() > 0;
+    let extras = att.side.segment().extras_per_slot() > 0;
     let result = loop {
         if halt.load(Ordering::Acquire)
             || att.conn.peer_closed()
@@ -1214,6 +1216,7 @@ fn feed(
             Ok(_) => {
                 let mut desc = loader.held_desc().expect("a batch is held");
                 let now = loader.read_counts();
+                let source_bytes = now.source_bytes - counted.source_bytes;
                 desc.reads = now.since(&mut counted);
                 let waits = loader.waits_by_cause();
                 desc.reads.waits =
@@ -1228,8 +1231,13 @@ fn feed(
                 }
                 if peer_waits {
                     // The nodes waited for while this batch was made, for
-                    // the rank's stall by node.
-                    att.side.set_peer_waits(&loader.take_peer_wait_words());
+                    // the rank's stall by node (and by phase).
+                    let (words, mut more) = loader.take_peer_wait_words();
+                    att.side.set_peer_waits(&words);
+                    if extras {
+                        more.source_bytes = source_bytes;
+                        att.side.set_extras(&more);
+                    }
                 }
                 if let Err(e) = att.side.publish(&desc) {
                     break Err(e);

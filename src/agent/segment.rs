@@ -58,13 +58,23 @@ pub const SEGMENT_MAGIC: u64 = u64::from_le_bytes(*b"KSPATSEG");
 /// Version 7 adds the peer waits: `peer_waits_per_slot` in the header
 /// ([`PEER_WAITS_PER_SLOT`]) and a peer-wait table after the view table
 /// (which it may have or not: `views_per_slot` 0 is no table).
-pub const SEGMENT_VERSION: u32 = 7;
+/// Version 8 adds the extra words: `extras_per_slot` in the header
+/// ([`EXTRAS_PER_SLOT`]) and an extras table after the peer-wait table
+/// (which a version 8 segment always has): the source bytes and where the
+/// peers' share of the waits went ([`BatchExtras`]).
+pub const SEGMENT_VERSION: u32 = 8;
+/// The layout with peer waits and no extra words.
+pub const SEGMENT_PEER_WAITS_VERSION: u32 = 7;
 /// The layout with tier views and no peer waits.
 pub const SEGMENT_VIEWS_VERSION: u32 = 6;
 /// Peer-wait words per slot in a layout version 7 segment: the nodes the
 /// rank's loader inside the agent waited for longest while it made the
 /// batch ([`peer_wait_word`]).
 pub const PEER_WAITS_PER_SLOT: u32 = 4;
+/// Extra words per slot in a layout version 8 segment ([`BatchExtras`]):
+/// the source bytes, one reserved word, then two words for the batch's
+/// split of the peers' waits and two for each peer-wait entry's.
+pub const EXTRAS_PER_SLOT: u32 = 12;
 /// The largest node index a peer-wait word may name: a cluster has at
 /// most 65,536 nodes (`transport::cluster`), so a rank's table of nodes
 /// stays small whatever an agent writes.
@@ -211,7 +221,10 @@ struct Header {
     /// Layout version 7: peer-wait words per slot ([`PEER_WAITS_PER_SLOT`]);
     /// 0 (reserved) before.
     peer_waits_per_slot: AtomicU32,
-    _reserved: [AtomicU32; 2],
+    /// Layout version 8: extra words per slot ([`EXTRAS_PER_SLOT`]); 0
+    /// (reserved) before.
+    extras_per_slot: AtomicU32,
+    _reserved: [AtomicU32; 1],
 }
 
 /// Line 1: written by the agent only.
@@ -326,6 +339,7 @@ const _: () = {
     assert!(offset_of!(Header, generation) == 40 && offset_of!(Header, rank_pid) == 44);
     assert!(offset_of!(Header, views_per_slot) == 48);
     assert!(offset_of!(Header, peer_waits_per_slot) == 52);
+    assert!(offset_of!(Header, extras_per_slot) == 56);
     assert!(
         offset_of!(AgentBlock, ready_futex) == 16 && offset_of!(AgentBlock, room_waiters) == 20
     );
@@ -357,13 +371,24 @@ pub fn segment_bytes_with_views(slots: u32, views_per_slot: u32) -> u64 {
 /// words and `peer_waits_per_slot` peer-wait words per slot (layout
 /// version 7 when the last is [`PEER_WAITS_PER_SLOT`]).
 pub fn segment_bytes_for(slots: u32, views_per_slot: u32, peer_waits_per_slot: u32) -> u64 {
+    segment_bytes_with(slots, views_per_slot, peer_waits_per_slot, 0)
+}
+
+/// As [`segment_bytes_for`], with `extras_per_slot` extra words per slot
+/// (layout version 8 when it is [`EXTRAS_PER_SLOT`]).
+pub fn segment_bytes_with(
+    slots: u32,
+    views_per_slot: u32,
+    peer_waits_per_slot: u32,
+    extras_per_slot: u32,
+) -> u64 {
     // Saturating: the agent sizes a peer's unchecked fields with this, and
     // a sum that does not fit is then refused as the wrong size.
-    (views_offset(slots) as u64).saturating_add(
-        8u64.saturating_mul(u64::from(slots)).saturating_mul(
-            u64::from(views_per_slot).saturating_add(u64::from(peer_waits_per_slot)),
-        ),
-    )
+    let words = u64::from(views_per_slot)
+        .saturating_add(u64::from(peer_waits_per_slot))
+        .saturating_add(u64::from(extras_per_slot));
+    (views_offset(slots) as u64)
+        .saturating_add(8u64.saturating_mul(u64::from(slots)).saturating_mul(words))
 }
 
 /// A peer-wait word: `(node + 1) << 32 | µs` (µs saturating at 2^32 − 1);
@@ -387,6 +412,92 @@ pub fn decode_peer_wait(word: u64) -> std::result::Result<Option<(u32, u32)>, St
         ));
     }
     Ok(Some((node - 1, word as u32)))
+}
+
+/// Where one part of the peers' waits went, in µs (each saturating at
+/// `u32::MAX`): the node reading the sample, the node sending it, the link
+/// ([`StallCauses::peer_read`](crate::loader::StallCauses::peer_read)).
+/// Two extra words: `read_us | send_us << 32`, then `link_us` (its high 32
+/// bits 0).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PeerSplit {
+    /// The node reading (queued for staging or the disk).
+    pub read_us: u32,
+    /// The node sending, after its read.
+    pub send_us: u32,
+    /// The link.
+    pub link_us: u32,
+}
+
+impl PeerSplit {
+    /// Its two extra words.
+    pub fn words(self) -> [u64; 2] {
+        [
+            u64::from(self.read_us) | u64::from(self.send_us) << 32,
+            u64::from(self.link_us),
+        ]
+    }
+
+    /// From its two extra words; an error names a `link` word whose high
+    /// 32 bits are not 0.
+    pub fn from_words(w: [u64; 2]) -> std::result::Result<PeerSplit, String> {
+        if w[1] >> 32 != 0 {
+            return Err(format!(
+                "extra word {:#x}: a link time's high 32 bits must be 0",
+                w[1]
+            ));
+        }
+        Ok(PeerSplit {
+            read_us: w[0] as u32,
+            send_us: (w[0] >> 32) as u32,
+            link_us: w[1] as u32,
+        })
+    }
+}
+
+/// The extra words of a batch slot (layout version 8, [`EXTRAS_PER_SLOT`]
+/// words): what the rank's loader inside the agent read from the source
+/// and where the peers' share of its waits went, since the previous
+/// publish. Word 0: `source_bytes`; word 1: reserved (0); words 2-3:
+/// `split`; words 4 + 2i and 5 + 2i: `peers[i]`, the split of peer-wait
+/// entry `i`'s wait.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct BatchExtras {
+    /// Bytes of the samples read from the dataset's source.
+    pub source_bytes: u64,
+    /// The batch's waits for the peers (the slot's `peers` wait), split
+    /// where the nodes report their times (TCP); what came over RDMA or
+    /// from nodes that report none stays unsplit, so the three sum to at
+    /// most that wait.
+    pub split: PeerSplit,
+    /// As `split`, per entry of the peer-wait table (same order).
+    pub peers: [PeerSplit; PEER_WAITS_PER_SLOT as usize],
+}
+
+impl BatchExtras {
+    /// Its [`EXTRAS_PER_SLOT`] words.
+    pub fn words(&self) -> [u64; EXTRAS_PER_SLOT as usize] {
+        let mut w = [0u64; EXTRAS_PER_SLOT as usize];
+        w[0] = self.source_bytes;
+        w[2..4].copy_from_slice(&self.split.words());
+        for (i, p) in self.peers.iter().enumerate() {
+            w[4 + 2 * i..6 + 2 * i].copy_from_slice(&p.words());
+        }
+        w
+    }
+
+    /// From its words; an error names a word out of its range.
+    pub fn from_words(w: &[u64; EXTRAS_PER_SLOT as usize]) -> std::result::Result<Self, String> {
+        let mut peers = [PeerSplit::default(); PEER_WAITS_PER_SLOT as usize];
+        for (i, p) in peers.iter_mut().enumerate() {
+            *p = PeerSplit::from_words([w[4 + 2 * i], w[5 + 2 * i]])?;
+        }
+        Ok(BatchExtras {
+            source_bytes: w[0],
+            split: PeerSplit::from_words([w[2], w[3]])?,
+            peers,
+        })
+    }
 }
 
 /// Where the view table starts: right after the slots.
@@ -544,6 +655,7 @@ pub struct Segment {
     ring_bytes: u64,
     views_per_slot: u32,
     peer_waits_per_slot: u32,
+    extras_per_slot: u32,
 }
 
 // SAFETY: the mapping holds only atomics and is reached only through
@@ -587,6 +699,24 @@ impl Segment {
         views_per_slot: u32,
         peer_waits: bool,
     ) -> Result<Segment> {
+        Self::create_with(slots, ring_bytes, views_per_slot, peer_waits, false)
+    }
+
+    /// As [`Segment::create_for`], and with `extras` an extras table of
+    /// [`EXTRAS_PER_SLOT`] words per slot after the peer-wait table:
+    /// layout version 8 (`extras` needs `peer_waits`).
+    pub fn create_with(
+        slots: u32,
+        ring_bytes: u64,
+        views_per_slot: u32,
+        peer_waits: bool,
+        extras: bool,
+    ) -> Result<Segment> {
+        if extras && !peer_waits {
+            return Err(Error::InvalidConfig(
+                "an attach segment with extra words has a peer-wait table too (layout 8)".into(),
+            ));
+        }
         if slots == 0 || slots > MAX_SLOTS || !slots.is_power_of_two() {
             return Err(Error::InvalidConfig(format!(
                 "attach segment slots {slots}: must be a power of two from 1 to {MAX_SLOTS}"
@@ -598,7 +728,8 @@ impl Segment {
             )));
         }
         let peer_waits_per_slot = if peer_waits { PEER_WAITS_PER_SLOT } else { 0 };
-        let total = segment_bytes_for(slots, views_per_slot, peer_waits_per_slot);
+        let extras_per_slot = if extras { EXTRAS_PER_SLOT } else { 0 };
+        let total = segment_bytes_with(slots, views_per_slot, peer_waits_per_slot, extras_per_slot);
         let file = sealed_memfd(c"kspeed-attach-segment", total)?;
         let map = MmapRaw::map_raw(&file).map_err(|e| io_err("mmap", "attach segment", e))?;
         let seg = Segment {
@@ -608,11 +739,14 @@ impl Segment {
             ring_bytes,
             views_per_slot,
             peer_waits_per_slot,
+            extras_per_slot,
         };
         let h = seg.header();
         h.version.store(
-            if peer_waits {
+            if extras {
                 SEGMENT_VERSION
+            } else if peer_waits {
+                SEGMENT_PEER_WAITS_VERSION
             } else if views_per_slot > 0 {
                 SEGMENT_VIEWS_VERSION
             } else {
@@ -623,6 +757,7 @@ impl Segment {
         h.views_per_slot.store(views_per_slot, Ordering::Relaxed);
         h.peer_waits_per_slot
             .store(peer_waits_per_slot, Ordering::Relaxed);
+        h.extras_per_slot.store(extras_per_slot, Ordering::Relaxed);
         h.header_bytes.store(64, Ordering::Relaxed);
         h.total_bytes.store(total, Ordering::Relaxed);
         h.slots.store(slots, Ordering::Relaxed);
@@ -655,6 +790,7 @@ impl Segment {
             ring_bytes: 0,
             views_per_slot: 0,
             peer_waits_per_slot: 0,
+            extras_per_slot: 0,
         };
         let h = seg.header();
         let magic = h.magic.load(Ordering::Acquire);
@@ -686,7 +822,8 @@ impl Segment {
         }
         // Version 5's bytes 48..63 are reserved (zero); version 6 has a
         // view table only where the rank asked for tier views; version 7
-        // a peer-wait table, and a view table or not.
+        // a peer-wait table, and a view table or not; version 8 an extras
+        // table too.
         let views_per_slot = h.views_per_slot.load(Ordering::Relaxed);
         let views_ok = match version {
             SEGMENT_OLDEST_VERSION => views_per_slot == 0,
@@ -695,25 +832,36 @@ impl Segment {
         };
         if !views_ok {
             return Err(seg_err(format!(
-                "views_per_slot {views_per_slot} in a layout version {version} header (version 5: 0; version 6: 1 to {MAX_VIEWS_PER_SLOT}; version 7: 0 to {MAX_VIEWS_PER_SLOT})"
+                "views_per_slot {views_per_slot} in a layout version {version} header (version 5: 0; version 6: 1 to {MAX_VIEWS_PER_SLOT}; versions 7 and 8: 0 to {MAX_VIEWS_PER_SLOT})"
             )));
         }
         let peer_waits_per_slot = h.peer_waits_per_slot.load(Ordering::Relaxed);
-        let want_peer_waits = if version == SEGMENT_VERSION {
+        let want_peer_waits = if version >= SEGMENT_PEER_WAITS_VERSION {
             PEER_WAITS_PER_SLOT
         } else {
             0
         };
         if peer_waits_per_slot != want_peer_waits {
             return Err(seg_err(format!(
-                "peer_waits_per_slot {peer_waits_per_slot} in a layout version {version} header (version 7: {PEER_WAITS_PER_SLOT}; before: 0)"
+                "peer_waits_per_slot {peer_waits_per_slot} in a layout version {version} header (versions 7 and 8: {PEER_WAITS_PER_SLOT}; before: 0)"
             )));
         }
-        let need = segment_bytes_for(slots, views_per_slot, peer_waits_per_slot);
+        let extras_per_slot = h.extras_per_slot.load(Ordering::Relaxed);
+        let want_extras = if version == SEGMENT_VERSION {
+            EXTRAS_PER_SLOT
+        } else {
+            0
+        };
+        if extras_per_slot != want_extras {
+            return Err(seg_err(format!(
+                "extras_per_slot {extras_per_slot} in a layout version {version} header (version 8: {EXTRAS_PER_SLOT}; before: 0)"
+            )));
+        }
+        let need = segment_bytes_with(slots, views_per_slot, peer_waits_per_slot, extras_per_slot);
         let total = h.total_bytes.load(Ordering::Relaxed);
         if total != need || mapped < total {
             return Err(seg_err(format!(
-                "total size {total} bytes (mapped {mapped}); {slots} slots, {views_per_slot} views and {peer_waits_per_slot} peer waits per slot need {need}"
+                "total size {total} bytes (mapped {mapped}); {slots} slots, {views_per_slot} views, {peer_waits_per_slot} peer waits and {extras_per_slot} extra words per slot need {need}"
             )));
         }
         let ring_bytes = h.ring_bytes.load(Ordering::Relaxed);
@@ -727,8 +875,15 @@ impl Segment {
             ring_bytes,
             views_per_slot,
             peer_waits_per_slot,
+            extras_per_slot,
             ..seg
         })
+    }
+
+    /// Extra words per slot: [`EXTRAS_PER_SLOT`] in layout version 8, else
+    /// 0.
+    pub fn extras_per_slot(&self) -> u32 {
+        self.extras_per_slot
     }
 
     /// Peer-wait words per slot: [`PEER_WAITS_PER_SLOT`] in layout version
@@ -913,6 +1068,14 @@ impl Segment {
     fn peer_waits(&self, seq: u64) -> &[AtomicU64] {
         let table = self.slots as usize * self.views_per_slot as usize * 8;
         self.row(seq, table, self.peer_waits_per_slot as usize)
+    }
+
+    /// The extra words of batch `seq`'s slot (empty without an extras
+    /// table): after the peer-wait table.
+    fn extras(&self, seq: u64) -> &[AtomicU64] {
+        let words = self.views_per_slot as usize + self.peer_waits_per_slot as usize;
+        let table = self.slots as usize * words * 8;
+        self.row(seq, table, self.extras_per_slot as usize)
     }
 
     /// Batch `seq`'s row of `n` words in the table that starts `table`
@@ -1109,6 +1272,95 @@ mod tests {
         );
         assert!(decode_peer_wait(5).is_err(), "node field 0 with a time");
         assert!(decode_peer_wait(u64::MAX).is_err());
+    }
+
+    /// Version 8: the extras table after the peer-wait table, each row the
+    /// last batch's, round trips; a version, count or word out of range
+    /// is refused by name.
+    #[test]
+    fn an_extras_table_follows_the_peer_wait_table_in_version_8() {
+        assert_eq!(
+            segment_bytes_with(8, 16, PEER_WAITS_PER_SLOT, EXTRAS_PER_SLOT),
+            1216 + 8 * 128 + 8 * 16 * 8 + 8 * 4 * 8 + 8 * 12 * 8
+        );
+        assert!(Segment::create_with(8, 1 << 20, 0, false, true).is_err());
+        for views in [0, 16] {
+            let seg = Segment::create_with(8, 1 << 20, views, true, true).unwrap();
+            assert_eq!(seg.header().version.load(Ordering::Relaxed), 8);
+            let dup = || seg.fd().try_clone_to_owned().unwrap();
+            let opened = Segment::open(dup(), 1 << 20).unwrap();
+            assert_eq!(
+                (
+                    opened.views_per_slot(),
+                    opened.peer_waits_per_slot(),
+                    opened.extras_per_slot()
+                ),
+                (views, PEER_WAITS_PER_SLOT, EXTRAS_PER_SLOT)
+            );
+            let rank = RankSide::new(Segment::open(dup(), 1 << 20).unwrap()).unwrap();
+            let gen = rank.generation();
+            let mut agent = AgentSide::new(Segment::open(dup(), 1 << 20).unwrap(), gen).unwrap();
+            let mut rank = rank;
+            for k in 0..9u32 {
+                let split = |b: u32| PeerSplit {
+                    read_us: b + k,
+                    send_us: u32::MAX - k,
+                    link_us: 7 * k,
+                };
+                let extras = BatchExtras {
+                    source_bytes: u64::MAX - u64::from(k),
+                    split: split(100),
+                    peers: [split(1), split(2), PeerSplit::default(), split(4)],
+                };
+                if views > 0 {
+                    agent.set_views(&[view_word(64 * u64::from(k))]);
+                }
+                agent.set_peer_waits(&[peer_wait_word(3, 1000)]);
+                agent.set_extras(&extras);
+                agent.publish(&BatchDesc::default()).unwrap();
+                rank.try_take().expect("published");
+                assert_eq!(rank.taken_extras(), Ok(extras));
+                assert_eq!(
+                    decode_peer_wait(rank.taken_peer_wait(0)),
+                    Ok(Some((3, 1000)))
+                );
+                if views > 0 {
+                    assert_eq!(
+                        view_tier_offset(rank.taken_view(0)),
+                        Some(64 * u64::from(k))
+                    );
+                }
+                rank.release(u64::from(k) + 1);
+            }
+            // The documented words: source bytes first, a link word's high
+            // half 0 (else refused by name).
+            let row = seg.extras(8);
+            assert_eq!(row[0].load(Ordering::Relaxed), u64::MAX - 8);
+            assert_eq!(
+                row[2].load(Ordering::Relaxed),
+                108 | u64::from(u32::MAX - 8) << 32
+            );
+            assert_eq!(row[3].load(Ordering::Relaxed), 56);
+            row[3].store(1 << 32, Ordering::Relaxed);
+            let e = rank.taken_extras().unwrap_err();
+            assert!(e.contains("high 32 bits"), "{e}");
+            // Extras in another version, or another count, are refused.
+            seg.header().extras_per_slot.store(11, Ordering::Relaxed);
+            let e = Segment::open(dup(), 1 << 20).unwrap_err();
+            assert!(e.to_string().contains("extras_per_slot 11"), "{e}");
+            seg.header()
+                .extras_per_slot
+                .store(EXTRAS_PER_SLOT, Ordering::Relaxed);
+            seg.header().version.store(7, Ordering::Relaxed);
+            let e = Segment::open(dup(), 1 << 20).unwrap_err();
+            assert!(e.to_string().contains("extras_per_slot 12"), "{e}");
+            seg.header().version.store(8, Ordering::Relaxed);
+            assert!(Segment::open(dup(), 1 << 20).is_ok());
+        }
+        // A segment without the table reads all zero.
+        let seg = Segment::create_for(8, 1 << 20, 0, true).unwrap();
+        let rank = RankSide::new(seg).unwrap();
+        assert_eq!(rank.taken_extras(), Ok(BatchExtras::default()));
     }
 
     #[test]

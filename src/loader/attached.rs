@@ -18,12 +18,12 @@ use std::time::Duration;
 use super::stall_causes::BATCH_PEERS;
 use crate::agent::attach::{attach, AttachConn};
 use crate::agent::msg::{
-    AttachRequest, FLAG_DROP_LAST, FLAG_PEER_WAITS, FLAG_SHUFFLE, FLAG_TIER_VIEWS,
-    FLAG_VERIFY_CRC32C,
+    AttachRequest, FLAG_DROP_LAST, FLAG_PEER_WAITS, FLAG_SHUFFLE, FLAG_SLOT_EXTRAS,
+    FLAG_TIER_VIEWS, FLAG_VERIFY_CRC32C,
 };
 use crate::agent::segment::{
-    decode_peer_wait, segment_bytes_for, BatchDesc, Liveness, RankSide, Segment, Side, MAX_SLOTS,
-    PEER_WAITS_PER_SLOT,
+    decode_peer_wait, segment_bytes_with, BatchDesc, Liveness, RankSide, Segment, Side,
+    EXTRAS_PER_SLOT, MAX_SLOTS, PEER_WAITS_PER_SLOT,
 };
 use crate::agent::shm::{RingMap, RingPages};
 use crate::agent::tier_map::TierMap;
@@ -152,6 +152,10 @@ pub(crate) struct AttachSettings {
     /// (ATTACH flag 16, segment layout 7), so the rank's stall is split by
     /// node too.
     pub(crate) peer_waits: bool,
+    /// With peer waits, the extra words (ATTACH flag 32, segment layout
+    /// 8): the source bytes and the peers' waits by phase, so the rank's
+    /// `source_bytes` and `peer_read`/`peer_send`/`peer_link` are counted.
+    pub(crate) slot_extras: bool,
     /// The NUMA node each attach's ring is bound to (`numa_node`, or the
     /// GPU's at `gpu_pci`), as an embedded ring would be.
     pub(crate) numa_node: Option<u32>,
@@ -171,6 +175,8 @@ pub(crate) struct AttachSettings {
 /// [`Error::NoAgent`]'s reason), for [`RankAttach::connect`] to attach
 /// again without peer waits.
 const PEER_WAITS_UNKNOWN: &str = "the agent predates peer waits";
+/// The same for the extra words (ATTACH flag 32).
+const SLOT_EXTRAS_UNKNOWN: &str = "the agent predates extra words";
 
 /// The bits of an agent's "unknown flags 0x…" refusal (0 when the reason
 /// names none).
@@ -247,7 +253,7 @@ impl RankAttach {
         job: Option<crate::sampler::JobPosition>,
         mix: Option<crate::agent::msg::MixAttach>,
     ) -> Result<Self> {
-        // Each retry turns one feature off: at most three attaches.
+        // Each retry turns one feature off: at most four attaches.
         let mut s = s.clone();
         loop {
             match Self::connect_once(&s, ring, start, job, mix.clone()) {
@@ -259,6 +265,16 @@ impl RankAttach {
                         s.socket.display()
                     );
                     s.peer_waits = false;
+                    s.slot_extras = false;
+                }
+                Err(Error::NoAgent { reason, .. })
+                    if s.slot_extras && reason.starts_with(SLOT_EXTRAS_UNKNOWN) =>
+                {
+                    log::info!(
+                        "the kspeed agent at {} predates extra words: this rank counts no source bytes, and its waits for peers are not split by phase",
+                        s.socket.display()
+                    );
+                    s.slot_extras = false;
                 }
                 Err(Error::NoAgent { reason, .. })
                     if s.tier_views
@@ -289,8 +305,9 @@ impl RankAttach {
         };
         let views = if s.tier_views { s.batch_size } else { 0 };
         let peer_waits = if s.peer_waits { PEER_WAITS_PER_SLOT } else { 0 };
-        let seg =
-            Segment::create_for(s.slots, ring.len(), views, s.peer_waits).map_err(no_agent)?;
+        let extras = s.peer_waits && s.slot_extras;
+        let seg = Segment::create_with(s.slots, ring.len(), views, s.peer_waits, extras)
+            .map_err(no_agent)?;
         let side = RankSide::new(seg).map_err(no_agent)?;
         let req = AttachRequest {
             generation: side.generation(),
@@ -303,7 +320,12 @@ impl RankAttach {
             start_epoch: start.epoch,
             start_index: start.index,
             ring_bytes: ring.len(),
-            segment_bytes: segment_bytes_for(s.slots, views, peer_waits),
+            segment_bytes: segment_bytes_with(
+                s.slots,
+                views,
+                peer_waits,
+                if extras { EXTRAS_PER_SLOT } else { 0 },
+            ),
             flags: if s.shuffle { FLAG_SHUFFLE } else { 0 }
                 | if s.drop_last { FLAG_DROP_LAST } else { 0 }
                 | if s.verify_crc32c {
@@ -312,7 +334,8 @@ impl RankAttach {
                     0
                 }
                 | if s.tier_views { FLAG_TIER_VIEWS } else { 0 }
-                | if s.peer_waits { FLAG_PEER_WAITS } else { 0 },
+                | if s.peer_waits { FLAG_PEER_WAITS } else { 0 }
+                | if extras { FLAG_SLOT_EXTRAS } else { 0 },
             end_epoch: s.end_epoch,
             job,
             local: s.local,
@@ -329,6 +352,15 @@ impl RankAttach {
                     Error::NoAgent {
                         socket: s.socket.clone(),
                         reason: format!("{PEER_WAITS_UNKNOWN}: {e}"),
+                    }
+                }
+                // One from before the extra words refuses flag 32.
+                Error::AttachRefused { ref reason, .. }
+                    if extras && unknown_flags(reason) & FLAG_SLOT_EXTRAS != 0 =>
+                {
+                    Error::NoAgent {
+                        socket: s.socket.clone(),
+                        reason: format!("{SLOT_EXTRAS_UNKNOWN}: {e}"),
                     }
                 }
                 // An agent from before a flag refuses the bit: say which.
@@ -462,6 +494,24 @@ impl RankAttach {
             }
         }
         out
+    }
+
+    /// The batch taken last's extra words (all zero without an extras
+    /// table). Statistics as the peer waits are: a row with a word out of
+    /// its range is taken as zero, with one WARN for the attach.
+    pub(crate) fn extras(&self) -> crate::agent::segment::BatchExtras {
+        match self.side.taken_extras() {
+            Ok(e) => e,
+            Err(what) => {
+                if !self.bad_peer_wait_said.replace(true) {
+                    log::warn!(
+                        "the kspeed agent at {}: {what}; this batch's source bytes and peer phases are not counted",
+                        self.socket.display()
+                    );
+                }
+                Default::default()
+            }
+        }
     }
 
     /// The next batch: its descriptor once the agent published it (no

@@ -1438,6 +1438,8 @@ impl LoaderBuilder {
             // The nodes the agent waited for, with each batch (falls back
             // to none with an agent from before).
             peer_waits: true,
+            // And the extra words (likewise).
+            slot_extras: true,
             numa_node: attach_numa_node,
             slots: super::attached::slots_for(geo.table_len(), batch_size),
             end_epoch: self.end_epoch,

@@ -684,6 +684,8 @@ impl Loader {
                     match a.take(p.g) {
                         Ok((d, waited)) => {
                             desc = Some(d);
+                            let extras = a.extras();
+                            self.totals.source_bytes += extras.source_bytes;
                             if !waited.is_zero() {
                                 let peers = a.peer_waits();
                                 self.counters.stall += waited;
@@ -692,6 +694,7 @@ impl Loader {
                                     waited,
                                     d.reads.waits.to_array(),
                                     peers,
+                                    &extras,
                                 );
                             }
                         }
@@ -1535,6 +1538,7 @@ impl Loader {
             tier_hits: t.tier_hits,
             remote_samples: t.remote_samples,
             source_reads: t.source_reads,
+            source_bytes: t.source_bytes,
             failovers: t.failovers,
             cache_hits: self
                 .cache
@@ -1557,16 +1561,41 @@ impl Loader {
 
     /// The nodes this loader waited for longest since the last call,
     /// longest first, as peer-wait words ([`crate::agent::segment::peer_wait_word`];
-    /// 0: an empty entry): what the node agent's feeder sends with each
-    /// batch.
-    pub(crate) fn take_peer_wait_words(&mut self) -> [u64; stall_causes::BATCH_PEERS] {
-        self.stall_ledger.take_batch_peers().map(|(node, d)| {
-            if d.is_zero() || node > crate::agent::segment::MAX_PEER_WAIT_NODE {
-                0
+    /// 0: an empty entry), and the extra words' split of those waits and
+    /// of all its waits for peers (its `source_bytes` left 0): what the
+    /// node agent's feeder sends with each batch.
+    pub(crate) fn take_peer_wait_words(
+        &mut self,
+    ) -> (
+        [u64; stall_causes::BATCH_PEERS],
+        crate::agent::segment::BatchExtras,
+    ) {
+        use crate::agent::segment::{peer_wait_word, PeerSplit, MAX_PEER_WAIT_NODE};
+        let us = |d: Duration| u32::try_from(d.as_micros()).unwrap_or(u32::MAX);
+        let split = |p: [Duration; 3]| PeerSplit {
+            read_us: us(p[0]),
+            send_us: us(p[1]),
+            link_us: us(p[2]),
+        };
+        let b = self.stall_ledger.take_batch_peers();
+        let named = |node: u32, d: Duration| !d.is_zero() && node <= MAX_PEER_WAIT_NODE;
+        let words = b.peers.map(|(node, d)| {
+            if named(node, d) {
+                peer_wait_word(node, d.as_micros() as u64)
             } else {
-                crate::agent::segment::peer_wait_word(node, d.as_micros() as u64)
+                0
             }
-        })
+        });
+        let mut extras = crate::agent::segment::BatchExtras {
+            split: split(b.split),
+            ..Default::default()
+        };
+        for ((e, &(node, d)), &p) in extras.peers.iter_mut().zip(&b.peers).zip(&b.splits) {
+            if named(node, d) {
+                *e = split(p);
+            }
+        }
+        (words, extras)
     }
 
     /// Where the pollers run: the local rank, the slice of cores planned

@@ -134,6 +134,25 @@ pub(super) struct StallLedger {
     /// most [`BATCH_PEERS`] (node, time), a new node replacing the one
     /// waited for least when it waited longer.
     batch_peers: [(u32, Duration); BATCH_PEERS],
+    /// Each `batch_peers` entry's wait split as `per_node`'s (read, send,
+    /// link), and the batch's over every node (`causes`' `peer_read`,
+    /// `peer_send`, `peer_link` since the last take).
+    batch_splits: [[Duration; 3]; BATCH_PEERS],
+    batch_split: [Duration; 3],
+}
+
+/// What [`StallLedger::take_batch_peers`] hands the node agent's feeder
+/// for one batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) struct BatchPeers {
+    /// The nodes waited for longest, longest first: (node, wait); a zero
+    /// wait is an empty entry.
+    pub(crate) peers: [(u32, Duration); BATCH_PEERS],
+    /// Each entry's wait split into (read, send, link), where its node
+    /// reported its times.
+    pub(crate) splits: [[Duration; 3]; BATCH_PEERS],
+    /// The batch's waits for peers split the same way, over every node.
+    pub(crate) split: [Duration; 3],
 }
 
 /// Node `node`'s entry of `per_node`, the table grown to hold it.
@@ -179,15 +198,22 @@ impl StallLedger {
                 e.waits += 1;
                 if via & VIA_FAILOVER != 0 {
                     c.failover += waited;
+                    self.note_batch_peer(node as u32, waited, [Duration::ZERO; 3]);
                     (4, Some(node))
                 } else {
                     c.peers += waited;
+                    let mut phases = [Duration::ZERO; 3];
                     if split != SPLIT_NONE {
                         let (r, s, l) = shares(waited, split);
                         (c.peer_read, c.peer_send, c.peer_link) =
                             (c.peer_read + r, c.peer_send + s, c.peer_link + l);
                         (e.read, e.send, e.link) = (e.read + r, e.send + s, e.link + l);
+                        phases = [r, s, l];
+                        for (t, p) in self.batch_split.iter_mut().zip(phases) {
+                            *t += p;
+                        }
                     }
+                    self.note_batch_peer(node as u32, waited, phases);
                     (3, Some(node))
                 }
             }
@@ -196,16 +222,17 @@ impl StallLedger {
         if let Some(t) = &self.totals {
             t.add(cause, node, waited);
         }
-        if let Some(n) = node {
-            self.note_batch_peer(n as u32, waited);
-        }
     }
 
-    /// Adds `waited` for node `node` to the batch's peer waits: O(4).
-    fn note_batch_peer(&mut self, node: u32, waited: Duration) {
+    /// Adds `waited` (`phases` of it split into read, send and link) for
+    /// node `node` to the batch's peer waits: O(4).
+    fn note_batch_peer(&mut self, node: u32, waited: Duration, phases: [Duration; 3]) {
         let w = &mut self.batch_peers;
-        if let Some(e) = w.iter_mut().find(|e| e.0 == node && !e.1.is_zero()) {
-            e.1 += waited;
+        if let Some(i) = w.iter().position(|e| e.0 == node && !e.1.is_zero()) {
+            w[i].1 += waited;
+            for (t, p) in self.batch_splits[i].iter_mut().zip(phases) {
+                *t += p;
+            }
             return;
         }
         // An empty entry, else the least waited for if this wait is longer
@@ -218,15 +245,23 @@ impl StallLedger {
             .expect("BATCH_PEERS > 0");
         if least < waited {
             w[i] = (node, waited);
+            self.batch_splits[i] = phases;
         }
     }
 
     /// The nodes waited for since the last call, longest first (time 0:
-    /// empty), and starts over.
-    pub(super) fn take_batch_peers(&mut self) -> [(u32, Duration); BATCH_PEERS] {
-        let mut w = std::mem::take(&mut self.batch_peers);
-        w.sort_by_key(|e| std::cmp::Reverse(e.1));
-        w
+    /// empty), with the splits of their waits and of the batch's, and
+    /// starts over.
+    pub(super) fn take_batch_peers(&mut self) -> BatchPeers {
+        let peers = std::mem::take(&mut self.batch_peers);
+        let splits = std::mem::take(&mut self.batch_splits);
+        let mut order: [usize; BATCH_PEERS] = std::array::from_fn(|i| i);
+        order.sort_by_key(|&i| std::cmp::Reverse(peers[i].1));
+        BatchPeers {
+            peers: order.map(|i| peers[i]),
+            splits: order.map(|i| splits[i]),
+            split: std::mem::take(&mut self.batch_split),
+        }
     }
 
     /// Adds every later wait to `totals` too (the node agent's metrics).
@@ -251,11 +286,17 @@ impl StallLedger {
     /// version 7; all empty before): the share charged to `peers` and
     /// `failover` is split over them in proportion, into the slowest peers
     /// (what the agent's waits name no node for stays unsplit).
+    ///
+    /// `extras` (layout version 8; all zero before): where the agent's
+    /// waits for peers went, in all and per entry of `peers`; the rank's
+    /// share of `peers`, and each named node's, is split into
+    /// `peer_read`/`peer_send`/`peer_link` in those proportions.
     pub(super) fn charge_agent(
         &mut self,
         waited: Duration,
         agent: [u32; 5],
         peers: [(u32, u32); BATCH_PEERS],
+        extras: &crate::agent::segment::BatchExtras,
     ) {
         let total_us: u64 = agent.iter().map(|&w| u64::from(w)).sum();
         let waited_us = waited.as_micros().min(u128::from(u64::MAX)) as u64;
@@ -283,6 +324,20 @@ impl StallLedger {
             given += *share;
         }
         c.agent += waited.saturating_sub(given);
+        // The peers' share by phase, in the agent's proportions (over the
+        // larger of its peers' wait and the split's sum: the parts never
+        // sum past the share).
+        let phases = |share: Duration, whole_us: u64, p: crate::agent::segment::PeerSplit| {
+            let us = [p.read_us, p.send_us, p.link_us].map(u64::from);
+            let over = whole_us.max(us.iter().sum());
+            if share.is_zero() || over == 0 {
+                return [Duration::ZERO; 3];
+            }
+            us.map(|u| share.mul_f64(u as f64 / over as f64))
+        };
+        let [r, s, l] = phases(shares[3], u64::from(agent[3]), extras.split);
+        (c.peer_read, c.peer_send, c.peer_link) =
+            (c.peer_read + r, c.peer_send + s, c.peer_link + l);
         // The peers' and failovers' share, by node: each named node its
         // part of what the agent waited for the two together.
         let by_node = shares[3] + shares[4];
@@ -293,11 +348,13 @@ impl StallLedger {
         if by_node.is_zero() || agent_us == 0 {
             return;
         }
-        for &(node, us) in peers.iter().filter(|e| e.1 > 0) {
+        for (&(node, us), &split) in peers.iter().zip(&extras.peers).filter(|e| e.0 .1 > 0) {
             let part = by_node.mul_f64(u64::from(us) as f64 / agent_us as f64);
             let e = node_entry(&mut self.per_node, node as usize);
             e.stall += part;
             e.waits += 1;
+            let [r, s, l] = phases(part, u64::from(us), split);
+            (e.read, e.send, e.link) = (e.read + r, e.send + s, e.link + l);
         }
     }
 
@@ -356,7 +413,7 @@ mod tests {
         for (node, ms) in [(7u32, 2u32), (2, 9), (7, 4), (11, 1), (3, 6), (5, 5)] {
             l.charge(via_peer(node, node == 3), SPLIT_NONE, ms * MS);
         }
-        l.charge_agent(2 * MS, [0; 5], NO_PEERS);
+        l.charge_agent(2 * MS, [0; 5], NO_PEERS, &Default::default());
         let c = l.causes();
         assert_eq!(
             (c.disk, c.tier, c.source, c.agent),
@@ -393,20 +450,30 @@ mod tests {
     fn an_attached_wait_is_charged_to_what_the_agent_waited_for() {
         let mut l = StallLedger::default();
         // The agent waited 6 ms on peers and 2 on disk; the rank 10 ms.
-        l.charge_agent(10 * MS, [2_000, 0, 0, 6_000, 0], NO_PEERS);
+        l.charge_agent(
+            10 * MS,
+            [2_000, 0, 0, 6_000, 0],
+            NO_PEERS,
+            &Default::default(),
+        );
         let c = l.causes();
         assert_eq!((c.disk, c.peers, c.agent), (2 * MS, 6 * MS, 2 * MS));
         // The agent waited longer than the rank (it was ahead): the rank's
         // 4 ms split in the same proportions, none to the agent.
         let mut l = StallLedger::default();
-        l.charge_agent(4 * MS, [0, 0, 3_000, 0, 9_000], NO_PEERS);
+        l.charge_agent(
+            4 * MS,
+            [0, 0, 3_000, 0, 9_000],
+            NO_PEERS,
+            &Default::default(),
+        );
         let c = l.causes();
         assert_eq!(
             (c.source, c.failover, c.agent),
             (MS, 3 * MS, Duration::ZERO)
         );
         // Nothing waited for inside the agent: all the agent's.
-        l.charge_agent(5 * MS, [0; 5], NO_PEERS);
+        l.charge_agent(5 * MS, [0; 5], NO_PEERS, &Default::default());
         assert_eq!(l.causes().agent, 5 * MS);
         assert_eq!(l.by_cause()[4], 3 * MS);
     }
@@ -463,22 +530,23 @@ mod tests {
             a.charge(via_peer(node, node == 9), SPLIT_NONE, ms * MS);
         }
         a.charge(VIA_DISK, SPLIT_NONE, 50 * MS);
-        let w = a.take_batch_peers();
+        let w = a.take_batch_peers().peers;
         // Full at 5, 2, 7, 9: 11 (1 ms) waited less than any, so stays out;
         // 4 (8 ms) replaces the first of the least (5 and 7, 3 ms each).
         assert_eq!(w, [(2, 9 * MS), (4, 8 * MS), (9, 4 * MS), (7, 3 * MS)]);
-        assert_eq!(
-            a.take_batch_peers(),
-            [(0, Duration::ZERO); BATCH_PEERS],
-            "taken"
-        );
+        assert_eq!(a.take_batch_peers(), BatchPeers::default(), "taken");
 
         // The rank waited 12 ms; the agent 24 ms on peers and failovers
         // together and 0 elsewhere: the rank's 12 ms split 9:8:4:3 over
         // those nodes (the agent's 3 ms for 7 and 11 unnamed).
         let mut r = StallLedger::default();
         let peers = [(2, 9_000), (4, 8_000), (9, 4_000), (5, 3_000)];
-        r.charge_agent(12 * MS, [0, 0, 0, 20_000, 4_000], peers);
+        r.charge_agent(
+            12 * MS,
+            [0, 0, 0, 20_000, 4_000],
+            peers,
+            &Default::default(),
+        );
         let c = r.causes();
         assert_eq!(
             (c.peers, c.failover, c.agent),
@@ -491,6 +559,77 @@ mod tests {
             .collect();
         assert_eq!(top, [(2, 4_500), (4, 4_000), (9, 2_000), (5, 1_500)]);
         assert!(c.slowest_peers.iter().all(|p| p.waits == 1));
+    }
+
+    /// The phases cross the agent's boundary: a batch's take carries the
+    /// split of its peers' waits, in all and per named node, and the rank
+    /// charges its share of `peers` in the same proportions (failovers
+    /// unsplit), never past that share.
+    #[test]
+    fn a_batch_carries_its_peer_phases_and_the_rank_splits_by_them() {
+        let mut a = StallLedger::default();
+        // Node 2: 4 ms read, 2 ms send, 2 ms link of an 8 ms wait; node 4:
+        // 2 ms unsplit (RDMA) and 2 ms failed over.
+        a.charge(
+            via_peer(2, false),
+            phase_split(8 * MS, 4_000, 6_000),
+            8 * MS,
+        );
+        a.charge(via_peer(4, false), SPLIT_NONE, 2 * MS);
+        a.charge(via_peer(4, true), SPLIT_NONE, 2 * MS);
+        let b = a.take_batch_peers();
+        assert_eq!(b.peers[..2], [(2, 8 * MS), (4, 4 * MS)]);
+        let near = |d: Duration, ms: u32| d.abs_diff(ms * MS) < Duration::from_micros(300);
+        let [r, s, l] = b.split;
+        assert!(near(r, 4) && near(s, 2) && near(l, 2), "{b:?}");
+        assert_eq!(b.splits[0], b.split, "node 2 is the whole split");
+        assert_eq!(b.splits[1], [Duration::ZERO; 3]);
+        assert_eq!(a.take_batch_peers(), BatchPeers::default(), "taken");
+
+        // The rank waited 6 ms of the agent's 12 (10 peers, 2 failover):
+        // peers 5 ms, split 4:2:2 of the agent's 10 ms (the rest unsplit).
+        use crate::agent::segment::{BatchExtras, PeerSplit};
+        let ps = |r, s, l| PeerSplit {
+            read_us: r,
+            send_us: s,
+            link_us: l,
+        };
+        let extras = BatchExtras {
+            split: ps(4_000, 2_000, 2_000),
+            peers: [
+                ps(4_000, 2_000, 2_000),
+                ps(0, 0, 0),
+                ps(0, 0, 0),
+                ps(0, 0, 0),
+            ],
+            ..Default::default()
+        };
+        let mut r = StallLedger::default();
+        let peers = [(2, 8_000), (4, 4_000), (0, 0), (0, 0)];
+        r.charge_agent(6 * MS, [0, 0, 0, 10_000, 2_000], peers, &extras);
+        let c = r.causes();
+        assert_eq!((c.peers, c.failover), (5 * MS, MS));
+        assert_eq!((c.peer_read, c.peer_send, c.peer_link), (2 * MS, MS, MS));
+        // Node 2 gets 8/12 of the 6 ms, split 4:2:2 of its 8; node 4 none.
+        let p2 = c.slowest_peers.iter().find(|p| p.node == 2).unwrap();
+        assert_eq!(
+            (p2.stall, p2.read, p2.send, p2.link),
+            (4 * MS, 2 * MS, MS, MS)
+        );
+        let p4 = c.slowest_peers.iter().find(|p| p.node == 4).unwrap();
+        assert_eq!(
+            (p4.stall, p4.read + p4.send + p4.link),
+            (2 * MS, Duration::ZERO)
+        );
+        // An agent whose split says more than its waits: capped at the share.
+        let mut r = StallLedger::default();
+        let big = BatchExtras {
+            split: ps(u32::MAX, u32::MAX, u32::MAX),
+            ..Default::default()
+        };
+        r.charge_agent(6 * MS, [0, 0, 0, 10_000, 0], [(0, 0); BATCH_PEERS], &big);
+        let c = r.causes();
+        assert!(c.peer_read + c.peer_send + c.peer_link <= c.peers, "{c:?}");
     }
 
     #[test]

@@ -234,6 +234,7 @@ pub(crate) struct ReadCounts {
     pub(crate) source_reads: u64,
     pub(crate) failovers: u64,
     pub(crate) cache_hits: u64,
+    pub(crate) source_bytes: u64,
     /// Disk reads by latency bucket (`agent::segment::latency_bucket`).
     pub(crate) read_latency: [u64; crate::agent::segment::LATENCY_BUCKETS],
 }
@@ -244,6 +245,7 @@ impl ReadCounts {
         for s in &sh.stats {
             self.disk_reads += s.disk_reads.load(Ordering::Relaxed);
             self.source_reads += s.source_reads.load(Ordering::Relaxed);
+            self.source_bytes += s.source_bytes.load(Ordering::Relaxed);
             self.tier_hits += s.tier_hits.load(Ordering::Relaxed);
             for (t, b) in self.read_latency.iter_mut().zip(&s.latency_buckets) {
                 *t += b.load(Ordering::Relaxed);
@@ -253,6 +255,7 @@ impl ReadCounts {
             self.remote_samples += n.remote_samples.load(Ordering::Relaxed);
             self.tier_hits += n.tier_hits.load(Ordering::Relaxed);
             self.source_reads += n.source_reads.load(Ordering::Relaxed);
+            self.source_bytes += n.source_bytes.load(Ordering::Relaxed);
             self.failovers += n.failovers.load(Ordering::Relaxed);
         }
     }

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use super::super::shm::{futex_wait, futex_wake_all};
 use super::{
     decode_release, in_flight, is_ready, ready_word, release_mark, seg_err, side_state, BatchDesc,
-    BatchReads, BatchWaits, Generation, Segment, Side,
+    BatchExtras, BatchReads, BatchWaits, Generation, Segment, Side, EXTRAS_PER_SLOT,
 };
 use crate::error::{Error, Result};
 
@@ -316,6 +316,16 @@ impl AgentSide {
         }
     }
 
+    /// Writes the extra words of the batch about to be published. Does
+    /// nothing where the segment has no extras table (layout version 8).
+    /// Call before [`AgentSide::publish`], with room for the batch.
+    pub fn set_extras(&self, extras: &BatchExtras) {
+        let row = self.seg.extras(self.published);
+        for (w, v) in row.iter().zip(extras.words()) {
+            w.store(v, Ordering::Relaxed);
+        }
+    }
+
     /// Publishes the next batch: its descriptor (Relaxed), then its ready
     /// word (Release: the ring bytes and the descriptor are visible to a
     /// rank that Acquires the word), then wakes the rank if it sleeps.
@@ -447,6 +457,19 @@ impl RankSide {
     pub fn taken_peer_wait(&self, i: usize) -> u64 {
         let row = self.seg.peer_waits(self.taken.wrapping_sub(1));
         row.get(i).map_or(0, |w| w.load(Ordering::Relaxed))
+    }
+
+    /// The extra words of the batch taken last, decoded (all zero where
+    /// the segment has no extras table), stable as
+    /// [`RankSide::taken_view`]'s; an error names a word out of its range.
+    pub fn taken_extras(&self) -> std::result::Result<BatchExtras, String> {
+        let row = self.seg.extras(self.taken.wrapping_sub(1));
+        if row.is_empty() {
+            return Ok(BatchExtras::default());
+        }
+        let words: [u64; EXTRAS_PER_SLOT as usize] =
+            std::array::from_fn(|i| row.get(i).map_or(0, |w| w.load(Ordering::Relaxed)));
+        BatchExtras::from_words(&words)
     }
 
     /// The next batch's descriptor if it is ready (one Acquire load; no
