@@ -430,8 +430,10 @@ pub struct ksp_stats {
     /// (behind the connection's earlier frames), the link (the grant's way
     /// there and the data's way back). Each wait is split in its grant's
     /// proportions. Only waits for samples from nodes that report their
-    /// times are split (over TCP, from this release on; not over RDMA), so
-    /// the three add up to at most `stall_peers_s`.
+    /// times are split (over TCP, from this release on; not over RDMA; a
+    /// rank attached to the node agent too, from an agent that sends the
+    /// split: segment layout 8), so the three add up to at most
+    /// `stall_peers_s`.
     pub stall_peer_read_s: f64,
     /// See `stall_peer_read_s`: at the node after the read (behind the
     /// connection's earlier frames; a link slower than the node backs up
