@@ -442,6 +442,38 @@ fn a_rank_written_from_the_docs_alone_reads_exactly() {
     assert_eq!(r["digest_candidates"]["u64"], digest.as_str(), "{r}");
 }
 
+/// The same rank written from the docs alone asking for the extra words
+/// (`--extras`: ATTACH flags 16 and 32, a version 8 segment with the
+/// peer-wait and extras tables at the offsets docs/AGENT.md gives): over
+/// a partial space (a third held, the rest read from its source), its two
+/// epochs are exact, and the source bytes its batches' extra words add up
+/// to are the embedded read's `source_bytes`, with the same source reads.
+#[test]
+fn a_rank_written_from_the_docs_alone_takes_the_extra_words() {
+    if Command::new("python3").arg("--version").output().is_err() {
+        return common::skip("python3 is not installed");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (sp, _) = partial_space(dir.path());
+    let sock = dir.path().join("agent.sock");
+    let _agent = Agent::start(&sp, &sock, &[]);
+    let r = foreign_rank(&sock, &sp, &["--extras"]);
+    assert_eq!(r["samples"], 1200, "{r}");
+    let o = wait_output(
+        spawn_read(&read_args(&sp, 0, 1, 2, &["--agent", "off"])),
+        Duration::from_secs(120),
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("json report");
+    assert!(v["source_bytes"].as_u64().unwrap() > 0, "{v}");
+    assert_eq!(
+        (&r["source_reads"], &r["source_bytes"]),
+        (&v["source_reads"], &v["source_bytes"]),
+        "the foreign rank's {r}"
+    );
+    assert_eq!(r["digest_candidates"]["u64"], v["digest"], "{r}");
+}
+
 /// The same rank written from the docs alone, with tier views
 /// (tests/foreign/attach_rank.py `--tier-views`: ATTACH flag 8, a version 6
 /// segment with a view table, the node tier's read-only memfd taken with

@@ -148,17 +148,26 @@ def mono_ns():
 SEG_MAGIC = b"KSPATSEG"
 SEG_VERSION = 5
 SEG_VERSION_VIEWS = 6  # with a view table ("View table")
+SEG_VERSION_EXTRAS = 8  # with the peer-wait and extras tables ("Extras table")
+PEER_WAITS_PER_SLOT, EXTRAS_PER_SLOT = 4, 12
 VIEW_IN_TIER = 1 << 63
 
 
 class Segment:
-    def __init__(self, slots, ring_bytes, generation=1, views_per_slot=0):
+    def __init__(self, slots, ring_bytes, generation=1, views_per_slot=0, extras=False):
         assert slots & (slots - 1) == 0 and 1 <= slots <= 65536
         assert 0 <= views_per_slot <= 65536
         self.slots = slots
         self.views = views_per_slot  # 0: version 5, no table
         self.table = 1216 + 128 * slots  # the view table's first byte (version 6)
-        self.total = 1216 + 128 * slots + 8 * slots * views_per_slot
+        # version 8: the peer-wait table after the view table, the extras
+        # table after that ("Peer-wait table", "Extras table")
+        self.extras = extras
+        pw = PEER_WAITS_PER_SLOT if extras else 0
+        ex = EXTRAS_PER_SLOT if extras else 0
+        self.peer_table = self.table + 8 * slots * views_per_slot
+        self.extras_table = self.peer_table + 8 * slots * pw
+        self.total = 1216 + 128 * slots + 8 * slots * (views_per_slot + pw + ex)
         self.mapped = -(-self.total // PAGE) * PAGE
         self.fd = os.memfd_create("kspeed-foreign-seg", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         os.ftruncate(self.fd, self.mapped)
@@ -168,9 +177,11 @@ class Segment:
         self.base = ctypes.addressof(ctypes.c_char.from_buffer(self.mm))
         self.generation = generation
         # header: written before the magic, magic last (line 74)
-        struct.pack_into("<IIQIIQIII12s", self.mm, 8,
-                         SEG_VERSION_VIEWS if views_per_slot else SEG_VERSION, 64, self.total,
-                         slots, 4, ring_bytes, generation, os.getpid(), views_per_slot, b"\0" * 12)
+        version = (SEG_VERSION_EXTRAS if extras
+                   else SEG_VERSION_VIEWS if views_per_slot else SEG_VERSION)
+        struct.pack_into("<IIQIIQIIIII4s", self.mm, 8, version, 64, self.total,
+                         slots, 4, ring_bytes, generation, os.getpid(), views_per_slot,
+                         pw, ex, b"\0" * 4)
         # rank block
         self.st64(136, mono_ns())
         self.st32(144, os.getpid())
@@ -243,6 +254,18 @@ class Segment:
             # its release; words past `samples` are not the batch's
             row = self.table + 8 * self.views * (seq % self.slots)
             b["views"] = list(struct.unpack_from("<%dQ" % min(samples, self.views), self.mm, row))
+        if self.extras:
+            # peer waits: (node + 1) << 32 | us, 0 empty; extras: source
+            # bytes, reserved, then read | send << 32 and link per split
+            row = self.peer_table + 8 * PEER_WAITS_PER_SLOT * (seq % self.slots)
+            b["peer_waits"] = [((w >> 32) - 1, w & 0xFFFFFFFF)
+                               for w in struct.unpack_from("<4Q", self.mm, row) if w]
+            row = self.extras_table + 8 * EXTRAS_PER_SLOT * (seq % self.slots)
+            w = struct.unpack_from("<12Q", self.mm, row)
+            if w[1] != 0 or any(w[k] >> 32 for k in range(3, 12, 2)):
+                raise AttachProtocol("batch %d: extra words %r break the documented ranges" % (seq, w))
+            b["source_bytes"] = w[0]
+            b["peer_split_us"] = [(w[k] & 0xFFFFFFFF, w[k] >> 32, w[k + 1]) for k in range(2, 12, 2)]
         return b
 
     def release(self, released):
@@ -450,14 +473,17 @@ def main():
     ap.add_argument("--cat", default=None, help="kspeed binary: also compare with `kspeed cat`")
     ap.add_argument("--tier-views", action="store_true",
                     help="ATTACH flag 8: take the node tier's samples in place (segment layout 6)")
+    ap.add_argument("--extras", action="store_true",
+                    help="ATTACH flags 16 and 32: peer waits and extra words (segment layout 8)")
     a = ap.parse_args()
 
     cat = read_catalog(os.path.join(a.space, "catalog.ksc"))
     ring_bytes = parse_size(a.ring_bytes)
-    seg = Segment(a.slots, ring_bytes, generation=1, views_per_slot=a.batch if a.tier_views else 0)
+    seg = Segment(a.slots, ring_bytes, generation=1, views_per_slot=a.batch if a.tier_views else 0,
+                  extras=a.extras)
     ring_fd, ring = make_ring(ring_bytes)
     shuffle = not a.no_shuffle
-    flags = (1 if shuffle else 0) | (8 if a.tier_views else 0)
+    flags = (1 if shuffle else 0) | (8 if a.tier_views else 0) | (48 if a.extras else 0)
     global SPIN
     SPIN = a.spin
     end_epoch = a.epoch + a.epochs if a.end_epoch is None else a.end_epoch
@@ -484,6 +510,7 @@ def main():
                 print("the agent gives no tier views (tier_bytes 0): every sample in the ring",
                       file=sys.stderr)
         tier_views = {}  # epoch -> samples read from the tier
+        source = dict(reads=0, bytes=0)  # from the slots and the extras table
         sock.settimeout(0.5)
 
         delivered = []
@@ -498,6 +525,8 @@ def main():
             nb = -(-len(order) // a.batch)
             for k in range(nb):
                 b = wait_take(seg, seq, sock, deadline_s=10.0)
+                source["reads"] += b["source_reads"]
+                source["bytes"] += b.get("source_bytes", 0)
                 if a.dump:
                     print("batch", b, file=sys.stderr)
                 ids = order[b["batch_in_epoch"] * a.batch:(b["batch_in_epoch"] + 1) * a.batch]
@@ -556,6 +585,8 @@ def main():
         nb = seq
         order = [i for ep in sorted(orders) for i in orders[ep]]
         report.update(batches=seq, expected_batches=nb, samples=len(delivered))
+        if a.extras:
+            report["source_reads"], report["source_bytes"] = source["reads"], source["bytes"]
         if a.tier_views:
             report["tier_views"] = sum(tier_views.values())
             report["tier_views_per_epoch"] = {ep: tier_views.get(ep, 0) for ep in sorted(orders)}
