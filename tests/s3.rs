@@ -3,8 +3,8 @@
 //! bucket, catalogued, preloaded and checked byte for byte; a server killed
 //! mid-preload; an object replaced after the catalog; 503 SlowDown and slow
 //! answers from a fault-injecting proxy; named errors (credentials, bucket,
-//! key, empty prefix); AWS profiles from shared files; 100,000 objects (LIST
-//! pages); and no secret in any output (every run is checked).
+//! key, empty prefix); AWS profiles from shared files; 20,000 objects (LIST
+//! pages; `KSPEED_S3_MANY_OBJECTS` sets the count); and no secret in any output (every run is checked).
 #![cfg(all(feature = "cli", feature = "s3"))]
 
 mod common;

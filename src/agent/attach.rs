@@ -346,7 +346,7 @@ pub struct AttachListener {
     lock_path: PathBuf,
     /// Held (flock) until the listener is dropped, after both files are
     /// removed.
-    _lock: File,
+    lock: File,
     euid: u32,
 }
 
@@ -448,7 +448,7 @@ impl AttachListener {
             path: path.to_path_buf(),
             cfg,
             lock_path,
-            _lock: lock,
+            lock,
             euid,
         })
     }
@@ -655,7 +655,12 @@ impl Drop for AttachListener {
         // file goes while still locked (`take_lock` tells an agent that
         // locked it meanwhile to take the path's next file).
         let _ = std::fs::remove_file(&self.path);
-        let _ = std::fs::remove_file(&self.lock_path);
+        // Only the file we hold: one somebody replaced (a cleanup of /run)
+        // may be another agent's lock now.
+        let ours = self.lock.metadata().ok().zip(std::fs::metadata(&self.lock_path).ok());
+        if ours.is_some_and(|(held, now)| held.ino() == now.ino() && held.dev() == now.dev()) {
+            let _ = std::fs::remove_file(&self.lock_path);
+        }
     }
 }
 

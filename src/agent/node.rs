@@ -1216,7 +1216,7 @@ fn feed(
             Ok(_) => {
                 let mut desc = loader.held_desc().expect("a batch is held");
                 let now = loader.read_counts();
-                let source_bytes = now.source_bytes - counted.source_bytes;
+                let source_bytes = now.source_bytes.saturating_sub(counted.source_bytes);
                 desc.reads = now.since(&mut counted);
                 let waits = loader.waits_by_cause();
                 desc.reads.waits =

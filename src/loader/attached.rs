@@ -224,6 +224,8 @@ pub(crate) struct RankAttach {
     tier: Option<Arc<TierMap>>,
     /// A peer-wait word naming no node was logged.
     bad_peer_wait_said: std::cell::Cell<bool>,
+    /// Likewise for an extra word out of its range.
+    bad_extras_said: std::cell::Cell<bool>,
 }
 
 impl std::fmt::Debug for RankAttach {
@@ -459,6 +461,7 @@ impl RankAttach {
             slots: s.slots,
             tier,
             bad_peer_wait_said: std::cell::Cell::new(false),
+            bad_extras_said: std::cell::Cell::new(false),
         })
     }
 
@@ -503,7 +506,7 @@ impl RankAttach {
         match self.side.taken_extras() {
             Ok(e) => e,
             Err(what) => {
-                if !self.bad_peer_wait_said.replace(true) {
+                if !self.bad_extras_said.replace(true) {
                     log::warn!(
                         "the kspeed agent at {}: {what}; this batch's source bytes and peer phases are not counted",
                         self.socket.display()

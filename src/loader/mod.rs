@@ -645,6 +645,8 @@ impl Loader {
         self.entries.clear();
         let mut first_v = None;
         let mut desc = None;
+        // Attached: the source bytes the batch's extra words carry.
+        let mut desc_source_bytes = 0u64;
         while self.entries.len() < self.batch_size {
             let p = match self.peeked.take() {
                 Some(p) => p,
@@ -685,7 +687,7 @@ impl Loader {
                         Ok((d, waited)) => {
                             desc = Some(d);
                             let extras = a.extras();
-                            self.totals.source_bytes += extras.source_bytes;
+                            desc_source_bytes = extras.source_bytes;
                             if !waited.is_zero() {
                                 let peers = a.peer_waits();
                                 self.counters.stall += waited;
@@ -789,6 +791,8 @@ impl Loader {
             t.tier_hits += u64::from(d.reads.tier_hits);
             t.remote_samples += u64::from(d.reads.remote_samples);
             t.source_reads += u64::from(d.reads.source_reads);
+            // Statistics from another process: never a panic on a wild word.
+            t.source_bytes = t.source_bytes.saturating_add(desc_source_bytes);
             t.failovers += u64::from(d.reads.failovers);
             t.agent_cache_hits += u64::from(d.reads.cache_hits);
             // Its disk reads' latencies, to the middle of their power of

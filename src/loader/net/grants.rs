@@ -549,7 +549,10 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
         let mut tried = String::new();
         let local_error = self.local_done(idx);
         let placed = self.l.sh.input.placed_id(s.id);
-        for r in 0..placement.replicas {
+        // Copies no node holds (a partial space's) were never tried: the
+        // source is their path, and nothing is said of them.
+        let unheld = self.l.sh.unheld_copies(s.id);
+        for r in (0..placement.replicas).filter(|r| unheld & (1 << r) == 0) {
             let node = placement.holder(placed, r) as usize;
             if let Some(c) = self.conns.get(node) {
                 let why = if let Some(e) = local_error

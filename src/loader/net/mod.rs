@@ -1406,7 +1406,7 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
             }
         }
         log::warn!(
-            "node {node} ({}) is gone ({}): {moved} outstanding grants fail over; its later samples go to replicas",
+            "node {node} ({}) is gone ({}): {moved} outstanding grants fail over; its later samples go to their other copies, else the source, where there are any",
             self.conns[i].addr,
             self.conns[i].reason
         );

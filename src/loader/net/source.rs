@@ -76,6 +76,10 @@ pub(super) struct SourceReads {
     /// The catalog's source is in an object store (`s3://`): samples are
     /// read by `store`'s workers, not through the ring.
     remote: bool,
+    /// Samples read from the source after their holders failed: the first
+    /// is logged at INFO with why, the rest at debug (a dead node's share
+    /// is thousands of them; `Stats::failovers` counts them all).
+    failovers_logged: u64,
     /// The GET workers, started on the first sample read from the store.
     #[cfg(feature = "s3")]
     store: Option<super::store_fetch::StorePool>,
@@ -89,6 +93,7 @@ impl SourceReads {
                 .collect(),
             in_ring: 0,
             remote,
+            failovers_logged: 0,
             #[cfg(feature = "s3")]
             store: None,
         }
@@ -420,9 +425,21 @@ impl<R: Receive, I: IoBackend> Thread<R, I> {
                 self.net()
                     .source_bytes
                     .fetch_add(s.len as u64, Ordering::Relaxed);
-                log::info!("sample {} read from the source ({tried})", s.id);
                 // A failover unless no node holds it (a partial space's).
                 let via = self.via_of(&s, None);
+                if via != VIA_SOURCE {
+                    let tried = tried.trim_end_matches("; ");
+                    let n = &mut self.l.sources.failovers_logged;
+                    *n += 1;
+                    if *n == 1 {
+                        log::info!(
+                            "sample {} read from the source after its holders failed ({tried}); later ones are counted in the failovers (logged at debug)",
+                            s.id
+                        );
+                    } else {
+                        log::debug!("sample {} read from the source ({tried})", s.id);
+                    }
+                }
                 self.l.sh.publish(s.g, CODE_OK, via);
                 false
             }
