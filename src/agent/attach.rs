@@ -657,7 +657,11 @@ impl Drop for AttachListener {
         let _ = std::fs::remove_file(&self.path);
         // Only the file we hold: one somebody replaced (a cleanup of /run)
         // may be another agent's lock now.
-        let ours = self.lock.metadata().ok().zip(std::fs::metadata(&self.lock_path).ok());
+        let ours = self
+            .lock
+            .metadata()
+            .ok()
+            .zip(std::fs::metadata(&self.lock_path).ok());
         if ours.is_some_and(|(held, now)| held.ino() == now.ino() && held.dev() == now.dev()) {
             let _ = std::fs::remove_file(&self.lock_path);
         }
