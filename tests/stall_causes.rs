@@ -139,9 +139,20 @@ fn three_spaces(tmp: &std::path::Path, samples: u64) -> (PathBuf, Vec<PathBuf>) 
 
 /// A `kspeed serve` per space, each in its node's namespace.
 fn serve_all(tmp: &std::path::Path, spaces: &[PathBuf], ns: &nodes::Netns) -> Vec<nodes::Serve> {
+    serve_nodes(tmp, spaces, ns, 0..NODES)
+}
+
+/// A `kspeed serve` for each node of `which`, in its node's namespace;
+/// the token in `tmp/token`.
+fn serve_nodes(
+    tmp: &std::path::Path,
+    spaces: &[PathBuf],
+    ns: &nodes::Netns,
+    which: std::ops::Range<usize>,
+) -> Vec<nodes::Serve> {
     let token = tmp.join("token");
     std::fs::write(&token, "stall-token\n").unwrap();
-    (0..NODES)
+    which
         .map(|i| {
             nodes::Serve::start(
                 &spaces[i],
@@ -151,6 +162,15 @@ fn serve_all(tmp: &std::path::Path, spaces: &[PathBuf], ns: &nodes::Netns) -> Ve
             )
         })
         .collect()
+}
+
+/// 900 tiny samples on [`NODES`] nodes in network namespaces, node 2's
+/// link throttled to 4 Mbit/s (a token bucket): (catalog, spaces, the
+/// namespaces), or None with a skip.
+fn behind_a_slow_link(tmp: &std::path::Path) -> Option<(PathBuf, Vec<PathBuf>, nodes::Netns)> {
+    let (catalog, spaces) = three_spaces(tmp, 900);
+    let ns = nodes::Netns::create(NODES)?;
+    ns.throttle(2, "4mbit").then_some((catalog, spaces, ns))
 }
 
 /// Rank 0 of 1 on node 0 (holding `space`), its epoch 0 alone.
@@ -174,13 +194,9 @@ fn rank_on_node_0(space: &std::path::Path, addrs: &[String]) -> kspeed::loader::
 #[test]
 fn the_node_behind_a_slow_link_is_charged_the_wait() {
     let tmp = tempfile::tempdir().unwrap();
-    let (catalog, spaces) = three_spaces(tmp.path(), 900);
-    let Some(ns) = nodes::Netns::create(NODES) else {
+    let Some((catalog, spaces, ns)) = behind_a_slow_link(tmp.path()) else {
         return;
     };
-    if !ns.throttle(2, "4mbit") {
-        return;
-    }
     let serves = serve_all(tmp.path(), &spaces, &ns);
     let addrs: Vec<String> = serves.iter().map(|sv| sv.addr.clone()).collect();
     let cat = kspeed::dataset::Catalog::open(&catalog).unwrap();
@@ -237,25 +253,11 @@ fn the_node_behind_a_slow_link_is_charged_the_wait() {
 #[test]
 fn an_attached_rank_behind_a_slow_link_charges_the_link() {
     let tmp = tempfile::tempdir().unwrap();
-    let (_catalog, spaces) = three_spaces(tmp.path(), 900);
-    let Some(ns) = nodes::Netns::create(NODES) else {
+    let Some((_catalog, spaces, ns)) = behind_a_slow_link(tmp.path()) else {
         return;
     };
-    if !ns.throttle(2, "4mbit") {
-        return;
-    }
+    let serves = serve_nodes(tmp.path(), &spaces, &ns, 1..NODES);
     let token = tmp.path().join("token");
-    std::fs::write(&token, "stall-token\n").unwrap();
-    let serves: Vec<nodes::Serve> = (1..NODES)
-        .map(|i| {
-            nodes::Serve::start(
-                &spaces[i],
-                &format!("10.77.{i}.2:0"),
-                &token,
-                Some(&ns.names[i]),
-            )
-        })
-        .collect();
     // Node 0 is the agent, which listens nowhere: nobody dials it.
     let mut addrs = vec!["127.0.0.1:9".to_string()];
     addrs.extend(serves.iter().map(|sv| sv.addr.clone()));
