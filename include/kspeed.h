@@ -60,7 +60,9 @@ typedef enum {
   // sample (not a regular file, a symlink loop or one leading outside
   // the source), a catalog of another source.
   KSP_ERR_DATA = 4,
-  // A node refused, broke the protocol, or a sample could not be fetched.
+  // A node refused, broke the protocol, or a sample could not be fetched;
+  // or the node agent (`agent` = required) is missing, refused the rank
+  // or is gone.
   KSP_ERR_NETWORK = 5,
   // A system resource is missing or limited (memlock, io_uring, threads,
   // NUMA, CUDA, RDMA verbs).
@@ -212,7 +214,10 @@ typedef struct {
   // and in cluster mode those no node could serve.
   uint64_t source_reads;
   // Samples read ahead and waiting in the ring (counted in the read
-  // counters above, not yet in `samples`).
+  // counters above, not yet in `samples`). A rank attached to the node
+  // agent: 0; the agent's reads for it count with the batch the agent
+  // publishes after them, so at an epoch's end the counters above may
+  // include its first reads of the next epoch.
   uint64_t read_ahead;
   // Samples read ahead and thrown away unconsumed (a jump to another
   // epoch, a restored position, the end).
@@ -271,7 +276,9 @@ typedef struct {
   uint64_t slowest_peer_waits[4];
   // Samples from the source (a partial space's others, a bucket, the
   // source after a failover) handed out so far, and how long before
-  // they were asked for they were in the ring: the prefetch's lead.
+  // they were asked for they were in the ring: the prefetch's lead
+  // (0 for a rank attached to the node agent: its samples come in whole
+  // batches).
   uint64_t source_lead_count;
   // Of them, those the caller waited for (no lead).
   uint64_t source_lead_late;
@@ -314,6 +321,10 @@ typedef struct {
   // The NVMe cache area (`cache_dir`; appended after
   // `slowest_peer_link_s`; all 0 without one): samples read from the
   // area instead of the source (not in `disk_reads` or `source_reads`).
+  // A rank attached to the node agent (`kspeed agent --cache-dir`) has
+  // only this one: the area is the agent's, and its other counters are
+  // in the agent's log. The Rust `CacheStats`' `write_bytes`,
+  // `write_errors` and `area_bytes` have no field here.
   uint64_t cache_hits;
   // Their bytes.
   uint64_t cache_hit_bytes;
@@ -324,7 +335,8 @@ typedef struct {
   // Reads from the area that failed the catalog's CRC (read from the
   // source instead; the slot emptied).
   uint64_t cache_corrupt;
-  // Samples the area holds now.
+  // Samples the area holds now, or is writing (a slot taken by a write
+  // still in flight counts; `cache_writes` only once it is durable).
   uint64_t cache_held;
   // Slots in the area.
   uint64_t cache_slots;
@@ -389,7 +401,8 @@ ksp_status ksp_test_panic(void);
 // `*out`; `out->count == 0` at the epoch's end (call
 // [`super::ksp_loader_set_epoch`] to go on). A batch still held is
 // released first (its pointers die). Returns a loader error as its status
-// (`KSP_ERR_IO` naming the sample and file...); after one, the loader
+// (`KSP_ERR_IO` naming the sample and file..., `KSP_ERR_NETWORK` for a
+// node agent that is gone); after one, the loader
 // stays failed: every later call returns that first error's status again,
 // with a message that starts "the loader stopped after an earlier error".
 //
@@ -656,7 +669,8 @@ ksp_status ksp_last_error(char *buf, size_t buf_len, size_t *out_len);
 // Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_INVALID_ARG` (settings,
 // a sample larger than the ring); `KSP_ERR_IO` / `KSP_ERR_DATA` (the space
 // or source); `KSP_ERR_RESOURCE` (memlock limit, io_uring); `KSP_ERR_NETWORK`
-// (a node refused). The caller owns `*out`.
+// (a node refused; the node agent missing or refusing the rank). The
+// caller owns `*out`.
 //
 // Fork: the loader belongs to the process that created it. A `fork()`ed
 // child gets a copy of the handle but none of the loader's threads and

@@ -288,6 +288,15 @@ pub enum Error {
     /// A configuration value is invalid.
     #[error("invalid configuration: {0}")]
     InvalidConfig(String),
+    /// A batch release named a batch this loader never handed out (C
+    /// `ksp_loader_release_batch`, Python's batch handles).
+    #[error("batch {seq} was never handed out (the last batch is {last})")]
+    UnknownBatch {
+        /// The batch named.
+        seq: u64,
+        /// The last batch handed out (0: none yet).
+        last: u64,
+    },
     /// A loader option's value is of the wrong type or out of its range
     /// (the one message of every front end:
     /// [`crate::loader::options::OPTIONS`]).
@@ -723,7 +732,8 @@ pub enum ErrorClass {
     /// A configuration or argument kspeed refuses (a ring too small, a bad
     /// cluster description, placement or position).
     Config,
-    /// A node refused, broke the protocol, or no node could deliver a sample.
+    /// A node refused, broke the protocol, or no node could deliver a
+    /// sample; or the node agent a rank attaches to is missing or gone.
     Network,
     /// A system resource is missing or limited (memlock, io_uring, threads,
     /// NUMA, CUDA, RDMA verbs).
@@ -783,6 +793,7 @@ impl Error {
             Error::NotASpace { .. } => ("NotASpace", Data),
             Error::SampleCorrupt { .. } => ("SampleCorrupt", Data),
             Error::InvalidConfig(_) => ("InvalidConfig", Config),
+            Error::UnknownBatch { .. } => ("UnknownBatch", Config),
             Error::InvalidOption { .. } => ("InvalidOption", Config),
             Error::UnknownOption { .. } => ("UnknownOption", Config),
             Error::SampleLargerThanRing { .. } => ("SampleLargerThanRing", Config),
@@ -806,8 +817,10 @@ impl Error {
             Error::AttachPeerGone { .. } => ("AttachPeerGone", Network),
             Error::AttachPeerError { .. } => ("AttachPeerError", Network),
             Error::AttachSocket { .. } => ("AttachSocket", Service),
-            Error::AgentGone { .. } => ("AgentGone", Service),
-            Error::NoAgent { .. } => ("NoAgent", Service),
+            // The node's agent is the rank's node service: missing or gone,
+            // as a node that refused or died (C: KSP_ERR_NETWORK).
+            Error::AgentGone { .. } => ("AgentGone", Network),
+            Error::NoAgent { .. } => ("NoAgent", Network),
             Error::Memlock { .. } => ("Memlock", Resource),
             Error::Uring { .. } => ("Uring", Resource),
             Error::ThreadSpawn { .. } => ("ThreadSpawn", Resource),
@@ -939,6 +952,21 @@ mod tests {
                 Error::AuditMismatch("epoch 0".into()),
                 "AuditMismatch",
                 ErrorClass::Data,
+            ),
+            // The node agent missing or gone is the network's (C
+            // KSP_ERR_NETWORK), as a node that refused or died.
+            (
+                Error::NoAgent {
+                    socket: "/run/kspeed/agent.sock".into(),
+                    reason: "connect: ENOENT".into(),
+                },
+                "NoAgent",
+                ErrorClass::Network,
+            ),
+            (
+                Error::UnknownBatch { seq: 9, last: 3 },
+                "UnknownBatch",
+                ErrorClass::Config,
             ),
         ];
         for (e, name, class) in cases {

@@ -207,7 +207,8 @@ fn c_mixture_counts_and_labels_datasets() {
 /// the `agent`, `agent_socket` and `tier_views` keys against a real
 /// `kspeed agent --tier-bytes`; epoch 1's samples come as read-only views
 /// of the agent's node tier (batches without a span, pages that refuse
-/// `PROT_WRITE`), every sample's bytes the catalog's; under AddressSanitizer.
+/// `PROT_WRITE`), every sample's bytes the catalog's; no agent at a socket is
+/// `KSP_ERR_NETWORK` naming it; under AddressSanitizer.
 #[test]
 fn c_tier_views_through_the_agent() {
     let d = data();

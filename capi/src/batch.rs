@@ -118,7 +118,8 @@ pub const KSP_BATCH_MIN_SIZE: usize = offset_of!(ksp_batch, seq) + size_of::<u64
 /// `*out`; `out->count == 0` at the epoch's end (call
 /// [`super::ksp_loader_set_epoch`] to go on). A batch still held is
 /// released first (its pointers die). Returns a loader error as its status
-/// (`KSP_ERR_IO` naming the sample and file...); after one, the loader
+/// (`KSP_ERR_IO` naming the sample and file..., `KSP_ERR_NETWORK` for a
+/// node agent that is gone); after one, the loader
 /// stays failed: every later call returns that first error's status again,
 /// with a message that starts "the loader stopped after an earlier error".
 ///

@@ -25,7 +25,9 @@ pub enum ksp_status {
     /// sample (not a regular file, a symlink loop or one leading outside
     /// the source), a catalog of another source.
     KSP_ERR_DATA = 4,
-    /// A node refused, broke the protocol, or a sample could not be fetched.
+    /// A node refused, broke the protocol, or a sample could not be fetched;
+    /// or the node agent (`agent` = required) is missing, refused the rank
+    /// or is gone.
     KSP_ERR_NETWORK = 5,
     /// A system resource is missing or limited (memlock, io_uring, threads,
     /// NUMA, CUDA, RDMA verbs).

@@ -41,7 +41,8 @@ impl Handle for ksp_loader {
 /// Status: `KSP_OK`; `KSP_ERR_NULL_ARG`; `KSP_ERR_INVALID_ARG` (settings,
 /// a sample larger than the ring); `KSP_ERR_IO` / `KSP_ERR_DATA` (the space
 /// or source); `KSP_ERR_RESOURCE` (memlock limit, io_uring); `KSP_ERR_NETWORK`
-/// (a node refused). The caller owns `*out`.
+/// (a node refused; the node agent missing or refusing the rank). The
+/// caller owns `*out`.
 ///
 /// Fork: the loader belongs to the process that created it. A `fork()`ed
 /// child gets a copy of the handle but none of the loader's threads and
@@ -351,7 +352,10 @@ pub struct ksp_stats {
     /// and in cluster mode those no node could serve.
     pub source_reads: u64,
     /// Samples read ahead and waiting in the ring (counted in the read
-    /// counters above, not yet in `samples`).
+    /// counters above, not yet in `samples`). A rank attached to the node
+    /// agent: 0; the agent's reads for it count with the batch the agent
+    /// publishes after them, so at an epoch's end the counters above may
+    /// include its first reads of the next epoch.
     pub read_ahead: u64,
     /// Samples read ahead and thrown away unconsumed (a jump to another
     /// epoch, a restored position, the end).
@@ -411,7 +415,9 @@ pub struct ksp_stats {
     pub slowest_peer_waits: [u64; 4],
     /// Samples from the source (a partial space's others, a bucket, the
     /// source after a failover) handed out so far, and how long before
-    /// they were asked for they were in the ring: the prefetch's lead.
+    /// they were asked for they were in the ring: the prefetch's lead
+    /// (0 for a rank attached to the node agent: its samples come in whole
+    /// batches).
     pub source_lead_count: u64,
     /// Of them, those the caller waited for (no lead).
     pub source_lead_late: u64,
@@ -454,6 +460,10 @@ pub struct ksp_stats {
     /// The NVMe cache area (`cache_dir`; appended after
     /// `slowest_peer_link_s`; all 0 without one): samples read from the
     /// area instead of the source (not in `disk_reads` or `source_reads`).
+    /// A rank attached to the node agent (`kspeed agent --cache-dir`) has
+    /// only this one: the area is the agent's, and its other counters are
+    /// in the agent's log. The Rust `CacheStats`' `write_bytes`,
+    /// `write_errors` and `area_bytes` have no field here.
     pub cache_hits: u64,
     /// Their bytes.
     pub cache_hit_bytes: u64,
@@ -464,7 +474,8 @@ pub struct ksp_stats {
     /// Reads from the area that failed the catalog's CRC (read from the
     /// source instead; the slot emptied).
     pub cache_corrupt: u64,
-    /// Samples the area holds now.
+    /// Samples the area holds now, or is writing (a slot taken by a write
+    /// still in flight counts; `cache_writes` only once it is durable).
     pub cache_held: u64,
     /// Slots in the area.
     pub cache_slots: u64,

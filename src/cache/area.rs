@@ -119,7 +119,8 @@ pub struct CacheStats {
     pub corrupt: u64,
     /// Writes that failed (logged with the errno): the slot stays empty.
     pub write_errors: u64,
-    /// Samples held now.
+    /// Samples held now, or being written (a slot taken by a write still
+    /// in flight counts; `writes` only once it is durable).
     pub held: u64,
     /// Slots in the area (of every size class).
     pub slots: u64,

@@ -940,13 +940,13 @@ impl Loader {
     /// `Ok(true)`. A batch released already (explicitly, or by the next
     /// batch, `set_epoch` or `restore_position`) is left alone: `Ok(false)`,
     /// so a binding's late release never frees a newer batch. A `seq` never
-    /// handed out is an [`Error::InvalidConfig`].
+    /// handed out is an [`Error::UnknownBatch`].
     pub fn release_batch_seq(&mut self, seq: u64) -> Result<bool> {
         if seq == 0 || seq > self.batch_seq {
-            return Err(Error::InvalidConfig(format!(
-                "batch {seq} was never handed out (the last batch is {})",
-                self.batch_seq
-            )));
+            return Err(Error::UnknownBatch {
+                seq,
+                last: self.batch_seq,
+            });
         }
         if self.held && seq == self.batch_seq {
             self.release_batch();

@@ -138,7 +138,9 @@ pub struct Stats {
     /// How long before the caller asked for them the samples that came
     /// from the source (a partial space's others, a bucket read directly,
     /// the source after a failover) were in the ring: the prefetch's lead
-    /// over the need (0 for a sample the caller waited for).
+    /// over the need (0 for a sample the caller waited for). Not counted
+    /// for a rank attached to the node agent (its samples come in whole
+    /// batches).
     pub source_lead: LeadTime,
     /// Samples read from disk: the space's extents, or a source read
     /// directly (`source`); a partial space's others are `source_reads`.
@@ -170,7 +172,10 @@ pub struct Stats {
     pub cache: crate::cache::CacheStats,
     /// Samples read ahead of the consumer and waiting in the ring now
     /// (counted in `disk_reads`, `tier_hits` or `remote_samples`, not yet
-    /// in `samples`).
+    /// in `samples`). A rank attached to the node agent: 0; the agent's
+    /// reads for it count with the batch it publishes after them, so at an
+    /// epoch's end the read counters may include its first reads of the
+    /// next epoch.
     pub read_ahead: u64,
     /// Samples read ahead and then thrown away unconsumed: by a
     /// `set_epoch` to another epoch, a `restore_position`, or the end (for

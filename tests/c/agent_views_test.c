@@ -70,6 +70,14 @@ int main(int argc, char **argv) {
     for (size_t i = 0; i < sizeof kv / sizeof kv[0]; i++)
         CHECK(ksp_config_set(cfg, kv[i][0], kv[i][1]) == KSP_OK, "%s: %s", kv[i][0], last_error());
     ksp_loader *l = NULL;
+    /* No agent at a socket: the network's status, naming the socket. */
+    char missing[4096];
+    snprintf(missing, sizeof missing, "%s.missing", argv[2]);
+    CHECK(ksp_config_set(cfg, "agent_socket", missing) == KSP_OK, "%s", last_error());
+    CHECK(ksp_loader_new(cfg, &l) == KSP_ERR_NETWORK && l == NULL,
+          "no agent: status not KSP_ERR_NETWORK: %s", last_error());
+    CHECK(strstr(last_error(), ".missing") != NULL, "no agent: %s", last_error());
+    CHECK(ksp_config_set(cfg, "agent_socket", argv[2]) == KSP_OK, "%s", last_error());
     CHECK(ksp_loader_new(cfg, &l) == KSP_OK, "%s", last_error());
     ksp_config_free(cfg);
     if (!l) return 1;

@@ -307,7 +307,7 @@ struct PreloadArgs {
     /// A partial space: hold at most this many bytes of this node's share
     /// (e.g. 500GiB; the start of the share by id, while it lasts), leaving
     /// the rest in the source, from where the loader reads it ahead of need
-    /// (a dataset larger than the node's NVMe; docs/CACHE.md). Every node
+    /// (a dataset larger than the node's NVMe; each sample counted at its length rounded up to --align-bytes; docs/LOCAL_PATH.md "partial spaces", docs/CACHE.md). Every node
     /// of a cluster gives the same value. Default: the whole share.
     #[arg(long, value_parser = parse_bytes)]
     max_bytes: Option<u64>,
