@@ -18,10 +18,9 @@
 //! This module calls `sendmsg`/`recvmsg` with control messages and
 //! `getsockopt(SO_PEERCRED)` through libc, so it is allowed `unsafe`.
 
-use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
-use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, PermissionsExt};
+use std::os::unix::fs::{DirBuilderExt, FileTypeExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU16, Ordering};
 use std::time::{Duration, Instant};
@@ -37,6 +36,7 @@ use super::segment::{
     segment_bytes_with, AgentSide, Segment, EXTRAS_PER_SLOT, PEER_WAITS_PER_SLOT,
 };
 use super::shm::RingMap;
+use super::sock_lock::SocketLock;
 use crate::error::{Error, Result};
 
 /// Most descriptors a received message may carry before the control
@@ -343,48 +343,10 @@ pub struct AttachListener {
     sock: Socket,
     path: PathBuf,
     cfg: ListenerConfig,
-    lock_path: PathBuf,
-    /// Held (flock) until the listener is dropped, after both files are
-    /// removed.
-    lock: File,
+    /// `<path>.lock`, held until the listener is dropped (after the socket
+    /// file is removed, it removes itself).
+    _lock: SocketLock,
     euid: u32,
-}
-
-/// Opens and locks `lock_path` (`flock`, not waiting). Another agent
-/// removes the file when it stops, still holding the lock; so a file we
-/// locked after it was removed is not the path's any more, and we try
-/// again with the path's new file (at most a few times: each retry means
-/// another agent just stopped).
-fn take_lock(lock_path: &Path, sock_err: &dyn Fn(String) -> Error) -> Result<File> {
-    for _ in 0..8 {
-        let lock = std::fs::OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(lock_path)
-            .map_err(|e| Error::io("open", lock_path, e))?;
-        // SAFETY: flock on a descriptor we own; no pointer.
-        if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-            return Err(sock_err(format!(
-                "another agent holds {} ({})",
-                lock_path.display(),
-                io::Error::last_os_error()
-            )));
-        }
-        let held = lock
-            .metadata()
-            .map_err(|e| Error::io("stat", lock_path, e))?;
-        match std::fs::metadata(lock_path) {
-            Ok(m) if m.ino() == held.ino() && m.dev() == held.dev() => return Ok(lock),
-            Ok(_) => {}
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-            Err(e) => return Err(Error::io("stat", lock_path, e)),
-        }
-    }
-    Err(sock_err(format!(
-        "{} kept being replaced while this agent locked it (agents starting and stopping at once?)",
-        lock_path.display()
-    )))
 }
 
 impl AttachListener {
@@ -414,7 +376,7 @@ impl AttachListener {
         let mut lock_path = path.as_os_str().to_owned();
         lock_path.push(".lock");
         let lock_path = PathBuf::from(lock_path);
-        let lock = take_lock(&lock_path, &sock_err)?;
+        let lock = SocketLock::take(&lock_path, &sock_err)?;
         match std::fs::symlink_metadata(path) {
             Ok(m) if m.file_type().is_socket() => {
                 if someone_answers(path) {
@@ -447,8 +409,7 @@ impl AttachListener {
             sock,
             path: path.to_path_buf(),
             cfg,
-            lock_path,
-            lock,
+            _lock: lock,
             euid,
         })
     }
@@ -651,20 +612,9 @@ impl AttachListener {
 
 impl Drop for AttachListener {
     fn drop(&mut self) {
-        // We hold the lock, so the files at both paths are ours; the lock
-        // file goes while still locked (`take_lock` tells an agent that
-        // locked it meanwhile to take the path's next file).
+        // We hold the lock, so the socket file is ours; the lock file goes
+        // after it, with the lock (`SocketLock`'s drop).
         let _ = std::fs::remove_file(&self.path);
-        // Only the file we hold: one somebody replaced (a cleanup of /run)
-        // may be another agent's lock now.
-        let ours = self
-            .lock
-            .metadata()
-            .ok()
-            .zip(std::fs::metadata(&self.lock_path).ok());
-        if ours.is_some_and(|(held, now)| held.ino() == now.ino() && held.dev() == now.dev()) {
-            let _ = std::fs::remove_file(&self.lock_path);
-        }
     }
 }
 

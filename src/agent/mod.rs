@@ -34,4 +34,5 @@ mod node_cache;
 mod node_tier;
 pub mod segment;
 pub mod shm;
+mod sock_lock;
 pub mod tier_map;
