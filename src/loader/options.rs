@@ -216,7 +216,7 @@ pub static OPTIONS: &[OptionSpec] = &[
     opt!("rank", int(0, U32), "", "0", "rank", "this rank"),
     opt!("world", int(1, U32), "ranks", "1", "world", "the world size"),
     opt!("ring_bytes", OptionKind::BytesOrAuto { min: 4096, max: u64::MAX }, "bytes",
-        "auto: six batches of the mean sample, 4 to 256 MiB (a mixture: from 64 MiB; cluster mode: 256 MiB), at most twice the dataset, and at least a batch of the largest samples plus two read ahead (up to 4 GiB; a batch needing more is refused)", "ring-bytes",
+        "auto: six batches of the mean sample, 4 to 256 MiB (a mixture: from 64 MiB; cluster mode: 256 MiB), at most twice the dataset (its samples rounded up to the 4 KiB alignment), and at least a batch of the largest samples plus two read ahead (up to 4 GiB; a batch needing more is refused)", "ring-bytes",
         "landing ring size (locked memory the reads land in); a size given is refused if it cannot hold a whole batch"),
     opt!("tier_bytes", OptionKind::Bytes { min: 0, max: u64::MAX }, "bytes", "0: no tier", "tier-bytes",
         "memory tier budget: samples read once are kept in memory and served from there"),
