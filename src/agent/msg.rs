@@ -677,12 +677,23 @@ mod tests {
             AttachRequest::decode(&peers).unwrap().flags & FLAG_PEER_WAITS,
             16
         );
+        // Extra words (flag 32) with peer waits; alone, refused by name.
+        let mut extras = b.clone();
+        extras[80] |= 16 | 32;
+        assert_eq!(
+            AttachRequest::decode(&extras).unwrap().flags & (FLAG_PEER_WAITS | FLAG_SLOT_EXTRAS),
+            48
+        );
+        let mut alone = b.clone();
+        alone[80] |= 32;
+        let e = AttachRequest::decode(&alone).unwrap_err().to_string();
+        assert!(e.contains("flag 32 (extra words) needs flag 16"), "{e}");
         let mut bad = b.clone();
-        bad[80] |= 32;
+        bad[80] |= 64;
         assert!(AttachRequest::decode(&bad)
             .unwrap_err()
             .to_string()
-            .contains("unknown flags 0x20"));
+            .contains("unknown flags 0x40"));
         assert!(AttachRequest::decode(&b[..111])
             .unwrap_err()
             .to_string()
