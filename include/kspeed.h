@@ -323,8 +323,7 @@ typedef struct {
   // area instead of the source (not in `disk_reads` or `source_reads`).
   // A rank attached to the node agent (`kspeed agent --cache-dir`) has
   // only this one: the area is the agent's, and its other counters are
-  // in the agent's log. The Rust `CacheStats`' `write_bytes`,
-  // `write_errors` and `area_bytes` have no field here.
+  // in the agent's log.
   uint64_t cache_hits;
   // Their bytes.
   uint64_t cache_hit_bytes;
@@ -340,6 +339,18 @@ typedef struct {
   uint64_t cache_held;
   // Slots in the area.
   uint64_t cache_slots;
+  // Reads the policy planned as hits (appended after `cache_slots`;
+  // with `cache_policy=min` Belady's MIN's hits on this rank's order):
+  // `cache_hits` falls short of it where a write had not landed by the
+  // read (or was skipped), or a slot failed its check.
+  uint64_t cache_planned_hits;
+  // The bytes of `cache_writes`.
+  uint64_t cache_write_bytes;
+  // Writes into the area that failed (each logged with its errno; the
+  // slot stays empty and the sample is read from the source next time).
+  uint64_t cache_write_errors;
+  // The area's bytes on disk (`cache.data`, within `cache_bytes`).
+  uint64_t cache_area_bytes;
 } ksp_stats;
 
 // What the catalog says about one sample.

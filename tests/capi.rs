@@ -328,6 +328,45 @@ fn extensible_structs_accept_old_and_new_sizes_and_name_bad_ones() {
     assert_passed(&o, "sized structs");
 }
 
+/// The cache area's counters appended after `cache_slots`
+/// (tests/c/cache_stats_test.c): a C loader reading a source three times
+/// its `cache_dir` area for 3 epochs, exact, sees its writes, their bytes,
+/// the plan's hits, no write error and the area's size within the budget.
+#[test]
+fn the_cache_area_s_counters_reach_c() {
+    let d = data();
+    let Some(bin) = compile_with(
+        "gcc",
+        "-std=c11",
+        "tests/c/cache_stats_test.c",
+        &d.work.join("cache_stats_test"),
+        &["-fsanitize=address,undefined", "-fno-omit-frame-pointer"],
+    ) else {
+        return;
+    };
+    let catalog = d.work.join("src.ksc");
+    ok(&["catalog", "--source", s(&d.src), "--out", s(&catalog)]);
+    let cat = kspeed::dataset::Catalog::open(&catalog).unwrap();
+    let total: u64 = (0..cat.len()).map(|i| cat.sample(i).len as u64).sum();
+    let budget = (total / 3).max(64 << 10);
+    let o = Command::new(&bin)
+        .arg(&d.src)
+        .arg(&catalog)
+        .arg(d.work.join("cache"))
+        .arg(budget.to_string())
+        .arg("3")
+        .env(
+            "ASAN_OPTIONS",
+            "detect_leaks=0:abort_on_error=0:exitcode=23",
+        )
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let o = agent_support::wait_output(o, std::time::Duration::from_secs(120));
+    assert_passed(&o, "cache stats");
+}
+
 #[test]
 fn c_test_under_address_sanitizer() {
     let d = data();

@@ -462,8 +462,7 @@ pub struct ksp_stats {
     /// area instead of the source (not in `disk_reads` or `source_reads`).
     /// A rank attached to the node agent (`kspeed agent --cache-dir`) has
     /// only this one: the area is the agent's, and its other counters are
-    /// in the agent's log. The Rust `CacheStats`' `write_bytes`,
-    /// `write_errors` and `area_bytes` have no field here.
+    /// in the agent's log.
     pub cache_hits: u64,
     /// Their bytes.
     pub cache_hit_bytes: u64,
@@ -479,6 +478,18 @@ pub struct ksp_stats {
     pub cache_held: u64,
     /// Slots in the area.
     pub cache_slots: u64,
+    /// Reads the policy planned as hits (appended after `cache_slots`;
+    /// with `cache_policy=min` Belady's MIN's hits on this rank's order):
+    /// `cache_hits` falls short of it where a write had not landed by the
+    /// read (or was skipped), or a slot failed its check.
+    pub cache_planned_hits: u64,
+    /// The bytes of `cache_writes`.
+    pub cache_write_bytes: u64,
+    /// Writes into the area that failed (each logged with its errno; the
+    /// slot stays empty and the sample is read from the source next time).
+    pub cache_write_errors: u64,
+    /// The area's bytes on disk (`cache.data`, within `cache_bytes`).
+    pub cache_area_bytes: u64,
 }
 
 // The C layout names 4 slowest peers: the library's count must agree.
@@ -539,6 +550,10 @@ impl Default for ksp_stats {
             cache_corrupt: 0,
             cache_held: 0,
             cache_slots: 0,
+            cache_planned_hits: 0,
+            cache_write_bytes: 0,
+            cache_write_errors: 0,
+            cache_area_bytes: 0,
         }
     }
 }
@@ -624,6 +639,10 @@ pub unsafe extern "C" fn ksp_loader_stats(l: *const ksp_loader, out: *mut ksp_st
             cache_corrupt: s.cache.corrupt,
             cache_held: s.cache.held,
             cache_slots: s.cache.slots,
+            cache_planned_hits: s.cache.planned_hits,
+            cache_write_bytes: s.cache.write_bytes,
+            cache_write_errors: s.cache.write_errors,
+            cache_area_bytes: s.cache.area_bytes,
         });
         Ok(())
     })

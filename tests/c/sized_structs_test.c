@@ -240,7 +240,9 @@ int main(int argc, char **argv) {
     /* The cache area's counters (appended after slowest_peer_link_s) are
      * written too: no cache_dir, all 0. */
     CHECK(filled.cache_hits == 0 && filled.cache_writes == 0 && filled.cache_corrupt == 0 &&
-              filled.cache_held == 0 && filled.cache_slots == 0,
+              filled.cache_held == 0 && filled.cache_slots == 0 && filled.cache_planned_hits == 0 &&
+              filled.cache_write_bytes == 0 && filled.cache_write_errors == 0 &&
+              filled.cache_area_bytes == 0,
           "cache hits %llu slots %llu", (unsigned long long)filled.cache_hits,
           (unsigned long long)filled.cache_slots);
 

@@ -12,13 +12,17 @@ The `kspeed` command: the wheel carries the repository's `kspeed` binary
 `rdma` choice) as kspeed/_bin/kspeed, and the `kspeed` console script
 (kspeed._cli) execs it, so `pip install ./ffi/python` puts the same CLI the
 docs use on PATH. It is built into the extension's own target directory,
-ffi/python/target (KSPEED_CLI_TARGET_DIR to move it), before the
-extension: the two builds run one after the other and share every
+ffi/python/target, or CARGO_TARGET_DIR where that is set, as maturin does
+(KSPEED_CLI_TARGET_DIR to move it elsewhere), before the extension: the two builds run one after the other and share every
 dependency built with the same features (the object-store client, TLS,
 the async runtime), where separate directories built each twice (about
 2 minutes more on 2 cores); the kspeed library itself is built once per
 feature set, side by side, so neither rebuilds the other's. KSPEED_CLI=0
 leaves the command out (the console script then says how to get it).
+KSPEED_CLI_BIN=/path/to/kspeed carries that binary instead of building one
+(for example the `cargo build --release` of this checkout, which the test
+script already has: the wheel's command is then that build, features and
+all; it must run `--version`).
 """
 
 import os
@@ -83,22 +87,41 @@ def _build_cli():
         if os.path.exists(exe):
             os.remove(exe)
         return
+    prebuilt = os.environ.get("KSPEED_CLI_BIN")
+    if prebuilt:
+        r = subprocess.run([prebuilt, "--version"], capture_output=True, text=True, check=False)
+        if r.returncode != 0 or not r.stdout.startswith("kspeed "):
+            raise RuntimeError(
+                f"kspeed: KSPEED_CLI_BIN={prebuilt!r} is not a kspeed command "
+                f"(`{prebuilt} --version` gave exit {r.returncode}: {(r.stdout + r.stderr).strip()[:200]!r})"
+            )
+        print(f"kspeed: carrying the prebuilt command {prebuilt} ({r.stdout.strip()})", flush=True)
+        _install_cli(prebuilt, exe)
+        return
     manifest = os.path.join(REPO, "Cargo.toml")
     if not os.path.exists(os.path.join(REPO, "src", "bin", "kspeed", "main.rs")):
         raise RuntimeError(
             f"kspeed: cannot build the kspeed command: {manifest} is not the kspeed repository "
             f"(build from a checkout, or set KSPEED_CLI=0 for a package without the command)"
         )
-    target = os.environ.get("KSPEED_CLI_TARGET_DIR") or os.path.join(PACKAGE, "target")
+    # Where maturin builds the extension too (cargo's CARGO_TARGET_DIR, else
+    # the package's own target/), so the two share their dependencies.
+    target = (os.environ.get("KSPEED_CLI_TARGET_DIR") or os.environ.get("CARGO_TARGET_DIR")
+              or os.path.join(PACKAGE, "target"))
     # s3: the command reads sources in object stores, as the extension does.
     features = "cli,s3,rdma" if rdma_wanted() else "cli,s3"
     cmd = ["cargo", "build", "--release", "--locked", "--bin", "kspeed", "--no-default-features",
            "--features", features, "--manifest-path", manifest, "--target-dir", target]
     print("kspeed: building the kspeed command:", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
+    _install_cli(os.path.join(target, "release", "kspeed"), exe)
+
+
+def _install_cli(src, exe):
+    """Copies the binary `src` to `exe` (kspeed/_bin/kspeed), atomically."""
     os.makedirs(BIN_DIR, exist_ok=True)
     tmp = exe + ".tmp"
-    shutil.copyfile(os.path.join(target, "release", "kspeed"), tmp)
+    shutil.copyfile(src, tmp)
     os.chmod(tmp, 0o755)
     os.replace(tmp, exe)
 
