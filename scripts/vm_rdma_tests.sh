@@ -55,10 +55,13 @@ echo "== verbs layer and RDMA end-to-end tests"
 echo "== the cluster tests over RDMA (KSPEED_TEST_RDMA=1)"
 # Not the ones whose peer is a hand-written TCP node or consumer, nor the
 # network-namespace ones (TCP plumbing; a fresh namespace has no RDMA
-# netdev): tests/rdma.rs has RDMA's hostile peers.
+# netdev): tests/rdma.rs has RDMA's hostile peers. Nor the metrics port's
+# own (HTTP clients against a node with no consumer: nothing of theirs
+# changes with the transport; the one that counts a consumer runs).
 KSPEED_TEST_RDMA=1 sharded "$cluster_bin" \
   --skip hostile_ --skip network_namespaces --skip launcher_node_lists \
-  --skip dead_owner_host
+  --skip dead_owner_host --skip metrics_port_threads_are_bounded \
+  --skip a_full_metrics_port --skip a_metrics_flood --skip metrics_head_gets
 if [ -n "$rebalance_bin" ]; then
   echo "== node services restarted mid-epoch over RDMA (KSPEED_TEST_RDMA=1)"
   KSPEED_TEST_RDMA=1 "$rebalance_bin" --test-threads 1 \
