@@ -195,7 +195,9 @@ typedef struct {
   double elapsed_s;
   // Seconds the caller waited inside next_batch.
   double stall_s;
-  // Samples read from disk or source files.
+  // Samples read from disk: the space's extents, or a source read
+  // directly (`source`: its files, or its objects in a bucket); a
+  // partial space's others are `source_reads`.
   uint64_t disk_reads;
   // Samples served from the memory tier.
   uint64_t tier_hits;

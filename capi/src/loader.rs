@@ -333,7 +333,9 @@ pub struct ksp_stats {
     pub elapsed_s: f64,
     /// Seconds the caller waited inside next_batch.
     pub stall_s: f64,
-    /// Samples read from disk or source files.
+    /// Samples read from disk: the space's extents, or a source read
+    /// directly (`source`: its files, or its objects in a bucket); a
+    /// partial space's others are `source_reads`.
     pub disk_reads: u64,
     /// Samples served from the memory tier.
     pub tier_hits: u64,

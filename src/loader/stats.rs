@@ -143,7 +143,8 @@ pub struct Stats {
     /// batches).
     pub source_lead: LeadTime,
     /// Samples read from disk: the space's extents, or a source read
-    /// directly (`source`); a partial space's others are `source_reads`.
+    /// directly (`source`: its files, or its objects in a bucket); a
+    /// partial space's others are `source_reads`.
     pub disk_reads: u64,
     /// Samples served from the memory tier.
     pub tier_hits: u64,
