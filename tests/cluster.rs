@@ -795,6 +795,64 @@ fn hostile_consumers_are_refused_and_others_unaffected() {
         );
     }
 
+    // ERROR frames a consumer does not send (docs/PROTOCOL.md,
+    // "Connection": only keepalives, code 0 for the connection with no
+    // body): another code, a grant id, a body; and a DATA frame, named by
+    // its type.
+    let error = |a: u32, b: u32, body: &[u8]| {
+        let mut f = Header {
+            kind: proto::Kind::Error,
+            body_len: body.len() as u32,
+            a,
+            b,
+            c: 0,
+        }
+        .encode()
+        .to_vec();
+        f.extend_from_slice(body);
+        f
+    };
+    for frame in [
+        error(proto::CONNECTION, Code::Violation as u32, b""),
+        error(proto::CONNECTION, Code::NodeDown as u32, b""),
+        error(7, 0, b""),
+        error(proto::CONNECTION, 0, b"bye"),
+        {
+            let mut f = Header::data(1, 0, 4).encode().to_vec();
+            f.extend_from_slice(b"abcd");
+            f
+        },
+    ] {
+        let (mut c, _) = joined();
+        c.write_all(&frame).unwrap();
+        let (code, msg) = read_error(&mut c);
+        assert_eq!(code, Code::Violation, "{msg}");
+        assert!(
+            msg.contains("unexpected ERROR frame from a consumer")
+                || msg.contains("unexpected Data frame"),
+            "{msg}"
+        );
+    }
+    // A keepalive is taken, and the grant after it served.
+    let (mut c, _) = joined();
+    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    c.write_all(&error(proto::CONNECTION, 0, b"")).unwrap();
+    grant(
+        &mut c,
+        &[GrantEntry {
+            grant: 1,
+            len: s0.len,
+            sample: 0,
+            offset: 0,
+            rkey: 0,
+        }],
+    );
+    // No heartbeats were asked for: the first frame is the grant's DATA.
+    let mut hb = [0u8; proto::HEADER_BYTES];
+    c.read_exact(&mut hb).unwrap();
+    let h = Header::decode(&hb, 1 << 20).unwrap();
+    assert!(h.kind == proto::Kind::Data && h.a == 1, "{h:?}");
+
     // A peer that stalls in its HELLO does not block others; a well-behaved
     // consumer reads everything meanwhile.
     let mut stalled = connect();

@@ -462,6 +462,87 @@ fn same_world_resume_keeps_the_digest_and_the_next_epoch_is_ordinary() {
     }
 }
 
+/// A checkpoint in the middle of a batch (`KSpeedDataset` hands a batch's
+/// samples out one at a time): the batch's start position advanced by the
+/// samples handed out is the position a loader saves after exactly those
+/// samples (one of batch size 1), and the audit of a job that changed
+/// world size there, from those positions, finds every sample once.
+#[test]
+fn a_position_advanced_inside_a_batch_is_the_one_a_loader_saves_there() {
+    let t = tempfile::tempdir().unwrap();
+    let sp = space(t.path(), 150);
+    let space = Space::open(&sp).unwrap();
+    let cat = space.catalog();
+    let cfg = SamplerConfig::single(150, SEED);
+    let handed = 3; // of the third batch, per rank
+    let mut advanced = Vec::new();
+    let mut at_batch_files = Vec::new();
+    let mut job = None;
+    for rank in 0..2 {
+        let mut l = loader(&sp, rank, 2, false);
+        let want = ElasticSampler::new(cfg.rank_world(rank, 2), l.job_position()).unwrap();
+        take(&mut l, cat, Some(2), &want);
+        at_batch_files.push(l.save_position());
+        let at_batch = SavedPosition::decode(&at_batch_files[rank as usize]).unwrap();
+        let ids: Vec<u64> = l
+            .next_batch()
+            .unwrap()
+            .unwrap()
+            .iter()
+            .map(|x| x.id)
+            .collect();
+        let a = at_batch.advanced(&ids[..handed]).unwrap();
+        // One sample at a time, to the same sample.
+        let mut one = LoaderBuilder::space(&sp)
+            .batch_size(1)
+            .seed(SEED)
+            .rank(rank, 2)
+            .pollers(1)
+            .pin(false)
+            .landing(test_ring(1 << 20))
+            .start_at(Position {
+                epoch: EPOCH,
+                index: 0,
+            })
+            .build()
+            .unwrap();
+        take(&mut one, cat, Some((2 * BATCH + handed) as u64), &want);
+        assert_eq!(a, SavedPosition::decode(&one.save_position()).unwrap());
+        assert_eq!(at_batch.advanced(&[]).unwrap(), at_batch);
+        advanced.push(a);
+        job = Some(one.save_job_position());
+    }
+    // Three ranks go on from there and finish the epoch.
+    let start = JobPosition {
+        epoch: EPOCH,
+        consumed: 2 * (2 * BATCH + handed) as u64,
+    };
+    let mut saved = advanced.clone();
+    for rank in 0..3 {
+        let mut l = loader(&sp, rank, 3, false);
+        l.restore_job_position(job.as_ref().unwrap()).unwrap();
+        let want = ElasticSampler::new(cfg.rank_world(rank, 3), start).unwrap();
+        take(&mut l, cat, None, &want);
+        saved.push(SavedPosition::decode(&l.save_position()).unwrap());
+    }
+    let r = audit_positions(&saved).unwrap();
+    // 128 left for 3 ranks: 1 padding step.
+    assert_eq!(
+        r[0].to_string(),
+        "epoch 2: 150 samples, each exactly once, and 1 padding duplicates"
+    );
+    // The batch's start alone (what the checkpoint restores from) misses
+    // the samples handed out: the audit says so.
+    let mut at_start = saved.clone();
+    for rank in 0..2 {
+        at_start[rank] = SavedPosition::decode(&at_batch_files[rank]).unwrap();
+    }
+    match audit_positions(&at_start) {
+        Err(Error::AuditMismatch(m)) => assert!(m.contains("stop at"), "{m}"),
+        r => panic!("{r:?}"),
+    }
+}
+
 /// Cluster mode: every sample comes from two in-process node services over
 /// TCP (the consumer has only the catalog; the network thread's schedule
 /// deals the remainder too): 4 ranks, then 3 from the job position.

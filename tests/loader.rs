@@ -986,6 +986,93 @@ fn verify_crc32c_catches_a_corrupt_extent_and_spans_hold_the_batch() {
     }
 }
 
+/// A batch that fails part way (a corrupt sample in its middle, CRC
+/// checking on) is not delivered: the failed loader's position stays at
+/// the batch's first sample, its stats and digest count only the batches
+/// handed out, and a new loader restored from its saved position (after
+/// the space is repaired) reads the failed batch whole: every sample of
+/// the epoch exactly once across the two.
+#[test]
+fn a_batch_that_fails_part_way_is_not_delivered_and_a_resume_reads_it() {
+    let t = tempfile::tempdir().unwrap();
+    let sp = odd_space(t.path());
+    let space = Space::open(&sp).unwrap();
+    let batch = 9usize;
+    let builder = || {
+        LoaderBuilder::space(&sp)
+            .batch_size(batch)
+            .seed(5)
+            .verify_crc32c(true)
+            .end_epoch(Some(1))
+            .landing(small_ring(1 << 20))
+    };
+    // The epoch's order, read clean.
+    let mut order = Vec::new();
+    let mut l = builder().build().unwrap();
+    while let Some(b) = l.next_batch().unwrap() {
+        order.extend(b.iter().map(|x| x.id));
+    }
+    drop(l);
+    // A victim in the middle of a batch past the first.
+    let k = (batch..order.len())
+        .find(|&k| k % batch >= 3 && space.catalog().sample(order[k]).len > 100)
+        .expect("a sample in the middle of a batch");
+    let victim = order[k];
+    let loc = space.location(victim).unwrap();
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(space.extent_path(loc.extent))
+        .unwrap();
+    let flip = |f: &std::fs::File| {
+        let mut b = [0u8; 1];
+        std::os::unix::fs::FileExt::read_exact_at(f, &mut b, loc.offset + 50).unwrap();
+        b[0] ^= 0x10;
+        std::os::unix::fs::FileExt::write_all_at(f, &b, loc.offset + 50).unwrap();
+        f.sync_all().unwrap();
+    };
+    flip(&f);
+    let mut l = builder().build().unwrap();
+    let mut got = Vec::new();
+    let err = loop {
+        match l.next_batch() {
+            Ok(Some(b)) => got.extend(b.iter().map(|x| x.id)),
+            Ok(None) => panic!("read the epoch without noticing the corrupt sample"),
+            Err(e) => break e,
+        }
+    };
+    assert!(
+        matches!(err, Error::SampleCorrupt { sample, .. } if sample == victim),
+        "{err}"
+    );
+    let first = k - k % batch;
+    assert_eq!(got, order[..first], "the batches handed out");
+    assert_eq!(
+        l.position().index,
+        first as u64,
+        "back at the failed batch's start"
+    );
+    let st = l.stats();
+    assert_eq!(
+        st.samples, first as u64,
+        "samples counts only delivered batches"
+    );
+    assert_eq!(l.digest().0.count, first as u64, "the digest likewise");
+    let saved = l.save_position();
+    drop(l);
+    // Repaired, resumed from the failed loader's position: the rest of
+    // the epoch, the failed batch first and whole.
+    flip(&f);
+    let mut l = builder().build().unwrap();
+    l.restore_position(&saved).unwrap();
+    while let Some(b) = l.next_batch().unwrap() {
+        got.extend(b.iter().map(|x| x.id));
+    }
+    assert_eq!(got, order, "every sample of the epoch once, in order");
+    let (digest, _) = l.digest();
+    assert_eq!(digest.count, order.len() as u64);
+}
+
 /// DDP lock-step: every rank of a job gets the same number of batches per
 /// epoch, each whole but the last, whatever its own sample sizes; a ring
 /// that could only deliver some batch cut short is refused at build.

@@ -644,6 +644,9 @@ impl Loader {
         self.start_reading();
         self.entries.clear();
         let mut first_v = None;
+        // The batch's first sample: where the position goes back to when
+        // the batch fails part way (`unwind_batch`).
+        let mut batch_first: Option<Placed> = None;
         let mut desc = None;
         // Attached: the source bytes the batch's extra words carry.
         let mut desc_source_bytes = 0u64;
@@ -664,8 +667,7 @@ impl Loader {
             // ring; the build's check_batch_fits guarantees it does.
             let v0 = *first_v.get_or_insert(p.v);
             if p.v_end - v0 > self.geo.ring_bytes {
-                self.peeked = Some(p);
-                self.entries.clear();
+                self.unwind_batch(batch_first.unwrap_or(p));
                 let e = Error::RingTooSmallForBatch {
                     batch_size: self.batch_size,
                     batch_bytes: p.v_end - v0,
@@ -678,6 +680,7 @@ impl Loader {
                 return Err(self.fail(e));
             }
             if self.entries.is_empty() {
+                batch_first = Some(p);
                 self.batch_last_g = self.last_g_of_batch_from(&p);
                 self.held_first = Some(p);
                 if let Some(a) = self.run.as_mut().and_then(|r| r.attach.as_mut()) {
@@ -718,10 +721,11 @@ impl Loader {
                     }
                 }
             }
+            let first = batch_first.expect("set at the batch's first sample");
             let mut in_tier = match self.wait_ready(&p) {
                 Ok(code) => code == CODE_TIER,
                 Err(e) => {
-                    self.entries.clear();
+                    self.unwind_batch(first);
                     return Err(self.fail(e));
                 }
             };
@@ -734,7 +738,7 @@ impl Loader {
                 .and_then(|r| r.attach.as_ref())
                 .map_or(0, |a| a.view(self.entries.len()));
             if word != 0 && crate::agent::segment::view_tier_offset(word).is_none() {
-                self.entries.clear();
+                self.unwind_batch(first);
                 let e = Error::AttachProtocol {
                     what: format!(
                         "the agent's view word {word:#x} for sample {} is reserved (0: in the ring; bit 63: in the node tier)",
@@ -749,7 +753,7 @@ impl Loader {
                     .as_ref()
                     .is_some_and(|t| t.holds(off, p.len))
                 {
-                    self.entries.clear();
+                    self.unwind_batch(first);
                     let e = Error::AttachProtocol {
                         what: format!(
                             "the agent handed out sample {} ({} bytes) at node tier offset {off}, {}",
@@ -778,12 +782,12 @@ impl Loader {
                 len: p.len,
                 pos: p.pos,
             });
-            self.fold(p.pos, p.id);
-            self.counters.samples += 1;
-            self.counters.bytes += p.len;
         }
         if let Some(d) = desc {
-            self.check_desc(&d)?;
+            if let Err(e) = self.check_desc(&d) {
+                self.unwind_batch(batch_first.expect("a descriptor comes with a first sample"));
+                return Err(e);
+            }
             // Attached: the agent's reads for this rank, as its pollers
             // would have counted them embedded.
             let t = &mut self.totals;
@@ -804,11 +808,29 @@ impl Loader {
                 }
             }
         }
+        // Delivered only now, the whole batch: a batch that failed part
+        // way counts nothing, and its samples are read again by a resume
+        // from this loader's position.
+        for i in 0..self.entries.len() {
+            let e = self.entries[i];
+            self.fold(e.pos, e.id);
+            self.counters.samples += 1;
+            self.counters.bytes += e.len;
+        }
         self.held = !self.entries.is_empty();
         if self.held {
             self.batch_seq += 1;
         }
         Ok(self.entries.len())
+    }
+
+    /// A batch that failed part way (the loader fails with it): none of it
+    /// was delivered, so the position goes back to its first sample, where
+    /// a resume from [`Loader::save_position`] reads it again. Nothing is
+    /// read past it: a failed loader stays failed.
+    fn unwind_batch(&mut self, first: Placed) {
+        self.entries.clear();
+        self.peeked = Some(first);
     }
 
     /// Attached mode: the agent's descriptor must be the batch this rank

@@ -299,6 +299,45 @@ impl SavedPosition {
     pub fn job_position(&self) -> JobPosition {
         self.next.job_position()
     }
+
+    /// This position after the rank delivered `ids` too, the next
+    /// `ids.len()` steps of its epoch, folded into the digest as a loader
+    /// folds what it hands out: for a checkpoint in the middle of a batch
+    /// (a PyTorch dataset hands a batch's samples out one at a time, and
+    /// saves the batch's start and how many it handed out). The ids are
+    /// the caller's; [`audit_positions`] checks them as it checks any
+    /// digest. A position whose digest is of an earlier epoch (saved at an
+    /// epoch's start, before its first batch) starts the epoch's digest
+    /// first; it must be an epoch dealt from its start (base 0), else
+    /// [`Error::BadPosition`].
+    pub fn advanced(&self, ids: &[u64]) -> Result<SavedPosition> {
+        let mut s = self.clone();
+        if ids.is_empty() {
+            return Ok(s);
+        }
+        if s.digest.epoch != s.next.epoch {
+            if s.next.base != 0 {
+                return Err(Error::BadPosition(format!(
+                    "a position at step {} of epoch {}, dealt from entry {} on, has a digest of epoch {}: \
+                     not one a loader saves",
+                    s.next.index, s.next.epoch, s.next.base, s.digest.epoch
+                )));
+            }
+            s.digest = EpochDigest::new(s.next.epoch);
+            s.digest_at = s.next;
+            // An ordinary epoch: its order starts with every dataset's
+            // stream unused.
+            if let Some(m) = &mut s.mix {
+                m.skip.iter_mut().for_each(|k| *k = 0);
+            }
+        }
+        for &id in ids {
+            s.digest.add(id);
+        }
+        s.next.index += ids.len() as u64;
+        s.digest_at.index = s.next.index;
+        Ok(s)
+    }
 }
 
 /// Audits a job from its ranks' saved positions, across resumes at other

@@ -409,6 +409,11 @@ impl Header {
             Kind::Error => MAX_MESSAGE_BYTES as u32,
             Kind::RdmaEndpoint => RDMA_ENDPOINT_BYTES as u32,
         };
+        // A receiver that takes no DATA (an owner: `max_data` 0) refuses
+        // one by its type, not by its size.
+        if kind == Kind::Data && max_data == 0 {
+            return Err(FrameError::Unexpected(kind));
+        }
         if h.body_len > max {
             return Err(FrameError::TooLong {
                 kind,

@@ -28,6 +28,22 @@ fn _audit(py: Python<'_>, positions: Vec<Vec<u8>>) -> PyResult<Vec<String>> {
     .raise(py)
 }
 
+/// `position` (a rank's saved position) after the rank delivered `ids`
+/// too: the position of a checkpoint in the middle of a batch, for the
+/// audit (`KSpeedDataset.state_dict()`'s `audit_position`).
+#[pyfunction]
+fn _position_advanced<'py>(
+    py: Python<'py>,
+    position: Vec<u8>,
+    ids: Vec<u64>,
+) -> PyResult<Bound<'py, pyo3::types::PyBytes>> {
+    let saved = SavedPosition::decode(&position)
+        .and_then(|s| s.advanced(&ids))
+        .raise(py)?;
+    Ok(pyo3::types::PyBytes::new(py, &saved.save()))
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_function(wrap_pyfunction!(_audit, m)?)
+    m.add_function(wrap_pyfunction!(_audit, m)?)?;
+    m.add_function(wrap_pyfunction!(_position_advanced, m)?)
 }

@@ -113,6 +113,7 @@ def test_stateful_dataloader_resumes_at_another_world_size(space, new_world):
         del it, dl
     left = n - 40
     per_rank = -(-left // new_world)
+    ends = []
     for r in range(new_world):
         dl = make(r, new_world)
         dl.load_state_dict(states[r % 4])
@@ -122,5 +123,16 @@ def test_stateful_dataloader_resumes_at_another_world_size(space, new_world):
             seen[sid] += 1
             got += 1
         assert got == per_rank, f"rank {r} of {new_world}"
+        ends.append(dl.state_dict())
         del dl
-    check_union(seen, n, per_rank * new_world - left)
+    padding = per_rank * new_world - left
+    check_union(seen, n, padding)
+    # The audit from the dataset states alone: 10 samples is inside the
+    # third kspeed batch of 4, so each old rank's state carries the
+    # batch's start advanced by the 2 samples handed out of it.
+    old = [s["dataset_state"] for s in states]
+    assert all(s["skip"] == 2 and "audit_position" in s for s in old), old[0]
+    assert kspeed.audit(old + [s["dataset_state"] for s in ends]) == expected_report(n, padding)
+    # The batch's start alone misses those samples: named.
+    with pytest.raises(kspeed.DataError, match="AuditMismatch|stop at"):
+        kspeed.audit([s["position"] for s in old] + [s["dataset_state"] for s in ends])

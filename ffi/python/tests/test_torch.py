@@ -130,6 +130,24 @@ def test_dataset_state_dict_resumes(space):
     assert len(list(ds3)) == len(want)
     st3 = pickle.loads(pickle.dumps(ds3.state_dict()))
     assert (st3["epoch"], st3["index"], st3["skip"]) == (1, 0, 0)
+    assert "audit_position" not in st3
+    # The mid-batch state's audit position is the one a loader saves after
+    # exactly those 17 samples (batches of 1), the batch's start is not.
+    with kspeed.Loader(space, **dict(kw, batch_size=1)) as one:
+        for _ in range(17):
+            one.next_batch()
+        assert state["audit_position"] == one.save_position()
+        assert state["position"] != one.save_position()
+
+
+def test_dataset_options_are_checked_at_construction(space):
+    """A misspelt option is a TypeError naming it when the dataset is
+    made, not at the first iteration (in a worker)."""
+    with pytest.raises(TypeError, match="'batch_sise'"):
+        KSpeedDataset(space, batch_sise=8)
+    with pytest.raises(TypeError, match="'ring_byte', 'sed'"):
+        KSpeedImageFolder(space, sed=1, ring_byte="1MiB")
+    KSpeedDataset(space, batch_size=8, seed=1)
 
 
 def test_decode_jpeg_of_real_jpegs_equals_pil(tmp_path):

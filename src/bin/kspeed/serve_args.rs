@@ -14,8 +14,9 @@ pub(crate) struct NodeServiceArgs {
     #[arg(long, value_parser = crate::parse_bytes)]
     staging_bytes: Option<u64>,
     /// Largest DATA frame or RDMA write, and the size of a staging slot
-    /// (bigger samples go in several); staging-bytes / chunk-bytes reads
-    /// and sends are in flight per poller [default: 256KiB].
+    /// (bigger samples go in several; rounded up to a multiple of the
+    /// space's alignment, 4 KiB by default); staging-bytes / chunk-bytes
+    /// reads and sends are in flight per poller [default: 256KiB].
     #[arg(long, value_parser = crate::parse_bytes)]
     chunk_bytes: Option<u64>,
     /// Grants one consumer may have outstanding, each queue reserved when

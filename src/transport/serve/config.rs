@@ -27,7 +27,8 @@ pub struct ServeConfig {
     /// Staging memory per poller.
     pub staging_bytes: u64,
     /// Largest DATA frame or RDMA write, and the size of a staging slot
-    /// (default 256 KiB). Staging holds `staging_bytes / chunk_bytes`
+    /// (default 256 KiB; rounded up to a multiple of the space's
+    /// alignment when the service starts). Staging holds `staging_bytes / chunk_bytes`
     /// slots, which bounds the reads and sends in flight: with 1 MiB slots
     /// an ImageNet-sized sample (~128 KB) left 7/8 of its slot empty and 64
     /// MiB of staging kept only 64 samples moving, and on soft-RoCE the

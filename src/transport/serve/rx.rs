@@ -100,7 +100,12 @@ impl<R: IoBackend> ServePoller<R> {
             // on, and with `PROBE` for a heartbeat at the next tick, idle
             // or not (the connection, its receive done, is in the work
             // list the next sweep walks).
-            Received::Header(h) if h.kind == Kind::Error && h.body_len == 0 => {
+            Received::Header(h)
+                if h.kind == Kind::Error
+                    && h.body_len == 0
+                    && h.a == proto::CONNECTION
+                    && h.b == Code::Unknown as u32 =>
+            {
                 if h.c & proto::ASK_HEARTBEATS != 0 {
                     if !c.heartbeats {
                         c.heartbeats = true;
@@ -116,6 +121,17 @@ impl<R: IoBackend> ServePoller<R> {
                         self.next_beat = self.ring.now();
                     }
                 }
+            }
+            // Any other ERROR (another code, a grant id, a body) is not
+            // one a consumer sends (docs/PROTOCOL.md, "Connection").
+            Received::Header(h) if h.kind == Kind::Error => {
+                let m = format!(
+                    "unexpected ERROR frame from a consumer (code {}, grant id {:#x}, {} body bytes): \
+                     a consumer sends only keepalives (code 0, grant id 0xFFFFFFFF, no body)",
+                    h.b, h.a, h.body_len
+                );
+                self.close(ci, Some((Code::Violation, m)));
+                return false;
             }
             Received::Header(h) => {
                 let m = format!("unexpected {:?} frame from a consumer", h.kind);

@@ -822,7 +822,10 @@ def audit(positions):
     blobs = []
     for i, p in enumerate(positions):
         if isinstance(p, dict):
-            p = p.get("position")
+            # A KSpeedDataset state taken inside a batch: the batch's
+            # start (what it resumes from) advanced by the samples it had
+            # handed out.
+            p = p.get("audit_position", p.get("position"))
         elif isinstance(p, (str, os.PathLike)):
             with open(p, "rb") as f:
                 p = f.read()

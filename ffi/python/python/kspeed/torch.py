@@ -68,6 +68,7 @@ weights, nothing the job delivered in the epoch comes again, and the next
 epoch is the new weights' own.
 """
 
+import inspect
 import os
 import sys
 import warnings
@@ -76,7 +77,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from . import _decode
+from . import _decode, _kspeed
 from ._loader import Loader, _bool, _int, _rank_world
 from .errors import BatchInUseError
 
@@ -112,6 +113,14 @@ class KSpeedDataset(IterableDataset):
         self._mix = loader_kwargs.get("mix") is not None
         if self._mix and (space is not None or "source" in loader_kwargs):
             raise ValueError("give space, source= or mix=, not two of them")
+        # A misspelt option is named now, not at the first iteration (in a
+        # worker, wrapped in DataLoader's message).
+        known = inspect.signature(Loader.__init__).parameters
+        unknown = sorted(k for k in loader_kwargs if k not in known or k in ("self", "space"))
+        if unknown:
+            raise TypeError(f"{type(self).__name__} got unexpected keyword argument(s) "
+                            f"{', '.join(map(repr, unknown))}: its own are listed in its help, the others go to "
+                            f"kspeed.Loader, which has no such option")
         self._kwargs = dict(loader_kwargs)
         # Resolve rank and world now (in the parent), so that workers agree.
         rank, world, _ = _rank_world(rank, world, ignore_launcher_env)
@@ -327,7 +336,7 @@ class KSpeedDataset(IterableDataset):
             # it resumes at the exact sample (restore there, skip the rest),
             # and where this world started dealing the epoch (for the job
             # position).
-            start = (loader._l.save_position(), loader.position(), loader._l.rank_position()[1])
+            pos, at, base = loader._l.save_position(), loader.position(), loader._l.rank_position()[1]
             while True:
                 try:
                     b = loader.next_batch()
@@ -339,7 +348,9 @@ class KSpeedDataset(IterableDataset):
                 break
             k = min(len(b), left)
             left -= k
-            yield b, min(skip, k), k, start
+            # The batch's ids too: a state taken inside it gives the audit
+            # the start advanced by the samples handed out.
+            yield b, min(skip, k), k, (pos, at, base, b.ids[:k].copy())
             skip = 0
             del b
         self._cursor = None
@@ -394,12 +405,17 @@ class KSpeedDataset(IterableDataset):
         loader = self._get_loader(w, n)
         cursor = getattr(self, "_cursor", None)
         if cursor is not None:
-            (pos, (epoch, index), base), skip = cursor
+            (pos, (epoch, index), base, ids), skip = cursor
         else:
             pos, (epoch, index), skip = loader._l.save_position(), loader.position(), 0
             base = loader._l.rank_position()[1]
         state = {"kspeed_dataset_state": 1, **self._identity(), "worker": w, "num_workers": n, "epoch": epoch,
                  "index": index + skip, "position": bytes(pos), "skip": skip}
+        if skip:
+            # What kspeed.audit reads: `position` is the batch's start (a
+            # resume reads the batch again and skips `skip`), whose digest
+            # lacks the samples handed out since.
+            state["audit_position"] = _kspeed._position_advanced(bytes(pos), [int(i) for i in ids[:skip]])
         if n == 1 and not self._kwargs.get("drop_last", False):
             # The job's position at this exact sample (valid at any world
             # size when the ranks are in lock-step, as DDP steps are; a
@@ -441,8 +457,12 @@ class KSpeedDataset(IterableDataset):
                 raise ValueError(f"state[{key!r}] is missing: the state is from an older kspeed or not a "
                                  f"KSpeedDataset state")
             if state[key] != mine:
-                raise ValueError(f"state[{key!r}] is {state[key]!r} but this dataset has {mine!r}: the state "
-                                 f"belongs to another job or dataset")
+                why = "the state belongs to another job or dataset"
+                if key in ("rank", "world"):
+                    why = ("a state of another rank or world size continues the job only without DataLoader "
+                           "workers (num_workers 0, when saved and now) and without drop_last; otherwise it "
+                           "belongs to another job")
+                raise ValueError(f"state[{key!r}] is {state[key]!r} but this dataset has {mine!r}: {why}")
         if elastic:
             self._state = dict(state, _elastic=True)
             return
