@@ -213,6 +213,13 @@ fn four_epochs_exact_within_the_bound_and_a_second_loader_hits() {
     assert!(held as u64 <= slots && held > 0, "{held} held of {slots}");
     // A reader written from docs/CACHE.md alone agrees.
     independent_reader(&dir, &st.src);
+    // Private, as a space is: its folder 0700, its files 0600.
+    use std::os::unix::fs::PermissionsExt;
+    let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&dir), 0o700, "{}", dir.display());
+    for f in ["cache.meta", "cache.data", "cache.journal", "cache.lock"] {
+        assert_eq!(mode(&dir.join(f)), 0o600, "{f}");
+    }
     // A second loader (another process would do the same) finds what the
     // first kept, and reads exactly.
     let mut l = st.loader(CachePolicy::NextUse, epochs, epochs + 1);

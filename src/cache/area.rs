@@ -27,6 +27,7 @@
 use std::fs::File;
 use std::io::Read;
 use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -156,12 +157,19 @@ impl CacheArea {
     pub fn open(spec: &AreaSpec<'_>) -> Result<CacheArea> {
         let dir = spec.dir;
         let cat = spec.catalog;
-        std::fs::create_dir_all(dir).ctx("create", dir)?;
+        // Private, as a space is: the folders it creates 0700, its files
+        // 0600 (the samples are the dataset's).
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+            .ctx("create", dir)?;
         let lock_path = dir.join(LOCK_FILE);
         let lock = std::fs::OpenOptions::new()
             .create(true)
             .truncate(false)
             .write(true)
+            .mode(0o600)
             .open(&lock_path)
             .ctx("open", &lock_path)?;
         // A flock belongs to the open file, which a process forked from
@@ -297,6 +305,8 @@ impl CacheArea {
             data.sync_all().ctx("fsync", &data_path)?;
             // Synced, and its directory too.
             crate::format::write_file_atomic(&meta_path, meta.as_bytes())?;
+            std::fs::set_permissions(&meta_path, std::fs::Permissions::from_mode(0o600))
+                .ctx("chmod", &meta_path)?;
         }
         let (held, dropped) = replay(&journal_path, cat, &classes)?;
         if dropped {

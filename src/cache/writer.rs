@@ -20,7 +20,7 @@
 
 use std::fs::File;
 use std::io::Write;
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -113,6 +113,7 @@ impl Writer {
         let journal = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
+            .mode(0o600)
             .open(journal_path)
             .ctx("open", journal_path)?;
         let records = journal.metadata().ctx("stat", journal_path)?.len() / RECORD_BYTES as u64;

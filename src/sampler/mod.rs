@@ -284,9 +284,17 @@ impl Sampler {
                 ))
             }
             n => {
-                return Err(Error::BadPosition(format!(
-                    "{n} bytes, expected {POSITION_V2_BYTES}"
-                )))
+                // Name what it is not before what its length is not: a
+                // blob of another length may still be a kspeed position.
+                let magic = bytes.get(..8).unwrap_or(bytes);
+                return Err(Error::BadPosition(if magic.starts_with(b"KSPD") {
+                    format!(
+                        "{n} bytes of {}, not a {POSITION_V2_BYTES}-byte KSPDPOS2 sampler position",
+                        String::from_utf8_lossy(magic)
+                    )
+                } else {
+                    format!("wrong magic (not a kspeed position; {n} bytes)")
+                }));
             }
         };
         let crc = u32::from_le_bytes(bytes[crc_at..crc_at + 4].try_into().expect("4 bytes"));

@@ -16,8 +16,12 @@ fn _audit(py: Python<'_>, positions: Vec<Vec<u8>>) -> PyResult<Vec<String>> {
             .iter()
             .enumerate()
             .map(|(i, b)| {
-                SavedPosition::decode(b)
-                    .map_err(|e| kspeed::Error::BadPosition(format!("position {i}: {e}")))
+                SavedPosition::decode(b).map_err(|e| match e {
+                    kspeed::Error::BadPosition(why) => {
+                        kspeed::Error::BadPosition(format!("position {i}: {why}"))
+                    }
+                    e => e,
+                })
             })
             .collect::<kspeed::Result<Vec<_>>>()?;
         Ok(audit_positions(&saved)?

@@ -28,8 +28,13 @@ pub(crate) fn run(a: AuditArgs) -> kspeed::Result<ExitCode> {
     let mut saved = Vec::with_capacity(a.files.len());
     for f in &a.files {
         let bytes = std::fs::read(f).map_err(|e| kspeed::Error::io("read", f, e))?;
-        let s = SavedPosition::decode(&bytes)
-            .map_err(|e| kspeed::Error::BadPosition(format!("{}: {e}", f.display())))?;
+        let s = SavedPosition::decode(&bytes).map_err(|e| match e {
+            // Its own prefix once, after the file's name.
+            kspeed::Error::BadPosition(why) => {
+                kspeed::Error::BadPosition(format!("{}: {why}", f.display()))
+            }
+            e => e,
+        })?;
         saved.push(s);
     }
     match audit_positions(&saved) {
