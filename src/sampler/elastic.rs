@@ -93,8 +93,13 @@ impl JobPosition {
         let w = first.world;
         if ranks.len() != w as usize {
             return Err(Error::NotLockStep(format!(
-                "{} rank positions for a world of {w}",
-                ranks.len()
+                "{} rank positions for a world of {w} ({})",
+                ranks.len(),
+                if ranks.len() < w as usize {
+                    "a rank's position is missing: give every rank's"
+                } else {
+                    "more than one per rank"
+                }
             )));
         }
         let mut seen = vec![false; w as usize];
