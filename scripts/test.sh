@@ -157,8 +157,9 @@ step "Python package (ffi/python): pip install, pytest (torch in a cached venv, 
 # dependencies the steps above built with the same versions and features
 # (ffi/python/Cargo.lock pins the root's), where ffi/python/target built
 # them all again: the step took 408 s, about 200 s of it that second build.
-# The CLI's build overwrites target/release/kspeed with the wheel's
-# feature set; no later step runs it.
+# The wheel's CLI is built with the default features (cli, s3, rdma), as
+# target/release/kspeed was, so cargo finds it fresh and the tests'
+# KSPEED_BIN is that same binary.
 KSPEED_BIN="$PWD/target/release/kspeed" CARGO_TARGET_DIR="$PWD/target" \
   quiet target/ci-logs/python.log scripts/test_python.sh
 if [ -n "${CI:-}" ]; then rm -rf ffi/python/target; fi

@@ -27,7 +27,7 @@
 use std::fs::File;
 use std::io::Read;
 use std::os::fd::{AsRawFd, RawFd};
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -157,13 +157,17 @@ impl CacheArea {
     pub fn open(spec: &AreaSpec<'_>) -> Result<CacheArea> {
         let dir = spec.dir;
         let cat = spec.catalog;
-        // Private, as a space is: the folders it creates 0700, its files
-        // 0600 (the samples are the dataset's).
-        std::fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o700)
-            .create(dir)
-            .ctx("create", dir)?;
+        // Private, as a space is: its folder 0700, its files 0600 (the
+        // samples are the dataset's). Folders above it (a cache_dir shared
+        // by several jobs) get the usual mode.
+        if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+            std::fs::create_dir_all(parent).ctx("create", parent)?;
+        }
+        match std::fs::DirBuilder::new().mode(0o700).create(dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && dir.is_dir() => {}
+            Err(e) => return Err(Error::io("create", dir, e)),
+        }
         let lock_path = dir.join(LOCK_FILE);
         let lock = std::fs::OpenOptions::new()
             .create(true)
@@ -304,9 +308,7 @@ impl CacheArea {
             }
             data.sync_all().ctx("fsync", &data_path)?;
             // Synced, and its directory too.
-            crate::format::write_file_atomic(&meta_path, meta.as_bytes())?;
-            std::fs::set_permissions(&meta_path, std::fs::Permissions::from_mode(0o600))
-                .ctx("chmod", &meta_path)?;
+            crate::format::write_file_atomic_mode(&meta_path, meta.as_bytes(), 0o600)?;
         }
         let (held, dropped) = replay(&journal_path, cat, &classes)?;
         if dropped {

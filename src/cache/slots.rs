@@ -122,15 +122,18 @@ pub(crate) struct AreaShared {
 /// too).
 pub(crate) fn write_journal(path: &Path, recs: &[Record]) -> Result<File> {
     use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
     let tmp = path.with_extension("journal.tmp");
     match std::fs::remove_file(&tmp) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => return Err(crate::Error::io("remove", &tmp, e)),
     }
+    // 0600, as the journal it replaces (area.rs: the area is private).
     let mut f = std::fs::OpenOptions::new()
         .append(true)
         .create_new(true)
+        .mode(0o600)
         .open(&tmp)
         .ctx("create", &tmp)?;
     let mut bytes = Vec::with_capacity(recs.len() * RECORD_BYTES);
@@ -146,6 +149,28 @@ pub(crate) fn write_journal(path: &Path, recs: &[Record]) -> Result<File> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A rewritten journal (compaction, a replay that dropped records)
+    /// stays private: 0600 whatever the umask lets through.
+    #[test]
+    fn a_rewritten_journal_is_0600() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("cache.journal");
+        std::fs::write(&path, b"").unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let r = Record {
+            kind: REC_FULL,
+            slot: 1,
+            id: 2,
+            len: 3,
+            crc: 4,
+        };
+        drop(write_journal(&path, &[r]).unwrap());
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        assert_eq!(std::fs::read(&path).unwrap(), r.encode());
+    }
 
     #[test]
     fn records_round_trip_and_torn_ones_are_refused() {

@@ -312,10 +312,29 @@ pub fn sync_parent(path: &Path) -> Result<()> {
 /// `.tmp`) and a rename, the file and its directory synced: after a crash
 /// `path` holds the old bytes or the new, never a part.
 pub(crate) fn write_file_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    write_file_atomic_mode(path, bytes, 0o666)
+}
+
+/// As [`write_file_atomic`], the file created with `mode` (less the
+/// umask) from the start: a private file is never readable by others,
+/// not even between its write and a chmod.
+pub(crate) fn write_file_atomic_mode(path: &Path, bytes: &[u8], mode: u32) -> Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
     let mut tmp = path.as_os_str().to_owned();
     tmp.push(".tmp");
     let tmp = std::path::PathBuf::from(tmp);
-    let mut f = File::create(&tmp).ctx("create", &tmp)?;
+    // A tmp file left by a crash keeps its mode: start afresh.
+    match std::fs::remove_file(&tmp) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(crate::Error::io("remove", &tmp, e)),
+    }
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(mode)
+        .open(&tmp)
+        .ctx("create", &tmp)?;
     f.write_all(bytes).ctx("write", &tmp)?;
     f.sync_all().ctx("fsync", &tmp)?;
     std::fs::rename(&tmp, path).ctx("rename", path)?;

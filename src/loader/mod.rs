@@ -710,7 +710,10 @@ impl Loader {
                                 // not delivered: attach again from there.
                                 match self.reattach(p.pos, e) {
                                     Ok(()) => {
+                                        // A new run: its batch starts
+                                        // again from `p`.
                                         first_v = None;
+                                        batch_first = None;
                                         continue;
                                     }
                                     Err(e) => return Err(self.fail(e)),

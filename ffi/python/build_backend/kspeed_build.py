@@ -89,7 +89,12 @@ def _build_cli():
         return
     prebuilt = os.environ.get("KSPEED_CLI_BIN")
     if prebuilt:
-        r = subprocess.run([prebuilt, "--version"], capture_output=True, text=True, check=False)
+        # The backend may run in another folder than the caller's.
+        prebuilt = os.path.abspath(prebuilt)
+        try:
+            r = subprocess.run([prebuilt, "--version"], capture_output=True, text=True, check=False, timeout=60)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise RuntimeError(f"kspeed: KSPEED_CLI_BIN={prebuilt!r} could not be run: {e}") from e
         if r.returncode != 0 or not r.stdout.startswith("kspeed "):
             raise RuntimeError(
                 f"kspeed: KSPEED_CLI_BIN={prebuilt!r} is not a kspeed command "

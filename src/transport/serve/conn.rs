@@ -45,9 +45,16 @@ pub(super) fn ud_slot(user_data: u64) -> u32 {
 #[derive(Clone, Copy)]
 pub(super) struct Work {
     pub(super) e: GrantEntry,
-    pub(super) next: u64,
+    /// Bytes of it taken up so far (a sample's length is a u32).
+    pub(super) next: u32,
     /// When its GRANT frame was read.
     pub(super) at: std::time::Instant,
+    /// The connection's count of grants before it, wrapping: what tells
+    /// two grants of one id apart (a consumer may use an id again once the
+    /// grant it named is finished, after an ERROR too). 32 bits keep a
+    /// queued grant at 64 bytes; two grants 2^32 apart are never both in
+    /// the send queue.
+    pub(super) serial: u32,
 }
 
 pub(super) struct SConn {
@@ -69,8 +76,11 @@ pub(super) struct SConn {
     pub(super) link: ConnLink,
     pub(super) ops: u32,
     pub(super) closing: bool,
-    /// The last grant answered with ERROR: its later chunks are dropped.
+    /// The last grant answered with ERROR (its serial): its later chunks
+    /// are dropped.
     pub(super) failed_grant: Option<u32>,
+    /// Grants read so far, wrapping (the next one's `Work::serial`).
+    pub(super) grants_read: u32,
     /// Staging slots it holds (reading, queued, posted or being sent);
     /// changed only through [`SConn::hold`] and [`SConn::release`].
     pub(super) held: u32,

@@ -365,6 +365,7 @@ impl<R: IoBackend> ServePoller<R> {
                 ops: 0,
                 closing: false,
                 failed_grant: None,
+                grants_read: 0,
                 held: 0,
                 last_drained: now,
                 metrics: m,

@@ -66,7 +66,7 @@ impl<R: IoBackend> ServePoller<R> {
         let Some((loc, align)) = loc else {
             // Not held here: an ERROR frame for this grant.
             c.grants.pop_front();
-            let s = Slot::new(ci, e.grant, self.ring.now()).granted(w.at);
+            let s = Slot::new(ci, e.grant, self.ring.now()).granted(w.at, w.serial);
             take_slot(&mut self.staging, &mut self.conns, ci, slot, s);
             let msg = format!(
                 "node {} does not hold sample {}",
@@ -80,7 +80,7 @@ impl<R: IoBackend> ServePoller<R> {
         };
         let align = align as u64;
         let slot_len = (e.len as u64).next_multiple_of(align);
-        let off = w.next;
+        let off = u64::from(w.next);
         let payload = self.chunk.min(e.len as u64 - off) as u32;
         let read_len = self.chunk.min(slot_len - off) as u32;
         let from_maps = !c.link.is_rdma() || self.c.rdma_maps();
@@ -99,7 +99,7 @@ impl<R: IoBackend> ServePoller<R> {
                     .metadata()
                     .is_ok_and(|m| m.len() < end);
             if cut || at + payload as usize > bytes.len() {
-                let s = Slot::new(ci, e.grant, self.ring.now()).granted(w.at);
+                let s = Slot::new(ci, e.grant, self.ring.now()).granted(w.at, w.serial);
                 take_slot(&mut self.staging, &mut self.conns, ci, slot, s);
                 let msg = format!(
                     "node {}: extent {} is shorter than its manifest says (sample {} needs bytes up to {end}; truncated?)",
@@ -116,7 +116,7 @@ impl<R: IoBackend> ServePoller<R> {
                 self.conns.get_mut(ci).expect("live").sendq.push_back(slot);
                 return true;
             }
-            let s = Slot::new(ci, e.grant, self.ring.now()).granted(w.at);
+            let s = Slot::new(ci, e.grant, self.ring.now()).granted(w.at, w.serial);
             take_slot(&mut self.staging, &mut self.conns, ci, slot, s);
             self.queue_chunk(ci, slot, &e, off, payload, Some(bytes[at..].as_ptr()));
             return true;
@@ -141,7 +141,7 @@ impl<R: IoBackend> ServePoller<R> {
         if !unsafe { self.ring.push(&op) } {
             return false;
         }
-        let mut s = Slot::new(ci, e.grant, self.ring.now()).granted(w.at);
+        let mut s = Slot::new(ci, e.grant, self.ring.now()).granted(w.at, w.serial);
         s.read_extent = loc.extent;
         s.read_offset = loc.offset + off;
         s.read_len = read_len;
@@ -183,8 +183,8 @@ impl<R: IoBackend> ServePoller<R> {
         let c = self.conns.get_mut(ci).expect("live");
         c.sendq.push_back(slot);
         let front = c.grants.front_mut().expect("non-empty");
-        front.next += payload as u64;
-        if front.next >= e.len as u64 {
+        front.next += payload;
+        if front.next >= e.len {
             c.grants.pop_front();
         }
     }
@@ -228,7 +228,7 @@ impl<R: IoBackend> ServePoller<R> {
                 if !s.ready {
                     break;
                 }
-                if c.failed_grant == Some(s.grant) {
+                if c.failed_grant == Some(s.serial) {
                     // A later chunk of a grant already answered with ERROR:
                     // its data, or its own read error, is not sent (one
                     // ERROR per grant; a second would be a protocol
@@ -279,7 +279,7 @@ impl<R: IoBackend> ServePoller<R> {
                 self.staging[slot].posted_at = now;
                 let s = &self.staging[slot];
                 if s.error {
-                    c.failed_grant = Some(s.grant);
+                    c.failed_grant = Some(s.serial);
                 }
                 c.sendq.pop_front();
             }
@@ -361,7 +361,7 @@ impl<R: IoBackend> ServePoller<R> {
         let latency = now.saturating_duration_since(s.issued);
         self.c.metrics.read_latency[self.index].record(latency);
         if res < 0 || (res as u32) < s.payload {
-            let (ring_offset, grant) = (s.offset, s.grant);
+            let (ring_offset, grant, serial) = (s.offset, s.grant, s.serial);
             let msg = if res < 0 {
                 format!(
                     "node {}: reading ring offset {ring_offset} of grant {grant}: {}",
@@ -385,11 +385,12 @@ impl<R: IoBackend> ServePoller<R> {
             // grant's end and may grant another at once; counting this one
             // until its last chunk was issued dropped a consumer that kept
             // its window (TooManyGrants; found by the simulator).
-            if c.grants.front().is_some_and(|w| w.e.grant == grant) {
+            // (By its serial: a consumer may reuse a finished grant's id.)
+            if c.grants.front().is_some_and(|w| w.serial == serial) {
                 c.grants.pop_front();
             }
-            if c.warned_grant != Some(grant) {
-                c.warned_grant = Some(grant);
+            if c.warned_grant != Some(serial) {
+                c.warned_grant = Some(serial);
                 if self.warns.allow(self.ring.now()) {
                     log::warn!("{msg}");
                 }

@@ -191,7 +191,14 @@ impl<R: IoBackend> ServePoller<R> {
                         // Read now (`last_rx`): the start of the grant's
                         // time at this node, which its DATA frames report.
                         let at = c.last_rx;
-                        c.grants.push_back(Work { e, next: 0, at });
+                        let serial = c.grants_read;
+                        c.grants_read = c.grants_read.wrapping_add(1);
+                        c.grants.push_back(Work {
+                            e,
+                            next: 0,
+                            at,
+                            serial,
+                        });
                     }
                 }
             }

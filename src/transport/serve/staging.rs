@@ -142,6 +142,9 @@ impl IndexMut<u32> for Staging {
 pub(super) struct Slot {
     pub(super) conn: u32,
     pub(super) grant: u32,
+    /// Its grant's serial on the connection (`Work::serial`): a consumer
+    /// may use an id again once the grant it named is finished.
+    pub(super) serial: u32,
     /// Ring offset of the payload's first byte (DATA).
     pub(super) offset: u64,
     /// The grant's remote key (RDMA).
@@ -183,9 +186,11 @@ pub(super) struct Slot {
 unsafe impl Send for Slot {}
 
 impl Slot {
-    /// With its grant's GRANT frame read at `at`.
-    pub(super) fn granted(mut self, at: std::time::Instant) -> Slot {
+    /// With its grant's GRANT frame read at `at`, the connection's
+    /// grant number `serial`.
+    pub(super) fn granted(mut self, at: std::time::Instant, serial: u32) -> Slot {
         self.granted_at = at;
+        self.serial = serial;
         self
     }
 
@@ -195,6 +200,7 @@ impl Slot {
         Slot {
             conn,
             grant,
+            serial: 0,
             offset: 0,
             rkey: 0,
             code: Code::Unknown,
