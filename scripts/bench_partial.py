@@ -6,7 +6,8 @@ against Mosaic StreamingDataset with `cache_limit` set to the same bytes
 (its shards downloaded into a local cache, the least recently used evicted),
 against kspeed reading the bucket with no space at all, and against
 kspeed's NVMe cache area written during training (no preload), by next
-use and by LRU (`--cache-dir`, a fresh one per run, of the same bytes). Epochs 1-3 in
+use and by LRU (`--cache-dir`, a fresh one per run, of the same bytes; `kspeed-cache-mem`
+and `kspeed-cache-mem-lru`: the same area in memory, `--cache-dir :memory:`). Epochs 1-3 in
 one process per run, samples/s per epoch, and the bytes each read from the
 server per epoch (s3s-fs's /proc/PID/io rchar at the epoch boundaries).
 
@@ -254,6 +255,13 @@ def bench(a, env, size, server_pid):
         "kspeed-cache-lru": lambda: run_kspeed(
             env, ["--source", f"s3://{BUCKET}/train/", "--catalog", s3cat, "--cache-dir", cache[0],
                   "--cache-bytes", str(a.half_bytes), "--cache-policy", "lru"] + kq, server_pid),
+        # The same area in the process's memory (`--cache-dir :memory:`).
+        "kspeed-cache-mem": lambda: run_kspeed(
+            env, ["--source", f"s3://{BUCKET}/train/", "--catalog", s3cat, "--cache-dir", ":memory:",
+                  "--cache-bytes", str(a.half_bytes), "--cache-policy", "next-use"] + kq, server_pid),
+        "kspeed-cache-mem-lru": lambda: run_kspeed(
+            env, ["--source", f"s3://{BUCKET}/train/", "--catalog", s3cat, "--cache-dir", ":memory:",
+                  "--cache-bytes", str(a.half_bytes), "--cache-policy", "lru"] + kq, server_pid),
         "mosaic-cache": lambda: run_mosaic(a, env, a.workers, cache[0], server_pid),
         "mosaic-cache-w0": lambda: run_mosaic(a, env, 0, cache[0], server_pid),
         "mosaic-py1s": lambda: run_mosaic(a, env, a.workers, cache[0], server_pid, "py1s"),
@@ -334,7 +342,8 @@ def bench(a, env, size, server_pid):
         rr = [x / y if x and y else None for x, y in zip(tot("kspeed-cache-next"), tot("kspeed-cache-min"))]
         print(f"kspeed-cache-next planned hits / MIN's over the run, per run: {fmt(rr, '{:.3f}')}")
     for mine, other in [("kspeed-cache-next", "kspeed-cache-lru"), ("kspeed-cache-min", "kspeed-cache-lru"),
-                        ("kspeed-cache-next", "kspeed-cache-min")]:
+                        ("kspeed-cache-next", "kspeed-cache-min"), ("kspeed-cache-mem", "kspeed-cache-mem-lru"),
+                        ("kspeed-cache-mem", "kspeed-cache-next")]:
         if mine not in res or other not in res:
             continue
         for e in range(EPOCHS):

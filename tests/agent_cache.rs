@@ -3,7 +3,8 @@
 //! processes: one area for the node's ranks (`--cache-scope node`, the
 //! default), planned over all their reads, against an area per rank
 //! (`--cache-scope rank`); byte-exact against embedded reads, and the
-//! node's area found again by a restarted agent. Every wait is on a
+//! node's area found again by a restarted agent; the node's area in the
+//! agent's memory (`--cache-dir :memory:`). Every wait is on a
 //! condition with a deadline.
 
 mod agent_support;
@@ -111,6 +112,43 @@ fn one_rank_s_source_reads_are_hits_for_another_rank_of_the_node() {
         }
     }
     assert_eq!(hits1[0], 0, "rank 1's own area held nothing for it");
+}
+
+/// `--cache-dir :memory:`: the node's area in the agent's memory. Node
+/// rank 0 reads epochs 1 and 2, then node rank 1 epoch 2: its hits are
+/// rank 0's fetches, both byte-exact, and nothing is written to disk.
+#[test]
+fn the_node_s_area_in_the_agent_s_memory_is_shared_by_its_ranks() {
+    let dir = tempfile::tempdir().unwrap();
+    let (sp, third) = partial_space(dir.path());
+    let budget = third.to_string();
+    let sock = dir.path().join("mem.sock");
+    let memory = Path::new(kspeed::cache::MEMORY_DIR);
+    let agent = Agent::start(&sp, &sock, &agent_args(memory, &budget, "node"));
+    let rank0 = spawn_read(&rank_args(&sp, &sock, 0, 1, 2));
+    let pid0 = rank0.id();
+    let (got0, h0) = read_report(rank0);
+    assert_eq!(got0, embedded_from(&sp, 0, 1, 2), "rank 0: exact");
+    agent.log.wait_for(
+        &[&format!("(pid {pid0}) ended after")],
+        Duration::from_secs(10),
+    );
+    let (got1, h1) = read_report(spawn_read(&rank_args(&sp, &sock, 1, 2, 1)));
+    assert_eq!(got1, embedded_from(&sp, 1, 2, 1), "rank 1: exact");
+    eprintln!("in memory: rank 0 cache hits per epoch {h0:?}, then rank 1 {h1:?}");
+    assert!(
+        h1.iter().sum::<u64>() > 0,
+        "rank 1 found none of rank 0's fetches in the node's area in memory"
+    );
+    agent.log.wait_for(
+        &["node cache area :memory:", "slots", "policy next-use"],
+        Duration::from_secs(5),
+    );
+    assert!(
+        !memory.exists(),
+        "a folder named {} was made",
+        memory.display()
+    );
 }
 
 /// The node's four ranks at once, 3 epochs: byte-exact, one area for all.

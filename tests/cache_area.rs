@@ -19,6 +19,9 @@
 //!   finds the area intact and hits;
 //! - two ranks given one cache_dir (as a launcher gives every rank the same
 //!   options), alive at once: each its own area, exact, hitting next time;
+//! - `cache_dir=":memory:"`: the area in the loader's memory, exact, its
+//!   hits within MIN's, nothing on disk and its memory gone with the
+//!   loader;
 //! - what is wrong is refused by name: another dataset's area, an area in
 //!   use, no budget, nothing to keep, a source in cluster mode.
 
@@ -229,6 +232,81 @@ fn four_epochs_exact_within_the_bound_and_a_second_loader_hits() {
     assert_eq!(c2.corrupt, 0, "{c2:?}");
     drop(l);
     check_held(&dir, &st.cat);
+}
+
+/// The memfds named `kspeed-cache` this process holds open.
+fn memory_areas_open() -> usize {
+    std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter(|l| l.to_string_lossy().starts_with("/memfd:kspeed-cache"))
+        .count()
+}
+
+#[test]
+fn an_area_in_memory_keeps_by_next_use_and_leaves_nothing_behind() {
+    // `cache_dir=":memory:"`: the same planner and slots in this process's
+    // memory; nothing on disk, nothing after the loader.
+    let st = setup();
+    let epochs = 4;
+    let before = memory_areas_open();
+    let mk = |from: u64, to: u64, policy| {
+        st.builder(policy)
+            .cache_dir(Some(kspeed::cache::MEMORY_DIR.into()))
+            .start_at(kspeed::sampler::Position {
+                epoch: from,
+                index: 0,
+            })
+            .end_epoch(Some(to))
+            .build()
+            .unwrap()
+    };
+    let mut l = mk(0, epochs, CachePolicy::NextUse);
+    assert_eq!(memory_areas_open(), before + 1);
+    read_exact(&mut l, &st.cat, 0, epochs).unwrap();
+    let stats = l.stats();
+    drop(l);
+    let c = stats.cache;
+    let cl = kspeed::cache::SlotClasses::for_catalog(&st.cat, st.third);
+    let classes = area::Classes(
+        cl.classes()
+            .iter()
+            .map(|k| (k.slot_bytes, k.slots as u64))
+            .collect(),
+    );
+    assert_eq!((c.slots, c.area_bytes), (cl.slots(), cl.area_bytes()));
+    assert!(c.area_bytes <= st.third);
+    assert_eq!(c.hits + stats.disk_reads, N * epochs, "{stats:?}");
+    assert_eq!(c.corrupt + c.write_errors, 0, "{c:?}");
+    let bound = min_hits(&st.cat, &classes, epochs);
+    eprintln!(
+        "in memory: {} hits ({} planned) of MIN's {bound}; {} kept, {} not kept",
+        c.hits, c.planned_hits, c.writes, c.skipped
+    );
+    assert!(
+        c.hits <= bound && c.hits > 0,
+        "{} hits, MIN {bound}",
+        c.hits
+    );
+    assert!(c.planned_hits <= bound && c.hits <= c.planned_hits, "{c:?}");
+    // Nothing on disk: no folder named after it here, none under the
+    // test's folder, and the memory went with the loader.
+    assert!(!std::path::Path::new(kspeed::cache::MEMORY_DIR).exists());
+    assert!(!st.cache().exists());
+    assert_eq!(memory_areas_open(), before);
+    // A new loader starts empty: a rank alone reads each sample once an
+    // epoch, so its first epoch has no hit.
+    let mut l = mk(epochs, epochs + 1, CachePolicy::NextUse);
+    read_exact(&mut l, &st.cat, epochs, epochs + 1).unwrap();
+    assert_eq!(l.stats().cache.hits, 0);
+    drop(l);
+    // LRU in memory: exact, and no more hits than MIN.
+    let mut l = mk(0, epochs, CachePolicy::Lru);
+    read_exact(&mut l, &st.cat, 0, epochs).unwrap();
+    let lru = l.stats();
+    eprintln!("in memory, LRU: {} hits", lru.cache.hits);
+    assert_eq!(lru.cache.hits + lru.disk_reads, N * epochs);
+    assert!(lru.cache.hits <= bound);
 }
 
 #[test]

@@ -37,8 +37,10 @@ pub(super) const NODE_AREA: &str = "node";
 pub(super) struct NodeCache {
     dir: PathBuf,
     /// `DIR/node.uid`: the user whose ranks filled the area, kept across
-    /// agent restarts (another user's first rank empties the area).
-    owner_file: PathBuf,
+    /// agent restarts (another user's first rank empties the area); None
+    /// for an area in the agent's memory (`--cache-dir :memory:`), which
+    /// no restart keeps.
+    owner_file: Option<PathBuf>,
     budget_bytes: u64,
     policy: CachePolicy,
     /// None after it could not be opened again (until the next rank's
@@ -94,11 +96,21 @@ impl NodeCache {
         policy: CachePolicy,
         catalog: &Catalog,
     ) -> Result<NodeCache> {
-        let owner_file = dir.join(format!("{NODE_AREA}.uid"));
-        let dir = dir.join(NODE_AREA);
+        let in_memory = dir == std::path::Path::new(crate::cache::MEMORY_DIR);
+        let (dir, owner_file) = if in_memory {
+            (dir.to_path_buf(), None)
+        } else {
+            (
+                dir.join(NODE_AREA),
+                Some(dir.join(format!("{NODE_AREA}.uid"))),
+            )
+        };
         let area = open_area(&dir, budget_bytes, catalog)?;
-        let uid = std::fs::read_to_string(&owner_file)
-            .ok()
+        // In memory the area starts empty, so no user is known: the first
+        // rank's attach opens it again for its user.
+        let uid = owner_file
+            .as_ref()
+            .and_then(|f| std::fs::read_to_string(f).ok())
             .and_then(|t| t.trim().parse::<u32>().ok());
         log::info!(
             "agent: node cache area {}: {} slots, {} bytes, {} held{}, policy {}, shared by the node's ranks of one job",
@@ -201,6 +213,11 @@ impl NodeCache {
     /// Opens the area again: emptied first (the folder removed) when
     /// `empty` (another or an unknown user's samples), then owned by `uid`.
     fn reopen(&self, uid: u32, empty: bool, catalog: &Catalog) -> Result<CacheArea> {
+        let Some(owner_file) = &self.owner_file else {
+            // In memory: a fresh area is an empty one (and never a folder
+            // of that name removed).
+            return open_area(&self.dir, self.budget_bytes, catalog);
+        };
         if empty {
             match std::fs::remove_dir_all(&self.dir) {
                 Ok(()) => {}
@@ -212,7 +229,7 @@ impl NodeCache {
         if empty {
             // Written after the area is empty: a crash in between leaves
             // the old owner named over an empty area, which is harmless.
-            crate::format::write_file_atomic(&self.owner_file, format!("{uid}\n").as_bytes())?;
+            crate::format::write_file_atomic(owner_file, format!("{uid}\n").as_bytes())?;
         }
         Ok(area)
     }

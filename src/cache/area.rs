@@ -48,6 +48,10 @@ pub const DATA_FILE: &str = "cache.data";
 /// The journal's file.
 pub const JOURNAL_FILE: &str = "cache.journal";
 const LOCK_FILE: &str = "cache.lock";
+/// The `cache_dir` that keeps the area in this process's memory instead
+/// of a folder (SQLite's name for its in-memory database): evicted by the
+/// same policy, gone when the loader is.
+pub const MEMORY_DIR: &str = ":memory:";
 const META_VERSION: &str = "kspeed-cache 1";
 /// How long an area held by someone else is waited for before it is
 /// refused as in use (area.rs, `CacheArea::open`).
@@ -135,8 +139,9 @@ pub struct CacheStats {
 pub struct CacheArea {
     pub(crate) shared: Arc<AreaShared>,
     pub(crate) writer: super::writer::Writer,
-    /// The lock file, held (flock) while the area is open.
-    _lock: File,
+    /// The lock file, held (flock) while the area is open (none for an
+    /// area in memory).
+    _lock: Option<File>,
 }
 
 /// The facts a cache area is opened with.
@@ -155,6 +160,9 @@ impl CacheArea {
     /// against the catalog. A folder that holds another dataset's area is
     /// refused by name; a new budget starts the area empty.
     pub fn open(spec: &AreaSpec<'_>) -> Result<CacheArea> {
+        if spec.dir == Path::new(MEMORY_DIR) {
+            return Self::open_in_memory(spec);
+        }
         let dir = spec.dir;
         let cat = spec.catalog;
         // Private, as a space is: its folder 0700, its files 0600 (the
@@ -201,32 +209,7 @@ impl CacheArea {
                 }
             }
         }
-        let classes = SlotClasses::for_catalog(cat, spec.cache_bytes);
-        let slots = classes.slots();
-        if slots == 0 {
-            return Err(Error::InvalidConfig(format!(
-                "cache_bytes {} holds no slot: the smallest sample needs {} bytes",
-                spec.cache_bytes,
-                (0..cat.len())
-                    .map(|id| cat.sample(id).len as u64)
-                    .min()
-                    .unwrap_or(0)
-                    .max(1)
-                    .next_multiple_of(SLOT_ALIGN)
-            )));
-        }
-        if slots >= MAX_SLOTS {
-            return Err(Error::InvalidConfig(format!(
-                "cache_bytes {} makes {slots} slots, more than the area can index",
-                spec.cache_bytes
-            )));
-        }
-        if cat.len() > MAX_CACHED_ID {
-            return Err(Error::InvalidConfig(format!(
-                "a cache area names samples by 40 bits; the catalog has {}",
-                cat.len()
-            )));
-        }
+        let (classes, slots) = Self::slot_classes_for(spec)?;
         let identity = u64::from(cat.identity());
         let meta = format!(
             "{META_VERSION}\ndataset {identity:08x}\nclasses {}\nslots {slots}\n",
@@ -335,11 +318,79 @@ impl CacheArea {
             words,
             counters: Counters::default(),
         });
-        let writer = super::writer::Writer::start(shared.clone(), &journal_path, held)?;
+        let writer = super::writer::Writer::start(shared.clone(), Some(&journal_path), held)?;
         Ok(CacheArea {
             shared,
             writer,
-            _lock: lock,
+            _lock: Some(lock),
+        })
+    }
+
+    /// The area's slot classes for `spec` and their slots, or why the
+    /// budget or the catalog cannot make an area.
+    fn slot_classes_for(spec: &AreaSpec<'_>) -> Result<(SlotClasses, u64)> {
+        let cat = spec.catalog;
+        let classes = SlotClasses::for_catalog(cat, spec.cache_bytes);
+        let slots = classes.slots();
+        if slots == 0 {
+            return Err(Error::InvalidConfig(format!(
+                "cache_bytes {} holds no slot: the smallest sample needs {} bytes",
+                spec.cache_bytes,
+                (0..cat.len())
+                    .map(|id| cat.sample(id).len as u64)
+                    .min()
+                    .unwrap_or(0)
+                    .max(1)
+                    .next_multiple_of(SLOT_ALIGN)
+            )));
+        }
+        if slots >= MAX_SLOTS {
+            return Err(Error::InvalidConfig(format!(
+                "cache_bytes {} makes {slots} slots, more than the area can index",
+                spec.cache_bytes
+            )));
+        }
+        if cat.len() > MAX_CACHED_ID {
+            return Err(Error::InvalidConfig(format!(
+                "a cache area names samples by 40 bits; the catalog has {}",
+                cat.len()
+            )));
+        }
+        Ok((classes, slots))
+    }
+
+    /// The area kept in this process's memory (`spec.dir` is
+    /// [`MEMORY_DIR`]): its slots in an anonymous memory file, no journal
+    /// and no lock (nothing outlives the process, and no other process
+    /// can name it), empty at the start; planned, read and written as an
+    /// area on disk is, so a hit is a copy from memory by the kernel and
+    /// the same policy decides what stays.
+    fn open_in_memory(spec: &AreaSpec<'_>) -> Result<CacheArea> {
+        let (classes, slots) = Self::slot_classes_for(spec)?;
+        let data = crate::sys::memfd(c"kspeed-cache", classes.area_bytes()).map_err(|e| {
+            Error::CacheArea {
+                path: spec.dir.to_path_buf(),
+                reason: format!(
+                    "its {} bytes of memory could not be had ({e}); lower cache_bytes",
+                    classes.area_bytes()
+                ),
+            }
+        })?;
+        let words: Box<[AtomicU64]> = (0..slots).map(|_| AtomicU64::new(0)).collect();
+        let shared = Arc::new(AreaShared {
+            dir: spec.dir.to_path_buf(),
+            data,
+            direct: false,
+            classes,
+            words,
+            counters: Counters::default(),
+        });
+        let writer =
+            super::writer::Writer::start(shared.clone(), None, vec![None; slots as usize])?;
+        Ok(CacheArea {
+            shared,
+            writer,
+            _lock: None,
         })
     }
 

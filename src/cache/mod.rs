@@ -15,7 +15,9 @@ mod lru;
 mod slots;
 mod writer;
 
-pub use area::{AreaSpec, CacheArea, CachePolicy, CacheStats, DATA_FILE, JOURNAL_FILE, META_FILE};
+pub use area::{
+    AreaSpec, CacheArea, CachePolicy, CacheStats, DATA_FILE, JOURNAL_FILE, MEMORY_DIR, META_FILE,
+};
 pub use belady::{Belady, Decision};
 pub use classes::{SlotClass, SlotClasses, MAX_SLOTS, SLOT_ALIGN};
 pub use lru::Lru;

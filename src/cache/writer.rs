@@ -88,10 +88,11 @@ pub(crate) struct Writer {
 
 impl Writer {
     /// Starts the thread over the journal at `journal_path`, whose replay
-    /// gave `held` (per slot).
+    /// gave `held` (per slot); None for an area in memory, which keeps no
+    /// journal (nothing of it outlives the process).
     pub(crate) fn start(
         shared: Arc<AreaShared>,
-        journal_path: &Path,
+        journal_path: Option<&Path>,
         held: Vec<Option<Record>>,
     ) -> Result<Writer> {
         // Every buffer holds the largest slot.
@@ -110,19 +111,24 @@ impl Writer {
         // the word is already empty, and a later read checks the CRC
         // again): room for every admit is always left.
         let (jobs, rx) = crossbeam_channel::bounded(n as usize + 2 * EVICTS_QUEUED);
-        let journal = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .mode(0o600)
-            .open(journal_path)
-            .ctx("open", journal_path)?;
-        let records = journal.metadata().ctx("stat", journal_path)?.len() / RECORD_BYTES as u64;
+        let (journal, records) = match journal_path {
+            Some(path) => {
+                let f = std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .mode(0o600)
+                    .open(path)
+                    .ctx("open", path)?;
+                let records = f.metadata().ctx("stat", path)?.len() / RECORD_BYTES as u64;
+                (Some((f, path.to_path_buf())), records)
+            }
+            None => (None, 0),
+        };
         let mut state = WriterState {
             shared: shared.clone(),
             bufs: bufs.clone(),
             free: free_tx.clone(),
             journal,
-            journal_path: journal_path.to_path_buf(),
             records,
             slot_of_id: held.iter().flatten().map(|r| (r.id, r.slot)).collect(),
             durable: held,
@@ -246,8 +252,8 @@ struct WriterState {
     shared: Arc<AreaShared>,
     bufs: Arc<AlignedBuf>,
     free: Sender<u32>,
-    journal: File,
-    journal_path: PathBuf,
+    /// The journal and its path; None for an area in memory.
+    journal: Option<(File, PathBuf)>,
     records: u64,
     /// What each slot holds as far as the journal on disk says, and the
     /// slot of each sample held (changed only through `set_durable`).
@@ -550,14 +556,15 @@ impl WriterState {
 
     /// Appends records and syncs the journal; false (logged) on failure.
     fn append(&mut self, recs: &[Record]) -> bool {
+        let Some((journal, _)) = &mut self.journal else {
+            // In memory: the slot words are the whole truth.
+            return true;
+        };
         let mut bytes = Vec::with_capacity(recs.len() * RECORD_BYTES);
         for r in recs {
             bytes.extend_from_slice(&r.encode());
         }
-        let r = self
-            .journal
-            .write_all(&bytes)
-            .and_then(|()| self.journal.sync_data());
+        let r = journal.write_all(&bytes).and_then(|()| journal.sync_data());
         match r {
             Ok(()) => {
                 self.records += recs.len() as u64;
@@ -571,10 +578,8 @@ impl WriterState {
                 // written whole but not synced must not outlive what
                 // `durable` says.
                 let good = self.records * RECORD_BYTES as u64;
-                let cut = self
-                    .journal
-                    .set_len(good)
-                    .and_then(|()| self.journal.sync_data());
+                let (journal, _) = self.journal.as_mut().expect("checked above");
+                let cut = journal.set_len(good).and_then(|()| journal.sync_data());
                 if let Err(e2) = cut {
                     log::warn!(
                         "cache area {}: the journal could not be cut back after a failed write \
@@ -610,18 +615,21 @@ impl WriterState {
     /// grown long (temporary file, sync, rename: a crash keeps one whole).
     fn compact_if_long(&mut self) {
         let slots = self.durable.len() as u64;
+        let Some((journal, path)) = &mut self.journal else {
+            return;
+        };
         if self.records <= COMPACT_RECORDS_PER_SLOT * slots + 1024 {
             return;
         }
         let recs: Vec<Record> = self.durable.iter().flatten().copied().collect();
-        let r = match write_journal(&self.journal_path, &recs) {
+        let r = match write_journal(path, &recs) {
             Ok(f) => {
                 // The renamed file is the journal now, whatever the
                 // folder's sync says (a crash before it keeps the old
                 // journal, also whole).
-                self.journal = f;
+                *journal = f;
                 self.records = recs.len() as u64;
-                crate::format::sync_parent(&self.journal_path)
+                crate::format::sync_parent(path)
             }
             Err(e) => Err(e),
         };

@@ -818,8 +818,15 @@ impl LoaderBuilder {
         if attached {
             return refuse("a rank attached to the node agent has no cache area of its own");
         }
+        // In memory, the area is this loader's alone: no folder per rank.
+        let in_memory = dir.as_path() == std::path::Path::new(crate::cache::MEMORY_DIR);
+        let rank_dir = if in_memory {
+            dir.clone()
+        } else {
+            dir.join(format!("rank{}", self.rank))
+        };
         let area = crate::cache::CacheArea::open(&crate::cache::AreaSpec {
-            dir: &dir.join(format!("rank{}", self.rank)),
+            dir: &rank_dir,
             catalog: input.catalog(),
             cache_bytes: self.cache_bytes,
         })?;
@@ -841,7 +848,7 @@ impl LoaderBuilder {
             area.classes().area_bytes(),
             area.held().len(),
             self.cache_policy.name(),
-            if area.direct() {
+            if area.direct() || in_memory {
                 ""
             } else {
                 " (no O_DIRECT on this file system)"

@@ -112,6 +112,24 @@ pub fn open_direct_rw(path: &Path) -> io::Result<(File, bool)> {
     }
 }
 
+/// An anonymous file in memory (`memfd_create`, close-on-exec) of `len`
+/// bytes, unsealed: the cache area kept in memory (`cache_dir=":memory:"`)
+/// reads and writes its slots through it as through a file, and its pages
+/// go back to the system when the last descriptor closes.
+pub fn memfd(name: &std::ffi::CStr, len: u64) -> io::Result<File> {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    // SAFETY: memfd_create reads the NUL-terminated name and returns a new
+    // descriptor or -1; it touches no other memory of ours.
+    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: fd is a fresh descriptor that nothing else owns.
+    let file = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
+    file.set_len(len)?;
+    Ok(file)
+}
+
 /// Tells the kernel we will not read `len` bytes at `offset` again soon, so
 /// a preload does not push the trainer's own page cache out. Advisory only.
 pub fn drop_cache(file: &File, offset: u64, len: u64) {

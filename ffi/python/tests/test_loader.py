@@ -1155,3 +1155,24 @@ def test_cache_area_keeps_source_samples_for_the_next_loader(tree, space, tmp_pa
             assert c["hits"] > 0, c
     with pytest.raises(kspeed.ConfigError, match="cache_bytes"):
         kspeed.Loader(**{**kw, "cache_bytes": 0})
+
+
+def test_cache_area_in_memory_hits_and_writes_nothing(tree, space, tmp_path, monkeypatch):
+    # cache_dir=":memory:": the area in this process's memory, by next
+    # use: exact, hits from the second epoch, no folder made (here, in the
+    # working directory), empty again for the next loader.
+    monkeypatch.chdir(tmp_path)
+    cat = kspeed.Catalog.open(space)
+    budget = int(cat.lengths.sum()) // 3
+    kw = dict(source=tree, catalog=os.path.join(space, "catalog.ksc"), batch_size=16, seed=3,
+              ring_bytes="2MiB", cache_dir=":memory:", cache_bytes=budget, end_epoch=3)
+    with kspeed.Loader(**kw) as loader:
+        for _ in range(3):
+            assert sorted(read_epoch(loader, cat)) == list(range(len(cat)))
+        c = loader.stats()["cache"]
+        assert c["hits"] > 0 and c["corrupt"] == 0 and c["area_bytes"] <= budget, c
+    assert os.listdir(tmp_path) == []
+    # One epoch (no read ahead into a next epoch, whose reads could hit).
+    with kspeed.Loader(**{**kw, "end_epoch": 1}) as loader:
+        assert sorted(read_epoch(loader, cat)) == list(range(len(cat)))
+        assert loader.stats()["cache"]["hits"] == 0

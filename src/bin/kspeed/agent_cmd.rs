@@ -60,7 +60,9 @@ pub(crate) struct AgentArgs {
     /// kept across agent restarts (docs/CACHE.md, "The cache area";
     /// docs/AGENT.md, "The node's cache area"). With --cache-scope node
     /// (the default) one area, DIR/node, for the node's ranks of one job:
-    /// what one rank fetched is a hit for the others. Needs --cache-bytes.
+    /// what one rank fetched is a hit for the others. `:memory:` keeps the
+    /// area(s) in the agent's memory instead (the same policy; nothing on
+    /// disk, gone when the agent stops). Needs --cache-bytes.
     #[arg(long, requires = "cache_bytes")]
     cache_dir: Option<PathBuf>,
     /// The cache area's budget (e.g. 400GiB; each rank's with

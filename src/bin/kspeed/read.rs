@@ -95,6 +95,8 @@ pub(crate) struct ReadArgs {
     tier_bytes: u64,
     /// An NVMe cache area: samples read from the source are kept in this
     /// folder (rank N's in `rank<N>`) for their next read (docs/CACHE.md).
+    /// `:memory:` keeps it in this process's memory instead (the same
+    /// policy; nothing on disk, gone at exit).
     #[arg(long)]
     cache_dir: Option<PathBuf>,
     /// The cache area's budget (e.g. 400GiB).
