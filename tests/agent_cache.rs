@@ -114,40 +114,75 @@ fn one_rank_s_source_reads_are_hits_for_another_rank_of_the_node() {
     assert_eq!(hits1[0], 0, "rank 1's own area held nothing for it");
 }
 
-/// `--cache-dir :memory:`: the node's area in the agent's memory. Node
-/// rank 0 reads epochs 1 and 2, then node rank 1 epoch 2: its hits are
-/// rank 0's fetches, both byte-exact, and nothing is written to disk.
+/// `--cache-dir :memory:`: the node's area in the agent's memory, over a
+/// partial space (its source samples) and over a space that holds every
+/// sample (its NVMe samples: an area on disk is refused there). Node rank
+/// 0 reads epochs 1 and 2, then node rank 1 epoch 2: its hits are rank
+/// 0's reads, both byte-exact, and nothing is written to disk.
 #[test]
 fn the_node_s_area_in_the_agent_s_memory_is_shared_by_its_ranks() {
     let dir = tempfile::tempdir().unwrap();
-    let (sp, third) = partial_space(dir.path());
+    let (partial, third) = partial_space(dir.path());
+    let whole_dir = dir.path().join("whole");
+    std::fs::create_dir(&whole_dir).unwrap();
+    let whole = space(&whole_dir, 600);
     let budget = third.to_string();
-    let sock = dir.path().join("mem.sock");
     let memory = Path::new(kspeed::cache::MEMORY_DIR);
-    let agent = Agent::start(&sp, &sock, &agent_args(memory, &budget, "node"));
-    let rank0 = spawn_read(&rank_args(&sp, &sock, 0, 1, 2));
-    let pid0 = rank0.id();
-    let (got0, h0) = read_report(rank0);
-    assert_eq!(got0, embedded_from(&sp, 0, 1, 2), "rank 0: exact");
-    agent.log.wait_for(
-        &[&format!("(pid {pid0}) ended after")],
-        Duration::from_secs(10),
-    );
-    let (got1, h1) = read_report(spawn_read(&rank_args(&sp, &sock, 1, 2, 1)));
-    assert_eq!(got1, embedded_from(&sp, 1, 2, 1), "rank 1: exact");
-    eprintln!("in memory: rank 0 cache hits per epoch {h0:?}, then rank 1 {h1:?}");
-    assert!(
-        h1.iter().sum::<u64>() > 0,
-        "rank 1 found none of rank 0's fetches in the node's area in memory"
-    );
-    agent.log.wait_for(
-        &["node cache area :memory:", "slots", "policy next-use"],
-        Duration::from_secs(5),
-    );
+    for (what, sp) in [("partial", &partial), ("whole", &whole)] {
+        let sock = dir.path().join(format!("mem-{what}.sock"));
+        let agent = Agent::start(sp, &sock, &agent_args(memory, &budget, "node"));
+        let rank0 = spawn_read(&rank_args(sp, &sock, 0, 1, 2));
+        let pid0 = rank0.id();
+        let (got0, h0) = read_report(rank0);
+        assert_eq!(
+            got0,
+            embedded_from(sp, 0, 1, 2),
+            "{what} space, rank 0: exact"
+        );
+        agent.log.wait_for(
+            &[&format!("(pid {pid0}) ended after")],
+            Duration::from_secs(10),
+        );
+        let (got1, h1) = read_report(spawn_read(&rank_args(sp, &sock, 1, 2, 1)));
+        assert_eq!(
+            got1,
+            embedded_from(sp, 1, 2, 1),
+            "{what} space, rank 1: exact"
+        );
+        eprintln!(
+            "{what} space, in memory: rank 0 cache hits per epoch {h0:?}, then rank 1 {h1:?}"
+        );
+        assert!(
+            h1.iter().sum::<u64>() > 0,
+            "{what} space: rank 1 found none of rank 0's reads in the node's area in memory"
+        );
+        agent.log.wait_for(
+            &["node cache area :memory:", "slots", "policy next-use"],
+            Duration::from_secs(5),
+        );
+    }
     assert!(
         !memory.exists(),
         "a folder named {} was made",
         memory.display()
+    );
+    // On disk, the whole space is refused: nothing comes from a source.
+    let o = common::kspeed(&[
+        "agent",
+        "--space",
+        s(&whole),
+        "--socket",
+        s(&dir.path().join("refused.sock")),
+        "--cache-dir",
+        s(&dir.path().join("disk")),
+        "--cache-bytes",
+        &budget,
+    ]);
+    assert!(!o.status.success());
+    assert!(
+        common::text(&o).contains("holds every sample"),
+        "{}",
+        common::text(&o)
     );
 }
 

@@ -19,15 +19,14 @@
 //!   finds the area intact and hits;
 //! - two ranks given one cache_dir (as a launcher gives every rank the same
 //!   options), alive at once: each its own area, exact, hitting next time;
-//! - `cache_dir=":memory:"`: the area in the loader's memory, exact, its
-//!   hits within MIN's, nothing on disk and its memory gone with the
-//!   loader;
 //! - what is wrong is refused by name: another dataset's area, an area in
 //!   use, no budget, nothing to keep, a source in cluster mode.
 
 #[path = "common/cache_area.rs"]
 mod area;
 mod common;
+#[path = "common/cache_loader.rs"]
+mod loader;
 #[path = "common/nodes.rs"]
 mod nodes;
 
@@ -37,91 +36,13 @@ use std::time::{Duration, Instant};
 
 use area::{check_held, meta, parse_journal};
 use common::*;
-use kspeed::cache::{Belady, CachePolicy, Decision};
+use kspeed::cache::CachePolicy;
 use kspeed::dataset::Catalog;
-use kspeed::loader::{Loader, LoaderBuilder};
-use kspeed::sampler::{NextUse, Sampler, SamplerConfig};
+use kspeed::loader::LoaderBuilder;
+use kspeed::sampler::{Sampler, SamplerConfig};
 use kspeed::Error;
 
-const SEED: u64 = 11;
-const N: u64 = 240;
-
-struct Setup {
-    tmp: tempfile::TempDir,
-    src: PathBuf,
-    catalog: PathBuf,
-    cat: Catalog,
-    /// A third of the dataset's bytes.
-    third: u64,
-}
-
-fn setup() -> Setup {
-    let tmp = tempfile::tempdir().unwrap();
-    let src = tmp.path().join("src");
-    gen("imagenet", N, &src);
-    let catalog = tmp.path().join("src.ksc");
-    ok(&["catalog", "--source", s(&src), "--out", s(&catalog)]);
-    let cat = Catalog::open(&catalog).unwrap();
-    let total: u64 = (0..cat.len()).map(|i| cat.sample(i).len as u64).sum();
-    Setup {
-        tmp,
-        src,
-        catalog,
-        cat,
-        third: total / 3,
-    }
-}
-
-impl Setup {
-    fn cache(&self) -> PathBuf {
-        self.tmp.path().join("cache")
-    }
-
-    fn builder(&self, policy: CachePolicy) -> LoaderBuilder {
-        LoaderBuilder::source(s(&self.src))
-            .catalog(&self.catalog)
-            .seed(SEED)
-            .batch_size(8)
-            .pollers(2)
-            .pin(false)
-            .landing(test_ring(8 << 20))
-            .cache_dir(Some(self.cache()))
-            .cache_bytes(self.third)
-            .cache_policy(policy)
-    }
-
-    /// A loader reading epochs `from..to` by `policy`.
-    fn loader(&self, policy: CachePolicy, from: u64, to: u64) -> Loader {
-        self.builder(policy)
-            .start_at(kspeed::sampler::Position {
-                epoch: from,
-                index: 0,
-            })
-            .end_epoch(Some(to))
-            .build()
-            .unwrap()
-    }
-}
-
-/// Reads epochs `from..to`, checking order and bytes.
-fn read_exact(l: &mut Loader, cat: &Catalog, from: u64, to: u64) -> Result<(), Error> {
-    let sampler = Sampler::new(SamplerConfig::single(cat.len(), SEED)).unwrap();
-    for e in from..to {
-        l.set_epoch(e)?;
-        let mut k = 0u64;
-        while let Some(b) = l.next_batch()? {
-            for smp in b.iter() {
-                assert_eq!(smp.id, sampler.sample(e, k), "epoch {e} step {k}");
-                let c = cat.sample(smp.id);
-                assert_eq!(smp.bytes.len(), c.len as usize, "sample {}", smp.id);
-                assert_eq!(crc32c::crc32c(smp.bytes), c.crc32c, "sample {}", smp.id);
-                k += 1;
-            }
-        }
-        assert_eq!(k, cat.len(), "every sample of epoch {e}, once");
-    }
-    Ok(())
-}
+use loader::*;
 
 /// tests/independent/cache_reader.py (written from docs/CACHE.md alone)
 /// checks the area at `dir` against the source files under `src`; skips
@@ -156,32 +77,6 @@ fn independent_reader(dir: &std::path::Path, src: &std::path::Path) {
         out.status.success(),
         "the independent reader disagrees:\n{text}"
     );
-}
-
-/// MIN's hits (Belady with bypass over the rank's whole order, one MIN
-/// per slot class as the area's planner runs them, those larger than every
-/// slot never kept), epochs `0..epochs`.
-fn min_hits(cat: &Catalog, cl: &area::Classes, epochs: u64) -> u64 {
-    let sampler = Sampler::new(SamplerConfig::single(cat.len(), SEED)).unwrap();
-    let next = NextUse::new(&sampler, Some(0..1), Some(epochs)).unwrap();
-    let mut mins: Vec<Belady> =
-        cl.0.iter()
-            .map(|&(_, n)| Belady::new(n, n as usize))
-            .collect();
-    let mut hits = 0;
-    for e in 0..epochs {
-        for j in 0..cat.len() {
-            let id = sampler.sample(e, j);
-            let Some(c) = cl.class_for(cat.sample(id).len as u64) else {
-                continue;
-            };
-            let n = next.after(id, next.time(e, j));
-            if mins[c].read(id, 1, n, |_| {}) == Decision::Hit {
-                hits += 1;
-            }
-        }
-    }
-    hits
 }
 
 #[test]
@@ -232,81 +127,6 @@ fn four_epochs_exact_within_the_bound_and_a_second_loader_hits() {
     assert_eq!(c2.corrupt, 0, "{c2:?}");
     drop(l);
     check_held(&dir, &st.cat);
-}
-
-/// The memfds named `kspeed-cache` this process holds open.
-fn memory_areas_open() -> usize {
-    std::fs::read_dir("/proc/self/fd")
-        .unwrap()
-        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
-        .filter(|l| l.to_string_lossy().starts_with("/memfd:kspeed-cache"))
-        .count()
-}
-
-#[test]
-fn an_area_in_memory_keeps_by_next_use_and_leaves_nothing_behind() {
-    // `cache_dir=":memory:"`: the same planner and slots in this process's
-    // memory; nothing on disk, nothing after the loader.
-    let st = setup();
-    let epochs = 4;
-    let before = memory_areas_open();
-    let mk = |from: u64, to: u64, policy| {
-        st.builder(policy)
-            .cache_dir(Some(kspeed::cache::MEMORY_DIR.into()))
-            .start_at(kspeed::sampler::Position {
-                epoch: from,
-                index: 0,
-            })
-            .end_epoch(Some(to))
-            .build()
-            .unwrap()
-    };
-    let mut l = mk(0, epochs, CachePolicy::NextUse);
-    assert_eq!(memory_areas_open(), before + 1);
-    read_exact(&mut l, &st.cat, 0, epochs).unwrap();
-    let stats = l.stats();
-    drop(l);
-    let c = stats.cache;
-    let cl = kspeed::cache::SlotClasses::for_catalog(&st.cat, st.third);
-    let classes = area::Classes(
-        cl.classes()
-            .iter()
-            .map(|k| (k.slot_bytes, k.slots as u64))
-            .collect(),
-    );
-    assert_eq!((c.slots, c.area_bytes), (cl.slots(), cl.area_bytes()));
-    assert!(c.area_bytes <= st.third);
-    assert_eq!(c.hits + stats.disk_reads, N * epochs, "{stats:?}");
-    assert_eq!(c.corrupt + c.write_errors, 0, "{c:?}");
-    let bound = min_hits(&st.cat, &classes, epochs);
-    eprintln!(
-        "in memory: {} hits ({} planned) of MIN's {bound}; {} kept, {} not kept",
-        c.hits, c.planned_hits, c.writes, c.skipped
-    );
-    assert!(
-        c.hits <= bound && c.hits > 0,
-        "{} hits, MIN {bound}",
-        c.hits
-    );
-    assert!(c.planned_hits <= bound && c.hits <= c.planned_hits, "{c:?}");
-    // Nothing on disk: no folder named after it here, none under the
-    // test's folder, and the memory went with the loader.
-    assert!(!std::path::Path::new(kspeed::cache::MEMORY_DIR).exists());
-    assert!(!st.cache().exists());
-    assert_eq!(memory_areas_open(), before);
-    // A new loader starts empty: a rank alone reads each sample once an
-    // epoch, so its first epoch has no hit.
-    let mut l = mk(epochs, epochs + 1, CachePolicy::NextUse);
-    read_exact(&mut l, &st.cat, epochs, epochs + 1).unwrap();
-    assert_eq!(l.stats().cache.hits, 0);
-    drop(l);
-    // LRU in memory: exact, and no more hits than MIN.
-    let mut l = mk(0, epochs, CachePolicy::Lru);
-    read_exact(&mut l, &st.cat, 0, epochs).unwrap();
-    let lru = l.stats();
-    eprintln!("in memory, LRU: {} hits", lru.cache.hits);
-    assert_eq!(lru.cache.hits + lru.disk_reads, N * epochs);
-    assert!(lru.cache.hits <= bound);
 }
 
 #[test]

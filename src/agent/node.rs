@@ -145,7 +145,8 @@ impl AgentConfig {
 /// `cache_policy` give it.
 #[derive(Debug, Clone)]
 pub struct AgentCache {
-    /// The folder: the node's area is `dir/node`, rank N's `dir/rank<N>`.
+    /// The folder: the node's area is `dir/node`, rank N's `dir/rank<N>`;
+    /// [`MEMORY_DIR`](crate::cache::MEMORY_DIR): in the agent's memory.
     pub dir: PathBuf,
     /// The area's budget (each rank's, with [`CacheScope::Rank`]).
     pub bytes: u64,
@@ -400,7 +401,11 @@ fn open_space(cfg: &AgentConfig) -> Result<OpenSpace> {
 fn open_part(cfg: &AgentConfig, dir: &Path) -> Result<OpenPart> {
     let space = Space::open(dir)?;
     space.check_extents()?;
-    if cfg.cache.is_some() && !space.params().is_partial() {
+    let in_memory = cfg
+        .cache
+        .as_ref()
+        .is_some_and(|c| c.dir == Path::new(crate::cache::MEMORY_DIR));
+    if cfg.cache.is_some() && !space.params().is_partial() && !in_memory {
         // Every rank's loader would refuse it at attach: say it once, here.
         return Err(Error::InvalidConfig(format!(
             "--cache-dir: space {} holds every sample of its share, so nothing comes from a \

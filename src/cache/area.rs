@@ -419,6 +419,11 @@ impl CacheArea {
         self.shared.direct
     }
 
+    /// Whether the area is in memory ([`MEMORY_DIR`]), not in a folder.
+    pub fn in_memory(&self) -> bool {
+        self.shared.dir == Path::new(MEMORY_DIR)
+    }
+
     /// The slots' descriptor (pollers read slots through it).
     pub(crate) fn data_fd(&self) -> RawFd {
         self.shared.data.as_raw_fd()

@@ -798,11 +798,14 @@ impl LoaderBuilder {
         if self.cache_bytes == 0 {
             return refuse("cache_bytes must be set too (the area's budget)");
         }
+        // In memory, the area keeps the space's samples too
+        // (`Shared::cache_plans`): memory is faster than the NVMe.
+        let in_memory = dir.as_path() == std::path::Path::new(crate::cache::MEMORY_DIR);
         match input {
             Input::Mix(_) => return refuse("a mixture of datasets has no cache area yet"),
-            Input::Space { space, .. } if !space.params().is_partial() => {
+            Input::Space { space, .. } if !space.params().is_partial() && !in_memory => {
                 return refuse(
-                    "this space holds every sample, so nothing comes from the source to keep",
+                    "this space holds every sample, so nothing comes from the source to keep                      (an area in memory, \":memory:\", keeps the space's samples too)",
                 )
             }
             _ => {}
@@ -819,7 +822,6 @@ impl LoaderBuilder {
             return refuse("a rank attached to the node agent has no cache area of its own");
         }
         // In memory, the area is this loader's alone: no folder per rank.
-        let in_memory = dir.as_path() == std::path::Path::new(crate::cache::MEMORY_DIR);
         let rank_dir = if in_memory {
             dir.clone()
         } else {

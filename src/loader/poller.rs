@@ -613,10 +613,10 @@ impl Poller {
         if let Some(rc) = sh
             .cache
             .as_ref()
-            .filter(|_| use_cache && in_space.is_none())
+            .filter(|rc| use_cache && (in_space.is_none() || rc.area.in_memory()))
         {
             let plan = rc.decide(&p, &|id| sh.input.sample(id).len as u64, &|q| {
-                sh.goes_to_source(q)
+                sh.cache_plans(q)
             });
             if matches!(plan, Plan::Hit(_)) {
                 rc.area.planned_hit();

@@ -353,10 +353,12 @@ impl Shared {
         self.input.held_samples() > 0
     }
 
-    /// Whether this process's pollers read scheduled sample `p` from the
-    /// source (a source input, or a sample a partial space does not hold),
-    /// not from the memory tier: what the cache area plans for.
-    pub(crate) fn goes_to_source(&self, p: &super::schedule::Placed) -> bool {
+    /// Whether the cache area plans for scheduled sample `p`: this
+    /// process's pollers read it from the source (a source input, or a
+    /// sample a partial space does not hold), not from the memory tier;
+    /// or, for an area in memory, from the space too (memory is worth
+    /// keeping the NVMe's samples in, by the same policy).
+    pub(crate) fn cache_plans(&self, p: &super::schedule::Placed) -> bool {
         if p.len == 0
             || !self.is_local(p.id)
             || self.tier.as_ref().is_some_and(|t| t.is_member(p.id))
@@ -365,7 +367,10 @@ impl Shared {
         }
         match &self.input {
             Input::Source { .. } => true,
-            Input::Space { space, .. } => space.location(p.id).is_none(),
+            Input::Space { space, .. } => {
+                space.location(p.id).is_none()
+                    || self.cache.as_ref().is_some_and(|c| c.area.in_memory())
+            }
             Input::Mix(_) => false,
         }
     }

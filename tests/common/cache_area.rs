@@ -1,6 +1,8 @@
 //! Reading a cache area from outside, as docs/CACHE.md describes its
 //! files: what tests check a cache area against.
 
+#![allow(dead_code)] // not every test binary that includes this uses all of it
+
 use std::path::Path;
 
 use kspeed::dataset::Catalog;
@@ -84,7 +86,6 @@ impl Classes {
 
     /// The class a sample of `len` bytes takes (the smallest that holds
     /// it), if any.
-    #[allow(dead_code)] // not every test binary that includes this uses it
     pub fn class_for(&self, len: u64) -> Option<usize> {
         self.0.iter().position(|c| c.0 >= len.max(1))
     }
