@@ -314,6 +314,7 @@ impl CacheArea {
             dir: dir.to_path_buf(),
             data,
             direct,
+            in_memory: false,
             classes,
             words,
             counters: Counters::default(),
@@ -381,6 +382,7 @@ impl CacheArea {
             dir: spec.dir.to_path_buf(),
             data,
             direct: false,
+            in_memory: true,
             classes,
             words,
             counters: Counters::default(),
@@ -421,7 +423,7 @@ impl CacheArea {
 
     /// Whether the area is in memory ([`MEMORY_DIR`]), not in a folder.
     pub fn in_memory(&self) -> bool {
-        self.shared.dir == Path::new(MEMORY_DIR)
+        self.shared.in_memory
     }
 
     /// The slots' descriptor (pollers read slots through it).

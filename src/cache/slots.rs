@@ -110,6 +110,8 @@ pub(crate) struct AreaShared {
     pub dir: PathBuf,
     pub data: File,
     pub direct: bool,
+    /// The area is in memory (`MEMORY_DIR`), not in a folder.
+    pub in_memory: bool,
     pub classes: super::SlotClasses,
     pub words: Box<[AtomicU64]>,
     pub counters: Counters,

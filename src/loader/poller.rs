@@ -954,7 +954,12 @@ impl Poller {
 
     /// A read from the cache area is in: delivered if its bytes are the
     /// catalog's, else (an I/O error, a short read, rot on the disk) the
-    /// slot is emptied and the sample read from the source instead.
+    /// slot is emptied and the sample read from the source instead. An
+    /// area in memory is not checked again unless `verify_crc32c` asks:
+    /// its bytes were checked against the catalog when kept, memory does
+    /// not rot as a disk does, and the slot's word keeps a writer off a
+    /// slot while it is read (CRC32C was 11 % of the CPU of a run over a
+    /// whole space: BENCHMARKS.md, "A cache area in memory").
     fn cache_read_done(&mut self, g: &Group, slot: u32) {
         let p = g.placed;
         let rc = self
@@ -962,22 +967,24 @@ impl Poller {
             .cache
             .as_ref()
             .expect("a cache read has an area");
-        let ok = g.error.is_none() && {
-            let want = self.shared.input.sample(p.id).crc32c;
-            let off = p.phys(&self.shared.geo) as usize;
-            // SAFETY: every part completed into this sample's ring slot,
-            // which is still ours.
-            let Some(got) = (unsafe { self.shared.ring.crc32c(off, p.len as usize) }) else {
-                // The agent's view of a rank's ring faulted (the rank took
-                // the page away): that rank's error; the slot's bytes are
-                // not in question (and no sample came of the read).
-                rc.abandon_read(slot);
-                let e = self.read_failed(g, 0, libc::EFAULT);
-                self.local_failed(&p, e);
-                return;
-            };
-            got == want
-        };
+        let check = !rc.area.in_memory() || self.shared.cfg.verify_crc32c;
+        let ok = g.error.is_none()
+            && (!check || {
+                let want = self.shared.input.sample(p.id).crc32c;
+                let off = p.phys(&self.shared.geo) as usize;
+                // SAFETY: every part completed into this sample's ring slot,
+                // which is still ours.
+                let Some(got) = (unsafe { self.shared.ring.crc32c(off, p.len as usize) }) else {
+                    // The agent's view of a rank's ring faulted (the rank took
+                    // the page away): that rank's error; the slot's bytes are
+                    // not in question (and no sample came of the read).
+                    rc.abandon_read(slot);
+                    let e = self.read_failed(g, 0, libc::EFAULT);
+                    self.local_failed(&p, e);
+                    return;
+                };
+                got == want
+            });
         rc.end_read(slot, p.len, !ok);
         if !ok {
             log::warn!(
