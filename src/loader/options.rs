@@ -221,7 +221,7 @@ pub static OPTIONS: &[OptionSpec] = &[
     opt!("tier_bytes", OptionKind::Bytes { min: 0, max: u64::MAX }, "bytes", "0: no tier", "tier-bytes",
         "memory tier budget: samples read once are kept in memory and served from there"),
     opt!("cache_dir", OptionKind::Path, "", "none: no cache area", "cache-dir",
-        "an NVMe cache area (docs/CACHE.md): samples read from the source (a source, or what a partial space does not hold) are kept here for their next read, by `cache_policy`, within `cache_bytes`; each rank uses `rank<N>` under this folder; what a run kept is used by the next; `:memory:` keeps the area in the loader's memory instead (the same policy; nothing on disk, gone with the loader)"),
+        "an NVMe cache area (docs/CACHE.md): samples read from the source (a source, or what a partial space does not hold) are kept here for their next read, by `cache_policy`, within `cache_bytes`; each rank uses `rank<N>` under this folder; what a run kept is used by the next; `:memory:` keeps the area in the loader's memory instead (the same policy, and a space's samples too; nothing on disk, gone with the loader)"),
     opt!("cache_bytes", OptionKind::Bytes { min: 0, max: u64::MAX }, "bytes", "0: no cache area", "cache-bytes",
         "the cache area's budget, shared among slot size classes from 4 KiB to the catalog's 99th percentile sample length (larger samples are not kept; docs/CACHE.md)"),
     opt!("cache_policy", OptionKind::Choice(&["next-use", "min", "lru"]), "", "next-use", "cache-policy",
