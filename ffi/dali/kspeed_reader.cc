@@ -455,7 +455,8 @@ Pass the same `seed` to every shard (without one, 0 is used, not a random seed).
     .AddOptionalArg("cache_dir",
                     "A partial space (`kspeed preload --max-bytes`): keep the samples read from "
                     "its source in this NVMe folder for their next read (the shard's area is "
-                    "CACHE_DIR/rank<shard_id>; empty: none).",
+                    "CACHE_DIR/rank<shard_id>; \":memory:\": in the process's memory instead, "
+                    "a space's samples too; empty: none).",
                     std::string(""))
     .AddOptionalArg("cache_bytes", "The cache area's budget, e.g. \"100GiB\" (with cache_dir).",
                     std::string("0"))

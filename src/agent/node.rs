@@ -410,7 +410,7 @@ fn open_part(cfg: &AgentConfig, dir: &Path) -> Result<OpenPart> {
         return Err(Error::InvalidConfig(format!(
             "--cache-dir: space {} holds every sample of its share, so nothing comes from a \
              source to keep (a partial space, `kspeed preload --max-bytes`, reads the rest from \
-             its source)",
+             its source; an area in memory, `--cache-dir :memory:`, keeps a space's samples too)",
             dir.display()
         )));
     }

@@ -8,7 +8,10 @@
 //! As the node tier, it is shared by the ranks of one job and one user at
 //! a time: its slots are filled from ranks' rings, memory those ranks can
 //! write, and every read from it is checked against the catalog's CRC,
-//! which stops rot, not a forger. A rank of another user, or of another
+//! which stops rot, not a forger. An area in the agent's memory
+//! (`--cache-dir :memory:`) checks instead the copy it keeps, once, in
+//! its writer (memory no rank can write), and its reads are not checked
+//! again unless the rank asks for `verify_crc32c`. A rank of another user, or of another
 //! job while a job's ranks hold it, reads without it; the next user's
 //! first rank finds it emptied.
 

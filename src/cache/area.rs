@@ -368,6 +368,16 @@ impl CacheArea {
     /// the same policy decides what stays.
     fn open_in_memory(spec: &AreaSpec<'_>) -> Result<CacheArea> {
         let (classes, slots) = Self::slot_classes_for(spec)?;
+        // The memory file reserves nothing until written: a budget meant
+        // for a disk would fill the memory mid-run and be killed for it.
+        if let Some((limit, what)) = memory_limit().filter(|&(l, _)| classes.area_bytes() > l) {
+            return Err(Error::InvalidConfig(format!(
+                "cache_dir \":memory:\": cache_bytes {} makes an area of {} bytes, more than {what} \
+                 ({limit} bytes); lower cache_bytes",
+                spec.cache_bytes,
+                classes.area_bytes()
+            )));
+        }
         let data = crate::sys::memfd(c"kspeed-cache", classes.area_bytes()).map_err(|e| {
             Error::CacheArea {
                 path: spec.dir.to_path_buf(),
@@ -590,6 +600,27 @@ impl CacheArea {
     }
 }
 
+/// The memory this process may use at most, and what says so: the
+/// machine's (`MemTotal`), or its cgroup's limit where that is lower
+/// (cgroup v2's `memory.max` at the root of its namespace, as a container
+/// sees it); None when neither can be read.
+fn memory_limit() -> Option<(u64, &'static str)> {
+    let total = std::fs::read_to_string("/proc/meminfo").ok().and_then(|t| {
+        t.lines()
+            .find_map(|l| l.strip_prefix("MemTotal:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            .map(|kib| (kib * 1024, "this machine's memory (MemTotal)"))
+    });
+    let cgroup = std::fs::read_to_string("/sys/fs/cgroup/memory.max")
+        .ok()
+        .and_then(|t| t.trim().parse::<u64>().ok())
+        .map(|b| (b, "this cgroup's memory limit (memory.max)"));
+    match (total, cgroup) {
+        (Some(t), Some(c)) => Some(if c.0 < t.0 { c } else { t }),
+        (t, c) => t.or(c),
+    }
+}
+
 /// What each slot holds after replaying the journal at `path` (records that
 /// do not match the catalog or their slot are dropped; a torn tail is cut
 /// off).
@@ -671,4 +702,26 @@ fn replay(
         }
     }
     Ok((held, dropped))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_memory_limit_is_read_and_at_most_the_machine_s() {
+        let (limit, what) = super::memory_limit().expect("/proc/meminfo is readable on Linux");
+        let total = std::fs::read_to_string("/proc/meminfo").unwrap();
+        let kib: u64 = total
+            .lines()
+            .find_map(|l| l.strip_prefix("MemTotal:"))
+            .unwrap()
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!(
+            limit > 0 && limit <= kib * 1024,
+            "{limit} ({what}), MemTotal {kib} KiB"
+        );
+    }
 }

@@ -551,18 +551,16 @@ impl WriterState {
             )
         };
         let buf = &self.bufs.as_slice()[at..at + n];
-        // In memory, the poller's check of the ring against the catalog
-        // (before the copy into this buffer) is the one: no disk to spare.
-        let got = if self.shared.in_memory {
-            job.crc
-        } else {
-            crc32c::crc32c(&buf[..job.len as usize])
-        };
+        // For an area in memory this is the only check of what is kept
+        // (the poller leaves it to this copy, which no rank can write).
+        let got = crc32c::crc32c(&buf[..job.len as usize]);
         if got != job.crc {
-            // The copy into the buffer went wrong: a bug, but not one to
-            // put on disk.
+            // The copy into the buffer is not the catalog's bytes: the
+            // ring was written while it was copied (the agent's ranks
+            // own their rings), a bad read an area in memory took on
+            // trust, or a bug; not to be kept.
             return Err(std::io::Error::other(format!(
-                "write buffer CRC {got:08x}, the catalog's {:08x}",
+                "the copy to keep has CRC32C {got:08x}, the catalog's is {:08x}",
                 job.crc
             )));
         }
@@ -619,8 +617,8 @@ impl WriterState {
             format!(" slot {slot}:")
         };
         log::warn!(
-            "cache area {}:{what} write failed: {} ({e}); the samples are still delivered from \
-             the source, but not kept (further failures are counted, not logged)",
+            "cache area {}:{what} write failed: {} ({e}); the samples are still delivered, but \
+             not kept (further failures are counted, not logged)",
             self.shared.dir.display(),
             errno_name(e.raw_os_error().unwrap_or(0)),
         );

@@ -805,7 +805,8 @@ impl LoaderBuilder {
             Input::Mix(_) => return refuse("a mixture of datasets has no cache area yet"),
             Input::Space { space, .. } if !space.params().is_partial() && !in_memory => {
                 return refuse(
-                    "this space holds every sample, so nothing comes from the source to keep                      (an area in memory, \":memory:\", keeps the space's samples too)",
+                    "this space holds every sample, so nothing comes from the source to keep \
+                     (an area in memory, \":memory:\", keeps the space's samples too)",
                 )
             }
             _ => {}

@@ -923,10 +923,13 @@ impl Poller {
             // ours until it is marked ready below.
             let bytes = unsafe { std::slice::from_raw_parts(dst, p.len as usize) };
             // Checked above when verifying; else now: only the catalog's
-            // bytes are kept.
+            // bytes are kept. An area in memory checks the copy the writer
+            // keeps instead (writer.rs, `write_slot`): one check, and of
+            // the bytes kept, not of a ring a rank can still write.
             let off = p.phys(&self.shared.geo) as usize;
             if self.shared.cfg.verify_crc32c
                 || partial_source
+                || rc.area.in_memory()
                 // SAFETY: as `bytes`.
                 || unsafe { self.shared.ring.crc32c(off, p.len as usize) } == Some(want)
             {
@@ -989,7 +992,7 @@ impl Poller {
         if !ok {
             log::warn!(
                 "cache area {}: slot {slot} did not give sample {}'s bytes ({}); emptied, \
-                 reading the source",
+                 reading it again from where it lives",
                 rc.area.dir().display(),
                 p.id,
                 g.error
@@ -1029,11 +1032,16 @@ impl Poller {
 
     fn file_path(&self, g: &Group) -> PathBuf {
         match self.input_of(g) {
-            _ if g.cache_read.is_some() => self
-                .shared
-                .cache
-                .as_ref()
-                .map_or_else(PathBuf::new, |c| c.area.dir().join(crate::cache::DATA_FILE)),
+            _ if g.cache_read.is_some() => {
+                self.shared.cache.as_ref().map_or_else(PathBuf::new, |c| {
+                    if c.area.in_memory() {
+                        // No file of that name: the memory file's.
+                        PathBuf::from(":memory: (memfd kspeed-cache)")
+                    } else {
+                        c.area.dir().join(crate::cache::DATA_FILE)
+                    }
+                })
+            }
             Input::Space { space, .. } if g.from_source => space.catalog().file_path(g.file),
             Input::Space { space, .. } => space.extent_path(g.file),
             Input::Source { catalog, root } => root.join(catalog.file(g.file).name),

@@ -167,9 +167,10 @@ pub struct Stats {
     pub source_reads: u64,
     /// Their bytes (what the source gave the loader).
     pub source_bytes: u64,
-    /// The NVMe cache area (`cache_dir`; all 0 without one): its hits are
-    /// samples that would have come from the source (they are not in
-    /// `disk_reads` or `source_reads`, and join the read counters' sum).
+    /// The cache area (`cache_dir`; all 0 without one): its hits are
+    /// samples that would have come from the source, or, for an area in
+    /// memory, from the source or the space (they are not in `disk_reads`
+    /// or `source_reads`, and join the read counters' sum).
     pub cache: crate::cache::CacheStats,
     /// Samples read ahead of the consumer and waiting in the ring now
     /// (counted in `disk_reads`, `tier_hits` or `remote_samples`, not yet

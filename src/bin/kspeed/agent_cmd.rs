@@ -61,8 +61,10 @@ pub(crate) struct AgentArgs {
     /// docs/AGENT.md, "The node's cache area"). With --cache-scope node
     /// (the default) one area, DIR/node, for the node's ranks of one job:
     /// what one rank fetched is a hit for the others. `:memory:` keeps the
-    /// area(s) in the agent's memory instead (the same policy; nothing on
-    /// disk, gone when the agent stops). Needs --cache-bytes.
+    /// area(s) in the agent's memory instead (the same policy, a space's
+    /// samples too; nothing on disk; the node's gone when the agent stops,
+    /// a rank's with --cache-scope rank when that rank detaches). Needs
+    /// --cache-bytes.
     #[arg(long, requires = "cache_bytes")]
     cache_dir: Option<PathBuf>,
     /// The cache area's budget (e.g. 400GiB; each rank's with
