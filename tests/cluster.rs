@@ -611,8 +611,12 @@ fn stalled_owner_times_out_and_fails_over() {
         "{c:?}"
     );
     // The node is declared stalled after `timeout` without progress,
-    // counted from its last progress, which can precede the wait a little.
-    assert!(c.failover >= timeout / 2, "{c:?}");
+    // counted from its last progress, which can precede the wait: the
+    // wait for it is charged to it first (`peers`), then, once it is
+    // declared stalled, to the failover (under load in the RDMA VM: 97 ms
+    // then 397 ms of an 800 ms timeout).
+    assert!(c.failover > Duration::ZERO, "{c:?}");
+    assert!(c.failover + c.peers >= timeout / 2, "{c:?}");
     assert_eq!(c.slowest_peers[0].node, 1, "{c:?}");
     assert_eq!(c.agent, Duration::ZERO);
 }
