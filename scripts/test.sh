@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The whole test suite, on a fresh machine: system packages, formatting,
 # lints (with and without the rdma feature), rustdoc, the import-cycle
-# check, the header and public API listing drift checks, every test with and
-# without the rdma feature (the cluster tests start `kspeed serve` processes
-# on 127.0.0.x and, as root, in network namespaces), the frame-decoding fuzz
+# check, the header and public API listing drift checks, every test (the
+# cluster tests start `kspeed serve` processes on 127.0.0.x and, as root, in
+# network namespaces), those over TCP links again without the rdma feature,
+# the simulations with more seeds, the frame-decoding fuzz
 # target for a bounded time, Miri on the modules that can run under it
 # (scripts/miri.sh), the C ABI from C (plain, ASan, valgrind), the
 # C++ example against an installed package, the DALI plugin's tests (downloads
@@ -120,12 +121,28 @@ if cargo nextest --version >/dev/null 2>&1; then runner=(cargo nextest run --no-
 step "the library alone (default-features = false, features = [\"rdma\"]): build, lib tests"
 cargo build -p kspeed --lib --no-default-features --features rdma
 cargo test -p kspeed --lib --no-default-features --features rdma
-step "tests without the rdma feature"
-"${runner[@]}" --workspace --no-default-features --features cli,test-panic
-step "tests (default features)"
-"${runner[@]}" --workspace --features test-panic
+# Without the rdma feature only the links differ (the node service's
+# acceptor and pollers, the consumer's network thread and the agent's
+# cluster links: TCP alone, not an enum over TCP and RDMA; src/transport,
+# src/agent/cluster.rs), so this step runs the library's tests and the test
+# binaries that put those links between real processes; the others run the
+# same code either way and run in the next step. Every target of every
+# feature set is compiled by the clippy step above. Running them all here
+# as well took 328 of CI's seconds, 260 of them the same tests again.
+step "tests without the rdma feature: the library, and the tests over TCP links between processes"
+"${runner[@]}" -p kspeed --no-default-features --features cli,test-panic --lib \
+  --test cluster --test cluster_mix --test agent_cluster --test agent_links \
+  --test consumer_links --test rebalance --test independent_owner --test serve_foreign
+# The library's sim:: tests are the next step's, with more seeds, on this
+# same build: not run twice.
+step "tests (default features; the simulations in the next step)"
+if [ "${runner[0]}" = cargo ] && [ "${runner[1]}" = nextest ]; then
+  "${runner[@]}" --workspace --features test-panic -E 'not (binary(kspeed) & test(sim::))'
+else
+  "${runner[@]}" --workspace --features test-panic -- --skip sim::
+fi
 
-step "simulator: the transport, the node service's pollers, the consumer's network thread, the cluster (real nodes and ranks together), the RDMA link, and the RDMA link into the consumer's RdmaRx (memory windows) over the in-memory backends, up to ${KSPEED_SIM_SEEDS:-2000} seeds each, each stopping at ${KSPEED_SIM_BUDGET_S:-120} s (KSPEED_SIM_SEED=n replays a failing seed)"
+step "simulator: the transport, the node service's pollers, the consumer's network thread, the cluster (real nodes and ranks together), the RDMA link, and the RDMA link into the consumer's RdmaRx (memory windows) over the in-memory backends, up to ${KSPEED_SIM_SEEDS:-2000} seeds each, each stopping at ${KSPEED_SIM_BUDGET_S:-75} s (KSPEED_SIM_SEED=n replays a failing seed)"
 # The unit tests above ran their defaults (200 to 2,000 seeds; sim::serve's
 # many-slots test 3); this runs more, on the same build: sim::tests (TcpLink against
 # FrameRx), sim::serve (the real serve pollers and scripted consumers, and
@@ -135,7 +152,7 @@ step "simulator: the transport, the node service's pollers, the consumer's netwo
 # transport::rdma::sim (RdmaLink over MemNic and FaultyQueue; the filter
 # matches it too), sim::rdma (RdmaLink writing into the real RdmaRx, its
 # memory windows bound and invalidated through WorkQueue on MemNic).
-KSPEED_SIM_SEEDS="${KSPEED_SIM_SEEDS:-2000}" KSPEED_SIM_BUDGET_S="${KSPEED_SIM_BUDGET_S:-120}" \
+KSPEED_SIM_SEEDS="${KSPEED_SIM_SEEDS:-2000}" KSPEED_SIM_BUDGET_S="${KSPEED_SIM_BUDGET_S:-75}" \
   "${runner[@]}" --features test-panic --lib sim::
 
 step "C++ example against an installed package (CMake, pkg-config, static)"
