@@ -353,6 +353,23 @@ typedef struct {
   uint64_t cache_write_errors;
   // The area's bytes on disk (`cache.data`, within `cache_bytes`).
   uint64_t cache_area_bytes;
+  // The memory level above the area (`cache_memory_bytes`; appended
+  // after `cache_area_bytes`; all 0 without one): samples read from it,
+  // before the area (not in `cache_hits`, `disk_reads` or
+  // `source_reads`).
+  uint64_t cache_memory_hits;
+  // Their bytes.
+  uint64_t cache_memory_hit_bytes;
+  // Reads the policy planned as the memory level's hits.
+  uint64_t cache_memory_planned_hits;
+  // Samples written into the memory level.
+  uint64_t cache_memory_writes;
+  // Samples the policy kept there but its writer could not take.
+  uint64_t cache_memory_skipped;
+  // Samples the memory level holds now, or is writing.
+  uint64_t cache_memory_held;
+  // The memory level's bytes (within `cache_memory_bytes`).
+  uint64_t cache_memory_area_bytes;
 } ksp_stats;
 
 // What the catalog says about one sample.
@@ -595,6 +612,7 @@ void ksp_config_free(ksp_config *cfg);
 // | `cache_dir` | path |  |  | none: no cache area | an NVMe cache area (docs/CACHE.md): samples read from the source (a source, or what a partial space does not hold) are kept here for their next read, by `cache_policy`, within `cache_bytes`; each rank uses `rank<N>` under this folder; what a run kept is used by the next; `:memory:` keeps the area in the loader's memory instead (the same policy, and a space's samples too; nothing on disk, gone with the loader) |
 // | `cache_bytes` | size | 0 and up | bytes | 0: no cache area | the cache area's budget, shared among slot size classes from 4 KiB to the catalog's 99th percentile sample length (larger samples are not kept; docs/CACHE.md) |
 // | `cache_policy` | choice | next-use, min, lru |  | next-use | what the cache area keeps: `next-use` what this rank reads soonest (Belady's MIN over the known order, replacing a kept sample only when the write gains a hit), `min` MIN itself (the fewest source reads, more writes), `lru` what it read last (the page cache's policy, for comparison) |
+// | `cache_memory_bytes` | size | 0 and up | bytes | 0: none | a memory level above the cache area on disk (docs/CACHE.md, "Two levels"): an area of this many bytes in the loader's memory, read before the one in `cache_dir` (a folder), keeping by the same `cache_policy` what comes from the area, the space or the source when it is needed again soonest; nothing on disk, gone with the loader |
 // | `tier_views` | bool |  |  | false | a sample served from the memory tier (attached: the agent's node tier, mapped read-only) is handed out in place (no copy into the ring); a batch holding one is not one ring span |
 // | `pollers` | int | 1 to 1024 | threads | a quarter of this rank's core slice, 1 to 8 (twice that, at most the slice, when the space is read through the page cache) | poller threads |
 // | `queue_depth` | int | 1 to 16384 | reads | 32 | reads in flight per poller (io_uring holds at most 32768 entries, two per read) |

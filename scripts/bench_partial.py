@@ -7,7 +7,9 @@ against Mosaic StreamingDataset with `cache_limit` set to the same bytes
 against kspeed reading the bucket with no space at all, and against
 kspeed's NVMe cache area written during training (no preload), by next
 use and by LRU (`--cache-dir`, a fresh one per run, of the same bytes; `kspeed-cache-mem`
-and `kspeed-cache-mem-lru`: the same area in memory, `--cache-dir :memory:`). Epochs 1-3 in
+and `kspeed-cache-mem-lru`: the same area in memory, `--cache-dir :memory:`;
+`kspeed-cache-2level`: the area on disk with a memory level of a quarter
+of its bytes above it, `--cache-memory-bytes`). Epochs 1-3 in
 one process per run, samples/s per epoch, and the bytes each read from the
 server per epoch (s3s-fs's /proc/PID/io rchar at the epoch boundaries).
 
@@ -136,7 +138,8 @@ def run_kspeed(env, args, server_pid):
     epochs = [{"samples": e["samples"], "bytes": e["bytes"], "seconds": e["seconds"],
                "source_bytes": e.get("source_bytes", 0), "cache_hits": e.get("cache_hits", 0),
                "cache_planned_hits": e.get("cache_planned_hits", 0),
-               "cache_writes": e.get("cache_writes", 0)} for e in j["per_epoch"]]
+               "cache_writes": e.get("cache_writes", 0),
+               "cache_memory_hits": e.get("cache_memory_hits", 0)} for e in j["per_epoch"]]
     if "cache" in j:
         epochs[-1]["cache"] = j["cache"]
     # The server's bytes for the whole run (kspeed reads the same samples
@@ -262,6 +265,12 @@ def bench(a, env, size, server_pid):
         "kspeed-cache-mem-lru": lambda: run_kspeed(
             env, ["--source", f"s3://{BUCKET}/train/", "--catalog", s3cat, "--cache-dir", ":memory:",
                   "--cache-bytes", str(a.half_bytes), "--cache-policy", "lru"] + kq, server_pid),
+        # Two levels: the area on disk as kspeed-cache-next, and above it
+        # an area in memory of a quarter of its bytes, by the same policy.
+        "kspeed-cache-2level": lambda: run_kspeed(
+            env, ["--source", f"s3://{BUCKET}/train/", "--catalog", s3cat, "--cache-dir", cache[0],
+                  "--cache-bytes", str(a.half_bytes), "--cache-memory-bytes", str(a.half_bytes // 4),
+                  "--cache-policy", "next-use"] + kq, server_pid),
         "mosaic-cache": lambda: run_mosaic(a, env, a.workers, cache[0], server_pid),
         "mosaic-cache-w0": lambda: run_mosaic(a, env, 0, cache[0], server_pid),
         "mosaic-py1s": lambda: run_mosaic(a, env, a.workers, cache[0], server_pid, "py1s"),
@@ -331,7 +340,9 @@ def bench(a, env, size, server_pid):
         tot = [sum(e["cache_hits"] for e in r) / max(1, sum(e["cache_planned_hits"] for e in r))
                for r in res[name] if r]
         writes = [med([r[e]["cache_writes"] if r else None for r in res[name]]) for e in range(EPOCHS)]
+        mem = [med([r[e]["cache_memory_hits"] if r else None for r in res[name]]) for e in range(EPOCHS)]
         print(f"{name}: cache hits per epoch (median) " + " ".join(f"{h:.0f}" for h in hits)
+              + ("; the memory level's hits above it " + " ".join(f"{h:.0f}" for h in mem) if any(mem) else "")
               + "; planned (the policy's own) " + " ".join(f"{h:.0f}" for h in planned)
               + f"; hits / planned over the run, per run: {fmt(tot, '{:.3f}')}"
               + "; writes per epoch (median) " + " ".join(f"{w:.0f}" for w in writes))
@@ -343,7 +354,7 @@ def bench(a, env, size, server_pid):
         print(f"kspeed-cache-next planned hits / MIN's over the run, per run: {fmt(rr, '{:.3f}')}")
     for mine, other in [("kspeed-cache-next", "kspeed-cache-lru"), ("kspeed-cache-min", "kspeed-cache-lru"),
                         ("kspeed-cache-next", "kspeed-cache-min"), ("kspeed-cache-mem", "kspeed-cache-mem-lru"),
-                        ("kspeed-cache-mem", "kspeed-cache-next")]:
+                        ("kspeed-cache-mem", "kspeed-cache-next"), ("kspeed-cache-2level", "kspeed-cache-next")]:
         if mine not in res or other not in res:
             continue
         for e in range(EPOCHS):

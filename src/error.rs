@@ -91,8 +91,9 @@ pub enum Error {
         /// "a FIFO", "a character device", ...
         what: &'static str,
     },
-    /// `--catalog` names a catalog built from another source than `--source`.
-    #[error("catalog {catalog} was built from {catalog_source}, not {given}; give --source {catalog_source}, or build a catalog of {given} with kspeed catalog")]
+    /// The catalog (`--catalog`, `catalog=`) was built from another source
+    /// than the one given (`--source`, `source=`).
+    #[error("catalog {catalog} was built from {catalog_source}, not {given}; give the source {catalog_source} (--source, source=), or build a catalog of {given} with `kspeed catalog`")]
     CatalogOfAnotherSource {
         /// The catalog file.
         catalog: PathBuf,

@@ -6,7 +6,11 @@
 //!   with the loader, empty for the next loader; LRU in memory beside it;
 //! - over a space that holds every sample (rank 1 of 4, 8 epochs): the
 //!   space's samples kept by next use, hits within MIN's, a memory tier
-//!   of the same bytes beside it; on disk the same space is refused.
+//!   of the same bytes beside it; on disk the same space is refused;
+//! - two levels (`cache_memory_bytes` above an area on disk), 4 epochs over
+//!   a source 3x the area: exact, each level's plan MIN's at its budget
+//!   (what memory gives is not read from the disk), both serving; the
+//!   memory level refused without a folder below it.
 
 #[path = "common/cache_area.rs"]
 mod area;
@@ -59,12 +63,7 @@ fn an_area_in_memory_keeps_by_next_use_and_leaves_nothing_behind() {
     drop(l);
     let c = stats.cache;
     let cl = kspeed::cache::SlotClasses::for_catalog(&st.cat, st.third);
-    let classes = area::Classes(
-        cl.classes()
-            .iter()
-            .map(|k| (k.slot_bytes, k.slots as u64))
-            .collect(),
-    );
+    let classes = classes_of(&st.cat, st.third);
     assert_eq!((c.slots, c.area_bytes), (cl.slots(), cl.area_bytes()));
     assert!(c.area_bytes <= st.third);
     assert_eq!(c.hits + stats.disk_reads, N * epochs, "{stats:?}");
@@ -157,13 +156,7 @@ fn an_area_in_memory_over_a_whole_space_keeps_what_the_rank_reads_next() {
     assert_eq!(c.hits + stats.disk_reads, reads, "{stats:?}");
     assert_eq!(stats.source_reads, 0);
     assert_eq!(c.corrupt + c.write_errors, 0, "{c:?}");
-    let cl = kspeed::cache::SlotClasses::for_catalog(&st.cat, budget);
-    let classes = area::Classes(
-        cl.classes()
-            .iter()
-            .map(|k| (k.slot_bytes, k.slots as u64))
-            .collect(),
-    );
+    let classes = classes_of(&st.cat, budget);
     let bound = min_hits_of(&st.cat, &classes, epochs, rank, world);
     let tier = read(mk(LoaderBuilder::space(&space).tier_bytes(budget)));
     eprintln!(
@@ -185,4 +178,114 @@ fn an_area_in_memory_over_a_whole_space_keeps_what_the_rank_reads_next() {
         .err()
         .expect("refused");
     assert!(e.to_string().contains(":memory:"), "{e}");
+}
+
+#[test]
+fn a_memory_level_above_the_area_on_disk_gives_min_s_hits_at_each_budget() {
+    // `cache_memory_bytes` above `cache_dir` (a folder), policy `min`, a
+    // rank alone over a source 3x the area on disk, the memory level half
+    // of that. MIN is a stack algorithm: what it keeps in a smaller cache
+    // it keeps in a larger one on the same order (per slot class, where
+    // the larger has at least as many slots in each), so the memory
+    // level's hits are among the disk's planned ones, and every read the
+    // disk's plan calls a hit is served by one of the two: what memory
+    // began to read plus what the disk planned is MIN's at the disk's
+    // budget, whatever the timing (plus at most one a skipped write: a
+    // write the writer could not take leaves the slot's old sample, which
+    // a later admit of that same sample then reads, a hit no plan called
+    // one).
+    let _counting = MEMORY_AREAS.lock().unwrap_or_else(|e| e.into_inner());
+    let st = setup();
+    let epochs = 4;
+    let memory_bytes = st.third / 2;
+    let (disk_cl, mem_cl) = (
+        classes_of(&st.cat, st.third),
+        classes_of(&st.cat, memory_bytes),
+    );
+    assert!(
+        disk_cl.0.len() == mem_cl.0.len()
+            && disk_cl
+                .0
+                .iter()
+                .zip(&mem_cl.0)
+                .all(|(d, m)| d.0 == m.0 && d.1 >= m.1),
+        "the test needs the memory level's classes within the disk's: {:?} {:?}",
+        disk_cl.0,
+        mem_cl.0
+    );
+    let before = memory_areas_open();
+    let mut l = st
+        .builder(CachePolicy::Min)
+        .cache_memory_bytes(memory_bytes)
+        .end_epoch(Some(epochs))
+        .build()
+        .unwrap();
+    assert_eq!(memory_areas_open(), before + 1);
+    read_exact(&mut l, &st.cat, 0, epochs).unwrap();
+    let stats = l.stats();
+    drop(l);
+    assert_eq!(memory_areas_open(), before);
+    let (mem, disk) = (stats.cache_memory, stats.cache);
+    let (mem_min, disk_min) = (
+        min_hits(&st.cat, &mem_cl, epochs),
+        min_hits(&st.cat, &disk_cl, epochs),
+    );
+    eprintln!(
+        "two levels, {epochs} epochs of {N}: memory {} hits ({} planned) of MIN's {mem_min} at \
+         its {memory_bytes} bytes; disk {} hits ({} planned), MIN's at its {} bytes \
+         {disk_min}; {} from the source",
+        mem.hits, mem.planned_hits, disk.hits, disk.planned_hits, st.third, stats.disk_reads
+    );
+    assert_eq!(
+        mem.hits + disk.hits + stats.disk_reads,
+        N * epochs,
+        "{stats:?}"
+    );
+    assert_eq!(
+        mem.corrupt + mem.write_errors + disk.corrupt + disk.write_errors,
+        0,
+        "{stats:?}"
+    );
+    assert!(mem.area_bytes <= memory_bytes && disk.area_bytes <= st.third);
+    assert_eq!(mem.planned_hits, mem_min, "{mem:?}");
+    let served = mem.hits + mem.corrupt + disk.planned_hits;
+    assert!(
+        disk_min <= served && served <= disk_min + mem.skipped,
+        "memory began {} reads and the disk planned {}: MIN's {disk_min} at the disk's budget; \
+         {stats:?}",
+        mem.hits + mem.corrupt,
+        disk.planned_hits
+    );
+    assert!(
+        mem.hits > 0 && disk.hits > 0,
+        "both levels serve: {stats:?}"
+    );
+    assert!(mem.hits <= mem.planned_hits + mem.skipped, "{mem:?}");
+    assert!(disk.hits <= disk.planned_hits + disk.skipped, "{disk:?}");
+    // The area on disk is kept for the next run; the memory level is not.
+    assert!(st
+        .cache()
+        .join("rank0")
+        .join(kspeed::cache::DATA_FILE)
+        .exists());
+
+    // Refused by name: no folder below it, or an area in memory already.
+    for (dir, bytes) in [
+        (None, 0),
+        (Some(kspeed::cache::MEMORY_DIR.into()), st.third),
+    ] {
+        let e = st
+            .builder(CachePolicy::Min)
+            .cache_dir(dir)
+            .cache_bytes(bytes)
+            .cache_memory_bytes(memory_bytes)
+            .build()
+            .err()
+            .expect("refused");
+        let msg = e.to_string();
+        assert!(
+            msg.contains("cache_memory_bytes") && msg.contains("folder"),
+            "{msg}"
+        );
+    }
 }

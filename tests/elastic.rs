@@ -509,6 +509,13 @@ fn a_position_advanced_inside_a_batch_is_the_one_a_loader_saves_there() {
         take(&mut one, cat, Some((2 * BATCH + handed) as u64), &want);
         assert_eq!(a, SavedPosition::decode(&one.save_position()).unwrap());
         assert_eq!(at_batch.advanced(&[]).unwrap(), at_batch);
+        // Past the rank's 75 steps of the epoch: refused by name.
+        let left = 75 - 2 * BATCH;
+        assert!(at_batch.advanced(&vec![0; left]).is_ok());
+        match at_batch.advanced(&vec![0; left + 1]) {
+            Err(kspeed::Error::BadPosition(m)) => assert!(m.contains("75 steps"), "{m}"),
+            other => panic!("advanced past the epoch: {other:?}"),
+        }
         advanced.push(a);
         job = Some(one.save_job_position());
     }

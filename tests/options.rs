@@ -341,6 +341,7 @@ const DALI_ARGUMENTS: &[(&str, Option<&str>)] = &[
     ("cache_dir", Some("cache_dir")),
     ("cache_bytes", Some("cache_bytes")),
     ("cache_policy", Some("cache_policy")),
+    ("cache_memory_bytes", Some("cache_memory_bytes")),
 ];
 
 /// The double-quoted word after each `needle` in `text`.

@@ -492,6 +492,23 @@ pub struct ksp_stats {
     pub cache_write_errors: u64,
     /// The area's bytes on disk (`cache.data`, within `cache_bytes`).
     pub cache_area_bytes: u64,
+    /// The memory level above the area (`cache_memory_bytes`; appended
+    /// after `cache_area_bytes`; all 0 without one): samples read from it,
+    /// before the area (not in `cache_hits`, `disk_reads` or
+    /// `source_reads`).
+    pub cache_memory_hits: u64,
+    /// Their bytes.
+    pub cache_memory_hit_bytes: u64,
+    /// Reads the policy planned as the memory level's hits.
+    pub cache_memory_planned_hits: u64,
+    /// Samples written into the memory level.
+    pub cache_memory_writes: u64,
+    /// Samples the policy kept there but its writer could not take.
+    pub cache_memory_skipped: u64,
+    /// Samples the memory level holds now, or is writing.
+    pub cache_memory_held: u64,
+    /// The memory level's bytes (within `cache_memory_bytes`).
+    pub cache_memory_area_bytes: u64,
 }
 
 // The C layout names 4 slowest peers: the library's count must agree.
@@ -556,6 +573,13 @@ impl Default for ksp_stats {
             cache_write_bytes: 0,
             cache_write_errors: 0,
             cache_area_bytes: 0,
+            cache_memory_hits: 0,
+            cache_memory_hit_bytes: 0,
+            cache_memory_planned_hits: 0,
+            cache_memory_writes: 0,
+            cache_memory_skipped: 0,
+            cache_memory_held: 0,
+            cache_memory_area_bytes: 0,
         }
     }
 }
@@ -645,6 +669,13 @@ pub unsafe extern "C" fn ksp_loader_stats(l: *const ksp_loader, out: *mut ksp_st
             cache_write_bytes: s.cache.write_bytes,
             cache_write_errors: s.cache.write_errors,
             cache_area_bytes: s.cache.area_bytes,
+            cache_memory_hits: s.cache_memory.hits,
+            cache_memory_hit_bytes: s.cache_memory.hit_bytes,
+            cache_memory_planned_hits: s.cache_memory.planned_hits,
+            cache_memory_writes: s.cache_memory.writes,
+            cache_memory_skipped: s.cache_memory.skipped,
+            cache_memory_held: s.cache_memory.held,
+            cache_memory_area_bytes: s.cache_memory.area_bytes,
         });
         Ok(())
     })

@@ -95,6 +95,11 @@ public:
                 cfg.set("cache_dir", cache_dir)
                     .set("cache_bytes", spec.GetArgument<std::string>("cache_bytes"))
                     .set("cache_policy", spec.GetArgument<std::string>("cache_policy"));
+            // Set whether or not cache_dir is: without one the loader
+            // refuses it by name rather than this dropping it unseen.
+            const std::string cache_memory_bytes =
+                spec.GetArgument<std::string>("cache_memory_bytes");
+            if (cache_memory_bytes != "0") cfg.set("cache_memory_bytes", cache_memory_bytes);
             loader_ = std::make_unique<kspeed::Loader>(cfg);
             epoch_len_ = loader_->epoch_len();
             catalog_len_ = loader_->catalog_len();
@@ -463,6 +468,11 @@ Pass the same `seed` to every shard (without one, 0 is used, not a random seed).
     .AddOptionalArg("cache_policy",
                     "What the cache area keeps: next-use (the default), min or lru.",
                     std::string("next-use"))
+    .AddOptionalArg("cache_memory_bytes",
+                    "A memory level above the cache area on disk (cache_dir a folder): an "
+                    "area of this many bytes in the process's memory, read first, by the same "
+                    "policy (docs/CACHE.md, \"Two levels\"); \"0\": none.",
+                    std::string("0"))
     .AddOptionalArg("s3_profile",
                     "A space preloaded from an object store: the AWS profile to read it as "
                     "(empty: AWS_PROFILE, else default).",

@@ -404,7 +404,7 @@ fn open_part(cfg: &AgentConfig, dir: &Path) -> Result<OpenPart> {
     let in_memory = cfg
         .cache
         .as_ref()
-        .is_some_and(|c| c.dir == Path::new(crate::cache::MEMORY_DIR));
+        .is_some_and(|c| crate::cache::is_memory_dir(&c.dir));
     if cfg.cache.is_some() && !space.params().is_partial() && !in_memory {
         // Every rank's loader would refuse it at attach: say it once, here.
         return Err(Error::InvalidConfig(format!(

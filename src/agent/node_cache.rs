@@ -99,7 +99,7 @@ impl NodeCache {
         policy: CachePolicy,
         catalog: &Catalog,
     ) -> Result<NodeCache> {
-        let in_memory = dir == std::path::Path::new(crate::cache::MEMORY_DIR);
+        let in_memory = crate::cache::is_memory_dir(dir);
         let (dir, owner_file) = if in_memory {
             (dir.to_path_buf(), None)
         } else {
@@ -296,6 +296,8 @@ fn open_area(dir: &std::path::Path, bytes: u64, catalog: &Catalog) -> Result<Cac
         dir,
         catalog,
         cache_bytes: bytes,
+        // `kspeed agent --cache-bytes`.
+        budget_setting: "--cache-bytes",
     })
 }
 

@@ -52,6 +52,12 @@ const LOCK_FILE: &str = "cache.lock";
 /// of a folder (SQLite's name for its in-memory database): evicted by the
 /// same policy, gone when the loader is.
 pub const MEMORY_DIR: &str = ":memory:";
+
+/// Whether `dir` is [`MEMORY_DIR`] (not `./:memory:`, which names a
+/// folder: `Path` keeps the leading `.`).
+pub fn is_memory_dir(dir: &Path) -> bool {
+    dir == Path::new(MEMORY_DIR)
+}
 const META_VERSION: &str = "kspeed-cache 1";
 /// How long an area held by someone else is waited for before it is
 /// refused as in use (area.rs, `CacheArea::open`).
@@ -152,6 +158,10 @@ pub struct AreaSpec<'a> {
     pub catalog: &'a Catalog,
     /// Its budget (classes.rs shares it among the slot sizes).
     pub cache_bytes: u64,
+    /// The setting that gave `cache_bytes`, as the area's refusals name
+    /// it (`"cache_bytes"`, or `"cache_memory_bytes"` for the memory level
+    /// above an area on disk).
+    pub budget_setting: &'a str,
 }
 
 impl CacheArea {
@@ -160,7 +170,7 @@ impl CacheArea {
     /// against the catalog. A folder that holds another dataset's area is
     /// refused by name; a new budget starts the area empty.
     pub fn open(spec: &AreaSpec<'_>) -> Result<CacheArea> {
-        if spec.dir == Path::new(MEMORY_DIR) {
+        if is_memory_dir(spec.dir) {
             return Self::open_in_memory(spec);
         }
         let dir = spec.dir;
@@ -335,7 +345,8 @@ impl CacheArea {
         let slots = classes.slots();
         if slots == 0 {
             return Err(Error::InvalidConfig(format!(
-                "cache_bytes {} holds no slot: the smallest sample needs {} bytes",
+                "{} {} holds no slot: the smallest sample needs {} bytes",
+                spec.budget_setting,
                 spec.cache_bytes,
                 (0..cat.len())
                     .map(|id| cat.sample(id).len as u64)
@@ -347,8 +358,8 @@ impl CacheArea {
         }
         if slots >= MAX_SLOTS {
             return Err(Error::InvalidConfig(format!(
-                "cache_bytes {} makes {slots} slots, more than the area can index",
-                spec.cache_bytes
+                "{} {} makes {slots} slots, more than the area can index",
+                spec.budget_setting, spec.cache_bytes
             )));
         }
         if cat.len() > MAX_CACHED_ID {
@@ -372,18 +383,21 @@ impl CacheArea {
         // for a disk would fill the memory mid-run and be killed for it.
         if let Some((limit, what)) = memory_limit().filter(|&(l, _)| classes.area_bytes() > l) {
             return Err(Error::InvalidConfig(format!(
-                "cache_dir \":memory:\": cache_bytes {} makes an area of {} bytes, more than {what} \
-                 ({limit} bytes); lower cache_bytes",
+                "an area in memory: {} {} makes an area of {} bytes, more than {what} \
+                 ({limit} bytes); lower {}",
+                spec.budget_setting,
                 spec.cache_bytes,
-                classes.area_bytes()
+                classes.area_bytes(),
+                spec.budget_setting
             )));
         }
         let data = crate::sys::memfd(c"kspeed-cache", classes.area_bytes()).map_err(|e| {
             Error::CacheArea {
                 path: spec.dir.to_path_buf(),
                 reason: format!(
-                    "its {} bytes of memory could not be had ({e}); lower cache_bytes",
-                    classes.area_bytes()
+                    "its {} bytes of memory could not be had ({e}); lower {}",
+                    classes.area_bytes(),
+                    spec.budget_setting
                 ),
             }
         })?;

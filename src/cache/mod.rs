@@ -16,7 +16,8 @@ mod slots;
 mod writer;
 
 pub use area::{
-    AreaSpec, CacheArea, CachePolicy, CacheStats, DATA_FILE, JOURNAL_FILE, MEMORY_DIR, META_FILE,
+    is_memory_dir, AreaSpec, CacheArea, CachePolicy, CacheStats, DATA_FILE, JOURNAL_FILE,
+    MEMORY_DIR, META_FILE,
 };
 pub use belady::{Belady, Decision};
 pub use classes::{SlotClass, SlotClasses, MAX_SLOTS, SLOT_ALIGN};

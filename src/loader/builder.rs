@@ -66,6 +66,7 @@ pub struct LoaderBuilder {
     cache_dir: Option<PathBuf>,
     cache_bytes: u64,
     cache_policy: crate::cache::CachePolicy,
+    cache_memory_bytes: u64,
     coop_taskrun: bool,
     gpu_ring: Option<u32>,
     faults: Option<FaultConfig>,
@@ -140,6 +141,7 @@ impl LoaderBuilder {
             cache_dir: None,
             cache_bytes: 0,
             cache_policy: crate::cache::CachePolicy::NextUse,
+            cache_memory_bytes: 0,
             coop_taskrun: false,
             gpu_ring: None,
             faults: None,
@@ -472,6 +474,18 @@ impl LoaderBuilder {
         self
     }
 
+    /// A memory level above the cache area on disk (docs/CACHE.md, "Two
+    /// levels"): an area of `bytes` in this process's memory, read before
+    /// the one in [`cache_dir`](Self::cache_dir), with its own planner by
+    /// the same [`cache_policy`](Self::cache_policy), keeping what comes
+    /// from the area, the space or the source when it is needed again
+    /// soonest. 0: none (the default). Needs `cache_dir` to name a folder
+    /// (for memory alone, `cache_dir` is `":memory:"`).
+    pub fn cache_memory_bytes(mut self, bytes: u64) -> Self {
+        self.cache_memory_bytes = bytes;
+        self
+    }
+
     /// Memory tier budget in bytes (default 0: no tier).
     pub fn tier_bytes(mut self, bytes: u64) -> Self {
         self.tier_bytes = bytes;
@@ -731,8 +745,8 @@ impl LoaderBuilder {
             Some("a space (the agent reads its node's space, not a source)")
         } else if self.tier_bytes > 0 {
             Some("no memory tier of its own (the node's memory is the agent's: `kspeed agent --tier-bytes`)")
-        } else if self.cache_dir.is_some() {
-            Some("no cache area of its own (the agent keeps the node's, or one per rank: `kspeed agent --cache-dir`)")
+        } else if self.cache_dir.is_some() || self.cache_memory_bytes > 0 {
+            Some("no cache area of its own, on disk or in memory (cache_dir, cache_memory_bytes: the agent keeps the node's, or one per rank: `kspeed agent --cache-dir`)")
         } else if self.gpu_ring.is_some() {
             Some("a host ring (GPU rings through the agent are not built yet)")
         } else if self.faults.is_some() {
@@ -800,7 +814,7 @@ impl LoaderBuilder {
         }
         // In memory, the area keeps the space's samples too
         // (`Shared::cache_plans`): memory is faster than the NVMe.
-        let in_memory = dir.as_path() == std::path::Path::new(crate::cache::MEMORY_DIR);
+        let in_memory = crate::cache::is_memory_dir(dir);
         match input {
             Input::Mix(_) => return refuse("a mixture of datasets has no cache area yet"),
             Input::Space { space, .. } if !space.params().is_partial() && !in_memory => {
@@ -832,6 +846,7 @@ impl LoaderBuilder {
             dir: &rank_dir,
             catalog: input.catalog(),
             cache_bytes: self.cache_bytes,
+            budget_setting: "cache_bytes",
         })?;
         let next = match self.cache_policy {
             crate::cache::CachePolicy::NextUse | crate::cache::CachePolicy::Min => {
@@ -865,6 +880,85 @@ impl LoaderBuilder {
                 rank: self.rank as u64,
                 world: self.world as u64,
             },
+            hits: Default::default(),
+        }))
+    }
+
+    /// The memory level above the cache area (`cache_memory_bytes`), with
+    /// the area's policy and its own planner along the same order; the
+    /// area (`below`, opened by [`open_cache`](Self::open_cache)) checked
+    /// the rest.
+    fn open_cache_memory(
+        &self,
+        input: &Input,
+        below: Option<&super::cache_run::CacheSetup>,
+    ) -> Result<Option<super::cache_run::CacheSetup>> {
+        if self.cache_memory_bytes == 0 {
+            return Ok(None);
+        }
+        let refuse = |why: &str| {
+            Err(Error::InvalidConfig(format!(
+                "cache_memory_bytes ({} bytes): {why}",
+                self.cache_memory_bytes
+            )))
+        };
+        let below =
+            match (below, &self.cache_dir) {
+                (Some(b), Some(dir)) if !crate::cache::is_memory_dir(dir) => b,
+                (_, Some(_)) if self.agent_input.is_some() => {
+                    return refuse("the node agent's ranks have no memory level above its area yet")
+                }
+                (_, Some(_)) => return refuse(
+                    "the memory level goes above a cache area on disk (cache_dir a folder), and \
+                 cache_dir is \":memory:\" already (one area in memory: give it all of the \
+                 budget, cache_bytes)",
+                ),
+                (_, None) => return refuse(
+                    "the memory level goes above a cache area on disk: set cache_dir to a folder \
+                     (or, for an area in memory alone, cache_dir=\":memory:\" and cache_bytes)",
+                ),
+            };
+        let area = crate::cache::CacheArea::open(&crate::cache::AreaSpec {
+            dir: std::path::Path::new(crate::cache::MEMORY_DIR),
+            catalog: input.catalog(),
+            cache_bytes: self.cache_memory_bytes,
+            budget_setting: "cache_memory_bytes",
+        })?;
+        if self.cache_memory_bytes >= self.cache_bytes {
+            log::warn!(
+                "cache_memory_bytes ({}) is not below cache_bytes ({}): the area on disk \
+                 keeps nothing the memory level above it would not",
+                self.cache_memory_bytes,
+                self.cache_bytes
+            );
+        }
+        log::info!(
+            "cache area in memory above {}: {} slots in {} size classes, {} bytes, policy {}",
+            below.area.dir().display(),
+            area.slots(),
+            area.classes().classes().len(),
+            area.classes().area_bytes(),
+            self.cache_policy.name(),
+        );
+        let planning = match &below.planning {
+            super::cache_run::Planning::Own {
+                policy,
+                next,
+                rank,
+                world,
+            } => super::cache_run::Planning::Own {
+                policy: *policy,
+                next: next.clone(),
+                rank: *rank,
+                world: *world,
+            },
+            super::cache_run::Planning::Node { .. } => {
+                return refuse("the node agent's ranks have no memory level above its area yet")
+            }
+        };
+        Ok(Some(super::cache_run::CacheSetup {
+            area: Arc::new(area),
+            planning,
             hits: Default::default(),
         }))
     }
@@ -1177,6 +1271,7 @@ impl LoaderBuilder {
             );
         }
         let cache = self.open_cache(&input, &sampler, attach.is_some())?;
+        let cache_memory = self.open_cache_memory(&input, cache.as_ref())?;
         let mask = crate::placement::affinity();
         let plan = crate::placement::plan(
             &topology,
@@ -1215,6 +1310,14 @@ impl LoaderBuilder {
                 default_spin()
             }
         });
+        if self.tier_views && tier.is_none() && attach.is_none() && self.agent_input.is_none() {
+            // Not refused: the same settings attached to an agent with a
+            // node tier do hand out views (`agent = auto` may attach).
+            log::warn!(
+                "tier_views: this loader has no memory tier (tier_bytes is 0), so there is \
+                 nothing to hand out in place; every sample comes in the ring"
+            );
+        }
         let cfg = PollerConfig {
             pollers,
             queue_depth: self.queue_depth,
@@ -1542,6 +1645,7 @@ impl LoaderBuilder {
             wake_per_batch,
             batch_last_g: 0,
             cache,
+            cache_memory,
         };
         loader.launch(start)?;
         // The agent's own lane (agent/cluster.rs) reads nothing: its

@@ -413,6 +413,7 @@ mod tests {
                 dir: &dir.join("area"),
                 catalog: cat,
                 cache_bytes: bytes,
+                budget_setting: "cache_bytes",
             })
             .unwrap(),
         )

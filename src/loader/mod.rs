@@ -144,15 +144,17 @@ impl Run {
                 None => failed = Some(Error::ThreadPanicked { thread: "poller" }),
             }
         }
-        if let (None, Some(c)) = (&failed, &self.shared.cache) {
+        if failed.is_none() {
             // Every poller gave back the cache slots it was reading: one
             // left would never be rewritten (the area outlives the run;
             // other loaders may share it, so this run's own count).
-            assert_eq!(
-                c.open_reads(),
-                0,
-                "cache area readers left after the run's pollers stopped"
-            );
+            for (_, c) in self.shared.cache_levels() {
+                assert_eq!(
+                    c.open_reads(),
+                    0,
+                    "cache area readers left after the run's pollers stopped"
+                );
+            }
         }
         failed
     }
@@ -256,6 +258,8 @@ pub struct Loader {
     attach_settings: Option<attached::AttachSettings>,
     /// The NVMe cache area and its policy (`cache_dir`), kept across runs.
     cache: Option<cache_run::CacheSetup>,
+    /// The memory level above it (`cache_memory_bytes`), kept across runs.
+    cache_memory: Option<cache_run::CacheSetup>,
     /// Every sample comes one way (this node's disk): a consumer that
     /// catches up with the pollers sleeps until the batch's last sample is
     /// in, one wake-up per batch, instead of one per sample
@@ -404,6 +408,10 @@ impl Loader {
             partial: self.net.as_ref().and_then(|s| s.partial.clone()),
             cache: self
                 .cache
+                .as_ref()
+                .map(|c| c.run(Cursor::with_deal(self.deal.clone(), self.geo, start), table)),
+            cache_memory: self
+                .cache_memory
                 .as_ref()
                 .map(|c| c.run(Cursor::with_deal(self.deal.clone(), self.geo, start), table)),
             dead: Mutex::new(None),
@@ -1541,6 +1549,11 @@ impl Loader {
                     ..Default::default()
                 },
             ),
+            cache_memory: self
+                .cache_memory
+                .as_ref()
+                .map(|c| c.area.stats())
+                .unwrap_or_default(),
             read_ahead: ahead,
             read_ahead_discarded: t.discarded,
             placement: PlacementStats {
@@ -1569,10 +1582,11 @@ impl Loader {
             source_reads: t.source_reads,
             source_bytes: t.source_bytes,
             failovers: t.failovers,
-            cache_hits: self
-                .cache
-                .as_ref()
-                .map_or(0, |c| c.hits.load(std::sync::atomic::Ordering::Relaxed)),
+            cache_hits: [&self.cache, &self.cache_memory]
+                .into_iter()
+                .flatten()
+                .map(|c| c.hits.load(std::sync::atomic::Ordering::Relaxed))
+                .sum(),
             read_latency: t.latency_buckets,
         };
         if let Some(run) = &self.run {

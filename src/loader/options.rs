@@ -226,6 +226,8 @@ pub static OPTIONS: &[OptionSpec] = &[
         "the cache area's budget, shared among slot size classes from 4 KiB to the catalog's 99th percentile sample length (larger samples are not kept; docs/CACHE.md)"),
     opt!("cache_policy", OptionKind::Choice(&["next-use", "min", "lru"]), "", "next-use", "cache-policy",
         "what the cache area keeps: `next-use` what this rank reads soonest (Belady's MIN over the known order, replacing a kept sample only when the write gains a hit), `min` MIN itself (the fewest source reads, more writes), `lru` what it read last (the page cache's policy, for comparison)"),
+    opt!("cache_memory_bytes", OptionKind::Bytes { min: 0, max: u64::MAX }, "bytes", "0: none", "cache-memory-bytes",
+        "a memory level above the cache area on disk (docs/CACHE.md, \"Two levels\"): an area of this many bytes in the loader's memory, read before the one in `cache_dir` (a folder), keeping by the same `cache_policy` what comes from the area, the space or the source when it is needed again soonest; nothing on disk, gone with the loader"),
     opt!("tier_views", OptionKind::Bool, "", "false", "tier-views",
         "a sample served from the memory tier (attached: the agent's node tier, mapped read-only) is handed out in place (no copy into the ring); a batch holding one is not one ring span"),
     opt!("pollers", int(1, MAX_POLLERS), "threads", "a quarter of this rank's core slice, 1 to 8 (twice that, at most the slice, when the space is read through the page cache)", "pollers",
@@ -669,6 +671,7 @@ impl LoaderOptions {
                     .and_then(crate::cache::CachePolicy::parse)
                     .unwrap_or(crate::cache::CachePolicy::NextUse),
             ),
+            "cache_memory_bytes" => b.cache_memory_bytes(n.unwrap_or(0)),
             "tier_views" => b.tier_views(on),
             "pollers" => b.pollers(n.unwrap_or(1) as usize),
             "queue_depth" => b.queue_depth(n32.unwrap_or(32)),

@@ -70,12 +70,15 @@ struct Group {
     lease: Option<Lease>,
     error: Option<Error>,
     submitted: Instant,
-    /// Read from this slot of the cache area (`cache_dir`): `file` is the
-    /// slot; the bytes are checked against the catalog, and a slot that
-    /// fails is emptied and the sample read from the source instead.
-    cache_read: Option<u32>,
-    /// Read from the source and then kept in this slot of the cache area.
-    cache_admit: Option<u32>,
+    /// Read from this slot of this cache level (`Shared::cache_level`):
+    /// `file` is the slot; the bytes are checked against the catalog, and
+    /// a slot that fails is emptied and the sample read from where it
+    /// lives instead.
+    cache_read: Option<(usize, u32)>,
+    /// Kept, once read, in this slot of each cache level (by index): the
+    /// memory level above the area keeps what it plans, whether the
+    /// sample came from the area, the space or the source.
+    cache_admit: [Option<u32>; 2],
 }
 
 /// One read in flight.
@@ -609,40 +612,55 @@ impl Poller {
             Input::Space { space, extents } => space.location(local).map(|loc| (loc, extents)),
             _ => None,
         };
-        let (mut cache_admit, mut cache_hit) = (None, None);
-        if let Some(rc) = sh
-            .cache
-            .as_ref()
-            .filter(|rc| use_cache && (in_space.is_none() || rc.area.in_memory()))
+        let mut cache_admit = [None; 2];
+        let mut cache_hit = None;
+        // Fastest level first: the first that holds the sample gives it;
+        // each level's planner sees every sample it plans for, in order,
+        // and a level below one that gave it keeps it only if its plan
+        // says so (an admit, or a slot planned as held but found empty).
+        for (level, rc) in sh
+            .cache_levels()
+            .filter(|(_, rc)| use_cache && (in_space.is_none() || rc.area.in_memory()))
         {
             let plan = rc.decide(&p, &|id| sh.input.sample(id).len as u64, &|q| {
-                sh.cache_plans(q)
+                sh.cache_plans(rc, q)
             });
-            if matches!(plan, Plan::Hit(_)) {
-                rc.area.planned_hit();
-            }
             match plan {
                 // An admit into a slot that holds the sample already (in
                 // the node's area, another rank read it first, ahead of
                 // the order the plan assumed): read it from there.
-                Plan::Hit(slot) | Plan::Admit(slot) if rc.begin_read(slot, p.id) => {
+                Plan::Hit(slot) | Plan::Admit(slot)
+                    if cache_hit.is_none() && rc.begin_read(slot, p.id) =>
+                {
+                    if matches!(plan, Plan::Hit(_)) {
+                        rc.area.planned_hit();
+                    }
                     let (at, slot_bytes) = rc.area.slot(slot);
                     // Whole blocks for O_DIRECT, within the ring's slot for
                     // the sample and the area's.
                     let want = sh.geo.slot(p.len).min(slot_bytes);
-                    cache_hit = Some((Target::Fd(rc.area.data_fd()), at, want, slot));
+                    cache_hit = Some((Target::Fd(rc.area.data_fd()), at, want, level, slot));
                 }
                 // Planned as held but not there (its write was skipped or
                 // failed): the slot is still this sample's, so fill it.
-                Plan::Hit(slot) if rc.area.slot_empty(slot) => cache_admit = Some(slot),
-                Plan::Admit(slot) => cache_admit = Some(slot),
-                Plan::Hit(_) | Plan::Source => {}
+                Plan::Hit(slot) if rc.area.slot_empty(slot) => {
+                    if cache_hit.is_none() {
+                        rc.area.planned_hit();
+                    }
+                    cache_admit[level] = Some(slot);
+                }
+                Plan::Admit(slot) => cache_admit[level] = Some(slot),
+                // Held here, but given by the level above: not counted
+                // as this level's planned hit (it was not read here).
+                Plan::Hit(_) if cache_hit.is_some() => {}
+                Plan::Hit(_) => rc.area.planned_hit(),
+                Plan::Source => {}
             }
         }
         let (target, offset, want, file, lease) = match input {
             // From a slot of the cache area: `file` names the slot.
             _ if cache_hit.is_some() => {
-                let (target, at, want, slot) = cache_hit.expect("checked");
+                let (target, at, want, _, slot) = cache_hit.expect("checked");
                 (target, at, want, slot, None)
             }
             Input::Space { space, .. } if in_space.is_some() => {
@@ -727,7 +745,7 @@ impl Poller {
             lease,
             error: None,
             submitted: Instant::now(),
-            cache_read: cache_hit.map(|h| h.3),
+            cache_read: cache_hit.map(|h| (h.3, h.4)),
             cache_admit,
         });
         let gi = gi.unwrap_or_else(|_| panic!("caller checked a free group"));
@@ -873,8 +891,8 @@ impl Poller {
             // Its reads are done: the descriptor may be closed or reused.
             self.fds.release(lease);
         }
-        if let Some(slot) = g.cache_read {
-            self.cache_read_done(&g, slot);
+        if let Some((level, slot)) = g.cache_read {
+            self.cache_read_done(&g, level, slot);
             return;
         }
         if let Some(e) = g.error {
@@ -917,26 +935,7 @@ impl Poller {
             // SAFETY: the slot holds the sample's bytes and is still ours.
             unsafe { tier.fill(p.id, p.len as usize, dst) };
         }
-        if let (Some(slot), Some(rc)) = (g.cache_admit, &self.shared.cache) {
-            let want = self.shared.input.sample(p.id).crc32c;
-            // SAFETY: every part completed into this slot, which is still
-            // ours until it is marked ready below.
-            let bytes = unsafe { std::slice::from_raw_parts(dst, p.len as usize) };
-            // Checked above when verifying; else now: only the catalog's
-            // bytes are kept. An area in memory checks the copy the writer
-            // keeps instead (writer.rs, `write_slot`): one check, and of
-            // the bytes kept, not of a ring a rank can still write.
-            let off = p.phys(&self.shared.geo) as usize;
-            if self.shared.cfg.verify_crc32c
-                || partial_source
-                || rc.area.in_memory()
-                // SAFETY: as `bytes`.
-                || unsafe { self.shared.ring.crc32c(off, p.len as usize) } == Some(want)
-            {
-                let faultable = self.shared.ring.reads_through_kernel();
-                rc.area.admit(slot, p.id, want, bytes, faultable);
-            }
-        }
+        self.admit(&g, self.shared.cfg.verify_crc32c || partial_source);
         let st = &self.shared.stats[self.index as usize];
         if partial_source {
             st.source_reads.fetch_add(1, Ordering::Relaxed);
@@ -955,6 +954,37 @@ impl Poller {
         self.unwoken = true;
     }
 
+    /// Keeps `g`'s sample, read into its ring slot, in the cache levels
+    /// that planned it (`g.cache_admit`). `checked`: its bytes were
+    /// checked against the catalog's CRC already; else a level on disk
+    /// checks them now (only the catalog's bytes are kept). An area in
+    /// memory checks the copy its writer keeps instead (writer.rs,
+    /// `write_slot`): one check, and of the bytes kept, not of a ring a
+    /// rank can still write.
+    fn admit(&self, g: &Group, checked: bool) {
+        let p = g.placed;
+        let want = self.shared.input.sample(p.id).crc32c;
+        let off = p.phys(&self.shared.geo) as usize;
+        let mut checked = checked;
+        for (level, rc) in self.shared.cache_levels() {
+            let Some(slot) = g.cache_admit[level] else {
+                continue;
+            };
+            if !checked && !rc.area.in_memory() {
+                // SAFETY: every part completed into this slot, which is
+                // still ours until it is marked ready.
+                if unsafe { self.shared.ring.crc32c(off, p.len as usize) } != Some(want) {
+                    continue;
+                }
+                checked = true;
+            }
+            // SAFETY: as above.
+            let bytes = unsafe { std::slice::from_raw_parts(self.dst(&p), p.len as usize) };
+            let faultable = self.shared.ring.reads_through_kernel();
+            rc.area.admit(slot, p.id, want, bytes, faultable);
+        }
+    }
+
     /// A read from the cache area is in: delivered if its bytes are the
     /// catalog's, else (an I/O error, a short read, rot on the disk) the
     /// slot is emptied and the sample read from the source instead. An
@@ -963,13 +993,12 @@ impl Poller {
     /// not rot as a disk does, and the slot's word keeps a writer off a
     /// slot while it is read (CRC32C was 11 % of the CPU of a run over a
     /// whole space: BENCHMARKS.md, "A cache area in memory").
-    fn cache_read_done(&mut self, g: &Group, slot: u32) {
+    fn cache_read_done(&mut self, g: &Group, level: usize, slot: u32) {
         let p = g.placed;
         let rc = self
             .shared
-            .cache
-            .as_ref()
-            .expect("a cache read has an area");
+            .cache_level(level)
+            .expect("a cache read has its level");
         let check = !rc.area.in_memory() || self.shared.cfg.verify_crc32c;
         let ok = g.error.is_none()
             && (!check || {
@@ -1007,6 +1036,10 @@ impl Poller {
         self.shared.stats[self.index as usize].latency_buckets
             [crate::agent::segment::latency_bucket(micros)]
         .fetch_add(1, Ordering::Relaxed);
+        // Read from the area below the memory level: kept above it too
+        // where that level's plan says so (checked: it was just read from
+        // a disk, whose reads are always checked).
+        self.admit(g, check);
         self.shared.mark_ready(p.g, CODE_OK, VIA_DISK);
         self.unwoken = true;
     }
@@ -1033,14 +1066,17 @@ impl Poller {
     fn file_path(&self, g: &Group) -> PathBuf {
         match self.input_of(g) {
             _ if g.cache_read.is_some() => {
-                self.shared.cache.as_ref().map_or_else(PathBuf::new, |c| {
-                    if c.area.in_memory() {
-                        // No file of that name: the memory file's.
-                        PathBuf::from(":memory: (memfd kspeed-cache)")
-                    } else {
-                        c.area.dir().join(crate::cache::DATA_FILE)
-                    }
-                })
+                let level = g.cache_read.map_or(0, |(level, _)| level);
+                self.shared
+                    .cache_level(level)
+                    .map_or_else(PathBuf::new, |c| {
+                        if c.area.in_memory() {
+                            // No file of that name: the memory file's.
+                            PathBuf::from(":memory: (memfd kspeed-cache)")
+                        } else {
+                            c.area.dir().join(crate::cache::DATA_FILE)
+                        }
+                    })
             }
             Input::Space { space, .. } if g.from_source => space.catalog().file_path(g.file),
             Input::Space { space, .. } => space.extent_path(g.file),
@@ -1081,7 +1117,11 @@ impl Poller {
                 if let Some(lease) = g.lease {
                     self.fds.release(lease);
                 }
-                if let (Some(slot), Some(rc)) = (g.cache_read, &self.shared.cache) {
+                if let Some((level, slot)) = g.cache_read {
+                    let rc = self
+                        .shared
+                        .cache_level(level)
+                        .expect("a cache read's level");
                     rc.abandon_read(slot);
                 }
             }
@@ -1112,7 +1152,11 @@ impl Poller {
                     // Its reads were reaped above.
                     self.fds.release(lease);
                 }
-                if let (Some(slot), Some(rc)) = (g.cache_read, &self.shared.cache) {
+                if let Some((level, slot)) = g.cache_read {
+                    let rc = self
+                        .shared
+                        .cache_level(level)
+                        .expect("a cache read's level");
                     rc.abandon_read(slot);
                 }
                 self.fail(&g.placed, err.clone());

@@ -239,6 +239,11 @@ pub(crate) struct PollerConfig {
     pub(crate) tier_views: bool,
 }
 
+/// A group's cache level in memory above the area (`cache_memory_bytes`).
+pub(crate) const CACHE_MEMORY: usize = 0;
+/// A group's cache level of the area itself (`cache_dir`).
+pub(crate) const CACHE_AREA: usize = 1;
+
 /// State shared by the consumer and the pollers of one run (from a start
 /// position until a restart or the end).
 pub(crate) struct Shared {
@@ -303,6 +308,9 @@ pub(crate) struct Shared {
     pub(crate) partial: Option<Arc<crate::dataset::PartialHolders>>,
     /// The NVMe cache area and this run's planner (`cache_dir`).
     pub(crate) cache: Option<super::cache_run::RunCache>,
+    /// The memory level above it (`cache_memory_bytes`): an area in
+    /// memory read before `cache`, with its own planner.
+    pub(crate) cache_memory: Option<super::cache_run::RunCache>,
     /// Set when a poller or the network thread died (a panic, or a ring
     /// that stopped working), so the consumer fails with this instead of
     /// waiting for samples that will never come.
@@ -353,12 +361,37 @@ impl Shared {
         self.input.held_samples() > 0
     }
 
-    /// Whether the cache area plans for scheduled sample `p`: this
+    /// The cache levels, fastest first, each with its index in a group's
+    /// `cache_admit` ([`CACHE_MEMORY`], [`CACHE_AREA`]).
+    pub(crate) fn cache_levels(
+        &self,
+    ) -> impl Iterator<Item = (usize, &super::cache_run::RunCache)> {
+        [
+            (CACHE_MEMORY, &self.cache_memory),
+            (CACHE_AREA, &self.cache),
+        ]
+        .into_iter()
+        .filter_map(|(i, c)| Some((i, c.as_ref()?)))
+    }
+
+    /// Cache level `level` ([`CACHE_MEMORY`] or [`CACHE_AREA`]).
+    pub(crate) fn cache_level(&self, level: usize) -> Option<&super::cache_run::RunCache> {
+        match level {
+            CACHE_MEMORY => self.cache_memory.as_ref(),
+            _ => self.cache.as_ref(),
+        }
+    }
+
+    /// Whether cache level `rc` plans for scheduled sample `p`: this
     /// process's pollers read it from the source (a source input, or a
     /// sample a partial space does not hold), not from the memory tier;
     /// or, for an area in memory, from the space too (memory is worth
     /// keeping the NVMe's samples in, by the same policy).
-    pub(crate) fn cache_plans(&self, p: &super::schedule::Placed) -> bool {
+    pub(crate) fn cache_plans(
+        &self,
+        rc: &super::cache_run::RunCache,
+        p: &super::schedule::Placed,
+    ) -> bool {
         if p.len == 0
             || !self.is_local(p.id)
             || self.tier.as_ref().is_some_and(|t| t.is_member(p.id))
@@ -367,10 +400,7 @@ impl Shared {
         }
         match &self.input {
             Input::Source { .. } => true,
-            Input::Space { space, .. } => {
-                space.location(p.id).is_none()
-                    || self.cache.as_ref().is_some_and(|c| c.area.in_memory())
-            }
+            Input::Space { space, .. } => space.location(p.id).is_none() || rc.area.in_memory(),
             Input::Mix(_) => false,
         }
     }
@@ -599,6 +629,7 @@ impl Shared {
             net,
             partial: None,
             cache: None,
+            cache_memory: None,
             dead: Mutex::new(None),
         }
     }

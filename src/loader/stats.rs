@@ -108,7 +108,8 @@ pub struct Latency {
 /// Loader statistics since it was built, cumulative over its life
 /// (restarts by `set_epoch` or `restore_position` included). `samples` and
 /// `bytes` count what was delivered; the read counters (`disk_reads`,
-/// `tier_hits`, `remote_samples`, `source_reads`, `cache.hits`) also count samples read
+/// `tier_hits`, `remote_samples`, `source_reads`, `cache.hits`,
+/// `cache_memory.hits`) also count samples read
 /// ahead, which are either still waiting (`read_ahead`) or were thrown away
 /// (`read_ahead_discarded`): their sum is `samples + read_ahead +
 /// read_ahead_discarded` (empty and failed samples aside). With
@@ -172,6 +173,10 @@ pub struct Stats {
     /// memory, from the source or the space (they are not in `disk_reads`
     /// or `source_reads`, and join the read counters' sum).
     pub cache: crate::cache::CacheStats,
+    /// The memory level above the cache area (`cache_memory_bytes`; all 0
+    /// without one): an area in memory read before `cache`, so its hits
+    /// are not in `cache.hits` (nor in `disk_reads` or `source_reads`).
+    pub cache_memory: crate::cache::CacheStats,
     /// Samples read ahead of the consumer and waiting in the ring now
     /// (counted in `disk_reads`, `tier_hits` or `remote_samples`, not yet
     /// in `samples`). A rank attached to the node agent: 0; the agent's

@@ -368,7 +368,7 @@ impl Sampler {
 }
 
 /// Steps per rank when `base` of the epoch's `len` entries are consumed.
-fn remainder_per_rank(cfg: &SamplerConfig, len: u64, base: u64) -> u64 {
+pub(super) fn remainder_per_rank(cfg: &SamplerConfig, len: u64, base: u64) -> u64 {
     let rest = len - base.min(len);
     let w = cfg.world as u64;
     if cfg.drop_last {

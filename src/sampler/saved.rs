@@ -309,11 +309,26 @@ impl SavedPosition {
     /// digest. A position whose digest is of an earlier epoch (saved at an
     /// epoch's start, before its first batch) starts the epoch's digest
     /// first; it must be an epoch dealt from its start (base 0), else
-    /// [`Error::BadPosition`].
+    /// [`Error::BadPosition`]; so is one advanced past the end of the
+    /// rank's steps in its epoch.
     pub fn advanced(&self, ids: &[u64]) -> Result<SavedPosition> {
         let mut s = self.clone();
         if ids.is_empty() {
             return Ok(s);
+        }
+        // `cfg.len` is the epoch's length (a mixture's: the mixed epoch's).
+        let steps = super::elastic::remainder_per_rank(&s.cfg, s.cfg.len, s.next.base);
+        if s.next.index.saturating_add(ids.len() as u64) > steps {
+            return Err(Error::BadPosition(format!(
+                "{} ids after step {} of epoch {} go past the rank's {steps} steps of that epoch \
+                 (rank {} of {}, dealt from entry {} on): a position advances within its epoch",
+                ids.len(),
+                s.next.index,
+                s.next.epoch,
+                s.next.rank,
+                s.next.world,
+                s.next.base
+            )));
         }
         if s.digest.epoch != s.next.epoch {
             if s.next.base != 0 {

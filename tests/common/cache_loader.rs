@@ -94,6 +94,18 @@ pub fn read_exact(l: &mut Loader, cat: &Catalog, from: u64, to: u64) -> Result<(
     Ok(())
 }
 
+/// The slot classes of an area of `bytes` over `cat`, as the area makes
+/// them.
+pub fn classes_of(cat: &Catalog, bytes: u64) -> area::Classes {
+    let cl = kspeed::cache::SlotClasses::for_catalog(cat, bytes);
+    area::Classes(
+        cl.classes()
+            .iter()
+            .map(|k| (k.slot_bytes, k.slots as u64))
+            .collect(),
+    )
+}
+
 /// MIN's hits (Belady with bypass over the rank's whole order, one MIN
 /// per slot class as the area's planner runs them, those larger than every
 /// slot never kept), epochs `0..epochs`.

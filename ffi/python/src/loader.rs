@@ -386,20 +386,23 @@ impl PyLoader {
         d.set_item("failovers", st.failovers)?;
         d.set_item("source_reads", st.source_reads)?;
         d.set_item("source_bytes", st.source_bytes)?;
-        // The NVMe cache area (cache_dir); all 0 without one.
-        let cache = PyDict::new(py);
-        cache.set_item("hits", st.cache.hits)?;
-        cache.set_item("hit_bytes", st.cache.hit_bytes)?;
-        cache.set_item("planned_hits", st.cache.planned_hits)?;
-        cache.set_item("writes", st.cache.writes)?;
-        cache.set_item("write_bytes", st.cache.write_bytes)?;
-        cache.set_item("skipped", st.cache.skipped)?;
-        cache.set_item("corrupt", st.cache.corrupt)?;
-        cache.set_item("write_errors", st.cache.write_errors)?;
-        cache.set_item("held", st.cache.held)?;
-        cache.set_item("slots", st.cache.slots)?;
-        cache.set_item("area_bytes", st.cache.area_bytes)?;
-        d.set_item("cache", cache)?;
+        // The NVMe cache area (cache_dir), and the memory level above it
+        // (cache_memory_bytes); all 0 without one.
+        for (key, c) in [("cache", &st.cache), ("cache_memory", &st.cache_memory)] {
+            let cache = PyDict::new(py);
+            cache.set_item("hits", c.hits)?;
+            cache.set_item("hit_bytes", c.hit_bytes)?;
+            cache.set_item("planned_hits", c.planned_hits)?;
+            cache.set_item("writes", c.writes)?;
+            cache.set_item("write_bytes", c.write_bytes)?;
+            cache.set_item("skipped", c.skipped)?;
+            cache.set_item("corrupt", c.corrupt)?;
+            cache.set_item("write_errors", c.write_errors)?;
+            cache.set_item("held", c.held)?;
+            cache.set_item("slots", c.slots)?;
+            cache.set_item("area_bytes", c.area_bytes)?;
+            d.set_item(key, cache)?;
+        }
         // How long before it was asked for each source sample was ready.
         let lead = PyDict::new(py);
         lead.set_item("count", st.source_lead.count)?;

@@ -1176,3 +1176,23 @@ def test_cache_area_in_memory_hits_and_writes_nothing(tree, space, tmp_path, mon
     with kspeed.Loader(**{**kw, "end_epoch": 1}) as loader:
         assert sorted(read_epoch(loader, cat)) == list(range(len(cat)))
         assert loader.stats()["cache"]["hits"] == 0
+
+
+def test_a_memory_level_above_the_area_on_disk_serves_first(tree, space, tmp_path):
+    # cache_memory_bytes above cache_dir (a folder): exact, both levels
+    # hit, their counters apart in stats(); refused without a folder below.
+    cat = kspeed.Catalog.open(space)
+    budget = int(cat.lengths.sum()) // 3
+    kw = dict(source=tree, catalog=os.path.join(space, "catalog.ksc"), batch_size=16, seed=3,
+              ring_bytes="2MiB", cache_dir=str(tmp_path / "cache"), cache_bytes=budget,
+              cache_memory_bytes=budget // 2, cache_policy="min", end_epoch=4)
+    with kspeed.Loader(**kw) as loader:
+        for _ in range(4):
+            assert sorted(read_epoch(loader, cat)) == list(range(len(cat)))
+        st = loader.stats()
+    mem, disk = st["cache_memory"], st["cache"]
+    assert mem["hits"] > 0 and disk["hits"] > 0, st
+    assert mem["area_bytes"] <= budget // 2 < disk["area_bytes"] <= budget, st
+    assert mem["hits"] + disk["hits"] + st["disk_reads"] == 4 * len(cat), st
+    with pytest.raises(kspeed.ConfigError, match="cache_memory_bytes.*folder"):
+        kspeed.Loader(**{**kw, "cache_dir": ":memory:"})

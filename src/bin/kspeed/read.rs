@@ -106,6 +106,11 @@ pub(crate) struct ReadArgs {
     /// write weighed), min (Belady's MIN: the fewest source reads) or lru.
     #[arg(long, default_value = "next-use", value_parser = ["next-use", "min", "lru"])]
     cache_policy: String,
+    /// A memory level above the cache area on disk (`--cache-dir` a
+    /// folder): an area of this many bytes in this process's memory, read
+    /// first, by the same policy (docs/CACHE.md, "Two levels").
+    #[arg(long, default_value = "0", value_parser = crate::opt::<u64>("cache_memory_bytes"))]
+    cache_memory_bytes: u64,
     /// Hand out samples that sit in the memory tier in place instead of
     /// copying them into the landing ring (a batch is then not one span);
     /// attached to an agent with a node tier (`--agent`), read-only views
@@ -307,6 +312,7 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
         .cache_dir(a.cache_dir.clone())
         .cache_bytes(a.cache_bytes)
         .cache_policy(kspeed::cache::CachePolicy::parse(&a.cache_policy).expect("clap checked it"))
+        .cache_memory_bytes(a.cache_memory_bytes)
         .coop_taskrun(a.coop_taskrun)
         // A GPU ring cannot be read by the CPU: --verify copies back below.
         .verify_crc32c(a.verify && a.gpu_ring.is_none())
@@ -593,10 +599,15 @@ pub(crate) fn run(a: ReadArgs, progress: ProgressMode) -> kspeed::Result<()> {
             st.cache.hits
         );
     }
-    if st.cache.slots > 0 {
-        let c = &st.cache;
+    for (what, c) in [
+        ("cache area in memory above it", &st.cache_memory),
+        ("cache area", &st.cache),
+    ] {
+        if c.slots == 0 {
+            continue;
+        }
         println!(
-            "cache area: {} hits ({}; the policy planned {}), {} samples kept ({}), {} not kept (writer behind), {} corrupt, {} write errors; holds {} of {} slots",
+            "{what}: {} hits ({}; the policy planned {}), {} samples kept ({}), {} not kept (writer behind), {} corrupt, {} write errors; holds {} of {} slots",
             c.hits,
             HumanBytes(c.hit_bytes),
             c.planned_hits,

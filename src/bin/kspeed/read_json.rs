@@ -40,6 +40,8 @@ pub(crate) struct EpochReport {
     pub(crate) cache_hits: u64,
     pub(crate) cache_planned_hits: u64,
     pub(crate) cache_writes: u64,
+    /// The memory level's hits above the area (`--cache-memory-bytes`).
+    pub(crate) cache_memory_hits: u64,
 }
 
 impl EpochReport {
@@ -57,6 +59,7 @@ impl EpochReport {
             cache_hits: end.cache.hits - start.cache.hits,
             cache_planned_hits: end.cache.planned_hits - start.cache.planned_hits,
             cache_writes: end.cache.writes - start.cache.writes,
+            cache_memory_hits: end.cache_memory.hits - start.cache_memory.hits,
         }
     }
 }
@@ -154,6 +157,7 @@ pub(crate) fn print(st: &Stats, placement: &PollerPlacement, r: &Run) {
                 "cache_hits": e.cache_hits,
                 "cache_planned_hits": e.cache_planned_hits,
                 "cache_writes": e.cache_writes,
+                "cache_memory_hits": e.cache_memory_hits,
             })
         })
         .collect();
@@ -162,9 +166,11 @@ pub(crate) fn print(st: &Stats, placement: &PollerPlacement, r: &Run) {
         // (its other counters are the agent's, in its log).
         v["cache"] = json!({ "hits": st.cache.hits, "in_agent": true });
     }
-    if st.cache.slots > 0 {
-        let c = &st.cache;
-        v["cache"] = json!({
+    for (key, c) in [("cache", &st.cache), ("cache_memory", &st.cache_memory)] {
+        if c.slots == 0 {
+            continue;
+        }
+        v[key] = json!({
             "hits": c.hits,
             "hit_bytes": c.hit_bytes,
             "planned_hits": c.planned_hits,

@@ -290,6 +290,7 @@ class Loader:
         cache_dir=None,
         cache_bytes=0,
         cache_policy="next-use",
+        cache_memory_bytes=0,
         pollers=None,
         queue_depth=None,
         submit_batch=None,
@@ -377,6 +378,7 @@ class Loader:
         ring_bytes = _size_str("ring_bytes", ring_bytes)
         tier_bytes = _size_str("tier_bytes", tier_bytes)
         cache_bytes = _size_str("cache_bytes", cache_bytes)
+        cache_memory_bytes = _size_str("cache_memory_bytes", cache_memory_bytes)
         max_read_bytes = _size_str("max_read_bytes", max_read_bytes)
         for name, v in (
             ("ring_bytes", ring_bytes),
@@ -384,6 +386,7 @@ class Loader:
             ("tier_views", tier_views),
             ("cache_bytes", cache_bytes),
             ("cache_policy", cache_policy),
+            ("cache_memory_bytes", cache_memory_bytes),
             ("pollers", pollers),
             ("queue_depth", queue_depth),
             ("submit_batch", submit_batch),
