@@ -1193,6 +1193,8 @@ def test_a_memory_level_above_the_area_on_disk_serves_first(tree, space, tmp_pat
     mem, disk = st["cache_memory"], st["cache"]
     assert mem["hits"] > 0 and disk["hits"] > 0, st
     assert mem["area_bytes"] <= budget // 2 < disk["area_bytes"] <= budget, st
-    assert mem["hits"] + disk["hits"] + st["disk_reads"] == 4 * len(cat), st
+    # Empty samples are read by no one (the tree has some).
+    empty = int((cat.lengths == 0).sum())
+    assert mem["hits"] + disk["hits"] + st["disk_reads"] == 4 * (len(cat) - empty), st
     with pytest.raises(kspeed.ConfigError, match="cache_memory_bytes.*folder"):
         kspeed.Loader(**{**kw, "cache_dir": ":memory:"})
