@@ -288,4 +288,29 @@ fn a_memory_level_above_the_area_on_disk_gives_min_s_hits_at_each_budget() {
             "{msg}"
         );
     }
+    // A memory budget too small for one slot names its own setting and
+    // the smallest budget that makes one, which is accepted.
+    let e = st
+        .builder(CachePolicy::Min)
+        .cache_memory_bytes(4096)
+        .build()
+        .err()
+        .expect("refused");
+    let msg = e.to_string();
+    assert!(
+        msg.contains("cache_memory_bytes 4096 holds no slot"),
+        "{msg}"
+    );
+    let smallest: u64 = msg
+        .rsplit("is ")
+        .next()
+        .and_then(|t| t.strip_suffix(" bytes"))
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no smallest budget in: {msg}"));
+    let l = st
+        .builder(CachePolicy::Min)
+        .cache_memory_bytes(smallest)
+        .build()
+        .unwrap();
+    assert!(l.stats().cache_memory.slots > 0);
 }

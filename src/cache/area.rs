@@ -36,7 +36,7 @@ use super::slots::{
     AreaShared, Counters, Record, SlotWord, MAX_CACHED_ID, READER_ONE, RECORD_BYTES, REC_FULL,
     S_EMPTY, S_FULL,
 };
-use super::{SlotClasses, MAX_SLOTS, SLOT_ALIGN};
+use super::{SlotClasses, MAX_SLOTS};
 use crate::dataset::Catalog;
 use crate::error::{Error, IoContext, Result};
 use crate::format::sync_parent;
@@ -345,15 +345,16 @@ impl CacheArea {
         let slots = classes.slots();
         if slots == 0 {
             return Err(Error::InvalidConfig(format!(
-                "{} {} holds no slot: the smallest sample needs {} bytes",
+                "{} {} holds no slot: the budget is shared among the slot size classes in \
+                 proportion to their samples' bytes, and the smallest that gives one a slot \
+                 over this catalog is {} bytes",
                 spec.budget_setting,
                 spec.cache_bytes,
-                (0..cat.len())
-                    .map(|id| cat.sample(id).len as u64)
-                    .min()
-                    .unwrap_or(0)
-                    .max(1)
-                    .next_multiple_of(SLOT_ALIGN)
+                SlotClasses::smallest_budget_bytes(
+                    &(0..cat.len())
+                        .map(|id| cat.sample(id).len as u64)
+                        .collect::<Vec<_>>()
+                )
             )));
         }
         if slots >= MAX_SLOTS {

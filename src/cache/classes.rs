@@ -55,23 +55,7 @@ impl SlotClasses {
         if lens.is_empty() {
             return Self::from_counts(&[(SLOT_ALIGN, 0)]);
         }
-        let mut sorted = lens.to_vec();
-        let k = ((sorted.len() as u64 * 99).div_ceil(100) as usize).clamp(1, sorted.len()) - 1;
-        let (_, p99, _) = sorted.select_nth_unstable(k);
-        let top = (*p99).max(1).next_multiple_of(SLOT_ALIGN);
-        let mut sizes = vec![SLOT_ALIGN];
-        while *sizes.last().expect("one") < top {
-            let s = *sizes.last().expect("one");
-            let next = (s + SLOT_ALIGN).max((s * 5 / 4).next_multiple_of(SLOT_ALIGN));
-            sizes.push(next.min(top));
-        }
-        // Per class: its samples and the bytes their slots would take.
-        let mut count = vec![0u64; sizes.len()];
-        for &len in lens {
-            if let Some(c) = class_index(&sizes, len) {
-                count[c] += 1;
-            }
-        }
+        let (sizes, count) = Self::demand(lens);
         let demand: Vec<u64> = sizes.iter().zip(&count).map(|(s, n)| s * n).collect();
         let total: u128 = demand.iter().map(|&d| d as u128).sum();
         let counts: Vec<(u64, u64)> = sizes
@@ -86,6 +70,50 @@ impl SlotClasses {
             })
             .collect();
         Self::from_counts(&counts)
+    }
+
+    /// The smallest budget for which [`SlotClasses::for_lengths`] makes a
+    /// slot: a class's share of the budget is in proportion to its
+    /// samples' slot bytes, so its first slot comes at the total of those
+    /// bytes over its count of samples (0 for no samples).
+    pub fn smallest_budget_bytes(lens: &[u64]) -> u64 {
+        if lens.is_empty() {
+            return 0;
+        }
+        let (sizes, count) = Self::demand(lens);
+        let total: u128 = sizes
+            .iter()
+            .zip(&count)
+            .map(|(&s, &n)| s as u128 * n as u128)
+            .sum();
+        match count.iter().max() {
+            Some(&most) if most > 0 => total.div_ceil(most as u128) as u64,
+            _ => 0,
+        }
+    }
+
+    /// The slot sizes for `lens` (4 KiB up to the 99th percentile, each
+    /// about 5/4 of the one before) and how many of `lens` each class
+    /// takes (larger ones none). `lens` is not empty.
+    fn demand(lens: &[u64]) -> (Vec<u64>, Vec<u64>) {
+        let mut sorted = lens.to_vec();
+        let k = ((sorted.len() as u64 * 99).div_ceil(100) as usize).clamp(1, sorted.len()) - 1;
+        let (_, p99, _) = sorted.select_nth_unstable(k);
+        let top = (*p99).max(1).next_multiple_of(SLOT_ALIGN);
+        let mut sizes = vec![SLOT_ALIGN];
+        while *sizes.last().expect("one") < top {
+            let s = *sizes.last().expect("one");
+            let next = (s + SLOT_ALIGN).max((s * 5 / 4).next_multiple_of(SLOT_ALIGN));
+            sizes.push(next.min(top));
+        }
+        // Per class: its samples.
+        let mut count = vec![0u64; sizes.len()];
+        for &len in lens {
+            if let Some(c) = class_index(&sizes, len) {
+                count[c] += 1;
+            }
+        }
+        (sizes, count)
     }
 
     /// One class of `slots` slots of `slot_bytes` (tests, models).
@@ -236,5 +264,25 @@ mod tests {
             assert!(cl.class_for(len).is_some());
         }
         assert_eq!(cl.slots(), 4, "{cl:?}");
+    }
+
+    #[test]
+    fn the_smallest_budget_is_where_the_first_slot_comes() {
+        for lens in [
+            vec![5000u64, 9000, 9000, 20_000],
+            vec![30_000; 7],
+            (1..=300u64).map(|i| i * 977 % 150_000 + 1).collect(),
+            vec![1],
+        ] {
+            let b = SlotClasses::smallest_budget_bytes(&lens);
+            assert!(b > 0);
+            assert_eq!(
+                SlotClasses::for_lengths(&lens, b - 1).slots(),
+                0,
+                "{lens:?}"
+            );
+            assert!(SlotClasses::for_lengths(&lens, b).slots() > 0, "{lens:?}");
+        }
+        assert_eq!(SlotClasses::smallest_budget_bytes(&[]), 0);
     }
 }

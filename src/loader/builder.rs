@@ -818,10 +818,14 @@ impl LoaderBuilder {
         match input {
             Input::Mix(_) => return refuse("a mixture of datasets has no cache area yet"),
             Input::Space { space, .. } if !space.params().is_partial() && !in_memory => {
-                return refuse(
+                return refuse(if self.cache_memory_bytes > 0 {
+                    "this space holds every sample, so nothing comes from the source for an \
+                     area on disk to keep; for a memory level alone, set cache_dir=\":memory:\" \
+                     and give cache_bytes the memory budget (no cache_memory_bytes)"
+                } else {
                     "this space holds every sample, so nothing comes from the source to keep \
-                     (an area in memory, \":memory:\", keeps the space's samples too)",
-                )
+                     (an area in memory, \":memory:\", keeps the space's samples too)"
+                })
             }
             _ => {}
         }
@@ -926,8 +930,9 @@ impl LoaderBuilder {
         })?;
         if self.cache_memory_bytes >= self.cache_bytes {
             log::warn!(
-                "cache_memory_bytes ({}) is not below cache_bytes ({}): the area on disk \
-                 keeps nothing the memory level above it would not",
+                "cache_memory_bytes ({}) is not below cache_bytes ({}): within a run the area \
+                 on disk gives no hit the memory level above it would not (it keeps what it \
+                 planned for the next run, whose memory level starts empty)",
                 self.cache_memory_bytes,
                 self.cache_bytes
             );

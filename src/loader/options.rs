@@ -227,7 +227,7 @@ pub static OPTIONS: &[OptionSpec] = &[
     opt!("cache_policy", OptionKind::Choice(&["next-use", "min", "lru"]), "", "next-use", "cache-policy",
         "what the cache area keeps: `next-use` what this rank reads soonest (Belady's MIN over the known order, replacing a kept sample only when the write gains a hit), `min` MIN itself (the fewest source reads, more writes), `lru` what it read last (the page cache's policy, for comparison)"),
     opt!("cache_memory_bytes", OptionKind::Bytes { min: 0, max: u64::MAX }, "bytes", "0: none", "cache-memory-bytes",
-        "a memory level above the cache area on disk (docs/CACHE.md, \"Two levels\"): an area of this many bytes in the loader's memory, read before the one in `cache_dir` (a folder), keeping by the same `cache_policy` what comes from the area, the space or the source when it is needed again soonest; nothing on disk, gone with the loader"),
+        "a memory level above the cache area on disk (docs/CACHE.md, \"Two levels\"): an area of this many bytes in the loader's memory, read before the one in `cache_dir` (a folder), with its own plan by the same `cache_policy` (next use: what the rank reads again soonest) over what comes from the area, the space or the source; nothing on disk, gone with the loader"),
     opt!("tier_views", OptionKind::Bool, "", "false", "tier-views",
         "a sample served from the memory tier (attached: the agent's node tier, mapped read-only) is handed out in place (no copy into the ring); a batch holding one is not one ring span"),
     opt!("pollers", int(1, MAX_POLLERS), "threads", "a quarter of this rank's core slice, 1 to 8 (twice that, at most the slice, when the space is read through the page cache)", "pollers",
