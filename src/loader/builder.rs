@@ -945,22 +945,11 @@ impl LoaderBuilder {
             area.classes().area_bytes(),
             self.cache_policy.name(),
         );
-        let planning = match &below.planning {
-            super::cache_run::Planning::Own {
-                policy,
-                next,
-                rank,
-                world,
-            } => super::cache_run::Planning::Own {
-                policy: *policy,
-                next: next.clone(),
-                rank: *rank,
-                world: *world,
-            },
-            super::cache_run::Planning::Node { .. } => {
-                return refuse("the node agent's ranks have no memory level above its area yet")
-            }
-        };
+        if matches!(below.planning, super::cache_run::Planning::Node { .. }) {
+            return refuse("the node agent's ranks have no memory level above its area yet");
+        }
+        // The same policy and order as the area's, a planner of its own.
+        let planning = below.planning.clone();
         Ok(Some(super::cache_run::CacheSetup {
             area: Arc::new(area),
             planning,

@@ -22,6 +22,7 @@ pub(crate) struct CacheSetup {
 }
 
 /// Who decides what the area keeps.
+#[derive(Clone)]
 pub(crate) enum Planning {
     /// This loader alone, along its rank's order (a planner per run).
     Own {

@@ -962,6 +962,11 @@ impl Poller {
     /// `write_slot`): one check, and of the bytes kept, not of a ring a
     /// rank can still write.
     fn admit(&self, g: &Group, checked: bool) {
+        if g.cache_admit == [None; 2] {
+            // Nothing to keep (every sample of a loader without a cache):
+            // no catalog lookup on the way to the consumer.
+            return;
+        }
         let p = g.placed;
         let want = self.shared.input.sample(p.id).crc32c;
         let off = p.phys(&self.shared.geo) as usize;
@@ -1036,9 +1041,9 @@ impl Poller {
         self.shared.stats[self.index as usize].latency_buckets
             [crate::agent::segment::latency_bucket(micros)]
         .fetch_add(1, Ordering::Relaxed);
-        // Read from the area below the memory level: kept above it too
-        // where that level's plan says so (checked: it was just read from
-        // a disk, whose reads are always checked).
+        // Kept in the other level too where its plan says so (a read from
+        // disk was checked just now; one from memory is checked by `admit`
+        // before a disk keeps it).
         self.admit(g, check);
         self.shared.mark_ready(p.g, CODE_OK, VIA_DISK);
         self.unwoken = true;
